@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine:
+#   make serve   set up .venv and start the server (LMDB in ./expbuf-data, 127.0.0.1:50051)
+#   make test    set up .venv and run the test suite
+# An active virtualenv (VIRTUAL_ENV) is used instead of .venv; a torch that is already
+# importable there (a GPU build, say) is left alone.
+
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+# The CPU build; on these machines pip takes it from a local wheel.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.expbuf-installed
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+serve: setup
+	$(VENV)/bin/expbuf serve $(ARGS)
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

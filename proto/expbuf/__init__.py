@@ -1,0 +1,1 @@
+"""The wire contract of expbuf, generated from proto/expbuf/v1/*.proto."""

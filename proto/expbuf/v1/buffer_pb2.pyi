@@ -1,0 +1,360 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GroupBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_BY_UNSPECIFIED: _ClassVar[GroupBy]
+    GROUP_BY_TASK: _ClassVar[GroupBy]
+    GROUP_BY_RUN: _ClassVar[GroupBy]
+    GROUP_BY_STEP: _ClassVar[GroupBy]
+    GROUP_BY_NONE: _ClassVar[GroupBy]
+
+class WhenFull(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WHEN_FULL_UNSPECIFIED: _ClassVar[WhenFull]
+    WHEN_FULL_BLOCK: _ClassVar[WhenFull]
+    WHEN_FULL_EVICT: _ClassVar[WhenFull]
+
+class OnGroupTimeout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_GROUP_TIMEOUT_UNSPECIFIED: _ClassVar[OnGroupTimeout]
+    ON_GROUP_TIMEOUT_RELEASE: _ClassVar[OnGroupTimeout]
+    ON_GROUP_TIMEOUT_DROP: _ClassVar[OnGroupTimeout]
+
+class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ORDER_UNSPECIFIED: _ClassVar[Order]
+    ORDER_FIFO: _ClassVar[Order]
+    ORDER_LIFO: _ClassVar[Order]
+    ORDER_UNIFORM: _ClassVar[Order]
+    ORDER_PRIORITY: _ClassVar[Order]
+
+class Delivery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELIVERY_UNSPECIFIED: _ClassVar[Delivery]
+    DELIVERY_CONSUME: _ClassVar[Delivery]
+    DELIVERY_LEASE: _ClassVar[Delivery]
+    DELIVERY_REPLAY: _ClassVar[Delivery]
+GROUP_BY_UNSPECIFIED: GroupBy
+GROUP_BY_TASK: GroupBy
+GROUP_BY_RUN: GroupBy
+GROUP_BY_STEP: GroupBy
+GROUP_BY_NONE: GroupBy
+WHEN_FULL_UNSPECIFIED: WhenFull
+WHEN_FULL_BLOCK: WhenFull
+WHEN_FULL_EVICT: WhenFull
+ON_GROUP_TIMEOUT_UNSPECIFIED: OnGroupTimeout
+ON_GROUP_TIMEOUT_RELEASE: OnGroupTimeout
+ON_GROUP_TIMEOUT_DROP: OnGroupTimeout
+ORDER_UNSPECIFIED: Order
+ORDER_FIFO: Order
+ORDER_LIFO: Order
+ORDER_UNIFORM: Order
+ORDER_PRIORITY: Order
+DELIVERY_UNSPECIFIED: Delivery
+DELIVERY_CONSUME: Delivery
+DELIVERY_LEASE: Delivery
+DELIVERY_REPLAY: Delivery
+
+class Estimator(_message.Message):
+    __slots__ = ("name", "params", "device")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.ScalarMap[str, float]
+    device: str
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TableConfig(_message.Message):
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ON_GROUP_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_EXPERIENCES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WHEN_FULL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    DROP_ZERO_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    group_by: GroupBy
+    group_size: int
+    group_timeout_seconds: float
+    on_group_timeout: OnGroupTimeout
+    estimator: Estimator
+    capacity_experiences: int
+    capacity_bytes: int
+    when_full: WhenFull
+    max_times_sampled: int
+    drop_zero_variance: bool
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("table", "payload", "seq")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    payload: bytes
+    seq: int
+    def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_UIDS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_UIDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored_uids: _containers.RepeatedScalarFieldContainer[str]
+    duplicate_uids: _containers.RepeatedScalarFieldContainer[str]
+    completed_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "allow_split_groups")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MIN_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_MIN_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SPLIT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    batch_size: int
+    num_groups: int
+    order: Order
+    delivery: Delivery
+    lease_seconds: float
+    wait_seconds: float
+    allow_partial: bool
+    max_batches: int
+    min_model_version: int
+    has_min_model_version: bool
+    allow_split_groups: bool
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., allow_split_groups: _Optional[bool] = ...) -> None: ...
+
+class SampleReply(_message.Message):
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_id: str
+    lease_expires_unix: float
+    partial: bool
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("table", "lease_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    lease_id: str
+    def __init__(self, table: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class AckReply(_message.Message):
+    __slots__ = ("acked",)
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked: int
+    def __init__(self, acked: _Optional[int] = ...) -> None: ...
+
+class NackRequest(_message.Message):
+    __slots__ = ("table", "lease_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    lease_id: str
+    def __init__(self, table: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class NackReply(_message.Message):
+    __slots__ = ("requeued",)
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    requeued: int
+    def __init__(self, requeued: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("table", "uids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetReply(_message.Message):
+    __slots__ = ("payload", "missing_uids")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    MISSING_UIDS_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    missing_uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, payload: _Optional[bytes] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("table", "uids", "group_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteReply(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class SealRequest(_message.Message):
+    __slots__ = ("table", "group_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    group_id: str
+    def __init__(self, table: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class SealReply(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_READY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pending: int
+    ready: int
+    leased: int
+    consumed: int
+    bytes: int
+    groups_pending: int
+    groups_ready: int
+    groups_leased: int
+    groups_failed: int
+    groups_dropped: int
+    oldest_age_seconds: float
+    min_model_version: int
+    max_model_version: int
+    evicted: int
+    pushed: int
+    duplicates: int
+    sampled: int
+    leases_expired: int
+    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfoReply(_message.Message):
+    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRXP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LMDB_MAP_USED_RATIO_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    trxp_version: str
+    advantage_device: str
+    max_message_bytes: int
+    uptime_seconds: float
+    storage_bytes: int
+    lmdb_map_used_ratio: float
+    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("config", "exist_ok")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    exist_ok: bool
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class CreateTableReply(_message.Message):
+    __slots__ = ("config", "created")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    config: TableConfig
+    created: bool
+    def __init__(self, config: _Optional[_Union[TableConfig, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesReply(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableConfig]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableConfig, _Mapping]]] = ...) -> None: ...
+
+class DropTableRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DropTableReply(_message.Message):
+    __slots__ = ("dropped_experiences",)
+    DROPPED_EXPERIENCES_FIELD_NUMBER: _ClassVar[int]
+    dropped_experiences: int
+    def __init__(self, dropped_experiences: _Optional[int] = ...) -> None: ...
