@@ -1,0 +1,137 @@
+"""expbuf's own Experience and EID, field-compatible with Trinity-RFT's.
+
+Users without Trinity build these; users with Trinity pass their own objects,
+which the codec reads by attribute name (duck typing).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Tensors whose length is the response length (tokens after the prompt).
+RESPONSE_TENSOR_FIELDS = (
+    "logprobs",
+    "advantages",
+    "returns",
+    "action_mask",
+    "token_level_reward",
+    "teacher_logprobs",
+)
+# Tensors of token ids.
+TOKEN_TENSOR_FIELDS = ("tokens", "chosen", "rejected")
+TENSOR_FIELDS = (
+    "tokens",
+    "logprobs",
+    "token_level_reward",
+    "advantages",
+    "returns",
+    "action_mask",
+    "chosen",
+    "rejected",
+    "teacher_logprobs",
+    "routed_experts",
+)
+# Plain-data fields of an item, in the order Trinity-RFT writes them.
+META_FIELDS = (
+    "reward",
+    "truncate_status",
+    "info",
+    "metrics",
+    "prompt_length",
+    "response_text",
+    "prompt_text",
+    "messages",
+    "tools",
+    "chosen_messages",
+    "rejected_messages",
+)
+
+
+@dataclass
+class EID:
+    """Identity of an experience: uid = batch/task/run/step/suffix.
+
+    `batch` and `task` may themselves contain '/', so the parts are kept
+    separately and never recovered by splitting a uid.
+    """
+
+    batch: int | str = 0
+    task: int | str = 0
+    run: int = 0
+    step: int = 0
+    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+
+    @property
+    def uid(self) -> str:
+        return f"{self.batch}/{self.task}/{self.run}/{self.step}/{self.suffix}"
+
+    @property
+    def tid(self) -> str:
+        """Task id: all runs of one task (a GRPO group)."""
+        return f"{self.batch}/{self.task}"
+
+    @property
+    def rid(self) -> str:
+        """Run id: all steps of one run of a task."""
+        return f"{self.batch}/{self.task}/{self.run}"
+
+    @property
+    def sid(self) -> str:
+        """Step id: all runs of a task at one step."""
+        return f"{self.batch}/{self.task}/{self.step}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "task": self.task,
+            "run": self.run,
+            "step": self.step,
+            "suffix": self.suffix,
+        }
+
+    def __str__(self) -> str:
+        return self.uid
+
+
+@dataclass
+class Experience:
+    """One rollout experience, with the fields of Trinity-RFT's Experience."""
+
+    tokens: torch.Tensor
+    eid: EID = field(default_factory=EID)
+    prompt_length: int = 1
+    reward: float | None = None
+    logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    action_mask: torch.Tensor | None = None
+    token_level_reward: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+    chosen: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    truncate_status: str | None = None
+    response_text: str | None = None
+    prompt_text: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    chosen_messages: list[dict] | None = None
+    rejected_messages: list[dict] | None = None
+    custom_fields: list[dict[str, str]] = field(default_factory=list)
+    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_length
+
+    @property
+    def model_version(self) -> int | None:
+        """Policy version that produced this experience (info["model_version"])."""
+        return self.info.get("model_version")

@@ -1,0 +1,291 @@
+"""The TRXP codec against Trinity-RFT's own payloads, hostile payloads and fuzzing."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pickle
+import struct
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from expbuf.client import EID, Experience, TrxpError, decode, encode, trxp
+from expbuf.client.experience import TENSOR_FIELDS
+
+from conftest import BAD_DIR, BAD_README, MANIFEST, TRXP_DIR, payload
+
+TRIPWIRE_CALLS: list[object] = []
+
+
+def tripwire(*args: object) -> None:
+    """A global that a hostile pickle names; calling it would prove code ran."""
+    TRIPWIRE_CALLS.append(args)
+
+
+def _raw_sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(trxp._from_tensor(tensor).data).hexdigest()
+
+
+def _check_against_manifest(exp: Experience, want: dict) -> None:
+    assert exp.eid.uid == want["uid"]
+    assert (exp.eid.tid, exp.eid.rid, exp.eid.sid) == (want["tid"], want["rid"], want["sid"])
+    assert exp.eid.to_dict() == want["eid"]
+    for name in (
+        "reward",
+        "prompt_length",
+        "info",
+        "metrics",
+        "truncate_status",
+        "prompt_text",
+        "response_text",
+        "messages",
+        "tools",
+        "chosen_messages",
+        "rejected_messages",
+        "custom_fields",
+    ):
+        assert getattr(exp, name) == want[name], name
+    present = {name: getattr(exp, name) for name in TENSOR_FIELDS if getattr(exp, name) is not None}
+    assert set(present) == set(want["tensors"])
+    for name, spec in want["tensors"].items():
+        tensor = present[name]
+        assert str(tensor.dtype) == f"torch.{spec['dtype']}", name
+        assert list(tensor.shape) == spec["shape"], name
+        assert _raw_sha(tensor) == spec["sha256"], name
+    assert set(exp.multi_modal_inputs) == set(want["multi_modal_inputs"])
+    for key, spec in want["multi_modal_inputs"].items():
+        tensor = exp.multi_modal_inputs[key]
+        assert str(tensor.dtype) == f"torch.{spec['dtype']}"
+        assert list(tensor.shape) == spec["shape"]
+        assert _raw_sha(tensor) == spec["sha256"]
+
+
+def test_fixture_decodes_to_manifest(fixture_name: str) -> None:
+    data = payload(fixture_name)
+    want = MANIFEST["payloads"][fixture_name]
+    assert hashlib.sha256(data).hexdigest() == want["sha256"]
+    exps = decode(data)
+    assert len(exps) == want["num_items"]
+    for exp, item in zip(exps, want["items"], strict=True):
+        _check_against_manifest(exp, item)
+
+
+def test_encode_roundtrip_is_byte_identical(fixture_name: str) -> None:
+    data = payload(fixture_name)
+    again = encode(decode(data))
+    assert again == data
+    for exp, item in zip(decode(again), MANIFEST["payloads"][fixture_name]["items"], strict=True):
+        _check_against_manifest(exp, item)
+
+
+def test_plain_readers_read_what_expbuf_builds() -> None:
+    """What Trinity's deserialize_many does: pickle.loads + safetensors.torch.load."""
+    exps = decode(payload("rich_fields.trxp")) + decode(payload("grpo_group.trxp"))
+    data = encode(exps)
+    _, _, meta_len, _tensor_len = struct.unpack_from("<4sBQQ", data)
+    meta = pickle.loads(data[21 : 21 + meta_len])
+    tensors = safetensors.torch.load(data[21 + meta_len :])
+    assert meta["num_items"] == 9
+    assert [item["eid"] for item in meta["items"]] == [e.eid.to_dict() for e in exps]
+    assert torch.equal(tensors["0:routed_experts"], exps[0].routed_experts)
+    assert torch.equal(tensors["0:multi_modal_inputs:pixel_values"], exps[0].multi_modal_inputs["pixel_values"])
+    assert torch.equal(tensors["8:logprobs"], exps[8].logprobs)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.int64, torch.bool, torch.uint8, torch.bfloat16, torch.int32]),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+@settings(max_examples=50, deadline=None)
+def test_tensor_section_matches_safetensors(specs: list[tuple[torch.dtype, list[int]]]) -> None:
+    """The tensor section expbuf writes is byte-for-byte what safetensors writes."""
+    tensors = {f"0:t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape) in enumerate(specs)}
+    item = trxp.RawItem(
+        meta={},
+        tensors={name.split(":", 1)[1]: trxp._from_tensor(t) for name, t in tensors.items()},
+    )
+    data = trxp.build([item])
+    _, _, meta_len, _ = struct.unpack_from("<4sBQQ", data)
+    assert data[21 + meta_len :] == safetensors.torch.save(tensors)
+
+
+def test_encodes_trinity_style_objects() -> None:
+    """A Trinity Experience is read by attribute name; CustomField dtypes become strings."""
+    custom = SimpleNamespace(source_field="score", destination_field="score", data_type=torch.float32)
+    trinity_like = SimpleNamespace(
+        eid=SimpleNamespace(batch="3/eval", task=1, run=2, step=0, suffix="abc"),
+        tokens=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+        prompt_length=2,
+        logprobs=torch.tensor([-0.1, -0.2, -0.3]),
+        action_mask=torch.tensor([True, False, True]),
+        reward=1,
+        info={"model_version": 4, "score": 0.5},
+        metrics={},
+        custom_fields=[custom],
+        multi_modal_inputs={"image_grid_thw": torch.tensor([[1, 2, 2]])},
+    )
+    (exp,) = decode(encode([trinity_like]))
+    assert exp.eid.uid == "3/eval/1/2/0/abc"
+    assert exp.eid.tid == "3/eval/1"
+    assert exp.reward == 1.0
+    assert exp.model_version == 4
+    assert exp.custom_fields == [{"source_field": "score", "destination_field": "score", "data_type": "torch.float32"}]
+    assert torch.equal(exp.action_mask, trinity_like.action_mask)
+    assert torch.equal(exp.multi_modal_inputs["image_grid_thw"], torch.tensor([[1, 2, 2]]))
+
+
+def test_encode_validates_like_decode() -> None:
+    bad = Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, logprobs=torch.zeros(5))
+    with pytest.raises(TrxpError, match=r"field 'logprobs' has length 5, but the response has 2"):
+        encode([bad])
+    with pytest.raises(TrxpError, match=r"field 'tokens' must hold integer"):
+        encode([Experience(tokens=torch.zeros(3), prompt_length=1)])
+
+
+@pytest.mark.parametrize("name", sorted(BAD_README))
+def test_bad_fixture_is_refused(name: str) -> None:
+    data = (BAD_DIR / name).read_bytes()
+    with pytest.raises(TrxpError) as info:
+        trxp.parse(data)
+    assert str(info.value)
+
+
+def test_pickle_global_is_never_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[object] = []
+    monkeypatch.setattr("builtins.eval", lambda *a: called.append(a))
+    with pytest.raises(TrxpError, match="not plain data"):
+        decode((BAD_DIR / "pickle_global.bin").read_bytes())
+    assert called == []
+
+
+def _with_metadata(meta: bytes) -> bytes:
+    tensors = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
+    return struct.pack("<4sBQQ", b"TRXP", 1, len(meta), len(tensors)) + meta + tensors
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+def test_hostile_reduce_is_refused_at_any_protocol(protocol: int) -> None:
+    class Hostile:
+        def __reduce__(self) -> tuple:
+            return (tripwire, ("ran",))
+
+    meta = pickle.dumps({"version": 1, "num_items": 1, "items": [Hostile()]}, protocol=protocol)
+    with pytest.raises(TrxpError, match="not plain data"):
+        decode(_with_metadata(meta))
+    assert TRIPWIRE_CALLS == []
+
+
+def test_memo_bomb_is_refused_without_allocating() -> None:
+    bomb = b"\x80\x05N" + b"r" + struct.pack("<I", 2**30) + b"."
+    tracemalloc.start()
+    try:
+        with pytest.raises(TrxpError, match="memo index"):
+            trxp.parse(_with_metadata(bomb))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_cyclic_and_deep_metadata_is_refused() -> None:
+    cyclic: list = []
+    cyclic.append(cyclic)
+    item = {"eid": {"batch": 0, "task": 0, "run": 0, "step": 0, "suffix": "x"}, "info": {"loop": cyclic}}
+    meta = pickle.dumps({"version": 1, "num_items": 1, "items": [item]}, protocol=5)
+    with pytest.raises(TrxpError, match="nested deeper"):
+        trxp.parse(_with_metadata(meta))
+
+
+def test_errors_name_item_and_field() -> None:
+    exps = decode(payload("grpo_group.trxp"))
+    exps[3].info["model_version"] = "v5"
+    items = [trxp.RawItem(m.meta, m.tensors) for m in map(trxp.from_experience, exps[:3])]
+    items.append(trxp.RawItem({**trxp.from_experience(exps[4]).meta, "prompt_length": -1}, {}))
+    with pytest.raises(TrxpError, match=r"item 3 \(uid 7/3/4/0/r4s0t3\): field 'prompt_length'"):
+        trxp.parse(trxp.build(items))
+    with pytest.raises(TrxpError, match=r"field 'info.model_version' must be an int"):
+        encode(exps)
+
+
+def test_uid_keeps_slashes_of_batch() -> None:
+    eid = EID(batch="3/eval_math", task="q-17", run=1, step=0, suffix="rich01")
+    assert (eid.uid, eid.tid, eid.rid, eid.sid) == (
+        "3/eval_math/q-17/1/0/rich01",
+        "3/eval_math/q-17",
+        "3/eval_math/q-17/1",
+        "3/eval_math/q-17/0",
+    )
+
+
+# ---- fuzzing --------------------------------------------------------------------
+
+SEEDS = [(TRXP_DIR / name).read_bytes() for name in sorted(MANIFEST["payloads"])]
+
+
+def _decode_bounded(data: bytes) -> None:
+    """Decode; only TrxpError may escape, and memory stays proportional to the input."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(TrxpError):
+            decode(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * len(data) + (1 << 20), f"peak {peak} bytes for a {len(data)}-byte input"
+
+
+@given(
+    seed=st.sampled_from(SEEDS),
+    edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255), st.sampled_from("rid")), max_size=8),
+)
+@settings(max_examples=400, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+def test_fuzz_mutations_raise_only_trxp_error(seed: bytes, edits: list[tuple[int, int, str]]) -> None:
+    data = bytearray(seed)
+    for position, value, kind in edits:
+        pos = position % (len(data) + 1)
+        if kind == "r" and pos < len(data):
+            data[pos] = value
+        elif kind == "i":
+            data.insert(pos, value)
+        elif kind == "d" and pos < len(data):
+            del data[pos]
+    _decode_bounded(bytes(data))
+
+
+@given(seed=st.sampled_from(SEEDS), cut=st.integers(0, 1 << 16))
+@settings(max_examples=200, deadline=2000)
+def test_fuzz_truncations_raise_only_trxp_error(seed: bytes, cut: int) -> None:
+    data = seed[: cut % len(seed)]  # strictly shorter than the whole payload
+    with pytest.raises(TrxpError):
+        decode(data)
+
+
+@given(
+    seed=st.sampled_from(SEEDS),
+    field=st.sampled_from([(5, "<Q"), (13, "<Q")]),
+    value=st.integers(0, 2**64 - 1),
+)
+@settings(max_examples=200, deadline=2000)
+def test_fuzz_length_fields_raise_only_trxp_error(seed: bytes, field: tuple[int, str], value: int) -> None:
+    offset, fmt = field
+    data = bytearray(seed)
+    struct.pack_into(fmt, data, offset, value)
+    _decode_bounded(bytes(data))
+
+
+@given(st.binary(max_size=4096))
+@settings(max_examples=200, deadline=2000)
+def test_fuzz_random_metadata_raises_only_trxp_error(meta: bytes) -> None:
+    _decode_bounded(_with_metadata(b"\x80\x05" + meta))
