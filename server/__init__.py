@@ -1,0 +1,1 @@
+"""expbuf server side: durable storage of experiences and, later, the gRPC service."""

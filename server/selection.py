@@ -1,0 +1,122 @@
+"""Ready-group indexes and the selection orders over them (fifo, lifo, uniform, priority).
+
+A group that is ready to be sampled sits in three LMDB indexes, all keyed under its
+table's 4-byte prefix:
+- `ready`:  rseq (u64 BE)                  -> group key   (fifo from the front, lifo from the back)
+- `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
+- `slots`:  slot (u64 BE)                  -> group key   (a dense array: uniform picks a random slot)
+  with `slotof`: group key -> slot, and the count of slots under the bare prefix.
+Every operation costs a few B-tree lookups, so selection does not slow down as the
+table grows: no request scans the table.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import lmdb
+
+ORDERS = ("fifo", "lifo", "uniform", "priority")
+_U64 = struct.Struct(">Q")
+
+
+def u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def _prio_key(priority: float) -> bytes:
+    """Big-endian bytes that sort by priority descending."""
+    (bits,) = struct.unpack(">Q", struct.pack(">d", float(priority)))
+    bits = bits ^ 0xFFFFFFFFFFFFFFFF if bits >> 63 else bits | 1 << 63  # ascending order of floats
+    return u64(bits ^ 0xFFFFFFFFFFFFFFFF)  # flip for descending
+
+
+@dataclass(frozen=True)
+class ReadyDbs:
+    ready: lmdb._Database
+    prio: lmdb._Database
+    slots: lmdb._Database
+    slotof: lmdb._Database
+
+
+class ReadyIndex:
+    """Adds, removes and selects ready groups of one table inside a transaction."""
+
+    def __init__(self, dbs: ReadyDbs, txn: lmdb.Transaction, prefix: bytes) -> None:
+        self.dbs, self.txn, self.prefix = dbs, txn, prefix
+
+    def add(self, gkey: bytes, rseq: int, priority: float) -> None:
+        p, txn = self.prefix, self.txn
+        txn.put(p + u64(rseq), gkey, db=self.dbs.ready)
+        txn.put(p + _prio_key(priority) + u64(rseq), gkey, db=self.dbs.prio)
+        count = self.count()
+        txn.put(p + u64(count), gkey, db=self.dbs.slots)
+        txn.put(p + gkey, u64(count), db=self.dbs.slotof)
+        txn.put(p, u64(count + 1), db=self.dbs.slots)
+
+    def remove(self, gkey: bytes, rseq: int, priority: float) -> None:
+        p, txn = self.prefix, self.txn
+        txn.delete(p + u64(rseq), db=self.dbs.ready)
+        txn.delete(p + _prio_key(priority) + u64(rseq), db=self.dbs.prio)
+        slot_raw = txn.pop(p + gkey, db=self.dbs.slotof)
+        if slot_raw is None:
+            return
+        slot, last = _U64.unpack(slot_raw)[0], self.count() - 1
+        if slot != last:  # move the last group into the freed slot to keep the array dense
+            moved = txn.get(p + u64(last), db=self.dbs.slots)
+            txn.put(p + u64(slot), moved, db=self.dbs.slots)
+            txn.put(p + moved, u64(slot), db=self.dbs.slotof)
+        txn.delete(p + u64(last), db=self.dbs.slots)
+        txn.put(p, u64(last), db=self.dbs.slots)
+
+    def count(self) -> int:
+        raw = self.txn.get(self.prefix, db=self.dbs.slots)
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def candidates(self, order: str, rng: random.Random) -> Iterator[bytes]:
+        """Ready group keys in the given order, each at most once; lazily, so a caller
+        that needs k groups reads about k entries."""
+        if order == "fifo":
+            yield from self._scan(self.dbs.ready, reverse=False)
+        elif order == "lifo":
+            yield from self._scan(self.dbs.ready, reverse=True)
+        elif order == "priority":
+            yield from self._scan(self.dbs.prio, reverse=False)
+        elif order == "uniform":
+            yield from self._uniform(rng)
+        else:
+            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
+
+    def _scan(self, db: lmdb._Database, *, reverse: bool) -> Iterator[bytes]:
+        p = self.prefix
+        with self.txn.cursor(db=db) as cur:
+            if reverse:
+                end = _next_prefix(p)
+                found = cur.prev() if end is not None and cur.set_range(end) else cur.last()
+                step = cur.prev
+            else:
+                found = cur.set_range(p)
+                step = cur.next
+            while found and cur.key().startswith(p):
+                yield cur.value()
+                found = step()
+
+    def _uniform(self, rng: random.Random) -> Iterator[bytes]:
+        count, seen = self.count(), set()
+        while len(seen) < count:
+            slot = rng.randrange(count)
+            if slot in seen:
+                continue
+            seen.add(slot)
+            yield self.txn.get(self.prefix + u64(slot), db=self.dbs.slots)
+
+
+def _next_prefix(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key that starts with prefix."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])

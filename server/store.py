@@ -1,0 +1,1013 @@
+"""Durable storage of experiences in LMDB: tables, groups, states, leases.
+
+Layout (named LMDB databases; per-table keys start with the table's 4-byte id T):
+- tables:   name -> {"id", "config", "created"}          meta: next table id
+- items:    T + uid -> item record (state, group, seq, digest, bytes, times sampled, version, reward)
+- blobs:    T + uid -> the experience as a one-item TRXP payload (live experiences only)
+- groups:   T + group key -> group record (state, members, created, ready seq, priority, lease)
+- tasks, runs, steps: T + id + NUL + uid -> b"" (experiences by task, run and step group)
+- order:    T + seq -> uid (live experiences in insertion order: eviction, oldest age)
+- pending:  T + created + group key -> b"" (incomplete groups, for group timeouts)
+- counters: T -> counts by state, bytes and totals, updated in the same transaction
+- ready, prio, slots, slotof: ready groups (see selection.py)
+- leases:   lease id -> {"t", "g", "e"};  lease_exp: expiry + lease id -> b""
+
+Every change goes through one writer thread that applies the requests waiting in
+its queue inside one write transaction (each in a nested transaction, so one
+refused request leaves the others intact) and commits once with fsync: concurrent
+pushers share the cost of the fsync. A request returns only after that commit.
+Nothing lives only in memory, so a restart restores every table, group, lease and
+counter; a crash leaves the last committed state (LMDB is copy-on-write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import random
+import secrets
+import struct
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from expbuf.client import trxp
+
+from .selection import ORDERS, ReadyDbs, ReadyIndex, u64
+from .tables import TableConfig, default_table
+
+# Experience states. Live: pending (its group is incomplete), ready, leased.
+PENDING, READY, LEASED, CONSUMED, EVICTED, DROPPED = "pending", "ready", "leased", "consumed", "evicted", "dropped"
+LIVE = (PENDING, READY, LEASED)
+STATES = (PENDING, READY, LEASED, CONSUMED, EVICTED, DROPPED)
+DELIVERIES = ("consume", "lease", "replay")
+GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+_DBS = (
+    "meta", "tables", "items", "blobs", "groups", "tasks", "runs", "steps", "order", "pending",
+    "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
+)  # fmt: skip
+_PER_TABLE = tuple(db for db in _DBS if db not in ("meta", "tables", "leases", "lease_exp"))
+_U32 = struct.Struct(">I")
+_COUNTERS = (
+    *STATES,
+    "bytes",
+    "groups_pending",
+    "groups_ready",
+    "groups_leased",
+    "groups_dropped",
+    "groups_failed",
+    "pushed",
+    "duplicates",
+    "sampled",
+    "leases_expired",
+    "next_seq",
+    "next_rseq",
+)
+
+
+class StoreError(Exception):
+    """A refused request; `code` names the gRPC status it maps to."""
+
+    code = "internal"
+
+
+class InvalidRequest(StoreError):
+    code = "invalid_argument"
+
+
+class NotFound(StoreError):
+    code = "not_found"
+
+
+class Conflict(StoreError):
+    code = "already_exists"
+
+
+class GroupClosed(StoreError):
+    code = "failed_precondition"
+
+
+class TableFull(StoreError):
+    code = "resource_exhausted"
+
+
+class StorageFull(StoreError):
+    code = "resource_exhausted"
+
+
+class StoreClosed(StoreError):
+    code = "unavailable"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One validated experience ready to store: its identity and one-item payload."""
+
+    uid: str
+    tid: str
+    rid: str
+    sid: str
+    blob: bytes
+    digest: str
+    version: int | None
+    reward: float | None
+    priority: float
+
+    @classmethod
+    def of(cls, item: trxp.RawItem) -> Entry:
+        eid = item.eid
+        blob = trxp.build([item])
+        priority = item.meta["info"].get("priority", 0.0)
+        return cls(
+            uid=eid.uid,
+            tid=eid.tid,
+            rid=eid.rid,
+            sid=eid.sid,
+            blob=blob,
+            digest=hashlib.blake2b(blob, digest_size=16).hexdigest(),
+            version=item.model_version,
+            reward=item.meta.get("reward"),
+            priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
+        )
+
+
+@dataclass
+class PutResult:
+    stored: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    completed_groups: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Sampled:
+    """A selected batch: uids in group order, their group ids and stored payloads."""
+
+    uids: list[str]
+    group_ids: list[str]
+    blobs: list[bytes]
+    lease_id: str = ""
+    lease_expires: float = 0.0
+    partial: bool = False
+
+    @property
+    def payload(self) -> bytes:
+        return trxp.join(self.blobs)
+
+
+@dataclass(frozen=True)
+class _Op:
+    fn: Callable[[lmdb.Transaction], Any]
+    future: Future
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _loads(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)
+
+
+class Store:
+    """The LMDB storage engine behind the expbuf server."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = 1 << 30,
+        max_map_size: int = 1 << 40,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+        batch_limit: int = 512,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.path / "expbuf.lock", "a+")  # noqa: SIM115 - held for the store's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StoreError(f"another expbuf process is using {self.path}") from None
+        self.max_map_size = max_map_size
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._batch_limit = batch_limit
+        self._env = lmdb.open(
+            str(self.path), map_size=map_size, max_dbs=len(_DBS), sync=True, metasync=True, readahead=False
+        )
+        self._db = {name: self._env.open_db(name.encode()) for name in _DBS}
+        self._ready_dbs = ReadyDbs(self._db["ready"], self._db["prio"], self._db["slots"], self._db["slotof"])
+        self._readers = 0
+        self._resizing = False
+        self._gate = threading.Condition()
+        self._changed = threading.Condition()
+        self._generation = 0
+        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._closed = False
+        self._tables: dict[str, tuple[int, TableConfig]] = {}
+        with self._env.begin(db=self._db["tables"]) as txn:
+            for name, raw in txn.cursor():
+                rec = _loads(raw)
+                self._tables[name.decode()] = (rec["id"], TableConfig.from_dict(rec["config"]))
+        self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
+        self._writer.start()
+        if "default" not in self._tables:
+            self.create_table(default_table(), exist_ok=True)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish and commit every queued request, then close the environment."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self._env.close()
+        self._lock_file.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the writer thread -----------------------------------------------------------
+
+    def _submit(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        future: Future = Future()
+        self._queue.put(_Op(fn, future))
+        return future.result()
+
+    def _write_loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            ops = [op]
+            stop = False
+            while len(ops) < self._batch_limit:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                ops.append(more)
+            self._apply(ops)
+            if stop:
+                return
+
+    def _apply(self, ops: list[_Op]) -> None:
+        """Run ops in one transaction, each nested so a refusal undoes only itself."""
+        while True:
+            results: list[tuple[bool, Any]] = []
+            try:
+                with self._env.begin(write=True) as parent:
+                    for op in ops:
+                        child = self._env.begin(write=True, parent=parent)
+                        try:
+                            value = op.fn(child)
+                        except lmdb.MapFullError:
+                            child.abort()
+                            raise
+                        except Exception as exc:
+                            child.abort()
+                            results.append((False, exc))
+                        else:
+                            child.commit()
+                            results.append((True, value))
+                break
+            except lmdb.MapFullError:
+                if not self._grow():
+                    results = [(False, StorageFull("the LMDB map reached max_map_size"))] * len(ops)
+                    break
+            except lmdb.Error as exc:  # a full disk or an I/O error: nothing was committed
+                results = [(False, StorageFull(f"storage write failed: {exc}"))] * len(ops)
+                break
+        for op, (ok, value) in zip(ops, results, strict=True):
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def _grow(self) -> bool:
+        """Double the map once no reader holds a transaction; False at max_map_size."""
+        size = self._env.info()["map_size"]
+        if size >= self.max_map_size:
+            return False
+        with self._gate:
+            self._resizing = True
+            self._gate.wait_for(lambda: self._readers == 0)
+            try:
+                self._env.set_mapsize(min(size * 2, self.max_map_size))
+            finally:
+                self._resizing = False
+                self._gate.notify_all()
+        return True
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        with self._gate:
+            self._gate.wait_for(lambda: not self._resizing)
+            self._readers += 1
+        try:
+            with self._env.begin() as txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._readers -= 1
+                self._gate.notify_all()
+
+    def _wait_for_change(self, generation: int, deadline: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._generation != generation, max(0.0, deadline - time.monotonic()))
+
+    # ---- tables ----------------------------------------------------------------------
+
+    def create_table(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
+        """Create a table; True if created. An identical existing table is fine with exist_ok."""
+
+        def op(txn: lmdb.Transaction) -> tuple[bool, int]:
+            raw = txn.get(config.name.encode(), db=self._db["tables"])
+            if raw is not None:
+                existing = TableConfig.from_dict(_loads(raw)["config"])
+                if exist_ok and existing == config:
+                    return False, _loads(raw)["id"]
+                raise Conflict(f"table '{config.name}' already exists")
+            table_id = int(txn.get(b"next_table_id", b"1", db=self._db["meta"]))
+            txn.put(b"next_table_id", str(table_id + 1).encode(), db=self._db["meta"])
+            record = {"id": table_id, "config": config.to_dict(), "created": self.clock()}
+            txn.put(config.name.encode(), _dumps(record), db=self._db["tables"])
+            return True, table_id
+
+        created, table_id = self._submit(op)
+        self._tables[config.name] = (table_id, config)
+        return created
+
+    def list_tables(self) -> list[TableConfig]:
+        return [config for _, config in sorted(self._tables.values(), key=lambda t: t[0])]
+
+    def table(self, name: str) -> TableConfig:
+        return self._table(name)[1]
+
+    def _table(self, name: str) -> tuple[int, TableConfig]:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise NotFound(f"table '{name}' does not exist") from None
+
+    def drop_table(self, name: str) -> int:
+        """Delete a table and everything in it; returns the live experiences dropped."""
+        table_id, _ = self._table(name)
+        prefix = _U32.pack(table_id)
+
+        def op(txn: lmdb.Transaction) -> int:
+            counters = _loads(txn.get(prefix, db=self._db["counters"])) or {}
+            txn.delete(name.encode(), db=self._db["tables"])
+            for db in _PER_TABLE:
+                with txn.cursor(db=self._db[db]) as cur:
+                    if cur.set_range(prefix):
+                        while cur.key().startswith(prefix) and cur.delete():
+                            pass
+            return sum(counters.get(s, 0) for s in LIVE)
+
+        dropped = self._submit(op)
+        self._tables.pop(name, None)
+        return dropped
+
+    # ---- push ------------------------------------------------------------------------
+
+    def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult:
+        """Store validated items durably. A full table in block mode waits until timeout."""
+        entries = [Entry.of(item) for item in items]
+        return self.put_entries(table, entries, timeout=timeout)
+
+    def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
+        table_id, config = self._table(table)
+        deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
+        while True:
+            generation = self._generation
+            try:
+                return self._submit(lambda txn: _TableTxn(self, txn, table_id, config).put(entries))
+            except TableFull:
+                if config.when_full != "block" or time.monotonic() >= deadline:
+                    raise
+                self._wait_for_change(generation, deadline)
+
+    # ---- sample, ack, nack -----------------------------------------------------------
+
+    def sample(
+        self,
+        table: str,
+        *,
+        num_groups: int = 0,
+        batch_size: int = 0,
+        order: str = "fifo",
+        delivery: str = "consume",
+        lease_seconds: float = 60.0,
+        timeout: float = 0.0,
+        allow_partial: bool = False,
+        min_model_version: int | None = None,
+    ) -> Sampled | None:
+        """Select whole ready groups; None if not enough arrived within timeout."""
+        table_id, config = self._table(table)
+        if (num_groups > 0) == (batch_size > 0):
+            raise InvalidRequest("set exactly one of num_groups or batch_size (> 0)")
+        if order not in ORDERS:
+            raise InvalidRequest(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
+        if delivery not in DELIVERIES:
+            raise InvalidRequest(f"delivery is {delivery!r}; expected one of {', '.join(DELIVERIES)}")
+        if delivery == "lease" and lease_seconds <= 0:
+            raise InvalidRequest("lease_seconds must be > 0 for lease delivery")
+        deadline = time.monotonic() + timeout
+        while True:
+            generation = self._generation
+            final = time.monotonic() >= deadline
+            result = self._submit(
+                lambda txn, final=final: _TableTxn(self, txn, table_id, config).sample(
+                    num_groups,
+                    batch_size,
+                    order,
+                    delivery,
+                    lease_seconds,
+                    allow_partial and final,
+                    min_model_version,
+                    self._rng,
+                )
+            )
+            if result is not None or final:
+                return result
+            self._wait_for_change(generation, deadline)
+
+    def ack(self, lease_id: str) -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False))
+
+    def nack(self, lease_id: str) -> int:
+        """Return the groups of a lease to the buffer; returns the experiences requeued."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True))
+
+    def _end_lease(self, txn: lmdb.Transaction, lease_id: str, *, requeue: bool, expired: bool = False) -> int:
+        lease = _loads(txn.get(lease_id.encode(), db=self._db["leases"]))
+        if lease is None:
+            raise NotFound(f"lease '{lease_id}' is unknown, already acked, or expired and requeued")
+        txn.delete(lease_id.encode(), db=self._db["leases"])
+        txn.delete(_expiry_key(lease["e"], lease_id), db=self._db["lease_exp"])
+        tt = self._table_txn_by_id(txn, lease["t"])
+        if tt is None:  # the table was dropped
+            return 0
+        count = tt.end_lease(lease_id, lease["g"], requeue=requeue)
+        if expired:
+            tt.counters["leases_expired"] += 1
+        tt.save()
+        return count
+
+    def _table_txn_by_id(self, txn: lmdb.Transaction, table_id: int) -> _TableTxn | None:
+        for tid, config in self._tables.values():
+            if tid == table_id:
+                return _TableTxn(self, txn, table_id, config)
+        return None
+
+    # ---- admin -----------------------------------------------------------------------
+
+    def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
+        """Stored payloads of the live experiences among uids."""
+        table_id, _ = self._table(table)
+        prefix = _U32.pack(table_id)
+        found = {}
+        with self._read() as txn:
+            for uid in uids:
+                blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
+                if blob is not None:
+                    found[uid] = bytes(blob)
+        return found
+
+    def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
+        """Remove experiences (and their records, so they may be pushed again)."""
+        table_id, config = self._table(table)
+
+        def op(txn: lmdb.Transaction) -> int:
+            tt = _TableTxn(self, txn, table_id, config)
+            count = tt.delete(uids, group_ids)
+            tt.save()
+            return count
+
+        return self._submit(op)
+
+    def seal(self, table: str, group_id: str) -> int:
+        """Complete a pending group now; returns its size."""
+        table_id, config = self._table(table)
+        return self._submit(lambda txn: _TableTxn(self, txn, table_id, config).seal(group_id))
+
+    def members(self, table: str, by: str, key: str) -> list[str]:
+        """Uids of the live experiences of one task, run or step group ("task" | "run" | "step")."""
+        if by not in ("task", "run", "step"):
+            raise InvalidRequest(f"by is {by!r}; expected task, run or step")
+        table_id, _ = self._table(table)
+        prefix = _U32.pack(table_id) + key.encode() + b"\0"
+        with self._read() as txn, txn.cursor(db=self._db[by + "s"]) as cur:
+            uids = []
+            found = cur.set_range(prefix)
+            while found and cur.key().startswith(prefix):
+                uids.append(cur.key()[len(prefix) :].decode())
+                found = cur.next()
+            return uids
+
+    def stats(self, table: str) -> dict[str, Any]:
+        """Counts by state, bytes, group counts, totals and the oldest live experience's age."""
+        table_id, _ = self._table(table)
+        prefix = _U32.pack(table_id)
+        with self._read() as txn:
+            counters = dict.fromkeys(_COUNTERS, 0) | (_loads(txn.get(prefix, db=self._db["counters"])) or {})
+            with txn.cursor(db=self._db["order"]) as cur:
+                oldest = 0.0
+                if cur.set_range(prefix) and cur.key().startswith(prefix):
+                    rec = _loads(txn.get(prefix + cur.value(), db=self._db["items"]))
+                    oldest = max(0.0, self.clock() - rec["c"])
+        counters["oldest_age_seconds"] = oldest
+        return counters
+
+    def storage_info(self) -> dict[str, float]:
+        info, stat = self._env.info(), self._env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        return {"map_size": info["map_size"], "used_bytes": used, "map_used_ratio": used / info["map_size"]}
+
+    # ---- maintenance -----------------------------------------------------------------
+
+    def tick(self) -> dict[str, int]:
+        """Requeue expired leases and release or drop timed-out incomplete groups."""
+        now = self.clock()
+
+        def op(txn: lmdb.Transaction) -> dict[str, int]:
+            expired = []
+            with txn.cursor(db=self._db["lease_exp"]) as cur:
+                for key, _ in cur:
+                    if _expiry_of(key) > now:
+                        break
+                    expired.append(key[8:].decode())
+            requeued = sum(self._end_lease(txn, lease_id, requeue=True, expired=True) for lease_id in expired)
+            timed_out = 0
+            for table_id, config in list(self._tables.values()):
+                if config.group_timeout_seconds > 0:
+                    tt = _TableTxn(self, txn, table_id, config)
+                    timed_out += tt.expire_groups(now - config.group_timeout_seconds)
+                    tt.save()
+            return {"leases_expired": len(expired), "requeued": requeued, "groups_timed_out": timed_out}
+
+        return self._submit(op)
+
+    def verify(self, table: str) -> list[str]:
+        """Check every index and counter of a table against its items; [] when consistent."""
+        table_id, config = self._table(table)
+        with self._read() as txn:
+            return _TableTxn(self, txn, table_id, config).verify()
+
+
+def _expiry_key(expiry: float, lease_id: str) -> bytes:
+    return u64(int(expiry * 1e6)) + lease_id.encode()
+
+
+def _expiry_of(key: bytes) -> float:
+    return struct.unpack(">Q", key[:8])[0] / 1e6
+
+
+class _TableTxn:
+    """One table inside one write (or read) transaction: the rules of states and groups."""
+
+    def __init__(self, store: Store, txn: lmdb.Transaction, table_id: int, config: TableConfig) -> None:
+        self.store, self.txn, self.config = store, txn, config
+        self.db = store._db
+        self.prefix = _U32.pack(table_id)
+        self.counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
+        self.counters |= _loads(txn.get(self.prefix, db=self.db["counters"])) or {}
+        self.ready = ReadyIndex(store._ready_dbs, txn, self.prefix)
+        self.now = store.clock()
+
+    def save(self) -> None:
+        self.txn.put(self.prefix, _dumps(self.counters), db=self.db["counters"])
+
+    # records
+    def _key(self, name: str) -> bytes:
+        return self.prefix + name.encode()
+
+    def item(self, uid: str) -> dict[str, Any] | None:
+        return _loads(self.txn.get(self._key(uid), db=self.db["items"]))
+
+    def put_item(self, uid: str, rec: dict[str, Any]) -> None:
+        self.txn.put(self._key(uid), _dumps(rec), db=self.db["items"])
+
+    def group(self, gkey: str) -> dict[str, Any] | None:
+        return _loads(self.txn.get(self._key(gkey), db=self.db["groups"]))
+
+    def put_group(self, gkey: str, rec: dict[str, Any]) -> None:
+        self.txn.put(self._key(gkey), _dumps(rec), db=self.db["groups"])
+
+    def _index_keys(self, rec: dict[str, Any], uid: str) -> Iterator[tuple[str, bytes]]:
+        for db, part in (("tasks", "tid"), ("runs", "rid"), ("steps", "sid")):
+            yield db, self.prefix + rec[part].encode() + b"\0" + uid.encode()
+
+    def _pending_key(self, gkey: str, grp: dict[str, Any]) -> bytes:
+        return self.prefix + u64(int(grp["c"] * 1e6)) + gkey.encode()
+
+    # push
+    def put(self, entries: Sequence[Entry]) -> PutResult:
+        if self.txn.get(self.config.name.encode(), db=self.db["tables"]) is None:
+            raise NotFound(f"table '{self.config.name}' does not exist")
+        result = PutResult()
+        fresh: dict[str, Entry] = {}
+        for entry in entries:
+            known = fresh.get(entry.uid)
+            rec = self.item(entry.uid) if known is None else {"d": known.digest}
+            if rec is None:
+                fresh[entry.uid] = entry
+            elif rec["d"] == entry.digest:
+                result.duplicates.append(entry.uid)
+            else:
+                raise Conflict(f"uid {entry.uid} already exists with different content")
+        attr = GROUP_KEY_OF[self.config.group_by]
+        by_group: dict[str, list[Entry]] = defaultdict(list)
+        for entry in fresh.values():
+            by_group[getattr(entry, attr)].append(entry)
+        groups = {}
+        size = self.config.group_size
+        for gkey, members in by_group.items():
+            grp = self.group(gkey)
+            if grp is None:
+                grp = {"s": PENDING, "n": 0, "c": self.now, "m": [], "x": False}
+                self.counters["groups_pending"] += 1
+                self.txn.put(self._pending_key(gkey, grp), b"", db=self.db["pending"])
+            elif grp["s"] != PENDING:
+                raise GroupClosed(f"group {gkey} is already complete ({grp['s']}); it takes no more experiences")
+            if size and grp["n"] + len(members) > size:
+                raise GroupClosed(
+                    f"group {gkey} has {grp['n']} of {size} experiences; {len(members)} more would overfill it"
+                )
+            groups[gkey] = grp
+        self._make_room(len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
+        for gkey, members in by_group.items():
+            grp = groups[gkey]
+            for entry in members:
+                self._insert(entry, gkey)
+                grp["m"].append(entry.uid)
+            grp["n"] = len(grp["m"])
+            if size == 0 or grp["n"] >= size:
+                self._complete(gkey, grp, partial=False)
+                result.completed_groups.append(gkey)
+            else:
+                self.put_group(gkey, grp)
+        result.stored = list(fresh)
+        self.counters["pushed"] += len(fresh)
+        self.counters["duplicates"] += len(result.duplicates)
+        self.save()
+        return result
+
+    def _insert(self, entry: Entry, gkey: str) -> None:
+        seq = self.counters["next_seq"]
+        self.counters["next_seq"] = seq + 1
+        rec = {
+            "s": PENDING,
+            "g": gkey,
+            "q": seq,
+            "d": entry.digest,
+            "n": len(entry.blob),
+            "t": 0,
+            "v": entry.version,
+            "r": entry.reward,
+            "p": entry.priority,
+            "c": self.now,
+            "tid": entry.tid,
+            "rid": entry.rid,
+            "sid": entry.sid,
+        }
+        self.put_item(entry.uid, rec)
+        self.txn.put(self._key(entry.uid), entry.blob, db=self.db["blobs"])
+        self.txn.put(self.prefix + u64(seq), entry.uid.encode(), db=self.db["order"])
+        for db, key in self._index_keys(rec, entry.uid):
+            self.txn.put(key, b"", db=self.db[db])
+        self.counters[PENDING] += 1
+        self.counters["bytes"] += rec["n"]
+
+    def _make_room(self, count: int, nbytes: int, keep: set[str]) -> None:
+        cfg = self.config
+
+        def over() -> bool:
+            live = sum(self.counters[s] for s in LIVE)
+            return bool(
+                (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
+                or (cfg.capacity_bytes and self.counters["bytes"] + nbytes > cfg.capacity_bytes)
+            )
+
+        if not over():
+            return
+        if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
+            cfg.capacity_bytes and nbytes > cfg.capacity_bytes
+        ):
+            raise TableFull(
+                f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
+                f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
+            )
+        if cfg.when_full == "evict":
+            for gkey in self._oldest_groups():
+                if gkey in keep:
+                    continue
+                grp = self.group(gkey)
+                if grp["s"] == LEASED:
+                    continue
+                self._retire_group(gkey, grp, EVICTED)
+                if not over():
+                    return
+        raise TableFull(
+            f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)"
+        )
+
+    def _oldest_groups(self) -> Iterator[str]:
+        """Groups of the live experiences, oldest first. The caller retires groups between
+        steps, so each step opens a fresh cursor after the last key seen."""
+        seen: set[str] = set()
+        position = self.prefix
+        while True:
+            with self.txn.cursor(db=self.db["order"]) as cur:
+                if not cur.set_range(position) or not cur.key().startswith(self.prefix):
+                    return
+                position = cur.key() + b"\0"
+                gkey = self.item(cur.value().decode())["g"]
+            if gkey not in seen:
+                seen.add(gkey)
+                yield gkey
+
+    # group states
+    def _complete(self, gkey: str, grp: dict[str, Any], *, partial: bool) -> None:
+        """A pending group becomes ready (or is dropped by the zero-variance filter)."""
+        recs = {uid: self.item(uid) for uid in grp["m"]}
+        rewards = [rec["r"] for rec in recs.values()]
+        grp["x"] = partial
+        if self.config.drop_zero_variance and None not in rewards and len(set(rewards)) <= 1:
+            self._retire_group(gkey, grp, DROPPED)
+            self.counters["groups_dropped"] += 1
+            return
+        self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
+        versions = [rec["v"] for rec in recs.values()]
+        grp["v"] = None if None in versions or not versions else min(versions)
+        grp["p"] = max((rec["p"] for rec in recs.values()), default=0.0)
+        grp["q"] = self.counters["next_rseq"]
+        self.counters["next_rseq"] += 1
+        self._set_group_state(gkey, grp, recs, READY)
+        self.ready.add(gkey.encode(), grp["q"], grp["p"])
+
+    def _set_group_state(self, gkey: str, grp: dict[str, Any], recs: dict[str, dict], state: str) -> None:
+        for uid, rec in recs.items():
+            self.counters[rec["s"]] -= 1
+            self.counters[state] += 1
+            rec["s"] = state
+            self.put_item(uid, rec)
+        if grp["s"] in (PENDING, READY, LEASED):
+            self.counters["groups_" + grp["s"]] -= 1
+        if state in (PENDING, READY, LEASED):
+            self.counters["groups_" + state] += 1
+        grp["s"] = state
+        self.put_group(gkey, grp)
+
+    def _retire_group(self, gkey: str, grp: dict[str, Any], state: str) -> None:
+        """Members leave the buffer (consumed, evicted, dropped): payloads go, records stay as
+        tombstones so that a retried push of the same uid is still recognised as a duplicate."""
+        if grp["s"] == READY:
+            self.ready.remove(gkey.encode(), grp["q"], grp["p"])
+        elif grp["s"] == PENDING:
+            self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
+        recs = {uid: self.item(uid) for uid in grp["m"]}
+        for uid, rec in recs.items():
+            self._drop_payload(uid, rec)
+        self._set_group_state(gkey, grp, recs, state)
+
+    def _drop_payload(self, uid: str, rec: dict[str, Any]) -> None:
+        self.txn.delete(self._key(uid), db=self.db["blobs"])
+        self.txn.delete(self.prefix + u64(rec["q"]), db=self.db["order"])
+        for db, key in self._index_keys(rec, uid):
+            self.txn.delete(key, db=self.db[db])
+        self.counters["bytes"] -= rec["n"]
+
+    # sample
+    def sample(
+        self,
+        num_groups: int,
+        batch_size: int,
+        order: str,
+        delivery: str,
+        lease_seconds: float,
+        allow_partial: bool,
+        min_version: int | None,
+        rng: random.Random,
+    ) -> Sampled | None:
+        chosen: list[tuple[str, dict[str, Any]]] = []
+        total = 0
+        with contextlib.closing(self.ready.candidates(order, rng)) as candidates:
+            for gkey_raw in candidates:
+                gkey = gkey_raw.decode()
+                grp = self.group(gkey)
+                if min_version is not None and (grp["v"] is None or grp["v"] < min_version):
+                    continue
+                chosen.append((gkey, grp))
+                total += grp["n"]
+                if (num_groups and len(chosen) >= num_groups) or (batch_size and total >= batch_size):
+                    break
+        enough = (num_groups and len(chosen) >= num_groups) or (batch_size and total >= batch_size)
+        if not chosen or not (enough or allow_partial):
+            return None
+        batch = Sampled([], [], [], partial=not enough)
+        if delivery == "lease":
+            batch.lease_id = secrets.token_hex(8)
+            batch.lease_expires = self.now + lease_seconds
+        for gkey, grp in chosen:
+            recs = {uid: self.item(uid) for uid in grp["m"]}
+            for uid in grp["m"]:
+                batch.uids.append(uid)
+                batch.group_ids.append(gkey)
+                batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
+                recs[uid]["t"] += 1
+            if delivery == "consume" or (
+                delivery == "replay"
+                and self.config.max_times_sampled
+                and max(r["t"] for r in recs.values()) >= self.config.max_times_sampled
+            ):
+                for uid, rec in recs.items():
+                    self.put_item(uid, rec)
+                self._retire_group(gkey, grp, CONSUMED)
+            elif delivery == "lease":
+                self.ready.remove(gkey.encode(), grp["q"], grp["p"])
+                grp["l"] = batch.lease_id
+                self._set_group_state(gkey, grp, recs, LEASED)
+            else:
+                for uid, rec in recs.items():
+                    self.put_item(uid, rec)
+        if delivery == "lease":
+            lease = {"t": struct.unpack(">I", self.prefix)[0], "g": [g for g, _ in chosen], "e": batch.lease_expires}
+            self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
+            self.txn.put(_expiry_key(batch.lease_expires, batch.lease_id), b"", db=self.db["lease_exp"])
+        self.counters["sampled"] += len(batch.uids)
+        self.save()
+        return batch
+
+    def end_lease(self, lease_id: str, gkeys: list[str], *, requeue: bool) -> int:
+        count = 0
+        for gkey in gkeys:
+            grp = self.group(gkey)
+            if grp is None or grp["s"] != LEASED or grp.get("l") != lease_id:
+                continue
+            count += len(grp["m"])
+            grp.pop("l")
+            if requeue:
+                recs = {uid: self.item(uid) for uid in grp["m"]}
+                self._set_group_state(gkey, grp, recs, READY)
+                self.ready.add(gkey.encode(), grp["q"], grp["p"])
+            else:
+                self._retire_group(gkey, grp, CONSUMED)
+        return count
+
+    # admin
+    def seal(self, gkey: str) -> int:
+        grp = self.group(gkey)
+        if grp is None:
+            raise NotFound(f"group {gkey} does not exist in table '{self.config.name}'")
+        if grp["s"] != PENDING:
+            raise GroupClosed(f"group {gkey} is already complete ({grp['s']})")
+        self._complete(gkey, grp, partial=False)
+        self.save()
+        return grp["n"]
+
+    def expire_groups(self, created_before: float) -> int:
+        """Release (flagged partial) or drop incomplete groups created before the cutoff."""
+        expired = []
+        cutoff = u64(int(created_before * 1e6))
+        with self.txn.cursor(db=self.db["pending"]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix) and cur.key()[4:12] <= cutoff:
+                expired.append(cur.key()[12:].decode())
+                found = cur.next()
+        for gkey in expired:
+            grp = self.group(gkey)
+            if self.config.on_group_timeout == "drop":
+                self._retire_group(gkey, grp, DROPPED)
+                self.counters["groups_dropped"] += 1
+            else:
+                self._complete(gkey, grp, partial=True)
+        return len(expired)
+
+    def delete(self, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+        targets = list(uids)
+        for gkey in group_ids:
+            grp = self.group(gkey)
+            if grp is not None:
+                targets.extend(grp["m"])
+        deleted = 0
+        for uid in dict.fromkeys(targets):
+            rec = self.item(uid)
+            if rec is None:
+                continue
+            self.txn.delete(self._key(uid), db=self.db["items"])
+            self.counters[rec["s"]] -= 1
+            if rec["s"] not in LIVE:
+                continue
+            deleted += 1
+            self._drop_payload(uid, rec)
+            gkey = rec["g"]
+            grp = self.group(gkey)
+            grp["m"].remove(uid)
+            grp["n"] = len(grp["m"])
+            if grp["m"]:
+                self.put_group(gkey, grp)
+                continue
+            if grp["s"] == READY:
+                self.ready.remove(gkey.encode(), grp["q"], grp["p"])
+            elif grp["s"] == PENDING:
+                self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
+            self.counters["groups_" + grp["s"]] -= 1
+            self.txn.delete(self._key(gkey), db=self.db["groups"])
+        return deleted
+
+    # integrity
+    def verify(self) -> list[str]:
+        problems: list[str] = []
+        p, txn = self.prefix, self.txn
+        counts = defaultdict(int)
+        groups: dict[str, dict[str, Any]] = {}
+        with txn.cursor(db=self.db["groups"]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                groups[cur.key()[4:].decode()] = _loads(cur.value())
+                found = cur.next()
+        with txn.cursor(db=self.db["items"]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                uid, rec = cur.key()[4:].decode(), _loads(cur.value())
+                counts[rec["s"]] += 1
+                live = rec["s"] in LIVE
+                blob = txn.get(cur.key(), db=self.db["blobs"])
+                if live != (blob is not None):
+                    problems.append(f"item {uid} is {rec['s']} but its payload is {'missing' if live else 'present'}")
+                if live:
+                    counts["bytes"] += rec["n"]
+                    trxp.parse(blob, trusted=True)
+                    if txn.get(p + u64(rec["q"]), db=self.db["order"]) != uid.encode():
+                        problems.append(f"item {uid} is missing from the insertion order")
+                    for db, key in self._index_keys(rec, uid):
+                        if txn.get(key, db=self.db[db]) is None:
+                            problems.append(f"item {uid} is missing from the {db} index")
+                grp = groups.get(rec["g"])
+                if grp is None or uid not in grp["m"]:
+                    problems.append(f"item {uid} is not a member of its group {rec['g']}")
+                elif grp["s"] != rec["s"]:
+                    problems.append(f"item {uid} is {rec['s']} but its group {rec['g']} is {grp['s']}")
+                found = cur.next()
+        ready_groups = set()
+        for gkey, grp in groups.items():
+            if grp["n"] != len(grp["m"]):
+                problems.append(f"group {gkey} counts {grp['n']} members but lists {len(grp['m'])}")
+            if grp["s"] in (PENDING, READY, LEASED):
+                counts["groups_" + grp["s"]] += 1
+            if grp["s"] == READY:
+                ready_groups.add(gkey)
+                if txn.get(p + u64(grp["q"]), db=self.db["ready"]) != gkey.encode():
+                    problems.append(f"ready group {gkey} is missing from the ready index")
+            if grp["s"] == PENDING and txn.get(self._pending_key(gkey, grp), db=self.db["pending"]) is None:
+                problems.append(f"pending group {gkey} is missing from the timeout index")
+        for db in ("ready", "prio", "slotof"):
+            indexed = self._prefix_count(db)
+            if indexed != len(ready_groups):
+                problems.append(f"the {db} index holds {indexed} groups, {len(ready_groups)} are ready")
+        if self.ready.count() != len(ready_groups):
+            problems.append(f"{self.ready.count()} uniform slots for {len(ready_groups)} ready groups")
+        for name in (*STATES, "bytes", "groups_pending", "groups_ready", "groups_leased"):
+            if self.counters[name] != counts[name]:
+                problems.append(f"counter {name} is {self.counters[name]} but {counts[name]} were found")
+        live = counts[PENDING] + counts[READY] + counts[LEASED]
+        if self._prefix_count("order") != live:
+            problems.append(f"the insertion order holds {self._prefix_count('order')} of {live} live items")
+        return problems
+
+    def _prefix_count(self, db: str) -> int:
+        n = 0
+        with self.txn.cursor(db=self.db[db]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix):
+                n += len(cur.key()) > len(self.prefix)
+                found = cur.next()
+        return n

@@ -1,0 +1,88 @@
+"""Table configuration: how a table groups, completes, caps and replays experiences.
+
+The same names are used in the TOML config file, in CreateTable and in the
+client's create_table keyword arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+GROUP_BY = ("task", "run", "step", "none")
+WHEN_FULL = ("block", "evict")
+ON_GROUP_TIMEOUT = ("release", "drop")
+ESTIMATORS = (
+    "grpo",
+    "drgrpo",
+    "rloo",
+    "reinforce++",
+    "reinforce",
+    "opmd",
+    "step_wise_grpo",
+    "multi_turn_discount",
+    "none",
+)
+DEVICES = ("auto", "cpu", "cuda")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A table configuration is invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    name: str
+    group_by: str = "task"
+    group_size: int = 0
+    group_timeout_seconds: float = 0.0
+    on_group_timeout: str = "release"
+    estimator: str = "grpo"
+    estimator_params: dict[str, float] = field(default_factory=dict)
+    device: str = "auto"
+    capacity_experiences: int = 0
+    capacity_bytes: int = 0
+    when_full: str = "block"
+    max_times_sampled: int = 0
+    drop_zero_variance: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(f"table name {self.name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        for name, allowed in (
+            ("group_by", GROUP_BY),
+            ("when_full", WHEN_FULL),
+            ("on_group_timeout", ON_GROUP_TIMEOUT),
+            ("estimator", ESTIMATORS),
+            ("device", DEVICES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
+        for name in ("group_size", "capacity_experiences", "capacity_bytes", "max_times_sampled"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.group_timeout_seconds, (int, float)) or self.group_timeout_seconds < 0:
+            raise ConfigError(f"group_timeout_seconds must be >= 0, got {self.group_timeout_seconds!r}")
+        if self.group_by == "none" and self.group_size > 1:
+            raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
+        if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):
+            raise ConfigError("estimator_params must map names to numbers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TableConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown table setting(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def default_table() -> TableConfig:
+    """The table every server has: group by task, complete on push, grpo."""
+    return TableConfig(name="default")

@@ -1,0 +1,322 @@
+"""The LMDB storage engine: groups, states, selection, leases, capacity, restart."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import decode, trxp
+from expbuf.server.store import Conflict, GroupClosed, InvalidRequest, NotFound, Store, TableFull
+from expbuf.server.tables import ConfigError, TableConfig
+
+from conftest import payload
+from helpers import group_items
+
+
+class Clock:
+    """A settable wall clock, so lease and group timeouts need no sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Store:
+    with Store(tmp_path / "data", map_size=1 << 20, clock=clock, seed=7) as s:
+        yield s
+        assert s.verify("default") == []
+
+
+def test_default_table_exists_and_survives_restart(tmp_path: Path) -> None:
+    with Store(tmp_path) as s:
+        assert [t.name for t in s.list_tables()] == ["default"]
+        assert s.table("default") == TableConfig(name="default")
+        s.create_table(TableConfig(name="runs", group_by="run", group_size=3, max_times_sampled=2))
+    with Store(tmp_path) as s:
+        assert [t.name for t in s.list_tables()] == ["default", "runs"]
+        assert s.table("runs").group_size == 3
+
+
+def test_table_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="group_by"):
+        TableConfig(name="x", group_by="episode")
+    with pytest.raises(ConfigError, match="table name"):
+        TableConfig(name="bad name!")
+    with pytest.raises(ConfigError, match="unknown table setting"):
+        TableConfig.from_dict({"name": "x", "capacity": 3})
+
+
+def test_fixture_round_trip_through_the_store(store: Store) -> None:
+    data = payload("mixed_batch.trxp")
+    result = store.put("default", trxp.parse(data))
+    assert result.completed_groups == ["11/0", "11/1"]
+    batch = store.sample("default", num_groups=2)
+    assert batch.uids == result.stored
+    assert trxp.parse(batch.payload) == trxp.parse(data)
+    assert [e.eid.uid for e in decode(batch.payload)] == result.stored
+
+
+def test_duplicate_is_noop_and_different_bytes_refused(store: Store) -> None:
+    items = trxp.parse(payload("grpo_group.trxp"))
+    first = store.put("default", items)
+    assert len(first.stored) == 8 and first.duplicates == []
+    before = store.stats("default")
+    again = store.put("default", items)
+    assert again.stored == [] and again.duplicates == first.stored
+    after = store.stats("default")
+    assert {k: v for k, v in after.items() if k not in ("duplicates", "oldest_age_seconds")} == {
+        k: v for k, v in before.items() if k not in ("duplicates", "oldest_age_seconds")
+    }
+    changed = trxp.parse(payload("grpo_group.trxp"))
+    changed[5].meta["reward"] = 0.75
+    with pytest.raises(Conflict, match="7/3/5/0/r5s0t3 already exists with different content"):
+        store.put("default", changed)
+    assert store.stats("default")["ready"] == 8
+
+
+def test_duplicate_is_recognised_after_consumption(store: Store) -> None:
+    items = group_items(1, 1, 4)
+    store.put("default", items)
+    assert store.sample("default", num_groups=1) is not None
+    again = store.put("default", items)
+    assert again.stored == [] and len(again.duplicates) == 4
+    assert store.sample("default", num_groups=1) is None
+
+
+def test_refused_push_stores_nothing(store: Store) -> None:
+    store.put("default", group_items(1, 1, 2))
+    mixed = group_items(2, 0, 3) + trxp.parse(payload("grpo_group.trxp"))
+    mixed[-1].meta["reward"] = 0.123
+    store.put("default", trxp.parse(payload("grpo_group.trxp")))
+    before = store.stats("default")
+    with pytest.raises(Conflict):
+        store.put("default", mixed)
+    assert store.get("default", [it.uid for it in mixed[:3]]) == {}
+    assert store.stats("default") | {"oldest_age_seconds": 0} == before | {"oldest_age_seconds": 0}
+
+
+def test_groups_complete_at_size_and_seal(store: Store) -> None:
+    store.create_table(TableConfig(name="g4", group_size=4))
+    items = group_items(1, 1, 4)
+    assert store.put("g4", items[:3]).completed_groups == []
+    assert store.sample("g4", num_groups=1) is None
+    assert store.stats("g4")["pending"] == 3
+    assert store.put("g4", items[3:]).completed_groups == ["1/1"]
+    assert store.stats("g4")["ready"] == 4
+    with pytest.raises(GroupClosed, match="group 1/1 is already complete"):
+        store.put("g4", group_items(1, 1, 5)[4:])
+    store.put("g4", group_items(1, 2, 2))
+    assert store.seal("g4", "1/2") == 2
+    batch = store.sample("g4", num_groups=2)
+    assert batch.group_ids == ["1/1"] * 4 + ["1/2"] * 2
+    with pytest.raises(GroupClosed, match="overfill"):
+        store.put("g4", group_items(1, 3, 5))
+    assert store.verify("g4") == []
+
+
+def test_group_by_run_step_and_none(store: Store) -> None:
+    multi = trxp.parse(payload("multi_turn.trxp"))
+    for by, want in (("run", ["2/1/0"]), ("step", ["2/1/0", "2/1/1", "2/1/2"]), ("none", [i.uid for i in multi])):
+        store.create_table(TableConfig(name=f"by_{by}", group_by=by))
+        assert store.put(f"by_{by}", multi).completed_groups == want
+        assert store.verify(f"by_{by}") == []
+    assert store.members("by_run", "run", "2/1/0") == [i.uid for i in multi]
+    assert store.members("by_run", "step", "2/1/1") == ["2/1/0/1/mt1"]
+    assert store.members("by_run", "task", "2/1") == [i.uid for i in multi]
+
+
+def test_batch_size_never_splits_groups(store: Store) -> None:
+    for task in range(3):
+        store.put("default", group_items(5, task, 4))
+    batch = store.sample("default", batch_size=6)
+    assert Counter(batch.group_ids) == {"5/0": 4, "5/1": 4}
+    assert store.sample("default", batch_size=6) is None
+    partial = store.sample("default", batch_size=6, allow_partial=True)
+    assert partial.partial and partial.group_ids == ["5/2"] * 4
+
+
+def test_orders(store: Store) -> None:
+    for task, prio in enumerate([0.5, 3.0, 1.0, 3.0]):
+        store.put("default", group_items(9, task, 2, priority=prio))
+    first = lambda order: store.sample("default", num_groups=1, order=order, delivery="replay").group_ids[0]  # noqa: E731
+    assert first("fifo") == "9/0"
+    assert first("lifo") == "9/3"
+    assert first("priority") == "9/1"
+    picks = Counter(first("uniform") for _ in range(400))
+    assert set(picks) == {"9/0", "9/1", "9/2", "9/3"} and min(picks.values()) > 50
+    taken = [store.sample("default", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
+    assert taken == ["9/1", "9/3", "9/2", "9/0"]
+
+
+def test_uniform_consume_takes_each_group_once(store: Store) -> None:
+    for task in range(50):
+        store.put("default", group_items(3, task, 2))
+    seen = []
+    while (batch := store.sample("default", num_groups=3, order="uniform", allow_partial=True)) is not None:
+        seen += batch.group_ids[::2]
+        assert store.verify("default") == []
+    assert sorted(seen) == sorted(f"3/{t}" for t in range(50))
+
+
+def test_replay_respects_max_times_sampled(store: Store) -> None:
+    store.create_table(TableConfig(name="replay", max_times_sampled=3))
+    store.put("replay", group_items(1, 0, 2))
+    for _ in range(3):
+        assert store.sample("replay", num_groups=1, delivery="replay") is not None
+    assert store.sample("replay", num_groups=1, delivery="replay") is None
+    assert store.stats("replay")["consumed"] == 2
+    assert store.verify("replay") == []
+
+
+def test_min_model_version(store: Store) -> None:
+    store.put("default", group_items(1, 0, 2, version=3))
+    store.put("default", group_items(1, 1, 2, version=5))
+    store.put("default", group_items(1, 2, 2, version=None))
+    batch = store.sample("default", num_groups=2, min_model_version=4, allow_partial=True)
+    assert batch.group_ids == ["1/1", "1/1"]
+
+
+def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) -> None:
+    with Store(tmp_path, clock=clock) as s:
+        s.put("default", group_items(1, 0, 2))
+        s.put("default", group_items(1, 1, 2))
+        leased = s.sample("default", num_groups=1, delivery="lease", lease_seconds=30)
+        assert leased.lease_expires == clock.now + 30
+        assert s.stats("default")["leased"] == 2
+        acked = s.sample("default", num_groups=1, delivery="lease", lease_seconds=30)
+        assert s.ack(acked.lease_id) == 2
+        with pytest.raises(NotFound, match="lease"):
+            s.ack(acked.lease_id)
+    clock.now += 10
+    with Store(tmp_path, clock=clock) as s:
+        assert s.tick()["leases_expired"] == 0
+        assert s.sample("default", num_groups=1) is None
+        clock.now += 25
+        assert s.tick() == {"leases_expired": 1, "requeued": 2, "groups_timed_out": 0}
+        again = s.sample("default", num_groups=1, delivery="lease")
+        assert again.group_ids == leased.group_ids
+        assert s.nack(again.lease_id) == 2
+        final = s.sample("default", num_groups=5, allow_partial=True)
+        assert final.group_ids == leased.group_ids
+        stats = s.stats("default")
+        assert (stats["consumed"], stats["leases_expired"], stats["ready"]) == (4, 1, 0)
+        assert s.verify("default") == []
+
+
+def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
+    store.create_table(TableConfig(name="rel", group_size=4, group_timeout_seconds=5))
+    store.create_table(TableConfig(name="drop", group_size=4, group_timeout_seconds=5, on_group_timeout="drop"))
+    for name in ("rel", "drop"):
+        store.put(name, group_items(1, 0, 2))
+    clock.now += 4
+    assert store.tick()["groups_timed_out"] == 0
+    clock.now += 2
+    assert store.tick()["groups_timed_out"] == 2
+    batch = store.sample("rel", num_groups=1)
+    assert batch.partial is False and len(batch.uids) == 2
+    assert store.sample("drop", num_groups=1) is None
+    assert store.stats("drop")["groups_dropped"] == 1
+    assert store.verify("rel") == [] and store.verify("drop") == []
+
+
+def test_zero_variance_groups_are_dropped(store: Store) -> None:
+    store.create_table(TableConfig(name="dapo", drop_zero_variance=True))
+    store.put("dapo", group_items(1, 0, 4, reward=1.0))
+    store.put("dapo", trxp.parse(payload("grpo_group.trxp")))
+    stats = store.stats("dapo")
+    assert (stats["dropped"], stats["groups_dropped"], stats["ready"]) == (4, 1, 8)
+
+
+def test_capacity_block_and_evict(store: Store) -> None:
+    store.create_table(TableConfig(name="full", capacity_experiences=4))
+    store.put("full", group_items(1, 0, 4))
+    with pytest.raises(TableFull, match="is full"):
+        store.put("full", group_items(1, 1, 2), timeout=0.05)
+    unblocked = threading.Timer(0.2, lambda: store.sample("full", num_groups=1))
+    unblocked.start()
+    assert len(store.put("full", group_items(1, 1, 2), timeout=5).stored) == 2
+    unblocked.join()
+    store.create_table(TableConfig(name="ring", capacity_experiences=6, when_full="evict"))
+    for task in range(5):
+        store.put("ring", group_items(2, task, 2))
+    leased = store.sample("ring", num_groups=1, delivery="lease")
+    store.put("ring", group_items(2, 9, 4))
+    stats = store.stats("ring")
+    assert (stats["evicted"], stats["leased"], stats["ready"]) == (8, 2, 4)  # groups 0, 1, 3, 4; 2 is leased
+    assert store.get("ring", [f"2/0/{r}/0/r{r}s0" for r in range(2)]) == {}
+    assert store.ack(leased.lease_id) == 2
+    with pytest.raises(TableFull, match="on their own"):
+        store.put("ring", group_items(3, 0, 7))
+    assert store.verify("full") == [] and store.verify("ring") == []
+
+
+def test_delete_and_get(store: Store) -> None:
+    store.put("default", group_items(1, 0, 3))
+    uids = [f"1/0/{r}/0/r{r}s0" for r in range(3)]
+    assert set(store.get("default", [*uids, "nope"])) == set(uids)
+    assert store.delete("default", uids=[uids[0]]) == 1
+    assert store.sample("default", num_groups=1, delivery="replay").uids == uids[1:]
+    assert store.delete("default", group_ids=["1/0"]) == 2
+    assert store.sample("default", num_groups=1) is None
+    assert store.put("default", group_items(1, 0, 3)).stored == uids
+
+
+def test_map_grows_on_demand(tmp_path: Path) -> None:
+    with Store(tmp_path, map_size=64 << 10) as s:
+        for task in range(40):
+            s.put("default", group_items(1, task, 8, response=512))
+        assert s.storage_info()["map_size"] > 64 << 10
+        assert s.stats("default")["ready"] == 320
+        assert s.verify("default") == []
+
+
+def test_concurrent_pushes_share_commits(store: Store) -> None:
+    errors: list[Exception] = []
+
+    def push(worker: int) -> None:
+        try:
+            for task in range(20):
+                store.put("default", group_items(worker, task, 4))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.stats("default")["ready"] == 6 * 20 * 4
+
+
+def test_drop_table(store: Store) -> None:
+    store.create_table(TableConfig(name="tmp"))
+    store.put("tmp", group_items(1, 0, 3))
+    assert store.drop_table("tmp") == 3
+    with pytest.raises(NotFound, match="table 'tmp' does not exist"):
+        store.put("tmp", group_items(1, 0, 3))
+    store.create_table(TableConfig(name="tmp"))
+    assert store.stats("tmp")["ready"] == 0 and store.verify("tmp") == []
+
+
+def test_bad_sample_requests(store: Store) -> None:
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        store.sample("default", num_groups=1, batch_size=4)
+    with pytest.raises(InvalidRequest, match="order"):
+        store.sample("default", num_groups=1, order="random")
+
+
+def test_second_process_is_refused(tmp_path: Path) -> None:
+    with Store(tmp_path), pytest.raises(Exception, match="another expbuf process"):
+        Store(tmp_path)
