@@ -277,27 +277,27 @@ class Store:
         """Run ops in one transaction, each nested so a refusal undoes only itself."""
         while True:
             results: list[tuple[bool, Any]] = []
+            parent = self._env.begin(write=True)
             try:
-                with self._env.begin(write=True) as parent:
+                if len(ops) == 1:  # nothing to protect from a refusal: no nested transaction
+                    results.append(self._run(ops[0], parent))
+                else:
                     for op in ops:
                         child = self._env.begin(write=True, parent=parent)
-                        try:
-                            value = op.fn(child)
-                        except lmdb.MapFullError:
-                            child.abort()
-                            raise
-                        except Exception as exc:
-                            child.abort()
-                            results.append((False, exc))
-                        else:
-                            child.commit()
-                            results.append((True, value))
+                        results.append(self._run(op, child))
+                        (child.commit if results[-1][0] else child.abort)()
+                if any(ok for ok, _ in results):
+                    parent.commit()
+                else:
+                    parent.abort()
                 break
             except lmdb.MapFullError:
+                parent.abort()
                 if not self._grow():
                     results = [(False, StorageFull("the LMDB map reached max_map_size"))] * len(ops)
                     break
             except lmdb.Error as exc:  # a full disk or an I/O error: nothing was committed
+                parent.abort()
                 results = [(False, StorageFull(f"storage write failed: {exc}"))] * len(ops)
                 break
         for op, (ok, value) in zip(ops, results, strict=True):
@@ -308,6 +308,16 @@ class Store:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+
+    @staticmethod
+    def _run(op: _Op, txn: lmdb.Transaction) -> tuple[bool, Any]:
+        """Run one request; a refusal is its result, a full map aborts the whole batch."""
+        try:
+            return True, op.fn(txn)
+        except lmdb.MapFullError:
+            raise
+        except Exception as exc:
+            return False, exc
 
     def _grow(self) -> bool:
         """Double the map once no reader holds a transaction; False at max_map_size."""
@@ -601,8 +611,21 @@ class _TableTxn:
         self.counters |= _loads(txn.get(self.prefix, db=self.db["counters"])) or {}
         self.ready = ReadyIndex(store._ready_dbs, txn, self.prefix)
         self.now = store.clock()
+        # Write-back caches: a record changed several times in one request is encoded and
+        # written once, by save().
+        self._items: dict[str, dict[str, Any] | None] = {}
+        self._groups: dict[str, dict[str, Any] | None] = {}
+        self._dirty_items: set[str] = set()
+        self._dirty_groups: set[str] = set()
 
     def save(self) -> None:
+        """Write changed records and the counters; every changing request ends with it."""
+        for uid in self._dirty_items:
+            self.txn.put(self._key(uid), _dumps(self._items[uid]), db=self.db["items"])
+        for gkey in self._dirty_groups:
+            self.txn.put(self._key(gkey), _dumps(self._groups[gkey]), db=self.db["groups"])
+        self._dirty_items.clear()
+        self._dirty_groups.clear()
         self.txn.put(self.prefix, _dumps(self.counters), db=self.db["counters"])
 
     # records
@@ -610,16 +633,32 @@ class _TableTxn:
         return self.prefix + name.encode()
 
     def item(self, uid: str) -> dict[str, Any] | None:
-        return _loads(self.txn.get(self._key(uid), db=self.db["items"]))
+        if uid not in self._items:
+            self._items[uid] = _loads(self.txn.get(self._key(uid), db=self.db["items"]))
+        return self._items[uid]
 
     def put_item(self, uid: str, rec: dict[str, Any]) -> None:
-        self.txn.put(self._key(uid), _dumps(rec), db=self.db["items"])
+        self._items[uid] = rec
+        self._dirty_items.add(uid)
+
+    def forget_item(self, uid: str) -> None:
+        self._items[uid] = None
+        self._dirty_items.discard(uid)
+        self.txn.delete(self._key(uid), db=self.db["items"])
 
     def group(self, gkey: str) -> dict[str, Any] | None:
-        return _loads(self.txn.get(self._key(gkey), db=self.db["groups"]))
+        if gkey not in self._groups:
+            self._groups[gkey] = _loads(self.txn.get(self._key(gkey), db=self.db["groups"]))
+        return self._groups[gkey]
 
     def put_group(self, gkey: str, rec: dict[str, Any]) -> None:
-        self.txn.put(self._key(gkey), _dumps(rec), db=self.db["groups"])
+        self._groups[gkey] = rec
+        self._dirty_groups.add(gkey)
+
+    def forget_group(self, gkey: str) -> None:
+        self._groups[gkey] = None
+        self._dirty_groups.discard(gkey)
+        self.txn.delete(self._key(gkey), db=self.db["groups"])
 
     def _index_keys(self, rec: dict[str, Any], uid: str) -> Iterator[tuple[str, bytes]]:
         for db, part in (("tasks", "tid"), ("runs", "rid"), ("steps", "sid")):
@@ -922,7 +961,7 @@ class _TableTxn:
             rec = self.item(uid)
             if rec is None:
                 continue
-            self.txn.delete(self._key(uid), db=self.db["items"])
+            self.forget_item(uid)
             self.counters[rec["s"]] -= 1
             if rec["s"] not in LIVE:
                 continue
@@ -940,7 +979,7 @@ class _TableTxn:
             elif grp["s"] == PENDING:
                 self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
             self.counters["groups_" + grp["s"]] -= 1
-            self.txn.delete(self._key(gkey), db=self.db["groups"])
+            self.forget_group(gkey)
         return deleted
 
     # integrity
