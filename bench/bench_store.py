@@ -186,7 +186,7 @@ def report(command: str, writes: dict, reads: dict, selection: list[dict]) -> st
         "",
         "| measure | expbuf | raw LMDB | ratio (raw time / expbuf time) | goal |",
         "| --- | --- | --- | --- | --- |",
-        f"| durable write of 64 × 40 KB ({mb:.2f} MB), 8 per group | {writes['store_ms']:.2f} ms "
+        f"| durable write of 64 x 40 KB ({mb:.2f} MB), 8 per group | {writes['store_ms']:.2f} ms "
         f"({mb / writes['store_ms'] * 1e3:.0f} MB/s) | {writes['raw_ms']:.2f} ms "
         f"({mb / writes['raw_ms'] * 1e3:.0f} MB/s) | **{w_ratio:.2f}** | ≥ 0.8 |",
         f"| the same 64 from 4 concurrent pushers (group commit) | {writes['store4_ms']:.2f} ms | "
@@ -207,9 +207,7 @@ def report(command: str, writes: dict, reads: dict, selection: list[dict]) -> st
             f"{row['select_uniform_us']:.0f} | {row['select_priority_us']:.0f} | {row['sample_replay_us']:.0f} |"
         )
     spread = {
-        key: max(r[key] for r in selection) / min(r[key] for r in selection)
-        for key in selection[0]
-        if key != "size"
+        key: max(r[key] for r in selection) / min(r[key] for r in selection) for key in selection[0] if key != "size"
     }
     lines += [
         "",
