@@ -132,7 +132,7 @@ class RawItem:
 
     @property
     def model_version(self) -> int | None:
-        return self.meta["info"].get("model_version")
+        return self.meta.get("info", {}).get("model_version")
 
     @property
     def nbytes(self) -> int:

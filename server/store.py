@@ -128,7 +128,7 @@ class Entry:
     def of(cls, item: trxp.RawItem) -> Entry:
         eid = item.eid
         blob = trxp.build([item])
-        priority = item.meta["info"].get("priority", 0.0)
+        priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,
             tid=eid.tid,

@@ -300,6 +300,16 @@ def test_concurrent_pushes_share_commits(store: Store) -> None:
     assert store.stats("default")["ready"] == 6 * 20 * 4
 
 
+def test_tables_interleaved_keep_their_indexes(store: Store) -> None:
+    store.create_table(TableConfig(name="other"))
+    for task in range(3):
+        store.put("other", group_items(4, task, 2))
+        store.put("default", group_items(4, task, 2))
+    assert store.verify("other") == [] and store.verify("default") == []
+    assert store.stats("default")["oldest_age_seconds"] == 0.0
+    assert store.sample("default", num_groups=3).group_ids[::2] == ["4/0", "4/1", "4/2"]
+
+
 def test_drop_table(store: Store) -> None:
     store.create_table(TableConfig(name="tmp"))
     store.put("tmp", group_items(1, 0, 3))
