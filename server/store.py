@@ -66,7 +66,6 @@ _COUNTERS = (
     "groups_ready",
     "groups_leased",
     "groups_dropped",
-    "groups_failed",
     "pushed",
     "duplicates",
     "sampled",
@@ -606,6 +605,7 @@ class _TableTxn:
     def __init__(self, store: Store, txn: lmdb.Transaction, table_id: int, config: TableConfig) -> None:
         self.store, self.txn, self.config = store, txn, config
         self.db = store._db
+        self.table_id = table_id
         self.prefix = _U32.pack(table_id)
         self.counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
         self.counters |= _loads(txn.get(self.prefix, db=self.db["counters"])) or {}
@@ -898,7 +898,7 @@ class _TableTxn:
                 for uid, rec in recs.items():
                     self.put_item(uid, rec)
         if delivery == "lease":
-            lease = {"t": struct.unpack(">I", self.prefix)[0], "g": [g for g, _ in chosen], "e": batch.lease_expires}
+            lease = {"t": self.table_id, "g": [g for g, _ in chosen], "e": batch.lease_expires}
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
             self.txn.put(_expiry_key(batch.lease_expires, batch.lease_id), b"", db=self.db["lease_exp"])
         self.counters["sampled"] += len(batch.uids)
