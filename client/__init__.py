@@ -1,6 +1,19 @@
-"""expbuf client side: the TRXP codec and experience types shared with the server."""
+"""expbuf client side: the TRXP codec, experience types and the gRPC clients."""
 
+from .client import AsyncBufferClient, Batch, BufferClient, BufferError, PushResult, Tls
 from .experience import EID, Experience
 from .trxp import TrxpError, decode, encode
 
-__all__ = ["EID", "Experience", "TrxpError", "decode", "encode"]
+__all__ = [
+    "EID",
+    "AsyncBufferClient",
+    "Batch",
+    "BufferClient",
+    "BufferError",
+    "Experience",
+    "PushResult",
+    "Tls",
+    "TrxpError",
+    "decode",
+    "encode",
+]

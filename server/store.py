@@ -436,8 +436,12 @@ class Store:
         timeout: float = 0.0,
         allow_partial: bool = False,
         min_model_version: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> Sampled | None:
-        """Select whole ready groups; None if not enough arrived within timeout."""
+        """Select whole ready groups; None if not enough arrived within timeout.
+
+        `stop` is polled while waiting (a cancelled RPC ends the wait early, with None).
+        """
         table_id, config = self._table(table)
         if (num_groups > 0) == (batch_size > 0):
             raise InvalidRequest("set exactly one of num_groups or batch_size (> 0)")
@@ -465,7 +469,9 @@ class Store:
             )
             if result is not None or final:
                 return result
-            self._wait_for_change(generation, deadline)
+            if stop is not None and stop():
+                return None
+            self._wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
     def ack(self, lease_id: str) -> int:
         """Consume the groups of a lease; returns the experiences acknowledged."""
@@ -546,7 +552,8 @@ class Store:
         table_id, _ = self._table(table)
         prefix = _U32.pack(table_id)
         with self._read() as txn:
-            counters = dict.fromkeys(_COUNTERS, 0) | (_loads(txn.get(prefix, db=self._db["counters"])) or {})
+            counters = dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None}
+            counters |= _loads(txn.get(prefix, db=self._db["counters"])) or {}
             with txn.cursor(db=self._db["order"]) as cur:
                 oldest = 0.0
                 if cur.set_range(prefix) and cur.key().startswith(prefix):
@@ -607,7 +614,7 @@ class _TableTxn:
         self.db = store._db
         self.table_id = table_id
         self.prefix = _U32.pack(table_id)
-        self.counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
+        self.counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None}
         self.counters |= _loads(txn.get(self.prefix, db=self.db["counters"])) or {}
         self.ready = ReadyIndex(store._ready_dbs, txn, self.prefix)
         self.now = store.clock()
@@ -744,6 +751,10 @@ class _TableTxn:
             self.txn.put(key, b"", db=self.db[db])
         self.counters[PENDING] += 1
         self.counters["bytes"] += rec["n"]
+        if entry.version is not None:
+            low, high = self.counters["min_version"], self.counters["max_version"]
+            self.counters["min_version"] = entry.version if low is None else min(low, entry.version)
+            self.counters["max_version"] = entry.version if high is None else max(high, entry.version)
 
     def _make_room(self, count: int, nbytes: int, keep: set[str]) -> None:
         cfg = self.config

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from expbuf.client import EID, Experience, trxp
+from expbuf.client.experience import TENSOR_FIELDS
 
 
 def make_experience(
@@ -36,3 +39,84 @@ def make_experience(
 def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) -> list[trxp.RawItem]:
     """A GRPO group: `size` runs of one task, as validated RawItems."""
     return [trxp.from_experience(make_experience(batch, task, run, **kwargs)) for run in range(size)]
+
+
+def raw_sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(trxp._from_tensor(tensor).data).hexdigest()
+
+
+def check_against_manifest(exp: Experience, want: dict) -> None:
+    """An experience equals its manifest entry: ids, values, tensor dtypes, shapes, sha256."""
+    assert exp.eid.uid == want["uid"]
+    assert (exp.eid.tid, exp.eid.rid, exp.eid.sid) == (want["tid"], want["rid"], want["sid"])
+    assert exp.eid.to_dict() == want["eid"]
+    for name in (
+        "reward",
+        "prompt_length",
+        "info",
+        "metrics",
+        "truncate_status",
+        "prompt_text",
+        "response_text",
+        "messages",
+        "tools",
+        "chosen_messages",
+        "rejected_messages",
+        "custom_fields",
+    ):
+        assert getattr(exp, name) == want[name], name
+    present = {name: getattr(exp, name) for name in TENSOR_FIELDS if getattr(exp, name) is not None}
+    assert set(present) == set(want["tensors"])
+    for name, spec in want["tensors"].items():
+        tensor = present[name]
+        assert str(tensor.dtype) == f"torch.{spec['dtype']}", name
+        assert list(tensor.shape) == spec["shape"], name
+        assert raw_sha(tensor) == spec["sha256"], name
+    assert set(exp.multi_modal_inputs) == set(want["multi_modal_inputs"])
+    for key, spec in want["multi_modal_inputs"].items():
+        tensor = exp.multi_modal_inputs[key]
+        assert str(tensor.dtype) == f"torch.{spec['dtype']}"
+        assert list(tensor.shape) == spec["shape"]
+        assert raw_sha(tensor) == spec["sha256"]
+
+
+class ServerProcess:
+    """`expbuf serve` in a child process on a free loopback port, for restart and kill tests."""
+
+    def __init__(self, data: str, *args: str, env: dict[str, str] | None = None) -> None:
+        import os
+        import re
+        import subprocess
+        import sys
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.log: list[str] = []
+        ready = threading.Event()
+        self.port = 0
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                self.log.append(line)
+                match = re.search(r"listening on [\d.]+:(\d+)", line)
+                if match:
+                    self.port = int(match.group(1))
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60):
+            self.proc.kill()
+            raise AssertionError("server did not start:\n" + "".join(self.log))
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(30)

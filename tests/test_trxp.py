@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expbuf.client import EID, Experience, TrxpError, decode, encode, trxp
-from expbuf.client.experience import TENSOR_FIELDS
 
 from conftest import BAD_DIR, BAD_README, MANIFEST, TRXP_DIR, payload
+from helpers import check_against_manifest
 
 TRIPWIRE_CALLS: list[object] = []
 
@@ -28,44 +28,6 @@ def tripwire(*args: object) -> None:
     TRIPWIRE_CALLS.append(args)
 
 
-def _raw_sha(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(trxp._from_tensor(tensor).data).hexdigest()
-
-
-def _check_against_manifest(exp: Experience, want: dict) -> None:
-    assert exp.eid.uid == want["uid"]
-    assert (exp.eid.tid, exp.eid.rid, exp.eid.sid) == (want["tid"], want["rid"], want["sid"])
-    assert exp.eid.to_dict() == want["eid"]
-    for name in (
-        "reward",
-        "prompt_length",
-        "info",
-        "metrics",
-        "truncate_status",
-        "prompt_text",
-        "response_text",
-        "messages",
-        "tools",
-        "chosen_messages",
-        "rejected_messages",
-        "custom_fields",
-    ):
-        assert getattr(exp, name) == want[name], name
-    present = {name: getattr(exp, name) for name in TENSOR_FIELDS if getattr(exp, name) is not None}
-    assert set(present) == set(want["tensors"])
-    for name, spec in want["tensors"].items():
-        tensor = present[name]
-        assert str(tensor.dtype) == f"torch.{spec['dtype']}", name
-        assert list(tensor.shape) == spec["shape"], name
-        assert _raw_sha(tensor) == spec["sha256"], name
-    assert set(exp.multi_modal_inputs) == set(want["multi_modal_inputs"])
-    for key, spec in want["multi_modal_inputs"].items():
-        tensor = exp.multi_modal_inputs[key]
-        assert str(tensor.dtype) == f"torch.{spec['dtype']}"
-        assert list(tensor.shape) == spec["shape"]
-        assert _raw_sha(tensor) == spec["sha256"]
-
-
 def test_fixture_decodes_to_manifest(fixture_name: str) -> None:
     data = payload(fixture_name)
     want = MANIFEST["payloads"][fixture_name]
@@ -73,7 +35,7 @@ def test_fixture_decodes_to_manifest(fixture_name: str) -> None:
     exps = decode(data)
     assert len(exps) == want["num_items"]
     for exp, item in zip(exps, want["items"], strict=True):
-        _check_against_manifest(exp, item)
+        check_against_manifest(exp, item)
 
 
 def test_encode_roundtrip_is_byte_identical(fixture_name: str) -> None:
@@ -81,7 +43,7 @@ def test_encode_roundtrip_is_byte_identical(fixture_name: str) -> None:
     again = encode(decode(data))
     assert again == data
     for exp, item in zip(decode(again), MANIFEST["payloads"][fixture_name]["items"], strict=True):
-        _check_against_manifest(exp, item)
+        check_against_manifest(exp, item)
 
 
 def test_plain_readers_read_what_expbuf_builds() -> None:

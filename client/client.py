@@ -1,0 +1,438 @@
+"""Thin clients of the expbuf service: BufferClient (blocking) and AsyncBufferClient (asyncio).
+
+Push is idempotent on the server (a retried payload is reported as duplicates), so
+pushes and reads are retried with backoff when the server is UNAVAILABLE. Every call
+has a deadline. Errors are raised as BufferError carrying the gRPC status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from . import trxp, wire
+from .experience import Experience
+
+T = TypeVar("T")
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class BufferError(Exception):
+    """A refused or failed call; `code` is the grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS settings: server CA (None = system roots) and, for mutual TLS, a client pair."""
+
+    root_certificates: str | bytes | None = None
+    certificate_chain: str | bytes | None = None
+    private_key: str | bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(value: str | bytes | None) -> bytes | None:
+            return Path(value).read_bytes() if isinstance(value, str) else value
+
+        return grpc.ssl_channel_credentials(
+            read(self.root_certificates), read(self.private_key), read(self.certificate_chain)
+        )
+
+
+@dataclass
+class PushResult:
+    stored: list[str]
+    duplicates: list[str]
+    completed_groups: list[str]
+
+
+@dataclass
+class Batch:
+    """One sampled batch of whole groups. `experiences` decodes the payload on first use."""
+
+    payload: bytes
+    uids: list[str]
+    groups: list[str]
+    lease_id: str
+    lease_expires: float
+    partial: bool
+    _ack: Callable[[str], Any] | None = field(default=None, repr=False)
+    _nack: Callable[[str], Any] | None = field(default=None, repr=False)
+
+    @cached_property
+    def experiences(self) -> list[Experience]:
+        return trxp.decode(self.payload)
+
+    def ack(self) -> Any:
+        """Mark a leased batch done; without a lease there is nothing to acknowledge."""
+        return self._ack(self.lease_id) if self.lease_id and self._ack else 0
+
+    def nack(self) -> Any:
+        """Return a leased batch to the buffer now."""
+        return self._nack(self.lease_id) if self.lease_id and self._nack else 0
+
+
+def _payload(items: bytes | Iterable[Any]) -> bytes:
+    if isinstance(items, (bytes, bytearray, memoryview)):
+        return bytes(items)
+    return trxp.encode(items)
+
+
+def _sample_request(
+    table: str,
+    batch_size: int | None,
+    num_groups: int | None,
+    order: str,
+    delivery: str,
+    lease_seconds: float,
+    timeout: float,
+    max_batches: int,
+    min_model_version: int | None,
+    allow_partial: bool,
+) -> pb.SampleRequest:
+    if bool(batch_size) == bool(num_groups):
+        raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
+    return pb.SampleRequest(
+        table=table,
+        batch_size=batch_size or 0,
+        num_groups=num_groups or 0,
+        order=wire.enum_value(wire.ORDER, "order", order),
+        delivery=wire.enum_value(wire.DELIVERY, "delivery", delivery),
+        lease_seconds=lease_seconds,
+        wait_seconds=timeout,
+        allow_partial=allow_partial,
+        max_batches=max_batches,
+        min_model_version=min_model_version or 0,
+        has_min_model_version=min_model_version is not None,
+    )
+
+
+def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -> pb.CreateTableRequest:
+    settings = dict(settings)
+    capacity = settings.pop("capacity", None)
+    if capacity is not None:
+        settings["capacity_experiences"] = capacity
+    return pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
+
+
+def _batch(reply: pb.SampleReply, ack: Callable, nack: Callable) -> Batch:
+    return Batch(
+        payload=reply.payload,
+        uids=list(reply.uids),
+        groups=list(reply.group_ids),
+        lease_id=reply.lease_id,
+        lease_expires=reply.lease_expires_unix,
+        partial=reply.partial,
+        _ack=ack,
+        _nack=nack,
+    )
+
+
+def _push_result(reply: pb.PushReply) -> PushResult:
+    return PushResult(list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups))
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        tls: Tls | bool | None,
+        timeout: float,
+        retries: int,
+        max_message_bytes: int,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        self._credentials = None
+        if tls:
+            self._credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
+
+    def _retry_pause(self, exc: grpc.RpcError, retry: bool, attempt: int, deadline: float) -> float | None:
+        """Seconds to wait before retrying an idempotent call the server could not take; None = give up."""
+        if not retry or exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
+            return None
+        pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+        return pause if time.monotonic() + pause < deadline else None
+
+
+class BufferClient(_Base):
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        token: str | None = None,
+        tls: Tls | bool | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(target, token, tls, timeout, retries, max_message_bytes)
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(target, options=self._options)
+        else:
+            self._channel = grpc.secure_channel(target, self._credentials, options=self._options)
+        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> BufferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Callable[..., T], request: Any, *, retry: bool, timeout: float | None = None) -> T:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                pause = self._retry_pause(exc, retry, attempt, deadline)
+                if pause is None:
+                    raise BufferError(exc.code(), exc.details() or "") from None
+                attempt += 1
+                time.sleep(pause)
+
+    def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
+        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably."""
+        request = pb.PushRequest(table=table, payload=_payload(items))
+        return _push_result(self._call(self._stub.Push, request, retry=True, timeout=timeout))
+
+    def sample(
+        self,
+        table: str = "default",
+        batch_size: int | None = None,
+        num_groups: int | None = None,
+        order: str = "fifo",
+        delivery: str = "consume",
+        lease_seconds: float = 60.0,
+        timeout: float = 30.0,
+        max_batches: int = 0,
+        min_model_version: int | None = None,
+        allow_partial: bool = False,
+    ) -> Iterator[Batch]:
+        """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
+
+        The server prepares the next batch while the caller works on this one. With
+        "consume", the client therefore takes batches under a lease and acknowledges
+        each one as it hands it over: a batch that was read ahead but never handed over
+        (the caller stopped iterating) returns to the buffer when its lease expires
+        instead of being lost.
+        """
+        request = _sample_request(
+            table,
+            batch_size,
+            num_groups,
+            order,
+            "lease" if delivery == "consume" else delivery,
+            lease_seconds,
+            timeout,
+            max_batches,
+            min_model_version,
+            allow_partial,
+        )
+        stream = self._stub.Sample(request, metadata=self._metadata)
+        try:
+            for reply in stream:
+                batch = _batch(reply, self.ack, self.nack)
+                if delivery == "consume":
+                    self.ack(batch.lease_id)
+                    batch.lease_id = ""
+                yield batch
+        except grpc.RpcError as exc:
+            raise BufferError(exc.code(), exc.details() or "") from None
+        finally:
+            stream.cancel()
+
+    def ack(self, lease_id: str) -> int:
+        return self._call(self._stub.Ack, pb.AckRequest(lease_id=lease_id), retry=False).acked
+
+    def nack(self, lease_id: str) -> int:
+        return self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False).requeued
+
+    def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+        reply = self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
+        return trxp.decode(reply.payload)
+
+    def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
+        return self._call(self._stub.Delete, request, retry=False).deleted
+
+    def seal(self, group_id: str, table: str = "default") -> int:
+        return self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False).size
+
+    def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+        reply = self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
+        return {t.name: _fields(t) for t in reply.tables}
+
+    def server_info(self) -> dict[str, Any]:
+        return _fields(self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
+
+    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+        """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)."""
+        request = _create_table_request(name, exist_ok, settings)
+        return wire.table_from_proto(self._call(self._stub.CreateTable, request, retry=False).config)
+
+    def list_tables(self) -> list[dict[str, Any]]:
+        reply = self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
+        return [wire.table_from_proto(t) for t in reply.tables]
+
+    def drop_table(self, name: str) -> int:
+        return self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False).dropped_experiences
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+class AsyncBufferClient(_Base):
+    """asyncio client with the methods of BufferClient, as coroutines."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        token: str | None = None,
+        tls: Tls | bool | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(target, token, tls, timeout, retries, max_message_bytes)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=self._options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
+        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncBufferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(
+        self, method: Callable[..., Awaitable[T]], request: Any, *, retry: bool, timeout: float | None = None
+    ) -> T:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                pause = self._retry_pause(exc, retry, attempt, deadline)
+                if pause is None:
+                    raise BufferError(exc.code(), exc.details() or "") from None
+                attempt += 1
+                await asyncio.sleep(pause)
+
+    async def push(
+        self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
+    ) -> PushResult:
+        request = pb.PushRequest(table=table, payload=_payload(items))
+        return _push_result(await self._call(self._stub.Push, request, retry=True, timeout=timeout))
+
+    async def sample(
+        self,
+        table: str = "default",
+        batch_size: int | None = None,
+        num_groups: int | None = None,
+        order: str = "fifo",
+        delivery: str = "consume",
+        lease_seconds: float = 60.0,
+        timeout: float = 30.0,
+        max_batches: int = 0,
+        min_model_version: int | None = None,
+        allow_partial: bool = False,
+    ) -> AsyncIterator[Batch]:
+        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() return coroutines."""
+        request = _sample_request(
+            table,
+            batch_size,
+            num_groups,
+            order,
+            "lease" if delivery == "consume" else delivery,
+            lease_seconds,
+            timeout,
+            max_batches,
+            min_model_version,
+            allow_partial,
+        )
+        call = self._stub.Sample(request, metadata=self._metadata)
+        try:
+            async for reply in call:
+                batch = _batch(reply, self.ack, self.nack)
+                if delivery == "consume":
+                    await self.ack(batch.lease_id)
+                    batch.lease_id = ""
+                yield batch
+        except grpc.RpcError as exc:
+            raise BufferError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def ack(self, lease_id: str) -> int:
+        return (await self._call(self._stub.Ack, pb.AckRequest(lease_id=lease_id), retry=False)).acked
+
+    async def nack(self, lease_id: str) -> int:
+        return (await self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False)).requeued
+
+    async def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+        reply = await self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
+        return trxp.decode(reply.payload)
+
+    async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
+        return (await self._call(self._stub.Delete, request, retry=False)).deleted
+
+    async def seal(self, group_id: str, table: str = "default") -> int:
+        return (await self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False)).size
+
+    async def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+        reply = await self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
+        return {t.name: _fields(t) for t in reply.tables}
+
+    async def server_info(self) -> dict[str, Any]:
+        return _fields(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
+
+    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+        request = _create_table_request(name, exist_ok, settings)
+        return wire.table_from_proto((await self._call(self._stub.CreateTable, request, retry=False)).config)
+
+    async def list_tables(self) -> list[dict[str, Any]]:
+        reply = await self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
+        return [wire.table_from_proto(t) for t in reply.tables]
+
+    async def drop_table(self, name: str) -> int:
+        return (await self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False)).dropped_experiences

@@ -1,0 +1,71 @@
+"""Names of the wire enums and table settings, shared by the client and the server.
+
+Table settings travel as plain dicts with the names of the TOML file and of
+`BufferClient.create_table`; these functions turn them into the proto message and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
+WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
+ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
+ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
+DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
+
+
+def enum_value(mapping: dict[str, int], what: str, name: str) -> int:
+    try:
+        return mapping[name]
+    except KeyError:
+        raise ValueError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
+
+
+def enum_name(mapping: dict[str, int], value: int, default: str) -> str:
+    for name, number in mapping.items():
+        if number == value:
+            return name
+    return default
+
+
+def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
+    """Table settings (TOML names) -> TableConfig message."""
+    return pb.TableConfig(
+        name=settings["name"],
+        group_by=enum_value(GROUP_BY, "group_by", settings.get("group_by", "task")),
+        group_size=settings.get("group_size", 0),
+        group_timeout_seconds=settings.get("group_timeout_seconds", 0.0),
+        on_group_timeout=enum_value(ON_GROUP_TIMEOUT, "on_group_timeout", settings.get("on_group_timeout", "release")),
+        estimator=pb.Estimator(
+            name=settings.get("estimator", "grpo"),
+            params=settings.get("estimator_params") or {},
+            device=settings.get("device", "auto"),
+        ),
+        capacity_experiences=settings.get("capacity_experiences") or 0,
+        capacity_bytes=settings.get("capacity_bytes") or 0,
+        when_full=enum_value(WHEN_FULL, "when_full", settings.get("when_full", "block")),
+        max_times_sampled=settings.get("max_times_sampled", 0),
+        drop_zero_variance=settings.get("drop_zero_variance", False),
+    )
+
+
+def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
+    """TableConfig message -> table settings (TOML names); unset enums take their defaults."""
+    return {
+        "name": msg.name,
+        "group_by": enum_name(GROUP_BY, msg.group_by, "task"),
+        "group_size": msg.group_size,
+        "group_timeout_seconds": msg.group_timeout_seconds,
+        "on_group_timeout": enum_name(ON_GROUP_TIMEOUT, msg.on_group_timeout, "release"),
+        "estimator": msg.estimator.name or "grpo",
+        "estimator_params": dict(msg.estimator.params),
+        "device": msg.estimator.device or "auto",
+        "capacity_experiences": msg.capacity_experiences,
+        "capacity_bytes": msg.capacity_bytes,
+        "when_full": enum_name(WHEN_FULL, msg.when_full, "block"),
+        "max_times_sampled": msg.max_times_sampled,
+        "drop_zero_variance": msg.drop_zero_variance,
+    }

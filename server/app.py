@@ -1,0 +1,117 @@
+"""Assembles a running expbuf server: store, gRPC service, health, reflection, auth, TLS.
+
+gRPC runs synchronously on a thread pool: the store already serialises writes in
+its own writer thread. Each open Sample stream holds one worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
+
+from .auth import TokenAuth
+from .config import ServerConfig
+from .service import ExperienceBufferService
+from .store import Store
+
+log = logging.getLogger("expbuf")
+SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
+MAINTENANCE_SECONDS = 0.5
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls is None:
+        return None
+    tls = config.tls
+    key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
+    client_ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
+class ExpbufServer:
+    """The store behind a gRPC server, with a maintenance thread for leases and timeouts."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = Store(config.data)
+        for table in config.tables:
+            if self.store.create_table(table, exist_ok=True):
+                log.info("table created from config: %s", table.to_dict())
+        interceptors = [TokenAuth(config.tokens)] if config.tokens else []
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="expbuf-rpc"),
+            interceptors=interceptors,
+            options=channel_options(config.max_message_bytes),
+            maximum_concurrent_rpcs=config.workers,
+        )
+        self.service = ExperienceBufferService(self.store, max_message_bytes=config.max_message_bytes)
+        buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        address = f"{config.host}:{config.port}"
+        credentials = server_credentials(config)
+        if credentials is None:
+            self.port = self.grpc.add_insecure_port(address)
+        else:
+            self.port = self.grpc.add_secure_port(address, credentials)
+        self._stop = threading.Event()
+        self._maintenance = threading.Thread(target=self._maintain, name="expbuf-maintenance", daemon=True)
+        self.metrics_port = 0
+
+    def start(self) -> ExpbufServer:
+        self.grpc.start()
+        self._maintenance.start()
+        if self.config.metrics_port:
+            server, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
+            self.metrics_port = server.server_port
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "expbuf listening on %s:%d (tls %s, tokens %s, data %s, tables %s)",
+            self.config.host,
+            self.port,
+            "on" if self.config.tls else "off",
+            "on" if self.config.tokens else "off",
+            self.config.data,
+            ", ".join(t.name for t in self.store.list_tables()),
+        )
+        return self
+
+    def _maintain(self) -> None:
+        while not self._stop.wait(MAINTENANCE_SECONDS):
+            try:
+                done = self.store.tick()
+            except Exception:
+                log.exception("maintenance failed; retrying")
+                continue
+            if done["leases_expired"]:
+                log.info("leases expired: %d (%d experiences requeued)", done["leases_expired"], done["requeued"])
+            if done["groups_timed_out"]:
+                log.info("incomplete groups timed out: %d", done["groups_timed_out"])
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting, let running RPCs finish within grace, commit, close."""
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace).wait()
+        self._stop.set()
+        if self._maintenance.is_alive():
+            self._maintenance.join()
+        self.store.close()
+        log.info("expbuf stopped; every acknowledged write is committed")

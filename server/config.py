@@ -1,0 +1,151 @@
+"""Server settings from defaults, a TOML file, EXPBUF_* environment variables and flags.
+
+Later sources win: defaults < TOML file < environment < command line. The TOML file
+may also declare tables (created at start, or checked against the stored ones):
+
+    data = "/srv/expbuf"
+    host = "0.0.0.0"
+    port = 50051
+    metrics_port = 9400
+    max_message_bytes = 268435456
+
+    [tls]
+    cert = "server.pem"
+    key = "server.key"
+    client_ca = "ca.pem"          # optional: require client certificates (mutual TLS)
+
+    [[tokens]]
+    token = "..."                 # or token_env = "NAME" to read it from the environment
+    scopes = ["push"]             # push | sample | admin
+
+    [[tables]]
+    name = "grpo"
+    group_size = 8
+    estimator = "grpo"
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .tables import ConfigError, TableConfig
+
+SCOPES = ("push", "sample", "admin")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    data: str = "./expbuf-data"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    max_message_bytes: int = 256 << 20
+    workers: int = 64
+    tls: TlsConfig | None = None
+    # token -> scopes; empty means no authentication.
+    tokens: dict[str, frozenset[str]] = field(default_factory=dict)
+    tables: tuple[TableConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be a port number (0-65535), got {value!r}")
+        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
+            raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
+        if not isinstance(self.workers, int) or self.workers < 2:
+            raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
+        for token, scopes in self.tokens.items():
+            if not token:
+                raise ConfigError("a token is empty")
+            unknown = set(scopes) - set(SCOPES)
+            if unknown:
+                raise ConfigError(f"unknown token scope(s) {sorted(unknown)}; expected {', '.join(SCOPES)}")
+
+
+_ENV = {
+    "EXPBUF_DATA": ("data", str),
+    "EXPBUF_HOST": ("host", str),
+    "EXPBUF_PORT": ("port", int),
+    "EXPBUF_METRICS_PORT": ("metrics_port", int),
+    "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
+    "EXPBUF_WORKERS": ("workers", int),
+}
+
+
+def parse_tokens(spec: str) -> dict[str, frozenset[str]]:
+    """ "TOKEN:push,sample;TOKEN2:admin" -> {token: scopes} (the EXPBUF_TOKENS form)."""
+    tokens = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        token, sep, scopes = part.rpartition(":")
+        if not sep or not token:
+            raise ConfigError("EXPBUF_TOKENS entries are TOKEN:scope[,scope...] separated by ';'")
+        tokens[token] = frozenset(s.strip() for s in scopes.split(",") if s.strip())
+    return tokens
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    known = {f.name for f in fields(ServerConfig)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {k: v for k, v in raw.items() if k not in ("tls", "tokens", "tables")}
+    base = path.parent
+    if "tls" in raw:
+        tls = raw["tls"]
+        if not isinstance(tls, dict) or not {"cert", "key"} <= set(tls):
+            raise ConfigError(f"config file {path}: [tls] needs cert and key")
+        values["tls"] = TlsConfig(
+            cert=str(base / tls["cert"]),
+            key=str(base / tls["key"]),
+            client_ca=str(base / tls["client_ca"]) if tls.get("client_ca") else None,
+        )
+    tokens = {}
+    for entry in raw.get("tokens", []):
+        token = entry.get("token") or os.environ.get(entry.get("token_env", ""), "")
+        if not token:
+            raise ConfigError(f"config file {path}: a [[tokens]] entry has no token (or its token_env is unset)")
+        tokens[token] = frozenset(entry.get("scopes", []))
+    if tokens:
+        values["tokens"] = tokens
+    values["tables"] = tuple(TableConfig.from_dict(t) for t in raw.get("tables", []))
+    return values
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+    """Merge defaults, the TOML file, EXPBUF_* variables and explicit overrides."""
+    config = ServerConfig()
+    if path:
+        config = replace(config, **_from_toml(Path(path)))
+    env: dict[str, Any] = {}
+    for var, (name, kind) in _ENV.items():
+        if var in os.environ:
+            try:
+                env[name] = kind(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]!r} is not a valid {kind.__name__}") from None
+    if "EXPBUF_TOKENS" in os.environ:
+        env["tokens"] = parse_tokens(os.environ["EXPBUF_TOKENS"])
+    if "EXPBUF_TLS_CERT" in os.environ or "EXPBUF_TLS_KEY" in os.environ:
+        env["tls"] = TlsConfig(
+            cert=os.environ.get("EXPBUF_TLS_CERT", ""),
+            key=os.environ.get("EXPBUF_TLS_KEY", ""),
+            client_ca=os.environ.get("EXPBUF_TLS_CLIENT_CA") or None,
+        )
+    config = replace(config, **env)
+    return replace(config, **{k: v for k, v in (overrides or {}).items() if v is not None})

@@ -1,0 +1,121 @@
+"""Bearer tokens with scopes, TLS and mutual TLS, against a real server on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
+from expbuf.server.tables import ConfigError
+
+from conftest import payload
+
+TOKENS = {
+    "pusher-secret": frozenset({"push"}),
+    "trainer-secret": frozenset({"sample"}),
+    "ops": frozenset({"push", "sample", "admin"}),
+}
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    d = tmp_path_factory.mktemp("certs")
+    ca_key, ca = str(d / "ca.key"), str(d / "ca.pem")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA",
+             "-keyout", ca_key, "-out", ca)  # fmt: skip
+    extensions = {"server": "subjectAltName=IP:127.0.0.1,DNS:localhost", "client": "extendedKeyUsage=clientAuth"}
+    for name, ext in extensions.items():
+        key, csr, pem, extfile = (str(d / f"{name}.{suffix}") for suffix in ("key", "csr", "pem", "ext"))
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", key, "-out", csr)
+        Path(extfile).write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2",
+                 "-extfile", extfile, "-out", pem)  # fmt: skip
+    return d
+
+
+def _start(tmp_path: Path, **settings: object) -> ExpbufServer:
+    return ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=0, **settings)).start()
+
+
+def test_tokens_and_scopes(tmp_path: Path) -> None:
+    server = _start(tmp_path, tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with BufferClient(target, token="pusher-secret") as pusher:
+            assert len(pusher.push(payload("grpo_group.trxp")).stored) == 8
+            with pytest.raises(BufferError) as info:
+                next(pusher.sample(num_groups=1))
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert "'sample' scope" in info.value.details
+        with BufferClient(target, token="trainer-secret") as trainer:
+            assert len(next(trainer.sample(num_groups=1, max_batches=1)).uids) == 8
+            with pytest.raises(BufferError) as info:
+                trainer.create_table("mine")
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        for token, message in ((None, "missing bearer token"), ("wrong", "unknown bearer token")):
+            with BufferClient(target, token=token) as stranger, pytest.raises(BufferError) as info:
+                stranger.push(payload("single_turn.trxp"))
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert message in info.value.details
+        with BufferClient(target, token="ops") as ops:
+            assert ops.create_table("mine")["name"] == "mine"
+            assert ops.stats()["default"]["pushed"] == 8
+    finally:
+        server.stop(grace=1)
+
+
+def test_tls_and_mutual_tls(tmp_path: Path, certs: Path) -> None:
+    tls = TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"))
+    server = _start(tmp_path / "tls", tls=tls)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with BufferClient(target, tls=Tls(root_certificates=str(certs / "ca.pem"))) as c:
+            assert len(c.push(payload("grpo_group.trxp")).stored) == 8
+        with BufferClient(target, timeout=2, retries=0) as plain, pytest.raises(BufferError) as info:
+            plain.push(payload("single_turn.trxp"))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=1)
+    mutual = TlsConfig(cert=tls.cert, key=tls.key, client_ca=str(certs / "ca.pem"))
+    server = _start(tmp_path / "mtls", tls=mutual)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        client_tls = Tls(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"))
+        with BufferClient(target, tls=client_tls) as c:
+            assert len(c.push(payload("grpo_group.trxp")).stored) == 8
+        no_cert = Tls(root_certificates=str(certs / "ca.pem"))
+        with BufferClient(target, tls=no_cert, timeout=2, retries=0) as c, pytest.raises(BufferError) as info:
+            c.push(payload("single_turn.trxp"))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=1)
+
+
+def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_file = tmp_path / "expbuf.toml"
+    config_file.write_text(
+        'data = "/srv/expbuf"\nport = 6000\n\n[[tokens]]\ntoken_env = "PUSH_TOKEN"\nscopes = ["push"]\n\n'
+        '[[tables]]\nname = "grpo8"\ngroup_size = 8\n'
+    )
+    monkeypatch.setenv("PUSH_TOKEN", "from-env")
+    monkeypatch.setenv("EXPBUF_PORT", "7000")
+    config = load(str(config_file), {"data": "/override", "host": None})
+    assert (config.data, config.port, config.host) == ("/override", 7000, "127.0.0.1")
+    assert config.tokens == {"from-env": frozenset({"push"})}
+    assert [t.name for t in config.tables] == ["grpo8"] and config.tables[0].group_size == 8
+    assert parse_tokens("a:push,sample; b:admin") == {"a": frozenset({"push", "sample"}), "b": frozenset({"admin"})}
+    with pytest.raises(ConfigError, match="unknown token scope"):
+        ServerConfig(tokens={"x": frozenset({"root"})})
+    config_file.write_text("prot = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load(str(config_file))

@@ -1,0 +1,334 @@
+"""The ExperienceBuffer service over real gRPC on loopback, with real LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import signal
+import struct
+import threading
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+import safetensors.torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.torch import ExperienceDataset
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+from conftest import BAD_DIR, BAD_README, MANIFEST, payload
+from helpers import ServerProcess, check_against_manifest, group_items
+
+
+def start(data: Path, **settings: object) -> ExpbufServer:
+    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, **settings)).start()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> ExpbufServer:
+    srv = start(tmp_path / "data", max_message_bytes=4 << 20)
+    yield srv
+    srv.stop(grace=1)
+
+
+@pytest.fixture
+def client(server: ExpbufServer) -> BufferClient:
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+        yield c
+
+
+def encode_items(items: list[trxp.RawItem]) -> bytes:
+    return trxp.build(items)
+
+
+def test_every_fixture_round_trips(client: BufferClient) -> None:
+    for index, (name, want) in enumerate(sorted(MANIFEST["payloads"].items())):
+        table = f"t{index}"
+        client.create_table(table, group_by="none")
+        result = client.push(payload(name), table=table)
+        assert result.stored == [item["uid"] for item in want["items"]]
+        if not want["items"]:
+            continue
+        batch = next(client.sample(table, batch_size=len(want["items"]), delivery="replay", timeout=5))
+        assert batch.uids == result.stored
+        for exp, item in zip(batch.experiences, want["items"], strict=True):
+            check_against_manifest(exp, item)
+        for exp, item in zip(client.get(result.stored, table=table), want["items"], strict=True):
+            check_against_manifest(exp, item)
+
+
+def test_sampled_payload_reads_with_pickle_and_safetensors(client: BufferClient) -> None:
+    """What Trinity-RFT's Experience.deserialize_many does with a batch."""
+    client.push(payload("mixed_batch.trxp"))
+    batch = next(client.sample(num_groups=2))
+    _, _, meta_len, _ = struct.unpack_from("<4sBQQ", batch.payload)
+    meta = pickle.loads(batch.payload[21 : 21 + meta_len])
+    tensors = safetensors.torch.load(batch.payload[21 + meta_len :])
+    assert meta["num_items"] == 8 and len(tensors) == 24
+    assert [i["eid"]["run"] for i in meta["items"]] == [0, 1, 2, 3] * 2
+
+
+def test_groups_are_whole_and_complete(client: BufferClient) -> None:
+    client.create_table("g4", group_size=4)
+    items = trxp.parse(payload("grpo_group.trxp"))
+    client.push(encode_items(items[:3]), table="g4")
+    with pytest.raises(BufferError) as info:
+        next(client.sample("g4", num_groups=1, timeout=0.2))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "did not have 1 groups ready" in info.value.details
+    client.push(payload("mixed_batch.trxp"), table="g4")
+    batch = next(client.sample("g4", num_groups=2))
+    assert Counter(batch.groups) == {"11/0": 4, "11/1": 4}
+    with pytest.raises(BufferError, match="group 7/3 has 3 of 4 experiences; 2 more would overfill it"):
+        client.push(encode_items(items[3:5]), table="g4")
+    assert client.push(encode_items(items[3:4]), table="g4").completed_groups == ["7/3"]
+    client.push(encode_items(group_items(8, 0, 2)), table="g4")
+    assert client.seal("8/0", table="g4") == 2
+    batch = next(client.sample("g4", batch_size=5))
+    assert batch.groups == ["7/3"] * 4 + ["8/0"] * 2
+
+
+def test_concurrent_trainers_receive_every_experience_once(client: BufferClient, server: ExpbufServer) -> None:
+    target = f"127.0.0.1:{server.port}"
+    pushers, per_pusher, group = 4, 15, 4
+    expected = pushers * per_pusher * group
+    received: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def push(worker: int) -> None:
+        with BufferClient(target) as c:
+            for task in range(per_pusher):
+                c.push(encode_items(group_items(worker, task, group)))
+
+    def train() -> None:
+        try:
+            with BufferClient(target) as c:
+                for batch in c.sample(num_groups=2, timeout=3, allow_partial=True):
+                    with lock:
+                        received.extend(batch.uids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in range(pushers)]
+    threads += [threading.Thread(target=train) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert len(received) == expected and len(set(received)) == expected
+
+
+def test_lease_expires_and_survives_restart(tmp_path: Path) -> None:
+    srv = start(tmp_path)
+    target = f"127.0.0.1:{srv.port}"
+    with BufferClient(target) as c:
+        c.push(payload("mixed_batch.trxp"))
+        leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=1.0, max_batches=1))
+        acked = next(c.sample(num_groups=1, delivery="lease", lease_seconds=1.0, max_batches=1))
+        assert acked.ack() == 4
+    srv.stop(grace=1)
+    srv = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{srv.port}") as c:
+            back = next(c.sample(num_groups=1, delivery="lease", timeout=10, max_batches=1))
+            assert back.uids == leased.uids
+            back.nack()
+            again = next(c.sample(num_groups=1, timeout=5, max_batches=1))
+            assert again.uids == leased.uids
+            with pytest.raises(BufferError) as info:
+                next(c.sample(num_groups=1, timeout=1.5))
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert c.stats()["default"]["leases_expired"] == 1
+    finally:
+        srv.stop(grace=1)
+
+
+def test_retried_push_is_idempotent(client: BufferClient) -> None:
+    first = client.push(payload("grpo_group.trxp"))
+    again = client.push(payload("grpo_group.trxp"))
+    assert again.stored == [] and again.duplicates == first.stored
+    changed = trxp.parse(payload("grpo_group.trxp"))
+    changed[0].meta["reward"] = 0.5
+    with pytest.raises(BufferError) as info:
+        client.push(encode_items(changed))
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "7/3/0/0/r0s0t3" in info.value.details
+    assert client.stats()["default"]["ready"] == 8
+
+
+@pytest.mark.parametrize("name", sorted(BAD_README))
+def test_bad_payload_is_refused_and_server_stays_healthy(client: BufferClient, server: ExpbufServer, name: str) -> None:
+    with pytest.raises(BufferError) as info:
+        client.push((BAD_DIR / name).read_bytes())
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details
+    stats = client.stats()["default"]
+    assert stats["pushed"] == 0 and stats["ready"] == 0
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    assert client.push(payload("single_turn.trxp")).stored == ["0/0/0/0/r0s0t0"]
+
+
+def test_oversized_message_is_refused_clearly(client: BufferClient) -> None:
+    big = encode_items(group_items(1, 0, 1, response=2 << 20))
+    with pytest.raises(BufferError) as info:
+        client.push(big)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in info.value.details
+
+
+def test_full_table_blocks_then_refuses(client: BufferClient) -> None:
+    client.create_table("small", capacity=4)
+    client.push(encode_items(group_items(1, 0, 4)), table="small")
+    with pytest.raises(BufferError) as info:
+        client.push(encode_items(group_items(1, 1, 2)), table="small", timeout=0.5)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "is full" in info.value.details
+
+
+def test_push_stream_acknowledges_each_commit(client: BufferClient, server: ExpbufServer) -> None:
+    from expbuf.proto.v1 import buffer_pb2 as pb
+    from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        requests = (pb.PushRequest(payload=encode_items(group_items(2, t, 2)), seq=t + 100) for t in range(5))
+        replies = list(stub.PushStream(requests, timeout=10))
+    assert [r.seq for r in replies] == [100, 101, 102, 103, 104]
+    assert all(len(r.stored_uids) == 2 for r in replies)
+    assert client.stats()["default"]["ready"] == 10
+
+
+def test_admin_calls(client: BufferClient) -> None:
+    settings = {"group_size": 2, "max_times_sampled": 2, "when_full": "evict", "capacity": 100}
+    created = client.create_table("replay", **settings)
+    assert created["max_times_sampled"] == 2 and created["capacity_experiences"] == 100
+    assert client.create_table("replay", exist_ok=True, **settings) == created
+    with pytest.raises(BufferError) as info:
+        client.create_table("replay")
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(ValueError, match="group_by is 'episode'"):
+        client.create_table("bad", group_by="episode")
+    with pytest.raises(BufferError) as info:
+        client.create_table("bad", group_by="none", group_size=3)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "group_size must be 0 or 1" in info.value.details
+    assert [t["name"] for t in client.list_tables()] == ["default", "replay"]
+    client.push(encode_items(group_items(1, 0, 2)), table="replay")
+    for _ in range(2):
+        assert len(next(client.sample("replay", num_groups=1, delivery="replay", max_batches=1)).uids) == 2
+    with pytest.raises(BufferError):
+        next(client.sample("replay", num_groups=1, delivery="replay", timeout=0.1))
+    client.push(encode_items(group_items(2, 0, 3)))
+    assert client.delete(["2/0/0/0/r0s0"]) == 1
+    assert [e.eid.uid for e in client.get(["2/0/1/0/r1s0", "2/0/0/0/r0s0"])] == ["2/0/1/0/r1s0"]
+    assert client.delete(groups=["2/0"]) == 2
+    info_ = client.server_info()
+    assert info_["trxp_version"] == "1" and 0 < info_["lmdb_map_used_ratio"] < 1
+    assert client.drop_table("replay") == 0
+    with pytest.raises(BufferError) as info:
+        client.push(payload("single_turn.trxp"), table="replay")
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_and_reflection(server: ExpbufServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service="expbuf.v1.ExperienceBuffer"), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"expbuf.v1.ExperienceBuffer", "grpc.health.v1.Health"} <= services
+
+
+def test_async_client(server: ExpbufServer) -> None:
+    async def run() -> None:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}") as c:
+            result = await c.push(payload("grpo_group.trxp"))
+            assert len(result.stored) == 8
+            async for batch in c.sample(num_groups=1, delivery="lease", max_batches=1):
+                assert len(batch.experiences) == 8
+                assert await batch.ack() == 8
+            assert (await c.stats())["default"]["consumed"] == 8
+
+    asyncio.run(run())
+
+
+def test_experience_dataset_acks_when_the_next_batch_is_requested(client: BufferClient) -> None:
+    for task in range(3):
+        client.push(encode_items(group_items(5, task, 2)))
+    dataset = ExperienceDataset(client, num_groups=1, max_batches=3, timeout=5)
+    seen = []
+    for batch in dataset:
+        seen.append(batch.groups[0])
+        stats = client.stats()["default"]
+        # this batch is still leased (plus whatever the server read ahead); earlier ones are acked
+        assert stats["leased"] >= 2 and stats["consumed"] == 2 * (len(seen) - 1)
+    assert seen == ["5/0", "5/1", "5/2"]
+    assert client.stats()["default"]["consumed"] == 6
+
+
+def test_batches_read_ahead_but_not_taken_come_back(client: BufferClient) -> None:
+    client.push(encode_items(group_items(6, 0, 2)))
+    client.push(encode_items(group_items(6, 1, 2)))
+    stream = client.sample(num_groups=1, lease_seconds=1.0)
+    assert next(stream).groups[0] == "6/0"
+    stream.close()  # 6/1 may already be on its way to this client: it must not be lost
+    remaining = next(client.sample(num_groups=1, timeout=10, max_batches=1))
+    assert remaining.groups == ["6/1", "6/1"]
+    assert client.stats()["default"]["consumed"] == 4
+
+
+def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:
+    proc = ServerProcess(str(tmp_path))
+    with BufferClient(proc.target) as c:
+        c.push(payload("grpo_group.trxp"))
+    assert proc.stop(signal.SIGTERM) == 0
+    assert any("stopped" in line for line in proc.log)
+    proc = ServerProcess(str(tmp_path))
+    try:
+        with BufferClient(proc.target) as c:
+            assert len(next(c.sample(num_groups=1)).uids) == 8
+    finally:
+        proc.stop(signal.SIGTERM)
+
+
+@pytest.mark.soak
+def test_kill_9_during_pushes_loses_no_acknowledged_uid(tmp_path: Path) -> None:
+    proc = ServerProcess(str(tmp_path))
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def pusher(worker: int) -> None:
+        with BufferClient(proc.target, retries=0, timeout=5) as c:
+            task = 0
+            while not stop.is_set():
+                try:
+                    acked.extend(c.push(encode_items(group_items(worker, task, 8, response=256))).stored)
+                except BufferError:
+                    return
+                task += 1
+
+    threads = [threading.Thread(target=pusher, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    while len(acked) < 400:
+        threading.Event().wait(0.01)
+    proc.stop(signal.SIGKILL)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    proc = ServerProcess(str(tmp_path))
+    try:
+        with BufferClient(proc.target) as c:
+            found = {e.eid.uid for e in c.get(acked)}
+        assert found == set(acked)
+    finally:
+        proc.stop(signal.SIGTERM)
