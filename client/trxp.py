@@ -443,22 +443,80 @@ def build(items: Sequence[RawItem]) -> bytes:
         end = offset + len(tensor.data)
         header[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
         offset = end
+    return _assemble(meta, header, [tensor.data for _, tensor in entries])
+
+
+def _assemble(meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]) -> bytes:
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
     header_bytes += b" " * (-len(header_bytes) % 8)
-    tensor_len = 8 + len(header_bytes) + offset
-    parts = [
-        _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len),
-        meta,
-        struct.pack("<Q", len(header_bytes)),
-        header_bytes,
-        *(tensor.data for _, tensor in entries),
-    ]
-    return b"".join(parts)
+    tensor_len = 8 + len(header_bytes) + sum(len(d) for d in data)
+    head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
+    return b"".join([head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data])
+
+
+# The server stores each experience as a one-item payload whose metadata pickle is laid
+# out so that join() can splice many of them without unpickling: protocol 3, no memo
+# (so each item's opcodes stand on their own), between a fixed head and tail.
+_SPLICE_HEAD = b"\x80\x03}(X\x07\x00\x00\x00versionK\x01X\t\x00\x00\x00num_itemsJ"
+_SPLICE_ITEMS = b"X\x05\x00\x00\x00items]("
+_SPLICE_TAIL = b"eu."
+_SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
+
+
+def _fragment(meta: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=3)
+    pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
+    pickler.dump(meta)
+    return buffer.getvalue()[2:-1]  # without PROTO and STOP
+
+
+def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join([_SPLICE_HEAD, struct.pack("<i", len(fragments)), _SPLICE_ITEMS, *fragments, _SPLICE_TAIL])
+
+
+def pack_item(item: RawItem) -> bytes:
+    """One validated experience as a one-item TRXP payload that join() splices cheaply."""
+    entries = sorted(item.tensors.items(), key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in entries:
+        end = offset + len(tensor.data)
+        header[f"0:{name}"] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    return _assemble(_splice_meta([_fragment(item.meta)]), header, [tensor.data for _, tensor in entries])
 
 
 def join(payloads: Iterable[bytes]) -> bytes:
-    """Concatenate payloads the server stored (already validated) into one batch."""
-    return build([item for payload in payloads for item in parse(payload, trusted=True)])
+    """Concatenate payloads the server stored (already validated) into one batch.
+
+    Payloads made by pack_item are spliced: their metadata opcodes and tensor bytes are
+    copied as they are, and only the safetensors header is rewritten. Anything else is
+    parsed and rebuilt.
+    """
+    payloads = list(payloads)
+    fragments: list[memoryview] = []
+    header: dict[str, Any] = {}
+    data: list[memoryview] = []
+    base = 0
+    for index, payload in enumerate(payloads):
+        view = memoryview(payload)
+        _, _, meta_len, _ = _HEADER.unpack_from(view)
+        meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+        if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
+            return build([item for p in payloads for item in parse(p, trusted=True)])
+        fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
+        blob = view[HEADER_SIZE + meta_len :]
+        (header_len,) = struct.unpack_from("<Q", blob)
+        prefix = f"{index}:"
+        for key, entry in json.loads(bytes(blob[8 : 8 + header_len])).items():
+            if key != "__metadata__":
+                start, end = entry["data_offsets"]
+                entry["data_offsets"] = [start + base, end + base]
+                header[prefix + key.partition(":")[2]] = entry
+        data.append(blob[8 + header_len :])
+        base += len(data[-1])
+    return _assemble(_splice_meta(fragments), header, data)
 
 
 # ---- Experience objects -----------------------------------------------------------

@@ -126,7 +126,7 @@ class Entry:
     @classmethod
     def of(cls, item: trxp.RawItem) -> Entry:
         eid = item.eid
-        blob = trxp.build([item])
+        blob = trxp.pack_item(item)
         priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,

@@ -251,3 +251,15 @@ def test_fuzz_length_fields_raise_only_trxp_error(seed: bytes, field: tuple[int,
 @settings(max_examples=200, deadline=2000)
 def test_fuzz_random_metadata_raises_only_trxp_error(meta: bytes) -> None:
     _decode_bounded(_with_metadata(b"\x80\x05" + meta))
+
+
+def test_stored_items_splice_into_the_same_batch() -> None:
+    """What the server stores per experience joins, without unpickling, into a valid batch."""
+    items = trxp.parse(payload("rich_fields.trxp")) + trxp.parse(payload("mixed_batch.trxp"))
+    stored = [trxp.pack_item(item) for item in items]
+    for blob, item in zip(stored, items, strict=True):
+        assert trxp.parse(blob) == [item]  # each stored form is a valid one-item payload
+    spliced = trxp.join(stored)
+    assert trxp.parse(spliced) == items  # and the untrusted parser accepts the splice
+    assert trxp.parse(trxp.join([trxp.build([i]) for i in items])) == items  # other layouts are rebuilt
+    assert trxp.join([]) and trxp.parse(trxp.join([])) == []
