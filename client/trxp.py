@@ -217,26 +217,67 @@ class _PlainUnpickler(pickle.Unpickler):
         raise TrxpError("metadata: pickle uses persistent ids; refused")
 
 
+# Plain-data opcodes by byte: (name, argument size), the size as pickletools describes
+# it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes).
+_OPCODE_TABLE = {op.code.encode("latin-1")[0]: (op.name, op.arg.n if op.arg else 0) for op in pickletools.opcodes}
+_PLAIN_TABLE = {code: spec for code, spec in _OPCODE_TABLE.items() if spec[0] in _PLAIN_OPCODES}
+_LENGTH_PREFIX = {
+    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
+    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
+    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
+}
+
+
 def _scan_pickle(data: memoryview) -> None:
     """Refuse any opcode that is not plain data, and memo indices beyond reason.
 
-    The scan runs before unpickling: it never executes anything, and it stops a
-    tiny pickle from making the unpickler allocate a huge memo.
+    The scan walks the opcodes without executing anything, before the unpickler
+    sees them: it stops a tiny pickle from making the unpickler allocate a huge
+    memo, and everything but plain data from being built at all.
     """
-    ops = 0
-    try:
-        for opcode, arg, _pos in pickletools.genops(bytes(data)):
-            ops += 1
-            if opcode.name not in _PLAIN_OPCODES:
-                raise TrxpError(
-                    f"metadata: pickle opcode {opcode.name} is not plain data (globals and objects are refused)"
-                )
-            if opcode.name in _MEMO_OPCODES and not (0 <= int(arg) <= ops):
-                raise TrxpError(f"metadata: pickle memo index {arg} out of range")
-    except TrxpError:
-        raise
-    except Exception as exc:
-        raise TrxpError(f"metadata: pickle is malformed ({exc})") from None
+    raw = bytes(data)
+    pos, size, ops = 0, len(raw), 0
+    while pos < size:
+        code = raw[pos]
+        spec = _PLAIN_TABLE.get(code)
+        if spec is None:
+            name = _OPCODE_TABLE.get(code, (f"0x{code:02x}",))[0]
+            raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
+        name, arg_size = spec
+        ops += 1
+        start = pos = pos + 1
+        if arg_size >= 0:
+            pos += arg_size
+        elif arg_size == pickletools.UP_TO_NEWLINE:
+            newline = raw.find(b"\n", pos)
+            if newline < 0:
+                raise TrxpError(f"metadata: pickle is truncated in {name}")
+            pos = newline + 1
+        else:
+            width, signed = _LENGTH_PREFIX[arg_size]
+            length = int.from_bytes(raw[pos : pos + width], "little", signed=signed)
+            if length < 0:
+                raise TrxpError(f"metadata: pickle {name} has a negative length")
+            start = pos = pos + width
+            pos += length
+        if pos > size:
+            raise TrxpError(f"metadata: pickle is truncated in {name}")
+        if name in _MEMO_OPCODES:
+            arg = raw[start:pos]
+            if name in ("PUT", "GET"):  # protocol 0: a decimal index and a newline
+                if not arg[:-1].isdigit():
+                    raise TrxpError(f"metadata: pickle {name} has a malformed index")
+                index = int(arg)
+            else:
+                index = int.from_bytes(arg, "little")
+            if index > ops:
+                raise TrxpError(f"metadata: pickle memo index {index} out of range")
+        if name == "STOP":
+            if pos != size:
+                raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
+            return
+    raise TrxpError("metadata: pickle is truncated (no STOP)")
 
 
 def _is_int(value: Any) -> bool:

@@ -1,0 +1,254 @@
+"""Service benchmark: expbuf over gRPC against raw LMDB and a raw gRPC server, side by side.
+
+    .venv/bin/python bench/bench_service.py [--payloads-per-pusher 8] [--out bench/RESULTS.md]
+
+Each server runs in its own process on a loopback port; clients run here.
+- Push: 8 concurrent pushers, 40 KB experiences, 64 per payload, durable acks; against
+  raw durable LMDB puts of the same bytes (one writer, fsync per 64) and a raw gRPC push
+  of the same payloads to a server that stores nothing.
+- Sample: whole groups of 8, batches of 256 experiences, consume and lease (acked per
+  batch); against a raw gRPC server stream of messages of the same size.
+- Latency: p50/p99 of a one-experience push with a durable ack, and of the first batch of
+  a sample when data is ready.
+Both server flavours are measured: the thread-pool server (`expbuf serve`) and a
+grpc.aio server over the same store (bench/aio_server.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import grpc
+import lmdb
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_store import experience  # noqa: E402
+
+from expbuf.client import BufferClient, trxp  # noqa: E402
+
+PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
+MAX = 256 << 20
+
+
+class Proc:
+    """A server process; waits for its 'listening on' line."""
+
+    def __init__(self, *argv: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, *argv], stderr=subprocess.PIPE, text=True)
+        for line in self.proc.stderr:
+            match = re.search(r"listening on ([\d.]+:\d+)", line)
+            if match:
+                self.target = match.group(1)
+                break
+        else:
+            raise RuntimeError(f"{argv} did not start")
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def make_payloads(count: int, tokens: int = 5000) -> list[bytes]:
+    payloads = []
+    for p in range(count):
+        exps = [experience(p, t, r, tokens) for t in range(PER_PAYLOAD // GROUP) for r in range(GROUP)]
+        payloads.append(trxp.encode(exps))
+    return payloads
+
+
+def run_threads(work: list, target) -> float:
+    threads = [threading.Thread(target=target, args=(w,)) for w in work]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def bench_push(target: str, payloads: list[bytes]) -> float:
+    shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
+
+    def push(share: list[bytes]) -> None:
+        with BufferClient(target, timeout=120) as c:
+            for payload in share:
+                c.push(payload)
+
+    return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
+
+
+def bench_raw_push(target: str, payloads: list[bytes]) -> float:
+    shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
+    options = [("grpc.max_send_message_length", MAX), ("grpc.max_receive_message_length", MAX)]
+
+    def push(share: list[bytes]) -> None:
+        with grpc.insecure_channel(target, options=options) as channel:
+            call = channel.unary_unary("/bench.Raw/Push")
+            for payload in share:
+                call(payload, timeout=120)
+
+    return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
+
+
+def bench_raw_lmdb(path: Path, payloads: list[bytes]) -> float:
+    env = lmdb.open(str(path), map_size=8 << 30, sync=True, metasync=True, readahead=False)
+    blobs = [[(item.uid.encode(), trxp.pack_item(item)) for item in trxp.parse(p)] for p in payloads]
+    start = time.perf_counter()
+    for batch in blobs:
+        with env.begin(write=True) as txn:
+            for key, value in batch:
+                txn.put(key, value)
+    elapsed = time.perf_counter() - start
+    env.close()
+    return sum(map(len, payloads)) / elapsed / 1e6
+
+
+def bench_sample(target: str, delivery: str, batches: int) -> tuple[float, int]:
+    with BufferClient(target, timeout=120) as c:
+        total = 0
+        size = 0
+        start = time.perf_counter()
+        for batch in c.sample(num_groups=BATCH // GROUP, delivery=delivery, max_batches=batches, timeout=60):
+            total += len(batch.payload)
+            size = len(batch.payload)
+            batch.ack()
+        return total / (time.perf_counter() - start) / 1e6, size
+
+
+def bench_raw_stream(target: str, size: int, batches: int) -> float:
+    options = [("grpc.max_receive_message_length", MAX)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        call = channel.unary_stream("/bench.Raw/Stream")
+        start = time.perf_counter()
+        total = sum(len(m) for m in call(f"{batches},{size}".encode(), timeout=120))
+        return total / (time.perf_counter() - start) / 1e6
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_latency(target: str, reps: int) -> dict[str, float]:
+    one = [trxp.encode([experience(900_000 + i, 0, 0)]) for i in range(reps)]
+    groups = [trxp.encode([experience(800_000 + i, 0, r, 256) for r in range(GROUP)]) for i in range(reps)]
+    with BufferClient(target, timeout=60) as c:
+        push_t = []
+        for payload in one:
+            start = time.perf_counter()
+            c.push(payload)
+            push_t.append(time.perf_counter() - start)
+        next(c.sample(batch_size=reps, max_batches=1, timeout=10))  # drain the single experiences
+        for payload in groups:
+            c.push(payload)
+        first_t = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            next(c.sample(num_groups=1, delivery="lease", max_batches=1)).ack()
+            first_t.append(time.perf_counter() - start)
+    ms = 1e3
+    return {
+        "push_p50": percentile(push_t, 0.5) * ms,
+        "push_p99": percentile(push_t, 0.99) * ms,
+        "first_p50": percentile(first_t, 0.5) * ms,
+        "first_p99": percentile(first_t, 0.99) * ms,
+    }
+
+
+def measure_server(kind: str, data: Path, payloads: list[bytes], reps: int) -> dict[str, float]:
+    argv = (
+        ["-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0", "--metrics-port", "0"]
+        if kind == "sync"
+        else [str(HERE / "aio_server.py"), str(data)]
+    )
+    server = Proc(*argv)
+    try:
+        push = bench_push(server.target, payloads)
+        half = len(payloads) * PER_PAYLOAD // BATCH // 2
+        consume, size = bench_sample(server.target, "consume", half)
+        lease, _ = bench_sample(server.target, "lease", half)
+        latency = bench_latency(server.target, reps)
+    finally:
+        server.stop()
+    result = {"push": push, "consume": consume, "lease": lease, "batch_bytes": size, **latency}
+    print(kind, result, file=sys.stderr)
+    return result
+
+
+def report(command: str, runs: dict[str, dict], raw: dict[str, float]) -> str:
+    s, a = runs["sync"], runs["aio"]
+    mb = s["batch_bytes"] / 1e6
+    lines = [
+        "## Service over gRPC (issue 3)",
+        "",
+        f"Command: `{command}`  ",
+        f"Loopback, {os.cpu_count()} cores; servers in their own processes, clients in the benchmark's; "
+        "MB/s of TRXP payload bytes. Ratios are expbuf / baseline, measured in the same run.",
+        "",
+        "| measure | thread-pool server (`expbuf serve`) | grpc.aio server | baseline | ratio (thread pool) | goal |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| push, 8 pushers, 64 x 40 KB per payload, durable | {s['push']:.0f} MB/s | {a['push']:.0f} MB/s | "
+        f"raw durable LMDB puts {raw['lmdb']:.0f} MB/s | **{s['push'] / raw['lmdb']:.2f}** | ≥ 0.6 |",
+        f"| the same | | | raw gRPC push, no storage {raw['grpc_push']:.0f} MB/s | "
+        f"{s['push'] / raw['grpc_push']:.2f} | |",
+        f"| sample, groups of 8, {BATCH} per batch ({mb:.1f} MB), consume | {s['consume']:.0f} MB/s | "
+        f"{a['consume']:.0f} MB/s | raw gRPC stream {raw['grpc_stream']:.0f} MB/s | "
+        f"**{s['consume'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
+        f"| the same, lease + ack per batch | {s['lease']:.0f} MB/s | {a['lease']:.0f} MB/s | "
+        f"raw gRPC stream {raw['grpc_stream']:.0f} MB/s | **{s['lease'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
+        f"| one-experience push (40 KB), durable ack: p50 / p99 | {s['push_p50']:.2f} / {s['push_p99']:.2f} ms | "
+        f"{a['push_p50']:.2f} / {a['push_p99']:.2f} ms | | | p99 < 10 ms |",
+        f"| first batch of a sample, data ready (one group): p50 / p99 | {s['first_p50']:.2f} / "
+        f"{s['first_p99']:.2f} ms | {a['first_p50']:.2f} / {a['first_p99']:.2f} ms | | | |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--payloads-per-pusher", type=int, default=8)
+    parser.add_argument("--latency-reps", type=int, default=200)
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args()
+    command = ("python bench/bench_service.py " + " ".join(sys.argv[1:])).strip()
+    payloads = make_payloads(PUSHERS * args.payloads_per_pusher)
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+        raw_server = Proc(str(HERE / "raw_grpc_server.py"))
+        try:
+            raw = {"grpc_push": bench_raw_push(raw_server.target, payloads)}
+            size = len(trxp.join([trxp.pack_item(i) for p in payloads[:4] for i in trxp.parse(p)]))
+            raw["grpc_stream"] = bench_raw_stream(raw_server.target, size, len(payloads) * PER_PAYLOAD // BATCH // 2)
+        finally:
+            raw_server.stop()
+        raw["lmdb"] = bench_raw_lmdb(Path(tmp) / "raw", payloads)
+        print("raw", raw, file=sys.stderr)
+        runs = {kind: measure_server(kind, Path(tmp) / kind, payloads, args.latency_reps) for kind in ("sync", "aio")}
+    section = report(command, runs, raw)
+    print(section)
+    out = Path(args.out)
+    text = out.read_text() if out.exists() else "# Benchmark results\n"
+    start = text.find("## Service over gRPC (issue 3)")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""A trainer loop: takes batches of whole GRPO groups under a lease and acks each after its step.
+
+    python examples/trainer.py --target 127.0.0.1:50051 --groups 4 --steps 4
+
+If the trainer dies mid-step, the lease expires and the batch goes back to the
+buffer for the next trainer: no batch is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from expbuf.client import BufferClient
+from expbuf.client.torch import ExperienceDataset
+
+
+def train_step(batch) -> float:
+    """Stands in for a policy-gradient step: group-normalised rewards weight the logprobs."""
+    exps = batch.experiences
+    rewards = torch.tensor([e.reward for e in exps])
+    loss = torch.stack([-(e.logprobs * e.action_mask).sum() for e in exps])
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6) if len(exps) > 1 else rewards
+    return float((loss * advantages).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--token", default=None)
+    parser.add_argument("--groups", type=int, default=4, help="whole groups per batch")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for each batch")
+    args = parser.parse_args()
+    with BufferClient(args.target, token=args.token) as client:
+        dataset = ExperienceDataset(
+            client,
+            num_groups=args.groups,
+            delivery="lease",
+            lease_seconds=300,
+            max_batches=args.steps,
+            timeout=args.wait,
+        )
+        for step, batch in enumerate(torch.utils.data.DataLoader(dataset, batch_size=None)):
+            loss = train_step(batch)
+            print(f"step {step}: {len(batch.uids)} experiences from {len(set(batch.groups))} groups, loss {loss:.4f}")
+
+
+if __name__ == "__main__":
+    main()

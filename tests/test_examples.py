@@ -1,0 +1,40 @@
+"""The README's rollout worker and trainer run against a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import BufferClient
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> str:
+    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
+    yield f"127.0.0.1:{server.port}"
+    server.stop(grace=1)
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_rollout_worker_then_trainer(target: str) -> None:
+    out = run("rollout_worker.py", "--target", target, "--tasks", "8")
+    assert out.count("stored 8, duplicates 0") == 8
+    out = run("trainer.py", "--target", target, "--groups", "2", "--steps", "4", "--wait", "10")
+    assert out.count("16 experiences from 2 groups") == 4
+    with BufferClient(target) as client:
+        stats = client.stats()["default"]
+    assert stats["consumed"] == 64 and stats["leased"] == 0 and stats["ready"] == 0
