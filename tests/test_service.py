@@ -332,3 +332,25 @@ def test_kill_9_during_pushes_loses_no_acknowledged_uid(tmp_path: Path) -> None:
         assert found == set(acked)
     finally:
         proc.stop(signal.SIGTERM)
+
+
+def test_push_retries_while_the_server_is_unavailable(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    servers: list[ExpbufServer] = []
+    later = threading.Timer(
+        0.5, lambda: servers.append(ExpbufServer(ServerConfig(data=str(tmp_path), port=port, metrics_port=0)).start())
+    )
+    later.start()
+    try:
+        with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10) as c:
+            assert len(c.push(payload("grpo_group.trxp")).stored) == 8
+        with BufferClient(f"127.0.0.1:{port}", retries=0) as c:
+            assert c.stats()["default"]["ready"] == 8
+    finally:
+        later.join()
+        for server in servers:
+            server.stop(grace=1)
