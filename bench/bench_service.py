@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_store import experience  # noqa: E402
+from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
 
@@ -239,15 +240,7 @@ def main() -> None:
         runs = {kind: measure_server(kind, Path(tmp) / kind, payloads, args.latency_reps) for kind in ("sync", "aio")}
     section = report(command, runs, raw)
     print(section)
-    out = Path(args.out)
-    text = out.read_text() if out.exists() else "# Benchmark results\n"
-    start = text.find("## Service over gRPC (issue 3)")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    out.write_text(text)
+    write_section(Path(args.out), "## Service over gRPC (issue 3)", section)
 
 
 if __name__ == "__main__":

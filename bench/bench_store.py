@@ -27,6 +27,9 @@ import torch
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.selection import ReadyIndex  # noqa: E402
@@ -234,15 +237,7 @@ def main() -> None:
         selection = bench_selection(Path(tmp), [int(s) for s in args.sizes.split(",")])
     section = report(command.strip(), writes, reads, selection)
     print(section)
-    out = Path(args.out)
-    text = out.read_text() if out.exists() else "# Benchmark results\n\n"
-    start = text.find("## Storage engine (issue 2)")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    out.write_text(text)
+    write_section(Path(args.out), "## Storage engine (issue 2)", section)
 
 
 if __name__ == "__main__":

@@ -150,26 +150,35 @@ def _push_result(reply: pb.PushReply) -> PushResult:
 
 
 class _Base:
+    """Settings and channel shared by the blocking and the asyncio client."""
+
+    _insecure_channel: Callable[..., Any]
+    _secure_channel: Callable[..., Any]
+
     def __init__(
         self,
-        target: str,
-        token: str | None,
-        tls: Tls | bool | None,
-        timeout: float,
-        retries: int,
-        max_message_bytes: int,
+        target: str = DEFAULT_TARGET,
+        token: str | None = None,
+        tls: Tls | bool | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._options = [
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
-        self._credentials = None
         if tls:
-            self._credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
+            credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
+            self._channel = type(self)._secure_channel(target, credentials, options=options)
+        else:
+            self._channel = type(self)._insecure_channel(target, options=options)
+        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
 
     def _retry_pause(self, exc: grpc.RpcError, retry: bool, attempt: int, deadline: float) -> float | None:
         """Seconds to wait before retrying an idempotent call the server could not take; None = give up."""
@@ -182,22 +191,8 @@ class _Base:
 class BufferClient(_Base):
     """Blocking client. Use as a context manager or call close()."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        token: str | None = None,
-        tls: Tls | bool | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    ) -> None:
-        super().__init__(target, token, tls, timeout, retries, max_message_bytes)
-        if self._credentials is None:
-            self._channel = grpc.insecure_channel(target, options=self._options)
-        else:
-            self._channel = grpc.secure_channel(target, self._credentials, options=self._options)
-        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+    _insecure_channel = staticmethod(grpc.insecure_channel)
+    _secure_channel = staticmethod(grpc.secure_channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -316,22 +311,8 @@ def _fields(msg: Any) -> dict[str, Any]:
 class AsyncBufferClient(_Base):
     """asyncio client with the methods of BufferClient, as coroutines."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        token: str | None = None,
-        tls: Tls | bool | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    ) -> None:
-        super().__init__(target, token, tls, timeout, retries, max_message_bytes)
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=self._options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
-        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+    _insecure_channel = staticmethod(grpc.aio.insecure_channel)
+    _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def close(self) -> None:
         await self._channel.close()

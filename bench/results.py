@@ -1,0 +1,17 @@
+"""Writes a benchmark's section into bench/RESULTS.md, replacing its previous figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_section(path: Path, heading: str, section: str) -> None:
+    """Replace the section that starts with `heading` (up to the next '## ') or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    start = text.find(heading)
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
