@@ -26,7 +26,7 @@ import math
 import pickle
 import pickletools
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -528,36 +528,65 @@ def pack_item(item: RawItem) -> bytes:
     return _assemble(_splice_meta([_fragment(item.meta)]), header, [tensor.data for _, tensor in entries])
 
 
-def join(payloads: Iterable[bytes]) -> bytes:
+def join(
+    payloads: Iterable[bytes],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+) -> bytes:
     """Concatenate payloads the server stored (already validated) into one batch.
 
     Payloads made by pack_item are spliced: their metadata opcodes and tensor bytes are
-    copied as they are, and only the safetensors header is rewritten. Anything else is
-    parsed and rebuilt.
+    copied as they are, and only the safetensors header is rewritten. `extra(i, tensors)`
+    may add or replace tensors of item i (the server attaches advantages this way).
+    Payloads of any other layout are parsed and rebuilt.
     """
     payloads = list(payloads)
     fragments: list[memoryview] = []
     header: dict[str, Any] = {}
-    data: list[memoryview] = []
+    data: list[bytes | memoryview] = []
     base = 0
     for index, payload in enumerate(payloads):
         view = memoryview(payload)
         _, _, meta_len, _ = _HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
-            return build([item for p in payloads for item in parse(p, trusted=True)])
+            return _rebuild(payloads, extra)
         fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
-        prefix = f"{index}:"
-        for key, entry in json.loads(bytes(blob[8 : 8 + header_len])).items():
-            if key != "__metadata__":
-                start, end = entry["data_offsets"]
-                entry["data_offsets"] = [start + base, end + base]
-                header[prefix + key.partition(":")[2]] = entry
-        data.append(blob[8 + header_len :])
-        base += len(data[-1])
+        section = blob[8 + header_len :]
+        entries = [
+            (key.partition(":")[2], entry)
+            for key, entry in json.loads(bytes(blob[8 : 8 + header_len])).items()
+            if key != "__metadata__"
+        ]
+        tensors = {
+            name: RawTensor(e["dtype"], tuple(e["shape"]), section[e["data_offsets"][0] : e["data_offsets"][1]])
+            for name, e in entries
+        }
+        added = extra(index, tensors) if extra else {}
+        kept = [(name, tensors[name]) for name, _ in entries if name not in added]
+        # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
+        data.extend([section] if len(kept) == len(entries) else [t.data for _, t in kept])
+        for name, tensor in [*kept, *added.items()]:
+            end = base + len(tensor.data)
+            header[f"{index}:{name}"] = {
+                "dtype": tensor.dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [base, end],
+            }
+            base = end
+        data.extend(t.data for t in added.values())
     return _assemble(_splice_meta(fragments), header, data)
+
+
+def _rebuild(
+    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
+) -> bytes:
+    items = [item for payload in payloads for item in parse(payload, trusted=True)]
+    if extra:
+        for index, item in enumerate(items):
+            item.tensors.update(extra(index, item.tensors))
+    return build(items)
 
 
 # ---- Experience objects -----------------------------------------------------------
@@ -575,7 +604,7 @@ def encode(experiences: Iterable[Any]) -> bytes:
 
 def to_experience(item: RawItem) -> Experience:
     meta = item.meta
-    tensors = {name: _to_tensor(raw) for name, raw in item.tensors.items()}
+    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()}
     mm = {name[len(MM_PREFIX) :]: tensors.pop(name) for name in list(tensors) if name.startswith(MM_PREFIX)}
     return Experience(
         eid=item.eid,
@@ -606,9 +635,9 @@ def from_experience(exp: Any) -> RawItem:
     for name in TENSOR_FIELDS:
         value = getattr(exp, name, None)
         if value is not None:
-            tensors[name] = _from_tensor(value)
+            tensors[name] = raw_of(value)
     for key, value in mm.items():
-        tensors[MM_PREFIX + key] = _from_tensor(value)
+        tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
     _check_meta(0, meta)
     _check_tensors(0, item)
@@ -653,7 +682,8 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     }
 
 
-def _to_tensor(raw: RawTensor) -> torch.Tensor:
+def tensor_of(raw: RawTensor) -> torch.Tensor:
+    """A torch tensor that owns a copy of the raw bytes."""
     import torch
 
     dtype = _torch_dtypes()[raw.dtype]
@@ -662,7 +692,8 @@ def _to_tensor(raw: RawTensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw.data), dtype=dtype).reshape(raw.shape)
 
 
-def _from_tensor(value: Any) -> RawTensor:
+def raw_of(value: Any) -> RawTensor:
+    """The raw form of a tensor (or anything torch.as_tensor takes), on the CPU."""
     import torch
 
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)

@@ -20,8 +20,10 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
+from .advantages import AdvantageWorker
 from .auth import TokenAuth
 from .config import ServerConfig
+from .estimators import resolve_device
 from .service import ExperienceBufferService
 from .store import Store
 
@@ -62,7 +64,10 @@ class ExpbufServer:
             options=channel_options(config.max_message_bytes),
             maximum_concurrent_rpcs=config.workers,
         )
-        self.service = ExperienceBufferService(self.store, max_message_bytes=config.max_message_bytes)
+        self.service = ExperienceBufferService(
+            self.store, max_message_bytes=config.max_message_bytes, advantage_device=str(resolve_device("auto"))
+        )
+        self.advantages = AdvantageWorker(self.store)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -78,6 +83,7 @@ class ExpbufServer:
         self.metrics_port = 0
 
     def start(self) -> ExpbufServer:
+        self.advantages.start()
         self.grpc.start()
         self._maintenance.start()
         if self.config.metrics_port:
@@ -115,5 +121,6 @@ class ExpbufServer:
         self._stop.set()
         if self._maintenance.is_alive():
             self._maintenance.join()
+        self.advantages.stop()
         self.store.close()
         log.info("expbuf stopped; every acknowledged write is committed")

@@ -23,18 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-NEEDS_REWARD = frozenset({"grpo", "drgrpo", "rloo", "reinforce++", "opmd", "step_wise_grpo", "multi_turn_discount"})
-DEFAULTS: dict[str, dict[str, float]] = {
-    "grpo": {"epsilon": 1e-6, "std_over_batch": 0.0, "std_threshold": 0.0, "drop_below_threshold": 0.0},
-    "drgrpo": {},
-    "rloo": {},
-    "reinforce++": {"epsilon": 1e-8},
-    "reinforce": {"gamma": 1.0},
-    "opmd": {"tau": 1.0, "logavgexp_baseline": 0.0},
-    "step_wise_grpo": {"epsilon": 1e-6},
-    "multi_turn_discount": {"turn_level_discount": 1.0},
-    "none": {},
-}
+from .tables import ESTIMATOR_PARAMS
+
+DEFAULTS = ESTIMATOR_PARAMS
 
 
 @dataclass

@@ -171,11 +171,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     @_refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        found = self.store.get(request.table or "default", list(request.uids))
-        return pb.GetReply(
-            payload=trxp.join(found[uid] for uid in request.uids if uid in found),
-            missing_uids=[uid for uid in request.uids if uid not in found],
-        )
+        payload, missing = self.store.get_payload(request.table or "default", list(request.uids))
+        return pb.GetReply(payload=payload, missing_uids=missing)
 
     @_refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
@@ -204,6 +201,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             groups_ready=s["groups_ready"],
             groups_leased=s["groups_leased"],
             groups_dropped=s["groups_dropped"],
+            groups_failed=s["groups_failed"],
+            computing=s["computing"],
+            groups_computing=s["groups_computing"],
+            last_failure=s["last_failure"],
             oldest_age_seconds=s["oldest_age_seconds"],
             min_model_version=s["min_version"] if s["min_version"] is not None else -1,
             max_model_version=s["max_version"] if s["max_version"] is not None else -1,

@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,16 +45,19 @@ import lmdb
 from expbuf.client import trxp
 
 from .selection import ORDERS, ReadyDbs, ReadyIndex, u64
-from .tables import TableConfig, default_table
+from .tables import NEEDS_REWARD, TableConfig, default_table
 
 # Experience states. Live: pending (its group is incomplete), ready, leased.
-PENDING, READY, LEASED, CONSUMED, EVICTED, DROPPED = "pending", "ready", "leased", "consumed", "evicted", "dropped"
-LIVE = (PENDING, READY, LEASED)
-STATES = (PENDING, READY, LEASED, CONSUMED, EVICTED, DROPPED)
+# Experience (and group) states. Live: pending (the group is incomplete), computing (its
+# advantages are being computed), ready, leased. The others are tombstones.
+PENDING, COMPUTING, READY, LEASED = "pending", "computing", "ready", "leased"
+CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
+LIVE = (PENDING, COMPUTING, READY, LEASED)
+STATES = (*LIVE, CONSUMED, EVICTED, DROPPED, FAILED)
 DELIVERIES = ("consume", "lease", "replay")
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 _DBS = (
-    "meta", "tables", "items", "blobs", "groups", "tasks", "runs", "steps", "order", "pending",
+    "meta", "tables", "items", "blobs", "adv", "groups", "tasks", "runs", "steps", "order", "pending", "compute",
     "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
 )  # fmt: skip
 _PER_TABLE = tuple(db for db in _DBS if db not in ("meta", "tables", "leases", "lease_exp"))
@@ -62,10 +65,9 @@ _U32 = struct.Struct(">I")
 _COUNTERS = (
     *STATES,
     "bytes",
-    "groups_pending",
-    "groups_ready",
-    "groups_leased",
+    *(f"groups_{state}" for state in LIVE),
     "groups_dropped",
+    "groups_failed",
     "pushed",
     "duplicates",
     "sampled",
@@ -73,6 +75,11 @@ _COUNTERS = (
     "next_seq",
     "next_rseq",
 )
+
+
+def _fresh_counters() -> dict[str, Any]:
+    """A table's counters before anything happened (stored ones are laid over these)."""
+    return dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None, "last_failure": ""}
 
 
 class StoreError(Exception):
@@ -122,6 +129,7 @@ class Entry:
     version: int | None
     reward: float | None
     priority: float
+    has_token_rewards: bool
 
     @classmethod
     def of(cls, item: trxp.RawItem) -> Entry:
@@ -138,6 +146,7 @@ class Entry:
             version=item.model_version,
             reward=item.meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
+            has_token_rewards="token_level_reward" in item.tensors,
         )
 
 
@@ -155,13 +164,34 @@ class Sampled:
     uids: list[str]
     group_ids: list[str]
     blobs: list[bytes]
+    advantages: list[bytes | None] = field(default_factory=list)
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
 
     @property
     def payload(self) -> bytes:
-        return trxp.join(self.blobs)
+        return batch_payload(self.blobs, self.advantages)
+
+
+def batch_payload(blobs: Sequence[bytes], advantages: Sequence[bytes | None]) -> bytes:
+    """One TRXP batch of stored experiences, with their computed advantages and returns."""
+    if not any(advantages):
+        return trxp.join(blobs)
+    from .advantages import expand  # torch is imported only where advantages are attached
+
+    return trxp.join(blobs, lambda index, tensors: expand(advantages[index], tensors))
+
+
+@dataclass
+class ComputeJob:
+    """Completed groups of one table whose advantages are to be computed."""
+
+    table: str
+    config: TableConfig
+    groups: list[str]
+    members: list[list[str]]
+    blobs: dict[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -516,6 +546,21 @@ class Store:
                     found[uid] = bytes(blob)
         return found
 
+    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the live experiences among uids (in their order), and the missing uids."""
+        table_id, _ = self._table(table)
+        prefix = _U32.pack(table_id)
+        blobs, advantages, missing = [], [], []
+        with self._read() as txn:
+            for uid in uids:
+                blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
+                if blob is None:
+                    missing.append(uid)
+                    continue
+                blobs.append(bytes(blob))
+                advantages.append(txn.get(prefix + uid.encode(), db=self._db["adv"]))
+        return batch_payload(blobs, advantages), missing
+
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
         table_id, config = self._table(table)
@@ -552,7 +597,7 @@ class Store:
         table_id, _ = self._table(table)
         prefix = _U32.pack(table_id)
         with self._read() as txn:
-            counters = dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None}
+            counters = _fresh_counters()
             counters |= _loads(txn.get(prefix, db=self._db["counters"])) or {}
             with txn.cursor(db=self._db["order"]) as cur:
                 oldest = 0.0
@@ -591,6 +636,58 @@ class Store:
 
         return self._submit(op)
 
+    # ---- advantages ------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Counts committed batches of requests; wait_for_change() waits for the next."""
+        return self._generation
+
+    def wait_for_change(self, generation: int, timeout: float) -> bool:
+        return self._wait_for_change(generation, time.monotonic() + timeout)
+
+    def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
+        """Completed groups waiting for advantages, oldest first, up to about `limit`
+        experiences, as one job per table."""
+        jobs: dict[int, ComputeJob] = {}
+        ids = {table_id: (name, config) for name, (table_id, config) in self._tables.items()}
+        count = 0
+        with self._read() as txn, txn.cursor(db=self._db["compute"]) as cur:
+            for key, gkey in cur:
+                table_id = _U32.unpack(key[:4])[0]
+                if table_id not in ids or count >= limit:
+                    if count >= limit:
+                        break
+                    continue
+                grp = _loads(txn.get(key[:4] + gkey, db=self._db["groups"]))
+                name, config = ids[table_id]
+                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}))
+                job.groups.append(gkey.decode())
+                job.members.append(grp["m"])
+                for uid in grp["m"]:
+                    job.blobs[uid] = bytes(txn.get(key[:4] + uid.encode(), db=self._db["blobs"]))
+                count += len(grp["m"])
+        return list(jobs.values())
+
+    def finish_compute(
+        self,
+        table: str,
+        advantages: dict[str, bytes],
+        ready: Sequence[str],
+        dropped: Sequence[str] = (),
+        failed: dict[str, str] | None = None,
+    ) -> None:
+        """Store computed advantages and release their groups; drop or fail the others.
+        Groups deleted or evicted meanwhile are left alone."""
+        table_id, config = self._table(table)
+
+        def op(txn: lmdb.Transaction) -> None:
+            tt = _TableTxn(self, txn, table_id, config)
+            tt.finish_compute(advantages, ready, dropped, failed or {})
+            tt.save()
+
+        self._submit(op)
+
     def verify(self, table: str) -> list[str]:
         """Check every index and counter of a table against its items; [] when consistent."""
         table_id, config = self._table(table)
@@ -614,7 +711,7 @@ class _TableTxn:
         self.db = store._db
         self.table_id = table_id
         self.prefix = _U32.pack(table_id)
-        self.counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None}
+        self.counters: dict[str, Any] = _fresh_counters()
         self.counters |= _loads(txn.get(self.prefix, db=self.db["counters"])) or {}
         self.ready = ReadyIndex(store._ready_dbs, txn, self.prefix)
         self.now = store.clock()
@@ -689,6 +786,7 @@ class _TableTxn:
                 result.duplicates.append(entry.uid)
             else:
                 raise Conflict(f"uid {entry.uid} already exists with different content")
+        self._check_rewards(fresh.values())
         attr = GROUP_KEY_OF[self.config.group_by]
         by_group: dict[str, list[Entry]] = defaultdict(list)
         for entry in fresh.values():
@@ -725,6 +823,18 @@ class _TableTxn:
         self.counters["duplicates"] += len(result.duplicates)
         self.save()
         return result
+
+    def _check_rewards(self, entries: Iterable[Entry]) -> None:
+        estimator = self.config.estimator
+        for entry in entries:
+            if entry.reward is not None or estimator == "none":
+                continue
+            if estimator in NEEDS_REWARD or not entry.has_token_rewards:
+                raise InvalidRequest(
+                    f"uid {entry.uid} has no reward; table '{self.config.name}' computes advantages "
+                    f"with {estimator}, which needs one"
+                    + (" (or token_level_reward)" if estimator == "reinforce" else "")
+                )
 
     def _insert(self, entry: Entry, gkey: str) -> None:
         seq = self.counters["next_seq"]
@@ -820,8 +930,33 @@ class _TableTxn:
         grp["p"] = max((rec["p"] for rec in recs.values()), default=0.0)
         grp["q"] = self.counters["next_rseq"]
         self.counters["next_rseq"] += 1
-        self._set_group_state(gkey, grp, recs, READY)
-        self.ready.add(gkey.encode(), grp["q"], grp["p"])
+        if self.config.estimator == "none":
+            self._set_group_state(gkey, grp, recs, READY)
+            self.ready.add(gkey.encode(), grp["q"], grp["p"])
+        else:  # sampled only once its advantages are stored (finish_compute)
+            self._set_group_state(gkey, grp, recs, COMPUTING)
+            self.txn.put(self.prefix + u64(grp["q"]), gkey.encode(), db=self.db["compute"])
+
+    def finish_compute(
+        self, advantages: dict[str, bytes], ready: Sequence[str], dropped: Sequence[str], failed: dict[str, str]
+    ) -> None:
+        for gkey in [*ready, *dropped, *failed]:
+            grp = self.group(gkey)
+            if grp is None or grp["s"] != COMPUTING:
+                continue
+            if gkey in failed:
+                self._retire_group(gkey, grp, FAILED)
+                self.counters["groups_failed"] += 1
+                self.counters["last_failure"] = f"group {gkey}: {failed[gkey]}"
+            elif gkey in dropped:
+                self._retire_group(gkey, grp, DROPPED)
+                self.counters["groups_dropped"] += 1
+            else:
+                self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
+                for uid in grp["m"]:
+                    self.txn.put(self._key(uid), advantages[uid], db=self.db["adv"])
+                self._set_group_state(gkey, grp, {uid: self.item(uid) for uid in grp["m"]}, READY)
+                self.ready.add(gkey.encode(), grp["q"], grp["p"])
 
     def _set_group_state(self, gkey: str, grp: dict[str, Any], recs: dict[str, dict], state: str) -> None:
         for uid, rec in recs.items():
@@ -829,9 +964,9 @@ class _TableTxn:
             self.counters[state] += 1
             rec["s"] = state
             self.put_item(uid, rec)
-        if grp["s"] in (PENDING, READY, LEASED):
+        if grp["s"] in LIVE:
             self.counters["groups_" + grp["s"]] -= 1
-        if state in (PENDING, READY, LEASED):
+        if state in LIVE:
             self.counters["groups_" + state] += 1
         grp["s"] = state
         self.put_group(gkey, grp)
@@ -843,6 +978,8 @@ class _TableTxn:
             self.ready.remove(gkey.encode(), grp["q"], grp["p"])
         elif grp["s"] == PENDING:
             self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
+        elif grp["s"] == COMPUTING:
+            self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
         recs = {uid: self.item(uid) for uid in grp["m"]}
         for uid, rec in recs.items():
             self._drop_payload(uid, rec)
@@ -850,6 +987,7 @@ class _TableTxn:
 
     def _drop_payload(self, uid: str, rec: dict[str, Any]) -> None:
         self.txn.delete(self._key(uid), db=self.db["blobs"])
+        self.txn.delete(self._key(uid), db=self.db["adv"])
         self.txn.delete(self.prefix + u64(rec["q"]), db=self.db["order"])
         for db, key in self._index_keys(rec, uid):
             self.txn.delete(key, db=self.db[db])
@@ -892,6 +1030,7 @@ class _TableTxn:
                 batch.uids.append(uid)
                 batch.group_ids.append(gkey)
                 batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
+                batch.advantages.append(self.txn.get(self._key(uid), db=self.db["adv"]))
                 recs[uid]["t"] += 1
             if delivery == "consume" or (
                 delivery == "replay"
@@ -989,7 +1128,10 @@ class _TableTxn:
                 self.ready.remove(gkey.encode(), grp["q"], grp["p"])
             elif grp["s"] == PENDING:
                 self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
-            self.counters["groups_" + grp["s"]] -= 1
+            elif grp["s"] == COMPUTING:
+                self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
+            if grp["s"] in LIVE:
+                self.counters["groups_" + grp["s"]] -= 1
             self.forget_group(gkey)
         return deleted
 
@@ -1031,24 +1173,28 @@ class _TableTxn:
         for gkey, grp in groups.items():
             if grp["n"] != len(grp["m"]):
                 problems.append(f"group {gkey} counts {grp['n']} members but lists {len(grp['m'])}")
-            if grp["s"] in (PENDING, READY, LEASED):
+            if grp["s"] in LIVE:
                 counts["groups_" + grp["s"]] += 1
+            if grp["s"] == COMPUTING and txn.get(p + u64(grp["q"]), db=self.db["compute"]) != gkey.encode():
+                problems.append(f"computing group {gkey} is missing from the compute queue")
             if grp["s"] == READY:
                 ready_groups.add(gkey)
                 if txn.get(p + u64(grp["q"]), db=self.db["ready"]) != gkey.encode():
                     problems.append(f"ready group {gkey} is missing from the ready index")
             if grp["s"] == PENDING and txn.get(self._pending_key(gkey, grp), db=self.db["pending"]) is None:
                 problems.append(f"pending group {gkey} is missing from the timeout index")
+        if self._prefix_count("compute") != counts["groups_computing"]:
+            problems.append(f"the compute queue holds {self._prefix_count('compute')} groups")
         for db in ("ready", "prio", "slotof"):
             indexed = self._prefix_count(db)
             if indexed != len(ready_groups):
                 problems.append(f"the {db} index holds {indexed} groups, {len(ready_groups)} are ready")
         if self.ready.count() != len(ready_groups):
             problems.append(f"{self.ready.count()} uniform slots for {len(ready_groups)} ready groups")
-        for name in (*STATES, "bytes", "groups_pending", "groups_ready", "groups_leased"):
+        for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
             if self.counters[name] != counts[name]:
                 problems.append(f"counter {name} is {self.counters[name]} but {counts[name]} were found")
-        live = counts[PENDING] + counts[READY] + counts[LEASED]
+        live = sum(counts[state] for state in LIVE)
         if self._prefix_count("order") != live:
             problems.append(f"the insertion order holds {self._prefix_count('order')} of {live} live items")
         return problems

@@ -13,17 +13,21 @@ from typing import Any
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
 ON_GROUP_TIMEOUT = ("release", "drop")
-ESTIMATORS = (
-    "grpo",
-    "drgrpo",
-    "rloo",
-    "reinforce++",
-    "reinforce",
-    "opmd",
-    "step_wise_grpo",
-    "multi_turn_discount",
-    "none",
-)
+# Each estimator's parameters and their defaults (see server/estimators.py).
+ESTIMATOR_PARAMS: dict[str, dict[str, float]] = {
+    "grpo": {"epsilon": 1e-6, "std_over_batch": 0.0, "std_threshold": 0.0, "drop_below_threshold": 0.0},
+    "drgrpo": {},
+    "rloo": {},
+    "reinforce++": {"epsilon": 1e-8},
+    "reinforce": {"gamma": 1.0},
+    "opmd": {"tau": 1.0, "logavgexp_baseline": 0.0},
+    "step_wise_grpo": {"epsilon": 1e-6},
+    "multi_turn_discount": {"turn_level_discount": 1.0},
+    "none": {},
+}
+ESTIMATORS = tuple(ESTIMATOR_PARAMS)
+# Estimators that need a reward on every experience ("reinforce" takes token-level rewards instead).
+NEEDS_REWARD = frozenset(ESTIMATORS) - {"none", "reinforce"}
 DEVICES = ("auto", "cpu", "cuda")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -70,6 +74,12 @@ class TableConfig:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):
             raise ConfigError("estimator_params must map names to numbers")
+        unknown = set(self.estimator_params) - set(ESTIMATOR_PARAMS[self.estimator])
+        if unknown:
+            known = ", ".join(ESTIMATOR_PARAMS[self.estimator]) or "none"
+            raise ConfigError(
+                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {known})"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

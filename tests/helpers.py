@@ -42,7 +42,7 @@ def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) 
 
 
 def raw_sha(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(trxp._from_tensor(tensor).data).hexdigest()
+    return hashlib.sha256(trxp.raw_of(tensor).data).hexdigest()
 
 
 def check_against_manifest(exp: Experience, want: dict) -> None:

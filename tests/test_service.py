@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import safetensors.torch
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -49,7 +50,7 @@ def encode_items(items: list[trxp.RawItem]) -> bytes:
 def test_every_fixture_round_trips(client: BufferClient) -> None:
     for index, (name, want) in enumerate(sorted(MANIFEST["payloads"].items())):
         table = f"t{index}"
-        client.create_table(table, group_by="none")
+        client.create_table(table, group_by="none", estimator="none")  # the manifest has no advantages
         result = client.push(payload(name), table=table)
         assert result.stored == [item["uid"] for item in want["items"]]
         if not want["items"]:
@@ -69,7 +70,8 @@ def test_sampled_payload_reads_with_pickle_and_safetensors(client: BufferClient)
     _, _, meta_len, _ = struct.unpack_from("<4sBQQ", batch.payload)
     meta = pickle.loads(batch.payload[21 : 21 + meta_len])
     tensors = safetensors.torch.load(batch.payload[21 + meta_len :])
-    assert meta["num_items"] == 8 and len(tensors) == 24
+    assert meta["num_items"] == 8 and len(tensors) == 8 * 5  # tokens, logprobs, mask, advantages, returns
+    assert torch.allclose(tensors["1:advantages"], torch.full((6,), 0.5 / (0.5773503 + 1e-6)))
     assert [i["eid"]["run"] for i in meta["items"]] == [0, 1, 2, 3] * 2
 
 
@@ -160,7 +162,7 @@ def test_retried_push_is_idempotent(client: BufferClient) -> None:
         client.push(encode_items(changed))
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert "7/3/0/0/r0s0t3" in info.value.details
-    assert client.stats()["default"]["ready"] == 8
+    assert client.stats()["default"]["pushed"] == 8
 
 
 @pytest.mark.parametrize("name", sorted(BAD_README))
@@ -204,7 +206,7 @@ def test_push_stream_acknowledges_each_commit(client: BufferClient, server: Expb
         replies = list(stub.PushStream(requests, timeout=10))
     assert [r.seq for r in replies] == [100, 101, 102, 103, 104]
     assert all(len(r.stored_uids) == 2 for r in replies)
-    assert client.stats()["default"]["ready"] == 10
+    assert client.stats()["default"]["pushed"] == 10
 
 
 def test_admin_calls(client: BufferClient) -> None:
@@ -349,7 +351,7 @@ def test_push_retries_while_the_server_is_unavailable(tmp_path: Path) -> None:
         with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10) as c:
             assert len(c.push(payload("grpo_group.trxp")).stored) == 8
         with BufferClient(f"127.0.0.1:{port}", retries=0) as c:
-            assert c.stats()["default"]["ready"] == 8
+            assert c.stats()["default"]["pushed"] == 8
     finally:
         later.join()
         for server in servers:

@@ -15,6 +15,9 @@ from expbuf.server.tables import ConfigError, TableConfig
 from conftest import payload
 from helpers import group_items
 
+# Most tests are about storage, not advantages: their table stores groups as pushed.
+PLAIN = TableConfig(name="plain", estimator="none")
+
 
 class Clock:
     """A settable wall clock, so lease and group timeouts need no sleeping."""
@@ -34,8 +37,10 @@ def clock() -> Clock:
 @pytest.fixture
 def store(tmp_path: Path, clock: Clock) -> Store:
     with Store(tmp_path / "data", map_size=1 << 20, clock=clock, seed=7) as s:
+        s.create_table(PLAIN)
         yield s
-        assert s.verify("default") == []
+        for table in s.list_tables():
+            assert s.verify(table.name) == []
 
 
 def test_default_table_exists_and_survives_restart(tmp_path: Path) -> None:
@@ -59,9 +64,9 @@ def test_table_config_is_validated() -> None:
 
 def test_fixture_round_trip_through_the_store(store: Store) -> None:
     data = payload("mixed_batch.trxp")
-    result = store.put("default", trxp.parse(data))
+    result = store.put("plain", trxp.parse(data))
     assert result.completed_groups == ["11/0", "11/1"]
-    batch = store.sample("default", num_groups=2)
+    batch = store.sample("plain", num_groups=2)
     assert batch.uids == result.stored
     assert trxp.parse(batch.payload) == trxp.parse(data)
     assert [e.eid.uid for e in decode(batch.payload)] == result.stored
@@ -69,45 +74,45 @@ def test_fixture_round_trip_through_the_store(store: Store) -> None:
 
 def test_duplicate_is_noop_and_different_bytes_refused(store: Store) -> None:
     items = trxp.parse(payload("grpo_group.trxp"))
-    first = store.put("default", items)
+    first = store.put("plain", items)
     assert len(first.stored) == 8 and first.duplicates == []
-    before = store.stats("default")
-    again = store.put("default", items)
+    before = store.stats("plain")
+    again = store.put("plain", items)
     assert again.stored == [] and again.duplicates == first.stored
-    after = store.stats("default")
+    after = store.stats("plain")
     assert {k: v for k, v in after.items() if k not in ("duplicates", "oldest_age_seconds")} == {
         k: v for k, v in before.items() if k not in ("duplicates", "oldest_age_seconds")
     }
     changed = trxp.parse(payload("grpo_group.trxp"))
     changed[5].meta["reward"] = 0.75
     with pytest.raises(Conflict, match="7/3/5/0/r5s0t3 already exists with different content"):
-        store.put("default", changed)
-    assert store.stats("default")["ready"] == 8
+        store.put("plain", changed)
+    assert store.stats("plain")["ready"] == 8
 
 
 def test_duplicate_is_recognised_after_consumption(store: Store) -> None:
     items = group_items(1, 1, 4)
-    store.put("default", items)
-    assert store.sample("default", num_groups=1) is not None
-    again = store.put("default", items)
+    store.put("plain", items)
+    assert store.sample("plain", num_groups=1) is not None
+    again = store.put("plain", items)
     assert again.stored == [] and len(again.duplicates) == 4
-    assert store.sample("default", num_groups=1) is None
+    assert store.sample("plain", num_groups=1) is None
 
 
 def test_refused_push_stores_nothing(store: Store) -> None:
-    store.put("default", group_items(1, 1, 2))
+    store.put("plain", group_items(1, 1, 2))
     mixed = group_items(2, 0, 3) + trxp.parse(payload("grpo_group.trxp"))
     mixed[-1].meta["reward"] = 0.123
-    store.put("default", trxp.parse(payload("grpo_group.trxp")))
-    before = store.stats("default")
+    store.put("plain", trxp.parse(payload("grpo_group.trxp")))
+    before = store.stats("plain")
     with pytest.raises(Conflict):
-        store.put("default", mixed)
-    assert store.get("default", [it.uid for it in mixed[:3]]) == {}
-    assert store.stats("default") | {"oldest_age_seconds": 0} == before | {"oldest_age_seconds": 0}
+        store.put("plain", mixed)
+    assert store.get("plain", [it.uid for it in mixed[:3]]) == {}
+    assert store.stats("plain") | {"oldest_age_seconds": 0} == before | {"oldest_age_seconds": 0}
 
 
 def test_groups_complete_at_size_and_seal(store: Store) -> None:
-    store.create_table(TableConfig(name="g4", group_size=4))
+    store.create_table(TableConfig(name="g4", estimator="none", group_size=4))
     items = group_items(1, 1, 4)
     assert store.put("g4", items[:3]).completed_groups == []
     assert store.sample("g4", num_groups=1) is None
@@ -128,7 +133,7 @@ def test_groups_complete_at_size_and_seal(store: Store) -> None:
 def test_group_by_run_step_and_none(store: Store) -> None:
     multi = trxp.parse(payload("multi_turn.trxp"))
     for by, want in (("run", ["2/1/0"]), ("step", ["2/1/0", "2/1/1", "2/1/2"]), ("none", [i.uid for i in multi])):
-        store.create_table(TableConfig(name=f"by_{by}", group_by=by))
+        store.create_table(TableConfig(name=f"by_{by}", estimator="none", group_by=by))
         assert store.put(f"by_{by}", multi).completed_groups == want
         assert store.verify(f"by_{by}") == []
     assert store.members("by_run", "run", "2/1/0") == [i.uid for i in multi]
@@ -138,39 +143,39 @@ def test_group_by_run_step_and_none(store: Store) -> None:
 
 def test_batch_size_never_splits_groups(store: Store) -> None:
     for task in range(3):
-        store.put("default", group_items(5, task, 4))
-    batch = store.sample("default", batch_size=6)
+        store.put("plain", group_items(5, task, 4))
+    batch = store.sample("plain", batch_size=6)
     assert Counter(batch.group_ids) == {"5/0": 4, "5/1": 4}
-    assert store.sample("default", batch_size=6) is None
-    partial = store.sample("default", batch_size=6, allow_partial=True)
+    assert store.sample("plain", batch_size=6) is None
+    partial = store.sample("plain", batch_size=6, allow_partial=True)
     assert partial.partial and partial.group_ids == ["5/2"] * 4
 
 
 def test_orders(store: Store) -> None:
     for task, prio in enumerate([0.5, 3.0, 1.0, 3.0]):
-        store.put("default", group_items(9, task, 2, priority=prio))
-    first = lambda order: store.sample("default", num_groups=1, order=order, delivery="replay").group_ids[0]  # noqa: E731
+        store.put("plain", group_items(9, task, 2, priority=prio))
+    first = lambda order: store.sample("plain", num_groups=1, order=order, delivery="replay").group_ids[0]  # noqa: E731
     assert first("fifo") == "9/0"
     assert first("lifo") == "9/3"
     assert first("priority") == "9/1"
     picks = Counter(first("uniform") for _ in range(400))
     assert set(picks) == {"9/0", "9/1", "9/2", "9/3"} and min(picks.values()) > 50
-    taken = [store.sample("default", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
+    taken = [store.sample("plain", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
     assert taken == ["9/1", "9/3", "9/2", "9/0"]
 
 
 def test_uniform_consume_takes_each_group_once(store: Store) -> None:
     for task in range(50):
-        store.put("default", group_items(3, task, 2))
+        store.put("plain", group_items(3, task, 2))
     seen = []
-    while (batch := store.sample("default", num_groups=3, order="uniform", allow_partial=True)) is not None:
+    while (batch := store.sample("plain", num_groups=3, order="uniform", allow_partial=True)) is not None:
         seen += batch.group_ids[::2]
-        assert store.verify("default") == []
+        assert store.verify("plain") == []
     assert sorted(seen) == sorted(f"3/{t}" for t in range(50))
 
 
 def test_replay_respects_max_times_sampled(store: Store) -> None:
-    store.create_table(TableConfig(name="replay", max_times_sampled=3))
+    store.create_table(TableConfig(name="replay", estimator="none", max_times_sampled=3))
     store.put("replay", group_items(1, 0, 2))
     for _ in range(3):
         assert store.sample("replay", num_groups=1, delivery="replay") is not None
@@ -180,43 +185,46 @@ def test_replay_respects_max_times_sampled(store: Store) -> None:
 
 
 def test_min_model_version(store: Store) -> None:
-    store.put("default", group_items(1, 0, 2, version=3))
-    store.put("default", group_items(1, 1, 2, version=5))
-    store.put("default", group_items(1, 2, 2, version=None))
-    batch = store.sample("default", num_groups=2, min_model_version=4, allow_partial=True)
+    store.put("plain", group_items(1, 0, 2, version=3))
+    store.put("plain", group_items(1, 1, 2, version=5))
+    store.put("plain", group_items(1, 2, 2, version=None))
+    batch = store.sample("plain", num_groups=2, min_model_version=4, allow_partial=True)
     assert batch.group_ids == ["1/1", "1/1"]
 
 
 def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) -> None:
     with Store(tmp_path, clock=clock) as s:
-        s.put("default", group_items(1, 0, 2))
-        s.put("default", group_items(1, 1, 2))
-        leased = s.sample("default", num_groups=1, delivery="lease", lease_seconds=30)
+        s.create_table(PLAIN)
+        s.put("plain", group_items(1, 0, 2))
+        s.put("plain", group_items(1, 1, 2))
+        leased = s.sample("plain", num_groups=1, delivery="lease", lease_seconds=30)
         assert leased.lease_expires == clock.now + 30
-        assert s.stats("default")["leased"] == 2
-        acked = s.sample("default", num_groups=1, delivery="lease", lease_seconds=30)
+        assert s.stats("plain")["leased"] == 2
+        acked = s.sample("plain", num_groups=1, delivery="lease", lease_seconds=30)
         assert s.ack(acked.lease_id) == 2
         with pytest.raises(NotFound, match="lease"):
             s.ack(acked.lease_id)
     clock.now += 10
     with Store(tmp_path, clock=clock) as s:
         assert s.tick()["leases_expired"] == 0
-        assert s.sample("default", num_groups=1) is None
+        assert s.sample("plain", num_groups=1) is None
         clock.now += 25
         assert s.tick() == {"leases_expired": 1, "requeued": 2, "groups_timed_out": 0}
-        again = s.sample("default", num_groups=1, delivery="lease")
+        again = s.sample("plain", num_groups=1, delivery="lease")
         assert again.group_ids == leased.group_ids
         assert s.nack(again.lease_id) == 2
-        final = s.sample("default", num_groups=5, allow_partial=True)
+        final = s.sample("plain", num_groups=5, allow_partial=True)
         assert final.group_ids == leased.group_ids
-        stats = s.stats("default")
+        stats = s.stats("plain")
         assert (stats["consumed"], stats["leases_expired"], stats["ready"]) == (4, 1, 0)
-        assert s.verify("default") == []
+        assert s.verify("plain") == []
 
 
 def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
-    store.create_table(TableConfig(name="rel", group_size=4, group_timeout_seconds=5))
-    store.create_table(TableConfig(name="drop", group_size=4, group_timeout_seconds=5, on_group_timeout="drop"))
+    store.create_table(TableConfig(name="rel", estimator="none", group_size=4, group_timeout_seconds=5))
+    store.create_table(
+        TableConfig(name="drop", estimator="none", group_size=4, group_timeout_seconds=5, on_group_timeout="drop")
+    )
     for name in ("rel", "drop"):
         store.put(name, group_items(1, 0, 2))
     clock.now += 4
@@ -231,7 +239,7 @@ def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
 
 
 def test_zero_variance_groups_are_dropped(store: Store) -> None:
-    store.create_table(TableConfig(name="dapo", drop_zero_variance=True))
+    store.create_table(TableConfig(name="dapo", estimator="none", drop_zero_variance=True))
     store.put("dapo", group_items(1, 0, 4, reward=1.0))
     store.put("dapo", trxp.parse(payload("grpo_group.trxp")))
     stats = store.stats("dapo")
@@ -239,7 +247,7 @@ def test_zero_variance_groups_are_dropped(store: Store) -> None:
 
 
 def test_capacity_block_and_evict(store: Store) -> None:
-    store.create_table(TableConfig(name="full", capacity_experiences=4))
+    store.create_table(TableConfig(name="full", estimator="none", capacity_experiences=4))
     store.put("full", group_items(1, 0, 4))
     with pytest.raises(TableFull, match="is full"):
         store.put("full", group_items(1, 1, 2), timeout=0.05)
@@ -247,7 +255,7 @@ def test_capacity_block_and_evict(store: Store) -> None:
     unblocked.start()
     assert len(store.put("full", group_items(1, 1, 2), timeout=5).stored) == 2
     unblocked.join()
-    store.create_table(TableConfig(name="ring", capacity_experiences=6, when_full="evict"))
+    store.create_table(TableConfig(name="ring", estimator="none", capacity_experiences=6, when_full="evict"))
     for task in range(5):
         store.put("ring", group_items(2, task, 2))
     leased = store.sample("ring", num_groups=1, delivery="lease")
@@ -262,23 +270,24 @@ def test_capacity_block_and_evict(store: Store) -> None:
 
 
 def test_delete_and_get(store: Store) -> None:
-    store.put("default", group_items(1, 0, 3))
+    store.put("plain", group_items(1, 0, 3))
     uids = [f"1/0/{r}/0/r{r}s0" for r in range(3)]
-    assert set(store.get("default", [*uids, "nope"])) == set(uids)
-    assert store.delete("default", uids=[uids[0]]) == 1
-    assert store.sample("default", num_groups=1, delivery="replay").uids == uids[1:]
-    assert store.delete("default", group_ids=["1/0"]) == 2
-    assert store.sample("default", num_groups=1) is None
-    assert store.put("default", group_items(1, 0, 3)).stored == uids
+    assert set(store.get("plain", [*uids, "nope"])) == set(uids)
+    assert store.delete("plain", uids=[uids[0]]) == 1
+    assert store.sample("plain", num_groups=1, delivery="replay").uids == uids[1:]
+    assert store.delete("plain", group_ids=["1/0"]) == 2
+    assert store.sample("plain", num_groups=1) is None
+    assert store.put("plain", group_items(1, 0, 3)).stored == uids
 
 
 def test_map_grows_on_demand(tmp_path: Path) -> None:
     with Store(tmp_path, map_size=64 << 10) as s:
+        s.create_table(PLAIN)
         for task in range(40):
-            s.put("default", group_items(1, task, 8, response=512))
+            s.put("plain", group_items(1, task, 8, response=512))
         assert s.storage_info()["map_size"] > 64 << 10
-        assert s.stats("default")["ready"] == 320
-        assert s.verify("default") == []
+        assert s.stats("plain")["ready"] == 320
+        assert s.verify("plain") == []
 
 
 def test_concurrent_pushes_share_commits(store: Store) -> None:
@@ -287,7 +296,7 @@ def test_concurrent_pushes_share_commits(store: Store) -> None:
     def push(worker: int) -> None:
         try:
             for task in range(20):
-                store.put("default", group_items(worker, task, 4))
+                store.put("plain", group_items(worker, task, 4))
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -297,34 +306,34 @@ def test_concurrent_pushes_share_commits(store: Store) -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert store.stats("default")["ready"] == 6 * 20 * 4
+    assert store.stats("plain")["ready"] == 6 * 20 * 4
 
 
 def test_tables_interleaved_keep_their_indexes(store: Store) -> None:
-    store.create_table(TableConfig(name="other"))
+    store.create_table(TableConfig(name="other", estimator="none"))
     for task in range(3):
         store.put("other", group_items(4, task, 2))
-        store.put("default", group_items(4, task, 2))
-    assert store.verify("other") == [] and store.verify("default") == []
-    assert store.stats("default")["oldest_age_seconds"] == 0.0
-    assert store.sample("default", num_groups=3).group_ids[::2] == ["4/0", "4/1", "4/2"]
+        store.put("plain", group_items(4, task, 2))
+    assert store.verify("other") == [] and store.verify("plain") == []
+    assert store.stats("plain")["oldest_age_seconds"] == 0.0
+    assert store.sample("plain", num_groups=3).group_ids[::2] == ["4/0", "4/1", "4/2"]
 
 
 def test_drop_table(store: Store) -> None:
-    store.create_table(TableConfig(name="tmp"))
+    store.create_table(TableConfig(name="tmp", estimator="none"))
     store.put("tmp", group_items(1, 0, 3))
     assert store.drop_table("tmp") == 3
     with pytest.raises(NotFound, match="table 'tmp' does not exist"):
         store.put("tmp", group_items(1, 0, 3))
-    store.create_table(TableConfig(name="tmp"))
+    store.create_table(TableConfig(name="tmp", estimator="none"))
     assert store.stats("tmp")["ready"] == 0 and store.verify("tmp") == []
 
 
 def test_bad_sample_requests(store: Store) -> None:
     with pytest.raises(InvalidRequest, match="exactly one"):
-        store.sample("default", num_groups=1, batch_size=4)
+        store.sample("plain", num_groups=1, batch_size=4)
     with pytest.raises(InvalidRequest, match="order"):
-        store.sample("default", num_groups=1, order="random")
+        store.sample("plain", num_groups=1, order="random")
 
 
 def test_second_process_is_refused(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_tensor_section_matches_safetensors(specs: list[tuple[torch.dtype, list[
     tensors = {f"0:t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape) in enumerate(specs)}
     item = trxp.RawItem(
         meta={},
-        tensors={name.split(":", 1)[1]: trxp._from_tensor(t) for name, t in tensors.items()},
+        tensors={name.split(":", 1)[1]: trxp.raw_of(t) for name, t in tensors.items()},
     )
     data = trxp.build([item])
     _, _, meta_len, _ = struct.unpack_from("<4sBQQ", data)

@@ -1,0 +1,188 @@
+"""Advantages on ingest: the worker that computes them for completed groups, and their
+storage form.
+
+When a group completes, the store marks it `computing` and queues it; this worker takes
+every queued group (all tables, oldest first), computes each table's estimator in one
+batched call on the table's device, and hands the results back to the store, which
+makes the groups ready in the same transaction that stores their advantages. The Push
+ack does not wait for it, and no experience is sampled before it is done. A failed
+computation fails its groups, with the reason in Stats, and the worker goes on.
+
+Stored form, per experience: b"S" + (value f64, response length u32) when every
+generated token carries the same value (every estimator but `reinforce`), or b"T" +
+(response length u32) + float32 advantages + float32 returns. `expand` turns it into the
+`advantages` and `returns` tensors of a sampled batch: value * action_mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from expbuf.client import trxp
+
+from . import estimators
+from .store import ComputeJob, Store
+from .tables import TableConfig
+
+log = logging.getLogger("expbuf.advantages")
+_SCALAR = struct.Struct("<dI")
+_LENGTH = struct.Struct("<I")
+GROUP_ATTR = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+
+
+def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    if raw is None:
+        return torch.full((length,), fill, dtype=dtype)
+    return trxp.tensor_of(raw).reshape(-1).to(dtype)
+
+
+def build_batch(
+    items: Sequence[trxp.RawItem], config: TableConfig, *, token_rewards: bool
+) -> tuple[estimators.FlatBatch, list[str]]:
+    """Flat estimator inputs from the items of the completed groups of one table, and the
+    group keys in the order of their numbers."""
+    eids = [item.eid for item in items]
+    attr = GROUP_ATTR[config.group_by]
+    index: dict[str, dict[str, int]] = {"group": {}, "task": {}, "run": {}}
+
+    def number(kind: str, key: str) -> int:
+        return index[kind].setdefault(key, len(index[kind]))
+
+    lengths = [item.tensors["tokens"].numel - item.meta.get("prompt_length", 1) for item in items]
+    f64 = torch.float64
+    masks = [_flat_bytes(item.tensors.get("action_mask"), n, 1, f64) for item, n in zip(items, lengths, strict=True)]
+    mask = torch.cat(masks) if masks else torch.zeros(0, dtype=f64)
+    rewards = torch.tensor([float(item.meta.get("reward") or 0.0) for item in items], dtype=f64)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    if token_rewards:
+        flat_rewards = torch.cat(
+            [_token_rewards(item, m, r) for item, m, r in zip(items, masks, rewards.tolist(), strict=True)]
+        )
+    else:
+        flat_rewards = torch.zeros_like(mask)
+    group = torch.tensor([number("group", getattr(e, attr)) for e in eids], dtype=torch.int64)
+    batch = estimators.FlatBatch(
+        rewards=rewards,
+        group=group,
+        lengths=lengths_t,
+        mask=mask,
+        token_rewards=flat_rewards,
+        task=torch.tensor([number("task", e.tid) for e in eids], dtype=torch.int64),
+        run=torch.tensor([number("run", e.rid) for e in eids], dtype=torch.int64),
+        step=torch.tensor([e.step for e in eids], dtype=torch.int64),
+    )
+    return batch, list(index["group"])
+
+
+def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> torch.Tensor:
+    """Pushed token-level rewards, or the scalar reward on the last generated token."""
+    raw = item.tensors.get("token_level_reward")
+    if raw is not None:
+        return trxp.tensor_of(raw).reshape(-1).to(torch.float64)
+    out = torch.zeros_like(mask)
+    if out.numel():
+        generated = mask.nonzero()
+        out[int(generated[-1]) if generated.numel() else -1] = reward
+    return out
+
+
+def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[bytes]:
+    """The stored form of each experience's advantages and returns."""
+    lengths = batch.lengths.tolist()
+    if result.scalar is not None:
+        values = result.scalar.double().cpu().tolist()
+        return [b"S" + _SCALAR.pack(value, n) for value, n in zip(values, lengths, strict=True)]
+    advantages = result.advantages.float().cpu().split(lengths)
+    returns = result.returns.float().cpu().split(lengths)
+    return [
+        b"T" + _LENGTH.pack(n) + trxp.raw_of(a).data + trxp.raw_of(r).data
+        for a, r, n in zip(advantages, returns, lengths, strict=True)
+    ]
+
+
+def expand(record: bytes | None, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
+    """The advantages and returns tensors of one sampled experience."""
+    if record is None:
+        return {}
+    record = bytes(record)
+    if record[:1] == b"S":
+        value, length = _SCALAR.unpack_from(record, 1)
+        mask = _flat_bytes(tensors.get("action_mask"), length, 1, torch.float32)
+        values = trxp.raw_of(mask * value)
+        return {"advantages": values, "returns": values}
+    (length,) = _LENGTH.unpack_from(record, 1)
+    start = 1 + _LENGTH.size
+    middle = start + 4 * length
+    return {
+        "advantages": trxp.RawTensor("F32", (length,), record[start:middle]),
+        "returns": trxp.RawTensor("F32", (length,), record[middle:]),
+    }
+
+
+def compute(job: ComputeJob) -> tuple[dict[str, bytes], list[str], list[str]]:
+    """Advantages of one job: (records by uid, ready groups, dropped groups)."""
+    config = job.config
+    uids = [uid for members in job.members for uid in members]
+    items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
+    batch, group_keys = build_batch(items, config, token_rewards=config.estimator == "reinforce")
+    device = estimators.resolve_device(config.device)
+    result = estimators.estimate(config.estimator, batch.to(device), config.estimator_params)
+    records = dict(zip(uids, encode_results(result, batch), strict=True))
+    dropped = []
+    if result.drop_groups is not None:
+        dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
+    ready = [gkey for gkey in job.groups if gkey not in set(dropped)]
+    return records, ready, dropped
+
+
+class AdvantageWorker:
+    """Computes advantages for completed groups as they arrive, in a background thread."""
+
+    def __init__(self, store: Store, *, batch_limit: int = 8192) -> None:
+        self.store = store
+        self.batch_limit = batch_limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="expbuf-advantages", daemon=True)
+
+    def start(self) -> AdvantageWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def run_once(self) -> int:
+        """Compute every queued group once; returns the groups handled."""
+        handled = 0
+        for job in self.store.compute_backlog(self.batch_limit):
+            started = time.perf_counter()
+            try:
+                records, ready, dropped = compute(job)
+            except Exception as exc:  # a failed computation fails its groups, not the server
+                log.exception("advantages failed for %d groups of table %s", len(job.groups), job.table)
+                reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {exc}"
+                self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
+            else:
+                self.store.finish_compute(job.table, records, ready, dropped)
+                if dropped:
+                    log.info("groups dropped by the std threshold: %d in table %s", len(dropped), job.table)
+            handled += len(job.groups)
+            log.debug("advantages of %d groups in %.1f ms", len(job.groups), (time.perf_counter() - started) * 1e3)
+        return handled
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            generation = self.store.generation
+            try:
+                if self.run_once():
+                    continue
+            except Exception:
+                log.exception("advantage worker error; retrying")
+            self.store.wait_for_change(generation, 0.5)

@@ -1,0 +1,133 @@
+"""Advantages on ingest: computed when groups complete, stored, and sampled with their groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from expbuf.client import BufferClient, BufferError, decode, trxp
+from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+from expbuf.server.store import InvalidRequest, Store
+from expbuf.server.tables import TableConfig
+
+from conftest import payload
+from helpers import group_items
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> BufferClient:
+    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        yield c
+    server.stop(grace=1)
+
+
+def test_grpo_group_over_grpc(client: BufferClient) -> None:
+    client.push(payload("grpo_group.trxp"))
+    batch = next(client.sample(num_groups=1, max_batches=1, timeout=10))
+    rewards = torch.tensor([e.reward for e in batch.experiences])
+    want = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # torch's default std is unbiased
+    for exp, value in zip(batch.experiences, want.tolist(), strict=True):
+        expected = value * exp.action_mask.float()
+        assert exp.advantages.dtype == torch.float32 and exp.advantages.shape == exp.action_mask.shape
+        assert torch.allclose(exp.advantages, expected, atol=1e-6)
+        assert torch.allclose(exp.returns, expected, atol=1e-6)
+    got = client.get(batch.uids[:2], table="default")
+    assert got == []  # consumed: gone
+    assert client.stats()["default"]["consumed"] == 8
+
+
+def test_multi_turn_discount_over_grpc(client: BufferClient) -> None:
+    client.create_table(
+        "turns", group_by="run", estimator="multi_turn_discount", estimator_params={"turn_level_discount": 0.9}
+    )
+    client.push(payload("multi_turn.trxp"), table="turns")
+    batch = next(client.sample("turns", num_groups=1, max_batches=1, timeout=10))
+    rewards = [e.reward for e in batch.experiences]
+    assert rewards == [0.0, 0.0, 1.0]
+    for exp, value in zip(batch.experiences, [0.81, 0.9, 1.0], strict=True):
+        assert torch.allclose(exp.advantages, value * exp.action_mask.float(), atol=1e-6)
+        assert torch.allclose(exp.returns, exp.advantages)
+
+
+def test_reinforce_uses_token_level_rewards(client: BufferClient) -> None:
+    client.create_table("rf", group_by="none", estimator="reinforce", estimator_params={"gamma": 0.5})
+    client.push(payload("rich_fields.trxp"), table="rf")
+    (exp,) = next(client.sample("rf", num_groups=1, max_batches=1, timeout=10)).experiences
+    running, want = 0.0, []
+    for r, m in zip(reversed(exp.token_level_reward.tolist()), reversed(exp.action_mask.tolist()), strict=True):
+        running = r + 0.5 * running
+        want.append(running * m)
+        running *= m
+    assert torch.allclose(exp.advantages, torch.tensor(want[::-1]), atol=1e-5)
+
+
+def test_missing_reward_is_refused_naming_the_uid(client: BufferClient) -> None:
+    with pytest.raises(BufferError) as info:
+        client.push(payload("dpo.trxp"))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "uid 4/0/0/0/dpo0 has no reward" in info.value.details
+    client.create_table("dpo", estimator="none")
+    assert client.push(payload("dpo.trxp"), table="dpo").stored == ["4/0/0/0/dpo0"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to fail")
+def test_failed_computation_fails_its_groups_and_the_server_keeps_serving(client: BufferClient) -> None:
+    client.create_table("gpu", device="cuda")
+    client.push(payload("grpo_group.trxp"), table="gpu")
+    with pytest.raises(BufferError) as info:
+        next(client.sample("gpu", num_groups=1, max_batches=1, timeout=2))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = client.stats("gpu")["gpu"]
+    assert stats["groups_failed"] == 1 and "group 7/3" in stats["last_failure"]
+    assert "cuda" in stats["last_failure"].lower()
+    client.push(payload("mixed_batch.trxp"))
+    assert len(next(client.sample(num_groups=2, max_batches=1, timeout=10)).uids) == 8
+
+
+def test_groups_completed_together_are_one_job_and_survive_restart(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        for task in range(3):
+            store.put("default", group_items(1, task, 4, reward=float(task)) + group_items(2, task, 2))
+        assert store.sample("default", num_groups=1) is None  # not before advantages are stored
+        assert store.stats("default")["groups_computing"] == 6
+    with Store(tmp_path) as store:
+        (job,) = store.compute_backlog()
+        assert len(job.groups) == 6 and len(job.blobs) == 18
+        assert AdvantageWorker(store).run_once() == 6
+        assert store.verify("default") == []
+        batch = store.sample("default", num_groups=6)
+        assert batch is not None and store.stats("default")["computing"] == 0
+        for exp in decode(batch.payload):
+            assert exp.advantages is not None and exp.returns is not None
+
+
+def test_zero_variance_and_std_threshold(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="dapo", drop_zero_variance=True))
+        store.create_table(TableConfig(name="thr", estimator_params={"std_threshold": 0.2, "drop_below_threshold": 1}))
+        for name in ("default", "dapo", "thr"):
+            store.put(name, group_items(1, 0, 4, reward=1.0))  # all equal
+            store.put(name, trxp.parse(payload("grpo_group.trxp")))
+        AdvantageWorker(store).run_once()
+        kept = decode(store.sample("default", num_groups=1).payload)
+        assert all(e.advantages.abs().max() == 0 for e in kept)  # kept, with zero advantages
+        assert store.stats("dapo")["groups_dropped"] == 1 and store.stats("dapo")["ready"] == 8
+        assert store.stats("thr")["groups_dropped"] == 1 and store.stats("thr")["ready"] == 8
+        for name in ("default", "dapo", "thr"):
+            assert store.verify(name) == []
+
+
+def test_reward_checks_at_the_store(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        with pytest.raises(InvalidRequest, match="uid 1/0/0/0/r0s0 has no reward"):
+            store.put("default", group_items(1, 0, 2, reward=None))
+        store.create_table(TableConfig(name="rf", estimator="reinforce"))
+        with pytest.raises(InvalidRequest, match="or token_level_reward"):
+            store.put("rf", group_items(1, 0, 2, reward=None))
+        assert store.put("rf", trxp.parse(payload("rich_fields.trxp"))).stored
