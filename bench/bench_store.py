@@ -37,6 +37,8 @@ from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
 GROUP, PER_WRITE, TOKENS = 8, 64, 5000
+# The storage engine alone: groups are ready as pushed (no advantage computation).
+TABLE = TableConfig(name="bench", estimator="none")
 
 
 def experience(batch: int, task: int, run: int, tokens: int = TOKENS) -> Experience:
@@ -65,6 +67,8 @@ def bench_writes(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
     raw_env = lmdb.open(str(tmp / "raw"), map_size=8 << 30, sync=True, metasync=True, readahead=False)
     store = Store(tmp / "store", map_size=8 << 30)
     store_conc = Store(tmp / "store4", map_size=8 << 30)
+    store.create_table(TABLE)
+    store_conc.create_table(TABLE)
     raw_t, store_t, conc_t = [], [], []
     for entries in batches:
         start = time.perf_counter()
@@ -73,11 +77,11 @@ def bench_writes(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
                 txn.put(e.uid.encode(), e.blob)
         raw_t.append(time.perf_counter() - start)
         start = time.perf_counter()
-        store.put_entries("default", entries)
+        store.put_entries(TABLE.name, entries)
         store_t.append(time.perf_counter() - start)
         # The same 64 experiences from 4 concurrent pushers (16 each): the writer groups them.
         quarters = [entries[i : i + 16] for i in range(0, PER_WRITE, 16)]
-        threads = [threading.Thread(target=store_conc.put_entries, args=("default", q)) for q in quarters]
+        threads = [threading.Thread(target=store_conc.put_entries, args=(TABLE.name, q)) for q in quarters]
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -100,11 +104,12 @@ def bench_reads(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
     """Sample whole groups (consume) versus a raw cursor read of the same bytes."""
     raw_env = lmdb.open(str(tmp / "raw_r"), map_size=8 << 30, sync=True, readahead=False)
     store = Store(tmp / "store_r", map_size=8 << 30)
+    store.create_table(TABLE)
     for entries in batches:
         with raw_env.begin(write=True) as txn:
             for e in entries:
                 txn.put(e.uid.encode(), e.blob)
-        store.put_entries("default", entries)
+        store.put_entries(TABLE.name, entries)
     raw_t, select_t, payload_t = [], [], []
     with raw_env.begin() as txn, txn.cursor() as cur:
         keys = [k for k, _ in cur]
@@ -117,7 +122,7 @@ def bench_reads(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
         raw_t.append(time.perf_counter() - start)
         assert sum(map(len, got)) > 0
         start = time.perf_counter()
-        batch = store.sample("default", num_groups=PER_WRITE // GROUP)
+        batch = store.sample(TABLE.name, num_groups=PER_WRITE // GROUP)
         select_t.append(time.perf_counter() - start)
         start = time.perf_counter()
         _ = batch.payload
@@ -135,7 +140,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
     """Selection latency as the table grows: pure index selection and a full sample call."""
     template = Entry.of(trxp.from_experience(experience(0, 0, 0, tokens=8)))
     store = Store(tmp / "sel", map_size=1 << 30)
-    store.create_table(TableConfig(name="sel", group_size=GROUP))
+    store.create_table(TableConfig(name="sel", group_size=GROUP, estimator="none"))
     filled, rows = 0, []
     for size in sizes:
         while filled < size:

@@ -138,6 +138,20 @@ class RawItem:
     def nbytes(self) -> int:
         return sum(len(t.data) for t in self.tensors.values())
 
+    @property
+    def response_length(self) -> int:
+        return self.tensors["tokens"].numel - self.meta.get("prompt_length", 1)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Response tokens under the action mask (all of them without a mask)."""
+        mask = self.tensors.get("action_mask")
+        if mask is None:
+            return self.response_length
+        if _ITEMSIZE[mask.dtype] == 1:
+            return len(mask.data) - bytes(mask.data).count(0)
+        return int(tensor_of(mask).count_nonzero())
+
 
 # ---- parsing (untrusted input) ---------------------------------------------------
 

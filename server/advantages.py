@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,12 +29,11 @@ from expbuf.client import trxp
 
 from . import estimators
 from .store import ComputeJob, Store
-from .tables import TableConfig
+from .tables import TOKEN_LEVEL
 
 log = logging.getLogger("expbuf.advantages")
 _SCALAR = struct.Struct("<dI")
 _LENGTH = struct.Struct("<I")
-GROUP_ATTR = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 
 
 def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -43,40 +43,36 @@ def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch
 
 
 def build_batch(
-    items: Sequence[trxp.RawItem], config: TableConfig, *, token_rewards: bool
+    records: Sequence[dict[str, Any]], items: Sequence[trxp.RawItem] | None = None
 ) -> tuple[estimators.FlatBatch, list[str]]:
-    """Flat estimator inputs from the items of the completed groups of one table, and the
-    group keys in the order of their numbers."""
-    eids = [item.eid for item in items]
-    attr = GROUP_ATTR[config.group_by]
+    """Flat estimator inputs from the item records of the completed groups of one table
+    (and their payloads, for token-level estimators), with the group keys in the order of
+    their numbers."""
     index: dict[str, dict[str, int]] = {"group": {}, "task": {}, "run": {}}
 
-    def number(kind: str, key: str) -> int:
-        return index[kind].setdefault(key, len(index[kind]))
+    def numbers(kind: str, field: str) -> torch.Tensor:
+        seen = index[kind]
+        return torch.tensor([seen.setdefault(rec[field], len(seen)) for rec in records], dtype=torch.int64)
 
-    lengths = [item.tensors["tokens"].numel - item.meta.get("prompt_length", 1) for item in items]
     f64 = torch.float64
-    masks = [_flat_bytes(item.tensors.get("action_mask"), n, 1, f64) for item, n in zip(items, lengths, strict=True)]
-    mask = torch.cat(masks) if masks else torch.zeros(0, dtype=f64)
-    rewards = torch.tensor([float(item.meta.get("reward") or 0.0) for item in items], dtype=f64)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    if token_rewards:
-        flat_rewards = torch.cat(
-            [_token_rewards(item, m, r) for item, m, r in zip(items, masks, rewards.tolist(), strict=True)]
-        )
-    else:
-        flat_rewards = torch.zeros_like(mask)
-    group = torch.tensor([number("group", getattr(e, attr)) for e in eids], dtype=torch.int64)
     batch = estimators.FlatBatch(
-        rewards=rewards,
-        group=group,
-        lengths=lengths_t,
-        mask=mask,
-        token_rewards=flat_rewards,
-        task=torch.tensor([number("task", e.tid) for e in eids], dtype=torch.int64),
-        run=torch.tensor([number("run", e.rid) for e in eids], dtype=torch.int64),
-        step=torch.tensor([e.step for e in eids], dtype=torch.int64),
+        rewards=torch.tensor([float(rec["r"] or 0.0) for rec in records], dtype=f64),
+        group=numbers("group", "g"),
+        lengths=torch.tensor([rec["L"] for rec in records], dtype=torch.int64),
+        generated=torch.tensor([rec["G"] for rec in records], dtype=f64),
+        task=numbers("task", "tid"),
+        run=numbers("run", "rid"),
+        step=torch.tensor([rec["k"] for rec in records], dtype=torch.int64),
     )
+    if items is not None:
+        masks = [_flat_bytes(item.tensors.get("action_mask"), rec["L"], 1, f64) for item, rec in zip(
+            items, records, strict=True)]  # fmt: skip
+        batch.mask = torch.cat(masks) if masks else torch.zeros(0, dtype=f64)
+        rewards = batch.rewards.tolist()
+        batch.token_rewards = torch.cat(
+            [_token_rewards(item, m, r) for item, m, r in zip(items, masks, rewards, strict=True)]
+            or [torch.zeros(0, dtype=f64)]
+        )
     return batch, list(index["group"])
 
 
@@ -129,8 +125,10 @@ def compute(job: ComputeJob) -> tuple[dict[str, bytes], list[str], list[str]]:
     """Advantages of one job: (records by uid, ready groups, dropped groups)."""
     config = job.config
     uids = [uid for members in job.members for uid in members]
-    items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
-    batch, group_keys = build_batch(items, config, token_rewards=config.estimator == "reinforce")
+    items = None
+    if config.estimator in TOKEN_LEVEL:
+        items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
+    batch, group_keys = build_batch([job.records[uid] for uid in uids], items)
     device = estimators.resolve_device(config.device)
     result = estimators.estimate(config.estimator, batch.to(device), config.estimator_params)
     records = dict(zip(uids, encode_results(result, batch), strict=True))

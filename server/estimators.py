@@ -33,19 +33,22 @@ class FlatBatch:
     """The inputs of one computation: N experiences, T response tokens in all.
 
     `group` numbers the table's groups 0..G-1; `task`, `run` and `step` identify the
-    experience inside its task (used by the multi-step estimators). `token_rewards` has
-    the response layout of `mask`: the pushed token-level rewards, or the scalar reward
-    on the last generated token where none were pushed.
+    experience inside its task (used by the multi-step estimators); `generated` counts
+    the response tokens under each action mask. The token-level inputs are needed only by
+    `reinforce` and by `Advantages.tokens`: `mask` concatenates the action masks, and
+    `token_rewards` (same layout) holds the pushed token-level rewards, or the scalar
+    reward on the last generated token where none were pushed.
     """
 
     rewards: Tensor  # [N] float64
     group: Tensor  # [N] int64
     lengths: Tensor  # [N] int64, response lengths
-    mask: Tensor  # [T] float64, concatenated action masks
-    token_rewards: Tensor  # [T] float64
+    generated: Tensor  # [N] float64
     task: Tensor  # [N] int64
     run: Tensor  # [N] int64
     step: Tensor  # [N] int64
+    mask: Tensor | None = None  # [T] float64
+    token_rewards: Tensor | None = None  # [T] float64
 
     @property
     def num_groups(self) -> int:
@@ -56,13 +59,15 @@ class FlatBatch:
         device = torch.device(device)
         if device.type == "cpu":
             return self
-        n, t = self.rewards.numel(), self.mask.numel()
+        tokens = [t for t in (self.mask, self.token_rewards) if t is not None]
         ints = (self.group, self.lengths, self.task, self.run, self.step)
-        packed = torch.cat([self.rewards, *(i.double() for i in ints), self.mask, self.token_rewards])
-        moved = packed.to(device, non_blocking=True)
-        parts = torch.split(moved, [n, n, n, n, n, n, t, t])
-        ints = [p.long() for p in parts[1:6]]
-        return FlatBatch(parts[0], ints[0], ints[1], parts[6], parts[7], ints[2], ints[3], ints[4])
+        flat = [self.rewards, self.generated, *(i.double() for i in ints), *tokens]
+        moved = torch.cat(flat).to(device, non_blocking=True)
+        parts = list(torch.split(moved, [t.numel() for t in flat]))
+        group, lengths, task, run, step = (p.long() for p in parts[2:7])
+        mask = parts[7] if self.mask is not None else None
+        token_rewards = parts[-1] if self.token_rewards is not None else None
+        return FlatBatch(parts[0], group, lengths, parts[1], task, run, step, mask, token_rewards)
 
 
 @dataclass
@@ -146,9 +151,7 @@ def reinforce_pp(b: FlatBatch, epsilon: float = 1e-8) -> Advantages:
     tokens: (x - mean) / sqrt(var + epsilon), with the unbiased variance under the mask."""
     count, mean, _ = _group_mean_std(b.rewards, b.group, b.num_groups)
     centred = b.rewards - torch.where(count <= 1, torch.zeros_like(mean), mean)[b.group]
-    n = b.lengths.numel()
-    owner = torch.arange(n, device=b.mask.device).repeat_interleave(b.lengths, output_size=b.mask.numel())
-    weight = _segment_sum(b.mask, owner, n)  # generated tokens of each experience
+    weight = b.generated
     tokens = weight.sum()
     batch_mean = (centred * weight).sum() / tokens.clamp(min=1)
     var = (weight * (centred - batch_mean) ** 2).sum() / tokens.clamp(min=1)

@@ -45,7 +45,7 @@ import lmdb
 from expbuf.client import trxp
 
 from .selection import ORDERS, ReadyDbs, ReadyIndex, u64
-from .tables import NEEDS_REWARD, TableConfig, default_table
+from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, default_table
 
 # Experience states. Live: pending (its group is incomplete), ready, leased.
 # Experience (and group) states. Live: pending (the group is incomplete), computing (its
@@ -130,6 +130,9 @@ class Entry:
     reward: float | None
     priority: float
     has_token_rewards: bool
+    step: int
+    response_length: int
+    generated: int  # response tokens under the action mask
 
     @classmethod
     def of(cls, item: trxp.RawItem) -> Entry:
@@ -147,6 +150,9 @@ class Entry:
             reward=item.meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
+            step=eid.step,
+            response_length=item.response_length,
+            generated=item.generated_tokens,
         )
 
 
@@ -191,7 +197,8 @@ class ComputeJob:
     config: TableConfig
     groups: list[str]
     members: list[list[str]]
-    blobs: dict[str, bytes]
+    records: dict[str, dict[str, Any]]  # item records: reward, ids, step, lengths
+    blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
 
 
 @dataclass(frozen=True)
@@ -648,7 +655,8 @@ class Store:
 
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
         """Completed groups waiting for advantages, oldest first, up to about `limit`
-        experiences, as one job per table."""
+        experiences, as one job per table. Payloads are read only for estimators that
+        need token-level data (reinforce); the others work from the item records."""
         jobs: dict[int, ComputeJob] = {}
         ids = {table_id: (name, config) for name, (table_id, config) in self._tables.items()}
         count = 0
@@ -661,11 +669,14 @@ class Store:
                     continue
                 grp = _loads(txn.get(key[:4] + gkey, db=self._db["groups"]))
                 name, config = ids[table_id]
-                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}))
+                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}, {}))
                 job.groups.append(gkey.decode())
                 job.members.append(grp["m"])
                 for uid in grp["m"]:
-                    job.blobs[uid] = bytes(txn.get(key[:4] + uid.encode(), db=self._db["blobs"]))
+                    item_key = key[:4] + uid.encode()
+                    job.records[uid] = _loads(txn.get(item_key, db=self._db["items"]))
+                    if config.estimator in TOKEN_LEVEL:
+                        job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
                 count += len(grp["m"])
         return list(jobs.values())
 
@@ -853,6 +864,9 @@ class _TableTxn:
             "tid": entry.tid,
             "rid": entry.rid,
             "sid": entry.sid,
+            "k": entry.step,
+            "L": entry.response_length,
+            "G": entry.generated,
         }
         self.put_item(entry.uid, rec)
         self.txn.put(self._key(entry.uid), entry.blob, db=self.db["blobs"])

@@ -28,6 +28,8 @@ ESTIMATOR_PARAMS: dict[str, dict[str, float]] = {
 ESTIMATORS = tuple(ESTIMATOR_PARAMS)
 # Estimators that need a reward on every experience ("reinforce" takes token-level rewards instead).
 NEEDS_REWARD = frozenset(ESTIMATORS) - {"none", "reinforce"}
+# Estimators that read the tokens (masks and token-level rewards), not just one reward each.
+TOKEN_LEVEL = frozenset({"reinforce"})
 DEVICES = ("auto", "cpu", "cuda")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

@@ -66,6 +66,7 @@ def flat(exps: list[Exp], device: str = "cpu") -> est.FlatBatch:
         rewards=torch.tensor([e.reward for e in exps], dtype=f64),
         group=torch.tensor([e.group for e in exps]),
         lengths=torch.tensor([len(e.mask) for e in exps]),
+        generated=torch.tensor([sum(e.mask) for e in exps], dtype=f64),
         mask=torch.tensor([m for e in exps for m in e.mask], dtype=f64),
         token_rewards=torch.tensor([r for e in exps for r in e.tokens], dtype=f64),
         task=torch.tensor([e.task for e in exps]),
