@@ -8,10 +8,10 @@ makes the groups ready in the same transaction that stores their advantages. The
 ack does not wait for it, and no experience is sampled before it is done. A failed
 computation fails its groups, with the reason in Stats, and the worker goes on.
 
-Stored form, per experience: b"S" + (value f64, response length u32) when every
-generated token carries the same value (every estimator but `reinforce`), or b"T" +
-(response length u32) + float32 advantages + float32 returns. `expand` turns it into the
-`advantages` and `returns` tensors of a sampled batch: value * action_mask.
+Stored form, per experience: one value in its item record when every generated token
+carries the same value (every estimator but `reinforce`), or a record of (response length
+u32) + float32 advantages + float32 returns. `expand` turns either into the `advantages`
+and `returns` tensors of a sampled batch (value * action_mask).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import torch
 from expbuf.client import trxp
 
 from . import estimators
-from .store import ComputeJob, Store
+from .store import Advantage, ComputeJob, Store
 from .tables import TOKEN_LEVEL
 
 log = logging.getLogger("expbuf.advantages")
-_SCALAR = struct.Struct("<dI")
 _LENGTH = struct.Struct("<I")
 
 
@@ -88,41 +87,39 @@ def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> tor
     return out
 
 
-def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[bytes]:
-    """The stored form of each experience's advantages and returns."""
-    lengths = batch.lengths.tolist()
+def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[float | bytes]:
+    """What the store keeps for each experience: its one value, or its token-level record."""
     if result.scalar is not None:
-        values = result.scalar.double().cpu().tolist()
-        return [b"S" + _SCALAR.pack(value, n) for value, n in zip(values, lengths, strict=True)]
+        return [float(v) for v in result.scalar.double().cpu().tolist()]
+    lengths = batch.lengths.tolist()
     advantages = result.advantages.float().cpu().split(lengths)
     returns = result.returns.float().cpu().split(lengths)
     return [
-        b"T" + _LENGTH.pack(n) + trxp.raw_of(a).data + trxp.raw_of(r).data
+        _LENGTH.pack(n) + trxp.raw_of(a).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages, returns, lengths, strict=True)
     ]
 
 
-def expand(record: bytes | None, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
+def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
     """The advantages and returns tensors of one sampled experience."""
-    if record is None:
+    if advantage is None:
         return {}
-    record = bytes(record)
-    if record[:1] == b"S":
-        value, length = _SCALAR.unpack_from(record, 1)
+    if isinstance(advantage, tuple):
+        value, length = advantage
         mask = _flat_bytes(tensors.get("action_mask"), length, 1, torch.float32)
         values = trxp.raw_of(mask * value)
         return {"advantages": values, "returns": values}
-    (length,) = _LENGTH.unpack_from(record, 1)
-    start = 1 + _LENGTH.size
-    middle = start + 4 * length
+    record = bytes(advantage)
+    (length,) = _LENGTH.unpack_from(record)
+    middle = _LENGTH.size + 4 * length
     return {
-        "advantages": trxp.RawTensor("F32", (length,), record[start:middle]),
+        "advantages": trxp.RawTensor("F32", (length,), record[_LENGTH.size : middle]),
         "returns": trxp.RawTensor("F32", (length,), record[middle:]),
     }
 
 
-def compute(job: ComputeJob) -> tuple[dict[str, bytes], list[str], list[str]]:
-    """Advantages of one job: (records by uid, ready groups, dropped groups)."""
+def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[str]]:
+    """Advantages of one job: (what to store by uid, ready groups, dropped groups)."""
     config = job.config
     uids = [uid for members in job.members for uid in members]
     items = None
@@ -131,12 +128,12 @@ def compute(job: ComputeJob) -> tuple[dict[str, bytes], list[str], list[str]]:
     batch, group_keys = build_batch([job.records[uid] for uid in uids], items)
     device = estimators.resolve_device(config.device)
     result = estimators.estimate(config.estimator, batch.to(device), config.estimator_params)
-    records = dict(zip(uids, encode_results(result, batch), strict=True))
+    values = dict(zip(uids, encode_results(result, batch), strict=True))
     dropped = []
     if result.drop_groups is not None:
         dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
     ready = [gkey for gkey in job.groups if gkey not in set(dropped)]
-    return records, ready, dropped
+    return values, ready, dropped
 
 
 class AdvantageWorker:
@@ -162,13 +159,13 @@ class AdvantageWorker:
         for job in self.store.compute_backlog(self.batch_limit):
             started = time.perf_counter()
             try:
-                records, ready, dropped = compute(job)
+                values, ready, dropped = compute(job)
             except Exception as exc:  # a failed computation fails its groups, not the server
                 log.exception("advantages failed for %d groups of table %s", len(job.groups), job.table)
                 reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {exc}"
                 self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
             else:
-                self.store.finish_compute(job.table, records, ready, dropped)
+                self.store.finish_compute(job.table, values, ready, dropped)
                 if dropped:
                     log.info("groups dropped by the std threshold: %d in table %s", len(dropped), job.table)
             handled += len(job.groups)

@@ -170,7 +170,7 @@ class Sampled:
     uids: list[str]
     group_ids: list[str]
     blobs: list[bytes]
-    advantages: list[bytes | None] = field(default_factory=list)
+    advantages: list[Advantage] = field(default_factory=list)
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
@@ -180,9 +180,20 @@ class Sampled:
         return batch_payload(self.blobs, self.advantages)
 
 
-def batch_payload(blobs: Sequence[bytes], advantages: Sequence[bytes | None]) -> bytes:
+# An experience's computed advantage: (value, response length) when every generated token
+# carries the same value, the stored token-level record (advantages.py) otherwise, or None.
+Advantage = tuple[float, int] | bytes | None
+
+
+def _advantage(txn: lmdb.Transaction, db: lmdb._Database, key: bytes, rec: dict[str, Any]) -> Advantage:
+    if "a" in rec:
+        return (rec["a"], rec["L"])
+    return txn.get(key, db=db)
+
+
+def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
-    if not any(advantages):
+    if all(a is None for a in advantages):
         return trxp.join(blobs)
     from .advantages import expand  # torch is imported only where advantages are attached
 
@@ -565,7 +576,8 @@ class Store:
                     missing.append(uid)
                     continue
                 blobs.append(bytes(blob))
-                advantages.append(txn.get(prefix + uid.encode(), db=self._db["adv"]))
+                rec = _loads(txn.get(prefix + uid.encode(), db=self._db["items"]))
+                advantages.append(_advantage(txn, self._db["adv"], prefix + uid.encode(), rec))
         return batch_payload(blobs, advantages), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
@@ -683,7 +695,7 @@ class Store:
     def finish_compute(
         self,
         table: str,
-        advantages: dict[str, bytes],
+        advantages: dict[str, float | bytes],
         ready: Sequence[str],
         dropped: Sequence[str] = (),
         failed: dict[str, str] | None = None,
@@ -952,8 +964,14 @@ class _TableTxn:
             self.txn.put(self.prefix + u64(grp["q"]), gkey.encode(), db=self.db["compute"])
 
     def finish_compute(
-        self, advantages: dict[str, bytes], ready: Sequence[str], dropped: Sequence[str], failed: dict[str, str]
+        self,
+        advantages: dict[str, float | bytes],
+        ready: Sequence[str],
+        dropped: Sequence[str],
+        failed: dict[str, str],
     ) -> None:
+        """One value per experience goes into its record (rewritten anyway to become ready);
+        token-level advantages, being larger, into the adv database."""
         for gkey in [*ready, *dropped, *failed]:
             grp = self.group(gkey)
             if grp is None or grp["s"] != COMPUTING:
@@ -967,9 +985,14 @@ class _TableTxn:
                 self.counters["groups_dropped"] += 1
             else:
                 self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
-                for uid in grp["m"]:
-                    self.txn.put(self._key(uid), advantages[uid], db=self.db["adv"])
-                self._set_group_state(gkey, grp, {uid: self.item(uid) for uid in grp["m"]}, READY)
+                recs = {uid: self.item(uid) for uid in grp["m"]}
+                for uid, rec in recs.items():
+                    value = advantages[uid]
+                    if isinstance(value, float):
+                        rec["a"] = value
+                    else:
+                        self.txn.put(self._key(uid), value, db=self.db["adv"])
+                self._set_group_state(gkey, grp, recs, READY)
                 self.ready.add(gkey.encode(), grp["q"], grp["p"])
 
     def _set_group_state(self, gkey: str, grp: dict[str, Any], recs: dict[str, dict], state: str) -> None:
@@ -1044,7 +1067,7 @@ class _TableTxn:
                 batch.uids.append(uid)
                 batch.group_ids.append(gkey)
                 batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
-                batch.advantages.append(self.txn.get(self._key(uid), db=self.db["adv"]))
+                batch.advantages.append(_advantage(self.txn, self.db["adv"], self._key(uid), recs[uid]))
                 recs[uid]["t"] += 1
             if delivery == "consume" or (
                 delivery == "replay"
