@@ -47,7 +47,7 @@ class FlatBatch:
     task: Tensor  # [N] int64
     run: Tensor  # [N] int64
     step: Tensor  # [N] int64
-    mask: Tensor | None = None  # [T] float64
+    mask: Tensor | None = None  # [T] float64 (or bool)
     token_rewards: Tensor | None = None  # [T] float64
 
     @property
@@ -80,11 +80,12 @@ class Advantages:
     drop_groups: Tensor | None = None  # [G] bool: groups the estimator removes (std threshold)
 
     def tokens(self, batch: FlatBatch) -> tuple[Tensor, Tensor]:
-        """Token-level (advantages, returns), zero where the action mask is 0."""
+        """Token-level float32 (advantages, returns), zero where the action mask is 0."""
         if self.scalar is not None:
-            values = self.scalar.repeat_interleave(batch.lengths, output_size=batch.mask.numel()) * batch.mask
+            values = self.scalar.float().repeat_interleave(batch.lengths, output_size=batch.mask.numel())
+            values.mul_(batch.mask)
             return values, values
-        return self.advantages, self.returns
+        return self.advantages.float(), self.returns.float()
 
 
 def _segment_sum(values: Tensor, index: Tensor, size: int) -> Tensor:
