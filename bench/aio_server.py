@@ -16,6 +16,10 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import channel_options
 from expbuf.server.store import Store
+from expbuf.server.tables import TableConfig
+
+# The service benchmark measures transport and storage: no advantage computation.
+TABLE = TableConfig(name="bench", estimator="none")
 
 
 class AioService(pb_grpc.ExperienceBufferServicer):
@@ -24,7 +28,7 @@ class AioService(pb_grpc.ExperienceBufferServicer):
 
     async def Push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> pb.PushReply:
         items = await asyncio.to_thread(trxp.parse, request.payload)
-        result = await asyncio.to_thread(self.store.put, request.table or "default", items, timeout=30)
+        result = await asyncio.to_thread(self.store.put, request.table or TABLE.name, items, timeout=30)
         return pb.PushReply(seq=request.seq, stored_uids=result.stored, duplicate_uids=result.duplicates)
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
@@ -35,7 +39,7 @@ class AioService(pb_grpc.ExperienceBufferServicer):
         for _ in range(request.max_batches):
             batch = await asyncio.to_thread(
                 self.store.sample,
-                request.table or "default",
+                request.table or TABLE.name,
                 num_groups=request.num_groups,
                 batch_size=request.batch_size,
                 delivery=delivery,
@@ -48,6 +52,7 @@ class AioService(pb_grpc.ExperienceBufferServicer):
 
 async def main(data: str) -> None:
     store = Store(data)
+    store.create_table(TABLE, exist_ok=True)
     server = grpc.aio.server(options=channel_options(256 << 20))
     pb_grpc.add_ExperienceBufferServicer_to_server(AioService(store), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -40,6 +40,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import BufferClient, trxp  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
+TABLE = "bench"  # estimator none: bench_advantages.py measures ingest with advantages
 MAX = 256 << 20
 
 
@@ -86,7 +87,7 @@ def bench_push(target: str, payloads: list[bytes]) -> float:
     def push(share: list[bytes]) -> None:
         with BufferClient(target, timeout=120) as c:
             for payload in share:
-                c.push(payload)
+                c.push(payload, table=TABLE)
 
     return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
 
@@ -122,7 +123,7 @@ def bench_sample(target: str, delivery: str, batches: int) -> tuple[float, int]:
         total = 0
         size = 0
         start = time.perf_counter()
-        for batch in c.sample(num_groups=BATCH // GROUP, delivery=delivery, max_batches=batches, timeout=60):
+        for batch in c.sample(TABLE, num_groups=BATCH // GROUP, delivery=delivery, max_batches=batches, timeout=60):
             total += len(batch.payload)
             size = len(batch.payload)
             batch.ack()
@@ -150,15 +151,15 @@ def bench_latency(target: str, reps: int) -> dict[str, float]:
         push_t = []
         for payload in one:
             start = time.perf_counter()
-            c.push(payload)
+            c.push(payload, table=TABLE)
             push_t.append(time.perf_counter() - start)
-        next(c.sample(batch_size=reps, max_batches=1, timeout=10))  # drain the single experiences
+        next(c.sample(TABLE, batch_size=reps, max_batches=1, timeout=10))  # drain the single experiences
         for payload in groups:
-            c.push(payload)
+            c.push(payload, table=TABLE)
         first_t = []
         for _ in range(reps):
             start = time.perf_counter()
-            next(c.sample(num_groups=1, delivery="lease", max_batches=1)).ack()
+            next(c.sample(TABLE, num_groups=1, delivery="lease", max_batches=1)).ack()
             first_t.append(time.perf_counter() - start)
     ms = 1e3
     return {
@@ -177,6 +178,9 @@ def measure_server(kind: str, data: Path, payloads: list[bytes], reps: int) -> d
     )
     server = Proc(*argv)
     try:
+        if kind == "sync":
+            with BufferClient(server.target) as c:
+                c.create_table(TABLE, estimator="none", exist_ok=True)
         push = bench_push(server.target, payloads)
         half = len(payloads) * PER_PAYLOAD // BATCH // 2
         consume, size = bench_sample(server.target, "consume", half)
