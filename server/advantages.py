@@ -20,7 +20,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,9 +139,16 @@ def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[
 class AdvantageWorker:
     """Computes advantages for completed groups as they arrive, in a background thread."""
 
-    def __init__(self, store: Store, *, batch_limit: int = 8192) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        batch_limit: int = 8192,
+        on_computed: Callable[[str, str, float], None] | None = None,
+    ) -> None:
         self.store = store
         self.batch_limit = batch_limit
+        self.on_computed = on_computed  # (table, estimator, seconds), for the metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-advantages", daemon=True)
 
@@ -166,10 +173,11 @@ class AdvantageWorker:
                 self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
             else:
                 self.store.finish_compute(job.table, values, ready, dropped)
-                if dropped:
-                    log.info("groups dropped by the std threshold: %d in table %s", len(dropped), job.table)
+                for gkey in dropped:
+                    log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
             handled += len(job.groups)
-            log.debug("advantages of %d groups in %.1f ms", len(job.groups), (time.perf_counter() - started) * 1e3)
+            if self.on_computed is not None:
+                self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
         return handled
 
     def _run(self) -> None:

@@ -24,6 +24,7 @@ from .advantages import AdvantageWorker
 from .auth import TokenAuth
 from .config import ServerConfig
 from .estimators import resolve_device
+from .metrics import Metrics, RpcMetrics
 from .service import ExperienceBufferService
 from .store import Store
 
@@ -57,7 +58,10 @@ class ExpbufServer:
         for table in config.tables:
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
-        interceptors = [TokenAuth(config.tokens)] if config.tokens else []
+        self.metrics = Metrics(self.store)
+        interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
+        if config.tokens:
+            interceptors.append(TokenAuth(config.tokens))
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
@@ -65,9 +69,12 @@ class ExpbufServer:
             maximum_concurrent_rpcs=config.workers,
         )
         self.service = ExperienceBufferService(
-            self.store, max_message_bytes=config.max_message_bytes, advantage_device=str(resolve_device("auto"))
+            self.store,
+            metrics=self.metrics,
+            max_message_bytes=config.max_message_bytes,
+            advantage_device=str(resolve_device("auto")),
         )
-        self.advantages = AdvantageWorker(self.store)
+        self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -81,20 +88,27 @@ class ExpbufServer:
         self._stop = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="expbuf-maintenance", daemon=True)
         self.metrics_port = 0
+        self._metrics_http = None
+
+    def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
+        self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
 
     def start(self) -> ExpbufServer:
         self.advantages.start()
         self.grpc.start()
         self._maintenance.start()
-        if self.config.metrics_port:
-            server, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
-            self.metrics_port = server.server_port
+        if self.config.metrics_port >= 0:
+            self._metrics_http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
+            )
+            self.metrics_port = self._metrics_http.server_port
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "expbuf listening on %s:%d (tls %s, tokens %s, data %s, tables %s)",
+            "expbuf listening on %s:%d (metrics :%s, tls %s, tokens %s, data %s, tables %s)",
             self.config.host,
             self.port,
+            self.metrics_port if self.config.metrics_port >= 0 else "off",
             "on" if self.config.tls else "off",
             "on" if self.config.tokens else "off",
             self.config.data,
@@ -122,5 +136,8 @@ class ExpbufServer:
         if self._maintenance.is_alive():
             self._maintenance.join()
         self.advantages.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
         self.store.close()
         log.info("expbuf stopped; every acknowledged write is committed")

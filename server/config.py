@@ -52,16 +52,21 @@ class ServerConfig:
     metrics_port: int = 9400
     max_message_bytes: int = 256 << 20
     workers: int = 64
+    log_format: str = "text"
     tls: TlsConfig | None = None
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
     tables: tuple[TableConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value <= 65535:
-                raise ConfigError(f"{name} must be a port number (0-65535), got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be a port number (0-65535; 0 picks a free one), got {self.port!r}")
+        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"metrics_port must be -1 (off) or a port number (0 picks a free one), got {self.metrics_port!r}"
+            )
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format is {self.log_format!r}; expected text or json")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
@@ -81,6 +86,7 @@ _ENV = {
     "EXPBUF_METRICS_PORT": ("metrics_port", int),
     "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
     "EXPBUF_WORKERS": ("workers", int),
+    "EXPBUF_LOG_FORMAT": ("log_format", str),
 }
 
 

@@ -18,7 +18,8 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from .store import Sampled, Store, StoreError
+from .metrics import Metrics
+from .store import Conflict, GroupClosed, InvalidRequest, NotFound, Sampled, StorageFull, Store, StoreError, TableFull
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -38,14 +39,33 @@ _STATUS = {
 _CONSUME_LEASE_SECONDS = 300.0
 
 
-def _refusals(method: Callable) -> Callable:
-    """Map the store's and codec's refusals to status codes with their message."""
+_REASONS = (
+    (trxp.TrxpError, "invalid_payload"),
+    (ConfigError, "invalid_config"),
+    (InvalidRequest, "invalid_request"),
+    (Conflict, "conflict"),
+    (GroupClosed, "group_closed"),
+    (TableFull, "table_full"),
+    (StorageFull, "storage_full"),
+    (NotFound, "not_found"),
+)
 
-    def abort(context: grpc.ServicerContext, exc: Exception) -> None:
+
+def _reason(exc: Exception) -> str:
+    return next((name for kind, name in _REASONS if isinstance(exc, kind)), "other")
+
+
+def _refusals(method: Callable) -> Callable:
+    """Map the store's and codec's refusals to status codes with their message; count and log them."""
+
+    def abort(self: ExperienceBufferService, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
         code = grpc.StatusCode.INVALID_ARGUMENT
         if isinstance(exc, StoreError):
             code = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
-        log.info("refused %s: %s: %s", method.__name__, code.name, exc)
+        table = getattr(request, "table", "") or "default"
+        reason = _reason(exc)
+        self.metrics.refused.labels(table, reason).inc()
+        log.info("refused %s on table %s: %s (%s): %s", method.__name__, table, code.name, reason, exc)
         context.abort(code, str(exc))
 
     if method.__name__ in ("Sample", "PushStream"):
@@ -55,7 +75,7 @@ def _refusals(method: Callable) -> Callable:
             try:
                 yield from method(self, request, context)
             except (StoreError, trxp.TrxpError, ConfigError) as exc:
-                abort(context, exc)
+                abort(self, request, context, exc)
 
         return stream
 
@@ -64,7 +84,7 @@ def _refusals(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except (StoreError, trxp.TrxpError, ConfigError) as exc:
-            abort(context, exc)
+            abort(self, request, context, exc)
 
     return unary
 
@@ -77,8 +97,9 @@ def _remaining(context: grpc.ServicerContext, limit: float | None = None) -> flo
 
 
 class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
-    def __init__(self, store: Store, *, max_message_bytes: int, advantage_device: str = "none") -> None:
+    def __init__(self, store: Store, *, metrics: Metrics, max_message_bytes: int, advantage_device: str) -> None:
         self.store = store
+        self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
         self.started = time.time()
@@ -87,7 +108,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         items = trxp.parse(request.payload)
-        result = self.store.put(request.table or "default", items, timeout=_remaining(context))
+        table = request.table or "default"
+        result = self.store.put(table, items, timeout=_remaining(context))
+        for gkey in result.dropped_groups:
+            log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
         return pb.PushReply(
             seq=request.seq,
             stored_uids=result.stored,
@@ -140,6 +164,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                     )
                 if delivery == "consume":
                     held = batch.lease_id
+                self._observe_staleness(table, batch)
                 yield self._reply(batch, lease=delivery == "lease")
                 sent += 1
                 if batch.partial:
@@ -147,6 +172,15 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         finally:
             if held:  # the stream broke before moving past this batch: it returns to the buffer
                 self.store.nack(held)
+
+    def _observe_staleness(self, table: str, batch: Sampled) -> None:
+        latest = self.store.stats(table)["max_version"]
+        if latest is None:
+            return
+        histogram = self.metrics.staleness.labels(table)
+        for version in batch.versions:
+            if version is not None:
+                histogram.observe(latest - version)
 
     @staticmethod
     def _reply(batch: Sampled, *, lease: bool) -> pb.SampleReply:

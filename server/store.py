@@ -72,6 +72,13 @@ _COUNTERS = (
     "duplicates",
     "sampled",
     "leases_expired",
+    # monotonic totals for the metrics
+    "bytes_pushed",
+    "bytes_sampled",
+    "evicted_total",
+    "dropped_zero_variance",
+    "dropped_timeout",
+    "dropped_std_threshold",
     "next_seq",
     "next_rseq",
 )
@@ -161,6 +168,7 @@ class PutResult:
     stored: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
     completed_groups: list[str] = field(default_factory=list)
+    dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
 
 
 @dataclass
@@ -171,6 +179,7 @@ class Sampled:
     group_ids: list[str]
     blobs: list[bytes]
     advantages: list[Advantage] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
@@ -837,8 +846,9 @@ class _TableTxn:
                 grp["m"].append(entry.uid)
             grp["n"] = len(grp["m"])
             if size == 0 or grp["n"] >= size:
-                self._complete(gkey, grp, partial=False)
                 result.completed_groups.append(gkey)
+                if not self._complete(gkey, grp, partial=False):
+                    result.dropped_groups.append(gkey)
             else:
                 self.put_group(gkey, grp)
         result.stored = list(fresh)
@@ -887,6 +897,7 @@ class _TableTxn:
             self.txn.put(key, b"", db=self.db[db])
         self.counters[PENDING] += 1
         self.counters["bytes"] += rec["n"]
+        self.counters["bytes_pushed"] += rec["n"]
         if entry.version is not None:
             low, high = self.counters["min_version"], self.counters["max_version"]
             self.counters["min_version"] = entry.version if low is None else min(low, entry.version)
@@ -919,6 +930,7 @@ class _TableTxn:
                 if grp["s"] == LEASED:
                     continue
                 self._retire_group(gkey, grp, EVICTED)
+                self.counters["evicted_total"] += grp["n"]
                 if not over():
                     return
         raise TableFull(
@@ -941,15 +953,16 @@ class _TableTxn:
                 yield gkey
 
     # group states
-    def _complete(self, gkey: str, grp: dict[str, Any], *, partial: bool) -> None:
-        """A pending group becomes ready (or is dropped by the zero-variance filter)."""
+    def _complete(self, gkey: str, grp: dict[str, Any], *, partial: bool) -> bool:
+        """A pending group becomes ready, or computing; False if the zero-variance filter dropped it."""
         recs = {uid: self.item(uid) for uid in grp["m"]}
         rewards = [rec["r"] for rec in recs.values()]
         grp["x"] = partial
         if self.config.drop_zero_variance and None not in rewards and len(set(rewards)) <= 1:
             self._retire_group(gkey, grp, DROPPED)
             self.counters["groups_dropped"] += 1
-            return
+            self.counters["dropped_zero_variance"] += 1
+            return False
         self.txn.delete(self._pending_key(gkey, grp), db=self.db["pending"])
         versions = [rec["v"] for rec in recs.values()]
         grp["v"] = None if None in versions or not versions else min(versions)
@@ -962,6 +975,7 @@ class _TableTxn:
         else:  # sampled only once its advantages are stored (finish_compute)
             self._set_group_state(gkey, grp, recs, COMPUTING)
             self.txn.put(self.prefix + u64(grp["q"]), gkey.encode(), db=self.db["compute"])
+        return True
 
     def finish_compute(
         self,
@@ -983,6 +997,7 @@ class _TableTxn:
             elif gkey in dropped:
                 self._retire_group(gkey, grp, DROPPED)
                 self.counters["groups_dropped"] += 1
+                self.counters["dropped_std_threshold"] += 1
             else:
                 self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
                 recs = {uid: self.item(uid) for uid in grp["m"]}
@@ -1067,6 +1082,8 @@ class _TableTxn:
                 batch.uids.append(uid)
                 batch.group_ids.append(gkey)
                 batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
+                batch.versions.append(recs[uid]["v"])
+                self.counters["bytes_sampled"] += recs[uid]["n"]
                 batch.advantages.append(_advantage(self.txn, self.db["adv"], self._key(uid), recs[uid]))
                 recs[uid]["t"] += 1
             if delivery == "consume" or (
@@ -1133,6 +1150,7 @@ class _TableTxn:
             if self.config.on_group_timeout == "drop":
                 self._retire_group(gkey, grp, DROPPED)
                 self.counters["groups_dropped"] += 1
+                self.counters["dropped_timeout"] += 1
             else:
                 self._complete(gkey, grp, partial=True)
         return len(expired)

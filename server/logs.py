@@ -1,0 +1,38 @@
+"""Log lines of an expbuf server: plain text by default, one JSON object per line on request.
+
+One line per event that matters (start with its settings, tables created, groups
+dropped, leases expired, refusals with their reason, shutdown). Payload bytes are
+never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """{"ts", "level", "logger", "message"} and, for errors, "exception"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure(log_format: str = "text", level: int = logging.INFO) -> None:
+    """Route every expbuf logger to stderr in the given format (text | json)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,177 @@
+"""Prometheus metrics of an expbuf server.
+
+What the store keeps durably (counts by state, totals pushed, sampled, evicted, dropped,
+expired) is read from the store at every scrape, so gauges and counters stay right
+across restarts. What only the server sees (RPC latency by method and code, refusals
+before anything reaches the store, advantage time, staleness of sampled experiences)
+is measured here. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .store import LIVE, Store
+
+GROUP_STATES = LIVE
+EXPERIENCE_STATES = (*LIVE, "consumed")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# (metric name, help, store counter, extra labels)
+_STORE_COUNTERS = (
+    ("expbuf_experiences_pushed", "Experiences stored (not counting duplicates).", "pushed", {}),
+    ("expbuf_experiences_sampled", "Experiences delivered in sampled batches.", "sampled", {}),
+    ("expbuf_bytes_pushed", "Bytes of experiences stored.", "bytes_pushed", {}),
+    ("expbuf_bytes_sampled", "Bytes of experiences delivered in sampled batches.", "bytes_sampled", {}),
+    ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates", {}),
+    ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired", {}),
+    ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total", {}),
+)
+_DROP_REASONS = ("zero_variance", "timeout", "std_threshold")
+
+
+class StoreCollector(Collector):
+    """Reads the store's durable counters and states at scrape time."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        tables = {t.name: self.store.stats(t.name) for t in self.store.list_tables()}
+        experiences = GaugeMetricFamily("expbuf_buffer_experiences", "Experiences by state.", labels=["table", "state"])
+        groups = GaugeMetricFamily("expbuf_groups", "Groups by state.", labels=["table", "state"])
+        for table, stats in tables.items():
+            for state in EXPERIENCE_STATES:
+                experiences.add_metric([table, state], stats[state])
+            for state in GROUP_STATES:
+                groups.add_metric([table, state], stats[f"groups_{state}"])
+            groups.add_metric([table, "failed"], stats["groups_failed"])
+        yield experiences
+        yield groups
+        for name, text, key, _ in _STORE_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["table"])
+            for table, stats in tables.items():
+                family.add_metric([table], stats[key])
+            yield family
+        dropped = CounterMetricFamily("expbuf_groups_dropped", "Groups dropped, by reason.", labels=["table", "reason"])
+        for table, stats in tables.items():
+            for reason in _DROP_REASONS:
+                dropped.add_metric([table, reason], stats[f"dropped_{reason}"])
+        yield dropped
+        oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
+        for table, stats in tables.items():
+            oldest.add_metric([table], stats["oldest_age_seconds"])
+        yield oldest
+        storage = self.store.storage_info()
+        yield GaugeMetricFamily(
+            "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
+        )
+        yield GaugeMetricFamily(
+            "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
+        )
+
+
+class Metrics:
+    """The metrics an expbuf server exports, in a registry of its own."""
+
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(store))
+        self.rpc_duration = Histogram(
+            "expbuf_rpc_duration_seconds",
+            "RPC duration by method and status code (streams: the whole stream).",
+            ["method", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "expbuf_refused", "Requests refused, by reason.", ["table", "reason"], registry=self.registry
+        )
+        self.advantage_seconds = Histogram(
+            "expbuf_advantage_seconds",
+            "Time to compute the advantages of the groups completed together.",
+            ["table", "estimator"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.staleness = Histogram(
+            "expbuf_sample_staleness_versions",
+            "Newest policy version pushed minus the version of each sampled experience.",
+            ["table"],
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=self.registry,
+        )
+
+
+class RpcMetrics(grpc.ServerInterceptor):
+    """Times every RPC of the ExperienceBuffer service and records its status code."""
+
+    _PREFIX = "/expbuf.v1.ExperienceBuffer/"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(self._PREFIX):
+            return handler
+        method = details.method[len(self._PREFIX) :]
+        observe = self.metrics.rpc_duration
+
+        def timed_unary(behavior: Callable) -> Callable:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                start, outcome = time.perf_counter(), "UNKNOWN"
+                try:
+                    result = behavior(request, context)
+                    outcome = "OK"
+                    return result
+                finally:
+                    observe.labels(method, _code(context, outcome)).observe(time.perf_counter() - start)
+
+            return run
+
+        def timed_stream(behavior: Callable) -> Callable:
+            def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                start, outcome = time.perf_counter(), "UNKNOWN"
+                try:
+                    yield from behavior(request, context)
+                    outcome = "OK"
+                except GeneratorExit:
+                    outcome = "CANCELLED"
+                    raise
+                finally:
+                    observe.labels(method, _code(context, outcome)).observe(time.perf_counter() - start)
+
+            return run
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                timed_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                timed_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                timed_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _code(context: grpc.ServicerContext, outcome: str) -> str:
+    """The status the handler set (an abort), else how it ended: OK, CANCELLED or UNKNOWN."""
+    code = context.code()
+    if code is None:
+        return outcome
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)

@@ -1,0 +1,115 @@
+"""`expbuf stats`: a terminal view of a running server through the Stats RPC.
+
+For an operator without Grafana: every table's experiences and groups by state, bytes,
+the oldest experience's age, the policy versions seen, and (with --watch) push and
+sample rates between refreshes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from expbuf.client import BufferClient, BufferError
+
+COLUMNS = (
+    ("table", 16),
+    ("pending", 8),
+    ("computing", 10),
+    ("ready", 8),
+    ("leased", 8),
+    ("consumed", 9),
+    ("groups p/c/r/l", 15),
+    ("failed", 7),
+    ("dropped", 8),
+    ("bytes", 9),
+    ("oldest", 8),
+    ("versions", 10),
+    ("push/s", 8),
+    ("sample/s", 9),
+)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def render(info: dict[str, Any], tables: dict[str, dict[str, Any]], rates: dict[str, tuple[float, float]]) -> str:
+    lines = [
+        f"expbuf {info['version']}  uptime {_age(info['uptime_seconds'])}  storage {_size(info['storage_bytes'])}"
+        f" (map {info['lmdb_map_used_ratio']:.0%})  advantages on {info['advantage_device']}",
+        "",
+        " ".join(name.ljust(width) for name, width in COLUMNS),
+    ]
+    for name, t in tables.items():
+        versions = "-" if t["max_model_version"] < 0 else f"{t['min_model_version']}..{t['max_model_version']}"
+        push, sample = rates.get(name, (None, None))
+        cells = (
+            name,
+            t["pending"],
+            t["computing"],
+            t["ready"],
+            t["leased"],
+            t["consumed"],
+            f"{t['groups_pending']}/{t['groups_computing']}/{t['groups_ready']}/{t['groups_leased']}",
+            t["groups_failed"],
+            t["groups_dropped"],
+            _size(t["bytes"]),
+            _age(t["oldest_age_seconds"]) if t["pending"] + t["computing"] + t["ready"] + t["leased"] else "-",
+            versions,
+            "-" if push is None else f"{push:.1f}",
+            "-" if sample is None else f"{sample:.1f}",
+        )
+        lines.append(" ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS, strict=True)))
+        if t["last_failure"]:
+            lines.append(f"  last failure: {t['last_failure']}")
+    return "\n".join(lines)
+
+
+def watch(target: str, token: str | None, interval: float, count: int = 0, out: TextIO = sys.stdout) -> int:
+    """Print the view once, or every `interval` seconds (`count` times, 0 = until Ctrl-C)."""
+    previous: tuple[float, dict[str, dict[str, Any]]] | None = None
+    shown = 0
+    with BufferClient(target, token=token, timeout=10, retries=0) as client:
+        try:
+            while True:
+                try:
+                    info, tables = client.server_info(), client.stats()
+                except BufferError as exc:
+                    print(f"expbuf stats: {target}: {exc}", file=sys.stderr)
+                    return 1
+                now = time.monotonic()
+                rates = {}
+                if previous is not None:
+                    elapsed = max(1e-9, now - previous[0])
+                    for name, t in tables.items():
+                        before = previous[1].get(name)
+                        if before is not None:
+                            rates[name] = (
+                                (t["pushed"] - before["pushed"]) / elapsed,
+                                (t["sampled"] - before["sampled"]) / elapsed,
+                            )
+                if interval and out.isatty():
+                    out.write("\x1b[H\x1b[2J")
+                out.write(render(info, tables, rates) + "\n")
+                out.flush()
+                shown += 1
+                previous = (now, tables)
+                if not interval or (count and shown >= count):
+                    return 0
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0

@@ -1,0 +1,208 @@
+"""Operations: Prometheus metrics scraped over HTTP, logs, `expbuf stats`, the docker files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+from conftest import BAD_DIR, payload
+from helpers import ServerProcess, group_items
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def wait_until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def start(data: Path) -> ExpbufServer:
+    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0)).start()
+
+
+def test_metrics_after_a_known_workload(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with BufferClient(target, timeout=20) as c:
+            c.push(payload("grpo_group.trxp"))  # 8 experiences, model_version 5
+            c.push(payload("mixed_batch.trxp"))  # 2 groups of 4, model_version 1
+            c.push(payload("grpo_group.trxp"))  # 8 duplicates
+            with pytest.raises(BufferError):
+                c.push((BAD_DIR / "missing_eid.bin").read_bytes())
+            c.create_table("dapo", drop_zero_variance=True)
+            c.push(trxp.build(group_items(1, 0, 4, reward=1.0)), table="dapo")  # dropped: zero variance
+            c.create_table("ring", estimator="none", capacity=4, when_full="evict")
+            c.push(trxp.build(group_items(2, 0, 4)), table="ring")
+            c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
+            wait_until(lambda: c.stats()["default"]["ready"] == 16)
+            consumed = next(c.sample(num_groups=1, max_batches=1))  # 7/3, version 5
+            leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
+            assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
+            wait_until(lambda: c.stats()["default"]["leases_expired"] == 1)
+        m = scrape(server.metrics_port)
+        d = {"table": "default"}
+        assert value(m, "expbuf_experiences_pushed_total", **d) == 16
+        assert value(m, "expbuf_duplicates_total", **d) == 8
+        assert value(m, "expbuf_experiences_sampled_total", **d) == 12
+        sampled_bytes = sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("grpo_group.trxp")))
+        sampled_bytes += sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("mixed_batch.trxp"))[:4])
+        assert value(m, "expbuf_bytes_sampled_total", **d) == sampled_bytes
+        assert value(m, "expbuf_bytes_pushed_total", **d) > sampled_bytes
+        assert value(m, "expbuf_refused_total", table="default", reason="invalid_payload") == 1
+        assert value(m, "expbuf_leases_expired_total", **d) == 1
+        assert value(m, "expbuf_evicted_total", table="ring") == 4
+        assert value(m, "expbuf_groups_dropped_total", table="dapo", reason="zero_variance") == 1
+        states = {s: value(m, "expbuf_buffer_experiences", table="default", state=s) for s in
+                  ("pending", "computing", "ready", "leased", "consumed")}  # fmt: skip
+        assert states == {"pending": 0, "computing": 0, "ready": 8, "leased": 0, "consumed": 8}
+        assert value(m, "expbuf_groups", table="default", state="ready") == 2
+        assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="OK") == 6
+        assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="INVALID_ARGUMENT") == 1
+        assert value(m, "expbuf_advantage_seconds_count", table="default", estimator="grpo") >= 1
+        # staleness: newest version 5; 8 experiences of version 5 and 4 of version 1 were sampled
+        assert value(m, "expbuf_sample_staleness_versions_count", **d) == 12
+        assert value(m, "expbuf_sample_staleness_versions_sum", **d) == 16
+        assert (
+            value(
+                m,
+                "expbuf_storage_bytes",
+            )
+            > 0
+        )
+        assert 0 < value(m, "expbuf_lmdb_map_used_ratio") < 1
+    finally:
+        server.stop(grace=1)
+    server = start(tmp_path)  # gauges and store totals come back from LMDB, not from zero
+    try:
+        again = scrape(server.metrics_port)
+        for name, labels in (
+            ("expbuf_experiences_pushed_total", d),
+            ("expbuf_buffer_experiences", {"table": "default", "state": "ready"}),
+            ("expbuf_buffer_experiences", {"table": "default", "state": "consumed"}),
+            ("expbuf_groups_dropped_total", {"table": "dapo", "reason": "zero_variance"}),
+        ):
+            assert value(again, name, **labels) == value(m, name, **labels)
+    finally:
+        server.stop(grace=1)
+
+
+def test_dashboard_queries_use_exported_metrics(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}") as c:
+            c.push(payload("grpo_group.trxp"))
+            next(c.sample(num_groups=1, max_batches=1, timeout=10))
+            with pytest.raises(BufferError):  # refusals are counted from the first one on
+                c.push((BAD_DIR / "bad_magic.bin").read_bytes())
+        exported = {name for name, _ in scrape(server.metrics_port)}
+    finally:
+        server.stop(grace=1)
+    dashboard = json.loads((DOCKER / "grafana" / "expbuf.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    used = {name for expr in exprs for name in re.findall(r"\bexpbuf_[a-z_]+", expr)}
+    assert len(exprs) >= 10 and len(used) >= 10
+    assert used <= exported, f"the dashboard queries metrics the server does not export: {used - exported}"
+
+
+def test_json_logs_and_stats_view(tmp_path: Path) -> None:
+    proc = ServerProcess(str(tmp_path), "--log-format", "json")
+    try:
+        with BufferClient(proc.target) as c:
+            c.push(payload("grpo_group.trxp"))
+            with pytest.raises(BufferError):
+                c.push((BAD_DIR / "pickle_global.bin").read_bytes())
+            c.create_table("extra", estimator="none")
+        command = ["stats", "--target", proc.target, "--watch", "0.2", "--count", "2"]
+        out = subprocess.run(
+            [sys.executable, "-m", "expbuf.server.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0
+    lines = [json.loads(line) for line in proc.log]
+    assert all({"ts", "level", "logger", "message"} <= set(line) for line in lines)
+    messages = [line["message"] for line in lines]
+    assert any(m.startswith("expbuf listening on") for m in messages)
+    assert any("table created" in m and "extra" in m for m in messages)
+    assert any("refused Push" in m and "invalid_payload" in m for m in messages)
+    assert any("stopped" in m for m in messages)
+    assert not any("TRXP" in m or "\\x" in m for m in messages)  # no payload bytes
+    assert out.count("default ") == 2 and out.count("extra ") == 2
+    row = next(line for line in out.splitlines()[::-1] if line.startswith("default "))
+    assert re.search(r"default\s+0\s+\d+\s+\d+\s+0\s+0\s+", row)
+    assert "5..5" in row
+
+
+def test_health_command(tmp_path: Path) -> None:
+    proc = ServerProcess(str(tmp_path))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "expbuf.server.cli", "health", "--target", proc.target],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip() == "SERVING"
+    finally:
+        proc.stop(signal.SIGTERM)
+    done = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "health", "--target", proc.target, "--timeout", "1"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
+def test_compose_file_validates() -> None:
+    done = subprocess.run(
+        ["docker-compose", "-f", str(DOCKER / "compose.yaml"), "config"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    config = done.stdout
+    for service in ("expbuf:", "prometheus:", "grafana:"):
+        assert service in config
+
+
+def test_image_uses_the_readme_setup_command() -> None:
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make setup" in readme
+    assert re.search(r"^RUN .*make setup", dockerfile, re.M), "the image must install with the README's make setup"
+    assert re.search(r"^USER (?!root)", dockerfile, re.M)
+    assert re.search(r'^HEALTHCHECK .*CMD \["expbuf", "health"\]', dockerfile, re.M)
+    assert re.search(r"^VOLUME", dockerfile, re.M)
+    prometheus = (DOCKER / "prometheus.yml").read_text()
+    assert "expbuf:9400" in prometheus
