@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import grpc
 
+from .interceptor import ServiceInterceptor
+
 log = logging.getLogger("expbuf.auth")
-_SERVICE = "/expbuf.v1.ExperienceBuffer/"
 SCOPE_OF_METHOD = {
     "Push": "push",
     "PushStream": "push",
@@ -47,7 +48,7 @@ def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
-class TokenAuth(grpc.ServerInterceptor):
+class TokenAuth(ServiceInterceptor):
     def __init__(self, tokens: Mapping[str, frozenset[str]]) -> None:
         self._tokens = {token.encode(): scopes for token, scopes in tokens.items()}
 
@@ -59,15 +60,9 @@ class TokenAuth(grpc.ServerInterceptor):
                 found = scopes
         return found
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = continuation(details)
-        if handler is None or not details.method.startswith(_SERVICE):
-            return handler
-        method = details.method[len(_SERVICE) :]
         scope = SCOPE_OF_METHOD.get(method, "admin")
         header = dict(details.invocation_metadata).get("authorization", "")
         if not header.startswith("Bearer ") or not header[7:]:

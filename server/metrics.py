@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .interceptor import ServiceInterceptor
 from .store import LIVE, Store
 
 GROUP_STATES = LIVE
@@ -109,23 +110,15 @@ class Metrics:
         )
 
 
-class RpcMetrics(grpc.ServerInterceptor):
+class RpcMetrics(ServiceInterceptor):
     """Times every RPC of the ExperienceBuffer service and records its status code."""
-
-    _PREFIX = "/expbuf.v1.ExperienceBuffer/"
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
-        details: grpc.HandlerCallDetails,
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = continuation(details)
-        if handler is None or not details.method.startswith(self._PREFIX):
-            return handler
-        method = details.method[len(self._PREFIX) :]
         observe = self.metrics.rpc_duration
 
         def timed_unary(behavior: Callable) -> Callable:
