@@ -56,6 +56,9 @@ LIVE = (PENDING, COMPUTING, READY, LEASED)
 STATES = (*LIVE, CONSUMED, EVICTED, DROPPED, FAILED)
 DELIVERIES = ("consume", "lease", "replay")
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+# A sample request looks at most this many ready groups (those older than its
+# min_model_version are skipped), so one request costs the writer a bounded time.
+MAX_SCAN = 4096
 _DBS = (
     "meta", "tables", "items", "blobs", "adv", "groups", "tasks", "runs", "steps", "order", "pending", "compute",
     "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
@@ -1060,7 +1063,9 @@ class _TableTxn:
         chosen: list[tuple[str, dict[str, Any]]] = []
         total = 0
         with contextlib.closing(self.ready.candidates(order, rng)) as candidates:
-            for gkey_raw in candidates:
+            for scanned, gkey_raw in enumerate(candidates):
+                if scanned >= MAX_SCAN:  # the writer must not stall on a table of stale groups
+                    break
                 gkey = gkey_raw.decode()
                 grp = self.group(gkey)
                 if min_version is not None and (grp["v"] is None or grp["v"] < min_version):

@@ -184,6 +184,14 @@ def test_replay_respects_max_times_sampled(store: Store) -> None:
     assert store.verify("replay") == []
 
 
+def test_min_model_version_scan_is_bounded(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("expbuf.server.store.MAX_SCAN", 5)
+    for task in range(8):
+        store.put("plain", group_items(1, task, 1, version=1 if task < 6 else 9))
+    assert store.sample("plain", num_groups=1, min_model_version=5) is None  # 6 stale groups ahead
+    assert store.sample("plain", num_groups=1, min_model_version=5, order="lifo").group_ids == ["1/7"]
+
+
 def test_min_model_version(store: Store) -> None:
     store.put("plain", group_items(1, 0, 2, version=3))
     store.put("plain", group_items(1, 1, 2, version=5))
