@@ -49,6 +49,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         when_full=enum_value(WHEN_FULL, "when_full", settings.get("when_full", "block")),
         max_times_sampled=settings.get("max_times_sampled", 0),
         drop_zero_variance=settings.get("drop_zero_variance", False),
+        tombstone_seconds=settings.get("tombstone_seconds"),
     )
 
 
@@ -68,4 +69,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "when_full": enum_name(WHEN_FULL, msg.when_full, "block"),
         "max_times_sampled": msg.max_times_sampled,
         "drop_zero_variance": msg.drop_zero_variance,
+        **({"tombstone_seconds": msg.tombstone_seconds} if msg.HasField("tombstone_seconds") else {}),
     }

@@ -53,6 +53,7 @@ from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, default_table
 PENDING, COMPUTING, READY, LEASED = "pending", "computing", "ready", "leased"
 CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
 LIVE = (PENDING, COMPUTING, READY, LEASED)
+RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED)
 STATES = (*LIVE, CONSUMED, EVICTED, DROPPED, FAILED)
 DELIVERIES = ("consume", "lease", "replay")
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
@@ -61,6 +62,7 @@ GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 MAX_SCAN = 4096
 _DBS = (
     "meta", "tables", "items", "blobs", "adv", "groups", "tasks", "runs", "steps", "order", "pending", "compute",
+    "retired",
     "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
 )  # fmt: skip
 _PER_TABLE = tuple(db for db in _DBS if db not in ("meta", "tables", "leases", "lease_exp"))
@@ -657,13 +659,20 @@ class Store:
                         break
                     expired.append(key[8:].decode())
             requeued = sum(self._end_lease(txn, lease_id, requeue=True, expired=True) for lease_id in expired)
-            timed_out = 0
+            timed_out = pruned = 0
             for table_id, config in list(self._tables.values()):
+                tt = _TableTxn(self, txn, table_id, config)
                 if config.group_timeout_seconds > 0:
-                    tt = _TableTxn(self, txn, table_id, config)
                     timed_out += tt.expire_groups(now - config.group_timeout_seconds)
-                    tt.save()
-            return {"leases_expired": len(expired), "requeued": requeued, "groups_timed_out": timed_out}
+                if config.tombstone_seconds > 0:
+                    pruned += tt.prune_tombstones(now - config.tombstone_seconds)
+                tt.save()
+            return {
+                "leases_expired": len(expired),
+                "requeued": requeued,
+                "groups_timed_out": timed_out,
+                "tombstones_pruned": pruned,
+            }
 
         return self._submit(op)
 
@@ -1018,6 +1027,9 @@ class _TableTxn:
             self.counters[rec["s"]] -= 1
             self.counters[state] += 1
             rec["s"] = state
+            if state in RETIRED:  # a tombstone from now on, pruned after tombstone_seconds
+                rec["rt"] = self.now
+                self.txn.put(self._retired_key(uid, rec), b"", db=self.db["retired"])
             self.put_item(uid, rec)
         if grp["s"] in LIVE:
             self.counters["groups_" + grp["s"]] -= 1
@@ -1025,6 +1037,38 @@ class _TableTxn:
             self.counters["groups_" + state] += 1
         grp["s"] = state
         self.put_group(gkey, grp)
+
+    def _retired_key(self, uid: str, rec: dict[str, Any]) -> bytes:
+        return self.prefix + u64(int(rec["rt"] * 1e6)) + uid.encode()
+
+    def _forget_tombstone(self, uid: str, rec: dict[str, Any]) -> None:
+        """Remove a retired experience's record: its uid may then be pushed again."""
+        self.forget_item(uid)
+        self.counters[rec["s"]] -= 1
+        self.txn.delete(self._retired_key(uid, rec), db=self.db["retired"])
+        grp = self.group(rec["g"])
+        if grp is not None and uid in grp["m"]:
+            grp["m"].remove(uid)
+            grp["n"] = len(grp["m"])
+            if grp["m"]:
+                self.put_group(rec["g"], grp)
+            else:
+                self.forget_group(rec["g"])
+
+    def prune_tombstones(self, retired_before: float, limit: int = 10_000) -> int:
+        """Forget tombstones retired before the cutoff (at most `limit` per call)."""
+        cutoff = u64(int(retired_before * 1e6))
+        expired = []
+        with self.txn.cursor(db=self.db["retired"]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
+                expired.append(cur.key()[12:].decode())
+                found = cur.next()
+        for uid in expired:
+            rec = self.item(uid)
+            if rec is not None and rec["s"] in RETIRED:
+                self._forget_tombstone(uid, rec)
+        return len(expired)
 
     def _retire_group(self, gkey: str, grp: dict[str, Any], state: str) -> None:
         """Members leave the buffer (consumed, evicted, dropped): payloads go, records stay as
@@ -1171,10 +1215,11 @@ class _TableTxn:
             rec = self.item(uid)
             if rec is None:
                 continue
+            if rec["s"] not in LIVE:
+                self._forget_tombstone(uid, rec)
+                continue
             self.forget_item(uid)
             self.counters[rec["s"]] -= 1
-            if rec["s"] not in LIVE:
-                continue
             deleted += 1
             self._drop_payload(uid, rec)
             gkey = rec["g"]
@@ -1243,6 +1288,9 @@ class _TableTxn:
                     problems.append(f"ready group {gkey} is missing from the ready index")
             if grp["s"] == PENDING and txn.get(self._pending_key(gkey, grp), db=self.db["pending"]) is None:
                 problems.append(f"pending group {gkey} is missing from the timeout index")
+        tombstones = sum(counts[state] for state in RETIRED)
+        if self._prefix_count("retired") != tombstones:
+            problems.append(f"the retired index holds {self._prefix_count('retired')} of {tombstones} tombstones")
         if self._prefix_count("compute") != counts["groups_computing"]:
             problems.append(f"the compute queue holds {self._prefix_count('compute')} groups")
         for db in ("ready", "prio", "slotof"):

@@ -53,6 +53,9 @@ class TableConfig:
     when_full: str = "block"
     max_times_sampled: int = 0
     drop_zero_variance: bool = False
+    # How long a consumed, evicted, dropped or failed experience keeps its record (so that
+    # a retried push of it stays a duplicate); 0 = forever.
+    tombstone_seconds: float = 86400.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -70,8 +73,10 @@ class TableConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.group_timeout_seconds, (int, float)) or self.group_timeout_seconds < 0:
-            raise ConfigError(f"group_timeout_seconds must be >= 0, got {self.group_timeout_seconds!r}")
+        for name in ("group_timeout_seconds", "tombstone_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value!r}")
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):

@@ -217,7 +217,7 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
         assert s.tick()["leases_expired"] == 0
         assert s.sample("plain", num_groups=1) is None
         clock.now += 25
-        assert s.tick() == {"leases_expired": 1, "requeued": 2, "groups_timed_out": 0}
+        assert s.tick() == {"leases_expired": 1, "requeued": 2, "groups_timed_out": 0, "tombstones_pruned": 0}
         again = s.sample("plain", num_groups=1, delivery="lease")
         assert again.group_ids == leased.group_ids
         assert s.nack(again.lease_id) == 2
@@ -347,3 +347,19 @@ def test_bad_sample_requests(store: Store) -> None:
 def test_second_process_is_refused(tmp_path: Path) -> None:
     with Store(tmp_path), pytest.raises(Exception, match="another expbuf process"):
         Store(tmp_path)
+
+
+def test_tombstones_are_pruned_after_their_time(store: Store, clock: Clock) -> None:
+    store.create_table(TableConfig(name="short", estimator="none", tombstone_seconds=60))
+    items = group_items(1, 0, 3)
+    store.put("short", items)
+    store.sample("short", num_groups=1)
+    assert store.put("short", items).duplicates  # a retry soon after is still a duplicate
+    clock.now += 30
+    assert store.tick()["tombstones_pruned"] == 0
+    clock.now += 31
+    assert store.tick()["tombstones_pruned"] == 3
+    assert store.stats("short")["consumed"] == 0
+    assert store.verify("short") == []
+    assert store.put("short", items).stored == [i.uid for i in items]  # forgotten: stored anew
+    assert store.verify("short") == []
