@@ -128,10 +128,6 @@ class Experience:
     multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
-    def response_length(self) -> int:
-        return int(self.tokens.numel()) - self.prompt_length
-
-    @property
     def model_version(self) -> int | None:
         """Policy version that produced this experience (info["model_version"])."""
         return self.info.get("model_version")

@@ -135,10 +135,6 @@ class RawItem:
         return self.meta.get("info", {}).get("model_version")
 
     @property
-    def nbytes(self) -> int:
-        return sum(len(t.data) for t in self.tensors.values())
-
-    @property
     def response_length(self) -> int:
         return self.tensors["tokens"].numel - self.meta.get("prompt_length", 1)
 

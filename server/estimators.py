@@ -25,8 +25,6 @@ from torch import Tensor
 
 from .tables import ESTIMATOR_PARAMS
 
-DEFAULTS = ESTIMATOR_PARAMS
-
 
 @dataclass
 class FlatBatch:
@@ -246,10 +244,10 @@ ESTIMATORS: dict[str, Callable[..., Advantages]] = {
 
 def estimate(name: str, batch: FlatBatch, params: dict[str, float] | None = None) -> Advantages:
     """Run the named estimator with the table's parameters over the defaults."""
-    unknown = set(params or {}) - set(DEFAULTS[name])
+    unknown = set(params or {}) - set(ESTIMATOR_PARAMS[name])
     if unknown:
         raise ValueError(f"estimator {name} has no parameter(s) {', '.join(sorted(unknown))}")
-    return ESTIMATORS[name](batch, **{**DEFAULTS[name], **(params or {})})
+    return ESTIMATORS[name](batch, **{**ESTIMATOR_PARAMS[name], **(params or {})})
 
 
 def resolve_device(device: str) -> torch.device:

@@ -164,7 +164,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                     )
                 if delivery == "consume":
                     held = batch.lease_id
-                self._observe_staleness(table, batch)
+                self._observe_staleness(table, batch)  # from the sample's own transaction
                 yield self._reply(batch, lease=delivery == "lease")
                 sent += 1
                 if batch.partial:
@@ -174,7 +174,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 self.store.nack(held)
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
-        latest = self.store.stats(table)["max_version"]
+        latest = batch.newest_version
         if latest is None:
             return
         histogram = self.metrics.staleness.labels(table)

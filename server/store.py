@@ -185,6 +185,7 @@ class Sampled:
     blobs: list[bytes]
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
+    newest_version: int | None = None  # the newest version pushed to the table, for staleness
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
@@ -695,10 +696,10 @@ class Store:
         count = 0
         with self._read() as txn, txn.cursor(db=self._db["compute"]) as cur:
             for key, gkey in cur:
+                if count >= limit:
+                    break
                 table_id = _U32.unpack(key[:4])[0]
-                if table_id not in ids or count >= limit:
-                    if count >= limit:
-                        break
+                if table_id not in ids:
                     continue
                 grp = _loads(txn.get(key[:4] + gkey, db=self._db["groups"]))
                 name, config = ids[table_id]
@@ -1155,6 +1156,7 @@ class _TableTxn:
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
             self.txn.put(_expiry_key(batch.lease_expires, batch.lease_id), b"", db=self.db["lease_exp"])
         self.counters["sampled"] += len(batch.uids)
+        batch.newest_version = self.counters["max_version"]
         self.save()
         return batch
 
