@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 
 import grpc.aio
 
-from expbuf.client import trxp, wire
+from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import channel_options
+from expbuf.server.service import sample_spec
 from expbuf.server.store import Store
 from expbuf.server.tables import TableConfig
 
@@ -34,20 +36,22 @@ class AioService(pb_grpc.ExperienceBufferServicer):
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
         return pb.AckReply(acked=await asyncio.to_thread(self.store.ack, request.lease_id))
 
-    async def Sample(self, request: pb.SampleRequest, context: grpc.aio.ServicerContext):
-        delivery = wire.enum_name(wire.DELIVERY, request.delivery, "consume")
-        for _ in range(request.max_batches):
-            batch = await asyncio.to_thread(
-                self.store.sample,
-                request.table or TABLE.name,
-                num_groups=request.num_groups,
-                batch_size=request.batch_size,
-                delivery=delivery,
-                lease_seconds=request.lease_seconds,
-                timeout=request.wait_seconds,
-            )
+    async def Sample(self, requests: AsyncIterator[pb.SampleRequest], context: grpc.aio.ServicerContext):
+        """The thread-pool server's conversation, without its reader thread: a batch per
+        request, a consumed batch held until the client confirms it."""
+        spec = sample_spec(await anext(requests))
+        hold = spec.delivery == "consume"
+        sent = 0
+        while spec.max_batches == 0 or sent < spec.max_batches:
+            batch = await asyncio.to_thread(self.store.sample, spec, hold=hold)
             payload = await asyncio.to_thread(lambda b=batch: b.payload)
             yield pb.SampleReply(payload=payload, uids=batch.uids, group_ids=batch.group_ids, lease_id=batch.lease_id)
+            sent += 1
+            confirmation = await anext(requests, None)
+            if hold:
+                await asyncio.to_thread(self.store.ack, batch.lease_id)
+            if confirmation is None or confirmation.stop:
+                return
 
 
 async def main(data: str) -> None:

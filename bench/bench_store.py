@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
+from expbuf.server.sample_spec import SampleSpec  # noqa: E402
 from expbuf.server.selection import ReadyIndex  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
@@ -122,7 +123,7 @@ def bench_reads(tmp: Path, batches: list[list[Entry]]) -> dict[str, float]:
         raw_t.append(time.perf_counter() - start)
         assert sum(map(len, got)) > 0
         start = time.perf_counter()
-        batch = store.sample(TABLE.name, num_groups=PER_WRITE // GROUP)
+        batch = store.sample(SampleSpec(TABLE.name, num_groups=PER_WRITE // GROUP))
         select_t.append(time.perf_counter() - start)
         start = time.perf_counter()
         _ = batch.payload
@@ -170,7 +171,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
         times = []
         for _ in range(100):
             start = time.perf_counter()
-            store.sample("sel", num_groups=4, order="uniform", delivery="replay")
+            store.sample(SampleSpec("sel", num_groups=4, order="uniform", delivery="replay"))
             times.append(time.perf_counter() - start)
         row["sample_replay_us"] = statistics.median(times) * 1e6
         rows.append(row)

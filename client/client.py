@@ -8,7 +8,10 @@ has a deadline. Errors are raised as BufferError carrying the gRPC status code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -73,8 +76,9 @@ class Batch:
     lease_id: str
     lease_expires: float
     partial: bool
-    _ack: Callable[[str], Any] | None = field(default=None, repr=False)
-    _nack: Callable[[str], Any] | None = field(default=None, repr=False)
+    table: str = "default"
+    _ack: Callable[[str, str], Any] | None = field(default=None, repr=False)
+    _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
 
     @cached_property
     def experiences(self) -> list[Experience]:
@@ -82,11 +86,11 @@ class Batch:
 
     def ack(self) -> Any:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""
-        return self._ack(self.lease_id) if self.lease_id and self._ack else 0
+        return self._ack(self.lease_id, self.table) if self.lease_id and self._ack else 0
 
     def nack(self) -> Any:
         """Return a leased batch to the buffer now."""
-        return self._nack(self.lease_id) if self.lease_id and self._nack else 0
+        return self._nack(self.lease_id, self.table) if self.lease_id and self._nack else 0
 
 
 def _payload(items: bytes | Iterable[Any]) -> bytes:
@@ -132,7 +136,7 @@ def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -
     return pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
 
 
-def _batch(reply: pb.SampleReply, ack: Callable, nack: Callable) -> Batch:
+def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable) -> Batch:
     return Batch(
         payload=reply.payload,
         uids=list(reply.uids),
@@ -140,9 +144,44 @@ def _batch(reply: pb.SampleReply, ack: Callable, nack: Callable) -> Batch:
         lease_id=reply.lease_id,
         lease_expires=reply.lease_expires_unix,
         partial=reply.partial,
+        table=table,
         _ack=ack,
         _nack=nack,
     )
+
+
+def _confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
+    """Tells the server that `received` batches arrived, and asks for the next one (or,
+    with `stop`, for nothing more: a batch already on its way returns to the buffer)."""
+    return pb.SampleRequest(received=received, stop=stop)
+
+
+# How long a stream the caller left may take to hand back a batch already on its way.
+_STOP_SECONDS = 5.0
+
+
+class _SampleRequests:
+    """The request side of a blocking Sample stream: the request, then one confirmation
+    per batch received, until closed."""
+
+    def __init__(self, first: pb.SampleRequest) -> None:
+        self._queue: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        self._queue.put(first)
+
+    def __iter__(self) -> _SampleRequests:
+        return self
+
+    def __next__(self) -> pb.SampleRequest:
+        request = self._queue.get()
+        if request is None:
+            raise StopIteration
+        return request
+
+    def confirm(self, received: int, *, stop: bool = False) -> None:
+        self._queue.put(_confirmation(received, stop=stop))
+
+    def close(self) -> None:
+        self._queue.put(None)
 
 
 def _push_result(reply: pb.PushReply) -> PushResult:
@@ -236,42 +275,51 @@ class BufferClient(_Base):
     ) -> Iterator[Batch]:
         """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
 
-        The server prepares the next batch while the caller works on this one. With
-        "consume", the client therefore takes batches under a lease and acknowledges
-        each one as it hands it over: a batch that was read ahead but never handed over
-        (the caller stopped iterating) returns to the buffer when its lease expires
-        instead of being lost.
+        Each batch is confirmed to the server as it arrives, which also asks for the next
+        one: the server prepares the next batch while the caller works on this one, and
+        never more. A consumed batch leaves the buffer once it has arrived here; the
+        batch in flight when the caller stops iterating returns to the buffer.
         """
         request = _sample_request(
             table,
             batch_size,
             num_groups,
             order,
-            "lease" if delivery == "consume" else delivery,
+            delivery,
             lease_seconds,
             timeout,
             max_batches,
             min_model_version,
             allow_partial,
         )
-        stream = self._stub.Sample(request, metadata=self._metadata)
+        requests = _SampleRequests(request)
+        stream = self._stub.Sample(requests, metadata=self._metadata)
+        received = 0
         try:
             for reply in stream:
-                batch = _batch(reply, self.ack, self.nack)
-                if delivery == "consume":
-                    self.ack(batch.lease_id)
-                    batch.lease_id = ""
-                yield batch
+                received += 1
+                requests.confirm(received)
+                yield _batch(reply, table, self.ack, self.nack)
         except grpc.RpcError as exc:
             raise BufferError(exc.code(), exc.details() or "") from None
         finally:
-            stream.cancel()
+            if stream.running():  # the caller stopped early: end the stream cleanly
+                requests.confirm(received, stop=True)
+                timer = threading.Timer(_STOP_SECONDS, stream.cancel)
+                timer.start()
+                with contextlib.suppress(grpc.RpcError):
+                    for _ in stream:  # a batch already on its way goes back to the buffer
+                        pass
+                timer.cancel()
+            requests.close()
 
-    def ack(self, lease_id: str) -> int:
-        return self._call(self._stub.Ack, pb.AckRequest(lease_id=lease_id), retry=False).acked
+    def ack(self, lease_id: str, table: str = "default") -> int:
+        """Consume the groups of a lease (of `table`, taken with this client's token)."""
+        return self._call(self._stub.Ack, pb.AckRequest(table=table, lease_id=lease_id), retry=False).acked
 
-    def nack(self, lease_id: str) -> int:
-        return self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False).requeued
+    def nack(self, lease_id: str, table: str = "default") -> int:
+        """Return the groups of a lease to the buffer now."""
+        return self._call(self._stub.Nack, pb.NackRequest(table=table, lease_id=lease_id), retry=False).requeued
 
     def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
         reply = self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
@@ -302,6 +350,12 @@ class BufferClient(_Base):
 
     def drop_table(self, name: str) -> int:
         return self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False).dropped_experiences
+
+
+async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+    """Read a stream to its end (a batch already on its way is dropped)."""
+    while await call.read() is not grpc.aio.EOF:
+        pass
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -363,31 +417,37 @@ class AsyncBufferClient(_Base):
             batch_size,
             num_groups,
             order,
-            "lease" if delivery == "consume" else delivery,
+            delivery,
             lease_seconds,
             timeout,
             max_batches,
             min_model_version,
             allow_partial,
         )
-        call = self._stub.Sample(request, metadata=self._metadata)
+        call = self._stub.Sample(metadata=self._metadata)
+        received = 0
         try:
-            async for reply in call:
-                batch = _batch(reply, self.ack, self.nack)
-                if delivery == "consume":
-                    await self.ack(batch.lease_id)
-                    batch.lease_id = ""
-                yield batch
+            await call.write(request)
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                received += 1
+                await call.write(_confirmation(received))
+                yield _batch(reply, table, self.ack, self.nack)
         except grpc.RpcError as exc:
             raise BufferError(exc.code(), exc.details() or "") from None
         finally:
-            call.cancel()
+            if not call.done():  # the caller stopped early: end the stream cleanly
+                with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                    await call.write(_confirmation(received, stop=True))
+                    await asyncio.wait_for(_drain(call), _STOP_SECONDS)
+                call.cancel()
 
-    async def ack(self, lease_id: str) -> int:
-        return (await self._call(self._stub.Ack, pb.AckRequest(lease_id=lease_id), retry=False)).acked
+    async def ack(self, lease_id: str, table: str = "default") -> int:
+        request = pb.AckRequest(table=table, lease_id=lease_id)
+        return (await self._call(self._stub.Ack, request, retry=False)).acked
 
-    async def nack(self, lease_id: str) -> int:
-        return (await self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False)).requeued
+    async def nack(self, lease_id: str, table: str = "default") -> int:
+        request = pb.NackRequest(table=table, lease_id=lease_id)
+        return (await self._call(self._stub.Nack, request, retry=False)).requeued
 
     async def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
         reply = await self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)

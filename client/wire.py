@@ -17,22 +17,52 @@ ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFO
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 
 
+# Every setting of a table, by the names of the TOML file and of create_table.
+TABLE_SETTINGS = (
+    "name",
+    "group_by",
+    "group_size",
+    "group_timeout_seconds",
+    "on_group_timeout",
+    "estimator",
+    "estimator_params",
+    "device",
+    "capacity_experiences",
+    "capacity_bytes",
+    "when_full",
+    "max_times_sampled",
+    "drop_zero_variance",
+    "tombstone_seconds",
+    "keep_failed",
+)
+
+
+class WireError(ValueError):
+    """A message or a setting that the other side cannot take; the text names it."""
+
+
 def enum_value(mapping: dict[str, int], what: str, name: str) -> int:
     try:
         return mapping[name]
-    except KeyError:
-        raise ValueError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
+    except (KeyError, TypeError):
+        raise WireError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
 
 
-def enum_name(mapping: dict[str, int], value: int, default: str) -> str:
+def enum_name(mapping: dict[str, int], what: str, value: int, default: str) -> str:
+    """The name of an enum value; 0 (unspecified) is the default, an unknown value is refused."""
+    if value == 0:
+        return default
     for name, number in mapping.items():
         if number == value:
             return name
-    return default
+    raise WireError(f"{what} is {value}, not one of {', '.join(f'{n} ({v})' for n, v in mapping.items())}")
 
 
 def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
-    """Table settings (TOML names) -> TableConfig message."""
+    """Table settings (TOML names) -> TableConfig message; an unknown setting is refused."""
+    unknown = sorted(set(settings) - set(TABLE_SETTINGS))
+    if unknown:
+        raise WireError(f"unknown table setting(s): {', '.join(unknown)}; known: {', '.join(TABLE_SETTINGS[1:])}")
     return pb.TableConfig(
         name=settings["name"],
         group_by=enum_value(GROUP_BY, "group_by", settings.get("group_by", "task")),
@@ -50,6 +80,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         max_times_sampled=settings.get("max_times_sampled", 0),
         drop_zero_variance=settings.get("drop_zero_variance", False),
         tombstone_seconds=settings.get("tombstone_seconds"),
+        keep_failed=settings.get("keep_failed"),
     )
 
 
@@ -57,17 +88,18 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
     """TableConfig message -> table settings (TOML names); unset enums take their defaults."""
     return {
         "name": msg.name,
-        "group_by": enum_name(GROUP_BY, msg.group_by, "task"),
+        "group_by": enum_name(GROUP_BY, "group_by", msg.group_by, "task"),
         "group_size": msg.group_size,
         "group_timeout_seconds": msg.group_timeout_seconds,
-        "on_group_timeout": enum_name(ON_GROUP_TIMEOUT, msg.on_group_timeout, "release"),
+        "on_group_timeout": enum_name(ON_GROUP_TIMEOUT, "on_group_timeout", msg.on_group_timeout, "release"),
         "estimator": msg.estimator.name or "grpo",
         "estimator_params": dict(msg.estimator.params),
         "device": msg.estimator.device or "auto",
         "capacity_experiences": msg.capacity_experiences,
         "capacity_bytes": msg.capacity_bytes,
-        "when_full": enum_name(WHEN_FULL, msg.when_full, "block"),
+        "when_full": enum_name(WHEN_FULL, "when_full", msg.when_full, "block"),
         "max_times_sampled": msg.max_times_sampled,
         "drop_zero_variance": msg.drop_zero_variance,
         **({"tombstone_seconds": msg.tombstone_seconds} if msg.HasField("tombstone_seconds") else {}),
+        **({"keep_failed": msg.keep_failed} if msg.HasField("keep_failed") else {}),
     }

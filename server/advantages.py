@@ -28,6 +28,7 @@ import torch
 from expbuf.client import trxp
 
 from . import estimators
+from .errors import clip
 from .store import Advantage, ComputeJob, Store
 from .tables import TOKEN_LEVEL
 
@@ -165,20 +166,33 @@ class AdvantageWorker:
         handled = 0
         for job in self.store.compute_backlog(self.batch_limit):
             started = time.perf_counter()
-            try:
-                values, ready, dropped = compute(job)
-            except Exception as exc:  # a failed computation fails its groups, not the server
-                log.exception("advantages failed for %d groups of table %s", len(job.groups), job.table)
-                reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {exc}"
-                self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
-            else:
-                self.store.finish_compute(job.table, values, ready, dropped)
-                for gkey in dropped:
-                    log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
+            self._compute(job)
             handled += len(job.groups)
             if self.on_computed is not None:
                 self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
         return handled
+
+    def _compute(self, job: ComputeJob) -> None:
+        """One batched computation. If it fails, each group is tried on its own, so that
+        only a group that fails by itself fails (and keeps its payloads, see keep_failed)."""
+        try:
+            values, ready, dropped = compute(job)
+        except Exception as exc:
+            if len(job.groups) > 1:
+                log.warning(
+                    "advantages failed for %d groups of table %s together (%s); trying each on its own",
+                    len(job.groups), job.table, clip(str(exc), 300),
+                )  # fmt: skip
+                for single in job.split():
+                    self._compute(single)
+                return
+            log.exception("advantages failed for group %s of table %s", clip(job.groups[0]), job.table)
+            reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
+            self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
+            return
+        self.store.finish_compute(job.table, values, ready, dropped)
+        for gkey in dropped:
+            log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
 
     def _run(self) -> None:
         while not self._stop.is_set():

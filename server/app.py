@@ -55,6 +55,9 @@ class ExpbufServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.store = Store(config.data)
+        returned = self.store.release_holds()
+        if returned:
+            log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
         for table in config.tables:
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
@@ -73,6 +76,7 @@ class ExpbufServer:
             metrics=self.metrics,
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
+            bind_leases=bool(config.tokens),
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)

@@ -7,19 +7,36 @@ TRXP payloads through the codec, and refusals to gRPC status codes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+from .errors import (
+    Conflict,
+    Forbidden,
+    GroupClosed,
+    InvalidRequest,
+    NotFound,
+    StorageFull,
+    StoreError,
+    TableFull,
+    TooLarge,
+    clip,
+)
 from .metrics import Metrics
-from .store import Conflict, GroupClosed, InvalidRequest, NotFound, Sampled, StorageFull, Store, StoreError, TableFull
+from .sample_spec import SampleSpec
+from .sample_stream import stream_batches
+from .store import Sampled, Store
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -31,12 +48,10 @@ _STATUS = {
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
 }
-# A consumed batch is held under this internal lease until the stream moves past it,
-# so a batch lost with a broken stream returns to the buffer instead of vanishing.
-_CONSUME_LEASE_SECONDS = 300.0
 
 
 _REASONS = (
@@ -46,27 +61,77 @@ _REASONS = (
     (Conflict, "conflict"),
     (GroupClosed, "group_closed"),
     (TableFull, "table_full"),
+    (TooLarge, "too_large"),
+    (Forbidden, "forbidden"),
     (StorageFull, "storage_full"),
     (NotFound, "not_found"),
 )
 
 
 def _reason(exc: Exception) -> str:
-    return next((name for kind, name in _REASONS if isinstance(exc, kind)), "other")
+    return next((name for kind, name in _REASONS if isinstance(exc, kind)), "invalid_request")
+
+
+_REFUSALS = (StoreError, trxp.TrxpError, ConfigError, wire.WireError)
+
+
+def _table_of(request: Any) -> str:
+    """The table a request names (CreateTable and DropTable name it their own way)."""
+    if isinstance(request, pb.CreateTableRequest):
+        return request.config.name
+    if isinstance(request, pb.DropTableRequest):
+        return request.name
+    return getattr(request, "table", "") or "default"
+
+
+class _RefusalLog:
+    """Logs refusals, at most `per_second` lines a second: a client that sends garbage in
+    a loop must not flood the log. Lines held back are counted in the next one."""
+
+    def __init__(self, per_second: float = 10.0) -> None:
+        self.per_second = per_second
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._logged = 0
+        self._held_back = 0
+
+    def __call__(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window >= 1.0:
+                self._window, self._logged = now, 0
+            if self._logged >= self.per_second:
+                self._held_back += 1
+                return
+            self._logged += 1
+            held_back, self._held_back = self._held_back, 0
+        if held_back:
+            message += f" ({held_back} refusals not logged before this one)"
+        log.log(level, message, *args, exc_info=exc_info)
 
 
 def _refusals(method: Callable) -> Callable:
-    """Map the store's and codec's refusals to status codes with their message; count and log them."""
+    """Map the store's and codec's refusals to status codes with their message; count and
+    log them. Anything else is a fault of the server: INTERNAL, logged with its traceback,
+    never UNKNOWN."""
 
     def abort(self: ExperienceBufferService, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        if isinstance(exc, StoreError):
-            code = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL)
-        table = getattr(request, "table", "") or "default"
-        reason = _reason(exc)
-        self.metrics.refused.labels(table, reason).inc()
-        log.info("refused %s on table %s: %s (%s): %s", method.__name__, table, code.name, reason, exc)
-        context.abort(code, str(exc))
+        if context.code() is not None:  # the method aborted with its own status
+            raise exc
+        table = getattr(exc, "table", None) or _table_of(request)
+        label = table if self.store.has_table(table) else "unknown"
+        if isinstance(exc, _REFUSALS):
+            code = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL) if isinstance(exc, StoreError) else None
+            code = code or grpc.StatusCode.INVALID_ARGUMENT
+            reason = _reason(exc)
+            self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
+                             code.name, reason, clip(str(exc), 500))  # fmt: skip
+        else:
+            code, reason = grpc.StatusCode.INTERNAL, "internal"
+            self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
+            exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
+        self.metrics.refused.labels(label, reason).inc()
+        context.abort(code, clip(str(exc), 1000))
 
     if method.__name__ in ("Sample", "PushStream"):
 
@@ -74,7 +139,7 @@ def _refusals(method: Callable) -> Callable:
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 yield from method(self, request, context)
-            except (StoreError, trxp.TrxpError, ConfigError) as exc:
+            except Exception as exc:
                 abort(self, request, context, exc)
 
         return stream
@@ -83,10 +148,37 @@ def _refusals(method: Callable) -> Callable:
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except (StoreError, trxp.TrxpError, ConfigError) as exc:
+        except Exception as exc:
             abort(self, request, context, exc)
 
     return unary
+
+
+def sample_spec(request: pb.SampleRequest) -> SampleSpec:
+    """The first message of a Sample stream as a checked SampleSpec."""
+    return SampleSpec(
+        table=request.table or "default",
+        num_groups=request.num_groups,
+        batch_size=request.batch_size,
+        order=wire.enum_name(wire.ORDER, "order", request.order, "fifo"),
+        delivery=wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume"),
+        lease_seconds=request.lease_seconds,
+        wait_seconds=request.wait_seconds,
+        allow_partial=request.allow_partial,
+        max_batches=request.max_batches,
+        min_model_version=request.min_model_version if request.has_min_model_version else None,
+    )
+
+
+def _ids(values: Iterable[str], what: str) -> list[str]:
+    """Uids or group ids of a request: each non-empty and no longer than a stored one can be."""
+    ids = list(values)
+    for value in ids:
+        if not value or len(value.encode()) > trxp.MAX_UID_BYTES:
+            raise InvalidRequest(
+                f"{what}: {clip(value)!r} is not an id (ids are 1 to {trxp.MAX_UID_BYTES} bytes of UTF-8)"
+            )
+    return ids
 
 
 def _remaining(context: grpc.ServicerContext, limit: float | None = None) -> float:
@@ -97,8 +189,18 @@ def _remaining(context: grpc.ServicerContext, limit: float | None = None) -> flo
 
 
 class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
-    def __init__(self, store: Store, *, metrics: Metrics, max_message_bytes: int, advantage_device: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        metrics: Metrics,
+        max_message_bytes: int,
+        advantage_device: str,
+        bind_leases: bool = False,
+    ) -> None:
         self.store = store
+        self.bind_leases = bind_leases
+        self.refusal_log = _RefusalLog()
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
@@ -107,9 +209,13 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     # ---- push --------------------------------------------------------------------
 
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
-        items = trxp.parse(request.payload)
         table = request.table or "default"
-        result = self.store.put(table, items, timeout=_remaining(context))
+        try:
+            items = trxp.parse(request.payload)
+            result = self.store.put(table, items, timeout=_remaining(context))
+        except Exception as exc:
+            exc.table = table  # for the refusal's log line and metric
+            raise
         for gkey in result.dropped_groups:
             log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
         return pb.PushReply(
@@ -131,47 +237,38 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     # ---- sample ------------------------------------------------------------------
 
     @_refusals
-    def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
-        table = request.table or "default"
-        delivery = wire.enum_name(wire.DELIVERY, request.delivery, "consume")
-        wait = request.wait_seconds
-        sent = 0
-        held = ""  # the internal lease of the last consumed batch, acked once the stream moves on
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
+        """Batches sent as the client asks for them (see sample_stream.py)."""
+        first = next(requests, None)
+        if first is None:
+            return
         try:
-            while request.max_batches == 0 or sent < request.max_batches:
-                batch = self.store.sample(
-                    table,
-                    num_groups=request.num_groups,
-                    batch_size=request.batch_size,
-                    order=wire.enum_name(wire.ORDER, request.order, "fifo"),
-                    delivery="lease" if delivery == "consume" else delivery,
-                    lease_seconds=request.lease_seconds if delivery == "lease" else _CONSUME_LEASE_SECONDS,
-                    timeout=_remaining(context, wait),
-                    allow_partial=request.allow_partial,
-                    min_model_version=request.min_model_version if request.has_min_model_version else None,
-                    stop=lambda: not context.is_active(),
-                )
-                if held:
-                    self.store.ack(held)
-                    held = ""
-                if batch is None:
-                    if not context.is_active() or request.allow_partial:
-                        return
-                    want = f"{request.num_groups} groups" if request.num_groups else f"{request.batch_size} experiences"
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"table '{table}' did not have {want} ready within {wait:g}s",
-                    )
-                if delivery == "consume":
-                    held = batch.lease_id
-                self._observe_staleness(table, batch)  # from the sample's own transaction
-                yield self._reply(batch, lease=delivery == "lease")
-                sent += 1
-                if batch.partial:
-                    return
-        finally:
-            if held:  # the stream broke before moving past this batch: it returns to the buffer
-                self.store.nack(held)
+            spec = sample_spec(first)
+        except Exception as exc:
+            exc.table = first.table or "default"
+            raise
+
+        def reply(batch: Sampled) -> pb.SampleReply:
+            self._observe_staleness(spec.table, batch)  # from the sample's own transaction
+            return self._reply(batch, lease=spec.delivery == "lease")
+
+        yield from stream_batches(
+            self.store,
+            spec,
+            requests,
+            context,
+            owner=self._owner(context),
+            timeout=lambda: _remaining(context, spec.wait_seconds),
+            reply=reply,
+        )
+
+    def _owner(self, context: grpc.ServicerContext) -> str:
+        """Who takes a lease: a fingerprint of the caller's token when tokens are on, so
+        that only that caller can ack or nack it."""
+        if not self.bind_leases:
+            return ""
+        token = dict(context.invocation_metadata()).get("authorization", "")
+        return hashlib.sha256(token.encode()).hexdigest()[:16]
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
         latest = batch.newest_version
@@ -195,27 +292,31 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     @_refusals
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
-        return pb.AckReply(acked=self.store.ack(request.lease_id))
+        table = request.table or "default"
+        return pb.AckReply(acked=self.store.ack(request.lease_id, table, self._owner(context)))
 
     @_refusals
     def Nack(self, request: pb.NackRequest, context: grpc.ServicerContext) -> pb.NackReply:
-        return pb.NackReply(requeued=self.store.nack(request.lease_id))
+        table = request.table or "default"
+        return pb.NackReply(requeued=self.store.nack(request.lease_id, table, self._owner(context)))
 
     # ---- admin -------------------------------------------------------------------
 
     @_refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        payload, missing = self.store.get_payload(request.table or "default", list(request.uids))
+        payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
         return pb.GetReply(payload=payload, missing_uids=missing)
 
     @_refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
-        deleted = self.store.delete(request.table or "default", list(request.uids), list(request.group_ids))
+        table = request.table or "default"
+        deleted = self.store.delete(table, _ids(request.uids, "uids"), _ids(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
     @_refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
-        return pb.SealReply(size=self.store.seal(request.table or "default", request.group_id))
+        (group_id,) = _ids([request.group_id], "group_id")
+        return pb.SealReply(size=self.store.seal(request.table or "default", group_id))
 
     @_refusals
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
@@ -264,6 +365,13 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     @_refusals
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
+        unknown = [f.field_number for f in UnknownFieldSet(request.config)]
+        unknown += [f.field_number for f in UnknownFieldSet(request.config.estimator)]
+        if unknown:
+            raise wire.WireError(
+                f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
+                f"(expbuf {VERSION}) does not know them, so it refuses the table instead of dropping them"
+            )
         config = TableConfig.from_dict(wire.table_from_proto(request.config))
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:

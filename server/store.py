@@ -26,10 +26,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import queue
 import random
 import secrets
+import shutil
 import struct
 import threading
 import time
@@ -38,13 +40,27 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
 from expbuf.client import trxp
 
-from .selection import ORDERS, ReadyDbs, ReadyIndex, u64
+from .errors import (
+    Conflict,
+    Forbidden,
+    GroupClosed,
+    InvalidRequest,
+    NotFound,
+    StorageFull,
+    StoreClosed,
+    StoreError,
+    TableFull,
+    TooLarge,
+    clip,
+)
+from .sample_spec import SampleSpec
+from .selection import ReadyDbs, ReadyIndex, u64
 from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, default_table
 
 # Experience states. Live: pending (its group is incomplete), ready, leased.
@@ -55,18 +71,19 @@ CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
 LIVE = (PENDING, COMPUTING, READY, LEASED)
 RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED)
 STATES = (*LIVE, CONSUMED, EVICTED, DROPPED, FAILED)
-DELIVERIES = ("consume", "lease", "replay")
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 # A sample request looks at most this many ready groups (those older than its
 # min_model_version are skipped), so one request costs the writer a bounded time.
 MAX_SCAN = 4096
 _DBS = (
-    "meta", "tables", "items", "blobs", "adv", "groups", "tasks", "runs", "steps", "order", "pending", "compute",
+    "meta", "tables", "items", "blobs", "adv", "groups", "order", "pending", "compute",
     "retired",
     "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
 )  # fmt: skip
 _PER_TABLE = tuple(db for db in _DBS if db not in ("meta", "tables", "leases", "lease_exp"))
 _U32 = struct.Struct(">I")
+T = TypeVar("T")
+log = logging.getLogger("expbuf.store")
 _COUNTERS = (
     *STATES,
     "bytes",
@@ -92,40 +109,6 @@ _COUNTERS = (
 def _fresh_counters() -> dict[str, Any]:
     """A table's counters before anything happened (stored ones are laid over these)."""
     return dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None, "last_failure": ""}
-
-
-class StoreError(Exception):
-    """A refused request; `code` names the gRPC status it maps to."""
-
-    code = "internal"
-
-
-class InvalidRequest(StoreError):
-    code = "invalid_argument"
-
-
-class NotFound(StoreError):
-    code = "not_found"
-
-
-class Conflict(StoreError):
-    code = "already_exists"
-
-
-class GroupClosed(StoreError):
-    code = "failed_precondition"
-
-
-class TableFull(StoreError):
-    code = "resource_exhausted"
-
-
-class StorageFull(StoreError):
-    code = "resource_exhausted"
-
-
-class StoreClosed(StoreError):
-    code = "unavailable"
 
 
 @dataclass(frozen=True)
@@ -226,6 +209,20 @@ class ComputeJob:
     records: dict[str, dict[str, Any]]  # item records: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
 
+    def split(self) -> list[ComputeJob]:
+        """One job per group, to find which group a failed computation cannot take."""
+        return [
+            ComputeJob(
+                self.table,
+                self.config,
+                [gkey],
+                [members],
+                {uid: self.records[uid] for uid in members},
+                {uid: self.blobs[uid] for uid in members if uid in self.blobs},
+            )
+            for gkey, members in zip(self.groups, self.members, strict=True)
+        ]
+
 
 @dataclass(frozen=True)
 class _Op:
@@ -279,10 +276,12 @@ class Store:
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._closed = False
         self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self.maintenance_failures = 0  # upkeep steps skipped because they failed (tick)
+        self._reported: set[str] = set()
         with self._env.begin(db=self._db["tables"]) as txn:
             for name, raw in txn.cursor():
                 rec = _loads(raw)
-                self._tables[name.decode()] = (rec["id"], TableConfig.from_dict(rec["config"]))
+                self._tables[name.decode()] = (rec["id"], TableConfig.from_stored(rec["config"]))
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         self._writer.start()
         if "default" not in self._tables:
@@ -356,11 +355,18 @@ class Store:
             except lmdb.MapFullError:
                 parent.abort()
                 if not self._grow():
-                    results = [(False, StorageFull("the LMDB map reached max_map_size"))] * len(ops)
+                    full = StorageFull(
+                        f"the LMDB map of {self.path} is full: it reached max_map_size ({self.max_map_size} bytes)"
+                    )
+                    results = [(False, full)] * len(ops)
                     break
             except lmdb.Error as exc:  # a full disk or an I/O error: nothing was committed
                 parent.abort()
-                results = [(False, StorageFull(f"storage write failed: {exc}"))] * len(ops)
+                failed = StorageFull(
+                    f"writing to {self.path} failed; nothing was stored (is its disk full or failing? "
+                    f"free: {_free_bytes(self.path)} bytes; LMDB said: {exc})"
+                )
+                results = [(False, failed)] * len(ops)
                 break
         for op, (ok, value) in zip(ops, results, strict=True):
             if ok:
@@ -421,7 +427,7 @@ class Store:
         def op(txn: lmdb.Transaction) -> tuple[bool, int]:
             raw = txn.get(config.name.encode(), db=self._db["tables"])
             if raw is not None:
-                existing = TableConfig.from_dict(_loads(raw)["config"])
+                existing = TableConfig.from_stored(_loads(raw)["config"])
                 if exist_ok and existing == config:
                     return False, _loads(raw)["id"]
                 raise Conflict(f"table '{config.name}' already exists")
@@ -438,6 +444,9 @@ class Store:
     def list_tables(self) -> list[TableConfig]:
         return [config for _, config in sorted(self._tables.values(), key=lambda t: t[0])]
 
+    def has_table(self, name: str) -> bool:
+        return name in self._tables
+
     def table(self, name: str) -> TableConfig:
         return self._table(name)[1]
 
@@ -445,7 +454,7 @@ class Store:
         try:
             return self._tables[name]
         except KeyError:
-            raise NotFound(f"table '{name}' does not exist") from None
+            raise NotFound(f"table '{clip(name)}' does not exist") from None
 
     def drop_table(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
@@ -489,45 +498,30 @@ class Store:
 
     def sample(
         self,
-        table: str,
+        spec: SampleSpec,
         *,
-        num_groups: int = 0,
-        batch_size: int = 0,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 0.0,
-        allow_partial: bool = False,
-        min_model_version: int | None = None,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
         stop: Callable[[], bool] | None = None,
     ) -> Sampled | None:
-        """Select whole ready groups; None if not enough arrived within timeout.
+        """Select whole ready groups; None if not enough arrived within the wait.
 
-        `stop` is polled while waiting (a cancelled RPC ends the wait early, with None).
+        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold`, a
+        consumed batch is not retired yet but held under a lease without expiry, until
+        the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
+        stopped server return to the buffer at the next start (`release_holds`).
+        `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
+        cancelled RPC ends the wait early, with None).
         """
-        table_id, config = self._table(table)
-        if (num_groups > 0) == (batch_size > 0):
-            raise InvalidRequest("set exactly one of num_groups or batch_size (> 0)")
-        if order not in ORDERS:
-            raise InvalidRequest(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
-        if delivery not in DELIVERIES:
-            raise InvalidRequest(f"delivery is {delivery!r}; expected one of {', '.join(DELIVERIES)}")
-        if delivery == "lease" and lease_seconds <= 0:
-            raise InvalidRequest("lease_seconds must be > 0 for lease delivery")
-        deadline = time.monotonic() + timeout
+        table_id, config = self._table(spec.table)
+        deadline = time.monotonic() + (spec.wait_seconds if timeout is None else timeout)
         while True:
             generation = self._generation
             final = time.monotonic() >= deadline
             result = self._submit(
                 lambda txn, final=final: _TableTxn(self, txn, table_id, config).sample(
-                    num_groups,
-                    batch_size,
-                    order,
-                    delivery,
-                    lease_seconds,
-                    allow_partial and final,
-                    min_model_version,
-                    self._rng,
+                    spec, spec.allow_partial and final, self._rng, hold=hold, owner=owner
                 )
             )
             if result is not None or final:
@@ -536,20 +530,51 @@ class Store:
                 return None
             self._wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
-    def ack(self, lease_id: str) -> int:
-        """Consume the groups of a lease; returns the experiences acknowledged."""
-        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False))
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged. With a
+        table (a caller's request), the lease must be of that table and that owner."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False, table=table, owner=owner))
 
-    def nack(self, lease_id: str) -> int:
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
-        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True))
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True, table=table, owner=owner))
 
-    def _end_lease(self, txn: lmdb.Transaction, lease_id: str, *, requeue: bool, expired: bool = False) -> int:
-        lease = _loads(txn.get(lease_id.encode(), db=self._db["leases"]))
+    def release_holds(self) -> int:
+        """Return every batch held for a stream of an earlier run of the server; the
+        streams that held them are gone. Returns the experiences requeued."""
+
+        def op(txn: lmdb.Transaction) -> int:
+            held = [key.decode() for key, raw in txn.cursor(db=self._db["leases"]) if _loads(raw)["e"] is None]
+            return sum(self._end_lease(txn, lease_id, requeue=True) for lease_id in held)
+
+        return self._submit(op)
+
+    def _end_lease(
+        self,
+        txn: lmdb.Transaction,
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        """End a lease. With `table` (a caller's request), the lease must belong to that
+        table and to the caller that took it."""
+        if not lease_id:
+            raise InvalidRequest("lease_id is empty")
+        lease = _loads(txn.get(lease_id.encode(), db=self._db["leases"])) if len(lease_id) <= 64 else None
         if lease is None:
-            raise NotFound(f"lease '{lease_id}' is unknown, already acked, or expired and requeued")
+            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
+        if table is not None:
+            table_id, _ = self._table(table)
+            if lease["t"] != table_id:
+                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
+            if lease.get("o", "") != owner:
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
         txn.delete(lease_id.encode(), db=self._db["leases"])
-        txn.delete(_expiry_key(lease["e"], lease_id), db=self._db["lease_exp"])
+        if lease["e"] is not None:
+            txn.delete(_expiry_key(lease["e"], lease_id), db=self._db["lease_exp"])
         tt = self._table_txn_by_id(txn, lease["t"])
         if tt is None:  # the table was dropped
             return 0
@@ -612,20 +637,6 @@ class Store:
         table_id, config = self._table(table)
         return self._submit(lambda txn: _TableTxn(self, txn, table_id, config).seal(group_id))
 
-    def members(self, table: str, by: str, key: str) -> list[str]:
-        """Uids of the live experiences of one task, run or step group ("task" | "run" | "step")."""
-        if by not in ("task", "run", "step"):
-            raise InvalidRequest(f"by is {by!r}; expected task, run or step")
-        table_id, _ = self._table(table)
-        prefix = _U32.pack(table_id) + key.encode() + b"\0"
-        with self._read() as txn, txn.cursor(db=self._db[by + "s"]) as cur:
-            uids = []
-            found = cur.set_range(prefix)
-            while found and cur.key().startswith(prefix):
-                uids.append(cur.key()[len(prefix) :].decode())
-                found = cur.next()
-            return uids
-
     def stats(self, table: str) -> dict[str, Any]:
         """Counts by state, bytes, group counts, totals and the oldest live experience's age."""
         table_id, _ = self._table(table)
@@ -649,33 +660,72 @@ class Store:
     # ---- maintenance -----------------------------------------------------------------
 
     def tick(self) -> dict[str, int]:
-        """Requeue expired leases and release or drop timed-out incomplete groups."""
+        """Requeue expired leases and release or drop timed-out incomplete groups.
+
+        Each lease and each table's upkeep runs in its own nested transaction: a failure
+        in one (a bad setting, a damaged record) is logged once, counted in
+        `maintenance_failures` and skipped, and the others go on."""
         now = self.clock()
 
         def op(txn: lmdb.Transaction) -> dict[str, int]:
+            done = dict.fromkeys(("leases_expired", "requeued", "groups_timed_out", "tombstones_pruned", "failed"), 0)
             expired = []
             with txn.cursor(db=self._db["lease_exp"]) as cur:
                 for key, _ in cur:
                     if _expiry_of(key) > now:
                         break
-                    expired.append(key[8:].decode())
-            requeued = sum(self._end_lease(txn, lease_id, requeue=True, expired=True) for lease_id in expired)
-            timed_out = pruned = 0
+                    expired.append(bytes(key))
+            for key in expired:
+                requeued = self._isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: self._expire(t, k))
+                done["failed"] += requeued is None
+                done["leases_expired"] += requeued is not None
+                done["requeued"] += requeued or 0
             for table_id, config in list(self._tables.values()):
-                tt = _TableTxn(self, txn, table_id, config)
-                if config.group_timeout_seconds > 0:
-                    timed_out += tt.expire_groups(now - config.group_timeout_seconds)
-                if config.tombstone_seconds > 0:
-                    pruned += tt.prune_tombstones(now - config.tombstone_seconds)
-                tt.save()
-            return {
-                "leases_expired": len(expired),
-                "requeued": requeued,
-                "groups_timed_out": timed_out,
-                "tombstones_pruned": pruned,
-            }
+                upkeep = self._isolated(
+                    txn, f"table {config.name}", lambda t, i=table_id, c=config: self._upkeep(t, i, c, now)
+                )
+                if upkeep is None:
+                    done["failed"] += 1
+                    continue
+                done["groups_timed_out"] += upkeep[0]
+                done["tombstones_pruned"] += upkeep[1]
+            return done
 
         return self._submit(op)
+
+    def _expire(self, txn: lmdb.Transaction, key: bytes) -> int:
+        lease_id = key[8:]
+        if txn.get(lease_id, db=self._db["leases"]) is None:  # an expiry without its lease
+            txn.delete(key, db=self._db["lease_exp"])
+            return 0
+        return self._end_lease(txn, lease_id.decode(), requeue=True, expired=True)
+
+    def _upkeep(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> tuple[int, int]:
+        tt = _TableTxn(self, txn, table_id, config)
+        timed_out = tt.expire_groups(now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
+        pruned = tt.prune_tombstones(now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
+        tt.save()
+        return timed_out, pruned
+
+    def _isolated(self, txn: lmdb.Transaction, what: str, fn: Callable[[lmdb.Transaction], T]) -> T | None:
+        """Run one piece of upkeep in a nested transaction; on failure undo it, log it
+        once per distinct reason, count it, and return None."""
+        child = self._env.begin(write=True, parent=txn)
+        try:
+            result = fn(child)
+        except lmdb.MapFullError:
+            child.abort()
+            raise
+        except Exception as exc:
+            child.abort()
+            self.maintenance_failures += 1
+            reason = f"{what}: {type(exc).__name__}: {exc}"
+            if reason not in self._reported:
+                self._reported.add(reason)
+                log.error("maintenance skipped %s", clip(reason, 300))
+            return None
+        child.commit()
+        return result
 
     # ---- advantages ------------------------------------------------------------------
 
@@ -738,6 +788,13 @@ class Store:
         table_id, config = self._table(table)
         with self._read() as txn:
             return _TableTxn(self, txn, table_id, config).verify()
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return -1
 
 
 def _expiry_key(expiry: float, lease_id: str) -> bytes:
@@ -808,10 +865,6 @@ class _TableTxn:
         self._groups[gkey] = None
         self._dirty_groups.discard(gkey)
         self.txn.delete(self._key(gkey), db=self.db["groups"])
-
-    def _index_keys(self, rec: dict[str, Any], uid: str) -> Iterator[tuple[str, bytes]]:
-        for db, part in (("tasks", "tid"), ("runs", "rid"), ("steps", "sid")):
-            yield db, self.prefix + rec[part].encode() + b"\0" + uid.encode()
 
     def _pending_key(self, gkey: str, grp: dict[str, Any]) -> bytes:
         return self.prefix + u64(int(grp["c"] * 1e6)) + gkey.encode()
@@ -906,8 +959,6 @@ class _TableTxn:
         self.put_item(entry.uid, rec)
         self.txn.put(self._key(entry.uid), entry.blob, db=self.db["blobs"])
         self.txn.put(self.prefix + u64(seq), entry.uid.encode(), db=self.db["order"])
-        for db, key in self._index_keys(rec, entry.uid):
-            self.txn.put(key, b"", db=self.db[db])
         self.counters[PENDING] += 1
         self.counters["bytes"] += rec["n"]
         self.counters["bytes_pushed"] += rec["n"]
@@ -931,7 +982,7 @@ class _TableTxn:
         if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
             cfg.capacity_bytes and nbytes > cfg.capacity_bytes
         ):
-            raise TableFull(
+            raise TooLarge(
                 f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
                 f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
             )
@@ -940,7 +991,7 @@ class _TableTxn:
                 if gkey in keep:
                     continue
                 grp = self.group(gkey)
-                if grp["s"] == LEASED:
+                if grp["s"] != READY:  # a pending group still takes members; leased ones are out
                     continue
                 self._retire_group(gkey, grp, EVICTED)
                 self.counters["evicted_total"] += grp["n"]
@@ -1043,8 +1094,10 @@ class _TableTxn:
         return self.prefix + u64(int(rec["rt"] * 1e6)) + uid.encode()
 
     def _forget_tombstone(self, uid: str, rec: dict[str, Any]) -> None:
-        """Remove a retired experience's record: its uid may then be pushed again."""
+        """Remove a retired experience's record (and a failed one's kept payload): its uid
+        may then be pushed again."""
         self.forget_item(uid)
+        self.txn.delete(self._key(uid), db=self.db["blobs"])
         self.counters[rec["s"]] -= 1
         self.txn.delete(self._retired_key(uid, rec), db=self.db["retired"])
         grp = self.group(rec["g"])
@@ -1081,33 +1134,28 @@ class _TableTxn:
         elif grp["s"] == COMPUTING:
             self.txn.delete(self.prefix + u64(grp["q"]), db=self.db["compute"])
         recs = {uid: self.item(uid) for uid in grp["m"]}
+        keep = state == FAILED and self.config.keep_failed
         for uid, rec in recs.items():
-            self._drop_payload(uid, rec)
+            self._drop_payload(uid, rec, keep_blob=keep)
         self._set_group_state(gkey, grp, recs, state)
 
-    def _drop_payload(self, uid: str, rec: dict[str, Any]) -> None:
-        self.txn.delete(self._key(uid), db=self.db["blobs"])
+    def _drop_payload(self, uid: str, rec: dict[str, Any], *, keep_blob: bool = False) -> None:
+        """The experience leaves the live data: its bytes, advantages and place in the
+        insertion order go (`keep_blob` keeps the payload of a failed experience for Get)."""
+        if not keep_blob:
+            self.txn.delete(self._key(uid), db=self.db["blobs"])
         self.txn.delete(self._key(uid), db=self.db["adv"])
         self.txn.delete(self.prefix + u64(rec["q"]), db=self.db["order"])
-        for db, key in self._index_keys(rec, uid):
-            self.txn.delete(key, db=self.db[db])
         self.counters["bytes"] -= rec["n"]
 
     # sample
     def sample(
-        self,
-        num_groups: int,
-        batch_size: int,
-        order: str,
-        delivery: str,
-        lease_seconds: float,
-        allow_partial: bool,
-        min_version: int | None,
-        rng: random.Random,
+        self, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
     ) -> Sampled | None:
         chosen: list[tuple[str, dict[str, Any]]] = []
         total = 0
-        with contextlib.closing(self.ready.candidates(order, rng)) as candidates:
+        min_version = spec.min_model_version
+        with contextlib.closing(self.ready.candidates(spec.order, rng)) as candidates:
             for scanned, gkey_raw in enumerate(candidates):
                 if scanned >= MAX_SCAN:  # the writer must not stall on a table of stale groups
                     break
@@ -1117,15 +1165,20 @@ class _TableTxn:
                     continue
                 chosen.append((gkey, grp))
                 total += grp["n"]
-                if (num_groups and len(chosen) >= num_groups) or (batch_size and total >= batch_size):
+                if (spec.num_groups and len(chosen) >= spec.num_groups) or (
+                    spec.batch_size and total >= spec.batch_size
+                ):
                     break
-        enough = (num_groups and len(chosen) >= num_groups) or (batch_size and total >= batch_size)
+        enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
         if not chosen or not (enough or allow_partial):
             return None
         batch = Sampled([], [], [], partial=not enough)
+        delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
+        expires = None
         if delivery == "lease":
             batch.lease_id = secrets.token_hex(8)
-            batch.lease_expires = self.now + lease_seconds
+            if not hold:
+                expires = batch.lease_expires = self.now + spec.lease_seconds
         for gkey, grp in chosen:
             recs = {uid: self.item(uid) for uid in grp["m"]}
             for uid in grp["m"]:
@@ -1152,9 +1205,10 @@ class _TableTxn:
                 for uid, rec in recs.items():
                     self.put_item(uid, rec)
         if delivery == "lease":
-            lease = {"t": self.table_id, "g": [g for g, _ in chosen], "e": batch.lease_expires}
+            lease = {"t": self.table_id, "g": [g for g, _ in chosen], "e": expires, "o": owner}
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
-            self.txn.put(_expiry_key(batch.lease_expires, batch.lease_id), b"", db=self.db["lease_exp"])
+            if expires is not None:
+                self.txn.put(_expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
         self.counters["sampled"] += len(batch.uids)
         batch.newest_version = self.counters["max_version"]
         self.save()
@@ -1180,9 +1234,9 @@ class _TableTxn:
     def seal(self, gkey: str) -> int:
         grp = self.group(gkey)
         if grp is None:
-            raise NotFound(f"group {gkey} does not exist in table '{self.config.name}'")
+            raise NotFound(f"group {clip(gkey)} does not exist in table '{self.config.name}'")
         if grp["s"] != PENDING:
-            raise GroupClosed(f"group {gkey} is already complete ({grp['s']})")
+            raise GroupClosed(f"group {clip(gkey)} is already complete ({grp['s']})")
         self._complete(gkey, grp, partial=False)
         self.save()
         return grp["n"]
@@ -1260,16 +1314,13 @@ class _TableTxn:
                 counts[rec["s"]] += 1
                 live = rec["s"] in LIVE
                 blob = txn.get(cur.key(), db=self.db["blobs"])
-                if live != (blob is not None):
+                if live != (blob is not None) and not (rec["s"] == FAILED and self.config.keep_failed):
                     problems.append(f"item {uid} is {rec['s']} but its payload is {'missing' if live else 'present'}")
                 if live:
                     counts["bytes"] += rec["n"]
                     trxp.parse(blob, trusted=True)
                     if txn.get(p + u64(rec["q"]), db=self.db["order"]) != uid.encode():
                         problems.append(f"item {uid} is missing from the insertion order")
-                    for db, key in self._index_keys(rec, uid):
-                        if txn.get(key, db=self.db[db]) is None:
-                            problems.append(f"item {uid} is missing from the {db} index")
                 grp = groups.get(rec["g"])
                 if grp is None or uid not in grp["m"]:
                     problems.append(f"item {uid} is not a member of its group {rec['g']}")

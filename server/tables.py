@@ -6,9 +6,12 @@ client's create_table keyword arguments.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from .errors import clip
 
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
@@ -31,6 +34,16 @@ NEEDS_REWARD = frozenset(ESTIMATORS) - {"none", "reinforce"}
 # Estimators that read the tokens (masks and token-level rewards), not just one reward each.
 TOKEN_LEVEL = frozenset({"reinforce"})
 DEVICES = ("auto", "cpu", "cuda")
+# Timeouts and retention beyond ten years are mistakes (1e10, inf), not plans.
+MAX_SECONDS = 10 * 365 * 86400.0
+# Counts travel as uint32/uint64 on the wire; values at the top of those ranges are
+# negative numbers sent unsigned.
+_INT_LIMITS = {
+    "group_size": 2**20,
+    "capacity_experiences": 2**62,
+    "capacity_bytes": 2**62,
+    "max_times_sampled": 2**31 - 1,
+}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -56,10 +69,13 @@ class TableConfig:
     # How long a consumed, evicted, dropped or failed experience keeps its record (so that
     # a retried push of it stays a duplicate); 0 = forever.
     tombstone_seconds: float = 86400.0
+    # Whether a group whose advantages could not be computed keeps its payloads (for Get
+    # and Delete) until its record is forgotten, or loses them at once.
+    keep_failed: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigError(f"table name {self.name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+            raise ConfigError(f"table name {clip(self.name)!r} must be 1-64 letters, digits, '_', '.' or '-'")
         for name, allowed in (
             ("group_by", GROUP_BY),
             ("when_full", WHEN_FULL),
@@ -69,14 +85,23 @@ class TableConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
-        for name in ("group_size", "capacity_experiences", "capacity_bytes", "max_times_sampled"):
+        for name, high in _INT_LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
+                raise ConfigError(f"table '{self.name}': {name} must be an integer from 0 to {high}, got {value!r}")
         for name in ("group_timeout_seconds", "tombstone_seconds"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value!r}")
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or not 0 <= value <= MAX_SECONDS
+            ):
+                raise ConfigError(
+                    f"table '{self.name}': {name} must be from 0 to {MAX_SECONDS:g} seconds (10 years), got {value!r}"
+                )
+        if not isinstance(self.drop_zero_variance, bool) or not isinstance(self.keep_failed, bool):
+            raise ConfigError(f"table '{self.name}': drop_zero_variance and keep_failed must be true or false")
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):
@@ -92,11 +117,22 @@ class TableConfig:
         return asdict(self)
 
     @classmethod
+    def from_stored(cls, data: dict[str, Any]) -> TableConfig:
+        """A table as an earlier release stored it: durations it accepted beyond today's
+        range are read as the longest allowed, so the server still starts."""
+        data = dict(data)
+        for name in ("group_timeout_seconds", "tombstone_seconds"):
+            value = data.get(name)
+            if isinstance(value, (int, float)) and not value <= MAX_SECONDS:
+                data[name] = MAX_SECONDS
+        return cls.from_dict(data)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TableConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"unknown table setting(s): {', '.join(sorted(unknown))}")
+            raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
         return cls(**data)
 
 

@@ -8,6 +8,8 @@ import torch
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Sampled, Store
 
 
 def make_experience(
@@ -39,6 +41,11 @@ def make_experience(
 def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) -> list[trxp.RawItem]:
     """A GRPO group: `size` runs of one task, as validated RawItems."""
     return [trxp.from_experience(make_experience(batch, task, run, **kwargs)) for run in range(size)]
+
+
+def take(store: Store, table: str, **spec: object) -> Sampled | None:
+    """One batch straight from the store (consumed unless the spec says otherwise)."""
+    return store.sample(SampleSpec(table, **spec))
 
 
 def raw_sha(tensor: torch.Tensor) -> str:

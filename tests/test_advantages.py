@@ -16,7 +16,7 @@ from expbuf.server.store import InvalidRequest, Store
 from expbuf.server.tables import TableConfig
 
 from conftest import payload
-from helpers import group_items
+from helpers import group_items, take
 
 
 @pytest.fixture
@@ -94,14 +94,14 @@ def test_groups_completed_together_are_one_job_and_survive_restart(tmp_path: Pat
     with Store(tmp_path) as store:
         for task in range(3):
             store.put("default", group_items(1, task, 4, reward=float(task)) + group_items(2, task, 2))
-        assert store.sample("default", num_groups=1) is None  # not before advantages are stored
+        assert take(store, "default", num_groups=1) is None  # not before advantages are stored
         assert store.stats("default")["groups_computing"] == 6
     with Store(tmp_path) as store:
         (job,) = store.compute_backlog()
         assert len(job.groups) == 6 and len(job.records) == 18 and job.blobs == {}  # grpo needs no payloads
         assert AdvantageWorker(store).run_once() == 6
         assert store.verify("default") == []
-        batch = store.sample("default", num_groups=6)
+        batch = take(store, "default", num_groups=6)
         assert batch is not None and store.stats("default")["computing"] == 0
         for exp in decode(batch.payload):
             assert exp.advantages is not None and exp.returns is not None
@@ -115,7 +115,7 @@ def test_zero_variance_and_std_threshold(tmp_path: Path) -> None:
             store.put(name, group_items(1, 0, 4, reward=1.0))  # all equal
             store.put(name, trxp.parse(payload("grpo_group.trxp")))
         AdvantageWorker(store).run_once()
-        kept = decode(store.sample("default", num_groups=1).payload)
+        kept = decode(take(store, "default", num_groups=1).payload)
         assert all(e.advantages.abs().max() == 0 for e in kept)  # kept, with zero advantages
         assert store.stats("dapo")["groups_dropped"] == 1 and store.stats("dapo")["ready"] == 8
         assert store.stats("thr")["groups_dropped"] == 1 and store.stats("thr")["ready"] == 8

@@ -82,7 +82,7 @@ def test_groups_are_whole_and_complete(client: BufferClient) -> None:
     with pytest.raises(BufferError) as info:
         next(client.sample("g4", num_groups=1, timeout=0.2))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "did not have 1 groups ready" in info.value.details
+    assert "did not have 1 group ready" in info.value.details
     client.push(payload("mixed_batch.trxp"), table="g4")
     batch = next(client.sample("g4", num_groups=2))
     assert Counter(batch.groups) == {"11/0": 4, "11/1": 4}

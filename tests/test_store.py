@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import decode, trxp
-from expbuf.server.store import Conflict, GroupClosed, InvalidRequest, NotFound, Store, TableFull
+from expbuf.server.errors import Conflict, GroupClosed, InvalidRequest, NotFound, TableFull, TooLarge
+from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import payload
-from helpers import group_items
+from helpers import group_items, take
 
 # Most tests are about storage, not advantages: their table stores groups as pushed.
 PLAIN = TableConfig(name="plain", estimator="none")
@@ -66,7 +67,7 @@ def test_fixture_round_trip_through_the_store(store: Store) -> None:
     data = payload("mixed_batch.trxp")
     result = store.put("plain", trxp.parse(data))
     assert result.completed_groups == ["11/0", "11/1"]
-    batch = store.sample("plain", num_groups=2)
+    batch = take(store, "plain", num_groups=2)
     assert batch.uids == result.stored
     assert trxp.parse(batch.payload) == trxp.parse(data)
     assert [e.eid.uid for e in decode(batch.payload)] == result.stored
@@ -93,10 +94,10 @@ def test_duplicate_is_noop_and_different_bytes_refused(store: Store) -> None:
 def test_duplicate_is_recognised_after_consumption(store: Store) -> None:
     items = group_items(1, 1, 4)
     store.put("plain", items)
-    assert store.sample("plain", num_groups=1) is not None
+    assert take(store, "plain", num_groups=1) is not None
     again = store.put("plain", items)
     assert again.stored == [] and len(again.duplicates) == 4
-    assert store.sample("plain", num_groups=1) is None
+    assert take(store, "plain", num_groups=1) is None
 
 
 def test_refused_push_stores_nothing(store: Store) -> None:
@@ -115,7 +116,7 @@ def test_groups_complete_at_size_and_seal(store: Store) -> None:
     store.create_table(TableConfig(name="g4", estimator="none", group_size=4))
     items = group_items(1, 1, 4)
     assert store.put("g4", items[:3]).completed_groups == []
-    assert store.sample("g4", num_groups=1) is None
+    assert take(store, "g4", num_groups=1) is None
     assert store.stats("g4")["pending"] == 3
     assert store.put("g4", items[3:]).completed_groups == ["1/1"]
     assert store.stats("g4")["ready"] == 4
@@ -123,7 +124,7 @@ def test_groups_complete_at_size_and_seal(store: Store) -> None:
         store.put("g4", group_items(1, 1, 5)[4:])
     store.put("g4", group_items(1, 2, 2))
     assert store.seal("g4", "1/2") == 2
-    batch = store.sample("g4", num_groups=2)
+    batch = take(store, "g4", num_groups=2)
     assert batch.group_ids == ["1/1"] * 4 + ["1/2"] * 2
     with pytest.raises(GroupClosed, match="overfill"):
         store.put("g4", group_items(1, 3, 5))
@@ -136,31 +137,31 @@ def test_group_by_run_step_and_none(store: Store) -> None:
         store.create_table(TableConfig(name=f"by_{by}", estimator="none", group_by=by))
         assert store.put(f"by_{by}", multi).completed_groups == want
         assert store.verify(f"by_{by}") == []
-    assert store.members("by_run", "run", "2/1/0") == [i.uid for i in multi]
-    assert store.members("by_run", "step", "2/1/1") == ["2/1/0/1/mt1"]
-    assert store.members("by_run", "task", "2/1") == [i.uid for i in multi]
+    assert take(store, "by_run", num_groups=1).uids == [i.uid for i in multi]
+    by_step = [take(store, "by_step", num_groups=1) for _ in range(3)]
+    assert [(b.group_ids[0], b.uids) for b in by_step][1] == ("2/1/1", ["2/1/0/1/mt1"])
 
 
 def test_batch_size_never_splits_groups(store: Store) -> None:
     for task in range(3):
         store.put("plain", group_items(5, task, 4))
-    batch = store.sample("plain", batch_size=6)
+    batch = take(store, "plain", batch_size=6)
     assert Counter(batch.group_ids) == {"5/0": 4, "5/1": 4}
-    assert store.sample("plain", batch_size=6) is None
-    partial = store.sample("plain", batch_size=6, allow_partial=True)
+    assert take(store, "plain", batch_size=6) is None
+    partial = take(store, "plain", batch_size=6, allow_partial=True)
     assert partial.partial and partial.group_ids == ["5/2"] * 4
 
 
 def test_orders(store: Store) -> None:
     for task, prio in enumerate([0.5, 3.0, 1.0, 3.0]):
         store.put("plain", group_items(9, task, 2, priority=prio))
-    first = lambda order: store.sample("plain", num_groups=1, order=order, delivery="replay").group_ids[0]  # noqa: E731
+    first = lambda order: take(store, "plain", num_groups=1, order=order, delivery="replay").group_ids[0]  # noqa: E731
     assert first("fifo") == "9/0"
     assert first("lifo") == "9/3"
     assert first("priority") == "9/1"
     picks = Counter(first("uniform") for _ in range(400))
     assert set(picks) == {"9/0", "9/1", "9/2", "9/3"} and min(picks.values()) > 50
-    taken = [store.sample("plain", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
+    taken = [take(store, "plain", num_groups=1, order="priority").group_ids[0] for _ in range(4)]
     assert taken == ["9/1", "9/3", "9/2", "9/0"]
 
 
@@ -168,7 +169,7 @@ def test_uniform_consume_takes_each_group_once(store: Store) -> None:
     for task in range(50):
         store.put("plain", group_items(3, task, 2))
     seen = []
-    while (batch := store.sample("plain", num_groups=3, order="uniform", allow_partial=True)) is not None:
+    while (batch := take(store, "plain", num_groups=3, order="uniform", allow_partial=True)) is not None:
         seen += batch.group_ids[::2]
         assert store.verify("plain") == []
     assert sorted(seen) == sorted(f"3/{t}" for t in range(50))
@@ -178,8 +179,8 @@ def test_replay_respects_max_times_sampled(store: Store) -> None:
     store.create_table(TableConfig(name="replay", estimator="none", max_times_sampled=3))
     store.put("replay", group_items(1, 0, 2))
     for _ in range(3):
-        assert store.sample("replay", num_groups=1, delivery="replay") is not None
-    assert store.sample("replay", num_groups=1, delivery="replay") is None
+        assert take(store, "replay", num_groups=1, delivery="replay") is not None
+    assert take(store, "replay", num_groups=1, delivery="replay") is None
     assert store.stats("replay")["consumed"] == 2
     assert store.verify("replay") == []
 
@@ -188,15 +189,15 @@ def test_min_model_version_scan_is_bounded(store: Store, monkeypatch: pytest.Mon
     monkeypatch.setattr("expbuf.server.store.MAX_SCAN", 5)
     for task in range(8):
         store.put("plain", group_items(1, task, 1, version=1 if task < 6 else 9))
-    assert store.sample("plain", num_groups=1, min_model_version=5) is None  # 6 stale groups ahead
-    assert store.sample("plain", num_groups=1, min_model_version=5, order="lifo").group_ids == ["1/7"]
+    assert take(store, "plain", num_groups=1, min_model_version=5) is None  # 6 stale groups ahead
+    assert take(store, "plain", num_groups=1, min_model_version=5, order="lifo").group_ids == ["1/7"]
 
 
 def test_min_model_version(store: Store) -> None:
     store.put("plain", group_items(1, 0, 2, version=3))
     store.put("plain", group_items(1, 1, 2, version=5))
     store.put("plain", group_items(1, 2, 2, version=None))
-    batch = store.sample("plain", num_groups=2, min_model_version=4, allow_partial=True)
+    batch = take(store, "plain", num_groups=2, min_model_version=4, allow_partial=True)
     assert batch.group_ids == ["1/1", "1/1"]
 
 
@@ -205,23 +206,29 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
         s.create_table(PLAIN)
         s.put("plain", group_items(1, 0, 2))
         s.put("plain", group_items(1, 1, 2))
-        leased = s.sample("plain", num_groups=1, delivery="lease", lease_seconds=30)
+        leased = take(s, "plain", num_groups=1, delivery="lease", lease_seconds=30)
         assert leased.lease_expires == clock.now + 30
         assert s.stats("plain")["leased"] == 2
-        acked = s.sample("plain", num_groups=1, delivery="lease", lease_seconds=30)
+        acked = take(s, "plain", num_groups=1, delivery="lease", lease_seconds=30)
         assert s.ack(acked.lease_id) == 2
         with pytest.raises(NotFound, match="lease"):
             s.ack(acked.lease_id)
     clock.now += 10
     with Store(tmp_path, clock=clock) as s:
         assert s.tick()["leases_expired"] == 0
-        assert s.sample("plain", num_groups=1) is None
+        assert take(s, "plain", num_groups=1) is None
         clock.now += 25
-        assert s.tick() == {"leases_expired": 1, "requeued": 2, "groups_timed_out": 0, "tombstones_pruned": 0}
-        again = s.sample("plain", num_groups=1, delivery="lease")
+        assert s.tick() == {
+            "leases_expired": 1,
+            "requeued": 2,
+            "groups_timed_out": 0,
+            "tombstones_pruned": 0,
+            "failed": 0,
+        }
+        again = take(s, "plain", num_groups=1, delivery="lease")
         assert again.group_ids == leased.group_ids
         assert s.nack(again.lease_id) == 2
-        final = s.sample("plain", num_groups=5, allow_partial=True)
+        final = take(s, "plain", num_groups=5, allow_partial=True)
         assert final.group_ids == leased.group_ids
         stats = s.stats("plain")
         assert (stats["consumed"], stats["leases_expired"], stats["ready"]) == (4, 1, 0)
@@ -239,9 +246,9 @@ def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
     assert store.tick()["groups_timed_out"] == 0
     clock.now += 2
     assert store.tick()["groups_timed_out"] == 2
-    batch = store.sample("rel", num_groups=1)
+    batch = take(store, "rel", num_groups=1)
     assert batch.partial is False and len(batch.uids) == 2
-    assert store.sample("drop", num_groups=1) is None
+    assert take(store, "drop", num_groups=1) is None
     assert store.stats("drop")["groups_dropped"] == 1
     assert store.verify("rel") == [] and store.verify("drop") == []
 
@@ -259,20 +266,20 @@ def test_capacity_block_and_evict(store: Store) -> None:
     store.put("full", group_items(1, 0, 4))
     with pytest.raises(TableFull, match="is full"):
         store.put("full", group_items(1, 1, 2), timeout=0.05)
-    unblocked = threading.Timer(0.2, lambda: store.sample("full", num_groups=1))
+    unblocked = threading.Timer(0.2, lambda: take(store, "full", num_groups=1))
     unblocked.start()
     assert len(store.put("full", group_items(1, 1, 2), timeout=5).stored) == 2
     unblocked.join()
     store.create_table(TableConfig(name="ring", estimator="none", capacity_experiences=6, when_full="evict"))
     for task in range(5):
         store.put("ring", group_items(2, task, 2))
-    leased = store.sample("ring", num_groups=1, delivery="lease")
+    leased = take(store, "ring", num_groups=1, delivery="lease")
     store.put("ring", group_items(2, 9, 4))
     stats = store.stats("ring")
     assert (stats["evicted"], stats["leased"], stats["ready"]) == (8, 2, 4)  # groups 0, 1, 3, 4; 2 is leased
     assert store.get("ring", [f"2/0/{r}/0/r{r}s0" for r in range(2)]) == {}
     assert store.ack(leased.lease_id) == 2
-    with pytest.raises(TableFull, match="on their own"):
+    with pytest.raises(TooLarge, match="on their own"):
         store.put("ring", group_items(3, 0, 7))
     assert store.verify("full") == [] and store.verify("ring") == []
 
@@ -282,9 +289,9 @@ def test_delete_and_get(store: Store) -> None:
     uids = [f"1/0/{r}/0/r{r}s0" for r in range(3)]
     assert set(store.get("plain", [*uids, "nope"])) == set(uids)
     assert store.delete("plain", uids=[uids[0]]) == 1
-    assert store.sample("plain", num_groups=1, delivery="replay").uids == uids[1:]
+    assert take(store, "plain", num_groups=1, delivery="replay").uids == uids[1:]
     assert store.delete("plain", group_ids=["1/0"]) == 2
-    assert store.sample("plain", num_groups=1) is None
+    assert take(store, "plain", num_groups=1) is None
     assert store.put("plain", group_items(1, 0, 3)).stored == uids
 
 
@@ -324,7 +331,7 @@ def test_tables_interleaved_keep_their_indexes(store: Store) -> None:
         store.put("plain", group_items(4, task, 2))
     assert store.verify("other") == [] and store.verify("plain") == []
     assert store.stats("plain")["oldest_age_seconds"] == 0.0
-    assert store.sample("plain", num_groups=3).group_ids[::2] == ["4/0", "4/1", "4/2"]
+    assert take(store, "plain", num_groups=3).group_ids[::2] == ["4/0", "4/1", "4/2"]
 
 
 def test_drop_table(store: Store) -> None:
@@ -339,9 +346,9 @@ def test_drop_table(store: Store) -> None:
 
 def test_bad_sample_requests(store: Store) -> None:
     with pytest.raises(InvalidRequest, match="exactly one"):
-        store.sample("plain", num_groups=1, batch_size=4)
+        take(store, "plain", num_groups=1, batch_size=4)
     with pytest.raises(InvalidRequest, match="order"):
-        store.sample("plain", num_groups=1, order="random")
+        take(store, "plain", num_groups=1, order="random")
 
 
 def test_second_process_is_refused(tmp_path: Path) -> None:
@@ -353,7 +360,7 @@ def test_tombstones_are_pruned_after_their_time(store: Store, clock: Clock) -> N
     store.create_table(TableConfig(name="short", estimator="none", tombstone_seconds=60))
     items = group_items(1, 0, 3)
     store.put("short", items)
-    store.sample("short", num_groups=1)
+    take(store, "short", num_groups=1)
     assert store.put("short", items).duplicates  # a retry soon after is still a duplicate
     clock.now += 30
     assert store.tick()["tombstones_pruned"] == 0

@@ -44,7 +44,7 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.PushRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.PushReply.FromString,
                 _registered_method=True)
-        self.Sample = channel.unary_stream(
+        self.Sample = channel.stream_stream(
                 '/expbuf.v1.ExperienceBuffer/Sample',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.SampleRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.FromString,
@@ -119,8 +119,10 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Sample(self, request, context):
-        """Stream batches of whole groups; each reply carries one TRXP payload.
+    def Sample(self, request_iterator, context):
+        """Stream batches of whole groups; each reply carries one TRXP payload. The first
+        request says what to sample; each later request confirms the batches received
+        so far and asks for the next one (see SampleRequest.received).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,7 +201,7 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.PushRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.PushReply.SerializeToString,
             ),
-            'Sample': grpc.unary_stream_rpc_method_handler(
+            'Sample': grpc.stream_stream_rpc_method_handler(
                     servicer.Sample,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.SampleRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.SerializeToString,
@@ -320,7 +322,7 @@ class ExperienceBuffer:
             _registered_method=True)
 
     @staticmethod
-    def Sample(request,
+    def Sample(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -330,8 +332,8 @@ class ExperienceBuffer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/expbuf.v1.ExperienceBuffer/Sample',
             expbuf_dot_v1_dot_buffer__pb2.SampleRequest.SerializeToString,

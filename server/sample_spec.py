@@ -1,0 +1,87 @@
+"""What a sample request asks for, checked once where it enters the server.
+
+The service builds a SampleSpec from the wire, tests and tools build one directly,
+and the store reads it: one definition of the parameters and their ranges instead of
+the same nine arguments in every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+from .selection import ORDERS
+
+DELIVERIES = ("consume", "lease", "replay")
+# A lease longer than a week is a forgotten batch, not a long training step.
+MAX_LEASE_SECONDS = 7 * 86400.0
+# Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
+MAX_COUNT = 2**31 - 1
+INT64 = (-(2**63), 2**63 - 1)
+
+
+class SpecError(InvalidRequest):
+    """A sample request is malformed; the message names the field and its allowed range."""
+
+
+def check_count(name: str, value: int) -> None:
+    """Refuse counts that are not integers in 0..2**31-1 (a uint32 negative arrives as 2**32-1)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise SpecError(f"{name} must be a non-negative integer, got {value!r}")
+    if value > MAX_COUNT:
+        raise SpecError(f"{name} is {value}, above {MAX_COUNT} (a negative number sent as an unsigned integer?)")
+
+
+def check_seconds(name: str, value: float, *, low: float, high: float, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise SpecError(f"{name} must be a finite number of seconds, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        raise SpecError(f"{name} is {value:g}; it must be {bound} and <= {high:g}")
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One stream's request: how many, in which order, delivered how, and how long to wait.
+
+    Exactly one of `num_groups` (whole groups) or `batch_size` (experiences, filled with
+    whole groups) is set. `wait_seconds` is how long each batch may wait for enough
+    data; `max_batches` 0 streams until cancelled.
+    """
+
+    table: str = "default"
+    num_groups: int = 0
+    batch_size: int = 0
+    order: str = "fifo"
+    delivery: str = "consume"
+    lease_seconds: float = 60.0
+    wait_seconds: float = 0.0
+    allow_partial: bool = False
+    max_batches: int = 0
+    min_model_version: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_groups", "batch_size", "max_batches"):
+            check_count(name, getattr(self, name))
+        if (self.num_groups > 0) == (self.batch_size > 0):
+            raise SpecError("set exactly one of num_groups or batch_size (> 0)")
+        if self.order not in ORDERS:
+            raise SpecError(f"order is {self.order!r}; expected one of {', '.join(ORDERS)}")
+        if self.delivery not in DELIVERIES:
+            raise SpecError(f"delivery is {self.delivery!r}; expected one of {', '.join(DELIVERIES)}")
+        if self.delivery == "lease":
+            check_seconds("lease_seconds", self.lease_seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        check_seconds("wait_seconds", self.wait_seconds, low=0.0, high=float(2**31))
+        version = self.min_model_version
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or not INT64[0] <= version <= INT64[1]
+        ):
+            raise SpecError(f"min_model_version must be a 64-bit integer, got {version!r}")
+
+    @property
+    def want(self) -> str:
+        """The requested amount, in words, for messages."""
+        if self.num_groups:
+            return f"{self.num_groups} group{'s' if self.num_groups != 1 else ''}"
+        return f"{self.batch_size} experience{'s' if self.batch_size != 1 else ''}"

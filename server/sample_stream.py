@@ -1,0 +1,143 @@
+"""One Sample stream: batches sent only when the client asks, delivered once it confirms.
+
+The client's messages after the first are read by a thread of their own, so that the
+server notices a confirmation, a stop, a closed side or a cancel while it waits for
+data. The server sends the next batch only once the last one is confirmed, so at most
+one batch per stream is ever on its way: its consumption, or its lease, stands only
+once the client has it, and it returns to the buffer if the stream breaks first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from .errors import InvalidRequest, StoreError
+from .sample_spec import SampleSpec
+from .store import Sampled, Store
+
+
+class ClientSide:
+    """What the client of one stream has said since its first message."""
+
+    def __init__(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> None:
+        self.received = 0  # batches confirmed
+        self.stopped = False  # it asked to end the stream
+        self.closed = False  # it closed its side without asking to stop
+        self.broken = False  # cancelled, or the connection went
+        self.error: InvalidRequest | None = None
+        self._sent = 0
+        self._changed = threading.Condition()
+        context.add_callback(self._wake)
+        threading.Thread(target=self._read, args=(requests,), name="expbuf-sample-reader", daemon=True).start()
+
+    def _wake(self) -> None:
+        with self._changed:
+            self.broken = self.broken or not (self.stopped or self.closed)
+            self._changed.notify_all()
+
+    def _read(self, requests: Iterator[pb.SampleRequest]) -> None:
+        try:
+            for request in requests:
+                with self._changed:
+                    if request.received > self._sent:
+                        self.error = InvalidRequest(
+                            f"a Sample message confirms {request.received} batches, but {self._sent} were sent"
+                        )
+                    self.received = max(self.received, min(request.received, self._sent))
+                    self.stopped = request.stop or self.error is not None
+                    self._changed.notify_all()
+                if self.stopped:
+                    return
+            with self._changed:
+                self.closed = True
+                self._changed.notify_all()
+        except grpc.RpcError:
+            self._wake()
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be asked for."""
+        return self.stopped or self.closed or self.broken
+
+    def sending(self, count: int) -> None:
+        """The server is about to send batch number `count`."""
+        with self._changed:
+            self._sent = count
+
+    def wait_confirmed(self, count: int) -> bool:
+        """Wait until the client confirms `count` batches; False if it never will."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.received >= count or self.done)
+            return self.received >= count
+
+
+def stream_batches(
+    store: Store,
+    spec: SampleSpec,
+    requests: Iterator[pb.SampleRequest],
+    context: grpc.ServicerContext,
+    *,
+    owner: str,
+    timeout: Callable[[], float],
+    reply: Callable[[Sampled], pb.SampleReply],
+) -> Iterator[pb.SampleReply]:
+    """The replies of one stream. `timeout()` is how long the next batch may wait for data.
+
+    Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
+    (through `context.abort`) when no batch could be made in time.
+    """
+    client = ClientSide(requests, context)
+    unconfirmed: Sampled | None = None
+    sent = 0
+    try:
+        while True:
+            batch = store.sample(
+                spec,
+                timeout=timeout(),
+                hold=spec.delivery == "consume",
+                owner=owner,
+                stop=lambda: client.stopped or client.broken or not context.is_active(),
+            )
+            if batch is None:
+                if client.stopped or client.broken or not context.is_active() or spec.allow_partial:
+                    return
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s",
+                )
+            unconfirmed = batch
+            sent += 1
+            client.sending(sent)
+            yield reply(batch)
+            if not client.wait_confirmed(sent):
+                break
+            _confirm(store, spec, batch, owner)
+            unconfirmed = None
+            if batch.partial or sent == spec.max_batches or client.done:
+                break
+        if client.error is not None:
+            raise client.error
+    finally:
+        if unconfirmed is not None:
+            if client.closed and context.is_active():  # it closed its side: the stream ends normally
+                _confirm(store, spec, unconfirmed, owner)
+            else:  # stopped, cancelled or broken before the client had it
+                _give_back(store, spec, unconfirmed, owner)
+
+
+def _confirm(store: Store, spec: SampleSpec, batch: Sampled, owner: str) -> None:
+    """The client has the batch: a consumed one leaves the buffer now."""
+    if spec.delivery == "consume":
+        store.ack(batch.lease_id, spec.table, owner)
+
+
+def _give_back(store: Store, spec: SampleSpec, batch: Sampled, owner: str) -> None:
+    if spec.delivery in ("consume", "lease"):
+        with contextlib.suppress(StoreError):  # acked meanwhile, expired, or the table was dropped
+            store.nack(batch.lease_id, spec.table, owner)

@@ -1,0 +1,236 @@
+"""Delivery over raw gRPC: what counts as consumed, how far the server reads ahead, and
+when a lease's clock starts. A real server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import BufferClient, trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+from helpers import group_items
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ExpbufServer]:
+    srv = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
+    yield srv
+    srv.stop(grace=1)
+
+
+@pytest.fixture
+def client(server: ExpbufServer) -> Iterator[BufferClient]:
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+        c.create_table("t", group_size=2, estimator="none")
+        yield c
+
+
+@pytest.fixture
+def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield pb_grpc.ExperienceBufferStub(channel)
+
+
+def fill(client: BufferClient, groups: int, table: str = "t") -> None:
+    items = [item for task in range(groups) for item in group_items(1, task, 2)]
+    for start in range(0, len(items), 200):
+        client.push(trxp.build(items[start : start + 200]), table=table)
+
+
+def request(**fields: object) -> pb.SampleRequest:
+    return pb.SampleRequest(
+        **{"table": "t", "num_groups": 1, "delivery": pb.DELIVERY_CONSUME, "wait_seconds": 2, **fields}
+    )
+
+
+class Conversation:
+    """A raw client of the Sample stream that confirms each batch when told to."""
+
+    def __init__(self, stub: pb_grpc.ExperienceBufferStub, first: pb.SampleRequest) -> None:
+        self._out: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        self._out.put(first)
+        self.call = stub.Sample(iter(self._out.get, None), timeout=30)
+
+    def read(self) -> pb.SampleReply:
+        return next(self.call)
+
+    def confirm(self, received: int, *, stop: bool = False) -> None:
+        self._out.put(pb.SampleRequest(received=received, stop=stop))
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._out.put(None)
+
+
+def settle(client: BufferClient, predicate: object, table: str = "t") -> dict:
+    """Stats once `predicate(stats)` holds (the server finishes a broken stream on its own)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = client.stats(table)[table]
+        if predicate(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_streams_that_end_normally_consume_their_batches(client: BufferClient, stub) -> None:
+    """A consume stream that ends normally (max_batches reached, or the client closed its
+    side) consumes what it sent: three one-batch calls get three different groups."""
+    fill(client, 3)
+    seen = []
+    for _ in range(3):
+        replies = list(stub.Sample(iter([request(max_batches=1)]), timeout=10))
+        assert len(replies) == 1
+        seen.append(tuple(replies[0].uids))
+    assert len(set(seen)) == 3
+    stats = client.stats("t")["t"]
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (6, 0, 0)
+
+
+def test_a_partial_batch_that_ends_the_stream_is_consumed(client: BufferClient, stub) -> None:
+    fill(client, 1)
+    (reply,) = stub.Sample(iter([request(num_groups=5, allow_partial=True, wait_seconds=0.2)]), timeout=10)
+    assert reply.partial and len(reply.uids) == 2
+    assert client.stats("t")["t"]["consumed"] == 2
+
+
+def test_cancelled_stream_consumes_only_what_the_client_confirmed(client: BufferClient, stub) -> None:
+    """Read 3 batches of a 300-group table and cancel: the 2 batches the client confirmed
+    (by asking for the next) are consumed, the third comes back, and nothing else moved:
+    the server never ran ahead into gRPC's buffers."""
+    fill(client, 300)
+    talk = Conversation(stub, request())
+    delivered = []
+    for received in range(1, 4):
+        delivered.append(tuple(talk.read().uids))
+        if received < 3:
+            talk.confirm(received)
+    talk.cancel()
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 0, 596)
+    rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, delivery="consume")]
+    assert len(set(rest)) == 298
+    assert delivered[2] in rest and not set(rest) & set(delivered[:2])
+
+
+def test_read_ahead_is_one_batch_whatever_the_window(client: BufferClient, stub) -> None:
+    """A slow reader: the server has sent at most one batch it has not confirmed, however
+    many small batches gRPC's window would hold."""
+    fill(client, 80)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=60))
+    first = talk.read()
+    time.sleep(0.5)  # a training step: nothing more is sent meanwhile
+    assert client.stats("t")["t"]["leased"] == 2
+    talk.confirm(1)
+    second = talk.read()
+    assert set(first.uids).isdisjoint(second.uids)
+    time.sleep(0.3)
+    assert client.stats("t")["t"]["leased"] == 4  # the two batches the client has, nothing ahead
+    talk.confirm(2, stop=True)
+    assert list(talk.call) == []
+    assert client.stats("t")["t"]["leased"] == 4  # leases stand until acked
+
+
+def test_lease_clock_starts_when_the_batch_is_sent(client: BufferClient, stub) -> None:
+    fill(client, 2)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=30))
+    first = talk.read()
+    time.sleep(1.0)
+    talk.confirm(1)
+    second = talk.read()
+    assert second.lease_expires_unix - first.lease_expires_unix >= 0.9
+    talk.confirm(2, stop=True)
+    list(talk.call)
+
+
+def test_unconfirmed_lease_returns_at_once_when_the_stream_breaks(client: BufferClient, stub) -> None:
+    fill(client, 2)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=600))
+    talk.read()
+    talk.cancel()
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["leased"], stats["ready"]) == (0, 4)
+
+
+def test_consumed_batch_is_never_delivered_twice_whatever_the_wait(client: BufferClient, stub) -> None:
+    """A batch held for a consume stream has no expiry: however long the stream waits,
+    the server's lease upkeep (every 0.5 s) never puts it back while the stream lives."""
+    fill(client, 1)
+    talk = Conversation(stub, request(wait_seconds=400))
+    first = talk.read()
+    time.sleep(1.2)
+    assert list(client.sample("t", num_groups=1, timeout=0.3, allow_partial=True)) == []
+    talk.confirm(1, stop=True)
+    assert list(talk.call) == []
+    stats = client.stats("t")["t"]
+    assert (stats["consumed"], stats["ready"], stats["leased"], stats["leases_expired"]) == (2, 0, 0, 0)
+    assert len(first.uids) == 2
+
+
+def test_client_that_stops_early_gives_back_the_batch_on_its_way(client: BufferClient) -> None:
+    fill(client, 10)
+    for batch in client.sample("t", num_groups=1):
+        assert len(batch.uids) == 2
+        break
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+    assert len(next(client.sample("t", num_groups=1)).uids) == 2  # the one-off pattern consumes one
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"]) == (4, 16)
+
+
+async def _async_one(target: str) -> list[str]:
+    from expbuf.client import AsyncBufferClient
+
+    async with AsyncBufferClient(target) as aclient, contextlib.aclosing(aclient.sample("t", num_groups=1)) as batches:
+        async for batch in batches:
+            return batch.uids
+    return []
+
+
+def test_async_client_that_stops_early_gives_back_the_batch_on_its_way(server, client: BufferClient) -> None:
+    import asyncio
+
+    fill(client, 10)
+    assert len(asyncio.run(_async_one(f"127.0.0.1:{server.port}"))) == 2
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+
+
+def test_confirming_more_than_was_sent_is_refused(client: BufferClient, stub) -> None:
+    fill(client, 2)
+    talk = Conversation(stub, request())
+    talk.read()
+    talk.confirm(5)
+    with pytest.raises(grpc.RpcError) as info:
+        list(talk.call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "confirms 5 batches, but 1 were sent" in info.value.details()
+
+
+def test_held_batches_of_a_killed_server_come_back(tmp_path: Path) -> None:
+    """A batch held for a consume stream when the server stops returns at the next start."""
+    from expbuf.server.sample_spec import SampleSpec
+    from expbuf.server.store import Store
+    from expbuf.server.tables import TableConfig
+
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none"))
+        store.put("t", group_items(1, 0, 2))
+        held = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        assert held.lease_id and store.stats("t")["leased"] == 2
+    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+    try:
+        assert server.store.stats("t")["leased"] == 0
+        assert server.store.stats("t")["ready"] == 2
+    finally:
+        server.stop(grace=1)

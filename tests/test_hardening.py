@@ -1,0 +1,293 @@
+"""Refusals with the right status and a message that names the problem, settings kept in
+range, maintenance that one table cannot stop, leases bound to their table and token.
+Real LMDB, real gRPC on loopback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import lmdb
+import pytest
+
+from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.client.wire import WireError
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+from expbuf.server.errors import StorageFull, TableFull, TooLarge
+from expbuf.server.store import Store
+from expbuf.server.tables import MAX_SECONDS, ConfigError, TableConfig
+
+from helpers import group_items, make_experience, take
+
+
+def start(data: Path, **settings: object) -> ExpbufServer:
+    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=-1, **settings)).start()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ExpbufServer]:
+    srv = start(tmp_path / "data")
+    yield srv
+    srv.stop(grace=1)
+
+
+@pytest.fixture
+def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield pb_grpc.ExperienceBufferStub(channel)
+
+
+@pytest.fixture
+def client(server: ExpbufServer) -> Iterator[BufferClient]:
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+        yield c
+
+
+def refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            list(result)
+    return info.value
+
+
+def sample(stub: pb_grpc.ExperienceBufferStub, **fields: object) -> grpc.RpcError:
+    request = pb.SampleRequest(**{"num_groups": 1, **fields})
+    return refused(stub.Sample, iter([request]), timeout=10)
+
+
+# ---- table settings --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("tombstone_seconds", 1e10),
+        ("tombstone_seconds", math.inf),
+        ("tombstone_seconds", math.nan),
+        ("group_timeout_seconds", 1e10),
+        ("group_timeout_seconds", -1.0),
+        ("group_size", 2**32 - 1),
+        ("max_times_sampled", 2**32 - 1),
+        ("capacity_experiences", 2**64 - 1),
+    ],
+)
+def test_table_settings_out_of_range_are_refused(stub, setting: str, value: float) -> None:
+    config = pb.TableConfig(name="bad", **{setting: value})
+    error = refused(stub.CreateTable, pb.CreateTableRequest(config=config), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "table 'bad'" in error.details() and setting in error.details()
+
+
+@pytest.mark.parametrize(("field", "value"), [("group_by", 99), ("when_full", 7), ("on_group_timeout", 3)])
+def test_unknown_enum_values_are_refused(stub, field: str, value: int) -> None:
+    config = pb.TableConfig(name="bad", **{field: value})
+    error = refused(stub.CreateTable, pb.CreateTableRequest(config=config), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{field} is {value}" in error.details()
+
+
+def test_unknown_settings_are_refused_everywhere(client: BufferClient, stub, tmp_path: Path) -> None:
+    with pytest.raises(WireError, match="group_sise"):
+        client.create_table("t", group_sise=8)
+    newer = pb.TableConfig(name="t").SerializeToString() + bytes([0xA8, 0x06, 0x01])  # field 101 = 1
+    raw = grpc.insecure_channel(client.target).unary_unary("/expbuf.v1.ExperienceBuffer/CreateTable")
+    error = refused(raw, bytes([0x0A, len(newer)]) + newer, timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "[101]" in error.details()
+    toml = tmp_path / "expbuf.toml"
+    toml.write_text('[[tables]]\nname = "t"\ngroup_sise = 8\n')
+    from expbuf.server.config import load
+
+    with pytest.raises(ConfigError, match="group_sise"):
+        load(str(toml))
+    assert "t" not in client.stats()
+
+
+def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: Path) -> None:
+    """An earlier release accepted tombstone_seconds = 1e10; such a table loads with the
+    longest allowed value, and the lease upkeep of every table runs."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("old", estimator="none"))
+        store.put("old", group_items(1, 0, 2))
+        lease = take(store, "old", num_groups=1, delivery="lease", lease_seconds=0.01)
+        assert lease is not None
+    env = lmdb.open(str(tmp_path), max_dbs=32)
+    with env.begin(write=True, db=env.open_db(b"tables")) as txn:
+        record = json.loads(txn.get(b"old"))
+        record["config"]["tombstone_seconds"] = 1e10
+        txn.put(b"old", json.dumps(record).encode())
+    env.close()
+    with Store(tmp_path) as store:
+        assert store.table("old").tombstone_seconds == MAX_SECONDS
+        done = store.tick()
+        assert (done["leases_expired"], done["failed"]) == (1, 0)
+
+
+def test_one_damaged_table_does_not_stop_the_upkeep_of_the_others(tmp_path: Path, caplog) -> None:
+    now = [time.time()]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        store.create_table(TableConfig("hurt", estimator="none", group_size=4, group_timeout_seconds=1))
+        store.create_table(TableConfig("fine", estimator="none"))
+        store.put("fine", group_items(1, 0, 2))
+        take(store, "fine", num_groups=1, delivery="lease", lease_seconds=0.01)
+        # a timeout index entry whose group record is gone (a damaged directory)
+        store._submit(lambda txn: txn.put(b"\x00\x00\x00\x02" + bytes(8) + b"9/9", b"", db=store._db["pending"]))
+        now[0] += 5
+        with caplog.at_level(logging.ERROR, logger="expbuf.store"):
+            first, second = store.tick(), store.tick()
+        assert (first["leases_expired"], first["failed"], second["failed"]) == (1, 1, 1)
+        assert store.stats("fine")["ready"] == 2
+        assert store.maintenance_failures == 2
+        assert sum("maintenance skipped table hurt" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- sample requests ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "names"),
+    [
+        ({"delivery": 99}, "delivery is 99"),
+        ({"order": 99}, "order is 99"),
+        ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": math.nan}, "lease_seconds"),
+        ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": math.inf}, "lease_seconds"),
+        ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": 1e300}, "lease_seconds"),
+        ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": 1e12}, "lease_seconds"),
+        ({"wait_seconds": math.nan}, "wait_seconds"),
+        ({"wait_seconds": -1}, "wait_seconds"),
+        ({"num_groups": 2**32 - 1}, "negative number"),
+        ({"num_groups": 0}, "exactly one"),
+    ],
+)
+def test_bad_sample_requests_are_invalid_argument(stub, fields: dict, names: str) -> None:
+    error = sample(stub, **fields)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert names in error.details()
+
+
+def test_lease_ids_and_ids_are_checked(stub) -> None:
+    error = refused(stub.Ack, pb.AckRequest(lease_id=""), timeout=10)
+    assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "lease_id is empty")
+    error = refused(stub.Nack, pb.NackRequest(lease_id="x" * 10_000), timeout=10)
+    assert error.code() == grpc.StatusCode.NOT_FOUND and len(error.details()) < 300
+    error = refused(stub.Get, pb.GetRequest(uids=["u" * 1000]), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "uids" in error.details()
+    error = refused(stub.Seal, pb.SealRequest(group_id=""), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "group_id" in error.details()
+    error = refused(stub.Push, pb.PushRequest(table="t" * 10_000, payload=trxp.build(group_items(1, 0, 1))))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and len(error.details()) < 300
+
+
+def test_a_lease_is_bound_to_its_table(client: BufferClient) -> None:
+    client.create_table("a", estimator="none")
+    client.create_table("b", estimator="none")
+    client.push(trxp.build(group_items(1, 0, 2)), table="a")
+    batch = next(client.sample("a", num_groups=1, delivery="lease", max_batches=1))
+    with pytest.raises(BufferError) as info:
+        client.ack(batch.lease_id, table="b")
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and "not a lease of table 'b'" in info.value.details
+    assert batch.ack() == 2
+
+
+def test_a_lease_is_bound_to_the_token_that_took_it(tmp_path: Path) -> None:
+    tokens = {"pusher": frozenset({"push", "admin"}), "one": frozenset({"sample"}), "two": frozenset({"sample"})}
+    srv = start(tmp_path / "data", tokens=tokens)
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        with (
+            BufferClient(target, token="pusher") as pusher,
+            BufferClient(target, token="one") as one,
+            BufferClient(target, token="two") as two,
+        ):
+            pusher.create_table("t", estimator="none")
+            pusher.push(trxp.build(group_items(1, 0, 2)), table="t")
+            batch = next(one.sample("t", num_groups=1, delivery="lease", max_batches=1))
+            for call in (two.ack, two.nack):
+                with pytest.raises(BufferError) as info:
+                    call(batch.lease_id, table="t")
+                assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert one.ack(batch.lease_id, table="t") == 2
+    finally:
+        srv.stop(grace=1)
+
+
+# ---- capacity and failures -------------------------------------------------------
+
+
+def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(
+            TableConfig("ring", estimator="none", group_size=4, capacity_experiences=6, when_full="evict")
+        )
+        pending = group_items(1, 0, 4)
+        store.put("ring", pending[:2])
+        store.put("ring", group_items(1, 1, 4))  # fits: 2 pending + 4
+        store.put("ring", group_items(1, 2, 4))  # evicts the ready group 1/1, never the pending 1/0
+        assert store.stats("ring")["evicted"] == 4
+        assert store.put("ring", pending[2:]).completed_groups == ["1/0"]  # evicts 1/2, not refused
+        store.put("ring", group_items(1, 4, 4)[:2])
+        store.put("ring", group_items(1, 5, 4)[:2])  # evicts the ready 1/0
+        assert store.stats("ring")["pending"] == 4
+        with pytest.raises(TableFull, match="is full"):
+            store.put("ring", group_items(1, 6, 4))  # only pending groups are left: none is evicted
+        assert store.stats("ring")["pending"] == 4
+        assert store.verify("ring") == []
+
+
+def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:
+    client.create_table("small", capacity=3, estimator="none")
+    with pytest.raises(BufferError) as info:
+        client.push(trxp.build(group_items(1, 0, 4)), table="small", timeout=30)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "on their own" in info.value.details
+
+
+def test_the_longest_uid_works_in_every_grouping(tmp_path: Path) -> None:
+    """Uids up to the documented 400 bytes are stored, grouped, leased, consumed and
+    forgotten whatever the grouping (no index key passes LMDB's limit)."""
+    suffix = "s" * (trxp.MAX_UID_BYTES - len("b/t/0/0/"))
+    with Store(tmp_path) as store:
+        for by in ("task", "run", "step", "none"):
+            store.create_table(TableConfig(f"by_{by}", estimator="none", group_by=by, tombstone_seconds=1))
+            exp = make_experience("b", "t", 0)
+            exp.eid.suffix = suffix
+            item = trxp.from_experience(exp)
+            assert len(item.uid.encode()) == trxp.MAX_UID_BYTES
+            store.put(f"by_{by}", [item])
+            lease = take(store, f"by_{by}", num_groups=1, delivery="lease")
+            assert store.ack(lease.lease_id) == 1
+            assert store.verify(f"by_{by}") == []
+
+
+def test_full_disk_or_map_names_the_place(tmp_path: Path) -> None:
+    with Store(tmp_path, map_size=1 << 20, max_map_size=1 << 20) as store:
+        store.create_table(TableConfig("t", estimator="none", group_by="none"))
+        with pytest.raises(StorageFull) as info:
+            for task in range(1000):
+                store.put("t", [trxp.from_experience(make_experience(1, task, 0, response=4000, prompt=4000))])
+        assert str(tmp_path) in str(info.value) and "max_map_size" in str(info.value)
+        assert store.verify("t") == []
+
+
+def test_refusals_name_their_table_and_bound_metric_labels(server: ExpbufServer, stub, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="expbuf.service"):
+        refused(stub.CreateTable, pb.CreateTableRequest(config=pb.TableConfig(name="bad!")), timeout=10)
+        refused(stub.Push, pb.PushRequest(table="nope" * 10, payload=b"junk"), timeout=10)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("refused CreateTable on table bad!" in line for line in lines)
+    labels = {
+        s.labels["table"] for m in server.metrics.registry.collect() if m.name == "expbuf_refused" for s in m.samples
+    }
+    assert labels == {"unknown"}
+
+
+def test_too_large_and_table_full_are_distinct() -> None:
+    assert not issubclass(TooLarge, TableFull)
