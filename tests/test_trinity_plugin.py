@@ -20,10 +20,13 @@ import torch  # noqa: E402
 from trinity.algorithm.advantage_fn import ADVANTAGE_FN  # noqa: E402
 from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
 from trinity.algorithm.sample_strategy import sample_strategy  # noqa: E402
+from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
 from trinity.buffer.buffer_reader import BufferReader  # noqa: E402
+from trinity.buffer.operators.experience_operator import ensure_v1_operator  # noqa: E402
 from trinity.buffer.pipelines import experience_pipeline  # noqa: E402
+from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
 from trinity.buffer.reader import READER  # noqa: E402
-from trinity.common.config import ExperienceBufferConfig, StorageConfig  # noqa: E402
+from trinity.common.config import Config, ExperienceBufferConfig, StorageConfig  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
@@ -179,6 +182,40 @@ def test_write_restart_server_read_whole_groups_with_advantages(start: Start) ->
     assert len(sealed) == 3 and reader.state_dict()["current_index"] == 11
 
 
+def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None:
+    """Trinity's explorer side (its experience pipeline) and trainer side (its sample strategy),
+    from one Trinity Config whose experience buffer path is expbuf://."""
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    config = Config()
+    config.algorithm.algorithm_type, config.algorithm.advantage_fn = "grpo", "expbuf"
+    config.algorithm.advantage_fn_args = {}
+    config.data_processor.experience_pipeline.save_input = False
+    # Batches of 2 experiences: whole groups, so the first one holds task 0's 4 runs.
+    config.buffer.trainer_input.experience_buffer = buffer_config(server.port, batch_size=2)
+    pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [3.0, 1.0])
+
+    async def explore() -> dict:
+        pipeline = ExperiencePipeline(config)
+        await pipeline.output.acquire()  # what prepare() does, without starting auxiliary models
+        pipeline.operators = []
+        pipeline._set_algorithm_operators(config.algorithm)
+        metrics = await pipeline.process(Experience.serialize_many(pushed))
+        await pipeline.close()  # the last writer: seals task 1, which has 2 of its 4 runs
+        return metrics
+
+    assert asyncio.run(explore())["experience_pipeline/experience_count"] == 6
+    strategy = DefaultSampleStrategy(config.buffer)
+    first, _, _ = asyncio.run(strategy.sample(step=1))
+    check_whole_groups(first, pushed)
+    restarted = DefaultSampleStrategy(config.buffer)
+    restarted.load_state_dict(strategy.state_dict())
+    second, _, _ = asyncio.run(restarted.sample(step=2))
+    check_whole_groups(second, pushed)
+    assert sorted(e.eid.tid for e in first + second) == ["3/0"] * 4 + ["3/1"] * 2
+
+
 def test_reader_restarts_from_its_state_dict(start: Start) -> None:
     server = start()
     target = f"127.0.0.1:{server.port}"
@@ -278,7 +315,9 @@ def test_expbuf_advantage_fn_keeps_the_buffers_advantages(start: Start) -> None:
     # In Trinity's experience pipeline (an operator before the buffer) and on a list: untouched.
     out, metrics = fn(read)
     assert out is read and metrics == {}
-    assert all(torch.equal(exp.advantages, b) for exp, b in zip(out, before, strict=True))
+    piped, _ = asyncio.run(ensure_v1_operator(fn).process(read))
+    for exps in (out, piped):
+        assert all(torch.equal(exp.advantages, b) for exp, b in zip(exps, before, strict=True))
     # In the trainer, on the batch Trinity built from the experiences (verl's DataProto holds
     # its tensors in `.batch`): the advantages stay as they are.
     advantages = torch.stack(before)
