@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 trinity = pytest.importorskip("trinity")
@@ -29,10 +30,10 @@ from trinity.buffer.reader import READER  # noqa: E402
 from trinity.common.config import Config, ExperienceBufferConfig, StorageConfig  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
-from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client import BufferClient, BufferError, Tls  # noqa: E402
 from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
-from expbuf.server.config import ServerConfig  # noqa: E402
+from expbuf.server.config import ServerConfig, TlsConfig  # noqa: E402
 
 TABLE = "grpo4"
 
@@ -271,6 +272,44 @@ def test_token_from_the_environment_and_push_only_writers(start: Start, monkeypa
     check_whole_groups(asyncio.run(reader.read()), pushed)
     with BufferClient(f"127.0.0.1:{server.port}", token="r-secret") as admin:
         assert admin.stats(TABLE)[TABLE]["groups_pending"] == 1
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def test_mutual_tls_from_the_environment_and_the_path(
+    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer takes TLS from EXPBUF_TLS_*, the reader from the path's query."""
+    d = tmp_path / "certs"
+    d.mkdir()
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=ca", "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")
+    for name, ext in {"server": "subjectAltName=IP:127.0.0.1", "client": "extendedKeyUsage=clientAuth"}.items():
+        _openssl("req", *ec, "-subj", f"/CN={name}", "-keyout", f"{d}/{name}.key", "-out", f"{d}/{name}.csr")
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
+                 "-CAcreateserial", "-days", "1", "-extfile", f"{d}/{name}.ext", "-out", f"{d}/{name}.pem")  # fmt: skip
+    tls = TlsConfig(cert=f"{d}/server.pem", key=f"{d}/server.key", client_ca=f"{d}/ca.pem")
+    server = start(tls=tls)
+    admin_tls = Tls(f"{d}/ca.pem", f"{d}/client.pem", f"{d}/client.key")
+    with BufferClient(f"127.0.0.1:{server.port}", tls=admin_tls) as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    pushed = group(0, [1.0, 2.0, 3.0, 5.0])
+    for name, suffix in (("CA", "ca.pem"), ("CERT", "client.pem"), ("KEY", "client.key")):
+        monkeypatch.setenv(f"EXPBUF_TLS_{name}", str(d / suffix))
+    asyncio.run(trinity.buffer.get_buffer_writer(buffer_config(server.port, batch_size=4)).write(pushed))
+    for name in ("CA", "CERT", "KEY"):
+        monkeypatch.delenv(f"EXPBUF_TLS_{name}")
+    query = f"tls_ca={d}/ca.pem&tls_cert={d}/client.pem&tls_key={d}/client.key"
+    check_whole_groups(
+        asyncio.run(trinity.buffer.get_buffer_reader(buffer_config(server.port, 4, query)).read()), pushed
+    )
+    without_client_cert = buffer_config(server.port, 4, f"tls_ca={d}/ca.pem", max_read_timeout=1.0)
+    with pytest.raises(BufferError) as refused:
+        asyncio.run(trinity.buffer.get_buffer_reader(without_client_cert).read())
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_path_options() -> None:
