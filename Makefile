@@ -11,7 +11,11 @@ PYTHON ?= python3
 # another wheel index (the container image uses the CPU or a CUDA one).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test
+EXTRAS ?= test,trinity
+# Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
+# what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
+# packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
+TRINITY_SPEC ?= trinity-rft==0.6.0
 STAMP := $(VENV)/.expbuf-installed
 
 .PHONY: setup serve test compose-tool clean
@@ -22,6 +26,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
+	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
+		$(PY) -m pip install --no-deps "$(TRINITY_SPEC)"; })
 	touch $@
 
 serve: setup
