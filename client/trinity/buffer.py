@@ -197,7 +197,7 @@ class ExpbufReader(BufferReader):
         if not lease:
             return
         try:
-            self._client.ack(lease)
+            self._client.ack(lease, table=self.location.table)
         except BufferError as exc:
             if exc.code != grpc.StatusCode.NOT_FOUND:
                 self._lease = lease
