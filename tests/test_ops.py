@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 
@@ -206,3 +215,160 @@ def test_image_uses_the_readme_setup_command() -> None:
     assert re.search(r"^VOLUME", dockerfile, re.M)
     prometheus = (DOCKER / "prometheus.yml").read_text()
     assert "expbuf:9400" in prometheus
+
+
+# ---- start-up, ports and the command line ----------------------------------------------
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`expbuf ARGS` in a child process; a server that starts when it should not times out here."""
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:
+    """The command failed with exit code 2 and one line on stderr that contains every word."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def listener() -> socket.socket:
+    """A socket listening on a free loopback port, as another program would hold it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock
+    sock.close()
+
+
+def test_second_server_on_a_taken_port_refuses_to_start(tmp_path: Path) -> None:
+    first = ServerProcess(str(tmp_path / "a"))
+    try:
+        done = cli("serve", "--data", str(tmp_path / "b"), "--port", str(first.port), "--metrics-port", "-1")
+        one_line_error(done, f"127.0.0.1:{first.port}", "in use")  # "Address already in use"
+        with BufferClient(first.target) as c:  # the first server still owns its port
+            assert "default" in c.stats()
+    finally:
+        assert first.stop(signal.SIGTERM) == 0
+
+
+def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket) -> None:
+    taken = listener.getsockname()[1]
+    done = cli("serve", "--data", str(tmp_path / "m"), "--port", "0", "--metrics-port", str(taken))
+    one_line_error(done, "metrics port", str(taken))
+    running = ServerProcess(str(tmp_path / "locked"))
+    try:
+        done = cli("serve", "--data", str(tmp_path / "locked"), "--port", "0", "--metrics-port", "-1")
+        one_line_error(done, str(tmp_path / "locked"), "another expbuf process")
+        one_line_error(cli("check", "--data", str(tmp_path / "locked")), "another expbuf process")
+    finally:
+        assert running.stop(signal.SIGTERM) == 0
+    missing = str(tmp_path / "no-such-cert.pem")
+    tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
+    done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
+    one_line_error(done, missing)
+
+
+def test_check_refuses_a_directory_without_data(tmp_path: Path) -> None:
+    absent, empty = tmp_path / "no-such-dir", tmp_path / "empty"
+    empty.mkdir()
+    for directory in (absent, empty):
+        one_line_error(cli("check", "--data", str(directory)), str(directory), "no expbuf data")
+    assert not absent.exists() and list(empty.iterdir()) == []
+    ExpbufServer(ServerConfig(data=str(tmp_path / "real"), port=0, metrics_port=-1)).start().stop(grace=1)
+    done = cli("check", "--data", str(tmp_path / "real"))
+    assert done.returncode == 0 and done.stdout.strip() == "default: ok", done.stderr
+
+
+def test_server_process_uses_free_ports_and_fails_fast(tmp_path: Path) -> None:
+    held = []
+    for port in (9400, 50051):  # as `make serve` would hold them; taken already is as good
+        sock = socket.socket()
+        with contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        held.append(sock)
+    try:
+        proc = ServerProcess(str(tmp_path / "a"))
+        try:
+            assert proc.port not in (9400, 50051) and proc.metrics_port not in (0, 9400, 50051)
+            assert ("expbuf_storage_bytes", ()) in scrape(proc.metrics_port)
+        finally:
+            assert proc.stop(signal.SIGTERM) == 0
+        with pytest.raises(AssertionError, match=r"exit code 2\)[\s\S]*metrics_port"):
+            ServerProcess(str(tmp_path / "b"), "--metrics-port", "70000")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_serve_help_describes_the_metrics_port() -> None:
+    text = " ".join(cli("serve", "--help").stdout.split())
+    assert "0 picks a free one, -1 = off" in text and "0 = off" not in text
+    assert "--metrics-host" in text
+
+
+def test_metrics_host_binds_the_metrics_endpoint_apart(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=0, metrics_host="127.0.0.2")
+    server = ExpbufServer(config).start()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.2:{server.metrics_port}/metrics", timeout=10).read()
+        assert b"expbuf_storage_bytes" in text
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    finally:
+        server.stop(grace=1)
+
+
+# ---- concurrent streams ----------------------------------------------------------------
+
+
+def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=8)
+    limit = config.sample_stream_limit
+    assert 1 <= limit < config.workers
+    server = ExpbufServer(config).start()
+    ended: list[grpc.RpcError] = []
+
+    def wait_on(call: grpc.Call) -> None:
+        with contextlib.suppress(StopIteration):
+            try:
+                next(call)
+            except grpc.RpcError as exc:
+                ended.append(exc)
+
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}") as c:
+            c.create_table("other")  # pushed to below, while the streams wait on the empty default table
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+            calls = [stub.Sample(request, timeout=60) for _ in range(limit + 1)]
+            for call in calls:
+                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+            wait_until(lambda: len(ended) >= 1, timeout=30)
+            (refused,) = ended
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"max_sample_streams = {limit}" in refused.details()
+            assert "EXPBUF_MAX_SAMPLE_STREAMS" in refused.details()
+            pushed = stub.Push(pb.PushRequest(table="other", payload=payload("grpo_group.trxp")), timeout=10)
+            assert len(pushed.stored_uids) == 8
+            assert [t.name for t in stub.Stats(pb.StatsRequest(), timeout=10).tables]
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert len(ended) == 1  # the others still wait for data
+            for call in calls:
+                call.cancel()
+    finally:
+        server.stop(grace=1)
