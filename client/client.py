@@ -273,9 +273,10 @@ class BufferClient(_Base):
     def nack(self, lease_id: str) -> int:
         return self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False).requeued
 
-    def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+    def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         reply = self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
-        return trxp.decode(reply.payload)
+        return _get_result(reply)
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
@@ -302,6 +303,18 @@ class BufferClient(_Base):
 
     def drop_table(self, name: str) -> int:
         return self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False).dropped_experiences
+
+
+class GetResult(list[Experience]):
+    """The experiences found (a list, as before) and `missing_uids`, the requested uids not stored."""
+
+    def __init__(self, experiences: Iterable[Experience], missing_uids: Iterable[str]) -> None:
+        super().__init__(experiences)
+        self.missing_uids = list(missing_uids)
+
+
+def _get_result(reply: pb.GetReply) -> GetResult:
+    return GetResult(trxp.decode(reply.payload), reply.missing_uids)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -389,9 +402,10 @@ class AsyncBufferClient(_Base):
     async def nack(self, lease_id: str) -> int:
         return (await self._call(self._stub.Nack, pb.NackRequest(lease_id=lease_id), retry=False)).requeued
 
-    async def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+    async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         reply = await self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
-        return trxp.decode(reply.payload)
+        return _get_result(reply)
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))

@@ -1,4 +1,8 @@
-"""The `expbuf` command line: serve a data directory, check its integrity, query a running server."""
+"""The `expbuf` command line: serve a data directory, check its integrity, query a running server.
+
+The server's modules (and torch, which they import) load only for `serve` and `check`, so
+that `expbuf health`, which the container runs every few seconds, answers quickly.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,8 @@ from pathlib import Path
 from expbuf.client import Tls
 
 from . import logs
-from .app import ExpbufServer, StartupError
 from .config import load
 from .stats_view import watch
-from .store import Store, StoreError
 from .tables import ConfigError
 
 log = logging.getLogger("expbuf")
@@ -41,6 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
+    from .app import ExpbufServer, StartupError
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -95,6 +99,8 @@ def _check(args: argparse.Namespace) -> int:
     """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
     if not (Path(args.data) / "data.mdb").is_file():
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
+    from .store import Store, StoreError
+
     try:
         store = Store(args.data)
     except StoreError as exc:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fnmatch
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
@@ -194,15 +197,69 @@ def test_health_command(tmp_path: Path) -> None:
     assert done.returncode == 1
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
-def test_compose_file_validates() -> None:
-    done = subprocess.run(
-        ["docker-compose", "-f", str(DOCKER / "compose.yaml"), "config"], capture_output=True, text=True, check=False
+def test_compose_file_is_valid_for_compose() -> None:
+    """The compose file's structure, checked with PyYAML: nothing to install, no engine needed."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    assert set(compose) <= {"services", "volumes", "networks", "configs", "secrets", "name"}
+    services, volumes = compose["services"], compose.get("volumes") or {}
+    assert set(services) == {"expbuf", "prometheus", "grafana"}
+    build = services["expbuf"]["build"]
+    assert (DOCKER / build["context"] / build["dockerfile"]).resolve() == (DOCKER / "Dockerfile").resolve()
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+        for port in service.get("ports", []):
+            assert re.fullmatch(r"\d+:\d+", str(port)), (name, port)
+        for mount in service.get("volumes", []):
+            source, target, *mode = mount.split(":")
+            assert target.startswith("/") and mode in ([], ["ro"]), (name, mount)
+            if source.startswith("."):
+                assert (DOCKER / source).exists(), f"{name} mounts {source}, which does not exist"
+            else:
+                assert source in volumes, f"{name} uses the volume {source}, which is not declared"
+        for dependency in service.get("depends_on", []):
+            assert dependency in services, (name, dependency)
+        assert all(isinstance(v, str) for v in (service.get("environment") or {}).values()), name
+    assert services["expbuf"]["ports"] == ["50051:50051", "9400:9400"]
+
+
+def test_make_test_changes_nothing_on_the_system() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert not re.search(r"apt-get|apt |sudo|dpkg", makefile), "a make target installs system packages"
+    recipe = re.search(r"^test:(.*)$", makefile, re.M)
+    assert recipe is not None and recipe.group(1).split() == ["setup"]
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
+    """The root .dockerignore (the build context is the repository root) as Docker reads it."""
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def ignored(path: str) -> bool:
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]  # a directory takes its contents along
+        return any(
+            fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, pattern.removeprefix("**/"))
+            for pattern in patterns
+            for prefix in prefixes
+        )
+
+    local_state = (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "expbuf-data/data.mdb",
+        "server/__pycache__/app.cpython-311.pyc",
+        ".pytest_cache/v",
+        ".ruff_cache/x",
+        ".hypothesis/x",
+        "build/lib",
+        "expbuf.egg-info/PKG-INFO",
     )
-    assert done.returncode == 0, done.stderr
-    config = done.stdout
-    for service in ("expbuf:", "prometheus:", "grafana:"):
-        assert service in config
+    sources = ("Makefile", "pyproject.toml", "README.md", "server/app.py", "proto/expbuf/v1/buffer.proto")
+    assert [p for p in local_state if not ignored(p)] == []
+    assert [p for p in sources if ignored(p)] == []
 
 
 def test_image_uses_the_readme_setup_command() -> None:
@@ -267,6 +324,13 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     taken = listener.getsockname()[1]
     done = cli("serve", "--data", str(tmp_path / "m"), "--port", "0", "--metrics-port", str(taken))
     one_line_error(done, "metrics port", str(taken))
+    missing = str(tmp_path / "no-such-cert.pem")
+    tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
+    done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
+    one_line_error(done, missing)
+
+
+def test_a_locked_data_directory_is_one_line(tmp_path: Path) -> None:
     running = ServerProcess(str(tmp_path / "locked"))
     try:
         done = cli("serve", "--data", str(tmp_path / "locked"), "--port", "0", "--metrics-port", "-1")
@@ -274,10 +338,6 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
         one_line_error(cli("check", "--data", str(tmp_path / "locked")), "another expbuf process")
     finally:
         assert running.stop(signal.SIGTERM) == 0
-    missing = str(tmp_path / "no-such-cert.pem")
-    tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
-    done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
-    one_line_error(done, missing)
 
 
 def test_check_refuses_a_directory_without_data(tmp_path: Path) -> None:
@@ -372,3 +432,65 @@ def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> No
                 call.cancel()
     finally:
         server.stop(grace=1)
+
+
+# ---- a new user's first steps -----------------------------------------------------------
+
+
+def test_rollout_worker_runs_again(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    target = f"127.0.0.1:{server.port}"
+    worker = [sys.executable, str(ROOT / "examples" / "rollout_worker.py"), "--target", target, "--tasks", "2"]
+    try:
+        for _ in range(2):  # each run pushes a new batch
+            done = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.count("stored 8, duplicates 0") == 2, done.stdout
+        with BufferClient(target) as c:
+            c.push(trxp.build(group_items(7, 0, 8)))
+        done = subprocess.run([*worker, "--batch", "7"], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
+        assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
+        with BufferClient(target) as c:
+            assert c.stats()["default"]["pushed"] == 2 * 2 * 8 + 8 + 8
+    finally:
+        server.stop(grace=1)
+
+
+def test_readme_says_how_to_run_the_installed_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in readme and ".venv/bin/expbuf" in readme
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
+    assert "metrics_host" in readme and "--metrics-host" in readme
+
+
+def test_health_command_does_not_load_torch() -> None:
+    """The container runs `expbuf health` every few seconds: it must not import the server's torch."""
+    code = "import sys, expbuf.server.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_get_reports_missing_uids(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    target = f"127.0.0.1:{server.port}"
+    stored = [i.uid for i in trxp.parse(payload("grpo_group.trxp"))][:2]
+    try:
+        with BufferClient(target) as c:
+            c.push(payload("grpo_group.trxp"))
+            found = c.get([stored[0], "no/such/uid", stored[1]])
+        assert [e.eid.uid for e in found] == stored and found.missing_uids == ["no/such/uid"]
+
+        async def get_async() -> GetResult:
+            async with AsyncBufferClient(target) as ac:
+                return await ac.get(["gone", stored[1]])
+
+        found = asyncio.run(get_async())
+        assert [e.eid.uid for e in found] == stored[1:] and found.missing_uids == ["gone"]
+    finally:
+        server.stop(grace=1)
+
+
+def test_proto_names_its_go_package() -> None:
+    assert pb.DESCRIPTOR.GetOptions().go_package.endswith(";expbufv1")
