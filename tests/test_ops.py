@@ -7,6 +7,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -494,3 +495,41 @@ def test_get_reports_missing_uids(tmp_path: Path) -> None:
 
 def test_proto_names_its_go_package() -> None:
     assert pb.DESCRIPTOR.GetOptions().go_package.endswith(";expbufv1")
+
+
+def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=4, max_sample_streams=3)
+    server = ExpbufServer(config).start()
+    refusals: list[grpc.RpcError] = []
+    idle: queue.Queue = queue.Queue()
+
+    def wait_on(call: grpc.Call) -> None:
+        with contextlib.suppress(grpc.RpcError, StopIteration):
+            next(call)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+            streams = [stub.Sample(request, timeout=60) for _ in range(3)]
+            pushing = stub.PushStream(iter(idle.get, None), timeout=60)  # an open stream that sends nothing
+            for call in (*streams, pushing):
+                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+
+            def push_refused() -> bool:
+                try:
+                    stub.Push(pb.PushRequest(table="default", payload=b""), timeout=10)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        refusals.append(exc)
+                return bool(refusals)
+
+            wait_until(push_refused, timeout=30)  # once the four streams hold the four workers
+            assert "workers = 4" in refusals[0].details() and "EXPBUF_WORKERS" in refusals[0].details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            idle.put(None)
+            for call in (*streams, pushing):
+                call.cancel()
+    finally:
+        server.stop(grace=1)

@@ -123,6 +123,12 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_tokens("a:push,sample; b:admin") == {"a": frozenset({"push", "sample"}), "b": frozenset({"admin"})}
     with pytest.raises(ConfigError, match="unknown token scope"):
         ServerConfig(tokens={"x": frozenset({"root"})})
+    assert ServerConfig().sample_stream_limit == 48 and ServerConfig(workers=8).sample_stream_limit == 6
+    with pytest.raises(ConfigError, match=r"max_sample_streams must be an integer from 1 to workers - 1 = 7"):
+        ServerConfig(workers=8, max_sample_streams=8)
+    monkeypatch.setenv("EXPBUF_MAX_SAMPLE_STREAMS", "5")
+    monkeypatch.setenv("EXPBUF_METRICS_HOST", "127.0.0.2")
+    assert (load().max_sample_streams, load().metrics_host) == (5, "127.0.0.2")
     config_file.write_text("prot = 1\n")
     with pytest.raises(ConfigError, match="unknown setting"):
         load(str(config_file))
