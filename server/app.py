@@ -58,7 +58,7 @@ def _check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise StartupError(f"cannot bind the gRPC port {host}:{port}: {exc.strerror}") from None
     with socket.socket(family, kind, proto) as probe:

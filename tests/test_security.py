@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -157,6 +158,9 @@ def test_authorization_header_must_be_one_well_formed_bearer(tmp_path: Path) -> 
             assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
             assert reason in refused.details()
         assert _raw_push(target, (("authorization", "Bearer ops"),), good) is None
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+        refused_count = 'expbuf_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Push"} 2.0'
+        assert refused_count in metrics.decode()  # refusals are still timed and counted by code
     finally:
         server.stop(grace=1)
 
