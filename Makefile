@@ -7,8 +7,9 @@
 VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-# The CPU build; on these machines pip takes it from a local wheel. TORCH_INDEX picks
-# another wheel index (the container image uses the CPU or a CUDA one).
+# The pinned version. From the public index (PyPI) it is the CUDA build on Linux, several GB;
+# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build instead,
+# and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= test,trinity
@@ -18,7 +19,7 @@ EXTRAS ?= test,trinity
 TRINITY_SPEC ?= trinity-rft==0.6.0
 STAMP := $(VENV)/.expbuf-installed
 
-.PHONY: setup serve test compose-tool clean
+.PHONY: setup serve test clean
 
 setup: $(STAMP)
 
@@ -33,14 +34,7 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/expbuf serve $(ARGS)
 
-# Debian's docker-compose validates docker/compose.yaml without a Docker engine; where it
-# cannot be installed, that one test says so and is skipped.
-compose-tool:
-	@command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
-		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1; } \
-		|| echo "docker-compose not available: the compose validation test will be skipped"
-
-test: setup compose-tool
+test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
