@@ -415,7 +415,7 @@ def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> No
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.ExperienceBufferStub(channel)
             request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
-            calls = [stub.Sample(request, timeout=60) for _ in range(limit + 1)]
+            calls = [stub.Sample(iter([request]), timeout=60) for _ in range(limit + 1)]
             for call in calls:
                 threading.Thread(target=wait_on, args=(call,), daemon=True).start()
             wait_until(lambda: len(ended) >= 1, timeout=30)
@@ -511,7 +511,7 @@ def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.ExperienceBufferStub(channel)
             request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
-            streams = [stub.Sample(request, timeout=60) for _ in range(3)]
+            streams = [stub.Sample(iter([request]), timeout=60) for _ in range(3)]
             pushing = stub.PushStream(iter(idle.get, None), timeout=60)  # an open stream that sends nothing
             for call in (*streams, pushing):
                 threading.Thread(target=wait_on, args=(call,), daemon=True).start()
