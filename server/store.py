@@ -45,7 +45,7 @@ import lmdb
 from expbuf.client import trxp
 
 from .selection import ORDERS, ReadyDbs, ReadyIndex, u64
-from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, default_table
+from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, batch_stage, default_table
 
 # Experience states. Live: pending (its group is incomplete), ready, leased.
 # Experience (and group) states. Live: pending (the group is incomplete), computing (its
@@ -204,6 +204,17 @@ def _advantage(txn: lmdb.Transaction, db: lmdb._Database, key: bytes, rec: dict[
     if "a" in rec:
         return (rec["a"], rec["L"])
     return txn.get(key, db=db)
+
+
+def finish_batch(
+    config: TableConfig, records: Sequence[dict[str, Any]], advantages: list[Advantage]
+) -> list[Advantage]:
+    """A sampled batch's advantages: statistics over the batch, where the estimator has them."""
+    if not batch_stage(config) or not records:
+        return advantages
+    from .advantages import finish_batch as finish  # torch is imported only where advantages are computed
+
+    return finish(config, records, advantages)
 
 
 def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
@@ -581,9 +592,9 @@ class Store:
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the live experiences among uids (in their order), and the missing uids."""
-        table_id, _ = self._table(table)
+        table_id, config = self._table(table)
         prefix = _U32.pack(table_id)
-        blobs, advantages, missing = [], [], []
+        blobs, advantages, missing, rows = [], [], [], []
         with self._read() as txn:
             for uid in uids:
                 blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
@@ -592,8 +603,9 @@ class Store:
                     continue
                 blobs.append(bytes(blob))
                 rec = _loads(txn.get(prefix + uid.encode(), db=self._db["items"]))
+                rows.append(rec)
                 advantages.append(_advantage(txn, self._db["adv"], prefix + uid.encode(), rec))
-        return batch_payload(blobs, advantages), missing
+        return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
@@ -879,7 +891,7 @@ class _TableTxn:
                 raise InvalidRequest(
                     f"uid {entry.uid} has no reward; table '{self.config.name}' computes advantages "
                     f"with {estimator}, which needs one"
-                    + (" (or token_level_reward)" if estimator == "reinforce" else "")
+                    + (" (or token_level_reward)" if estimator not in NEEDS_REWARD else "")
                 )
 
     def _insert(self, entry: Entry, gkey: str) -> None:
@@ -1126,9 +1138,11 @@ class _TableTxn:
         if delivery == "lease":
             batch.lease_id = secrets.token_hex(8)
             batch.lease_expires = self.now + lease_seconds
+        rows = []
         for gkey, grp in chosen:
             recs = {uid: self.item(uid) for uid in grp["m"]}
             for uid in grp["m"]:
+                rows.append(recs[uid])
                 batch.uids.append(uid)
                 batch.group_ids.append(gkey)
                 batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
@@ -1155,6 +1169,7 @@ class _TableTxn:
             lease = {"t": self.table_id, "g": [g for g, _ in chosen], "e": batch.lease_expires}
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
             self.txn.put(_expiry_key(batch.lease_expires, batch.lease_id), b"", db=self.db["lease_exp"])
+        batch.advantages = finish_batch(self.config, rows, batch.advantages)
         self.counters["sampled"] += len(batch.uids)
         batch.newest_version = self.counters["max_version"]
         self.save()

@@ -6,6 +6,7 @@ client's create_table keyword arguments.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -13,23 +14,114 @@ from typing import Any
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
 ON_GROUP_TIMEOUT = ("release", "drop")
-# Each estimator's parameters and their defaults (see server/estimators.py).
-ESTIMATOR_PARAMS: dict[str, dict[str, float]] = {
-    "grpo": {"epsilon": 1e-6, "std_over_batch": 0.0, "std_threshold": 0.0, "drop_below_threshold": 0.0},
-    "drgrpo": {},
+
+
+@dataclass(frozen=True)
+class Param:
+    """One estimator parameter: its default (None: off unless set) and its allowed values.
+
+    A numeric parameter lies in [low, high], each end open or closed; a parameter with
+    `choices` takes one of those names, or its position among them (the form it has on the
+    wire, whose parameter map holds numbers)."""
+
+    default: float | str | None
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.choices:
+            return " or ".join(f"{c!r} ({i})" for i, c in enumerate(self.choices))
+        if self.low == -math.inf and self.high == math.inf:
+            return "a finite number"
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low == -math.inf:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"{self.low:g} {'<' if self.low_open else '<='} x {'<' if self.high_open else '<='} {self.high:g}"
+
+    def check(self, value: Any) -> float | None:
+        """The value in its stored form (a number), or None when it is out of range."""
+        if self.choices and isinstance(value, str):
+            return float(self.choices.index(value)) if value in self.choices else None
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        value = float(value)
+        if self.choices:
+            return value if value.is_integer() and 0 <= value < len(self.choices) else None
+        if value < self.low or (self.low_open and value == self.low):
+            return None
+        if value > self.high or (self.high_open and value == self.high):
+            return None
+        return value
+
+
+_EPSILON = Param(1e-6, low=0.0, low_open=True)
+_THRESHOLD = Param(None, low=0.0)
+_STD_LEVEL = Param("group", choices=("group", "batch"))
+_FLAG = Param(0.0, choices=("false", "true"))
+_DISCOUNT = Param(1.0, low=0.0, high=1.0, low_open=True)
+# Each estimator's parameters (see server/estimators.py), under Trinity-RFT's names for its functions.
+ESTIMATOR_PARAMS: dict[str, dict[str, Param]] = {
+    "grpo": {"epsilon": _EPSILON, "std_threshold": _THRESHOLD, "std_cal_level": _STD_LEVEL},
+    "grpo_verl": {"epsilon": _EPSILON},
+    "step_wise_grpo": {
+        "epsilon": _EPSILON,
+        "enable_step_norm": _FLAG,
+        "std_cal_level": _STD_LEVEL,
+        "std_threshold": _THRESHOLD,
+    },
+    "reinforceplusplus": {"gamma": _DISCOUNT},
+    "reinforce": {},
     "rloo": {},
-    "reinforce++": {"epsilon": 1e-8},
-    "reinforce": {"gamma": 1.0},
-    "opmd": {"tau": 1.0, "logavgexp_baseline": 0.0},
-    "step_wise_grpo": {"epsilon": 1e-6},
-    "multi_turn_discount": {"turn_level_discount": 1.0},
+    "opmd": {"opmd_baseline": Param("mean", choices=("mean", "logavgexp")), "tau": Param(1.0, low=0.0, low_open=True)},
+    "opmd_verl": {
+        "opmd_baseline": Param("mean", choices=("mean", "logavgexp")),
+        "tau": Param(1.0, low=0.0, low_open=True),
+    },
+    "asymre": {"baseline_shift": Param(-0.1)},
+    "asymre_verl": {"baseline_shift": Param(-0.1)},
+    "rec": {"epsilon": _EPSILON, "std_normalize": _FLAG},
+    # expbuf's own estimators, with no Trinity-RFT counterpart of the same meaning.
+    "drgrpo": {},
+    "reinforce++_baseline": {"epsilon": Param(1e-8, low=0.0, low_open=True)},
+    "discounted_return": {"gamma": _DISCOUNT},
+    "multi_turn_discount": {"turn_level_discount": _DISCOUNT},
     "none": {},
 }
 ESTIMATORS = tuple(ESTIMATOR_PARAMS)
-# Estimators that need a reward on every experience ("reinforce" takes token-level rewards instead).
-NEEDS_REWARD = frozenset(ESTIMATORS) - {"none", "reinforce"}
+# Estimators that need a reward on every experience (the others also take token_level_reward).
+NEEDS_REWARD = frozenset(ESTIMATORS) - {
+    "none",
+    "discounted_return",
+    "reinforceplusplus",
+    "grpo_verl",
+    "rloo",
+    "opmd_verl",
+    "asymre_verl",
+}
 # Estimators that read the tokens (masks and token-level rewards), not just one reward each.
-TOKEN_LEVEL = frozenset({"reinforce"})
+TOKEN_LEVEL = frozenset(ESTIMATORS) - NEEDS_REWARD - {"none"}
+
+
+def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
+    """The estimator's keyword arguments: the table's parameters over the defaults, choices by name."""
+    args: dict[str, float | str | None] = {}
+    for name, param in ESTIMATOR_PARAMS[config.estimator].items():
+        value = config.estimator_params.get(name, param.default)
+        args[name] = param.choices[int(value)] if param.choices and not isinstance(value, str) else value
+    return args
+
+
+def batch_stage(config: TableConfig) -> bool:
+    """Whether the table's advantages are finished over each sampled batch (statistics over the batch)."""
+    if config.estimator in ("reinforceplusplus", "reinforce++_baseline"):
+        return True
+    return config.estimator in ("grpo", "step_wise_grpo") and estimator_args(config)["std_cal_level"] == "batch"
+
+
 DEVICES = ("auto", "cpu", "cuda")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -79,14 +171,29 @@ class TableConfig:
                 raise ConfigError(f"{name} must be >= 0, got {value!r}")
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
-        if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):
-            raise ConfigError("estimator_params must map names to numbers")
-        unknown = set(self.estimator_params) - set(ESTIMATOR_PARAMS[self.estimator])
+        self._check_estimator_params()
+
+    def _check_estimator_params(self) -> None:
+        """Every parameter known to the estimator and in its range; choices stored by position."""
+        if not isinstance(self.estimator_params, dict) or not all(isinstance(k, str) for k in self.estimator_params):
+            raise ConfigError("estimator_params must map parameter names to values")
+        known = ESTIMATOR_PARAMS[self.estimator]
+        unknown = set(self.estimator_params) - set(known)
         if unknown:
-            known = ", ".join(ESTIMATOR_PARAMS[self.estimator]) or "none"
+            takes = ", ".join(known) or "none"
             raise ConfigError(
-                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {known})"
+                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {takes})"
             )
+        checked = {}
+        for name, value in self.estimator_params.items():
+            stored = known[name].check(value)
+            if stored is None:
+                raise ConfigError(
+                    f"table '{self.name}': estimator {self.estimator} parameter {name} is {str(value)[:40]!r}; "
+                    f"allowed: {known[name].describe()}"
+                )
+            checked[name] = stored
+        object.__setattr__(self, "estimator_params", checked)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
