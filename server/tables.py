@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from expbuf.client.wire import PARAM_CHOICES
+
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
 ON_GROUP_TIMEOUT = ("release", "drop")
@@ -60,8 +62,9 @@ class Param:
 
 _EPSILON = Param(1e-6, low=0.0, low_open=True)
 _THRESHOLD = Param(None, low=0.0)
-_STD_LEVEL = Param("group", choices=("group", "batch"))
-_FLAG = Param(0.0, choices=("false", "true"))
+_STD_LEVEL = Param("group", choices=PARAM_CHOICES["std_cal_level"])
+_FLAG = Param(0.0, choices=PARAM_CHOICES["std_normalize"])
+_BASELINE = Param("mean", choices=PARAM_CHOICES["opmd_baseline"])
 _DISCOUNT = Param(1.0, low=0.0, high=1.0, low_open=True)
 # Each estimator's parameters (see server/estimators.py), under Trinity-RFT's names for its functions.
 ESTIMATOR_PARAMS: dict[str, dict[str, Param]] = {
@@ -76,9 +79,9 @@ ESTIMATOR_PARAMS: dict[str, dict[str, Param]] = {
     "reinforceplusplus": {"gamma": _DISCOUNT},
     "reinforce": {},
     "rloo": {},
-    "opmd": {"opmd_baseline": Param("mean", choices=("mean", "logavgexp")), "tau": Param(1.0, low=0.0, low_open=True)},
+    "opmd": {"opmd_baseline": _BASELINE, "tau": Param(1.0, low=0.0, low_open=True)},
     "opmd_verl": {
-        "opmd_baseline": Param("mean", choices=("mean", "logavgexp")),
+        "opmd_baseline": _BASELINE,
         "tau": Param(1.0, low=0.0, low_open=True),
     },
     "asymre": {"baseline_shift": Param(-0.1)},
