@@ -38,6 +38,7 @@ from .tables import TOKEN_LEVEL, TableConfig, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
 _LENGTH = struct.Struct("<I")
+_F32 = struct.Struct("<f")
 
 
 def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,8 +112,11 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
         return {}
     if isinstance(advantage, tuple):
         value, length = advantage
-        mask = _flat_bytes(tensors.get("action_mask"), length, 1, torch.float32)
-        values = trxp.raw_of(mask * value)
+        raw = tensors.get("action_mask")
+        if raw is None or (raw.dtype == "BOOL" and bytes(raw.data).count(0) == 0):  # every token generated
+            values = trxp.RawTensor("F32", (length,), _F32.pack(value) * length)
+        else:
+            values = trxp.raw_of(_flat_bytes(raw, length, 1, torch.float32) * value)
         return {"advantages": values, "returns": values}
     record = bytes(advantage)
     (length,) = _LENGTH.unpack_from(record)
