@@ -68,9 +68,9 @@ class FlatBatch:
     @property
     def scores(self) -> Tensor:
         """verl's sequence score: the sum of each experience's token-level rewards."""
-        index = torch.arange(self.lengths.numel(), device=self.lengths.device)
-        index = index.repeat_interleave(self.lengths, output_size=self.token_rewards.numel())
-        return _segment_sum(self.token_rewards.double(), index, self.lengths.numel())
+        if not self.lengths.numel():
+            return torch.zeros(0, dtype=torch.float64, device=self.token_rewards.device)
+        return torch.segment_reduce(self.token_rewards.double(), "sum", lengths=self.lengths, unsafe=True)
 
     def to(self, device: torch.device | str) -> FlatBatch:
         """Move every input with one host-to-device copy of one packed buffer."""
