@@ -34,6 +34,7 @@ class Param:
     choices: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        """The allowed values, as error messages state them."""
         if self.choices:
             return " or ".join(f"{c!r} ({i})" for i, c in enumerate(self.choices))
         if self.low == -math.inf and self.high == math.inf:
@@ -49,6 +50,8 @@ class Param:
         if self.choices and isinstance(value, str):
             return float(self.choices.index(value)) if value in self.choices else None
         if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        if isinstance(value, bool) and not self.choices:  # a flag only where the parameter is one
             return None
         value = float(value)
         if self.choices:

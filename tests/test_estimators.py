@@ -324,6 +324,7 @@ def test_discounted_return_and_multi_turn_discount() -> None:
 OUT_OF_RANGE = [
     ("grpo", "epsilon", 0, "> 0"),
     ("grpo", "epsilon", -1e-6, "> 0"),
+    ("grpo", "epsilon", True, "> 0"),
     ("grpo", "std_threshold", -0.1, ">= 0"),
     ("grpo", "std_cal_level", "task", "'group' (0) or 'batch' (1)"),
     ("grpo", "std_cal_level", 2, "'group' (0) or 'batch' (1)"),
