@@ -39,6 +39,9 @@ from .tables import TOKEN_LEVEL, TableConfig, batch_stage, estimator_args
 log = logging.getLogger("expbuf.advantages")
 _LENGTH = struct.Struct("<I")
 _F32 = struct.Struct("<f")
+_MASK_LETTERS = bytes.maketrans(
+    b"\x00\x01", b"ab"
+)  # zero bytes carry no "b": the second replace sees only mask letters
 
 
 def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -113,8 +116,11 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
     if isinstance(advantage, tuple):
         value, length = advantage
         raw = tensors.get("action_mask")
-        if raw is None or (raw.dtype == "BOOL" and bytes(raw.data).count(0) == 0):  # every token generated
-            values = trxp.RawTensor("F32", (length,), _F32.pack(value) * length)
+        data = _F32.pack(value) * length if raw is None else None
+        if raw is not None and raw.dtype == "BOOL":  # bytes 0/1 -> float32 0 / value, by two byte-string replaces
+            data = bytes(raw.data).translate(_MASK_LETTERS).replace(b"a", bytes(4)).replace(b"b", _F32.pack(value))
+        if data is not None and len(data) == 4 * length:
+            values = trxp.RawTensor("F32", (length,), data)
         else:
             values = trxp.raw_of(_flat_bytes(raw, length, 1, torch.float32) * value)
         return {"advantages": values, "returns": values}

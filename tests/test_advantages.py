@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages import AdvantageWorker, expand
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
@@ -217,3 +217,13 @@ def test_get_finishes_the_batch_it_returns(client: BufferClient) -> None:
     assert got[pending[0]].advantages is None  # its group is not complete: nothing computed yet
     tokens = torch.cat([got[uid].advantages[got[uid].action_mask] for uid in ready])
     assert abs(tokens.mean().item()) < 1e-4 and abs(tokens.std().item() - 1) < 1e-3  # whitened over these three
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, None])
+def test_expand_puts_the_value_under_the_mask(dtype: torch.dtype | None) -> None:
+    mask = [1, 0, 1, 1, 0]
+    tensors = {} if dtype is None else {"action_mask": trxp.raw_of(torch.tensor(mask, dtype=dtype))}
+    out = expand((-0.75, 5), tensors)
+    want = [-0.75 * m for m in mask] if dtype is not None else [-0.75] * 5
+    assert trxp.tensor_of(out["advantages"]).tolist() == want
+    assert out["returns"] == out["advantages"]
