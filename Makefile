@@ -17,6 +17,9 @@ EXTRAS ?= test,trinity
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
 TRINITY_SPEC ?= trinity-rft==0.6.0
+# verl, whose functions Trinity-RFT's verl-style advantage functions call; VERL_SPEC= skips it.
+VERL_SPEC ?= verl==0.9.1
+VERL_NEEDS := 'tensordict>=0.8,<=0.10' transformers
 STAMP := $(VENV)/.expbuf-installed
 
 .PHONY: setup serve test clean
@@ -29,6 +32,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
 	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
 		$(PY) -m pip install --no-deps "$(TRINITY_SPEC)"; })
+	$(if $(and $(VERL_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import verl; import tensordict; import transformers" 2>/dev/null || { echo "Installing $(VERL_SPEC) with --no-deps and then tensordict and transformers (Trinity-RFT's verl-style advantage functions call verl; the estimator tests compare with them)"; \
+		$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt && \
+		$(PY) -m pip install --no-deps "$(VERL_SPEC)" && \
+		$(PY) -m pip install -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })
 	touch $@
 
 serve: setup
