@@ -77,16 +77,58 @@ def test_missing_reward_is_refused_naming_the_uid(client: BufferClient) -> None:
     assert client.push(payload("dpo.trxp"), table="dpo").stored == ["4/0/0/0/dpo0"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to fail")
-def test_failed_computation_fails_its_groups_and_the_server_keeps_serving(client: BufferClient) -> None:
-    client.create_table("gpu", device="cuda")
-    client.push(payload("grpo_group.trxp"), table="gpu")
+@pytest.fixture
+def exploding(monkeypatch: pytest.MonkeyPatch) -> str:
+    """An estimator that raises on any batch holding a reward of 13 (grpo otherwise): a
+    computation that fails because of one group."""
+    from expbuf.server import estimators, tables
+
+    def explode(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
+        if bool((batch.rewards == 13.0).any()):
+            raise ValueError("a reward of 13 is not computable")
+        return estimators.ESTIMATORS["grpo"](batch, **args)
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "explode", explode)
+    monkeypatch.setitem(tables.ESTIMATOR_PARAMS, "explode", tables.ESTIMATOR_PARAMS["grpo"])
+    monkeypatch.setattr(tables, "ESTIMATORS", (*tables.ESTIMATORS, "explode"))
+    monkeypatch.setattr(tables, "NEEDS_REWARD", tables.NEEDS_REWARD | {"explode"})
+    return "explode"
+
+
+def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(tmp_path: Path, exploding) -> None:
+    """Groups computed together with a group that makes the estimator raise are retried
+    one by one: only that group fails, and it keeps its payloads for Get and Delete."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator=exploding))
+        store.put("t", group_items(1, 0, 3, reward=1.0) + group_items(1, 1, 3, reward=13.0) + group_items(1, 2, 3))
+        assert AdvantageWorker(store).run_once() == 3
+        stats = store.stats("t")
+        assert (stats["groups_ready"], stats["groups_failed"], stats["ready"]) == (2, 1, 6)
+        assert "group 1/1" in stats["last_failure"] and "reward of 13" in stats["last_failure"]
+        guilty = [f"1/1/{run}/0/r{run}s0" for run in range(3)]
+        payload_bytes, missing = store.get_payload("t", guilty)
+        assert missing == [] and [e.reward for e in decode(payload_bytes)] == [13.0] * 3
+        assert store.verify("t") == []
+        assert store.delete("t", group_ids=["1/1"]) == 0  # a failed group is no longer live ...
+        assert store.get_payload("t", guilty)[1] == guilty  # ... but its payloads go with it
+        assert store.verify("t") == []
+        store.create_table(TableConfig("lean", estimator=exploding, keep_failed=False))
+        store.put("lean", group_items(2, 0, 2, reward=13.0))
+        AdvantageWorker(store).run_once()
+        assert store.get_payload("lean", ["2/0/0/0/r0s0"])[1] == ["2/0/0/0/r0s0"]
+        assert store.verify("lean") == []
+
+
+def test_failed_computation_over_grpc_and_the_server_keeps_serving(client: BufferClient, exploding) -> None:
+    client.create_table("boom", estimator=exploding)
+    client.push(trxp.build(group_items(3, 0, 4, reward=13.0)), table="boom")
     with pytest.raises(BufferError) as info:
-        next(client.sample("gpu", num_groups=1, max_batches=1, timeout=2))
+        next(client.sample("boom", num_groups=1, max_batches=1, timeout=2))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    stats = client.stats("gpu")["gpu"]
-    assert stats["groups_failed"] == 1 and "group 7/3" in stats["last_failure"]
-    assert "cuda" in stats["last_failure"].lower()
+    stats = client.stats("boom")["boom"]
+    assert stats["groups_failed"] == 1 and "group 3/0" in stats["last_failure"]
+    kept = client.get([f"3/0/{run}/0/r{run}s0" for run in range(4)], table="boom")
+    assert len(kept) == 4 and kept.missing_uids == []
     client.push(payload("mixed_batch.trxp"))
     assert len(next(client.sample(num_groups=2, max_batches=1, timeout=10)).uids) == 8
 
