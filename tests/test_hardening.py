@@ -125,7 +125,7 @@ def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: P
         record["config"]["tombstone_seconds"] = 1e10
         txn.put(b"old", json.dumps(record).encode())
     env.close()
-    with Store(tmp_path) as store:
+    with Store(tmp_path, clock=lambda: time.time() + 60) as store:
         assert store.table("old").tombstone_seconds == MAX_SECONDS
         done = store.tick()
         assert (done["leases_expired"], done["failed"]) == (1, 0)
