@@ -33,7 +33,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.selection import ReadyIndex  # noqa: E402
+from expbuf.server.selection import ReadyDbs, ReadyIndex  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
@@ -160,12 +160,13 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
             times = []
             for _ in range(300):
                 start = time.perf_counter()
-                with store._read() as txn:
-                    index = ReadyIndex(store._ready_dbs, txn, prefix)
+                with store.environment.read() as txn:
+                    db = store.environment.db
+                    index = ReadyIndex(ReadyDbs(db["ready"], db["prio"], db["slots"], db["slotof"]), txn, prefix)
                     it = index.candidates(order, store._rng)
                     picked = [next(it) for _ in range(4)]
                     it.close()
-                    [txn.get(prefix + g, db=store._db["groups"]) for g in picked]
+                    [txn.get(prefix + g, db=db["groups"]) for g in picked]
                 times.append(time.perf_counter() - start)
             row[f"select_{order}_us"] = statistics.median(times) * 1e6
         times = []

@@ -30,11 +30,12 @@ from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 from .advantages import AdvantageWorker
 from .auth import TokenAuth
 from .config import ServerConfig
+from .errors import StoreError
 from .estimators import resolve_device
 from .limits import RESERVED_THREADS, CallLimits
 from .metrics import Metrics, RpcMetrics
 from .service import ExperienceBufferService
-from .store import Store, StoreError
+from .store import Store
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name

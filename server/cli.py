@@ -99,7 +99,8 @@ def _check(args: argparse.Namespace) -> int:
     """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
     if not (Path(args.data) / "data.mdb").is_file():
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
-    from .store import Store, StoreError
+    from .errors import StoreError
+    from .store import Store
 
     try:
         store = Store(args.data)

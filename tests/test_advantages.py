@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
-from expbuf.server.advantages import AdvantageWorker, expand
+from expbuf.server.advantage_storage import expand
+from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
-from expbuf.server.store import InvalidRequest, Store
+from expbuf.server.errors import InvalidRequest
+from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import payload

@@ -14,9 +14,11 @@ import torch
 
 from expbuf.client import EID, BufferClient, Experience, trxp
 from expbuf.server import estimators as est
-from expbuf.server.advantages import build_batch, encode_results, expand, finish_batch
+from expbuf.server.advantage_storage import encode_results, expand, finish_batch
+from expbuf.server.advantages import build_batch
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.store import ItemRecord
 from expbuf.server.tables import TOKEN_LEVEL, ConfigError, TableConfig, estimator_args
 
 from conftest import payload
@@ -55,17 +57,22 @@ class Exp:
             token_level_reward=None if self.token_rewards is None else torch.tensor(self.token_rewards),
         )
 
-    def record(self) -> dict:
+    def record(self) -> ItemRecord:
         """The item record the store keeps for it."""
-        return {
-            "r": self.reward,
-            "g": f"0/{self.task}",
-            "L": len(self.mask),
-            "G": sum(self.mask),
-            "tid": f"0/{self.task}",
-            "rid": f"0/{self.task}/{self.run}",
-            "k": self.step,
-        }
+        return ItemRecord(
+            state="computing",
+            group=f"0/{self.task}",
+            seq=0,
+            digest=bytes(16),
+            size=0,
+            created=0.0,
+            tid=f"0/{self.task}",
+            rid=f"0/{self.task}/{self.run}",
+            step=self.step,
+            response_length=len(self.mask),
+            generated=sum(self.mask),
+            reward=self.reward,
+        )
 
 
 def multi_turn_mask(rng: random.Random, length: int) -> list[bool]:
@@ -106,8 +113,11 @@ def ours(name: str, params: dict, exps: list[Exp], device: str = "cpu") -> dict[
     dropped = set()
     if result.drop_groups is not None:
         dropped = {group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).tolist()}
-    kept = [i for i, rec in enumerate(records) if rec["g"] not in dropped]
-    stored = [v if isinstance(v, bytes) else (v, records[i]["L"]) for i, v in enumerate(encode_results(result, batch))]
+    kept = [i for i, rec in enumerate(records) if rec.group not in dropped]
+    stored = [
+        v if isinstance(v, bytes) else (v, records[i].response_length)
+        for i, v in enumerate(encode_results(result, batch))
+    ]
     finished = finish_batch(config, [records[i] for i in kept], [stored[i] for i in kept])
     out = {}
     for i, value in zip(kept, finished, strict=True):

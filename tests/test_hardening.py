@@ -139,7 +139,8 @@ def test_one_damaged_table_does_not_stop_the_upkeep_of_the_others(tmp_path: Path
         store.put("fine", group_items(1, 0, 2))
         take(store, "fine", num_groups=1, delivery="lease", lease_seconds=0.01)
         # a timeout index entry whose group record is gone (a damaged directory)
-        store._submit(lambda txn: txn.put(b"\x00\x00\x00\x02" + bytes(8) + b"9/9", b"", db=store._db["pending"]))
+        pending = store.environment.db["pending"]
+        store.environment.submit(lambda txn: txn.put(b"\x00\x00\x00\x02" + bytes(8) + b"9/9", b"", db=pending))
         now[0] += 5
         with caplog.at_level(logging.ERROR, logger="expbuf.store"):
             first, second = store.tick(), store.tick()

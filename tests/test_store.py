@@ -186,7 +186,7 @@ def test_replay_respects_max_times_sampled(store: Store) -> None:
 
 
 def test_min_model_version_scan_is_bounded(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("expbuf.server.store.MAX_SCAN", 5)
+    monkeypatch.setattr("expbuf.server.store.leases.MAX_SCAN", 5)
     for task in range(8):
         store.put("plain", group_items(1, task, 1, version=1 if task < 6 else 9))
     assert take(store, "plain", num_groups=1, min_model_version=5) is None  # 6 stale groups ahead

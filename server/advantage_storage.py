@@ -1,0 +1,146 @@
+"""How computed advantages are stored, and how they reach a sampled batch.
+
+Stored form, per experience: one value in its item record when every generated token
+carries the same value (every estimator but the token-level ones), or a record of
+(response length u32) + float32 advantages + float32 returns in the `adv` database.
+`expand` turns either into the `advantages` and `returns` tensors of a sampled batch
+(value * action_mask), and `batch_payload` splices them into the batch.
+
+An estimator with a batch stage stores pending values instead (see estimators.py), and
+`finish_batch` turns the pending values of a sampled batch into its advantages, in the
+stored forms, before `expand`. torch is imported only where values are computed, so the
+storage engine that reads and splices them does not load it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from expbuf.client import trxp
+
+from .tables import TableConfig, batch_stage, estimator_args
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import estimators
+    from .store.records import ItemRecord
+
+# An experience's computed advantage: (value, response length) when every generated token
+# carries the same value, the stored token-level record otherwise, or None.
+Advantage = tuple[float, int] | bytes | None
+_LENGTH = struct.Struct("<I")
+_F32 = struct.Struct("<f")
+_MASK_LETTERS = bytes.maketrans(
+    b"\x00\x01", b"ab"
+)  # zero bytes carry no "b": the second replace sees only mask letters
+
+
+def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
+    """An experience's stored advantage: the value in its record, or its token-level record."""
+    if record.advantage is not None:
+        return (record.advantage, record.response_length)
+    return token_level
+
+
+def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
+    """One TRXP batch of stored experiences, with their computed advantages and returns."""
+    if all(a is None for a in advantages):
+        return trxp.join(blobs)
+    return trxp.join(blobs, lambda index, tensors: expand(advantages[index], tensors))
+
+
+def flat_tensor(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of a stored tensor (an action mask, say), or `fill` where it is absent."""
+    import torch
+
+    if raw is None:
+        return torch.full((length,), fill, dtype=dtype)
+    return trxp.tensor_of(raw).reshape(-1).to(dtype)
+
+
+def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[float | bytes]:
+    """What the store keeps for each experience: its one value, or its token-level record."""
+    if result.scalar is not None:
+        return [float(v) for v in result.scalar.double().cpu().tolist()]
+    lengths = batch.lengths.tolist()
+    advantages = result.advantages.float().cpu().split(lengths)
+    returns = result.returns.float().cpu().split(lengths)
+    return [
+        _LENGTH.pack(n) + trxp.raw_of(a).data + trxp.raw_of(r).data
+        for a, r, n in zip(advantages, returns, lengths, strict=True)
+    ]
+
+
+def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
+    """The advantages and returns tensors of one sampled experience."""
+    if advantage is None:
+        return {}
+    if isinstance(advantage, tuple):
+        value, length = advantage
+        raw = tensors.get("action_mask")
+        data = _F32.pack(value) * length if raw is None else None
+        if raw is not None and raw.dtype == "BOOL":  # bytes 0/1 -> float32 0 / value, by two byte-string replaces
+            data = bytes(raw.data).translate(_MASK_LETTERS).replace(b"a", bytes(4)).replace(b"b", _F32.pack(value))
+        if data is not None and len(data) == 4 * length:
+            values = trxp.RawTensor("F32", (length,), data)
+        else:
+            import torch
+
+            values = trxp.raw_of(flat_tensor(raw, length, 1, torch.float32) * value)
+        return {"advantages": values, "returns": values}
+    record = bytes(advantage)
+    (length,) = _LENGTH.unpack_from(record)
+    middle = _LENGTH.size + 4 * length
+    return {
+        "advantages": trxp.RawTensor("F32", (length,), record[_LENGTH.size : middle]),
+        "returns": trxp.RawTensor("F32", (length,), record[middle:]),
+    }
+
+
+def finish_batch(config: TableConfig, records: Sequence[ItemRecord], stored: Sequence[Advantage]) -> list[Advantage]:
+    """The batch stage: the advantages of a sampled batch (its item records and stored
+    values, in batch order) from the pending values its estimator stored on ingest. Tables
+    without a batch stage get their stored values back unchanged."""
+    if not batch_stage(config) or not records:
+        return list(stored)
+    if any(a is None for a in stored):  # experiences not computed yet (Get): finish the others
+        done = [i for i, a in enumerate(stored) if a is not None]
+        out = list(stored)
+        for i, value in zip(
+            done, finish_batch(config, [records[i] for i in done], [stored[i] for i in done]), strict=True
+        ):
+            out[i] = value
+        return out
+    import torch
+
+    from . import estimators
+
+    f64 = torch.float64
+    runs: dict[str, int] = {}
+    rows = estimators.SampledRows(
+        pending=torch.tensor([a[0] if isinstance(a, tuple) else 0.0 for a in stored], dtype=f64),
+        rewards=torch.tensor([float(rec.reward or 0.0) for rec in records], dtype=f64),
+        generated=torch.tensor([rec.generated for rec in records], dtype=f64),
+        run=torch.tensor([runs.setdefault(rec.rid, len(runs)) for rec in records], dtype=torch.int64),
+        step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
+    )
+    args = estimator_args(config)
+    if config.estimator != "reinforceplusplus":
+        values = estimators.FINISH[config.estimator](rows, **args)
+        return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
+    lengths, masks, returns = [], [], []
+    for record in stored:
+        (length,) = _LENGTH.unpack_from(record)
+        middle = _LENGTH.size + 4 * length
+        lengths.append(length)
+        masks.append(torch.frombuffer(bytearray(record[_LENGTH.size : middle]), dtype=torch.float32))
+        returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
+    rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
+    advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    return [
+        _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
+        for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)
+    ]

@@ -1,0 +1,49 @@
+"""Durable storage of experiences in LMDB, in parts that each do one thing:
+
+- environment.py: the LMDB environment, its single writer thread and group commit;
+- layout.py: the named databases and the keys in them; records.py: the typed records
+  (ItemRecord, GroupRecord, Lease) and their binary encoding; migrate.py: the data
+  directory's format, checked at open and brought up to date;
+- groups.py: the rules of a table in a transaction, the group state machine and capacity;
+- leases.py: taking a batch (selection orders are selection.py's) and its leases;
+- upkeep.py: lease expiry, group timeouts, tombstone pruning, isolated per table;
+- integrity.py: the check behind `expbuf check`;
+- engine.py: `Store`, the one object the server uses (through backend.Backend).
+"""
+
+from .engine import Store
+from .records import (
+    COMPUTING,
+    CONSUMED,
+    DROPPED,
+    EVICTED,
+    FAILED,
+    LEASED,
+    LIVE,
+    PENDING,
+    READY,
+    RETIRED,
+    STATES,
+    ItemRecord,
+)
+from .types import ComputeJob, Entry, PutResult, Sampled
+
+__all__ = [
+    "COMPUTING",
+    "CONSUMED",
+    "DROPPED",
+    "EVICTED",
+    "FAILED",
+    "LEASED",
+    "LIVE",
+    "PENDING",
+    "READY",
+    "RETIRED",
+    "STATES",
+    "ComputeJob",
+    "Entry",
+    "ItemRecord",
+    "PutResult",
+    "Sampled",
+    "Store",
+]

@@ -1,0 +1,413 @@
+"""The LMDB storage engine behind the expbuf server: one object that every caller uses.
+
+It puts each request through the environment's writer thread (environment.py), as one
+table's transaction (groups.py) with its deliveries and leases (leases.py), and answers
+reads from read transactions. Nothing lives only in memory but the table list, so a
+restart restores every table, group, lease and counter; a crash leaves the last
+committed state (LMDB is copy-on-write).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lmdb
+
+from expbuf.client import trxp
+
+from ..advantage_storage import batch_payload, finish_batch, stored_advantage
+from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
+from ..sample_spec import SampleSpec
+from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
+from . import layout
+from .environment import Environment
+from .groups import TableTxn, read_counters
+from .integrity import verify
+from .leases import end_lease, read_lease, take
+from .records import GroupRecord, ItemRecord, Lease
+from .types import ComputeJob, Entry, PutResult, Sampled
+from .upkeep import Upkeep
+
+
+class Store:
+    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = 1 << 30,
+        max_map_size: int = 1 << 40,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+        batch_limit: int = 512,
+    ) -> None:
+        self.environment = Environment(path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit)
+        self.path = self.environment.path
+        self.max_map_size = max_map_size
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._db = self.environment.db
+        self._upkeep = Upkeep(self.environment.env, self._db)
+        self._tables: dict[str, tuple[int, TableConfig]] = {}
+        with self.environment.read() as txn:
+            for name, raw in txn.cursor(db=self._db["tables"]):
+                record = json.loads(raw)
+                config = TableConfig.from_stored(record["config"], record.get("v", 1))
+                self._tables[name.decode()] = (record["id"], config)
+        if "default" not in self._tables:
+            self.create_table(default_table(), exist_ok=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish and commit every queued request, then close the environment."""
+        self.environment.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        return self.environment.submit(fn)
+
+    def _in_table(self, table: str, fn: Callable[[TableTxn], Any]) -> Any:
+        """Run `fn` on one table in the writer's next transaction."""
+        table_id, config = self._table(table)
+        return self._submit(lambda txn: fn(TableTxn(txn, self._db, table_id, config, self.clock())))
+
+    @property
+    def maintenance_failures(self) -> int:
+        """Pieces of upkeep skipped because they failed (see upkeep.py)."""
+        return self._upkeep.failures
+
+    # ---- tables ------------------------------------------------------------------------
+
+    def create_table(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
+        """Create a table; True if created. An identical existing table is fine with exist_ok."""
+
+        def op(txn: lmdb.Transaction) -> tuple[bool, int]:
+            raw = txn.get(config.name.encode(), db=self._db["tables"])
+            if raw is not None:
+                record = json.loads(raw)
+                if exist_ok and TableConfig.from_stored(record["config"], record.get("v", 1)) == config:
+                    return False, record["id"]
+                raise Conflict(f"table '{config.name}' already exists")
+            table_id = int(txn.get(b"next_table_id", b"1", db=self._db["meta"]))
+            txn.put(b"next_table_id", str(table_id + 1).encode(), db=self._db["meta"])
+            record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
+            txn.put(config.name.encode(), json.dumps(record).encode(), db=self._db["tables"])
+            return True, table_id
+
+        created, table_id = self._submit(op)
+        self._tables[config.name] = (table_id, config)
+        return created
+
+    def list_tables(self) -> list[TableConfig]:
+        return [config for _, config in sorted(self._tables.values(), key=lambda t: t[0])]
+
+    def has_table(self, name: str) -> bool:
+        return name in self._tables
+
+    def table(self, name: str) -> TableConfig:
+        return self._table(name)[1]
+
+    def _table(self, name: str) -> tuple[int, TableConfig]:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise NotFound(f"table '{clip(name)}' does not exist") from None
+
+    def _by_id(self, txn: lmdb.Transaction, table_id: int) -> TableTxn | None:
+        for tid, config in self._tables.values():
+            if tid == table_id:
+                return TableTxn(txn, self._db, table_id, config, self.clock())
+        return None
+
+    def drop_table(self, name: str) -> int:
+        """Delete a table and everything in it; returns the live experiences dropped."""
+        table_id, _ = self._table(name)
+        prefix = layout.table_prefix(table_id)
+
+        def op(txn: lmdb.Transaction) -> int:
+            counters = read_counters(txn, self._db["counters"], prefix)
+            txn.delete(name.encode(), db=self._db["tables"])
+            for db in layout.PER_TABLE:
+                with txn.cursor(db=self._db[db]) as cur:
+                    if cur.set_range(prefix):
+                        while cur.key().startswith(prefix) and cur.delete():
+                            pass
+            return sum(counters[s] for s in ("pending", "computing", "ready", "leased"))
+
+        dropped = self._submit(op)
+        self._tables.pop(name, None)
+        return dropped
+
+    # ---- push --------------------------------------------------------------------------
+
+    def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult:
+        """Store validated items durably. A full table in block mode waits until timeout."""
+        return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
+
+    def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
+        _, config = self._table(table)
+        deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
+        while True:
+            generation = self.environment.generation
+            try:
+                return self._in_table(table, lambda tt: tt.put(entries))
+            except TableFull:
+                if config.when_full != "block" or time.monotonic() >= deadline:
+                    raise
+                self.environment.wait_for_change(generation, deadline)
+
+    # ---- sample, ack, nack ---------------------------------------------------------------
+
+    def sample(
+        self,
+        spec: SampleSpec,
+        *,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
+        stop: Callable[[], bool] | None = None,
+    ) -> Sampled | None:
+        """Select whole ready groups; None if not enough arrived within the wait.
+
+        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold`, a
+        consumed batch is not retired yet but held under a lease without expiry, until
+        the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
+        stopped server return to the buffer at the next start (`release_holds`).
+        `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
+        cancelled RPC ends the wait early, with None).
+        """
+        self._table(spec.table)
+        deadline = time.monotonic() + (spec.wait_seconds if timeout is None else timeout)
+        while True:
+            generation = self.environment.generation
+            final = time.monotonic() >= deadline
+            partial = spec.allow_partial and final
+            result = self._in_table(
+                spec.table, lambda tt, partial=partial: take(tt, spec, partial, self._rng, hold=hold, owner=owner)
+            )
+            if result is not None or final:
+                return result
+            if stop is not None and stop():
+                return None
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged. With a
+        table (a caller's request), the lease must be of that table and that owner."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False, table=table, owner=owner))
+
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Return the groups of a lease to the buffer; returns the experiences requeued."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True, table=table, owner=owner))
+
+    def release_holds(self) -> int:
+        """Return every batch held for a stream of an earlier run of the server; the
+        streams that held them are gone. Returns the experiences requeued."""
+
+        def op(txn: lmdb.Transaction) -> int:
+            held = [key.decode() for key, raw in txn.cursor(db=self._db["leases"]) if Lease.decode(raw).expires is None]
+            return sum(self._end_lease(txn, lease_id, requeue=True) for lease_id in held)
+
+        return self._submit(op)
+
+    def _end_lease(
+        self,
+        txn: lmdb.Transaction,
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        if not lease_id:
+            raise InvalidRequest("lease_id is empty")
+        lease = read_lease(txn, self._db["leases"], lease_id)
+        if lease is None:
+            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
+        if table is not None:
+            table_id, _ = self._table(table)
+            if lease.table_id != table_id:
+                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
+            if lease.owner != owner:
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+        txn.delete(lease_id.encode(), db=self._db["leases"])
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self._db["lease_exp"])
+        tt = self._by_id(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        count = end_lease(tt, lease_id, lease.groups, requeue=requeue)
+        if expired:
+            tt.counters["leases_expired"] += 1
+        tt.save()
+        return count
+
+    # ---- reads and admin ---------------------------------------------------------------
+
+    def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
+        """Stored payloads of the live experiences among uids."""
+        prefix = layout.table_prefix(self._table(table)[0])
+        found = {}
+        with self.environment.read() as txn:
+            for uid in uids:
+                blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
+                if blob is not None:
+                    found[uid] = bytes(blob)
+        return found
+
+    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the stored experiences among uids (in their order), and the missing uids."""
+        table_id, config = self._table(table)
+        prefix = layout.table_prefix(table_id)
+        blobs, advantages, missing, rows = [], [], [], []
+        with self.environment.read() as txn:
+            for uid in uids:
+                key = prefix + uid.encode()
+                blob = txn.get(key, db=self._db["blobs"])
+                if blob is None:
+                    missing.append(uid)
+                    continue
+                blobs.append(bytes(blob))
+                rec = ItemRecord.decode(txn.get(key, db=self._db["items"]))
+                rows.append(rec)
+                token_level = None if rec.advantage is not None else txn.get(key, db=self._db["adv"])
+                advantages.append(stored_advantage(rec, token_level))
+        return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
+
+    def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
+        """Remove experiences (and their records, so they may be pushed again)."""
+
+        def op(tt: TableTxn) -> int:
+            count = tt.delete(uids, group_ids)
+            tt.save()
+            return count
+
+        return self._in_table(table, op)
+
+    def seal(self, table: str, group_id: str) -> int:
+        """Complete a pending group now; returns its size."""
+        return self._in_table(table, lambda tt: tt.seal(group_id))
+
+    def stats(self, table: str) -> dict[str, Any]:
+        """Counts by state, bytes, group counts, totals and the oldest live experience's age."""
+        prefix = layout.table_prefix(self._table(table)[0])
+        oldest = 0.0
+        with self.environment.read() as txn:
+            counters = read_counters(txn, self._db["counters"], prefix)
+            with txn.cursor(db=self._db["order"]) as cur:
+                if cur.set_range(prefix) and cur.key().startswith(prefix):
+                    rec = ItemRecord.decode(txn.get(prefix + cur.value(), db=self._db["items"]))
+                    oldest = max(0.0, self.clock() - rec.created)
+        counters["oldest_age_seconds"] = oldest
+        return counters
+
+    def storage_info(self) -> dict[str, float]:
+        return self.environment.storage_info()
+
+    def verify(self, table: str) -> list[str]:
+        """Check every index and counter of a table against its items; [] when consistent."""
+        table_id, config = self._table(table)
+        with self.environment.read() as txn:
+            return verify(TableTxn(txn, self._db, table_id, config, self.clock()))
+
+    # ---- upkeep ------------------------------------------------------------------------
+
+    def tick(self) -> dict[str, int]:
+        """Requeue expired leases, release or drop timed-out incomplete groups, forget old
+        tombstones; each lease and each table isolated from the others (upkeep.py)."""
+        now = self.clock()
+        upkeep = self._upkeep
+
+        def expire(txn: lmdb.Transaction, key: bytes) -> int:
+            lease_id = key[8:]
+            if txn.get(lease_id, db=self._db["leases"]) is None:  # an expiry without its lease
+                txn.delete(key, db=self._db["lease_exp"])
+                return 0
+            return self._end_lease(txn, lease_id.decode(), requeue=True, expired=True)
+
+        def op(txn: lmdb.Transaction) -> dict[str, int]:
+            done = dict.fromkeys(("leases_expired", "requeued", "groups_timed_out", "tombstones_pruned", "failed"), 0)
+            for key in upkeep.expired_leases(txn, now):
+                requeued = upkeep.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
+                done["failed"] += requeued is None
+                done["leases_expired"] += requeued is not None
+                done["requeued"] += requeued or 0
+            for table_id, config in list(self._tables.values()):
+                result = upkeep.isolated(
+                    txn, f"table {config.name}", lambda t, i=table_id, c=config: upkeep.table(t, i, c, now)
+                )
+                if result is None:
+                    done["failed"] += 1
+                    continue
+                done["groups_timed_out"] += result[0]
+                done["tombstones_pruned"] += result[1]
+            return done
+
+        return self._submit(op)
+
+    # ---- advantages ------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Counts committed batches of requests; wait_for_change() waits for the next."""
+        return self.environment.generation
+
+    def wait_for_change(self, generation: int, timeout: float) -> bool:
+        return self.environment.wait_for_change(generation, time.monotonic() + timeout)
+
+    def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
+        """Completed groups waiting for advantages, oldest first, up to about `limit`
+        experiences, as one job per table. Payloads are read only for estimators that
+        need token-level data; the others work from the item records."""
+        jobs: dict[int, ComputeJob] = {}
+        ids = {table_id: (name, config) for name, (table_id, config) in self._tables.items()}
+        count = 0
+        with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
+            for key, gkey in cur:
+                if count >= limit:
+                    break
+                table_id = layout.table_of(key)
+                if table_id not in ids:
+                    continue
+                grp = GroupRecord.decode(txn.get(key[:4] + gkey, db=self._db["groups"]))
+                name, config = ids[table_id]
+                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}, {}))
+                job.groups.append(gkey.decode())
+                job.members.append(grp.members)
+                for uid in grp.members:
+                    item_key = key[:4] + uid.encode()
+                    job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
+                    if config.estimator in TOKEN_LEVEL:
+                        job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
+                count += len(grp.members)
+        return list(jobs.values())
+
+    def finish_compute(
+        self,
+        table: str,
+        advantages: dict[str, float | bytes],
+        ready: Sequence[str],
+        dropped: Sequence[str] = (),
+        failed: dict[str, str] | None = None,
+    ) -> None:
+        """Store computed advantages and release their groups; drop or fail the others.
+        Groups deleted or evicted meanwhile are left alone."""
+
+        def op(tt: TableTxn) -> None:
+            tt.finish_compute(advantages, ready, dropped, failed or {})
+            tt.save()
+
+        self._in_table(table, op)

@@ -1,0 +1,227 @@
+"""The LMDB environment of a data directory, and the one thread that writes to it.
+
+Every change goes through the writer thread, which takes every request waiting in its
+queue, applies them in one write transaction (each in a nested transaction, so one
+refused request leaves the others intact) and commits once with fsync: concurrent
+callers share the cost of the fsync, and each returns only after that commit. A full
+map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
+retried; a full disk or an I/O error fails the batch, committing nothing. Only one
+process may open a data directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from ..errors import StorageFull, StoreClosed, StoreError
+from . import layout
+from .migrate import migrate
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Op:
+    fn: Callable[[lmdb.Transaction], Any]
+    future: Future
+
+
+class Environment:
+    """A data directory's LMDB environment, its named databases and its writer thread."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int = 1 << 30,
+        max_map_size: int = 1 << 40,
+        batch_limit: int = 512,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.path / "expbuf.lock", "a+")  # noqa: SIM115 - held for the store's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StoreError(f"another expbuf process is using {self.path}") from None
+        self.max_map_size = max_map_size
+        self._batch_limit = batch_limit
+        try:
+            self.env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
+            )
+            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
+            with self.env.begin(write=True) as txn:
+                migrate(txn, self.env, self.db, self.path)
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self._readers = 0
+        self._resizing = False
+        self._gate = threading.Condition()
+        self._changed = threading.Condition()
+        self._generation = 0
+        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
+        self._writer.start()
+
+    def close(self) -> None:
+        """Finish and commit every queued request, then close the environment."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self.env.close()
+        self._lock_file.close()
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn` in the writer thread's next transaction; return once it is committed."""
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        future: Future = Future()
+        self._queue.put(_Op(fn, future))
+        return future.result()
+
+    def _write_loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            ops = [op]
+            stop = False
+            while len(ops) < self._batch_limit:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                ops.append(more)
+            self._apply(ops)
+            if stop:
+                return
+
+    def _apply(self, ops: list[_Op]) -> None:
+        """Run ops in one transaction, each nested so a refusal undoes only itself."""
+        while True:
+            results: list[tuple[bool, Any]] = []
+            parent = self.env.begin(write=True)
+            try:
+                if len(ops) == 1:  # nothing to protect from a refusal: no nested transaction
+                    results.append(self._run(ops[0], parent))
+                else:
+                    for op in ops:
+                        child = self.env.begin(write=True, parent=parent)
+                        results.append(self._run(op, child))
+                        (child.commit if results[-1][0] else child.abort)()
+                if any(ok for ok, _ in results):
+                    parent.commit()
+                else:
+                    parent.abort()
+                break
+            except lmdb.MapFullError:
+                parent.abort()
+                if not self._grow():
+                    full = StorageFull(
+                        f"the LMDB map of {self.path} is full: it reached max_map_size ({self.max_map_size} bytes)"
+                    )
+                    results = [(False, full)] * len(ops)
+                    break
+            except lmdb.Error as exc:  # a full disk or an I/O error: nothing was committed
+                parent.abort()
+                failed = StorageFull(
+                    f"writing to {self.path} failed; nothing was stored (is its disk full or failing? "
+                    f"free: {_free_bytes(self.path)} bytes; LMDB said: {exc})"
+                )
+                results = [(False, failed)] * len(ops)
+                break
+        for op, (ok, value) in zip(ops, results, strict=True):
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    @staticmethod
+    def _run(op: _Op, txn: lmdb.Transaction) -> tuple[bool, Any]:
+        """Run one request; a refusal is its result, a full map aborts the whole batch."""
+        try:
+            return True, op.fn(txn)
+        except lmdb.MapFullError:
+            raise
+        except Exception as exc:
+            return False, exc
+
+    def _grow(self) -> bool:
+        """Double the map once no reader holds a transaction; False at max_map_size."""
+        size = self.env.info()["map_size"]
+        if size >= self.max_map_size:
+            return False
+        with self._gate:
+            self._resizing = True
+            self._gate.wait_for(lambda: self._readers == 0)
+            try:
+                self.env.set_mapsize(min(size * 2, self.max_map_size))
+            finally:
+                self._resizing = False
+                self._gate.notify_all()
+        return True
+
+    # ---- reads and changes -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction (never while the map is being resized)."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._resizing)
+            self._readers += 1
+        try:
+            with self.env.begin() as txn:
+                yield txn
+        finally:
+            with self._gate:
+                self._readers -= 1
+                self._gate.notify_all()
+
+    @property
+    def generation(self) -> int:
+        """Counts committed batches of requests; wait_for_change() waits for the next."""
+        return self._generation
+
+    def wait_for_change(self, generation: int, deadline: float) -> bool:
+        """Wait until a batch after `generation` is committed, or the monotonic deadline."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._generation != generation, max(0.0, deadline - time.monotonic()))
+
+    def storage_info(self) -> dict[str, float]:
+        info, stat = self.env.info(), self.env.stat()
+        used = (info["last_pgno"] + 1) * stat["psize"]
+        return {"map_size": info["map_size"], "used_bytes": used, "map_used_ratio": used / info["map_size"]}
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return -1

@@ -1,0 +1,488 @@
+"""The rules of one table inside one transaction: experiences join groups, groups move
+through their states, and the table keeps within its capacity.
+
+States: pending (the group is incomplete) → computing (its advantages) → ready → leased →
+consumed; a group may also be evicted, dropped (zero variance, timeout, std threshold) or
+failed. Retired experiences keep their record as a tombstone with their digest, so a
+retried push is still a duplicate, until `tombstone_seconds` have passed. Counts by state,
+bytes and totals are counters written in the same transaction as the records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import lmdb
+
+from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, TableFull, TooLarge, clip
+from ..selection import ReadyDbs, ReadyIndex, u64
+from ..tables import NEEDS_REWARD, TableConfig
+from . import layout
+from .records import (
+    COMPUTING,
+    DROPPED,
+    EVICTED,
+    FAILED,
+    LIVE,
+    PENDING,
+    READY,
+    RETIRED,
+    STATES,
+    GroupRecord,
+    ItemRecord,
+)
+from .types import Entry, PutResult
+
+_COUNTERS = (
+    *STATES,
+    "bytes",
+    *(f"groups_{state}" for state in LIVE),
+    "groups_dropped",
+    "groups_failed",
+    "pushed",
+    "duplicates",
+    "sampled",
+    "leases_expired",
+    # monotonic totals for the metrics
+    "bytes_pushed",
+    "bytes_sampled",
+    "evicted_total",
+    "dropped_zero_variance",
+    "dropped_timeout",
+    "dropped_std_threshold",
+    "next_seq",
+    "next_rseq",
+)
+
+
+def fresh_counters() -> dict[str, Any]:
+    """A table's counters before anything happened (stored ones are laid over these)."""
+    return dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None, "last_failure": ""}
+
+
+def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[str, Any]:
+    raw = txn.get(prefix, db=db)
+    return fresh_counters() | (json.loads(raw) if raw is not None else {})
+
+
+class TableTxn:
+    """One table inside one write (or read) transaction."""
+
+    def __init__(
+        self,
+        txn: lmdb.Transaction,
+        dbs: dict[str, lmdb._Database],
+        table_id: int,
+        config: TableConfig,
+        now: float,
+    ) -> None:
+        self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
+        self.prefix = layout.table_prefix(table_id)
+        self.counters = read_counters(txn, dbs["counters"], self.prefix)
+        self.ready = ReadyIndex(ReadyDbs(dbs["ready"], dbs["prio"], dbs["slots"], dbs["slotof"]), txn, self.prefix)
+        # Write-back caches: a record changed several times in one request is encoded and
+        # written once, by save().
+        self._items: dict[str, ItemRecord | None] = {}
+        self._groups: dict[str, GroupRecord | None] = {}
+        self._dirty_items: set[str] = set()
+        self._dirty_groups: set[str] = set()
+
+    def save(self) -> None:
+        """Write changed records and the counters; every changing request ends with it."""
+        for uid in self._dirty_items:
+            self.txn.put(self.key(uid), self._items[uid].encode(), db=self.db["items"])
+        for gkey in self._dirty_groups:
+            self.txn.put(self.key(gkey), self._groups[gkey].encode(), db=self.db["groups"])
+        self._dirty_items.clear()
+        self._dirty_groups.clear()
+        self.txn.put(self.prefix, json.dumps(self.counters, separators=(",", ":")).encode(), db=self.db["counters"])
+
+    # ---- records -----------------------------------------------------------------------
+
+    def key(self, name: str) -> bytes:
+        return self.prefix + name.encode()
+
+    def item(self, uid: str) -> ItemRecord | None:
+        if uid not in self._items:
+            raw = self.txn.get(self.key(uid), db=self.db["items"])
+            self._items[uid] = None if raw is None else ItemRecord.decode(raw)
+        return self._items[uid]
+
+    def put_item(self, uid: str, rec: ItemRecord) -> None:
+        self._items[uid] = rec
+        self._dirty_items.add(uid)
+
+    def forget_item(self, uid: str) -> None:
+        self._items[uid] = None
+        self._dirty_items.discard(uid)
+        self.txn.delete(self.key(uid), db=self.db["items"])
+
+    def group(self, gkey: str) -> GroupRecord | None:
+        if gkey not in self._groups:
+            raw = self.txn.get(self.key(gkey), db=self.db["groups"])
+            self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
+        return self._groups[gkey]
+
+    def put_group(self, gkey: str, grp: GroupRecord) -> None:
+        self._groups[gkey] = grp
+        self._dirty_groups.add(gkey)
+
+    def forget_group(self, gkey: str) -> None:
+        self._groups[gkey] = None
+        self._dirty_groups.discard(gkey)
+        self.txn.delete(self.key(gkey), db=self.db["groups"])
+
+    def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+        return {uid: self.item(uid) for uid in grp.members}
+
+    def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:
+        return self.prefix + layout.micros(grp.created) + gkey.encode()
+
+    def retired_key(self, uid: str, rec: ItemRecord) -> bytes:
+        return self.prefix + layout.micros(rec.retired or 0.0) + uid.encode()
+
+    def rseq_key(self, grp: GroupRecord) -> bytes:
+        return self.prefix + u64(grp.rseq)
+
+    # ---- push ----------------------------------------------------------------------------
+
+    def put(self, entries: Sequence[Entry]) -> PutResult:
+        if self.txn.get(self.config.name.encode(), db=self.db["tables"]) is None:
+            raise NotFound(f"table '{self.config.name}' does not exist")
+        result = PutResult()
+        fresh: dict[str, Entry] = {}
+        for entry in entries:
+            known = fresh.get(entry.uid)
+            digest = known.digest if known is not None else getattr(self.item(entry.uid), "digest", None)
+            if digest is None:
+                fresh[entry.uid] = entry
+            elif digest == entry.digest:
+                result.duplicates.append(entry.uid)
+            else:
+                raise Conflict(f"uid {entry.uid} already exists with different content")
+        self._check_rewards(fresh.values())
+        by_group: dict[str, list[Entry]] = defaultdict(list)
+        for entry in fresh.values():
+            by_group[entry.group_key(self.config.group_by)].append(entry)
+        groups = {}
+        size = self.config.group_size
+        for gkey, members in by_group.items():
+            grp = self.group(gkey)
+            if grp is None:
+                grp = GroupRecord(PENDING, self.now)
+                self.counters["groups_pending"] += 1
+                self.txn.put(self.pending_key(gkey, grp), b"", db=self.db["pending"])
+            elif grp.state != PENDING:
+                raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
+            if size and len(grp.members) + len(members) > size:
+                raise GroupClosed(
+                    f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
+                )
+            groups[gkey] = grp
+        self._make_room(len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
+        for gkey, members in by_group.items():
+            grp = groups[gkey]
+            for entry in members:
+                self._insert(entry, gkey)
+                grp.members.append(entry.uid)
+            if size == 0 or len(grp.members) >= size:
+                result.completed_groups.append(gkey)
+                if not self.complete(gkey, grp, partial=False):
+                    result.dropped_groups.append(gkey)
+            else:
+                self.put_group(gkey, grp)
+        result.stored = list(fresh)
+        self.counters["pushed"] += len(fresh)
+        self.counters["duplicates"] += len(result.duplicates)
+        self.save()
+        return result
+
+    def _check_rewards(self, entries: Iterable[Entry]) -> None:
+        estimator = self.config.estimator
+        for entry in entries:
+            if entry.reward is not None or estimator == "none":
+                continue
+            if estimator in NEEDS_REWARD or not entry.has_token_rewards:
+                raise InvalidRequest(
+                    f"uid {entry.uid} has no reward; table '{self.config.name}' computes advantages "
+                    f"with {estimator}, which needs one"
+                    + (" (or token_level_reward)" if estimator not in NEEDS_REWARD else "")
+                )
+
+    def _insert(self, entry: Entry, gkey: str) -> None:
+        seq = self.counters["next_seq"]
+        self.counters["next_seq"] = seq + 1
+        rec = ItemRecord(
+            state=PENDING,
+            group=gkey,
+            seq=seq,
+            digest=entry.digest,
+            size=len(entry.blob),
+            created=self.now,
+            tid=entry.tid,
+            rid=entry.rid,
+            step=entry.step,
+            response_length=entry.response_length,
+            generated=entry.generated,
+            version=entry.version,
+            reward=entry.reward,
+            priority=entry.priority,
+        )
+        self.put_item(entry.uid, rec)
+        self.txn.put(self.key(entry.uid), entry.blob, db=self.db["blobs"])
+        self.txn.put(self.prefix + u64(seq), entry.uid.encode(), db=self.db["order"])
+        self.counters[PENDING] += 1
+        self.counters["bytes"] += rec.size
+        self.counters["bytes_pushed"] += rec.size
+        if entry.version is not None:
+            low, high = self.counters["min_version"], self.counters["max_version"]
+            self.counters["min_version"] = entry.version if low is None else min(low, entry.version)
+            self.counters["max_version"] = entry.version if high is None else max(high, entry.version)
+
+    # ---- capacity --------------------------------------------------------------------------
+
+    def _make_room(self, count: int, nbytes: int, keep: set[str]) -> None:
+        cfg = self.config
+
+        def over() -> bool:
+            live = sum(self.counters[s] for s in LIVE)
+            return bool(
+                (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
+                or (cfg.capacity_bytes and self.counters["bytes"] + nbytes > cfg.capacity_bytes)
+            )
+
+        if not over():
+            return
+        if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
+            cfg.capacity_bytes and nbytes > cfg.capacity_bytes
+        ):
+            raise TooLarge(
+                f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
+                f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
+            )
+        if cfg.when_full == "evict":
+            for gkey in self._oldest_groups():
+                if gkey in keep:
+                    continue
+                grp = self.group(gkey)
+                if grp.state != READY:  # a pending group still takes members; leased ones are out
+                    continue
+                self.retire(gkey, grp, EVICTED)
+                self.counters["evicted_total"] += len(grp.members)
+                if not over():
+                    return
+        raise TableFull(
+            f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)"
+        )
+
+    def _oldest_groups(self) -> Iterator[str]:
+        """Groups of the live experiences, oldest first. The caller retires groups between
+        steps, so each step opens a fresh cursor after the last key seen."""
+        seen: set[str] = set()
+        position = self.prefix
+        while True:
+            with self.txn.cursor(db=self.db["order"]) as cur:
+                if not cur.set_range(position) or not cur.key().startswith(self.prefix):
+                    return
+                position = cur.key() + b"\0"
+                gkey = self.item(cur.value().decode()).group
+            if gkey not in seen:
+                seen.add(gkey)
+                yield gkey
+
+    # ---- group states ------------------------------------------------------------------------
+
+    def complete(self, gkey: str, grp: GroupRecord, *, partial: bool) -> bool:
+        """A pending group becomes ready, or computing; False if the zero-variance filter dropped it."""
+        recs = self.members(grp)
+        rewards = [rec.reward for rec in recs.values()]
+        grp.partial = partial
+        if self.config.drop_zero_variance and None not in rewards and len(set(rewards)) <= 1:
+            self.retire(gkey, grp, DROPPED)
+            self.counters["groups_dropped"] += 1
+            self.counters["dropped_zero_variance"] += 1
+            return False
+        self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
+        versions = [rec.version for rec in recs.values()]
+        grp.version = None if None in versions or not versions else min(versions)
+        grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+        grp.rseq = self.counters["next_rseq"]
+        self.counters["next_rseq"] += 1
+        if self.config.estimator == "none":
+            self.set_state(gkey, grp, recs, READY)
+            self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+        else:  # sampled only once its advantages are stored (finish_compute)
+            self.set_state(gkey, grp, recs, COMPUTING)
+            self.txn.put(self.rseq_key(grp), gkey.encode(), db=self.db["compute"])
+        return True
+
+    def finish_compute(
+        self,
+        advantages: dict[str, float | bytes],
+        ready: Sequence[str],
+        dropped: Sequence[str],
+        failed: dict[str, str],
+    ) -> None:
+        """One value per experience goes into its record (rewritten anyway to become ready);
+        token-level advantages, being larger, into the adv database. Groups deleted or
+        evicted meanwhile are left alone."""
+        for gkey in [*ready, *dropped, *failed]:
+            grp = self.group(gkey)
+            if grp is None or grp.state != COMPUTING:
+                continue
+            if gkey in failed:
+                self.retire(gkey, grp, FAILED)
+                self.counters["groups_failed"] += 1
+                self.counters["last_failure"] = f"group {gkey}: {failed[gkey]}"
+            elif gkey in dropped:
+                self.retire(gkey, grp, DROPPED)
+                self.counters["groups_dropped"] += 1
+                self.counters["dropped_std_threshold"] += 1
+            else:
+                self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
+                recs = self.members(grp)
+                for uid, rec in recs.items():
+                    value = advantages[uid]
+                    if isinstance(value, float):
+                        rec.advantage = value
+                    else:
+                        self.txn.put(self.key(uid), value, db=self.db["adv"])
+                self.set_state(gkey, grp, recs, READY)
+                self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+
+    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
+        for uid, rec in recs.items():
+            self.counters[rec.state] -= 1
+            self.counters[state] += 1
+            rec.state = state
+            if state in RETIRED:  # a tombstone from now on, pruned after tombstone_seconds
+                rec.retired = self.now
+                self.txn.put(self.retired_key(uid, rec), b"", db=self.db["retired"])
+            self.put_item(uid, rec)
+        if grp.state in LIVE:
+            self.counters["groups_" + grp.state] -= 1
+        if state in LIVE:
+            self.counters["groups_" + state] += 1
+        grp.state = state
+        self.put_group(gkey, grp)
+
+    def retire(self, gkey: str, grp: GroupRecord, state: str) -> None:
+        """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
+        failed group's stay with keep_failed), records stay as tombstones so that a retried
+        push of the same uid is still recognised as a duplicate."""
+        self._leave_indexes(gkey, grp)
+        recs = self.members(grp)
+        keep = state == FAILED and self.config.keep_failed
+        for uid, rec in recs.items():
+            self._drop_payload(uid, rec, keep_blob=keep)
+        self.set_state(gkey, grp, recs, state)
+
+    def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
+        if grp.state == READY:
+            self.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+        elif grp.state == PENDING:
+            self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
+        elif grp.state == COMPUTING:
+            self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
+
+    def _drop_payload(self, uid: str, rec: ItemRecord, *, keep_blob: bool = False) -> None:
+        """The experience leaves the live data: its bytes, advantages and place in the
+        insertion order go (`keep_blob` keeps the payload of a failed experience for Get)."""
+        if not keep_blob:
+            self.txn.delete(self.key(uid), db=self.db["blobs"])
+        self.txn.delete(self.key(uid), db=self.db["adv"])
+        self.txn.delete(self.prefix + u64(rec.seq), db=self.db["order"])
+        self.counters["bytes"] -= rec.size
+
+    def _forget_tombstone(self, uid: str, rec: ItemRecord) -> None:
+        """Remove a retired experience's record (and a failed one's kept payload): its uid
+        may then be pushed again."""
+        self.forget_item(uid)
+        self.txn.delete(self.key(uid), db=self.db["blobs"])
+        self.counters[rec.state] -= 1
+        self.txn.delete(self.retired_key(uid, rec), db=self.db["retired"])
+        grp = self.group(rec.group)
+        if grp is not None and uid in grp.members:
+            grp.members.remove(uid)
+            if grp.members:
+                self.put_group(rec.group, grp)
+            else:
+                self.forget_group(rec.group)
+
+    # ---- upkeep and admin ----------------------------------------------------------------------
+
+    def prune_tombstones(self, retired_before: float, limit: int = 10_000) -> int:
+        """Forget tombstones retired before the cutoff (at most `limit` per call)."""
+        cutoff = layout.micros(retired_before)
+        expired = []
+        with self.txn.cursor(db=self.db["retired"]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
+                expired.append(cur.key()[12:].decode())
+                found = cur.next()
+        for uid in expired:
+            rec = self.item(uid)
+            if rec is not None and rec.state in RETIRED:
+                self._forget_tombstone(uid, rec)
+        return len(expired)
+
+    def expire_groups(self, created_before: float) -> int:
+        """Release (flagged partial) or drop incomplete groups created before the cutoff."""
+        expired = []
+        cutoff = layout.micros(created_before)
+        with self.txn.cursor(db=self.db["pending"]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix) and cur.key()[4:12] <= cutoff:
+                expired.append(cur.key()[12:].decode())
+                found = cur.next()
+        for gkey in expired:
+            grp = self.group(gkey)
+            if self.config.on_group_timeout == "drop":
+                self.retire(gkey, grp, DROPPED)
+                self.counters["groups_dropped"] += 1
+                self.counters["dropped_timeout"] += 1
+            else:
+                self.complete(gkey, grp, partial=True)
+        return len(expired)
+
+    def seal(self, gkey: str) -> int:
+        grp = self.group(gkey)
+        if grp is None:
+            raise NotFound(f"group {clip(gkey)} does not exist in table '{self.config.name}'")
+        if grp.state != PENDING:
+            raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
+        self.complete(gkey, grp, partial=False)
+        self.save()
+        return len(grp.members)
+
+    def delete(self, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+        targets = list(uids)
+        for gkey in group_ids:
+            grp = self.group(gkey)
+            if grp is not None:
+                targets.extend(grp.members)
+        deleted = 0
+        for uid in dict.fromkeys(targets):
+            rec = self.item(uid)
+            if rec is None:
+                continue
+            if rec.state not in LIVE:
+                self._forget_tombstone(uid, rec)
+                continue
+            self.forget_item(uid)
+            self.counters[rec.state] -= 1
+            deleted += 1
+            self._drop_payload(uid, rec)
+            grp = self.group(rec.group)
+            grp.members.remove(uid)
+            if grp.members:
+                self.put_group(rec.group, grp)
+                continue
+            self._leave_indexes(rec.group, grp)
+            if grp.state in LIVE:
+                self.counters["groups_" + grp.state] -= 1
+            self.forget_group(rec.group)
+        return deleted

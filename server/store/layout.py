@@ -1,0 +1,58 @@
+"""Where the store keeps what: its named LMDB databases and the keys in them.
+
+Per-table keys start with the table's 4-byte id T (big-endian), so a table's entries are
+one contiguous range:
+- tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
+- items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload
+- adv:       T + uid -> token-level advantages (only estimators that have them)
+- groups:    T + group key -> GroupRecord
+- order:     T + seq -> uid (live experiences in insertion order: eviction, oldest age)
+- pending:   T + created + group key -> b"" (incomplete groups, for group timeouts)
+- compute:   T + rseq -> group key (complete groups waiting for their advantages)
+- retired:   T + retired time + uid -> b"" (tombstones, pruned after tombstone_seconds)
+- counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
+- ready, prio, slots, slotof: ready groups (see selection.py)
+- leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
+Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's
+511-byte limit.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ..selection import u64
+
+# The form of the data directory: 1 kept JSON records and task, run and step indexes;
+# 2 keeps binary records (records.py) and no such indexes. See migrate.py.
+FORMAT = 2
+DBS = (
+    "meta", "tables", "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired",
+    "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
+)  # fmt: skip
+PER_TABLE = tuple(db for db in DBS if db not in ("meta", "tables", "leases", "lease_exp"))
+FORMAT_1_ONLY = ("tasks", "runs", "steps")
+MAX_DBS = len(DBS) + len(FORMAT_1_ONLY)
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+
+def table_prefix(table_id: int) -> bytes:
+    return _U32.pack(table_id)
+
+
+def table_of(key: bytes) -> int:
+    return _U32.unpack(key[:4])[0]
+
+
+def micros(seconds: float) -> bytes:
+    """A time as 8 sortable bytes (microseconds; times before 1970 sort first as 0)."""
+    return u64(max(0, int(seconds * 1e6)))
+
+
+def expiry_key(expires: float, lease_id: str) -> bytes:
+    return micros(expires) + lease_id.encode()
+
+
+def expiry_of(key: bytes) -> float:
+    return _U64.unpack(key[:8])[0] / 1e6

@@ -1,0 +1,114 @@
+"""Taking a batch of whole ready groups, and the leases that keep it out of reach.
+
+A batch is chosen in the request's order, whole groups only, optionally only groups
+whose every member is at least `min_model_version`. It is delivered by consuming it
+(payloads deleted in the same transaction), leasing it (invisible until acked; back on
+nack or expiry), holding it for a Sample stream (a lease without expiry, until the
+client confirms it), or replaying it (counted against max_times_sampled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import secrets
+
+import lmdb
+
+from ..advantage_storage import finish_batch, stored_advantage
+from ..sample_spec import SampleSpec
+from . import layout
+from .groups import TableTxn
+from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
+from .types import Sampled
+
+# A sample request looks at most this many ready groups (those older than its
+# min_model_version are skipped), so one request costs the writer a bounded time.
+MAX_SCAN = 4096
+
+
+def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
+    raw = txn.get(lease_id.encode(), db=db) if len(lease_id) <= 64 else None
+    return None if raw is None else Lease.decode(raw)
+
+
+def take(
+    tt: TableTxn, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
+) -> Sampled | None:
+    """Select and deliver one batch; None if there is not enough (and no partial batch)."""
+    chosen = []
+    total = 0
+    min_version = spec.min_model_version
+    with contextlib.closing(tt.ready.candidates(spec.order, rng)) as candidates:
+        for scanned, gkey_raw in enumerate(candidates):
+            if scanned >= MAX_SCAN:  # the writer must not stall on a table of stale groups
+                break
+            gkey = gkey_raw.decode()
+            grp = tt.group(gkey)
+            if min_version is not None and (grp.version is None or grp.version < min_version):
+                continue
+            chosen.append((gkey, grp))
+            total += len(grp.members)
+            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
+                break
+    enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
+    if not chosen or not (enough or allow_partial):
+        return None
+    batch = Sampled([], [], [], partial=not enough)
+    delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
+    expires = None
+    if delivery == "lease":
+        batch.lease_id = secrets.token_hex(8)
+        if not hold:
+            expires = batch.lease_expires = tt.now + spec.lease_seconds
+    rows: list[ItemRecord] = []
+    for gkey, grp in chosen:
+        recs = tt.members(grp)
+        for uid, rec in recs.items():
+            rows.append(rec)
+            batch.uids.append(uid)
+            batch.group_ids.append(gkey)
+            batch.blobs.append(bytes(tt.txn.get(tt.key(uid), db=tt.db["blobs"])))
+            batch.versions.append(rec.version)
+            tt.counters["bytes_sampled"] += rec.size
+            token_level = None if rec.advantage is not None else tt.txn.get(tt.key(uid), db=tt.db["adv"])
+            batch.advantages.append(stored_advantage(rec, token_level))
+            rec.times_sampled += 1
+            tt.put_item(uid, rec)
+        limit = tt.config.max_times_sampled
+        if delivery == "consume" or (
+            delivery == "replay" and limit and max(r.times_sampled for r in recs.values()) >= limit
+        ):
+            tt.retire(gkey, grp, CONSUMED)
+        elif delivery == "lease":
+            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+            grp.lease = batch.lease_id
+            tt.set_state(gkey, grp, recs, LEASED)
+    if delivery == "lease":
+        lease = Lease(tt.table_id, [g for g, _ in chosen], expires, owner)
+        tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
+        if expires is not None:
+            tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
+    batch.advantages = finish_batch(tt.config, rows, batch.advantages)
+    tt.counters["sampled"] += len(batch.uids)
+    batch.newest_version = tt.counters["max_version"]
+    tt.save()
+    return batch
+
+
+def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool) -> int:
+    """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
+    experiences. Groups no longer under this lease (deleted, say) are left alone."""
+    count = 0
+    for gkey in gkeys:
+        grp = tt.group(gkey)
+        if grp is None or grp.state != LEASED or grp.lease != lease_id:
+            continue
+        count += len(grp.members)
+        grp.lease = ""
+        if requeue:
+            tt.set_state(gkey, grp, tt.members(grp), READY)
+            tt.ready.add(gkey.encode(), grp.rseq, grp.priority)
+        else:
+            tt.retire(gkey, grp, CONSUMED)
+    return count

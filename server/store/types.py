@@ -1,0 +1,111 @@
+"""What goes into the store and what comes out of it: a validated experience ready to
+store, the result of a push, a sampled batch, and a computation of advantages to do."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from expbuf.client import trxp
+
+from ..advantage_storage import Advantage, batch_payload
+from ..tables import TableConfig
+from .records import ItemRecord
+
+GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One validated experience ready to store: its identity and one-item payload."""
+
+    uid: str
+    tid: str
+    rid: str
+    sid: str
+    blob: bytes
+    digest: bytes  # 16 bytes of SHA-256 of the blob
+    version: int | None
+    reward: float | None
+    priority: float
+    has_token_rewards: bool
+    step: int
+    response_length: int
+    generated: int  # response tokens under the action mask
+
+    @classmethod
+    def of(cls, item: trxp.RawItem) -> Entry:
+        eid = item.eid
+        blob = trxp.pack_item(item)
+        priority = item.meta.get("info", {}).get("priority", 0.0)
+        return cls(
+            uid=eid.uid,
+            tid=eid.tid,
+            rid=eid.rid,
+            sid=eid.sid,
+            blob=blob,
+            digest=hashlib.sha256(blob).digest()[:16],  # SHA-NI makes it the fastest here
+            version=item.model_version,
+            reward=item.meta.get("reward"),
+            priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
+            has_token_rewards="token_level_reward" in item.tensors,
+            step=eid.step,
+            response_length=item.response_length,
+            generated=item.generated_tokens,
+        )
+
+    def group_key(self, group_by: str) -> str:
+        return getattr(self, GROUP_KEY_OF[group_by])
+
+
+@dataclass
+class PutResult:
+    stored: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    completed_groups: list[str] = field(default_factory=list)
+    dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
+
+
+@dataclass
+class Sampled:
+    """A selected batch: uids in group order, their group ids and stored payloads."""
+
+    uids: list[str]
+    group_ids: list[str]
+    blobs: list[bytes]
+    advantages: list[Advantage] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # policy version of each experience
+    newest_version: int | None = None  # the newest version pushed to the table, for staleness
+    lease_id: str = ""
+    lease_expires: float = 0.0
+    partial: bool = False
+
+    @property
+    def payload(self) -> bytes:
+        return batch_payload(self.blobs, self.advantages)
+
+
+@dataclass
+class ComputeJob:
+    """Completed groups of one table whose advantages are to be computed."""
+
+    table: str
+    config: TableConfig
+    groups: list[str]
+    members: list[list[str]]
+    records: dict[str, ItemRecord]  # by uid: reward, ids, step, lengths
+    blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
+
+    def split(self) -> list[ComputeJob]:
+        """One job per group, to find which group a failed computation cannot take."""
+        return [
+            ComputeJob(
+                self.table,
+                self.config,
+                [gkey],
+                [members],
+                {uid: self.records[uid] for uid in members},
+                {uid: self.blobs[uid] for uid in members if uid in self.blobs},
+            )
+            for gkey, members in zip(self.groups, self.members, strict=True)
+        ]
