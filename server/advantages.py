@@ -32,9 +32,9 @@ import torch
 
 from expbuf.client import trxp
 
-from . import estimators
+from . import estimators, shaping
 from .errors import clip
-from .store import Advantage, ComputeJob, Store
+from .store import SHAPING_COUNTERS, Advantage, ComputeJob, ShapingUpdate, Store
 from .tables import TOKEN_LEVEL, TableConfig, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
@@ -52,11 +52,14 @@ def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch
 
 
 def build_batch(
-    records: Sequence[dict[str, Any]], items: Sequence[trxp.RawItem] | None = None
+    records: Sequence[dict[str, Any]],
+    items: Sequence[trxp.RawItem] | None = None,
+    shape: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[estimators.FlatBatch, list[str]]:
     """Flat estimator inputs from the item records of the completed groups of one table
     (and their payloads, for token-level estimators), with the group keys in the order of
-    their numbers."""
+    their numbers. `shape` turns (rewards, generated-token counts) into the rewards the
+    estimator sees, before they are put on the tokens."""
     index: dict[str, dict[str, int]] = {"group": {}, "task": {}, "run": {}}
 
     def numbers(kind: str, field: str) -> torch.Tensor:
@@ -73,6 +76,8 @@ def build_batch(
         run=numbers("run", "rid"),
         step=torch.tensor([rec["k"] for rec in records], dtype=torch.int64),
     )
+    if shape is not None:
+        batch.rewards = shape(batch.rewards, batch.generated)
     if items is not None:
         masks = [_flat_bytes(item.tensors.get("action_mask"), rec["L"], 1, f64) for item, rec in zip(
             items, records, strict=True)]  # fmt: skip
@@ -134,18 +139,35 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
     }
 
 
-def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str]]:
+def compute(
+    job: ComputeJob,
+) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]:
     """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
-    groups with the reason)."""
+    groups with the reason, what reward shaping did). The rewards are shaped before the
+    estimator; the advantages are clipped after it, unless the batch stage finishes them."""
     config = job.config
     uids = [uid for members in job.members for uid in members]
     items = None
     if config.estimator in TOKEN_LEVEL:
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
-    batch, group_keys = build_batch([job.records[uid] for uid in uids], items)
+    moments = shaping.RunningMoments.of(job.moments)
+    report = shaping.ShapingReport()
+
+    def shape(rewards: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        nonlocal moments, report
+        rewards, moments, report = shaping.shape_rewards(config.shaping, rewards, generated, moments)
+        return rewards
+
+    records = [job.records[uid] for uid in uids]
+    batch, group_keys = build_batch(records, items, shape if config.shaping.shapes_rewards else None)
     device = estimators.resolve_device(config.device)
     result = estimators.estimate(config.estimator, batch.to(device), estimator_args(config))
     finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
+    if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity
+        if result.scalar is not None:
+            result.scalar = shaping.clip_advantages(config.shaping, result.scalar, report)
+        else:
+            result.advantages = shaping.clip_advantages(config.shaping, result.advantages, report)
     values = dict(zip(uids, encode_results(result, batch), strict=True))
     dropped = []
     if result.drop_groups is not None:
@@ -155,37 +177,47 @@ def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[
         if gkey not in dropped and not all(finite[uid] for uid in members):
             failed[gkey] = f"{config.estimator} gave a non-finite advantage (NaN or infinity)"
     ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
-    return values, ready, dropped, failed
+    update = ShapingUpdate(
+        counts={name: getattr(report, name) for name in SHAPING_COUNTERS},
+        moments=moments.stored() if config.shaping.reward_running_norm else job.moments,
+    )
+    if batch_stage(config) and config.shaping.shapes_rewards:  # the batch stage's statistics use them
+        update.rewards = dict(zip(uids, batch.rewards.tolist(), strict=True))
+    return values, ready, dropped, failed, update
 
 
 def finish_batch(
-    config: TableConfig, records: Sequence[dict[str, Any]], stored: Sequence[Advantage]
+    config: TableConfig,
+    records: Sequence[dict[str, Any]],
+    stored: Sequence[Advantage],
+    report: shaping.ShapingReport | None = None,
 ) -> list[Advantage]:
     """The batch stage: the advantages of a sampled batch (its item records and stored
-    values, in batch order) from the pending values its estimator stored on ingest. Tables
-    without a batch stage get their stored values back unchanged."""
+    values, in batch order) from the pending values its estimator stored on ingest, then
+    clipped (counted in `report`). Tables without a batch stage get their stored values
+    back unchanged (clipped on ingest)."""
     if not batch_stage(config) or not records:
         return list(stored)
+    report = report if report is not None else shaping.ShapingReport()
     if any(a is None for a in stored):  # experiences not computed yet (Get): finish the others
         done = [i for i, a in enumerate(stored) if a is not None]
         out = list(stored)
-        for i, value in zip(
-            done, finish_batch(config, [records[i] for i in done], [stored[i] for i in done]), strict=True
-        ):
+        finished = finish_batch(config, [records[i] for i in done], [stored[i] for i in done], report)
+        for i, value in zip(done, finished, strict=True):
             out[i] = value
         return out
     f64 = torch.float64
     runs: dict[str, int] = {}
     rows = estimators.SampledRows(
         pending=torch.tensor([a[0] if isinstance(a, tuple) else 0.0 for a in stored], dtype=f64),
-        rewards=torch.tensor([float(rec["r"] or 0.0) for rec in records], dtype=f64),
+        rewards=torch.tensor([float(rec.get("sr", rec["r"]) or 0.0) for rec in records], dtype=f64),
         generated=torch.tensor([rec["G"] for rec in records], dtype=f64),
         run=torch.tensor([runs.setdefault(rec["rid"], len(runs)) for rec in records], dtype=torch.int64),
         step=torch.tensor([rec["k"] for rec in records], dtype=torch.int64),
     )
     args = estimator_args(config)
     if config.estimator != "reinforceplusplus":
-        values = estimators.FINISH[config.estimator](rows, **args)
+        values = shaping.clip_advantages(config.shaping, estimators.FINISH[config.estimator](rows, **args), report)
         return [(float(v), rec["L"]) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -196,6 +228,7 @@ def finish_batch(
         returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
     advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    advantages = shaping.clip_advantages(config.shaping, advantages, report)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)
@@ -237,29 +270,34 @@ class AdvantageWorker:
                 self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
         return handled
 
-    def _compute(self, job: ComputeJob) -> None:
-        """One batched computation. If it fails, each group is tried on its own, so that
-        only a group that fails by itself fails (and keeps its payloads, see keep_failed)."""
+    def _compute(self, job: ComputeJob) -> list[float] | None:
+        """One batched computation; returns the running reward moments after it. If it
+        fails, each group is tried on its own, so that only a group that fails by itself
+        fails (and keeps its payloads, see keep_failed); the moments chain through those
+        tries, and a failed try leaves them as they were."""
         try:
-            values, ready, dropped, failed = compute(job)
+            values, ready, dropped, failed, update = compute(job)
         except Exception as exc:
             if len(job.groups) > 1:
                 log.warning(
                     "advantages failed for %d groups of table %s together (%s); trying each on its own",
                     len(job.groups), job.table, clip(str(exc), 300),
                 )  # fmt: skip
+                moments = job.moments
                 for single in job.split():
-                    self._compute(single)
-                return
+                    single.moments = moments
+                    moments = self._compute(single)
+                return moments
             log.exception("advantages failed for group %s of table %s", clip(job.groups[0]), job.table)
             reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
             self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
-            return
-        self.store.finish_compute(job.table, values, ready, dropped, failed)
+            return job.moments
+        self.store.finish_compute(job.table, values, ready, dropped, failed, update)
         for gkey, reason in failed.items():
             log.warning("group failed: table %s, group %s: %s", job.table, gkey, reason)
         for gkey in dropped:
             log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
+        return update.moments
 
     def _run(self) -> None:
         while not self._stop.is_set():

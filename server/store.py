@@ -84,6 +84,7 @@ _PER_TABLE = tuple(db for db in _DBS if db not in ("meta", "tables", "leases", "
 _U32 = struct.Struct(">I")
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
+SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
 _COUNTERS = (
     *STATES,
     "bytes",
@@ -101,6 +102,8 @@ _COUNTERS = (
     "dropped_zero_variance",
     "dropped_timeout",
     "dropped_std_threshold",
+    # what reward shaping and advantage clipping did (see shaping.py)
+    *SHAPING_COUNTERS,
     "next_seq",
     "next_rseq",
 )
@@ -108,7 +111,12 @@ _COUNTERS = (
 
 def _fresh_counters() -> dict[str, Any]:
     """A table's counters before anything happened (stored ones are laid over these)."""
-    return dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None, "last_failure": ""}
+    return dict.fromkeys(_COUNTERS, 0) | {
+        "min_version": None,
+        "max_version": None,
+        "last_failure": "",
+        "reward_moments": None,  # [mean, population variance, count] of the running reward normalisation
+    }
 
 
 @dataclass(frozen=True)
@@ -190,14 +198,24 @@ def _advantage(txn: lmdb.Transaction, db: lmdb._Database, key: bytes, rec: dict[
 
 
 def finish_batch(
-    config: TableConfig, records: Sequence[dict[str, Any]], advantages: list[Advantage]
+    config: TableConfig,
+    records: Sequence[dict[str, Any]],
+    advantages: list[Advantage],
+    counters: dict[str, Any] | None = None,
 ) -> list[Advantage]:
-    """A sampled batch's advantages: statistics over the batch, where the estimator has them."""
+    """A sampled batch's advantages: statistics over the batch, where the estimator has them,
+    then their clipping; what the clipping did is added to `counters` (a sample's, not a Get's)."""
     if not batch_stage(config) or not records:
         return advantages
     from .advantages import finish_batch as finish  # torch is imported only where advantages are computed
+    from .shaping import ShapingReport
 
-    return finish(config, records, advantages)
+    report = ShapingReport()
+    finished = finish(config, records, advantages, report)
+    if counters is not None:
+        counters["advantages_seen"] += report.advantages_seen
+        counters["advantages_clipped"] += report.advantages_clipped
+    return finished
 
 
 def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
@@ -219,6 +237,7 @@ class ComputeJob:
     members: list[list[str]]
     records: dict[str, dict[str, Any]]  # item records: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
+    moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
 
     def split(self) -> list[ComputeJob]:
         """One job per group, to find which group a failed computation cannot take."""
@@ -230,9 +249,19 @@ class ComputeJob:
                 [members],
                 {uid: self.records[uid] for uid in members},
                 {uid: self.blobs[uid] for uid in members if uid in self.blobs},
+                self.moments,
             )
             for gkey, members in zip(self.groups, self.members, strict=True)
         ]
+
+
+@dataclass
+class ShapingUpdate:
+    """What reward shaping did in one computation, saved with its advantages."""
+
+    counts: dict[str, int]  # added to the SHAPING_COUNTERS
+    moments: list[float] | None  # the running reward moments after it
+    rewards: dict[str, float] = field(default_factory=dict)  # shaped rewards by uid, for the batch stage
 
 
 @dataclass(frozen=True)
@@ -766,7 +795,10 @@ class Store:
                     continue
                 grp = _loads(txn.get(key[:4] + gkey, db=self._db["groups"]))
                 name, config = ids[table_id]
-                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}, {}))
+                if table_id not in jobs:
+                    counters = _loads(txn.get(key[:4], db=self._db["counters"])) or {}
+                    jobs[table_id] = ComputeJob(name, config, [], [], {}, {}, counters.get("reward_moments"))
+                job = jobs[table_id]
                 job.groups.append(gkey.decode())
                 job.members.append(grp["m"])
                 for uid in grp["m"]:
@@ -784,14 +816,16 @@ class Store:
         ready: Sequence[str],
         dropped: Sequence[str] = (),
         failed: dict[str, str] | None = None,
+        shaping: ShapingUpdate | None = None,
     ) -> None:
         """Store computed advantages and release their groups; drop or fail the others.
-        Groups deleted or evicted meanwhile are left alone."""
+        Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
+        counts and running moments) is saved in the same transaction."""
         table_id, config = self._table(table)
 
         def op(txn: lmdb.Transaction) -> None:
             tt = _TableTxn(self, txn, table_id, config)
-            tt.finish_compute(advantages, ready, dropped, failed or {})
+            tt.finish_compute(advantages, ready, dropped, failed or {}, shaping)
             tt.save()
 
         self._submit(op)
@@ -1060,9 +1094,15 @@ class _TableTxn:
         ready: Sequence[str],
         dropped: Sequence[str],
         failed: dict[str, str],
+        shaping: ShapingUpdate | None = None,
     ) -> None:
-        """One value per experience goes into its record (rewritten anyway to become ready);
-        token-level advantages, being larger, into the adv database."""
+        """One value per experience goes into its record (rewritten anyway to become ready),
+        with its shaped reward ("sr") where the batch stage needs it; token-level advantages,
+        being larger, into the adv database."""
+        if shaping is not None:
+            for name, count in shaping.counts.items():
+                self.counters[name] += count
+            self.counters["reward_moments"] = shaping.moments
         for gkey in [*ready, *dropped, *failed]:
             grp = self.group(gkey)
             if grp is None or grp["s"] != COMPUTING:
@@ -1080,6 +1120,8 @@ class _TableTxn:
                 recs = {uid: self.item(uid) for uid in grp["m"]}
                 for uid, rec in recs.items():
                     value = advantages[uid]
+                    if shaping is not None and uid in shaping.rewards:
+                        rec["sr"] = shaping.rewards[uid]
                     if isinstance(value, float):
                         rec["a"] = value
                     else:
@@ -1224,7 +1266,7 @@ class _TableTxn:
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
             if expires is not None:
                 self.txn.put(_expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
-        batch.advantages = finish_batch(self.config, rows, batch.advantages)
+        batch.advantages = finish_batch(self.config, rows, batch.advantages, self.counters)
         self.counters["sampled"] += len(batch.uids)
         batch.newest_version = self.counters["max_version"]
         self.save()
