@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from expbuf.client import BufferClient, BufferError, decode
+from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.experience import Experience
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.app import ExpbufServer
@@ -173,8 +173,6 @@ def test_moments_chain_through_retries_and_a_failed_try_leaves_them(tmp_path: Pa
     guilty = [make_experience(1, 1, run, reward=50.0, response=7) for run in range(3)]
     with Store(tmp_path) as store:
         store.create_table(TableConfig("c", estimator=exploding, shaping={"reward_running_norm": True}))
-        from expbuf.client import trxp
-
         store.put("c", [trxp.from_experience(e) for e in good[0] + guilty + good[1]])
         assert AdvantageWorker(store).run_once() == 3
         stats = store.stats("c")
@@ -238,7 +236,7 @@ def test_out_of_range_shaping_is_refused_over_grpc(client: BufferClient, shaping
 
 
 def test_unknown_shaping_setting_is_refused_naming_it(client: BufferClient) -> None:
-    with pytest.raises(ValueError, match="unknown shaping setting.s.: rewardclip; known: reward_clip"):
+    with pytest.raises(ValueError, match=r"unknown shaping setting\(s\): rewardclip; known: reward_clip"):
         client.create_table("typo", shaping={"rewardclip": 1.0})
     assert client.create_table("ok", shaping={"reward_clip": 5})["shaping"]["reward_clip"] == 5.0
 
@@ -252,7 +250,7 @@ def test_shaping_in_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="table 't': shaping overlong_buffer needs 0 < overlong_buffer_len"):
         load_config(path)
     path.write_text('[[tables]]\nname = "t"\nshaping = { reward_clipp = 5.0 }\n')
-    with pytest.raises(ConfigError, match="table 't': unknown shaping setting.s.: reward_clipp"):
+    with pytest.raises(ConfigError, match=r"table 't': unknown shaping setting\(s\): reward_clipp"):
         load_config(path)
 
 
