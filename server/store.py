@@ -2,13 +2,15 @@
 
 Layout (named LMDB databases; per-table keys start with the table's 4-byte id T):
 - tables:   name -> {"id", "config", "created"}          meta: next table id
-- items:    T + uid -> item record (state, group, seq, digest, bytes, times sampled, version, reward)
+- items:    T + uid -> item record (state, group, seq, digest, bytes, times sampled, version, reward,
+            the shaped reward where a batch stage needs it)
 - blobs:    T + uid -> the experience as a one-item TRXP payload (live experiences only)
 - groups:   T + group key -> group record (state, members, created, ready seq, priority, lease)
 - tasks, runs, steps: T + id + NUL + uid -> b"" (experiences by task, run and step group)
 - order:    T + seq -> uid (live experiences in insertion order: eviction, oldest age)
 - pending:  T + created + group key -> b"" (incomplete groups, for group timeouts)
-- counters: T -> counts by state, bytes and totals, updated in the same transaction
+- counters: T -> counts by state, bytes and totals, the running reward moments of reward
+            shaping, updated in the same transaction
 - ready, prio, slots, slotof: ready groups (see selection.py)
 - leases:   lease id -> {"t", "g", "e"};  lease_exp: expiry + lease id -> b""
 
