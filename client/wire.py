@@ -54,6 +54,18 @@ TABLE_SETTINGS = (
     "drop_zero_variance",
     "tombstone_seconds",
     "keep_failed",
+    "shaping",
+)
+# The settings of a table's `shaping` (reward shaping and advantage clipping).
+SHAPING_SETTINGS = (
+    "reward_clip",
+    "overlong_buffer",
+    "overlong_buffer_len",
+    "overlong_buffer_penalty_factor",
+    "max_new_tokens",
+    "reward_running_norm",
+    "reward_running_norm_minus_mean",
+    "advantage_clip",
 )
 
 
@@ -76,6 +88,30 @@ def enum_name(mapping: dict[str, int], what: str, value: int, default: str) -> s
         if number == value:
             return name
     raise WireError(f"{what} is {value}, not one of {', '.join(f'{n} ({v})' for n, v in mapping.items())}")
+
+
+def shaping_to_proto(settings: dict[str, Any] | None) -> pb.Shaping:
+    """A table's shaping settings -> Shaping message; an unknown setting is refused."""
+    settings = settings or {}
+    if not isinstance(settings, dict):
+        raise WireError(f"shaping is {str(settings)[:40]!r}; expected a dict of settings")
+    unknown = sorted(set(settings) - set(SHAPING_SETTINGS))
+    if unknown:
+        raise WireError(
+            f"unknown shaping setting(s): {', '.join(u[:40] for u in unknown)}; known: {', '.join(SHAPING_SETTINGS)}"
+        )
+    try:
+        return pb.Shaping(**settings)
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"shaping: {str(exc)[:200]}") from None
+
+
+def shaping_from_proto(msg: pb.Shaping) -> dict[str, Any]:
+    """Shaping message -> shaping settings; an unset penalty factor keeps its default."""
+    settings = {name: getattr(msg, name) for name in SHAPING_SETTINGS if name != "overlong_buffer_penalty_factor"}
+    if msg.HasField("overlong_buffer_penalty_factor"):
+        settings["overlong_buffer_penalty_factor"] = msg.overlong_buffer_penalty_factor
+    return settings
 
 
 def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
@@ -101,6 +137,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         drop_zero_variance=settings.get("drop_zero_variance", False),
         tombstone_seconds=settings.get("tombstone_seconds"),
         keep_failed=settings.get("keep_failed"),
+        shaping=shaping_to_proto(settings.get("shaping")),
     )
 
 
@@ -122,4 +159,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "drop_zero_variance": msg.drop_zero_variance,
         **({"tombstone_seconds": msg.tombstone_seconds} if msg.HasField("tombstone_seconds") else {}),
         **({"keep_failed": msg.keep_failed} if msg.HasField("keep_failed") else {}),
+        "shaping": shaping_from_proto(msg.shaping),
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from expbuf.client import trxp
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from . import estimators
+    from .shaping import ShapingReport
     from .store.records import ItemRecord
 
 # An experience's computed advantage: (value, response length) when every generated token
@@ -100,36 +101,54 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
     }
 
 
-def finish_batch(config: TableConfig, records: Sequence[ItemRecord], stored: Sequence[Advantage]) -> list[Advantage]:
+def finish_batch(
+    config: TableConfig,
+    records: Sequence[ItemRecord],
+    stored: Sequence[Advantage],
+    counters: dict[str, Any] | None = None,
+) -> list[Advantage]:
     """The batch stage: the advantages of a sampled batch (its item records and stored
-    values, in batch order) from the pending values its estimator stored on ingest. Tables
-    without a batch stage get their stored values back unchanged."""
+    values, in batch order) from the pending values its estimator stored on ingest, then
+    clipped; what the clipping did is added to `counters` (a sample's, not a Get's). Tables
+    without a batch stage get their stored values back unchanged (clipped on ingest)."""
     if not batch_stage(config) or not records:
         return list(stored)
+    from .shaping import ShapingReport
+
+    report = ShapingReport()
+    finished = _finish(config, records, stored, report)
+    if counters is not None:
+        counters["advantages_seen"] += report.advantages_seen
+        counters["advantages_clipped"] += report.advantages_clipped
+    return finished
+
+
+def _finish(
+    config: TableConfig, records: Sequence[ItemRecord], stored: Sequence[Advantage], report: ShapingReport
+) -> list[Advantage]:
+    import torch
+
+    from . import estimators, shaping
+
     if any(a is None for a in stored):  # experiences not computed yet (Get): finish the others
         done = [i for i, a in enumerate(stored) if a is not None]
         out = list(stored)
-        for i, value in zip(
-            done, finish_batch(config, [records[i] for i in done], [stored[i] for i in done]), strict=True
-        ):
+        finished = _finish(config, [records[i] for i in done], [stored[i] for i in done], report)
+        for i, value in zip(done, finished, strict=True):
             out[i] = value
         return out
-    import torch
-
-    from . import estimators
-
     f64 = torch.float64
     runs: dict[str, int] = {}
     rows = estimators.SampledRows(
         pending=torch.tensor([a[0] if isinstance(a, tuple) else 0.0 for a in stored], dtype=f64),
-        rewards=torch.tensor([float(rec.reward or 0.0) for rec in records], dtype=f64),
+        rewards=torch.tensor([float(_batch_reward(rec)) for rec in records], dtype=f64),
         generated=torch.tensor([rec.generated for rec in records], dtype=f64),
         run=torch.tensor([runs.setdefault(rec.rid, len(runs)) for rec in records], dtype=torch.int64),
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
     args = estimator_args(config)
     if config.estimator != "reinforceplusplus":
-        values = estimators.FINISH[config.estimator](rows, **args)
+        values = shaping.clip_advantages(config.shaping, estimators.FINISH[config.estimator](rows, **args), report)
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -140,7 +159,14 @@ def finish_batch(config: TableConfig, records: Sequence[ItemRecord], stored: Seq
         returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
     advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    advantages = shaping.clip_advantages(config.shaping, advantages, report)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)
     ]
+
+
+def _batch_reward(rec: ItemRecord) -> float:
+    """The reward the batch stage's statistics see: shaped where shaping ran on ingest."""
+    reward = rec.shaped_reward if rec.shaped_reward is not None else rec.reward
+    return reward or 0.0

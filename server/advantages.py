@@ -22,21 +22,24 @@ import torch
 
 from expbuf.client import trxp
 
-from . import estimators
+from . import estimators, shaping
 from .advantage_storage import encode_results, flat_tensor
 from .errors import clip
-from .store import ComputeJob, ItemRecord, Store
-from .tables import TOKEN_LEVEL, estimator_args
+from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate, Store
+from .tables import TOKEN_LEVEL, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
 
 
 def build_batch(
-    records: Sequence[ItemRecord], items: Sequence[trxp.RawItem] | None = None
+    records: Sequence[ItemRecord],
+    items: Sequence[trxp.RawItem] | None = None,
+    shape: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[estimators.FlatBatch, list[str]]:
     """Flat estimator inputs from the item records of the completed groups of one table
     (and their payloads, for token-level estimators), with the group keys in the order of
-    their numbers."""
+    their numbers. `shape` turns (rewards, generated-token counts) into the rewards the
+    estimator sees, before they are put on the tokens."""
     index: dict[str, dict[str, int]] = {"group": {}, "task": {}, "run": {}}
 
     def numbers(kind: str, field: str) -> torch.Tensor:
@@ -53,6 +56,8 @@ def build_batch(
         run=numbers("run", "rid"),
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
+    if shape is not None:
+        batch.rewards = shape(batch.rewards, batch.generated)
     if items is not None:
         masks = [flat_tensor(item.tensors.get("action_mask"), rec.response_length, 1, f64) for item, rec in zip(
             items, records, strict=True)]  # fmt: skip
@@ -77,18 +82,35 @@ def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> tor
     return out
 
 
-def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str]]:
+def compute(
+    job: ComputeJob,
+) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]:
     """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
-    groups with the reason)."""
+    groups with the reason, what reward shaping did). The rewards are shaped before the
+    estimator; the advantages are clipped after it, unless the batch stage finishes them."""
     config = job.config
     uids = [uid for members in job.members for uid in members]
     items = None
     if config.estimator in TOKEN_LEVEL:
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
-    batch, group_keys = build_batch([job.records[uid] for uid in uids], items)
+    moments = shaping.RunningMoments.of(job.moments)
+    report = shaping.ShapingReport()
+
+    def shape(rewards: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        nonlocal moments, report
+        rewards, moments, report = shaping.shape_rewards(config.shaping, rewards, generated, moments)
+        return rewards
+
+    records = [job.records[uid] for uid in uids]
+    batch, group_keys = build_batch(records, items, shape if config.shaping.shapes_rewards else None)
     device = estimators.resolve_device(config.device)
     result = estimators.estimate(config.estimator, batch.to(device), estimator_args(config))
     finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
+    if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity
+        if result.scalar is not None:
+            result.scalar = shaping.clip_advantages(config.shaping, result.scalar, report)
+        else:
+            result.advantages = shaping.clip_advantages(config.shaping, result.advantages, report)
     values = dict(zip(uids, encode_results(result, batch), strict=True))
     dropped = []
     if result.drop_groups is not None:
@@ -98,7 +120,13 @@ def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[
         if gkey not in dropped and not all(finite[uid] for uid in members):
             failed[gkey] = f"{config.estimator} gave a non-finite advantage (NaN or infinity)"
     ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
-    return values, ready, dropped, failed
+    update = ShapingUpdate(
+        counts={name: getattr(report, name) for name in SHAPING_COUNTERS},
+        moments=moments.stored() if config.shaping.reward_running_norm else job.moments,
+    )
+    if batch_stage(config) and config.shaping.shapes_rewards:  # the batch stage's statistics use them
+        update.rewards = dict(zip(uids, batch.rewards.tolist(), strict=True))
+    return values, ready, dropped, failed, update
 
 
 class AdvantageWorker:
@@ -136,29 +164,34 @@ class AdvantageWorker:
                 self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
         return handled
 
-    def _compute(self, job: ComputeJob) -> None:
-        """One batched computation. If it fails, each group is tried on its own, so that
-        only a group that fails by itself fails (and keeps its payloads, see keep_failed)."""
+    def _compute(self, job: ComputeJob) -> list[float] | None:
+        """One batched computation; returns the running reward moments after it. If it
+        fails, each group is tried on its own, so that only a group that fails by itself
+        fails (and keeps its payloads, see keep_failed); the moments chain through those
+        tries, and a failed try leaves them as they were."""
         try:
-            values, ready, dropped, failed = compute(job)
+            values, ready, dropped, failed, update = compute(job)
         except Exception as exc:
             if len(job.groups) > 1:
                 log.warning(
                     "advantages failed for %d groups of table %s together (%s); trying each on its own",
                     len(job.groups), job.table, clip(str(exc), 300),
                 )  # fmt: skip
+                moments = job.moments
                 for single in job.split():
-                    self._compute(single)
-                return
+                    single.moments = moments
+                    moments = self._compute(single)
+                return moments
             log.exception("advantages failed for group %s of table %s", clip(job.groups[0]), job.table)
             reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
             self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
-            return
-        self.store.finish_compute(job.table, values, ready, dropped, failed)
+            return job.moments
+        self.store.finish_compute(job.table, values, ready, dropped, failed, update)
         for gkey, reason in failed.items():
             log.warning("group failed: table %s, group %s: %s", job.table, gkey, reason)
         for gkey in dropped:
             log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
+        return update.moments
 
     def _run(self) -> None:
         while not self._stop.is_set():

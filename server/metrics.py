@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .interceptor import ServiceInterceptor
+from .shaping import RunningMoments
 from .store import LIVE, Store
 
 GROUP_STATES = LIVE
@@ -35,6 +36,7 @@ _STORE_COUNTERS = (
     ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total", {}),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold")
+_CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
 
 
 class StoreCollector(Collector):
@@ -65,6 +67,7 @@ class StoreCollector(Collector):
             for reason in _DROP_REASONS:
                 dropped.add_metric([table, reason], stats[f"dropped_{reason}"])
         yield dropped
+        yield from _shaping_metrics(tables)
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
@@ -76,6 +79,33 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
         )
+
+
+def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """What reward shaping and advantage clipping did, by table (and clipping step)."""
+    penalised = CounterMetricFamily(
+        "expbuf_shaping_overlong_penalised", "Experiences whose reward the overlong penalty lowered.", labels=["table"]
+    )
+    seen = CounterMetricFamily(
+        "expbuf_shaping_seen", "Values a clipping step looked at (advantages: per token).", labels=["table", "step"]
+    )
+    clipped = CounterMetricFamily("expbuf_shaping_clipped", "Values a clipping step clipped.", labels=["table", "step"])
+    ratio = GaugeMetricFamily(
+        "expbuf_shaping_clipped_ratio", "Clipped part of the values a clipping step saw.", labels=["table", "step"]
+    )
+    mean = GaugeMetricFamily("expbuf_reward_running_mean", "Running mean of the rewards seen.", labels=["table"])
+    std = GaugeMetricFamily("expbuf_reward_running_std", "Running std of the rewards seen.", labels=["table"])
+    for table, stats in tables.items():
+        penalised.add_metric([table], stats["overlong_penalised"])
+        for step in _CLIP_STEPS:
+            total, count = stats[f"{step}s_seen"], stats[f"{step}s_clipped"]
+            seen.add_metric([table, step], total)
+            clipped.add_metric([table, step], count)
+            ratio.add_metric([table, step], count / total if total else 0.0)
+        moments = RunningMoments.of(stats["reward_moments"])
+        mean.add_metric([table], moments.mean)
+        std.add_metric([table], moments.std)
+    yield from (penalised, seen, clipped, ratio, mean, std)
 
 
 class Metrics:

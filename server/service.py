@@ -36,6 +36,7 @@ from .errors import (
 from .metrics import Metrics
 from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
+from .shaping import RunningMoments
 from .store import Sampled, Store
 from .tables import ConfigError, TableConfig
 
@@ -325,6 +326,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     def _table_stats(self, name: str) -> pb.TableStats:
         s = self.store.stats(name)
+        moments = RunningMoments.of(s["reward_moments"])
         return pb.TableStats(
             name=name,
             pending=s["pending"],
@@ -348,6 +350,13 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             duplicates=s["duplicates"],
             sampled=s["sampled"],
             leases_expired=s["leases_expired"],
+            overlong_penalised=s["overlong_penalised"],
+            rewards_seen=s["rewards_seen"],
+            rewards_clipped=s["rewards_clipped"],
+            advantages_seen=s["advantages_seen"],
+            advantages_clipped=s["advantages_clipped"],
+            reward_running_mean=moments.mean,
+            reward_running_std=moments.std,
         )
 
     @_refusals

@@ -13,7 +13,7 @@ The steps, in order, each off unless configured:
 
 The running moments are a value passed in and returned (`RunningMoments`), so whoever
 calls these keeps them durable. Each step reports what it did: the count of penalised
-experiences, the fraction of values clipped.
+experiences, the counts of values seen and clipped.
 """
 
 from __future__ import annotations
@@ -24,36 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .tables import ConfigError
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """A table's shaping steps, under LightRFT's setting names; 0 (or false) turns a step off."""
-
-    reward_clip: float = 0.0
-    overlong_buffer: bool = False
-    overlong_buffer_len: int = 0
-    overlong_buffer_penalty_factor: float = 1.0
-    max_new_tokens: int = 0
-    reward_running_norm: bool = False
-    reward_running_norm_minus_mean: bool = False
-    advantage_clip: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("reward_clip", "advantage_clip", "overlong_buffer_penalty_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"shaping {name} is {value!r}; allowed: a finite number >= 0")
-        for name in ("overlong_buffer_len", "max_new_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"shaping {name} is {value!r}; allowed: an integer >= 0")
-        if self.overlong_buffer and not 0 < self.overlong_buffer_len < self.max_new_tokens:
-            raise ConfigError(
-                f"shaping overlong_buffer needs 0 < overlong_buffer_len < max_new_tokens, "
-                f"got {self.overlong_buffer_len} and {self.max_new_tokens}"
-            )
+from .tables import Shaping
 
 
 @dataclass(frozen=True)
@@ -72,6 +43,15 @@ class RunningMoments:
         """The unbiased standard deviation of everything seen."""
         return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else 1.0
 
+    @classmethod
+    def of(cls, stored: list[float] | None) -> RunningMoments:
+        """The moments as a table's counters keep them (None before any reward)."""
+        return cls(*stored) if stored else cls()
+
+    def stored(self) -> list[float]:
+        """The form the table's counters keep."""
+        return [self.mean, self.var, self.count]
+
     def update(self, values: Tensor) -> RunningMoments:
         """These moments with the values taken in."""
         n = values.numel()
@@ -86,19 +66,26 @@ class RunningMoments:
 
 @dataclass
 class ShapingReport:
-    """What the steps did to one computation, for metrics and Stats."""
+    """What the steps did to one computation, as counts that add up in the table's counters."""
 
     overlong_penalised: int = 0
-    reward_clip_fraction: float = 0.0
-    advantage_clip_fraction: float = 0.0
+    rewards_seen: int = 0
+    rewards_clipped: int = 0
+    advantages_seen: int = 0
+    advantages_clipped: int = 0
+
+    @property
+    def reward_clip_fraction(self) -> float:
+        return self.rewards_clipped / self.rewards_seen if self.rewards_seen else 0.0
+
+    @property
+    def advantage_clip_fraction(self) -> float:
+        return self.advantages_clipped / self.advantages_seen if self.advantages_seen else 0.0
 
 
-def clip(values: Tensor, limit: float) -> tuple[Tensor, float]:
-    """Values clipped to [-limit, limit], and the fraction that lay outside before."""
-    if values.numel() == 0:
-        return values, 0.0
-    fraction = float((values.abs() > limit).double().mean())
-    return values.clamp(-limit, limit), fraction
+def clip(values: Tensor, limit: float) -> tuple[Tensor, int]:
+    """Values clipped to [-limit, limit], and how many lay outside before."""
+    return values.clamp(-limit, limit), int((values.abs() > limit).sum())
 
 
 def overlong_penalty(
@@ -126,7 +113,8 @@ def shape_rewards(
             (rewards - moments.mean) / moments.std if config.reward_running_norm_minus_mean else rewards / moments.std
         )
     if config.reward_clip > 0:
-        rewards, report.reward_clip_fraction = clip(rewards, config.reward_clip)
+        report.rewards_seen = rewards.numel()
+        rewards, report.rewards_clipped = clip(rewards, config.reward_clip)
     return rewards, moments, report
 
 
@@ -134,5 +122,7 @@ def clip_advantages(config: Shaping, advantages: Tensor, report: ShapingReport) 
     """Step 5 on the estimator's values (one per experience, or token-level)."""
     if config.advantage_clip <= 0:
         return advantages
-    advantages, report.advantage_clip_fraction = clip(advantages, config.advantage_clip)
+    report.advantages_seen += advantages.numel()
+    advantages, clipped = clip(advantages, config.advantage_clip)
+    report.advantages_clipped += clipped
     return advantages

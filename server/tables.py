@@ -151,6 +151,62 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Shaping:
+    """A table's reward shaping and advantage clipping (server/shaping.py), under LightRFT's
+    setting names; 0 (or false) turns a step off."""
+
+    reward_clip: float = 0.0
+    overlong_buffer: bool = False
+    overlong_buffer_len: int = 0
+    overlong_buffer_penalty_factor: float = 1.0
+    max_new_tokens: int = 0
+    reward_running_norm: bool = False
+    reward_running_norm_minus_mean: bool = False
+    advantage_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("reward_clip", "advantage_clip", "overlong_buffer_penalty_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"shaping {name} is {clip(value, 40)}; allowed: a finite number >= 0")
+        for name in ("overlong_buffer_len", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+                raise ConfigError(f"shaping {name} is {clip(value, 40)}; allowed: an integer >= 0 and < 2^31")
+        for name in ("overlong_buffer", "reward_running_norm", "reward_running_norm_minus_mean"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"shaping {name} is {clip(getattr(self, name), 40)}; allowed: true or false")
+        if self.overlong_buffer and not 0 < self.overlong_buffer_len < self.max_new_tokens:
+            raise ConfigError(
+                f"shaping overlong_buffer needs 0 < overlong_buffer_len < max_new_tokens, "
+                f"got {self.overlong_buffer_len} and {self.max_new_tokens}"
+            )
+
+    @property
+    def shapes_rewards(self) -> bool:
+        """Whether any reward step (overlong penalty, running normalisation, clip) is on."""
+        return self.overlong_buffer or self.reward_running_norm or self.reward_clip > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Shaping:
+        """The settings of a TOML inline table, a create_table dict or a stored record."""
+        if isinstance(data, Shaping):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"shaping is {clip(data, 40)}; expected a table of settings")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown shaping setting(s): {', '.join(clip(u, 40) for u in unknown)}; known: {', '.join(known)}"
+            )
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class TableConfig:
     name: str
     group_by: str = "task"
@@ -171,6 +227,8 @@ class TableConfig:
     # Whether a group whose advantages could not be computed keeps its payloads (for Get
     # and Delete) until its record is forgotten, or loses them at once.
     keep_failed: bool = True
+    # Reward shaping before the estimator and advantage clipping after it.
+    shaping: Shaping = field(default_factory=Shaping)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -204,6 +262,10 @@ class TableConfig:
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         self._check_estimator_params()
+        try:
+            object.__setattr__(self, "shaping", Shaping.from_dict(self.shaping))
+        except ConfigError as exc:
+            raise ConfigError(f"table '{self.name}': {exc}") from None
 
     def _check_estimator_params(self) -> None:
         """Every parameter known to the estimator and in its range; choices stored by position."""

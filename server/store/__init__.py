@@ -26,7 +26,7 @@ from .records import (
     STATES,
     ItemRecord,
 )
-from .types import ComputeJob, Entry, PutResult, Sampled
+from .types import SHAPING_COUNTERS, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 
 __all__ = [
     "COMPUTING",
@@ -39,11 +39,13 @@ __all__ = [
     "PENDING",
     "READY",
     "RETIRED",
+    "SHAPING_COUNTERS",
     "STATES",
     "ComputeJob",
     "Entry",
     "ItemRecord",
     "PutResult",
     "Sampled",
+    "ShapingUpdate",
     "Store",
 ]

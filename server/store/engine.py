@@ -30,7 +30,7 @@ from .groups import TableTxn, read_counters
 from .integrity import verify
 from .leases import end_lease, read_lease, take
 from .records import GroupRecord, ItemRecord, Lease
-from .types import ComputeJob, Entry, PutResult, Sampled
+from .types import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .upkeep import Upkeep
 
 
@@ -384,7 +384,10 @@ class Store:
                     continue
                 grp = GroupRecord.decode(txn.get(key[:4] + gkey, db=self._db["groups"]))
                 name, config = ids[table_id]
-                job = jobs.setdefault(table_id, ComputeJob(name, config, [], [], {}, {}))
+                if table_id not in jobs:
+                    moments = read_counters(txn, self._db["counters"], key[:4])["reward_moments"]
+                    jobs[table_id] = ComputeJob(name, config, [], [], {}, {}, moments)
+                job = jobs[table_id]
                 job.groups.append(gkey.decode())
                 job.members.append(grp.members)
                 for uid in grp.members:
@@ -402,12 +405,14 @@ class Store:
         ready: Sequence[str],
         dropped: Sequence[str] = (),
         failed: dict[str, str] | None = None,
+        shaping: ShapingUpdate | None = None,
     ) -> None:
         """Store computed advantages and release their groups; drop or fail the others.
-        Groups deleted or evicted meanwhile are left alone."""
+        Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
+        counts and running moments) is saved in the same transaction."""
 
         def op(tt: TableTxn) -> None:
-            tt.finish_compute(advantages, ready, dropped, failed or {})
+            tt.finish_compute(advantages, ready, dropped, failed or {}, shaping)
             tt.save()
 
         self._in_table(table, op)

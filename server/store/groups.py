@@ -34,7 +34,7 @@ from .records import (
     GroupRecord,
     ItemRecord,
 )
-from .types import Entry, PutResult
+from .types import SHAPING_COUNTERS, Entry, PutResult, ShapingUpdate
 
 _COUNTERS = (
     *STATES,
@@ -53,6 +53,8 @@ _COUNTERS = (
     "dropped_zero_variance",
     "dropped_timeout",
     "dropped_std_threshold",
+    # what reward shaping and advantage clipping did (see shaping.py)
+    *SHAPING_COUNTERS,
     "next_seq",
     "next_rseq",
 )
@@ -60,7 +62,12 @@ _COUNTERS = (
 
 def fresh_counters() -> dict[str, Any]:
     """A table's counters before anything happened (stored ones are laid over these)."""
-    return dict.fromkeys(_COUNTERS, 0) | {"min_version": None, "max_version": None, "last_failure": ""}
+    return dict.fromkeys(_COUNTERS, 0) | {
+        "min_version": None,
+        "max_version": None,
+        "last_failure": "",
+        "reward_moments": None,  # [mean, population variance, count] of the running reward normalisation
+    }
 
 
 def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[str, Any]:
@@ -325,10 +332,16 @@ class TableTxn:
         ready: Sequence[str],
         dropped: Sequence[str],
         failed: dict[str, str],
+        shaping: ShapingUpdate | None = None,
     ) -> None:
-        """One value per experience goes into its record (rewritten anyway to become ready);
-        token-level advantages, being larger, into the adv database. Groups deleted or
-        evicted meanwhile are left alone."""
+        """One value per experience goes into its record (rewritten anyway to become ready),
+        with its shaped reward where the batch stage needs it; token-level advantages, being
+        larger, into the adv database. What reward shaping did (its counts and running
+        moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
+        if shaping is not None:
+            for name, count in shaping.counts.items():
+                self.counters[name] += count
+            self.counters["reward_moments"] = shaping.moments
         for gkey in [*ready, *dropped, *failed]:
             grp = self.group(gkey)
             if grp is None or grp.state != COMPUTING:
@@ -346,6 +359,8 @@ class TableTxn:
                 recs = self.members(grp)
                 for uid, rec in recs.items():
                     value = advantages[uid]
+                    if shaping is not None and uid in shaping.rewards:
+                        rec.shaped_reward = shaping.rewards[uid]
                     if isinstance(value, float):
                         rec.advantage = value
                     else:

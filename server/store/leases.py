@@ -89,7 +89,7 @@ def take(
         tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
         if expires is not None:
             tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
-    batch.advantages = finish_batch(tt.config, rows, batch.advantages)
+    batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
     batch.newest_version = tt.counters["max_version"]
     tt.save()

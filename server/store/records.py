@@ -83,8 +83,9 @@ class ItemRecord:
     times_sampled: int = 0
     advantage: float | None = None  # the stored value when every generated token carries it
     retired: float | None = None  # when it became a tombstone
+    shaped_reward: float | None = None  # the reward after shaping, where a batch stage needs it
 
-    _HEAD = struct.Struct("<BQ16sQdqIIqddQdd")
+    _HEAD = struct.Struct("<BQ16sQdqIIqddQddd")
 
     def encode(self) -> bytes:
         head = self._HEAD.pack(
@@ -102,14 +103,29 @@ class ItemRecord:
             self.times_sampled,
             _opt_float(self.advantage),
             _opt_float(self.retired),
+            _opt_float(self.shaped_reward),
         )
         return head + _pack_str(self.group) + _pack_str(self.tid) + _pack_str(self.rid)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ItemRecord:
-        (state, seq, digest, size, created, step, length, generated, version, reward, priority, times, adv, retired) = (
-            cls._HEAD.unpack_from(data)
-        )
+        (
+            state,
+            seq,
+            digest,
+            size,
+            created,
+            step,
+            length,
+            generated,
+            version,
+            reward,
+            priority,
+            times,
+            adv,
+            retired,
+            shaped,
+        ) = cls._HEAD.unpack_from(data)
         group, pos = _unpack_str(data, cls._HEAD.size)
         tid, pos = _unpack_str(data, pos)
         rid, _ = _unpack_str(data, pos)
@@ -131,6 +147,7 @@ class ItemRecord:
             times,
             _float_or_none(adv),
             _float_or_none(retired),
+            _float_or_none(shaped),
         )
 
     @classmethod

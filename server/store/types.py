@@ -13,6 +13,8 @@ from ..tables import TableConfig
 from .records import ItemRecord
 
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+# The durable counters of what reward shaping and advantage clipping did (see shaping.py).
+SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class ComputeJob:
     members: list[list[str]]
     records: dict[str, ItemRecord]  # by uid: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
+    moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
 
     def split(self) -> list[ComputeJob]:
         """One job per group, to find which group a failed computation cannot take."""
@@ -106,6 +109,16 @@ class ComputeJob:
                 [members],
                 {uid: self.records[uid] for uid in members},
                 {uid: self.blobs[uid] for uid in members if uid in self.blobs},
+                self.moments,
             )
             for gkey, members in zip(self.groups, self.members, strict=True)
         ]
+
+
+@dataclass
+class ShapingUpdate:
+    """What reward shaping did in one computation, saved with its advantages."""
+
+    counts: dict[str, int]  # added to the SHAPING_COUNTERS
+    moments: list[float] | None  # the running reward moments after it
+    rewards: dict[str, float] = field(default_factory=dict)  # shaped rewards by uid, for the batch stage

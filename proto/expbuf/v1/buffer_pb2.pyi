@@ -79,8 +79,28 @@ class Estimator(_message.Message):
     device: str
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ...) -> None: ...
 
+class Shaping(_message.Message):
+    __slots__ = ("reward_clip", "overlong_buffer", "overlong_buffer_len", "overlong_buffer_penalty_factor", "max_new_tokens", "reward_running_norm", "reward_running_norm_minus_mean", "advantage_clip")
+    REWARD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    OVERLONG_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OVERLONG_BUFFER_LEN_FIELD_NUMBER: _ClassVar[int]
+    OVERLONG_BUFFER_PENALTY_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_RUNNING_NORM_FIELD_NUMBER: _ClassVar[int]
+    REWARD_RUNNING_NORM_MINUS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    reward_clip: float
+    overlong_buffer: bool
+    overlong_buffer_len: int
+    overlong_buffer_penalty_factor: float
+    max_new_tokens: int
+    reward_running_norm: bool
+    reward_running_norm_minus_mean: bool
+    advantage_clip: float
+    def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ...) -> None: ...
+
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +114,7 @@ class TableConfig(_message.Message):
     DROP_ZERO_VARIANCE_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SHAPING_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -107,7 +128,8 @@ class TableConfig(_message.Message):
     drop_zero_variance: bool
     tombstone_seconds: float
     keep_failed: bool
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ...) -> None: ...
+    shaping: Shaping
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq")
@@ -258,7 +280,7 @@ class StatsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure")
+    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +303,13 @@ class TableStats(_message.Message):
     COMPUTING_FIELD_NUMBER: _ClassVar[int]
     GROUPS_COMPUTING_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    OVERLONG_PENALISED_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_RUNNING_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_RUNNING_STD_FIELD_NUMBER: _ClassVar[int]
     name: str
     pending: int
     ready: int
@@ -303,7 +332,14 @@ class TableStats(_message.Message):
     computing: int
     groups_computing: int
     last_failure: str
-    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ...) -> None: ...
+    overlong_penalised: int
+    rewards_seen: int
+    rewards_clipped: int
+    advantages_seen: int
+    advantages_clipped: int
+    reward_running_mean: float
+    reward_running_std: float
+    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tables",)
