@@ -61,7 +61,7 @@ class ExpbufServer:
         for table in config.tables:
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
-        self.metrics = Metrics(self.store)
+        self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
@@ -103,7 +103,7 @@ class ExpbufServer:
         self._maintenance.start()
         if self.config.metrics_port >= 0:
             self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.exported
             )
             self.metrics_port = self._metrics_http.server_port
         for name in ("", SERVICE_NAME):

@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT, then stop accepting, finish in-flight RPCs and commit."""
     try:
         overrides = {"data": args.data, "host": args.host, "port": args.port, "metrics_port": args.metrics_port}
-        config = load(args.config, overrides | {"log_format": args.log_format})
+        config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         return 2
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="gRPC port, 0 picks a free one (default 50051; env EXPBUF_PORT)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port, 0 = off (default 9400)")
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
+    serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")
     serve.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON")
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a running server's tables (counts by state, rates, ages)")

@@ -53,6 +53,8 @@ class ServerConfig:
     max_message_bytes: int = 256 << 20
     workers: int = 64
     log_format: str = "text"
+    # This server's name among the shards of a sharded buffer; labels its metrics.
+    shard: str = ""
     tls: TlsConfig | None = None
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -87,6 +89,7 @@ _ENV = {
     "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
     "EXPBUF_WORKERS": ("workers", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
+    "EXPBUF_SHARD": ("shard", str),
 }
 
 
