@@ -11,7 +11,7 @@ PYTHON ?= python3
 # another wheel index (the container image uses the CPU or a CUDA one).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test
+EXTRAS ?= test,ray
 STAMP := $(VENV)/.expbuf-installed
 
 .PHONY: setup serve test compose-tool clean
