@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client.sharded import ShardedBufferClient, ShardError
+
 from helpers import make_experience
 
 ray = pytest.importorskip("ray")

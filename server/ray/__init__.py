@@ -147,7 +147,9 @@ def start_shards(
     count = num_shards or len(nodes)
     names = [f"{name}-{index}" for index in range(count)]
     targets = {
-        shard: _start(shard, nodes[index % len(nodes)], namespace, data_root, tables, max_restarts, num_cpus, metrics_port)
+        shard: _start(
+            shard, nodes[index % len(nodes)], namespace, data_root, tables, max_restarts, num_cpus, metrics_port
+        )
         for index, shard in enumerate(names)
     }
     initial = ShardMap.of(targets)
