@@ -149,11 +149,21 @@ class ShardMap:
     @classmethod
     def from_json(cls, text: str | bytes, targets: Mapping[str, str] | None = None) -> ShardMap:
         """Read `to_json`'s form; `targets` adds or replaces addresses (found by discovery)."""
-        try:
-            raw: dict[str, Any] = json.loads(text)
-            epochs = tuple(
-                Epoch(int(e["epoch"]), int(e["since_batch"]), tuple(str(s) for s in e["shards"])) for e in raw["epochs"]
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ShardMapError(f"not a shard map: {exc!s:.200}") from None
+        raw, epochs = _read(text)
         return cls(epochs, {**raw.get("targets", {}), **(targets or {})})
+
+
+def _read(text: str | bytes) -> tuple[dict[str, Any], tuple[Epoch, ...]]:
+    try:
+        raw: dict[str, Any] = json.loads(text)
+        epochs = tuple(
+            Epoch(int(e["epoch"]), int(e["since_batch"]), tuple(str(s) for s in e["shards"])) for e in raw["epochs"]
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ShardMapError(f"not a shard map: {exc!s:.200}") from None
+    return raw, epochs
+
+
+def shard_names(text: str | bytes) -> list[str]:
+    """The shards a shard map's JSON names, in every epoch (addresses may be absent)."""
+    return list(dict.fromkeys(name for epoch in _read(text)[1] for name in epoch.shards))

@@ -35,7 +35,7 @@ from .client import (
     _payload,
 )
 from .experience import Experience
-from .routing import ShardMap, group_key
+from .routing import ShardMap, group_key, shard_names
 
 # How long sample() waits between looks at the shards' ready counts when none can fill a batch.
 _POLL_SECONDS = (0.02, 0.5)
@@ -168,9 +168,16 @@ class _Sharded:
 
     @classmethod
     def from_dns(cls, name: str, port: int = 50051, shard_map: str | None = None, **options: Any) -> Any:
-        """Shards found by a headless Service's DNS name; `shard_map` (JSON) adds the epochs of a grown set."""
-        targets = dns_targets(name, port)
-        return cls(ShardMap.from_json(shard_map, targets) if shard_map else ShardMap.of(targets), **options)
+        """Shards found by a headless Service's DNS name (one epoch of every shard found).
+
+        A set that has grown needs its epochs: pass the map's JSON as `shard_map`. Its shards
+        are then reached as `{shard}.{name}:{port}` (a StatefulSet pod's stable DNS name),
+        whether or not they answer right now, so routing does not change while one is down.
+        """
+        if not shard_map:
+            return cls(ShardMap.of(dns_targets(name, port)), **options)
+        stable = {shard: f"{shard}.{name}:{port}" for shard in shard_names(shard_map)}
+        return cls(ShardMap.from_json(shard_map, stable), **options)
 
     @classmethod
     def from_ray(cls, namespace: str, name: str = "expbuf", **options: Any) -> Any:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -141,6 +143,11 @@ def test_allocate_splits_a_batch_by_ready_groups() -> None:
     for _ in range(200):
         parts = allocate({"a": 5, "b": 7, "c": 11}, 9)
         assert sum(parts.values()) == 9 and parts["a"] <= 5
+
+
+def test_the_client_never_imports_ray() -> None:
+    code = "import sys, expbuf.client, expbuf.client.sharded; sys.exit(int('ray' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 # ---- three shards ----------------------------------------------------------------------
@@ -308,6 +315,14 @@ def test_dns_discovery_names_shards_by_their_reverse_entries(shards: Shards) -> 
         assert client.list_tables()
     with pytest.raises(BufferError, match="cannot resolve"):
         dns_targets("no-such-host.invalid", port)
+    # A grown set: its epochs come as JSON, each shard at its stable per-pod name.
+    grown = ShardMap.of({"expbuf-0": "x:1"}).add_shard("expbuf-1", "x:2", since_batch=3).to_json()
+    with ShardedBufferClient.from_dns("expbuf.ns.svc", 50051, shard_map=grown) as client:
+        assert client.shard_map.targets == {
+            "expbuf-0": "expbuf-0.expbuf.ns.svc:50051",
+            "expbuf-1": "expbuf-1.expbuf.ns.svc:50051",
+        }
+        assert client.shard_map.epoch == 1
 
 
 def test_trxp_parts_keep_every_item(shards: Shards) -> None:
