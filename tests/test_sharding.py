@@ -5,6 +5,7 @@ killed with SIGKILL mid-run, a shard added while groups are pending)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -300,11 +301,22 @@ def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> N
 
 
 def test_metrics_carry_the_shard_label(shards: Shards) -> None:
+    with BufferClient(shards.procs["s2"].target) as direct:
+        direct.stats()
     log = "".join(shards.procs["s2"].log)
     port = int(re.search(r"metrics :(\d+)", log).group(1))
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert re.search(r'expbuf_groups\{shard="s2",state="ready",table="default"\}', text)
     assert re.search(r'expbuf_rpc_duration_seconds_count\{[^}]*shard="s2"', text)
+    # The dashboard's shard variable lists the label's values, and every query selects by it.
+    dashboard = json.loads((Path(__file__).parent.parent / "docker" / "grafana" / "expbuf.json").read_text())
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "shard" and variable["definition"] == "label_values(expbuf_groups, shard)"
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    for expr in exprs:
+        for metric in re.findall(r"\bexpbuf_[a-z_]+(\{[^}]*\})?", expr):
+            assert 'shard=~"$shard"' in metric, expr
+    assert len(exprs) >= 10
 
 
 def test_dns_discovery_names_shards_by_their_reverse_entries(shards: Shards) -> None:
