@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -74,6 +74,13 @@ def settled(client: ShardedBufferClient, table: str) -> dict:
             return per_shard
         time.sleep(0.05)
     raise AssertionError(f"advantages still computing: {per_shard}")
+
+
+def wait_for(condition: Callable[[], object], what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds}s for {what}"
+        time.sleep(0.05)
 
 
 def drain(client: ShardedBufferClient, table: str, num_groups: int = 3) -> list:
@@ -224,13 +231,11 @@ def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> No
                     time.sleep(0.2)
             batch += 1
 
-    pusher = threading.Thread(target=rollout)
+    pusher = threading.Thread(target=rollout, daemon=True)  # a failing test must not leave it running
     pusher.start()
-    while len(acked) < 60:
-        time.sleep(0.05)
+    wait_for(lambda: len(acked) >= 60, "the first pushes")
     shards.kill("s1")
-    while not failures:
-        time.sleep(0.05)
+    wait_for(lambda: failures, "a push to the killed shard to fail")
     # The other shards keep taking pushes and serving a trainer while s1 is down.
     elsewhere = [t for t in range(40) if client.shard_map.owner(f"99999/{t}") != "s1"][:6]
     assert len(client.push(groups(99999, elsewhere, range(2)), table="killed").stored) == 12
@@ -241,8 +246,7 @@ def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> No
 
     client.set_map(client.shard_map.with_targets({"s1": shards.restart("s1")}))
     before = len(acked)
-    while len(acked) < before + 36:  # the failed push went through, and the rollout goes on
-        time.sleep(0.05)
+    wait_for(lambda: len(acked) >= before + 36, "the rollout to go on")  # the failed push went through
     done.set()
     pusher.join(30)
     assert not pusher.is_alive()
@@ -255,21 +259,24 @@ def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> No
 def test_adding_a_shard_pending_groups_finish_where_they_began(shards: Shards) -> None:
     two = {name: shards.procs[name].target for name in ("s0", "s1")}
     added = ServerProcess(str(shards.root / "s3"), "--metrics-port", "0", "--shard", "s3")
-    with ShardedBufferClient(two) as client:
-        client.create_table("grow", group_size=4)
-        client.push(groups(5, range(40), range(2)), table="grow")  # 40 pending groups of batch 5
-        grown = client.shard_map.add_shard("s3", added.target, since_batch=6)
-        client.set_map(grown)
-        client.create_table("grow", group_size=4, exist_ok=True)  # on the new shard too
-        done = client.push(groups(5, range(40), range(2, 4)), table="grow")
-        assert len(done.completed_groups) == 40  # the pending groups completed on their old shards
-        fresh = client.push(groups(6, range(60), range(4)), table="grow")
-        assert len(fresh.completed_groups) == 60
-        per_shard = settled(client, "grow")
-        assert per_shard["s3"]["grow"]["groups_ready"] == sum(grown.owner(f"6/{t}") == "s3" for t in range(60)) > 0
-        assert sum(stats["grow"]["groups_ready"] for stats in per_shard.values()) == 100
-        assert sum(stats["grow"]["groups_pending"] for stats in per_shard.values()) == 0
-    added.stop(signal.SIGTERM)
+    try:
+        with ShardedBufferClient(two) as client:
+            client.create_table("grow", group_size=4)
+            client.push(groups(5, range(40), range(2)), table="grow")  # 40 pending groups of batch 5
+            grown = client.shard_map.add_shard("s3", added.target, since_batch=6)
+            client.set_map(grown)
+            client.create_table("grow", group_size=4, exist_ok=True)  # on the new shard too
+            done = client.push(groups(5, range(40), range(2, 4)), table="grow")
+            assert len(done.completed_groups) == 40  # the pending groups completed on their old shards
+            fresh = client.push(groups(6, range(60), range(4)), table="grow")
+            assert len(fresh.completed_groups) == 60
+            per_shard = settled(client, "grow")
+            moved = sum(grown.owner(f"6/{task}") == "s3" for task in range(60))
+            assert per_shard["s3"]["grow"]["groups_ready"] == moved > 0
+            assert sum(stats["grow"]["groups_ready"] for stats in per_shard.values()) == 100
+            assert sum(stats["grow"]["groups_pending"] for stats in per_shard.values()) == 0
+    finally:
+        added.stop(signal.SIGTERM)
 
 
 def test_push_to_a_missing_table_or_bad_payload_names_the_problem(shards: Shards) -> None:
