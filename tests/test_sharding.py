@@ -15,6 +15,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -34,7 +35,8 @@ class Shards:
 
     def __init__(self, root: Path, names: tuple[str, ...] = NAMES) -> None:
         self.root = root
-        self.procs = {name: self._start(name) for name in names}
+        with ThreadPoolExecutor(len(names)) as pool:  # side by side: each start imports torch
+            self.procs = dict(zip(names, pool.map(self._start, names), strict=True))
 
     def _start(self, name: str) -> ServerProcess:
         return ServerProcess(str(self.root / name), "--metrics-port", "0", "--shard", name)
@@ -50,9 +52,11 @@ class Shards:
         return self.procs[name].target
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.proc.poll() is None:
-                proc.stop(signal.SIGTERM)
+        running = [proc.proc for proc in self.procs.values() if proc.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            proc.wait(30)
 
 
 @pytest.fixture(scope="module")
