@@ -41,8 +41,8 @@ from .routing import ShardMap, group_key, shard_names
 _POLL_SECONDS = (0.02, 0.5)
 # A ready-count probe of one shard: no retries, a short deadline; a shard that fails it is skipped.
 _PROBE_SECONDS = 2.0
-_SUMMED_MIN = {"min_model_version"}
-_SUMMED_MAX = {"max_model_version", "oldest_age_seconds"}
+_MIN_FIELDS = {"min_model_version"}
+_MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}
 
 
 class ShardError(BufferError):
@@ -103,9 +103,9 @@ def _merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, di
                     into[key] = value
                 elif key == "name" or key == "last_failure":
                     into[key] = into[key] or value
-                elif key in _SUMMED_MIN:
+                elif key in _MIN_FIELDS:
                     into[key] = min(into[key], value)
-                elif key in _SUMMED_MAX:
+                elif key in _MAX_FIELDS:
                     into[key] = max(into[key], value)
                 else:
                     into[key] += value
@@ -133,10 +133,10 @@ def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
     parts = {shard: int(share) for shard, share in shares.items()}
     fractions = {shard: shares[shard] - parts[shard] for shard in shares}
     for _ in range(need - sum(parts.values())):
-        candidates = [shard for shard, weight in fractions.items() if weight > 0]
-        shard = random.choices(candidates, weights=[fractions[s] for s in candidates])[0]
+        candidates = [shard for shard, weight in fractions.items() if weight >= 0 and parts[shard] < ready[shard]]
+        shard = random.choices(candidates, weights=[fractions[s] + 1e-12 for s in candidates])[0]
         parts[shard] += 1
-        fractions[shard] = 0.0
+        fractions[shard] = -1.0  # one leftover seat per shard
     return {shard: count for shard, count in parts.items() if count > 0}
 
 
