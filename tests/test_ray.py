@@ -78,6 +78,17 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     assert Counter(delivered).most_common(1)[0][1] == 1
     assert set(delivered) == acked  # every acknowledged experience, once
     assert {uid for uid in acked if shard_map.owner(uid.rsplit("/", 3)[0]) == "expbuf-1"}  # the shard held some
+
+    # A third shard in a new epoch: groups of batch 2 on spread over all three.
+    options = {"data_root": str(cluster), "tables": [{"name": "rl", "group_size": 2}], "num_cpus": 0}
+    grown = expbuf_ray.add_shard(2, namespace=NAMESPACE, metrics_port=-1, **options)
+    assert grown.epoch == 1 and grown.shards[-1] == "expbuf-2" == grown.epochs[1].shards[-1]
+    assert expbuf_ray.shard_map(NAMESPACE) == grown
+    client.set_map(grown)
+    third = [make_experience(2, task, run) for task in range(30) for run in range(2)]
+    client.push(third, table="rl")
+    held = client.shard_stats("rl")["expbuf-2"]["rl"]
+    assert held["pushed"] == 2 * sum(grown.owner(f"2/{task}") == "expbuf-2" for task in range(30)) > 0
     client.close()
     expbuf_ray.stop_shards(NAMESPACE)
     with pytest.raises(ValueError):

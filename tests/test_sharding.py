@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.client import BufferClient, BufferError, PushResult, trxp
 from expbuf.client.routing import Epoch, ShardMap, ShardMapError, batch_number, group_key, rendezvous
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
 
@@ -247,6 +247,7 @@ def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> No
     assert set().union(*(batch.shards for batch in served)) <= {"s0", "s2"}
     assert failures[0].code == grpc.StatusCode.UNAVAILABLE and failures[0].shards == ["s1"]
     assert "shard s1 (" in str(failures[0])
+    assert isinstance(failures[0].result, PushResult)  # what the other shards stored
 
     client.set_map(client.shard_map.with_targets({"s1": shards.restart("s1")}))
     before = len(acked)
