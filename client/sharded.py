@@ -164,6 +164,7 @@ class _Sharded:
         self.clients: dict[str, Any] = {}
         self._probes: dict[str, Any] = {}
         self._group_by: dict[str, str] = {}
+        self._retired: list[Any] = []
         self._connect()
 
     @classmethod
@@ -186,19 +187,27 @@ class _Sharded:
 
         return cls(shard_map(namespace, name), **options)
 
-    def _connect(self) -> list[Any]:
-        """Clients for the map's shards, reusing those whose address is unchanged; returns the replaced ones."""
+    def set_map(self, shard_map: ShardMap) -> None:
+        """Adopt a new shard map (a new epoch, or shards at new addresses)."""
+        self.shard_map = shard_map
+        self._connect()
+
+    def _connect(self) -> None:
+        """Clients for the map's shards, reusing those whose address is unchanged.
+
+        A replaced client may still be in use by another thread's call, so it is closed with
+        this client, not now.
+        """
         make = type(self)._client_class
-        clients, probes, replaced = dict(self.clients), dict(self._probes), []
+        clients, probes = dict(self.clients), dict(self._probes)
         for name in self.shard_map.shards:
             target = self.shard_map.targets[name]
             if name in clients and clients[name].target == target:
                 continue
-            replaced += [c for c in (clients.get(name), probes.get(name)) if c is not None]
+            self._retired += [c for c in (clients.get(name), probes.get(name)) if c is not None]
             clients[name] = make(target, retries=self._retries, **self._options)
             probes[name] = make(target, retries=0, **{**self._options, "timeout": _PROBE_SECONDS})
         self.clients, self._probes = clients, probes
-        return replaced
 
     def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
         """The payload's items by owning shard; a payload that is all one shard's goes unchanged."""
@@ -285,7 +294,7 @@ class ShardedBufferClient(_Sharded):
 
     def close(self) -> None:
         self._pool.shutdown()
-        for client in (*self.clients.values(), *self._probes.values()):
+        for client in (*self.clients.values(), *self._probes.values(), *self._retired):
             client.close()
 
     def __enter__(self) -> ShardedBufferClient:
@@ -293,12 +302,6 @@ class ShardedBufferClient(_Sharded):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def set_map(self, shard_map: ShardMap) -> None:
-        """Adopt a new shard map (a new epoch, or shards at new addresses)."""
-        self.shard_map = shard_map
-        for client in self._connect():
-            client.close()
 
     def _each(self, call: Callable[[str, BufferClient], Any], shards: Iterable[str] | None = None) -> dict[str, Any]:
         """`call` on every shard in parallel; raises ShardError naming the shards that failed."""
@@ -469,18 +472,14 @@ class AsyncShardedBufferClient(_Sharded):
     _client_class = AsyncBufferClient
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in (*self.clients.values(), *self._probes.values())))
+        clients = (*self.clients.values(), *self._probes.values(), *self._retired)
+        await asyncio.gather(*(client.close() for client in clients))
 
     async def __aenter__(self) -> AsyncShardedBufferClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def set_map(self, shard_map: ShardMap) -> None:
-        """Adopt a new shard map (a new epoch, or shards at new addresses)."""
-        self.shard_map = shard_map
-        await asyncio.gather(*(client.close() for client in self._connect()))
 
     async def _each(self, call: Callable[[str, AsyncBufferClient], Any], shards: Iterable[str] | None = None) -> dict:
         names = list(self.clients if shards is None else shards)
