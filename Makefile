@@ -7,14 +7,22 @@
 VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-# The CPU build; on these machines pip takes it from a local wheel. TORCH_INDEX picks
-# another wheel index (the container image uses the CPU or a CUDA one).
+# The pinned version. From the public index (PyPI) it is the CUDA build on Linux, several GB;
+# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build instead,
+# and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,ray
+EXTRAS ?= test,trinity,ray
+# Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
+# what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
+# packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
+TRINITY_SPEC ?= trinity-rft==0.6.0
+# verl, whose functions Trinity-RFT's verl-style advantage functions call; VERL_SPEC= skips it.
+VERL_SPEC ?= verl==0.9.1
+VERL_NEEDS := 'tensordict>=0.8,<=0.10' transformers
 STAMP := $(VENV)/.expbuf-installed
 
-.PHONY: setup serve test compose-tool clean
+.PHONY: setup serve test clean
 
 setup: $(STAMP)
 
@@ -22,19 +30,18 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
+	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
+		$(PY) -m pip install --no-deps "$(TRINITY_SPEC)"; })
+	$(if $(and $(VERL_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import verl; import tensordict; import transformers" 2>/dev/null || { echo "Installing $(VERL_SPEC) with --no-deps and then tensordict and transformers (Trinity-RFT's verl-style advantage functions call verl; the estimator tests compare with them)"; \
+		$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt && \
+		$(PY) -m pip install --no-deps "$(VERL_SPEC)" && \
+		$(PY) -m pip install -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })
 	touch $@
 
 serve: setup
 	$(VENV)/bin/expbuf serve $(ARGS)
 
-# Debian's docker-compose validates docker/compose.yaml without a Docker engine; where it
-# cannot be installed, that one test says so and is skipped.
-compose-tool:
-	@command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
-		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1; } \
-		|| echo "docker-compose not available: the compose validation test will be skipped"
-
-test: setup compose-tool
+test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)

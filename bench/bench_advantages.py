@@ -1,4 +1,5 @@
-"""Advantage benchmark: batched estimators against a per-group loop, and ingest with grpo on.
+"""Advantage benchmark: batched estimators against a per-group loop, ingest with grpo on, and
+sampling with an estimator whose statistics are taken over the sampled batch.
 
     .venv/bin/python bench/bench_advantages.py [--experiences 100000] [--tokens 1000] [--out bench/RESULTS.md]
 
@@ -9,6 +10,9 @@
 2. Ingest: 8 pushers push the same workload into a table with grpo and one with no
    estimator (one server, alternating); throughput counts until every group is ready
    to sample, i.e. including the advantage computation.
+3. Sample: the same payloads in a table with grpo over the batch's std (its batch stage runs
+   on every sampled batch) and one with no estimator, sampled whole (consume, 8 groups per
+   batch), alternating; throughput in experiences per second.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.server import estimators as est  # noqa: E402
+from expbuf.server.tables import TableConfig, estimator_args  # noqa: E402
 
 GROUP = 8
 
@@ -40,12 +45,16 @@ def flat_batch(n: int, tokens: int, seed: int = 0) -> est.FlatBatch:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.full((n,), tokens, dtype=torch.int64)
     mask = torch.rand(n * tokens, generator=gen) < 0.9
+    rewards = torch.randint(0, 2, (n,), generator=gen).double()
+    token_rewards = torch.zeros(n, tokens, dtype=torch.float64)
+    token_rewards[:, -1] = rewards
     return est.FlatBatch(
-        rewards=torch.randint(0, 2, (n,), generator=gen).double(),
+        rewards=rewards,
         group=torch.arange(n) // GROUP,
         lengths=lengths,
         generated=mask.view(n, tokens).sum(1).double(),
         mask=mask,
+        token_rewards=token_rewards.view(-1),
         task=torch.arange(n) // GROUP,
         run=torch.arange(n),
         step=torch.zeros(n, dtype=torch.int64),
@@ -98,11 +107,12 @@ def bench_estimators(n: int, tokens: int) -> list[dict]:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         moved = batch.to(device)
-        for name in ("grpo", "rloo", "reinforce++", "opmd"):
+        for name in ("grpo", "rloo", "reinforce++_baseline", "opmd"):
             for token_level in (True, False):
+                args = estimator_args(TableConfig(name="bench", estimator=name))
 
-                def run(m: est.FlatBatch = moved, k: str = name, t: bool = token_level) -> None:
-                    result = est.estimate(k, m)
+                def run(m: est.FlatBatch = moved, k: str = name, t: bool = token_level, a: dict = args) -> None:
+                    result = est.estimate(k, m, a)
                     if t:
                         result.tokens(m)
 
@@ -111,7 +121,7 @@ def bench_estimators(n: int, tokens: int) -> list[dict]:
                 row = {"device": device, "estimator": name, "tokens": token_level, "seconds": seconds}
                 rows.append(row | {"loop": loops[token_level]})
                 print(rows[-1], file=sys.stderr)
-    check = est.estimate("grpo", batch).tokens(batch)[0]
+    check = est.estimate("grpo", batch, estimator_args(TableConfig(name="bench"))).tokens(batch)[0]
     assert torch.allclose(check, grpo_loop(batch), atol=1e-5)
     return rows
 
@@ -146,7 +156,42 @@ def bench_ingest(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
     return {name: sorted(v)[len(v) // 2] for name, v in results.items()}
 
 
-def report(command: str, n: int, tokens: int, rows: list[dict], ingest: dict[str, float]) -> str:
+SAMPLE_TABLES = {
+    "batch_std": {"estimator": "grpo", "estimator_params": {"std_cal_level": "batch"}},
+    "grpo": {"estimator": "grpo"},
+    "none": {},
+}
+
+
+def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[str, float]:
+    """Experiences per second sampled whole (8 groups a batch) from the same payloads."""
+    server = Proc("-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0", "--metrics-port", "0")
+    results: dict[str, list[float]] = {name: [] for name in SAMPLE_TABLES}
+    try:
+        with BufferClient(server.target, timeout=300) as client:
+            for r in range(rounds):
+                for name in list(SAMPLE_TABLES)[:: 1 if r % 2 == 0 else -1]:
+                    table = f"s{name}{r}"
+                    client.create_table(table, **({"estimator": "none"} | SAMPLE_TABLES[name]))
+                    for p in payloads:
+                        client.push(p, table=table)
+                    total = len(payloads) * 64
+                    while client.stats(table)[table]["ready"] < total:
+                        time.sleep(0.002)
+                    start, seen = time.perf_counter(), 0
+                    for batch in client.sample(table, num_groups=8, timeout=5):
+                        seen += len(batch.uids)
+                        if seen >= total:
+                            break
+                    results[name].append(seen / (time.perf_counter() - start))
+    finally:
+        server.stop()
+    return {name: sorted(v)[len(v) // 2] for name, v in results.items()}
+
+
+def report(
+    command: str, n: int, tokens: int, rows: list[dict], ingest: dict[str, float], sample: dict[str, float]
+) -> str:
     lines = [
         "## Advantages (issue 4)",
         "",
@@ -176,6 +221,13 @@ def report(command: str, n: int, tokens: int, rows: list[dict], ingest: dict[str
         f"| grpo | {ingest['grpo']:.0f} |",
         f"| ratio grpo / none (goal ≥ 0.9) | **{ratio:.2f}** |",
         "",
+        "| sample, consume, 8 groups a batch, same payloads | experiences/s |",
+        "| --- | --- |",
+        f"| estimator none | {sample['none']:.0f} |",
+        f"| grpo (advantages attached, no batch stage) | {sample['grpo']:.0f} |",
+        f"| grpo, std_cal_level batch (batch stage at sample time) | {sample['batch_std']:.0f} |",
+        f"| ratio batch stage / none (goal ≥ 0.95) | **{sample['batch_std'] / sample['none']:.2f}** |",
+        "",
     ]
     return "\n".join(lines)
 
@@ -193,8 +245,10 @@ def main() -> None:
     payloads = make_payloads(PUSHERS * args.payloads_per_pusher)
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         ingest = bench_ingest(Path(tmp), payloads, args.rounds)
-    print(ingest, file=sys.stderr)
-    section = report(command, args.experiences, args.tokens, rows, ingest)
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+        sample = bench_sample(Path(tmp), payloads, args.rounds)
+    print(ingest, sample, file=sys.stderr)
+    section = report(command, args.experiences, args.tokens, rows, ingest, sample)
     print(section)
     write_section(Path(args.out), "## Advantages (issue 4)", section)
 

@@ -1,6 +1,6 @@
 """expbuf client side: the TRXP codec, experience types and the gRPC clients."""
 
-from .client import AsyncBufferClient, Batch, BufferClient, BufferError, PushResult, Tls
+from .client import AsyncBufferClient, Batch, BufferClient, BufferError, GetResult, PushResult, Tls
 from .experience import EID, Experience
 from .trxp import TrxpError, decode, encode
 
@@ -11,6 +11,7 @@ __all__ = [
     "BufferClient",
     "BufferError",
     "Experience",
+    "GetResult",
     "PushResult",
     "Tls",
     "TrxpError",

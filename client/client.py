@@ -321,9 +321,10 @@ class BufferClient(_Base):
         """Return the groups of a lease to the buffer now."""
         return self._call(self._stub.Nack, pb.NackRequest(table=table, lease_id=lease_id), retry=False).requeued
 
-    def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+    def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         reply = self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
-        return trxp.decode(reply.payload)
+        return _get_result(reply)
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
@@ -356,6 +357,18 @@ async def _drain(call: grpc.aio.StreamStreamCall) -> None:
     """Read a stream to its end (a batch already on its way is dropped)."""
     while await call.read() is not grpc.aio.EOF:
         pass
+
+
+class GetResult(list[Experience]):
+    """The experiences found (a list, as before) and `missing_uids`, the requested uids not stored."""
+
+    def __init__(self, experiences: Iterable[Experience], missing_uids: Iterable[str]) -> None:
+        super().__init__(experiences)
+        self.missing_uids = list(missing_uids)
+
+
+def _get_result(reply: pb.GetReply) -> GetResult:
+    return GetResult(trxp.decode(reply.payload), reply.missing_uids)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -449,9 +462,10 @@ class AsyncBufferClient(_Base):
         request = pb.NackRequest(table=table, lease_id=lease_id)
         return (await self._call(self._stub.Nack, request, retry=False)).requeued
 
-    async def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
+    async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         reply = await self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
-        return trxp.decode(reply.payload)
+        return _get_result(reply)
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))

@@ -15,6 +15,26 @@ WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
 ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
+# Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
+# travels as its position in the tuple (flags as 0 or 1).
+PARAM_CHOICES = {
+    "std_cal_level": ("group", "batch"),
+    "opmd_baseline": ("mean", "logavgexp"),
+    "enable_step_norm": ("false", "true"),
+    "std_normalize": ("false", "true"),
+}
+
+
+def param_number(name: str, value: Any) -> Any:
+    """An estimator parameter as the wire carries it: a choice by its position."""
+    if not isinstance(value, str):
+        return value
+    choices = PARAM_CHOICES.get(name, ())
+    if value not in choices:
+        raise ValueError(
+            f"estimator parameter {name} is {value[:40]!r}; expected one of {', '.join(choices) or 'a number'}"
+        )
+    return float(choices.index(value))
 
 
 # Every setting of a table, by the names of the TOML file and of create_table.
@@ -71,7 +91,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         on_group_timeout=enum_value(ON_GROUP_TIMEOUT, "on_group_timeout", settings.get("on_group_timeout", "release")),
         estimator=pb.Estimator(
             name=settings.get("estimator", "grpo"),
-            params=settings.get("estimator_params") or {},
+            params={k: param_number(k, v) for k, v in (settings.get("estimator_params") or {}).items()},
             device=settings.get("device", "auto"),
         ),
         capacity_experiences=settings.get("capacity_experiences") or 0,

@@ -1,1 +1,2 @@
-"""expbuf server side: durable storage of experiences and, later, the gRPC service."""
+"""expbuf server side: the LMDB store, the gRPC service with its interceptors (tokens, limits,
+metrics), advantage estimators, configuration and the `expbuf` command line."""

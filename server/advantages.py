@@ -9,9 +9,14 @@ ack does not wait for it, and no experience is sampled before it is done. A fail
 computation fails its groups, with the reason in Stats, and the worker goes on.
 
 Stored form, per experience: one value in its item record when every generated token
-carries the same value (every estimator but `reinforce`), or a record of (response length
-u32) + float32 advantages + float32 returns. `expand` turns either into the `advantages`
-and `returns` tensors of a sampled batch (value * action_mask).
+carries the same value (every estimator but the token-level ones), or a record of (response
+length u32) + float32 advantages + float32 returns. `expand` turns either into the
+`advantages` and `returns` tensors of a sampled batch (value * action_mask).
+
+An estimator with a batch stage stores pending values instead (see estimators.py), and
+`finish_batch` turns the pending values of a sampled batch into its advantages, in the
+stored forms, before `expand`. A computation that yields a non-finite value fails the groups
+it belongs to: no NaN or infinity is stored or served.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ from expbuf.client import trxp
 from . import estimators
 from .errors import clip
 from .store import Advantage, ComputeJob, Store
-from .tables import TOKEN_LEVEL
+from .tables import TOKEN_LEVEL, TableConfig, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
 _LENGTH = struct.Struct("<I")
+_F32 = struct.Struct("<f")
+_MASK_LETTERS = bytes.maketrans(
+    b"\x00\x01", b"ab"
+)  # zero bytes carry no "b": the second replace sees only mask letters
 
 
 def _flat_bytes(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
@@ -77,14 +86,14 @@ def build_batch(
 
 
 def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> torch.Tensor:
-    """Pushed token-level rewards, or the scalar reward on the last generated token."""
+    """Pushed token-level rewards, or the scalar reward on the last response token (where
+    Trinity-RFT's trainer puts it)."""
     raw = item.tensors.get("token_level_reward")
     if raw is not None:
         return trxp.tensor_of(raw).reshape(-1).to(torch.float64)
     out = torch.zeros_like(mask)
     if out.numel():
-        generated = mask.nonzero()
-        out[int(generated[-1]) if generated.numel() else -1] = reward
+        out[-1] = reward
     return out
 
 
@@ -107,8 +116,14 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
         return {}
     if isinstance(advantage, tuple):
         value, length = advantage
-        mask = _flat_bytes(tensors.get("action_mask"), length, 1, torch.float32)
-        values = trxp.raw_of(mask * value)
+        raw = tensors.get("action_mask")
+        data = _F32.pack(value) * length if raw is None else None
+        if raw is not None and raw.dtype == "BOOL":  # bytes 0/1 -> float32 0 / value, by two byte-string replaces
+            data = bytes(raw.data).translate(_MASK_LETTERS).replace(b"a", bytes(4)).replace(b"b", _F32.pack(value))
+        if data is not None and len(data) == 4 * length:
+            values = trxp.RawTensor("F32", (length,), data)
+        else:
+            values = trxp.raw_of(_flat_bytes(raw, length, 1, torch.float32) * value)
         return {"advantages": values, "returns": values}
     record = bytes(advantage)
     (length,) = _LENGTH.unpack_from(record)
@@ -119,8 +134,9 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
     }
 
 
-def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[str]]:
-    """Advantages of one job: (what to store by uid, ready groups, dropped groups)."""
+def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str]]:
+    """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
+    groups with the reason)."""
     config = job.config
     uids = [uid for members in job.members for uid in members]
     items = None
@@ -128,13 +144,62 @@ def compute(job: ComputeJob) -> tuple[dict[str, float | bytes], list[str], list[
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
     batch, group_keys = build_batch([job.records[uid] for uid in uids], items)
     device = estimators.resolve_device(config.device)
-    result = estimators.estimate(config.estimator, batch.to(device), config.estimator_params)
+    result = estimators.estimate(config.estimator, batch.to(device), estimator_args(config))
+    finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
     values = dict(zip(uids, encode_results(result, batch), strict=True))
     dropped = []
     if result.drop_groups is not None:
         dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
-    ready = [gkey for gkey in job.groups if gkey not in set(dropped)]
-    return values, ready, dropped
+    failed = {}
+    for gkey, members in zip(job.groups, job.members, strict=True):
+        if gkey not in dropped and not all(finite[uid] for uid in members):
+            failed[gkey] = f"{config.estimator} gave a non-finite advantage (NaN or infinity)"
+    ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
+    return values, ready, dropped, failed
+
+
+def finish_batch(
+    config: TableConfig, records: Sequence[dict[str, Any]], stored: Sequence[Advantage]
+) -> list[Advantage]:
+    """The batch stage: the advantages of a sampled batch (its item records and stored
+    values, in batch order) from the pending values its estimator stored on ingest. Tables
+    without a batch stage get their stored values back unchanged."""
+    if not batch_stage(config) or not records:
+        return list(stored)
+    if any(a is None for a in stored):  # experiences not computed yet (Get): finish the others
+        done = [i for i, a in enumerate(stored) if a is not None]
+        out = list(stored)
+        for i, value in zip(
+            done, finish_batch(config, [records[i] for i in done], [stored[i] for i in done]), strict=True
+        ):
+            out[i] = value
+        return out
+    f64 = torch.float64
+    runs: dict[str, int] = {}
+    rows = estimators.SampledRows(
+        pending=torch.tensor([a[0] if isinstance(a, tuple) else 0.0 for a in stored], dtype=f64),
+        rewards=torch.tensor([float(rec["r"] or 0.0) for rec in records], dtype=f64),
+        generated=torch.tensor([rec["G"] for rec in records], dtype=f64),
+        run=torch.tensor([runs.setdefault(rec["rid"], len(runs)) for rec in records], dtype=torch.int64),
+        step=torch.tensor([rec["k"] for rec in records], dtype=torch.int64),
+    )
+    args = estimator_args(config)
+    if config.estimator != "reinforceplusplus":
+        values = estimators.FINISH[config.estimator](rows, **args)
+        return [(float(v), rec["L"]) for v, rec in zip(values.tolist(), records, strict=True)]
+    lengths, masks, returns = [], [], []
+    for record in stored:
+        (length,) = _LENGTH.unpack_from(record)
+        middle = _LENGTH.size + 4 * length
+        lengths.append(length)
+        masks.append(torch.frombuffer(bytearray(record[_LENGTH.size : middle]), dtype=torch.float32))
+        returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
+    rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
+    advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    return [
+        _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
+        for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)
+    ]
 
 
 class AdvantageWorker:
@@ -176,7 +241,7 @@ class AdvantageWorker:
         """One batched computation. If it fails, each group is tried on its own, so that
         only a group that fails by itself fails (and keeps its payloads, see keep_failed)."""
         try:
-            values, ready, dropped = compute(job)
+            values, ready, dropped, failed = compute(job)
         except Exception as exc:
             if len(job.groups) > 1:
                 log.warning(
@@ -190,7 +255,9 @@ class AdvantageWorker:
             reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
             self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
             return
-        self.store.finish_compute(job.table, values, ready, dropped)
+        self.store.finish_compute(job.table, values, ready, dropped, failed)
+        for gkey, reason in failed.items():
+            log.warning("group failed: table %s, group %s: %s", job.table, gkey, reason)
         for gkey in dropped:
             log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
 

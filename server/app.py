@@ -3,17 +3,24 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread, so `workers` bounds the concurrent RPCs.
+holds one worker thread; server/limits.py keeps waiting streams from taking them all.
+
+The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
+otherwise start and split the connections between two stores. Start-up failures (a port
+in use, a locked data directory, a missing TLS file) raise StartupError, one line that
+names the cause.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from concurrent import futures
 from pathlib import Path
 
 import grpc
+import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -24,28 +31,57 @@ from .advantages import AdvantageWorker
 from .auth import TokenAuth
 from .config import ServerConfig
 from .estimators import resolve_device
+from .limits import RESERVED_THREADS, CallLimits
 from .metrics import Metrics, RpcMetrics
 from .service import ExperienceBufferService
-from .store import Store
+from .store import Store, StoreError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
 MAINTENANCE_SECONDS = 0.5
 
 
+class StartupError(Exception):
+    """The server cannot start; the message names the cause in one line."""
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
     ]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail with the port's name before gRPC tries it (gRPC would log its own lines and a vague error)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot bind the gRPC port {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise StartupError(f"cannot bind the gRPC port {host}:{port}: {exc.strerror}") from None
+
+
+def _read(kind: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise StartupError(f"TLS {kind} {path!r}: {exc.strerror or exc}") from None
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if config.tls is None:
         return None
     tls = config.tls
-    key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
-    client_ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+    key, cert = _read("key", tls.key), _read("certificate", tls.cert)
+    client_ca = _read("client CA", tls.client_ca) if tls.client_ca else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
 
 
@@ -54,7 +90,19 @@ class ExpbufServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = Store(config.data)
+        credentials = server_credentials(config)
+        try:
+            self.store = Store(config.data)
+        except (StoreError, OSError, lmdb.Error) as exc:
+            raise StartupError(f"data directory {config.data}: {exc}") from None
+        try:
+            self._assemble(credentials)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _assemble(self, credentials: grpc.ServerCredentials | None) -> None:
+        config = self.config
         returned = self.store.release_holds()
         if returned:
             log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
@@ -65,11 +113,11 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
+        interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="expbuf-rpc"),
+            futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
             options=channel_options(config.max_message_bytes),
-            maximum_concurrent_rpcs=config.workers,
         )
         self.service = ExperienceBufferService(
             self.store,
@@ -84,11 +132,14 @@ class ExpbufServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
-        credentials = server_credentials(config)
-        if credentials is None:
-            self.port = self.grpc.add_insecure_port(address)
-        else:
-            self.port = self.grpc.add_secure_port(address, credentials)
+        _check_port_free(config.host, config.port)
+        try:
+            if credentials is None:
+                self.port = self.grpc.add_insecure_port(address)
+            else:
+                self.port = self.grpc.add_secure_port(address, credentials)
+        except RuntimeError:
+            raise StartupError(f"cannot bind the gRPC port {address}: in use, or not an address of this host") from None
         self._stop = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="expbuf-maintenance", daemon=True)
         self.metrics_port = 0
@@ -98,21 +149,31 @@ class ExpbufServer:
         self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
 
     def start(self) -> ExpbufServer:
+        """Serve; on a StartupError nothing is left running and the store is closed."""
+        if self.config.metrics_port >= 0:
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._metrics_http, _ = start_http_server(
+                    self.config.metrics_port, addr=host, registry=self.metrics.exported
+                )
+            except OSError as exc:
+                self.store.close()
+                raise StartupError(
+                    f"cannot bind the metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}"
+                ) from None
+            self.metrics_port = self._metrics_http.server_port
         self.advantages.start()
         self.grpc.start()
         self._maintenance.start()
-        if self.config.metrics_port >= 0:
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.exported
-            )
-            self.metrics_port = self._metrics_http.server_port
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "expbuf listening on %s:%d (metrics :%s, tls %s, tokens %s, data %s, tables %s)",
+            "expbuf listening on %s:%d (metrics %s, tls %s, tokens %s, data %s, tables %s)",
             self.config.host,
             self.port,
-            self.metrics_port if self.config.metrics_port >= 0 else "off",
+            f"{self.config.metrics_host or self.config.host}:{self.metrics_port}"
+            if self.config.metrics_port >= 0
+            else "off",
             "on" if self.config.tls else "off",
             "on" if self.config.tokens else "off",
             self.config.data,

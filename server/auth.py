@@ -1,8 +1,11 @@
 """Bearer-token authentication with scopes, as a gRPC server interceptor.
 
-A request carries `authorization: Bearer TOKEN`. A missing or unknown token is
-UNAUTHENTICATED; a known token without the method's scope is PERMISSION_DENIED.
-Health checking and reflection stay open, so load balancers and grpcurl work.
+A request carries one `authorization: Bearer TOKEN` header. A missing, malformed,
+repeated or unknown one is UNAUTHENTICATED; a known token without the method's scope is
+PERMISSION_DENIED. The decision is made from the headers alone: a refused call is ended
+before its request message is read, so an unauthenticated sender cannot make the server
+hold a large message. Health checking and reflection stay open, so load balancers and
+grpcurl work.
 """
 
 from __future__ import annotations
@@ -34,18 +37,18 @@ SCOPE_OF_METHOD = {
 
 
 def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts."""
+    """A handler that aborts without reading the request.
 
-    def abort(request: object, context: grpc.ServicerContext) -> None:
+    It takes the request as a stream whatever the method's shape (gRPC frames a single
+    request and a stream alike), and a streamed request is read only when iterated.
+    """
+
+    def abort(requests: object, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+        return grpc.stream_stream_rpc_method_handler(abort)
+    return grpc.stream_unary_rpc_method_handler(abort)
 
 
 class TokenAuth(ServiceInterceptor):
@@ -64,10 +67,25 @@ class TokenAuth(ServiceInterceptor):
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         scope = SCOPE_OF_METHOD.get(method, "admin")
-        header = dict(details.invocation_metadata).get("authorization", "")
-        if not header.startswith("Bearer ") or not header[7:]:
+        headers = [value for key, value in details.invocation_metadata or () if key == "authorization"]
+        if not headers:
             log.info("refused %s: no bearer token", method)
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)")
+        if len(headers) > 1:
+            log.info("refused %s: %d authorization headers", method, len(headers))
+            return _refuse(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{len(headers)} authorization headers; send exactly one 'authorization: Bearer TOKEN'",
+            )
+        header = headers[0]
+        if not header.startswith("Bearer ") or not header[7:]:
+            log.info("refused %s: malformed authorization header", method)
+            return _refuse(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "malformed authorization header: expected 'Bearer TOKEN'",
+            )
         scopes = self._scopes(header[7:])
         if scopes is None:
             log.info("refused %s: unknown token", method)

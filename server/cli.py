@@ -1,40 +1,75 @@
-"""The `expbuf` command line: serve a data directory, check its integrity."""
+"""The `expbuf` command line: serve a data directory, check its integrity, query a running server.
+
+The server's modules (and torch, which they import) load only for `serve` and `check`, so
+that `expbuf health`, which the container runs every few seconds, answers quickly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
+
+from expbuf.client import Tls
 
 from . import logs
-from .app import ExpbufServer
 from .config import load
 from .stats_view import watch
-from .store import Store
 from .tables import ConfigError
 
 log = logging.getLogger("expbuf")
 
 
+class CommandError(Exception):
+    """A command cannot run; the message names the cause in one line."""
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT, then stop accepting, finish in-flight RPCs and commit."""
     try:
-        overrides = {"data": args.data, "host": args.host, "port": args.port, "metrics_port": args.metrics_port}
+        overrides = {
+            "data": args.data,
+            "host": args.host,
+            "port": args.port,
+            "metrics_port": args.metrics_port,
+            "metrics_host": args.metrics_host,
+        }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
+    from .app import ExpbufServer, StartupError
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = ExpbufServer(config).start()
+    try:
+        server = ExpbufServer(config).start()
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     stop.wait()
     log.info("shutting down: no new RPCs; finishing those in flight")
     server.stop()
     return 0
+
+
+def _tls(args: argparse.Namespace) -> Tls | None:
+    """TLS for a client command: on with --tls or a CA; a client pair for mutual TLS."""
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return None
+    for name in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(args, name)
+        if path and not Path(path).is_file():
+            raise CommandError(f"--{name.replace('_', '-')} {path!r}: no such file")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CommandError("mutual TLS needs both --tls-cert and --tls-key")
+    return Tls(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -42,19 +77,35 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    tls = _tls(args)
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    channel = grpc.secure_channel(args.target, tls.credentials()) if tls else grpc.insecure_channel(args.target)
     try:
-        with grpc.insecure_channel(args.target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        with channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata)
     except grpc.RpcError as exc:
-        print(f"{args.target}: {exc.code().name}", file=sys.stderr)
+        print(f"{args.target}: {exc.code().name}: {exc.details() or 'no details'}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _stats(args: argparse.Namespace) -> int:
+    return watch(args.target, args.token, args.watch, args.count, tls=_tls(args))
+
+
 def _check(args: argparse.Namespace) -> int:
-    """Verify every table's indexes and counters against its items."""
-    with Store(args.data) as store:
+    """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
+    if not (Path(args.data) / "data.mdb").is_file():
+        raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
+    from .store import Store, StoreError
+
+    try:
+        store = Store(args.data)
+    except StoreError as exc:
+        raise CommandError(str(exc)) from None
+    with store:
         bad = 0
         for config in store.list_tables():
             problems = store.verify(config.name)
@@ -65,6 +116,20 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    """Where and how a client command reaches the server; the environment supplies the defaults."""
+    env = os.environ.get
+    default_target = env("EXPBUF_TARGET") or f"127.0.0.1:{env('EXPBUF_PORT') or 50051}"
+    parser.add_argument("--target", default=default_target, help="HOST:PORT (env EXPBUF_TARGET; default %(default)s)")
+    parser.add_argument("--token", default=env("EXPBUF_TOKEN"), help="a bearer token (env EXPBUF_TOKEN)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    tls_ca = "CA of the server's certificate; turns TLS on (env EXPBUF_TLS_CA)"
+    parser.add_argument("--tls-ca", default=env("EXPBUF_TLS_CA"), help=tls_ca)
+    tls_cert = "client certificate for mutual TLS (env EXPBUF_TLS_CLIENT_CERT)"
+    parser.add_argument("--tls-cert", default=env("EXPBUF_TLS_CLIENT_CERT"), help=tls_cert)
+    parser.add_argument("--tls-key", default=env("EXPBUF_TLS_CLIENT_KEY"), help="its key (env EXPBUF_TLS_CLIENT_KEY)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="expbuf", description="Durable experience buffer for RL fine-tuning")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,20 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--data", help="LMDB directory (default ./expbuf-data; env EXPBUF_DATA)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; env EXPBUF_HOST)")
     serve.add_argument("--port", type=int, help="gRPC port, 0 picks a free one (default 50051; env EXPBUF_PORT)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus port, 0 = off (default 9400)")
+    metrics_port = "Prometheus port, 0 picks a free one, -1 = off (default 9400; env EXPBUF_METRICS_PORT)"
+    serve.add_argument("--metrics-port", type=int, help=metrics_port)
+    serve.add_argument(
+        "--metrics-host", help="address of the metrics endpoint (default: the --host one; env EXPBUF_METRICS_HOST)"
+    )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")
     serve.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON")
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a running server's tables (counts by state, rates, ages)")
-    stats.add_argument("--target", default="127.0.0.1:50051")
-    stats.add_argument("--token", default=None, help="a bearer token with the sample scope")
+    _client_options(stats)
     stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
                        help="refresh every SECONDS (default 2) until Ctrl-C")  # fmt: skip
     stats.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
-    stats.set_defaults(func=lambda a: watch(a.target, a.token, a.watch, a.count))
+    stats.set_defaults(func=_stats)
     health = sub.add_parser("health", help="standard gRPC health check (for container health checks)")
-    health.add_argument("--target", default="127.0.0.1:50051")
+    _client_options(health)
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=_health)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
@@ -93,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=_check)
     args = parser.parse_args(argv)
     logs.configure()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CommandError as exc:
+        print(f"expbuf {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ may also declare tables (created at start, or checked against the stored ones):
     host = "0.0.0.0"
     port = 50051
     metrics_port = 9400
+    metrics_host = "127.0.0.1"    # default: the same address as host
+    workers = 64                  # concurrent calls
+    max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
     max_message_bytes = 268435456
 
     [tls]
@@ -50,8 +53,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400
+    # /metrics needs no token and names the tables: bind it where only the scraper reaches it.
+    metrics_host: str | None = None  # None: the same address as host
     max_message_bytes: int = 256 << 20
     workers: int = 64
+    max_sample_streams: int | None = None  # None: three quarters of workers
     log_format: str = "text"
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
@@ -59,6 +65,11 @@ class ServerConfig:
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
     tables: tuple[TableConfig, ...] = ()
+
+    @property
+    def sample_stream_limit(self) -> int:
+        """Open Sample streams allowed; the rest of the workers stay free for other calls."""
+        return self.max_sample_streams if self.max_sample_streams is not None else max(1, self.workers * 3 // 4)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -73,6 +84,11 @@ class ServerConfig:
             raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
+        streams = self.max_sample_streams
+        if streams is not None and (not isinstance(streams, int) or not 1 <= streams < self.workers):
+            raise ConfigError(
+                f"max_sample_streams must be an integer from 1 to workers - 1 = {self.workers - 1}, got {streams!r}"
+            )
         for token, scopes in self.tokens.items():
             if not token:
                 raise ConfigError("a token is empty")
@@ -86,8 +102,10 @@ _ENV = {
     "EXPBUF_HOST": ("host", str),
     "EXPBUF_PORT": ("port", int),
     "EXPBUF_METRICS_PORT": ("metrics_port", int),
+    "EXPBUF_METRICS_HOST": ("metrics_host", str),
     "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
     "EXPBUF_WORKERS": ("workers", int),
+    "EXPBUF_MAX_SAMPLE_STREAMS": ("max_sample_streams", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),
 }

@@ -171,6 +171,10 @@ class RpcMetrics(ServiceInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 timed_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
             )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                timed_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 timed_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer

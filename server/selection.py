@@ -1,4 +1,5 @@
-"""Ready-group indexes and the selection orders over them (fifo, lifo, uniform, priority).
+"""Ready-group indexes and the selection orders over them: fifo, lifo, uniform, priority,
+each an `Order` class, so a new order is one class.
 
 A group that is ready to be sampled sits in three LMDB indexes, all keyed under its
 table's 4-byte prefix:
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import random
 import struct
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import lmdb
 
-ORDERS = ("fifo", "lifo", "uniform", "priority")
 _U64 = struct.Struct(">Q")
 
 
@@ -77,20 +79,15 @@ class ReadyIndex:
         return _U64.unpack(raw)[0] if raw else 0
 
     def candidates(self, order: str, rng: random.Random) -> Iterator[bytes]:
-        """Ready group keys in the given order, each at most once; lazily, so a caller
+        """Ready group keys in the named order, each at most once; lazily, so a caller
         that needs k groups reads about k entries."""
-        if order == "fifo":
-            yield from self._scan(self.dbs.ready, reverse=False)
-        elif order == "lifo":
-            yield from self._scan(self.dbs.ready, reverse=True)
-        elif order == "priority":
-            yield from self._scan(self.dbs.prio, reverse=False)
-        elif order == "uniform":
-            yield from self._uniform(rng)
-        else:
-            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
+        try:
+            return ORDERS[order]().candidates(self, rng)
+        except KeyError:
+            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}") from None
 
-    def _scan(self, db: lmdb._Database, *, reverse: bool) -> Iterator[bytes]:
+    def scan(self, db: lmdb._Database, *, reverse: bool) -> Iterator[bytes]:
+        """The values of one of the indexes (ready or prio), from the front or the back."""
         p = self.prefix
         with self.txn.cursor(db=db) as cur:
             if reverse:
@@ -104,14 +101,68 @@ class ReadyIndex:
                 yield cur.value()
                 found = step()
 
-    def _uniform(self, rng: random.Random) -> Iterator[bytes]:
-        count, seen = self.count(), set()
+    def slot(self, slot: int) -> bytes:
+        """The group in one slot of the dense array (0 <= slot < count())."""
+        return self.txn.get(self.prefix + u64(slot), db=self.dbs.slots)
+
+
+class Order(ABC):
+    """One way to take ready groups. A new order is one subclass with a `name`: it is
+    registered on definition, and sample requests may name it."""
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        ORDERS[cls.name] = cls
+
+    @abstractmethod
+    def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        """Ready group keys, each at most once, lazily."""
+
+
+ORDERS: dict[str, type[Order]] = {}
+
+
+class Fifo(Order):
+    """Oldest completed group first."""
+
+    name = "fifo"
+
+    def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return index.scan(index.dbs.ready, reverse=False)
+
+
+class Lifo(Order):
+    """Newest completed group first."""
+
+    name = "lifo"
+
+    def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return index.scan(index.dbs.ready, reverse=True)
+
+
+class Uniform(Order):
+    """Random groups without replacement: random slots of the dense slot array."""
+
+    name = "uniform"
+
+    def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        count, seen = index.count(), set()
         while len(seen) < count:
             slot = rng.randrange(count)
-            if slot in seen:
-                continue
-            seen.add(slot)
-            yield self.txn.get(self.prefix + u64(slot), db=self.dbs.slots)
+            if slot not in seen:
+                seen.add(slot)
+                yield index.slot(slot)
+
+
+class Priority(Order):
+    """Highest info["priority"] first, ties oldest first."""
+
+    name = "priority"
+
+    def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return index.scan(index.dbs.prio, reverse=False)
 
 
 def _next_prefix(prefix: bytes) -> bytes | None:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from expbuf.client import BufferClient, BufferError
+from expbuf.client import BufferClient, BufferError, Tls
 
 COLUMNS = (
     ("table", 16),
@@ -79,11 +79,19 @@ def render(info: dict[str, Any], tables: dict[str, dict[str, Any]], rates: dict[
     return "\n".join(lines)
 
 
-def watch(target: str, token: str | None, interval: float, count: int = 0, out: TextIO = sys.stdout) -> int:
+def watch(
+    target: str,
+    token: str | None,
+    interval: float,
+    count: int = 0,
+    out: TextIO = sys.stdout,
+    *,
+    tls: Tls | None = None,
+) -> int:
     """Print the view once, or every `interval` seconds (`count` times, 0 = until Ctrl-C)."""
     previous: tuple[float, dict[str, dict[str, Any]]] | None = None
     shown = 0
-    with BufferClient(target, token=token, timeout=10, retries=0) as client:
+    with BufferClient(target, token=token, tls=tls, timeout=10, retries=0) as client:
         try:
             while True:
                 try:

@@ -61,7 +61,7 @@ from .errors import (
 )
 from .sample_spec import SampleSpec
 from .selection import ReadyDbs, ReadyIndex, u64
-from .tables import NEEDS_REWARD, TOKEN_LEVEL, TableConfig, default_table
+from .tables import CONFIG_VERSION, NEEDS_REWARD, TOKEN_LEVEL, TableConfig, batch_stage, default_table
 
 # Experience states. Live: pending (its group is incomplete), ready, leased.
 # Experience (and group) states. Live: pending (the group is incomplete), computing (its
@@ -189,6 +189,17 @@ def _advantage(txn: lmdb.Transaction, db: lmdb._Database, key: bytes, rec: dict[
     return txn.get(key, db=db)
 
 
+def finish_batch(
+    config: TableConfig, records: Sequence[dict[str, Any]], advantages: list[Advantage]
+) -> list[Advantage]:
+    """A sampled batch's advantages: statistics over the batch, where the estimator has them."""
+    if not batch_stage(config) or not records:
+        return advantages
+    from .advantages import finish_batch as finish  # torch is imported only where advantages are computed
+
+    return finish(config, records, advantages)
+
+
 def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
     if all(a is None for a in advantages):
@@ -281,7 +292,8 @@ class Store:
         with self._env.begin(db=self._db["tables"]) as txn:
             for name, raw in txn.cursor():
                 rec = _loads(raw)
-                self._tables[name.decode()] = (rec["id"], TableConfig.from_stored(rec["config"]))
+                config = TableConfig.from_stored(rec["config"], rec.get("v", 1))
+                self._tables[name.decode()] = (rec["id"], config)
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         self._writer.start()
         if "default" not in self._tables:
@@ -427,13 +439,13 @@ class Store:
         def op(txn: lmdb.Transaction) -> tuple[bool, int]:
             raw = txn.get(config.name.encode(), db=self._db["tables"])
             if raw is not None:
-                existing = TableConfig.from_stored(_loads(raw)["config"])
+                existing = TableConfig.from_stored(_loads(raw)["config"], _loads(raw).get("v", 1))
                 if exist_ok and existing == config:
                     return False, _loads(raw)["id"]
                 raise Conflict(f"table '{config.name}' already exists")
             table_id = int(txn.get(b"next_table_id", b"1", db=self._db["meta"]))
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=self._db["meta"])
-            record = {"id": table_id, "config": config.to_dict(), "created": self.clock()}
+            record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
             txn.put(config.name.encode(), _dumps(record), db=self._db["tables"])
             return True, table_id
 
@@ -606,9 +618,9 @@ class Store:
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the live experiences among uids (in their order), and the missing uids."""
-        table_id, _ = self._table(table)
+        table_id, config = self._table(table)
         prefix = _U32.pack(table_id)
-        blobs, advantages, missing = [], [], []
+        blobs, advantages, missing, rows = [], [], [], []
         with self._read() as txn:
             for uid in uids:
                 blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
@@ -617,8 +629,9 @@ class Store:
                     continue
                 blobs.append(bytes(blob))
                 rec = _loads(txn.get(prefix + uid.encode(), db=self._db["items"]))
+                rows.append(rec)
                 advantages.append(_advantage(txn, self._db["adv"], prefix + uid.encode(), rec))
-        return batch_payload(blobs, advantages), missing
+        return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
@@ -932,7 +945,7 @@ class _TableTxn:
                 raise InvalidRequest(
                     f"uid {entry.uid} has no reward; table '{self.config.name}' computes advantages "
                     f"with {estimator}, which needs one"
-                    + (" (or token_level_reward)" if estimator == "reinforce" else "")
+                    + (" (or token_level_reward)" if estimator not in NEEDS_REWARD else "")
                 )
 
     def _insert(self, entry: Entry, gkey: str) -> None:
@@ -1179,9 +1192,11 @@ class _TableTxn:
             batch.lease_id = secrets.token_hex(8)
             if not hold:
                 expires = batch.lease_expires = self.now + spec.lease_seconds
+        rows = []
         for gkey, grp in chosen:
             recs = {uid: self.item(uid) for uid in grp["m"]}
             for uid in grp["m"]:
+                rows.append(recs[uid])
                 batch.uids.append(uid)
                 batch.group_ids.append(gkey)
                 batch.blobs.append(bytes(self.txn.get(self._key(uid), db=self.db["blobs"])))
@@ -1209,6 +1224,7 @@ class _TableTxn:
             self.txn.put(batch.lease_id.encode(), _dumps(lease), db=self.db["leases"])
             if expires is not None:
                 self.txn.put(_expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
+        batch.advantages = finish_batch(self.config, rows, batch.advantages)
         self.counters["sampled"] += len(batch.uids)
         batch.newest_version = self.counters["max_version"]
         self.save()

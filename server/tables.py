@@ -11,28 +11,127 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from expbuf.client.wire import PARAM_CHOICES
+
 from .errors import clip
 
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
 ON_GROUP_TIMEOUT = ("release", "drop")
-# Each estimator's parameters and their defaults (see server/estimators.py).
-ESTIMATOR_PARAMS: dict[str, dict[str, float]] = {
-    "grpo": {"epsilon": 1e-6, "std_over_batch": 0.0, "std_threshold": 0.0, "drop_below_threshold": 0.0},
-    "drgrpo": {},
+# The form of stored table records: 1 before the estimators took Trinity-RFT's names.
+CONFIG_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Param:
+    """One estimator parameter: its default (None: off unless set) and its allowed values.
+
+    A numeric parameter lies in [low, high], each end open or closed; a parameter with
+    `choices` takes one of those names, or its position among them (the form it has on the
+    wire, whose parameter map holds numbers)."""
+
+    default: float | str | None
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """The allowed values, as error messages state them."""
+        if self.choices:
+            return " or ".join(f"{c!r} ({i})" for i, c in enumerate(self.choices))
+        if self.low == -math.inf and self.high == math.inf:
+            return "a finite number"
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low == -math.inf:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"{self.low:g} {'<' if self.low_open else '<='} x {'<' if self.high_open else '<='} {self.high:g}"
+
+    def check(self, value: Any) -> float | None:
+        """The value in its stored form (a number), or None when it is out of range."""
+        if self.choices and isinstance(value, str):
+            return float(self.choices.index(value)) if value in self.choices else None
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        if isinstance(value, bool) and not self.choices:  # a flag only where the parameter is one
+            return None
+        value = float(value)
+        if self.choices:
+            return value if value.is_integer() and 0 <= value < len(self.choices) else None
+        if value < self.low or (self.low_open and value == self.low):
+            return None
+        if value > self.high or (self.high_open and value == self.high):
+            return None
+        return value
+
+
+_EPSILON = Param(1e-6, low=0.0, low_open=True)
+_THRESHOLD = Param(None, low=0.0)
+_STD_LEVEL = Param("group", choices=PARAM_CHOICES["std_cal_level"])
+_FLAG = Param(0.0, choices=PARAM_CHOICES["std_normalize"])
+_BASELINE = Param("mean", choices=PARAM_CHOICES["opmd_baseline"])
+_DISCOUNT = Param(1.0, low=0.0, high=1.0, low_open=True)
+# Each estimator's parameters (see server/estimators.py), under Trinity-RFT's names for its functions.
+ESTIMATOR_PARAMS: dict[str, dict[str, Param]] = {
+    "grpo": {"epsilon": _EPSILON, "std_threshold": _THRESHOLD, "std_cal_level": _STD_LEVEL},
+    "grpo_verl": {"epsilon": _EPSILON},
+    "step_wise_grpo": {
+        "epsilon": _EPSILON,
+        "enable_step_norm": _FLAG,
+        "std_cal_level": _STD_LEVEL,
+        "std_threshold": _THRESHOLD,
+    },
+    "reinforceplusplus": {"gamma": _DISCOUNT},
+    "reinforce": {},
     "rloo": {},
-    "reinforce++": {"epsilon": 1e-8},
-    "reinforce": {"gamma": 1.0},
-    "opmd": {"tau": 1.0, "logavgexp_baseline": 0.0},
-    "step_wise_grpo": {"epsilon": 1e-6},
-    "multi_turn_discount": {"turn_level_discount": 1.0},
+    "opmd": {"opmd_baseline": _BASELINE, "tau": Param(1.0, low=0.0, low_open=True)},
+    "opmd_verl": {
+        "opmd_baseline": _BASELINE,
+        "tau": Param(1.0, low=0.0, low_open=True),
+    },
+    "asymre": {"baseline_shift": Param(-0.1)},
+    "asymre_verl": {"baseline_shift": Param(-0.1)},
+    "rec": {"epsilon": _EPSILON, "std_normalize": _FLAG},
+    # expbuf's own estimators, with no Trinity-RFT counterpart of the same meaning.
+    "drgrpo": {},
+    "reinforce++_baseline": {"epsilon": Param(1e-8, low=0.0, low_open=True)},
+    "discounted_return": {"gamma": _DISCOUNT},
+    "multi_turn_discount": {"turn_level_discount": _DISCOUNT},
     "none": {},
 }
 ESTIMATORS = tuple(ESTIMATOR_PARAMS)
-# Estimators that need a reward on every experience ("reinforce" takes token-level rewards instead).
-NEEDS_REWARD = frozenset(ESTIMATORS) - {"none", "reinforce"}
+# Estimators that need a reward on every experience (the others also take token_level_reward).
+NEEDS_REWARD = frozenset(ESTIMATORS) - {
+    "none",
+    "discounted_return",
+    "reinforceplusplus",
+    "grpo_verl",
+    "rloo",
+    "opmd_verl",
+    "asymre_verl",
+}
 # Estimators that read the tokens (masks and token-level rewards), not just one reward each.
-TOKEN_LEVEL = frozenset({"reinforce"})
+TOKEN_LEVEL = frozenset(ESTIMATORS) - NEEDS_REWARD - {"none"}
+
+
+def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
+    """The estimator's keyword arguments: the table's parameters over the defaults, choices by name."""
+    args: dict[str, float | str | None] = {}
+    for name, param in ESTIMATOR_PARAMS[config.estimator].items():
+        value = config.estimator_params.get(name, param.default)
+        args[name] = param.choices[int(value)] if param.choices and not isinstance(value, str) else value
+    return args
+
+
+def batch_stage(config: TableConfig) -> bool:
+    """Whether the table's advantages are finished over each sampled batch (statistics over the batch)."""
+    if config.estimator in ("reinforceplusplus", "reinforce++_baseline"):
+        return True
+    return config.estimator in ("grpo", "step_wise_grpo") and estimator_args(config)["std_cal_level"] == "batch"
+
+
 DEVICES = ("auto", "cpu", "cuda")
 # Timeouts and retention beyond ten years are mistakes (1e10, inf), not plans.
 MAX_SECONDS = 10 * 365 * 86400.0
@@ -104,27 +203,48 @@ class TableConfig:
             raise ConfigError(f"table '{self.name}': drop_zero_variance and keep_failed must be true or false")
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
-        if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.estimator_params.items()):
-            raise ConfigError("estimator_params must map names to numbers")
-        unknown = set(self.estimator_params) - set(ESTIMATOR_PARAMS[self.estimator])
+        self._check_estimator_params()
+
+    def _check_estimator_params(self) -> None:
+        """Every parameter known to the estimator and in its range; choices stored by position."""
+        if not isinstance(self.estimator_params, dict) or not all(isinstance(k, str) for k in self.estimator_params):
+            raise ConfigError("estimator_params must map parameter names to values")
+        known = ESTIMATOR_PARAMS[self.estimator]
+        unknown = set(self.estimator_params) - set(known)
         if unknown:
-            known = ", ".join(ESTIMATOR_PARAMS[self.estimator]) or "none"
+            takes = ", ".join(known) or "none"
             raise ConfigError(
-                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {known})"
+                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {takes})"
             )
+        checked = {}
+        for name, value in self.estimator_params.items():
+            stored = known[name].check(value)
+            if stored is None:
+                raise ConfigError(
+                    f"table '{self.name}': estimator {self.estimator} parameter {name} is {str(value)[:40]!r}; "
+                    f"allowed: {known[name].describe()}"
+                )
+            checked[name] = stored
+        object.__setattr__(self, "estimator_params", checked)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_stored(cls, data: dict[str, Any]) -> TableConfig:
-        """A table as an earlier release stored it: durations it accepted beyond today's
-        range are read as the longest allowed, so the server still starts."""
+    def from_stored(cls, data: dict[str, Any], version: int = CONFIG_VERSION) -> TableConfig:
+        """A table as this or an earlier release stored it. Durations an earlier release
+        accepted beyond today's range are read as the longest allowed, and the estimators
+        of version 1 (before expbuf took Trinity-RFT's names) become their namesakes, so a
+        data directory written by an earlier release still opens."""
         data = dict(data)
         for name in ("group_timeout_seconds", "tombstone_seconds"):
             value = data.get(name)
             if isinstance(value, (int, float)) and not value <= MAX_SECONDS:
                 data[name] = MAX_SECONDS
+        if version < 2:
+            data["estimator"], data["estimator_params"] = _estimator_of_v1(
+                data.get("estimator", "grpo"), dict(data.get("estimator_params") or {})
+            )
         return cls.from_dict(data)
 
     @classmethod
@@ -134,6 +254,27 @@ class TableConfig:
         if unknown:
             raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
         return cls(**data)
+
+
+def _estimator_of_v1(name: str, params: dict[str, float]) -> tuple[str, dict[str, Any]]:
+    """An estimator and its parameters as version 1 stored them, under today's names."""
+    if name == "reinforce++":  # verl's group-baseline variant
+        return "reinforce++_baseline", params
+    if name == "reinforce":  # the discounted return-to-go, now without restarts under the mask
+        return "discounted_return", params
+    if name == "grpo":
+        out: dict[str, Any] = {"epsilon": params["epsilon"]} if "epsilon" in params else {}
+        if params.get("std_over_batch"):
+            out["std_cal_level"] = "batch"
+        if params.get("std_threshold"):  # 0 was off; groups below it are now dropped, as Trinity does
+            out["std_threshold"] = params["std_threshold"]
+        return name, out
+    if name == "opmd":
+        out = {"tau": params["tau"]} if "tau" in params else {}
+        if params.get("logavgexp_baseline"):
+            out["opmd_baseline"] = "logavgexp"
+        return name, out
+    return name, params
 
 
 def default_table() -> TableConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import torch
 
@@ -88,37 +89,47 @@ def check_against_manifest(exp: Experience, want: dict) -> None:
 
 
 class ServerProcess:
-    """`expbuf serve` in a child process on a free loopback port, for restart and kill tests."""
+    """`expbuf serve` in a child process, for restart and kill tests.
+
+    Every port is a free one: gRPC and metrics on port 0 unless `args` say otherwise, both
+    read back from the start-up line. A child that exits before it listens fails at once,
+    with its log.
+    """
 
     def __init__(self, data: str, *args: str, env: dict[str, str] | None = None) -> None:
         import os
-        import re
         import subprocess
         import sys
-        import threading
 
+        defaults = [] if "--metrics-port" in args else ["--metrics-port", "0"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", *args],
+            [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", *defaults, *args],
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
         )
         self.log: list[str] = []
-        ready = threading.Event()
         self.port = 0
-
-        def read() -> None:
-            for line in self.proc.stderr:
-                self.log.append(line)
-                match = re.search(r"listening on [\d.]+:(\d+)", line)
-                if match:
-                    self.port = int(match.group(1))
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60):
+        self.metrics_port = -1
+        ready = threading.Event()
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        if not ready.wait(60) or not self.port:
             self.proc.kill()
-            raise AssertionError("server did not start:\n" + "".join(self.log))
+            code = self.proc.wait(10)
+            raise AssertionError(f"server did not start (exit code {code}):\n" + "".join(self.log))
+
+    def _read(self, ready: threading.Event) -> None:
+        """Collect the log; `ready` is set when the server listens or its stderr closes (it exited)."""
+        import re
+
+        for line in self.proc.stderr:
+            self.log.append(line)
+            match = re.search(r"listening on [\w.\[\]:]+?:(\d+) \(metrics (?:[\w.\[\]:]+?:(\d+)|off)", line)
+            if match:
+                self.port = int(match.group(1))
+                self.metrics_port = int(match.group(2) or -1)
+                ready.set()
+        ready.set()
 
     @property
     def target(self) -> str:

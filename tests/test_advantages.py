@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -9,14 +10,15 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages import AdvantageWorker, expand
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.config import load as load_config
 from expbuf.server.store import InvalidRequest, Store
-from expbuf.server.tables import TableConfig
+from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import payload
-from helpers import group_items, take
+from helpers import group_items, make_experience, take
 
 
 @pytest.fixture
@@ -55,15 +57,14 @@ def test_multi_turn_discount_over_grpc(client: BufferClient) -> None:
         assert torch.allclose(exp.returns, exp.advantages)
 
 
-def test_reinforce_uses_token_level_rewards(client: BufferClient) -> None:
-    client.create_table("rf", group_by="none", estimator="reinforce", estimator_params={"gamma": 0.5})
+def test_discounted_return_uses_token_level_rewards(client: BufferClient) -> None:
+    client.create_table("rf", group_by="none", estimator="discounted_return", estimator_params={"gamma": 0.5})
     client.push(payload("rich_fields.trxp"), table="rf")
     (exp,) = next(client.sample("rf", num_groups=1, max_batches=1, timeout=10)).experiences
     running, want = 0.0, []
     for r, m in zip(reversed(exp.token_level_reward.tolist()), reversed(exp.action_mask.tolist()), strict=True):
         running = r + 0.5 * running
         want.append(running * m)
-        running *= m
     assert torch.allclose(exp.advantages, torch.tensor(want[::-1]), atol=1e-5)
 
 
@@ -76,16 +77,58 @@ def test_missing_reward_is_refused_naming_the_uid(client: BufferClient) -> None:
     assert client.push(payload("dpo.trxp"), table="dpo").stored == ["4/0/0/0/dpo0"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to fail")
-def test_failed_computation_fails_its_groups_and_the_server_keeps_serving(client: BufferClient) -> None:
-    client.create_table("gpu", device="cuda")
-    client.push(payload("grpo_group.trxp"), table="gpu")
+@pytest.fixture
+def exploding(monkeypatch: pytest.MonkeyPatch) -> str:
+    """An estimator that raises on any batch holding a reward of 13 (grpo otherwise): a
+    computation that fails because of one group."""
+    from expbuf.server import estimators, tables
+
+    def explode(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
+        if bool((batch.rewards == 13.0).any()):
+            raise ValueError("a reward of 13 is not computable")
+        return estimators.ESTIMATORS["grpo"](batch, **args)
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "explode", explode)
+    monkeypatch.setitem(tables.ESTIMATOR_PARAMS, "explode", tables.ESTIMATOR_PARAMS["grpo"])
+    monkeypatch.setattr(tables, "ESTIMATORS", (*tables.ESTIMATORS, "explode"))
+    monkeypatch.setattr(tables, "NEEDS_REWARD", tables.NEEDS_REWARD | {"explode"})
+    return "explode"
+
+
+def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(tmp_path: Path, exploding) -> None:
+    """Groups computed together with a group that makes the estimator raise are retried
+    one by one: only that group fails, and it keeps its payloads for Get and Delete."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator=exploding))
+        store.put("t", group_items(1, 0, 3, reward=1.0) + group_items(1, 1, 3, reward=13.0) + group_items(1, 2, 3))
+        assert AdvantageWorker(store).run_once() == 3
+        stats = store.stats("t")
+        assert (stats["groups_ready"], stats["groups_failed"], stats["ready"]) == (2, 1, 6)
+        assert "group 1/1" in stats["last_failure"] and "reward of 13" in stats["last_failure"]
+        guilty = [f"1/1/{run}/0/r{run}s0" for run in range(3)]
+        payload_bytes, missing = store.get_payload("t", guilty)
+        assert missing == [] and [e.reward for e in decode(payload_bytes)] == [13.0] * 3
+        assert store.verify("t") == []
+        assert store.delete("t", group_ids=["1/1"]) == 0  # a failed group is no longer live ...
+        assert store.get_payload("t", guilty)[1] == guilty  # ... but its payloads go with it
+        assert store.verify("t") == []
+        store.create_table(TableConfig("lean", estimator=exploding, keep_failed=False))
+        store.put("lean", group_items(2, 0, 2, reward=13.0))
+        AdvantageWorker(store).run_once()
+        assert store.get_payload("lean", ["2/0/0/0/r0s0"])[1] == ["2/0/0/0/r0s0"]
+        assert store.verify("lean") == []
+
+
+def test_failed_computation_over_grpc_and_the_server_keeps_serving(client: BufferClient, exploding) -> None:
+    client.create_table("boom", estimator=exploding)
+    client.push(trxp.build(group_items(3, 0, 4, reward=13.0)), table="boom")
     with pytest.raises(BufferError) as info:
-        next(client.sample("gpu", num_groups=1, max_batches=1, timeout=2))
+        next(client.sample("boom", num_groups=1, max_batches=1, timeout=2))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    stats = client.stats("gpu")["gpu"]
-    assert stats["groups_failed"] == 1 and "group 7/3" in stats["last_failure"]
-    assert "cuda" in stats["last_failure"].lower()
+    stats = client.stats("boom")["boom"]
+    assert stats["groups_failed"] == 1 and "group 3/0" in stats["last_failure"]
+    kept = client.get([f"3/0/{run}/0/r{run}s0" for run in range(4)], table="boom")
+    assert len(kept) == 4 and kept.missing_uids == []
     client.push(payload("mixed_batch.trxp"))
     assert len(next(client.sample(num_groups=2, max_batches=1, timeout=10)).uids) == 8
 
@@ -110,7 +153,7 @@ def test_groups_completed_together_are_one_job_and_survive_restart(tmp_path: Pat
 def test_zero_variance_and_std_threshold(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         store.create_table(TableConfig(name="dapo", drop_zero_variance=True))
-        store.create_table(TableConfig(name="thr", estimator_params={"std_threshold": 0.2, "drop_below_threshold": 1}))
+        store.create_table(TableConfig(name="thr", estimator_params={"std_threshold": 0.2}))
         for name in ("default", "dapo", "thr"):
             store.put(name, group_items(1, 0, 4, reward=1.0))  # all equal
             store.put(name, trxp.parse(payload("grpo_group.trxp")))
@@ -127,7 +170,102 @@ def test_reward_checks_at_the_store(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         with pytest.raises(InvalidRequest, match="uid 1/0/0/0/r0s0 has no reward"):
             store.put("default", group_items(1, 0, 2, reward=None))
-        store.create_table(TableConfig(name="rf", estimator="reinforce"))
+        store.create_table(TableConfig(name="rf", estimator="discounted_return"))
         with pytest.raises(InvalidRequest, match="or token_level_reward"):
             store.put("rf", group_items(1, 0, 2, reward=None))
         assert store.put("rf", trxp.parse(payload("rich_fields.trxp"))).stored
+
+
+def spread_group(task: int, size: int) -> list[trxp.RawItem]:
+    """A group whose rewards and response lengths differ from run to run."""
+    return [
+        trxp.from_experience(make_experience(5, task, run, reward=float((3 * run + task) % 4), response=2 + run))
+        for run in range(size)
+    ]
+
+
+def wait_computed(client: BufferClient, table: str) -> None:
+    """Wait until no group of the table is waiting for its advantages."""
+    for _ in range(500):
+        stats = client.stats(table)[table]
+        if stats["groups_computing"] == 0:  # set by the push itself, before its ack
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"advantages of table {table} not computed")
+
+
+BATCH_LEVEL = [
+    ("grpo", {"std_cal_level": "batch"}),
+    ("step_wise_grpo", {"std_cal_level": "batch"}),
+    ("reinforceplusplus", {"gamma": 0.9}),
+    ("reinforce++_baseline", {}),
+]
+
+
+@pytest.mark.parametrize(("estimator", "params"), BATCH_LEVEL)
+def test_batch_statistics_do_not_depend_on_arrival(client: BufferClient, estimator: str, params: dict) -> None:
+    groups = [spread_group(task, size) for task, size in enumerate([4, 1, 3, 5])]
+    for table in ("together", "apart"):
+        client.create_table(table, estimator=estimator, estimator_params=params, group_size=0)
+    client.push(trxp.build([item for group in groups for item in group]), table="together")
+    for group in groups:  # one group at a time, each computed before the next arrives
+        client.push(trxp.build(group), table="apart")
+        wait_computed(client, "apart")
+    wait_computed(client, "together")
+    sampled = {}
+    for table in ("together", "apart"):
+        batch = next(client.sample(table, num_groups=4, max_batches=1, timeout=10))
+        sampled[table] = {e.eid.uid: e.advantages for e in batch.experiences}
+    assert sorted(sampled["together"]) == sorted(sampled["apart"])
+    for uid, advantages in sampled["together"].items():
+        assert torch.allclose(advantages, sampled["apart"][uid], atol=1e-6), uid
+    assert any(a.abs().max() > 0.1 for a in sampled["together"].values())
+
+
+def test_non_finite_result_fails_its_group(client: BufferClient) -> None:
+    client.create_table("huge", estimator="grpo")
+    overflow = [trxp.from_experience(make_experience(6, 0, run, reward=1e308)) for run in range(2)]
+    client.push(trxp.build(overflow + group_items(6, 1, 2, reward=1.0)), table="huge")
+    wait_computed(client, "huge")
+    stats = client.stats("huge")["huge"]
+    assert stats["groups_failed"] == 1 and "non-finite" in stats["last_failure"] and "6/0" in stats["last_failure"]
+    batch = next(client.sample("huge", num_groups=1, max_batches=1, timeout=10))
+    assert {e.eid.tid for e in batch.experiences} == {"6/1"}
+    assert all(torch.isfinite(e.advantages).all() for e in batch.experiences)
+
+
+def test_out_of_range_parameter_is_invalid_argument(client: BufferClient, tmp_path: Path) -> None:
+    with pytest.raises(BufferError) as info:
+        client.create_table("bad", estimator="opmd", estimator_params={"tau": 0.0})
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "table 'bad': estimator opmd parameter tau is '0.0'; allowed: > 0" in info.value.details
+    assert "bad" not in client.stats()
+    client.create_table("good", estimator="opmd", estimator_params={"tau": 0.5, "opmd_baseline": "logavgexp"})
+    toml = tmp_path / "expbuf.toml"
+    toml.write_text('[[tables]]\nname = "t"\nestimator = "reinforceplusplus"\nestimator_params = { gamma = 0 }\n')
+    with pytest.raises(
+        ConfigError, match=r"table 't': estimator reinforceplusplus parameter gamma is '0'; allowed: 0 < x <= 1"
+    ):
+        load_config(str(toml))
+
+
+def test_get_finishes_the_batch_it_returns(client: BufferClient) -> None:
+    client.create_table("rpp", estimator="reinforceplusplus", group_size=3)
+    client.push(trxp.build(spread_group(0, 3) + spread_group(1, 2)), table="rpp")
+    wait_computed(client, "rpp")
+    ready = [f"5/0/{run}/0/r{run}s0" for run in range(3)]
+    pending = ["5/1/0/0/r0s0"]
+    got = {e.eid.uid: e for e in client.get(ready + pending, table="rpp")}
+    assert got[pending[0]].advantages is None  # its group is not complete: nothing computed yet
+    tokens = torch.cat([got[uid].advantages[got[uid].action_mask] for uid in ready])
+    assert abs(tokens.mean().item()) < 1e-4 and abs(tokens.std().item() - 1) < 1e-3  # whitened over these three
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, None])
+def test_expand_puts_the_value_under_the_mask(dtype: torch.dtype | None) -> None:
+    mask = [1, 0, 1, 1, 0]
+    tensors = {} if dtype is None else {"action_mask": trxp.raw_of(torch.tensor(mask, dtype=dtype))}
+    out = expand((-0.75, 5), tensors)
+    want = [-0.75 * m for m in mask] if dtype is not None else [-0.75] * 5
+    assert trxp.tensor_of(out["advantages"]).tolist() == want
+    assert out["returns"] == out["advantages"]

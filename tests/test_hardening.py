@@ -125,7 +125,7 @@ def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: P
         record["config"]["tombstone_seconds"] = 1e10
         txn.put(b"old", json.dumps(record).encode())
     env.close()
-    with Store(tmp_path) as store:
+    with Store(tmp_path, clock=lambda: time.time() + 60) as store:
         assert store.table("old").tombstone_seconds == MAX_SECONDS
         done = store.tick()
         assert (done["leases_expired"], done["failed"]) == (1, 0)
@@ -291,3 +291,25 @@ def test_refusals_name_their_table_and_bound_metric_labels(server: ExpbufServer,
 
 def test_too_large_and_table_full_are_distinct() -> None:
     assert not issubclass(TooLarge, TableFull)
+
+
+def test_tables_of_the_first_format_open_under_todays_estimator_names(tmp_path: Path) -> None:
+    """Table records without a version were written before the estimators took
+    Trinity-RFT's names: they open as the estimator they meant."""
+    with Store(tmp_path):
+        pass
+    old = {
+        "old_pp": ("reinforce++", {"epsilon": 1e-8}, "reinforce++_baseline", {"epsilon": 1e-8}),
+        "old_rf": ("reinforce", {"gamma": 0.9}, "discounted_return", {"gamma": 0.9}),
+        "old_grpo": ("grpo", {"std_over_batch": 1.0, "std_threshold": 0.0}, "grpo", {"std_cal_level": 1.0}),
+        "old_opmd": ("opmd", {"tau": 2.0, "logavgexp_baseline": 1.0}, "opmd", {"tau": 2.0, "opmd_baseline": 1.0}),
+    }
+    env = lmdb.open(str(tmp_path), max_dbs=32)
+    with env.begin(write=True, db=env.open_db(b"tables")) as txn:
+        for index, (name, (estimator, params, _, _)) in enumerate(old.items()):
+            config = {"name": name, "estimator": estimator, "estimator_params": params}
+            txn.put(name.encode(), json.dumps({"id": 100 + index, "config": config, "created": 0}).encode())
+    env.close()
+    with Store(tmp_path) as store:
+        for name, (_, _, estimator, params) in old.items():
+            assert (store.table(name).estimator, store.table(name).estimator_params) == (estimator, params)

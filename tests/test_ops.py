@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fnmatch
 import json
+import os
+import queue
 import re
-import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from expbuf.client import BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.client import GetResult
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 
@@ -185,15 +198,69 @@ def test_health_command(tmp_path: Path) -> None:
     assert done.returncode == 1
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
-def test_compose_file_validates() -> None:
-    done = subprocess.run(
-        ["docker-compose", "-f", str(DOCKER / "compose.yaml"), "config"], capture_output=True, text=True, check=False
+def test_compose_file_is_valid_for_compose() -> None:
+    """The compose file's structure, checked with PyYAML: nothing to install, no engine needed."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    assert set(compose) <= {"services", "volumes", "networks", "configs", "secrets", "name"}
+    services, volumes = compose["services"], compose.get("volumes") or {}
+    assert set(services) == {"expbuf", "prometheus", "grafana"}
+    build = services["expbuf"]["build"]
+    assert (DOCKER / build["context"] / build["dockerfile"]).resolve() == (DOCKER / "Dockerfile").resolve()
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+        for port in service.get("ports", []):
+            assert re.fullmatch(r"\d+:\d+", str(port)), (name, port)
+        for mount in service.get("volumes", []):
+            source, target, *mode = mount.split(":")
+            assert target.startswith("/") and mode in ([], ["ro"]), (name, mount)
+            if source.startswith("."):
+                assert (DOCKER / source).exists(), f"{name} mounts {source}, which does not exist"
+            else:
+                assert source in volumes, f"{name} uses the volume {source}, which is not declared"
+        for dependency in service.get("depends_on", []):
+            assert dependency in services, (name, dependency)
+        assert all(isinstance(v, str) for v in (service.get("environment") or {}).values()), name
+    assert services["expbuf"]["ports"] == ["50051:50051", "9400:9400"]
+
+
+def test_make_test_changes_nothing_on_the_system() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert not re.search(r"apt-get|apt |sudo|dpkg", makefile), "a make target installs system packages"
+    recipe = re.search(r"^test:(.*)$", makefile, re.M)
+    assert recipe is not None and recipe.group(1).split() == ["setup"]
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
+    """The root .dockerignore (the build context is the repository root) as Docker reads it."""
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def ignored(path: str) -> bool:
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]  # a directory takes its contents along
+        return any(
+            fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, pattern.removeprefix("**/"))
+            for pattern in patterns
+            for prefix in prefixes
+        )
+
+    local_state = (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "expbuf-data/data.mdb",
+        "server/__pycache__/app.cpython-311.pyc",
+        ".pytest_cache/v",
+        ".ruff_cache/x",
+        ".hypothesis/x",
+        "build/lib",
+        "expbuf.egg-info/PKG-INFO",
     )
-    assert done.returncode == 0, done.stderr
-    config = done.stdout
-    for service in ("expbuf:", "prometheus:", "grafana:"):
-        assert service in config
+    sources = ("Makefile", "pyproject.toml", "README.md", "server/app.py", "proto/expbuf/v1/buffer.proto")
+    assert [p for p in local_state if not ignored(p)] == []
+    assert [p for p in sources if ignored(p)] == []
 
 
 def test_image_uses_the_readme_setup_command() -> None:
@@ -206,3 +273,263 @@ def test_image_uses_the_readme_setup_command() -> None:
     assert re.search(r"^VOLUME", dockerfile, re.M)
     prometheus = (DOCKER / "prometheus.yml").read_text()
     assert "expbuf:9400" in prometheus
+
+
+# ---- start-up, ports and the command line ----------------------------------------------
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`expbuf ARGS` in a child process; a server that starts when it should not times out here."""
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:
+    """The command failed with exit code 2 and one line on stderr that contains every word."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def listener() -> socket.socket:
+    """A socket listening on a free loopback port, as another program would hold it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock
+    sock.close()
+
+
+def test_second_server_on_a_taken_port_refuses_to_start(tmp_path: Path) -> None:
+    first = ServerProcess(str(tmp_path / "a"))
+    try:
+        done = cli("serve", "--data", str(tmp_path / "b"), "--port", str(first.port), "--metrics-port", "-1")
+        one_line_error(done, f"127.0.0.1:{first.port}", "in use")  # "Address already in use"
+        with BufferClient(first.target) as c:  # the first server still owns its port
+            assert "default" in c.stats()
+    finally:
+        assert first.stop(signal.SIGTERM) == 0
+
+
+def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket) -> None:
+    taken = listener.getsockname()[1]
+    done = cli("serve", "--data", str(tmp_path / "m"), "--port", "0", "--metrics-port", str(taken))
+    one_line_error(done, "metrics port", str(taken))
+    missing = str(tmp_path / "no-such-cert.pem")
+    tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
+    done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
+    one_line_error(done, missing)
+
+
+def test_a_locked_data_directory_is_one_line(tmp_path: Path) -> None:
+    running = ServerProcess(str(tmp_path / "locked"))
+    try:
+        done = cli("serve", "--data", str(tmp_path / "locked"), "--port", "0", "--metrics-port", "-1")
+        one_line_error(done, str(tmp_path / "locked"), "another expbuf process")
+        one_line_error(cli("check", "--data", str(tmp_path / "locked")), "another expbuf process")
+    finally:
+        assert running.stop(signal.SIGTERM) == 0
+
+
+def test_check_refuses_a_directory_without_data(tmp_path: Path) -> None:
+    absent, empty = tmp_path / "no-such-dir", tmp_path / "empty"
+    empty.mkdir()
+    for directory in (absent, empty):
+        one_line_error(cli("check", "--data", str(directory)), str(directory), "no expbuf data")
+    assert not absent.exists() and list(empty.iterdir()) == []
+    ExpbufServer(ServerConfig(data=str(tmp_path / "real"), port=0, metrics_port=-1)).start().stop(grace=1)
+    done = cli("check", "--data", str(tmp_path / "real"))
+    assert done.returncode == 0 and done.stdout.strip() == "default: ok", done.stderr
+
+
+def test_server_process_uses_free_ports_and_fails_fast(tmp_path: Path) -> None:
+    held = []
+    for port in (9400, 50051):  # as `make serve` would hold them; taken already is as good
+        sock = socket.socket()
+        with contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        held.append(sock)
+    try:
+        proc = ServerProcess(str(tmp_path / "a"))
+        try:
+            assert proc.port not in (9400, 50051) and proc.metrics_port not in (0, 9400, 50051)
+            assert ("expbuf_storage_bytes", ()) in scrape(proc.metrics_port)
+        finally:
+            assert proc.stop(signal.SIGTERM) == 0
+        with pytest.raises(AssertionError, match=r"exit code 2\)[\s\S]*metrics_port"):
+            ServerProcess(str(tmp_path / "b"), "--metrics-port", "70000")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_serve_help_describes_the_metrics_port() -> None:
+    text = " ".join(cli("serve", "--help").stdout.split())
+    assert "0 picks a free one, -1 = off" in text and "0 = off" not in text
+    assert "--metrics-host" in text
+
+
+def test_metrics_host_binds_the_metrics_endpoint_apart(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=0, metrics_host="127.0.0.2")
+    server = ExpbufServer(config).start()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.2:{server.metrics_port}/metrics", timeout=10).read()
+        assert b"expbuf_storage_bytes" in text
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
+    finally:
+        server.stop(grace=1)
+
+
+# ---- concurrent streams ----------------------------------------------------------------
+
+
+def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=8)
+    limit = config.sample_stream_limit
+    assert 1 <= limit < config.workers
+    server = ExpbufServer(config).start()
+    ended: list[grpc.RpcError] = []
+
+    def wait_on(call: grpc.Call) -> None:
+        with contextlib.suppress(StopIteration):
+            try:
+                next(call)
+            except grpc.RpcError as exc:
+                ended.append(exc)
+
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}") as c:
+            c.create_table("other")  # pushed to below, while the streams wait on the empty default table
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+            calls = [stub.Sample(iter([request]), timeout=60) for _ in range(limit + 1)]
+            for call in calls:
+                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+            wait_until(lambda: len(ended) >= 1, timeout=30)
+            (refused,) = ended
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"max_sample_streams = {limit}" in refused.details()
+            assert "EXPBUF_MAX_SAMPLE_STREAMS" in refused.details()
+            pushed = stub.Push(pb.PushRequest(table="other", payload=payload("grpo_group.trxp")), timeout=10)
+            assert len(pushed.stored_uids) == 8
+            assert [t.name for t in stub.Stats(pb.StatsRequest(), timeout=10).tables]
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert len(ended) == 1  # the others still wait for data
+            for call in calls:
+                call.cancel()
+    finally:
+        server.stop(grace=1)
+
+
+# ---- a new user's first steps -----------------------------------------------------------
+
+
+def test_rollout_worker_runs_again(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    target = f"127.0.0.1:{server.port}"
+    worker = [sys.executable, str(ROOT / "examples" / "rollout_worker.py"), "--target", target, "--tasks", "2"]
+    try:
+        for _ in range(2):  # each run pushes a new batch
+            done = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.count("stored 8, duplicates 0") == 2, done.stdout
+        with BufferClient(target) as c:
+            c.push(trxp.build(group_items(7, 0, 8)))
+        done = subprocess.run([*worker, "--batch", "7"], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
+        assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
+        with BufferClient(target) as c:
+            assert c.stats()["default"]["pushed"] == 2 * 2 * 8 + 8 + 8
+    finally:
+        server.stop(grace=1)
+
+
+def test_readme_says_how_to_run_the_installed_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in readme and ".venv/bin/expbuf" in readme
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
+    assert "metrics_host" in readme and "--metrics-host" in readme
+
+
+def test_health_command_does_not_load_torch() -> None:
+    """The container runs `expbuf health` every few seconds: it must not import the server's torch."""
+    code = "import sys, expbuf.server.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_get_reports_missing_uids(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    target = f"127.0.0.1:{server.port}"
+    stored = [i.uid for i in trxp.parse(payload("grpo_group.trxp"))][:2]
+    try:
+        with BufferClient(target) as c:
+            c.push(payload("grpo_group.trxp"))
+            found = c.get([stored[0], "no/such/uid", stored[1]])
+        assert [e.eid.uid for e in found] == stored and found.missing_uids == ["no/such/uid"]
+
+        async def get_async() -> GetResult:
+            async with AsyncBufferClient(target) as ac:
+                return await ac.get(["gone", stored[1]])
+
+        found = asyncio.run(get_async())
+        assert [e.eid.uid for e in found] == stored[1:] and found.missing_uids == ["gone"]
+    finally:
+        server.stop(grace=1)
+
+
+def test_proto_names_its_go_package() -> None:
+    assert pb.DESCRIPTOR.GetOptions().go_package.endswith(";expbufv1")
+
+
+def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
+    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=4, max_sample_streams=3)
+    server = ExpbufServer(config).start()
+    refusals: list[grpc.RpcError] = []
+    idle: queue.Queue = queue.Queue()
+
+    def wait_on(call: grpc.Call) -> None:
+        with contextlib.suppress(grpc.RpcError, StopIteration):
+            next(call)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+            streams = [stub.Sample(iter([request]), timeout=60) for _ in range(3)]
+            pushing = stub.PushStream(iter(idle.get, None), timeout=60)  # an open stream that sends nothing
+            for call in (*streams, pushing):
+                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+
+            def push_refused() -> bool:
+                try:
+                    stub.Push(pb.PushRequest(table="default", payload=b""), timeout=10)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        refusals.append(exc)
+                return bool(refusals)
+
+            wait_until(push_refused, timeout=30)  # once the four streams hold the four workers
+            assert "workers = 4" in refusals[0].details() and "EXPBUF_WORKERS" in refusals[0].details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            idle.put(None)
+            for call in (*streams, pushing):
+                call.cancel()
+    finally:
+        server.stop(grace=1)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 
 from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
 from expbuf.server.tables import ConfigError
 
 from conftest import payload
+from helpers import ServerProcess
 
 TOKENS = {
     "pusher-secret": frozenset({"push"}),
@@ -116,6 +124,98 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert parse_tokens("a:push,sample; b:admin") == {"a": frozenset({"push", "sample"}), "b": frozenset({"admin"})}
     with pytest.raises(ConfigError, match="unknown token scope"):
         ServerConfig(tokens={"x": frozenset({"root"})})
+    assert ServerConfig().sample_stream_limit == 48 and ServerConfig(workers=8).sample_stream_limit == 6
+    with pytest.raises(ConfigError, match=r"max_sample_streams must be an integer from 1 to workers - 1 = 7"):
+        ServerConfig(workers=8, max_sample_streams=8)
+    monkeypatch.setenv("EXPBUF_MAX_SAMPLE_STREAMS", "5")
+    monkeypatch.setenv("EXPBUF_METRICS_HOST", "127.0.0.2")
+    assert (load().max_sample_streams, load().metrics_host) == (5, "127.0.0.2")
     config_file.write_text("prot = 1\n")
     with pytest.raises(ConfigError, match="unknown setting"):
         load(str(config_file))
+
+
+def _raw_push(target: str, metadata: tuple[tuple[str, str], ...], payload_bytes: bytes) -> grpc.RpcError | None:
+    options = [("grpc.max_send_message_length", len(payload_bytes) + (1 << 20))]
+    with grpc.insecure_channel(target, options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        try:
+            stub.Push(pb.PushRequest(payload=payload_bytes), timeout=60, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def test_authorization_header_must_be_one_well_formed_bearer(tmp_path: Path) -> None:
+    server = _start(tmp_path, tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    good = payload("single_turn.trxp")
+    try:
+        twice = (("authorization", "Bearer ops"), ("authorization", "Bearer pusher-secret"))
+        malformed = (("authorization", "ops"),)
+        for metadata, reason in ((twice, "2 authorization headers"), (malformed, "malformed authorization header")):
+            refused = _raw_push(target, metadata, good)
+            assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert reason in refused.details()
+        assert _raw_push(target, (("authorization", "Bearer ops"),), good) is None
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+        refused_count = 'expbuf_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Push"} 2.0'
+        assert refused_count in metrics.decode()  # refusals are still timed and counted by code
+    finally:
+        server.stop(grace=1)
+
+
+def _peak_rss_kib(pid: int) -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
+
+
+def test_unauthenticated_push_is_refused_before_its_body_is_read(tmp_path: Path) -> None:
+    proc = ServerProcess(str(tmp_path), "--metrics-port", "-1", env={"EXPBUF_TOKENS": "ops:push,sample,admin"})
+    size = 96 << 20
+    try:
+        assert _raw_push(proc.target, (("authorization", "Bearer ops"),), payload("single_turn.trxp")) is None
+        before = _peak_rss_kib(proc.proc.pid)
+        big = b"\0" * size
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            refused = _raw_push(proc.target, metadata, big)
+            assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
+        growth = (_peak_rss_kib(proc.proc.pid) - before) << 10
+        assert growth < size // 2, f"peak RSS grew by {growth >> 20} MiB for refused {size >> 20} MiB pushes"
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_health_and_stats_over_mutual_tls_with_a_token(tmp_path: Path, certs: Path) -> None:
+    tls = TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
+    server = _start(tmp_path, tls=tls, tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    client_pair = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client.key")]
+    try:
+        done = _cli("health", "--target", target, "--tls-ca", str(certs / "ca.pem"), *client_pair)
+        assert done.returncode == 0 and done.stdout.strip() == "SERVING", done.stderr
+        env = {
+            "EXPBUF_TLS_CA": str(certs / "ca.pem"),
+            "EXPBUF_TLS_CLIENT_CERT": str(certs / "client.pem"),
+            "EXPBUF_TLS_CLIENT_KEY": str(certs / "client.key"),
+            "EXPBUF_TOKEN": "trainer-secret",
+        }
+        done = _cli("stats", "--target", target, env=env)
+        assert done.returncode == 0 and done.stdout.count("default ") == 1, done.stderr
+        done = _cli("stats", "--target", target, env=env | {"EXPBUF_TOKEN": "wrong"})
+        assert done.returncode == 1 and "unknown bearer token" in done.stderr
+        done = _cli("health", "--target", target, "--timeout", "2")  # plain text against TLS
+        assert done.returncode == 1
+        assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr
+    finally:
+        server.stop(grace=1)

@@ -315,8 +315,7 @@ def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> N
 def test_metrics_carry_the_shard_label(shards: Shards) -> None:
     with BufferClient(shards.procs["s2"].target) as direct:
         direct.stats()
-    log = "".join(shards.procs["s2"].log)
-    port = int(re.search(r"metrics :(\d+)", log).group(1))
+    port = shards.procs["s2"].metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert re.search(r'expbuf_groups\{shard="s2",state="ready",table="default"\}', text)
     assert re.search(r'expbuf_rpc_duration_seconds_count\{[^}]*shard="s2"', text)

@@ -1,0 +1,79 @@
+"""expbuf as a Trinity-RFT experience buffer (needs trinity-rft; `import expbuf.client` never loads this).
+
+With TRINITY_PLUGIN_DIRS pointing at plugin_dir(), Trinity's own factories
+`trinity.buffer.get_buffer_writer` and `get_buffer_reader` return ExpbufWriter and
+ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, and Trinity's for any
+other path; the advantage function `expbuf` takes the buffer's advantages as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .advantage import ExpbufAdvantageFn
+from .buffer import ExpbufReader, ExpbufWriter
+from .location import Location, is_expbuf_path, parse
+
+__all__ = [
+    "ExpbufAdvantageFn",
+    "ExpbufReader",
+    "ExpbufWriter",
+    "Location",
+    "install",
+    "is_expbuf_path",
+    "parse",
+    "plugin_dir",
+]
+
+ADVANTAGE_FN_NAME = "expbuf"
+
+
+def plugin_dir() -> str:
+    """The directory to put in TRINITY_PLUGIN_DIRS (installed with expbuf)."""
+    return str(Path(__file__).parent / "plugin")
+
+
+def _routed(original: Callable[[Any], Any], expbuf_cls: type) -> Callable[[Any], Any]:
+    @functools.wraps(original)
+    def factory(config: Any) -> Any:
+        if is_expbuf_path(getattr(config, "path", None)):
+            from trinity.common.config import StorageConfig
+
+            return expbuf_cls(config if isinstance(config, StorageConfig) else config.to_storage_config())
+        return original(config)
+
+    factory.__expbuf_original__ = original  # type: ignore[attr-defined]
+    return factory
+
+
+def install() -> None:
+    """Route Trinity's buffer factories to expbuf for expbuf:// paths and register `expbuf`.
+
+    Trinity picks a writer by storage type in `get_buffer_writer` (no registry), and its
+    modules hold the factories under their own names, often imported before plugins load;
+    so every binding of the two factories in the loaded `trinity` modules is replaced by a
+    wrapper that handles expbuf:// paths and calls Trinity's own function for any other.
+    Modules imported later get the wrapper from `trinity.buffer.buffer`. Idempotent.
+    """
+    import trinity.buffer.buffer as factories
+    from trinity.algorithm.advantage_fn import ADVANTAGE_FN
+
+    if ADVANTAGE_FN_NAME not in ADVANTAGE_FN.modules:
+        ADVANTAGE_FN.register_module(ADVANTAGE_FN_NAME, ExpbufAdvantageFn)
+    replace = {}
+    for name, expbuf_cls in (("get_buffer_writer", ExpbufWriter), ("get_buffer_reader", ExpbufReader)):
+        current = getattr(factories, name)
+        if not hasattr(current, "__expbuf_original__"):
+            replace[current] = _routed(current, expbuf_cls)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").split(".")[0] != "trinity":
+            continue
+        namespace = vars(module)
+        for name in ("get_buffer_writer", "get_buffer_reader"):
+            for original, wrapper in replace.items():
+                if namespace.get(name) is original:
+                    namespace[name] = wrapper

@@ -1,0 +1,110 @@
+"""Where a Trinity-RFT experience buffer lives in expbuf: `expbuf://HOST:PORT/TABLE?options`.
+
+The path carries the server, the table and how to reach it; secrets never do. A token is
+read from an environment variable (EXPBUF_TOKEN, or the one named by `token_env`), because
+Trinity-RFT logs its buffer configuration, path included.
+
+Options (query) and their environment fallbacks:
+    token_env=NAME        the variable holding the bearer token (default EXPBUF_TOKEN)
+    tls=1                 TLS with the system's roots (EXPBUF_TLS=1); implied by the three below
+    tls_ca=PATH           the server's CA (EXPBUF_TLS_CA)
+    tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CERT), with
+    tls_key=PATH          its private key (EXPBUF_TLS_KEY)
+    lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
+    order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
+
+from expbuf.client.client import Tls
+from expbuf.client.wire import ORDER
+
+SCHEME = "expbuf"
+DEFAULT_PORT = 50051
+DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
+DEFAULT_LEASE_SECONDS = 3600.0
+OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order")
+_TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def is_expbuf_path(path: object) -> bool:
+    """True for a path this plugin serves (`expbuf://...`); every other path stays Trinity's."""
+    return isinstance(path, str) and path.lower().startswith(SCHEME + "://")
+
+
+@dataclass(frozen=True)
+class Location:
+    target: str
+    table: str
+    token: str | None = None
+    tls: Tls | None = None
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    order: str = "fifo"
+
+
+def _flag(name: str, value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"expbuf path option {name}={value[:40]!r} must be 1 or 0")
+
+
+def _tls(options: Mapping[str, str], env: Mapping[str, str]) -> Tls | None:
+    ca = options.get("tls_ca", env.get("EXPBUF_TLS_CA")) or None
+    cert = options.get("tls_cert", env.get("EXPBUF_TLS_CERT")) or None
+    key = options.get("tls_key", env.get("EXPBUF_TLS_KEY")) or None
+    if bool(cert) != bool(key):
+        raise ValueError("expbuf path: tls_cert and tls_key (EXPBUF_TLS_CERT, EXPBUF_TLS_KEY) go together")
+    wanted = _flag("tls", options.get("tls", env.get("EXPBUF_TLS", "")))
+    if not (wanted or ca or cert):
+        return None
+    return Tls(root_certificates=ca, certificate_chain=cert, private_key=key)
+
+
+def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
+    """Read an `expbuf://HOST:PORT/TABLE?...` path; a bad one is a ValueError naming the part."""
+    env = os.environ if env is None else env
+    if not is_expbuf_path(path):
+        raise ValueError(f"path {path[:80]!r} is not an expbuf path (expbuf://HOST:PORT/TABLE)")
+    parts = urlsplit(path)
+    if "@" in parts.netloc:
+        raise ValueError("expbuf path: credentials do not belong in the path; set EXPBUF_TOKEN or token_env=NAME")
+    if not parts.hostname:
+        raise ValueError(f"expbuf path {path[:80]!r} has no host (expbuf://HOST:PORT/TABLE)")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"expbuf path {path[:80]!r} has an invalid port (1-65535)") from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    table = parts.path.strip("/") or "default"
+    if not _TABLE.match(table):
+        raise ValueError(f"expbuf path: table {table[:80]!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "token":
+            raise ValueError("expbuf path: a token never goes in the path; name its variable with token_env=NAME")
+        if name not in OPTIONS:
+            raise ValueError(f"expbuf path option {name[:40]!r} is unknown; expected one of {', '.join(OPTIONS)}")
+        options[name] = value
+    token_env = options.get("token_env", DEFAULT_TOKEN_ENV)
+    token = env.get(token_env) or None
+    if "token_env" in options and token is None:
+        raise ValueError(f"expbuf path: token_env={token_env[:40]} but that environment variable is not set")
+    try:
+        lease_seconds = float(options.get("lease_seconds", DEFAULT_LEASE_SECONDS))
+    except ValueError:
+        lease_seconds = -1.0
+    if not 0 < lease_seconds < float("inf"):
+        raise ValueError(f"expbuf path option lease_seconds={options['lease_seconds'][:40]!r} must be a number > 0")
+    order = options.get("order", "fifo")
+    if order not in ORDER:
+        raise ValueError(f"expbuf path option order={order[:40]!r}; expected one of {', '.join(ORDER)}")
+    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order)

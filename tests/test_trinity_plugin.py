@@ -1,0 +1,374 @@
+"""The Trinity-RFT plugin, through Trinity's own plugin loader, factories and config objects,
+against a real expbuf server on loopback (skipped where trinity-rft is not installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+trinity = pytest.importorskip("trinity")
+
+import torch  # noqa: E402
+from trinity.algorithm.advantage_fn import ADVANTAGE_FN  # noqa: E402
+from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
+from trinity.algorithm.sample_strategy import sample_strategy  # noqa: E402
+from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
+from trinity.buffer.buffer_reader import BufferReader  # noqa: E402
+from trinity.buffer.operators.experience_operator import ensure_v1_operator  # noqa: E402
+from trinity.buffer.pipelines import experience_pipeline  # noqa: E402
+from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
+from trinity.buffer.reader import READER  # noqa: E402
+from trinity.common.config import Config, ExperienceBufferConfig, StorageConfig  # noqa: E402
+from trinity.common.experience import EID, Experience  # noqa: E402
+
+from expbuf.client import BufferClient, BufferError, Tls  # noqa: E402
+from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir  # noqa: E402
+from expbuf.server.app import ExpbufServer  # noqa: E402
+from expbuf.server.config import ServerConfig, TlsConfig  # noqa: E402
+
+TABLE = "grpo4"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin() -> Iterator[None]:
+    """Load the plugin the way Trinity does: TRINITY_PLUGIN_DIRS, then its own loader."""
+    from trinity.utils import plugin_loader
+
+    # Trinity's loader copies each plugin module into its own plugins package: undo that.
+    copied = Path(plugin_loader.__file__).parent.parent / "plugins" / "expbuf_buffer.py"
+    existed = copied.exists()
+    saved = os.environ.get("TRINITY_PLUGIN_DIRS")
+    os.environ["TRINITY_PLUGIN_DIRS"] = plugin_dir()
+    try:
+        plugin_loader.load_plugins()
+        assert "trinity.plugins.expbuf_buffer" in sys.modules
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRINITY_PLUGIN_DIRS")
+        else:
+            os.environ["TRINITY_PLUGIN_DIRS"] = saved
+        if not existed:
+            copied.unlink(missing_ok=True)
+
+
+Start = Callable[..., ExpbufServer]
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Start]:
+    """Start servers on one data directory (a restart is a new server on the same data)."""
+    servers: list[ExpbufServer] = []
+
+    def run(**settings: object) -> ExpbufServer:
+        server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1, **settings))
+        servers.append(server.start())
+        return server
+
+    yield run
+    for server in servers:
+        server.stop(grace=1)
+
+
+def buffer_config(port: int, batch_size: int, query: str = "", **settings: object) -> ExperienceBufferConfig:
+    """The experience buffer section of a Trinity config, as its validator leaves it."""
+    path = f"expbuf://127.0.0.1:{port}/{TABLE}" + (f"?{query}" if query else "")
+    settings = {"max_read_timeout": 5.0, **settings}  # a missing batch fails the test, not hangs it
+    return ExperienceBufferConfig(name="experience_buffer", path=path, batch_size=batch_size, **settings)
+
+
+def group(task: int, rewards: list[float]) -> list[Experience]:
+    """One task's runs: multi-turn experiences whose action masks have zeros."""
+    return [
+        Experience(
+            eid=EID(batch=3, task=task, run=run),
+            tokens=torch.arange(10, dtype=torch.int32),
+            prompt_length=4,
+            logprobs=torch.full((6,), -0.5),
+            action_mask=torch.tensor([1, 1, 0, 0, 1, 1], dtype=torch.bool),
+            reward=reward,
+            info={"model_version": 1},
+        )
+        for run, reward in enumerate(rewards)
+    ]
+
+
+def trinity_grpo(exps: list[Experience]) -> dict[str, torch.Tensor]:
+    """Trinity's own grpo advantages for these experiences, by uid."""
+    done, _ = GRPOGroupedAdvantage().process(copy.deepcopy(exps))
+    return {exp.eid.uid: exp.advantages for exp in done}
+
+
+def check_whole_groups(read: list[Experience], pushed: list[Experience]) -> None:
+    want = trinity_grpo([e for e in pushed if e.eid.tid in {r.eid.tid for r in read}])
+    assert sorted(want) == sorted(e.eid.uid for e in read)  # every run of each group, nothing else
+    for exp in read:
+        assert isinstance(exp, Experience)
+        torch.testing.assert_close(exp.advantages, want[exp.eid.uid].float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(exp.returns, exp.advantages)
+
+
+class ListReader(BufferReader):
+    """A reader of Trinity's registry, to show its get_buffer_reader still decides other paths."""
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.path = config.path
+
+    async def read(self, batch_size: int | None = None, **kwargs: object) -> list:
+        return [self.path]
+
+
+def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start: Start, tmp_path: Path) -> None:
+    server = start()
+    config = buffer_config(server.port, batch_size=8)
+    assert isinstance(trinity.buffer.get_buffer_writer(config), ExpbufWriter)
+    assert isinstance(trinity.buffer.get_buffer_reader(config), ExpbufReader)
+    assert isinstance(trinity.buffer.get_buffer_reader(config.to_storage_config()), ExpbufReader)
+    # Modules that imported the factories before the plugin loaded (this test module imports
+    # them first) now call the plugin's.
+    assert experience_pipeline.get_buffer_writer is trinity.buffer.get_buffer_writer
+    assert sample_strategy.get_buffer_reader is trinity.buffer.get_buffer_reader
+
+    # Any other path: Trinity's own writers and readers, working as before.
+    out = tmp_path / "experiences.jsonl"
+    jsonl = StorageConfig(name="out", storage_type="file", path=str(out), wrap_in_ray=False)
+    writer = trinity.buffer.get_buffer_writer(jsonl)
+    assert type(writer).__module__ == "trinity.buffer.writer.file_writer"
+    asyncio.run(writer.write(group(0, [1.0, 2.0])))
+    assert len(out.read_text().splitlines()) == 2
+    READER.register_module("expbuf_test_list", ListReader, force=True)
+    listed = trinity.buffer.get_buffer_reader(StorageConfig(storage_type="expbuf_test_list", path="/data/x"))
+    assert isinstance(listed, ListReader) and asyncio.run(listed.read()) == ["/data/x"]
+    with pytest.raises(ValueError, match="nosuch not supported"):
+        trinity.buffer.get_buffer_writer(StorageConfig(storage_type="nosuch", path="/data/x"))
+    with pytest.raises(ValueError, match="Invalid module key: nosuch"):
+        trinity.buffer.get_buffer_reader(StorageConfig(storage_type="nosuch", path="/data/x"))
+
+
+def test_write_restart_server_read_whole_groups_with_advantages(start: Start) -> None:
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [0.0, 0.0, 1.0, 3.0]) + group(2, [1.0, 0.0, 4.0])
+    config = buffer_config(server.port, batch_size=8)
+
+    async def explore() -> tuple[int, int]:
+        first, second = trinity.buffer.get_buffer_writer(config), trinity.buffer.get_buffer_writer(config)
+        await first.acquire()
+        await second.acquire()
+        await first.write(pushed[:6])
+        await second.write(pushed[6:])
+        # Task 2 has 3 of its 4 runs: the first release leaves it open, the last one seals it.
+        return await first.release(), await second.release()
+
+    assert asyncio.run(explore()) == (1, 0)
+    server.stop(grace=1)
+    server = start()  # same data directory, another port
+
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=8))
+    first = asyncio.run(reader.read())
+    assert sorted({e.eid.tid for e in first}) == ["3/0", "3/1"]
+    check_whole_groups(first, pushed)
+    sealed = asyncio.run(reader.read(batch_size=3))
+    check_whole_groups(sealed, pushed)
+    assert len(sealed) == 3 and reader.state_dict()["current_index"] == 11
+
+
+def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None:
+    """Trinity's explorer side (its experience pipeline) and trainer side (its sample strategy),
+    from one Trinity Config whose experience buffer path is expbuf://."""
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    config = Config()
+    config.algorithm.algorithm_type, config.algorithm.advantage_fn = "grpo", "expbuf"
+    config.algorithm.advantage_fn_args = {}
+    config.data_processor.experience_pipeline.save_input = False
+    # Batches of 2 experiences: whole groups, so the first one holds task 0's 4 runs.
+    config.buffer.trainer_input.experience_buffer = buffer_config(server.port, batch_size=2)
+    pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [3.0, 1.0])
+
+    async def explore() -> dict:
+        pipeline = ExperiencePipeline(config)
+        await pipeline.output.acquire()  # what prepare() does, without starting auxiliary models
+        pipeline.operators = []
+        pipeline._set_algorithm_operators(config.algorithm)
+        metrics = await pipeline.process(Experience.serialize_many(pushed))
+        await pipeline.close()  # the last writer: seals task 1, which has 2 of its 4 runs
+        return metrics
+
+    assert asyncio.run(explore())["experience_pipeline/experience_count"] == 6
+    strategy = DefaultSampleStrategy(config.buffer)
+    first, _, _ = asyncio.run(strategy.sample(step=1))
+    check_whole_groups(first, pushed)
+    restarted = DefaultSampleStrategy(config.buffer)
+    restarted.load_state_dict(strategy.state_dict())
+    second, _, _ = asyncio.run(restarted.sample(step=2))
+    check_whole_groups(second, pushed)
+    assert sorted(e.eid.tid for e in first + second) == ["3/0"] * 4 + ["3/1"] * 2
+
+
+def test_reader_restarts_from_its_state_dict(start: Start) -> None:
+    server = start()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        pushed = [exp for task in range(3) for exp in group(task, [float(task), 1.0, 2.0, 5.0])]
+        admin.push(Experience.serialize_many(pushed), TABLE)
+    config = buffer_config(server.port, batch_size=4)
+
+    trainer = trinity.buffer.get_buffer_reader(config)
+    step1 = asyncio.run(trainer.read())
+    step2 = asyncio.run(trainer.read())  # acknowledges step 1
+    state = trainer.state_dict()  # a checkpoint after training on step 2, then the trainer dies
+    assert state["lease_id"] and state["batches_read"] == 2 and state["current_index"] == 8
+
+    restarted = trinity.buffer.get_buffer_reader(config)
+    restarted.load_state_dict(state)
+    step3 = asyncio.run(restarted.read())  # acknowledges step 2, which the checkpoint holds
+    with BufferClient(target) as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (8, 4, 0)
+    assert len({e.eid.tid for e in step1 + step2 + step3}) == 3
+    check_whole_groups(step3, pushed)
+    assert restarted.state_dict()["current_index"] == 12
+
+
+def test_reader_times_out_like_trinity_queue(start: Start) -> None:
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        admin.push(Experience.serialize_many(group(0, [1.0, 2.0, 3.0])), TABLE)  # 3 of 4 runs
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=4, max_read_timeout=0.3))
+    with pytest.raises(TimeoutError, match="max_read_timeout"):
+        asyncio.run(reader.read())
+
+
+def test_token_from_the_environment_and_push_only_writers(start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = start(tokens={"w-secret": frozenset({"push"}), "r-secret": frozenset({"sample", "admin"})})
+    with BufferClient(f"127.0.0.1:{server.port}", token="r-secret") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    monkeypatch.setenv("EXPBUF_TOKEN", "w-secret")
+    monkeypatch.setenv("TRAINER_TOKEN", "r-secret")
+    pushed = group(0, [1.0, 2.0, 3.0, 4.0]) + group(1, [1.0, 2.0])
+
+    async def explore() -> int:
+        writer = trinity.buffer.get_buffer_writer(buffer_config(server.port, batch_size=4))
+        await writer.acquire()
+        await writer.write(pushed)
+        return await writer.release()  # cannot read the table's settings: seals nothing
+
+    assert asyncio.run(explore()) == 0
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, 4, "token_env=TRAINER_TOKEN"))
+    check_whole_groups(asyncio.run(reader.read()), pushed)
+    with BufferClient(f"127.0.0.1:{server.port}", token="r-secret") as admin:
+        assert admin.stats(TABLE)[TABLE]["groups_pending"] == 1
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def test_mutual_tls_from_the_environment_and_the_path(
+    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer takes TLS from EXPBUF_TLS_*, the reader from the path's query."""
+    d = tmp_path / "certs"
+    d.mkdir()
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-days", "1", "-subj", "/CN=ca", "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")
+    for name, ext in {"server": "subjectAltName=IP:127.0.0.1", "client": "extendedKeyUsage=clientAuth"}.items():
+        _openssl("req", *ec, "-subj", f"/CN={name}", "-keyout", f"{d}/{name}.key", "-out", f"{d}/{name}.csr")
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
+                 "-CAcreateserial", "-days", "1", "-extfile", f"{d}/{name}.ext", "-out", f"{d}/{name}.pem")  # fmt: skip
+    tls = TlsConfig(cert=f"{d}/server.pem", key=f"{d}/server.key", client_ca=f"{d}/ca.pem")
+    server = start(tls=tls)
+    admin_tls = Tls(f"{d}/ca.pem", f"{d}/client.pem", f"{d}/client.key")
+    with BufferClient(f"127.0.0.1:{server.port}", tls=admin_tls) as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+    pushed = group(0, [1.0, 2.0, 3.0, 5.0])
+    for name, suffix in (("CA", "ca.pem"), ("CERT", "client.pem"), ("KEY", "client.key")):
+        monkeypatch.setenv(f"EXPBUF_TLS_{name}", str(d / suffix))
+    asyncio.run(trinity.buffer.get_buffer_writer(buffer_config(server.port, batch_size=4)).write(pushed))
+    for name in ("CA", "CERT", "KEY"):
+        monkeypatch.delenv(f"EXPBUF_TLS_{name}")
+    query = f"tls_ca={d}/ca.pem&tls_cert={d}/client.pem&tls_key={d}/client.key"
+    check_whole_groups(
+        asyncio.run(trinity.buffer.get_buffer_reader(buffer_config(server.port, 4, query)).read()), pushed
+    )
+    without_client_cert = buffer_config(server.port, 4, f"tls_ca={d}/ca.pem", max_read_timeout=1.0)
+    with pytest.raises(BufferError) as refused:
+        asyncio.run(trinity.buffer.get_buffer_reader(without_client_cert).read())
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_path_options() -> None:
+    env = {"EXPBUF_TOKEN": "t0", "OTHER": "t1", "EXPBUF_TLS_CA": "/env/ca.pem"}
+    plain = parse("expbuf://buffer.internal:6000/grpo8", env={})
+    assert (plain.target, plain.table, plain.token, plain.tls) == ("buffer.internal:6000", "grpo8", None, None)
+    assert parse("expbuf://[::1]/t", env={}).target == "[::1]:50051"
+    located = parse("expbuf://h:1/t?token_env=OTHER&tls_cert=/c.pem&tls_key=/c.key&lease_seconds=60&order=lifo", env)
+    assert (located.token, located.lease_seconds, located.order) == ("t1", 60.0, "lifo")
+    assert located.tls is not None
+    assert (located.tls.root_certificates, located.tls.certificate_chain) == ("/env/ca.pem", "/c.pem")
+    assert parse("expbuf://h:1/t?tls=1", env={}).tls.root_certificates is None  # system roots
+    refused = {
+        "expbuf://h:1/t?token=abc": "never goes in the path",
+        "expbuf://user:pw@h:1/t": "credentials do not belong",
+        "expbuf://h:1/t?colour=red": "'colour' is unknown",
+        "expbuf://h:1/t?token_env=UNSET": "UNSET but that environment variable is not set",
+        "expbuf://h:1/t?tls_cert=/c.pem": "go together",
+        "expbuf://h:1/t?lease_seconds=0": "lease_seconds='0' must be a number > 0",
+        "expbuf://h:1/t?order=random": "order='random'",
+        "expbuf://h:99999/t": "invalid port",
+        "expbuf://h:1/a/b": "table 'a/b'",
+        "sqlite:///x.db": "not an expbuf path",
+    }
+    for path, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            parse(path, env)
+
+
+def test_expbuf_advantage_fn_keeps_the_buffers_advantages(start: Start) -> None:
+    fn_cls = ADVANTAGE_FN.get("expbuf")
+    assert fn_cls is ExpbufAdvantageFn and not fn_cls.compute_in_trainer()
+    fn = fn_cls(**fn_cls.default_args())
+
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        admin.push(Experience.serialize_many(group(0, [0.0, 1.0, 1.0, 7.0])), TABLE)
+    read = asyncio.run(trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=4)).read())
+    before = [exp.advantages.clone() for exp in read]
+
+    # In Trinity's experience pipeline (an operator before the buffer) and on a list: untouched.
+    out, metrics = fn(read)
+    assert out is read and metrics == {}
+    piped, _ = asyncio.run(ensure_v1_operator(fn).process(read))
+    for exps in (out, piped):
+        assert all(torch.equal(exp.advantages, b) for exp, b in zip(exps, before, strict=True))
+    # In the trainer, on the batch Trinity built from the experiences (verl's DataProto holds
+    # its tensors in `.batch`): the advantages stay as they are.
+    advantages = torch.stack(before)
+    batch = SimpleNamespace(batch={"advantages": advantages, "returns": advantages.clone()})
+    same, _ = fn(batch)
+    assert same is batch and same.batch["advantages"] is advantages
+    assert torch.equal(same.batch["advantages"], torch.stack(before))
+    with pytest.raises(ValueError, match="no advantages in the batch"):
+        fn(SimpleNamespace(batch={"token_level_rewards": advantages}))
+
+
+def test_import_expbuf_client_loads_no_trinity() -> None:
+    code = "import sys, expbuf.client; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trinity'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
