@@ -12,7 +12,7 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity
+EXTRAS ?= test,trinity,ray
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.

@@ -110,7 +110,7 @@ class ExpbufServer:
         for table in config.tables:
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
-        self.metrics = Metrics(self.store)
+        self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
@@ -155,7 +155,7 @@ class ExpbufServer:
             host = self.config.metrics_host or self.config.host
             try:
                 self._metrics_http, _ = start_http_server(
-                    self.config.metrics_port, addr=host, registry=self.metrics.registry
+                    self.config.metrics_port, addr=host, registry=self.metrics.exported
                 )
             except OSError as exc:
                 self.store.close()

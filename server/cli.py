@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
             "metrics_host": args.metrics_host,
         }
-        config = load(args.config, overrides | {"log_format": args.log_format})
+        config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         return 2
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics-host", help="address of the metrics endpoint (default: the --host one; env EXPBUF_METRICS_HOST)"
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
+    serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")
     serve.add_argument("--log-format", choices=("text", "json"), help="log lines as text (default) or JSON")
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a running server's tables (counts by state, rates, ages)")

@@ -59,6 +59,8 @@ class ServerConfig:
     workers: int = 64
     max_sample_streams: int | None = None  # None: three quarters of workers
     log_format: str = "text"
+    # This server's name among the shards of a sharded buffer; labels its metrics.
+    shard: str = ""
     tls: TlsConfig | None = None
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -105,6 +107,7 @@ _ENV = {
     "EXPBUF_WORKERS": ("workers", int),
     "EXPBUF_MAX_SAMPLE_STREAMS": ("max_sample_streams", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
+    "EXPBUF_SHARD": ("shard", str),
 }
 
 

@@ -108,10 +108,26 @@ def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     yield from (penalised, seen, clipped, ratio, mean, std)
 
 
-class Metrics:
-    """The metrics an expbuf server exports, in a registry of its own."""
+class ShardLabel(Collector):
+    """Every metric of a registry with a `shard` label added: one dashboard for all shards."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, inner: CollectorRegistry, shard: str) -> None:
+        self.inner = inner
+        self.shard = shard
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.inner.collect():
+            metric.samples = [s._replace(labels={"shard": self.shard, **s.labels}) for s in metric.samples]
+            yield metric
+
+
+class Metrics:
+    """The metrics an expbuf server exports, in a registry of its own.
+
+    A shard of a sharded buffer (`shard` set) exports them all with a `shard` label.
+    """
+
+    def __init__(self, store: Store, shard: str = "") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
         self.rpc_duration = Histogram(
@@ -138,6 +154,10 @@ class Metrics:
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=self.registry,
         )
+        self.exported = self.registry
+        if shard:
+            self.exported = CollectorRegistry()
+            self.exported.register(ShardLabel(self.registry, shard))
 
 
 class RpcMetrics(ServiceInterceptor):

@@ -1,0 +1,356 @@
+"""Sharding: routing by rendezvous hashing over epochs, and ShardedBufferClient over three
+`expbuf serve` processes (groups whole on their shard, exactly-once delivery, a shard
+killed with SIGKILL mid-run, a shard added while groups are pending)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import BufferClient, BufferError, PushResult, trxp
+from expbuf.client.routing import Epoch, ShardMap, ShardMapError, batch_number, group_key, rendezvous
+from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
+
+from helpers import ServerProcess, make_experience
+
+NAMES = ("s0", "s1", "s2")
+
+
+class Shards:
+    """Three `expbuf serve` processes, each with its own data directory and shard name."""
+
+    def __init__(self, root: Path, names: tuple[str, ...] = NAMES) -> None:
+        self.root = root
+        with ThreadPoolExecutor(len(names)) as pool:  # side by side: each start imports torch
+            self.procs = dict(zip(names, pool.map(self._start, names), strict=True))
+
+    def _start(self, name: str) -> ServerProcess:
+        return ServerProcess(str(self.root / name), "--metrics-port", "0", "--shard", name)
+
+    def targets(self) -> dict[str, str]:
+        return {name: proc.target for name, proc in self.procs.items()}
+
+    def kill(self, name: str) -> None:
+        assert self.procs[name].stop(signal.SIGKILL) == -signal.SIGKILL
+
+    def restart(self, name: str) -> str:
+        self.procs[name] = self._start(name)
+        return self.procs[name].target
+
+    def stop(self) -> None:
+        running = [proc.proc for proc in self.procs.values() if proc.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shards]:
+    running = Shards(tmp_path_factory.mktemp("shards"))
+    yield running
+    running.stop()
+
+
+def groups(batch: int, tasks: range, runs: range) -> list:
+    return [make_experience(batch, task, run) for task in tasks for run in runs]
+
+
+def settled(client: ShardedBufferClient, table: str) -> dict:
+    """Each shard's stats once no group's advantages are still being computed."""
+    for _ in range(600):
+        per_shard = client.shard_stats(table)
+        if not any(stats[table]["groups_computing"] for stats in per_shard.values()):
+            return per_shard
+        time.sleep(0.05)
+    raise AssertionError(f"advantages still computing: {per_shard}")
+
+
+def wait_for(condition: Callable[[], object], what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds}s for {what}"
+        time.sleep(0.05)
+
+
+def drain(client: ShardedBufferClient, table: str, num_groups: int = 3) -> list:
+    """Consume every batch there is (a short wait ends the stream)."""
+    batches = []
+    for batch in client.sample(table, num_groups=num_groups, timeout=1.0, allow_partial=True):
+        batches.append(batch)
+    return batches
+
+
+# ---- routing ---------------------------------------------------------------------------
+
+
+def test_rendezvous_moves_only_the_keys_the_new_shard_wins() -> None:
+    keys = [f"0/{task}" for task in range(2000)]
+    before = {key: rendezvous(key, ["a", "b", "c"]) for key in keys}
+    after = {key: rendezvous(key, ["a", "b", "c", "d"]) for key in keys}
+    moved = [key for key in keys if before[key] != after[key]]
+    assert all(after[key] == "d" for key in moved)
+    assert 350 < len(moved) < 650  # about a quarter of the keys move to the fourth shard
+    assert set(Counter(before.values())) == {"a", "b", "c"}
+
+
+def test_epochs_route_groups_by_the_batch_they_began_in() -> None:
+    grown = ShardMap.of({"a": "h:1", "b": "h:2"}).add_shard("c", "h:3", since_batch=10)
+    assert grown.epoch == 1 and grown.shards == ("a", "b", "c")
+    old_keys = [f"9/{task}" for task in range(300)]
+    assert {grown.owner(key) for key in old_keys} == {"a", "b"}  # pending groups stay where they began
+    new_keys = [f"10/{task}" for task in range(300)]
+    assert {grown.owner(key) for key in new_keys} == {"a", "b", "c"}
+    for key in new_keys:  # a new group moves only when the added shard wins it
+        assert grown.owner(key) in ("c", rendezvous(key, ["a", "b"]))
+    assert grown.owner("eval/3") == rendezvous("eval/3", ["a", "b"])  # a batch that is not a number: epoch 0
+    assert ShardMap.from_json(grown.to_json()) == grown
+
+
+def test_group_keys_and_batches() -> None:
+    eid = make_experience("12/eval", 3, 1, step=2).eid
+    assert [group_key(eid, g) for g in ("task", "run", "step")] == ["12/eval/3", "12/eval/3/1", "12/eval/3/2"]
+    assert group_key(eid, "none") == eid.uid
+    assert [batch_number(k) for k in ("12/eval/3", "7", "x/1", "-3/1", "12abc/1")] == [12, 7, None, None, None]
+    with pytest.raises(ShardMapError, match="group_by is 'tasks'"):
+        group_key(eid, "tasks")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ShardMap(()), "at least one epoch"),
+        (lambda: ShardMap((Epoch(0, 0, ("a", "a")),), {"a": "h:1"}), "names a shard twice"),
+        (lambda: ShardMap((Epoch(0, 0, ("a/b",)),), {"a/b": "h:1"}), "shard name 'a/b'"),
+        (lambda: ShardMap((Epoch(0, 0, ("a",)),), {}), "no address for shard"),
+        (lambda: ShardMap.of({"a": "h:1"}).add_shard("b", "h:2", 0), "not after epoch 0"),
+        (lambda: ShardMap.of({"a": "h:1"}).add_shard("a", "h:2", 5), "already in epoch 0"),
+        (lambda: ShardMap.from_json("{}"), "not a shard map"),
+    ],
+)
+def test_bad_shard_maps_are_refused_by_name(make, message: str) -> None:
+    with pytest.raises(ShardMapError, match=message):
+        make()
+
+
+def test_allocate_splits_a_batch_by_ready_groups() -> None:
+    assert allocate({"a": 30, "b": 10, "c": 0}, 8) == {"a": 6, "b": 2}
+    assert allocate({"a": 2, "b": 1}, 8) == {"a": 2, "b": 1}  # less than asked: all there is
+    picks = Counter(shard for _ in range(4000) for shard in allocate({"a": 3, "b": 1}, 1))
+    assert 2.5 < picks["a"] / picks["b"] < 3.5  # one group: each shard in proportion to what it holds
+    for _ in range(200):
+        parts = allocate({"a": 5, "b": 7, "c": 11}, 9)
+        assert sum(parts.values()) == 9 and parts["a"] <= 5
+
+
+def test_the_client_never_imports_ray() -> None:
+    code = "import sys, expbuf.client, expbuf.client.sharded; sys.exit(int('ray' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# ---- three shards ----------------------------------------------------------------------
+
+
+def test_groups_land_whole_on_their_shard_and_are_delivered_once(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("mixed", group_size=4)
+        experiences = groups(0, range(60), range(4))
+        # Mixed pushes: each carries pieces of many groups, and every group is split over two pushes.
+        halves = [[e for e in experiences if e.eid.run < 2], [e for e in experiences if e.eid.run >= 2]]
+        first = client.push(halves[0][::-1], table="mixed")
+        assert len(first.stored) == 120 and not first.completed_groups
+        second = client.push(halves[1], table="mixed")
+        assert sorted(second.completed_groups) == sorted({e.eid.tid for e in experiences})
+        assert client.push(halves[1], table="mixed").duplicates  # a retried push is a duplicate
+
+        owner = {e.eid.uid: client.shard_map.owner(e.eid.tid) for e in experiences}
+        per_shard = settled(client, "mixed")
+        for name in NAMES:
+            held = [uid for uid, shard in owner.items() if shard == name]
+            assert per_shard[name]["mixed"]["ready"] == len(held) > 0
+            assert per_shard[name]["mixed"]["groups_ready"] * 4 == len(held)  # every group whole
+            with BufferClient(shards.procs[name].target) as direct:
+                assert {e.eid.uid for e in direct.get(held, table="mixed")} == set(held)
+        assert client.stats("mixed")["mixed"]["ready"] == 240
+
+        batches = drain(client, "mixed")
+        delivered = [uid for batch in batches for uid in batch.uids]
+        assert sorted(delivered) == sorted(owner)  # exactly once
+        assert set().union(*(batch.shards for batch in batches)) == set(NAMES)
+        for batch in batches:
+            assert set(Counter(batch.groups).values()) == {4}  # whole groups
+            assert {owner[uid] for uid in batch.uids} == set(batch.shards)
+            assert sorted(e.eid.uid for e in batch.experiences) == sorted(batch.uids)
+        assert client.stats("mixed")["mixed"]["consumed"] == 240
+
+
+def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("leased", group_size=2)
+        client.push(groups(0, range(12), range(2)), table="leased")
+        batches = list(client.sample("leased", num_groups=2, delivery="lease", max_batches=6))
+        for batch in batches:
+            assert {lease.split("/")[0] for lease in batch.lease_id.split(",")} == set(batch.shards)
+        assert sum(batch.ack() for batch in batches[:5]) == 20  # experiences
+        assert client.nack(batches[5].lease_id, table="leased") == 4
+        stats = client.stats("leased")["leased"]
+        assert (stats["consumed"], stats["ready"], stats["leased"]) == (20, 4, 0)
+        with pytest.raises(BufferError, match="does not name shards"):
+            client.ack("nowhere/abc", table="leased")
+
+
+def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> None:
+    client = ShardedBufferClient(shards.targets(), timeout=2.0, retries=2)
+    client.create_table("killed", group_size=2)
+    acked: set[str] = set()
+    failures: list[ShardError] = []
+    done = threading.Event()
+
+    def rollout() -> None:
+        """Push groups until told to stop; a failed push is retried until it is acknowledged."""
+        batch = 0
+        while not done.is_set():
+            payload = groups(batch, range(6), range(2))
+            while True:
+                try:
+                    client.push(payload, table="killed")
+                    acked.update(e.eid.uid for e in payload)
+                    break
+                except ShardError as exc:
+                    failures.append(exc)
+                    time.sleep(0.2)
+            batch += 1
+
+    pusher = threading.Thread(target=rollout, daemon=True)  # a failing test must not leave it running
+    pusher.start()
+    wait_for(lambda: len(acked) >= 60, "the first pushes")
+    shards.kill("s1")
+    wait_for(lambda: failures, "a push to the killed shard to fail")
+    # The other shards keep taking pushes and serving a trainer while s1 is down.
+    elsewhere = [t for t in range(40) if client.shard_map.owner(f"99999/{t}") != "s1"][:6]
+    assert len(client.push(groups(99999, elsewhere, range(2)), table="killed").stored) == 12
+    served = list(client.sample("killed", num_groups=1, max_batches=4, timeout=5))
+    assert set().union(*(batch.shards for batch in served)) <= {"s0", "s2"}
+    assert failures[0].code == grpc.StatusCode.UNAVAILABLE and failures[0].shards == ["s1"]
+    assert "shard s1 (" in str(failures[0])
+    assert isinstance(failures[0].result, PushResult)  # what the other shards stored
+
+    client.set_map(client.shard_map.with_targets({"s1": shards.restart("s1")}))
+    before = len(acked)
+    wait_for(lambda: len(acked) >= before + 36, "the rollout to go on")  # the failed push went through
+    done.set()
+    pusher.join(30)
+    assert not pusher.is_alive()
+    delivered = [uid for batch in (*served, *drain(client, "killed", 4)) for uid in batch.uids]
+    assert Counter(delivered).most_common(1)[0][1] == 1
+    assert acked <= set(delivered)  # nothing acknowledged is lost, and every group is delivered once
+    client.close()
+
+
+def test_adding_a_shard_pending_groups_finish_where_they_began(shards: Shards) -> None:
+    two = {name: shards.procs[name].target for name in ("s0", "s1")}
+    added = ServerProcess(str(shards.root / "s3"), "--metrics-port", "0", "--shard", "s3")
+    try:
+        with ShardedBufferClient(two) as client:
+            client.create_table("grow", group_size=4)
+            client.push(groups(5, range(40), range(2)), table="grow")  # 40 pending groups of batch 5
+            grown = client.shard_map.add_shard("s3", added.target, since_batch=6)
+            client.set_map(grown)
+            client.create_table("grow", group_size=4, exist_ok=True)  # on the new shard too
+            done = client.push(groups(5, range(40), range(2, 4)), table="grow")
+            assert len(done.completed_groups) == 40  # the pending groups completed on their old shards
+            fresh = client.push(groups(6, range(60), range(4)), table="grow")
+            assert len(fresh.completed_groups) == 60
+            per_shard = settled(client, "grow")
+            moved = sum(grown.owner(f"6/{task}") == "s3" for task in range(60))
+            assert per_shard["s3"]["grow"]["groups_ready"] == moved > 0
+            assert sum(stats["grow"]["groups_ready"] for stats in per_shard.values()) == 100
+            assert sum(stats["grow"]["groups_pending"] for stats in per_shard.values()) == 0
+    finally:
+        added.stop(signal.SIGTERM)
+
+
+def test_push_to_a_missing_table_or_bad_payload_names_the_problem(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        with pytest.raises(BufferError, match="table 'nope' does not exist") as missing:
+            client.push(groups(0, range(2), range(2)), table="nope")
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(BufferError, match=r"TRXP|magic|header") as bad:
+            client.push(b"not a payload")
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(TypeError, match="not one string"):
+            ShardedBufferClient("127.0.0.1:1")
+
+
+def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> None:
+    async def run() -> None:
+        async with AsyncShardedBufferClient(shards.targets()) as client:
+            await client.create_table("async", group_size=3)
+            result = await client.push(groups(0, range(9), range(3)), table="async")
+            assert len(result.completed_groups) == 9
+            uids = []
+            async for batch in client.sample("async", num_groups=3, delivery="lease", max_batches=3):
+                assert await batch.ack() == 9
+                uids += batch.uids
+            assert len(set(uids)) == 27
+            assert (await client.stats("async"))["async"]["consumed"] == 27
+
+    asyncio.run(run())
+
+
+def test_metrics_carry_the_shard_label(shards: Shards) -> None:
+    with BufferClient(shards.procs["s2"].target) as direct:
+        direct.stats()
+    port = shards.procs["s2"].metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert re.search(r'expbuf_groups\{shard="s2",state="ready",table="default"\}', text)
+    assert re.search(r'expbuf_rpc_duration_seconds_count\{[^}]*shard="s2"', text)
+    # The dashboard's shard variable lists the label's values, and every query selects by it.
+    dashboard = json.loads((Path(__file__).parent.parent / "docker" / "grafana" / "expbuf.json").read_text())
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "shard" and variable["definition"] == "label_values(expbuf_groups, shard)"
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    for expr in exprs:
+        for metric in re.findall(r"\bexpbuf_[a-z_]+(\{[^}]*\})?", expr):
+            assert 'shard=~"$shard"' in metric, expr
+    assert len(exprs) >= 10
+
+
+def test_dns_discovery_names_shards_by_their_reverse_entries(shards: Shards) -> None:
+    port = shards.procs["s0"].port
+    targets = dns_targets("localhost", port)
+    assert list(targets.values()) == [f"localhost:{port}"]
+    with ShardedBufferClient.from_dns("localhost", port) as client:
+        assert client.list_tables()
+    with pytest.raises(BufferError, match="cannot resolve"):
+        dns_targets("no-such-host.invalid", port)
+    # A grown set: its epochs come as JSON, each shard at its stable per-pod name.
+    grown = ShardMap.of({"expbuf-0": "x:1"}).add_shard("expbuf-1", "x:2", since_batch=3).to_json()
+    with ShardedBufferClient.from_dns("expbuf.ns.svc", 50051, shard_map=grown) as client:
+        assert client.shard_map.targets == {
+            "expbuf-0": "expbuf-0.expbuf.ns.svc:50051",
+            "expbuf-1": "expbuf-1.expbuf.ns.svc:50051",
+        }
+        assert client.shard_map.epoch == 1
+
+
+def test_trxp_parts_keep_every_item(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        experiences = groups(0, range(10), range(2))
+        parts = client._split(trxp.encode(experiences), "task")
+        items = [item.uid for part in parts.values() for item in trxp.parse(part)]
+        assert sorted(items) == sorted(e.eid.uid for e in experiences)
