@@ -24,8 +24,9 @@ from expbuf.client import trxp
 
 from . import estimators, shaping
 from .advantage_storage import encode_results, flat_tensor
+from .backend import Backend
 from .errors import clip
-from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate, Store
+from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
 from .tables import TOKEN_LEVEL, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
@@ -134,7 +135,7 @@ class AdvantageWorker:
 
     def __init__(
         self,
-        store: Store,
+        store: Backend,
         *,
         batch_limit: int = 8192,
         on_computed: Callable[[str, str, float], None] | None = None,

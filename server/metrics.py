@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .backend import Backend
 from .interceptor import ServiceInterceptor
 from .shaping import RunningMoments
-from .store import LIVE, Store
+from .store import LIVE
 
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed")
@@ -42,7 +43,7 @@ _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {
 class StoreCollector(Collector):
     """Reads the store's durable counters and states at scrape time."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Backend) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -127,7 +128,7 @@ class Metrics:
     A shard of a sharded buffer (`shard` set) exports them all with a `shard` label.
     """
 
-    def __init__(self, store: Store, shard: str = "") -> None:
+    def __init__(self, store: Backend, shard: str = "") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(store))
         self.rpc_duration = Histogram(

@@ -17,9 +17,10 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from .backend import Backend
 from .errors import InvalidRequest, StoreError
 from .sample_spec import SampleSpec
-from .store import Sampled, Store
+from .store import Sampled
 
 
 class ClientSide:
@@ -78,7 +79,7 @@ class ClientSide:
 
 
 def stream_batches(
-    store: Store,
+    store: Backend,
     spec: SampleSpec,
     requests: Iterator[pb.SampleRequest],
     context: grpc.ServicerContext,
@@ -131,13 +132,13 @@ def stream_batches(
                 _give_back(store, spec, unconfirmed, owner)
 
 
-def _confirm(store: Store, spec: SampleSpec, batch: Sampled, owner: str) -> None:
+def _confirm(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
     """The client has the batch: a consumed one leaves the buffer now."""
     if spec.delivery == "consume":
         store.ack(batch.lease_id, spec.table, owner)
 
 
-def _give_back(store: Store, spec: SampleSpec, batch: Sampled, owner: str) -> None:
+def _give_back(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
     if spec.delivery in ("consume", "lease"):
         with contextlib.suppress(StoreError):  # acked meanwhile, expired, or the table was dropped
             store.nack(batch.lease_id, spec.table, owner)

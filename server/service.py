@@ -1,6 +1,6 @@
 """The ExperienceBuffer gRPC servicer: translates between the wire and the store.
 
-Nothing here decides anything about storage; it maps requests to Store calls,
+Nothing here decides anything about storage; it maps requests to backend calls,
 TRXP payloads through the codec, and refusals to gRPC status codes.
 """
 
@@ -21,6 +21,7 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+from .backend import Backend
 from .errors import (
     Conflict,
     Forbidden,
@@ -37,7 +38,7 @@ from .metrics import Metrics
 from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
-from .store import Sampled, Store
+from .store import Sampled
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -192,7 +193,7 @@ def _remaining(context: grpc.ServicerContext, limit: float | None = None) -> flo
 class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
-        store: Store,
+        store: Backend,
         *,
         metrics: Metrics,
         max_message_bytes: int,

@@ -389,3 +389,12 @@ def test_a_new_order_is_one_class(store: Store) -> None:
         assert taken == ["9/1", "9/2", "9/0"]
     finally:
         del ORDERS[LowestPriority.name]
+
+
+def test_the_store_is_a_backend(store: Store) -> None:
+    """The server uses the store through backend.Backend: the store provides all of it."""
+    from expbuf.server.backend import Backend
+
+    assert isinstance(store, Backend)
+    missing = [name for name in dir(Backend) if not name.startswith("_") and not hasattr(store, name)]
+    assert missing == []

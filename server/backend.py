@@ -1,0 +1,69 @@
+"""What the server needs of a storage backend, as a typing.Protocol.
+
+The service, the advantage worker, the metrics and the server's assembly use a backend
+only through these methods, so a backend other than the LMDB store (one that spreads a
+table over shards, say) plugs in by providing them. `expbuf.server.store.Store` is the
+one that exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from expbuf.client import trxp
+
+from .sample_spec import SampleSpec
+from .store import ComputeJob, PutResult, Sampled, ShapingUpdate
+from .tables import TableConfig
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Durable tables of experiences: push, sample, leases, admin, upkeep, advantages' I/O."""
+
+    # tables
+    def create_table(self, config: TableConfig, *, exist_ok: bool = False) -> bool: ...
+    def drop_table(self, name: str) -> int: ...
+    def list_tables(self) -> list[TableConfig]: ...
+    def has_table(self, name: str) -> bool: ...
+    def table(self, name: str) -> TableConfig: ...
+
+    # experiences
+    def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult: ...
+    def sample(
+        self,
+        spec: SampleSpec,
+        *,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
+        stop: Callable[[], bool] | None = None,
+    ) -> Sampled | None: ...
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int: ...
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int: ...
+    def release_holds(self) -> int: ...
+    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]: ...
+    def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int: ...
+    def seal(self, table: str, group_id: str) -> int: ...
+
+    # state and upkeep
+    def stats(self, table: str) -> dict[str, Any]: ...
+    def storage_info(self) -> dict[str, float]: ...
+    def tick(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+    # advantages
+    @property
+    def generation(self) -> int: ...
+    def wait_for_change(self, generation: int, timeout: float) -> bool: ...
+    def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]: ...
+    def finish_compute(
+        self,
+        table: str,
+        advantages: dict[str, float | bytes],
+        ready: Sequence[str],
+        dropped: Sequence[str] = (),
+        failed: dict[str, str] | None = None,
+        shaping: ShapingUpdate | None = None,
+    ) -> None: ...
