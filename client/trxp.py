@@ -412,6 +412,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether text encodes to UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _clip(text: str) -> str:
     """Untrusted text cut for an error message, with its full length."""
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
@@ -494,7 +503,7 @@ class _Shape:
             if work.used > work.limit:
                 work.charge(0)
             self.known[key] = _OPEN
-            size = 2
+            size = 3  # EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS)
             children: Iterable[Any] = value
             if isinstance(value, dict):
                 if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
@@ -508,7 +517,7 @@ class _Shape:
                 if kind is str:  # the common cases inline
                     size += 5 + (len(child) if child.isascii() else 4 * len(child))
                 elif kind is int:
-                    size += 5 + child.bit_length() // 8
+                    size += 6 + child.bit_length() // 8
                 elif kind is float or kind is bool or child is None:
                     size += 9
                 elif isinstance(child, _CONTAINERS):
@@ -536,7 +545,7 @@ def _scalar_size(value: Any) -> int:
     if isinstance(value, bytes):
         return 5 + len(value)
     if isinstance(value, int):
-        return 5 + value.bit_length() // 8
+        return 6 + value.bit_length() // 8
     if isinstance(value, _SCALARS):
         return 9
     raise TrxpError(f"{type(value).__name__} is not plain data")
@@ -617,8 +626,8 @@ def _check_meta(index: int, item: Any, shape: _Shape) -> None:
     ):
         raise TrxpError(f"{where}: field 'custom_fields' must be a list of source/destination/data_type strings")
     keys = item.get("multi_modal_input_keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str")
+    if not isinstance(keys, list) or not all(isinstance(k, str) and _is_utf8(k) for k in keys):
+        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)")
     if len(set(keys)) != len(keys):
         raise TrxpError(f"{where}: field 'multi_modal_input_keys' lists a key twice")
     shape.work.charge(len(custom) + len(keys))
@@ -659,7 +668,7 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     if not isinstance(entry, dict):
         raise TrxpError(f"tensors: {_show(key)} entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         shown = _show_list(shape) if isinstance(shape, list) else _show(shape)

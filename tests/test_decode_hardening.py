@@ -93,10 +93,10 @@ def test_work_budget_is_enforced_and_named() -> None:
 
 def test_tuple_dict_keys_are_refused_before_unpickling() -> None:
     """A tuple key is hashed by the unpickler: tuples of shared tuples hash in exponential time."""
-    key = b")q\x00"  # EMPTY_TUPLE, BINPUT 0
-    for level in range(40):
-        key += b"(" + b"h" + bytes([level]) * 1 + b"h" + bytes([level]) + b"h" + bytes([level]) + b"t"
-        key += b"q" + bytes([level + 1])  # MARK, 3 x BINGET, TUPLE, BINPUT
+    key = b")q\x000"  # EMPTY_TUPLE, BINPUT 0, POP
+    for level in range(40):  # MARK, 3 x BINGET, TUPLE, BINPUT, POP: memo entry level + 1 holds 3 x entry level
+        key += b"(" + (b"h" + bytes([level])) * 3 + b"tq" + bytes([level + 1]) + b"0"
+    key += b"h" + bytes([40])
     head = pickle.dumps({"version": 1, "num_items": 0, "items": []}, protocol=2)[:-2]  # without SETITEMS, STOP
     meta = head + b"X\x01\x00\x00\x00k}" + key + b"K\x01s" + b"u."  # 'k': {key: 1}, then SETITEMS, STOP
     tensors = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
@@ -227,6 +227,16 @@ def test_tensor_keys_must_start_with_an_ascii_index(head: str) -> None:
     header = {f"{head}:tokens": {"dtype": "I32", "shape": [4], "data_offsets": [0, 16]}}
     with pytest.raises(TrxpError, match=r"tensors: key .* does not name an item"):
         trxp.parse(assemble(item_meta(), header, TOKENS.data))
+
+
+def test_multi_modal_key_that_is_not_utf8_is_refused() -> None:
+    """JSON can spell a lone surrogate; the store could not write that tensor name back."""
+    header = {
+        "0:multi_modal_inputs:\udcff": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "0:tokens": {"dtype": "I32", "shape": [4], "data_offsets": [1, 17]},
+    }
+    with pytest.raises(TrxpError, match=r"field 'multi_modal_input_keys' must be a list of str \(UTF-8"):
+        trxp.parse(assemble(item_meta(multi_modal_input_keys=["\udcff"]), header, b"\x01" + TOKENS.data))
 
 
 def test_unknown_eid_key_is_refused_by_name() -> None:
