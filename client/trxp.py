@@ -810,12 +810,15 @@ def _canonical(value: Any) -> Any:
             keys = sorted(value)
         except TypeError:  # str and bytes keys together
             keys = sorted(value, key=lambda key: (isinstance(key, bytes), key))
-        return {key: _canonical(value[key]) for key in keys}
-    if isinstance(value, list):
-        return [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
-    if isinstance(value, tuple):
-        return tuple(_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value)
-    return value
+        out = {}
+        for key in keys:
+            inner = value[key]
+            out[key] = _canonical(inner) if isinstance(inner, _CONTAINERS) else inner
+        return out
+    if not any(isinstance(inner, _CONTAINERS) for inner in value):
+        return value  # a list or tuple of scalars is canonical as it is
+    canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
+    return canonical if isinstance(value, list) else tuple(canonical)
 
 
 def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
