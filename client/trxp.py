@@ -207,7 +207,8 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, wor
     """
     view = memoryview(payload).cast("B")
     size = len(view)
-    work = work or Work.for_payload(size)
+    if work is None:
+        work = Work.for_payload(size)
     if size and view[0] == pickle.PROTO[0]:
         raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
     if size < HEADER_SIZE:
