@@ -283,3 +283,20 @@ def test_the_reported_hostile_push_is_refused_in_linear_work() -> None:
     data = trxp.build([trxp.RawItem(meta, {"tokens": trxp.RawTensor("I32", (2,), bytes(8))})])
     assert len(data) < 2000
     assert check(data) is None
+
+
+text_only = st.recursive(
+    st.one_of(st.none(), st.booleans(), ints, st.floats(), texts),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
+    max_leaves=24,
+)
+
+
+@given(st.lists(st.one_of(plain, shared()), max_size=4), st.lists(text_only, max_size=4), st.integers(0, 5))
+@FUZZ
+def test_python_pickles_of_plain_data_pass_the_scan(values: list[Any], old: list[Any], protocol: int) -> None:
+    """The scan follows the stack as the unpickler does: whatever pickle writes for plain data
+    with str keys passes it, at any protocol (before protocol 3, bytes are reduced: not plain)."""
+    data = {"version": 1, "num_items": 0, "items": [], "x": values if protocol >= 3 else [], "y": old, "z": old}
+    meta = pickle.dumps(data, protocol=protocol)
+    trxp._scan_pickle(memoryview(meta), trxp.Work(1 << 40))
