@@ -26,6 +26,7 @@ import math
 import pickle
 import pickletools
 import struct
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,24 @@ MM_PREFIX = "multi_modal_inputs:"
 # LMDB keys hold table id + uid; keep uids well inside its 511-byte limit.
 MAX_UID_BYTES = 400
 MAX_NESTING = 32
+INT64_MAX = 2**63 - 1
+# The multi-step estimators compute run * (max step + 1) + step in int64.
+MAX_STEP = 2**31 - 1
+# Decoding work is counted in steps (a pickle opcode, a reference in the metadata, a tensor
+# entry or dimension, a byte handed to a C parser); a payload may take at most WORK_PER_BYTE
+# steps per byte plus WORK_BASE. The checks stay far below it by design; the budget is the
+# deterministic deadline that stops anything they would miss.
+WORK_PER_BYTE = 32
+WORK_BASE = 1 << 16
+# The items' metadata written out in full, as the store keeps each experience (every shared
+# reference expanded), may take at most EXPANSION_PER_BYTE bytes per payload byte plus
+# EXPANSION_BASE. Trinity-RFT shares at most a prompt between the runs of a task, which stays
+# within a fraction of the tokens those runs carry.
+EXPANSION_PER_BYTE = 8
+EXPANSION_BASE = 64 << 10
+# Error messages show at most this many characters of any input.
+MAX_SHOWN = 100
+_UNBOUNDED = 1 << 62
 
 # safetensors dtype code -> item size. The order is safetensors' own Dtype order:
 # it writes tensors sorted by dtype descending, then by name.
@@ -75,28 +94,54 @@ _INTEGER_CODES = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"
 _FLOAT_CODES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
 _FLOAT_FIELDS = frozenset(RESPONSE_TENSOR_FIELDS) - {"action_mask"}
 
-# Pickle opcodes that build plain data only. Everything else (globals, reduce,
-# build, persistent ids, sets, out-of-band buffers) is refused before unpickling.
-_PLAIN_OPCODES = frozenset(
-    {
-        "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP",
-        "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
-        "EMPTY_LIST", "LIST", "APPEND", "APPENDS",
-        "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-        "NONE", "NEWTRUE", "NEWFALSE",
-        "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
-        "FLOAT", "BINFLOAT",
-        "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
-        "SHORT_BINBYTES", "BINBYTES", "BINBYTES8",
-        "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET",
-    }
-)  # fmt: skip
-_MEMO_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
-_PLAIN_TYPES = (dict, list, tuple, str, bytes, int, float, bool, type(None))
+# Pickle opcodes that build plain data only, with their effect on the unpickler's stack.
+# Everything else (globals, reduce, build, persistent ids, sets, out-of-band buffers) is
+# refused before unpickling.
+_NOOP, _KEY, _VALUE, _MARK, _POP, _POP_MARK, _DUP = range(7)
+_FROM_MARK, _DICT, _TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _APPENDS, _SETITEM, _SETITEMS = range(7, 16)
+_MEMOIZE, _PUT, _GET, _STOP = range(16, 20)
+_PLAIN_EFFECTS = {
+    "PROTO": _NOOP, "FRAME": _NOOP, "STOP": _STOP, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "DUP": _DUP,
+    "EMPTY_DICT": _VALUE, "DICT": _DICT, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS,
+    "EMPTY_LIST": _VALUE, "LIST": _FROM_MARK, "APPEND": _APPEND, "APPENDS": _APPENDS,
+    "EMPTY_TUPLE": _VALUE, "TUPLE": _FROM_MARK, "TUPLE1": _TUPLE1, "TUPLE2": _TUPLE2, "TUPLE3": _TUPLE3,
+    "NONE": _VALUE, "NEWTRUE": _VALUE, "NEWFALSE": _VALUE,
+    "INT": _VALUE, "BININT": _VALUE, "BININT1": _VALUE, "BININT2": _VALUE,
+    "LONG": _VALUE, "LONG1": _VALUE, "LONG4": _VALUE, "FLOAT": _VALUE, "BINFLOAT": _VALUE,
+    "UNICODE": _KEY, "SHORT_BINUNICODE": _KEY, "BINUNICODE": _KEY, "BINUNICODE8": _KEY,
+    "SHORT_BINBYTES": _KEY, "BINBYTES": _KEY, "BINBYTES8": _KEY,
+    "MEMOIZE": _MEMOIZE, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT,
+    "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET,
+}  # fmt: skip
+_CONTAINERS = (dict, list, tuple)
+_SCALARS = (str, bytes, int, float, type(None))
 
 
 class TrxpError(ValueError):
     """A payload is not valid TRXP v1; the message names the item and field."""
+
+
+class Work:
+    """Deterministic count of decoding steps, with a ceiling: the CPU deadline of a payload.
+
+    Wall-clock deadlines depend on the machine's load; a step budget refuses the same
+    payload everywhere.
+    """
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    @classmethod
+    def for_payload(cls, size: int) -> Work:
+        return cls(WORK_PER_BYTE * size + WORK_BASE)
+
+    def charge(self, steps: int) -> None:
+        self.used += steps
+        if self.used > self.limit:
+            raise TrxpError(f"decoding work exceeds its budget of {self.limit} steps")
 
 
 @dataclass(frozen=True)
@@ -152,15 +197,18 @@ class RawItem:
 # ---- parsing (untrusted input) ---------------------------------------------------
 
 
-def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False) -> list[RawItem]:
+def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, work: Work | None = None) -> list[RawItem]:
     """Split a TRXP payload into validated items without creating tensors.
 
     `trusted=True` is for payloads the server itself wrote after validating them:
     it skips the pickle opcode scan and the per-item checks, not the restricted
-    unpickler nor the bounds checks of the sections.
+    unpickler nor the bounds checks of the sections. `work` counts the decoding steps
+    (by default within the budget of a payload of this size).
     """
     view = memoryview(payload).cast("B")
     size = len(view)
+    if work is None:
+        work = Work.for_payload(size)
     if size and view[0] == pickle.PROTO[0]:
         raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
     if size < HEADER_SIZE:
@@ -180,8 +228,8 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False) -> 
     if trailing:
         raise TrxpError(f"{trailing} trailing bytes after the declared sections")
     meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
-    items = _load_items(meta_bytes, trusted=trusted)
-    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :])
+    items = _load_items(meta_bytes, trusted=trusted, work=work, max_size=EXPANSION_PER_BYTE * size + EXPANSION_BASE)
+    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
     per_item: list[dict[str, RawTensor]] = [{} for _ in items]
     for key, tensor in tensors.items():
         index, name = _split_tensor_key(key, len(items))
@@ -189,31 +237,33 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False) -> 
     raw = [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
     if not trusted:
         for index, item in enumerate(raw):
-            _check_tensors(index, item)
+            _check_tensors(index, item, work)
     return raw
 
 
-def _load_items(meta_bytes: memoryview, *, trusted: bool) -> list[dict[str, Any]]:
+def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, max_size: int) -> list[dict[str, Any]]:
     if not trusted:
-        _scan_pickle(meta_bytes)
+        _scan_pickle(meta_bytes, work)
+    work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
     try:
         meta = _PlainUnpickler(io.BytesIO(meta_bytes)).load()
     except TrxpError:
         raise
     except Exception as exc:  # the unpickler raises many types on malformed input
-        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {exc})") from None
+        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {_clip(str(exc))})") from None
     if not isinstance(meta, dict):
         raise TrxpError(f"metadata: expected a dict, got {type(meta).__name__}")
     if meta.get("version") != VERSION:
-        raise TrxpError(f"metadata: version is {meta.get('version')!r}, expected {VERSION}")
+        raise TrxpError(f"metadata: version is {_show(meta.get('version'))}, expected {VERSION}")
     items, num_items = meta.get("items"), meta.get("num_items")
     if not isinstance(items, list):
         raise TrxpError(f"metadata: 'items' must be a list, got {type(items).__name__}")
     if not _is_int(num_items) or num_items != len(items):
-        raise TrxpError(f"metadata: num_items is {num_items!r} but {len(items)} items are present")
+        raise TrxpError(f"metadata: num_items is {_show(num_items)} but {len(items)} items are present")
     if not trusted:
+        shape = _Shape(work, max_size, check_keys=False)
         for index, item in enumerate(items):
-            _check_meta(index, item)
+            _check_meta(index, item, shape)
     return items
 
 
@@ -221,16 +271,20 @@ class _PlainUnpickler(pickle.Unpickler):
     """Reads plain data only: every global is refused, never looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise TrxpError(f"metadata: pickle references the global {module}.{name}; refused")
+        raise TrxpError(f"metadata: pickle references the global {_clip(module)}.{_clip(name)}; refused")
 
     def persistent_load(self, pid: Any) -> Any:
         raise TrxpError("metadata: pickle uses persistent ids; refused")
 
 
-# Plain-data opcodes by byte: (name, argument size), the size as pickletools describes
-# it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes).
-_OPCODE_TABLE = {op.code.encode("latin-1")[0]: (op.name, op.arg.n if op.arg else 0) for op in pickletools.opcodes}
-_PLAIN_TABLE = {code: spec for code, spec in _OPCODE_TABLE.items() if spec[0] in _PLAIN_OPCODES}
+# Plain-data opcodes by byte: (name, argument size, stack effect), the size as pickletools
+# describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes).
+_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+_PLAIN_TABLE = {
+    op.code.encode("latin-1")[0]: (op.name, op.arg.n if op.arg else 0, _PLAIN_EFFECTS[op.name])
+    for op in pickletools.opcodes
+    if op.name in _PLAIN_EFFECTS
+}
 _LENGTH_PREFIX = {
     pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
     pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
@@ -239,22 +293,32 @@ _LENGTH_PREFIX = {
 }
 
 
-def _scan_pickle(data: memoryview) -> None:
-    """Refuse any opcode that is not plain data, and memo indices beyond reason.
+def _scan_pickle(data: memoryview, work: Work) -> None:
+    """Refuse any opcode that is not plain data, memo indices beyond reason, and dict keys
+    other than str or bytes.
 
-    The scan walks the opcodes without executing anything, before the unpickler
-    sees them: it stops a tiny pickle from making the unpickler allocate a huge
-    memo, and everything but plain data from being built at all.
+    The scan walks the opcodes without executing anything, before the unpickler sees
+    them: it stops a tiny pickle from making the unpickler allocate a huge memo, and
+    everything but plain data from being built at all. It follows the unpickler's stack
+    (whether each entry is a str or bytes, nothing more) so that every dict key is known
+    to hash in time linear in its length: ints hash predictably (so keys can be made to
+    collide, a quadratic dict) and tuples of shared tuples hash in exponential time.
     """
     raw = bytes(data)
     pos, size, ops = 0, len(raw), 0
+    stack: list[bool] = []  # per entry: may it be a dict key (str or bytes)?
+    marks: list[int] = []  # stack heights at each MARK
+    fence = 0  # the height of the last mark: entries below it belong to an outer MARK
+    memo: dict[int, bool] = {}
+    push = stack.append
+    memoize, get, key, value, put = _MEMOIZE, _GET, _KEY, _VALUE, _PUT  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
         spec = _PLAIN_TABLE.get(code)
         if spec is None:
-            name = _OPCODE_TABLE.get(code, (f"0x{code:02x}",))[0]
+            name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
             raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
-        name, arg_size = spec
+        name, arg_size, effect = spec
         ops += 1
         start = pos = pos + 1
         if arg_size >= 0:
@@ -273,61 +337,251 @@ def _scan_pickle(data: memoryview) -> None:
             pos += length
         if pos > size:
             raise TrxpError(f"metadata: pickle is truncated in {name}")
-        if name in _MEMO_OPCODES:
-            arg = raw[start:pos]
-            if name in ("PUT", "GET"):  # protocol 0: a decimal index and a newline
-                if not arg[:-1].isdigit():
-                    raise TrxpError(f"metadata: pickle {name} has a malformed index")
-                index = int(arg)
-            else:
-                index = int.from_bytes(arg, "little")
-            if index > ops:
-                raise TrxpError(f"metadata: pickle memo index {index} out of range")
-        if name == "STOP":
+        if effect == memoize:  # the commonest opcodes first
+            if len(stack) <= fence:
+                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
+            memo[len(memo)] = stack[-1]
+        elif effect == get:
+            memo_index = raw[start] if arg_size == 1 else _memo_index(name, raw[start:pos], ops)
+            if memo_index not in memo:
+                raise TrxpError(f"metadata: pickle {name} reads memo entry {memo_index}, which was never stored")
+            push(memo[memo_index])
+        elif effect == key:
+            push(True)
+        elif effect == value:
+            push(False)
+        elif effect == put:
+            if len(stack) <= fence:
+                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
+            memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
+        elif effect == _MARK:
+            marks.append(len(stack))
+            fence = len(stack)
+        elif effect in (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK):
+            if not marks:
+                raise TrxpError(f"metadata: pickle {name} has no MARK")
+            mark = marks.pop()
+            fence = marks[-1] if marks else 0
+            if effect in (_DICT, _SETITEMS) and not all(stack[mark::2]):
+                raise TrxpError("metadata: dict keys must be str or bytes")
+            del stack[mark:]
+            if effect in (_FROM_MARK, _DICT):
+                push(False)
+        elif effect in (_TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _SETITEM):
+            count = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}[effect]
+            if len(stack) - count < fence:
+                raise TrxpError(f"metadata: pickle {name} finds too few entries on the stack")
+            if effect == _SETITEM and not stack[-2]:
+                raise TrxpError("metadata: dict keys must be str or bytes")
+            del stack[len(stack) - count :]
+            if effect not in (_APPEND, _SETITEM):
+                push(False)
+        elif effect == _NOOP:
+            pass
+        elif effect == _POP and marks and marks[-1] == len(stack):
+            marks.pop()
+            fence = marks[-1] if marks else 0
+        elif len(stack) <= fence:
+            raise TrxpError(f"metadata: pickle {name} finds an empty stack")
+        elif effect == _DUP:
+            push(stack[-1])
+        elif effect == _POP:
+            stack.pop()
+        else:  # STOP
             if pos != size:
                 raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
+            work.charge(ops)
             return
     raise TrxpError("metadata: pickle is truncated (no STOP)")
+
+
+def _memo_index(name: str, arg: bytes, ops: int) -> int:
+    """The memo index a PUT or GET names, refused beyond the opcodes read so far."""
+    if name in ("PUT", "GET"):  # protocol 0: a decimal index and a newline
+        digits = arg[:-1]
+        if not digits.isdigit() or len(digits) > 20:
+            raise TrxpError(f"metadata: pickle {name} has a malformed index")
+        index = int(digits)
+    else:
+        index = int.from_bytes(arg, "little")
+    if index > ops:
+        raise TrxpError(f"metadata: pickle memo index {index} out of range")
+    return index
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_plain(value: Any, where: str, depth: int = 0) -> None:
-    if depth > MAX_NESTING:
-        raise TrxpError(f"{where}: nested deeper than {MAX_NESTING} levels (or cyclic)")
-    if not isinstance(value, _PLAIN_TYPES):
-        raise TrxpError(f"{where}: {type(value).__name__} is not plain data")
-    if isinstance(value, dict):
-        for key, inner in value.items():
-            _check_plain(key, where, depth + 1)
-            _check_plain(inner, where, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for inner in value:
-            _check_plain(inner, where, depth + 1)
+def _is_utf8(text: str) -> bool:
+    """Whether text encodes to UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
-def _check_meta(index: int, item: Any) -> None:
-    """Validate the metadata of one item: what the server and trainers rely on."""
-    where = f"item {index}"
-    if not isinstance(item, dict):
-        raise TrxpError(f"{where}: expected a dict, got {type(item).__name__}")
-    eid = item.get("eid")
+def _clip(text: str) -> str:
+    """Untrusted text cut for an error message, with its full length."""
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
+
+
+def _show(value: Any) -> str:
+    """An untrusted value rendered for an error message in bounded length and time."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} chars)"
+    if isinstance(value, bytes):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} bytes)"
+    if _is_int(value) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"  # its decimal form would take quadratic time
+    if isinstance(value, (int, float, type(None))):
+        return repr(value)
+    if isinstance(value, _CONTAINERS):
+        return f"a {type(value).__name__} of {len(value)} entries"
+    return f"a {type(value).__name__}"
+
+
+def _show_list(values: Sequence[Any]) -> str:
+    shown = ", ".join(_show(v) for v in values[:8])
+    return f"[{shown}{', …' if len(values) > 8 else ''}]"
+
+
+def _in_range(where: str, field: str, value: Any, low: int, high: int, bounds: str) -> None:
+    """Refuse a value that is not an int in [low, high] (bounds: the range as the message says it)."""
+    if not _is_int(value):
+        raise TrxpError(f"{where}: field '{field}' must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, outside [{bounds}]")
+
+
+def _number(where: str, field: str, value: Any) -> None:
+    """Refuse a value that is not a finite number that converts to a float64."""
+    if not isinstance(value, (int, float)):
+        raise TrxpError(f"{where}: field '{field}' must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TrxpError(f"{where}: field '{field}' is {value}, not a finite number")
+    if not -sys.float_info.max <= value <= sys.float_info.max:
+        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, not representable as a float64")
+
+
+class _Shape:
+    """Measures item metadata, each container once (by id): nesting depth and the bytes it
+    takes written out in full, as the store packs each experience (shared references
+    expanded). Walking the data as a tree would cost exponential time for memo references
+    shared at every level; here the steps are the references present, which the pickle
+    spent at least a byte on each."""
+
+    def __init__(self, work: Work, max_size: int, *, check_keys: bool) -> None:
+        self.work = work
+        self.max_size = max_size
+        self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
+        self.size = 0  # of every item measured so far
+        self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
+
+    def item(self, where: str, item: dict[Any, Any]) -> None:
+        """Measure every field of an item, counting it towards the payload's expansion bound."""
+        for name, value in item.items():
+            try:
+                size = self._container(value, 0)[1] if isinstance(value, _CONTAINERS) else _scalar_size(value)
+                self.size += size + _scalar_size(name)
+            except TrxpError as exc:
+                raise TrxpError(f"{where}: field {_show(name)}: {exc}") from None
+            if self.size > self.max_size:
+                raise TrxpError(
+                    f"{where}: field {_show(name)}: metadata expands to more than {self.max_size} bytes when shared "
+                    f"references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
+                )
+
+    def _container(self, value: dict | list | tuple, depth: int) -> tuple[int, int]:
+        key = id(value)
+        known = self.known.get(key)
+        if known is None:
+            if depth > MAX_NESTING:
+                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+            work = self.work
+            work.used += 1 + len(value)
+            if work.used > work.limit:
+                work.charge(0)
+            self.known[key] = _OPEN
+            size = 3  # EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS)
+            children: Iterable[Any] = value
+            if isinstance(value, dict):
+                if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
+                    raise TrxpError("dict keys must be str or bytes")
+                for name in value:
+                    size += 5 + (len(name) if name.isascii() else 4 * len(name))
+                children = value.values()
+            height = 1 if value else 0
+            for child in children:
+                kind = type(child)
+                if kind is str:  # the common cases inline
+                    size += 5 + (len(child) if child.isascii() else 4 * len(child))
+                elif kind is int:
+                    size += 6 + child.bit_length() // 8
+                elif kind is float or kind is bool or child is None:
+                    size += 9
+                elif isinstance(child, _CONTAINERS):
+                    child_height, child_size = self._container(child, depth + 1)
+                    height = max(height, child_height + 1)
+                    size += child_size
+                    if size > self.max_size:
+                        break  # refused by the caller; no need to add up the rest
+                else:
+                    size += _scalar_size(child)
+            self.known[key] = known = (height, size)
+        if depth + known[0] > MAX_NESTING:
+            raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+        return known
+
+
+# What a container being measured counts as when met again: a cycle, refused as too deep.
+_OPEN = (MAX_NESTING + 1, 0)
+
+
+def _scalar_size(value: Any) -> int:
+    """Bytes a scalar takes in a pickle without memo (str: at most 4 bytes a character)."""
+    if isinstance(value, str):
+        return 5 + (len(value) if value.isascii() else 4 * len(value))
+    if isinstance(value, bytes):
+        return 5 + len(value)
+    if isinstance(value, int):
+        return 6 + value.bit_length() // 8
+    if isinstance(value, _SCALARS):
+        return 9
+    raise TrxpError(f"{type(value).__name__} is not plain data")
+
+
+_EID_PARTS = ("batch", "task", "run", "step", "suffix")
+_INT64_BOUNDS = "-2**63, 2**63 - 1"
+
+
+def _check_eid(where: str, eid: Any) -> str:
+    """Validate an eid; return its uid, which reads unambiguously from the right: task and
+    suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
     if not isinstance(eid, dict):
         raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
-    for part in ("batch", "task", "run", "step", "suffix"):
+    unknown = [key for key in eid if key not in _EID_PARTS]
+    if unknown:
+        raise TrxpError(
+            f"{where}: field 'eid' has unknown keys {_show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+        )
+    for part in _EID_PARTS:
         if part not in eid:
             raise TrxpError(f"{where}: field 'eid.{part}' is missing")
     for part in ("batch", "task"):
-        if not (_is_int(eid[part]) or isinstance(eid[part], str)):
-            raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")
-    for part in ("run", "step"):
-        if not _is_int(eid[part]):
-            raise TrxpError(f"{where}: field 'eid.{part}' must be an int, got {type(eid[part]).__name__}")
+        if not isinstance(eid[part], str):
+            if not _is_int(eid[part]):
+                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")
+            _in_range(where, f"eid.{part}", eid[part], -(2**63), INT64_MAX, _INT64_BOUNDS)
+    _in_range(where, "eid.run", eid["run"], 0, INT64_MAX, "0, 2**63 - 1")
+    _in_range(where, "eid.step", eid["step"], 0, MAX_STEP, "0, 2**31 - 1")
     if not isinstance(eid["suffix"], str):
         raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(eid['suffix']).__name__}")
-    uid = EID(**{k: eid[k] for k in ("batch", "task", "run", "step", "suffix")}).uid
+    for part in ("task", "suffix"):
+        if isinstance(eid[part], str) and "/" in eid[part]:
+            raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({_show(eid[part])}); only batch may")
+    uid = EID(**eid).uid
     if "\0" in uid:
         raise TrxpError(f"{where}: field 'eid' contains a NUL character")
     try:
@@ -335,23 +589,30 @@ def _check_meta(index: int, item: Any) -> None:
     except UnicodeEncodeError:
         raise TrxpError(f"{where}: field 'eid' is not valid Unicode") from None
     if len(uid_bytes) > MAX_UID_BYTES:
-        raise TrxpError(f"{where}: uid is longer than {MAX_UID_BYTES} bytes")
-    where = f"item {index} (uid {uid})"
+        raise TrxpError(f"{where}: uid is {len(uid_bytes)} bytes, longer than {MAX_UID_BYTES}")
+    return uid
+
+
+def _check_meta(index: int, item: Any, shape: _Shape) -> None:
+    """Validate the metadata of one item: what the server, its estimators and trainers rely on."""
+    where = f"item {index}"
+    if not isinstance(item, dict):
+        raise TrxpError(f"{where}: expected a dict, got {type(item).__name__}")
+    where = f"item {index} (uid {_clip(_check_eid(where, item.get('eid')))})"
+    shape.item(where, item)
     reward = item.get("reward")
     if reward is not None:
-        if not isinstance(reward, (int, float)):
-            raise TrxpError(f"{where}: field 'reward' must be a number, got {type(reward).__name__}")
-        if not math.isfinite(reward):
-            raise TrxpError(f"{where}: field 'reward' is {reward}, not a finite number")
-    prompt_length = item.get("prompt_length", 1)
-    if not _is_int(prompt_length) or prompt_length < 0:
-        raise TrxpError(f"{where}: field 'prompt_length' must be a non-negative int, got {prompt_length!r}")
+        _number(where, "reward", reward)
+    _in_range(where, "prompt_length", item.get("prompt_length", 1), 0, INT64_MAX, "0, 2**63 - 1")
     for name in ("info", "metrics"):
         if not isinstance(item.get(name, {}), dict):
             raise TrxpError(f"{where}: field '{name}' must be a dict")
-    version = item.get("info", {}).get("model_version")
-    if version is not None and not _is_int(version):
-        raise TrxpError(f"{where}: field 'info.model_version' must be an int, got {type(version).__name__}")
+    info = item.get("info", {})
+    version = info.get("model_version")
+    if version is not None:
+        _in_range(where, "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+    if info.get("priority") is not None:
+        _number(where, "info.priority", info["priority"])
     for name in ("truncate_status", "response_text", "prompt_text"):
         if item.get(name) is not None and not isinstance(item[name], str):
             raise TrxpError(f"{where}: field '{name}' must be a str or None")
@@ -366,34 +627,36 @@ def _check_meta(index: int, item: Any) -> None:
     ):
         raise TrxpError(f"{where}: field 'custom_fields' must be a list of source/destination/data_type strings")
     keys = item.get("multi_modal_input_keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str")
-    for name, value in item.items():
-        _check_plain(value, f"{where}: field '{name}'")
+    if not isinstance(keys, list) or not all(isinstance(k, str) and _is_utf8(k) for k in keys):
+        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)")
+    if len(set(keys)) != len(keys):
+        raise TrxpError(f"{where}: field 'multi_modal_input_keys' lists a key twice")
+    shape.work.charge(len(custom) + len(keys))
 
 
-def _parse_safetensors(blob: memoryview) -> dict[str, RawTensor]:
+def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
     size = len(blob)
     if size < 8:
         raise TrxpError(f"tensors: safetensors blob is {size} bytes, too short for its header length")
     (header_len,) = struct.unpack_from("<Q", blob)
     if header_len > size - 8:
         raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - 8} bytes present")
+    work.charge(header_len)  # the JSON parser is linear in its input
     try:
         header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrxpError(f"tensors: safetensors header is not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
+        raise TrxpError(f"tensors: safetensors header is not valid JSON ({_clip(str(exc))})") from None
     if not isinstance(header, dict):
         raise TrxpError("tensors: safetensors header is not a JSON object")
     data = blob[8 + header_len :]
     spans = sorted(
-        (*_parse_entry(key, entry, len(data)), key) for key, entry in header.items() if key != "__metadata__"
+        (*_parse_entry(key, entry, len(data), work), key) for key, entry in header.items() if key != "__metadata__"
     )
     cursor = 0
     tensors: dict[str, RawTensor] = {}
     for start, end, dtype, shape, key in spans:
         if start != cursor:
-            raise TrxpError(f"tensors: '{key}' starts at byte {start}, expected {cursor} (gap or overlap)")
+            raise TrxpError(f"tensors: {_show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
         cursor = end
         tensors[key] = RawTensor(dtype, shape, data[start:end])
     if cursor != len(data):
@@ -401,49 +664,67 @@ def _parse_safetensors(blob: memoryview) -> dict[str, RawTensor]:
     return tensors
 
 
-def _parse_entry(key: str, entry: Any, data_len: int) -> tuple[int, int, str, tuple[int, ...]]:
+def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:
     """Check one safetensors header entry; return (start, end, dtype, shape)."""
     if not isinstance(entry, dict):
-        raise TrxpError(f"tensors: '{key}' entry is not an object")
+        raise TrxpError(f"tensors: {_show(key)} entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _ITEMSIZE:
-        raise TrxpError(f"tensors: '{key}' has unsupported dtype {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise TrxpError(f"tensors: '{key}' shape {shape!r} is not a list of non-negative ints")
+        shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
+        raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
+    work.charge(1 + len(shape))
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_is_int(o) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1] <= data_len
     ):
-        raise TrxpError(f"tensors: '{key}' data_offsets {offsets!r} fall outside the {data_len} data bytes")
-    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        shown = _show_list(offsets) if isinstance(offsets, list) else _show(offsets)
+        raise TrxpError(f"tensors: {_show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
+    # torch and safetensors multiply the dimensions in int64 even when one of them is 0.
+    itemsize, product = _ITEMSIZE[dtype], 1
+    for dim in shape:
+        product *= dim or 1
+        if product * itemsize > INT64_MAX:
+            raise TrxpError(
+                f"tensors: {_show(key)} shape {_show_list(shape)} has more elements than a tensor can hold "
+                f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
+            )
+    nbytes = 0 if 0 in shape else product * itemsize
     if nbytes != offsets[1] - offsets[0]:
         raise TrxpError(
-            f"tensors: '{key}' shape {shape} of {dtype} needs {nbytes} bytes, offsets span {offsets[1] - offsets[0]}"
+            f"tensors: {_show(key)} shape {_show_list(shape)} of {dtype} needs {nbytes} bytes, "
+            f"offsets span {offsets[1] - offsets[0]}"
         )
     return offsets[0], offsets[1], dtype, tuple(shape)
 
 
 def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
+    """Split "{i}:{field}"; i is written as Python writes an int (ASCII digits, no sign or leading 0)."""
     head, _, name = key.partition(":")
-    if not head.isdigit() or not name or int(head) >= num_items:
-        raise TrxpError(f"tensors: key '{key}' does not name an item of the {num_items} in the payload")
+    canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
+    if not canonical or not name or int(head) >= num_items:
+        raise TrxpError(f"tensors: key {_show(key)} does not name an item of the {num_items} in the payload")
     if name not in TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
-        raise TrxpError(f"tensors: key '{key}' names an unknown field '{name}'")
+        raise TrxpError(f"tensors: key {_show(key)} names an unknown field {_show(name)}")
     return int(head), name
 
 
-def _check_tensors(index: int, item: RawItem) -> None:
+def _check_tensors(index: int, item: RawItem, work: Work) -> None:
     """Validate the tensors of one item against its metadata."""
     meta = item.meta
-    where = f"item {index} (uid {item.uid})"
-    for key in meta.get("multi_modal_input_keys", []):
+    where = f"item {index} (uid {_clip(item.uid)})"
+    keys = meta.get("multi_modal_input_keys", [])
+    work.charge(len(keys) + len(item.tensors))
+    for key in keys:
         if MM_PREFIX + key not in item.tensors:
-            raise TrxpError(f"{where}: multi-modal input '{key}' is listed but has no tensor")
+            raise TrxpError(f"{where}: multi-modal input {_show(key)} is listed but has no tensor")
+    listed = set(keys)
     for name in item.tensors:
-        if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in meta.get("multi_modal_input_keys", []):
-            raise TrxpError(f"{where}: tensor '{name}' is not listed in multi_modal_input_keys")
+        if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
+            raise TrxpError(f"{where}: tensor {_show(name)} is not listed in multi_modal_input_keys")
     tokens = item.tensors.get("tokens")
     if tokens is None:
         raise TrxpError(f"{where}: field 'tokens' is missing")
@@ -518,8 +799,27 @@ def _fragment(meta: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=3)
     pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
-    pickler.dump(meta)
+    pickler.dump(_canonical(meta))
     return buffer.getvalue()[2:-1]  # without PROTO and STOP
+
+
+def _canonical(value: Any) -> Any:
+    """The same plain data with every dict's keys sorted (str before bytes), so that equal
+    content packs to equal bytes whatever order a client wrote its keys in."""
+    if isinstance(value, dict):
+        try:
+            keys = sorted(value)
+        except TypeError:  # str and bytes keys together
+            keys = sorted(value, key=lambda key: (isinstance(key, bytes), key))
+        out = {}
+        for key in keys:
+            inner = value[key]
+            out[key] = _canonical(inner) if isinstance(inner, _CONTAINERS) else inner
+        return out
+    if not any(isinstance(inner, _CONTAINERS) for inner in value):
+        return value  # a list or tuple of scalars is canonical as it is
+    canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
+    return canonical if isinstance(value, list) else tuple(canonical)
 
 
 def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
@@ -649,8 +949,9 @@ def from_experience(exp: Any) -> RawItem:
     for key, value in mm.items():
         tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
-    _check_meta(0, meta)
-    _check_tensors(0, item)
+    work = Work(_UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
+    _check_meta(0, meta, _Shape(work, _UNBOUNDED, check_keys=True))
+    _check_tensors(0, item, work)
     return item
 
 
