@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expbuf.client import TrxpError, trxp
+from expbuf.client.trxp.build import fragment
+from expbuf.client.trxp.pickles import PlainUnpickler, scan_pickle
 
 EXAMPLES = int(os.environ.get("EXPBUF_FUZZ_EXAMPLES", "0")) or max(
     10, int(40 * float(os.environ.get("EXPBUF_SOAK_SCALE", "1")))
@@ -47,7 +49,7 @@ def check(data: bytes) -> list[trxp.RawItem] | None:
     assert work.used <= WORK_PER_BYTE * len(data) + WORK_BASE, f"{work.used} steps for {len(data)} bytes"
     if items is not None:
         stored = [trxp.pack_item(item) for item in items]
-        metadata = sum(len(trxp._fragment(item.meta)) for item in items)
+        metadata = sum(len(fragment(item.meta)) for item in items)
         assert metadata <= trxp.EXPANSION_PER_BYTE * len(data) + trxp.EXPANSION_BASE + 64 * len(items)
         for blob, item in zip(stored, items, strict=True):
             assert trxp.parse(blob) == [item]
@@ -205,8 +207,8 @@ def test_opcode_sequences_are_accepted_or_refused(ops: list[bytes]) -> None:
     check(with_metadata(meta))
     work = trxp.Work(1 << 40)
     try:
-        trxp._scan_pickle(memoryview(meta), work)
-        value = trxp._PlainUnpickler(io.BytesIO(meta)).load()
+        scan_pickle(memoryview(meta), work)
+        value = PlainUnpickler(io.BytesIO(meta)).load()
     except Exception:  # refused by the scan, or unreadable: check() saw it become a TrxpError
         return
     assert only_string_keys(value)  # what the scan passes builds no dict with other keys
@@ -304,4 +306,4 @@ def test_python_pickles_of_plain_data_pass_the_scan(values: list[Any], old: list
     with str keys passes it, at any protocol (before protocol 3, bytes are reduced: not plain)."""
     data = {"version": 1, "num_items": 0, "items": [], "x": values if protocol >= 3 else [], "y": old, "z": old}
     meta = pickle.dumps(data, protocol=protocol)
-    trxp._scan_pickle(memoryview(meta), trxp.Work(1 << 40))
+    scan_pickle(memoryview(meta), trxp.Work(1 << 40))
