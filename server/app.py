@@ -34,6 +34,7 @@ from .errors import StoreError
 from .estimators import resolve_device
 from .limits import RESERVED_THREADS, CallLimits
 from .metrics import Metrics, RpcMetrics
+from .replies import PassBytes
 from .service import ExperienceBufferService
 from .store import Store
 
@@ -115,6 +116,7 @@ class ExpbufServer:
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
         interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
+        interceptors.append(PassBytes())
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,

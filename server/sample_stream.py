@@ -86,8 +86,8 @@ def stream_batches(
     *,
     owner: str,
     timeout: Callable[[], float],
-    reply: Callable[[Sampled], pb.SampleReply],
-) -> Iterator[pb.SampleReply]:
+    reply: Callable[[Sampled], bytes],
+) -> Iterator[bytes]:
     """The replies of one stream. `timeout()` is how long the next batch may wait for data.
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED

@@ -35,6 +35,7 @@ from .errors import (
     clip,
 )
 from .metrics import Metrics
+from .replies import sample_reply
 from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
@@ -239,7 +240,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     # ---- sample ------------------------------------------------------------------
 
     @_refusals
-    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Batches sent as the client asks for them (see sample_stream.py)."""
         first = next(requests, None)
         if first is None:
@@ -250,9 +251,9 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             exc.table = first.table or "default"
             raise
 
-        def reply(batch: Sampled) -> pb.SampleReply:
+        def reply(batch: Sampled) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
-            return self._reply(batch, lease=spec.delivery == "lease")
+            return sample_reply(batch, lease=spec.delivery == "lease")
 
         yield from stream_batches(
             self.store,
@@ -280,17 +281,6 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         for version in batch.versions:
             if version is not None:
                 histogram.observe(latest - version)
-
-    @staticmethod
-    def _reply(batch: Sampled, *, lease: bool) -> pb.SampleReply:
-        return pb.SampleReply(
-            payload=batch.payload,
-            uids=batch.uids,
-            group_ids=batch.group_ids,
-            lease_id=batch.lease_id if lease else "",
-            lease_expires_unix=batch.lease_expires if lease else 0.0,
-            partial=batch.partial,
-        )
 
     @_refusals
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:

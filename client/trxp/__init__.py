@@ -18,7 +18,7 @@ parse.py, pickles.py (the metadata pickle), checks.py (validation), build.py
 (building and splicing), convert.py (Experience objects and torch tensors).
 """
 
-from .build import build, join, pack_item
+from .build import build, join, join_parts, pack_item
 from .common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
@@ -58,6 +58,7 @@ __all__ = [
     "encode",
     "from_experience",
     "join",
+    "join_parts",
     "pack_item",
     "parse",
     "raw_of",

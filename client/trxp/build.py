@@ -41,11 +41,18 @@ def build(items: Sequence[RawItem]) -> bytes:
 
 
 def _assemble(meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join(_assemble_parts(meta, header, data))
+
+
+def _assemble_parts(
+    meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """A payload as the runs of bytes it is made of, in order."""
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
     header_bytes += b" " * (-len(header_bytes) % 8)
     tensor_len = 8 + len(header_bytes) + sum(len(d) for d in data)
     head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
-    return b"".join([head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data])
+    return [head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data]
 
 
 # The server stores each experience as a one-item payload whose metadata pickle is laid
@@ -111,6 +118,15 @@ def join(
     may add or replace tensors of item i (the server attaches advantages this way).
     Payloads of any other layout are parsed and rebuilt.
     """
+    return b"".join(join_parts(payloads, extra))
+
+
+def join_parts(
+    payloads: Iterable[bytes],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+) -> list[bytes | memoryview]:
+    """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
+    the batch (in a reply message, say) copies each byte once."""
     payloads = list(payloads)
     fragments: list[memoryview] = []
     header: dict[str, Any] = {}
@@ -121,7 +137,7 @@ def join(
         _, _, meta_len, _ = _HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
-            return _rebuild(payloads, extra)
+            return [_rebuild(payloads, extra)]
         fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
@@ -148,7 +164,7 @@ def join(
             }
             base = end
         data.extend(t.data for t in added.values())
-    return _assemble(_splice_meta(fragments), header, data)
+    return _assemble_parts(_splice_meta(fragments), header, data)
 
 
 def _rebuild(
