@@ -32,6 +32,7 @@ from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
+from .ingest import Ingest
 from .limits import RESERVED_THREADS, CallLimits
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes
@@ -128,6 +129,7 @@ class ExpbufServer:
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
+            ingest=Ingest(config.ingest_processes),
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
@@ -207,5 +209,6 @@ class ExpbufServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        self.service.ingest.close()
         self.store.close()
         log.info("expbuf stopped; every acknowledged write is committed")

@@ -34,6 +34,7 @@ from .errors import (
     TooLarge,
     clip,
 )
+from .ingest import Ingest
 from .metrics import Metrics
 from .replies import sample_reply
 from .sample_spec import SampleSpec
@@ -200,8 +201,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         max_message_bytes: int,
         advantage_device: str,
         bind_leases: bool = False,
+        ingest: Ingest | None = None,
     ) -> None:
         self.store = store
+        self.ingest = ingest or Ingest()
         self.bind_leases = bind_leases
         self.refusal_log = _RefusalLog()
         self.metrics = metrics
@@ -214,8 +217,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         table = request.table or "default"
         try:
-            items = trxp.parse(request.payload)
-            result = self.store.put(table, items, timeout=_remaining(context))
+            entries = self.ingest.entries(request.payload)
+            result = self.store.put_entries(table, entries, timeout=_remaining(context))
         except Exception as exc:
             exc.table = table  # for the refusal's log line and metric
             raise
