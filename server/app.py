@@ -27,7 +27,7 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
-from .advantages import AdvantageWorker
+from .advantages import AdvantageWorker, check_device
 from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
@@ -38,6 +38,7 @@ from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes
 from .service import ExperienceBufferService
 from .store import Store
+from .tables import ConfigError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
@@ -110,6 +111,10 @@ class ExpbufServer:
         if returned:
             log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
         for table in config.tables:
+            try:
+                check_device(table)
+            except ConfigError as exc:
+                raise StartupError(str(exc)) from None
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
         self.metrics = Metrics(self.store, shard=config.shard)

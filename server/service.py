@@ -21,6 +21,7 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+from .advantages import check_device
 from .backend import Backend
 from .errors import (
     Conflict,
@@ -245,7 +246,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     @_refusals
     def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Batches sent as the client asks for them (see sample_stream.py)."""
-        first = next(requests, None)
+        try:
+            first = next(requests, None)
+        except grpc.RpcError:  # cancelled before it asked for anything
+            return
         if first is None:
             return
         try:
@@ -376,6 +380,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 f"(expbuf {VERSION}) does not know them, so it refuses the table instead of dropping them"
             )
         config = TableConfig.from_dict(wire.table_from_proto(request.config))
+        check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:
             log.info("table created: %s", config.to_dict())
