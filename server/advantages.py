@@ -137,7 +137,6 @@ def check_device(config: TableConfig) -> None:
         raise ConfigError(f"table '{config.name}': device is 'cuda', but this server has no CUDA device")
 
 
-
 class AdvantageWorker:
     """Computes advantages for completed groups as they arrive, in a background thread.
 
