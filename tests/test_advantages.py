@@ -303,3 +303,15 @@ def test_expand_puts_the_value_under_the_mask(dtype: torch.dtype | None) -> None
     want = [-0.75 * m for m in mask] if dtype is not None else [-0.75] * 5
     assert trxp.tensor_of(out["advantages"]).tolist() == want
     assert out["returns"] == out["advantages"]
+
+
+def test_a_long_backlog_does_not_keep_other_tables_waiting(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("a"))
+        store.create_table(TableConfig("b"))
+        store.put("b", group_items(2, 0, 2))
+        worker = AdvantageWorker(store, batch_limit=4)
+        for round_ in range(5):
+            store.put("a", [item for task in range(3) for item in group_items(1, 10 * round_ + task, 2)])
+            worker.run_once()
+        assert store.stats("b")["groups_ready"] == 1
