@@ -65,9 +65,10 @@ class Environment:
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
             self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-            with self.env.begin(write=True) as txn:
-                migrate(txn, self.env, self.db, self.path)
+            self._migrate()
         except BaseException:
+            if hasattr(self, "env"):
+                self.env.close()
             self._lock_file.close()
             raise
         self._readers = 0
@@ -81,6 +82,19 @@ class Environment:
         self._closing = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         self._writer.start()
+
+    def _migrate(self) -> None:
+        """Bring the directory to the current format, growing the map if the rewrite needs it."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    migrate(txn, self.env, self.db, self.path)
+                return
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size >= self.max_map_size:
+                    raise StorageFull(f"upgrading {self.path} needs more than max_map_size ({size} bytes)") from None
+                self.env.set_mapsize(min(size * 2, self.max_map_size))
 
     def close(self) -> None:
         """Finish and commit every queued request, then close the environment."""
