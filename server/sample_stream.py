@@ -22,6 +22,9 @@ from .errors import InvalidRequest, StoreError
 from .sample_spec import SampleSpec
 from .store import Sampled
 
+# How long a client that closed its side has to show that it cancelled (see cancelled_within).
+CANCEL_GRACE = 0.2
+
 
 class ClientSide:
     """What the client of one stream has said since its first message."""
@@ -32,6 +35,7 @@ class ClientSide:
         self.closed = False  # it closed its side without asking to stop
         self.broken = False  # cancelled, or the connection went
         self.error: InvalidRequest | None = None
+        self.terminated = False  # the call ended (before the server finished: a cancel)
         self._sent = 0
         self._changed = threading.Condition()
         context.add_callback(self._wake)
@@ -39,6 +43,7 @@ class ClientSide:
 
     def _wake(self) -> None:
         with self._changed:
+            self.terminated = True
             self.broken = self.broken or not (self.stopped or self.closed)
             self._changed.notify_all()
 
@@ -70,6 +75,13 @@ class ClientSide:
         """The server is about to send batch number `count`."""
         with self._changed:
             self._sent = count
+
+    def cancelled_within(self, seconds: float) -> bool:
+        """After the client closed its side: whether the call ends within `seconds`. gRPC may
+        report a cancel as the end of the client's messages first and as the end of the call
+        a moment later; while the server has not finished, an ended call is a cancel."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.terminated, seconds)
 
     def wait_confirmed(self, count: int) -> bool:
         """Wait until the client confirms `count` batches; False if it never will."""
@@ -128,7 +140,8 @@ def stream_batches(
             raise client.error
     finally:
         if unconfirmed is not None:
-            if client.closed and context.is_active():  # it closed its side: the stream ends normally
+            if client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active():
+                # it closed its side and did not cancel: the stream ends normally
                 _confirm(store, spec, unconfirmed, owner)
             else:  # stopped, cancelled or broken before the client had it
                 _give_back(store, spec, unconfirmed, owner)
