@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.metrics import Metrics
+from expbuf.server.service import ExperienceBufferService
+from expbuf.server.store import Store
 
 from helpers import ServerProcess, group_items
 
@@ -47,6 +51,21 @@ def servers() -> Iterator[Callable[..., ServerProcess]]:
             if server.proc.poll() is None:
                 server.proc.send_signal(signal.SIGKILL)
                 server.proc.wait(30)
+
+
+@contextlib.contextmanager
+def service_over(store: Store) -> Iterator[str]:
+    """The gRPC service over a Store built here (for settings `expbuf serve` has no flag for),
+    on a free loopback port; its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=16 << 20, advantage_device="cpu")
+    pb_grpc.add_ExperienceBufferServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
 
 
 def channel(target: str) -> grpc.Channel:

@@ -7,7 +7,6 @@ map may grow to 2 MiB only, behind a real gRPC server on a loopback port.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -15,12 +14,9 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.metrics import Metrics
-from expbuf.server.service import ExperienceBufferService
 from expbuf.server.store import Store
 
-from faultkit import channel, stats, stub
+from faultkit import channel, service_over, stats, stub
 from helpers import group_items
 
 pytestmark = pytest.mark.faults
@@ -32,17 +28,11 @@ TABLE = "disk"
 @pytest.fixture
 def small_map(tmp_path: Path) -> Iterator[tuple[str, Store]]:
     """A gRPC server over a Store whose map cannot grow past MAP_BYTES; (target, store)."""
-    store = Store(tmp_path / "data", map_size=MAP_BYTES // 2, max_map_size=MAP_BYTES)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=16 << 20, advantage_device="cpu")
-    pb_grpc.add_ExperienceBufferServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}", store
-    finally:
-        server.stop(None).wait()
-        store.close()
+    with (
+        Store(tmp_path / "data", map_size=MAP_BYTES // 2, max_map_size=MAP_BYTES) as store,
+        service_over(store) as target,
+    ):
+        yield target, store
 
 
 def test_full_map_refuses_pushes_whole_and_keeps_serving(tmp_path: Path, small_map: tuple[str, Store]) -> None:
