@@ -6,10 +6,9 @@ Each server runs in its own process on a loopback port; clients run here.
 - Push: 8 concurrent pushers, 40 KB experiences, 64 per payload, durable acks; against
   raw durable LMDB puts of the same bytes (one writer, fsync per 64) and a raw gRPC push
   of the same payloads to a server that stores nothing.
-- Sample: whole groups of 8, batches of 256 experiences; consume as the server delivers
-  it (a raw stub with DELIVERY_CONSUME: no Ack), and lease with an Ack RPC per batch
-  (BufferClient, which also turns its own "consume" into lease + ack), in alternating
-  rounds; against a raw gRPC server stream of messages of the same size.
+- Sample: whole groups of 8, batches of 256 experiences; consume (each batch confirmed in
+  the stream, no Ack RPC) and lease with an Ack RPC per batch, in alternating rounds;
+  against a raw gRPC server stream of messages of the same size.
 - Latency: p50/p99 of a one-experience push with a durable ack, and of the first batch of
   a sample when data is ready.
 Both server flavours are measured: the thread-pool server (`expbuf serve`) and a
@@ -40,8 +39,6 @@ from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
-from expbuf.proto.v1 import buffer_pb2 as pb  # noqa: E402
-from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
 TABLE = "bench"  # estimator none: bench_advantages.py measures ingest with advantages
@@ -123,19 +120,18 @@ def bench_raw_lmdb(path: Path, payloads: list[bytes]) -> float:
 
 
 def consume_batches(target: str, batches: int) -> tuple[int, float]:
-    """Raw DELIVERY_CONSUME stream: the server removes each batch as it sends it, no Ack.
+    """Consume delivery: each batch leaves the buffer once the stream confirms it, no Ack RPC.
     Returns (payload bytes, seconds)."""
-    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
-        request = pb.SampleRequest(
-            table=TABLE, num_groups=BATCH // GROUP, delivery=pb.DELIVERY_CONSUME, max_batches=batches, wait_seconds=60
-        )
+    with BufferClient(target, timeout=120) as c:
+        total = 0
         start = time.perf_counter()
-        total = sum(len(reply.payload) for reply in pb_grpc.ExperienceBufferStub(channel).Sample(request, timeout=120))
+        for batch in c.sample(TABLE, num_groups=BATCH // GROUP, delivery="consume", max_batches=batches, timeout=60):
+            total += len(batch.payload)
         return total, time.perf_counter() - start
 
 
 def lease_batches(target: str, batches: int) -> tuple[int, float]:
-    """BufferClient's lease delivery with an Ack RPC per batch. Returns (payload bytes, seconds)."""
+    """Lease delivery with an Ack RPC per batch. Returns (payload bytes, seconds)."""
     with BufferClient(target, timeout=120) as c:
         total = 0
         start = time.perf_counter()
@@ -210,9 +206,6 @@ def measure_server(kind: str, data: Path, payloads: list[bytes], reps: int) -> d
                 c.create_table(TABLE, estimator="none", exist_ok=True)
         push = bench_push(server.target, payloads)
         sample = bench_sample(server.target, len(payloads) * PER_PAYLOAD // BATCH)
-        with BufferClient(server.target, timeout=120) as c:  # what a consume stream left, if any
-            for batch in c.sample(TABLE, num_groups=BATCH // GROUP, delivery="lease", timeout=1, allow_partial=True):
-                batch.ack()
         latency = bench_latency(server.target, reps)
     finally:
         server.stop()
@@ -237,11 +230,11 @@ def report(command: str, runs: dict[str, dict], raw: dict[str, float]) -> str:
         f"raw durable LMDB puts {raw['lmdb']:.0f} MB/s | **{s['push'] / raw['lmdb']:.2f}** | ≥ 0.6 |",
         f"| the same | | | raw gRPC push, no storage {raw['grpc_push']:.0f} MB/s | "
         f"{s['push'] / raw['grpc_push']:.2f} | |",
-        f"| sample, groups of 8, {BATCH} per batch ({mb:.1f} MB), consume (raw DELIVERY_CONSUME, no Ack) | "
+        f"| sample, groups of 8, {BATCH} per batch ({mb:.1f} MB), consume (no Ack RPC) | "
         f"{s['consume']:.0f} MB/s | "
         f"{a['consume']:.0f} MB/s | raw gRPC stream {raw['grpc_stream']:.0f} MB/s | "
         f"**{s['consume'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
-        f"| the same, lease + an Ack RPC per batch (BufferClient) | {s['lease']:.0f} MB/s | {a['lease']:.0f} MB/s | "
+        f"| the same, lease + an Ack RPC per batch | {s['lease']:.0f} MB/s | {a['lease']:.0f} MB/s | "
         f"raw gRPC stream {raw['grpc_stream']:.0f} MB/s | **{s['lease'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
         f"| one-experience push (40 KB), durable ack: p50 / p99 | {s['push_p50']:.2f} / {s['push_p99']:.2f} ms | "
         f"{a['push_p50']:.2f} / {a['push_p99']:.2f} ms | | | p99 < 10 ms |",
