@@ -70,22 +70,20 @@ def _group_members(b: est.FlatBatch) -> list[list[int]]:
     return list(members.values())
 
 
-def _grpo_group(b: est.FlatBatch, idx: list[int], epsilon: float = 1e-6) -> list[torch.Tensor]:
+def _grpo_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]], epsilon: float = 1e-6) -> list:
     rewards = b.rewards[idx]
     mean, std = (rewards.mean(), rewards.std()) if len(idx) > 1 else (0.0, 1.0)
     return [(r - mean) / (std + epsilon) for r in rewards]
 
 
-def _rloo_group(b: est.FlatBatch, idx: list[int]) -> list[torch.Tensor]:
+def _rloo_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Leave-one-out on verl's score, each experience's sum of token-level rewards."""
-    starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
-    lengths = b.lengths.tolist()
-    scores = [b.token_rewards[starts[i] : starts[i] + lengths[i]].sum() for i in idx]
+    scores = [b.token_rewards[spans[i][0] : spans[i][0] + spans[i][1]].sum() for i in idx]
     n, total = len(scores), sum(scores)
     return [s - (total - s) / (n - 1) if n > 1 else s for s in scores]
 
 
-def _centred_group(b: est.FlatBatch, idx: list[int]) -> list[torch.Tensor]:
+def _centred_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     rewards = b.rewards[idx]
     mean = rewards.mean() if len(idx) > 1 else 0.0
     return [r - mean for r in rewards]
@@ -93,7 +91,7 @@ def _centred_group(b: est.FlatBatch, idx: list[int]) -> list[torch.Tensor]:
 
 # What each batched estimator replaces: its ingest formula group by group, then experience
 # by experience (reinforce++_baseline whitens at sample time; its ingest stage is r - mean_g).
-LOOPS: dict[str, Callable[[est.FlatBatch, list[int]], list[torch.Tensor]]] = {
+LOOPS: dict[str, Callable[[est.FlatBatch, list[int], list[tuple[int, int]]], list[torch.Tensor]]] = {
     "grpo": _grpo_group,
     "rloo": _rloo_group,
     "reinforce++_baseline": _centred_group,
@@ -106,12 +104,11 @@ def group_loop(b: est.FlatBatch, name: str, tokens: bool = True) -> torch.Tensor
     value experience by experience (onto its tokens, or one value each)."""
     per_group = LOOPS[name]
     out = torch.empty(b.mask.numel() if tokens else b.rewards.numel(), dtype=torch.float32)
-    starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
-    lengths = b.lengths.tolist()
+    spans = list(zip((torch.cumsum(b.lengths, 0) - b.lengths).tolist(), b.lengths.tolist(), strict=True))
     for idx in _group_members(b):
-        for i, value in zip(idx, per_group(b, idx), strict=True):
+        for i, value in zip(idx, per_group(b, idx, spans), strict=True):
             if tokens:
-                s, n = starts[i], lengths[i]
+                s, n = spans[i]
                 out[s : s + n] = value * b.mask[s : s + n]
             else:
                 out[i] = value
