@@ -4,9 +4,10 @@ sampling with an estimator whose statistics are taken over the sampled batch.
     .venv/bin/python bench/bench_advantages.py [--experiences 100000] [--tokens 1000] [--out bench/RESULTS.md]
 
 1. Estimator throughput on N experiences (groups of 8, `tokens` response tokens each):
-   the batched estimator (segment sums, repeat_interleave) against a loop over groups
-   on the same data, both producing token-level advantages; on the CPU, and on CUDA
-   when present.
+   each batched estimator (segment sums, repeat_interleave) against a loop of its own
+   formula over groups on the same data, producing token-level advantages or one value
+   per experience; both timed alike (a warm-up, then the best of `--repeats`); on the
+   CPU, and on CUDA when present.
 2. Ingest: 8 pushers push the same workload into a table with grpo and one with no
    estimator (one server, alternating); throughput counts until every group is ready
    to sample, i.e. including the advantage computation.
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,26 +70,52 @@ def _group_members(b: est.FlatBatch) -> list[list[int]]:
     return list(members.values())
 
 
-def grpo_loop(b: est.FlatBatch, epsilon: float = 1e-6, tokens: bool = True) -> torch.Tensor:
-    """The loop that batched code replaces: statistics group by group, then experience by
-    experience (onto its tokens, or one value each)."""
+def _grpo_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]], epsilon: float = 1e-6) -> list:
+    rewards = b.rewards[idx]
+    mean, std = (rewards.mean(), rewards.std()) if len(idx) > 1 else (0.0, 1.0)
+    return [(r - mean) / (std + epsilon) for r in rewards]
+
+
+def _rloo_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Leave-one-out on verl's score, each experience's sum of token-level rewards."""
+    scores = [b.token_rewards[spans[i][0] : spans[i][0] + spans[i][1]].sum() for i in idx]
+    n, total = len(scores), sum(scores)
+    return [s - (total - s) / (n - 1) if n > 1 else s for s in scores]
+
+
+def _centred_group(b: est.FlatBatch, idx: list[int], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    rewards = b.rewards[idx]
+    mean = rewards.mean() if len(idx) > 1 else 0.0
+    return [r - mean for r in rewards]
+
+
+# What each batched estimator replaces: its ingest formula group by group, then experience
+# by experience (reinforce++_baseline whitens at sample time; its ingest stage is r - mean_g).
+LOOPS: dict[str, Callable[[est.FlatBatch, list[int], list[tuple[int, int]]], list[torch.Tensor]]] = {
+    "grpo": _grpo_group,
+    "rloo": _rloo_group,
+    "reinforce++_baseline": _centred_group,
+    "opmd": _centred_group,
+}
+
+
+def group_loop(b: est.FlatBatch, name: str, tokens: bool = True) -> torch.Tensor:
+    """The loop that batched code replaces: an estimator's statistics group by group, then its
+    value experience by experience (onto its tokens, or one value each)."""
+    per_group = LOOPS[name]
     out = torch.empty(b.mask.numel() if tokens else b.rewards.numel(), dtype=torch.float32)
-    starts = (torch.cumsum(b.lengths, 0) - b.lengths).tolist()
-    lengths = b.lengths.tolist()
+    spans = list(zip((torch.cumsum(b.lengths, 0) - b.lengths).tolist(), b.lengths.tolist(), strict=True))
     for idx in _group_members(b):
-        rewards = b.rewards[idx]
-        mean, std = (rewards.mean(), rewards.std()) if len(idx) > 1 else (0.0, 1.0)
-        for i in idx:
-            value = (b.rewards[i] - mean) / (std + epsilon)
+        for i, value in zip(idx, per_group(b, idx, spans), strict=True):
             if tokens:
-                s, n = starts[i], lengths[i]
+                s, n = spans[i]
                 out[s : s + n] = value * b.mask[s : s + n]
             else:
                 out[i] = value
     return out
 
 
-def time_it(fn, device: str) -> float:
+def time_it(fn: Callable[[], object], device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -97,32 +125,50 @@ def time_it(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-def bench_estimators(n: int, tokens: int) -> list[dict]:
+def best_of(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """One warm-up run, then the best of `repeats`: the same for the batched code and its loop."""
+    fn()
+    return min(time_it(fn, device) for _ in range(repeats))
+
+
+def _args(name: str) -> dict:
+    return estimator_args(TableConfig(name="bench", estimator=name))
+
+
+def check_loops(tokens: int) -> None:
+    """Every loop computes what its batched estimator computes (on a small batch)."""
+    small = flat_batch(2000, tokens, seed=1)
+    for name in LOOPS:
+        result = est.estimate(name, small, _args(name))
+        assert torch.allclose(result.scalar.float(), group_loop(small, name, tokens=False), atol=1e-5), name
+        assert torch.allclose(result.tokens(small)[0], group_loop(small, name), atol=1e-5), name
+
+
+def bench_estimators(n: int, tokens: int, repeats: int) -> list[dict]:
+    check_loops(tokens)
     rows = []
     batch = flat_batch(n, tokens)
     loops = {
-        True: time_it(lambda: grpo_loop(batch), "cpu"),
-        False: time_it(lambda: grpo_loop(batch, tokens=False), "cpu"),
+        (name, token_level): best_of(lambda k=name, t=token_level: group_loop(batch, k, tokens=t), "cpu", repeats)
+        for name in LOOPS
+        for token_level in (True, False)
     }
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         moved = batch.to(device)
-        for name in ("grpo", "rloo", "reinforce++_baseline", "opmd"):
+        for name in LOOPS:
+            args = _args(name)
             for token_level in (True, False):
-                args = estimator_args(TableConfig(name="bench", estimator=name))
 
                 def run(m: est.FlatBatch = moved, k: str = name, t: bool = token_level, a: dict = args) -> None:
                     result = est.estimate(k, m, a)
                     if t:
                         result.tokens(m)
 
-                run()  # warm up
-                seconds = min(time_it(run, device) for _ in range(3))
+                seconds = best_of(run, device, repeats)
                 row = {"device": device, "estimator": name, "tokens": token_level, "seconds": seconds}
-                rows.append(row | {"loop": loops[token_level]})
+                rows.append(row | {"loop": loops[name, token_level]})
                 print(rows[-1], file=sys.stderr)
-    check = est.estimate("grpo", batch, estimator_args(TableConfig(name="bench"))).tokens(batch)[0]
-    assert torch.allclose(check, grpo_loop(batch), atol=1e-5)
     return rows
 
 
@@ -190,17 +236,25 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
 
 
 def report(
-    command: str, n: int, tokens: int, rows: list[dict], ingest: dict[str, float], sample: dict[str, float]
+    command: str,
+    n: int,
+    tokens: int,
+    repeats: int,
+    rows: list[dict],
+    ingest: dict[str, float],
+    sample: dict[str, float],
 ) -> str:
     lines = [
         "## Advantages (issue 4)",
         "",
         f"Command: `{command}`  ",
         f"{n:,} experiences in groups of {GROUP}, {tokens} response tokens each ({n * tokens / 1e6:.0f}M tokens), "
-        "float64 statistics, float32 token-level output; best of 3. The loop is grpo computed group by group "
-        "and experience by experience on the same data (same results, checked).",
+        "float64 statistics, float32 token-level output. Each estimator is compared with its own loop: its "
+        "formula computed group by group and experience by experience on the same data (same results, checked); "
+        f"both timed the same way, one warm-up run and then the best of {repeats}, with {torch.get_num_threads()} "
+        "torch thread(s).",
         "",
-        "| device | estimator | output | batched | per-group loop (grpo, CPU) | speed-up | goal |",
+        "| device | estimator | output | batched | its per-group loop (CPU) | speed-up | goal |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
@@ -238,17 +292,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--payloads-per-pusher", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads for the estimator timings (default: torch's own)"
+    )
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     command = ("python bench/bench_advantages.py " + " ".join(sys.argv[1:])).strip()
-    rows = bench_estimators(args.experiences, args.tokens)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = bench_estimators(args.experiences, args.tokens, args.repeats)
     payloads = make_payloads(PUSHERS * args.payloads_per_pusher)
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         ingest = bench_ingest(Path(tmp), payloads, args.rounds)
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         sample = bench_sample(Path(tmp), payloads, args.rounds)
     print(ingest, sample, file=sys.stderr)
-    section = report(command, args.experiences, args.tokens, rows, ingest, sample)
+    section = report(command, args.experiences, args.tokens, args.repeats, rows, ingest, sample)
     print(section)
     write_section(Path(args.out), "## Advantages (issue 4)", section)
 

@@ -1,0 +1,184 @@
+"""What the fault tests share: raw stubs, payloads, and a server child's CPU time and memory."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+import queue
+import signal
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expbuf.client import trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.metrics import Metrics
+from expbuf.server.service import ExperienceBufferService
+from expbuf.server.store import Store
+
+from helpers import ServerProcess, group_items
+
+SCALE = int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
+SERVICE = "expbuf.v1.ExperienceBuffer"
+MAX_MESSAGE = 256 << 20
+
+
+def scaled(count: int) -> int:
+    """A count of rounds or operations, lengthened by EXPBUF_SOAK_SCALE."""
+    return max(1, count * SCALE)
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[Callable[..., ServerProcess]]:
+    """Start `expbuf serve --port 0 --metrics-port 0` children; SIGKILL those still running on the way out."""
+    started: list[ServerProcess] = []
+
+    def start(data: str, *args: str) -> ServerProcess:
+        server = ServerProcess(data, "--metrics-port", "0", *args)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGKILL)
+                server.proc.wait(30)
+
+
+@contextlib.contextmanager
+def service_over(store: Store) -> Iterator[str]:
+    """The gRPC service over a Store built here (for settings `expbuf serve` has no flag for),
+    on a free loopback port; its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=16 << 20, advantage_device="cpu")
+    pb_grpc.add_ExperienceBufferServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+
+
+def channel(target: str) -> grpc.Channel:
+    options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+    return grpc.insecure_channel(target, options=options)
+
+
+def stub(chan: grpc.Channel) -> pb_grpc.ExperienceBufferStub:
+    return pb_grpc.ExperienceBufferStub(chan)
+
+
+def healthy(chan: grpc.Channel, timeout: float = 5.0) -> bool:
+    """The standard health check answers SERVING for the expbuf service."""
+    reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@functools.cache
+def _template(size: int) -> tuple[trxp.RawItem, ...]:
+    return tuple(group_items(0, 0, size))
+
+
+def group(batch: str, task: int, size: int = 4) -> list[trxp.RawItem]:
+    """A whole group of `size` runs of one task, relabelled from a cached template."""
+    items = []
+    for run, item in enumerate(_template(size)):
+        meta = copy.deepcopy(item.meta)
+        meta["eid"].update(batch=batch, task=task, run=run, suffix=f"r{run}")
+        items.append(trxp.RawItem(meta, item.tensors))
+    return items
+
+
+def payload(batch: str, task: int, size: int = 4) -> tuple[bytes, list[str]]:
+    """TRXP bytes of one whole group, and its uids."""
+    items = group(batch, task, size)
+    return trxp.build(items), [item.uid for item in items]
+
+
+class SampleStream:
+    """A raw Sample conversation, as BufferClient holds it: the request, then a confirmation
+    of each batch as it arrives, which also asks for the next one.
+
+    `close()` ends the client's side (the stream ends normally); `stop()` asks for nothing
+    more; `cancel()` breaks off.
+    """
+
+    def __init__(self, buffer: pb_grpc.ExperienceBufferStub, request: pb.SampleRequest, timeout: float = 60) -> None:
+        self._out: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        self._out.put(request)
+        self.received = 0
+        self.call = buffer.Sample(iter(self._out.get, None), timeout=timeout)
+
+    def next(self) -> pb.SampleReply:
+        """The next batch, confirmed; StopIteration when the server ended the stream."""
+        reply = next(self.call)
+        self.received += 1
+        self._out.put(pb.SampleRequest(received=self.received))
+        return reply
+
+    def __iter__(self) -> Iterator[pb.SampleReply]:
+        while True:
+            try:
+                yield self.next()
+            except StopIteration:
+                return
+
+    def close(self) -> list[pb.SampleReply]:
+        """End the client's side; what the server still sent."""
+        self._out.put(None)
+        return list(self.call)
+
+    def stop(self) -> list[pb.SampleReply]:
+        """Confirm what arrived and ask for nothing more; what the server still sent."""
+        self._out.put(pb.SampleRequest(received=self.received, stop=True))
+        self._out.put(None)
+        return list(self.call)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._out.put(None)
+
+
+def sample_all(buffer: pb_grpc.ExperienceBufferStub, request: pb.SampleRequest, timeout: float = 60) -> list:
+    """Every batch of a stream that the server ends (max_batches, a partial batch), each confirmed."""
+    stream = SampleStream(buffer, request, timeout)
+    replies = list(stream)
+    stream.close()
+    return replies
+
+
+def stats(buffer: pb_grpc.ExperienceBufferStub, table: str = "default") -> pb.TableStats:
+    return buffer.Stats(pb.StatsRequest(table=table), timeout=10).tables[0]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status_bytes(pid: int, name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {name} for process {pid}")
+
+
+def reset_peak_rss(pid: int) -> int:
+    """Restart a process's peak-RSS count (VmHWM) from its present RSS; that RSS."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The most resident memory a process has held since the last reset_peak_rss."""
+    return _status_bytes(pid, "VmHWM")

@@ -1,0 +1,119 @@
+"""Small hostile payloads that cost the server far more than their size, against an `expbuf serve` child.
+
+Both use pickle memo references: one shared list referenced four times per level over
+30 levels (1.5 KB that a tree walk visits 4**30 times), and one 512 KiB string
+referenced 300 times (which re-pickling without a memo expands to 150 MiB). Each must be
+refused with INVALID_ARGUMENT at a cost bounded by its size, and the server must stay
+healthy. The child's address space is capped, so a regression cannot take the machine's
+memory with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from faultkit import channel, cpu_seconds, group, healthy, peak_rss_bytes, reset_peak_rss, servers, stats, stub
+from helpers import ServerProcess
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerProcess]]:
+    with servers() as start:
+        yield start
+
+
+CPU_BOUND_SECONDS = 5.0  # generous: a refusal costs milliseconds
+RSS_BOUND_BYTES = 64 << 20
+HEADROOM_BYTES = 1536 << 20
+
+
+def capped(server: ServerProcess) -> ServerProcess:
+    """Cap the child's address space a little above what it maps now."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            limit = int(line.split()[1]) * 1024 + HEADROOM_BYTES
+            resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (limit, limit))
+            return server
+    raise AssertionError("no VmSize for the server")
+
+
+def with_meta(**extra: object) -> bytes:
+    """A one-experience TRXP payload whose info carries `extra`."""
+    (item,) = group("hostile", 0, size=1)
+    meta = copy.deepcopy(item.meta)
+    meta["info"].update(extra)
+    return trxp.build([trxp.RawItem(meta, item.tensors)])
+
+
+def memo_tower(levels: int = 30, fanout: int = 4) -> list:
+    """A list holding the same list `fanout` times, `levels` deep: tiny pickled, 4**30 nodes as a tree."""
+    node: list = []
+    for _ in range(levels):
+        node = [node] * fanout
+    return node
+
+
+def refuse(buffer: pb_grpc.ExperienceBufferStub, payload: bytes) -> grpc.RpcError | None:
+    """The push's error; None if it was stored."""
+    try:
+        buffer.Push(pb.PushRequest(payload=payload), timeout=10)
+    except grpc.RpcError as exc:
+        return exc
+    return None
+
+
+def test_memo_reference_tower_is_refused_within_a_cpu_bound(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    payload = with_meta(tower=memo_tower())
+    assert len(payload) < 2048
+    server = capped(serve(str(tmp_path / "data")))
+    before = cpu_seconds(server.proc.pid)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        exc = refuse(buffer, payload)
+        spent = cpu_seconds(server.proc.pid) - before
+        assert exc is not None, "the hostile payload was stored"
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+            f"a {len(payload)}-byte push got {exc.code().name} ({exc.details()}); the server has spent {spent:.1f} "
+            "CPU-seconds on it"
+        )
+        assert spent < CPU_BOUND_SECONDS, f"refusing a {len(payload)}-byte payload cost {spent:.1f} CPU-seconds"
+        assert healthy(chan)
+        assert stats(buffer).pushed == 0
+    assert server.stop(signal.SIGTERM) == 0
+
+
+def test_memo_expansion_bomb_is_refused_with_bounded_memory(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    chunk = "x" * (512 << 10)
+    payload = with_meta(pad=[chunk] * 300)  # 150 MiB once every reference is written out
+    assert len(payload) < 1 << 20
+    server = capped(serve(str(tmp_path / "data")))
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        assert healthy(chan)
+        before = reset_peak_rss(server.proc.pid)
+        exc = refuse(buffer, payload)
+        grown = peak_rss_bytes(server.proc.pid) - before
+        what = f"a {len(payload) >> 10} KiB push raised the server's peak RSS by {grown >> 20} MiB"
+        assert exc is not None, f"{what} and was stored"
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{exc.code().name}: {exc.details()}"
+        assert grown < RSS_BOUND_BYTES, what
+        assert healthy(chan)
+        s = stats(buffer)
+        assert s.pushed == 0 and s.bytes == 0, s

@@ -1,0 +1,147 @@
+"""Sample streams that end, break, read slowly, or come in numbers, against an `expbuf serve` child.
+
+A consumed batch counts as consumed only when the client has it; a stream that ends
+normally consumes what it delivered; the server reads at most a fixed number of
+batches ahead of a slow reader; and waiting streams never starve Push, Stats or the
+health check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from faultkit import SampleStream, channel, group, healthy, sample_all, servers, stats, stub
+from helpers import ServerProcess
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerProcess]]:
+    with servers() as start:
+        yield start
+
+
+# Batches the server may prepare for one stream beyond those its reader has (the README's
+# "exactly one batch ahead").
+READ_AHEAD_BATCHES = 1
+MANY_STREAMS = 80  # more than the server's 64 workers
+
+
+def push_groups(buffer: pb_grpc.ExperienceBufferStub, count: int, size: int = 1, batch: str = "s") -> list[list[str]]:
+    """Push `count` complete groups of `size` in one payload; their uids, group by group."""
+    items = [item for task in range(count) for item in group(batch, task, size)]
+    buffer.Push(pb.PushRequest(payload=trxp.build(items)), timeout=30)
+    return [[item.uid for item in items[i : i + size]] for i in range(0, len(items), size)]
+
+
+def settled(buffer: pb_grpc.ExperienceBufferStub, seconds: float = 10.0) -> pb.TableStats:
+    """Stats once nothing is leased and the counts stopped moving (or after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    last = stats(buffer)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = stats(buffer)
+        if now.leased == 0 and (now.ready, now.consumed) == (last.ready, last.consumed):
+            return now
+        last = now
+    return last
+
+
+def test_consume_stream_that_ends_normally_consumes_its_batches(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    server = serve(str(tmp_path / "data"))
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        push_groups(buffer, 5)
+        request = pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, max_batches=1, wait_seconds=5)
+        seen = [list(reply.uids) for _ in range(3) for reply in sample_all(buffer, request, timeout=30)]
+        assert len(seen) == 3
+        flat = [uid for uids in seen for uid in uids]
+        assert len(set(flat)) == len(flat), f"max_batches=1 consume calls delivered the same uids again: {seen}"
+        s = settled(buffer)
+        assert s.consumed == 3, f"three delivered experiences, Stats.consumed is {s.consumed}"
+        assert s.ready == 2
+        assert list(buffer.Get(pb.GetRequest(uids=flat), timeout=10).missing_uids) == flat
+
+
+def test_cancelled_consume_stream_consumes_only_what_was_delivered(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    server = serve(str(tmp_path / "data"))
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        groups = push_groups(buffer, 300)
+        stream = SampleStream(buffer, pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5))
+        delivered = [uid for _ in range(3) for uid in stream.next().uids]  # each confirmed as it arrives
+        time.sleep(1.0)  # the trainer works on its third batch, then stops
+        stream.cancel()
+        s = settled(buffer)
+        never = [uid for uids in groups for uid in uids if uid not in delivered]
+        assert s.consumed == 3, f"3 batches of 1 were delivered and confirmed, {s.consumed} experiences consumed"
+        assert s.ready == 297 and s.leased == 0, s
+        missing = set(buffer.Get(pb.GetRequest(uids=never), timeout=30).missing_uids)
+        assert not missing, f"{len(missing)} experiences were never delivered but are gone, e.g. {sorted(missing)[:3]}"
+        assert list(buffer.Get(pb.GetRequest(uids=delivered), timeout=10).missing_uids) == delivered
+
+
+@pytest.mark.parametrize("delivery", [pb.DELIVERY_LEASE, pb.DELIVERY_CONSUME], ids=["lease", "consume"])
+def test_slow_reader_holds_a_bounded_number_of_batches(
+    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: int
+) -> None:
+    server = serve(str(tmp_path / "data"))
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        push_groups(buffer, 80)
+        request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5)
+        stream = SampleStream(buffer, request)
+        for received in range(1, 4):
+            stream.next()
+            time.sleep(1.0)  # a training step: the server must not run ahead meanwhile
+            s = stats(buffer)
+            taken = s.leased + s.consumed  # delivered or read ahead
+            allowed = received + READ_AHEAD_BATCHES
+            assert taken <= allowed, (
+                f"after {received} batch(es) of 1 group reached a slow reader, the server has taken {taken} "
+                f"experiences ({s.leased} leased, {s.consumed} consumed; at most {allowed}: {received} delivered "
+                f"and {READ_AHEAD_BATCHES} batch(es) ahead)"
+            )
+        stream.cancel()
+
+
+def test_many_waiting_streams_do_not_starve_other_calls(tmp_path: Path, serve: Callable[..., ServerProcess]) -> None:
+    server = serve(str(tmp_path / "data"))
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="empty")), timeout=10)
+        request = pb.SampleRequest(
+            table="empty", num_groups=1, delivery=pb.DELIVERY_LEASE, lease_seconds=30, wait_seconds=30
+        )
+        streams = [SampleStream(buffer, request) for _ in range(MANY_STREAMS)]
+        try:
+            time.sleep(1.0)  # every stream has reached the server and waits for data
+            try:
+                assert healthy(chan), "the health check does not answer SERVING while streams wait"
+                push_groups(buffer, 1, batch="during")
+                assert stats(buffer).pushed == 1
+            except grpc.RpcError as exc:
+                code = exc.code().name
+                pytest.fail(f"Health, Push or Stats refused while {MANY_STREAMS} streams wait: {code}: {exc.details()}")
+            refused = [stream.call for stream in streams if stream.call.done()]
+            assert refused, f"{MANY_STREAMS} waiting streams on one table were all accepted: no cap"
+            for call in refused:
+                assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (call.code(), call.details())
+                assert "stream" in call.details().lower(), f"the refusal does not say why: {call.details()!r}"
+        finally:
+            for stream in streams:
+                stream.cancel()
