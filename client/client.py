@@ -110,6 +110,7 @@ def _sample_request(
     max_batches: int,
     min_model_version: int | None,
     allow_partial: bool,
+    trainer_version: int | None = None,
 ) -> pb.SampleRequest:
     if bool(batch_size) == bool(num_groups):
         raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
@@ -125,7 +126,15 @@ def _sample_request(
         max_batches=max_batches,
         min_model_version=min_model_version or 0,
         has_min_model_version=min_model_version is not None,
+        trainer_version=trainer_version or 0,
+        has_trainer_version=trainer_version is not None,
     )
+
+
+def _trainer_version_request(version: int, table: str) -> pb.SetTrainerVersionRequest:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version must be a non-negative integer, got {version!r}")
+    return pb.SetTrainerVersionRequest(table=table, version=version)
 
 
 def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -> pb.CreateTableRequest:
@@ -272,6 +281,7 @@ class BufferClient(_Base):
         max_batches: int = 0,
         min_model_version: int | None = None,
         allow_partial: bool = False,
+        trainer_version: int | None = None,
     ) -> Iterator[Batch]:
         """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
 
@@ -291,6 +301,7 @@ class BufferClient(_Base):
             max_batches,
             min_model_version,
             allow_partial,
+            trainer_version,
         )
         requests = _SampleRequests(request)
         stream = self._stub.Sample(requests, metadata=self._metadata)
@@ -320,6 +331,11 @@ class BufferClient(_Base):
     def nack(self, lease_id: str, table: str = "default") -> int:
         """Return the groups of a lease to the buffer now."""
         return self._call(self._stub.Nack, pb.NackRequest(table=table, lease_id=lease_id), retry=False).requeued
+
+    def set_trainer_version(self, version: int, table: str = "default") -> int:
+        """Tell the table the trainer's current policy version (staleness is measured from it)."""
+        request = _trainer_version_request(version, table)
+        return self._call(self._stub.SetTrainerVersion, request, retry=True).version
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
@@ -423,6 +439,7 @@ class AsyncBufferClient(_Base):
         max_batches: int = 0,
         min_model_version: int | None = None,
         allow_partial: bool = False,
+        trainer_version: int | None = None,
     ) -> AsyncIterator[Batch]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() return coroutines."""
         request = _sample_request(
@@ -436,6 +453,7 @@ class AsyncBufferClient(_Base):
             max_batches,
             min_model_version,
             allow_partial,
+            trainer_version,
         )
         call = self._stub.Sample(metadata=self._metadata)
         received = 0
@@ -461,6 +479,10 @@ class AsyncBufferClient(_Base):
     async def nack(self, lease_id: str, table: str = "default") -> int:
         request = pb.NackRequest(table=table, lease_id=lease_id)
         return (await self._call(self._stub.Nack, request, retry=False)).requeued
+
+    async def set_trainer_version(self, version: int, table: str = "default") -> int:
+        request = _trainer_version_request(version, table)
+        return (await self._call(self._stub.SetTrainerVersion, request, retry=True)).version
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

@@ -69,6 +69,13 @@ class StoreCollector(Collector):
                 dropped.add_metric([table, reason], stats[f"dropped_{reason}"])
         yield dropped
         yield from _shaping_metrics(tables)
+        trainer = GaugeMetricFamily(
+            "expbuf_trainer_version", "The trainer's policy version (tables where it was set).", labels=["table"]
+        )
+        for table, stats in tables.items():
+            if stats["trainer_version"] is not None:
+                trainer.add_metric([table], stats["trainer_version"])
+        yield trainer
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
@@ -150,7 +157,7 @@ class Metrics:
         )
         self.staleness = Histogram(
             "expbuf_sample_staleness_versions",
-            "Newest policy version pushed minus the version of each sampled experience.",
+            "Trainer version (else the newest version pushed) minus the version of each sampled experience.",
             ["table"],
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=self.registry,

@@ -169,6 +169,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         allow_partial=request.allow_partial,
         max_batches=request.max_batches,
         min_model_version=request.min_model_version if request.has_min_model_version else None,
+        trainer_version=request.trainer_version if request.has_trainer_version else None,
     )
 
 
@@ -273,13 +274,15 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         return hashlib.sha256(token.encode()).hexdigest()[:16]
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
-        latest = batch.newest_version
+        """Trainer version (else the newest pushed) minus each experience's version; an
+        experience newer than the trainer counts as 0."""
+        latest = batch.trainer_version if batch.trainer_version is not None else batch.newest_version
         if latest is None:
             return
         histogram = self.metrics.staleness.labels(table)
         for version in batch.versions:
             if version is not None:
-                histogram.observe(latest - version)
+                histogram.observe(max(0, latest - version))
 
     @staticmethod
     def _reply(batch: Sampled, *, lease: bool) -> pb.SampleReply:
@@ -358,7 +361,15 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             advantages_clipped=s["advantages_clipped"],
             reward_running_mean=moments.mean,
             reward_running_std=moments.std,
+            trainer_version=s["trainer_version"] if s["trainer_version"] is not None else -1,
         )
+
+    @_refusals
+    def SetTrainerVersion(
+        self, request: pb.SetTrainerVersionRequest, context: grpc.ServicerContext
+    ) -> pb.SetTrainerVersionReply:
+        version = self.store.set_trainer_version(request.table or "default", request.version)
+        return pb.SetTrainerVersionReply(version=version)
 
     @_refusals
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:

@@ -22,7 +22,7 @@ from expbuf.client import trxp
 
 from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
-from ..sample_spec import SampleSpec
+from ..sample_spec import SampleSpec, check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
 from . import layout
 from .environment import Environment
@@ -254,6 +254,17 @@ class Store:
             tt.counters["leases_expired"] += 1
         tt.save()
         return count
+
+    def set_trainer_version(self, table: str, version: int) -> int:
+        """Store the trainer's policy version for a table (in its counters); returns it."""
+        check_version("version", version)
+
+        def op(tt: TableTxn) -> int:
+            tt.counters["trainer_version"] = version
+            tt.save()
+            return version
+
+        return self._in_table(table, op)
 
     # ---- reads and admin ---------------------------------------------------------------
 

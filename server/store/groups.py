@@ -64,6 +64,7 @@ def fresh_counters() -> dict[str, Any]:
     """A table's counters before anything happened (stored ones are laid over these)."""
     return dict.fromkeys(_COUNTERS, 0) | {
         "min_version": None,
+        "trainer_version": None,  # the trainer's policy version (set_trainer_version)
         "max_version": None,
         "last_failure": "",
         "reward_moments": None,  # [mean, population variance, count] of the running reward normalisation

@@ -36,6 +36,9 @@ def take(
     tt: TableTxn, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
 ) -> Sampled | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch)."""
+    if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
+        tt.counters["trainer_version"] = spec.trainer_version
+        tt.save()
     chosen = []
     total = 0
     min_version = spec.min_model_version
@@ -92,6 +95,7 @@ def take(
     batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
     batch.newest_version = tt.counters["max_version"]
+    batch.trainer_version = tt.counters["trainer_version"]
     tt.save()
     return batch
 

@@ -99,6 +99,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.DropTableReply.FromString,
                 _registered_method=True)
+        self.SetTrainerVersion = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/SetTrainerVersion',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -188,6 +193,14 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTrainerVersion(self, request, context):
+        """The trainer's current policy version for a table: stored durably, the reference
+        of staleness (trainer version minus experience version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +268,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.DropTable,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.DropTableReply.SerializeToString,
+            ),
+            'SetTrainerVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTrainerVersion,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +626,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/DropTable',
             expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.DropTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTrainerVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/SetTrainerVersion',
+            expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.FromString,
             options,
             channel_credentials,
             insecure,
