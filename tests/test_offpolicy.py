@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -15,9 +17,10 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.errors import InvalidRequest
 from expbuf.server.sample_spec import SampleSpec
-from expbuf.server.store import Store
+from expbuf.server.store import Entry, Store, layout
 from expbuf.server.tables import TableConfig
 
+from conftest import FIXTURES
 from helpers import group_items, scrape
 
 
@@ -86,3 +89,77 @@ def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
             store.set_trainer_version("t", True)  # type: ignore[arg-type]
         assert store.sample(SampleSpec("t", num_groups=1, trainer_version=2)) is None
         assert store.stats("t")["trainer_version"] == 2  # stored even when no batch was there
+
+
+# ---- the version index -------------------------------------------------------------------
+
+
+def test_min_model_version_finds_fresh_groups_behind_100k_stale_ones(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+
+        def push(prefix: str, count: int, version: int) -> None:
+            store.put_entries("t", [replace(one, uid=f"{prefix}{i}", version=version) for i in range(count)])
+
+        push("first", 1, 9)
+        first = store.sample(SampleSpec("t", num_groups=1, delivery="lease", lease_seconds=60))
+        for chunk in range(10):
+            push(f"stale{chunk}-", 10_000, 1)
+        push("last", 1, 9)
+        store.put_entries("t", [replace(one, uid="unknown0", version=None)])  # at the back, no version
+        # fifo: the first ready group is stale, the fresh one is 100k groups behind it
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5)).group_ids == ["last0"]
+        store.nack(first.lease_id)  # back to ready, at the front of the order
+        # lifo: from the back, an unknown version and 100k stale groups lie before the fresh one
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="lifo")).group_ids == ["first0"]
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="uniform")) is None
+        assert store.sample(SampleSpec("t", num_groups=1, order="lifo")).group_ids == ["unknown0"]
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=1, order="lifo")).group_ids == [
+            "stale9-9999"
+        ]
+
+
+def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> None:
+    versions = [3, 7, 5, 7, 1, 5, 9, 3, 5]
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+        for i, version in enumerate(versions):
+            store.put_entries("t", [replace(one, uid=f"g{i}", version=version, priority=float(i % 3))])
+        want = [f"g{i}" for i, v in enumerate(versions) if v >= 5]
+        for order, expected in (("fifo", want), ("lifo", want[::-1])):
+            batch = store.sample(
+                SampleSpec("t", num_groups=len(want), min_model_version=5, order=order, delivery="replay")
+            )
+            assert batch.group_ids == expected
+        by_priority = sorted(want, key=lambda g: (-(int(g[1:]) % 3), int(g[1:])))
+        batch = store.sample(SampleSpec("t", num_groups=len(want), min_model_version=5, order="priority"))
+        assert batch.group_ids == by_priority
+        assert store.verify("t") == []
+
+
+def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        store.put("t", group_items(1, 0, 3, version=4))
+        env = store.environment
+        with env.env.begin(write=True) as txn:  # as format 2 left it: no version index
+            txn.drop(env.db["byver"], delete=False)
+            txn.put(b"format", b"2", db=env.db["meta"])
+        problems = store.verify("t")
+        assert "the version index holds 0 groups, 3 have a version" in problems
+        assert sum("missing from the version index" in p for p in problems) == 3
+    with Store(tmp_path) as store:
+        assert store.verify("t") == []
+        assert len(store.sample(SampleSpec("t", num_groups=3, min_model_version=4)).uids) == 3
+
+
+def test_the_first_format_gets_the_version_index(tmp_path: Path) -> None:
+    shutil.copy(FIXTURES / "datadir_v1" / "data.mdb", tmp_path / "data.mdb")
+    with Store(tmp_path) as store:
+        with store.environment.read() as txn:
+            assert txn.stat(store.environment.db["byver"])["entries"] > 0
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
+        for table in store.list_tables():
+            assert store.verify(table.name) == [], table.name

@@ -90,7 +90,7 @@ class TableTxn:
         self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs["counters"], self.prefix)
-        self.ready = ReadyIndex(ReadyDbs(dbs["ready"], dbs["prio"], dbs["slots"], dbs["slotof"]), txn, self.prefix)
+        self.ready = ReadyIndex(ReadyDbs.of(dbs), txn, self.prefix)
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, ItemRecord | None] = {}
@@ -321,7 +321,7 @@ class TableTxn:
         self.counters["next_rseq"] += 1
         if self.config.estimator == "none":
             self.set_state(gkey, grp, recs, READY)
-            self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+            self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
         else:  # sampled only once its advantages are stored (finish_compute)
             self.set_state(gkey, grp, recs, COMPUTING)
             self.txn.put(self.rseq_key(grp), gkey.encode(), db=self.db["compute"])
@@ -367,7 +367,7 @@ class TableTxn:
                     else:
                         self.txn.put(self.key(uid), value, db=self.db["adv"])
                 self.set_state(gkey, grp, recs, READY)
-                self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+                self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
 
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
         for uid, rec in recs.items():
@@ -398,7 +398,7 @@ class TableTxn:
 
     def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
         if grp.state == READY:
-            self.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+            self.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
         elif grp.state == PENDING:
             self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
         elif grp.state == COMPUTING:

@@ -1,7 +1,8 @@
 """Taking a batch of whole ready groups, and the leases that keep it out of reach.
 
 A batch is chosen in the request's order, whole groups only, optionally only groups
-whose every member is at least `min_model_version`. It is delivered by consuming it
+whose every member is at least `min_model_version` (found through the version index of
+selection.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), holding it for a Sample stream (a lease without expiry, until the
 client confirms it), or replaying it (counted against max_times_sampled).
@@ -22,10 +23,6 @@ from .groups import TableTxn
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .types import Sampled
 
-# A sample request looks at most this many ready groups (those older than its
-# min_model_version are skipped), so one request costs the writer a bounded time.
-MAX_SCAN = 4096
-
 
 def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
     raw = txn.get(lease_id.encode(), db=db) if len(lease_id) <= 64 else None
@@ -41,15 +38,10 @@ def take(
         tt.save()
     chosen = []
     total = 0
-    min_version = spec.min_model_version
-    with contextlib.closing(tt.ready.candidates(spec.order, rng)) as candidates:
-        for scanned, gkey_raw in enumerate(candidates):
-            if scanned >= MAX_SCAN:  # the writer must not stall on a table of stale groups
-                break
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+        for gkey_raw in candidates:
             gkey = gkey_raw.decode()
             grp = tt.group(gkey)
-            if min_version is not None and (grp.version is None or grp.version < min_version):
-                continue
             chosen.append((gkey, grp))
             total += len(grp.members)
             if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
@@ -84,7 +76,7 @@ def take(
         ):
             tt.retire(gkey, grp, CONSUMED)
         elif delivery == "lease":
-            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
             grp.lease = batch.lease_id
             tt.set_state(gkey, grp, recs, LEASED)
     if delivery == "lease":
@@ -112,7 +104,7 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool) -
         grp.lease = ""
         if requeue:
             tt.set_state(gkey, grp, tt.members(grp), READY)
-            tt.ready.add(gkey.encode(), grp.rseq, grp.priority)
+            tt.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
         else:
             tt.retire(gkey, grp, CONSUMED)
     return count

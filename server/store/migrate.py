@@ -2,9 +2,11 @@
 
 Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task, run
 and step. Opening such a directory rewrites every item, group and lease record in the
-binary form of records.py and drops those indexes, in one transaction: a crash during
-it leaves format 1, and the next open starts again. A directory of a newer format than
-this expbuf reads is refused, naming both.
+binary form of records.py and drops those indexes. Format 2 had no version index of
+ready groups (byver, selection.py): it is built from the group records. Each step runs
+in the one transaction of the open: a crash during it leaves the format found, and the
+next open starts again. A directory of a newer format than this expbuf reads is refused,
+naming both.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 import lmdb
 
 from ..errors import StoreError
+from ..selection import ReadyDbs, ReadyIndex
 from . import layout
-from .records import GroupRecord, ItemRecord, Lease
+from .records import READY, GroupRecord, ItemRecord, Lease
 
 _KEY = b"format"
 
@@ -33,6 +36,8 @@ def migrate(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
         )
     if found == 1:
         _from_1(txn, env, dbs)
+    if found <= 2:
+        _version_index(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     return found
@@ -45,3 +50,12 @@ def _from_1(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
             txn.put(key, value, db=dbs[db])
     for name in layout.FORMAT_1_ONLY:
         txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
+
+
+def _version_index(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+    """Index every ready group by its version, as selection.py keeps it from now on."""
+    ready = ReadyDbs.of(dbs)
+    for key, raw in txn.cursor(db=dbs["groups"]):
+        grp = GroupRecord.decode(raw)
+        if grp.state == READY:
+            ReadyIndex(ready, txn, key[:4]).add_version(key[4:], grp.rseq, grp.priority, grp.version)
