@@ -35,6 +35,9 @@ _STORE_COUNTERS = (
     ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates", {}),
     ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired", {}),
     ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total", {}),
+    ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted", {}),
+    ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired", {}),
+    ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped", {}),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
@@ -153,6 +156,12 @@ class Metrics:
             "Time to compute the advantages of the groups completed together.",
             ["table", "estimator"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.admission = Counter(
+            "expbuf_admit_requests",
+            "Admit requests by outcome (granted, or no_room within the wait).",
+            ["table", "outcome"],
             registry=self.registry,
         )
         self.staleness = Histogram(

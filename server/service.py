@@ -39,6 +39,7 @@ from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
 from .store import Sampled
+from .store.admission import StaleExperience
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -61,6 +62,7 @@ _REASONS = (
     (ConfigError, "invalid_config"),
     (InvalidRequest, "invalid_request"),
     (Conflict, "conflict"),
+    (StaleExperience, "stale"),
     (GroupClosed, "group_closed"),
     (TableFull, "table_full"),
     (TooLarge, "too_large"),
@@ -226,6 +228,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             stored_uids=result.stored,
             duplicate_uids=result.duplicates,
             completed_groups=result.completed_groups,
+            stale_uids=result.stale,
         )
 
     @_refusals
@@ -362,6 +365,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             reward_running_mean=moments.mean,
             reward_running_std=moments.std,
             trainer_version=s["trainer_version"] if s["trainer_version"] is not None else -1,
+            submitted=s["submitted"],
+            admitted=s["admitted"],
+            grants_expired=s["grants_expired"],
+            stale_dropped=s["stale_dropped"],
         )
 
     @_refusals
@@ -370,6 +377,20 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     ) -> pb.SetTrainerVersionReply:
         version = self.store.set_trainer_version(request.table or "default", request.version)
         return pb.SetTrainerVersionReply(version=version)
+
+    @_refusals
+    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
+        table = request.table or "default"
+        wait = _remaining(context, request.wait_seconds) if request.wait_seconds > 0 else 0.0
+        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
+        self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
+        return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
+
+    @_refusals
+    def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
+        accepted = request.accepted if request.HasField("accepted") else None
+        returned = self.store.finish_grant(request.table or "default", request.grant_id, accepted)
+        return pb.FinishGrantReply(returned=returned)
 
     @_refusals
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:

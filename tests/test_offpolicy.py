@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,10 +20,10 @@ from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.errors import InvalidRequest
+from expbuf.server.errors import InvalidRequest, NotFound
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
-from expbuf.server.tables import TableConfig
+from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items, scrape
@@ -78,6 +83,15 @@ def _request(table: str, version: int) -> pb.SetTrainerVersionRequest:
 async def _async_set(target: str, version: int) -> int:
     async with AsyncBufferClient(target, timeout=20) as c:
         return await c.set_trainer_version(version, "t")
+
+
+def test_off_policy_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="max_staleness"):
+        TableConfig(name="t", max_staleness=-1)
+    with pytest.raises(ConfigError, match="on_stale"):
+        TableConfig(name="t", on_stale="keep")
+    with pytest.raises(ConfigError, match="samples_per_insert"):
+        TableConfig(name="t", samples_per_insert=float("nan"))
 
 
 def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
@@ -163,3 +177,169 @@ def test_the_first_format_gets_the_version_index(tmp_path: Path) -> None:
             assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
         for table in store.list_tables():
             assert store.verify(table.name) == [], table.name
+
+
+# ---- admission ---------------------------------------------------------------------------
+
+
+def test_admission_follows_areals_rule(tmp_path: Path) -> None:
+    staleness, batch = 2, 4
+    rng = random.Random(7)
+    version, submitted, grants = 0, 0, []  # the reference: AReaL's StalenessManager, plainly
+    config = TableConfig(name="t", estimator="none", max_staleness=staleness, batch_size=batch)
+    store = Store(tmp_path)
+    store.create_table(config)
+    for step in range(300):
+        action = rng.random()
+        if action < 0.15:
+            version += 1
+            store.set_trainer_version("t", version)
+        elif action < 0.3 and grants:
+            grant = grants.pop(rng.randrange(len(grants)))
+            accepted = rng.randint(0, grant.count)
+            assert store.finish_grant("t", grant.grant_id, accepted) == grant.count - accepted
+            submitted -= grant.count - accepted
+        else:
+            count = rng.randint(1, 6)
+            want = min(count, max(0, (staleness + version + 1) * batch - submitted))
+            grant = store.admit("t", count)
+            assert grant.count == want, step
+            submitted += want
+            if want:
+                grants.append(grant)
+        if step == 150:  # grants and counts are durable
+            store.close()
+            store = Store(tmp_path)
+        assert store.stats("t")["submitted"] == submitted
+    store.close()
+
+
+def test_a_vanished_workers_grants_expire_and_their_room_comes_back(tmp_path: Path) -> None:
+    clock = [1000.0]
+    with Store(tmp_path, clock=lambda: clock[0]) as store:
+        store.create_table(TableConfig(name="t", estimator="none", max_staleness=0, batch_size=3))
+        lost = store.admit("t", 5, grant_seconds=30)
+        assert lost.count == 3 and store.admit("t", 1).count == 0
+        with pytest.raises(NotFound, match="grant"):
+            store.finish_grant("t", "nope")
+        clock[0] += 31
+        assert store.tick()["rollouts_returned"] == 3
+        assert store.stats("t")["grants_expired"] == 3
+        with pytest.raises(NotFound, match="grant"):
+            store.finish_grant("t", lost.grant_id)
+        assert store.admit("t", 2).count == 2
+
+
+def test_grants_of_a_killed_worker_come_back(tmp_path: Path) -> None:
+    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with BufferClient(target, timeout=20) as c:
+            c.create_table("t", estimator="none", max_staleness=1, batch_size=2)
+            worker = subprocess.Popen(
+                [sys.executable, "-c", KILLED_WORKER, target],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).parent,
+            )
+            assert worker.stdout.readline().strip() == "4"  # every rollout the bound allows
+            worker.kill()
+            worker.wait()
+            assert c.admit("t", 1).count == 0
+            again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
+            assert again.count == 2
+            assert c.finish_grant(again, accepted=1) == 1
+            assert c.stats("t")["t"]["grants_expired"] == 4
+            with pytest.raises(BufferError) as bad:
+                c.admit("t", 1, grant_seconds=-1)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        server.stop(grace=1)
+
+
+KILLED_WORKER = """
+import sys, time
+from expbuf.client import BufferClient
+with BufferClient(sys.argv[1]) as c:
+    print(c.admit("t", 10, grant_seconds=0.5).count, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_stale_pushes_are_dropped_or_refused(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            c.create_table("drop", estimator="none", group_by="none", max_staleness=2)
+            c.create_table("refuse", estimator="none", group_by="none", max_staleness=2, on_stale="refuse")
+            assert c.list_tables()[-1]["on_stale"] == "refuse"
+            items = [
+                *group_items(1, 0, 1, version=2),
+                *group_items(1, 1, 1, version=3),
+                *group_items(1, 2, 1, version=None),
+            ]
+            assert c.push(trxp.build(items), table="drop").stale == []  # no trainer version yet
+            for name in ("drop", "refuse"):
+                c.set_trainer_version(5, name)
+            fresh = [
+                *group_items(2, 0, 1, version=2),
+                *group_items(2, 1, 1, version=3),
+                *group_items(2, 2, 1, version=None),
+            ]
+            result = c.push(trxp.build(fresh), table="drop")
+            assert result.stale == [fresh[0].eid.uid] and len(result.stored) == 2
+            assert c.stats("drop")["drop"]["stale_dropped"] == 1
+            with pytest.raises(BufferError) as refused:
+                c.push(trxp.build(fresh), table="refuse")
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_version 2, below 3" in refused.value.details
+            assert c.stats("refuse")["refuse"]["pushed"] == 0
+            with pytest.raises(BufferError, match="samples_per_insert_error") as bad:
+                c.create_table("bad", samples_per_insert=2.0, samples_per_insert_error=1.0)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_stale_dropped_total", (("table", "drop"),))] == 1
+        assert m[("expbuf_refused_total", (("reason", "stale"), ("table", "refuse")))] == 1
+    finally:
+        server.stop(grace=1)
+
+
+def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_path: Path) -> None:
+    staleness, batch, steps = 1, 4, 8
+    config = TableConfig(name="t", estimator="none", group_by="none", max_staleness=staleness, batch_size=batch)
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    done = threading.Event()
+    worst: list[int] = []
+    with Store(tmp_path) as store:
+        store.create_table(config)
+
+        def worker(name: int) -> None:
+            rng, n = random.Random(name), 0
+            while not done.is_set():
+                grant = store.admit("t", rng.randint(1, 3), wait=0.2)
+                version = store.stats("t")["trainer_version"] or 0  # the weights the rollouts use
+                entries = [replace(one, uid=f"w{name}-{n + i}", version=version) for i in range(grant.count)]
+                n += grant.count
+                time.sleep(rng.random() * 0.005)
+                if entries:
+                    stored = store.put_entries("t", entries).stored
+                    store.finish_grant("t", grant.grant_id, len(stored))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            for version in range(steps):
+                spec = SampleSpec("t", batch_size=batch, min_model_version=max(0, version - staleness), wait_seconds=20)
+                sampled = store.sample(spec)
+                assert sampled is not None, f"no batch at trainer version {version}"
+                worst.append(max(version - v for v in sampled.versions))
+                store.set_trainer_version("t", version + 1)
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join()
+        assert max(worst) <= staleness
+        stats = store.stats("t")
+        assert stats["submitted"] <= (staleness + steps + 1) * batch
+        assert store.verify("t") == []

@@ -222,6 +222,7 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
         assert s.tick() == {
             "leases_expired": 1,
             "requeued": 2,
+            "rollouts_returned": 0,
             "groups_timed_out": 0,
             "tombstones_pruned": 0,
             "failed": 0,

@@ -24,7 +24,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
 from ..sample_spec import SampleSpec, check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import layout
+from . import admission, layout
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -162,11 +162,53 @@ class Store:
         while True:
             generation = self.environment.generation
             try:
-                return self._in_table(table, lambda tt: tt.put(entries))
+                return self._in_table(table, lambda tt: self._put(tt, entries))
             except TableFull:
                 if config.when_full != "block" or time.monotonic() >= deadline:
                     raise
                 self.environment.wait_for_change(generation, deadline)
+
+    @staticmethod
+    def _put(tt: TableTxn, entries: Sequence[Entry]) -> PutResult:
+        kept, stale = admission.screen(tt, entries)
+        result = tt.put(kept)
+        result.stale = stale
+        return result
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> admission.Grant:
+        """How many of `count` rollouts may start now (admission.py), under a grant that
+        expires after grant_seconds unless finished; waits up to `wait` for room."""
+        deadline = time.monotonic() + wait
+        while True:
+            generation = self.environment.generation
+            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds))
+            if granted.count or time.monotonic() >= deadline:
+                return granted
+            self.environment.wait_for_change(generation, deadline)
+
+    def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int:
+        """End a grant: `accepted` rollouts stay counted (None: all); returns those given back."""
+        table_id, _ = self._table(table)
+
+        def op(tt: TableTxn) -> int:
+            record = admission.read_grant(tt.txn, self._db, grant_id)
+            if record is None or record["t"] != table_id:
+                raise admission.unknown_grant(grant_id, table)
+            return admission.finish(tt, grant_id, record, accepted)
+
+        return self._in_table(table, op)
+
+    def _expire_grant(self, txn: lmdb.Transaction, key: bytes) -> int:
+        grant_id = key[8:].decode()
+        record = admission.read_grant(txn, self._db, grant_id)
+        tt = None if record is None else self._by_id(txn, record["t"])
+        if tt is None:  # an expiry without its grant, or the grant of a dropped table
+            txn.delete(key, db=self._db["grant_exp"])
+            txn.delete(grant_id.encode(), db=self._db["grants"])
+            return 0
+        return admission.finish(tt, grant_id, record, 0, expired=True)
 
     # ---- sample, ack, nack ---------------------------------------------------------------
 
@@ -350,12 +392,19 @@ class Store:
             return self._end_lease(txn, lease_id.decode(), requeue=True, expired=True)
 
         def op(txn: lmdb.Transaction) -> dict[str, int]:
-            done = dict.fromkeys(("leases_expired", "requeued", "groups_timed_out", "tombstones_pruned", "failed"), 0)
-            for key in upkeep.expired_leases(txn, now):
+            done = dict.fromkeys(
+                ("leases_expired", "requeued", "rollouts_returned", "groups_timed_out", "tombstones_pruned", "failed"),
+                0,
+            )
+            for key in upkeep.expired(txn, now):
                 requeued = upkeep.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
                 done["failed"] += requeued is None
                 done["leases_expired"] += requeued is not None
                 done["requeued"] += requeued or 0
+            for key in upkeep.expired(txn, now, "grant_exp"):
+                returned = upkeep.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: self._expire_grant(t, k))
+                done["failed"] += returned is None
+                done["rollouts_returned"] += returned or 0
             for table_id, config in list(self._tables.values()):
                 result = upkeep.isolated(
                     txn, f"table {config.name}", lambda t, i=table_id, c=config: upkeep.table(t, i, c, now)

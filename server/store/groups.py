@@ -55,6 +55,12 @@ _COUNTERS = (
     "dropped_std_threshold",
     # what reward shaping and advantage clipping did (see shaping.py)
     *SHAPING_COUNTERS,
+    # off-policy control (admission.py)
+    "submitted",
+    "admitted",
+    "grants_expired",
+    "rollouts_rejected",
+    "stale_dropped",
     "next_seq",
     "next_rseq",
 )

@@ -66,6 +66,7 @@ class PutResult:
     duplicates: list[str] = field(default_factory=list)
     completed_groups: list[str] = field(default_factory=list)
     dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
+    stale: list[str] = field(default_factory=list)  # dropped as older than the staleness bound
 
 
 @dataclass
