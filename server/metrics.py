@@ -79,6 +79,15 @@ class StoreCollector(Collector):
             if stats["trainer_version"] is not None:
                 trainer.add_metric([table], stats["trainer_version"])
         yield trainer
+        blocked = CounterMetricFamily(
+            "expbuf_rate_limit_blocked_seconds",
+            "Seconds the rate limits held inserts and samples (those that passed or timed out).",
+            labels=["table", "side"],
+        )
+        for table, stats in tables.items():
+            for side in ("insert", "sample"):
+                blocked.add_metric([table, side], stats[f"{side}_blocked_seconds"])
+        yield blocked
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])

@@ -40,6 +40,7 @@ from .sample_stream import stream_batches
 from .shaping import RunningMoments
 from .store import Sampled
 from .store.admission import StaleExperience
+from .store.limiter import InsertLimited, SampleLimited
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -51,6 +52,7 @@ _STATUS = {
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
@@ -63,6 +65,7 @@ _REASONS = (
     (InvalidRequest, "invalid_request"),
     (Conflict, "conflict"),
     (StaleExperience, "stale"),
+    ((InsertLimited, SampleLimited), "rate_limited"),
     (GroupClosed, "group_closed"),
     (TableFull, "table_full"),
     (TooLarge, "too_large"),
@@ -258,15 +261,19 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
             return self._reply(batch, lease=spec.delivery == "lease")
 
-        yield from stream_batches(
-            self.store,
-            spec,
-            requests,
-            context,
-            owner=self._owner(context),
-            timeout=lambda: _remaining(context, spec.wait_seconds),
-            reply=reply,
-        )
+        try:
+            yield from stream_batches(
+                self.store,
+                spec,
+                requests,
+                context,
+                owner=self._owner(context),
+                timeout=lambda: _remaining(context, spec.wait_seconds),
+                reply=reply,
+            )
+        except StoreError as exc:
+            exc.table = spec.table  # for the refusal's log line and metric
+            raise
 
     def _owner(self, context: grpc.ServicerContext) -> str:
         """Who takes a lease: a fingerprint of the caller's token when tokens are on, so

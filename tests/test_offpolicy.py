@@ -23,6 +23,7 @@ from expbuf.server.config import ServerConfig
 from expbuf.server.errors import InvalidRequest, NotFound
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
+from expbuf.server.store.limiter import InsertLimited, SampleLimited
 from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import FIXTURES
@@ -343,3 +344,99 @@ def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_pat
         stats = store.stats("t")
         assert stats["submitted"] <= (staleness + steps + 1) * batch
         assert store.verify("t") == []
+
+
+# ---- rate limits -------------------------------------------------------------------------
+
+
+def _limited(name: str, **settings: object) -> TableConfig:
+    return TableConfig(name=name, estimator="none", group_by="none", **settings)
+
+
+def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> None:
+    spi, error, min_size = 2.0, 3.0, 2
+    config = _limited("t", samples_per_insert=spi, samples_per_insert_error=error, min_size_to_sample=min_size)
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    centre = spi * min_size
+    seen: list[float] = []
+    with Store(tmp_path) as store:
+        store.create_table(config)
+
+        def observe() -> None:
+            stats = store.stats("t")
+            seen.append(stats["pushed"] * spi - stats["sampled"] - centre)
+
+        for phase, (insert_pause, sample_pause) in enumerate(((0.0, 0.002), (0.002, 0.0))):
+
+            def insert(phase: int = phase, pause: float = insert_pause) -> None:
+                for i in range(15):
+                    store.put_entries("t", [replace(one, uid=f"p{phase}-{i}")], timeout=20)
+                    observe()
+                    time.sleep(pause)
+
+            inserter = threading.Thread(target=insert)
+            inserter.start()
+            for _ in range(28):  # 2 per insert, but never below the band
+                assert store.sample(SampleSpec("t", num_groups=1, delivery="replay", wait_seconds=20)) is not None
+                observe()
+                time.sleep(sample_pause)
+            inserter.join()
+        assert len(seen) == 86
+        assert all(-error <= d <= error for d in seen), seen
+        assert max(seen) == error  # the inserts reached the top of the band: the limit held them
+
+
+def test_both_sides_block_and_time_out_with_the_limit_named(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            c.create_table(
+                "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
+                samples_per_insert_error=1.0,
+            )  # fmt: skip
+            assert c.list_tables()[-1]["samples_per_insert"] == 1.0
+            c.push(trxp.build(group_items(1, 0, 1)), table="t")
+            with pytest.raises(BufferError) as early:
+                next(c.sample("t", num_groups=1, timeout=0.3))
+            assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
+            for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
+                c.push(trxp.build(group_items(1, i, 1)), table="t")
+            with pytest.raises(BufferError) as insert:
+                c.push(trxp.build(group_items(1, 3, 1)), table="t", timeout=0.5)
+            assert insert.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "samples_per_insert 1 (error 1) holds inserts" in insert.value.details
+            batches = c.sample("t", num_groups=1, timeout=0.3, delivery="replay")
+            assert len(next(batches).uids) == 1 and len(next(batches).uids) == 1  # diff 1: the bottom
+            with pytest.raises(BufferError) as sample:
+                next(batches)
+            assert sample.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "holds samples until more is inserted" in sample.value.details
+            assert c.stats("t")["t"]["pushed"] == 3
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_refused_total", (("reason", "rate_limited"), ("table", "t")))] == 3
+        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "insert"), ("table", "t")))] > 0
+        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "sample"), ("table", "t")))] > 0
+    finally:
+        server.stop(grace=1)
+
+
+def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    replay = SampleSpec("t", num_groups=1, delivery="replay")
+    with Store(tmp_path) as store:
+        store.create_table(_limited("t", samples_per_insert=1.0, samples_per_insert_error=1.0))
+        store.put_entries("t", [replace(one, uid="a")])  # diff 1: the top of the band
+        with pytest.raises(InsertLimited):
+            store.put_entries("t", [replace(one, uid="b")])
+        store.put_entries("t", [replace(one, uid="a")])  # a retried push of stored experiences is not held
+        assert store.sample(replay) is not None and store.sample(replay) is not None  # diff -1: the bottom
+        with pytest.raises(SampleLimited):
+            store.sample(replay)
+    with Store(tmp_path) as store:
+        with pytest.raises(SampleLimited):
+            store.sample(replay)
+        store.put_entries("t", [replace(one, uid="b")])
+        store.put_entries("t", [replace(one, uid="c")])
+        with pytest.raises(InsertLimited):
+            store.put_entries("t", [replace(one, uid="d")])

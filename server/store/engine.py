@@ -24,7 +24,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
 from ..sample_spec import SampleSpec, check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, layout
+from . import admission, layout, limiter
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -158,18 +158,36 @@ class Store:
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self._table(table)
-        deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
+        start = time.monotonic()
+        deadline = start + (timeout if timeout is not None else 0.0)
+        held = False  # whether the rate limit held this push
         while True:
             generation = self.environment.generation
+            final = time.monotonic() >= deadline
+            blocked = time.monotonic() - start if held else 0.0
             try:
-                return self._in_table(table, lambda tt: self._put(tt, entries))
+                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b))
             except TableFull:
-                if config.when_full != "block" or time.monotonic() >= deadline:
+                if config.when_full != "block" or final:
                     raise
-                self.environment.wait_for_change(generation, deadline)
+            else:
+                if not isinstance(result, limiter.InsertLimited):
+                    return result
+                if final:
+                    raise result
+                held = True
+            self.environment.wait_for_change(generation, deadline)
 
     @staticmethod
-    def _put(tt: TableTxn, entries: Sequence[Entry]) -> PutResult:
+    def _put(tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float) -> PutResult | limiter.InsertLimited:
+        """Store entries, or the rate limit that holds them (with the time it held them,
+        counted when it lets them go or at the deadline)."""
+        held = limiter.insert_limit(tt, len({e.uid for e in entries if tt.item(e.uid) is None}))
+        if blocked and (held is None or final):
+            tt.counters["insert_blocked_seconds"] += blocked
+            tt.save()
+        if held is not None:
+            return held
         kept, stale = admission.screen(tt, entries)
         result = tt.put(kept)
         result.stale = stale
@@ -231,19 +249,34 @@ class Store:
         cancelled RPC ends the wait early, with None).
         """
         self._table(spec.table)
-        deadline = time.monotonic() + (spec.wait_seconds if timeout is None else timeout)
+        start = time.monotonic()
+        deadline = start + (spec.wait_seconds if timeout is None else timeout)
+        held = False  # whether the rate limit held this request
         while True:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
-            partial = spec.allow_partial and final
+            blocked = time.monotonic() - start if held else 0.0
             result = self._in_table(
-                spec.table, lambda tt, partial=partial: take(tt, spec, partial, self._rng, hold=hold, owner=owner)
+                spec.table, lambda tt, f=final, b=blocked: self._take(tt, spec, f, b, hold=hold, owner=owner)
             )
-            if result is not None or final:
+            if isinstance(result, limiter.SampleLimited):
+                if final:
+                    raise result
+                held = True
+            elif result is not None or final:
                 return result
             if stop is not None and stop():
                 return None
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def _take(
+        self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
+    ) -> Sampled | limiter.SampleLimited | None:
+        result = take(tt, spec, spec.allow_partial and final, self._rng, hold=hold, owner=owner)
+        if blocked and (isinstance(result, Sampled) or final):
+            tt.counters["sample_blocked_seconds"] += blocked
+            tt.save()
+        return result
 
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Consume the groups of a lease; returns the experiences acknowledged. With a

@@ -61,6 +61,9 @@ _COUNTERS = (
     "grants_expired",
     "rollouts_rejected",
     "stale_dropped",
+    # seconds the rate limits held inserts and samples (limiter.py)
+    "insert_blocked_seconds",
+    "sample_blocked_seconds",
     "next_seq",
     "next_rseq",
 )

@@ -20,6 +20,7 @@ from ..advantage_storage import finish_batch, stored_advantage
 from ..sample_spec import SampleSpec
 from . import layout
 from .groups import TableTxn
+from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .types import Sampled
 
@@ -31,8 +32,9 @@ def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Leas
 
 def take(
     tt: TableTxn, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
-) -> Sampled | None:
-    """Select and deliver one batch; None if there is not enough (and no partial batch)."""
+) -> Sampled | SampleLimited | None:
+    """Select and deliver one batch; None if there is not enough (and no partial batch),
+    the rate limit (limiter.py) if it holds the batch back."""
     if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
         tt.counters["trainer_version"] = spec.trainer_version
         tt.save()
@@ -49,6 +51,9 @@ def take(
     enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
     if not chosen or not (enough or allow_partial):
         return None
+    held = sample_limit(tt, total)
+    if held is not None:
+        return held
     batch = Sampled([], [], [], partial=not enough)
     delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
     expires = None
