@@ -126,6 +126,8 @@ def test_dashboard_queries_use_exported_metrics(tmp_path: Path) -> None:
         with BufferClient(f"127.0.0.1:{server.port}") as c:
             c.push(payload("grpo_group.trxp"))
             next(c.sample(num_groups=1, max_batches=1, timeout=10))
+            c.set_trainer_version(1)
+            c.admit("default", 1)
             with pytest.raises(BufferError):  # refusals are counted from the first one on
                 c.push((BAD_DIR / "bad_magic.bin").read_bytes())
         exported = {name for name, _ in scrape(server.metrics_port)}
