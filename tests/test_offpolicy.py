@@ -19,7 +19,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
+from expbuf.server.config import ServerConfig, load
 from expbuf.server.errors import InvalidRequest, NotFound
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
@@ -440,3 +440,13 @@ def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
         store.put_entries("t", [replace(one, uid="c")])
         with pytest.raises(InsertLimited):
             store.put_entries("t", [replace(one, uid="d")])
+
+
+def test_the_readmes_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Keeping rollouts on-policy")[1]
+    toml = section.split("```toml\n")[1].split("```")[0]
+    (tmp_path / "expbuf.toml").write_text(toml)
+    (table,) = load(str(tmp_path / "expbuf.toml")).tables
+    assert (table.max_staleness, table.batch_size, table.on_stale) == (2, 4, "drop")
+    assert (table.min_size_to_sample, table.samples_per_insert, table.samples_per_insert_error) == (0, 0.0, 0)
