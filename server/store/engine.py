@@ -182,7 +182,7 @@ class Store:
     def _put(tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float) -> PutResult | limiter.InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline)."""
-        held = limiter.insert_limit(tt, len({e.uid for e in entries if tt.item(e.uid) is None}))
+        held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
             tt.counters["insert_blocked_seconds"] += blocked
             tt.save()

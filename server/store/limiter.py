@@ -16,8 +16,11 @@ then fails with a message that names the limit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..errors import StoreError
 from .groups import TableTxn
+from .types import Entry
 
 
 class InsertLimited(StoreError):
@@ -39,10 +42,14 @@ def _diff(tt: TableTxn) -> tuple[float, float]:
     return tt.counters["pushed"] * spi - tt.counters["sampled"], spi * cfg.min_size_to_sample
 
 
-def insert_limit(tt: TableTxn, count: int) -> InsertLimited | None:
-    """Why inserting `count` experiences must wait now; None when it may go."""
+def insert_limit(tt: TableTxn, entries: Sequence[Entry]) -> InsertLimited | None:
+    """Why inserting the entries not stored yet (a retried push's are) must wait now; None
+    when they may go."""
     cfg = tt.config
-    if not cfg.samples_per_insert or not count:
+    if not cfg.samples_per_insert:
+        return None
+    count = len({e.uid for e in entries if tt.item(e.uid) is None})
+    if not count:
         return None
     diff, centre = _diff(tt)
     if diff + count * cfg.samples_per_insert <= centre + cfg.samples_per_insert_error or diff <= centre:
