@@ -19,7 +19,7 @@ EXTRAS ?= test,trinity,ray
 TRINITY_SPEC ?= trinity-rft==0.6.0
 # verl, whose functions Trinity-RFT's verl-style advantage functions call; VERL_SPEC= skips it.
 VERL_SPEC ?= verl==0.9.1
-VERL_NEEDS := 'tensordict>=0.8,<=0.10' transformers
+VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
 STAMP := $(VENV)/.expbuf-installed
 
 .PHONY: setup serve test clean

@@ -56,8 +56,9 @@ META_FIELDS = (
 class EID:
     """Identity of an experience: uid = batch/task/run/step/suffix.
 
-    `batch` and `task` may themselves contain '/', so the parts are kept
-    separately and never recovered by splitting a uid.
+    `batch` may itself contain '/' (e.g. "3/eval_math"), so the parts are kept
+    separately; task and suffix may not (the decoder refuses them), so that two
+    different eids never share a uid.
     """
 
     batch: int | str = 0

@@ -48,9 +48,14 @@ def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage
 
 def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
+    return b"".join(batch_parts(blobs, advantages))
+
+
+def batch_parts(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+    """batch_payload() as the runs of bytes it is made of, for a reply that copies them once."""
     if all(a is None for a in advantages):
-        return trxp.join(blobs)
-    return trxp.join(blobs, lambda index, tensors: expand(advantages[index], tensors))
+        return trxp.join_parts(blobs)
+    return trxp.join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
 
 
 def flat_tensor(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .advantage_storage import encode_results, flat_tensor
 from .backend import Backend
 from .errors import clip
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
-from .tables import TOKEN_LEVEL, batch_stage, estimator_args
+from .tables import TOKEN_LEVEL, ConfigError, TableConfig, batch_stage, estimator_args
 
 log = logging.getLogger("expbuf.advantages")
 
@@ -130,8 +130,22 @@ def compute(
     return values, ready, dropped, failed, update
 
 
+def check_device(config: TableConfig) -> None:
+    """Refuse a table that asks for CUDA on a server without it: its advantages could never
+    be computed."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"table '{config.name}': device is 'cuda', but this server has no CUDA device")
+
+
 class AdvantageWorker:
-    """Computes advantages for completed groups as they arrive, in a background thread."""
+    """Computes advantages for completed groups as they arrive, in a background thread.
+
+    A batched computation that fails is tried group by group. A group that fails while
+    others succeed is the cause: it fails at once. When every group fails (one group
+    alone, or a GPU out of memory for all), the cause may be passing: the table's groups
+    stay computing and are tried again after `retry_delays`, and fail only after the
+    last try.
+    """
 
     def __init__(
         self,
@@ -139,10 +153,14 @@ class AdvantageWorker:
         *,
         batch_limit: int = 8192,
         on_computed: Callable[[str, str, float], None] | None = None,
+        retry_delays: Sequence[float] = (1.0, 4.0),
     ) -> None:
         self.store = store
         self.batch_limit = batch_limit
         self.on_computed = on_computed  # (table, estimator, seconds), for the metrics
+        self.retry_delays = tuple(retry_delays)
+        self._tries: dict[tuple[str, str], int] = {}  # (table, group) -> failed tries so far
+        self._not_before: dict[str, float] = {}  # table -> monotonic time of its next try
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-advantages", daemon=True)
 
@@ -155,9 +173,13 @@ class AdvantageWorker:
         self._thread.join()
 
     def run_once(self) -> int:
-        """Compute every queued group once; returns the groups handled."""
+        """Compute every queued group once (tables waiting to retry excepted); returns the
+        groups handled."""
         handled = 0
+        now = time.monotonic()
         for job in self.store.compute_backlog(self.batch_limit):
+            if self._not_before.get(job.table, 0.0) > now:
+                continue
             started = time.perf_counter()
             self._compute(job)
             handled += len(job.groups)
@@ -165,34 +187,63 @@ class AdvantageWorker:
                 self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
         return handled
 
-    def _compute(self, job: ComputeJob) -> list[float] | None:
-        """One batched computation; returns the running reward moments after it. If it
-        fails, each group is tried on its own, so that only a group that fails by itself
-        fails (and keeps its payloads, see keep_failed); the moments chain through those
-        tries, and a failed try leaves them as they were."""
+    def _compute(self, job: ComputeJob) -> None:
+        """One batched computation; if it fails, each group on its own (the running reward
+        moments chain through those tries, and a failed try leaves them as they were)."""
         try:
-            values, ready, dropped, failed, update = compute(job)
+            self._finish(job, compute(job))
+            return
         except Exception as exc:
-            if len(job.groups) > 1:
+            errors = {job.groups[0]: exc} if len(job.groups) == 1 else {}
+            if not errors:
                 log.warning(
                     "advantages failed for %d groups of table %s together (%s); trying each on its own",
                     len(job.groups), job.table, clip(str(exc), 300),
                 )  # fmt: skip
-                moments = job.moments
-                for single in job.split():
-                    single.moments = moments
-                    moments = self._compute(single)
-                return moments
-            log.exception("advantages failed for group %s of table %s", clip(job.groups[0]), job.table)
-            reason = f"{job.config.estimator} on {job.config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
-            self.store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, reason))
-            return job.moments
+        moments = job.moments
+        for single in job.split() if len(job.groups) > 1 else []:
+            single.moments = moments
+            try:
+                moments = self._finish(single, compute(single))
+            except Exception as exc:
+                errors[single.groups[0]] = exc
+        if len(errors) < len(job.groups):  # the others went through: these groups are the cause
+            self._fail(job, errors)
+            return
+        tries = max(self._tries.get((job.table, gkey), 0) for gkey in errors) + 1
+        if tries > len(self.retry_delays):
+            self._fail(job, errors)
+            return
+        for gkey in errors:
+            self._tries[(job.table, gkey)] = tries
+        delay = self.retry_delays[tries - 1]
+        self._not_before[job.table] = time.monotonic() + delay
+        log.warning(
+            "advantages failed for every group of table %s tried (%s); trying again in %gs",
+            job.table, clip(str(next(iter(errors.values()))), 300), delay,
+        )  # fmt: skip
+
+    def _finish(self, job: ComputeJob, result: tuple) -> list[float] | None:
+        values, ready, dropped, failed, update = result
         self.store.finish_compute(job.table, values, ready, dropped, failed, update)
+        for gkey in job.groups:
+            self._tries.pop((job.table, gkey), None)
         for gkey, reason in failed.items():
             log.warning("group failed: table %s, group %s: %s", job.table, gkey, reason)
         for gkey in dropped:
             log.info("group dropped: table %s, group %s, reason std_threshold", job.table, gkey)
         return update.moments
+
+    def _fail(self, job: ComputeJob, errors: dict[str, Exception]) -> None:
+        config = job.config
+        reasons = {
+            gkey: f"{config.estimator} on {config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
+            for gkey, exc in errors.items()
+        }
+        for gkey, reason in reasons.items():
+            self._tries.pop((job.table, gkey), None)
+            log.error("advantages failed for group %s of table %s: %s", clip(gkey), job.table, reason)
+        self.store.finish_compute(job.table, {}, [], failed=reasons)
 
     def _run(self) -> None:
         while not self._stop.is_set():

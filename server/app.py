@@ -27,15 +27,18 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
-from .advantages import AdvantageWorker
+from .advantages import AdvantageWorker, check_device
 from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
+from .ingest import Ingest
 from .limits import RESERVED_THREADS, CallLimits
 from .metrics import Metrics, RpcMetrics
+from .replies import PassBytes
 from .service import ExperienceBufferService
 from .store import Store
+from .tables import ConfigError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
@@ -108,6 +111,10 @@ class ExpbufServer:
         if returned:
             log.info("batches of streams broken by the last stop returned to the buffer: %d experiences", returned)
         for table in config.tables:
+            try:
+                check_device(table)
+            except ConfigError as exc:
+                raise StartupError(str(exc)) from None
             if self.store.create_table(table, exist_ok=True):
                 log.info("table created from config: %s", table.to_dict())
         self.metrics = Metrics(self.store, shard=config.shard)
@@ -115,6 +122,7 @@ class ExpbufServer:
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
         interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
+        interceptors.append(PassBytes())
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
@@ -126,6 +134,7 @@ class ExpbufServer:
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
+            ingest=Ingest(config.ingest_processes),
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
@@ -207,5 +216,6 @@ class ExpbufServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        self.service.ingest.close()
         self.store.close()
         log.info("expbuf stopped; every acknowledged write is committed")

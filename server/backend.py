@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from expbuf.client import trxp
 
 from .sample_spec import SampleSpec
-from .store import ComputeJob, PutResult, Sampled, ShapingUpdate
+from .store import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .store.admission import Grant
 from .tables import TableConfig
 
@@ -32,6 +32,7 @@ class Backend(Protocol):
 
     # experiences
     def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult: ...
+    def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult: ...
     def sample(
         self,
         spec: SampleSpec,

@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             "port": args.port,
             "metrics_port": args.metrics_port,
             "metrics_host": args.metrics_host,
+            "ingest_processes": args.ingest_processes,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
@@ -142,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--metrics-port", type=int, help=metrics_port)
     serve.add_argument(
         "--metrics-host", help="address of the metrics endpoint (default: the --host one; env EXPBUF_METRICS_HOST)"
+    )
+    serve.add_argument(
+        "--ingest-processes",
+        type=int,
+        help="processes that validate and pack pushes, 0 = the server's own (default 0; env EXPBUF_INGEST_PROCESSES)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

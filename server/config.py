@@ -10,6 +10,7 @@ may also declare tables (created at start, or checked against the stored ones):
     metrics_host = "127.0.0.1"    # default: the same address as host
     workers = 64                  # concurrent calls
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
+    ingest_processes = 0          # processes that validate and pack pushes (0: the server's own)
     max_message_bytes = 268435456
 
     [tls]
@@ -58,6 +59,8 @@ class ServerConfig:
     max_message_bytes: int = 256 << 20
     workers: int = 64
     max_sample_streams: int | None = None  # None: three quarters of workers
+    # Processes that validate and pack pushed payloads (0: the server process does it).
+    ingest_processes: int = 0
     log_format: str = "text"
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
@@ -82,6 +85,8 @@ class ServerConfig:
             raise ConfigError(f"log_format is {self.log_format!r}; expected text or json")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
+        if not isinstance(self.ingest_processes, int) or not 0 <= self.ingest_processes <= 64:
+            raise ConfigError(f"ingest_processes must be an integer from 0 to 64, got {self.ingest_processes!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
         streams = self.max_sample_streams
@@ -106,6 +111,7 @@ _ENV = {
     "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
     "EXPBUF_WORKERS": ("workers", int),
     "EXPBUF_MAX_SAMPLE_STREAMS": ("max_sample_streams", int),
+    "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),
 }

@@ -87,8 +87,8 @@ def stream_batches(
     *,
     owner: str,
     timeout: Callable[[], float],
-    reply: Callable[[Sampled], pb.SampleReply],
-) -> Iterator[pb.SampleReply]:
+    reply: Callable[[Sampled], bytes],
+) -> Iterator[bytes]:
     """The replies of one stream. `timeout()` is how long the next batch may wait for data.
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
@@ -107,6 +107,8 @@ def stream_batches(
                 stop=lambda: client.stopped or client.broken or not context.is_active(),
             )
             if batch is None:
+                if client.error is not None:
+                    raise client.error
                 if client.stopped or client.broken or not context.is_active() or spec.allow_partial:
                     return
                 context.abort(
@@ -120,8 +122,8 @@ def stream_batches(
             yield reply(batch)
             if not client.wait_confirmed(sent):
                 break
+            unconfirmed = None  # the client has it: from here on it is never given back
             _confirm(store, spec, batch, owner)
-            unconfirmed = None
             if batch.partial or sent == spec.max_batches or client.done:
                 break
         if client.error is not None:
@@ -135,7 +137,9 @@ def stream_batches(
 
 
 def _confirm(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
-    """The client has the batch: a consumed one leaves the buffer now."""
+    """The client has the batch: a consumed one leaves the buffer now. If that fails (a
+    full disk), the batch stays held, never given back: it returns only when the server
+    next starts (release_holds), rather than being delivered twice while the client has it."""
     if spec.delivery == "consume":
         store.ack(batch.lease_id, spec.table, owner)
 

@@ -21,6 +21,7 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+from .advantages import check_device
 from .backend import Backend
 from .errors import (
     Conflict,
@@ -34,7 +35,9 @@ from .errors import (
     TooLarge,
     clip,
 )
+from .ingest import Ingest
 from .metrics import Metrics
+from .replies import sample_reply
 from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
@@ -205,8 +208,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         max_message_bytes: int,
         advantage_device: str,
         bind_leases: bool = False,
+        ingest: Ingest | None = None,
     ) -> None:
         self.store = store
+        self.ingest = ingest or Ingest()
         self.bind_leases = bind_leases
         self.refusal_log = _RefusalLog()
         self.metrics = metrics
@@ -219,8 +224,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         table = request.table or "default"
         try:
-            items = trxp.parse(request.payload)
-            result = self.store.put(table, items, timeout=_remaining(context))
+            entries = self.ingest.entries(request.payload)
+            result = self.store.put_entries(table, entries, timeout=_remaining(context))
         except Exception as exc:
             exc.table = table  # for the refusal's log line and metric
             raise
@@ -246,9 +251,12 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     # ---- sample ------------------------------------------------------------------
 
     @_refusals
-    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Batches sent as the client asks for them (see sample_stream.py)."""
-        first = next(requests, None)
+        try:
+            first = next(requests, None)
+        except grpc.RpcError:  # cancelled before it asked for anything
+            return
         if first is None:
             return
         try:
@@ -257,9 +265,9 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             exc.table = first.table or "default"
             raise
 
-        def reply(batch: Sampled) -> pb.SampleReply:
+        def reply(batch: Sampled) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
-            return self._reply(batch, lease=spec.delivery == "lease")
+            return sample_reply(batch, lease=spec.delivery == "lease")
 
         try:
             yield from stream_batches(
@@ -293,17 +301,6 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         for version in batch.versions:
             if version is not None:
                 histogram.observe(max(0, latest - version))
-
-    @staticmethod
-    def _reply(batch: Sampled, *, lease: bool) -> pb.SampleReply:
-        return pb.SampleReply(
-            payload=batch.payload,
-            uids=batch.uids,
-            group_ids=batch.group_ids,
-            lease_id=batch.lease_id if lease else "",
-            lease_expires_unix=batch.lease_expires if lease else 0.0,
-            partial=batch.partial,
-        )
 
     @_refusals
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
@@ -422,6 +419,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 f"(expbuf {VERSION}) does not know them, so it refuses the table instead of dropping them"
             )
         config = TableConfig.from_dict(wire.table_from_proto(request.config))
+        check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:
             log.info("table created: %s", config.to_dict())

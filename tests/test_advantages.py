@@ -116,19 +116,51 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
         assert store.verify("t") == []
         store.create_table(TableConfig("lean", estimator=exploding, keep_failed=False))
         store.put("lean", group_items(2, 0, 2, reward=13.0))
-        AdvantageWorker(store).run_once()
+        AdvantageWorker(store, retry_delays=()).run_once()  # no second try: a group alone fails at once
         assert store.get_payload("lean", ["2/0/0/0/r0s0"])[1] == ["2/0/0/0/r0s0"]
         assert store.verify("lean") == []
 
 
+def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exploding, monkeypatch) -> None:
+    """When every group fails (here: the estimator fails for a while, whatever the data),
+    the groups stay computing and are tried again; they fail only after the last try."""
+    from expbuf.server import estimators
+
+    explode = estimators.ESTIMATORS["explode"]
+    passing = {"fail": True}
+
+    def for_a_while(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
+        if passing["fail"]:
+            raise RuntimeError("out of memory")
+        return explode(batch, **args)
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "explode", for_a_while)
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator=exploding))
+        store.put("t", group_items(1, 0, 3) + group_items(1, 1, 3))
+        worker = AdvantageWorker(store, retry_delays=(0.0, 0.0))
+        worker.run_once()
+        assert store.stats("t")["groups_computing"] == 2  # not failed: tried again later
+        passing["fail"] = False
+        worker.run_once()
+        assert store.stats("t")["groups_ready"] == 2
+        passing["fail"] = True
+        store.put("t", group_items(1, 2, 3))
+        for _ in range(3):
+            worker.run_once()
+        stats = store.stats("t")
+        assert (stats["groups_failed"], stats["groups_computing"]) == (1, 0)
+        assert "out of memory" in stats["last_failure"]
+
+
 def test_failed_computation_over_grpc_and_the_server_keeps_serving(client: BufferClient, exploding) -> None:
     client.create_table("boom", estimator=exploding)
-    client.push(trxp.build(group_items(3, 0, 4, reward=13.0)), table="boom")
+    client.push(trxp.build(group_items(3, 0, 4, reward=13.0) + group_items(3, 1, 4)), table="boom")
     with pytest.raises(BufferError) as info:
-        next(client.sample("boom", num_groups=1, max_batches=1, timeout=2))
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        next(client.sample("boom", num_groups=2, max_batches=1, timeout=2))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED  # the good group alone is ready
     stats = client.stats("boom")["boom"]
-    assert stats["groups_failed"] == 1 and "group 3/0" in stats["last_failure"]
+    assert (stats["groups_failed"], stats["groups_ready"]) == (1, 1) and "group 3/0" in stats["last_failure"]
     kept = client.get([f"3/0/{run}/0/r{run}s0" for run in range(4)], table="boom")
     assert len(kept) == 4 and kept.missing_uids == []
     client.push(payload("mixed_batch.trxp"))
@@ -271,3 +303,15 @@ def test_expand_puts_the_value_under_the_mask(dtype: torch.dtype | None) -> None
     want = [-0.75 * m for m in mask] if dtype is not None else [-0.75] * 5
     assert trxp.tensor_of(out["advantages"]).tolist() == want
     assert out["returns"] == out["advantages"]
+
+
+def test_a_long_backlog_does_not_keep_other_tables_waiting(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("a"))
+        store.create_table(TableConfig("b"))
+        store.put("b", group_items(2, 0, 2))
+        worker = AdvantageWorker(store, batch_limit=4)
+        for round_ in range(5):
+            store.put("a", [item for task in range(3) for item in group_items(1, 10 * round_ + task, 2)])
+            worker.run_once()
+        assert store.stats("b")["groups_ready"] == 1

@@ -60,3 +60,51 @@ def test_first_format_takes_new_pushes_and_completes_its_pending_group(v1: Path)
         store.put("turns", group_items(5, 0, 2))
         assert AdvantageWorker(store).run_once() == 2
         assert store.verify("grpo4") == [] and store.verify("turns") == []
+
+
+def test_a_retried_push_of_a_stored_experience_stays_a_duplicate(v1: Path) -> None:
+    """make.py's group 1/0, built again: the upgraded directory knows it by its content."""
+    import torch
+
+    from expbuf.client import EID, Experience, trxp
+
+    items = [
+        trxp.from_experience(
+            Experience(
+                eid=EID(batch=1, task=0, run=run, step=0, suffix=f"r{run}"),
+                tokens=torch.arange(7, dtype=torch.int32),
+                prompt_length=3,
+                logprobs=torch.full((4,), -0.5),
+                action_mask=torch.tensor([True, False, True, True]),
+                reward=float(run),
+                info={"model_version": 1, "priority": 0.0},
+            )
+        )
+        for run in range(4)
+    ]
+    with Store(v1) as store:
+        assert store.put("grpo4", items).duplicates == [item.uid for item in items]
+
+
+def test_first_format_tables_now_finished_per_batch_compute_their_ready_groups_again(v1: Path) -> None:
+    """grpo over the batch's std stored final values in format 1; its ready groups are
+    computed again, so the batch stage never finishes a final value twice."""
+    import lmdb
+
+    env = lmdb.open(str(v1), max_dbs=32)
+    with env.begin(write=True, db=env.open_db(b"tables")) as txn:
+        record = json.loads(txn.get(b"grpo4"))
+        record["config"]["estimator_params"] = {"std_over_batch": 1.0}
+        txn.put(b"grpo4", json.dumps(record).encode())
+    env.close()
+    with Store(v1) as store:
+        assert store.table("grpo4").estimator_params == {"std_cal_level": 1.0}
+        stats = store.stats("grpo4")
+        assert (stats["groups_ready"], stats["groups_computing"]) == (0, 1)
+        assert store.verify("grpo4") == []
+        assert AdvantageWorker(store).run_once() == 1
+        batch = take(store, "grpo4", num_groups=1)
+        rewards = [0.0, 1.0, 2.0, 3.0]
+        mean, std = sum(rewards) / 4, (sum((r - 1.5) ** 2 for r in rewards) / 3) ** 0.5
+        got = [float(e.advantages[0]) for e in decode(batch.payload)]
+        assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], abs=1e-5)

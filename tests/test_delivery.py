@@ -234,3 +234,23 @@ def test_held_batches_of_a_killed_server_come_back(tmp_path: Path) -> None:
         assert server.store.stats("t")["ready"] == 2
     finally:
         server.stop(grace=1)
+
+
+def test_a_bad_confirmation_while_waiting_for_data_is_refused(client: BufferClient, stub) -> None:
+    talk = Conversation(stub, request(wait_seconds=5))
+    talk.confirm(5)
+    with pytest.raises(grpc.RpcError) as info:
+        talk.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "confirms 5 batches, but 0 were sent" in info.value.details()
+
+
+def test_a_batch_given_back_unconfirmed_is_not_counted_as_sampled(client: BufferClient, stub) -> None:
+    fill(client, 2)
+    for _ in range(3):
+        talk = Conversation(stub, request())
+        talk.read()
+        talk.cancel()
+        settle(client, lambda s: s["leased"] == 0)
+    stats = client.stats("t")["t"]
+    assert (stats["sampled"], stats["consumed"], stats["ready"]) == (0, 0, 4)

@@ -314,3 +314,10 @@ def test_tables_of_the_first_format_open_under_todays_estimator_names(tmp_path: 
     with Store(tmp_path) as store:
         for name, (_, _, estimator, params) in old.items():
             assert (store.table(name).estimator, store.table(name).estimator_params) == (estimator, params)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a server without CUDA")
+def test_a_cuda_table_is_refused_without_cuda(stub) -> None:
+    config = pb.TableConfig(name="gpu", estimator=pb.Estimator(name="grpo", device="cuda"))
+    error = refused(stub.CreateTable, pb.CreateTableRequest(config=config), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "no CUDA device" in error.details()

@@ -400,3 +400,15 @@ def test_the_store_is_a_backend(store: Store) -> None:
     assert isinstance(store, Backend)
     missing = [name for name in dir(Backend) if not name.startswith("_") and not hasattr(store, name)]
     assert missing == []
+
+
+def test_waiting_for_data_or_room_sleeps_instead_of_spinning(store: Store) -> None:
+    """A sample waiting for data retries only when something changed (or every 0.25 s):
+    its own empty retries do not wake it, nor anyone else waiting."""
+    store.create_table(TableConfig(name="full", estimator="none", capacity_experiences=2))
+    store.put("full", group_items(1, 0, 2))
+    before = store.environment.batches
+    assert take(store, "plain", num_groups=1, wait_seconds=1.0) is None
+    with pytest.raises(TableFull):
+        store.put("full", group_items(1, 1, 2), timeout=1.0)
+    assert store.environment.batches - before < 40  # a retry every 0.25 s or so, not thousands

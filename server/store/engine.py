@@ -55,6 +55,7 @@ class Store:
         self._db = self.environment.db
         self._upkeep = Upkeep(self.environment.env, self._db)
         self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         with self.environment.read() as txn:
             for name, raw in txn.cursor(db=self._db["tables"]):
                 record = json.loads(raw)
@@ -324,7 +325,7 @@ class Store:
         tt = self._by_id(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
-        count = end_lease(tt, lease_id, lease.groups, requeue=requeue)
+        count = end_lease(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
         if expired:
             tt.counters["leases_expired"] += 1
         tt.save()
@@ -462,34 +463,39 @@ class Store:
         return self.environment.wait_for_change(generation, time.monotonic() + timeout)
 
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
-        """Completed groups waiting for advantages, oldest first, up to about `limit`
-        experiences, as one job per table. Payloads are read only for estimators that
-        need token-level data; the others work from the item records."""
-        jobs: dict[int, ComputeJob] = {}
-        ids = {table_id: (name, config) for name, (table_id, config) in self._tables.items()}
+        """Completed groups waiting for advantages, oldest first within each table, up to
+        about `limit` experiences, as one job per table. Tables take turns being first, so a
+        table with a long backlog cannot keep the others waiting. Payloads are read only
+        for estimators that need token-level data; the others work from the item records."""
+        tables = sorted((table_id, name, config) for name, (table_id, config) in self._tables.items())
+        turn = next((i for i, (table_id, _, _) in enumerate(tables) if table_id > self._last_computed), 0)
+        jobs: list[ComputeJob] = []
         count = 0
         with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
-            for key, gkey in cur:
+            for table_id, name, config in tables[turn:] + tables[:turn]:
                 if count >= limit:
                     break
-                table_id = layout.table_of(key)
-                if table_id not in ids:
+                prefix = layout.table_prefix(table_id)
+                found = cur.set_range(prefix)
+                if not found or not cur.key().startswith(prefix):
                     continue
-                grp = GroupRecord.decode(txn.get(key[:4] + gkey, db=self._db["groups"]))
-                name, config = ids[table_id]
-                if table_id not in jobs:
-                    moments = read_counters(txn, self._db["counters"], key[:4])["reward_moments"]
-                    jobs[table_id] = ComputeJob(name, config, [], [], {}, {}, moments)
-                job = jobs[table_id]
-                job.groups.append(gkey.decode())
-                job.members.append(grp.members)
-                for uid in grp.members:
-                    item_key = key[:4] + uid.encode()
-                    job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                    if config.estimator in TOKEN_LEVEL:
-                        job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
-                count += len(grp.members)
-        return list(jobs.values())
+                moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
+                job = ComputeJob(name, config, [], [], {}, {}, moments)
+                while found and cur.key().startswith(prefix) and count < limit:
+                    gkey = cur.value()
+                    grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
+                    job.groups.append(gkey.decode())
+                    job.members.append(grp.members)
+                    for uid in grp.members:
+                        item_key = prefix + uid.encode()
+                        job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
+                        if config.estimator in TOKEN_LEVEL:
+                            job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
+                    count += len(grp.members)
+                    found = cur.next()
+                jobs.append(job)
+                self._last_computed = table_id
+        return jobs
 
     def finish_compute(
         self,

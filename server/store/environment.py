@@ -65,9 +65,10 @@ class Environment:
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
             self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-            with self.env.begin(write=True) as txn:
-                migrate(txn, self.env, self.db, self.path)
+            self._migrate()
         except BaseException:
+            if hasattr(self, "env"):
+                self.env.close()
             self._lock_file.close()
             raise
         self._readers = 0
@@ -75,17 +76,33 @@ class Environment:
         self._gate = threading.Condition()
         self._changed = threading.Condition()
         self._generation = 0
+        self.batches = 0  # batches of requests the writer has run, committed or not
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._closed = False
+        self._closing = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         self._writer.start()
 
+    def _migrate(self) -> None:
+        """Bring the directory to the current format, growing the map if the rewrite needs it."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    migrate(txn, self.env, self.db, self.path)
+                return
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size >= self.max_map_size:
+                    raise StorageFull(f"upgrading {self.path} needs more than max_map_size ({size} bytes)") from None
+                self.env.set_mapsize(min(size * 2, self.max_map_size))
+
     def close(self) -> None:
         """Finish and commit every queued request, then close the environment."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)  # after every request already queued: they are committed first
         self._writer.join()
         self.env.close()
         self._lock_file.close()
@@ -94,10 +111,11 @@ class Environment:
 
     def submit(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run `fn` in the writer thread's next transaction; return once it is committed."""
-        if self._closed:
-            raise StoreClosed("the store is closed")
         future: Future = Future()
-        self._queue.put(_Op(fn, future))
+        with self._closing:
+            if self._closed:
+                raise StoreClosed("the store is closed")
+            self._queue.put(_Op(fn, future))
         return future.result()
 
     def _write_loop(self) -> None:
@@ -121,7 +139,12 @@ class Environment:
                 return
 
     def _apply(self, ops: list[_Op]) -> None:
-        """Run ops in one transaction, each nested so a refusal undoes only itself."""
+        """Run ops in one transaction, each nested so a refusal undoes only itself. Only a
+        commit that changed something counts as a change for wait_for_change(): a caller
+        that retries a request which changed nothing (a sample waiting for data, a push
+        waiting for room) sleeps until someone else's change instead of spinning."""
+        self.batches += 1
+        before = self.env.info()["last_txnid"]
         while True:
             results: list[tuple[bool, Any]] = []
             parent = self.env.begin(write=True)
@@ -154,14 +177,15 @@ class Environment:
                 )
                 results = [(False, failed)] * len(ops)
                 break
+        if self.env.info()["last_txnid"] != before:
+            with self._changed:
+                self._generation += 1
+                self._changed.notify_all()
         for op, (ok, value) in zip(ops, results, strict=True):
             if ok:
                 op.future.set_result(value)
             else:
                 op.future.set_exception(value)
-        with self._changed:
-            self._generation += 1
-            self._changed.notify_all()
 
     @staticmethod
     def _run(op: _Op, txn: lmdb.Transaction) -> tuple[bool, Any]:

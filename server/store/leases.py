@@ -97,9 +97,10 @@ def take(
     return batch
 
 
-def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool) -> int:
+def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
-    experiences. Groups no longer under this lease (deleted, say) are left alone."""
+    experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
+    a batch held for a stream that never confirmed it goes back uncounted as sampled."""
     count = 0
     for gkey in gkeys:
         grp = tt.group(gkey)
@@ -108,7 +109,13 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool) -
         count += len(grp.members)
         grp.lease = ""
         if requeue:
-            tt.set_state(gkey, grp, tt.members(grp), READY)
+            recs = tt.members(grp)
+            if unsent:
+                for rec in recs.values():
+                    rec.times_sampled -= 1
+                    tt.counters["sampled"] -= 1
+                    tt.counters["bytes_sampled"] -= rec.size
+            tt.set_state(gkey, grp, recs, READY)
             tt.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
         else:
             tt.retire(gkey, grp, CONSUMED)

@@ -2,11 +2,12 @@
 
 Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task, run
 and step. Opening such a directory rewrites every item, group and lease record in the
-binary form of records.py and drops those indexes. Format 2 had no version index of
-ready groups (byver, selection.py): it is built from the group records. Each step runs
-in the one transaction of the open: a crash during it leaves the format found, and the
-next open starts again. A directory of a newer format than this expbuf reads is refused,
-naming both.
+binary form of records.py (live experiences get the digest of today's canonical packing,
+so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
+version index of ready groups (byver, selection.py): it is built from the group records.
+Each step runs in the one transaction of the open: a crash during it leaves the format
+found, and the next open starts again. A directory of a newer format than this expbuf
+reads is refused, naming both.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from pathlib import Path
 
 import lmdb
 
+from expbuf.client import trxp
+
 from ..errors import StoreError
 from ..selection import ReadyDbs, ReadyIndex
+from ..tables import TableConfig, batch_stage
 from . import layout
-from .records import READY, GroupRecord, ItemRecord, Lease
+from .groups import TableTxn
+from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
+from .types import Entry
 
 _KEY = b"format"
 
@@ -44,12 +50,42 @@ def migrate(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
 
 
 def _from_1(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
-    for db, kind in (("items", ItemRecord), ("groups", GroupRecord), ("leases", Lease)):
+    for db, kind in (("groups", GroupRecord), ("leases", Lease)):
         rewritten = [(bytes(key), kind.from_v1(json.loads(value)).encode()) for key, value in txn.cursor(db=dbs[db])]
         for key, value in rewritten:
             txn.put(key, value, db=dbs[db])
+    items = [(bytes(key), ItemRecord.from_v1(json.loads(value))) for key, value in txn.cursor(db=dbs["items"])]
+    for key, record in items:
+        blob = txn.get(key, db=dbs["blobs"])
+        if blob is not None:  # digests are now of the canonical packing: a retried push stays a duplicate
+            record.digest = Entry.of(trxp.parse(blob, trusted=True)[0]).digest
+        txn.put(key, record.encode(), db=dbs["items"])
+    _recompute_batch_stage_tables(txn, dbs)
     for name in layout.FORMAT_1_ONLY:
         txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
+
+
+def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+    """Format 1's grpo over the batch's std and its reinforce++ stored final advantages;
+    today their namesakes store per-group values that a batch stage finishes at sample
+    time. Their ready groups are computed again (leased ones are out: their lease ends
+    them)."""
+    for _, raw in txn.cursor(db=dbs["tables"]):
+        record = json.loads(raw)
+        config = TableConfig.from_stored(record["config"], record.get("v", 1))
+        if not batch_stage(config):
+            continue
+        tt = TableTxn(txn, dbs, record["id"], config, now=0.0)
+        for gkey_raw in list(tt.ready.scan(dbs["ready"], reverse=False)):
+            gkey = bytes(gkey_raw).decode()
+            grp = tt.group(gkey)
+            tt.ready.remove(gkey_raw, grp.rseq, grp.priority, grp.version)
+            recs = tt.members(grp)
+            for rec in recs.values():
+                rec.advantage = None
+            tt.set_state(gkey, grp, recs, COMPUTING)
+            txn.put(tt.rseq_key(grp), gkey_raw, db=dbs["compute"])
+        tt.save()
 
 
 def _version_index(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:

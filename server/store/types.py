@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from expbuf.client import trxp
 
-from ..advantage_storage import Advantage, batch_payload
+from ..advantage_storage import Advantage, batch_parts, batch_payload
 from ..tables import TableConfig
 from .records import ItemRecord
 
@@ -87,6 +87,10 @@ class Sampled:
     @property
     def payload(self) -> bytes:
         return batch_payload(self.blobs, self.advantages)
+
+    def payload_parts(self) -> list[bytes | memoryview]:
+        """The payload as the runs of bytes it is made of (see trxp.join_parts)."""
+        return batch_parts(self.blobs, self.advantages)
 
 
 @dataclass

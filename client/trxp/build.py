@@ -1,0 +1,177 @@
+"""Building TRXP payloads from trusted items: whole batches as Trinity-RFT writes them, one
+item in the canonical form the server stores, and batches spliced from stored items
+without unpickling them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+
+from .common import _CONTAINERS, _DTYPE_RANK, _HEADER, HEADER_SIZE, MAGIC, VERSION, RawItem, RawTensor
+from .parse import parse
+
+# ---- building (trusted input) -----------------------------------------------------
+
+
+def build(items: Sequence[RawItem]) -> bytes:
+    """Compose one TRXP payload from items, as Trinity-RFT's serialize_many writes it."""
+    meta = pickle.dumps(
+        {"version": VERSION, "num_items": len(items), "items": [item.meta for item in items]},
+        protocol=5,
+    )
+    entries = [(f"{index}:{name}", tensor) for index, item in enumerate(items) for name, tensor in item.tensors.items()]
+    # safetensors' own order: dtype descending, then name; this also keeps data aligned.
+    entries.sort(key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, tensor in entries:
+        end = offset + len(tensor.data)
+        header[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    return _assemble(meta, header, [tensor.data for _, tensor in entries])
+
+
+def _assemble(meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join(_assemble_parts(meta, header, data))
+
+
+def _assemble_parts(
+    meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """A payload as the runs of bytes it is made of, in order."""
+    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    tensor_len = 8 + len(header_bytes) + sum(len(d) for d in data)
+    head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
+    return [head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data]
+
+
+# The server stores each experience as a one-item payload whose metadata pickle is laid
+# out so that join() can splice many of them without unpickling: protocol 3, no memo
+# (so each item's opcodes stand on their own), between a fixed head and tail.
+_SPLICE_HEAD = b"\x80\x03}(X\x07\x00\x00\x00versionK\x01X\t\x00\x00\x00num_itemsJ"
+_SPLICE_ITEMS = b"X\x05\x00\x00\x00items]("
+_SPLICE_TAIL = b"eu."
+_SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
+
+
+def fragment(meta: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=3)
+    pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
+    pickler.dump(_canonical(meta))
+    return buffer.getvalue()[2:-1]  # without PROTO and STOP
+
+
+def _canonical(value: Any) -> Any:
+    """The same plain data with every dict's keys sorted (str before bytes), so that equal
+    content packs to equal bytes whatever order a client wrote its keys in."""
+    if isinstance(value, dict):
+        try:
+            keys = sorted(value)
+        except TypeError:  # str and bytes keys together
+            keys = sorted(value, key=lambda key: (isinstance(key, bytes), key))
+        out = {}
+        for key in keys:
+            inner = value[key]
+            out[key] = _canonical(inner) if isinstance(inner, _CONTAINERS) else inner
+        return out
+    if not any(isinstance(inner, _CONTAINERS) for inner in value):
+        return value  # a list or tuple of scalars is canonical as it is
+    canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
+    return canonical if isinstance(value, list) else tuple(canonical)
+
+
+def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join([_SPLICE_HEAD, struct.pack("<i", len(fragments)), _SPLICE_ITEMS, *fragments, _SPLICE_TAIL])
+
+
+def pack_item(item: RawItem) -> bytes:
+    """One validated experience as a one-item TRXP payload that join() splices cheaply."""
+    entries = sorted(item.tensors.items(), key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in entries:
+        end = offset + len(tensor.data)
+        header[f"0:{name}"] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    return _assemble(_splice_meta([fragment(item.meta)]), header, [tensor.data for _, tensor in entries])
+
+
+def join(
+    payloads: Iterable[bytes],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+) -> bytes:
+    """Concatenate payloads the server stored (already validated) into one batch.
+
+    Payloads made by pack_item are spliced: their metadata opcodes and tensor bytes are
+    copied as they are, and only the safetensors header is rewritten. `extra(i, tensors)`
+    may add or replace tensors of item i (the server attaches advantages this way).
+    Payloads of any other layout are parsed and rebuilt.
+    """
+    return b"".join(join_parts(payloads, extra))
+
+
+def join_parts(
+    payloads: Iterable[bytes],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+) -> list[bytes | memoryview]:
+    """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
+    the batch (in a reply message, say) copies each byte once."""
+    payloads = list(payloads)
+    fragments: list[memoryview] = []
+    header: dict[str, Any] = {}
+    data: list[bytes | memoryview] = []
+    base = 0
+    for index, payload in enumerate(payloads):
+        view = memoryview(payload)
+        _, _, meta_len, _ = _HEADER.unpack_from(view)
+        meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+        if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
+            return [_rebuild(payloads, extra)]
+        fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
+        blob = view[HEADER_SIZE + meta_len :]
+        (header_len,) = struct.unpack_from("<Q", blob)
+        section = blob[8 + header_len :]
+        entries = [
+            (key.partition(":")[2], entry)
+            for key, entry in json.loads(bytes(blob[8 : 8 + header_len])).items()
+            if key != "__metadata__"
+        ]
+        tensors = {
+            name: RawTensor(e["dtype"], tuple(e["shape"]), section[e["data_offsets"][0] : e["data_offsets"][1]])
+            for name, e in entries
+        }
+        added = extra(index, tensors) if extra else {}
+        kept = [(name, tensors[name]) for name, _ in entries if name not in added]
+        # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
+        data.extend([section] if len(kept) == len(entries) else [t.data for _, t in kept])
+        for name, tensor in [*kept, *added.items()]:
+            end = base + len(tensor.data)
+            header[f"{index}:{name}"] = {
+                "dtype": tensor.dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [base, end],
+            }
+            base = end
+        data.extend(t.data for t in added.values())
+    return _assemble_parts(_splice_meta(fragments), header, data)
+
+
+def _rebuild(
+    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
+) -> bytes:
+    items = [item for payload in payloads for item in parse(payload, trusted=True)]
+    if extra:
+        for index, item in enumerate(items):
+            item.tensors.update(extra(index, item.tensors))
+    return build(items)

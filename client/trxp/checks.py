@@ -1,0 +1,308 @@
+"""What later stages rely on, checked on every item: eids, numbers in range, metadata of
+bounded shape and size, tensors consistent with the metadata. Messages name the item and
+field and show at most MAX_SHOWN characters of any input.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+from ..experience import (
+    EID,
+    RESPONSE_TENSOR_FIELDS,
+    TOKEN_TENSOR_FIELDS,
+)
+from .common import (
+    _CONTAINERS,
+    _FLOAT_CODES,
+    _FLOAT_FIELDS,
+    _INTEGER_CODES,
+    _SCALARS,
+    EXPANSION_BASE,
+    EXPANSION_PER_BYTE,
+    INT64_MAX,
+    MAX_NESTING,
+    MAX_SHOWN,
+    MAX_STEP,
+    MAX_UID_BYTES,
+    MM_PREFIX,
+    RawItem,
+    TrxpError,
+    Work,
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether text encodes to UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clip(text: str) -> str:
+    """Untrusted text cut for an error message, with its full length."""
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
+
+
+def _show(value: Any) -> str:
+    """An untrusted value rendered for an error message in bounded length and time."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} chars)"
+    if isinstance(value, bytes):
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} bytes)"
+    if _is_int(value) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"  # its decimal form would take quadratic time
+    if isinstance(value, (int, float, type(None))):
+        return repr(value)
+    if isinstance(value, _CONTAINERS):
+        return f"a {type(value).__name__} of {len(value)} entries"
+    return f"a {type(value).__name__}"
+
+
+def _show_list(values: Sequence[Any]) -> str:
+    shown = ", ".join(_show(v) for v in values[:8])
+    return f"[{shown}{', …' if len(values) > 8 else ''}]"
+
+
+def _in_range(where: str, field: str, value: Any, low: int, high: int, bounds: str) -> None:
+    """Refuse a value that is not an int in [low, high] (bounds: the range as the message says it)."""
+    if not _is_int(value):
+        raise TrxpError(f"{where}: field '{field}' must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, outside [{bounds}]")
+
+
+def _number(where: str, field: str, value: Any) -> None:
+    """Refuse a value that is not a finite number that converts to a float64."""
+    if not isinstance(value, (int, float)):
+        raise TrxpError(f"{where}: field '{field}' must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TrxpError(f"{where}: field '{field}' is {value}, not a finite number")
+    if not -sys.float_info.max <= value <= sys.float_info.max:
+        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, not representable as a float64")
+
+
+class _Shape:
+    """Measures item metadata, each container once (by id): nesting depth and the bytes it
+    takes written out in full, as the store packs each experience (shared references
+    expanded). Walking the data as a tree would cost exponential time for memo references
+    shared at every level; here the steps are the references present, which the pickle
+    spent at least a byte on each."""
+
+    def __init__(self, work: Work, max_size: int, *, check_keys: bool) -> None:
+        self.work = work
+        self.max_size = max_size
+        self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
+        self.size = 0  # of every item measured so far
+        self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
+
+    def item(self, where: str, item: dict[Any, Any]) -> None:
+        """Measure every field of an item, counting it towards the payload's expansion bound."""
+        for name, value in item.items():
+            try:
+                size = self._container(value, 0)[1] if isinstance(value, _CONTAINERS) else _scalar_size(value)
+                self.size += size + _scalar_size(name)
+            except TrxpError as exc:
+                raise TrxpError(f"{where}: field {_show(name)}: {exc}") from None
+            if self.size > self.max_size:
+                raise TrxpError(
+                    f"{where}: field {_show(name)}: metadata expands to more than {self.max_size} bytes when shared "
+                    f"references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
+                )
+
+    def _container(self, value: dict | list | tuple, depth: int) -> tuple[int, int]:
+        key = id(value)
+        known = self.known.get(key)
+        if known is None:
+            if depth > MAX_NESTING:
+                raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+            work = self.work
+            work.used += 1 + len(value)
+            if work.used > work.limit:
+                work.charge(0)
+            self.known[key] = _OPEN
+            size = 3  # EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS)
+            children: Iterable[Any] = value
+            if isinstance(value, dict):
+                if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
+                    raise TrxpError("dict keys must be str or bytes")
+                for name in value:
+                    size += 5 + (len(name) if name.isascii() else 4 * len(name))
+                children = value.values()
+            height = 1 if value else 0
+            for child in children:
+                kind = type(child)
+                if kind is str:  # the common cases inline
+                    size += 5 + (len(child) if child.isascii() else 4 * len(child))
+                elif kind is int:
+                    size += 6 + child.bit_length() // 8
+                elif kind is float or kind is bool or child is None:
+                    size += 9
+                elif isinstance(child, _CONTAINERS):
+                    child_height, child_size = self._container(child, depth + 1)
+                    height = max(height, child_height + 1)
+                    size += child_size
+                    if size > self.max_size:
+                        break  # refused by the caller; no need to add up the rest
+                else:
+                    size += _scalar_size(child)
+            self.known[key] = known = (height, size)
+        if depth + known[0] > MAX_NESTING:
+            raise TrxpError(f"nested deeper than {MAX_NESTING} levels (or cyclic)")
+        return known
+
+
+# What a container being measured counts as when met again: a cycle, refused as too deep.
+_OPEN = (MAX_NESTING + 1, 0)
+
+
+def _scalar_size(value: Any) -> int:
+    """Bytes a scalar takes in a pickle without memo (str: at most 4 bytes a character)."""
+    if isinstance(value, str):
+        return 5 + (len(value) if value.isascii() else 4 * len(value))
+    if isinstance(value, bytes):
+        return 5 + len(value)
+    if isinstance(value, int):
+        return 6 + value.bit_length() // 8
+    if isinstance(value, _SCALARS):
+        return 9
+    raise TrxpError(f"{type(value).__name__} is not plain data")
+
+
+_EID_PARTS = ("batch", "task", "run", "step", "suffix")
+_INT64_BOUNDS = "-2**63, 2**63 - 1"
+
+
+def _check_eid(where: str, eid: Any) -> str:
+    """Validate an eid; return its uid, which reads unambiguously from the right: task and
+    suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
+    if not isinstance(eid, dict):
+        raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
+    unknown = [key for key in eid if key not in _EID_PARTS]
+    if unknown:
+        raise TrxpError(
+            f"{where}: field 'eid' has unknown keys {_show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+        )
+    for part in _EID_PARTS:
+        if part not in eid:
+            raise TrxpError(f"{where}: field 'eid.{part}' is missing")
+    for part in ("batch", "task"):
+        if not isinstance(eid[part], str):
+            if not _is_int(eid[part]):
+                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")
+            _in_range(where, f"eid.{part}", eid[part], -(2**63), INT64_MAX, _INT64_BOUNDS)
+    _in_range(where, "eid.run", eid["run"], 0, INT64_MAX, "0, 2**63 - 1")
+    _in_range(where, "eid.step", eid["step"], 0, MAX_STEP, "0, 2**31 - 1")
+    if not isinstance(eid["suffix"], str):
+        raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(eid['suffix']).__name__}")
+    for part in ("task", "suffix"):
+        if isinstance(eid[part], str) and "/" in eid[part]:
+            raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({_show(eid[part])}); only batch may")
+    uid = EID(**eid).uid
+    if "\0" in uid:
+        raise TrxpError(f"{where}: field 'eid' contains a NUL character")
+    try:
+        uid_bytes = uid.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TrxpError(f"{where}: field 'eid' is not valid Unicode") from None
+    if len(uid_bytes) > MAX_UID_BYTES:
+        raise TrxpError(f"{where}: uid is {len(uid_bytes)} bytes, longer than {MAX_UID_BYTES}")
+    return uid
+
+
+def _check_meta(index: int, item: Any, shape: _Shape) -> None:
+    """Validate the metadata of one item: what the server, its estimators and trainers rely on."""
+    where = f"item {index}"
+    if not isinstance(item, dict):
+        raise TrxpError(f"{where}: expected a dict, got {type(item).__name__}")
+    where = f"item {index} (uid {_clip(_check_eid(where, item.get('eid')))})"
+    shape.item(where, item)
+    reward = item.get("reward")
+    if reward is not None:
+        _number(where, "reward", reward)
+    _in_range(where, "prompt_length", item.get("prompt_length", 1), 0, INT64_MAX, "0, 2**63 - 1")
+    for name in ("info", "metrics"):
+        if not isinstance(item.get(name, {}), dict):
+            raise TrxpError(f"{where}: field '{name}' must be a dict")
+    info = item.get("info", {})
+    version = info.get("model_version")
+    if version is not None:
+        _in_range(where, "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+    if info.get("priority") is not None:
+        _number(where, "info.priority", info["priority"])
+    for name in ("truncate_status", "response_text", "prompt_text"):
+        if item.get(name) is not None and not isinstance(item[name], str):
+            raise TrxpError(f"{where}: field '{name}' must be a str or None")
+    for name in ("messages", "tools", "chosen_messages", "rejected_messages"):
+        if item.get(name) is not None and not isinstance(item[name], list):
+            raise TrxpError(f"{where}: field '{name}' must be a list or None")
+    custom = item.get("custom_fields", [])
+    if not isinstance(custom, list) or not all(
+        isinstance(cf, dict)
+        and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
+        for cf in custom
+    ):
+        raise TrxpError(f"{where}: field 'custom_fields' must be a list of source/destination/data_type strings")
+    keys = item.get("multi_modal_input_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) and _is_utf8(k) for k in keys):
+        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)")
+    if len(set(keys)) != len(keys):
+        raise TrxpError(f"{where}: field 'multi_modal_input_keys' lists a key twice")
+    shape.work.charge(len(custom) + len(keys))
+
+
+def _check_tensors(index: int, item: RawItem, work: Work) -> None:
+    """Validate the tensors of one item against its metadata."""
+    meta = item.meta
+    where = f"item {index} (uid {_clip(item.uid)})"
+    keys = meta.get("multi_modal_input_keys", [])
+    work.charge(len(keys) + len(item.tensors))
+    for key in keys:
+        if MM_PREFIX + key not in item.tensors:
+            raise TrxpError(f"{where}: multi-modal input {_show(key)} is listed but has no tensor")
+    listed = set(keys)
+    for name in item.tensors:
+        if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
+            raise TrxpError(f"{where}: tensor {_show(name)} is not listed in multi_modal_input_keys")
+    tokens = item.tensors.get("tokens")
+    if tokens is None:
+        raise TrxpError(f"{where}: field 'tokens' is missing")
+    for name in TOKEN_TENSOR_FIELDS:
+        tensor = item.tensors.get(name)
+        if tensor is None:
+            continue
+        if tensor.dtype not in _INTEGER_CODES:
+            raise TrxpError(f"{where}: field '{name}' must hold integer token ids, got {tensor.dtype}")
+        if len(tensor.shape) != 1:
+            raise TrxpError(f"{where}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+    prompt_length = meta.get("prompt_length", 1)
+    if prompt_length > tokens.numel:
+        raise TrxpError(f"{where}: field 'prompt_length' is {prompt_length}, more than the {tokens.numel} tokens")
+    response_length = tokens.numel - prompt_length
+    for name in RESPONSE_TENSOR_FIELDS:
+        tensor = item.tensors.get(name)
+        if tensor is None:
+            continue
+        if len(tensor.shape) != 1:
+            raise TrxpError(f"{where}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+        if tensor.shape[0] != response_length:
+            raise TrxpError(
+                f"{where}: field '{name}' has length {tensor.shape[0]}, but the response has "
+                f"{response_length} tokens ({tokens.numel} tokens - prompt_length {prompt_length})"
+            )
+        if name in _FLOAT_FIELDS and tensor.dtype not in _FLOAT_CODES:
+            raise TrxpError(f"{where}: field '{name}' must be floating point, got {tensor.dtype}")
+        if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in _INTEGER_CODES:
+            raise TrxpError(f"{where}: field 'action_mask' must be bool or integer, got {tensor.dtype}")

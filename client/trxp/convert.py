@@ -1,0 +1,140 @@
+"""Experience objects (expbuf's or Trinity-RFT's) to raw items and back, and raw tensors to
+torch tensors; torch is imported only here, and only when tensors are made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+from ..experience import (
+    META_FIELDS,
+    TENSOR_FIELDS,
+    Experience,
+)
+from .build import build
+from .checks import _check_meta, _check_tensors, _Shape
+from .common import _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
+from .parse import parse
+
+# ---- Experience objects -----------------------------------------------------------
+
+
+def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
+    """Decode a TRXP payload into Experience objects (tensors own their memory)."""
+    return [to_experience(item) for item in parse(payload)]
+
+
+def encode(experiences: Iterable[Any]) -> bytes:
+    """Encode expbuf or Trinity-RFT experiences (read by attribute name) into TRXP."""
+    return build([from_experience(exp) for exp in experiences])
+
+
+def to_experience(item: RawItem) -> Experience:
+    meta = item.meta
+    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()}
+    mm = {name[len(MM_PREFIX) :]: tensors.pop(name) for name in list(tensors) if name.startswith(MM_PREFIX)}
+    return Experience(
+        eid=item.eid,
+        **{name: meta[name] for name in META_FIELDS if name in meta},
+        custom_fields=meta.get("custom_fields", []),
+        multi_modal_inputs={key: mm[key] for key in meta.get("multi_modal_input_keys", [])},
+        **tensors,
+    )
+
+
+def from_experience(exp: Any) -> RawItem:
+    """Read an Experience-like object (expbuf's or Trinity-RFT's) into a RawItem."""
+    eid = exp.eid
+    meta: dict[str, Any] = {"eid": eid if isinstance(eid, dict) else _eid_dict(eid)}
+    for name in META_FIELDS:
+        value = getattr(exp, name, None)
+        if name in ("info", "metrics") and value is None:
+            value = {}
+        elif name == "prompt_length" and value is None:
+            value = 1
+        elif name == "reward" and value is not None:
+            value = float(value)
+        meta[name] = value
+    meta["custom_fields"] = [_custom_field_dict(cf) for cf in getattr(exp, "custom_fields", None) or []]
+    mm = getattr(exp, "multi_modal_inputs", None) or {}
+    meta["multi_modal_input_keys"] = list(mm)
+    tensors = {}
+    for name in TENSOR_FIELDS:
+        value = getattr(exp, name, None)
+        if value is not None:
+            tensors[name] = raw_of(value)
+    for key, value in mm.items():
+        tensors[MM_PREFIX + key] = raw_of(value)
+    item = RawItem(meta, tensors)
+    work = Work(_UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
+    _check_meta(0, meta, _Shape(work, _UNBOUNDED, check_keys=True))
+    _check_tensors(0, item, work)
+    return item
+
+
+def _eid_dict(eid: Any) -> dict[str, Any]:
+    return {name: getattr(eid, name) for name in ("batch", "task", "run", "step", "suffix")}
+
+
+def _custom_field_dict(cf: Any) -> dict[str, str]:
+    if isinstance(cf, dict):
+        return {k: str(cf[k]) for k in ("source_field", "destination_field", "data_type")}
+    return {
+        "source_field": cf.source_field,
+        "destination_field": cf.destination_field,
+        "data_type": str(cf.data_type),
+    }
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors code -> torch dtype; torch is imported only when tensors are made."""
+    import torch
+
+    return {
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "I16": torch.int16,
+        "U16": torch.uint16,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I32": torch.int32,
+        "U32": torch.uint32,
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "I64": torch.int64,
+        "U64": torch.uint64,
+    }
+
+
+def tensor_of(raw: RawTensor) -> torch.Tensor:
+    """A torch tensor that owns a copy of the raw bytes."""
+    import torch
+
+    dtype = _torch_dtypes()[raw.dtype]
+    if raw.numel == 0:
+        return torch.empty(raw.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw.data), dtype=dtype).reshape(raw.shape)
+
+
+def raw_of(value: Any) -> RawTensor:
+    """The raw form of a tensor (or anything torch.as_tensor takes), on the CPU."""
+    import torch
+
+    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    tensor = tensor.detach().to("cpu").contiguous()
+    codes = {dtype: code for code, dtype in _torch_dtypes().items()}
+    if tensor.dtype not in codes:
+        raise TrxpError(f"tensor dtype {tensor.dtype} has no safetensors code")
+    nbytes = tensor.numel() * tensor.element_size()
+    data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+    return RawTensor(codes[tensor.dtype], tuple(tensor.shape), data)

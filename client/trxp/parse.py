@@ -1,0 +1,186 @@
+"""Parsing untrusted TRXP payloads into raw items: the header, the metadata pickle and the
+safetensors section, every length checked against the bytes present before anything is
+allocated, within a work budget proportional to the payload's size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+from ..experience import (
+    TENSOR_FIELDS,
+)
+from .checks import _check_meta, _check_tensors, _clip, _is_int, _Shape, _show, _show_list
+from .common import (
+    _HEADER,
+    _ITEMSIZE,
+    EXPANSION_BASE,
+    EXPANSION_PER_BYTE,
+    HEADER_SIZE,
+    INT64_MAX,
+    MAGIC,
+    MM_PREFIX,
+    VERSION,
+    RawItem,
+    RawTensor,
+    TrxpError,
+    Work,
+)
+from .pickles import PlainUnpickler, scan_pickle
+
+# ---- parsing (untrusted input) ---------------------------------------------------
+
+
+def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, work: Work | None = None) -> list[RawItem]:
+    """Split a TRXP payload into validated items without creating tensors.
+
+    `trusted=True` is for payloads the server itself wrote after validating them:
+    it skips the pickle opcode scan and the per-item checks, not the restricted
+    unpickler nor the bounds checks of the sections. `work` counts the decoding steps
+    (by default within the budget of a payload of this size).
+    """
+    view = memoryview(payload).cast("B")
+    size = len(view)
+    if work is None:
+        work = Work.for_payload(size)
+    if size and view[0] == pickle.PROTO[0]:
+        raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
+    if size < HEADER_SIZE:
+        raise TrxpError(f"payload is {size} bytes, shorter than the {HEADER_SIZE}-byte TRXP header")
+    magic, version, meta_len, tensor_len = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise TrxpError(f"bad magic {bytes(magic)!r}: not a TRXP payload")
+    if version != VERSION:
+        raise TrxpError(f"unknown TRXP version {version} (this server reads version {VERSION})")
+    if HEADER_SIZE + meta_len > size:
+        raise TrxpError(f"metadata length {meta_len} points past the end of the {size}-byte payload")
+    if HEADER_SIZE + meta_len + tensor_len > size:
+        raise TrxpError(
+            f"tensor section is {size - HEADER_SIZE - meta_len} bytes, shorter than the declared {tensor_len}"
+        )
+    trailing = size - HEADER_SIZE - meta_len - tensor_len
+    if trailing:
+        raise TrxpError(f"{trailing} trailing bytes after the declared sections")
+    meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+    items = _load_items(meta_bytes, trusted=trusted, work=work, max_size=EXPANSION_PER_BYTE * size + EXPANSION_BASE)
+    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
+    per_item: list[dict[str, RawTensor]] = [{} for _ in items]
+    for key, tensor in tensors.items():
+        index, name = _split_tensor_key(key, len(items))
+        per_item[index][name] = tensor
+    raw = [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
+    if not trusted:
+        for index, item in enumerate(raw):
+            _check_tensors(index, item, work)
+    return raw
+
+
+def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, max_size: int) -> list[dict[str, Any]]:
+    if not trusted:
+        scan_pickle(meta_bytes, work)
+    work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
+    try:
+        meta = PlainUnpickler(io.BytesIO(meta_bytes)).load()
+    except TrxpError:
+        raise
+    except Exception as exc:  # the unpickler raises many types on malformed input
+        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {_clip(str(exc))})") from None
+    if not isinstance(meta, dict):
+        raise TrxpError(f"metadata: expected a dict, got {type(meta).__name__}")
+    if meta.get("version") != VERSION:
+        raise TrxpError(f"metadata: version is {_show(meta.get('version'))}, expected {VERSION}")
+    items, num_items = meta.get("items"), meta.get("num_items")
+    if not isinstance(items, list):
+        raise TrxpError(f"metadata: 'items' must be a list, got {type(items).__name__}")
+    if not _is_int(num_items) or num_items != len(items):
+        raise TrxpError(f"metadata: num_items is {_show(num_items)} but {len(items)} items are present")
+    if not trusted:
+        shape = _Shape(work, max_size, check_keys=False)
+        for index, item in enumerate(items):
+            _check_meta(index, item, shape)
+    return items
+
+
+def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
+    size = len(blob)
+    if size < 8:
+        raise TrxpError(f"tensors: safetensors blob is {size} bytes, too short for its header length")
+    (header_len,) = struct.unpack_from("<Q", blob)
+    if header_len > size - 8:
+        raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - 8} bytes present")
+    work.charge(header_len)  # the JSON parser is linear in its input
+    try:
+        header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
+        raise TrxpError(f"tensors: safetensors header is not valid JSON ({_clip(str(exc))})") from None
+    if not isinstance(header, dict):
+        raise TrxpError("tensors: safetensors header is not a JSON object")
+    data = blob[8 + header_len :]
+    spans = sorted(
+        (*_parse_entry(key, entry, len(data), work), key) for key, entry in header.items() if key != "__metadata__"
+    )
+    cursor = 0
+    tensors: dict[str, RawTensor] = {}
+    for start, end, dtype, shape, key in spans:
+        if start != cursor:
+            raise TrxpError(f"tensors: {_show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
+        cursor = end
+        tensors[key] = RawTensor(dtype, shape, data[start:end])
+    if cursor != len(data):
+        raise TrxpError(f"tensors: {len(data) - cursor} bytes of tensor data belong to no tensor")
+    return tensors
+
+
+def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:
+    """Check one safetensors header entry; return (start, end, dtype, shape)."""
+    if not isinstance(entry, dict):
+        raise TrxpError(f"tensors: {_show(key)} entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+        raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
+        raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
+    work.charge(1 + len(shape))
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_len
+    ):
+        shown = _show_list(offsets) if isinstance(offsets, list) else _show(offsets)
+        raise TrxpError(f"tensors: {_show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
+    # torch and safetensors multiply the dimensions in int64 even when one of them is 0.
+    itemsize, product = _ITEMSIZE[dtype], 1
+    for dim in shape:
+        product *= dim or 1
+        if product * itemsize > INT64_MAX:
+            raise TrxpError(
+                f"tensors: {_show(key)} shape {_show_list(shape)} has more elements than a tensor can hold "
+                f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
+            )
+    nbytes = 0 if 0 in shape else product * itemsize
+    if nbytes != offsets[1] - offsets[0]:
+        raise TrxpError(
+            f"tensors: {_show(key)} shape {_show_list(shape)} of {dtype} needs {nbytes} bytes, "
+            f"offsets span {offsets[1] - offsets[0]}"
+        )
+    return offsets[0], offsets[1], dtype, tuple(shape)
+
+
+def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
+    """Split "{i}:{field}"; i is written as Python writes an int (ASCII digits, no sign or leading 0)."""
+    head, _, name = key.partition(":")
+    canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
+    if not canonical or not name or int(head) >= num_items:
+        raise TrxpError(f"tensors: key {_show(key)} does not name an item of the {num_items} in the payload")
+    if name not in TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
+        raise TrxpError(f"tensors: key {_show(key)} names an unknown field {_show(name)}")
+    return int(head), name

@@ -1,0 +1,63 @@
+"""Sample replies serialised once: a batch's bytes go into the reply as they are.
+
+A sampled batch is megabytes of stored payloads. Built as a protobuf message and then
+serialised, each byte would be copied into the message and again out of it; here the
+reply's bytes are written directly (the payload field first, then the rest of the message,
+which protobuf allows in any order), and `PassBytes` lets such bytes through gRPC's
+serialiser untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from .interceptor import ServiceInterceptor
+from .store import Sampled
+
+_PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
+    """The serialised SampleReply of a batch, its payload copied once."""
+    rest = pb.SampleReply(
+        uids=batch.uids,
+        group_ids=batch.group_ids,
+        lease_id=batch.lease_id if lease else "",
+        lease_expires_unix=batch.lease_expires if lease else 0.0,
+        partial=batch.partial,
+    ).SerializeToString()
+    parts = batch.payload_parts()
+    return b"".join([_PAYLOAD_TAG, _varint(sum(len(part) for part in parts)), *parts, rest])
+
+
+def _pass_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    if serialize is None:
+        return None
+    return lambda reply: reply if isinstance(reply, bytes) else serialize(reply)
+
+
+class PassBytes(ServiceInterceptor):
+    """Replies that a method returns already serialised (bytes) go out as they are."""
+
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if not handler.stream_stream or method != "Sample":
+            return handler
+        return grpc.stream_stream_rpc_method_handler(
+            handler.stream_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
+        )
