@@ -162,7 +162,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
                 start = time.perf_counter()
                 with store.environment.read() as txn:
                     db = store.environment.db
-                    index = ReadyIndex(ReadyDbs(db["ready"], db["prio"], db["slots"], db["slotof"]), txn, prefix)
+                    index = ReadyIndex(ReadyDbs.of(db), txn, prefix)
                     it = index.candidates(order, store._rng)
                     picked = [next(it) for _ in range(4)]
                     it.close()

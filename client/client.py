@@ -64,6 +64,7 @@ class PushResult:
     stored: list[str]
     duplicates: list[str]
     completed_groups: list[str]
+    stale: list[str] = field(default_factory=list)  # dropped as staler than the table's max_staleness
 
 
 @dataclass
@@ -110,6 +111,7 @@ def _sample_request(
     max_batches: int,
     min_model_version: int | None,
     allow_partial: bool,
+    trainer_version: int | None = None,
 ) -> pb.SampleRequest:
     if bool(batch_size) == bool(num_groups):
         raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
@@ -125,7 +127,15 @@ def _sample_request(
         max_batches=max_batches,
         min_model_version=min_model_version or 0,
         has_min_model_version=min_model_version is not None,
+        trainer_version=trainer_version or 0,
+        has_trainer_version=trainer_version is not None,
     )
+
+
+def _trainer_version_request(version: int, table: str) -> pb.SetTrainerVersionRequest:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version must be a non-negative integer, got {version!r}")
+    return pb.SetTrainerVersionRequest(table=table, version=version)
 
 
 def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -> pb.CreateTableRequest:
@@ -185,7 +195,30 @@ class _SampleRequests:
 
 
 def _push_result(reply: pb.PushReply) -> PushResult:
-    return PushResult(list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups))
+    return PushResult(
+        list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
+    )
+
+
+@dataclass
+class Grant:
+    """Rollouts a worker may start now (`count`, 0 when there was no room), under a grant
+    that expires at `expires` (Unix time) unless finished with `finish_grant`."""
+
+    count: int
+    grant_id: str
+    expires: float
+    table: str
+
+
+def _admit_request(table: str, count: int, wait: float, grant_seconds: float) -> pb.AdmitRequest:
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    return pb.AdmitRequest(table=table, count=count, wait_seconds=wait, grant_seconds=grant_seconds)
+
+
+def _finish_request(grant: Grant, accepted: int | None) -> pb.FinishGrantRequest:
+    return pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
 
 
 class _Base:
@@ -272,6 +305,7 @@ class BufferClient(_Base):
         max_batches: int = 0,
         min_model_version: int | None = None,
         allow_partial: bool = False,
+        trainer_version: int | None = None,
     ) -> Iterator[Batch]:
         """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
 
@@ -291,6 +325,7 @@ class BufferClient(_Base):
             max_batches,
             min_model_version,
             allow_partial,
+            trainer_version,
         )
         requests = _SampleRequests(request)
         stream = self._stub.Sample(requests, metadata=self._metadata)
@@ -320,6 +355,23 @@ class BufferClient(_Base):
     def nack(self, lease_id: str, table: str = "default") -> int:
         """Return the groups of a lease to the buffer now."""
         return self._call(self._stub.Nack, pb.NackRequest(table=table, lease_id=lease_id), retry=False).requeued
+
+    def set_trainer_version(self, version: int, table: str = "default") -> int:
+        """Tell the table the trainer's current policy version (staleness is measured from it)."""
+        request = _trainer_version_request(version, table)
+        return self._call(self._stub.SetTrainerVersion, request, retry=True).version
+
+    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
+        """How many of `count` rollouts may start now under the table's staleness bound,
+        waiting up to `wait` seconds for room. Finish the grant when the rollouts are done
+        (`finish_grant`); a grant not finished within grant_seconds gives its room back."""
+        request = _admit_request(table, count, wait, grant_seconds)
+        reply = self._call(self._stub.Admit, request, retry=False, timeout=wait + self.timeout)
+        return Grant(reply.granted, reply.grant_id, reply.expires_unix, table)
+
+    def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
+        """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back."""
+        return self._call(self._stub.FinishGrant, _finish_request(grant, accepted), retry=False).returned
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
@@ -423,6 +475,7 @@ class AsyncBufferClient(_Base):
         max_batches: int = 0,
         min_model_version: int | None = None,
         allow_partial: bool = False,
+        trainer_version: int | None = None,
     ) -> AsyncIterator[Batch]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() return coroutines."""
         request = _sample_request(
@@ -436,6 +489,7 @@ class AsyncBufferClient(_Base):
             max_batches,
             min_model_version,
             allow_partial,
+            trainer_version,
         )
         call = self._stub.Sample(metadata=self._metadata)
         received = 0
@@ -461,6 +515,18 @@ class AsyncBufferClient(_Base):
     async def nack(self, lease_id: str, table: str = "default") -> int:
         request = pb.NackRequest(table=table, lease_id=lease_id)
         return (await self._call(self._stub.Nack, request, retry=False)).requeued
+
+    async def set_trainer_version(self, version: int, table: str = "default") -> int:
+        request = _trainer_version_request(version, table)
+        return (await self._call(self._stub.SetTrainerVersion, request, retry=True)).version
+
+    async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
+        request = _admit_request(table, count, wait, grant_seconds)
+        reply = await self._call(self._stub.Admit, request, retry=False, timeout=wait + self.timeout)
+        return Grant(reply.granted, reply.grant_id, reply.expires_unix, table)
+
+    async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
+        return (await self._call(self._stub.FinishGrant, _finish_request(grant, accepted), retry=False)).returned
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

@@ -27,6 +27,10 @@ class ExperienceDataset(torch.utils.data.IterableDataset):
         self.table = table
         self.sample_args = {"delivery": "lease", **sample_args}
 
+    def set_trainer_version(self, version: int) -> int:
+        """Tell the table the trainer's policy version, e.g. after each optimizer step."""
+        return self.client.set_trainer_version(version, self.table)
+
     def __iter__(self) -> Iterator[Batch]:
         previous: Batch | None = None
         try:

@@ -13,6 +13,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
 ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
+ON_STALE = {"drop": pb.ON_STALE_DROP, "refuse": pb.ON_STALE_REFUSE}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 # Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
@@ -55,6 +56,12 @@ TABLE_SETTINGS = (
     "tombstone_seconds",
     "keep_failed",
     "shaping",
+    "max_staleness",
+    "batch_size",
+    "on_stale",
+    "min_size_to_sample",
+    "samples_per_insert",
+    "samples_per_insert_error",
 )
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
 SHAPING_SETTINGS = (
@@ -138,6 +145,12 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         tombstone_seconds=settings.get("tombstone_seconds"),
         keep_failed=settings.get("keep_failed"),
         shaping=shaping_to_proto(settings.get("shaping")),
+        max_staleness=settings.get("max_staleness"),
+        batch_size=settings.get("batch_size", 0),
+        on_stale=enum_value(ON_STALE, "on_stale", settings.get("on_stale", "drop")),
+        min_size_to_sample=settings.get("min_size_to_sample", 0),
+        samples_per_insert=settings.get("samples_per_insert", 0.0),
+        samples_per_insert_error=settings.get("samples_per_insert_error", 0.0),
     )
 
 
@@ -160,4 +173,10 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         **({"tombstone_seconds": msg.tombstone_seconds} if msg.HasField("tombstone_seconds") else {}),
         **({"keep_failed": msg.keep_failed} if msg.HasField("keep_failed") else {}),
         "shaping": shaping_from_proto(msg.shaping),
+        "max_staleness": msg.max_staleness if msg.HasField("max_staleness") else None,
+        "batch_size": msg.batch_size,
+        "on_stale": enum_name(ON_STALE, "on_stale", msg.on_stale, "drop"),
+        "min_size_to_sample": msg.min_size_to_sample,
+        "samples_per_insert": msg.samples_per_insert,
+        "samples_per_insert_error": msg.samples_per_insert_error,
     }

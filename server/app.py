@@ -200,6 +200,8 @@ class ExpbufServer:
                 continue
             if done["leases_expired"]:
                 log.info("leases expired: %d (%d experiences requeued)", done["leases_expired"], done["requeued"])
+            if done["rollouts_returned"]:
+                log.info("grants expired: %d rollouts may start again", done["rollouts_returned"])
             if done["groups_timed_out"]:
                 log.info("incomplete groups timed out: %d", done["groups_timed_out"])
 

@@ -35,6 +35,9 @@ _STORE_COUNTERS = (
     ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates", {}),
     ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired", {}),
     ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total", {}),
+    ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted", {}),
+    ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired", {}),
+    ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped", {}),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
@@ -69,6 +72,22 @@ class StoreCollector(Collector):
                 dropped.add_metric([table, reason], stats[f"dropped_{reason}"])
         yield dropped
         yield from _shaping_metrics(tables)
+        trainer = GaugeMetricFamily(
+            "expbuf_trainer_version", "The trainer's policy version (tables where it was set).", labels=["table"]
+        )
+        for table, stats in tables.items():
+            if stats["trainer_version"] is not None:
+                trainer.add_metric([table], stats["trainer_version"])
+        yield trainer
+        blocked = CounterMetricFamily(
+            "expbuf_rate_limit_blocked_seconds",
+            "Seconds the rate limits held inserts and samples (those that passed or timed out).",
+            labels=["table", "side"],
+        )
+        for table, stats in tables.items():
+            for side in ("insert", "sample"):
+                blocked.add_metric([table, side], stats[f"{side}_blocked_seconds"])
+        yield blocked
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
@@ -148,9 +167,15 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.admission = Counter(
+            "expbuf_admit_requests",
+            "Admit requests by outcome (granted, or no_room within the wait).",
+            ["table", "outcome"],
+            registry=self.registry,
+        )
         self.staleness = Histogram(
             "expbuf_sample_staleness_versions",
-            "Newest policy version pushed minus the version of each sampled experience.",
+            "Trainer version (else the newest version pushed) minus the version of each sampled experience.",
             ["table"],
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=self.registry,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, clip
 from .selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")
@@ -31,6 +31,13 @@ def check_count(name: str, value: int) -> None:
         raise SpecError(f"{name} must be a non-negative integer, got {value!r}")
     if value > MAX_COUNT:
         raise SpecError(f"{name} is {value}, above {MAX_COUNT} (a negative number sent as an unsigned integer?)")
+
+
+def check_version(name: str, value: object) -> int:
+    """A policy version: a non-negative 64-bit integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT64[1]:
+        raise SpecError(f"{name} must be an integer in 0..{INT64[1]}, got {clip(repr(value))}")
+    return value
 
 
 def check_seconds(name: str, value: float, *, low: float, high: float, low_open: bool = False) -> None:
@@ -60,6 +67,7 @@ class SampleSpec:
     allow_partial: bool = False
     max_batches: int = 0
     min_model_version: int | None = None
+    trainer_version: int | None = None  # stored for the table before the batch is taken
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "batch_size", "max_batches"):
@@ -78,6 +86,8 @@ class SampleSpec:
             not isinstance(version, int) or isinstance(version, bool) or not INT64[0] <= version <= INT64[1]
         ):
             raise SpecError(f"min_model_version must be a 64-bit integer, got {version!r}")
+        if self.trainer_version is not None:
+            check_version("trainer_version", self.trainer_version)
 
     @property
     def want(self) -> str:

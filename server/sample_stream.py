@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 
@@ -127,6 +128,7 @@ def stream_batches(
                     f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s",
                 )
             unconfirmed = batch
+            spec = replace(spec, trainer_version=None)  # the first message's version is stored once
             sent += 1
             client.sending(sent)
             yield reply(batch)

@@ -7,12 +7,19 @@ table's 4-byte prefix:
 - `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
 - `slots`:  slot (u64 BE)                  -> group key   (a dense array: uniform picks a random slot)
   with `slotof`: group key -> slot, and the count of slots under the bare prefix.
+- `byver`:  lowest model version + rseq    -> priority + group key (groups of a known version)
 Every operation costs a few B-tree lookups, so selection does not slow down as the
-table grows: no request scans the table.
+table grows: no request scans the table. A request with a `min_model_version` reads
+only the groups at or above it from `byver`, however many older groups there are:
+fifo and lifo merge the versions' runs (a cost of the distinct fresh versions, a few),
+priority and uniform order the fresh groups they find. A group with an unknown version
+(any member without info["model_version"]) is not in `byver`: it never meets a
+minimum version.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 import struct
 from abc import ABC, abstractmethod
@@ -42,6 +49,17 @@ class ReadyDbs:
     prio: lmdb._Database
     slots: lmdb._Database
     slotof: lmdb._Database
+    byver: lmdb._Database
+
+    @classmethod
+    def of(cls, dbs: dict[str, lmdb._Database]) -> ReadyDbs:
+        """The ready-group indexes among the store's named databases."""
+        return cls(dbs["ready"], dbs["prio"], dbs["slots"], dbs["slotof"], dbs["byver"])
+
+
+def version_key(version: int) -> bytes:
+    """A signed 64-bit version as 8 bytes that sort in its order."""
+    return u64(version + (1 << 63))
 
 
 class ReadyIndex:
@@ -50,8 +68,9 @@ class ReadyIndex:
     def __init__(self, dbs: ReadyDbs, txn: lmdb.Transaction, prefix: bytes) -> None:
         self.dbs, self.txn, self.prefix = dbs, txn, prefix
 
-    def add(self, gkey: bytes, rseq: int, priority: float) -> None:
+    def add(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
         p, txn = self.prefix, self.txn
+        self.add_version(gkey, rseq, priority, version)
         txn.put(p + u64(rseq), gkey, db=self.dbs.ready)
         txn.put(p + _prio_key(priority) + u64(rseq), gkey, db=self.dbs.prio)
         count = self.count()
@@ -59,8 +78,15 @@ class ReadyIndex:
         txn.put(p + gkey, u64(count), db=self.dbs.slotof)
         txn.put(p, u64(count + 1), db=self.dbs.slots)
 
-    def remove(self, gkey: bytes, rseq: int, priority: float) -> None:
+    def add_version(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
+        """Index a ready group by its version (nothing for an unknown version)."""
+        if version is not None:
+            self.txn.put(self.prefix + version_key(version) + u64(rseq), _prio_key(priority) + gkey, db=self.dbs.byver)
+
+    def remove(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
         p, txn = self.prefix, self.txn
+        if version is not None:
+            txn.delete(p + version_key(version) + u64(rseq), db=self.dbs.byver)
         txn.delete(p + u64(rseq), db=self.dbs.ready)
         txn.delete(p + _prio_key(priority) + u64(rseq), db=self.dbs.prio)
         slot_raw = txn.pop(p + gkey, db=self.dbs.slotof)
@@ -78,13 +104,69 @@ class ReadyIndex:
         raw = self.txn.get(self.prefix, db=self.dbs.slots)
         return _U64.unpack(raw)[0] if raw else 0
 
-    def candidates(self, order: str, rng: random.Random) -> Iterator[bytes]:
+    def candidates(self, order: str, rng: random.Random, min_version: int | None = None) -> Iterator[bytes]:
         """Ready group keys in the named order, each at most once; lazily, so a caller
-        that needs k groups reads about k entries."""
-        try:
+        that needs k groups reads about k entries. With `min_version`, only groups whose
+        lowest version is at least that (from `byver`)."""
+        if order not in ORDERS:
+            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
+        if min_version is None:
             return ORDERS[order]().candidates(self, rng)
-        except KeyError:
-            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}") from None
+        if order in ("fifo", "lifo"):
+            return self._fresh_in_order(min_version, newest=order == "lifo")
+        return self._fresh_sorted(min_version, order, rng)
+
+    def _fresh_in_order(self, min_version: int, *, newest: bool) -> Iterator[bytes]:
+        """Fresh groups in ready order (lifo: from the back): a merge of the runs of each
+        version at or above min_version, each read from its front (or back)."""
+        p, sign = self.prefix, -1 if newest else 1
+        heads: list[tuple[int, bytes, bytes]] = []  # (sign * rseq, version key, group key) of each run
+        with self.txn.cursor(db=self.dbs.byver) as cur:
+            found = cur.set_range(p + version_key(min_version))
+            while found and cur.key().startswith(p):
+                vkey = cur.key()[4:12]
+                head = self._run_next(cur, vkey, None, newest=newest)
+                if head is not None:
+                    heads.append((sign * head[0], vkey, head[1]))
+                after = _next_prefix(p + vkey)
+                found = after is not None and cur.set_range(after)
+            heapq.heapify(heads)
+            while heads:
+                signed, vkey, gkey = heapq.heappop(heads)
+                yield gkey
+                head = self._run_next(cur, vkey, sign * signed, newest=newest)
+                if head is not None:
+                    heapq.heappush(heads, (sign * head[0], vkey, head[1]))
+
+    def _run_next(self, cur: lmdb.Cursor, vkey: bytes, after: int | None, *, newest: bool) -> tuple[int, bytes] | None:
+        """The (rseq, group key) that follows `after` (None: the first) in one version's
+        run, going up, or down for `newest`; None at the run's end."""
+        run = self.prefix + vkey
+        if newest:
+            end = run + u64(after) if after is not None else _next_prefix(run)
+            found = cur.prev() if end is not None and cur.set_range(end) else cur.last()
+        else:
+            found = cur.set_range(run + (u64(after + 1) if after is not None else b""))
+        if not found or not cur.key().startswith(run):
+            return None
+        return _U64.unpack(cur.key()[12:20])[0], cur.value()[8:]
+
+    def _fresh_sorted(self, min_version: int, order: str, rng: random.Random) -> Iterator[bytes]:
+        """Every fresh group, read once from `byver`, by priority (ties oldest first) or
+        shuffled: a cost of the fresh groups, whatever lies below min_version."""
+        p = self.prefix
+        fresh: list[tuple[bytes, bytes, bytes]] = []  # (priority key, rseq, group key)
+        with self.txn.cursor(db=self.dbs.byver) as cur:
+            found = cur.set_range(p + version_key(min_version))
+            while found and cur.key().startswith(p):
+                fresh.append((cur.value()[:8], cur.key()[12:20], cur.value()[8:]))
+                found = cur.next()
+        if order == "priority":
+            fresh.sort()
+        else:
+            rng.shuffle(fresh)
+        for _, _, gkey in fresh:
+            yield gkey
 
     def scan(self, db: lmdb._Database, *, reverse: bool) -> Iterator[bytes]:
         """The values of one of the indexes (ready or prio), from the front or the back."""

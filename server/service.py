@@ -42,6 +42,8 @@ from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
 from .store import Sampled
+from .store.admission import StaleExperience
+from .store.limiter import InsertLimited, SampleLimited
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -53,6 +55,7 @@ _STATUS = {
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
@@ -64,6 +67,8 @@ _REASONS = (
     (ConfigError, "invalid_config"),
     (InvalidRequest, "invalid_request"),
     (Conflict, "conflict"),
+    (StaleExperience, "stale"),
+    ((InsertLimited, SampleLimited), "rate_limited"),
     (GroupClosed, "group_closed"),
     (TableFull, "table_full"),
     (TooLarge, "too_large"),
@@ -172,6 +177,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         allow_partial=request.allow_partial,
         max_batches=request.max_batches,
         min_model_version=request.min_model_version if request.has_min_model_version else None,
+        trainer_version=request.trainer_version if request.has_trainer_version else None,
     )
 
 
@@ -230,6 +236,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             stored_uids=result.stored,
             duplicate_uids=result.duplicates,
             completed_groups=result.completed_groups,
+            stale_uids=result.stale,
         )
 
     @_refusals
@@ -262,15 +269,19 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
             return sample_reply(batch, lease=spec.delivery == "lease")
 
-        yield from stream_batches(
-            self.store,
-            spec,
-            requests,
-            context,
-            owner=self._owner(context),
-            timeout=lambda: _remaining(context, spec.wait_seconds),
-            reply=reply,
-        )
+        try:
+            yield from stream_batches(
+                self.store,
+                spec,
+                requests,
+                context,
+                owner=self._owner(context),
+                timeout=lambda: _remaining(context, spec.wait_seconds),
+                reply=reply,
+            )
+        except StoreError as exc:
+            exc.table = spec.table  # for the refusal's log line and metric
+            raise
 
     def _owner(self, context: grpc.ServicerContext) -> str:
         """Who takes a lease: a fingerprint of the caller's token when tokens are on, so
@@ -281,13 +292,15 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         return hashlib.sha256(token.encode()).hexdigest()[:16]
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
-        latest = batch.newest_version
+        """Trainer version (else the newest pushed) minus each experience's version; an
+        experience newer than the trainer counts as 0."""
+        latest = batch.trainer_version if batch.trainer_version is not None else batch.newest_version
         if latest is None:
             return
         histogram = self.metrics.staleness.labels(table)
         for version in batch.versions:
             if version is not None:
-                histogram.observe(latest - version)
+                histogram.observe(max(0, latest - version))
 
     @_refusals
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
@@ -355,7 +368,33 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             advantages_clipped=s["advantages_clipped"],
             reward_running_mean=moments.mean,
             reward_running_std=moments.std,
+            trainer_version=s["trainer_version"] if s["trainer_version"] is not None else -1,
+            submitted=s["submitted"],
+            admitted=s["admitted"],
+            grants_expired=s["grants_expired"],
+            stale_dropped=s["stale_dropped"],
         )
+
+    @_refusals
+    def SetTrainerVersion(
+        self, request: pb.SetTrainerVersionRequest, context: grpc.ServicerContext
+    ) -> pb.SetTrainerVersionReply:
+        version = self.store.set_trainer_version(request.table or "default", request.version)
+        return pb.SetTrainerVersionReply(version=version)
+
+    @_refusals
+    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
+        table = request.table or "default"
+        wait = _remaining(context, request.wait_seconds) if request.wait_seconds > 0 else 0.0
+        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
+        self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
+        return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
+
+    @_refusals
+    def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
+        accepted = request.accepted if request.HasField("accepted") else None
+        returned = self.store.finish_grant(request.table or "default", request.grant_id, accepted)
+        return pb.FinishGrantReply(returned=returned)
 
     @_refusals
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:

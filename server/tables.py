@@ -18,6 +18,7 @@ from .errors import clip
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
 ON_GROUP_TIMEOUT = ("release", "drop")
+ON_STALE = ("drop", "refuse")
 # The form of stored table records: 1 before the estimators took Trinity-RFT's names.
 CONFIG_VERSION = 2
 
@@ -142,6 +143,8 @@ _INT_LIMITS = {
     "capacity_experiences": 2**62,
     "capacity_bytes": 2**62,
     "max_times_sampled": 2**31 - 1,
+    "batch_size": 2**31 - 1,
+    "min_size_to_sample": 2**62,
 }
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -229,6 +232,17 @@ class TableConfig:
     keep_failed: bool = True
     # Reward shaping before the estimator and advantage clipping after it.
     shaping: Shaping = field(default_factory=Shaping)
+    # Off-policy control: how many versions a rollout may lag the trainer (None: no bound),
+    # the trainer's rollouts per version (admission; 0: no bound), and what a push of
+    # experiences staler than the bound gets (admission.py).
+    max_staleness: int | None = None
+    batch_size: int = 0
+    on_stale: str = "drop"
+    # Rate limits (limiter.py): no sample before the table has held min_size_to_sample
+    # experiences; samples per insert (0: no limit) within +- the error buffer.
+    min_size_to_sample: int = 0
+    samples_per_insert: float = 0.0
+    samples_per_insert_error: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -237,6 +251,7 @@ class TableConfig:
             ("group_by", GROUP_BY),
             ("when_full", WHEN_FULL),
             ("on_group_timeout", ON_GROUP_TIMEOUT),
+            ("on_stale", ON_STALE),
             ("estimator", ESTIMATORS),
             ("device", DEVICES),
         ):
@@ -259,6 +274,7 @@ class TableConfig:
                 )
         if not isinstance(self.drop_zero_variance, bool) or not isinstance(self.keep_failed, bool):
             raise ConfigError(f"table '{self.name}': drop_zero_variance and keep_failed must be true or false")
+        self._check_off_policy()
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         self._check_estimator_params()
@@ -266,6 +282,26 @@ class TableConfig:
             object.__setattr__(self, "shaping", Shaping.from_dict(self.shaping))
         except ConfigError as exc:
             raise ConfigError(f"table '{self.name}': {exc}") from None
+
+    def _check_off_policy(self) -> None:
+        staleness = self.max_staleness
+        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or
+                                      not 0 <= staleness < 2**31):  # fmt: skip
+            raise ConfigError(
+                f"table '{self.name}': max_staleness must be an integer from 0 to 2^31 - 1, got {clip(staleness, 40)}"
+            )
+        for name in ("samples_per_insert", "samples_per_insert_error"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"table '{self.name}': {name} must be a finite number >= 0, got {clip(value, 40)}")
+        spi, error = self.samples_per_insert, self.samples_per_insert_error
+        if spi and error < max(1.0, spi):  # a narrower band would block both sides for good
+            raise ConfigError(
+                f"table '{self.name}': samples_per_insert_error is {error:g}; with samples_per_insert {spi:g} "
+                f"it must be >= {max(1.0, spi):g}"
+            )
+        if error and not spi:
+            raise ConfigError(f"table '{self.name}': samples_per_insert_error needs samples_per_insert > 0")
 
     def _check_estimator_params(self) -> None:
         """Every parameter known to the estimator and in its range; choices stored by position."""

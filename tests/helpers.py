@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import urllib.request
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
@@ -47,6 +49,16 @@ def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) 
 def take(store: Store, table: str, **spec: object) -> Sampled | None:
     """One batch straight from the store (consumed unless the spec says otherwise)."""
     return store.sample(SampleSpec(table, **spec))
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def raw_sha(tensor: torch.Tensor) -> str:

@@ -38,3 +38,14 @@ def test_rollout_worker_then_trainer(target: str) -> None:
     with BufferClient(target) as client:
         stats = client.stats()["default"]
     assert stats["consumed"] == 64 and stats["leased"] == 0 and stats["ready"] == 0
+
+
+def test_async_grpo_with_a_staleness_bound_of_two(target: str) -> None:
+    out = run("async_grpo.py", "--target", target, "--workers", "2", "--steps", "5")
+    lags = [int(line.split("at most ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(lags) == 5 and max(lags) <= 2
+    assert out.count("4 groups") == 5
+    with BufferClient(target) as client:
+        stats = client.stats("grpo_async")["grpo_async"]
+    assert stats["trainer_version"] == 5
+    assert stats["submitted"] <= (2 + 5 + 1) * 4

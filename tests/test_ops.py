@@ -23,7 +23,6 @@ import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.client import GetResult
@@ -33,20 +32,10 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 
 from conftest import BAD_DIR, payload
-from helpers import ServerProcess, group_items
+from helpers import ServerProcess, group_items, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics: (name, sorted labels) -> value."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -137,6 +126,8 @@ def test_dashboard_queries_use_exported_metrics(tmp_path: Path) -> None:
         with BufferClient(f"127.0.0.1:{server.port}") as c:
             c.push(payload("grpo_group.trxp"))
             next(c.sample(num_groups=1, max_batches=1, timeout=10))
+            c.set_trainer_version(1)
+            c.admit("default", 1)
             with pytest.raises(BufferError):  # refusals are counted from the first one on
                 c.push((BAD_DIR / "bad_magic.bin").read_bytes())
         exported = {name for name, _ in scrape(server.metrics_port)}

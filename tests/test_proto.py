@@ -28,7 +28,8 @@ def test_service_has_every_rpc_of_the_design() -> None:
     assert service.full_name == "expbuf.v1.ExperienceBuffer"
     assert set(service.methods_by_name) == {
         "Push", "PushStream", "Sample", "Ack", "Nack", "Get", "Delete", "Seal",
-        "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable",
+        "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
+        "Admit", "FinishGrant",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming

@@ -185,12 +185,13 @@ def test_replay_respects_max_times_sampled(store: Store) -> None:
     assert store.verify("replay") == []
 
 
-def test_min_model_version_scan_is_bounded(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("expbuf.server.store.leases.MAX_SCAN", 5)
+def test_min_model_version_skips_stale_groups_in_every_order(store: Store) -> None:
     for task in range(8):
         store.put("plain", group_items(1, task, 1, version=1 if task < 6 else 9))
-    assert take(store, "plain", num_groups=1, min_model_version=5) is None  # 6 stale groups ahead
+    assert take(store, "plain", num_groups=1, min_model_version=5).group_ids == ["1/6"]  # 6 stale groups ahead
     assert take(store, "plain", num_groups=1, min_model_version=5, order="lifo").group_ids == ["1/7"]
+    assert take(store, "plain", num_groups=1, min_model_version=5, order="priority") is None
+    assert store.verify("plain") == []
 
 
 def test_min_model_version(store: Store) -> None:
@@ -221,6 +222,7 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
         assert s.tick() == {
             "leases_expired": 1,
             "requeued": 2,
+            "rollouts_returned": 0,
             "groups_timed_out": 0,
             "tombstones_pruned": 0,
             "failed": 0,

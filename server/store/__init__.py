@@ -6,7 +6,9 @@
   directory's format, checked at open and brought up to date;
 - groups.py: the rules of a table in a transaction, the group state machine and capacity;
 - leases.py: taking a batch (selection orders are selection.py's) and its leases;
-- upkeep.py: lease expiry, group timeouts, tombstone pruning, isolated per table;
+- admission.py: admission of rollouts (AReaL's bound), grants, the staleness screen of
+  pushes; limiter.py: the rate limits between inserts and samples (Reverb's);
+- upkeep.py: lease and grant expiry, group timeouts, tombstone pruning, isolated per table;
 - integrity.py: the check behind `expbuf check`;
 - engine.py: `Store`, the one object the server uses (through backend.Backend).
 """

@@ -22,9 +22,9 @@ from expbuf.client import trxp
 
 from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
-from ..sample_spec import SampleSpec
+from ..sample_spec import SampleSpec, check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import layout
+from . import admission, layout, limiter
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -159,15 +159,75 @@ class Store:
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self._table(table)
-        deadline = time.monotonic() + (timeout if timeout is not None else 0.0)
+        start = time.monotonic()
+        deadline = start + (timeout if timeout is not None else 0.0)
+        held = False  # whether the rate limit held this push
         while True:
             generation = self.environment.generation
+            final = time.monotonic() >= deadline
+            blocked = time.monotonic() - start if held else 0.0
             try:
-                return self._in_table(table, lambda tt: tt.put(entries))
+                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b))
             except TableFull:
-                if config.when_full != "block" or time.monotonic() >= deadline:
+                if config.when_full != "block" or final:
                     raise
-                self.environment.wait_for_change(generation, deadline)
+            else:
+                if not isinstance(result, limiter.InsertLimited):
+                    return result
+                if final:
+                    raise result
+                held = True
+            self.environment.wait_for_change(generation, deadline)
+
+    @staticmethod
+    def _put(tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float) -> PutResult | limiter.InsertLimited:
+        """Store entries, or the rate limit that holds them (with the time it held them,
+        counted when it lets them go or at the deadline)."""
+        held = limiter.insert_limit(tt, entries)
+        if blocked and (held is None or final):
+            tt.counters["insert_blocked_seconds"] += blocked
+            tt.save()
+        if held is not None:
+            return held
+        kept, stale = admission.screen(tt, entries)
+        result = tt.put(kept)
+        result.stale = stale
+        return result
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> admission.Grant:
+        """How many of `count` rollouts may start now (admission.py), under a grant that
+        expires after grant_seconds unless finished; waits up to `wait` for room."""
+        deadline = time.monotonic() + wait
+        while True:
+            generation = self.environment.generation
+            granted = self._in_table(table, lambda tt: admission.grant(tt, count, grant_seconds))
+            if granted.count or time.monotonic() >= deadline:
+                return granted
+            self.environment.wait_for_change(generation, deadline)
+
+    def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int:
+        """End a grant: `accepted` rollouts stay counted (None: all); returns those given back."""
+        table_id, _ = self._table(table)
+
+        def op(tt: TableTxn) -> int:
+            record = admission.read_grant(tt.txn, self._db, grant_id)
+            if record is None or record["t"] != table_id:
+                raise admission.unknown_grant(grant_id, table)
+            return admission.finish(tt, grant_id, record, accepted)
+
+        return self._in_table(table, op)
+
+    def _expire_grant(self, txn: lmdb.Transaction, key: bytes) -> int:
+        grant_id = key[8:].decode()
+        record = admission.read_grant(txn, self._db, grant_id)
+        tt = None if record is None else self._by_id(txn, record["t"])
+        if tt is None:  # an expiry without its grant, or the grant of a dropped table
+            txn.delete(key, db=self._db["grant_exp"])
+            txn.delete(grant_id.encode(), db=self._db["grants"])
+            return 0
+        return admission.finish(tt, grant_id, record, 0, expired=True)
 
     # ---- sample, ack, nack ---------------------------------------------------------------
 
@@ -190,19 +250,34 @@ class Store:
         cancelled RPC ends the wait early, with None).
         """
         self._table(spec.table)
-        deadline = time.monotonic() + (spec.wait_seconds if timeout is None else timeout)
+        start = time.monotonic()
+        deadline = start + (spec.wait_seconds if timeout is None else timeout)
+        held = False  # whether the rate limit held this request
         while True:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
-            partial = spec.allow_partial and final
+            blocked = time.monotonic() - start if held else 0.0
             result = self._in_table(
-                spec.table, lambda tt, partial=partial: take(tt, spec, partial, self._rng, hold=hold, owner=owner)
+                spec.table, lambda tt, f=final, b=blocked: self._take(tt, spec, f, b, hold=hold, owner=owner)
             )
-            if result is not None or final:
+            if isinstance(result, limiter.SampleLimited):
+                if final:
+                    raise result
+                held = True
+            elif result is not None or final:
                 return result
             if stop is not None and stop():
                 return None
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def _take(
+        self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
+    ) -> Sampled | limiter.SampleLimited | None:
+        result = take(tt, spec, spec.allow_partial and final, self._rng, hold=hold, owner=owner)
+        if blocked and (isinstance(result, Sampled) or final):
+            tt.counters["sample_blocked_seconds"] += blocked
+            tt.save()
+        return result
 
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Consume the groups of a lease; returns the experiences acknowledged. With a
@@ -255,6 +330,17 @@ class Store:
             tt.counters["leases_expired"] += 1
         tt.save()
         return count
+
+    def set_trainer_version(self, table: str, version: int) -> int:
+        """Store the trainer's policy version for a table (in its counters); returns it."""
+        check_version("version", version)
+
+        def op(tt: TableTxn) -> int:
+            tt.counters["trainer_version"] = version
+            tt.save()
+            return version
+
+        return self._in_table(table, op)
 
     # ---- reads and admin ---------------------------------------------------------------
 
@@ -340,12 +426,19 @@ class Store:
             return self._end_lease(txn, lease_id.decode(), requeue=True, expired=True)
 
         def op(txn: lmdb.Transaction) -> dict[str, int]:
-            done = dict.fromkeys(("leases_expired", "requeued", "groups_timed_out", "tombstones_pruned", "failed"), 0)
-            for key in upkeep.expired_leases(txn, now):
+            done = dict.fromkeys(
+                ("leases_expired", "requeued", "rollouts_returned", "groups_timed_out", "tombstones_pruned", "failed"),
+                0,
+            )
+            for key in upkeep.expired(txn, now):
                 requeued = upkeep.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
                 done["failed"] += requeued is None
                 done["leases_expired"] += requeued is not None
                 done["requeued"] += requeued or 0
+            for key in upkeep.expired(txn, now, "grant_exp"):
+                returned = upkeep.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: self._expire_grant(t, k))
+                done["failed"] += returned is None
+                done["rollouts_returned"] += returned or 0
             for table_id, config in list(self._tables.values()):
                 result = upkeep.isolated(
                     txn, f"table {config.name}", lambda t, i=table_id, c=config: upkeep.table(t, i, c, now)

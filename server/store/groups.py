@@ -55,6 +55,15 @@ _COUNTERS = (
     "dropped_std_threshold",
     # what reward shaping and advantage clipping did (see shaping.py)
     *SHAPING_COUNTERS,
+    # off-policy control (admission.py)
+    "submitted",
+    "admitted",
+    "grants_expired",
+    "rollouts_rejected",
+    "stale_dropped",
+    # seconds the rate limits held inserts and samples (limiter.py)
+    "insert_blocked_seconds",
+    "sample_blocked_seconds",
     "next_seq",
     "next_rseq",
 )
@@ -64,6 +73,7 @@ def fresh_counters() -> dict[str, Any]:
     """A table's counters before anything happened (stored ones are laid over these)."""
     return dict.fromkeys(_COUNTERS, 0) | {
         "min_version": None,
+        "trainer_version": None,  # the trainer's policy version (set_trainer_version)
         "max_version": None,
         "last_failure": "",
         "reward_moments": None,  # [mean, population variance, count] of the running reward normalisation
@@ -89,7 +99,7 @@ class TableTxn:
         self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs["counters"], self.prefix)
-        self.ready = ReadyIndex(ReadyDbs(dbs["ready"], dbs["prio"], dbs["slots"], dbs["slotof"]), txn, self.prefix)
+        self.ready = ReadyIndex(ReadyDbs.of(dbs), txn, self.prefix)
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, ItemRecord | None] = {}
@@ -320,7 +330,7 @@ class TableTxn:
         self.counters["next_rseq"] += 1
         if self.config.estimator == "none":
             self.set_state(gkey, grp, recs, READY)
-            self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+            self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
         else:  # sampled only once its advantages are stored (finish_compute)
             self.set_state(gkey, grp, recs, COMPUTING)
             self.txn.put(self.rseq_key(grp), gkey.encode(), db=self.db["compute"])
@@ -366,7 +376,7 @@ class TableTxn:
                     else:
                         self.txn.put(self.key(uid), value, db=self.db["adv"])
                 self.set_state(gkey, grp, recs, READY)
-                self.ready.add(gkey.encode(), grp.rseq, grp.priority)
+                self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
 
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
         for uid, rec in recs.items():
@@ -397,7 +407,7 @@ class TableTxn:
 
     def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
         if grp.state == READY:
-            self.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+            self.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
         elif grp.state == PENDING:
             self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
         elif grp.state == COMPUTING:

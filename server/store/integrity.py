@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from expbuf.client import trxp
 
-from ..selection import u64
+from ..selection import u64, version_key
 from .groups import TableTxn
 from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord
 
@@ -30,6 +30,7 @@ def verify(tt: TableTxn) -> list[str]:
             problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
             found = cur.next()
     ready_groups = set()
+    versioned = 0  # ready groups of a known version
     for gkey, grp in groups.items():
         if grp.state in LIVE:
             counts["groups_" + grp.state] += 1
@@ -39,6 +40,11 @@ def verify(tt: TableTxn) -> list[str]:
             ready_groups.add(gkey)
             if txn.get(tt.rseq_key(grp), db=db["ready"]) != gkey.encode():
                 problems.append(f"ready group {gkey} is missing from the ready index")
+            if grp.version is not None:
+                versioned += 1
+                raw = txn.get(p + version_key(grp.version) + u64(grp.rseq), db=db["byver"])
+                if raw is None or raw[8:] != gkey.encode():
+                    problems.append(f"ready group {gkey} is missing from the version index")
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
             problems.append(f"pending group {gkey} is missing from the timeout index")
     tombstones = sum(counts[state] for state in RETIRED)
@@ -50,6 +56,8 @@ def verify(tt: TableTxn) -> list[str]:
         indexed = _prefix_count(tt, name)
         if indexed != len(ready_groups):
             problems.append(f"the {name} index holds {indexed} groups, {len(ready_groups)} are ready")
+    if _prefix_count(tt, "byver") != versioned:
+        problems.append(f"the version index holds {_prefix_count(tt, 'byver')} groups, {versioned} have a version")
     if tt.ready.count() != len(ready_groups):
         problems.append(f"{tt.ready.count()} uniform slots for {len(ready_groups)} ready groups")
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):

@@ -11,8 +11,9 @@ one contiguous range:
 - compute:   T + rseq -> group key (complete groups waiting for their advantages)
 - retired:   T + retired time + uid -> b"" (tombstones, pruned after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
-- ready, prio, slots, slotof: ready groups (see selection.py)
+- ready, prio, slots, slotof, byver: ready groups (see selection.py)
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
+- grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
 Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's
 511-byte limit.
 """
@@ -24,13 +25,14 @@ import struct
 from ..selection import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
-# 2 keeps binary records (records.py) and no such indexes. See migrate.py.
-FORMAT = 2
+# 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
+# (byver) of ready groups. See migrate.py.
+FORMAT = 3
 DBS = (
     "meta", "tables", "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired",
-    "counters", "ready", "prio", "slots", "slotof", "leases", "lease_exp",
+    "counters", "ready", "prio", "slots", "slotof", "byver", "leases", "lease_exp", "grants", "grant_exp",
 )  # fmt: skip
-PER_TABLE = tuple(db for db in DBS if db not in ("meta", "tables", "leases", "lease_exp"))
+PER_TABLE = tuple(db for db in DBS if db not in ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp"))
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
 MAX_DBS = len(DBS) + len(FORMAT_1_ONLY)
 _U32 = struct.Struct(">I")

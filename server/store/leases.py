@@ -1,7 +1,8 @@
 """Taking a batch of whole ready groups, and the leases that keep it out of reach.
 
 A batch is chosen in the request's order, whole groups only, optionally only groups
-whose every member is at least `min_model_version`. It is delivered by consuming it
+whose every member is at least `min_model_version` (found through the version index of
+selection.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), holding it for a Sample stream (a lease without expiry, until the
 client confirms it), or replaying it (counted against max_times_sampled).
@@ -19,12 +20,9 @@ from ..advantage_storage import finish_batch, stored_advantage
 from ..sample_spec import SampleSpec
 from . import layout
 from .groups import TableTxn
+from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .types import Sampled
-
-# A sample request looks at most this many ready groups (those older than its
-# min_model_version are skipped), so one request costs the writer a bounded time.
-MAX_SCAN = 4096
 
 
 def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -34,19 +32,18 @@ def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Leas
 
 def take(
     tt: TableTxn, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
-) -> Sampled | None:
-    """Select and deliver one batch; None if there is not enough (and no partial batch)."""
+) -> Sampled | SampleLimited | None:
+    """Select and deliver one batch; None if there is not enough (and no partial batch),
+    the rate limit (limiter.py) if it holds the batch back."""
+    if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
+        tt.counters["trainer_version"] = spec.trainer_version
+        tt.save()
     chosen = []
     total = 0
-    min_version = spec.min_model_version
-    with contextlib.closing(tt.ready.candidates(spec.order, rng)) as candidates:
-        for scanned, gkey_raw in enumerate(candidates):
-            if scanned >= MAX_SCAN:  # the writer must not stall on a table of stale groups
-                break
+    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+        for gkey_raw in candidates:
             gkey = gkey_raw.decode()
             grp = tt.group(gkey)
-            if min_version is not None and (grp.version is None or grp.version < min_version):
-                continue
             chosen.append((gkey, grp))
             total += len(grp.members)
             if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
@@ -54,6 +51,9 @@ def take(
     enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
     if not chosen or not (enough or allow_partial):
         return None
+    held = sample_limit(tt, total)
+    if held is not None:
+        return held
     batch = Sampled([], [], [], partial=not enough)
     delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
     expires = None
@@ -81,7 +81,7 @@ def take(
         ):
             tt.retire(gkey, grp, CONSUMED)
         elif delivery == "lease":
-            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority)
+            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
             grp.lease = batch.lease_id
             tt.set_state(gkey, grp, recs, LEASED)
     if delivery == "lease":
@@ -92,6 +92,7 @@ def take(
     batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
     batch.newest_version = tt.counters["max_version"]
+    batch.trainer_version = tt.counters["trainer_version"]
     tt.save()
     return batch
 
@@ -115,7 +116,7 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, u
                     tt.counters["sampled"] -= 1
                     tt.counters["bytes_sampled"] -= rec.size
             tt.set_state(gkey, grp, recs, READY)
-            tt.ready.add(gkey.encode(), grp.rseq, grp.priority)
+            tt.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
         else:
             tt.retire(gkey, grp, CONSUMED)
     return count

@@ -3,9 +3,11 @@
 Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task, run
 and step. Opening such a directory rewrites every item, group and lease record in the
 binary form of records.py (live experiences get the digest of today's canonical packing,
-so a retried push of one is still a duplicate) and drops those indexes, in one
-transaction: a crash during it leaves format 1, and the next open starts again. A directory of a newer format than
-this expbuf reads is refused, naming both.
+so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
+version index of ready groups (byver, selection.py): it is built from the group records.
+Each step runs in the one transaction of the open: a crash during it leaves the format
+found, and the next open starts again. A directory of a newer format than this expbuf
+reads is refused, naming both.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import lmdb
 from expbuf.client import trxp
 
 from ..errors import StoreError
+from ..selection import ReadyDbs, ReadyIndex
 from ..tables import TableConfig, batch_stage
 from . import layout
 from .groups import TableTxn
-from .records import COMPUTING, GroupRecord, ItemRecord, Lease
+from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
 from .types import Entry
 
 _KEY = b"format"
@@ -39,6 +42,8 @@ def migrate(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
         )
     if found == 1:
         _from_1(txn, env, dbs)
+    if found <= 2:
+        _version_index(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     return found
@@ -74,10 +79,19 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Da
         for gkey_raw in list(tt.ready.scan(dbs["ready"], reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.group(gkey)
-            tt.ready.remove(gkey_raw, grp.rseq, grp.priority)
+            tt.ready.remove(gkey_raw, grp.rseq, grp.priority, grp.version)
             recs = tt.members(grp)
             for rec in recs.values():
                 rec.advantage = None
             tt.set_state(gkey, grp, recs, COMPUTING)
             txn.put(tt.rseq_key(grp), gkey_raw, db=dbs["compute"])
         tt.save()
+
+
+def _version_index(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+    """Index every ready group by its version, as selection.py keeps it from now on."""
+    ready = ReadyDbs.of(dbs)
+    for key, raw in txn.cursor(db=dbs["groups"]):
+        grp = GroupRecord.decode(raw)
+        if grp.state == READY:
+            ReadyIndex(ready, txn, key[:4]).add_version(key[4:], grp.rseq, grp.priority, grp.version)

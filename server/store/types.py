@@ -66,6 +66,7 @@ class PutResult:
     duplicates: list[str] = field(default_factory=list)
     completed_groups: list[str] = field(default_factory=list)
     dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
+    stale: list[str] = field(default_factory=list)  # dropped as older than the staleness bound
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Sampled:
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     newest_version: int | None = None  # the newest version pushed to the table, for staleness
+    trainer_version: int | None = None  # the trainer's version, when set: the reference of staleness
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False

@@ -1,5 +1,5 @@
-"""The store's periodic upkeep: expired leases return their groups, incomplete groups
-time out, old tombstones are forgotten.
+"""The store's periodic upkeep: expired leases return their groups, expired grants their
+room for rollouts, incomplete groups time out, old tombstones are forgotten.
 
 Each lease and each table runs in a nested transaction of its own: one that fails (a
 damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
@@ -31,10 +31,10 @@ class Upkeep:
         self.failures = 0  # pieces skipped because they failed
         self._reported: set[str] = set()
 
-    def expired_leases(self, txn: lmdb.Transaction, now: float) -> list[bytes]:
-        """The expiry keys of the leases due by `now`, oldest first."""
+    def expired(self, txn: lmdb.Transaction, now: float, index: str = "lease_exp") -> list[bytes]:
+        """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
         expired = []
-        with txn.cursor(db=self.db["lease_exp"]) as cur:
+        with txn.cursor(db=self.db[index]) as cur:
             for key, _ in cur:
                 if layout.expiry_of(key) > now:
                     break

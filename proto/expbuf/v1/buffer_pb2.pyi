@@ -27,6 +27,12 @@ class OnGroupTimeout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_GROUP_TIMEOUT_RELEASE: _ClassVar[OnGroupTimeout]
     ON_GROUP_TIMEOUT_DROP: _ClassVar[OnGroupTimeout]
 
+class OnStale(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_STALE_UNSPECIFIED: _ClassVar[OnStale]
+    ON_STALE_DROP: _ClassVar[OnStale]
+    ON_STALE_REFUSE: _ClassVar[OnStale]
+
 class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ORDER_UNSPECIFIED: _ClassVar[Order]
@@ -52,6 +58,9 @@ WHEN_FULL_EVICT: WhenFull
 ON_GROUP_TIMEOUT_UNSPECIFIED: OnGroupTimeout
 ON_GROUP_TIMEOUT_RELEASE: OnGroupTimeout
 ON_GROUP_TIMEOUT_DROP: OnGroupTimeout
+ON_STALE_UNSPECIFIED: OnStale
+ON_STALE_DROP: OnStale
+ON_STALE_REFUSE: OnStale
 ORDER_UNSPECIFIED: Order
 ORDER_FIFO: Order
 ORDER_LIFO: Order
@@ -100,7 +109,7 @@ class Shaping(_message.Message):
     def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +124,12 @@ class TableConfig(_message.Message):
     TOMBSTONE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     SHAPING_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ON_STALE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_TO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_INSERT_ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -129,7 +144,13 @@ class TableConfig(_message.Message):
     tombstone_seconds: float
     keep_failed: bool
     shaping: Shaping
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ...) -> None: ...
+    max_staleness: int
+    batch_size: int
+    on_stale: OnStale
+    min_size_to_sample: int
+    samples_per_insert: float
+    samples_per_insert_error: float
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq")
@@ -142,19 +163,21 @@ class PushRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups")
+    __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups", "stale_uids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_UIDS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_UIDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_UIDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stored_uids: _containers.RepeatedScalarFieldContainer[str]
     duplicate_uids: _containers.RepeatedScalarFieldContainer[str]
     completed_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    stale_uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop")
+    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +191,8 @@ class SampleRequest(_message.Message):
     HAS_MIN_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     table: str
     batch_size: int
     num_groups: int
@@ -181,7 +206,9 @@ class SampleRequest(_message.Message):
     has_min_model_version: bool
     received: int
     stop: bool
-    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+    trainer_version: int
+    has_trainer_version: bool
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial")
@@ -280,7 +307,7 @@ class StatsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std")
+    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std", "trainer_version", "submitted", "admitted", "grants_expired", "stale_dropped")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +337,11 @@ class TableStats(_message.Message):
     ADVANTAGES_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     REWARD_RUNNING_MEAN_FIELD_NUMBER: _ClassVar[int]
     REWARD_RUNNING_STD_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     name: str
     pending: int
     ready: int
@@ -339,7 +371,12 @@ class TableStats(_message.Message):
     advantages_clipped: int
     reward_running_mean: float
     reward_running_std: float
-    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ...) -> None: ...
+    trainer_version: int
+    submitted: int
+    admitted: int
+    grants_expired: int
+    stale_dropped: int
+    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ..., trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ..., admitted: _Optional[int] = ..., grants_expired: _Optional[int] = ..., stale_dropped: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tables",)
@@ -406,3 +443,55 @@ class DropTableReply(_message.Message):
     DROPPED_EXPERIENCES_FIELD_NUMBER: _ClassVar[int]
     dropped_experiences: int
     def __init__(self, dropped_experiences: _Optional[int] = ...) -> None: ...
+
+class SetTrainerVersionRequest(_message.Message):
+    __slots__ = ("table", "version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    version: int
+    def __init__(self, table: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SetTrainerVersionReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("table", "count", "wait_seconds", "grant_seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    count: int
+    wait_seconds: float
+    grant_seconds: float
+    def __init__(self, table: _Optional[str] = ..., count: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., grant_seconds: _Optional[float] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("granted", "grant_id", "expires_unix")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    grant_id: str
+    expires_unix: float
+    def __init__(self, granted: _Optional[int] = ..., grant_id: _Optional[str] = ..., expires_unix: _Optional[float] = ...) -> None: ...
+
+class FinishGrantRequest(_message.Message):
+    __slots__ = ("table", "grant_id", "accepted")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    grant_id: str
+    accepted: int
+    def __init__(self, table: _Optional[str] = ..., grant_id: _Optional[str] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class FinishGrantReply(_message.Message):
+    __slots__ = ("returned",)
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    returned: int
+    def __init__(self, returned: _Optional[int] = ...) -> None: ...

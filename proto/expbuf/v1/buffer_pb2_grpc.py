@@ -99,6 +99,21 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.DropTableReply.FromString,
                 _registered_method=True)
+        self.SetTrainerVersion = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/SetTrainerVersion',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.FromString,
+                _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/Admit',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.AdmitReply.FromString,
+                _registered_method=True)
+        self.FinishGrant = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/FinishGrant',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -188,6 +203,28 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTrainerVersion(self, request, context):
+        """The trainer's current policy version for a table: stored durably, the reference
+        of staleness (trainer version minus experience version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
+        """How many rollouts a worker may start now (AReaL's bound: max_staleness, batch_size),
+        under a grant that expires unless finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishGrant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +292,21 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.DropTable,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.DropTableReply.SerializeToString,
+            ),
+            'SetTrainerVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTrainerVersion,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.AdmitRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.AdmitReply.SerializeToString,
+            ),
+            'FinishGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishGrant,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +660,87 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/DropTable',
             expbuf_dot_v1_dot_buffer__pb2.DropTableRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.DropTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTrainerVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/SetTrainerVersion',
+            expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.SetTrainerVersionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/Admit',
+            expbuf_dot_v1_dot_buffer__pb2.AdmitRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/FinishGrant',
+            expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,452 @@
+"""Off-policy control: the trainer's version, the version index, admission and rate limits."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.torch import ExperienceDataset
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig, load
+from expbuf.server.errors import InvalidRequest, NotFound
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Entry, Store, layout
+from expbuf.server.store.limiter import InsertLimited, SampleLimited
+from expbuf.server.tables import ConfigError, TableConfig
+
+from conftest import FIXTURES
+from helpers import group_items, scrape
+
+
+def start(data: Path) -> ExpbufServer:
+    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0)).start()
+
+
+# ---- the trainer's version -----------------------------------------------------------------
+
+
+def test_trainer_version_is_stored_shown_exported_and_measures_staleness(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        target = f"127.0.0.1:{server.port}"
+        with BufferClient(target, timeout=20) as c:
+            c.create_table("t", estimator="none", group_size=2)
+            assert c.stats("t")["t"]["trainer_version"] == -1
+            assert c.set_trainer_version(3, "t") == 3
+            assert c.stats("t")["t"]["trainer_version"] == 3
+            with pytest.raises(BufferError) as bad:
+                c._call(c._stub.SetTrainerVersion, _request("t", -2), retry=False)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
+            with pytest.raises(BufferError) as missing:
+                c.set_trainer_version(1, "nope")
+            assert missing.value.code == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(ValueError, match="version"):
+                c.set_trainer_version(-1, "t")
+            c.push(trxp.build(group_items(1, 0, 2, version=1)), table="t")
+            c.push(trxp.build(group_items(1, 1, 2, version=4)), table="t")
+            batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5))
+            assert len(batch.uids) == 4
+            assert c.stats("t")["t"]["trainer_version"] == 5
+            assert asyncio.run(_async_set(target, 6)) == 6
+            assert ExperienceDataset(c, "t").set_trainer_version(7) == 7
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_trainer_version", (("table", "t"),))] == 7
+        # trainer version 5: two experiences of version 1 (staleness 4), two of version 4 (1)
+        assert m[("expbuf_sample_staleness_versions_count", (("table", "t"),))] == 4
+        assert m[("expbuf_sample_staleness_versions_sum", (("table", "t"),))] == 10
+        assert ("expbuf_trainer_version", (("table", "default"),)) not in m
+    finally:
+        server.stop(grace=1)
+    server = start(tmp_path)  # durable: it comes back from the table's counters
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            assert c.stats("t")["t"]["trainer_version"] == 7
+    finally:
+        server.stop(grace=1)
+
+
+def _request(table: str, version: int) -> pb.SetTrainerVersionRequest:
+    return pb.SetTrainerVersionRequest(table=table, version=version)
+
+
+async def _async_set(target: str, version: int) -> int:
+    async with AsyncBufferClient(target, timeout=20) as c:
+        return await c.set_trainer_version(version, "t")
+
+
+def test_off_policy_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="max_staleness"):
+        TableConfig(name="t", max_staleness=-1)
+    with pytest.raises(ConfigError, match="on_stale"):
+        TableConfig(name="t", on_stale="keep")
+    with pytest.raises(ConfigError, match="samples_per_insert"):
+        TableConfig(name="t", samples_per_insert=float("nan"))
+
+
+def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="trainer_version"):
+        SampleSpec("default", num_groups=1, trainer_version=-1)
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none"))
+        with pytest.raises(InvalidRequest, match="version"):
+            store.set_trainer_version("t", True)  # type: ignore[arg-type]
+        assert store.sample(SampleSpec("t", num_groups=1, trainer_version=2)) is None
+        assert store.stats("t")["trainer_version"] == 2  # stored even when no batch was there
+
+
+# ---- the version index -------------------------------------------------------------------
+
+
+def test_min_model_version_finds_fresh_groups_behind_100k_stale_ones(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+
+        def push(prefix: str, count: int, version: int) -> None:
+            store.put_entries("t", [replace(one, uid=f"{prefix}{i}", version=version) for i in range(count)])
+
+        push("first", 1, 9)
+        first = store.sample(SampleSpec("t", num_groups=1, delivery="lease", lease_seconds=60))
+        for chunk in range(10):
+            push(f"stale{chunk}-", 10_000, 1)
+        push("last", 1, 9)
+        store.put_entries("t", [replace(one, uid="unknown0", version=None)])  # at the back, no version
+        # fifo: the first ready group is stale, the fresh one is 100k groups behind it
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5)).group_ids == ["last0"]
+        store.nack(first.lease_id)  # back to ready, at the front of the order
+        # lifo: from the back, an unknown version and 100k stale groups lie before the fresh one
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="lifo")).group_ids == ["first0"]
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=5, order="uniform")) is None
+        assert store.sample(SampleSpec("t", num_groups=1, order="lifo")).group_ids == ["unknown0"]
+        assert store.sample(SampleSpec("t", num_groups=1, min_model_version=1, order="lifo")).group_ids == [
+            "stale9-9999"
+        ]
+
+
+def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> None:
+    versions = [3, 7, 5, 7, 1, 5, 9, 3, 5]
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+        for i, version in enumerate(versions):
+            store.put_entries("t", [replace(one, uid=f"g{i}", version=version, priority=float(i % 3))])
+        want = [f"g{i}" for i, v in enumerate(versions) if v >= 5]
+        for order, expected in (("fifo", want), ("lifo", want[::-1])):
+            batch = store.sample(
+                SampleSpec("t", num_groups=len(want), min_model_version=5, order=order, delivery="replay")
+            )
+            assert batch.group_ids == expected
+        by_priority = sorted(want, key=lambda g: (-(int(g[1:]) % 3), int(g[1:])))
+        batch = store.sample(SampleSpec("t", num_groups=len(want), min_model_version=5, order="priority"))
+        assert batch.group_ids == by_priority
+        assert store.verify("t") == []
+
+
+def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        store.put("t", group_items(1, 0, 3, version=4))
+        env = store.environment
+        with env.env.begin(write=True) as txn:  # as format 2 left it: no version index
+            txn.drop(env.db["byver"], delete=False)
+            txn.put(b"format", b"2", db=env.db["meta"])
+        problems = store.verify("t")
+        assert "the version index holds 0 groups, 3 have a version" in problems
+        assert sum("missing from the version index" in p for p in problems) == 3
+    with Store(tmp_path) as store:
+        assert store.verify("t") == []
+        assert len(store.sample(SampleSpec("t", num_groups=3, min_model_version=4)).uids) == 3
+
+
+def test_the_first_format_gets_the_version_index(tmp_path: Path) -> None:
+    shutil.copy(FIXTURES / "datadir_v1" / "data.mdb", tmp_path / "data.mdb")
+    with Store(tmp_path) as store:
+        with store.environment.read() as txn:
+            assert txn.stat(store.environment.db["byver"])["entries"] > 0
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode()
+        for table in store.list_tables():
+            assert store.verify(table.name) == [], table.name
+
+
+# ---- admission ---------------------------------------------------------------------------
+
+
+def test_admission_follows_areals_rule(tmp_path: Path) -> None:
+    staleness, batch = 2, 4
+    rng = random.Random(7)
+    version, submitted, grants = 0, 0, []  # the reference: AReaL's StalenessManager, plainly
+    config = TableConfig(name="t", estimator="none", max_staleness=staleness, batch_size=batch)
+    store = Store(tmp_path)
+    store.create_table(config)
+    for step in range(300):
+        action = rng.random()
+        if action < 0.15:
+            version += 1
+            store.set_trainer_version("t", version)
+        elif action < 0.3 and grants:
+            grant = grants.pop(rng.randrange(len(grants)))
+            accepted = rng.randint(0, grant.count)
+            assert store.finish_grant("t", grant.grant_id, accepted) == grant.count - accepted
+            submitted -= grant.count - accepted
+        else:
+            count = rng.randint(1, 6)
+            want = min(count, max(0, (staleness + version + 1) * batch - submitted))
+            grant = store.admit("t", count)
+            assert grant.count == want, step
+            submitted += want
+            if want:
+                grants.append(grant)
+        if step == 150:  # grants and counts are durable
+            store.close()
+            store = Store(tmp_path)
+        assert store.stats("t")["submitted"] == submitted
+    store.close()
+
+
+def test_a_vanished_workers_grants_expire_and_their_room_comes_back(tmp_path: Path) -> None:
+    clock = [1000.0]
+    with Store(tmp_path, clock=lambda: clock[0]) as store:
+        store.create_table(TableConfig(name="t", estimator="none", max_staleness=0, batch_size=3))
+        lost = store.admit("t", 5, grant_seconds=30)
+        assert lost.count == 3 and store.admit("t", 1).count == 0
+        with pytest.raises(NotFound, match="grant"):
+            store.finish_grant("t", "nope")
+        clock[0] += 31
+        assert store.tick()["rollouts_returned"] == 3
+        assert store.stats("t")["grants_expired"] == 3
+        with pytest.raises(NotFound, match="grant"):
+            store.finish_grant("t", lost.grant_id)
+        assert store.admit("t", 2).count == 2
+
+
+def test_grants_of_a_killed_worker_come_back(tmp_path: Path) -> None:
+    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with BufferClient(target, timeout=20) as c:
+            c.create_table("t", estimator="none", max_staleness=1, batch_size=2)
+            worker = subprocess.Popen(
+                [sys.executable, "-c", KILLED_WORKER, target],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).parent,
+            )
+            assert worker.stdout.readline().strip() == "4"  # every rollout the bound allows
+            worker.kill()
+            worker.wait()
+            assert c.admit("t", 1).count == 0
+            again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
+            assert again.count == 2
+            assert c.finish_grant(again, accepted=1) == 1
+            assert c.stats("t")["t"]["grants_expired"] == 4
+            with pytest.raises(BufferError) as bad:
+                c.admit("t", 1, grant_seconds=-1)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        server.stop(grace=1)
+
+
+KILLED_WORKER = """
+import sys, time
+from expbuf.client import BufferClient
+with BufferClient(sys.argv[1]) as c:
+    print(c.admit("t", 10, grant_seconds=0.5).count, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_stale_pushes_are_dropped_or_refused(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            c.create_table("drop", estimator="none", group_by="none", max_staleness=2)
+            c.create_table("refuse", estimator="none", group_by="none", max_staleness=2, on_stale="refuse")
+            assert c.list_tables()[-1]["on_stale"] == "refuse"
+            items = [
+                *group_items(1, 0, 1, version=2),
+                *group_items(1, 1, 1, version=3),
+                *group_items(1, 2, 1, version=None),
+            ]
+            assert c.push(trxp.build(items), table="drop").stale == []  # no trainer version yet
+            for name in ("drop", "refuse"):
+                c.set_trainer_version(5, name)
+            fresh = [
+                *group_items(2, 0, 1, version=2),
+                *group_items(2, 1, 1, version=3),
+                *group_items(2, 2, 1, version=None),
+            ]
+            result = c.push(trxp.build(fresh), table="drop")
+            assert result.stale == [fresh[0].eid.uid] and len(result.stored) == 2
+            assert c.stats("drop")["drop"]["stale_dropped"] == 1
+            with pytest.raises(BufferError) as refused:
+                c.push(trxp.build(fresh), table="refuse")
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_version 2, below 3" in refused.value.details
+            assert c.stats("refuse")["refuse"]["pushed"] == 0
+            with pytest.raises(BufferError, match="samples_per_insert_error") as bad:
+                c.create_table("bad", samples_per_insert=2.0, samples_per_insert_error=1.0)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_stale_dropped_total", (("table", "drop"),))] == 1
+        assert m[("expbuf_refused_total", (("reason", "stale"), ("table", "refuse")))] == 1
+    finally:
+        server.stop(grace=1)
+
+
+def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_path: Path) -> None:
+    staleness, batch, steps = 1, 4, 8
+    config = TableConfig(name="t", estimator="none", group_by="none", max_staleness=staleness, batch_size=batch)
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    done = threading.Event()
+    worst: list[int] = []
+    with Store(tmp_path) as store:
+        store.create_table(config)
+
+        def worker(name: int) -> None:
+            rng, n = random.Random(name), 0
+            while not done.is_set():
+                grant = store.admit("t", rng.randint(1, 3), wait=0.2)
+                version = store.stats("t")["trainer_version"] or 0  # the weights the rollouts use
+                entries = [replace(one, uid=f"w{name}-{n + i}", version=version) for i in range(grant.count)]
+                n += grant.count
+                time.sleep(rng.random() * 0.005)
+                if entries:
+                    stored = store.put_entries("t", entries).stored
+                    store.finish_grant("t", grant.grant_id, len(stored))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            for version in range(steps):
+                spec = SampleSpec("t", batch_size=batch, min_model_version=max(0, version - staleness), wait_seconds=20)
+                sampled = store.sample(spec)
+                assert sampled is not None, f"no batch at trainer version {version}"
+                worst.append(max(version - v for v in sampled.versions))
+                store.set_trainer_version("t", version + 1)
+        finally:
+            done.set()
+            for thread in threads:
+                thread.join()
+        assert max(worst) <= staleness
+        stats = store.stats("t")
+        assert stats["submitted"] <= (staleness + steps + 1) * batch
+        assert store.verify("t") == []
+
+
+# ---- rate limits -------------------------------------------------------------------------
+
+
+def _limited(name: str, **settings: object) -> TableConfig:
+    return TableConfig(name=name, estimator="none", group_by="none", **settings)
+
+
+def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> None:
+    spi, error, min_size = 2.0, 3.0, 2
+    config = _limited("t", samples_per_insert=spi, samples_per_insert_error=error, min_size_to_sample=min_size)
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    centre = spi * min_size
+    seen: list[float] = []
+    with Store(tmp_path) as store:
+        store.create_table(config)
+
+        def observe() -> None:
+            stats = store.stats("t")
+            seen.append(stats["pushed"] * spi - stats["sampled"] - centre)
+
+        for phase, (insert_pause, sample_pause) in enumerate(((0.0, 0.002), (0.002, 0.0))):
+
+            def insert(phase: int = phase, pause: float = insert_pause) -> None:
+                for i in range(15):
+                    store.put_entries("t", [replace(one, uid=f"p{phase}-{i}")], timeout=20)
+                    observe()
+                    time.sleep(pause)
+
+            inserter = threading.Thread(target=insert)
+            inserter.start()
+            for _ in range(28):  # 2 per insert, but never below the band
+                assert store.sample(SampleSpec("t", num_groups=1, delivery="replay", wait_seconds=20)) is not None
+                observe()
+                time.sleep(sample_pause)
+            inserter.join()
+        assert len(seen) == 86
+        assert all(-error <= d <= error for d in seen), seen
+        assert max(seen) == error  # the inserts reached the top of the band: the limit held them
+
+
+def test_both_sides_block_and_time_out_with_the_limit_named(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            c.create_table(
+                "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
+                samples_per_insert_error=1.0,
+            )  # fmt: skip
+            assert c.list_tables()[-1]["samples_per_insert"] == 1.0
+            c.push(trxp.build(group_items(1, 0, 1)), table="t")
+            with pytest.raises(BufferError) as early:
+                next(c.sample("t", num_groups=1, timeout=0.3))
+            assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
+            for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
+                c.push(trxp.build(group_items(1, i, 1)), table="t")
+            with pytest.raises(BufferError) as insert:
+                c.push(trxp.build(group_items(1, 3, 1)), table="t", timeout=0.5)
+            assert insert.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "samples_per_insert 1 (error 1) holds inserts" in insert.value.details
+            batches = c.sample("t", num_groups=1, timeout=0.3, delivery="replay")
+            assert len(next(batches).uids) == 1 and len(next(batches).uids) == 1  # diff 1: the bottom
+            with pytest.raises(BufferError) as sample:
+                next(batches)
+            assert sample.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "holds samples until more is inserted" in sample.value.details
+            assert c.stats("t")["t"]["pushed"] == 3
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_refused_total", (("reason", "rate_limited"), ("table", "t")))] == 3
+        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "insert"), ("table", "t")))] > 0
+        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "sample"), ("table", "t")))] > 0
+    finally:
+        server.stop(grace=1)
+
+
+def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
+    one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+    replay = SampleSpec("t", num_groups=1, delivery="replay")
+    with Store(tmp_path) as store:
+        store.create_table(_limited("t", samples_per_insert=1.0, samples_per_insert_error=1.0))
+        store.put_entries("t", [replace(one, uid="a")])  # diff 1: the top of the band
+        with pytest.raises(InsertLimited):
+            store.put_entries("t", [replace(one, uid="b")])
+        store.put_entries("t", [replace(one, uid="a")])  # a retried push of stored experiences is not held
+        assert store.sample(replay) is not None and store.sample(replay) is not None  # diff -1: the bottom
+        with pytest.raises(SampleLimited):
+            store.sample(replay)
+    with Store(tmp_path) as store:
+        with pytest.raises(SampleLimited):
+            store.sample(replay)
+        store.put_entries("t", [replace(one, uid="b")])
+        store.put_entries("t", [replace(one, uid="c")])
+        with pytest.raises(InsertLimited):
+            store.put_entries("t", [replace(one, uid="d")])
+
+
+def test_the_readmes_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Keeping rollouts on-policy")[1]
+    toml = section.split("```toml\n")[1].split("```")[0]
+    (tmp_path / "expbuf.toml").write_text(toml)
+    (table,) = load(str(tmp_path / "expbuf.toml")).tables
+    assert (table.max_staleness, table.batch_size, table.on_stale) == (2, 4, "drop")
+    assert (table.min_size_to_sample, table.samples_per_insert, table.samples_per_insert_error) == (0, 0.0, 0)
