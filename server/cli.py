@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--ingest-processes",
         type=int,
-        help="processes that validate and pack pushes, 0 = the server's own (default 0; env EXPBUF_INGEST_PROCESSES)",
+        help="processes that validate and pack pushes, 0 = the server's own (default 2; env EXPBUF_INGEST_PROCESSES)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

@@ -10,7 +10,7 @@ may also declare tables (created at start, or checked against the stored ones):
     metrics_host = "127.0.0.1"    # default: the same address as host
     workers = 64                  # concurrent calls
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
-    ingest_processes = 0          # processes that validate and pack pushes (0: the server's own)
+    ingest_processes = 2          # processes that validate and pack pushes (0: the server's own)
     max_message_bytes = 268435456
 
     [tls]
@@ -60,7 +60,7 @@ class ServerConfig:
     workers: int = 64
     max_sample_streams: int | None = None  # None: three quarters of workers
     # Processes that validate and pack pushed payloads (0: the server process does it).
-    ingest_processes: int = 0
+    ingest_processes: int = 2
     log_format: str = "text"
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""

@@ -1,9 +1,10 @@
 """Decoding and packing pushed payloads, in this process or in a pool of processes.
 
 Validation and packing are Python work per experience, so under the GIL they use one
-core however many pushers there are. With `ingest_processes` > 0 they run in that many
-worker processes (spawned, so no thread of the server is forked): the server process
-keeps only the storage and the RPCs. Every check is the same code either way. A worker
+core however many pushers there are. With `ingest_processes` > 0 (2 by default: 1.16x to
+1.60x the push throughput of 0 on 2 cores, bench/RESULTS.md) they run in that many worker
+processes (spawned, so no thread of the server is forked): the server process keeps only
+the storage and the RPCs. Every check is the same code either way. A worker
 that dies is replaced, and the push it was decoding is decoded here instead.
 """
 
