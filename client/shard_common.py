@@ -1,0 +1,269 @@
+"""What the blocking and asyncio sharded clients share: their errors and batches, the
+shard map's connections, splitting a push by shard, sharing a batch out among shards,
+and merging what the shards answer."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from . import trxp
+from .client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Batch,
+    BufferError,
+    PushResult,
+    Tls,
+    _payload,
+)
+from .routing import ShardMap, group_key, shard_names
+
+# How long sample() waits between looks at the shards' ready counts when none can fill a batch.
+_POLL_SECONDS = (0.02, 0.5)
+# A ready-count probe of one shard: no retries, a short deadline; a shard that fails it is skipped.
+_PROBE_SECONDS = 2.0
+_MIN_FIELDS = {"min_model_version"}
+_MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}
+
+
+class ShardError(BufferError):
+    """A call failed on one or more shards; `shards` names them, `result` holds what the others did."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, shards: Sequence[str], result: Any = None) -> None:
+        super().__init__(code, details)
+        self.shards = list(shards)
+        self.result = result
+
+
+@dataclass
+class ShardBatch(Batch):
+    """A Batch and the shards its groups came from; its lease id is "shard/lease[,shard/lease...]"."""
+
+    shards: list[str] = field(default_factory=list)
+
+
+def dns_targets(name: str, port: int = 50051) -> dict[str, str]:
+    """Shards behind a headless Service: its A records, named by their reverse DNS entries.
+
+    A StatefulSet pod's address maps back to `pod.service.namespace.svc...`, so the shard is
+    named after its pod (`expbuf-0`) and reached by that stable name, whatever address the pod
+    has after a restart. An address without a reverse entry is named and reached by itself.
+    """
+    try:
+        infos = socket.getaddrinfo(name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise BufferError(grpc.StatusCode.UNAVAILABLE, f"cannot resolve {name}: {exc}") from None
+    targets: dict[str, str] = {}
+    for address in sorted({info[4][0] for info in infos}):
+        try:
+            host = socket.gethostbyaddr(address)[0]
+        except OSError:
+            host = address
+        shard = host if host == address else host.split(".")[0]
+        targets.setdefault(shard, f"{host}:{port}")
+    return targets
+
+
+def _merge_push(results: Iterable[PushResult]) -> PushResult:
+    merged = PushResult([], [], [])
+    for result in results:
+        merged.stored += result.stored
+        merged.duplicates += result.duplicates
+        merged.completed_groups += result.completed_groups
+    return merged
+
+
+def _merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every shard's table counters summed; versions as min/max, the oldest age as the max."""
+    merged: dict[str, dict[str, Any]] = {}
+    for tables in per_shard:
+        for name, stats in tables.items():
+            into = merged.setdefault(name, {})
+            for key, value in stats.items():
+                if key not in into:
+                    into[key] = value
+                elif key == "name" or key == "last_failure":
+                    into[key] = into[key] or value
+                elif key in _MIN_FIELDS:
+                    into[key] = min(into[key], value)
+                elif key in _MAX_FIELDS:
+                    into[key] = max(into[key], value)
+                else:
+                    into[key] += value
+    return merged
+
+
+def _shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
+    first = next(iter(errors.values()))
+    details = "; ".join(f"shard {name} ({targets[name]}): {exc}" for name, exc in errors.items())
+    return ShardError(first.code, details, list(errors), result)
+
+
+def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
+    """Split `need` groups (or experiences) over the shards in proportion to what each holds ready.
+
+    Each shard gets the whole part of its share; the seats left over go one at a time to
+    shards drawn with the weight of their fractional share, so that every ready group has
+    the same chance to be in a batch whatever shard holds it. With less ready than `need`,
+    every shard gives all it has.
+    """
+    total = sum(ready.values())
+    if total <= need:
+        return {shard: count for shard, count in ready.items() if count > 0}
+    shares = {shard: need * count / total for shard, count in ready.items()}
+    parts = {shard: int(share) for shard, share in shares.items()}
+    fractions = {shard: shares[shard] - parts[shard] for shard in shares}
+    for _ in range(need - sum(parts.values())):
+        candidates = [shard for shard, weight in fractions.items() if weight >= 0 and parts[shard] < ready[shard]]
+        shard = random.choices(candidates, weights=[fractions[s] + 1e-12 for s in candidates])[0]
+        parts[shard] += 1
+        fractions[shard] = -1.0  # one leftover seat per shard
+    return {shard: count for shard, count in parts.items() if count > 0}
+
+
+class _Sharded:
+    """The map, the per-shard clients, and the rules shared by the blocking and asyncio clients."""
+
+    _client_class: type
+
+    def __init__(
+        self,
+        shards: ShardMap | Mapping[str, str] | Sequence[str],
+        token: str | None = None,
+        tls: Tls | bool | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if isinstance(shards, str):
+            raise TypeError("pass a list of targets, a {name: target} dict or a ShardMap, not one string")
+        self.timeout = timeout
+        self._options = {"token": token, "tls": tls, "timeout": timeout, "max_message_bytes": max_message_bytes}
+        self._retries = retries
+        self.shard_map = shards if isinstance(shards, ShardMap) else ShardMap.of(shards)
+        self.clients: dict[str, Any] = {}
+        self._probes: dict[str, Any] = {}
+        self._group_by: dict[str, str] = {}
+        self._retired: list[Any] = []
+        self._connect()
+
+    @classmethod
+    def from_dns(cls, name: str, port: int = 50051, shard_map: str | None = None, **options: Any) -> Any:
+        """Shards found by a headless Service's DNS name (one epoch of every shard found).
+
+        A set that has grown needs its epochs: pass the map's JSON as `shard_map`. Its shards
+        are then reached as `{shard}.{name}:{port}` (a StatefulSet pod's stable DNS name),
+        whether or not they answer right now, so routing does not change while one is down.
+        """
+        if not shard_map:
+            return cls(ShardMap.of(dns_targets(name, port)), **options)
+        stable = {shard: f"{shard}.{name}:{port}" for shard in shard_names(shard_map)}
+        return cls(ShardMap.from_json(shard_map, stable), **options)
+
+    @classmethod
+    def from_ray(cls, namespace: str, name: str = "expbuf", **options: Any) -> Any:
+        """Shards started by `expbuf.ray.start_shards` in a Ray namespace (needs `ray.init()` first)."""
+        from expbuf.ray import shard_map
+
+        return cls(shard_map(namespace, name), **options)
+
+    def set_map(self, shard_map: ShardMap) -> None:
+        """Adopt a new shard map (a new epoch, or shards at new addresses)."""
+        self.shard_map = shard_map
+        self._connect()
+
+    def _connect(self) -> None:
+        """Clients for the map's shards, reusing those whose address is unchanged.
+
+        A replaced client may still be in use by another thread's call, so it is closed with
+        this client, not now.
+        """
+        make = type(self)._client_class
+        clients, probes = dict(self.clients), dict(self._probes)
+        for name in self.shard_map.shards:
+            target = self.shard_map.targets[name]
+            if name in clients and clients[name].target == target:
+                continue
+            self._retired += [c for c in (clients.get(name), probes.get(name)) if c is not None]
+            clients[name] = make(target, retries=self._retries, **self._options)
+            probes[name] = make(target, retries=0, **{**self._options, "timeout": _PROBE_SECONDS})
+        self.clients, self._probes = clients, probes
+
+    def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
+        """The payload's items by owning shard; a payload that is all one shard's goes unchanged."""
+        payload = _payload(items)
+        try:
+            parsed = trxp.parse(payload)
+        except trxp.TrxpError as exc:
+            raise BufferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        parts: dict[str, list[trxp.RawItem]] = {}
+        for item in parsed:
+            parts.setdefault(self.shard_map.owner(group_key(item.eid, group_by)), []).append(item)
+        if len(parts) == 1:
+            return {next(iter(parts)): payload}
+        return {shard: trxp.build(part) for shard, part in parts.items()}
+
+    def _leases(self, lease_id: str) -> list[tuple[str, str]]:
+        """(shard, lease) pairs of a batch's lease id, "shard/lease[,shard/lease...]"."""
+        pairs = [part.partition("/") for part in lease_id.split(",")]
+        if not all(sep and shard in self.clients and lease for shard, sep, lease in pairs):
+            raise BufferError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease id {lease_id[:80]!r} does not name shards of this client (expected shard/lease[,...])",
+            )
+        return [(shard, lease) for shard, _, lease in pairs]
+
+    @staticmethod
+    def _merge(parts: list[tuple[str, Batch]], partial: bool, ack: Callable, nack: Callable) -> ShardBatch:
+        """One batch of the parts drawn from several shards; its lease id names each part's shard."""
+        if len(parts) == 1:
+            payload = parts[0][1].payload
+        else:
+            payload = trxp.build([item for _, part in parts for item in trxp.parse(part.payload, trusted=True)])
+        return ShardBatch(
+            payload=payload,
+            uids=[uid for _, part in parts for uid in part.uids],
+            groups=[group for _, part in parts for group in part.groups],
+            lease_id=",".join(f"{shard}/{part.lease_id}" for shard, part in parts if part.lease_id),
+            lease_expires=min(part.lease_expires for _, part in parts),
+            partial=partial or any(part.partial for _, part in parts),
+            table=parts[0][1].table,
+            _ack=ack,
+            _nack=nack,
+            shards=list(dict.fromkeys(shard for shard, _ in parts)),
+        )
+
+    @staticmethod
+    def _need(batch_size: int | None, num_groups: int | None) -> tuple[str, int]:
+        if bool(batch_size) == bool(num_groups):
+            raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
+        return ("groups_ready", num_groups) if num_groups else ("ready", batch_size)  # type: ignore[return-value]
+
+    def _nothing(self, ready: Mapping[str, int], allow_partial: bool, need: int, key: str, timeout: float) -> None:
+        """The wait ran out with nothing drawn: the end of the stream (allow_partial), or why not."""
+        if not ready:
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, "no shard answered", list(self.clients))
+        if not allow_partial:
+            what = "groups" if key == "groups_ready" else "experiences"
+            raise BufferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fewer than {need} ready {what} after {timeout}s")
+
+    @staticmethod
+    def _size(key: str, batch: Batch) -> int:
+        return len(set(batch.groups)) if key == "groups_ready" else len(batch.uids)
+
+    def _remember(self, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Keep each table's grouping: the client needs it to route, and it never changes."""
+        for config in tables:
+            self._group_by[config["name"]] = config.get("group_by") or "task"
+        return tables
+
+    def _known_group_by(self, table: str) -> str:
+        if table not in self._group_by:
+            raise BufferError(grpc.StatusCode.NOT_FOUND, f"table '{table[:80]}' does not exist on the shards")
+        return self._group_by[table]
