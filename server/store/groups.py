@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lmdb
 
-from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, TableFull, TooLarge, clip
+from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..selection import ReadyDbs, ReadyIndex, u64
 from ..tables import NEEDS_REWARD, TableConfig
 from . import layout
+from .capacity import make_room
 from .records import (
     COMPUTING,
     DROPPED,
-    EVICTED,
     FAILED,
     LIVE,
     PENDING,
@@ -199,7 +199,7 @@ class TableTxn:
                     f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
                 )
             groups[gkey] = grp
-        self._make_room(len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
+        make_room(self, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
         for gkey, members in by_group.items():
             grp = groups[gkey]
             for entry in members:
@@ -258,57 +258,6 @@ class TableTxn:
             low, high = self.counters["min_version"], self.counters["max_version"]
             self.counters["min_version"] = entry.version if low is None else min(low, entry.version)
             self.counters["max_version"] = entry.version if high is None else max(high, entry.version)
-
-    # ---- capacity --------------------------------------------------------------------------
-
-    def _make_room(self, count: int, nbytes: int, keep: set[str]) -> None:
-        cfg = self.config
-
-        def over() -> bool:
-            live = sum(self.counters[s] for s in LIVE)
-            return bool(
-                (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
-                or (cfg.capacity_bytes and self.counters["bytes"] + nbytes > cfg.capacity_bytes)
-            )
-
-        if not over():
-            return
-        if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
-            cfg.capacity_bytes and nbytes > cfg.capacity_bytes
-        ):
-            raise TooLarge(
-                f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
-                f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
-            )
-        if cfg.when_full == "evict":
-            for gkey in self._oldest_groups():
-                if gkey in keep:
-                    continue
-                grp = self.group(gkey)
-                if grp.state != READY:  # a pending group still takes members; leased ones are out
-                    continue
-                self.retire(gkey, grp, EVICTED)
-                self.counters["evicted_total"] += len(grp.members)
-                if not over():
-                    return
-        raise TableFull(
-            f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)"
-        )
-
-    def _oldest_groups(self) -> Iterator[str]:
-        """Groups of the live experiences, oldest first. The caller retires groups between
-        steps, so each step opens a fresh cursor after the last key seen."""
-        seen: set[str] = set()
-        position = self.prefix
-        while True:
-            with self.txn.cursor(db=self.db["order"]) as cur:
-                if not cur.set_range(position) or not cur.key().startswith(self.prefix):
-                    return
-                position = cur.key() + b"\0"
-                gkey = self.item(cur.value().decode()).group
-            if gkey not in seen:
-                seen.add(gkey)
-                yield gkey
 
     # ---- group states ------------------------------------------------------------------------
 

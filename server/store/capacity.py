@@ -1,0 +1,65 @@
+"""A table's capacity in experiences and bytes: a push that would pass it evicts the
+oldest ready groups (evict mode) or is refused (block mode: the pusher may wait for room;
+a push larger than the capacity on its own is refused at once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ..errors import TableFull, TooLarge
+from .records import EVICTED, LIVE, READY
+
+if TYPE_CHECKING:
+    from .groups import TableTxn
+
+
+def make_room(tt: TableTxn, count: int, nbytes: int, keep: set[str]) -> None:
+    """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
+    (never pending ones, which still take members, nor leased ones) or refuse."""
+    cfg = tt.config
+
+    def over() -> bool:
+        live = sum(tt.counters[s] for s in LIVE)
+        return bool(
+            (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
+            or (cfg.capacity_bytes and tt.counters["bytes"] + nbytes > cfg.capacity_bytes)
+        )
+
+    if not over():
+        return
+    if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
+        cfg.capacity_bytes and nbytes > cfg.capacity_bytes
+    ):
+        raise TooLarge(
+            f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
+            f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
+        )
+    if cfg.when_full == "evict":
+        for gkey in _oldest_groups(tt):
+            if gkey in keep:
+                continue
+            grp = tt.group(gkey)
+            if grp.state != READY:  # a pending group still takes members; leased ones are out
+                continue
+            tt.retire(gkey, grp, EVICTED)
+            tt.counters["evicted_total"] += len(grp.members)
+            if not over():
+                return
+    raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)")
+
+
+def _oldest_groups(tt: TableTxn) -> Iterator[str]:
+    """Groups of the live experiences, oldest first. The caller retires groups between
+    steps, so each step opens a fresh cursor after the last key seen."""
+    seen: set[str] = set()
+    position = tt.prefix
+    while True:
+        with tt.txn.cursor(db=tt.db["order"]) as cur:
+            if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
+                return
+            position = cur.key() + b"\0"
+            gkey = tt.item(cur.value().decode()).group
+        if gkey not in seen:
+            seen.add(gkey)
+            yield gkey
