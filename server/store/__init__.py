@@ -4,7 +4,8 @@
 - layout.py: the named databases and the keys in them; records.py: the typed records
   (ItemRecord, GroupRecord, Lease) and their binary encoding; migrate.py: the data
   directory's format, checked at open and brought up to date;
-- groups.py: the rules of a table in a transaction, the group state machine and capacity;
+- groups.py: the rules of a table in a transaction, the group state machine; capacity.py:
+  eviction or refusal when a table is full;
 - leases.py: taking a batch (selection orders are selection.py's) and its leases;
 - admission.py: admission of rollouts (AReaL's bound), grants, the staleness screen of
   pushes; limiter.py: the rate limits between inserts and samples (Reverb's);
