@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
 from .ingest import Ingest
-from .limits import RESERVED_THREADS, CallLimits
+from .limits import RESERVED_THREADS, CallLimits, TableStreams
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes
 from .service import ExperienceBufferService
@@ -135,6 +135,7 @@ class ExpbufServer:
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_processes),
+            table_streams=TableStreams(config.table_stream_limit),
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)

@@ -59,6 +59,8 @@ class ServerConfig:
     max_message_bytes: int = 256 << 20
     workers: int = 64
     max_sample_streams: int | None = None  # None: three quarters of workers
+    # Open Sample streams on one table, so the trainers of one table cannot take every stream.
+    max_table_streams: int | None = None  # None: max_sample_streams
     # Processes that validate and pack pushed payloads (0: the server process does it).
     ingest_processes: int = 2
     log_format: str = "text"
@@ -73,6 +75,11 @@ class ServerConfig:
     def sample_stream_limit(self) -> int:
         """Open Sample streams allowed; the rest of the workers stay free for other calls."""
         return self.max_sample_streams if self.max_sample_streams is not None else max(1, self.workers * 3 // 4)
+
+    @property
+    def table_stream_limit(self) -> int:
+        """Open Sample streams allowed on one table."""
+        return self.max_table_streams if self.max_table_streams is not None else self.sample_stream_limit
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -94,6 +101,12 @@ class ServerConfig:
             raise ConfigError(
                 f"max_sample_streams must be an integer from 1 to workers - 1 = {self.workers - 1}, got {streams!r}"
             )
+        per_table = self.max_table_streams
+        if per_table is not None and (not isinstance(per_table, int) or not 1 <= per_table <= self.sample_stream_limit):
+            raise ConfigError(
+                f"max_table_streams must be an integer from 1 to max_sample_streams = {self.sample_stream_limit}, "
+                f"got {per_table!r}"
+            )
         for token, scopes in self.tokens.items():
             if not token:
                 raise ConfigError("a token is empty")
@@ -111,6 +124,7 @@ _ENV = {
     "EXPBUF_MAX_MESSAGE_BYTES": ("max_message_bytes", int),
     "EXPBUF_WORKERS": ("workers", int),
     "EXPBUF_MAX_SAMPLE_STREAMS": ("max_sample_streams", int),
+    "EXPBUF_MAX_TABLE_STREAMS": ("max_table_streams", int),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),

@@ -95,3 +95,31 @@ class CallLimits(ServiceInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(limited_stream(handler.unary_stream), *serializers)
         return grpc.stream_stream_rpc_method_handler(limited_stream(handler.stream_stream), *serializers)
+
+
+class TableStreams:
+    """Open Sample streams per table, capped, so that the trainers of one table cannot take
+    every stream the server allows (the cap on all of them is CallLimits')."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = {}
+
+    def enter(self, table: str) -> str | None:
+        """Take a stream slot of `table`; the reason if none is free."""
+        with self._lock:
+            open_ = self._open.get(table, 0)
+            if open_ >= self.limit:
+                return (
+                    f"{open_} Sample streams are open on table '{table}', the limit is max_table_streams = "
+                    f"{self.limit} (raise it with EXPBUF_MAX_TABLE_STREAMS or in the config file)"
+                )
+            self._open[table] = open_ + 1
+            return None
+
+    def leave(self, table: str) -> None:
+        with self._lock:
+            self._open[table] -= 1
+            if not self._open[table]:
+                del self._open[table]

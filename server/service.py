@@ -36,6 +36,7 @@ from .errors import (
     clip,
 )
 from .ingest import Ingest
+from .limits import TableStreams
 from .metrics import Metrics
 from .replies import sample_reply
 from .sample_spec import SampleSpec
@@ -209,9 +210,11 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         advantage_device: str,
         bind_leases: bool = False,
         ingest: Ingest | None = None,
+        table_streams: TableStreams | None = None,
     ) -> None:
         self.store = store
         self.ingest = ingest or Ingest()
+        self.table_streams = table_streams or TableStreams(1 << 30)
         self.bind_leases = bind_leases
         self.refusal_log = _RefusalLog()
         self.metrics = metrics
@@ -269,6 +272,9 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
             return sample_reply(batch, lease=spec.delivery == "lease")
 
+        refused = self.table_streams.enter(spec.table)
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             yield from stream_batches(
                 self.store,
@@ -282,6 +288,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         except StoreError as exc:
             exc.table = spec.table  # for the refusal's log line and metric
             raise
+        finally:
+            self.table_streams.leave(spec.table)
 
     def _owner(self, context: grpc.ServicerContext) -> str:
         """Who takes a lease: a fingerprint of the caller's token when tokens are on, so

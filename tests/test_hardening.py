@@ -321,3 +321,36 @@ def test_a_cuda_table_is_refused_without_cuda(stub) -> None:
     config = pb.TableConfig(name="gpu", estimator=pb.Estimator(name="grpo", device="cuda"))
     error = refused(stub.CreateTable, pb.CreateTableRequest(config=config), timeout=10)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "no CUDA device" in error.details()
+
+
+def test_the_streams_of_one_table_are_capped(tmp_path: Path) -> None:
+    """Trainers of one table cannot take every Sample stream: past max_table_streams they are
+    refused, naming the table and the setting, while another table still gets its own."""
+    srv = start(tmp_path / "data", workers=8, max_table_streams=2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel, BufferClient(f"127.0.0.1:{srv.port}") as client:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            client.create_table("a", estimator="none")
+            client.create_table("b", estimator="none")
+            waiting = [
+                stub.Sample(iter([pb.SampleRequest(table="a", num_groups=1, wait_seconds=30)]), timeout=30)
+                for _ in range(2)
+            ]
+            deadline = time.monotonic() + 10
+            while srv.service.table_streams._open.get("a", 0) < 2:
+                assert time.monotonic() < deadline, "the two streams never opened"
+                time.sleep(0.02)
+            error = sample(stub, table="a", wait_seconds=1)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "table 'a'" in error.details() and "max_table_streams = 2" in error.details()
+            client.push(trxp.build(group_items(1, 0, 2)), table="b")
+            assert len(next(client.sample("b", num_groups=1, max_batches=1, timeout=5)).uids) == 2
+            for call in waiting:
+                call.cancel()
+            while srv.service.table_streams._open.get("a", 0):  # their slots come back
+                assert time.monotonic() < deadline + 10, "the cancelled streams kept their slots"
+                time.sleep(0.02)
+            client.push(trxp.build(group_items(1, 1, 2)), table="a")
+            assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5)).uids) == 2
+    finally:
+        srv.stop(grace=1)
