@@ -503,6 +503,10 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
         evicted = store.stats("evict")
         assert (evicted["groups_ready"], evicted["dropped_stale"], evicted["ready"]) == (1, 4, 1)
         assert store.verify("evict") == []
+        store.put_entries("evict", [replace(Entry.of(group_items(0, 2, 1, version=5)[0]), uid="mid")])
+        batch = store.sample(SampleSpec("evict", num_groups=2, trainer_version=7, allow_partial=True))
+        assert batch.group_ids == ["new"]  # bound 6: "mid" (version 5) was evicted, not taken
+        assert store.stats("evict")["dropped_stale"] == 5
     with pytest.raises(ConfigError, match="evict_stale must be true or false"):
         TableConfig(name="t", evict_stale="yes")  # type: ignore[arg-type]
 
