@@ -21,7 +21,7 @@ from .client import (
     Tls,
     _payload,
 )
-from .routing import ShardMap, group_key, shard_names
+from .routing import ShardMap, group_key, rendezvous, shard_names
 
 # How long sample() waits between looks at the shards' ready counts when none can fill a batch.
 _POLL_SECONDS = (0.02, 0.5)
@@ -75,6 +75,7 @@ def _merge_push(results: Iterable[PushResult]) -> PushResult:
         merged.stored += result.stored
         merged.duplicates += result.duplicates
         merged.completed_groups += result.completed_groups
+        merged.stale += result.stale
     return merged
 
 
@@ -262,6 +263,14 @@ class _Sharded:
         for config in tables:
             self._group_by[config["name"]] = config.get("group_by") or "task"
         return tables
+
+    def admission_shard(self, table: str) -> str:
+        """The one shard that admits a table's rollouts, so AReaL's bound holds over all shards.
+
+        Rendezvous on the table's name over the first epoch's shards: adding shards later
+        never moves a table's admission, and with it the count of rollouts submitted.
+        """
+        return rendezvous(f"admit/{table}", self.shard_map.epochs[0].shards)
 
     def _known_group_by(self, table: str) -> str:
         if table not in self._group_by:

@@ -13,6 +13,7 @@ from .client import (
     AsyncBufferClient,
     Batch,
     BufferError,
+    Grant,
     PushResult,
 )
 from .experience import Experience
@@ -90,11 +91,15 @@ class AsyncShardedBufferClient(_Sharded):
         max_batches: int = 0,
         min_model_version: int | None = None,
         allow_partial: bool = False,
+        trainer_version: int | None = None,
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         key, need = self._need(batch_size, num_groups)
         request = {"order": order, "delivery": delivery, "lease_seconds": lease_seconds}
         request |= {"min_model_version": min_model_version, "timeout": 0.0, "max_batches": 1}
+        request |= {"trainer_version": trainer_version}
+        if trainer_version is not None:  # every shard, the admission shard too, whether or not it holds data
+            await self.set_trainer_version(trainer_version, table)
         sent = 0
         while not max_batches or sent < max_batches:
             deadline, pause, parts, got = time.monotonic() + timeout, _POLL_SECONDS[0], [], 0
@@ -148,6 +153,19 @@ class AsyncShardedBufferClient(_Sharded):
         if errors:
             raise _shard_error(errors, self.shard_map.targets, done)
         return done
+
+    async def set_trainer_version(self, version: int, table: str = "default") -> int:
+        """Tell every shard's table the trainer's current policy version."""
+        return min((await self._each(lambda _, c: c.set_trainer_version(version, table))).values())
+
+    async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
+        """As BufferClient.admit, on the table's admission shard (`admission_shard`)."""
+        client = self.clients[self.admission_shard(table)]
+        return await client.admit(table, count, wait=wait, grant_seconds=grant_seconds)
+
+    async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
+        """End a grant on the shard that granted it."""
+        return await self.clients[self.admission_shard(grant.table)].finish_grant(grant, accepted)
 
     async def get(self, uids: Iterable[str], table: str = "default") -> list[Experience]:
         uids = list(uids)

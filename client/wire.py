@@ -62,6 +62,7 @@ TABLE_SETTINGS = (
     "min_size_to_sample",
     "samples_per_insert",
     "samples_per_insert_error",
+    "evict_stale",
 )
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
 SHAPING_SETTINGS = (
@@ -151,6 +152,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         min_size_to_sample=settings.get("min_size_to_sample", 0),
         samples_per_insert=settings.get("samples_per_insert", 0.0),
         samples_per_insert_error=settings.get("samples_per_insert_error", 0.0),
+        evict_stale=settings.get("evict_stale", False),
     )
 
 
@@ -179,4 +181,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "min_size_to_sample": msg.min_size_to_sample,
         "samples_per_insert": msg.samples_per_insert,
         "samples_per_insert_error": msg.samples_per_insert_error,
+        "evict_stale": msg.evict_stale,
     }

@@ -205,6 +205,8 @@ class ExpbufServer:
                 log.info("grants expired: %d rollouts may start again", done["rollouts_returned"])
             if done["groups_timed_out"]:
                 log.info("incomplete groups timed out: %d", done["groups_timed_out"])
+            if done["groups_stale_evicted"]:
+                log.info("stale ready groups evicted: %d", done["groups_stale_evicted"])
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, let running RPCs finish within grace, commit, close."""

@@ -39,7 +39,7 @@ _STORE_COUNTERS = (
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired", {}),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped", {}),
 )
-_DROP_REASONS = ("zero_variance", "timeout", "std_threshold")
+_DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
 
 

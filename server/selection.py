@@ -100,6 +100,17 @@ class ReadyIndex:
         txn.delete(p + u64(last), db=self.dbs.slots)
         txn.put(p, u64(last), db=self.dbs.slots)
 
+    def below_version(self, version: int, limit: int) -> list[str]:
+        """Up to `limit` ready groups whose lowest version is below `version`, lowest first,
+        read from the front of `byver`: nothing at or above `version` is looked at."""
+        end, groups = self.prefix + version_key(version), []
+        with self.txn.cursor(db=self.dbs.byver) as cur:
+            found = cur.set_range(self.prefix)
+            while found and len(groups) < limit and cur.key() < end:
+                groups.append(bytes(cur.value()[8:]).decode())
+                found = cur.next()
+        return groups
+
     def count(self) -> int:
         raw = self.txn.get(self.prefix, db=self.dbs.slots)
         return _U64.unpack(raw)[0] if raw else 0

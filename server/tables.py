@@ -233,11 +233,13 @@ class TableConfig:
     # Reward shaping before the estimator and advantage clipping after it.
     shaping: Shaping = field(default_factory=Shaping)
     # Off-policy control: how many versions a rollout may lag the trainer (None: no bound),
-    # the trainer's rollouts per version (admission; 0: no bound), and what a push of
-    # experiences staler than the bound gets (admission.py).
+    # the trainer's rollouts per version (admission; 0: no bound), what a push of
+    # experiences staler than the bound gets (admission.py), and whether ready groups that
+    # fall below it as the trainer advances are evicted (staleness.py).
     max_staleness: int | None = None
     batch_size: int = 0
     on_stale: str = "drop"
+    evict_stale: bool = False
     # Rate limits (limiter.py): no sample before the table has held min_size_to_sample
     # experiences; samples per insert (0: no limit) within +- the error buffer.
     min_size_to_sample: int = 0
@@ -290,6 +292,9 @@ class TableConfig:
             raise ConfigError(
                 f"table '{self.name}': max_staleness must be an integer from 0 to 2^31 - 1, got {clip(staleness, 40)}"
             )
+        if not isinstance(self.evict_stale, bool):
+            got = clip(self.evict_stale, 40)
+            raise ConfigError(f"table '{self.name}': evict_stale must be true or false, got {got}")
         for name in ("samples_per_insert", "samples_per_insert_error"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:

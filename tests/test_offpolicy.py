@@ -450,3 +450,79 @@ def test_the_readmes_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
     (table,) = load(str(tmp_path / "expbuf.toml")).tables
     assert (table.max_staleness, table.batch_size, table.on_stale) == (2, 4, "drop")
     assert (table.min_size_to_sample, table.samples_per_insert, table.samples_per_insert_error) == (0, 0.0, 0)
+
+
+# ---- stale-group eviction ----------------------------------------------------------------
+
+
+def test_100k_stale_groups_are_evicted_in_bounded_steps_and_fresh_ones_stay(tmp_path: Path) -> None:
+    from expbuf.server.store.staleness import EVICT_LIMIT
+
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none", max_staleness=2, evict_stale=True))
+        one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
+
+        def push(prefix: str, count: int, version: int | None) -> None:
+            store.put_entries("t", [replace(one, uid=f"{prefix}{i}", version=version) for i in range(count)])
+
+        push("fresh-early", 3, 7)  # in front of the stale ones in the ready order
+        for chunk in range(10):
+            push(f"stale{chunk}-", 10_000, 4)
+        push("edge", 2, 5)  # exactly at the bound: stays
+        push("fresh", 3, 9)
+        push("unknown", 1, None)  # no version: never stale
+        assert store.tick()["groups_stale_evicted"] == 0  # no trainer version yet
+        store.set_trainer_version("t", 7)  # bound 5: a first bounded step
+        assert store.stats("t")["dropped_stale"] == EVICT_LIMIT
+        steps = []
+        while evicted := store.tick()["groups_stale_evicted"]:
+            steps.append(evicted)
+        assert all(0 < step <= EVICT_LIMIT for step in steps) and len(steps) == 100_000 // EVICT_LIMIT - 1
+        stats = store.stats("t")
+        assert (stats["dropped_stale"], stats["groups_dropped"], stats["groups_ready"]) == (100_000, 100_000, 9)
+        assert store.verify("t") == []
+        taken = store.sample(SampleSpec("t", num_groups=20, allow_partial=True))
+        assert sorted(taken.group_ids) == sorted(
+            ["fresh-early0", "fresh-early1", "fresh-early2", "edge0", "edge1", "fresh0", "fresh1", "fresh2", "unknown0"]
+        )
+
+
+def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        for name, evict in (("keep", False), ("evict", True)):
+            store.create_table(
+                TableConfig(name=name, estimator="none", group_by="none", max_staleness=1, evict_stale=evict)
+            )
+            store.put_entries(name, [Entry.of(item) for item in group_items(0, 0, 4, version=3)])
+            store.put_entries(name, [replace(Entry.of(group_items(0, 1, 1, version=6)[0]), uid="new")])
+        for version in (4, 5):  # bound 3 keeps version 3; bound 4 makes it stale
+            store.set_trainer_version("keep", version)
+            store.set_trainer_version("evict", version)
+        assert store.tick()["groups_stale_evicted"] == 0  # the advance already evicted them
+        assert store.stats("keep")["groups_ready"] == 5 and store.stats("keep")["dropped_stale"] == 0
+        evicted = store.stats("evict")
+        assert (evicted["groups_ready"], evicted["dropped_stale"], evicted["ready"]) == (1, 4, 1)
+        assert store.verify("evict") == []
+        store.put_entries("evict", [replace(Entry.of(group_items(0, 2, 1, version=5)[0]), uid="mid")])
+        batch = store.sample(SampleSpec("evict", num_groups=2, trainer_version=7, allow_partial=True))
+        assert batch.group_ids == ["new"]  # bound 6: "mid" (version 5) was evicted, not taken
+        assert store.stats("evict")["dropped_stale"] == 5
+    with pytest.raises(ConfigError, match="evict_stale must be true or false"):
+        TableConfig(name="t", evict_stale="yes")  # type: ignore[arg-type]
+
+
+def test_evict_stale_over_grpc_and_the_stale_drop_metric(tmp_path: Path) -> None:
+    server = start(tmp_path)
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+            config = c.create_table("t", estimator="none", group_by="none", max_staleness=0, evict_stale=True)
+            assert config["evict_stale"] is True
+            assert {t["name"]: t["evict_stale"] for t in c.list_tables()} == {"default": False, "t": True}
+            c.push(trxp.build(group_items(1, 0, 3, version=1)), table="t")
+            c.push(trxp.build(group_items(1, 1, 1, version=2)), table="t")
+            c.set_trainer_version(2, "t")
+            assert c.stats("t")["t"]["groups_ready"] == 1
+        m = scrape(server.metrics_port)
+        assert m[("expbuf_groups_dropped_total", (("reason", "stale"), ("table", "t")))] == 3
+    finally:
+        server.stop(grace=1)

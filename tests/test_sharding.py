@@ -354,3 +354,53 @@ def test_trxp_parts_keep_every_item(shards: Shards) -> None:
         parts = client._split(trxp.encode(experiences), "task")
         items = [item.uid for part in parts.values() for item in trxp.parse(part)]
         assert sorted(items) == sorted(e.eid.uid for e in experiences)
+
+
+def test_admission_holds_the_staleness_bound_over_all_shards(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("admit", estimator="none", group_by="none", max_staleness=1, batch_size=4)
+        home = client.admission_shard("admit")
+        assert home == client.admission_shard("admit") and home in NAMES
+        first = client.admit("admit", 5)
+        assert first.count == 5 and first.table == "admit"
+        assert client.admit("admit", 5).count == 3  # (1 + 0 + 1) * 4 over every shard, not per shard
+        assert client.admit("admit", 1).count == 0
+        assert client.finish_grant(first, accepted=2) == 3
+        assert client.admit("admit", 9).count == 3
+        assert client.set_trainer_version(1, "admit") == 1
+        assert {s["admit"]["trainer_version"] for s in client.shard_stats("admit").values()} == {1}
+        assert client.admit("admit", 9).count == 4
+        per_shard = client.shard_stats("admit")
+        assert per_shard[home]["admit"]["admitted"] == 15
+        assert all(per_shard[name]["admit"]["admitted"] == 0 for name in NAMES if name != home)
+
+
+def test_trainer_version_reaches_every_shard_and_stale_pushes_are_merged(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("stale", estimator="none", group_by="none", max_staleness=1)
+        fresh = [make_experience(0, task, 0, version=3) for task in range(6)]
+        client.push(fresh, table="stale")
+        batches = list(client.sample("stale", num_groups=1, max_batches=1, trainer_version=4))
+        assert len(batches) == 1
+        assert {s["stale"]["trainer_version"] for s in client.shard_stats("stale").values()} == {4}
+        old = [make_experience(1, task, 0, version=2) for task in range(6)]
+        result = client.push([*old, make_experience(1, 99, 0, version=4)], table="stale")
+        assert sorted(result.stale) == sorted(exp.eid.uid for exp in old)
+        assert len(result.stored) == 1
+
+
+def test_async_client_admits_on_one_shard_and_sets_versions_on_all(shards: Shards) -> None:
+    async def run() -> None:
+        async with AsyncShardedBufferClient(shards.targets()) as client:
+            await client.create_table("admit_async", estimator="none", max_staleness=0, batch_size=3)
+            grant = await client.admit("admit_async", 5)
+            assert grant.count == 3
+            assert (await client.admit("admit_async", 1)).count == 0
+            assert await client.set_trainer_version(2, "admit_async") == 2
+            assert (await client.admit("admit_async", 9)).count == 6
+            assert await client.finish_grant(grant, accepted=0) == 3
+            stats = await client.shard_stats("admit_async")
+            assert {s["admit_async"]["trainer_version"] for s in stats.values()} == {2}
+            assert stats[client.admission_shard("admit_async")]["admit_async"]["admitted"] == 9
+
+    asyncio.run(run())

@@ -224,6 +224,7 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
             "requeued": 2,
             "rollouts_returned": 0,
             "groups_timed_out": 0,
+            "groups_stale_evicted": 0,
             "tombstones_pruned": 0,
             "failed": 0,
         }

@@ -372,3 +372,53 @@ def test_import_expbuf_client_loads_no_trinity() -> None:
     code = "import sys, expbuf.client; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trinity'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_reader_tells_the_table_the_trainers_model_version(start: Start) -> None:
+    server = start()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo", max_staleness=1)
+        admin.push(Experience.serialize_many(group(0, [1.0, 2.0, 3.0, 4.0])), TABLE)
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=4))
+    with pytest.raises(ValueError, match="model_version must be a non-negative integer, got '-1'"):
+        asyncio.run(reader.read(model_version=-1))
+    assert len(asyncio.run(reader.read(min_model_version=1, model_version=2))) == 4
+    stale = group(1, [1.0, 2.0, 3.0, 4.0])
+    for exp in stale:
+        exp.info["model_version"] = 0
+    with BufferClient(target) as admin:
+        assert admin.stats(TABLE)[TABLE]["trainer_version"] == 2
+        result = admin.push(Experience.serialize_many(stale), TABLE)
+    assert sorted(result.stale) == sorted(exp.eid.uid for exp in stale)
+
+
+def test_expbuf_sample_strategy_passes_the_trainers_version(start: Start) -> None:
+    from trinity.algorithm.sample_strategy import SAMPLE_STRATEGY
+
+    from expbuf.client.trinity import ExpbufSampleStrategy
+
+    server = start()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        old, fresh = group(0, [1.0, 2.0, 3.0, 4.0]), group(1, [4.0, 3.0, 2.0, 1.0])
+        for exp in fresh:
+            exp.info["model_version"] = 5
+        admin.push(Experience.serialize_many(old + fresh), TABLE)
+    config = Config()
+    config.buffer.trainer_input.experience_buffer = buffer_config(server.port, batch_size=4)
+    strategy_cls = SAMPLE_STRATEGY.get("expbuf")
+    assert strategy_cls is ExpbufSampleStrategy
+    strategy = strategy_cls(config.buffer, max_staleness=1)
+    # Trinity asks for step 7 after 6 finished steps: the trainer holds version 6, so 5 is the oldest taken.
+    batch, metrics, _ = asyncio.run(strategy.sample(step=7))
+    assert sorted({e.eid.tid for e in batch}) == ["3/1"]
+    assert metrics["sample/model_version/max"] == 5
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.stats(TABLE)[TABLE]["trainer_version"] == 6
+
+
+def test_table_settings_in_the_path_are_refused_with_where_they_go() -> None:
+    for name in ("max_staleness=2", "batch_size=8", "on_stale=drop", "samples_per_insert=2"):
+        with pytest.raises(ValueError, match=r"setting of the table.*TOML \[\[tables\]\] or with create_table"):
+            parse(f"expbuf://h:1/t?{name}", env={})

@@ -3,7 +3,8 @@
 With TRINITY_PLUGIN_DIRS pointing at plugin_dir(), Trinity's own factories
 `trinity.buffer.get_buffer_writer` and `get_buffer_reader` return ExpbufWriter and
 ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, and Trinity's for any
-other path; the advantage function `expbuf` takes the buffer's advantages as they are.
+other path; the advantage function `expbuf` takes the buffer's advantages as they are, and
+the sample strategy `expbuf` tells the buffer the trainer's policy version.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
 from .location import Location, is_expbuf_path, parse
+from .sample_strategy import ExpbufSampleStrategy
 
 __all__ = [
     "ExpbufAdvantageFn",
     "ExpbufReader",
+    "ExpbufSampleStrategy",
     "ExpbufWriter",
     "Location",
     "install",
@@ -30,6 +33,7 @@ __all__ = [
 ]
 
 ADVANTAGE_FN_NAME = "expbuf"
+SAMPLE_STRATEGY_NAME = "expbuf"
 
 
 def plugin_dir() -> str:
@@ -51,7 +55,8 @@ def _routed(original: Callable[[Any], Any], expbuf_cls: type) -> Callable[[Any],
 
 
 def install() -> None:
-    """Route Trinity's buffer factories to expbuf for expbuf:// paths and register `expbuf`.
+    """Route Trinity's buffer factories to expbuf for expbuf:// paths and register `expbuf`
+    (an advantage function and a sample strategy).
 
     Trinity picks a writer by storage type in `get_buffer_writer` (no registry), and its
     modules hold the factories under their own names, often imported before plugins load;
@@ -61,9 +66,12 @@ def install() -> None:
     """
     import trinity.buffer.buffer as factories
     from trinity.algorithm.advantage_fn import ADVANTAGE_FN
+    from trinity.algorithm.sample_strategy import SAMPLE_STRATEGY
 
     if ADVANTAGE_FN_NAME not in ADVANTAGE_FN.modules:
         ADVANTAGE_FN.register_module(ADVANTAGE_FN_NAME, ExpbufAdvantageFn)
+    if SAMPLE_STRATEGY_NAME not in SAMPLE_STRATEGY.modules:
+        SAMPLE_STRATEGY.register_module(SAMPLE_STRATEGY_NAME, ExpbufSampleStrategy)
     replace = {}
     for name, expbuf_cls in (("get_buffer_writer", ExpbufWriter), ("get_buffer_reader", ExpbufReader)):
         current = getattr(factories, name)

@@ -150,10 +150,12 @@ class ExpbufReader(BufferReader):
         """The next `batch_size` experiences (whole groups: the last may end past it), with advantages.
 
         `min_model_version` (Trinity's staleness-control sample strategy) keeps only groups
-        whose every experience is at least that fresh. No batch within Trinity's
-        `max_read_timeout` is a TimeoutError, as with Trinity's own queue.
+        whose every experience is at least that fresh. `model_version`, the policy version the
+        trainer holds (the `expbuf` sample strategy gives it), is the table's trainer version:
+        the server measures staleness, screens pushes and admits rollouts against it. No batch
+        within Trinity's `max_read_timeout` is a TimeoutError, as with Trinity's own queue.
         """
-        unknown = set(kwargs) - {"min_model_version"}
+        unknown = set(kwargs) - {"min_model_version", "model_version"}
         if unknown:
             raise TypeError(f"ExpbufReader.read() got unexpected argument(s): {', '.join(sorted(unknown))}")
         size = self.batch_size if batch_size is None else batch_size
@@ -161,9 +163,12 @@ class ExpbufReader(BufferReader):
             raise ValueError(f"batch_size must be a positive number of experiences, got {size!r}")
         min_version = kwargs.get("min_model_version")
         min_version = int(min_version) if min_version is not None and min_version > 0 else None
-        return await asyncio.to_thread(self._read, size, min_version)
+        version = kwargs.get("model_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"model_version must be a non-negative integer, got {str(version)[:40]!r}")
+        return await asyncio.to_thread(self._read, size, min_version, version)
 
-    def _read(self, size: int, min_version: int | None) -> list[Experience]:
+    def _read(self, size: int, min_version: int | None, version: int | None = None) -> list[Experience]:
         self._acknowledge()
         stream = self._client.sample(
             self.location.table,
@@ -174,6 +179,7 @@ class ExpbufReader(BufferReader):
             timeout=self.timeout,
             max_batches=1,
             min_model_version=min_version,
+            trainer_version=version,
         )
         try:
             with closing(stream):

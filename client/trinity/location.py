@@ -12,6 +12,10 @@ Options (query) and their environment fallbacks:
     tls_key=PATH          its private key (EXPBUF_TLS_KEY)
     lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
     order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
+
+A table's settings (max_staleness, batch_size, on_stale, the rate limits, ...) are not
+options: they belong to the table, fixed when it is created (TOML or create_table), and a
+path naming one is refused with that said, rather than left to disagree with the table.
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 3600.0
 OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order")
+# Off-policy table settings (TOML names), refused in a path with a pointer to where they go.
+TABLE_SETTINGS = (
+    "max_staleness",
+    "batch_size",
+    "on_stale",
+    "min_size_to_sample",
+    "samples_per_insert",
+    "samples_per_insert_error",
+    "evict_stale",
+)
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -91,6 +105,11 @@ def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "token":
             raise ValueError("expbuf path: a token never goes in the path; name its variable with token_env=NAME")
+        if name in TABLE_SETTINGS:
+            raise ValueError(
+                f"expbuf path option {name} is a setting of the table, fixed when it is created: set it in the "
+                "server's TOML [[tables]] or with create_table, not in the path"
+            )
         if name not in OPTIONS:
             raise ValueError(f"expbuf path option {name[:40]!r} is unknown; expected one of {', '.join(OPTIONS)}")
         options[name] = value

@@ -9,7 +9,9 @@
 - leases.py: taking a batch (selection orders are selection.py's) and its leases;
 - admission.py: admission of rollouts (AReaL's bound), grants, the staleness screen of
   pushes; limiter.py: the rate limits between inserts and samples (Reverb's);
-- upkeep.py: lease and grant expiry, group timeouts, tombstone pruning, isolated per table;
+  staleness.py: eviction of ready groups that fell below the staleness bound;
+- upkeep.py: lease and grant expiry, group timeouts, stale-group eviction, tombstone
+  pruning, isolated per table;
 - integrity.py: the check behind `expbuf check`;
 - engine.py: `Store`, the one object the server uses (through backend.Backend).
 """

@@ -30,6 +30,7 @@ from .groups import TableTxn, read_counters
 from .integrity import verify
 from .leases import end_lease, read_lease, take
 from .records import GroupRecord, ItemRecord, Lease
+from .staleness import evict_stale
 from .types import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .upkeep import Upkeep
 
@@ -332,12 +333,14 @@ class Store:
         return count
 
     def set_trainer_version(self, table: str, version: int) -> int:
-        """Store the trainer's policy version for a table (in its counters); returns it."""
+        """Store the trainer's policy version for a table (in its counters); returns it.
+        A table with evict_stale drops a first bounded batch of the groups that fell stale."""
         check_version("version", version)
 
         def op(tt: TableTxn) -> int:
             tt.counters["trainer_version"] = version
             tt.save()
+            evict_stale(tt)
             return version
 
         return self._in_table(table, op)
@@ -413,8 +416,9 @@ class Store:
     # ---- upkeep ------------------------------------------------------------------------
 
     def tick(self) -> dict[str, int]:
-        """Requeue expired leases, release or drop timed-out incomplete groups, forget old
-        tombstones; each lease and each table isolated from the others (upkeep.py)."""
+        """Requeue expired leases, release or drop timed-out incomplete groups, evict stale
+        ready groups, forget old tombstones; each lease and each table isolated from the
+        others (upkeep.py)."""
         now = self.clock()
         upkeep = self._upkeep
 
@@ -427,7 +431,15 @@ class Store:
 
         def op(txn: lmdb.Transaction) -> dict[str, int]:
             done = dict.fromkeys(
-                ("leases_expired", "requeued", "rollouts_returned", "groups_timed_out", "tombstones_pruned", "failed"),
+                (
+                    "leases_expired",
+                    "requeued",
+                    "rollouts_returned",
+                    "groups_timed_out",
+                    "groups_stale_evicted",
+                    "tombstones_pruned",
+                    "failed",
+                ),
                 0,
             )
             for key in upkeep.expired(txn, now):
@@ -448,6 +460,7 @@ class Store:
                     continue
                 done["groups_timed_out"] += result[0]
                 done["tombstones_pruned"] += result[1]
+                done["groups_stale_evicted"] += result[2]
             return done
 
         return self._submit(op)

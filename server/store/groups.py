@@ -53,6 +53,7 @@ _COUNTERS = (
     "dropped_zero_variance",
     "dropped_timeout",
     "dropped_std_threshold",
+    "dropped_stale",
     # what reward shaping and advantage clipping did (see shaping.py)
     *SHAPING_COUNTERS,
     # off-policy control (admission.py)

@@ -22,6 +22,7 @@ from . import layout
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
+from .staleness import evict_stale
 from .types import Sampled
 
 
@@ -38,6 +39,7 @@ def take(
     if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
         tt.counters["trainer_version"] = spec.trainer_version
         tt.save()
+        evict_stale(tt)  # before selection: a stale group is not taken in the same step
     chosen = []
     total = 0
     with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:

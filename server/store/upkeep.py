@@ -1,5 +1,6 @@
 """The store's periodic upkeep: expired leases return their groups, expired grants their
-room for rollouts, incomplete groups time out, old tombstones are forgotten.
+room for rollouts, incomplete groups time out, stale ready groups are evicted (tables with
+evict_stale, staleness.py), old tombstones are forgotten.
 
 Each lease and each table runs in a nested transaction of its own: one that fails (a
 damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
@@ -18,6 +19,7 @@ from ..errors import clip
 from ..tables import TableConfig
 from . import layout
 from .groups import TableTxn
+from .staleness import evict_stale
 
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
@@ -41,13 +43,14 @@ class Upkeep:
                 expired.append(bytes(key))
         return expired
 
-    def table(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> tuple[int, int]:
-        """Time out incomplete groups and prune tombstones of one table."""
+    def table(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> tuple[int, int, int]:
+        """Time out incomplete groups, evict stale ready groups and prune tombstones of one table."""
         tt = TableTxn(txn, self.db, table_id, config, now)
         timed_out = tt.expire_groups(now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
+        stale = evict_stale(tt)
         pruned = tt.prune_tombstones(now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
         tt.save()
-        return timed_out, pruned
+        return timed_out, pruned, stale
 
     def isolated(self, txn: lmdb.Transaction, what: str, fn: Callable[[lmdb.Transaction], T]) -> T | None:
         """Run one piece in a nested transaction; on failure undo it, log it once per
