@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import pickle
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -28,16 +29,40 @@ def build(items: Sequence[RawItem]) -> bytes:
         {"version": VERSION, "num_items": len(items), "items": [item.meta for item in items]},
         protocol=5,
     )
-    entries = [(f"{index}:{name}", tensor) for index, item in enumerate(items) for name, tensor in item.tensors.items()]
-    # safetensors' own order: dtype descending, then name; this also keeps data aligned.
-    entries.sort(key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
-    header: dict[str, Any] = {}
+    by_dtype: dict[str, list[tuple[str, RawTensor]]] = {}
+    names: set[str] = set()
+    for index, item in enumerate(items):
+        names.update(item.tensors)
+        for name, tensor in item.tensors.items():
+            entry = (f"{index}:{name}", tensor)
+            try:
+                by_dtype[tensor.dtype].append(entry)
+            except KeyError:
+                by_dtype[tensor.dtype] = [entry]
+    # The header as json.dumps writes it, by formatting: keys need escaping only if a name does.
+    plain = all(json.dumps(name, ensure_ascii=False) == f'"{name}"' for name in names)
+    shapes: dict[tuple[int, ...], str] = {}
+    fields: list[str] = []
+    data: list[bytes | memoryview] = []
     offset = 0
-    for key, tensor in entries:
-        end = offset + len(tensor.data)
-        header[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
-        offset = end
-    return _assemble(meta, header, [tensor.data for _, tensor in entries])
+    # safetensors' own order: dtype descending, then name; this also keeps data aligned.
+    for code in sorted(by_dtype, key=_DTYPE_RANK.__getitem__, reverse=True):
+        bucket = by_dtype[code]
+        bucket.sort(key=_KEY)
+        dtype = f'":{{"dtype":"{code}","shape":['
+        for key, tensor in bucket:
+            end = offset + len(tensor.data)
+            shape = shapes.get(tensor.shape)
+            if shape is None:
+                shape = shapes[tensor.shape] = ",".join(map(str, tensor.shape))
+            escaped = key if plain else json.dumps(key, ensure_ascii=False)[1:-1]
+            fields.append(f'"{escaped}{dtype}{shape}],"data_offsets":[{offset},{end}]}}')
+            data.append(tensor.data)
+            offset = end
+    return b"".join(_frame(meta, ("{" + ",".join(fields) + "}").encode("utf-8"), data))
+
+
+_KEY = operator.itemgetter(0)
 
 
 def _assemble(meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]) -> bytes:
@@ -48,11 +73,16 @@ def _assemble_parts(
     meta: bytes, header: dict[str, Any], data: Sequence[bytes | memoryview]
 ) -> list[bytes | memoryview]:
     """A payload as the runs of bytes it is made of, in order."""
-    header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    tensor_len = 8 + len(header_bytes) + sum(len(d) for d in data)
+    header_json = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
+    return _frame(meta, header_json, data)
+
+
+def _frame(meta: bytes, header_json: bytes, data: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The runs of bytes of a payload whose safetensors header is already written as JSON."""
+    header_json += b" " * (-len(header_json) % 8)
+    tensor_len = 8 + len(header_json) + sum(map(len, data))
     head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
-    return [head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data]
+    return [head, meta, struct.pack("<Q", len(header_json)), header_json, *data]
 
 
 # The server stores each experience as a one-item payload whose metadata pickle is laid

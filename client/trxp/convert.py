@@ -19,7 +19,7 @@ from ..experience import (
 )
 from .build import build
 from .checks import _check_meta, _check_tensors, _Shape
-from .common import _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
+from .common import _CONTAINERS, _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
@@ -53,14 +53,15 @@ def from_experience(exp: Any) -> RawItem:
     eid = exp.eid
     meta: dict[str, Any] = {"eid": eid if isinstance(eid, dict) else _eid_dict(eid)}
     for name in META_FIELDS:
-        value = getattr(exp, name, None)
-        if name in ("info", "metrics") and value is None:
-            value = {}
-        elif name == "prompt_length" and value is None:
-            value = 1
-        elif name == "reward" and value is not None:
-            value = float(value)
-        meta[name] = value
+        meta[name] = getattr(exp, name, None)
+    if meta["info"] is None:
+        meta["info"] = {}
+    if meta["metrics"] is None:
+        meta["metrics"] = {}
+    if meta["prompt_length"] is None:
+        meta["prompt_length"] = 1
+    if meta["reward"] is not None:
+        meta["reward"] = float(meta["reward"])
     meta["custom_fields"] = [_custom_field_dict(cf) for cf in getattr(exp, "custom_fields", None) or []]
     mm = getattr(exp, "multi_modal_inputs", None) or {}
     meta["multi_modal_input_keys"] = list(mm)
@@ -73,9 +74,26 @@ def from_experience(exp: Any) -> RawItem:
         tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
     work = Work(_UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
-    _check_meta(0, meta, _Shape(work, _UNBOUNDED, check_keys=True))
+    _check_meta(0, meta, _CallerData(work, _UNBOUNDED, check_keys=True))
     _check_tensors(0, item, work)
     return item
+
+
+# The fields _check_meta lets hold containers (dicts or lists): the caller's own data, which
+# only a walk shows to be plain, acyclic and not nested too deeply.
+_CALLER_CONTAINERS = ("info", "metrics", "messages", "tools", "chosen_messages", "rejected_messages")
+
+
+class _CallerData(_Shape):
+    """Measures only the non-empty containers the caller handed in: whatever else
+    from_experience puts in an item is made here of plain types, or is a field that
+    _check_meta refuses unless it is a scalar of the right type, so walking it could not
+    refuse anything."""
+
+    def item(self, where: str, item: dict[Any, Any]) -> None:
+        caller = {name: value for name in _CALLER_CONTAINERS if isinstance(value := item[name], _CONTAINERS) and value}
+        if caller:
+            super().item(where, caller)
 
 
 def _eid_dict(eid: Any) -> dict[str, Any]:
@@ -126,15 +144,22 @@ def tensor_of(raw: RawTensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw.data), dtype=dtype).reshape(raw.shape)
 
 
+@functools.cache
+def _safetensors_codes() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors code, the inverse of _torch_dtypes."""
+    return {dtype: code for code, dtype in _torch_dtypes().items()}
+
+
 def raw_of(value: Any) -> RawTensor:
     """The raw form of a tensor (or anything torch.as_tensor takes), on the CPU."""
     import torch
 
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    tensor = tensor.detach().to("cpu").contiguous()
-    codes = {dtype: code for code, dtype in _torch_dtypes().items()}
-    if tensor.dtype not in codes:
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        tensor = tensor.detach().to("cpu").contiguous()
+    code = _safetensors_codes().get(tensor.dtype)
+    if code is None:
         raise TrxpError(f"tensor dtype {tensor.dtype} has no safetensors code")
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
-    return RawTensor(codes[tensor.dtype], tuple(tensor.shape), data)
+    return RawTensor(code, tuple(tensor.shape), data)

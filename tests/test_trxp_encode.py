@@ -1,0 +1,163 @@
+"""The client's encoder: byte for byte what Trinity-RFT's serialize_many and safetensors write,
+and the caller's own mistakes refused with errors that name the field."""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import safetensors.torch
+import torch
+
+from expbuf.client import EID, Experience, TrxpError, encode, trxp
+
+# Tensor names JSON must escape (a quote, a backslash, control characters) or that are not ASCII.
+AWKWARD_NAMES = ['say "cheese"', "back\\slash", "line\nbreak\t\x01\x1f", "pixel_värden ✓", "\x7f"]
+
+
+def trinity_experiences(count: int) -> list:
+    """Trinity-RFT experiences of every kind of field, sharing a prompt's messages the way
+    the runs of a task do (which the metadata pickle writes once and then refers to)."""
+    from trinity.common.experience import EID as TrinityEID
+    from trinity.common.experience import CustomField
+    from trinity.common.experience import Experience as TrinityExperience
+
+    messages = [{"role": "user", "content": "What is 2+2? ✓"}]
+    exps = []
+    for i in range(count):
+        logprobs = torch.randn(8)[::2]  # a strided view
+        exps.append(
+            TrinityExperience(
+                eid=TrinityEID(batch="3/eval", task=i // 4, run=i % 4, step=0, suffix=f"s{i}"),
+                tokens=torch.arange(6, dtype=torch.int64 if i % 2 else torch.int32) + i,
+                prompt_length=2,
+                logprobs=logprobs,
+                action_mask=torch.tensor([True, False, True, True]),
+                reward=None if i == 5 else 0.5 * i,
+                info={"model_version": 3, "note": "ü"},
+                metrics={"accuracy": 1.0},
+                prompt_text="What is 2+2? ✓",
+                response_text="4 — four",
+                messages=messages,
+                tools=[{"name": "calc", "args": [1, 2.5, None, True]}],
+                custom_fields=[CustomField(source_field="a", destination_field="b", data_type=torch.float32)],
+                multi_modal_inputs={
+                    "pixel_values": torch.ones(2, 3),
+                    **{name: torch.full((2,), i, dtype=torch.bfloat16) for name in AWKWARD_NAMES},
+                },
+            )
+        )
+    return exps
+
+
+def test_encode_equals_trinity_serialize_many() -> None:
+    """12 items, so that item 10's tensors sort before item 2's as safetensors sorts names."""
+    pytest.importorskip("trinity")
+    from trinity.common.experience import Experience as TrinityExperience
+
+    exps = trinity_experiences(12)
+    data = encode(exps)
+    assert data == TrinityExperience.serialize_many(exps)
+    back = TrinityExperience.deserialize_many(data)
+    assert [e.eid.uid for e in back] == [e.eid.uid for e in exps]
+    assert torch.equal(back[11].multi_modal_inputs['say "cheese"'], exps[11].multi_modal_inputs['say "cheese"'])
+
+
+@pytest.mark.parametrize("names", [["tokens", "logprobs"], AWKWARD_NAMES], ids=["plain", "escaped"])
+def test_header_is_what_safetensors_writes(names: list[str]) -> None:
+    """build writes the safetensors header itself; names JSON must escape take the slow way."""
+    tensors = {f"{i}:{name}": torch.arange(i + 3, dtype=torch.int16) for i in range(11) for name in names}
+    items = [
+        trxp.RawItem(meta={}, tensors={name: trxp.raw_of(tensors[f"{i}:{name}"]) for name in names}) for i in range(11)
+    ]
+    data = trxp.build(items)
+    _, _, meta_len, _ = struct.unpack_from("<4sBQQ", data)
+    assert data[21 + meta_len :] == safetensors.torch.save(tensors)
+
+
+def test_raw_of_takes_any_layout() -> None:
+    """Tensors already contiguous on the CPU are read as they are; others are copied first."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    grad = torch.ones(3, requires_grad=True)
+    for value, want in [
+        (base.t(), base.t().contiguous()),
+        (base[:, 1], base[:, 1].contiguous()),
+        (base[1], base[1].clone()),
+        (grad, grad.detach()),
+        ([[1, 2], [3, 4]], torch.tensor([[1, 2], [3, 4]])),
+        (torch.empty(0, 3), torch.empty(0, 3)),
+    ]:
+        raw = trxp.raw_of(value)
+        assert (raw.dtype, raw.shape) == (trxp.raw_of(want).dtype, tuple(want.shape))
+        assert raw.data == safetensors.torch.save({"t": want})[-len(raw.data) :] if raw.data else raw.data == b""
+    with pytest.raises(TrxpError, match=r"tensor dtype torch.complex64 has no safetensors code"):
+        trxp.raw_of(torch.zeros(2, dtype=torch.complex64))
+
+
+def experience(**fields: object) -> Experience:
+    values: dict = {
+        "eid": EID(batch=1, task=0, run=0, suffix="x"),
+        "tokens": torch.arange(4, dtype=torch.int32),
+        "prompt_length": 1,
+        "logprobs": torch.zeros(3),
+        "reward": 1.0,
+    }
+    return Experience(**(values | fields))
+
+
+def cyclic() -> list:
+    loop: list = []
+    loop.append(loop)
+    return loop
+
+
+def deep(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"info": {"a": object()}}, r"field 'info': object is not plain data"),
+        ({"info": {"a": {"b": [torch.zeros(2)]}}}, r"field 'info': Tensor is not plain data"),
+        ({"info": {"loop": cyclic()}}, r"field 'info': nested deeper than 32 levels \(or cyclic\)"),
+        ({"info": {1: 2}}, r"field 'info': dict keys must be str or bytes"),
+        ({"info": ["model_version"]}, r"field 'info' must be a dict"),
+        ({"info": {"model_version": "v5"}}, r"field 'info.model_version' must be an int"),
+        ({"metrics": {"m": {1, 2}}}, r"field 'metrics': set is not plain data"),
+        ({"messages": [{"role": object()}]}, r"field 'messages': object is not plain data"),
+        ({"messages": "hi"}, r"field 'messages' must be a list or None"),
+        ({"tools": deep(40)}, r"field 'tools': nested deeper than 32 levels"),
+        ({"chosen_messages": [{"k": [{1: 2}]}]}, r"field 'chosen_messages': dict keys must be str or bytes"),
+        ({"rejected_messages": [cyclic()]}, r"field 'rejected_messages': nested deeper"),
+        ({"prompt_length": torch.tensor(1)}, r"field 'prompt_length' must be an int, got Tensor"),
+        ({"prompt_length": 9}, r"field 'prompt_length' is 9, more than the 4 tokens"),
+        ({"truncate_status": object()}, r"field 'truncate_status' must be a str or None"),
+        ({"reward": float("inf")}, r"field 'reward' is inf, not a finite number"),
+        ({"eid": EID(run=-1)}, r"^item 0: field 'eid.run' is -1, outside \[0, 2\*\*63 - 1\]"),
+        ({"eid": EID(suffix="a/b")}, r"^item 0: field 'eid.suffix' contains '/'"),
+        ({"eid": {"batch": 0, "task": 0, "run": 0, "step": 0, "suffix": "a", "x": 1}}, r"field 'eid' has unknown"),
+        ({"logprobs": torch.zeros(5)}, r"field 'logprobs' has length 5, but the response has 3 tokens"),
+        ({"action_mask": torch.ones(3, 1)}, r"field 'action_mask' must be 1-D"),
+        (
+            {"custom_fields": [SimpleNamespace(source_field=1, destination_field="b", data_type=torch.int8)]},
+            r"field 'custom_fields' must be a list of source/destination/data_type strings",
+        ),
+    ],
+)
+def test_caller_mistakes_are_named(fields: dict, message: str) -> None:
+    with pytest.raises(TrxpError, match=message):
+        encode([experience(), experience(**fields)])
+
+
+def test_caller_containers_are_kept_as_given() -> None:
+    """Nested plain data of every kind, empty and not, comes back as it went in."""
+    info = {"model_version": 2, "nested": {"list": [1, 2.5, None, True, b"raw", "ü"], "tuple": (1, (2,))}}
+    exp = experience(info=info, metrics={}, messages=[], tools=[{"name": "calc"}], chosen_messages=deep(30))
+    (back,) = trxp.decode(encode([exp]))
+    assert (back.info, back.metrics, back.messages, back.tools) == (info, {}, [], [{"name": "calc"}])
+    assert back.chosen_messages == deep(30)
