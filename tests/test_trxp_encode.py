@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from expbuf.client import EID, Experience, TrxpError, encode, trxp
 
@@ -62,6 +64,58 @@ def test_encode_equals_trinity_serialize_many() -> None:
     back = TrinityExperience.deserialize_many(data)
     assert [e.eid.uid for e in back] == [e.eid.uid for e in exps]
     assert torch.equal(back[11].multi_modal_inputs['say "cheese"'], exps[11].multi_modal_inputs['say "cheese"'])
+
+
+PLAIN = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=5)
+    | st.binary(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+TENSOR_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.uint8, torch.bool]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 4),  # prompt length
+            st.integers(1, 4),  # response length
+            st.dictionaries(st.text(max_size=5), PLAIN, max_size=3),  # info
+            st.none() | st.lists(PLAIN, max_size=3),  # messages
+            st.dictionaries(
+                st.text(st.characters(blacklist_categories=["Cs"]), max_size=6),  # any name but lone surrogates
+                st.tuples(st.sampled_from(TENSOR_DTYPES), st.lists(st.integers(0, 3), max_size=2)),
+                max_size=2,
+            ),  # multi-modal inputs
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_encode_equals_trinity_on_any_plain_data(specs: list) -> None:
+    """Any plain metadata, any multi-modal key and dtype: the bytes Trinity-RFT writes."""
+    pytest.importorskip("trinity")
+    from trinity.common.experience import EID as TrinityEID
+    from trinity.common.experience import Experience as TrinityExperience
+
+    exps = [
+        TrinityExperience(
+            eid=TrinityEID(batch=0, task=i, run=0, step=0, suffix="s"),
+            tokens=torch.arange(prompt + response, dtype=torch.int32),
+            prompt_length=prompt,
+            logprobs=torch.zeros(response),
+            info=info,
+            messages=messages,
+            multi_modal_inputs={key: torch.zeros(shape, dtype=dtype) for key, (dtype, shape) in mm.items()} or None,
+        )
+        for i, (prompt, response, info, messages, mm) in enumerate(specs)
+    ]
+    assert encode(exps) == TrinityExperience.serialize_many(exps)
 
 
 @pytest.mark.parametrize("names", [["tokens", "logprobs"], AWKWARD_NAMES], ids=["plain", "escaped"])

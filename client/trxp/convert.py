@@ -79,19 +79,14 @@ def from_experience(exp: Any) -> RawItem:
     return item
 
 
-# The fields _check_meta lets hold containers (dicts or lists): the caller's own data, which
-# only a walk shows to be plain, acyclic and not nested too deeply.
-_CALLER_CONTAINERS = ("info", "metrics", "messages", "tools", "chosen_messages", "rejected_messages")
-
-
 class _CallerData(_Shape):
-    """Measures only the non-empty containers the caller handed in: whatever else
-    from_experience puts in an item is made here of plain types, or is a field that
-    _check_meta refuses unless it is a scalar of the right type, so walking it could not
-    refuse anything."""
+    """Measures only the non-empty containers among the caller's fields (info, metrics,
+    messages, tools...): a walk of anything else could not refuse it. The eid, custom fields
+    and multi-modal keys are made here of values _check_meta checks part by part, and the
+    scalar fields are of a type _check_meta checks too."""
 
     def item(self, where: str, item: dict[Any, Any]) -> None:
-        caller = {name: value for name in _CALLER_CONTAINERS if isinstance(value := item[name], _CONTAINERS) and value}
+        caller = {name: value for name in META_FIELDS if isinstance(value := item[name], _CONTAINERS) and value}
         if caller:
             super().item(where, caller)
 
