@@ -18,7 +18,7 @@ from ..experience import (
     Experience,
 )
 from .build import build
-from .checks import _check_meta, _check_tensors, _Shape
+from .checks import _check_meta, _check_tensors, _Shape, _show
 from .common import _CONTAINERS, _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
@@ -61,10 +61,13 @@ def from_experience(exp: Any) -> RawItem:
     if meta["prompt_length"] is None:
         meta["prompt_length"] = 1
     if meta["reward"] is not None:
-        meta["reward"] = float(meta["reward"])
+        meta["reward"] = _float("reward", meta["reward"])
     meta["custom_fields"] = [_custom_field_dict(cf) for cf in getattr(exp, "custom_fields", None) or []]
     mm = getattr(exp, "multi_modal_inputs", None) or {}
     meta["multi_modal_input_keys"] = list(mm)
+    for key in mm:
+        if not isinstance(key, str):
+            raise TrxpError(f"field 'multi_modal_inputs' has a key of type {type(key).__name__}; keys must be str")
     tensors = {}
     for name in TENSOR_FIELDS:
         value = getattr(exp, name, None)
@@ -95,9 +98,23 @@ def _eid_dict(eid: Any) -> dict[str, Any]:
     return {name: getattr(eid, name) for name in ("batch", "task", "run", "step", "suffix")}
 
 
+def _float(name: str, value: Any) -> float:
+    """A caller's number as the float Trinity-RFT stores, or an error naming the field."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TrxpError(f"field '{name}' must be a number, got {type(value).__name__} {_show(value)}") from None
+
+
+_CUSTOM_FIELD_KEYS = ("source_field", "destination_field", "data_type")
+
+
 def _custom_field_dict(cf: Any) -> dict[str, str]:
     if isinstance(cf, dict):
-        return {k: str(cf[k]) for k in ("source_field", "destination_field", "data_type")}
+        missing = [k for k in _CUSTOM_FIELD_KEYS if k not in cf]
+        if missing:
+            raise TrxpError(f"field 'custom_fields': an entry lacks {', '.join(missing)}")
+        return {k: str(cf[k]) for k in _CUSTOM_FIELD_KEYS}
     return {
         "source_field": cf.source_field,
         "destination_field": cf.destination_field,
