@@ -50,19 +50,41 @@ class PlainUnpickler(pickle.Unpickler):
 
 
 # Plain-data opcodes by byte: (name, argument size, stack effect), the size as pickletools
-# describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes).
+# describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes);
+# None for every other byte.
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
-_PLAIN_TABLE = {
-    op.code.encode("latin-1")[0]: (op.name, op.arg.n if op.arg else 0, _PLAIN_EFFECTS[op.name])
-    for op in pickletools.opcodes
-    if op.name in _PLAIN_EFFECTS
-}
+_PLAIN_TABLE: list[tuple[str, int, int] | None] = [None] * 256
+for _op in pickletools.opcodes:
+    if _op.name in _PLAIN_EFFECTS:
+        _PLAIN_TABLE[_op.code.encode("latin-1")[0]] = (_op.name, _op.arg.n if _op.arg else 0, _PLAIN_EFFECTS[_op.name])
 _LENGTH_PREFIX = {
     pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
     pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
     pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
 }
+_TAKES = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}  # entries an opcode takes off the stack
+_CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that take the entries above a MARK
+# Nearly every opcode of Trinity-RFT's metadata takes one of the scan's short paths, by kind:
+# BINGET (a memoized key, mostly), MEMOIZE, a value of a fixed size (NONE, BININT1, BINFLOAT,
+# an empty container), a short str or bytes, MARK, and what closes a MARK. _KIND[code] is 0
+# for every other byte (the general path); _STEP[code] is the size of a fixed-size opcode.
+_K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_MARK, _K_CLOSE = range(1, 7)
+_KIND = [0] * 256
+_STEP = [0] * 256
+for _code, _spec in enumerate(_PLAIN_TABLE):
+    if _spec is not None:
+        _, _size, _effect = _spec
+        _STEP[_code] = 1 + max(_size, 0)
+        _KIND[_code] = (
+            _K_GET1 if _effect == _GET and _size == 1
+            else _K_MEMOIZE if _effect == _MEMOIZE
+            else _K_VALUE if _effect == _VALUE and _size >= 0
+            else _K_SHORT_KEY if _effect == _KEY and _size == pickletools.TAKEN_FROM_ARGUMENT1
+            else _K_MARK if _effect == _MARK
+            else _K_CLOSE if _effect in _CLOSES
+            else 0
+        )  # fmt: skip
 
 
 def scan_pickle(data: memoryview, work: Work) -> None:
@@ -82,89 +104,138 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     marks: list[int] = []  # stack heights at each MARK
     fence = 0  # the height of the last mark: entries below it belong to an outer MARK
     memo: dict[int, bool] = {}
-    push = stack.append
-    memoize, get, key, value, put = _MEMOIZE, _GET, _KEY, _VALUE, _PUT  # locals: the loop's hot path
+    push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
-        spec = _PLAIN_TABLE.get(code)
-        if spec is None:
-            name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
-            raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
-        name, arg_size, effect = spec
+        kind = kind_of[code]
         ops += 1
-        start = pos = pos + 1
-        if arg_size >= 0:
-            pos += arg_size
-        elif arg_size == pickletools.UP_TO_NEWLINE:
-            newline = raw.find(b"\n", pos)
-            if newline < 0:
-                raise TrxpError(f"metadata: pickle is truncated in {name}")
-            pos = newline + 1
-        else:
-            width, signed = _LENGTH_PREFIX[arg_size]
-            length = int.from_bytes(raw[pos : pos + width], "little", signed=signed)
-            if length < 0:
-                raise TrxpError(f"metadata: pickle {name} has a negative length")
-            start = pos = pos + width
-            pos += length
-        if pos > size:
-            raise TrxpError(f"metadata: pickle is truncated in {name}")
-        if effect == memoize:  # the commonest opcodes first
+        if kind == _K_GET1:
+            pos += 2
+            if pos > size:
+                raise _truncated(code)
+            flag = memo.get(raw[pos - 1])
+            if flag is None:
+                raise _never_stored(code, raw[pos - 1])
+            push(flag)
+        elif kind == _K_MEMOIZE:
+            pos += 1
             if len(stack) <= fence:
-                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
+                raise _empty_stack(code)
             memo[len(memo)] = stack[-1]
-        elif effect == get:
-            memo_index = raw[start] if arg_size == 1 else _memo_index(name, raw[start:pos], ops)
-            if memo_index not in memo:
-                raise TrxpError(f"metadata: pickle {name} reads memo entry {memo_index}, which was never stored")
-            push(memo[memo_index])
-        elif effect == key:
-            push(True)
-        elif effect == value:
+        elif kind == _K_VALUE:
+            pos += step[code]
+            if pos > size:
+                raise _truncated(code)
             push(False)
-        elif effect == put:
-            if len(stack) <= fence:
-                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
-            memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
-        elif effect == _MARK:
-            marks.append(len(stack))
+        elif kind == _K_SHORT_KEY:
+            pos += 2
+            if pos <= size:
+                pos += raw[pos - 1]
+            if pos > size:
+                raise _truncated(code)
+            push(True)
+        elif kind == _K_MARK:
+            pos += 1
             fence = len(stack)
-        elif effect in (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK):
+            marks.append(fence)
+        elif kind == _K_CLOSE:
+            pos += 1
+            effect = _PLAIN_TABLE[code][2]
             if not marks:
-                raise TrxpError(f"metadata: pickle {name} has no MARK")
+                raise TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} has no MARK")
             mark = marks.pop()
             fence = marks[-1] if marks else 0
-            if effect in (_DICT, _SETITEMS) and not all(stack[mark::2]):
+            if effect in (_SETITEMS, _DICT) and not all(stack[mark::2]):
                 raise TrxpError("metadata: dict keys must be str or bytes")
             del stack[mark:]
             if effect in (_FROM_MARK, _DICT):
                 push(False)
-        elif effect in (_TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _SETITEM):
-            count = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}[effect]
-            if len(stack) - count < fence:
-                raise TrxpError(f"metadata: pickle {name} finds too few entries on the stack")
-            if effect == _SETITEM and not stack[-2]:
-                raise TrxpError("metadata: dict keys must be str or bytes")
-            del stack[len(stack) - count :]
-            if effect not in (_APPEND, _SETITEM):
-                push(False)
-        elif effect == _NOOP:
-            pass
-        elif effect == _POP and marks and marks[-1] == len(stack):
-            marks.pop()
-            fence = marks[-1] if marks else 0
-        elif len(stack) <= fence:
-            raise TrxpError(f"metadata: pickle {name} finds an empty stack")
-        elif effect == _DUP:
-            push(stack[-1])
-        elif effect == _POP:
-            stack.pop()
-        else:  # STOP
-            if pos != size:
-                raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
-            work.charge(ops)
-            return
+        else:
+            pos, fence = _general(raw, pos, ops, stack, marks, fence, memo)
+            if pos > size:  # STOP
+                work.charge(ops)
+                return
     raise TrxpError("metadata: pickle is truncated (no STOP)")
+
+
+def _general(
+    raw: bytes, pos: int, ops: int, stack: list[bool], marks: list[int], fence: int, memo: dict[int, bool]
+) -> tuple[int, int]:
+    """scan_pickle's path for every other opcode: its checks and stack effect; return the
+    position after it and the new fence (a position past the end after STOP)."""
+    code, size, push = raw[pos], len(raw), stack.append
+    spec = _PLAIN_TABLE[code]
+    if spec is None:
+        name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
+        raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
+    name, arg_size, effect = spec
+    start = pos = pos + 1
+    if arg_size >= 0:
+        pos += arg_size
+    elif arg_size == pickletools.UP_TO_NEWLINE:
+        newline = raw.find(b"\n", pos)
+        if newline < 0:
+            raise _truncated(code)
+        pos = newline + 1
+    else:
+        width, signed = _LENGTH_PREFIX[arg_size]
+        length = int.from_bytes(raw[pos : pos + width], "little", signed=signed)
+        if length < 0:
+            raise TrxpError(f"metadata: pickle {name} has a negative length")
+        start = pos = pos + width
+        pos += length
+    if pos > size:
+        raise _truncated(code)
+    if effect == _KEY:
+        push(True)
+    elif effect == _VALUE:
+        push(False)
+    elif effect == _GET:
+        memo_index = _memo_index(name, raw[start:pos], ops)
+        if memo_index not in memo:
+            raise _never_stored(code, memo_index)
+        push(memo[memo_index])
+    elif effect == _PUT:
+        if len(stack) <= fence:
+            raise _empty_stack(code)
+        memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
+    elif effect in _TAKES:
+        count = _TAKES[effect]
+        if len(stack) - count < fence:
+            raise TrxpError(f"metadata: pickle {name} finds too few entries on the stack")
+        if effect == _SETITEM and not stack[-2]:
+            raise TrxpError("metadata: dict keys must be str or bytes")
+        del stack[len(stack) - count :]
+        if effect not in (_APPEND, _SETITEM):
+            push(False)
+    elif effect == _NOOP:
+        pass
+    elif effect == _POP and marks and marks[-1] == len(stack):
+        marks.pop()
+        fence = marks[-1] if marks else 0
+    elif len(stack) <= fence:
+        raise _empty_stack(code)
+    elif effect == _DUP:
+        push(stack[-1])
+    elif effect == _POP:
+        stack.pop()
+    else:  # STOP
+        if pos != size:
+            raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
+        return size + 1, fence
+    return pos, fence
+
+
+def _truncated(code: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle is truncated in {_OPCODE_NAMES[code]}")
+
+
+def _empty_stack(code: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} finds an empty stack")
+
+
+def _never_stored(code: int, memo_index: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} reads memo entry {memo_index}, which was never stored")
 
 
 def _memo_index(name: str, arg: bytes, ops: int) -> int:
