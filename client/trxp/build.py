@@ -65,25 +65,27 @@ _SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
 
 
 def fragment(meta: dict[str, Any]) -> bytes:
+    """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=3)
     pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
     pickler.dump(_canonical(meta))
-    return buffer.getvalue()[2:-1]  # without PROTO and STOP
+    return buffer.getvalue()[2:-1]
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: dict | list | tuple) -> Any:
     """The same plain data with every dict's keys sorted (str before bytes), so that equal
-    content packs to equal bytes whatever order a client wrote its keys in."""
+    content packs to equal bytes whatever order a client wrote its keys in. Empty containers
+    and containers of scalars only are taken as they are (a dict's keys sorted)."""
     if isinstance(value, dict):
         try:
             keys = sorted(value)
         except TypeError:  # str and bytes keys together
             keys = sorted(value, key=lambda key: (isinstance(key, bytes), key))
-        out = {}
-        for key in keys:
-            inner = value[key]
-            out[key] = _canonical(inner) if isinstance(inner, _CONTAINERS) else inner
+        out = {key: value[key] for key in keys}
+        for key, inner in out.items():
+            if inner and isinstance(inner, _CONTAINERS):
+                out[key] = _canonical(inner)
         return out
     if not any(isinstance(inner, _CONTAINERS) for inner in value):
         return value  # a list or tuple of scalars is canonical as it is
@@ -97,14 +99,38 @@ def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that join() splices cheaply."""
-    entries = sorted(item.tensors.items(), key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
-    header: dict[str, Any] = {}
+    meta = _SPLICE_ONE + fragment(item.meta) + _SPLICE_TAIL
+    entries = sorted(item.tensors.items(), key=_tensor_order)
+    header: list[str] = []
+    data: list[bytes | memoryview] = []
     offset = 0
     for name, tensor in entries:
         end = offset + len(tensor.data)
-        header[f"0:{name}"] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        header.append(_header_entry(f"0:{name}", tensor, offset, end))
+        data.append(tensor.data)
         offset = end
-    return _assemble(_splice_meta([fragment(item.meta)]), header, [tensor.data for _, tensor in entries])
+    header_bytes = f"{{{','.join(header)}}}".encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    head = _HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header_bytes) + offset)
+    return b"".join([head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data])
+
+
+def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
+    """safetensors' own order: dtype descending, then name; this also keeps data aligned."""
+    return -_DTYPE_RANK[entry[1].dtype], entry[0]
+
+
+def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
+    """One entry of a safetensors header exactly as json.dumps writes it (separators "," and
+    ":", no ASCII escaping), formatted directly when neither key nor shape needs JSON's care."""
+    plain = key.isascii() and key.isprintable() and '"' not in key and "\\" not in key
+    quoted = f'"{key}"' if plain else json.dumps(key, ensure_ascii=False)
+    shape = tensor.shape
+    if len(shape) == 1 and type(shape[0]) is int:
+        dims = f"[{shape[0]}]"
+    else:
+        dims = json.dumps(list(shape), separators=(",", ":"))
+    return f'{quoted}:{{"dtype":"{tensor.dtype}","shape":{dims},"data_offsets":[{start},{end}]}}'
 
 
 def join(
