@@ -108,8 +108,9 @@ class _Shape:
         self.size = 0  # of every item measured so far
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
 
-    def item(self, where: str, item: dict[Any, Any]) -> None:
+    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
+        total, max_size = self.size, self.max_size
         for name, value in item.items():
             kind = type(value)
             try:  # the commonest fields inline: None, numbers, plain text, containers
@@ -123,14 +124,15 @@ class _Shape:
                     size = self._container(value, 0)[1]
                 else:
                     size = _scalar_size(value)
-                self.size += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
+                total += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
             except TrxpError as exc:
-                raise TrxpError(f"{where}: field {_show(name)}: {exc}") from None
-            if self.size > self.max_size:
+                raise TrxpError(f"{_item_where(index, uid)}: field {_show(name)}: {exc}") from None
+            if total > max_size:
                 raise TrxpError(
-                    f"{where}: field {_show(name)}: metadata expands to more than {self.max_size} bytes when shared "
-                    f"references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
+                    f"{_item_where(index, uid)}: field {_show(name)}: metadata expands to more than {max_size} bytes "
+                    f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
                 )
+        self.size = total
 
     def _container(self, value: dict | list | tuple, depth: int) -> tuple[int, int]:
         key = id(value)
@@ -142,8 +144,11 @@ class _Shape:
             work.used += 1 + len(value)
             if work.used > work.limit:
                 work.charge(0)
+            if not value:
+                self.known[key] = _EMPTY
+                return _EMPTY
             self.known[key] = _OPEN
-            size = 3  # EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS)
+            size = _EMPTY[1]
             children: Iterable[Any] = value
             if isinstance(value, dict):
                 if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
@@ -151,7 +156,7 @@ class _Shape:
                 for name in value:
                     size += 5 + (len(name) if name.isascii() else 4 * len(name))
                 children = value.values()
-            height = 1 if value else 0
+            height = 1
             for child in children:
                 kind = type(child)
                 if kind is str:  # the common cases inline
@@ -176,6 +181,8 @@ class _Shape:
 
 # What a container being measured counts as when met again: a cycle, refused as too deep.
 _OPEN = (MAX_NESTING + 1, 0)
+# An empty container: no height, and EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS).
+_EMPTY = (0, 3)
 
 
 def _scalar_size(value: Any) -> int:
@@ -197,9 +204,10 @@ _INT64_BOUNDS = "-2**63, 2**63 - 1"
 _FLOAT_MAX = sys.float_info.max
 
 
-def _check_eid(where: str, eid: Any) -> str:
+def _check_eid(index: int, eid: Any) -> str:
     """Validate an eid; return its uid, which reads unambiguously from the right: task and
     suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
+    where = f"item {index}"
     if not isinstance(eid, dict):
         raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
     if eid.keys() != _EID_KEYS:
@@ -242,48 +250,63 @@ def _check_meta(index: int, item: Any, shape: _Shape) -> None:
     """Validate the metadata of one item: what the server, its estimators and trainers rely on.
 
     Each check is guarded by a test of the common case (a float reward, an int in range, a
-    field left None), which only lets the full check and its message run when it fails."""
-    where = f"item {index}"
+    field left None), so the full check, and the item's name for its message, only run when
+    that test fails."""
     if not isinstance(item, dict):
-        raise TrxpError(f"{where}: expected a dict, got {type(item).__name__}")
-    where = f"item {index} (uid {_clip(_check_eid(where, item.get('eid')))})"
-    shape.item(where, item)
+        raise TrxpError(f"item {index}: expected a dict, got {type(item).__name__}")
+    uid = _check_eid(index, item.get("eid"))
+    shape.item(index, uid, item)
     get = item.get
     reward = get("reward")
     if reward is not None and not (type(reward) is float and -_FLOAT_MAX <= reward <= _FLOAT_MAX):
-        _number(where, "reward", reward)
+        _number(_item_where(index, uid), "reward", reward)
     prompt_length = get("prompt_length", 1)
     if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
-        _in_range(where, "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
+        _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
     for name in ("info", "metrics"):
         if not isinstance(get(name, {}), dict):
-            raise TrxpError(f"{where}: field '{name}' must be a dict")
-    info = get("info", {})
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a dict")
+    info = get("info")
     if info:
         version = info.get("model_version")
         if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
-            _in_range(where, "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
-        if info.get("priority") is not None:
-            _number(where, "info.priority", info["priority"])
+            _in_range(_item_where(index, uid), "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+        priority = info.get("priority")
+        if priority is not None and not (type(priority) is float and -_FLOAT_MAX <= priority <= _FLOAT_MAX):
+            _number(_item_where(index, uid), "info.priority", priority)
     for name in ("truncate_status", "response_text", "prompt_text"):
         if get(name) is not None and not isinstance(item[name], str):
-            raise TrxpError(f"{where}: field '{name}' must be a str or None")
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")
     for name in ("messages", "tools", "chosen_messages", "rejected_messages"):
         if get(name) is not None and not isinstance(item[name], list):
-            raise TrxpError(f"{where}: field '{name}' must be a list or None")
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a list or None")
     custom = get("custom_fields", [])
-    if not isinstance(custom, list) or not all(
-        isinstance(cf, dict)
-        and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
-        for cf in custom
+    if not isinstance(custom, list) or (
+        custom
+        and not all(
+            isinstance(cf, dict)
+            and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
+            for cf in custom
+        )
     ):
-        raise TrxpError(f"{where}: field 'custom_fields' must be a list of source/destination/data_type strings")
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
+        )
     keys = get("multi_modal_input_keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) and _is_utf8(k) for k in keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)")
-    if len(set(keys)) != len(keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' lists a key twice")
-    shape.work.charge(len(custom) + len(keys))
+    if not isinstance(keys, list) or (keys and not all(isinstance(k, str) and _is_utf8(k) for k in keys)):
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str "
+            "(UTF-8, they name tensors)"
+        )
+    if keys and len(set(keys)) != len(keys):
+        raise TrxpError(f"{_item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
+    if custom or keys:
+        shape.work.charge(len(custom) + len(keys))
+
+
+def _item_where(index: int, uid: str) -> str:
+    """How a message names an item, made only when a check fails."""
+    return f"item {index} (uid {_clip(uid)})"
 
 
 def _check_tensors(index: int, item: RawItem, work: Work) -> None:
@@ -334,5 +357,4 @@ def _check_tensors(index: int, item: RawItem, work: Work) -> None:
 
 
 def _where(index: int, item: RawItem) -> str:
-    """How a message names an item, made only when a check fails."""
-    return f"item {index} (uid {_clip(item.uid)})"
+    return _item_where(index, item.uid)
