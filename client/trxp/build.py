@@ -9,6 +9,7 @@ import io
 import json
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     pass
 
 
+from ..experience import TENSOR_FIELDS
 from .common import _CONTAINERS, _DTYPE_RANK, _HEADER, HEADER_SIZE, MAGIC, VERSION, RawItem, RawTensor
 from .parse import parse
 
@@ -64,33 +66,50 @@ _SPLICE_TAIL = b"eu."
 _SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
 
 
+_picklers = threading.local()  # per thread: a pickler and its buffer, reused for every item
+
+
 def fragment(meta: dict[str, Any]) -> bytes:
     """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP."""
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=3)
-    pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
+    try:
+        buffer, pickler = _picklers.one
+    except AttributeError:  # the first item in this thread
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=3)
+        pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
+        _picklers.one = buffer, pickler
+    buffer.seek(0)
+    buffer.truncate()
     pickler.dump(_canonical(meta))
     return buffer.getvalue()[2:-1]
 
 
 def _canonical(value: dict | list | tuple) -> Any:
     """The same plain data with every dict's keys sorted (str before bytes), so that equal
-    content packs to equal bytes whatever order a client wrote its keys in. Empty containers
-    and containers of scalars only are taken as they are (a dict's keys sorted)."""
+    content packs to equal bytes whatever order a client wrote its keys in."""
     if isinstance(value, dict):
         try:
             keys = sorted(value)
         except TypeError:  # str and bytes keys together
             keys = sorted(value, key=lambda key: (isinstance(key, bytes), key))
-        out = {key: value[key] for key in keys}
-        for key, inner in out.items():
-            if inner and isinstance(inner, _CONTAINERS):
+        out = {}
+        for key in keys:
+            inner = value[key]
+            kind = type(inner)
+            if kind in _SCALAR_TYPES or (kind in _EXACT_CONTAINERS and not inner) or not isinstance(inner, _CONTAINERS):
+                out[key] = inner  # scalars and empty containers are canonical as they are
+            else:
                 out[key] = _canonical(inner)
         return out
     if not any(isinstance(inner, _CONTAINERS) for inner in value):
         return value  # a list or tuple of scalars is canonical as it is
     canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
     return canonical if isinstance(value, list) else tuple(canonical)
+
+
+# The exact types _canonical takes as they are without a closer look (subclasses get one).
+_SCALAR_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+_EXACT_CONTAINERS = frozenset({dict, list, tuple})
 
 
 def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
@@ -100,13 +119,12 @@ def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that join() splices cheaply."""
     meta = _SPLICE_ONE + fragment(item.meta) + _SPLICE_TAIL
-    entries = sorted(item.tensors.items(), key=_tensor_order)
     header: list[str] = []
     data: list[bytes | memoryview] = []
     offset = 0
-    for name, tensor in entries:
+    for name, tensor in sorted(item.tensors.items(), key=_tensor_order):
         end = offset + len(tensor.data)
-        header.append(_header_entry(f"0:{name}", tensor, offset, end))
+        header.append(_header_entry(name, tensor, offset, end))
         data.append(tensor.data)
         offset = end
     header_bytes = f"{{{','.join(header)}}}".encode()
@@ -120,17 +138,25 @@ def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
     return -_DTYPE_RANK[entry[1].dtype], entry[0]
 
 
-def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
-    """One entry of a safetensors header exactly as json.dumps writes it (separators "," and
-    ":", no ASCII escaping), formatted directly when neither key nor shape needs JSON's care."""
-    plain = key.isascii() and key.isprintable() and '"' not in key and "\\" not in key
-    quoted = f'"{key}"' if plain else json.dumps(key, ensure_ascii=False)
+def _header_entry(name: str, tensor: RawTensor, start: int, end: int) -> str:
+    """Item 0's entry for a tensor in a safetensors header, exactly as json.dumps writes it
+    (separators "," and ":", no ASCII escaping), formatted directly when neither its key nor
+    its shape needs JSON's care."""
+    key = _FIELD_KEYS.get(name) or _json_key(f"0:{name}")
     shape = tensor.shape
     if len(shape) == 1 and type(shape[0]) is int:
         dims = f"[{shape[0]}]"
     else:
         dims = json.dumps(list(shape), separators=(",", ":"))
-    return f'{quoted}:{{"dtype":"{tensor.dtype}","shape":{dims},"data_offsets":[{start},{end}]}}'
+    return f'{key}:{{"dtype":"{tensor.dtype}","shape":{dims},"data_offsets":[{start},{end}]}}'
+
+
+def _json_key(key: str) -> str:
+    plain = key.isascii() and key.isprintable() and '"' not in key and "\\" not in key
+    return f'"{key}"' if plain else json.dumps(key, ensure_ascii=False)
+
+
+_FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
 
 
 def join(

@@ -220,6 +220,9 @@ def _check_eid(index: int, eid: Any) -> str:
             if part not in eid:
                 raise TrxpError(f"{where}: field 'eid.{part}' is missing")
     for part in ("batch", "task"):
+        value = eid[part]
+        if type(value) is str or (type(value) is int and -(2**63) <= value <= INT64_MAX):
+            continue  # the common cases without a call
         if not isinstance(eid[part], str):
             if not _is_int(eid[part]):
                 raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")

@@ -147,7 +147,8 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
     if itemsize is None:
         raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
+    if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
         shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
         raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
     work.used += 1 + len(shape)

@@ -117,16 +117,16 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if flag is None:
                 raise _never_stored(code, raw[pos - 1])
             push(flag)
-        elif kind == _K_MEMOIZE:
-            pos += 1
-            if len(stack) <= fence:
-                raise _empty_stack(code)
-            memo[len(memo)] = stack[-1]
         elif kind == _K_VALUE:
             pos += step[code]
             if pos > size:
                 raise _truncated(code)
             push(False)
+        elif kind == _K_MEMOIZE:
+            pos += 1
+            if len(stack) <= fence:
+                raise _empty_stack(code)
+            memo[len(memo)] = stack[-1]
         elif kind == _K_SHORT_KEY:
             pos += 2
             if pos <= size:
