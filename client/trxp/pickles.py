@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -87,6 +89,59 @@ for _code, _spec in enumerate(_PLAIN_TABLE):
         )  # fmt: skip
 
 
+_PUTS = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not None and spec[2] == _PUT)
+# Replaying segments (see _Segment) pays when the same shapes come back many times: a batch of
+# experiences. The limits bound what recording them costs in a pickle that repeats nothing.
+_SEGMENT_BYTES = 1024  # the longest segment recorded
+_SEGMENT_REPEATS = 16  # recorded only if the pickle has room left for this many more like it
+_SEGMENTS_RECORDED = 8  # per pickle
+_SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
+
+
+# Opcodes a segment may hold besides BINGET: their effect on the stack and the memo does not
+# depend on their argument, only on the stack entries inside the segment (PUT, POP and DUP,
+# which may reach below it or rewrite the memo, are left out).
+_REPLAYABLE = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES})
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """The opcodes from a MARK to the one that closes it, as the scan met them: a pattern of
+    the same opcodes (each memo index read the same, each string of a 1-byte length the same
+    length, any argument of a fixed size) and what they did. Met again while the memo only
+    grows (no PUT), the same opcodes do the same: every index they read names the same entry,
+    and every check inside them sees the same stack entries, so the scan replays their effect."""
+
+    pattern: re.Pattern[bytes]
+    length: int  # bytes
+    ops: int
+    memoized: tuple[bool, ...]  # the memo entries they add, in order
+    leaves_entry: bool  # closed by LIST, TUPLE or DICT: one entry (not a key) stays on the stack
+
+    @classmethod
+    def record(cls, raw: bytes, start: int, end: int, ops: int, memo: dict[int, bool], before: int) -> _Segment | None:
+        """The segment raw[start:end], just scanned, which found `before` memo entries and left
+        the rest of `memo`; None if it holds other opcodes or reads an entry made inside it
+        (whose index differs in each repeat)."""
+        parts, pos = [], start
+        while pos < end:
+            code = raw[pos]
+            _, arg_size, effect = _PLAIN_TABLE[code]
+            if _KIND[code] == _K_GET1 and raw[pos + 1] < before:
+                head, size = 2, 0
+            elif effect in _REPLAYABLE and arg_size >= 0:
+                head, size = 1, arg_size
+            elif effect in (_KEY, _VALUE) and arg_size == pickletools.TAKEN_FROM_ARGUMENT1:
+                head, size = 2, raw[pos + 1]
+            else:
+                return None
+            parts.append(re.escape(raw[pos : pos + head]) + (b".{%d}" % size if size else b""))
+            pos += head + size
+        memoized = tuple(memo[index] for index in range(before, len(memo)))
+        leaves_entry = _PLAIN_TABLE[raw[end - 1]][2] in (_FROM_MARK, _DICT)
+        return cls(re.compile(b"".join(parts), re.DOTALL), end - start, ops, memoized, leaves_entry)
+
+
 def scan_pickle(data: memoryview, work: Work) -> None:
     """Refuse any opcode that is not plain data, memo indices beyond reason, and dict keys
     other than str or bytes.
@@ -104,6 +159,9 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     marks: list[int] = []  # stack heights at each MARK
     fence = 0  # the height of the last mark: entries below it belong to an outer MARK
     memo: dict[int, bool] = {}
+    starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
+    segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
+    to_record, missed = _SEGMENTS_RECORDED, 0
     push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
@@ -135,6 +193,24 @@ def scan_pickle(data: memoryview, work: Work) -> None:
                 raise _truncated(code)
             push(True)
         elif kind == _K_MARK:
+            match = None
+            for segment in segments:
+                match = segment.pattern.match(raw, pos)
+                if match:
+                    break
+                missed += segment.length  # what a failed match costs at most: the patterns never backtrack
+            if match:
+                pos = match.end()
+                ops += segment.ops - 1
+                for flag in segment.memoized:
+                    memo[len(memo)] = flag
+                if segment.leaves_entry:
+                    push(False)
+                continue
+            if missed > size:  # segments do not repeat here: scan on without them
+                to_record = 0
+                segments.clear()
+            starts[len(marks) :] = [(pos, ops - 1, len(memo))]
             pos += 1
             fence = len(stack)
             marks.append(fence)
@@ -150,7 +226,16 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             del stack[mark:]
             if effect in (_FROM_MARK, _DICT):
                 push(False)
+            start, before_ops, before_memo = starts[len(marks)]
+            if to_record and pos - start <= _SEGMENT_BYTES and size - pos >= _SEGMENT_REPEATS * (pos - start):
+                segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
+                if segment is not None:  # its cost is bounded by the limits, so not counted as work
+                    to_record -= 1
+                    segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
         else:
+            if code in _PUTS:  # memo entries may change from here on: no segment is replayed
+                to_record = 0
+                segments.clear()
             pos, fence = _general(raw, pos, ops, stack, marks, fence, memo)
             if pos > size:  # STOP
                 work.charge(ops)
