@@ -18,7 +18,18 @@ if TYPE_CHECKING:
 
 
 from ..experience import TENSOR_FIELDS
-from .common import _CONTAINERS, _DTYPE_RANK, _HEADER, HEADER_SIZE, MAGIC, VERSION, RawItem, RawTensor
+from .common import (
+    _CONTAINERS,
+    _DTYPE_RANK,
+    _EXACT_CONTAINERS,
+    _EXACT_SCALARS,
+    _HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    RawItem,
+    RawTensor,
+)
 from .parse import parse
 
 # ---- building (trusted input) -----------------------------------------------------
@@ -96,7 +107,11 @@ def _canonical(value: dict | list | tuple) -> Any:
         for key in keys:
             inner = value[key]
             kind = type(inner)
-            if kind in _SCALAR_TYPES or (kind in _EXACT_CONTAINERS and not inner) or not isinstance(inner, _CONTAINERS):
+            if (
+                kind in _EXACT_SCALARS
+                or (kind in _EXACT_CONTAINERS and not inner)
+                or not isinstance(inner, _CONTAINERS)
+            ):
                 out[key] = inner  # scalars and empty containers are canonical as they are
             else:
                 out[key] = _canonical(inner)
@@ -105,11 +120,6 @@ def _canonical(value: dict | list | tuple) -> Any:
         return value  # a list or tuple of scalars is canonical as it is
     canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
     return canonical if isinstance(value, list) else tuple(canonical)
-
-
-# The exact types _canonical takes as they are without a closer look (subclasses get one).
-_SCALAR_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
-_EXACT_CONTAINERS = frozenset({dict, list, tuple})
 
 
 def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:

@@ -20,6 +20,7 @@ from ..experience import (
 )
 from .common import (
     _CONTAINERS,
+    _EXACT_CONTAINERS,
     _FLOAT_CODES,
     _FLOAT_FIELDS,
     _INTEGER_CODES,
@@ -110,7 +111,7 @@ class _Shape:
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
-        total, max_size = self.size, self.max_size
+        total, max_size, work = self.size, self.max_size, self.work
         for name, value in item.items():
             kind = type(value)
             try:  # the commonest fields inline: None, numbers, plain text, containers
@@ -120,6 +121,11 @@ class _Shape:
                     size = 6 + value.bit_length() // 8
                 elif kind is str and value.isascii():
                     size = 5 + len(value)
+                elif kind in _EXACT_CONTAINERS and not value:  # counted at each reference: no need to remember it
+                    size = _EMPTY[1]
+                    work.used += 1
+                    if work.used > work.limit:
+                        work.charge(0)
                 elif isinstance(value, _CONTAINERS):
                     size = self._container(value, 0)[1]
                 else:
