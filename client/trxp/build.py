@@ -91,7 +91,11 @@ def fragment(meta: dict[str, Any]) -> bytes:
         _picklers.one = buffer, pickler
     buffer.seek(0)
     buffer.truncate()
-    pickler.dump(_canonical(meta))
+    try:
+        pickler.dump(_canonical(meta))
+    except BaseException:
+        del _picklers.one  # not reused after a failure midway
+        raise
     return buffer.getvalue()[2:-1]
 
 

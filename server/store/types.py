@@ -39,9 +39,7 @@ class Entry:
     def of(cls, item: trxp.RawItem) -> Entry:
         eid = item.eid
         blob = trxp.pack_item(item)
-        meta = item.meta
-        info = meta.get("info", {})
-        priority = info.get("priority", 0.0)
+        priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,
             tid=eid.tid,
@@ -49,8 +47,8 @@ class Entry:
             sid=eid.sid,
             blob=blob,
             digest=hashlib.sha256(blob).digest()[:16],  # SHA-NI makes it the fastest here
-            version=info.get("model_version"),
-            reward=meta.get("reward"),
+            version=item.model_version,
+            reward=item.meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
             step=eid.step,
