@@ -229,10 +229,10 @@ def _check_eid(index: int, eid: Any) -> str:
         value = eid[part]
         if type(value) is str or (type(value) is int and -(2**63) <= value <= INT64_MAX):
             continue  # the common cases without a call
-        if not isinstance(eid[part], str):
-            if not _is_int(eid[part]):
-                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")
-            _in_range(where, f"eid.{part}", eid[part], -(2**63), INT64_MAX, _INT64_BOUNDS)
+        if not isinstance(value, str):
+            if not _is_int(value):
+                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(value).__name__}")
+            _in_range(where, f"eid.{part}", value, -(2**63), INT64_MAX, _INT64_BOUNDS)
     run, step, suffix = eid["run"], eid["step"], eid["suffix"]
     if type(run) is not int or not 0 <= run <= INT64_MAX:  # the common case without a call
         _in_range(where, "eid.run", run, 0, INT64_MAX, "0, 2**63 - 1")

@@ -151,9 +151,7 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
         shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
         raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
-    work.used += 1 + len(shape)
-    if work.used > work.limit:
-        work.charge(0)
+    work.charge(1 + len(shape))
     if type(offsets) is not list or len(offsets) != 2 or not (type(offsets[0]) is int and type(offsets[1]) is int):
         offsets_ok = False
     else:
