@@ -96,6 +96,9 @@ _SEGMENT_BYTES = 1024  # the longest segment recorded
 _SEGMENT_REPEATS = 16  # recorded only if the pickle has room left for this many more like it
 _SEGMENTS_RECORDED = 8  # per pickle
 _SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
+# Segments looked at to record them, nested ones included, take at most this share of the
+# pickle's bytes (in bytes looked at), and failed matches at most its size.
+_RECORDING_SHARE = 2
 
 
 # Opcodes a segment may hold besides BINGET: their effect on the stack and the memo does not
@@ -161,7 +164,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     memo: dict[int, bool] = {}
     starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
     segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
-    to_record, missed = _SEGMENTS_RECORDED, 0
+    to_record, looked_at, missed = _SEGMENTS_RECORDED, 0, 0
     push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
@@ -227,9 +230,16 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if effect in (_FROM_MARK, _DICT):
                 push(False)
             start, before_ops, before_memo = starts[len(marks)]
-            if to_record and pos - start <= _SEGMENT_BYTES and size - pos >= _SEGMENT_REPEATS * (pos - start):
+            length = pos - start
+            if (
+                to_record
+                and length <= _SEGMENT_BYTES
+                and size - pos >= _SEGMENT_REPEATS * length
+                and (looked_at + length) * _RECORDING_SHARE <= size
+            ):
+                looked_at += length  # recording costs are bounded by the limits, so not counted as work
                 segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
-                if segment is not None:  # its cost is bounded by the limits, so not counted as work
+                if segment is not None:
                     to_record -= 1
                     segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
         else:
