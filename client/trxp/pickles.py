@@ -99,6 +99,8 @@ _SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
 # Segments looked at to record them, nested ones included, take at most this share of the
 # pickle's bytes (in bytes looked at), and failed matches at most its size.
 _RECORDING_SHARE = 2
+_RECORDING_MIN = 4096  # the smallest pickle that records segments: a smaller one has little to repeat
+_ESCAPED = [re.escape(bytes([code])) for code in range(256)]  # each byte as a pattern matches it
 
 
 # Opcodes a segment may hold besides BINGET: their effect on the stack and the memo does not
@@ -138,7 +140,8 @@ class _Segment:
                 head, size = 2, raw[pos + 1]
             else:
                 return None
-            parts.append(re.escape(raw[pos : pos + head]) + (b".{%d}" % size if size else b""))
+            parts.extend(_ESCAPED[raw[pos + i]] for i in range(head))
+            parts.append(b".{%d}" % size if size else b"")
             pos += head + size
         memoized = tuple(memo[index] for index in range(before, len(memo)))
         leaves_entry = _PLAIN_TABLE[raw[end - 1]][2] in (_FROM_MARK, _DICT)
@@ -233,6 +236,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             length = pos - start
             if (
                 to_record
+                and size >= _RECORDING_MIN
                 and length <= _SEGMENT_BYTES
                 and size - pos >= _SEGMENT_REPEATS * length
                 and (looked_at + length) * _RECORDING_SHARE <= size
