@@ -95,6 +95,7 @@ _PUTS = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not 
 _SEGMENT_BYTES = 1024  # the longest segment recorded
 _SEGMENT_REPEATS = 16  # recorded only if the pickle has room left for this many more like it
 _SEGMENTS_RECORDED = 8  # per pickle
+_SEGMENTS_COMPILED = 4  # per pickle: compiling a pattern costs as much as scanning some ten times its bytes
 _SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
 # Segments looked at to record them, nested ones included, take at most this share of the
 # pickle's bytes (in bytes looked at), and failed matches at most its size.
@@ -109,7 +110,7 @@ _ESCAPED = [re.escape(bytes([code])) for code in range(256)]  # each byte as a p
 _REPLAYABLE = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES})
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Segment:
     """The opcodes from a MARK to the one that closes it, as the scan met them: a pattern of
     the same opcodes (each memo index read the same, each string of a 1-byte length the same
@@ -117,18 +118,20 @@ class _Segment:
     grows (no PUT), the same opcodes do the same: every index they read names the same entry,
     and every check inside them sees the same stack entries, so the scan replays their effect."""
 
-    pattern: re.Pattern[bytes]
+    source: bytes  # the pattern, compiled when the bytes at a MARK start with its prefix
+    prefix: bytes  # the bytes before its first argument of any value
     length: int  # bytes
     ops: int
     memoized: tuple[bool, ...]  # the memo entries they add, in order
     leaves_entry: bool  # closed by LIST, TUPLE or DICT: one entry (not a key) stays on the stack
+    pattern: re.Pattern[bytes] | None = None
 
     @classmethod
     def record(cls, raw: bytes, start: int, end: int, ops: int, memo: dict[int, bool], before: int) -> _Segment | None:
         """The segment raw[start:end], just scanned, which found `before` memo entries and left
         the rest of `memo`; None if it holds other opcodes or reads an entry made inside it
         (whose index differs in each repeat)."""
-        parts, pos = [], start
+        parts, pos, literal = [], start, None
         while pos < end:
             code = raw[pos]
             _, arg_size, effect = _PLAIN_TABLE[code]
@@ -141,11 +144,14 @@ class _Segment:
             else:
                 return None
             parts.extend(_ESCAPED[raw[pos + i]] for i in range(head))
-            parts.append(b".{%d}" % size if size else b"")
+            if size:
+                parts.append(b".{%d}" % size)
+                literal = pos + head if literal is None else literal
             pos += head + size
         memoized = tuple(memo[index] for index in range(before, len(memo)))
         leaves_entry = _PLAIN_TABLE[raw[end - 1]][2] in (_FROM_MARK, _DICT)
-        return cls(re.compile(b"".join(parts), re.DOTALL), end - start, ops, memoized, leaves_entry)
+        prefix = raw[start : end if literal is None else literal]
+        return cls(b"".join(parts), prefix, end - start, ops, memoized, leaves_entry)
 
 
 def scan_pickle(data: memoryview, work: Work) -> None:
@@ -167,7 +173,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     memo: dict[int, bool] = {}
     starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
     segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
-    to_record, looked_at, missed = _SEGMENTS_RECORDED, 0, 0
+    to_record, to_compile, looked_at, missed = _SEGMENTS_RECORDED, _SEGMENTS_COMPILED, 0, 0
     push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
@@ -201,9 +207,13 @@ def scan_pickle(data: memoryview, work: Work) -> None:
         elif kind == _K_MARK:
             match = None
             for segment in segments:
-                match = segment.pattern.match(raw, pos)
-                if match:
-                    break
+                if raw.startswith(segment.prefix, pos) and (segment.pattern or to_compile):
+                    if segment.pattern is None:
+                        to_compile -= 1
+                        segment.pattern = re.compile(segment.source, re.DOTALL)
+                    match = segment.pattern.match(raw, pos)
+                    if match:
+                        break
                 missed += segment.length  # what a failed match costs at most: the patterns never backtrack
             if match:
                 pos = match.end()
