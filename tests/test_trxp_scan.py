@@ -4,6 +4,7 @@ same message, and counts the same work."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import pickletools
 from typing import Any
@@ -43,14 +44,20 @@ def both_ways(meta: bytes) -> tuple[tuple[str, Any], tuple[str, Any]]:
     return replayed, walked
 
 
-def batch(count: int, info: dict[str, Any], protocol: int = 5) -> bytes:
-    """A pickled batch of experiences as Trinity-RFT writes them: the same fields in each."""
+def batch(count: int, info: dict[str, Any], protocol: int = 5, *, memo: bool = True) -> bytes:
+    """A pickled batch of experiences as Trinity-RFT writes them (the same fields in each), or
+    without memo, as the store splices a sampled batch."""
     eids = [{"batch": 1, "task": i // 8, "run": i % 8, "step": 0, "suffix": f"r{i % 8}"} for i in range(count)]
     items = [{"eid": eid, "reward": 1.0, "info": dict(info)} for eid in eids]
-    return pickle.dumps({"version": 1, "num_items": count, "items": items}, protocol=protocol)
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=protocol)
+    pickler.fast = not memo
+    pickler.dump({"version": 1, "num_items": count, "items": items})
+    return buffer.getvalue()
 
 
-def test_a_batch_of_experiences_passes_with_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("memo", [True, False])
+def test_a_batch_of_experiences_passes_with_the_same_work(monkeypatch: pytest.MonkeyPatch, memo: bool) -> None:
     recorded: list[pickles._Segment] = []
     record = pickles._Segment.record.__func__
 
@@ -60,7 +67,7 @@ def test_a_batch_of_experiences_passes_with_the_same_work(monkeypatch: pytest.Mo
         return segment
 
     monkeypatch.setattr(pickles._Segment, "record", classmethod(counting))
-    replayed, walked = both_ways(batch(256, {"model_version": 3, "tags": ["a", "b"]}))
+    replayed, walked = both_ways(batch(256, {"model_version": 3, "tags": ["a", "b"]}, memo=memo))
     assert replayed == walked
     assert replayed[0] == "passed"
     assert recorded  # the batch was replayed, not only walked
@@ -102,13 +109,16 @@ def test_a_memo_entry_made_in_a_replayed_segment_keeps_what_it_is() -> None:
 @given(
     st.integers(20, 120),
     st.sampled_from([3, 4, 5]),
+    st.booleans(),
     st.lists(
         st.tuples(st.floats(0.3, 1.0), st.sampled_from(PIECES), st.sampled_from(["over", "in", "out"])), max_size=3
     ),
 )
 @FUZZ
-def test_edited_batches_get_the_same_verdict(count: int, protocol: int, edits: list[tuple[float, bytes, str]]) -> None:
-    data = bytearray(batch(count, {"model_version": 3, "m": [{"role": "user"}]}, protocol))
+def test_edited_batches_get_the_same_verdict(
+    count: int, protocol: int, memo: bool, edits: list[tuple[float, bytes, str]]
+) -> None:
+    data = bytearray(batch(count, {"model_version": 3, "m": [{"role": "user"}]}, protocol, memo=memo))
     for where, piece, how in edits:
         position = min(int(where * len(data)), len(data) - 1)
         if how == "over":

@@ -71,7 +71,7 @@ _CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that ta
 # BINGET (a memoized key, mostly), MEMOIZE, a value of a fixed size (NONE, BININT1, BINFLOAT,
 # an empty container), a short str or bytes, MARK, and what closes a MARK. _KIND[code] is 0
 # for every other byte (the general path); _STEP[code] is the size of a fixed-size opcode.
-_K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_MARK, _K_CLOSE = range(1, 7)
+_K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_KEY, _K_MARK, _K_CLOSE = range(1, 8)
 _KIND = [0] * 256
 _STEP = [0] * 256
 for _code, _spec in enumerate(_PLAIN_TABLE):
@@ -83,6 +83,7 @@ for _code, _spec in enumerate(_PLAIN_TABLE):
             else _K_MEMOIZE if _effect == _MEMOIZE
             else _K_VALUE if _effect == _VALUE and _size >= 0
             else _K_SHORT_KEY if _effect == _KEY and _size == pickletools.TAKEN_FROM_ARGUMENT1
+            else _K_KEY if _effect == _KEY and _size == pickletools.TAKEN_FROM_ARGUMENT4U
             else _K_MARK if _effect == _MARK
             else _K_CLOSE if _effect in _CLOSES
             else 0
@@ -113,7 +114,7 @@ _REPLAYABLE = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES
 @dataclass
 class _Segment:
     """The opcodes from a MARK to the one that closes it, as the scan met them: a pattern of
-    the same opcodes (each memo index read the same, each string of a 1-byte length the same
+    the same opcodes (each memo index read the same, each str, bytes or long int the same
     length, any argument of a fixed size) and what they did. Met again while the memo only
     grows (no PUT), the same opcodes do the same: every index they read names the same entry,
     and every check inside them sees the same stack entries, so the scan replays their effect."""
@@ -139,8 +140,9 @@ class _Segment:
                 head, size = 2, 0
             elif effect in _REPLAYABLE and arg_size >= 0:
                 head, size = 1, arg_size
-            elif effect in (_KEY, _VALUE) and arg_size == pickletools.TAKEN_FROM_ARGUMENT1:
-                head, size = 2, raw[pos + 1]
+            elif effect in (_KEY, _VALUE) and arg_size in _LENGTH_PREFIX:
+                width, signed = _LENGTH_PREFIX[arg_size]
+                head, size = 1 + width, int.from_bytes(raw[pos + 1 : pos + 1 + width], "little", signed=signed)
             else:
                 return None
             parts.extend(_ESCAPED[raw[pos + i]] for i in range(head))
@@ -201,6 +203,13 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             pos += 2
             if pos <= size:
                 pos += raw[pos - 1]
+            if pos > size:
+                raise _truncated(code)
+            push(True)
+        elif kind == _K_KEY:  # BINUNICODE, BINBYTES: every str of a pickle without memo
+            pos += 5
+            if pos <= size:
+                pos += int.from_bytes(raw[pos - 4 : pos], "little")
             if pos > size:
                 raise _truncated(code)
             push(True)
