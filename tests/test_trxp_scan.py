@@ -21,8 +21,6 @@ from expbuf.client.trxp import pickles
 # marks, closes, values, and some that are not plain data.
 PIECES = [b"N", b"]", b"}", b")", b"(", b"a", b"e", b"s", b"u", b"t", b"0", b"1", b"2", b"\x85", b"\x94", b"K\x05"]
 PIECES += [b"h\x00", b"h\x03", b"h\x30", b"h\xff", b"q\x00", b"r\x01\x00\x00\x00", b"\x8c\x03abc", b"C\x02xy", b"c"]
-
-
 EDITS = ["over", "in", "out"]
 
 
@@ -67,10 +65,12 @@ def test_a_batch_of_experiences_passes_with_the_same_work(monkeypatch: pytest.Mo
         return segment
 
     monkeypatch.setattr(pickles._Segment, "record", classmethod(counting))
-    replayed, walked = both_ways(batch(256, {"model_version": 3, "tags": ["a", "b"]}, memo=memo))
+    data = batch(256, {"model_version": 3, "tags": ["a", "b"]}, memo=memo)
+    replayed, walked = both_ways(data)
     assert replayed == walked
     assert replayed[0] == "passed"
-    assert recorded  # the batch was replayed, not only walked
+    compiled = [segment.pattern for segment in recorded if segment.pattern is not None]
+    assert max(len(pattern.findall(data)) for pattern in compiled) > 200  # most items were replayed
 
 
 @pytest.mark.parametrize(
