@@ -175,7 +175,8 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     memo: dict[int, bool] = {}
     starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
     segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
-    to_record, to_compile, looked_at, missed = _SEGMENTS_RECORDED, _SEGMENTS_COMPILED, 0, 0
+    to_record = _SEGMENTS_RECORDED if size >= _RECORDING_MIN else 0
+    to_compile, looked_at, missed = _SEGMENTS_COMPILED, 0, 0
     push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
@@ -235,7 +236,8 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             if missed > size:  # segments do not repeat here: scan on without them
                 to_record = 0
                 segments.clear()
-            starts[len(marks) :] = [(pos, ops - 1, len(memo))]
+            if to_record:
+                starts[len(marks) :] = [(pos, ops - 1, len(memo))]
             pos += 1
             fence = len(stack)
             marks.append(fence)
@@ -251,20 +253,19 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             del stack[mark:]
             if effect in (_FROM_MARK, _DICT):
                 push(False)
-            start, before_ops, before_memo = starts[len(marks)]
-            length = pos - start
-            if (
-                to_record
-                and size >= _RECORDING_MIN
-                and length <= _SEGMENT_BYTES
-                and size - pos >= _SEGMENT_REPEATS * length
-                and (looked_at + length) * _RECORDING_SHARE <= size
-            ):
-                looked_at += length  # recording costs are bounded by the limits, so not counted as work
-                segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
-                if segment is not None:
-                    to_record -= 1
-                    segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
+            if to_record:
+                start, before_ops, before_memo = starts[len(marks)]
+                length = pos - start
+                if (
+                    length <= _SEGMENT_BYTES
+                    and size - pos >= _SEGMENT_REPEATS * length
+                    and (looked_at + length) * _RECORDING_SHARE <= size
+                ):
+                    looked_at += length  # recording costs are bounded by the limits, so not counted as work
+                    segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
+                    if segment is not None:
+                        to_record -= 1
+                        segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
         else:
             if code in _PUTS:  # memo entries may change from here on: no segment is replayed
                 to_record = 0
