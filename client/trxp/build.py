@@ -10,6 +10,7 @@ import json
 import operator
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,19 @@ if TYPE_CHECKING:
     pass
 
 
-from .common import _CONTAINERS, _DTYPE_RANK, _HEADER, HEADER_SIZE, MAGIC, VERSION, RawItem, RawTensor
+from ..experience import TENSOR_FIELDS
+from .common import (
+    _CONTAINERS,
+    _DTYPE_RANK,
+    _EXACT_CONTAINERS,
+    _EXACT_SCALARS,
+    _HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    RawItem,
+    RawTensor,
+)
 from .parse import parse
 
 # ---- building (trusted input) -----------------------------------------------------
@@ -94,15 +107,29 @@ _SPLICE_TAIL = b"eu."
 _SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
 
 
+_picklers = threading.local()  # per thread: a pickler and its buffer, reused for every item
+
+
 def fragment(meta: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=3)
-    pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
-    pickler.dump(_canonical(meta))
-    return buffer.getvalue()[2:-1]  # without PROTO and STOP
+    """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP."""
+    try:
+        buffer, pickler = _picklers.one
+    except AttributeError:  # the first item in this thread
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=3)
+        pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
+        _picklers.one = buffer, pickler
+    buffer.seek(0)
+    buffer.truncate()
+    try:
+        pickler.dump(_canonical(meta))
+    except BaseException:
+        del _picklers.one  # not reused after a failure midway
+        raise
+    return buffer.getvalue()[2:-1]
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: dict | list | tuple) -> Any:
     """The same plain data with every dict's keys sorted (str before bytes), so that equal
     content packs to equal bytes whatever order a client wrote its keys in."""
     if isinstance(value, dict):
@@ -113,7 +140,15 @@ def _canonical(value: Any) -> Any:
         out = {}
         for key in keys:
             inner = value[key]
-            out[key] = _canonical(inner) if isinstance(inner, _CONTAINERS) else inner
+            kind = type(inner)
+            if (
+                kind in _EXACT_SCALARS
+                or (kind in _EXACT_CONTAINERS and not inner)
+                or not isinstance(inner, _CONTAINERS)
+            ):
+                out[key] = inner  # scalars and empty containers are canonical as they are
+            else:
+                out[key] = _canonical(inner)
         return out
     if not any(isinstance(inner, _CONTAINERS) for inner in value):
         return value  # a list or tuple of scalars is canonical as it is
@@ -127,14 +162,45 @@ def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that join() splices cheaply."""
-    entries = sorted(item.tensors.items(), key=lambda kv: (-_DTYPE_RANK[kv[1].dtype], kv[0]))
-    header: dict[str, Any] = {}
+    meta = _SPLICE_ONE + fragment(item.meta) + _SPLICE_TAIL
+    header: list[str] = []
+    data: list[bytes | memoryview] = []
     offset = 0
-    for name, tensor in entries:
+    for name, tensor in sorted(item.tensors.items(), key=_tensor_order):
         end = offset + len(tensor.data)
-        header[f"0:{name}"] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        header.append(_header_entry(name, tensor, offset, end))
+        data.append(tensor.data)
         offset = end
-    return _assemble(_splice_meta([fragment(item.meta)]), header, [tensor.data for _, tensor in entries])
+    header_bytes = f"{{{','.join(header)}}}".encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    head = _HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header_bytes) + offset)
+    return b"".join([head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data])
+
+
+def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
+    """safetensors' own order: dtype descending, then name; this also keeps data aligned."""
+    return -_DTYPE_RANK[entry[1].dtype], entry[0]
+
+
+def _header_entry(name: str, tensor: RawTensor, start: int, end: int) -> str:
+    """Item 0's entry for a tensor in a safetensors header, exactly as json.dumps writes it
+    (separators "," and ":", no ASCII escaping), formatted directly when neither its key nor
+    its shape needs JSON's care."""
+    key = _FIELD_KEYS.get(name) or _json_key(f"0:{name}")
+    shape = tensor.shape
+    if len(shape) == 1 and type(shape[0]) is int:
+        dims = f"[{shape[0]}]"
+    else:
+        dims = json.dumps(list(shape), separators=(",", ":"))
+    return f'{key}:{{"dtype":"{tensor.dtype}","shape":{dims},"data_offsets":[{start},{end}]}}'
+
+
+def _json_key(key: str) -> str:
+    plain = key.isascii() and key.isprintable() and '"' not in key and "\\" not in key
+    return f'"{key}"' if plain else json.dumps(key, ensure_ascii=False)
+
+
+_FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
 
 
 def join(

@@ -20,6 +20,7 @@ from ..experience import (
 )
 from .common import (
     _CONTAINERS,
+    _EXACT_CONTAINERS,
     _FLOAT_CODES,
     _FLOAT_FIELDS,
     _INTEGER_CODES,
@@ -108,19 +109,36 @@ class _Shape:
         self.size = 0  # of every item measured so far
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
 
-    def item(self, where: str, item: dict[Any, Any]) -> None:
+    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
+        total, max_size, work = self.size, self.max_size, self.work
         for name, value in item.items():
-            try:
-                size = self._container(value, 0)[1] if isinstance(value, _CONTAINERS) else _scalar_size(value)
-                self.size += size + _scalar_size(name)
+            kind = type(value)
+            try:  # the commonest fields inline: None, numbers, plain text, containers
+                if value is None or kind is float:
+                    size = 9
+                elif kind is int:
+                    size = 6 + value.bit_length() // 8
+                elif kind is str and value.isascii():
+                    size = 5 + len(value)
+                elif kind in _EXACT_CONTAINERS and not value:  # counted at each reference: no need to remember it
+                    size = _EMPTY[1]
+                    work.used += 1
+                    if work.used > work.limit:
+                        work.charge(0)
+                elif isinstance(value, _CONTAINERS):
+                    size = self._container(value, 0)[1]
+                else:
+                    size = _scalar_size(value)
+                total += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
             except TrxpError as exc:
-                raise TrxpError(f"{where}: field {_show(name)}: {exc}") from None
-            if self.size > self.max_size:
+                raise TrxpError(f"{_item_where(index, uid)}: field {_show(name)}: {exc}") from None
+            if total > max_size:
                 raise TrxpError(
-                    f"{where}: field {_show(name)}: metadata expands to more than {self.max_size} bytes when shared "
-                    f"references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
+                    f"{_item_where(index, uid)}: field {_show(name)}: metadata expands to more than {max_size} bytes "
+                    f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
                 )
+        self.size = total
 
     def _container(self, value: dict | list | tuple, depth: int) -> tuple[int, int]:
         key = id(value)
@@ -132,8 +150,11 @@ class _Shape:
             work.used += 1 + len(value)
             if work.used > work.limit:
                 work.charge(0)
+            if not value:
+                self.known[key] = _EMPTY
+                return _EMPTY
             self.known[key] = _OPEN
-            size = 3  # EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS)
+            size = _EMPTY[1]
             children: Iterable[Any] = value
             if isinstance(value, dict):
                 if self.check_keys and not all(isinstance(k, (str, bytes)) for k in value):
@@ -141,7 +162,7 @@ class _Shape:
                 for name in value:
                     size += 5 + (len(name) if name.isascii() else 4 * len(name))
                 children = value.values()
-            height = 1 if value else 0
+            height = 1
             for child in children:
                 kind = type(child)
                 if kind is str:  # the common cases inline
@@ -166,6 +187,8 @@ class _Shape:
 
 # What a container being measured counts as when met again: a cycle, refused as too deep.
 _OPEN = (MAX_NESTING + 1, 0)
+# An empty container: no height, and EMPTY_LIST (or dict), MARK, APPENDS (or SETITEMS).
+_EMPTY = (0, 3)
 
 
 def _scalar_size(value: Any) -> int:
@@ -182,31 +205,41 @@ def _scalar_size(value: Any) -> int:
 
 
 _EID_PARTS = ("batch", "task", "run", "step", "suffix")
+_EID_KEYS = frozenset(_EID_PARTS)
 _INT64_BOUNDS = "-2**63, 2**63 - 1"
+_FLOAT_MAX = sys.float_info.max
 
 
-def _check_eid(where: str, eid: Any) -> str:
+def _check_eid(index: int, eid: Any) -> str:
     """Validate an eid; return its uid, which reads unambiguously from the right: task and
     suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
+    where = f"item {index}"
     if not isinstance(eid, dict):
         raise TrxpError(f"{where}: field 'eid' is missing or not a dict")
-    unknown = [key for key in eid if key not in _EID_PARTS]
-    if unknown:
-        raise TrxpError(
-            f"{where}: field 'eid' has unknown keys {_show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
-        )
-    for part in _EID_PARTS:
-        if part not in eid:
-            raise TrxpError(f"{where}: field 'eid.{part}' is missing")
+    if eid.keys() != _EID_KEYS:
+        unknown = [key for key in eid if key not in _EID_PARTS]
+        if unknown:
+            raise TrxpError(
+                f"{where}: field 'eid' has unknown keys {_show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+            )
+        for part in _EID_PARTS:
+            if part not in eid:
+                raise TrxpError(f"{where}: field 'eid.{part}' is missing")
     for part in ("batch", "task"):
-        if not isinstance(eid[part], str):
-            if not _is_int(eid[part]):
-                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(eid[part]).__name__}")
-            _in_range(where, f"eid.{part}", eid[part], -(2**63), INT64_MAX, _INT64_BOUNDS)
-    _in_range(where, "eid.run", eid["run"], 0, INT64_MAX, "0, 2**63 - 1")
-    _in_range(where, "eid.step", eid["step"], 0, MAX_STEP, "0, 2**31 - 1")
-    if not isinstance(eid["suffix"], str):
-        raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(eid['suffix']).__name__}")
+        value = eid[part]
+        if type(value) is str or (type(value) is int and -(2**63) <= value <= INT64_MAX):
+            continue  # the common cases without a call
+        if not isinstance(value, str):
+            if not _is_int(value):
+                raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(value).__name__}")
+            _in_range(where, f"eid.{part}", value, -(2**63), INT64_MAX, _INT64_BOUNDS)
+    run, step, suffix = eid["run"], eid["step"], eid["suffix"]
+    if type(run) is not int or not 0 <= run <= INT64_MAX:  # the common case without a call
+        _in_range(where, "eid.run", run, 0, INT64_MAX, "0, 2**63 - 1")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        _in_range(where, "eid.step", step, 0, MAX_STEP, "0, 2**31 - 1")
+    if not isinstance(suffix, str):
+        raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(suffix).__name__}")
     for part in ("task", "suffix"):
         if isinstance(eid[part], str) and "/" in eid[part]:
             raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({_show(eid[part])}); only batch may")
@@ -223,86 +256,114 @@ def _check_eid(where: str, eid: Any) -> str:
 
 
 def _check_meta(index: int, item: Any, shape: _Shape) -> None:
-    """Validate the metadata of one item: what the server, its estimators and trainers rely on."""
-    where = f"item {index}"
+    """Validate the metadata of one item: what the server, its estimators and trainers rely on.
+
+    Each check is guarded by a test of the common case (a float reward, an int in range, a
+    field left None), so the full check, and the item's name for its message, only run when
+    that test fails."""
     if not isinstance(item, dict):
-        raise TrxpError(f"{where}: expected a dict, got {type(item).__name__}")
-    where = f"item {index} (uid {_clip(_check_eid(where, item.get('eid')))})"
-    shape.item(where, item)
-    reward = item.get("reward")
-    if reward is not None:
-        _number(where, "reward", reward)
-    _in_range(where, "prompt_length", item.get("prompt_length", 1), 0, INT64_MAX, "0, 2**63 - 1")
+        raise TrxpError(f"item {index}: expected a dict, got {type(item).__name__}")
+    uid = _check_eid(index, item.get("eid"))
+    shape.item(index, uid, item)
+    get = item.get
+    reward = get("reward")
+    if reward is not None and not (type(reward) is float and -_FLOAT_MAX <= reward <= _FLOAT_MAX):
+        _number(_item_where(index, uid), "reward", reward)
+    prompt_length = get("prompt_length", 1)
+    if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
+        _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")
     for name in ("info", "metrics"):
-        if not isinstance(item.get(name, {}), dict):
-            raise TrxpError(f"{where}: field '{name}' must be a dict")
-    info = item.get("info", {})
-    version = info.get("model_version")
-    if version is not None:
-        _in_range(where, "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
-    if info.get("priority") is not None:
-        _number(where, "info.priority", info["priority"])
+        if not isinstance(get(name, {}), dict):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a dict")
+    info = get("info")
+    if info:
+        version = info.get("model_version")
+        if version is not None and not (type(version) is int and 0 <= version <= INT64_MAX):
+            _in_range(_item_where(index, uid), "info.model_version", version, 0, INT64_MAX, "0, 2**63 - 1")
+        priority = info.get("priority")
+        if priority is not None and not (type(priority) is float and -_FLOAT_MAX <= priority <= _FLOAT_MAX):
+            _number(_item_where(index, uid), "info.priority", priority)
     for name in ("truncate_status", "response_text", "prompt_text"):
-        if item.get(name) is not None and not isinstance(item[name], str):
-            raise TrxpError(f"{where}: field '{name}' must be a str or None")
+        if get(name) is not None and not isinstance(item[name], str):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")
     for name in ("messages", "tools", "chosen_messages", "rejected_messages"):
-        if item.get(name) is not None and not isinstance(item[name], list):
-            raise TrxpError(f"{where}: field '{name}' must be a list or None")
-    custom = item.get("custom_fields", [])
-    if not isinstance(custom, list) or not all(
-        isinstance(cf, dict)
-        and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
-        for cf in custom
+        if get(name) is not None and not isinstance(item[name], list):
+            raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a list or None")
+    custom = get("custom_fields", [])
+    if not isinstance(custom, list) or (
+        custom
+        and not all(
+            isinstance(cf, dict)
+            and all(isinstance(cf.get(k), str) for k in ("source_field", "destination_field", "data_type"))
+            for cf in custom
+        )
     ):
-        raise TrxpError(f"{where}: field 'custom_fields' must be a list of source/destination/data_type strings")
-    keys = item.get("multi_modal_input_keys", [])
-    if not isinstance(keys, list) or not all(isinstance(k, str) and _is_utf8(k) for k in keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' must be a list of str (UTF-8, they name tensors)")
-    if len(set(keys)) != len(keys):
-        raise TrxpError(f"{where}: field 'multi_modal_input_keys' lists a key twice")
-    shape.work.charge(len(custom) + len(keys))
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'custom_fields' must be a list of source/destination/data_type strings"
+        )
+    keys = get("multi_modal_input_keys", [])
+    if not isinstance(keys, list) or (keys and not all(isinstance(k, str) and _is_utf8(k) for k in keys)):
+        raise TrxpError(
+            f"{_item_where(index, uid)}: field 'multi_modal_input_keys' must be a list of str "
+            "(UTF-8, they name tensors)"
+        )
+    if keys and len(set(keys)) != len(keys):
+        raise TrxpError(f"{_item_where(index, uid)}: field 'multi_modal_input_keys' lists a key twice")
+    if custom or keys:
+        shape.work.charge(len(custom) + len(keys))
+
+
+def _item_where(index: int, uid: str) -> str:
+    """How a message names an item, made only when a check fails."""
+    return f"item {index} (uid {_clip(uid)})"
 
 
 def _check_tensors(index: int, item: RawItem, work: Work) -> None:
     """Validate the tensors of one item against its metadata."""
-    meta = item.meta
-    where = f"item {index} (uid {_clip(item.uid)})"
+    meta, tensors = item.meta, item.tensors
     keys = meta.get("multi_modal_input_keys", [])
-    work.charge(len(keys) + len(item.tensors))
+    work.charge(len(keys) + len(tensors))
     for key in keys:
-        if MM_PREFIX + key not in item.tensors:
-            raise TrxpError(f"{where}: multi-modal input {_show(key)} is listed but has no tensor")
+        if MM_PREFIX + key not in tensors:
+            raise TrxpError(f"{_where(index, item)}: multi-modal input {_show(key)} is listed but has no tensor")
     listed = set(keys)
-    for name in item.tensors:
+    for name in tensors:
         if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
-            raise TrxpError(f"{where}: tensor {_show(name)} is not listed in multi_modal_input_keys")
-    tokens = item.tensors.get("tokens")
+            raise TrxpError(f"{_where(index, item)}: tensor {_show(name)} is not listed in multi_modal_input_keys")
+    tokens = tensors.get("tokens")
     if tokens is None:
-        raise TrxpError(f"{where}: field 'tokens' is missing")
+        raise TrxpError(f"{_where(index, item)}: field 'tokens' is missing")
     for name in TOKEN_TENSOR_FIELDS:
-        tensor = item.tensors.get(name)
+        tensor = tensors.get(name)
         if tensor is None:
             continue
         if tensor.dtype not in _INTEGER_CODES:
-            raise TrxpError(f"{where}: field '{name}' must hold integer token ids, got {tensor.dtype}")
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must hold integer token ids, got {tensor.dtype}")
         if len(tensor.shape) != 1:
-            raise TrxpError(f"{where}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
     prompt_length = meta.get("prompt_length", 1)
-    if prompt_length > tokens.numel:
-        raise TrxpError(f"{where}: field 'prompt_length' is {prompt_length}, more than the {tokens.numel} tokens")
-    response_length = tokens.numel - prompt_length
+    numel = tokens.shape[0]
+    if prompt_length > numel:
+        raise TrxpError(
+            f"{_where(index, item)}: field 'prompt_length' is {prompt_length}, more than the {numel} tokens"
+        )
+    response_length = numel - prompt_length
     for name in RESPONSE_TENSOR_FIELDS:
-        tensor = item.tensors.get(name)
+        tensor = tensors.get(name)
         if tensor is None:
             continue
         if len(tensor.shape) != 1:
-            raise TrxpError(f"{where}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
         if tensor.shape[0] != response_length:
             raise TrxpError(
-                f"{where}: field '{name}' has length {tensor.shape[0]}, but the response has "
-                f"{response_length} tokens ({tokens.numel} tokens - prompt_length {prompt_length})"
+                f"{_where(index, item)}: field '{name}' has length {tensor.shape[0]}, but the response has "
+                f"{response_length} tokens ({numel} tokens - prompt_length {prompt_length})"
             )
         if name in _FLOAT_FIELDS and tensor.dtype not in _FLOAT_CODES:
-            raise TrxpError(f"{where}: field '{name}' must be floating point, got {tensor.dtype}")
+            raise TrxpError(f"{_where(index, item)}: field '{name}' must be floating point, got {tensor.dtype}")
         if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in _INTEGER_CODES:
-            raise TrxpError(f"{where}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
+            raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
+
+
+def _where(index: int, item: RawItem) -> str:
+    return _item_where(index, item.uid)

@@ -89,6 +89,9 @@ _PLAIN_EFFECTS = {
 }  # fmt: skip
 _CONTAINERS = (dict, list, tuple)
 _SCALARS = (str, bytes, int, float, type(None))
+# The exact types of plain data, for the checks that look no closer at them (subclasses do).
+_EXACT_CONTAINERS = frozenset(_CONTAINERS)
+_EXACT_SCALARS = frozenset({*_SCALARS, bool})
 
 
 class TrxpError(ValueError):

@@ -139,48 +139,60 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
 
 
 def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:
-    """Check one safetensors header entry; return (start, end, dtype, shape)."""
-    if not isinstance(entry, dict):
+    """Check one safetensors header entry; return (start, end, dtype, shape). JSON makes no
+    subclasses, so `type(x) is int` is an int that is not a bool."""
+    if type(entry) is not dict:
         raise TrxpError(f"tensors: {_show(key)} entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
         raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
+    if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
         shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
         raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
     work.charge(1 + len(shape))
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1] <= data_len
-    ):
+    if type(offsets) is not list or len(offsets) != 2 or not (type(offsets[0]) is int and type(offsets[1]) is int):
+        offsets_ok = False
+    else:
+        start, end = offsets
+        offsets_ok = 0 <= start <= end <= data_len
+    if not offsets_ok:
         shown = _show_list(offsets) if isinstance(offsets, list) else _show(offsets)
         raise TrxpError(f"tensors: {_show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
     # torch and safetensors multiply the dimensions in int64 even when one of them is 0.
-    itemsize, product = _ITEMSIZE[dtype], 1
+    product = itemsize
     for dim in shape:
         product *= dim or 1
-        if product * itemsize > INT64_MAX:
+        if product > INT64_MAX:
             raise TrxpError(
                 f"tensors: {_show(key)} shape {_show_list(shape)} has more elements than a tensor can hold "
                 f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
             )
-    nbytes = 0 if 0 in shape else product * itemsize
-    if nbytes != offsets[1] - offsets[0]:
+    nbytes = 0 if 0 in shape else product
+    if nbytes != end - start:
         raise TrxpError(
             f"tensors: {_show(key)} shape {_show_list(shape)} of {dtype} needs {nbytes} bytes, "
-            f"offsets span {offsets[1] - offsets[0]}"
+            f"offsets span {end - start}"
         )
-    return offsets[0], offsets[1], dtype, tuple(shape)
+    return start, end, dtype, tuple(shape)
+
+
+# Item indices as Python writes them (ASCII digits, no sign or leading 0), the common ones
+# looked up rather than checked character by character.
+_INDICES = {str(index): index for index in range(1 << 12)}
+_TENSOR_FIELDS = frozenset(TENSOR_FIELDS)
 
 
 def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
     """Split "{i}:{field}"; i is written as Python writes an int (ASCII digits, no sign or leading 0)."""
     head, _, name = key.partition(":")
-    canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
-    if not canonical or not name or int(head) >= num_items:
+    index = _INDICES.get(head)
+    if index is None:
+        canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
+        index = int(head) if canonical else num_items
+    if not name or index >= num_items:
         raise TrxpError(f"tensors: key {_show(key)} does not name an item of the {num_items} in the payload")
-    if name not in TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
+    if name not in _TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
         raise TrxpError(f"tensors: key {_show(key)} names an unknown field {_show(name)}")
-    return int(head), name
+    return index, name

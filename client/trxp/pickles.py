@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,19 +52,108 @@ class PlainUnpickler(pickle.Unpickler):
 
 
 # Plain-data opcodes by byte: (name, argument size, stack effect), the size as pickletools
-# describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes).
+# describes it (>= 0: fixed; negative: up to a newline, or length-prefixed by 1, 4 or 8 bytes);
+# None for every other byte.
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
-_PLAIN_TABLE = {
-    op.code.encode("latin-1")[0]: (op.name, op.arg.n if op.arg else 0, _PLAIN_EFFECTS[op.name])
-    for op in pickletools.opcodes
-    if op.name in _PLAIN_EFFECTS
-}
+_PLAIN_TABLE: list[tuple[str, int, int] | None] = [None] * 256
+for _op in pickletools.opcodes:
+    if _op.name in _PLAIN_EFFECTS:
+        _PLAIN_TABLE[_op.code.encode("latin-1")[0]] = (_op.name, _op.arg.n if _op.arg else 0, _PLAIN_EFFECTS[_op.name])
 _LENGTH_PREFIX = {
     pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
     pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
     pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
 }
+_TAKES = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}  # entries an opcode takes off the stack
+_CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that take the entries above a MARK
+# Nearly every opcode of Trinity-RFT's metadata takes one of the scan's short paths, by kind:
+# BINGET (a memoized key, mostly), MEMOIZE, a value of a fixed size (NONE, BININT1, BINFLOAT,
+# an empty container), a short str or bytes, MARK, and what closes a MARK. _KIND[code] is 0
+# for every other byte (the general path); _STEP[code] is the size of a fixed-size opcode.
+_K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_KEY, _K_MARK, _K_CLOSE = range(1, 8)
+_KIND = [0] * 256
+_STEP = [0] * 256
+for _code, _spec in enumerate(_PLAIN_TABLE):
+    if _spec is not None:
+        _, _size, _effect = _spec
+        _STEP[_code] = 1 + max(_size, 0)
+        _KIND[_code] = (
+            _K_GET1 if _effect == _GET and _size == 1
+            else _K_MEMOIZE if _effect == _MEMOIZE
+            else _K_VALUE if _effect == _VALUE and _size >= 0
+            else _K_SHORT_KEY if _effect == _KEY and _size == pickletools.TAKEN_FROM_ARGUMENT1
+            else _K_KEY if _effect == _KEY and _size == pickletools.TAKEN_FROM_ARGUMENT4U
+            else _K_MARK if _effect == _MARK
+            else _K_CLOSE if _effect in _CLOSES
+            else 0
+        )  # fmt: skip
+
+
+_PUTS = frozenset(code for code, spec in enumerate(_PLAIN_TABLE) if spec is not None and spec[2] == _PUT)
+# Replaying segments (see _Segment) pays when the same shapes come back many times: a batch of
+# experiences. The limits bound what recording them costs in a pickle that repeats nothing.
+_SEGMENT_BYTES = 1024  # the longest segment recorded
+_SEGMENT_REPEATS = 16  # recorded only if the pickle has room left for this many more like it
+_SEGMENTS_RECORDED = 8  # per pickle
+_SEGMENTS_COMPILED = 4  # per pickle: compiling a pattern costs as much as scanning some ten times its bytes
+_SEGMENTS_KEPT = 4  # the most recent, tried at each MARK
+# Segments looked at to record them, nested ones included, take at most this share of the
+# pickle's bytes (in bytes looked at), and failed matches at most its size.
+_RECORDING_SHARE = 2
+_RECORDING_MIN = 4096  # the smallest pickle that records segments: a smaller one has little to repeat
+_ESCAPED = [re.escape(bytes([code])) for code in range(256)]  # each byte as a pattern matches it
+
+
+# Opcodes a segment may hold besides BINGET: their effect on the stack and the memo does not
+# depend on their argument, only on the stack entries inside the segment (PUT, POP and DUP,
+# which may reach below it or rewrite the memo, are left out).
+_REPLAYABLE = frozenset({_KEY, _VALUE, _MEMOIZE, _MARK, _NOOP, *_CLOSES, *_TAKES})
+
+
+@dataclass
+class _Segment:
+    """The opcodes from a MARK to the one that closes it, as the scan met them: a pattern of
+    the same opcodes (each memo index read the same, each str, bytes or long int the same
+    length, any argument of a fixed size) and what they did. Met again while the memo only
+    grows (no PUT), the same opcodes do the same: every index they read names the same entry,
+    and every check inside them sees the same stack entries, so the scan replays their effect."""
+
+    source: bytes  # the pattern, compiled when the bytes at a MARK start with its prefix
+    prefix: bytes  # the bytes before its first argument of any value
+    length: int  # bytes
+    ops: int
+    memoized: tuple[bool, ...]  # the memo entries they add, in order
+    leaves_entry: bool  # closed by LIST, TUPLE or DICT: one entry (not a key) stays on the stack
+    pattern: re.Pattern[bytes] | None = None
+
+    @classmethod
+    def record(cls, raw: bytes, start: int, end: int, ops: int, memo: dict[int, bool], before: int) -> _Segment | None:
+        """The segment raw[start:end], just scanned, which found `before` memo entries and left
+        the rest of `memo`; None if it holds other opcodes or reads an entry made inside it
+        (whose index differs in each repeat)."""
+        parts, pos, literal = [], start, None
+        while pos < end:
+            code = raw[pos]
+            _, arg_size, effect = _PLAIN_TABLE[code]
+            if _KIND[code] == _K_GET1 and raw[pos + 1] < before:
+                head, size = 2, 0
+            elif effect in _REPLAYABLE and arg_size >= 0:
+                head, size = 1, arg_size
+            elif effect in (_KEY, _VALUE) and arg_size in _LENGTH_PREFIX:
+                width, signed = _LENGTH_PREFIX[arg_size]
+                head, size = 1 + width, int.from_bytes(raw[pos + 1 : pos + 1 + width], "little", signed=signed)
+            else:
+                return None
+            parts.extend(_ESCAPED[raw[pos + i]] for i in range(head))
+            if size:
+                parts.append(b".{%d}" % size)
+                literal = pos + head if literal is None else literal
+            pos += head + size
+        memoized = tuple(memo[index] for index in range(before, len(memo)))
+        leaves_entry = _PLAIN_TABLE[raw[end - 1]][2] in (_FROM_MARK, _DICT)
+        prefix = raw[start : end if literal is None else literal]
+        return cls(b"".join(parts), prefix, end - start, ops, memoized, leaves_entry)
 
 
 def scan_pickle(data: memoryview, work: Work) -> None:
@@ -82,89 +173,188 @@ def scan_pickle(data: memoryview, work: Work) -> None:
     marks: list[int] = []  # stack heights at each MARK
     fence = 0  # the height of the last mark: entries below it belong to an outer MARK
     memo: dict[int, bool] = {}
-    push = stack.append
-    memoize, get, key, value, put = _MEMOIZE, _GET, _KEY, _VALUE, _PUT  # locals: the loop's hot path
+    starts: list[tuple[int, int, int]] = []  # per MARK: its position, the ops and memo entries before it
+    segments: list[_Segment] = []  # the most recent first; none once a PUT has written anywhere in the memo
+    to_record = _SEGMENTS_RECORDED if size >= _RECORDING_MIN else 0
+    to_compile, looked_at, missed = _SEGMENTS_COMPILED, 0, 0
+    push, kind_of, step = stack.append, _KIND, _STEP  # locals: the loop's hot path
     while pos < size:
         code = raw[pos]
-        spec = _PLAIN_TABLE.get(code)
-        if spec is None:
-            name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
-            raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
-        name, arg_size, effect = spec
+        kind = kind_of[code]
         ops += 1
-        start = pos = pos + 1
-        if arg_size >= 0:
-            pos += arg_size
-        elif arg_size == pickletools.UP_TO_NEWLINE:
-            newline = raw.find(b"\n", pos)
-            if newline < 0:
-                raise TrxpError(f"metadata: pickle is truncated in {name}")
-            pos = newline + 1
-        else:
-            width, signed = _LENGTH_PREFIX[arg_size]
-            length = int.from_bytes(raw[pos : pos + width], "little", signed=signed)
-            if length < 0:
-                raise TrxpError(f"metadata: pickle {name} has a negative length")
-            start = pos = pos + width
-            pos += length
-        if pos > size:
-            raise TrxpError(f"metadata: pickle is truncated in {name}")
-        if effect == memoize:  # the commonest opcodes first
-            if len(stack) <= fence:
-                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
-            memo[len(memo)] = stack[-1]
-        elif effect == get:
-            memo_index = raw[start] if arg_size == 1 else _memo_index(name, raw[start:pos], ops)
-            if memo_index not in memo:
-                raise TrxpError(f"metadata: pickle {name} reads memo entry {memo_index}, which was never stored")
-            push(memo[memo_index])
-        elif effect == key:
-            push(True)
-        elif effect == value:
+        if kind == _K_GET1:
+            pos += 2
+            if pos > size:
+                raise _truncated(code)
+            flag = memo.get(raw[pos - 1])
+            if flag is None:
+                raise _never_stored(code, raw[pos - 1])
+            push(flag)
+        elif kind == _K_VALUE:
+            pos += step[code]
+            if pos > size:
+                raise _truncated(code)
             push(False)
-        elif effect == put:
+        elif kind == _K_MEMOIZE:
+            pos += 1
             if len(stack) <= fence:
-                raise TrxpError(f"metadata: pickle {name} finds an empty stack")
-            memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
-        elif effect == _MARK:
-            marks.append(len(stack))
+                raise _empty_stack(code)
+            memo[len(memo)] = stack[-1]
+        elif kind == _K_SHORT_KEY:
+            pos += 2
+            if pos <= size:
+                pos += raw[pos - 1]
+            if pos > size:
+                raise _truncated(code)
+            push(True)
+        elif kind == _K_KEY:  # BINUNICODE, BINBYTES: every str of a pickle without memo
+            pos += 5
+            if pos <= size:
+                pos += int.from_bytes(raw[pos - 4 : pos], "little")
+            if pos > size:
+                raise _truncated(code)
+            push(True)
+        elif kind == _K_MARK:
+            match = None
+            for segment in segments:
+                if raw.startswith(segment.prefix, pos) and (segment.pattern or to_compile):
+                    if segment.pattern is None:
+                        to_compile -= 1
+                        segment.pattern = re.compile(segment.source, re.DOTALL)
+                    match = segment.pattern.match(raw, pos)
+                    if match:
+                        break
+                missed += segment.length  # what a failed match costs at most: the patterns never backtrack
+            if match:
+                pos = match.end()
+                ops += segment.ops - 1
+                for flag in segment.memoized:
+                    memo[len(memo)] = flag
+                if segment.leaves_entry:
+                    push(False)
+                continue
+            if missed > size:  # segments do not repeat here: scan on without them
+                to_record = 0
+                segments.clear()
+            if to_record:
+                starts[len(marks) :] = [(pos, ops - 1, len(memo))]
+            pos += 1
             fence = len(stack)
-        elif effect in (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK):
+            marks.append(fence)
+        elif kind == _K_CLOSE:
+            pos += 1
+            effect = _PLAIN_TABLE[code][2]
             if not marks:
-                raise TrxpError(f"metadata: pickle {name} has no MARK")
+                raise TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} has no MARK")
             mark = marks.pop()
             fence = marks[-1] if marks else 0
-            if effect in (_DICT, _SETITEMS) and not all(stack[mark::2]):
+            if effect in (_SETITEMS, _DICT) and not all(stack[mark::2]):
                 raise TrxpError("metadata: dict keys must be str or bytes")
             del stack[mark:]
             if effect in (_FROM_MARK, _DICT):
                 push(False)
-        elif effect in (_TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _SETITEM):
-            count = {_TUPLE1: 1, _TUPLE2: 2, _TUPLE3: 3, _APPEND: 1, _SETITEM: 2}[effect]
-            if len(stack) - count < fence:
-                raise TrxpError(f"metadata: pickle {name} finds too few entries on the stack")
-            if effect == _SETITEM and not stack[-2]:
-                raise TrxpError("metadata: dict keys must be str or bytes")
-            del stack[len(stack) - count :]
-            if effect not in (_APPEND, _SETITEM):
-                push(False)
-        elif effect == _NOOP:
-            pass
-        elif effect == _POP and marks and marks[-1] == len(stack):
-            marks.pop()
-            fence = marks[-1] if marks else 0
-        elif len(stack) <= fence:
-            raise TrxpError(f"metadata: pickle {name} finds an empty stack")
-        elif effect == _DUP:
-            push(stack[-1])
-        elif effect == _POP:
-            stack.pop()
-        else:  # STOP
-            if pos != size:
-                raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
-            work.charge(ops)
-            return
+            if to_record:
+                start, before_ops, before_memo = starts[len(marks)]
+                length = pos - start
+                if (
+                    length <= _SEGMENT_BYTES
+                    and size - pos >= _SEGMENT_REPEATS * length
+                    and (looked_at + length) * _RECORDING_SHARE <= size
+                ):
+                    looked_at += length  # recording costs are bounded by the limits, so not counted as work
+                    segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
+                    if segment is not None:
+                        to_record -= 1
+                        segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
+        else:
+            if code in _PUTS:  # memo entries may change from here on: no segment is replayed
+                to_record = 0
+                segments.clear()
+            pos, fence = _general(raw, pos, ops, stack, marks, fence, memo)
+            if pos > size:  # STOP
+                work.charge(ops)
+                return
     raise TrxpError("metadata: pickle is truncated (no STOP)")
+
+
+def _general(
+    raw: bytes, pos: int, ops: int, stack: list[bool], marks: list[int], fence: int, memo: dict[int, bool]
+) -> tuple[int, int]:
+    """scan_pickle's path for every other opcode: its checks and stack effect; return the
+    position after it and the new fence (a position past the end after STOP)."""
+    code, size, push = raw[pos], len(raw), stack.append
+    spec = _PLAIN_TABLE[code]
+    if spec is None:
+        name = _OPCODE_NAMES.get(code, f"0x{code:02x}")
+        raise TrxpError(f"metadata: pickle opcode {name} is not plain data (globals and objects are refused)")
+    name, arg_size, effect = spec
+    start = pos = pos + 1
+    if arg_size >= 0:
+        pos += arg_size
+    elif arg_size == pickletools.UP_TO_NEWLINE:
+        newline = raw.find(b"\n", pos)
+        if newline < 0:
+            raise _truncated(code)
+        pos = newline + 1
+    else:
+        width, signed = _LENGTH_PREFIX[arg_size]
+        length = int.from_bytes(raw[pos : pos + width], "little", signed=signed)
+        if length < 0:
+            raise TrxpError(f"metadata: pickle {name} has a negative length")
+        start = pos = pos + width
+        pos += length
+    if pos > size:
+        raise _truncated(code)
+    if effect == _KEY:
+        push(True)
+    elif effect == _VALUE:
+        push(False)
+    elif effect == _GET:
+        memo_index = _memo_index(name, raw[start:pos], ops)
+        if memo_index not in memo:
+            raise _never_stored(code, memo_index)
+        push(memo[memo_index])
+    elif effect == _PUT:
+        if len(stack) <= fence:
+            raise _empty_stack(code)
+        memo[_memo_index(name, raw[start:pos], ops)] = stack[-1]
+    elif effect in _TAKES:
+        count = _TAKES[effect]
+        if len(stack) - count < fence:
+            raise TrxpError(f"metadata: pickle {name} finds too few entries on the stack")
+        if effect == _SETITEM and not stack[-2]:
+            raise TrxpError("metadata: dict keys must be str or bytes")
+        del stack[len(stack) - count :]
+        if effect not in (_APPEND, _SETITEM):
+            push(False)
+    elif effect == _NOOP:
+        pass
+    elif effect == _POP and marks and marks[-1] == len(stack):
+        marks.pop()
+        fence = marks[-1] if marks else 0
+    elif len(stack) <= fence:
+        raise _empty_stack(code)
+    elif effect == _DUP:
+        push(stack[-1])
+    elif effect == _POP:
+        stack.pop()
+    else:  # STOP
+        if pos != size:
+            raise TrxpError(f"metadata: {size - pos} bytes after the end of the pickle")
+        return size + 1, fence
+    return pos, fence
+
+
+def _truncated(code: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle is truncated in {_OPCODE_NAMES[code]}")
+
+
+def _empty_stack(code: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} finds an empty stack")
+
+
+def _never_stored(code: int, memo_index: int) -> TrxpError:
+    return TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} reads memo entry {memo_index}, which was never stored")
 
 
 def _memo_index(name: str, arg: bytes, ops: int) -> int:

@@ -1,0 +1,131 @@
+"""The pickle scan replays segments it met before (trxp.pickles._Segment) instead of walking
+their opcodes again: with or without replaying, every pickle gets the same verdict, with the
+same message, and counts the same work."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_trxp_fuzz import FUZZ
+
+from expbuf.client import TrxpError, trxp
+from expbuf.client.trxp import pickles
+
+# Plain opcodes (with arguments) that an edit inserts or writes over: memo reads and writes,
+# marks, closes, values, and some that are not plain data.
+PIECES = [b"N", b"]", b"}", b")", b"(", b"a", b"e", b"s", b"u", b"t", b"0", b"1", b"2", b"\x85", b"\x94", b"K\x05"]
+PIECES += [b"h\x00", b"h\x03", b"h\x30", b"h\xff", b"q\x00", b"r\x01\x00\x00\x00", b"\x8c\x03abc", b"C\x02xy", b"c"]
+EDITS = ["over", "in", "out"]
+
+
+def verdict(meta: bytes) -> tuple[str, Any]:
+    work = trxp.Work(1 << 40)
+    try:
+        pickles.scan_pickle(memoryview(meta), work)
+    except TrxpError as exc:
+        return "refused", str(exc)
+    return "passed", work.used
+
+
+def both_ways(meta: bytes) -> tuple[tuple[str, Any], tuple[str, Any]]:
+    """The verdict with segments replayed, and with every opcode walked."""
+    replayed = verdict(meta)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pickles, "_SEGMENTS_RECORDED", 0)
+        walked = verdict(meta)
+    return replayed, walked
+
+
+def batch(count: int, info: dict[str, Any], protocol: int = 5, *, memo: bool = True) -> bytes:
+    """A pickled batch of experiences as Trinity-RFT writes them (the same fields in each), or
+    without memo, as the store splices a sampled batch."""
+    eids = [{"batch": 1, "task": i // 8, "run": i % 8, "step": 0, "suffix": f"r{i % 8}"} for i in range(count)]
+    items = [{"eid": eid, "reward": 1.0, "info": dict(info)} for eid in eids]
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=protocol)
+    pickler.fast = not memo
+    pickler.dump({"version": 1, "num_items": count, "items": items})
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("memo", [True, False])
+def test_a_batch_of_experiences_passes_with_the_same_work(monkeypatch: pytest.MonkeyPatch, memo: bool) -> None:
+    recorded: list[pickles._Segment] = []
+    record = pickles._Segment.record.__func__
+
+    def counting(cls: type[pickles._Segment], *args: Any) -> pickles._Segment | None:
+        segment = record(cls, *args)
+        recorded.extend([segment] if segment else [])
+        return segment
+
+    monkeypatch.setattr(pickles._Segment, "record", classmethod(counting))
+    data = batch(256, {"model_version": 3, "tags": ["a", "b"]}, memo=memo)
+    replayed, walked = both_ways(data)
+    assert replayed == walked
+    assert replayed[0] == "passed"
+    compiled = [segment.pattern for segment in recorded if segment.pattern is not None]
+    assert max(len(pattern.findall(data)) for pattern in compiled) > 200  # most items were replayed
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (b"h\x00", "dict keys must be str or bytes"),  # memo entry 0 is the outer dict
+        (b"h\x01", None),  # memo entry 1 is the str 'version': a key
+        (b"\x93N", "opcode STACK_GLOBAL is not plain data"),
+    ],
+)
+def test_an_edit_in_a_late_repeat_gets_the_same_verdict(key: bytes, message: str | None) -> None:
+    meta = batch(200, {"model_version": 3})
+    position = meta.rindex(b"}\x94(h") + 3  # the first key of the last item, a memo read
+    replayed, walked = both_ways(meta[:position] + key + meta[position + 2 :])
+    assert replayed == walked
+    assert (replayed[0], message) == ("passed", None) or message in replayed[1]
+
+
+def test_a_memo_entry_made_in_a_replayed_segment_keeps_what_it_is() -> None:
+    """A dict memoized inside a replayed item, read back as a dict key, is refused."""
+    meta = batch(100, {"model_version": 3})
+    memo, dicts = 0, []
+    previous = None
+    for opcode, _, _ in pickletools.genops(meta):
+        if opcode.name == "MEMOIZE":
+            if previous == "EMPTY_DICT":
+                dicts.append(memo)
+            memo += 1
+        previous = opcode.name
+    index = max(d for d in dicts if d < 256)  # the info dict of a late item, read with BINGET
+    edited = meta[: -len(b"u.")] + b"h" + bytes([index]) + b"K\x01u."
+    replayed, walked = both_ways(edited)
+    assert replayed == walked == ("refused", "metadata: dict keys must be str or bytes")
+
+
+@given(
+    st.integers(20, 120),
+    st.sampled_from([3, 4, 5]),
+    st.booleans(),
+    st.lists(
+        st.tuples(st.floats(0.3, 1.0), st.sampled_from(PIECES), st.sampled_from(["over", "in", "out"])), max_size=3
+    ),
+)
+@FUZZ
+def test_edited_batches_get_the_same_verdict(
+    count: int, protocol: int, memo: bool, edits: list[tuple[float, bytes, str]]
+) -> None:
+    data = bytearray(batch(count, {"model_version": 3, "m": [{"role": "user"}]}, protocol, memo=memo))
+    for where, piece, how in edits:
+        position = min(int(where * len(data)), len(data) - 1)
+        if how == "over":
+            data[position : position + len(piece)] = piece
+        elif how == "in":
+            data[position:position] = piece
+        else:
+            del data[position : position + len(piece)]
+    replayed, walked = both_ways(bytes(data))
+    assert replayed == walked

@@ -1,0 +1,81 @@
+"""The stored form of an experience is part of the data directory format: the same pushed
+item packs to the same bytes, and so the same digest, in every release."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from expbuf.client import EID, Experience, trxp
+from expbuf.server.store import Entry
+
+from conftest import MANIFEST, payload
+
+# sha256 of the packed items of each payload, concatenated: what the store keeps today. A change
+# here changes the digests that recognise a retried push as a duplicate of what is stored.
+PINNED = {
+    "dpo.trxp": "eb6aa2ab52dbb24dc6a3d83710d83f2323d68dd810ea29732d7cb5cb1c9aced7",
+    "empty_batch.trxp": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    "grpo_group.trxp": "a1747d667a2a46a15700170fa407c4f532cf6223ef1eba2faeba128745c92818",
+    "mixed_batch.trxp": "90c2d3f236b0ce275805d7e91993f49bcfa278d34b2b57c2e1ff4c764fdc52a1",
+    "multi_turn.trxp": "6ef9df8010b987647d9d94dc16fc0d96912c0b7865628335de395365df86273f",
+    "rich_fields.trxp": "5470463ae09a34b1f17d6733f91bcf7eb3bcef0be2932fa4fdab7814c409bb13",
+    "single_turn.trxp": "60375a1efc8a08ba5d35dcdee353b84733e610e035135d35551480e27ee8a58b",
+    "tricky": "e09bcc7b4815993869f14de5c38f5aca9968f66b745c730b3b6ddcbc6e7a3a4b",
+}
+
+
+def tricky_payload() -> bytes:
+    """Metadata the fast paths of packing must not get wrong: keys out of order, str and bytes
+    keys together, tuples, a dict shared by two fields, non-ASCII text, ints of every width,
+    and tensor names that JSON must escape."""
+    shared = {"z": 1, "a": [1, 2, (3, "ü")]}
+    info = {
+        "model_version": 4,
+        "priority": 0.5,
+        b"raw": b"\x00\xff",
+        "zeta": shared,
+        "alpha": shared,
+        "ints": [0, -1, 255, 256, 65535, -(2**31), 2**31, 2**63 - 1, -(2**63), 2**200],
+        "flags": (True, False, None),
+        "nested": {"b": {"d": [], "c": {}}, "a": ()},
+        "text": "naïve — 東京 \U0001f600",
+    }
+    exps = [
+        Experience(
+            eid=EID(batch="b/ü", task="t", run=run, step=2, suffix="s"),
+            tokens=torch.arange(6, dtype=torch.int64),
+            prompt_length=2,
+            logprobs=torch.full((4,), -0.25),
+            action_mask=torch.tensor([True, False, True, True]),
+            reward=-1.5,
+            info=info,
+            metrics={"m2": 2.0, "m1": 1},
+            messages=[{"role": "user", "content": 'quote " and \\ and \n'}],
+            multi_modal_inputs={
+                'pix"el\\s': torch.ones(2, 2),
+                "größe": torch.tensor([1, 2], dtype=torch.int16),
+                "ctrl\x01": torch.zeros(1, dtype=torch.uint8),
+            },
+        )
+        for run in range(2)
+    ]
+    return trxp.encode(exps)
+
+
+def payloads() -> dict[str, bytes]:
+    return {**{name: payload(name) for name in sorted(MANIFEST["payloads"])}, "tricky": tricky_payload()}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_stored_bytes_are_pinned(name: str) -> None:
+    items = trxp.parse(payloads()[name])
+    blobs = [trxp.pack_item(item) for item in items]
+    assert hashlib.sha256(b"".join(blobs)).hexdigest() == PINNED[name]
+    for item, blob in zip(items, blobs, strict=True):
+        entry = Entry.of(item)
+        assert entry.blob == blob
+        assert entry.digest == hashlib.sha256(blob).digest()[:16]
+        assert trxp.parse(blob) == [item]
