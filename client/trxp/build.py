@@ -43,18 +43,13 @@ def build(items: Sequence[RawItem]) -> bytes:
         protocol=5,
     )
     by_dtype: dict[str, list[tuple[str, RawTensor]]] = {}
-    names: set[str] = set()
     for index, item in enumerate(items):
-        names.update(item.tensors)
         for name, tensor in item.tensors.items():
             entry = (f"{index}:{name}", tensor)
             try:
                 by_dtype[tensor.dtype].append(entry)
             except KeyError:
                 by_dtype[tensor.dtype] = [entry]
-    # The header as json.dumps writes it, by formatting: keys need escaping only if a name does.
-    plain = all(json.dumps(name, ensure_ascii=False) == f'"{name}"' for name in names)
-    shapes: dict[tuple[int, ...], str] = {}
     fields: list[str] = []
     data: list[bytes | memoryview] = []
     offset = 0
@@ -62,17 +57,12 @@ def build(items: Sequence[RawItem]) -> bytes:
     for code in sorted(by_dtype, key=_DTYPE_RANK.__getitem__, reverse=True):
         bucket = by_dtype[code]
         bucket.sort(key=_KEY)
-        dtype = f'":{{"dtype":"{code}","shape":['
         for key, tensor in bucket:
             end = offset + len(tensor.data)
-            shape = shapes.get(tensor.shape)
-            if shape is None:
-                shape = shapes[tensor.shape] = ",".join(map(str, tensor.shape))
-            escaped = key if plain else json.dumps(key, ensure_ascii=False)[1:-1]
-            fields.append(f'"{escaped}{dtype}{shape}],"data_offsets":[{offset},{end}]}}')
+            fields.append(_header_entry(_json_key(key), tensor, offset, end))
             data.append(tensor.data)
             offset = end
-    return b"".join(_frame(meta, ("{" + ",".join(fields) + "}").encode("utf-8"), data))
+    return b"".join(_frame(meta, f"{{{','.join(fields)}}}".encode(), data))
 
 
 _KEY = operator.itemgetter(0)
@@ -168,13 +158,10 @@ def pack_item(item: RawItem) -> bytes:
     offset = 0
     for name, tensor in sorted(item.tensors.items(), key=_tensor_order):
         end = offset + len(tensor.data)
-        header.append(_header_entry(name, tensor, offset, end))
+        header.append(_header_entry(_FIELD_KEYS.get(name) or _json_key(f"0:{name}"), tensor, offset, end))
         data.append(tensor.data)
         offset = end
-    header_bytes = f"{{{','.join(header)}}}".encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    head = _HEADER.pack(MAGIC, VERSION, len(meta), 8 + len(header_bytes) + offset)
-    return b"".join([head, meta, struct.pack("<Q", len(header_bytes)), header_bytes, *data])
+    return b"".join(_frame(meta, f"{{{','.join(header)}}}".encode(), data))
 
 
 def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
@@ -182,11 +169,10 @@ def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
     return -_DTYPE_RANK[entry[1].dtype], entry[0]
 
 
-def _header_entry(name: str, tensor: RawTensor, start: int, end: int) -> str:
-    """Item 0's entry for a tensor in a safetensors header, exactly as json.dumps writes it
-    (separators "," and ":", no ASCII escaping), formatted directly when neither its key nor
-    its shape needs JSON's care."""
-    key = _FIELD_KEYS.get(name) or _json_key(f"0:{name}")
+def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
+    """A tensor's entry in a safetensors header under its key (written as JSON), exactly as
+    json.dumps writes it (separators "," and ":", no ASCII escaping), formatted directly
+    when its shape needs no JSON's care."""
     shape = tensor.shape
     if len(shape) == 1 and type(shape[0]) is int:
         dims = f"[{shape[0]}]"

@@ -88,10 +88,10 @@ class _CallerData(_Shape):
     and multi-modal keys are made here of values _check_meta checks part by part, and the
     scalar fields are of a type _check_meta checks too."""
 
-    def item(self, where: str, item: dict[Any, Any]) -> None:
+    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         caller = {name: value for name in META_FIELDS if isinstance(value := item[name], _CONTAINERS) and value}
         if caller:
-            super().item(where, caller)
+            super().item(index, uid, caller)
 
 
 def _eid_dict(eid: Any) -> dict[str, Any]:
