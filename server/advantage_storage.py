@@ -43,12 +43,12 @@ def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage
     return token_level
 
 
-def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
+def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
     return b"".join(batch_parts(blobs, advantages))
 
 
-def batch_parts(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once."""
     if all(a is None for a in advantages):
         return trxp.join_parts(blobs)

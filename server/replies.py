@@ -32,7 +32,8 @@ def _varint(value: int) -> bytes:
 
 
 def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
-    """The serialised SampleReply of a batch, its payload copied once."""
+    """The serialised SampleReply of a batch, its payload copied once (from the store's
+    map into the reply); the batch is released then, its payload is not read again."""
     rest = pb.SampleReply(
         uids=batch.uids,
         group_ids=batch.group_ids,
@@ -40,8 +41,12 @@ def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
         lease_expires_unix=batch.lease_expires if lease else 0.0,
         partial=batch.partial,
     ).SerializeToString()
-    parts = batch.payload_parts()
-    return b"".join([_PAYLOAD_TAG, _varint(sum(len(part) for part in parts)), *parts, rest])
+    try:
+        return batch.render(
+            lambda parts: b"".join([_PAYLOAD_TAG, _varint(sum(len(part) for part in parts)), *parts, rest])
+        )
+    finally:
+        batch.release()
 
 
 def _pass_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:

@@ -274,7 +274,15 @@ class Store:
     def _take(
         self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
     ) -> Sampled | limiter.SampleLimited | None:
-        result = take(tt, spec, spec.allow_partial and final, self._rng, hold=hold, owner=owner)
+        result = take(
+            tt,
+            spec,
+            spec.allow_partial and final,
+            self._rng,
+            hold=hold,
+            owner=owner,
+            snapshot=self.environment.snapshot,
+        )
         if blocked and (isinstance(result, Sampled) or final):
             tt.counters["sample_blocked_seconds"] += blocked
             tt.save()
@@ -363,19 +371,19 @@ class Store:
         table_id, config = self._table(table)
         prefix = layout.table_prefix(table_id)
         blobs, advantages, missing, rows = [], [], [], []
-        with self.environment.read() as txn:
+        with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = txn.get(key, db=self._db["blobs"])
                 if blob is None:
                     missing.append(uid)
                     continue
-                blobs.append(bytes(blob))
+                blobs.append(blob)
                 rec = ItemRecord.decode(txn.get(key, db=self._db["items"]))
                 rows.append(rec)
                 token_level = None if rec.advantage is not None else txn.get(key, db=self._db["adv"])
-                advantages.append(stored_advantage(rec, token_level))
-        return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
+                advantages.append(stored_advantage(rec, None if token_level is None else bytes(token_level)))
+            return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
