@@ -145,6 +145,9 @@ def stream_batches(
         if client.error is not None:
             raise client.error
     finally:
+        if confirmed:  # the sample that was to consume it failed: consume it alone, if it still can be
+            with contextlib.suppress(StoreError):
+                store.ack(confirmed, spec.table, owner)
         if unconfirmed is not None:
             if client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active():
                 # it closed its side and did not cancel: the stream ends normally
