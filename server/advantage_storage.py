@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 Advantage = tuple[float, int] | bytes | None
 _LENGTH = struct.Struct("<I")
 _F32 = struct.Struct("<f")
-_MASK_LETTERS = bytes.maketrans(
-    b"\x00\x01", b"ab"
-)  # zero bytes carry no "b": the second replace sees only mask letters
 
 
 def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
@@ -46,12 +43,12 @@ def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage
     return token_level
 
 
-def batch_payload(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> bytes:
+def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
     return b"".join(batch_parts(blobs, advantages))
 
 
-def batch_parts(blobs: Sequence[bytes], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once."""
     if all(a is None for a in advantages):
         return trxp.join_parts(blobs)
@@ -88,8 +85,8 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
         value, length = advantage
         raw = tensors.get("action_mask")
         data = _F32.pack(value) * length if raw is None else None
-        if raw is not None and raw.dtype == "BOOL":  # bytes 0/1 -> float32 0 / value, by two byte-string replaces
-            data = bytes(raw.data).translate(_MASK_LETTERS).replace(b"a", bytes(4)).replace(b"b", _F32.pack(value))
+        if raw is not None and raw.dtype == "BOOL":
+            data = _scaled_mask(bytes(raw.data), value)
         if data is not None and len(data) == 4 * length:
             values = trxp.RawTensor("F32", (length,), data)
         else:
@@ -104,6 +101,21 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
         "advantages": trxp.RawTensor("F32", (length,), record[_LENGTH.size : middle]),
         "returns": trxp.RawTensor("F32", (length,), record[middle:]),
     }
+
+
+def _scaled_mask(mask: bytes, value: float) -> bytes | None:
+    """A BOOL mask's bytes 0/1 as float32 0 / value; None if it holds other bytes. A mask
+    without zeros is one repeat of the value's 4 bytes; any other is written as the k-th
+    byte of every float at once, k = 0..3 (a translate and a strided copy each)."""
+    if mask.translate(None, b"\x00\x01"):
+        return None
+    one = _F32.pack(value)
+    if not mask.count(0):
+        return one * len(mask)
+    out = bytearray(4 * len(mask))
+    for k in range(4):
+        out[k::4] = mask.translate(bytes.maketrans(b"\x01", one[k : k + 1]))
+    return bytes(out)
 
 
 def finish_batch(

@@ -35,7 +35,7 @@ from .estimators import resolve_device
 from .ingest import Ingest
 from .limits import RESERVED_THREADS, CallLimits, TableStreams
 from .metrics import Metrics, RpcMetrics
-from .replies import PassBytes
+from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
 from .store import Store
 from .tables import ConfigError
@@ -123,6 +123,7 @@ class ExpbufServer:
             interceptors.append(TokenAuth(config.tokens))
         interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
         interceptors.append(PassBytes())
+        keep_reply_memory()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,

@@ -108,6 +108,7 @@ def stream_batches(
     """
     client = ClientSide(requests, context)
     unconfirmed: Sampled | None = None
+    confirmed = ""  # the held batch the client has, consumed in the commit that takes the next
     sent = 0
     try:
         while True:
@@ -117,7 +118,9 @@ def stream_batches(
                 hold=spec.delivery == "consume",
                 owner=owner,
                 stop=lambda: client.stopped or client.broken or not context.is_active(),
+                ack=confirmed,
             )
+            confirmed = ""
             if batch is None:
                 if client.error is not None:
                     raise client.error
@@ -135,12 +138,16 @@ def stream_batches(
             if not client.wait_confirmed(sent):
                 break
             unconfirmed = None  # the client has it: from here on it is never given back
-            _confirm(store, spec, batch, owner)
             if batch.partial or sent == spec.max_batches or client.done:
+                _confirm(store, spec, batch, owner)
                 break
+            confirmed = batch.lease_id if spec.delivery == "consume" else ""
         if client.error is not None:
             raise client.error
     finally:
+        if confirmed:  # the sample that was to consume it failed: consume it alone, if it still can be
+            with contextlib.suppress(StoreError):
+                store.ack(confirmed, spec.table, owner)
         if unconfirmed is not None:
             if client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active():
                 # it closed its side and did not cancel: the stream ends normally
@@ -150,9 +157,11 @@ def stream_batches(
 
 
 def _confirm(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
-    """The client has the batch: a consumed one leaves the buffer now. If that fails (a
-    full disk), the batch stays held, never given back: it returns only when the server
-    next starts (release_holds), rather than being delivered twice while the client has it."""
+    """The client has the batch: a consumed one leaves the buffer now (or, when the stream
+    goes on, in the commit that takes the next batch: `ack` of Backend.sample). If that
+    fails (a full disk), the batch stays held, never given back: it returns only when the
+    server next starts (release_holds), rather than being delivered twice while the client
+    has it."""
     if spec.delivery == "consume":
         store.ack(batch.lease_id, spec.table, owner)
 

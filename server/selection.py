@@ -139,7 +139,7 @@ class ReadyIndex:
                 head = self._run_next(cur, vkey, None, newest=newest)
                 if head is not None:
                     heads.append((sign * head[0], vkey, head[1]))
-                after = _next_prefix(p + vkey)
+                after = next_prefix(p + vkey)
                 found = after is not None and cur.set_range(after)
             heapq.heapify(heads)
             while heads:
@@ -154,7 +154,7 @@ class ReadyIndex:
         run, going up, or down for `newest`; None at the run's end."""
         run = self.prefix + vkey
         if newest:
-            end = run + u64(after) if after is not None else _next_prefix(run)
+            end = run + u64(after) if after is not None else next_prefix(run)
             found = cur.prev() if end is not None and cur.set_range(end) else cur.last()
         else:
             found = cur.set_range(run + (u64(after + 1) if after is not None else b""))
@@ -184,7 +184,7 @@ class ReadyIndex:
         p = self.prefix
         with self.txn.cursor(db=db) as cur:
             if reverse:
-                end = _next_prefix(p)
+                end = next_prefix(p)
                 found = cur.prev() if end is not None and cur.set_range(end) else cur.last()
                 step = cur.prev
             else:
@@ -258,7 +258,7 @@ class Priority(Order):
         return index.scan(index.dbs.prio, reverse=False)
 
 
-def _next_prefix(prefix: bytes) -> bytes | None:
+def next_prefix(prefix: bytes) -> bytes | None:
     """The smallest key greater than every key that starts with prefix."""
     stripped = prefix.rstrip(b"\xff")
     if not stripped:

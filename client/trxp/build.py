@@ -5,10 +5,12 @@ without unpickling them.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import operator
 import pickle
+import re
 import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -181,9 +183,20 @@ def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
     return f'{key}:{{"dtype":"{tensor.dtype}","shape":{dims},"data_offsets":[{start},{end}]}}'
 
 
+_JSON_ESCAPED = re.compile(r'[\x00-\x1f"\\]')
+
+
+@functools.lru_cache(maxsize=1024)
+def _json_text(text: str) -> bytes:
+    """A string as the contents of a JSON string, as json.dumps(ensure_ascii=False) writes it."""
+    if _JSON_ESCAPED.search(text) is None:
+        return text.encode()
+    return json.dumps(text, ensure_ascii=False)[1:-1].encode()
+
+
 def _json_key(key: str) -> str:
-    plain = key.isascii() and key.isprintable() and '"' not in key and "\\" not in key
-    return f'"{key}"' if plain else json.dumps(key, ensure_ascii=False)
+    """A string as json.dumps(ensure_ascii=False) writes it, quotes included."""
+    return f'"{_json_text(key).decode()}"'
 
 
 _FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
@@ -204,14 +217,17 @@ def join(
 
 
 def join_parts(
-    payloads: Iterable[bytes],
+    payloads: Iterable[bytes | memoryview],
     extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
 ) -> list[bytes | memoryview]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
-    the batch (in a reply message, say) copies each byte once."""
+    the batch (in a reply message, say) copies each byte once.
+
+    The batch's safetensors header is written entry by entry, the same bytes as json.dumps
+    of it; the stored headers are read by `_stored_tensors`, without a JSON parse."""
     payloads = list(payloads)
     fragments: list[memoryview] = []
-    header: dict[str, Any] = {}
+    entries: list[bytes] = []
     data: list[bytes | memoryview] = []
     base = 0
     for index, payload in enumerate(payloads):
@@ -224,29 +240,88 @@ def join_parts(
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
         section = blob[8 + header_len :]
-        entries = [
-            (key.partition(":")[2], entry)
-            for key, entry in json.loads(bytes(blob[8 : 8 + header_len])).items()
-            if key != "__metadata__"
-        ]
-        tensors = {
-            name: RawTensor(e["dtype"], tuple(e["shape"]), section[e["data_offsets"][0] : e["data_offsets"][1]])
-            for name, e in entries
-        }
-        added = extra(index, tensors) if extra else {}
-        kept = [(name, tensors[name]) for name, _ in entries if name not in added]
+        stored, whole = _stored_tensors(bytes(blob[8 : 8 + header_len]), len(section))
+        if whole and extra is None:  # the section as it is, its offsets moved by base
+            entries.extend(
+                [_ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
+            )
+            data.append(section)
+            base += len(section)
+            continue
+        added: dict[str, RawTensor] = {}
+        if extra is not None:
+            added = extra(
+                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
+            )
+        kept = [t for t in stored if t[0].decode() not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
-        data.extend([section] if len(kept) == len(entries) else [t.data for _, t in kept])
-        for name, tensor in [*kept, *added.items()]:
-            end = base + len(tensor.data)
-            header[f"{index}:{name}"] = {
-                "dtype": tensor.dtype,
-                "shape": list(tensor.shape),
-                "data_offsets": [base, end],
-            }
-            base = end
-        data.extend(t.data for t in added.values())
-    return _assemble_parts(_splice_meta(fragments), header, data)
+        data.extend([section] if whole and len(kept) == len(stored) else [section[t[3] : t[4]] for t in kept])
+        for name, dtype, shape, start, end in kept:
+            entries.append(_ENTRY % (index, name, dtype, shape, base, base + end - start))
+            base += end - start
+        for name, tensor in added.items():
+            dims = b",".join([b"%d" % dim for dim in tensor.shape])
+            entries.append(
+                _ENTRY % (index, _json_text(name), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
+            )
+            base += len(tensor.data)
+            data.append(tensor.data)
+    return _frame(_splice_meta(fragments), b"{" + b",".join(entries) + b"}", data)
+
+
+# One entry of a batch header, as json.dumps(header, separators=(",", ":"), ensure_ascii=False)
+# writes it: the name and dtype as the contents of JSON strings, the shape's dimensions.
+_ENTRY = b'"%d:%b":{"dtype":"%b","shape":[%b],"data_offsets":[%d,%d]}'
+_INT = rb"(?:0|[1-9][0-9]*)"
+# One entry of a stored header as pack_item writes it (through json.dumps): item index 0.
+_STORED_ENTRY = (
+    rb'"0:([^"\\\x00-\x1f]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:' + _INT + rb")(?:," + _INT + rb")*)?\],"
+    rb'"data_offsets":\[(' + _INT + rb"),(" + _INT + rb")\]\}"
+)
+_STORED_ENTRIES = re.compile(_STORED_ENTRY)
+_STORED_HEADER = re.compile(rb"\{(?:(?:" + _STORED_ENTRY + rb")(?:,(?:" + _STORED_ENTRY + rb"))*)?\} *")
+# A tensor of a stored header: name, dtype and shape as JSON text, start and end offsets.
+_Stored = tuple[bytes, bytes, bytes, int, int]
+
+
+def _stored_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
+    """The tensors of one stored item's safetensors header in order, and whether they lie
+    back to back from the start to the end of its tensor section.
+
+    pack_item writes `{"0:name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},...}` padded
+    with spaces: two passes of regular expressions read it, the first checking every byte.
+    A header in any other layout is parsed as JSON."""
+    if _STORED_HEADER.fullmatch(header) is None:
+        return _parsed_tensors(header, section_len)
+    found: list[_Stored] = []
+    end = 0
+    whole = True
+    for name, dtype, shape, first, last in _STORED_ENTRIES.findall(header):
+        start = int(first)
+        whole = whole and start == end
+        end = int(last)
+        found.append((name, dtype, shape, start, end))
+    return found, whole and end == section_len
+
+
+def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
+    """_stored_tensors() of a header in another layout, through a JSON parse."""
+    found: list[_Stored] = []
+    end = 0
+    whole = True
+    for key, entry in json.loads(header).items():
+        if key == "__metadata__":
+            continue
+        start, stop = entry["data_offsets"]
+        whole = whole and start == end
+        end = stop
+        shape = b",".join([b"%d" % dim for dim in entry["shape"]])
+        found.append((_json_text(key.partition(":")[2]), _json_text(entry["dtype"]), shape, start, stop))
+    return found, whole and end == section_len
+
+
+def _shape(text: bytes) -> tuple[int, ...]:
+    return tuple(map(int, text.split(b","))) if text else ()
 
 
 def _rebuild(

@@ -14,7 +14,8 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -33,6 +34,15 @@ from .records import GroupRecord, ItemRecord, Lease
 from .staleness import evict_stale
 from .types import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .upkeep import Upkeep
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A request refused inside a transaction that still commits (see Store._isolated)."""
+
+    error: Exception
 
 
 class Store:
@@ -240,6 +250,7 @@ class Store:
         hold: bool = False,
         owner: str = "",
         stop: Callable[[], bool] | None = None,
+        ack: str = "",
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait.
 
@@ -248,9 +259,13 @@ class Store:
         the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
         stopped server return to the buffer at the next start (`release_holds`).
         `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
-        cancelled RPC ends the wait early, with None).
+        cancelled RPC ends the wait early, with None). `ack` names a lease of this table
+        and owner to consume first, in the same commit as the first attempt (a stream's
+        last batch, which its client has): one durable write for both, and the lease is
+        consumed even if the attempt fails, as by `ack` alone; if the lease cannot be
+        consumed, nothing is taken.
         """
-        self._table(spec.table)
+        table_id, config = self._table(spec.table)
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
         held = False  # whether the rate limit held this request
@@ -258,9 +273,21 @@ class Store:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
-            result = self._in_table(
-                spec.table, lambda tt, f=final, b=blocked: self._take(tt, spec, f, b, hold=hold, owner=owner)
-            )
+
+            def attempt(txn: lmdb.Transaction, f: bool = final, b: float = blocked, a: str = ack) -> Any:
+                def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
+                    tt = TableTxn(t, self._db, table_id, config, self.clock())
+                    return self._take(tt, spec, f, b, hold=hold, owner=owner)
+
+                if not a:
+                    return take_in(txn)
+                self._end_lease(txn, a, requeue=False, table=spec.table, owner=owner)
+                return self._isolated(txn, take_in)
+
+            result = self._submit(attempt)
+            ack = ""
+            if isinstance(result, _Refused):
+                raise result.error
             if isinstance(result, limiter.SampleLimited):
                 if final:
                     raise result
@@ -271,10 +298,34 @@ class Store:
                 return None
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
+    def _isolated(self, txn: lmdb.Transaction, fn: Callable[[lmdb.Transaction], T]) -> T | _Refused:
+        """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is
+        returned, so that the rest of txn still commits. A full map or an LMDB error fails
+        the whole transaction, as anywhere else."""
+        child = self.environment.env.begin(write=True, parent=txn)
+        try:
+            result = fn(child)
+        except lmdb.Error:
+            child.abort()
+            raise
+        except Exception as exc:
+            child.abort()
+            return _Refused(exc)
+        child.commit()
+        return result
+
     def _take(
         self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
     ) -> Sampled | limiter.SampleLimited | None:
-        result = take(tt, spec, spec.allow_partial and final, self._rng, hold=hold, owner=owner)
+        result = take(
+            tt,
+            spec,
+            spec.allow_partial and final,
+            self._rng,
+            hold=hold,
+            owner=owner,
+            snapshot=self.environment.snapshot,
+        )
         if blocked and (isinstance(result, Sampled) or final):
             tt.counters["sample_blocked_seconds"] += blocked
             tt.save()
@@ -363,19 +414,19 @@ class Store:
         table_id, config = self._table(table)
         prefix = layout.table_prefix(table_id)
         blobs, advantages, missing, rows = [], [], [], []
-        with self.environment.read() as txn:
+        with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = txn.get(key, db=self._db["blobs"])
                 if blob is None:
                     missing.append(uid)
                     continue
-                blobs.append(bytes(blob))
+                blobs.append(blob)
                 rec = ItemRecord.decode(txn.get(key, db=self._db["items"]))
                 rows.append(rec)
                 token_level = None if rec.advantage is not None else txn.get(key, db=self._db["adv"])
-                advantages.append(stored_advantage(rec, token_level))
-        return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
+                advantages.append(stored_advantage(rec, None if token_level is None else bytes(token_level)))
+            return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""

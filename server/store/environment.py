@@ -18,6 +18,7 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,8 +30,11 @@ import lmdb
 from ..errors import StorageFull, StoreClosed, StoreError
 from . import layout
 from .migrate import migrate
+from .snapshot import Snapshot
 
 T = TypeVar("T")
+# Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
+MAX_SNAPSHOTS = 16
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Environment:
             raise
         self._readers = 0
         self._resizing = False
+        self._snapshots: list[weakref.ref[Snapshot]] = []  # opened by the writer thread only
         self._gate = threading.Condition()
         self._changed = threading.Condition()
         self._generation = 0
@@ -104,6 +109,7 @@ class Environment:
             self._closed = True
             self._queue.put(None)  # after every request already queued: they are committed first
         self._writer.join()
+        self._detach_snapshots()
         self.env.close()
         self._lock_file.close()
 
@@ -202,6 +208,7 @@ class Environment:
         size = self.env.info()["map_size"]
         if size >= self.max_map_size:
             return False
+        self._detach_snapshots()  # here in the writer thread, which alone opens them
         with self._gate:
             self._resizing = True
             self._gate.wait_for(lambda: self._readers == 0)
@@ -215,18 +222,51 @@ class Environment:
     # ---- reads and changes -------------------------------------------------------------
 
     @contextlib.contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction (never while the map is being resized)."""
+    def read(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A read transaction (never while the map is being resized); with `buffers`, its
+        values are views into the map, valid inside the block."""
+        self._enter_reader()
+        try:
+            with self.env.begin(buffers=buffers) as txn:
+                yield txn
+        finally:
+            self._leave_reader()
+
+    def snapshot(self) -> Snapshot:
+        """A read transaction of the last committed state whose values are views into the
+        map, open until released (snapshot.py). For the writer thread, while it takes a
+        batch: at most MAX_SNAPSHOTS stay open, opening another detaches the oldest."""
+        live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
+        while len(live) >= MAX_SNAPSHOTS:
+            oldest = live.pop(0)()
+            if oldest is not None:
+                oldest.detach()
+        self._enter_reader()
+        try:
+            snap = Snapshot(self.env.begin(buffers=True), self._leave_reader)
+        except BaseException:
+            self._leave_reader()
+            raise
+        self._snapshots = [*live, weakref.ref(snap)]
+        return snap
+
+    def _detach_snapshots(self) -> None:
+        """Copy what open snapshots hold and end them, before the map is resized or closed."""
+        for ref in self._snapshots:
+            snap = ref()
+            if snap is not None:
+                snap.detach()
+        self._snapshots = []
+
+    def _enter_reader(self) -> None:
         with self._gate:
             self._gate.wait_for(lambda: not self._resizing)
             self._readers += 1
-        try:
-            with self.env.begin() as txn:
-                yield txn
-        finally:
-            with self._gate:
-                self._readers -= 1
-                self._gate.notify_all()
+
+    def _leave_reader(self) -> None:
+        with self._gate:
+            self._readers -= 1
+            self._gate.notify_all()
 
     @property
     def generation(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import secrets
+from collections.abc import Callable
 
 import lmdb
 
@@ -22,6 +23,7 @@ from . import layout
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
+from .snapshot import Snapshot
 from .staleness import evict_stale
 from .types import Sampled
 
@@ -32,10 +34,18 @@ def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Leas
 
 
 def take(
-    tt: TableTxn, spec: SampleSpec, allow_partial: bool, rng: random.Random, *, hold: bool, owner: str
+    tt: TableTxn,
+    spec: SampleSpec,
+    allow_partial: bool,
+    rng: random.Random,
+    *,
+    hold: bool,
+    owner: str,
+    snapshot: Callable[[], Snapshot] | None = None,
 ) -> Sampled | SampleLimited | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch),
-    the rate limit (limiter.py) if it holds the batch back."""
+    the rate limit (limiter.py) if it holds the batch back. With `snapshot` (a way to
+    open one), the payloads are views read from it, not copies (see _Payloads)."""
     if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
         tt.counters["trainer_version"] = spec.trainer_version
         tt.save()
@@ -64,16 +74,19 @@ def take(
         if not hold:
             expires = batch.lease_expires = tt.now + spec.lease_seconds
     rows: list[ItemRecord] = []
+    payloads = _Payloads(tt, snapshot() if snapshot is not None else None)
+    computed = tt.config.estimator != "none"  # a table without an estimator has no advantages
     for gkey, grp in chosen:
         recs = tt.members(grp)
         for uid, rec in recs.items():
+            key = tt.key(uid)
             rows.append(rec)
             batch.uids.append(uid)
             batch.group_ids.append(gkey)
-            batch.blobs.append(bytes(tt.txn.get(tt.key(uid), db=tt.db["blobs"])))
+            batch.blobs.append(payloads.read(key, rec))
             batch.versions.append(rec.version)
             tt.counters["bytes_sampled"] += rec.size
-            token_level = None if rec.advantage is not None else tt.txn.get(tt.key(uid), db=tt.db["adv"])
+            token_level = tt.txn.get(key, db=tt.db["adv"]) if computed and rec.advantage is None else None
             batch.advantages.append(stored_advantage(rec, token_level))
             rec.times_sampled += 1
             tt.put_item(uid, rec)
@@ -96,7 +109,27 @@ def take(
     batch.newest_version = tt.counters["max_version"]
     batch.trainer_version = tt.counters["trainer_version"]
     tt.save()
+    if payloads.snapshot is not None:
+        batch.snapshot = payloads.snapshot
+        payloads.snapshot.hold(batch.blobs)
     return batch
+
+
+class _Payloads:
+    """Reads the stored payloads of a batch being taken: from the snapshot, a view, for an
+    experience that was stored before the snapshot's state (its insertion number is at most
+    the newest in the snapshot's insertion order: it was committed then, and its payload
+    has not changed since); a copy from the write for one stored in this very commit."""
+
+    def __init__(self, tt: TableTxn, snapshot: Snapshot | None) -> None:
+        self.tt, self.snapshot = tt, snapshot
+        newest = None if snapshot is None else snapshot.last_key(tt.prefix, tt.db["order"])
+        self.newest = -1 if newest is None else int.from_bytes(newest[len(tt.prefix) :], "big")  # order: T + seq
+
+    def read(self, key: bytes, rec: ItemRecord) -> bytes | memoryview:
+        blobs = self.tt.db["blobs"]
+        view = self.snapshot.get(key, blobs) if self.snapshot is not None and rec.seq <= self.newest else None
+        return view if view is not None else self.tt.txn.get(key, db=blobs)
 
 
 def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:

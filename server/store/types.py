@@ -4,13 +4,18 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from expbuf.client import trxp
 
-from ..advantage_storage import Advantage, batch_parts, batch_payload
+from ..advantage_storage import Advantage, batch_parts
 from ..tables import TableConfig
 from .records import ItemRecord
+from .snapshot import Snapshot
+
+T = TypeVar("T")
 
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 # The durable counters of what reward shaping and advantage clipping did (see shaping.py).
@@ -71,11 +76,15 @@ class PutResult:
 
 @dataclass
 class Sampled:
-    """A selected batch: uids in group order, their group ids and stored payloads."""
+    """A selected batch: uids in group order, their group ids and stored payloads.
+
+    The payloads may be views into the store's map, read from `snapshot` (snapshot.py):
+    `render` and `payload` read them while they are valid; `release` ends the snapshot
+    once the batch's reply is built."""
 
     uids: list[str]
     group_ids: list[str]
-    blobs: list[bytes]
+    blobs: list[bytes | memoryview]
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     newest_version: int | None = None  # the newest version pushed to the table, for staleness
@@ -83,14 +92,25 @@ class Sampled:
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
+    snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
 
     @property
     def payload(self) -> bytes:
-        return batch_payload(self.blobs, self.advantages)
+        return self.render(b"".join)
 
-    def payload_parts(self) -> list[bytes | memoryview]:
-        """The payload as the runs of bytes it is made of (see trxp.join_parts)."""
-        return batch_parts(self.blobs, self.advantages)
+    def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
+        """`build` of the payload as the runs of bytes it is made of (trxp.join_parts),
+        which are valid only during the call: each byte is copied once, by `build`."""
+        if self.snapshot is None:
+            return build(batch_parts(self.blobs, self.advantages))
+        with self.snapshot.reading():
+            return build(batch_parts(self.blobs, self.advantages))
+
+    def release(self) -> None:
+        """End the snapshot the payloads are read from, without copying them: for a batch
+        whose reply is built; its payload cannot be read again."""
+        if self.snapshot is not None:
+            self.snapshot.release()
 
 
 @dataclass

@@ -1,0 +1,112 @@
+"""Joining stored experiences into one batch: the exact bytes of the batch header, with and
+without tensors added per item, whatever layout the stored headers have."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from expbuf.client import trxp
+from expbuf.client.trxp.common import HEADER_SIZE
+
+from conftest import payload
+
+SPLICE_HEAD = 56  # bytes of the stored metadata before an item's own opcodes
+
+
+def stored_items() -> list[trxp.RawItem]:
+    return trxp.parse(payload("rich_fields.trxp")) + trxp.parse(payload("mixed_batch.trxp"))
+
+
+def sections(blob: bytes | memoryview) -> tuple[bytes, dict, bytes]:
+    """A payload's metadata pickle, parsed safetensors header and tensor bytes."""
+    blob = bytes(blob)
+    _, _, meta_len, _ = struct.unpack_from("<4sBQQ", blob)
+    rest = blob[HEADER_SIZE + meta_len :]
+    (header_len,) = struct.unpack_from("<Q", rest)
+    return blob[HEADER_SIZE : HEADER_SIZE + meta_len], json.loads(rest[8 : 8 + header_len]), rest[8 + header_len :]
+
+
+def expected_header(items: list[trxp.RawItem], added: list[dict[str, trxp.RawTensor]]) -> bytes:
+    """The batch header as json.dumps writes it: item by item, each item's stored tensors
+    (those not replaced) in stored order, then the added ones, back to back."""
+    header, base = {}, 0
+    for index, (item, extra) in enumerate(zip(items, added, strict=True)):
+        stored = list(sections(trxp.pack_item(item))[1].items())
+        kept = [(key.partition(":")[2], entry) for key, entry in stored if key.partition(":")[2] not in extra]
+        for name, entry in kept:
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            header[f"{index}:{name}"] = {
+                "dtype": entry["dtype"],
+                "shape": entry["shape"],
+                "data_offsets": [base, base + size],
+            }
+            base += size
+        for name, tensor in extra.items():
+            entry = {
+                "dtype": tensor.dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [base, base + len(tensor.data)],
+            }
+            header[f"{index}:{name}"] = entry
+            base += len(tensor.data)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+def header_bytes(batch: bytes) -> bytes:
+    _, _, meta_len, _ = struct.unpack_from("<4sBQQ", batch)
+    (header_len,) = struct.unpack_from("<Q", batch, HEADER_SIZE + meta_len)
+    return batch[HEADER_SIZE + meta_len + 8 : HEADER_SIZE + meta_len + 8 + header_len]
+
+
+def relaid(blob: bytes) -> bytes:
+    """The same one-item payload with its header in another JSON layout: spaces after the
+    separators and a __metadata__ entry, as a safetensors writer other than pack_item may do."""
+    meta, header, data = sections(blob)
+    text = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<4sBQQ", b"TRXP", 1, len(meta), 8 + len(text) + len(data))
+    return head + meta + struct.pack("<Q", len(text)) + text + data
+
+
+def advantages(index: int, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
+    """Tensors added to some items and replacing one of others (names that JSON escapes included)."""
+    if index % 3 == 0:
+        return {}
+    if index % 3 == 1:
+        return {
+            "advantages": trxp.RawTensor("F32", (2,), b"\x01" * 8),
+            'multi_modal_inputs:r\u00e9"t\n': trxp.RawTensor("F32", (1,), b"\x02" * 4),
+        }
+    return {next(iter(tensors)): trxp.RawTensor("I64", (1, 2), b"\x03" * 16)}
+
+
+@pytest.mark.parametrize("layout", ["stored", "other", "mixed", "memoryview"])
+def test_batch_header_is_the_json_of_the_items_tensors(layout: str) -> None:
+    items = stored_items()
+    blobs: list[bytes | memoryview] = [trxp.pack_item(item) for item in items]
+    if layout == "other":
+        blobs = [relaid(blob) for blob in blobs]
+    elif layout == "mixed":
+        blobs = [relaid(blob) if i % 2 else blob for i, blob in enumerate(blobs)]
+    elif layout == "memoryview":
+        blobs = [memoryview(blob) for blob in blobs]
+    plain = trxp.join(blobs)
+    assert header_bytes(plain) == expected_header(items, [{}] * len(items))
+    assert trxp.parse(plain) == items
+    spliced = trxp.join(blobs, advantages)
+    added = [advantages(i, {name: t for name, t in item.tensors.items()}) for i, item in enumerate(items)]
+    assert header_bytes(spliced) == expected_header(items, added)
+    got = trxp.parse(spliced, trusted=True)  # the added tensors are not a rollout's
+    for item, extra, back in zip(items, added, got, strict=True):
+        assert back.tensors == {**{n: t for n, t in item.tensors.items() if n not in extra}, **extra}
+        assert back.meta == item.meta
+
+
+def test_join_of_nothing_is_an_empty_batch() -> None:
+    batch = trxp.join([])
+    assert header_bytes(batch).rstrip() == b"{}"
+    assert trxp.parse(batch) == []

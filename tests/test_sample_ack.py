@@ -1,0 +1,62 @@
+"""A held batch consumed in the commit that takes the next one (Store.sample's `ack`, what
+a consume stream does between its batches): one durable write for both, and nothing taken
+when the lease cannot be consumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from expbuf.server.errors import Forbidden, NotFound
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items
+
+PLAIN = TableConfig(name="plain", estimator="none", group_size=2)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    with Store(tmp_path / "data", map_size=16 << 20, seed=5) as s:
+        s.create_table(PLAIN)
+        for task in range(3):
+            s.put("plain", group_items(1, task, 2))
+        yield s
+        assert s.verify("plain") == []
+
+
+def test_the_last_batch_is_consumed_in_the_commit_of_the_next(store: Store) -> None:
+    spec = SampleSpec("plain", num_groups=1)
+    first = store.sample(spec, hold=True, owner="me")
+    assert store.stats("plain")["leased"] == 2
+    commits = store.environment.batches
+    second = store.sample(spec, hold=True, owner="me", ack=first.lease_id)
+    assert store.environment.batches == commits + 1
+    assert set(second.uids).isdisjoint(first.uids)
+    stats = store.stats("plain")
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (2, 2, 2)
+    with pytest.raises(NotFound, match="already acked"):
+        store.ack(first.lease_id, "plain", "me")
+
+
+def test_the_last_batch_is_consumed_when_nothing_is_left_to_take(store: Store) -> None:
+    spec = SampleSpec("plain", num_groups=3)
+    batch = store.sample(spec, hold=True, owner="me")
+    assert store.sample(spec, hold=True, owner="me", ack=batch.lease_id, timeout=0) is None
+    assert store.stats("plain")["consumed"] == 6
+
+
+@pytest.mark.parametrize(("lease", "owner", "error"), [("nope", "me", NotFound), (None, "other", Forbidden)])
+def test_nothing_is_taken_when_the_lease_cannot_be_consumed(
+    store: Store, lease: str | None, owner: str, error: type[Exception]
+) -> None:
+    spec = SampleSpec("plain", num_groups=1)
+    held = store.sample(spec, hold=True, owner="me")
+    before = store.stats("plain")
+    with pytest.raises(error):
+        store.sample(spec, hold=True, owner=owner, ack=lease or held.lease_id)
+    after = store.stats("plain")
+    assert (after["leased"], after["ready"], after["consumed"]) == (before["leased"], before["ready"], 0)

@@ -1,0 +1,125 @@
+"""Sampled payloads read as views of a snapshot (server/store/snapshot.py): the bytes
+delivered are the ones stored, whatever commits, map growth or closing happen while a
+batch is held, and a released batch cannot be read again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import trxp
+from expbuf.server.errors import StoreError
+from expbuf.server.store import Store
+from expbuf.server.store.environment import MAX_SNAPSHOTS
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items, take
+
+PLAIN = TableConfig(name="plain", estimator="none", group_size=2)
+
+
+def stored(items: list[trxp.RawItem]) -> list[trxp.RawItem]:
+    """The items as a batch of them reads back."""
+    return trxp.parse(trxp.join([trxp.pack_item(item) for item in items]))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    with Store(tmp_path / "data", map_size=16 << 20, seed=3) as s:
+        s.create_table(PLAIN)
+        yield s
+        assert s.verify("plain") == []
+
+
+def test_a_batch_reads_its_payloads_from_the_map_until_released(store: Store) -> None:
+    items = group_items(1, 0, 2)
+    store.put("plain", items)
+    batch = take(store, "plain", num_groups=1)
+    assert all(isinstance(blob, memoryview) for blob in batch.blobs)  # not copied when taken
+    assert trxp.parse(batch.payload) == stored(items)
+    assert trxp.parse(batch.payload) == stored(items)  # readable more than once
+    batch.release()
+    assert batch.blobs == []
+    with pytest.raises(StoreError, match="released"):
+        _ = batch.payload
+
+
+def test_payloads_stored_in_the_sampling_commit_are_the_new_ones(store: Store) -> None:
+    """A group deleted, pushed again with other content under the same uids and sampled, all
+    in one commit: the snapshot (the state before that commit) still holds the old payloads
+    under those keys, and the batch must carry the new ones."""
+    old = group_items(1, 0, 2, reward=0.0)
+    new = group_items(1, 0, 2, reward=1.0)
+    assert [i.uid for i in old] == [i.uid for i in new] and trxp.pack_item(old[0]) != trxp.pack_item(new[0])
+    store.put("plain", old)
+    environment = store.environment
+    started, go = threading.Event(), threading.Event()
+
+    def hold_writer(_txn: object) -> None:
+        started.set()
+        go.wait(30)
+
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=environment.submit, args=(hold_writer,))]
+    threads[0].start()
+    assert started.wait(30)
+    steps = [
+        ("delete", lambda: store.delete("plain", group_ids=["1/0"])),
+        ("put", lambda: store.put("plain", new)),
+        ("sample", lambda: take(store, "plain", num_groups=1, wait_seconds=5)),
+    ]
+    for queued, (name, step) in enumerate(steps, start=1):
+        thread = threading.Thread(target=lambda n=name, s=step: results.__setitem__(n, s()))
+        thread.start()
+        threads.append(thread)
+        deadline = time.monotonic() + 30
+        while environment._queue.qsize() < queued and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert environment._queue.qsize() == queued  # each request queued behind the previous one
+    batches_before = environment.batches
+    go.set()
+    for thread in threads:
+        thread.join(30)
+    assert environment.batches == batches_before + 1  # delete, put and sample in one commit
+    assert results["delete"] == 2
+    batch = results["sample"]
+    assert batch is not None and batch.uids == [i.uid for i in new]
+    assert trxp.parse(batch.payload) == stored(new)
+
+
+def test_held_batches_stay_readable_through_map_growth_and_close(tmp_path: Path) -> None:
+    s = Store(tmp_path / "data", map_size=1 << 20)
+    s.create_table(PLAIN)
+    groups = [group_items(1, task, 2, response=256) for task in range(4)]
+    for items in groups:
+        s.put("plain", items)
+    held = [take(s, "plain", num_groups=1) for _ in groups]
+    assert all(batch.snapshot.open for batch in held)
+    before = s.storage_info()["map_size"]
+    grown = threading.Thread(
+        daemon=True, target=lambda: [s.put("plain", group_items(2, t, 2, response=2048)) for t in range(40)]
+    )
+    grown.start()
+    grown.join(60)
+    assert not grown.is_alive()  # the growth did not wait for the held batches
+    assert s.storage_info()["map_size"] > before
+    assert not any(batch.snapshot.open for batch in held)  # their views were copied first
+    for batch, items in zip(held, groups, strict=True):
+        assert trxp.parse(batch.payload) == stored(items)
+    latest = take(s, "plain", num_groups=1)
+    s.close()
+    assert not latest.snapshot.open
+    assert trxp.parse(latest.payload) == stored(group_items(2, 0, 2, response=2048))
+
+
+def test_more_held_batches_than_open_snapshots(store: Store) -> None:
+    groups = [group_items(1, task, 2) for task in range(MAX_SNAPSHOTS + 4)]
+    for items in groups:
+        store.put("plain", items)
+    held = [take(store, "plain", num_groups=1) for _ in groups]
+    assert sum(batch.snapshot.open for batch in held) == MAX_SNAPSHOTS
+    for batch, items in zip(held, groups, strict=True):
+        assert trxp.parse(batch.payload) == stored(items)
