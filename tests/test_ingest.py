@@ -1,5 +1,5 @@
-"""Pushes validated and packed in worker processes: the same results and refusals as in
-the server's own process, and a worker that dies is replaced."""
+"""Pushes validated and packed in worker processes: the same entries and refusals as in
+the server's own process, a lone push decoded here, and a worker that dies is replaced."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
-from expbuf.client import BufferClient, BufferError
+from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, payload
 
@@ -25,7 +27,14 @@ def server(tmp_path: Path) -> Iterator[ExpbufServer]:
     srv.stop(grace=1)
 
 
-def test_pushes_through_worker_processes_store_and_refuse_alike(server: ExpbufServer) -> None:
+@pytest.fixture(scope="module")
+def ingest() -> Iterator[Ingest]:
+    pool = Ingest(1)
+    yield pool
+    pool.close()
+
+
+def test_pushes_through_a_server_with_workers_store_and_refuse_alike(server: ExpbufServer) -> None:
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_by="none", estimator="none")
         want = [item["uid"] for item in MANIFEST["payloads"]["mixed_batch.trxp"]["items"]]
@@ -37,12 +46,62 @@ def test_pushes_through_worker_processes_store_and_refuse_alike(server: ExpbufSe
         assert client.stats("t")["t"]["pushed"] == len(want)
 
 
+def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest) -> None:
+    for name in sorted(MANIFEST["payloads"]):
+        data = payload(name)
+        assert ingest._in_worker(data) == entries_of(data), name
+    for bad in sorted(BAD_DIR.glob("*.bin")):
+        with pytest.raises(Exception) as here:
+            entries_of(bad.read_bytes())
+        with pytest.raises(type(here.value)) as there:
+            ingest._in_worker(bad.read_bytes())
+        assert str(there.value) == str(here.value), bad.name
+
+
+def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest) -> None:
+    """A push of many MB passes whole, twice: the server grows the region for the payload,
+    the worker for the packed experiences (a little larger)."""
+    big = trxp.encode(
+        Experience(
+            eid=EID(batch=9, task=0, run=run),
+            tokens=torch.arange(300_000, dtype=torch.int32),
+            prompt_length=1,
+            logprobs=torch.zeros(299_999),
+            reward=float(run),
+        )
+        for run in range(8)
+    )
+    want = entries_of(big)
+    assert len(big) > 16 << 20 and sum(len(entry.blob) for entry in want) > len(big)
+    for _ in range(2):
+        assert ingest._in_worker(big) == want
+    assert ingest._workers[0].region.size > len(big)  # grown by the worker, for the packed experiences
+    small = payload("grpo_group.trxp")
+    assert ingest._in_worker(small) == entries_of(small)
+
+
+def test_a_lone_push_is_decoded_here(ingest: Ingest) -> None:
+    """With no other push being decoded, a hand-off to a worker would only add its cost."""
+    worker = ingest._workers[0]
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.join()
+    data = payload("grpo_group.trxp")
+    assert ingest.entries(data) == entries_of(data)
+    assert ingest._workers[0] is worker  # not used, so not found dead
+    assert ingest._in_worker(data) == entries_of(data)  # decoded here, and the worker replaced
+    assert ingest._workers[0] is not worker and ingest._workers[0].process.is_alive()
+
+
 def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
-    pool = server.service.ingest._pool
-    for pid in list(pool._processes):
+    ingest = server.service.ingest
+    dead = [worker.process.pid for worker in ingest._workers]
+    for pid in dead:
         os.kill(pid, signal.SIGKILL)
+    data = payload("grpo_group.trxp")
+    assert ingest._in_worker(data) == entries_of(data)
+    assert [worker.process.pid for worker in ingest._workers] != dead
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_by="none", estimator="none")
         assert client.push(payload("grpo_group.trxp"), table="t").stored
         assert client.push(payload("multi_turn.trxp"), table="t").stored
-    assert server.service.ingest._pool is not pool
+    assert ingest._in_worker(data) == entries_of(data)
