@@ -86,6 +86,11 @@ def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> d
     return fresh_counters() | (json.loads(raw) if raw is not None else {})
 
 
+def _zero_variance(rewards: list[float | None]) -> bool:
+    """Whether a group's rewards are all known and all equal (it teaches nothing)."""
+    return None not in rewards and len(set(rewards)) <= 1
+
+
 class TableTxn:
     """One table inside one write (or read) transaction."""
 
@@ -298,9 +303,8 @@ class TableTxn:
         by one push never is). With `ready`, a ready group's index entry is appended there
         for the caller to add with the others (ReadyIndex.add_many) instead of added now."""
         recs = self.members(grp)
-        rewards = [rec.reward for rec in recs.values()]
         grp.partial = partial
-        if self.config.drop_zero_variance and None not in rewards and len(set(rewards)) <= 1:
+        if self.config.drop_zero_variance and _zero_variance([rec.reward for rec in recs.values()]):
             self.retire(gkey, grp, DROPPED)
             self.counters["groups_dropped"] += 1
             self.counters["dropped_zero_variance"] += 1
