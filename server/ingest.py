@@ -22,7 +22,6 @@ import multiprocessing
 import operator
 import os
 import pickle
-import queue
 import struct
 import tempfile
 import threading
@@ -71,7 +70,9 @@ class _Region:
     def close(self) -> None:
         if self.map is not None:
             self.map.close()
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _shared_fd() -> int:
@@ -168,49 +169,70 @@ class Ingest:
     def __init__(self, processes: int = 0) -> None:
         self.processes = processes
         self._context = multiprocessing.get_context("spawn")
-        self._lock = threading.Lock()
+        self._free = threading.Condition()  # guards the fields below; notified when a worker is free
         self._decoding = 0  # pushes being decoded, here or in a worker
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._closed = False
         self._workers = [_Worker(self._context) for _ in range(processes)]
         for worker in self._workers:
             worker.ready()
-            self._idle.put(worker)
+        self._idle = list(self._workers)
 
     def entries(self, payload: bytes) -> list[Entry]:
-        if not self._workers:
+        if not self.processes:
             return entries_of(payload)
-        with self._lock:
+        with self._free:
             alone = self._decoding == 0
             self._decoding += 1
         try:
             return entries_of(payload) if alone else self._in_worker(payload)
         finally:
-            with self._lock:
+            with self._free:
                 self._decoding -= 1
 
     def _in_worker(self, payload: bytes) -> list[Entry]:
-        worker = self._idle.get()
+        with self._free:
+            self._free.wait_for(lambda: self._idle or self._closed)
+            if self._closed:
+                return entries_of(payload)
+            worker = self._idle.pop()
         try:
             result = worker.entries(payload)
-        except (EOFError, OSError):
-            log.warning("an ingest process died; starting a new one, and decoding this push here")
+        except Exception:  # died, or killed mid-reply: its connection can no longer be trusted
+            log.warning("an ingest process failed; starting a new one, and decoding this push here", exc_info=True)
             worker = self._replace(worker)
             result = None
         finally:
-            self._idle.put(worker)
+            self._give_back(worker)
         if isinstance(result, Exception):
             raise result
         return entries_of(payload) if result is None else result
 
-    def _replace(self, dead: _Worker) -> _Worker:
-        dead.close()
+    def _replace(self, broken: _Worker) -> _Worker | None:
+        """A new worker in place of a broken one (none once the pool is closed)."""
+        broken.close()
+        with self._free:
+            if self._closed:
+                return None
         worker = _Worker(self._context)
         worker.ready()
-        with self._lock:
-            self._workers[self._workers.index(dead)] = worker
+        with self._free:
+            self._workers[self._workers.index(broken)] = worker
         return worker
 
+    def _give_back(self, worker: _Worker | None) -> None:
+        with self._free:
+            if worker is not None and not self._closed:
+                self._idle.append(worker)
+                self._free.notify()
+                return
+        if worker is not None:  # the pool was closed while it decoded
+            worker.close()
+
     def close(self) -> None:
-        workers, self._workers = self._workers, []
-        for worker in workers:
+        """End the worker processes; a push still being decoded in one ends it when done."""
+        with self._free:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._free.notify_all()
+        for worker in idle:
             worker.close()

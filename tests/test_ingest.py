@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -105,3 +106,24 @@ def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
         assert client.push(payload("grpo_group.trxp"), table="t").stored
         assert client.push(payload("multi_turn.trxp"), table="t").stored
     assert ingest._in_worker(data) == entries_of(data)
+
+
+def test_a_closed_pool_decodes_here() -> None:
+    pool = Ingest(1)
+    worker = pool._workers[0]
+    pool.close()
+    assert not worker.process.is_alive()
+    data = payload("grpo_group.trxp")
+    assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
+
+
+def test_concurrent_pushes_each_get_their_own_entries() -> None:
+    """Pushes decoded at once, here and in workers, each get their payload's entries."""
+    names = sorted(MANIFEST["payloads"]) * 6
+    pool = Ingest(2)
+    try:
+        with ThreadPoolExecutor(6) as threads:
+            got = list(threads.map(lambda name: pool.entries(payload(name)), names))
+    finally:
+        pool.close()
+    assert got == [entries_of(payload(name)) for name in names]
