@@ -40,6 +40,7 @@ _BLOB = _FIELDS.index("blob")
 _fields_of = operator.attrgetter(*_FIELDS)
 _REQUEST = struct.Struct("<QQ")  # payload length, region size
 _MIN_REGION = 1 << 22
+_KEEP = 64 << 20  # the memory a region keeps between pushes; a larger push's is given back after it
 
 
 def entries_of(payload: bytes) -> list[Entry]:
@@ -66,6 +67,11 @@ class _Region:
             self.map.close()
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
+
+    def release(self) -> None:
+        """Give back the memory past _KEEP (the file keeps its size, reading zeros there)."""
+        if self.size > _KEEP and hasattr(mmap, "MADV_REMOVE"):
+            self.map.madvise(mmap.MADV_REMOVE, _KEEP, self.size - _KEEP)
 
     def close(self) -> None:
         if self.map is not None:
@@ -145,14 +151,17 @@ class _Worker:
         except Exception:  # a refusal that does not unpickle
             return None
         region.fit(size)
-        if not isinstance(reply, list):
-            return reply
-        entries, view, pos = [], region.map, 0
-        for row in reply:
-            end = pos + row[_BLOB]
-            entries.append(Entry(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :]))
-            pos = end
-        return entries
+        try:
+            if not isinstance(reply, list):
+                return reply
+            entries, view, pos = [], region.map, 0
+            for row in reply:
+                end = pos + row[_BLOB]
+                entries.append(Entry(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :]))
+                pos = end
+            return entries
+        finally:
+            region.release()
 
     def close(self) -> None:
         self.conn.close()  # the process ends when its connection does

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
+from expbuf.server import ingest as ingest_module
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.ingest import Ingest, entries_of
@@ -59,9 +60,12 @@ def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest)
         assert str(there.value) == str(here.value), bad.name
 
 
-def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest) -> None:
+def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A push of many MB passes whole, twice: the server grows the region for the payload,
-    the worker for the packed experiences (a little larger)."""
+    the worker for the packed experiences (a little larger); the memory past what a region
+    keeps between pushes is given back after each."""
+    keep = 4 << 20
+    monkeypatch.setattr(ingest_module, "_KEEP", keep)
     big = trxp.encode(
         Experience(
             eid=EID(batch=9, task=0, run=run),
@@ -76,7 +80,9 @@ def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest) -> None:
     assert len(big) > 16 << 20 and sum(len(entry.blob) for entry in want) > len(big)
     for _ in range(2):
         assert ingest._in_worker(big) == want
-    assert ingest._workers[0].region.size > len(big)  # grown by the worker, for the packed experiences
+    region = ingest._workers[0].region
+    assert region.size > len(big)  # grown by the worker, for the packed experiences
+    assert os.fstat(region.fd).st_blocks * 512 <= keep  # the memory in use
     small = payload("grpo_group.trxp")
     assert ingest._in_worker(small) == entries_of(small)
 
