@@ -1,20 +1,33 @@
 """Decoding and packing pushed payloads, in this process or in a pool of processes.
 
 Validation and packing are Python work per experience, so under the GIL they use one
-core however many pushers there are. With `ingest_processes` > 0 (2 by default: 1.16x to
-1.60x the push throughput of 0 on 2 cores, bench/RESULTS.md) they run in that many worker
-processes (spawned, so no thread of the server is forked): the server process keeps only
-the storage and the RPCs. Every check is the same code either way. A worker
-that dies is replaced, and the push it was decoding is decoded here instead.
+core however many pushers there are. With `ingest_processes` > 0 (2 by default) they run
+in that many worker processes (spawned, so no thread of the server is forked) while
+other pushes are being decoded: the server process keeps the storage and the RPCs. A push
+that arrives while no other is being decoded is decoded here, where it costs no hand-off:
+a single pusher is as fast as with no processes. Every check is the same code either way.
+
+A payload goes to a worker and its packed experiences come back through shared memory
+(one memfd per worker), the experiences' fields as one pickle of tuples: no per-item
+pickling and no payload-sized pipe transfers. A worker that dies is replaced, and the push
+it was decoding is decoded here instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import mmap
 import multiprocessing
+import operator
+import os
+import pickle
+import struct
+import tempfile
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
 
 from expbuf.client import trxp
 
@@ -22,40 +35,213 @@ from .store import Entry
 
 log = logging.getLogger("expbuf.ingest")
 
+_FIELDS = tuple(field.name for field in dataclasses.fields(Entry))
+_BLOB = _FIELDS.index("blob")
+_fields_of = operator.attrgetter(*_FIELDS)
+_REQUEST = struct.Struct("<QQ")  # payload length, region size
+_MIN_REGION = 1 << 22
+_KEEP = 64 << 20  # the memory a region keeps between pushes; a larger push's is given back after it
+
 
 def entries_of(payload: bytes) -> list[Entry]:
     """A pushed payload's experiences, validated and packed as the store keeps them."""
     return [Entry.of(item) for item in trxp.parse(payload)]
 
 
+class _Region:
+    """A shared file mapped in both processes; either side grows it when a payload or a
+    push's packed experiences need more, and the other remaps when told its new size."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = 0
+        self.map: mmap.mmap | None = None
+
+    def fit(self, size: int) -> None:
+        """Map at least `size` bytes (the file only grows; it may be larger than asked)."""
+        if self.map is not None and size <= self.size:
+            return
+        if os.fstat(self.fd).st_size < size:
+            os.ftruncate(self.fd, max(size, 2 * self.size, _MIN_REGION))
+        if self.map is not None:
+            self.map.close()
+        self.size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, self.size)
+
+    def release(self) -> None:
+        """Give back the memory past _KEEP (the file keeps its size, reading zeros there)."""
+        if self.size > _KEEP and hasattr(mmap, "MADV_REMOVE"):
+            self.map.madvise(mmap.MADV_REMOVE, _KEEP, self.size - _KEEP)
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _shared_fd() -> int:
+    """An anonymous shared file: a memfd (not bounded by /dev/shm), else an unlinked temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("expbuf-ingest", os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile() as file:
+        return os.dup(file.fileno())
+
+
+def _serve(conn: Connection) -> None:
+    """A worker process: decode each payload put in the region, write the experiences'
+    bytes back there one after another, and reply with their other fields, or the refusal."""
+    region = _Region(recv_handle(conn))
+    conn.send_bytes(b"")  # imported and ready
+    while True:
+        try:
+            length, size = _REQUEST.unpack(conn.recv_bytes())
+        except EOFError:  # the server closed the pool
+            return
+        region.fit(size)
+        try:
+            reply: Any = _pack(entries_of(region.map[:length]), region)
+        except Exception as exc:
+            reply = exc
+        try:
+            conn.send_bytes(pickle.dumps((reply, region.size), pickle.HIGHEST_PROTOCOL))
+        except Exception:  # a refusal that does not pickle: the server decodes the push itself
+            conn.send_bytes(pickle.dumps((None, region.size), pickle.HIGHEST_PROTOCOL))
+
+
+def _pack(entries: list[Entry], region: _Region) -> list[tuple]:
+    """The entries' blobs written into the region in order; their fields, the blob's length in its place."""
+    region.fit(sum(len(entry.blob) for entry in entries))
+    rows, view, pos = [], region.map, 0
+    for entry in entries:
+        row = _fields_of(entry)
+        blob = row[_BLOB]
+        view[pos : pos + len(blob)] = blob
+        pos += len(blob)
+        rows.append((*row[:_BLOB], len(blob), *row[_BLOB + 1 :]))
+    return rows
+
+
+class _Worker:
+    """One ingest process, the connection it takes requests on and its shared region."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child,), name="expbuf-ingest", daemon=True)
+        self.process.start()
+        child.close()
+        self.region = _Region(_shared_fd())
+        send_handle(self.conn, self.region.fd, self.process.pid)
+
+    def ready(self) -> None:
+        """Wait until the process has imported everything (spawned now, not on the first push)."""
+        self.conn.recv_bytes()
+
+    def entries(self, payload: bytes) -> list[Entry] | Exception | None:
+        """The payload's entries decoded by this worker, or its refusal; None if the refusal
+        must be found here. A dead worker raises EOFError or OSError."""
+        region = self.region
+        region.fit(len(payload))
+        region.map[: len(payload)] = payload
+        self.conn.send_bytes(_REQUEST.pack(len(payload), region.size))
+        raw = self.conn.recv_bytes()
+        try:
+            reply, size = pickle.loads(raw)
+        except Exception:  # a refusal that does not unpickle
+            return None
+        region.fit(size)
+        try:
+            if not isinstance(reply, list):
+                return reply
+            entries, view, pos = [], region.map, 0
+            for row in reply:
+                end = pos + row[_BLOB]
+                entries.append(Entry(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :]))
+                pos = end
+            return entries
+        finally:
+            region.release()
+
+    def close(self) -> None:
+        self.conn.close()  # the process ends when its connection does
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.region.close()
+
+
 class Ingest:
-    """Turns pushed payloads into entries, in `processes` worker processes (0: here)."""
+    """Turns pushed payloads into entries, here or in `processes` worker processes (0: always here)."""
 
     def __init__(self, processes: int = 0) -> None:
         self.processes = processes
-        self._lock = threading.Lock()
-        self._pool = self._start() if processes else None
-
-    def _start(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
-        for future in [pool.submit(entries_of, b"") for _ in range(self.processes)]:
-            future.exception()  # spawn and import now, not on the first push
-        return pool
+        self._context = multiprocessing.get_context("spawn")
+        self._free = threading.Condition()  # guards the fields below; notified when a worker is free
+        self._decoding = 0  # pushes being decoded, here or in a worker
+        self._closed = False
+        self._workers = [_Worker(self._context) for _ in range(processes)]
+        for worker in self._workers:
+            worker.ready()
+        self._idle = list(self._workers)
 
     def entries(self, payload: bytes) -> list[Entry]:
-        pool = self._pool
-        if pool is None:
+        if not self.processes:
             return entries_of(payload)
+        with self._free:
+            alone = self._decoding == 0
+            self._decoding += 1
         try:
-            return pool.submit(entries_of, payload).result()
-        except BrokenProcessPool:
-            log.warning("an ingest process died; starting new ones, and decoding this push here")
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = self._start()
-            return entries_of(payload)
+            return entries_of(payload) if alone else self._in_worker(payload)
+        finally:
+            with self._free:
+                self._decoding -= 1
+
+    def _in_worker(self, payload: bytes) -> list[Entry]:
+        with self._free:
+            self._free.wait_for(lambda: self._idle or self._closed)
+            if self._closed:
+                return entries_of(payload)
+            worker = self._idle.pop()
+        try:
+            result = worker.entries(payload)
+        except Exception:  # died, or killed mid-reply: its connection can no longer be trusted
+            log.warning("an ingest process failed; starting a new one, and decoding this push here", exc_info=True)
+            worker = self._replace(worker)
+            result = None
+        finally:
+            self._give_back(worker)
+        if isinstance(result, Exception):
+            raise result
+        return entries_of(payload) if result is None else result
+
+    def _replace(self, broken: _Worker) -> _Worker | None:
+        """A new worker in place of a broken one (none once the pool is closed)."""
+        broken.close()
+        with self._free:
+            if self._closed:
+                return None
+        worker = _Worker(self._context)
+        worker.ready()
+        with self._free:
+            self._workers[self._workers.index(broken)] = worker
+        return worker
+
+    def _give_back(self, worker: _Worker | None) -> None:
+        with self._free:
+            if worker is not None and not self._closed:
+                self._idle.append(worker)
+                self._free.notify()
+                return
+        if worker is not None:  # the pool was closed while it decoded
+            worker.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+        """End the worker processes; a push still being decoded in one ends it when done."""
+        with self._free:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._free.notify_all()
+        for worker in idle:
+            worker.close()

@@ -23,7 +23,7 @@ import heapq
 import random
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +34,13 @@ _U64 = struct.Struct(">Q")
 
 def u64(value: int) -> bytes:
     return _U64.pack(value)
+
+
+def put_rows(txn: lmdb.Transaction, db: lmdb._Database, rows: list[tuple[bytes, bytes]]) -> None:
+    """Write (key, value) rows into one database in one call: a push writes hundreds."""
+    if rows:
+        with txn.cursor(db=db) as cur:
+            cur.putmulti(rows)
 
 
 def _prio_key(priority: float) -> bytes:
@@ -69,19 +76,37 @@ class ReadyIndex:
         self.dbs, self.txn, self.prefix = dbs, txn, prefix
 
     def add(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
-        p, txn = self.prefix, self.txn
-        self.add_version(gkey, rseq, priority, version)
-        txn.put(p + u64(rseq), gkey, db=self.dbs.ready)
-        txn.put(p + _prio_key(priority) + u64(rseq), gkey, db=self.dbs.prio)
-        count = self.count()
-        txn.put(p + u64(count), gkey, db=self.dbs.slots)
-        txn.put(p + gkey, u64(count), db=self.dbs.slotof)
-        txn.put(p, u64(count + 1), db=self.dbs.slots)
+        self.add_many([(gkey, rseq, priority, version)])
+
+    def add_many(self, groups: Sequence[tuple[bytes, int, float, int | None]]) -> None:
+        """Index ready groups (key, rseq, priority, version), in that order; a push that
+        completes many groups writes each index in one pass and the slot count once."""
+        if not groups:
+            return
+        p, count = self.prefix, self.count()
+        ready, prio, slots, slotof, byver = [], [], [], [], []
+        for slot, (gkey, rseq, priority, version) in enumerate(groups, count):
+            seq, pkey, skey = u64(rseq), _prio_key(priority), u64(slot)
+            ready.append((p + seq, gkey))
+            prio.append((p + pkey + seq, gkey))
+            slots.append((p + skey, gkey))
+            slotof.append((p + gkey, skey))
+            if version is not None:
+                byver.append(self._version_row(gkey, seq, pkey, version))
+        slots.append((p, u64(count + len(groups))))
+        dbs, txn = self.dbs, self.txn
+        for db, rows in ((dbs.ready, ready), (dbs.prio, prio), (dbs.slots, slots), (dbs.slotof, slotof)):
+            put_rows(txn, db, rows)
+        put_rows(txn, dbs.byver, byver)
 
     def add_version(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
         """Index a ready group by its version (nothing for an unknown version)."""
         if version is not None:
-            self.txn.put(self.prefix + version_key(version) + u64(rseq), _prio_key(priority) + gkey, db=self.dbs.byver)
+            self.txn.put(*self._version_row(gkey, u64(rseq), _prio_key(priority), version), db=self.dbs.byver)
+
+    def _version_row(self, gkey: bytes, seq: bytes, pkey: bytes, version: int) -> tuple[bytes, bytes]:
+        """A ready group's key and value in `byver`."""
+        return self.prefix + version_key(version) + seq, pkey + gkey
 
     def remove(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
         p, txn = self.prefix, self.txn

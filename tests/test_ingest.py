@@ -1,19 +1,23 @@
-"""Pushes validated and packed in worker processes: the same results and refusals as in
-the server's own process, and a worker that dies is replaced."""
+"""Pushes validated and packed in worker processes: the same entries and refusals as in
+the server's own process, a lone push decoded here, and a worker that dies is replaced."""
 
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
-from expbuf.client import BufferClient, BufferError
+from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
+from expbuf.server import ingest as ingest_module
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, payload
 
@@ -25,7 +29,14 @@ def server(tmp_path: Path) -> Iterator[ExpbufServer]:
     srv.stop(grace=1)
 
 
-def test_pushes_through_worker_processes_store_and_refuse_alike(server: ExpbufServer) -> None:
+@pytest.fixture(scope="module")
+def ingest() -> Iterator[Ingest]:
+    pool = Ingest(1)
+    yield pool
+    pool.close()
+
+
+def test_pushes_through_a_server_with_workers_store_and_refuse_alike(server: ExpbufServer) -> None:
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_by="none", estimator="none")
         want = [item["uid"] for item in MANIFEST["payloads"]["mixed_batch.trxp"]["items"]]
@@ -37,12 +48,88 @@ def test_pushes_through_worker_processes_store_and_refuse_alike(server: ExpbufSe
         assert client.stats("t")["t"]["pushed"] == len(want)
 
 
+def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest) -> None:
+    for name in sorted(MANIFEST["payloads"]):
+        data = payload(name)
+        assert ingest._in_worker(data) == entries_of(data), name
+    for bad in sorted(BAD_DIR.glob("*.bin")):
+        with pytest.raises(Exception) as here:
+            entries_of(bad.read_bytes())
+        with pytest.raises(type(here.value)) as there:
+            ingest._in_worker(bad.read_bytes())
+        assert str(there.value) == str(here.value), bad.name
+
+
+def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push of many MB passes whole, twice: the server grows the region for the payload,
+    the worker for the packed experiences (a little larger); the memory past what a region
+    keeps between pushes is given back after each."""
+    keep = 4 << 20
+    monkeypatch.setattr(ingest_module, "_KEEP", keep)
+    big = trxp.encode(
+        Experience(
+            eid=EID(batch=9, task=0, run=run),
+            tokens=torch.arange(300_000, dtype=torch.int32),
+            prompt_length=1,
+            logprobs=torch.zeros(299_999),
+            reward=float(run),
+        )
+        for run in range(8)
+    )
+    want = entries_of(big)
+    assert len(big) > 16 << 20 and sum(len(entry.blob) for entry in want) > len(big)
+    for _ in range(2):
+        assert ingest._in_worker(big) == want
+    region = ingest._workers[0].region
+    assert region.size > len(big)  # grown by the worker, for the packed experiences
+    assert os.fstat(region.fd).st_blocks * 512 <= keep  # the memory in use
+    small = payload("grpo_group.trxp")
+    assert ingest._in_worker(small) == entries_of(small)
+
+
+def test_a_lone_push_is_decoded_here(ingest: Ingest) -> None:
+    """With no other push being decoded, a hand-off to a worker would only add its cost."""
+    worker = ingest._workers[0]
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.join()
+    data = payload("grpo_group.trxp")
+    assert ingest.entries(data) == entries_of(data)
+    assert ingest._workers[0] is worker  # not used, so not found dead
+    assert ingest._in_worker(data) == entries_of(data)  # decoded here, and the worker replaced
+    assert ingest._workers[0] is not worker and ingest._workers[0].process.is_alive()
+
+
 def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
-    pool = server.service.ingest._pool
-    for pid in list(pool._processes):
+    ingest = server.service.ingest
+    dead = [worker.process.pid for worker in ingest._workers]
+    for pid in dead:
         os.kill(pid, signal.SIGKILL)
+    data = payload("grpo_group.trxp")
+    assert ingest._in_worker(data) == entries_of(data)
+    assert [worker.process.pid for worker in ingest._workers] != dead
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_by="none", estimator="none")
         assert client.push(payload("grpo_group.trxp"), table="t").stored
         assert client.push(payload("multi_turn.trxp"), table="t").stored
-    assert server.service.ingest._pool is not pool
+    assert ingest._in_worker(data) == entries_of(data)
+
+
+def test_a_closed_pool_decodes_here() -> None:
+    pool = Ingest(1)
+    worker = pool._workers[0]
+    pool.close()
+    assert not worker.process.is_alive()
+    data = payload("grpo_group.trxp")
+    assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
+
+
+def test_concurrent_pushes_each_get_their_own_entries() -> None:
+    """Pushes decoded at once, here and in workers, each get their payload's entries."""
+    names = sorted(MANIFEST["payloads"]) * 6
+    pool = Ingest(2)
+    try:
+        with ThreadPoolExecutor(6) as threads:
+            got = list(threads.map(lambda name: pool.entries(payload(name)), names))
+    finally:
+        pool.close()
+    assert got == [entries_of(payload(name)) for name in names]

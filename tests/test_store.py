@@ -264,6 +264,30 @@ def test_zero_variance_groups_are_dropped(store: Store) -> None:
     assert (stats["dropped"], stats["groups_dropped"], stats["ready"]) == (4, 1, 8)
 
 
+def test_one_push_fills_opens_extends_and_drops_groups(store: Store, clock: Clock) -> None:
+    """A push's groups are handled in passes over the whole push: each kind of group it
+    touches ends in the same state, indexes and counters as when pushed alone."""
+    config = TableConfig(name="mix", estimator="none", group_size=4, drop_zero_variance=True, group_timeout_seconds=5)
+    store.create_table(config)
+    store.put("mix", group_items(1, 0, 4)[:2], timeout=0)  # group 0 pending with 2 of 4
+    clock.now += 1
+    grp0 = group_items(1, 0, 4, reward=0.0)[2:]  # fills group 0
+    grp1 = group_items(1, 1, 4, reward=2.0)  # opened and filled, one reward: dropped
+    grp2 = [*group_items(1, 2, 2, reward=0.5), *group_items(1, 2, 4, reward=0.0)[2:]]  # opened and filled
+    grp3 = group_items(1, 3, 4)[:3]  # opened, left pending
+    result = store.put("mix", [*grp0, *grp1, *grp2, *grp3])
+    assert result.completed_groups == ["1/0", "1/1", "1/2"] and result.dropped_groups == ["1/1"]
+    stats = store.stats("mix")
+    assert (stats["ready"], stats["pending"], stats["dropped"]) == (8, 3, 4)
+    assert (stats["groups_ready"], stats["groups_pending"], stats["groups_dropped"]) == (2, 1, 1)
+    assert (stats["next_seq"], stats["next_rseq"]) == (15, 2)
+    assert store.verify("mix") == []
+    taken = [take(store, "mix", num_groups=1, order="uniform").group_ids[0] for _ in range(2)]
+    assert sorted(taken) == ["1/0", "1/2"] and take(store, "mix", num_groups=1) is None
+    clock.now += 6
+    assert store.tick()["groups_timed_out"] == 1  # the group left pending is in the timeout index
+
+
 def test_capacity_block_and_evict(store: Store) -> None:
     store.create_table(TableConfig(name="full", estimator="none", capacity_experiences=4))
     store.put("full", group_items(1, 0, 4))

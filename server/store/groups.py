@@ -18,7 +18,7 @@ from typing import Any
 import lmdb
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
-from ..selection import ReadyDbs, ReadyIndex, u64
+from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
 from ..tables import NEEDS_REWARD, TableConfig
 from . import layout
 from .capacity import make_room
@@ -86,6 +86,11 @@ def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> d
     return fresh_counters() | (json.loads(raw) if raw is not None else {})
 
 
+def _zero_variance(rewards: list[float | None]) -> bool:
+    """Whether a group's rewards are all known and all equal (it teaches nothing)."""
+    return None not in rewards and len(set(rewards)) <= 1
+
+
 class TableTxn:
     """One table inside one write (or read) transaction."""
 
@@ -110,10 +115,9 @@ class TableTxn:
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
-        for uid in self._dirty_items:
-            self.txn.put(self.key(uid), self._items[uid].encode(), db=self.db["items"])
-        for gkey in self._dirty_groups:
-            self.txn.put(self.key(gkey), self._groups[gkey].encode(), db=self.db["groups"])
+        items, groups = self._items, self._groups
+        put_rows(self.txn, self.db["items"], [(self.key(uid), items[uid].encode()) for uid in self._dirty_items])
+        put_rows(self.txn, self.db["groups"], [(self.key(gkey), groups[gkey].encode()) for gkey in self._dirty_groups])
         self._dirty_items.clear()
         self._dirty_groups.clear()
         self.txn.put(self.prefix, json.dumps(self.counters, separators=(",", ":")).encode(), db=self.db["counters"])
@@ -168,6 +172,9 @@ class TableTxn:
     # ---- push ----------------------------------------------------------------------------
 
     def put(self, entries: Sequence[Entry]) -> PutResult:
+        """Store a push: each new experience joins its group, and each group it fills
+        becomes ready (or computing). Per-item work is done in passes over the whole push:
+        payloads, insertion order and ready indexes are written one database at a time."""
         if self.txn.get(self.config.name.encode(), db=self.db["tables"]) is None:
             raise NotFound(f"table '{self.config.name}' does not exist")
         result = PutResult()
@@ -185,14 +192,15 @@ class TableTxn:
         by_group: dict[str, list[Entry]] = defaultdict(list)
         for entry in fresh.values():
             by_group[entry.group_key(self.config.group_by)].append(entry)
-        groups = {}
+        groups: dict[str, GroupRecord] = {}
+        opened: set[str] = set()  # groups this push starts: not in the pending index yet
         size = self.config.group_size
         for gkey, members in by_group.items():
             grp = self.group(gkey)
             if grp is None:
                 grp = GroupRecord(PENDING, self.now)
                 self.counters["groups_pending"] += 1
-                self.txn.put(self.pending_key(gkey, grp), b"", db=self.db["pending"])
+                opened.add(gkey)
             elif grp.state != PENDING:
                 raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
             if size and len(grp.members) + len(members) > size:
@@ -201,17 +209,18 @@ class TableTxn:
                 )
             groups[gkey] = grp
         make_room(self, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
-        for gkey, members in by_group.items():
-            grp = groups[gkey]
-            for entry in members:
-                self._insert(entry, gkey)
-                grp.members.append(entry.uid)
+        self._insert(by_group, groups)
+        ready: list[tuple[bytes, int, float, int | None]] = []
+        for gkey, grp in groups.items():
             if size == 0 or len(grp.members) >= size:
                 result.completed_groups.append(gkey)
-                if not self.complete(gkey, grp, partial=False):
+                if not self.complete(gkey, grp, partial=False, indexed=gkey not in opened, ready=ready):
                     result.dropped_groups.append(gkey)
             else:
+                if gkey in opened:
+                    self.txn.put(self.pending_key(gkey, grp), b"", db=self.db["pending"])
                 self.put_group(gkey, grp)
+        self.ready.add_many(ready)
         result.stored = list(fresh)
         self.counters["pushed"] += len(fresh)
         self.counters["duplicates"] += len(result.duplicates)
@@ -230,49 +239,78 @@ class TableTxn:
                     + (" (or token_level_reward)" if estimator not in NEEDS_REWARD else "")
                 )
 
-    def _insert(self, entry: Entry, gkey: str) -> None:
-        seq = self.counters["next_seq"]
-        self.counters["next_seq"] = seq + 1
-        rec = ItemRecord(
-            state=PENDING,
-            group=gkey,
-            seq=seq,
-            digest=entry.digest,
-            size=len(entry.blob),
-            created=self.now,
-            tid=entry.tid,
-            rid=entry.rid,
-            step=entry.step,
-            response_length=entry.response_length,
-            generated=entry.generated,
-            version=entry.version,
-            reward=entry.reward,
-            priority=entry.priority,
-        )
-        self.put_item(entry.uid, rec)
-        self.txn.put(self.key(entry.uid), entry.blob, db=self.db["blobs"])
-        self.txn.put(self.prefix + u64(seq), entry.uid.encode(), db=self.db["order"])
-        self.counters[PENDING] += 1
-        self.counters["bytes"] += rec.size
-        self.counters["bytes_pushed"] += rec.size
-        if entry.version is not None:
-            low, high = self.counters["min_version"], self.counters["max_version"]
-            self.counters["min_version"] = entry.version if low is None else min(low, entry.version)
-            self.counters["max_version"] = entry.version if high is None else max(high, entry.version)
+    def _insert(self, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:
+        """New experiences as pending members of their groups, in push order: their records
+        (written by save), payloads and places in the insertion order."""
+        prefix, now, seq, nbytes = self.prefix, self.now, self.counters["next_seq"], 0
+        blobs, order, versions = [], [], []
+        for gkey, members in by_group.items():
+            grp = groups[gkey]
+            for entry in members:
+                size = len(entry.blob)
+                self.put_item(
+                    entry.uid,
+                    ItemRecord(
+                        PENDING,
+                        gkey,
+                        seq,
+                        entry.digest,
+                        size,
+                        now,
+                        entry.tid,
+                        entry.rid,
+                        entry.step,
+                        entry.response_length,
+                        entry.generated,
+                        entry.version,
+                        entry.reward,
+                        entry.priority,
+                    ),
+                )
+                uid = entry.uid.encode()
+                blobs.append((prefix + uid, entry.blob))
+                order.append((prefix + u64(seq), uid))
+                grp.members.append(entry.uid)
+                if entry.version is not None:
+                    versions.append(entry.version)
+                seq += 1
+                nbytes += size
+        put_rows(self.txn, self.db["blobs"], blobs)
+        put_rows(self.txn, self.db["order"], order)
+        counters = self.counters
+        counters[PENDING] += seq - counters["next_seq"]
+        counters["next_seq"] = seq
+        counters["bytes"] += nbytes
+        counters["bytes_pushed"] += nbytes
+        if versions:
+            low, high = counters["min_version"], counters["max_version"]
+            counters["min_version"] = min(versions) if low is None else min(low, *versions)
+            counters["max_version"] = max(versions) if high is None else max(high, *versions)
 
     # ---- group states ------------------------------------------------------------------------
 
-    def complete(self, gkey: str, grp: GroupRecord, *, partial: bool) -> bool:
-        """A pending group becomes ready, or computing; False if the zero-variance filter dropped it."""
+    def complete(
+        self,
+        gkey: str,
+        grp: GroupRecord,
+        *,
+        partial: bool,
+        indexed: bool = True,
+        ready: list[tuple[bytes, int, float, int | None]] | None = None,
+    ) -> bool:
+        """A pending group becomes ready, or computing; False if the zero-variance filter
+        dropped it. `indexed`: the group is in the pending index (a group opened and filled
+        by one push never is). With `ready`, a ready group's index entry is appended there
+        for the caller to add with the others (ReadyIndex.add_many) instead of added now."""
         recs = self.members(grp)
-        rewards = [rec.reward for rec in recs.values()]
         grp.partial = partial
-        if self.config.drop_zero_variance and None not in rewards and len(set(rewards)) <= 1:
+        if self.config.drop_zero_variance and _zero_variance([rec.reward for rec in recs.values()]):
             self.retire(gkey, grp, DROPPED)
             self.counters["groups_dropped"] += 1
             self.counters["dropped_zero_variance"] += 1
             return False
-        self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
+        if indexed:
+            self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
         versions = [rec.version for rec in recs.values()]
         grp.version = None if None in versions or not versions else min(versions)
         grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
@@ -280,7 +318,11 @@ class TableTxn:
         self.counters["next_rseq"] += 1
         if self.config.estimator == "none":
             self.set_state(gkey, grp, recs, READY)
-            self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
+            row = (gkey.encode(), grp.rseq, grp.priority, grp.version)
+            if ready is None:
+                self.ready.add(*row)
+            else:
+                ready.append(row)
         else:  # sampled only once its advantages are stored (finish_compute)
             self.set_state(gkey, grp, recs, COMPUTING)
             self.txn.put(self.rseq_key(grp), gkey.encode(), db=self.db["compute"])

@@ -40,7 +40,11 @@ def _unpack_str(data: bytes | memoryview, pos: int) -> tuple[str, int]:
 
 
 def _pack_strs(values: list[str]) -> bytes:
-    return b"".join([_U32.pack(len(values)), *(_pack_str(v) for v in values)])
+    parts = [_U32.pack(len(values))]
+    for value in values:
+        raw = value.encode()
+        parts += (_U16.pack(len(raw)), raw)
+    return b"".join(parts)
 
 
 def _unpack_strs(data: bytes | memoryview, pos: int) -> tuple[list[str], int]:
@@ -105,7 +109,8 @@ class ItemRecord:
             _opt_float(self.retired),
             _opt_float(self.shaped_reward),
         )
-        return head + _pack_str(self.group) + _pack_str(self.tid) + _pack_str(self.rid)
+        group, tid, rid = self.group.encode(), self.tid.encode(), self.rid.encode()
+        return b"".join((head, _U16.pack(len(group)), group, _U16.pack(len(tid)), tid, _U16.pack(len(rid)), rid))
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ItemRecord:
