@@ -210,9 +210,38 @@ _INT64_BOUNDS = "-2**63, 2**63 - 1"
 _FLOAT_MAX = sys.float_info.max
 
 
+_INT64_MIN = -(2**63)
+
+
+def _plain_uid(eid: Any) -> str | None:
+    """The uid of an eid that plainly passes _check_eid (parts of their exact types, ints well
+    inside its bounds, an ASCII uid without NUL whose only '/' are its four separators, short),
+    made as EID.uid makes it; None to leave the eid to _check_eid's detailed checks."""
+    if type(eid) is not dict or eid.keys() != _EID_KEYS:
+        return None
+    batch, task, run, step, suffix = eid["batch"], eid["task"], eid["run"], eid["step"], eid["suffix"]
+    if not (
+        type(run) is int
+        and 0 <= run <= INT64_MAX
+        and type(step) is int
+        and 0 <= step <= MAX_STEP
+        and type(suffix) is str
+        and (type(batch) is str or (type(batch) is int and _INT64_MIN <= batch <= INT64_MAX))
+        and (type(task) is str or (type(task) is int and _INT64_MIN <= task <= INT64_MAX))
+    ):
+        return None
+    uid = f"{batch}/{task}/{run}/{step}/{suffix}"
+    if len(uid) > MAX_UID_BYTES or not uid.isascii() or uid.count("/") != 4 or "\0" in uid:
+        return None
+    return uid
+
+
 def _check_eid(index: int, eid: Any) -> str:
     """Validate an eid; return its uid, which reads unambiguously from the right: task and
     suffix hold no '/', run and step are non-negative ints, so only batch may hold '/'."""
+    uid = _plain_uid(eid)
+    if uid is not None:
+        return uid
     where = f"item {index}"
     if not isinstance(eid, dict):
         raise TrxpError(f"{where}: field 'eid' is missing or not a dict")

@@ -1,0 +1,48 @@
+"""The fast paths of the TRXP checks accept only what the detailed checks accept, with the same result."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from expbuf.client import EID
+from expbuf.client.trxp import TrxpError, checks
+
+_VALUES: list[Any] = [0, 7, -1, 2**63 - 1, -(2**63), 2**63, 2**31, True, 1.5, "", "a", "3/eval", "é", "x\0", "a" * 400]
+
+
+def _detailed(eid: Any) -> str:
+    """_check_eid with its fast path bypassed."""
+    plain = checks._plain_uid
+    checks._plain_uid = lambda eid: None
+    try:
+        return checks._check_eid(0, eid)
+    finally:
+        checks._plain_uid = plain
+
+
+def _outcome(check: Any, eid: Any) -> str:
+    """The uid a check returns for an eid, or its refusal's message."""
+    try:
+        return check(eid)
+    except TrxpError as exc:
+        return f"refused: {exc}"
+
+
+@pytest.mark.parametrize("batch", _VALUES)
+def test_plain_uid_agrees_with_the_detailed_checks(batch: Any) -> None:
+    for task, run, step, suffix in itertools.product(_VALUES, _VALUES[:9], _VALUES[:9], ["s", "a/b", 3, "é"]):
+        eid = {"batch": batch, "task": task, "run": run, "step": step, "suffix": suffix}
+        fast = checks._plain_uid(eid)
+        if fast is not None:
+            assert fast == _detailed(eid) == EID(**eid).uid, eid
+        assert _outcome(lambda eid: checks._check_eid(0, eid), eid) == _outcome(_detailed, eid), eid
+
+
+def test_plain_uid_leaves_odd_eids_to_the_detailed_checks() -> None:
+    assert checks._plain_uid({"batch": 1, "task": 2, "run": 3, "step": 4}) is None
+    assert checks._plain_uid({"batch": "3/eval", "task": 2, "run": 3, "step": 4, "suffix": "s"}) is None
+    assert checks._plain_uid([1]) is None
+    assert checks._plain_uid({"batch": 1, "task": 2, "run": 3, "step": 4, "suffix": "s"}) == "1/2/3/4/s"
