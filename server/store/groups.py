@@ -86,6 +86,12 @@ def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> d
     return fresh_counters() | (json.loads(raw) if raw is not None else {})
 
 
+def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
+    """Delete keys (absent ones are no error) from one database."""
+    for key in keys:
+        txn.delete(key, db=db)
+
+
 def _zero_variance(rewards: list[float | None]) -> bool:
     """Whether a group's rewards are all known and all equal (it teaches nothing)."""
     return None not in rewards and len(set(rewards)) <= 1
@@ -371,31 +377,49 @@ class TableTxn:
                 self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
 
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
-        for uid, rec in recs.items():
-            self.counters[rec.state] -= 1
-            self.counters[state] += 1
-            rec.state = state
-            if state in RETIRED:  # a tombstone from now on, pruned after tombstone_seconds
-                rec.retired = self.now
-                self.txn.put(self.retired_key(uid, rec), b"", db=self.db["retired"])
-            self.put_item(uid, rec)
-        if grp.state in LIVE:
-            self.counters["groups_" + grp.state] -= 1
-        if state in LIVE:
-            self.counters["groups_" + state] += 1
-        grp.state = state
-        self.put_group(gkey, grp)
+        self.set_states([(gkey, grp, recs)], state)
+
+    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
+        """Groups and their members (key, record, member records) move to `state`; the
+        counters change once per group and the retired index is written in one pass."""
+        counters, retired = self.counters, state in RETIRED
+        marks = []
+        stamp = self.prefix + layout.micros(self.now)  # retired_key() of everything retired now
+        for gkey, grp, recs in groups:
+            for uid, rec in recs.items():
+                counters[rec.state] -= 1
+                rec.state = state
+                if retired:  # a tombstone from now on, pruned after tombstone_seconds
+                    rec.retired = self.now
+                    marks.append((stamp + uid.encode(), b""))
+                self.put_item(uid, rec)
+            counters[state] += len(recs)
+            if grp.state in LIVE:
+                counters["groups_" + grp.state] -= 1
+            if state in LIVE:
+                counters["groups_" + state] += 1
+            grp.state = state
+            self.put_group(gkey, grp)
+        marks.sort()
+        put_rows(self.txn, self.db["retired"], marks)
 
     def retire(self, gkey: str, grp: GroupRecord, state: str) -> None:
+        self.retire_many([(gkey, grp)], state)
+
+    def retire_many(self, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
         """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
         failed group's stay with keep_failed), records stay as tombstones so that a retried
-        push of the same uid is still recognised as a duplicate."""
-        self._leave_indexes(gkey, grp)
-        recs = self.members(grp)
-        keep = state == FAILED and self.config.keep_failed
-        for uid, rec in recs.items():
-            self._drop_payload(uid, rec, keep_blob=keep)
-        self.set_state(gkey, grp, recs, state)
+        push of the same uid is still recognised as a duplicate. Done in passes, one per
+        database, over all the groups."""
+        ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+        self.ready.remove_many(ready)
+        for gkey, grp in groups:
+            if grp.state != READY:
+                self._leave_indexes(gkey, grp)
+        changes = [(gkey, grp, self.members(grp)) for gkey, grp in groups]
+        recs = [(uid, rec) for _, _, members in changes for uid, rec in members.items()]
+        self._drop_payloads(recs, keep_blobs=state == FAILED and self.config.keep_failed)
+        self.set_states(changes, state)
 
     def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
         if grp.state == READY:
@@ -405,14 +429,27 @@ class TableTxn:
         elif grp.state == COMPUTING:
             self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
 
-    def _drop_payload(self, uid: str, rec: ItemRecord, *, keep_blob: bool = False) -> None:
-        """The experience leaves the live data: its bytes, advantages and place in the
-        insertion order go (`keep_blob` keeps the payload of a failed experience for Get)."""
-        if not keep_blob:
-            self.txn.delete(self.key(uid), db=self.db["blobs"])
-        self.txn.delete(self.key(uid), db=self.db["adv"])
-        self.txn.delete(self.prefix + u64(rec.seq), db=self.db["order"])
-        self.counters["bytes"] -= rec.size
+    def _drop_payload(self, uid: str, rec: ItemRecord) -> None:
+        self._drop_payloads([(uid, rec)])
+
+    def _drop_payloads(self, recs: Sequence[tuple[str, ItemRecord]], *, keep_blobs: bool = False) -> None:
+        """Experiences leave the live data: their bytes, advantages and places in the
+        insertion order go (`keep_blobs` keeps the payloads of failed experiences for Get),
+        one database at a time, in key order."""
+        txn, prefix = self.txn, self.prefix
+        keys = sorted(prefix + uid.encode() for uid, _ in recs)
+        if not keep_blobs:
+            _delete_rows(txn, self.db["blobs"], keys)
+        if self._has_advantages():
+            _delete_rows(txn, self.db["adv"], keys)
+        _delete_rows(txn, self.db["order"], sorted(prefix + u64(rec.seq) for _, rec in recs))
+        self.counters["bytes"] -= sum(rec.size for _, rec in recs)
+
+    def _has_advantages(self) -> bool:
+        """Whether any token-level advantages of this table are stored (none for a table
+        without an estimator, so retiring its experiences need not look for them)."""
+        with self.txn.cursor(db=self.db["adv"]) as cur:
+            return cur.set_range(self.prefix) and cur.key().startswith(self.prefix)
 
     def _forget_tombstone(self, uid: str, rec: ItemRecord) -> None:
         """Remove a retired experience's record (and a failed one's kept payload): its uid
