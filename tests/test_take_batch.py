@@ -11,6 +11,7 @@ import pytest
 
 from expbuf.server.selection import ReadyDbs, ReadyIndex, u64
 from expbuf.server.store import Store
+from expbuf.server.store.records import CONSUMED, LEASED, ItemRecord
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, take
@@ -91,3 +92,12 @@ def test_uniform_take_of_many_groups_leaves_exactly_the_rest(tmp_path: Path) -> 
         assert take(store, "u", num_groups=1, order="uniform", allow_partial=True) is None
         again = store.put("u", group_items(1, 0, 2))  # the tombstones still know the consumed uids
         assert len(again.duplicates) == 2 and again.stored == []
+
+
+def test_a_tombstone_made_without_decoding_is_the_record_retired() -> None:
+    rec = ItemRecord(LEASED, "g/1", 41, b"d" * 16, 8192, 1.5, "t", "r", 3, 17, 12, 7, 0.25, 2.0, 3, None, None, 0.5)
+    raw = rec.encode()
+    assert ItemRecord.place(raw) == (LEASED, 41, 8192)
+    rec.state, rec.retired = CONSUMED, 1_000_123.456789
+    assert ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789) == rec.encode()
+    assert ItemRecord.decode(ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789)) == rec

@@ -380,28 +380,24 @@ class TableTxn:
         self.set_states([(gkey, grp, recs)], state)
 
     def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
-        """Groups and their members (key, record, member records) move to `state`; the
-        counters change once per group and the retired index is written in one pass."""
-        counters, retired = self.counters, state in RETIRED
-        marks = []
-        stamp = self.prefix + layout.micros(self.now)  # retired_key() of everything retired now
+        """Live groups and their members (key, record, member records) move to a live
+        `state` (retire() makes tombstones)."""
+        counters = self.counters
         for gkey, grp, recs in groups:
             for uid, rec in recs.items():
                 counters[rec.state] -= 1
                 rec.state = state
-                if retired:  # a tombstone from now on, pruned after tombstone_seconds
-                    rec.retired = self.now
-                    marks.append((stamp + uid.encode(), b""))
                 self.put_item(uid, rec)
             counters[state] += len(recs)
-            if grp.state in LIVE:
-                counters["groups_" + grp.state] -= 1
-            if state in LIVE:
-                counters["groups_" + state] += 1
-            grp.state = state
-            self.put_group(gkey, grp)
-        marks.sort()
-        put_rows(self.txn, self.db["retired"], marks)
+            self._move_group(gkey, grp, state)
+
+    def _move_group(self, gkey: str, grp: GroupRecord, state: str) -> None:
+        if grp.state in LIVE:
+            self.counters["groups_" + grp.state] -= 1
+        if state in LIVE:
+            self.counters["groups_" + state] += 1
+        grp.state = state
+        self.put_group(gkey, grp)
 
     def retire(self, gkey: str, grp: GroupRecord, state: str) -> None:
         self.retire_many([(gkey, grp)], state)
@@ -409,17 +405,44 @@ class TableTxn:
     def retire_many(self, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
         """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
         failed group's stay with keep_failed), records stay as tombstones so that a retried
-        push of the same uid is still recognised as a duplicate. Done in passes, one per
-        database, over all the groups."""
+        push of the same uid is still recognised as a duplicate, pruned after
+        tombstone_seconds. Done in passes, one per database, over all the groups; a record
+        not read yet in this transaction becomes a tombstone without being decoded."""
         ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
         self.ready.remove_many(ready)
         for gkey, grp in groups:
             if grp.state != READY:
                 self._leave_indexes(gkey, grp)
-        changes = [(gkey, grp, self.members(grp)) for gkey, grp in groups]
-        recs = [(uid, rec) for _, _, members in changes for uid, rec in members.items()]
-        self._drop_payloads(recs, keep_blobs=state == FAILED and self.config.keep_failed)
-        self.set_states(changes, state)
+        counters, now, prefix = self.counters, self.now, self.prefix
+        stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
+        keys, places, marks, tombstones, nbytes = [], [], [], [], 0
+        for gkey, grp in groups:
+            for uid in grp.members:
+                key = self.key(uid)
+                if uid in self._items:
+                    rec = self._items[uid]
+                    if rec is None:
+                        continue
+                    was, seq, size = rec.state, rec.seq, rec.size
+                    rec.state, rec.retired = state, now
+                    self.put_item(uid, rec)
+                else:
+                    raw = self.txn.get(key, db=self.db["items"])
+                    if raw is None:
+                        continue
+                    was, seq, size = ItemRecord.place(raw)
+                    tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
+                counters[was] -= 1
+                counters[state] += 1
+                keys.append(key)
+                places.append(prefix + u64(seq))
+                marks.append((stamp + uid.encode(), b""))
+                nbytes += size
+            self._move_group(gkey, grp, state)
+        self._drop_payloads(keys, places, nbytes, keep_blobs=state == FAILED and self.config.keep_failed)
+        for db, rows in ((self.db["items"], tombstones), (self.db["retired"], marks)):
+            rows.sort()
+            put_rows(self.txn, db, rows)
 
     def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
         if grp.state == READY:
@@ -429,21 +452,18 @@ class TableTxn:
         elif grp.state == COMPUTING:
             self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
 
-    def _drop_payload(self, uid: str, rec: ItemRecord) -> None:
-        self._drop_payloads([(uid, rec)])
-
-    def _drop_payloads(self, recs: Sequence[tuple[str, ItemRecord]], *, keep_blobs: bool = False) -> None:
-        """Experiences leave the live data: their bytes, advantages and places in the
-        insertion order go (`keep_blobs` keeps the payloads of failed experiences for Get),
-        one database at a time, in key order."""
-        txn, prefix = self.txn, self.prefix
-        keys = sorted(prefix + uid.encode() for uid, _ in recs)
+    def _drop_payloads(self, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False) -> None:
+        """Experiences (their keys, their keys in the insertion order, their bytes) leave
+        the live data: payloads, advantages and places in the insertion order go
+        (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
+        a time, in key order."""
+        keys, txn = sorted(keys), self.txn
         if not keep_blobs:
             _delete_rows(txn, self.db["blobs"], keys)
         if self._has_advantages():
             _delete_rows(txn, self.db["adv"], keys)
-        _delete_rows(txn, self.db["order"], sorted(prefix + u64(rec.seq) for _, rec in recs))
-        self.counters["bytes"] -= sum(rec.size for _, rec in recs)
+        _delete_rows(txn, self.db["order"], sorted(places))
+        self.counters["bytes"] -= nbytes
 
     def _has_advantages(self) -> bool:
         """Whether any token-level advantages of this table are stored (none for a table
@@ -529,7 +549,7 @@ class TableTxn:
             self.forget_item(uid)
             self.counters[rec.state] -= 1
             deleted += 1
-            self._drop_payload(uid, rec)
+            self._drop_payloads([self.key(uid)], [self.prefix + u64(rec.seq)], rec.size)
             grp = self.group(rec.group)
             grp.members.remove(uid)
             if grp.members:
