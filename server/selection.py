@@ -109,21 +109,54 @@ class ReadyIndex:
         return self.prefix + version_key(version) + seq, pkey + gkey
 
     def remove(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
-        p, txn = self.prefix, self.txn
-        if version is not None:
-            txn.delete(p + version_key(version) + u64(rseq), db=self.dbs.byver)
-        txn.delete(p + u64(rseq), db=self.dbs.ready)
-        txn.delete(p + _prio_key(priority) + u64(rseq), db=self.dbs.prio)
-        slot_raw = txn.pop(p + gkey, db=self.dbs.slotof)
-        if slot_raw is None:
+        self.remove_many([(gkey, rseq, priority, version)])
+
+    def remove_many(self, groups: Sequence[tuple[bytes, int, float, int | None]]) -> None:
+        """Unindex ready groups (key, rseq, priority, version). Each freed slot of the dense
+        array takes the group then in the last slot, in the order given, as one remove at a
+        time would; but the array is changed in memory and written once: the tail it moves
+        groups from read in one pass, the slot count read and written once."""
+        if not groups:
             return
-        slot, last = _U64.unpack(slot_raw)[0], self.count() - 1
-        if slot != last:  # move the last group into the freed slot to keep the array dense
-            moved = txn.get(p + u64(last), db=self.dbs.slots)
-            txn.put(p + u64(slot), moved, db=self.dbs.slots)
-            txn.put(p + moved, u64(slot), db=self.dbs.slotof)
-        txn.delete(p + u64(last), db=self.dbs.slots)
-        txn.put(p, u64(last), db=self.dbs.slots)
+        p, txn, dbs = self.prefix, self.txn, self.dbs
+        freed = []
+        for gkey, rseq, priority, version in groups:
+            seq = u64(rseq)
+            if version is not None:
+                txn.delete(p + version_key(version) + seq, db=dbs.byver)
+            txn.delete(p + seq, db=dbs.ready)
+            txn.delete(p + _prio_key(priority) + seq, db=dbs.prio)
+            slot_raw = txn.pop(p + gkey, db=dbs.slotof)
+            if slot_raw is not None:
+                freed.append((gkey, _U64.unpack(slot_raw)[0]))
+        if not freed:
+            return
+        count = self.count()
+        at = self._tail(count - len(freed))  # slot -> group, for every slot a group may move from
+        moved: dict[bytes, int] = {}  # group -> the freed slot it moved into
+        for gkey, slot in freed:
+            slot = moved.pop(gkey, slot)
+            count -= 1
+            last = at.pop(count)
+            if slot != count:
+                at[slot] = last
+                moved[last] = slot
+        with txn.cursor(db=dbs.slots) as cur:  # the slots past the new end go
+            found = cur.set_range(p + u64(count))
+            while found and cur.key().startswith(p):
+                found = cur.delete()
+        put_rows(txn, dbs.slots, sorted([(p + u64(slot), at[slot]) for slot in moved.values()] + [(p, u64(count))]))
+        put_rows(txn, dbs.slotof, sorted((p + gkey, u64(slot)) for gkey, slot in moved.items()))
+
+    def _tail(self, start: int) -> dict[int, bytes]:
+        """The groups in the slots from `start` to the end of the dense array."""
+        p, tail = self.prefix, {}
+        with self.txn.cursor(db=self.dbs.slots) as cur:
+            found = cur.set_range(p + u64(max(start, 0)))
+            while found and cur.key().startswith(p):
+                tail[_U64.unpack(cur.key()[len(p) :])[0]] = cur.value()
+                found = cur.next()
+        return tail
 
     def below_version(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first,

@@ -86,6 +86,12 @@ def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> d
     return fresh_counters() | (json.loads(raw) if raw is not None else {})
 
 
+def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
+    """Delete keys (absent ones are no error) from one database."""
+    for key in keys:
+        txn.delete(key, db=db)
+
+
 def _zero_variance(rewards: list[float | None]) -> bool:
     """Whether a group's rewards are all known and all equal (it teaches nothing)."""
     return None not in rewards and len(set(rewards)) <= 1
@@ -371,14 +377,21 @@ class TableTxn:
                 self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
 
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
-        for uid, rec in recs.items():
-            self.counters[rec.state] -= 1
-            self.counters[state] += 1
-            rec.state = state
-            if state in RETIRED:  # a tombstone from now on, pruned after tombstone_seconds
-                rec.retired = self.now
-                self.txn.put(self.retired_key(uid, rec), b"", db=self.db["retired"])
-            self.put_item(uid, rec)
+        self.set_states([(gkey, grp, recs)], state)
+
+    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
+        """Live groups and their members (key, record, member records) move to a live
+        `state` (retire() makes tombstones)."""
+        counters = self.counters
+        for gkey, grp, recs in groups:
+            for uid, rec in recs.items():
+                counters[rec.state] -= 1
+                rec.state = state
+                self.put_item(uid, rec)
+            counters[state] += len(recs)
+            self._move_group(gkey, grp, state)
+
+    def _move_group(self, gkey: str, grp: GroupRecord, state: str) -> None:
         if grp.state in LIVE:
             self.counters["groups_" + grp.state] -= 1
         if state in LIVE:
@@ -387,15 +400,49 @@ class TableTxn:
         self.put_group(gkey, grp)
 
     def retire(self, gkey: str, grp: GroupRecord, state: str) -> None:
+        self.retire_many([(gkey, grp)], state)
+
+    def retire_many(self, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
         """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
         failed group's stay with keep_failed), records stay as tombstones so that a retried
-        push of the same uid is still recognised as a duplicate."""
-        self._leave_indexes(gkey, grp)
-        recs = self.members(grp)
-        keep = state == FAILED and self.config.keep_failed
-        for uid, rec in recs.items():
-            self._drop_payload(uid, rec, keep_blob=keep)
-        self.set_state(gkey, grp, recs, state)
+        push of the same uid is still recognised as a duplicate, pruned after
+        tombstone_seconds. Done in passes, one per database, over all the groups; a record
+        not read yet in this transaction becomes a tombstone without being decoded."""
+        ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+        self.ready.remove_many(ready)
+        for gkey, grp in groups:
+            if grp.state != READY:
+                self._leave_indexes(gkey, grp)
+        counters, now, prefix = self.counters, self.now, self.prefix
+        stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
+        keys, places, marks, tombstones, nbytes = [], [], [], [], 0
+        for gkey, grp in groups:
+            for uid in grp.members:
+                key = self.key(uid)
+                if uid in self._items:
+                    rec = self._items[uid]
+                    if rec is None:
+                        continue
+                    was, seq, size = rec.state, rec.seq, rec.size
+                    rec.state, rec.retired = state, now
+                    self.put_item(uid, rec)
+                else:
+                    raw = self.txn.get(key, db=self.db["items"])
+                    if raw is None:
+                        continue
+                    was, seq, size = ItemRecord.place(raw)
+                    tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
+                counters[was] -= 1
+                counters[state] += 1
+                keys.append(key)
+                places.append(prefix + u64(seq))
+                marks.append((stamp + uid.encode(), b""))
+                nbytes += size
+            self._move_group(gkey, grp, state)
+        self._drop_payloads(keys, places, nbytes, keep_blobs=state == FAILED and self.config.keep_failed)
+        for db, rows in ((self.db["items"], tombstones), (self.db["retired"], marks)):
+            rows.sort()
+            put_rows(self.txn, db, rows)
 
     def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
         if grp.state == READY:
@@ -405,14 +452,24 @@ class TableTxn:
         elif grp.state == COMPUTING:
             self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
 
-    def _drop_payload(self, uid: str, rec: ItemRecord, *, keep_blob: bool = False) -> None:
-        """The experience leaves the live data: its bytes, advantages and place in the
-        insertion order go (`keep_blob` keeps the payload of a failed experience for Get)."""
-        if not keep_blob:
-            self.txn.delete(self.key(uid), db=self.db["blobs"])
-        self.txn.delete(self.key(uid), db=self.db["adv"])
-        self.txn.delete(self.prefix + u64(rec.seq), db=self.db["order"])
-        self.counters["bytes"] -= rec.size
+    def _drop_payloads(self, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False) -> None:
+        """Experiences (their keys, their keys in the insertion order, their bytes) leave
+        the live data: payloads, advantages and places in the insertion order go
+        (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
+        a time, in key order."""
+        keys, txn = sorted(keys), self.txn
+        if not keep_blobs:
+            _delete_rows(txn, self.db["blobs"], keys)
+        if self._has_advantages():
+            _delete_rows(txn, self.db["adv"], keys)
+        _delete_rows(txn, self.db["order"], sorted(places))
+        self.counters["bytes"] -= nbytes
+
+    def _has_advantages(self) -> bool:
+        """Whether any token-level advantages of this table are stored (none for a table
+        without an estimator, so retiring its experiences need not look for them)."""
+        with self.txn.cursor(db=self.db["adv"]) as cur:
+            return cur.set_range(self.prefix) and cur.key().startswith(self.prefix)
 
     def _forget_tombstone(self, uid: str, rec: ItemRecord) -> None:
         """Remove a retired experience's record (and a failed one's kept payload): its uid
@@ -492,7 +549,7 @@ class TableTxn:
             self.forget_item(uid)
             self.counters[rec.state] -= 1
             deleted += 1
-            self._drop_payload(uid, rec)
+            self._drop_payloads([self.key(uid)], [self.prefix + u64(rec.seq)], rec.size)
             grp = self.group(rec.group)
             grp.members.remove(uid)
             if grp.members:

@@ -76,8 +76,8 @@ def take(
     rows: list[ItemRecord] = []
     payloads = _Payloads(tt, snapshot() if snapshot is not None else None)
     computed = tt.config.estimator != "none"  # a table without an estimator has no advantages
-    for gkey, grp in chosen:
-        recs = tt.members(grp)
+    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
+    for gkey, _, recs in taken:
         for uid, rec in recs.items():
             key = tt.key(uid)
             rows.append(rec)
@@ -85,20 +85,22 @@ def take(
             batch.group_ids.append(gkey)
             batch.blobs.append(payloads.read(key, rec))
             batch.versions.append(rec.version)
-            tt.counters["bytes_sampled"] += rec.size
             token_level = tt.txn.get(key, db=tt.db["adv"]) if computed and rec.advantage is None else None
             batch.advantages.append(stored_advantage(rec, token_level))
             rec.times_sampled += 1
             tt.put_item(uid, rec)
-        limit = tt.config.max_times_sampled
-        if delivery == "consume" or (
-            delivery == "replay" and limit and max(r.times_sampled for r in recs.values()) >= limit
-        ):
-            tt.retire(gkey, grp, CONSUMED)
-        elif delivery == "lease":
-            tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
+    tt.counters["bytes_sampled"] += sum(rec.size for rec in rows)
+    limit = tt.config.max_times_sampled
+    if delivery == "consume":
+        tt.retire_many(chosen, CONSUMED)
+    elif delivery == "replay" and limit:
+        spent = [(gkey, grp) for gkey, grp, recs in taken if max(r.times_sampled for r in recs.values()) >= limit]
+        tt.retire_many(spent, CONSUMED)
+    elif delivery == "lease":
+        tt.ready.remove_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in chosen])
+        for _, grp in chosen:
             grp.lease = batch.lease_id
-            tt.set_state(gkey, grp, recs, LEASED)
+        tt.set_states(taken, LEASED)
     if delivery == "lease":
         lease = Lease(tt.table_id, [g for g, _ in chosen], expires, owner)
         tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
@@ -136,22 +138,23 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, u
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
     a batch held for a stream that never confirmed it goes back uncounted as sampled."""
-    count = 0
+    ended = []
     for gkey in gkeys:
         grp = tt.group(gkey)
         if grp is None or grp.state != LEASED or grp.lease != lease_id:
             continue
-        count += len(grp.members)
         grp.lease = ""
-        if requeue:
-            recs = tt.members(grp)
-            if unsent:
-                for rec in recs.values():
-                    rec.times_sampled -= 1
-                    tt.counters["sampled"] -= 1
-                    tt.counters["bytes_sampled"] -= rec.size
-            tt.set_state(gkey, grp, recs, READY)
-            tt.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
-        else:
-            tt.retire(gkey, grp, CONSUMED)
-    return count
+        ended.append((gkey, grp))
+    if not requeue:
+        tt.retire_many(ended, CONSUMED)
+        return sum(len(grp.members) for _, grp in ended)
+    back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
+    if unsent:
+        for _, _, recs in back:
+            for rec in recs.values():
+                rec.times_sampled -= 1
+                tt.counters["sampled"] -= 1
+                tt.counters["bytes_sampled"] -= rec.size
+    tt.set_states(back, READY)
+    tt.ready.add_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in ended])
+    return sum(len(grp.members) for _, grp in ended)

@@ -112,6 +112,26 @@ class ItemRecord:
         group, tid, rid = self.group.encode(), self.tid.encode(), self.rid.encode()
         return b"".join((head, _U16.pack(len(group)), group, _U16.pack(len(tid)), tid, _U16.pack(len(rid)), rid))
 
+    _PLACE = struct.Struct("<BQ16sQ")  # the head up to the size: state, seq, digest, size
+    _RETIRED = struct.Struct("<d")
+    _RETIRED_AT = struct.calcsize("<BQ16sQdqIIqddQd")  # where `retired` lies in the head
+
+    @classmethod
+    def place(cls, data: bytes | memoryview) -> tuple[str, int, int]:
+        """The state, seq and size of an encoded record, the rest left undecoded: what
+        retiring it needs."""
+        state, seq, _, size = cls._PLACE.unpack_from(data)
+        return STATES[state], seq, size
+
+    @classmethod
+    def retired_as(cls, data: bytes | memoryview, state: str, when: float) -> bytes:
+        """An encoded record as the tombstone it becomes, retired in `state` at `when`: the
+        same bytes as decoding, changing and encoding it, without building the record."""
+        out = bytearray(data)
+        out[0] = _STATE_CODE[state]
+        cls._RETIRED.pack_into(out, cls._RETIRED_AT, when)
+        return bytes(out)
+
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ItemRecord:
         (

@@ -1,0 +1,103 @@
+"""Batches of many groups taken, leased, acked and requeued in one step: the ready indexes,
+the uniform slot array and the tombstones stay exactly as group-at-a-time steps leave them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.server.selection import ReadyDbs, ReadyIndex, u64
+from expbuf.server.store import Store
+from expbuf.server.store.records import CONSUMED, LEASED, ItemRecord
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items, take
+
+PREFIX = b"\x00\x00\x00\x07"
+UNIFORM = TableConfig(name="u", estimator="none", group_size=2)
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> tuple[lmdb.Environment, ReadyDbs]:
+    env = lmdb.open(str(tmp_path / "idx"), max_dbs=8, map_size=1 << 24)
+    dbs = ReadyDbs(*(env.open_db(name.encode()) for name in ("ready", "prio", "slots", "slotof", "byver")))
+    yield env, dbs
+    env.close()
+
+
+def _array(txn: lmdb.Transaction, dbs: ReadyDbs) -> list[bytes]:
+    """The dense slot array, checked against its count and the slot of each group."""
+    ready = ReadyIndex(dbs, txn, PREFIX)
+    slots = [ready.slot(slot) for slot in range(ready.count())]
+    for slot, gkey in enumerate(slots):
+        assert txn.get(PREFIX + gkey, db=dbs.slotof) == u64(slot)
+    rows = sum(1 for key, _ in txn.cursor(db=dbs.slots) if key.startswith(PREFIX) and key != PREFIX)
+    assert rows == len(slots)
+    assert sum(1 for key, _ in txn.cursor(db=dbs.slotof) if key.startswith(PREFIX)) == len(slots)
+    return slots
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_remove_many_fills_slots_as_removing_one_at_a_time(index: tuple, seed: int) -> None:
+    env, dbs = index
+    rng = random.Random(seed)
+    groups = [(f"g{n}".encode(), n, float(rng.randrange(3)), rng.choice([None, 1, 2])) for n in range(40)]
+    gone = rng.sample(groups, rng.randrange(1, 41))  # tail slots, moved groups removed later, or all
+    expected = [g[0] for g in groups]
+    for gkey, *_ in gone:  # the array after one remove at a time: the last group fills the hole
+        hole = expected.index(gkey)
+        expected[hole] = expected[-1]
+        expected.pop()
+    with env.begin(write=True) as txn:
+        ready = ReadyIndex(dbs, txn, PREFIX)
+        ready.add_many(groups)
+        ready.remove_many(gone)
+        assert _array(txn, dbs) == expected
+        left = {g[0] for g in groups} - {g[0] for g in gone}
+        assert {bytes(v) for v in ready.scan(dbs.ready, reverse=False)} == left
+        assert {bytes(v) for v in ready.scan(dbs.prio, reverse=False)} == left
+        versioned = {g[0] for g in groups if g[3] is not None} - {g[0] for g in gone}
+        assert sum(1 for key, _ in txn.cursor(db=dbs.byver) if key.startswith(PREFIX)) == len(versioned)
+
+
+def _fill(store: Store, groups: int) -> set[str]:
+    store.put("u", [item for task in range(groups) for item in group_items(1, task, 2)])
+    return {f"1/{task}" for task in range(groups)}
+
+
+def test_uniform_take_of_many_groups_leaves_exactly_the_rest(tmp_path: Path) -> None:
+    with Store(tmp_path / "data", map_size=1 << 24, seed=3) as store:
+        store.create_table(UNIFORM)
+        ready = _fill(store, 30)
+        for size in (12, 7):  # consume many groups in one take, from anywhere in the slot array
+            batch = take(store, "u", num_groups=size, order="uniform")
+            assert len(set(batch.group_ids)) == size and set(batch.group_ids) <= ready
+            ready -= set(batch.group_ids)
+            assert store.verify("u") == []
+        leased = take(store, "u", num_groups=6, order="fifo", delivery="lease", lease_seconds=60)
+        assert store.verify("u") == []
+        rest = take(store, "u", num_groups=len(ready) - 6, order="uniform", delivery="replay")
+        assert set(rest.group_ids) == ready - set(leased.group_ids)  # each remaining group once, none taken
+        assert store.nack(leased.lease_id) == 12
+        assert store.verify("u") == []
+        everything = take(store, "u", num_groups=len(ready), order="uniform", delivery="lease", lease_seconds=60)
+        assert sorted(set(everything.group_ids)) == sorted(ready) and len(everything.uids) == 2 * len(ready)
+        assert store.ack(everything.lease_id) == 2 * len(ready)
+        assert store.verify("u") == []
+        stats = store.stats("u")
+        assert stats["ready"] == 0 and stats["leased"] == 0 and stats["consumed"] == 60
+        assert take(store, "u", num_groups=1, order="uniform", allow_partial=True) is None
+        again = store.put("u", group_items(1, 0, 2))  # the tombstones still know the consumed uids
+        assert len(again.duplicates) == 2 and again.stored == []
+
+
+def test_a_tombstone_made_without_decoding_is_the_record_retired() -> None:
+    rec = ItemRecord(LEASED, "g/1", 41, b"d" * 16, 8192, 1.5, "t", "r", 3, 17, 12, 7, 0.25, 2.0, 3, None, None, 0.5)
+    raw = rec.encode()
+    assert ItemRecord.place(raw) == (LEASED, 41, 8192)
+    rec.state, rec.retired = CONSUMED, 1_000_123.456789
+    assert ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789) == rec.encode()
+    assert ItemRecord.decode(ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789)) == rec
