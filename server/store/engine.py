@@ -25,7 +25,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, Forbidden, InvalidRequest, NotFound, TableFull, clip
 from ..sample_spec import SampleSpec, check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, layout, limiter
+from . import admission, layout, limiter, retirement
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -432,7 +432,7 @@ class Store:
         """Remove experiences (and their records, so they may be pushed again)."""
 
         def op(tt: TableTxn) -> int:
-            count = tt.delete(uids, group_ids)
+            count = retirement.delete(tt, uids, group_ids)
             tt.save()
             return count
 

@@ -3,8 +3,8 @@ through their states, and the table keeps within its capacity.
 
 States: pending (the group is incomplete) → computing (its advantages) → ready → leased →
 consumed; a group may also be evicted, dropped (zero variance, timeout, std threshold) or
-failed. Retired experiences keep their record as a tombstone with their digest, so a
-retried push is still a duplicate, until `tombstone_seconds` have passed. Counts by state,
+failed (retirement.py: retired experiences keep their record as a tombstone with their
+digest, so a retried push is still a duplicate, until `tombstone_seconds`). Counts by state,
 bytes and totals are counters written in the same transaction as the records.
 """
 
@@ -20,7 +20,7 @@ import lmdb
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
 from ..tables import NEEDS_REWARD, TableConfig
-from . import layout
+from . import layout, retirement
 from .capacity import make_room
 from .records import (
     COMPUTING,
@@ -29,7 +29,6 @@ from .records import (
     LIVE,
     PENDING,
     READY,
-    RETIRED,
     STATES,
     GroupRecord,
     ItemRecord,
@@ -84,12 +83,6 @@ def fresh_counters() -> dict[str, Any]:
 def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[str, Any]:
     raw = txn.get(prefix, db=db)
     return fresh_counters() | (json.loads(raw) if raw is not None else {})
-
-
-def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
-    """Delete keys (absent ones are no error) from one database."""
-    for key in keys:
-        txn.delete(key, db=db)
 
 
 def _zero_variance(rewards: list[float | None]) -> bool:
@@ -400,108 +393,12 @@ class TableTxn:
         self.put_group(gkey, grp)
 
     def retire(self, gkey: str, grp: GroupRecord, state: str) -> None:
-        self.retire_many([(gkey, grp)], state)
+        retirement.retire(self, [(gkey, grp)], state)
 
     def retire_many(self, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
-        """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
-        failed group's stay with keep_failed), records stay as tombstones so that a retried
-        push of the same uid is still recognised as a duplicate, pruned after
-        tombstone_seconds. Done in passes, one per database, over all the groups; a record
-        not read yet in this transaction becomes a tombstone without being decoded."""
-        ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
-        self.ready.remove_many(ready)
-        for gkey, grp in groups:
-            if grp.state != READY:
-                self._leave_indexes(gkey, grp)
-        counters, now, prefix = self.counters, self.now, self.prefix
-        stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
-        keys, places, marks, tombstones, nbytes = [], [], [], [], 0
-        for gkey, grp in groups:
-            for uid in grp.members:
-                key = self.key(uid)
-                if uid in self._items:
-                    rec = self._items[uid]
-                    if rec is None:
-                        continue
-                    was, seq, size = rec.state, rec.seq, rec.size
-                    rec.state, rec.retired = state, now
-                    self.put_item(uid, rec)
-                else:
-                    raw = self.txn.get(key, db=self.db["items"])
-                    if raw is None:
-                        continue
-                    was, seq, size = ItemRecord.place(raw)
-                    tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
-                counters[was] -= 1
-                counters[state] += 1
-                keys.append(key)
-                places.append(prefix + u64(seq))
-                marks.append((stamp + uid.encode(), b""))
-                nbytes += size
-            self._move_group(gkey, grp, state)
-        self._drop_payloads(keys, places, nbytes, keep_blobs=state == FAILED and self.config.keep_failed)
-        for db, rows in ((self.db["items"], tombstones), (self.db["retired"], marks)):
-            rows.sort()
-            put_rows(self.txn, db, rows)
-
-    def _leave_indexes(self, gkey: str, grp: GroupRecord) -> None:
-        if grp.state == READY:
-            self.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
-        elif grp.state == PENDING:
-            self.txn.delete(self.pending_key(gkey, grp), db=self.db["pending"])
-        elif grp.state == COMPUTING:
-            self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
-
-    def _drop_payloads(self, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False) -> None:
-        """Experiences (their keys, their keys in the insertion order, their bytes) leave
-        the live data: payloads, advantages and places in the insertion order go
-        (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
-        a time, in key order."""
-        keys, txn = sorted(keys), self.txn
-        if not keep_blobs:
-            _delete_rows(txn, self.db["blobs"], keys)
-        if self._has_advantages():
-            _delete_rows(txn, self.db["adv"], keys)
-        _delete_rows(txn, self.db["order"], sorted(places))
-        self.counters["bytes"] -= nbytes
-
-    def _has_advantages(self) -> bool:
-        """Whether any token-level advantages of this table are stored (none for a table
-        without an estimator, so retiring its experiences need not look for them)."""
-        with self.txn.cursor(db=self.db["adv"]) as cur:
-            return cur.set_range(self.prefix) and cur.key().startswith(self.prefix)
-
-    def _forget_tombstone(self, uid: str, rec: ItemRecord) -> None:
-        """Remove a retired experience's record (and a failed one's kept payload): its uid
-        may then be pushed again."""
-        self.forget_item(uid)
-        self.txn.delete(self.key(uid), db=self.db["blobs"])
-        self.counters[rec.state] -= 1
-        self.txn.delete(self.retired_key(uid, rec), db=self.db["retired"])
-        grp = self.group(rec.group)
-        if grp is not None and uid in grp.members:
-            grp.members.remove(uid)
-            if grp.members:
-                self.put_group(rec.group, grp)
-            else:
-                self.forget_group(rec.group)
+        retirement.retire(self, groups, state)
 
     # ---- upkeep and admin ----------------------------------------------------------------------
-
-    def prune_tombstones(self, retired_before: float, limit: int = 10_000) -> int:
-        """Forget tombstones retired before the cutoff (at most `limit` per call)."""
-        cutoff = layout.micros(retired_before)
-        expired = []
-        with self.txn.cursor(db=self.db["retired"]) as cur:
-            found = cur.set_range(self.prefix)
-            while found and cur.key().startswith(self.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
-                expired.append(cur.key()[12:].decode())
-                found = cur.next()
-        for uid in expired:
-            rec = self.item(uid)
-            if rec is not None and rec.state in RETIRED:
-                self._forget_tombstone(uid, rec)
-        return len(expired)
 
     def expire_groups(self, created_before: float) -> int:
         """Release (flagged partial) or drop incomplete groups created before the cutoff."""
@@ -531,32 +428,3 @@ class TableTxn:
         self.complete(gkey, grp, partial=False)
         self.save()
         return len(grp.members)
-
-    def delete(self, uids: Sequence[str], group_ids: Sequence[str]) -> int:
-        targets = list(uids)
-        for gkey in group_ids:
-            grp = self.group(gkey)
-            if grp is not None:
-                targets.extend(grp.members)
-        deleted = 0
-        for uid in dict.fromkeys(targets):
-            rec = self.item(uid)
-            if rec is None:
-                continue
-            if rec.state not in LIVE:
-                self._forget_tombstone(uid, rec)
-                continue
-            self.forget_item(uid)
-            self.counters[rec.state] -= 1
-            deleted += 1
-            self._drop_payloads([self.key(uid)], [self.prefix + u64(rec.seq)], rec.size)
-            grp = self.group(rec.group)
-            grp.members.remove(uid)
-            if grp.members:
-                self.put_group(rec.group, grp)
-                continue
-            self._leave_indexes(rec.group, grp)
-            if grp.state in LIVE:
-                self.counters["groups_" + grp.state] -= 1
-            self.forget_group(rec.group)
-        return deleted

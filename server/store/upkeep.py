@@ -17,7 +17,7 @@ import lmdb
 
 from ..errors import clip
 from ..tables import TableConfig
-from . import layout
+from . import layout, retirement
 from .groups import TableTxn
 from .staleness import evict_stale
 
@@ -48,7 +48,7 @@ class Upkeep:
         tt = TableTxn(txn, self.db, table_id, config, now)
         timed_out = tt.expire_groups(now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
         stale = evict_stale(tt)
-        pruned = tt.prune_tombstones(now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
+        pruned = retirement.prune_tombstones(tt, now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
         tt.save()
         return timed_out, pruned, stale
 

@@ -1,0 +1,162 @@
+"""How experiences leave a table: retired groups (consumed, evicted, dropped, failed) keep
+their members' records as tombstones, so that a retried push of the same uid is still a
+duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; a
+Delete removes experiences outright, tombstones included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from ..selection import put_rows, u64
+from . import layout
+from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
+
+if TYPE_CHECKING:
+    from .groups import TableTxn
+
+
+def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
+    """Delete keys (absent ones are no error) from one database."""
+    for key in keys:
+        txn.delete(key, db=db)
+
+
+def retire(tt: TableTxn, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
+    """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
+    failed group's stay with keep_failed), records stay as tombstones so that a retried
+    push of the same uid is still recognised as a duplicate, pruned after
+    tombstone_seconds. Done in passes, one per database, over all the groups; a record
+    not read yet in this transaction becomes a tombstone without being decoded."""
+    ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+    tt.ready.remove_many(ready)
+    for gkey, grp in groups:
+        if grp.state != READY:
+            leave_indexes(tt, gkey, grp)
+    counters, now, prefix = tt.counters, tt.now, tt.prefix
+    stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
+    keys, places, marks, tombstones, nbytes = [], [], [], [], 0
+    for gkey, grp in groups:
+        for uid in grp.members:
+            key = tt.key(uid)
+            if uid in tt._items:
+                rec = tt._items[uid]
+                if rec is None:
+                    continue
+                was, seq, size = rec.state, rec.seq, rec.size
+                rec.state, rec.retired = state, now
+                tt.put_item(uid, rec)
+            else:
+                raw = tt.txn.get(key, db=tt.db["items"])
+                if raw is None:
+                    continue
+                was, seq, size = ItemRecord.place(raw)
+                tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
+            counters[was] -= 1
+            counters[state] += 1
+            keys.append(key)
+            places.append(prefix + u64(seq))
+            marks.append((stamp + uid.encode(), b""))
+            nbytes += size
+        tt._move_group(gkey, grp, state)
+    drop_payloads(tt, keys, places, nbytes, keep_blobs=state == FAILED and tt.config.keep_failed)
+    for db, rows in ((tt.db["items"], tombstones), (tt.db["retired"], marks)):
+        rows.sort()
+        put_rows(tt.txn, db, rows)
+
+
+def leave_indexes(tt: TableTxn, gkey: str, grp: GroupRecord) -> None:
+    if grp.state == READY:
+        tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
+    elif grp.state == PENDING:
+        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+    elif grp.state == COMPUTING:
+        tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
+
+
+def drop_payloads(
+    tt: TableTxn, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False
+) -> None:
+    """Experiences (their keys, their keys in the insertion order, their bytes) leave
+    the live data: payloads, advantages and places in the insertion order go
+    (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
+    a time, in key order."""
+    keys, txn = sorted(keys), tt.txn
+    if not keep_blobs:
+        _delete_rows(txn, tt.db["blobs"], keys)
+    if _has_advantages(tt):
+        _delete_rows(txn, tt.db["adv"], keys)
+    _delete_rows(txn, tt.db["order"], sorted(places))
+    tt.counters["bytes"] -= nbytes
+
+
+def _has_advantages(tt: TableTxn) -> bool:
+    """Whether any token-level advantages of this table are stored (none for a table
+    without an estimator, so retiring its experiences need not look for them)."""
+    with tt.txn.cursor(db=tt.db["adv"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+
+
+def forget_tombstone(tt: TableTxn, uid: str, rec: ItemRecord) -> None:
+    """Remove a retired experience's record (and a failed one's kept payload): its uid
+    may then be pushed again."""
+    tt.forget_item(uid)
+    tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
+    tt.counters[rec.state] -= 1
+    tt.txn.delete(tt.retired_key(uid, rec), db=tt.db["retired"])
+    grp = tt.group(rec.group)
+    if grp is not None and uid in grp.members:
+        grp.members.remove(uid)
+        if grp.members:
+            tt.put_group(rec.group, grp)
+        else:
+            tt.forget_group(rec.group)
+
+
+def prune_tombstones(tt: TableTxn, retired_before: float, limit: int = 10_000) -> int:
+    """Forget tombstones retired before the cutoff (at most `limit` per call)."""
+    cutoff = layout.micros(retired_before)
+    expired = []
+    with tt.txn.cursor(db=tt.db["retired"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
+            expired.append(cur.key()[12:].decode())
+            found = cur.next()
+    for uid in expired:
+        rec = tt.item(uid)
+        if rec is not None and rec.state in RETIRED:
+            forget_tombstone(tt, uid, rec)
+    return len(expired)
+
+
+def delete(tt: TableTxn, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+    targets = list(uids)
+    for gkey in group_ids:
+        grp = tt.group(gkey)
+        if grp is not None:
+            targets.extend(grp.members)
+    deleted = 0
+    for uid in dict.fromkeys(targets):
+        rec = tt.item(uid)
+        if rec is None:
+            continue
+        if rec.state not in LIVE:
+            forget_tombstone(tt, uid, rec)
+            continue
+        tt.forget_item(uid)
+        tt.counters[rec.state] -= 1
+        deleted += 1
+        drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
+        grp = tt.group(rec.group)
+        grp.members.remove(uid)
+        if grp.members:
+            tt.put_group(rec.group, grp)
+            continue
+        leave_indexes(tt, rec.group, grp)
+        if grp.state in LIVE:
+            tt.counters["groups_" + grp.state] -= 1
+        tt.forget_group(rec.group)
+    return deleted
