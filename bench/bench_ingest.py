@@ -87,17 +87,20 @@ def main() -> None:
             rows.append(
                 f"| {shape} | {processes} | {mbps:.1f} MB/s ({mbps * 1e6 / size:,.0f} exp/s) | {mbps / base:.2f} |"
             )
-    body = "\n".join(
-        [
-            "## Ingest off the GIL (issue 10)",
-            "",
-            f"Command: `python bench/bench_ingest.py --rounds {args.rounds} --payloads {args.payloads}`  ",
-            f"Machine: {os.cpu_count()} CPU threads; 8 pushers; medians of {args.rounds} alternating rounds.",
-            "",
-            "| push of | ingest processes | throughput | ratio to 0 |",
-            "| --- | --- | --- | --- |",
-            *rows,
-        ]
+    body = (
+        "\n".join(
+            [
+                "## Ingest off the GIL (issue 10)",
+                "",
+                f"Command: `python bench/bench_ingest.py --rounds {args.rounds} --payloads {args.payloads}`  ",
+                f"Machine: {os.cpu_count()} CPU threads; 8 pushers; medians of {args.rounds} alternating rounds.",
+                "",
+                "| push of | ingest processes | throughput | ratio to 0 |",
+                "| --- | --- | --- | --- |",
+                *rows,
+            ]
+        )
+        + "\n"
     )
     write_section(Path(args.out), "Ingest off the GIL (issue 10)", body)
     print(body)

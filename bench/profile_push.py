@@ -1,7 +1,7 @@
 """Where an expbuf server spends a push of 8 KB experiences, from a sampling profile.
 
     pip install py-spy   # into any environment; it attaches to the server from outside
-    .venv/bin/python bench/profile_push.py [--py-spy PATH] [--seconds 8] [--ingest-processes 2]
+    .venv/bin/python bench/profile_push.py [--py-spy PATH] [--seconds 8] [--ingest-processes N]
 
 One writer pushes pre-encoded payloads of 256 x 8 KB experiences (bench_reverb's shape) into
 a table with estimator none and group_by none, as fast as the server acks them, while py-spy
@@ -57,13 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--ingest-processes", default="2")
+    parser.add_argument("--ingest-processes", help="default: the server's own default")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as data:
-        server = Proc(
-            "-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", "--metrics-port", "-1",
-            "--ingest-processes", args.ingest_processes,
-        )  # fmt: skip
+        ingest = ["--ingest-processes", args.ingest_processes] if args.ingest_processes else []
+        serve = ("serve", "--data", data, "--port", "0", "--metrics-port", "-1", *ingest)
+        server = Proc("-m", "expbuf.server.cli", *serve)
         client = BufferClient(server.target, timeout=120)
         client.create_table("small", estimator="none", group_by="none")
         pushes, serial, stop = make_pushes("8k", 16), itertools.count(), threading.Event()
@@ -106,7 +105,7 @@ def main() -> None:
                 continue
             counts[stage_of(frames)] += int(count)
     busy = sum(counts.values())
-    print(f"push of 256 x 8 KB, one writer, ingest processes {args.ingest_processes}: ", end="")
+    print(f"push of 256 x 8 KB, one writer, ingest processes {args.ingest_processes or 'by default'}: ", end="")
     print(f"{pushed[1] / pushed[0] * 1e6:.0f} µs per experience at the client, encode excluded")
     print("| stage | share of the server's busy samples |")
     print("| --- | --- |")

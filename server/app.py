@@ -135,7 +135,7 @@ class ExpbufServer:
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
-            ingest=Ingest(config.ingest_processes),
+            ingest=Ingest(config.ingest_workers),
             table_streams=TableStreams(config.table_stream_limit),
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)

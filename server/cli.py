@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--ingest-processes",
         type=int,
-        help="processes that validate and pack pushes, 0 = the server's own (default 2; env EXPBUF_INGEST_PROCESSES)",
+        help="processes that validate and pack pushes, 0 = none (default: cores - 1, at most 4;"
+        " env EXPBUF_INGEST_PROCESSES)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

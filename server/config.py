@@ -10,7 +10,7 @@ may also declare tables (created at start, or checked against the stored ones):
     metrics_host = "127.0.0.1"    # default: the same address as host
     workers = 64                  # concurrent calls
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
-    ingest_processes = 2          # processes that validate and pack pushes (0: the server's own)
+    ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     max_message_bytes = 268435456
 
     [tls]
@@ -61,8 +61,8 @@ class ServerConfig:
     max_sample_streams: int | None = None  # None: three quarters of workers
     # Open Sample streams on one table, so the trainers of one table cannot take every stream.
     max_table_streams: int | None = None  # None: max_sample_streams
-    # Processes that validate and pack pushed payloads (0: the server process does it).
-    ingest_processes: int = 2
+    # Processes that validate and pack pushed payloads (0: the server process alone does it).
+    ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
     log_format: str = "text"
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
@@ -70,6 +70,16 @@ class ServerConfig:
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
     tables: tuple[TableConfig, ...] = ()
+
+    @property
+    def ingest_workers(self) -> int:
+        """ingest_processes, or by default one process per core this server may run on but
+        one, at most 4: the server's own process decodes a push too when no other is being
+        decoded, and on 2 cores one worker pushes faster than two (bench/RESULTS.md)."""
+        if self.ingest_processes is not None:
+            return self.ingest_processes
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(4, cores - 1))
 
     @property
     def sample_stream_limit(self) -> int:
@@ -92,7 +102,8 @@ class ServerConfig:
             raise ConfigError(f"log_format is {self.log_format!r}; expected text or json")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
-        if not isinstance(self.ingest_processes, int) or not 0 <= self.ingest_processes <= 64:
+        processes = self.ingest_processes
+        if processes is not None and (not isinstance(processes, int) or not 0 <= processes <= 64):
             raise ConfigError(f"ingest_processes must be an integer from 0 to 64, got {self.ingest_processes!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")

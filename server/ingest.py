@@ -1,7 +1,7 @@
 """Decoding and packing pushed payloads, in this process or in a pool of processes.
 
 Validation and packing are Python work per experience, so under the GIL they use one
-core however many pushers there are. With `ingest_processes` > 0 (2 by default) they run
+core however many pushers there are. With `ingest_processes` > 0 (cores - 1 by default) they run
 in that many worker processes (spawned, so no thread of the server is forked) while
 other pushes are being decoded: the server process keeps the storage and the RPCs. A push
 that arrives while no other is being decoded is decoded here, where it costs no hand-off:

@@ -16,7 +16,7 @@ import torch
 from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server import ingest as ingest_module
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
+from expbuf.server.config import ConfigError, ServerConfig
 from expbuf.server.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, payload
@@ -133,3 +133,15 @@ def test_concurrent_pushes_each_get_their_own_entries() -> None:
     finally:
         pool.close()
     assert got == [entries_of(payload(name)) for name in names]
+
+
+def test_the_default_leaves_the_server_one_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """By default one ingest process per core but one (the server's own process decodes too),
+    at least 1 and at most 4; a configured number, 0 included, is taken as it is."""
+    for cores, want in ((1, 1), (2, 1), (3, 2), (8, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert ServerConfig(data=str(tmp_path)).ingest_workers == want, cores
+    assert ServerConfig(data=str(tmp_path), ingest_processes=0).ingest_workers == 0
+    assert ServerConfig(data=str(tmp_path), ingest_processes=3).ingest_workers == 3
+    with pytest.raises(ConfigError, match="ingest_processes must be an integer from 0 to 64"):
+        ServerConfig(data=str(tmp_path), ingest_processes=-1)
