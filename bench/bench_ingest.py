@@ -102,7 +102,7 @@ def main() -> None:
         )
         + "\n"
     )
-    write_section(Path(args.out), "Ingest off the GIL (issue 10)", body)
+    write_section(Path(args.out), "## Ingest off the GIL (issue 10)", body)
     print(body)
 
 
