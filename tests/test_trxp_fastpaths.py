@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from expbuf.client import EID
+from expbuf.client import EID, trxp
 from expbuf.client.trxp import TrxpError, checks
 
 _VALUES: list[Any] = [0, 7, -1, 2**63 - 1, -(2**63), 2**63, 2**31, True, 1.5, "", "a", "3/eval", "é", "x\0", "a" * 400]
@@ -46,3 +46,27 @@ def test_plain_uid_leaves_odd_eids_to_the_detailed_checks() -> None:
     assert checks._plain_uid({"batch": "3/eval", "task": 2, "run": 3, "step": 4, "suffix": "s"}) is None
     assert checks._plain_uid([1]) is None
     assert checks._plain_uid({"batch": 1, "task": 2, "run": 3, "step": 4, "suffix": "s"}) == "1/2/3/4/s"
+
+
+@pytest.mark.parametrize("empty", [[], {}, ()])
+def test_a_shared_empty_container_is_counted_once_like_any_container(empty: Any) -> None:
+    """Each container costs work at its first reference only, wherever it sits: counting a
+    shared empty field again at each reference would refuse, within a tight budget, a payload
+    the detailed walk accepts."""
+    shared = [1]
+    expected = trxp.Work(1 << 40)
+    measure = checks._Shape(expected, 1 << 40, check_keys=True)
+    measure.item(0, "u", {"a": shared, "b": shared, "c": [shared]})
+    work = trxp.Work(1 << 40)
+    shape = checks._Shape(work, 1 << 40, check_keys=True)
+    shape.item(0, "u", {"a": empty, "b": empty, "c": [empty]})
+    assert work.used == expected.used - 1  # [1] takes a step more than an empty container: its one entry
+    assert shape.size == 3 + 3 + (3 + 3) + 3 * (5 + 1)
+
+
+def test_a_shared_empty_field_passes_within_the_steps_the_walk_counts() -> None:
+    empty: list[Any] = []
+    item = {"a": empty, "b": empty, "c": empty}
+    work = trxp.Work(1)  # one step: the list, counted at its first reference
+    checks._Shape(work, 1 << 40, check_keys=True).item(0, "u", item)
+    assert work.used == 1

@@ -111,7 +111,7 @@ class _Shape:
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
-        total, max_size, work = self.size, self.max_size, self.work
+        total, max_size, work, known = self.size, self.max_size, self.work, self.known
         for name, value in item.items():
             kind = type(value)
             try:  # the commonest fields inline: None, numbers, plain text, containers
@@ -121,11 +121,13 @@ class _Shape:
                     size = 6 + value.bit_length() // 8
                 elif kind is str and value.isascii():
                     size = 5 + len(value)
-                elif kind in _EXACT_CONTAINERS and not value:  # counted at each reference: no need to remember it
+                elif kind in _EXACT_CONTAINERS and not value:  # counted at its first reference, as _container does
                     size = _EMPTY[1]
-                    work.used += 1
-                    if work.used > work.limit:
-                        work.charge(0)
+                    if id(value) not in known:
+                        known[id(value)] = _EMPTY
+                        work.used += 1
+                        if work.used > work.limit:
+                            work.charge(0)
                 elif isinstance(value, _CONTAINERS):
                     size = self._container(value, 0)[1]
                 else:
