@@ -129,3 +129,47 @@ def test_edited_batches_get_the_same_verdict(
             del data[position : position + len(piece)]
     replayed, walked = both_ways(bytes(data))
     assert replayed == walked
+
+
+# A batch of 2000 dicts keyed by memo reads, each with a memoized str and memoized itself:
+# the scan replays all but the first few. The verdicts and work below are those of the scan
+# that walks every opcode (no fast paths, no segments), pinned.
+_HEAD = b"\x80\x05]\x94(" + b"".join(b"\x8c\x01" + bytes([97 + i]) + b"\x94" for i in range(12)) + b"N\x94"
+_SEGMENT = b"(h\x01K\x01h\x02\x8c\x03abc\x94d\x94"
+
+
+def _repeats(edit: bytes | None = None, at: int = 1500) -> bytes:
+    segments = [_SEGMENT] * 2000
+    if edit is not None:
+        segments[at] = edit
+    return _HEAD + b"".join(segments) + b"e."
+
+
+@pytest.mark.parametrize(
+    ("meta", "expected"),
+    [
+        (_repeats(), ("passed", 16032)),
+        (_repeats(_SEGMENT.replace(b"h\x01", b"h\x0d")), ("refused", "metadata: dict keys must be str or bytes")),
+        (_repeats(_SEGMENT.replace(b"h\x02", b"h\x0f")), ("refused", "metadata: dict keys must be str or bytes")),
+        (_repeats(_SEGMENT.replace(b"h\x02", b"h\x0e")), ("passed", 16032)),
+        (_repeats(_SEGMENT.replace(b"K\x01", b"K\x01q\x01")), ("refused", "metadata: dict keys must be str or bytes")),
+        (_repeats(b"(\x94" + _SEGMENT[1:]), ("refused", "metadata: pickle MEMOIZE finds an empty stack")),
+        (_repeats(_SEGMENT.replace(b"\x8c\x03abc", b"\x8c\x04abcd")), ("passed", 16032)),
+        (
+            _repeats(_SEGMENT.replace(b"h\x01", b"j\xff\xff\xff\x00")),
+            ("refused", "metadata: pickle memo index 16777215 out of range"),
+        ),
+        (_repeats(b"(" + _SEGMENT + b"l"), ("passed", 16034)),
+        (_repeats(_SEGMENT.replace(b"d", b"N0d")), ("passed", 16034)),
+        (
+            _repeats()[: len(_HEAD) + 1800 * len(_SEGMENT) + 8],
+            ("refused", "metadata: pickle is truncated in SHORT_BINUNICODE"),
+        ),
+        (_repeats()[: len(_HEAD) + 1800 * len(_SEGMENT) + 7], ("refused", "metadata: pickle is truncated (no STOP)")),
+    ],
+)
+def test_a_late_repeat_that_differs_gets_the_walks_verdict(meta: bytes, expected: tuple[str, Any]) -> None:
+    """An edit in a repeat long after replaying began: a read of a memo entry that is no key,
+    or one a replayed segment made, a PUT that rewrites an entry replayed segments read, a
+    MEMOIZE with nothing to memoize, another length, a nested MARK, a truncation."""
+    assert verdict(meta) == expected
