@@ -58,10 +58,11 @@ class _Region:
         self.map: mmap.mmap | None = None
 
     def fit(self, size: int) -> None:
-        """Map at least `size` bytes (the file only grows; it may be larger than asked)."""
+        """Map at least `size` bytes (the file only grows; it may be larger than asked).
+        A region is never mapped empty (mmap refuses that): an empty payload still maps one."""
         if self.map is not None and size <= self.size:
             return
-        if os.fstat(self.fd).st_size < size:
+        if os.fstat(self.fd).st_size < max(size, 1):
             os.ftruncate(self.fd, max(size, 2 * self.size, _MIN_REGION))
         if self.map is not None:
             self.map.close()

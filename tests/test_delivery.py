@@ -254,3 +254,29 @@ def test_a_batch_given_back_unconfirmed_is_not_counted_as_sampled(client: Buffer
         settle(client, lambda s: s["leased"] == 0)
     stats = client.stats("t")["t"]
     assert (stats["sampled"], stats["consumed"], stats["ready"]) == (0, 0, 4)
+
+
+def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream_waits(tmp_path: Path) -> None:
+    """A consume stream consumes the batch its client confirmed in the commit that takes
+    the next; when there is no next yet, that commit is still made at once: a server
+    stopped while the stream waits for data does not give the batch back at its next start."""
+    data = str(tmp_path / "data")
+    server = ExpbufServer(ServerConfig(data=data, port=0, metrics_port=-1)).start()
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+            client.create_table("t", group_size=2, estimator="none")
+            fill(client, 1)
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                talk = Conversation(pb_grpc.ExperienceBufferStub(channel), request(wait_seconds=30))
+                assert len(talk.read().uids) == 2
+                talk.confirm(1)
+                assert settle(client, lambda s: s["consumed"] == 2)["leased"] == 0
+    finally:
+        server.stop(grace=0.5)
+    again = ExpbufServer(ServerConfig(data=data, port=0, metrics_port=-1)).start()
+    try:
+        stats = again.store.stats("t")
+        assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 0, 0)
+        assert again.store.verify("t") == []
+    finally:
+        again.stop(grace=1)

@@ -145,3 +145,19 @@ def test_the_default_leaves_the_server_one_core(monkeypatch: pytest.MonkeyPatch,
     assert ServerConfig(data=str(tmp_path), ingest_processes=3).ingest_workers == 3
     with pytest.raises(ConfigError, match="ingest_processes must be an integer from 0 to 64"):
         ServerConfig(data=str(tmp_path), ingest_processes=-1)
+
+
+def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
+    """The first payload a worker gets may be empty: it is refused as here, and the worker
+    (whose region had never been mapped) stays."""
+    pool = Ingest(1)
+    try:
+        worker = pool._workers[0]
+        with pytest.raises(Exception) as here:
+            entries_of(b"")
+        with pytest.raises(type(here.value)) as there:
+            pool._in_worker(b"")
+        assert str(there.value) == str(here.value)
+        assert pool._workers[0] is worker and worker.process.is_alive()
+    finally:
+        pool.close()

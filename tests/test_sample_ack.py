@@ -4,6 +4,8 @@ when the lease cannot be consumed."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,27 @@ def test_nothing_is_taken_when_the_lease_cannot_be_consumed(
         store.sample(spec, hold=True, owner=owner, ack=lease or held.lease_id)
     after = store.stats("plain")
     assert (after["leased"], after["ready"], after["consumed"]) == (before["leased"], before["ready"], 0)
+
+
+def test_a_waiting_sample_finds_its_table_dropped(tmp_path: Path) -> None:
+    """Each attempt of a waiting sample looks its table up by name: once the table is
+    dropped, the wait ends with NOT_FOUND rather than polling the dropped table's id."""
+    with Store(tmp_path / "data", map_size=16 << 20) as store:
+        store.create_table(PLAIN)
+        result: dict[str, object] = {}
+
+        def wait() -> None:
+            try:
+                result["batch"] = store.sample(SampleSpec("plain", num_groups=1, wait_seconds=10))
+            except NotFound as exc:
+                result["error"] = exc
+
+        commits = store.environment.batches
+        sampler = threading.Thread(target=wait)
+        sampler.start()
+        deadline = time.monotonic() + 20
+        while store.environment.batches == commits and time.monotonic() < deadline:
+            time.sleep(0.005)  # until its first attempt found nothing
+        store.drop_table("plain")
+        sampler.join(30)
+        assert "batch" not in result and "does not exist" in str(result["error"])

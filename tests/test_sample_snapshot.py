@@ -12,6 +12,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.errors import StoreError
+from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.environment import MAX_SNAPSHOTS
 from expbuf.server.tables import TableConfig
@@ -123,3 +124,68 @@ def test_more_held_batches_than_open_snapshots(store: Store) -> None:
     assert sum(batch.snapshot.open for batch in held) == MAX_SNAPSHOTS
     for batch, items in zip(held, groups, strict=True):
         assert trxp.parse(batch.payload) == stored(items)
+
+
+def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_path: Path) -> None:
+    """More consumers than open snapshots, each taking held batches and consuming the last
+    one in the commit that takes the next (as a Sample stream does), while pushes grow the
+    map and Gets read the same payloads: every experience arrives once, as stored, and no
+    reader is left open."""
+    s = Store(tmp_path / "data", map_size=1 << 20, seed=7)
+    s.create_table(PLAIN)
+    groups = [group_items(1, task, 2, response=6000) for task in range(120)]
+    packed = {item.uid: trxp.pack_item(item) for items in groups for item in items}
+    for items in groups[:60]:  # more than the initial map holds
+        s.put("plain", items)
+    pushed = threading.Event()
+    delivered: list[str] = []
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        for items in groups[60:]:
+            s.put("plain", items)
+        pushed.set()
+
+    def consume(owner: str) -> None:
+        last = ""
+        try:
+            while True:
+                batch = s.sample(SampleSpec("plain", num_groups=1), hold=True, owner=owner, ack=last, timeout=0.3)
+                last = ""
+                if batch is None:
+                    if pushed.is_set():
+                        return
+                    continue
+                try:
+                    items = batch.render(lambda parts: trxp.parse(b"".join(parts)))
+                finally:
+                    batch.release()
+                delivered.extend(batch.uids)
+                wrong.extend(item.uid for item in items if trxp.pack_item(item) != packed[item.uid])
+                last = batch.lease_id
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if last:
+                s.ack(last, "plain", owner)
+
+    def read() -> None:
+        uids = list(packed)
+        while not pushed.is_set():
+            wrong.extend(uid for uid, blob in s.get("plain", uids[:40]).items() if blob != packed[uid])
+
+    threads = [threading.Thread(target=produce), threading.Thread(target=read)]
+    threads += [threading.Thread(target=consume, args=(f"c{n}",)) for n in range(MAX_SNAPSHOTS + 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads) and errors == [] and wrong == []
+    assert sorted(delivered) == sorted(packed)
+    assert s.storage_info()["map_size"] > 1 << 20
+    assert s.environment._readers == 0
+    stats = s.stats("plain")
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (len(packed), 0, 0)
+    assert s.verify("plain") == []
+    s.close()

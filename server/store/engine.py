@@ -265,7 +265,6 @@ class Store:
         consumed even if the attempt fails, as by `ack` alone; if the lease cannot be
         consumed, nothing is taken.
         """
-        table_id, config = self._table(spec.table)
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
         held = False  # whether the rate limit held this request
@@ -273,10 +272,18 @@ class Store:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
+            table_id, config = self._table(spec.table)  # at each attempt: it may have been dropped
 
-            def attempt(txn: lmdb.Transaction, f: bool = final, b: float = blocked, a: str = ack) -> Any:
+            def attempt(
+                txn: lmdb.Transaction,
+                f: bool = final,
+                b: float = blocked,
+                a: str = ack,
+                i: int = table_id,
+                c: TableConfig = config,
+            ) -> Any:
                 def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
-                    tt = TableTxn(t, self._db, table_id, config, self.clock())
+                    tt = TableTxn(t, self._db, i, c, self.clock())
                     return self._take(tt, spec, f, b, hold=hold, owner=owner)
 
                 if not a:
