@@ -86,3 +86,20 @@ def test_a_waiting_sample_finds_its_table_dropped(tmp_path: Path) -> None:
         store.drop_table("plain")
         sampler.join(30)
         assert "batch" not in result and "does not exist" in str(result["error"])
+
+
+def test_dropping_a_table_ends_the_batches_held_from_it(tmp_path: Path) -> None:
+    """A stream's held batch is a lease keyed by its id: dropping the table ends it, and
+    leaves the held batches of other tables as they are."""
+    with Store(tmp_path / "data", map_size=16 << 20) as store:
+        for name in ("plain", "other"):
+            store.create_table(TableConfig(name=name, estimator="none", group_size=2))
+            store.put(name, group_items(1, 0, 2))
+        store.sample(SampleSpec("plain", num_groups=1), hold=True, owner="me")
+        kept = store.sample(SampleSpec("other", num_groups=1), hold=True, owner="me")
+        store.drop_table("plain")
+        with store.environment.read() as txn:
+            leases = [bytes(key).decode() for key, _ in txn.cursor(db=store._db["leases"])]
+        assert leases == [kept.lease_id]
+        assert store.release_holds() == 2
+        assert store.verify("other") == []

@@ -156,6 +156,10 @@ class Store:
                     if cur.set_range(prefix):
                         while cur.key().startswith(prefix) and cur.delete():
                             pass
+            # Leases are keyed by id, not table: a batch held by a stream of this table ends here.
+            ended = [key for key, raw in txn.cursor(db=self._db["leases"]) if Lease.decode(raw).table_id == table_id]
+            for key in ended:
+                txn.delete(key, db=self._db["leases"])
             return sum(counters[s] for s in ("pending", "computing", "ready", "leased"))
 
         dropped = self._submit(op)
