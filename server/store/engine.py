@@ -482,50 +482,13 @@ class Store:
         ready groups, forget old tombstones; each lease and each table isolated from the
         others (upkeep.py)."""
         now = self.clock()
-        upkeep = self._upkeep
 
-        def expire(txn: lmdb.Transaction, key: bytes) -> int:
-            lease_id = key[8:]
-            if txn.get(lease_id, db=self._db["leases"]) is None:  # an expiry without its lease
-                txn.delete(key, db=self._db["lease_exp"])
-                return 0
-            return self._end_lease(txn, lease_id.decode(), requeue=True, expired=True)
+        def end_lease(txn: lmdb.Transaction, lease_id: str) -> int:
+            return self._end_lease(txn, lease_id, requeue=True, expired=True)
 
-        def op(txn: lmdb.Transaction) -> dict[str, int]:
-            done = dict.fromkeys(
-                (
-                    "leases_expired",
-                    "requeued",
-                    "rollouts_returned",
-                    "groups_timed_out",
-                    "groups_stale_evicted",
-                    "tombstones_pruned",
-                    "failed",
-                ),
-                0,
-            )
-            for key in upkeep.expired(txn, now):
-                requeued = upkeep.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
-                done["failed"] += requeued is None
-                done["leases_expired"] += requeued is not None
-                done["requeued"] += requeued or 0
-            for key in upkeep.expired(txn, now, "grant_exp"):
-                returned = upkeep.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: self._expire_grant(t, k))
-                done["failed"] += returned is None
-                done["rollouts_returned"] += returned or 0
-            for table_id, config in list(self._tables.values()):
-                result = upkeep.isolated(
-                    txn, f"table {config.name}", lambda t, i=table_id, c=config: upkeep.table(t, i, c, now)
-                )
-                if result is None:
-                    done["failed"] += 1
-                    continue
-                done["groups_timed_out"] += result[0]
-                done["tombstones_pruned"] += result[1]
-                done["groups_stale_evicted"] += result[2]
-            return done
-
-        return self._submit(op)
+        return self._submit(
+            lambda txn: self._upkeep.run(txn, now, list(self._tables.values()), end_lease, self._expire_grant)
+        )
 
     # ---- advantages ------------------------------------------------------------------------
 

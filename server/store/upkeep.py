@@ -33,6 +33,56 @@ class Upkeep:
         self.failures = 0  # pieces skipped because they failed
         self._reported: set[str] = set()
 
+    def run(
+        self,
+        txn: lmdb.Transaction,
+        now: float,
+        tables: list[tuple[int, TableConfig]],
+        end_lease: Callable[[lmdb.Transaction, str], int],
+        expire_grant: Callable[[lmdb.Transaction, bytes], int],
+    ) -> dict[str, int]:
+        """One round of upkeep: expired leases (`end_lease` requeues one) and grants
+        (`expire_grant` returns one's rollouts), then every table; counts of what was done."""
+        done = dict.fromkeys(
+            (
+                "leases_expired",
+                "requeued",
+                "rollouts_returned",
+                "groups_timed_out",
+                "groups_stale_evicted",
+                "tombstones_pruned",
+                "failed",
+            ),
+            0,
+        )
+
+        def expire(t: lmdb.Transaction, key: bytes) -> int:
+            lease_id = key[8:]
+            if t.get(lease_id, db=self.db["leases"]) is None:  # an expiry without its lease
+                t.delete(key, db=self.db["lease_exp"])
+                return 0
+            return end_lease(t, lease_id.decode())
+
+        for key in self.expired(txn, now):
+            requeued = self.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
+            done["failed"] += requeued is None
+            done["leases_expired"] += requeued is not None
+            done["requeued"] += requeued or 0
+        for key in self.expired(txn, now, "grant_exp"):
+            returned = self.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: expire_grant(t, k))
+            done["failed"] += returned is None
+            done["rollouts_returned"] += returned or 0
+        for table_id, config in tables:
+            where = f"table {config.name}"
+            result = self.isolated(txn, where, lambda t, i=table_id, c=config: self.table(t, i, c, now))
+            if result is None:
+                done["failed"] += 1
+                continue
+            done["groups_timed_out"] += result[0]
+            done["tombstones_pruned"] += result[1]
+            done["groups_stale_evicted"] += result[2]
+        return done
+
     def expired(self, txn: lmdb.Transaction, now: float, index: str = "lease_exp") -> list[bytes]:
         """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
         expired = []
