@@ -38,6 +38,16 @@ def param_number(name: str, value: Any) -> Any:
     return float(choices.index(value))
 
 
+# A table's off-policy settings (admission, staleness, rate limits): the trainer's side of a run.
+OFF_POLICY_SETTINGS = (
+    "max_staleness",
+    "batch_size",
+    "on_stale",
+    "min_size_to_sample",
+    "samples_per_insert",
+    "samples_per_insert_error",
+    "evict_stale",
+)
 # Every setting of a table, by the names of the TOML file and of create_table.
 TABLE_SETTINGS = (
     "name",
@@ -56,13 +66,7 @@ TABLE_SETTINGS = (
     "tombstone_seconds",
     "keep_failed",
     "shaping",
-    "max_staleness",
-    "batch_size",
-    "on_stale",
-    "min_size_to_sample",
-    "samples_per_insert",
-    "samples_per_insert_error",
-    "evict_stale",
+    *OFF_POLICY_SETTINGS,
 )
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
 SHAPING_SETTINGS = (

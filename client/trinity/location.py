@@ -27,23 +27,13 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from expbuf.client.client import Tls
-from expbuf.client.wire import ORDER
+from expbuf.client.wire import OFF_POLICY_SETTINGS, ORDER
 
 SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 3600.0
 OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order")
-# Off-policy table settings (TOML names), refused in a path with a pointer to where they go.
-TABLE_SETTINGS = (
-    "max_staleness",
-    "batch_size",
-    "on_stale",
-    "min_size_to_sample",
-    "samples_per_insert",
-    "samples_per_insert_error",
-    "evict_stale",
-)
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -105,7 +95,7 @@ def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "token":
             raise ValueError("expbuf path: a token never goes in the path; name its variable with token_env=NAME")
-        if name in TABLE_SETTINGS:
+        if name in OFF_POLICY_SETTINGS:  # table settings: refused in a path, with where they go
             raise ValueError(
                 f"expbuf path option {name} is a setting of the table, fixed when it is created: set it in the "
                 "server's TOML [[tables]] or with create_table, not in the path"
