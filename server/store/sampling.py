@@ -1,0 +1,191 @@
+"""The Store's sample, ack and nack: taking whole groups in the writer's transaction, with
+the rate limit's waits, a stream's deferred confirmation (`ack` in the commit of the next
+take) and the end of leases (consumed, requeued, expired, or held by a stopped server).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import lmdb
+
+from ..errors import Forbidden, InvalidRequest, NotFound, clip
+from ..sample_spec import SampleSpec
+from ..tables import TableConfig
+from . import layout, limiter
+from .environment import Environment
+from .groups import TableTxn
+from .leases import end_lease, read_lease, take
+from .records import Lease
+from .types import Sampled
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A request refused inside a transaction that still commits (see Store._isolated)."""
+
+    error: Exception
+
+
+class Sampling:
+    """Sampling and leases, a part of `Store` (engine.py), which provides the writer, the
+    tables and the clock."""
+
+    environment: Environment
+    clock: Callable[[], float]
+    _db: dict[str, lmdb._Database]
+    _rng: random.Random
+
+    def sample(
+        self,
+        spec: SampleSpec,
+        *,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
+        stop: Callable[[], bool] | None = None,
+        ack: str = "",
+    ) -> Sampled | None:
+        """Select whole ready groups; None if not enough arrived within the wait.
+
+        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold`, a
+        consumed batch is not retired yet but held under a lease without expiry, until
+        the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
+        stopped server return to the buffer at the next start (`release_holds`).
+        `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
+        cancelled RPC ends the wait early, with None). `ack` names a lease of this table
+        and owner to consume first, in the same commit as the first attempt (a stream's
+        last batch, which its client has): one durable write for both, and the lease is
+        consumed even if the attempt fails, as by `ack` alone; if the lease cannot be
+        consumed, nothing is taken.
+        """
+        start = time.monotonic()
+        deadline = start + (spec.wait_seconds if timeout is None else timeout)
+        held = False  # whether the rate limit held this request
+        while True:
+            generation = self.environment.generation
+            final = time.monotonic() >= deadline
+            blocked = time.monotonic() - start if held else 0.0
+            table_id, config = self._table(spec.table)  # at each attempt: it may have been dropped
+
+            def attempt(
+                txn: lmdb.Transaction,
+                f: bool = final,
+                b: float = blocked,
+                a: str = ack,
+                i: int = table_id,
+                c: TableConfig = config,
+            ) -> Any:
+                def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
+                    tt = TableTxn(t, self._db, i, c, self.clock())
+                    return self._take(tt, spec, f, b, hold=hold, owner=owner)
+
+                if not a:
+                    return take_in(txn)
+                self._end_lease(txn, a, requeue=False, table=spec.table, owner=owner)
+                return self._isolated(txn, take_in)
+
+            result = self._submit(attempt)
+            ack = ""
+            if isinstance(result, _Refused):
+                raise result.error
+            if isinstance(result, limiter.SampleLimited):
+                if final:
+                    raise result
+                held = True
+            elif result is not None or final:
+                return result
+            if stop is not None and stop():
+                return None
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def _isolated(self, txn: lmdb.Transaction, fn: Callable[[lmdb.Transaction], T]) -> T | _Refused:
+        """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is
+        returned, so that the rest of txn still commits. A full map or an LMDB error fails
+        the whole transaction, as anywhere else."""
+        child = self.environment.env.begin(write=True, parent=txn)
+        try:
+            result = fn(child)
+        except lmdb.Error:
+            child.abort()
+            raise
+        except Exception as exc:
+            child.abort()
+            return _Refused(exc)
+        child.commit()
+        return result
+
+    def _take(
+        self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
+    ) -> Sampled | limiter.SampleLimited | None:
+        result = take(
+            tt,
+            spec,
+            spec.allow_partial and final,
+            self._rng,
+            hold=hold,
+            owner=owner,
+            snapshot=self.environment.snapshot,
+        )
+        if blocked and (isinstance(result, Sampled) or final):
+            tt.counters["sample_blocked_seconds"] += blocked
+            tt.save()
+        return result
+
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged. With a
+        table (a caller's request), the lease must be of that table and that owner."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False, table=table, owner=owner))
+
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Return the groups of a lease to the buffer; returns the experiences requeued."""
+        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True, table=table, owner=owner))
+
+    def release_holds(self) -> int:
+        """Return every batch held for a stream of an earlier run of the server; the
+        streams that held them are gone. Returns the experiences requeued."""
+
+        def op(txn: lmdb.Transaction) -> int:
+            held = [key.decode() for key, raw in txn.cursor(db=self._db["leases"]) if Lease.decode(raw).expires is None]
+            return sum(self._end_lease(txn, lease_id, requeue=True) for lease_id in held)
+
+        return self._submit(op)
+
+    def _end_lease(
+        self,
+        txn: lmdb.Transaction,
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        if not lease_id:
+            raise InvalidRequest("lease_id is empty")
+        lease = read_lease(txn, self._db["leases"], lease_id)
+        if lease is None:
+            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
+        if table is not None:
+            table_id, _ = self._table(table)
+            if lease.table_id != table_id:
+                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
+            if lease.owner != owner:
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+        txn.delete(lease_id.encode(), db=self._db["leases"])
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self._db["lease_exp"])
+        tt = self._by_id(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        count = end_lease(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
+        if expired:
+            tt.counters["leases_expired"] += 1
+        tt.save()
+        return count
