@@ -1,4 +1,5 @@
-"""A trainer loop: takes batches of whole GRPO groups under a lease and acks each after its step.
+"""A trainer loop: takes batches of whole GRPO groups under a lease, with the advantages the
+server computed, and acks each after its step.
 
     python examples/trainer.py --target 127.0.0.1:50051 --groups 4 --steps 4
 
@@ -17,12 +18,16 @@ from expbuf.client.torch import ExperienceDataset
 
 
 def train_step(batch) -> float:
-    """Stands in for a policy-gradient step: group-normalised rewards weight the logprobs."""
-    exps = batch.experiences
-    rewards = torch.tensor([e.reward for e in exps])
-    loss = torch.stack([-(e.logprobs * e.action_mask).sum() for e in exps])
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6) if len(exps) > 1 else rewards
-    return float((loss * advantages).mean())
+    """Stands in for a policy-gradient step on the advantages the server computed for each group.
+
+    The table's estimator (grpo here) filled `advantages` in when each group completed: per
+    token, the response length, zero where `action_mask` is 0. The trainer recomputes nothing.
+    """
+    losses = []
+    for e in batch.experiences:
+        mask = e.action_mask.float()
+        losses.append(-(e.advantages * e.logprobs * mask).sum() / mask.sum().clamp(min=1))
+    return float(torch.stack(losses).mean())
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import importlib.resources
 import json
 import os
 import queue
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -130,14 +132,22 @@ def test_dashboard_queries_use_exported_metrics(tmp_path: Path) -> None:
             c.admit("default", 1)
             with pytest.raises(BufferError):  # refusals are counted from the first one on
                 c.push((BAD_DIR / "bad_magic.bin").read_bytes())
-        exported = {name for name, _ in scrape(server.metrics_port)}
+        samples = scrape(server.metrics_port)
     finally:
         server.stop(grace=1)
+    exported = {name for name, _ in samples}
+    by_table = {name for name, labels in samples if "table" in dict(labels)}
     dashboard = json.loads((DOCKER / "grafana" / "expbuf.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     used = {name for expr in exprs for name in re.findall(r"\bexpbuf_[a-z_]+", expr)}
     assert len(exprs) >= 10 and len(used) >= 10
     assert used <= exported, f"the dashboard queries metrics the server does not export: {used - exported}"
+    # Both variables narrow every panel: each selector names the shard, and the table where the metric has one.
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["shard", "table"]
+    for expr in exprs:
+        for name, selector in re.findall(r"\b(expbuf_[a-z_]+)\{([^}]*)\}", expr):
+            assert 'shard=~"$shard"' in selector, expr
+            assert ('table=~"$table"' in selector) == (name in by_table), expr
 
 
 def test_json_logs_and_stats_view(tmp_path: Path) -> None:
@@ -212,6 +222,10 @@ def test_compose_file_is_valid_for_compose() -> None:
             assert dependency in services, (name, dependency)
         assert all(isinstance(v, str) for v in (service.get("environment") or {}).values()), name
     assert services["expbuf"]["ports"] == ["50051:50051", "9400:9400"]
+    # Publishing on every interface without tokens is a choice the file must say out loud.
+    text = (DOCKER / "compose.yaml").read_text()
+    warning = text[text.index("  expbuf:") : text.index("    ports:")]
+    assert "every interface" in warning and "EXPBUF_TOKENS" in warning and "127.0.0.1:50051:50051" in warning
 
 
 def test_make_test_changes_nothing_on_the_system() -> None:
@@ -524,3 +538,12 @@ def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
                 call.cancel()
     finally:
         server.stop(grace=1)
+
+
+def test_packages_declare_their_type_hints() -> None:
+    """PEP 561: `py.typed` in the client and server packages, and shipped in the wheel."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_data = pyproject["tool"]["setuptools"]["package-data"]
+    for package in ("expbuf.client", "expbuf.server"):
+        assert "py.typed" in package_data[package]
+        assert importlib.resources.files(package).joinpath("py.typed").is_file()
