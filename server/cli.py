@@ -16,7 +16,7 @@ from pathlib import Path
 
 from expbuf.client import Tls
 
-from . import logs
+from . import __version__, logs
 from .config import load
 from .stats_view import watch
 from .tables import ConfigError
@@ -132,9 +132,11 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", default=env("EXPBUF_TLS_CLIENT_KEY"), help="its key (env EXPBUF_TLS_CLIENT_KEY)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, each with its help text."""
     parser = argparse.ArgumentParser(prog="expbuf", description="Durable experience buffer for RL fine-tuning")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"expbuf {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do")
     serve = sub.add_parser("serve", help="run the gRPC server")
     serve.add_argument("--data", help="LMDB directory (default ./expbuf-data; env EXPBUF_DATA)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1; env EXPBUF_HOST)")
@@ -162,12 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     stats.set_defaults(func=_stats)
     health = sub.add_parser("health", help="standard gRPC health check (for container health checks)")
     _client_options(health)
-    health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default %(default)s)"
+    )
     health.set_defaults(func=_health)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
-    check.add_argument("--data", default="./expbuf-data")
+    check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logs.configure()
     try:
         return args.func(args)

@@ -21,6 +21,7 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
+from . import __version__
 from .advantages import check_device
 from .backend import Backend
 from .errors import (
@@ -48,7 +49,6 @@ from .store.limiter import InsertLimited, SampleLimited
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
-VERSION = "0.1.0"
 
 _STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -408,7 +408,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:
         storage = self.store.storage_info()
         return pb.ServerInfoReply(
-            version=VERSION,
+            version=__version__,
             trxp_version=str(trxp.VERSION),
             advantage_device=self.advantage_device,
             max_message_bytes=self.max_message_bytes,
@@ -424,7 +424,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         if unknown:
             raise wire.WireError(
                 f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
-                f"(expbuf {VERSION}) does not know them, so it refuses the table instead of dropping them"
+                f"(expbuf {__version__}) does not know them, so it refuses the table instead of dropping them"
             )
         config = TableConfig.from_dict(wire.table_from_proto(request.config))
         check_device(config)

@@ -14,20 +14,20 @@ from typing import Any, TextIO
 from expbuf.client import BufferClient, BufferError, Tls
 
 COLUMNS = (
-    ("table", 16),
-    ("pending", 8),
-    ("computing", 10),
-    ("ready", 8),
-    ("leased", 8),
-    ("consumed", 9),
-    ("groups p/c/r/l", 15),
-    ("failed", 7),
-    ("dropped", 8),
-    ("bytes", 9),
-    ("oldest", 8),
-    ("versions", 10),
-    ("push/s", 8),
-    ("sample/s", 9),
+    "table",
+    "pending",
+    "computing",
+    "ready",
+    "leased",
+    "consumed",
+    "groups p/c/r/l",
+    "failed",
+    "dropped",
+    "bytes",
+    "oldest",
+    "versions",
+    "push/s",
+    "sample/s",
 )
 
 
@@ -47,35 +47,42 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _row(name: str, t: dict[str, Any], rates: dict[str, tuple[float, float]]) -> tuple[str, ...]:
+    versions = "-" if t["max_model_version"] < 0 else f"{t['min_model_version']}..{t['max_model_version']}"
+    push, sample = rates.get(name, (None, None))
+    cells = (
+        name,
+        t["pending"],
+        t["computing"],
+        t["ready"],
+        t["leased"],
+        t["consumed"],
+        f"{t['groups_pending']}/{t['groups_computing']}/{t['groups_ready']}/{t['groups_leased']}",
+        t["groups_failed"],
+        t["groups_dropped"],
+        _size(t["bytes"]),
+        _age(t["oldest_age_seconds"]) if t["pending"] + t["computing"] + t["ready"] + t["leased"] else "-",
+        versions,
+        "-" if push is None else f"{push:.1f}",
+        "-" if sample is None else f"{sample:.1f}",
+    )
+    return tuple(str(c) for c in cells)
+
+
 def render(info: dict[str, Any], tables: dict[str, dict[str, Any]], rates: dict[str, tuple[float, float]]) -> str:
+    """The view as text; each column as wide as its widest cell, so long table names keep the columns aligned."""
+    rows = [(name, _row(name, t, rates)) for name, t in tables.items()]
+    widths = [max([len(header), *(len(cells[i]) for _, cells in rows)]) for i, header in enumerate(COLUMNS)]
     lines = [
         f"expbuf {info['version']}  uptime {_age(info['uptime_seconds'])}  storage {_size(info['storage_bytes'])}"
         f" (map {info['lmdb_map_used_ratio']:.0%})  advantages on {info['advantage_device']}",
         "",
-        " ".join(name.ljust(width) for name, width in COLUMNS),
+        "  ".join(header.ljust(w) for header, w in zip(COLUMNS, widths, strict=True)).rstrip(),
     ]
-    for name, t in tables.items():
-        versions = "-" if t["max_model_version"] < 0 else f"{t['min_model_version']}..{t['max_model_version']}"
-        push, sample = rates.get(name, (None, None))
-        cells = (
-            name,
-            t["pending"],
-            t["computing"],
-            t["ready"],
-            t["leased"],
-            t["consumed"],
-            f"{t['groups_pending']}/{t['groups_computing']}/{t['groups_ready']}/{t['groups_leased']}",
-            t["groups_failed"],
-            t["groups_dropped"],
-            _size(t["bytes"]),
-            _age(t["oldest_age_seconds"]) if t["pending"] + t["computing"] + t["ready"] + t["leased"] else "-",
-            versions,
-            "-" if push is None else f"{push:.1f}",
-            "-" if sample is None else f"{sample:.1f}",
-        )
-        lines.append(" ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS, strict=True)))
-        if t["last_failure"]:
-            lines.append(f"  last failure: {t['last_failure']}")
+    for name, cells in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        if tables[name]["last_failure"]:
+            lines.append(f"  last failure: {tables[name]['last_failure']}")
     return "\n".join(lines)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import fnmatch
+import importlib.metadata
 import importlib.resources
 import json
 import os
@@ -31,7 +33,9 @@ from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
+from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig
+from expbuf.server.stats_view import COLUMNS, render
 
 from conftest import BAD_DIR, payload
 from helpers import ServerProcess, group_items, scrape
@@ -547,3 +551,30 @@ def test_packages_declare_their_type_hints() -> None:
     for package in ("expbuf.client", "expbuf.server"):
         assert "py.typed" in package_data[package]
         assert importlib.resources.files(package).joinpath("py.typed").is_file()
+
+
+def test_stats_columns_fit_long_table_names() -> None:
+    """Every column starts where its header starts, whatever the longest table name."""
+    counts = dict.fromkeys(("pending", "computing", "ready", "leased", "consumed", "groups_failed"), 3)
+    counts |= {f"groups_{s}": 1 for s in ("pending", "computing", "ready", "leased", "dropped")}
+    row = counts | {"bytes": 2048, "oldest_age_seconds": 5.0, "min_model_version": 1, "max_model_version": 12}
+    tables = {"t": row | {"last_failure": ""}, "a_table_name_of_forty_characters_xxxxxx": row | {"last_failure": ""}}
+    info = {"version": "x", "uptime_seconds": 1.0, "storage_bytes": 1, "lmdb_map_used_ratio": 0.1}
+    lines = render(info | {"advantage_device": "cpu"}, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
+    cell = r"\S+(?: \S+)*"  # cells ("2.0 KB") may hold one space, columns are two apart
+    starts = [m.start() for m in re.finditer(cell, lines[0])]
+    assert len(starts) == len(COLUMNS)
+    for line in lines[1:]:
+        assert [m.start() for m in re.finditer(cell, line)] == starts, line
+
+
+def test_cli_version_and_help_on_every_option() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == f"expbuf {importlib.metadata.version('expbuf')}"
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in {"": parser, **commands}.items():
+        for action in command._actions:
+            assert action.help, f"expbuf {name} {'/'.join(action.option_strings) or action.dest} has no help text"
