@@ -57,20 +57,21 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail with the port's name before gRPC tries it (gRPC would log its own lines and a vague error)."""
+def _check_port_free(host: str, port: int, kind: str) -> None:
+    """Fail with the port's name before gRPC or the HTTP server tries it (gRPC would log its own lines
+    and a vague error), and before the data directory is opened."""
     if port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        family, sock_type, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
-        raise StartupError(f"cannot bind the gRPC port {host}:{port}: {exc.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
+        raise StartupError(f"cannot bind the {kind} port {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, sock_type, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
         try:
             probe.bind(address)
         except OSError as exc:
-            raise StartupError(f"cannot bind the gRPC port {host}:{port}: {exc.strerror}") from None
+            raise StartupError(f"cannot bind the {kind} port {host}:{port}: {exc.strerror}") from None
 
 
 def _read(kind: str, path: str) -> bytes:
@@ -89,12 +90,22 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
 
 
+def _summary(names: list[str], shown: int = 5) -> str:
+    """A table count and the first few names: one start-up line, however many tables there are."""
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} ({', '.join(names[:shown])}{more})"
+
+
 class ExpbufServer:
     """The store behind a gRPC server, with a maintenance thread for leases and timeouts."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         credentials = server_credentials(config)
+        # Ports first: a start refused for a port in use leaves no data directory behind.
+        _check_port_free(config.host, config.port, "gRPC")
+        if config.metrics_port > 0:
+            _check_port_free(config.metrics_host or config.host, config.metrics_port, "metrics")
         try:
             self.store = Store(config.data)
         except (StoreError, OSError, lmdb.Error) as exc:
@@ -144,7 +155,6 @@ class ExpbufServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
-        _check_port_free(config.host, config.port)
         try:
             if credentials is None:
                 self.port = self.grpc.add_insecure_port(address)
@@ -189,7 +199,7 @@ class ExpbufServer:
             "on" if self.config.tls else "off",
             "on" if self.config.tokens else "off",
             self.config.data,
-            ", ".join(t.name for t in self.store.list_tables()),
+            _summary([t.name for t in self.store.list_tables()]),
         )
         return self
 

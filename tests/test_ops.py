@@ -32,7 +32,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.app import ExpbufServer
+from expbuf.server.app import ExpbufServer, _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig
 from expbuf.server.stats_view import COLUMNS, render
@@ -324,6 +324,7 @@ def test_second_server_on_a_taken_port_refuses_to_start(tmp_path: Path) -> None:
     try:
         done = cli("serve", "--data", str(tmp_path / "b"), "--port", str(first.port), "--metrics-port", "-1")
         one_line_error(done, f"127.0.0.1:{first.port}", "in use")  # "Address already in use"
+        assert not (tmp_path / "b").exists()  # a refused start creates nothing
         with BufferClient(first.target) as c:  # the first server still owns its port
             assert "default" in c.stats()
     finally:
@@ -334,6 +335,7 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     taken = listener.getsockname()[1]
     done = cli("serve", "--data", str(tmp_path / "m"), "--port", "0", "--metrics-port", str(taken))
     one_line_error(done, "metrics port", str(taken))
+    assert not (tmp_path / "m").exists()
     missing = str(tmp_path / "no-such-cert.pem")
     tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
     done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
@@ -578,3 +580,10 @@ def test_cli_version_and_help_on_every_option() -> None:
     for name, command in {"": parser, **commands}.items():
         for action in command._actions:
             assert action.help, f"expbuf {name} {'/'.join(action.option_strings) or action.dest} has no help text"
+
+
+def test_start_up_line_summarises_the_tables() -> None:
+    """One short line however many tables a server holds (the names of 10,000 would fill a screen)."""
+    assert _summary(["default", "grpo8"]) == "2 (default, grpo8)"
+    line = _summary([f"table{i}" for i in range(10_000)])
+    assert line == "10000 (table0, table1, table2, table3, table4, and 9995 more)"
