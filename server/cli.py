@@ -19,6 +19,7 @@ from expbuf.client import Tls
 from . import __version__, logs
 from .config import load
 from .stats_view import watch
+from .table_cli import add_table_commands, run_table_command
 from .tables import ConfigError
 
 log = logging.getLogger("expbuf")
@@ -96,6 +97,10 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.target, args.token, args.watch, args.count, tls=_tls(args))
 
 
+def _table(args: argparse.Namespace) -> int:
+    return run_table_command(args, _tls(args))
+
+
 def _check(args: argparse.Namespace) -> int:
     """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
     if not (Path(args.data) / "data.mdb").is_file():
@@ -168,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default %(default)s)"
     )
     health.set_defaults(func=_health)
+    add_table_commands(sub, _client_options, _table)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)

@@ -575,11 +575,13 @@ def test_cli_version_and_help_on_every_option() -> None:
         [sys.executable, "-m", "expbuf.server.cli", "--version"], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == f"expbuf {importlib.metadata.version('expbuf')}"
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    for name, command in {"": parser, **commands}.items():
+    pending = [("expbuf", build_parser())]
+    while pending:  # every command and sub-command, and every option of each
+        name, command = pending.pop()
         for action in command._actions:
-            assert action.help, f"expbuf {name} {'/'.join(action.option_strings) or action.dest} has no help text"
+            assert action.help, f"{name} {'/'.join(action.option_strings) or action.dest} has no help text"
+            if isinstance(action, argparse._SubParsersAction):
+                pending += [(f"{name} {sub}", parser) for sub, parser in action.choices.items()]
 
 
 def test_start_up_line_summarises_the_tables() -> None:
@@ -587,3 +589,37 @@ def test_start_up_line_summarises_the_tables() -> None:
     assert _summary(["default", "grpo8"]) == "2 (default, grpo8)"
     line = _summary([f"table{i}" for i in range(10_000)])
     assert line == "10000 (table0, table1, table2, table3, table4, and 9995 more)"
+
+
+def test_table_commands(tmp_path: Path) -> None:
+    """create, list, describe and drop a table from the shell, settings in TOML's names and values."""
+    proc = ServerProcess(str(tmp_path))
+    try:
+        target = ("--target", proc.target)
+        settings = ("group_size=8", "estimator=rloo", "drop_zero_variance=true", "shaping={reward_clip=5.0}")
+        done = cli("table", "create", "grpo4", *settings, *target)
+        assert done.returncode == 0, done.stderr
+        with BufferClient(proc.target) as c:
+            (made,) = (t for t in c.list_tables() if t["name"] == "grpo4")
+            c.push(payload("grpo_group.trxp"), table="grpo4")
+        assert (made["group_size"], made["estimator"], made["drop_zero_variance"]) == (8, "rloo", True)
+        assert made["shaping"]["reward_clip"] == 5.0
+        again = cli("table", "create", "grpo4", "group_size=4", *target)
+        assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+        bad = cli("table", "create", "x", "group_size", *target)
+        assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+        listing = cli("table", "list", *target).stdout.splitlines()
+        assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
+        assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
+        described = cli("table", "describe", "grpo4", *target).stdout
+        toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]
+        assert {k: v for k, v in made.items() if v is not None} == toml_part  # pastes into a config as it is
+        assert re.search(r"^# pushed = \d+$", described, re.M)
+        refused = cli("table", "drop", "grpo4", *target)
+        assert refused.returncode == 2 and "--yes" in refused.stderr
+        dropped = cli("table", "drop", "grpo4", "--yes", *target)
+        assert dropped.returncode == 0 and dropped.stdout.startswith("dropped grpo4: ")
+        missing = cli("table", "describe", "grpo4", *target)
+        assert missing.returncode == 1 and "no table 'grpo4'" in missing.stderr
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0

@@ -1,0 +1,138 @@
+"""`expbuf table create|list|describe|drop`: table administration from a shell, through the RPCs.
+
+Settings are given as `KEY=VALUE` with the TOML names and TOML values (`group_size=8`,
+`estimator=grpo`, `shaping={reward_clip=5.0}`), and `describe` prints a table's settings as
+the `[[tables]]` block of a TOML config, so what an operator reads can be pasted into one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from collections.abc import Callable
+from typing import Any
+
+from expbuf.client import BufferClient, BufferError, Tls
+
+
+class SettingError(ValueError):
+    """A `KEY=VALUE` argument that is not one."""
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE`, the value read as TOML (a bare word that is not TOML is a string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise SettingError(f"{text!r}: a setting is KEY=VALUE, e.g. group_size=8")
+    try:
+        return key.strip(), tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), value
+
+
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it: strings quoted, booleans in lower case, tables inline."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def describe_text(settings: dict[str, Any], stats: dict[str, Any]) -> str:
+    """Settings as a `[[tables]]` block (unset ones left out), then the table's counts as comments."""
+    lines = ["[[tables]]"]
+    lines += [f"{key} = {toml_value(value)}" for key, value in settings.items() if value is not None]
+    lines += ["", "# stats"]
+    lines += [f"# {key} = {value}" for key, value in stats.items() if key != "name"]
+    return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _create(args: argparse.Namespace, client: BufferClient) -> int:
+    try:
+        settings = dict(parse_setting(s) for s in args.settings)
+    except SettingError as exc:
+        print(f"expbuf table create: {exc}", file=sys.stderr)
+        return 2
+    created = client.create_table(args.name, exist_ok=args.exist_ok, **settings)
+    print(describe_text(created, {}).split("\n\n")[0])
+    return 0
+
+
+def _list(args: argparse.Namespace, client: BufferClient) -> int:
+    stats = client.stats()
+    rows = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
+    for t in client.list_tables():
+        s = stats.get(t["name"], {})
+        counts = (str(s.get(state, "-")) for state in ("ready", "leased", "pending"))
+        rows.append((t["name"], t["group_by"], str(t["group_size"]), t["estimator"], *counts))
+    print(_columns(rows))
+    return 0
+
+
+def _describe(args: argparse.Namespace, client: BufferClient) -> int:
+    settings = next((t for t in client.list_tables() if t["name"] == args.name), None)
+    if settings is None:
+        print(f"expbuf table describe: no table {args.name!r}", file=sys.stderr)
+        return 1
+    print(describe_text(settings, client.stats(args.name).get(args.name, {})))
+    return 0
+
+
+def _drop(args: argparse.Namespace, client: BufferClient) -> int:
+    if not args.yes:
+        print(
+            f"expbuf table drop: dropping {args.name!r} deletes every experience it holds; add --yes to do it",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"dropped {args.name}: {client.drop_table(args.name)} experiences")
+    return 0
+
+
+def add_table_commands(
+    sub: argparse._SubParsersAction,
+    client_options: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    """Register `expbuf table ...` under the top-level parser; `run` connects and calls the action."""
+    table = sub.add_parser("table", help="create, list, describe or drop tables of a running server")
+    actions = table.add_subparsers(dest="action", required=True, help="what to do with tables")
+    create = actions.add_parser("create", help="create a table (settings as in a TOML [[tables]] block)")
+    create.add_argument("name", help="the table's name")
+    create.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="settings, e.g. group_size=8 estimator=grpo")
+    create.add_argument("--exist-ok", action="store_true", help="succeed if a table with these settings exists")
+    create.set_defaults(table_action=_create)
+    listing = actions.add_parser("list", help="every table with its grouping, estimator and counts")
+    listing.set_defaults(table_action=_list)
+    describe = actions.add_parser("describe", help="a table's settings as TOML, and its counts")
+    describe.add_argument("name", help="the table's name")
+    describe.set_defaults(table_action=_describe)
+    drop = actions.add_parser("drop", help="drop a table and every experience in it")
+    drop.add_argument("name", help="the table's name")
+    drop.add_argument("--yes", action="store_true", help="really drop it (the command refuses without)")
+    drop.set_defaults(table_action=_drop)
+    for parser in (create, listing, describe, drop):
+        client_options(parser)
+        parser.set_defaults(func=run)
+
+
+def run_table_command(args: argparse.Namespace, tls: Tls | None) -> int:
+    """Run one `expbuf table` action; a refusal by the server is its status and message, exit code 1."""
+    with BufferClient(args.target, token=args.token, tls=tls, timeout=30, retries=0) as client:
+        try:
+            return args.table_action(args, client)
+        except BufferError as exc:
+            print(f"expbuf table {args.action}: {exc.code.name}: {exc.details}", file=sys.stderr)
+            return 1
