@@ -378,6 +378,25 @@ class BufferClient(_Base):
         reply = self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
         return _get_result(reply)
 
+    def list_experiences(
+        self,
+        table: str = "default",
+        *,
+        states: Iterable[str] = (),
+        min_model_version: int | None = None,
+        max_model_version: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> ExperiencePage:
+        """A page of the table's live experiences in insertion order, optionally of some states and
+        model versions; page on with `after=page.next` until `page.done`. Example::
+
+            page = client.list_experiences("grpo8", states=["ready"])
+            experiences = client.get([e.uid for e in page.experiences], table="grpo8")
+        """
+        request = _list_request(table, states, min_model_version, max_model_version, after, limit)
+        return _page(self._call(self._stub.ListExperiences, request, retry=True))
+
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
         return self._call(self._stub.Delete, request, retry=False).deleted
@@ -421,6 +440,58 @@ class GetResult(list[Experience]):
 
 def _get_result(reply: pb.GetReply) -> GetResult:
     return GetResult(trxp.decode(reply.payload), reply.missing_uids)
+
+
+@dataclass(frozen=True)
+class ListedExperience:
+    """A live experience as `list_experiences` lists it; its payload comes from `get`."""
+
+    uid: str
+    group_id: str
+    state: str  # pending | computing | ready | leased
+    model_version: int | None
+    reward: float | None
+    times_sampled: int
+
+
+@dataclass(frozen=True)
+class ExperiencePage:
+    """One page of a table's live experiences in insertion order; pass `next` as `after` for the next."""
+
+    experiences: list[ListedExperience]
+    next: int
+    done: bool
+
+
+def _list_request(
+    table: str,
+    states: Iterable[str],
+    min_model_version: int | None,
+    max_model_version: int | None,
+    after: int,
+    limit: int,
+) -> pb.ListExperiencesRequest:
+    return pb.ListExperiencesRequest(
+        table=table,
+        states=list(states),
+        min_model_version=min_model_version,
+        max_model_version=max_model_version,
+        after=after,
+        limit=limit,
+    )
+
+
+def _page(reply: pb.ListExperiencesReply) -> ExperiencePage:
+    def optional(msg: Any, name: str) -> Any:
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    listed = [
+        ListedExperience(
+            e.uid, e.group_id, e.state, optional(e, "model_version"), optional(e, "reward"), e.times_sampled
+        )
+        for e in reply.experiences
+    ]
+    return ExperiencePage(listed, reply.next, reply.done)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -532,6 +603,20 @@ class AsyncBufferClient(_Base):
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         reply = await self._call(self._stub.Get, pb.GetRequest(table=table, uids=list(uids)), retry=True)
         return _get_result(reply)
+
+    async def list_experiences(
+        self,
+        table: str = "default",
+        *,
+        states: Iterable[str] = (),
+        min_model_version: int | None = None,
+        max_model_version: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> ExperiencePage:
+        """A page of the table's live experiences in insertion order (see BufferClient.list_experiences)."""
+        request = _list_request(table, states, min_model_version, max_model_version, after, limit)
+        return _page(await self._call(self._stub.ListExperiences, request, retry=True))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))

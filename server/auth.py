@@ -29,6 +29,7 @@ SCOPE_OF_METHOD = {
     "Ack": "sample",
     "Nack": "sample",
     "Get": "sample",
+    "ListExperiences": "sample",
     "Stats": "sample",
     "ServerInfo": "sample",
     "ListTables": "sample",

@@ -16,6 +16,7 @@ from expbuf.client import trxp
 from .sample_spec import SampleSpec
 from .store import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .store.admission import Grant
+from .store.browse import Page
 from .tables import TableConfig
 
 
@@ -47,6 +48,16 @@ class Backend(Protocol):
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int: ...
     def release_holds(self) -> int: ...
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]: ...
+    def list_experiences(
+        self,
+        table: str,
+        *,
+        states: Sequence[str] = (),
+        min_version: int | None = None,
+        max_version: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> Page: ...
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int: ...
     def seal(self, table: str, group_id: str) -> int: ...
     def set_trainer_version(self, table: str, version: int) -> int: ...

@@ -18,6 +18,7 @@ from expbuf.client import Tls
 
 from . import __version__, logs
 from .config import load
+from .export_cli import add_export_command, run_export
 from .stats_view import watch
 from .table_cli import add_table_commands, run_table_command
 from .tables import ConfigError
@@ -101,6 +102,10 @@ def _table(args: argparse.Namespace) -> int:
     return run_table_command(args, _tls(args))
 
 
+def _export(args: argparse.Namespace) -> int:
+    return run_export(args, _tls(args))
+
+
 def _check(args: argparse.Namespace) -> int:
     """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
     if not (Path(args.data) / "data.mdb").is_file():
@@ -174,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     health.set_defaults(func=_health)
     add_table_commands(sub, _client_options, _table)
+    add_export_command(sub, _client_options, _export)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)

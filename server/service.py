@@ -46,6 +46,7 @@ from .shaping import RunningMoments
 from .store import Sampled
 from .store.admission import StaleExperience
 from .store.limiter import InsertLimited, SampleLimited
+from .store.records import LIVE
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.service")
@@ -180,6 +181,9 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         min_model_version=request.min_model_version if request.has_min_model_version else None,
         trainer_version=request.trainer_version if request.has_trainer_version else None,
     )
+
+
+MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 
 
 def _ids(values: Iterable[str], what: str) -> list[str]:
@@ -326,6 +330,36 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
         payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
         return pb.GetReply(payload=payload, missing_uids=missing)
+
+    @_refusals
+    def ListExperiences(
+        self, request: pb.ListExperiencesRequest, context: grpc.ServicerContext
+    ) -> pb.ListExperiencesReply:
+        unknown = sorted(set(request.states) - set(LIVE))
+        if unknown:
+            raise InvalidRequest(f"states: {clip(unknown[0])!r} is not a live state ({', '.join(LIVE)})")
+        if request.limit > MAX_LIST_PAGE:
+            raise InvalidRequest(f"limit: {request.limit} is above the page limit of {MAX_LIST_PAGE}")
+        found = self.store.list_experiences(
+            request.table or "default",
+            states=list(request.states),
+            min_version=request.min_model_version if request.HasField("min_model_version") else None,
+            max_version=request.max_model_version if request.HasField("max_model_version") else None,
+            after=request.after,
+            limit=request.limit or 1000,
+        )
+        listed = [
+            pb.ListedExperience(
+                uid=item.uid,
+                group_id=item.group,
+                state=item.state,
+                model_version=item.version,
+                reward=item.reward,
+                times_sampled=item.times_sampled,
+            )
+            for item in found.items
+        ]
+        return pb.ListExperiencesReply(experiences=listed, next=found.next, done=found.done)
 
     @_refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:

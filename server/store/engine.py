@@ -24,7 +24,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, layout, limiter, retirement
+from . import admission, browse, layout, limiter, retirement
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -259,6 +259,24 @@ class Store(Sampling):
                 if blob is not None:
                     found[uid] = bytes(blob)
         return found
+
+    def list_experiences(
+        self,
+        table: str,
+        *,
+        states: Sequence[str] = (),
+        min_version: int | None = None,
+        max_version: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> browse.Page:
+        """A page of the table's live experiences in insertion order (see browse.py)."""
+        prefix = layout.table_prefix(self._table(table)[0])
+        with self.environment.read() as txn:
+            return browse.page(
+                txn, self._db, prefix,
+                states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
+            )  # fmt: skip
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing uids."""

@@ -497,3 +497,45 @@ class FinishGrantReply(_message.Message):
     RETURNED_FIELD_NUMBER: _ClassVar[int]
     returned: int
     def __init__(self, returned: _Optional[int] = ...) -> None: ...
+
+class ListExperiencesRequest(_message.Message):
+    __slots__ = ("table", "states", "min_model_version", "max_model_version", "after", "limit")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    MIN_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    states: _containers.RepeatedScalarFieldContainer[str]
+    min_model_version: int
+    max_model_version: int
+    after: int
+    limit: int
+    def __init__(self, table: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., after: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListedExperience(_message.Message):
+    __slots__ = ("uid", "group_id", "state", "model_version", "reward", "times_sampled")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    group_id: str
+    state: str
+    model_version: int
+    reward: float
+    times_sampled: int
+    def __init__(self, uid: _Optional[str] = ..., group_id: _Optional[str] = ..., state: _Optional[str] = ..., model_version: _Optional[int] = ..., reward: _Optional[float] = ..., times_sampled: _Optional[int] = ...) -> None: ...
+
+class ListExperiencesReply(_message.Message):
+    __slots__ = ("experiences", "next", "done")
+    EXPERIENCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    experiences: _containers.RepeatedCompositeFieldContainer[ListedExperience]
+    next: int
+    done: bool
+    def __init__(self, experiences: _Optional[_Iterable[_Union[ListedExperience, _Mapping]]] = ..., next: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -114,6 +114,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
                 _registered_method=True)
+        self.ListExperiences = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ListExperiences',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -225,6 +230,15 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListExperiences(self, request, context):
+        """A page of a table's live experiences (pending, computing, ready, leased) in insertion
+        order, with their states: to browse a table and export it (`expbuf export`), reading the
+        payloads with Get. Read-only; one call reads a bounded number of index entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +321,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.FinishGrant,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.SerializeToString,
+            ),
+            'ListExperiences': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListExperiences,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -741,6 +760,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/FinishGrant',
             expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListExperiences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ListExperiences',
+            expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,120 @@
+"""`expbuf export TABLE`: a running table's live experiences, as JSON lines or one TRXP file.
+
+It pages through ListExperiences and reads each page's payloads with Get, so what it
+writes carries the advantages the table computed, and the server never holds more than
+a page for it. JSON lines suit a look with `jq` or pandas; TRXP is what Trinity-RFT's
+`Experience.deserialize_many` and `expbuf.client.decode` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
+from expbuf.client.client import ListedExperience
+
+
+def _plain(value: Any) -> Any:
+    """A value JSON can hold: tensors as lists, non-finite floats as strings."""
+    if isinstance(value, torch.Tensor):
+        return _plain(value.tolist())
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def json_line(listed: ListedExperience, exp: Experience) -> str:
+    """One experience as one JSON object: where it stands in the table, then every field."""
+    record = {"uid": listed.uid, "group_id": listed.group_id, "state": listed.state}
+    record["times_sampled"] = listed.times_sampled
+    for f in fields(exp):
+        value = getattr(exp, f.name)
+        record[f.name] = asdict(value) if f.name == "eid" else _plain(value)
+    return json.dumps(record, ensure_ascii=False)
+
+
+def pages(client: BufferClient, args: argparse.Namespace) -> Iterator[tuple[list[ListedExperience], list[Experience]]]:
+    """Each page's listed experiences with their payloads (those retired meanwhile left out)."""
+    after = 0
+    while True:
+        page = client.list_experiences(
+            args.table,
+            states=args.state or (),
+            min_model_version=args.min_version,
+            max_model_version=args.max_version,
+            after=after,
+            limit=args.page,
+        )
+        if page.experiences:
+            got = {e.eid.uid: e for e in client.get([e.uid for e in page.experiences], table=args.table)}
+            listed = [e for e in page.experiences if e.uid in got]
+            yield listed, [got[e.uid] for e in listed]
+        if page.done:
+            return
+        after = page.next
+
+
+def _export(client: BufferClient, args: argparse.Namespace, out: TextIO | None) -> int:
+    count = 0
+    collected: list[Experience] = []
+    for listed, experiences in pages(client, args):
+        count += len(experiences)
+        if out is not None:
+            out.writelines(json_line(item, exp) + "\n" for item, exp in zip(listed, experiences, strict=True))
+        else:
+            collected += experiences
+    if out is None:
+        Path(args.out).write_bytes(encode(collected))
+    print(f"exported {count} experiences of {args.table}", file=sys.stderr)
+    return 0
+
+
+def add_export_command(
+    sub: argparse._SubParsersAction,
+    client_options: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    export = sub.add_parser("export", help="write a table's live experiences as JSON lines or a TRXP file")
+    export.add_argument("table", help="the table to export")
+    export.add_argument("--format", choices=("jsonl", "trxp"), default="jsonl", help="output format (default jsonl)")
+    export.add_argument("--out", help="file to write (default: standard output; a TRXP export needs one)")
+    export.add_argument(
+        "--state", action="append", choices=("pending", "computing", "ready", "leased"),
+        help="only experiences in this state (repeatable; default: every live state)",
+    )  # fmt: skip
+    export.add_argument("--min-version", type=int, help="only experiences of info['model_version'] >= this")
+    export.add_argument("--max-version", type=int, help="only experiences of info['model_version'] <= this")
+    export.add_argument("--page", type=int, default=1000, help="experiences read per request (default 1000)")
+    client_options(export)
+    export.set_defaults(func=run)
+
+
+def run_export(args: argparse.Namespace, tls: Tls | None) -> int:
+    """Export; a refusal by the server is its status and message, exit code 1."""
+    if args.format == "trxp" and not args.out:
+        print("expbuf export: a TRXP export needs --out FILE (it is binary)", file=sys.stderr)
+        return 2
+    with BufferClient(args.target, token=args.token, tls=tls, timeout=60) as client:
+        try:
+            if args.format == "trxp":
+                return _export(client, args, None)
+            if args.out:
+                with open(args.out, "w", encoding="utf-8") as out:
+                    return _export(client, args, out)
+            return _export(client, args, sys.stdout)
+        except BufferError as exc:
+            print(f"expbuf export: {exc.code.name}: {exc.details}", file=sys.stderr)
+            return 1

@@ -1,0 +1,125 @@
+"""Browsing a table (ListExperiences) and `expbuf export`, against a real server on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from test_ops import ServerProcess
+
+from expbuf.client import BufferClient, BufferError, decode, trxp
+from expbuf.server.store.browse import SCAN_PER_ITEM
+
+from helpers import make_experience
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """One server for the module; each test fills a table of its own."""
+    proc = ServerProcess(str(tmp_path_factory.mktemp("export")))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0
+
+
+def fill(client: BufferClient, table: str) -> None:
+    """Groups of 2 at model versions 0..9, then one pending group (its second run never came)."""
+    client.create_table(table, group_size=2, estimator="grpo")
+    for task in range(10):
+        runs = [make_experience(0, task, run, reward=float(run), version=task) for run in range(2)]
+        client.push(runs, table=table)
+    client.push([make_experience(0, 99, 0, version=5)], table=table)
+
+
+def everything(client: BufferClient, table: str, **filters: object) -> list:
+    listed, after = [], 0
+    while True:
+        page = client.list_experiences(table, after=after, **filters)
+        listed += page.experiences
+        if page.done:
+            return listed
+        after = page.next
+
+
+def test_pages_cover_the_live_experiences_once_in_insertion_order(server: ServerProcess) -> None:
+    with BufferClient(server.target) as client:
+        fill(client, "t0")
+        next(client.sample("t0", num_groups=2, delivery="lease", lease_seconds=600, max_batches=1, timeout=10))
+        listed, after, sizes = [], 0, []
+        while True:
+            page = client.list_experiences("t0", after=after, limit=3)
+            sizes.append(len(page.experiences))
+            listed += page.experiences
+            if page.done:
+                break
+            after = page.next
+        assert [e.uid for e in listed] == [e.uid for e in everything(client, "t0")]
+        assert len(listed) == 21 and len({e.uid for e in listed}) == 21 and max(sizes) == 3
+        assert [e.model_version for e in listed] == [v for v in range(10) for _ in range(2)] + [5]
+        states = [e.state for e in listed]
+        assert states.count("leased") == 4 and states[-1] == "pending"
+        assert all(s == "ready" for s in states[4:-1])
+        assert {e.group_id for e in listed[:2]} == {"0/0"} and listed[0].reward == 0.0 and listed[1].reward == 1.0
+
+
+def test_filters_by_state_and_version(server: ServerProcess) -> None:
+    with BufferClient(server.target) as client:
+        fill(client, "t1")
+        assert [e.uid for e in everything(client, "t1", states=["pending"])] == ["0/99/0/0/r0s0"]
+        fresh = everything(client, "t1", min_model_version=7)
+        assert sorted({e.model_version for e in fresh}) == [7, 8, 9] and len(fresh) == 6
+        middle = everything(client, "t1", min_model_version=4, max_model_version=5, states=["ready"])
+        assert sorted(e.model_version for e in middle) == [4, 4, 5, 5]
+        # A filter that matches little reads a bounded stretch per call and says where to go on.
+        first = client.list_experiences("t1", min_model_version=9, limit=1)
+        assert first.experiences == [] and not first.done and first.next == SCAN_PER_ITEM  # sequences from 0
+        with pytest.raises(BufferError) as refused:
+            client.list_experiences("t1", states=["consumed"])
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'consumed'" in refused.value.details
+        with pytest.raises(BufferError) as refused:
+            client.list_experiences("t1", limit=10_001)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "10000" in refused.value.details
+        with pytest.raises(BufferError) as refused:
+            client.list_experiences("nope")
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def export(server: ServerProcess, table: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "export", table, "--target", server.target, "--page", "4", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_export_json_lines_with_the_servers_advantages(server: ServerProcess) -> None:
+    with BufferClient(server.target) as client:
+        fill(client, "t2")
+        stored = {e.eid.uid: e for e in client.get([e.uid for e in everything(client, "t2")], table="t2")}
+    done = export(server, "t2", "--state", "ready", "--min-version", "8")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sorted(line["uid"] for line in lines) == sorted(u for u, e in stored.items() if e.model_version >= 8)
+    assert done.stderr.strip() == "exported 4 experiences of t2"
+    for line in lines:
+        exp = stored[line["uid"]]
+        assert line["state"] == "ready" and line["eid"]["task"] == exp.eid.task
+        assert line["tokens"] == exp.tokens.tolist() and line["advantages"] == exp.advantages.tolist()
+        assert line["info"] == {"model_version": exp.model_version} and line["reward"] == exp.reward
+        assert abs(line["advantages"][0]) > 0.5  # the group's grpo values, not zeros
+
+
+def test_export_trxp_reads_back_as_stored(server: ServerProcess, tmp_path: Path) -> None:
+    with BufferClient(server.target) as client:
+        fill(client, "t3")
+        want = client.get([e.uid for e in everything(client, "t3")], table="t3")
+    out = tmp_path / "t.trxp"
+    done = export(server, "t3", "--format", "trxp", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == trxp.encode(want)
+    assert [e.eid.uid for e in decode(out.read_bytes())] == [e.eid.uid for e in want]
+    refused = export(server, "t3", "--format", "trxp")
+    assert refused.returncode == 2 and "--out" in refused.stderr
