@@ -2,7 +2,7 @@
 
 Push is idempotent on the server (a retried payload is reported as duplicates), so
 pushes and reads are retried with backoff when the server is UNAVAILABLE. Every call
-has a deadline. Errors are raised as BufferError carrying the gRPC status code.
+has a deadline. Errors are raised as ExpbufError (errors.py), of the subclass of their gRPC status code.
 """
 
 from __future__ import annotations
@@ -26,20 +26,13 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from . import trxp, wire
+from .errors import BufferError as BufferError  # the old name, for code that imports it from here
+from .errors import ExpbufError
 from .experience import Experience
 
 T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
-
-
-class BufferError(Exception):
-    """A refused or failed call; `code` is the grpc.StatusCode."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
 
 
 @dataclass(frozen=True)
@@ -85,13 +78,29 @@ class Batch:
     def experiences(self) -> list[Experience]:
         return trxp.decode(self.payload)
 
-    def ack(self) -> Any:
+    def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""
         return self._ack(self.lease_id, self.table) if self.lease_id and self._ack else 0
 
-    def nack(self) -> Any:
+    def nack(self) -> int:
         """Return a leased batch to the buffer now."""
         return self._nack(self.lease_id, self.table) if self.lease_id and self._nack else 0
+
+
+class AsyncBatch(Batch):
+    """A Batch from AsyncBufferClient: `ack` and `nack` are coroutine functions, to be awaited.
+
+    (A plain Batch's `ack` called without `await` would return a coroutine that never runs:
+    the lease would expire and the batch be delivered again, with nothing said.)
+    """
+
+    async def ack(self) -> int:  # type: ignore[override]
+        """Mark the leased batch done (await it); without a lease there is nothing to acknowledge."""
+        return await self._ack(self.lease_id, self.table) if self.lease_id and self._ack else 0
+
+    async def nack(self) -> int:  # type: ignore[override]
+        """Return the leased batch to the buffer now (await it)."""
+        return await self._nack(self.lease_id, self.table) if self.lease_id and self._nack else 0
 
 
 def _payload(items: bytes | Iterable[Any]) -> bytes:
@@ -146,8 +155,8 @@ def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -
     return pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
 
 
-def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable) -> Batch:
-    return Batch(
+def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kind: type[Batch] = Batch) -> Batch:
+    return kind(
         payload=reply.payload,
         uids=list(reply.uids),
         groups=list(reply.group_ids),
@@ -284,7 +293,7 @@ class BufferClient(_Base):
             except grpc.RpcError as exc:
                 pause = self._retry_pause(exc, retry, attempt, deadline)
                 if pause is None:
-                    raise BufferError(exc.code(), exc.details() or "") from None
+                    raise ExpbufError(exc.code(), exc.details() or "") from None
                 attempt += 1
                 time.sleep(pause)
 
@@ -336,7 +345,7 @@ class BufferClient(_Base):
                 requests.confirm(received)
                 yield _batch(reply, table, self.ack, self.nack)
         except grpc.RpcError as exc:
-            raise BufferError(exc.code(), exc.details() or "") from None
+            raise ExpbufError(exc.code(), exc.details() or "") from None
         finally:
             if stream.running():  # the caller stopped early: end the stream cleanly
                 requests.confirm(received, stop=True)
@@ -524,7 +533,7 @@ class AsyncBufferClient(_Base):
             except grpc.RpcError as exc:
                 pause = self._retry_pause(exc, retry, attempt, deadline)
                 if pause is None:
-                    raise BufferError(exc.code(), exc.details() or "") from None
+                    raise ExpbufError(exc.code(), exc.details() or "") from None
                 attempt += 1
                 await asyncio.sleep(pause)
 
@@ -569,9 +578,9 @@ class AsyncBufferClient(_Base):
             while (reply := await call.read()) is not grpc.aio.EOF:
                 received += 1
                 await call.write(_confirmation(received))
-                yield _batch(reply, table, self.ack, self.nack)
+                yield _batch(reply, table, self.ack, self.nack, AsyncBatch)
         except grpc.RpcError as exc:
-            raise BufferError(exc.code(), exc.details() or "") from None
+            raise ExpbufError(exc.code(), exc.details() or "") from None
         finally:
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):

@@ -1,0 +1,96 @@
+"""The errors the clients raise: one base, `ExpbufError`, and one subclass per status a caller handles.
+
+`ExpbufError(code, details)` builds the subclass of its status code, so every place that
+turns a gRPC status into an error gives the same types, and a caller can write
+`except NotFoundError:` instead of comparing codes. `BufferError`, the old name of the base,
+stays for one release; it shadows Python's builtin of that name, so new code uses `ExpbufError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import grpc
+
+_BY_CODE: dict[grpc.StatusCode, type[ExpbufError]] = {}
+
+
+class ExpbufError(Exception):
+    """A refused or failed call; `code` is the grpc.StatusCode and `details` the server's message."""
+
+    status: ClassVar[grpc.StatusCode | None] = None
+
+    def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:
+        if cls is ExpbufError:
+            cls = _BY_CODE.get(code, ExpbufError)
+        return super().__new__(cls)
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.status is not None:
+            _BY_CODE[cls.status] = cls
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ExpbufError, (self.code, self.details))
+
+
+class InvalidArgumentError(ExpbufError):
+    """A refused payload or setting: the message names the item and field. Retrying cannot help."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(ExpbufError):
+    """No such table, lease or grant."""
+
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(ExpbufError):
+    """A uid pushed again with different bytes, or a table that exists with other settings."""
+
+    status = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPreconditionError(ExpbufError):
+    """The table's state refuses it now: a push into a complete group, a stale push refused."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhaustedError(ExpbufError):
+    """A full table or disk, a limit on calls or message size, or the rate limiter holding a push."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceededError(ExpbufError):
+    """Not enough data (or room) came before the call's deadline."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnavailableError(ExpbufError):
+    """The server did not answer, after the client's retries."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+
+
+class UnauthenticatedError(ExpbufError):
+    """A missing, malformed or unknown token."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ExpbufError):
+    """The token lacks the method's scope, or the lease belongs to another token."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
+BufferError = ExpbufError
