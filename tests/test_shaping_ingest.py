@@ -84,28 +84,31 @@ def client(tmp_path: Path) -> Iterator[BufferClient]:
 
 @pytest.mark.parametrize("estimator", ["reinforce", "grpo", "discounted_return"])
 def test_shaping_steps_on_ingest_match_the_seed_formulas(client: BufferClient, estimator: str) -> None:
-    """Overlong penalty, running normalisation (over both pushes), reward clip, the estimator,
-    advantage clip; token-level values (discounted_return) clipped too."""
-    client.create_table("s", estimator=estimator, shaping=SHAPING)
+    """Overlong penalty; running normalisation, one group at a time, over both pushes; reward
+    clip; advantage clip; token-level values (discounted_return) clipped too. grpo's group
+    step comes before the normalisation and the reward clip (LightRFT's group calculators)."""
+    limit = 1.2 if estimator == "grpo" else 1.5  # grpo's values lie within +-1.5
+    client.create_table("s", estimator=estimator, shaping=SHAPING | {"reward_clip": limit})
     rng, seen, want, counts = random.Random(7), [], {}, dict.fromkeys(("pen", "rclip", "aseen", "aclip"), 0)
     for batch in (1, 2):
         pushed = groups(batch, rng)
         client.push(pushed, table="s")
-        wait_computed(client, "s", 2 * batch)  # each push is one computation of the running moments
-        rewards = [penalised(e) for e in pushed]
-        seen += rewards
-        mean, std = statistics.fmean(seen), statistics.stdev(seen)
-        normed = [(r - mean) / std for r in rewards]
-        shaped = [clip(r, 1.5) for r in normed]
-        if estimator == "grpo":
-            shaped = grpo(shaped[:4]) + grpo(shaped[4:])
-        for exp, value in zip(pushed, shaped, strict=True):
-            want[exp.eid.uid] = clip(value, 1.0)
-            tokens = len(exp.action_mask) if estimator == "discounted_return" else 1
-            counts["aseen"] += tokens
-            counts["aclip"] += tokens * (abs(value) > 1.0)
+        wait_computed(client, "s", 2 * batch)
+        for group in (pushed[:4], pushed[4:]):
+            rewards = [penalised(e) for e in group]
+            if estimator == "grpo":
+                rewards = grpo(rewards)
+            seen += rewards  # the moments take in the group's values before they are normalised
+            mean, std = statistics.fmean(seen), statistics.stdev(seen)
+            normed = [(r - mean) / std for r in rewards]
+            for exp, value in zip(group, normed, strict=True):
+                value = clip(value, limit)
+                want[exp.eid.uid] = clip(value, 1.0)
+                tokens = len(exp.action_mask) if estimator == "discounted_return" else 1
+                counts["aseen"] += tokens
+                counts["aclip"] += tokens * (abs(value) > 1.0)
+            counts["rclip"] += sum(abs(r) > limit for r in normed)
         counts["pen"] += sum(len(e.action_mask) > 8 for e in pushed)
-        counts["rclip"] += sum(abs(r) > 1.5 for r in normed)
     assert 0 < counts["pen"] < 16 and 0 < counts["rclip"] < 16 and 0 < counts["aclip"] < counts["aseen"]
     stats = client.stats("s")["s"]
     assert stats["overlong_penalised"] == counts["pen"]
