@@ -122,18 +122,24 @@ def test_running_normalisation_after_the_group_step(
     assert gap > 0.05  # the normalisation has an effect
 
 
-def test_reinforce_pp_baseline_clips_then_whitens(client: BufferClient) -> None:
-    """LightRFT's reinforce_baseline clips the advantages and then whitens them across the
-    batch, so the values go past the clip. expbuf's whitening is verl's (unbiased variance
-    over the batch's T generated tokens), LightRFT's the population variance: the values
-    differ by the factor sqrt((T - 1) / T) and by nothing else."""
-    client.create_table("w", estimator="reinforce++_baseline", shaping={"advantage_clip": 0.5})
+@pytest.mark.parametrize(
+    ("estimator", "lightrft"), [("reinforce++_baseline", "reinforce_baseline"), ("reinforceplusplus", "reinforce")]
+)
+def test_clip_then_whitening_across_the_batch(client: BufferClient, estimator: str, lightrft: str) -> None:
+    """LightRFT's reinforce_baseline and reinforce clip the advantages and then whiten them
+    across the batch, so the values go past the clip; with running normalisation, one group
+    per Experience. expbuf's whitening (verl's for reinforce++_baseline, Trinity-RFT's for
+    reinforceplusplus) takes the unbiased variance over the batch's T generated tokens,
+    LightRFT's the population variance: the values differ by the factor sqrt((T - 1) / T)
+    and by nothing else."""
+    shaping = {"reward_running_norm": True, "advantage_clip": 0.5}
+    client.create_table("w", estimator=estimator, shaping=shaping)
     rng = random.Random(5)
     pushed = [e for group in make_groups(rng, 4, 3) for e in group]
     client.push(pushed, table="w")
     experiences, _ = served(client, "w", 4)
     tokens = sum(len(e.action_mask) for e in experiences)
-    want = reference(Config("reinforce_baseline", 3, advantage_clip=0.5), experiences, 3)
+    want = reference(Config(lightrft, 3, reward_running_norm=True, advantage_clip=0.5), experiences, 3)
     factor = math.sqrt((tokens - 1) / tokens)
     assert_close(values(experiences), {uid: [v * factor for v in row] for uid, row in want.items()}, 1e-4)
     assert max(abs(v) for row in want.values() for v in row) > 0.6  # past the clip, as LightRFT's
