@@ -119,12 +119,9 @@ def compute(
     dropped = []
     if result.drop_groups is not None:
         dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
-    if first:
-        finite = result.finite(batch).cpu().tolist()
-        keep, start = [], 0
-        for gkey, size in zip(job.groups, sizes, strict=True):
-            keep.append(gkey not in dropped and all(finite[start : start + size]))
-            start += size
+    if first and settings.shapes_values:  # groups dropped or already non-finite take no part
+        finite = result.finite(batch).cpu().split(sizes)
+        keep = [gkey not in dropped and bool(f.all()) for gkey, f in zip(job.groups, finite, strict=True)]
         result.scalar, moments, unshapeable = shaping.shape(settings, result.scalar, sizes, keep, moments, report)
     finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
     if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity

@@ -149,7 +149,7 @@ def shape(
     dropped already) are left as they are and take nothing in. Returns the values, the
     moments after them, and the groups whose values came out non-finite: those take
     nothing in either, and fail."""
-    if not (config.reward_running_norm or config.reward_clip > 0):
+    if not config.shapes_values:
         return values, moments, set()
     out = values.double().cpu().tolist()
     bad: set[int] = set()

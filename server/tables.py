@@ -216,6 +216,12 @@ class Shaping:
         return [f.name for f in fields(self) if f.name in _SWITCHES and getattr(self, f.name)]
 
     @property
+    def shapes_values(self) -> bool:
+        """Whether the running normalisation or the reward clip is on (the steps that take
+        the group step's values, where there is one)."""
+        return self.reward_running_norm or self.reward_clip > 0
+
+    @property
     def shapes_rewards(self) -> bool:
         """Whether any reward step (overlong penalty, running normalisation, clip) is on."""
         return self.overlong_buffer or self.reward_running_norm or self.reward_clip > 0

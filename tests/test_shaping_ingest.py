@@ -285,3 +285,25 @@ def test_stats_and_metrics_show_the_counts(tmp_path: Path) -> None:
     assert stats["advantages_clipped"] > 0
     assert samples[("expbuf_reward_running_mean", (("table", "m"),))] == pytest.approx(stats["reward_running_mean"])
     assert samples[("expbuf_reward_running_std", (("table", "m"),))] == pytest.approx(stats["reward_running_std"])
+
+
+def test_a_group_whose_group_step_fails_takes_nothing_in(tmp_path: Path) -> None:
+    """grpo's group step comes first: a group it cannot compute (rewards of 1e308) fails,
+    and the running moments take in the other groups' values only, in completion order."""
+    rng = random.Random(6)
+    good = [[make_experience(1, task, run, reward=rng.uniform(-3, 3)) for run in range(3)] for task in (0, 2)]
+    huge = [make_experience(1, 1, run, reward=1e308 * (run < 2)) for run in range(3)]  # their sum overflows
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("g", estimator="grpo", shaping={"reward_running_norm": True}))
+        store.put("g", [trxp.from_experience(e) for e in good[0] + huge + good[1]])
+        assert AdvantageWorker(store).run_once() == 3
+        stats = store.stats("g")
+        assert (stats["groups_ready"], stats["groups_failed"]) == (2, 1)
+        batch = take(store, "g", num_groups=2)
+        assert batch is not None
+        got = {e.eid.uid: float(e.advantages[0]) for e in decode(batch.payload)}
+    first, second = grpo([e.reward for e in good[0]]), grpo([e.reward for e in good[1]])
+    want = {e.eid.uid: v / statistics.stdev(first) for e, v in zip(good[0], first, strict=True)}
+    want |= {e.eid.uid: v / statistics.stdev(first + second) for e, v in zip(good[1], second, strict=True)}
+    assert got == pytest.approx(want, abs=1e-5)
+    assert stats["reward_moments"][0] == pytest.approx(statistics.fmean(first + second))
