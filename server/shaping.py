@@ -84,12 +84,13 @@ class RunningMoments:
         merged = self.var * self.count + batch_var * n + delta * delta * self.count * n / total
         return RunningMoments(self.mean + delta * n / total, merged / total, total)
 
-    def normalise(self, value: float, minus_mean: bool) -> float:
-        """One value scaled by these moments; 0 where the std is infinite or 0."""
+    def normalise(self, values: list[float], minus_mean: bool) -> list[float]:
+        """Values scaled by these moments; 0 where the std is infinite or 0."""
         std = self.std
         if std == 0 or math.isinf(std):
-            return 0.0
-        return (value - self.mean) / std if minus_mean else value / std
+            return [0.0] * len(values)
+        mean = self.mean if minus_mean else 0.0
+        return [(v - mean) / std for v in values]
 
 
 @dataclass
@@ -158,7 +159,7 @@ def shape(
         end = start + size
         if kept and config.reward_running_norm:
             after = moments.update(out[start:end])
-            normed = [after.normalise(v, config.reward_running_norm_minus_mean) for v in out[start:end]]
+            normed = after.normalise(out[start:end], config.reward_running_norm_minus_mean)
             if all(math.isfinite(v) for v in normed) and math.isfinite(after.var):
                 out[start:end], moments = normed, after
             else:
