@@ -121,10 +121,13 @@ TOKEN_VALUED = frozenset({"reinforceplusplus", "discounted_return"})
 # step before the running normalisation and the reward clip, so these shape their values; the
 # others shape the rewards they read. grpo and step_wise_grpo with std_cal_level "batch" finish
 # their group step over the sampled batch, so they too shape the rewards (group_step_first).
-GROUP_STEP = frozenset(
-    {"grpo", "grpo_verl", "step_wise_grpo", "rloo", "opmd", "opmd_verl", "asymre", "asymre_verl", "rec", "drgrpo",
-     "reinforce++_baseline"}
-)  # fmt: skip
+GROUP_STEP = frozenset(ESTIMATORS) - {
+    "reinforce",
+    "reinforceplusplus",
+    "discounted_return",
+    "multi_turn_discount",
+    "none",
+}
 
 
 def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
