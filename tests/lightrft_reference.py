@@ -8,8 +8,9 @@ its functions as its source has them, step for step, cited by file and function:
   then the calculator's preprocess_rewards) and
   FastExperienceMaker._compute_advantages_and_returns (running normalisation, reward clip,
   compute_reward, the calculator's compute, then normalize_advantages_cross_batch).
-- seeds/002 (lightrft/trainer/experience_maker.py): NaiveExperienceMaker.get_cumulative_returns
-  and process_experiences (the same group steps as the calculators below).
+- seeds/002 (lightrft/trainer/experience_maker.py): NaiveExperienceMaker.get_cumulative_returns;
+  its process_experiences is the older form of the group steps below (grpo's epsilon 1e-8
+  there, 1e-9 in the calculators seeds/003 uses, which this follows).
 - lightrft/trainer/advantage_calculator.py, which seeds/003 imports: preprocess_rewards of
   RLOOCalculator, REINFORCEBaselineCalculator and GroupNormCalculator; compute of
   BaseREINFORCECalculator (advantages_norm, then advantage_clip), GroupNormCalculator (no
