@@ -78,6 +78,7 @@ SHAPING_SETTINGS = (
     "reward_running_norm",
     "reward_running_norm_minus_mean",
     "advantage_clip",
+    "advantages_norm",
 )
 
 
@@ -112,10 +113,20 @@ def shaping_to_proto(settings: dict[str, Any] | None) -> pb.Shaping:
         raise WireError(
             f"unknown shaping setting(s): {', '.join(u[:40] for u in unknown)}; known: {', '.join(SHAPING_SETTINGS)}"
         )
+    return _message(pb.Shaping, "shaping ", settings)
+
+
+def _message(cls: type, what: str, fields: dict[str, Any]) -> Any:
+    """A message of these fields; a value its field cannot take is refused naming the setting."""
     try:
-        return pb.Shaping(**settings)
+        return cls(**fields)
     except (TypeError, ValueError) as exc:
-        raise WireError(f"shaping: {str(exc)[:200]}") from None
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as one:
+                raise WireError(f"{what}{name} is {repr(value)[:40]}: {str(one)[:200]}") from None
+        raise WireError(f"{what.strip() or 'table'}: {str(exc)[:200]}") from None
 
 
 def shaping_from_proto(msg: pb.Shaping) -> dict[str, Any]:
@@ -131,7 +142,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
     unknown = sorted(set(settings) - set(TABLE_SETTINGS))
     if unknown:
         raise WireError(f"unknown table setting(s): {', '.join(unknown)}; known: {', '.join(TABLE_SETTINGS[1:])}")
-    return pb.TableConfig(
+    return _message(pb.TableConfig, "", dict(
         name=settings["name"],
         group_by=enum_value(GROUP_BY, "group_by", settings.get("group_by", "task")),
         group_size=settings.get("group_size", 0),
@@ -157,7 +168,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         samples_per_insert=settings.get("samples_per_insert", 0.0),
         samples_per_insert_error=settings.get("samples_per_insert_error", 0.0),
         evict_stale=settings.get("evict_stale", False),
-    )
+    ))  # fmt: skip
 
 
 def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:

@@ -125,9 +125,11 @@ def finish_batch(
     counters: dict[str, Any] | None = None,
 ) -> list[Advantage]:
     """The batch stage: the advantages of a sampled batch (its item records and stored
-    values, in batch order) from the pending values its estimator stored on ingest, then
-    clipped; what the clipping did is added to `counters` (a sample's, not a Get's). Tables
-    without a batch stage get their stored values back unchanged (clipped on ingest)."""
+    values, in batch order) from the pending values its estimator stored on ingest,
+    whitened by advantages_norm and clipped, or for the estimators that whiten over the
+    batch clipped and then whitened (LightRFT's order); what the clipping did is added to
+    `counters` (a sample's, not a Get's). Tables without a batch stage get their stored
+    values back unchanged (clipped on ingest)."""
     if not batch_stage(config) or not records:
         return list(stored)
     from .shaping import ShapingReport
@@ -164,8 +166,17 @@ def _finish(
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
     args = estimator_args(config)
+    settings = config.shaping
     if config.estimator != "reinforceplusplus":
-        values = shaping.clip_advantages(config.shaping, estimators.FINISH[config.estimator](rows, **args), report)
+        finish = estimators.FINISH.get(config.estimator)
+        whitened = config.estimator == "reinforce++_baseline"  # LightRFT clips, then whitens across the batch
+        values = finish(rows, **args) if finish is not None and not whitened else rows.pending
+        if settings.advantages_norm:
+            values = shaping.advantages_norm(values, rows.generated)
+        values = shaping.clip_advantages(settings, values, report)
+        if whitened:
+            rows.pending = values
+            values = finish(rows, **args)
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -175,8 +186,8 @@ def _finish(
         masks.append(torch.frombuffer(bytearray(record[_LENGTH.size : middle]), dtype=torch.float32))
         returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
+    rows.returns = shaping.clip_advantages(settings, rows.returns, report)  # the returns as advantages, clipped
     advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
-    advantages = shaping.clip_advantages(config.shaping, advantages, report)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)

@@ -27,7 +27,7 @@ from .advantage_storage import encode_results, flat_tensor
 from .backend import Backend
 from .errors import clip
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
-from .tables import TOKEN_LEVEL, ConfigError, TableConfig, batch_stage, estimator_args
+from .tables import TOKEN_LEVEL, ConfigError, TableConfig, batch_stage, estimator_args, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
 
@@ -35,12 +35,12 @@ log = logging.getLogger("expbuf.advantages")
 def build_batch(
     records: Sequence[ItemRecord],
     items: Sequence[trxp.RawItem] | None = None,
-    shape: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    shape: Callable[[estimators.FlatBatch], torch.Tensor] | None = None,
 ) -> tuple[estimators.FlatBatch, list[str]]:
     """Flat estimator inputs from the item records of the completed groups of one table
     (and their payloads, for token-level estimators), with the group keys in the order of
-    their numbers. `shape` turns (rewards, generated-token counts) into the rewards the
-    estimator sees, before they are put on the tokens."""
+    their numbers. `shape` turns the batch into the rewards the estimator sees, before
+    they are put on the tokens."""
     index: dict[str, dict[str, int]] = {"group": {}, "task": {}, "run": {}}
 
     def numbers(kind: str, field: str) -> torch.Tensor:
@@ -58,7 +58,7 @@ def build_batch(
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
     if shape is not None:
-        batch.rewards = shape(batch.rewards, batch.generated)
+        batch.rewards = shape(batch)
     if items is not None:
         masks = [flat_tensor(item.tensors.get("action_mask"), rec.response_length, 1, f64) for item, rec in zip(
             items, records, strict=True)]  # fmt: skip
@@ -87,45 +87,63 @@ def compute(
     job: ComputeJob,
 ) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]:
     """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
-    groups with the reason, what reward shaping did). The rewards are shaped before the
-    estimator; the advantages are clipped after it, unless the batch stage finishes them."""
-    config = job.config
+    groups with the reason, what reward shaping did). Shaping runs in LightRFT's order
+    (shaping.py): the overlong penalty on the rewards; the running normalisation and the
+    reward clip, group by group in the job's order (the groups' completion order), on the
+    values of an estimator's group step or else on the rewards; the advantage clip last,
+    unless the batch stage finishes the values."""
+    config, settings = job.config, job.config.shaping
     uids = [uid for members in job.members for uid in members]
     items = None
     if config.estimator in TOKEN_LEVEL:
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
     moments = shaping.RunningMoments.of(job.moments)
     report = shaping.ShapingReport()
+    sizes = [len(members) for members in job.members]
+    first = group_step_first(config)
+    unshapeable: set[int] = set()  # groups whose shaped values came out non-finite
 
-    def shape(rewards: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        nonlocal moments, report
-        rewards, moments, report = shaping.shape_rewards(config.shaping, rewards, generated, moments)
+    def shape(batch: estimators.FlatBatch) -> torch.Tensor:
+        nonlocal moments, unshapeable
+        rewards = shaping.penalise_overlong(settings, batch.rewards, batch.generated, report)
+        if not first:
+            rewards, moments, unshapeable = shaping.shape(
+                settings, rewards, sizes, [True] * len(sizes), moments, report
+            )
         return rewards
 
     records = [job.records[uid] for uid in uids]
-    batch, group_keys = build_batch(records, items, shape if config.shaping.shapes_rewards else None)
+    batch, group_keys = build_batch(records, items, shape)
     device = estimators.resolve_device(config.device)
     result = estimators.estimate(config.estimator, batch.to(device), estimator_args(config))
-    finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
-    if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity
-        if result.scalar is not None:
-            result.scalar = shaping.clip_advantages(config.shaping, result.scalar, report)
-        else:
-            result.advantages = shaping.clip_advantages(config.shaping, result.advantages, report)
-    values = dict(zip(uids, encode_results(result, batch), strict=True))
     dropped = []
     if result.drop_groups is not None:
         dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
+    if first and settings.shapes_values:  # groups dropped or already non-finite take no part
+        finite = result.finite(batch).cpu().split(sizes)
+        keep = [gkey not in dropped and bool(f.all()) for gkey, f in zip(job.groups, finite, strict=True)]
+        result.scalar, moments, unshapeable = shaping.shape(settings, result.scalar, sizes, keep, moments, report)
+    finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
+    if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity
+        if result.scalar is not None:
+            result.scalar = shaping.clip_advantages(settings, result.scalar, report)
+        else:
+            result.advantages = shaping.clip_advantages(settings, result.advantages, report)
+    values = dict(zip(uids, encode_results(result, batch), strict=True))
     failed = {}
-    for gkey, members in zip(job.groups, job.members, strict=True):
-        if gkey not in dropped and not all(finite[uid] for uid in members):
+    for index, (gkey, members) in enumerate(zip(job.groups, job.members, strict=True)):
+        if gkey in dropped:
+            continue
+        if index in unshapeable:
+            failed[gkey] = "the running reward normalisation gave a non-finite value (NaN or infinity)"
+        elif not all(finite[uid] for uid in members):
             failed[gkey] = f"{config.estimator} gave a non-finite advantage (NaN or infinity)"
     ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
     update = ShapingUpdate(
         counts={name: getattr(report, name) for name in SHAPING_COUNTERS},
-        moments=moments.stored() if config.shaping.reward_running_norm else job.moments,
+        moments=moments.stored() if settings.reward_running_norm else job.moments,
     )
-    if batch_stage(config) and config.shaping.shapes_rewards:  # the batch stage's statistics use them
+    if batch_stage(config) and settings.shapes_rewards:  # the batch stage's statistics use them
         update.rewards = dict(zip(uids, batch.rewards.tolist(), strict=True))
     return values, ready, dropped, failed, update
 

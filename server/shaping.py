@@ -1,24 +1,36 @@
-"""Reward shaping before the estimator, and advantage clipping after it (LightRFT's
-FastExperienceMaker), as pure functions over flat per-experience vectors.
+"""Reward shaping and advantage clipping in LightRFT's order (its FastExperienceMaker and
+advantage calculators), as pure functions over flat per-experience vectors.
 
 The steps, in order, each off unless configured:
 
-1. DAPO's overlong penalty: with E = max_new_tokens - overlong_buffer_len and L the
-   generated-token count, r += min(0, -(L - E) / overlong_buffer_len * overlong_buffer_penalty_factor).
-2. Running reward normalisation: the running moments take in the rewards first, then
-   r = (r - mean) / std with reward_running_norm_minus_mean, else r / std.
-3. Reward clipping to [-reward_clip, reward_clip].
-4. The estimator.
-5. Advantage clipping to [-advantage_clip, advantage_clip].
+1. DAPO's overlong penalty, on the rewards: with E = max_new_tokens - overlong_buffer_len
+   and L the generated-token count, r += min(0, -(L - E) / overlong_buffer_len * factor).
+2. The group step, for the estimators that have one (tables.group_step_first): the
+   estimator runs here, and steps 3-4 take its values, as LightRFT's group calculators
+   (grpo, rloo, reinforce_baseline) hand their values on as the rewards.
+3. Running normalisation, group by group in the order the groups completed: the moments
+   take in a group's values, then x = (x - mean) / std with reward_running_norm_minus_mean,
+   else x / std. LightRFT's std after a single value is infinite (its count - 1 is 0), so
+   that value becomes 0; a std of 0 gives 0 too, not NaN.
+4. Reward clipping to [-reward_clip, reward_clip].
+5. The estimator, for those without a group step.
+6. advantages_norm, over each sampled batch's generated tokens (advantage_storage.py).
+7. Advantage clipping to [-advantage_clip, advantage_clip], then an estimator's whitening
+   over the batch (reinforceplusplus, reinforce++_baseline), as LightRFT clips and then
+   whitens across the batch.
 
-The running moments are a value passed in and returned (`RunningMoments`), so whoever
-calls these keeps them durable. Each step reports what it did: the count of penalised
-experiences, the counts of values seen and clipped.
+The moments advance once per group, in completion order, which the store keeps durable:
+the same groups completing in the same order give the same values whether they were
+pushed at once, in parts or concurrently, and computed together or apart. They are a
+value passed in and returned (`RunningMoments`), so whoever calls these keeps them
+durable. Each step reports what it did: the count of penalised experiences, the counts of
+values seen and clipped.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +38,14 @@ from torch import Tensor
 
 from .tables import Shaping
 
+ADVANTAGES_NORM_EPSILON = 1e-8  # LightRFT's BaseREINFORCECalculator
+
 
 @dataclass(frozen=True)
 class RunningMoments:
-    """Running mean and variance of every reward seen (Chan et al.'s parallel merge).
-
-    `count` starts at a tiny value and `var` at 1, so that the first update gives the
-    moments of its own batch."""
+    """Running mean and variance of every value taken in (Chan et al.'s parallel merge, as
+    LightRFT's RunningMoments). `count` starts at a tiny value and `var` at 1, so that the
+    first update gives the moments of its own values."""
 
     mean: float = 0.0
     var: float = 1.0  # population variance
@@ -40,28 +53,44 @@ class RunningMoments:
 
     @property
     def std(self) -> float:
-        """The unbiased standard deviation of everything seen."""
-        return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else 1.0
+        """The unbiased standard deviation of everything seen: 1 before anything, infinite
+        after a single value (LightRFT divides by count - 1 = 0 there)."""
+        if self.count < 1:
+            return 1.0
+        if self.count == 1:
+            return math.inf
+        return math.sqrt(self.var * self.count / (self.count - 1))
 
     @classmethod
     def of(cls, stored: list[float] | None) -> RunningMoments:
-        """The moments as a table's counters keep them (None before any reward)."""
+        """The moments as a table's counters keep them (None before any value)."""
         return cls(*stored) if stored else cls()
 
     def stored(self) -> list[float]:
         """The form the table's counters keep."""
         return [self.mean, self.var, self.count]
 
-    def update(self, values: Tensor) -> RunningMoments:
-        """These moments with the values taken in."""
-        n = values.numel()
+    def update(self, values: Sequence[float] | Tensor) -> RunningMoments:
+        """These moments with the values taken in (exact sums: the order of the values
+        within one update does not matter)."""
+        values = values.tolist() if isinstance(values, Tensor) else list(values)
+        n = len(values)
         if n == 0:
             return self
-        batch_var, batch_mean = torch.var_mean(values.double(), unbiased=False)
-        delta = float(batch_mean) - self.mean
+        batch_mean = math.fsum(values) / n
+        batch_var = math.fsum((v - batch_mean) ** 2 for v in values) / n
+        delta = batch_mean - self.mean
         total = self.count + n
-        merged = self.var * self.count + float(batch_var) * n + delta * delta * self.count * n / total
+        merged = self.var * self.count + batch_var * n + delta * delta * self.count * n / total
         return RunningMoments(self.mean + delta * n / total, merged / total, total)
+
+    def normalise(self, values: list[float], minus_mean: bool) -> list[float]:
+        """Values scaled by these moments; 0 where the std is infinite or 0."""
+        std = self.std
+        if std == 0 or math.isinf(std):
+            return [0.0] * len(values)
+        mean = self.mean if minus_mean else 0.0
+        return [(v - mean) / std for v in values]
 
 
 @dataclass
@@ -97,29 +126,64 @@ def overlong_penalty(
     return rewards + penalty, int((penalty < 0).sum())
 
 
-def shape_rewards(
-    config: Shaping, rewards: Tensor, generated: Tensor, moments: RunningMoments
-) -> tuple[Tensor, RunningMoments, ShapingReport]:
-    """Steps 1-3 on the rewards of one computation (float64 [N]; generated-token counts [N])."""
-    report = ShapingReport()
+def penalise_overlong(config: Shaping, rewards: Tensor, generated: Tensor, report: ShapingReport) -> Tensor:
+    """Step 1 on the rewards of one computation (float64 [N]; generated-token counts [N])."""
     rewards = rewards.double()
-    if config.overlong_buffer:
-        rewards, report.overlong_penalised = overlong_penalty(
-            rewards, generated, config.max_new_tokens, config.overlong_buffer_len, config.overlong_buffer_penalty_factor
-        )
-    if config.reward_running_norm:
-        moments = moments.update(rewards)
-        rewards = (
-            (rewards - moments.mean) / moments.std if config.reward_running_norm_minus_mean else rewards / moments.std
-        )
-    if config.reward_clip > 0:
-        report.rewards_seen = rewards.numel()
-        rewards, report.rewards_clipped = clip(rewards, config.reward_clip)
-    return rewards, moments, report
+    if not config.overlong_buffer:
+        return rewards
+    rewards, report.overlong_penalised = overlong_penalty(
+        rewards, generated, config.max_new_tokens, config.overlong_buffer_len, config.overlong_buffer_penalty_factor
+    )
+    return rewards
+
+
+def shape(
+    config: Shaping,
+    values: Tensor,
+    sizes: Sequence[int],
+    keep: Sequence[bool],
+    moments: RunningMoments,
+    report: ShapingReport,
+) -> tuple[Tensor, RunningMoments, set[int]]:
+    """Steps 3-4 on one computation's values ([N], the groups' members one group after
+    another, `sizes` of them each, in completion order). Groups not kept (failed or
+    dropped already) are left as they are and take nothing in. Returns the values, the
+    moments after them, and the groups whose values came out non-finite: those take
+    nothing in either, and fail."""
+    if not config.shapes_values:
+        return values, moments, set()
+    out = values.double().cpu().tolist()
+    bad: set[int] = set()
+    start = 0
+    for index, (size, kept) in enumerate(zip(sizes, keep, strict=True)):
+        end = start + size
+        if kept and config.reward_running_norm:
+            after = moments.update(out[start:end])
+            normed = after.normalise(out[start:end], config.reward_running_norm_minus_mean)
+            if all(math.isfinite(v) for v in normed) and math.isfinite(after.var):
+                out[start:end], moments = normed, after
+            else:
+                bad.add(index)
+        if kept and index not in bad and config.reward_clip > 0:
+            limit = config.reward_clip
+            report.rewards_seen += size
+            report.rewards_clipped += sum(abs(v) > limit for v in out[start:end])
+            out[start:end] = [min(limit, max(-limit, v)) for v in out[start:end]]
+        start = end
+    return torch.tensor(out, dtype=torch.float64, device=values.device), moments, bad
+
+
+def advantages_norm(values: Tensor, tokens: Tensor) -> Tensor:
+    """LightRFT's advantages_norm over one value per experience, each on its `tokens`
+    generated tokens: (x - mean) / (std + 1e-8), the token-weighted mean and unbiased std."""
+    total = tokens.sum()
+    mean = (values * tokens).sum() / total.clamp(min=1)
+    var = (tokens * (values - mean) ** 2).sum() / (total - 1).clamp(min=1)
+    return (values - mean) / (var.sqrt() + ADVANTAGES_NORM_EPSILON)
 
 
 def clip_advantages(config: Shaping, advantages: Tensor, report: ShapingReport) -> Tensor:
-    """Step 5 on the estimator's values (one per experience, or token-level)."""
+    """Step 7's clip on the estimator's values (one per experience, or token-level)."""
     if config.advantage_clip <= 0:
         return advantages
     report.advantages_seen += advantages.numel()

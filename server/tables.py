@@ -115,6 +115,19 @@ NEEDS_REWARD = frozenset(ESTIMATORS) - {
 }
 # Estimators that read the tokens (masks and token-level rewards), not just one reward each.
 TOKEN_LEVEL = frozenset(ESTIMATORS) - NEEDS_REWARD - {"none"}
+# Estimators whose values are token-level (the others give one value per experience).
+TOKEN_VALUED = frozenset({"reinforceplusplus", "discounted_return"})
+# Estimators with a group step (a baseline or a scale over the group): LightRFT runs its group
+# step before the running normalisation and the reward clip, so these shape their values; the
+# others shape the rewards they read. grpo and step_wise_grpo with std_cal_level "batch" finish
+# their group step over the sampled batch, so they too shape the rewards (group_step_first).
+GROUP_STEP = frozenset(ESTIMATORS) - {
+    "reinforce",
+    "reinforceplusplus",
+    "discounted_return",
+    "multi_turn_discount",
+    "none",
+}
 
 
 def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
@@ -128,9 +141,19 @@ def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
 
 def batch_stage(config: TableConfig) -> bool:
     """Whether the table's advantages are finished over each sampled batch (statistics over the batch)."""
-    if config.estimator in ("reinforceplusplus", "reinforce++_baseline"):
+    if config.estimator in ("reinforceplusplus", "reinforce++_baseline") or config.shaping.advantages_norm:
         return True
+    return _std_over_batch(config)
+
+
+def _std_over_batch(config: TableConfig) -> bool:
     return config.estimator in ("grpo", "step_wise_grpo") and estimator_args(config)["std_cal_level"] == "batch"
+
+
+def group_step_first(config: TableConfig) -> bool:
+    """Whether the running normalisation and the reward clip take the estimator's values
+    (its group step done), as LightRFT's group calculators do, rather than the rewards."""
+    return config.estimator in GROUP_STEP and not _std_over_batch(config)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,6 +176,10 @@ class ConfigError(ValueError):
     """A table configuration is invalid; the message names the setting."""
 
 
+# The shaping settings that turn a step on (the others are its parameters).
+_SWITCHES = ("reward_clip", "overlong_buffer", "reward_running_norm", "advantage_clip", "advantages_norm")
+
+
 @dataclass(frozen=True)
 class Shaping:
     """A table's reward shaping and advantage clipping (server/shaping.py), under LightRFT's
@@ -166,6 +193,7 @@ class Shaping:
     reward_running_norm: bool = False
     reward_running_norm_minus_mean: bool = False
     advantage_clip: float = 0.0
+    advantages_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reward_clip", "advantage_clip", "overlong_buffer_penalty_factor"):
@@ -176,7 +204,7 @@ class Shaping:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
                 raise ConfigError(f"shaping {name} is {clip(value, 40)}; allowed: an integer >= 0 and < 2^31")
-        for name in ("overlong_buffer", "reward_running_norm", "reward_running_norm_minus_mean"):
+        for name in ("overlong_buffer", "reward_running_norm", "reward_running_norm_minus_mean", "advantages_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"shaping {name} is {clip(getattr(self, name), 40)}; allowed: true or false")
         if self.overlong_buffer and not 0 < self.overlong_buffer_len < self.max_new_tokens:
@@ -184,6 +212,17 @@ class Shaping:
                 f"shaping overlong_buffer needs 0 < overlong_buffer_len < max_new_tokens, "
                 f"got {self.overlong_buffer_len} and {self.max_new_tokens}"
             )
+
+    @property
+    def active(self) -> list[str]:
+        """The settings that turn a step on."""
+        return [f.name for f in fields(self) if f.name in _SWITCHES and getattr(self, f.name)]
+
+    @property
+    def shapes_values(self) -> bool:
+        """Whether the running normalisation or the reward clip is on (the steps that take
+        the group step's values, where there is one)."""
+        return self.reward_running_norm or self.reward_clip > 0
 
     @property
     def shapes_rewards(self) -> bool:
@@ -284,6 +323,27 @@ class TableConfig:
             object.__setattr__(self, "shaping", Shaping.from_dict(self.shaping))
         except ConfigError as exc:
             raise ConfigError(f"table '{self.name}': {exc}") from None
+        self._check_shaping()
+
+    def _check_shaping(self) -> None:
+        """Shaping where it can run: a `none` table computes nothing, so it would ignore every
+        step; advantages_norm whitens one value per experience, and LightRFT skips it for
+        grpo, whose values are normalised per group already."""
+        active = self.shaping.active
+        if self.estimator == "none" and active:
+            raise ConfigError(
+                f"table '{self.name}': shaping {', '.join(active)} needs an estimator; "
+                "estimator 'none' computes no advantages, so nothing would be shaped or clipped"
+            )
+        if self.shaping.advantages_norm and (self.estimator in TOKEN_VALUED or self.estimator == "grpo"):
+            why = (
+                "its values are normalised per group already (LightRFT skips advantages_norm for grpo)"
+                if self.estimator == "grpo"
+                else "it gives token-level values, which advantages_norm does not take"
+            )
+            raise ConfigError(
+                f"table '{self.name}': shaping advantages_norm is not available with {self.estimator}: {why}"
+            )
 
     def _check_off_policy(self) -> None:
         staleness = self.max_staleness
@@ -336,14 +396,17 @@ class TableConfig:
     @classmethod
     def from_stored(cls, data: dict[str, Any], version: int = CONFIG_VERSION) -> TableConfig:
         """A table as this or an earlier release stored it. Durations an earlier release
-        accepted beyond today's range are read as the longest allowed, and the estimators
-        of version 1 (before expbuf took Trinity-RFT's names) become their namesakes, so a
-        data directory written by an earlier release still opens."""
+        accepted beyond today's range are read as the longest allowed, the shaping a `none`
+        table took (and ignored) is dropped, and the estimators of version 1 (before expbuf
+        took Trinity-RFT's names) become their namesakes, so a data directory written by an
+        earlier release still opens."""
         data = dict(data)
         for name in ("group_timeout_seconds", "tombstone_seconds"):
             value = data.get(name)
             if isinstance(value, (int, float)) and not value <= MAX_SECONDS:
                 data[name] = MAX_SECONDS
+        if data.get("estimator") == "none" and data.get("shaping"):
+            data["shaping"] = {}  # taken and ignored before a `none` table refused it
         if version < 2:
             data["estimator"], data["estimator_params"] = _estimator_of_v1(
                 data.get("estimator", "grpo"), dict(data.get("estimator_params") or {})

@@ -411,3 +411,17 @@ def test_fixtures_over_grpc_match_trinity(server_client: BufferClient, name: str
     want = trinity_advantages(name, params, exps)
     got = {e.eid.uid: (e.advantages, e.returns) for e in batch.experiences}
     assert_same(got, want)
+
+
+def test_step_wise_grpo_takes_the_highest_step_as_the_last() -> None:
+    """A run's last step is its highest step number, wherever it lies among the pushed
+    experiences (Trinity-RFT takes the last in its list, the same when a run's steps are
+    listed in order, as its workflows list them)."""
+    rewards = {0: 0.0, 1: 1.0, 2: 5.0}  # per run, the reward of its step 2 (pushed first)
+    exps = [
+        Exp(0, run, step, rewards[run] if step == 2 else -9.0, [True] * 3) for run in range(3) for step in (2, 0, 1)
+    ]
+    got = ours("step_wise_grpo", {}, exps)
+    mean, std = statistics.fmean(rewards.values()), statistics.stdev(rewards.values())
+    for e in exps:
+        assert float(got[e.uid][0][0]) == pytest.approx((rewards[e.run] - mean) / (std + 1e-6), abs=1e-6)

@@ -84,28 +84,31 @@ def client(tmp_path: Path) -> Iterator[BufferClient]:
 
 @pytest.mark.parametrize("estimator", ["reinforce", "grpo", "discounted_return"])
 def test_shaping_steps_on_ingest_match_the_seed_formulas(client: BufferClient, estimator: str) -> None:
-    """Overlong penalty, running normalisation (over both pushes), reward clip, the estimator,
-    advantage clip; token-level values (discounted_return) clipped too."""
-    client.create_table("s", estimator=estimator, shaping=SHAPING)
+    """Overlong penalty; running normalisation, one group at a time, over both pushes; reward
+    clip; advantage clip; token-level values (discounted_return) clipped too. grpo's group
+    step comes before the normalisation and the reward clip (LightRFT's group calculators)."""
+    limit = 1.2 if estimator == "grpo" else 1.5  # grpo's values lie within +-1.5
+    client.create_table("s", estimator=estimator, shaping=SHAPING | {"reward_clip": limit})
     rng, seen, want, counts = random.Random(7), [], {}, dict.fromkeys(("pen", "rclip", "aseen", "aclip"), 0)
     for batch in (1, 2):
         pushed = groups(batch, rng)
         client.push(pushed, table="s")
-        wait_computed(client, "s", 2 * batch)  # each push is one computation of the running moments
-        rewards = [penalised(e) for e in pushed]
-        seen += rewards
-        mean, std = statistics.fmean(seen), statistics.stdev(seen)
-        normed = [(r - mean) / std for r in rewards]
-        shaped = [clip(r, 1.5) for r in normed]
-        if estimator == "grpo":
-            shaped = grpo(shaped[:4]) + grpo(shaped[4:])
-        for exp, value in zip(pushed, shaped, strict=True):
-            want[exp.eid.uid] = clip(value, 1.0)
-            tokens = len(exp.action_mask) if estimator == "discounted_return" else 1
-            counts["aseen"] += tokens
-            counts["aclip"] += tokens * (abs(value) > 1.0)
+        wait_computed(client, "s", 2 * batch)
+        for group in (pushed[:4], pushed[4:]):
+            rewards = [penalised(e) for e in group]
+            if estimator == "grpo":
+                rewards = grpo(rewards)
+            seen += rewards  # the moments take in the group's values before they are normalised
+            mean, std = statistics.fmean(seen), statistics.stdev(seen)
+            normed = [(r - mean) / std for r in rewards]
+            for exp, value in zip(group, normed, strict=True):
+                value = clip(value, limit)
+                want[exp.eid.uid] = clip(value, 1.0)
+                tokens = len(exp.action_mask) if estimator == "discounted_return" else 1
+                counts["aseen"] += tokens
+                counts["aclip"] += tokens * (abs(value) > 1.0)
+            counts["rclip"] += sum(abs(r) > limit for r in normed)
         counts["pen"] += sum(len(e.action_mask) > 8 for e in pushed)
-        counts["rclip"] += sum(abs(r) > 1.5 for r in normed)
     assert 0 < counts["pen"] < 16 and 0 < counts["rclip"] < 16 and 0 < counts["aclip"] < counts["aseen"]
     stats = client.stats("s")["s"]
     assert stats["overlong_penalised"] == counts["pen"]
@@ -282,3 +285,25 @@ def test_stats_and_metrics_show_the_counts(tmp_path: Path) -> None:
     assert stats["advantages_clipped"] > 0
     assert samples[("expbuf_reward_running_mean", (("table", "m"),))] == pytest.approx(stats["reward_running_mean"])
     assert samples[("expbuf_reward_running_std", (("table", "m"),))] == pytest.approx(stats["reward_running_std"])
+
+
+def test_a_group_whose_group_step_fails_takes_nothing_in(tmp_path: Path) -> None:
+    """grpo's group step comes first: a group it cannot compute (rewards of 1e308) fails,
+    and the running moments take in the other groups' values only, in completion order."""
+    rng = random.Random(6)
+    good = [[make_experience(1, task, run, reward=rng.uniform(-3, 3)) for run in range(3)] for task in (0, 2)]
+    huge = [make_experience(1, 1, run, reward=1e308 * (run < 2)) for run in range(3)]  # their sum overflows
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("g", estimator="grpo", shaping={"reward_running_norm": True}))
+        store.put("g", [trxp.from_experience(e) for e in good[0] + huge + good[1]])
+        assert AdvantageWorker(store).run_once() == 3
+        stats = store.stats("g")
+        assert (stats["groups_ready"], stats["groups_failed"]) == (2, 1)
+        batch = take(store, "g", num_groups=2)
+        assert batch is not None
+        got = {e.eid.uid: float(e.advantages[0]) for e in decode(batch.payload)}
+    first, second = grpo([e.reward for e in good[0]]), grpo([e.reward for e in good[1]])
+    want = {e.eid.uid: v / statistics.stdev(first) for e, v in zip(good[0], first, strict=True)}
+    want |= {e.eid.uid: v / statistics.stdev(first + second) for e, v in zip(good[1], second, strict=True)}
+    assert got == pytest.approx(want, abs=1e-5)
+    assert stats["reward_moments"][0] == pytest.approx(statistics.fmean(first + second))

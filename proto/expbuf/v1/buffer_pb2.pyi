@@ -89,7 +89,7 @@ class Estimator(_message.Message):
     def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Shaping(_message.Message):
-    __slots__ = ("reward_clip", "overlong_buffer", "overlong_buffer_len", "overlong_buffer_penalty_factor", "max_new_tokens", "reward_running_norm", "reward_running_norm_minus_mean", "advantage_clip")
+    __slots__ = ("reward_clip", "overlong_buffer", "overlong_buffer_len", "overlong_buffer_penalty_factor", "max_new_tokens", "reward_running_norm", "reward_running_norm_minus_mean", "advantage_clip", "advantages_norm")
     REWARD_CLIP_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_BUFFER_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_BUFFER_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Shaping(_message.Message):
     REWARD_RUNNING_NORM_FIELD_NUMBER: _ClassVar[int]
     REWARD_RUNNING_NORM_MINUS_MEAN_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_NORM_FIELD_NUMBER: _ClassVar[int]
     reward_clip: float
     overlong_buffer: bool
     overlong_buffer_len: int
@@ -106,7 +107,8 @@ class Shaping(_message.Message):
     reward_running_norm: bool
     reward_running_norm_minus_mean: bool
     advantage_clip: float
-    def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ...) -> None: ...
+    advantages_norm: bool
+    def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ..., advantages_norm: _Optional[bool] = ...) -> None: ...
 
 class TableConfig(_message.Message):
     __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale")
