@@ -64,6 +64,12 @@ class Store(Sampling):
                 self._tables[name.decode()] = (record["id"], config)
         if "default" not in self._tables:
             self.create_table(default_table(), exist_ok=True)
+        self._submit(self._recount)
+
+    def _recount(self, txn: lmdb.Transaction) -> None:
+        """Tables whose rate-limit counts an older build kept are counted again (limiter.py)."""
+        for table_id, config in self._tables.values():
+            limiter.recount(TableTxn(txn, self._db, table_id, config, self.clock()))
 
     # ---- lifecycle ---------------------------------------------------------------------
 

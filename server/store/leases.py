@@ -19,7 +19,7 @@ import lmdb
 
 from ..advantage_storage import finish_batch, stored_advantage
 from ..sample_spec import SampleSpec
-from . import layout
+from . import layout, limiter
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
@@ -108,6 +108,7 @@ def take(
             tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
     batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
+    limiter.taken(tt, len(batch.uids))
     batch.newest_version = tt.counters["max_version"]
     batch.trainer_version = tt.counters["trainer_version"]
     tt.save()
@@ -155,6 +156,7 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, u
                 rec.times_sampled -= 1
                 tt.counters["sampled"] -= 1
                 tt.counters["bytes_sampled"] -= rec.size
+            limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in ended])
     return sum(len(grp.members) for _, grp in ended)
