@@ -96,6 +96,25 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.target, args.token, args.watch, args.count, tls=_tls(args))
 
 
+def _reset_offpolicy(args: argparse.Namespace) -> int:
+    """Reset a table's trainer version and admission count on a running server (admin)."""
+    from expbuf.client import BufferClient, BufferError
+
+    if args.version is not None and args.version < 0:
+        raise CommandError(f"--version must be >= 0, got {args.version}")
+    with BufferClient(args.target, token=args.token, tls=_tls(args), timeout=10, retries=0) as client:
+        try:
+            reset = client.reset_offpolicy(args.table, args.version)
+        except BufferError as exc:
+            raise CommandError(f"{args.target}: {exc}") from None
+    version = reset["trainer_version"]
+    print(
+        f"table {args.table}: trainer version {'unset' if version < 0 else version}, "
+        f"{reset['submitted']} rollouts of open grants counted"
+    )
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
     if not (Path(args.data) / "data.mdb").is_file():
@@ -164,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     _client_options(health)
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=_health)
+    table = sub.add_parser("table", help="table administration on a running server (admin scope)")
+    table_sub = table.add_subparsers(dest="table_command", required=True)
+    reset = table_sub.add_parser(
+        "reset-offpolicy",
+        help="set a table's trainer version back (or unset it) and forget the rollouts admission counted,"
+        " for a job that starts over",
+    )
+    _client_options(reset)
+    reset.add_argument("table", help="the table's name")
+    reset.add_argument("--version", type=int, help="the trainer version to set (default: unset, as a new table)")
+    reset.set_defaults(func=_reset_offpolicy)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data")
     check.set_defaults(func=_check)

@@ -24,7 +24,7 @@ from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .snapshot import Snapshot
-from .staleness import evict_stale
+from .staleness import report
 from .types import Sampled
 
 
@@ -44,12 +44,11 @@ def take(
     snapshot: Callable[[], Snapshot] | None = None,
 ) -> Sampled | SampleLimited | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch),
-    the rate limit (limiter.py) if it holds the batch back. With `snapshot` (a way to
-    open one), the payloads are views read from it, not copies (see _Payloads)."""
-    if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
-        tt.counters["trainer_version"] = spec.trainer_version
-        tt.save()
-        evict_stale(tt)  # before selection: a stale group is not taken in the same step
+    the rate limit (limiter.py) if it holds the batch back. The request's trainer version
+    is stored first (staleness.py); the caller undoes it when no batch is taken. With
+    `snapshot` (a way to open one), the payloads are views read from it, not copies (see
+    _Payloads)."""
+    report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     chosen = []
     total = 0
     with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:

@@ -497,3 +497,21 @@ class FinishGrantReply(_message.Message):
     RETURNED_FIELD_NUMBER: _ClassVar[int]
     returned: int
     def __init__(self, returned: _Optional[int] = ...) -> None: ...
+
+class ResetOffPolicyRequest(_message.Message):
+    __slots__ = ("table", "trainer_version", "has_trainer_version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    trainer_version: int
+    has_trainer_version: bool
+    def __init__(self, table: _Optional[str] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ...) -> None: ...
+
+class ResetOffPolicyReply(_message.Message):
+    __slots__ = ("trainer_version", "submitted")
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    trainer_version: int
+    submitted: int
+    def __init__(self, trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ...) -> None: ...

@@ -114,6 +114,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
                 _registered_method=True)
+        self.ResetOffPolicy = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ResetOffPolicy',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -225,6 +230,16 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetOffPolicy(self, request, context):
+        """Admin: reset a table's off-policy state for a job that starts over. The trainer
+        version (which SetTrainerVersion and Sample only move forward) is set to any value,
+        backwards too, or unset; admission forgets the rollouts it counted, but those of
+        grants still open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +322,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.FinishGrant,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.SerializeToString,
+            ),
+            'ResetOffPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetOffPolicy,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -741,6 +761,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/FinishGrant',
             expbuf_dot_v1_dot_buffer__pb2.FinishGrantRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.FinishGrantReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetOffPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ResetOffPolicy',
+            expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
             options,
             channel_credentials,
             insecure,
