@@ -33,6 +33,15 @@ def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Leas
     return None if raw is None else Lease.decode(raw)
 
 
+def could_fill(tt: TableTxn, spec: SampleSpec, allow_partial: bool) -> bool:
+    """Whether the table holds enough ready data for the request at all (whatever its
+    versions): when not, no batch can be taken and nothing needs to be tried."""
+    groups, experiences = tt.counters["groups_ready"], tt.counters[READY]
+    if allow_partial:
+        return groups > 0
+    return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
+
+
 def take(
     tt: TableTxn,
     spec: SampleSpec,

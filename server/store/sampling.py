@@ -19,7 +19,7 @@ from ..tables import TableConfig
 from . import layout, limiter, staleness
 from .environment import Environment
 from .groups import TableTxn
-from .leases import end_lease, read_lease, take
+from .leases import could_fill, end_lease, read_lease, take
 from .records import Lease
 from .types import Sampled
 
@@ -125,27 +125,29 @@ class Sampling:
     ) -> Sampled | limiter.SampleLimited | None:
         """One attempt. A request whose trainer version would move the table's (and evict
         what falls stale) takes in a nested transaction, kept only when a batch is taken:
-        the version is stored with a batch, and a waiting request changes nothing."""
+        the version is stored with a batch, and a waiting request changes nothing; while the
+        table holds too little ready data for any batch, it does not even try."""
+        partial = spec.allow_partial and final
+
+        def attempt(t: TableTxn) -> Sampled | limiter.SampleLimited | None:
+            return take(t, spec, partial, self._rng, hold=hold, owner=owner, snapshot=self.environment.snapshot)
+
         moves = staleness.next_version(tt, spec.trainer_version) is not None
-        child = self.environment.env.begin(write=True, parent=txn) if moves else txn
-        try:
-            result = take(
-                tt if not moves else TableTxn(child, self._db, tt.table_id, tt.config, tt.now),
-                spec,
-                spec.allow_partial and final,
-                self._rng,
-                hold=hold,
-                owner=owner,
-                snapshot=self.environment.snapshot,
-            )
-        except BaseException:
-            if moves:
+        if not moves:
+            result = attempt(tt)
+        elif not could_fill(tt, spec, partial):
+            result = None  # waiting for data: nothing is stored, nothing evicted
+        else:
+            child = self.environment.env.begin(write=True, parent=txn)
+            try:
+                result = attempt(TableTxn(child, self._db, tt.table_id, tt.config, tt.now))
+            except BaseException:
                 child.abort()
-            raise
-        if moves and isinstance(result, Sampled):
-            child.commit()
-        elif moves:
-            child.abort()
+                raise
+            if isinstance(result, Sampled):
+                child.commit()
+            else:
+                child.abort()
         if blocked and (isinstance(result, Sampled) or final):
             tt = TableTxn(txn, self._db, tt.table_id, tt.config, tt.now)
             tt.counters["sample_blocked_seconds"] += blocked
