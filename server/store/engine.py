@@ -63,12 +63,24 @@ class Store(Sampling):
                 self._tables[name.decode()] = (record["id"], config)
         if "default" not in self._tables:
             self.create_table(default_table(), exist_ok=True)
-        self._submit(self._recount)
+        self._recount()
 
-    def _recount(self, txn: lmdb.Transaction) -> None:
-        """Tables whose rate-limit counts an older build kept are counted again (limiter.py)."""
-        for table_id, config in self._tables.values():
-            limiter.recount(TableTxn(txn, self._db, table_id, config, self.clock()))
+    def _recount(self) -> None:
+        """Tables whose rate-limit counts an older build kept are counted again (limiter.py);
+        a directory without such tables is not written."""
+        with self.environment.read() as txn:
+            due = [
+                (table_id, config)
+                for table_id, config in self._tables.values()
+                if limiter.counted_before(txn, self._db["counters"], layout.table_prefix(table_id))
+            ]
+
+        def op(txn: lmdb.Transaction) -> None:
+            for table_id, config in due:
+                limiter.recount(TableTxn(txn, self._db, table_id, config, self.clock()))
+
+        if due:
+            self._submit(op)
 
     # ---- lifecycle ---------------------------------------------------------------------
 

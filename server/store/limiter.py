@@ -31,6 +31,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import lmdb
+
 from ..errors import StoreError
 from .records import COMPUTING, LEASED, PENDING, READY, ItemRecord
 from .types import Entry
@@ -81,13 +83,19 @@ def forget(tt: TableTxn, records: Iterable[ItemRecord]) -> None:
             tt.counters[SAMPLED] -= rec.times_sampled
 
 
+def counted_before(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bool:
+    """Whether a table's stored counters (in `db`, at its `prefix`) are of an older build,
+    which counted every push: `recount` is due."""
+    raw = txn.get(prefix, db=db)
+    return raw is not None and INSERTED not in json.loads(raw)
+
+
 def recount(tt: TableTxn) -> bool:
     """Count a table whose stored counters an older build wrote; False when they are this
-    build's (or the table has none yet). Ready and leased experiences count as they are; the others
-    pushed and gone (consumed, dropped, evicted...) count as inserted and sampled in full,
-    so they hold neither side."""
-    raw = tt.txn.get(tt.prefix, db=tt.db["counters"])
-    if raw is None or INSERTED in json.loads(raw):
+    build's (or the table has none yet). Ready and leased experiences count as they are; the
+    others pushed and gone (consumed, dropped, evicted...) count as inserted and sampled in
+    full, so they hold neither side."""
+    if not counted_before(tt.txn, tt.db["counters"], tt.prefix):
         return False
     live, samples = 0, 0
     with tt.txn.cursor(db=tt.db["items"]) as cur:
