@@ -210,7 +210,8 @@ class ExperienceBufferServicer:
 
     def SetTrainerVersion(self, request, context):
         """The trainer's current policy version for a table: stored durably, the reference
-        of staleness (trainer version minus experience version).
+        of staleness (trainer version minus experience version). It only moves forward
+        (see SetTrainerVersionReply); ResetOffPolicy sets it back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
