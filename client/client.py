@@ -147,6 +147,17 @@ def _trainer_version_request(version: int, table: str) -> pb.SetTrainerVersionRe
     return pb.SetTrainerVersionRequest(table=table, version=version)
 
 
+def _reset_request(table: str, trainer_version: int | None) -> pb.ResetOffPolicyRequest:
+    if trainer_version is None:
+        return pb.ResetOffPolicyRequest(table=table)
+    _trainer_version_request(trainer_version, table)
+    return pb.ResetOffPolicyRequest(table=table, trainer_version=trainer_version, has_trainer_version=True)
+
+
+def _reset_result(reply: pb.ResetOffPolicyReply) -> dict[str, int]:
+    return {"trainer_version": reply.trainer_version, "submitted": reply.submitted}
+
+
 def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -> pb.CreateTableRequest:
     settings = dict(settings)
     capacity = settings.pop("capacity", None)
@@ -366,9 +377,17 @@ class BufferClient(_Base):
         return self._call(self._stub.Nack, pb.NackRequest(table=table, lease_id=lease_id), retry=False).requeued
 
     def set_trainer_version(self, version: int, table: str = "default") -> int:
-        """Tell the table the trainer's current policy version (staleness is measured from it)."""
+        """Tell the table the trainer's current policy version (staleness is measured from it).
+        Returns the version stored: it only moves forward, so a lower one keeps the table's."""
         request = _trainer_version_request(version, table)
         return self._call(self._stub.SetTrainerVersion, request, retry=True).version
+
+    def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, int]:
+        """Admin: reset the table's off-policy state for a job that starts over: the trainer
+        version becomes `trainer_version` (None: unset), backwards too, and admission counts
+        only the rollouts of grants still open. Returns both (trainer_version -1 = unset)."""
+        request = _reset_request(table, trainer_version)
+        return _reset_result(self._call(self._stub.ResetOffPolicy, request, retry=True))
 
     def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
         """How many of `count` rollouts may start now under the table's staleness bound,
@@ -599,6 +618,11 @@ class AsyncBufferClient(_Base):
     async def set_trainer_version(self, version: int, table: str = "default") -> int:
         request = _trainer_version_request(version, table)
         return (await self._call(self._stub.SetTrainerVersion, request, retry=True)).version
+
+    async def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, int]:
+        """As BufferClient.reset_offpolicy."""
+        request = _reset_request(table, trainer_version)
+        return _reset_result(await self._call(self._stub.ResetOffPolicy, request, retry=True))
 
     async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
         request = _admit_request(table, count, wait, grant_seconds)

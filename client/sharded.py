@@ -194,6 +194,10 @@ class ShardedBufferClient(_Sharded):
         """Tell every shard's table the trainer's current policy version."""
         return min((self._each(lambda _, c: c.set_trainer_version(version, table))).values())
 
+    def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, dict[str, int]]:
+        """As BufferClient.reset_offpolicy, on every shard; each shard's answer by its name."""
+        return self._each(lambda _, c: c.reset_offpolicy(table, trainer_version))
+
     def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
         """As BufferClient.admit, on the table's admission shard (`admission_shard`)."""
         client = self.clients[self.admission_shard(table)]

@@ -8,12 +8,18 @@ so while the trainer is at version v, at most (2 + v + 1) * 4 groups may have st
 Workers ask `admit` before each rollout, tag it with the version of the weights they
 used, and finish the grant; the trainer reports its version after each step and samples
 only groups at most two versions behind. Pushes staler than that are dropped.
+
+Each run is a job that starts over at version 0: it resets the table's off-policy state
+(`reset_offpolicy`, an admin call), since the table keeps the version and the admission
+count of an earlier run, and the trainer version only moves forward. Its rollouts carry
+a batch id of their own, so a second run's uids never meet the first's.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import threading
 
 import torch
@@ -24,13 +30,14 @@ TABLE = "grpo_async"
 GROUP_SIZE = 4  # runs per task
 GROUPS_PER_STEP = 4  # the trainer's batch, in groups: the table's batch_size
 STALENESS = 2
+RUN = secrets.token_hex(4)  # this run's batch ids
 
 
 def rollout(worker: int, task: int, run: int, model_version: int) -> Experience:
     """Stands in for generating a response with the weights of `model_version` and scoring it."""
     prompt, response = 16, random.randint(8, 32)
     return Experience(
-        eid=EID(batch=worker, task=task, run=run),
+        eid=EID(batch=f"{RUN}-{worker}", task=task, run=run),
         tokens=torch.randint(0, 32_000, (prompt + response,), dtype=torch.int32),
         prompt_length=prompt,
         logprobs=-torch.rand(response),
@@ -84,7 +91,7 @@ def main() -> None:
         client.create_table(
             TABLE, group_size=GROUP_SIZE, max_staleness=STALENESS, batch_size=GROUPS_PER_STEP, exist_ok=True
         )
-        client.set_trainer_version(0, TABLE)
+        client.reset_offpolicy(TABLE, trainer_version=0)  # a job that starts over (an admin call)
     stop = threading.Event()
     workers = [threading.Thread(target=rollout_worker, args=(args.target, i, stop)) for i in range(args.workers)]
     for thread in workers:

@@ -17,15 +17,13 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
 from expbuf.client import BufferClient, BufferError, Experience, Tls, encode
 from expbuf.client.client import ListedExperience
 
 
 def _plain(value: Any) -> Any:
     """A value JSON can hold: tensors as lists, non-finite floats as strings."""
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "tolist"):  # a tensor (torch is not imported here: `expbuf health` stays light)
         return _plain(value.tolist())
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}

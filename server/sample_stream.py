@@ -52,11 +52,13 @@ class ClientSide:
         try:
             for request in requests:
                 with self._changed:
-                    if request.received > self._sent:
+                    if request.received > self._sent:  # confirms nothing: the unconfirmed batch goes back
                         self.error = InvalidRequest(
-                            f"a Sample message confirms {request.received} batches, but {self._sent} were sent"
+                            f"a Sample message confirms {request.received} batches, but {self._sent} were sent; "
+                            "the batch not confirmed before returns to the buffer"
                         )
-                    self.received = max(self.received, min(request.received, self._sent))
+                    else:
+                        self.received = max(self.received, request.received)
                     self.stopped = request.stop or self.error is not None
                     self._changed.notify_all()
                 if self.stopped:

@@ -439,6 +439,18 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         return pb.FinishGrantReply(returned=returned)
 
     @_refusals
+    def ResetOffPolicy(
+        self, request: pb.ResetOffPolicyRequest, context: grpc.ServicerContext
+    ) -> pb.ResetOffPolicyReply:
+        table = request.table or "default"
+        version = request.trainer_version if request.has_trainer_version else None
+        stored, submitted = self.store.reset_offpolicy(table, version)
+        log.info(
+            "off-policy state of table %s reset: trainer version %s, %d rollouts counted", table, stored, submitted
+        )
+        return pb.ResetOffPolicyReply(trainer_version=-1 if stored is None else stored, submitted=submitted)
+
+    @_refusals
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:
         storage = self.store.storage_info()
         return pb.ServerInfoReply(

@@ -1,4 +1,4 @@
-"""`expbuf table create|list|describe|drop`: table administration from a shell, through the RPCs.
+"""`expbuf table create|list|describe|drop|reset-offpolicy`: table administration from a shell, through the RPCs.
 
 Settings are given as `KEY=VALUE` with the TOML names and TOML values (`group_size=8`,
 `estimator=grpo`, `shaping={reward_clip=5.0}`), and `describe` prints a table's settings as
@@ -101,6 +101,19 @@ def _drop(args: argparse.Namespace, client: BufferClient) -> int:
     return 0
 
 
+def _reset(args: argparse.Namespace, client: BufferClient) -> int:
+    if args.version is not None and args.version < 0:
+        print(f"expbuf table reset-offpolicy: --version must be >= 0, got {args.version}", file=sys.stderr)
+        return 2
+    reset = client.reset_offpolicy(args.name, args.version)
+    version = reset["trainer_version"]
+    print(
+        f"table {args.name}: trainer version {'unset' if version < 0 else version}, "
+        f"{reset['submitted']} rollouts of open grants counted"
+    )
+    return 0
+
+
 def add_table_commands(
     sub: argparse._SubParsersAction,
     client_options: Callable[[argparse.ArgumentParser], None],
@@ -123,7 +136,15 @@ def add_table_commands(
     drop.add_argument("name", help="the table's name")
     drop.add_argument("--yes", action="store_true", help="really drop it (the command refuses without)")
     drop.set_defaults(table_action=_drop)
-    for parser in (create, listing, describe, drop):
+    reset = actions.add_parser(
+        "reset-offpolicy",
+        help="set a table's trainer version back (or unset it) and forget the rollouts admission counted,"
+        " for a job that starts over (admin scope)",
+    )
+    reset.add_argument("name", help="the table's name")
+    reset.add_argument("--version", type=int, help="the trainer version to set (default: unset, as a new table)")
+    reset.set_defaults(table_action=_reset)
+    for parser in (create, listing, describe, drop, reset):
         client_options(parser)
         parser.set_defaults(func=run)
 

@@ -206,8 +206,10 @@ def test_async_client_that_stops_early_gives_back_the_batch_on_its_way(server, c
     assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
 
 
-def test_confirming_more_than_was_sent_is_refused(client: BufferClient, stub) -> None:
-    fill(client, 2)
+def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: BufferClient, stub) -> None:
+    """An over-confirmation is an error, so the batch it names is not delivered: it returns to
+    the buffer. The batches confirmed before it stay consumed."""
+    fill(client, 3)
     talk = Conversation(stub, request())
     talk.read()
     talk.confirm(5)
@@ -215,6 +217,19 @@ def test_confirming_more_than_was_sent_is_refused(client: BufferClient, stub) ->
         list(talk.call)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "confirms 5 batches, but 1 were sent" in info.value.details()
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (0, 6, 0)
+    talk = Conversation(stub, request())
+    first = talk.read()
+    talk.confirm(1)
+    talk.read()
+    talk.confirm(7)
+    with pytest.raises(grpc.RpcError) as info:
+        list(talk.call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 4, 0)
+    assert client.get(first.uids, table="t") == []  # the confirmed one left the buffer
 
 
 def test_held_batches_of_a_killed_server_come_back(tmp_path: Path) -> None:

@@ -49,3 +49,15 @@ def test_async_grpo_with_a_staleness_bound_of_two(target: str) -> None:
         stats = client.stats("grpo_async")["grpo_async"]
     assert stats["trainer_version"] == 5
     assert stats["submitted"] <= (2 + 5 + 1) * 4
+
+
+def test_async_grpo_runs_again_on_the_same_table(target: str) -> None:
+    """A job that starts over on a table an earlier run left (its version 5, its admission
+    count) resets the table's off-policy state and finishes, instead of waiting for room."""
+    for _ in range(2):
+        out = run("async_grpo.py", "--target", target, "--workers", "2", "--steps", "5")
+        assert out.count("4 groups") == 5
+    with BufferClient(target) as client:
+        stats = client.stats("grpo_async")["grpo_async"]
+    assert stats["trainer_version"] == 5
+    assert stats["submitted"] <= (2 + 5 + 1) * 4

@@ -95,6 +95,19 @@ def finish(tt: TableTxn, grant_id: str, record: dict, accepted: int | None, *, e
     return returned
 
 
+def reset(tt: TableTxn) -> int:
+    """Forget the rollouts counted against the bound but those of grants still open (a job
+    that starts over); returns them. The totals (admitted, expired, rejected) stay."""
+    held = 0
+    for _, raw in tt.txn.cursor(db=tt.db["grants"]):
+        record = json.loads(raw)
+        if record["t"] == tt.table_id:
+            held += record["n"]
+    tt.counters["submitted"] = held
+    tt.save()
+    return held
+
+
 def unknown_grant(grant_id: str, table: str) -> NotFound:
     return NotFound(f"grant '{clip(grant_id)}' of table '{clip(table)}' is unknown, finished or expired")
 

@@ -24,13 +24,12 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, browse, layout, limiter, retirement
+from . import admission, browse, layout, limiter, retirement, staleness
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
 from .records import GroupRecord, ItemRecord, Lease
 from .sampling import Sampling
-from .staleness import evict_stale
 from .types import ComputeJob, Entry, PutResult, ShapingUpdate
 from .upkeep import Upkeep
 
@@ -64,6 +63,24 @@ class Store(Sampling):
                 self._tables[name.decode()] = (record["id"], config)
         if "default" not in self._tables:
             self.create_table(default_table(), exist_ok=True)
+        self._recount()
+
+    def _recount(self) -> None:
+        """Tables whose rate-limit counts an older build kept are counted again (limiter.py);
+        a directory without such tables is not written."""
+        with self.environment.read() as txn:
+            due = [
+                (table_id, config)
+                for table_id, config in self._tables.values()
+                if limiter.counted_before(txn, self._db["counters"], layout.table_prefix(table_id))
+            ]
+
+        def op(txn: lmdb.Transaction) -> None:
+            for table_id, config in due:
+                limiter.recount(TableTxn(txn, self._db, table_id, config, self.clock()))
+
+        if due:
+            self._submit(op)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -235,15 +252,24 @@ class Store(Sampling):
         return admission.finish(tt, grant_id, record, 0, expired=True)
 
     def set_trainer_version(self, table: str, version: int) -> int:
-        """Store the trainer's policy version for a table (in its counters); returns it.
+        """Report the trainer's policy version for a table; returns the version stored,
+        which is higher when the table's already was (it only moves forward, staleness.py).
         A table with evict_stale drops a first bounded batch of the groups that fell stale."""
         check_version("version", version)
+        return self._in_table(table, lambda tt: staleness.report(tt, version))
 
-        def op(tt: TableTxn) -> int:
-            tt.counters["trainer_version"] = version
-            tt.save()
-            evict_stale(tt)
-            return version
+    def reset_offpolicy(self, table: str, version: int | None = None) -> tuple[int | None, int]:
+        """An admin's reset of a table's off-policy state, for a job that starts over: the
+        trainer version becomes `version` (None: unset), even backwards or past the jump
+        bound, and admission counts only the rollouts of grants still open. Returns the
+        trainer version and the rollouts still counted."""
+        if version is not None:
+            check_version("version", version)
+
+        def op(tt: TableTxn) -> tuple[int | None, int]:
+            submitted = admission.reset(tt)
+            staleness.reset(tt, version)
+            return version, submitted
 
         return self._in_table(table, op)
 

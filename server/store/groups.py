@@ -20,7 +20,7 @@ import lmdb
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
 from ..tables import NEEDS_REWARD, TableConfig
-from . import layout, retirement
+from . import layout, limiter, retirement
 from .capacity import make_room
 from .records import (
     COMPUTING,
@@ -64,6 +64,7 @@ _COUNTERS = (
     # seconds the rate limits held inserts and samples (limiter.py)
     "insert_blocked_seconds",
     "sample_blocked_seconds",
+    *limiter.COUNTERS,
     "next_seq",
     "next_rseq",
 )
@@ -317,6 +318,7 @@ class TableTxn:
         self.counters["next_rseq"] += 1
         if self.config.estimator == "none":
             self.set_state(gkey, grp, recs, READY)
+            limiter.became_ready(self, len(recs))
             row = (gkey.encode(), grp.rseq, grp.priority, grp.version)
             if ready is None:
                 self.ready.add(*row)
@@ -367,6 +369,7 @@ class TableTxn:
                     else:
                         self.txn.put(self.key(uid), value, db=self.db["adv"])
                 self.set_state(gkey, grp, recs, READY)
+                limiter.became_ready(self, len(recs))
                 self.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
 
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:

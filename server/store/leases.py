@@ -19,18 +19,27 @@ import lmdb
 
 from ..advantage_storage import finish_batch, stored_advantage
 from ..sample_spec import SampleSpec
-from . import layout
+from . import layout, limiter
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .snapshot import Snapshot
-from .staleness import evict_stale
+from .staleness import report
 from .types import Sampled
 
 
 def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
     raw = txn.get(lease_id.encode(), db=db) if len(lease_id) <= 64 else None
     return None if raw is None else Lease.decode(raw)
+
+
+def could_fill(tt: TableTxn, spec: SampleSpec, allow_partial: bool) -> bool:
+    """Whether the table holds enough ready data for the request at all (whatever its
+    versions): when not, no batch can be taken and nothing needs to be tried."""
+    groups, experiences = tt.counters["groups_ready"], tt.counters[READY]
+    if allow_partial:
+        return groups > 0
+    return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
 
 
 def take(
@@ -44,12 +53,11 @@ def take(
     snapshot: Callable[[], Snapshot] | None = None,
 ) -> Sampled | SampleLimited | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch),
-    the rate limit (limiter.py) if it holds the batch back. With `snapshot` (a way to
-    open one), the payloads are views read from it, not copies (see _Payloads)."""
-    if spec.trainer_version is not None and spec.trainer_version != tt.counters["trainer_version"]:
-        tt.counters["trainer_version"] = spec.trainer_version
-        tt.save()
-        evict_stale(tt)  # before selection: a stale group is not taken in the same step
+    the rate limit (limiter.py) if it holds the batch back. The request's trainer version
+    is stored first (staleness.py); the caller undoes it when no batch is taken. With
+    `snapshot` (a way to open one), the payloads are views read from it, not copies (see
+    _Payloads)."""
+    report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     chosen = []
     total = 0
     with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
@@ -108,6 +116,7 @@ def take(
             tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
     batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
+    limiter.taken(tt, len(batch.uids))
     batch.newest_version = tt.counters["max_version"]
     batch.trainer_version = tt.counters["trainer_version"]
     tt.save()
@@ -155,6 +164,7 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, u
                 rec.times_sampled -= 1
                 tt.counters["sampled"] -= 1
                 tt.counters["bytes_sampled"] -= rec.size
+            limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in ended])
     return sum(len(grp.members) for _, grp in ended)

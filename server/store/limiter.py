@@ -2,25 +2,47 @@
 
 A table may hold samples back until `min_size_to_sample` experiences were inserted, and
 keep the experiences sampled per experience inserted near `samples_per_insert`: with
-diff = inserts * samples_per_insert - samples, an insert waits while it would push diff
+diff = inserted * samples_per_insert - sampled, an insert waits while it would push diff
 above spi * min_size + error, a sample while it would pull diff below spi * min_size -
-error (error = `samples_per_insert_error`). Inserts and samples are the table's `pushed`
-and `sampled` counters, so the limiter's state is durable and survives a restart.
+error (error = `samples_per_insert_error`).
+
+The limiter counts only what can still be sampled, in two durable counters of its own
+(INSERTED, SAMPLED), changed in the transaction of what changes them and only here:
+- an experience counts as inserted when its group becomes ready (a pending or computing
+  one may never be sampled);
+- each experience taken counts as sampled; one held for a stream and never sent comes back;
+- an experience that leaves while counted (ready or leased) other than by being consumed
+  (evicted, dropped as stale, deleted) is forgotten: out of inserted, and its samples out
+  of sampled. So a drop, an eviction, a failure or a timeout never leaves owed samples
+  behind that nothing could take, and neither side can hold the other for good.
+A table whose counters an older build wrote (which counted every push) is counted again
+when the store opens (`recount`): its live ready and leased experiences as they are, the
+ones gone as sampled in full.
 
 Batches move diff by more than one: a batch that cannot fit inside the band passes when
-diff is on its side of the band's centre (the other side is then free to move), so
-neither side can hold the other for good, and the band is left by at most one batch.
-A request held by a limit waits on the store's change condition up to its deadline,
-then fails with a message that names the limit.
+diff is on its side of the band's centre (the other side is then free to move), so the
+band is left by at most one batch. A request held by a limit waits on the store's change
+condition up to its deadline, then fails with a message that names the limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import lmdb
 
 from ..errors import StoreError
-from .groups import TableTxn
+from .records import COMPUTING, LEASED, PENDING, READY, ItemRecord
 from .types import Entry
+
+if TYPE_CHECKING:
+    from .groups import TableTxn
+
+INSERTED, SAMPLED = "rate_inserted", "rate_sampled"
+COUNTERS = (INSERTED, SAMPLED)
+COUNTED = (READY, LEASED)  # the states of experiences the limiter counts
 
 
 class InsertLimited(StoreError):
@@ -35,11 +57,70 @@ class SampleLimited(StoreError):
     code = "deadline_exceeded"
 
 
+# ---- what moves the counters ------------------------------------------------------------
+
+
+def became_ready(tt: TableTxn, count: int) -> None:
+    """`count` experiences of a group that just became ready (never a requeued one)."""
+    tt.counters[INSERTED] += count
+
+
+def taken(tt: TableTxn, count: int) -> None:
+    tt.counters[SAMPLED] += count
+
+
+def given_back(tt: TableTxn, count: int) -> None:
+    """Experiences held for a stream that never sent them: not sampled after all."""
+    tt.counters[SAMPLED] -= count
+
+
+def forget(tt: TableTxn, records: Iterable[ItemRecord]) -> None:
+    """Experiences leaving other than by consumption, with their state before they leave:
+    the counted ones (ready, leased) are out of the count, their samples with them."""
+    for rec in records:
+        if rec.state in COUNTED:
+            tt.counters[INSERTED] -= 1
+            tt.counters[SAMPLED] -= rec.times_sampled
+
+
+def counted_before(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bool:
+    """Whether a table's stored counters (in `db`, at its `prefix`) are of an older build,
+    which counted every push: `recount` is due."""
+    raw = txn.get(prefix, db=db)
+    return raw is not None and INSERTED not in json.loads(raw)
+
+
+def recount(tt: TableTxn) -> bool:
+    """Count a table whose stored counters an older build wrote; False when they are this
+    build's (or the table has none yet). Ready and leased experiences count as they are; the
+    others pushed and gone (consumed, dropped, evicted...) count as inserted and sampled in
+    full, so they hold neither side."""
+    if not counted_before(tt.txn, tt.db["counters"], tt.prefix):
+        return False
+    live, samples = 0, 0
+    with tt.txn.cursor(db=tt.db["items"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix):
+            rec = ItemRecord.decode(cur.value())
+            if rec.state in COUNTED:
+                live += 1
+                samples += rec.times_sampled
+            found = cur.next()
+    gone = max(0, tt.counters["pushed"] - tt.counters[PENDING] - tt.counters[COMPUTING] - live)
+    tt.counters[INSERTED] = live + gone
+    tt.counters[SAMPLED] = samples + gone * tt.config.samples_per_insert
+    tt.save()
+    return True
+
+
+# ---- the limits ---------------------------------------------------------------------------
+
+
 def _diff(tt: TableTxn) -> tuple[float, float]:
     """diff and the band's centre."""
     cfg = tt.config
     spi = cfg.samples_per_insert
-    return tt.counters["pushed"] * spi - tt.counters["sampled"], spi * cfg.min_size_to_sample
+    return tt.counters[INSERTED] * spi - tt.counters[SAMPLED], spi * cfg.min_size_to_sample
 
 
 def insert_limit(tt: TableTxn, entries: Sequence[Entry]) -> InsertLimited | None:
@@ -56,15 +137,14 @@ def insert_limit(tt: TableTxn, entries: Sequence[Entry]) -> InsertLimited | None
         return None
     return InsertLimited(
         f"table '{cfg.name}': samples_per_insert {cfg.samples_per_insert:g} (error "
-        f"{cfg.samples_per_insert_error:g}) holds inserts until more is sampled: {tt.counters['pushed']} "
-        f"inserted, {tt.counters['sampled']} sampled"
+        f"{cfg.samples_per_insert_error:g}) holds inserts until more is sampled: {_counts(tt)}"
     )
 
 
 def sample_limit(tt: TableTxn, count: int) -> SampleLimited | None:
     """Why sampling `count` experiences must wait now; None when it may go."""
     cfg = tt.config
-    inserted = tt.counters["pushed"]
+    inserted = tt.counters[INSERTED]
     if inserted < cfg.min_size_to_sample:
         return SampleLimited(
             f"table '{cfg.name}': min_size_to_sample {cfg.min_size_to_sample} holds samples; "
@@ -77,6 +157,9 @@ def sample_limit(tt: TableTxn, count: int) -> SampleLimited | None:
         return None
     return SampleLimited(
         f"table '{cfg.name}': samples_per_insert {cfg.samples_per_insert:g} (error "
-        f"{cfg.samples_per_insert_error:g}) holds samples until more is inserted: {inserted} inserted, "
-        f"{tt.counters['sampled']} sampled"
+        f"{cfg.samples_per_insert_error:g}) holds samples until more is inserted: {_counts(tt)}"
     )
+
+
+def _counts(tt: TableTxn) -> str:
+    return f"{tt.counters[INSERTED]:g} inserted, {tt.counters[SAMPLED]:g} sampled (of what can still be sampled)"

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from ..selection import put_rows, u64
-from . import layout
-from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
+from . import layout, limiter
+from .records import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
 
 if TYPE_CHECKING:
     from .groups import TableTxn
@@ -31,6 +31,10 @@ def retire(tt: TableTxn, groups: Sequence[tuple[str, GroupRecord]], state: str) 
     push of the same uid is still recognised as a duplicate, pruned after
     tombstone_seconds. Done in passes, one per database, over all the groups; a record
     not read yet in this transaction becomes a tombstone without being decoded."""
+    if state != CONSUMED:
+        for _, grp in groups:
+            if grp.state in limiter.COUNTED:
+                limiter.forget(tt, [rec for rec in tt.members(grp).values() if rec is not None])
     ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
     tt.ready.remove_many(ready)
     for gkey, grp in groups:
@@ -146,6 +150,7 @@ def delete(tt: TableTxn, uids: Sequence[str], group_ids: Sequence[str]) -> int:
         if rec.state not in LIVE:
             forget_tombstone(tt, uid, rec)
             continue
+        limiter.forget(tt, [rec])
         tt.forget_item(uid)
         tt.counters[rec.state] -= 1
         deleted += 1

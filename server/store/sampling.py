@@ -16,10 +16,10 @@ import lmdb
 from ..errors import Forbidden, InvalidRequest, NotFound, clip
 from ..sample_spec import SampleSpec
 from ..tables import TableConfig
-from . import layout, limiter
+from . import layout, limiter, staleness
 from .environment import Environment
 from .groups import TableTxn
-from .leases import end_lease, read_lease, take
+from .leases import could_fill, end_lease, read_lease, take
 from .records import Lease
 from .types import Sampled
 
@@ -83,8 +83,7 @@ class Sampling:
                 c: TableConfig = config,
             ) -> Any:
                 def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
-                    tt = TableTxn(t, self._db, i, c, self.clock())
-                    return self._take(tt, spec, f, b, hold=hold, owner=owner)
+                    return self._take(t, TableTxn(t, self._db, i, c, self.clock()), spec, f, b, hold, owner)
 
                 if not a:
                     return take_in(txn)
@@ -122,18 +121,35 @@ class Sampling:
         return result
 
     def _take(
-        self, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, *, hold: bool, owner: str
+        self, txn: lmdb.Transaction, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, hold: bool, owner: str
     ) -> Sampled | limiter.SampleLimited | None:
-        result = take(
-            tt,
-            spec,
-            spec.allow_partial and final,
-            self._rng,
-            hold=hold,
-            owner=owner,
-            snapshot=self.environment.snapshot,
-        )
+        """One attempt. A request whose trainer version would move the table's (and evict
+        what falls stale) takes in a nested transaction, kept only when a batch is taken:
+        the version is stored with a batch, and a waiting request changes nothing; while the
+        table holds too little ready data for any batch, it does not even try."""
+        partial = spec.allow_partial and final
+
+        def attempt(t: TableTxn) -> Sampled | limiter.SampleLimited | None:
+            return take(t, spec, partial, self._rng, hold=hold, owner=owner, snapshot=self.environment.snapshot)
+
+        moves = staleness.next_version(tt, spec.trainer_version) is not None
+        if not moves:
+            result = attempt(tt)
+        elif not could_fill(tt, spec, partial):
+            result = None  # waiting for data: nothing is stored, nothing evicted
+        else:
+            child = self.environment.env.begin(write=True, parent=txn)
+            try:
+                result = attempt(TableTxn(child, self._db, tt.table_id, tt.config, tt.now))
+            except BaseException:
+                child.abort()
+                raise
+            if isinstance(result, Sampled):
+                child.commit()
+            else:
+                child.abort()
         if blocked and (isinstance(result, Sampled) or final):
+            tt = TableTxn(txn, self._db, tt.table_id, tt.config, tt.now)
             tt.counters["sample_blocked_seconds"] += blocked
             tt.save()
         return result

@@ -1,4 +1,14 @@
-"""Eviction of stale ready groups, through the version index.
+"""The trainer's policy version of a table, and eviction of the ready groups it leaves stale.
+
+The version only moves forward. A report lower than the stored version keeps the stored
+one (the reply says which is stored): a trainer restarted from a checkpoint goes on, its
+rollouts judged against the newest weights the job reached. Only an admin's reset
+(`reset`: the ResetOffPolicy RPC, `expbuf table reset-offpolicy`) sets it back. With
+`evict_stale`, a report may move the version at most to the newest model version pushed
+(or the stored version, if higher) + max_staleness + 1: a trainer can have trained only on
+groups at most max_staleness behind it, and it reports one more after its step. A larger
+jump, which would evict groups no trainer could yet have passed (a token sending 2**63-1
+would evict them all), is refused, naming the reset that sets any version.
 
 With `evict_stale`, a ready group whose lowest model version fell below trainer version -
 max_staleness leaves the buffer as dropped (reason `stale`): the trainer would never take
@@ -11,11 +21,62 @@ upkeep takes the rest on its next passes.
 
 from __future__ import annotations
 
+from ..errors import GroupClosed
 from .groups import TableTxn
 from .records import DROPPED, READY
 
 # Stale groups evicted per table in one pass (one write transaction).
 EVICT_LIMIT = 10_000
+
+
+class VersionJump(GroupClosed):
+    """A trainer version beyond what the table's data allows, with evict_stale on."""
+
+
+def ceiling(tt: TableTxn) -> int | None:
+    """The highest version a report may set; None when any may be set (no evict_stale, or a
+    table that has neither a version nor versioned data yet, so nothing to evict)."""
+    cfg, counters = tt.config, tt.counters
+    if not cfg.evict_stale or cfg.max_staleness is None:
+        return None
+    known = [v for v in (counters["trainer_version"], counters["max_version"]) if v is not None]
+    return max(known) + cfg.max_staleness + 1 if known else None
+
+
+def next_version(tt: TableTxn, reported: int | None) -> int | None:
+    """The version a trainer's report stores; None when it stores nothing (no report, or
+    not above the stored version). Refuses a jump past the ceiling."""
+    stored = tt.counters["trainer_version"]
+    if reported is None or (stored is not None and reported <= stored):
+        return None
+    top = ceiling(tt)
+    if top is not None and reported > top:
+        cfg = tt.config
+        raise VersionJump(
+            f"table '{cfg.name}': trainer version {reported} jumps past {top}, the newest model version pushed "
+            f"({tt.counters['max_version']}) or the stored trainer version ({stored}), whichever is higher, + "
+            f"max_staleness {cfg.max_staleness} + 1; with evict_stale it would evict groups no trainer could have "
+            f"passed. An admin sets any version with `expbuf table reset-offpolicy {cfg.name} --version {reported}`"
+        )
+    return reported
+
+
+def report(tt: TableTxn, reported: int | None) -> int | None:
+    """Store a trainer's report (see next_version); a table with evict_stale drops a first
+    bounded batch of the groups that fell stale. Returns the stored version."""
+    version = next_version(tt, reported)
+    if version is not None:
+        tt.counters["trainer_version"] = version
+        tt.save()
+        evict_stale(tt)
+    return tt.counters["trainer_version"]
+
+
+def reset(tt: TableTxn, version: int | None) -> None:
+    """An admin sets the version to any value, or to none (None), backwards too."""
+    tt.counters["trainer_version"] = version
+    tt.save()
+    evict_stale(tt)
 
 
 def stale_bound(tt: TableTxn) -> int | None:

@@ -541,3 +541,21 @@ class ListExperiencesReply(_message.Message):
     next: int
     done: bool
     def __init__(self, experiences: _Optional[_Iterable[_Union[ListedExperience, _Mapping]]] = ..., next: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ResetOffPolicyRequest(_message.Message):
+    __slots__ = ("table", "trainer_version", "has_trainer_version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    trainer_version: int
+    has_trainer_version: bool
+    def __init__(self, table: _Optional[str] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ...) -> None: ...
+
+class ResetOffPolicyReply(_message.Message):
+    __slots__ = ("trainer_version", "submitted")
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    trainer_version: int
+    submitted: int
+    def __init__(self, trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ...) -> None: ...

@@ -119,6 +119,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.FromString,
                 _registered_method=True)
+        self.ResetOffPolicy = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ResetOffPolicy',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -210,7 +215,8 @@ class ExperienceBufferServicer:
 
     def SetTrainerVersion(self, request, context):
         """The trainer's current policy version for a table: stored durably, the reference
-        of staleness (trainer version minus experience version).
+        of staleness (trainer version minus experience version). It only moves forward
+        (see SetTrainerVersionReply); ResetOffPolicy sets it back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +240,16 @@ class ExperienceBufferServicer:
         """A page of a table's live experiences (pending, computing, ready, leased) in insertion
         order, with their states: to browse a table and export it (`expbuf export`), reading the
         payloads with Get. Read-only; one call reads a bounded number of index entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetOffPolicy(self, request, context):
+        """Admin: reset a table's off-policy state for a job that starts over. The trainer
+        version (which SetTrainerVersion and Sample only move forward) is set to any value,
+        backwards too, or unset; admission forgets the rollouts it counted, but those of
+        grants still open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,6 +342,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.ListExperiences,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.SerializeToString,
+            ),
+            'ResetOffPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetOffPolicy,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -787,6 +808,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/ListExperiences',
             expbuf_dot_v1_dot_buffer__pb2.ListExperiencesRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.ListExperiencesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetOffPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ResetOffPolicy',
+            expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
             options,
             channel_credentials,
             insecure,
