@@ -110,7 +110,7 @@ def test_advantages_come_with_the_next_token_shift() -> None:
     for e in exps:
         e.advantages = torch.arange(1, e.tokens.numel() - e.prompt_length + 1, dtype=torch.float32)
     out = to_areal(exps, advantages=True)
-    first = out["advantages"][0]
+    first = out["expbuf_advantages"][0]
     # generated tokens sit at 3..7; AReaL's loss reads the value for token t + 1 at position t
     assert first.tolist() == [0, 0, 1, 2, 3, 4, 5, 0]
     assert torch.equal(torch.roll(out["loss_mask"], -1, -1)[0].bool(), first != 0)

@@ -1,20 +1,27 @@
 """expbuf from AReaL: its trajectory rows as TRXP experiences (`to_areal`, `from_areal`), a
 workflow that pushes its groups (`ExpbufWorkflow`), admission by the table
-(`ExpbufStalenessManager`, `ExpbufRemoteInfEngine`).
+(`ExpbufStalenessManager`, `ExpbufRemoteInfEngine`), a trainer's batches from the table
+(`ExpbufBatchSource`, `KeepExpbufAdvantages`).
 
-`to_areal` and `from_areal` need torch only; the rest imports AReaL, on first use."""
+The workflow, the staleness manager and the engine import AReaL, on first use; the rest needs
+torch only."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .convert import TOKEN_VERSIONS, from_areal, to_areal
+from .actor import KeepExpbufAdvantages
+from .batch_source import ExpbufBatchSource
+from .convert import EXPBUF_ADVANTAGES, TOKEN_VERSIONS, from_areal, to_areal
 
 __all__ = [
+    "EXPBUF_ADVANTAGES",
     "TOKEN_VERSIONS",
+    "ExpbufBatchSource",
     "ExpbufRemoteInfEngine",
     "ExpbufStalenessManager",
     "ExpbufWorkflow",
+    "KeepExpbufAdvantages",
     "from_areal",
     "to_areal",
 ]

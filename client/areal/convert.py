@@ -21,6 +21,9 @@ from . import layout
 
 # The run-length code of a row's per-token versions, prompt included ([[version, count], ...]).
 TOKEN_VERSIONS = "token_versions"
+# The table's advantages in an AReaL dict: a key of their own, since AReaL's actor writes its
+# own `advantages` (KeepExpbufAdvantages puts these in their place).
+EXPBUF_ADVANTAGES = "expbuf_advantages"
 REQUIRED = ("input_ids", "attention_mask", "loss_mask")
 OPTIONAL = ("logprobs", "versions", "rewards")
 # AReaL's own dtypes (its RLVR and multi-turn workflows); input_ids keep the tokens' dtype.
@@ -110,8 +113,9 @@ def _versions(exp: Any, start: int, length: int) -> torch.Tensor:
 def to_areal(experiences: Sequence[Any], width: int | None = None, *, advantages: bool = False) -> dict[str, Any]:
     """One right-padded AReaL trajectory dict of the experiences (expbuf's or Trinity-RFT's).
 
-    With `advantages`, the experiences' advantages also come, placed with AReaL's next-token
-    shift: the value of generated token t + 1 at position t, where AReaL's loss reads it."""
+    With `advantages`, the experiences' advantages also come, as `expbuf_advantages`, placed
+    with AReaL's next-token shift: the value of generated token t + 1 at position t, where
+    AReaL's loss reads it (AReaL rolls `loss_mask` and `logprobs` by -1 the same way)."""
     if not experiences:
         raise ValueError("to_areal needs at least one experience")
     fields: dict[str, list[torch.Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "logprobs", "versions")}
@@ -136,5 +140,5 @@ def to_areal(experiences: Sequence[Any], width: int | None = None, *, advantages
     out["attention_mask"] = layout.pad_right(masks, width)
     out["rewards"] = torch.tensor(rewards, dtype=DTYPES["rewards"])
     if advantages:
-        out["advantages"] = layout.pad_right(advs, width)
+        out[EXPBUF_ADVANTAGES] = layout.pad_right(advs, width)
     return out
