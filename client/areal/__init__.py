@@ -1,7 +1,8 @@
 """expbuf from AReaL: its trajectory rows as TRXP experiences (`to_areal`, `from_areal`), a
 workflow that pushes its groups (`ExpbufWorkflow`), admission by the table
 (`ExpbufStalenessManager`, `ExpbufRemoteInfEngine`), a trainer's batches from the table
-(`ExpbufBatchSource`, `KeepExpbufAdvantages`).
+(`ExpbufBatchSource`, `KeepExpbufAdvantages`), and table settings that agree with AReaL's
+config (`table_settings`, `trainer_side`).
 
 The workflow, the staleness manager and the engine import AReaL, on first use; the rest needs
 torch only."""
@@ -13,6 +14,7 @@ from typing import Any
 from .actor import KeepExpbufAdvantages
 from .batch_source import ExpbufBatchSource
 from .convert import EXPBUF_ADVANTAGES, TOKEN_VERSIONS, from_areal, to_areal
+from .settings import table_settings, trainer_side
 
 __all__ = [
     "EXPBUF_ADVANTAGES",
@@ -23,7 +25,9 @@ __all__ = [
     "ExpbufWorkflow",
     "KeepExpbufAdvantages",
     "from_areal",
+    "table_settings",
     "to_areal",
+    "trainer_side",
 ]
 
 _LAZY = {
