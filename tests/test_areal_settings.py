@@ -72,13 +72,8 @@ def test_table_shaping_gives_areals_actor_advantages(server: ServerProcess) -> N
     reward; a table with the mapped shaping and `reinforce` (advantage = reward) agrees."""
     client = BufferClient(server.target)
     config = actor_config()
-    settings = table_settings(InferenceEngineConfig(consumer_batch_size=1), GenerationHyperparameters(n_samples=4))
-    client.create_table(
-        "shaped",
-        **settings,
-        estimator="reinforce",
-        shaping=table_settings(InferenceEngineConfig(), actor=config)["shaping"],
-    )
+    settings = table_settings(InferenceEngineConfig(), GenerationHyperparameters(n_samples=4), config)
+    client.create_table("shaped", **settings, estimator="reinforce")
     rows = []
     for run, (response, reward) in enumerate([(3, 1.0), (8, 1.0), (10, 3.0), (9, -4.0)]):
         prompt = 2
