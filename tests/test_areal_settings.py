@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from test_areal_batch import ppo_actor
 
 from expbuf.client import EID, BufferClient
 from expbuf.client.areal import ExpbufBatchSource, KeepExpbufAdvantages, from_areal, table_settings, trainer_side
+from expbuf.server.config import load
 
 from helpers import ServerProcess
 
@@ -128,3 +130,35 @@ def test_turn_discount_is_areals_interaction_cache(server: ServerProcess) -> Non
     got = sorted(batch.experiences, key=lambda e: e.eid.step)
     assert [e.advantages[0].item() for e in got] == pytest.approx(discounted, rel=1e-6)
     assert discounted[0] == pytest.approx(0.5 * 0.9 + 2.0 * 0.9**3)
+
+
+def readme_section() -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    return readme.split("## Using expbuf from AReaL")[1].split("\n## ")[0]
+
+
+def test_the_readmes_areal_section_runs_as_written(server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
+    code = readme_section().split("```python\n")[1].split("```")[0]
+    exec(compile(code.replace("10.0.0.5:50051", server.target), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "[]"
+    (table,) = [t for t in BufferClient(server.target).list_tables() if t["name"] == "areal_grpo"]
+    assert (table["group_size"], table["max_staleness"], table["batch_size"]) == (8, 2, 32)
+    assert table["shaping"]["reward_clip"] == 20.0
+
+
+def test_the_readmes_areal_toml_is_what_table_settings_gives(tmp_path: Path) -> None:
+    (tmp_path / "expbuf.toml").write_text(readme_section().split("```toml\n")[1].split("```")[0])
+    (table,) = load(str(tmp_path / "expbuf.toml")).tables
+    settings = table_settings(
+        InferenceEngineConfig(consumer_batch_size=32, max_head_offpolicyness=2),
+        GenerationHyperparameters(n_samples=8),
+        PPOActorConfig(experiment_name="e", trial_name="t"),
+    )
+    assert settings["shaping"] == {"reward_clip": 20.0}
+    assert (table.group_by, table.group_size, table.max_staleness, table.batch_size) == (
+        settings["group_by"],
+        settings["group_size"],
+        settings["max_staleness"],
+        settings["batch_size"],
+    )
+    assert table.shaping.reward_clip == 20.0
