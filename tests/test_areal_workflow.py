@@ -3,6 +3,7 @@ a real `expbuf serve`."""
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -158,3 +159,16 @@ def test_a_workflow_that_is_not_one_is_refused(server: ServerProcess) -> None:
         ExpbufWorkflow("collections.OrderedDict", server.target, "t")
     with pytest.raises(ValueError, match="no table 'missing'"):
         ExpbufWorkflow(ScriptedRLVR(), server.target, "missing")
+
+
+def test_groups_of_one_from_areals_own_grouping_are_refused(server: ServerProcess) -> None:
+    """AReaL's GroupedRolloutWorkflow around ExpbufWorkflow (AReaL's group size left at n) runs
+    it once per sample: each run would be a group of its own. The rollouts fail, nothing is stored."""
+    from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
+
+    client = BufferClient(server.target)
+    client.create_table("grouped", group_size=4)
+    wrapped = GroupedRolloutWorkflow(ExpbufWorkflow(ScriptedRLVR(), server.target, "grouped"), 4, logging.getLogger())
+    trajectories, stats = run_executor(wrapped, [[1, 2]])
+    assert trajectories == [None] and stats.rejected == 1
+    assert client.stats("grouped")["grouped"]["pushed"] == 0

@@ -49,8 +49,10 @@ class ExpbufWorkflow(RolloutWorkflow):
     produces rollouts for a trainer that samples the table, and trains on nothing itself.
 
     A push that fails raises, so AReaL's executor counts the rollout as rejected; experiences
-    dropped as stale by the table are logged. A group of fewer experiences than the table's
-    `group_size` (a run rejected, an agent's variable number of turns) is sealed after its push.
+    dropped as stale by the table are logged. A group left short of the table's `group_size` by
+    a rejected run, or an agent's variable number of turns, is sealed after its push; a whole group
+    of rows that is short is refused (AReaL's own grouping left above 1 would make groups of one,
+    with nothing to compare within them).
     """
 
     def __init__(
@@ -73,13 +75,23 @@ class ExpbufWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.produce_only = produce_only
         self.batch = batch
-        self._group_key = GROUP_KEY_OF.get(table_config(self.client, table)["group_by"])
+        config = table_config(self.client, table)
+        self._group_key = GROUP_KEY_OF.get(config["group_by"])
+        self._table_group_size = config["group_size"]
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         results = await asyncio.gather(*[self.workflow.arun_episode(engine, data) for _ in range(self.group_size)])
         valid = [r for r in results if r is not None]
         if valid:
-            await asyncio.to_thread(self._push, self._experiences(valid, uuid.uuid4().hex))
+            exps = self._experiences(valid, uuid.uuid4().hex)
+            whole = len(valid) == self.group_size and not _is_interactions(valid[0])
+            if whole and len(exps) < self._table_group_size:
+                raise ValueError(
+                    f"a whole group of {len(exps)} experiences (group_size {self.group_size}) is short of table "
+                    f"'{self.table}''s group_size {self._table_group_size}: give ExpbufWorkflow the group size and "
+                    "leave AReaL's own at 1 (gconfig.n_samples), or it would push groups of one; nothing was pushed"
+                )
+            await asyncio.to_thread(self._push, exps)
         if self.produce_only or not valid:
             return None
         if self.group_size == 1:
