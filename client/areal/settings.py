@@ -14,7 +14,11 @@ from typing import Any
 def table_settings(rollout: Any, gconfig: Any = None, actor: Any = None, turn_discount: float | None = None) -> dict:
     """create_table(**settings) for AReaL's InferenceEngineConfig `rollout`, its
     GenerationHyperparameters `gconfig`, PPOActorConfig `actor` and, for agents, the turn
-    discount (AgentConfig.turn_discount; its groups vary in size, so they complete on push)."""
+    discount (AgentConfig.turn_discount; its groups vary in size, so they complete on push).
+
+    The turn discount belongs to the table only when the interactions' rewards are each turn's
+    own: AReaL's agent proxy discounts them itself when it exports them, and a second discount
+    would count later turns twice."""
     settings: dict[str, Any] = {
         "group_by": "task",
         "max_staleness": rollout.max_head_offpolicyness,
