@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("areal")
 
@@ -138,3 +140,34 @@ def test_bad_rows_are_refused_by_name(change, message: str) -> None:
     change(rows)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         from_areal(rows)
+
+
+@st.composite
+def random_rows(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    """Rows of random lengths, prompts, holes and versions, padded by AReaL's concat_padded_tensors."""
+    rows = []
+    for _ in range(draw(st.integers(1, 4))):
+        prompt, response = draw(st.integers(0, 5)), draw(st.integers(1, 12))
+        mask = [1, *draw(st.lists(st.integers(0, 1), min_size=response - 1, max_size=response - 1))]
+        versions = [draw(st.integers(-1, 9)) if m else -1 for m in mask]
+        n = prompt + response
+        res = {
+            "input_ids": torch.tensor(draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))),
+            "loss_mask": torch.tensor([0] * prompt + mask),
+            "logprobs": torch.tensor([0.0] * prompt + [-0.5 * m for m in mask], dtype=torch.float32),
+            "versions": torch.tensor([-1] * prompt + versions),
+            "attention_mask": torch.ones(n, dtype=torch.bool),
+            "rewards": torch.tensor(draw(st.floats(-10, 10, width=32)), dtype=torch.float32),
+        }
+        rows.append({k: v.unsqueeze(0) for k, v in res.items()})
+    return concat_padded_tensors(rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_rows())
+def test_round_trip_is_exact_for_any_rows(rows: dict[str, torch.Tensor]) -> None:
+    exps = from_areal(rows)
+    same(to_areal(trxp.decode(trxp.encode(exps))), rows)
+    for exp, versions, mask in zip(exps, rows["versions"], rows["loss_mask"], strict=True):
+        stamped = versions[mask.bool() & (versions >= 0)]
+        assert exp.info.get("model_version") == (int(stamped.min()) if stamped.numel() else None)
