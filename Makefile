@@ -12,7 +12,7 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity,ray
+EXTRAS ?= test,trinity,ray,areal
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
@@ -20,6 +20,9 @@ TRINITY_SPEC ?= trinity-rft==0.6.0
 # verl, whose functions Trinity-RFT's verl-style advantage functions call; VERL_SPEC= skips it.
 VERL_SPEC ?= verl==0.9.1
 VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
+# AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
+# import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
+AREAL_SPEC ?= areal==1.0.4
 STAMP := $(VENV)/.expbuf-installed
 
 .PHONY: setup serve test clean
@@ -36,6 +39,8 @@ $(STAMP): pyproject.toml
 		$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt && \
 		$(PY) -m pip install --no-deps "$(VERL_SPEC)" && \
 		$(PY) -m pip install -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })
+	$(if $(and $(AREAL_SPEC),$(findstring areal,$(EXTRAS))),$(PY) -c "import areal" 2>/dev/null || { echo "Installing $(AREAL_SPEC) with --no-deps (expbuf.client.areal's tests need it)"; \
+		$(PY) -m pip install --no-deps "$(AREAL_SPEC)"; })
 	touch $@
 
 serve: setup

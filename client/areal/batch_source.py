@@ -1,0 +1,101 @@
+"""ExpbufBatchSource: AReaL's trainer takes its batches from an expbuf table, filled elsewhere.
+
+It answers `prepare_batch` as AReaL's inference engine does (the trainer calls it with the
+same arguments): one right-padded trajectory dict per group, `dataloader.batch_size` groups,
+ready for AReaL's trajectory format check and `concat_padded_tensors`. Groups are taken under a
+lease with `min_model_version = version - max_head_offpolicyness` and the trainer's version,
+which the table stores; the lease is acked at the next `prepare_batch` (the trainer is done
+with the batch), so a trainer that crashes mid-step loses nothing: the groups come back when
+the lease expires.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..client import Batch, BufferClient
+from .connection import GROUP_KEY_OF, connect, table_config
+from .convert import to_areal
+
+
+class ExpbufBatchSource:
+    """What AReaL's trainer calls `prepare_batch` on (its rollout engine's place).
+
+    `version_provider` (the actor engine, say) has `get_version()`; without one, `set_version`
+    keeps it, as AReaL's trainer calls it on the rollout engine after each weight update.
+    With `advantages`, each dict also has the table's `advantages`, with AReaL's next-token
+    shift (see `keep_expbuf_advantages` to have AReaL's actor train on them)."""
+
+    def __init__(
+        self,
+        client: BufferClient | str,
+        table: str,
+        *,
+        max_head_offpolicyness: int,
+        version_provider: Any = None,
+        advantages: bool = False,
+        lease_seconds: float = 1800.0,
+        timeout: float = 600.0,
+        token: str | None = None,
+    ) -> None:
+        self.client = connect(client, token)
+        self.table = table
+        self.max_head_offpolicyness = max_head_offpolicyness
+        self.version_provider = version_provider
+        self.advantages = advantages
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self._group_key = GROUP_KEY_OF.get(table_config(self.client, table)["group_by"], "uid")
+        self._version = 0
+        self._held: Batch | None = None
+
+    def get_version(self) -> int:
+        return self.version_provider.get_version() if self.version_provider is not None else self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def ack(self) -> None:
+        """The trainer is done with the last batch: its groups leave the table."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.ack()
+
+    def prepare_batch(
+        self,
+        dataloader: Any = None,
+        workflow: Any = None,
+        workflow_kwargs: dict[str, Any] | None = None,
+        should_accept_fn: Any = None,
+        group_size: int = 1,
+        dynamic_bs: bool = False,
+        *,
+        num_groups: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """`num_groups` (default: dataloader.batch_size) whole groups, one AReaL dict each.
+        The workflow arguments are AReaL's and are not used: the groups were made elsewhere."""
+        count = num_groups or getattr(dataloader, "batch_size", None)
+        if not count:
+            raise ValueError("prepare_batch needs num_groups or a dataloader with a batch_size")
+        self.ack()
+        version = self.get_version()
+        batch = next(
+            self.client.sample(
+                self.table,
+                num_groups=count,
+                delivery="lease",
+                lease_seconds=self.lease_seconds,
+                timeout=self.timeout,
+                max_batches=1,
+                min_model_version=max(0, version - self.max_head_offpolicyness),
+                trainer_version=version,
+            )
+        )
+        self._held = batch
+        groups: dict[str, list[Any]] = {}
+        for exp in batch.experiences:
+            groups.setdefault(getattr(exp.eid, self._group_key), []).append(exp)
+        return [
+            to_areal(sorted(g, key=lambda e: (e.eid.run, e.eid.step)), advantages=self.advantages)
+            for g in groups.values()
+        ]

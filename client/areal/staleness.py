@@ -1,0 +1,134 @@
+"""ExpbufStalenessManager: AReaL's StalenessManager whose staleness bound is kept by an expbuf table.
+
+AReaL's manager counts accepted and running rollouts in the rollout process, so a restarted
+process starts from zero and bursts past its bound (AReaL#1388). Here the table counts them:
+each rollout AReaL starts holds a grant of one from `admit`, finished as accepted or rejected
+(`finish_grant`), so the table's `submitted` is AReaL's accepted + running, durable on the
+server; the bound's version is the table's trainer version, which `set_version` sets. The
+capacity is AReaL's formula over those counts, min the process's own concurrency limit:
+
+    min(max_concurrent_rollouts - running, (max_staleness + version + 1) * batch_size - submitted)
+
+The table's `max_staleness` and `batch_size` must equal AReaL's `max_head_offpolicyness` and
+`consumer_batch_size`. Several rollout processes may share one table: the bound is then the
+table's, over all of them. One grant is taken ahead, when capacity is asked for, so the rollout
+AReaL submits on that answer has its room already.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from areal.infra.staleness_manager import StalenessManager
+
+from ..client import BufferClient, BufferError, Grant
+from .connection import connect, table_config
+
+log = logging.getLogger(__name__)
+
+
+class ExpbufStalenessManager(StalenessManager):
+    """A drop-in for AReaL's StalenessManager (WorkflowExecutor(..., staleness_manager=...)).
+
+    `grant_seconds` must exceed the longest rollout: a grant not finished by then (a crashed
+    process) gives its room back. `admit_wait` is how long a submitted rollout waits for room
+    when another process took the room it was counted on."""
+
+    def __init__(
+        self,
+        client: BufferClient | str,
+        table: str,
+        *,
+        max_concurrent_rollouts: int,
+        consumer_batch_size: int,
+        max_staleness: int,
+        token: str | None = None,
+        grant_seconds: float = 3600.0,
+        admit_wait: float = 30.0,
+    ) -> None:
+        super().__init__(self, max_concurrent_rollouts, consumer_batch_size, max_staleness)
+        self.client = connect(client, token)
+        self.table = table
+        self.grant_seconds = grant_seconds
+        self.admit_wait = admit_wait
+        config = table_config(self.client, table)
+        if config["max_staleness"] != max_staleness or config["batch_size"] != consumer_batch_size:
+            raise ValueError(
+                f"expbuf table '{table}' has max_staleness {config['max_staleness']} and batch_size "
+                f"{config['batch_size']}; AReaL's max_head_offpolicyness is {max_staleness} and "
+                f"consumer_batch_size {consumer_batch_size}: set the table's to them"
+            )
+        self._spare: Grant | None = None
+        self._running: deque[Grant | None] = deque()
+
+    def _room(self) -> int:
+        """The table's room under the bound, counting the grant held ahead as room of ours."""
+        stats = self.client.stats(self.table)[self.table]
+        version = max(0, stats["trainer_version"])
+        spare = 1 if self._spare is not None else 0
+        return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats["submitted"] + spare
+
+    def get_capacity(self) -> int:
+        with self.lock:
+            concurrency = max(1, self.max_concurrent_rollouts) - self.rollout_stat.running
+            room = self._room()
+            if room > 0 and concurrency > 0 and self._spare is None:
+                grant = self.client.admit(self.table, 1, grant_seconds=self.grant_seconds)
+                if grant.count:
+                    self._spare = grant
+                else:  # another process took the room meanwhile
+                    room = self._room()
+            return min(concurrency, room)
+
+    def get_version(self) -> int:
+        """The table's trainer version, which the bound counts from (-1 before any was set)."""
+        return self.client.stats(self.table)[self.table]["trainer_version"]
+
+    def set_version(self, version: int) -> None:
+        """Tell the table the trainer's version: room for one more batch per version."""
+        self.client.set_trainer_version(version, self.table)
+
+    def on_version_recovered(self, version: int) -> None:
+        """Nothing to adjust: the table's counters came through the restart with the server."""
+
+    def on_rollout_submitted(self) -> None:
+        with self.lock:
+            grant, self._spare = self._spare, None
+            if grant is None:
+                grant = self.client.admit(self.table, 1, wait=self.admit_wait, grant_seconds=self.grant_seconds)
+            if not grant.count:
+                log.warning("expbuf table '%s' had no room for a rollout AReaL started; it runs uncounted", self.table)
+            self._running.append(grant if grant.count else None)
+            self.rollout_stat.enqueued -= 1
+            self.rollout_stat.running += 1
+
+    def _finish(self, accepted: int) -> None:
+        grant = self._running.popleft() if self._running else None
+        if grant is None:
+            return
+        try:
+            self.client.finish_grant(grant, accepted=accepted)
+        except BufferError as exc:
+            if exc.code.name != "NOT_FOUND":
+                raise
+            log.warning("expbuf grant of table '%s' expired before its rollout ended; raise grant_seconds", self.table)
+
+    def on_rollout_accepted(self) -> None:
+        with self.lock:
+            self._finish(1)
+            self.rollout_stat.running -= 1
+            self.rollout_stat.accepted += 1
+
+    def on_rollout_rejected(self) -> None:
+        with self.lock:
+            self._finish(0)
+            self.rollout_stat.running -= 1
+            self.rollout_stat.rejected += 1
+
+    def close(self) -> None:
+        """Give back the grant held ahead (a process that stops for good)."""
+        with self.lock:
+            grant, self._spare = self._spare, None
+            if grant is not None:
+                self.client.finish_grant(grant, accepted=0)

@@ -1,0 +1,138 @@
+"""ExpbufBatchSource.prepare_batch checked by AReaL's own trajectory format check, batching and
+actor (its advantage computation, with and without the table's advantages)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("areal")
+
+import areal
+from areal.api.cli_args import PPOActorConfig
+from areal.infra.workflow_executor import check_trajectory_format
+from areal.utils.data import concat_padded_tensors
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from expbuf.client import EID, BufferClient, BufferError
+from expbuf.client.areal import EXPBUF_ADVANTAGES, ExpbufBatchSource, KeepExpbufAdvantages, from_areal
+
+from helpers import ServerProcess
+
+
+def ppo_actor() -> type:
+    """AReaL's PPOActor, without areal.trainer's __init__ (its other trainers import packages,
+    loggers and datasets, that the actor does not use)."""
+    if "areal.trainer" not in sys.modules:
+        package = types.ModuleType("areal.trainer")
+        package.__path__ = [str(Path(areal.__file__).parent / "trainer")]
+        sys.modules["areal.trainer"] = package
+    from areal.trainer.ppo.actor import PPOActor
+
+    return PPOActor
+
+
+def group_rows(version: int, first: int, size: int = 4) -> dict[str, torch.Tensor]:
+    """A group of `size` rows of different lengths, made with AReaL's concat_padded_tensors."""
+    rows = []
+    for run in range(size):
+        prompt, response = 2 + run % 2, 3 + run
+        n = prompt + response
+        res = {
+            "input_ids": torch.arange(first, first + n, dtype=torch.int32),
+            "loss_mask": torch.tensor([0] * prompt + [1] * response, dtype=torch.int32),
+            "logprobs": torch.tensor([0.0] * prompt + [-0.5] * response, dtype=torch.float32),
+            "versions": torch.tensor([-1] * prompt + [version] * response, dtype=torch.int32),
+            "attention_mask": torch.ones(n, dtype=torch.bool),
+            "rewards": torch.tensor(float(run % 2), dtype=torch.float32),
+        }
+        rows.append({k: v.unsqueeze(0) for k, v in res.items()})
+    return concat_padded_tensors(rows)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
+
+
+class Version:
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def get_version(self) -> int:
+        return self.version
+
+
+def push_groups(client: BufferClient, table: str, versions: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """One group per version; returns the rows of each, by their first token."""
+    pushed = {}
+    for task, version in enumerate(versions):
+        rows = group_rows(version, first=100 * (task + 1))
+        client.push(from_areal(rows, [EID(batch="b", task=task, run=r) for r in range(4)]), table=table)
+        pushed[100 * (task + 1)] = rows
+    return pushed
+
+
+def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("train", group_size=4)
+    pushed = push_groups(client, "train", [1, 3, 4])
+    source = ExpbufBatchSource(server.target, "train", max_head_offpolicyness=1, version_provider=Version(4))
+    loader = StatefulDataLoader(list(range(8)), batch_size=2)
+
+    batch = source.prepare_batch(loader, workflow="unused", group_size=4)
+    assert len(batch) == 2
+    keys = set(batch[0])
+    for traj in batch:
+        assert check_trajectory_format(traj, batch_size=4, expected_keys=keys)
+        rows = pushed[traj["input_ids"][0, 0].item()]  # the version-1 group is below 4 - 1
+        assert rows["versions"].max().item() >= 3
+        for key, value in rows.items():
+            assert torch.equal(traj[key].to(value.dtype), value), key
+    assert concat_padded_tensors(batch)["input_ids"].shape[0] == 8  # AReaL batches them as its own
+    assert client.stats("train")["train"]["trainer_version"] == 4
+
+    stats = client.stats("train")["train"]
+    assert stats["leased"] == 8  # held until the trainer is done with them
+    later = ExpbufBatchSource(
+        server.target, "train", max_head_offpolicyness=1, version_provider=Version(4), timeout=0.5
+    )
+    with pytest.raises(BufferError, match="DEADLINE_EXCEEDED"):
+        later.prepare_batch(num_groups=1)  # what is left is the group of version 1, below 4 - 1
+    source.ack()
+    assert client.stats("train")["train"]["leased"] == 0
+
+
+def test_the_actor_option_trains_on_the_tables_advantages(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("adv", group_size=4)
+    push_groups(client, "adv", [2])
+    source = ExpbufBatchSource(server.target, "adv", max_head_offpolicyness=0, advantages=True)
+    source.set_version(2)
+    (traj,) = source.prepare_batch(num_groups=1)
+    assert check_trajectory_format(traj, batch_size=4)
+    ours = traj[EXPBUF_ADVANTAGES].clone()
+
+    PPOActor = ppo_actor()
+
+    class Actor(KeepExpbufAdvantages, PPOActor):
+        pass
+
+    config = PPOActorConfig(experiment_name="e", trial_name="t", kl_ctl=0.0, reward_bias=0.0, reward_clip=20.0)
+    (out,) = Actor(config, engine=None).compute_advantages([dict(traj)])
+    assert torch.equal(out["advantages"], ours)
+    assert EXPBUF_ADVANTAGES not in out
+    # the table's values sit exactly where AReaL's shifted loss mask takes tokens
+    assert torch.equal(out["advantages"] != 0, out["loss_mask"].bool())
+    # grpo over rewards 0, 1, 0, 1: +-0.866 on every generated token of a run
+    assert out["advantages"][out["loss_mask"].bool()].abs().unique().tolist() == pytest.approx([0.8660254], rel=1e-5)
+    (plain,) = PPOActor(config, engine=None).compute_advantages([dict(traj)])
+    assert not torch.equal(plain["advantages"], ours)  # AReaL's own would have been used otherwise

@@ -1,0 +1,160 @@
+"""ExpbufStalenessManager against AReaL's own StalenessManager and WorkflowExecutor, with a real
+`expbuf serve`; the bound across a killed rollout process (AReaL#1388)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("areal")
+
+from areal.api.cli_args import InferenceEngineConfig
+from areal.api.workflow_api import RolloutWorkflow
+from areal.infra.staleness_manager import StalenessManager
+from areal.infra.workflow_executor import WorkflowExecutor
+
+from expbuf.client import BufferClient
+from expbuf.client.areal import ExpbufRemoteInfEngine, ExpbufStalenessManager
+
+from helpers import ServerProcess
+
+
+class Version:
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def get_version(self) -> int:
+        return self.version
+
+
+class OneRow(RolloutWorkflow):
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.ones(1, 3, dtype=torch.int32), "attention_mask": torch.ones(1, 3, dtype=torch.bool)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
+
+
+def test_capacities_match_areals_manager_over_a_scripted_trace(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("parity", group_size=1, max_staleness=2, batch_size=3)
+    limits = dict(max_concurrent_rollouts=5, consumer_batch_size=3, max_staleness=2)
+    version = Version()
+    areal = StalenessManager(version, **limits)
+    ours = ExpbufStalenessManager(server.target, "parity", **limits)
+    ours.set_version(0)
+    rng = random.Random(7)
+    seen = []
+    for _ in range(120):
+        op = rng.choice(["submit", "submit", "submit", "accept", "accept", "reject", "version"])
+        running = areal.get_stats().running
+        if op == "submit" and areal.get_capacity() > 0:
+            for m in (areal, ours):
+                m.on_rollout_enqueued()
+                m.on_rollout_submitted()
+        elif op in ("accept", "reject") and running:
+            for m in (areal, ours):
+                (m.on_rollout_accepted if op == "accept" else m.on_rollout_rejected)()
+        elif op == "version" and rng.random() < 0.3:
+            version.version += 1
+            ours.set_version(version.version)
+        capacity = areal.get_capacity()
+        assert ours.get_capacity() == capacity, (op, areal.get_stats())
+        assert ours.get_stats() == areal.get_stats()
+        seen.append((capacity, areal.get_stats().running))
+    # the trace met both limits: staleness (no room while few run) and concurrency (5 running)
+    assert any(c == 0 and r < 5 for c, r in seen) and any(r == 5 for _, r in seen)
+    stats = areal.get_stats()
+    counted = client.stats("parity")["parity"]["submitted"]
+    assert counted - (1 if ours._spare else 0) == stats.accepted + stats.running
+
+
+def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("seam", group_size=1, max_staleness=0, batch_size=2)
+    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
+    engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": server.target, "table": "seam"})
+    engine.workflow_executor = WorkflowExecutor(config, inference_engine=engine)  # as initialize() does
+    executor = engine.workflow_executor
+    assert executor.staleness_manager is engine.expbuf_staleness
+    executor.initialize(train_data_parallel_size=1)
+    try:
+        engine.set_version(0)
+        for _ in range(5):
+            executor.submit({}, workflow=OneRow())
+        assert len(executor.wait(2, timeout=30)) == 2
+        assert executor.wait(1, timeout=1.5, raise_timeout=False) == []  # (0 + 0 + 1) x 2 started, no more
+        engine.set_version(1)
+        assert client.stats("seam")["seam"]["trainer_version"] == 1
+        executor.submit({}, workflow=OneRow())  # a new input wakes AReaL's producer, as prepare_batch's do
+        assert len(executor.wait(2, timeout=30)) == 2
+        assert executor.wait(1, timeout=1.5, raise_timeout=False) == []
+    finally:
+        executor.destroy()
+
+
+CHILD = """
+import sys
+from expbuf.client.areal import ExpbufStalenessManager
+m = ExpbufStalenessManager(sys.argv[1], "restart", max_concurrent_rollouts=100, consumer_batch_size=2,
+                           max_staleness=1, grant_seconds=1.0)
+m.set_version(3)
+started = 0
+while m.get_capacity() > 0:
+    m.on_rollout_enqueued()
+    m.on_rollout_submitted()
+    started += 1
+for _ in range(started - 2):
+    m.on_rollout_accepted()
+print(started, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_bound_holds_across_a_killed_rollout_process(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("restart", group_size=1, max_staleness=1, batch_size=2)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, server.target], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        started = child.stdout.readline()
+        assert started.strip() == "10", started  # (1 + 3 + 1) x 2; 8 accepted, 2 still running
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+
+    limits = dict(max_concurrent_rollouts=100, consumer_batch_size=2, max_staleness=1)
+    ours = ExpbufStalenessManager(server.target, "restart", **limits)
+    assert ours.get_capacity() == 0  # the restarted process starts where the killed one was
+    fresh = StalenessManager(Version(3), **limits)
+    assert fresh.get_capacity() == 10  # AReaL's own manager after a restart: AReaL#1388's burst
+    fresh.on_version_recovered(3)
+    assert fresh.get_capacity() == 4  # its fix assumes every earlier rollout was consumed
+
+    deadline = time.monotonic() + 20
+    while ours.get_capacity() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ours.get_capacity() == 2  # the killed process's 2 running grants expired and came back
+    ours.set_version(4)
+    assert ours.get_capacity() == 4
+
+
+def test_table_settings_must_agree_with_areals(server: ServerProcess) -> None:
+    BufferClient(server.target).create_table("other", group_size=1, max_staleness=1, batch_size=4)
+    with pytest.raises(ValueError, match="max_staleness 1 and batch_size 4; AReaL's max_head_offpolicyness is 2"):
+        ExpbufStalenessManager(
+            server.target, "other", max_concurrent_rollouts=4, consumer_batch_size=4, max_staleness=2
+        )

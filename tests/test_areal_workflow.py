@@ -1,0 +1,174 @@
+"""ExpbufWorkflow run by AReaL's own WorkflowExecutor, with a scripted inference engine, against
+a real `expbuf serve`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("areal")
+
+from areal.api.cli_args import InferenceEngineConfig
+from areal.api.io_struct import ModelRequest, ModelResponse
+from areal.api.workflow_api import RolloutWorkflow
+from areal.experimental.openai.types import InteractionWithTokenLogpReward
+from areal.infra.workflow_executor import WorkflowExecutor
+
+from expbuf.client import BufferClient
+from expbuf.client.areal import ExpbufWorkflow, to_areal
+
+from helpers import ServerProcess
+
+
+class ScriptedEngine:
+    """An inference engine whose answers are a function of the prompt: 2 + len(prompt) tokens
+    counting up from 10 * the prompt's first token, stamped with the engine's version."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def get_version(self) -> int:
+        return self.version
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        n = 2 + len(req.input_ids)
+        out = [10 * req.input_ids[0] + i for i in range(n)]
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=out,
+            output_logprobs=[-0.1 * (i + 1) for i in range(n)],
+            output_versions=[self.version] * n,
+        )
+
+
+class ScriptedRLVR(RolloutWorkflow):
+    """One row per episode, in the layout and dtypes of AReaL's RLVRWorkflow."""
+
+    def __init__(self, reward: float = 1.0) -> None:
+        self.reward = reward
+        self.calls = 0
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        resp = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
+        seq = resp.input_tokens + resp.output_tokens
+        res = {
+            "input_ids": torch.tensor(seq, dtype=torch.int32),
+            "loss_mask": torch.tensor([0] * resp.input_len + [1] * resp.output_len, dtype=torch.int32),
+            "logprobs": torch.tensor([0.0] * resp.input_len + resp.output_logprobs, dtype=torch.float32),
+            "versions": torch.tensor([-1] * resp.input_len + resp.output_versions, dtype=torch.int32),
+            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
+            "rewards": torch.tensor(self.reward * (self.calls % 2), dtype=torch.float32),
+        }
+        return {k: v.unsqueeze(0) for k, v in res.items()}
+
+
+class ScriptedAgent(RolloutWorkflow):
+    """Two turns of an agent, as AReaL's concat interactions: the second turn's input adds a
+    tool reply (tokens 7, 7) that the model did not generate."""
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, InteractionWithTokenLogpReward]:
+        first = await engine.agenerate(ModelRequest(input_ids=data["prompt"]))
+        turn1 = InteractionWithTokenLogpReward(model_response=first, reward=0.0, chat_template_type="concat")
+        second = await engine.agenerate(ModelRequest(input_ids=first.input_tokens + first.output_tokens + [7, 7]))
+        turn2 = InteractionWithTokenLogpReward(
+            model_response=second, reward=1.0, parent=turn1, chat_template_type="concat"
+        )
+        return {f"{id(self)}-a": turn1, f"{id(self)}-b": turn2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
+
+
+def run_executor(workflow: RolloutWorkflow, prompts: list[list[int]], version: int = 5) -> tuple[list, Any]:
+    config = InferenceEngineConfig(consumer_batch_size=len(prompts), max_head_offpolicyness=1)
+    config.check_trajectory_format = True
+    executor = WorkflowExecutor(config, ScriptedEngine(version))
+    executor.initialize(train_data_parallel_size=1)
+    try:
+        for prompt in prompts:
+            executor.submit({"prompt": prompt}, workflow=workflow)
+        return executor.wait(len(prompts), timeout=60), executor.staleness_manager.get_stats()
+    finally:
+        executor.destroy()
+
+
+def whole_groups(client: BufferClient, table: str, groups: int) -> list[list]:
+    batch = next(client.sample(table, num_groups=groups, timeout=30, max_batches=1))
+    by_group: dict[str, list] = {}
+    for exp in batch.experiences:
+        by_group.setdefault(exp.eid.tid, []).append(exp)
+    return [sorted(g, key=lambda e: (e.eid.run, e.eid.step)) for g in by_group.values()]
+
+
+def test_groups_reach_expbuf_and_areal_gets_its_trajectories(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("rlvr", group_size=4)
+    inner = ScriptedRLVR()
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    trajectories, stats = run_executor(ExpbufWorkflow(inner, server.target, "rlvr", group_size=4), prompts)
+    assert inner.calls == 12 and stats.accepted == 3
+
+    groups = whole_groups(client, "rlvr", 3)
+    assert sorted(len(g) for g in groups) == [4, 4, 4]
+    by_prompt = {t["input_ids"][0, 0].item(): t for t in trajectories}
+    for group in groups:
+        assert [e.eid.run for e in group] == [0, 1, 2, 3]
+        assert len({e.eid.task for e in group}) == 1
+        assert all(e.info["model_version"] == 5 for e in group)
+        assert all(e.advantages is not None for e in group)  # the table's grpo ran on the group
+        returned = by_prompt[group[0].tokens[0].item()]
+        # what AReaL trained on is what the table holds, run for run
+        back = to_areal(group)
+        for key, value in returned.items():
+            assert torch.equal(back[key].to(value.dtype), value), key
+
+
+def test_agent_groups_by_import_path_for_another_trainer(server: ServerProcess) -> None:
+    client = BufferClient(server.target)
+    client.create_table("agent", group_size=16, estimator="multi_turn_discount")
+    workflow = ExpbufWorkflow(
+        "test_areal_workflow.ScriptedAgent", server.target, "agent", group_size=2, produce_only=True
+    )
+    trajectories, stats = run_executor(workflow, [[1, 2], [3]])
+    assert trajectories == [None, None] and stats.rejected == 2  # AReaL trains on nothing here
+
+    for group in whole_groups(client, "agent", 2):  # 2 runs x 2 turns, sealed below group_size 16
+        assert [(e.eid.run, e.eid.step) for e in group] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        first, second = group[0], group[1]
+        assert second.tokens[: first.tokens.numel()].tolist() == first.tokens.tolist()
+        hole = second.action_mask.tolist()
+        assert hole[: first.action_mask.numel()] == [True] * first.action_mask.numel()
+        assert hole[first.action_mask.numel() : first.action_mask.numel() + 2] == [False, False]
+        # multi_turn_discount: turn 0's return takes turn 1's reward (discount 1.0)
+        assert first.advantages[first.action_mask].unique().tolist() == [1.0]
+
+
+def test_a_workflow_that_is_not_one_is_refused(server: ServerProcess) -> None:
+    BufferClient(server.target).create_table("t")
+    with pytest.raises(TypeError, match="must be a RolloutWorkflow"):
+        ExpbufWorkflow("collections.OrderedDict", server.target, "t")
+    with pytest.raises(ValueError, match="no table 'missing'"):
+        ExpbufWorkflow(ScriptedRLVR(), server.target, "missing")
+
+
+def test_groups_of_one_from_areals_own_grouping_are_refused(server: ServerProcess) -> None:
+    """AReaL's GroupedRolloutWorkflow around ExpbufWorkflow (AReaL's group size left at n) runs
+    it once per sample: each run would be a group of its own. The rollouts fail, nothing is stored."""
+    from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
+
+    client = BufferClient(server.target)
+    client.create_table("grouped", group_size=4)
+    wrapped = GroupedRolloutWorkflow(ExpbufWorkflow(ScriptedRLVR(), server.target, "grouped"), 4, logging.getLogger())
+    trajectories, stats = run_executor(wrapped, [[1, 2]])
+    assert trajectories == [None] and stats.rejected == 1
+    assert client.stats("grouped")["grouped"]["pushed"] == 0
