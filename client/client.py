@@ -44,6 +44,8 @@ class Tls:
     private_key: str | bytes | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials: each setting a path to a PEM file, or the PEM bytes."""
+
         def read(value: str | bytes | None) -> bytes | None:
             return Path(value).read_bytes() if isinstance(value, str) else value
 
@@ -54,6 +56,9 @@ class Tls:
 
 @dataclass
 class PushResult:
+    """What a push stored: uids stored now, uids already stored (a retry), groups it completed,
+    and uids dropped as staler than the table's max_staleness. Durable when returned."""
+
     stored: list[str]
     duplicates: list[str]
     completed_groups: list[str]
@@ -257,6 +262,15 @@ class _Base:
         retries: int = 5,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        """Connect to `target` (HOST:PORT). `token` is sent as a bearer token; `tls` is a Tls
+        (a CA, and a client pair for mutual TLS) or True for the system's CAs. Every call has a
+        deadline of `timeout` seconds; pushes and reads are retried up to `retries` times while
+        the server is UNAVAILABLE (safe: a push is idempotent). `max_message_bytes` must be at
+        least the server's to receive its largest batches. The channel opens lazily::
+
+            with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
+                client.push(experiences, table="grpo8")
+        """
         self.target = target
         self.timeout = timeout
         self.retries = retries
@@ -287,6 +301,7 @@ class BufferClient(_Base):
     _secure_channel = staticmethod(grpc.secure_channel)
 
     def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         self._channel.close()
 
     def __enter__(self) -> BufferClient:
@@ -426,17 +441,27 @@ class BufferClient(_Base):
         return _page(self._call(self._stub.ListExperiences, request, retry=True))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
+        (admin scope). Returns how many experiences were removed."""
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
         return self._call(self._stub.Delete, request, retry=False).deleted
 
     def seal(self, group_id: str, table: str = "default") -> int:
+        """Complete a pending group now, with the runs it has; its advantages are computed over them.
+        Returns the group's size."""
         return self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False).size
 
     def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+        """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
+        or of every table when `table` is empty, keyed by table name::
+
+            ready = client.stats("grpo8")["grpo8"]["ready"]
+        """
         reply = self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
         return {t.name: _fields(t) for t in reply.tables}
 
     def server_info(self) -> dict[str, Any]:
+        """The server's version, uptime, storage and map use, and the device advantages run on."""
         return _fields(self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
 
     def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
@@ -445,10 +470,13 @@ class BufferClient(_Base):
         return wire.table_from_proto(self._call(self._stub.CreateTable, request, retry=False).config)
 
     def list_tables(self) -> list[dict[str, Any]]:
+        """Every table's settings, under the names of a TOML `[[tables]]` block."""
         reply = self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
         return [wire.table_from_proto(t) for t in reply.tables]
 
     def drop_table(self, name: str) -> int:
+        """Drop a table with every experience, group, lease and counter in it (admin scope).
+        Returns how many experiences it held."""
         return self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False).dropped_experiences
 
 
@@ -533,6 +561,7 @@ class AsyncBufferClient(_Base):
     _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncBufferClient:
@@ -559,6 +588,7 @@ class AsyncBufferClient(_Base):
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
     ) -> PushResult:
+        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns."""
         request = pb.PushRequest(table=table, payload=_payload(items))
         return _push_result(await self._call(self._stub.Push, request, retry=True, timeout=timeout))
 
@@ -608,14 +638,18 @@ class AsyncBufferClient(_Base):
                 call.cancel()
 
     async def ack(self, lease_id: str, table: str = "default") -> int:
+        """Acknowledge a lease: its batch is consumed. Returns the experiences it held."""
         request = pb.AckRequest(table=table, lease_id=lease_id)
         return (await self._call(self._stub.Ack, request, retry=False)).acked
 
     async def nack(self, lease_id: str, table: str = "default") -> int:
+        """Give a lease's batch back to the buffer now. Returns the experiences it held."""
         request = pb.NackRequest(table=table, lease_id=lease_id)
         return (await self._call(self._stub.Nack, request, retry=False)).requeued
 
     async def set_trainer_version(self, version: int, table: str = "default") -> int:
+        """Tell the table which policy version the trainer holds (it only moves forward; see reset_offpolicy).
+        Returns the version stored."""
         request = _trainer_version_request(version, table)
         return (await self._call(self._stub.SetTrainerVersion, request, retry=True)).version
 
@@ -625,11 +659,13 @@ class AsyncBufferClient(_Base):
         return _reset_result(await self._call(self._stub.ResetOffPolicy, request, retry=True))
 
     async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
+        """How many of `count` rollouts may start now under the table's staleness bound (see BufferClient.admit)."""
         request = _admit_request(table, count, wait, grant_seconds)
         reply = await self._call(self._stub.Admit, request, retry=False, timeout=wait + self.timeout)
         return Grant(reply.granted, reply.grant_id, reply.expires_unix, table)
 
     async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
+        """Finish a grant: `accepted` rollouts stay counted, the others give their room back (all, if unset)."""
         return (await self._call(self._stub.FinishGrant, _finish_request(grant, accepted), retry=False)).returned
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
@@ -652,26 +688,40 @@ class AsyncBufferClient(_Base):
         return _page(await self._call(self._stub.ListExperiences, request, retry=True))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
+        (admin scope). Returns how many experiences were removed."""
         request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
         return (await self._call(self._stub.Delete, request, retry=False)).deleted
 
     async def seal(self, group_id: str, table: str = "default") -> int:
+        """Complete a pending group now, with the runs it has; its advantages are computed over them.
+        Returns the group's size."""
         return (await self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False)).size
 
     async def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+        """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
+        or of every table when `table` is empty, keyed by table name::
+
+            ready = client.stats("grpo8")["grpo8"]["ready"]
+        """
         reply = await self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
         return {t.name: _fields(t) for t in reply.tables}
 
     async def server_info(self) -> dict[str, Any]:
+        """The server's version, uptime, storage and map use, and the device advantages run on."""
         return _fields(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
 
     async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+        """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)."""
         request = _create_table_request(name, exist_ok, settings)
         return wire.table_from_proto((await self._call(self._stub.CreateTable, request, retry=False)).config)
 
     async def list_tables(self) -> list[dict[str, Any]]:
+        """Every table's settings, under the names of a TOML `[[tables]]` block."""
         reply = await self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
         return [wire.table_from_proto(t) for t in reply.tables]
 
     async def drop_table(self, name: str) -> int:
+        """Drop a table with every experience, group, lease and counter in it (admin scope).
+        Returns how many experiences it held."""
         return (await self._call(self._stub.DropTable, pb.DropTableRequest(name=name), retry=False)).dropped_experiences
