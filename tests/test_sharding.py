@@ -22,7 +22,15 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, BufferError, PushResult, trxp
-from expbuf.client.routing import Epoch, ShardMap, ShardMapError, batch_number, group_key, rendezvous
+from expbuf.client.routing import (
+    Epoch,
+    ShardMap,
+    ShardMapError,
+    batch_number,
+    group_key,
+    rendezvous,
+    uid_group_key,
+)
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
 
 from helpers import ServerProcess, make_experience
@@ -128,6 +136,14 @@ def test_group_keys_and_batches() -> None:
     assert [batch_number(k) for k in ("12/eval/3", "7", "x/1", "-3/1", "12abc/1")] == [12, 7, None, None, None]
     with pytest.raises(ShardMapError, match="group_by is 'tasks'"):
         group_key(eid, "tasks")
+
+
+def test_a_uid_alone_gives_its_group_key() -> None:
+    """get routes uids to their owner: the key read from the right of a uid is the eid's own."""
+    for eid in (make_experience("12/eval", 3, 1, step=2).eid, make_experience(5, "t", 0).eid):
+        for grouping in ("task", "run", "step", "none"):
+            assert uid_group_key(eid.uid, grouping) == group_key(eid, grouping)
+    assert [uid_group_key(uid, "task") for uid in ("a/b/c", "0/1/x/0/s", "0/1/2/y/s")] == [None, None, None]
 
 
 @pytest.mark.parametrize(
