@@ -5,8 +5,14 @@ queue, applies them in one write transaction (each in a nested transaction, so o
 refused request leaves the others intact) and commits once with fsync: concurrent
 callers share the cost of the fsync, and each returns only after that commit. A full
 map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
-retried; a full disk or an I/O error fails the batch, committing nothing. Only one
-process may open a data directory.
+retried; a full disk or an I/O error fails the batch, committing nothing.
+
+Only one process may open a data directory: it holds an exclusive flock on the directory's
+`data.mdb` for its life, a lock the kernel keeps on the open file itself and drops when the
+process ends, however it ends. No file's existence stands for the lock, so deleting one
+(`lock.mdb`, or the `expbuf.lock` of earlier releases) lets no second server in. A reader
+that never writes (`readonly`, for `expbuf check`) takes a shared lock instead and opens
+LMDB read-only without its lock file, so it works on a read-only copy and writes nothing.
 """
 
 from __future__ import annotations
@@ -53,27 +59,32 @@ class Environment:
         map_size: int = 1 << 30,
         max_map_size: int = 1 << 40,
         batch_limit: int = 512,
+        readonly: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.path / "expbuf.lock", "a+")  # noqa: SIM115 - held for the store's life
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise StoreError(f"another expbuf process is using {self.path}") from None
+        self.readonly = readonly
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock(self.path / "data.mdb", readonly)
         self.max_map_size = max_map_size
         self._batch_limit = batch_limit
         try:
-            self.env = lmdb.open(
-                str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
-            )
-            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-            self._migrate()
+            if readonly:
+                self.env = lmdb.open(
+                    str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
+                )
+                with self.env.begin() as txn:
+                    self.db = {name: self.env.open_db(name.encode(), txn=txn, create=False) for name in layout.DBS}
+            else:
+                self.env = lmdb.open(
+                    str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
+                )
+                self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
+                self._migrate()
         except BaseException:
             if hasattr(self, "env"):
                 self.env.close()
-            self._lock_file.close()
+            os.close(self._lock_fd)
             raise
         self._readers = 0
         self._resizing = False
@@ -111,7 +122,7 @@ class Environment:
         self._writer.join()
         self._detach_snapshots()
         self.env.close()
-        self._lock_file.close()
+        os.close(self._lock_fd)
 
     # ---- writes ----------------------------------------------------------------------
 
@@ -282,6 +293,21 @@ class Environment:
         info, stat = self.env.info(), self.env.stat()
         used = (info["last_pgno"] + 1) * stat["psize"]
         return {"map_size": info["map_size"], "used_bytes": used, "map_used_ratio": used / info["map_size"]}
+
+
+def _lock(data: Path, shared: bool) -> int:
+    """An open descriptor of `data` (created empty when absent, which LMDB takes as a new
+    environment) holding a flock: exclusive for a server, shared for a reader."""
+    try:
+        fd = os.open(data, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"cannot open {data}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreError(f"another expbuf process is using {data.parent}") from None
+    return fd
 
 
 def _free_bytes(path: Path) -> int:
