@@ -56,5 +56,11 @@ class StorageFull(StoreError):
     code = "resource_exhausted"
 
 
+class Damaged(StoreError):
+    """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
+
+    code = "data_loss"
+
+
 class StoreClosed(StoreError):
     code = "unavailable"

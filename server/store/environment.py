@@ -33,12 +33,25 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import StorageFull, StoreClosed, StoreError
+from ..errors import Damaged, StorageFull, StoreClosed, StoreError
 from . import layout
 from .migrate import migrate
 from .snapshot import Snapshot
 
 T = TypeVar("T")
+# What LMDB, or the format's records, raise on a damaged page (a full disk or map is not damage).
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.PanicError,
+    lmdb.BadValsizeError,
+    lmdb.IncompatibleError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+)
 # Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
 MAX_SNAPSHOTS = 16
 
@@ -69,18 +82,7 @@ class Environment:
         self.max_map_size = max_map_size
         self._batch_limit = batch_limit
         try:
-            if readonly:
-                self.env = lmdb.open(
-                    str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
-                )
-                with self.env.begin() as txn:
-                    self.db = {name: self.env.open_db(name.encode(), txn=txn, create=False) for name in layout.DBS}
-            else:
-                self.env = lmdb.open(
-                    str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
-                )
-                self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-                self._migrate()
+            self._open(map_size)
         except BaseException:
             if hasattr(self, "env"):
                 self.env.close()
@@ -97,7 +99,31 @@ class Environment:
         self._closed = False
         self._closing = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
-        self._writer.start()
+        if not readonly:
+            self._writer.start()
+
+    def _open(self, map_size: int) -> None:
+        """Open LMDB and its databases, and bring the format up to date (not when read-only).
+
+        A directory LMDB or the format's records cannot read is Damaged, naming `expbuf check`.
+        """
+        try:
+            if self.readonly:
+                self.env = lmdb.open(
+                    str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
+                )
+                self.db = {name: self.env.open_db(name.encode(), create=False) for name in layout.DBS}
+                return
+            self.env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
+            )
+            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
+            self._migrate()
+        except _DAMAGE as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise Damaged(
+                f"data directory {self.path} is damaged ({why}); run `expbuf check --data {self.path}`"
+            ) from None
 
     def _migrate(self) -> None:
         """Bring the directory to the current format, growing the map if the rewrite needs it."""
@@ -119,7 +145,8 @@ class Environment:
                 return
             self._closed = True
             self._queue.put(None)  # after every request already queued: they are committed first
-        self._writer.join()
+        if not self.readonly:
+            self._writer.join()
         self._detach_snapshots()
         self.env.close()
         os.close(self._lock_fd)
@@ -130,8 +157,8 @@ class Environment:
         """Run `fn` in the writer thread's next transaction; return once it is committed."""
         future: Future = Future()
         with self._closing:
-            if self._closed:
-                raise StoreClosed("the store is closed")
+            if self._closed or self.readonly:
+                raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
             self._queue.put(_Op(fn, future))
         return future.result()
 
