@@ -118,6 +118,10 @@ def _check(args: argparse.Namespace) -> int:
     except StoreError as exc:
         raise CommandError(str(exc)) from None
     try:
+        if environment.missing:
+            missing = ", ".join(environment.missing)
+            print(f"{args.data}: no {missing} database(s): an older format, brought up to date by the next start")
+            return 1
         with environment.read() as txn:
             report = integrity.scan(txn, environment.db, time.time())
     finally:

@@ -31,6 +31,7 @@ from expbuf.client.routing import (
     rendezvous,
     uid_group_key,
 )
+from expbuf.client.shard_plans import Owed
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
 
 from helpers import ServerProcess, make_experience
@@ -420,3 +421,20 @@ def test_async_client_admits_on_one_shard_and_sets_versions_on_all(shards: Shard
             assert stats[client.admission_shard("admit_async")]["admit_async"]["admitted"] == 9
 
     asyncio.run(run())
+
+
+def test_what_a_missing_shard_is_owed_keeps_the_newest_and_tables_first() -> None:
+    owed = Owed()
+    owed.version("s1", "t", 3)
+    owed.create("s1", "t", {"group_size": 2})
+    calls = owed.calls("s1")
+    assert [call.method for call in calls] == ["create_table", "set_trainer_version"]  # the table before its version
+    owed.version("s1", "t", 4)  # a newer version while the older one was on its way
+    owed.settle(calls[1], 3)
+    assert owed.pending() == {"s1": [("create_table", "t"), ("trainer_version", "t", 4)]}
+    owed.settle(calls[0], BufferError(grpc.StatusCode.UNAVAILABLE, "down"))  # still down: still owed
+    assert owed.pending()["s1"][0] == ("create_table", "t")
+    owed.settle(calls[0], {"name": "t", "group_size": 2})
+    assert owed.pending() == {"s1": [("trainer_version", "t", 4)]}
+    owed.forget("t")  # dropped: nothing more is owed for it
+    assert owed.pending() == {}

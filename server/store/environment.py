@@ -76,6 +76,7 @@ class Environment:
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
+        self.missing: list[str] = []  # databases a read-only open did not find (an older format)
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock(self.path / "data.mdb", readonly)
@@ -112,7 +113,12 @@ class Environment:
                 self.env = lmdb.open(
                     str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
                 )
-                self.db = {name: self.env.open_db(name.encode(), create=False) for name in layout.DBS}
+                self.db = {}
+                for name in layout.DBS:
+                    try:
+                        self.db[name] = self.env.open_db(name.encode(), create=False)
+                    except lmdb.NotFoundError:
+                        self.missing.append(name)
                 return
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False

@@ -69,6 +69,10 @@ def _directory(
 ) -> None:
     """The format record, the catalogue, each table's counters, the leases and the grants."""
     raw = txn.get(b"format", db=dbs["meta"])
+    older = (int(raw) if raw.isdigit() else 0) if raw is not None else (1 if txn.stat(dbs["tables"])["entries"] else 0)
+    if 0 < older < layout.FORMAT:
+        problems.append(f"the directory has format {older}: a server brings it to {layout.FORMAT} at its next start")
+        return
     if raw is not None and (not raw.isdigit() or int(raw) != layout.FORMAT):
         problems.append(f"the format record is {bytes(raw)[:20]!r}, not {layout.FORMAT}")
     next_id = txn.get(b"next_table_id", b"1", db=dbs["meta"])
