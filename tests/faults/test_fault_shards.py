@@ -97,11 +97,15 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         asyncio.run(degraded())
         served_uids = [uid for batch in served for uid in batch.uids]
 
-        # Back on its directory: the next call that reaches it pays what it is owed, in order.
-        procs["s1"] = start(str(tmp_path / "s1"), "--shard", "s1")
-        client.set_map(client.shard_map.with_targets({"s1": procs["s1"].target}))
-        client.set_trainer_version(9, "t2")
+        # Back on its directory and its address: the client's next call that reaches it (within the
+        # client's reconnect backoff, 2 s at most) pays what it is owed, in order.
+        procs["s1"] = start(str(tmp_path / "s1"), "--shard", "s1", "--port", str(procs["s1"].port))
+        deadline = time.monotonic() + 30
+        while client.stats("t").missing:
+            assert time.monotonic() < deadline, "the client did not reach the restarted shard"
+            time.sleep(0.2)
         assert client.pending == {}
+        client.set_trainer_version(9, "t2")
         with BufferClient(procs["s1"].target) as direct:
             assert {table["name"] for table in direct.list_tables()} == {"default", "t", "t2"}
             assert direct.stats("t")["t"]["trainer_version"] == 7
