@@ -23,7 +23,8 @@ from .client import (
 )
 from .routing import ShardMap, group_key, rendezvous, shard_names
 
-# A ready-count probe of one shard: no retries, a short deadline; a shard that fails it is skipped.
+# A probe of one shard (its ready count, or any small call while it is believed down): no retries,
+# a short deadline; a shard that fails it is left out.
 _PROBE_SECONDS = 2.0
 _MIN_FIELDS = {"min_model_version"}
 _MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}

@@ -185,9 +185,9 @@ class _Planned(_Sharded):
                 self._down.discard(call.shard)
         return outcomes
 
-    def _on_all(self, method: str, *args: Any, quick: bool | None = False, **kwargs: Any) -> Plan[dict[str, Any]]:
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> Plan[dict[str, Any]]:
         """`method` on every shard; raises ShardError naming the shards that failed."""
-        calls = [Call(shard, method, args, kwargs, quick) for shard in self.clients]
+        calls = [Call(shard, method, args, kwargs) for shard in self.clients]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
             raise _shard_error(errors, self.shard_map.targets, results)
