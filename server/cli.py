@@ -102,9 +102,14 @@ def _check(args: argparse.Namespace) -> int:
     It opens LMDB read-only without its lock file and writes nothing, so it also checks a
     read-only copy (a backup, a snapshot); a running server's directory is refused.
     """
-    if not (Path(args.data) / "data.mdb").is_file():
+    data = Path(args.data) / "data.mdb"
+    if not data.is_file():
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
+    if not data.stat().st_size:
+        raise CommandError(f"{args.data} holds no expbuf data (data.mdb is empty); nothing to check")
     import time
+
+    import lmdb
 
     from .errors import Damaged, StoreError
     from .store import integrity
@@ -113,10 +118,10 @@ def _check(args: argparse.Namespace) -> int:
     try:
         environment = Environment(args.data, readonly=True)
     except Damaged as exc:
-        print(f"{args.data}: {exc}")
+        print(f"(directory): damaged ({exc.reason})")
         return 1
-    except StoreError as exc:
-        raise CommandError(str(exc)) from None
+    except (StoreError, lmdb.Error) as exc:
+        raise CommandError(f"{args.data}: {exc}") from None
     try:
         if environment.missing:
             missing = ", ".join(environment.missing)

@@ -61,6 +61,10 @@ class Damaged(StoreError):
 
     code = "data_loss"
 
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"damaged ({reason}); run `expbuf check --data {path}`")
+        self.reason = reason
+
 
 class StoreClosed(StoreError):
     code = "unavailable"

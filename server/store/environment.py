@@ -126,10 +126,7 @@ class Environment:
             self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
             self._migrate()
         except _DAMAGE as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            raise Damaged(
-                f"data directory {self.path} is damaged ({why}); run `expbuf check --data {self.path}`"
-            ) from None
+            raise Damaged(self.path, f"{type(exc).__name__}: {exc}") from None
 
     def _migrate(self) -> None:
         """Bring the directory to the current format, growing the map if the rewrite needs it."""

@@ -42,7 +42,7 @@ def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, n
         where, first = problems[0]
         more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
         place = f"table {where}: " if where else ""
-        raise Damaged(f"data directory {path} is damaged ({place}{first}{more}); run `expbuf check --data {path}`")
+        raise Damaged(path, f"{place}{first}{more}")
 
 
 def scan(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
