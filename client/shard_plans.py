@@ -109,7 +109,7 @@ class Owed:
                 for name, settings in self._creates.get(shard, {}).items()
             ]
             versions = [
-                Call(shard, "set_trainer_version", (version, table), quick=None)
+                Call(shard, "set_trainer_version", (version, table), quick=True)
                 for table, version in self._versions.get(shard, {}).items()
             ]
         return creates + versions
@@ -306,8 +306,11 @@ class _Planned(_Sharded):
     # ---- the trainer's side ------------------------------------------------------------------
 
     def _set_trainer_version(self, version: int, table: str, need_answer: bool = True) -> Plan[int | None]:
-        """Set on every shard that answers, owed to the others; the lowest version a shard holds."""
-        calls = [Call(shard, "set_trainer_version", (version, table), quick=None) for shard in self.clients]
+        """Set on every shard that answers, owed to the others; the lowest version a shard holds.
+
+        One short attempt each: a shard that misses it is owed it, so a trainer's step never waits
+        for retries, or a whole deadline, on a shard that does not answer."""
+        calls = [Call(shard, "set_trainer_version", (version, table), quick=True) for shard in self.clients]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         for shard, exc in errors.items():
             if is_down(exc):
