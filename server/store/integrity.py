@@ -1,13 +1,15 @@
 """The integrity checks of a data directory.
 
 `verify` checks one table: every record decodes, every stored payload matches its digest
-and parses, and every index, group and counter agrees with the items. `scan` checks the
+(taken at push, when the payload was checked), and every index, group and counter agrees
+with the items. `scan` checks the
 whole directory (its format record, the catalogue of tables, their counters, the leases
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
-is what a server checks before it serves a directory: all of `scan`, since a damaged
-record or payload it let through would come back to a trainer as an error or, worse, as
-wrong data; it raises Damaged naming the first problem and `expbuf check`.
+is what a server checks before it serves a directory: all of `scan` but the entries of no
+table (which nothing reads), since a damaged record or payload it let through would come
+back to a trainer as an error or, worse, as wrong data; it raises Damaged naming the first
+problem and `expbuf check`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _SHOWN = 20  # problems shown per table at most; the count says how many more
 
 def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, now: float) -> None:
     """Refuse a damaged directory before it is served: raises Damaged naming the first problem."""
-    problems = [(where, problem) for where, found in scan(txn, dbs, now).items() for problem in found]
+    problems = [(where, problem) for where, found in scan(txn, dbs, now, strays=False).items() for problem in found]
     if problems:
         where, first = problems[0]
         more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
@@ -45,12 +47,17 @@ def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, n
         raise Damaged(path, f"{place}{first}{more}")
 
 
-def scan(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float) -> dict[str, list[str]]:
-    """Every problem of the directory, by table name ("" for the directory's own records)."""
+def scan(
+    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float, *, strays: bool = True
+) -> dict[str, list[str]]:
+    """Every problem of the directory, by table name ("" for the directory's own records);
+    `strays` also counts the entries that belong to no table."""
     report: dict[str, list[str]] = {"": []}
     tables: dict[str, tuple[int, TableConfig]] = {}
     try:
         _directory(txn, dbs, tables, report[""])
+        if strays:
+            report[""] += _strays(txn, dbs, tables)
     except _DAMAGE as exc:
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
     for name, (table_id, config) in tables.items():
@@ -107,11 +114,16 @@ def _directory(
             json.loads(value)
         except ValueError as exc:
             problems.append(f"grant {bytes(key)[:60]!r} does not decode ({exc})")
+
+
+def _strays(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]]) -> list:
     known = {layout.table_prefix(table_id) for table_id, _ in tables.values()}
+    problems = []
     for name in layout.PER_TABLE:
         strays = sum(1 for key in txn.cursor(db=dbs[name]).iternext(values=False) if bytes(key[:4]) not in known)
         if strays:
             problems.append(f"{strays} entries of the {name} database belong to no table")
+    return problems
 
 
 def verify(tt: TableTxn) -> list[str]:
