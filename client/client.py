@@ -33,6 +33,13 @@ from .experience import Experience
 T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
+# to 120 s, which would keep a restarted server (or shard) unused that long after it is back.
+_RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 @dataclass(frozen=True)
@@ -278,6 +285,7 @@ class _Base:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            *_RECONNECT,
         ]
         if tls:
             credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()

@@ -167,3 +167,16 @@ def _read(text: str | bytes) -> tuple[dict[str, Any], tuple[Epoch, ...]]:
 def shard_names(text: str | bytes) -> list[str]:
     """The shards a shard map's JSON names, in every epoch (addresses may be absent)."""
     return list(dict.fromkeys(name for epoch in _read(text)[1] for name in epoch.shards))
+
+
+def uid_group_key(uid: str, group_by: str) -> str | None:
+    """The group key of an experience known only by its uid, or None when the uid is not one.
+
+    Only the batch may hold '/', so the other four parts are read from the right.
+    """
+    parts = uid.rsplit("/", 4)
+    if len(parts) != 5 or not (parts[2].isdigit() and parts[3].isdigit()):
+        return None
+    batch, task, run, step, _ = parts
+    keys = {"task": f"{batch}/{task}", "run": f"{batch}/{task}/{run}", "step": f"{batch}/{task}/{step}", "none": uid}
+    return keys.get(group_by)

@@ -1,6 +1,6 @@
-"""What the blocking and asyncio sharded clients share: their errors and batches, the
-shard map's connections, splitting a push by shard, sharing a batch out among shards,
-and merging what the shards answer."""
+"""What the blocking and asyncio sharded clients share: their errors, batches and degraded
+results, the shard map's connections, splitting a push by shard, sharing a batch out among
+shards, and merging what the shards answer. Their calls' logic is in shard_plans.py."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ from .client import (
 )
 from .routing import ShardMap, group_key, rendezvous, shard_names
 
-# How long sample() waits between looks at the shards' ready counts when none can fill a batch.
-_POLL_SECONDS = (0.02, 0.5)
-# A ready-count probe of one shard: no retries, a short deadline; a shard that fails it is skipped.
+# A probe of one shard (its ready count, or any small call while it is believed down): no retries,
+# a short deadline; a shard that fails it is left out.
 _PROBE_SECONDS = 2.0
 _MIN_FIELDS = {"min_model_version"}
 _MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}
@@ -38,6 +37,15 @@ class ShardError(BufferError):
         super().__init__(code, details)
         self.shards = list(shards)
         self.result = result
+
+
+class LiveResult(dict):
+    """What the shards that answered returned, as one server's call would; `missing` names the
+    shards that did not answer (UNAVAILABLE or DEADLINE_EXCEEDED), with their error."""
+
+    def __init__(self, answered: Mapping[str, Any], missing: Mapping[str, str]) -> None:
+        super().__init__(answered)
+        self.missing = dict(missing)
 
 
 @dataclass

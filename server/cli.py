@@ -107,25 +107,46 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Verify every table's indexes and counters against its items; refuse a directory without expbuf data."""
-    if not (Path(args.data) / "data.mdb").is_file():
+    """Verify the directory's records, payloads, indexes and counters; exit 1 naming what is damaged.
+
+    It opens LMDB read-only without its lock file and writes nothing, so it also checks a
+    read-only copy (a backup, a snapshot); a running server's directory is refused.
+    """
+    data = Path(args.data) / "data.mdb"
+    if not data.is_file():
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
-    from .errors import StoreError
-    from .store import Store
+    if not data.stat().st_size:
+        raise CommandError(f"{args.data} holds no expbuf data (data.mdb is empty); nothing to check")
+    import time
+
+    import lmdb
+
+    from .errors import Damaged, StoreError
+    from .store import integrity
+    from .store.environment import Environment
 
     try:
-        store = Store(args.data)
-    except StoreError as exc:
-        raise CommandError(str(exc)) from None
-    with store:
-        bad = 0
-        for config in store.list_tables():
-            problems = store.verify(config.name)
-            bad += len(problems)
-            print(f"{config.name}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
-            for problem in problems:
-                print(f"  {problem}")
-    return 1 if bad else 0
+        environment = Environment(args.data, readonly=True)
+    except Damaged as exc:
+        print(f"(directory): damaged ({exc.reason})")
+        return 1
+    except (StoreError, lmdb.Error) as exc:
+        raise CommandError(f"{args.data}: {exc}") from None
+    try:
+        if environment.missing:
+            missing = ", ".join(environment.missing)
+            print(f"{args.data}: no {missing} database(s): an older format, brought up to date by the next start")
+            return 1
+        with environment.read() as txn:
+            report = integrity.scan(txn, environment.db, time.time())
+    finally:
+        environment.close()
+    for name, problems in report.items():
+        if name or problems:
+            print(f"{name or '(directory)'}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        for problem in problems:
+            print(f"  {problem}")
+    return 1 if any(report.values()) else 0
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:

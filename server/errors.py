@@ -56,5 +56,15 @@ class StorageFull(StoreError):
     code = "resource_exhausted"
 
 
+class Damaged(StoreError):
+    """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
+
+    code = "data_loss"
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"damaged ({reason}); run `expbuf check --data {path}`")
+        self.reason = reason
+
+
 class StoreClosed(StoreError):
     code = "unavailable"

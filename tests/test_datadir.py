@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,17 @@ def test_first_format_tables_now_finished_per_batch_compute_their_ready_groups_a
         mean, std = sum(rewards) / 4, (sum((r - 1.5) ** 2 for r in rewards) / 3) ** 0.5
         got = [float(e.advantages[0]) for e in decode(batch.payload)]
         assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], abs=1e-5)
+
+
+def test_check_says_an_older_format_is_brought_up_to_date_at_start_and_then_passes(v1: Path) -> None:
+    def check() -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v1)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    before = check()
+    assert before.returncode == 1 and not before.stderr, before.stderr
+    assert before.stdout.strip().endswith("an older format, brought up to date by the next start")
+    Store(v1, clock=lambda: MANIFEST["now"]).close()  # the upgrade a server's start makes
+    after = check()
+    assert after.returncode == 0 and not after.stderr, after.stderr
+    assert sorted(after.stdout.splitlines()) == sorted(f"{table}: ok" for table in MANIFEST["stats"])

@@ -22,7 +22,16 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, BufferError, PushResult, trxp
-from expbuf.client.routing import Epoch, ShardMap, ShardMapError, batch_number, group_key, rendezvous
+from expbuf.client.routing import (
+    Epoch,
+    ShardMap,
+    ShardMapError,
+    batch_number,
+    group_key,
+    rendezvous,
+    uid_group_key,
+)
+from expbuf.client.shard_plans import Owed
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
 
 from helpers import ServerProcess, make_experience
@@ -128,6 +137,14 @@ def test_group_keys_and_batches() -> None:
     assert [batch_number(k) for k in ("12/eval/3", "7", "x/1", "-3/1", "12abc/1")] == [12, 7, None, None, None]
     with pytest.raises(ShardMapError, match="group_by is 'tasks'"):
         group_key(eid, "tasks")
+
+
+def test_a_uid_alone_gives_its_group_key() -> None:
+    """get routes uids to their owner: the key read from the right of a uid is the eid's own."""
+    for eid in (make_experience("12/eval", 3, 1, step=2).eid, make_experience(5, "t", 0).eid):
+        for grouping in ("task", "run", "step", "none"):
+            assert uid_group_key(eid.uid, grouping) == group_key(eid, grouping)
+    assert [uid_group_key(uid, "task") for uid in ("a/b/c", "0/1/x/0/s", "0/1/2/y/s")] == [None, None, None]
 
 
 @pytest.mark.parametrize(
@@ -404,3 +421,24 @@ def test_async_client_admits_on_one_shard_and_sets_versions_on_all(shards: Shard
             assert stats[client.admission_shard("admit_async")]["admit_async"]["admitted"] == 9
 
     asyncio.run(run())
+
+
+def test_what_a_missing_shard_is_owed_keeps_the_newest_and_tables_first() -> None:
+    owed = Owed()
+    owed.version("s1", "t", 3)
+    owed.create("s1", "t", {"group_size": 2})
+    calls = owed.calls("s1")
+    assert [call.method for call in calls] == ["create_table", "set_trainer_version"]  # the table before its version
+    owed.version("s1", "t", 4)  # a newer version while the older one was on its way
+    owed.settle(calls[1], 3)
+    assert owed.pending() == {"s1": [("create_table", "t"), ("trainer_version", "t", 4)]}
+    owed.settle(calls[0], BufferError(grpc.StatusCode.UNAVAILABLE, "down"))  # still down: still owed
+    assert owed.pending()["s1"][0] == ("create_table", "t")
+    owed.settle(calls[0], {"name": "t", "group_size": 2})
+    assert owed.pending() == {"s1": [("trainer_version", "t", 4)]}
+    owed.forget("t")  # dropped: nothing more is owed for it
+    assert owed.pending() == {}
+    owed.create("s2", "u", {})
+    owed.version("s2", "u", 9)
+    owed.forget_versions("u")  # an admin's reset: an owed newer version must not undo it
+    assert owed.pending() == {"s2": [("create_table", "u")]}

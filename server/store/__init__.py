@@ -12,7 +12,7 @@
   staleness.py: eviction of ready groups that fell below the staleness bound;
 - upkeep.py: lease and grant expiry, group timeouts, stale-group eviction, tombstone
   pruning, isolated per table;
-- integrity.py: the check behind `expbuf check`;
+- integrity.py: the checks of a data directory, at open and behind `expbuf check`;
 - engine.py: `Store`, the one object the server uses (through backend.Backend).
 """
 

@@ -24,7 +24,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, browse, layout, limiter, retirement, staleness
+from . import admission, browse, integrity, layout, limiter, retirement, staleness
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -48,6 +48,12 @@ class Store(Sampling):
         batch_limit: int = 512,
     ) -> None:
         self.environment = Environment(path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit)
+        try:
+            with self.environment.read() as txn:  # a damaged directory is refused before it is served
+                integrity.at_open(txn, self.environment.db, self.environment.path, clock())
+        except BaseException:
+            self.environment.close()
+            raise
         self.path = self.environment.path
         self.max_map_size = max_map_size
         self.clock = clock

@@ -5,8 +5,14 @@ queue, applies them in one write transaction (each in a nested transaction, so o
 refused request leaves the others intact) and commits once with fsync: concurrent
 callers share the cost of the fsync, and each returns only after that commit. A full
 map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
-retried; a full disk or an I/O error fails the batch, committing nothing. Only one
-process may open a data directory.
+retried; a full disk or an I/O error fails the batch, committing nothing.
+
+Only one process may open a data directory: it holds an exclusive flock on the directory's
+`data.mdb` for its life, a lock the kernel keeps on the open file itself and drops when the
+process ends, however it ends. No file's existence stands for the lock, so deleting one
+(`lock.mdb`, or the `expbuf.lock` of earlier releases) lets no second server in. A reader
+that never writes (`readonly`, for `expbuf check`) takes a shared lock instead and opens
+LMDB read-only without its lock file, so it works on a read-only copy and writes nothing.
 """
 
 from __future__ import annotations
@@ -27,12 +33,25 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import StorageFull, StoreClosed, StoreError
+from ..errors import Damaged, StorageFull, StoreClosed, StoreError
 from . import layout
 from .migrate import migrate
 from .snapshot import Snapshot
 
 T = TypeVar("T")
+# What LMDB, or the format's records, raise on a damaged page (a full disk or map is not damage).
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.PanicError,
+    lmdb.BadValsizeError,
+    lmdb.IncompatibleError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+)
 # Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
 MAX_SNAPSHOTS = 16
 
@@ -53,27 +72,22 @@ class Environment:
         map_size: int = 1 << 30,
         max_map_size: int = 1 << 40,
         batch_limit: int = 512,
+        readonly: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.path / "expbuf.lock", "a+")  # noqa: SIM115 - held for the store's life
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise StoreError(f"another expbuf process is using {self.path}") from None
+        self.readonly = readonly
+        self.missing: list[str] = []  # databases a read-only open did not find (an older format)
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock(self.path / "data.mdb", readonly)
         self.max_map_size = max_map_size
         self._batch_limit = batch_limit
         try:
-            self.env = lmdb.open(
-                str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
-            )
-            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-            self._migrate()
+            self._open(map_size)
         except BaseException:
             if hasattr(self, "env"):
                 self.env.close()
-            self._lock_file.close()
+            os.close(self._lock_fd)
             raise
         self._readers = 0
         self._resizing = False
@@ -86,7 +100,33 @@ class Environment:
         self._closed = False
         self._closing = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
-        self._writer.start()
+        if not readonly:
+            self._writer.start()
+
+    def _open(self, map_size: int) -> None:
+        """Open LMDB and its databases, and bring the format up to date (not when read-only).
+
+        A directory LMDB or the format's records cannot read is Damaged, naming `expbuf check`.
+        """
+        try:
+            if self.readonly:
+                self.env = lmdb.open(
+                    str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
+                )
+                self.db = {}
+                for name in layout.DBS:
+                    try:
+                        self.db[name] = self.env.open_db(name.encode(), create=False)
+                    except lmdb.NotFoundError:
+                        self.missing.append(name)
+                return
+            self.env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
+            )
+            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
+            self._migrate()
+        except _DAMAGE as exc:
+            raise Damaged(self.path, f"{type(exc).__name__}: {exc}") from None
 
     def _migrate(self) -> None:
         """Bring the directory to the current format, growing the map if the rewrite needs it."""
@@ -108,10 +148,11 @@ class Environment:
                 return
             self._closed = True
             self._queue.put(None)  # after every request already queued: they are committed first
-        self._writer.join()
+        if not self.readonly:
+            self._writer.join()
         self._detach_snapshots()
         self.env.close()
-        self._lock_file.close()
+        os.close(self._lock_fd)
 
     # ---- writes ----------------------------------------------------------------------
 
@@ -119,8 +160,8 @@ class Environment:
         """Run `fn` in the writer thread's next transaction; return once it is committed."""
         future: Future = Future()
         with self._closing:
-            if self._closed:
-                raise StoreClosed("the store is closed")
+            if self._closed or self.readonly:
+                raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
             self._queue.put(_Op(fn, future))
         return future.result()
 
@@ -282,6 +323,21 @@ class Environment:
         info, stat = self.env.info(), self.env.stat()
         used = (info["last_pgno"] + 1) * stat["psize"]
         return {"map_size": info["map_size"], "used_bytes": used, "map_used_ratio": used / info["map_size"]}
+
+
+def _lock(data: Path, shared: bool) -> int:
+    """An open descriptor of `data` (created empty when absent, which LMDB takes as a new
+    environment) holding a flock: exclusive for a server, shared for a reader."""
+    try:
+        fd = os.open(data, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"cannot open {data}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreError(f"another expbuf process is using {data.parent}") from None
+    return fd
 
 
 def _free_bytes(path: Path) -> int:

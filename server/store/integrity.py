@@ -1,15 +1,129 @@
-"""The integrity check behind `expbuf check`: every index, group and counter of a table
-against its stored experiences. A consistent table gives no problems."""
+"""The integrity checks of a data directory.
+
+`verify` checks one table: every record decodes, every stored payload matches its digest
+(taken at push, when the payload was checked), and every index, group and counter agrees
+with the items. `scan` checks the
+whole directory (its format record, the catalogue of tables, their counters, the leases
+and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
+a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
+is what a server checks before it serves a directory: all of `scan` but the entries of no
+table (which nothing reads), since a damaged record or payload it let through would come
+back to a trainer as an error or, worse, as wrong data; it raises Damaged naming the first
+problem and `expbuf check`.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import defaultdict
+from pathlib import Path
+
+import lmdb
 
 from expbuf.client import trxp
 
+from ..errors import Damaged
 from ..selection import u64, version_key
-from .groups import TableTxn
-from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord
+from ..tables import TableConfig
+from . import layout
+from .groups import TableTxn, fresh_counters, read_counters
+from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
+from .types import Entry
+
+# A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
+# (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
+_DAMAGE = Exception
+_SHOWN = 20  # problems shown per table at most; the count says how many more
+
+
+def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, now: float) -> None:
+    """Refuse a damaged directory before it is served: raises Damaged naming the first problem."""
+    problems = [(where, problem) for where, found in scan(txn, dbs, now, strays=False).items() for problem in found]
+    if problems:
+        where, first = problems[0]
+        more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        place = f"table {where}: " if where else ""
+        raise Damaged(path, f"{place}{first}{more}")
+
+
+def scan(
+    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float, *, strays: bool = True
+) -> dict[str, list[str]]:
+    """Every problem of the directory, by table name ("" for the directory's own records);
+    `strays` also counts the entries that belong to no table."""
+    report: dict[str, list[str]] = {"": []}
+    tables: dict[str, tuple[int, TableConfig]] = {}
+    try:
+        _directory(txn, dbs, tables, report[""])
+        if strays:
+            report[""] += _strays(txn, dbs, tables)
+    except _DAMAGE as exc:
+        report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
+    for name, (table_id, config) in tables.items():
+        try:
+            problems = verify(TableTxn(txn, dbs, table_id, config, now))
+        except _DAMAGE as exc:
+            problems = [f"reading it raised {type(exc).__name__}: {exc}"]
+        report[name] = problems[:_SHOWN] + (
+            [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
+        )
+    return report
+
+
+def _directory(
+    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]], problems: list
+) -> None:
+    """The format record, the catalogue, each table's counters, the leases and the grants."""
+    raw = txn.get(b"format", db=dbs["meta"])
+    older = (int(raw) if raw.isdigit() else 0) if raw is not None else (1 if txn.stat(dbs["tables"])["entries"] else 0)
+    if 0 < older < layout.FORMAT:
+        problems.append(f"the directory has format {older}: a server brings it to {layout.FORMAT} at its next start")
+        return
+    if raw is not None and (not raw.isdigit() or int(raw) != layout.FORMAT):
+        problems.append(f"the format record is {bytes(raw)[:20]!r}, not {layout.FORMAT}")
+    next_id = txn.get(b"next_table_id", b"1", db=dbs["meta"])
+    if not next_id.isdigit():
+        problems.append(f"the next table id is {bytes(next_id)[:20]!r}, not a number")
+    for key, value in txn.cursor(db=dbs["tables"]):
+        try:
+            name, record = bytes(key).decode(), json.loads(value)
+            table_id, config = int(record["id"]), TableConfig.from_stored(record["config"], record.get("v", 1))
+        except Exception as exc:  # the catalogue's entries are JSON: any decoding error means damage
+            problems.append(f"the catalogue entry {bytes(key)[:60]!r} does not decode ({type(exc).__name__}: {exc})")
+            continue
+        if config.name != name or any(table_id == known for known, _ in tables.values()):
+            problems.append(f"the catalogue entry {name!r} names table {config.name!r}, id {table_id}")
+            continue
+        try:
+            counters = read_counters(txn, dbs["counters"], layout.table_prefix(table_id))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"the counters of table {name!r} do not decode ({exc})")
+            continue
+        if not all(type(counters[key]) in (int, float) for key, zero in fresh_counters().items() if zero == 0):
+            problems.append(f"the counters of table {name!r} hold counts that are not numbers")
+            continue
+        tables[name] = (table_id, config)
+    for key, value in txn.cursor(db=dbs["leases"]):
+        try:
+            Lease.decode(value)
+        except _DAMAGE as exc:
+            problems.append(f"lease {bytes(key)[:60]!r} does not decode ({exc})")
+    for key, value in txn.cursor(db=dbs["grants"]):
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            problems.append(f"grant {bytes(key)[:60]!r} does not decode ({exc})")
+
+
+def _strays(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]]) -> list:
+    known = {layout.table_prefix(table_id) for table_id, _ in tables.values()}
+    problems = []
+    for name in layout.PER_TABLE:
+        strays = sum(1 for key in txn.cursor(db=dbs[name]).iternext(values=False) if bytes(key[:4]) not in known)
+        if strays:
+            problems.append(f"{strays} entries of the {name} database belong to no table")
+    return problems
 
 
 def verify(tt: TableTxn) -> list[str]:
@@ -21,13 +135,20 @@ def verify(tt: TableTxn) -> list[str]:
     with txn.cursor(db=db["groups"]) as cur:
         found = cur.set_range(p)
         while found and cur.key().startswith(p):
-            groups[cur.key()[4:].decode()] = GroupRecord.decode(cur.value())
+            try:
+                groups[cur.key()[4:].decode()] = GroupRecord.decode(cur.value())
+            except _DAMAGE as exc:
+                problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
             found = cur.next()
     with txn.cursor(db=db["items"]) as cur:
         found = cur.set_range(p)
         while found and cur.key().startswith(p):
-            uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
-            problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
+            try:
+                uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
+            except _DAMAGE as exc:
+                problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+            else:
+                problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
             found = cur.next()
     ready_groups = set()
     versioned = 0  # ready groups of a known version
@@ -40,6 +161,9 @@ def verify(tt: TableTxn) -> list[str]:
             ready_groups.add(gkey)
             if txn.get(tt.rseq_key(grp), db=db["ready"]) != gkey.encode():
                 problems.append(f"ready group {gkey} is missing from the ready index")
+            slot = txn.get(p + gkey.encode(), db=db["slotof"])
+            if slot is None or txn.get(p + slot, db=db["slots"]) != gkey.encode():
+                problems.append(f"ready group {gkey} is missing from the uniform slots")
             if grp.version is not None:
                 versioned += 1
                 raw = txn.get(p + version_key(grp.version) + u64(grp.rseq), db=db["byver"])
@@ -52,7 +176,7 @@ def verify(tt: TableTxn) -> list[str]:
         problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {tombstones} tombstones")
     if _prefix_count(tt, "compute") != counts["groups_computing"]:
         problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
-    for name in ("ready", "prio", "slotof"):
+    for name in ("ready", "prio", "slots", "slotof"):
         indexed = _prefix_count(tt, name)
         if indexed != len(ready_groups):
             problems.append(f"the {name} index holds {indexed} groups, {len(ready_groups)} are ready")
@@ -76,9 +200,10 @@ def _check_item(tt: TableTxn, uid: str, rec: ItemRecord, grp: GroupRecord | None
     blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
     if live != (blob is not None) and not (rec.state == FAILED and tt.config.keep_failed):
         problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
+    if blob is not None:
+        problems.extend(_check_blob(uid, rec, blob))
     if live:
         counts["bytes"] += rec.size
-        trxp.parse(blob, trusted=True)
         if tt.txn.get(tt.prefix + u64(rec.seq), db=tt.db["order"]) != uid.encode():
             problems.append(f"item {uid} is missing from the insertion order")
     if grp is None or uid not in grp.members:
@@ -86,6 +211,23 @@ def _check_item(tt: TableTxn, uid: str, rec: ItemRecord, grp: GroupRecord | None
     elif grp.state != rec.state:
         problems.append(f"item {uid} is {rec.state} but its group {rec.group} is {grp.state}")
     return problems
+
+
+def _check_blob(uid: str, rec: ItemRecord, blob: bytes) -> list[str]:
+    """A stored payload that matches its digest (so it is the payload that was checked at push).
+    A directory upgraded from format 1 keeps its payloads as they were, with the digest of
+    their canonical packing."""
+    if len(blob) != rec.size:
+        return [f"item {uid}: its payload is {len(blob)} bytes, its record says {rec.size}"]
+    if hashlib.sha256(blob).digest()[:16] == rec.digest:
+        return []
+    try:
+        items = trxp.parse(blob, trusted=True)
+    except trxp.TrxpError as exc:
+        return [f"item {uid}: its payload does not parse ({exc})"]
+    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
+        return []
+    return [f"item {uid}: its payload does not match its digest"]
 
 
 def _prefix_count(tt: TableTxn, name: str) -> int:

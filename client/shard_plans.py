@@ -1,0 +1,396 @@
+"""The sharded clients' logic, free of I/O, that the blocking and the asyncio client both run.
+
+Each call is a plan: a generator that yields the shard calls to make in parallel (a list of
+`Call`), a pause (`Sleep`) or, while sampling, a batch for the caller (`Emit`), and is sent
+back the calls' outcomes (each a result or the BufferError it raised). The drivers in
+sharded.py and sharded_async.py only make the calls, with threads or with asyncio.
+
+A shard that does not answer (UNAVAILABLE or DEADLINE_EXCEEDED) degrades a call instead of
+failing it where the call can do without it: a sample draws from the others, stats and
+server_info return the shards that answered and name the others in `missing`, a get answers
+from each uid's owner, and a trainer version or a table created with exist_ok is owed to
+the missing shard and sent first thing the next time it answers. A shard believed down is
+asked with one attempt and a short deadline, so a trainer's step does not wait for retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from .client import Batch, BufferError, GetResult, Grant, PushResult
+from .routing import uid_group_key
+from .shard_common import (
+    LiveResult,
+    ShardBatch,
+    _merge_push,
+    _merge_stats,
+    _shard_error,
+    _Sharded,
+    allocate,
+)
+
+T = TypeVar("T")
+_log = logging.getLogger("expbuf.client")
+
+# How long sample() waits between looks at the shards' ready counts when none can fill a batch.
+_POLL_SECONDS = (0.02, 0.5)
+# The codes of a shard that is down or cut off, rather than one that refused the call.
+DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a shard's client: `method(*args, **kwargs)`.
+
+    `quick` asks with the shard's probe client (one attempt, a short deadline); None does so
+    only while the shard is believed down, for the small calls that may degrade.
+    """
+
+    shard: str
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    quick: bool | None = False
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Emit:
+    batch: ShardBatch
+
+
+Step = list[Call] | Sleep | Emit
+Plan = Generator[Step, Any, T]
+
+
+def is_down(outcome: Any) -> bool:
+    return isinstance(outcome, BufferError) and outcome.code in DOWN_CODES
+
+
+class Owed:
+    """What the client still owes shards that missed a call: tables created with exist_ok, then
+    trainer versions (the latest per table). Shared by the threads of one blocking client."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._creates: dict[str, dict[str, dict[str, Any]]] = {}
+        self._versions: dict[str, dict[str, int]] = {}
+
+    def create(self, shard: str, name: str, settings: dict[str, Any]) -> None:
+        with self._lock:
+            self._creates.setdefault(shard, {})[name] = settings
+
+    def version(self, shard: str, table: str, version: int) -> None:
+        with self._lock:
+            self._versions.setdefault(shard, {})[table] = version
+
+    def forget(self, table: str) -> None:
+        """Nothing more is owed for a table (it was dropped)."""
+        with self._lock:
+            for owed in (*self._creates.values(), *self._versions.values()):
+                owed.pop(table, None)
+
+    def forget_versions(self, table: str) -> None:
+        """No trainer version is owed for a table any more (an admin reset it)."""
+        with self._lock:
+            for owed in self._versions.values():
+                owed.pop(table, None)
+
+    def calls(self, shard: str) -> list[Call]:
+        """The owed calls of a shard, in the order they must be made: creations first."""
+        with self._lock:
+            creates = [
+                Call(shard, "create_table", (name,), {"exist_ok": True, **settings}, quick=None)
+                for name, settings in self._creates.get(shard, {}).items()
+            ]
+            versions = [
+                Call(shard, "set_trainer_version", (version, table), quick=True)
+                for table, version in self._versions.get(shard, {}).items()
+            ]
+        return creates + versions
+
+    def settle(self, call: Call, outcome: Any) -> None:
+        """An owed call answered: it is paid (or refused, and dropped with a warning) unless the
+        shard was down, or a newer one took its place meanwhile."""
+        if is_down(outcome):
+            return
+        if isinstance(outcome, BufferError):
+            _log.warning("shard %s refused the owed %s%s: %s", call.shard, call.method, call.args, outcome)
+        with self._lock:
+            if call.method == "create_table":
+                owed, key, value = self._creates.get(call.shard, {}), call.args[0], dict(call.kwargs)
+                value.pop("exist_ok")
+            else:
+                owed, key, value = self._versions.get(call.shard, {}), call.args[1], call.args[0]
+            if owed.get(key) == value:
+                del owed[key]
+
+    def pending(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Per shard, what it is owed: ("create_table", name) and ("trainer_version", table, version)."""
+        with self._lock:
+            shards = {*self._creates, *self._versions}
+            return {
+                shard: [("create_table", name) for name in self._creates.get(shard, {})]
+                + [("trainer_version", t, v) for t, v in self._versions.get(shard, {}).items()]
+                for shard in sorted(shards)
+                if self._creates.get(shard) or self._versions.get(shard)
+            }
+
+
+class _Planned(_Sharded):
+    """The plans of every sharded call; a driver runs them (`_run`, and its sample loop)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._owed = Owed()
+        self._down: set[str] = set()
+
+    @property
+    def pending(self) -> dict[str, list[tuple[Any, ...]]]:
+        """What shards that did not answer are still owed, sent when each next answers."""
+        return self._owed.pending()
+
+    # ---- the exchange every plan goes through ---------------------------------------------
+
+    def _exchange(self, calls: list[Call]) -> Plan[list[Any]]:
+        """The calls' outcomes, in order. Each shard is first sent what it is owed; a shard that
+        proves down doing so is not called again and its calls get that outcome."""
+        skipped: dict[str, Any] = {}
+        queues = {shard: self._owed.calls(shard) for shard in dict.fromkeys(call.shard for call in calls)}
+        while any(queues.values()):
+            owed = [queue.pop(0) for queue in queues.values() if queue]
+            for call, outcome in zip(owed, (yield from self._direct(owed)), strict=True):
+                self._owed.settle(call, outcome)
+                if is_down(outcome):
+                    skipped[call.shard], queues[call.shard] = outcome, []
+        live = [call for call in calls if call.shard not in skipped]
+        answers = iter((yield from self._direct(live)) if live else [])
+        return [skipped[call.shard] if call.shard in skipped else next(answers) for call in calls]
+
+    def _direct(self, calls: list[Call]) -> Plan[list[Any]]:
+        """Make the calls as they are, and learn from them which shards are down."""
+        outcomes = yield [
+            Call(c.shard, c.method, c.args, c.kwargs, c.shard in self._down if c.quick is None else c.quick)
+            for c in calls
+        ]
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if is_down(outcome):
+                self._down.add(call.shard)
+            else:  # an answer, even a refusal, shows the shard is up
+                self._down.discard(call.shard)
+        return outcomes
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> Plan[dict[str, Any]]:
+        """`method` on every shard; raises ShardError naming the shards that failed."""
+        calls = [Call(shard, method, args, kwargs) for shard in self.clients]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        if errors:
+            raise _shard_error(errors, self.shard_map.targets, results)
+        return results
+
+    def _live(self, method: str, *args: Any, **kwargs: Any) -> Plan[LiveResult]:
+        """`method` on every shard, degraded: the shards that answered, the others in `missing`.
+
+        A shard that refuses the call still fails it; with no shard answering it fails UNAVAILABLE.
+        """
+        calls = [Call(shard, method, args, kwargs, quick=None) for shard in self.clients]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        missing = {shard: exc for shard, exc in errors.items() if is_down(exc)}
+        refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
+        if refused or not results:
+            raise _shard_error(refused or missing, self.shard_map.targets, results)
+        return LiveResult(results, {shard: str(exc) for shard, exc in missing.items()})
+
+    def _on_one(self, shard: str, method: str, *args: Any, **kwargs: Any) -> Plan[Any]:
+        (outcome,) = yield from self._exchange([Call(shard, method, args, kwargs)])
+        if isinstance(outcome, BufferError):
+            raise _shard_error({shard: outcome}, self.shard_map.targets)
+        return outcome
+
+    @staticmethod
+    def _sort(calls: list[Call], outcomes: list[Any]) -> tuple[dict[str, Any], dict[str, BufferError]]:
+        results = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if not isinstance(o, BufferError)}
+        errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
+        return results, errors
+
+    # ---- tables ----------------------------------------------------------------------------
+
+    def _list_tables(self) -> Plan[list[dict[str, Any]]]:
+        """The tables of the first shard that answers, the shards believed up first."""
+        last: dict[str, BufferError] = {}
+        for shard in sorted(self.clients, key=lambda name: name in self._down):
+            (outcome,) = yield from self._exchange([Call(shard, "list_tables", quick=None)])
+            if not isinstance(outcome, BufferError):
+                return self._remember(outcome)
+            last[shard] = outcome
+        raise _shard_error(last, self.shard_map.targets)
+
+    def _group_by_of(self, table: str) -> Plan[str]:
+        if table not in self._group_by:
+            yield from self._list_tables()
+        return self._known_group_by(table)
+
+    def _create_table(self, name: str, exist_ok: bool, settings: dict[str, Any]) -> Plan[LiveResult]:
+        """On every shard; with exist_ok, a shard that does not answer is owed the table."""
+        calls = [Call(s, "create_table", (name,), {"exist_ok": exist_ok, **settings}, None) for s in self.clients]
+        configs, errors = self._sort(calls, (yield from self._exchange(calls)))
+        missing = {shard: exc for shard, exc in errors.items() if is_down(exc)} if exist_ok else {}
+        for shard in missing:
+            self._owed.create(shard, name, settings)
+        refused = {shard: exc for shard, exc in errors.items() if shard not in missing}
+        if refused or not configs:
+            raise _shard_error(refused or missing, self.shard_map.targets, configs)
+        config = next(iter(configs.values()))
+        self._group_by[name] = config.get("group_by") or "task"
+        return LiveResult(config, {shard: str(exc) for shard, exc in missing.items()})
+
+    def _reset_offpolicy(self, table: str, trainer_version: int | None) -> Plan[dict[str, dict[str, int]]]:
+        """On every shard; an owed newer version is forgotten first, so it cannot undo the reset
+        on a shard that was down when it was owed."""
+        self._owed.forget_versions(table)
+        return (yield from self._on_all("reset_offpolicy", table, trainer_version))
+
+    def _drop_table(self, name: str) -> Plan[int]:
+        self._group_by.pop(name, None)
+        self._owed.forget(name)
+        return sum((yield from self._on_all("drop_table", name)).values())
+
+    # ---- pushing and reading -----------------------------------------------------------------
+
+    def _push(self, items: bytes | Iterable[Any], table: str, timeout: float | None) -> Plan[PushResult]:
+        """Each group's part to its shard, in parallel; ShardError's `result` is what the others stored."""
+        parts = self._split(items, (yield from self._group_by_of(table)))
+        calls = [Call(shard, "push", (part, table), {"timeout": timeout}) for shard, part in parts.items()]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        if errors:
+            raise _shard_error(errors, self.shard_map.targets, _merge_push(results.values()))
+        return _merge_push(results.values())
+
+    def _get(self, uids: Iterable[str], table: str) -> Plan[GetResult]:
+        """Each uid from the shard that owns its group; a uid its owner does not hold, or whose
+        group cannot be read from it, is then asked of every other shard that answered.
+        Raises ShardError (`result`: what was found) when a uid's owner is down."""
+        uids = list(dict.fromkeys(uids))
+        group_by = yield from self._group_by_of(table)
+        asked: dict[str, list[str]] = {}
+        for uid in uids:
+            key = uid_group_key(uid, group_by)
+            for shard in [self.shard_map.owner(key)] if key is not None else self.clients:
+                asked.setdefault(shard, []).append(uid)
+        found, unanswered = yield from self._get_from(asked, table)
+        rest = [uid for uid in uids if uid not in found]
+        answered = [shard for shard in asked if shard not in unanswered] + [s for s in self.clients if s not in asked]
+        again = {s: [uid for uid in rest if s not in asked or uid not in asked[s]] for s in answered}
+        more, _ = yield from self._get_from({s: part for s, part in again.items() if part}, table)
+        found |= more
+        lost = {s: exc for s, exc in unanswered.items() if any(uid not in found for uid in asked[s])}
+        result = GetResult([found[uid] for uid in uids if uid in found], [uid for uid in uids if uid not in found])
+        if lost:
+            raise _shard_error(lost, self.shard_map.targets, result)
+        return result
+
+    def _get_from(self, asked: Mapping[str, list[str]], table: str) -> Plan[tuple[dict, dict[str, BufferError]]]:
+        calls = [Call(shard, "get", (part, table), quick=None) for shard, part in asked.items()]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
+        refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
+        if refused:
+            raise _shard_error(refused, self.shard_map.targets)
+        return {exp.eid.uid: exp for part in results.values() for exp in part}, errors
+
+    def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
+        return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())
+
+    def _stats(self, table: str) -> Plan[LiveResult]:
+        per_shard = yield from self._live("stats", table)
+        return LiveResult(_merge_stats(per_shard.values()), per_shard.missing)
+
+    # ---- the trainer's side ------------------------------------------------------------------
+
+    def _set_trainer_version(self, version: int, table: str, need_answer: bool = True) -> Plan[int | None]:
+        """Set on every shard that answers, owed to the others; the lowest version a shard holds.
+
+        One short attempt each: a shard that misses it is owed it, so a trainer's step never waits
+        for retries, or a whole deadline, on a shard that does not answer."""
+        calls = [Call(shard, "set_trainer_version", (version, table), quick=True) for shard in self.clients]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        for shard, exc in errors.items():
+            if is_down(exc):
+                self._owed.version(shard, table, version)
+        refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
+        if refused or (need_answer and not results):
+            raise _shard_error(refused or errors, self.shard_map.targets, results)
+        return min(results.values(), default=None)
+
+    def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
+        """Ack or nack each part of a batch's lease on the shard that granted it."""
+        calls = [Call(shard, method, (lease, table)) for shard, lease in self._leases(lease_id)]
+        outcomes = yield from self._exchange(calls)
+        errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
+        done = sum(o for o in outcomes if not isinstance(o, BufferError))
+        if errors:
+            raise _shard_error(errors, self.shard_map.targets, done)
+        return done
+
+    def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
+        shard = self.admission_shard(table)
+        return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
+
+    def _sample(
+        self,
+        table: str,
+        key: str,
+        need: int,
+        request: dict[str, Any],
+        timeout: float,
+        max_batches: int,
+        allow_partial: bool,
+        ends: tuple[Callable, Callable],
+    ) -> Plan[None]:
+        """Batches drawn from every shard in proportion to what each holds ready (`allocate`)."""
+        if request["trainer_version"] is not None:  # every shard, the admission shard too
+            yield from self._set_trainer_version(request["trainer_version"], table, need_answer=False)
+        sent = 0
+        while not max_batches or sent < max_batches:
+            deadline, pause, parts, got = time.monotonic() + timeout, _POLL_SECONDS[0], [], 0
+            while True:
+                ready, late = (yield from self._ready(table, key)), time.monotonic() >= deadline
+                want = allocate(ready, need - got)
+                if sum(want.values()) >= need - got or (late and want):
+                    parts += yield from self._fetch(table, key, want, request | {"allow_partial": late})
+                    got = sum(self._size(key, part) for _, part in parts)
+                if got >= need or late:
+                    break
+                yield Sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, _POLL_SECONDS[1])
+            if not parts:
+                self._nothing(ready, allow_partial, need, key, timeout)
+                return
+            sent += 1
+            yield Emit(self._merge(parts, got < need, *ends))
+            if got < need:
+                return
+
+    def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
+        """Each answering shard's ready count (a probe each: shards that fail it are left out)."""
+        calls = [Call(shard, "stats", (table,), quick=True) for shard in self.clients]
+        results, _ = self._sort(calls, (yield from self._exchange(calls)))
+        return {shard: stats[table][key] for shard, stats in results.items() if table in stats}
+
+    def _fetch(self, table: str, key: str, want: Mapping[str, int], request: dict) -> Plan[list[tuple[str, Batch]]]:
+        """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing
+        (taken by another trainer meanwhile, filtered out, or the shard went down)."""
+        size = "num_groups" if key == "groups_ready" else "batch_size"
+        calls = [Call(shard, "sample", (table,), {size: count, **request}) for shard, count in want.items()]
+        results, _ = self._sort(calls, (yield from self._exchange(calls)))
+        return [(shard, batch) for shard, batches in results.items() for batch in batches]

@@ -1,0 +1,218 @@
+"""The data directory under operators' mistakes and a failing disk: a lock file deleted under a
+running server, random bytes written over a copy of `data.mdb`, a check of a read-only backup."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.server.errors import Damaged
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store, integrity
+from expbuf.server.store.environment import Environment
+from expbuf.server.tables import TableConfig
+
+from faultkit import channel, payload, servers, stats, stub
+from helpers import group_items
+
+GROUPS = 120
+
+pytestmark = pytest.mark.faults
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`expbuf ARGS` in a child process; a server that starts when it should not times out here."""
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit code 2 and one line on stderr, with no traceback, holding every word."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_deleting_the_lock_files_lets_no_second_server_in(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with servers() as start:
+        first = start(str(data))
+        chan = channel(first.target)
+        buffer = stub(chan)
+        for task in range(2):
+            buffer.Push(pb.PushRequest(table="default", payload=payload("0", task)[0]), timeout=30)
+        # A consume batch sent and not yet confirmed: held for the stream until it confirms.
+        requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        requests.put(pb.SampleRequest(table="default", num_groups=1, max_batches=2))
+        call = buffer.Sample(iter(requests.get, None), timeout=60)
+        held = next(call)
+        assert stats(buffer).leased == 4
+
+        for name in ("expbuf.lock", "lock.mdb"):  # whatever files a careless cleanup removes
+            (data / name).unlink(missing_ok=True)
+        done = cli("serve", "--data", str(data), "--port", "0", "--metrics-port", "-1")
+        one_line_error(done, str(data), "another expbuf process")
+
+        assert first.proc.poll() is None
+        assert stats(buffer).leased == 4  # the second start did not release the first one's hold
+        requests.put(pb.SampleRequest(received=1))  # the held batch is confirmed: consumed now
+        second = next(call)
+        assert not set(held.uids) & set(second.uids)
+        requests.put(pb.SampleRequest(received=2))
+        requests.put(None)
+        assert list(call) == []
+        after = stats(buffer)
+        assert (after.consumed, after.leased, after.ready) == (8, 0, 0)
+        chan.close()
+    assert os.path.exists(data / "data.mdb")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, trxp.RawItem]]:
+    """A stopped server's directory with GROUPS groups of 4 ready, and what was pushed."""
+    data = tmp_path_factory.mktemp("stored") / "data"
+    pushed: dict[str, trxp.RawItem] = {}
+    with Store(data) as store:
+        store.create_table(TableConfig(name="t", group_size=4, estimator="none"))
+        for task in range(GROUPS):
+            items = group_items(0, task, 4, reward=float(task))
+            store.put("t", items)
+            pushed |= {item.uid: item for item in items}
+    return data, pushed
+
+
+def damage(source: Path, into: Path, rng: random.Random, writes: int) -> None:
+    """A copy of a directory with random bytes written at random places of its data.mdb."""
+    shutil.copytree(source, into)
+    size = (into / "data.mdb").stat().st_size
+    with open(into / "data.mdb", "r+b") as data:
+        for _ in range(writes):
+            data.seek(rng.randrange(size))
+            data.write(rng.randbytes(rng.randint(1, 16)))
+
+
+def check_report(data: Path) -> dict[str, list[str]]:
+    """What `expbuf check` finds, read in-process."""
+    environment = Environment(data, readonly=True)
+    try:
+        with environment.read() as txn:
+            return integrity.scan(txn, environment.db, time.time())
+    finally:
+        environment.close()
+
+
+def same_item(served: trxp.RawItem, pushed: trxp.RawItem) -> bool:
+    tensors = {name: bytes(raw.data) for name, raw in served.tensors.items()}
+    return served.meta == pushed.meta and tensors == {name: bytes(raw.data) for name, raw in pushed.tensors.items()}
+
+
+def test_random_damage_is_refused_at_open_or_does_no_harm(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """Bytes written at random over a copy: the store refuses to open it, naming `expbuf check`,
+    and check finds the damage; or it serves every experience exactly as pushed."""
+    source, pushed = stored
+    rng = random.Random(20261122)
+    outcomes = []
+    for trial in range(24):
+        copy = tmp_path / f"copy{trial}"
+        damage(source, copy, rng, writes=rng.randint(1, 3))
+        try:
+            store = Store(copy)
+        except Damaged as exc:
+            assert "expbuf check --data" in str(exc)
+            assert any(check_report(copy).values())  # check reports what open refused
+            outcomes.append("refused")
+            continue
+        with store:
+            served: dict[str, trxp.RawItem] = {}
+            while (batch := store.sample(SampleSpec("t", num_groups=8))) is not None:
+                for item in trxp.parse(batch.payload):
+                    assert item.uid not in served
+                    served[item.uid] = item
+        assert served.keys() == pushed.keys()
+        assert all(same_item(item, pushed[uid]) for uid, item in served.items())
+        outcomes.append("served")
+    assert set(outcomes) == {"refused", "served"}, outcomes  # both happened: the test can fail either way
+
+
+def test_a_damaged_payload_stops_the_server_in_one_line_and_check_names_it(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """A payload whose tensor bytes changed still parses: only its digest shows the damage."""
+    source, pushed = stored
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    blob = trxp.pack_item(pushed["0/57/2/0/r2s0"])  # the one-item payload as stored
+    raw = (copy / "data.mdb").read_bytes()
+    assert raw.count(blob) == 1
+    at = raw.index(blob) + len(blob) - 4  # the last tensor's last bytes
+    with open(copy / "data.mdb", "r+b") as data:
+        data.seek(at)
+        data.write(bytes(b ^ 0xFF for b in blob[-4:]))
+
+    done = cli("serve", "--data", str(copy), "--port", "0", "--metrics-port", "-1")
+    line = one_line_error(done, str(copy), "damaged", "expbuf check")
+    assert "0/57/2/0/r2s0" in line
+    checked = cli("check", "--data", str(copy))
+    assert checked.returncode == 1 and not checked.stderr, checked.stderr
+    assert "t: 1 problem(s)" in checked.stdout
+    assert "item 0/57/2/0/r2s0: its payload does not match its digest" in checked.stdout
+
+
+def test_check_reads_a_read_only_copy_and_writes_nothing(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """chmod keeps no root process from writing, so the copy is also made immutable (chattr +i,
+    which binds root too) where the file system allows; either way nothing in it may change."""
+    source, _ = stored
+    copy = tmp_path / "backup"
+    copy.mkdir()
+    shutil.copy2(source / "data.mdb", copy / "data.mdb")
+    damaged = tmp_path / "damaged-backup"
+    damage(source, damaged, random.Random(5), writes=8)
+    (damaged / "lock.mdb").unlink(missing_ok=True)
+    directories = (copy, damaged)
+
+    def state(directory: Path) -> dict[str, tuple[int, str]]:
+        files = {
+            p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in directory.iterdir()
+        }
+        return files | {".": (directory.stat().st_mtime_ns, "")}
+
+    before = {directory: state(directory) for directory in directories}
+    paths = [path for directory in directories for path in (*directory.iterdir(), directory)]
+    for path in paths:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    immutable = subprocess.run(["chattr", "+i", *map(str, paths)], capture_output=True, check=False)
+    try:
+        if immutable.returncode == 0:  # then not even root may open data.mdb for writing
+            with pytest.raises(PermissionError):
+                open(copy / "data.mdb", "r+b").close()
+        clean = cli("check", "--data", str(copy))
+        assert clean.returncode == 0 and not clean.stderr, clean.stderr
+        assert clean.stdout.splitlines() == ["default: ok", "t: ok"]
+        bad = cli("check", "--data", str(damaged))
+        assert bad.returncode == 1 and not bad.stderr, bad.stderr
+        assert "problem(s)" in bad.stdout
+    finally:
+        if immutable.returncode == 0:
+            subprocess.run(["chattr", "-i", *map(str, paths)], check=True)
+        for path in paths:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert {directory: state(directory) for directory in directories} == before
