@@ -1,0 +1,302 @@
+"""ExpbufReplayBuffer driven by verl's own loader and sampling, on a real TransferQueue (a local
+Ray cluster) and a real `expbuf serve` on loopback (skipped where verl or transferqueue is absent)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("verl")
+tq = pytest.importorskip("transfer_queue")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from transfer_queue import KVBatchMeta  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
+
+from expbuf.client import EID, BufferClient, Experience  # noqa: E402
+from expbuf.client.verl import ExpbufReplayBuffer, from_verl  # noqa: E402
+from expbuf.client.verl.rows import rows_of  # noqa: E402
+
+from helpers import ServerProcess  # noqa: E402
+
+TRAIN = "train"
+
+
+@pytest.fixture(scope="module")
+def transfer_queue() -> Iterator[None]:
+    """A real TransferQueue (controller and one storage unit as Ray actors)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        yield
+        tq.close()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tmp_path_factory.mktemp("verl-data")))
+    try:
+        yield proc
+    finally:
+        proc.stop(signal.SIGTERM)
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[BufferClient]:
+    with BufferClient(server.target) as c:
+        yield c
+
+
+OPEN: list[ExpbufReplayBuffer] = []
+
+
+@pytest.fixture(autouse=True)
+def empty_queue(transfer_queue: None) -> Iterator[None]:
+    """Each test starts with an empty train partition; the buffers it built are closed after it."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+    if keys:
+        tq.kv_clear(keys=keys, partition_id=TRAIN)
+
+
+def build(target: str, table: str, threshold: int | None = 2, **expbuf: object) -> ExpbufReplayBuffer:
+    """The replay buffer as verl's own PPOTrainer._build_replay_buffer makes it from its config."""
+    config = OmegaConf.create(
+        {
+            "trainer": {
+                "v1": {
+                    "trainer_mode": "colocate_async",
+                    "colocate_async": {"parameter_sync_step": 1},
+                    "sampler": {
+                        "custom_sampler": {"path": "pkg://expbuf.client.verl", "name": "ExpbufReplayBuffer"},
+                        "max_off_policy_threshold": threshold,
+                        "max_off_policy_strategy": "drop",
+                        "sampler_kwargs": {"expbuf": {"target": target, "table": table, **expbuf}},
+                    },
+                }
+            }
+        }
+    )
+    trainer = SimpleNamespace(config=config, trainer_mode="colocate_async", _add_prompts_to_generate=lambda n: n)
+    buffer = PPOTrainer._build_replay_buffer(trainer)
+    assert type(buffer) is ExpbufReplayBuffer and isinstance(buffer, ReplayBufferAsync)
+    buffer.poll_interval = 0.2
+    OPEN.append(buffer)
+    return buffer
+
+
+def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stats(client: BufferClient, table: str) -> dict:
+    return client.stats(table)[table]
+
+
+def dispatch(global_steps: int, sessions: int = 2) -> str:
+    """A prompt as verl's trainer registers it (pending), then its sessions as verl's agent loop
+    writes them (`AgentLoopWorkerTQ._agent_loop_postprocess`), then the group's status
+    `finished`. Session 1 is multi-turn: two outputs, masks with tool-output holes."""
+    uid = str(uuid.uuid4())
+    tq.kv_batch_put(
+        keys=[uid], partition_id=TRAIN, tags=[{"is_prompt": True, "status": "pending", "global_steps": global_steps}]
+    )
+    tq.kv_put(key=uid, partition_id=TRAIN, tag={"status": "running"})
+    for session in range(sessions):
+        turns = 2 if session == 1 else 1
+        outputs = []
+        for turn in range(turns):
+            response = [7 + session, 8, 9, 10, 11][: 3 + turn]
+            mask = [1, 0, 1, 1, 1][: len(response)] if session == 1 else [1] * len(response)
+            outputs.append(
+                AgentLoopOutput(
+                    prompt_ids=[1, 2, 3 + turn],
+                    response_ids=response,
+                    response_mask=mask,
+                    response_logprobs=[-0.5 - i / 8 for i in range(len(response))],
+                    reward_score=float(session),
+                    num_turns=2 * turns,
+                    metrics=AgentLoopMetrics(generate_sequences=0.25),
+                    extra_fields={
+                        "min_global_steps": global_steps - 1,
+                        "max_global_steps": global_steps - 1,
+                        "reward_extra_info": {"acc": float(session)},
+                    },
+                )
+            )
+        keys, fields, tags = [], [], []
+        for i, output in enumerate(outputs):
+            field = output.as_dict()
+            field.update(
+                uid=uid,
+                session_id=session,
+                global_steps=global_steps,
+                index=3,
+                data_source="gsm8k",
+                raw_prompt=[{"role": "user", "content": "2+2?"}],
+            )
+            field["loss_mask"] = field["response_mask"]
+            field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
+            field["position_ids"] = torch.arange(field["input_ids"].shape[0])
+            keys.append(f"{uid}_{session}_{i}")
+            fields.append(field)
+            tags.append(
+                {
+                    "status": "success",
+                    "prompt_len": 3,
+                    "response_len": field["responses"].shape[0],
+                    "global_steps": global_steps,
+                    "min_global_steps": global_steps - 1,
+                    "max_global_steps": global_steps - 1,
+                }
+            )
+        tq.kv_batch_put(keys=keys, partition_id=TRAIN, fields=list_of_dict_to_tensordict(fields), tags=tags)
+    tq.kv_put(key=uid, partition_id=TRAIN, tag={"status": "finished"})
+    return uid
+
+
+def group_rows(uid: str) -> list:
+    listing = tq.kv_list(TRAIN)[TRAIN]
+    return rows_of(TRAIN, sorted(k for k in listing if k.startswith(uid + "_")), listing)
+
+
+def step_end(meta: KVBatchMeta) -> None:
+    """What verl's fit loop does once a step has trained its batch."""
+    tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+
+
+def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a_crash(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    client.create_table("verl_mirror", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_mirror")
+    first = [dispatch(1), dispatch(1)]
+    expected = {uid: from_verl(group_rows(uid)) for uid in first}
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both groups pushed once finished")
+    assert stats(client, "verl_mirror")["pushed"] == 6
+
+    again = build(server.target, "verl_mirror")  # a second process seeing the same groups: pushes are duplicates
+    again.sync_once()
+    after = stats(client, "verl_mirror")
+    assert (after["pushed"], after["duplicates"], after["groups_ready"]) == (6, 6, 2)
+    again.close()
+
+    meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=2)
+    assert {k.split("_")[0] for k in meta.keys} == set(first) and len(meta.keys) == 6
+    for uid, exps in expected.items():
+        stored = client.get([e.eid.uid for e in exps], "verl_mirror")
+        assert not stored.missing_uids
+        for want, got in zip(exps, stored, strict=True):
+            assert got.eid.tid == f"verl/{uid}"
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.action_mask, want.action_mask)
+            assert got.info["model_version"] == 0 and got.reward == want.reward
+    wait_for(lambda: stats(client, "verl_mirror")["trainer_version"] == 1, "the trainer version")
+
+    step_end(meta)  # trained: the mirror deletes them from expbuf
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 0, "trained groups retired")
+
+    second = [dispatch(2), dispatch(2)]
+    rows_before = {uid: group_rows(uid) for uid in second}
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "finished groups pushed before sampling")
+    buffer.close()
+    keys = list(tq.kv_list(TRAIN)[TRAIN])
+    tq.kv_clear(keys=keys, partition_id=TRAIN)  # the crash: TransferQueue's memory is gone
+
+    restarted = build(server.target, "verl_mirror")
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=2)
+    assert {k.split("_")[0] for k in meta.keys} == set(second)
+    assert stats(client, "verl_mirror")["groups_leased"] == 2
+    for uid, rows in rows_before.items():
+        back = group_rows(uid)
+        assert [r.key for r in back] == [r.key for r in rows]
+        for want, got in zip(rows, back, strict=True):
+            for name in ("prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "input_ids"):
+                assert torch.equal(got.fields[name], want.fields[name]), name
+            assert got.fields["raw_prompt"] == want.fields["raw_prompt"]
+            assert got.fields["extra_fields"] == want.fields["extra_fields"]
+    step_end(meta)
+    wait_for(lambda: stats(client, "verl_mirror")["groups_leased"] == 0, "restored groups acked once trained")
+    assert stats(client, "verl_mirror")["groups_ready"] == 0
+    restarted.close()
+
+
+def explorer_group(task: str, version: int, rewards: list[float]) -> list[Experience]:
+    """A group as a Trinity explorer pushes it (eid batch/task/run)."""
+    return [
+        Experience(
+            tokens=torch.tensor([5, 6, 7, 8 + run, 9]),
+            eid=EID("explore", task, run, 0, f"s{run}"),
+            prompt_length=2,
+            reward=reward,
+            logprobs=torch.tensor([-0.1, -0.2, -0.3]),
+            action_mask=torch.tensor([True, False, True]),
+            info={"model_version": version},
+        )
+        for run, reward in enumerate(rewards)
+    ]
+
+
+def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the_step(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_source", group_by="task", group_size=2, estimator="grpo", max_staleness=1)
+    client.set_trainer_version(4, "verl_source")  # all three fresh when pushed; at step 6 one is stale
+    client.push(explorer_group("stale", 4, [0.0, 1.0]), "verl_source")
+    client.push(explorer_group("a", 5, [0.0, 1.0]), "verl_source")
+    client.push(explorer_group("b", 6, [1.0, 0.0]), "verl_source")
+    with caplog.at_level(logging.WARNING):
+        build(server.target, "verl_source", threshold=3, mode="source").close()
+    assert "max_off_policy_threshold = 2" in caplog.text
+    buffer = build(server.target, "verl_source", threshold=2, mode="source")
+
+    meta, _ = buffer.sample(global_steps=6, partition_id=TRAIN, batch_size=2)
+    assert isinstance(meta, KVBatchMeta) and meta.partition_id == TRAIN
+    assert {k.split("_")[0] for k in meta.keys} == {"explore/a", "explore/b"}  # the stale group is not taken
+    assert sorted(k.rsplit("_", 2)[1] for k in meta.keys) == ["0", "0", "1", "1"]
+    assert all(t["min_global_steps"] in (5, 6) for t in meta.tags)
+    data = tq.kv_batch_get(keys=meta.keys, partition_id=TRAIN)
+    for name in ("prompts", "responses", "input_ids", "response_mask", "rollout_log_probs", "rm_scores", "advantages"):
+        assert name in data, name
+    rows = rows_of(TRAIN, meta.keys, dict(zip(meta.keys, meta.tags, strict=True)))
+    for row in rows:
+        assert row.fields["response_mask"].tolist() == [1, 0, 1]
+        reward = row.fields["rm_scores"][-1].item()
+        sign = 1.0 if reward > 0 else -1.0
+        assert row.fields["advantages"][0].item() * sign > 0  # GRPO: above the group mean is positive
+        assert row.fields["advantages"][1].item() == 0.0  # zero where the mask is
+    assert stats(client, "verl_source")["groups_leased"] == 2
+
+    step_end(meta)
+    wait_for(lambda: stats(client, "verl_source")["groups_leased"] == 0, "leases acked after the step")
+    assert stats(client, "verl_source")["groups_ready"] == 1  # only the stale group is left
+    buffer.close()
+
+
+def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        build(server.target, "no_such_table")
+    client.create_table("by_run", group_by="run", group_size=2)
+    with pytest.raises(ValueError, match="group_by = 'task' and group_size = 0"):
+        build(server.target, "by_run")
