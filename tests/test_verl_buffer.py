@@ -237,6 +237,13 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
     step_end(meta)
     wait_for(lambda: stats(client, "verl_mirror")["groups_leased"] == 0, "restored groups acked once trained")
     assert stats(client, "verl_mirror")["groups_ready"] == 0
+
+    stale, fresh = dispatch(1), dispatch(4)  # at step 4 a group dispatched at step 1 spans 4 > 2 versions
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both pushed")
+    meta, metrics = restarted.sample(global_steps=4, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {fresh} and metrics["training/off_policy/evicted_samples"] == 1
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 1, "the group verl evicted leaves expbuf")
+    assert client.get([f"verl/{stale}/0/0/0"], "verl_mirror").missing_uids == [f"verl/{stale}/0/0/0"]
     restarted.close()
 
 

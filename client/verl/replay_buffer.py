@@ -3,10 +3,11 @@
 mirror (default): verl's agent loop writes TransferQueue as always and verl's own sampling
 runs unchanged; a background thread pushes every finished group of the train partition to
 expbuf (idempotent: the eid comes from the prompt uid, session and index), deletes a group
-from expbuf once verl has cleared its keys after the step that trained it, and reports
-`global_steps` as the table's trainer version. After a restart, the first `sample` leases the
-groups still in expbuf (pushed, never trained) and puts those TransferQueue does not already
-hold back in as finished groups, so verl trains them instead of losing them.
+from expbuf once verl has cleared its keys (after the step that trained it, or when verl
+evicted it as stale or filtered), and reports `global_steps` as the table's trainer version.
+After a restart, the first `sample` leases the groups still in expbuf (pushed, never trained)
+and puts those TransferQueue does not already hold back in as finished groups, so verl trains
+them instead of losing them.
 
 source: groups come from expbuf only (Trinity explorers, other workers). `sample` leases
 `batch_size` whole groups within the table's staleness bound of `global_steps`, writes them
@@ -20,6 +21,7 @@ import atexit
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -27,9 +29,9 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import BufferClient, BufferError
+from expbuf.client import Batch, BufferClient, BufferError
 from expbuf.client.verl import settings as settings_mod
-from expbuf.client.verl.convert import Row, from_verl, parse_key, to_verl
+from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,9 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         if why:
             logger.warning(why)
         self.mode = self.settings.mode
-        self._lock = threading.Lock()
-        self._pushed: set[str] = set()  # uids of groups expbuf holds (pushed or restored)
-        self._wanted: set[str] = set()  # uids handed to the trainer before the mirror saw them finished
-        self._handed: dict[str, set[str]] = {}  # uid -> its keys handed to the trainer (mirror)
+        self._lock = threading.Lock()  # the shared state below
+        self._round = threading.Lock()  # one background round or restore at a time
+        self._pushed: dict[str, set[str]] = {}  # uid -> its TransferQueue keys, for groups expbuf holds
         self._restored_leases: dict[str, str] = {}  # uid -> lease holding it since a restart
         self._source_leases: dict[str, set[str]] = {}  # lease id -> keys written into TransferQueue
         self._version: int | None = None
@@ -100,6 +101,8 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
     # ------------------------------------------------------------------ sampling
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        """verl's sampling (mirror, after a restart's restore) or groups leased from expbuf (source);
+        validation always samples verl's own way."""
         if partition_id != TRAIN:
             return super().sample(global_steps, partition_id, batch_size)
         self._set_version(global_steps)
@@ -107,15 +110,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             return self._lease(global_steps, batch_size), {}
         if self._restore_pending:
             self._restore()
-        meta, metrics = super().sample(global_steps, partition_id, batch_size)
-        with self._lock:
-            for key in meta.keys:
-                uid = key.split("_")[0]
-                self._handed.setdefault(uid, set()).add(key)
-                if uid not in self._pushed:
-                    self._wanted.add(uid)
-        self._wake.set()
-        return meta, metrics
+        return super().sample(global_steps, partition_id, batch_size)
 
     def _set_version(self, global_steps: int) -> None:
         with self._lock:
@@ -159,33 +154,43 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
     def _restore(self) -> None:
         """Put the groups expbuf still holds (pushed, never trained) back into TransferQueue."""
         self._restore_pending = False
+        with self._round:
+            self._restore_groups()
+
+    def _restore_groups(self) -> None:
         ready = int(self.client.stats(self.table)[self.table]["groups_ready"])
         if not ready:
             return
-        present = {key.split("_")[0] for key in (tq.kv_list(TRAIN) or {}).get(TRAIN, {})}
+        present = _trajectories((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
         restored = 0
-        for batch in self.client.sample(
-            self.table,
-            num_groups=1,
-            delivery="lease",
-            lease_seconds=self.settings.location.lease_seconds,
-            timeout=self.settings.wait_seconds,
-            max_batches=ready,
-        ):
+        for batch in self._leased_groups(ready):
             rows = to_verl(batch.experiences)
             uid = rows[0].key.split("_")[0]
+            if uid not in present:  # TransferQueue's own checkpoint did not bring it back
+                put_rows(TRAIN, rows)
+                steps = rows[0].tag.get("global_steps")
+                tag = {"is_prompt": True, "status": "finished", "global_steps": steps}
+                tq.kv_batch_put(keys=[uid], partition_id=TRAIN, tags=[tag])
+                restored += 1
             with self._lock:
-                self._pushed.add(uid)
+                self._pushed[uid] = present.get(uid) or {row.key for row in rows}
                 self._restored_leases[uid] = batch.lease_id
-            if uid in present:  # TransferQueue's own checkpoint brought it back
-                continue
-            put_rows(TRAIN, rows)
-            steps = rows[0].tag.get("global_steps")
-            tq.kv_batch_put(
-                keys=[uid], partition_id=TRAIN, tags=[{"is_prompt": True, "status": "finished", "global_steps": steps}]
-            )
-            restored += 1
         logger.warning("expbuf table %s: put %d untrained groups back into TransferQueue", self.table, restored)
+
+    def _leased_groups(self, count: int) -> Iterator[Batch]:
+        """Up to `count` groups, one lease each, until the table has no more ready."""
+        try:
+            yield from self.client.sample(
+                self.table,
+                num_groups=1,
+                delivery="lease",
+                lease_seconds=self.settings.location.lease_seconds,
+                timeout=self.settings.wait_seconds,
+                max_batches=count,
+            )
+        except BufferError as exc:
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
 
     # ------------------------------------------------------------------ background
 
@@ -200,6 +205,10 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
 
     def sync_once(self) -> None:
         """One background round: report the version, push finished groups, retire trained ones."""
+        with self._round:
+            self._sync()
+
+    def _sync(self) -> None:
         with self._lock:
             version, self._version = self._version, None
         if version is not None:
@@ -212,41 +221,33 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             self._ack_cleared(listing)
 
     def _push_finished(self, listing: dict[str, dict]) -> None:
-        keys_of: dict[str, list[str]] = defaultdict(list)
-        finished: set[str] = set()
-        for key, tag in listing.items():
-            if tag.get("is_prompt"):
-                if tag.get("status") == "finished":
-                    finished.add(key)
-            else:
-                keys_of[key.split("_")[0]].append(key)
-        with self._lock:
-            todo = sorted((finished | self._wanted) - self._pushed)
-            self._wanted.clear()
-        for uid in todo:
-            keys = sorted(keys_of.get(uid, ()))
-            if not keys:  # trained and cleared before this round saw it
+        """Push each group that is finished, or already handed to the trainer (its prompt key gone)."""
+        for uid, keys in sorted(_trajectories(listing).items()):
+            status = listing.get(uid, {}).get("status", "finished")
+            with self._lock:
+                known = uid in self._pushed
+            if known or status != "finished":
                 continue
-            rows = rows_of(TRAIN, keys, listing)
+            rows = rows_of(TRAIN, sorted(keys), listing)
             result = self.client.push(from_verl(rows), self.table)
             if result.stale:
                 logger.warning("expbuf table %s: %d experiences of %s were stale", self.table, len(result.stale), uid)
             with self._lock:
-                self._pushed.add(uid)
+                self._pushed[uid] = keys
 
     def _retire_trained(self, listing: dict[str, dict]) -> None:
+        """A group leaves expbuf once verl has cleared its keys (trained, or evicted as stale or filtered)."""
         with self._lock:
-            done = [uid for uid, keys in self._handed.items() if not keys & listing.keys()]
+            done = [uid for uid, keys in self._pushed.items() if not keys & listing.keys()]
         for uid in done:
             lease = self._restored_leases.get(uid)
             if lease is not None:
                 self.client.ack(lease, self.table)
             else:
-                self.client.delete(table=self.table, groups=[f"verl/{uid}"])
+                self.client.delete(table=self.table, groups=[f"{VERL_BATCH}/{uid}"])
             with self._lock:
-                self._handed.pop(uid, None)
+                self._pushed.pop(uid, None)
                 self._restored_leases.pop(uid, None)
-                self._pushed.discard(uid)
 
     def _ack_cleared(self, listing: dict[str, dict]) -> None:
         with self._lock:
@@ -268,6 +269,15 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
         self.client.close()
+
+
+def _trajectories(listing: dict[str, dict]) -> dict[str, set[str]]:
+    """uid -> its trajectory keys, from a `kv_list` listing of a partition."""
+    keys: dict[str, set[str]] = defaultdict(set)
+    for key, tag in listing.items():
+        if not tag.get("is_prompt"):
+            keys[key.split("_")[0]].add(key)
+    return keys
 
 
 def _stamp(row: Row, global_steps: int) -> None:
