@@ -10,26 +10,28 @@ import pickle
 import struct
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
 
 pytest.importorskip("verl")
-pytest.importorskip("transfer_queue")
+tq = pytest.importorskip("transfer_queue")
 
-import torch
-from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
-from verl.protocol import DataProto
-from verl.trainer.ppo.ray_trainer import compute_advantage
-from verl.utils.model import compute_position_id_with_mask
+import torch  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+from verl.trainer.ppo.ray_trainer import compute_advantage  # noqa: E402
+from verl.utils.model import compute_position_id_with_mask  # noqa: E402
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
-from expbuf.client import (
+from expbuf.client import (  # noqa: E402
     EID,
     Experience,
     layout,
     trxp,
 )
-from expbuf.client.verl import Row, advantage, from_verl, settings, to_verl
+from expbuf.client.verl import Row, advantage, from_verl, settings, to_verl  # noqa: E402
 
 
 def agent_loop_rows(uid: str, global_steps: int, sessions: int = 2) -> list[Row]:
@@ -79,6 +81,24 @@ def agent_loop_rows(uid: str, global_steps: int, sessions: int = 2) -> list[Row]
             }
             rows.append(Row(f"{uid}_{session}_{turn}", tag, field))
     return rows
+
+
+def dispatch(global_steps: int, sessions: int = 2) -> str:
+    """A prompt as verl's trainer registers it in TransferQueue (pending), its sessions as verl's
+    agent loop writes them (running), then the group's status `finished`; returns its uid."""
+    uid = str(uuid.uuid4())
+    tag = {"is_prompt": True, "status": "pending", "global_steps": global_steps}
+    tq.kv_batch_put(keys=[uid], partition_id="train", tags=[tag])
+    tq.kv_put(key=uid, partition_id="train", tag={"status": "running"})
+    rows = agent_loop_rows(uid, global_steps, sessions)
+    tq.kv_batch_put(
+        keys=[r.key for r in rows],
+        partition_id="train",
+        fields=list_of_dict_to_tensordict([r.fields for r in rows]),
+        tags=[r.tag for r in rows],
+    )
+    tq.kv_put(key=uid, partition_id="train", tag={"status": "finished"})
+    return uid
 
 
 def assert_same(a: object, b: object, where: str = "") -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
+import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,11 +20,10 @@ tq = pytest.importorskip("transfer_queue")
 import ray  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from test_verl import dispatch  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
-from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
-from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience  # noqa: E402
 from expbuf.client.verl import ExpbufReplayBuffer, from_verl  # noqa: E402
@@ -111,68 +111,6 @@ def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> Non
 
 def stats(client: BufferClient, table: str) -> dict:
     return client.stats(table)[table]
-
-
-def dispatch(global_steps: int, sessions: int = 2) -> str:
-    """A prompt as verl's trainer registers it (pending), then its sessions as verl's agent loop
-    writes them (`AgentLoopWorkerTQ._agent_loop_postprocess`), then the group's status
-    `finished`. Session 1 is multi-turn: two outputs, masks with tool-output holes."""
-    uid = str(uuid.uuid4())
-    tq.kv_batch_put(
-        keys=[uid], partition_id=TRAIN, tags=[{"is_prompt": True, "status": "pending", "global_steps": global_steps}]
-    )
-    tq.kv_put(key=uid, partition_id=TRAIN, tag={"status": "running"})
-    for session in range(sessions):
-        turns = 2 if session == 1 else 1
-        outputs = []
-        for turn in range(turns):
-            response = [7 + session, 8, 9, 10, 11][: 3 + turn]
-            mask = [1, 0, 1, 1, 1][: len(response)] if session == 1 else [1] * len(response)
-            outputs.append(
-                AgentLoopOutput(
-                    prompt_ids=[1, 2, 3 + turn],
-                    response_ids=response,
-                    response_mask=mask,
-                    response_logprobs=[-0.5 - i / 8 for i in range(len(response))],
-                    reward_score=float(session),
-                    num_turns=2 * turns,
-                    metrics=AgentLoopMetrics(generate_sequences=0.25),
-                    extra_fields={
-                        "min_global_steps": global_steps - 1,
-                        "max_global_steps": global_steps - 1,
-                        "reward_extra_info": {"acc": float(session)},
-                    },
-                )
-            )
-        keys, fields, tags = [], [], []
-        for i, output in enumerate(outputs):
-            field = output.as_dict()
-            field.update(
-                uid=uid,
-                session_id=session,
-                global_steps=global_steps,
-                index=3,
-                data_source="gsm8k",
-                raw_prompt=[{"role": "user", "content": "2+2?"}],
-            )
-            field["loss_mask"] = field["response_mask"]
-            field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
-            field["position_ids"] = torch.arange(field["input_ids"].shape[0])
-            keys.append(f"{uid}_{session}_{i}")
-            fields.append(field)
-            tags.append(
-                {
-                    "status": "success",
-                    "prompt_len": 3,
-                    "response_len": field["responses"].shape[0],
-                    "global_steps": global_steps,
-                    "min_global_steps": global_steps - 1,
-                    "max_global_steps": global_steps - 1,
-                }
-            )
-        tq.kv_batch_put(keys=keys, partition_id=TRAIN, fields=list_of_dict_to_tensordict(fields), tags=tags)
-    tq.kv_put(key=uid, partition_id=TRAIN, tag={"status": "finished"})
-    return uid
 
 
 def group_rows(uid: str) -> list:
@@ -307,3 +245,46 @@ def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
     client.create_table("by_run", group_by="run", group_size=2)
     with pytest.raises(ValueError, match="group_by = 'task' and group_size = 0"):
         build(server.target, "by_run")
+
+
+def run_trainer(server: ServerProcess, table: str, log: Path, *steps: int) -> subprocess.Popen:
+    """The child trainer (tests/verl_trainer_child.py) on this cluster's TransferQueue."""
+    gcs = ray.get_runtime_context().gcs_address
+    args = [sys.executable, str(Path(__file__).parent / "verl_trainer_child.py"), gcs, server.target, table]
+    with open(log.with_suffix(".err"), "a") as err:  # a file: a full pipe would stall the child
+        return subprocess.Popen([*args, *map(str, steps[:3]), str(log), *map(str, steps[3:])], stderr=err)
+
+
+def child_log(log: Path) -> str:
+    return log.with_suffix(".err").read_text()[-3000:]
+
+
+def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_none_twice(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    client.create_table("verl_crash", group_by="task", group_size=0, estimator="none")
+    log = tmp_path / "trainer.log"
+    # Steps 1 and 2 train; the checkpoint is after step 2; at step 3 the trainer dies with two
+    # finished groups pushed and not yet trained.
+    first = run_trainer(server, "verl_crash", log, 1, 3, 3, 3)
+    wait_for(lambda: (log.exists() and "ready" in log.read_text()) or first.poll() is not None, "the kill point", 120)
+    assert first.poll() is None, child_log(log)
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    before = log.read_text().split("\n")
+    trained_before = [line.split()[1] for line in before if line.startswith("trained ")]
+    pushed = {line.split()[1] for line in before if line.startswith("pushed ")}
+    assert len(trained_before) == 4 and len(pushed) == 2
+    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+    tq.kv_clear(keys=keys, partition_id=TRAIN)  # TransferQueue's memory died with the trainer
+
+    # Resumed from the checkpoint: steps 3 to 5, new prompts at steps 3 and 4.
+    log.write_text("")
+    second = run_trainer(server, "verl_crash", log, 3, 5, 4)
+    assert second.wait(180) == 0, child_log(log)
+    trained_after = [line.split()[1] for line in log.read_text().split("\n") if line.startswith("trained ")]
+    assert len(trained_after) == len(set(trained_after)) == 6
+    assert pushed <= set(trained_after), "a group pushed before the crash was lost"
+    assert not set(trained_before) & set(trained_after), "a group was trained twice"
+    wait_for(lambda: stats(client, "verl_crash")["groups_ready"] == 0, "every trained group retired")
+    assert stats(client, "verl_crash")["groups_leased"] == 0
