@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
 from expbuf.client import EID, BufferClient, Experience  # noqa: E402
 from expbuf.client.verl import ExpbufReplayBuffer, from_verl  # noqa: E402
 from expbuf.client.verl.rows import rows_of  # noqa: E402
+from expbuf.server.config import load  # noqa: E402
 
 from helpers import ServerProcess  # noqa: E402
 
@@ -288,3 +290,25 @@ def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_n
     assert not set(trained_before) & set(trained_after), "a group was trained twice"
     wait_for(lambda: stats(client, "verl_crash")["groups_ready"] == 0, "every trained group retired")
     assert stats(client, "verl_crash")["groups_leased"] == 0
+
+
+def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    section = (Path(__file__).parent.parent / "README.md").read_text().split("## Using expbuf from verl")[1]
+    yaml_lines = section.split("```yaml\n")[1].split("```")[0]
+    toml_lines = section.split("```toml\n")[1].split("```")[0]
+    (tmp_path / "expbuf.toml").write_text(toml_lines)
+    (table,) = load(str(tmp_path / "expbuf.toml")).tables
+    (settings,) = tomllib.loads(toml_lines)["tables"]
+    client.create_table(settings.pop("name"), **settings)
+    config = OmegaConf.merge(
+        {"trainer": {"v1": {"trainer_mode": "colocate_async", "colocate_async": {}}}}, OmegaConf.create(yaml_lines)
+    )
+    config.trainer.v1.sampler.sampler_kwargs.expbuf.target = server.target
+    config.trainer.v1.sampler.max_off_policy_strategy = "drop"
+    trainer = SimpleNamespace(config=config, trainer_mode="colocate_async", _add_prompts_to_generate=lambda n: n)
+    buffer = PPOTrainer._build_replay_buffer(trainer)
+    OPEN.append(buffer)
+    assert type(buffer) is ExpbufReplayBuffer and buffer.mode == "mirror" and buffer.table == table.name
+    assert buffer.max_off_policy_threshold == buffer.table_config["max_staleness"] + 1  # the settings agree
