@@ -15,19 +15,21 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("verl")
+verl = pytest.importorskip("verl")
 tq = pytest.importorskip("transfer_queue")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 from test_verl import dispatch  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
-from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience  # noqa: E402
-from expbuf.client.verl import ExpbufReplayBuffer, from_verl  # noqa: E402
+from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
 from expbuf.client.verl.rows import rows_of  # noqa: E402
 from expbuf.server.config import load  # noqa: E402
 
@@ -312,3 +314,63 @@ def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
     OPEN.append(buffer)
     assert type(buffer) is ExpbufReplayBuffer and buffer.mode == "mirror" and buffer.table == table.name
     assert buffer.max_off_policy_threshold == buffer.table_config["max_staleness"] + 1  # the settings agree
+
+
+def verl_config(*overrides: str) -> DictConfig:
+    """verl's own ppo_trainer config, composed by Hydra as `verl.trainer.main_ppo` does."""
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def test_the_expbuf_external_trainer_generates_nothing_and_keeps_expbufs_advantages(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    client.create_table("verl_external", group_by="task", group_size=2, estimator="grpo", max_staleness=1)
+    client.push(explorer_group("x", 3, [1.0, 0.0]), "verl_external")
+    sampler = "trainer.v1.sampler"
+    config = verl_config(
+        "trainer.v1.trainer_mode=expbuf_external",
+        "algorithm.adv_estimator=expbuf",
+        f"{sampler}.max_off_policy_threshold=2",
+        f"{sampler}.custom_sampler.path=pkg://expbuf.client.verl",
+        f"{sampler}.custom_sampler.name=ExpbufReplayBuffer",
+        f"+{sampler}.sampler_kwargs.expbuf.target={server.target}",
+        f"+{sampler}.sampler_kwargs.expbuf.table=verl_external",
+        f"+{sampler}.sampler_kwargs.expbuf.mode=source",
+    )
+    trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)
+    assert type(trainer) is ExpbufExternalTrainer
+    OPEN.append(trainer.replay_buffer)
+    assert trainer.prepare_step() == {}
+    assert (tq.kv_list(TRAIN) or {}).get(TRAIN, {}) == {}  # no prompt was dispatched to verl's generation
+
+    meta, _ = trainer.replay_buffer.sample(global_steps=4, partition_id=TRAIN, batch_size=1)
+    stored = rows_of(TRAIN, meta.keys, dict(zip(meta.keys, meta.tags, strict=True)))
+    old = [row.fields["rollout_log_probs"] for row in stored]  # what the old-log-prob step writes
+    tq.kv_batch_put(
+        keys=meta.keys,
+        partition_id=TRAIN,
+        fields=TensorDict({"old_log_probs": torch.nested.as_nested_tensor(old, layout=torch.jagged)}, [len(old)]),
+    )
+    trainer._compute_advantage(meta, {})  # verl's own advantage step, with the estimator `expbuf`
+    after = rows_of(TRAIN, meta.keys, {})
+    for before, now in zip(stored, after, strict=True):
+        assert torch.equal(now.fields["advantages"], before.fields["advantages"])
+        assert torch.equal(now.fields["returns"], before.fields["returns"])
+    grpo = 0.5 / (0.5**0.5 + 1e-6)  # a 1/0 group: ±0.5 over the unbiased std 1/√2 (+ epsilon)
+    assert sorted(row.fields["advantages"][0].item() for row in after) == pytest.approx([-grpo, grpo])
+
+    with_kl = verl_config(
+        "trainer.v1.trainer_mode=expbuf_external",
+        f"{sampler}.custom_sampler.path=pkg://expbuf.client.verl",
+        f"{sampler}.custom_sampler.name=ExpbufReplayBuffer",
+        f"+{sampler}.sampler_kwargs.expbuf.target={server.target}",
+        f"+{sampler}.sampler_kwargs.expbuf.table=verl_external",
+        f"+{sampler}.sampler_kwargs.expbuf.mode=source",
+        f"{sampler}.max_off_policy_threshold=2",
+        "algorithm.adv_estimator=expbuf",
+        "algorithm.use_kl_in_reward=true",
+    )
+    with pytest.raises(ValueError, match="use_kl_in_reward"):
+        get_trainer_cls("expbuf_external")(config=with_kl)

@@ -25,6 +25,15 @@ class ExpbufExternalTrainer(PPOTrainer):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        try:
+            self._check()
+        except ValueError:
+            if isinstance(self.replay_buffer, ExpbufReplayBuffer):
+                self.replay_buffer.close()
+            raise
+
+    def _check(self) -> None:
+        """Refuse a sampler that is not expbuf's in source mode, and KL in the reward with kept advantages."""
         buffer = self.replay_buffer
         if not (isinstance(buffer, ExpbufReplayBuffer) and buffer.mode == "source"):
             raise ValueError(
