@@ -374,3 +374,26 @@ def test_the_expbuf_external_trainer_generates_nothing_and_keeps_expbufs_advanta
     )
     with pytest.raises(ValueError, match="use_kl_in_reward"):
         get_trainer_cls("expbuf_external")(config=with_kl)
+
+
+def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_restored(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    """verl saves its checkpoint after a step and clears the step's keys after that: the checkpoint
+    brings the trained groups' trajectories back without their prompt keys."""
+    client.create_table("verl_orphans", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_orphans")
+    uid = dispatch(1)
+    wait_for(lambda: stats(client, "verl_orphans")["groups_ready"] == 1, "the finished group pushed")
+    buffer.close()  # the crash came between the checkpoint and the step's kv_clear: the group was trained
+    tq.kv_clear(keys=[uid], partition_id=TRAIN)  # as restored from the checkpoint: trajectories, no prompt
+
+    restarted = build(server.target, "verl_orphans")
+    other = dispatch(2)
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {other}
+    restarted.sync_once()
+    after = stats(client, "verl_orphans")
+    assert (after["groups_leased"], after["groups_ready"], after["consumed"]) == (0, 1, 3)  # the trained one acked
+    listing = tq.kv_list(TRAIN)[TRAIN]
+    assert uid not in listing and any(key.startswith(uid + "_") for key in listing)  # not put back as a group

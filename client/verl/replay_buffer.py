@@ -74,6 +74,8 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._round = threading.Lock()  # one background round or restore at a time
         self._pushed: dict[str, set[str]] = {}  # uid -> its TransferQueue keys, for groups expbuf holds
         self._restored_leases: dict[str, str] = {}  # uid -> lease holding it since a restart
+        self._handed: dict[str, int] = {}  # uid -> round it was sampled in, until it is pushed
+        self._rounds = 0
         self._source_leases: dict[str, set[str]] = {}  # lease id -> keys written into TransferQueue
         self._version: int | None = None
         self._restore_pending = self.mode == "mirror" and self.settings.restore
@@ -110,7 +112,11 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             return self._lease(global_steps, batch_size), {}
         if self._restore_pending:
             self._restore()
-        return super().sample(global_steps, partition_id, batch_size)
+        meta, metrics = super().sample(global_steps, partition_id, batch_size)
+        with self._lock:
+            for uid in {key.split("_")[0] for key in meta.keys} - self._pushed.keys():
+                self._handed[uid] = self._rounds
+        return meta, metrics
 
     def _set_version(self, global_steps: int) -> None:
         with self._lock:
@@ -122,24 +128,25 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         staleness = self.table_config.get("max_staleness")
         floor = None if staleness is None else global_steps - staleness
         while True:
+            stream = self.client.sample(
+                self.table,
+                num_groups=batch_size,
+                delivery="lease",
+                lease_seconds=self.settings.location.lease_seconds,
+                timeout=self.settings.wait_seconds,
+                max_batches=1,
+                min_model_version=floor,
+                trainer_version=global_steps,
+            )
             try:
-                batch = next(
-                    self.client.sample(
-                        self.table,
-                        num_groups=batch_size,
-                        delivery="lease",
-                        lease_seconds=self.settings.location.lease_seconds,
-                        timeout=self.settings.wait_seconds,
-                        max_batches=1,
-                        min_model_version=floor,
-                        trainer_version=global_steps,
-                    )
-                )
+                batch = next(stream)
                 break
             except BufferError as exc:
                 if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 logger.info("expbuf table %s: waiting for %d groups of version >= %s", self.table, batch_size, floor)
+            finally:
+                stream.close()
         rows = to_verl(batch.experiences)
         for row in rows:
             _stamp(row, global_steps)
@@ -161,11 +168,17 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         ready = int(self.client.stats(self.table)[self.table]["groups_ready"])
         if not ready:
             return
-        present = _trajectories((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+        listing = (tq.kv_list(TRAIN) or {}).get(TRAIN, {})
+        present = _trajectories(listing)
         restored = 0
         for batch in self._leased_groups(ready):
             rows = to_verl(batch.experiences)
             uid = rows[0].key.split("_")[0]
+            if uid in present and uid not in listing:
+                # Trained: verl saves its checkpoint after a step and clears the step's keys after that,
+                # so the checkpoint holds them without their prompt. verl never samples them again.
+                self.client.ack(batch.lease_id, self.table)
+                continue
             if uid not in present:  # TransferQueue's own checkpoint did not bring it back
                 put_rows(TRAIN, rows)
                 steps = rows[0].tag.get("global_steps")
@@ -211,6 +224,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
     def _sync(self) -> None:
         with self._lock:
             version, self._version = self._version, None
+            self._rounds += 1
         if version is not None:
             self.client.set_trainer_version(version, self.table)
         listing = (tq.kv_list(TRAIN) or {}).get(TRAIN, {})
@@ -221,12 +235,15 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             self._ack_cleared(listing)
 
     def _push_finished(self, listing: dict[str, dict]) -> None:
-        """Push each group that is finished, or already handed to the trainer (its prompt key gone)."""
-        for uid, keys in sorted(_trajectories(listing).items()):
-            status = listing.get(uid, {}).get("status", "finished")
+        """Push each group that is finished, or that this process handed to the trainer (its prompt
+        key gone). Keys without a prompt that this process never handed out are a trained step's,
+        brought back by verl's checkpoint: they are not pushed."""
+        trajectories = _trajectories(listing)
+        for uid, keys in sorted(trajectories.items()):
             with self._lock:
-                known = uid in self._pushed
-            if known or status != "finished":
+                known, handed = uid in self._pushed, uid in self._handed
+            finished = listing[uid].get("status") == "finished" if uid in listing else handed
+            if known or not finished:
                 continue
             rows = rows_of(TRAIN, sorted(keys), listing)
             result = self.client.push(from_verl(rows), self.table)
@@ -234,6 +251,10 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                 logger.warning("expbuf table %s: %d experiences of %s were stale", self.table, len(result.stale), uid)
             with self._lock:
                 self._pushed[uid] = keys
+                self._handed.pop(uid, None)
+        with self._lock:  # sampled before this round's listing and gone from it: trained before it was pushed
+            for uid in [u for u, n in self._handed.items() if n < self._rounds and u not in trajectories]:
+                del self._handed[uid]
 
     def _retire_trained(self, listing: dict[str, dict]) -> None:
         """A group leaves expbuf once verl has cleared its keys (trained, or evicted as stale or filtered)."""
