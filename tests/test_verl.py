@@ -69,6 +69,7 @@ def agent_loop_rows(uid: str, global_steps: int, sessions: int = 2) -> list[Row]
             field["loss_mask"] = field["response_mask"]
             field["input_ids"] = torch.cat([field["prompts"], field["responses"]])
             field["position_ids"] = torch.arange(field["input_ids"].shape[0])
+            field["multi_modal_inputs"] = {}  # `_compute_multi_modal_inputs` of a text-only model
             n = field["responses"].shape[0]
             tag = {
                 "status": "success",

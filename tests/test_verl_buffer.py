@@ -23,10 +23,10 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from test_verl import dispatch  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls  # noqa: E402
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience  # noqa: E402
 from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
@@ -34,6 +34,7 @@ from expbuf.client.verl.rows import rows_of  # noqa: E402
 from expbuf.server.config import load  # noqa: E402
 
 from helpers import ServerProcess  # noqa: E402
+from test_verl import agent_loop_rows, dispatch  # noqa: E402
 
 TRAIN = "train"
 
@@ -397,3 +398,27 @@ def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_resto
     assert (after["groups_leased"], after["groups_ready"], after["consumed"]) == (0, 1, 3)  # the trained one acked
     listing = tq.kv_list(TRAIN)[TRAIN]
     assert uid not in listing and any(key.startswith(uid + "_") for key in listing)  # not put back as a group
+
+
+def test_a_group_expbuf_cannot_store_is_logged_and_does_not_hold_back_the_others(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_mixed", group_by="task", group_size=0, estimator="none")
+    image = "image-0"
+    rows = agent_loop_rows(image, 1, sessions=1)
+    rows[0].fields["multi_modal_inputs"] = {"pixel_values": torch.zeros(2, 3)}
+    tq.kv_batch_put(
+        keys=[image], partition_id=TRAIN, tags=[{"is_prompt": True, "status": "finished", "global_steps": 1}]
+    )
+    tq.kv_batch_put(
+        keys=[r.key for r in rows],
+        partition_id=TRAIN,
+        fields=list_of_dict_to_tensordict([r.fields for r in rows]),
+        tags=[r.tag for r in rows],
+    )
+    text = dispatch(1)
+    with caplog.at_level(logging.ERROR):
+        build(server.target, "verl_mixed").sync_once()
+    assert f"group {image} is not mirrored" in caplog.text and "processor" in caplog.text
+    assert stats(client, "verl_mixed")["groups_ready"] == 1
+    assert not client.get([f"verl/{text}/0/0/0"], "verl_mixed").missing_uids

@@ -17,11 +17,12 @@ import time
 
 import ray
 import transfer_queue as tq
-from test_verl import dispatch
-from test_verl_buffer import build, group_rows
 
 from expbuf.client import BufferClient
 from expbuf.client.verl import from_verl
+
+from test_verl import dispatch
+from test_verl_buffer import build, group_rows
 
 
 def main() -> None:

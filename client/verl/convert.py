@@ -18,6 +18,7 @@ who want arrays).
     dataset columns, num_turns      info under their own names
     metrics                         metrics
     attention_mask, position_ids    rebuilt (all ones; 0..n-1)
+    multi_modal_inputs              {} (text only)
 
 Not mapped, and why: a KL penalty in the reward and GAE need the trainer's reference and
 critic forwards, so they stay verl's; VLM mrope positions need the model's processor, so
@@ -187,6 +188,7 @@ def _row(exp: Experience, next_index: dict[tuple[str, int], int]) -> Row:
         "loss_mask": mask.clone(),
         "input_ids": exp.tokens.to(torch.int64),
         "position_ids": torch.arange(exp.tokens.shape[0], dtype=torch.int64),
+        "multi_modal_inputs": {},  # what verl's agent loop writes for a text-only trajectory
     }
     for name, value in (("rollout_log_probs", exp.logprobs), ("advantages", exp.advantages), ("returns", exp.returns)):
         if value is not None:

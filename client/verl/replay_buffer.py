@@ -245,16 +245,27 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             finished = listing[uid].get("status") == "finished" if uid in listing else handed
             if known or not finished:
                 continue
-            rows = rows_of(TRAIN, sorted(keys), listing)
-            result = self.client.push(from_verl(rows), self.table)
-            if result.stale:
-                logger.warning("expbuf table %s: %d experiences of %s were stale", self.table, len(result.stale), uid)
+            self._push_group(uid, rows_of(TRAIN, sorted(keys), listing))
             with self._lock:
                 self._pushed[uid] = keys
                 self._handed.pop(uid, None)
         with self._lock:  # sampled before this round's listing and gone from it: trained before it was pushed
             for uid in [u for u, n in self._handed.items() if n < self._rounds and u not in trajectories]:
                 del self._handed[uid]
+
+    def _push_group(self, uid: str, rows: list[Row]) -> None:
+        """Push one group; one that can never be stored is logged and left to verl alone, so it does not
+        hold back the others (a server that cannot be reached fails the round, which is retried)."""
+        try:
+            result = self.client.push(from_verl(rows), self.table)
+        except (ValueError, BufferError) as exc:
+            code = getattr(exc, "code", None)
+            if code not in (None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+                raise
+            logger.error("expbuf table %s: group %s is not mirrored: %s", self.table, uid, exc)
+            return
+        if result.stale:
+            logger.warning("expbuf table %s: %d experiences of %s were stale", self.table, len(result.stale), uid)
 
     def _retire_trained(self, listing: dict[str, dict]) -> None:
         """A group leaves expbuf once verl has cleared its keys (trained, or evicted as stale or filtered)."""
