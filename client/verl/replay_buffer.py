@@ -223,10 +223,13 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
 
     def _sync(self) -> None:
         with self._lock:
-            version, self._version = self._version, None
+            version = self._version
             self._rounds += 1
         if version is not None:
             self.client.set_trainer_version(version, self.table)
+            with self._lock:  # reported; a newer version set meanwhile waits for the next round
+                if self._version == version:
+                    self._version = None
         listing = (tq.kv_list(TRAIN) or {}).get(TRAIN, {})
         if self.mode == "mirror":
             self._push_finished(listing)
