@@ -12,12 +12,13 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity,ray,areal
+EXTRAS ?= test,trinity,ray,areal,verl
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
 TRINITY_SPEC ?= trinity-rft==0.6.0
-# verl, whose functions Trinity-RFT's verl-style advantage functions call; VERL_SPEC= skips it.
+# verl, whose functions Trinity-RFT's verl-style advantage functions call and whose V1 trainer
+# expbuf.client.verl plugs into (with the trinity or the verl extra); VERL_SPEC= skips it.
 VERL_SPEC ?= verl==0.9.1
 VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
 # AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
 	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
 		$(PY) -m pip install --no-deps "$(TRINITY_SPEC)"; })
-	$(if $(and $(VERL_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import verl; import tensordict; import transformers" 2>/dev/null || { echo "Installing $(VERL_SPEC) with --no-deps and then tensordict and transformers (Trinity-RFT's verl-style advantage functions call verl; the estimator tests compare with them)"; \
+	$(if $(and $(VERL_SPEC),$(or $(findstring trinity,$(EXTRAS)),$(findstring verl,$(EXTRAS)))),$(PY) -c "import verl; import tensordict; import transformers" 2>/dev/null || { echo "Installing $(VERL_SPEC) with --no-deps and then tensordict and transformers (Trinity-RFT's verl-style advantage functions call verl; the estimator tests compare with them)"; \
 		$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt && \
 		$(PY) -m pip install --no-deps "$(VERL_SPEC)" && \
 		$(PY) -m pip install -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })

@@ -1,0 +1,424 @@
+"""ExpbufReplayBuffer driven by verl's own loader and sampling, on a real TransferQueue (a local
+Ray cluster) and a real `expbuf serve` on loopback (skipped where verl or transferqueue is absent)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+verl = pytest.importorskip("verl")
+tq = pytest.importorskip("transfer_queue")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from transfer_queue import KVBatchMeta  # noqa: E402
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls  # noqa: E402
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
+
+from expbuf.client import EID, BufferClient, Experience  # noqa: E402
+from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
+from expbuf.client.verl.rows import rows_of  # noqa: E402
+from expbuf.server.config import load  # noqa: E402
+
+from helpers import ServerProcess  # noqa: E402
+from test_verl import agent_loop_rows, dispatch  # noqa: E402
+
+TRAIN = "train"
+
+
+@pytest.fixture(scope="module")
+def transfer_queue() -> Iterator[None]:
+    """A real TransferQueue (controller and one storage unit as Ray actors)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        yield
+        tq.close()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tmp_path_factory.mktemp("verl-data")))
+    try:
+        yield proc
+    finally:
+        proc.stop(signal.SIGTERM)
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[BufferClient]:
+    with BufferClient(server.target) as c:
+        yield c
+
+
+OPEN: list[ExpbufReplayBuffer] = []
+
+
+@pytest.fixture(autouse=True)
+def empty_queue(transfer_queue: None) -> Iterator[None]:
+    """Each test starts with an empty train partition; the buffers it built are closed after it."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
+    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+    if keys:
+        tq.kv_clear(keys=keys, partition_id=TRAIN)
+
+
+def build(target: str, table: str, threshold: int | None = 2, **expbuf: object) -> ExpbufReplayBuffer:
+    """The replay buffer as verl's own PPOTrainer._build_replay_buffer makes it from its config."""
+    config = OmegaConf.create(
+        {
+            "trainer": {
+                "v1": {
+                    "trainer_mode": "colocate_async",
+                    "colocate_async": {"parameter_sync_step": 1},
+                    "sampler": {
+                        "custom_sampler": {"path": "pkg://expbuf.client.verl", "name": "ExpbufReplayBuffer"},
+                        "max_off_policy_threshold": threshold,
+                        "max_off_policy_strategy": "drop",
+                        "sampler_kwargs": {"expbuf": {"target": target, "table": table, **expbuf}},
+                    },
+                }
+            }
+        }
+    )
+    trainer = SimpleNamespace(config=config, trainer_mode="colocate_async", _add_prompts_to_generate=lambda n: n)
+    buffer = PPOTrainer._build_replay_buffer(trainer)
+    assert type(buffer) is ExpbufReplayBuffer and isinstance(buffer, ReplayBufferAsync)
+    buffer.poll_interval = 0.2
+    OPEN.append(buffer)
+    return buffer
+
+
+def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stats(client: BufferClient, table: str) -> dict:
+    return client.stats(table)[table]
+
+
+def group_rows(uid: str) -> list:
+    listing = tq.kv_list(TRAIN)[TRAIN]
+    return rows_of(TRAIN, sorted(k for k in listing if k.startswith(uid + "_")), listing)
+
+
+def step_end(meta: KVBatchMeta) -> None:
+    """What verl's fit loop does once a step has trained its batch."""
+    tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+
+
+def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a_crash(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    client.create_table("verl_mirror", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_mirror")
+    first = [dispatch(1), dispatch(1)]
+    expected = {uid: from_verl(group_rows(uid)) for uid in first}
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both groups pushed once finished")
+    assert stats(client, "verl_mirror")["pushed"] == 6
+
+    again = build(server.target, "verl_mirror")  # a second process seeing the same groups: pushes are duplicates
+    again.sync_once()
+    after = stats(client, "verl_mirror")
+    assert (after["pushed"], after["duplicates"], after["groups_ready"]) == (6, 6, 2)
+    again.close()
+
+    meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=2)
+    assert {k.split("_")[0] for k in meta.keys} == set(first) and len(meta.keys) == 6
+    for uid, exps in expected.items():
+        stored = client.get([e.eid.uid for e in exps], "verl_mirror")
+        assert not stored.missing_uids
+        for want, got in zip(exps, stored, strict=True):
+            assert got.eid.tid == f"verl/{uid}"
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.action_mask, want.action_mask)
+            assert got.info["model_version"] == 0 and got.reward == want.reward
+    wait_for(lambda: stats(client, "verl_mirror")["trainer_version"] == 1, "the trainer version")
+
+    step_end(meta)  # trained: the mirror deletes them from expbuf
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 0, "trained groups retired")
+
+    second = [dispatch(2), dispatch(2)]
+    rows_before = {uid: group_rows(uid) for uid in second}
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "finished groups pushed before sampling")
+    buffer.close()
+    keys = list(tq.kv_list(TRAIN)[TRAIN])
+    tq.kv_clear(keys=keys, partition_id=TRAIN)  # the crash: TransferQueue's memory is gone
+
+    restarted = build(server.target, "verl_mirror")
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=2)
+    assert {k.split("_")[0] for k in meta.keys} == set(second)
+    assert stats(client, "verl_mirror")["groups_leased"] == 2
+    for uid, rows in rows_before.items():
+        back = group_rows(uid)
+        assert [r.key for r in back] == [r.key for r in rows]
+        for want, got in zip(rows, back, strict=True):
+            for name in ("prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "input_ids"):
+                assert torch.equal(got.fields[name], want.fields[name]), name
+            assert got.fields["raw_prompt"] == want.fields["raw_prompt"]
+            assert got.fields["extra_fields"] == want.fields["extra_fields"]
+    step_end(meta)
+    wait_for(lambda: stats(client, "verl_mirror")["groups_leased"] == 0, "restored groups acked once trained")
+    assert stats(client, "verl_mirror")["groups_ready"] == 0
+
+    stale, fresh = dispatch(1), dispatch(4)  # at step 4 a group dispatched at step 1 spans 4 > 2 versions
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both pushed")
+    meta, metrics = restarted.sample(global_steps=4, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {fresh} and metrics["training/off_policy/evicted_samples"] == 1
+    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 1, "the group verl evicted leaves expbuf")
+    assert client.get([f"verl/{stale}/0/0/0"], "verl_mirror").missing_uids == [f"verl/{stale}/0/0/0"]
+    restarted.close()
+
+
+def explorer_group(task: str, version: int, rewards: list[float]) -> list[Experience]:
+    """A group as a Trinity explorer pushes it (eid batch/task/run)."""
+    return [
+        Experience(
+            tokens=torch.tensor([5, 6, 7, 8 + run, 9]),
+            eid=EID("explore", task, run, 0, f"s{run}"),
+            prompt_length=2,
+            reward=reward,
+            logprobs=torch.tensor([-0.1, -0.2, -0.3]),
+            action_mask=torch.tensor([True, False, True]),
+            info={"model_version": version},
+        )
+        for run, reward in enumerate(rewards)
+    ]
+
+
+def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the_step(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_source", group_by="task", group_size=2, estimator="grpo", max_staleness=1)
+    client.set_trainer_version(4, "verl_source")  # all three fresh when pushed; at step 6 one is stale
+    client.push(explorer_group("stale", 4, [0.0, 1.0]), "verl_source")
+    client.push(explorer_group("a", 5, [0.0, 1.0]), "verl_source")
+    client.push(explorer_group("b", 6, [1.0, 0.0]), "verl_source")
+    with caplog.at_level(logging.WARNING):
+        build(server.target, "verl_source", threshold=3, mode="source").close()
+    assert "max_off_policy_threshold = 2" in caplog.text
+    buffer = build(server.target, "verl_source", threshold=2, mode="source")
+
+    meta, _ = buffer.sample(global_steps=6, partition_id=TRAIN, batch_size=2)
+    assert isinstance(meta, KVBatchMeta) and meta.partition_id == TRAIN
+    assert {k.split("_")[0] for k in meta.keys} == {"explore/a", "explore/b"}  # the stale group is not taken
+    assert sorted(k.rsplit("_", 2)[1] for k in meta.keys) == ["0", "0", "1", "1"]
+    assert all(t["min_global_steps"] in (5, 6) for t in meta.tags)
+    data = tq.kv_batch_get(keys=meta.keys, partition_id=TRAIN)
+    for name in ("prompts", "responses", "input_ids", "response_mask", "rollout_log_probs", "rm_scores", "advantages"):
+        assert name in data, name
+    rows = rows_of(TRAIN, meta.keys, dict(zip(meta.keys, meta.tags, strict=True)))
+    for row in rows:
+        assert row.fields["response_mask"].tolist() == [1, 0, 1]
+        reward = row.fields["rm_scores"][-1].item()
+        sign = 1.0 if reward > 0 else -1.0
+        assert row.fields["advantages"][0].item() * sign > 0  # GRPO: above the group mean is positive
+        assert row.fields["advantages"][1].item() == 0.0  # zero where the mask is
+    assert stats(client, "verl_source")["groups_leased"] == 2
+
+    step_end(meta)
+    wait_for(lambda: stats(client, "verl_source")["groups_leased"] == 0, "leases acked after the step")
+    assert stats(client, "verl_source")["groups_ready"] == 1  # only the stale group is left
+    buffer.close()
+
+
+def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        build(server.target, "no_such_table")
+    client.create_table("by_run", group_by="run", group_size=2)
+    with pytest.raises(ValueError, match="group_by = 'task' and group_size = 0"):
+        build(server.target, "by_run")
+
+
+def run_trainer(server: ServerProcess, table: str, log: Path, *steps: int) -> subprocess.Popen:
+    """The child trainer (tests/verl_trainer_child.py) on this cluster's TransferQueue."""
+    gcs = ray.get_runtime_context().gcs_address
+    args = [sys.executable, str(Path(__file__).parent / "verl_trainer_child.py"), gcs, server.target, table]
+    with open(log.with_suffix(".err"), "a") as err:  # a file: a full pipe would stall the child
+        return subprocess.Popen([*args, *map(str, steps[:3]), str(log), *map(str, steps[3:])], stderr=err)
+
+
+def child_log(log: Path) -> str:
+    return log.with_suffix(".err").read_text()[-3000:]
+
+
+def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_none_twice(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    client.create_table("verl_crash", group_by="task", group_size=0, estimator="none")
+    log = tmp_path / "trainer.log"
+    # Steps 1 and 2 train; the checkpoint is after step 2; at step 3 the trainer dies with two
+    # finished groups pushed and not yet trained.
+    first = run_trainer(server, "verl_crash", log, 1, 3, 3, 3)
+    wait_for(lambda: (log.exists() and "ready" in log.read_text()) or first.poll() is not None, "the kill point", 120)
+    assert first.poll() is None, child_log(log)
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    before = log.read_text().split("\n")
+    trained_before = [line.split()[1] for line in before if line.startswith("trained ")]
+    pushed = {line.split()[1] for line in before if line.startswith("pushed ")}
+    assert len(trained_before) == 4 and len(pushed) == 2
+    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+    tq.kv_clear(keys=keys, partition_id=TRAIN)  # TransferQueue's memory died with the trainer
+
+    # Resumed from the checkpoint: steps 3 to 5, new prompts at steps 3 and 4.
+    log.write_text("")
+    second = run_trainer(server, "verl_crash", log, 3, 5, 4)
+    assert second.wait(180) == 0, child_log(log)
+    trained_after = [line.split()[1] for line in log.read_text().split("\n") if line.startswith("trained ")]
+    assert len(trained_after) == len(set(trained_after)) == 6
+    assert pushed <= set(trained_after), "a group pushed before the crash was lost"
+    assert not set(trained_before) & set(trained_after), "a group was trained twice"
+    wait_for(lambda: stats(client, "verl_crash")["groups_ready"] == 0, "every trained group retired")
+    assert stats(client, "verl_crash")["groups_leased"] == 0
+
+
+def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    section = (Path(__file__).parent.parent / "README.md").read_text().split("## Using expbuf from verl")[1]
+    yaml_lines = section.split("```yaml\n")[1].split("```")[0]
+    toml_lines = section.split("```toml\n")[1].split("```")[0]
+    (tmp_path / "expbuf.toml").write_text(toml_lines)
+    (table,) = load(str(tmp_path / "expbuf.toml")).tables
+    (settings,) = tomllib.loads(toml_lines)["tables"]
+    client.create_table(settings.pop("name"), **settings)
+    config = OmegaConf.merge(
+        {"trainer": {"v1": {"trainer_mode": "colocate_async", "colocate_async": {}}}}, OmegaConf.create(yaml_lines)
+    )
+    config.trainer.v1.sampler.sampler_kwargs.expbuf.target = server.target
+    config.trainer.v1.sampler.max_off_policy_strategy = "drop"
+    trainer = SimpleNamespace(config=config, trainer_mode="colocate_async", _add_prompts_to_generate=lambda n: n)
+    buffer = PPOTrainer._build_replay_buffer(trainer)
+    OPEN.append(buffer)
+    assert type(buffer) is ExpbufReplayBuffer and buffer.mode == "mirror" and buffer.table == table.name
+    assert buffer.max_off_policy_threshold == buffer.table_config["max_staleness"] + 1  # the settings agree
+
+
+def verl_config(*overrides: str) -> DictConfig:
+    """verl's own ppo_trainer config, composed by Hydra as `verl.trainer.main_ppo` does."""
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def test_the_expbuf_external_trainer_generates_nothing_and_keeps_expbufs_advantages(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    client.create_table("verl_external", group_by="task", group_size=2, estimator="grpo", max_staleness=1)
+    client.push(explorer_group("x", 3, [1.0, 0.0]), "verl_external")
+    sampler = "trainer.v1.sampler"
+    config = verl_config(
+        "trainer.v1.trainer_mode=expbuf_external",
+        "algorithm.adv_estimator=expbuf",
+        f"{sampler}.max_off_policy_threshold=2",
+        f"{sampler}.custom_sampler.path=pkg://expbuf.client.verl",
+        f"{sampler}.custom_sampler.name=ExpbufReplayBuffer",
+        f"+{sampler}.sampler_kwargs.expbuf.target={server.target}",
+        f"+{sampler}.sampler_kwargs.expbuf.table=verl_external",
+        f"+{sampler}.sampler_kwargs.expbuf.mode=source",
+    )
+    trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)
+    assert type(trainer) is ExpbufExternalTrainer
+    OPEN.append(trainer.replay_buffer)
+    assert trainer.prepare_step() == {}
+    assert (tq.kv_list(TRAIN) or {}).get(TRAIN, {}) == {}  # no prompt was dispatched to verl's generation
+
+    meta, _ = trainer.replay_buffer.sample(global_steps=4, partition_id=TRAIN, batch_size=1)
+    stored = rows_of(TRAIN, meta.keys, dict(zip(meta.keys, meta.tags, strict=True)))
+    old = [row.fields["rollout_log_probs"] for row in stored]  # what the old-log-prob step writes
+    tq.kv_batch_put(
+        keys=meta.keys,
+        partition_id=TRAIN,
+        fields=TensorDict({"old_log_probs": torch.nested.as_nested_tensor(old, layout=torch.jagged)}, [len(old)]),
+    )
+    trainer._compute_advantage(meta, {})  # verl's own advantage step, with the estimator `expbuf`
+    after = rows_of(TRAIN, meta.keys, {})
+    for before, now in zip(stored, after, strict=True):
+        assert torch.equal(now.fields["advantages"], before.fields["advantages"])
+        assert torch.equal(now.fields["returns"], before.fields["returns"])
+    grpo = 0.5 / (0.5**0.5 + 1e-6)  # a 1/0 group: ±0.5 over the unbiased std 1/√2 (+ epsilon)
+    assert sorted(row.fields["advantages"][0].item() for row in after) == pytest.approx([-grpo, grpo])
+
+    with_kl = verl_config(
+        "trainer.v1.trainer_mode=expbuf_external",
+        f"{sampler}.custom_sampler.path=pkg://expbuf.client.verl",
+        f"{sampler}.custom_sampler.name=ExpbufReplayBuffer",
+        f"+{sampler}.sampler_kwargs.expbuf.target={server.target}",
+        f"+{sampler}.sampler_kwargs.expbuf.table=verl_external",
+        f"+{sampler}.sampler_kwargs.expbuf.mode=source",
+        f"{sampler}.max_off_policy_threshold=2",
+        "algorithm.adv_estimator=expbuf",
+        "algorithm.use_kl_in_reward=true",
+    )
+    with pytest.raises(ValueError, match="use_kl_in_reward"):
+        get_trainer_cls("expbuf_external")(config=with_kl)
+
+
+def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_restored(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    """verl saves its checkpoint after a step and clears the step's keys after that: the checkpoint
+    brings the trained groups' trajectories back without their prompt keys."""
+    client.create_table("verl_orphans", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_orphans")
+    uid = dispatch(1)
+    wait_for(lambda: stats(client, "verl_orphans")["groups_ready"] == 1, "the finished group pushed")
+    buffer.close()  # the crash came between the checkpoint and the step's kv_clear: the group was trained
+    tq.kv_clear(keys=[uid], partition_id=TRAIN)  # as restored from the checkpoint: trajectories, no prompt
+
+    restarted = build(server.target, "verl_orphans")
+    other = dispatch(2)
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {other}
+    restarted.sync_once()
+    after = stats(client, "verl_orphans")
+    assert (after["groups_leased"], after["groups_ready"], after["consumed"]) == (0, 1, 3)  # the trained one acked
+    listing = tq.kv_list(TRAIN)[TRAIN]
+    assert uid not in listing and any(key.startswith(uid + "_") for key in listing)  # not put back as a group
+
+
+def test_a_group_expbuf_cannot_store_is_logged_and_does_not_hold_back_the_others(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_mixed", group_by="task", group_size=0, estimator="none")
+    image = "image-0"
+    rows = agent_loop_rows(image, 1, sessions=1)
+    rows[0].fields["multi_modal_inputs"] = {"pixel_values": torch.zeros(2, 3)}
+    tq.kv_batch_put(
+        keys=[image], partition_id=TRAIN, tags=[{"is_prompt": True, "status": "finished", "global_steps": 1}]
+    )
+    tq.kv_batch_put(
+        keys=[r.key for r in rows],
+        partition_id=TRAIN,
+        fields=list_of_dict_to_tensordict([r.fields for r in rows]),
+        tags=[r.tag for r in rows],
+    )
+    text = dispatch(1)
+    with caplog.at_level(logging.ERROR):
+        build(server.target, "verl_mixed").sync_once()
+    assert f"group {image} is not mirrored" in caplog.text and "processor" in caplog.text
+    assert stats(client, "verl_mixed")["groups_ready"] == 1
+    assert not client.get([f"verl/{text}/0/0/0"], "verl_mixed").missing_uids

@@ -1,0 +1,59 @@
+"""A verl V1 trainer's loop around ExpbufReplayBuffer in mirror mode, run as a child process on the
+test's Ray cluster and TransferQueue, so that the crash test can kill it with SIGKILL.
+
+usage: verl_trainer_child.py GCS_ADDRESS TARGET TABLE FIRST_STEP LAST_STEP DISPATCH_UNTIL LOG [DIE_AT]
+
+Each step dispatches two prompts while the step is at most DISPATCH_UNTIL (verl's prepare_step),
+samples two groups through the buffer, "trains" them (a `trained UID` line in LOG, fsynced) and
+clears their keys as verl's fit loop does. At step DIE_AT it dispatches its prompts, waits until
+the mirror has pushed them (`pushed UID` lines), writes `ready` and waits to be killed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import ray
+import transfer_queue as tq
+
+from expbuf.client import BufferClient
+from expbuf.client.verl import from_verl
+
+from test_verl import dispatch
+from test_verl_buffer import build, group_rows
+
+
+def main() -> None:
+    gcs, target, table, first, last, dispatch_until, log_path, *die = sys.argv[1:]
+    die_at = int(die[0]) if die else None
+    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+    tq.init()
+    buffer = build(target, table, threshold=None)
+    with open(log_path, "a") as log, BufferClient(target) as client:
+
+        def note(line: str) -> None:
+            log.write(line + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+
+        for step in range(int(first), int(last) + 1):
+            uids = [dispatch(step), dispatch(step)] if step <= int(dispatch_until) else []
+            if step == die_at:
+                eids = [e.eid.uid for uid in uids for e in from_verl(group_rows(uid))]
+                while client.get(eids, table).missing_uids:
+                    time.sleep(0.05)
+                for uid in uids:
+                    note(f"pushed {uid}")
+                note("ready")
+                time.sleep(600)
+            meta, _ = buffer.sample(global_steps=step, partition_id="train", batch_size=2)
+            for uid in sorted({key.split("_")[0] for key in meta.keys}):
+                note(f"trained {uid}")
+            tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+    buffer.close()
+
+
+if __name__ == "__main__":
+    main()
