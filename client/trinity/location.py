@@ -12,6 +12,9 @@ Options (query) and their environment fallbacks:
     tls_key=PATH          its private key (EXPBUF_TLS_KEY)
     lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
     order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
+    delivery=lease        how the reader takes a batch: lease (acknowledged on the next read),
+                          consume (gone once read) or replay (stays, counted against the
+                          table's max_times_sampled)
 
 A table's settings (max_staleness, batch_size, on_stale, the rate limits, ...) are not
 options: they belong to the table, fixed when it is created (TOML or create_table), and a
@@ -27,13 +30,13 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from expbuf.client.client import Tls
-from expbuf.client.wire import OFF_POLICY_SETTINGS, ORDER
+from expbuf.client.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
 SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 3600.0
-OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order")
+OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order", "delivery")
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -51,6 +54,7 @@ class Location:
     tls: Tls | None = None
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     order: str = "fifo"
+    delivery: str = "lease"
 
 
 def _flag(name: str, value: str) -> bool:
@@ -116,4 +120,7 @@ def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
     order = options.get("order", "fifo")
     if order not in ORDER:
         raise ValueError(f"expbuf path option order={order[:40]!r}; expected one of {', '.join(ORDER)}")
-    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order)
+    delivery = options.get("delivery", "lease")
+    if delivery not in DELIVERY:
+        raise ValueError(f"expbuf path option delivery={delivery[:40]!r}; expected one of {', '.join(DELIVERY)}")
+    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order, delivery)
