@@ -261,7 +261,7 @@ class ExpbufReader(BufferReader):
         )
         try:
             with closing(stream):
-                return next(stream)
+                return next(stream, None)  # a partial request ends its stream empty when nothing is left
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None
