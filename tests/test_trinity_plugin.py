@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -285,7 +286,7 @@ def _openssl(*args: str) -> None:
 def test_mutual_tls_from_the_environment_and_the_path(
     start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The writer takes TLS from EXPBUF_TLS_*, the reader from the path's query."""
+    """The writer takes TLS from EXPBUF_TLS_CA and EXPBUF_TLS_CLIENT_*, the reader from the path's query."""
     d = tmp_path / "certs"
     d.mkdir()
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
@@ -301,10 +302,13 @@ def test_mutual_tls_from_the_environment_and_the_path(
     with BufferClient(f"127.0.0.1:{server.port}", tls=admin_tls) as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
     pushed = group(0, [1.0, 2.0, 3.0, 5.0])
-    for name, suffix in (("CA", "ca.pem"), ("CERT", "client.pem"), ("KEY", "client.key")):
+    for name, suffix in (("CA", "ca.pem"), ("CLIENT_CERT", "client.pem"), ("CLIENT_KEY", "client.key")):
         monkeypatch.setenv(f"EXPBUF_TLS_{name}", str(d / suffix))
+    # The server's own pair under the server's names, on the same host: the plug-in does not take it.
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CERT", f"{d}/server.pem")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_KEY", f"{d}/server.key")
     asyncio.run(trinity.buffer.get_buffer_writer(buffer_config(server.port, batch_size=4)).write(pushed))
-    for name in ("CA", "CERT", "KEY"):
+    for name in ("CA", "CLIENT_CERT", "CLIENT_KEY"):
         monkeypatch.delenv(f"EXPBUF_TLS_{name}")
     query = f"tls_ca={d}/ca.pem&tls_cert={d}/client.pem&tls_key={d}/client.key"
     check_whole_groups(
@@ -424,6 +428,38 @@ def test_expbuf_sample_strategy_passes_the_trainers_version(start: Start) -> Non
     assert metrics["sample/model_version/max"] == 5
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         assert admin.stats(TABLE)[TABLE]["trainer_version"] == 6
+
+
+def test_tls_variables_name_the_server_and_the_client_apart(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EXPBUF_SERVER_TLS_* are `expbuf serve`'s pair, EXPBUF_TLS_CLIENT_* the plug-in's (as for
+    `expbuf stats`/`health`); the old EXPBUF_TLS_CERT/KEY still work for one release, with a warning."""
+    from expbuf.server.config import load
+
+    for var in ("EXPBUF_TLS_CERT", "EXPBUF_TLS_KEY", "EXPBUF_TLS_CLIENT_CA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CERT", "/srv/server.pem")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_KEY", "/srv/server.key")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CLIENT_CA", "/srv/ca.pem")
+    assert load().tls == TlsConfig(cert="/srv/server.pem", key="/srv/server.key", client_ca="/srv/ca.pem")
+    env = {"EXPBUF_SERVER_TLS_CERT": "/srv/server.pem", "EXPBUF_SERVER_TLS_KEY": "/srv/server.key"}
+    assert parse("expbuf://h:1/t", env=env).tls is None  # the server's pair is never the client's
+    client = parse("expbuf://h:1/t", env={**env, "EXPBUF_TLS_CLIENT_CERT": "/c.pem", "EXPBUF_TLS_CLIENT_KEY": "/c.key"})
+    assert (client.tls.certificate_chain, client.tls.private_key) == ("/c.pem", "/c.key")
+    assert not caplog.records
+
+    for var in env:
+        monkeypatch.delenv(var)
+    monkeypatch.delenv("EXPBUF_SERVER_TLS_CLIENT_CA")
+    monkeypatch.setenv("EXPBUF_TLS_CERT", "/old/cert.pem")
+    monkeypatch.setenv("EXPBUF_TLS_KEY", "/old/key.pem")
+    with caplog.at_level(logging.WARNING):
+        assert load().tls == TlsConfig(cert="/old/cert.pem", key="/old/key.pem", client_ca=None)
+        old = parse("expbuf://h:1/t", env={"EXPBUF_TLS_CERT": "/old/cert.pem", "EXPBUF_TLS_KEY": "/old/key.pem"})
+    assert old.tls.certificate_chain == "/old/cert.pem"
+    assert "EXPBUF_TLS_CERT is renamed EXPBUF_SERVER_TLS_CERT" in caplog.text
+    assert "EXPBUF_TLS_CERT is renamed EXPBUF_TLS_CLIENT_CERT for clients" in caplog.text
 
 
 def test_table_settings_in_the_path_are_refused_with_where_they_go() -> None:

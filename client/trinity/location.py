@@ -8,8 +8,8 @@ Options (query) and their environment fallbacks:
     token_env=NAME        the variable holding the bearer token (default EXPBUF_TOKEN)
     tls=1                 TLS with the system's roots (EXPBUF_TLS=1); implied by the three below
     tls_ca=PATH           the server's CA (EXPBUF_TLS_CA)
-    tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CERT), with
-    tls_key=PATH          its private key (EXPBUF_TLS_KEY)
+    tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CLIENT_CERT), with
+    tls_key=PATH          its private key (EXPBUF_TLS_CLIENT_KEY)
     lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
     order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
     delivery=lease        how the reader takes a batch: lease (acknowledged on the next read),
@@ -23,6 +23,7 @@ path naming one is refused with that said, rather than left to disagree with the
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ from urllib.parse import parse_qsl, urlsplit
 from expbuf.client.client import Tls
 from expbuf.client.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
+log = logging.getLogger(__name__)
 SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
@@ -65,12 +67,25 @@ def _flag(name: str, value: str) -> bool:
     raise ValueError(f"expbuf path option {name}={value[:40]!r} must be 1 or 0")
 
 
+def _client_env(env: Mapping[str, str], var: str, old: str) -> str | None:
+    """A client TLS variable, or (warned, for one more release) its old name, which the
+    server also read for its own pair."""
+    if var in env:
+        return env[var]
+    if old in env:
+        log.warning("%s is renamed %s for clients (the old name is read until the next release)", old, var)
+        return env[old]
+    return None
+
+
 def _tls(options: Mapping[str, str], env: Mapping[str, str]) -> Tls | None:
     ca = options.get("tls_ca", env.get("EXPBUF_TLS_CA")) or None
-    cert = options.get("tls_cert", env.get("EXPBUF_TLS_CERT")) or None
-    key = options.get("tls_key", env.get("EXPBUF_TLS_KEY")) or None
+    cert = options.get("tls_cert", _client_env(env, "EXPBUF_TLS_CLIENT_CERT", "EXPBUF_TLS_CERT")) or None
+    key = options.get("tls_key", _client_env(env, "EXPBUF_TLS_CLIENT_KEY", "EXPBUF_TLS_KEY")) or None
     if bool(cert) != bool(key):
-        raise ValueError("expbuf path: tls_cert and tls_key (EXPBUF_TLS_CERT, EXPBUF_TLS_KEY) go together")
+        raise ValueError(
+            "expbuf path: tls_cert and tls_key (EXPBUF_TLS_CLIENT_CERT, EXPBUF_TLS_CLIENT_KEY) go together"
+        )
     wanted = _flag("tls", options.get("tls", env.get("EXPBUF_TLS", "")))
     if not (wanted or ca or cert):
         return None
