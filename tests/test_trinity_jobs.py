@@ -495,3 +495,27 @@ def test_sql_test_scenario_reads_the_newer_experiences(server: ExpbufServer, tab
             await reader.read()
 
     asyncio.run(scenario())
+
+
+def test_the_writers_count_refuses_what_it_cannot_count(server: ExpbufServer, table: Table) -> None:
+    """The Writers RPC: a table that does not exist, a change other than +1/-1/0, and a dropped
+    table's count, which goes with it."""
+    import grpc
+
+    from expbuf.client import BufferError
+
+    table(group_size=2)
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(BufferError) as missing:
+            client.writers("nosuch", 1)
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(BufferError, match=r"change is 2; expected \+1") as bad:
+            client.writers(TABLE, 2)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.writers(TABLE) == (0, False)  # never opened: not done
+        assert client.writers(TABLE, 1) == (1, False)
+        assert client.writers(TABLE, -1) == (0, True)
+        assert client.writers(TABLE, -1) == (0, True)  # a close too many changes nothing
+        client.drop_table(TABLE)
+        client.create_table(TABLE, group_size=2)
+        assert client.writers(TABLE) == (0, False)
