@@ -164,6 +164,7 @@ class ExpbufReader(BufferReader):
                 "(group_size 0), which a replayed batch cannot be fitted to; use a table with a fixed group_size"
             )
         self._leases: list[str] = []
+        self._sees_writers = True  # False once the token proved unable to ask (no push scope)
         self._experiences_read = 0
         self._batches_read = 0
 
@@ -270,12 +271,15 @@ class ExpbufReader(BufferReader):
     def _writers_done(self) -> bool:
         """Whether every writer of the table has closed (the end of data); False where the
         token may not ask (push scope), and the reader then ends by max_read_timeout."""
+        if not self._sees_writers:
+            return False
         try:
             return self._client.writers(self.location.table)[1]
         except BufferError as exc:
             if exc.code != grpc.StatusCode.PERMISSION_DENIED:
                 raise
-            log.warning("expbuf: this token cannot see the table's writers (push scope); no end of data")
+            log.warning("expbuf: this token cannot see the table's writers (push scope); reads end by their timeout")
+            self._sees_writers = False
             return False
 
     def _give_back(self, batches: list[Batch]) -> None:
