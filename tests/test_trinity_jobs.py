@@ -369,13 +369,40 @@ def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, tabl
         assert admin.stats(TABLE)[TABLE]["pushed"] == 5
 
 
-def test_trinitys_priority_queue_is_refused_by_name(server: ExpbufServer, table: Table) -> None:
-    table(group_size=2, estimator="grpo")
+def test_trinitys_priority_queue_newest_version_first_at_capacity(server: ExpbufServer, table: Table) -> None:
+    """Trinity's replay_buffer (linear_decay, no reuse): 12 writes at capacity 8 are read
+    highest model_version first, 11 down to 4, each with use_count 1, as from its AsyncPriorityQueue."""
+    table(group_by="none", estimator="none", capacity_experiences=8, when_full="evict")
     replay = ReplayBufferConfig(enable=True, priority_fn="linear_decay", priority_fn_args={"decay": 2.0})
-    config = buffer_config(server, 2, replay_buffer=replay)
-    for factory in (trinity.buffer.get_buffer_writer, trinity.buffer.get_buffer_reader):
-        with pytest.raises(ValueError, match=r"replay_buffer.enable \(priority_fn=linear_decay\).*delivery=replay"):
-            factory(config)
+    config = buffer_config(server, 8, capacity=8, replay_buffer=replay)
+    write(config, *[single_turn(v, [1.0], version=v) for v in range(12)])
+    reader = trinity.buffer.get_buffer_reader(config)
+    got = asyncio.run(reader.read())
+    assert [e.info["model_version"] for e in got] == list(range(11, 3, -1))
+    assert {e.info["use_count"] for e in got} == {1}
+    with pytest.raises(StopAsyncIteration):  # read once each: no reuse
+        asyncio.run(reader.read())
+
+
+def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(
+    server: ExpbufServer, table: Table
+) -> None:
+    table(group_by="none", estimator="none")
+    refused = {
+        "reuse_cooldown_time=1": ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0),
+        r"priority_fn_args.sigma": ReplayBufferConfig(
+            enable=True, priority_fn="decay_limit_randomization", priority_fn_args={"sigma": 0.5}
+        ),
+        "runs linear_decay and decay_limit_randomization": ReplayBufferConfig(enable=True, priority_fn="mine"),
+    }
+    for message, replay in refused.items():
+        for factory in (trinity.buffer.get_buffer_writer, trinity.buffer.get_buffer_reader):
+            with pytest.raises(ValueError, match=rf"replay_buffer \(priority_fn=.*{message}"):
+                factory(buffer_config(server, 2, replay_buffer=replay))
+    with pytest.raises(ValueError, match=r"capacity=8.*when_full = 'evict'"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, 2, capacity=8, replay_buffer=ReplayBufferConfig(True)))
+    with pytest.raises(ValueError, match="leave the path's order and delivery options out"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, 2, "order=lifo", replay_buffer=ReplayBufferConfig(True)))
 
 
 def test_replay_reads_everything_again_up_to_max_times_sampled(server: ExpbufServer, table: Table) -> None:

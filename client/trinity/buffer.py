@@ -51,6 +51,17 @@ def _distinct_groups(data: list[Experience]) -> list[Experience]:
     return out
 
 
+def _prioritised(exp: Experience) -> Experience:
+    """Trinity's priority queue ranks by `model_version` (less a decay per use; unread: none):
+    the table's `priority` order reads `info["priority"]`, stamped here where not set."""
+    info = exp.info or {}
+    if "priority" in info or not isinstance(info.get("model_version"), (int, float)):
+        return exp
+    exp = copy.copy(exp)
+    exp.info = {**info, "priority": float(info["model_version"])}
+    return exp
+
+
 class ExpbufWriter(BufferWriter):
     """Pushes each write durably into the table; the groups of a write are complete when it ends.
 
@@ -66,7 +77,7 @@ class ExpbufWriter(BufferWriter):
         self.location = parse(config.path)
         self._client = _client(self.location)
         settings.refuse_taskset(config)
-        settings.check_replay_buffer(config)
+        self._priorities = settings.priority_replay(config)
         self._table = settings.table_settings(self._client, self.location)
         settings.check_capacity(config, self._table)
         table = self._table or {}
@@ -76,6 +87,8 @@ class ExpbufWriter(BufferWriter):
 
     def _push(self, data: list[Experience]) -> PushResult:
         data = _distinct_groups(data)
+        if self._priorities:
+            data = [_prioritised(exp) for exp in data]
         payload = Experience.serialize_many(data)
         while True:
             try:
@@ -150,7 +163,14 @@ class ExpbufReader(BufferReader):
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
         settings.refuse_taskset(config)
-        settings.check_replay_buffer(config)
+        self._priorities = settings.priority_replay(config)
+        if self._priorities:
+            if self.location.order != "fifo" or self.location.delivery == "replay":
+                raise ValueError(
+                    "experience buffer replay_buffer reads in the table's priority order, once each: leave the "
+                    "path's order and delivery options out"
+                )
+            self.location = dataclasses.replace(self.location, order="priority")
         self.batch_size = config.batch_size
         self.timeout = config.max_read_timeout
         self._client = _client(self.location)
@@ -195,6 +215,9 @@ class ExpbufReader(BufferReader):
         if batches is None:
             raise StopAsyncIteration(f"expbuf table '{self.location.table}': its writers are done and it is empty")
         experiences = [exp for batch in batches for exp in Experience.deserialize_many(batch.payload)]
+        if self._priorities:  # Trinity's priority queue counts each read in use_count
+            for exp in experiences:
+                exp.info["use_count"] = int(exp.info.get("use_count", 0)) + 1
         self._leases = [batch.lease_id for batch in batches if batch.lease_id]
         self._batches_read += 1
         self._experiences_read += len(experiences)

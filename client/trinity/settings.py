@@ -5,8 +5,13 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
 - `capacity` (Trinity's queue blocks the writer when full): the table's
   `capacity_experiences` with `when_full = "block"`; a capacity other than Trinity's default
   that the table does not hold is refused.
-- `replay_buffer` (Trinity's priority queue with `linear_decay`): refused; expbuf's replay is
-  the path option `delivery=replay` with the table's `max_times_sampled` (see the README).
+- `replay_buffer` (Trinity's priority queue): without reuse (`reuse_cooldown_time` unset, its
+  default) every experience is read once, highest priority first, its priority being its
+  `model_version` (`linear_decay` of a use count of 0): the writer stamps `info["priority"]`
+  and the reader takes the table's `priority` order, and a full table (`when_full = "evict"`)
+  makes room by evicting its oldest groups. Reuse after a cooldown, whose priority decays with
+  each use, and a random `sigma` are refused; expbuf's replay is the path option
+  `delivery=replay` with the table's `max_times_sampled` (see the README).
 - `batch_size` of the reader: whole groups of a table with a fixed `group_size` make it
   only when it is a multiple of that size; another size is refused.
 - an `expbuf://` path in a taskset: refused (expbuf holds experiences, not tasks).
@@ -53,26 +58,39 @@ def refuse_taskset(config: Any) -> None:
 
 
 def check_capacity(config: Any, table: dict[str, Any] | None) -> None:
+    """Trinity's queue blocks a writer when full, its priority queue evicts the lowest priority:
+    the table's capacity, with the matching `when_full`."""
     capacity = getattr(config, "capacity", TRINITY_DEFAULT_CAPACITY)
     if capacity == TRINITY_DEFAULT_CAPACITY or table is None:
         return
-    if table["capacity_experiences"] != capacity or table["when_full"] != "block":
+    when_full = "evict" if priority_replay(config) else "block"
+    if table["capacity_experiences"] != capacity or table["when_full"] != when_full:
         raise ValueError(
             f"experience buffer capacity={capacity}: the expbuf table '{table['name']}' holds "
             f"capacity_experiences={table['capacity_experiences']} (when_full={table['when_full']}); create it with "
-            f"capacity_experiences = {capacity} and when_full = 'block' (it counts experiences, where Trinity's queue "
-            "counts writes), or leave capacity unset"
+            f"capacity_experiences = {capacity} and when_full = '{when_full}' (it counts experiences, where "
+            "Trinity's queue counts writes), or leave capacity unset"
         )
 
 
-def check_replay_buffer(config: Any) -> None:
+def priority_replay(config: Any) -> bool:
+    """Whether Trinity's priority queue is asked for, in the form a table runs; any other form is refused."""
     replay = getattr(config, "replay_buffer", None)
-    if replay is not None and getattr(replay, "enable", False):
+    if replay is None or not getattr(replay, "enable", False):
+        return False
+    name = f"experience buffer replay_buffer (priority_fn={replay.priority_fn})"
+    if replay.priority_fn not in ("linear_decay", "decay_limit_randomization"):
+        raise ValueError(f"{name}: expbuf runs linear_decay and decay_limit_randomization without reuse")
+    if replay.reuse_cooldown_time is not None:
         raise ValueError(
-            f"experience buffer replay_buffer.enable (priority_fn={replay.priority_fn}) is Trinity's priority queue, "
-            "which an expbuf table does not run: leave replay_buffer off and add delivery=replay to the path "
-            "(with order=priority for info['priority']); the table's max_times_sampled bounds the reuse"
+            f"{name}: reuse_cooldown_time={replay.reuse_cooldown_time} puts a read experience back with a priority "
+            "lowered by each use, which an expbuf table does not do: leave it unset (each experience read once, "
+            "the newest model_version first), or replay with the path option delivery=replay and the table's "
+            "max_times_sampled"
         )
+    if (replay.priority_fn_args or {}).get("sigma", 0.0):
+        raise ValueError(f"{name}: priority_fn_args.sigma (random priorities) is not run by an expbuf table; set 0")
+    return True
 
 
 def fixed_group_size(table: dict[str, Any] | None) -> int | None:
