@@ -342,6 +342,20 @@ def test_groups_of_varying_size_fill_a_batch_as_far_as_whole_groups_go(server: E
         asyncio.run(reader.read())
 
 
+def test_a_take_of_several_groups_that_does_not_fit_goes_back_whole(server: ExpbufServer, table: Table) -> None:
+    """After a group of 2, the reader asks for 2 more groups (4 experiences would fit): they are
+    2 + 4, too many, so both go back and it goes on one group at a time, in order."""
+    table(group_size=0, estimator="grpo")
+    sizes = [2, 2, 4, 2]
+    write(buffer_config(server, 6), *[single_turn(t, [float(r) for r in range(n)]) for t, n in enumerate(sizes)])
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 6))
+    reads = [asyncio.run(reader.read()) for _ in range(2)]
+    assert [sorted({e.eid.tid for e in r}) for r in reads] == [["5/0", "5/1"], ["5/2", "5/3"]]
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats["leased"], stats["ready"]) == (6, 0)  # the second read's groups, acknowledged on the next
+
+
 # ---- Trinity's buffer settings ---------------------------------------------------------------------
 
 

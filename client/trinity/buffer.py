@@ -224,15 +224,23 @@ class ExpbufReader(BufferReader):
         return experiences
 
     def _read(self, size: int, min_version: int | None, version: int | None) -> list[Batch] | None:
-        """Whole groups up to `size` experiences; None at the end of data."""
+        """Whole groups up to `size` experiences; None at the end of data.
+
+        Groups of varying size are taken a few at a time: first one, then as many as the
+        groups seen so far suggest fit in what is left. A take that does not fit goes back
+        whole; after that, one group at a time until the next one does not fit.
+        """
         self._acknowledge()
         deadline = time.monotonic() + self.timeout
         taken: list[Batch] = []
-        total, done = 0, False
+        total, done, single = 0, False, False
         while total < size:
             wait = 0.0 if done else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             groups = size // self._group if self._group else 1
-            batch = self._take(groups, wait, done, min_version, version)
+            if taken and not single and not self._group:
+                seen = sum(len(set(b.groups)) for b in taken)
+                groups = max(1, (size - total) * seen // total)
+            batch = self._take(groups, wait, done or groups > 1, min_version, version)
             if batch is None:
                 if done:
                     break
@@ -244,8 +252,11 @@ class ExpbufReader(BufferReader):
                         f"within {self.timeout} s (max_read_timeout)"
                     )
                 continue
-            if total + len(batch.uids) > size:  # groups of varying size: this one does not fit
+            if total + len(batch.uids) > size:  # groups of varying size: this take does not fit
                 self._give_back([batch])
+                if len(set(batch.groups)) > 1:
+                    single = True
+                    continue
                 if not taken:
                     raise ValueError(
                         f"expbuf table '{self.location.table}': group {batch.groups[0]} has {len(batch.uids)} "
