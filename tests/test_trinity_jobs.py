@@ -176,6 +176,13 @@ def test_multi_step_write_into_a_table_counting_runs_is_refused_with_what_to_set
         assert admin.stats(TABLE)[TABLE]["pushed"] == 0  # nothing of the refused write is stored
 
 
+def test_a_group_split_over_two_writes_is_refused_with_why(server: ExpbufServer, table: Table) -> None:
+    table(group_size=0, estimator="grpo")
+    runs = single_turn(0, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"group 5/0 is already complete.*came in two writes.*write every run"):
+        write(buffer_config(server, 4), runs[:2], runs[2:])
+
+
 # ---- pipeline filters ---------------------------------------------------------------------------
 
 

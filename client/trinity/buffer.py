@@ -100,6 +100,12 @@ class ExpbufWriter(BufferWriter):
                     continue  # a full table blocks the writer, as Trinity's queue does
                 if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "overfill" in exc.details:
                     raise ValueError(self._overfill(exc.details)) from exc
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "already complete" in exc.details:
+                    raise ValueError(
+                        f"expbuf table '{self.location.table}': {exc.details}: a group's experiences came in "
+                        "two writes, and a write completes its groups when it is stored (sealed, or group_size 0); "
+                        "write every run of a task together, as Trinity's explorer does"
+                    ) from exc
                 raise
         if result.duplicates:
             log.warning(
