@@ -19,8 +19,13 @@ EXTRAS ?= test,trinity,ray,areal,verl
 TRINITY_SPEC ?= trinity-rft==0.6.0
 # verl, whose functions Trinity-RFT's verl-style advantage functions call and whose V1 trainer
 # expbuf.client.verl plugs into (with the trinity or the verl extra); VERL_SPEC= skips it.
+# No transformers satisfies both: verl 0.9.1 declares <5.11, trinity-rft 0.6.0 >=5.12.1. verl's
+# pin is kept (its functions run in the tests; the Trinity modules used here run with it), and
+# the installs after trinity-rft and verl pass --no-warn-conflicts, so pip prints no ERROR block
+# for the two requirements left unmet on purpose (that one and verl's wandb); `pip check` still lists them.
 VERL_SPEC ?= verl==0.9.1
 VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
+QUIET_CONFLICTS := --no-warn-conflicts
 # AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
@@ -33,15 +38,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
+	$(PY) -m pip install $(QUIET_CONFLICTS) -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
 	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
-		$(PY) -m pip install --no-deps "$(TRINITY_SPEC)"; })
+		$(PY) -m pip install $(QUIET_CONFLICTS) --no-deps "$(TRINITY_SPEC)"; })
 	$(if $(and $(VERL_SPEC),$(or $(findstring trinity,$(EXTRAS)),$(findstring verl,$(EXTRAS)))),$(PY) -c "import verl; import tensordict; import transformers" 2>/dev/null || { echo "Installing $(VERL_SPEC) with --no-deps and then tensordict and transformers (Trinity-RFT's verl-style advantage functions call verl; the estimator tests compare with them)"; \
 		$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-pin.txt && \
 		$(PY) -m pip install --no-deps "$(VERL_SPEC)" && \
-		$(PY) -m pip install -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })
+		$(PY) -m pip install $(QUIET_CONFLICTS) -c $(VENV)/torch-pin.txt $(VERL_NEEDS); })
 	$(if $(and $(AREAL_SPEC),$(findstring areal,$(EXTRAS))),$(PY) -c "import areal" 2>/dev/null || { echo "Installing $(AREAL_SPEC) with --no-deps (expbuf.client.areal's tests need it)"; \
-		$(PY) -m pip install --no-deps "$(AREAL_SPEC)"; })
+		$(PY) -m pip install $(QUIET_CONFLICTS) --no-deps "$(AREAL_SPEC)"; })
 	touch $@
 
 serve: setup

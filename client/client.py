@@ -412,6 +412,12 @@ class BufferClient(_Base):
         request = _reset_request(table, trainer_version)
         return _reset_result(self._call(self._stub.ResetOffPolicy, request, retry=True))
 
+    def writers(self, table: str = "default", change: int = 0) -> tuple[int, bool]:
+        """Open (+1) or close (-1) a writer of the table, or read (0): (writers open, done),
+        done once every writer that opened has closed (the table's end of data)."""
+        reply = self._call(self._stub.Writers, pb.WritersRequest(table=table, change=change), retry=change == 0)
+        return reply.open, reply.done
+
     def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
         """How many of `count` rollouts may start now under the table's staleness bound,
         waiting up to `wait` seconds for room. Finish the grant when the rollouts are done

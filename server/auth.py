@@ -25,6 +25,7 @@ SCOPE_OF_METHOD = {
     "Seal": "push",
     "Admit": "push",
     "FinishGrant": "push",
+    "Writers": "push",
     "Sample": "sample",
     "Ack": "sample",
     "Nack": "sample",

@@ -30,6 +30,7 @@ may also declare tables (created at start, or checked against the stored ones):
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -37,6 +38,29 @@ from pathlib import Path
 from typing import Any
 
 from .tables import ConfigError, TableConfig
+
+log = logging.getLogger("expbuf.config")
+# The server's TLS variables, and the names they had before (read for one more release, with a
+# warning): EXPBUF_TLS_CERT and EXPBUF_TLS_KEY meant the server's pair here and the client's
+# pair in the Trinity-RFT plug-in, so a host running both presented the server's key as a client.
+SERVER_TLS_ENV = {
+    "cert": ("EXPBUF_SERVER_TLS_CERT", "EXPBUF_TLS_CERT"),
+    "key": ("EXPBUF_SERVER_TLS_KEY", "EXPBUF_TLS_KEY"),
+    "client_ca": ("EXPBUF_SERVER_TLS_CLIENT_CA", "EXPBUF_TLS_CLIENT_CA"),
+}
+
+
+def _server_tls_env() -> dict[str, str]:
+    """The server's TLS files from the environment, under their names or (warned) their old ones."""
+    found = {}
+    for name, (var, old) in SERVER_TLS_ENV.items():
+        if var in os.environ:
+            found[name] = os.environ[var]
+        elif old in os.environ:
+            log.warning("%s is renamed %s (the old name is read until the next release)", old, var)
+            found[name] = os.environ[old]
+    return found
+
 
 SCOPES = ("push", "sample", "admin")
 
@@ -199,11 +223,8 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Se
                 raise ConfigError(f"{var}={os.environ[var]!r} is not a valid {kind.__name__}") from None
     if "EXPBUF_TOKENS" in os.environ:
         env["tokens"] = parse_tokens(os.environ["EXPBUF_TOKENS"])
-    if "EXPBUF_TLS_CERT" in os.environ or "EXPBUF_TLS_KEY" in os.environ:
-        env["tls"] = TlsConfig(
-            cert=os.environ.get("EXPBUF_TLS_CERT", ""),
-            key=os.environ.get("EXPBUF_TLS_KEY", ""),
-            client_ca=os.environ.get("EXPBUF_TLS_CLIENT_CA") or None,
-        )
+    tls = _server_tls_env()
+    if "cert" in tls or "key" in tls:
+        env["tls"] = TlsConfig(cert=tls.get("cert", ""), key=tls.get("key", ""), client_ca=tls.get("client_ca") or None)
     config = replace(config, **env)
     return replace(config, **{k: v for k, v in (overrides or {}).items() if v is not None})

@@ -48,6 +48,7 @@ from .store.admission import StaleExperience
 from .store.limiter import InsertLimited, SampleLimited
 from .store.records import LIVE
 from .tables import ConfigError, TableConfig
+from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
 
@@ -225,6 +226,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
         self.started = time.time()
+        self.writers = Writers()
 
     # ---- push --------------------------------------------------------------------
 
@@ -488,5 +490,13 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         if request.name == "default":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the default table cannot be dropped")
         dropped = self.store.drop_table(request.name)
+        self.writers.forget(request.name)
         log.info("table dropped: %s (%d live experiences)", request.name, dropped)
         return pb.DropTableReply(dropped_experiences=dropped)
+
+    @_refusals
+    def Writers(self, request: pb.WritersRequest, context: grpc.ServicerContext) -> pb.WritersReply:
+        table = request.table or "default"
+        self.store.table(table)  # NOT_FOUND for a table that does not exist
+        count = self.writers.change(table, request.change)
+        return pb.WritersReply(open=count.open, done=count.done)

@@ -337,7 +337,7 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     one_line_error(done, "metrics port", str(taken))
     assert not (tmp_path / "m").exists()
     missing = str(tmp_path / "no-such-cert.pem")
-    tls = {"EXPBUF_TLS_CERT": missing, "EXPBUF_TLS_KEY": missing}
+    tls = {"EXPBUF_SERVER_TLS_CERT": missing, "EXPBUF_SERVER_TLS_KEY": missing}
     done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
     one_line_error(done, missing)
 

@@ -29,7 +29,7 @@ def test_service_has_every_rpc_of_the_design() -> None:
     assert set(service.methods_by_name) == {
         "Push", "PushStream", "Sample", "Ack", "Nack", "Get", "Delete", "Seal",
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
-        "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy",
+        "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -129,6 +130,10 @@ class ListReader(BufferReader):
 
 def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start: Start, tmp_path: Path) -> None:
     server = start()
+    with pytest.raises(ValueError, match=r"expbuf table 'grpo4' does not exist at .*create it first"):
+        trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=8))
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
     config = buffer_config(server.port, batch_size=8)
     assert isinstance(trinity.buffer.get_buffer_writer(config), ExpbufWriter)
     assert isinstance(trinity.buffer.get_buffer_reader(config), ExpbufReader)
@@ -161,16 +166,15 @@ def test_write_restart_server_read_whole_groups_with_advantages(start: Start) ->
     pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [0.0, 0.0, 1.0, 3.0]) + group(2, [1.0, 0.0, 4.0])
     config = buffer_config(server.port, batch_size=8)
 
-    async def explore() -> tuple[int, int]:
+    async def explore() -> tuple[int, int, int]:
         first, second = trinity.buffer.get_buffer_writer(config), trinity.buffer.get_buffer_writer(config)
         await first.acquire()
-        await second.acquire()
-        await first.write(pushed[:6])
-        await second.write(pushed[6:])
-        # Task 2 has 3 of its 4 runs: the first release leaves it open, the last one seals it.
-        return await first.release(), await second.release()
+        opened = await second.acquire()  # the server counts the table's writers
+        await first.write(pushed[:8])
+        await second.write(pushed[8:])  # task 2 has 3 of its 4 runs: sealed when the write ends
+        return opened, await first.release(), await second.release()
 
-    assert asyncio.run(explore()) == (1, 0)
+    assert asyncio.run(explore()) == (2, 1, 0)
     server.stop(grace=1)
     server = start()  # same data directory, another port
 
@@ -178,7 +182,9 @@ def test_write_restart_server_read_whole_groups_with_advantages(start: Start) ->
     first = asyncio.run(reader.read())
     assert sorted({e.eid.tid for e in first}) == ["3/0", "3/1"]
     check_whole_groups(first, pushed)
-    sealed = asyncio.run(reader.read(batch_size=3))
+    with pytest.raises(ValueError, match="batch_size 3 is not a multiple of the group_size 4"):
+        asyncio.run(reader.read(batch_size=3))
+    sealed = asyncio.run(reader.read(batch_size=4))  # never more than asked: the sealed group is short
     check_whole_groups(sealed, pushed)
     assert len(sealed) == 3 and reader.state_dict()["current_index"] == 11
 
@@ -193,8 +199,7 @@ def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None
     config.algorithm.algorithm_type, config.algorithm.advantage_fn = "grpo", "expbuf"
     config.algorithm.advantage_fn_args = {}
     config.data_processor.experience_pipeline.save_input = False
-    # Batches of 2 experiences: whole groups, so the first one holds task 0's 4 runs.
-    config.buffer.trainer_input.experience_buffer = buffer_config(server.port, batch_size=2)
+    config.buffer.trainer_input.experience_buffer = buffer_config(server.port, batch_size=4)
     pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [3.0, 1.0])
 
     async def explore() -> dict:
@@ -203,7 +208,7 @@ def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None
         pipeline.operators = []
         pipeline._set_algorithm_operators(config.algorithm)
         metrics = await pipeline.process(Experience.serialize_many(pushed))
-        await pipeline.close()  # the last writer: seals task 1, which has 2 of its 4 runs
+        await pipeline.close()  # task 1 has 2 of its 4 runs: sealed when the write ended
         return metrics
 
     assert asyncio.run(explore())["experience_pipeline/experience_count"] == 6
@@ -230,7 +235,7 @@ def test_reader_restarts_from_its_state_dict(start: Start) -> None:
     step1 = asyncio.run(trainer.read())
     step2 = asyncio.run(trainer.read())  # acknowledges step 1
     state = trainer.state_dict()  # a checkpoint after training on step 2, then the trainer dies
-    assert state["lease_id"] and state["batches_read"] == 2 and state["current_index"] == 8
+    assert len(state["lease_ids"]) == 1 and state["batches_read"] == 2 and state["current_index"] == 8
 
     restarted = trinity.buffer.get_buffer_reader(config)
     restarted.load_state_dict(state)
@@ -281,7 +286,7 @@ def _openssl(*args: str) -> None:
 def test_mutual_tls_from_the_environment_and_the_path(
     start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The writer takes TLS from EXPBUF_TLS_*, the reader from the path's query."""
+    """The writer takes TLS from EXPBUF_TLS_CA and EXPBUF_TLS_CLIENT_*, the reader from the path's query."""
     d = tmp_path / "certs"
     d.mkdir()
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
@@ -297,10 +302,13 @@ def test_mutual_tls_from_the_environment_and_the_path(
     with BufferClient(f"127.0.0.1:{server.port}", tls=admin_tls) as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
     pushed = group(0, [1.0, 2.0, 3.0, 5.0])
-    for name, suffix in (("CA", "ca.pem"), ("CERT", "client.pem"), ("KEY", "client.key")):
+    for name, suffix in (("CA", "ca.pem"), ("CLIENT_CERT", "client.pem"), ("CLIENT_KEY", "client.key")):
         monkeypatch.setenv(f"EXPBUF_TLS_{name}", str(d / suffix))
+    # The server's own pair under the server's names, on the same host: the plug-in does not take it.
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CERT", f"{d}/server.pem")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_KEY", f"{d}/server.key")
     asyncio.run(trinity.buffer.get_buffer_writer(buffer_config(server.port, batch_size=4)).write(pushed))
-    for name in ("CA", "CERT", "KEY"):
+    for name in ("CA", "CLIENT_CERT", "CLIENT_KEY"):
         monkeypatch.delenv(f"EXPBUF_TLS_{name}")
     query = f"tls_ca={d}/ca.pem&tls_cert={d}/client.pem&tls_key={d}/client.key"
     check_whole_groups(
@@ -317,8 +325,11 @@ def test_path_options() -> None:
     plain = parse("expbuf://buffer.internal:6000/grpo8", env={})
     assert (plain.target, plain.table, plain.token, plain.tls) == ("buffer.internal:6000", "grpo8", None, None)
     assert parse("expbuf://[::1]/t", env={}).target == "[::1]:50051"
-    located = parse("expbuf://h:1/t?token_env=OTHER&tls_cert=/c.pem&tls_key=/c.key&lease_seconds=60&order=lifo", env)
-    assert (located.token, located.lease_seconds, located.order) == ("t1", 60.0, "lifo")
+    located = parse(
+        "expbuf://h:1/t?token_env=OTHER&tls_cert=/c.pem&tls_key=/c.key&lease_seconds=60&order=lifo&delivery=replay", env
+    )
+    assert (located.token, located.lease_seconds, located.order, located.delivery) == ("t1", 60.0, "lifo", "replay")
+    assert plain.delivery == "lease"
     assert located.tls is not None
     assert (located.tls.root_certificates, located.tls.certificate_chain) == ("/env/ca.pem", "/c.pem")
     assert parse("expbuf://h:1/t?tls=1", env={}).tls.root_certificates is None  # system roots
@@ -330,6 +341,7 @@ def test_path_options() -> None:
         "expbuf://h:1/t?tls_cert=/c.pem": "go together",
         "expbuf://h:1/t?lease_seconds=0": "lease_seconds='0' must be a number > 0",
         "expbuf://h:1/t?order=random": "order='random'",
+        "expbuf://h:1/t?delivery=keep": "delivery='keep'; expected one of consume, lease, replay",
         "expbuf://h:99999/t": "invalid port",
         "expbuf://h:1/a/b": "table 'a/b'",
         "sqlite:///x.db": "not an expbuf path",
@@ -416,6 +428,38 @@ def test_expbuf_sample_strategy_passes_the_trainers_version(start: Start) -> Non
     assert metrics["sample/model_version/max"] == 5
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         assert admin.stats(TABLE)[TABLE]["trainer_version"] == 6
+
+
+def test_tls_variables_name_the_server_and_the_client_apart(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EXPBUF_SERVER_TLS_* are `expbuf serve`'s pair, EXPBUF_TLS_CLIENT_* the plug-in's (as for
+    `expbuf stats`/`health`); the old EXPBUF_TLS_CERT/KEY still work for one release, with a warning."""
+    from expbuf.server.config import load
+
+    for var in ("EXPBUF_TLS_CERT", "EXPBUF_TLS_KEY", "EXPBUF_TLS_CLIENT_CA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CERT", "/srv/server.pem")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_KEY", "/srv/server.key")
+    monkeypatch.setenv("EXPBUF_SERVER_TLS_CLIENT_CA", "/srv/ca.pem")
+    assert load().tls == TlsConfig(cert="/srv/server.pem", key="/srv/server.key", client_ca="/srv/ca.pem")
+    env = {"EXPBUF_SERVER_TLS_CERT": "/srv/server.pem", "EXPBUF_SERVER_TLS_KEY": "/srv/server.key"}
+    assert parse("expbuf://h:1/t", env=env).tls is None  # the server's pair is never the client's
+    client = parse("expbuf://h:1/t", env={**env, "EXPBUF_TLS_CLIENT_CERT": "/c.pem", "EXPBUF_TLS_CLIENT_KEY": "/c.key"})
+    assert (client.tls.certificate_chain, client.tls.private_key) == ("/c.pem", "/c.key")
+    assert not caplog.records
+
+    for var in env:
+        monkeypatch.delenv(var)
+    monkeypatch.delenv("EXPBUF_SERVER_TLS_CLIENT_CA")
+    monkeypatch.setenv("EXPBUF_TLS_CERT", "/old/cert.pem")
+    monkeypatch.setenv("EXPBUF_TLS_KEY", "/old/key.pem")
+    with caplog.at_level(logging.WARNING):
+        assert load().tls == TlsConfig(cert="/old/cert.pem", key="/old/key.pem", client_ca=None)
+        old = parse("expbuf://h:1/t", env={"EXPBUF_TLS_CERT": "/old/cert.pem", "EXPBUF_TLS_KEY": "/old/key.pem"})
+    assert old.tls.certificate_chain == "/old/cert.pem"
+    assert "EXPBUF_TLS_CERT is renamed EXPBUF_SERVER_TLS_CERT" in caplog.text
+    assert "EXPBUF_TLS_CERT is renamed EXPBUF_TLS_CLIENT_CERT for clients" in caplog.text
 
 
 def test_table_settings_in_the_path_are_refused_with_where_they_go() -> None:

@@ -112,8 +112,12 @@ def test_encode_validates_like_decode() -> None:
     bad = Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, logprobs=torch.zeros(5))
     with pytest.raises(TrxpError, match=r"field 'logprobs' has length 5, but the response has 2"):
         encode([bad])
-    with pytest.raises(TrxpError, match=r"field 'tokens' must hold integer"):
-        encode([Experience(tokens=torch.zeros(3), prompt_length=1)])
+    with pytest.raises(TrxpError, match=r"field 'tokens' must hold token ids \(integer or floating point\), got BOOL"):
+        encode([Experience(tokens=torch.ones(3, dtype=torch.bool), prompt_length=1)])
+    # Float token ids, which Trinity-RFT accepts, come back exactly, dtype included.
+    floats = Experience(tokens=torch.tensor([1.0, 2.0, 3.5]), prompt_length=1, logprobs=torch.tensor([0.1, 0.2]))
+    (back,) = decode(encode([floats]))
+    assert back.tokens.dtype == torch.float32 and torch.equal(back.tokens, floats.tokens)
 
 
 # What each bad fixture's refusal must say, for the reason README.json gives it.

@@ -19,6 +19,7 @@ from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
 from .location import Location, is_expbuf_path, parse
 from .sample_strategy import ExpbufSampleStrategy
+from .settings import refuse_taskset
 
 __all__ = [
     "ExpbufAdvantageFn",
@@ -47,6 +48,7 @@ def _routed(original: Callable[[Any], Any], expbuf_cls: type) -> Callable[[Any],
         if is_expbuf_path(getattr(config, "path", None)):
             from trinity.common.config import StorageConfig
 
+            refuse_taskset(config)
             return expbuf_cls(config if isinstance(config, StorageConfig) else config.to_storage_config())
         return original(config)
 

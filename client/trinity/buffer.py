@@ -10,10 +10,11 @@ from whichever event loop Trinity calls it on.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
-import threading
+import time
 from contextlib import closing
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -22,79 +23,108 @@ from trinity.buffer.buffer_writer import BufferWriter
 from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
-from expbuf.client.client import BufferClient, BufferError, PushResult
+from expbuf.client.client import Batch, BufferClient, BufferError, PushResult
 
+from . import settings
 from .location import Location, parse
 
 log = logging.getLogger(__name__)
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+# How long one wait for a batch lasts before the reader checks whether the table's writers are done.
+POLL_SECONDS = 1.0
 
 
 def _client(location: Location) -> BufferClient:
     return BufferClient(location.target, token=location.token, tls=location.tls)
 
 
-@dataclass
-class _Writers:
-    """What the writers of one table in this process share: Trinity's reference count and
-    the groups they pushed that are not complete yet."""
+def _distinct_groups(data: list[Experience]) -> list[Experience]:
+    """Experiences written without an eid (no batch, no task) each get a group of their own:
+    their task becomes their eid's unique suffix, instead of all sharing the group '/'."""
+    out = []
+    for exp in data:
+        eid = exp.eid
+        if str(eid.batch) == "" and str(eid.task) == "":
+            exp = copy.copy(exp)
+            exp.eid = dataclasses.replace(eid, task=eid.suffix)
+        out.append(exp)
+    return out
 
-    refs: int = 0
-    pending: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-
-_WRITERS: dict[tuple[str, str], _Writers] = {}
-_WRITERS_LOCK = threading.Lock()
-
-
-def _writers(location: Location) -> _Writers:
-    with _WRITERS_LOCK:
-        return _WRITERS.setdefault((location.target, location.table), _Writers())
+def _prioritised(exp: Experience) -> Experience:
+    """Trinity's priority queue ranks by `model_version` (less a decay per use; unread: none):
+    the table's `priority` order reads `info["priority"]`, stamped here where not set."""
+    info = exp.info or {}
+    if "priority" in info or not isinstance(info.get("model_version"), (int, float)):
+        return exp
+    exp = copy.copy(exp)
+    exp.info = {**info, "priority": float(info["model_version"])}
+    return exp
 
 
 class ExpbufWriter(BufferWriter):
-    """Pushes each write durably into the table; the last writer's release seals its open groups.
+    """Pushes each write durably into the table; the groups of a write are complete when it ends.
 
-    `acquire`/`release` count the writers of one table in this process, as Trinity's own
-    storages do. When the count drops to zero, groups these writers left incomplete are
-    sealed (completed now, advantages computed over the runs that arrived) if the table
-    releases incomplete groups (`on_group_timeout = "release"`, with a `group_size`); a table
-    that drops them (`"drop"`) is left to its group timeout. Reading the table's settings
-    needs the `sample` scope; a push-only token writes normally and seals nothing.
+    Trinity's explorer writes each step's experiences in one write, every run of a task
+    together (after its pipeline's operators), so the groups a write leaves incomplete (runs
+    a filter dropped, runs that failed) get no more runs: the writer seals them when the write
+    is stored (`on_group_timeout = "release"` tables; a `"drop"` table is left to its
+    timeout). `acquire`/`release` open and close a writer of the table on the server, whose
+    count ends the trainer's reads when the last writer, in whichever process, closes.
     """
 
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
         self._client = _client(self.location)
-        self._group_key: str | None = None
-        self._seals = False
-        self._settings_read = False
-
-    def _read_settings(self) -> None:
-        """Learn how the table groups and whether it wants incomplete groups released."""
-        self._settings_read = True
-        try:
-            tables = {t["name"]: t for t in self._client.list_tables()}
-        except BufferError as exc:
-            log.warning("expbuf: cannot read table settings (%s); incomplete groups will not be sealed", exc)
-            return
-        settings = tables.get(self.location.table)
-        if settings is None:
-            return
-        self._group_key = GROUP_KEY_OF[settings["group_by"]]
-        self._seals = settings["group_size"] > 0 and settings["on_group_timeout"] == "release"
+        settings.refuse_taskset(config)
+        self._priorities = settings.priority_replay(config)
+        self._table = settings.table_settings(self._client, self.location)
+        settings.check_capacity(config, self._table)
+        table = self._table or {}
+        self._group_key = GROUP_KEY_OF[table.get("group_by", "task")]
+        self._seals = table.get("group_size", 0) > 0 and table.get("on_group_timeout") == "release"
+        self._refs = 0
 
     def _push(self, data: list[Experience]) -> PushResult:
-        if not self._settings_read:
-            self._read_settings()
-        result = self._client.push(Experience.serialize_many(data), self.location.table)
-        if self._seals and self._group_key:
-            shared = _writers(self.location)
-            with shared.lock:
-                shared.pending.update(getattr(exp.eid, self._group_key) for exp in data)
-                shared.pending.difference_update(result.completed_groups)
+        data = _distinct_groups(data)
+        if self._priorities:
+            data = [_prioritised(exp) for exp in data]
+        payload = Experience.serialize_many(data)
+        while True:
+            try:
+                result = self._client.push(payload, self.location.table)
+                break
+            except BufferError as exc:
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "is full" in exc.details:
+                    log.info("expbuf: table '%s' is full; the write waits for room", self.location.table)
+                    continue  # a full table blocks the writer, as Trinity's queue does
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "overfill" in exc.details:
+                    raise ValueError(self._overfill(exc.details)) from exc
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "already complete" in exc.details:
+                    raise ValueError(
+                        f"expbuf table '{self.location.table}': {exc.details}: a group's experiences came in "
+                        "two writes, and a write completes its groups when it is stored (sealed, or group_size 0); "
+                        "write every run of a task together, as Trinity's explorer does"
+                    ) from exc
+                raise
+        if result.duplicates:
+            log.warning(
+                "expbuf: %d of %d experiences written to table '%s' were stored already (first: %s); "
+                "stored once, as a retried write is",
+                len(result.duplicates), len(data), self.location.table, result.duplicates[0],
+            )  # fmt: skip
+        if self._seals:
+            open_groups = {getattr(exp.eid, self._group_key) for exp in data}
+            self._seal(sorted(open_groups - set(result.completed_groups)))
         return result
+
+    def _overfill(self, details: str) -> str:
+        size = (self._table or {}).get("group_size", "its")
+        return (
+            f"expbuf table '{self.location.table}': {details}. group_size counts experiences ({size}), and a "
+            "multi-step workflow writes several per run: create the table with group_size = 0, so that each "
+            "write's groups complete when it is stored"
+        )
 
     async def write(self, data: list[Experience]) -> None:
         """Store the experiences; returns once the server has committed them to disk."""
@@ -102,21 +132,19 @@ class ExpbufWriter(BufferWriter):
             await asyncio.to_thread(self._push, list(data))
 
     async def acquire(self) -> int:
-        shared = _writers(self.location)
-        with shared.lock:
-            shared.refs += 1
-            return shared.refs
+        """Open a writer of the table on the server, where the trainer's reads see it; returns the
+        table's open writers, in every process (Trinity's reference count)."""
+        opened, _ = await asyncio.to_thread(self._client.writers, self.location.table, 1)
+        self._refs += 1
+        return opened
 
     async def release(self) -> int:
-        shared = _writers(self.location)
-        with shared.lock:
-            shared.refs = max(0, shared.refs - 1)
-            refs = shared.refs
-            pending, shared.pending = (shared.pending, set()) if refs == 0 else (set(), shared.pending)
-        if pending:
-            await asyncio.to_thread(self._seal, sorted(pending))
-        self._client.close()
-        return refs
+        """Close a writer; when the table's last writer closes, its readers reach the end of data."""
+        self._refs = max(0, self._refs - 1)
+        still_open, _ = await asyncio.to_thread(self._client.writers, self.location.table, -1)
+        if self._refs == 0:
+            self._client.close()
+        return still_open
 
     def _seal(self, groups: list[str]) -> None:
         for group in groups:
@@ -129,96 +157,198 @@ class ExpbufWriter(BufferWriter):
 
 
 class ExpbufReader(BufferReader):
-    """Reads batches of whole groups under a lease, and acknowledges each on the next read.
+    """Reads batches of whole groups, never more than `batch_size` experiences, and ends at end of data.
 
-    A batch is acknowledged only once the trainer asks for the next one, i.e. after the
-    training step that used it; if the trainer dies first, the lease expires and the batch
-    goes back to the buffer. `state_dict()` holds the open lease: a trainer restarted from a
-    checkpoint acknowledges it on its first read, since that batch is in the checkpoint.
+    With the default delivery (`lease`) a batch is acknowledged only once the trainer asks
+    for the next one, i.e. after the training step that used it; if the trainer dies first,
+    the lease expires and the batch goes back to the buffer. `state_dict()` holds the open
+    leases: a trainer restarted from a checkpoint acknowledges them on its first read, since
+    that batch is in the checkpoint.
     """
 
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
+        settings.refuse_taskset(config)
+        self._priorities = settings.priority_replay(config)
+        if self._priorities:
+            if self.location.order != "fifo" or self.location.delivery == "replay":
+                raise ValueError(
+                    "experience buffer replay_buffer reads in the table's priority order, once each: leave the "
+                    "path's order and delivery options out"
+                )
+            self.location = dataclasses.replace(self.location, order="priority")
         self.batch_size = config.batch_size
         self.timeout = config.max_read_timeout
         self._client = _client(self.location)
-        self._lease = ""
+        table = settings.table_settings(self._client, self.location)
+        self._group = settings.fixed_group_size(table)
+        if self.batch_size:
+            settings.check_batch_size(self.batch_size, self._group, self.location.table)
+        if self.location.delivery == "replay" and not self._group:
+            raise ValueError(
+                f"expbuf path option delivery=replay: table '{self.location.table}' has groups of varying size "
+                "(group_size 0), which a replayed batch cannot be fitted to; use a table with a fixed group_size"
+            )
+        self._leases: list[str] = []
+        self._sees_writers = True  # False once the token proved unable to ask (no push scope)
         self._experiences_read = 0
         self._batches_read = 0
 
     async def read(self, batch_size: int | None = None, **kwargs: Any) -> list[Experience]:
-        """The next `batch_size` experiences (whole groups: the last may end past it), with advantages.
+        """The next batch: whole groups, at most `batch_size` experiences, with advantages.
 
+        Exactly `batch_size` when the table's groups have a fixed size (which the reader checked
+        divides it); with groups of varying size (group_size 0) as many whole groups as fit.
         `min_model_version` (Trinity's staleness-control sample strategy) keeps only groups
         whose every experience is at least that fresh. `model_version`, the policy version the
-        trainer holds (the `expbuf` sample strategy gives it), is the table's trainer version:
-        the server measures staleness, screens pushes and admits rollouts against it. No batch
-        within Trinity's `max_read_timeout` is a TimeoutError, as with Trinity's own queue.
+        trainer holds (the `expbuf` sample strategy gives it), is the table's trainer version.
+        When the table's last writer has closed and no batch is left, StopAsyncIteration, as
+        with Trinity's queue; no batch within `max_read_timeout` is a TimeoutError.
         """
         unknown = set(kwargs) - {"min_model_version", "model_version"}
         if unknown:
             raise TypeError(f"ExpbufReader.read() got unexpected argument(s): {', '.join(sorted(unknown))}")
         size = self.batch_size if batch_size is None else batch_size
-        if not isinstance(size, int) or size <= 0:
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"batch_size must be a positive number of experiences, got {size!r}")
+        settings.check_batch_size(size, self._group, self.location.table)
         min_version = kwargs.get("min_model_version")
         min_version = int(min_version) if min_version is not None and min_version > 0 else None
         version = kwargs.get("model_version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"model_version must be a non-negative integer, got {str(version)[:40]!r}")
-        return await asyncio.to_thread(self._read, size, min_version, version)
-
-    def _read(self, size: int, min_version: int | None, version: int | None = None) -> list[Experience]:
-        self._acknowledge()
-        stream = self._client.sample(
-            self.location.table,
-            batch_size=size,
-            order=self.location.order,
-            delivery="lease",
-            lease_seconds=self.location.lease_seconds,
-            timeout=self.timeout,
-            max_batches=1,
-            min_model_version=min_version,
-            trainer_version=version,
-        )
-        try:
-            with closing(stream):
-                batch = next(stream)
-        except BufferError as exc:
-            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(
-                    f"expbuf table '{self.location.table}': no {size} experiences of whole groups "
-                    f"within {self.timeout} s (max_read_timeout)"
-                ) from exc
-            raise
-        experiences = Experience.deserialize_many(batch.payload)
-        self._lease = batch.lease_id
+        batches = await asyncio.to_thread(self._read, size, min_version, version)
+        if batches is None:
+            raise StopAsyncIteration(f"expbuf table '{self.location.table}': its writers are done and it is empty")
+        experiences = [exp for batch in batches for exp in Experience.deserialize_many(batch.payload)]
+        if self._priorities:  # Trinity's priority queue counts each read in use_count
+            for exp in experiences:
+                exp.info["use_count"] = int(exp.info.get("use_count", 0)) + 1
+        self._leases = [batch.lease_id for batch in batches if batch.lease_id]
         self._batches_read += 1
         self._experiences_read += len(experiences)
         return experiences
 
+    def _read(self, size: int, min_version: int | None, version: int | None) -> list[Batch] | None:
+        """Whole groups up to `size` experiences; None at the end of data.
+
+        Groups of varying size are taken a few at a time: first one, then as many as the
+        groups seen so far suggest fit in what is left. A take that does not fit goes back
+        whole; after that, one group at a time until the next one does not fit.
+        """
+        self._acknowledge()
+        deadline = time.monotonic() + self.timeout
+        taken: list[Batch] = []
+        total, done, single = 0, False, False
+        while total < size:
+            wait = 0.0 if done else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            groups = size // self._group if self._group else 1
+            if taken and not single and not self._group:
+                seen = sum(len(set(b.groups)) for b in taken)
+                groups = max(1, (size - total) * seen // total)
+            batch = self._take(groups, wait, done or groups > 1, min_version, version)
+            if batch is None:
+                if done:
+                    break
+                done = self._writers_done()
+                if not done and time.monotonic() >= deadline:
+                    self._give_back(taken)
+                    raise TimeoutError(
+                        f"expbuf table '{self.location.table}': no {size} experiences of whole groups "
+                        f"within {self.timeout} s (max_read_timeout)"
+                    )
+                continue
+            if total + len(batch.uids) > size:  # groups of varying size: this take does not fit
+                self._give_back([batch])
+                if len(set(batch.groups)) > 1:
+                    single = True
+                    continue
+                if not taken:
+                    raise ValueError(
+                        f"expbuf table '{self.location.table}': group {batch.groups[0]} has {len(batch.uids)} "
+                        f"experiences, more than batch_size {size}; raise buffer.train_batch_size"
+                    )
+                break
+            taken.append(batch)
+            total += len(batch.uids)
+            if self._group:
+                break
+        if not taken:
+            return None
+        if self.location.delivery == "consume" and not self._group:
+            for batch in taken:  # taken under a lease, to give back a group that does not fit
+                self._client.ack(batch.lease_id, table=self.location.table)
+            taken = [dataclasses.replace(batch, lease_id="") for batch in taken]
+        return taken
+
+    def _take(
+        self, groups: int, wait: float, partial: bool, min_version: int | None, version: int | None
+    ) -> Batch | None:
+        """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s."""
+        delivery = self.location.delivery
+        if delivery == "consume" and not self._group:
+            delivery = "lease"
+        stream = self._client.sample(
+            self.location.table,
+            num_groups=groups,
+            order=self.location.order,
+            delivery=delivery,
+            lease_seconds=self.location.lease_seconds,
+            timeout=wait,
+            max_batches=1,
+            min_model_version=min_version,
+            allow_partial=partial,
+            trainer_version=version,
+        )
+        try:
+            with closing(stream):
+                return next(stream, None)  # a partial request ends its stream empty when nothing is left
+        except BufferError as exc:
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            raise
+
+    def _writers_done(self) -> bool:
+        """Whether every writer of the table has closed (the end of data); False where the
+        token may not ask (push scope), and the reader then ends by max_read_timeout."""
+        if not self._sees_writers:
+            return False
+        try:
+            return self._client.writers(self.location.table)[1]
+        except BufferError as exc:
+            if exc.code != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            log.warning("expbuf: this token cannot see the table's writers (push scope); reads end by their timeout")
+            self._sees_writers = False
+            return False
+
+    def _give_back(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            if batch.lease_id:
+                self._client.nack(batch.lease_id, table=self.location.table)
+
     def _acknowledge(self) -> None:
         """Acknowledge the batch handed out last: the training step that used it is over."""
-        lease, self._lease = self._lease, ""
-        if not lease:
-            return
-        try:
-            self._client.ack(lease, table=self.location.table)
-        except BufferError as exc:
-            if exc.code != grpc.StatusCode.NOT_FOUND:
-                self._lease = lease
-                raise
-            log.warning("expbuf: lease %s expired or was already settled; its batch may be read again", lease)
+        while self._leases:
+            lease = self._leases[0]
+            try:
+                self._client.ack(lease, table=self.location.table)
+            except BufferError as exc:
+                if exc.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                log.warning("expbuf: lease %s expired or was already settled; its groups may be read again", lease)
+            self._leases.pop(0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "current_index": self._experiences_read,
             "batches_read": self._batches_read,
-            "lease_id": self._lease,
+            "lease_ids": list(self._leases),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the counts and take over the open lease, to acknowledge it on the next read."""
+        """Resume the counts and take over the open leases, to acknowledge them on the next read."""
         self._experiences_read = int(state_dict.get("current_index", 0))
         self._batches_read = int(state_dict.get("batches_read", 0))
-        self._lease = str(state_dict.get("lease_id") or "")
+        leases = state_dict.get("lease_ids", [state_dict.get("lease_id") or ""])
+        self._leases = [str(lease) for lease in leases if lease]

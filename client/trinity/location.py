@@ -8,10 +8,13 @@ Options (query) and their environment fallbacks:
     token_env=NAME        the variable holding the bearer token (default EXPBUF_TOKEN)
     tls=1                 TLS with the system's roots (EXPBUF_TLS=1); implied by the three below
     tls_ca=PATH           the server's CA (EXPBUF_TLS_CA)
-    tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CERT), with
-    tls_key=PATH          its private key (EXPBUF_TLS_KEY)
+    tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CLIENT_CERT), with
+    tls_key=PATH          its private key (EXPBUF_TLS_CLIENT_KEY)
     lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
     order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
+    delivery=lease        how the reader takes a batch: lease (acknowledged on the next read),
+                          consume (gone once read) or replay (stays, counted against the
+                          table's max_times_sampled)
 
 A table's settings (max_staleness, batch_size, on_stale, the rate limits, ...) are not
 options: they belong to the table, fixed when it is created (TOML or create_table), and a
@@ -20,6 +23,7 @@ path naming one is refused with that said, rather than left to disagree with the
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -27,13 +31,14 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from expbuf.client.client import Tls
-from expbuf.client.wire import OFF_POLICY_SETTINGS, ORDER
+from expbuf.client.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
+log = logging.getLogger(__name__)
 SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 3600.0
-OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order")
+OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order", "delivery")
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -51,6 +56,7 @@ class Location:
     tls: Tls | None = None
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     order: str = "fifo"
+    delivery: str = "lease"
 
 
 def _flag(name: str, value: str) -> bool:
@@ -61,12 +67,25 @@ def _flag(name: str, value: str) -> bool:
     raise ValueError(f"expbuf path option {name}={value[:40]!r} must be 1 or 0")
 
 
+def _client_env(env: Mapping[str, str], var: str, old: str) -> str | None:
+    """A client TLS variable, or (warned, for one more release) its old name, which the
+    server also read for its own pair."""
+    if var in env:
+        return env[var]
+    if old in env:
+        log.warning("%s is renamed %s for clients (the old name is read until the next release)", old, var)
+        return env[old]
+    return None
+
+
 def _tls(options: Mapping[str, str], env: Mapping[str, str]) -> Tls | None:
     ca = options.get("tls_ca", env.get("EXPBUF_TLS_CA")) or None
-    cert = options.get("tls_cert", env.get("EXPBUF_TLS_CERT")) or None
-    key = options.get("tls_key", env.get("EXPBUF_TLS_KEY")) or None
+    cert = options.get("tls_cert", _client_env(env, "EXPBUF_TLS_CLIENT_CERT", "EXPBUF_TLS_CERT")) or None
+    key = options.get("tls_key", _client_env(env, "EXPBUF_TLS_CLIENT_KEY", "EXPBUF_TLS_KEY")) or None
     if bool(cert) != bool(key):
-        raise ValueError("expbuf path: tls_cert and tls_key (EXPBUF_TLS_CERT, EXPBUF_TLS_KEY) go together")
+        raise ValueError(
+            "expbuf path: tls_cert and tls_key (EXPBUF_TLS_CLIENT_CERT, EXPBUF_TLS_CLIENT_KEY) go together"
+        )
     wanted = _flag("tls", options.get("tls", env.get("EXPBUF_TLS", "")))
     if not (wanted or ca or cert):
         return None
@@ -116,4 +135,7 @@ def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
     order = options.get("order", "fifo")
     if order not in ORDER:
         raise ValueError(f"expbuf path option order={order[:40]!r}; expected one of {', '.join(ORDER)}")
-    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order)
+    delivery = options.get("delivery", "lease")
+    if delivery not in DELIVERY:
+        raise ValueError(f"expbuf path option delivery={delivery[:40]!r}; expected one of {', '.join(DELIVERY)}")
+    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order, delivery)

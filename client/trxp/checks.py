@@ -368,8 +368,11 @@ def _check_tensors(index: int, item: RawItem, work: Work) -> None:
         tensor = tensors.get(name)
         if tensor is None:
             continue
-        if tensor.dtype not in _INTEGER_CODES:
-            raise TrxpError(f"{_where(index, item)}: field '{name}' must hold integer token ids, got {tensor.dtype}")
+        if tensor.dtype not in _INTEGER_CODES and tensor.dtype not in _FLOAT_CODES:  # Trinity accepts float ids
+            raise TrxpError(
+                f"{_where(index, item)}: field '{name}' must hold token ids (integer or floating point), "
+                f"got {tensor.dtype}"
+            )
         if len(tensor.shape) != 1:
             raise TrxpError(f"{_where(index, item)}: field '{name}' must be 1-D, got shape {list(tensor.shape)}")
     prompt_length = meta.get("prompt_length", 1)

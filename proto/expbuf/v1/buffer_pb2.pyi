@@ -559,3 +559,19 @@ class ResetOffPolicyReply(_message.Message):
     trainer_version: int
     submitted: int
     def __init__(self, trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ...) -> None: ...
+
+class WritersRequest(_message.Message):
+    __slots__ = ("table", "change")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    change: int
+    def __init__(self, table: _Optional[str] = ..., change: _Optional[int] = ...) -> None: ...
+
+class WritersReply(_message.Message):
+    __slots__ = ("open", "done")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    open: int
+    done: bool
+    def __init__(self, open: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

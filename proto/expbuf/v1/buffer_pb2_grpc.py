@@ -124,6 +124,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
                 _registered_method=True)
+        self.Writers = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/Writers',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.WritersRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.WritersReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -255,6 +260,15 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Writers(self, request, context):
+        """The table's open writers: a writer opens (+1) before its first push and closes (-1)
+        after its last; 0 only reads. Once every writer that opened has closed, the table's
+        data is done: a reader that finds no batch may end (Trinity-RFT's end of data).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -347,6 +361,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.ResetOffPolicy,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.SerializeToString,
+            ),
+            'Writers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Writers,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.WritersRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.WritersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -835,6 +854,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/ResetOffPolicy',
             expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.ResetOffPolicyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Writers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/Writers',
+            expbuf_dot_v1_dot_buffer__pb2.WritersRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.WritersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,569 @@
+"""Trinity-RFT jobs against expbuf, driven by Trinity's own classes: multi-step workflows,
+pipeline filters, end of data across processes, exact batch sizes, Trinity's buffer settings,
+and the scenarios of Trinity's tests/buffer/queue_test.py and sql_test.py (skipped where
+trinity-rft is not installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+trinity = pytest.importorskip("trinity")
+
+import torch  # noqa: E402
+from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
+from trinity.algorithm.advantage_fn.multi_step_grpo_advantage import StepWiseGRPOAdvantageFn  # noqa: E402
+from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
+from trinity.buffer.operators.experience_operator import create_operators  # noqa: E402
+from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
+from trinity.common.config import (  # noqa: E402
+    Config,
+    ExperienceBufferConfig,
+    OperatorConfig,
+    ReplayBufferConfig,
+    TasksetConfig,
+)
+from trinity.common.experience import EID, Experience  # noqa: E402
+
+from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.trinity import plugin_dir  # noqa: E402
+from expbuf.server.app import ExpbufServer  # noqa: E402
+from expbuf.server.config import ServerConfig  # noqa: E402
+
+TABLE = "jobs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin() -> Iterator[None]:
+    """Load the plugin the way Trinity does: TRINITY_PLUGIN_DIRS, then its own loader."""
+    from trinity.utils import plugin_loader
+
+    copied = Path(plugin_loader.__file__).parent.parent / "plugins" / "expbuf_buffer.py"
+    existed = copied.exists()
+    saved = os.environ.get("TRINITY_PLUGIN_DIRS")
+    os.environ["TRINITY_PLUGIN_DIRS"] = plugin_dir()
+    try:
+        plugin_loader.load_plugins()
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRINITY_PLUGIN_DIRS")
+        else:
+            os.environ["TRINITY_PLUGIN_DIRS"] = saved
+        if not existed:
+            copied.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ExpbufServer]:
+    running = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
+    yield running
+    running.stop(grace=1)
+
+
+Table = Callable[..., dict]
+
+
+@pytest.fixture
+def table(server: ExpbufServer) -> Table:
+    def create(**settings: object) -> dict:
+        with BufferClient(f"127.0.0.1:{server.port}") as admin:
+            return admin.create_table(TABLE, **settings)
+
+    return create
+
+
+def buffer_config(server: ExpbufServer, batch_size: int, query: str = "", **settings: object) -> ExperienceBufferConfig:
+    path = f"expbuf://127.0.0.1:{server.port}/{TABLE}" + (f"?{query}" if query else "")
+    settings = {"max_read_timeout": 5.0, **settings}  # a missing batch fails the test, not hangs it
+    return ExperienceBufferConfig(name="experience_buffer", path=path, batch_size=batch_size, **settings)
+
+
+def multi_step(task: int, rewards: list[float], steps: list[int], batch: int = 2) -> list[Experience]:
+    """One task of a step-wise workflow: run r takes steps[r] steps; its last step carries its reward."""
+    return [
+        Experience(
+            eid=EID(batch=batch, task=task, run=run, step=step),
+            tokens=torch.arange(8, dtype=torch.int32),
+            prompt_length=3,
+            logprobs=torch.full((5,), -0.25),
+            action_mask=torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool),
+            reward=reward if step == count - 1 else 0.0,
+            info={"model_version": 1},
+        )
+        for run, (reward, count) in enumerate(zip(rewards, steps, strict=True))
+        for step in range(count)
+    ]
+
+
+def single_turn(task: int, rewards: list[float], version: int = 1) -> list[Experience]:
+    return [
+        Experience(
+            eid=EID(batch=5, task=task, run=run),
+            tokens=torch.arange(6, dtype=torch.int32),
+            prompt_length=2,
+            logprobs=torch.full((4,), -0.5),
+            reward=reward,
+            info={"model_version": version},
+        )
+        for run, reward in enumerate(rewards)
+    ]
+
+
+def write(config: ExperienceBufferConfig, *writes: list[Experience], release: bool = True) -> None:
+    async def run() -> None:
+        writer = trinity.buffer.get_buffer_writer(config)
+        await writer.acquire()
+        for data in writes:
+            await writer.write(data)
+        if release:
+            await writer.release()
+
+    asyncio.run(run())
+
+
+def by_uid(exps: list[Experience]) -> dict[str, Experience]:
+    return {exp.eid.uid: exp for exp in exps}
+
+
+def assert_advantages(read: list[Experience], want: list[Experience]) -> None:
+    expected = by_uid(want)
+    assert sorted(expected) == sorted(e.eid.uid for e in read)
+    for exp in read:
+        torch.testing.assert_close(exp.advantages, expected[exp.eid.uid].advantages.float(), atol=1e-5, rtol=1e-5)
+
+
+# ---- multi-step workflows ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "trinity_fn"), [("step_wise_grpo", StepWiseGRPOAdvantageFn), ("grpo", GRPOGroupedAdvantage)]
+)
+def test_multi_step_runs_are_written_whole_and_get_trinitys_advantages(
+    server: ExpbufServer, table: Table, estimator: str, trinity_fn: type
+) -> None:
+    """4 runs x 1-3 steps per task, one explorer write: group_size = 0 completes each task's
+    group when the write is stored, whatever the runs' step counts."""
+    table(group_size=0, estimator=estimator)
+    pushed = multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 3, 3, 3]) + multi_step(1, [0.0, 1.0, 3.0, 1.0], [1, 2, 3, 2])
+    write(buffer_config(server, 16), pushed)
+    want, _ = trinity_fn().process(copy.deepcopy(pushed))
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 16))
+    first = asyncio.run(reader.read())
+    assert [e.eid.tid for e in first] == ["2/0"] * 12  # task 1's 8 experiences do not fit next to these 12
+    second = asyncio.run(reader.read())
+    assert [e.eid.tid for e in second] == ["2/1"] * 8
+    assert_advantages(first + second, want)
+
+
+def test_multi_step_write_into_a_table_counting_runs_is_refused_with_what_to_set(
+    server: ExpbufServer, table: Table
+) -> None:
+    table(group_size=4, estimator="step_wise_grpo")
+    with pytest.raises(ValueError, match=r"12 more would overfill it.*create the table with group_size = 0"):
+        write(buffer_config(server, 4), multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 3, 3, 3]))
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.stats(TABLE)[TABLE]["pushed"] == 0  # nothing of the refused write is stored
+
+
+def test_a_group_split_over_two_writes_is_refused_with_why(server: ExpbufServer, table: Table) -> None:
+    table(group_size=0, estimator="grpo")
+    runs = single_turn(0, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"group 5/0 is already complete.*came in two writes.*write every run"):
+        write(buffer_config(server, 4), runs[:2], runs[2:])
+
+
+# ---- pipeline filters ---------------------------------------------------------------------------
+
+
+def pipeline_config(server: ExpbufServer, batch_size: int, operators: list[OperatorConfig]) -> Config:
+    config = Config()
+    config.algorithm.algorithm_type, config.algorithm.advantage_fn = "grpo", "expbuf"
+    config.algorithm.advantage_fn_args = {}
+    config.data_processor.experience_pipeline.save_input = False
+    config.data_processor.experience_pipeline.operators = operators
+    config.buffer.trainer_input.experience_buffer = buffer_config(server, batch_size)
+    return config
+
+
+async def run_pipeline(config: Config, *writes: list[Experience], close: bool = True) -> list[dict]:
+    """Trinity's ExperiencePipeline as its prepare() sets it up, without auxiliary models."""
+    pipeline = ExperiencePipeline(config)
+    await pipeline.output.acquire()
+    pipeline.operators = create_operators(config.data_processor.experience_pipeline.operators, {})
+    pipeline._set_algorithm_operators(config.algorithm)
+    metrics = [await pipeline.process(Experience.serialize_many(data)) for data in writes]
+    if close:
+        await pipeline.close()
+    return metrics
+
+
+@pytest.mark.parametrize("group_size", [4, 0])
+def test_runs_a_reward_filter_dropped_are_not_waited_for(server: ExpbufServer, table: Table, group_size: int) -> None:
+    """Trinity's reward_filter drops runs below 0.5: each write's groups are complete when it
+    ends, and the trainer reads them at once, with the explorer still running."""
+    table(group_size=group_size, estimator="grpo")
+    config = pipeline_config(server, 4, [OperatorConfig(name="reward_filter", args={"threshold": 0.5})])
+    pushed = single_turn(0, [1.0, 0.0, 2.0, 0.25]) + single_turn(1, [3.0, 1.0, 2.0, 4.0])
+    metrics = asyncio.run(run_pipeline(config, pushed, close=False))
+    assert metrics[0]["experience_pipeline/filtered_count"] == 2.0
+    strategy = DefaultSampleStrategy(config.buffer)
+    kept = [e for e in pushed if e.reward >= 0.5]
+    batches = [asyncio.run(strategy.sample(step=1))[0], asyncio.run(strategy.sample(step=2))[0]]
+    assert sorted(len(b) for b in batches) == [2, 4]
+    want, _ = GRPOGroupedAdvantage().process(copy.deepcopy(kept))
+    assert_advantages(batches[0] + batches[1], want)
+
+
+# ---- end of data ----------------------------------------------------------------------------------
+
+EXPLORER = textwrap.dedent(
+    """
+    import asyncio, sys, torch
+    from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline
+    from trinity.common.config import Config, ExperienceBufferConfig
+    from trinity.common.experience import EID, Experience
+
+    config = Config()
+    config.mode = "both"
+    config.algorithm.algorithm_type, config.algorithm.advantage_fn = "grpo", "expbuf"
+    config.algorithm.advantage_fn_args = {}
+    config.data_processor.experience_pipeline.save_input = False
+    config.buffer.trainer_input.experience_buffer = ExperienceBufferConfig(name="experience_buffer", path=sys.argv[1])
+
+    async def main():
+        pipeline = ExperiencePipeline(config)  # loads the plugin from TRINITY_PLUGIN_DIRS
+        await pipeline.output.acquire()
+        pipeline.operators = []
+        pipeline._set_algorithm_operators(config.algorithm)
+        exps = [Experience(eid=EID(batch=1, task=t, run=r), tokens=torch.arange(5), prompt_length=2,
+                           reward=float(r), info={"model_version": 0}) for t in range(2) for r in range(2)]
+        await pipeline.process(Experience.serialize_many(exps))
+        print("written", flush=True)
+        sys.stdin.readline()  # the test says when the explorer finishes
+        await pipeline.close()
+        print("released", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def said(process: subprocess.Popen, word: str) -> bool:
+    """Whether the process printed `word` on a line of its own before ending (Trinity logs to stdout too)."""
+    return any(line.strip() == word for line in iter(process.stdout.readline, ""))
+
+
+def test_mode_both_trainer_ends_when_the_explorer_in_another_process_releases(
+    server: ExpbufServer, table: Table
+) -> None:
+    """The explorer's pipeline runs in its own process, as Trinity's Ray actors do: its release
+    reaches the server, and the trainer waiting for its next batch gets StopAsyncIteration."""
+    table(group_size=2, estimator="grpo")
+    config = Config()
+    config.mode = "both"
+    config.buffer.trainer_input.experience_buffer = buffer_config(server, 2, max_read_timeout=60.0)
+    path = config.buffer.trainer_input.experience_buffer.path
+    env = {**os.environ, "TRINITY_PLUGIN_DIRS": plugin_dir()}
+    explorer = subprocess.Popen(
+        [sys.executable, "-c", EXPLORER, path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert said(explorer, "written"), explorer.stderr.read()
+        strategy = DefaultSampleStrategy(config.buffer)
+        steps = [asyncio.run(strategy.sample(step=s))[0] for s in (1, 2)]
+        assert sorted(e.eid.tid for b in steps for e in b) == ["1/0", "1/0", "1/1", "1/1"]
+        ended: list[BaseException] = []
+
+        def trainer_step() -> None:
+            try:
+                asyncio.run(strategy.sample(step=3))
+            except BaseException as exc:
+                ended.append(exc)
+
+        waiting = threading.Thread(target=trainer_step)
+        waiting.start()
+        explorer.stdin.write("finish\n")
+        explorer.stdin.flush()
+        assert said(explorer, "released"), explorer.stderr.read()
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+        assert len(ended) == 1 and isinstance(ended[0], StopAsyncIteration)
+        with pytest.raises(StopAsyncIteration):  # and so does every read after it
+            asyncio.run(strategy.sample(step=3))
+        assert explorer.wait(timeout=30) == 0
+    finally:
+        if explorer.poll() is None:
+            explorer.kill()
+            explorer.wait()
+
+
+def test_a_new_writer_opens_the_table_again(server: ExpbufServer, table: Table) -> None:
+    table(group_size=2, estimator="grpo")
+    config = buffer_config(server, 2)
+    write(config, single_turn(0, [1.0, 2.0]))
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert len(asyncio.run(reader.read())) == 2
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+    write(config, single_turn(1, [1.0, 2.0]))  # a second run of the explorer
+    assert [e.eid.tid for e in asyncio.run(reader.read())] == ["5/1", "5/1"]
+
+
+# ---- exact batch sizes -------------------------------------------------------------------------------
+
+
+def test_batches_are_exact_and_never_larger(server: ExpbufServer, table: Table) -> None:
+    table(group_size=2, estimator="grpo")
+    write(buffer_config(server, 4), *[single_turn(t, [1.0, 2.0]) for t in range(4)], release=False)
+    with pytest.raises(ValueError, match=r"batch_size 3 is not a multiple of the group_size 2.*multiple of 2"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, 3))
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 4))
+    assert len(asyncio.run(reader.read())) == 4
+    assert len(asyncio.run(reader.read(batch_size=2))) == 2
+    with pytest.raises(ValueError, match="batch_size 3 is not a multiple"):
+        asyncio.run(reader.read(batch_size=3))
+
+
+def test_groups_of_varying_size_fill_a_batch_as_far_as_whole_groups_go(server: ExpbufServer, table: Table) -> None:
+    table(group_size=0, estimator="grpo")
+    sizes = [3, 2, 4, 1, 6]
+    write(buffer_config(server, 5), *[single_turn(t, [float(r) for r in range(n)]) for t, n in enumerate(sizes)])
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 5))
+    assert [len(asyncio.run(reader.read())) for _ in range(2)] == [5, 5]  # 3 + 2, then 4 + 1
+    with pytest.raises(ValueError, match="group 5/4 has 6 experiences, more than batch_size 5"):
+        asyncio.run(reader.read())
+    assert len(asyncio.run(reader.read(batch_size=6))) == 6  # the group went back, first in line
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+
+
+def test_a_take_of_several_groups_that_does_not_fit_goes_back_whole(server: ExpbufServer, table: Table) -> None:
+    """After a group of 2, the reader asks for 2 more groups (4 experiences would fit): they are
+    2 + 4, too many, so both go back and it goes on one group at a time, in order."""
+    table(group_size=0, estimator="grpo")
+    sizes = [2, 2, 4, 2]
+    write(buffer_config(server, 6), *[single_turn(t, [float(r) for r in range(n)]) for t, n in enumerate(sizes)])
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 6))
+    reads = [asyncio.run(reader.read()) for _ in range(2)]
+    assert [sorted({e.eid.tid for e in r}) for r in reads] == [["5/0", "5/1"], ["5/2", "5/3"]]
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats["leased"], stats["ready"]) == (6, 0)  # the second read's groups, acknowledged on the next
+
+
+# ---- Trinity's buffer settings ---------------------------------------------------------------------
+
+
+def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, table: Table) -> None:
+    """Trinity's queue_test: at capacity 4 the 5th write blocks until a read makes room."""
+    table(group_by="none", estimator="none")
+    with pytest.raises(ValueError, match=r"capacity=4.*create it with capacity_experiences = 4"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, 1, capacity=4))
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.drop_table(TABLE)
+    table(group_by="none", estimator="none", capacity_experiences=4, when_full="block")
+    config = buffer_config(server, 1, "delivery=consume", capacity=4)
+    writer = trinity.buffer.get_buffer_writer(config)
+    for i in range(4):
+        asyncio.run(writer.write(single_turn(i, [1.0])))
+    fifth = threading.Thread(target=lambda: asyncio.run(writer.write(single_turn(4, [1.0]))))
+    fifth.start()
+    fifth.join(timeout=2)
+    assert fifth.is_alive(), "the 5th write did not block"
+    reader = trinity.buffer.get_buffer_reader(config)
+    assert [e.eid.tid for e in asyncio.run(reader.read())] == ["5/0"]
+    fifth.join(timeout=30)
+    assert not fifth.is_alive()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.stats(TABLE)[TABLE]["pushed"] == 5
+
+
+def test_trinitys_priority_queue_newest_version_first_at_capacity(server: ExpbufServer, table: Table) -> None:
+    """Trinity's replay_buffer (linear_decay, no reuse): 12 writes at capacity 8 are read
+    highest model_version first, 11 down to 4, each with use_count 1, as from its AsyncPriorityQueue."""
+    table(group_by="none", estimator="none", capacity_experiences=8, when_full="evict")
+    replay = ReplayBufferConfig(enable=True, priority_fn="linear_decay", priority_fn_args={"decay": 2.0})
+    config = buffer_config(server, 8, capacity=8, replay_buffer=replay)
+    write(config, *[single_turn(v, [1.0], version=v) for v in range(12)])
+    reader = trinity.buffer.get_buffer_reader(config)
+    got = asyncio.run(reader.read())
+    assert [e.info["model_version"] for e in got] == list(range(11, 3, -1))
+    assert {e.info["use_count"] for e in got} == {1}
+    with pytest.raises(StopAsyncIteration):  # read once each: no reuse
+        asyncio.run(reader.read())
+
+
+def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(
+    server: ExpbufServer, table: Table
+) -> None:
+    table(group_by="none", estimator="none")
+    refused = {
+        "reuse_cooldown_time=1": ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0),
+        r"priority_fn_args.sigma": ReplayBufferConfig(
+            enable=True, priority_fn="decay_limit_randomization", priority_fn_args={"sigma": 0.5}
+        ),
+        "runs linear_decay and decay_limit_randomization": ReplayBufferConfig(enable=True, priority_fn="mine"),
+    }
+    for message, replay in refused.items():
+        for factory in (trinity.buffer.get_buffer_writer, trinity.buffer.get_buffer_reader):
+            with pytest.raises(ValueError, match=rf"replay_buffer \(priority_fn=.*{message}"):
+                factory(buffer_config(server, 2, replay_buffer=replay))
+    with pytest.raises(ValueError, match=r"capacity=8.*when_full = 'evict'"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, 2, capacity=8, replay_buffer=ReplayBufferConfig(True)))
+    with pytest.raises(ValueError, match="leave the path's order and delivery options out"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, 2, "order=lifo", replay_buffer=ReplayBufferConfig(True)))
+
+
+def test_replay_reads_everything_again_up_to_max_times_sampled(server: ExpbufServer, table: Table) -> None:
+    """Trinity's sql_test with replay ("we can read all again"), bounded by the table's max_times_sampled."""
+    table(group_by="none", estimator="none", max_times_sampled=2)
+    pushed = [exp for t in range(6) for exp in single_turn(t, [float(t)], version=t)]
+    write(buffer_config(server, 6), pushed)
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 6, "delivery=replay&order=lifo"))
+    for _ in range(2):
+        assert [e.info["model_version"] for e in asyncio.run(reader.read())] == [5, 4, 3, 2, 1, 0]
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+
+
+def test_consume_delivery_and_groups_of_varying_size(server: ExpbufServer, table: Table) -> None:
+    table(group_size=0, estimator="grpo")
+    write(buffer_config(server, 4), single_turn(0, [1.0, 2.0, 3.0]), single_turn(1, [1.0, 2.0]), release=False)
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 4, "delivery=consume"))
+    assert len(asyncio.run(reader.read())) == 3
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (3, 0, 2)
+    with pytest.raises(ValueError, match="delivery=replay: table 'jobs' has groups of varying size"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, 4, "delivery=replay"))
+
+
+def test_a_taskset_on_expbuf_is_refused(server: ExpbufServer, table: Table) -> None:
+    table(group_size=2)
+    taskset = TasksetConfig(name="tasks", path=f"expbuf://127.0.0.1:{server.port}/{TABLE}", batch_size=4)
+    with pytest.raises(ValueError, match="an expbuf:// path holds experiences, not tasks"):
+        trinity.buffer.get_buffer_reader(taskset)
+
+
+# ---- Trinity's queue_test and sql_test scenarios -------------------------------------------------------
+
+
+def test_queue_test_scenario_without_eids(server: ExpbufServer, table: Table, caplog: pytest.LogCaptureFixture) -> None:
+    """Trinity's test_queue_buffer: experiences without eids, float tokens, writes of 2 and reads
+    of 4, a read of another size, then StopAsyncIteration once the writer releases."""
+    table(group_by="task", group_size=0, estimator="none")
+    config = buffer_config(server, 4, max_read_timeout=3.0)
+
+    def exps(n: int, mask: bool = False) -> list[Experience]:
+        return [
+            Experience(
+                tokens=torch.tensor([float(j) for j in range(i + 1)]),
+                prompt_length=i,
+                reward=float(i),
+                logprobs=torch.tensor([0.1]),
+                **({"action_mask": torch.tensor([1])} if mask else {}),  # the response's length (1 token)
+            )
+            for i in range(1, n + 1)
+        ]
+
+    async def scenario() -> None:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        assert await writer.acquire() == 1
+        written = []
+        for _ in range(4):
+            batch = exps(2)
+            written += batch
+            await writer.write(batch)
+        read = [await reader.read() for _ in range(2)]
+        assert [len(r) for r in read] == [4, 4]
+        # Each experience without an eid is a group of its own: its task is its eid's suffix.
+        sent = {exp.eid.suffix: exp for exp in written}
+        assert sorted(e.eid.tid for e in read[0] + read[1]) == sorted(f"/{suffix}" for suffix in sent)
+        for got in read[0] + read[1]:
+            assert got.tokens.dtype == torch.float32 and torch.equal(got.tokens, sent[got.eid.suffix].tokens)
+        with caplog.at_level(logging.WARNING, logger="expbuf.client.trinity.buffer"):
+            await writer.write(written[:2])  # a retried write: stored once, and the writer says so
+        assert (
+            f"2 of 2 experiences written to table 'jobs' were stored already (first: /{written[0].eid.suffix}/0/0/"
+            in (caplog.text)
+        )
+        await writer.write(exps(4, mask=True))
+        assert len(await reader.read(batch_size=4)) == 4
+        assert await writer.release() == 0
+        with pytest.raises(StopAsyncIteration):
+            await reader.read()
+        with pytest.raises(StopAsyncIteration):
+            await reader.read(batch_size=1)
+
+    asyncio.run(scenario())
+
+
+def test_sql_test_scenario_reads_the_newer_experiences(server: ExpbufServer, table: Table) -> None:
+    """Trinity's test_sql_exp_buffer_read_write without replay: 8 written, read 2 x 4, 4 newer
+    written and read; reads past the end wait for max_read_timeout while the writer is open."""
+    table(group_by="none", estimator="none")
+    config = buffer_config(server, 4, max_read_timeout=0.5)
+
+    async def scenario() -> None:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        assert await writer.acquire() == 1
+        for _ in range(4):
+            await writer.write(
+                [
+                    Experience(tokens=torch.tensor([1.0, 2.0]), prompt_length=1, reward=1.0,
+                               logprobs=torch.tensor([0.1]), info={"model_version": i})
+                    for i in (1, 2)
+                ]
+            )  # fmt: skip
+        assert [len(await reader.read()) for _ in range(2)] == [4, 4]
+        newer = [Experience(tokens=torch.tensor([float(j) for j in range(i + 1)]), prompt_length=i, reward=float(i),
+                            logprobs=torch.tensor([0.1]), action_mask=torch.tensor([1]),
+                            info={"model_version": i + 2}) for i in range(1, 5)]  # fmt: skip
+        await writer.write(newer)
+        got = await reader.read(batch_size=4)
+        assert len(got) == 4 and all(exp.info["model_version"] > 2 for exp in got)
+        with pytest.raises(TimeoutError, match="max_read_timeout"):
+            await reader.read()
+        assert await writer.release() == 0
+        with pytest.raises(StopAsyncIteration):
+            await reader.read()
+
+    asyncio.run(scenario())
+
+
+def test_the_writers_count_refuses_what_it_cannot_count(server: ExpbufServer, table: Table) -> None:
+    """The Writers RPC: a table that does not exist, a change other than +1/-1/0, and a dropped
+    table's count, which goes with it."""
+    import grpc
+
+    from expbuf.client import BufferError
+
+    table(group_size=2)
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(BufferError) as missing:
+            client.writers("nosuch", 1)
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(BufferError, match=r"change is 2; expected \+1") as bad:
+            client.writers(TABLE, 2)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.writers(TABLE) == (0, False)  # never opened: not done
+        assert client.writers(TABLE, 1) == (1, False)
+        assert client.writers(TABLE, -1) == (0, True)
+        assert client.writers(TABLE, -1) == (0, True)  # a close too many changes nothing
+        client.drop_table(TABLE)
+        client.create_table(TABLE, group_size=2)
+        assert client.writers(TABLE) == (0, False)
