@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from expbuf.client import trxp
 
-from .tables import TableConfig, batch_stage, estimator_args
+from .tables import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
     import torch
@@ -165,18 +165,18 @@ def _finish(
         run=torch.tensor([runs.setdefault(rec.rid, len(runs)) for rec in records], dtype=torch.int64),
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
-    args = estimator_args(config)
-    settings = config.shaping
-    if config.estimator != "reinforceplusplus":
-        finish = estimators.FINISH.get(config.estimator)
-        whitened = config.estimator == "reinforce++_baseline"  # LightRFT clips, then whitens across the batch
-        values = finish(rows, **args) if finish is not None and not whitened else rows.pending
+    estimator, args, settings = estimator_of(config), estimator_args(config), config.shaping
+    batched = estimator.has_batch_stage(args)
+    if not estimator.token_valued:
+        values = rows.pending
+        if batched and estimator.group_step_in_batch:  # the group step's std over the batch
+            values = estimator.batch_stage()(rows, **args)
         if settings.advantages_norm:
             values = shaping.advantages_norm(values, rows.generated)
         values = shaping.clip_advantages(settings, values, report)
-        if whitened:
+        if batched and not estimator.group_step_in_batch:  # LightRFT clips, then whitens across the batch
             rows.pending = values
-            values = finish(rows, **args)
+            values = estimator.batch_stage()(rows, **args)
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -187,7 +187,7 @@ def _finish(
         returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
     rows.returns = shaping.clip_advantages(settings, rows.returns, report)  # the returns as advantages, clipped
-    advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    advantages = estimator.batch_stage()(rows, **args)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)

@@ -23,7 +23,7 @@ from expbuf.client import trxp
 from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
-from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
+from ..tables import CONFIG_VERSION, TableConfig, default_table, estimator_of
 from . import admission, browse, layout, limiter, retirement, staleness
 from .environment import Environment
 from .groups import TableTxn, read_counters
@@ -411,7 +411,7 @@ class Store(Sampling):
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
                         job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                        if config.estimator in TOKEN_LEVEL:
+                        if estimator_of(config).token_level:
                             job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
                     count += len(grp.members)
                     found = cur.next()
