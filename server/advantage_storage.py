@@ -8,15 +8,20 @@ carries the same value (every estimator but the token-level ones), or a record o
 
 An estimator with a batch stage stores pending values instead (see estimators.py), and
 `finish_batch` turns the pending values of a sampled batch into its advantages, in the
-stored forms, before `expand`. torch is imported only where values are computed, so the
-storage engine that reads and splices them does not load it.
+stored forms, before `expand`. The storage engine takes a batch with its stored values and
+hands it on with its `BatchStage`, which runs where the reply is built, on the RPC's
+thread: never inside the write transaction, so no push waits behind a whitening pass.
+torch is imported only where values are computed, so the storage engine that reads and
+splices them does not load it.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from expbuf.client import trxp
 
@@ -118,17 +123,52 @@ def _scaled_mask(mask: bytes, value: float) -> bytes | None:
     return bytes(out)
 
 
+class StageCounts:
+    """What the batch stage's advantage clip did in one table's samples since the server
+    started. The stage runs as replies are built, outside any write transaction, so these
+    counts are kept in memory; Stats adds them to the table's durable counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.advantages_seen = 0
+        self.advantages_clipped = 0
+
+    def add(self, seen: int, clipped: int) -> None:
+        with self._lock:
+            self.advantages_seen += seen
+            self.advantages_clipped += clipped
+
+
+@dataclass
+class BatchStage:
+    """A taken batch's batch stage, to run once where its reply is built: the table's
+    configuration, the batch's item records in batch order, and the counts its clip adds
+    to (None for a Get, which is not a sample)."""
+
+    config: TableConfig
+    records: list[ItemRecord]
+    counts: StageCounts | None = None
+
+    @classmethod
+    def of(cls, config: TableConfig, records: list[ItemRecord], counts: StageCounts | None) -> BatchStage | None:
+        """The stage of a batch of this table, or None where the table has none."""
+        return cls(config, records, counts) if records and batch_stage(config) else None
+
+    def run(self, stored: Sequence[Advantage]) -> list[Advantage]:
+        return finish_batch(self.config, self.records, stored, self.counts)
+
+
 def finish_batch(
     config: TableConfig,
     records: Sequence[ItemRecord],
     stored: Sequence[Advantage],
-    counters: dict[str, Any] | None = None,
+    counts: StageCounts | None = None,
 ) -> list[Advantage]:
     """The batch stage: the advantages of a sampled batch (its item records and stored
     values, in batch order) from the pending values its estimator stored on ingest,
     whitened by advantages_norm and clipped, or for the estimators that whiten over the
     batch clipped and then whitened (LightRFT's order); what the clipping did is added to
-    `counters` (a sample's, not a Get's). Tables without a batch stage get their stored
+    `counts` (a sample's, not a Get's). Tables without a batch stage get their stored
     values back unchanged (clipped on ingest)."""
     if not batch_stage(config) or not records:
         return list(stored)
@@ -136,9 +176,8 @@ def finish_batch(
 
     report = ShapingReport()
     finished = _finish(config, records, stored, report)
-    if counters is not None:
-        counters["advantages_seen"] += report.advantages_seen
-        counters["advantages_clipped"] += report.advantages_clipped
+    if counts is not None:
+        counts.add(report.advantages_seen, report.advantages_clipped)
     return finished
 
 
