@@ -29,6 +29,7 @@ from .batch_rows import BatchRows
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
+from .migrate import migrate
 from .records import GroupRecord, ItemRecord, Lease
 from .sampling import Sampling
 from .types import ComputeJob, Entry, PutResult, ShapingUpdate
@@ -48,7 +49,9 @@ class Store(Sampling):
         seed: int | None = None,
         batch_limit: int = 512,
     ) -> None:
-        self.environment = Environment(path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit)
+        self.environment = Environment(
+            path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
+        )
         self.path = self.environment.path
         self.max_map_size = max_map_size
         self.clock = clock

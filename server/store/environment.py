@@ -29,10 +29,12 @@ import lmdb
 
 from ..errors import StorageFull, StoreClosed, StoreError
 from . import layout
-from .migrate import migrate
 from .snapshot import Snapshot
 
 T = TypeVar("T")
+# What brings a directory to the current format (migrate.py's `migrate`), given by the Store:
+# it works on tables, a layer above the environment.
+Migration = Callable[[lmdb.Transaction, lmdb.Environment, dict[str, lmdb._Database], Path], Any]
 # Snapshots open at once (see snapshot()); each holds one of LMDB's reader slots.
 MAX_SNAPSHOTS = 16
 
@@ -53,6 +55,7 @@ class Environment:
         map_size: int = 1 << 30,
         max_map_size: int = 1 << 40,
         batch_limit: int = 512,
+        migrate: Migration,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ class Environment:
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
             self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
-            self._migrate()
+            self._migrate(migrate)
         except BaseException:
             if hasattr(self, "env"):
                 self.env.close()
@@ -88,7 +91,7 @@ class Environment:
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
         self._writer.start()
 
-    def _migrate(self) -> None:
+    def _migrate(self, migrate: Migration) -> None:
         """Bring the directory to the current format, growing the map if the rewrite needs it."""
         while True:
             try:
