@@ -178,7 +178,7 @@ class _Sharded:
     @classmethod
     def from_ray(cls, namespace: str, name: str = "expbuf", **options: Any) -> Any:
         """Shards started by `expbuf.ray.start_shards` in a Ray namespace (needs `ray.init()` first)."""
-        from expbuf.ray import shard_map
+        from .ray_registry import shard_map
 
         return cls(shard_map(namespace, name), **options)
 

@@ -8,19 +8,24 @@ carries the same value (every estimator but the token-level ones), or a record o
 
 An estimator with a batch stage stores pending values instead (see estimators.py), and
 `finish_batch` turns the pending values of a sampled batch into its advantages, in the
-stored forms, before `expand`. torch is imported only where values are computed, so the
-storage engine that reads and splices them does not load it.
+stored forms, before `expand`. The storage engine takes a batch with its stored values and
+hands it on with its `BatchStage`, which runs where the reply is built, on the RPC's
+thread: never inside the write transaction, so no push waits behind a whitening pass.
+torch is imported only where values are computed, so the storage engine that reads and
+splices them does not load it.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from expbuf.client import trxp
 
-from .tables import TableConfig, batch_stage, estimator_args
+from .tables import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
     import torch
@@ -118,17 +123,52 @@ def _scaled_mask(mask: bytes, value: float) -> bytes | None:
     return bytes(out)
 
 
+class StageCounts:
+    """What the batch stage's advantage clip did in one table's samples since the server
+    started. The stage runs as replies are built, outside any write transaction, so these
+    counts are kept in memory; Stats adds them to the table's durable counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.advantages_seen = 0
+        self.advantages_clipped = 0
+
+    def add(self, seen: int, clipped: int) -> None:
+        with self._lock:
+            self.advantages_seen += seen
+            self.advantages_clipped += clipped
+
+
+@dataclass
+class BatchStage:
+    """A taken batch's batch stage, to run once where its reply is built: the table's
+    configuration, the batch's item records in batch order, and the counts its clip adds
+    to (None for a Get, which is not a sample)."""
+
+    config: TableConfig
+    records: list[ItemRecord]
+    counts: StageCounts | None = None
+
+    @classmethod
+    def of(cls, config: TableConfig, records: list[ItemRecord], counts: StageCounts | None) -> BatchStage | None:
+        """The stage of a batch of this table, or None where the table has none."""
+        return cls(config, records, counts) if records and batch_stage(config) else None
+
+    def run(self, stored: Sequence[Advantage]) -> list[Advantage]:
+        return finish_batch(self.config, self.records, stored, self.counts)
+
+
 def finish_batch(
     config: TableConfig,
     records: Sequence[ItemRecord],
     stored: Sequence[Advantage],
-    counters: dict[str, Any] | None = None,
+    counts: StageCounts | None = None,
 ) -> list[Advantage]:
     """The batch stage: the advantages of a sampled batch (its item records and stored
     values, in batch order) from the pending values its estimator stored on ingest,
     whitened by advantages_norm and clipped, or for the estimators that whiten over the
     batch clipped and then whitened (LightRFT's order); what the clipping did is added to
-    `counters` (a sample's, not a Get's). Tables without a batch stage get their stored
+    `counts` (a sample's, not a Get's). Tables without a batch stage get their stored
     values back unchanged (clipped on ingest)."""
     if not batch_stage(config) or not records:
         return list(stored)
@@ -136,9 +176,8 @@ def finish_batch(
 
     report = ShapingReport()
     finished = _finish(config, records, stored, report)
-    if counters is not None:
-        counters["advantages_seen"] += report.advantages_seen
-        counters["advantages_clipped"] += report.advantages_clipped
+    if counts is not None:
+        counts.add(report.advantages_seen, report.advantages_clipped)
     return finished
 
 
@@ -165,18 +204,18 @@ def _finish(
         run=torch.tensor([runs.setdefault(rec.rid, len(runs)) for rec in records], dtype=torch.int64),
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
-    args = estimator_args(config)
-    settings = config.shaping
-    if config.estimator != "reinforceplusplus":
-        finish = estimators.FINISH.get(config.estimator)
-        whitened = config.estimator == "reinforce++_baseline"  # LightRFT clips, then whitens across the batch
-        values = finish(rows, **args) if finish is not None and not whitened else rows.pending
+    estimator, args, settings = estimator_of(config), estimator_args(config), config.shaping
+    batched = estimator.has_batch_stage(args)
+    if not estimator.token_valued:
+        values = rows.pending
+        if batched and estimator.group_step_in_batch:  # the group step's std over the batch
+            values = estimator.batch_stage()(rows, **args)
         if settings.advantages_norm:
             values = shaping.advantages_norm(values, rows.generated)
         values = shaping.clip_advantages(settings, values, report)
-        if whitened:
+        if batched and not estimator.group_step_in_batch:  # LightRFT clips, then whitens across the batch
             rows.pending = values
-            values = finish(rows, **args)
+            values = estimator.batch_stage()(rows, **args)
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
@@ -187,7 +226,7 @@ def _finish(
         returns.append(torch.frombuffer(bytearray(record[middle:]), dtype=torch.float32))
     rows.mask, rows.returns = torch.cat(masks).double(), torch.cat(returns).double()
     rows.returns = shaping.clip_advantages(settings, rows.returns, report)  # the returns as advantages, clipped
-    advantages = estimators.FINISH["reinforceplusplus"](rows, **args)
+    advantages = estimator.batch_stage()(rows, **args)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a.float()).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages.split(lengths), returns, lengths, strict=True)

@@ -27,7 +27,7 @@ from .advantage_storage import encode_results, flat_tensor
 from .backend import Backend
 from .errors import clip
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
-from .tables import TOKEN_LEVEL, ConfigError, TableConfig, batch_stage, estimator_args, group_step_first
+from .tables import ConfigError, TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
 
@@ -95,7 +95,7 @@ def compute(
     config, settings = job.config, job.config.shaping
     uids = [uid for members in job.members for uid in members]
     items = None
-    if config.estimator in TOKEN_LEVEL:
+    if estimator_of(config).token_level:
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
     moments = shaping.RunningMoments.of(job.moments)
     report = shaping.ShapingReport()

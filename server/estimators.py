@@ -12,9 +12,10 @@ length and are zero where `action_mask` is 0.
 Two stages. The ingest stage (`estimate`) runs when groups complete and computes what
 depends on a group alone; its result is stored per experience. Statistics over a batch
 (whitening, the std over the batch) cannot be known then: the estimators that need them
-store a pending value, and their batch stage (`FINISH`) turns the pending values of a
-sampled batch into its advantages, so that a batch gets the same advantages however its
-groups arrived.
+store a pending value, and their batch stage (the `finish_*` functions) turns the pending
+values of a sampled batch into its advantages, so that a batch gets the same advantages
+however its groups arrived. Each estimator is registered, with its parameters and both
+stages, in estimator_registry.py.
 
 Most estimators give one value per experience (every generated token of an experience
 carries it): their result is `Advantages(scalar=...)`. `reinforceplusplus` and
@@ -30,11 +31,12 @@ sum (the `score`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .estimator_registry import ESTIMATORS
 
 WHITEN_EPSILON = 1e-8  # Trinity-RFT's masked_whiten
 
@@ -93,7 +95,7 @@ class Advantages:
     """One value per experience (`scalar`), or token-level `advantages` and `returns`.
 
     For an estimator with a batch stage these are the pending values it finishes over
-    the sampled batch (`FINISH`)."""
+    the sampled batch (its batch stage)."""
 
     scalar: Tensor | None = None  # [N]
     advantages: Tensor | None = None  # [T]
@@ -332,28 +334,9 @@ def multi_turn_discount(b: FlatBatch, turn_level_discount: float) -> Advantages:
     return Advantages(scalar=table[b.run, position])
 
 
-ESTIMATORS: dict[str, Callable[..., Advantages]] = {
-    "grpo": grpo,
-    "grpo_verl": grpo_verl,
-    "step_wise_grpo": step_wise_grpo,
-    "reinforceplusplus": reinforceplusplus,
-    "reinforce": reinforce,
-    "rloo": rloo,
-    "opmd": opmd,
-    "opmd_verl": opmd_verl,
-    "asymre": asymre,
-    "asymre_verl": asymre_verl,
-    "rec": rec,
-    "drgrpo": drgrpo,
-    "reinforce++_baseline": reinforce_pp_baseline,
-    "discounted_return": discounted_return,
-    "multi_turn_discount": multi_turn_discount,
-}
-
-
 def estimate(name: str, batch: FlatBatch, args: dict[str, float | str | None]) -> Advantages:
     """The ingest stage of the named estimator, with its arguments (tables.estimator_args)."""
-    return ESTIMATORS[name](batch, **args)
+    return ESTIMATORS[name].ingest_stage()(batch, **args)
 
 
 # ---- batch stage: pure functions of the sampled batch's per-experience values -------
@@ -406,14 +389,6 @@ def finish_reinforceplusplus(rows: SampledRows, **_: object) -> Tensor:
     if count > 1:
         var = var * count / (count - 1)
     return (returns - mean) * torch.rsqrt(var + WHITEN_EPSILON) * mask
-
-
-FINISH: dict[str, Callable[..., Tensor]] = {
-    "grpo": finish_grpo,
-    "step_wise_grpo": finish_step_wise_grpo,
-    "reinforce++_baseline": finish_reinforce_pp_baseline,
-    "reinforceplusplus": finish_reinforceplusplus,
-}
 
 
 def resolve_device(device: str) -> torch.device:

@@ -37,7 +37,9 @@ def _varint(value: int) -> bytes:
 
 def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
     """The serialised SampleReply of a batch, its payload copied once (from the store's
-    map into the reply); the batch is released then, its payload is not read again."""
+    map into the reply); the batch is released then, its payload is not read again. A
+    table's batch stage runs here, on the RPC's thread (`Sampled.render`), not in the
+    store's write transaction."""
     rest = pb.SampleReply(
         uids=batch.uids,
         group_ids=batch.group_ids,

@@ -11,9 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from expbuf.client.wire import PARAM_CHOICES
-
 from .errors import clip
+from .estimator_registry import ESTIMATORS, Estimator
 
 GROUP_BY = ("task", "run", "step", "none")
 WHEN_FULL = ("block", "evict")
@@ -23,137 +22,29 @@ ON_STALE = ("drop", "refuse")
 CONFIG_VERSION = 2
 
 
-@dataclass(frozen=True)
-class Param:
-    """One estimator parameter: its default (None: off unless set) and its allowed values.
-
-    A numeric parameter lies in [low, high], each end open or closed; a parameter with
-    `choices` takes one of those names, or its position among them (the form it has on the
-    wire, whose parameter map holds numbers)."""
-
-    default: float | str | None
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    choices: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """The allowed values, as error messages state them."""
-        if self.choices:
-            return " or ".join(f"{c!r} ({i})" for i, c in enumerate(self.choices))
-        if self.low == -math.inf and self.high == math.inf:
-            return "a finite number"
-        if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.low == -math.inf:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return f"{self.low:g} {'<' if self.low_open else '<='} x {'<' if self.high_open else '<='} {self.high:g}"
-
-    def check(self, value: Any) -> float | None:
-        """The value in its stored form (a number), or None when it is out of range."""
-        if self.choices and isinstance(value, str):
-            return float(self.choices.index(value)) if value in self.choices else None
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        if isinstance(value, bool) and not self.choices:  # a flag only where the parameter is one
-            return None
-        value = float(value)
-        if self.choices:
-            return value if value.is_integer() and 0 <= value < len(self.choices) else None
-        if value < self.low or (self.low_open and value == self.low):
-            return None
-        if value > self.high or (self.high_open and value == self.high):
-            return None
-        return value
-
-
-_EPSILON = Param(1e-6, low=0.0, low_open=True)
-_THRESHOLD = Param(None, low=0.0)
-_STD_LEVEL = Param("group", choices=PARAM_CHOICES["std_cal_level"])
-_FLAG = Param(0.0, choices=PARAM_CHOICES["std_normalize"])
-_BASELINE = Param("mean", choices=PARAM_CHOICES["opmd_baseline"])
-_DISCOUNT = Param(1.0, low=0.0, high=1.0, low_open=True)
-# Each estimator's parameters (see server/estimators.py), under Trinity-RFT's names for its functions.
-ESTIMATOR_PARAMS: dict[str, dict[str, Param]] = {
-    "grpo": {"epsilon": _EPSILON, "std_threshold": _THRESHOLD, "std_cal_level": _STD_LEVEL},
-    "grpo_verl": {"epsilon": _EPSILON},
-    "step_wise_grpo": {
-        "epsilon": _EPSILON,
-        "enable_step_norm": _FLAG,
-        "std_cal_level": _STD_LEVEL,
-        "std_threshold": _THRESHOLD,
-    },
-    "reinforceplusplus": {"gamma": _DISCOUNT},
-    "reinforce": {},
-    "rloo": {},
-    "opmd": {"opmd_baseline": _BASELINE, "tau": Param(1.0, low=0.0, low_open=True)},
-    "opmd_verl": {
-        "opmd_baseline": _BASELINE,
-        "tau": Param(1.0, low=0.0, low_open=True),
-    },
-    "asymre": {"baseline_shift": Param(-0.1)},
-    "asymre_verl": {"baseline_shift": Param(-0.1)},
-    "rec": {"epsilon": _EPSILON, "std_normalize": _FLAG},
-    # expbuf's own estimators, with no Trinity-RFT counterpart of the same meaning.
-    "drgrpo": {},
-    "reinforce++_baseline": {"epsilon": Param(1e-8, low=0.0, low_open=True)},
-    "discounted_return": {"gamma": _DISCOUNT},
-    "multi_turn_discount": {"turn_level_discount": _DISCOUNT},
-    "none": {},
-}
-ESTIMATORS = tuple(ESTIMATOR_PARAMS)
-# Estimators that need a reward on every experience (the others also take token_level_reward).
-NEEDS_REWARD = frozenset(ESTIMATORS) - {
-    "none",
-    "discounted_return",
-    "reinforceplusplus",
-    "grpo_verl",
-    "rloo",
-    "opmd_verl",
-    "asymre_verl",
-}
-# Estimators that read the tokens (masks and token-level rewards), not just one reward each.
-TOKEN_LEVEL = frozenset(ESTIMATORS) - NEEDS_REWARD - {"none"}
-# Estimators whose values are token-level (the others give one value per experience).
-TOKEN_VALUED = frozenset({"reinforceplusplus", "discounted_return"})
-# Estimators with a group step (a baseline or a scale over the group): LightRFT runs its group
-# step before the running normalisation and the reward clip, so these shape their values; the
-# others shape the rewards they read. grpo and step_wise_grpo with std_cal_level "batch" finish
-# their group step over the sampled batch, so they too shape the rewards (group_step_first).
-GROUP_STEP = frozenset(ESTIMATORS) - {
-    "reinforce",
-    "reinforceplusplus",
-    "discounted_return",
-    "multi_turn_discount",
-    "none",
-}
+def estimator_of(config: TableConfig) -> Estimator:
+    """The table's estimator (server/estimator_registry.py)."""
+    return ESTIMATORS[config.estimator]
 
 
 def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
     """The estimator's keyword arguments: the table's parameters over the defaults, choices by name."""
-    args: dict[str, float | str | None] = {}
-    for name, param in ESTIMATOR_PARAMS[config.estimator].items():
-        value = config.estimator_params.get(name, param.default)
-        args[name] = param.choices[int(value)] if param.choices and not isinstance(value, str) else value
-    return args
+    return estimator_of(config).args(config.estimator_params)
 
 
 def batch_stage(config: TableConfig) -> bool:
     """Whether the table's advantages are finished over each sampled batch (statistics over the batch)."""
-    if config.estimator in ("reinforceplusplus", "reinforce++_baseline") or config.shaping.advantages_norm:
-        return True
-    return _std_over_batch(config)
-
-
-def _std_over_batch(config: TableConfig) -> bool:
-    return config.estimator in ("grpo", "step_wise_grpo") and estimator_args(config)["std_cal_level"] == "batch"
+    return config.shaping.advantages_norm or estimator_of(config).has_batch_stage(estimator_args(config))
 
 
 def group_step_first(config: TableConfig) -> bool:
     """Whether the running normalisation and the reward clip take the estimator's values
-    (its group step done), as LightRFT's group calculators do, rather than the rewards."""
-    return config.estimator in GROUP_STEP and not _std_over_batch(config)
+    (its group step done), as LightRFT's group calculators do, rather than the rewards. An
+    estimator whose batch stage completes its group step shapes the rewards instead."""
+    estimator = estimator_of(config)
+    if not estimator.group_step:
+        return False
+    return not (estimator.group_step_in_batch and estimator.has_batch_stage(estimator_args(config)))
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -293,7 +184,7 @@ class TableConfig:
             ("when_full", WHEN_FULL),
             ("on_group_timeout", ON_GROUP_TIMEOUT),
             ("on_stale", ON_STALE),
-            ("estimator", ESTIMATORS),
+            ("estimator", tuple(ESTIMATORS)),
             ("device", DEVICES),
         ):
             if getattr(self, name) not in allowed:
@@ -335,7 +226,7 @@ class TableConfig:
                 f"table '{self.name}': shaping {', '.join(active)} needs an estimator; "
                 "estimator 'none' computes no advantages, so nothing would be shaped or clipped"
             )
-        if self.shaping.advantages_norm and (self.estimator in TOKEN_VALUED or self.estimator == "grpo"):
+        if self.shaping.advantages_norm and (ESTIMATORS[self.estimator].token_valued or self.estimator == "grpo"):
             why = (
                 "its values are normalised per group already (LightRFT skips advantages_norm for grpo)"
                 if self.estimator == "grpo"
@@ -372,7 +263,7 @@ class TableConfig:
         """Every parameter known to the estimator and in its range; choices stored by position."""
         if not isinstance(self.estimator_params, dict) or not all(isinstance(k, str) for k in self.estimator_params):
             raise ConfigError("estimator_params must map parameter names to values")
-        known = ESTIMATOR_PARAMS[self.estimator]
+        known = ESTIMATORS[self.estimator].params
         unknown = set(self.estimator_params) - set(known)
         if unknown:
             takes = ", ".join(known) or "none"

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import urllib.request
+from collections.abc import Iterator
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.server.estimator_registry import Estimator, register, unregister
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Sampled, Store
 
@@ -49,6 +52,16 @@ def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) 
 def take(store: Store, table: str, **spec: object) -> Sampled | None:
     """One batch straight from the store (consumed unless the spec says otherwise)."""
     return store.sample(SampleSpec(table, **spec))
+
+
+@contextlib.contextmanager
+def registered(estimator: Estimator) -> Iterator[str]:
+    """An estimator registered for the length of a test; yields its name."""
+    register(estimator)
+    try:
+        yield estimator.name
+    finally:
+        unregister(estimator.name)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,11 +18,12 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
 from expbuf.server.errors import InvalidRequest
+from expbuf.server.estimator_registry import ESTIMATORS, Estimator, register
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import payload
-from helpers import group_items, make_experience, take
+from helpers import group_items, make_experience, registered, take
 
 
 @pytest.fixture
@@ -80,21 +83,18 @@ def test_missing_reward_is_refused_naming_the_uid(client: BufferClient) -> None:
 
 
 @pytest.fixture
-def exploding(monkeypatch: pytest.MonkeyPatch) -> str:
+def exploding() -> Iterator[str]:
     """An estimator that raises on any batch holding a reward of 13 (grpo otherwise): a
     computation that fails because of one group."""
-    from expbuf.server import estimators, tables
+    from expbuf.server import estimators
 
     def explode(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
         if bool((batch.rewards == 13.0).any()):
             raise ValueError("a reward of 13 is not computable")
-        return estimators.ESTIMATORS["grpo"](batch, **args)
+        return estimators.grpo(batch, **args)
 
-    monkeypatch.setitem(estimators.ESTIMATORS, "explode", explode)
-    monkeypatch.setitem(tables.ESTIMATOR_PARAMS, "explode", tables.ESTIMATOR_PARAMS["grpo"])
-    monkeypatch.setattr(tables, "ESTIMATORS", (*tables.ESTIMATORS, "explode"))
-    monkeypatch.setattr(tables, "NEEDS_REWARD", tables.NEEDS_REWARD | {"explode"})
-    return "explode"
+    with registered(Estimator("explode", ESTIMATORS["grpo"].params, ingest=explode)) as name:
+        yield name
 
 
 def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(tmp_path: Path, exploding) -> None:
@@ -121,12 +121,12 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
         assert store.verify("lean") == []
 
 
-def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exploding, monkeypatch) -> None:
+def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exploding) -> None:
     """When every group fails (here: the estimator fails for a while, whatever the data),
     the groups stay computing and are tried again; they fail only after the last try."""
     from expbuf.server import estimators
 
-    explode = estimators.ESTIMATORS["explode"]
+    explode = ESTIMATORS[exploding].ingest_stage()
     passing = {"fail": True}
 
     def for_a_while(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
@@ -134,7 +134,7 @@ def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exp
             raise RuntimeError("out of memory")
         return explode(batch, **args)
 
-    monkeypatch.setitem(estimators.ESTIMATORS, "explode", for_a_while)
+    register(dataclasses.replace(ESTIMATORS[exploding], ingest=for_a_while), replace=True)
     with Store(tmp_path) as store:
         store.create_table(TableConfig("t", estimator=exploding))
         store.put("t", group_items(1, 0, 3) + group_items(1, 1, 3))

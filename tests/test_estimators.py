@@ -18,8 +18,9 @@ from expbuf.server.advantage_storage import encode_results, expand, finish_batch
 from expbuf.server.advantages import build_batch
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+from expbuf.server.estimator_registry import ESTIMATORS
 from expbuf.server.store import ItemRecord
-from expbuf.server.tables import TOKEN_LEVEL, ConfigError, TableConfig, estimator_args
+from expbuf.server.tables import ConfigError, TableConfig, estimator_args
 
 from conftest import payload
 
@@ -106,7 +107,7 @@ def ours(name: str, params: dict, exps: list[Exp], device: str = "cpu") -> dict[
     """uid -> (advantages, returns) as a trainer samples them, all experiences in one batch."""
     config = TableConfig(name="t", estimator=name, estimator_params=params, device=device)
     records = [e.record() for e in exps]
-    items = [trxp.from_experience(e.build()) for e in exps] if name in TOKEN_LEVEL else None
+    items = [trxp.from_experience(e.build()) for e in exps] if ESTIMATORS[name].token_level else None
     batch, group_keys = build_batch(records, items)
     result = est.estimate(name, batch.to(device), estimator_args(config))
     assert bool(result.finite(batch).all())

@@ -21,10 +21,11 @@ from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
+from expbuf.server.estimator_registry import Estimator
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
-from helpers import make_experience, take
+from helpers import make_experience, registered, take
 
 SHAPING = {
     "overlong_buffer": True,
@@ -150,21 +151,18 @@ def test_running_moments_survive_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def exploding(monkeypatch: pytest.MonkeyPatch) -> str:
+def exploding() -> Iterator[str]:
     """reinforce, except that it raises on a batch holding a response of 7 tokens (a fact
     that shaping does not change): a computation that fails because of one group."""
-    from expbuf.server import estimators, tables
+    from expbuf.server import estimators
 
     def explode(batch: estimators.FlatBatch) -> estimators.Advantages:
         if bool((batch.generated == 7).any()):
             raise ValueError("a response of 7 tokens is not computable")
-        return estimators.ESTIMATORS["reinforce"](batch)
+        return estimators.reinforce(batch)
 
-    monkeypatch.setitem(estimators.ESTIMATORS, "explode", explode)
-    monkeypatch.setitem(tables.ESTIMATOR_PARAMS, "explode", {})
-    monkeypatch.setattr(tables, "ESTIMATORS", (*tables.ESTIMATORS, "explode"))
-    monkeypatch.setattr(tables, "NEEDS_REWARD", tables.NEEDS_REWARD | {"explode"})
-    return "explode"
+    with registered(Estimator("explode", ingest=explode)) as name:
+        yield name
 
 
 def test_moments_chain_through_retries_and_a_failed_try_leaves_them(tmp_path: Path, exploding: str) -> None:

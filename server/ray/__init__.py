@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from expbuf.client.ray_registry import shard_map
 from expbuf.client.routing import ShardMap
 
 _PORT_FILE = "ray-port"
@@ -164,12 +165,6 @@ def start_shards(
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(str(Path(data_root) / f"{name}.shard-map.json"), initial.to_json())
     return shard_map(namespace, name)
-
-
-def shard_map(namespace: str, name: str = "expbuf") -> ShardMap:
-    """The shard map of a running buffer; ValueError when there is none by that name."""
-    registry = ray.get_actor(name, namespace=namespace)
-    return ShardMap.from_json(ray.get(registry.get.remote()))
 
 
 def add_shard(

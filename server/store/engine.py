@@ -20,14 +20,16 @@ import lmdb
 
 from expbuf.client import trxp
 
-from ..advantage_storage import batch_payload, finish_batch, stored_advantage
+from ..advantage_storage import StageCounts, batch_payload
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
-from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
+from ..tables import CONFIG_VERSION, TableConfig, default_table, estimator_of
 from . import admission, browse, integrity, layout, limiter, retirement, staleness
+from .batch_rows import BatchRows
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
+from .migrate import migrate
 from .records import GroupRecord, ItemRecord, Lease
 from .sampling import Sampling
 from .types import ComputeJob, Entry, PutResult, ShapingUpdate
@@ -47,7 +49,9 @@ class Store(Sampling):
         seed: int | None = None,
         batch_limit: int = 512,
     ) -> None:
-        self.environment = Environment(path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit)
+        self.environment = Environment(
+            path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
+        )
         try:
             with self.environment.read() as txn:  # a damaged directory is refused before it is served
                 integrity.at_open(txn, self.environment.db, self.environment.path, clock())
@@ -61,6 +65,7 @@ class Store(Sampling):
         self._db = self.environment.db
         self._upkeep = Upkeep(self.environment.env, self._db)
         self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         with self.environment.read() as txn:
             for name, raw in txn.cursor(db=self._db["tables"]):
@@ -314,20 +319,19 @@ class Store(Sampling):
         """A TRXP batch of the stored experiences among uids (in their order), and the missing uids."""
         table_id, config = self._table(table)
         prefix = layout.table_prefix(table_id)
-        blobs, advantages, missing, rows = [], [], [], []
+        missing = []
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
+            rows = BatchRows(txn, self._db["adv"], config)
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = txn.get(key, db=self._db["blobs"])
                 if blob is None:
                     missing.append(uid)
                     continue
-                blobs.append(blob)
-                rec = ItemRecord.decode(txn.get(key, db=self._db["items"]))
-                rows.append(rec)
-                token_level = None if rec.advantage is not None else txn.get(key, db=self._db["adv"])
-                advantages.append(stored_advantage(rec, None if token_level is None else bytes(token_level)))
-            return batch_payload(blobs, finish_batch(config, rows, advantages)), missing
+                rows.add(key, ItemRecord.decode(txn.get(key, db=self._db["items"])), blob)
+            stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
+            advantages = rows.advantages if stage is None else stage.run(rows.advantages)
+            return batch_payload(rows.blobs, advantages), missing
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
@@ -345,7 +349,8 @@ class Store(Sampling):
 
     def stats(self, table: str) -> dict[str, Any]:
         """Counts by state, bytes, group counts, totals and the oldest live experience's age."""
-        prefix = layout.table_prefix(self._table(table)[0])
+        table_id = self._table(table)[0]
+        prefix = layout.table_prefix(table_id)
         oldest = 0.0
         with self.environment.read() as txn:
             counters = read_counters(txn, self._db["counters"], prefix)
@@ -354,7 +359,15 @@ class Store(Sampling):
                     rec = ItemRecord.decode(txn.get(prefix + cur.value(), db=self._db["items"]))
                     oldest = max(0.0, self.clock() - rec.created)
         counters["oldest_age_seconds"] = oldest
+        batch = self._batch_counts.get(table_id)
+        if batch is not None:  # the batch stage's clip, counted in memory since the server started
+            counters["advantages_seen"] += batch.advantages_seen
+            counters["advantages_clipped"] += batch.advantages_clipped
         return counters
+
+    def _stage_counts(self, table_id: int) -> StageCounts:
+        """Where the batch stage of the table's samples counts what its clip did."""
+        return self._batch_counts.setdefault(table_id, StageCounts())
 
     def storage_info(self) -> dict[str, float]:
         return self.environment.storage_info()
@@ -417,7 +430,7 @@ class Store(Sampling):
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
                         job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                        if config.estimator in TOKEN_LEVEL:
+                        if estimator_of(config).token_level:
                             job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
                     count += len(grp.members)
                     found = cur.next()

@@ -35,10 +35,12 @@ import lmdb
 
 from ..errors import Damaged, StorageFull, StoreClosed, StoreError
 from . import layout
-from .migrate import migrate
 from .snapshot import Snapshot
 
 T = TypeVar("T")
+# What brings a directory to the current format (migrate.py's `migrate`), given by the Store:
+# it works on tables, a layer above the environment.
+Migration = Callable[[lmdb.Transaction, lmdb.Environment, dict[str, lmdb._Database], Path], Any]
 # What LMDB, or the format's records, raise on a damaged page (a full disk or map is not damage).
 _DAMAGE = (
     lmdb.CorruptedError,
@@ -73,9 +75,13 @@ class Environment:
         max_map_size: int = 1 << 40,
         batch_limit: int = 512,
         readonly: bool = False,
+        migrate: Migration | None = None,
     ) -> None:
         self.path = Path(path)
+        if migrate is None and not readonly:
+            raise TypeError("a writable Environment needs the migration that brings its format up to date")
         self.readonly = readonly
+        self._migration = migrate
         self.missing: list[str] = []  # databases a read-only open did not find (an older format)
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -130,10 +136,12 @@ class Environment:
 
     def _migrate(self) -> None:
         """Bring the directory to the current format, growing the map if the rewrite needs it."""
+        if self._migration is None:
+            return
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    migrate(txn, self.env, self.db, self.path)
+                    self._migration(txn, self.env, self.db, self.path)
                 return
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]

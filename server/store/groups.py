@@ -19,7 +19,7 @@ import lmdb
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
-from ..tables import NEEDS_REWARD, TableConfig
+from ..tables import TableConfig, estimator_of
 from . import layout, limiter, retirement
 from .capacity import make_room
 from .records import (
@@ -229,14 +229,14 @@ class TableTxn:
 
     def _check_rewards(self, entries: Iterable[Entry]) -> None:
         estimator = self.config.estimator
+        needs_reward = estimator_of(self.config).needs_reward
         for entry in entries:
             if entry.reward is not None or estimator == "none":
                 continue
-            if estimator in NEEDS_REWARD or not entry.has_token_rewards:
+            if needs_reward or not entry.has_token_rewards:
                 raise InvalidRequest(
                     f"uid {entry.uid} has no reward; table '{self.config.name}' computes advantages "
-                    f"with {estimator}, which needs one"
-                    + (" (or token_level_reward)" if estimator not in NEEDS_REWARD else "")
+                    f"with {estimator}, which needs one" + (" (or token_level_reward)" if not needs_reward else "")
                 )
 
     def _insert(self, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:

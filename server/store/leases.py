@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import lmdb
 
-from ..advantage_storage import finish_batch, stored_advantage
+from ..advantage_storage import StageCounts
 from ..sample_spec import SampleSpec
 from . import layout, limiter
+from .batch_rows import BatchRows
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
@@ -51,12 +52,14 @@ def take(
     hold: bool,
     owner: str,
     snapshot: Callable[[], Snapshot] | None = None,
+    counts: StageCounts | None = None,
 ) -> Sampled | SampleLimited | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch),
     the rate limit (limiter.py) if it holds the batch back. The request's trainer version
     is stored first (staleness.py); the caller undoes it when no batch is taken. With
     `snapshot` (a way to open one), the payloads are views read from it, not copies (see
-    _Payloads)."""
+    _Payloads). The batch carries its stored advantages; a table's batch stage is left to
+    run where the reply is built (`Sampled.stage`, its clip counted in `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     chosen = []
     total = 0
@@ -81,23 +84,20 @@ def take(
         batch.lease_id = secrets.token_hex(8)
         if not hold:
             expires = batch.lease_expires = tt.now + spec.lease_seconds
-    rows: list[ItemRecord] = []
+    rows = BatchRows(tt.txn, tt.db["adv"], tt.config)
     payloads = _Payloads(tt, snapshot() if snapshot is not None else None)
-    computed = tt.config.estimator != "none"  # a table without an estimator has no advantages
     taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
     for gkey, _, recs in taken:
         for uid, rec in recs.items():
             key = tt.key(uid)
-            rows.append(rec)
+            rows.add(key, rec, payloads.read(key, rec))
             batch.uids.append(uid)
             batch.group_ids.append(gkey)
-            batch.blobs.append(payloads.read(key, rec))
             batch.versions.append(rec.version)
-            token_level = tt.txn.get(key, db=tt.db["adv"]) if computed and rec.advantage is None else None
-            batch.advantages.append(stored_advantage(rec, token_level))
             rec.times_sampled += 1
             tt.put_item(uid, rec)
-    tt.counters["bytes_sampled"] += sum(rec.size for rec in rows)
+    batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
+    tt.counters["bytes_sampled"] += sum(rec.size for rec in rows.records)
     limit = tt.config.max_times_sampled
     if delivery == "consume":
         tt.retire_many(chosen, CONSUMED)
@@ -114,7 +114,6 @@ def take(
         tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
         if expires is not None:
             tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
-    batch.advantages = finish_batch(tt.config, rows, batch.advantages, tt.counters)
     tt.counters["sampled"] += len(batch.uids)
     limiter.taken(tt, len(batch.uids))
     batch.newest_version = tt.counters["max_version"]

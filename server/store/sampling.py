@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from ..advantage_storage import StageCounts
 from ..errors import Forbidden, InvalidRequest, NotFound, clip
 from ..sample_spec import SampleSpec
 from ..tables import TableConfig
@@ -41,6 +42,7 @@ class Sampling:
     clock: Callable[[], float]
     _db: dict[str, lmdb._Database]
     _rng: random.Random
+    _stage_counts: Callable[[int], StageCounts]
 
     def sample(
         self,
@@ -130,7 +132,10 @@ class Sampling:
         partial = spec.allow_partial and final
 
         def attempt(t: TableTxn) -> Sampled | limiter.SampleLimited | None:
-            return take(t, spec, partial, self._rng, hold=hold, owner=owner, snapshot=self.environment.snapshot)
+            return take(
+                t, spec, partial, self._rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
+                counts=self._stage_counts(tt.table_id),
+            )  # fmt: skip
 
         moves = staleness.next_version(tt, spec.trainer_version) is not None
         if not moves:

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from expbuf.client import trxp
 
-from ..advantage_storage import Advantage, batch_parts
+from ..advantage_storage import Advantage, BatchStage, batch_parts
 from ..tables import TableConfig
 from .records import ItemRecord
 from .snapshot import Snapshot
@@ -83,7 +83,9 @@ class Sampled:
 
     The payloads may be views into the store's map, read from `snapshot` (snapshot.py):
     `render` and `payload` read them while they are valid; `release` ends the snapshot
-    once the batch's reply is built."""
+    once the batch's reply is built. `advantages` are the stored values; a table's batch
+    stage (`stage`) finishes them once, when the payload is first rendered: where the
+    reply is built, outside the store's write transaction."""
 
     uids: list[str]
     group_ids: list[str]
@@ -96,14 +98,23 @@ class Sampled:
     lease_expires: float = 0.0
     partial: bool = False
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
+    stage: BatchStage | None = field(default=None, repr=False, compare=False)
 
     @property
     def payload(self) -> bytes:
         return self.render(b"".join)
 
+    def finish(self) -> None:
+        """Run the batch stage on the stored advantages, once."""
+        if self.stage is not None:
+            stage, self.stage = self.stage, None
+            self.advantages = stage.run(self.advantages)
+
     def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
         """`build` of the payload as the runs of bytes it is made of (trxp.join_parts),
-        which are valid only during the call: each byte is copied once, by `build`."""
+        which are valid only during the call: each byte is copied once, by `build`. The
+        batch stage runs first, if it has not."""
+        self.finish()
         if self.snapshot is None:
             return build(batch_parts(self.blobs, self.advantages))
         with self.snapshot.reading():

@@ -1,0 +1,80 @@
+"""An estimator is one registered record: registered in one call, a table validates against
+it and a real Store computes, stores and samples with its two stages."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from expbuf.client import decode, trxp
+from expbuf.server import estimators
+from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.errors import InvalidRequest
+from expbuf.server.estimator_registry import ESTIMATORS, Estimator, Param, register
+from expbuf.server.store import Store
+from expbuf.server.tables import ConfigError, TableConfig, batch_stage, group_step_first
+
+from helpers import group_items, make_experience, registered, take
+
+
+def scaled_centred(b: estimators.FlatBatch, scale: float) -> estimators.Advantages:
+    """scale * (r - the group's mean reward), left pending for the batch stage."""
+    count = torch.zeros(b.num_groups, dtype=torch.float64).index_add_(0, b.group, torch.ones_like(b.rewards))
+    total = torch.zeros(b.num_groups, dtype=torch.float64).index_add_(0, b.group, b.rewards)
+    return estimators.Advantages(scalar=scale * (b.rewards - (total / count)[b.group]))
+
+
+def minus_batch_max(rows: estimators.SampledRows, scale: float) -> torch.Tensor:
+    """The pending values less the batch's largest one."""
+    return rows.pending - rows.pending.max()
+
+
+SCALED = Estimator(
+    "scaled_centred",
+    {"scale": Param(2.0, low=0.0, low_open=True)},
+    ingest=scaled_centred,
+    batch=minus_batch_max,
+    group_step=True,
+)
+
+
+def test_a_registered_estimator_runs_end_to_end_through_a_store(tmp_path: Path) -> None:
+    """One registration: the table takes its name and parameter, the worker runs its ingest
+    stage, a sample runs its batch stage over the sampled batch."""
+    rewards = {0: [1.0, 2.0, 6.0], 1: [0.0, 4.0, 5.0]}
+    with registered(SCALED) as name, Store(tmp_path) as store:
+        config = TableConfig("t", group_size=3, estimator=name, estimator_params={"scale": 0.5})
+        assert batch_stage(config) and group_step_first(config)
+        store.create_table(config)
+        store.put("t", [trxp.from_experience(make_experience(1, t, run, reward=r)) for t, rs in rewards.items()
+                        for run, r in enumerate(rs)])  # fmt: skip
+        assert AdvantageWorker(store).run_once() == 2
+        batch = take(store, "t", num_groups=2)
+        pending = [0.5 * (r - statistics.fmean(rs)) for rs in rewards.values() for r in rs]
+        want = {f"1/{i // 3}/{i % 3}/0/r{i % 3}s0": p - max(pending) for i, p in enumerate(pending)}
+        for exp in decode(batch.payload):
+            assert exp.advantages.tolist() == pytest.approx([want[exp.eid.uid]] * 4)
+        assert store.verify("t") == []
+
+
+def test_a_registered_estimator_is_validated_by_its_record() -> None:
+    with registered(SCALED) as name:
+        assert name in ESTIMATORS
+        with pytest.raises(ConfigError, match="estimator scaled_centred parameter scale is '0'; allowed: > 0"):
+            TableConfig("t", estimator=name, estimator_params={"scale": 0})
+        with pytest.raises(ConfigError, match=r"has no parameter\(s\) tau \(it takes: scale\)"):
+            TableConfig("t", estimator=name, estimator_params={"tau": 1.0})
+        with pytest.raises(ValueError, match="scaled_centred is registered already"):
+            register(SCALED)
+    with pytest.raises(ConfigError, match="estimator is 'scaled_centred'; expected one of grpo,"):
+        TableConfig("t", estimator=name)
+
+
+def test_a_push_without_reward_is_refused_by_the_record(tmp_path: Path) -> None:
+    with registered(SCALED) as name, Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator=name))
+        with pytest.raises(InvalidRequest, match=r"computes advantages with scaled_centred, which needs one$"):
+            store.put("t", group_items(1, 0, 2, reward=None))

@@ -1,0 +1,57 @@
+"""The storage engine imports no torch: opening a store, pushing and sampling from a table
+with a batch stage leave torch unloaded; the stage runs where the reply is built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from expbuf.client import trxp
+from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.store import Store
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items, make_experience
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    from expbuf.client import trxp
+    from expbuf.server.sample_spec import SampleSpec
+    from expbuf.server.store import Store
+
+    data = Path(sys.argv[1])
+    with Store(data) as store:
+        result = store.put("w", trxp.parse((data / "more.trxp").read_bytes()))
+        assert len(result.stored) == 4, result
+        batch = store.sample(SampleSpec("w", num_groups=2, wait_seconds=0))
+        assert batch is not None and len(batch.uids) == 8 and batch.stage is not None
+        loaded = [name for name in sys.modules if name == "torch" or name.startswith("torch.")]
+        assert not loaded, loaded
+        advantages = [e.tensors["advantages"] for e in trxp.parse(batch.payload)]  # the stage runs here
+        assert len(advantages) == 8, advantages
+        assert "torch" in sys.modules
+        stats = store.stats("w")  # the stage's clip, counted in memory
+        assert (stats["advantages_seen"], stats["advantages_clipped"]) == (8, 4), stats
+    print("torch-free")
+    """
+)
+
+
+def test_open_push_and_sample_from_a_batch_stage_table_import_no_torch(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(
+            TableConfig("w", group_size=4, estimator="reinforce++_baseline", shaping={"advantage_clip": 0.5})
+        )
+        runs = [make_experience(1, task, run, reward=float(run)) for task in (0, 1) for run in range(4)]
+        store.put("w", [trxp.from_experience(e) for e in runs])  # values r - mean: +-0.5, +-1.5
+        assert AdvantageWorker(store).run_once() == 2
+    (tmp_path / "more.trxp").write_bytes(trxp.build(group_items(2, 0, 4, reward=3.0)))
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert child.returncode == 0 and child.stdout.strip() == "torch-free", child.stderr
