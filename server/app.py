@@ -3,7 +3,7 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread; server/limits.py keeps waiting streams from taking them all.
+holds one worker thread; server/limits.py keeps waiting calls from taking them all.
 
 The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
 otherwise start and split the connections between two stores. Start-up failures (a port
@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
 from .ingest import Ingest
-from .limits import RESERVED_THREADS, CallLimits, TableStreams
+from .limits import RESERVED_THREADS, CallLimits, TableStreams, WaitingCap
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
@@ -121,7 +121,12 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
-        interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
+        caps = {
+            "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
+            "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
+            "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
+        }
+        interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
         interceptors.append(PassBytes())
         keep_reply_memory()
         self.grpc = grpc.server(
@@ -137,6 +142,8 @@ class ExpbufServer:
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_workers),
             table_streams=TableStreams(config.table_stream_limit),
+            push_stream_idle_seconds=config.push_stream_idle_seconds,
+            max_wait_seconds=config.max_wait_seconds,
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)

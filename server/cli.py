@@ -38,6 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
             "metrics_host": args.metrics_host,
             "ingest_processes": args.ingest_processes,
+            "push_stream_idle_seconds": args.push_stream_idle_seconds,
+            "max_wait_seconds": args.max_wait_seconds,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
@@ -149,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="processes that validate and pack pushes, 0 = none (default: cores - 1, at most 4;"
         " env EXPBUF_INGEST_PROCESSES)",
+    )
+    serve.add_argument(
+        "--push-stream-idle-seconds",
+        type=float,
+        help="end a PushStream that sends nothing this long (default 120; env EXPBUF_PUSH_STREAM_IDLE_SECONDS)",
+    )
+    serve.add_argument(
+        "--max-wait-seconds",
+        type=float,
+        help="the longest a Sample batch or an Admit waits for data or room (default 600; env EXPBUF_MAX_WAIT_SECONDS)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")
