@@ -96,7 +96,7 @@ class ExpbufServer:
         self.config = config
         credentials = server_credentials(config)
         try:
-            self.store = Store(config.data)
+            self.store = Store(config.data, max_reply_bytes=config.max_message_bytes)
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None
         try:

@@ -24,7 +24,7 @@ from ..advantage_storage import batch_payload, finish_batch, stored_advantage
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
 from ..tables import CONFIG_VERSION, TOKEN_LEVEL, TableConfig, default_table
-from . import admission, layout, limiter, retirement
+from . import admission, deliverable, layout, limiter, retirement
 from .environment import Environment
 from .groups import TableTxn, read_counters
 from .integrity import verify
@@ -47,10 +47,12 @@ class Store(Sampling):
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
         batch_limit: int = 512,
+        max_reply_bytes: int | None = None,
     ) -> None:
         self.environment = Environment(path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit)
         self.path = self.environment.path
         self.max_map_size = max_map_size
+        self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.clock = clock
         self._rng = random.Random(seed)
         self._db = self.environment.db
@@ -164,6 +166,7 @@ class Store(Sampling):
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self._table(table)
+        limit = self.max_reply_bytes
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         held = False  # whether the rate limit held this push
@@ -172,7 +175,7 @@ class Store(Sampling):
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             try:
-                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b))
+                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b, limit))
             except TableFull:
                 if config.when_full != "block" or final:
                     raise
@@ -185,9 +188,13 @@ class Store(Sampling):
             self.environment.wait_for_change(generation, deadline)
 
     @staticmethod
-    def _put(tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float) -> PutResult | limiter.InsertLimited:
+    def _put(
+        tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
+    ) -> PutResult | limiter.InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
-        counted when it lets them go or at the deadline)."""
+        counted when it lets them go or at the deadline); refuse them if a group would not
+        fit in one Sample reply of reply_limit bytes."""
+        deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
             tt.counters["insert_blocked_seconds"] += blocked
