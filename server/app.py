@@ -32,6 +32,7 @@ from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
+from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
 from .limits import RESERVED_THREADS, CallLimits, TableStreams, WaitingCap
 from .metrics import Metrics, RpcMetrics
@@ -128,7 +129,10 @@ class ExpbufServer:
         }
         interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
         interceptors.append(PassBytes())
+        self.inflight = InFlight(config.max_inflight_bytes)
+        interceptors.append(PushMemory(self.inflight))
         keep_reply_memory()
+        few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,

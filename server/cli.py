@@ -40,12 +40,16 @@ def _serve(args: argparse.Namespace) -> int:
             "ingest_processes": args.ingest_processes,
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "max_wait_seconds": args.max_wait_seconds,
+            "max_inflight_bytes": args.max_inflight_bytes,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
+    from .inflight import few_arenas
+
+    few_arenas()  # before torch and gRPC start their threads, each of which could take an arena
     from .app import ExpbufServer, StartupError
 
     stop = threading.Event()
@@ -161,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-wait-seconds",
         type=float,
         help="the longest a Sample batch or an Admit waits for data or room (default 600; env EXPBUF_MAX_WAIT_SECONDS)",
+    )
+    serve.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
+        " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

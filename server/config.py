@@ -15,6 +15,7 @@ may also declare tables (created at start, or checked against the stored ones):
     reserved_workers = 8          # workers only Push, Ack, Nack and Stats may take (default: an eighth)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
+    max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     max_message_bytes = 268435456
 
@@ -72,6 +73,8 @@ class ServerConfig:
     reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
     push_stream_idle_seconds: float = 120.0
     max_wait_seconds: float = 600.0
+    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
+    max_inflight_bytes: int = 1 << 30
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
     log_format: str = "text"
@@ -151,6 +154,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
+        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
+            raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
         for token, scopes in self.tokens.items():
             if not token:
                 raise ConfigError("a token is empty")
@@ -174,6 +179,7 @@ _ENV = {
     "EXPBUF_RESERVED_WORKERS": ("reserved_workers", int),
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
+    "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),

@@ -5,7 +5,8 @@ core however many pushers there are. With `ingest_processes` > 0 (cores - 1 by d
 in that many worker processes (spawned, so no thread of the server is forked) while
 other pushes are being decoded: the server process keeps the storage and the RPCs. A push
 that arrives while no other is being decoded is decoded here, where it costs no hand-off:
-a single pusher is as fast as with no processes. Every check is the same code either way.
+a single pusher is as fast as with no processes; so is a payload above LARGE, whose cost is
+copying, which the hand-off would double. Every check is the same code either way.
 
 A payload goes to a worker and its packed experiences come back through shared memory
 (one memfd per worker), the experiences' fields as one pickle of tuples: no per-item
@@ -41,6 +42,9 @@ _fields_of = operator.attrgetter(*_FIELDS)
 _REQUEST = struct.Struct("<QQ")  # payload length, region size
 _MIN_REGION = 1 << 22
 _KEEP = 64 << 20  # the memory a region keeps between pushes; a larger push's is given back after it
+# Payloads larger than this are decoded here: their cost is copying bytes, which a worker would
+# add to (the payload into the region, the experiences out of it), not Python work per experience.
+LARGE = 16 << 20
 
 
 def entries_of(payload: bytes) -> list[Entry]:
@@ -187,8 +191,8 @@ class Ingest:
             worker.ready()
         self._idle = list(self._workers)
 
-    def entries(self, payload: bytes) -> list[Entry]:
-        if not self.processes:
+    def entries(self, payload: bytes | memoryview) -> list[Entry]:
+        if not self.processes or len(payload) > LARGE:
             return entries_of(payload)
         with self._free:
             alone = self._decoding == 0

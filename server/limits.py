@@ -191,20 +191,26 @@ class IdleMessages:
                 message: Any = next(self._requests)
             except (StopIteration, grpc.RpcError):  # the client closed its side, or the call ended
                 message = None
+            except Exception as exc:  # a refusal of the message (an abort): the call raises it
+                message = exc
             with self._changed:
                 self._slot.append(message)
                 self._changed.notify_all()
-            if message is None:
+            if message is None or isinstance(message, Exception):
                 return
 
     def next(self) -> Any:
-        """The next message; None when the client closed its side; TimeoutError after `seconds` of silence."""
+        """The next message; None when the client closed its side; TimeoutError after `seconds` of
+        silence; what reading it raised."""
         with self._changed:
             self._wanted = True
             self._changed.notify_all()
             if not self._changed.wait_for(lambda: self._slot, self.seconds):
                 raise TimeoutError
-            return self._slot.pop()
+            message = self._slot.pop()
+        if isinstance(message, Exception):
+            raise message
+        return message
 
     def close(self) -> None:
         with self._changed:

@@ -36,6 +36,7 @@ from .errors import (
     TooLarge,
     clip,
 )
+from .inflight import PushMessage
 from .ingest import Ingest
 from .limits import IdleMessages, TableStreams
 from .metrics import Metrics
@@ -233,6 +234,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         table = request.table or "default"
         try:
             entries = self.ingest.entries(request.payload)
+            if isinstance(request, PushMessage):
+                request.drop_payload()
             result = self.store.put_entries(table, entries, timeout=_remaining(context))
         except Exception as exc:
             exc.table = table  # for the refusal's log line and metric

@@ -516,7 +516,9 @@ def test_health_and_pushes_are_answered_when_every_other_worker_is_busy(tmp_path
                         return True
                 return False
 
+            time.sleep(1.0)  # the streams reach the server first: a probe taken meanwhile could refuse one
             wait_until(push_stream_refused, timeout=30)
+            assert not any(call.done() for call in streams), "a waiting Sample stream was refused"
             assert "reserved_workers = 1" in refused[0].details() and "EXPBUF_WORKERS" in refused[0].details()
             pushed = stub.Push(pb.PushRequest(table="default", payload=payload("grpo_group.trxp")), timeout=10)
             assert len(pushed.stored_uids) == 8
