@@ -85,7 +85,12 @@ class Store(Sampling):
     def _in_table(self, table: str, fn: Callable[[TableTxn], Any]) -> Any:
         """Run `fn` on one table in the writer's next transaction."""
         table_id, config = self._table(table)
-        return self._submit(lambda txn: fn(TableTxn(txn, self._db, table_id, config, self.clock())))
+
+        def op(txn: lmdb.Transaction) -> Any:
+            self._upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
+            return fn(TableTxn(txn, self._db, table_id, config, self.clock()))
+
+        return self._submit(op)
 
     @property
     def maintenance_failures(self) -> int:
@@ -350,36 +355,42 @@ class Store(Sampling):
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
         """Completed groups waiting for advantages, oldest first within each table, up to
         about `limit` experiences, as one job per table. Tables take turns being first, so a
-        table with a long backlog cannot keep the others waiting. Payloads are read only
-        for estimators that need token-level data; the others work from the item records."""
-        tables = sorted((table_id, name, config) for name, (table_id, config) in self._tables.items())
-        turn = next((i for i, (table_id, _, _) in enumerate(tables) if table_id > self._last_computed), 0)
+        table with a long backlog cannot keep the others waiting. The compute index is read
+        from table to table with a backlog, never over the tables without one. Payloads are read
+        only for estimators that need token-level data; the others work from the item records."""
         jobs: list[ComputeJob] = []
         count = 0
+        by_id: dict[int, tuple[str, TableConfig]] | None = None
+        seen: set[int] = set()
         with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
-            for table_id, name, config in tables[turn:] + tables[:turn]:
-                if count >= limit:
+            found = cur.set_range(layout.table_prefix(self._last_computed + 1)) or cur.first()
+            while found and count < limit:
+                table_id = layout.table_of(cur.key())
+                if table_id in seen:  # around to the first table again
                     break
+                seen.add(table_id)
+                if by_id is None:
+                    by_id = {tid: (name, config) for name, (tid, config) in self._tables.items()}
                 prefix = layout.table_prefix(table_id)
-                found = cur.set_range(prefix)
-                if not found or not cur.key().startswith(prefix):
-                    continue
-                moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
-                job = ComputeJob(name, config, [], [], {}, {}, moments)
-                while found and cur.key().startswith(prefix) and count < limit:
-                    gkey = cur.value()
-                    grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
-                    job.groups.append(gkey.decode())
-                    job.members.append(grp.members)
-                    for uid in grp.members:
-                        item_key = prefix + uid.encode()
-                        job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                        if config.estimator in TOKEN_LEVEL:
-                            job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
-                    count += len(grp.members)
-                    found = cur.next()
-                jobs.append(job)
-                self._last_computed = table_id
+                if table_id in by_id:
+                    name, config = by_id[table_id]
+                    moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
+                    job = ComputeJob(name, config, [], [], {}, {}, moments)
+                    while found and cur.key().startswith(prefix) and count < limit:
+                        gkey = cur.value()
+                        grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
+                        job.groups.append(gkey.decode())
+                        job.members.append(grp.members)
+                        for uid in grp.members:
+                            item_key = prefix + uid.encode()
+                            job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
+                            if config.estimator in TOKEN_LEVEL:
+                                job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
+                        count += len(grp.members)
+                        found = cur.next()
+                    jobs.append(job)
+                    self._last_computed = table_id
+                found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
         return jobs
 
     def finish_compute(
