@@ -99,6 +99,19 @@ def test_a_lone_push_is_decoded_here(ingest: Ingest, monkeypatch: pytest.MonkeyP
     assert ingest.entries(data) == entries_of(data)
 
 
+def test_a_small_push_is_decoded_here_beside_others(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload below SMALL decodes faster than a hand-off takes (bench/RESULTS.md)."""
+
+    def no_hand_off(payload: bytes) -> None:
+        raise AssertionError("a small push was handed to a worker")
+
+    monkeypatch.setattr(ingest, "_in_worker", no_hand_off)
+    monkeypatch.setattr(ingest, "_decoding", 1)  # another push is being decoded
+    data = payload("grpo_group.trxp")
+    assert len(data) < ingest_module.SMALL
+    assert ingest.entries(data) == entries_of(data)
+
+
 def test_an_idle_worker_that_dies_is_reaped_and_replaced_at_once(ingest: Ingest) -> None:
     worker = ingest._workers[0]
     os.kill(worker.process.pid, signal.SIGKILL)
@@ -142,8 +155,9 @@ def test_a_closed_pool_decodes_here() -> None:
     assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
 
 
-def test_concurrent_pushes_each_get_their_own_entries() -> None:
+def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pushes decoded at once, here and in workers, each get their payload's entries."""
+    monkeypatch.setattr(ingest_module, "SMALL", 0)  # the fixtures are small: hand them off all the same
     names = sorted(MANIFEST["payloads"]) * 6
     pool = Ingest(2)
     try:
