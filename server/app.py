@@ -103,6 +103,8 @@ class ExpbufServer:
         try:
             self._assemble(credentials)
         except BaseException:
+            if hasattr(self, "service"):
+                self.service.ingest.close()  # its processes end with the server that did not start
             self.store.close()
             raise
 
@@ -180,6 +182,7 @@ class ExpbufServer:
                     self.config.metrics_port, addr=host, registry=self.metrics.exported
                 )
             except OSError as exc:
+                self.service.ingest.close()
                 self.store.close()
                 raise StartupError(
                     f"cannot bind the metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}"
