@@ -58,12 +58,14 @@ class Store(Sampling):
         self._db = self.environment.db
         self._upkeep = Upkeep(self.environment.env, self._db)
         self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self._names: dict[int, str] = {}  # table id -> name
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         with self.environment.read() as txn:
             for name, raw in txn.cursor(db=self._db["tables"]):
                 record = json.loads(raw)
                 config = TableConfig.from_stored(record["config"], record.get("v", 1))
                 self._tables[name.decode()] = (record["id"], config)
+                self._names[record["id"]] = name.decode()
         if "default" not in self._tables:
             self.create_table(default_table(), exist_ok=True)
 
@@ -117,6 +119,7 @@ class Store(Sampling):
 
         created, table_id = self._submit(op)
         self._tables[config.name] = (table_id, config)
+        self._names[table_id] = config.name
         return created
 
     def list_tables(self) -> list[TableConfig]:
@@ -135,10 +138,10 @@ class Store(Sampling):
             raise NotFound(f"table '{clip(name)}' does not exist") from None
 
     def _by_id(self, txn: lmdb.Transaction, table_id: int) -> TableTxn | None:
-        for tid, config in self._tables.values():
-            if tid == table_id:
-                return TableTxn(txn, self._db, table_id, config, self.clock())
-        return None
+        name = self._names.get(table_id)
+        if name is None or name not in self._tables:
+            return None
+        return TableTxn(txn, self._db, table_id, self._tables[name][1], self.clock())
 
     def drop_table(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
@@ -161,6 +164,7 @@ class Store(Sampling):
 
         dropped = self._submit(op)
         self._tables.pop(name, None)
+        self._names.pop(table_id, None)
         return dropped
 
     # ---- push --------------------------------------------------------------------------
@@ -360,7 +364,6 @@ class Store(Sampling):
         only for estimators that need token-level data; the others work from the item records."""
         jobs: list[ComputeJob] = []
         count = 0
-        by_id: dict[int, tuple[str, TableConfig]] | None = None
         seen: set[int] = set()
         with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
             found = cur.set_range(layout.table_prefix(self._last_computed + 1)) or cur.first()
@@ -369,11 +372,10 @@ class Store(Sampling):
                 if table_id in seen:  # around to the first table again
                     break
                 seen.add(table_id)
-                if by_id is None:
-                    by_id = {tid: (name, config) for name, (tid, config) in self._tables.items()}
                 prefix = layout.table_prefix(table_id)
-                if table_id in by_id:
-                    name, config = by_id[table_id]
+                name = self._names.get(table_id)
+                if name is not None and name in self._tables:
+                    config = self._tables[name][1]
                     moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
                     job = ComputeJob(name, config, [], [], {}, {}, moments)
                     while found and cur.key().startswith(prefix) and count < limit:
