@@ -102,7 +102,7 @@ def main() -> None:
             *rows,
         ]
     )
-    write_section(Path(args.out), HEADING, body + "\n")
+    write_section(Path(args.out), HEADING, body + "\n\n")
     print(body)
 
 
