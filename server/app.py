@@ -132,7 +132,7 @@ class ExpbufServer:
         interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
-        interceptors.append(PushMemory(self.inflight))
+        interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))
         keep_reply_memory()
         few_arenas()
         self.grpc = grpc.server(

@@ -168,12 +168,15 @@ def _remaining(context: grpc.ServicerContext) -> float:
 class PushMemory(ServiceInterceptor):
     """Push and PushStream read their messages with read_push_request, once InFlight admits them."""
 
-    def __init__(self, inflight: InFlight) -> None:
+    def __init__(self, inflight: InFlight, stream_wait: float = 3600.0) -> None:
         self.inflight = inflight
+        self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
 
-    def _read(self, requests: Iterator[Any], context: grpc.ServicerContext) -> tuple[Any, Callable[[], None]] | None:
-        """The next message, admitted and held; None at the end of the client's messages."""
-        refused = self.inflight.admit(_remaining(context))
+    def _read(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0
+    ) -> tuple[Any, Callable[[], None]] | None:
+        """The next message, admitted (waiting at most `most`) and held; None at the end of the client's messages."""
+        refused = self.inflight.admit(min(most, _remaining(context)))
         if refused is not None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         request = next(requests, None)
@@ -206,7 +209,7 @@ class PushMemory(ServiceInterceptor):
                 release: Callable[[], None] = lambda: None  # noqa: E731
                 try:
                     while True:
-                        read = self._read(requests, context)
+                        read = self._read(requests, context, self.stream_wait)
                         if read is None:
                             return
                         request, release = read
