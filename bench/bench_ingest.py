@@ -3,9 +3,10 @@ and in 1 or 2 worker processes (`--ingest-processes`), side by side in one run.
 
     .venv/bin/python bench/bench_ingest.py [--rounds 3] [--out bench/RESULTS.md]
 
-8 pushers, durable acks, two shapes: 64 x 40 KB experiences per push (bytes-bound) and
-256 x 8 KB (int32[1024] tokens + float32[1024] logprobs; per-experience work). Each round
-starts one server per setting, in alternating order, on fresh data directories.
+8 pushers, durable acks, three shapes: 64 x 40 KB experiences per push (bytes-bound),
+256 x 8 KB (int32[1024] tokens + float32[1024] logprobs; per-experience work), and 8 x 8 KB
+(a rollout worker's group per push; 32 times as many pushes). Each round starts one server per
+setting, in alternating order, on fresh data directories. `--shape` runs one shape only.
 """
 
 from __future__ import annotations
@@ -68,8 +69,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--payloads", type=int, default=32)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--shape", help="run only this shape (its figures are printed, not written)")
     args = parser.parse_args()
-    shapes = {"64 x 40 KB": make_payloads(args.payloads), "256 x 8 KB": small_payloads(args.payloads)}
+    shapes = {
+        "64 x 40 KB": lambda: make_payloads(args.payloads),
+        "256 x 8 KB": lambda: small_payloads(args.payloads),
+        "8 x 8 KB": lambda: small_payloads(32 * args.payloads, per=8),
+    }
+    shapes = {name: make() for name, make in shapes.items() if args.shape in (None, name)}
     results: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
         order = SETTINGS if round_ % 2 == 0 else SETTINGS[::-1]
@@ -102,7 +109,8 @@ def main() -> None:
         )
         + "\n"
     )
-    write_section(Path(args.out), "## Ingest off the GIL (issue 10)", body)
+    if args.shape is None:
+        write_section(Path(args.out), "## Ingest off the GIL (issue 10)", body)
     print(body)
 
 

@@ -3,7 +3,7 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread; server/limits.py keeps waiting streams from taking them all.
+holds one worker thread; server/limits.py keeps waiting calls from taking them all.
 
 The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
 otherwise start and split the connections between two stores. Start-up failures (a port
@@ -32,8 +32,9 @@ from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
 from .estimators import resolve_device
+from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
-from .limits import RESERVED_THREADS, CallLimits, TableStreams
+from .limits import RESERVED_THREADS, CallLimits, TableStreams, WaitingCap
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
@@ -107,12 +108,14 @@ class ExpbufServer:
         if config.metrics_port > 0:
             _check_port_free(config.metrics_host or config.host, config.metrics_port, "metrics")
         try:
-            self.store = Store(config.data)
+            self.store = Store(config.data, max_reply_bytes=config.max_message_bytes)
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None
         try:
             self._assemble(credentials)
         except BaseException:
+            if hasattr(self, "service"):
+                self.service.ingest.close()  # its processes end with the server that did not start
             self.store.close()
             raise
 
@@ -132,9 +135,17 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
-        interceptors.append(CallLimits(config.workers, config.sample_stream_limit))
+        caps = {
+            "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
+            "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
+            "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
+        }
+        interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
         interceptors.append(PassBytes())
+        self.inflight = InFlight(config.max_inflight_bytes)
+        interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))
         keep_reply_memory()
+        few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
@@ -148,6 +159,8 @@ class ExpbufServer:
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_workers),
             table_streams=TableStreams(config.table_stream_limit),
+            push_stream_idle_seconds=config.push_stream_idle_seconds,
+            max_wait_seconds=config.max_wait_seconds,
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
@@ -179,6 +192,7 @@ class ExpbufServer:
                     self.config.metrics_port, addr=host, registry=self.metrics.exported
                 )
             except OSError as exc:
+                self.service.ingest.close()
                 self.store.close()
                 raise StartupError(
                     f"cannot bind the metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}"

@@ -40,12 +40,18 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
             "metrics_host": args.metrics_host,
             "ingest_processes": args.ingest_processes,
+            "push_stream_idle_seconds": args.push_stream_idle_seconds,
+            "max_wait_seconds": args.max_wait_seconds,
+            "max_inflight_bytes": args.max_inflight_bytes,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
+    from .inflight import few_arenas
+
+    few_arenas()  # before torch and gRPC start their threads, each of which could take an arena
     from .app import ExpbufServer, StartupError
 
     stop = threading.Event()
@@ -182,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="processes that validate and pack pushes, 0 = none (default: cores - 1, at most 4;"
         " env EXPBUF_INGEST_PROCESSES)",
+    )
+    serve.add_argument(
+        "--push-stream-idle-seconds",
+        type=float,
+        help="end a PushStream that sends nothing this long (default 120; env EXPBUF_PUSH_STREAM_IDLE_SECONDS)",
+    )
+    serve.add_argument(
+        "--max-wait-seconds",
+        type=float,
+        help="the longest a Sample batch or an Admit waits for data or room (default 600; env EXPBUF_MAX_WAIT_SECONDS)",
+    )
+    serve.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
+        " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

@@ -10,6 +10,12 @@ may also declare tables (created at start, or checked against the stored ones):
     metrics_host = "127.0.0.1"    # default: the same address as host
     workers = 64                  # concurrent calls
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
+    max_push_streams = 32         # open PushStreams (default: half the workers)
+    max_waiting_admits = 16       # Admit calls waiting for room (default: a quarter of the workers)
+    reserved_workers = 8          # workers only Push, Ack, Nack and Stats may take (default: an eighth)
+    push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
+    max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
+    max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     max_message_bytes = 268435456
 
@@ -85,6 +91,14 @@ class ServerConfig:
     max_sample_streams: int | None = None  # None: three quarters of workers
     # Open Sample streams on one table, so the trainers of one table cannot take every stream.
     max_table_streams: int | None = None  # None: max_sample_streams
+    max_push_streams: int | None = None  # None: half the workers
+    max_waiting_admits: int | None = None  # None: a quarter of the workers
+    # Workers kept for Push, Ack, Nack and Stats: no class of call can take every one (limits.py).
+    reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
+    push_stream_idle_seconds: float = 120.0
+    max_wait_seconds: float = 600.0
+    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
+    max_inflight_bytes: int = 1 << 30
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
     log_format: str = "text"
@@ -115,6 +129,18 @@ class ServerConfig:
         """Open Sample streams allowed on one table."""
         return self.max_table_streams if self.max_table_streams is not None else self.sample_stream_limit
 
+    @property
+    def push_stream_limit(self) -> int:
+        return self.max_push_streams if self.max_push_streams is not None else max(1, self.workers // 2)
+
+    @property
+    def waiting_admit_limit(self) -> int:
+        return self.max_waiting_admits if self.max_waiting_admits is not None else max(1, self.workers // 4)
+
+    @property
+    def reserved_worker_count(self) -> int:
+        return self.reserved_workers if self.reserved_workers is not None else max(1, self.workers // 8)
+
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be a port number (0-65535; 0 picks a free one), got {self.port!r}")
@@ -142,6 +168,18 @@ class ServerConfig:
                 f"max_table_streams must be an integer from 1 to max_sample_streams = {self.sample_stream_limit}, "
                 f"got {per_table!r}"
             )
+        for name in ("max_push_streams", "max_waiting_admits", "reserved_workers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 1 <= value < self.workers):
+                raise ConfigError(
+                    f"{name} must be an integer from 1 to workers - 1 = {self.workers - 1}, got {value!r}"
+                )
+        for name in ("push_stream_idle_seconds", "max_wait_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
+                raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
+        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
+            raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
         for token, scopes in self.tokens.items():
             if not token:
                 raise ConfigError("a token is empty")
@@ -160,6 +198,12 @@ _ENV = {
     "EXPBUF_WORKERS": ("workers", int),
     "EXPBUF_MAX_SAMPLE_STREAMS": ("max_sample_streams", int),
     "EXPBUF_MAX_TABLE_STREAMS": ("max_table_streams", int),
+    "EXPBUF_MAX_PUSH_STREAMS": ("max_push_streams", int),
+    "EXPBUF_MAX_WAITING_ADMITS": ("max_waiting_admits", int),
+    "EXPBUF_RESERVED_WORKERS": ("reserved_workers", int),
+    "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
+    "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
+    "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),

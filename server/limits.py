@@ -1,16 +1,23 @@
-"""Bounds on concurrent calls, so that waiting Sample streams cannot take every worker thread.
+"""Bounds on concurrent calls, so that no class of call can take every worker thread.
 
-Each call in progress holds one worker thread, and a Sample stream holds its thread while it
-waits for data. Open Sample streams are capped at `max_sample_streams` (below `workers`), so
-that Push, Ack and Stats always find a thread, and the service's calls together at `workers`.
-The thread pool has RESERVED_THREADS more than that, so health checks, reflection and the
-refusals themselves are always answered.
+Each call in progress holds one worker thread, and some calls hold theirs while they wait: a
+Sample stream for data, a PushStream for its next message, an Admit with a wait for room.
+Each of those classes has its own cap (`max_sample_streams`, `max_push_streams`,
+`max_waiting_admits`), and all of them together, with every other call, may take only
+`workers - reserved_workers` threads: the last `reserved_workers` are kept for Push, Ack, Nack
+and Stats, so that rollout workers can push and trainers ack whatever else is waiting. Pushes
+may wait too (on a full table, or the rate limit) and so may take every worker; Ack, Nack and
+Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a trainer's ack, which
+may be what makes room, is answered even then. The thread pool has RESERVED_THREADS more than
+`workers` (those included), so health checks, reflection and the refusals themselves are
+always answered.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -18,35 +25,68 @@ import grpc
 from .interceptor import ServiceInterceptor
 
 RESERVED_THREADS = 4
+ACK_THREADS = 2
+# The calls that never wait, and may take ACK_THREADS beyond the workers.
+NEVER_WAITING = frozenset({"Ack", "Nack", "Stats"})
+# The calls that may take the reserved workers: what keeps rollouts and trainers going.
+ESSENTIAL = frozenset({"Push", *NEVER_WAITING})
+
+
+@dataclass(frozen=True)
+class WaitingCap:
+    """A cap on one class of calls that may hold a worker while they wait."""
+
+    what: str  # the calls, in words: "Sample streams are open"
+    setting: str  # its name in the config file
+    limit: int
+
+    def refusal(self, count: int) -> str:
+        env = f"EXPBUF_{self.setting.upper()}"
+        return (
+            f"{count} {self.what}, the limit is {self.setting} = {self.limit} "
+            f"(raise it with {env} or in the config file)"
+        )
+
+
+def call_class(method: str, request: Any) -> str:
+    """The capped class a call belongs to ("" for none): Admit waits only when asked to."""
+    if method == "Admit":
+        return "waiting_admit" if getattr(request, "wait_seconds", 0) > 0 else ""
+    return {"Sample": "sample_stream", "PushStream": "push_stream"}.get(method, "")
 
 
 class CallLimits(ServiceInterceptor):
     """Refuses, with RESOURCE_EXHAUSTED naming the limit and its setting, calls beyond the bounds."""
 
-    def __init__(self, workers: int, max_sample_streams: int) -> None:
+    def __init__(self, workers: int, reserved: int, caps: dict[str, WaitingCap]) -> None:
         self.workers = workers
-        self.max_sample_streams = max_sample_streams
+        self.reserved = reserved
+        self.caps = caps
         self._lock = threading.Lock()
         self._calls = 0
-        self._streams = 0
+        self._open = dict.fromkeys(caps, 0)
 
-    def _acquire(self, method: str) -> Callable[[], None] | str:
+    def _acquire(self, method: str, request: Any) -> Callable[[], None] | str:
         """A release function for the slot taken, or the reason no slot is free."""
-        sample = method == "Sample"
+        kind = call_class(method, request)
         with self._lock:
-            if sample and self._streams >= self.max_sample_streams:
+            cap = self.caps.get(kind)
+            if cap is not None and self._open[kind] >= cap.limit:
+                return cap.refusal(self._open[kind])
+            if method not in ESSENTIAL and self._calls >= self.workers - self.reserved:
                 return (
-                    f"{self._streams} Sample streams are open, the limit is max_sample_streams = "
-                    f"{self.max_sample_streams} (raise it with EXPBUF_MAX_SAMPLE_STREAMS or in the config file; "
-                    f"it must stay below workers = {self.workers})"
+                    f"{self._calls} calls are in progress; the other reserved_workers = {self.reserved} of "
+                    f"workers = {self.workers} threads are kept for Push, Ack, Nack and Stats (raise workers "
+                    "with EXPBUF_WORKERS or in the config file)"
                 )
-            if self._calls >= self.workers:
+            if self._calls >= self.workers + (ACK_THREADS if method in NEVER_WAITING else 0):
                 return (
                     f"all workers = {self.workers} threads are taken by calls in progress "
                     "(raise it with EXPBUF_WORKERS or workers in the config file)"
                 )
             self._calls += 1
-            self._streams += sample
+            if cap is not None:
+                self._open[kind] += 1
         released = False
 
         def release() -> None:
@@ -55,7 +95,8 @@ class CallLimits(ServiceInterceptor):
                 if not released:
                     released = True
                     self._calls -= 1
-                    self._streams -= sample
+                    if cap is not None:
+                        self._open[kind] -= 1
 
         return release
 
@@ -64,7 +105,7 @@ class CallLimits(ServiceInterceptor):
     ) -> grpc.RpcMethodHandler:
         def limited_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                release = self._acquire(method)
+                release = self._acquire(method, request)
                 if isinstance(release, str):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
                 try:
@@ -76,7 +117,7 @@ class CallLimits(ServiceInterceptor):
 
         def limited_stream(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                release = self._acquire(method)
+                release = self._acquire(method, request)
                 if isinstance(release, str):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
                 context.add_callback(release)  # also when the stream ends without resuming this generator
@@ -123,3 +164,55 @@ class TableStreams:
             self._open[table] -= 1
             if not self._open[table]:
                 del self._open[table]
+
+
+class IdleMessages:
+    """A stream's messages, read by a thread of their own so that the call can end one that
+    sends nothing for `seconds` (a PushStream left open holds a worker thread). The reader
+    asks gRPC for the next message only when the call wants it: no payload is read ahead."""
+
+    def __init__(self, requests: Iterator[Any], seconds: float) -> None:
+        self.seconds = seconds
+        self._requests = requests
+        self._changed = threading.Condition()
+        self._wanted = False
+        self._closed = False
+        self._slot: list[Any] = []  # the message handed over; [] while none is
+        threading.Thread(target=self._read, name="expbuf-stream-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._wanted or self._closed)
+                if self._closed:
+                    return
+                self._wanted = False
+            try:
+                message: Any = next(self._requests)
+            except (StopIteration, grpc.RpcError):  # the client closed its side, or the call ended
+                message = None
+            except Exception as exc:  # a refusal of the message (an abort): the call raises it
+                message = exc
+            with self._changed:
+                self._slot.append(message)
+                self._changed.notify_all()
+            if message is None or isinstance(message, Exception):
+                return
+
+    def next(self) -> Any:
+        """The next message; None when the client closed its side; TimeoutError after `seconds` of
+        silence; what reading it raised."""
+        with self._changed:
+            self._wanted = True
+            self._changed.notify_all()
+            if not self._changed.wait_for(lambda: self._slot, self.seconds):
+                raise TimeoutError
+            message = self._slot.pop()
+        if isinstance(message, Exception):
+            raise message
+        return message
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()

@@ -2,9 +2,10 @@
 
 What the store keeps durably (counts by state, totals pushed, sampled, evicted, dropped,
 expired) is read from the store at every scrape, so gauges and counters stay right
-across restarts. What only the server sees (RPC latency by method and code, refusals
-before anything reaches the store, advantage time, staleness of sampled experiences)
-is measured here. Each server has its own registry.
+across restarts. Tables that never held anything, but `default`, are left out of the
+per-table series (`expbuf_tables` counts all tables). What only the server sees (RPC
+latency by method and code, refusals before anything reaches the store, advantage time,
+staleness of sampled experiences) is measured here. Each server has its own registry.
 """
 
 from __future__ import annotations
@@ -50,7 +51,13 @@ class StoreCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        tables = {t.name: self.store.stats(t.name) for t in self.store.list_tables()}
+        names = [t.name for t in self.store.list_tables()]
+        yield GaugeMetricFamily("expbuf_tables", "Tables, including those that never held anything.", value=len(names))
+        # A table that never held anything has only zeros to export: left out, so that a
+        # scrape's size and cost grow with the tables in use, not with all tables. The default
+        # table always is exported, so that every server has its series (a dashboard's list of
+        # shards is read from them).
+        tables = {name: stats for name in names if any((stats := self.store.stats(name)).values()) or name == "default"}
         experiences = GaugeMetricFamily("expbuf_buffer_experiences", "Experiences by state.", labels=["table", "state"])
         groups = GaugeMetricFamily("expbuf_groups", "Groups by state.", labels=["table", "state"])
         for table, stats in tables.items():

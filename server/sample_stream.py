@@ -102,8 +102,10 @@ def stream_batches(
     owner: str,
     timeout: Callable[[], float],
     reply: Callable[[Sampled], bytes],
+    bound: str = "",
 ) -> Iterator[bytes]:
-    """The replies of one stream. `timeout()` is how long the next batch may wait for data.
+    """The replies of one stream. `timeout()` is how long the next batch may wait for data;
+    `bound` says what set it, when the server shortened what the client asked.
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
     (through `context.abort`) when no batch could be made in time.
@@ -130,7 +132,7 @@ def stream_batches(
                     return
                 context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s",
+                    f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s{bound}",
                 )
             unconfirmed = batch
             spec = replace(spec, trainer_version=None)  # the first message's version is stored once

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -36,8 +37,9 @@ from .errors import (
     TooLarge,
     clip,
 )
+from .inflight import PushMessage
 from .ingest import Ingest
-from .limits import TableStreams
+from .limits import IdleMessages, TableStreams
 from .metrics import Metrics
 from .replies import sample_reply
 from .sample_spec import SampleSpec
@@ -216,6 +218,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         bind_leases: bool = False,
         ingest: Ingest | None = None,
         table_streams: TableStreams | None = None,
+        push_stream_idle_seconds: float = 120.0,
+        max_wait_seconds: float = 600.0,
     ) -> None:
         self.store = store
         self.ingest = ingest or Ingest()
@@ -225,6 +229,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
+        self.push_stream_idle_seconds = push_stream_idle_seconds
+        self.max_wait_seconds = max_wait_seconds
         self.started = time.time()
         self.writers = Writers()
 
@@ -234,6 +240,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         table = request.table or "default"
         try:
             entries = self.ingest.entries(request.payload)
+            if isinstance(request, PushMessage):
+                request.drop_payload()
             result = self.store.put_entries(table, entries, timeout=_remaining(context))
         except Exception as exc:
             exc.table = table  # for the refusal's log line and metric
@@ -254,8 +262,25 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     @_refusals
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
-        for request in request_iterator:
-            yield self._push(request, context)
+        """Pushes as they come; a stream that sends nothing for push_stream_idle_seconds ends
+        with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits)."""
+        messages = IdleMessages(request_iterator, self.push_stream_idle_seconds)
+        try:
+            while True:
+                try:
+                    request = messages.next()
+                except TimeoutError:
+                    seconds = self.push_stream_idle_seconds
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"PushStream idle: no message for {seconds:g}s; the server ends idle streams after "
+                        f"push_stream_idle_seconds = {seconds:g} (EXPBUF_PUSH_STREAM_IDLE_SECONDS); open a new one",
+                    )
+                if request is None:
+                    return
+                yield self._push(request, context)
+        finally:
+            messages.close()
 
     # ---- sample ------------------------------------------------------------------
 
@@ -273,6 +298,10 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         except Exception as exc:
             exc.table = first.table or "default"
             raise
+        bound = ""
+        if spec.wait_seconds > self.max_wait_seconds:
+            spec = replace(spec, wait_seconds=self.max_wait_seconds)
+            bound = f" (the server's max_wait_seconds = {self.max_wait_seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"
 
         def reply(batch: Sampled) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
@@ -290,6 +319,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 owner=self._owner(context),
                 timeout=lambda: _remaining(context, spec.wait_seconds),
                 reply=reply,
+                bound=bound,
             )
         except StoreError as exc:
             exc.table = spec.table  # for the refusal's log line and metric
@@ -429,7 +459,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
     @_refusals
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
         table = request.table or "default"
-        wait = _remaining(context, request.wait_seconds) if request.wait_seconds > 0 else 0.0
+        asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
+        wait = _remaining(context, asked) if request.wait_seconds > 0 else 0.0
         grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
         self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
         return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)

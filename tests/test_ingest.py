@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,16 +88,47 @@ def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest, monkeypa
     assert ingest._in_worker(small) == entries_of(small)
 
 
-def test_a_lone_push_is_decoded_here(ingest: Ingest) -> None:
+def test_a_lone_push_is_decoded_here(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no other push being decoded, a hand-off to a worker would only add its cost."""
-    worker = ingest._workers[0]
-    os.kill(worker.process.pid, signal.SIGKILL)
-    worker.process.join()
+
+    def no_hand_off(payload: bytes) -> None:
+        raise AssertionError("a lone push was handed to a worker")
+
+    monkeypatch.setattr(ingest, "_in_worker", no_hand_off)
     data = payload("grpo_group.trxp")
     assert ingest.entries(data) == entries_of(data)
-    assert ingest._workers[0] is worker  # not used, so not found dead
-    assert ingest._in_worker(data) == entries_of(data)  # decoded here, and the worker replaced
-    assert ingest._workers[0] is not worker and ingest._workers[0].process.is_alive()
+
+
+def test_a_small_push_is_decoded_here_beside_others(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A payload below SMALL decodes faster than a hand-off takes (bench/RESULTS.md)."""
+
+    def no_hand_off(payload: bytes) -> None:
+        raise AssertionError("a small push was handed to a worker")
+
+    monkeypatch.setattr(ingest, "_in_worker", no_hand_off)
+    monkeypatch.setattr(ingest, "_decoding", 1)  # another push is being decoded
+    data = payload("grpo_group.trxp")
+    assert len(data) < ingest_module.SMALL
+    assert ingest.entries(data) == entries_of(data)
+
+
+def test_an_idle_worker_that_dies_is_reaped_and_replaced_at_once(ingest: Ingest) -> None:
+    worker = ingest._workers[0]
+    os.kill(worker.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while ingest._workers[0] is worker and time.monotonic() < deadline:  # no push reaches the pool meanwhile
+        time.sleep(0.05)
+    replacement = ingest._workers[0]
+    assert replacement is not worker and replacement.process.is_alive()
+    assert worker.process.exitcode == -signal.SIGKILL  # reaped: no zombie is left
+    assert not Path(f"/proc/{worker.process.pid}").exists() or "Z" not in _state(worker.process.pid)
+    data = payload("grpo_group.trxp")
+    assert ingest._in_worker(data) == entries_of(data)
+    assert ingest._workers[0] is replacement  # the push found it ready
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 
 
 def test_a_worker_that_dies_is_replaced(server: ExpbufServer) -> None:
@@ -123,8 +155,9 @@ def test_a_closed_pool_decodes_here() -> None:
     assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
 
 
-def test_concurrent_pushes_each_get_their_own_entries() -> None:
+def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pushes decoded at once, here and in workers, each get their payload's entries."""
+    monkeypatch.setattr(ingest_module, "SMALL", 0)  # the fixtures are small: hand them off all the same
     names = sorted(MANIFEST["payloads"]) * 6
     pool = Ingest(2)
     try:

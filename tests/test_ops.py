@@ -10,7 +10,6 @@ import importlib.metadata
 import importlib.resources
 import json
 import os
-import queue
 import re
 import signal
 import socket
@@ -508,11 +507,10 @@ def test_proto_names_its_go_package() -> None:
     assert pb.DESCRIPTOR.GetOptions().go_package.endswith(";expbufv1")
 
 
-def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
+def test_health_and_pushes_are_answered_when_every_other_worker_is_busy(tmp_path: Path) -> None:
     config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=4, max_sample_streams=3)
+    assert config.reserved_worker_count == 1
     server = ExpbufServer(config).start()
-    refusals: list[grpc.RpcError] = []
-    idle: queue.Queue = queue.Queue()
 
     def wait_on(call: grpc.Call) -> None:
         with contextlib.suppress(grpc.RpcError, StopIteration):
@@ -523,24 +521,30 @@ def test_health_is_answered_when_every_worker_is_busy(tmp_path: Path) -> None:
             stub = pb_grpc.ExperienceBufferStub(channel)
             request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
             streams = [stub.Sample(iter([request]), timeout=60) for _ in range(3)]
-            pushing = stub.PushStream(iter(idle.get, None), timeout=60)  # an open stream that sends nothing
-            for call in (*streams, pushing):
+            for call in streams:
                 threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+            refused: list[grpc.RpcError] = []
 
-            def push_refused() -> bool:
+            def push_stream_refused() -> bool:  # once the three streams hold the three workers outside the reserve
                 try:
-                    stub.Push(pb.PushRequest(table="default", payload=b""), timeout=10)
+                    next(stub.PushStream(iter([]), timeout=60))
+                except StopIteration:  # accepted, and ended as it sent nothing
+                    return False
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        refusals.append(exc)
-                return bool(refusals)
+                        refused.append(exc)
+                        return True
+                return False
 
-            wait_until(push_refused, timeout=30)  # once the four streams hold the four workers
-            assert "workers = 4" in refusals[0].details() and "EXPBUF_WORKERS" in refusals[0].details()
+            time.sleep(1.0)  # the streams reach the server first: a probe taken meanwhile could refuse one
+            wait_until(push_stream_refused, timeout=30)
+            assert not any(call.done() for call in streams), "a waiting Sample stream was refused"
+            assert "reserved_workers = 1" in refused[0].details() and "EXPBUF_WORKERS" in refused[0].details()
+            pushed = stub.Push(pb.PushRequest(table="default", payload=payload("grpo_group.trxp")), timeout=10)
+            assert len(pushed.stored_uids) == 8
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            idle.put(None)
-            for call in (*streams, pushing):
+            for call in streams:
                 call.cancel()
     finally:
         server.stop(grace=1)
@@ -623,3 +627,29 @@ def test_table_commands(tmp_path: Path) -> None:
         assert missing.returncode == 1 and "no table 'grpo4'" in missing.stderr
     finally:
         assert proc.stop(signal.SIGTERM) == 0
+
+
+def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from expbuf.server.cli import main
+    from expbuf.server.config import load
+    from expbuf.server.tables import ConfigError
+
+    config = ServerConfig()
+    assert (config.push_stream_limit, config.waiting_admit_limit, config.reserved_worker_count) == (32, 16, 8)
+    assert (config.push_stream_idle_seconds, config.max_wait_seconds) == (120.0, 600.0)
+    with pytest.raises(ConfigError, match=r"reserved_workers must be an integer from 1 to workers - 1 = 7"):
+        ServerConfig(workers=8, reserved_workers=8)
+    with pytest.raises(ConfigError, match=r"push_stream_idle_seconds must be a number of seconds above 0"):
+        ServerConfig(push_stream_idle_seconds=0)
+    config_file = tmp_path / "expbuf.toml"
+    config_file.write_text("max_push_streams = 3\nmax_wait_seconds = 30\nreserved_workers = 2\n")
+    monkeypatch.setenv("EXPBUF_MAX_WAITING_ADMITS", "5")
+    monkeypatch.setenv("EXPBUF_PUSH_STREAM_IDLE_SECONDS", "7.5")
+    loaded = load(str(config_file), {"max_wait_seconds": 9.0})
+    assert (loaded.push_stream_limit, loaded.waiting_admit_limit, loaded.reserved_worker_count) == (3, 5, 2)
+    assert (loaded.push_stream_idle_seconds, loaded.max_wait_seconds) == (7.5, 9.0)
+    monkeypatch.setenv("EXPBUF_PUSH_STREAM_IDLE_SECONDS", "-1")
+    assert main(["serve", "--data", str(tmp_path / "data")]) == 2  # refused before anything starts
+    assert not (tmp_path / "data").exists()

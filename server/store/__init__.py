@@ -5,13 +5,14 @@
   (ItemRecord, GroupRecord, Lease) and their binary encoding; migrate.py: the data
   directory's format, checked at open and brought up to date;
 - groups.py: the rules of a table in a transaction, the group state machine; capacity.py:
-  eviction or refusal when a table is full;
+  eviction or refusal when a table is full; deliverable.py: refusal of a group too large for
+  one Sample reply;
 - leases.py: taking a batch (selection orders are selection.py's) and its leases;
 - admission.py: admission of rollouts (AReaL's bound), grants, the staleness screen of
   pushes; limiter.py: the rate limits between inserts and samples (Reverb's);
   staleness.py: eviction of ready groups that fell below the staleness bound;
 - upkeep.py: lease and grant expiry, group timeouts, stale-group eviction, tombstone
-  pruning, isolated per table;
+  pruning, isolated per table, visiting only the tables with something to do;
 - integrity.py: the checks of a data directory, at open and behind `expbuf check`;
 - engine.py: `Store`, the one object the server uses (through backend.Backend).
 """

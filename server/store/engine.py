@@ -24,7 +24,7 @@ from ..advantage_storage import StageCounts, batch_payload
 from ..errors import Conflict, NotFound, TableFull, clip
 from ..sample_spec import check_version
 from ..tables import CONFIG_VERSION, TableConfig, default_table, estimator_of
-from . import admission, browse, integrity, layout, limiter, retirement, staleness
+from . import admission, browse, deliverable, integrity, layout, limiter, retirement, staleness
 from .batch_rows import BatchRows
 from .environment import Environment
 from .groups import TableTxn, read_counters
@@ -48,6 +48,7 @@ class Store(Sampling):
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
         batch_limit: int = 512,
+        max_reply_bytes: int | None = None,
     ) -> None:
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
@@ -60,18 +61,21 @@ class Store(Sampling):
             raise
         self.path = self.environment.path
         self.max_map_size = max_map_size
+        self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.clock = clock
         self._rng = random.Random(seed)
         self._db = self.environment.db
         self._upkeep = Upkeep(self.environment.env, self._db)
         self._tables: dict[str, tuple[int, TableConfig]] = {}
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
+        self._names: dict[int, str] = {}  # table id -> name
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         with self.environment.read() as txn:
             for name, raw in txn.cursor(db=self._db["tables"]):
                 record = json.loads(raw)
                 config = TableConfig.from_stored(record["config"], record.get("v", 1))
                 self._tables[name.decode()] = (record["id"], config)
+                self._names[record["id"]] = name.decode()
         if "default" not in self._tables:
             self.create_table(default_table(), exist_ok=True)
         self._recount()
@@ -111,7 +115,12 @@ class Store(Sampling):
     def _in_table(self, table: str, fn: Callable[[TableTxn], Any]) -> Any:
         """Run `fn` on one table in the writer's next transaction."""
         table_id, config = self._table(table)
-        return self._submit(lambda txn: fn(TableTxn(txn, self._db, table_id, config, self.clock())))
+
+        def op(txn: lmdb.Transaction) -> Any:
+            self._upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
+            return fn(TableTxn(txn, self._db, table_id, config, self.clock()))
+
+        return self._submit(op)
 
     @property
     def maintenance_failures(self) -> int:
@@ -138,6 +147,7 @@ class Store(Sampling):
 
         created, table_id = self._submit(op)
         self._tables[config.name] = (table_id, config)
+        self._names[table_id] = config.name
         return created
 
     def list_tables(self) -> list[TableConfig]:
@@ -156,10 +166,10 @@ class Store(Sampling):
             raise NotFound(f"table '{clip(name)}' does not exist") from None
 
     def _by_id(self, txn: lmdb.Transaction, table_id: int) -> TableTxn | None:
-        for tid, config in self._tables.values():
-            if tid == table_id:
-                return TableTxn(txn, self._db, table_id, config, self.clock())
-        return None
+        name = self._names.get(table_id)
+        if name is None or name not in self._tables:
+            return None
+        return TableTxn(txn, self._db, table_id, self._tables[name][1], self.clock())
 
     def drop_table(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
@@ -182,6 +192,7 @@ class Store(Sampling):
 
         dropped = self._submit(op)
         self._tables.pop(name, None)
+        self._names.pop(table_id, None)
         return dropped
 
     # ---- push --------------------------------------------------------------------------
@@ -192,6 +203,7 @@ class Store(Sampling):
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self._table(table)
+        limit = self.max_reply_bytes
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         held = False  # whether the rate limit held this push
@@ -200,7 +212,7 @@ class Store(Sampling):
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             try:
-                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b))
+                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b, limit))
             except TableFull:
                 if config.when_full != "block" or final:
                     raise
@@ -213,9 +225,13 @@ class Store(Sampling):
             self.environment.wait_for_change(generation, deadline)
 
     @staticmethod
-    def _put(tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float) -> PutResult | limiter.InsertLimited:
+    def _put(
+        tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
+    ) -> PutResult | limiter.InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
-        counted when it lets them go or at the deadline)."""
+        counted when it lets them go or at the deadline); refuse them if a group would not
+        fit in one Sample reply of reply_limit bytes."""
+        deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
             tt.counters["insert_blocked_seconds"] += blocked
@@ -406,36 +422,40 @@ class Store(Sampling):
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
         """Completed groups waiting for advantages, oldest first within each table, up to
         about `limit` experiences, as one job per table. Tables take turns being first, so a
-        table with a long backlog cannot keep the others waiting. Payloads are read only
-        for estimators that need token-level data; the others work from the item records."""
-        tables = sorted((table_id, name, config) for name, (table_id, config) in self._tables.items())
-        turn = next((i for i, (table_id, _, _) in enumerate(tables) if table_id > self._last_computed), 0)
+        table with a long backlog cannot keep the others waiting. The compute index is read
+        from table to table with a backlog, never over the tables without one. Payloads are read
+        only for estimators that need token-level data; the others work from the item records."""
         jobs: list[ComputeJob] = []
         count = 0
+        seen: set[int] = set()
         with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
-            for table_id, name, config in tables[turn:] + tables[:turn]:
-                if count >= limit:
+            found = cur.set_range(layout.table_prefix(self._last_computed + 1)) or cur.first()
+            while found and count < limit:
+                table_id = layout.table_of(cur.key())
+                if table_id in seen:  # around to the first table again
                     break
+                seen.add(table_id)
                 prefix = layout.table_prefix(table_id)
-                found = cur.set_range(prefix)
-                if not found or not cur.key().startswith(prefix):
-                    continue
-                moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
-                job = ComputeJob(name, config, [], [], {}, {}, moments)
-                while found and cur.key().startswith(prefix) and count < limit:
-                    gkey = cur.value()
-                    grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
-                    job.groups.append(gkey.decode())
-                    job.members.append(grp.members)
-                    for uid in grp.members:
-                        item_key = prefix + uid.encode()
-                        job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                        if estimator_of(config).token_level:
-                            job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
-                    count += len(grp.members)
-                    found = cur.next()
-                jobs.append(job)
-                self._last_computed = table_id
+                name = self._names.get(table_id)
+                if name is not None and name in self._tables:
+                    config = self._tables[name][1]
+                    moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
+                    job = ComputeJob(name, config, [], [], {}, {}, moments)
+                    while found and cur.key().startswith(prefix) and count < limit:
+                        gkey = cur.value()
+                        grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
+                        job.groups.append(gkey.decode())
+                        job.members.append(grp.members)
+                        for uid in grp.members:
+                            item_key = prefix + uid.encode()
+                            job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
+                            if estimator_of(config).token_level:
+                                job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
+                        count += len(grp.members)
+                        found = cur.next()
+                    jobs.append(job)
+                    self._last_computed = table_id
+                found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
         return jobs
 
     def finish_compute(

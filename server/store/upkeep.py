@@ -5,6 +5,13 @@ evict_stale, staleness.py), old tombstones are forgotten.
 Each lease and each table runs in a nested transaction of its own: one that fails (a
 damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
 and the others go on, so one table can never stop the upkeep of every table.
+
+Its cost grows with the tables that have something to do, not with all tables: a pass visits
+the active ones (written to since they were last found idle, or with incomplete groups that
+may time out, tombstones to forget, or stale groups left to evict), and one pass every
+SWEEP_SECONDS visits every table, for what reached a table by another way (a sample's
+tombstones). A visited table is worked on only when something is due: the oldest incomplete
+group and the oldest tombstone are the first keys of their time-ordered indexes, one seek each.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from ..errors import clip
 from ..tables import TableConfig
 from . import layout, retirement
 from .groups import TableTxn
-from .staleness import evict_stale
+from .staleness import EVICT_LIMIT, evict_stale
 
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
+SWEEP_SECONDS = 30.0
 
 
 class Upkeep:
@@ -32,6 +40,12 @@ class Upkeep:
         self.env, self.db = env, dbs
         self.failures = 0  # pieces skipped because they failed
         self._reported: set[str] = set()
+        self._active: set[int] = set()  # ids of the tables the next pass visits
+        self._last_sweep = float("-inf")
+
+    def mark(self, table_id: int) -> None:
+        """A table was written to: the next pass visits it (called in the writer's transaction)."""
+        self._active.add(table_id)
 
     def run(
         self,
@@ -52,6 +66,8 @@ class Upkeep:
                 "groups_stale_evicted",
                 "tombstones_pruned",
                 "failed",
+                "tables_visited",
+                "tables_worked",
             ),
             0,
         )
@@ -72,16 +88,62 @@ class Upkeep:
             returned = self.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: expire_grant(t, k))
             done["failed"] += returned is None
             done["rollouts_returned"] += returned or 0
+        if now - self._last_sweep >= SWEEP_SECONDS:
+            self._last_sweep = now
+        else:
+            tables = [(table_id, config) for table_id, config in tables if table_id in self._active]
+        done["tables_visited"] = len(tables)
         for table_id, config in tables:
+            self._active.discard(table_id)
+            if not self.due(txn, table_id, config, now):
+                if self.waiting(txn, table_id, config):
+                    self._active.add(table_id)
+                continue
+            done["tables_worked"] += 1
             where = f"table {config.name}"
             result = self.isolated(txn, where, lambda t, i=table_id, c=config: self.table(t, i, c, now))
             if result is None:
                 done["failed"] += 1
+                self._active.add(table_id)  # tried again at the next pass
                 continue
             done["groups_timed_out"] += result[0]
             done["tombstones_pruned"] += result[1]
             done["groups_stale_evicted"] += result[2]
+            if result[2] >= EVICT_LIMIT or self.waiting(txn, table_id, config):
+                self._active.add(table_id)
         return done
+
+    @staticmethod
+    def _oldest(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bytes | None:
+        """The time (8 sortable bytes) of the first key of a table in a time-ordered index."""
+        with txn.cursor(db=db) as cur:
+            if cur.set_range(prefix) and cur.key().startswith(prefix):
+                return bytes(cur.key()[4:12])
+        return None
+
+    def due(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> bool:
+        """Whether a table has upkeep to do now: an incomplete group to time out, a tombstone to
+        forget, or (evict_stale) a trainer version that may have left stale groups."""
+        prefix = layout.table_prefix(table_id)
+        if config.evict_stale:
+            return True
+        if config.group_timeout_seconds > 0:
+            oldest = self._oldest(txn, self.db["pending"], prefix)
+            if oldest is not None and oldest <= layout.micros(now - config.group_timeout_seconds):
+                return True
+        if config.tombstone_seconds > 0:
+            oldest = self._oldest(txn, self.db["retired"], prefix)
+            if oldest is not None and oldest < layout.micros(now - config.tombstone_seconds):
+                return True
+        return False
+
+    def waiting(self, txn: lmdb.Transaction, table_id: int, config: TableConfig) -> bool:
+        """Whether a table holds what will fall due without another write: incomplete groups
+        that time out, or tombstones to forget."""
+        prefix = layout.table_prefix(table_id)
+        if config.group_timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
+            return True
+        return config.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
 
     def expired(self, txn: lmdb.Transaction, now: float, index: str = "lease_exp") -> list[bytes]:
         """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
@@ -99,7 +161,8 @@ class Upkeep:
         timed_out = tt.expire_groups(now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
         stale = evict_stale(tt)
         pruned = retirement.prune_tombstones(tt, now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
-        tt.save()
+        if timed_out or pruned:
+            tt.save()
         return timed_out, pruned, stale
 
     def isolated(self, txn: lmdb.Transaction, what: str, fn: Callable[[lmdb.Transaction], T]) -> T | None:

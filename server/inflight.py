@@ -1,0 +1,225 @@
+"""What pushes hold in memory: their payloads read without a copy, counted against
+`max_inflight_bytes` while they are decoded and stored, and given back after.
+
+A push's message arrives as one bytes object (gRPC copies it out of its own buffers once);
+parsing it as a protobuf message and reading its payload field would copy it twice more, so
+PushRequest is read here by hand and its payload is a view of those bytes. Decoding then packs
+each experience once (the stored blob), the received bytes are let go, and LMDB copies the
+blobs into its pages: a push holds about twice its payload at its peak.
+
+A push starts reading its message only while the payloads held by pushes in progress are
+below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
+RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
+so the pushes that started reading below the cap may together pass it, by at most one message
+each.) A push larger than the cap still goes through when nothing else is in flight. When the
+last push in flight ends, memory freed by large pushes is handed back to the system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from .interceptor import ServiceInterceptor
+
+TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
+
+
+@dataclass(slots=True)
+class PushMessage:
+    """A PushRequest whose payload is a view of the received bytes."""
+
+    table: str
+    payload: memoryview
+    seq: int
+
+    def drop_payload(self) -> None:
+        """Let the received bytes go (once decoded), before the store copies the packed experiences."""
+        self.payload = memoryview(b"")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("PushRequest: a truncated or overlong varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def read_push_request(data: bytes) -> PushMessage:
+    """PushRequest's wire form (table = 1, payload = 2, seq = 3; other fields skipped, the
+    last of a repeated field wins, as protobuf reads them), the payload uncopied."""
+    view = memoryview(data)
+    table, payload, seq = b"", view[:0], 0
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, pos = _varint(data, pos)
+            if number == 3:
+                seq = value
+        elif kind == 2:
+            length, pos = _varint(data, pos)
+            if pos + length > len(data):
+                raise ValueError("PushRequest: a field runs past the end of the message")
+            if number == 1:
+                table = data[pos : pos + length]
+            elif number == 2:
+                payload = view[pos : pos + length]
+            pos += length
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        else:
+            raise ValueError(f"PushRequest: field {number} has wire type {kind}, which no field of it has")
+        if number == 0 or pos > len(data):
+            raise ValueError("PushRequest: malformed message")
+    return PushMessage(table.decode(), payload, seq)
+
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+ARENAS = 2
+
+
+def few_arenas() -> bool:
+    """Let every thread allocate from at most ARENAS malloc arenas (glibc). By default each busy
+    thread gets an arena of its own, and the free memory at the top of one (up to 64 MiB) goes
+    back to the system only past the trim threshold that keep_reply_memory raises: each worker
+    thread that received a large push kept that much. In two arenas malloc_trim hands it back.
+    False where the C library is not glibc."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, ARENAS))
+    except (OSError, AttributeError):
+        return False
+
+
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    return lambda: trim(0)
+
+
+class InFlight:
+    """The payload bytes held by pushes in progress, and the cap that makes new ones wait."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._changed = threading.Condition()
+        self._held = 0
+        self._since_trim = 0
+        self._trim = _malloc_trim()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def admit(self, timeout: float) -> str | None:
+        """Wait up to `timeout` until a push may read its message; the refusal if it may not."""
+        with self._changed:
+            if self._changed.wait_for(lambda: self._held < self.limit, timeout):
+                return None
+            return (
+                f"pushes in progress hold {self._held} bytes of payload, the limit is max_inflight_bytes = "
+                f"{self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or retry later)"
+            )
+
+    def hold(self, size: int) -> Callable[[], None]:
+        """Count a read payload until the function returned is called."""
+        with self._changed:
+            self._held += size
+            self._since_trim += size
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            with self._changed:
+                self._held -= size
+                self._changed.notify_all()
+                trim = self._held == 0 and self._since_trim >= TRIM_AFTER
+                if trim:
+                    self._since_trim = 0
+            if trim:  # the heap keeps freed blocks of a large push; the last push hands them back
+                self._trim()
+
+        return release
+
+
+def _remaining(context: grpc.ServicerContext) -> float:
+    """How long a push may wait to be read: its deadline, less the time to send a refusal."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - min(1.0, 0.1 * left))
+
+
+class PushMemory(ServiceInterceptor):
+    """Push and PushStream read their messages with read_push_request, once InFlight admits them."""
+
+    def __init__(self, inflight: InFlight, stream_wait: float = 3600.0) -> None:
+        self.inflight = inflight
+        self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
+
+    def _read(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0
+    ) -> tuple[Any, Callable[[], None]] | None:
+        """The next message, admitted (waiting at most `most`) and held; None at the end of the client's messages."""
+        refused = self.inflight.admit(min(most, _remaining(context)))
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        request = next(requests, None)
+        if request is None:
+            return None
+        return request, self.inflight.hold(len(request.payload))
+
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if method == "Push" and handler.unary_unary:
+            behavior = handler.unary_unary
+
+            def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                read = self._read(requests, context)
+                if read is None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push: the call carried no message")
+                request, release = read
+                try:
+                    return behavior(request, context)
+                finally:
+                    release()
+
+            # A unary request is framed as a stream of one: taken as a stream, it is read only when asked for.
+            return grpc.stream_unary_rpc_method_handler(push, read_push_request, handler.response_serializer)
+        if method == "PushStream" and handler.stream_stream:
+            behavior = handler.stream_stream
+
+            def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                release: Callable[[], None] = lambda: None  # noqa: E731
+                try:
+                    while True:
+                        read = self._read(requests, context, self.stream_wait)
+                        if read is None:
+                            return
+                        request, release = read
+                        yield request  # held until the stream asks for the next one
+                        release()
+                finally:
+                    release()
+
+            def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from behavior(admitted(requests, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
+        return handler

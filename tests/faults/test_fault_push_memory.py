@@ -1,0 +1,114 @@
+"""Large pushes against an `expbuf serve` child: the payload bytes that pushes in progress
+hold are capped by max_inflight_bytes (pushes past it wait for their deadline, then are
+refused naming the setting), and the server's memory returns after the pushes.
+
+The memory figures are printed (run with -s to see them); bench/RESULTS.md has them for larger
+pushes. RSS is asserted loosely: memory, not time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import BufferClient, trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from faultkit import _status_bytes, channel, peak_rss_bytes, reset_peak_rss, servers, stub
+from helpers import ServerProcess, make_experience
+
+pytestmark = pytest.mark.faults
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerProcess]]:
+    with servers() as start:
+        yield start
+
+
+def large_payload(batch: str, experiences: int, response: int) -> bytes:
+    """Experiences of one token-heavy response each (9 bytes a token), each its own group."""
+    return trxp.build(
+        [trxp.from_experience(make_experience(batch, task, 0, response=response)) for task in range(experiences)]
+    )
+
+
+def test_pushes_past_max_inflight_bytes_wait_then_are_refused_naming_it(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    server = serve(str(tmp_path / "data"), "--max-inflight-bytes", str(2 * MB))
+    with BufferClient(server.target) as client:
+        client.create_table("full", capacity_experiences=1, when_full="block")
+        client.create_table("other")
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.Push(pb.PushRequest(table="full", payload=large_payload("fill", 1, 16)), timeout=30)
+        # A 3 MiB push waits for room in the full table: it holds its payload, past the cap, meanwhile.
+        holding = buffer.Push.future(pb.PushRequest(table="full", payload=large_payload("big", 1, 350_000)), timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if buffer.Stats(pb.StatsRequest(table="full"), timeout=10).tables[0].pushed == 1 and not holding.done():
+                break
+        small = large_payload("small", 1, 16)
+        refused = None
+        for _ in range(20):  # until the holding push has been read (the cap then makes the others wait)
+            try:
+                buffer.Push(pb.PushRequest(table="other", payload=small), timeout=3)
+            except grpc.RpcError as exc:
+                refused = exc
+                break
+        assert refused is not None, "pushes went on while a push held more than max_inflight_bytes"
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refused.code(), refused.details())
+        assert f"max_inflight_bytes = {2 * MB}" in refused.details(), refused.details()
+        waiting = buffer.Push.future(pb.PushRequest(table="other", payload=large_payload("late", 1, 16)), timeout=60)
+        assert not waiting.done()
+        assert buffer.Stats(pb.StatsRequest(table="other"), timeout=10).tables[0].pushed <= 20
+        uids = [uid for batch in BufferClient(server.target).sample("full", num_groups=1, max_batches=1, timeout=10)
+                for uid in batch.uids]  # fmt: skip
+        assert uids == ["fill/0/0/0/r0s0"]  # room: the holding push is stored, the waiting one read
+        assert len(holding.result(timeout=30).stored_uids) == 1
+        assert len(waiting.result(timeout=30).stored_uids) == 1
+
+
+def test_concurrent_large_pushes_memory_is_bounded_and_returned(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    server = serve(str(tmp_path / "data"))
+    pid = server.proc.pid
+    payloads = [large_payload(f"b{i}", 6, 1 << 20) for i in range(4)]  # 4 x 54 MiB
+    in_flight = sum(len(p) for p in payloads)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.Push(pb.PushRequest(payload=large_payload("warm", 1, 16)), timeout=30)
+        time.sleep(1.0)
+        base = reset_peak_rss(pid)
+        errors: list[Exception] = []
+
+        def push(payload: bytes) -> None:
+            try:
+                buffer.Push(pb.PushRequest(payload=payload), timeout=120)
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=push, args=(p,)) for p in payloads]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        time.sleep(2.0)
+        peak, after = peak_rss_bytes(pid), _status_bytes(pid, "VmRSS")
+    print(
+        f"\n4 concurrent pushes of {in_flight // 4 // MB} MiB ({in_flight // MB} MiB in flight): server RSS "
+        f"{base // MB} MiB before, {peak // MB} MiB peak (+{(peak - base) / in_flight:.2f}x in flight), "
+        f"{after // MB} MiB after (+{(after - base) // MB} MiB)"
+    )
+    assert peak - base < 5 * in_flight, "a push costs more than gRPC's receive and one packed copy"
+    assert after - base < in_flight, "the pushes' memory stays after them"
