@@ -35,7 +35,7 @@ from .common import (
     TrxpError,
     Work,
 )
-from .convert import decode, encode, from_experience, raw_of, tensor_of, to_experience
+from .convert import aligned_copy, decode, encode, from_experience, raw_of, tensor_of, to_experience
 from .parse import parse
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "RawTensor",
     "TrxpError",
     "Work",
+    "aligned_copy",
     "build",
     "decode",
     "encode",

@@ -19,15 +19,55 @@ from ..experience import (
 )
 from .build import build
 from .checks import _check_meta, _check_tensors, _Shape, _show
-from .common import _CONTAINERS, _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
+from .common import _CONTAINERS, _UNBOUNDED, HEADER_SIZE, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
 
 
 def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
-    """Decode a TRXP payload into Experience objects (tensors own their memory)."""
-    return [to_experience(item) for item in parse(payload)]
+    """Decode a TRXP payload into Experience objects whose tensors are views over one buffer.
+
+    Immutable bytes are first copied, whole, into a bytearray the tensors then share (one
+    copy per payload rather than one per tensor); a writable buffer (a bytearray, or a
+    memoryview of one) is shared as it is, so the caller hands it over: writing to it
+    changes the tensors, and writing to a tensor changes it. Either way every tensor is
+    writable without touching immutable memory. A tensor whose bytes are not aligned to
+    its element size is copied on its own. A view keeps its whole buffer alive.
+    """
+    view = memoryview(payload).cast("B")
+    if view.readonly:
+        view = aligned_copy(view)
+    return [to_experience(item) for item in parse(view)]
+
+
+# Tensor data is laid out aligned to this within the safetensors blob (as safetensors pads it).
+_ALIGN = 8
+
+
+def aligned_copy(payload: bytes | bytearray | memoryview) -> memoryview:
+    """The payload copied into a new bytearray, placed so that its tensor data starts at an
+    address aligned to 8 bytes: the tensors of `decode` are then views, not copies. (In the
+    payload as sent, the tensor data starts after a metadata pickle of any length.)"""
+    view = memoryview(payload).cast("B")
+    start = _tensor_data_offset(view)
+    buffer = bytearray(len(view) + _ALIGN)
+    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    pad = -(address + start) % _ALIGN
+    buffer[pad : pad + len(view)] = view
+    return memoryview(buffer)[pad : pad + len(view)]
+
+
+def _tensor_data_offset(view: memoryview) -> int:
+    """Where the tensor data of a TRXP payload starts, or 0 when the payload is too short to
+    say (parse then names what is wrong with it)."""
+    if len(view) < HEADER_SIZE:
+        return 0
+    meta_len = int.from_bytes(view[5:13], "little")
+    blob = HEADER_SIZE + meta_len
+    if blob + 8 > len(view):
+        return 0
+    return min(blob + 8 + int.from_bytes(view[blob : blob + 8], "little"), len(view))
 
 
 def encode(experiences: Iterable[Any]) -> bytes:
@@ -147,13 +187,19 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
 
 
 def tensor_of(raw: RawTensor) -> torch.Tensor:
-    """A torch tensor that owns a copy of the raw bytes."""
+    """A torch tensor over the raw bytes: a view when they are a writable buffer aligned to
+    the element size (torch.frombuffer shares it), otherwise a copy that owns its memory."""
     import torch
 
     dtype = _torch_dtypes()[raw.dtype]
     if raw.numel == 0:
         return torch.empty(raw.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw.data), dtype=dtype).reshape(raw.shape)
+    data = raw.data
+    if isinstance(data, memoryview) and not data.readonly:
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        if flat.data_ptr() % dtype.itemsize == 0:
+            return flat.view(dtype).reshape(raw.shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(raw.shape)
 
 
 @functools.cache

@@ -1,0 +1,121 @@
+"""Zero-copy decode: a sampled batch's tensors are views over one buffer the batch owns,
+byte for byte what Trinity-RFT's own Experience.deserialize_many reads from the payload."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from expbuf.client import BufferClient, trxp
+from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+from conftest import payload
+
+trinity = pytest.importorskip("trinity.common.experience")
+FIXTURES = sorted(p.name for p in (Path(__file__).parent / "fixtures" / "trxp").glob("*.trxp"))
+
+
+def tensors(exp: object) -> dict[str, torch.Tensor]:
+    """Every tensor of an experience (expbuf's or Trinity-RFT's), by field."""
+    found = {name: t for name in TENSOR_FIELDS if isinstance(t := getattr(exp, name, None), torch.Tensor)}
+    found |= {f"mm:{key}": t for key, t in (getattr(exp, "multi_modal_inputs", None) or {}).items()}
+    return found
+
+
+def assert_same_as_trinity(ours: list, data: bytes) -> None:
+    theirs = trinity.Experience.deserialize_many(data)
+    assert len(ours) == len(theirs)
+    for mine, ref in zip(ours, theirs, strict=True):
+        got, want = tensors(mine), tensors(ref)
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert bytes(got[name].contiguous().view(torch.uint8).reshape(-1).numpy()) == bytes(
+                tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+            ), name
+
+
+def inside(tensor: torch.Tensor, buffer: memoryview) -> bool:
+    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    return base <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= base + len(buffer)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_views_hold_trinitys_values_and_share_the_buffer(name: str) -> None:
+    data = payload(name)
+    buffer = trxp.aligned_copy(data)
+    exps = trxp.decode(buffer)
+    assert_same_as_trinity(exps, data)
+    shared = [t for e in exps for t in tensors(e).values() if t.numel()]
+    assert all(inside(t, buffer) for t in shared), name
+
+
+def test_writing_a_tensor_changes_only_the_owned_copy() -> None:
+    """Views over immutable bytes would let a write change a `bytes` object: decode of bytes
+    copies them once, so a tensor is writable, without torch's non-writable warning."""
+    data = payload("grpo_group.trxp")
+    before = bytes(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exp = trxp.decode(data)[0]
+        exp.tokens[0] = 12345
+    assert data == before
+    assert exp.tokens[0] == 12345
+
+
+def address(buffer: memoryview | bytearray) -> int:
+    return torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+
+
+def test_a_writable_buffer_is_shared_and_a_misaligned_tensor_is_copied() -> None:
+    """A writable buffer is handed over: its tensors are views of it where aligned. Placed one
+    byte off, every tensor wider than a byte lies misaligned and is copied, with the same
+    values; the one-byte masks are still views."""
+    data = payload("grpo_group.trxp")
+    aligned = trxp.aligned_copy(data)
+    owner = aligned.obj
+    pad = address(aligned) - address(owner) + 1
+    owner[pad : pad + len(data)] = data
+    view = memoryview(owner)[pad : pad + len(data)]
+    exps = trxp.decode(view)
+    assert_same_as_trinity(exps, data)
+    every = [t for e in exps for t in tensors(e).values() if t.numel()]
+    wide = [t for t in every if t.dtype.itemsize > 1]
+    narrow = [t for t in every if t.dtype.itemsize == 1]
+    assert wide and not any(inside(t, view) for t in wide)
+    assert narrow and all(inside(t, view) for t in narrow)
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[BufferClient]:
+    srv = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
+    try:
+        with BufferClient(f"127.0.0.1:{srv.port}", timeout=10) as c:
+            yield c
+    finally:
+        srv.stop(grace=1)
+
+
+def test_a_sampled_batch_decodes_to_views_over_its_own_buffer(client: BufferClient) -> None:
+    client.push(payload("mixed_batch.trxp"))
+    batch = next(client.sample(num_groups=2))
+    assert_same_as_trinity(batch.experiences, batch.payload)
+    shared = [t for e in batch.experiences for t in tensors(e).values() if t.numel()]
+    views = [t for t in shared if inside(t, batch.buffer)]
+    # The server packs a batch's tensors back to back: after a 6-byte mask, the float and
+    # int tensors of some items lie off their alignment and are copied; the rest are views.
+    raws = [raw for item in trxp.parse(batch.buffer) for raw in item.tensors.values() if raw.numel]
+    itemsize = {"BOOL": 1, "U8": 1, "I32": 4, "F32": 4, "I64": 8, "F64": 8}
+    aligned = [raw for raw in raws if address(raw.data) % itemsize[raw.dtype] == 0]
+    assert len(shared) == len(raws) == 40 and len(views) == len(aligned) > 20
+    assert all(inside(t, batch.buffer) for t in shared if t.dtype.itemsize == 1)
+    batch.experiences[0].advantages.zero_()  # the caller writes: the payload stays as sent
+    assert batch.experiences[0].advantages.abs().sum() == 0
+    assert_same_as_trinity(trxp.decode(batch.payload), batch.payload)
+    assert trinity.Experience.deserialize_many(batch.payload)[0].advantages.abs().sum() > 0
