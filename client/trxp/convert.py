@@ -51,11 +51,17 @@ def aligned_copy(payload: bytes | bytearray | memoryview) -> memoryview:
     payload as sent, the tensor data starts after a metadata pickle of any length.)"""
     view = memoryview(payload).cast("B")
     start = _tensor_data_offset(view)
-    buffer = bytearray(len(view) + _ALIGN)
-    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
-    pad = -(address + start) % _ALIGN
-    buffer[pad : pad + len(view)] = view
+    pad = -start % _ALIGN  # a new bytearray's memory is itself aligned to at least 8 bytes
+    buffer = bytearray(pad) + view  # a concatenation: one copy, into memory malloc hands out warm
+    if (_address(buffer) + pad + start) % _ALIGN:
+        buffer = bytearray(len(view) + _ALIGN)
+        pad = -(_address(buffer) + start) % _ALIGN
+        buffer[pad : pad + len(view)] = view
     return memoryview(buffer)[pad : pad + len(view)]
+
+
+def _address(buffer: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if buffer else 0
 
 
 def _tensor_data_offset(view: memoryview) -> int:
@@ -195,11 +201,11 @@ def tensor_of(raw: RawTensor) -> torch.Tensor:
     if raw.numel == 0:
         return torch.empty(raw.shape, dtype=dtype)
     data = raw.data
-    if isinstance(data, memoryview) and not data.readonly:
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-        if flat.data_ptr() % dtype.itemsize == 0:
-            return flat.view(dtype).reshape(raw.shape)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(raw.shape)
+    shared = isinstance(data, memoryview) and not data.readonly
+    if shared and dtype.itemsize > 1:
+        shared = ctypes.addressof(ctypes.c_char.from_buffer(data)) % dtype.itemsize == 0
+    tensor = torch.frombuffer(data if shared else bytearray(data), dtype=dtype)
+    return tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
 
 
 @functools.cache
