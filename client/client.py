@@ -75,17 +75,11 @@ class Batch:
     _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
 
     @cached_property
-    def buffer(self) -> memoryview:
-        """The payload copied once into memory this batch owns, placed so its tensor data is
-        aligned: the tensors of `experiences` are views over it, not copies of their own."""
-        return trxp.aligned_copy(self.payload)
-
-    @cached_property
     def experiences(self) -> list[Experience]:
-        """Decoded on first use; the tensors are writable views over `buffer` (writing to one
-        changes only this batch's copy, never `payload`), or copies where a tensor's bytes are
-        not aligned to its element size."""
-        return trxp.decode(self.buffer)
+        """Decoded on first use. The tensors are writable views over one buffer this batch
+        owns, into which decode gathered their bytes, aligned: writing to one never changes
+        `payload`."""
+        return trxp.decode(self.payload)
 
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""

@@ -35,7 +35,7 @@ from .common import (
     TrxpError,
     Work,
 )
-from .convert import aligned_copy, decode, encode, from_experience, raw_of, tensor_of, to_experience
+from .convert import decode, encode, from_experience, gather, raw_of, tensor_of, to_experience
 from .parse import parse
 
 __all__ = [
@@ -53,11 +53,11 @@ __all__ = [
     "RawTensor",
     "TrxpError",
     "Work",
-    "aligned_copy",
     "build",
     "decode",
     "encode",
     "from_experience",
+    "gather",
     "join",
     "join_parts",
     "pack_item",

@@ -19,61 +19,63 @@ from ..experience import (
 )
 from .build import build
 from .checks import _check_meta, _check_tensors, _Shape, _show
-from .common import _CONTAINERS, _UNBOUNDED, HEADER_SIZE, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
+from .common import _CONTAINERS, _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
 
 
 def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
-    """Decode a TRXP payload into Experience objects whose tensors are views over one buffer.
+    """Decode a TRXP payload into Experience objects whose tensors are views, not copies each.
 
-    Immutable bytes are first copied, whole, into a bytearray the tensors then share (one
-    copy per payload rather than one per tensor); a writable buffer (a bytearray, or a
-    memoryview of one) is shared as it is, so the caller hands it over: writing to it
-    changes the tensors, and writing to a tensor changes it. Either way every tensor is
-    writable without touching immutable memory. A tensor whose bytes are not aligned to
-    its element size is copied on its own. A view keeps its whole buffer alive.
+    Immutable bytes: every tensor's bytes are gathered into one new bytearray, each at an
+    8-byte aligned offset (`gather`), and the tensors are views over it: one C-level copy
+    per payload instead of a copy per tensor, whatever the payload's layout, and every
+    tensor writable without touching the caller's bytes. A writable buffer (a bytearray,
+    or a memoryview of one) is handed over as it is: its tensors are views of it where
+    their bytes are aligned to their element size (copies where not), so writing to it
+    changes them. A view keeps its whole buffer alive.
     """
-    view = memoryview(payload).cast("B")
+    view = memoryview(payload)
+    items = parse(view)
     if view.readonly:
-        view = aligned_copy(view)
-    return [to_experience(item) for item in parse(view)]
+        gather(items)
+    return [to_experience(item) for item in items]
 
 
-# Tensor data is laid out aligned to this within the safetensors blob (as safetensors pads it).
+# Each tensor gathered starts at a multiple of this: the largest element size (int64, float64).
 _ALIGN = 8
+_PADS = [bytes(size) for size in range(_ALIGN)]
 
 
-def aligned_copy(payload: bytes | bytearray | memoryview) -> memoryview:
-    """The payload copied into a new bytearray, placed so that its tensor data starts at an
-    address aligned to 8 bytes: the tensors of `decode` are then views, not copies. (In the
-    payload as sent, the tensor data starts after a metadata pickle of any length.)"""
-    view = memoryview(payload).cast("B")
-    start = _tensor_data_offset(view)
-    pad = -start % _ALIGN  # a new bytearray's memory is itself aligned to at least 8 bytes
-    buffer = bytearray(pad) + view  # a concatenation: one copy, into memory malloc hands out warm
-    if (_address(buffer) + pad + start) % _ALIGN:
-        buffer = bytearray(len(view) + _ALIGN)
-        pad = -(_address(buffer) + start) % _ALIGN
-        buffer[pad : pad + len(view)] = view
-    return memoryview(buffer)[pad : pad + len(view)]
+def gather(items: list[RawItem]) -> bytearray:
+    """Copy the bytes of every tensor of `items` into one new bytearray, each at an aligned
+    offset, and point the items' tensors at their copies; returns the bytearray."""
+    pieces: list[bytes | memoryview] = []
+    spans: list[tuple[dict[str, RawTensor], str, RawTensor, int]] = []
+    at = 0
+    for item in items:
+        for key, raw in item.tensors.items():
+            size = len(raw.data)
+            pad = -size % _ALIGN
+            pieces.append(raw.data)
+            if pad:
+                pieces.append(_PADS[pad])
+            spans.append((item.tensors, key, raw, at))
+            at += size + pad
+    arena = bytearray().join(pieces)  # malloc'd, so aligned to at least 8 bytes
+    shift = -_address(arena) % _ALIGN
+    if shift:  # not seen with CPython's allocator; kept correct all the same
+        arena = bytearray(shift) + arena
+    view = memoryview(arena)
+    for tensors, key, raw, start in spans:
+        start += shift
+        tensors[key] = RawTensor(raw.dtype, raw.shape, view[start : start + len(raw.data)])
+    return arena
 
 
 def _address(buffer: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if buffer else 0
-
-
-def _tensor_data_offset(view: memoryview) -> int:
-    """Where the tensor data of a TRXP payload starts, or 0 when the payload is too short to
-    say (parse then names what is wrong with it)."""
-    if len(view) < HEADER_SIZE:
-        return 0
-    meta_len = int.from_bytes(view[5:13], "little")
-    blob = HEADER_SIZE + meta_len
-    if blob + 8 > len(view):
-        return 0
-    return min(blob + 8 + int.from_bytes(view[blob : blob + 8], "little"), len(view))
 
 
 def encode(experiences: Iterable[Any]) -> bytes:
@@ -201,10 +203,13 @@ def tensor_of(raw: RawTensor) -> torch.Tensor:
     if raw.numel == 0:
         return torch.empty(raw.shape, dtype=dtype)
     data = raw.data
-    shared = isinstance(data, memoryview) and not data.readonly
-    if shared and dtype.itemsize > 1:
-        shared = ctypes.addressof(ctypes.c_char.from_buffer(data)) % dtype.itemsize == 0
-    tensor = torch.frombuffer(data if shared else bytearray(data), dtype=dtype)
+    tensor = None
+    if isinstance(data, memoryview) and not data.readonly:
+        tensor = torch.frombuffer(data, dtype=dtype)
+        if tensor.data_ptr() % dtype.itemsize:  # misaligned: not a view after all
+            tensor = None
+    if tensor is None:
+        tensor = torch.frombuffer(bytearray(data), dtype=dtype)
     return tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
 
 
