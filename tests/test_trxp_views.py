@@ -61,8 +61,9 @@ def test_views_hold_trinitys_values_and_share_the_buffer(name: str) -> None:
     assert_same_as_trinity(trxp.decode(data), data)
     assert one_arena(trxp.decode(data))
     items = trxp.parse(data)
-    arena = memoryview(trxp.gather(items))
-    exps = [trxp.to_experience(item) for item in items]
+    arena, made = trxp.gather(items)
+    arena = memoryview(arena)
+    exps = [trxp.to_experience(item, tensors) for item, tensors in zip(items, made, strict=True)]
     assert_same_as_trinity(exps, data)
     assert all(inside(t, arena) for e in exps for t in tensors(e).values() if t.numel())
 

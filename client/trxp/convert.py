@@ -29,18 +29,19 @@ def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
     """Decode a TRXP payload into Experience objects whose tensors are views, not copies each.
 
     Immutable bytes: every tensor's bytes are gathered into one new bytearray, each at an
-    8-byte aligned offset (`gather`), and the tensors are views over it: one C-level copy
-    per payload instead of a copy per tensor, whatever the payload's layout, and every
-    tensor writable without touching the caller's bytes. A writable buffer (a bytearray,
-    or a memoryview of one) is handed over as it is: its tensors are views of it where
-    their bytes are aligned to their element size (copies where not), so writing to it
-    changes them. A view keeps its whole buffer alive.
+    8-byte aligned offset, and the tensors are views over it (`gather`): one C-level copy
+    per payload instead of one per tensor, whatever the payload's layout, and every tensor
+    writable without touching the caller's bytes. A writable buffer (a bytearray, or a
+    memoryview of one) is handed over as it is: its tensors are views of it where their
+    bytes are aligned to their element size (copies where not), so writing to it changes
+    them. A view keeps its whole buffer alive.
     """
     view = memoryview(payload)
     items = parse(view)
-    if view.readonly:
-        gather(items)
-    return [to_experience(item) for item in items]
+    if not view.readonly:
+        return [to_experience(item) for item in items]
+    _, tensors = gather(items)
+    return [to_experience(item, made) for item, made in zip(items, tensors, strict=True)]
 
 
 # Each tensor gathered starts at a multiple of this: the largest element size (int64, float64).
@@ -48,30 +49,42 @@ _ALIGN = 8
 _PADS = [bytes(size) for size in range(_ALIGN)]
 
 
-def gather(items: list[RawItem]) -> bytearray:
+def gather(items: list[RawItem]) -> tuple[bytearray, list[dict[str, torch.Tensor]]]:
     """Copy the bytes of every tensor of `items` into one new bytearray, each at an aligned
-    offset, and point the items' tensors at their copies; returns the bytearray."""
+    offset; the bytearray, and each item's tensors as views over it."""
+    import torch
+
     pieces: list[bytes | memoryview] = []
-    spans: list[tuple[dict[str, RawTensor], str, RawTensor, int]] = []
+    starts: list[int] = []
     at = 0
     for item in items:
-        for key, raw in item.tensors.items():
+        for raw in item.tensors.values():
             size = len(raw.data)
             pad = -size % _ALIGN
             pieces.append(raw.data)
             if pad:
                 pieces.append(_PADS[pad])
-            spans.append((item.tensors, key, raw, at))
+            starts.append(at)
             at += size + pad
     arena = bytearray().join(pieces)  # malloc'd, so aligned to at least 8 bytes
     shift = -_address(arena) % _ALIGN
     if shift:  # not seen with CPython's allocator; kept correct all the same
         arena = bytearray(shift) + arena
-    view = memoryview(arena)
-    for tensors, key, raw, start in spans:
-        start += shift
-        tensors[key] = RawTensor(raw.dtype, raw.shape, view[start : start + len(raw.data)])
-    return arena
+    dtypes = _torch_dtypes()
+    made: list[dict[str, torch.Tensor]] = []
+    index = 0
+    for item in items:
+        tensors = {}
+        for key, raw in item.tensors.items():
+            dtype, count = dtypes[raw.dtype], raw.numel
+            if count:
+                tensor = torch.frombuffer(arena, dtype=dtype, count=count, offset=starts[index] + shift)
+                tensors[key] = tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
+            else:
+                tensors[key] = torch.empty(raw.shape, dtype=dtype)
+            index += 1
+        made.append(tensors)
+    return arena, made
 
 
 def _address(buffer: bytearray) -> int:
@@ -83,9 +96,10 @@ def encode(experiences: Iterable[Any]) -> bytes:
     return build([from_experience(exp) for exp in experiences])
 
 
-def to_experience(item: RawItem) -> Experience:
+def to_experience(item: RawItem, tensors: dict[str, torch.Tensor] | None = None) -> Experience:
+    """An Experience of a parsed item; `tensors` are its tensors when already made (`gather`)."""
     meta = item.meta
-    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()}
+    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else dict(tensors)
     mm = {name[len(MM_PREFIX) :]: tensors.pop(name) for name in list(tensors) if name.startswith(MM_PREFIX)}
     return Experience(
         eid=item.eid,
