@@ -88,6 +88,9 @@ class Batch:
 
     @cached_property
     def experiences(self) -> list[Experience]:
+        """Decoded on first use. The tensors are writable views over one buffer this batch
+        owns, into which decode gathered their bytes, aligned: writing to one never changes
+        `payload`."""
         return trxp.decode(self.payload)
 
     def ack(self) -> int:
@@ -133,9 +136,12 @@ def _sample_request(
     min_model_version: int | None,
     allow_partial: bool,
     trainer_version: int | None = None,
+    window: int = 1,
 ) -> pb.SampleRequest:
     if bool(batch_size) == bool(num_groups):
         raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive integer (batches ahead), got {window!r}")
     return pb.SampleRequest(
         table=table,
         batch_size=batch_size or 0,
@@ -150,6 +156,7 @@ def _sample_request(
         has_min_model_version=min_model_version is not None,
         trainer_version=trainer_version or 0,
         has_trainer_version=trainer_version is not None,
+        window=window,
     )
 
 
@@ -193,12 +200,13 @@ def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kin
 
 
 def _confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
-    """Tells the server that `received` batches arrived, and asks for the next one (or,
-    with `stop`, for nothing more: a batch already on its way returns to the buffer)."""
+    """Tells the server that `received` batches arrived, which frees room in the window for
+    more (or, with `stop`, asks for nothing more: batches already on their way return to
+    the buffer)."""
     return pb.SampleRequest(received=received, stop=stop)
 
 
-# How long a stream the caller left may take to hand back a batch already on its way.
+# How long a stream the caller left may take to hand back the batches already on their way.
 _STOP_SECONDS = 5.0
 
 
@@ -349,13 +357,16 @@ class BufferClient(_Base):
         min_model_version: int | None = None,
         allow_partial: bool = False,
         trainer_version: int | None = None,
+        window: int = 2,
     ) -> Iterator[Batch]:
         """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
 
-        Each batch is confirmed to the server as it arrives, which also asks for the next
-        one: the server prepares the next batch while the caller works on this one, and
-        never more. A consumed batch leaves the buffer once it has arrived here; the
-        batch in flight when the caller stops iterating returns to the buffer.
+        Each batch is confirmed to the server as it arrives, which also asks for more:
+        the server keeps up to `window` batches on their way while the caller works on
+        this one (a credit window: 1 to 8, the server's MAX_WINDOW; 1 is one batch ahead,
+        with a round trip per batch; 2, the default, hides that round trip). A consumed
+        batch leaves the buffer once it has arrived here; the batches still on their way
+        when the caller stops iterating return to the buffer, as do leases not yet here.
         """
         request = _sample_request(
             table,
@@ -369,6 +380,7 @@ class BufferClient(_Base):
             min_model_version,
             allow_partial,
             trainer_version,
+            window,
         )
         requests = _SampleRequests(request)
         stream = self._stub.Sample(requests, metadata=self._metadata)
@@ -386,7 +398,7 @@ class BufferClient(_Base):
                 timer = threading.Timer(_STOP_SECONDS, stream.cancel)
                 timer.start()
                 with contextlib.suppress(grpc.RpcError):
-                    for _ in stream:  # a batch already on its way goes back to the buffer
+                    for _ in stream:  # batches already on their way go back to the buffer
                         pass
                 timer.cancel()
             requests.close()
@@ -495,7 +507,7 @@ class BufferClient(_Base):
 
 
 async def _drain(call: grpc.aio.StreamStreamCall) -> None:
-    """Read a stream to its end (a batch already on its way is dropped)."""
+    """Read a stream to its end (batches already on their way are dropped)."""
     while await call.read() is not grpc.aio.EOF:
         pass
 
@@ -619,6 +631,7 @@ class AsyncBufferClient(_Base):
         min_model_version: int | None = None,
         allow_partial: bool = False,
         trainer_version: int | None = None,
+        window: int = 2,
     ) -> AsyncIterator[Batch]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() return coroutines."""
         request = _sample_request(
@@ -633,6 +646,7 @@ class AsyncBufferClient(_Base):
             min_model_version,
             allow_partial,
             trainer_version,
+            window,
         )
         call = self._stub.Sample(metadata=self._metadata)
         received = 0

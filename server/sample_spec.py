@@ -19,6 +19,9 @@ MAX_LEASE_SECONDS = 7 * 86400.0
 # Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
 MAX_COUNT = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
+# The most batches a stream may have sent and not yet had confirmed: what the server
+# prepares ahead of its client, whatever gRPC's flow-control window would hold.
+MAX_WINDOW = 8
 
 
 class SpecError(InvalidRequest):
@@ -68,6 +71,7 @@ class SampleSpec:
     max_batches: int = 0
     min_model_version: int | None = None
     trainer_version: int | None = None  # stored for the table before the batch is taken
+    window: int = 1  # batches sent ahead of the client's confirmations (1..MAX_WINDOW)
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "batch_size", "max_batches"):
@@ -88,6 +92,8 @@ class SampleSpec:
             raise SpecError(f"min_model_version must be a 64-bit integer, got {version!r}")
         if self.trainer_version is not None:
             check_version("trainer_version", self.trainer_version)
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or not 1 <= self.window <= MAX_WINDOW:
+            raise SpecError(f"window is {self.window!r}; it must be 1 to {MAX_WINDOW} batches ahead")
 
     @property
     def want(self) -> str:

@@ -2,15 +2,20 @@
 
 The client's messages after the first are read by a thread of their own, so that the
 server notices a confirmation, a stop, a closed side or a cancel while it waits for
-data. The server sends the next batch only once the last one is confirmed, so at most
-one batch per stream is ever on its way: its consumption, or its lease, stands only
-once the client has it, and it returns to the buffer if the stream breaks first.
+data. The server sends a batch only while fewer than the stream's window (1 to
+MAX_WINDOW, sample_spec.py) are unconfirmed, so at most that many per stream are ever on
+their way, whatever gRPC's buffers would hold: a batch's consumption, or its lease,
+stands only once the client has it, and every unconfirmed batch returns to the buffer if
+the stream breaks or stops first. A lease is taken as its batch is sent, so its clock
+starts then.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -111,20 +116,10 @@ def stream_batches(
     (through `context.abort`) when no batch could be made in time.
     """
     client = ClientSide(requests, context)
-    unconfirmed: Sampled | None = None
-    confirmed = ""  # the held batch the client has, consumed in the commit that takes the next
-    sent = 0
+    window = _Window(store, spec, client, owner)
     try:
         while True:
-            batch = store.sample(
-                spec,
-                timeout=timeout(),
-                hold=spec.delivery == "consume",
-                owner=owner,
-                stop=lambda: client.stopped or client.broken or not context.is_active(),
-                ack=confirmed,
-            )
-            confirmed = ""
+            batch = window.take(timeout(), context)
             if batch is None:
                 if client.error is not None:
                     raise client.error
@@ -134,30 +129,95 @@ def stream_batches(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s{bound}",
                 )
-            unconfirmed = batch
-            spec = replace(spec, trainer_version=None)  # the first message's version is stored once
-            sent += 1
-            client.sending(sent)
+            spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
+            window.sending(batch)
             yield reply(batch)
-            if not client.wait_confirmed(sent):
+            last = batch.partial or window.sent == spec.max_batches
+            # room for one more batch in the window; after the last one, every confirmation
+            if not client.wait_confirmed(window.sent if last else window.sent - spec.window + 1):
                 break
-            unconfirmed = None  # the client has it: from here on it is never given back
-            if batch.partial or sent == spec.max_batches or client.done:
-                _confirm(store, spec, batch, owner)
+            if last or client.done:
                 break
-            confirmed = batch.lease_id if spec.delivery == "consume" else ""
         if client.error is not None:
             raise client.error
+        window.consume_confirmed()  # a failure (a full disk) ends the stream with its error
     finally:
-        if confirmed:  # the sample that was to consume it failed: consume it alone, if it still can be
+        window.close(context)
+
+
+class _Window:
+    """The batches of one stream sent and not yet consumed: the unconfirmed ones, in the
+    order sent, and the confirmed held ones that the next take's commit consumes."""
+
+    def __init__(self, store: Backend, spec: SampleSpec, client: ClientSide, owner: str) -> None:
+        self.store, self.spec, self.client, self.owner = store, spec, client, owner
+        self.sent = 0
+        self.unconfirmed: deque[Sampled] = deque()
+        self.confirmed: list[str] = []  # held leases the client has, to consume
+
+    def sending(self, batch: Sampled) -> None:
+        self.unconfirmed.append(batch)
+        self.sent += 1
+        self.client.sending(self.sent)
+
+    def _collect(self) -> None:
+        """Move the batches the client has confirmed out of the window."""
+        while self.unconfirmed and self.sent - len(self.unconfirmed) < self.client.received:
+            batch = self.unconfirmed.popleft()
+            if self.spec.delivery == "consume":
+                self.confirmed.append(batch.lease_id)
+
+    def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
+        """The next batch, consuming the confirmed ones in its commit. A confirmation that
+        arrives while it waits for data is consumed at once (the wait then goes on), so
+        that a batch the client has is never held for the whole wait."""
+        deadline = time.monotonic() + seconds
+        client = self.client
+        hold = self.spec.delivery == "consume"
+        while True:
+            self._collect()
+            seen = client.received
+            batch = self.store.sample(
+                self.spec,
+                timeout=max(0.0, deadline - time.monotonic()),
+                hold=hold,
+                owner=self.owner,
+                stop=lambda s=seen: (
+                    client.stopped or client.broken or not context.is_active() or (hold and client.received > s)
+                ),
+                ack=self.confirmed,
+            )
+            self.confirmed = []
+            if batch is not None or not hold or client.received == seen or client.stopped or client.broken:
+                return batch
+            if not context.is_active() or time.monotonic() >= deadline:
+                return None
+
+    def consume_confirmed(self) -> None:
+        """Consume the held batches the client confirmed. If that fails, they stay held, never
+        given back: they return only when the server next starts (release_holds), rather than
+        being delivered twice while the client has them."""
+        self._collect()
+        while self.confirmed:
+            self.store.ack(self.confirmed[0], self.spec.table, self.owner)
+            self.confirmed.pop(0)
+
+    def close(self, context: grpc.ServicerContext) -> None:
+        """The stream ended: consume what the client confirmed; the rest was delivered if the
+        client closed its side normally, and otherwise returns to the buffer."""
+        self._collect()
+        for lease_id in self.confirmed:  # the take that was to consume them failed: consume them alone
             with contextlib.suppress(StoreError):
-                store.ack(confirmed, spec.table, owner)
-        if unconfirmed is not None:
-            if client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active():
-                # it closed its side and did not cancel: the stream ends normally
-                _confirm(store, spec, unconfirmed, owner)
+                self.store.ack(lease_id, self.spec.table, self.owner)
+        if not self.unconfirmed:
+            return
+        client = self.client
+        delivered = client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active()
+        for batch in self.unconfirmed:
+            if delivered:  # it closed its side and did not cancel: the stream ends normally
+                _confirm(self.store, self.spec, batch, self.owner)
             else:  # stopped, cancelled or broken before the client had it
-                _give_back(store, spec, unconfirmed, owner)
+                _give_back(self.store, self.spec, batch, self.owner)
 
 
 def _confirm(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:

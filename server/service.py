@@ -183,6 +183,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         max_batches=request.max_batches,
         min_model_version=request.min_model_version if request.has_min_model_version else None,
         trainer_version=request.trainer_version if request.has_trainer_version else None,
+        window=request.window or 1,
     )
 
 

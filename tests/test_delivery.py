@@ -295,3 +295,111 @@ def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream
         assert again.store.verify("t") == []
     finally:
         again.stop(grace=1)
+
+
+@pytest.mark.parametrize("window", [2, 4])
+def test_read_ahead_is_the_credit_window_whatever_grpcs_window(client: BufferClient, stub, window: int) -> None:
+    """With a window of K, the server sends K batches the client has not confirmed, and not
+    one more however long the client takes; each confirmation frees room for one."""
+    fill(client, 80)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=60, window=window))
+    first = [talk.read() for _ in range(window)]
+    time.sleep(0.5)  # a training step: nothing more is sent meanwhile
+    assert client.stats("t")["t"]["leased"] == 2 * window
+    talk.confirm(1)
+    more = talk.read()
+    assert len({uid for reply in [*first, more] for uid in reply.uids}) == 2 * (window + 1)
+    time.sleep(0.3)
+    assert client.stats("t")["t"]["leased"] == 2 * (window + 1)
+    talk.confirm(window + 1, stop=True)
+    assert list(talk.call) == []
+
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_cancel_with_a_window_consumes_only_what_the_client_confirmed(client: BufferClient, stub, window: int) -> None:
+    """Cancel after confirming 2 of the batches read: those 2 are consumed, every other batch
+    sent (the window's worth on its way) comes back, and nothing is lost."""
+    fill(client, 300)
+    talk = Conversation(stub, request(window=window))
+    delivered = [tuple(talk.read().uids) for _ in range(2)]
+    talk.confirm(2)
+    delivered.append(tuple(talk.read().uids))
+    time.sleep(0.3)  # the server refills the window: batches 4.. are on their way, unconfirmed
+    talk.cancel()
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 0, 596)
+    rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, window=window)]
+    assert len(set(rest)) == 298
+    assert delivered[2] in rest and not set(rest) & set(delivered[:2])
+    assert client.stats("t")["t"]["ready"] == 0
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_a_windowed_stream_consumes_every_group_exactly_once(client: BufferClient, window: int) -> None:
+    fill(client, 40)
+    seen = [
+        uid for b in client.sample("t", num_groups=3, window=window, timeout=0.5, allow_partial=True) for uid in b.uids
+    ]
+    assert len(seen) == len(set(seen)) == 80
+    stats = client.stats("t")["t"]
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (80, 0, 0)
+
+
+def test_a_lease_clock_starts_when_its_batch_is_sent_within_a_window(client: BufferClient, stub) -> None:
+    fill(client, 3)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=30, window=2))
+    talk.read()
+    second = talk.read()
+    time.sleep(1.0)
+    talk.confirm(1)
+    third = talk.read()
+    assert third.lease_expires_unix - second.lease_expires_unix >= 0.9
+    talk.confirm(3, stop=True)
+    list(talk.call)
+
+
+@pytest.mark.parametrize("window", [2, 4])
+def test_client_that_stops_early_gives_back_the_window(client: BufferClient, window: int) -> None:
+    fill(client, 10)
+    for batch in client.sample("t", num_groups=1, window=window):
+        assert len(batch.uids) == 2
+        time.sleep(0.3)  # the window fills meanwhile
+        break
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+
+
+async def _async_two(target: str, window: int) -> list[str]:
+    import asyncio
+
+    from expbuf.client import AsyncBufferClient
+
+    uids: list[str] = []
+    async with AsyncBufferClient(target) as aclient:
+        batches = aclient.sample("t", num_groups=1, window=window)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                uids += batch.uids
+                await asyncio.sleep(0.3)  # the window fills meanwhile
+                if len(uids) == 4:
+                    break
+    return uids
+
+
+def test_async_client_that_stops_early_gives_back_the_window(server, client: BufferClient) -> None:
+    import asyncio
+
+    fill(client, 10)
+    assert len(set(asyncio.run(_async_two(f"127.0.0.1:{server.port}", 4)))) == 4
+    stats = settle(client, lambda s: s["leased"] == 0)
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (4, 16, 0)
+
+
+@pytest.mark.parametrize("window", [9, 1000])
+def test_a_window_above_the_servers_cap_is_refused(client: BufferClient, stub, window: int) -> None:
+    fill(client, 2)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Sample(iter([request(window=window)]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"window is {window}; it must be 1 to 8" in info.value.details()
+    assert client.stats("t")["t"]["ready"] == 4

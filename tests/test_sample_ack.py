@@ -44,6 +44,22 @@ def test_the_last_batch_is_consumed_in_the_commit_of_the_next(store: Store) -> N
         store.ack(first.lease_id, "plain", "me")
 
 
+def test_a_windows_confirmed_batches_are_consumed_in_one_commit(store: Store) -> None:
+    """A stream with a window of 2 has two held batches confirmed: both are consumed in the
+    commit that takes the next; one lease that cannot be consumed keeps both, takes nothing."""
+    spec = SampleSpec("plain", num_groups=1, window=2)
+    first, second = store.sample(spec, hold=True, owner="me"), store.sample(spec, hold=True, owner="me")
+    with pytest.raises(NotFound):
+        store.sample(spec, hold=True, owner="me", ack=[first.lease_id, "nope"])
+    assert (store.stats("plain")["leased"], store.stats("plain")["consumed"]) == (4, 0)
+    commits = store.environment.batches
+    third = store.sample(spec, hold=True, owner="me", ack=[first.lease_id, second.lease_id])
+    assert store.environment.batches == commits + 1
+    stats = store.stats("plain")
+    assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 2, 0)
+    assert set(third.uids).isdisjoint(first.uids + second.uids)
+
+
 def test_the_last_batch_is_consumed_when_nothing_is_left_to_take(store: Store) -> None:
     spec = SampleSpec("plain", num_groups=3)
     batch = store.sample(spec, hold=True, owner="me")

@@ -35,7 +35,7 @@ from .common import (
     TrxpError,
     Work,
 )
-from .convert import decode, encode, from_experience, raw_of, tensor_of, to_experience
+from .convert import decode, encode, from_experience, gather, raw_of, tensor_of, to_experience
 from .parse import parse
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "decode",
     "encode",
     "from_experience",
+    "gather",
     "join",
     "join_parts",
     "pack_item",

@@ -26,8 +26,69 @@ from .parse import parse
 
 
 def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
-    """Decode a TRXP payload into Experience objects (tensors own their memory)."""
-    return [to_experience(item) for item in parse(payload)]
+    """Decode a TRXP payload into Experience objects whose tensors are views, not copies each.
+
+    Immutable bytes: every tensor's bytes are gathered into one new bytearray, each at an
+    8-byte aligned offset, and the tensors are views over it (`gather`): one C-level copy
+    per payload instead of one per tensor, whatever the payload's layout, and every tensor
+    writable without touching the caller's bytes. A writable buffer (a bytearray, or a
+    memoryview of one) is handed over as it is: its tensors are views of it where their
+    bytes are aligned to their element size (copies where not), so writing to it changes
+    them. A view keeps its whole buffer alive.
+    """
+    view = memoryview(payload)
+    items = parse(view)
+    if not view.readonly:
+        return [to_experience(item) for item in items]
+    _, tensors = gather(items)
+    return [to_experience(item, made) for item, made in zip(items, tensors, strict=True)]
+
+
+# Each tensor gathered starts at a multiple of this: the largest element size (int64, float64).
+_ALIGN = 8
+_PADS = [bytes(size) for size in range(_ALIGN)]
+
+
+def gather(items: list[RawItem]) -> tuple[bytearray, list[dict[str, torch.Tensor]]]:
+    """Copy the bytes of every tensor of `items` into one new bytearray, each at an aligned
+    offset; the bytearray, and each item's tensors as views over it."""
+    import torch
+
+    pieces: list[bytes | memoryview] = []
+    starts: list[int] = []
+    at = 0
+    for item in items:
+        for raw in item.tensors.values():
+            size = len(raw.data)
+            pad = -size % _ALIGN
+            pieces.append(raw.data)
+            if pad:
+                pieces.append(_PADS[pad])
+            starts.append(at)
+            at += size + pad
+    arena = bytearray().join(pieces)  # malloc'd, so aligned to at least 8 bytes
+    shift = -_address(arena) % _ALIGN
+    if shift:  # not seen with CPython's allocator; kept correct all the same
+        arena = bytearray(shift) + arena
+    dtypes = _torch_dtypes()
+    made: list[dict[str, torch.Tensor]] = []
+    index = 0
+    for item in items:
+        tensors = {}
+        for key, raw in item.tensors.items():
+            dtype, count = dtypes[raw.dtype], raw.numel
+            if count:
+                tensor = torch.frombuffer(arena, dtype=dtype, count=count, offset=starts[index] + shift)
+                tensors[key] = tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
+            else:
+                tensors[key] = torch.empty(raw.shape, dtype=dtype)
+            index += 1
+        made.append(tensors)
+    return arena, made
+
+
+def _address(buffer: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if buffer else 0
 
 
 def encode(experiences: Iterable[Any]) -> bytes:
@@ -35,9 +96,10 @@ def encode(experiences: Iterable[Any]) -> bytes:
     return build([from_experience(exp) for exp in experiences])
 
 
-def to_experience(item: RawItem) -> Experience:
+def to_experience(item: RawItem, tensors: dict[str, torch.Tensor] | None = None) -> Experience:
+    """An Experience of a parsed item; `tensors` are its tensors when already made (`gather`)."""
     meta = item.meta
-    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()}
+    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else dict(tensors)
     mm = {name[len(MM_PREFIX) :]: tensors.pop(name) for name in list(tensors) if name.startswith(MM_PREFIX)}
     return Experience(
         eid=item.eid,
@@ -147,13 +209,22 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
 
 
 def tensor_of(raw: RawTensor) -> torch.Tensor:
-    """A torch tensor that owns a copy of the raw bytes."""
+    """A torch tensor over the raw bytes: a view when they are a writable buffer aligned to
+    the element size (torch.frombuffer shares it), otherwise a copy that owns its memory."""
     import torch
 
     dtype = _torch_dtypes()[raw.dtype]
     if raw.numel == 0:
         return torch.empty(raw.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw.data), dtype=dtype).reshape(raw.shape)
+    data = raw.data
+    tensor = None
+    if isinstance(data, memoryview) and not data.readonly:
+        tensor = torch.frombuffer(data, dtype=dtype)
+        if tensor.data_ptr() % dtype.itemsize:  # misaligned: not a view after all
+            tensor = None
+    if tensor is None:
+        tensor = torch.frombuffer(bytearray(data), dtype=dtype)
+    return tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,7 +52,7 @@ class Sampling:
         hold: bool = False,
         owner: str = "",
         stop: Callable[[], bool] | None = None,
-        ack: str = "",
+        ack: str | Sequence[str] = "",
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait.
 
@@ -61,15 +61,16 @@ class Sampling:
         the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
         stopped server return to the buffer at the next start (`release_holds`).
         `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
-        cancelled RPC ends the wait early, with None). `ack` names a lease of this table
-        and owner to consume first, in the same commit as the first attempt (a stream's
-        last batch, which its client has): one durable write for both, and the lease is
-        consumed even if the attempt fails, as by `ack` alone; if the lease cannot be
-        consumed, nothing is taken.
+        cancelled RPC ends the wait early, with None). `ack` names a lease (or several) of
+        this table and owner to consume first, in the same commit as the first attempt (a
+        stream's batches its client confirmed): one durable write for all, and the leases
+        are consumed even if the attempt fails, as by `ack` alone; if one cannot be
+        consumed, none is and nothing is taken.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
         held = False  # whether the rate limit held this request
+        acks = tuple(lease for lease in ((ack,) if isinstance(ack, str) else ack) if lease)
         while True:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
@@ -80,7 +81,7 @@ class Sampling:
                 txn: lmdb.Transaction,
                 f: bool = final,
                 b: float = blocked,
-                a: str = ack,
+                a: tuple[str, ...] = acks,
                 i: int = table_id,
                 c: TableConfig = config,
             ) -> Any:
@@ -89,11 +90,12 @@ class Sampling:
 
                 if not a:
                     return take_in(txn)
-                self._end_lease(txn, a, requeue=False, table=spec.table, owner=owner)
+                for lease_id in a:
+                    self._end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
                 return self._isolated(txn, take_in)
 
             result = self._submit(attempt)
-            ack = ""
+            acks = ()
             if isinstance(result, _Refused):
                 raise result.error
             if isinstance(result, limiter.SampleLimited):

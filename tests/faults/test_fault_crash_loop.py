@@ -186,24 +186,30 @@ def lease_sampler(target: str, stop: threading.Event, ledger: Ledger) -> None:
                 return
 
 
-def consume_sampler(target: str, stop: threading.Event, ledger: Ledger) -> None:
-    """Raw DELIVERY_CONSUME streams of up to 3 batches. A batch is consumed for sure once the
-    server has sent the next one (it samples that only after the confirmation) or ended the
-    stream normally; the last batch of a cut stream may come back."""
+def consume_sampler(target: str, stop: threading.Event, ledger: Ledger, window: int = 1) -> None:
+    """Raw DELIVERY_CONSUME streams of up to 4 batches, `window` ahead. A batch is consumed for
+    sure once the server has sent the one `window` after it (it takes that only in the commit
+    that consumes the confirmed ones) or ended the stream normally; the last `window` batches
+    of a cut stream may come back."""
     with channel(target) as chan:
         buffer = stub(chan)
         while not stop.is_set():
-            request = pb.SampleRequest(num_groups=2, delivery=pb.DELIVERY_CONSUME, wait_seconds=0.5, max_batches=3)
-            last: list[str] = []
+            request = pb.SampleRequest(
+                num_groups=2, delivery=pb.DELIVERY_CONSUME, wait_seconds=0.5, max_batches=4, window=window
+            )
+            recent: list[list[str]] = []  # the batches that may not be consumed yet, oldest first
             try:
                 for reply in SampleStream(buffer, request, timeout=30):
                     uids = list(reply.uids)
                     ledger.deliver(uids, "a consume stream")
-                    ledger.consume(last, "a consume stream moved past it")
-                    last = uids
-                ledger.consume(last, "the last batch of a consume stream that ended normally")
+                    recent.append(uids)
+                    if len(recent) > window:
+                        ledger.consume(recent.pop(0), "a consume stream moved a window past it")
+                for uids in recent:
+                    ledger.consume(uids, "a batch of a consume stream that ended normally")
             except grpc.RpcError as exc:
-                ledger.maybe_consumed(last)
+                for uids in recent:
+                    ledger.maybe_consumed(uids)
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # nothing ready in time: ask again
                     continue
                 if exc.code() not in GONE:
@@ -216,6 +222,7 @@ def run_load(target: str, seconds: float, pushers: list[Pusher], ledger: Ledger,
     stop = threading.Event()
     workers = [threading.Thread(target=p.run, args=(target, stop)) for p in pushers]
     workers += [threading.Thread(target=fn, args=(target, stop, ledger)) for fn in (lease_sampler, consume_sampler)]
+    workers.append(threading.Thread(target=consume_sampler, args=(target, stop, ledger, 3)))
     for worker in workers:
         worker.start()
     time.sleep(seconds)

@@ -31,9 +31,9 @@ def serve() -> Iterator[Callable[..., ServerProcess]]:
         yield start
 
 
-# Batches the server may prepare for one stream beyond those its reader has (the README's
-# "exactly one batch ahead").
-READ_AHEAD_BATCHES = 1
+# Windows tested: the batches the server may prepare for one stream beyond those its reader
+# has (the README's "What counts as delivered": the stream's window, 1 by default on the wire).
+WINDOWS = [1, 3]
 MANY_STREAMS = 80  # more than the server's 64 workers
 
 
@@ -75,14 +75,16 @@ def test_consume_stream_that_ends_normally_consumes_its_batches(
         assert list(buffer.Get(pb.GetRequest(uids=flat), timeout=10).missing_uids) == flat
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 def test_cancelled_consume_stream_consumes_only_what_was_delivered(
-    tmp_path: Path, serve: Callable[..., ServerProcess]
+    tmp_path: Path, serve: Callable[..., ServerProcess], window: int
 ) -> None:
     server = serve(str(tmp_path / "data"))
     with channel(server.target) as chan:
         buffer = stub(chan)
         groups = push_groups(buffer, 300)
-        stream = SampleStream(buffer, pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5))
+        request = pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=5, window=window)
+        stream = SampleStream(buffer, request)
         delivered = [uid for _ in range(3) for uid in stream.next().uids]  # each confirmed as it arrives
         time.sleep(1.0)  # the trainer works on its third batch, then stops
         stream.cancel()
@@ -95,26 +97,27 @@ def test_cancelled_consume_stream_consumes_only_what_was_delivered(
         assert list(buffer.Get(pb.GetRequest(uids=delivered), timeout=10).missing_uids) == delivered
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("delivery", [pb.DELIVERY_LEASE, pb.DELIVERY_CONSUME], ids=["lease", "consume"])
 def test_slow_reader_holds_a_bounded_number_of_batches(
-    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: int
+    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: int, window: int
 ) -> None:
     server = serve(str(tmp_path / "data"))
     with channel(server.target) as chan:
         buffer = stub(chan)
         push_groups(buffer, 80)
-        request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5)
+        request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=60, wait_seconds=5, window=window)
         stream = SampleStream(buffer, request)
         for received in range(1, 4):
             stream.next()
             time.sleep(1.0)  # a training step: the server must not run ahead meanwhile
             s = stats(buffer)
             taken = s.leased + s.consumed  # delivered or read ahead
-            allowed = received + READ_AHEAD_BATCHES
+            allowed = received + window
             assert taken <= allowed, (
                 f"after {received} batch(es) of 1 group reached a slow reader, the server has taken {taken} "
                 f"experiences ({s.leased} leased, {s.consumed} consumed; at most {allowed}: {received} delivered "
-                f"and {READ_AHEAD_BATCHES} batch(es) ahead)"
+                f"and {window} batch(es) ahead)"
             )
         stream.cancel()
 
