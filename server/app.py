@@ -108,7 +108,9 @@ class ExpbufServer:
         if config.metrics_port > 0:
             _check_port_free(config.metrics_host or config.host, config.metrics_port, "metrics")
         try:
-            self.store = Store(config.data, max_reply_bytes=config.max_message_bytes)
+            self.store = Store(
+                config.data, max_reply_bytes=config.max_message_bytes, check_at_open=config.check_at_open
+            )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None
         try:

@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
+            "check_at_open": args.check_at_open,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
         " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
+    )
+    serve.add_argument(
+        "--check-at-open",
+        choices=("full", "quick"),
+        help="before serving, check every record and digest (full, the default; about 1 GB/s) or only the"
+        " directory's own records (quick) (env EXPBUF_CHECK_AT_OPEN)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

@@ -33,8 +33,9 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer, _summary
 from expbuf.server.cli import build_parser
-from expbuf.server.config import ServerConfig
+from expbuf.server.config import ServerConfig, load
 from expbuf.server.stats_view import COLUMNS, render
+from expbuf.server.tables import ConfigError
 
 from conftest import BAD_DIR, payload
 from helpers import ServerProcess, group_items, scrape
@@ -632,10 +633,6 @@ def test_table_commands(tmp_path: Path) -> None:
 def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from expbuf.server.cli import main
-    from expbuf.server.config import load
-    from expbuf.server.tables import ConfigError
-
     config = ServerConfig()
     assert (config.push_stream_limit, config.waiting_admit_limit, config.reserved_worker_count) == (32, 16, 8)
     assert (config.push_stream_idle_seconds, config.max_wait_seconds) == (120.0, 600.0)
@@ -651,5 +648,16 @@ def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
     assert (loaded.push_stream_limit, loaded.waiting_admit_limit, loaded.reserved_worker_count) == (3, 5, 2)
     assert (loaded.push_stream_idle_seconds, loaded.max_wait_seconds) == (7.5, 9.0)
     monkeypatch.setenv("EXPBUF_PUSH_STREAM_IDLE_SECONDS", "-1")
-    assert main(["serve", "--data", str(tmp_path / "data")]) == 2  # refused before anything starts
+    done = cli("serve", "--data", str(tmp_path / "data"))  # a child: the command routes the root logger
+    one_line_error(done, "push_stream_idle_seconds")  # refused before anything starts
     assert not (tmp_path / "data").exists()
+
+
+def test_check_at_open_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """full (the default) or quick, from the environment as from the file and flags; nothing else."""
+    assert load().check_at_open == "full"
+    monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "quick")
+    assert load().check_at_open == "quick"
+    monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "some")
+    with pytest.raises(ConfigError, match="check_at_open must be 'full' or 'quick'"):
+        load()

@@ -49,13 +49,16 @@ class Store(Sampling):
         seed: int | None = None,
         batch_limit: int = 512,
         max_reply_bytes: int | None = None,
+        check_at_open: str = "full",
     ) -> None:
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )
         try:
             with self.environment.read() as txn:  # a damaged directory is refused before it is served
-                integrity.at_open(txn, self.environment.db, self.environment.path, clock())
+                integrity.at_open(
+                    txn, self.environment.db, self.environment.path, clock(), full=check_at_open == "full"
+                )
         except BaseException:
             self.environment.close()
             raise

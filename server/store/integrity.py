@@ -37,9 +37,15 @@ _DAMAGE = Exception
 _SHOWN = 20  # problems shown per table at most; the count says how many more
 
 
-def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, now: float) -> None:
-    """Refuse a damaged directory before it is served: raises Damaged naming the first problem."""
-    problems = [(where, problem) for where, found in scan(txn, dbs, now, strays=False).items() for problem in found]
+def at_open(
+    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, now: float, *, full: bool = True
+) -> None:
+    """Refuse a damaged directory before it is served: raises Damaged naming the first problem.
+
+    `full` checks every record, digest, index and counter (a read of the whole file); without
+    it only the directory's own records: format, catalogue, counters, leases and grants."""
+    found = scan(txn, dbs, now, strays=False, tables=full)
+    problems = [(where, problem) for where, listed in found.items() for problem in listed]
     if problems:
         where, first = problems[0]
         more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
@@ -48,19 +54,20 @@ def at_open(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, n
 
 
 def scan(
-    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float, *, strays: bool = True
+    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float, *, strays: bool = True, tables: bool = True
 ) -> dict[str, list[str]]:
     """Every problem of the directory, by table name ("" for the directory's own records);
-    `strays` also counts the entries that belong to no table."""
+    `strays` also counts the entries that belong to no table, and `tables` checks each table's
+    items, digests, indexes and counters."""
     report: dict[str, list[str]] = {"": []}
-    tables: dict[str, tuple[int, TableConfig]] = {}
+    catalogue: dict[str, tuple[int, TableConfig]] = {}
     try:
-        _directory(txn, dbs, tables, report[""])
+        _directory(txn, dbs, catalogue, report[""])
         if strays:
-            report[""] += _strays(txn, dbs, tables)
+            report[""] += _strays(txn, dbs, catalogue)
     except _DAMAGE as exc:
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
-    for name, (table_id, config) in tables.items():
+    for name, (table_id, config) in catalogue.items() if tables else ():
         try:
             problems = verify(TableTxn(txn, dbs, table_id, config, now))
         except _DAMAGE as exc:
