@@ -74,17 +74,23 @@ class PushResult:
 
 @dataclass
 class Batch:
-    """One sampled batch of whole groups. `experiences` decodes the payload on first use."""
+    """One sampled batch of whole groups. `experiences` decodes the payload on first use;
+    `uids` and `group_ids` have one entry per experience, `groups` one per group."""
 
     payload: bytes
     uids: list[str]
-    groups: list[str]
+    group_ids: list[str]
     lease_id: str
     lease_expires: float
     partial: bool
     table: str = "default"
     _ack: Callable[[str, str], Any] | None = field(default=None, repr=False)
     _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[str]:
+        """The batch's distinct groups, in the order they come."""
+        return list(dict.fromkeys(self.group_ids))
 
     @cached_property
     def experiences(self) -> list[Experience]:
@@ -189,7 +195,7 @@ def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kin
     return kind(
         payload=reply.payload,
         uids=list(reply.uids),
-        groups=list(reply.group_ids),
+        group_ids=list(reply.group_ids),
         lease_id=reply.lease_id,
         lease_expires=reply.lease_expires_unix,
         partial=reply.partial,

@@ -238,7 +238,7 @@ class _Sharded:
         return ShardBatch(
             payload=payload,
             uids=[uid for _, part in parts for uid in part.uids],
-            groups=[group for _, part in parts for group in part.groups],
+            group_ids=[group for _, part in parts for group in part.group_ids],
             lease_id=",".join(f"{shard}/{part.lease_id}" for shard, part in parts if part.lease_id),
             lease_expires=min(part.lease_expires for _, part in parts),
             partial=partial or any(part.partial for _, part in parts),
@@ -264,7 +264,7 @@ class _Sharded:
 
     @staticmethod
     def _size(key: str, batch: Batch) -> int:
-        return len(set(batch.groups)) if key == "groups_ready" else len(batch.uids)
+        return len(batch.groups) if key == "groups_ready" else len(batch.uids)
 
     def _remember(self, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Keep each table's grouping: the client needs it to route, and it never changes."""

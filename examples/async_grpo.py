@@ -77,7 +77,7 @@ def trainer(target: str, steps: int) -> None:
                 )
             )
             lag = max(version - e.info["model_version"] for e in batch.experiences)
-            print(f"step {version}: {len(set(batch.groups))} groups, at most {lag} versions behind")
+            print(f"step {version}: {len(batch.groups)} groups, at most {lag} versions behind")
             client.set_trainer_version(version + 1, TABLE)  # after the optimizer step
 
 

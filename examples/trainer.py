@@ -49,7 +49,7 @@ def main() -> None:
         )
         for step, batch in enumerate(torch.utils.data.DataLoader(dataset, batch_size=None)):
             loss = train_step(batch)
-            print(f"step {step}: {len(batch.uids)} experiences from {len(set(batch.groups))} groups, loss {loss:.4f}")
+            print(f"step {step}: {len(batch.uids)} experiences from {len(batch.groups)} groups, loss {loss:.4f}")
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def test_groups_land_whole_on_their_shard_and_are_delivered_once(shards: Shards)
         assert sorted(delivered) == sorted(owner)  # exactly once
         assert set().union(*(batch.shards for batch in batches)) == set(NAMES)
         for batch in batches:
-            assert set(Counter(batch.groups).values()) == {4}  # whole groups
+            assert set(Counter(batch.group_ids).values()) == {4}  # whole groups
             assert {owner[uid] for uid in batch.uids} == set(batch.shards)
             assert sorted(e.eid.uid for e in batch.experiences) == sorted(batch.uids)
         assert client.stats("mixed")["mixed"]["consumed"] == 240

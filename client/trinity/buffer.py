@@ -244,7 +244,7 @@ class ExpbufReader(BufferReader):
             wait = 0.0 if done else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             groups = size // self._group if self._group else 1
             if taken and not single and not self._group:
-                seen = sum(len(set(b.groups)) for b in taken)
+                seen = sum(len(b.groups) for b in taken)
                 groups = max(1, (size - total) * seen // total)
             batch = self._take(groups, wait, done or groups > 1, min_version, version)
             if batch is None:
@@ -260,7 +260,7 @@ class ExpbufReader(BufferReader):
                 continue
             if total + len(batch.uids) > size:  # groups of varying size: this take does not fit
                 self._give_back([batch])
-                if len(set(batch.groups)) > 1:
+                if len(batch.groups) > 1:
                     single = True
                     continue
                 if not taken:
