@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..experience import EID, Experience
+from ..layout import pad
 from . import layout
 
 # The run-length code of a row's per-token versions, prompt included ([[version, count], ...]).
@@ -136,9 +137,9 @@ def to_areal(experiences: Sequence[Any], width: int | None = None, *, advantages
             if exp.advantages is None:
                 raise ValueError(f"experience {exp.eid} has no advantages (the table computed none)")
             advs.append(layout.shift_left(layout.to_full(exp.advantages, start, length, torch.float32)))
-    out = {k: layout.pad_right(v, width) for k, v in fields.items()}
-    out["attention_mask"] = layout.pad_right(masks, width)
+    out = {k: pad(v, "right", width=width) for k, v in fields.items()}
+    out["attention_mask"] = pad(masks, "right", width=width)
     out["rewards"] = torch.tensor(rewards, dtype=DTYPES["rewards"])
     if advantages:
-        out[EXPBUF_ADVANTAGES] = layout.pad_right(advs, width)
+        out[EXPBUF_ADVANTAGES] = pad(advs, "right", width=width)
     return out

@@ -1,6 +1,7 @@
 """Response-length TRXP fields <-> full-length, right-padded rows, for the frameworks that train
-on whole sequences: where a row's prompt ends, how response values sit in a full row, right
-padding, the next-token shift, and run-length codes for per-token values.
+on whole sequences: where a row's prompt ends, how response values sit in a full row, the
+next-token shift, and run-length codes for per-token values (padding is `expbuf.client.layout`'s,
+which the verl adapter shares).
 
 Torch only; no framework imports, so each framework's adapter is a thin layer over this.
 """
@@ -40,18 +41,6 @@ def to_full(values: torch.Tensor | None, start: int, length: int, dtype: torch.d
     if values is not None:
         row[start : start + values.numel()] = values.to(dtype)
     return row
-
-
-def pad_right(rows: Sequence[torch.Tensor], width: int | None = None, value: float = 0) -> torch.Tensor:
-    """Stack 1-D rows into [len(rows), width], right-padded with `value`."""
-    longest = max((r.numel() for r in rows), default=0)
-    width = longest if width is None else width
-    if width < longest:
-        raise ValueError(f"width {width} is shorter than the longest row ({longest} tokens)")
-    out = torch.full((len(rows), width), value, dtype=rows[0].dtype if rows else torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
 
 
 def shift_left(full: torch.Tensor) -> torch.Tensor:
