@@ -58,7 +58,8 @@ def test_deleting_the_lock_files_lets_no_second_server_in(tmp_path: Path) -> Non
             buffer.Push(pb.PushRequest(table="default", payload=payload("0", task)[0]), timeout=30)
         # A consume batch sent and not yet confirmed: held for the stream until it confirms.
         requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
-        requests.put(pb.SampleRequest(table="default", num_groups=1, max_batches=2))
+        # (a push returns before its group's advantages are computed: the sample waits for them)
+        requests.put(pb.SampleRequest(table="default", num_groups=1, max_batches=2, wait_seconds=30))
         call = buffer.Sample(iter(requests.get, None), timeout=60)
         held = next(call)
         assert stats(buffer).leased == 4
