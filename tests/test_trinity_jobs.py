@@ -40,28 +40,9 @@ from expbuf.client.trinity import plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
 from expbuf.server.config import ServerConfig  # noqa: E402
 
+from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
+
 TABLE = "jobs"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin() -> Iterator[None]:
-    """Load the plugin the way Trinity does: TRINITY_PLUGIN_DIRS, then its own loader."""
-    from trinity.utils import plugin_loader
-
-    copied = Path(plugin_loader.__file__).parent.parent / "plugins" / "expbuf_buffer.py"
-    existed = copied.exists()
-    saved = os.environ.get("TRINITY_PLUGIN_DIRS")
-    os.environ["TRINITY_PLUGIN_DIRS"] = plugin_dir()
-    try:
-        plugin_loader.load_plugins()
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TRINITY_PLUGIN_DIRS")
-        else:
-            os.environ["TRINITY_PLUGIN_DIRS"] = saved
-        if not existed:
-            copied.unlink(missing_ok=True)
 
 
 @pytest.fixture
