@@ -9,6 +9,8 @@ import fnmatch
 import importlib.metadata
 import importlib.resources
 import json
+import logging
+import logging.handlers
 import os
 import re
 import signal
@@ -31,6 +33,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server import logs
 from expbuf.server.app import ExpbufServer, _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig, load
@@ -661,3 +664,22 @@ def test_check_at_open_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "some")
     with pytest.raises(ConfigError, match="check_at_open must be 'full' or 'quick'"):
         load()
+
+
+def test_log_configuration_keeps_the_host_process_handlers() -> None:
+    """`configure` installs one stderr handler, replaced by a second call; an embedding
+    process's own handlers (pytest's capture, say) stay and keep receiving expbuf's lines."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    host = logging.handlers.BufferingHandler(100)
+    root.addHandler(host)
+    try:
+        logs.configure("json")
+        logs.configure("text")
+        ours = [h for h in root.handlers if h not in saved_handlers and h is not host]
+        assert len(ours) == 1 and not isinstance(ours[0].formatter, logs.JsonFormatter)
+        logging.getLogger("expbuf.server.test").warning("routed")
+        assert host in root.handlers and [r.getMessage() for r in host.buffer] == ["routed"]
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
