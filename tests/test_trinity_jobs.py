@@ -1,7 +1,7 @@
 """Trinity-RFT jobs against expbuf, driven by Trinity's own classes: multi-step workflows,
 pipeline filters, end of data across processes, exact batch sizes, Trinity's buffer settings,
-and the scenarios of Trinity's tests/buffer/queue_test.py and sql_test.py (skipped where
-trinity-rft is not installed)."""
+its priority queue with reuse, and the scenarios of Trinity's tests/buffer/queue_test.py and
+sql_test.py (skipped where trinity-rft is not installed)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from trinity.algorithm.advantage_fn.multi_step_grpo_advantage import StepWiseGRP
 from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
 from trinity.buffer.operators.experience_operator import create_operators  # noqa: E402
 from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
+from trinity.buffer.storage.queue import QueueStorage  # noqa: E402
 from trinity.common.config import (  # noqa: E402
     Config,
     ExperienceBufferConfig,
@@ -391,8 +393,7 @@ def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(
 ) -> None:
     table(group_by="none", estimator="none")
     refused = {
-        "reuse_cooldown_time=1": ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0),
-        r"priority_fn_args.sigma": ReplayBufferConfig(
+        r"priority_fn_args.sigma=0.5 without reuse": ReplayBufferConfig(
             enable=True, priority_fn="decay_limit_randomization", priority_fn_args={"sigma": 0.5}
         ),
         "runs linear_decay and decay_limit_randomization": ReplayBufferConfig(enable=True, priority_fn="mine"),
@@ -548,3 +549,199 @@ def test_the_writers_count_refuses_what_it_cannot_count(server: ExpbufServer, ta
         client.drop_table(TABLE)
         client.create_table(TABLE, group_size=2)
         assert client.writers(TABLE) == (0, False)
+
+
+# ---- Trinity's priority queue with reuse -----------------------------------------------------------
+# The same writes and reads through Trinity's buffer factories on an expbuf:// table and through
+# Trinity's own priority queue (its QueueStorage with AsyncPriorityQueue, in this process as its Ray
+# actor runs it) give the same experiences in the same order, re-reads and use counts included.
+
+RUNS = 2  # experiences per write: one task's runs, one item of Trinity's queue, one group of the table
+Seen = tuple[int, int, int, int]  # task, run, model_version, use_count
+Script = list[tuple[str, int]]  # ("write", version) writes the next task; ("read", n) reads n times
+
+
+def task(number: int, version: int) -> list[Experience]:
+    """One task's runs as Trinity's workflow runner writes them (use_count 0)."""
+    return [
+        Experience(
+            eid=EID(batch=7, task=number, run=run),
+            tokens=torch.arange(6, dtype=torch.int32),
+            prompt_length=2,
+            logprobs=torch.full((4,), -0.5),
+            reward=float(run),
+            info={"model_version": version, "use_count": 0},
+        )
+        for run in range(RUNS)
+    ]
+
+
+def seen(exps: list[Experience]) -> list[Seen]:
+    return [(int(e.eid.task), e.eid.run, e.info["model_version"], e.info["use_count"]) for e in exps]
+
+
+async def play(
+    write: Callable[[list[Experience]], Awaitable[object]],
+    read: Callable[[], Awaitable[list[Experience]]],
+    release: Callable[[], Awaitable[object]],
+    script: Script,
+) -> list[list[Seen]]:
+    """The script with the writer open, then the writer released and every read until the end of data."""
+    reads, tasks = [], 0
+    for op, arg in script:
+        if op == "write":
+            await write(task(tasks, arg))
+            tasks += 1
+        else:
+            reads += [seen(await read()) for _ in range(arg)]
+    await release()
+    while True:
+        try:
+            reads.append(seen(await read()))
+        except StopAsyncIteration:
+            return reads
+
+
+def on_trinity(replay: ReplayBufferConfig, script: Script) -> list[list[Seen]]:
+    """The script on Trinity's own priority queue."""
+    config = ExperienceBufferConfig(
+        name="trinity", path="memory", storage_type="queue", batch_size=RUNS, replay_buffer=replay
+    ).to_storage_config()
+
+    async def run() -> list[list[Seen]]:
+        storage = QueueStorage(config)
+        await storage.acquire()
+
+        async def read() -> list[Experience]:
+            exps = Experience.deserialize_many(await storage.get_batch(RUNS, timeout=5.0))
+            await asyncio.sleep(0)  # a cooldown of 0 puts the item back before anything else happens
+            return exps
+
+        return await play(
+            lambda data: storage.put_batch(Experience.serialize_many(data)), read, storage.release, script
+        )
+
+    return asyncio.run(run())
+
+
+def on_expbuf(server: ExpbufServer, replay: ReplayBufferConfig, script: Script) -> list[list[Seen]]:
+    """The script through Trinity's buffer factories on an expbuf:// path."""
+    config = buffer_config(server, RUNS, replay_buffer=replay)
+
+    async def run() -> list[list[Seen]]:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        await writer.acquire()
+        return await play(writer.write, reader.read, writer.release, script)
+
+    return asyncio.run(run())
+
+
+def reuse_table(table: Table, **settings: object) -> None:
+    table(group_by="task", group_size=RUNS, estimator="none", **settings)
+
+
+LINEAR = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 2.0})
+LIMITED = ReplayBufferConfig(
+    enable=True,
+    priority_fn="decay_limit_randomization",
+    reuse_cooldown_time=0.0,
+    priority_fn_args={"decay": 1.0, "use_count_limit": 2, "sigma": 0.0},
+)
+
+
+@pytest.mark.parametrize(
+    ("replay", "settings", "script"),
+    [
+        pytest.param(
+            LINEAR,
+            {"priority_decay": 2.0},
+            [
+                ("write", 2),
+                ("write", 5),
+                ("write", 3),
+                ("read", 2),
+                ("write", 5),
+                ("read", 3),
+                ("write", 0),
+                ("read", 6),
+            ],
+            id="linear_decay",
+        ),
+        pytest.param(
+            LIMITED,
+            {"priority_decay": 1.0, "max_times_sampled": 2},
+            [("write", 1), ("write", 4), ("write", 2), ("read", 3), ("write", 4), ("read", 3)],
+            id="decay_limit",
+        ),
+    ],
+)
+def test_reuse_reads_as_trinitys_priority_queue(
+    server: ExpbufServer, table: Table, replay: ReplayBufferConfig, settings: dict, script: Script
+) -> None:
+    """Each read takes the highest priority, model_version - decay * use_count (ties: the earliest
+    put, a returning item behind), and puts it back; after the writer releases, what is left is read
+    once more; with a use_count_limit an item goes for good at its limit."""
+    reuse_table(table, **settings)
+    want = on_trinity(replay, script)
+    assert len(want) > sum(n for op, n in script if op == "read")  # re-reads, and reads after the release
+    assert max(use for read in want for *_, use in read) > 1
+    assert on_expbuf(server, replay, script) == want
+
+
+def test_a_returning_experience_waits_for_its_cooldown(server: ExpbufServer, table: Table) -> None:
+    """With reuse_cooldown_time 1 s, the newest task read first is not read again before the older
+    one, however high its lowered priority; a read then waits for the cooldown, as Trinity's does."""
+    replay = ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0, priority_fn_args={"decay": 2.0})
+    reuse_table(table, priority_decay=2.0, reuse_cooldown_seconds=1.0)
+    script: Script = [("write", 10), ("write", 1), ("read", 4)]
+    want = on_trinity(replay, script)
+    assert [(read[0][0], read[0][3]) for read in want] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert on_expbuf(server, replay, script) == want
+
+
+def test_randomised_priorities_keep_trinitys_invariants(server: ExpbufServer, table: Table) -> None:
+    """decay_limit_randomization with sigma: the order is random, but every task is read exactly
+    use_count_limit times, its use counts going 1, 2, 3, its runs together; nothing after that."""
+    replay = ReplayBufferConfig(
+        enable=True,
+        priority_fn="decay_limit_randomization",
+        reuse_cooldown_time=0.0,
+        priority_fn_args={"decay": 1.0, "use_count_limit": 3, "sigma": 1.0},
+    )
+    reuse_table(table, priority_decay=1.0, max_times_sampled=3, priority_noise=1.0)
+    script: Script = [*[("write", version) for version in range(4)], ("read", 12)]
+    for reads in (on_trinity(replay, script), on_expbuf(server, replay, script)):
+        assert len(reads) == 12
+        uses: dict[int, list[int]] = defaultdict(list)
+        for read in reads:
+            assert len({(t, use) for t, _, _, use in read}) == 1 and [run for _, run, _, _ in read] == [0, 1]
+            uses[read[0][0]].append(read[0][3])
+        assert uses == {number: [1, 2, 3] for number in range(4)}
+        assert Counter(v for read in reads for _, _, v, _ in read) == {v: RUNS * 3 for v in range(4)}
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (4 * RUNS, 0, 0)
+
+
+def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: Table) -> None:
+    reuse_table(table, priority_decay=2.0)
+    cooled = ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0, priority_fn_args={"decay": 2.0})
+    need = "priority_decay = 2.0, reuse_cooldown_seconds = 1.0, max_times_sampled = 0, priority_noise = 0.0"
+    with pytest.raises(ValueError, match=rf"has reuse_cooldown_seconds=0.0; create it with {need}"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=cooled))
+    with pytest.raises(ValueError, match=r"capacity=8 with replay_buffer reuse_cooldown_time=0.0"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, RUNS, capacity=8, replay_buffer=LINEAR))
+    with pytest.raises(ValueError, match="leave the path's order and delivery options out"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, "delivery=consume", replay_buffer=LINEAR))
+    still = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 0.0})
+    with pytest.raises(ValueError, match=r"reuse_cooldown_time=0.0 with decay 0.0: .* set one of them"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=still))
+    unknown = ReplayBufferConfig(enable=True, priority_fn_args={"decay": 1.0, "use_count_limit": 2})
+    with pytest.raises(ValueError, match="unknown priority_fn_args use_count_limit; it takes decay"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, RUNS, replay_buffer=unknown))
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.drop_table(TABLE)
+    table(group_size=0, estimator="none", priority_decay=2.0)
+    with pytest.raises(ValueError, match="replay_buffer reuse_cooldown_time: table 'jobs' has groups of varying size"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=LINEAR))
