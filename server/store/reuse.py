@@ -58,6 +58,8 @@ def requeue(tt: TableTxn, groups: Sequence[Taken], rng: random.Random) -> None:
 def warm(tt: TableTxn) -> int:
     """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
     groups deleted or retired meanwhile are dropped."""
+    if tt.config.reuse_cooldown_seconds <= 0:  # nothing of this table ever cools
+        return 0
     due = []
     cutoff = layout.micros(tt.now)
     with tt.txn.cursor(db=tt.db["cooling"]) as cur:
