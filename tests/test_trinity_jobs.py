@@ -695,10 +695,10 @@ def test_reuse_reads_as_trinitys_priority_queue(
 
 
 def test_a_returning_experience_waits_for_its_cooldown(server: ExpbufServer, table: Table) -> None:
-    """With reuse_cooldown_time 1 s, the newest task read first is not read again before the older
+    """With reuse_cooldown_time 2 s, the newest task read first is not read again before the older
     one, however high its lowered priority; a read then waits for the cooldown, as Trinity's does."""
-    replay = ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0, priority_fn_args={"decay": 2.0})
-    reuse_table(table, priority_decay=2.0, reuse_cooldown_seconds=1.0)
+    replay = ReplayBufferConfig(enable=True, reuse_cooldown_time=2.0, priority_fn_args={"decay": 2.0})
+    reuse_table(table, priority_decay=2.0, reuse_cooldown_seconds=2.0)
     script: Script = [("write", 10), ("write", 1), ("read", 4)]
     want = on_trinity(replay, script)
     assert [(read[0][0], read[0][3]) for read in want] == [(0, 1), (1, 1), (0, 2), (1, 2)]
