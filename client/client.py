@@ -136,6 +136,7 @@ def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kin
         lease_expires=reply.lease_expires_unix,
         partial=reply.partial,
         table=table,
+        times_sampled=list(reply.times_sampled),
         _ack=ack,
         _nack=nack,
     )

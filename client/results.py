@@ -38,6 +38,7 @@ class Batch:
     lease_expires: float
     partial: bool
     table: str = "default"
+    times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     _ack: Callable[[str, str], Any] | None = field(default=None, repr=False)
     _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
 

@@ -243,6 +243,7 @@ class _Sharded:
             lease_expires=min(part.lease_expires for _, part in parts),
             partial=partial or any(part.partial for _, part in parts),
             table=parts[0][1].table,
+            times_sampled=[times for _, part in parts for times in part.times_sampled],
             _ack=ack,
             _nack=nack,
             shards=list(dict.fromkeys(shard for shard, _ in parts)),

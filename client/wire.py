@@ -67,6 +67,9 @@ TABLE_SETTINGS = (
     "keep_failed",
     "shaping",
     *OFF_POLICY_SETTINGS,
+    "priority_decay",
+    "reuse_cooldown_seconds",
+    "priority_noise",
 )
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
 SHAPING_SETTINGS = (
@@ -168,6 +171,9 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         samples_per_insert=settings.get("samples_per_insert", 0.0),
         samples_per_insert_error=settings.get("samples_per_insert_error", 0.0),
         evict_stale=settings.get("evict_stale", False),
+        priority_decay=settings.get("priority_decay", 0.0),
+        reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
+        priority_noise=settings.get("priority_noise", 0.0),
     ))  # fmt: skip
 
 
@@ -197,4 +203,7 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "samples_per_insert": msg.samples_per_insert,
         "samples_per_insert_error": msg.samples_per_insert_error,
         "evict_stale": msg.evict_stale,
+        "priority_decay": msg.priority_decay,
+        "reuse_cooldown_seconds": msg.reuse_cooldown_seconds,
+        "priority_noise": msg.priority_noise,
     }

@@ -5,7 +5,7 @@ whose every member is at least `min_model_version` (found through the version in
 selection.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), holding it for a Sample stream (a lease without expiry, until the
-client confirms it), or replaying it (counted against max_times_sampled).
+client confirms it), or replaying it (counted against max_times_sampled, lowered and cooled by reuse.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lmdb
 
 from ..advantage_storage import StageCounts
 from ..sample_spec import SampleSpec
-from . import layout, limiter
+from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .groups import TableTxn
 from .limiter import SampleLimited, sample_limit
@@ -95,15 +95,17 @@ def take(
             batch.group_ids.append(gkey)
             batch.versions.append(rec.version)
             rec.times_sampled += 1
+            batch.times_sampled.append(rec.times_sampled)
             tt.put_item(uid, rec)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     tt.counters["bytes_sampled"] += sum(rec.size for rec in rows.records)
     limit = tt.config.max_times_sampled
     if delivery == "consume":
         tt.retire_many(chosen, CONSUMED)
-    elif delivery == "replay" and limit:
-        spent = [(gkey, grp) for gkey, grp, recs in taken if max(r.times_sampled for r in recs.values()) >= limit]
-        tt.retire_many(spent, CONSUMED)
+    elif delivery == "replay":
+        spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
+        tt.retire_many([(gkey, grp) for gkey, grp in chosen if gkey in spent], CONSUMED)
+        reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
     elif delivery == "lease":
         tt.ready.remove_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in chosen])
         for _, grp in chosen:

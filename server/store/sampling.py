@@ -17,7 +17,7 @@ from ..advantage_storage import StageCounts
 from ..errors import Forbidden, InvalidRequest, NotFound, clip
 from ..sample_spec import SampleSpec
 from ..tables import TableConfig
-from . import layout, limiter, staleness
+from . import layout, limiter, reuse, staleness
 from .environment import Environment
 from .groups import TableTxn
 from .leases import could_fill, end_lease, read_lease, take
@@ -132,6 +132,7 @@ class Sampling:
         the version is stored with a batch, and a waiting request changes nothing; while the
         table holds too little ready data for any batch, it does not even try."""
         partial = spec.allow_partial and final
+        reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
         def attempt(t: TableTxn) -> Sampled | limiter.SampleLimited | None:
             return take(

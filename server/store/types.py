@@ -97,6 +97,7 @@ class Sampled:
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
+    times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
     stage: BatchStage | None = field(default=None, repr=False, compare=False)
 
