@@ -98,8 +98,10 @@ class Owed:
     def forget(self, table: str) -> None:
         """Nothing more is owed for a table (it was dropped)."""
         with self._lock:
-            for owed in (*self._creates.values(), *self._versions.values()):
-                owed.pop(table, None)
+            for creates in self._creates.values():
+                creates.pop(table, None)
+            for versions in self._versions.values():
+                versions.pop(table, None)
 
     def forget_versions(self, table: str) -> None:
         """No trainer version is owed for a table any more (an admin reset it)."""
@@ -127,6 +129,7 @@ class Owed:
             return
         if isinstance(outcome, BufferError):
             _log.warning("shard %s refused the owed %s%s: %s", call.shard, call.method, call.args, outcome)
+        owed: dict[str, Any]  # by table: the create_table keywords, or the trainer version
         with self._lock:
             if call.method == "create_table":
                 owed, key, value = self._creates.get(call.shard, {}), call.args[0], dict(call.kwargs)

@@ -6,7 +6,8 @@ Table settings travel as plain dicts with the names of the TOML file and of
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
@@ -89,14 +90,17 @@ class WireError(ValueError):
     """A message or a setting that the other side cannot take; the text names it."""
 
 
-def enum_value(mapping: dict[str, int], what: str, name: str) -> int:
+_Enum = TypeVar("_Enum", bound=int)  # a proto enum: its values are ints
+
+
+def enum_value(mapping: Mapping[str, _Enum], what: str, name: str) -> _Enum:
     try:
         return mapping[name]
     except (KeyError, TypeError):
         raise WireError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
 
 
-def enum_name(mapping: dict[str, int], what: str, value: int, default: str) -> str:
+def enum_name(mapping: Mapping[str, int], what: str, value: int, default: str) -> str:
     """The name of an enum value; 0 (unspecified) is the default, an unknown value is refused."""
     if value == 0:
         return default

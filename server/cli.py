@@ -93,7 +93,10 @@ def _health(args: argparse.Namespace) -> int:
     try:
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata)
+            # types-grpcio-health-checking's HealthStub leaves out its methods.
+            reply = stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata
+            )
     except grpc.RpcError as exc:
         print(f"{args.target}: {exc.code().name}: {exc.details() or 'no details'}", file=sys.stderr)
         return 1

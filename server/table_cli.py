@@ -72,7 +72,7 @@ def _create(args: argparse.Namespace, client: BufferClient) -> int:
 
 def _list(args: argparse.Namespace, client: BufferClient) -> int:
     stats = client.stats()
-    rows = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
+    rows: list[tuple[str, ...]] = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
     for t in client.list_tables():
         s = stats.get(t["name"], {})
         counts = (str(s.get(state, "-")) for state in ("ready", "leased", "pending"))
