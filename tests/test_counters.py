@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from expbuf.client import BufferClient
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import STATES, Store, integrity, layout
 from expbuf.server.store.counters import NAMES, Counters
@@ -106,3 +110,27 @@ def test_a_count_that_is_not_a_number_is_damage(tmp_path: Path) -> None:
         with store.environment.read() as txn:
             problems = integrity.scan(txn, store.db, 0.0, strays=False, tables=False)[""]
     assert problems == ["the counters of table 't' do not decode (counter pushed is '5', not a number)"]
+
+
+def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> None:
+    """Every TableStats field named as a counter carries that counter; the versions carry -1
+    while unknown; over a real server and a real client."""
+    server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=0)).start()
+    try:
+        server.store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+        server.store.put("t", group_items(0, 0, 2) + group_items(0, 1, 1))
+        server.store.sample(SampleSpec("t", num_groups=1))
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+            before = client.stats("t")["t"]
+            assert (before["min_model_version"], before["trainer_version"]) == (1, -1)
+            client.set_trainer_version(4, table="t")
+            reported = client.stats("t")["t"]
+        stored = server.store.stats("t")
+    finally:
+        server.stop(grace=1)
+    fields = [field.name for field in pb.TableStats.DESCRIPTOR.fields]
+    named = [name for name in fields if name in stored and name != "oldest_age_seconds"]  # an age moves on
+    assert len(named) == 28 and "oldest_age_seconds" in fields and reported["oldest_age_seconds"] >= 0
+    assert {name: reported[name] for name in named} == {name: stored[name] for name in named}
+    assert (reported["min_model_version"], reported["max_model_version"]) == (stored["min_version"], 1)
+    assert (reported["pushed"], reported["consumed"], reported["pending"], reported["trainer_version"]) == (3, 2, 1, 4)
