@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class _Refused:
-    """A request refused inside a transaction that still commits (see Store._isolated)."""
+    """A request refused inside a transaction that still commits (see Sampling._isolated)."""
 
     error: Exception
 
