@@ -88,6 +88,12 @@ def _reason(exc: Exception) -> str:
 
 
 _REFUSALS = (StoreError, trxp.TrxpError, ConfigError, wire.WireError)
+# The TableStats fields of the versions, by the counter each comes from (unknown: -1).
+_VERSION_STATS = {
+    "min_model_version": "min_version",
+    "max_model_version": "max_version",
+    "trainer_version": "trainer_version",
+}
 
 
 def _table_of(request: Any) -> str:
@@ -411,44 +417,18 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         return pb.StatsReply(tables=[self._table_stats(name) for name in names])
 
     def _table_stats(self, name: str) -> pb.TableStats:
+        """A table's counters as a TableStats: each field from the counter of its name, the
+        versions as -1 while unknown, the reward normalisation as its mean and std."""
         s = self.store.stats(name)
         moments = RunningMoments.of(s["reward_moments"])
-        return pb.TableStats(
-            name=name,
-            pending=s["pending"],
-            ready=s["ready"],
-            leased=s["leased"],
-            consumed=s["consumed"],
-            bytes=s["bytes"],
-            groups_pending=s["groups_pending"],
-            groups_ready=s["groups_ready"],
-            groups_leased=s["groups_leased"],
-            groups_dropped=s["groups_dropped"],
-            groups_failed=s["groups_failed"],
-            computing=s["computing"],
-            groups_computing=s["groups_computing"],
-            last_failure=s["last_failure"],
-            oldest_age_seconds=s["oldest_age_seconds"],
-            min_model_version=s["min_version"] if s["min_version"] is not None else -1,
-            max_model_version=s["max_version"] if s["max_version"] is not None else -1,
-            evicted=s["evicted"],
-            pushed=s["pushed"],
-            duplicates=s["duplicates"],
-            sampled=s["sampled"],
-            leases_expired=s["leases_expired"],
-            overlong_penalised=s["overlong_penalised"],
-            rewards_seen=s["rewards_seen"],
-            rewards_clipped=s["rewards_clipped"],
-            advantages_seen=s["advantages_seen"],
-            advantages_clipped=s["advantages_clipped"],
-            reward_running_mean=moments.mean,
-            reward_running_std=moments.std,
-            trainer_version=s["trainer_version"] if s["trainer_version"] is not None else -1,
-            submitted=s["submitted"],
-            admitted=s["admitted"],
-            grants_expired=s["grants_expired"],
-            stale_dropped=s["stale_dropped"],
-        )
+        stats = pb.TableStats(name=name, reward_running_mean=moments.mean, reward_running_std=moments.std)
+        for field in pb.TableStats.DESCRIPTOR.fields:
+            if field.name in _VERSION_STATS:
+                version = s[_VERSION_STATS[field.name]]
+                setattr(stats, field.name, -1 if version is None else version)
+            elif field.name in s:
+                setattr(stats, field.name, s[field.name])
+        return stats
 
     @_refusals
     def SetTrainerVersion(

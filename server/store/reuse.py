@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from ..selection import put_rows
 from ..tables import TableConfig
 from . import layout
-from .groups import TableTxn
 from .records import LEASED, READY, GroupRecord, ItemRecord
+from .table_state import TableState
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
@@ -34,7 +34,7 @@ def reuses(config: TableConfig) -> bool:
     return config.priority_decay > 0 or config.reuse_cooldown_seconds > 0
 
 
-def requeue(tt: TableTxn, groups: Sequence[Taken], rng: random.Random) -> None:
+def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None:
     """Groups replayed just now (and not spent): lowered by their deliveries, then back in
     the ready order at once, or after the cooldown."""
     config = tt.config
@@ -55,7 +55,7 @@ def requeue(tt: TableTxn, groups: Sequence[Taken], rng: random.Random) -> None:
     put_rows(tt.txn, tt.db["cooling"], sorted((tt.prefix + until + gkey.encode(), b"") for gkey, _, _ in groups))
 
 
-def warm(tt: TableTxn) -> int:
+def warm(tt: TableState) -> int:
     """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
     groups deleted or retired meanwhile are dropped."""
     if tt.config.reuse_cooldown_seconds <= 0:  # nothing of this table ever cools
@@ -80,12 +80,12 @@ def warm(tt: TableTxn) -> int:
     return len(back)
 
 
-def _ready_again(tt: TableTxn, groups: Sequence[Taken]) -> None:
+def _ready_again(tt: TableState, groups: Sequence[Taken]) -> None:
     """Into the ready indexes behind every group there (a new place in the ready order)."""
     rows = []
     for gkey, grp, _ in groups:
-        grp.rseq = tt.counters["next_rseq"]
-        tt.counters["next_rseq"] += 1
+        grp.rseq = tt.counters.next_rseq
+        tt.counters.next_rseq += 1
         tt.put_group(gkey, grp)
         rows.append((gkey.encode(), grp.rseq, grp.priority, grp.version))
     tt.ready.add_many(rows)
