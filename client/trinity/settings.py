@@ -23,6 +23,7 @@ import logging
 from typing import Any
 
 from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.results import TableInfo
 
 from .location import Location
 
@@ -30,10 +31,10 @@ log = logging.getLogger(__name__)
 TRINITY_DEFAULT_CAPACITY = 10000
 
 
-def table_settings(client: BufferClient, location: Location) -> dict[str, Any] | None:
+def table_settings(client: BufferClient, location: Location) -> TableInfo | None:
     """The table's settings; None where the token may not read them (push-only)."""
     try:
-        tables = {t["name"]: t for t in client.list_tables()}
+        tables = {t.name: t for t in client.list_tables()}
     except BufferError as exc:
         log.warning("expbuf: cannot read the settings of table '%s' (%s); they are not checked", location.table, exc)
         return None
@@ -57,17 +58,17 @@ def refuse_taskset(config: Any) -> None:
         )
 
 
-def check_capacity(config: Any, table: dict[str, Any] | None) -> None:
+def check_capacity(config: Any, table: TableInfo | None) -> None:
     """Trinity's queue blocks a writer when full, its priority queue evicts the lowest priority:
     the table's capacity, with the matching `when_full`."""
     capacity = getattr(config, "capacity", TRINITY_DEFAULT_CAPACITY)
     if capacity == TRINITY_DEFAULT_CAPACITY or table is None:
         return
     when_full = "evict" if priority_replay(config) else "block"
-    if table["capacity_experiences"] != capacity or table["when_full"] != when_full:
+    if table.capacity_experiences != capacity or table.when_full != when_full:
         raise ValueError(
-            f"experience buffer capacity={capacity}: the expbuf table '{table['name']}' holds "
-            f"capacity_experiences={table['capacity_experiences']} (when_full={table['when_full']}); create it with "
+            f"experience buffer capacity={capacity}: the expbuf table '{table.name}' holds "
+            f"capacity_experiences={table.capacity_experiences} (when_full={table.when_full}); create it with "
             f"capacity_experiences = {capacity} and when_full = '{when_full}' (it counts experiences, where "
             "Trinity's queue counts writes), or leave capacity unset"
         )
@@ -93,13 +94,13 @@ def priority_replay(config: Any) -> bool:
     return True
 
 
-def fixed_group_size(table: dict[str, Any] | None) -> int | None:
+def fixed_group_size(table: TableInfo | None) -> int | None:
     """The size every complete group of the table has; None where it varies (group_size 0)."""
     if table is None:
         return None
-    if table["group_by"] == "none":
+    if table.group_by == "none":
         return 1
-    return table["group_size"] or None
+    return table.group_size or None
 
 
 def check_batch_size(batch_size: int, group: int | None, table: str) -> None:
