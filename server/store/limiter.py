@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from ..errors import StoreError
+from ..errors import InsertLimited, SampleLimited
 from .records import COMPUTING, LEASED, PENDING, READY, ItemRecord
 from .types import Entry
 
@@ -43,18 +43,6 @@ if TYPE_CHECKING:
 INSERTED, SAMPLED = "rate_inserted", "rate_sampled"
 COUNTERS = (INSERTED, SAMPLED)
 COUNTED = (READY, LEASED)  # the states of experiences the limiter counts
-
-
-class InsertLimited(StoreError):
-    """An insert held by the rate limit until its deadline."""
-
-    code = "resource_exhausted"
-
-
-class SampleLimited(StoreError):
-    """A sample held by the rate limit until its deadline."""
-
-    code = "deadline_exceeded"
 
 
 # ---- what moves the counters ------------------------------------------------------------

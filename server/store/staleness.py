@@ -21,16 +21,12 @@ upkeep takes the rest on its next passes.
 
 from __future__ import annotations
 
-from ..errors import GroupClosed
+from ..errors import VersionJump
 from .groups import TableTxn
 from .records import DROPPED, READY
 
 # Stale groups evicted per table in one pass (one write transaction).
 EVICT_LIMIT = 10_000
-
-
-class VersionJump(GroupClosed):
-    """A trainer version beyond what the table's data allows, with evict_stale on."""
 
 
 def ceiling(tt: TableTxn) -> int | None:
