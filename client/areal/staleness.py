@@ -65,9 +65,9 @@ class ExpbufStalenessManager(StalenessManager):
     def _room(self) -> int:
         """The table's room under the bound, counting the grant held ahead as room of ours."""
         stats = self.client.stats(self.table)[self.table]
-        version = max(0, stats["trainer_version"])
+        version = max(0, stats.trainer_version)
         spare = 1 if self._spare is not None else 0
-        return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats["submitted"] + spare
+        return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats.submitted + spare
 
     def get_capacity(self) -> int:
         with self.lock:
