@@ -234,11 +234,11 @@ def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the
         sign = 1.0 if reward > 0 else -1.0
         assert row.fields["advantages"][0].item() * sign > 0  # GRPO: above the group mean is positive
         assert row.fields["advantages"][1].item() == 0.0  # zero where the mask is
-    assert stats(client, "verl_source")["groups_leased"] == 2
+    assert stats(client, "verl_source").groups_leased == 2
 
     step_end(meta)
-    wait_for(lambda: stats(client, "verl_source")["groups_leased"] == 0, "leases acked after the step")
-    assert stats(client, "verl_source")["groups_ready"] == 1  # only the stale group is left
+    wait_for(lambda: stats(client, "verl_source").groups_leased == 0, "leases acked after the step")
+    assert stats(client, "verl_source").groups_ready == 1  # only the stale group is left
     buffer.close()
 
 
@@ -291,8 +291,8 @@ def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_n
     assert len(trained_after) == len(set(trained_after)) == 6
     assert pushed <= set(trained_after), "a group pushed before the crash was lost"
     assert not set(trained_before) & set(trained_after), "a group was trained twice"
-    wait_for(lambda: stats(client, "verl_crash")["groups_ready"] == 0, "every trained group retired")
-    assert stats(client, "verl_crash")["groups_leased"] == 0
+    wait_for(lambda: stats(client, "verl_crash").groups_ready == 0, "every trained group retired")
+    assert stats(client, "verl_crash").groups_leased == 0
 
 
 def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
@@ -420,5 +420,5 @@ def test_a_group_expbuf_cannot_store_is_logged_and_does_not_hold_back_the_others
     with caplog.at_level(logging.ERROR):
         build(server.target, "verl_mixed").sync_once()
     assert f"group {image} is not mirrored" in caplog.text and "processor" in caplog.text
-    assert stats(client, "verl_mixed")["groups_ready"] == 1
+    assert stats(client, "verl_mixed").groups_ready == 1
     assert not client.get([f"verl/{text}/0/0/0"], "verl_mixed").missing_uids
