@@ -15,6 +15,7 @@ from .errors import (
     UnavailableError,
 )
 from .experience import EID, Experience
+from .results import BufferStats, ServerInfo, ShapingInfo, TableInfo, TableStats
 from .trxp import TrxpError, decode, encode
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Batch",
     "BufferClient",
     "BufferError",
+    "BufferStats",
     "DeadlineExceededError",
     "ExpbufError",
     "Experience",
@@ -34,6 +36,10 @@ __all__ = [
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
+    "ServerInfo",
+    "ShapingInfo",
+    "TableInfo",
+    "TableStats",
     "Tls",
     "TrxpError",
     "UnauthenticatedError",

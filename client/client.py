@@ -27,7 +27,19 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from . import trxp, wire
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
-from .results import AsyncBatch, Batch, ExperiencePage, GetResult, Grant, ListedExperience, PushResult
+from .results import (
+    AsyncBatch,
+    Batch,
+    BufferStats,
+    ExperiencePage,
+    GetResult,
+    Grant,
+    ListedExperience,
+    PushResult,
+    ServerInfo,
+    TableInfo,
+    TableStats,
+)
 
 T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -409,28 +421,28 @@ class BufferClient(_Base):
         Returns the group's size."""
         return self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False).size
 
-    def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+    def stats(self, table: str = "") -> BufferStats:
         """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
-        or of every table when `table` is empty, keyed by table name::
+        or of every table when `table` is empty, each a TableStats by table name::
 
-            ready = client.stats("grpo8")["grpo8"]["ready"]
+            ready = client.stats("grpo8")["grpo8"].ready
         """
         reply = self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
-        return {t.name: _fields(t) for t in reply.tables}
+        return BufferStats({t.name: TableStats.from_proto(t) for t in reply.tables})
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self) -> ServerInfo:
         """The server's version, uptime, storage and map use, and the device advantages run on."""
-        return _fields(self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
+        return ServerInfo.from_proto(self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
 
     def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
         """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)."""
         request = _create_table_request(name, exist_ok, settings)
         return wire.table_from_proto(self._call(self._stub.CreateTable, request, retry=False).config)
 
-    def list_tables(self) -> list[dict[str, Any]]:
+    def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""
         reply = self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
-        return [wire.table_from_proto(t) for t in reply.tables]
+        return [TableInfo.from_settings(wire.table_from_proto(t)) for t in reply.tables]
 
     def drop_table(self, name: str) -> int:
         """Drop a table with every experience, group, lease and counter in it (admin scope).
@@ -477,10 +489,6 @@ def _page(reply: pb.ListExperiencesReply) -> ExperiencePage:
         for e in reply.experiences
     ]
     return ExperiencePage(listed, reply.next, reply.done)
-
-
-def _fields(msg: Any) -> dict[str, Any]:
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
 class AsyncBufferClient(_Base):
@@ -629,28 +637,28 @@ class AsyncBufferClient(_Base):
         Returns the group's size."""
         return (await self._call(self._stub.Seal, pb.SealRequest(table=table, group_id=group_id), retry=False)).size
 
-    async def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+    async def stats(self, table: str = "") -> BufferStats:
         """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
-        or of every table when `table` is empty, keyed by table name::
+        or of every table when `table` is empty, each a TableStats by table name::
 
-            ready = client.stats("grpo8")["grpo8"]["ready"]
+            ready = (await client.stats("grpo8"))["grpo8"].ready
         """
         reply = await self._call(self._stub.Stats, pb.StatsRequest(table=table), retry=True)
-        return {t.name: _fields(t) for t in reply.tables}
+        return BufferStats({t.name: TableStats.from_proto(t) for t in reply.tables})
 
-    async def server_info(self) -> dict[str, Any]:
+    async def server_info(self) -> ServerInfo:
         """The server's version, uptime, storage and map use, and the device advantages run on."""
-        return _fields(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
+        return ServerInfo.from_proto(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest(), retry=True))
 
     async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
         """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)."""
         request = _create_table_request(name, exist_ok, settings)
         return wire.table_from_proto((await self._call(self._stub.CreateTable, request, retry=False)).config)
 
-    async def list_tables(self) -> list[dict[str, Any]]:
+    async def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""
         reply = await self._call(self._stub.ListTables, pb.ListTablesRequest(), retry=True)
-        return [wire.table_from_proto(t) for t in reply.tables]
+        return [TableInfo.from_settings(wire.table_from_proto(t)) for t in reply.tables]
 
     async def drop_table(self, name: str) -> int:
         """Drop a table with every experience, group, lease and counter in it (admin scope).

@@ -21,13 +21,12 @@ from .client import (
     Tls,
     _payload,
 )
+from .results import TableInfo
 from .routing import ShardMap, group_key, rendezvous, shard_names
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # a short deadline; a shard that fails it is left out.
 _PROBE_SECONDS = 2.0
-_MIN_FIELDS = {"min_model_version"}
-_MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}
 
 
 class ShardError(BufferError):
@@ -84,26 +83,6 @@ def _merge_push(results: Iterable[PushResult]) -> PushResult:
         merged.duplicates += result.duplicates
         merged.completed_groups += result.completed_groups
         merged.stale += result.stale
-    return merged
-
-
-def _merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Every shard's table counters summed; versions as min/max, the oldest age as the max."""
-    merged: dict[str, dict[str, Any]] = {}
-    for tables in per_shard:
-        for name, stats in tables.items():
-            into = merged.setdefault(name, {})
-            for key, value in stats.items():
-                if key not in into:
-                    into[key] = value
-                elif key == "name" or key == "last_failure":
-                    into[key] = into[key] or value
-                elif key in _MIN_FIELDS:
-                    into[key] = min(into[key], value)
-                elif key in _MAX_FIELDS:
-                    into[key] = max(into[key], value)
-                else:
-                    into[key] += value
     return merged
 
 
@@ -267,10 +246,10 @@ class _Sharded:
     def _size(key: str, batch: Batch) -> int:
         return len(batch.groups) if key == "groups_ready" else len(batch.uids)
 
-    def _remember(self, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _remember(self, tables: list[TableInfo]) -> list[TableInfo]:
         """Keep each table's grouping: the client needs it to route, and it never changes."""
         for config in tables:
-            self._group_by[config["name"]] = config.get("group_by") or "task"
+            self._group_by[config.name] = config.group_by
         return tables
 
     def admission_shard(self, table: str) -> str:

@@ -25,12 +25,12 @@ from typing import Any, TypeVar
 import grpc
 
 from .client import Batch, BufferError, GetResult, Grant, PushResult
+from .results import BufferStats, ServerInfo, TableInfo, TableStats
 from .routing import uid_group_key
 from .shard_common import (
     LiveResult,
     ShardBatch,
     _merge_push,
-    _merge_stats,
     _shard_error,
     _Sharded,
     allocate,
@@ -229,7 +229,7 @@ class _Planned(_Sharded):
 
     # ---- tables ----------------------------------------------------------------------------
 
-    def _list_tables(self) -> Plan[list[dict[str, Any]]]:
+    def _list_tables(self) -> Plan[list[TableInfo]]:
         """The tables of the first shard that answers, the shards believed up first."""
         last: dict[str, BufferError] = {}
         for shard in sorted(self.clients, key=lambda name: name in self._down):
@@ -314,9 +314,18 @@ class _Planned(_Sharded):
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
         return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())
 
-    def _stats(self, table: str) -> Plan[LiveResult]:
+    def _stats(self, table: str) -> Plan[BufferStats]:
+        """Each table's stats merged over the shards that answered (TableStats.merged)."""
         per_shard = yield from self._live("stats", table)
-        return LiveResult(_merge_stats(per_shard.values()), per_shard.missing)
+        parts: dict[str, list[TableStats]] = {}
+        for stats in per_shard.values():
+            for name, part in stats.items():
+                parts.setdefault(name, []).append(part)
+        return BufferStats({name: TableStats.merged(p) for name, p in parts.items()}, per_shard.missing)
+
+    def _server_info(self) -> Plan[ServerInfo]:
+        per_shard = yield from self._live("server_info")
+        return ServerInfo.merged(per_shard, per_shard.missing)
 
     # ---- the trainer's side ------------------------------------------------------------------
 
@@ -388,7 +397,7 @@ class _Planned(_Sharded):
         """Each answering shard's ready count (a probe each: shards that fail it are left out)."""
         calls = [Call(shard, "stats", (table,), quick=True) for shard in self.clients]
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
-        return {shard: stats[table][key] for shard, stats in results.items() if table in stats}
+        return {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
 
     def _fetch(self, table: str, key: str, want: Mapping[str, int], request: dict) -> Plan[list[tuple[str, Batch]]]:
         """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing

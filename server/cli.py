@@ -138,7 +138,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         environment = Environment(args.data, readonly=True)
     except Damaged as exc:
-        print(f"(directory): damaged ({exc.reason})")
+        print(f"(directory): damaged ({exc.damage})")
         return 1
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None

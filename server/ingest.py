@@ -35,6 +35,7 @@ from typing import Any
 
 from expbuf.client import trxp
 
+from .errors import InvalidPayload
 from .store import Entry
 
 log = logging.getLogger("expbuf.ingest")
@@ -55,8 +56,12 @@ WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the po
 
 
 def entries_of(payload: bytes | memoryview) -> list[Entry]:
-    """A pushed payload's experiences, validated and packed as the store keeps them."""
-    return [Entry.of(item) for item in trxp.parse(payload)]
+    """A pushed payload's experiences, validated and packed as the store keeps them; a payload
+    the codec refuses is an InvalidPayload, with the codec's message."""
+    try:
+        return [Entry.of(item) for item in trxp.parse(payload)]
+    except trxp.TrxpError as exc:
+        raise InvalidPayload(str(exc)) from None
 
 
 class _Region:

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .errors import clip
+from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 
 GROUP_BY = ("task", "run", "step", "none")
@@ -61,10 +61,6 @@ _INT_LIMITS = {
     "min_size_to_sample": 2**62,
 }
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-
-
-class ConfigError(ValueError):
-    """A table configuration is invalid; the message names the setting."""
 
 
 # The shaping settings that turn a step on (the others are its parameters).

@@ -68,4 +68,4 @@ def test_async_batch_ack_is_a_coroutine_function(target: str) -> None:
             return (await client.stats())["default"]
 
     stats = asyncio.run(run())
-    assert stats["leased"] == 0 and stats["consumed"] == 8
+    assert stats.leased == 0 and stats.consumed == 8

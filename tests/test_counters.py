@@ -122,7 +122,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
         server.store.sample(SampleSpec("t", num_groups=1))
         with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
             before = client.stats("t")["t"]
-            assert (before["min_model_version"], before["trainer_version"]) == (1, -1)
+            assert (before.min_model_version, before.trainer_version) == (1, -1)
             client.set_trainer_version(4, table="t")
             reported = client.stats("t")["t"]
         stored = server.store.stats("t")
@@ -130,7 +130,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
         server.stop(grace=1)
     fields = [field.name for field in pb.TableStats.DESCRIPTOR.fields]
     named = [name for name in fields if name in stored and name != "oldest_age_seconds"]  # an age moves on
-    assert len(named) == 28 and "oldest_age_seconds" in fields and reported["oldest_age_seconds"] >= 0
-    assert {name: reported[name] for name in named} == {name: stored[name] for name in named}
-    assert (reported["min_model_version"], reported["max_model_version"]) == (stored["min_version"], 1)
-    assert (reported["pushed"], reported["consumed"], reported["pending"], reported["trainer_version"]) == (3, 2, 1, 4)
+    assert len(named) == 28 and "oldest_age_seconds" in fields and reported.oldest_age_seconds >= 0
+    assert {name: getattr(reported, name) for name in named} == {name: stored[name] for name in named}
+    assert (reported.min_model_version, reported.max_model_version) == (stored["min_version"], 1)
+    assert (reported.pushed, reported.consumed, reported.pending, reported.trainer_version) == (3, 2, 1, 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import fnmatch
 import importlib.metadata
 import importlib.resources
@@ -29,7 +30,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, ServerInfo, TableStats, trxp
 from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -77,11 +78,11 @@ def test_metrics_after_a_known_workload(tmp_path: Path) -> None:
             c.create_table("ring", estimator="none", capacity=4, when_full="evict")
             c.push(trxp.build(group_items(2, 0, 4)), table="ring")
             c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
-            wait_until(lambda: c.stats()["default"]["ready"] == 16)
+            wait_until(lambda: c.stats()["default"].ready == 16)
             consumed = next(c.sample(num_groups=1, max_batches=1))  # 7/3, version 5
             leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
             assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
-            wait_until(lambda: c.stats()["default"]["leases_expired"] == 1)
+            wait_until(lambda: c.stats()["default"].leases_expired == 1)
         m = scrape(server.metrics_port)
         d = {"table": "default"}
         assert value(m, "expbuf_experiences_pushed_total", **d) == 16
@@ -467,7 +468,7 @@ def test_rollout_worker_runs_again(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
         assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
         with BufferClient(target) as c:
-            assert c.stats()["default"]["pushed"] == 2 * 2 * 8 + 8 + 8
+            assert c.stats()["default"].pushed == 2 * 2 * 8 + 8 + 8
     finally:
         server.stop(grace=1)
 
@@ -568,9 +569,11 @@ def test_stats_columns_fit_long_table_names() -> None:
     counts = dict.fromkeys(("pending", "computing", "ready", "leased", "consumed", "groups_failed"), 3)
     counts |= {f"groups_{s}": 1 for s in ("pending", "computing", "ready", "leased", "dropped")}
     row = counts | {"bytes": 2048, "oldest_age_seconds": 5.0, "min_model_version": 1, "max_model_version": 12}
-    tables = {"t": row | {"last_failure": ""}, "a_table_name_of_forty_characters_xxxxxx": row | {"last_failure": ""}}
-    info = {"version": "x", "uptime_seconds": 1.0, "storage_bytes": 1, "lmdb_map_used_ratio": 0.1}
-    lines = render(info | {"advantage_device": "cpu"}, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
+    zero = dict.fromkeys((f.name for f in dataclasses.fields(TableStats)), 0) | {"last_failure": ""}
+    names = ("t", "a_table_name_of_forty_characters_xxxxxx")
+    tables = {name: TableStats(**zero | row | {"name": name}) for name in names}
+    info = ServerInfo("x", "1", "cpu", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
+    lines = render(info, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
     cell = r"\S+(?: \S+)*"  # cells ("2.0 KB") may hold one space, columns are two apart
     starts = [m.start() for m in re.finditer(cell, lines[0])]
     assert len(starts) == len(COLUMNS)
@@ -608,10 +611,10 @@ def test_table_commands(tmp_path: Path) -> None:
         done = cli("table", "create", "grpo4", *settings, *target)
         assert done.returncode == 0, done.stderr
         with BufferClient(proc.target) as c:
-            (made,) = (t for t in c.list_tables() if t["name"] == "grpo4")
+            (made,) = (t for t in c.list_tables() if t.name == "grpo4")
             c.push(payload("grpo_group.trxp"), table="grpo4")
-        assert (made["group_size"], made["estimator"], made["drop_zero_variance"]) == (8, "rloo", True)
-        assert made["shaping"]["reward_clip"] == 5.0
+        assert (made.group_size, made.estimator, made.drop_zero_variance) == (8, "rloo", True)
+        assert made.shaping.reward_clip == 5.0
         again = cli("table", "create", "grpo4", "group_size=4", *target)
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
         bad = cli("table", "create", "x", "group_size", *target)
@@ -621,7 +624,7 @@ def test_table_commands(tmp_path: Path) -> None:
         assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
         described = cli("table", "describe", "grpo4", *target).stdout
         toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]
-        assert {k: v for k, v in made.items() if v is not None} == toml_part  # pastes into a config as it is
+        assert made.settings() == toml_part  # pastes into a config as it is
         assert re.search(r"^# pushed = \d+$", described, re.M)
         refused = cli("table", "drop", "grpo4", *target)
         assert refused.returncode == 2 and "--yes" in refused.stderr

@@ -161,7 +161,7 @@ def test_multi_step_write_into_a_table_counting_runs_is_refused_with_what_to_set
     with pytest.raises(ValueError, match=r"12 more would overfill it.*create the table with group_size = 0"):
         write(buffer_config(server, 4), multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 3, 3, 3]))
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats(TABLE)[TABLE]["pushed"] == 0  # nothing of the refused write is stored
+        assert admin.stats(TABLE)[TABLE].pushed == 0  # nothing of the refused write is stored
 
 
 def test_a_group_split_over_two_writes_is_refused_with_why(server: ExpbufServer, table: Table) -> None:
@@ -348,7 +348,7 @@ def test_a_take_of_several_groups_that_does_not_fit_goes_back_whole(server: Expb
     assert [sorted({e.eid.tid for e in r}) for r in reads] == [["5/0", "5/1"], ["5/2", "5/3"]]
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["leased"], stats["ready"]) == (6, 0)  # the second read's groups, acknowledged on the next
+    assert (stats.leased, stats.ready) == (6, 0)  # the second read's groups, acknowledged on the next
 
 
 # ---- Trinity's buffer settings ---------------------------------------------------------------------
@@ -375,7 +375,7 @@ def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, tabl
     fifth.join(timeout=30)
     assert not fifth.is_alive()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats(TABLE)[TABLE]["pushed"] == 5
+        assert admin.stats(TABLE)[TABLE].pushed == 5
 
 
 def test_trinitys_priority_queue_newest_version_first_at_capacity(server: ExpbufServer, table: Table) -> None:
@@ -432,7 +432,7 @@ def test_consume_delivery_and_groups_of_varying_size(server: ExpbufServer, table
     assert len(asyncio.run(reader.read())) == 3
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["consumed"], stats["leased"], stats["ready"]) == (3, 0, 2)
+    assert (stats.consumed, stats.leased, stats.ready) == (3, 0, 2)
     with pytest.raises(ValueError, match="delivery=replay: table 'jobs' has groups of varying size"):
         trinity.buffer.get_buffer_reader(buffer_config(server, 4, "delivery=replay"))
 
@@ -726,7 +726,7 @@ def test_randomised_priorities_keep_trinitys_invariants(server: ExpbufServer, ta
         assert Counter(v for read in reads for _, _, v, _ in read) == {v: RUNS * 3 for v in range(4)}
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (4 * RUNS, 0, 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (4 * RUNS, 0, 0)
 
 
 def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: Table) -> None:
@@ -866,7 +866,7 @@ def test_readme_replay_job_with_reuse(server: ExpbufServer, tmp_path: Path) -> N
             (t, 1) for t in tasks for _ in range(8)
         ]
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats("reuse8")["reuse8"]["leased"] == 512  # cooling
+        assert admin.stats("reuse8")["reuse8"].leased == 512  # cooling
     asyncio.run(trinity.buffer.get_buffer_writer(storage).release())
     with pytest.raises(StopAsyncIteration):
         asyncio.run(reader.read())

@@ -88,9 +88,9 @@ class ExpbufWriter(BufferWriter):
         self._priorities = settings.priority_replay(config) is not None
         self._table = settings.table_settings(self._client, self.location)
         settings.check_capacity(config, self._table)
-        table = self._table or {}
-        self._group_key = GROUP_KEY_OF[table.get("group_by", "task")]
-        self._seals = table.get("group_size", 0) > 0 and table.get("on_group_timeout") == "release"
+        table = self._table
+        self._group_key = GROUP_KEY_OF[table.group_by if table else "task"]
+        self._seals = bool(table and table.group_size > 0 and table.on_group_timeout == "release")
         self._refs = 0
 
     def _push(self, data: list[Experience]) -> PushResult:
@@ -127,7 +127,7 @@ class ExpbufWriter(BufferWriter):
         return result
 
     def _overfill(self, details: str) -> str:
-        size = (self._table or {}).get("group_size", "its")
+        size = self._table.group_size if self._table else "its"
         return (
             f"expbuf table '{self.location.table}': {details}. group_size counts experiences ({size}), and a "
             "multi-step workflow writes several per run: create the table with group_size = 0, so that each "

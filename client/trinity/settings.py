@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.results import TableInfo
 
 from .location import Location
 
@@ -34,10 +35,10 @@ log = logging.getLogger(__name__)
 TRINITY_DEFAULT_CAPACITY = 10000
 
 
-def table_settings(client: BufferClient, location: Location) -> dict[str, Any] | None:
+def table_settings(client: BufferClient, location: Location) -> TableInfo | None:
     """The table's settings; None where the token may not read them (push-only)."""
     try:
-        tables = {t["name"]: t for t in client.list_tables()}
+        tables = {t.name: t for t in client.list_tables()}
     except BufferError as exc:
         log.warning("expbuf: cannot read the settings of table '%s' (%s); they are not checked", location.table, exc)
         return None
@@ -61,7 +62,7 @@ def refuse_taskset(config: Any) -> None:
         )
 
 
-def check_capacity(config: Any, table: dict[str, Any] | None) -> None:
+def check_capacity(config: Any, table: TableInfo | None) -> None:
     """Trinity's queue blocks a writer when full, its priority queue evicts the lowest priority:
     the table's capacity, with the matching `when_full`."""
     capacity = getattr(config, "capacity", TRINITY_DEFAULT_CAPACITY)
@@ -78,10 +79,10 @@ def check_capacity(config: Any, table: dict[str, Any] | None) -> None:
     if table is None:
         return
     when_full = "evict" if replay is not None else "block"
-    if table["capacity_experiences"] != capacity or table["when_full"] != when_full:
+    if table.capacity_experiences != capacity or table.when_full != when_full:
         raise ValueError(
-            f"experience buffer capacity={capacity}: the expbuf table '{table['name']}' holds "
-            f"capacity_experiences={table['capacity_experiences']} (when_full={table['when_full']}); create it with "
+            f"experience buffer capacity={capacity}: the expbuf table '{table.name}' holds "
+            f"capacity_experiences={table.capacity_experiences} (when_full={table.when_full}); create it with "
             f"capacity_experiences = {capacity} and when_full = '{when_full}' (it counts experiences, where "
             "Trinity's queue counts writes), or leave capacity unset"
         )
@@ -144,30 +145,30 @@ def priority_replay(config: Any) -> PriorityReplay | None:
     return PriorityReplay(replay.priority_fn, float(args["decay"]), cooldown, max(limit, 0), sigma)
 
 
-def check_reuse(replay: PriorityReplay, table: dict[str, Any] | None) -> None:
+def check_reuse(replay: PriorityReplay, table: TableInfo | None) -> None:
     """The table must run the reuse Trinity's config asks for: its settings are the server's rule."""
     if table is None:
         log.warning("expbuf: cannot read the settings of the table; its reuse settings are not checked")
         return
     want = replay.table_settings()
-    differ = {key: value for key, value in want.items() if table.get(key) != value}
+    differ = {key: value for key, value in want.items() if getattr(table, key) != value}
     if differ:
-        have = ", ".join(f"{key}={table.get(key)}" for key in differ)
+        have = ", ".join(f"{key}={getattr(table, key)}" for key in differ)
         need = ", ".join(f"{key} = {value}" for key, value in want.items())
         raise ValueError(
             f"experience buffer replay_buffer (priority_fn={replay.priority_fn}, decay={replay.decay}, "
             f"reuse_cooldown_time={replay.cooldown}, use_count_limit={replay.limit or 'none'}, sigma={replay.sigma}): "
-            f"the expbuf table '{table['name']}' has {have}; create it with {need}"
+            f"the expbuf table '{table.name}' has {have}; create it with {need}"
         )
 
 
-def fixed_group_size(table: dict[str, Any] | None) -> int | None:
+def fixed_group_size(table: TableInfo | None) -> int | None:
     """The size every complete group of the table has; None where it varies (group_size 0)."""
     if table is None:
         return None
-    if table["group_by"] == "none":
+    if table.group_by == "none":
         return 1
-    return table["group_size"] or None
+    return table.group_size or None
 
 
 def check_batch_size(batch_size: int, group: int | None, table: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..errors import GroupClosed, InvalidRequest, NotFound, clip
+from ..errors import InvalidRequest, NotFound, StaleExperience, clip
 from ..sample_spec import MAX_COUNT
 from . import layout
 from .kinds import Entry
@@ -29,10 +29,6 @@ from .table_state import TableState
 
 # A grant older than a day is a lost worker, not a long rollout.
 MAX_GRANT_SECONDS = 86400.0
-
-
-class StaleExperience(GroupClosed):
-    """A push carries an experience older than the table's staleness bound (on_stale = refuse)."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import lmdb
 
-from ..errors import StoreError
+from ..errors import InsertLimited, SampleLimited
 from .counters import stored_names
 from .kinds import Entry
 from .records import LEASED, READY, ItemRecord
@@ -40,18 +40,6 @@ from .table_state import TableState
 # The limiter's counters by their names in the stored counters.
 INSERTED, SAMPLED = "rate_inserted", "rate_sampled"
 COUNTED = (READY, LEASED)  # the states of experiences the limiter counts
-
-
-class InsertLimited(StoreError):
-    """An insert held by the rate limit until its deadline."""
-
-    code = "resource_exhausted"
-
-
-class SampleLimited(StoreError):
-    """A sample held by the rate limit until its deadline."""
-
-    code = "deadline_exceeded"
 
 
 # ---- what moves the counters ------------------------------------------------------------

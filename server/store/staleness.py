@@ -22,7 +22,7 @@ extensions.py): it runs when the version moves and at each upkeep.
 
 from __future__ import annotations
 
-from ..errors import GroupClosed
+from ..errors import VersionJump
 from .extensions import TableExtension
 from .records import DROPPED, READY
 from .retirement import retire
@@ -30,10 +30,6 @@ from .table_state import TableState
 
 # Stale groups evicted per table in one pass (one write transaction).
 EVICT_LIMIT = 10_000
-
-
-class VersionJump(GroupClosed):
-    """A trainer version beyond what the table's data allows, with evict_stale on."""
 
 
 def ceiling(tt: TableState) -> int | None:
