@@ -13,8 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
@@ -38,18 +37,16 @@ from trinity.common.experience import EID, Experience  # noqa: E402
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.client.trinity import plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
-from expbuf.server.config import ServerConfig  # noqa: E402
 
+from conftest import Servers  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 
 TABLE = "jobs"
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ExpbufServer]:
-    running = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
-    yield running
-    running.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
 
 
 Table = Callable[..., dict]
