@@ -14,24 +14,21 @@ import torch
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.advantage_storage import expand
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
 from expbuf.server.errors import InvalidRequest
 from expbuf.server.estimator_registry import ESTIMATORS, Estimator, register
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
-from conftest import payload
+from conftest import Servers, payload
 from helpers import group_items, make_experience, registered, take
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> BufferClient:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
+def client(start_server: Servers) -> BufferClient:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         yield c
-    server.stop(grace=1)
 
 
 def test_grpo_group_over_grpc(client: BufferClient) -> None:
