@@ -1,5 +1,5 @@
-"""Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures, and the
-factory of in-process servers."""
+"""Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures, the
+factory of in-process servers and the one local Ray cluster."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -101,3 +102,15 @@ def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     servers = Servers(tmp_path_factory.mktemp("server") / "data")
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[ModuleType]:
+    """A local Ray cluster of two CPUs, started once for every test that needs one (a start
+    takes seconds); `ray` itself. Each test module stops what it started on it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
