@@ -65,11 +65,11 @@ class Servers:
     """Starts in-process servers, each on free ports (gRPC and metrics on port 0, read back as
     `server.port` and `server.metrics_port`), and stops every one it started.
 
-    `start(data=None, **settings)`: `data` defaults to one directory per factory, so a second
-    start is a restart on the same data; `settings` are ServerConfig's fields. A test server
-    decodes every push in its own process (`ingest_processes=0`) unless the test asks for
-    ingest processes: a test's pushes are below ingest.SMALL, which a worker never decodes,
-    and each worker is a spawned interpreter to start and stop.
+    `start_server(data=None, **settings)`: `data` defaults to one directory per factory, so a
+    second start is a restart on the same data; `settings` are ServerConfig's fields. A test
+    server decodes every push in its own process (`ingest_processes=0`) unless the test asks
+    for ingest processes (tests/test_ingest.py does): a lone push, and any below 256 KiB
+    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn.
     """
 
     def __init__(self, data: Path) -> None:
