@@ -190,6 +190,7 @@ class AdvantageWorker:
 
     def stop(self) -> None:
         self._stop.set()
+        self.store.wake()  # a wait for new groups ends now, not at its timeout
         self._thread.join()
 
     def run_once(self) -> int:

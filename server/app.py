@@ -243,8 +243,12 @@ class ExpbufServer:
             self._maintenance.join()
         self.advantages.stop()
         if self._metrics_http is not None:
+            # Its serve loop looks for the stop only between polls of half a second; a listening
+            # socket shut down wakes the poll at once (later accepts fail, and the loop ends).
+            self._metrics_http.socket.shutdown(socket.SHUT_RDWR)
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+            self._metrics_http = None  # a second stop finds nothing more to stop
         self.service.ingest.close()
         self.store.close()
         log.info("expbuf stopped; every acknowledged write is committed")

@@ -1,13 +1,19 @@
-"""Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures."""
+"""Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures, the
+factory of in-process servers and the one local Ray cluster."""
 
 from __future__ import annotations
 
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
 
 # torch warns at import when NumPy is absent; expbuf does not use NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -53,3 +59,58 @@ def payload(name: str) -> bytes:
 @pytest.fixture(params=sorted(MANIFEST["payloads"]))
 def fixture_name(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+class Servers:
+    """Starts in-process servers, each on free ports (gRPC and metrics on port 0, read back as
+    `server.port` and `server.metrics_port`), and stops every one it started.
+
+    `start_server(data=None, **settings)`: `data` defaults to one directory per factory, so a
+    second start is a restart on the same data; `settings` are ServerConfig's fields. A test
+    server decodes every push in its own process (`ingest_processes=0`) unless the test asks
+    for ingest processes (tests/test_ingest.py does): a lone push, and any below 256 KiB
+    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn.
+    """
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.started: list[ExpbufServer] = []
+
+    def __call__(self, data: Path | str | None = None, **settings: object) -> ExpbufServer:
+        settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, **settings}
+        server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
+        self.started.append(server.start())
+        return server
+
+    def stop_all(self) -> None:
+        """Stop every server started (a second stop of one the test stopped does nothing)."""
+        while self.started:
+            self.started.pop().stop(grace=1)
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Servers]:
+    """The server factory of one test (data in tmp_path/data unless given)."""
+    servers = Servers(tmp_path / "data")
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """The same factory for a server that a module's tests share."""
+    servers = Servers(tmp_path_factory.mktemp("server") / "data")
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[ModuleType]:
+    """A local Ray cluster of two CPUs, started once for every test that needs one (a start
+    takes seconds); `ray` itself. Each test module stops what it started on it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,24 +15,21 @@ import torch
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.advantage_storage import expand
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
 from expbuf.server.errors import InvalidRequest
 from expbuf.server.estimator_registry import ESTIMATORS, Estimator, register
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
-from conftest import payload
+from conftest import Servers, payload
 from helpers import group_items, make_experience, registered, take
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> BufferClient:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
+def client(start_server: Servers) -> BufferClient:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         yield c
-    server.stop(grace=1)
 
 
 def test_grpo_group_over_grpc(client: BufferClient) -> None:
@@ -315,3 +313,17 @@ def test_a_long_backlog_does_not_keep_other_tables_waiting(tmp_path: Path) -> No
             store.put("a", [item for task in range(3) for item in group_items(1, 10 * round_ + task, 2)])
             worker.run_once()
         assert store.stats("b")["groups_ready"] == 1
+
+
+def test_a_stop_wakes_the_worker_waiting_for_groups(tmp_path: Path) -> None:
+    """The advantage worker waits for the next commit with a timeout; a wake (its stop sends
+    one) ends that wait at once, reporting no commit, so a stop does not wait out the timeout."""
+    with Store(tmp_path) as store:
+        generation, woke = store.generation, []
+        waiter = threading.Thread(target=lambda: woke.append(store.wait_for_change(generation, 600)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while waiter.is_alive() and time.monotonic() < deadline:  # woken again if it was not waiting yet
+            store.wake()
+            waiter.join(0.05)
+        assert woke == [False]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pickle
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,17 +21,13 @@ from expbuf.client import (
     NotFoundError,
 )
 from expbuf.client.client import AsyncBatch
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 
-from conftest import BAD_DIR, payload
+from conftest import BAD_DIR, Servers, payload
 
 
 @pytest.fixture
-def target(tmp_path: Path) -> str:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop(grace=1)
+def target(start_server: Servers) -> str:
+    return f"127.0.0.1:{start_server().port}"
 
 
 def test_each_status_a_caller_handles_has_its_type(target: str) -> None:

@@ -14,12 +14,10 @@ import grpc
 import pytest
 
 from expbuf.client import EID, BufferClient, BufferError, TrxpError, decode, trxp
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.store import Store
 from expbuf.server.tables import TableConfig
 
-from conftest import payload
+from conftest import Servers, payload
 
 TOKENS = trxp.RawTensor("I32", (4,), struct.pack("<4i", 1, 2, 3, 4))
 LOGPROBS = trxp.RawTensor("F32", (3,), struct.pack("<3f", -0.1, -0.2, -0.3))
@@ -321,36 +319,33 @@ def test_same_content_in_another_key_order_is_a_duplicate(tmp_path: Path) -> Non
 # ---- over gRPC: refused as INVALID_ARGUMENT, nothing stored, the server goes on ----
 
 
-def test_hostile_pushes_are_invalid_argument_and_store_nothing(tmp_path: Path) -> None:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=30) as client:
-            client.create_table("plain", group_by="none", estimator="none")
-            hostile = {
-                "memo levels": (
-                    one_item(item_meta(info={"model_version": 3, "x": shared_levels(30)})),
-                    r"metadata expands to more than",
-                ),
-                "step 2**63": (
-                    one_item(item_meta(eid={"batch": 1, "task": 2, "run": 0, "step": 2**63, "suffix": "s"})),
-                    r"field 'eid.step' is 9223372036854775808",
-                ),
-                "version 2**63": (
-                    one_item(item_meta(info={"model_version": 2**63})),
-                    r"field 'info.model_version' is 9223372036854775808",
-                ),
-                "reward 10**400": (one_item(item_meta(reward=10**400)), r"field 'reward' is an int of 1329 bits"),
-                "extra eid key": (
-                    one_item(item_meta(eid={"batch": 1, "task": 2, "run": 0, "step": 0, "suffix": "s", "x": 1})),
-                    r"field 'eid' has unknown keys \['x'\]",
-                ),
-            }
-            for name, (data, reason) in hostile.items():
-                with pytest.raises(BufferError) as info:
-                    client.push(data, table="plain")
-                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, name
-                assert re.search(reason, info.value.details), (name, info.value.details)
-            assert client.stats("plain")["plain"].pending == 0
-            assert client.push(one_item(item_meta()), table="plain").stored == ["1/2/0/0/s"]
-    finally:
-        server.stop(grace=1)
+def test_hostile_pushes_are_invalid_argument_and_store_nothing(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=30) as client:
+        client.create_table("plain", group_by="none", estimator="none")
+        hostile = {
+            "memo levels": (
+                one_item(item_meta(info={"model_version": 3, "x": shared_levels(30)})),
+                r"metadata expands to more than",
+            ),
+            "step 2**63": (
+                one_item(item_meta(eid={"batch": 1, "task": 2, "run": 0, "step": 2**63, "suffix": "s"})),
+                r"field 'eid.step' is 9223372036854775808",
+            ),
+            "version 2**63": (
+                one_item(item_meta(info={"model_version": 2**63})),
+                r"field 'info.model_version' is 9223372036854775808",
+            ),
+            "reward 10**400": (one_item(item_meta(reward=10**400)), r"field 'reward' is an int of 1329 bits"),
+            "extra eid key": (
+                one_item(item_meta(eid={"batch": 1, "task": 2, "run": 0, "step": 0, "suffix": "s", "x": 1})),
+                r"field 'eid' has unknown keys \['x'\]",
+            ),
+        }
+        for name, (data, reason) in hostile.items():
+            with pytest.raises(BufferError) as info:
+                client.push(data, table="plain")
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert re.search(reason, info.value.details), (name, info.value.details)
+        assert client.stats("plain")["plain"].pending == 0
+        assert client.push(one_item(item_meta()), table="plain").stored == ["1/2/0/0/s"]

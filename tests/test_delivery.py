@@ -16,16 +16,14 @@ from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 
+from conftest import Servers
 from helpers import group_items
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ExpbufServer]:
-    srv = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
-    yield srv
-    srv.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
 
 
 @pytest.fixture
@@ -232,7 +230,7 @@ def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: B
     assert client.get(first.uids, table="t") == []  # the confirmed one left the buffer
 
 
-def test_held_batches_of_a_killed_server_come_back(tmp_path: Path) -> None:
+def test_held_batches_of_a_killed_server_come_back(tmp_path: Path, start_server: Servers) -> None:
     """A batch held for a consume stream when the server stops returns at the next start."""
     from expbuf.server.sample_spec import SampleSpec
     from expbuf.server.store import Store
@@ -243,12 +241,9 @@ def test_held_batches_of_a_killed_server_come_back(tmp_path: Path) -> None:
         store.put("t", group_items(1, 0, 2))
         held = store.sample(SampleSpec("t", num_groups=1), hold=True)
         assert held.lease_id and store.stats("t")["leased"] == 2
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
-    try:
-        assert server.store.stats("t")["leased"] == 0
-        assert server.store.stats("t")["ready"] == 2
-    finally:
-        server.stop(grace=1)
+    server = start_server(tmp_path)
+    assert server.store.stats("t")["leased"] == 0
+    assert server.store.stats("t")["ready"] == 2
 
 
 def test_a_bad_confirmation_while_waiting_for_data_is_refused(client: BufferClient, stub) -> None:
@@ -271,30 +266,24 @@ def test_a_batch_given_back_unconfirmed_is_not_counted_as_sampled(client: Buffer
     assert (stats.sampled, stats.consumed, stats.ready) == (0, 0, 4)
 
 
-def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream_waits(tmp_path: Path) -> None:
+def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream_waits(start_server: Servers) -> None:
     """A consume stream consumes the batch its client confirmed in the commit that takes
     the next; when there is no next yet, that commit is still made at once: a server
     stopped while the stream waits for data does not give the batch back at its next start."""
-    data = str(tmp_path / "data")
-    server = ExpbufServer(ServerConfig(data=data, port=0, metrics_port=-1)).start()
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
-            client.create_table("t", group_size=2, estimator="none")
-            fill(client, 1)
-            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                talk = Conversation(pb_grpc.ExperienceBufferStub(channel), request(wait_seconds=30))
-                assert len(talk.read().uids) == 2
-                talk.confirm(1)
-                assert settle(client, lambda s: s.consumed == 2).leased == 0
-    finally:
-        server.stop(grace=0.5)
-    again = ExpbufServer(ServerConfig(data=data, port=0, metrics_port=-1)).start()
-    try:
-        stats = again.store.stats("t")
-        assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 0, 0)
-        assert again.store.verify("t") == []
-    finally:
-        again.stop(grace=1)
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        fill(client, 1)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            talk = Conversation(pb_grpc.ExperienceBufferStub(channel), request(wait_seconds=30))
+            assert len(talk.read().uids) == 2
+            talk.confirm(1)
+            assert settle(client, lambda s: s.consumed == 2).leased == 0
+    server.stop(grace=0.5)
+    again = start_server()
+    stats = again.store.stats("t")
+    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 0, 0)
+    assert again.store.verify("t") == []
 
 
 @pytest.mark.parametrize("window", [2, 4])

@@ -16,13 +16,11 @@ from expbuf.client import EID, BufferClient, Experience, trxp
 from expbuf.server import estimators as est
 from expbuf.server.advantage_storage import encode_results, expand, finish_batch
 from expbuf.server.advantages import build_batch
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.estimator_registry import ESTIMATORS
 from expbuf.server.store import ItemRecord
 from expbuf.server.tables import ConfigError, TableConfig, estimator_args
 
-from conftest import payload
+from conftest import Servers, payload
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 TOL = 1e-6
@@ -392,11 +390,9 @@ E2E_CASES = [
 
 
 @pytest.fixture(scope="module")
-def server_client(tmp_path_factory: pytest.TempPathFactory) -> BufferClient:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path_factory.mktemp("e2e")), port=0, metrics_port=-1)).start()
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+def server_client(start_module_server: Servers) -> BufferClient:
+    with BufferClient(f"127.0.0.1:{start_module_server().port}", timeout=20) as c:
         yield c
-    server.stop(grace=1)
 
 
 @pytest.mark.parametrize(("name", "params"), E2E_CASES)

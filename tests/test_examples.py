@@ -9,17 +9,15 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import BufferClient
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
+
+from conftest import Servers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture
-def target(tmp_path: Path) -> str:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
-    yield f"127.0.0.1:{server.port}"
-    server.stop(grace=1)
+def target(start_server: Servers) -> str:
+    return f"127.0.0.1:{start_server().port}"
 
 
 def run(script: str, *args: str) -> str:

@@ -20,23 +20,17 @@ from expbuf.client.wire import WireError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.errors import StorageFull, TableFull, TooLarge
 from expbuf.server.store import Store
 from expbuf.server.tables import MAX_SECONDS, ConfigError, TableConfig
 
+from conftest import Servers
 from helpers import group_items, make_experience, take
 
 
-def start(data: Path, **settings: object) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=-1, **settings)).start()
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ExpbufServer]:
-    srv = start(tmp_path / "data")
-    yield srv
-    srv.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
 
 
 @pytest.fixture
@@ -198,26 +192,23 @@ def test_a_lease_is_bound_to_its_table(client: BufferClient) -> None:
     assert batch.ack() == 2
 
 
-def test_a_lease_is_bound_to_the_token_that_took_it(tmp_path: Path) -> None:
+def test_a_lease_is_bound_to_the_token_that_took_it(start_server: Servers) -> None:
     tokens = {"pusher": frozenset({"push", "admin"}), "one": frozenset({"sample"}), "two": frozenset({"sample"})}
-    srv = start(tmp_path / "data", tokens=tokens)
+    srv = start_server(tokens=tokens)
     target = f"127.0.0.1:{srv.port}"
-    try:
-        with (
-            BufferClient(target, token="pusher") as pusher,
-            BufferClient(target, token="one") as one,
-            BufferClient(target, token="two") as two,
-        ):
-            pusher.create_table("t", estimator="none")
-            pusher.push(trxp.build(group_items(1, 0, 2)), table="t")
-            batch = next(one.sample("t", num_groups=1, delivery="lease", max_batches=1))
-            for call in (two.ack, two.nack):
-                with pytest.raises(BufferError) as info:
-                    call(batch.lease_id, table="t")
-                assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
-            assert one.ack(batch.lease_id, table="t") == 2
-    finally:
-        srv.stop(grace=1)
+    with (
+        BufferClient(target, token="pusher") as pusher,
+        BufferClient(target, token="one") as one,
+        BufferClient(target, token="two") as two,
+    ):
+        pusher.create_table("t", estimator="none")
+        pusher.push(trxp.build(group_items(1, 0, 2)), table="t")
+        batch = next(one.sample("t", num_groups=1, delivery="lease", max_batches=1))
+        for call in (two.ack, two.nack):
+            with pytest.raises(BufferError) as info:
+                call(batch.lease_id, table="t")
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert one.ack(batch.lease_id, table="t") == 2
 
 
 # ---- capacity and failures -------------------------------------------------------
@@ -323,34 +314,31 @@ def test_a_cuda_table_is_refused_without_cuda(stub) -> None:
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "no CUDA device" in error.details()
 
 
-def test_the_streams_of_one_table_are_capped(tmp_path: Path) -> None:
+def test_the_streams_of_one_table_are_capped(start_server: Servers) -> None:
     """Trainers of one table cannot take every Sample stream: past max_table_streams they are
     refused, naming the table and the setting, while another table still gets its own."""
-    srv = start(tmp_path / "data", workers=8, max_table_streams=2)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel, BufferClient(f"127.0.0.1:{srv.port}") as client:
-            stub = pb_grpc.ExperienceBufferStub(channel)
-            client.create_table("a", estimator="none")
-            client.create_table("b", estimator="none")
-            waiting = [
-                stub.Sample(iter([pb.SampleRequest(table="a", num_groups=1, wait_seconds=30)]), timeout=30)
-                for _ in range(2)
-            ]
-            deadline = time.monotonic() + 10
-            while srv.service.table_streams._open.get("a", 0) < 2:
-                assert time.monotonic() < deadline, "the two streams never opened"
-                time.sleep(0.02)
-            error = sample(stub, table="a", wait_seconds=1)
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "table 'a'" in error.details() and "max_table_streams = 2" in error.details()
-            client.push(trxp.build(group_items(1, 0, 2)), table="b")
-            assert len(next(client.sample("b", num_groups=1, max_batches=1, timeout=5)).uids) == 2
-            for call in waiting:
-                call.cancel()
-            while srv.service.table_streams._open.get("a", 0):  # their slots come back
-                assert time.monotonic() < deadline + 10, "the cancelled streams kept their slots"
-                time.sleep(0.02)
-            client.push(trxp.build(group_items(1, 1, 2)), table="a")
-            assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5)).uids) == 2
-    finally:
-        srv.stop(grace=1)
+    srv = start_server(workers=8, max_table_streams=2)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel, BufferClient(f"127.0.0.1:{srv.port}") as client:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        client.create_table("a", estimator="none")
+        client.create_table("b", estimator="none")
+        waiting = [
+            stub.Sample(iter([pb.SampleRequest(table="a", num_groups=1, wait_seconds=30)]), timeout=30)
+            for _ in range(2)
+        ]
+        deadline = time.monotonic() + 10
+        while srv.service.table_streams._open.get("a", 0) < 2:
+            assert time.monotonic() < deadline, "the two streams never opened"
+            time.sleep(0.02)
+        error = sample(stub, table="a", wait_seconds=1)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "table 'a'" in error.details() and "max_table_streams = 2" in error.details()
+        client.push(trxp.build(group_items(1, 0, 2)), table="b")
+        assert len(next(client.sample("b", num_groups=1, max_batches=1, timeout=5)).uids) == 2
+        for call in waiting:
+            call.cancel()
+        while srv.service.table_streams._open.get("a", 0):  # their slots come back
+            assert time.monotonic() < deadline + 10, "the cancelled streams kept their slots"
+            time.sleep(0.02)
+        client.push(trxp.build(group_items(1, 1, 2)), table="a")
+        assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5)).uids) == 2

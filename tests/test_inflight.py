@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -14,11 +13,9 @@ from google.protobuf.message import DecodeError
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.inflight import InFlight, read_push_request
 
-from conftest import BAD_DIR
+from conftest import BAD_DIR, Servers
 from helpers import group_items
 
 UNKNOWN_FIELDS = (
@@ -75,24 +72,21 @@ def test_a_push_past_the_cap_waits_until_the_held_bytes_drop() -> None:
     assert admitted == [None] and inflight.held == 0
 
 
-def test_pushes_give_back_what_they_held_however_they_end(tmp_path: Path) -> None:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+def test_pushes_give_back_what_they_held_however_they_end(start_server: Servers) -> None:
+    server = start_server()
     good = trxp.build(group_items(0, 0, 2))
     bad = (BAD_DIR / "prompt_longer_than_tokens.bin").read_bytes()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.ExperienceBufferStub(channel)
-            assert stub.Push(pb.PushRequest(payload=good), timeout=10).stored_uids
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Push(pb.PushRequest(payload=bad), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            stream = stub.PushStream(iter([pb.PushRequest(payload=good, seq=1), pb.PushRequest(payload=bad, seq=2)]))
-            with pytest.raises(grpc.RpcError) as ended:
-                list(stream)
-            assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        deadline = time.monotonic() + 10
-        while server.inflight.held and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.inflight.held == 0
-    finally:
-        server.stop(grace=1)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        assert stub.Push(pb.PushRequest(payload=good), timeout=10).stored_uids
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Push(pb.PushRequest(payload=bad), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stream = stub.PushStream(iter([pb.PushRequest(payload=good, seq=1), pb.PushRequest(payload=bad, seq=2)]))
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stream)
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 10
+    while server.inflight.held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.inflight.held == 0

@@ -20,14 +20,12 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ConfigError, ServerConfig
 from expbuf.server.ingest import Ingest, entries_of
 
-from conftest import BAD_DIR, MANIFEST, payload
+from conftest import BAD_DIR, MANIFEST, Servers, payload
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ExpbufServer]:
-    srv = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, ingest_processes=1)).start()
-    yield srv
-    srv.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server(ingest_processes=1)
 
 
 @pytest.fixture(scope="module")

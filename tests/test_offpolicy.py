@@ -18,63 +18,52 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig, load
+from expbuf.server.config import load
 from expbuf.server.errors import InvalidRequest, NotFound
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
 from expbuf.server.store.limiter import InsertLimited, SampleLimited
 from expbuf.server.tables import ConfigError, TableConfig
 
-from conftest import FIXTURES
+from conftest import FIXTURES, Servers
 from helpers import group_items, scrape
-
-
-def start(data: Path) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0)).start()
-
 
 # ---- the trainer's version -----------------------------------------------------------------
 
 
-def test_trainer_version_is_stored_shown_exported_and_measures_staleness(tmp_path: Path) -> None:
-    server = start(tmp_path)
-    try:
-        target = f"127.0.0.1:{server.port}"
-        with BufferClient(target, timeout=20) as c:
-            c.create_table("t", estimator="none", group_size=2)
-            assert c.stats("t")["t"].trainer_version == -1
-            assert c.set_trainer_version(3, "t") == 3
-            assert c.stats("t")["t"].trainer_version == 3
-            with pytest.raises(BufferError) as bad:
-                c._call(c._stub.SetTrainerVersion, _request("t", -2), retry=False)
-            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
-            with pytest.raises(BufferError) as missing:
-                c.set_trainer_version(1, "nope")
-            assert missing.value.code == grpc.StatusCode.NOT_FOUND
-            with pytest.raises(ValueError, match="version"):
-                c.set_trainer_version(-1, "t")
-            c.push(trxp.build(group_items(1, 0, 2, version=1)), table="t")
-            c.push(trxp.build(group_items(1, 1, 2, version=4)), table="t")
-            batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5))
-            assert len(batch.uids) == 4
-            assert c.stats("t")["t"].trainer_version == 5
-            assert asyncio.run(_async_set(target, 6)) == 6
-            assert ExperienceDataset(c, "t").set_trainer_version(7) == 7
-        m = scrape(server.metrics_port)
-        assert m[("expbuf_trainer_version", (("table", "t"),))] == 7
-        # trainer version 5: two experiences of version 1 (staleness 4), two of version 4 (1)
-        assert m[("expbuf_sample_staleness_versions_count", (("table", "t"),))] == 4
-        assert m[("expbuf_sample_staleness_versions_sum", (("table", "t"),))] == 10
-        assert ("expbuf_trainer_version", (("table", "default"),)) not in m
-    finally:
-        server.stop(grace=1)
-    server = start(tmp_path)  # durable: it comes back from the table's counters
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-            assert c.stats("t")["t"].trainer_version == 7
-    finally:
-        server.stop(grace=1)
+def test_trainer_version_is_stored_shown_exported_and_measures_staleness(start_server: Servers) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, timeout=20) as c:
+        c.create_table("t", estimator="none", group_size=2)
+        assert c.stats("t")["t"].trainer_version == -1
+        assert c.set_trainer_version(3, "t") == 3
+        assert c.stats("t")["t"].trainer_version == 3
+        with pytest.raises(BufferError) as bad:
+            c._call(c._stub.SetTrainerVersion, _request("t", -2), retry=False)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
+        with pytest.raises(BufferError) as missing:
+            c.set_trainer_version(1, "nope")
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(ValueError, match="version"):
+            c.set_trainer_version(-1, "t")
+        c.push(trxp.build(group_items(1, 0, 2, version=1)), table="t")
+        c.push(trxp.build(group_items(1, 1, 2, version=4)), table="t")
+        batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5))
+        assert len(batch.uids) == 4
+        assert c.stats("t")["t"].trainer_version == 5
+        assert asyncio.run(_async_set(target, 6)) == 6
+        assert ExperienceDataset(c, "t").set_trainer_version(7) == 7
+    m = scrape(server.metrics_port)
+    assert m[("expbuf_trainer_version", (("table", "t"),))] == 7
+    # trainer version 5: two experiences of version 1 (staleness 4), two of version 4 (1)
+    assert m[("expbuf_sample_staleness_versions_count", (("table", "t"),))] == 4
+    assert m[("expbuf_sample_staleness_versions_sum", (("table", "t"),))] == 10
+    assert ("expbuf_trainer_version", (("table", "default"),)) not in m
+    server.stop(grace=1)
+    server = start_server()  # durable: it comes back from the table's counters
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        assert c.stats("t")["t"].trainer_version == 7
 
 
 def _request(table: str, version: int) -> pb.SetTrainerVersionRequest:
@@ -231,31 +220,28 @@ def test_a_vanished_workers_grants_expire_and_their_room_comes_back(tmp_path: Pa
         assert store.admit("t", 2).count == 2
 
 
-def test_grants_of_a_killed_worker_come_back(tmp_path: Path) -> None:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+def test_grants_of_a_killed_worker_come_back(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
-    try:
-        with BufferClient(target, timeout=20) as c:
-            c.create_table("t", estimator="none", max_staleness=1, batch_size=2)
-            worker = subprocess.Popen(
-                [sys.executable, "-c", KILLED_WORKER, target],
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=Path(__file__).parent,
-            )
-            assert worker.stdout.readline().strip() == "4"  # every rollout the bound allows
-            worker.kill()
-            worker.wait()
-            assert c.admit("t", 1).count == 0
-            again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
-            assert again.count == 2
-            assert c.finish_grant(again, accepted=1) == 1
-            assert c.stats("t")["t"].grants_expired == 4
-            with pytest.raises(BufferError) as bad:
-                c.admit("t", 1, grant_seconds=-1)
-            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    finally:
-        server.stop(grace=1)
+    with BufferClient(target, timeout=20) as c:
+        c.create_table("t", estimator="none", max_staleness=1, batch_size=2)
+        worker = subprocess.Popen(
+            [sys.executable, "-c", KILLED_WORKER, target],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+        assert worker.stdout.readline().strip() == "4"  # every rollout the bound allows
+        worker.kill()
+        worker.wait()
+        assert c.admit("t", 1).count == 0
+        again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
+        assert again.count == 2
+        assert c.finish_grant(again, accepted=1) == 1
+        assert c.stats("t")["t"].grants_expired == 4
+        with pytest.raises(BufferError) as bad:
+            c.admit("t", 1, grant_seconds=-1)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 KILLED_WORKER = """
@@ -267,42 +253,39 @@ with BufferClient(sys.argv[1]) as c:
 """
 
 
-def test_stale_pushes_are_dropped_or_refused(tmp_path: Path) -> None:
-    server = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-            c.create_table("drop", estimator="none", group_by="none", max_staleness=2)
-            c.create_table("refuse", estimator="none", group_by="none", max_staleness=2, on_stale="refuse")
-            assert c.list_tables()[-1].on_stale == "refuse"
-            items = [
-                *group_items(1, 0, 1, version=2),
-                *group_items(1, 1, 1, version=3),
-                *group_items(1, 2, 1, version=None),
-            ]
-            assert c.push(trxp.build(items), table="drop").stale == []  # no trainer version yet
-            for name in ("drop", "refuse"):
-                c.set_trainer_version(5, name)
-            fresh = [
-                *group_items(2, 0, 1, version=2),
-                *group_items(2, 1, 1, version=3),
-                *group_items(2, 2, 1, version=None),
-            ]
-            result = c.push(trxp.build(fresh), table="drop")
-            assert result.stale == [fresh[0].eid.uid] and len(result.stored) == 2
-            assert c.stats("drop")["drop"].stale_dropped == 1
-            with pytest.raises(BufferError) as refused:
-                c.push(trxp.build(fresh), table="refuse")
-            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "model_version 2, below 3" in refused.value.details
-            assert c.stats("refuse")["refuse"].pushed == 0
-            with pytest.raises(BufferError, match="samples_per_insert_error") as bad:
-                c.create_table("bad", samples_per_insert=2.0, samples_per_insert_error=1.0)
-            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        m = scrape(server.metrics_port)
-        assert m[("expbuf_stale_dropped_total", (("table", "drop"),))] == 1
-        assert m[("expbuf_refused_total", (("reason", "stale"), ("table", "refuse")))] == 1
-    finally:
-        server.stop(grace=1)
+def test_stale_pushes_are_dropped_or_refused(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table("drop", estimator="none", group_by="none", max_staleness=2)
+        c.create_table("refuse", estimator="none", group_by="none", max_staleness=2, on_stale="refuse")
+        assert c.list_tables()[-1].on_stale == "refuse"
+        items = [
+            *group_items(1, 0, 1, version=2),
+            *group_items(1, 1, 1, version=3),
+            *group_items(1, 2, 1, version=None),
+        ]
+        assert c.push(trxp.build(items), table="drop").stale == []  # no trainer version yet
+        for name in ("drop", "refuse"):
+            c.set_trainer_version(5, name)
+        fresh = [
+            *group_items(2, 0, 1, version=2),
+            *group_items(2, 1, 1, version=3),
+            *group_items(2, 2, 1, version=None),
+        ]
+        result = c.push(trxp.build(fresh), table="drop")
+        assert result.stale == [fresh[0].eid.uid] and len(result.stored) == 2
+        assert c.stats("drop")["drop"].stale_dropped == 1
+        with pytest.raises(BufferError) as refused:
+            c.push(trxp.build(fresh), table="refuse")
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model_version 2, below 3" in refused.value.details
+        assert c.stats("refuse")["refuse"].pushed == 0
+        with pytest.raises(BufferError, match="samples_per_insert_error") as bad:
+            c.create_table("bad", samples_per_insert=2.0, samples_per_insert_error=1.0)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    m = scrape(server.metrics_port)
+    assert m[("expbuf_stale_dropped_total", (("table", "drop"),))] == 1
+    assert m[("expbuf_refused_total", (("reason", "stale"), ("table", "refuse")))] == 1
 
 
 def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_path: Path) -> None:
@@ -386,39 +369,36 @@ def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> 
         assert max(seen) == error  # the inserts reached the top of the band: the limit held them
 
 
-def test_both_sides_block_and_time_out_with_the_limit_named(tmp_path: Path) -> None:
-    server = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-            c.create_table(
-                "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
-                samples_per_insert_error=1.0,
-            )  # fmt: skip
-            assert c.list_tables()[-1].samples_per_insert == 1.0
-            c.push(trxp.build(group_items(1, 0, 1)), table="t")
-            with pytest.raises(BufferError) as early:
-                next(c.sample("t", num_groups=1, timeout=0.3))
-            assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
-            for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
-                c.push(trxp.build(group_items(1, i, 1)), table="t")
-            with pytest.raises(BufferError) as insert:
-                c.push(trxp.build(group_items(1, 3, 1)), table="t", timeout=0.5)
-            assert insert.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "samples_per_insert 1 (error 1) holds inserts" in insert.value.details
-            batches = c.sample("t", num_groups=1, timeout=0.3, delivery="replay")
-            assert len(next(batches).uids) == 1 and len(next(batches).uids) == 1  # diff 1: the bottom
-            with pytest.raises(BufferError) as sample:
-                next(batches)
-            assert sample.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "holds samples until more is inserted" in sample.value.details
-            assert c.stats("t")["t"].pushed == 3
-        m = scrape(server.metrics_port)
-        assert m[("expbuf_refused_total", (("reason", "rate_limited"), ("table", "t")))] == 3
-        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "insert"), ("table", "t")))] > 0
-        assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "sample"), ("table", "t")))] > 0
-    finally:
-        server.stop(grace=1)
+def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table(
+            "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
+            samples_per_insert_error=1.0,
+        )  # fmt: skip
+        assert c.list_tables()[-1].samples_per_insert == 1.0
+        c.push(trxp.build(group_items(1, 0, 1)), table="t")
+        with pytest.raises(BufferError) as early:
+            next(c.sample("t", num_groups=1, timeout=0.3))
+        assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
+        for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
+            c.push(trxp.build(group_items(1, i, 1)), table="t")
+        with pytest.raises(BufferError) as insert:
+            c.push(trxp.build(group_items(1, 3, 1)), table="t", timeout=0.5)
+        assert insert.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "samples_per_insert 1 (error 1) holds inserts" in insert.value.details
+        batches = c.sample("t", num_groups=1, timeout=0.3, delivery="replay")
+        assert len(next(batches).uids) == 1 and len(next(batches).uids) == 1  # diff 1: the bottom
+        with pytest.raises(BufferError) as sample:
+            next(batches)
+        assert sample.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "holds samples until more is inserted" in sample.value.details
+        assert c.stats("t")["t"].pushed == 3
+    m = scrape(server.metrics_port)
+    assert m[("expbuf_refused_total", (("reason", "rate_limited"), ("table", "t")))] == 3
+    assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "insert"), ("table", "t")))] > 0
+    assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "sample"), ("table", "t")))] > 0
 
 
 def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
@@ -511,18 +491,15 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
         TableConfig(name="t", evict_stale="yes")  # type: ignore[arg-type]
 
 
-def test_evict_stale_over_grpc_and_the_stale_drop_metric(tmp_path: Path) -> None:
-    server = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-            config = c.create_table("t", estimator="none", group_by="none", max_staleness=0, evict_stale=True)
-            assert config["evict_stale"] is True
-            assert {t.name: t.evict_stale for t in c.list_tables()} == {"default": False, "t": True}
-            c.push(trxp.build(group_items(1, 0, 3, version=1)), table="t")
-            c.push(trxp.build(group_items(1, 1, 1, version=2)), table="t")
-            c.set_trainer_version(2, "t")
-            assert c.stats("t")["t"].groups_ready == 1
-        m = scrape(server.metrics_port)
-        assert m[("expbuf_groups_dropped_total", (("reason", "stale"), ("table", "t")))] == 3
-    finally:
-        server.stop(grace=1)
+def test_evict_stale_over_grpc_and_the_stale_drop_metric(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        config = c.create_table("t", estimator="none", group_by="none", max_staleness=0, evict_stale=True)
+        assert config["evict_stale"] is True
+        assert {t.name: t.evict_stale for t in c.list_tables()} == {"default": False, "t": True}
+        c.push(trxp.build(group_items(1, 0, 3, version=1)), table="t")
+        c.push(trxp.build(group_items(1, 1, 1, version=2)), table="t")
+        c.set_trainer_version(2, "t")
+        assert c.stats("t")["t"].groups_ready == 1
+    m = scrape(server.metrics_port)
+    assert m[("expbuf_groups_dropped_total", (("reason", "stale"), ("table", "t")))] == 3

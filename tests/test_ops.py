@@ -35,13 +35,13 @@ from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import logs
-from expbuf.server.app import ExpbufServer, _summary
+from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.stats_view import COLUMNS, render
 from expbuf.server.tables import ConfigError
 
-from conftest import BAD_DIR, payload
+from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,90 +59,78 @@ def wait_until(check, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def start(data: Path) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0)).start()
-
-
-def test_metrics_after_a_known_workload(tmp_path: Path) -> None:
-    server = start(tmp_path)
+def test_metrics_after_a_known_workload(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
-    try:
-        with BufferClient(target, timeout=20) as c:
-            c.push(payload("grpo_group.trxp"))  # 8 experiences, model_version 5
-            c.push(payload("mixed_batch.trxp"))  # 2 groups of 4, model_version 1
-            c.push(payload("grpo_group.trxp"))  # 8 duplicates
-            with pytest.raises(BufferError):
-                c.push((BAD_DIR / "missing_eid.bin").read_bytes())
-            c.create_table("dapo", drop_zero_variance=True)
-            c.push(trxp.build(group_items(1, 0, 4, reward=1.0)), table="dapo")  # dropped: zero variance
-            c.create_table("ring", estimator="none", capacity=4, when_full="evict")
-            c.push(trxp.build(group_items(2, 0, 4)), table="ring")
-            c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
-            wait_until(lambda: c.stats()["default"].ready == 16)
-            consumed = next(c.sample(num_groups=1, max_batches=1))  # 7/3, version 5
-            leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
-            assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
-            wait_until(lambda: c.stats()["default"].leases_expired == 1)
-        m = scrape(server.metrics_port)
-        d = {"table": "default"}
-        assert value(m, "expbuf_experiences_pushed_total", **d) == 16
-        assert value(m, "expbuf_duplicates_total", **d) == 8
-        assert value(m, "expbuf_experiences_sampled_total", **d) == 12
-        sampled_bytes = sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("grpo_group.trxp")))
-        sampled_bytes += sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("mixed_batch.trxp"))[:4])
-        assert value(m, "expbuf_bytes_sampled_total", **d) == sampled_bytes
-        assert value(m, "expbuf_bytes_pushed_total", **d) > sampled_bytes
-        assert value(m, "expbuf_refused_total", table="default", reason="invalid_payload") == 1
-        assert value(m, "expbuf_leases_expired_total", **d) == 1
-        assert value(m, "expbuf_evicted_total", table="ring") == 4
-        assert value(m, "expbuf_groups_dropped_total", table="dapo", reason="zero_variance") == 1
-        states = {s: value(m, "expbuf_buffer_experiences", table="default", state=s) for s in
-                  ("pending", "computing", "ready", "leased", "consumed")}  # fmt: skip
-        assert states == {"pending": 0, "computing": 0, "ready": 8, "leased": 0, "consumed": 8}
-        assert value(m, "expbuf_groups", table="default", state="ready") == 2
-        assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="OK") == 6
-        assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="INVALID_ARGUMENT") == 1
-        assert value(m, "expbuf_advantage_seconds_count", table="default", estimator="grpo") >= 1
-        # staleness: newest version 5; 8 experiences of version 5 and 4 of version 1 were sampled
-        assert value(m, "expbuf_sample_staleness_versions_count", **d) == 12
-        assert value(m, "expbuf_sample_staleness_versions_sum", **d) == 16
-        assert (
-            value(
-                m,
-                "expbuf_storage_bytes",
-            )
-            > 0
+    with BufferClient(target, timeout=20) as c:
+        c.push(payload("grpo_group.trxp"))  # 8 experiences, model_version 5
+        c.push(payload("mixed_batch.trxp"))  # 2 groups of 4, model_version 1
+        c.push(payload("grpo_group.trxp"))  # 8 duplicates
+        with pytest.raises(BufferError):
+            c.push((BAD_DIR / "missing_eid.bin").read_bytes())
+        c.create_table("dapo", drop_zero_variance=True)
+        c.push(trxp.build(group_items(1, 0, 4, reward=1.0)), table="dapo")  # dropped: zero variance
+        c.create_table("ring", estimator="none", capacity=4, when_full="evict")
+        c.push(trxp.build(group_items(2, 0, 4)), table="ring")
+        c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
+        wait_until(lambda: c.stats()["default"].ready == 16)
+        consumed = next(c.sample(num_groups=1, max_batches=1))  # 7/3, version 5
+        leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
+        assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
+        wait_until(lambda: c.stats()["default"].leases_expired == 1)
+    m = scrape(server.metrics_port)
+    d = {"table": "default"}
+    assert value(m, "expbuf_experiences_pushed_total", **d) == 16
+    assert value(m, "expbuf_duplicates_total", **d) == 8
+    assert value(m, "expbuf_experiences_sampled_total", **d) == 12
+    sampled_bytes = sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("grpo_group.trxp")))
+    sampled_bytes += sum(len(trxp.pack_item(i)) for i in trxp.parse(payload("mixed_batch.trxp"))[:4])
+    assert value(m, "expbuf_bytes_sampled_total", **d) == sampled_bytes
+    assert value(m, "expbuf_bytes_pushed_total", **d) > sampled_bytes
+    assert value(m, "expbuf_refused_total", table="default", reason="invalid_payload") == 1
+    assert value(m, "expbuf_leases_expired_total", **d) == 1
+    assert value(m, "expbuf_evicted_total", table="ring") == 4
+    assert value(m, "expbuf_groups_dropped_total", table="dapo", reason="zero_variance") == 1
+    states = {s: value(m, "expbuf_buffer_experiences", table="default", state=s) for s in
+              ("pending", "computing", "ready", "leased", "consumed")}  # fmt: skip
+    assert states == {"pending": 0, "computing": 0, "ready": 8, "leased": 0, "consumed": 8}
+    assert value(m, "expbuf_groups", table="default", state="ready") == 2
+    assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="OK") == 6
+    assert value(m, "expbuf_rpc_duration_seconds_count", method="Push", code="INVALID_ARGUMENT") == 1
+    assert value(m, "expbuf_advantage_seconds_count", table="default", estimator="grpo") >= 1
+    # staleness: newest version 5; 8 experiences of version 5 and 4 of version 1 were sampled
+    assert value(m, "expbuf_sample_staleness_versions_count", **d) == 12
+    assert value(m, "expbuf_sample_staleness_versions_sum", **d) == 16
+    assert (
+        value(
+            m,
+            "expbuf_storage_bytes",
         )
-        assert 0 < value(m, "expbuf_lmdb_map_used_ratio") < 1
-    finally:
-        server.stop(grace=1)
-    server = start(tmp_path)  # gauges and store totals come back from LMDB, not from zero
-    try:
-        again = scrape(server.metrics_port)
-        for name, labels in (
-            ("expbuf_experiences_pushed_total", d),
-            ("expbuf_buffer_experiences", {"table": "default", "state": "ready"}),
-            ("expbuf_buffer_experiences", {"table": "default", "state": "consumed"}),
-            ("expbuf_groups_dropped_total", {"table": "dapo", "reason": "zero_variance"}),
-        ):
-            assert value(again, name, **labels) == value(m, name, **labels)
-    finally:
-        server.stop(grace=1)
+        > 0
+    )
+    assert 0 < value(m, "expbuf_lmdb_map_used_ratio") < 1
+    server.stop(grace=1)
+    server = start_server()  # gauges and store totals come back from LMDB, not from zero
+    again = scrape(server.metrics_port)
+    for name, labels in (
+        ("expbuf_experiences_pushed_total", d),
+        ("expbuf_buffer_experiences", {"table": "default", "state": "ready"}),
+        ("expbuf_buffer_experiences", {"table": "default", "state": "consumed"}),
+        ("expbuf_groups_dropped_total", {"table": "dapo", "reason": "zero_variance"}),
+    ):
+        assert value(again, name, **labels) == value(m, name, **labels)
 
 
-def test_dashboard_queries_use_exported_metrics(tmp_path: Path) -> None:
-    server = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}") as c:
-            c.push(payload("grpo_group.trxp"))
-            next(c.sample(num_groups=1, max_batches=1, timeout=10))
-            c.set_trainer_version(1)
-            c.admit("default", 1)
-            with pytest.raises(BufferError):  # refusals are counted from the first one on
-                c.push((BAD_DIR / "bad_magic.bin").read_bytes())
-        samples = scrape(server.metrics_port)
-    finally:
-        server.stop(grace=1)
+def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as c:
+        c.push(payload("grpo_group.trxp"))
+        next(c.sample(num_groups=1, max_batches=1, timeout=10))
+        c.set_trainer_version(1)
+        c.admit("default", 1)
+        with pytest.raises(BufferError):  # refusals are counted from the first one on
+            c.push((BAD_DIR / "bad_magic.bin").read_bytes())
+    samples = scrape(server.metrics_port)
     exported = {name for name, _ in samples}
     by_table = {name for name, labels in samples if "table" in dict(labels)}
     dashboard = json.loads((DOCKER / "grafana" / "expbuf.json").read_text())
@@ -356,13 +344,13 @@ def test_a_locked_data_directory_is_one_line(tmp_path: Path) -> None:
         assert running.stop(signal.SIGTERM) == 0
 
 
-def test_check_refuses_a_directory_without_data(tmp_path: Path) -> None:
+def test_check_refuses_a_directory_without_data(tmp_path: Path, start_server: Servers) -> None:
     absent, empty = tmp_path / "no-such-dir", tmp_path / "empty"
     empty.mkdir()
     for directory in (absent, empty):
         one_line_error(cli("check", "--data", str(directory)), str(directory), "no expbuf data")
     assert not absent.exists() and list(empty.iterdir()) == []
-    ExpbufServer(ServerConfig(data=str(tmp_path / "real"), port=0, metrics_port=-1)).start().stop(grace=1)
+    start_server(tmp_path / "real").stop(grace=1)
     done = cli("check", "--data", str(tmp_path / "real"))
     assert done.returncode == 0 and done.stdout.strip() == "default: ok", done.stderr
 
@@ -395,26 +383,21 @@ def test_serve_help_describes_the_metrics_port() -> None:
     assert "--metrics-host" in text
 
 
-def test_metrics_host_binds_the_metrics_endpoint_apart(tmp_path: Path) -> None:
-    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=0, metrics_host="127.0.0.2")
-    server = ExpbufServer(config).start()
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.2:{server.metrics_port}/metrics", timeout=10).read()
-        assert b"expbuf_storage_bytes" in text
-        with pytest.raises(urllib.error.URLError):
-            urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
-    finally:
-        server.stop(grace=1)
+def test_metrics_host_binds_the_metrics_endpoint_apart(start_server: Servers) -> None:
+    server = start_server(metrics_host="127.0.0.2")
+    text = urllib.request.urlopen(f"http://127.0.0.2:{server.metrics_port}/metrics", timeout=10).read()
+    assert b"expbuf_storage_bytes" in text
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10)
 
 
 # ---- concurrent streams ----------------------------------------------------------------
 
 
-def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> None:
-    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=8)
-    limit = config.sample_stream_limit
-    assert 1 <= limit < config.workers
-    server = ExpbufServer(config).start()
+def test_waiting_sample_streams_leave_room_for_other_calls(start_server: Servers) -> None:
+    server = start_server(workers=8)
+    limit = server.config.sample_stream_limit
+    assert 1 <= limit < server.config.workers
     ended: list[grpc.RpcError] = []
 
     def wait_on(call: grpc.Call) -> None:
@@ -424,53 +407,47 @@ def test_waiting_sample_streams_leave_room_for_other_calls(tmp_path: Path) -> No
             except grpc.RpcError as exc:
                 ended.append(exc)
 
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}") as c:
-            c.create_table("other")  # pushed to below, while the streams wait on the empty default table
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.ExperienceBufferStub(channel)
-            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
-            calls = [stub.Sample(iter([request]), timeout=60) for _ in range(limit + 1)]
-            for call in calls:
-                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
-            wait_until(lambda: len(ended) >= 1, timeout=30)
-            (refused,) = ended
-            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"max_sample_streams = {limit}" in refused.details()
-            assert "EXPBUF_MAX_SAMPLE_STREAMS" in refused.details()
-            pushed = stub.Push(pb.PushRequest(table="other", payload=payload("grpo_group.trxp")), timeout=10)
-            assert len(pushed.stored_uids) == 8
-            assert [t.name for t in stub.Stats(pb.StatsRequest(), timeout=10).tables]
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            assert len(ended) == 1  # the others still wait for data
-            for call in calls:
-                call.cancel()
-    finally:
-        server.stop(grace=1)
+    with BufferClient(f"127.0.0.1:{server.port}") as c:
+        c.create_table("other")  # pushed to below, while the streams wait on the empty default table
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+        calls = [stub.Sample(iter([request]), timeout=60) for _ in range(limit + 1)]
+        for call in calls:
+            threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+        wait_until(lambda: len(ended) >= 1, timeout=30)
+        (refused,) = ended
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"max_sample_streams = {limit}" in refused.details()
+        assert "EXPBUF_MAX_SAMPLE_STREAMS" in refused.details()
+        pushed = stub.Push(pb.PushRequest(table="other", payload=payload("grpo_group.trxp")), timeout=10)
+        assert len(pushed.stored_uids) == 8
+        assert [t.name for t in stub.Stats(pb.StatsRequest(), timeout=10).tables]
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert len(ended) == 1  # the others still wait for data
+        for call in calls:
+            call.cancel()
 
 
 # ---- a new user's first steps -----------------------------------------------------------
 
 
-def test_rollout_worker_runs_again(tmp_path: Path) -> None:
-    server = start(tmp_path)
+def test_rollout_worker_runs_again(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
     worker = [sys.executable, str(ROOT / "examples" / "rollout_worker.py"), "--target", target, "--tasks", "2"]
-    try:
-        for _ in range(2):  # each run pushes a new batch
-            done = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
-            assert done.returncode == 0, done.stderr
-            assert done.stdout.count("stored 8, duplicates 0") == 2, done.stdout
-        with BufferClient(target) as c:
-            c.push(trxp.build(group_items(7, 0, 8)))
-        done = subprocess.run([*worker, "--batch", "7"], capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
-        assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
-        with BufferClient(target) as c:
-            assert c.stats()["default"].pushed == 2 * 2 * 8 + 8 + 8
-    finally:
-        server.stop(grace=1)
+    for _ in range(2):  # each run pushes a new batch
+        done = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("stored 8, duplicates 0") == 2, done.stdout
+    with BufferClient(target) as c:
+        c.push(trxp.build(group_items(7, 0, 8)))
+    done = subprocess.run([*worker, "--batch", "7"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
+    assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
+    with BufferClient(target) as c:
+        assert c.stats()["default"].pushed == 2 * 2 * 8 + 8 + 8
 
 
 def test_readme_says_how_to_run_the_installed_commands() -> None:
@@ -488,71 +465,64 @@ def test_health_command_does_not_load_torch() -> None:
     assert done.stdout.strip() == "False"
 
 
-def test_get_reports_missing_uids(tmp_path: Path) -> None:
-    server = start(tmp_path)
+def test_get_reports_missing_uids(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
     stored = [i.uid for i in trxp.parse(payload("grpo_group.trxp"))][:2]
-    try:
-        with BufferClient(target) as c:
-            c.push(payload("grpo_group.trxp"))
-            found = c.get([stored[0], "no/such/uid", stored[1]])
-        assert [e.eid.uid for e in found] == stored and found.missing_uids == ["no/such/uid"]
+    with BufferClient(target) as c:
+        c.push(payload("grpo_group.trxp"))
+        found = c.get([stored[0], "no/such/uid", stored[1]])
+    assert [e.eid.uid for e in found] == stored and found.missing_uids == ["no/such/uid"]
 
-        async def get_async() -> GetResult:
-            async with AsyncBufferClient(target) as ac:
-                return await ac.get(["gone", stored[1]])
+    async def get_async() -> GetResult:
+        async with AsyncBufferClient(target) as ac:
+            return await ac.get(["gone", stored[1]])
 
-        found = asyncio.run(get_async())
-        assert [e.eid.uid for e in found] == stored[1:] and found.missing_uids == ["gone"]
-    finally:
-        server.stop(grace=1)
+    found = asyncio.run(get_async())
+    assert [e.eid.uid for e in found] == stored[1:] and found.missing_uids == ["gone"]
 
 
 def test_proto_names_its_go_package() -> None:
     assert pb.DESCRIPTOR.GetOptions().go_package.endswith(";expbufv1")
 
 
-def test_health_and_pushes_are_answered_when_every_other_worker_is_busy(tmp_path: Path) -> None:
-    config = ServerConfig(data=str(tmp_path), port=0, metrics_port=-1, workers=4, max_sample_streams=3)
-    assert config.reserved_worker_count == 1
-    server = ExpbufServer(config).start()
+def test_health_and_pushes_are_answered_when_every_other_worker_is_busy(start_server: Servers) -> None:
+    server = start_server(workers=4, max_sample_streams=3)
+    assert server.config.reserved_worker_count == 1
 
     def wait_on(call: grpc.Call) -> None:
         with contextlib.suppress(grpc.RpcError, StopIteration):
             next(call)
 
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.ExperienceBufferStub(channel)
-            request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
-            streams = [stub.Sample(iter([request]), timeout=60) for _ in range(3)]
-            for call in streams:
-                threading.Thread(target=wait_on, args=(call,), daemon=True).start()
-            refused: list[grpc.RpcError] = []
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        request = pb.SampleRequest(table="default", num_groups=1, wait_seconds=60)
+        streams = [stub.Sample(iter([request]), timeout=60) for _ in range(3)]
+        for call in streams:
+            threading.Thread(target=wait_on, args=(call,), daemon=True).start()
+        refused: list[grpc.RpcError] = []
 
-            def push_stream_refused() -> bool:  # once the three streams hold the three workers outside the reserve
-                try:
-                    next(stub.PushStream(iter([]), timeout=60))
-                except StopIteration:  # accepted, and ended as it sent nothing
-                    return False
-                except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        refused.append(exc)
-                        return True
+        def push_stream_refused() -> bool:  # once the three streams hold the three workers outside the reserve
+            try:
+                next(stub.PushStream(iter([]), timeout=60))
+            except StopIteration:  # accepted, and ended as it sent nothing
                 return False
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused.append(exc)
+                    return True
+            return False
 
-            time.sleep(1.0)  # the streams reach the server first: a probe taken meanwhile could refuse one
-            wait_until(push_stream_refused, timeout=30)
-            assert not any(call.done() for call in streams), "a waiting Sample stream was refused"
-            assert "reserved_workers = 1" in refused[0].details() and "EXPBUF_WORKERS" in refused[0].details()
-            pushed = stub.Push(pb.PushRequest(table="default", payload=payload("grpo_group.trxp")), timeout=10)
-            assert len(pushed.stored_uids) == 8
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            for call in streams:
-                call.cancel()
-    finally:
-        server.stop(grace=1)
+        time.sleep(1.0)  # the streams reach the server first: a probe taken meanwhile could refuse one
+        wait_until(push_stream_refused, timeout=30)
+        assert not any(call.done() for call in streams), "a waiting Sample stream was refused"
+        assert "reserved_workers = 1" in refused[0].details() and "EXPBUF_WORKERS" in refused[0].details()
+        pushed = stub.Push(pb.PushRequest(table="default", payload=payload("grpo_group.trxp")), timeout=10)
+        assert len(pushed.stored_uids) == 8
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        for call in streams:
+            call.cancel()
 
 
 def test_packages_declare_their_type_hints() -> None:

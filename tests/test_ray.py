@@ -7,8 +7,8 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -23,12 +23,9 @@ NAMESPACE = "expbuf-test"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield tmp_path_factory.mktemp("ray-shards")
-    finally:
-        ray.shutdown()
+def cluster(ray_cluster: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shards' data root, on the session's Ray cluster."""
+    return tmp_path_factory.mktemp("ray-shards")
 
 
 def push_until_acknowledged(client: ShardedBufferClient, experiences: list, table: str) -> None:

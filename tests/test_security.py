@@ -16,11 +16,10 @@ import pytest
 from expbuf.client import BufferClient, BufferError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
 from expbuf.server.tables import ConfigError
 
-from conftest import payload
+from conftest import Servers, payload
 from helpers import ServerProcess
 
 TOKENS = {
@@ -51,62 +50,49 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _start(tmp_path: Path, **settings: object) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=0, **settings)).start()
-
-
-def test_tokens_and_scopes(tmp_path: Path) -> None:
-    server = _start(tmp_path, tokens=TOKENS)
+def test_tokens_and_scopes(start_server: Servers) -> None:
+    server = start_server(tokens=TOKENS)
     target = f"127.0.0.1:{server.port}"
-    try:
-        with BufferClient(target, token="pusher-secret") as pusher:
-            assert len(pusher.push(payload("grpo_group.trxp")).stored) == 8
-            with pytest.raises(BufferError) as info:
-                next(pusher.sample(num_groups=1))
-            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
-            assert "'sample' scope" in info.value.details
-        with BufferClient(target, token="trainer-secret") as trainer:
-            assert len(next(trainer.sample(num_groups=1, max_batches=1)).uids) == 8
-            with pytest.raises(BufferError) as info:
-                trainer.create_table("mine")
-            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
-        for token, message in ((None, "missing bearer token"), ("wrong", "unknown bearer token")):
-            with BufferClient(target, token=token) as stranger, pytest.raises(BufferError) as info:
-                stranger.push(payload("single_turn.trxp"))
-            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-            assert message in info.value.details
-        with BufferClient(target, token="ops") as ops:
-            assert ops.create_table("mine")["name"] == "mine"
-            assert ops.stats()["default"].pushed == 8
-    finally:
-        server.stop(grace=1)
+    with BufferClient(target, token="pusher-secret") as pusher:
+        assert len(pusher.push(payload("grpo_group.trxp")).stored) == 8
+        with pytest.raises(BufferError) as info:
+            next(pusher.sample(num_groups=1))
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "'sample' scope" in info.value.details
+    with BufferClient(target, token="trainer-secret") as trainer:
+        assert len(next(trainer.sample(num_groups=1, max_batches=1)).uids) == 8
+        with pytest.raises(BufferError) as info:
+            trainer.create_table("mine")
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    for token, message in ((None, "missing bearer token"), ("wrong", "unknown bearer token")):
+        with BufferClient(target, token=token) as stranger, pytest.raises(BufferError) as info:
+            stranger.push(payload("single_turn.trxp"))
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert message in info.value.details
+    with BufferClient(target, token="ops") as ops:
+        assert ops.create_table("mine")["name"] == "mine"
+        assert ops.stats()["default"].pushed == 8
 
 
-def test_tls_and_mutual_tls(tmp_path: Path, certs: Path) -> None:
+def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) -> None:
     tls = TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"))
-    server = _start(tmp_path / "tls", tls=tls)
+    server = start_server(tmp_path / "tls", tls=tls)
     target = f"127.0.0.1:{server.port}"
-    try:
-        with BufferClient(target, tls=Tls(root_certificates=str(certs / "ca.pem"))) as c:
-            assert len(c.push(payload("grpo_group.trxp")).stored) == 8
-        with BufferClient(target, timeout=2, retries=0) as plain, pytest.raises(BufferError) as info:
-            plain.push(payload("single_turn.trxp"))
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop(grace=1)
+    with BufferClient(target, tls=Tls(root_certificates=str(certs / "ca.pem"))) as c:
+        assert len(c.push(payload("grpo_group.trxp")).stored) == 8
+    with BufferClient(target, timeout=2, retries=0) as plain, pytest.raises(BufferError) as info:
+        plain.push(payload("single_turn.trxp"))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
     mutual = TlsConfig(cert=tls.cert, key=tls.key, client_ca=str(certs / "ca.pem"))
-    server = _start(tmp_path / "mtls", tls=mutual)
+    server = start_server(tmp_path / "mtls", tls=mutual)
     target = f"127.0.0.1:{server.port}"
-    try:
-        client_tls = Tls(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"))
-        with BufferClient(target, tls=client_tls) as c:
-            assert len(c.push(payload("grpo_group.trxp")).stored) == 8
-        no_cert = Tls(root_certificates=str(certs / "ca.pem"))
-        with BufferClient(target, tls=no_cert, timeout=2, retries=0) as c, pytest.raises(BufferError) as info:
-            c.push(payload("single_turn.trxp"))
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop(grace=1)
+    client_tls = Tls(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"))
+    with BufferClient(target, tls=client_tls) as c:
+        assert len(c.push(payload("grpo_group.trxp")).stored) == 8
+    no_cert = Tls(root_certificates=str(certs / "ca.pem"))
+    with BufferClient(target, tls=no_cert, timeout=2, retries=0) as c, pytest.raises(BufferError) as info:
+        c.push(payload("single_turn.trxp"))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,23 +132,20 @@ def _raw_push(target: str, metadata: tuple[tuple[str, str], ...], payload_bytes:
     return None
 
 
-def test_authorization_header_must_be_one_well_formed_bearer(tmp_path: Path) -> None:
-    server = _start(tmp_path, tokens=TOKENS)
+def test_authorization_header_must_be_one_well_formed_bearer(start_server: Servers) -> None:
+    server = start_server(tokens=TOKENS)
     target = f"127.0.0.1:{server.port}"
     good = payload("single_turn.trxp")
-    try:
-        twice = (("authorization", "Bearer ops"), ("authorization", "Bearer pusher-secret"))
-        malformed = (("authorization", "ops"),)
-        for metadata, reason in ((twice, "2 authorization headers"), (malformed, "malformed authorization header")):
-            refused = _raw_push(target, metadata, good)
-            assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert reason in refused.details()
-        assert _raw_push(target, (("authorization", "Bearer ops"),), good) is None
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
-        refused_count = 'expbuf_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Push"} 2.0'
-        assert refused_count in metrics.decode()  # refusals are still timed and counted by code
-    finally:
-        server.stop(grace=1)
+    twice = (("authorization", "Bearer ops"), ("authorization", "Bearer pusher-secret"))
+    malformed = (("authorization", "ops"),)
+    for metadata, reason in ((twice, "2 authorization headers"), (malformed, "malformed authorization header")):
+        refused = _raw_push(target, metadata, good)
+        assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert reason in refused.details()
+    assert _raw_push(target, (("authorization", "Bearer ops"),), good) is None
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+    refused_count = 'expbuf_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Push"} 2.0'
+    assert refused_count in metrics.decode()  # refusals are still timed and counted by code
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -196,26 +179,23 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
-def test_health_and_stats_over_mutual_tls_with_a_token(tmp_path: Path, certs: Path) -> None:
+def test_health_and_stats_over_mutual_tls_with_a_token(certs: Path, start_server: Servers) -> None:
     tls = TlsConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"), client_ca=str(certs / "ca.pem"))
-    server = _start(tmp_path, tls=tls, tokens=TOKENS)
+    server = start_server(tls=tls, tokens=TOKENS)
     target = f"127.0.0.1:{server.port}"
     client_pair = ["--tls-cert", str(certs / "client.pem"), "--tls-key", str(certs / "client.key")]
-    try:
-        done = _cli("health", "--target", target, "--tls-ca", str(certs / "ca.pem"), *client_pair)
-        assert done.returncode == 0 and done.stdout.strip() == "SERVING", done.stderr
-        env = {
-            "EXPBUF_TLS_CA": str(certs / "ca.pem"),
-            "EXPBUF_TLS_CLIENT_CERT": str(certs / "client.pem"),
-            "EXPBUF_TLS_CLIENT_KEY": str(certs / "client.key"),
-            "EXPBUF_TOKEN": "trainer-secret",
-        }
-        done = _cli("stats", "--target", target, env=env)
-        assert done.returncode == 0 and done.stdout.count("default ") == 1, done.stderr
-        done = _cli("stats", "--target", target, env=env | {"EXPBUF_TOKEN": "wrong"})
-        assert done.returncode == 1 and "unknown bearer token" in done.stderr
-        done = _cli("health", "--target", target, "--timeout", "2")  # plain text against TLS
-        assert done.returncode == 1
-        assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr
-    finally:
-        server.stop(grace=1)
+    done = _cli("health", "--target", target, "--tls-ca", str(certs / "ca.pem"), *client_pair)
+    assert done.returncode == 0 and done.stdout.strip() == "SERVING", done.stderr
+    env = {
+        "EXPBUF_TLS_CA": str(certs / "ca.pem"),
+        "EXPBUF_TLS_CLIENT_CERT": str(certs / "client.pem"),
+        "EXPBUF_TLS_CLIENT_KEY": str(certs / "client.key"),
+        "EXPBUF_TOKEN": "trainer-secret",
+    }
+    done = _cli("stats", "--target", target, env=env)
+    assert done.returncode == 0 and done.stdout.count("default ") == 1, done.stderr
+    done = _cli("stats", "--target", target, env=env | {"EXPBUF_TOKEN": "wrong"})
+    assert done.returncode == 1 and "unknown bearer token" in done.stderr
+    done = _cli("health", "--target", target, "--timeout", "2")  # plain text against TLS
+    assert done.returncode == 1
+    assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr

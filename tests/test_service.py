@@ -20,21 +20,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 
-from conftest import BAD_DIR, BAD_README, MANIFEST, payload
+from conftest import BAD_DIR, BAD_README, MANIFEST, Servers, payload
 from helpers import ServerProcess, check_against_manifest, group_items
 
 
-def start(data: Path, **settings: object) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=0, **settings)).start()
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> ExpbufServer:
-    srv = start(tmp_path / "data", max_message_bytes=4 << 20)
-    yield srv
-    srv.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server(max_message_bytes=4 << 20)
 
 
 @pytest.fixture
@@ -128,8 +121,8 @@ def test_concurrent_trainers_receive_every_experience_once(client: BufferClient,
     assert len(received) == expected and len(set(received)) == expected
 
 
-def test_lease_expires_and_survives_restart(tmp_path: Path) -> None:
-    srv = start(tmp_path)
+def test_lease_expires_and_survives_restart(start_server: Servers) -> None:
+    srv = start_server()
     target = f"127.0.0.1:{srv.port}"
     with BufferClient(target) as c:
         c.push(payload("mixed_batch.trxp"))
@@ -137,20 +130,17 @@ def test_lease_expires_and_survives_restart(tmp_path: Path) -> None:
         acked = next(c.sample(num_groups=1, delivery="lease", lease_seconds=1.0, max_batches=1))
         assert acked.ack() == 4
     srv.stop(grace=1)
-    srv = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{srv.port}") as c:
-            back = next(c.sample(num_groups=1, delivery="lease", timeout=10, max_batches=1))
-            assert back.uids == leased.uids
-            back.nack()
-            again = next(c.sample(num_groups=1, timeout=5, max_batches=1))
-            assert again.uids == leased.uids
-            with pytest.raises(BufferError) as info:
-                next(c.sample(num_groups=1, timeout=1.5))
-            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert c.stats()["default"].leases_expired == 1
-    finally:
-        srv.stop(grace=1)
+    srv = start_server()
+    with BufferClient(f"127.0.0.1:{srv.port}") as c:
+        back = next(c.sample(num_groups=1, delivery="lease", timeout=10, max_batches=1))
+        assert back.uids == leased.uids
+        back.nack()
+        again = next(c.sample(num_groups=1, timeout=5, max_batches=1))
+        assert again.uids == leased.uids
+        with pytest.raises(BufferError) as info:
+            next(c.sample(num_groups=1, timeout=1.5))
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert c.stats()["default"].leases_expired == 1
 
 
 def test_retried_push_is_idempotent(client: BufferClient) -> None:
@@ -337,16 +327,13 @@ def test_kill_9_during_pushes_loses_no_acknowledged_uid(tmp_path: Path) -> None:
         proc.stop(signal.SIGTERM)
 
 
-def test_push_retries_while_the_server_is_unavailable(tmp_path: Path) -> None:
+def test_push_retries_while_the_server_is_unavailable(start_server: Servers) -> None:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    servers: list[ExpbufServer] = []
-    later = threading.Timer(
-        0.5, lambda: servers.append(ExpbufServer(ServerConfig(data=str(tmp_path), port=port, metrics_port=0)).start())
-    )
+    later = threading.Timer(0.5, lambda: start_server(port=port))
     later.start()
     try:
         with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10) as c:
@@ -355,5 +342,3 @@ def test_push_retries_while_the_server_is_unavailable(tmp_path: Path) -> None:
             assert c.stats()["default"].pushed == 8
     finally:
         later.join()
-        for server in servers:
-            server.stop(grace=1)

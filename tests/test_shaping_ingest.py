@@ -18,13 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.experience import Experience
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.config import load as load_config
 from expbuf.server.estimator_registry import Estimator
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
+from conftest import Servers
 from helpers import make_experience, registered, take
 
 SHAPING = {
@@ -37,10 +36,6 @@ SHAPING = {
     "reward_clip": 1.5,
     "advantage_clip": 1.0,
 }
-
-
-def start(data: Path, metrics_port: int = -1) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=metrics_port)).start()
 
 
 def wait_computed(client: BufferClient, table: str, groups: int) -> None:
@@ -76,11 +71,10 @@ def grpo(rewards: list[float]) -> list[float]:
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> Iterator[BufferClient]:
-    server = start(tmp_path)
+def client(start_server: Servers) -> Iterator[BufferClient]:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         yield c
-    server.stop(grace=1)
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "grpo", "discounted_return"])
@@ -123,25 +117,22 @@ def test_shaping_steps_on_ingest_match_the_seed_formulas(client: BufferClient, e
         assert exp.advantages.tolist() == pytest.approx([want[exp.eid.uid]] * len(exp.action_mask), abs=1e-5)
 
 
-def test_running_moments_survive_a_restart(tmp_path: Path) -> None:
+def test_running_moments_survive_a_restart(start_server: Servers) -> None:
     """The second push after a restart is normalised with the moments of both pushes."""
     rng = random.Random(3)
     first, second = groups(1, rng, count=1), groups(2, rng, count=1)
-    server = start(tmp_path)
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("n", estimator="reinforce", shaping={"reward_running_norm": True})
         client.push(first, table="n")
         wait_computed(client, "n", 1)
     server.stop(grace=1)
-    server = start(tmp_path)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
-            client.push(second, table="n")
-            wait_computed(client, "n", 2)
-            batch = next(client.sample("n", num_groups=2, max_batches=1, timeout=10))
-            stats = client.stats("n")["n"]
-    finally:
-        server.stop(grace=1)
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.push(second, table="n")
+        wait_computed(client, "n", 2)
+        batch = next(client.sample("n", num_groups=2, max_batches=1, timeout=10))
+        stats = client.stats("n")["n"]
     rewards = [e.reward for e in first + second]
     std_first, std_both = statistics.stdev(rewards[:4]), statistics.stdev(rewards)
     want = {e.eid.uid: e.reward / std_first for e in first} | {e.eid.uid: e.reward / std_both for e in second}
@@ -255,18 +246,15 @@ def test_shaping_in_toml(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_stats_and_metrics_show_the_counts(tmp_path: Path) -> None:
-    server = start(tmp_path, metrics_port=0)
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
-            client.create_table("m", estimator="reinforce", shaping=SHAPING)
-            pushed = [make_experience(1, 0, run, reward=float(run), response=4 + 2 * run) for run in range(4)]
-            client.push(pushed, table="m")  # responses of 4, 6, 8, 10 tokens: one beyond 12 - 4
-            wait_computed(client, "m", 1)
-            stats = client.stats("m")["m"]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    finally:
-        server.stop(grace=1)
+def test_stats_and_metrics_show_the_counts(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("m", estimator="reinforce", shaping=SHAPING)
+        pushed = [make_experience(1, 0, run, reward=float(run), response=4 + 2 * run) for run in range(4)]
+        client.push(pushed, table="m")  # responses of 4, 6, 8, 10 tokens: one beyond 12 - 4
+        wait_computed(client, "m", 1)
+        stats = client.stats("m")["m"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)

@@ -10,7 +10,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,21 +18,19 @@ from lightrft_reference import Config, ExperienceMaker
 
 from expbuf.client import BufferClient, BufferError, wire
 from expbuf.client.experience import Experience
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.tables import ConfigError, TableConfig
 
+from conftest import Servers
 from helpers import make_experience
 
 TOL = 2e-5  # LightRFT keeps its running moments in float32
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> Iterator[BufferClient]:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=-1)).start()
+def client(start_server: Servers) -> Iterator[BufferClient]:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         yield c
-    server.stop(grace=1)
 
 
 def wait_computed(client: BufferClient, table: str, groups: int) -> None:

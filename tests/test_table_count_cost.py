@@ -7,12 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from expbuf.client import BufferClient, trxp
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.store import Store
 from expbuf.server.store.upkeep import SWEEP_SECONDS
 from expbuf.server.tables import TableConfig
 
+from conftest import Servers
 from helpers import group_items, scrape, take
 
 IDLE_TABLES = 150
@@ -53,17 +52,14 @@ def test_a_pass_visits_only_the_active_tables(tmp_path: Path) -> None:
         assert store.stats("timed")["groups_pending"] == 0 and store.verify("consumed") == []
 
 
-def test_metrics_export_the_tables_in_use(tmp_path: Path) -> None:
-    server = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
-    try:
-        with BufferClient(f"127.0.0.1:{server.port}") as client:
-            for i in range(IDLE_TABLES):
-                client.create_table(f"idle{i}")
-            client.create_table("used")
-            client.push(trxp.build(group_items(0, 0, 2)), table="used")
-        metrics = scrape(server.metrics_port)
-    finally:
-        server.stop(grace=1)
+def test_metrics_export_the_tables_in_use(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        for i in range(IDLE_TABLES):
+            client.create_table(f"idle{i}")
+        client.create_table("used")
+        client.push(trxp.build(group_items(0, 0, 2)), table="used")
+    metrics = scrape(server.metrics_port)
     assert metrics[("expbuf_tables", ())] == IDLE_TABLES + 2
     tables = {dict(labels).get("table") for _, labels in metrics} - {None}
     assert tables == {"default", "used"}, f"tables that never held anything are exported: {sorted(tables)[:5]}"

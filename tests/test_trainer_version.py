@@ -13,13 +13,12 @@ import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.staleness import VersionJump
 from expbuf.server.tables import TableConfig
 
+from conftest import Servers
 from helpers import group_items
 
 
@@ -101,65 +100,54 @@ def test_a_reset_sets_the_version_back_and_forgets_admitted_rollouts(tmp_path: P
         assert store.verify("t") == []
 
 
-def start(data: Path, **settings: object) -> ExpbufServer:
-    return ExpbufServer(ServerConfig(data=str(data), port=0, metrics_port=-1, **settings)).start()
-
-
-def test_the_reset_over_rpc_clients_and_cli_needs_the_admin_scope(tmp_path: Path) -> None:
+def test_the_reset_over_rpc_clients_and_cli_needs_the_admin_scope(start_server: Servers) -> None:
     tokens = {"trainer": frozenset({"sample"}), "ops": frozenset({"push", "sample", "admin"})}
-    server = start(tmp_path, tokens=tokens)
+    server = start_server(tokens=tokens)
     target = f"127.0.0.1:{server.port}"
-    try:
-        with BufferClient(target, token="ops", timeout=10) as ops, BufferClient(target, token="trainer") as trainer:
-            ops.create_table("t", estimator="none", group_size=2, max_staleness=1, batch_size=2)
-            assert trainer.set_trainer_version(4, "t") == 4
-            assert trainer.set_trainer_version(1, "t") == 4
-            with pytest.raises(BufferError) as denied:
-                trainer.reset_offpolicy("t", 1)
-            assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
-            assert ops.reset_offpolicy("t", 1) == {"trainer_version": 1, "submitted": 0}
-            assert ops.stats("t")["t"].trainer_version == 1
-            ops.push(trxp.build(group_items("b", 0, 2, version=1)), table="t")
-            batch = next(trainer.sample("t", num_groups=1, max_batches=1, trainer_version=0))
-            assert batch.uids and trainer.stats("t")["t"].trainer_version == 1
+    with BufferClient(target, token="ops", timeout=10) as ops, BufferClient(target, token="trainer") as trainer:
+        ops.create_table("t", estimator="none", group_size=2, max_staleness=1, batch_size=2)
+        assert trainer.set_trainer_version(4, "t") == 4
+        assert trainer.set_trainer_version(1, "t") == 4
+        with pytest.raises(BufferError) as denied:
+            trainer.reset_offpolicy("t", 1)
+        assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert ops.reset_offpolicy("t", 1) == {"trainer_version": 1, "submitted": 0}
+        assert ops.stats("t")["t"].trainer_version == 1
+        ops.push(trxp.build(group_items("b", 0, 2, version=1)), table="t")
+        batch = next(trainer.sample("t", num_groups=1, max_batches=1, trainer_version=0))
+        assert batch.uids and trainer.stats("t")["t"].trainer_version == 1
 
-            async def reset_async() -> dict[str, int]:
-                async with AsyncBufferClient(target, token="ops") as client:
-                    return await client.reset_offpolicy("t")
+        async def reset_async() -> dict[str, int]:
+            async with AsyncBufferClient(target, token="ops") as client:
+                return await client.reset_offpolicy("t")
 
-            assert asyncio.run(reset_async()) == {"trainer_version": -1, "submitted": 0}
-        cli = [sys.executable, "-m", "expbuf.server.cli", "table", "reset-offpolicy", "t", "--target", target]
-        done = subprocess.run([*cli, "--token", "ops", "--version", "7"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert "table t: trainer version 7, 0 rollouts of open grants counted" in done.stdout
-        denied_cli = subprocess.run([*cli, "--token", "trainer"], capture_output=True, text=True, timeout=60)
-        assert denied_cli.returncode == 1 and "PERMISSION_DENIED" in denied_cli.stderr
-        with BufferClient(target, token="ops") as ops:
-            assert ops.stats("t")["t"].trainer_version == 7
-    finally:
-        server.stop(grace=1)
+        assert asyncio.run(reset_async()) == {"trainer_version": -1, "submitted": 0}
+    cli = [sys.executable, "-m", "expbuf.server.cli", "table", "reset-offpolicy", "t", "--target", target]
+    done = subprocess.run([*cli, "--token", "ops", "--version", "7"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "table t: trainer version 7, 0 rollouts of open grants counted" in done.stdout
+    denied_cli = subprocess.run([*cli, "--token", "trainer"], capture_output=True, text=True, timeout=60)
+    assert denied_cli.returncode == 1 and "PERMISSION_DENIED" in denied_cli.stderr
+    with BufferClient(target, token="ops") as ops:
+        assert ops.stats("t")["t"].trainer_version == 7
 
 
-def test_the_sharded_clients_reset_every_shard(tmp_path: Path) -> None:
-    servers = [start(tmp_path / name) for name in ("a", "b")]
+def test_the_sharded_clients_reset_every_shard(tmp_path: Path, start_server: Servers) -> None:
+    servers = [start_server(tmp_path / name) for name in ("a", "b")]
     targets = [f"127.0.0.1:{s.port}" for s in servers]
-    try:
-        with ShardedBufferClient(targets) as client:
-            client.create_table("t", estimator="none", group_size=2, max_staleness=1, batch_size=2)
-            client.set_trainer_version(5, "t")
-            reset = client.reset_offpolicy("t", 2)
-            assert len(reset) == 2 and all(r == {"trainer_version": 2, "submitted": 0} for r in reset.values())
+    with ShardedBufferClient(targets) as client:
+        client.create_table("t", estimator="none", group_size=2, max_staleness=1, batch_size=2)
+        client.set_trainer_version(5, "t")
+        reset = client.reset_offpolicy("t", 2)
+        assert len(reset) == 2 and all(r == {"trainer_version": 2, "submitted": 0} for r in reset.values())
 
-        async def reset_async() -> dict[str, dict[str, int]]:
-            async with AsyncShardedBufferClient(targets) as client:
-                return await client.reset_offpolicy("t", 3)
+    async def reset_async() -> dict[str, dict[str, int]]:
+        async with AsyncShardedBufferClient(targets) as client:
+            return await client.reset_offpolicy("t", 3)
 
-        assert list(asyncio.run(reset_async()).values()) == [{"trainer_version": 3, "submitted": 0}] * 2
-        with ShardedBufferClient(targets) as client:
-            assert client.set_trainer_version(1, "t") == 3
-        for target in targets:
-            with BufferClient(target) as shard:
-                assert shard.stats("t")["t"].trainer_version == 3
-    finally:
-        for server in servers:
-            server.stop(grace=1)
+    assert list(asyncio.run(reset_async()).values()) == [{"trainer_version": 3, "submitted": 0}] * 2
+    with ShardedBufferClient(targets) as client:
+        assert client.set_trainer_version(1, "t") == 3
+    for target in targets:
+        with BufferClient(target) as shard:
+            assert shard.stats("t")["t"].trainer_version == 3

@@ -14,9 +14,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tomllib
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -45,18 +46,16 @@ from trinity.common.experience import EID, Experience  # noqa: E402
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.client.trinity import plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
-from expbuf.server.config import ServerConfig  # noqa: E402
 
+from conftest import Servers  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 
 TABLE = "jobs"
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ExpbufServer]:
-    running = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
-    yield running
-    running.stop(grace=1)
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
 
 
 Table = Callable[..., dict]
@@ -118,6 +117,19 @@ def write(config: ExperienceBufferConfig, *writes: list[Experience], release: bo
             await writer.release()
 
     asyncio.run(run())
+    computed(config)
+
+
+def computed(config: ExperienceBufferConfig) -> None:
+    """Wait until the written groups' advantages are computed: a push returns once its
+    experiences are stored, before that, and a read in priority order must see them all."""
+    match = re.match(r"expbuf://([^/]+)/(\w+)", config.path)
+    if match is None:
+        return
+    with BufferClient(match.group(1)) as client:
+        deadline = time.monotonic() + 30
+        while client.stats(match.group(2))[match.group(2)].groups_computing and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def by_uid(exps: list[Experience]) -> dict[str, Experience]:

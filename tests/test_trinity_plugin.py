@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,8 +33,9 @@ from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient, BufferError, Tls  # noqa: E402
 from expbuf.client.trinity import ExpbufAdvantageFn, ExpbufReader, ExpbufWriter, parse, plugin_dir  # noqa: E402
-from expbuf.server.app import ExpbufServer  # noqa: E402
-from expbuf.server.config import ServerConfig, TlsConfig  # noqa: E402
+from expbuf.server.config import TlsConfig  # noqa: E402
+
+from conftest import Servers  # noqa: E402
 
 TABLE = "grpo4"
 
@@ -60,24 +61,6 @@ def plugin() -> Iterator[None]:
             os.environ["TRINITY_PLUGIN_DIRS"] = saved
         if not existed:
             copied.unlink(missing_ok=True)
-
-
-Start = Callable[..., ExpbufServer]
-
-
-@pytest.fixture
-def start(tmp_path: Path) -> Iterator[Start]:
-    """Start servers on one data directory (a restart is a new server on the same data)."""
-    servers: list[ExpbufServer] = []
-
-    def run(**settings: object) -> ExpbufServer:
-        server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1, **settings))
-        servers.append(server.start())
-        return server
-
-    yield run
-    for server in servers:
-        server.stop(grace=1)
 
 
 def buffer_config(port: int, batch_size: int, query: str = "", **settings: object) -> ExperienceBufferConfig:
@@ -128,8 +111,8 @@ class ListReader(BufferReader):
         return [self.path]
 
 
-def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start: Start, tmp_path: Path) -> None:
-    server = start()
+def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start_server: Servers, tmp_path: Path) -> None:
+    server = start_server()
     with pytest.raises(ValueError, match=r"expbuf table 'grpo4' does not exist at .*create it first"):
         trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=8))
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
@@ -159,8 +142,8 @@ def test_factories_return_expbuf_for_expbuf_paths_and_trinity_otherwise(start: S
         trinity.buffer.get_buffer_reader(StorageConfig(storage_type="nosuch", path="/data/x"))
 
 
-def test_write_restart_server_read_whole_groups_with_advantages(start: Start) -> None:
-    server = start()
+def test_write_restart_server_read_whole_groups_with_advantages(start_server: Servers) -> None:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
     pushed = group(0, [1.0, 0.0, 2.0, 0.5]) + group(1, [0.0, 0.0, 1.0, 3.0]) + group(2, [1.0, 0.0, 4.0])
@@ -176,7 +159,7 @@ def test_write_restart_server_read_whole_groups_with_advantages(start: Start) ->
 
     assert asyncio.run(explore()) == (2, 1, 0)
     server.stop(grace=1)
-    server = start()  # same data directory, another port
+    server = start_server()  # same data directory, another port
 
     reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, batch_size=8))
     first = asyncio.run(reader.read())
@@ -189,10 +172,10 @@ def test_write_restart_server_read_whole_groups_with_advantages(start: Start) ->
     assert len(sealed) == 3 and reader.state_dict()["current_index"] == 11
 
 
-def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None:
+def test_trinity_pipeline_writes_and_sample_strategy_reads(start_server: Servers) -> None:
     """Trinity's explorer side (its experience pipeline) and trainer side (its sample strategy),
     from one Trinity Config whose experience buffer path is expbuf://."""
-    server = start()
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
     config = Config()
@@ -222,8 +205,8 @@ def test_trinity_pipeline_writes_and_sample_strategy_reads(start: Start) -> None
     assert sorted(e.eid.tid for e in first + second) == ["3/0"] * 4 + ["3/1"] * 2
 
 
-def test_reader_restarts_from_its_state_dict(start: Start) -> None:
-    server = start()
+def test_reader_restarts_from_its_state_dict(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
     with BufferClient(target) as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
@@ -248,8 +231,8 @@ def test_reader_restarts_from_its_state_dict(start: Start) -> None:
     assert restarted.state_dict()["current_index"] == 12
 
 
-def test_reader_times_out_like_trinity_queue(start: Start) -> None:
-    server = start()
+def test_reader_times_out_like_trinity_queue(start_server: Servers) -> None:
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
         admin.push(Experience.serialize_many(group(0, [1.0, 2.0, 3.0])), TABLE)  # 3 of 4 runs
@@ -258,8 +241,10 @@ def test_reader_times_out_like_trinity_queue(start: Start) -> None:
         asyncio.run(reader.read())
 
 
-def test_token_from_the_environment_and_push_only_writers(start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
-    server = start(tokens={"w-secret": frozenset({"push"}), "r-secret": frozenset({"sample", "admin"})})
+def test_token_from_the_environment_and_push_only_writers(
+    start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = start_server(tokens={"w-secret": frozenset({"push"}), "r-secret": frozenset({"sample", "admin"})})
     with BufferClient(f"127.0.0.1:{server.port}", token="r-secret") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
     monkeypatch.setenv("EXPBUF_TOKEN", "w-secret")
@@ -284,7 +269,7 @@ def _openssl(*args: str) -> None:
 
 
 def test_mutual_tls_from_the_environment_and_the_path(
-    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start_server: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The writer takes TLS from EXPBUF_TLS_CA and EXPBUF_TLS_CLIENT_*, the reader from the path's query."""
     d = tmp_path / "certs"
@@ -297,7 +282,7 @@ def test_mutual_tls_from_the_environment_and_the_path(
         _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
                  "-CAcreateserial", "-days", "1", "-extfile", f"{d}/{name}.ext", "-out", f"{d}/{name}.pem")  # fmt: skip
     tls = TlsConfig(cert=f"{d}/server.pem", key=f"{d}/server.key", client_ca=f"{d}/ca.pem")
-    server = start(tls=tls)
+    server = start_server(tls=tls)
     admin_tls = Tls(f"{d}/ca.pem", f"{d}/client.pem", f"{d}/client.key")
     with BufferClient(f"127.0.0.1:{server.port}", tls=admin_tls) as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
@@ -351,12 +336,12 @@ def test_path_options() -> None:
             parse(path, env)
 
 
-def test_expbuf_advantage_fn_keeps_the_buffers_advantages(start: Start) -> None:
+def test_expbuf_advantage_fn_keeps_the_buffers_advantages(start_server: Servers) -> None:
     fn_cls = ADVANTAGE_FN.get("expbuf")
     assert fn_cls is ExpbufAdvantageFn and not fn_cls.compute_in_trainer()
     fn = fn_cls(**fn_cls.default_args())
 
-    server = start()
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
         admin.push(Experience.serialize_many(group(0, [0.0, 1.0, 1.0, 7.0])), TABLE)
@@ -386,8 +371,8 @@ def test_import_expbuf_client_loads_no_trinity() -> None:
     assert out.strip() == "[]"
 
 
-def test_reader_tells_the_table_the_trainers_model_version(start: Start) -> None:
-    server = start()
+def test_reader_tells_the_table_the_trainers_model_version(start_server: Servers) -> None:
+    server = start_server()
     target = f"127.0.0.1:{server.port}"
     with BufferClient(target) as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo", max_staleness=1)
@@ -405,12 +390,12 @@ def test_reader_tells_the_table_the_trainers_model_version(start: Start) -> None
     assert sorted(result.stale) == sorted(exp.eid.uid for exp in stale)
 
 
-def test_expbuf_sample_strategy_passes_the_trainers_version(start: Start) -> None:
+def test_expbuf_sample_strategy_passes_the_trainers_version(start_server: Servers) -> None:
     from trinity.algorithm.sample_strategy import SAMPLE_STRATEGY
 
     from expbuf.client.trinity import ExpbufSampleStrategy
 
-    server = start()
+    server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         admin.create_table(TABLE, group_size=4, estimator="grpo")
         old, fresh = group(0, [1.0, 2.0, 3.0, 4.0]), group(1, [4.0, 3.0, 2.0, 1.0])

@@ -13,10 +13,8 @@ import torch
 
 from expbuf.client import BufferClient, trxp
 from expbuf.client.experience import TENSOR_FIELDS
-from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ServerConfig
 
-from conftest import payload
+from conftest import Servers, payload
 
 trinity = pytest.importorskip("trinity.common.experience")
 FIXTURES = sorted(p.name for p in (Path(__file__).parent / "fixtures" / "trxp").glob("*.trxp"))
@@ -110,13 +108,9 @@ def test_a_writable_buffer_is_shared_and_a_misaligned_tensor_is_copied() -> None
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> Iterator[BufferClient]:
-    srv = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
-    try:
-        with BufferClient(f"127.0.0.1:{srv.port}", timeout=10) as c:
-            yield c
-    finally:
-        srv.stop(grace=1)
+def client(start_server: Servers) -> Iterator[BufferClient]:
+    with BufferClient(f"127.0.0.1:{start_server().port}", timeout=10) as c:
+        yield c
 
 
 def test_a_sampled_batch_decodes_to_views_over_its_own_buffer(client: BufferClient) -> None:

@@ -11,7 +11,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -40,15 +40,11 @@ TRAIN = "train"
 
 
 @pytest.fixture(scope="module")
-def transfer_queue() -> Iterator[None]:
-    """A real TransferQueue (controller and one storage unit as Ray actors)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-        yield
-        tq.close()
-    finally:
-        ray.shutdown()
+def transfer_queue(ray_cluster: ModuleType) -> Iterator[None]:
+    """A real TransferQueue (controller and one storage unit as Ray actors on the session's cluster)."""
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    yield
+    tq.close()
 
 
 @pytest.fixture(scope="module")

@@ -382,6 +382,10 @@ class Store:
     def wait_for_change(self, generation: int, timeout: float) -> bool:
         return self.environment.wait_for_change(generation, time.monotonic() + timeout)
 
+    def wake(self) -> None:
+        """End every wait_for_change() now (a stopping server's advantage worker need not wait out its timeout)."""
+        self.environment.wake()
+
     def compute_backlog(self, limit: int = 8192) -> list[ComputeJob]:
         """Completed groups waiting for advantages, oldest first within each table, up to
         about `limit` experiences, as one job per table. Tables take turns being first, so a

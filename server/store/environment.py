@@ -323,9 +323,17 @@ class Environment:
         return self._generation
 
     def wait_for_change(self, generation: int, deadline: float) -> bool:
-        """Wait until a batch after `generation` is committed, or the monotonic deadline."""
+        """Wait until a batch after `generation` is committed, wake() is called, or the monotonic
+        deadline; whether a batch was committed."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._generation != generation, max(0.0, deadline - time.monotonic()))
+            if self._generation == generation:
+                self._changed.wait(max(0.0, deadline - time.monotonic()))
+            return self._generation != generation
+
+    def wake(self) -> None:
+        """End every wait_for_change() now, so that a loop being stopped sees its stop at once."""
+        with self._changed:
+            self._changed.notify_all()
 
     def storage_info(self) -> dict[str, float]:
         info, stat = self.env.info(), self.env.stat()

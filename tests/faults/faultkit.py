@@ -36,12 +36,12 @@ def scaled(count: int) -> int:
 
 @contextlib.contextmanager
 def servers() -> Iterator[Callable[..., ServerProcess]]:
-    """Start `expbuf serve --port 0 --metrics-port 0` children (`env`: EXPBUF_* settings of their
-    own); SIGKILL those still running on the way out."""
+    """Start `expbuf serve` children on free ports (ServerProcess: gRPC and metrics on port 0,
+    read back), `env` EXPBUF_* settings of their own; SIGKILL those still running on the way out."""
     started: list[ServerProcess] = []
 
     def start(data: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(data, "--metrics-port", "0", *args, env=env)
+        server = ServerProcess(data, *args, env=env)
         started.append(server)
         return server
 

@@ -39,7 +39,7 @@ def serve() -> Iterator[Callable[..., ServerProcess]]:
         yield start
 
 
-ROUNDS = scaled(3)
+ROUNDS = scaled(2)  # a kill, a restart on the killed data, a second kill; more with EXPBUF_SOAK_SCALE
 LEASE_SECONDS = 2.0
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
