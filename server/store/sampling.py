@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import lmdb
 
@@ -87,14 +87,14 @@ class Sampling:
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
 
             def attempt(
-                txn: lmdb.Transaction,
+                txn: lmdb.Transaction[bytes],
                 f: bool = final,
                 b: float = blocked,
                 a: tuple[str, ...] = acks,
                 i: int = table_id,
                 c: TableConfig = config,
-            ) -> Any:
-                def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
+            ) -> Sampled | limiter.SampleLimited | _Refused | None:
+                def take_in(t: lmdb.Transaction[bytes]) -> Sampled | limiter.SampleLimited | None:
                     return self._take(t, self.catalog.state(t, i, c), spec, f, b, hold, owner)
 
                 if not a:
@@ -117,7 +117,7 @@ class Sampling:
                 return None
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
-    def _isolated(self, txn: lmdb.Transaction, fn: Callable[[lmdb.Transaction], T]) -> T | _Refused:
+    def _isolated(self, txn: lmdb.Transaction[bytes], fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | _Refused:
         """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is
         returned, so that the rest of txn still commits. A full map or an LMDB error fails
         the whole transaction, as anywhere else."""
@@ -135,7 +135,7 @@ class Sampling:
 
     def _take(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         tt: TableState,
         spec: SampleSpec,
         final: bool,
@@ -195,7 +195,7 @@ class Sampling:
         """Return every batch held for a stream of an earlier run of the server; the
         streams that held them are gone. Returns the experiences requeued."""
 
-        def op(txn: lmdb.Transaction) -> int:
+        def op(txn: lmdb.Transaction[bytes]) -> int:
             held = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
             return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in held)
 
@@ -203,7 +203,7 @@ class Sampling:
 
     def end_lease(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         lease_id: str,
         *,
         requeue: bool,
