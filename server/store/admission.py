@@ -18,6 +18,7 @@ import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import lmdb
 
@@ -29,6 +30,14 @@ from .table_state import TableState
 
 # A grant older than a day is a lost worker, not a long rollout.
 MAX_GRANT_SECONDS = 86400.0
+
+
+class GrantRecord(TypedDict):
+    """A grant as stored (JSON): its table id, its rollouts and when it expires."""
+
+    t: int
+    n: int
+    e: float
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ def grant(tt: TableState, count: int, seconds: float) -> Grant:
     if granted == 0:
         return Grant(0)
     grant_id, expires = secrets.token_hex(8), tt.now + seconds
-    record = {"t": tt.table_id, "n": granted, "e": expires}
+    record: GrantRecord = {"t": tt.table_id, "n": granted, "e": expires}
     tt.txn.put(grant_id.encode(), json.dumps(record).encode(), db=tt.db["grants"])
     tt.txn.put(layout.expiry_key(expires, grant_id), b"", db=tt.db["grant_exp"])
     tt.counters.submitted += granted
@@ -69,12 +78,15 @@ def grant(tt: TableState, count: int, seconds: float) -> Grant:
     return Grant(granted, grant_id, expires)
 
 
-def read_grant(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], grant_id: str) -> dict | None:
+def read_grant(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], grant_id: str) -> GrantRecord | None:
     raw = txn.get(grant_id.encode(), db=dbs["grants"]) if 0 < len(grant_id) <= 64 else None
-    return None if raw is None else json.loads(raw)
+    if raw is None:
+        return None
+    record: GrantRecord = json.loads(raw)
+    return record
 
 
-def finish(tt: TableState, grant_id: str, record: dict, accepted: int | None, *, expired: bool = False) -> int:
+def finish(tt: TableState, grant_id: str, record: GrantRecord, accepted: int | None, *, expired: bool = False) -> int:
     """End a grant: `accepted` rollouts stay submitted (None: all), the others give their
     room back. Returns the rollouts given back."""
     count = record["n"]

@@ -14,7 +14,7 @@ class BatchRows:
     """A batch being read in one transaction, row by row. The advantages are the stored
     ones; a table with a batch stage finishes them where the reply is built (`stage`)."""
 
-    def __init__(self, txn: lmdb.Transaction, adv: lmdb._Database, config: TableConfig) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes | memoryview], adv: lmdb._Database, config: TableConfig) -> None:
         self.txn, self.adv, self.config = txn, adv, config
         self.computed = config.estimator != "none"  # a table without an estimator has no advantages
         self.blobs: list[bytes | memoryview] = []

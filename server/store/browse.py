@@ -15,6 +15,7 @@ import lmdb
 
 from ..selection import u64
 from .records import ItemRecord
+from .table_state import stored
 
 SCAN_PER_ITEM = 10
 _SEQ = struct.Struct(">Q")
@@ -40,7 +41,7 @@ class Page:
 
 
 def page(
-    txn: lmdb.Transaction,
+    txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
     prefix: bytes,
     *,
@@ -61,7 +62,7 @@ def page(
                 return Page(items, seq, False)
             budget -= 1
             uid = bytes(cur.value())
-            rec = ItemRecord.decode(txn.get(prefix + uid, db=dbs["items"]))
+            rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
             if _passes(rec, states, min_version, max_version):
                 items.append(Listed(uid.decode(), rec.group, rec.state, rec.version, rec.reward, rec.times_sampled))
             found = cur.next()

@@ -37,7 +37,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
         for gkey in _oldest_groups(tt):
             if gkey in keep:
                 continue
-            grp = tt.group(gkey)
+            grp = tt.existing_group(gkey)
             if grp.state != READY:  # a pending group still takes members; leased ones are out
                 continue
             retire(tt, [(gkey, grp)], EVICTED)
@@ -57,7 +57,7 @@ def _oldest_groups(tt: TableState) -> Iterator[str]:
             if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
                 return
             position = cur.key() + b"\0"
-            gkey = tt.item(cur.value().decode()).group
+            gkey = tt.existing_item(cur.value().decode()).group
         if gkey not in seen:
             seen.add(gkey)
             yield gkey

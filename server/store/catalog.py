@@ -64,10 +64,12 @@ class TableCatalog:
 
     # ---- a table's state in a transaction --------------------------------------------------
 
-    def state(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float | None = None) -> TableState:
+    def state(
+        self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float | None = None
+    ) -> TableState:
         return TableState(txn, self.db, table_id, config, self.clock() if now is None else now, self.extensions)
 
-    def state_of(self, txn: lmdb.Transaction, table_id: int) -> TableState | None:
+    def state_of(self, txn: lmdb.Transaction[bytes], table_id: int) -> TableState | None:
         """The state of the table with this id; None for a dropped table."""
         table = self.by_id(table_id)
         return None if table is None else self.state(txn, table_id, table[1])
@@ -78,7 +80,7 @@ class TableCatalog:
         """Create a table; True if created. An identical existing table is fine with exist_ok."""
         db = self.db
 
-        def op(txn: lmdb.Transaction) -> tuple[bool, int]:
+        def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int]:
             raw = txn.get(config.name.encode(), db=db["tables"])
             if raw is not None:
                 record = json.loads(raw)
@@ -100,7 +102,7 @@ class TableCatalog:
         table_id, _ = self.lookup(name)
         prefix, db = layout.table_prefix(table_id), self.db
 
-        def op(txn: lmdb.Transaction) -> int:
+        def op(txn: lmdb.Transaction[bytes]) -> int:
             counters = read_counters(txn, db["counters"], prefix)
             txn.delete(name.encode(), db=db["tables"])
             for part in layout.PER_TABLE:

@@ -15,7 +15,7 @@ from .counters import read_counters
 from .extensions import TableExtension
 from .kinds import ComputeJob
 from .records import COMPUTING, GroupRecord, ItemRecord
-from .table_state import Groups, TableState
+from .table_state import Groups, TableState, stored
 
 
 class ComputeQueue(TableExtension):
@@ -34,7 +34,7 @@ class ComputeQueue(TableExtension):
 
 
 def backlog(
-    txn: lmdb.Transaction,
+    txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
     table_of: Callable[[int], tuple[str, TableConfig] | None],
     after: int,
@@ -67,14 +67,14 @@ def backlog(
                 token_level = estimator_of(config).token_level
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
-                    grp = GroupRecord.decode(txn.get(prefix + gkey, db=dbs["groups"]))
+                    grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
                     job.groups.append(gkey.decode())
                     job.members.append(grp.members)
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
-                        job.records[uid] = ItemRecord.decode(txn.get(item_key, db=dbs["items"]))
+                        job.records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
                         if token_level:
-                            job.blobs[uid] = bytes(txn.get(item_key, db=dbs["blobs"]))
+                            job.blobs[uid] = stored(txn, item_key, dbs["blobs"], "payload of experience")
                     count += len(grp.members)
                     found = cur.next()
                 jobs.append(job)

@@ -10,6 +10,7 @@ did not keep) reads as that field's zero, and one holding a field this release d
 
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -85,7 +86,8 @@ class Counters:
 
     def in_state(self, state: str) -> int:
         """Experiences in `state`."""
-        return getattr(self, _BY_STATE[state])
+        count: int = getattr(self, _BY_STATE[state])
+        return count
 
     def add(self, state: str, count: int) -> None:
         """`count` more experiences in `state` (fewer when negative)."""
@@ -115,7 +117,7 @@ class Counters:
         """Every counter this release knows, by name."""
         return {name: getattr(self, name) for name in NAMES}
 
-    def encode(self) -> bytes:
+    def encode(self) -> builtins.bytes:  # `bytes` in this class is the counter
         """The stored form: the known counters, then the unknown ones as they were read."""
         return json.dumps(self.to_dict() | self.unknown, separators=(",", ":")).encode()
 
@@ -135,7 +137,7 @@ class Counters:
         return counters
 
     @classmethod
-    def decode(cls, raw: bytes | memoryview | None) -> Counters:
+    def decode(cls, raw: builtins.bytes | memoryview | None) -> Counters:
         return cls() if raw is None else cls.from_dict(json.loads(bytes(raw)))
 
 
@@ -157,12 +159,12 @@ _GROUPS_BY_STATE = {
 }
 
 
-def read_counters(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> Counters:
+def read_counters(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> Counters:
     """A table's stored counters (zero for a table that has none yet)."""
     return Counters.decode(txn.get(prefix, db=db))
 
 
-def stored_names(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> frozenset[str] | None:
+def stored_names(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> frozenset[str] | None:
     """The counters a table's stored form holds (None: nothing stored): which release wrote it."""
     raw = txn.get(prefix, db=db)
     return None if raw is None else frozenset(json.loads(bytes(raw)))

@@ -13,18 +13,19 @@ state (LMDB is copy-on-write).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
 from expbuf.client import trxp
 
 from ..advantage_storage import batch_payload
-from ..errors import TableFull
+from ..errors import InsertLimited, TableFull
 from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
 from . import admission, browse, deliverable, groups, integrity, layout, limiter, retirement, staleness
@@ -40,8 +41,10 @@ from .migrate import migrate
 from .records import ItemRecord
 from .sampling import Sampling
 from .staleness import StaleEviction
-from .table_state import TableState
+from .table_state import TableState, stored
 from .upkeep import Upkeep
+
+T = TypeVar("T")
 
 
 class Store:
@@ -95,7 +98,7 @@ class Store:
                 if limiter.counted_before(txn, self.db["counters"], layout.table_prefix(table_id))
             ]
 
-        def op(txn: lmdb.Transaction) -> None:
+        def op(txn: lmdb.Transaction[bytes]) -> None:
             for table_id, config in due:
                 limiter.recount(self.catalog.state(txn, table_id, config))
 
@@ -114,11 +117,11 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _in_table(self, table: str, fn: Callable[[TableState], Any]) -> Any:
+    def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
         """Run `fn` on one table in the writer's next transaction."""
         table_id, config = self.catalog.lookup(table)
 
-        def op(txn: lmdb.Transaction) -> Any:
+        def op(txn: lmdb.Transaction[bytes]) -> T:
             self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
             return fn(self.catalog.state(txn, table_id, config))
 
@@ -165,12 +168,13 @@ class Store:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             try:
-                result = self._in_table(table, lambda tt, f=final, b=blocked: self._put(tt, entries, f, b, limit))
+                put = functools.partial(self._put, entries=entries, final=final, blocked=blocked, reply_limit=limit)
+                result = self._in_table(table, put)
             except TableFull:
                 if config.when_full != "block" or final:
                     raise
             else:
-                if not isinstance(result, limiter.InsertLimited):
+                if not isinstance(result, InsertLimited):
                     return result
                 if final:
                     raise result
@@ -180,7 +184,7 @@ class Store:
     @staticmethod
     def _put(
         tt: TableState, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
-    ) -> PutResult | limiter.InsertLimited:
+    ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline); refuse them if a group would not
         fit in one Sample reply of reply_limit bytes."""
@@ -287,7 +291,7 @@ class Store:
                 if blob is None:
                     missing.append(uid)
                     continue
-                rows.add(key, ItemRecord.decode(txn.get(key, db=self.db["items"])), blob)
+                rows.add(key, ItemRecord.decode(stored(txn, key, self.db["items"], "experience")), blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage.run(rows.advantages)
             return batch_payload(rows.blobs, advantages), missing
@@ -315,7 +319,7 @@ class Store:
             counters = read_counters(txn, self.db["counters"], prefix)
             with txn.cursor(db=self.db["order"]) as cur:
                 if cur.set_range(prefix) and cur.key().startswith(prefix):
-                    rec = ItemRecord.decode(txn.get(prefix + cur.value(), db=self.db["items"]))
+                    rec = ItemRecord.decode(stored(txn, prefix + cur.value(), self.db["items"], "experience"))
                     oldest = max(0.0, self.clock() - rec.created)
         batch = self.sampling.counted(table_id)
         if batch is not None:  # the batch stage's clip, counted in memory since the server started
@@ -340,7 +344,7 @@ class Store:
         others (upkeep.py)."""
         now = self.clock()
 
-        def end_lease(txn: lmdb.Transaction, lease_id: str) -> int:
+        def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
             return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
 
         return self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
@@ -38,9 +38,10 @@ from . import layout
 from .snapshot import Snapshot
 
 T = TypeVar("T")
+V = TypeVar("V", bytes, memoryview)
 # What brings a directory to the current format (migrate.py's `migrate`), given by the Store:
 # it works on tables, a layer above the environment.
-Migration = Callable[[lmdb.Transaction, lmdb.Environment, dict[str, lmdb._Database], Path], Any]
+Migration = Callable[["lmdb.Transaction[bytes]", lmdb.Environment, dict[str, lmdb._Database], Path], Any]
 # What LMDB, or the format's records, raise on a damaged page (a full disk or map is not damage).
 _DAMAGE = (
     lmdb.CorruptedError,
@@ -60,8 +61,8 @@ MAX_SNAPSHOTS = 16
 
 @dataclass(frozen=True)
 class _Op:
-    fn: Callable[[lmdb.Transaction], Any]
-    future: Future
+    fn: Callable[[lmdb.Transaction[bytes]], Any]
+    future: Future[Any]
 
 
 class Environment:
@@ -164,9 +165,9 @@ class Environment:
 
     # ---- writes ----------------------------------------------------------------------
 
-    def submit(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def submit(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
         """Run `fn` in the writer thread's next transaction; return once it is committed."""
-        future: Future = Future()
+        future: Future[T] = Future()
         with self._closing:
             if self._closed or self.readonly:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
@@ -243,7 +244,7 @@ class Environment:
                 op.future.set_exception(value)
 
     @staticmethod
-    def _run(op: _Op, txn: lmdb.Transaction) -> tuple[bool, Any]:
+    def _run(op: _Op, txn: lmdb.Transaction[bytes]) -> tuple[bool, Any]:
         """Run one request; a refusal is its result, a full map aborts the whole batch."""
         try:
             return True, op.fn(txn)
@@ -270,13 +271,29 @@ class Environment:
 
     # ---- reads and changes -------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def read(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+    @overload
+    def read(
+        self, *, buffers: Literal[False] = False
+    ) -> contextlib.AbstractContextManager[lmdb.Transaction[bytes]]: ...
+    @overload
+    def read(self, *, buffers: Literal[True]) -> contextlib.AbstractContextManager[lmdb.Transaction[memoryview]]: ...
+    def read(
+        self, *, buffers: bool = False
+    ) -> (
+        contextlib.AbstractContextManager[lmdb.Transaction[bytes]]
+        | contextlib.AbstractContextManager[lmdb.Transaction[memoryview]]
+    ):
         """A read transaction (never while the map is being resized); with `buffers`, its
         values are views into the map, valid inside the block."""
+        if buffers:
+            return self._reading(lambda: self.env.begin(buffers=True))
+        return self._reading(lambda: self.env.begin())
+
+    @contextlib.contextmanager
+    def _reading(self, begin: Callable[[], lmdb.Transaction[V]]) -> Iterator[lmdb.Transaction[V]]:
         self._enter_reader()
         try:
-            with self.env.begin(buffers=buffers) as txn:
+            with begin() as txn:
                 yield txn
         finally:
             self._leave_reader()

@@ -107,7 +107,9 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
     (written by save), payloads and places in the insertion order."""
     counters = tt.counters
     prefix, now, seq, nbytes = tt.prefix, tt.now, counters.next_seq, 0
-    blobs, order, versions = [], [], []
+    blobs: list[tuple[bytes, bytes]] = []
+    order: list[tuple[bytes, bytes]] = []  # insertion order: T + seq -> uid
+    versions: list[int] = []
     for gkey, members in by_group.items():
         grp = groups[gkey]
         for entry in members:
@@ -173,15 +175,15 @@ def complete(
         return False
     if indexed:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-    versions = [rec.version for rec in recs.values()]
-    grp.version = None if None in versions or not versions else min(versions)
+    versions = [rec.version for rec in recs.values() if rec.version is not None]
+    grp.version = min(versions) if versions and len(versions) == len(recs) else None
     grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
     grp.rseq = tt.counters.next_rseq
     tt.counters.next_rseq += 1
     if tt.config.estimator == "none":
         tt.set_state(gkey, grp, recs, READY)
         limiter.became_ready(tt, len(recs))
-        row = (gkey.encode(), grp.rseq, grp.priority, grp.version)
+        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
         if ready is None:
             tt.ready.add(*row)
         else:
@@ -230,7 +232,7 @@ def finish_compute(
                     tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
             tt.set_state(gkey, grp, recs, READY)
             limiter.became_ready(tt, len(recs))
-            tt.ready.add(gkey.encode(), grp.rseq, grp.priority, grp.version)
+            tt.ready.add(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
     tt.save()
 
 
@@ -244,7 +246,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
             expired.append(cur.key()[12:].decode())
             found = cur.next()
     for gkey in expired:
-        grp = tt.group(gkey)
+        grp = tt.existing_group(gkey)
         if tt.config.on_group_timeout == "drop":
             retire(tt, [(gkey, grp)], DROPPED)
             tt.counters.groups_dropped += 1

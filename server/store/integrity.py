@@ -40,7 +40,7 @@ _SHOWN = 20  # problems shown per table at most; the count says how many more
 
 
 def at_open(
-    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], path: Path, now: float, *, full: bool = True
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], path: Path, now: float, *, full: bool = True
 ) -> None:
     """Refuse a damaged directory before it is served: raises Damaged naming the first problem.
 
@@ -56,7 +56,12 @@ def at_open(
 
 
 def scan(
-    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], now: float, *, strays: bool = True, tables: bool = True
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    now: float,
+    *,
+    strays: bool = True,
+    tables: bool = True,
 ) -> dict[str, list[str]]:
     """Every problem of the directory, by table name ("" for the directory's own records);
     `strays` also counts the entries that belong to no table, and `tables` checks each table's
@@ -81,7 +86,10 @@ def scan(
 
 
 def _directory(
-    txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]], problems: list
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    tables: dict[str, tuple[int, TableConfig]],
+    problems: list[str],
 ) -> None:
     """The format record, the catalogue, each table's counters, the leases and the grants."""
     raw = txn.get(b"format", db=dbs["meta"])
@@ -122,7 +130,9 @@ def _directory(
             problems.append(f"grant {bytes(key)[:60]!r} does not decode ({exc})")
 
 
-def _strays(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]]) -> list:
+def _strays(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]]
+) -> list[str]:
     known = {layout.table_prefix(table_id) for table_id, _ in tables.values()}
     problems = []
     for name in layout.PER_TABLE:
@@ -172,7 +182,7 @@ def verify(tt: TableState) -> list[str]:
                 problems.append(f"ready group {gkey} is missing from the uniform slots")
             if grp.version is not None:
                 versioned += 1
-                raw = txn.get(p + version_key(grp.version) + u64(grp.rseq), db=db["byver"])
+                raw = txn.get(p + version_key(grp.version) + u64(grp.ready_seq), db=db["byver"])
                 if raw is None or raw[8:] != gkey.encode():
                     problems.append(f"ready group {gkey} is missing from the version index")
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:

@@ -63,7 +63,8 @@ class Entry:
         )
 
     def group_key(self, group_by: str) -> str:
-        return getattr(self, GROUP_KEY_OF[group_by])
+        key: str = getattr(self, GROUP_KEY_OF[group_by])
+        return key
 
 
 @dataclass

@@ -46,7 +46,8 @@ def table_prefix(table_id: int) -> bytes:
 
 
 def table_of(key: bytes) -> int:
-    return _U32.unpack(key[:4])[0]
+    table_id: int = _U32.unpack(key[:4])[0]
+    return table_id
 
 
 def micros(seconds: float) -> bytes:
@@ -59,4 +60,5 @@ def expiry_key(expires: float, lease_id: str) -> bytes:
 
 
 def expiry_of(key: bytes) -> float:
-    return _U64.unpack(key[:8])[0] / 1e6
+    stamp: int = _U64.unpack(key[:8])[0]
+    return stamp / 1e6

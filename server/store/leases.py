@@ -13,24 +13,25 @@ from __future__ import annotations
 import contextlib
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 
 import lmdb
 
 from ..advantage_storage import StageCounts
+from ..errors import SampleLimited
 from ..sample_spec import SampleSpec
 from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .kinds import Sampled
-from .limiter import SampleLimited, sample_limit
+from .limiter import sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
 from .retirement import retire
 from .snapshot import Snapshot
 from .staleness import report
-from .table_state import TableState
+from .table_state import TableState, stored
 
 
-def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
+def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
     raw = txn.get(lease_id.encode(), db=db) if len(lease_id) <= 64 else None
     return None if raw is None else Lease.decode(raw)
 
@@ -64,10 +65,10 @@ def take(
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     chosen = []
     total = 0
-    with contextlib.closing(tt.ready.candidates(spec.order, rng, spec.min_model_version)) as candidates:
+    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
         for gkey_raw in candidates:
             gkey = gkey_raw.decode()
-            grp = tt.group(gkey)
+            grp = tt.existing_group(gkey)
             chosen.append((gkey, grp))
             total += len(grp.members)
             if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
@@ -108,7 +109,7 @@ def take(
         retire(tt, [(gkey, grp) for gkey, grp in chosen if gkey in spent], CONSUMED)
         reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
     elif delivery == "lease":
-        tt.ready.remove_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in chosen])
+        tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
         for _, grp in chosen:
             grp.lease = batch.lease_id
         tt.set_states(taken, LEASED)
@@ -129,6 +130,11 @@ def take(
     return batch
 
 
+def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
+    """`keys` as a generator: closing it closes them, and the cursors they read from."""
+    yield from keys
+
+
 class _Payloads:
     """Reads the stored payloads of a batch being taken: from the snapshot, a view, for an
     experience that was stored before the snapshot's state (its insertion number is at most
@@ -143,7 +149,7 @@ class _Payloads:
     def read(self, key: bytes, rec: ItemRecord) -> bytes | memoryview:
         blobs = self.tt.db["blobs"]
         view = self.snapshot.get(key, blobs) if self.snapshot is not None and rec.seq <= self.newest else None
-        return view if view is not None else self.tt.txn.get(key, db=blobs)
+        return view if view is not None else stored(self.tt.txn, key, blobs, "payload of experience")
 
 
 def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
@@ -169,5 +175,5 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
                 tt.counters.bytes_sampled -= rec.size
             limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
-    tt.ready.add_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in ended])
+    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in ended])
     return sum(len(grp.members) for _, grp in ended)

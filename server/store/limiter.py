@@ -68,7 +68,7 @@ def forget(tt: TableState, records: Iterable[ItemRecord]) -> None:
             tt.counters.rate_sampled -= rec.times_sampled
 
 
-def counted_before(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bool:
+def counted_before(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bool:
     """Whether a table's stored counters (in `db`, at its `prefix`) are of an older build,
     which counted every push: `recount` is due."""
     stored = stored_names(txn, db, prefix)

@@ -31,7 +31,7 @@ from .table_state import TableState
 _KEY = b"format"
 
 
-def migrate(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._Database], path: Path) -> int:
+def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database], path: Path) -> int:
     """Check the format of the directory and bring it to layout.FORMAT; returns the format found."""
     raw = txn.get(_KEY, db=dbs["meta"])
     # a directory without a recorded format is new, or of format 1 if it holds tables
@@ -50,7 +50,7 @@ def migrate(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
     return found
 
 
-def _from_1(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
+def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
     for db, kind in (("groups", GroupRecord), ("leases", Lease)):
         rewritten = [(bytes(key), kind.from_v1(json.loads(value)).encode()) for key, value in txn.cursor(db=dbs[db])]
         for key, value in rewritten:
@@ -66,7 +66,7 @@ def _from_1(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lmdb._D
         txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
 
 
-def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
     """Format 1's grpo over the batch's std and its reinforce++ stored final advantages;
     today their namesakes store per-group values that a batch stage finishes at sample
     time. Their ready groups are computed again (leased ones are out: their lease ends
@@ -79,8 +79,8 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Da
         tt = TableState(txn, dbs, record["id"], config, 0.0, Extensions())  # queues its groups itself
         for gkey_raw in list(tt.ready.scan(dbs["ready"], reverse=False)):
             gkey = bytes(gkey_raw).decode()
-            grp = tt.group(gkey)
-            tt.ready.remove(gkey_raw, grp.rseq, grp.priority, grp.version)
+            grp = tt.existing_group(gkey)
+            tt.ready.remove(gkey_raw, grp.ready_seq, grp.priority, grp.version)
             recs = tt.members(grp)
             for rec in recs.values():
                 rec.advantage = None
@@ -89,10 +89,10 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Da
         tt.save()
 
 
-def _version_index(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> None:
+def _version_index(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
     """Index every ready group by its version, as selection.py keeps it from now on."""
     ready = ReadyDbs.of(dbs)
     for key, raw in txn.cursor(db=dbs["groups"]):
         grp = GroupRecord.decode(raw)
         if grp.state == READY:
-            ReadyIndex(ready, txn, key[:4]).add_version(key[4:], grp.rseq, grp.priority, grp.version)
+            ReadyIndex(ready, txn, key[:4]).add_version(key[4:], grp.ready_seq, grp.priority, grp.version)

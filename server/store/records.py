@@ -225,6 +225,13 @@ class GroupRecord:
         )
         return head + _pack_str(self.lease) + _pack_strs(self.members)
 
+    @property
+    def ready_seq(self) -> int:
+        """Its place in the ready order, which a group has from the moment it is complete."""
+        if self.rseq is None:
+            raise ValueError(f"a {self.state} group that was never complete has no place in the ready order")
+        return self.rseq
+
     @classmethod
     def decode(cls, data: bytes | memoryview) -> GroupRecord:
         state, partial, created, rseq, priority, version = cls._HEAD.unpack_from(data)

@@ -16,7 +16,7 @@ from .records import CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecor
 from .table_state import TableState
 
 
-def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
+def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
     """Delete keys (absent ones are no error) from one database."""
     for key in keys:
         txn.delete(key, db=db)
@@ -33,8 +33,8 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:
-                limiter.forget(tt, [rec for rec in tt.members(grp).values() if rec is not None])
-    ready = [(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+                limiter.forget(tt, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
+    ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
     tt.ready.remove_many(ready)
     for gkey, grp in groups:
         if grp.state != READY:
@@ -74,7 +74,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
 def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
     """A group leaves the ready or pending index (the others are the extensions')."""
     if grp.state == READY:
-        tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
+        tt.ready.remove(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
     elif grp.state == PENDING:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
 
@@ -121,7 +121,7 @@ def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
 def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     """Forget tombstones retired before the cutoff (at most `limit` per call)."""
     cutoff = layout.micros(retired_before)
-    expired = []
+    expired: list[str] = []
     with tt.txn.cursor(db=tt.db["retired"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
@@ -153,7 +153,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         tt.counters.add(rec.state, -1)
         deleted += 1
         drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
-        grp = tt.group(rec.group)
+        grp = tt.existing_group(rec.group)
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)

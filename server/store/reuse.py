@@ -40,7 +40,7 @@ def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None
     config = tt.config
     if not groups or not reuses(config):
         return
-    tt.ready.remove_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp, _ in groups])
+    tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups])
     for _, grp, recs in groups:
         uses = max(rec.times_sampled for rec in recs.values())
         grp.priority = max(rec.priority for rec in recs.values()) - config.priority_decay * uses
@@ -87,5 +87,5 @@ def _ready_again(tt: TableState, groups: Sequence[Taken]) -> None:
         grp.rseq = tt.counters.next_rseq
         tt.counters.next_rseq += 1
         tt.put_group(gkey, grp)
-        rows.append((gkey.encode(), grp.rseq, grp.priority, grp.version))
+        rows.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
     tt.ready.add_many(rows)

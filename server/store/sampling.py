@@ -11,15 +11,15 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import lmdb
 
 from ..advantage_storage import StageCounts
-from ..errors import Forbidden, InvalidRequest, NotFound, clip
+from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
 from ..sample_spec import SampleSpec
 from ..tables import TableConfig
-from . import layout, limiter, reuse, staleness
+from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
 from .kinds import Sampled
@@ -87,14 +87,14 @@ class Sampling:
             table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
 
             def attempt(
-                txn: lmdb.Transaction,
+                txn: lmdb.Transaction[bytes],
                 f: bool = final,
                 b: float = blocked,
                 a: tuple[str, ...] = acks,
                 i: int = table_id,
                 c: TableConfig = config,
-            ) -> Any:
-                def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
+            ) -> Sampled | SampleLimited | _Refused | None:
+                def take_in(t: lmdb.Transaction[bytes]) -> Sampled | SampleLimited | None:
                     return self._take(t, self.catalog.state(t, i, c), spec, f, b, hold, owner)
 
                 if not a:
@@ -107,7 +107,7 @@ class Sampling:
             acks = ()
             if isinstance(result, _Refused):
                 raise result.error
-            if isinstance(result, limiter.SampleLimited):
+            if isinstance(result, SampleLimited):
                 if final:
                     raise result
                 held = True
@@ -117,7 +117,7 @@ class Sampling:
                 return None
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
-    def _isolated(self, txn: lmdb.Transaction, fn: Callable[[lmdb.Transaction], T]) -> T | _Refused:
+    def _isolated(self, txn: lmdb.Transaction[bytes], fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | _Refused:
         """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is
         returned, so that the rest of txn still commits. A full map or an LMDB error fails
         the whole transaction, as anywhere else."""
@@ -135,14 +135,14 @@ class Sampling:
 
     def _take(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         tt: TableState,
         spec: SampleSpec,
         final: bool,
         blocked: float,
         hold: bool,
         owner: str,
-    ) -> Sampled | limiter.SampleLimited | None:
+    ) -> Sampled | SampleLimited | None:
         """One attempt. A request whose trainer version would move the table's (and evict
         what falls stale) takes in a nested transaction, kept only when a batch is taken:
         the version is stored with a batch, and a waiting request changes nothing; while the
@@ -150,7 +150,7 @@ class Sampling:
         partial = spec.allow_partial and final
         reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
-        def attempt(t: TableState) -> Sampled | limiter.SampleLimited | None:
+        def attempt(t: TableState) -> Sampled | SampleLimited | None:
             return take(
                 t, spec, partial, self.rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
                 counts=self.stage_counts(tt.table_id),
@@ -195,7 +195,7 @@ class Sampling:
         """Return every batch held for a stream of an earlier run of the server; the
         streams that held them are gone. Returns the experiences requeued."""
 
-        def op(txn: lmdb.Transaction) -> int:
+        def op(txn: lmdb.Transaction[bytes]) -> int:
             held = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
             return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in held)
 
@@ -203,7 +203,7 @@ class Sampling:
 
     def end_lease(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         lease_id: str,
         *,
         requeue: bool,

@@ -27,8 +27,8 @@ Value = bytes | memoryview
 class Snapshot:
     """One read transaction with buffers, and the lists of views read from it."""
 
-    def __init__(self, txn: lmdb.Transaction, done: Callable[[], None]) -> None:
-        self._txn: lmdb.Transaction | None = txn
+    def __init__(self, txn: lmdb.Transaction[memoryview], done: Callable[[], None]) -> None:
+        self._txn: lmdb.Transaction[memoryview] | None = txn
         self._done = done
         self._lock = threading.Lock()
         self._held: list[list[Value]] = []

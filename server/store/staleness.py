@@ -22,6 +22,8 @@ extensions.py): it runs when the version moves and at each upkeep.
 
 from __future__ import annotations
 
+from typing import overload
+
 from ..errors import VersionJump
 from .extensions import TableExtension
 from .records import DROPPED, READY
@@ -60,6 +62,10 @@ def next_version(tt: TableState, reported: int | None) -> int | None:
     return reported
 
 
+@overload
+def report(tt: TableState, reported: int) -> int: ...  # a version was reported: one is stored
+@overload
+def report(tt: TableState, reported: int | None) -> int | None: ...
 def report(tt: TableState, reported: int | None) -> int | None:
     """Store a trainer's report (see next_version); the table's extensions hear of a move
     (with evict_stale, a first bounded batch of the groups that fell stale is dropped).

@@ -9,10 +9,11 @@ layer above) are reached through `extensions`, as the `Events` they answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import lmdb
 
+from ..errors import StoreError, clip
 from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
 from ..tables import TableConfig
 from . import layout
@@ -22,6 +23,21 @@ from .records import LIVE, GroupRecord, ItemRecord
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 Groups = Sequence[tuple[str, GroupRecord]]
+V = TypeVar("V", bytes, memoryview)
+
+
+def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) -> V:
+    """The value of a table's key (its id, then a name) that an index or a record names, so
+    it is stored: one that is not is damage, refused by name rather than read as nothing."""
+    value = txn.get(key, db=db)
+    if value is None:
+        raise missing(what, bytes(key[4:]).decode(errors="replace"))
+    return value
+
+
+def missing(what: str, name: str) -> StoreError:
+    """The refusal of a record or payload that is named but not stored: the directory is damaged."""
+    return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
 
 
 class Events(Protocol):
@@ -41,7 +57,7 @@ class TableState:
 
     def __init__(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         dbs: dict[str, lmdb._Database],
         table_id: int,
         config: TableConfig,
@@ -57,14 +73,13 @@ class TableState:
         # written once, by save().
         self._items: dict[str, Cached] = {}
         self._groups: dict[str, GroupRecord | None] = {}
-        self._dirty_items: set[str] = set()
-        self._dirty_groups: set[str] = set()
+        self._dirty_items: dict[str, ItemRecord] = {}
+        self._dirty_groups: dict[str, GroupRecord] = {}
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
-        items, groups = self._items, self._groups
-        put_rows(self.txn, self.db["items"], [(self.key(uid), items[uid].encode()) for uid in self._dirty_items])
-        put_rows(self.txn, self.db["groups"], [(self.key(gkey), groups[gkey].encode()) for gkey in self._dirty_groups])
+        put_rows(self.txn, self.db["items"], [(self.key(uid), rec.encode()) for uid, rec in self._dirty_items.items()])
+        put_rows(self.txn, self.db["groups"], [(self.key(gkey), g.encode()) for gkey, g in self._dirty_groups.items()])
         self._dirty_items.clear()
         self._dirty_groups.clear()
         self.txn.put(self.prefix, self.counters.encode(), db=self.db["counters"])
@@ -80,6 +95,13 @@ class TableState:
             self._items[uid] = None if raw is None else ItemRecord.decode(raw)
         return self._items[uid]
 
+    def existing_item(self, uid: str) -> ItemRecord:
+        """The record of an experience an index or its group names, which exists while they do."""
+        rec = self.item(uid)
+        if rec is None:
+            raise missing("experience", uid)
+        return rec
+
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:
         a caller that only rewrites a few bytes of the others (retirement.py) leaves them
@@ -87,12 +109,11 @@ class TableState:
         return (True, self._items[uid]) if uid in self._items else (False, None)
 
     def put_item(self, uid: str, rec: ItemRecord) -> None:
-        self._items[uid] = rec
-        self._dirty_items.add(uid)
+        self._items[uid] = self._dirty_items[uid] = rec
 
     def forget_item(self, uid: str) -> None:
         self._items[uid] = None
-        self._dirty_items.discard(uid)
+        self._dirty_items.pop(uid, None)
         self.txn.delete(self.key(uid), db=self.db["items"])
 
     def group(self, gkey: str) -> GroupRecord | None:
@@ -101,17 +122,23 @@ class TableState:
             self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
         return self._groups[gkey]
 
+    def existing_group(self, gkey: str) -> GroupRecord:
+        """The record of a group an index or a member names, which exists while they do."""
+        grp = self.group(gkey)
+        if grp is None:
+            raise missing("group", gkey)
+        return grp
+
     def put_group(self, gkey: str, grp: GroupRecord) -> None:
-        self._groups[gkey] = grp
-        self._dirty_groups.add(gkey)
+        self._groups[gkey] = self._dirty_groups[gkey] = grp
 
     def forget_group(self, gkey: str) -> None:
         self._groups[gkey] = None
-        self._dirty_groups.discard(gkey)
+        self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
 
     def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
-        return {uid: self.item(uid) for uid in grp.members}
+        return {uid: self.existing_item(uid) for uid in grp.members}
 
     # ---- keys of the per-table indexes ---------------------------------------------------
 
@@ -122,7 +149,7 @@ class TableState:
         return self.prefix + layout.micros(rec.retired or 0.0) + uid.encode()
 
     def rseq_key(self, grp: GroupRecord) -> bytes:
-        return self.prefix + u64(grp.rseq)
+        return self.prefix + u64(grp.ready_seq)
 
     # ---- states and their counts ---------------------------------------------------------
 

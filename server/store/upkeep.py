@@ -16,6 +16,7 @@ group and the oldest tombstone are the first keys of their time-ordered indexes,
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -50,9 +51,9 @@ class Upkeep:
 
     def run(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[bytes],
         now: float,
-        end_lease: Callable[[lmdb.Transaction, str], int],
+        end_lease: Callable[[lmdb.Transaction[bytes], str], int],
     ) -> dict[str, int]:
         """One round of upkeep: expired leases (`end_lease` requeues one, the sampling
         service's) and grants, then every table; counts of what was done."""
@@ -72,7 +73,7 @@ class Upkeep:
             0,
         )
 
-        def expire(t: lmdb.Transaction, key: bytes) -> int:
+        def expire(t: lmdb.Transaction[bytes], key: bytes) -> int:
             lease_id = key[8:]
             if t.get(lease_id, db=self.db["leases"]) is None:  # an expiry without its lease
                 t.delete(key, db=self.db["lease_exp"])
@@ -80,12 +81,12 @@ class Upkeep:
             return end_lease(t, lease_id.decode())
 
         for key in self.expired(txn, now):
-            requeued = self.isolated(txn, f"lease {key[8:]!r}", lambda t, k=key: expire(t, k))
+            requeued = self.isolated(txn, f"lease {key[8:]!r}", functools.partial(expire, key=key))
             done["failed"] += requeued is None
             done["leases_expired"] += requeued is not None
             done["requeued"] += requeued or 0
         for key in self.expired(txn, now, "grant_exp"):
-            returned = self.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: self.expire_grant(t, k))
+            returned = self.isolated(txn, f"grant {key[8:]!r}", functools.partial(self.expire_grant, key=key))
             done["failed"] += returned is None
             done["rollouts_returned"] += returned or 0
         if now - self._last_sweep >= SWEEP_SECONDS:
@@ -101,7 +102,7 @@ class Upkeep:
                 continue
             done["tables_worked"] += 1
             where = f"table {config.name}"
-            result = self.isolated(txn, where, lambda t, i=table_id, c=config: self.table(t, i, c, now))
+            result = self.isolated(txn, where, functools.partial(self.table, table_id=table_id, config=config, now=now))
             if result is None:
                 done["failed"] += 1
                 self._active.add(table_id)  # tried again at the next pass
@@ -114,14 +115,14 @@ class Upkeep:
         return done
 
     @staticmethod
-    def _oldest(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bytes | None:
+    def _oldest(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bytes | None:
         """The time (8 sortable bytes) of the first key of a table in a time-ordered index."""
         with txn.cursor(db=db) as cur:
             if cur.set_range(prefix) and cur.key().startswith(prefix):
                 return bytes(cur.key()[4:12])
         return None
 
-    def due(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> bool:
+    def due(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float) -> bool:
         """Whether a table has upkeep to do now: an incomplete group to time out, a tombstone to
         forget, or (evict_stale) a trainer version that may have left stale groups."""
         prefix = layout.table_prefix(table_id)
@@ -137,7 +138,7 @@ class Upkeep:
                 return True
         return False
 
-    def waiting(self, txn: lmdb.Transaction, table_id: int, config: TableConfig) -> bool:
+    def waiting(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig) -> bool:
         """Whether a table holds what will fall due without another write: incomplete groups
         that time out, or tombstones to forget."""
         prefix = layout.table_prefix(table_id)
@@ -145,7 +146,7 @@ class Upkeep:
             return True
         return config.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
 
-    def expired(self, txn: lmdb.Transaction, now: float, index: str = "lease_exp") -> list[bytes]:
+    def expired(self, txn: lmdb.Transaction[bytes], now: float, index: str = "lease_exp") -> list[bytes]:
         """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
         expired = []
         with txn.cursor(db=self.db[index]) as cur:
@@ -155,18 +156,20 @@ class Upkeep:
                 expired.append(bytes(key))
         return expired
 
-    def expire_grant(self, txn: lmdb.Transaction, key: bytes) -> int:
+    def expire_grant(self, txn: lmdb.Transaction[bytes], key: bytes) -> int:
         """An expired grant gives its rollouts back (admission.py); returns them."""
         grant_id = key[8:].decode()
         record = admission.read_grant(txn, self.db, grant_id)
         tt = None if record is None else self.catalog.state_of(txn, record["t"])
-        if tt is None:  # an expiry without its grant, or the grant of a dropped table
+        if record is None or tt is None:  # an expiry without its grant, or the grant of a dropped table
             txn.delete(key, db=self.db["grant_exp"])
             txn.delete(grant_id.encode(), db=self.db["grants"])
             return 0
         return admission.finish(tt, grant_id, record, 0, expired=True)
 
-    def table(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> tuple[int, int, int]:
+    def table(
+        self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float
+    ) -> tuple[int, int, int]:
         """Time out incomplete groups, run the extensions' upkeep (stale ready groups evicted)
         and prune tombstones of one table."""
         tt = self.catalog.state(txn, table_id, config, now)
@@ -177,7 +180,7 @@ class Upkeep:
             tt.save()
         return timed_out, pruned, stale
 
-    def isolated(self, txn: lmdb.Transaction, what: str, fn: Callable[[lmdb.Transaction], T]) -> T | None:
+    def isolated(self, txn: lmdb.Transaction[bytes], what: str, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | None:
         """Run one piece in a nested transaction; on failure undo it, log it once per
         distinct reason, count it, and return None."""
         child = self.env.begin(write=True, parent=txn)
