@@ -204,13 +204,14 @@ _FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
 
 def join(
     payloads: Iterable[bytes],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None = None,
 ) -> bytes:
     """Concatenate payloads the server stored (already validated) into one batch.
 
     Payloads made by pack_item are spliced: their metadata opcodes and tensor bytes are
     copied as they are, and only the safetensors header is rewritten. `extra(i, tensors)`
-    may add or replace tensors of item i (the server attaches advantages this way).
+    may add, replace or (with None) remove tensors of item i (the server attaches
+    advantages this way).
     Payloads of any other layout are parsed and rebuilt.
     """
     return b"".join(join_parts(payloads, extra))
@@ -218,7 +219,7 @@ def join(
 
 def join_parts(
     payloads: Iterable[bytes | memoryview],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None = None,
 ) -> list[bytes | memoryview]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
     the batch (in a reply message, say) copies each byte once.
@@ -241,18 +242,18 @@ def join_parts(
         (header_len,) = struct.unpack_from("<Q", blob)
         section = blob[8 + header_len :]
         stored, whole = _stored_tensors(bytes(blob[8 : 8 + header_len]), len(section))
-        if whole and extra is None:  # the section as it is, its offsets moved by base
+        added: dict[str, RawTensor | None] = {}
+        if extra is not None:
+            added = extra(
+                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
+            )
+        if whole and not added:  # the section as it is, its offsets moved by base
             entries.extend(
                 [_ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
             )
             data.append(section)
             base += len(section)
             continue
-        added: dict[str, RawTensor] = {}
-        if extra is not None:
-            added = extra(
-                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
-            )
         kept = [t for t in stored if t[0].decode() not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
         data.extend([section] if whole and len(kept) == len(stored) else [section[t[3] : t[4]] for t in kept])
@@ -260,6 +261,8 @@ def join_parts(
             entries.append(_ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for name, tensor in added.items():
+            if tensor is None:
+                continue
             dims = b",".join([b"%d" % dim for dim in tensor.shape])
             entries.append(
                 _ENTRY % (index, _json_text(name), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
@@ -325,10 +328,14 @@ def _shape(text: bytes) -> tuple[int, ...]:
 
 
 def _rebuild(
-    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
+    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None
 ) -> bytes:
     items = [item for payload in payloads for item in parse(payload, trusted=True)]
     if extra:
         for index, item in enumerate(items):
-            item.tensors.update(extra(index, item.tensors))
+            for name, tensor in extra(index, item.tensors).items():
+                if tensor is None:
+                    item.tensors.pop(name, None)
+                else:
+                    item.tensors[name] = tensor
     return build(items)
