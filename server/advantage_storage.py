@@ -65,9 +65,11 @@ def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Adva
 
 def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
-    Experiences whose advantage is SENT_APART get none (and lose any pushed with them)."""
+    A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
     if all(a is None for a in advantages):
         return trxp.join_parts(blobs)
+    if all(a is SENT_APART for a in advantages):
+        return trxp.join_parts(blobs, drop=ADDED)
     return trxp.join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
 
 
@@ -84,12 +86,10 @@ def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -
     ]
 
 
-def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor | None]:
-    """The advantages and returns tensors of one sampled experience (None: removed)."""
+def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
+    """The advantages and returns tensors of one sampled experience."""
     if advantage is None:
         return {}
-    if advantage is SENT_APART:  # the client adds them: the payload carries none of its own
-        return {name: None for name in ADDED if name in tensors}
     if isinstance(advantage, tuple):
         value, length = advantage
         values = scaled(value, length, tensors.get("action_mask"))

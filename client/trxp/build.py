@@ -13,7 +13,7 @@ import pickle
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -204,14 +204,13 @@ _FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
 
 def join(
     payloads: Iterable[bytes],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None = None,
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
 ) -> bytes:
     """Concatenate payloads the server stored (already validated) into one batch.
 
     Payloads made by pack_item are spliced: their metadata opcodes and tensor bytes are
     copied as they are, and only the safetensors header is rewritten. `extra(i, tensors)`
-    may add, replace or (with None) remove tensors of item i (the server attaches
-    advantages this way).
+    may add or replace tensors of item i (the server attaches advantages this way).
     Payloads of any other layout are parsed and rebuilt.
     """
     return b"".join(join_parts(payloads, extra))
@@ -219,14 +218,17 @@ def join(
 
 def join_parts(
     payloads: Iterable[bytes | memoryview],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None = None,
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    drop: Collection[str] = (),
 ) -> list[bytes | memoryview]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
-    the batch (in a reply message, say) copies each byte once.
+    the batch (in a reply message, say) copies each byte once. Tensors named in `drop`
+    are left out of every item (the server sends advantages beside a batch this way).
 
     The batch's safetensors header is written entry by entry, the same bytes as json.dumps
     of it; the stored headers are read by `_stored_tensors`, without a JSON parse."""
     payloads = list(payloads)
+    dropped = {_json_text(name) for name in drop}
     fragments: list[memoryview] = []
     entries: list[bytes] = []
     data: list[bytes | memoryview] = []
@@ -236,24 +238,27 @@ def join_parts(
         _, _, meta_len, _ = _HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
-            return [_rebuild(payloads, extra)]
+            return [_rebuild(payloads, extra, drop)]
         fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
         section = blob[8 + header_len :]
         stored, whole = _stored_tensors(bytes(blob[8 : 8 + header_len]), len(section))
-        added: dict[str, RawTensor | None] = {}
-        if extra is not None:
-            added = extra(
-                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
-            )
-        if whole and not added:  # the section as it is, its offsets moved by base
+        if dropped and any(t[0] in dropped for t in stored):
+            stored = [t for t in stored if t[0] not in dropped]
+            whole = False
+        if whole and extra is None:  # the section as it is, its offsets moved by base
             entries.extend(
                 [_ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
             )
             data.append(section)
             base += len(section)
             continue
+        added: dict[str, RawTensor] = {}
+        if extra is not None:
+            added = extra(
+                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
+            )
         kept = [t for t in stored if t[0].decode() not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
         data.extend([section] if whole and len(kept) == len(stored) else [section[t[3] : t[4]] for t in kept])
@@ -261,8 +266,6 @@ def join_parts(
             entries.append(_ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for name, tensor in added.items():
-            if tensor is None:
-                continue
             dims = b",".join([b"%d" % dim for dim in tensor.shape])
             entries.append(
                 _ENTRY % (index, _json_text(name), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
@@ -328,14 +331,14 @@ def _shape(text: bytes) -> tuple[int, ...]:
 
 
 def _rebuild(
-    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor | None]] | None
+    payloads: Sequence[bytes],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None,
+    drop: Collection[str],
 ) -> bytes:
     items = [item for payload in payloads for item in parse(payload, trusted=True)]
-    if extra:
-        for index, item in enumerate(items):
-            for name, tensor in extra(index, item.tensors).items():
-                if tensor is None:
-                    item.tensors.pop(name, None)
-                else:
-                    item.tensors[name] = tensor
+    for index, item in enumerate(items):
+        for name in drop:
+            item.tensors.pop(name, None)
+        if extra:
+            item.tensors.update(extra(index, item.tensors))
     return build(items)
