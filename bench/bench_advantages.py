@@ -266,12 +266,12 @@ def sample_form(form: str) -> Iterator[None]:
         module._sample_request = build
 
 
-def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[str, str, bool], float]:
-    """Experiences per second sampled whole (8 groups a batch) from the same payloads, for each
-    table, request form, and with or without decoding each batch into tensors; keyed by
-    (table, form, decoded)."""
+def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[str, str, bool], tuple[float, float]]:
+    """Experiences per second sampled whole (8 groups a batch) from the same payloads, and the
+    CPU time of server and client per experience (µs), for each table, request form, and with
+    or without decoding each batch into tensors; keyed by (table, form, decoded)."""
     server = Proc("-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0", "--metrics-port", "0")
-    results: dict[tuple[str, str, bool], list[float]] = {
+    results: dict[tuple[str, str, bool], list[tuple[float, float]]] = {
         (name, form, decoded): [] for name in SAMPLE_TABLES for form in FORMS for decoded in (False, True)
     }
     try:
@@ -289,6 +289,7 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[s
                             while client.stats(table)[table]["ready"] < total:
                                 time.sleep(0.002)
                             with sample_form(form):
+                                cpu = tree_cpu_seconds(server.proc.pid) + time.process_time()
                                 start, seen = time.perf_counter(), 0
                                 for batch in client.sample(table, num_groups=8, timeout=5):
                                     if decoded:
@@ -296,11 +297,17 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[s
                                     seen += len(batch.uids)
                                     if seen >= total:
                                         break
-                                results[name, form, decoded].append(seen / (time.perf_counter() - start))
+                                rate = seen / (time.perf_counter() - start)
+                                cpu = tree_cpu_seconds(server.proc.pid) + time.process_time() - cpu
+                                results[name, form, decoded].append((rate, cpu / seen * 1e6))
                             client.drop_table(table)
     finally:
         server.stop()
-    return {key: sorted(v)[len(v) // 2] for key, v in results.items()}
+    return {key: (_median([r for r, _ in v]), _median([c for _, c in v])) for key, v in results.items()}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def report(
@@ -310,7 +317,7 @@ def report(
     repeats: int,
     rows: list[dict],
     ingest: dict[str, float],
-    sample: dict[tuple[str, str, bool], float],
+    sample: dict[tuple[str, str, bool], tuple[float, float]],
     rounds: int,
 ) -> str:
     lines = [
@@ -357,30 +364,44 @@ def ingest_table(ingest: dict[str, float], rounds: int) -> list[str]:
     ]
 
 
-def sample_table(sample: dict[tuple[str, str, bool], float]) -> list[str]:
-    """Each table's rate and its ratio to estimator none sampled the same way (same form, same decode)."""
+def sample_table(sample: dict[tuple[str, str, bool], tuple[float, float]]) -> list[str]:
+    """Each table's rate and CPU per experience, and their ratios to estimator none. The
+    reference is none's mean over both request forms (the same work: none has no advantages)."""
+
+    def none(decoded: bool, part: int) -> float:
+        return sum(sample["none", form, decoded][part] for form in FORMS) / len(FORMS)
 
     def cell(name: str, form: str, decoded: bool) -> str:
-        rate = sample[name, form, decoded]
-        return f"{rate:.0f} ({rate / sample['none', form, decoded]:.2f})"
+        rate, cpu = sample[name, form, decoded]
+        return f"{rate:.0f} ({rate / none(decoded, 0):.2f}) | {cpu:.0f} ({none(decoded, 1) / cpu:.2f})"
 
-    goal = [sample["batch_std", form, decoded] / sample["none", form, decoded] for form in FORMS for decoded in (0, 1)]
+    header = " | ".join(
+        f"{what}, {form} ({'before' if form == 'full' else 'now'}): exp/s (ratio) | CPU µs/exp (ratio)"
+        for what in ("bytes", "decoded")
+        for form in FORMS
+    )
+    goal = [
+        f"**{sample['batch_std', form, decoded][0] / none(decoded, 0):.2f}** | "
+        f"**{none(decoded, 1) / sample['batch_std', form, decoded][1]:.2f}**"
+        for decoded in (False, True)
+        for form in FORMS
+    ]
     return [
-        "| sample, consume, 8 groups a batch, same payloads: experiences/s (ratio to none) | bytes, full "
-        "(before) | bytes, compact (now) | decoded, full (before) | decoded, compact (now) |",
-        "| --- | --- | --- | --- | --- |",
+        f"| sample, consume, 8 groups a batch, same payloads | {header} |",
+        "| --- |" + " --- |" * 8,
         *(
-            f"| {SAMPLE_NAMES[k]} | {cell(k, 'full', False)} | {cell(k, 'compact', False)} | "
-            f"{cell(k, 'full', True)} | {cell(k, 'compact', True)} |"
+            f"| {SAMPLE_NAMES[k]} | "
+            + " | ".join(cell(k, form, decoded) for decoded in (False, True) for form in FORMS)
+            + " |"
             for k in SAMPLE_NAMES
         ),
-        "| ratio grpo batch std / none (goal ≥ 0.95) | "
-        + " | ".join(f"**{goal[i]:.2f}**" for i in (0, 2, 1, 3))
-        + " |",
+        "| grpo batch std / none (goal ≥ 0.95) | " + " | ".join(goal) + " |",
     ]
 
 
-def sample_report(command: str, rounds: int, load: tuple[str, str], sample: dict[tuple[str, str, bool], float]) -> str:
+def sample_report(
+    command: str, rounds: int, load: tuple[str, str], sample: dict[tuple[str, str, bool], tuple[float, float]]
+) -> str:
     """The sample comparison alone: tables with advantages against estimator none, each
     sampled with full and with compact advantages."""
     return "\n".join(
@@ -394,7 +415,10 @@ def sample_report(command: str, rounds: int, load: tuple[str, str], sample: dict
             "sends, the payload carrying `advantages` and `returns`; compact: what expbuf's clients ask now, one "
             "value per experience beside the payload, the tensors rebuilt by the client before it hands the batch "
             "over. Bytes: the loop only counts each batch (its payload is whole either way); decoded: it reads "
-            "`batch.experiences` (tensors) too.  ",
+            "`batch.experiences` (tensors) too. CPU: user + system time of the server (with its ingest "
+            "processes) and of the sampling client per experience, the steadier measure on a shared machine. "
+            "Ratios are to estimator none's mean over both forms (the same work: none has no advantages); "
+            "for CPU, none's / the table's.  ",
             f"Load (`uptime`) at the start: {load[0]}; at the end: {load[1]}.",
             "",
             *sample_table(sample),
