@@ -155,3 +155,18 @@ def test_values_that_do_not_match_the_batch_are_refused(server: ExpbufServer) ->
     full = replay(server, "grpo")
     with pytest.raises(TrxpError, match="item 0 already carries advantages"):
         trxp.attach_advantages(full.payload, values, lengths)
+
+
+def test_trinitys_own_reader_sees_the_rebuilt_batch_as_the_full_one(server: ExpbufServer) -> None:
+    """batch.payload after the rebuild, read by Trinity-RFT's Experience.deserialize_many."""
+    trinity = pytest.importorskip("trinity.common.experience")
+    full = {e.eid.uid: e for e in trinity.Experience.deserialize_many(replay(server, "grpo_batch_std").payload)}
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        batch = next(client.sample("grpo_batch_std", num_groups=GROUPS, delivery="replay", max_batches=1, timeout=5))
+    rebuilt = trinity.Experience.deserialize_many(batch.payload)
+    assert len(rebuilt) == len(full) == GROUPS * SIZE
+    for exp in rebuilt:
+        want = full[exp.eid.uid]
+        assert_bit_identical(exp.advantages, want.advantages)
+        assert_bit_identical(exp.returns, want.returns)
+        assert torch.equal(exp.tokens, want.tokens)
