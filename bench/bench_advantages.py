@@ -11,9 +11,13 @@ sampling with an estimator whose statistics are taken over the sampled batch.
 2. Ingest: 8 pushers push the same workload into a table with grpo and one with no
    estimator (one server, alternating); throughput counts until every group is ready
    to sample, i.e. including the advantage computation.
-3. Sample: the same payloads in a table with grpo over the batch's std (its batch stage runs
-   on every sampled batch) and one with no estimator, sampled whole (consume, 8 groups per
-   batch), alternating; throughput in experiences per second.
+3. Sample: the same payloads in tables with grpo, grpo over the batch's std (its batch stage
+   runs on every sampled batch), reinforce++_baseline and no estimator, sampled whole (consume,
+   8 groups per batch), alternating; each with full advantages in the payload (an older
+   client's request) and compact ones (expbuf's clients), as bytes and decoded; throughput in
+   experiences per second and CPU (server and client) per experience.
+
+`--ingest-only` and `--sample-only` run one part alone.
 """
 
 from __future__ import annotations
