@@ -11,21 +11,26 @@ sampling with an estimator whose statistics are taken over the sampled batch.
 2. Ingest: 8 pushers push the same workload into a table with grpo and one with no
    estimator (one server, alternating); throughput counts until every group is ready
    to sample, i.e. including the advantage computation.
-3. Sample: the same payloads in a table with grpo over the batch's std (its batch stage runs
-   on every sampled batch) and one with no estimator, sampled whole (consume, 8 groups per
-   batch), alternating; throughput in experiences per second.
+3. Sample: the same payloads in tables with grpo, grpo over the batch's std (its batch stage
+   runs on every sampled batch), reinforce++_baseline and no estimator, sampled whole (consume,
+   8 groups per batch), alternating; each with full advantages in the payload (an older
+   client's request) and compact ones (expbuf's clients), as bytes and decoded; throughput in
+   experiences per second and CPU (server and client) per experience.
+
+`--ingest-only` and `--sample-only` run one part alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -173,9 +178,31 @@ def bench_estimators(n: int, tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its live descendants (the server and its
+    ingest processes), from /proc: on a shared machine a steadier measure of cost than time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stats[int(path.parent.name)] = path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+    tree, total = [pid], 0.0
+    while tree:
+        current = tree.pop()
+        fields = stats.get(current)
+        if fields is not None:
+            total += (int(fields[11]) + int(fields[12])) / tick
+        tree.extend(child for child, f in stats.items() if int(f[1]) == current)
+    return total
+
+
 def bench_ingest(data: Path, payloads: list[bytes], rounds: int) -> dict[str, float]:
+    """Ingest MB/s with grpo and with none (medians), and the server's CPU seconds per GB."""
     server = Proc("-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0", "--metrics-port", "0")
-    results: dict[str, list[float]] = {"grpo": [], "none": []}
+    results: dict[str, list[float]] = {"grpo": [], "none": [], "grpo_cpu": [], "none_cpu": []}
+    size = sum(map(len, payloads))
     try:
         with BufferClient(server.target, timeout=300) as client:
             for r in range(rounds):
@@ -189,6 +216,7 @@ def bench_ingest(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
                             for p in share:
                                 c.push(p, table=table)
 
+                    cpu = tree_cpu_seconds(server.proc.pid)
                     start = time.perf_counter()
                     threads = [threading.Thread(target=push, args=(s,)) for s in shares]
                     for t in threads:
@@ -197,7 +225,9 @@ def bench_ingest(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
                         t.join()
                     while client.stats(table)[table].ready < len(payloads) * 64:
                         time.sleep(0.002)
-                    results[estimator].append(sum(map(len, payloads)) / (time.perf_counter() - start) / 1e6)
+                    results[estimator].append(size / (time.perf_counter() - start) / 1e6)
+                    results[f"{estimator}_cpu"].append((tree_cpu_seconds(server.proc.pid) - cpu) / size * 1e9)
+                    client.drop_table(table)
     finally:
         server.stop()
     return {name: sorted(v)[len(v) // 2] for name, v in results.items()}
@@ -217,30 +247,71 @@ SAMPLE_NAMES = {
 }
 
 
-def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[str, float]:
-    """Experiences per second sampled whole (8 groups a batch) from the same payloads."""
+FORMS = ("full", "compact")
+
+
+@contextlib.contextmanager
+def sample_form(form: str) -> Iterator[None]:
+    """BufferClient's sample requests as they are (compact advantages, rebuilt by the client
+    before the batch is handed over), or for "full" as a client from before compact
+    advantages sends them: the payload carries the expanded tensors."""
+    module = sys.modules[BufferClient.__module__]
+    build = module._sample_request
+
+    def older(*args: object, **kwargs: object) -> object:
+        request = build(*args, **kwargs)
+        request.compact_advantages = False
+        return request
+
+    module._sample_request = build if form == "compact" else older
+    try:
+        yield
+    finally:
+        module._sample_request = build
+
+
+def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[str, str, bool], tuple[float, float]]:
+    """Experiences per second sampled whole (8 groups a batch) from the same payloads, and the
+    CPU time of server and client per experience (µs), for each table, request form, and with
+    or without decoding each batch into tensors; keyed by (table, form, decoded)."""
     server = Proc("-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0", "--metrics-port", "0")
-    results: dict[str, list[float]] = {name: [] for name in SAMPLE_TABLES}
+    results: dict[tuple[str, str, bool], list[tuple[float, float]]] = {
+        (name, form, decoded): [] for name in SAMPLE_TABLES for form in FORMS for decoded in (False, True)
+    }
     try:
         with BufferClient(server.target, timeout=300) as client:
             for r in range(rounds):
-                for name in list(SAMPLE_TABLES)[:: 1 if r % 2 == 0 else -1]:
-                    table = f"s{name}{r}"
-                    client.create_table(table, **({"estimator": "none"} | SAMPLE_TABLES[name]))
-                    for p in payloads:
-                        client.push(p, table=table)
-                    total = len(payloads) * 64
-                    while client.stats(table)[table].ready < total:
-                        time.sleep(0.002)
-                    start, seen = time.perf_counter(), 0
-                    for batch in client.sample(table, num_groups=8, timeout=5):
-                        seen += len(batch.uids)
-                        if seen >= total:
-                            break
-                    results[name].append(seen / (time.perf_counter() - start))
+                step = 1 if r % 2 == 0 else -1
+                for name in list(SAMPLE_TABLES)[::step]:
+                    for form in FORMS[::step]:
+                        for decoded in (False, True)[::step]:
+                            table = f"s{name}{form}{int(decoded)}r{r}"
+                            client.create_table(table, **({"estimator": "none"} | SAMPLE_TABLES[name]))
+                            for p in payloads:
+                                client.push(p, table=table)
+                            total = len(payloads) * 64
+                            while client.stats(table)[table].ready < total:
+                                time.sleep(0.002)
+                            with sample_form(form):
+                                cpu = tree_cpu_seconds(server.proc.pid) + time.process_time()
+                                start, seen = time.perf_counter(), 0
+                                for batch in client.sample(table, num_groups=8, timeout=5):
+                                    if decoded:
+                                        assert batch.experiences[0].advantages is not None or name == "none"
+                                    seen += len(batch.uids)
+                                    if seen >= total:
+                                        break
+                                rate = seen / (time.perf_counter() - start)
+                                cpu = tree_cpu_seconds(server.proc.pid) + time.process_time() - cpu
+                                results[name, form, decoded].append((rate, cpu / seen * 1e6))
+                            client.drop_table(table)
     finally:
         server.stop()
-    return {name: sorted(v)[len(v) // 2] for name, v in results.items()}
+    return {key: (_median([r for r, _ in v]), _median([c for _, c in v])) for key, v in results.items()}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def report(
@@ -250,7 +321,8 @@ def report(
     repeats: int,
     rows: list[dict],
     ingest: dict[str, float],
-    sample: dict[str, float],
+    sample: dict[tuple[str, str, bool], tuple[float, float]],
+    rounds: int,
 ) -> str:
     lines = [
         "## Advantages (issue 4)",
@@ -274,14 +346,9 @@ def report(
     if not any(r["device"] == "cuda" for r in rows):
         lines.append("")
         lines.append("No GPU was lent to this session: the CUDA figures are still to be taken.")
-    ratio = ingest["grpo"] / ingest["none"]
     lines += [
         "",
-        "| ingest, 8 pushers, 64 x 40 KB per payload, until every group is ready | MB/s |",
-        "| --- | --- |",
-        f"| estimator none | {ingest['none']:.0f} |",
-        f"| grpo | {ingest['grpo']:.0f} |",
-        f"| ratio grpo / none (goal ≥ 0.9) | **{ratio:.2f}** |",
+        *ingest_table(ingest, rounds),
         "",
         *sample_table(sample),
         "",
@@ -289,24 +356,73 @@ def report(
     return "\n".join(lines)
 
 
-def sample_table(sample: dict[str, float]) -> list[str]:
+def ingest_table(ingest: dict[str, float], rounds: int) -> list[str]:
     return [
-        "| sample, consume, 8 groups a batch, same payloads | experiences/s | ratio to none |",
+        f"| ingest, 8 pushers, 64 x 40 KB per payload, until every group is ready (medians of {rounds}) | MB/s | "
+        "server CPU s per GB (with its ingest processes) |",
         "| --- | --- | --- |",
-        *(f"| {SAMPLE_NAMES[k]} | {sample[k]:.0f} | {sample[k] / sample['none']:.2f} |" for k in SAMPLE_NAMES),
-        f"| ratio grpo batch std / none (goal ≥ 0.95) | | **{sample['batch_std'] / sample['none']:.2f}** |",
+        f"| estimator none | {ingest['none']:.0f} | {ingest['none_cpu']:.2f} |",
+        f"| grpo | {ingest['grpo']:.0f} | {ingest['grpo_cpu']:.2f} |",
+        f"| ratio grpo / none (goal ≥ 0.9; CPU: none / grpo) | **{ingest['grpo'] / ingest['none']:.2f}** | "
+        f"**{ingest['none_cpu'] / ingest['grpo_cpu']:.2f}** |",
     ]
 
 
-def sample_report(command: str, rounds: int, load: tuple[str, str], sample: dict[str, float]) -> str:
-    """The sample comparison alone: tables with a batch stage against estimator none."""
+def sample_table(sample: dict[tuple[str, str, bool], tuple[float, float]]) -> list[str]:
+    """Each table's rate and CPU per experience, and their ratios to estimator none. The
+    reference is none's mean over both request forms (the same work: none has no advantages)."""
+
+    def none(decoded: bool, part: int) -> float:
+        return sum(sample["none", form, decoded][part] for form in FORMS) / len(FORMS)
+
+    def cell(name: str, form: str, decoded: bool) -> str:
+        rate, cpu = sample[name, form, decoded]
+        return f"{rate:.0f} ({rate / none(decoded, 0):.2f}) | {cpu:.0f} ({none(decoded, 1) / cpu:.2f})"
+
+    header = " | ".join(
+        f"{what}, {form} ({'before' if form == 'full' else 'now'}): exp/s (ratio) | CPU µs/exp (ratio)"
+        for what in ("bytes", "decoded")
+        for form in FORMS
+    )
+    goal = [
+        f"**{sample['batch_std', form, decoded][0] / none(decoded, 0):.2f}** | "
+        f"**{none(decoded, 1) / sample['batch_std', form, decoded][1]:.2f}**"
+        for decoded in (False, True)
+        for form in FORMS
+    ]
+    return [
+        f"| sample, consume, 8 groups a batch, same payloads | {header} |",
+        "| --- |" + " --- |" * 8,
+        *(
+            f"| {SAMPLE_NAMES[k]} | "
+            + " | ".join(cell(k, form, decoded) for decoded in (False, True) for form in FORMS)
+            + " |"
+            for k in SAMPLE_NAMES
+        ),
+        "| grpo batch std / none (goal ≥ 0.95) | " + " | ".join(goal) + " |",
+    ]
+
+
+def sample_report(
+    command: str, rounds: int, load: tuple[str, str], sample: dict[tuple[str, str, bool], tuple[float, float]]
+) -> str:
+    """The sample comparison alone: tables with advantages against estimator none, each
+    sampled with full and with compact advantages."""
     return "\n".join(
         [
-            "## Sample from a batch-stage table, the stage outside the writer (issue 20)",
+            "## Sample from a batch-stage table: compact advantages (issues 20, 22)",
             "",
             f"Command: `{command}`  ",
-            f"The sample part of the benchmark above, medians of {rounds} rounds that alternate the tables. The batch "
-            "stage runs where each reply is built, on the RPC's thread, not in the store's write transaction.  ",
+            f"The sample part of the benchmark above, medians of {rounds} rounds that alternate the tables, the "
+            "request forms and decoding. Each cell is its own fill of a fresh table with the same payloads (64 x 40 "
+            "KB experiences of 4,000 response tokens each), then consumed whole. Full: the request an older client "
+            "sends, the payload carrying `advantages` and `returns`; compact: what expbuf's clients ask now, one "
+            "value per experience beside the payload, the tensors rebuilt by the client before it hands the batch "
+            "over. Bytes: the loop only counts each batch (its payload is whole either way); decoded: it reads "
+            "`batch.experiences` (tensors) too. CPU: user + system time of the server (with its ingest "
+            "processes) and of the sampling client per experience, the steadier measure on a shared machine. "
+            "Ratios are to estimator none's mean over both forms (the same work: none has no advantages); "
+            "for CPU, none's / the table's.  ",
             f"Load (`uptime`) at the start: {load[0]}; at the end: {load[1]}.",
             "",
             *sample_table(sample),
@@ -331,6 +447,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--sample-only", action="store_true", help="only the sample comparison, in its own section")
+    parser.add_argument("--ingest-only", action="store_true", help="only the ingest comparison, printed")
     args = parser.parse_args()
     command = ("python bench/bench_advantages.py " + " ".join(sys.argv[1:])).strip()
     if args.sample_only:
@@ -341,6 +458,12 @@ def main() -> None:
         print(section)
         write_section(Path(args.out), "## Sample from a batch-stage table", section)
         return
+    if args.ingest_only:
+        with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+            ingest = bench_ingest(Path(tmp), make_payloads(PUSHERS * args.payloads_per_pusher), args.rounds)
+        print(ingest, f"ratio grpo / none {ingest['grpo'] / ingest['none']:.2f}", file=sys.stderr)
+        print("\n".join(ingest_table(ingest, args.rounds)))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = bench_estimators(args.experiences, args.tokens, args.repeats)
@@ -350,7 +473,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         sample = bench_sample(Path(tmp), payloads, args.rounds)
     print(ingest, sample, file=sys.stderr)
-    section = report(command, args.experiences, args.tokens, args.repeats, rows, ingest, sample)
+    section = report(command, args.experiences, args.tokens, args.repeats, rows, ingest, sample, args.rounds)
     print(section)
     write_section(Path(args.out), "## Advantages (issue 4)", section)
 

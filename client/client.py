@@ -111,6 +111,7 @@ def _sample_request(
         trainer_version=trainer_version or 0,
         has_trainer_version=trainer_version is not None,
         window=window,
+        compact_advantages=True,
     )
 
 
@@ -141,7 +142,7 @@ def _create_table_request(name: str, exist_ok: bool, settings: dict[str, Any]) -
 
 def _batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kind: type[Batch] = Batch) -> Batch:
     return kind(
-        payload=reply.payload,
+        payload=trxp.attach_advantages(reply.payload, reply.advantages, reply.response_lengths),
         uids=list(reply.uids),
         group_ids=list(reply.group_ids),
         lease_id=reply.lease_id,

@@ -4,7 +4,10 @@ Stored form, per experience: one value in its item record when every generated t
 carries the same value (every estimator but the token-level ones), or a record of
 (response length u32) + float32 advantages + float32 returns in the `adv` database.
 `expand` turns either into the `advantages` and `returns` tensors of a sampled batch
-(value * action_mask), and `batch_payload` splices them into the batch.
+(value * action_mask, client/trxp/advantages.py), and `batch_payload` splices them into
+the batch. For a client that asks for compact advantages, `send_apart` keeps one value per
+experience out of the payload: the reply carries the values and the client expands them
+with the same code.
 
 An estimator with a batch stage stores pending values instead (see estimators.py), and
 `finish_batch` turns the pending values of a sampled batch into its advantages, in the
@@ -24,21 +27,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from expbuf.client import trxp
+from expbuf.client.trxp.advantages import ADDED, scaled
 
 from .tables import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
-    import torch
-
     from . import estimators
     from .shaping import ShapingReport
     from .store.records import ItemRecord
 
+
+class SentApart:
+    """An experience's advantage sent beside the payload (a compact sample reply), not in it."""
+
+
+SENT_APART = SentApart()
+
 # An experience's computed advantage: (value, response length) when every generated token
-# carries the same value, the stored token-level record otherwise, or None.
-Advantage = tuple[float, int] | bytes | None
+# carries the same value, the stored token-level record otherwise, or None; SENT_APART in a
+# compact reply's batch, where the value goes beside the payload.
+Advantage = tuple[float, int] | bytes | None | SentApart
+
 _LENGTH = struct.Struct("<I")
-_F32 = struct.Struct("<f")
 
 
 def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
@@ -54,19 +64,13 @@ def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Adva
 
 
 def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
-    """batch_payload() as the runs of bytes it is made of, for a reply that copies them once."""
+    """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
+    A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
     if all(a is None for a in advantages):
         return trxp.join_parts(blobs)
+    if all(a is SENT_APART for a in advantages):
+        return trxp.join_parts(blobs, drop=ADDED)
     return trxp.join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
-
-
-def flat_tensor(raw: trxp.RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of a stored tensor (an action mask, say), or `fill` where it is absent."""
-    import torch
-
-    if raw is None:
-        return torch.full((length,), fill, dtype=dtype)
-    return trxp.tensor_of(raw).reshape(-1).to(dtype)
 
 
 def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[float | bytes]:
@@ -84,21 +88,12 @@ def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -
 
 
 def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str, trxp.RawTensor]:
-    """The advantages and returns tensors of one sampled experience."""
-    if advantage is None:
+    """The advantages and returns tensors of one sampled experience (none when sent apart)."""
+    if advantage is None or isinstance(advantage, SentApart):
         return {}
     if isinstance(advantage, tuple):
         value, length = advantage
-        raw = tensors.get("action_mask")
-        data = _F32.pack(value) * length if raw is None else None
-        if raw is not None and raw.dtype == "BOOL":
-            data = _scaled_mask(bytes(raw.data), value)
-        if data is not None and len(data) == 4 * length:
-            values = trxp.RawTensor("F32", (length,), data)
-        else:
-            import torch
-
-            values = trxp.raw_of(flat_tensor(raw, length, 1, torch.float32) * value)
+        values = scaled(value, length, tensors.get("action_mask"))
         return {"advantages": values, "returns": values}
     record = bytes(advantage)
     (length,) = _LENGTH.unpack_from(record)
@@ -109,19 +104,16 @@ def expand(advantage: Advantage, tensors: dict[str, trxp.RawTensor]) -> dict[str
     }
 
 
-def _scaled_mask(mask: bytes, value: float) -> bytes | None:
-    """A BOOL mask's bytes 0/1 as float32 0 / value; None if it holds other bytes. A mask
-    without zeros is one repeat of the value's 4 bytes; any other is written as the k-th
-    byte of every float at once, k = 0..3 (a translate and a strided copy each)."""
-    if mask.translate(None, b"\x00\x01"):
+def send_apart(advantages: Sequence[Advantage]) -> tuple[list[Advantage], list[float], list[int]] | None:
+    """A batch's advantages for a client that asked for them compact: what the payload
+    splices (SENT_APART for each), and the values and response lengths sent beside it;
+    None where an experience has token-level advantages (or none), which only the payload
+    can carry."""
+    if not advantages or not all(isinstance(a, tuple) for a in advantages):
         return None
-    one = _F32.pack(value)
-    if not mask.count(0):
-        return one * len(mask)
-    out = bytearray(4 * len(mask))
-    for k in range(4):
-        out[k::4] = mask.translate(bytes.maketrans(b"\x01", one[k : k + 1]))
-    return bytes(out)
+    values = [a[0] for a in advantages]  # type: ignore[index]
+    lengths = [a[1] for a in advantages]  # type: ignore[index]
+    return [SENT_APART] * len(advantages), values, lengths
 
 
 class StageCounts:
@@ -220,7 +212,7 @@ def _finish(
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
-        if record is None or isinstance(record, tuple):
+        if record is None or isinstance(record, (tuple, SentApart)):
             raise ValueError("a token-level table's experience holds one stored value, not its token-level record")
         (length,) = _LENGTH.unpack_from(record)
         middle = _LENGTH.size + 4 * length

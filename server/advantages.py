@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from expbuf.client import trxp
+from expbuf.client.trxp.advantages import flat_tensor
 
 from . import estimators, shaping
-from .advantage_storage import encode_results, flat_tensor
+from .advantage_storage import encode_results
 from .backend import Backend
 from .errors import clip
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate

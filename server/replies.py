@@ -17,6 +17,7 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from .advantage_storage import send_apart
 from .interceptor import ServiceInterceptor
 from .store import Sampled
 
@@ -35,11 +36,19 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
+def sample_reply(batch: Sampled, *, lease: bool, compact: bool = False) -> bytes:
     """The serialised SampleReply of a batch, its payload copied once (from the store's
     map into the reply); the batch is released then, its payload is not read again. A
-    table's batch stage runs here, on the RPC's thread (`Sampled.render`), not in the
-    store's write transaction."""
+    table's batch stage runs here, on the RPC's thread (`Sampled.finish`), not in the
+    store's write transaction. `compact`: advantages of one value per experience go
+    beside the payload, not into it (advantage_storage.send_apart)."""
+    values: list[float] = []
+    lengths: list[int] = []
+    if compact:
+        batch.finish()
+        apart = send_apart(batch.advantages)
+        if apart is not None:
+            batch.advantages, values, lengths = apart
     rest = pb.SampleReply(
         uids=batch.uids,
         group_ids=batch.group_ids,
@@ -47,6 +56,8 @@ def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
         lease_expires_unix=batch.lease_expires if lease else 0.0,
         partial=batch.partial,
         times_sampled=batch.times_sampled,
+        advantages=values,
+        response_lengths=lengths,
     ).SerializeToString()
     try:
         return batch.render(

@@ -68,6 +68,7 @@ class SampleSpec:
     min_model_version: int | None = None
     trainer_version: int | None = None  # stored for the table before the batch is taken
     window: int = 1  # batches sent ahead of the client's confirmations (1..MAX_WINDOW)
+    compact_advantages: bool = False  # one value per experience beside the payload, where it can be
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "batch_size", "max_batches"):

@@ -153,6 +153,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         min_model_version=request.min_model_version if request.has_min_model_version else None,
         trainer_version=request.trainer_version if request.has_trainer_version else None,
         window=request.window or 1,
+        compact_advantages=request.compact_advantages,
     )
 
 
@@ -269,7 +270,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
         def reply(batch: Sampled) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
-            return sample_reply(batch, lease=spec.delivery == "lease")
+            return sample_reply(batch, lease=spec.delivery == "lease", compact=spec.compact_advantages)
 
         refused = self.table_streams.enter(spec.table)
         if refused is not None:

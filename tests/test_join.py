@@ -110,3 +110,23 @@ def test_join_of_nothing_is_an_empty_batch() -> None:
     batch = trxp.join([])
     assert header_bytes(batch).rstrip() == b"{}"
     assert trxp.parse(batch) == []
+
+
+@pytest.mark.parametrize("layout", ["stored", "other", "whole batches"])
+def test_dropped_tensors_leave_every_item_and_nothing_else_does(layout: str) -> None:
+    items = stored_items()
+    for index, item in enumerate(items):
+        if index % 2:
+            item.tensors["advantages"] = trxp.RawTensor("F32", (2,), b"\x01" * 8)
+            item.tensors["returns"] = trxp.RawTensor("F32", (2,), b"\x02" * 8)
+    blobs = [trxp.pack_item(item) for item in items]
+    if layout == "other":
+        blobs = [relaid(blob) for blob in blobs]
+    elif layout == "whole batches":  # metadata not laid out for splicing: parsed and rebuilt
+        blobs = [trxp.build([item]) for item in items]
+    joined = b"".join(trxp.join_parts(blobs, drop=("advantages", "returns")))
+    got = trxp.parse(joined, trusted=True)
+    assert any("advantages" in item.tensors for item in items)
+    for item, back in zip(items, got, strict=True):
+        assert back.tensors == {n: t for n, t in item.tensors.items() if n not in ("advantages", "returns")}
+        assert back.meta == item.meta

@@ -15,9 +15,11 @@ Two levels: `parse`/`build` work on RawItem (metadata plus raw tensor bytes, no
 torch), which is what the server stores and batches; `decode`/`encode` convert to
 and from Experience objects for users. The parts: common.py (layout, types),
 parse.py, pickles.py (the metadata pickle), checks.py (validation), build.py
-(building and splicing), convert.py (Experience objects and torch tensors).
+(building and splicing), convert.py (Experience objects and torch tensors), advantages.py
+(advantages of one value per experience as tensors, on either side of a sample).
 """
 
+from .advantages import attach as attach_advantages
 from .build import build, join, join_parts, pack_item
 from .common import (
     EXPANSION_BASE,
@@ -53,6 +55,7 @@ __all__ = [
     "RawTensor",
     "TrxpError",
     "Work",
+    "attach_advantages",
     "build",
     "decode",
     "encode",

@@ -13,7 +13,7 @@ import pickle
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -221,13 +221,16 @@ def join(
 def join_parts(
     payloads: Iterable[bytes | memoryview],
     extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    drop: Collection[str] = (),
 ) -> list[bytes | memoryview]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
-    the batch (in a reply message, say) copies each byte once.
+    the batch (in a reply message, say) copies each byte once. Tensors named in `drop`
+    are left out of every item (the server sends advantages beside a batch this way).
 
     The batch's safetensors header is written entry by entry, the same bytes as json.dumps
     of it; the stored headers are read by `_stored_tensors`, without a JSON parse."""
     payloads = list(payloads)
+    dropped = {_json_text(name) for name in drop}
     fragments: list[memoryview] = []
     entries: list[bytes] = []
     data: list[bytes | memoryview] = []
@@ -237,12 +240,15 @@ def join_parts(
         _, _, meta_len, _ = _HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
-            return [_rebuild(payloads, extra)]
+            return [_rebuild(payloads, extra, drop)]
         fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
         section = blob[8 + header_len :]
         stored, whole = _stored_tensors(bytes(blob[8 : 8 + header_len]), len(section))
+        if dropped and any(t[0] in dropped for t in stored):
+            stored = [t for t in stored if t[0] not in dropped]
+            whole = False
         if whole and extra is None:  # the section as it is, its offsets moved by base
             entries.extend(
                 [_ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
@@ -327,10 +333,14 @@ def _shape(text: bytes) -> tuple[int, ...]:
 
 
 def _rebuild(
-    payloads: Sequence[bytes | memoryview], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
+    payloads: Sequence[bytes | memoryview],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None,
+    drop: Collection[str],
 ) -> bytes:
     items = [item for payload in payloads for item in parse(payload, trusted=True)]
-    if extra:
-        for index, item in enumerate(items):
+    for index, item in enumerate(items):
+        for name in drop:
+            item.tensors.pop(name, None)
+        if extra:
             item.tensors.update(extra(index, item.tensors))
     return build(items)

@@ -187,7 +187,7 @@ class PushReply(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window")
+    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class SampleRequest(_message.Message):
     TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     table: str
     batch_size: int
     num_groups: int
@@ -220,10 +221,11 @@ class SampleRequest(_message.Message):
     trainer_version: int
     has_trainer_version: bool
     window: int
-    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ...) -> None: ...
+    compact_advantages: bool
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,8 @@ class SampleReply(_message.Message):
     LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -238,7 +242,9 @@ class SampleReply(_message.Message):
     lease_expires_unix: float
     partial: bool
     times_sampled: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ...) -> None: ...
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    response_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")

@@ -1,0 +1,82 @@
+"""What an estimator adds to ingest at the storage engine, without gRPC or other threads.
+
+    .venv/bin/python bench/bench_estimator_store.py [--payloads 16] [--rounds 3]
+
+bench_advantages.py's payloads (64 x 40 KB experiences of 4,000 response tokens, groups of
+8), validated and packed once, then put into a fresh Store table with estimator grpo and one
+with none, alternating, one put (one durable commit) per payload. For grpo the advantage
+work follows, in its three steps: read the completed groups' item records back
+(`compute_backlog`), compute, and store the values (`finish_compute`: each member's record
+rewritten with its value, the group made ready, one more durable commit). CPU time of this
+process per experience (µs), medians of the rounds; the payloads are all put before the
+advantages are computed, so the work is one large job, the cheapest case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_service import PER_PAYLOAD, make_payloads  # noqa: E402
+
+from expbuf.client import trxp  # noqa: E402
+from expbuf.server.advantages import compute  # noqa: E402
+from expbuf.server.store import Store  # noqa: E402
+from expbuf.server.store.types import Entry  # noqa: E402
+from expbuf.server.tables import TableConfig  # noqa: E402
+
+
+def one(entries: list[list[Entry]], estimator: str) -> dict[str, float]:
+    """CPU µs per experience of each step, for one table."""
+    count = len(entries) * PER_PAYLOAD
+    steps: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data, Store(data) as store:
+        store.create_table(TableConfig("t", estimator=estimator))
+        start = time.process_time()
+        for batch in entries:
+            store.put_entries("t", batch)
+        steps["put"] = time.process_time() - start
+        if estimator != "none":
+            start = time.process_time()
+            jobs = store.compute_backlog()
+            steps["read the completed groups back"] = time.process_time() - start
+            start = time.process_time()
+            results = [compute(job) for job in jobs]
+            steps["compute"] = time.process_time() - start
+            start = time.process_time()
+            for job, (values, ready, dropped, failed, update) in zip(jobs, results, strict=True):
+                store.finish_compute(job.table, values, ready, dropped, failed, update)
+            steps["store the values, groups ready"] = time.process_time() - start
+        assert store.stats("t")["ready"] == count
+    return {step: seconds / count * 1e6 for step, seconds in steps.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--payloads", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    entries = [[Entry.of(item) for item in trxp.parse(p)] for p in make_payloads(args.payloads)]
+    runs: dict[str, list[dict[str, float]]] = {"grpo": [], "none": []}
+    for r in range(args.rounds):
+        for estimator in ("grpo", "none") if r % 2 == 0 else ("none", "grpo"):
+            runs[estimator].append(one(entries, estimator))
+    print(f"| step, CPU µs per 40 KB experience (medians of {args.rounds}) | grpo | none |")
+    print("| --- | --- | --- |")
+    for step in runs["grpo"][0]:
+        grpo = statistics.median(run[step] for run in runs["grpo"])
+        none = statistics.median(run[step] for run in runs["none"]) if step in runs["none"][0] else 0.0
+        print(f"| {step} | {grpo:.1f} | {none:.1f} |")
+    totals = {name: statistics.median(sum(run.values()) for run in runs[name]) for name in runs}
+    print(f"| all | {totals['grpo']:.1f} | {totals['none']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
