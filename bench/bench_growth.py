@@ -88,7 +88,8 @@ class Growth:
     def start(self, check: str) -> ServerProcess:
         text = self.config.read_text().replace("CHECK", check)
         self.config.with_name(f"{check}.toml").write_text(text)
-        return ServerProcess(self.data, "--config", str(self.config.with_name(f"{check}.toml")))
+        # a full open check of 10 M experiences reads every byte of the data file
+        return ServerProcess(self.data, "--config", str(self.config.with_name(f"{check}.toml")), start_seconds=1800)
 
     def fill(self, groups_total: int, pushers: int = 2) -> float:
         """Push groups until the table holds groups_total; returns experiences per second."""

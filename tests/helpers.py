@@ -121,7 +121,7 @@ class ServerProcess:
     with its log.
     """
 
-    def __init__(self, data: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, data: str, *args: str, env: dict[str, str] | None = None, start_seconds: float = 60) -> None:
         import os
         import subprocess
         import sys
@@ -138,7 +138,7 @@ class ServerProcess:
         self.metrics_port = -1
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
-        if not ready.wait(60) or not self.port:
+        if not ready.wait(start_seconds) or not self.port:
             self.proc.kill()
             code = self.proc.wait(10)
             raise AssertionError(f"server did not start (exit code {code}):\n" + "".join(self.log))
