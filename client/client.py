@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import grpc
 import grpc.aio
@@ -28,6 +28,7 @@ from . import trxp, wire
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
 from .results import AsyncBatch, Batch, ExperiencePage, GetResult, Grant, ListedExperience, PushResult
+from .sample_spec import SampleOptions, SampleSpec
 
 T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -64,42 +65,6 @@ def _payload(items: bytes | Iterable[Any]) -> bytes:
     if isinstance(items, (bytes, bytearray, memoryview)):
         return bytes(items)
     return trxp.encode(items)
-
-
-def _sample_request(
-    table: str,
-    batch_size: int | None,
-    num_groups: int | None,
-    order: str,
-    delivery: str,
-    lease_seconds: float,
-    timeout: float,
-    max_batches: int,
-    min_model_version: int | None,
-    allow_partial: bool,
-    trainer_version: int | None = None,
-    window: int = 1,
-) -> pb.SampleRequest:
-    if bool(batch_size) == bool(num_groups):
-        raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"window must be a positive integer (batches ahead), got {window!r}")
-    return pb.SampleRequest(
-        table=table,
-        batch_size=batch_size or 0,
-        num_groups=num_groups or 0,
-        order=wire.enum_value(wire.ORDER, "order", order),
-        delivery=wire.enum_value(wire.DELIVERY, "delivery", delivery),
-        lease_seconds=lease_seconds,
-        wait_seconds=timeout,
-        allow_partial=allow_partial,
-        max_batches=max_batches,
-        min_model_version=min_model_version or 0,
-        has_min_model_version=min_model_version is not None,
-        trainer_version=trainer_version or 0,
-        has_trainer_version=trainer_version is not None,
-        window=window,
-    )
 
 
 def _trainer_version_request(version: int, table: str) -> pb.SetTrainerVersionRequest:
@@ -280,39 +245,19 @@ class BufferClient(_Base):
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 30.0,
-        max_batches: int = 0,
-        min_model_version: int | None = None,
-        allow_partial: bool = False,
-        trainer_version: int | None = None,
-        window: int = 2,
+        **options: Unpack[SampleOptions],
     ) -> Iterator[Batch]:
-        """Stream batches of whole groups; `timeout` is how long each batch may wait for data.
+        """Stream batches of whole groups; the options and their defaults are SampleSpec's.
 
-        Each batch is confirmed to the server as it arrives, which also asks for more:
-        the server keeps up to `window` batches on their way while the caller works on
-        this one (a credit window: 1 to 8, the server's MAX_WINDOW; 1 is one batch ahead,
-        with a round trip per batch; 2, the default, hides that round trip). A consumed
-        batch leaves the buffer once it has arrived here; the batches still on their way
-        when the caller stops iterating return to the buffer, as do leases not yet here.
+        `timeout` is how long each batch may wait for data. Each batch is confirmed to the
+        server as it arrives, which also asks for more: the server keeps up to `window`
+        batches on their way while the caller works on this one (a credit window: 1 to 8;
+        1 is one batch ahead, with a round trip per batch; 2, the default, hides that round
+        trip). A consumed batch leaves the buffer once it has arrived here; the batches still
+        on their way when the caller stops iterating return to the buffer, as do leases not
+        yet here.
         """
-        request = _sample_request(
-            table,
-            batch_size,
-            num_groups,
-            order,
-            delivery,
-            lease_seconds,
-            timeout,
-            max_batches,
-            min_model_version,
-            allow_partial,
-            trainer_version,
-            window,
-        )
+        request = SampleSpec(table, batch_size, num_groups, **options).request()
         requests = _SampleRequests(request)
         stream = self._stub.Sample(requests, metadata=self._metadata)
         received = 0
@@ -525,31 +470,10 @@ class AsyncBufferClient(_Base):
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 30.0,
-        max_batches: int = 0,
-        min_model_version: int | None = None,
-        allow_partial: bool = False,
-        trainer_version: int | None = None,
-        window: int = 2,
+        **options: Unpack[SampleOptions],
     ) -> AsyncIterator[Batch]:
-        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() return coroutines."""
-        request = _sample_request(
-            table,
-            batch_size,
-            num_groups,
-            order,
-            delivery,
-            lease_seconds,
-            timeout,
-            max_batches,
-            min_model_version,
-            allow_partial,
-            trainer_version,
-            window,
-        )
+        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines."""
+        request = SampleSpec(table, batch_size, num_groups, **options).request()
         call = self._stub.Sample(metadata=self._metadata)
         received = 0
         try:

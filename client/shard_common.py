@@ -248,12 +248,6 @@ class _Sharded:
             shards=list(dict.fromkeys(shard for shard, _ in parts)),
         )
 
-    @staticmethod
-    def _need(batch_size: int | None, num_groups: int | None) -> tuple[str, int]:
-        if bool(batch_size) == bool(num_groups):
-            raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
-        return ("groups_ready", num_groups) if num_groups else ("ready", batch_size)  # type: ignore[return-value]
-
     def _nothing(self, ready: Mapping[str, int], allow_partial: bool, need: int, key: str, timeout: float) -> None:
         """The wait ran out with nothing drawn: the end of the stream (allow_partial), or why not."""
         if not ready:

@@ -26,6 +26,7 @@ import grpc
 
 from .client import Batch, BufferError, GetResult, Grant, PushResult
 from .routing import uid_group_key
+from .sample_spec import SampleSpec
 from .shard_common import (
     LiveResult,
     ShardBatch,
@@ -346,35 +347,26 @@ class _Planned(_Sharded):
         shard = self.admission_shard(table)
         return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
 
-    def _sample(
-        self,
-        table: str,
-        key: str,
-        need: int,
-        request: dict[str, Any],
-        timeout: float,
-        max_batches: int,
-        allow_partial: bool,
-        ends: tuple[Callable, Callable],
-    ) -> Plan[None]:
+    def _sample(self, spec: SampleSpec, ends: tuple[Callable, Callable]) -> Plan[None]:
         """Batches drawn from every shard in proportion to what each holds ready (`allocate`)."""
-        if request["trainer_version"] is not None:  # every shard, the admission shard too
-            yield from self._set_trainer_version(request["trainer_version"], table, need_answer=False)
+        if spec.trainer_version is not None:  # every shard, the admission shard too
+            yield from self._set_trainer_version(spec.trainer_version, spec.table, need_answer=False)
+        key, need, table = "groups_ready" if spec.by_groups else "ready", spec.size, spec.table
         sent = 0
-        while not max_batches or sent < max_batches:
-            deadline, pause, parts, got = time.monotonic() + timeout, _POLL_SECONDS[0], [], 0
+        while not spec.max_batches or sent < spec.max_batches:
+            deadline, pause, parts, got = time.monotonic() + spec.timeout, _POLL_SECONDS[0], [], 0
             while True:
                 ready, late = (yield from self._ready(table, key)), time.monotonic() >= deadline
                 want = allocate(ready, need - got)
                 if sum(want.values()) >= need - got or (late and want):
-                    parts += yield from self._fetch(table, key, want, request | {"allow_partial": late})
+                    parts += yield from self._fetch(spec, want, late)
                     got = sum(self._size(key, part) for _, part in parts)
                 if got >= need or late:
                     break
                 yield Sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, _POLL_SECONDS[1])
             if not parts:
-                self._nothing(ready, allow_partial, need, key, timeout)
+                self._nothing(ready, spec.allow_partial, need, key, spec.timeout)
                 return
             sent += 1
             yield Emit(self._merge(parts, got < need, *ends))
@@ -387,10 +379,9 @@ class _Planned(_Sharded):
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
         return {shard: stats[table][key] for shard, stats in results.items() if table in stats}
 
-    def _fetch(self, table: str, key: str, want: Mapping[str, int], request: dict) -> Plan[list[tuple[str, Batch]]]:
+    def _fetch(self, spec: SampleSpec, want: Mapping[str, int], late: bool) -> Plan[list[tuple[str, Batch]]]:
         """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing
         (taken by another trainer meanwhile, filtered out, or the shard went down)."""
-        size = "num_groups" if key == "groups_ready" else "batch_size"
-        calls = [Call(shard, "sample", (table,), {size: count, **request}) for shard, count in want.items()]
+        calls = [Call(shard, "sample", (), spec.part(count, late).keywords()) for shard, count in want.items()]
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
         return [(shard, batch) for shard, batches in results.items() for batch in batches]

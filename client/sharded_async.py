@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Unpack
 
 from .client import AsyncBufferClient, BufferError, GetResult, Grant, PushResult
+from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
 from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
 
@@ -68,21 +69,11 @@ class AsyncShardedBufferClient(_Planned):
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 30.0,
-        max_batches: int = 0,
-        min_model_version: int | None = None,
-        allow_partial: bool = False,
-        trainer_version: int | None = None,
+        **options: Unpack[SampleOptions],
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
-        key, need = self._need(batch_size, num_groups)
-        request = {"order": order, "delivery": delivery, "lease_seconds": lease_seconds}
-        request |= {"min_model_version": min_model_version, "timeout": 0.0, "max_batches": 1}
-        request |= {"trainer_version": trainer_version}
-        plan = self._sample(table, key, need, request, timeout, max_batches, allow_partial, (self.ack, self.nack))
+        spec = SampleSpec(table, batch_size, num_groups, **options)
+        plan = self._sample(spec, (self.ack, self.nack))
         outcome = None
         while True:
             try:

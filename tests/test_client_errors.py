@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from expbuf.client import (
     NotFoundError,
 )
 from expbuf.client.client import AsyncBatch
+from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 
@@ -69,3 +71,41 @@ def test_async_batch_ack_is_a_coroutine_function(target: str) -> None:
 
     stats = asyncio.run(run())
     assert stats["leased"] == 0 and stats["consumed"] == 8
+
+
+BAD_SAMPLE_OPTIONS = [
+    ({}, "exactly one of batch_size"),
+    ({"num_groups": 1, "batch_size": 8}, "exactly one of batch_size"),
+    ({"num_groups": -1}, "num_groups is -1"),
+    ({"batch_size": 2.5}, "batch_size is 2.5"),
+    ({"num_groups": 1, "order": "newest"}, "order is 'newest'; expected one of fifo"),
+    ({"num_groups": 1, "delivery": "once"}, "delivery is 'once'; expected one of consume, lease, replay"),
+    ({"num_groups": 1, "lease_seconds": 0}, "lease_seconds is 0"),
+    ({"num_groups": 1, "timeout": float("nan")}, "timeout is nan"),
+    ({"num_groups": 1, "max_batches": -2}, "max_batches is -2"),
+    ({"num_groups": 1, "trainer_version": -1}, "trainer_version is -1"),
+    ({"num_groups": 1, "allow_partial": "yes"}, "allow_partial is 'yes'"),
+    ({"num_groups": 1, "window": 9}, "window is 9; it must be 1 to 8"),
+]
+
+
+def test_every_client_refuses_a_bad_sample_option_by_name(target: str) -> None:
+    """The four clients build one SampleSpec: the same refusal, naming the option, before any stream opens."""
+
+    async def run_async(make: Callable[[], AsyncBufferClient | AsyncShardedBufferClient]) -> None:
+        async with make() as client:
+            for options, message in BAD_SAMPLE_OPTIONS:
+                with pytest.raises(ValueError, match=message):
+                    await anext(client.sample("g", **options))
+
+    with BufferClient(target) as client, ShardedBufferClient([target]) as sharded:
+        client.create_table("g", group_size=8)
+        client.push(payload("grpo_group.trxp"), table="g")
+        for options, message in BAD_SAMPLE_OPTIONS:
+            for each in (client, sharded):
+                with pytest.raises(ValueError, match=message):
+                    next(each.sample("g", **options))
+        asyncio.run(run_async(lambda: AsyncBufferClient(target)))
+        asyncio.run(run_async(lambda: AsyncShardedBufferClient([target])))
+        stats = client.stats("g")["g"]
+        assert stats["pushed"] == 8 and stats["sampled"] == stats["consumed"] == stats["leased"] == 0  # none taken
