@@ -8,19 +8,14 @@ import random
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
-from . import trxp
-from .client import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    Batch,
-    BufferError,
-    PushResult,
-    Tls,
-    _payload,
-)
+from . import calls, trxp
+from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
+from .errors import BufferError
+from .results import Batch, PushResult
 from .routing import ShardMap, group_key, rendezvous, shard_names
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
@@ -145,16 +140,13 @@ class _Sharded:
         shards: ShardMap | Mapping[str, str] | Sequence[str],
         token: str | None = None,
         tls: Tls | bool | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        **options: Unpack[ChannelOptions],
     ) -> None:
+        """Clients of the shards, each with the settings of one BufferClient (token, tls, timeout, ...)."""
         if isinstance(shards, str):
             raise TypeError("pass a list of targets, a {name: target} dict or a ShardMap, not one string")
-        self.timeout = timeout
-        self._options = {"token": token, "tls": tls, "timeout": timeout, "max_message_bytes": max_message_bytes}
-        self._retries = retries
+        self.timeout = options.get("timeout", DEFAULT_TIMEOUT)
+        self._options: dict[str, Any] = {"token": token, "tls": tls, **options}
         self.shard_map = shards if isinstance(shards, ShardMap) else ShardMap.of(shards)
         self.clients: dict[str, Any] = {}
         self._probes: dict[str, Any] = {}
@@ -200,13 +192,13 @@ class _Sharded:
             if name in clients and clients[name].target == target:
                 continue
             self._retired += [c for c in (clients.get(name), probes.get(name)) if c is not None]
-            clients[name] = make(target, retries=self._retries, **self._options)
-            probes[name] = make(target, retries=0, **{**self._options, "timeout": _PROBE_SECONDS})
+            clients[name] = make(target, **self._options)
+            probes[name] = make(target, **{**self._options, "retries": 0, "timeout": _PROBE_SECONDS})
         self.clients, self._probes = clients, probes
 
     def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
         """The payload's items by owning shard; a payload that is all one shard's goes unchanged."""
-        payload = _payload(items)
+        payload = calls.payload(items)
         try:
             parsed = trxp.parse(payload)
         except trxp.TrxpError as exc:

@@ -10,7 +10,9 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
 
-from .client import AsyncBufferClient, BufferError, GetResult, Grant, PushResult
+from .aio import AsyncBufferClient
+from .errors import BufferError
+from .results import GetResult, Grant, PushResult
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
 from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
