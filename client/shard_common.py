@@ -17,6 +17,7 @@ from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
 from .errors import BufferError
 from .results import Batch, PushResult
 from .routing import ShardMap, group_key, rendezvous, shard_names
+from .sample_spec import SampleSpec
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # a short deadline; a shard that fails it is left out.
@@ -240,17 +241,10 @@ class _Sharded:
             shards=list(dict.fromkeys(shard for shard, _ in parts)),
         )
 
-    def _nothing(self, ready: Mapping[str, int], allow_partial: bool, need: int, key: str, timeout: float) -> None:
-        """The wait ran out with nothing drawn: the end of the stream (allow_partial), or why not."""
-        if not ready:
-            raise ShardError(grpc.StatusCode.UNAVAILABLE, "no shard answered", list(self.clients))
-        if not allow_partial:
-            what = "groups" if key == "groups_ready" else "experiences"
-            raise BufferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fewer than {need} ready {what} after {timeout}s")
-
     @staticmethod
-    def _size(key: str, batch: Batch) -> int:
-        return len(batch.groups) if key == "groups_ready" else len(batch.uids)
+    def _size(spec: SampleSpec, batch: Batch) -> int:
+        """A fetched part's size in the unit the spec counts: groups or experiences."""
+        return len(batch.groups) if spec.by_groups else len(batch.uids)
 
     def _remember(self, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Keep each table's grouping: the client needs it to route, and it never changes."""

@@ -34,14 +34,12 @@ from .shard_common import (
     _merge_stats,
     _shard_error,
     _Sharded,
-    allocate,
 )
+from .shard_poll import Ask, GiveUp, Poll, Wait
 
 T = TypeVar("T")
 _log = logging.getLogger("expbuf.client")
 
-# How long sample() waits between looks at the shards' ready counts when none can fill a batch.
-_POLL_SECONDS = (0.02, 0.5)
 # The codes of a shard that is down or cut off, rather than one that refused the call.
 DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -348,29 +346,28 @@ class _Planned(_Sharded):
         return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
 
     def _sample(self, spec: SampleSpec, ends: tuple[Callable, Callable]) -> Plan[None]:
-        """Batches drawn from every shard in proportion to what each holds ready (`allocate`)."""
+        """Batches drawn from every shard in proportion to what each holds ready, as Poll decides."""
         if spec.trainer_version is not None:  # every shard, the admission shard too
             yield from self._set_trainer_version(spec.trainer_version, spec.table, need_answer=False)
-        key, need, table = "groups_ready" if spec.by_groups else "ready", spec.size, spec.table
         sent = 0
         while not spec.max_batches or sent < spec.max_batches:
-            deadline, pause, parts, got = time.monotonic() + spec.timeout, _POLL_SECONDS[0], [], 0
-            while True:
-                ready, late = (yield from self._ready(table, key)), time.monotonic() >= deadline
-                want = allocate(ready, need - got)
-                if sum(want.values()) >= need - got or (late and want):
-                    parts += yield from self._fetch(spec, want, late)
-                    got = sum(self._size(key, part) for _, part in parts)
-                if got >= need or late:
-                    break
-                yield Sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(pause * 2, _POLL_SECONDS[1])
-            if not parts:
-                self._nothing(ready, spec.allow_partial, need, key, spec.timeout)
+            poll, parts = Poll(spec, self.clients, time.monotonic()), []
+            step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+            while isinstance(step, (Ask, Wait)):
+                if isinstance(step, Ask):
+                    fetched = yield from self._fetch(spec, step.parts, step.late)
+                    parts += fetched
+                    step = poll.took((self._size(spec, batch) for _, batch in fetched), time.monotonic())
+                else:
+                    yield Sleep(step.seconds)
+                    step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+            if isinstance(step, GiveUp):
+                if step.error is not None:
+                    raise step.error
                 return
             sent += 1
-            yield Emit(self._merge(parts, got < need, *ends))
-            if got < need:
+            yield Emit(self._merge(parts, step.partial, *ends))
+            if step.partial:
                 return
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
