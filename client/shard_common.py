@@ -73,7 +73,7 @@ def dns_targets(name: str, port: int = 50051) -> dict[str, str]:
     return targets
 
 
-def _merge_push(results: Iterable[PushResult]) -> PushResult:
+def merge_push(results: Iterable[PushResult]) -> PushResult:
     merged = PushResult([], [], [])
     for result in results:
         merged.stored += result.stored
@@ -83,7 +83,7 @@ def _merge_push(results: Iterable[PushResult]) -> PushResult:
     return merged
 
 
-def _merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Every shard's table counters summed; versions as min/max, the oldest age as the max."""
     merged: dict[str, dict[str, Any]] = {}
     for tables in per_shard:
@@ -103,7 +103,7 @@ def _merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, di
     return merged
 
 
-def _shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
+def shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
     first = next(iter(errors.values()))
     details = "; ".join(f"shard {name} ({targets[name]}): {exc}" for name, exc in errors.items())
     return ShardError(first.code, details, list(errors), result)
@@ -131,7 +131,7 @@ def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
     return {shard: count for shard, count in parts.items() if count > 0}
 
 
-class _Sharded:
+class Sharded:
     """The map, the per-shard clients, and the rules shared by the blocking and asyncio clients."""
 
     _client_class: type

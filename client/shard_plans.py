@@ -30,10 +30,10 @@ from .sample_spec import SampleSpec
 from .shard_common import (
     LiveResult,
     ShardBatch,
-    _merge_push,
-    _merge_stats,
-    _shard_error,
-    _Sharded,
+    Sharded,
+    merge_push,
+    merge_stats,
+    shard_error,
 )
 from .shard_poll import Ask, GiveUp, Poll, Wait
 
@@ -147,7 +147,7 @@ class Owed:
             }
 
 
-class _Planned(_Sharded):
+class Planned(Sharded):
     """The plans of every sharded call; a driver runs them (`_run`, and its sample loop)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -195,7 +195,7 @@ class _Planned(_Sharded):
         calls = [Call(shard, method, args, kwargs) for shard in self.clients]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, results)
+            raise shard_error(errors, self.shard_map.targets, results)
         return results
 
     def _live(self, method: str, *args: Any, **kwargs: Any) -> Plan[LiveResult]:
@@ -208,13 +208,13 @@ class _Planned(_Sharded):
         missing = {shard: exc for shard, exc in errors.items() if is_down(exc)}
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused or not results:
-            raise _shard_error(refused or missing, self.shard_map.targets, results)
+            raise shard_error(refused or missing, self.shard_map.targets, results)
         return LiveResult(results, {shard: str(exc) for shard, exc in missing.items()})
 
     def _on_one(self, shard: str, method: str, *args: Any, **kwargs: Any) -> Plan[Any]:
         (outcome,) = yield from self._exchange([Call(shard, method, args, kwargs)])
         if isinstance(outcome, BufferError):
-            raise _shard_error({shard: outcome}, self.shard_map.targets)
+            raise shard_error({shard: outcome}, self.shard_map.targets)
         return outcome
 
     @staticmethod
@@ -233,7 +233,7 @@ class _Planned(_Sharded):
             if not isinstance(outcome, BufferError):
                 return self._remember(outcome)
             last[shard] = outcome
-        raise _shard_error(last, self.shard_map.targets)
+        raise shard_error(last, self.shard_map.targets)
 
     def _group_by_of(self, table: str) -> Plan[str]:
         if table not in self._group_by:
@@ -249,7 +249,7 @@ class _Planned(_Sharded):
             self._owed.create(shard, name, settings)
         refused = {shard: exc for shard, exc in errors.items() if shard not in missing}
         if refused or not configs:
-            raise _shard_error(refused or missing, self.shard_map.targets, configs)
+            raise shard_error(refused or missing, self.shard_map.targets, configs)
         config = next(iter(configs.values()))
         self._group_by[name] = config.get("group_by") or "task"
         return LiveResult(config, {shard: str(exc) for shard, exc in missing.items()})
@@ -273,8 +273,8 @@ class _Planned(_Sharded):
         calls = [Call(shard, "push", (part, table), {"timeout": timeout}) for shard, part in parts.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, _merge_push(results.values()))
-        return _merge_push(results.values())
+            raise shard_error(errors, self.shard_map.targets, merge_push(results.values()))
+        return merge_push(results.values())
 
     def _get(self, uids: Iterable[str], table: str) -> Plan[GetResult]:
         """Each uid from the shard that owns its group; a uid its owner does not hold, or whose
@@ -296,7 +296,7 @@ class _Planned(_Sharded):
         lost = {s: exc for s, exc in unanswered.items() if any(uid not in found for uid in asked[s])}
         result = GetResult([found[uid] for uid in uids if uid in found], [uid for uid in uids if uid not in found])
         if lost:
-            raise _shard_error(lost, self.shard_map.targets, result)
+            raise shard_error(lost, self.shard_map.targets, result)
         return result
 
     def _get_from(self, asked: Mapping[str, list[str]], table: str) -> Plan[tuple[dict, dict[str, BufferError]]]:
@@ -304,7 +304,7 @@ class _Planned(_Sharded):
         results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused:
-            raise _shard_error(refused, self.shard_map.targets)
+            raise shard_error(refused, self.shard_map.targets)
         return {exp.eid.uid: exp for part in results.values() for exp in part}, errors
 
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
@@ -312,7 +312,7 @@ class _Planned(_Sharded):
 
     def _stats(self, table: str) -> Plan[LiveResult]:
         per_shard = yield from self._live("stats", table)
-        return LiveResult(_merge_stats(per_shard.values()), per_shard.missing)
+        return LiveResult(merge_stats(per_shard.values()), per_shard.missing)
 
     # ---- the trainer's side ------------------------------------------------------------------
 
@@ -328,7 +328,7 @@ class _Planned(_Sharded):
                 self._owed.version(shard, table, version)
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused or (need_answer and not results):
-            raise _shard_error(refused or errors, self.shard_map.targets, results)
+            raise shard_error(refused or errors, self.shard_map.targets, results)
         return min(results.values(), default=None)
 
     def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
@@ -338,7 +338,7 @@ class _Planned(_Sharded):
         errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
         done = sum(o for o in outcomes if not isinstance(o, BufferError))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, done)
+            raise shard_error(errors, self.shard_map.targets, done)
         return done
 
     def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:

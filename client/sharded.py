@@ -24,11 +24,11 @@ from .client import BufferClient, BufferError, GetResult, Grant, PushResult
 from .routing import ShardMap
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
+from .shard_plans import Call, Emit, Plan, Planned, Sleep, T
 from .sharded_async import AsyncShardedBufferClient
 
 
-class ShardedBufferClient(_Planned):
+class ShardedBufferClient(Planned):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient

@@ -15,10 +15,10 @@ from .errors import BufferError
 from .results import GetResult, Grant, PushResult
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
-from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
+from .shard_plans import Call, Emit, Plan, Planned, Sleep, T
 
 
-class AsyncShardedBufferClient(_Planned):
+class AsyncShardedBufferClient(Planned):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient

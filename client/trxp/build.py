@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 
 from ..experience import TENSOR_FIELDS
 from .common import (
-    _CONTAINERS,
-    _DTYPE_RANK,
-    _EXACT_CONTAINERS,
-    _EXACT_SCALARS,
-    _HEADER,
+    CONTAINERS,
+    DTYPE_RANK,
+    EXACT_CONTAINERS,
+    EXACT_SCALARS,
+    HEADER,
     HEADER_SIZE,
     MAGIC,
     VERSION,
@@ -56,7 +56,7 @@ def build(items: Sequence[RawItem]) -> bytes:
     data: list[bytes | memoryview] = []
     offset = 0
     # safetensors' own order: dtype descending, then name; this also keeps data aligned.
-    for code in sorted(by_dtype, key=_DTYPE_RANK.__getitem__, reverse=True):
+    for code in sorted(by_dtype, key=DTYPE_RANK.__getitem__, reverse=True):
         bucket = by_dtype[code]
         bucket.sort(key=_KEY)
         for key, tensor in bucket:
@@ -86,7 +86,7 @@ def _frame(meta: bytes, header_json: bytes, data: Sequence[bytes | memoryview]) 
     """The runs of bytes of a payload whose safetensors header is already written as JSON."""
     header_json += b" " * (-len(header_json) % 8)
     tensor_len = 8 + len(header_json) + sum(map(len, data))
-    head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
+    head = HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
     return [head, meta, struct.pack("<Q", len(header_json)), header_json, *data]
 
 
@@ -133,18 +133,14 @@ def _canonical(value: dict | list | tuple) -> Any:
         for key in keys:
             inner = value[key]
             kind = type(inner)
-            if (
-                kind in _EXACT_SCALARS
-                or (kind in _EXACT_CONTAINERS and not inner)
-                or not isinstance(inner, _CONTAINERS)
-            ):
+            if kind in EXACT_SCALARS or (kind in EXACT_CONTAINERS and not inner) or not isinstance(inner, CONTAINERS):
                 out[key] = inner  # scalars and empty containers are canonical as they are
             else:
                 out[key] = _canonical(inner)
         return out
-    if not any(isinstance(inner, _CONTAINERS) for inner in value):
+    if not any(isinstance(inner, CONTAINERS) for inner in value):
         return value  # a list or tuple of scalars is canonical as it is
-    canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
+    canonical = [_canonical(inner) if isinstance(inner, CONTAINERS) else inner for inner in value]
     return canonical if isinstance(value, list) else tuple(canonical)
 
 
@@ -168,7 +164,7 @@ def pack_item(item: RawItem) -> bytes:
 
 def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
     """safetensors' own order: dtype descending, then name; this also keeps data aligned."""
-    return -_DTYPE_RANK[entry[1].dtype], entry[0]
+    return -DTYPE_RANK[entry[1].dtype], entry[0]
 
 
 def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
@@ -232,7 +228,7 @@ def join_parts(
     base = 0
     for index, payload in enumerate(payloads):
         view = memoryview(payload)
-        _, _, meta_len, _ = _HEADER.unpack_from(view)
+        _, _, meta_len, _ = HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
             return [_rebuild(payloads, extra)]
