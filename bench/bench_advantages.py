@@ -233,7 +233,7 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
                     while client.stats(table)[table]["ready"] < total:
                         time.sleep(0.002)
                     start, seen = time.perf_counter(), 0
-                    for batch in client.sample(table, num_groups=8, timeout=5):
+                    for batch in client.sample(table, num_groups=8, timeout=5, delivery="consume"):
                         seen += len(batch.uids)
                         if seen >= total:
                             break

@@ -52,18 +52,19 @@ class SampleSpec:
     """One sample stream's request, checked when built.
 
     Exactly one of `batch_size` (experiences, filled with whole groups) or `num_groups`
-    (whole groups) is set. `delivery` is "consume" (a batch leaves the buffer once it has
-    arrived), "lease" (it comes back unless acked within `lease_seconds`) or "replay" (it
-    stays). `timeout` is how long each batch may wait for enough ready data; `max_batches`
-    0 streams until the caller stops; `window` is how many batches the server keeps on
-    their way (1 to MAX_WINDOW).
+    (whole groups) is set. `delivery` is "lease" (the default: a batch comes back unless
+    acked within `lease_seconds`, so a trainer that dies mid-step loses nothing), "consume"
+    (at most once: it leaves the buffer once it has arrived) or "replay" (it stays).
+    `timeout` is how long each batch may wait for enough ready data; `max_batches` 0 streams
+    until the caller stops; `window` is how many batches the server keeps on their way (1 to
+    MAX_WINDOW).
     """
 
     table: str = "default"
     batch_size: int | None = None
     num_groups: int | None = None
     order: str = "fifo"
-    delivery: str = "consume"
+    delivery: str = "lease"
     lease_seconds: float = 60.0
     timeout: float = 30.0
     max_batches: int = 0

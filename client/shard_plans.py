@@ -1,7 +1,7 @@
 """The sharded clients' logic, free of I/O, that the blocking and the asyncio client both run.
 
 Each call is a plan: a generator that yields the shard calls to make in parallel (a list of
-`Call`), a pause (`Sleep`) or, while sampling, a batch for the caller (`Emit`), and is sent
+`Call`), a pause (`Wait`) or, while sampling, a batch for the caller (`Emit`), and is sent
 back the calls' outcomes (each a result or the BufferError it raised). The drivers in
 sharded.py and sharded_async.py only make the calls, with threads or with asyncio.
 
@@ -60,16 +60,11 @@ class Call:
 
 
 @dataclass(frozen=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Emit:
     batch: ShardBatch
 
 
-Step = list[Call] | Sleep | Emit
+Step = list[Call] | Wait | Emit
 Plan = Generator[Step, Any, T]
 
 
@@ -359,7 +354,7 @@ class Planned(Sharded):
                     parts += fetched
                     step = poll.took((self._size(spec, batch) for _, batch in fetched), time.monotonic())
                 else:
-                    yield Sleep(step.seconds)
+                    yield step
                     step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
             if isinstance(step, GiveUp):
                 if step.error is not None:

@@ -32,7 +32,7 @@ class Ask:
 
 @dataclass(frozen=True)
 class Wait:
-    """Look at the ready counts again after this many seconds."""
+    """Look at the ready counts again after this many seconds (the plan yields it as its pause)."""
 
     seconds: float
 

@@ -24,7 +24,8 @@ from .client import BufferClient, BufferError, GetResult, Grant, PushResult
 from .routing import ShardMap
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .shard_plans import Call, Emit, Plan, Planned, Sleep, T
+from .shard_plans import Call, Emit, Plan, Planned, T
+from .shard_poll import Wait
 from .sharded_async import AsyncShardedBufferClient
 
 
@@ -59,7 +60,7 @@ class ShardedBufferClient(Planned):
             return exc
 
     def _step(self, step: Any) -> Any:
-        if isinstance(step, Sleep):
+        if isinstance(step, Wait):
             time.sleep(step.seconds)
             return None
         if len(step) == 1:

@@ -15,7 +15,8 @@ from .errors import BufferError
 from .results import GetResult, Grant, PushResult
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
-from .shard_plans import Call, Emit, Plan, Planned, Sleep, T
+from .shard_plans import Call, Emit, Plan, Planned, T
+from .shard_poll import Wait
 
 
 class AsyncShardedBufferClient(Planned):
@@ -45,7 +46,7 @@ class AsyncShardedBufferClient(Planned):
             return exc
 
     async def _step(self, step: Any) -> Any:
-        if isinstance(step, Sleep):
+        if isinstance(step, Wait):
             await asyncio.sleep(step.seconds)
             return None
         return await asyncio.gather(*(self._call(call) for call in step))

@@ -45,7 +45,10 @@ def test_each_status_a_caller_handles_has_its_type(target: str) -> None:
             (lambda: client.push((BAD_DIR / "bad_magic.bin").read_bytes()), InvalidArgumentError),
             (lambda: client.stats("nope"), NotFoundError),
             (lambda: client.create_table("g", group_size=4), AlreadyExistsError),
-            (lambda: next(client.sample("default", num_groups=1, timeout=0.2)), DeadlineExceededError),
+            (
+                lambda: next(client.sample("default", num_groups=1, timeout=0.2, delivery="consume")),
+                DeadlineExceededError,
+            ),
         ]
         for call, kind in cases:
             with pytest.raises(kind) as raised:
