@@ -56,6 +56,7 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) tests/typecheck.py
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -195,7 +195,7 @@ def bench_ingest(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
                         t.start()
                     for t in threads:
                         t.join()
-                    while client.stats(table)[table]["ready"] < len(payloads) * 64:
+                    while client.stats(table)[table].ready < len(payloads) * 64:
                         time.sleep(0.002)
                     results[estimator].append(sum(map(len, payloads)) / (time.perf_counter() - start) / 1e6)
     finally:
@@ -230,7 +230,7 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[str, fl
                     for p in payloads:
                         client.push(p, table=table)
                     total = len(payloads) * 64
-                    while client.stats(table)[table]["ready"] < total:
+                    while client.stats(table)[table].ready < total:
                         time.sleep(0.002)
                     start, seen = time.perf_counter(), 0
                     for batch in client.sample(table, num_groups=8, timeout=5, delivery="consume"):

@@ -154,7 +154,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
                 filled += GROUP
             store.put_entries("sel", chunk)
         row: dict[str, float] = {"size": size}
-        table_id, _ = store._table("sel")
+        table_id, _ = store.catalog.lookup("sel")
         prefix = table_id.to_bytes(4, "big")
         for order in ("fifo", "lifo", "uniform", "priority"):
             times = []
@@ -163,7 +163,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
                 with store.environment.read() as txn:
                     db = store.environment.db
                     index = ReadyIndex(ReadyDbs.of(db), txn, prefix)
-                    it = index.candidates(order, store._rng)
+                    it = index.candidates(order, store.sampling.rng)
                     picked = [next(it) for _ in range(4)]
                     it.close()
                     [txn.get(prefix + g, db=db["groups"]) for g in picked]

@@ -38,7 +38,7 @@ def measure(group_size: int, reads: int) -> float:
                 for t in range(32 * reads) for r in range(8)
             ]  # fmt: skip
             asyncio.run(ExpbufWriter(config.to_storage_config()).write(exps))
-            while admin.stats("bench")["bench"]["ready"] < len(exps):
+            while admin.stats("bench")["bench"].ready < len(exps):
                 time.sleep(0.1)
         reader = ExpbufReader(config.to_storage_config())
         start = time.perf_counter()

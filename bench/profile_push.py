@@ -37,7 +37,7 @@ STAGES = (
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
     ("parse (validate the payload)", "parse "),
     ("pack each experience (Entry.of: repack, SHA-256)", "Entry.of "),
-    ("store the push (records, indexes, LMDB puts)", "TableTxn.put "),
+    ("store the push (records, indexes, LMDB puts)", "put ("),  # groups.put
     ("store: table and counters around the put", "Store.put_entries"),
     ("write loop and hand-offs", "Environment._write_loop"),
     ("gRPC: receive, unpack the request, reply", "_unary_response_in_pool"),

@@ -17,7 +17,7 @@ from .errors import (
     UnavailableError,
 )
 from .experience import EID, Experience
-from .results import Batch, GetResult, PushResult
+from .results import Batch, BufferStats, GetResult, PushResult, ServerInfo, ShapingInfo, TableInfo, TableStats
 from .trxp import TrxpError, decode, encode
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Batch",
     "BufferClient",
     "BufferError",
+    "BufferStats",
     "DeadlineExceededError",
     "ExpbufError",
     "Experience",
@@ -37,6 +38,10 @@ __all__ = [
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
+    "ServerInfo",
+    "ShapingInfo",
+    "TableInfo",
+    "TableStats",
     "Tls",
     "TrxpError",
     "UnauthenticatedError",

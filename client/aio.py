@@ -16,7 +16,7 @@ import grpc.aio
 from . import calls
 from .connection import ClientBase
 from .errors import ExpbufError
-from .results import AsyncBatch, Batch, ExperiencePage, GetResult, Grant, PushResult
+from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
 
 R = TypeVar("R")
@@ -138,11 +138,11 @@ class AsyncBufferClient(ClientBase):
         """As BufferClient.seal: complete a pending group now; returns its size."""
         return await self._run(calls.seal(group_id, table))
 
-    async def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
-        """As BufferClient.stats: one table's counters, or every table's, keyed by table name."""
+    async def stats(self, table: str = "") -> BufferStats:
+        """As BufferClient.stats: one table's TableStats, or every table's, by table name."""
         return await self._run(calls.stats(table))
 
-    async def server_info(self) -> dict[str, Any]:
+    async def server_info(self) -> ServerInfo:
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return await self._run(calls.server_info())
 
@@ -150,7 +150,7 @@ class AsyncBufferClient(ClientBase):
         """As BufferClient.create_table; settings use the TOML names."""
         return await self._run(calls.create_table(name, exist_ok, settings))
 
-    async def list_tables(self) -> list[dict[str, Any]]:
+    async def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""
         return await self._run(calls.list_tables())
 

@@ -15,7 +15,18 @@ from typing import Any, Generic, TypedDict, TypeVar
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
-from .results import Batch, ExperiencePage, GetResult, Grant, ListedExperience, PushResult
+from .results import (
+    Batch,
+    BufferStats,
+    ExperiencePage,
+    GetResult,
+    Grant,
+    ListedExperience,
+    PushResult,
+    ServerInfo,
+    TableInfo,
+    TableStats,
+)
 
 R = TypeVar("R")
 # How long a stream the caller left may take to hand back the batches already on their way.
@@ -42,11 +53,6 @@ def payload(items: bytes | Iterable[Any]) -> bytes:
     if isinstance(items, (bytes, bytearray, memoryview)):
         return bytes(items)
     return trxp.encode(items)
-
-
-def fields(msg: Any) -> dict[str, Any]:
-    """A reply message's fields as a dict, by their proto names."""
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
 def _version(version: int) -> int:
@@ -174,12 +180,15 @@ def seal(group_id: str, table: str) -> Unary[int]:
     return Unary("Seal", pb.SealRequest(table=table, group_id=group_id), lambda r: r.size, retry=False)
 
 
-def stats(table: str) -> Unary[dict[str, dict[str, Any]]]:
-    return Unary("Stats", pb.StatsRequest(table=table), lambda r: {t.name: fields(t) for t in r.tables}, retry=True)
+def stats(table: str) -> Unary[BufferStats]:
+    def read(reply: pb.StatsReply) -> BufferStats:
+        return BufferStats({t.name: TableStats.from_proto(t) for t in reply.tables})
+
+    return Unary("Stats", pb.StatsRequest(table=table), read, retry=True)
 
 
-def server_info() -> Unary[dict[str, Any]]:
-    return Unary("ServerInfo", pb.ServerInfoRequest(), fields, retry=True)
+def server_info() -> Unary[ServerInfo]:
+    return Unary("ServerInfo", pb.ServerInfoRequest(), ServerInfo.from_proto, retry=True)
 
 
 def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[dict[str, Any]]:
@@ -191,9 +200,9 @@ def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[d
     return Unary("CreateTable", request, lambda r: wire.table_from_proto(r.config), retry=False)
 
 
-def list_tables() -> Unary[list[dict[str, Any]]]:
-    def read(reply: pb.ListTablesReply) -> list[dict[str, Any]]:
-        return [wire.table_from_proto(t) for t in reply.tables]
+def list_tables() -> Unary[list[TableInfo]]:
+    def read(reply: pb.ListTablesReply) -> list[TableInfo]:
+        return [TableInfo.from_settings(wire.table_from_proto(t)) for t in reply.tables]
 
     return Unary("ListTables", pb.ListTablesRequest(), read, retry=True)
 
@@ -222,6 +231,7 @@ def batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kind
         lease_expires=reply.lease_expires_unix,
         partial=reply.partial,
         table=table,
+        times_sampled=list(reply.times_sampled),
         _ack=ack,
         _nack=nack,
     )

@@ -22,7 +22,19 @@ from . import calls
 from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
-from .results import AsyncBatch, Batch, ExperiencePage, GetResult, Grant, ListedExperience, PushResult
+from .results import (
+    AsyncBatch,
+    Batch,
+    BufferStats,
+    ExperiencePage,
+    GetResult,
+    Grant,
+    ListedExperience,
+    PushResult,
+    ServerInfo,
+    TableInfo,
+    TableStats,
+)
 from .sample_spec import SampleOptions, SampleSpec
 
 R = TypeVar("R")
@@ -34,11 +46,15 @@ __all__ = [
     "Batch",
     "BufferClient",
     "BufferError",
+    "BufferStats",
     "ExperiencePage",
     "GetResult",
     "Grant",
     "ListedExperience",
     "PushResult",
+    "ServerInfo",
+    "TableInfo",
+    "TableStats",
     "Tls",
 ]
 
@@ -202,15 +218,15 @@ class BufferClient(ClientBase):
         Returns the group's size."""
         return self._run(calls.seal(group_id, table))
 
-    def stats(self, table: str = "") -> dict[str, dict[str, Any]]:
+    def stats(self, table: str = "") -> BufferStats:
         """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
-        or of every table when `table` is empty, keyed by table name::
+        or of every table when `table` is empty, each a TableStats by table name::
 
-            ready = client.stats("grpo8")["grpo8"]["ready"]
+            ready = client.stats("grpo8")["grpo8"].ready
         """
         return self._run(calls.stats(table))
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self) -> ServerInfo:
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return self._run(calls.server_info())
 
@@ -221,7 +237,7 @@ class BufferClient(ClientBase):
         """
         return self._run(calls.create_table(name, exist_ok, settings))
 
-    def list_tables(self) -> list[dict[str, Any]]:
+    def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""
         return self._run(calls.list_tables())
 

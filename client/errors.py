@@ -1,9 +1,11 @@
 """The errors the clients raise: one base, `ExpbufError`, and one subclass per status a caller handles.
 
-`ExpbufError(code, details)` builds the subclass of its status code, so every place that
-turns a gRPC status into an error gives the same types, and a caller can write
-`except NotFoundError:` instead of comparing codes. `BufferError`, the old name of the base,
-stays for one release; it shadows Python's builtin of that name, so new code uses `ExpbufError`.
+Each subclass names its status in `status`; those attributes are the one table from status
+code to class (`ExpbufError.for_status`). `ExpbufError(code, details)` builds the subclass of
+its status code, so every place that turns a gRPC status into an error gives the same types,
+and a caller can write `except NotFoundError:` instead of comparing codes. `BufferError`, the
+old name of the base, stays for one release; it shadows Python's builtin of that name, so new
+code uses `ExpbufError`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import grpc
-
-_BY_CODE: dict[grpc.StatusCode, type[ExpbufError]] = {}
 
 
 class ExpbufError(Exception):
@@ -22,7 +22,7 @@ class ExpbufError(Exception):
 
     def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:
         if cls is ExpbufError:
-            cls = _BY_CODE.get(code, ExpbufError)
+            cls = ExpbufError.for_status(code)
         return super().__new__(cls)
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
@@ -30,10 +30,10 @@ class ExpbufError(Exception):
         self.code = code
         self.details = details
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.status is not None:
-            _BY_CODE[cls.status] = cls
+    @staticmethod
+    def for_status(code: grpc.StatusCode) -> type[ExpbufError]:
+        """The subclass whose `status` is `code`; the base itself for a status no subclass handles."""
+        return next((kind for kind in ExpbufError.__subclasses__() if kind.status == code), ExpbufError)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ExpbufError, (self.code, self.details))

@@ -12,7 +12,7 @@ This module knows no framework: verl's and AReaL's adapters share it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 
@@ -31,6 +31,10 @@ def join(prompt: torch.Tensor, response: torch.Tensor) -> tuple[torch.Tensor, in
     return torch.cat([prompt, response]), int(prompt.shape[0])
 
 
+@overload
+def response_tensor(name: str, values: torch.Tensor, response_length: int) -> torch.Tensor: ...
+@overload
+def response_tensor(name: str, values: torch.Tensor | None, response_length: int) -> torch.Tensor | None: ...
 def response_tensor(name: str, values: torch.Tensor | None, response_length: int) -> torch.Tensor | None:
     """A per-response-token tensor, checked to have the response's length (None stays None)."""
     if values is not None and values.shape[0] != response_length:

@@ -1,4 +1,5 @@
-"""What the clients return: the result types of pushes, samples, reads and admissions.
+"""What the clients return: the result types of pushes, samples, reads, admissions, stats,
+tables and server info.
 
 Plain data, built from the service's replies by the clients (client.py); a sampled batch
 decodes its payload on first use and acknowledges through the client that made it.
@@ -6,8 +7,8 @@ decodes its payload on first use and acknowledges through the client that made i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -38,6 +39,7 @@ class Batch:
     lease_expires: float
     partial: bool
     table: str = "default"
+    times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     _ack: Callable[[str, str], Any] | None = field(default=None, repr=False)
     _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
 
@@ -116,3 +118,231 @@ class ExperiencePage:
     experiences: list[ListedExperience]
     next: int
     done: bool
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """One table's counters, as the Stats RPC reports them: experiences and groups by state,
+    totals since the table was created, what shaping did, and the off-policy counts.
+
+    A sharded client's stats hold each table merged over its shards (`merged`).
+    """
+
+    name: str
+    # Live experiences by state, and their payload bytes.
+    pending: int
+    computing: int
+    ready: int
+    leased: int
+    consumed: int
+    bytes: int
+    # Groups by state; failed groups' advantages could not be computed, dropped ones were filtered or timed out.
+    groups_pending: int
+    groups_computing: int
+    groups_ready: int
+    groups_leased: int
+    groups_failed: int
+    groups_dropped: int
+    last_failure: str  # why the last failed group failed; empty when none did
+    oldest_age_seconds: float
+    min_model_version: int  # -1 when no live experience carries a version
+    max_model_version: int
+    # Totals since the table was created.
+    evicted: int
+    pushed: int
+    duplicates: int
+    sampled: int
+    leases_expired: int
+    # What reward shaping and the advantage clip did.
+    overlong_penalised: int
+    rewards_seen: int
+    rewards_clipped: int
+    advantages_seen: int
+    advantages_clipped: int
+    reward_running_mean: float
+    reward_running_std: float
+    # Off-policy control: the trainer's version (-1 before any was set), rollouts counted against
+    # the admission bound, granted, returned by expired grants, and experiences dropped as stale.
+    trainer_version: int
+    submitted: int
+    admitted: int
+    grants_expired: int
+    stale_dropped: int
+
+    @property
+    def live(self) -> int:
+        """Experiences the table holds that are not yet consumed."""
+        return self.pending + self.computing + self.ready + self.leased
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> TableStats:
+        """From a TableStats message, whose fields carry the same names."""
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+    @classmethod
+    def merged(cls, parts: Sequence[TableStats]) -> TableStats:
+        """One table's stats over the shards that hold it: counts summed; the policy versions as the
+        range over the shards that hold a versioned experience; the oldest age as the oldest; the
+        trainer version as the lowest a shard holds (-1 while one has none); the running reward
+        moments (each shard normalises by its own) averaged, weighted by the experiences pushed."""
+        first = parts[0]
+        versioned = [p for p in parts if p.max_model_version >= 0]
+        weights = [p.pushed for p in parts] if any(p.pushed for p in parts) else [1] * len(parts)
+        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls) if f.name not in _NOT_SUMMED}
+        return cls(
+            **summed,
+            name=first.name,
+            last_failure=next((p.last_failure for p in parts if p.last_failure), ""),
+            oldest_age_seconds=max(p.oldest_age_seconds for p in parts),
+            min_model_version=min((p.min_model_version for p in versioned), default=-1),
+            max_model_version=max((p.max_model_version for p in versioned), default=-1),
+            trainer_version=min(p.trainer_version for p in parts),
+            reward_running_mean=_weighted([p.reward_running_mean for p in parts], weights),
+            reward_running_std=_weighted([p.reward_running_std for p in parts], weights),
+        )
+
+
+_NOT_SUMMED = frozenset(
+    {
+        "name",
+        "last_failure",
+        "oldest_age_seconds",
+        "min_model_version",
+        "max_model_version",
+        "trainer_version",
+        "reward_running_mean",
+        "reward_running_std",
+    }
+)
+
+
+def _weighted(values: Sequence[float], weights: Sequence[int]) -> float:
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+
+
+@dataclass(frozen=True)
+class BufferStats(Mapping[str, TableStats]):
+    """What `stats()` returns: each table's TableStats by table name (`stats["grpo8"].ready`).
+
+    `missing` names the shards that did not answer a sharded client, with their error; the
+    tables then count only the shards that did. It is empty for one server.
+    """
+
+    tables: Mapping[str, TableStats]
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> TableStats:
+        return self.tables[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables)
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What `server_info()` returns: the server's version, its TRXP version, the device advantages
+    run on, the largest message it takes, how long it has run, its storage and how full its map is.
+
+    From a sharded client, the shards that answered combined (each in `shards`, the others in
+    `missing`): the versions and devices each shard reports, comma-joined where they differ; the
+    smallest message limit (what every shard takes); the shortest uptime; the storage summed;
+    the fullest map.
+    """
+
+    version: str
+    trxp_version: str
+    advantage_device: str
+    max_message_bytes: int
+    uptime_seconds: float
+    storage_bytes: int
+    lmdb_map_used_ratio: float
+    shards: Mapping[str, ServerInfo] = field(default_factory=dict)
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> ServerInfo:
+        """From a ServerInfoReply, whose fields carry the same names."""
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in ("shards", "missing")})
+
+    @classmethod
+    def merged(cls, shards: Mapping[str, ServerInfo], missing: Mapping[str, str]) -> ServerInfo:
+        """The answering shards' infos combined, as the class says."""
+        infos = list(shards.values())
+
+        def joined(name: str) -> str:
+            return ",".join(sorted({getattr(i, name) for i in infos}))
+
+        return cls(
+            version=joined("version"),
+            trxp_version=joined("trxp_version"),
+            advantage_device=joined("advantage_device"),
+            max_message_bytes=min(i.max_message_bytes for i in infos),
+            uptime_seconds=min(i.uptime_seconds for i in infos),
+            storage_bytes=sum(i.storage_bytes for i in infos),
+            lmdb_map_used_ratio=max(i.lmdb_map_used_ratio for i in infos),
+            shards=dict(shards),
+            missing=dict(missing),
+        )
+
+
+@dataclass(frozen=True)
+class ShapingInfo:
+    """A table's reward shaping and advantage clip (LightRFT's names); 0 or False turns a step off."""
+
+    reward_clip: float = 0.0
+    overlong_buffer: bool = False
+    overlong_buffer_len: int = 0
+    overlong_buffer_penalty_factor: float | None = None  # None: the server's default, 1.0
+    max_new_tokens: int = 0
+    reward_running_norm: bool = False
+    reward_running_norm_minus_mean: bool = False
+    advantage_clip: float = 0.0
+    advantages_norm: bool = False
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A table's settings, as `list_tables()` returns them, under the names of a TOML `[[tables]]`
+    block and of `create_table`; `settings()` gives them back as keywords for `create_table`."""
+
+    name: str
+    group_by: str  # task | run | step | none
+    group_size: int  # 0: the push that carries a group completes it
+    group_timeout_seconds: float
+    on_group_timeout: str  # release | drop
+    estimator: str
+    estimator_params: Mapping[str, float]
+    device: str  # auto | cpu | cuda
+    capacity_experiences: int  # 0: unlimited
+    capacity_bytes: int
+    when_full: str  # block | evict
+    max_times_sampled: int
+    drop_zero_variance: bool
+    shaping: ShapingInfo
+    max_staleness: int | None  # None: no bound
+    batch_size: int
+    on_stale: str  # drop | refuse
+    min_size_to_sample: int
+    samples_per_insert: float
+    samples_per_insert_error: float
+    evict_stale: bool
+    priority_decay: float  # under replay: a delivered group's priority lowered this much per delivery
+    reuse_cooldown_seconds: float  # ... and out of reach this long (0: at once)
+    priority_noise: float  # ... plus a Gaussian of this standard deviation
+    tombstone_seconds: float | None = None  # None: the server's default, one day
+    keep_failed: bool | None = None  # None: the server's default, True
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> TableInfo:
+        """From settings under their TOML names (wire.table_from_proto)."""
+        return cls(**{**settings, "shaping": ShapingInfo(**settings.get("shaping") or {})})
+
+    def settings(self) -> dict[str, Any]:
+        """The settings under their TOML names, unset ones left out: `create_table(**info.settings())`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["estimator_params"] = dict(self.estimator_params)
+        values["shaping"] = {k: v for k, v in asdict(self.shaping).items() if v is not None}
+        return {k: v for k, v in values.items() if v is not None}

@@ -109,8 +109,8 @@ class SampleSpec:
 
     def part(self, size: int, allow_partial: bool) -> SampleSpec:
         """One batch of `size` of the same unit at once, as a sharded client asks of one shard."""
-        amount = {"num_groups": size} if self.by_groups else {"batch_size": size}
-        return replace(self, **amount, timeout=0.0, max_batches=1, allow_partial=allow_partial)
+        one = replace(self, timeout=0.0, max_batches=1, allow_partial=allow_partial)
+        return replace(one, num_groups=size) if self.by_groups else replace(one, batch_size=size)
 
     def request(self) -> pb.SampleRequest:
         """The first message of the Sample stream."""

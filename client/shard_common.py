@@ -15,15 +15,13 @@ import grpc
 from . import calls, trxp
 from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
 from .errors import BufferError
-from .results import Batch, PushResult
+from .results import Batch, PushResult, TableInfo
 from .routing import ShardMap, group_key, rendezvous, shard_names
 from .sample_spec import SampleSpec
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # a short deadline; a shard that fails it is left out.
 _PROBE_SECONDS = 2.0
-_MIN_FIELDS = {"min_model_version"}
-_MAX_FIELDS = {"max_model_version", "oldest_age_seconds"}
 
 
 class ShardError(BufferError):
@@ -80,26 +78,6 @@ def merge_push(results: Iterable[PushResult]) -> PushResult:
         merged.duplicates += result.duplicates
         merged.completed_groups += result.completed_groups
         merged.stale += result.stale
-    return merged
-
-
-def merge_stats(per_shard: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Every shard's table counters summed; versions as min/max, the oldest age as the max."""
-    merged: dict[str, dict[str, Any]] = {}
-    for tables in per_shard:
-        for name, stats in tables.items():
-            into = merged.setdefault(name, {})
-            for key, value in stats.items():
-                if key not in into:
-                    into[key] = value
-                elif key == "name" or key == "last_failure":
-                    into[key] = into[key] or value
-                elif key in _MIN_FIELDS:
-                    into[key] = min(into[key], value)
-                elif key in _MAX_FIELDS:
-                    into[key] = max(into[key], value)
-                else:
-                    into[key] += value
     return merged
 
 
@@ -236,6 +214,7 @@ class Sharded:
             lease_expires=min(part.lease_expires for _, part in parts),
             partial=partial or any(part.partial for _, part in parts),
             table=parts[0][1].table,
+            times_sampled=[times for _, part in parts for times in part.times_sampled],
             _ack=ack,
             _nack=nack,
             shards=list(dict.fromkeys(shard for shard, _ in parts)),
@@ -246,10 +225,10 @@ class Sharded:
         """A fetched part's size in the unit the spec counts: groups or experiences."""
         return len(batch.groups) if spec.by_groups else len(batch.uids)
 
-    def _remember(self, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _remember(self, tables: list[TableInfo]) -> list[TableInfo]:
         """Keep each table's grouping: the client needs it to route, and it never changes."""
         for config in tables:
-            self._group_by[config["name"]] = config.get("group_by") or "task"
+            self._group_by[config.name] = config.group_by
         return tables
 
     def admission_shard(self, table: str) -> str:

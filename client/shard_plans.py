@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import grpc
 
 from .client import Batch, BufferError, GetResult, Grant, PushResult
+from .results import BufferStats, ServerInfo, TableInfo, TableStats
 from .routing import uid_group_key
 from .sample_spec import SampleSpec
 from .shard_common import (
@@ -32,7 +33,6 @@ from .shard_common import (
     ShardBatch,
     Sharded,
     merge_push,
-    merge_stats,
     shard_error,
 )
 from .shard_poll import Ask, GiveUp, Poll, Wait
@@ -92,8 +92,10 @@ class Owed:
     def forget(self, table: str) -> None:
         """Nothing more is owed for a table (it was dropped)."""
         with self._lock:
-            for owed in (*self._creates.values(), *self._versions.values()):
-                owed.pop(table, None)
+            for creates in self._creates.values():
+                creates.pop(table, None)
+            for versions in self._versions.values():
+                versions.pop(table, None)
 
     def forget_versions(self, table: str) -> None:
         """No trainer version is owed for a table any more (an admin reset it)."""
@@ -121,6 +123,7 @@ class Owed:
             return
         if isinstance(outcome, BufferError):
             _log.warning("shard %s refused the owed %s%s: %s", call.shard, call.method, call.args, outcome)
+        owed: dict[str, Any]  # by table: the create_table keywords, or the trainer version
         with self._lock:
             if call.method == "create_table":
                 owed, key, value = self._creates.get(call.shard, {}), call.args[0], dict(call.kwargs)
@@ -220,7 +223,7 @@ class Planned(Sharded):
 
     # ---- tables ----------------------------------------------------------------------------
 
-    def _list_tables(self) -> Plan[list[dict[str, Any]]]:
+    def _list_tables(self) -> Plan[list[TableInfo]]:
         """The tables of the first shard that answers, the shards believed up first."""
         last: dict[str, BufferError] = {}
         for shard in sorted(self.clients, key=lambda name: name in self._down):
@@ -305,9 +308,18 @@ class Planned(Sharded):
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
         return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())
 
-    def _stats(self, table: str) -> Plan[LiveResult]:
+    def _stats(self, table: str) -> Plan[BufferStats]:
+        """Each table's stats merged over the shards that answered (TableStats.merged)."""
         per_shard = yield from self._live("stats", table)
-        return LiveResult(merge_stats(per_shard.values()), per_shard.missing)
+        parts: dict[str, list[TableStats]] = {}
+        for stats in per_shard.values():
+            for name, part in stats.items():
+                parts.setdefault(name, []).append(part)
+        return BufferStats({name: TableStats.merged(p) for name, p in parts.items()}, per_shard.missing)
+
+    def _server_info(self) -> Plan[ServerInfo]:
+        per_shard = yield from self._live("server_info")
+        return ServerInfo.merged(per_shard, per_shard.missing)
 
     # ---- the trainer's side ------------------------------------------------------------------
 
@@ -369,7 +381,7 @@ class Planned(Sharded):
         """Each answering shard's ready count (a probe each: shards that fail it are left out)."""
         calls = [Call(shard, "stats", (table,), quick=True) for shard in self.clients]
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
-        return {shard: stats[table][key] for shard, stats in results.items() if table in stats}
+        return {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
 
     def _fetch(self, spec: SampleSpec, want: Mapping[str, int], late: bool) -> Plan[list[tuple[str, Batch]]]:
         """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing

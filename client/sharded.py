@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
 from .client import BufferClient, BufferError, GetResult, Grant, PushResult
+from .results import BufferStats, ServerInfo, TableInfo
 from .routing import ShardMap
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
@@ -151,16 +152,17 @@ class ShardedBufferClient(Planned):
         """Complete a pending group on the shard that owns it."""
         return self._run(self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))
 
-    def stats(self, table: str = "") -> LiveResult:
-        """Every table's counters summed over the shards that answer; `.missing` names the others."""
+    def stats(self, table: str = "") -> BufferStats:
+        """Every table's stats merged over the shards that answer (TableStats.merged); `.missing` names the others."""
         return self._run(self._stats(table))
 
     def shard_stats(self, table: str = "") -> LiveResult:
         """Each answering shard's stats, by shard; `.missing` names the others."""
         return self._run(self._live("stats", table))
 
-    def server_info(self) -> LiveResult:
-        return self._run(self._live("server_info"))
+    def server_info(self) -> ServerInfo:
+        """The answering shards' infos combined, each in `.shards`; `.missing` names the others."""
+        return self._run(self._server_info())
 
     def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> LiveResult:
         """Create the table on every shard (exist_ok makes a retry after a partial failure safe).
@@ -170,7 +172,8 @@ class ShardedBufferClient(Planned):
         """
         return self._run(self._create_table(name, exist_ok, settings))
 
-    def list_tables(self) -> list[dict[str, Any]]:
+    def list_tables(self) -> list[TableInfo]:
+        """Every table's settings, as the first shard that answers holds them."""
         return self._run(self._list_tables())
 
     def drop_table(self, name: str) -> int:

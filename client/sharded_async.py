@@ -12,7 +12,7 @@ from typing import Any, Unpack
 
 from .aio import AsyncBufferClient
 from .errors import BufferError
-from .results import GetResult, Grant, PushResult
+from .results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
 from .shard_plans import Call, Emit, Plan, Planned, T
@@ -123,21 +123,22 @@ class AsyncShardedBufferClient(Planned):
     async def seal(self, group_id: str, table: str = "default") -> int:
         return await self._run(self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))
 
-    async def stats(self, table: str = "") -> LiveResult:
+    async def stats(self, table: str = "") -> BufferStats:
         """As ShardedBufferClient.stats."""
         return await self._run(self._stats(table))
 
     async def shard_stats(self, table: str = "") -> LiveResult:
         return await self._run(self._live("stats", table))
 
-    async def server_info(self) -> LiveResult:
-        return await self._run(self._live("server_info"))
+    async def server_info(self) -> ServerInfo:
+        """As ShardedBufferClient.server_info."""
+        return await self._run(self._server_info())
 
     async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> LiveResult:
         """As ShardedBufferClient.create_table."""
         return await self._run(self._create_table(name, exist_ok, settings))
 
-    async def list_tables(self) -> list[dict[str, Any]]:
+    async def list_tables(self) -> list[TableInfo]:
         return await self._run(self._list_tables())
 
     async def drop_table(self, name: str) -> int:

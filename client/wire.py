@@ -6,7 +6,8 @@ Table settings travel as plain dicts with the names of the TOML file and of
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
@@ -67,6 +68,9 @@ TABLE_SETTINGS = (
     "keep_failed",
     "shaping",
     *OFF_POLICY_SETTINGS,
+    "priority_decay",
+    "reuse_cooldown_seconds",
+    "priority_noise",
 )
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
 SHAPING_SETTINGS = (
@@ -86,14 +90,17 @@ class WireError(ValueError):
     """A message or a setting that the other side cannot take; the text names it."""
 
 
-def enum_value(mapping: dict[str, int], what: str, name: str) -> int:
+_Enum = TypeVar("_Enum", bound=int)  # a proto enum: its values are ints
+
+
+def enum_value(mapping: Mapping[str, _Enum], what: str, name: str) -> _Enum:
     try:
         return mapping[name]
     except (KeyError, TypeError):
         raise WireError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
 
 
-def enum_name(mapping: dict[str, int], what: str, value: int, default: str) -> str:
+def enum_name(mapping: Mapping[str, int], what: str, value: int, default: str) -> str:
     """The name of an enum value; 0 (unspecified) is the default, an unknown value is refused."""
     if value == 0:
         return default
@@ -168,6 +175,9 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         samples_per_insert=settings.get("samples_per_insert", 0.0),
         samples_per_insert_error=settings.get("samples_per_insert_error", 0.0),
         evict_stale=settings.get("evict_stale", False),
+        priority_decay=settings.get("priority_decay", 0.0),
+        reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
+        priority_noise=settings.get("priority_noise", 0.0),
     ))  # fmt: skip
 
 
@@ -197,4 +207,7 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "samples_per_insert": msg.samples_per_insert,
         "samples_per_insert_error": msg.samples_per_insert_error,
         "evict_stale": msg.evict_stale,
+        "priority_decay": msg.priority_decay,
+        "reuse_cooldown_seconds": msg.reuse_cooldown_seconds,
+        "priority_noise": msg.priority_noise,
     }

@@ -54,7 +54,7 @@ def rollout_worker(target: str, worker: int, stop: threading.Event) -> None:
             grant = client.admit(TABLE, 2, wait=1.0)  # room for up to 2 groups, or wait for the trainer
             if not grant.count:
                 continue
-            version = max(0, client.stats(TABLE)[TABLE]["trainer_version"])  # the weights this worker loads
+            version = max(0, client.stats(TABLE)[TABLE].trainer_version)  # the weights this worker loads
             accepted = 0
             for _ in range(grant.count):
                 group = [rollout(worker, task, run, version) for run in range(GROUP_SIZE)]

@@ -74,8 +74,9 @@ def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -
     if result.scalar is not None:
         return [float(v) for v in result.scalar.double().cpu().tolist()]
     lengths = batch.lengths.tolist()
-    advantages = result.advantages.float().cpu().split(lengths)
-    returns = result.returns.float().cpu().split(lengths)
+    token_advantages, token_returns = result.token_values()
+    advantages = token_advantages.float().cpu().split(lengths)
+    returns = token_returns.float().cpu().split(lengths)
     return [
         _LENGTH.pack(n) + trxp.raw_of(a).data + trxp.raw_of(r).data
         for a, r, n in zip(advantages, returns, lengths, strict=True)
@@ -219,6 +220,8 @@ def _finish(
         return [(float(v), rec.response_length) for v, rec in zip(values.tolist(), records, strict=True)]
     lengths, masks, returns = [], [], []
     for record in stored:
+        if record is None or isinstance(record, tuple):
+            raise ValueError("a token-level table's experience holds one stored value, not its token-level record")
         (length,) = _LENGTH.unpack_from(record)
         middle = _LENGTH.size + 4 * length
         lengths.append(length)

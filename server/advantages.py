@@ -122,13 +122,15 @@ def compute(
     if first and settings.shapes_values:  # groups dropped or already non-finite take no part
         finite = result.finite(batch).cpu().split(sizes)
         keep = [gkey not in dropped and bool(f.all()) for gkey, f in zip(job.groups, finite, strict=True)]
-        result.scalar, moments, unshapeable = shaping.shape(settings, result.scalar, sizes, keep, moments, report)
+        result.scalar, moments, unshapeable = shaping.shape(
+            settings, result.scalar_values(), sizes, keep, moments, report
+        )
     finite = dict(zip(uids, result.finite(batch).cpu().tolist(), strict=True))
     if not batch_stage(config):  # after the non-finite check: clipping would hide an infinity
         if result.scalar is not None:
             result.scalar = shaping.clip_advantages(settings, result.scalar, report)
         else:
-            result.advantages = shaping.clip_advantages(settings, result.advantages, report)
+            result.advantages = shaping.clip_advantages(settings, result.token_values()[0], report)
     values = dict(zip(uids, encode_results(result, batch), strict=True))
     failed = {}
     for index, (gkey, members) in enumerate(zip(job.groups, job.members, strict=True)):

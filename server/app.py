@@ -18,6 +18,7 @@ import socket
 import threading
 from concurrent import futures
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import lmdb
@@ -180,7 +181,7 @@ class ExpbufServer:
         self._stop = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="expbuf-maintenance", daemon=True)
         self.metrics_port = 0
-        self._metrics_http = None
+        self._metrics_http: WSGIServer | None = None
 
     def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
         self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
@@ -190,16 +191,14 @@ class ExpbufServer:
         if self.config.metrics_port >= 0:
             host = self.config.metrics_host or self.config.host
             try:
-                self._metrics_http, _ = start_http_server(
-                    self.config.metrics_port, addr=host, registry=self.metrics.exported
-                )
+                metrics_http, _ = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.exported)
             except OSError as exc:
                 self.service.ingest.close()
                 self.store.close()
                 raise StartupError(
                     f"cannot bind the metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}"
                 ) from None
-            self.metrics_port = self._metrics_http.server_port
+            self._metrics_http, self.metrics_port = metrics_http, metrics_http.server_port
         self.advantages.start()
         self.grpc.start()
         self._maintenance.start()

@@ -84,7 +84,7 @@ class TokenAuth(ServiceInterceptor):
                 f"{len(headers)} authorization headers; send exactly one 'authorization: Bearer TOKEN'",
             )
         header = headers[0]
-        if not header.startswith("Bearer ") or not header[7:]:
+        if not isinstance(header, str) or not header.startswith("Bearer ") or not header[7:]:
             log.info("refused %s: malformed authorization header", method)
             return _refuse(
                 handler,

@@ -93,7 +93,10 @@ def _health(args: argparse.Namespace) -> int:
     try:
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata)
+            # types-grpcio-health-checking's HealthStub leaves out its methods.
+            reply = stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata
+            )
     except grpc.RpcError as exc:
         print(f"{args.target}: {exc.code().name}: {exc.details() or 'no details'}", file=sys.stderr)
         return 1
@@ -135,7 +138,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         environment = Environment(args.data, readonly=True)
     except Damaged as exc:
-        print(f"(directory): damaged ({exc.reason})")
+        print(f"(directory): damaged ({exc.damage})")
         return 1
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None

@@ -1,7 +1,15 @@
-"""The refusals of the storage engine, each naming the gRPC status it maps to, and
-`clip`, which keeps untrusted input out of messages and logs at a bounded length."""
+"""Every refusal the server makes, each class carrying the gRPC status it maps to and its
+reason on `expbuf_refused_total`, and `clip`, which keeps untrusted input out of messages and
+logs at a bounded length.
+
+The service maps a refusal to its status and reason by its class alone (service.py); a new
+refusal is one class here. `status` is the name of a `grpc.StatusCode` member, so the storage
+engine, which raises most of these, does not import grpc.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 CLIP = 100
 
@@ -15,56 +23,122 @@ def clip(value: object, limit: int = CLIP) -> str:
 
 
 class StoreError(Exception):
-    """A refused request; `code` names the gRPC status it maps to."""
+    """A refused request: `status` names the gRPC status code it maps to, `reason` its label on
+    the refusals metric. Raised as it is, a fault of the server rather than of the request."""
 
-    code = "internal"
+    status: ClassVar[str] = "INTERNAL"
+    reason: ClassVar[str] = "internal"
 
 
 class InvalidRequest(StoreError):
-    code = "invalid_argument"
+    """A request whose fields the server cannot take; the message names the field."""
+
+    status = "INVALID_ARGUMENT"
+    reason = "invalid_request"
+
+
+class InvalidPayload(InvalidRequest):
+    """A push whose payload the TRXP codec refused; the message names the item and field."""
+
+    reason = "invalid_payload"
+
+
+class ConfigError(InvalidRequest, ValueError):
+    """A table or server setting out of its range; the message names the setting."""
+
+    reason = "invalid_config"
+
+
+class SpecError(InvalidRequest):
+    """A sample request is malformed; the message names the field and its allowed range."""
 
 
 class NotFound(StoreError):
-    code = "not_found"
+    """No such table, lease, grant or experience."""
+
+    status = "NOT_FOUND"
+    reason = "not_found"
 
 
 class Conflict(StoreError):
-    code = "already_exists"
+    """A uid pushed again with other bytes, or a table that exists with other settings."""
+
+    status = "ALREADY_EXISTS"
+    reason = "conflict"
 
 
 class Forbidden(StoreError):
-    code = "permission_denied"
+    """A lease taken by another token."""
+
+    status = "PERMISSION_DENIED"
+    reason = "forbidden"
 
 
 class GroupClosed(StoreError):
-    code = "failed_precondition"
+    """The group's or table's state refuses it now: a push into a complete group."""
+
+    status = "FAILED_PRECONDITION"
+    reason = "group_closed"
+
+
+class StaleExperience(GroupClosed):
+    """A push carries an experience older than the table's staleness bound (on_stale = refuse)."""
+
+    reason = "stale"
+
+
+class VersionJump(GroupClosed):
+    """A trainer version beyond what the table's data allows, with evict_stale on."""
 
 
 class TableFull(StoreError):
     """The table has no room now; a blocking table's pusher may wait for room."""
 
-    code = "resource_exhausted"
+    status = "RESOURCE_EXHAUSTED"
+    reason = "table_full"
 
 
 class TooLarge(StoreError):
-    """A push larger than the table's whole capacity: waiting would never help."""
+    """A push larger than the table's whole capacity, or a group larger than a reply: waiting would never help."""
 
-    code = "resource_exhausted"
+    status = "RESOURCE_EXHAUSTED"
+    reason = "too_large"
 
 
 class StorageFull(StoreError):
-    code = "resource_exhausted"
+    """The disk or the map cannot grow to hold the write."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "storage_full"
+
+
+class InsertLimited(StoreError):
+    """An insert held by the rate limit until its deadline."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "rate_limited"
+
+
+class SampleLimited(StoreError):
+    """A sample held by the rate limit until its deadline."""
+
+    status = "DEADLINE_EXCEEDED"
+    reason = "rate_limited"
 
 
 class Damaged(StoreError):
     """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
 
-    code = "data_loss"
+    status = "DATA_LOSS"
+    reason = "damaged"
 
-    def __init__(self, path: object, reason: str) -> None:
-        super().__init__(f"damaged ({reason}); run `expbuf check --data {path}`")
-        self.reason = reason
+    def __init__(self, path: object, damage: str) -> None:
+        super().__init__(f"damaged ({damage}); run `expbuf check --data {path}`")
+        self.damage = damage
 
 
 class StoreClosed(StoreError):
-    code = "unavailable"
+    """The store is closing or closed: the server is stopping."""
+
+    status = "UNAVAILABLE"
+    reason = "closed"

@@ -106,7 +106,7 @@ class Estimator:
         args: dict[str, float | str | None] = {}
         for name, param in self.params.items():
             value = stored.get(name, param.default)
-            args[name] = param.choices[int(value)] if param.choices and not isinstance(value, str) else value
+            args[name] = param.choices[int(value)] if param.choices and isinstance(value, float | int) else value
         return args
 
     def has_batch_stage(self, args: dict[str, Any]) -> bool:

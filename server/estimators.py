@@ -41,6 +41,13 @@ from .estimator_registry import ESTIMATORS
 WHITEN_EPSILON = 1e-8  # Trinity-RFT's masked_whiten
 
 
+def _needed(tensor: Tensor | None, what: str, kind: str = "token-level") -> Tensor:
+    """An optional input or result, there whenever the estimator that needs it runs."""
+    if tensor is None:
+        raise ValueError(f"the {kind} {what} are missing")
+    return tensor
+
+
 @dataclass
 class FlatBatch:
     """The inputs of one computation: N experiences, T response tokens in all.
@@ -70,9 +77,10 @@ class FlatBatch:
     @property
     def scores(self) -> Tensor:
         """verl's sequence score: the sum of each experience's token-level rewards."""
+        token_rewards = _needed(self.token_rewards, "rewards")
         if not self.lengths.numel():
-            return torch.zeros(0, dtype=torch.float64, device=self.token_rewards.device)
-        return torch.segment_reduce(self.token_rewards.double(), "sum", lengths=self.lengths, unsafe=True)
+            return torch.zeros(0, dtype=torch.float64, device=token_rewards.device)
+        return torch.segment_reduce(token_rewards.double(), "sum", lengths=self.lengths, unsafe=True)
 
     def to(self, device: torch.device | str) -> FlatBatch:
         """Move every input with one host-to-device copy of one packed buffer."""
@@ -102,19 +110,30 @@ class Advantages:
     returns: Tensor | None = None  # [T]
     drop_groups: Tensor | None = None  # [G] bool: groups the estimator removes (std threshold)
 
+    def scalar_values(self) -> Tensor:
+        """[N] the one value per experience of an estimator that gives one."""
+        return _needed(self.scalar, "values", "one value per experience")
+
+    def token_values(self) -> tuple[Tensor, Tensor]:
+        """[T] the (advantages, returns) of a token-level estimator."""
+        return _needed(self.advantages, "advantages"), _needed(self.returns, "returns")
+
     def tokens(self, batch: FlatBatch) -> tuple[Tensor, Tensor]:
         """Token-level float32 (advantages, returns), zero where the action mask is 0."""
         if self.scalar is not None:
-            values = self.scalar.float().repeat_interleave(batch.lengths, output_size=batch.mask.numel())
-            values.mul_(batch.mask)
+            mask = _needed(batch.mask, "action masks")
+            values = self.scalar.float().repeat_interleave(batch.lengths, output_size=mask.numel())
+            values.mul_(mask)
             return values, values
-        return self.advantages.float(), self.returns.float()
+        advantages, returns = self.token_values()
+        return advantages.float(), returns.float()
 
     def finite(self, batch: FlatBatch) -> Tensor:
         """[N] bool: the experiences whose values are all finite."""
         if self.scalar is not None:
             return torch.isfinite(self.scalar)
-        bad = (~torch.isfinite(self.advantages) | ~torch.isfinite(self.returns)).double()
+        advantages, returns = self.token_values()
+        bad = (~torch.isfinite(advantages) | ~torch.isfinite(returns)).double()
         index = torch.arange(batch.lengths.numel(), device=bad.device)
         index = index.repeat_interleave(batch.lengths.to(bad.device), output_size=bad.numel())
         return _segment_sum(bad, index, batch.lengths.numel()) == 0
@@ -269,10 +288,11 @@ def _returns_to_go(b: FlatBatch, gamma: float) -> Tensor:
     tokens outside the mask (a reward reaches every earlier turn). Vectorised over
     experiences, one step per token position of the longest response."""
     n, t_max = b.lengths.numel(), int(b.lengths.max()) if b.lengths.numel() else 0
-    device = b.token_rewards.device
+    token_rewards = _needed(b.token_rewards, "rewards")
+    device = token_rewards.device
     keep = torch.arange(t_max, device=device).expand(n, t_max) < b.lengths.to(device).unsqueeze(1)
     padded = torch.zeros(n, t_max, dtype=torch.float64, device=device)
-    padded[keep] = b.token_rewards.double()
+    padded[keep] = token_rewards.double()
     if gamma == 1.0:
         returns = padded.flip(1).cumsum(1).flip(1)
     else:
@@ -287,7 +307,7 @@ def _returns_to_go(b: FlatBatch, gamma: float) -> Tensor:
 def reinforceplusplus(b: FlatBatch, gamma: float) -> Advantages:
     """REINFORCE++ (Trinity-RFT): the discounted returns-to-go, whitened over the generated
     tokens of the sampled batch. Ingest stores the mask (pending advantages) and the returns."""
-    mask = b.mask.double()
+    mask = _needed(b.mask, "action masks").double()
     return Advantages(advantages=mask, returns=_returns_to_go(b, gamma) * mask)
 
 
@@ -310,7 +330,7 @@ def reinforce_pp_baseline(b: FlatBatch, epsilon: float) -> Advantages:
 
 def discounted_return(b: FlatBatch, gamma: float) -> Advantages:
     """The discounted return-to-go of the token-level rewards, as advantages and returns."""
-    returns = _returns_to_go(b, gamma) * b.mask.double()
+    returns = _returns_to_go(b, gamma) * _needed(b.mask, "action masks").double()
     return Advantages(advantages=returns, returns=returns)
 
 
@@ -382,7 +402,7 @@ def finish_reinforce_pp_baseline(rows: SampledRows, epsilon: float) -> Tensor:
 def finish_reinforceplusplus(rows: SampledRows, **_: object) -> Tensor:
     """[T] Trinity-RFT's masked_whiten of the returns over the batch's generated tokens,
     masked (its masked mean divides by count + 1e-8; unbiased variance; rsqrt(var + 1e-8))."""
-    mask, returns = rows.mask, rows.returns
+    mask, returns = _needed(rows.mask, "action masks"), _needed(rows.returns, "returns")
     count = mask.sum()
     mean = (returns * mask).sum() / (count + WHITEN_EPSILON)
     var = ((returns - mean) ** 2 * mask).sum() / (count + WHITEN_EPSILON)

@@ -36,7 +36,7 @@ def _plain(value: Any) -> Any:
 
 def json_line(listed: ListedExperience, exp: Experience) -> str:
     """One experience as one JSON object: where it stands in the table, then every field."""
-    record = {"uid": listed.uid, "group_id": listed.group_id, "state": listed.state}
+    record: dict[str, Any] = {"uid": listed.uid, "group_id": listed.group_id, "state": listed.state}
     record["times_sampled"] = listed.times_sampled
     for f in fields(exp):
         value = getattr(exp, f.name)

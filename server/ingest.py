@@ -35,6 +35,7 @@ from typing import Any
 
 from expbuf.client import trxp
 
+from .errors import InvalidPayload
 from .store import Entry
 
 log = logging.getLogger("expbuf.ingest")
@@ -54,9 +55,13 @@ SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
 
 
-def entries_of(payload: bytes) -> list[Entry]:
-    """A pushed payload's experiences, validated and packed as the store keeps them."""
-    return [Entry.of(item) for item in trxp.parse(payload)]
+def entries_of(payload: bytes | memoryview) -> list[Entry]:
+    """A pushed payload's experiences, validated and packed as the store keeps them; a payload
+    the codec refuses is an InvalidPayload, with the codec's message."""
+    try:
+        return [Entry.of(item) for item in trxp.parse(payload)]
+    except trxp.TrxpError as exc:
+        raise InvalidPayload(str(exc)) from None
 
 
 class _Region:
@@ -68,21 +73,22 @@ class _Region:
         self.size = 0
         self.map: mmap.mmap | None = None
 
-    def fit(self, size: int) -> None:
-        """Map at least `size` bytes (the file only grows; it may be larger than asked).
-        A region is never mapped empty (mmap refuses that): an empty payload still maps one."""
+    def fit(self, size: int) -> mmap.mmap:
+        """Map at least `size` bytes (the file only grows; it may be larger than asked); return
+        the map. A region is never mapped empty (mmap refuses that): an empty payload still maps one."""
         if self.map is not None and size <= self.size:
-            return
+            return self.map
         if os.fstat(self.fd).st_size < max(size, 1):
             os.ftruncate(self.fd, max(size, 2 * self.size, _MIN_REGION))
         if self.map is not None:
             self.map.close()
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
+        return self.map
 
     def release(self) -> None:
         """Give back the memory past _KEEP (the file keeps its size, reading zeros there)."""
-        if self.size > _KEEP and hasattr(mmap, "MADV_REMOVE"):
+        if self.map is not None and self.size > _KEEP and hasattr(mmap, "MADV_REMOVE"):
             self.map.madvise(mmap.MADV_REMOVE, _KEEP, self.size - _KEEP)
 
     def close(self) -> None:
@@ -111,9 +117,9 @@ def _serve(conn: Connection) -> None:
             length, size = _REQUEST.unpack(conn.recv_bytes())
         except EOFError:  # the server closed the pool
             return
-        region.fit(size)
+        view = region.fit(size)
         try:
-            reply: Any = _pack(entries_of(region.map[:length]), region)
+            reply: Any = _pack(entries_of(view[:length]), region)
         except Exception as exc:
             reply = exc
         try:
@@ -124,8 +130,8 @@ def _serve(conn: Connection) -> None:
 
 def _pack(entries: list[Entry], region: _Region) -> list[tuple]:
     """The entries' blobs written into the region in order; their fields, the blob's length in its place."""
-    region.fit(sum(len(entry.blob) for entry in entries))
-    rows, view, pos = [], region.map, 0
+    view = region.fit(sum(len(entry.blob) for entry in entries))
+    rows, pos = [], 0
     for entry in entries:
         row = _fields_of(entry)
         blob = row[_BLOB]
@@ -138,7 +144,7 @@ def _pack(entries: list[Entry], region: _Region) -> list[tuple]:
 class _Worker:
     """One ingest process, the connection it takes requests on and its shared region."""
 
-    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+    def __init__(self, context: multiprocessing.context.SpawnContext) -> None:
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child,), name="expbuf-ingest", daemon=True)
         self.process.start()
@@ -150,26 +156,25 @@ class _Worker:
         """Wait until the process has imported everything (spawned now, not on the first push)."""
         self.conn.recv_bytes()
 
-    def entries(self, payload: bytes) -> list[Entry] | Exception | None:
+    def entries(self, payload: bytes | memoryview) -> list[Entry] | Exception | None:
         """The payload's entries decoded by this worker, or its refusal; None if the refusal
         must be found here. A dead worker raises EOFError or OSError."""
         region = self.region
-        region.fit(len(payload))
-        region.map[: len(payload)] = payload
+        region.fit(len(payload))[: len(payload)] = payload
         self.conn.send_bytes(_REQUEST.pack(len(payload), region.size))
         raw = self.conn.recv_bytes()
         try:
             reply, size = pickle.loads(raw)
         except Exception:  # a refusal that does not unpickle
             return None
-        region.fit(size)
+        view = region.fit(size)
         try:
             if not isinstance(reply, list):
                 return reply
-            entries, view, pos = [], region.map, 0
+            entries, pos = [], 0
             for row in reply:
                 end = pos + row[_BLOB]
-                entries.append(Entry(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :]))
+                entries.append(Entry(*(*row[:_BLOB], view[pos:end], *row[_BLOB + 1 :])))
                 pos = end
             return entries
         finally:
@@ -209,6 +214,8 @@ class Ingest:
                     return
                 idle = {worker.process.sentinel: worker for worker in self._idle}
             for sentinel in multiprocessing.connection.wait(list(idle), timeout=WATCH_SECONDS) if idle else ():
+                if not isinstance(sentinel, int):  # the processes' sentinels come back, as they went in
+                    continue
                 worker = idle[sentinel]
                 with self._free:
                     if worker not in self._idle:  # taken by a push meanwhile: that push finds it dead
@@ -235,20 +242,21 @@ class Ingest:
             with self._free:
                 self._decoding -= 1
 
-    def _in_worker(self, payload: bytes) -> list[Entry]:
+    def _in_worker(self, payload: bytes | memoryview) -> list[Entry]:
         with self._free:
             self._free.wait_for(lambda: self._idle or self._closed)
             if self._closed:
                 return entries_of(payload)
             worker = self._idle.pop()
+        returned: _Worker | None = worker
         try:
             result = worker.entries(payload)
         except Exception:  # died, or killed mid-reply: its connection can no longer be trusted
             log.warning("an ingest process failed; starting a new one, and decoding this push here", exc_info=True)
-            worker = self._replace(worker)
+            returned = self._replace(worker)
             result = None
         finally:
-            self._give_back(worker)
+            self._give_back(returned)
         if isinstance(result, Exception):
             raise result
         return entries_of(payload) if result is None else result

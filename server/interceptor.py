@@ -4,6 +4,7 @@ leaving health checking and reflection alone."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -19,9 +20,9 @@ class ServiceInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler

@@ -135,7 +135,9 @@ class CallLimits(ServiceInterceptor):
             return grpc.stream_unary_rpc_method_handler(limited_unary(handler.stream_unary), *serializers)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(limited_stream(handler.unary_stream), *serializers)
-        return grpc.stream_stream_rpc_method_handler(limited_stream(handler.stream_stream), *serializers)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(limited_stream(handler.stream_stream), *serializers)
+        raise ValueError(f"{method}: the handler has no behaviour to limit")
 
 
 class TableStreams:

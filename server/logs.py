@@ -29,10 +29,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """The handler `configure` installs, told apart from handlers the host process installed."""
+
+
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:
-    """Route every expbuf logger to stderr in the given format (text | json)."""
-    handler = logging.StreamHandler()
+    """Route every expbuf logger to stderr in the given format (text | json).
+
+    A second call replaces the first one's handler; handlers installed by the process that
+    runs expbuf (a test runner, an embedding application) stay, so their capture keeps working.
+    """
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
     root.setLevel(level)

@@ -27,18 +27,18 @@ from .store import LIVE
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# (metric name, help, store counter, extra labels)
+# (metric name, help, store counter)
 _STORE_COUNTERS = (
-    ("expbuf_experiences_pushed", "Experiences stored (not counting duplicates).", "pushed", {}),
-    ("expbuf_experiences_sampled", "Experiences delivered in sampled batches.", "sampled", {}),
-    ("expbuf_bytes_pushed", "Bytes of experiences stored.", "bytes_pushed", {}),
-    ("expbuf_bytes_sampled", "Bytes of experiences delivered in sampled batches.", "bytes_sampled", {}),
-    ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates", {}),
-    ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired", {}),
-    ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total", {}),
-    ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted", {}),
-    ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired", {}),
-    ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped", {}),
+    ("expbuf_experiences_pushed", "Experiences stored (not counting duplicates).", "pushed"),
+    ("expbuf_experiences_sampled", "Experiences delivered in sampled batches.", "sampled"),
+    ("expbuf_bytes_pushed", "Bytes of experiences stored.", "bytes_pushed"),
+    ("expbuf_bytes_sampled", "Bytes of experiences delivered in sampled batches.", "bytes_sampled"),
+    ("expbuf_duplicates", "Pushed experiences that were already stored with identical bytes.", "duplicates"),
+    ("expbuf_leases_expired", "Leases that expired and returned their groups.", "leases_expired"),
+    ("expbuf_evicted", "Experiences evicted to make room.", "evicted_total"),
+    ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted"),
+    ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
+    ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
@@ -68,7 +68,7 @@ class StoreCollector(Collector):
             groups.add_metric([table, "failed"], stats["groups_failed"])
         yield experiences
         yield groups
-        for name, text, key, _ in _STORE_COUNTERS:
+        for name, text, key in _STORE_COUNTERS:
             family = CounterMetricFamily(name, text, labels=["table"])
             for table, stats in tables.items():
                 family.add_metric([table], stats[key])
@@ -251,7 +251,7 @@ class RpcMetrics(ServiceInterceptor):
 
 def _code(context: grpc.ServicerContext, outcome: str) -> str:
     """The status the handler set (an abort), else how it ended: OK, CANCELLED or UNKNOWN."""
-    code = context.code()
+    code = context.code()  # type: ignore[attr-defined]  # grpcio's server context has code(); types-grpcio omits it
     if code is None:
         return outcome
     return code.name if isinstance(code, grpc.StatusCode) else str(code)

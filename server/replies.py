@@ -46,6 +46,7 @@ def sample_reply(batch: Sampled, *, lease: bool) -> bytes:
         lease_id=batch.lease_id if lease else "",
         lease_expires_unix=batch.lease_expires if lease else 0.0,
         partial=batch.partial,
+        times_sampled=batch.times_sampled,
     ).SerializeToString()
     try:
         return batch.render(

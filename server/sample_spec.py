@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import InvalidRequest, clip
+from .errors import SpecError, clip
 from .selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")
@@ -22,10 +22,6 @@ INT64 = (-(2**63), 2**63 - 1)
 # The most batches a stream may have sent and not yet had confirmed: what the server
 # prepares ahead of its client, whatever gRPC's flow-control window would hold.
 MAX_WINDOW = 8
-
-
-class SpecError(InvalidRequest):
-    """A sample request is malformed; the message names the field and its allowed range."""
 
 
 def check_count(name: str, value: int) -> None:

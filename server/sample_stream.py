@@ -177,14 +177,16 @@ class _Window:
         while True:
             self._collect()
             seen = client.received
+
+            def stop(seen: int = seen) -> bool:
+                return client.stopped or client.broken or not context.is_active() or (hold and client.received > seen)
+
             batch = self.store.sample(
                 self.spec,
                 timeout=max(0.0, deadline - time.monotonic()),
                 hold=hold,
                 owner=self.owner,
-                stop=lambda s=seen: (
-                    client.stopped or client.broken or not context.is_active() or (hold and client.received > s)
-                ),
+                stop=stop,
                 ack=self.confirmed,
             )
             self.confirmed = []

@@ -72,7 +72,7 @@ def version_key(version: int) -> bytes:
 class ReadyIndex:
     """Adds, removes and selects ready groups of one table inside a transaction."""
 
-    def __init__(self, dbs: ReadyDbs, txn: lmdb.Transaction, prefix: bytes) -> None:
+    def __init__(self, dbs: ReadyDbs, txn: lmdb.Transaction[bytes], prefix: bytes) -> None:
         self.dbs, self.txn, self.prefix = dbs, txn, prefix
 
     def add(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
@@ -161,7 +161,8 @@ class ReadyIndex:
     def below_version(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first,
         read from the front of `byver`: nothing at or above `version` is looked at."""
-        end, groups = self.prefix + version_key(version), []
+        end = self.prefix + version_key(version)
+        groups: list[str] = []
         with self.txn.cursor(db=self.dbs.byver) as cur:
             found = cur.set_range(self.prefix)
             while found and len(groups) < limit and cur.key() < end:
@@ -207,7 +208,9 @@ class ReadyIndex:
                 if head is not None:
                     heapq.heappush(heads, (sign * head[0], vkey, head[1]))
 
-    def _run_next(self, cur: lmdb.Cursor, vkey: bytes, after: int | None, *, newest: bool) -> tuple[int, bytes] | None:
+    def _run_next(
+        self, cur: lmdb.Cursor[bytes], vkey: bytes, after: int | None, *, newest: bool
+    ) -> tuple[int, bytes] | None:
         """The (rseq, group key) that follows `after` (None: the first) in one version's
         run, going up, or down for `newest`; None at the run's end."""
         run = self.prefix + vkey
@@ -254,7 +257,10 @@ class ReadyIndex:
 
     def slot(self, slot: int) -> bytes:
         """The group in one slot of the dense array (0 <= slot < count())."""
-        return self.txn.get(self.prefix + u64(slot), db=self.dbs.slots)
+        group = self.txn.get(self.prefix + u64(slot), db=self.dbs.slots)
+        if group is None:
+            raise LookupError(f"ready index: slot {slot} holds no group (the slot array is damaged)")
+        return group
 
 
 class Order(ABC):
@@ -299,7 +305,7 @@ class Uniform(Order):
     name = "uniform"
 
     def candidates(self, index: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        count, seen = index.count(), set()
+        count, seen = index.count(), set[int]()
         while len(seen) < count:
             slot = rng.randrange(count)
             if slot not in seen:

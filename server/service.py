@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -25,18 +26,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from . import __version__
 from .advantages import check_device
 from .backend import Backend
-from .errors import (
-    Conflict,
-    Forbidden,
-    GroupClosed,
-    InvalidRequest,
-    NotFound,
-    StorageFull,
-    StoreError,
-    TableFull,
-    TooLarge,
-    clip,
-)
+from .errors import InvalidRequest, SpecError, StoreError, clip
 from .inflight import PushMessage
 from .ingest import Ingest
 from .limits import IdleMessages, TableStreams
@@ -46,48 +36,22 @@ from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
 from .store import Sampled
-from .store.admission import StaleExperience
-from .store.limiter import InsertLimited, SampleLimited
 from .store.records import LIVE
-from .tables import ConfigError, TableConfig
+from .tables import TableConfig
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
 
-_STATUS = {
-    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
-    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
-    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "internal": grpc.StatusCode.INTERNAL,
+# The table the current call is on, for a refusal's log line and metric: set when a call
+# starts, and again by a stream once its first message names the table.
+_CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="default")
+
+# The TableStats fields of the versions, by the counter each comes from (unknown: -1).
+_VERSION_STATS = {
+    "min_model_version": "min_version",
+    "max_model_version": "max_version",
+    "trainer_version": "trainer_version",
 }
-
-
-_REASONS = (
-    (trxp.TrxpError, "invalid_payload"),
-    (ConfigError, "invalid_config"),
-    (InvalidRequest, "invalid_request"),
-    (Conflict, "conflict"),
-    (StaleExperience, "stale"),
-    ((InsertLimited, SampleLimited), "rate_limited"),
-    (GroupClosed, "group_closed"),
-    (TableFull, "table_full"),
-    (TooLarge, "too_large"),
-    (Forbidden, "forbidden"),
-    (StorageFull, "storage_full"),
-    (NotFound, "not_found"),
-)
-
-
-def _reason(exc: Exception) -> str:
-    return next((name for kind, name in _REASONS if isinstance(exc, kind)), "invalid_request")
-
-
-_REFUSALS = (StoreError, trxp.TrxpError, ConfigError, wire.WireError)
 
 
 def _table_of(request: Any) -> str:
@@ -126,19 +90,17 @@ class _RefusalLog:
 
 
 def _refusals(method: Callable) -> Callable:
-    """Map the store's and codec's refusals to status codes with their message; count and
-    log them. Anything else is a fault of the server: INTERNAL, logged with its traceback,
-    never UNKNOWN."""
+    """Map refusals (errors.py) to the status code and metric reason their class carries, with
+    their message; count and log them. Anything else is a fault of the server: INTERNAL,
+    logged with its traceback, never UNKNOWN."""
 
     def abort(self: ExperienceBufferService, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
         if context.code() is not None:  # the method aborted with its own status
             raise exc
-        table = getattr(exc, "table", None) or _table_of(request)
+        table = _CALL_TABLE.get()
         label = table if self.store.has_table(table) else "unknown"
-        if isinstance(exc, _REFUSALS):
-            code = _STATUS.get(exc.code, grpc.StatusCode.INTERNAL) if isinstance(exc, StoreError) else None
-            code = code or grpc.StatusCode.INVALID_ARGUMENT
-            reason = _reason(exc)
+        if isinstance(exc, StoreError):
+            code, reason = grpc.StatusCode[exc.status], exc.reason
             self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
                              code.name, reason, clip(str(exc), 500))  # fmt: skip
         else:
@@ -152,6 +114,7 @@ def _refusals(method: Callable) -> Callable:
 
         @functools.wraps(method)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            _CALL_TABLE.set(_table_of(request))
             try:
                 yield from method(self, request, context)
             except Exception as exc:
@@ -161,6 +124,7 @@ def _refusals(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        _CALL_TABLE.set(_table_of(request))
         try:
             return method(self, request, context)
         except Exception as exc:
@@ -171,12 +135,17 @@ def _refusals(method: Callable) -> Callable:
 
 def sample_spec(request: pb.SampleRequest) -> SampleSpec:
     """The first message of a Sample stream as a checked SampleSpec."""
+    try:
+        order = wire.enum_name(wire.ORDER, "order", request.order, "fifo")
+        delivery = wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume")
+    except wire.WireError as exc:
+        raise SpecError(str(exc)) from None
     return SampleSpec(
         table=request.table or "default",
         num_groups=request.num_groups,
         batch_size=request.batch_size,
-        order=wire.enum_name(wire.ORDER, "order", request.order, "fifo"),
-        delivery=wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume"),
+        order=order,
+        delivery=delivery,
         lease_seconds=request.lease_seconds,
         wait_seconds=request.wait_seconds,
         allow_partial=request.allow_partial,
@@ -239,14 +208,11 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         table = request.table or "default"
-        try:
-            entries = self.ingest.entries(request.payload)
-            if isinstance(request, PushMessage):
-                request.drop_payload()
-            result = self.store.put_entries(table, entries, timeout=_remaining(context))
-        except Exception as exc:
-            exc.table = table  # for the refusal's log line and metric
-            raise
+        _CALL_TABLE.set(table)
+        entries = self.ingest.entries(request.payload)
+        if isinstance(request, PushMessage):
+            request.drop_payload()
+        result = self.store.put_entries(table, entries, timeout=_remaining(context))
         for gkey in result.dropped_groups:
             log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
         return pb.PushReply(
@@ -294,11 +260,8 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             return
         if first is None:
             return
-        try:
-            spec = sample_spec(first)
-        except Exception as exc:
-            exc.table = first.table or "default"
-            raise
+        _CALL_TABLE.set(first.table or "default")
+        spec = sample_spec(first)
         bound = ""
         if spec.wait_seconds > self.max_wait_seconds:
             spec = replace(spec, wait_seconds=self.max_wait_seconds)
@@ -322,9 +285,6 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 reply=reply,
                 bound=bound,
             )
-        except StoreError as exc:
-            exc.table = spec.table  # for the refusal's log line and metric
-            raise
         finally:
             self.table_streams.leave(spec.table)
 
@@ -411,44 +371,18 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         return pb.StatsReply(tables=[self._table_stats(name) for name in names])
 
     def _table_stats(self, name: str) -> pb.TableStats:
+        """A table's counters as a TableStats: each field from the counter of its name, the
+        versions as -1 while unknown, the reward normalisation as its mean and std."""
         s = self.store.stats(name)
         moments = RunningMoments.of(s["reward_moments"])
-        return pb.TableStats(
-            name=name,
-            pending=s["pending"],
-            ready=s["ready"],
-            leased=s["leased"],
-            consumed=s["consumed"],
-            bytes=s["bytes"],
-            groups_pending=s["groups_pending"],
-            groups_ready=s["groups_ready"],
-            groups_leased=s["groups_leased"],
-            groups_dropped=s["groups_dropped"],
-            groups_failed=s["groups_failed"],
-            computing=s["computing"],
-            groups_computing=s["groups_computing"],
-            last_failure=s["last_failure"],
-            oldest_age_seconds=s["oldest_age_seconds"],
-            min_model_version=s["min_version"] if s["min_version"] is not None else -1,
-            max_model_version=s["max_version"] if s["max_version"] is not None else -1,
-            evicted=s["evicted"],
-            pushed=s["pushed"],
-            duplicates=s["duplicates"],
-            sampled=s["sampled"],
-            leases_expired=s["leases_expired"],
-            overlong_penalised=s["overlong_penalised"],
-            rewards_seen=s["rewards_seen"],
-            rewards_clipped=s["rewards_clipped"],
-            advantages_seen=s["advantages_seen"],
-            advantages_clipped=s["advantages_clipped"],
-            reward_running_mean=moments.mean,
-            reward_running_std=moments.std,
-            trainer_version=s["trainer_version"] if s["trainer_version"] is not None else -1,
-            submitted=s["submitted"],
-            admitted=s["admitted"],
-            grants_expired=s["grants_expired"],
-            stale_dropped=s["stale_dropped"],
-        )
+        stats = pb.TableStats(name=name, reward_running_mean=moments.mean, reward_running_std=moments.std)
+        for field in pb.TableStats.DESCRIPTOR.fields:
+            if field.name in _VERSION_STATS:
+                version = s[_VERSION_STATS[field.name]]
+                setattr(stats, field.name, -1 if version is None else version)
+            elif field.name in s:
+                setattr(stats, field.name, s[field.name])
+        return stats
 
     @_refusals
     def SetTrainerVersion(
@@ -502,11 +436,15 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         unknown = [f.field_number for f in UnknownFieldSet(request.config)]
         unknown += [f.field_number for f in UnknownFieldSet(request.config.estimator)]
         if unknown:
-            raise wire.WireError(
+            raise InvalidRequest(
                 f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
                 f"(expbuf {__version__}) does not know them, so it refuses the table instead of dropping them"
             )
-        config = TableConfig.from_dict(wire.table_from_proto(request.config))
+        try:
+            settings = wire.table_from_proto(request.config)
+        except wire.WireError as exc:
+            raise InvalidRequest(str(exc)) from None
+        config = TableConfig.from_dict(settings)
         check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:

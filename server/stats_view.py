@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Mapping
+from typing import TextIO
 
-from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.client import BufferClient, BufferError, ServerInfo, TableStats, Tls
 
 COLUMNS = (
     "table",
@@ -47,21 +48,21 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def _row(name: str, t: dict[str, Any], rates: dict[str, tuple[float, float]]) -> tuple[str, ...]:
-    versions = "-" if t["max_model_version"] < 0 else f"{t['min_model_version']}..{t['max_model_version']}"
+def _row(name: str, t: TableStats, rates: dict[str, tuple[float, float]]) -> tuple[str, ...]:
+    versions = "-" if t.max_model_version < 0 else f"{t.min_model_version}..{t.max_model_version}"
     push, sample = rates.get(name, (None, None))
     cells = (
         name,
-        t["pending"],
-        t["computing"],
-        t["ready"],
-        t["leased"],
-        t["consumed"],
-        f"{t['groups_pending']}/{t['groups_computing']}/{t['groups_ready']}/{t['groups_leased']}",
-        t["groups_failed"],
-        t["groups_dropped"],
-        _size(t["bytes"]),
-        _age(t["oldest_age_seconds"]) if t["pending"] + t["computing"] + t["ready"] + t["leased"] else "-",
+        t.pending,
+        t.computing,
+        t.ready,
+        t.leased,
+        t.consumed,
+        f"{t.groups_pending}/{t.groups_computing}/{t.groups_ready}/{t.groups_leased}",
+        t.groups_failed,
+        t.groups_dropped,
+        _size(t.bytes),
+        _age(t.oldest_age_seconds) if t.live else "-",
         versions,
         "-" if push is None else f"{push:.1f}",
         "-" if sample is None else f"{sample:.1f}",
@@ -69,20 +70,20 @@ def _row(name: str, t: dict[str, Any], rates: dict[str, tuple[float, float]]) ->
     return tuple(str(c) for c in cells)
 
 
-def render(info: dict[str, Any], tables: dict[str, dict[str, Any]], rates: dict[str, tuple[float, float]]) -> str:
+def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, tuple[float, float]]) -> str:
     """The view as text; each column as wide as its widest cell, so long table names keep the columns aligned."""
     rows = [(name, _row(name, t, rates)) for name, t in tables.items()]
     widths = [max([len(header), *(len(cells[i]) for _, cells in rows)]) for i, header in enumerate(COLUMNS)]
     lines = [
-        f"expbuf {info['version']}  uptime {_age(info['uptime_seconds'])}  storage {_size(info['storage_bytes'])}"
-        f" (map {info['lmdb_map_used_ratio']:.0%})  advantages on {info['advantage_device']}",
+        f"expbuf {info.version}  uptime {_age(info.uptime_seconds)}  storage {_size(info.storage_bytes)}"
+        f" (map {info.lmdb_map_used_ratio:.0%})  advantages on {info.advantage_device}",
         "",
         "  ".join(header.ljust(w) for header, w in zip(COLUMNS, widths, strict=True)).rstrip(),
     ]
     for name, cells in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
-        if tables[name]["last_failure"]:
-            lines.append(f"  last failure: {tables[name]['last_failure']}")
+        if tables[name].last_failure:
+            lines.append(f"  last failure: {tables[name].last_failure}")
     return "\n".join(lines)
 
 
@@ -96,7 +97,7 @@ def watch(
     tls: Tls | None = None,
 ) -> int:
     """Print the view once, or every `interval` seconds (`count` times, 0 = until Ctrl-C)."""
-    previous: tuple[float, dict[str, dict[str, Any]]] | None = None
+    previous: tuple[float, Mapping[str, TableStats]] | None = None
     shown = 0
     with BufferClient(target, token=token, tls=tls, timeout=10, retries=0) as client:
         try:
@@ -114,8 +115,8 @@ def watch(
                         before = previous[1].get(name)
                         if before is not None:
                             rates[name] = (
-                                (t["pushed"] - before["pushed"]) / elapsed,
-                                (t["sampled"] - before["sampled"]) / elapsed,
+                                (t.pushed - before.pushed) / elapsed,
+                                (t.sampled - before.sampled) / elapsed,
                             )
                 if interval and out.isatty():
                     out.write("\x1b[H\x1b[2J")

@@ -12,6 +12,7 @@ import json
 import sys
 import tomllib
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from expbuf.client import BufferClient, BufferError, Tls
@@ -72,21 +73,22 @@ def _create(args: argparse.Namespace, client: BufferClient) -> int:
 
 def _list(args: argparse.Namespace, client: BufferClient) -> int:
     stats = client.stats()
-    rows = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
+    rows: list[tuple[str, ...]] = [("table", "group_by", "group_size", "estimator", "ready", "leased", "pending")]
     for t in client.list_tables():
-        s = stats.get(t["name"], {})
-        counts = (str(s.get(state, "-")) for state in ("ready", "leased", "pending"))
-        rows.append((t["name"], t["group_by"], str(t["group_size"]), t["estimator"], *counts))
+        s = stats.get(t.name)
+        counts = ("-", "-", "-") if s is None else (str(s.ready), str(s.leased), str(s.pending))
+        rows.append((t.name, t.group_by, str(t.group_size), t.estimator, *counts))
     print(_columns(rows))
     return 0
 
 
 def _describe(args: argparse.Namespace, client: BufferClient) -> int:
-    settings = next((t for t in client.list_tables() if t["name"] == args.name), None)
-    if settings is None:
+    table = next((t for t in client.list_tables() if t.name == args.name), None)
+    if table is None:
         print(f"expbuf table describe: no table {args.name!r}", file=sys.stderr)
         return 1
-    print(describe_text(settings, client.stats(args.name).get(args.name, {})))
+    stats = client.stats(args.name).get(args.name)
+    print(describe_text(table.settings(), {} if stats is None else asdict(stats)))
     return 0
 
 

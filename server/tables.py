@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .errors import clip
+from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 
 GROUP_BY = ("task", "run", "step", "none")
@@ -61,10 +61,6 @@ _INT_LIMITS = {
     "min_size_to_sample": 2**62,
 }
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-
-
-class ConfigError(ValueError):
-    """A table configuration is invalid; the message names the setting."""
 
 
 # The shaping settings that turn a step on (the others are its parameters).
@@ -175,6 +171,13 @@ class TableConfig:
     min_size_to_sample: int = 0
     samples_per_insert: float = 0.0
     samples_per_insert_error: float = 0.0
+    # Reuse under replay delivery (reuse.py), as Trinity-RFT's priority queue: each delivery
+    # lowers a group's priority by priority_decay and keeps it out of reach for
+    # reuse_cooldown_seconds, with a Gaussian of standard deviation priority_noise added to
+    # the lowered priority; decay and cooldown 0: a replayed group stays where it is.
+    priority_decay: float = 0.0
+    reuse_cooldown_seconds: float = 0.0
+    priority_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -193,7 +196,7 @@ class TableConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
                 raise ConfigError(f"table '{self.name}': {name} must be an integer from 0 to {high}, got {value!r}")
-        for name in ("group_timeout_seconds", "tombstone_seconds"):
+        for name in ("group_timeout_seconds", "tombstone_seconds", "reuse_cooldown_seconds"):
             value = getattr(self, name)
             if (
                 not isinstance(value, (int, float))
@@ -207,6 +210,7 @@ class TableConfig:
         if not isinstance(self.drop_zero_variance, bool) or not isinstance(self.keep_failed, bool):
             raise ConfigError(f"table '{self.name}': drop_zero_variance and keep_failed must be true or false")
         self._check_off_policy()
+        self._check_reuse()
         if self.group_by == "none" and self.group_size > 1:
             raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
         self._check_estimator_params()
@@ -258,6 +262,18 @@ class TableConfig:
             )
         if error and not spi:
             raise ConfigError(f"table '{self.name}': samples_per_insert_error needs samples_per_insert > 0")
+
+    def _check_reuse(self) -> None:
+        """Decay and noise are finite priority points; noise perturbs only a lowered priority."""
+        for name in ("priority_decay", "priority_noise"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"table '{self.name}': {name} must be a finite number >= 0, got {clip(value, 40)}")
+        if self.priority_noise and not (self.priority_decay or self.reuse_cooldown_seconds):
+            raise ConfigError(
+                f"table '{self.name}': priority_noise is added to a replayed group's lowered priority; "
+                "it needs priority_decay or reuse_cooldown_seconds > 0"
+            )
 
     def _check_estimator_params(self) -> None:
         """Every parameter known to the estimator and in its range; choices stored by position."""

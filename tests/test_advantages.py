@@ -46,7 +46,7 @@ def test_grpo_group_over_grpc(client: BufferClient) -> None:
         assert torch.allclose(exp.returns, expected, atol=1e-6)
     got = client.get(batch.uids[:2], table="default")
     assert got == []  # consumed: gone
-    assert client.stats()["default"]["consumed"] == 8
+    assert client.stats()["default"].consumed == 8
 
 
 def test_multi_turn_discount_over_grpc(client: BufferClient) -> None:
@@ -160,7 +160,7 @@ def test_failed_computation_over_grpc_and_the_server_keeps_serving(client: Buffe
         next(client.sample("boom", num_groups=2, max_batches=1, timeout=2, delivery="consume"))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED  # the good group alone is ready
     stats = client.stats("boom")["boom"]
-    assert (stats["groups_failed"], stats["groups_ready"]) == (1, 1) and "group 3/0" in stats["last_failure"]
+    assert (stats.groups_failed, stats.groups_ready) == (1, 1) and "group 3/0" in stats.last_failure
     kept = client.get([f"3/0/{run}/0/r{run}s0" for run in range(4)], table="boom")
     assert len(kept) == 4 and kept.missing_uids == []
     client.push(payload("mixed_batch.trxp"))
@@ -222,7 +222,7 @@ def wait_computed(client: BufferClient, table: str) -> None:
     """Wait until no group of the table is waiting for its advantages."""
     for _ in range(500):
         stats = client.stats(table)[table]
-        if stats["groups_computing"] == 0:  # set by the push itself, before its ack
+        if stats.groups_computing == 0:  # set by the push itself, before its ack
             return
         time.sleep(0.01)
     raise AssertionError(f"advantages of table {table} not computed")
@@ -262,7 +262,7 @@ def test_non_finite_result_fails_its_group(client: BufferClient) -> None:
     client.push(trxp.build(overflow + group_items(6, 1, 2, reward=1.0)), table="huge")
     wait_computed(client, "huge")
     stats = client.stats("huge")["huge"]
-    assert stats["groups_failed"] == 1 and "non-finite" in stats["last_failure"] and "6/0" in stats["last_failure"]
+    assert stats.groups_failed == 1 and "non-finite" in stats.last_failure and "6/0" in stats.last_failure
     batch = next(client.sample("huge", num_groups=1, max_batches=1, timeout=10, delivery="consume"))
     assert {e.eid.tid for e in batch.experiences} == {"6/1"}
     assert all(torch.isfinite(e.advantages).all() for e in batch.experiences)

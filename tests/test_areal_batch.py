@@ -98,17 +98,17 @@ def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(server: Serv
         for key, value in rows.items():
             assert torch.equal(traj[key].to(value.dtype), value), key
     assert concat_padded_tensors(batch)["input_ids"].shape[0] == 8  # AReaL batches them as its own
-    assert client.stats("train")["train"]["trainer_version"] == 4
+    assert client.stats("train")["train"].trainer_version == 4
 
     stats = client.stats("train")["train"]
-    assert stats["leased"] == 8  # held until the trainer is done with them
+    assert stats.leased == 8  # held until the trainer is done with them
     later = ExpbufBatchSource(
         server.target, "train", max_head_offpolicyness=1, version_provider=Version(4), timeout=0.5
     )
     with pytest.raises(BufferError, match="DEADLINE_EXCEEDED"):
         later.prepare_batch(num_groups=1)  # what is left is the group of version 1, below 4 - 1
     source.ack()
-    assert client.stats("train")["train"]["leased"] == 0
+    assert client.stats("train")["train"].leased == 0
 
 
 def test_the_actor_option_trains_on_the_tables_advantages(server: ServerProcess) -> None:

@@ -141,9 +141,9 @@ def test_the_readmes_areal_section_runs_as_written(server: ServerProcess, capsys
     code = readme_section().split("```python\n")[1].split("```")[0]
     exec(compile(code.replace("10.0.0.5:50051", server.target), "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "[]"
-    (table,) = [t for t in BufferClient(server.target).list_tables() if t["name"] == "areal_grpo"]
-    assert (table["group_size"], table["max_staleness"], table["batch_size"]) == (8, 2, 32)
-    assert table["shaping"]["reward_clip"] == 20.0
+    (table,) = [t for t in BufferClient(server.target).list_tables() if t.name == "areal_grpo"]
+    assert (table.group_size, table.max_staleness, table.batch_size) == (8, 2, 32)
+    assert table.shaping.reward_clip == 20.0
 
 
 def test_the_readmes_areal_toml_is_what_table_settings_gives(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def test_capacities_match_areals_manager_over_a_scripted_trace(server: ServerPro
     # the trace met both limits: staleness (no room while few run) and concurrency (5 running)
     assert any(c == 0 and r < 5 for c, r in seen) and any(r == 5 for _, r in seen)
     stats = areal.get_stats()
-    counted = client.stats("parity")["parity"]["submitted"]
+    counted = client.stats("parity")["parity"].submitted
     assert counted - (1 if ours._spare else 0) == stats.accepted + stats.running
 
 
@@ -97,7 +97,7 @@ def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(server: 
         assert len(executor.wait(2, timeout=30)) == 2
         assert executor.wait(1, timeout=1.5, raise_timeout=False) == []  # (0 + 0 + 1) x 2 started, no more
         engine.set_version(1)
-        assert client.stats("seam")["seam"]["trainer_version"] == 1
+        assert client.stats("seam")["seam"].trainer_version == 1
         executor.submit({}, workflow=OneRow())  # a new input wakes AReaL's producer, as prepare_batch's do
         assert len(executor.wait(2, timeout=30)) == 2
         assert executor.wait(1, timeout=1.5, raise_timeout=False) == []

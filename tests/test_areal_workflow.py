@@ -171,4 +171,4 @@ def test_groups_of_one_from_areals_own_grouping_are_refused(server: ServerProces
     wrapped = GroupedRolloutWorkflow(ExpbufWorkflow(ScriptedRLVR(), server.target, "grouped"), 4, logging.getLogger())
     trajectories, stats = run_executor(wrapped, [[1, 2]])
     assert trajectories == [None] and stats.rejected == 1
-    assert client.stats("grouped")["grouped"]["pushed"] == 0
+    assert client.stats("grouped")["grouped"].pushed == 0

@@ -8,11 +8,27 @@ import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, ExpbufError, Tls
 from expbuf.client.client import AsyncBatch, Batch, ExperiencePage, GetResult, ListedExperience, PushResult
+from expbuf.client.results import BufferStats, ServerInfo, ShapingInfo, TableInfo, TableStats
 
 
 @pytest.mark.parametrize(
     "kind",
-    [BufferClient, AsyncBufferClient, Batch, AsyncBatch, GetResult, PushResult, Tls, ExperiencePage, ListedExperience],
+    [
+        BufferClient,
+        AsyncBufferClient,
+        Batch,
+        AsyncBatch,
+        GetResult,
+        PushResult,
+        Tls,
+        ExperiencePage,
+        ListedExperience,
+        BufferStats,
+        TableStats,
+        TableInfo,
+        ShapingInfo,
+        ServerInfo,
+    ],
 )
 def test_every_public_method_has_a_docstring(kind: type) -> None:
     assert kind.__doc__ and not kind.__doc__.startswith(kind.__name__ + "("), f"{kind.__name__} has no docstring"

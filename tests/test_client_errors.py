@@ -73,7 +73,7 @@ def test_async_batch_ack_is_a_coroutine_function(target: str) -> None:
             return (await client.stats())["default"]
 
     stats = asyncio.run(run())
-    assert stats["leased"] == 0 and stats["consumed"] == 8
+    assert stats.leased == 0 and stats.consumed == 8
 
 
 BAD_SAMPLE_OPTIONS = [
@@ -111,4 +111,4 @@ def test_every_client_refuses_a_bad_sample_option_by_name(target: str) -> None:
         asyncio.run(run_async(lambda: AsyncBufferClient(target)))
         asyncio.run(run_async(lambda: AsyncShardedBufferClient([target])))
         stats = client.stats("g")["g"]
-        assert stats["pushed"] == 8 and stats["sampled"] == stats["consumed"] == stats["leased"] == 0  # none taken
+        assert stats.pushed == 8 and stats.sampled == stats.consumed == stats.leased == 0  # none taken

@@ -350,7 +350,7 @@ def test_hostile_pushes_are_invalid_argument_and_store_nothing(tmp_path: Path) -
                     client.push(data, table="plain")
                 assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, name
                 assert re.search(reason, info.value.details), (name, info.value.details)
-            assert client.stats("plain")["plain"]["pending"] == 0
+            assert client.stats("plain")["plain"].pending == 0
             assert client.push(one_item(item_meta()), table="plain").stored == ["1/2/0/0/s"]
     finally:
         server.stop(grace=1)

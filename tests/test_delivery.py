@@ -94,14 +94,14 @@ def test_streams_that_end_normally_consume_their_batches(client: BufferClient, s
         seen.append(tuple(replies[0].uids))
     assert len(set(seen)) == 3
     stats = client.stats("t")["t"]
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (6, 0, 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (6, 0, 0)
 
 
 def test_a_partial_batch_that_ends_the_stream_is_consumed(client: BufferClient, stub) -> None:
     fill(client, 1)
     (reply,) = stub.Sample(iter([request(num_groups=5, allow_partial=True, wait_seconds=0.2)]), timeout=10)
     assert reply.partial and len(reply.uids) == 2
-    assert client.stats("t")["t"]["consumed"] == 2
+    assert client.stats("t")["t"].consumed == 2
 
 
 def test_cancelled_stream_consumes_only_what_the_client_confirmed(client: BufferClient, stub) -> None:
@@ -116,8 +116,8 @@ def test_cancelled_stream_consumes_only_what_the_client_confirmed(client: Buffer
         if received < 3:
             talk.confirm(received)
     talk.cancel()
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 0, 596)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.leased, stats.ready) == (4, 0, 596)
     rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, delivery="consume")]
     assert len(set(rest)) == 298
     assert delivered[2] in rest and not set(rest) & set(delivered[:2])
@@ -130,15 +130,15 @@ def test_read_ahead_is_one_batch_whatever_the_window(client: BufferClient, stub)
     talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=60))
     first = talk.read()
     time.sleep(0.5)  # a training step: nothing more is sent meanwhile
-    assert client.stats("t")["t"]["leased"] == 2
+    assert client.stats("t")["t"].leased == 2
     talk.confirm(1)
     second = talk.read()
     assert set(first.uids).isdisjoint(second.uids)
     time.sleep(0.3)
-    assert client.stats("t")["t"]["leased"] == 4  # the two batches the client has, nothing ahead
+    assert client.stats("t")["t"].leased == 4  # the two batches the client has, nothing ahead
     talk.confirm(2, stop=True)
     assert list(talk.call) == []
-    assert client.stats("t")["t"]["leased"] == 4  # leases stand until acked
+    assert client.stats("t")["t"].leased == 4  # leases stand until acked
 
 
 def test_lease_clock_starts_when_the_batch_is_sent(client: BufferClient, stub) -> None:
@@ -158,8 +158,8 @@ def test_unconfirmed_lease_returns_at_once_when_the_stream_breaks(client: Buffer
     talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=600))
     talk.read()
     talk.cancel()
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["leased"], stats["ready"]) == (0, 4)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.leased, stats.ready) == (0, 4)
 
 
 def test_consumed_batch_is_never_delivered_twice_whatever_the_wait(client: BufferClient, stub) -> None:
@@ -173,7 +173,7 @@ def test_consumed_batch_is_never_delivered_twice_whatever_the_wait(client: Buffe
     talk.confirm(1, stop=True)
     assert list(talk.call) == []
     stats = client.stats("t")["t"]
-    assert (stats["consumed"], stats["ready"], stats["leased"], stats["leases_expired"]) == (2, 0, 0, 0)
+    assert (stats.consumed, stats.ready, stats.leased, stats.leases_expired) == (2, 0, 0, 0)
     assert len(first.uids) == 2
 
 
@@ -182,11 +182,11 @@ def test_client_that_stops_early_gives_back_the_batch_on_its_way(client: BufferC
     for batch in client.sample("t", num_groups=1, delivery="consume"):
         assert len(batch.uids) == 2
         break
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (2, 18, 0)
     assert len(next(client.sample("t", num_groups=1, delivery="consume")).uids) == 2  # the one-off pattern consumes one
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"]) == (4, 16)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready) == (4, 16)
 
 
 async def _async_one(target: str) -> list[str]:
@@ -206,8 +206,8 @@ def test_async_client_that_stops_early_gives_back_the_batch_on_its_way(server, c
 
     fill(client, 10)
     assert len(asyncio.run(_async_one(f"127.0.0.1:{server.port}"))) == 2
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (2, 18, 0)
 
 
 def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: BufferClient, stub) -> None:
@@ -221,8 +221,8 @@ def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: B
         list(talk.call)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "confirms 5 batches, but 1 were sent" in info.value.details()
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (0, 6, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (0, 6, 0)
     talk = Conversation(stub, request())
     first = talk.read()
     talk.confirm(1)
@@ -231,8 +231,8 @@ def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: B
     with pytest.raises(grpc.RpcError) as info:
         list(talk.call)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 4, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (2, 4, 0)
     assert client.get(first.uids, table="t") == []  # the confirmed one left the buffer
 
 
@@ -270,9 +270,9 @@ def test_a_batch_given_back_unconfirmed_is_not_counted_as_sampled(client: Buffer
         talk = Conversation(stub, request())
         talk.read()
         talk.cancel()
-        settle(client, lambda s: s["leased"] == 0)
+        settle(client, lambda s: s.leased == 0)
     stats = client.stats("t")["t"]
-    assert (stats["sampled"], stats["consumed"], stats["ready"]) == (0, 0, 4)
+    assert (stats.sampled, stats.consumed, stats.ready) == (0, 0, 4)
 
 
 def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream_waits(tmp_path: Path) -> None:
@@ -289,7 +289,7 @@ def test_a_confirmed_batch_stays_consumed_when_the_server_stops_while_the_stream
                 talk = Conversation(pb_grpc.ExperienceBufferStub(channel), request(wait_seconds=30))
                 assert len(talk.read().uids) == 2
                 talk.confirm(1)
-                assert settle(client, lambda s: s["consumed"] == 2)["leased"] == 0
+                assert settle(client, lambda s: s.consumed == 2).leased == 0
     finally:
         server.stop(grace=0.5)
     again = ExpbufServer(ServerConfig(data=data, port=0, metrics_port=-1)).start()
@@ -309,12 +309,12 @@ def test_read_ahead_is_the_credit_window_whatever_grpcs_window(client: BufferCli
     talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=60, window=window))
     first = [talk.read() for _ in range(window)]
     time.sleep(0.5)  # a training step: nothing more is sent meanwhile
-    assert client.stats("t")["t"]["leased"] == 2 * window
+    assert client.stats("t")["t"].leased == 2 * window
     talk.confirm(1)
     more = talk.read()
     assert len({uid for reply in [*first, more] for uid in reply.uids}) == 2 * (window + 1)
     time.sleep(0.3)
-    assert client.stats("t")["t"]["leased"] == 2 * (window + 1)
+    assert client.stats("t")["t"].leased == 2 * (window + 1)
     talk.confirm(window + 1, stop=True)
     assert list(talk.call) == []
 
@@ -330,12 +330,12 @@ def test_cancel_with_a_window_consumes_only_what_the_client_confirmed(client: Bu
     delivered.append(tuple(talk.read().uids))
     time.sleep(0.3)  # the server refills the window: batches 4.. are on their way, unconfirmed
     talk.cancel()
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 0, 596)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.leased, stats.ready) == (4, 0, 596)
     rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, window=window, delivery="consume")]
     assert len(set(rest)) == 298
     assert delivered[2] in rest and not set(rest) & set(delivered[:2])
-    assert client.stats("t")["t"]["ready"] == 0
+    assert client.stats("t")["t"].ready == 0
 
 
 @pytest.mark.parametrize("window", [1, 2, 4])
@@ -348,7 +348,7 @@ def test_a_windowed_stream_consumes_every_group_exactly_once(client: BufferClien
     ]
     assert len(seen) == len(set(seen)) == 80
     stats = client.stats("t")["t"]
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (80, 0, 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (80, 0, 0)
 
 
 def test_a_lease_clock_starts_when_its_batch_is_sent_within_a_window(client: BufferClient, stub) -> None:
@@ -371,8 +371,8 @@ def test_client_that_stops_early_gives_back_the_window(client: BufferClient, win
         assert len(batch.uids) == 2
         time.sleep(0.3)  # the window fills meanwhile
         break
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (2, 18, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (2, 18, 0)
 
 
 async def _async_two(target: str, window: int) -> list[str]:
@@ -397,8 +397,8 @@ def test_async_client_that_stops_early_gives_back_the_window(server, client: Buf
 
     fill(client, 10)
     assert len(set(asyncio.run(_async_two(f"127.0.0.1:{server.port}", 4)))) == 4
-    stats = settle(client, lambda s: s["leased"] == 0)
-    assert (stats["consumed"], stats["ready"], stats["leased"]) == (4, 16, 0)
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.consumed, stats.ready, stats.leased) == (4, 16, 0)
 
 
 @pytest.mark.parametrize("window", [9, 1000])
@@ -408,7 +408,7 @@ def test_a_window_above_the_servers_cap_is_refused(client: BufferClient, stub, w
         list(stub.Sample(iter([request(window=window)]), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"window is {window}; it must be 1 to 8" in info.value.details()
-    assert client.stats("t")["t"]["ready"] == 4
+    assert client.stats("t")["t"].ready == 4
 
 
 def test_every_client_leases_by_default_so_a_batch_never_acked_comes_back(server, client: BufferClient) -> None:
@@ -434,6 +434,6 @@ def test_every_client_leases_by_default_so_a_batch_never_acked_comes_back(server
         ]
     leases += [asyncio.run(one(AsyncBufferClient)), asyncio.run(one(AsyncShardedBufferClient))]
     assert all(leases) and len(set(leases)) == 4
-    assert client.stats("t")["t"]["leased"] == 8
-    stats = settle(client, lambda s: s["leased"] == 0 and s["ready"] == 8)
-    assert (stats["ready"], stats["leased"], stats["consumed"]) == (8, 0, 0)
+    assert client.stats("t")["t"].leased == 8
+    stats = settle(client, lambda s: s.leased == 0 and s.ready == 8)
+    assert (stats.ready, stats.leased, stats.consumed) == (8, 0, 0)

@@ -37,7 +37,7 @@ def test_rollout_worker_then_trainer(target: str) -> None:
     assert out.count("16 experiences from 2 groups") == 4
     with BufferClient(target) as client:
         stats = client.stats()["default"]
-    assert stats["consumed"] == 64 and stats["leased"] == 0 and stats["ready"] == 0
+    assert stats.consumed == 64 and stats.leased == 0 and stats.ready == 0
 
 
 def test_async_grpo_with_a_staleness_bound_of_two(target: str) -> None:
@@ -47,8 +47,8 @@ def test_async_grpo_with_a_staleness_bound_of_two(target: str) -> None:
     assert out.count("4 groups") == 5
     with BufferClient(target) as client:
         stats = client.stats("grpo_async")["grpo_async"]
-    assert stats["trainer_version"] == 5
-    assert stats["submitted"] <= (2 + 5 + 1) * 4
+    assert stats.trainer_version == 5
+    assert stats.submitted <= (2 + 5 + 1) * 4
 
 
 def test_async_grpo_runs_again_on_the_same_table(target: str) -> None:
@@ -59,5 +59,5 @@ def test_async_grpo_runs_again_on_the_same_table(target: str) -> None:
         assert out.count("4 groups") == 5
     with BufferClient(target) as client:
         stats = client.stats("grpo_async")["grpo_async"]
-    assert stats["trainer_version"] == 5
-    assert stats["submitted"] <= (2 + 5 + 1) * 4
+    assert stats.trainer_version == 5
+    assert stats.submitted <= (2 + 5 + 1) * 4

@@ -46,7 +46,7 @@ def test_pushes_through_a_server_with_workers_store_and_refuse_alike(server: Exp
         with pytest.raises(BufferError) as info:
             client.push((BAD_DIR / "prompt_longer_than_tokens.bin").read_bytes(), table="t")
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_length" in info.value.details
-        assert client.stats("t")["t"]["pushed"] == len(want)
+        assert client.stats("t")["t"].pushed == len(want)
 
 
 def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest) -> None:

@@ -43,9 +43,9 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(tmp_pat
         target = f"127.0.0.1:{server.port}"
         with BufferClient(target, timeout=20) as c:
             c.create_table("t", estimator="none", group_size=2)
-            assert c.stats("t")["t"]["trainer_version"] == -1
+            assert c.stats("t")["t"].trainer_version == -1
             assert c.set_trainer_version(3, "t") == 3
-            assert c.stats("t")["t"]["trainer_version"] == 3
+            assert c.stats("t")["t"].trainer_version == 3
             with pytest.raises(BufferError) as bad:
                 c._run(calls.Unary("SetTrainerVersion", _request("t", -2), lambda reply: reply.version, retry=False))
             assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
@@ -58,7 +58,7 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(tmp_pat
             c.push(trxp.build(group_items(1, 1, 2, version=4)), table="t")
             batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5, delivery="consume"))
             assert len(batch.uids) == 4
-            assert c.stats("t")["t"]["trainer_version"] == 5
+            assert c.stats("t")["t"].trainer_version == 5
             assert asyncio.run(_async_set(target, 6)) == 6
             assert ExperienceDataset(c, "t").set_trainer_version(7) == 7
         m = scrape(server.metrics_port)
@@ -72,7 +72,7 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(tmp_pat
     server = start(tmp_path)  # durable: it comes back from the table's counters
     try:
         with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-            assert c.stats("t")["t"]["trainer_version"] == 7
+            assert c.stats("t")["t"].trainer_version == 7
     finally:
         server.stop(grace=1)
 
@@ -250,7 +250,7 @@ def test_grants_of_a_killed_worker_come_back(tmp_path: Path) -> None:
             again = c.admit("t", 2, wait=15)  # woken by the upkeep that expires the grant
             assert again.count == 2
             assert c.finish_grant(again, accepted=1) == 1
-            assert c.stats("t")["t"]["grants_expired"] == 4
+            assert c.stats("t")["t"].grants_expired == 4
             with pytest.raises(BufferError) as bad:
                 c.admit("t", 1, grant_seconds=-1)
             assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -273,7 +273,7 @@ def test_stale_pushes_are_dropped_or_refused(tmp_path: Path) -> None:
         with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
             c.create_table("drop", estimator="none", group_by="none", max_staleness=2)
             c.create_table("refuse", estimator="none", group_by="none", max_staleness=2, on_stale="refuse")
-            assert c.list_tables()[-1]["on_stale"] == "refuse"
+            assert c.list_tables()[-1].on_stale == "refuse"
             items = [
                 *group_items(1, 0, 1, version=2),
                 *group_items(1, 1, 1, version=3),
@@ -289,12 +289,12 @@ def test_stale_pushes_are_dropped_or_refused(tmp_path: Path) -> None:
             ]
             result = c.push(trxp.build(fresh), table="drop")
             assert result.stale == [fresh[0].eid.uid] and len(result.stored) == 2
-            assert c.stats("drop")["drop"]["stale_dropped"] == 1
+            assert c.stats("drop")["drop"].stale_dropped == 1
             with pytest.raises(BufferError) as refused:
                 c.push(trxp.build(fresh), table="refuse")
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert "model_version 2, below 3" in refused.value.details
-            assert c.stats("refuse")["refuse"]["pushed"] == 0
+            assert c.stats("refuse")["refuse"].pushed == 0
             with pytest.raises(BufferError, match="samples_per_insert_error") as bad:
                 c.create_table("bad", samples_per_insert=2.0, samples_per_insert_error=1.0)
             assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -394,7 +394,7 @@ def test_both_sides_block_and_time_out_with_the_limit_named(tmp_path: Path) -> N
                 "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
                 samples_per_insert_error=1.0,
             )  # fmt: skip
-            assert c.list_tables()[-1]["samples_per_insert"] == 1.0
+            assert c.list_tables()[-1].samples_per_insert == 1.0
             c.push(trxp.build(group_items(1, 0, 1)), table="t")
             with pytest.raises(BufferError) as early:
                 next(c.sample("t", num_groups=1, timeout=0.3, delivery="consume"))
@@ -412,7 +412,7 @@ def test_both_sides_block_and_time_out_with_the_limit_named(tmp_path: Path) -> N
                 next(batches)
             assert sample.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "holds samples until more is inserted" in sample.value.details
-            assert c.stats("t")["t"]["pushed"] == 3
+            assert c.stats("t")["t"].pushed == 3
         m = scrape(server.metrics_port)
         assert m[("expbuf_refused_total", (("reason", "rate_limited"), ("table", "t")))] == 3
         assert m[("expbuf_rate_limit_blocked_seconds_total", (("side", "insert"), ("table", "t")))] > 0
@@ -517,11 +517,11 @@ def test_evict_stale_over_grpc_and_the_stale_drop_metric(tmp_path: Path) -> None
         with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
             config = c.create_table("t", estimator="none", group_by="none", max_staleness=0, evict_stale=True)
             assert config["evict_stale"] is True
-            assert {t["name"]: t["evict_stale"] for t in c.list_tables()} == {"default": False, "t": True}
+            assert {t.name: t.evict_stale for t in c.list_tables()} == {"default": False, "t": True}
             c.push(trxp.build(group_items(1, 0, 3, version=1)), table="t")
             c.push(trxp.build(group_items(1, 1, 1, version=2)), table="t")
             c.set_trainer_version(2, "t")
-            assert c.stats("t")["t"]["groups_ready"] == 1
+            assert c.stats("t")["t"].groups_ready == 1
         m = scrape(server.metrics_port)
         assert m[("expbuf_groups_dropped_total", (("reason", "stale"), ("table", "t")))] == 3
     finally:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import fnmatch
 import importlib.metadata
 import importlib.resources
 import json
+import logging
+import logging.handlers
 import os
 import re
 import signal
@@ -27,10 +30,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, ServerInfo, TableStats, trxp
 from expbuf.client.client import GetResult
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server import logs
 from expbuf.server.app import ExpbufServer, _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig, load
@@ -74,11 +78,11 @@ def test_metrics_after_a_known_workload(tmp_path: Path) -> None:
             c.create_table("ring", estimator="none", capacity=4, when_full="evict")
             c.push(trxp.build(group_items(2, 0, 4)), table="ring")
             c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
-            wait_until(lambda: c.stats()["default"]["ready"] == 16)
+            wait_until(lambda: c.stats()["default"].ready == 16)
             consumed = next(c.sample(num_groups=1, max_batches=1, delivery="consume"))  # 7/3, version 5
             leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
             assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
-            wait_until(lambda: c.stats()["default"]["leases_expired"] == 1)
+            wait_until(lambda: c.stats()["default"].leases_expired == 1)
         m = scrape(server.metrics_port)
         d = {"table": "default"}
         assert value(m, "expbuf_experiences_pushed_total", **d) == 16
@@ -464,7 +468,7 @@ def test_rollout_worker_runs_again(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
         assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
         with BufferClient(target) as c:
-            assert c.stats()["default"]["pushed"] == 2 * 2 * 8 + 8 + 8
+            assert c.stats()["default"].pushed == 2 * 2 * 8 + 8 + 8
     finally:
         server.stop(grace=1)
 
@@ -565,9 +569,11 @@ def test_stats_columns_fit_long_table_names() -> None:
     counts = dict.fromkeys(("pending", "computing", "ready", "leased", "consumed", "groups_failed"), 3)
     counts |= {f"groups_{s}": 1 for s in ("pending", "computing", "ready", "leased", "dropped")}
     row = counts | {"bytes": 2048, "oldest_age_seconds": 5.0, "min_model_version": 1, "max_model_version": 12}
-    tables = {"t": row | {"last_failure": ""}, "a_table_name_of_forty_characters_xxxxxx": row | {"last_failure": ""}}
-    info = {"version": "x", "uptime_seconds": 1.0, "storage_bytes": 1, "lmdb_map_used_ratio": 0.1}
-    lines = render(info | {"advantage_device": "cpu"}, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
+    zero = dict.fromkeys((f.name for f in dataclasses.fields(TableStats)), 0) | {"last_failure": ""}
+    names = ("t", "a_table_name_of_forty_characters_xxxxxx")
+    tables = {name: TableStats(**zero | row | {"name": name}) for name in names}
+    info = ServerInfo("x", "1", "cpu", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
+    lines = render(info, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
     cell = r"\S+(?: \S+)*"  # cells ("2.0 KB") may hold one space, columns are two apart
     starts = [m.start() for m in re.finditer(cell, lines[0])]
     assert len(starts) == len(COLUMNS)
@@ -605,10 +611,10 @@ def test_table_commands(tmp_path: Path) -> None:
         done = cli("table", "create", "grpo4", *settings, *target)
         assert done.returncode == 0, done.stderr
         with BufferClient(proc.target) as c:
-            (made,) = (t for t in c.list_tables() if t["name"] == "grpo4")
+            (made,) = (t for t in c.list_tables() if t.name == "grpo4")
             c.push(payload("grpo_group.trxp"), table="grpo4")
-        assert (made["group_size"], made["estimator"], made["drop_zero_variance"]) == (8, "rloo", True)
-        assert made["shaping"]["reward_clip"] == 5.0
+        assert (made.group_size, made.estimator, made.drop_zero_variance) == (8, "rloo", True)
+        assert made.shaping.reward_clip == 5.0
         again = cli("table", "create", "grpo4", "group_size=4", *target)
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
         bad = cli("table", "create", "x", "group_size", *target)
@@ -618,7 +624,7 @@ def test_table_commands(tmp_path: Path) -> None:
         assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
         described = cli("table", "describe", "grpo4", *target).stdout
         toml_part = tomllib.loads(described.split("\n\n# stats")[0])["tables"][0]
-        assert {k: v for k, v in made.items() if v is not None} == toml_part  # pastes into a config as it is
+        assert made.settings() == toml_part  # pastes into a config as it is
         assert re.search(r"^# pushed = \d+$", described, re.M)
         refused = cli("table", "drop", "grpo4", *target)
         assert refused.returncode == 2 and "--yes" in refused.stderr
@@ -661,3 +667,22 @@ def test_check_at_open_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "some")
     with pytest.raises(ConfigError, match="check_at_open must be 'full' or 'quick'"):
         load()
+
+
+def test_log_configuration_keeps_the_host_process_handlers() -> None:
+    """`configure` installs one stderr handler, replaced by a second call; an embedding
+    process's own handlers (pytest's capture, say) stay and keep receiving expbuf's lines."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    host = logging.handlers.BufferingHandler(100)
+    root.addHandler(host)
+    try:
+        logs.configure("json")
+        logs.configure("text")
+        ours = [h for h in root.handlers if h not in saved_handlers and h is not host]
+        assert len(ours) == 1 and not isinstance(ours[0].formatter, logs.JsonFormatter)
+        logging.getLogger("expbuf.server.test").warning("routed")
+        assert host in root.handlers and [r.getMessage() for r in host.buffer] == ["routed"]
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)

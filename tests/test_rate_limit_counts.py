@@ -154,16 +154,16 @@ def test_a_table_stuck_by_an_older_build_recovers_at_open(tmp_path: Path) -> Non
         store.create_table(limited(drop_zero_variance=True))
         store.put_entries("t", equal("b", 0))  # dropped
         store.put_entries("t", varied("b", 1))  # ready, never sampled
-        table_id = store._tables["t"][0]
+        table_id = store.catalog.lookup("t")[0]
 
         def as_an_older_build_left_them(txn: object) -> None:
             """Counters as an older build wrote them: no limiter counts; the dropped group was counted."""
-            key, db = layout.table_prefix(table_id), store._db["counters"]
+            key, db = layout.table_prefix(table_id), store.db["counters"]
             counters = json.loads(txn.get(key, db=db))
             del counters[INSERTED], counters[SAMPLED]
             txn.put(key, json.dumps(counters).encode(), db=db)
 
-        store._submit(as_an_older_build_left_them)
+        store.environment.submit(as_an_older_build_left_them)
     with Store(tmp_path) as store:
         assert diff(store) == 4  # the ready group, not the dropped one
         with pytest.raises(InsertLimited):

@@ -88,7 +88,7 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     third = [make_experience(2, task, run) for task in range(30) for run in range(2)]
     client.push(third, table="rl")
     held = client.shard_stats("rl")["expbuf-2"]["rl"]
-    assert held["pushed"] == 2 * sum(grown.owner(f"2/{task}") == "expbuf-2" for task in range(30)) > 0
+    assert held.pushed == 2 * sum(grown.owner(f"2/{task}") == "expbuf-2" for task in range(30)) > 0
     client.close()
     expbuf_ray.stop_shards(NAMESPACE)
     with pytest.raises(ValueError):

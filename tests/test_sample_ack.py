@@ -115,7 +115,7 @@ def test_dropping_a_table_ends_the_batches_held_from_it(tmp_path: Path) -> None:
         kept = store.sample(SampleSpec("other", num_groups=1), hold=True, owner="me")
         store.drop_table("plain")
         with store.environment.read() as txn:
-            leases = [bytes(key).decode() for key, _ in txn.cursor(db=store._db["leases"])]
+            leases = [bytes(key).decode() for key, _ in txn.cursor(db=store.db["leases"])]
         assert leases == [kept.lease_id]
         assert store.release_holds() == 2
         assert store.verify("other") == []

@@ -77,7 +77,7 @@ def test_tokens_and_scopes(tmp_path: Path) -> None:
             assert message in info.value.details
         with BufferClient(target, token="ops") as ops:
             assert ops.create_table("mine")["name"] == "mine"
-            assert ops.stats()["default"]["pushed"] == 8
+            assert ops.stats()["default"].pushed == 8
     finally:
         server.stop(grace=1)
 

@@ -148,7 +148,7 @@ def test_lease_expires_and_survives_restart(tmp_path: Path) -> None:
             with pytest.raises(BufferError) as info:
                 next(c.sample(num_groups=1, timeout=1.5, delivery="consume"))
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert c.stats()["default"]["leases_expired"] == 1
+            assert c.stats()["default"].leases_expired == 1
     finally:
         srv.stop(grace=1)
 
@@ -163,7 +163,7 @@ def test_retried_push_is_idempotent(client: BufferClient) -> None:
         client.push(encode_items(changed))
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert "7/3/0/0/r0s0t3" in info.value.details
-    assert client.stats()["default"]["pushed"] == 8
+    assert client.stats()["default"].pushed == 8
 
 
 @pytest.mark.parametrize("name", sorted(BAD_README))
@@ -173,7 +173,7 @@ def test_bad_payload_is_refused_and_server_stays_healthy(client: BufferClient, s
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details
     stats = client.stats()["default"]
-    assert stats["pushed"] == 0 and stats["ready"] == 0
+    assert stats.pushed == 0 and stats.ready == 0
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
@@ -207,7 +207,7 @@ def test_push_stream_acknowledges_each_commit(client: BufferClient, server: Expb
         replies = list(stub.PushStream(requests, timeout=10))
     assert [r.seq for r in replies] == [100, 101, 102, 103, 104]
     assert all(len(r.stored_uids) == 2 for r in replies)
-    assert client.stats()["default"]["pushed"] == 10
+    assert client.stats()["default"].pushed == 10
 
 
 def test_admin_calls(client: BufferClient) -> None:
@@ -224,7 +224,7 @@ def test_admin_calls(client: BufferClient) -> None:
         client.create_table("bad", group_by="none", group_size=3)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "group_size must be 0 or 1" in info.value.details
-    assert [t["name"] for t in client.list_tables()] == ["default", "replay"]
+    assert [t.name for t in client.list_tables()] == ["default", "replay"]
     client.push(encode_items(group_items(1, 0, 2)), table="replay")
     for _ in range(2):
         assert len(next(client.sample("replay", num_groups=1, delivery="replay", max_batches=1)).uids) == 2
@@ -235,7 +235,7 @@ def test_admin_calls(client: BufferClient) -> None:
     assert [e.eid.uid for e in client.get(["2/0/1/0/r1s0", "2/0/0/0/r0s0"])] == ["2/0/1/0/r1s0"]
     assert client.delete(groups=["2/0"]) == 2
     info_ = client.server_info()
-    assert info_["trxp_version"] == "1" and 0 < info_["lmdb_map_used_ratio"] < 1
+    assert info_.trxp_version == "1" and 0 < info_.lmdb_map_used_ratio < 1
     assert client.drop_table("replay") == 0
     with pytest.raises(BufferError) as info:
         client.push(payload("single_turn.trxp"), table="replay")
@@ -259,7 +259,7 @@ def test_async_client(server: ExpbufServer) -> None:
             async for batch in c.sample(num_groups=1, delivery="lease", max_batches=1):
                 assert len(batch.experiences) == 8
                 assert await batch.ack() == 8
-            assert (await c.stats())["default"]["consumed"] == 8
+            assert (await c.stats())["default"].consumed == 8
 
     asyncio.run(run())
 
@@ -273,9 +273,9 @@ def test_experience_dataset_acks_when_the_next_batch_is_requested(client: Buffer
         seen.append(batch.groups[0])
         stats = client.stats()["default"]
         # this batch is still leased (plus whatever the server read ahead); earlier ones are acked
-        assert stats["leased"] >= 2 and stats["consumed"] == 2 * (len(seen) - 1)
+        assert stats.leased >= 2 and stats.consumed == 2 * (len(seen) - 1)
     assert seen == ["5/0", "5/1", "5/2"]
-    assert client.stats()["default"]["consumed"] == 6
+    assert client.stats()["default"].consumed == 6
 
 
 def test_batches_read_ahead_but_not_taken_come_back(client: BufferClient) -> None:
@@ -286,7 +286,7 @@ def test_batches_read_ahead_but_not_taken_come_back(client: BufferClient) -> Non
     stream.close()  # 6/1 may already be on its way to this client: it must not be lost
     remaining = next(client.sample(num_groups=1, timeout=10, max_batches=1, delivery="consume"))
     assert remaining.group_ids == ["6/1", "6/1"] and remaining.groups == ["6/1"]
-    assert client.stats()["default"]["consumed"] == 4
+    assert client.stats()["default"].consumed == 4
 
 
 def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:
@@ -352,7 +352,7 @@ def test_push_retries_while_the_server_is_unavailable(tmp_path: Path) -> None:
         with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10) as c:
             assert len(c.push(payload("grpo_group.trxp")).stored) == 8
         with BufferClient(f"127.0.0.1:{port}", retries=0) as c:
-            assert c.stats()["default"]["pushed"] == 8
+            assert c.stats()["default"].pushed == 8
     finally:
         later.join()
         for server in servers:

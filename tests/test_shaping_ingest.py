@@ -46,7 +46,7 @@ def start(data: Path, metrics_port: int = -1) -> ExpbufServer:
 def wait_computed(client: BufferClient, table: str, groups: int) -> None:
     """Until `groups` groups of the table have their advantages (a push acks before that)."""
     deadline = time.monotonic() + 20
-    while client.stats(table)[table]["groups_ready"] < groups:
+    while client.stats(table)[table].groups_ready < groups:
         assert time.monotonic() < deadline, "advantages not computed in time"
         time.sleep(0.02)
 
@@ -112,11 +112,11 @@ def test_shaping_steps_on_ingest_match_the_seed_formulas(client: BufferClient, e
         counts["pen"] += sum(len(e.action_mask) > 8 for e in pushed)
     assert 0 < counts["pen"] < 16 and 0 < counts["rclip"] < 16 and 0 < counts["aclip"] < counts["aseen"]
     stats = client.stats("s")["s"]
-    assert stats["overlong_penalised"] == counts["pen"]
-    assert (stats["rewards_seen"], stats["rewards_clipped"]) == (16, counts["rclip"])
-    assert (stats["advantages_seen"], stats["advantages_clipped"]) == (counts["aseen"], counts["aclip"])
-    assert stats["reward_running_mean"] == pytest.approx(statistics.fmean(seen))
-    assert stats["reward_running_std"] == pytest.approx(statistics.stdev(seen))
+    assert stats.overlong_penalised == counts["pen"]
+    assert (stats.rewards_seen, stats.rewards_clipped) == (16, counts["rclip"])
+    assert (stats.advantages_seen, stats.advantages_clipped) == (counts["aseen"], counts["aclip"])
+    assert stats.reward_running_mean == pytest.approx(statistics.fmean(seen))
+    assert stats.reward_running_std == pytest.approx(statistics.stdev(seen))
     batch = next(client.sample("s", num_groups=4, max_batches=1, timeout=10, delivery="consume"))
     assert len(batch.experiences) == 16
     for exp in batch.experiences:
@@ -146,8 +146,8 @@ def test_running_moments_survive_a_restart(tmp_path: Path) -> None:
     std_first, std_both = statistics.stdev(rewards[:4]), statistics.stdev(rewards)
     want = {e.eid.uid: e.reward / std_first for e in first} | {e.eid.uid: e.reward / std_both for e in second}
     assert {e.eid.uid: float(e.advantages[0]) for e in batch.experiences} == pytest.approx(want, abs=1e-5)
-    assert stats["reward_running_mean"] == pytest.approx(statistics.fmean(rewards))
-    assert stats["reward_running_std"] == pytest.approx(std_both)
+    assert stats.reward_running_mean == pytest.approx(statistics.fmean(rewards))
+    assert stats.reward_running_std == pytest.approx(std_both)
 
 
 @pytest.fixture
@@ -213,7 +213,7 @@ def test_advantage_clip_after_the_batch_stage(client: BufferClient) -> None:
     assert 0 < clipped < 12 and sum(abs(e.reward) > 2.0 for e in pushed) > 0
     assert {e.eid.uid: float(e.advantages[0]) for e in batch.experiences} == pytest.approx(want, abs=1e-5)
     stats = client.stats("b")["b"]
-    assert (stats["advantages_seen"], stats["advantages_clipped"]) == (12, clipped)
+    assert (stats.advantages_seen, stats.advantages_clipped) == (12, clipped)
 
 
 @pytest.mark.parametrize(
@@ -233,7 +233,7 @@ def test_out_of_range_shaping_is_refused_over_grpc(client: BufferClient, shaping
         client.create_table("bad", shaping=shaping)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details
-    assert "bad" not in client.stats() and client.server_info()["version"]
+    assert "bad" not in client.stats() and client.server_info().version
 
 
 def test_unknown_shaping_setting_is_refused_naming_it(client: BufferClient) -> None:
@@ -272,17 +272,17 @@ def test_stats_and_metrics_show_the_counts(tmp_path: Path) -> None:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    assert stats["overlong_penalised"] == 1 and stats["rewards_seen"] == 4 and stats["advantages_seen"] == 4
+    assert stats.overlong_penalised == 1 and stats.rewards_seen == 4 and stats.advantages_seen == 4
     assert samples[("expbuf_shaping_overlong_penalised_total", (("table", "m"),))] == 1
     for step in ("reward", "advantage"):
         labels = (("step", step), ("table", "m"))
-        seen, clipped = stats[f"{step}s_seen"], stats[f"{step}s_clipped"]
+        seen, clipped = getattr(stats, f"{step}s_seen"), getattr(stats, f"{step}s_clipped")
         assert samples[("expbuf_shaping_seen_total", labels)] == seen
         assert samples[("expbuf_shaping_clipped_total", labels)] == clipped
         assert samples[("expbuf_shaping_clipped_ratio", labels)] == pytest.approx(clipped / seen)
-    assert stats["advantages_clipped"] > 0
-    assert samples[("expbuf_reward_running_mean", (("table", "m"),))] == pytest.approx(stats["reward_running_mean"])
-    assert samples[("expbuf_reward_running_std", (("table", "m"),))] == pytest.approx(stats["reward_running_std"])
+    assert stats.advantages_clipped > 0
+    assert samples[("expbuf_reward_running_mean", (("table", "m"),))] == pytest.approx(stats.reward_running_mean)
+    assert samples[("expbuf_reward_running_std", (("table", "m"),))] == pytest.approx(stats.reward_running_std)
 
 
 def test_a_group_whose_group_step_fails_takes_nothing_in(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def client(tmp_path: Path) -> Iterator[BufferClient]:
 
 def wait_computed(client: BufferClient, table: str, groups: int) -> None:
     deadline = time.monotonic() + 20
-    while client.stats(table)[table]["groups_ready"] < groups:
+    while client.stats(table)[table].groups_ready < groups:
         assert time.monotonic() < deadline, "advantages not computed in time"
         time.sleep(0.02)
 

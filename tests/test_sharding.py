@@ -32,7 +32,14 @@ from expbuf.client.routing import (
     uid_group_key,
 )
 from expbuf.client.shard_plans import Owed
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError, allocate, dns_targets
+from expbuf.client.sharded import (
+    AsyncShardedBufferClient,
+    LiveResult,
+    ShardedBufferClient,
+    ShardError,
+    allocate,
+    dns_targets,
+)
 
 from helpers import ServerProcess, make_experience
 
@@ -79,11 +86,11 @@ def groups(batch: int, tasks: range, runs: range) -> list:
     return [make_experience(batch, task, run) for task in tasks for run in runs]
 
 
-def settled(client: ShardedBufferClient, table: str) -> dict:
+def settled(client: ShardedBufferClient, table: str) -> LiveResult:
     """Each shard's stats once no group's advantages are still being computed."""
     for _ in range(600):
         per_shard = client.shard_stats(table)
-        if not any(stats[table]["groups_computing"] for stats in per_shard.values()):
+        if not any(stats[table].groups_computing for stats in per_shard.values()):
             return per_shard
         time.sleep(0.05)
     raise AssertionError(f"advantages still computing: {per_shard}")
@@ -198,11 +205,11 @@ def test_groups_land_whole_on_their_shard_and_are_delivered_once(shards: Shards)
         per_shard = settled(client, "mixed")
         for name in NAMES:
             held = [uid for uid, shard in owner.items() if shard == name]
-            assert per_shard[name]["mixed"]["ready"] == len(held) > 0
-            assert per_shard[name]["mixed"]["groups_ready"] * 4 == len(held)  # every group whole
+            assert per_shard[name]["mixed"].ready == len(held) > 0
+            assert per_shard[name]["mixed"].groups_ready * 4 == len(held)  # every group whole
             with BufferClient(shards.procs[name].target) as direct:
                 assert {e.eid.uid for e in direct.get(held, table="mixed")} == set(held)
-        assert client.stats("mixed")["mixed"]["ready"] == 240
+        assert client.stats("mixed")["mixed"].ready == 240
 
         batches = drain(client, "mixed")
         delivered = [uid for batch in batches for uid in batch.uids]
@@ -212,7 +219,7 @@ def test_groups_land_whole_on_their_shard_and_are_delivered_once(shards: Shards)
             assert set(Counter(batch.group_ids).values()) == {4}  # whole groups
             assert {owner[uid] for uid in batch.uids} == set(batch.shards)
             assert sorted(e.eid.uid for e in batch.experiences) == sorted(batch.uids)
-        assert client.stats("mixed")["mixed"]["consumed"] == 240
+        assert client.stats("mixed")["mixed"].consumed == 240
 
 
 def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:
@@ -225,7 +232,7 @@ def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None
         assert sum(batch.ack() for batch in batches[:5]) == 20  # experiences
         assert client.nack(batches[5].lease_id, table="leased") == 4
         stats = client.stats("leased")["leased"]
-        assert (stats["consumed"], stats["ready"], stats["leased"]) == (20, 4, 0)
+        assert (stats.consumed, stats.ready, stats.leased) == (20, 4, 0)
         with pytest.raises(BufferError, match="does not name shards"):
             client.ack("nowhere/abc", table="leased")
 
@@ -294,9 +301,9 @@ def test_adding_a_shard_pending_groups_finish_where_they_began(shards: Shards) -
             assert len(fresh.completed_groups) == 60
             per_shard = settled(client, "grow")
             moved = sum(grown.owner(f"6/{task}") == "s3" for task in range(60))
-            assert per_shard["s3"]["grow"]["groups_ready"] == moved > 0
-            assert sum(stats["grow"]["groups_ready"] for stats in per_shard.values()) == 100
-            assert sum(stats["grow"]["groups_pending"] for stats in per_shard.values()) == 0
+            assert per_shard["s3"]["grow"].groups_ready == moved > 0
+            assert sum(stats["grow"].groups_ready for stats in per_shard.values()) == 100
+            assert sum(stats["grow"].groups_pending for stats in per_shard.values()) == 0
     finally:
         added.stop(signal.SIGTERM)
 
@@ -324,7 +331,7 @@ def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> N
                 assert await batch.ack() == 9
                 uids += batch.uids
             assert len(set(uids)) == 27
-            assert (await client.stats("async"))["async"]["consumed"] == 27
+            assert (await client.stats("async"))["async"].consumed == 27
 
     asyncio.run(run())
 
@@ -385,11 +392,11 @@ def test_admission_holds_the_staleness_bound_over_all_shards(shards: Shards) -> 
         assert client.finish_grant(first, accepted=2) == 3
         assert client.admit("admit", 9).count == 3
         assert client.set_trainer_version(1, "admit") == 1
-        assert {s["admit"]["trainer_version"] for s in client.shard_stats("admit").values()} == {1}
+        assert {s["admit"].trainer_version for s in client.shard_stats("admit").values()} == {1}
         assert client.admit("admit", 9).count == 4
         per_shard = client.shard_stats("admit")
-        assert per_shard[home]["admit"]["admitted"] == 15
-        assert all(per_shard[name]["admit"]["admitted"] == 0 for name in NAMES if name != home)
+        assert per_shard[home]["admit"].admitted == 15
+        assert all(per_shard[name]["admit"].admitted == 0 for name in NAMES if name != home)
 
 
 def test_trainer_version_reaches_every_shard_and_stale_pushes_are_merged(shards: Shards) -> None:
@@ -399,7 +406,7 @@ def test_trainer_version_reaches_every_shard_and_stale_pushes_are_merged(shards:
         client.push(fresh, table="stale")
         batches = list(client.sample("stale", num_groups=1, max_batches=1, trainer_version=4, delivery="consume"))
         assert len(batches) == 1
-        assert {s["stale"]["trainer_version"] for s in client.shard_stats("stale").values()} == {4}
+        assert {s["stale"].trainer_version for s in client.shard_stats("stale").values()} == {4}
         old = [make_experience(1, task, 0, version=2) for task in range(6)]
         result = client.push([*old, make_experience(1, 99, 0, version=4)], table="stale")
         assert sorted(result.stale) == sorted(exp.eid.uid for exp in old)
@@ -417,8 +424,8 @@ def test_async_client_admits_on_one_shard_and_sets_versions_on_all(shards: Shard
             assert (await client.admit("admit_async", 9)).count == 6
             assert await client.finish_grant(grant, accepted=0) == 3
             stats = await client.shard_stats("admit_async")
-            assert {s["admit_async"]["trainer_version"] for s in stats.values()} == {2}
-            assert stats[client.admission_shard("admit_async")]["admit_async"]["admitted"] == 9
+            assert {s["admit_async"].trainer_version for s in stats.values()} == {2}
+            assert stats[client.admission_shard("admit_async")]["admit_async"].admitted == 9
 
     asyncio.run(run())
 

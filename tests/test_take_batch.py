@@ -95,7 +95,10 @@ def test_uniform_take_of_many_groups_leaves_exactly_the_rest(tmp_path: Path) -> 
 
 
 def test_a_tombstone_made_without_decoding_is_the_record_retired() -> None:
-    rec = ItemRecord(LEASED, "g/1", 41, b"d" * 16, 8192, 1.5, "t", "r", 3, 17, 12, 7, 0.25, 2.0, 3, None, None, 0.5)
+    rec = ItemRecord(
+        state=LEASED, group="g/1", seq=41, digest=b"d" * 16, size=8192, created=1.5, tid="t", rid="r", step=3,
+        response_length=17, generated=12, version=7, reward=0.25, priority=2.0, times_sampled=3, shaped_reward=0.5,
+    )  # fmt: skip
     raw = rec.encode()
     assert ItemRecord.place(raw) == (LEASED, 41, 8192)
     rec.state, rec.retired = CONSUMED, 1_000_123.456789

@@ -118,10 +118,10 @@ def test_the_reset_over_rpc_clients_and_cli_needs_the_admin_scope(tmp_path: Path
                 trainer.reset_offpolicy("t", 1)
             assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
             assert ops.reset_offpolicy("t", 1) == {"trainer_version": 1, "submitted": 0}
-            assert ops.stats("t")["t"]["trainer_version"] == 1
+            assert ops.stats("t")["t"].trainer_version == 1
             ops.push(trxp.build(group_items("b", 0, 2, version=1)), table="t")
             batch = next(trainer.sample("t", num_groups=1, max_batches=1, trainer_version=0, delivery="consume"))
-            assert batch.uids and trainer.stats("t")["t"]["trainer_version"] == 1
+            assert batch.uids and trainer.stats("t")["t"].trainer_version == 1
 
             async def reset_async() -> dict[str, int]:
                 async with AsyncBufferClient(target, token="ops") as client:
@@ -135,7 +135,7 @@ def test_the_reset_over_rpc_clients_and_cli_needs_the_admin_scope(tmp_path: Path
         denied_cli = subprocess.run([*cli, "--token", "trainer"], capture_output=True, text=True, timeout=60)
         assert denied_cli.returncode == 1 and "PERMISSION_DENIED" in denied_cli.stderr
         with BufferClient(target, token="ops") as ops:
-            assert ops.stats("t")["t"]["trainer_version"] == 7
+            assert ops.stats("t")["t"].trainer_version == 7
     finally:
         server.stop(grace=1)
 
@@ -159,7 +159,7 @@ def test_the_sharded_clients_reset_every_shard(tmp_path: Path) -> None:
             assert client.set_trainer_version(1, "t") == 3
         for target in targets:
             with BufferClient(target) as shard:
-                assert shard.stats("t")["t"]["trainer_version"] == 3
+                assert shard.stats("t")["t"].trainer_version == 3
     finally:
         for server in servers:
             server.stop(grace=1)

@@ -1,7 +1,7 @@
 """Trinity-RFT jobs against expbuf, driven by Trinity's own classes: multi-step workflows,
 pipeline filters, end of data across processes, exact batch sizes, Trinity's buffer settings,
-and the scenarios of Trinity's tests/buffer/queue_test.py and sql_test.py (skipped where
-trinity-rft is not installed)."""
+its priority queue with reuse, and the scenarios of Trinity's tests/buffer/queue_test.py and
+sql_test.py (skipped where trinity-rft is not installed)."""
 
 from __future__ import annotations
 
@@ -9,29 +9,36 @@ import asyncio
 import copy
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
+import tomllib
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 trinity = pytest.importorskip("trinity")
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from trinity.algorithm.advantage_fn.grpo_advantage import GRPOGroupedAdvantage  # noqa: E402
 from trinity.algorithm.advantage_fn.multi_step_grpo_advantage import StepWiseGRPOAdvantageFn  # noqa: E402
 from trinity.algorithm.sample_strategy.sample_strategy import DefaultSampleStrategy  # noqa: E402
 from trinity.buffer.operators.experience_operator import create_operators  # noqa: E402
 from trinity.buffer.pipelines.experience_pipeline import ExperiencePipeline  # noqa: E402
+from trinity.buffer.storage.queue import QueueStorage  # noqa: E402
 from trinity.common.config import (  # noqa: E402
     Config,
     ExperienceBufferConfig,
     OperatorConfig,
     ReplayBufferConfig,
     TasksetConfig,
+    load_config,
 )
 from trinity.common.experience import EID, Experience  # noqa: E402
 
@@ -154,7 +161,7 @@ def test_multi_step_write_into_a_table_counting_runs_is_refused_with_what_to_set
     with pytest.raises(ValueError, match=r"12 more would overfill it.*create the table with group_size = 0"):
         write(buffer_config(server, 4), multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 3, 3, 3]))
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats(TABLE)[TABLE]["pushed"] == 0  # nothing of the refused write is stored
+        assert admin.stats(TABLE)[TABLE].pushed == 0  # nothing of the refused write is stored
 
 
 def test_a_group_split_over_two_writes_is_refused_with_why(server: ExpbufServer, table: Table) -> None:
@@ -341,7 +348,7 @@ def test_a_take_of_several_groups_that_does_not_fit_goes_back_whole(server: Expb
     assert [sorted({e.eid.tid for e in r}) for r in reads] == [["5/0", "5/1"], ["5/2", "5/3"]]
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["leased"], stats["ready"]) == (6, 0)  # the second read's groups, acknowledged on the next
+    assert (stats.leased, stats.ready) == (6, 0)  # the second read's groups, acknowledged on the next
 
 
 # ---- Trinity's buffer settings ---------------------------------------------------------------------
@@ -368,7 +375,7 @@ def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, tabl
     fifth.join(timeout=30)
     assert not fifth.is_alive()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats(TABLE)[TABLE]["pushed"] == 5
+        assert admin.stats(TABLE)[TABLE].pushed == 5
 
 
 def test_trinitys_priority_queue_newest_version_first_at_capacity(server: ExpbufServer, table: Table) -> None:
@@ -391,8 +398,7 @@ def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(
 ) -> None:
     table(group_by="none", estimator="none")
     refused = {
-        "reuse_cooldown_time=1": ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0),
-        r"priority_fn_args.sigma": ReplayBufferConfig(
+        r"priority_fn_args.sigma=0.5 without reuse": ReplayBufferConfig(
             enable=True, priority_fn="decay_limit_randomization", priority_fn_args={"sigma": 0.5}
         ),
         "runs linear_decay and decay_limit_randomization": ReplayBufferConfig(enable=True, priority_fn="mine"),
@@ -426,7 +432,7 @@ def test_consume_delivery_and_groups_of_varying_size(server: ExpbufServer, table
     assert len(asyncio.run(reader.read())) == 3
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["consumed"], stats["leased"], stats["ready"]) == (3, 0, 2)
+    assert (stats.consumed, stats.leased, stats.ready) == (3, 0, 2)
     with pytest.raises(ValueError, match="delivery=replay: table 'jobs' has groups of varying size"):
         trinity.buffer.get_buffer_reader(buffer_config(server, 4, "delivery=replay"))
 
@@ -548,3 +554,319 @@ def test_the_writers_count_refuses_what_it_cannot_count(server: ExpbufServer, ta
         client.drop_table(TABLE)
         client.create_table(TABLE, group_size=2)
         assert client.writers(TABLE) == (0, False)
+
+
+# ---- Trinity's priority queue with reuse -----------------------------------------------------------
+# The same writes and reads through Trinity's buffer factories on an expbuf:// table and through
+# Trinity's own priority queue (its QueueStorage with AsyncPriorityQueue, in this process as its Ray
+# actor runs it) give the same experiences in the same order, re-reads and use counts included.
+
+RUNS = 2  # experiences per write: one task's runs, one item of Trinity's queue, one group of the table
+Seen = tuple[int, int, int, int]  # task, run, model_version, use_count
+Script = list[tuple[str, int]]  # ("write", version) writes the next task; ("read", n) reads n times
+
+
+def task(number: int, version: int) -> list[Experience]:
+    """One task's runs as Trinity's workflow runner writes them (use_count 0)."""
+    return [
+        Experience(
+            eid=EID(batch=7, task=number, run=run),
+            tokens=torch.arange(6, dtype=torch.int32),
+            prompt_length=2,
+            logprobs=torch.full((4,), -0.5),
+            reward=float(run),
+            info={"model_version": version, "use_count": 0},
+        )
+        for run in range(RUNS)
+    ]
+
+
+def seen(exps: list[Experience]) -> list[Seen]:
+    return [(int(e.eid.task), e.eid.run, e.info["model_version"], e.info["use_count"]) for e in exps]
+
+
+async def play(
+    write: Callable[[list[Experience]], Awaitable[object]],
+    read: Callable[[], Awaitable[list[Experience]]],
+    release: Callable[[], Awaitable[object]],
+    script: Script,
+) -> list[list[Seen]]:
+    """The script with the writer open, then the writer released and every read until the end of data."""
+    reads, tasks = [], 0
+    for op, arg in script:
+        if op == "write":
+            await write(task(tasks, arg))
+            tasks += 1
+        else:
+            reads += [seen(await read()) for _ in range(arg)]
+    await release()
+    while True:
+        try:
+            reads.append(seen(await read()))
+        except StopAsyncIteration:
+            return reads
+
+
+def on_trinity(replay: ReplayBufferConfig, script: Script) -> list[list[Seen]]:
+    """The script on Trinity's own priority queue."""
+    config = ExperienceBufferConfig(
+        name="trinity", path="memory", storage_type="queue", batch_size=RUNS, replay_buffer=replay
+    ).to_storage_config()
+
+    async def run() -> list[list[Seen]]:
+        storage = QueueStorage(config)
+        await storage.acquire()
+
+        async def read() -> list[Experience]:
+            exps = Experience.deserialize_many(await storage.get_batch(RUNS, timeout=5.0))
+            await asyncio.sleep(0)  # a cooldown of 0 puts the item back before anything else happens
+            return exps
+
+        return await play(
+            lambda data: storage.put_batch(Experience.serialize_many(data)), read, storage.release, script
+        )
+
+    return asyncio.run(run())
+
+
+def on_expbuf(server: ExpbufServer, replay: ReplayBufferConfig, script: Script) -> list[list[Seen]]:
+    """The script through Trinity's buffer factories on an expbuf:// path."""
+    config = buffer_config(server, RUNS, replay_buffer=replay)
+
+    async def run() -> list[list[Seen]]:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        await writer.acquire()
+        return await play(writer.write, reader.read, writer.release, script)
+
+    return asyncio.run(run())
+
+
+def reuse_table(table: Table, **settings: object) -> None:
+    table(group_by="task", group_size=RUNS, estimator="none", **settings)
+
+
+LINEAR = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 2.0})
+LIMITED = ReplayBufferConfig(
+    enable=True,
+    priority_fn="decay_limit_randomization",
+    reuse_cooldown_time=0.0,
+    priority_fn_args={"decay": 1.0, "use_count_limit": 2, "sigma": 0.0},
+)
+
+
+@pytest.mark.parametrize(
+    ("replay", "settings", "script"),
+    [
+        pytest.param(
+            LINEAR,
+            {"priority_decay": 2.0},
+            [
+                ("write", 2),
+                ("write", 5),
+                ("write", 3),
+                ("read", 2),
+                ("write", 5),
+                ("read", 3),
+                ("write", 0),
+                ("read", 6),
+            ],
+            id="linear_decay",
+        ),
+        pytest.param(
+            LIMITED,
+            {"priority_decay": 1.0, "max_times_sampled": 2},
+            [("write", 1), ("write", 4), ("write", 2), ("read", 3), ("write", 4), ("read", 3)],
+            id="decay_limit",
+        ),
+    ],
+)
+def test_reuse_reads_as_trinitys_priority_queue(
+    server: ExpbufServer, table: Table, replay: ReplayBufferConfig, settings: dict, script: Script
+) -> None:
+    """Each read takes the highest priority, model_version - decay * use_count (ties: the earliest
+    put, a returning item behind), and puts it back; after the writer releases, what is left is read
+    once more; with a use_count_limit an item goes for good at its limit."""
+    reuse_table(table, **settings)
+    want = on_trinity(replay, script)
+    assert len(want) > sum(n for op, n in script if op == "read")  # re-reads, and reads after the release
+    assert max(use for read in want for *_, use in read) > 1
+    assert on_expbuf(server, replay, script) == want
+
+
+def test_a_returning_experience_waits_for_its_cooldown(server: ExpbufServer, table: Table) -> None:
+    """With reuse_cooldown_time 2 s, the newest task read first is not read again before the older
+    one, however high its lowered priority; a read then waits for the cooldown, as Trinity's does."""
+    replay = ReplayBufferConfig(enable=True, reuse_cooldown_time=2.0, priority_fn_args={"decay": 2.0})
+    reuse_table(table, priority_decay=2.0, reuse_cooldown_seconds=2.0)
+    script: Script = [("write", 10), ("write", 1), ("read", 4)]
+    want = on_trinity(replay, script)
+    assert [(read[0][0], read[0][3]) for read in want] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert on_expbuf(server, replay, script) == want
+
+
+def test_randomised_priorities_keep_trinitys_invariants(server: ExpbufServer, table: Table) -> None:
+    """decay_limit_randomization with sigma: the order is random, but every task is read exactly
+    use_count_limit times, its use counts going 1, 2, 3, its runs together; nothing after that."""
+    replay = ReplayBufferConfig(
+        enable=True,
+        priority_fn="decay_limit_randomization",
+        reuse_cooldown_time=0.0,
+        priority_fn_args={"decay": 1.0, "use_count_limit": 3, "sigma": 1.0},
+    )
+    reuse_table(table, priority_decay=1.0, max_times_sampled=3, priority_noise=1.0)
+    script: Script = [*[("write", version) for version in range(4)], ("read", 12)]
+    for reads in (on_trinity(replay, script), on_expbuf(server, replay, script)):
+        assert len(reads) == 12
+        uses: dict[int, list[int]] = defaultdict(list)
+        for read in reads:
+            assert len({(t, use) for t, _, _, use in read}) == 1 and [run for _, run, _, _ in read] == [0, 1]
+            uses[read[0][0]].append(read[0][3])
+        assert uses == {number: [1, 2, 3] for number in range(4)}
+        assert Counter(v for read in reads for _, _, v, _ in read) == {v: RUNS * 3 for v in range(4)}
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        stats = admin.stats(TABLE)[TABLE]
+    assert (stats.consumed, stats.ready, stats.leased) == (4 * RUNS, 0, 0)
+
+
+def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: Table) -> None:
+    reuse_table(table, priority_decay=2.0)
+    cooled = ReplayBufferConfig(enable=True, reuse_cooldown_time=1.0, priority_fn_args={"decay": 2.0})
+    need = "priority_decay = 2.0, reuse_cooldown_seconds = 1.0, max_times_sampled = 0, priority_noise = 0.0"
+    with pytest.raises(ValueError, match=rf"has reuse_cooldown_seconds=0.0; create it with {need}"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=cooled))
+    with pytest.raises(ValueError, match=r"capacity=8 with replay_buffer reuse_cooldown_time=0.0"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, RUNS, capacity=8, replay_buffer=LINEAR))
+    with pytest.raises(ValueError, match="leave the path's order and delivery options out"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, "delivery=consume", replay_buffer=LINEAR))
+    still = ReplayBufferConfig(enable=True, reuse_cooldown_time=0.0, priority_fn_args={"decay": 0.0})
+    with pytest.raises(ValueError, match=r"reuse_cooldown_time=0.0 with decay 0.0: .* set one of them"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=still))
+    unknown = ReplayBufferConfig(enable=True, priority_fn_args={"decay": 1.0, "use_count_limit": 2})
+    with pytest.raises(ValueError, match="unknown priority_fn_args use_count_limit; it takes decay"):
+        trinity.buffer.get_buffer_writer(buffer_config(server, RUNS, replay_buffer=unknown))
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.drop_table(TABLE)
+    table(group_size=0, estimator="none", priority_decay=2.0)
+    with pytest.raises(ValueError, match="replay_buffer reuse_cooldown_time: table 'jobs' has groups of varying size"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=LINEAR))
+
+
+# ---- the README's jobs -------------------------------------------------------------------------------
+# The README's Trinity section shows each job as a table (TOML) and the part of a Trinity config that
+# uses it (YAML). These tests read those blocks from the README, so the two cannot drift, load each job
+# with Trinity's load_config and check_and_update(), create its table and run it through the plug-in.
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_ADDRESS = "10.0.0.5:50051"
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The code blocks in `language` of the README's Trinity section, in order."""
+    text = README.read_text()
+    section = text[text.index("## Using expbuf from Trinity-RFT") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def readme_tables() -> dict[str, dict]:
+    return {table["name"]: table for block in readme_blocks("toml") for table in tomllib.loads(block)["tables"]}
+
+
+def readme_jobs() -> dict[str, str]:
+    """Each job's YAML by the table its path names."""
+    jobs = [block for block in readme_blocks("yaml") if "train_batch_size" in block]
+    return {re.search(rf"expbuf://{re.escape(README_ADDRESS)}/(\w+)", job).group(1): job for job in jobs}
+
+
+def readme_job(server: ExpbufServer, tmp_path: Path, name: str) -> Config:
+    """The README's job on the table `name`, with the rest of a job on this machine, loaded and
+    checked by Trinity; its table created as the README says."""
+    rest = {
+        "project": "expbuf",
+        "name": name,
+        "mode": "both",
+        "checkpoint_root_dir": str(tmp_path / "checkpoints"),
+        "model": {"model_path": str(tmp_path), "max_model_len": 4096},
+        "cluster": {"node_num": 1, "gpu_per_node": 8},  # Ray counts no GPUs on a CPU machine
+        "buffer": {"batch_size": 32, "total_epochs": 1, "explorer_input": {"taskset": {"name": "tasks"}}},
+    }
+    job = yaml.safe_load(readme_jobs()[name].replace(README_ADDRESS, f"127.0.0.1:{server.port}"))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(OmegaConf.to_container(OmegaConf.merge(rest, job))))
+    config = load_config(str(path))
+    config.buffer.explorer_input.taskset.path = str(tmp_path)
+    config.check_and_update()
+    settings = dict(readme_tables()[name])
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(settings.pop("name"), **settings)
+    return config
+
+
+def eight_runs(task: int) -> list[Experience]:
+    """A task's 8 runs, generated by policy version `task`."""
+    return single_turn(task, [float(run) for run in range(8)], version=task)
+
+
+def test_the_readme_shows_four_jobs_and_their_tables() -> None:
+    assert sorted(readme_jobs()) == ["agent", "grpo8", "replay8", "reuse8"]
+    assert set(readme_jobs()) <= set(readme_tables())
+
+
+def test_readme_multi_step_job(server: ExpbufServer, tmp_path: Path) -> None:
+    config = readme_job(server, tmp_path, "agent")
+    storage = config.buffer.trainer_input.experience_buffer
+    assert (config.algorithm.algorithm_type, storage.batch_size) == ("multi_step_grpo", 64)
+    pushed = multi_step(0, [1.0, 0.0, 2.0, 0.5], [3, 1, 2, 3]) + multi_step(1, [0.0, 1.0, 3.0, 1.0], [1, 2, 3, 2])
+    write(storage, pushed)
+    want, _ = StepWiseGRPOAdvantageFn().process(copy.deepcopy(pushed))
+    reader = trinity.buffer.get_buffer_reader(storage)
+    assert_advantages(asyncio.run(reader.read()), want)  # the writer released: the last, short batch
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+
+
+def test_readme_filtered_job(server: ExpbufServer, tmp_path: Path) -> None:
+    config = readme_job(server, tmp_path, "grpo8")
+    config.data_processor.experience_pipeline.save_input = False
+    pushed = single_turn(0, [1.0, 0.0, 2.0, 0.25, 1.0, 3.0, 0.0, 2.0]) + eight_runs(1)
+    metrics = asyncio.run(run_pipeline(config, pushed))
+    assert metrics[0]["experience_pipeline/filtered_count"] == 4.0
+    kept = [e for e in pushed if e.reward >= 0.5]
+    want, _ = GRPOGroupedAdvantage().process(copy.deepcopy(kept))
+    reader = trinity.buffer.get_buffer_reader(config.buffer.trainer_input.experience_buffer)
+    assert_advantages(asyncio.run(reader.read()), want)
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+
+
+def test_readme_replay_job(server: ExpbufServer, tmp_path: Path) -> None:
+    storage = readme_job(server, tmp_path, "replay8").buffer.trainer_input.experience_buffer
+    write(storage, *[eight_runs(task) for task in range(32)])
+    reader = trinity.buffer.get_buffer_reader(storage)
+    newest_first = [task for task in range(31, -1, -1) for _ in range(8)]
+    for _ in range(3):  # the table's max_times_sampled
+        assert [int(e.eid.task) for e in asyncio.run(reader.read())] == newest_first
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())
+
+
+def test_readme_replay_job_with_reuse(server: ExpbufServer, tmp_path: Path) -> None:
+    """The newest 32 groups first; the next read takes the other 32, since the first cool for 30 s
+    whatever their lowered priority; once the explorer releases, nothing ready is left: the end."""
+    storage = readme_job(server, tmp_path, "reuse8").buffer.trainer_input.experience_buffer
+    assert storage.replay_buffer.reuse_cooldown_time == 30.0
+    write(
+        storage, *[single_turn(task, [float(r) for r in range(8)], version=task) for task in range(64)], release=False
+    )
+    reader = trinity.buffer.get_buffer_reader(storage)
+    for tasks in (range(63, 31, -1), range(31, -1, -1)):
+        got = asyncio.run(reader.read())
+        assert [(e.info["model_version"], e.info["use_count"]) for e in got] == [
+            (t, 1) for t in tasks for _ in range(8)
+        ]
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        assert admin.stats("reuse8")["reuse8"].leased == 512  # cooling
+    asyncio.run(trinity.buffer.get_buffer_writer(storage).release())
+    with pytest.raises(StopAsyncIteration):
+        asyncio.run(reader.read())

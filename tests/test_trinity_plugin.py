@@ -242,7 +242,7 @@ def test_reader_restarts_from_its_state_dict(start: Start) -> None:
     step3 = asyncio.run(restarted.read())  # acknowledges step 2, which the checkpoint holds
     with BufferClient(target) as admin:
         stats = admin.stats(TABLE)[TABLE]
-    assert (stats["consumed"], stats["leased"], stats["ready"]) == (8, 4, 0)
+    assert (stats.consumed, stats.leased, stats.ready) == (8, 4, 0)
     assert len({e.eid.tid for e in step1 + step2 + step3}) == 3
     check_whole_groups(step3, pushed)
     assert restarted.state_dict()["current_index"] == 12
@@ -276,7 +276,7 @@ def test_token_from_the_environment_and_push_only_writers(start: Start, monkeypa
     reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, 4, "token_env=TRAINER_TOKEN"))
     check_whole_groups(asyncio.run(reader.read()), pushed)
     with BufferClient(f"127.0.0.1:{server.port}", token="r-secret") as admin:
-        assert admin.stats(TABLE)[TABLE]["groups_pending"] == 1
+        assert admin.stats(TABLE)[TABLE].groups_pending == 1
 
 
 def _openssl(*args: str) -> None:
@@ -400,7 +400,7 @@ def test_reader_tells_the_table_the_trainers_model_version(start: Start) -> None
     for exp in stale:
         exp.info["model_version"] = 0
     with BufferClient(target) as admin:
-        assert admin.stats(TABLE)[TABLE]["trainer_version"] == 2
+        assert admin.stats(TABLE)[TABLE].trainer_version == 2
         result = admin.push(Experience.serialize_many(stale), TABLE)
     assert sorted(result.stale) == sorted(exp.eid.uid for exp in stale)
 
@@ -427,7 +427,7 @@ def test_expbuf_sample_strategy_passes_the_trainers_version(start: Start) -> Non
     assert sorted({e.eid.tid for e in batch}) == ["3/1"]
     assert metrics["sample/model_version/max"] == 5
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
-        assert admin.stats(TABLE)[TABLE]["trainer_version"] == 6
+        assert admin.stats(TABLE)[TABLE].trainer_version == 6
 
 
 def test_tls_variables_name_the_server_and_the_client_apart(

@@ -28,7 +28,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, get_trainer_cls  # noqa: E402
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
-from expbuf.client import EID, BufferClient, Experience  # noqa: E402
+from expbuf.client import EID, BufferClient, Experience, TableStats  # noqa: E402
 from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
 from expbuf.client.verl.rows import rows_of  # noqa: E402
 from expbuf.server.config import load  # noqa: E402
@@ -114,7 +114,7 @@ def wait_for(check: Callable[[], bool], what: str, seconds: float = 20.0) -> Non
         time.sleep(0.05)
 
 
-def stats(client: BufferClient, table: str) -> dict:
+def stats(client: BufferClient, table: str) -> TableStats:
     return client.stats(table)[table]
 
 
@@ -135,13 +135,13 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
     buffer = build(server.target, "verl_mirror")
     first = [dispatch(1), dispatch(1)]
     expected = {uid: from_verl(group_rows(uid)) for uid in first}
-    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both groups pushed once finished")
-    assert stats(client, "verl_mirror")["pushed"] == 6
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 2, "both groups pushed once finished")
+    assert stats(client, "verl_mirror").pushed == 6
 
     again = build(server.target, "verl_mirror")  # a second process seeing the same groups: pushes are duplicates
     again.sync_once()
     after = stats(client, "verl_mirror")
-    assert (after["pushed"], after["duplicates"], after["groups_ready"]) == (6, 6, 2)
+    assert (after.pushed, after.duplicates, after.groups_ready) == (6, 6, 2)
     again.close()
 
     meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=2)
@@ -153,14 +153,14 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
             assert got.eid.tid == f"verl/{uid}"
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.action_mask, want.action_mask)
             assert got.info["model_version"] == 0 and got.reward == want.reward
-    wait_for(lambda: stats(client, "verl_mirror")["trainer_version"] == 1, "the trainer version")
+    wait_for(lambda: stats(client, "verl_mirror").trainer_version == 1, "the trainer version")
 
     step_end(meta)  # trained: the mirror deletes them from expbuf
-    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 0, "trained groups retired")
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 0, "trained groups retired")
 
     second = [dispatch(2), dispatch(2)]
     rows_before = {uid: group_rows(uid) for uid in second}
-    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "finished groups pushed before sampling")
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 2, "finished groups pushed before sampling")
     buffer.close()
     keys = list(tq.kv_list(TRAIN)[TRAIN])
     tq.kv_clear(keys=keys, partition_id=TRAIN)  # the crash: TransferQueue's memory is gone
@@ -168,7 +168,7 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
     restarted = build(server.target, "verl_mirror")
     meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=2)
     assert {k.split("_")[0] for k in meta.keys} == set(second)
-    assert stats(client, "verl_mirror")["groups_leased"] == 2
+    assert stats(client, "verl_mirror").groups_leased == 2
     for uid, rows in rows_before.items():
         back = group_rows(uid)
         assert [r.key for r in back] == [r.key for r in rows]
@@ -178,14 +178,14 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
             assert got.fields["raw_prompt"] == want.fields["raw_prompt"]
             assert got.fields["extra_fields"] == want.fields["extra_fields"]
     step_end(meta)
-    wait_for(lambda: stats(client, "verl_mirror")["groups_leased"] == 0, "restored groups acked once trained")
-    assert stats(client, "verl_mirror")["groups_ready"] == 0
+    wait_for(lambda: stats(client, "verl_mirror").groups_leased == 0, "restored groups acked once trained")
+    assert stats(client, "verl_mirror").groups_ready == 0
 
     stale, fresh = dispatch(1), dispatch(4)  # at step 4 a group dispatched at step 1 spans 4 > 2 versions
-    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 2, "both pushed")
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 2, "both pushed")
     meta, metrics = restarted.sample(global_steps=4, partition_id=TRAIN, batch_size=1)
     assert {k.split("_")[0] for k in meta.keys} == {fresh} and metrics["training/off_policy/evicted_samples"] == 1
-    wait_for(lambda: stats(client, "verl_mirror")["groups_ready"] == 1, "the group verl evicted leaves expbuf")
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 1, "the group verl evicted leaves expbuf")
     assert client.get([f"verl/{stale}/0/0/0"], "verl_mirror").missing_uids == [f"verl/{stale}/0/0/0"]
     restarted.close()
 
@@ -234,11 +234,11 @@ def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the
         sign = 1.0 if reward > 0 else -1.0
         assert row.fields["advantages"][0].item() * sign > 0  # GRPO: above the group mean is positive
         assert row.fields["advantages"][1].item() == 0.0  # zero where the mask is
-    assert stats(client, "verl_source")["groups_leased"] == 2
+    assert stats(client, "verl_source").groups_leased == 2
 
     step_end(meta)
-    wait_for(lambda: stats(client, "verl_source")["groups_leased"] == 0, "leases acked after the step")
-    assert stats(client, "verl_source")["groups_ready"] == 1  # only the stale group is left
+    wait_for(lambda: stats(client, "verl_source").groups_leased == 0, "leases acked after the step")
+    assert stats(client, "verl_source").groups_ready == 1  # only the stale group is left
     buffer.close()
 
 
@@ -291,8 +291,8 @@ def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_n
     assert len(trained_after) == len(set(trained_after)) == 6
     assert pushed <= set(trained_after), "a group pushed before the crash was lost"
     assert not set(trained_before) & set(trained_after), "a group was trained twice"
-    wait_for(lambda: stats(client, "verl_crash")["groups_ready"] == 0, "every trained group retired")
-    assert stats(client, "verl_crash")["groups_leased"] == 0
+    wait_for(lambda: stats(client, "verl_crash").groups_ready == 0, "every trained group retired")
+    assert stats(client, "verl_crash").groups_leased == 0
 
 
 def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
@@ -314,7 +314,7 @@ def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
     buffer = PPOTrainer._build_replay_buffer(trainer)
     OPEN.append(buffer)
     assert type(buffer) is ExpbufReplayBuffer and buffer.mode == "mirror" and buffer.table == table.name
-    assert buffer.max_off_policy_threshold == buffer.table_config["max_staleness"] + 1  # the settings agree
+    assert buffer.max_off_policy_threshold == buffer.table_config.max_staleness + 1  # the settings agree
 
 
 def verl_config(*overrides: str) -> DictConfig:
@@ -385,7 +385,7 @@ def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_resto
     client.create_table("verl_orphans", group_by="task", group_size=0, estimator="none")
     buffer = build(server.target, "verl_orphans")
     uid = dispatch(1)
-    wait_for(lambda: stats(client, "verl_orphans")["groups_ready"] == 1, "the finished group pushed")
+    wait_for(lambda: stats(client, "verl_orphans").groups_ready == 1, "the finished group pushed")
     buffer.close()  # the crash came between the checkpoint and the step's kv_clear: the group was trained
     tq.kv_clear(keys=[uid], partition_id=TRAIN)  # as restored from the checkpoint: trajectories, no prompt
 
@@ -395,7 +395,7 @@ def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_resto
     assert {k.split("_")[0] for k in meta.keys} == {other}
     restarted.sync_once()
     after = stats(client, "verl_orphans")
-    assert (after["groups_leased"], after["groups_ready"], after["consumed"]) == (0, 1, 3)  # the trained one acked
+    assert (after.groups_leased, after.groups_ready, after.consumed) == (0, 1, 3)  # the trained one acked
     listing = tq.kv_list(TRAIN)[TRAIN]
     assert uid not in listing and any(key.startswith(uid + "_") for key in listing)  # not put back as a group
 
@@ -420,5 +420,5 @@ def test_a_group_expbuf_cannot_store_is_logged_and_does_not_hold_back_the_others
     with caplog.at_level(logging.ERROR):
         build(server.target, "verl_mixed").sync_once()
     assert f"group {image} is not mirrored" in caplog.text and "processor" in caplog.text
-    assert stats(client, "verl_mixed")["groups_ready"] == 1
+    assert stats(client, "verl_mixed").groups_ready == 1
     assert not client.get([f"verl/{text}/0/0/0"], "verl_mixed").missing_uids

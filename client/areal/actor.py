@@ -16,7 +16,8 @@ class KeepExpbufAdvantages:
     not applied to them (the table's estimator and advantage clip made them)."""
 
     def compute_advantages(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-        out = super().compute_advantages(data, *args, **kwargs)
+        # A mixin: the next class in the method resolution order is AReaL's actor.
+        out: list[dict[str, Any]] = super().compute_advantages(data, *args, **kwargs)  # type: ignore[misc]
         for traj in out:
             ours = traj.pop(EXPBUF_ADVANTAGES, None)
             if ours is not None:

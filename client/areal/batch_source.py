@@ -45,7 +45,7 @@ class ExpbufBatchSource:
         self.advantages = advantages
         self.lease_seconds = lease_seconds
         self.timeout = timeout
-        self._group_key = GROUP_KEY_OF.get(table_config(self.client, table)["group_by"], "uid")
+        self._group_key = GROUP_KEY_OF.get(table_config(self.client, table).group_by, "uid")
         self._version = 0
         self._held: Batch | None = None
 

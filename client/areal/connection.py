@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..client import BufferClient
+from ..results import TableInfo
 
 # Which eid key names a group, per table `group_by` (the server's own grouping).
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid"}
@@ -19,9 +20,9 @@ def connect(client: BufferClient | str, token: str | None = None, **options: Any
     return BufferClient(client, token=token, **options)
 
 
-def table_config(client: BufferClient, table: str) -> dict[str, Any]:
+def table_config(client: BufferClient, table: str) -> TableInfo:
     """The table's settings (ListTables), or a clear error naming the table and the server."""
     for config in client.list_tables():
-        if config["name"] == table:
+        if config.name == table:
             return config
     raise ValueError(f"expbuf at {client.target} has no table '{table}'; create it first (create_table or TOML)")

@@ -53,10 +53,10 @@ class ExpbufStalenessManager(StalenessManager):
         self.grant_seconds = grant_seconds
         self.admit_wait = admit_wait
         config = table_config(self.client, table)
-        if config["max_staleness"] != max_staleness or config["batch_size"] != consumer_batch_size:
+        if config.max_staleness != max_staleness or config.batch_size != consumer_batch_size:
             raise ValueError(
-                f"expbuf table '{table}' has max_staleness {config['max_staleness']} and batch_size "
-                f"{config['batch_size']}; AReaL's max_head_offpolicyness is {max_staleness} and "
+                f"expbuf table '{table}' has max_staleness {config.max_staleness} and batch_size "
+                f"{config.batch_size}; AReaL's max_head_offpolicyness is {max_staleness} and "
                 f"consumer_batch_size {consumer_batch_size}: set the table's to them"
             )
         self._spare: Grant | None = None
@@ -65,9 +65,9 @@ class ExpbufStalenessManager(StalenessManager):
     def _room(self) -> int:
         """The table's room under the bound, counting the grant held ahead as room of ours."""
         stats = self.client.stats(self.table)[self.table]
-        version = max(0, stats["trainer_version"])
+        version = max(0, stats.trainer_version)
         spare = 1 if self._spare is not None else 0
-        return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats["submitted"] + spare
+        return (self.max_staleness + version + 1) * max(1, self.consumer_batch_size) - stats.submitted + spare
 
     def get_capacity(self) -> int:
         with self.lock:
@@ -83,7 +83,7 @@ class ExpbufStalenessManager(StalenessManager):
 
     def get_version(self) -> int:
         """The table's trainer version, which the bound counts from (-1 before any was set)."""
-        return self.client.stats(self.table)[self.table]["trainer_version"]
+        return self.client.stats(self.table)[self.table].trainer_version
 
     def set_version(self, version: int) -> None:
         """Tell the table the trainer's version: room for one more batch per version."""

@@ -76,8 +76,8 @@ class ExpbufWorkflow(RolloutWorkflow):
         self.produce_only = produce_only
         self.batch = batch
         config = table_config(self.client, table)
-        self._group_key = GROUP_KEY_OF.get(config["group_by"])
-        self._table_group_size = config["group_size"]
+        self._group_key = GROUP_KEY_OF.get(config.group_by)
+        self._table_group_size = config.group_size
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         results = await asyncio.gather(*[self.workflow.arun_episode(engine, data) for _ in range(self.group_size)])

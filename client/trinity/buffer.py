@@ -62,6 +62,14 @@ def _prioritised(exp: Experience) -> Experience:
     return exp
 
 
+def _count_uses(experiences: list[Experience], times_sampled: list[int]) -> None:
+    """Trinity's priority queue counts each read in `use_count`: the deliveries of each
+    experience, this one included (one more than written, from a server that does not say)."""
+    for i, exp in enumerate(experiences):
+        uses = times_sampled[i] if len(times_sampled) == len(experiences) else int(exp.info.get("use_count", 0)) + 1
+        exp.info["use_count"] = uses
+
+
 class ExpbufWriter(BufferWriter):
     """Pushes each write durably into the table; the groups of a write are complete when it ends.
 
@@ -77,12 +85,12 @@ class ExpbufWriter(BufferWriter):
         self.location = parse(config.path)
         self._client = _client(self.location)
         settings.refuse_taskset(config)
-        self._priorities = settings.priority_replay(config)
+        self._priorities = settings.priority_replay(config) is not None
         self._table = settings.table_settings(self._client, self.location)
         settings.check_capacity(config, self._table)
-        table = self._table or {}
-        self._group_key = GROUP_KEY_OF[table.get("group_by", "task")]
-        self._seals = table.get("group_size", 0) > 0 and table.get("on_group_timeout") == "release"
+        table = self._table
+        self._group_key = GROUP_KEY_OF[table.group_by if table else "task"]
+        self._seals = bool(table and table.group_size > 0 and table.on_group_timeout == "release")
         self._refs = 0
 
     def _push(self, data: list[Experience]) -> PushResult:
@@ -119,7 +127,7 @@ class ExpbufWriter(BufferWriter):
         return result
 
     def _overfill(self, details: str) -> str:
-        size = (self._table or {}).get("group_size", "its")
+        size = self._table.group_size if self._table else "its"
         return (
             f"expbuf table '{self.location.table}': {details}. group_size counts experiences ({size}), and a "
             "multi-step workflow writes several per run: create the table with group_size = 0, so that each "
@@ -169,14 +177,20 @@ class ExpbufReader(BufferReader):
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
         settings.refuse_taskset(config)
-        self._priorities = settings.priority_replay(config)
-        if self._priorities:
-            if self.location.order != "fifo" or self.location.delivery == "replay":
+        self._replay = settings.priority_replay(config)
+        reuse = self._replay is not None and self._replay.reuse
+        if self._replay is not None:
+            if (
+                self.location.order != "fifo"
+                or self.location.delivery == "replay"
+                or (reuse and self.location.delivery != "lease")
+            ):
                 raise ValueError(
-                    "experience buffer replay_buffer reads in the table's priority order, once each: leave the "
-                    "path's order and delivery options out"
+                    "experience buffer replay_buffer reads in the table's priority order, replaying with "
+                    "reuse_cooldown_time and once each without: leave the path's order and delivery options out"
                 )
-            self.location = dataclasses.replace(self.location, order="priority")
+            delivery = "replay" if reuse else self.location.delivery
+            self.location = dataclasses.replace(self.location, order="priority", delivery=delivery)
         self.batch_size = config.batch_size
         self.timeout = config.max_read_timeout
         self._client = _client(self.location)
@@ -185,10 +199,13 @@ class ExpbufReader(BufferReader):
         if self.batch_size:
             settings.check_batch_size(self.batch_size, self._group, self.location.table)
         if self.location.delivery == "replay" and not self._group:
+            what = "replay_buffer reuse_cooldown_time" if reuse else "path option delivery=replay"
             raise ValueError(
-                f"expbuf path option delivery=replay: table '{self.location.table}' has groups of varying size "
+                f"expbuf {what}: table '{self.location.table}' has groups of varying size "
                 "(group_size 0), which a replayed batch cannot be fitted to; use a table with a fixed group_size"
             )
+        if reuse:
+            settings.check_reuse(self._replay, table)
         self._leases: list[str] = []
         self._sees_writers = True  # False once the token proved unable to ask (no push scope)
         self._experiences_read = 0
@@ -220,10 +237,12 @@ class ExpbufReader(BufferReader):
         batches = await asyncio.to_thread(self._read, size, min_version, version)
         if batches is None:
             raise StopAsyncIteration(f"expbuf table '{self.location.table}': its writers are done and it is empty")
-        experiences = [exp for batch in batches for exp in Experience.deserialize_many(batch.payload)]
-        if self._priorities:  # Trinity's priority queue counts each read in use_count
-            for exp in experiences:
-                exp.info["use_count"] = int(exp.info.get("use_count", 0)) + 1
+        experiences = []
+        for batch in batches:
+            read = Experience.deserialize_many(batch.payload)
+            if self._replay is not None:
+                _count_uses(read, batch.times_sampled)
+            experiences += read
         self._leases = [batch.lease_id for batch in batches if batch.lease_id]
         self._batches_read += 1
         self._experiences_read += len(experiences)
@@ -237,20 +256,24 @@ class ExpbufReader(BufferReader):
         whole; after that, one group at a time until the next one does not fit.
         """
         self._acknowledge()
+        reuse = self.location.delivery == "replay" and self._replay is not None
+        done = reuse and self._writers_done()  # reuse never runs dry: ask before taking
+        delivery = self._delivery(done)
         deadline = time.monotonic() + self.timeout
         taken: list[Batch] = []
-        total, done, single = 0, False, False
+        total, single = 0, False
         while total < size:
             wait = 0.0 if done else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             groups = size // self._group if self._group else 1
             if taken and not single and not self._group:
                 seen = sum(len(b.groups) for b in taken)
                 groups = max(1, (size - total) * seen // total)
-            batch = self._take(groups, wait, done or groups > 1, min_version, version)
+            batch = self._take(delivery, groups, wait, done or groups > 1, min_version, version)
             if batch is None:
                 if done:
                     break
                 done = self._writers_done()
+                delivery = self._delivery(done)
                 if not done and time.monotonic() >= deadline:
                     self._give_back(taken)
                     raise TimeoutError(
@@ -275,17 +298,23 @@ class ExpbufReader(BufferReader):
                 break
         if not taken:
             return None
-        if self.location.delivery == "consume" and not self._group:
+        if delivery == "consume" and not self._group:
             for batch in taken:  # taken under a lease, to give back a group that does not fit
                 self._client.ack(batch.lease_id, table=self.location.table)
             taken = [dataclasses.replace(batch, lease_id="") for batch in taken]
         return taken
 
+    def _delivery(self, done: bool) -> str:
+        """How to take: as the path says, but once the writers are done Trinity's priority queue
+        puts nothing back and ends when empty, so reuse consumes what is ready, each read once more."""
+        if done and self.location.delivery == "replay" and self._replay is not None:
+            return "consume"
+        return self.location.delivery
+
     def _take(
-        self, groups: int, wait: float, partial: bool, min_version: int | None, version: int | None
+        self, delivery: str, groups: int, wait: float, partial: bool, min_version: int | None, version: int | None
     ) -> Batch | None:
         """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s."""
-        delivery = self.location.delivery
         if delivery == "consume" and not self._group:
             delivery = "lease"
         stream = self._client.sample(

@@ -5,13 +5,16 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
 - `capacity` (Trinity's queue blocks the writer when full): the table's
   `capacity_experiences` with `when_full = "block"`; a capacity other than Trinity's default
   that the table does not hold is refused.
-- `replay_buffer` (Trinity's priority queue): without reuse (`reuse_cooldown_time` unset, its
-  default) every experience is read once, highest priority first, its priority being its
-  `model_version` (`linear_decay` of a use count of 0): the writer stamps `info["priority"]`
-  and the reader takes the table's `priority` order, and a full table (`when_full = "evict"`)
-  makes room by evicting its oldest groups. Reuse after a cooldown, whose priority decays with
-  each use, and a random `sigma` are refused; expbuf's replay is the path option
-  `delivery=replay` with the table's `max_times_sampled` (see the README).
+- `replay_buffer` (Trinity's priority queue, `linear_decay` or `decay_limit_randomization`):
+  an experience's priority is its `model_version` less `decay` per use. The writer stamps
+  `info["priority"] = model_version` and the reader takes the table's `priority` order and
+  sets `info["use_count"]` to the times its group was delivered. Without reuse
+  (`reuse_cooldown_time` unset) each experience is read once, and a full table
+  (`when_full = "evict"`) makes room by evicting its oldest groups. With reuse the reader
+  replays (`delivery=replay`) and the table lowers, cools and retires each delivered group
+  (server/store/reuse.py): the table's `priority_decay`, `reuse_cooldown_seconds`,
+  `max_times_sampled` and `priority_noise` must be Trinity's `decay`, `reuse_cooldown_time`,
+  `use_count_limit` and `sigma`, or the reader is refused, saying what to set.
 - `batch_size` of the reader: whole groups of a table with a fixed `group_size` make it
   only when it is a multiple of that size; another size is refused.
 - an `expbuf://` path in a taskset: refused (expbuf holds experiences, not tasks).
@@ -20,9 +23,11 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.results import TableInfo
 
 from .location import Location
 
@@ -30,10 +35,10 @@ log = logging.getLogger(__name__)
 TRINITY_DEFAULT_CAPACITY = 10000
 
 
-def table_settings(client: BufferClient, location: Location) -> dict[str, Any] | None:
+def table_settings(client: BufferClient, location: Location) -> TableInfo | None:
     """The table's settings; None where the token may not read them (push-only)."""
     try:
-        tables = {t["name"]: t for t in client.list_tables()}
+        tables = {t.name: t for t in client.list_tables()}
     except BufferError as exc:
         log.warning("expbuf: cannot read the settings of table '%s' (%s); they are not checked", location.table, exc)
         return None
@@ -57,49 +62,113 @@ def refuse_taskset(config: Any) -> None:
         )
 
 
-def check_capacity(config: Any, table: dict[str, Any] | None) -> None:
+def check_capacity(config: Any, table: TableInfo | None) -> None:
     """Trinity's queue blocks a writer when full, its priority queue evicts the lowest priority:
     the table's capacity, with the matching `when_full`."""
     capacity = getattr(config, "capacity", TRINITY_DEFAULT_CAPACITY)
-    if capacity == TRINITY_DEFAULT_CAPACITY or table is None:
+    if capacity == TRINITY_DEFAULT_CAPACITY:
         return
-    when_full = "evict" if priority_replay(config) else "block"
-    if table["capacity_experiences"] != capacity or table["when_full"] != when_full:
+    replay = priority_replay(config)
+    if replay is not None and replay.reuse:
         raise ValueError(
-            f"experience buffer capacity={capacity}: the expbuf table '{table['name']}' holds "
-            f"capacity_experiences={table['capacity_experiences']} (when_full={table['when_full']}); create it with "
+            f"experience buffer capacity={capacity} with replay_buffer reuse_cooldown_time={replay.cooldown}: "
+            "Trinity's full priority queue drops a returning experience of lower priority, which an expbuf table "
+            "does not do; leave capacity unset (the table's capacity_experiences, with when_full = 'block', "
+            "still bounds it)"
+        )
+    if table is None:
+        return
+    when_full = "evict" if replay is not None else "block"
+    if table.capacity_experiences != capacity or table.when_full != when_full:
+        raise ValueError(
+            f"experience buffer capacity={capacity}: the expbuf table '{table.name}' holds "
+            f"capacity_experiences={table.capacity_experiences} (when_full={table.when_full}); create it with "
             f"capacity_experiences = {capacity} and when_full = '{when_full}' (it counts experiences, where "
             "Trinity's queue counts writes), or leave capacity unset"
         )
 
 
-def priority_replay(config: Any) -> bool:
-    """Whether Trinity's priority queue is asked for, in the form a table runs; any other form is refused."""
+@dataclass(frozen=True)
+class PriorityReplay:
+    """Trinity's priority queue as a table runs it: the decay per use, and with reuse the
+    cooldown, the use limit (0: none) and the noise."""
+
+    priority_fn: str
+    decay: float
+    cooldown: float | None
+    limit: int
+    sigma: float
+
+    @property
+    def reuse(self) -> bool:
+        return self.cooldown is not None
+
+    def table_settings(self) -> dict[str, float]:
+        """The table settings that run this reuse."""
+        return {
+            "priority_decay": self.decay,
+            "reuse_cooldown_seconds": self.cooldown or 0.0,
+            "max_times_sampled": self.limit,
+            "priority_noise": self.sigma,
+        }
+
+
+def priority_replay(config: Any) -> PriorityReplay | None:
+    """Trinity's priority queue, if asked for, in the form a table runs; any other form is refused."""
     replay = getattr(config, "replay_buffer", None)
     if replay is None or not getattr(replay, "enable", False):
-        return False
+        return None
+    from trinity.buffer.storage import PRIORITY_FUNC
+
     name = f"experience buffer replay_buffer (priority_fn={replay.priority_fn})"
     if replay.priority_fn not in ("linear_decay", "decay_limit_randomization"):
-        raise ValueError(f"{name}: expbuf runs linear_decay and decay_limit_randomization without reuse")
-    if replay.reuse_cooldown_time is not None:
+        raise ValueError(f"{name}: expbuf runs linear_decay and decay_limit_randomization")
+    args = PRIORITY_FUNC.get(replay.priority_fn).default_config()
+    unknown = sorted(set(replay.priority_fn_args or {}) - set(args))
+    if unknown:
+        raise ValueError(f"{name}: unknown priority_fn_args {', '.join(unknown)}; it takes {', '.join(args)}")
+    args.update(replay.priority_fn_args or {})
+    cooldown = replay.reuse_cooldown_time
+    limit = int(args.get("use_count_limit", 0))
+    sigma = float(args.get("sigma", 0.0))
+    if cooldown is None and sigma:
         raise ValueError(
-            f"{name}: reuse_cooldown_time={replay.reuse_cooldown_time} puts a read experience back with a priority "
-            "lowered by each use, which an expbuf table does not do: leave it unset (each experience read once, "
-            "the newest model_version first), or replay with the path option delivery=replay and the table's "
-            "max_times_sampled"
+            f"{name}: priority_fn_args.sigma={sigma} without reuse perturbs only fresh experiences' priorities, "
+            "which an expbuf table does not do; set 0, or set reuse_cooldown_time (the table then adds the noise to "
+            "each returning experience's priority)"
         )
-    if (replay.priority_fn_args or {}).get("sigma", 0.0):
-        raise ValueError(f"{name}: priority_fn_args.sigma (random priorities) is not run by an expbuf table; set 0")
-    return True
+    if cooldown is not None and (cooldown < 0 or (cooldown == 0 and not args["decay"])):
+        raise ValueError(
+            f"{name}: reuse_cooldown_time={cooldown} with decay {args['decay']}: an expbuf table reuses with a "
+            "cooldown > 0 or a decay > 0; set one of them"
+        )
+    return PriorityReplay(replay.priority_fn, float(args["decay"]), cooldown, max(limit, 0), sigma)
 
 
-def fixed_group_size(table: dict[str, Any] | None) -> int | None:
+def check_reuse(replay: PriorityReplay, table: TableInfo | None) -> None:
+    """The table must run the reuse Trinity's config asks for: its settings are the server's rule."""
+    if table is None:
+        log.warning("expbuf: cannot read the settings of the table; its reuse settings are not checked")
+        return
+    want = replay.table_settings()
+    differ = {key: value for key, value in want.items() if getattr(table, key) != value}
+    if differ:
+        have = ", ".join(f"{key}={getattr(table, key)}" for key in differ)
+        need = ", ".join(f"{key} = {value}" for key, value in want.items())
+        raise ValueError(
+            f"experience buffer replay_buffer (priority_fn={replay.priority_fn}, decay={replay.decay}, "
+            f"reuse_cooldown_time={replay.cooldown}, use_count_limit={replay.limit or 'none'}, sigma={replay.sigma}): "
+            f"the expbuf table '{table.name}' has {have}; create it with {need}"
+        )
+
+
+def fixed_group_size(table: TableInfo | None) -> int | None:
     """The size every complete group of the table has; None where it varies (group_size 0)."""
     if table is None:
         return None
-    if table["group_by"] == "none":
+    if table.group_by == "none":
         return 1
-    return table["group_size"] or None
+    return table.group_size or None
 
 
 def check_batch_size(batch_size: int, group: int | None, table: str) -> None:

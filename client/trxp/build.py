@@ -104,6 +104,8 @@ _picklers = threading.local()  # per thread: a pickler and its buffer, reused fo
 
 def fragment(meta: dict[str, Any]) -> bytes:
     """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP."""
+    buffer: io.BytesIO
+    pickler: pickle.Pickler
     try:
         buffer, pickler = _picklers.one
     except AttributeError:  # the first item in this thread
@@ -121,7 +123,7 @@ def fragment(meta: dict[str, Any]) -> bytes:
     return buffer.getvalue()[2:-1]
 
 
-def _canonical(value: dict | list | tuple) -> Any:
+def _canonical(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> Any:
     """The same plain data with every dict's keys sorted (str before bytes), so that equal
     content packs to equal bytes whatever order a client wrote its keys in."""
     if isinstance(value, dict):
@@ -255,10 +257,10 @@ def join_parts(
         for name, dtype, shape, start, end in kept:
             entries.append(_ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
-        for name, tensor in added.items():
+        for key, tensor in added.items():
             dims = b",".join([b"%d" % dim for dim in tensor.shape])
             entries.append(
-                _ENTRY % (index, _json_text(name), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
+                _ENTRY % (index, _json_text(key), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
             )
             base += len(tensor.data)
             data.append(tensor.data)
@@ -321,7 +323,7 @@ def _shape(text: bytes) -> tuple[int, ...]:
 
 
 def _rebuild(
-    payloads: Sequence[bytes], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
+    payloads: Sequence[bytes | memoryview], extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None
 ) -> bytes:
     items = [item for payload in payloads for item in parse(payload, trusted=True)]
     if extra:

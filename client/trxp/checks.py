@@ -142,7 +142,7 @@ class Shape:
                 )
         self.size = total
 
-    def _container(self, value: dict | list | tuple, depth: int) -> tuple[int, int]:
+    def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:
         key = id(value)
         known = self.known.get(key)
         if known is None:

@@ -151,11 +151,13 @@ class RawItem:
 
     @property
     def model_version(self) -> int | None:
-        return self.meta.get("info", {}).get("model_version")
+        version: int | None = self.meta.get("info", {}).get("model_version")
+        return version
 
     @property
     def response_length(self) -> int:
-        return self.tensors["tokens"].numel - self.meta.get("prompt_length", 1)
+        prompt_length: int = self.meta.get("prompt_length", 1)
+        return self.tensors["tokens"].numel - prompt_length
 
     @property
     def generated_tokens(self) -> int:

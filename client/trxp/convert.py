@@ -99,14 +99,17 @@ def encode(experiences: Iterable[Any]) -> bytes:
 def to_experience(item: RawItem, tensors: dict[str, torch.Tensor] | None = None) -> Experience:
     """An Experience of a parsed item; `tensors` are its tensors when already made (`gather`)."""
     meta = item.meta
-    tensors = {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else dict(tensors)
-    mm = {name[len(MM_PREFIX) :]: tensors.pop(name) for name in list(tensors) if name.startswith(MM_PREFIX)}
+    # Keyword arguments of Experience by field name, each of its field's type.
+    fields: dict[str, Any] = (
+        {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else dict(tensors)
+    )
+    mm = {name[len(MM_PREFIX) :]: fields.pop(name) for name in list(fields) if name.startswith(MM_PREFIX)}
     return Experience(
         eid=item.eid,
         **{name: meta[name] for name in META_FIELDS if name in meta},
         custom_fields=meta.get("custom_fields", []),
         multi_modal_inputs={key: mm[key] for key in meta.get("multi_modal_input_keys", [])},
-        **tensors,
+        **fields,
     )
 
 

@@ -143,7 +143,10 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     subclasses, so `type(x) is int` is an int that is not a bool."""
     if type(entry) is not dict:
         raise TrxpError(f"tensors: {show(key)} entry is not an object")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    # JSON off the wire: each value's type is checked here before it is used.
+    dtype: Any = entry.get("dtype")
+    shape: Any = entry.get("shape")
+    offsets: Any = entry.get("data_offsets")
     itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
     if itemsize is None:
         raise TrxpError(f"tensors: {show(key)} has unsupported dtype {show(dtype)}")

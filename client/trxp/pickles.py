@@ -67,9 +67,11 @@ _CLOSES = (_FROM_MARK, _DICT, _APPENDS, _SETITEMS, _POP_MARK)  # opcodes that ta
 _K_GET1, _K_MEMOIZE, _K_VALUE, _K_SHORT_KEY, _K_KEY, _K_MARK, _K_CLOSE = range(1, 8)
 _KIND = [0] * 256
 _STEP = [0] * 256
+_EFFECT = [-1] * 256  # a plain opcode's stack effect; -1 for every other byte
 for _code, _spec in enumerate(_PLAIN_TABLE):
     if _spec is not None:
         _, _size, _effect = _spec
+        _EFFECT[_code] = _effect
         _STEP[_code] = 1 + max(_size, 0)
         _KIND[_code] = (
             _K_GET1 if _effect == _GET and _size == 1
@@ -125,10 +127,14 @@ class _Segment:
         """The segment raw[start:end], just scanned, which found `before` memo entries and left
         the rest of `memo`; None if it holds other opcodes or reads an entry made inside it
         (whose index differs in each repeat)."""
-        parts, pos, literal = [], start, None
+        parts: list[bytes] = []
+        pos, literal = start, None
         while pos < end:
             code = raw[pos]
-            _, arg_size, effect = _PLAIN_TABLE[code]
+            spec = _PLAIN_TABLE[code]
+            if spec is None:
+                return None
+            _, arg_size, effect = spec
             if _KIND[code] == _K_GET1 and raw[pos + 1] < before:
                 head, size = 2, 0
             elif effect in _REPLAYABLE and arg_size >= 0:
@@ -144,7 +150,7 @@ class _Segment:
                 literal = pos + head if literal is None else literal
             pos += head + size
         memoized = tuple(memo[index] for index in range(before, len(memo)))
-        leaves_entry = _PLAIN_TABLE[raw[end - 1]][2] in (_FROM_MARK, _DICT)
+        leaves_entry = _EFFECT[raw[end - 1]] in (_FROM_MARK, _DICT)
         prefix = raw[start : end if literal is None else literal]
         return cls(b"".join(parts), prefix, end - start, ops, memoized, leaves_entry)
 
@@ -236,7 +242,7 @@ def scan_pickle(data: memoryview, work: Work) -> None:
             marks.append(fence)
         elif kind == _K_CLOSE:
             pos += 1
-            effect = _PLAIN_TABLE[code][2]
+            effect = _EFFECT[code]
             if not marks:
                 raise TrxpError(f"metadata: pickle {_OPCODE_NAMES[code]} has no MARK")
             mark = marks.pop()
@@ -255,10 +261,10 @@ def scan_pickle(data: memoryview, work: Work) -> None:
                     and (looked_at + length) * _RECORDING_SHARE <= size
                 ):
                     looked_at += length  # recording costs are bounded by the limits, so not counted as work
-                    segment = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
-                    if segment is not None:
+                    recorded = _Segment.record(raw, start, pos, ops - before_ops, memo, before_memo)
+                    if recorded is not None:
                         to_record -= 1
-                        segments[:] = [segment, *segments[: _SEGMENTS_KEPT - 1]]
+                        segments[:] = [recorded, *segments[: _SEGMENTS_KEPT - 1]]
         else:
             if code in _PUTS:  # memo entries may change from here on: no segment is replayed
                 to_record = 0

@@ -29,7 +29,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import Batch, BufferClient, BufferError
+from expbuf.client import Batch, BufferClient, BufferError, TableInfo
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
@@ -66,7 +66,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self.table = loc.table
         self.client = BufferClient(loc.target, loc.token, loc.tls)
         self.table_config = self._table_config()
-        why = settings_mod.staleness_disagreement(max_off_policy_threshold, self.table_config.get("max_staleness"))
+        why = settings_mod.staleness_disagreement(max_off_policy_threshold, self.table_config.max_staleness)
         if why:
             logger.warning(why)
         self.mode = self.settings.mode
@@ -85,17 +85,17 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._thread.start()
         atexit.register(self.close)
 
-    def _table_config(self) -> dict[str, Any]:
-        tables = {t["name"]: t for t in self.client.list_tables()}
+    def _table_config(self) -> TableInfo:
+        tables = {t.name: t for t in self.client.list_tables()}
         if self.table not in tables:
             raise ValueError(
                 f"expbuf table {self.table!r} does not exist on {self.client.target}: create it "
                 "(TOML [[tables]] or create_table; mirror mode: group_by = 'task', group_size = 0)"
             )
         config = tables[self.table]
-        if self.settings.mode == "mirror" and (config["group_by"] != "task" or config["group_size"] != 0):
+        if self.settings.mode == "mirror" and (config.group_by != "task" or config.group_size != 0):
             raise ValueError(
-                f"expbuf table {self.table!r} has group_by={config['group_by']!r}, group_size={config['group_size']}: "
+                f"expbuf table {self.table!r} has group_by={config.group_by!r}, group_size={config.group_size}: "
                 "mirror mode pushes each verl group whole, so the table needs group_by = 'task' and group_size = 0"
             )
         return config
@@ -125,7 +125,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
 
     def _lease(self, global_steps: int, batch_size: int) -> KVBatchMeta:
         """Lease `batch_size` whole groups within the staleness bound and write them into TransferQueue."""
-        staleness = self.table_config.get("max_staleness")
+        staleness = self.table_config.max_staleness
         floor = None if staleness is None else global_steps - staleness
         while True:
             stream = self.client.sample(
@@ -146,7 +146,8 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                     raise
                 logger.info("expbuf table %s: waiting for %d groups of version >= %s", self.table, batch_size, floor)
             finally:
-                stream.close()
+                # BufferClient.sample returns a generator, though annotated as an Iterator.
+                stream.close()  # type: ignore[attr-defined]
         rows = to_verl(batch.experiences)
         for row in rows:
             _stamp(row, global_steps)
@@ -165,7 +166,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             self._restore_groups()
 
     def _restore_groups(self) -> None:
-        ready = int(self.client.stats(self.table)[self.table]["groups_ready"])
+        ready = int(self.client.stats(self.table)[self.table].groups_ready)
         if not ready:
             return
         listing = (tq.kv_list(TRAIN) or {}).get(TRAIN, {})

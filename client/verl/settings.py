@@ -84,16 +84,16 @@ def read(sampler_kwargs: Mapping[str, Any] | None, env: Mapping[str, str] | None
 
 def staleness_disagreement(max_off_policy_threshold: int | None, max_staleness: int | None) -> str | None:
     """Why verl's off-policy threshold and the table's max_staleness disagree (None when they agree)."""
-    if max_off_policy_threshold is None and max_staleness is None:
-        return None
-    if max_off_policy_threshold is not None and max_staleness is not None:
-        if max_off_policy_threshold == max_staleness + 1:
+    if max_staleness is None:
+        if max_off_policy_threshold is None:
             return None
-        want = f"max_off_policy_threshold = {max_staleness + 1} for the table's max_staleness = {max_staleness}"
-    elif max_staleness is None:
         want = f"the table's max_staleness = {max_off_policy_threshold - 1} (it has none)"
-    else:
+    elif max_off_policy_threshold is None:
         want = f"max_off_policy_threshold = {max_staleness + 1} (verl has none)"
+    elif max_off_policy_threshold == max_staleness + 1:
+        return None
+    else:
+        want = f"max_off_policy_threshold = {max_staleness + 1} for the table's max_staleness = {max_staleness}"
     return (
         f"verl's trainer.v1.sampler.max_off_policy_threshold={max_off_policy_threshold} and the expbuf table's "
         f"max_staleness={max_staleness} disagree: verl's threshold s + 1 is the table's s; set {want}"

@@ -42,7 +42,7 @@ class ExpbufExternalTrainer(PPOTrainer):
             )
         filter_groups = self.config.algorithm.get("filter_groups", None)
         enabled = bool(filter_groups is not None and filter_groups.get("enable", False))
-        why = filter_disagreement(enabled, buffer.table_config.get("drop_zero_variance", False))
+        why = filter_disagreement(enabled, buffer.table_config.drop_zero_variance)
         if why:
             logger.warning(why)
         if self.config.algorithm.adv_estimator == advantage.NAME and self.config.algorithm.use_kl_in_reward:

@@ -1,23 +1,27 @@
-"""Durable storage of experiences in LMDB, in parts that each do one thing:
+"""Durable storage of experiences in LMDB, in layers that import only downward:
 
-- environment.py: the LMDB environment, its single writer thread and group commit;
-- layout.py: the named databases and the keys in them; records.py: the typed records
-  (ItemRecord, GroupRecord, Lease) and their binary encoding; migrate.py: the data
-  directory's format, checked at open and brought up to date;
-- groups.py: the rules of a table in a transaction, the group state machine; capacity.py:
-  eviction or refusal when a table is full; deliverable.py: refusal of a group too large for
-  one Sample reply;
-- leases.py: taking a batch (selection orders are selection.py's) and its leases;
-- admission.py: admission of rollouts (AReaL's bound), grants, the staleness screen of
-  pushes; limiter.py: the rate limits between inserts and samples (Reverb's);
-  staleness.py: eviction of ready groups that fell below the staleness bound;
-- upkeep.py: lease and grant expiry, group timeouts, stale-group eviction, tombstone
-  pruning, isolated per table, visiting only the tables with something to do;
-- integrity.py: the checks of a data directory, at open and behind `expbuf check`;
-- engine.py: `Store`, the one object the server uses (through backend.Backend).
+- the environment and the formats: environment.py (the LMDB environment, its single writer
+  thread and group commit), layout.py (the named databases and the keys in them), records.py
+  (ItemRecord, GroupRecord, Lease and their binary encoding), kinds.py (what goes in and comes
+  out: Entry, PutResult, Sampled, ComputeJob), snapshot.py, batch_rows.py;
+- the table state: table_state.py (one table in one transaction: its record cache, counters,
+  ready index and `save`), counters.py (the counters and their stored form), extensions.py
+  (the table extension hooks, after Reverb's TableExtension);
+- the rules, functions over a table's state: limiter.py (the rate limits between inserts and
+  samples), retirement.py (how experiences leave), capacity.py (eviction or refusal when
+  full), groups.py (the group state machine), staleness.py (the trainer version, stale-group
+  eviction), compute_queue.py (groups waiting for advantages), deliverable.py, admission.py
+  (AReaL's bound), leases.py (taking a batch and its leases), browse.py, integrity.py,
+  migrate.py;
+- the services: catalog.py (the tables), sampling.py (sample, ack, nack), upkeep.py (lease and
+  grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated);
+- engine.py: `Store`, the façade the server uses (through backend.Backend).
 """
 
+from .counters import SHAPING_COUNTERS
 from .engine import Store
+from .extensions import TableExtension
+from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .records import (
     COMPUTING,
     CONSUMED,
@@ -32,7 +36,6 @@ from .records import (
     STATES,
     ItemRecord,
 )
-from .types import SHAPING_COUNTERS, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 
 __all__ = [
     "COMPUTING",
@@ -54,4 +57,5 @@ __all__ = [
     "Sampled",
     "ShapingUpdate",
     "Store",
+    "TableExtension",
 ]

@@ -21,18 +21,14 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..errors import GroupClosed, InvalidRequest, NotFound, clip
+from ..errors import InvalidRequest, NotFound, StaleExperience, clip
 from ..sample_spec import MAX_COUNT
 from . import layout
-from .groups import TableTxn
-from .types import Entry
+from .kinds import Entry
+from .table_state import TableState
 
 # A grant older than a day is a lost worker, not a long rollout.
 MAX_GRANT_SECONDS = 86400.0
-
-
-class StaleExperience(GroupClosed):
-    """A push carries an experience older than the table's staleness bound (on_stale = refuse)."""
 
 
 @dataclass(frozen=True)
@@ -44,16 +40,16 @@ class Grant:
     expires: float = 0.0
 
 
-def capacity(tt: TableTxn) -> int | None:
+def capacity(tt: TableState) -> int | None:
     """Rollouts that may start now; None when the table sets no bound."""
     cfg = tt.config
     if cfg.max_staleness is None or not cfg.batch_size:
         return None
-    version = tt.counters["trainer_version"] or 0
-    return max(0, (cfg.max_staleness + version + 1) * cfg.batch_size - tt.counters["submitted"])
+    version = tt.counters.trainer_version or 0
+    return max(0, (cfg.max_staleness + version + 1) * cfg.batch_size - tt.counters.submitted)
 
 
-def grant(tt: TableTxn, count: int, seconds: float) -> Grant:
+def grant(tt: TableState, count: int, seconds: float) -> Grant:
     """Grant up to `count` rollouts under a lease of `seconds`."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
@@ -67,8 +63,8 @@ def grant(tt: TableTxn, count: int, seconds: float) -> Grant:
     record = {"t": tt.table_id, "n": granted, "e": expires}
     tt.txn.put(grant_id.encode(), json.dumps(record).encode(), db=tt.db["grants"])
     tt.txn.put(layout.expiry_key(expires, grant_id), b"", db=tt.db["grant_exp"])
-    tt.counters["submitted"] += granted
-    tt.counters["admitted"] += granted
+    tt.counters.submitted += granted
+    tt.counters.admitted += granted
     tt.save()
     return Grant(granted, grant_id, expires)
 
@@ -78,7 +74,7 @@ def read_grant(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], grant_id: 
     return None if raw is None else json.loads(raw)
 
 
-def finish(tt: TableTxn, grant_id: str, record: dict, accepted: int | None, *, expired: bool = False) -> int:
+def finish(tt: TableState, grant_id: str, record: dict, accepted: int | None, *, expired: bool = False) -> int:
     """End a grant: `accepted` rollouts stay submitted (None: all), the others give their
     room back. Returns the rollouts given back."""
     count = record["n"]
@@ -89,13 +85,16 @@ def finish(tt: TableTxn, grant_id: str, record: dict, accepted: int | None, *, e
     tt.txn.delete(grant_id.encode(), db=tt.db["grants"])
     tt.txn.delete(layout.expiry_key(record["e"], grant_id), db=tt.db["grant_exp"])
     returned = count - accepted
-    tt.counters["submitted"] -= returned
-    tt.counters["grants_expired" if expired else "rollouts_rejected"] += returned
+    tt.counters.submitted -= returned
+    if expired:
+        tt.counters.grants_expired += returned
+    else:
+        tt.counters.rollouts_rejected += returned
     tt.save()
     return returned
 
 
-def reset(tt: TableTxn) -> int:
+def reset(tt: TableState) -> int:
     """Forget the rollouts counted against the bound but those of grants still open (a job
     that starts over); returns them. The totals (admitted, expired, rejected) stay."""
     held = 0
@@ -103,7 +102,7 @@ def reset(tt: TableTxn) -> int:
         record = json.loads(raw)
         if record["t"] == tt.table_id:
             held += record["n"]
-    tt.counters["submitted"] = held
+    tt.counters.submitted = held
     tt.save()
     return held
 
@@ -112,10 +111,10 @@ def unknown_grant(grant_id: str, table: str) -> NotFound:
     return NotFound(f"grant '{clip(grant_id)}' of table '{clip(table)}' is unknown, finished or expired")
 
 
-def screen(tt: TableTxn, entries: Sequence[Entry]) -> tuple[list[Entry], list[str]]:
+def screen(tt: TableState, entries: Sequence[Entry]) -> tuple[list[Entry], list[str]]:
     """The entries to store and the uids dropped as stale (on_stale = drop); a stale
     entry with on_stale = refuse refuses the whole push."""
-    cfg, version = tt.config, tt.counters["trainer_version"]
+    cfg, version = tt.config, tt.counters.trainer_version
     if cfg.max_staleness is None or version is None:
         return list(entries), []
     bound = version - cfg.max_staleness
@@ -128,6 +127,6 @@ def screen(tt: TableTxn, entries: Sequence[Entry]) -> tuple[list[Entry], list[st
             f"{bound} (trainer version {version} - max_staleness {cfg.max_staleness}); "
             f"{len(stale)} of {len(entries)} experiences are stale, nothing was stored"
         )
-    tt.counters["stale_dropped"] += len(stale)
+    tt.counters.stale_dropped += len(stale)
     dropped = {e.uid for e in stale}
     return [e for e in entries if e.uid not in dropped], sorted(dropped)

@@ -5,25 +5,23 @@ a push larger than the capacity on its own is refused at once)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from ..errors import TableFull, TooLarge
-from .records import EVICTED, LIVE, READY
+from .records import EVICTED, READY
+from .retirement import retire
+from .table_state import TableState
 
-if TYPE_CHECKING:
-    from .groups import TableTxn
 
-
-def make_room(tt: TableTxn, count: int, nbytes: int, keep: set[str]) -> None:
+def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
     (never pending ones, which still take members, nor leased ones) or refuse."""
     cfg = tt.config
 
     def over() -> bool:
-        live = sum(tt.counters[s] for s in LIVE)
+        live = tt.counters.live()
         return bool(
             (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
-            or (cfg.capacity_bytes and tt.counters["bytes"] + nbytes > cfg.capacity_bytes)
+            or (cfg.capacity_bytes and tt.counters.bytes + nbytes > cfg.capacity_bytes)
         )
 
     if not over():
@@ -42,14 +40,14 @@ def make_room(tt: TableTxn, count: int, nbytes: int, keep: set[str]) -> None:
             grp = tt.group(gkey)
             if grp.state != READY:  # a pending group still takes members; leased ones are out
                 continue
-            tt.retire(gkey, grp, EVICTED)
-            tt.counters["evicted_total"] += len(grp.members)
+            retire(tt, [(gkey, grp)], EVICTED)
+            tt.counters.evicted_total += len(grp.members)
             if not over():
                 return
     raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)")
 
 
-def _oldest_groups(tt: TableTxn) -> Iterator[str]:
+def _oldest_groups(tt: TableState) -> Iterator[str]:
     """Groups of the live experiences, oldest first. The caller retires groups between
     steps, so each step opens a fresh cursor after the last key seen."""
     seen: set[str] = set()

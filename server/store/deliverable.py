@@ -14,8 +14,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from ..errors import TooLarge, clip
-from .groups import TableTxn
-from .types import Entry
+from .kinds import Entry
+from .table_state import TableState
 
 REPLY_FRAMING = 4096  # the batch's TRXP header and the reply's other fields, lease id included
 MEMBER_FRAMING = 256  # a member's tensor header entries and field tags
@@ -26,7 +26,7 @@ def member_bytes(size: int, response_length: int, uid: str) -> int:
     return size + 8 * response_length + MEMBER_FRAMING + 2 * len(uid.encode())
 
 
-def check(tt: TableTxn, entries: Sequence[Entry], limit: int | None) -> None:
+def check(tt: TableState, entries: Sequence[Entry], limit: int | None) -> None:
     """Refuse (TooLarge, naming the limit) a push after which a group would not fit in a reply of `limit` bytes."""
     if limit is None:
         return
@@ -49,12 +49,12 @@ def check(tt: TableTxn, entries: Sequence[Entry], limit: int | None) -> None:
             )
 
 
-def _stored_members(tt: TableTxn, gkey: str) -> list[str]:
+def _stored_members(tt: TableState, gkey: str) -> list[str]:
     grp = tt.group(gkey)
     return [] if grp is None else grp.members
 
 
-def _stored_bytes(tt: TableTxn, gkey: str) -> int:
+def _stored_bytes(tt: TableState, gkey: str) -> int:
     total = 0
     for uid in _stored_members(tt, gkey):
         rec = tt.item(uid)

@@ -1,15 +1,18 @@
 """The LMDB storage engine behind the expbuf server: one object that every caller uses.
 
-It puts each request through the environment's writer thread (environment.py), as one
-table's transaction (groups.py) with its deliveries and leases (sampling.py, leases.py), and answers
-reads from read transactions. Nothing lives only in memory but the table list, so a
-restart restores every table, group, lease and counter; a crash leaves the last
-committed state (LMDB is copy-on-write).
+`Store` is a façade. It composes the environment (environment.py: the LMDB environment and
+its writer thread), the table catalog (catalog.py), the table extensions (extensions.py:
+the compute queue and stale-group eviction, and any registered), the sampling service
+(sampling.py) and the upkeep service (upkeep.py), and puts each request through the writer as
+one table's transaction: a table's state (table_state.py) changed by the rules (groups.py,
+capacity.py, retirement.py, leases.py, limiter.py, admission.py, staleness.py). Reads are
+answered from read transactions. Nothing lives only in memory but the table list, so a
+restart restores every table, group, lease and counter; a crash leaves the last committed
+state (LMDB is copy-on-write).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -20,23 +23,28 @@ import lmdb
 
 from expbuf.client import trxp
 
-from ..advantage_storage import StageCounts, batch_payload
-from ..errors import Conflict, NotFound, TableFull, clip
-from ..sample_spec import check_version
-from ..tables import CONFIG_VERSION, TableConfig, default_table, estimator_of
-from . import admission, browse, deliverable, integrity, layout, limiter, retirement, staleness
+from ..advantage_storage import batch_payload
+from ..errors import TableFull
+from ..sample_spec import SampleSpec, check_version
+from ..tables import TableConfig, default_table
+from . import admission, browse, deliverable, groups, integrity, layout, limiter, retirement, staleness
 from .batch_rows import BatchRows
+from .catalog import TableCatalog
+from .compute_queue import ComputeQueue, backlog
+from .counters import read_counters
 from .environment import Environment
-from .groups import TableTxn, read_counters
+from .extensions import Extensions
 from .integrity import verify
+from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .migrate import migrate
-from .records import GroupRecord, ItemRecord, Lease
+from .records import ItemRecord
 from .sampling import Sampling
-from .types import ComputeJob, Entry, PutResult, ShapingUpdate
+from .staleness import StaleEviction
+from .table_state import TableState
 from .upkeep import Upkeep
 
 
-class Store(Sampling):
+class Store:
     """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O."""
 
     def __init__(
@@ -66,20 +74,14 @@ class Store(Sampling):
         self.max_map_size = max_map_size
         self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.clock = clock
-        self._rng = random.Random(seed)
-        self._db = self.environment.db
-        self._upkeep = Upkeep(self.environment.env, self._db)
-        self._tables: dict[str, tuple[int, TableConfig]] = {}
-        self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
-        self._names: dict[int, str] = {}  # table id -> name
+        self.db = self.environment.db
+        # What runs at every table's events: the store's own, then any a caller registers.
+        self.extensions = Extensions([ComputeQueue(), StaleEviction()])
+        self.catalog = TableCatalog(self.environment, self.extensions, clock)
+        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
+        self.upkeep = Upkeep(self.environment.env, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
-        with self.environment.read() as txn:
-            for name, raw in txn.cursor(db=self._db["tables"]):
-                record = json.loads(raw)
-                config = TableConfig.from_stored(record["config"], record.get("v", 1))
-                self._tables[name.decode()] = (record["id"], config)
-                self._names[record["id"]] = name.decode()
-        if "default" not in self._tables:
+        if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
 
@@ -89,16 +91,16 @@ class Store(Sampling):
         with self.environment.read() as txn:
             due = [
                 (table_id, config)
-                for table_id, config in self._tables.values()
-                if limiter.counted_before(txn, self._db["counters"], layout.table_prefix(table_id))
+                for table_id, config in self.catalog.entries()
+                if limiter.counted_before(txn, self.db["counters"], layout.table_prefix(table_id))
             ]
 
         def op(txn: lmdb.Transaction) -> None:
             for table_id, config in due:
-                limiter.recount(TableTxn(txn, self._db, table_id, config, self.clock()))
+                limiter.recount(self.catalog.state(txn, table_id, config))
 
         if due:
-            self._submit(op)
+            self.environment.submit(op)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -112,91 +114,39 @@ class Store(Sampling):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        return self.environment.submit(fn)
-
-    def _in_table(self, table: str, fn: Callable[[TableTxn], Any]) -> Any:
+    def _in_table(self, table: str, fn: Callable[[TableState], Any]) -> Any:
         """Run `fn` on one table in the writer's next transaction."""
-        table_id, config = self._table(table)
+        table_id, config = self.catalog.lookup(table)
 
         def op(txn: lmdb.Transaction) -> Any:
-            self._upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
-            return fn(TableTxn(txn, self._db, table_id, config, self.clock()))
+            self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
+            return fn(self.catalog.state(txn, table_id, config))
 
-        return self._submit(op)
+        return self.environment.submit(op)
 
     @property
     def maintenance_failures(self) -> int:
         """Pieces of upkeep skipped because they failed (see upkeep.py)."""
-        return self._upkeep.failures
+        return self.upkeep.failures
 
     # ---- tables ------------------------------------------------------------------------
 
     def create_table(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
         """Create a table; True if created. An identical existing table is fine with exist_ok."""
-
-        def op(txn: lmdb.Transaction) -> tuple[bool, int]:
-            raw = txn.get(config.name.encode(), db=self._db["tables"])
-            if raw is not None:
-                record = json.loads(raw)
-                if exist_ok and TableConfig.from_stored(record["config"], record.get("v", 1)) == config:
-                    return False, record["id"]
-                raise Conflict(f"table '{config.name}' already exists")
-            table_id = int(txn.get(b"next_table_id", b"1", db=self._db["meta"]))
-            txn.put(b"next_table_id", str(table_id + 1).encode(), db=self._db["meta"])
-            record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
-            txn.put(config.name.encode(), json.dumps(record).encode(), db=self._db["tables"])
-            return True, table_id
-
-        created, table_id = self._submit(op)
-        self._tables[config.name] = (table_id, config)
-        self._names[table_id] = config.name
-        return created
+        return self.catalog.create(config, exist_ok=exist_ok)
 
     def list_tables(self) -> list[TableConfig]:
-        return [config for _, config in sorted(self._tables.values(), key=lambda t: t[0])]
+        return self.catalog.configs()
 
     def has_table(self, name: str) -> bool:
-        return name in self._tables
+        return self.catalog.has(name)
 
     def table(self, name: str) -> TableConfig:
-        return self._table(name)[1]
-
-    def _table(self, name: str) -> tuple[int, TableConfig]:
-        try:
-            return self._tables[name]
-        except KeyError:
-            raise NotFound(f"table '{clip(name)}' does not exist") from None
-
-    def _by_id(self, txn: lmdb.Transaction, table_id: int) -> TableTxn | None:
-        name = self._names.get(table_id)
-        if name is None or name not in self._tables:
-            return None
-        return TableTxn(txn, self._db, table_id, self._tables[name][1], self.clock())
+        return self.catalog.lookup(name)[1]
 
     def drop_table(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
-        table_id, _ = self._table(name)
-        prefix = layout.table_prefix(table_id)
-
-        def op(txn: lmdb.Transaction) -> int:
-            counters = read_counters(txn, self._db["counters"], prefix)
-            txn.delete(name.encode(), db=self._db["tables"])
-            for db in layout.PER_TABLE:
-                with txn.cursor(db=self._db[db]) as cur:
-                    if cur.set_range(prefix):
-                        while cur.key().startswith(prefix) and cur.delete():
-                            pass
-            # Leases are keyed by id, not table: a batch held by a stream of this table ends here.
-            ended = [key for key, raw in txn.cursor(db=self._db["leases"]) if Lease.decode(raw).table_id == table_id]
-            for key in ended:
-                txn.delete(key, db=self._db["leases"])
-            return sum(counters[s] for s in ("pending", "computing", "ready", "leased"))
-
-        dropped = self._submit(op)
-        self._tables.pop(name, None)
-        self._names.pop(table_id, None)
-        return dropped
+        return self.catalog.drop(name)
 
     # ---- push --------------------------------------------------------------------------
 
@@ -205,7 +155,7 @@ class Store(Sampling):
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
-        _, config = self._table(table)
+        _, config = self.catalog.lookup(table)
         limit = self.max_reply_bytes
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
@@ -229,7 +179,7 @@ class Store(Sampling):
 
     @staticmethod
     def _put(
-        tt: TableTxn, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
+        tt: TableState, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
     ) -> PutResult | limiter.InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline); refuse them if a group would not
@@ -237,12 +187,12 @@ class Store(Sampling):
         deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
-            tt.counters["insert_blocked_seconds"] += blocked
+            tt.counters.insert_blocked_seconds += blocked
             tt.save()
         if held is not None:
             return held
         kept, stale = admission.screen(tt, entries)
-        result = tt.put(kept)
+        result = groups.put(tt, kept)
         result.stale = stale
         return result
 
@@ -261,25 +211,15 @@ class Store(Sampling):
 
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int:
         """End a grant: `accepted` rollouts stay counted (None: all); returns those given back."""
-        table_id, _ = self._table(table)
+        table_id, _ = self.catalog.lookup(table)
 
-        def op(tt: TableTxn) -> int:
-            record = admission.read_grant(tt.txn, self._db, grant_id)
+        def op(tt: TableState) -> int:
+            record = admission.read_grant(tt.txn, self.db, grant_id)
             if record is None or record["t"] != table_id:
                 raise admission.unknown_grant(grant_id, table)
             return admission.finish(tt, grant_id, record, accepted)
 
         return self._in_table(table, op)
-
-    def _expire_grant(self, txn: lmdb.Transaction, key: bytes) -> int:
-        grant_id = key[8:].decode()
-        record = admission.read_grant(txn, self._db, grant_id)
-        tt = None if record is None else self._by_id(txn, record["t"])
-        if tt is None:  # an expiry without its grant, or the grant of a dropped table
-            txn.delete(key, db=self._db["grant_exp"])
-            txn.delete(grant_id.encode(), db=self._db["grants"])
-            return 0
-        return admission.finish(tt, grant_id, record, 0, expired=True)
 
     def set_trainer_version(self, table: str, version: int) -> int:
         """Report the trainer's policy version for a table; returns the version stored,
@@ -296,7 +236,7 @@ class Store(Sampling):
         if version is not None:
             check_version("version", version)
 
-        def op(tt: TableTxn) -> tuple[int | None, int]:
+        def op(tt: TableState) -> tuple[int | None, int]:
             submitted = admission.reset(tt)
             staleness.reset(tt, version)
             return version, submitted
@@ -307,11 +247,11 @@ class Store(Sampling):
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads of the live experiences among uids."""
-        prefix = layout.table_prefix(self._table(table)[0])
+        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         found = {}
         with self.environment.read() as txn:
             for uid in uids:
-                blob = txn.get(prefix + uid.encode(), db=self._db["blobs"])
+                blob = txn.get(prefix + uid.encode(), db=self.db["blobs"])
                 if blob is not None:
                     found[uid] = bytes(blob)
         return found
@@ -327,27 +267,27 @@ class Store(Sampling):
         limit: int = 1000,
     ) -> browse.Page:
         """A page of the table's live experiences in insertion order (see browse.py)."""
-        prefix = layout.table_prefix(self._table(table)[0])
+        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         with self.environment.read() as txn:
             return browse.page(
-                txn, self._db, prefix,
+                txn, self.db, prefix,
                 states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
             )  # fmt: skip
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing uids."""
-        table_id, config = self._table(table)
+        table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         missing = []
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
-            rows = BatchRows(txn, self._db["adv"], config)
+            rows = BatchRows(txn, self.db["adv"], config)
             for uid in uids:
                 key = prefix + uid.encode()
-                blob = txn.get(key, db=self._db["blobs"])
+                blob = txn.get(key, db=self.db["blobs"])
                 if blob is None:
                     missing.append(uid)
                     continue
-                rows.add(key, ItemRecord.decode(txn.get(key, db=self._db["items"])), blob)
+                rows.add(key, ItemRecord.decode(txn.get(key, db=self.db["items"])), blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage.run(rows.advantages)
             return batch_payload(rows.blobs, advantages), missing
@@ -355,7 +295,7 @@ class Store(Sampling):
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
 
-        def op(tt: TableTxn) -> int:
+        def op(tt: TableState) -> int:
             count = retirement.delete(tt, uids, group_ids)
             tt.save()
             return count
@@ -364,38 +304,33 @@ class Store(Sampling):
 
     def seal(self, table: str, group_id: str) -> int:
         """Complete a pending group now; returns its size."""
-        return self._in_table(table, lambda tt: tt.seal(group_id))
+        return self._in_table(table, lambda tt: groups.seal(tt, group_id))
 
     def stats(self, table: str) -> dict[str, Any]:
-        """Counts by state, bytes, group counts, totals and the oldest live experience's age."""
-        table_id = self._table(table)[0]
+        """The table's counters by name (counters.Counters), with the oldest live experience's age."""
+        table_id = self.catalog.lookup(table)[0]
         prefix = layout.table_prefix(table_id)
         oldest = 0.0
         with self.environment.read() as txn:
-            counters = read_counters(txn, self._db["counters"], prefix)
-            with txn.cursor(db=self._db["order"]) as cur:
+            counters = read_counters(txn, self.db["counters"], prefix)
+            with txn.cursor(db=self.db["order"]) as cur:
                 if cur.set_range(prefix) and cur.key().startswith(prefix):
-                    rec = ItemRecord.decode(txn.get(prefix + cur.value(), db=self._db["items"]))
+                    rec = ItemRecord.decode(txn.get(prefix + cur.value(), db=self.db["items"]))
                     oldest = max(0.0, self.clock() - rec.created)
-        counters["oldest_age_seconds"] = oldest
-        batch = self._batch_counts.get(table_id)
+        batch = self.sampling.counted(table_id)
         if batch is not None:  # the batch stage's clip, counted in memory since the server started
-            counters["advantages_seen"] += batch.advantages_seen
-            counters["advantages_clipped"] += batch.advantages_clipped
-        return counters
-
-    def _stage_counts(self, table_id: int) -> StageCounts:
-        """Where the batch stage of the table's samples counts what its clip did."""
-        return self._batch_counts.setdefault(table_id, StageCounts())
+            counters.advantages_seen += batch.advantages_seen
+            counters.advantages_clipped += batch.advantages_clipped
+        return counters.to_dict() | {"oldest_age_seconds": oldest}
 
     def storage_info(self) -> dict[str, float]:
         return self.environment.storage_info()
 
     def verify(self, table: str) -> list[str]:
         """Check every index and counter of a table against its items; [] when consistent."""
-        table_id, config = self._table(table)
+        table_id, config = self.catalog.lookup(table)
         with self.environment.read() as txn:
-            return verify(TableTxn(txn, self._db, table_id, config, self.clock()))
+            return verify(self.catalog.state(txn, table_id, config))
 
     # ---- upkeep ------------------------------------------------------------------------
 
@@ -406,11 +341,36 @@ class Store(Sampling):
         now = self.clock()
 
         def end_lease(txn: lmdb.Transaction, lease_id: str) -> int:
-            return self._end_lease(txn, lease_id, requeue=True, expired=True)
+            return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
 
-        return self._submit(
-            lambda txn: self._upkeep.run(txn, now, list(self._tables.values()), end_lease, self._expire_grant)
-        )
+        return self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+
+    # ---- sampling (sampling.py) ----------------------------------------------------------------
+
+    def sample(
+        self,
+        spec: SampleSpec,
+        *,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
+        stop: Callable[[], bool] | None = None,
+        ack: str | Sequence[str] = "",
+    ) -> Sampled | None:
+        """Select whole ready groups; None if not enough arrived within the wait (Sampling.sample)."""
+        return self.sampling.sample(spec, timeout=timeout, hold=hold, owner=owner, stop=stop, ack=ack)
+
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged."""
+        return self.sampling.ack(lease_id, table, owner)
+
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Return the groups of a lease to the buffer; returns the experiences requeued."""
+        return self.sampling.nack(lease_id, table, owner)
+
+    def release_holds(self) -> int:
+        """Return every batch held for a stream of an earlier run of the server."""
+        return self.sampling.release_holds()
 
     # ---- advantages ------------------------------------------------------------------------
 
@@ -428,37 +388,12 @@ class Store(Sampling):
         table with a long backlog cannot keep the others waiting. The compute index is read
         from table to table with a backlog, never over the tables without one. Payloads are read
         only for estimators that need token-level data; the others work from the item records."""
-        jobs: list[ComputeJob] = []
-        count = 0
-        seen: set[int] = set()
-        with self.environment.read() as txn, txn.cursor(db=self._db["compute"]) as cur:
-            found = cur.set_range(layout.table_prefix(self._last_computed + 1)) or cur.first()
-            while found and count < limit:
-                table_id = layout.table_of(cur.key())
-                if table_id in seen:  # around to the first table again
-                    break
-                seen.add(table_id)
-                prefix = layout.table_prefix(table_id)
-                name = self._names.get(table_id)
-                if name is not None and name in self._tables:
-                    config = self._tables[name][1]
-                    moments = read_counters(txn, self._db["counters"], prefix)["reward_moments"]
-                    job = ComputeJob(name, config, [], [], {}, {}, moments)
-                    while found and cur.key().startswith(prefix) and count < limit:
-                        gkey = cur.value()
-                        grp = GroupRecord.decode(txn.get(prefix + gkey, db=self._db["groups"]))
-                        job.groups.append(gkey.decode())
-                        job.members.append(grp.members)
-                        for uid in grp.members:
-                            item_key = prefix + uid.encode()
-                            job.records[uid] = ItemRecord.decode(txn.get(item_key, db=self._db["items"]))
-                            if estimator_of(config).token_level:
-                                job.blobs[uid] = bytes(txn.get(item_key, db=self._db["blobs"]))
-                        count += len(grp.members)
-                        found = cur.next()
-                    jobs.append(job)
-                    self._last_computed = table_id
-                found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
+
+        def table_of(table_id: int) -> tuple[str, TableConfig] | None:
+            return self.catalog.by_id(table_id)
+
+        with self.environment.read() as txn:
+            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit)
         return jobs
 
     def finish_compute(
@@ -474,8 +409,4 @@ class Store(Sampling):
         Groups deleted or evicted meanwhile are left alone. What reward shaping did (its
         counts and running moments) is saved in the same transaction."""
 
-        def op(tt: TableTxn) -> None:
-            tt.finish_compute(advantages, ready, dropped, failed or {}, shaping)
-            tt.save()
-
-        self._in_table(table, op)
+        self._in_table(table, lambda tt: groups.finish_compute(tt, advantages, ready, dropped, failed or {}, shaping))

@@ -27,9 +27,11 @@ from ..errors import Damaged
 from ..selection import u64, version_key
 from ..tables import TableConfig
 from . import layout
-from .groups import TableTxn, fresh_counters, read_counters
+from .counters import read_counters
+from .extensions import Extensions
+from .kinds import Entry
 from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
-from .types import Entry
+from .table_state import TableState
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
 # (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
@@ -69,7 +71,7 @@ def scan(
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
     for name, (table_id, config) in catalogue.items() if tables else ():
         try:
-            problems = verify(TableTxn(txn, dbs, table_id, config, now))
+            problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()))
         except _DAMAGE as exc:
             problems = [f"reading it raised {type(exc).__name__}: {exc}"]
         report[name] = problems[:_SHOWN] + (
@@ -103,12 +105,9 @@ def _directory(
             problems.append(f"the catalogue entry {name!r} names table {config.name!r}, id {table_id}")
             continue
         try:
-            counters = read_counters(txn, dbs["counters"], layout.table_prefix(table_id))
+            read_counters(txn, dbs["counters"], layout.table_prefix(table_id))
         except (ValueError, TypeError) as exc:
             problems.append(f"the counters of table {name!r} do not decode ({exc})")
-            continue
-        if not all(type(counters[key]) in (int, float) for key, zero in fresh_counters().items() if zero == 0):
-            problems.append(f"the counters of table {name!r} hold counts that are not numbers")
             continue
         tables[name] = (table_id, config)
     for key, value in txn.cursor(db=dbs["leases"]):
@@ -133,7 +132,7 @@ def _strays(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database], tables: dict[
     return problems
 
 
-def verify(tt: TableTxn) -> list[str]:
+def verify(tt: TableState) -> list[str]:
     """The problems found in one table; [] when consistent."""
     problems: list[str] = []
     p, txn, db = tt.prefix, tt.txn, tt.db
@@ -191,16 +190,19 @@ def verify(tt: TableTxn) -> list[str]:
         problems.append(f"the version index holds {_prefix_count(tt, 'byver')} groups, {versioned} have a version")
     if tt.ready.count() != len(ready_groups):
         problems.append(f"{tt.ready.count()} uniform slots for {len(ready_groups)} ready groups")
+    stored = tt.counters.to_dict()
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
-        if tt.counters[name] != counts[name]:
-            problems.append(f"counter {name} is {tt.counters[name]} but {counts[name]} were found")
+        if stored[name] != counts[name]:
+            problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
     live = sum(counts[state] for state in LIVE)
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
     return problems
 
 
-def _check_item(tt: TableTxn, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int]) -> list[str]:
+def _check_item(
+    tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int]
+) -> list[str]:
     problems = []
     counts[rec.state] += 1
     live = rec.state in LIVE
@@ -237,7 +239,7 @@ def _check_blob(uid: str, rec: ItemRecord, blob: bytes) -> list[str]:
     return [f"item {uid}: its payload does not match its digest"]
 
 
-def _prefix_count(tt: TableTxn, name: str) -> int:
+def _prefix_count(tt: TableState, name: str) -> int:
     n = 0
     with tt.txn.cursor(db=tt.db[name]) as cur:
         found = cur.set_range(tt.prefix)

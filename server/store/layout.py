@@ -14,6 +14,7 @@ one contiguous range:
 - ready, prio, slots, slotof, byver: ready groups (see selection.py)
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
+- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
 Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's
 511-byte limit.
 """
@@ -31,6 +32,7 @@ FORMAT = 3
 DBS = (
     "meta", "tables", "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired",
     "counters", "ready", "prio", "slots", "slotof", "byver", "leases", "lease_exp", "grants", "grant_exp",
+    "cooling",
 )  # fmt: skip
 PER_TABLE = tuple(db for db in DBS if db not in ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp"))
 FORMAT_1_ONLY = ("tasks", "runs", "steps")

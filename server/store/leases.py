@@ -5,7 +5,7 @@ whose every member is at least `min_model_version` (found through the version in
 selection.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), holding it for a Sample stream (a lease without expiry, until the
-client confirms it), or replaying it (counted against max_times_sampled).
+client confirms it), or replaying it (counted against max_times_sampled, lowered and cooled by reuse.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import lmdb
 
 from ..advantage_storage import StageCounts
 from ..sample_spec import SampleSpec
-from . import layout, limiter
+from . import layout, limiter, reuse
 from .batch_rows import BatchRows
-from .groups import TableTxn
+from .kinds import Sampled
 from .limiter import SampleLimited, sample_limit
 from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
+from .retirement import retire
 from .snapshot import Snapshot
 from .staleness import report
-from .types import Sampled
+from .table_state import TableState
 
 
 def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -34,17 +35,17 @@ def read_lease(txn: lmdb.Transaction, db: lmdb._Database, lease_id: str) -> Leas
     return None if raw is None else Lease.decode(raw)
 
 
-def could_fill(tt: TableTxn, spec: SampleSpec, allow_partial: bool) -> bool:
+def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
     """Whether the table holds enough ready data for the request at all (whatever its
     versions): when not, no batch can be taken and nothing needs to be tried."""
-    groups, experiences = tt.counters["groups_ready"], tt.counters[READY]
+    groups, experiences = tt.counters.groups_ready, tt.counters.ready
     if allow_partial:
         return groups > 0
     return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
 
 
 def take(
-    tt: TableTxn,
+    tt: TableState,
     spec: SampleSpec,
     allow_partial: bool,
     rng: random.Random,
@@ -77,7 +78,7 @@ def take(
     held = sample_limit(tt, total)
     if held is not None:
         return held
-    batch = Sampled([], [], [], partial=not enough)
+    batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
     expires = None
     if delivery == "lease":
@@ -95,29 +96,32 @@ def take(
             batch.group_ids.append(gkey)
             batch.versions.append(rec.version)
             rec.times_sampled += 1
+            batch.times_sampled.append(rec.times_sampled)
             tt.put_item(uid, rec)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
-    tt.counters["bytes_sampled"] += sum(rec.size for rec in rows.records)
+    tt.counters.bytes_sampled += sum(rec.size for rec in rows.records)
     limit = tt.config.max_times_sampled
     if delivery == "consume":
-        tt.retire_many(chosen, CONSUMED)
-    elif delivery == "replay" and limit:
-        spent = [(gkey, grp) for gkey, grp, recs in taken if max(r.times_sampled for r in recs.values()) >= limit]
-        tt.retire_many(spent, CONSUMED)
+        retire(tt, chosen, CONSUMED)
+    elif delivery == "replay":
+        spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
+        retire(tt, [(gkey, grp) for gkey, grp in chosen if gkey in spent], CONSUMED)
+        reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
     elif delivery == "lease":
         tt.ready.remove_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in chosen])
         for _, grp in chosen:
             grp.lease = batch.lease_id
         tt.set_states(taken, LEASED)
     if delivery == "lease":
-        lease = Lease(tt.table_id, [g for g, _ in chosen], expires, owner)
+        lease = Lease(table_id=tt.table_id, groups=[g for g, _ in chosen], expires=expires, owner=owner)
         tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
         if expires is not None:
             tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
-    tt.counters["sampled"] += len(batch.uids)
+    tt.counters.sampled += len(batch.uids)
     limiter.taken(tt, len(batch.uids))
-    batch.newest_version = tt.counters["max_version"]
-    batch.trainer_version = tt.counters["trainer_version"]
+    batch.newest_version = tt.counters.max_version
+    batch.trainer_version = tt.counters.trainer_version
+    tt.extensions.on_sample(tt, chosen)
     tt.save()
     if payloads.snapshot is not None:
         batch.snapshot = payloads.snapshot
@@ -131,7 +135,7 @@ class _Payloads:
     the newest in the snapshot's insertion order: it was committed then, and its payload
     has not changed since); a copy from the write for one stored in this very commit."""
 
-    def __init__(self, tt: TableTxn, snapshot: Snapshot | None) -> None:
+    def __init__(self, tt: TableState, snapshot: Snapshot | None) -> None:
         self.tt, self.snapshot = tt, snapshot
         newest = None if snapshot is None else snapshot.last_key(tt.prefix, tt.db["order"])
         self.newest = -1 if newest is None else int.from_bytes(newest[len(tt.prefix) :], "big")  # order: T + seq
@@ -142,7 +146,7 @@ class _Payloads:
         return view if view is not None else self.tt.txn.get(key, db=blobs)
 
 
-def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
+def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
     a batch held for a stream that never confirmed it goes back uncounted as sampled."""
@@ -154,15 +158,15 @@ def end_lease(tt: TableTxn, lease_id: str, gkeys: list[str], *, requeue: bool, u
         grp.lease = ""
         ended.append((gkey, grp))
     if not requeue:
-        tt.retire_many(ended, CONSUMED)
+        retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
     back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
     if unsent:
         for _, _, recs in back:
             for rec in recs.values():
                 rec.times_sampled -= 1
-                tt.counters["sampled"] -= 1
-                tt.counters["bytes_sampled"] -= rec.size
+                tt.counters.sampled -= 1
+                tt.counters.bytes_sampled -= rec.size
             limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.rseq, grp.priority, grp.version) for gkey, grp in ended])

@@ -7,7 +7,7 @@ above spi * min_size + error, a sample while it would pull diff below spi * min_
 error (error = `samples_per_insert_error`).
 
 The limiter counts only what can still be sampled, in two durable counters of its own
-(INSERTED, SAMPLED), changed in the transaction of what changes them and only here:
+(rate_inserted, rate_sampled), changed in the transaction of what changes them and only here:
 - an experience counts as inserted when its group becomes ready (a pending or computing
   one may never be sampled);
 - each experience taken counts as sampled; one held for a stream and never sent comes back;
@@ -27,70 +27,55 @@ condition up to its deadline, then fails with a message that names the limit.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import lmdb
 
-from ..errors import StoreError
-from .records import COMPUTING, LEASED, PENDING, READY, ItemRecord
-from .types import Entry
+from ..errors import InsertLimited, SampleLimited
+from .counters import stored_names
+from .kinds import Entry
+from .records import LEASED, READY, ItemRecord
+from .table_state import TableState
 
-if TYPE_CHECKING:
-    from .groups import TableTxn
-
+# The limiter's counters by their names in the stored counters.
 INSERTED, SAMPLED = "rate_inserted", "rate_sampled"
-COUNTERS = (INSERTED, SAMPLED)
 COUNTED = (READY, LEASED)  # the states of experiences the limiter counts
-
-
-class InsertLimited(StoreError):
-    """An insert held by the rate limit until its deadline."""
-
-    code = "resource_exhausted"
-
-
-class SampleLimited(StoreError):
-    """A sample held by the rate limit until its deadline."""
-
-    code = "deadline_exceeded"
 
 
 # ---- what moves the counters ------------------------------------------------------------
 
 
-def became_ready(tt: TableTxn, count: int) -> None:
+def became_ready(tt: TableState, count: int) -> None:
     """`count` experiences of a group that just became ready (never a requeued one)."""
-    tt.counters[INSERTED] += count
+    tt.counters.rate_inserted += count
 
 
-def taken(tt: TableTxn, count: int) -> None:
-    tt.counters[SAMPLED] += count
+def taken(tt: TableState, count: int) -> None:
+    tt.counters.rate_sampled += count
 
 
-def given_back(tt: TableTxn, count: int) -> None:
+def given_back(tt: TableState, count: int) -> None:
     """Experiences held for a stream that never sent them: not sampled after all."""
-    tt.counters[SAMPLED] -= count
+    tt.counters.rate_sampled -= count
 
 
-def forget(tt: TableTxn, records: Iterable[ItemRecord]) -> None:
+def forget(tt: TableState, records: Iterable[ItemRecord]) -> None:
     """Experiences leaving other than by consumption, with their state before they leave:
     the counted ones (ready, leased) are out of the count, their samples with them."""
     for rec in records:
         if rec.state in COUNTED:
-            tt.counters[INSERTED] -= 1
-            tt.counters[SAMPLED] -= rec.times_sampled
+            tt.counters.rate_inserted -= 1
+            tt.counters.rate_sampled -= rec.times_sampled
 
 
 def counted_before(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> bool:
     """Whether a table's stored counters (in `db`, at its `prefix`) are of an older build,
     which counted every push: `recount` is due."""
-    raw = txn.get(prefix, db=db)
-    return raw is not None and INSERTED not in json.loads(raw)
+    stored = stored_names(txn, db, prefix)
+    return stored is not None and INSERTED not in stored
 
 
-def recount(tt: TableTxn) -> bool:
+def recount(tt: TableState) -> bool:
     """Count a table whose stored counters an older build wrote; False when they are this
     build's (or the table has none yet). Ready and leased experiences count as they are; the
     others pushed and gone (consumed, dropped, evicted...) count as inserted and sampled in
@@ -106,9 +91,9 @@ def recount(tt: TableTxn) -> bool:
                 live += 1
                 samples += rec.times_sampled
             found = cur.next()
-    gone = max(0, tt.counters["pushed"] - tt.counters[PENDING] - tt.counters[COMPUTING] - live)
-    tt.counters[INSERTED] = live + gone
-    tt.counters[SAMPLED] = samples + gone * tt.config.samples_per_insert
+    gone = max(0, tt.counters.pushed - tt.counters.pending - tt.counters.computing - live)
+    tt.counters.rate_inserted = live + gone
+    tt.counters.rate_sampled = samples + gone * tt.config.samples_per_insert
     tt.save()
     return True
 
@@ -116,14 +101,14 @@ def recount(tt: TableTxn) -> bool:
 # ---- the limits ---------------------------------------------------------------------------
 
 
-def _diff(tt: TableTxn) -> tuple[float, float]:
+def _diff(tt: TableState) -> tuple[float, float]:
     """diff and the band's centre."""
     cfg = tt.config
     spi = cfg.samples_per_insert
-    return tt.counters[INSERTED] * spi - tt.counters[SAMPLED], spi * cfg.min_size_to_sample
+    return tt.counters.rate_inserted * spi - tt.counters.rate_sampled, spi * cfg.min_size_to_sample
 
 
-def insert_limit(tt: TableTxn, entries: Sequence[Entry]) -> InsertLimited | None:
+def insert_limit(tt: TableState, entries: Sequence[Entry]) -> InsertLimited | None:
     """Why inserting the entries not stored yet (a retried push's are) must wait now; None
     when they may go."""
     cfg = tt.config
@@ -141,10 +126,10 @@ def insert_limit(tt: TableTxn, entries: Sequence[Entry]) -> InsertLimited | None
     )
 
 
-def sample_limit(tt: TableTxn, count: int) -> SampleLimited | None:
+def sample_limit(tt: TableState, count: int) -> SampleLimited | None:
     """Why sampling `count` experiences must wait now; None when it may go."""
     cfg = tt.config
-    inserted = tt.counters[INSERTED]
+    inserted = tt.counters.rate_inserted
     if inserted < cfg.min_size_to_sample:
         return SampleLimited(
             f"table '{cfg.name}': min_size_to_sample {cfg.min_size_to_sample} holds samples; "
@@ -161,5 +146,7 @@ def sample_limit(tt: TableTxn, count: int) -> SampleLimited | None:
     )
 
 
-def _counts(tt: TableTxn) -> str:
-    return f"{tt.counters[INSERTED]:g} inserted, {tt.counters[SAMPLED]:g} sampled (of what can still be sampled)"
+def _counts(tt: TableState) -> str:
+    return (
+        f"{tt.counters.rate_inserted:g} inserted, {tt.counters.rate_sampled:g} sampled (of what can still be sampled)"
+    )

@@ -23,9 +23,10 @@ from ..errors import StoreError
 from ..selection import ReadyDbs, ReadyIndex
 from ..tables import TableConfig, batch_stage
 from . import layout
-from .groups import TableTxn
+from .extensions import Extensions
+from .kinds import Entry
 from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
-from .types import Entry
+from .table_state import TableState
 
 _KEY = b"format"
 
@@ -75,7 +76,7 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction, dbs: dict[str, lmdb._Da
         config = TableConfig.from_stored(record["config"], record.get("v", 1))
         if not batch_stage(config):
             continue
-        tt = TableTxn(txn, dbs, record["id"], config, now=0.0)
+        tt = TableState(txn, dbs, record["id"], config, 0.0, Extensions())  # queues its groups itself
         for gkey_raw in list(tt.ready.scan(dbs["ready"], reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.group(gkey)

@@ -65,7 +65,7 @@ def _float_or_none(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ItemRecord:
     """One stored experience: its state, group, place in the insertion order, content
     digest and size, how often it was sampled, and what the estimators read."""
@@ -155,50 +155,50 @@ class ItemRecord:
         tid, pos = _unpack_str(data, pos)
         rid, _ = _unpack_str(data, pos)
         return cls(
-            STATES[state],
-            group,
-            seq,
-            digest,
-            size,
-            created,
-            tid,
-            rid,
-            step,
-            length,
-            generated,
-            None if version == _NONE_INT else version,
-            _float_or_none(reward),
-            priority,
-            times,
-            _float_or_none(adv),
-            _float_or_none(retired),
-            _float_or_none(shaped),
+            state=STATES[state],
+            group=group,
+            seq=seq,
+            digest=digest,
+            size=size,
+            created=created,
+            tid=tid,
+            rid=rid,
+            step=step,
+            response_length=length,
+            generated=generated,
+            version=None if version == _NONE_INT else version,
+            reward=_float_or_none(reward),
+            priority=priority,
+            times_sampled=times,
+            advantage=_float_or_none(adv),
+            retired=_float_or_none(retired),
+            shaped_reward=_float_or_none(shaped),
         )
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> ItemRecord:
         return cls(
-            rec["s"],
-            rec["g"],
-            rec["q"],
-            bytes.fromhex(rec["d"])[:16],
-            rec["n"],
-            rec["c"],
-            rec["tid"],
-            rec["rid"],
-            rec["k"],
-            rec["L"],
-            rec["G"],
-            rec["v"],
-            rec["r"],
-            rec["p"],
-            rec["t"],
-            rec.get("a"),
-            rec.get("rt"),
+            state=rec["s"],
+            group=rec["g"],
+            seq=rec["q"],
+            digest=bytes.fromhex(rec["d"])[:16],
+            size=rec["n"],
+            created=rec["c"],
+            tid=rec["tid"],
+            rid=rec["rid"],
+            step=rec["k"],
+            response_length=rec["L"],
+            generated=rec["G"],
+            version=rec["v"],
+            reward=rec["r"],
+            priority=rec["p"],
+            times_sampled=rec["t"],
+            advantage=rec.get("a"),
+            retired=rec.get("rt"),
         )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GroupRecord:
     """One group of a table: its state, members in push order, and once complete, its
     place in the ready order (`rseq`), priority, lowest policy version and lease."""
@@ -231,31 +231,31 @@ class GroupRecord:
         lease, pos = _unpack_str(data, cls._HEAD.size)
         members, _ = _unpack_strs(data, pos)
         return cls(
-            STATES[state],
-            created,
-            members,
-            bool(partial),
-            None if rseq < 0 else rseq,
-            priority,
-            None if version == _NONE_INT else version,
-            lease,
+            state=STATES[state],
+            created=created,
+            members=members,
+            partial=bool(partial),
+            rseq=None if rseq < 0 else rseq,
+            priority=priority,
+            version=None if version == _NONE_INT else version,
+            lease=lease,
         )
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> GroupRecord:
         return cls(
-            rec["s"],
-            rec["c"],
-            list(rec["m"]),
-            bool(rec.get("x", False)),
-            rec.get("q"),
-            rec.get("p", 0.0),
-            rec.get("v"),
-            rec.get("l", ""),
+            state=rec["s"],
+            created=rec["c"],
+            members=list(rec["m"]),
+            partial=bool(rec.get("x", False)),
+            rseq=rec.get("q"),
+            priority=rec.get("p", 0.0),
+            version=rec.get("v"),
+            lease=rec.get("l", ""),
         )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Lease:
     """Groups of one table handed out together. `expires` None: held for a Sample stream
     until the client confirms the batch. `owner` binds it to the token that took it."""
@@ -276,8 +276,8 @@ class Lease:
         table_id, expires = cls._HEAD.unpack_from(data)
         owner, pos = _unpack_str(data, cls._HEAD.size)
         groups, _ = _unpack_strs(data, pos)
-        return cls(table_id, groups, _float_or_none(expires), owner)
+        return cls(table_id=table_id, groups=groups, expires=_float_or_none(expires), owner=owner)
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> Lease:
-        return cls(rec["t"], list(rec["g"]), rec["e"], rec.get("o", ""))
+        return cls(table_id=rec["t"], groups=list(rec["g"]), expires=rec["e"], owner=rec.get("o", ""))

@@ -7,16 +7,13 @@ Delete removes experiences outright, tombstones included.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import lmdb
 
 from ..selection import put_rows, u64
 from . import layout, limiter
-from .records import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
-
-if TYPE_CHECKING:
-    from .groups import TableTxn
+from .records import CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
+from .table_state import TableState
 
 
 def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -25,12 +22,14 @@ def _delete_rows(txn: lmdb.Transaction, db: lmdb._Database, keys: Iterable[bytes
         txn.delete(key, db=db)
 
 
-def retire(tt: TableTxn, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
+def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed), records stay as tombstones so that a retried
     push of the same uid is still recognised as a duplicate, pruned after
     tombstone_seconds. Done in passes, one per database, over all the groups; a record
-    not read yet in this transaction becomes a tombstone without being decoded."""
+    not read yet in this transaction becomes a tombstone without being decoded. The
+    table's extensions hear of it first (`on_retire`)."""
+    tt.extensions.on_retire(tt, groups)
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:
@@ -46,8 +45,8 @@ def retire(tt: TableTxn, groups: Sequence[tuple[str, GroupRecord]], state: str) 
     for gkey, grp in groups:
         for uid in grp.members:
             key = tt.key(uid)
-            if uid in tt._items:
-                rec = tt._items[uid]
+            cached, rec = tt.cached_item(uid)
+            if cached:
                 if rec is None:
                     continue
                 was, seq, size = rec.state, rec.seq, rec.size
@@ -59,30 +58,29 @@ def retire(tt: TableTxn, groups: Sequence[tuple[str, GroupRecord]], state: str) 
                     continue
                 was, seq, size = ItemRecord.place(raw)
                 tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
-            counters[was] -= 1
-            counters[state] += 1
+            counters.add(was, -1)
+            counters.add(state, 1)
             keys.append(key)
             places.append(prefix + u64(seq))
             marks.append((stamp + uid.encode(), b""))
             nbytes += size
-        tt._move_group(gkey, grp, state)
+        tt.move_group(gkey, grp, state)
     drop_payloads(tt, keys, places, nbytes, keep_blobs=state == FAILED and tt.config.keep_failed)
     for db, rows in ((tt.db["items"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)
 
 
-def leave_indexes(tt: TableTxn, gkey: str, grp: GroupRecord) -> None:
+def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    """A group leaves the ready or pending index (the others are the extensions')."""
     if grp.state == READY:
         tt.ready.remove(gkey.encode(), grp.rseq, grp.priority, grp.version)
     elif grp.state == PENDING:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-    elif grp.state == COMPUTING:
-        tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
 
 
 def drop_payloads(
-    tt: TableTxn, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False
+    tt: TableState, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False
 ) -> None:
     """Experiences (their keys, their keys in the insertion order, their bytes) leave
     the live data: payloads, advantages and places in the insertion order go
@@ -94,22 +92,22 @@ def drop_payloads(
     if _has_advantages(tt):
         _delete_rows(txn, tt.db["adv"], keys)
     _delete_rows(txn, tt.db["order"], sorted(places))
-    tt.counters["bytes"] -= nbytes
+    tt.counters.bytes -= nbytes
 
 
-def _has_advantages(tt: TableTxn) -> bool:
+def _has_advantages(tt: TableState) -> bool:
     """Whether any token-level advantages of this table are stored (none for a table
     without an estimator, so retiring its experiences need not look for them)."""
     with tt.txn.cursor(db=tt.db["adv"]) as cur:
         return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
 
 
-def forget_tombstone(tt: TableTxn, uid: str, rec: ItemRecord) -> None:
+def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
     """Remove a retired experience's record (and a failed one's kept payload): its uid
     may then be pushed again."""
     tt.forget_item(uid)
     tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
-    tt.counters[rec.state] -= 1
+    tt.counters.add(rec.state, -1)
     tt.txn.delete(tt.retired_key(uid, rec), db=tt.db["retired"])
     grp = tt.group(rec.group)
     if grp is not None and uid in grp.members:
@@ -120,7 +118,7 @@ def forget_tombstone(tt: TableTxn, uid: str, rec: ItemRecord) -> None:
             tt.forget_group(rec.group)
 
 
-def prune_tombstones(tt: TableTxn, retired_before: float, limit: int = 10_000) -> int:
+def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
     """Forget tombstones retired before the cutoff (at most `limit` per call)."""
     cutoff = layout.micros(retired_before)
     expired = []
@@ -136,7 +134,7 @@ def prune_tombstones(tt: TableTxn, retired_before: float, limit: int = 10_000) -
     return len(expired)
 
 
-def delete(tt: TableTxn, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
     targets = list(uids)
     for gkey in group_ids:
         grp = tt.group(gkey)
@@ -152,7 +150,7 @@ def delete(tt: TableTxn, uids: Sequence[str], group_ids: Sequence[str]) -> int:
             continue
         limiter.forget(tt, [rec])
         tt.forget_item(uid)
-        tt.counters[rec.state] -= 1
+        tt.counters.add(rec.state, -1)
         deleted += 1
         drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
         grp = tt.group(rec.group)
@@ -160,8 +158,10 @@ def delete(tt: TableTxn, uids: Sequence[str], group_ids: Sequence[str]) -> int:
         if grp.members:
             tt.put_group(rec.group, grp)
             continue
+        if grp.state in LIVE:
+            tt.extensions.on_retire(tt, [(rec.group, grp)])
         leave_indexes(tt, rec.group, grp)
         if grp.state in LIVE:
-            tt.counters["groups_" + grp.state] -= 1
+            tt.counters.add_groups(grp.state, -1)
         tt.forget_group(rec.group)
     return deleted

@@ -1,6 +1,8 @@
-"""The Store's sample, ack and nack: taking whole groups in the writer's transaction, with
-the rate limit's waits, a stream's deferred confirmation (`ack` in the commit of the next
-take) and the end of leases (consumed, requeued, expired, or held by a stopped server).
+"""The sampling service of a Store: sample, ack and nack, taking whole groups in the writer's
+transaction, with the rate limit's waits, a stream's deferred confirmation (`ack` in the
+commit of the next take) and the end of leases (consumed, requeued, expired, or held by a
+stopped server). The batch stage's clip counts of each table's samples are kept here, in
+memory (they go with the batches' replies, not through the writer).
 """
 
 from __future__ import annotations
@@ -17,32 +19,39 @@ from ..advantage_storage import StageCounts
 from ..errors import Forbidden, InvalidRequest, NotFound, clip
 from ..sample_spec import SampleSpec
 from ..tables import TableConfig
-from . import layout, limiter, staleness
+from . import layout, limiter, reuse, staleness
+from .catalog import TableCatalog
 from .environment import Environment
-from .groups import TableTxn
+from .kinds import Sampled
 from .leases import could_fill, end_lease, read_lease, take
 from .records import Lease
-from .types import Sampled
+from .table_state import TableState
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class _Refused:
-    """A request refused inside a transaction that still commits (see Store._isolated)."""
+    """A request refused inside a transaction that still commits (see Sampling._isolated)."""
 
     error: Exception
 
 
 class Sampling:
-    """Sampling and leases, a part of `Store` (engine.py), which provides the writer, the
-    tables and the clock."""
+    """Sampling and leases over a data directory's environment and table catalog."""
 
-    environment: Environment
-    clock: Callable[[], float]
-    _db: dict[str, lmdb._Database]
-    _rng: random.Random
-    _stage_counts: Callable[[int], StageCounts]
+    def __init__(self, environment: Environment, catalog: TableCatalog, rng: random.Random) -> None:
+        self.environment, self.catalog, self.rng = environment, catalog, rng
+        self.db = environment.db
+        self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
+
+    def stage_counts(self, table_id: int) -> StageCounts:
+        """Where the batch stage of the table's samples counts what its clip did."""
+        return self._batch_counts.setdefault(table_id, StageCounts())
+
+    def counted(self, table_id: int) -> StageCounts | None:
+        """What the batch stage of the table's samples counted since the server started."""
+        return self._batch_counts.get(table_id)
 
     def sample(
         self,
@@ -75,7 +84,7 @@ class Sampling:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
-            table_id, config = self._table(spec.table)  # at each attempt: it may have been dropped
+            table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
 
             def attempt(
                 txn: lmdb.Transaction,
@@ -86,15 +95,15 @@ class Sampling:
                 c: TableConfig = config,
             ) -> Any:
                 def take_in(t: lmdb.Transaction) -> Sampled | limiter.SampleLimited | None:
-                    return self._take(t, TableTxn(t, self._db, i, c, self.clock()), spec, f, b, hold, owner)
+                    return self._take(t, self.catalog.state(t, i, c), spec, f, b, hold, owner)
 
                 if not a:
                     return take_in(txn)
                 for lease_id in a:
-                    self._end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
+                    self.end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
                 return self._isolated(txn, take_in)
 
-            result = self._submit(attempt)
+            result = self.environment.submit(attempt)
             acks = ()
             if isinstance(result, _Refused):
                 raise result.error
@@ -125,18 +134,26 @@ class Sampling:
         return result
 
     def _take(
-        self, txn: lmdb.Transaction, tt: TableTxn, spec: SampleSpec, final: bool, blocked: float, hold: bool, owner: str
+        self,
+        txn: lmdb.Transaction,
+        tt: TableState,
+        spec: SampleSpec,
+        final: bool,
+        blocked: float,
+        hold: bool,
+        owner: str,
     ) -> Sampled | limiter.SampleLimited | None:
         """One attempt. A request whose trainer version would move the table's (and evict
         what falls stale) takes in a nested transaction, kept only when a batch is taken:
         the version is stored with a batch, and a waiting request changes nothing; while the
         table holds too little ready data for any batch, it does not even try."""
         partial = spec.allow_partial and final
+        reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
-        def attempt(t: TableTxn) -> Sampled | limiter.SampleLimited | None:
+        def attempt(t: TableState) -> Sampled | limiter.SampleLimited | None:
             return take(
-                t, spec, partial, self._rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
-                counts=self._stage_counts(tt.table_id),
+                t, spec, partial, self.rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
+                counts=self.stage_counts(tt.table_id),
             )  # fmt: skip
 
         moves = staleness.next_version(tt, spec.trainer_version) is not None
@@ -147,7 +164,7 @@ class Sampling:
         else:
             child = self.environment.env.begin(write=True, parent=txn)
             try:
-                result = attempt(TableTxn(child, self._db, tt.table_id, tt.config, tt.now))
+                result = attempt(self.catalog.state(child, tt.table_id, tt.config, tt.now))
             except BaseException:
                 child.abort()
                 raise
@@ -156,31 +173,35 @@ class Sampling:
             else:
                 child.abort()
         if blocked and (isinstance(result, Sampled) or final):
-            tt = TableTxn(txn, self._db, tt.table_id, tt.config, tt.now)
-            tt.counters["sample_blocked_seconds"] += blocked
+            tt = self.catalog.state(txn, tt.table_id, tt.config, tt.now)
+            tt.counters.sample_blocked_seconds += blocked
             tt.save()
         return result
 
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Consume the groups of a lease; returns the experiences acknowledged. With a
         table (a caller's request), the lease must be of that table and that owner."""
-        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=False, table=table, owner=owner))
+        return self.environment.submit(
+            lambda txn: self.end_lease(txn, lease_id, requeue=False, table=table, owner=owner)
+        )
 
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
-        return self._submit(lambda txn: self._end_lease(txn, lease_id, requeue=True, table=table, owner=owner))
+        return self.environment.submit(
+            lambda txn: self.end_lease(txn, lease_id, requeue=True, table=table, owner=owner)
+        )
 
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server; the
         streams that held them are gone. Returns the experiences requeued."""
 
         def op(txn: lmdb.Transaction) -> int:
-            held = [key.decode() for key, raw in txn.cursor(db=self._db["leases"]) if Lease.decode(raw).expires is None]
-            return sum(self._end_lease(txn, lease_id, requeue=True) for lease_id in held)
+            held = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
+            return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in held)
 
-        return self._submit(op)
+        return self.environment.submit(op)
 
-    def _end_lease(
+    def end_lease(
         self,
         txn: lmdb.Transaction,
         lease_id: str,
@@ -192,23 +213,23 @@ class Sampling:
     ) -> int:
         if not lease_id:
             raise InvalidRequest("lease_id is empty")
-        lease = read_lease(txn, self._db["leases"], lease_id)
+        lease = read_lease(txn, self.db["leases"], lease_id)
         if lease is None:
             raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
         if table is not None:
-            table_id, _ = self._table(table)
+            table_id, _ = self.catalog.lookup(table)
             if lease.table_id != table_id:
                 raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
             if lease.owner != owner:
                 raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
-        txn.delete(lease_id.encode(), db=self._db["leases"])
+        txn.delete(lease_id.encode(), db=self.db["leases"])
         if lease.expires is not None:
-            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self._db["lease_exp"])
-        tt = self._by_id(txn, lease.table_id)
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        tt = self.catalog.state_of(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
         count = end_lease(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
         if expired:
-            tt.counters["leases_expired"] += 1
+            tt.counters.leases_expired += 1
         tt.save()
         return count

@@ -1,6 +1,6 @@
 """The store's periodic upkeep: expired leases return their groups, expired grants their
 room for rollouts, incomplete groups time out, stale ready groups are evicted (tables with
-evict_stale, staleness.py), old tombstones are forgotten.
+evict_stale: the extensions' `on_upkeep`, staleness.py), old tombstones are forgotten.
 
 Each lease and each table runs in a nested transaction of its own: one that fails (a
 damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
@@ -24,9 +24,10 @@ import lmdb
 
 from ..errors import clip
 from ..tables import TableConfig
-from . import layout, retirement
-from .groups import TableTxn
-from .staleness import EVICT_LIMIT, evict_stale
+from . import admission, layout, retirement
+from .catalog import TableCatalog
+from .groups import expire_groups
+from .staleness import EVICT_LIMIT
 
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
@@ -36,8 +37,8 @@ SWEEP_SECONDS = 30.0
 class Upkeep:
     """Runs the upkeep inside the writer's transaction, isolating each piece."""
 
-    def __init__(self, env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
-        self.env, self.db = env, dbs
+    def __init__(self, env: lmdb.Environment, catalog: TableCatalog) -> None:
+        self.env, self.catalog, self.db = env, catalog, catalog.db
         self.failures = 0  # pieces skipped because they failed
         self._reported: set[str] = set()
         self._active: set[int] = set()  # ids of the tables the next pass visits
@@ -51,12 +52,11 @@ class Upkeep:
         self,
         txn: lmdb.Transaction,
         now: float,
-        tables: list[tuple[int, TableConfig]],
         end_lease: Callable[[lmdb.Transaction, str], int],
-        expire_grant: Callable[[lmdb.Transaction, bytes], int],
     ) -> dict[str, int]:
-        """One round of upkeep: expired leases (`end_lease` requeues one) and grants
-        (`expire_grant` returns one's rollouts), then every table; counts of what was done."""
+        """One round of upkeep: expired leases (`end_lease` requeues one, the sampling
+        service's) and grants, then every table; counts of what was done."""
+        tables = self.catalog.entries()
         done = dict.fromkeys(
             (
                 "leases_expired",
@@ -85,7 +85,7 @@ class Upkeep:
             done["leases_expired"] += requeued is not None
             done["requeued"] += requeued or 0
         for key in self.expired(txn, now, "grant_exp"):
-            returned = self.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: expire_grant(t, k))
+            returned = self.isolated(txn, f"grant {key[8:]!r}", lambda t, k=key: self.expire_grant(t, k))
             done["failed"] += returned is None
             done["rollouts_returned"] += returned or 0
         if now - self._last_sweep >= SWEEP_SECONDS:
@@ -155,11 +155,23 @@ class Upkeep:
                 expired.append(bytes(key))
         return expired
 
+    def expire_grant(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """An expired grant gives its rollouts back (admission.py); returns them."""
+        grant_id = key[8:].decode()
+        record = admission.read_grant(txn, self.db, grant_id)
+        tt = None if record is None else self.catalog.state_of(txn, record["t"])
+        if tt is None:  # an expiry without its grant, or the grant of a dropped table
+            txn.delete(key, db=self.db["grant_exp"])
+            txn.delete(grant_id.encode(), db=self.db["grants"])
+            return 0
+        return admission.finish(tt, grant_id, record, 0, expired=True)
+
     def table(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float) -> tuple[int, int, int]:
-        """Time out incomplete groups, evict stale ready groups and prune tombstones of one table."""
-        tt = TableTxn(txn, self.db, table_id, config, now)
-        timed_out = tt.expire_groups(now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
-        stale = evict_stale(tt)
+        """Time out incomplete groups, run the extensions' upkeep (stale ready groups evicted)
+        and prune tombstones of one table."""
+        tt = self.catalog.state(txn, table_id, config, now)
+        timed_out = expire_groups(tt, now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
+        stale = tt.extensions.on_upkeep(tt)
         pruned = retirement.prune_tombstones(tt, now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
         if timed_out or pruned:
             tt.save()

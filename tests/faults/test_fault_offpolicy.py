@@ -59,9 +59,9 @@ def test_a_rate_limited_table_is_never_held_by_what_cannot_be_sampled(
         for payload in group(2)[:3]:  # pending, then dropped by the group timeout
             client.push(payload, table="t")
         deadline = time.monotonic() + 20
-        while client.stats("t")["t"]["groups_dropped"] < 2 and time.monotonic() < deadline:
+        while client.stats("t")["t"].groups_dropped < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert client.stats("t")["t"]["groups_dropped"] == 2
+        assert client.stats("t")["t"].groups_dropped == 2
         for payload in group(3):  # ready and not sampled when the server is killed
             client.push(payload, table="t")
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
@@ -77,7 +77,7 @@ def test_a_rate_limited_table_is_never_held_by_what_cannot_be_sampled(
                 client.push(payload, table="t")
             assert take(client) == 1
         stats = client.stats("t")["t"]
-        assert (stats["consumed"], stats["ready"], stats["pending"]) == (40, 0, 0)
+        assert (stats.consumed, stats.ready, stats.pending) == (40, 0, 0)
 
 
 def test_a_bad_trainer_version_cannot_evict_the_buffer(tmp_path: Path, serve: Callable[..., ServerProcess]) -> None:
@@ -99,11 +99,11 @@ def test_a_bad_trainer_version_cannot_evict_the_buffer(tmp_path: Path, serve: Ca
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert client.set_trainer_version(0, "t") == 0
         stats = client.stats("t")["t"]
-        assert (stats["trainer_version"], stats["ready"], stats["groups_dropped"]) == (0, 10, 0)
+        assert (stats.trainer_version, stats.ready, stats.groups_dropped) == (0, 10, 0)
     assert server.stop(signal.SIGKILL) == -signal.SIGKILL
     server = serve(data, "--ingest-processes", "0")
     with BufferClient(server.target, timeout=10, retries=0) as client:
-        assert client.stats("t")["t"]["ready"] == 10
+        assert client.stats("t")["t"].ready == 10
         assert take(client, 5) == 5
 
 

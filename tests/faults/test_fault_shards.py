@@ -33,7 +33,7 @@ GROUPS = 36
 def settle(client: ShardedBufferClient, table: str) -> None:
     """Wait until no shard is still computing a group's advantages."""
     for _ in range(600):
-        if not any(stats[table]["groups_computing"] for stats in client.shard_stats(table).values()):
+        if not any(stats[table].groups_computing for stats in client.shard_stats(table).values()):
             return
         time.sleep(0.05)
     raise AssertionError("advantages still computing")
@@ -60,13 +60,13 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         assert len(served) == 3 and set().union(*(batch.shards for batch in served)) <= {"s0", "s2"}
         per_shard = client.shard_stats("t")
         assert set(per_shard) == {"s0", "s2"} and set(per_shard.missing) == {"s1"}
-        assert {stats["t"]["trainer_version"] for stats in per_shard.values()} == {7}
+        assert {stats["t"].trainer_version for stats in per_shard.values()} == {7}
         assert client.pending == {"s1": [("trainer_version", "t", 7)]}
 
         # Stats: the live shards summed, the missing one named.
         merged = client.stats("t")
         assert set(merged.missing) == {"s1"} and "UNAVAILABLE" in merged.missing["s1"]
-        assert merged["t"]["ready"] == sum(stats["t"]["ready"] for stats in per_shard.values())
+        assert merged["t"].ready == sum(stats["t"].ready for stats in per_shard.values())
 
         # Get: uids on live shards answer from their owner; a uid of the missing shard says so.
         delivered = {uid for batch in served for uid in batch.uids}
@@ -114,9 +114,9 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         assert client.pending == {}
         client.set_trainer_version(9, "t2")
         with BufferClient(procs["s1"].target) as direct:
-            assert {table["name"] for table in direct.list_tables()} == {"default", "t", "t2"}
-            assert direct.stats("t")["t"]["trainer_version"] == 7
-            assert direct.stats("t2")["t2"]["trainer_version"] == 9
+            assert {table.name for table in direct.list_tables()} == {"default", "t", "t2"}
+            assert direct.stats("t")["t"].trainer_version == 7
+            assert direct.stats("t2")["t2"].trainer_version == 9
         assert not client.stats("t").missing
 
         # Nothing was lost or delivered twice: the rest, the killed shard's groups too, comes once.

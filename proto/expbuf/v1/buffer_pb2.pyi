@@ -111,7 +111,7 @@ class Shaping(_message.Message):
     def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ..., advantages_norm: _Optional[bool] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,9 @@ class TableConfig(_message.Message):
     SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_INSERT_ERROR_FIELD_NUMBER: _ClassVar[int]
     EVICT_STALE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_DECAY_FIELD_NUMBER: _ClassVar[int]
+    REUSE_COOLDOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_NOISE_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -154,7 +157,10 @@ class TableConfig(_message.Message):
     samples_per_insert: float
     samples_per_insert_error: float
     evict_stale: bool
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ...) -> None: ...
+    priority_decay: float
+    reuse_cooldown_seconds: float
+    priority_noise: float
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq")
@@ -217,20 +223,22 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_id: str
     lease_expires_unix: float
     partial: bool
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ...) -> None: ...
+    times_sampled: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")

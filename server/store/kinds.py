@@ -18,8 +18,6 @@ from .snapshot import Snapshot
 T = TypeVar("T")
 
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
-# The durable counters of what reward shaping and advantage clipping did (see shaping.py).
-SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
 
 
 @dataclass(slots=True)
@@ -97,6 +95,7 @@ class Sampled:
     lease_id: str = ""
     lease_expires: float = 0.0
     partial: bool = False
+    times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
     stage: BatchStage | None = field(default=None, repr=False, compare=False)
 
@@ -143,13 +142,13 @@ class ComputeJob:
         """One job per group, to find which group a failed computation cannot take."""
         return [
             ComputeJob(
-                self.table,
-                self.config,
-                [gkey],
-                [members],
-                {uid: self.records[uid] for uid in members},
-                {uid: self.blobs[uid] for uid in members if uid in self.blobs},
-                self.moments,
+                table=self.table,
+                config=self.config,
+                groups=[gkey],
+                members=[members],
+                records={uid: self.records[uid] for uid in members},
+                blobs={uid: self.blobs[uid] for uid in members if uid in self.blobs},
+                moments=self.moments,
             )
             for gkey, members in zip(self.groups, self.members, strict=True)
         ]
@@ -159,6 +158,6 @@ class ComputeJob:
 class ShapingUpdate:
     """What reward shaping did in one computation, saved with its advantages."""
 
-    counts: dict[str, int]  # added to the SHAPING_COUNTERS
+    counts: dict[str, int]  # added to the shaping counters (counters.SHAPING_COUNTERS)
     moments: list[float] | None  # the running reward moments after it
     rewards: dict[str, float] = field(default_factory=dict)  # shaped rewards by uid, for the batch stage

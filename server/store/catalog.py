@@ -1,0 +1,120 @@
+"""The table catalog: every table's name, id and configuration, read at open and kept in
+memory (the `tables` database is its durable form), and the door to a table's state in a
+transaction, with the Store's extensions attached."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import lmdb
+
+from ..errors import Conflict, NotFound, clip
+from ..tables import CONFIG_VERSION, TableConfig
+from . import layout
+from .counters import read_counters
+from .environment import Environment
+from .extensions import Extensions
+from .records import Lease
+from .table_state import TableState
+
+
+class TableCatalog:
+    """The tables of one data directory."""
+
+    def __init__(self, environment: Environment, extensions: Extensions, clock: Callable[[], float]) -> None:
+        self.environment, self.extensions, self.clock = environment, extensions, clock
+        self.db = environment.db
+        self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self._names: dict[int, str] = {}  # table id -> name
+        with environment.read() as txn:
+            for name, raw in txn.cursor(db=self.db["tables"]):
+                record = json.loads(raw)
+                self._add(name.decode(), record["id"], TableConfig.from_stored(record["config"], record.get("v", 1)))
+
+    def _add(self, name: str, table_id: int, config: TableConfig) -> None:
+        self._tables[name] = (table_id, config)
+        self._names[table_id] = name
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def lookup(self, name: str) -> tuple[int, TableConfig]:
+        """A table's id and configuration; NotFound names a missing one."""
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise NotFound(f"table '{clip(name)}' does not exist") from None
+
+    def has(self, name: str) -> bool:
+        return name in self._tables
+
+    def configs(self) -> list[TableConfig]:
+        """Every table's configuration, in the order they were created."""
+        return [config for _, config in self.entries()]
+
+    def entries(self) -> list[tuple[int, TableConfig]]:
+        return sorted(self._tables.values(), key=lambda t: t[0])
+
+    def by_id(self, table_id: int) -> tuple[str, TableConfig] | None:
+        """A table id's name and configuration; None for a dropped table."""
+        name = self._names.get(table_id)
+        if name is None or name not in self._tables:
+            return None
+        return name, self._tables[name][1]
+
+    # ---- a table's state in a transaction --------------------------------------------------
+
+    def state(self, txn: lmdb.Transaction, table_id: int, config: TableConfig, now: float | None = None) -> TableState:
+        return TableState(txn, self.db, table_id, config, self.clock() if now is None else now, self.extensions)
+
+    def state_of(self, txn: lmdb.Transaction, table_id: int) -> TableState | None:
+        """The state of the table with this id; None for a dropped table."""
+        table = self.by_id(table_id)
+        return None if table is None else self.state(txn, table_id, table[1])
+
+    # ---- changes -------------------------------------------------------------------------
+
+    def create(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
+        """Create a table; True if created. An identical existing table is fine with exist_ok."""
+        db = self.db
+
+        def op(txn: lmdb.Transaction) -> tuple[bool, int]:
+            raw = txn.get(config.name.encode(), db=db["tables"])
+            if raw is not None:
+                record = json.loads(raw)
+                if exist_ok and TableConfig.from_stored(record["config"], record.get("v", 1)) == config:
+                    return False, record["id"]
+                raise Conflict(f"table '{config.name}' already exists")
+            table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
+            txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
+            record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
+            txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
+            return True, table_id
+
+        created, table_id = self.environment.submit(op)
+        self._add(config.name, table_id, config)
+        return created
+
+    def drop(self, name: str) -> int:
+        """Delete a table and everything in it; returns the live experiences dropped."""
+        table_id, _ = self.lookup(name)
+        prefix, db = layout.table_prefix(table_id), self.db
+
+        def op(txn: lmdb.Transaction) -> int:
+            counters = read_counters(txn, db["counters"], prefix)
+            txn.delete(name.encode(), db=db["tables"])
+            for part in layout.PER_TABLE:
+                with txn.cursor(db=db[part]) as cur:
+                    if cur.set_range(prefix):
+                        while cur.key().startswith(prefix) and cur.delete():
+                            pass
+            # Leases are keyed by id, not table: a batch held by a stream of this table ends here.
+            ended = [key for key, raw in txn.cursor(db=db["leases"]) if Lease.decode(raw).table_id == table_id]
+            for key in ended:
+                txn.delete(key, db=db["leases"])
+            return counters.live()
+
+        dropped = self.environment.submit(op)
+        self._tables.pop(name, None)
+        self._names.pop(table_id, None)
+        return dropped

@@ -1,0 +1,160 @@
+"""Refusals carry their status on their class: every server refusal class lives in errors.py with
+its gRPC code and metric reason, every client error class with its status; a live refusal over
+gRPC raises the client class of its code and counts its reason on a real /metrics scrape."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+import expbuf.server
+from expbuf.client import (
+    AlreadyExistsError,
+    BufferClient,
+    DeadlineExceededError,
+    ExpbufError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server import errors
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+
+from conftest import BAD_DIR
+from helpers import make_experience, scrape
+
+# What each refusal answers: the gRPC status and the reason on expbuf_refused_total.
+EXPECTED = {
+    errors.StoreError: ("INTERNAL", "internal"),
+    errors.InvalidRequest: ("INVALID_ARGUMENT", "invalid_request"),
+    errors.InvalidPayload: ("INVALID_ARGUMENT", "invalid_payload"),
+    errors.ConfigError: ("INVALID_ARGUMENT", "invalid_config"),
+    errors.SpecError: ("INVALID_ARGUMENT", "invalid_request"),
+    errors.NotFound: ("NOT_FOUND", "not_found"),
+    errors.Conflict: ("ALREADY_EXISTS", "conflict"),
+    errors.Forbidden: ("PERMISSION_DENIED", "forbidden"),
+    errors.GroupClosed: ("FAILED_PRECONDITION", "group_closed"),
+    errors.StaleExperience: ("FAILED_PRECONDITION", "stale"),
+    errors.VersionJump: ("FAILED_PRECONDITION", "group_closed"),
+    errors.TableFull: ("RESOURCE_EXHAUSTED", "table_full"),
+    errors.TooLarge: ("RESOURCE_EXHAUSTED", "too_large"),
+    errors.StorageFull: ("RESOURCE_EXHAUSTED", "storage_full"),
+    errors.InsertLimited: ("RESOURCE_EXHAUSTED", "rate_limited"),
+    errors.SampleLimited: ("DEADLINE_EXCEEDED", "rate_limited"),
+    errors.Damaged: ("DATA_LOSS", "damaged"),
+    errors.StoreClosed: ("UNAVAILABLE", "closed"),
+}
+# Statuses a caller does not handle by type: the client raises the base for them.
+UNTYPED = {"INTERNAL", "DATA_LOSS"}
+
+
+def subclasses(kind: type) -> Iterator[type]:
+    for sub in kind.__subclasses__():
+        yield sub
+        yield from subclasses(sub)
+
+
+def test_every_refusal_class_is_in_errors_py_with_its_code_and_reason() -> None:
+    for module in pkgutil.walk_packages(expbuf.server.__path__, "expbuf.server."):
+        if not module.name.startswith("expbuf.server.ray"):  # the ray extra: its actors raise none
+            importlib.import_module(module.name)  # every module that could define a refusal is loaded
+    ours = {errors.StoreError} | {k for k in subclasses(errors.StoreError) if k.__module__.startswith("expbuf.")}
+    assert {k for k in ours if k.__module__ != errors.__name__} == set()
+    assert ours == set(EXPECTED)
+    for kind in ours:
+        assert (kind.status, kind.reason) == EXPECTED[kind], kind.__name__
+        code = grpc.StatusCode[kind.status]
+        client = ExpbufError.for_status(code)
+        if kind.status in UNTYPED:
+            assert client is ExpbufError, kind.__name__
+        else:
+            assert client.status == code and client is not ExpbufError, kind.__name__
+
+
+def test_every_client_error_class_is_the_one_its_status_maps_to() -> None:
+    kinds = [k for k in ExpbufError.__subclasses__() if k.__module__ == ExpbufError.__module__]
+    assert len(kinds) >= 9 and len({k.status for k in kinds}) == len(kinds)  # one class per status
+    for kind in kinds:
+        assert ExpbufError.for_status(kind.status) is kind
+        assert type(ExpbufError(kind.status, "x")) is kind
+    assert type(ExpbufError(grpc.StatusCode.DATA_LOSS, "x")) is ExpbufError
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ExpbufServer]:
+    running = ExpbufServer(ServerConfig(data=str(tmp_path), port=0, metrics_port=0)).start()
+    assert running.metrics_port > 0  # a free port, read back
+    yield running
+    running.stop(grace=1)
+
+
+def refusals(port: int) -> dict[tuple[str, str], float]:
+    return {
+        (dict(labels)["table"], dict(labels)["reason"]): value
+        for (name, labels), value in scrape(port).items()
+        if name == "expbuf_refused_total"
+    }
+
+
+def test_a_live_refusal_raises_its_client_class_and_counts_its_reason(server: ExpbufServer) -> None:
+    target = f"127.0.0.1:{server.port}"
+    bad = (BAD_DIR / "bad_magic.bin").read_bytes()
+    with BufferClient(target, retries=0, timeout=20) as client, grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        client.create_table("g", group_size=8)
+        client.create_table("st", group_size=0, max_staleness=0, on_stale="refuse")
+        client.set_trainer_version(5, "st")
+        client.create_table("full", group_by="none", capacity_experiences=2, estimator="none")
+        client.push([make_experience(0, task, 0) for task in range(2)], table="full")
+        client.create_table("rl", group_by="none", min_size_to_sample=100, estimator="none")
+        client.push([make_experience(0, 0, 0)], table="rl")  # ready, but the limiter holds samples back
+
+        def stream_push() -> object:
+            replies = stub.PushStream(iter([pb.PushRequest(table="g", payload=bad)]), timeout=10)
+            try:
+                return list(replies)
+            except grpc.RpcError as exc:
+                raise ExpbufError(exc.code(), exc.details() or "") from None
+
+        def stream_sample() -> object:
+            replies = stub.Sample(iter([pb.SampleRequest(table="g", num_groups=1, order=99)]), timeout=10)
+            try:
+                return list(replies)
+            except grpc.RpcError as exc:
+                raise ExpbufError(exc.code(), exc.details() or "") from None
+
+        cases: list[tuple[Callable[[], object], type[ExpbufError], tuple[str, str]]] = [
+            (lambda: client.push(bad), InvalidArgumentError, ("default", "invalid_payload")),
+            (stream_push, InvalidArgumentError, ("g", "invalid_payload")),  # the stream's table, from its message
+            (stream_sample, InvalidArgumentError, ("g", "invalid_request")),
+            (lambda: client.create_table("cfg", shaping={"reward_clip": -1}), InvalidArgumentError,
+             ("unknown", "invalid_config")),
+            (lambda: client.stats("nope"), NotFoundError, ("unknown", "not_found")),
+            (lambda: client.ack("no-such-lease"), NotFoundError, ("default", "not_found")),
+            (lambda: client.create_table("g", group_size=4), AlreadyExistsError, ("g", "conflict")),
+            (lambda: client.push([make_experience(0, 0, 0, version=1)], table="st"), FailedPreconditionError,
+             ("st", "stale")),
+            (lambda: client.push([make_experience(1, 0, 0)], table="full", timeout=0.5), ResourceExhaustedError,
+             ("full", "table_full")),
+            (lambda: client.push([make_experience(2, t, 0) for t in range(3)], table="full"), ResourceExhaustedError,
+             ("full", "too_large")),
+            (lambda: next(client.sample("rl", batch_size=1, timeout=0.3, delivery="consume")), DeadlineExceededError,
+             ("rl", "rate_limited")),
+        ]  # fmt: skip
+        for call, kind, counted in cases:
+            before = refusals(server.metrics_port)
+            with pytest.raises(kind) as raised:
+                call()
+            assert type(raised.value) is kind and raised.value.code == kind.status
+            after = refusals(server.metrics_port)
+            changed = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+            assert changed == {counted: 1}, (kind.__name__, raised.value.details)
