@@ -43,6 +43,7 @@ from bench_service import PUSHERS, Proc, make_payloads  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.sample_spec import SampleSpec  # noqa: E402
 from expbuf.server import estimators as est  # noqa: E402
 from expbuf.server.tables import TableConfig, estimator_args  # noqa: E402
 
@@ -255,19 +256,18 @@ def sample_form(form: str) -> Iterator[None]:
     """BufferClient's sample requests as they are (compact advantages, rebuilt by the client
     before the batch is handed over), or for "full" as a client from before compact
     advantages sends them: the payload carries the expanded tensors."""
-    module = sys.modules[BufferClient.__module__]
-    build = module._sample_request
+    build = SampleSpec.request
 
-    def older(*args: object, **kwargs: object) -> object:
-        request = build(*args, **kwargs)
+    def older(spec: SampleSpec) -> object:
+        request = build(spec)
         request.compact_advantages = False
         return request
 
-    module._sample_request = build if form == "compact" else older
+    SampleSpec.request = build if form == "compact" else older  # type: ignore[method-assign]
     try:
         yield
     finally:
-        module._sample_request = build
+        SampleSpec.request = build  # type: ignore[method-assign]
 
 
 def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[str, str, bool], tuple[float, float]]:
@@ -295,7 +295,7 @@ def bench_sample(data: Path, payloads: list[bytes], rounds: int) -> dict[tuple[s
                             with sample_form(form):
                                 cpu = tree_cpu_seconds(server.proc.pid) + time.process_time()
                                 start, seen = time.perf_counter(), 0
-                                for batch in client.sample(table, num_groups=8, timeout=5):
+                                for batch in client.sample(table, num_groups=8, timeout=5, delivery="consume"):
                                     if decoded:
                                         assert batch.experiences[0].advantages is not None or name == "none"
                                     seen += len(batch.uids)

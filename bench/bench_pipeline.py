@@ -93,7 +93,10 @@ def measure(target: str, rounds: int) -> dict[str, dict[str, list[float]]]:
                         key = f"{'tensors' if decode else 'bytes'} w{window}"
                         rates.setdefault(key, []).append(stream(client, table, batches, window, decode))
             fill(client, table, tokens, batches, serial)
-            payloads = [b.payload for b in client.sample(table, num_groups=BATCH // GROUP, max_batches=batches)]
+            payloads = [
+                b.payload
+                for b in client.sample(table, num_groups=BATCH // GROUP, max_batches=batches, delivery="consume")
+            ]
             for _ in range(rounds):
                 for name, fn in (("copying", copying_decode), ("views", trxp.decode)):
                     rates.setdefault(f"decode {name}", []).append(decode_rate(payloads, fn))

@@ -176,7 +176,9 @@ def bench_latency(target: str, reps: int) -> dict[str, float]:
             start = time.perf_counter()
             c.push(payload, table=TABLE)
             push_t.append(time.perf_counter() - start)
-        next(c.sample(TABLE, batch_size=reps, max_batches=1, timeout=10))  # drain the single experiences
+        next(
+            c.sample(TABLE, batch_size=reps, max_batches=1, timeout=10, delivery="consume")
+        )  # drain the single experiences
         for payload in groups:
             c.push(payload, table=TABLE)
         first_t = []

@@ -78,7 +78,9 @@ def main() -> None:
             with BufferClient(server.target, timeout=60) as client:
                 while not stop.is_set():
                     try:
-                        for batch in client.sample(TABLE, num_groups=4, timeout=1.0, max_batches=50):
+                        for batch in client.sample(
+                            TABLE, num_groups=4, timeout=1.0, max_batches=50, delivery="consume"
+                        ):
                             counts["consumed"] += len(batch.uids)
                     except Exception as exc:  # a wait without data ends the stream; keep draining
                         if "DEADLINE_EXCEEDED" not in str(exc):

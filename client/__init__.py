@@ -1,6 +1,8 @@
 """expbuf client side: the TRXP codec, experience types and the gRPC clients."""
 
-from .client import AsyncBufferClient, Batch, BufferClient, GetResult, PushResult, Tls
+from .aio import AsyncBufferClient
+from .client import BufferClient
+from .connection import Tls
 from .errors import (
     AlreadyExistsError,
     BufferError,
@@ -15,7 +17,7 @@ from .errors import (
     UnavailableError,
 )
 from .experience import EID, Experience
-from .results import BufferStats, ServerInfo, ShapingInfo, TableInfo, TableStats
+from .results import Batch, BufferStats, GetResult, PushResult, ServerInfo, ShapingInfo, TableInfo, TableStats
 from .trxp import TrxpError, decode, encode
 
 __all__ = [

@@ -8,21 +8,16 @@ import random
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
-from . import trxp
-from .client import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    Batch,
-    BufferError,
-    PushResult,
-    Tls,
-    _payload,
-)
-from .results import TableInfo
+from . import calls, trxp
+from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
+from .errors import BufferError
+from .results import Batch, PushResult, TableInfo
 from .routing import ShardMap, group_key, rendezvous, shard_names
+from .sample_spec import SampleSpec
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # a short deadline; a shard that fails it is left out.
@@ -76,7 +71,7 @@ def dns_targets(name: str, port: int = 50051) -> dict[str, str]:
     return targets
 
 
-def _merge_push(results: Iterable[PushResult]) -> PushResult:
+def merge_push(results: Iterable[PushResult]) -> PushResult:
     merged = PushResult([], [], [])
     for result in results:
         merged.stored += result.stored
@@ -86,7 +81,7 @@ def _merge_push(results: Iterable[PushResult]) -> PushResult:
     return merged
 
 
-def _shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
+def shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
     first = next(iter(errors.values()))
     details = "; ".join(f"shard {name} ({targets[name]}): {exc}" for name, exc in errors.items())
     return ShardError(first.code, details, list(errors), result)
@@ -114,7 +109,7 @@ def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
     return {shard: count for shard, count in parts.items() if count > 0}
 
 
-class _Sharded:
+class Sharded:
     """The map, the per-shard clients, and the rules shared by the blocking and asyncio clients."""
 
     _client_class: type
@@ -124,16 +119,13 @@ class _Sharded:
         shards: ShardMap | Mapping[str, str] | Sequence[str],
         token: str | None = None,
         tls: Tls | bool | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        **options: Unpack[ChannelOptions],
     ) -> None:
+        """Clients of the shards, each with the settings of one BufferClient (token, tls, timeout, ...)."""
         if isinstance(shards, str):
             raise TypeError("pass a list of targets, a {name: target} dict or a ShardMap, not one string")
-        self.timeout = timeout
-        self._options = {"token": token, "tls": tls, "timeout": timeout, "max_message_bytes": max_message_bytes}
-        self._retries = retries
+        self.timeout = options.get("timeout", DEFAULT_TIMEOUT)
+        self._options: dict[str, Any] = {"token": token, "tls": tls, **options}
         self.shard_map = shards if isinstance(shards, ShardMap) else ShardMap.of(shards)
         self.clients: dict[str, Any] = {}
         self._probes: dict[str, Any] = {}
@@ -179,13 +171,13 @@ class _Sharded:
             if name in clients and clients[name].target == target:
                 continue
             self._retired += [c for c in (clients.get(name), probes.get(name)) if c is not None]
-            clients[name] = make(target, retries=self._retries, **self._options)
-            probes[name] = make(target, retries=0, **{**self._options, "timeout": _PROBE_SECONDS})
+            clients[name] = make(target, **self._options)
+            probes[name] = make(target, **{**self._options, "retries": 0, "timeout": _PROBE_SECONDS})
         self.clients, self._probes = clients, probes
 
     def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
         """The payload's items by owning shard; a payload that is all one shard's goes unchanged."""
-        payload = _payload(items)
+        payload = calls.payload(items)
         try:
             parsed = trxp.parse(payload)
         except trxp.TrxpError as exc:
@@ -229,22 +221,9 @@ class _Sharded:
         )
 
     @staticmethod
-    def _need(batch_size: int | None, num_groups: int | None) -> tuple[str, int]:
-        if bool(batch_size) == bool(num_groups):
-            raise ValueError("pass exactly one of batch_size (experiences) or num_groups (whole groups)")
-        return ("groups_ready", num_groups) if num_groups else ("ready", batch_size)  # type: ignore[return-value]
-
-    def _nothing(self, ready: Mapping[str, int], allow_partial: bool, need: int, key: str, timeout: float) -> None:
-        """The wait ran out with nothing drawn: the end of the stream (allow_partial), or why not."""
-        if not ready:
-            raise ShardError(grpc.StatusCode.UNAVAILABLE, "no shard answered", list(self.clients))
-        if not allow_partial:
-            what = "groups" if key == "groups_ready" else "experiences"
-            raise BufferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fewer than {need} ready {what} after {timeout}s")
-
-    @staticmethod
-    def _size(key: str, batch: Batch) -> int:
-        return len(batch.groups) if key == "groups_ready" else len(batch.uids)
+    def _size(spec: SampleSpec, batch: Batch) -> int:
+        """A fetched part's size in the unit the spec counts: groups or experiences."""
+        return len(batch.groups) if spec.by_groups else len(batch.uids)
 
     def _remember(self, tables: list[TableInfo]) -> list[TableInfo]:
         """Keep each table's grouping: the client needs it to route, and it never changes."""

@@ -1,7 +1,7 @@
 """The sharded clients' logic, free of I/O, that the blocking and the asyncio client both run.
 
 Each call is a plan: a generator that yields the shard calls to make in parallel (a list of
-`Call`), a pause (`Sleep`) or, while sampling, a batch for the caller (`Emit`), and is sent
+`Call`), a pause (`Wait`) or, while sampling, a batch for the caller (`Emit`), and is sent
 back the calls' outcomes (each a result or the BufferError it raised). The drivers in
 sharded.py and sharded_async.py only make the calls, with threads or with asyncio.
 
@@ -27,20 +27,19 @@ import grpc
 from .client import Batch, BufferError, GetResult, Grant, PushResult
 from .results import BufferStats, ServerInfo, TableInfo, TableStats
 from .routing import uid_group_key
+from .sample_spec import SampleSpec
 from .shard_common import (
     LiveResult,
     ShardBatch,
-    _merge_push,
-    _shard_error,
-    _Sharded,
-    allocate,
+    Sharded,
+    merge_push,
+    shard_error,
 )
+from .shard_poll import Ask, GiveUp, Poll, Wait
 
 T = TypeVar("T")
 _log = logging.getLogger("expbuf.client")
 
-# How long sample() waits between looks at the shards' ready counts when none can fill a batch.
-_POLL_SECONDS = (0.02, 0.5)
 # The codes of a shard that is down or cut off, rather than one that refused the call.
 DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -61,16 +60,11 @@ class Call:
 
 
 @dataclass(frozen=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Emit:
     batch: ShardBatch
 
 
-Step = list[Call] | Sleep | Emit
+Step = list[Call] | Wait | Emit
 Plan = Generator[Step, Any, T]
 
 
@@ -151,7 +145,7 @@ class Owed:
             }
 
 
-class _Planned(_Sharded):
+class Planned(Sharded):
     """The plans of every sharded call; a driver runs them (`_run`, and its sample loop)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -199,7 +193,7 @@ class _Planned(_Sharded):
         calls = [Call(shard, method, args, kwargs) for shard in self.clients]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, results)
+            raise shard_error(errors, self.shard_map.targets, results)
         return results
 
     def _live(self, method: str, *args: Any, **kwargs: Any) -> Plan[LiveResult]:
@@ -212,13 +206,13 @@ class _Planned(_Sharded):
         missing = {shard: exc for shard, exc in errors.items() if is_down(exc)}
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused or not results:
-            raise _shard_error(refused or missing, self.shard_map.targets, results)
+            raise shard_error(refused or missing, self.shard_map.targets, results)
         return LiveResult(results, {shard: str(exc) for shard, exc in missing.items()})
 
     def _on_one(self, shard: str, method: str, *args: Any, **kwargs: Any) -> Plan[Any]:
         (outcome,) = yield from self._exchange([Call(shard, method, args, kwargs)])
         if isinstance(outcome, BufferError):
-            raise _shard_error({shard: outcome}, self.shard_map.targets)
+            raise shard_error({shard: outcome}, self.shard_map.targets)
         return outcome
 
     @staticmethod
@@ -237,7 +231,7 @@ class _Planned(_Sharded):
             if not isinstance(outcome, BufferError):
                 return self._remember(outcome)
             last[shard] = outcome
-        raise _shard_error(last, self.shard_map.targets)
+        raise shard_error(last, self.shard_map.targets)
 
     def _group_by_of(self, table: str) -> Plan[str]:
         if table not in self._group_by:
@@ -253,7 +247,7 @@ class _Planned(_Sharded):
             self._owed.create(shard, name, settings)
         refused = {shard: exc for shard, exc in errors.items() if shard not in missing}
         if refused or not configs:
-            raise _shard_error(refused or missing, self.shard_map.targets, configs)
+            raise shard_error(refused or missing, self.shard_map.targets, configs)
         config = next(iter(configs.values()))
         self._group_by[name] = config.get("group_by") or "task"
         return LiveResult(config, {shard: str(exc) for shard, exc in missing.items()})
@@ -277,8 +271,8 @@ class _Planned(_Sharded):
         calls = [Call(shard, "push", (part, table), {"timeout": timeout}) for shard, part in parts.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, _merge_push(results.values()))
-        return _merge_push(results.values())
+            raise shard_error(errors, self.shard_map.targets, merge_push(results.values()))
+        return merge_push(results.values())
 
     def _get(self, uids: Iterable[str], table: str) -> Plan[GetResult]:
         """Each uid from the shard that owns its group; a uid its owner does not hold, or whose
@@ -300,7 +294,7 @@ class _Planned(_Sharded):
         lost = {s: exc for s, exc in unanswered.items() if any(uid not in found for uid in asked[s])}
         result = GetResult([found[uid] for uid in uids if uid in found], [uid for uid in uids if uid not in found])
         if lost:
-            raise _shard_error(lost, self.shard_map.targets, result)
+            raise shard_error(lost, self.shard_map.targets, result)
         return result
 
     def _get_from(self, asked: Mapping[str, list[str]], table: str) -> Plan[tuple[dict, dict[str, BufferError]]]:
@@ -308,7 +302,7 @@ class _Planned(_Sharded):
         results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused:
-            raise _shard_error(refused, self.shard_map.targets)
+            raise shard_error(refused, self.shard_map.targets)
         return {exp.eid.uid: exp for part in results.values() for exp in part}, errors
 
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
@@ -341,7 +335,7 @@ class _Planned(_Sharded):
                 self._owed.version(shard, table, version)
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused or (need_answer and not results):
-            raise _shard_error(refused or errors, self.shard_map.targets, results)
+            raise shard_error(refused or errors, self.shard_map.targets, results)
         return min(results.values(), default=None)
 
     def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
@@ -351,46 +345,36 @@ class _Planned(_Sharded):
         errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
         done = sum(o for o in outcomes if not isinstance(o, BufferError))
         if errors:
-            raise _shard_error(errors, self.shard_map.targets, done)
+            raise shard_error(errors, self.shard_map.targets, done)
         return done
 
     def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
         shard = self.admission_shard(table)
         return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
 
-    def _sample(
-        self,
-        table: str,
-        key: str,
-        need: int,
-        request: dict[str, Any],
-        timeout: float,
-        max_batches: int,
-        allow_partial: bool,
-        ends: tuple[Callable, Callable],
-    ) -> Plan[None]:
-        """Batches drawn from every shard in proportion to what each holds ready (`allocate`)."""
-        if request["trainer_version"] is not None:  # every shard, the admission shard too
-            yield from self._set_trainer_version(request["trainer_version"], table, need_answer=False)
+    def _sample(self, spec: SampleSpec, ends: tuple[Callable, Callable]) -> Plan[None]:
+        """Batches drawn from every shard in proportion to what each holds ready, as Poll decides."""
+        if spec.trainer_version is not None:  # every shard, the admission shard too
+            yield from self._set_trainer_version(spec.trainer_version, spec.table, need_answer=False)
         sent = 0
-        while not max_batches or sent < max_batches:
-            deadline, pause, parts, got = time.monotonic() + timeout, _POLL_SECONDS[0], [], 0
-            while True:
-                ready, late = (yield from self._ready(table, key)), time.monotonic() >= deadline
-                want = allocate(ready, need - got)
-                if sum(want.values()) >= need - got or (late and want):
-                    parts += yield from self._fetch(table, key, want, request | {"allow_partial": late})
-                    got = sum(self._size(key, part) for _, part in parts)
-                if got >= need or late:
-                    break
-                yield Sleep(min(pause, max(0.0, deadline - time.monotonic())))
-                pause = min(pause * 2, _POLL_SECONDS[1])
-            if not parts:
-                self._nothing(ready, allow_partial, need, key, timeout)
+        while not spec.max_batches or sent < spec.max_batches:
+            poll, parts = Poll(spec, self.clients, time.monotonic()), []
+            step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+            while isinstance(step, (Ask, Wait)):
+                if isinstance(step, Ask):
+                    fetched = yield from self._fetch(spec, step.parts, step.late)
+                    parts += fetched
+                    step = poll.took((self._size(spec, batch) for _, batch in fetched), time.monotonic())
+                else:
+                    yield step
+                    step = poll.look((yield from self._ready(spec.table, poll.key)), time.monotonic())
+            if isinstance(step, GiveUp):
+                if step.error is not None:
+                    raise step.error
                 return
             sent += 1
-            yield Emit(self._merge(parts, got < need, *ends))
-            if got < need:
+            yield Emit(self._merge(parts, step.partial, *ends))
+            if step.partial:
                 return
 
     def _ready(self, table: str, key: str) -> Plan[dict[str, int]]:
@@ -399,10 +383,9 @@ class _Planned(_Sharded):
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
         return {shard: getattr(stats[table], key) for shard, stats in results.items() if table in stats}
 
-    def _fetch(self, table: str, key: str, want: Mapping[str, int], request: dict) -> Plan[list[tuple[str, Batch]]]:
+    def _fetch(self, spec: SampleSpec, want: Mapping[str, int], late: bool) -> Plan[list[tuple[str, Batch]]]:
         """One batch of each shard's part, in parallel; a shard that cannot give it now gives nothing
         (taken by another trainer meanwhile, filtered out, or the shard went down)."""
-        size = "num_groups" if key == "groups_ready" else "batch_size"
-        calls = [Call(shard, "sample", (table,), {size: count, **request}) for shard, count in want.items()]
+        calls = [Call(shard, "sample", (), spec.part(count, late).keywords()) for shard, count in want.items()]
         results, _ = self._sort(calls, (yield from self._exchange(calls)))
         return [(shard, batch) for shard, batches in results.items() for batch in batches]

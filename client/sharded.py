@@ -18,17 +18,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Unpack
 
 from .client import BufferClient, BufferError, GetResult, Grant, PushResult
 from .results import BufferStats, ServerInfo, TableInfo
 from .routing import ShardMap
+from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
+from .shard_plans import Call, Emit, Plan, Planned, T
+from .shard_poll import Wait
 from .sharded_async import AsyncShardedBufferClient
 
 
-class ShardedBufferClient(_Planned):
+class ShardedBufferClient(Planned):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient
@@ -59,7 +61,7 @@ class ShardedBufferClient(_Planned):
             return exc
 
     def _step(self, step: Any) -> Any:
-        if isinstance(step, Sleep):
+        if isinstance(step, Wait):
             time.sleep(step.seconds)
             return None
         if len(step) == 1:
@@ -86,14 +88,7 @@ class ShardedBufferClient(_Planned):
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 30.0,
-        max_batches: int = 0,
-        min_model_version: int | None = None,
-        allow_partial: bool = False,
-        trainer_version: int | None = None,
+        **options: Unpack[SampleOptions],
     ) -> Iterator[ShardBatch]:
         """Stream batches of whole groups drawn from every shard in proportion to what each holds ready.
 
@@ -102,11 +97,8 @@ class ShardedBufferClient(_Planned):
         with whole groups, so a batch may end up to one group per shard past it. `trainer_version`
         is set on every shard that answers and owed to the others (see `set_trainer_version`).
         """
-        key, need = self._need(batch_size, num_groups)
-        request = {"order": order, "delivery": delivery, "lease_seconds": lease_seconds}
-        request |= {"min_model_version": min_model_version, "timeout": 0.0, "max_batches": 1}
-        request |= {"trainer_version": trainer_version}
-        plan = self._sample(table, key, need, request, timeout, max_batches, allow_partial, (self.ack, self.nack))
+        spec = SampleSpec(table, batch_size, num_groups, **options)
+        plan = self._sample(spec, (self.ack, self.nack))
         outcome = None
         while True:
             try:

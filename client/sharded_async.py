@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Unpack
 
-from .client import AsyncBufferClient, BufferError, GetResult, Grant, PushResult
-from .results import BufferStats, ServerInfo, TableInfo
+from .aio import AsyncBufferClient
+from .errors import BufferError
+from .results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch
-from .shard_plans import Call, Emit, Plan, Sleep, T, _Planned
+from .shard_plans import Call, Emit, Plan, Planned, T
+from .shard_poll import Wait
 
 
-class AsyncShardedBufferClient(_Planned):
+class AsyncShardedBufferClient(Planned):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient
@@ -43,7 +46,7 @@ class AsyncShardedBufferClient(_Planned):
             return exc
 
     async def _step(self, step: Any) -> Any:
-        if isinstance(step, Sleep):
+        if isinstance(step, Wait):
             await asyncio.sleep(step.seconds)
             return None
         return await asyncio.gather(*(self._call(call) for call in step))
@@ -69,21 +72,11 @@ class AsyncShardedBufferClient(_Planned):
         table: str = "default",
         batch_size: int | None = None,
         num_groups: int | None = None,
-        order: str = "fifo",
-        delivery: str = "consume",
-        lease_seconds: float = 60.0,
-        timeout: float = 30.0,
-        max_batches: int = 0,
-        min_model_version: int | None = None,
-        allow_partial: bool = False,
-        trainer_version: int | None = None,
+        **options: Unpack[SampleOptions],
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
-        key, need = self._need(batch_size, num_groups)
-        request = {"order": order, "delivery": delivery, "lease_seconds": lease_seconds}
-        request |= {"min_model_version": min_model_version, "timeout": 0.0, "max_batches": 1}
-        request |= {"trainer_version": trainer_version}
-        plan = self._sample(table, key, need, request, timeout, max_batches, allow_partial, (self.ack, self.nack))
+        spec = SampleSpec(table, batch_size, num_groups, **options)
+        plan = self._sample(spec, (self.ack, self.nack))
         outcome = None
         while True:
             try:

@@ -74,10 +74,12 @@ def trainer(target: str, steps: int) -> None:
                     trainer_version=version,
                     timeout=60,
                     max_batches=1,
+                    delivery="lease",  # the default, named: a step that dies gives its groups back
                 )
             )
             lag = max(version - e.info["model_version"] for e in batch.experiences)
             print(f"step {version}: {len(batch.groups)} groups, at most {lag} versions behind")
+            batch.ack()  # the step is done: its groups leave the buffer
             client.set_trainer_version(version + 1, TABLE)  # after the optimizer step
 
 

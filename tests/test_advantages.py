@@ -34,7 +34,7 @@ def client(start_server: Servers) -> BufferClient:
 
 def test_grpo_group_over_grpc(client: BufferClient) -> None:
     client.push(payload("grpo_group.trxp"))
-    batch = next(client.sample(num_groups=1, max_batches=1, timeout=10))
+    batch = next(client.sample(num_groups=1, max_batches=1, timeout=10, delivery="consume"))
     rewards = torch.tensor([e.reward for e in batch.experiences])
     want = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # torch's default std is unbiased
     for exp, value in zip(batch.experiences, want.tolist(), strict=True):
@@ -52,7 +52,7 @@ def test_multi_turn_discount_over_grpc(client: BufferClient) -> None:
         "turns", group_by="run", estimator="multi_turn_discount", estimator_params={"turn_level_discount": 0.9}
     )
     client.push(payload("multi_turn.trxp"), table="turns")
-    batch = next(client.sample("turns", num_groups=1, max_batches=1, timeout=10))
+    batch = next(client.sample("turns", num_groups=1, max_batches=1, timeout=10, delivery="consume"))
     rewards = [e.reward for e in batch.experiences]
     assert rewards == [0.0, 0.0, 1.0]
     for exp, value in zip(batch.experiences, [0.81, 0.9, 1.0], strict=True):
@@ -63,7 +63,7 @@ def test_multi_turn_discount_over_grpc(client: BufferClient) -> None:
 def test_discounted_return_uses_token_level_rewards(client: BufferClient) -> None:
     client.create_table("rf", group_by="none", estimator="discounted_return", estimator_params={"gamma": 0.5})
     client.push(payload("rich_fields.trxp"), table="rf")
-    (exp,) = next(client.sample("rf", num_groups=1, max_batches=1, timeout=10)).experiences
+    (exp,) = next(client.sample("rf", num_groups=1, max_batches=1, timeout=10, delivery="consume")).experiences
     running, want = 0.0, []
     for r, m in zip(reversed(exp.token_level_reward.tolist()), reversed(exp.action_mask.tolist()), strict=True):
         running = r + 0.5 * running
@@ -155,14 +155,14 @@ def test_failed_computation_over_grpc_and_the_server_keeps_serving(client: Buffe
     client.create_table("boom", estimator=exploding)
     client.push(trxp.build(group_items(3, 0, 4, reward=13.0) + group_items(3, 1, 4)), table="boom")
     with pytest.raises(BufferError) as info:
-        next(client.sample("boom", num_groups=2, max_batches=1, timeout=2))
+        next(client.sample("boom", num_groups=2, max_batches=1, timeout=2, delivery="consume"))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED  # the good group alone is ready
     stats = client.stats("boom")["boom"]
     assert (stats.groups_failed, stats.groups_ready) == (1, 1) and "group 3/0" in stats.last_failure
     kept = client.get([f"3/0/{run}/0/r{run}s0" for run in range(4)], table="boom")
     assert len(kept) == 4 and kept.missing_uids == []
     client.push(payload("mixed_batch.trxp"))
-    assert len(next(client.sample(num_groups=2, max_batches=1, timeout=10)).uids) == 8
+    assert len(next(client.sample(num_groups=2, max_batches=1, timeout=10, delivery="consume")).uids) == 8
 
 
 def test_groups_completed_together_are_one_job_and_survive_restart(tmp_path: Path) -> None:
@@ -246,7 +246,7 @@ def test_batch_statistics_do_not_depend_on_arrival(client: BufferClient, estimat
     wait_computed(client, "together")
     sampled = {}
     for table in ("together", "apart"):
-        batch = next(client.sample(table, num_groups=4, max_batches=1, timeout=10))
+        batch = next(client.sample(table, num_groups=4, max_batches=1, timeout=10, delivery="consume"))
         sampled[table] = {e.eid.uid: e.advantages for e in batch.experiences}
     assert sorted(sampled["together"]) == sorted(sampled["apart"])
     for uid, advantages in sampled["together"].items():
@@ -261,7 +261,7 @@ def test_non_finite_result_fails_its_group(client: BufferClient) -> None:
     wait_computed(client, "huge")
     stats = client.stats("huge")["huge"]
     assert stats.groups_failed == 1 and "non-finite" in stats.last_failure and "6/0" in stats.last_failure
-    batch = next(client.sample("huge", num_groups=1, max_batches=1, timeout=10))
+    batch = next(client.sample("huge", num_groups=1, max_batches=1, timeout=10, delivery="consume"))
     assert {e.eid.tid for e in batch.experiences} == {"6/1"}
     assert all(torch.isfinite(e.advantages).all() for e in batch.experiences)
 

@@ -126,7 +126,7 @@ def test_turn_discount_is_areals_interaction_cache(server: ServerProcess) -> Non
     client.push(exps, table="turns")  # group_size 0: the push is the group
     discounted = [i.reward for i in cache.apply_reward_discount(turn_discount=0.9).values()]
 
-    batch = next(client.sample("turns", num_groups=1, timeout=30, max_batches=1))
+    batch = next(client.sample("turns", num_groups=1, timeout=30, max_batches=1, delivery="consume"))
     got = sorted(batch.experiences, key=lambda e: e.eid.step)
     assert [e.advantages[0].item() for e in got] == pytest.approx(discounted, rel=1e-6)
     assert discounted[0] == pytest.approx(0.5 * 0.9 + 2.0 * 0.9**3)

@@ -103,7 +103,7 @@ def run_executor(workflow: RolloutWorkflow, prompts: list[list[int]], version: i
 
 
 def whole_groups(client: BufferClient, table: str, groups: int) -> list[list]:
-    batch = next(client.sample(table, num_groups=groups, timeout=30, max_batches=1))
+    batch = next(client.sample(table, num_groups=groups, timeout=30, max_batches=1, delivery="consume"))
     by_group: dict[str, list] = {}
     for exp in batch.experiences:
         by_group.setdefault(exp.eid.tid, []).append(exp)

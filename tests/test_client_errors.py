@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pickle
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from expbuf.client import (
     NotFoundError,
 )
 from expbuf.client.client import AsyncBatch
+from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 
 from conftest import BAD_DIR, Servers, payload
 
@@ -38,7 +40,10 @@ def test_each_status_a_caller_handles_has_its_type(target: str) -> None:
             (lambda: client.push((BAD_DIR / "bad_magic.bin").read_bytes()), InvalidArgumentError),
             (lambda: client.stats("nope"), NotFoundError),
             (lambda: client.create_table("g", group_size=4), AlreadyExistsError),
-            (lambda: next(client.sample("default", num_groups=1, timeout=0.2)), DeadlineExceededError),
+            (
+                lambda: next(client.sample("default", num_groups=1, timeout=0.2, delivery="consume")),
+                DeadlineExceededError,
+            ),
         ]
         for call, kind in cases:
             with pytest.raises(kind) as raised:
@@ -64,3 +69,41 @@ def test_async_batch_ack_is_a_coroutine_function(target: str) -> None:
 
     stats = asyncio.run(run())
     assert stats.leased == 0 and stats.consumed == 8
+
+
+BAD_SAMPLE_OPTIONS = [
+    ({}, "exactly one of batch_size"),
+    ({"num_groups": 1, "batch_size": 8}, "exactly one of batch_size"),
+    ({"num_groups": -1}, "num_groups is -1"),
+    ({"batch_size": 2.5}, "batch_size is 2.5"),
+    ({"num_groups": 1, "order": "newest"}, "order is 'newest'; expected one of fifo"),
+    ({"num_groups": 1, "delivery": "once"}, "delivery is 'once'; expected one of consume, lease, replay"),
+    ({"num_groups": 1, "lease_seconds": 0}, "lease_seconds is 0"),
+    ({"num_groups": 1, "timeout": float("nan")}, "timeout is nan"),
+    ({"num_groups": 1, "max_batches": -2}, "max_batches is -2"),
+    ({"num_groups": 1, "trainer_version": -1}, "trainer_version is -1"),
+    ({"num_groups": 1, "allow_partial": "yes"}, "allow_partial is 'yes'"),
+    ({"num_groups": 1, "window": 9}, "window is 9; it must be 1 to 8"),
+]
+
+
+def test_every_client_refuses_a_bad_sample_option_by_name(target: str) -> None:
+    """The four clients build one SampleSpec: the same refusal, naming the option, before any stream opens."""
+
+    async def run_async(make: Callable[[], AsyncBufferClient | AsyncShardedBufferClient]) -> None:
+        async with make() as client:
+            for options, message in BAD_SAMPLE_OPTIONS:
+                with pytest.raises(ValueError, match=message):
+                    await anext(client.sample("g", **options))
+
+    with BufferClient(target) as client, ShardedBufferClient([target]) as sharded:
+        client.create_table("g", group_size=8)
+        client.push(payload("grpo_group.trxp"), table="g")
+        for options, message in BAD_SAMPLE_OPTIONS:
+            for each in (client, sharded):
+                with pytest.raises(ValueError, match=message):
+                    next(each.sample("g", **options))
+        asyncio.run(run_async(lambda: AsyncBufferClient(target)))
+        asyncio.run(run_async(lambda: AsyncShardedBufferClient([target])))
+        stats = client.stats("g")["g"]
+        assert stats.pushed == 8 and stats.sampled == stats.consumed == stats.leased == 0  # none taken

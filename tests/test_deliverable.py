@@ -41,7 +41,10 @@ def test_every_accepted_group_is_delivered_and_the_others_are_refused(start_serv
         assert accepted and refused and max(accepted) < min(refused)
         assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 4 * len(accepted)
     with BufferClient(f"127.0.0.1:{server.port}") as client:  # a batch too large would fail the stream
-        sizes = [len(batch.payload) for batch in client.sample(num_groups=1, max_batches=len(accepted), timeout=10)]
+        sizes = [
+            len(batch.payload)
+            for batch in client.sample(num_groups=1, max_batches=len(accepted), timeout=10, delivery="consume")
+        ]
     assert len(sizes) == len(accepted)
     assert LIMIT * 0.8 < max(sizes) <= LIMIT, "the bound refuses groups far below the limit"
 

@@ -3,6 +3,7 @@ when a lease's clock starts. A real server on loopback, real LMDB."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import time
@@ -166,7 +167,7 @@ def test_consumed_batch_is_never_delivered_twice_whatever_the_wait(client: Buffe
     talk = Conversation(stub, request(wait_seconds=400))
     first = talk.read()
     time.sleep(1.2)
-    assert list(client.sample("t", num_groups=1, timeout=0.3, allow_partial=True)) == []
+    assert list(client.sample("t", num_groups=1, timeout=0.3, allow_partial=True, delivery="consume")) == []
     talk.confirm(1, stop=True)
     assert list(talk.call) == []
     stats = client.stats("t")["t"]
@@ -176,12 +177,12 @@ def test_consumed_batch_is_never_delivered_twice_whatever_the_wait(client: Buffe
 
 def test_client_that_stops_early_gives_back_the_batch_on_its_way(client: BufferClient) -> None:
     fill(client, 10)
-    for batch in client.sample("t", num_groups=1):
+    for batch in client.sample("t", num_groups=1, delivery="consume"):
         assert len(batch.uids) == 2
         break
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready, stats.leased) == (2, 18, 0)
-    assert len(next(client.sample("t", num_groups=1)).uids) == 2  # the one-off pattern consumes one
+    assert len(next(client.sample("t", num_groups=1, delivery="consume")).uids) == 2  # the one-off pattern consumes one
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready) == (4, 16)
 
@@ -189,7 +190,10 @@ def test_client_that_stops_early_gives_back_the_batch_on_its_way(client: BufferC
 async def _async_one(target: str) -> list[str]:
     from expbuf.client import AsyncBufferClient
 
-    async with AsyncBufferClient(target) as aclient, contextlib.aclosing(aclient.sample("t", num_groups=1)) as batches:
+    async with (
+        AsyncBufferClient(target) as aclient,
+        contextlib.aclosing(aclient.sample("t", num_groups=1, delivery="consume")) as batches,
+    ):
         async for batch in batches:
             return batch.uids
     return []
@@ -317,7 +321,7 @@ def test_cancel_with_a_window_consumes_only_what_the_client_confirmed(client: Bu
     talk.cancel()
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.leased, stats.ready) == (4, 0, 596)
-    rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, window=window)]
+    rest = [tuple(b.uids) for b in client.sample("t", num_groups=1, max_batches=298, window=window, delivery="consume")]
     assert len(set(rest)) == 298
     assert delivered[2] in rest and not set(rest) & set(delivered[:2])
     assert client.stats("t")["t"].ready == 0
@@ -327,7 +331,9 @@ def test_cancel_with_a_window_consumes_only_what_the_client_confirmed(client: Bu
 def test_a_windowed_stream_consumes_every_group_exactly_once(client: BufferClient, window: int) -> None:
     fill(client, 40)
     seen = [
-        uid for b in client.sample("t", num_groups=3, window=window, timeout=0.5, allow_partial=True) for uid in b.uids
+        uid
+        for b in client.sample("t", num_groups=3, window=window, timeout=0.5, allow_partial=True, delivery="consume")
+        for uid in b.uids
     ]
     assert len(seen) == len(set(seen)) == 80
     stats = client.stats("t")["t"]
@@ -350,7 +356,7 @@ def test_a_lease_clock_starts_when_its_batch_is_sent_within_a_window(client: Buf
 @pytest.mark.parametrize("window", [2, 4])
 def test_client_that_stops_early_gives_back_the_window(client: BufferClient, window: int) -> None:
     fill(client, 10)
-    for batch in client.sample("t", num_groups=1, window=window):
+    for batch in client.sample("t", num_groups=1, window=window, delivery="consume"):
         assert len(batch.uids) == 2
         time.sleep(0.3)  # the window fills meanwhile
         break
@@ -365,7 +371,7 @@ async def _async_two(target: str, window: int) -> list[str]:
 
     uids: list[str] = []
     async with AsyncBufferClient(target) as aclient:
-        batches = aclient.sample("t", num_groups=1, window=window)
+        batches = aclient.sample("t", num_groups=1, window=window, delivery="consume")
         async with contextlib.aclosing(batches):
             async for batch in batches:
                 uids += batch.uids
@@ -392,3 +398,31 @@ def test_a_window_above_the_servers_cap_is_refused(client: BufferClient, stub, w
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"window is {window}; it must be 1 to 8" in info.value.details()
     assert client.stats("t")["t"].ready == 4
+
+
+def test_every_client_leases_by_default_so_a_batch_never_acked_comes_back(server, client: BufferClient) -> None:
+    """Lease is the default delivery (#21): a trainer that dies before `batch.ack()` loses nothing;
+    its batch returns when the lease expires. One batch from each of the four clients, none acked."""
+    from expbuf.client import AsyncBufferClient
+    from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+
+    target = f"127.0.0.1:{server.port}"
+    fill(client, 4)
+
+    async def one(make: type) -> str:
+        async with (
+            make([target] if make is AsyncShardedBufferClient else target) as aclient,
+            contextlib.aclosing(aclient.sample("t", num_groups=1, max_batches=1, lease_seconds=1.0)) as batches,
+        ):
+            return (await anext(batches)).lease_id
+
+    with ShardedBufferClient([target]) as sharded:
+        leases = [
+            next(each.sample("t", num_groups=1, max_batches=1, lease_seconds=1.0)).lease_id
+            for each in (client, sharded)
+        ]
+    leases += [asyncio.run(one(AsyncBufferClient)), asyncio.run(one(AsyncShardedBufferClient))]
+    assert all(leases) and len(set(leases)) == 4
+    assert client.stats("t")["t"].leased == 8
+    stats = settle(client, lambda s: s.leased == 0 and s.ready == 8)
+    assert (stats.ready, stats.leased, stats.consumed) == (8, 0, 0)

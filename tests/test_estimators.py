@@ -403,7 +403,7 @@ def test_fixtures_over_grpc_match_trinity(server_client: BufferClient, name: str
     payloads = [payload("grpo_group.trxp"), payload("mixed_batch.trxp")]
     for data in payloads:
         server_client.push(data, table=table)
-    batch = next(server_client.sample(table, num_groups=3, max_batches=1, timeout=10))
+    batch = next(server_client.sample(table, num_groups=3, max_batches=1, timeout=10, delivery="consume"))
     exps = [e for data in payloads for e in experience.Experience.deserialize_many(data)]
     want = trinity_advantages(name, params, exps)
     got = {e.eid.uid: (e.advantages, e.returns) for e in batch.experiences}

@@ -334,11 +334,11 @@ def test_the_streams_of_one_table_are_capped(start_server: Servers) -> None:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "table 'a'" in error.details() and "max_table_streams = 2" in error.details()
         client.push(trxp.build(group_items(1, 0, 2)), table="b")
-        assert len(next(client.sample("b", num_groups=1, max_batches=1, timeout=5)).uids) == 2
+        assert len(next(client.sample("b", num_groups=1, max_batches=1, timeout=5, delivery="consume")).uids) == 2
         for call in waiting:
             call.cancel()
         while srv.service.table_streams._open.get("a", 0):  # their slots come back
             assert time.monotonic() < deadline + 10, "the cancelled streams kept their slots"
             time.sleep(0.02)
         client.push(trxp.build(group_items(1, 1, 2)), table="a")
-        assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5)).uids) == 2
+        assert len(next(client.sample("a", num_groups=1, max_batches=1, timeout=5, delivery="consume")).uids) == 2

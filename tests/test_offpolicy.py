@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, calls, trxp
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.config import load
@@ -40,7 +40,7 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(start_s
         assert c.set_trainer_version(3, "t") == 3
         assert c.stats("t")["t"].trainer_version == 3
         with pytest.raises(BufferError) as bad:
-            c._call(c._stub.SetTrainerVersion, _request("t", -2), retry=False)
+            c._run(calls.Unary("SetTrainerVersion", _request("t", -2), lambda reply: reply.version, retry=False))
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "version" in bad.value.details
         with pytest.raises(BufferError) as missing:
             c.set_trainer_version(1, "nope")
@@ -49,7 +49,7 @@ def test_trainer_version_is_stored_shown_exported_and_measures_staleness(start_s
             c.set_trainer_version(-1, "t")
         c.push(trxp.build(group_items(1, 0, 2, version=1)), table="t")
         c.push(trxp.build(group_items(1, 1, 2, version=4)), table="t")
-        batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5))
+        batch = next(c.sample("t", num_groups=2, max_batches=1, trainer_version=5, delivery="consume"))
         assert len(batch.uids) == 4
         assert c.stats("t")["t"].trainer_version == 5
         assert asyncio.run(_async_set(target, 6)) == 6
@@ -379,7 +379,7 @@ def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Server
         assert c.list_tables()[-1].samples_per_insert == 1.0
         c.push(trxp.build(group_items(1, 0, 1)), table="t")
         with pytest.raises(BufferError) as early:
-            next(c.sample("t", num_groups=1, timeout=0.3))
+            next(c.sample("t", num_groups=1, timeout=0.3, delivery="consume"))
         assert early.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "min_size_to_sample 2 holds samples; 1 experiences were inserted" in early.value.details
         for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)

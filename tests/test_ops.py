@@ -74,7 +74,7 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
         c.push(trxp.build(group_items(2, 0, 4)), table="ring")
         c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
         wait_until(lambda: c.stats()["default"].ready == 16)
-        consumed = next(c.sample(num_groups=1, max_batches=1))  # 7/3, version 5
+        consumed = next(c.sample(num_groups=1, max_batches=1, delivery="consume"))  # 7/3, version 5
         leased = next(c.sample(num_groups=1, delivery="lease", lease_seconds=0.5, max_batches=1))  # 11/0, v1
         assert (consumed.groups[0], leased.groups[0]) == ("7/3", "11/0")
         wait_until(lambda: c.stats()["default"].leases_expired == 1)
@@ -125,7 +125,7 @@ def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as c:
         c.push(payload("grpo_group.trxp"))
-        next(c.sample(num_groups=1, max_batches=1, timeout=10))
+        next(c.sample(num_groups=1, max_batches=1, timeout=10, delivery="consume"))
         c.set_trainer_version(1)
         c.admit("default", 1)
         with pytest.raises(BufferError):  # refusals are counted from the first one on

@@ -70,7 +70,7 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     assert ray.get(actor.pid.remote()) != pid  # restarted, on its node, at the same address
     assert expbuf_ray.shard_map(NAMESPACE) == shard_map
 
-    for batch in client.sample("rl", num_groups=4, timeout=1.0, allow_partial=True):
+    for batch in client.sample("rl", num_groups=4, timeout=1.0, allow_partial=True, delivery="consume"):
         delivered += batch.uids
     assert Counter(delivered).most_common(1)[0][1] == 1
     assert set(delivered) == acked  # every acknowledged experience, once

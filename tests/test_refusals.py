@@ -147,7 +147,7 @@ def test_a_live_refusal_raises_its_client_class_and_counts_its_reason(server: Ex
              ("full", "table_full")),
             (lambda: client.push([make_experience(2, t, 0) for t in range(3)], table="full"), ResourceExhaustedError,
              ("full", "too_large")),
-            (lambda: next(client.sample("rl", batch_size=1, timeout=0.3)), DeadlineExceededError,
+            (lambda: next(client.sample("rl", batch_size=1, timeout=0.3, delivery="consume")), DeadlineExceededError,
              ("rl", "rate_limited")),
         ]  # fmt: skip
         for call, kind, counted in cases:

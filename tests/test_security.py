@@ -56,11 +56,11 @@ def test_tokens_and_scopes(start_server: Servers) -> None:
     with BufferClient(target, token="pusher-secret") as pusher:
         assert len(pusher.push(payload("grpo_group.trxp")).stored) == 8
         with pytest.raises(BufferError) as info:
-            next(pusher.sample(num_groups=1))
+            next(pusher.sample(num_groups=1, delivery="consume"))
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert "'sample' scope" in info.value.details
     with BufferClient(target, token="trainer-secret") as trainer:
-        assert len(next(trainer.sample(num_groups=1, max_batches=1)).uids) == 8
+        assert len(next(trainer.sample(num_groups=1, max_batches=1, delivery="consume")).uids) == 8
         with pytest.raises(BufferError) as info:
             trainer.create_table("mine")
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED

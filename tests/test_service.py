@@ -59,7 +59,7 @@ def test_every_fixture_round_trips(client: BufferClient) -> None:
 def test_sampled_payload_reads_with_pickle_and_safetensors(client: BufferClient) -> None:
     """What Trinity-RFT's Experience.deserialize_many does with a batch."""
     client.push(payload("mixed_batch.trxp"))
-    batch = next(client.sample(num_groups=2))
+    batch = next(client.sample(num_groups=2, delivery="consume"))
     _, _, meta_len, _ = struct.unpack_from("<4sBQQ", batch.payload)
     meta = pickle.loads(batch.payload[21 : 21 + meta_len])
     tensors = safetensors.torch.load(batch.payload[21 + meta_len :])
@@ -73,11 +73,11 @@ def test_groups_are_whole_and_complete(client: BufferClient) -> None:
     items = trxp.parse(payload("grpo_group.trxp"))
     client.push(encode_items(items[:3]), table="g4")
     with pytest.raises(BufferError) as info:
-        next(client.sample("g4", num_groups=1, timeout=0.2))
+        next(client.sample("g4", num_groups=1, timeout=0.2, delivery="consume"))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "did not have 1 group ready" in info.value.details
     client.push(payload("mixed_batch.trxp"), table="g4")
-    batch = next(client.sample("g4", num_groups=2))
+    batch = next(client.sample("g4", num_groups=2, delivery="consume"))
     assert Counter(batch.group_ids) == {"11/0": 4, "11/1": 4}
     assert batch.groups == ["11/0", "11/1"] or batch.groups == ["11/1", "11/0"]
     with pytest.raises(BufferError, match="group 7/3 has 3 of 4 experiences; 2 more would overfill it"):
@@ -85,7 +85,7 @@ def test_groups_are_whole_and_complete(client: BufferClient) -> None:
     assert client.push(encode_items(items[3:4]), table="g4").completed_groups == ["7/3"]
     client.push(encode_items(group_items(8, 0, 2)), table="g4")
     assert client.seal("8/0", table="g4") == 2
-    batch = next(client.sample("g4", batch_size=5))
+    batch = next(client.sample("g4", batch_size=5, delivery="consume"))
     assert batch.group_ids == ["7/3"] * 4 + ["8/0"] * 2 and batch.groups == ["7/3", "8/0"]
 
 
@@ -105,7 +105,7 @@ def test_concurrent_trainers_receive_every_experience_once(client: BufferClient,
     def train() -> None:
         try:
             with BufferClient(target) as c:
-                for batch in c.sample(num_groups=2, timeout=3, allow_partial=True):
+                for batch in c.sample(num_groups=2, timeout=3, allow_partial=True, delivery="consume"):
                     with lock:
                         received.extend(batch.uids)
         except BaseException as exc:
@@ -135,10 +135,10 @@ def test_lease_expires_and_survives_restart(start_server: Servers) -> None:
         back = next(c.sample(num_groups=1, delivery="lease", timeout=10, max_batches=1))
         assert back.uids == leased.uids
         back.nack()
-        again = next(c.sample(num_groups=1, timeout=5, max_batches=1))
+        again = next(c.sample(num_groups=1, timeout=5, max_batches=1, delivery="consume"))
         assert again.uids == leased.uids
         with pytest.raises(BufferError) as info:
-            next(c.sample(num_groups=1, timeout=1.5))
+            next(c.sample(num_groups=1, timeout=1.5, delivery="consume"))
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert c.stats()["default"].leases_expired == 1
 
@@ -271,10 +271,10 @@ def test_experience_dataset_acks_when_the_next_batch_is_requested(client: Buffer
 def test_batches_read_ahead_but_not_taken_come_back(client: BufferClient) -> None:
     client.push(encode_items(group_items(6, 0, 2)))
     client.push(encode_items(group_items(6, 1, 2)))
-    stream = client.sample(num_groups=1, lease_seconds=1.0)
+    stream = client.sample(num_groups=1, lease_seconds=1.0, delivery="consume")
     assert next(stream).groups[0] == "6/0"
     stream.close()  # 6/1 may already be on its way to this client: it must not be lost
-    remaining = next(client.sample(num_groups=1, timeout=10, max_batches=1))
+    remaining = next(client.sample(num_groups=1, timeout=10, max_batches=1, delivery="consume"))
     assert remaining.group_ids == ["6/1", "6/1"] and remaining.groups == ["6/1"]
     assert client.stats()["default"].consumed == 4
 
@@ -288,7 +288,7 @@ def test_sigterm_finishes_and_restart_finds_everything(tmp_path: Path) -> None:
     proc = ServerProcess(str(tmp_path))
     try:
         with BufferClient(proc.target) as c:
-            assert len(next(c.sample(num_groups=1)).uids) == 8
+            assert len(next(c.sample(num_groups=1, delivery="consume")).uids) == 8
     finally:
         proc.stop(signal.SIGTERM)
 

@@ -111,7 +111,7 @@ def test_shaping_steps_on_ingest_match_the_seed_formulas(client: BufferClient, e
     assert (stats.advantages_seen, stats.advantages_clipped) == (counts["aseen"], counts["aclip"])
     assert stats.reward_running_mean == pytest.approx(statistics.fmean(seen))
     assert stats.reward_running_std == pytest.approx(statistics.stdev(seen))
-    batch = next(client.sample("s", num_groups=4, max_batches=1, timeout=10))
+    batch = next(client.sample("s", num_groups=4, max_batches=1, timeout=10, delivery="consume"))
     assert len(batch.experiences) == 16
     for exp in batch.experiences:
         assert exp.advantages.tolist() == pytest.approx([want[exp.eid.uid]] * len(exp.action_mask), abs=1e-5)
@@ -131,7 +131,7 @@ def test_running_moments_survive_a_restart(start_server: Servers) -> None:
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.push(second, table="n")
         wait_computed(client, "n", 2)
-        batch = next(client.sample("n", num_groups=2, max_batches=1, timeout=10))
+        batch = next(client.sample("n", num_groups=2, max_batches=1, timeout=10, delivery="consume"))
         stats = client.stats("n")["n"]
     rewards = [e.reward for e in first + second]
     std_first, std_both = statistics.stdev(rewards[:4]), statistics.stdev(rewards)
@@ -192,7 +192,7 @@ def test_advantage_clip_after_the_batch_stage(client: BufferClient) -> None:
     rng = random.Random(11)
     pushed = groups(1, rng, count=3)
     client.push(pushed, table="b")
-    batch = next(client.sample("b", num_groups=3, max_batches=1, timeout=10))
+    batch = next(client.sample("b", num_groups=3, max_batches=1, timeout=10, delivery="consume"))
     shaped = [clip(e.reward, 2.0) for e in pushed]
     std = statistics.stdev(shaped)
     finished = []

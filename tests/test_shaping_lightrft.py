@@ -54,7 +54,7 @@ def make_groups(rng: random.Random, count: int, size: int, batch: int = 1) -> li
 def served(client: BufferClient, table: str, groups: int) -> tuple[list[Experience], list[int]]:
     """Every experience of the table in one batch (FIFO: the groups in completion order),
     and the tasks in that order."""
-    batch = next(client.sample(table, num_groups=groups, max_batches=1, timeout=10))
+    batch = next(client.sample(table, num_groups=groups, max_batches=1, timeout=10, delivery="consume"))
     order = list(dict.fromkeys(int(e.eid.task) for e in batch.experiences))
     return batch.experiences, order
 

@@ -106,7 +106,7 @@ def wait_for(condition: Callable[[], object], what: str, seconds: float = 60.0) 
 def drain(client: ShardedBufferClient, table: str, num_groups: int = 3) -> list:
     """Consume every batch there is (a short wait ends the stream)."""
     batches = []
-    for batch in client.sample(table, num_groups=num_groups, timeout=1.0, allow_partial=True):
+    for batch in client.sample(table, num_groups=num_groups, timeout=1.0, allow_partial=True, delivery="consume"):
         batches.append(batch)
     return batches
 
@@ -267,7 +267,7 @@ def test_a_shard_killed_mid_run_loses_nothing_acknowledged(shards: Shards) -> No
     # The other shards keep taking pushes and serving a trainer while s1 is down.
     elsewhere = [t for t in range(40) if client.shard_map.owner(f"99999/{t}") != "s1"][:6]
     assert len(client.push(groups(99999, elsewhere, range(2)), table="killed").stored) == 12
-    served = list(client.sample("killed", num_groups=1, max_batches=4, timeout=5))
+    served = list(client.sample("killed", num_groups=1, max_batches=4, timeout=5, delivery="consume"))
     assert set().union(*(batch.shards for batch in served)) <= {"s0", "s2"}
     assert failures[0].code == grpc.StatusCode.UNAVAILABLE and failures[0].shards == ["s1"]
     assert "shard s1 (" in str(failures[0])
@@ -404,7 +404,7 @@ def test_trainer_version_reaches_every_shard_and_stale_pushes_are_merged(shards:
         client.create_table("stale", estimator="none", group_by="none", max_staleness=1)
         fresh = [make_experience(0, task, 0, version=3) for task in range(6)]
         client.push(fresh, table="stale")
-        batches = list(client.sample("stale", num_groups=1, max_batches=1, trainer_version=4))
+        batches = list(client.sample("stale", num_groups=1, max_batches=1, trainer_version=4, delivery="consume"))
         assert len(batches) == 1
         assert {s["stale"].trainer_version for s in client.shard_stats("stale").values()} == {4}
         old = [make_experience(1, task, 0, version=2) for task in range(6)]

@@ -114,7 +114,7 @@ def test_the_reset_over_rpc_clients_and_cli_needs_the_admin_scope(start_server: 
         assert ops.reset_offpolicy("t", 1) == {"trainer_version": 1, "submitted": 0}
         assert ops.stats("t")["t"].trainer_version == 1
         ops.push(trxp.build(group_items("b", 0, 2, version=1)), table="t")
-        batch = next(trainer.sample("t", num_groups=1, max_batches=1, trainer_version=0))
+        batch = next(trainer.sample("t", num_groups=1, max_batches=1, trainer_version=0, delivery="consume"))
         assert batch.uids and trainer.stats("t")["t"].trainer_version == 1
 
         async def reset_async() -> dict[str, int]:

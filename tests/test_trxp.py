@@ -287,3 +287,22 @@ def test_stored_items_splice_into_the_same_batch() -> None:
     assert trxp.parse(spliced) == items  # and the untrusted parser accepts the splice
     assert trxp.parse(trxp.join([trxp.build([i]) for i in items])) == items  # other layouts are rebuilt
     assert trxp.join([]) and trxp.parse(trxp.join([])) == []
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32),
+        *(torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    ],
+)
+def test_an_action_mask_counts_its_generated_tokens_as_torch_does_without_torch(dtype: torch.dtype) -> None:
+    """The storage engine counts a mask's ones from its bytes; torch's comparison is the reference."""
+    from expbuf.client.trxp.common import count_nonzero
+
+    values = [0, 1, 0, 1, 1, 0, 2, 0] if dtype != torch.bool else [0, 1, 0, 1, 1, 0, 1, 0]
+    mask = torch.tensor(values).to(dtype)
+    if dtype.is_floating_point:
+        mask[0] = -0.0  # zero, with its sign bit set
+    raw = trxp.raw_of(mask)
+    assert count_nonzero(raw) == int((mask != 0).sum()) == 4

@@ -55,10 +55,10 @@ def test_a_shared_empty_container_is_counted_once_like_any_container(empty: Any)
     the detailed walk accepts."""
     shared = [1]
     expected = trxp.Work(1 << 40)
-    measure = checks._Shape(expected, 1 << 40, check_keys=True)
+    measure = checks.Shape(expected, 1 << 40, check_keys=True)
     measure.item(0, "u", {"a": shared, "b": shared, "c": [shared]})
     work = trxp.Work(1 << 40)
-    shape = checks._Shape(work, 1 << 40, check_keys=True)
+    shape = checks.Shape(work, 1 << 40, check_keys=True)
     shape.item(0, "u", {"a": empty, "b": empty, "c": [empty]})
     assert work.used == expected.used - 1  # [1] takes a step more than an empty container: its one entry
     assert shape.size == 3 + 3 + (3 + 3) + 3 * (5 + 1)
@@ -68,5 +68,5 @@ def test_a_shared_empty_field_passes_within_the_steps_the_walk_counts() -> None:
     empty: list[Any] = []
     item = {"a": empty, "b": empty, "c": empty}
     work = trxp.Work(1)  # one step: the list, counted at its first reference
-    checks._Shape(work, 1 << 40, check_keys=True).item(0, "u", item)
+    checks.Shape(work, 1 << 40, check_keys=True).item(0, "u", item)
     assert work.used == 1

@@ -117,7 +117,7 @@ def test_a_sampled_batch_decodes_to_views_over_its_own_buffer(client: BufferClie
     """The server packs a batch's tensors back to back, so after a 6-byte mask the next
     tensors lie off their alignment in the payload: gathered, every one is a view."""
     client.push(payload("mixed_batch.trxp"))
-    batch = next(client.sample(num_groups=2))
+    batch = next(client.sample(num_groups=2, delivery="consume"))
     assert_same_as_trinity(batch.experiences, batch.payload)
     copy = bytearray(batch.payload)
     offsets = [address(raw.data) - address(copy) for item in trxp.parse(copy) for raw in item.tensors.values()]

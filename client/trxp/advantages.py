@@ -15,8 +15,8 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .build import _ENTRY, _frame
-from .common import _HEADER, HEADER_SIZE, RawTensor, TrxpError
+from .build import ENTRY, frame
+from .common import HEADER, HEADER_SIZE, RawTensor, TrxpError
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ def attach(payload: bytes, values: Sequence[float], lengths: Sequence[int]) -> b
     view = memoryview(payload)
     if len(view) < HEADER_SIZE + _HEADER_LEN.size:
         raise TrxpError(f"compact advantages: the payload is {len(view)} bytes, too short for a TRXP batch")
-    _, _, meta_len, _ = _HEADER.unpack_from(view)
+    _, _, meta_len, _ = HEADER.unpack_from(view)
     meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
     blob = view[HEADER_SIZE + meta_len :]
     (header_len,) = _HEADER_LEN.unpack_from(blob)
@@ -104,8 +104,8 @@ def attach(payload: bytes, values: Sequence[float], lengths: Sequence[int]) -> b
         for name in ADDED:
             if f"{index}:{name}" in header:
                 raise TrxpError(f"compact advantages: item {index} already carries {name}")
-            entries.append(_ENTRY % (index, name.encode(), tensor.dtype.encode(), dims, base, base + len(tensor.data)))
+            entries.append(ENTRY % (index, name.encode(), tensor.dtype.encode(), dims, base, base + len(tensor.data)))
             base += len(tensor.data)
             data.append(tensor.data)
     head = header_json[:-1] + (b"," if header else b"") + b",".join(entries) + b"}"
-    return b"".join(_frame(bytes(meta), head, data))
+    return b"".join(frame(bytes(meta), head, data))

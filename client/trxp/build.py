@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 
 from ..experience import TENSOR_FIELDS
 from .common import (
-    _CONTAINERS,
-    _DTYPE_RANK,
-    _EXACT_CONTAINERS,
-    _EXACT_SCALARS,
-    _HEADER,
+    CONTAINERS,
+    DTYPE_RANK,
+    EXACT_CONTAINERS,
+    EXACT_SCALARS,
+    HEADER,
     HEADER_SIZE,
     MAGIC,
     VERSION,
@@ -56,7 +56,7 @@ def build(items: Sequence[RawItem]) -> bytes:
     data: list[bytes | memoryview] = []
     offset = 0
     # safetensors' own order: dtype descending, then name; this also keeps data aligned.
-    for code in sorted(by_dtype, key=_DTYPE_RANK.__getitem__, reverse=True):
+    for code in sorted(by_dtype, key=DTYPE_RANK.__getitem__, reverse=True):
         bucket = by_dtype[code]
         bucket.sort(key=_KEY)
         for key, tensor in bucket:
@@ -64,7 +64,7 @@ def build(items: Sequence[RawItem]) -> bytes:
             fields.append(_header_entry(_json_key(key), tensor, offset, end))
             data.append(tensor.data)
             offset = end
-    return b"".join(_frame(meta, f"{{{','.join(fields)}}}".encode(), data))
+    return b"".join(frame(meta, f"{{{','.join(fields)}}}".encode(), data))
 
 
 _KEY = operator.itemgetter(0)
@@ -79,14 +79,14 @@ def _assemble_parts(
 ) -> list[bytes | memoryview]:
     """A payload as the runs of bytes it is made of, in order."""
     header_json = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
-    return _frame(meta, header_json, data)
+    return frame(meta, header_json, data)
 
 
-def _frame(meta: bytes, header_json: bytes, data: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+def frame(meta: bytes, header_json: bytes, data: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
     """The runs of bytes of a payload whose safetensors header is already written as JSON."""
     header_json += b" " * (-len(header_json) % 8)
     tensor_len = 8 + len(header_json) + sum(map(len, data))
-    head = _HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
+    head = HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
     return [head, meta, struct.pack("<Q", len(header_json)), header_json, *data]
 
 
@@ -135,18 +135,14 @@ def _canonical(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> Any:
         for key in keys:
             inner = value[key]
             kind = type(inner)
-            if (
-                kind in _EXACT_SCALARS
-                or (kind in _EXACT_CONTAINERS and not inner)
-                or not isinstance(inner, _CONTAINERS)
-            ):
+            if kind in EXACT_SCALARS or (kind in EXACT_CONTAINERS and not inner) or not isinstance(inner, CONTAINERS):
                 out[key] = inner  # scalars and empty containers are canonical as they are
             else:
                 out[key] = _canonical(inner)
         return out
-    if not any(isinstance(inner, _CONTAINERS) for inner in value):
+    if not any(isinstance(inner, CONTAINERS) for inner in value):
         return value  # a list or tuple of scalars is canonical as it is
-    canonical = [_canonical(inner) if isinstance(inner, _CONTAINERS) else inner for inner in value]
+    canonical = [_canonical(inner) if isinstance(inner, CONTAINERS) else inner for inner in value]
     return canonical if isinstance(value, list) else tuple(canonical)
 
 
@@ -165,12 +161,12 @@ def pack_item(item: RawItem) -> bytes:
         header.append(_header_entry(_FIELD_KEYS.get(name) or _json_key(f"0:{name}"), tensor, offset, end))
         data.append(tensor.data)
         offset = end
-    return b"".join(_frame(meta, f"{{{','.join(header)}}}".encode(), data))
+    return b"".join(frame(meta, f"{{{','.join(header)}}}".encode(), data))
 
 
 def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
     """safetensors' own order: dtype descending, then name; this also keeps data aligned."""
-    return -_DTYPE_RANK[entry[1].dtype], entry[0]
+    return -DTYPE_RANK[entry[1].dtype], entry[0]
 
 
 def _header_entry(key: str, tensor: RawTensor, start: int, end: int) -> str:
@@ -237,7 +233,7 @@ def join_parts(
     base = 0
     for index, payload in enumerate(payloads):
         view = memoryview(payload)
-        _, _, meta_len, _ = _HEADER.unpack_from(view)
+        _, _, meta_len, _ = HEADER.unpack_from(view)
         meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
             return [_rebuild(payloads, extra, drop)]
@@ -251,7 +247,7 @@ def join_parts(
             whole = False
         if whole and extra is None:  # the section as it is, its offsets moved by base
             entries.extend(
-                [_ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
+                [ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
             )
             data.append(section)
             base += len(section)
@@ -265,21 +261,21 @@ def join_parts(
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
         data.extend([section] if whole and len(kept) == len(stored) else [section[t[3] : t[4]] for t in kept])
         for name, dtype, shape, start, end in kept:
-            entries.append(_ENTRY % (index, name, dtype, shape, base, base + end - start))
+            entries.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
         for key, tensor in added.items():
             dims = b",".join([b"%d" % dim for dim in tensor.shape])
             entries.append(
-                _ENTRY % (index, _json_text(key), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
+                ENTRY % (index, _json_text(key), _json_text(tensor.dtype), dims, base, base + len(tensor.data))
             )
             base += len(tensor.data)
             data.append(tensor.data)
-    return _frame(_splice_meta(fragments), b"{" + b",".join(entries) + b"}", data)
+    return frame(_splice_meta(fragments), b"{" + b",".join(entries) + b"}", data)
 
 
 # One entry of a batch header, as json.dumps(header, separators=(",", ":"), ensure_ascii=False)
 # writes it: the name and dtype as the contents of JSON strings, the shape's dimensions.
-_ENTRY = b'"%d:%b":{"dtype":"%b","shape":[%b],"data_offsets":[%d,%d]}'
+ENTRY = b'"%d:%b":{"dtype":"%b","shape":[%b],"data_offsets":[%d,%d]}'
 _INT = rb"(?:0|[1-9][0-9]*)"
 # One entry of a stored header as pack_item writes it (through json.dumps): item index 0.
 _STORED_ENTRY = (

@@ -19,27 +19,27 @@ from ..experience import (
     TOKEN_TENSOR_FIELDS,
 )
 from .common import (
-    _CONTAINERS,
-    _EXACT_CONTAINERS,
-    _FLOAT_CODES,
-    _FLOAT_FIELDS,
-    _INTEGER_CODES,
-    _SCALARS,
+    CONTAINERS,
+    EXACT_CONTAINERS,
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
+    FLOAT_CODES,
+    FLOAT_FIELDS,
     INT64_MAX,
+    INTEGER_CODES,
     MAX_NESTING,
     MAX_SHOWN,
     MAX_STEP,
     MAX_UID_BYTES,
     MM_PREFIX,
+    SCALARS,
     RawItem,
     TrxpError,
     Work,
 )
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -52,37 +52,37 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _clip(text: str) -> str:
+def clip(text: str) -> str:
     """Untrusted text cut for an error message, with its full length."""
     return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} chars)"
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """An untrusted value rendered for an error message in bounded length and time."""
     if isinstance(value, str):
         return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} chars)"
     if isinstance(value, bytes):
         return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}… ({len(value)} bytes)"
-    if _is_int(value) and value.bit_length() > 128:
+    if is_int(value) and value.bit_length() > 128:
         return f"an int of {value.bit_length()} bits"  # its decimal form would take quadratic time
     if isinstance(value, (int, float, type(None))):
         return repr(value)
-    if isinstance(value, _CONTAINERS):
+    if isinstance(value, CONTAINERS):
         return f"a {type(value).__name__} of {len(value)} entries"
     return f"a {type(value).__name__}"
 
 
-def _show_list(values: Sequence[Any]) -> str:
-    shown = ", ".join(_show(v) for v in values[:8])
+def show_list(values: Sequence[Any]) -> str:
+    shown = ", ".join(show(v) for v in values[:8])
     return f"[{shown}{', …' if len(values) > 8 else ''}]"
 
 
 def _in_range(where: str, field: str, value: Any, low: int, high: int, bounds: str) -> None:
     """Refuse a value that is not an int in [low, high] (bounds: the range as the message says it)."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TrxpError(f"{where}: field '{field}' must be an int, got {type(value).__name__}")
     if not low <= value <= high:
-        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, outside [{bounds}]")
+        raise TrxpError(f"{where}: field '{field}' is {show(value)}, outside [{bounds}]")
 
 
 def _number(where: str, field: str, value: Any) -> None:
@@ -92,10 +92,10 @@ def _number(where: str, field: str, value: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise TrxpError(f"{where}: field '{field}' is {value}, not a finite number")
     if not -sys.float_info.max <= value <= sys.float_info.max:
-        raise TrxpError(f"{where}: field '{field}' is {_show(value)}, not representable as a float64")
+        raise TrxpError(f"{where}: field '{field}' is {show(value)}, not representable as a float64")
 
 
-class _Shape:
+class Shape:
     """Measures item metadata, each container once (by id): nesting depth and the bytes it
     takes written out in full, as the store packs each experience (shared references
     expanded). Walking the data as a tree would cost exponential time for memo references
@@ -121,23 +121,23 @@ class _Shape:
                     size = 6 + value.bit_length() // 8
                 elif kind is str and value.isascii():
                     size = 5 + len(value)
-                elif kind in _EXACT_CONTAINERS and not value:  # counted at its first reference, as _container does
+                elif kind in EXACT_CONTAINERS and not value:  # counted at its first reference, as _container does
                     size = _EMPTY[1]
                     if id(value) not in known:
                         known[id(value)] = _EMPTY
                         work.used += 1
                         if work.used > work.limit:
                             work.charge(0)
-                elif isinstance(value, _CONTAINERS):
+                elif isinstance(value, CONTAINERS):
                     size = self._container(value, 0)[1]
                 else:
                     size = _scalar_size(value)
                 total += size + (5 + len(name) if type(name) is str and name.isascii() else _scalar_size(name))
             except TrxpError as exc:
-                raise TrxpError(f"{_item_where(index, uid)}: field {_show(name)}: {exc}") from None
+                raise TrxpError(f"{_item_where(index, uid)}: field {show(name)}: {exc}") from None
             if total > max_size:
                 raise TrxpError(
-                    f"{_item_where(index, uid)}: field {_show(name)}: metadata expands to more than {max_size} bytes "
+                    f"{_item_where(index, uid)}: field {show(name)}: metadata expands to more than {max_size} bytes "
                     f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
                 )
         self.size = total
@@ -173,7 +173,7 @@ class _Shape:
                     size += 6 + child.bit_length() // 8
                 elif kind is float or kind is bool or child is None:
                     size += 9
-                elif isinstance(child, _CONTAINERS):
+                elif isinstance(child, CONTAINERS):
                     child_height, child_size = self._container(child, depth + 1)
                     height = max(height, child_height + 1)
                     size += child_size
@@ -201,7 +201,7 @@ def _scalar_size(value: Any) -> int:
         return 5 + len(value)
     if isinstance(value, int):
         return 6 + value.bit_length() // 8
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALARS):
         return 9
     raise TrxpError(f"{type(value).__name__} is not plain data")
 
@@ -251,7 +251,7 @@ def _check_eid(index: int, eid: Any) -> str:
         unknown = [key for key in eid if key not in _EID_PARTS]
         if unknown:
             raise TrxpError(
-                f"{where}: field 'eid' has unknown keys {_show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
+                f"{where}: field 'eid' has unknown keys {show_list(unknown)} (it holds {', '.join(_EID_PARTS)})"
             )
         for part in _EID_PARTS:
             if part not in eid:
@@ -261,7 +261,7 @@ def _check_eid(index: int, eid: Any) -> str:
         if type(value) is str or (type(value) is int and -(2**63) <= value <= INT64_MAX):
             continue  # the common cases without a call
         if not isinstance(value, str):
-            if not _is_int(value):
+            if not is_int(value):
                 raise TrxpError(f"{where}: field 'eid.{part}' must be an int or str, got {type(value).__name__}")
             _in_range(where, f"eid.{part}", value, -(2**63), INT64_MAX, _INT64_BOUNDS)
     run, step, suffix = eid["run"], eid["step"], eid["suffix"]
@@ -273,7 +273,7 @@ def _check_eid(index: int, eid: Any) -> str:
         raise TrxpError(f"{where}: field 'eid.suffix' must be a str, got {type(suffix).__name__}")
     for part in ("task", "suffix"):
         if isinstance(eid[part], str) and "/" in eid[part]:
-            raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({_show(eid[part])}); only batch may")
+            raise TrxpError(f"{where}: field 'eid.{part}' contains '/' ({show(eid[part])}); only batch may")
     uid = EID(**eid).uid
     if "\0" in uid:
         raise TrxpError(f"{where}: field 'eid' contains a NUL character")
@@ -286,7 +286,7 @@ def _check_eid(index: int, eid: Any) -> str:
     return uid
 
 
-def _check_meta(index: int, item: Any, shape: _Shape) -> None:
+def check_meta(index: int, item: Any, shape: Shape) -> None:
     """Validate the metadata of one item: what the server, its estimators and trainers rely on.
 
     Each check is guarded by a test of the common case (a float reward, an int in range, a
@@ -346,21 +346,21 @@ def _check_meta(index: int, item: Any, shape: _Shape) -> None:
 
 def _item_where(index: int, uid: str) -> str:
     """How a message names an item, made only when a check fails."""
-    return f"item {index} (uid {_clip(uid)})"
+    return f"item {index} (uid {clip(uid)})"
 
 
-def _check_tensors(index: int, item: RawItem, work: Work) -> None:
+def check_tensors(index: int, item: RawItem, work: Work) -> None:
     """Validate the tensors of one item against its metadata."""
     meta, tensors = item.meta, item.tensors
     keys = meta.get("multi_modal_input_keys", [])
     work.charge(len(keys) + len(tensors))
     for key in keys:
         if MM_PREFIX + key not in tensors:
-            raise TrxpError(f"{_where(index, item)}: multi-modal input {_show(key)} is listed but has no tensor")
+            raise TrxpError(f"{_where(index, item)}: multi-modal input {show(key)} is listed but has no tensor")
     listed = set(keys)
     for name in tensors:
         if name.startswith(MM_PREFIX) and name[len(MM_PREFIX) :] not in listed:
-            raise TrxpError(f"{_where(index, item)}: tensor {_show(name)} is not listed in multi_modal_input_keys")
+            raise TrxpError(f"{_where(index, item)}: tensor {show(name)} is not listed in multi_modal_input_keys")
     tokens = tensors.get("tokens")
     if tokens is None:
         raise TrxpError(f"{_where(index, item)}: field 'tokens' is missing")
@@ -368,7 +368,7 @@ def _check_tensors(index: int, item: RawItem, work: Work) -> None:
         tensor = tensors.get(name)
         if tensor is None:
             continue
-        if tensor.dtype not in _INTEGER_CODES and tensor.dtype not in _FLOAT_CODES:  # Trinity accepts float ids
+        if tensor.dtype not in INTEGER_CODES and tensor.dtype not in FLOAT_CODES:  # Trinity accepts float ids
             raise TrxpError(
                 f"{_where(index, item)}: field '{name}' must hold token ids (integer or floating point), "
                 f"got {tensor.dtype}"
@@ -393,9 +393,9 @@ def _check_tensors(index: int, item: RawItem, work: Work) -> None:
                 f"{_where(index, item)}: field '{name}' has length {tensor.shape[0]}, but the response has "
                 f"{response_length} tokens ({numel} tokens - prompt_length {prompt_length})"
             )
-        if name in _FLOAT_FIELDS and tensor.dtype not in _FLOAT_CODES:
+        if name in FLOAT_FIELDS and tensor.dtype not in FLOAT_CODES:
             raise TrxpError(f"{_where(index, item)}: field '{name}' must be floating point, got {tensor.dtype}")
-        if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in _INTEGER_CODES:
+        if name == "action_mask" and tensor.dtype != "BOOL" and tensor.dtype not in INTEGER_CODES:
             raise TrxpError(f"{_where(index, item)}: field 'action_mask' must be bool or integer, got {tensor.dtype}")
 
 

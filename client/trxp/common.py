@@ -19,8 +19,8 @@ from ..experience import (
 
 MAGIC = b"TRXP"
 VERSION = 1
-_HEADER = struct.Struct("<4sBQQ")
-HEADER_SIZE = _HEADER.size  # 21
+HEADER = struct.Struct("<4sBQQ")
+HEADER_SIZE = HEADER.size  # 21
 MM_PREFIX = "multi_modal_inputs:"
 # LMDB keys hold table id + uid; keep uids well inside its 511-byte limit.
 MAX_UID_BYTES = 400
@@ -42,11 +42,11 @@ EXPANSION_PER_BYTE = 8
 EXPANSION_BASE = 64 << 10
 # Error messages show at most this many characters of any input.
 MAX_SHOWN = 100
-_UNBOUNDED = 1 << 62
+UNBOUNDED = 1 << 62
 
 # safetensors dtype code -> item size. The order is safetensors' own Dtype order:
 # it writes tensors sorted by dtype descending, then by name.
-_ITEMSIZE: dict[str, int] = {
+ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,
     "I8": 1,
@@ -63,35 +63,29 @@ _ITEMSIZE: dict[str, int] = {
     "I64": 8,
     "U64": 8,
 }
-_DTYPE_RANK = {code: rank for rank, code in enumerate(_ITEMSIZE)}
-_INTEGER_CODES = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
-_FLOAT_CODES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
-_FLOAT_FIELDS = frozenset(RESPONSE_TENSOR_FIELDS) - {"action_mask"}
+DTYPE_RANK = {code: rank for rank, code in enumerate(ITEMSIZE)}
+INTEGER_CODES = frozenset({"U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
+FLOAT_CODES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
+FLOAT_FIELDS = frozenset(RESPONSE_TENSOR_FIELDS) - {"action_mask"}
 
-# Pickle opcodes that build plain data only, with their effect on the unpickler's stack.
-# Everything else (globals, reduce, build, persistent ids, sets, out-of-band buffers) is
-# refused before unpickling.
-_NOOP, _KEY, _VALUE, _MARK, _POP, _POP_MARK, _DUP = range(7)
-_FROM_MARK, _DICT, _TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _APPENDS, _SETITEM, _SETITEMS = range(7, 16)
-_MEMOIZE, _PUT, _GET, _STOP = range(16, 20)
-_PLAIN_EFFECTS = {
-    "PROTO": _NOOP, "FRAME": _NOOP, "STOP": _STOP, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "DUP": _DUP,
-    "EMPTY_DICT": _VALUE, "DICT": _DICT, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS,
-    "EMPTY_LIST": _VALUE, "LIST": _FROM_MARK, "APPEND": _APPEND, "APPENDS": _APPENDS,
-    "EMPTY_TUPLE": _VALUE, "TUPLE": _FROM_MARK, "TUPLE1": _TUPLE1, "TUPLE2": _TUPLE2, "TUPLE3": _TUPLE3,
-    "NONE": _VALUE, "NEWTRUE": _VALUE, "NEWFALSE": _VALUE,
-    "INT": _VALUE, "BININT": _VALUE, "BININT1": _VALUE, "BININT2": _VALUE,
-    "LONG": _VALUE, "LONG1": _VALUE, "LONG4": _VALUE, "FLOAT": _VALUE, "BINFLOAT": _VALUE,
-    "UNICODE": _KEY, "SHORT_BINUNICODE": _KEY, "BINUNICODE": _KEY, "BINUNICODE8": _KEY,
-    "SHORT_BINBYTES": _KEY, "BINBYTES": _KEY, "BINBYTES8": _KEY,
-    "MEMOIZE": _MEMOIZE, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT,
-    "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET,
-}  # fmt: skip
-_CONTAINERS = (dict, list, tuple)
-_SCALARS = (str, bytes, int, float, type(None))
+# The struct format of each multi-byte dtype Python reads as numbers, in the machine's byte order as
+# torch.frombuffer reads them; BF16 is read as its 16 bits, sign bit apart.
+NUMBER_FORMAT = {
+    "I16": "h",
+    "U16": "H",
+    "F16": "e",
+    "I32": "i",
+    "U32": "I",
+    "F32": "f",
+    "I64": "q",
+    "U64": "Q",
+    "F64": "d",
+}
+CONTAINERS = (dict, list, tuple)
+SCALARS = (str, bytes, int, float, type(None))
 # The exact types of plain data, for the checks that look no closer at them (subclasses do).
-_EXACT_CONTAINERS = frozenset(_CONTAINERS)
-_EXACT_SCALARS = frozenset({*_SCALARS, bool})
+EXACT_CONTAINERS = frozenset(CONTAINERS)
+EXACT_SCALARS = frozenset({*SCALARS, bool})
 
 
 class TrxpError(ValueError):
@@ -171,8 +165,15 @@ class RawItem:
         mask = self.tensors.get("action_mask")
         if mask is None:
             return self.response_length
-        if _ITEMSIZE[mask.dtype] == 1:
-            return len(mask.data) - bytes(mask.data).count(0)
-        from .convert import tensor_of  # torch only for masks that are not bytes
+        return count_nonzero(mask)
 
-        return int(tensor_of(mask).count_nonzero())
+
+def count_nonzero(raw: RawTensor) -> int:
+    """How many of a tensor's elements are not zero (-0.0 is zero), read from its bytes without torch,
+    so the storage engine counts an action mask's generated tokens without importing it."""
+    data = memoryview(raw.data).cast("B")
+    if ITEMSIZE[raw.dtype] == 1:
+        return len(data) - data.tobytes().count(0)
+    if raw.dtype == "BF16":
+        return sum(1 for (bits,) in struct.iter_unpack("<H", data) if bits & 0x7FFF)
+    return sum(1 for (value,) in struct.iter_unpack("<" + NUMBER_FORMAT[raw.dtype], data) if value)

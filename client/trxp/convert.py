@@ -18,8 +18,8 @@ from ..experience import (
     Experience,
 )
 from .build import build
-from .checks import _check_meta, _check_tensors, _Shape, _show
-from .common import _CONTAINERS, _UNBOUNDED, MM_PREFIX, RawItem, RawTensor, TrxpError, Work
+from .checks import Shape, check_meta, check_tensors, show
+from .common import CONTAINERS, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
@@ -141,20 +141,20 @@ def from_experience(exp: Any) -> RawItem:
     for key, value in mm.items():
         tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
-    work = Work(_UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
-    _check_meta(0, meta, _CallerData(work, _UNBOUNDED, check_keys=True))
-    _check_tensors(0, item, work)
+    work = Work(UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
+    check_meta(0, meta, _CallerData(work, UNBOUNDED, check_keys=True))
+    check_tensors(0, item, work)
     return item
 
 
-class _CallerData(_Shape):
+class _CallerData(Shape):
     """Measures only the non-empty containers among the caller's fields (info, metrics,
     messages, tools...): a walk of anything else could not refuse it. The eid, custom fields
-    and multi-modal keys are made here of values _check_meta checks part by part, and the
-    scalar fields are of a type _check_meta checks too."""
+    and multi-modal keys are made here of values check_meta checks part by part, and the
+    scalar fields are of a type check_meta checks too."""
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
-        caller = {name: value for name in META_FIELDS if isinstance(value := item[name], _CONTAINERS) and value}
+        caller = {name: value for name in META_FIELDS if isinstance(value := item[name], CONTAINERS) and value}
         if caller:
             super().item(index, uid, caller)
 
@@ -168,7 +168,7 @@ def _float(name: str, value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise TrxpError(f"field '{name}' must be a number, got {type(value).__name__} {_show(value)}") from None
+        raise TrxpError(f"field '{name}' must be a number, got {type(value).__name__} {show(value)}") from None
 
 
 _CUSTOM_FIELD_KEYS = ("source_field", "destination_field", "data_type")

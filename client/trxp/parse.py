@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 from ..experience import (
     TENSOR_FIELDS,
 )
-from .checks import _check_meta, _check_tensors, _clip, _is_int, _Shape, _show, _show_list
+from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
 from .common import (
-    _HEADER,
-    _ITEMSIZE,
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
+    HEADER,
     HEADER_SIZE,
     INT64_MAX,
+    ITEMSIZE,
     MAGIC,
     MM_PREFIX,
     VERSION,
@@ -54,7 +54,7 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, wor
         raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
     if size < HEADER_SIZE:
         raise TrxpError(f"payload is {size} bytes, shorter than the {HEADER_SIZE}-byte TRXP header")
-    magic, version, meta_len, tensor_len = _HEADER.unpack_from(view)
+    magic, version, meta_len, tensor_len = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise TrxpError(f"bad magic {bytes(magic)!r}: not a TRXP payload")
     if version != VERSION:
@@ -78,7 +78,7 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, wor
     raw = [RawItem(meta, tensors) for meta, tensors in zip(items, per_item, strict=True)]
     if not trusted:
         for index, item in enumerate(raw):
-            _check_tensors(index, item, work)
+            check_tensors(index, item, work)
     return raw
 
 
@@ -91,20 +91,20 @@ def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, max_size: 
     except TrxpError:
         raise
     except Exception as exc:  # the unpickler raises many types on malformed input
-        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {_clip(str(exc))})") from None
+        raise TrxpError(f"metadata: pickle is not readable ({type(exc).__name__}: {clip(str(exc))})") from None
     if not isinstance(meta, dict):
         raise TrxpError(f"metadata: expected a dict, got {type(meta).__name__}")
     if meta.get("version") != VERSION:
-        raise TrxpError(f"metadata: version is {_show(meta.get('version'))}, expected {VERSION}")
+        raise TrxpError(f"metadata: version is {show(meta.get('version'))}, expected {VERSION}")
     items, num_items = meta.get("items"), meta.get("num_items")
     if not isinstance(items, list):
         raise TrxpError(f"metadata: 'items' must be a list, got {type(items).__name__}")
-    if not _is_int(num_items) or num_items != len(items):
-        raise TrxpError(f"metadata: num_items is {_show(num_items)} but {len(items)} items are present")
+    if not is_int(num_items) or num_items != len(items):
+        raise TrxpError(f"metadata: num_items is {show(num_items)} but {len(items)} items are present")
     if not trusted:
-        shape = _Shape(work, max_size, check_keys=False)
+        shape = Shape(work, max_size, check_keys=False)
         for index, item in enumerate(items):
-            _check_meta(index, item, shape)
+            check_meta(index, item, shape)
     return items
 
 
@@ -119,7 +119,7 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
     try:
         header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also ints of 4300+ digits
-        raise TrxpError(f"tensors: safetensors header is not valid JSON ({_clip(str(exc))})") from None
+        raise TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})") from None
     if not isinstance(header, dict):
         raise TrxpError("tensors: safetensors header is not a JSON object")
     data = blob[8 + header_len :]
@@ -130,7 +130,7 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
     tensors: dict[str, RawTensor] = {}
     for start, end, dtype, shape, key in spans:
         if start != cursor:
-            raise TrxpError(f"tensors: {_show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
+            raise TrxpError(f"tensors: {show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
         cursor = end
         tensors[key] = RawTensor(dtype, shape, data[start:end])
     if cursor != len(data):
@@ -142,18 +142,18 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
     """Check one safetensors header entry; return (start, end, dtype, shape). JSON makes no
     subclasses, so `type(x) is int` is an int that is not a bool."""
     if type(entry) is not dict:
-        raise TrxpError(f"tensors: {_show(key)} entry is not an object")
+        raise TrxpError(f"tensors: {show(key)} entry is not an object")
     # JSON off the wire: each value's type is checked here before it is used.
     dtype: Any = entry.get("dtype")
     shape: Any = entry.get("shape")
     offsets: Any = entry.get("data_offsets")
-    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
     if itemsize is None:
-        raise TrxpError(f"tensors: {_show(key)} has unsupported dtype {_show(dtype)}")
+        raise TrxpError(f"tensors: {show(key)} has unsupported dtype {show(dtype)}")
     one_dim = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0  # the common case
     if not one_dim and (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)):
-        shown = _show_list(shape) if isinstance(shape, list) else _show(shape)
-        raise TrxpError(f"tensors: {_show(key)} shape {shown} is not a list of non-negative ints")
+        shown = show_list(shape) if isinstance(shape, list) else show(shape)
+        raise TrxpError(f"tensors: {show(key)} shape {shown} is not a list of non-negative ints")
     work.charge(1 + len(shape))
     if type(offsets) is not list or len(offsets) != 2 or not (type(offsets[0]) is int and type(offsets[1]) is int):
         offsets_ok = False
@@ -161,22 +161,21 @@ def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, 
         start, end = offsets
         offsets_ok = 0 <= start <= end <= data_len
     if not offsets_ok:
-        shown = _show_list(offsets) if isinstance(offsets, list) else _show(offsets)
-        raise TrxpError(f"tensors: {_show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
+        shown = show_list(offsets) if isinstance(offsets, list) else show(offsets)
+        raise TrxpError(f"tensors: {show(key)} data_offsets {shown} fall outside the {data_len} data bytes")
     # torch and safetensors multiply the dimensions in int64 even when one of them is 0.
     product = itemsize
     for dim in shape:
         product *= dim or 1
         if product > INT64_MAX:
             raise TrxpError(
-                f"tensors: {_show(key)} shape {_show_list(shape)} has more elements than a tensor can hold "
+                f"tensors: {show(key)} shape {show_list(shape)} has more elements than a tensor can hold "
                 f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
             )
     nbytes = 0 if 0 in shape else product
     if nbytes != end - start:
         raise TrxpError(
-            f"tensors: {_show(key)} shape {_show_list(shape)} of {dtype} needs {nbytes} bytes, "
-            f"offsets span {end - start}"
+            f"tensors: {show(key)} shape {show_list(shape)} of {dtype} needs {nbytes} bytes, offsets span {end - start}"
         )
     return start, end, dtype, tuple(shape)
 
@@ -195,7 +194,7 @@ def _split_tensor_key(key: str, num_items: int) -> tuple[int, str]:
         canonical = head.isascii() and head.isdigit() and len(head) <= 19 and (head == "0" or head[0] != "0")
         index = int(head) if canonical else num_items
     if not name or index >= num_items:
-        raise TrxpError(f"tensors: key {_show(key)} does not name an item of the {num_items} in the payload")
+        raise TrxpError(f"tensors: key {show(key)} does not name an item of the {num_items} in the payload")
     if name not in _TENSOR_FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
-        raise TrxpError(f"tensors: key {_show(key)} names an unknown field {_show(name)}")
+        raise TrxpError(f"tensors: key {show(key)} names an unknown field {show(name)}")
     return index, name

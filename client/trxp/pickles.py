@@ -10,38 +10,35 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import _clip
-from .common import (
-    _APPEND,
-    _APPENDS,
-    _DICT,
-    _DUP,
-    _FROM_MARK,
-    _GET,
-    _KEY,
-    _MARK,
-    _MEMOIZE,
-    _NOOP,
-    _PLAIN_EFFECTS,
-    _POP,
-    _POP_MARK,
-    _PUT,
-    _SETITEM,
-    _SETITEMS,
-    _TUPLE1,
-    _TUPLE2,
-    _TUPLE3,
-    _VALUE,
-    TrxpError,
-    Work,
-)
+from .checks import clip
+from .common import TrxpError, Work
+
+# Pickle opcodes that build plain data only, with their effect on the unpickler's stack.
+# Everything else (globals, reduce, build, persistent ids, sets, out-of-band buffers) is
+# refused before unpickling.
+_NOOP, _KEY, _VALUE, _MARK, _POP, _POP_MARK, _DUP = range(7)
+_FROM_MARK, _DICT, _TUPLE1, _TUPLE2, _TUPLE3, _APPEND, _APPENDS, _SETITEM, _SETITEMS = range(7, 16)
+_MEMOIZE, _PUT, _GET, _STOP = range(16, 20)
+_PLAIN_EFFECTS = {
+    "PROTO": _NOOP, "FRAME": _NOOP, "STOP": _STOP, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK, "DUP": _DUP,
+    "EMPTY_DICT": _VALUE, "DICT": _DICT, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS,
+    "EMPTY_LIST": _VALUE, "LIST": _FROM_MARK, "APPEND": _APPEND, "APPENDS": _APPENDS,
+    "EMPTY_TUPLE": _VALUE, "TUPLE": _FROM_MARK, "TUPLE1": _TUPLE1, "TUPLE2": _TUPLE2, "TUPLE3": _TUPLE3,
+    "NONE": _VALUE, "NEWTRUE": _VALUE, "NEWFALSE": _VALUE,
+    "INT": _VALUE, "BININT": _VALUE, "BININT1": _VALUE, "BININT2": _VALUE,
+    "LONG": _VALUE, "LONG1": _VALUE, "LONG4": _VALUE, "FLOAT": _VALUE, "BINFLOAT": _VALUE,
+    "UNICODE": _KEY, "SHORT_BINUNICODE": _KEY, "BINUNICODE": _KEY, "BINUNICODE8": _KEY,
+    "SHORT_BINBYTES": _KEY, "BINBYTES": _KEY, "BINBYTES8": _KEY,
+    "MEMOIZE": _MEMOIZE, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT,
+    "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET,
+}  # fmt: skip
 
 
 class PlainUnpickler(pickle.Unpickler):
     """Reads plain data only: every global is refused, never looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise TrxpError(f"metadata: pickle references the global {_clip(module)}.{_clip(name)}; refused")
+        raise TrxpError(f"metadata: pickle references the global {clip(module)}.{clip(name)}; refused")
 
     def persistent_load(self, pid: Any) -> Any:
         raise TrxpError("metadata: pickle uses persistent ids; refused")

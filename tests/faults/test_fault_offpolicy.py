@@ -37,7 +37,7 @@ def group(task: int, size: int = 8, *, varied: bool = True, version: int = 0) ->
 
 
 def take(client: BufferClient, groups: int = 1) -> int:
-    batch = next(client.sample("t", num_groups=groups, timeout=20, max_batches=1))
+    batch = next(client.sample("t", num_groups=groups, timeout=20, max_batches=1, delivery="consume"))
     return len(batch.groups)
 
 
@@ -95,7 +95,7 @@ def test_a_bad_trainer_version_cannot_evict_the_buffer(tmp_path: Path, serve: Ca
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert "reset-offpolicy t" in refused.value.details
             with pytest.raises(BufferError) as refused:
-                next(client.sample("t", num_groups=1, trainer_version=jump, timeout=5))
+                next(client.sample("t", num_groups=1, trainer_version=jump, timeout=5, delivery="consume"))
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert client.set_trainer_version(0, "t") == 0
         stats = client.stats("t")["t"]

@@ -70,8 +70,10 @@ def test_pushes_past_max_inflight_bytes_wait_then_are_refused_naming_it(
         waiting = buffer.Push.future(pb.PushRequest(table="other", payload=large_payload("late", 1, 16)), timeout=60)
         assert not waiting.done()
         assert buffer.Stats(pb.StatsRequest(table="other"), timeout=10).tables[0].pushed <= 20
-        uids = [uid for batch in BufferClient(server.target).sample("full", num_groups=1, max_batches=1, timeout=10)
-                for uid in batch.uids]  # fmt: skip
+        batches = BufferClient(server.target).sample(
+            "full", num_groups=1, max_batches=1, timeout=10, delivery="consume"
+        )
+        uids = [uid for batch in batches for uid in batch.uids]
         assert uids == ["fill/0/0/0/r0s0"]  # room: the holding push is stored, the waiting one read
         assert len(holding.result(timeout=30).stored_uids) == 1
         assert len(waiting.result(timeout=30).stored_uids) == 1

@@ -54,7 +54,9 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         assert procs["s1"].stop(signal.SIGKILL) == -signal.SIGKILL
 
         # A trainer that passes its version is fed by the live shards, which take the version.
-        served = list(client.sample("t", num_groups=2, max_batches=3, trainer_version=7, timeout=10))
+        served = list(
+            client.sample("t", num_groups=2, max_batches=3, trainer_version=7, timeout=10, delivery="consume")
+        )
         assert len(served) == 3 and set().union(*(batch.shards for batch in served)) <= {"s0", "s2"}
         per_shard = client.shard_stats("t")
         assert set(per_shard) == {"s0", "s2"} and set(per_shard.missing) == {"s1"}
@@ -86,7 +88,12 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         # The asyncio client runs the same plans.
         async def degraded() -> None:
             async with AsyncShardedBufferClient(client.shard_map, timeout=5.0, retries=2) as aclient:
-                batches = [b async for b in aclient.sample("t", num_groups=1, max_batches=2, trainer_version=8)]
+                batches = [
+                    b
+                    async for b in aclient.sample(
+                        "t", num_groups=1, max_batches=2, trainer_version=8, delivery="consume"
+                    )
+                ]
                 assert len(batches) == 2 and set().union(*(b.shards for b in batches)) <= {"s0", "s2"}
                 assert set((await aclient.stats("t")).missing) == {"s1"}
                 assert [e.eid.uid for e in await aclient.get(live[-2:], table="t")] == live[-2:]
@@ -113,7 +120,7 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         assert not client.stats("t").missing
 
         # Nothing was lost or delivered twice: the rest, the killed shard's groups too, comes once.
-        drained = client.sample("t", num_groups=3, timeout=1.0, allow_partial=True)
+        drained = client.sample("t", num_groups=3, timeout=1.0, allow_partial=True, delivery="consume")
         rest = [uid for batch in drained for uid in batch.uids]
         counts = Counter([*served_uids, *(delivered - set(served_uids)), *rest])
         assert set(counts) == set(owner) and set(counts.values()) == {1}

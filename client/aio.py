@@ -1,0 +1,159 @@
+"""AsyncBufferClient: the asyncio client of one expbuf server, with BufferClient's methods as coroutines.
+
+It runs the calls described in calls.py, as BufferClient (client.py) does, awaiting each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, TypeVar, Unpack
+
+import grpc
+import grpc.aio
+
+from . import calls
+from .connection import ClientBase
+from .errors import ExpbufError
+from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from .sample_spec import SampleOptions, SampleSpec
+
+R = TypeVar("R")
+
+
+async def _drain(call: grpc.aio.StreamStreamCall) -> None:
+    """Read a stream to its end (batches already on their way are dropped)."""
+    while await call.read() is not grpc.aio.EOF:
+        pass
+
+
+class AsyncBufferClient(ClientBase):
+    """asyncio client with the methods of BufferClient, as coroutines::
+
+    async with AsyncBufferClient("127.0.0.1:50051") as client:
+        async for batch in client.sample("grpo8", num_groups=4):
+            await train(batch.experiences)
+            await batch.ack()
+    """
+
+    _insecure_channel = staticmethod(grpc.aio.insecure_channel)
+    _secure_channel = staticmethod(grpc.aio.secure_channel)
+
+    async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncBufferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _run(self, call: calls.Unary[R]) -> R:
+        method = getattr(self._stub, call.method)
+        attempts = self._attempts(call.retry, call.timeout)
+        while True:
+            try:
+                reply = await method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                await asyncio.sleep(attempts.pause(exc))
+            else:
+                return call.read(reply)
+
+    async def push(
+        self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
+    ) -> PushResult:
+        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns."""
+        return await self._run(calls.push(items, table, timeout))
+
+    async def sample(
+        self,
+        table: str = "default",
+        batch_size: int | None = None,
+        num_groups: int | None = None,
+        **options: Unpack[SampleOptions],
+    ) -> AsyncIterator[Batch]:
+        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines."""
+        request = SampleSpec(table, batch_size, num_groups, **options).request()
+        call = self._stub.Sample(metadata=self._metadata)
+        received = 0
+        try:
+            await call.write(request)
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                received += 1
+                await call.write(calls.confirmation(received))
+                yield calls.batch(reply, table, self.ack, self.nack, AsyncBatch)
+        except grpc.RpcError as exc:
+            raise ExpbufError(exc.code(), exc.details() or "") from None
+        finally:
+            if not call.done():  # the caller stopped early: end the stream cleanly
+                with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                    await call.write(calls.confirmation(received, stop=True))
+                    await asyncio.wait_for(_drain(call), calls.STOP_SECONDS)
+                call.cancel()
+
+    async def ack(self, lease_id: str, table: str = "default") -> int:
+        """Acknowledge a lease: its batch is consumed. Returns the experiences it held."""
+        return await self._run(calls.ack(lease_id, table))
+
+    async def nack(self, lease_id: str, table: str = "default") -> int:
+        """Give a lease's batch back to the buffer now. Returns the experiences it held."""
+        return await self._run(calls.nack(lease_id, table))
+
+    async def set_trainer_version(self, version: int, table: str = "default") -> int:
+        """Tell the table which policy version the trainer holds (it only moves forward; see reset_offpolicy).
+        Returns the version stored."""
+        return await self._run(calls.set_trainer_version(version, table))
+
+    async def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, int]:
+        """As BufferClient.reset_offpolicy."""
+        return await self._run(calls.reset_offpolicy(table, trainer_version))
+
+    async def writers(self, table: str = "default", change: int = 0) -> tuple[int, bool]:
+        """As BufferClient.writers: open (+1), close (-1) or read (0) the table's writers."""
+        return await self._run(calls.writers(table, change))
+
+    async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
+        """How many of `count` rollouts may start now under the table's staleness bound (see BufferClient.admit)."""
+        return await self._run(calls.admit(table, count, wait, grant_seconds, self.timeout))
+
+    async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
+        """Finish a grant: `accepted` rollouts stay counted, the others give their room back (all, if unset)."""
+        return await self._run(calls.finish_grant(grant, accepted))
+
+    async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
+        return await self._run(calls.get(uids, table))
+
+    async def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
+        """A page of the table's live experiences in insertion order (see BufferClient.list_experiences)."""
+        return await self._run(calls.list_experiences(table, **filters))
+
+    async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        """As BufferClient.delete (admin scope): how many experiences were removed."""
+        return await self._run(calls.delete(uids, table, groups))
+
+    async def seal(self, group_id: str, table: str = "default") -> int:
+        """As BufferClient.seal: complete a pending group now; returns its size."""
+        return await self._run(calls.seal(group_id, table))
+
+    async def stats(self, table: str = "") -> BufferStats:
+        """As BufferClient.stats: one table's TableStats, or every table's, by table name."""
+        return await self._run(calls.stats(table))
+
+    async def server_info(self) -> ServerInfo:
+        """The server's version, uptime, storage and map use, and the device advantages run on."""
+        return await self._run(calls.server_info())
+
+    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+        """As BufferClient.create_table; settings use the TOML names."""
+        return await self._run(calls.create_table(name, exist_ok, settings))
+
+    async def list_tables(self) -> list[TableInfo]:
+        """Every table's settings, under the names of a TOML `[[tables]]` block."""
+        return await self._run(calls.list_tables())
+
+    async def drop_table(self, name: str) -> int:
+        """As BufferClient.drop_table (admin scope): how many experiences the table held."""
+        return await self._run(calls.drop_table(name))

@@ -1,0 +1,128 @@
+"""What both clients of one server share below their calls: TLS settings, the channel, and when to retry.
+
+A push is idempotent on the server (a retried payload is reported as duplicates), so pushes
+and reads are retried with backoff while the server is UNAVAILABLE; every call has a deadline.
+The blocking client (client.py) and the asyncio one (aio.py) differ only in how they wait.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypedDict
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from .errors import ExpbufError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_RETRIES = 5
+# A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
+# to 120 s, which would keep a restarted server (or shard) unused that long after it is back.
+RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS settings: server CA (None = system roots) and, for mutual TLS, a client pair."""
+
+    root_certificates: str | bytes | None = None
+    certificate_chain: str | bytes | None = None
+    private_key: str | bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials: each setting a path to a PEM file, or the PEM bytes."""
+
+        def read(value: str | bytes | None) -> bytes | None:
+            return Path(value).read_bytes() if isinstance(value, str) else value
+
+        return grpc.ssl_channel_credentials(
+            read(self.root_certificates), read(self.private_key), read(self.certificate_chain)
+        )
+
+
+class ChannelOptions(TypedDict, total=False):
+    """A client's keywords after target, token and tls (see ClientBase), as the sharded clients take them."""
+
+    timeout: float
+    retries: int
+    max_message_bytes: int
+
+
+class Attempts:
+    """One call's attempts under one deadline: how long the next may take, and the pause before it."""
+
+    def __init__(self, retries: int, retry: bool, seconds: float) -> None:
+        self._retries = retries if retry else 0
+        self._deadline = time.monotonic() + seconds
+        self._attempt = 0
+
+    def remaining(self) -> float:
+        """The deadline left for the next attempt."""
+        return max(0.001, self._deadline - time.monotonic())
+
+    def pause(self, exc: grpc.RpcError) -> float:
+        """Seconds to wait before retrying a call the server could not take now; raises the
+        call's ExpbufError when it is not to be retried (not UNAVAILABLE, no retries or time left)."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._attempt < self._retries:
+            pause = min(2.0, 0.05 * 2**self._attempt) * (0.5 + random.random())
+            if time.monotonic() + pause < self._deadline:
+                self._attempt += 1
+                return pause
+        raise ExpbufError(exc.code(), exc.details() or "") from None
+
+
+class ClientBase:
+    """Settings and channel shared by the blocking and the asyncio client."""
+
+    _insecure_channel: Callable[..., Any]
+    _secure_channel: Callable[..., Any]
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        token: str | None = None,
+        tls: Tls | bool | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """Connect to `target` (HOST:PORT). `token` is sent as a bearer token; `tls` is a Tls
+        (a CA, and a client pair for mutual TLS) or True for the system's CAs. Every call has a
+        deadline of `timeout` seconds; pushes and reads are retried up to `retries` times while
+        the server is UNAVAILABLE (safe: a push is idempotent). `max_message_bytes` must be at
+        least the server's to receive its largest batches. The channel opens lazily::
+
+            with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
+                client.push(experiences, table="grpo8")
+        """
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            *RECONNECT,
+        ]
+        if tls:
+            credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
+            self._channel = type(self)._secure_channel(target, credentials, options=options)
+        else:
+            self._channel = type(self)._insecure_channel(target, options=options)
+        self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+
+    def _attempts(self, retry: bool, timeout: float | None) -> Attempts:
+        return Attempts(self.retries, retry, timeout or self.timeout)
