@@ -88,7 +88,7 @@ def _sample_request(
         table=table,
         batch_size=batch_size or 0,
         num_groups=num_groups or 0,
-        order=wire.enum_value(wire.ORDER, "order", order),
+        **wire.order_fields(order),
         delivery=wire.enum_value(wire.DELIVERY, "delivery", delivery),
         lease_seconds=lease_seconds,
         wait_seconds=timeout,

@@ -181,7 +181,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         table=request.table or "default",
         num_groups=request.num_groups,
         batch_size=request.batch_size,
-        order=wire.enum_name(wire.ORDER, "order", request.order, "fifo"),
+        order=request_order(request),
         delivery=wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume"),
         lease_seconds=request.lease_seconds,
         wait_seconds=request.wait_seconds,
@@ -191,6 +191,15 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         trainer_version=request.trainer_version if request.has_trainer_version else None,
         window=request.window or 1,
     )
+
+
+def request_order(request: pb.SampleRequest) -> str:
+    """The order a Sample request names: a registered order's `order_name`, or the enum."""
+    if not request.order_name:
+        return wire.enum_name(wire.ORDER, "order", request.order, "fifo")
+    if request.order:
+        raise InvalidRequest("set order or order_name, not both")
+    return request.order_name
 
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..selection import u64
+from ..ready_indexes import u64
 from .records import ItemRecord
 
 SCAN_PER_ITEM = 10
