@@ -62,12 +62,14 @@ class Order(ABC):
 
 # Every order by name, in the order error messages list them.
 ORDERS: dict[str, type[Order]] = {}
+_KEPT: list[type[Index]] = []  # indexes(), made anew at each (un)registration: every request reads it
 
 
 def register(order: O, *, replace: bool = False) -> O:
     """Make an order available to sample requests under its name (a class decorator too);
     a name taken already is refused unless `replace`. A store opened from now on opens and
     keeps the order's index."""
+    global _KEPT
     if not (isinstance(order, type) and issubclass(order, Order)):
         raise TypeError(f"{order!r} is not an Order class")
     if not isinstance(getattr(order, "name", None), str) or not _NAME.fullmatch(order.name):
@@ -76,21 +78,28 @@ def register(order: O, *, replace: bool = False) -> O:
         raise TypeError(f"order {order.name} declares no Index class as its `index`")
     if order.name in ORDERS and not replace:
         raise ValueError(f"order {order.name} is registered already")
-    for other in indexes():
+    for other in _KEPT:
         shared = set(other.databases) & set(order.index.databases)
         if shared and other is not order.index:
             raise ValueError(f"order {order.name}: database(s) {', '.join(sorted(shared))} belong to {other.__name__}")
     ORDERS[order.name] = order
+    _KEPT = _indexes()
     return order
 
 
 def unregister(name: str) -> None:
     """Remove an order (a store opened from now on drops its index unless another order reads it)."""
+    global _KEPT
     ORDERS.pop(name, None)
+    _KEPT = _indexes()
 
 
 def indexes() -> list[type[Index]]:
     """The indexes a store keeps: the version index, then those the registered orders read."""
+    return list(_KEPT)
+
+
+def _indexes() -> list[type[Index]]:
     found: list[type[Index]] = [VersionIndex]
     for order in ORDERS.values():
         if order.index not in found:
@@ -103,20 +112,36 @@ class ReadyIndex:
     indexes whose databases the store opened, and the version index."""
 
     def __init__(self, dbs: Mapping[str, lmdb._Database], txn: lmdb.Transaction[bytes], prefix: bytes) -> None:
-        self.txn, self.prefix = txn, prefix
-        self._open = {cls: cls(dbs, txn, prefix) for cls in indexes() if all(name in dbs for name in cls.databases)}
-        self.versions = self.of(VersionIndex)
+        self.dbs, self.txn, self.prefix = dbs, txn, prefix
+        self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
+        self._kept: list[type[Index]] | None = None
+
+    def kept(self) -> list[type[Index]]:
+        """The indexes kept here: the registered orders' and the version index, where the
+        store opened their databases."""
+        if self._kept is None:
+            self._kept = [cls for cls in _KEPT if all(name in self.dbs for name in cls.databases)]
+        return self._kept
 
     def of(self, cls: type[I]) -> I:
         """The index of one class; refused when the store did not open it (its order was
         registered after the store opened)."""
-        index = self._open.get(cls)
+        index = self._made.get(cls)
         if index is None:
-            raise InvalidRequest(
-                f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
-                "an order is registered before the store opens"
-            )
+            if cls not in self.kept():
+                raise InvalidRequest(
+                    f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
+                    "an order is registered before the store opens"
+                )
+            index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
         return cast(I, index)
+
+    @property
+    def versions(self) -> VersionIndex:
+        return self.of(VersionIndex)
+
+    def _every(self) -> list[Index]:
+        return [self.of(cls) for cls in self.kept()]
 
     def add(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
         self.add_many([(gkey, rseq, priority, version)])
@@ -125,7 +150,7 @@ class ReadyIndex:
         """Index groups that became ready, in that order: each index writes them in one pass."""
         if groups:
             rows = [ReadyGroup(*group) for group in groups]
-            for index in self._open.values():
+            for index in self._every():
                 index.add(rows)
 
     def remove(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
@@ -135,20 +160,20 @@ class ReadyIndex:
         """Unindex groups that leave ready, in that order."""
         if groups:
             rows = [ReadyGroup(*group) for group in groups]
-            for index in self._open.values():
+            for index in self._every():
                 index.remove(rows)
 
     def move_many(self, before: Sequence[Row], after: Sequence[Row]) -> None:
         """Ready groups that got a new priority and place (`after[i]` is `before[i]` changed)."""
         if before:
             old, new = [ReadyGroup(*group) for group in before], [ReadyGroup(*group) for group in after]
-            for index in self._open.values():
+            for index in self._every():
                 index.move(old, new)
 
     def verify(self, ready: Sequence[Row]) -> list[str]:
         """The problems of every open index against the table's ready groups."""
         rows = [ReadyGroup(*group) for group in ready]
-        return [problem for index in self._open.values() for problem in index.verify(rows)]
+        return [problem for index in self._every() for problem in index.verify(rows)]
 
     def below_version(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first."""
