@@ -19,7 +19,7 @@ from expbuf.server.errors import InvalidRequest
 from expbuf.server.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
 from expbuf.server.sample_spec import SpecError
 from expbuf.server.selection import ORDERS, Order, ReadyIndex, register, unregister
-from expbuf.server.store import Store
+from expbuf.server.store import Store, integrity
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, make_experience, take
@@ -106,6 +106,21 @@ def test_integrity_checks_the_orders_index_and_names_it(tmp_path: Path) -> None:
             "ready group 1/1 is missing from the oldest-version index (oldver)",
             "the oldest-version index (oldver) holds 3 groups, 4 belong in it",
         ]
+
+
+def test_a_dropped_table_leaves_nothing_in_the_orders_index(tmp_path: Path) -> None:
+    with registered_order(OldestVersionFirst), Store(tmp_path) as store:
+        fill(store)
+        assert store.drop_table("t") == 8
+        with store.environment.read() as txn:
+            assert txn.stat(store.environment.db["oldver"])["entries"] == 0
+        with store.environment.read() as txn:
+            assert not any(integrity.scan(txn, store.environment.db, 0.0).values())  # strays included
+        oldver = store.environment.db["oldver"]
+        store.environment.submit(lambda txn: txn.put(b"\x00\x00\x00\x63" + bytes(16), b"9/9", db=oldver))
+        with store.environment.read() as txn:
+            found = integrity.scan(txn, store.environment.db, 0.0)
+        assert found[""] == ["1 entries of the oldver database belong to no table"]
 
 
 def test_the_index_is_built_at_open_and_dropped_when_no_order_reads_it(tmp_path: Path) -> None:
