@@ -60,7 +60,8 @@ def keep_indexes(txn: lmdb.Transaction, env: lmdb.Environment, dbs: dict[str, lm
     """The directory keeps the indexes of the registered orders: one registered since the last
     open is built from the ready groups, one that no order reads any more is dropped (and
     built anew should its order come back), so an index is never read after a stretch of
-    changes it missed."""
+    changes it missed (unless a release from before the registry served the directory in
+    between: it keeps the built-in orders' indexes only)."""
     raw = txn.get(_INDEXES, db=dbs["meta"])
     kept = set(json.loads(raw)) if raw is not None else set(layout.BUILT_IN_INDEXES)
     names = set(layout.index_databases())
