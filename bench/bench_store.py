@@ -33,7 +33,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.selection import ReadyDbs, ReadyIndex  # noqa: E402
+from expbuf.server.selection import ReadyIndex  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
@@ -162,7 +162,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
                 start = time.perf_counter()
                 with store.environment.read() as txn:
                     db = store.environment.db
-                    index = ReadyIndex(ReadyDbs.of(db), txn, prefix)
+                    index = ReadyIndex(db, txn, prefix)
                     it = index.candidates(order, store.sampling.rng)
                     picked = [next(it) for _ in range(4)]
                     it.close()

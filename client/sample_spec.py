@@ -79,9 +79,12 @@ class SampleSpec:
         _integer("batch_size" if self.batch_size else "num_groups", self.size, 1)
         if not isinstance(self.table, str):
             raise ValueError(f"sample: table is {self.table!r}; it must be a table's name")
-        for name, names in (("order", wire.ORDER), ("delivery", wire.DELIVERY)):
-            if getattr(self, name) not in names:
-                raise ValueError(f"sample: {name} is {getattr(self, name)!r}; expected one of {', '.join(names)}")
+        try:
+            wire.order_fields(self.order)
+        except wire.WireError as exc:
+            raise ValueError(f"sample: {exc}") from None
+        if self.delivery not in wire.DELIVERY:
+            raise ValueError(f"sample: delivery is {self.delivery!r}; expected one of {', '.join(wire.DELIVERY)}")
         _seconds("lease_seconds", self.lease_seconds, positive=True)
         _seconds("timeout", self.timeout, positive=False)
         _integer("max_batches", self.max_batches, 0)
@@ -118,7 +121,7 @@ class SampleSpec:
             table=self.table,
             batch_size=self.batch_size or 0,
             num_groups=self.num_groups or 0,
-            order=wire.ORDER[self.order],
+            **wire.order_fields(self.order),
             delivery=wire.DELIVERY[self.delivery],
             lease_seconds=self.lease_seconds,
             wait_seconds=self.timeout,

@@ -100,6 +100,18 @@ def enum_value(mapping: Mapping[str, _Enum], what: str, name: str) -> _Enum:
         raise WireError(f"{what} is {name!r}; expected one of {', '.join(mapping)}") from None
 
 
+def order_fields(order: str) -> dict[str, Any]:
+    """A sample request's order: a built-in one as the `order` enum, any other name (an order
+    registered on the server, which checks it) as `order_name`."""
+    if isinstance(order, str) and order in ORDER:
+        return {"order": ORDER[order]}
+    if not isinstance(order, str) or not 0 < len(order) <= 64:
+        raise WireError(
+            f"order is {str(order)[:70]!r}; expected one of {', '.join(ORDER)} or a registered order's name"
+        )
+    return {"order_name": order}
+
+
 def enum_name(mapping: Mapping[str, int], what: str, value: int, default: str) -> str:
     """The name of an enum value; 0 (unspecified) is the default, an unknown value is refused."""
     if value == 0:

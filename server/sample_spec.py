@@ -76,7 +76,7 @@ class SampleSpec:
         if (self.num_groups > 0) == (self.batch_size > 0):
             raise SpecError("set exactly one of num_groups or batch_size (> 0)")
         if self.order not in ORDERS:
-            raise SpecError(f"order is {self.order!r}; expected one of {', '.join(ORDERS)}")
+            raise SpecError(f"order is {self.order[:70]!r}; expected one of {', '.join(ORDERS)}")
         if self.delivery not in DELIVERIES:
             raise SpecError(f"delivery is {self.delivery!r}; expected one of {', '.join(DELIVERIES)}")
         if self.delivery == "lease":

@@ -136,7 +136,7 @@ def _refusals(method: Callable) -> Callable:
 def sample_spec(request: pb.SampleRequest) -> SampleSpec:
     """The first message of a Sample stream as a checked SampleSpec."""
     try:
-        order = wire.enum_name(wire.ORDER, "order", request.order, "fifo")
+        order = request_order(request)
         delivery = wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume")
     except wire.WireError as exc:
         raise SpecError(str(exc)) from None
@@ -155,6 +155,15 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         window=request.window or 1,
         compact_advantages=request.compact_advantages,
     )
+
+
+def request_order(request: pb.SampleRequest) -> str:
+    """The order a Sample request names: a registered order's `order_name`, or the enum."""
+    if not request.order_name:
+        return wire.enum_name(wire.ORDER, "order", request.order, "fifo")
+    if request.order:
+        raise InvalidRequest("set order or order_name, not both")
+    return request.order_name
 
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for

@@ -76,7 +76,7 @@ BAD_SAMPLE_OPTIONS = [
     ({"num_groups": 1, "batch_size": 8}, "exactly one of batch_size"),
     ({"num_groups": -1}, "num_groups is -1"),
     ({"batch_size": 2.5}, "batch_size is 2.5"),
-    ({"num_groups": 1, "order": "newest"}, "order is 'newest'; expected one of fifo"),
+    ({"num_groups": 1, "order": ""}, "order is ''; expected one of fifo"),
     ({"num_groups": 1, "delivery": "once"}, "delivery is 'once'; expected one of consume, lease, replay"),
     ({"num_groups": 1, "lease_seconds": 0}, "lease_seconds is 0"),
     ({"num_groups": 1, "timeout": float("nan")}, "timeout is nan"),

@@ -152,6 +152,9 @@ def test_one_damaged_table_does_not_stop_the_upkeep_of_the_others(tmp_path: Path
     [
         ({"delivery": 99}, "delivery is 99"),
         ({"order": 99}, "order is 99"),
+        ({"order_name": "fifo_please"}, "order is 'fifo_please'; expected one of fifo, lifo, uniform, priority"),
+        ({"order_name": "x" * 100_000}, "order is 'xxxxxxxx"),
+        ({"order": pb.ORDER_LIFO, "order_name": "fifo"}, "set order or order_name, not both"),
         ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": math.nan}, "lease_seconds"),
         ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": math.inf}, "lease_seconds"),
         ({"delivery": pb.DELIVERY_LEASE, "lease_seconds": 1e300}, "lease_seconds"),

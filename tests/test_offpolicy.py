@@ -152,7 +152,7 @@ def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -
             txn.drop(env.db["byver"], delete=False)
             txn.put(b"format", b"2", db=env.db["meta"])
         problems = store.verify("t")
-        assert "the version index holds 0 groups, 3 have a version" in problems
+        assert "the version index (byver) holds 0 groups, 3 belong in it" in problems
         assert sum("missing from the version index" in p for p in problems) == 3
     with Store(tmp_path) as store:
         assert store.verify("t") == []

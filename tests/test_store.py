@@ -402,25 +402,6 @@ def test_tombstones_are_pruned_after_their_time(store: Store, clock: Clock) -> N
     assert store.verify("short") == []
 
 
-def test_a_new_order_is_one_class(store: Store) -> None:
-    """Lowest priority first, defined here: the store samples in it like in its own orders."""
-    from expbuf.server.selection import ORDERS, Order, ReadyIndex
-
-    class LowestPriority(Order):
-        name = "test_lowest_priority"
-
-        def candidates(self, index: ReadyIndex, rng: object) -> object:
-            return index.scan(index.dbs.prio, reverse=True)
-
-    try:
-        for task, priority in enumerate((5.0, 1.0, 3.0)):
-            store.put("plain", group_items(9, task, 2, priority=priority))
-        taken = [take(store, "plain", num_groups=1, order="test_lowest_priority").group_ids[0] for _ in range(3)]
-        assert taken == ["9/1", "9/2", "9/0"]
-    finally:
-        del ORDERS[LowestPriority.name]
-
-
 def test_the_store_is_a_backend(store: Store) -> None:
     """The server uses the store through backend.Backend: the store provides all of it."""
     from expbuf.server.backend import Backend

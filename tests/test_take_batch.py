@@ -9,7 +9,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.server.selection import ReadyDbs, ReadyIndex, u64
+from expbuf.server.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
+from expbuf.server.selection import ReadyIndex
 from expbuf.server.store import Store
 from expbuf.server.store.records import CONSUMED, LEASED, ItemRecord
 from expbuf.server.tables import TableConfig
@@ -21,22 +22,22 @@ UNIFORM = TableConfig(name="u", estimator="none", group_size=2)
 
 
 @pytest.fixture
-def index(tmp_path: Path) -> tuple[lmdb.Environment, ReadyDbs]:
+def index(tmp_path: Path) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
     env = lmdb.open(str(tmp_path / "idx"), max_dbs=8, map_size=1 << 24)
-    dbs = ReadyDbs(*(env.open_db(name.encode()) for name in ("ready", "prio", "slots", "slotof", "byver")))
+    dbs = {name: env.open_db(name.encode()) for name in ("ready", "prio", "slots", "slotof", "byver")}
     yield env, dbs
     env.close()
 
 
-def _array(txn: lmdb.Transaction, dbs: ReadyDbs) -> list[bytes]:
+def _array(txn: lmdb.Transaction, dbs: dict[str, lmdb._Database]) -> list[bytes]:
     """The dense slot array, checked against its count and the slot of each group."""
-    ready = ReadyIndex(dbs, txn, PREFIX)
-    slots = [ready.slot(slot) for slot in range(ready.count())]
+    array = ReadyIndex(dbs, txn, PREFIX).of(Slots)
+    slots = [array.slot(slot) for slot in range(array.count())]
     for slot, gkey in enumerate(slots):
-        assert txn.get(PREFIX + gkey, db=dbs.slotof) == u64(slot)
-    rows = sum(1 for key, _ in txn.cursor(db=dbs.slots) if key.startswith(PREFIX) and key != PREFIX)
+        assert txn.get(PREFIX + gkey, db=dbs["slotof"]) == u64(slot)
+    rows = sum(1 for key, _ in txn.cursor(db=dbs["slots"]) if key.startswith(PREFIX) and key != PREFIX)
     assert rows == len(slots)
-    assert sum(1 for key, _ in txn.cursor(db=dbs.slotof) if key.startswith(PREFIX)) == len(slots)
+    assert sum(1 for key, _ in txn.cursor(db=dbs["slotof"]) if key.startswith(PREFIX)) == len(slots)
     return slots
 
 
@@ -57,10 +58,10 @@ def test_remove_many_fills_slots_as_removing_one_at_a_time(index: tuple, seed: i
         ready.remove_many(gone)
         assert _array(txn, dbs) == expected
         left = {g[0] for g in groups} - {g[0] for g in gone}
-        assert {bytes(v) for v in ready.scan(dbs.ready, reverse=False)} == left
-        assert {bytes(v) for v in ready.scan(dbs.prio, reverse=False)} == left
+        assert {bytes(v) for v in ready.of(ReadyOrder).scan(reverse=False)} == left
+        assert {bytes(v) for v in ready.of(PriorityIndex).scan(reverse=False)} == left
         versioned = {g[0] for g in groups if g[3] is not None} - {g[0] for g in gone}
-        assert sum(1 for key, _ in txn.cursor(db=dbs.byver) if key.startswith(PREFIX)) == len(versioned)
+        assert sum(1 for key, _ in txn.cursor(db=dbs["byver"]) if key.startswith(PREFIX)) == len(versioned)
 
 
 def _fill(store: Store, groups: int) -> set[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..selection import u64
+from ..ready_indexes import u64
 from .records import ItemRecord
 from .table_state import stored
 

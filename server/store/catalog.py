@@ -105,7 +105,7 @@ class TableCatalog:
         def op(txn: lmdb.Transaction[bytes]) -> int:
             counters = read_counters(txn, db["counters"], prefix)
             txn.delete(name.encode(), db=db["tables"])
-            for part in layout.PER_TABLE:
+            for part in layout.per_table(db):
                 with txn.cursor(db=db[part]) as cur:
                     if cur.set_range(prefix):
                         while cur.key().startswith(prefix) and cur.delete():

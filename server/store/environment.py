@@ -115,13 +115,14 @@ class Environment:
 
         A directory LMDB or the format's records cannot read is Damaged, naming `expbuf check`.
         """
+        names = layout.databases()  # the registered orders' indexes may be refused before anything opens
         try:
             if self.readonly:
                 self.env = lmdb.open(
                     str(self.path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, readahead=False, create=False
                 )
                 self.db = {}
-                for name in layout.DBS:
+                for name in names:
                     try:
                         self.db[name] = self.env.open_db(name.encode(), create=False)
                     except lmdb.NotFoundError:
@@ -130,7 +131,7 @@ class Environment:
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
-            self.db = {name: self.env.open_db(name.encode()) for name in layout.DBS}
+            self.db = {name: self.env.open_db(name.encode()) for name in names}
             self._migrate()
         except _DAMAGE as exc:
             raise Damaged(self.path, f"{type(exc).__name__}: {exc}") from None

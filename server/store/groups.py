@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
-from ..selection import put_rows, u64
+from ..ready_indexes import put_rows, u64
 from ..tables import estimator_of
 from . import layout, limiter
 from .capacity import make_room

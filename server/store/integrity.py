@@ -24,7 +24,7 @@ import lmdb
 from expbuf.client import trxp
 
 from ..errors import Damaged
-from ..selection import u64, version_key
+from ..ready_indexes import u64
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
@@ -135,7 +135,7 @@ def _strays(
 ) -> list[str]:
     known = {layout.table_prefix(table_id) for table_id, _ in tables.values()}
     problems = []
-    for name in layout.PER_TABLE:
+    for name in layout.per_table(dbs):
         strays = sum(1 for key in txn.cursor(db=dbs[name]).iternext(values=False) if bytes(key[:4]) not in known)
         if strays:
             problems.append(f"{strays} entries of the {name} database belong to no table")
@@ -166,25 +166,14 @@ def verify(tt: TableState) -> list[str]:
             else:
                 problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
             found = cur.next()
-    ready_groups = set()
-    versioned = 0  # ready groups of a known version
+    ready = []  # every ready group, as the indexes of the orders hold it
     for gkey, grp in groups.items():
         if grp.state in LIVE:
             counts["groups_" + grp.state] += 1
         if grp.state == COMPUTING and txn.get(tt.rseq_key(grp), db=db["compute"]) != gkey.encode():
             problems.append(f"computing group {gkey} is missing from the compute queue")
         if grp.state == READY:
-            ready_groups.add(gkey)
-            if txn.get(tt.rseq_key(grp), db=db["ready"]) != gkey.encode():
-                problems.append(f"ready group {gkey} is missing from the ready index")
-            slot = txn.get(p + gkey.encode(), db=db["slotof"])
-            if slot is None or txn.get(p + slot, db=db["slots"]) != gkey.encode():
-                problems.append(f"ready group {gkey} is missing from the uniform slots")
-            if grp.version is not None:
-                versioned += 1
-                raw = txn.get(p + version_key(grp.version) + u64(grp.ready_seq), db=db["byver"])
-                if raw is None or raw[8:] != gkey.encode():
-                    problems.append(f"ready group {gkey} is missing from the version index")
+            ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
             problems.append(f"pending group {gkey} is missing from the timeout index")
     tombstones = sum(counts[state] for state in RETIRED)
@@ -192,14 +181,7 @@ def verify(tt: TableState) -> list[str]:
         problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {tombstones} tombstones")
     if _prefix_count(tt, "compute") != counts["groups_computing"]:
         problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
-    for name in ("ready", "prio", "slots", "slotof"):
-        indexed = _prefix_count(tt, name)
-        if indexed != len(ready_groups):
-            problems.append(f"the {name} index holds {indexed} groups, {len(ready_groups)} are ready")
-    if _prefix_count(tt, "byver") != versioned:
-        problems.append(f"the version index holds {_prefix_count(tt, 'byver')} groups, {versioned} have a version")
-    if tt.ready.count() != len(ready_groups):
-        problems.append(f"{tt.ready.count()} uniform slots for {len(ready_groups)} ready groups")
+    problems.extend(tt.ready.verify(ready))
     stored = tt.counters.to_dict()
     for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
         if stored[name] != counts[name]:

@@ -11,7 +11,8 @@ one contiguous range:
 - compute:   T + rseq -> group key (complete groups waiting for their advantages)
 - retired:   T + retired time + uid -> b"" (tombstones, pruned after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
-- ready, prio, slots, slotof, byver: ready groups (see selection.py)
+- ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
+  and of the version index (byver); see ready_indexes.py and selection.py
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
 - cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
@@ -22,21 +23,44 @@ Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), insid
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 
-from ..selection import u64
+from .. import selection
+from ..ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
 # (byver) of ready groups. See migrate.py.
 FORMAT = 3
-DBS = (
-    "meta", "tables", "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired",
-    "counters", "ready", "prio", "slots", "slotof", "byver", "leases", "lease_exp", "grants", "grant_exp",
-    "cooling",
+DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
+OWN = (
+    *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
 )  # fmt: skip
-PER_TABLE = tuple(db for db in DBS if db not in ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp"))
+# The indexes a directory written before the order registry keeps: those of the built-in orders.
+BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 FORMAT_1_ONLY = ("tasks", "runs", "steps")
-MAX_DBS = len(DBS) + len(FORMAT_1_ONLY)
+MAX_DBS = 64  # the store's own, the indexes of the registered orders, and format 1's while it is upgraded
+
+
+def index_databases() -> tuple[str, ...]:
+    """The databases of the indexes the store keeps for the registered orders (selection.py)."""
+    names = tuple(name for index in selection.indexes() for name in index.databases)
+    taken = set(names) & set(OWN + FORMAT_1_ONLY)
+    if taken:
+        raise ValueError(f"an order's index names the store's own database(s) {', '.join(sorted(taken))}")
+    return names
+
+
+def databases() -> tuple[str, ...]:
+    """Every database a store opens: its own, then the indexes'."""
+    return OWN + index_databases()
+
+
+def per_table(dbs: Iterable[str]) -> list[str]:
+    """Of these databases, those keyed by table (a dropped table leaves nothing in them)."""
+    return [name for name in dbs if name not in DIRECTORY]
+
+
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 

@@ -2,7 +2,7 @@
 
 A batch is chosen in the request's order, whole groups only, optionally only groups
 whose every member is at least `min_model_version` (found through the version index of
-selection.py, so stale groups in front cost nothing). It is delivered by consuming it
+ready_indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), holding it for a Sample stream (a lease without expiry, until the
 client confirms it), or replaying it (counted against max_times_sampled, lowered and cooled by reuse.py).

@@ -4,7 +4,9 @@ Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task
 and step. Opening such a directory rewrites every item, group and lease record in the
 binary form of records.py (live experiences get the digest of today's canonical packing,
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
-version index of ready groups (byver, selection.py): it is built from the group records.
+version index of ready groups (byver, ready_indexes.py): it is built from the group records.
+The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
+an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
 found, and the next open starts again. A directory of a newer format than this expbuf
 reads is refused, naming both.
@@ -12,6 +14,7 @@ reads is refused, naming both.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -19,8 +22,9 @@ import lmdb
 
 from expbuf.client import trxp
 
+from .. import selection
 from ..errors import StoreError
-from ..selection import ReadyDbs, ReadyIndex
+from ..ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..tables import TableConfig, batch_stage
 from . import layout
 from .extensions import Extensions
@@ -29,6 +33,7 @@ from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
 from .table_state import TableState
 
 _KEY = b"format"
+_INDEXES = b"indexes"  # the index databases kept, as a JSON list (absent: the built-in orders')
 
 
 def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database], path: Path) -> int:
@@ -44,10 +49,48 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
     if found == 1:
         _from_1(txn, env, dbs)
     if found <= 2:
-        _version_index(txn, dbs)
+        build(txn, dbs, [VersionIndex])
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
+    keep_indexes(txn, env, dbs)
     return found
+
+
+def keep_indexes(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
+    """The directory keeps the indexes of the registered orders: one registered since the last
+    open is built from the ready groups, one that no order reads any more is dropped (and
+    built anew should its order come back), so an index is never read after a stretch of
+    changes it missed (unless a release from before the registry served the directory in
+    between: it keeps the built-in orders' indexes only)."""
+    raw = txn.get(_INDEXES, db=dbs["meta"])
+    kept = set(json.loads(raw)) if raw is not None else set(layout.BUILT_IN_INDEXES)
+    names = set(layout.index_databases())
+    for name in sorted(kept - names):
+        txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
+    build(txn, dbs, [index for index in selection.indexes() if not set(index.databases) <= kept])
+    if names != kept:
+        txn.put(_INDEXES, json.dumps(sorted(names)).encode(), db=dbs["meta"])
+
+
+def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes: list[type[Index]]) -> None:
+    """Fill these indexes (emptied first) with the ready groups of every table, in ready order."""
+    if not indexes:
+        return
+    for index in indexes:
+        for name in index.databases:
+            txn.drop(dbs[name], delete=False)
+    prefix, ready = b"", list[ReadyGroup]()
+    # The groups of a table are one run of keys; an empty key ends the last run.
+    for key, raw in itertools.chain(txn.cursor(db=dbs["groups"]), [(b"", b"")]):
+        if key[:4] != prefix:
+            ready.sort(key=lambda group: group.rseq)
+            for index in indexes if ready else ():
+                index(dbs, txn, prefix).add(ready)
+            prefix, ready = bytes(key[:4]), []
+        if key:
+            grp = GroupRecord.decode(raw)
+            if grp.state == READY:
+                ready.append(ReadyGroup(bytes(key[4:]), grp.ready_seq, grp.priority, grp.version))
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
@@ -77,7 +120,7 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
         if not batch_stage(config):
             continue
         tt = TableState(txn, dbs, record["id"], config, 0.0, Extensions())  # queues its groups itself
-        for gkey_raw in list(tt.ready.scan(dbs["ready"], reverse=False)):
+        for gkey_raw in list(tt.ready.of(ReadyOrder).scan(reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.existing_group(gkey)
             tt.ready.remove(gkey_raw, grp.ready_seq, grp.priority, grp.version)
@@ -87,12 +130,3 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
             tt.set_state(gkey, grp, recs, COMPUTING)
             txn.put(tt.rseq_key(grp), gkey_raw, db=dbs["compute"])
         tt.save()
-
-
-def _version_index(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
-    """Index every ready group by its version, as selection.py keeps it from now on."""
-    ready = ReadyDbs.of(dbs)
-    for key, raw in txn.cursor(db=dbs["groups"]):
-        grp = GroupRecord.decode(raw)
-        if grp.state == READY:
-            ReadyIndex(ready, txn, key[:4]).add_version(key[4:], grp.ready_seq, grp.priority, grp.version)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import lmdb
 
-from ..selection import put_rows, u64
+from ..ready_indexes import put_rows, u64
 from . import layout, limiter
 from .records import CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
 from .table_state import TableState

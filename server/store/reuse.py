@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..selection import put_rows
+from ..ready_indexes import put_rows
 from ..tables import TableConfig
 from . import layout
 from .records import LEASED, READY, GroupRecord, ItemRecord
@@ -40,16 +40,17 @@ def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None
     config = tt.config
     if not groups or not reuses(config):
         return
-    tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups])
+    before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
     for _, grp, recs in groups:
         uses = max(rec.times_sampled for rec in recs.values())
         grp.priority = max(rec.priority for rec in recs.values()) - config.priority_decay * uses
         if config.priority_noise:
             grp.priority += rng.gauss(0.0, config.priority_noise)
     cooldown = config.reuse_cooldown_seconds
-    if cooldown <= 0:
-        _ready_again(tt, groups)
+    if cooldown <= 0:  # a priority change of ready groups, for every order's index
+        tt.ready.move_many(before, _ready_again(tt, groups))
         return
+    tt.ready.remove_many(before)
     tt.set_states(groups, LEASED)
     until = layout.micros(tt.now + cooldown)
     put_rows(tt.txn, tt.db["cooling"], sorted((tt.prefix + until + gkey.encode(), b"") for gkey, _, _ in groups))
@@ -75,17 +76,18 @@ def warm(tt: TableState) -> int:
             back.append((gkey, grp, tt.members(grp)))
     if back:
         tt.set_states(back, READY)
-        _ready_again(tt, back)
+        tt.ready.add_many(_ready_again(tt, back))
         tt.save()
     return len(back)
 
 
-def _ready_again(tt: TableState, groups: Sequence[Taken]) -> None:
-    """Into the ready indexes behind every group there (a new place in the ready order)."""
+def _ready_again(tt: TableState, groups: Sequence[Taken]) -> list[tuple[bytes, int, float, int | None]]:
+    """A new place in the ready order, behind every group there; returns the groups' rows for
+    the ready indexes."""
     rows = []
     for gkey, grp, _ in groups:
         grp.rseq = tt.counters.next_rseq
         tt.counters.next_rseq += 1
         tt.put_group(gkey, grp)
         rows.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
-    tt.ready.add_many(rows)
+    return rows

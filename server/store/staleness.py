@@ -12,7 +12,7 @@ would evict them all), is refused, naming the reset that sets any version.
 
 With `evict_stale`, a ready group whose lowest model version fell below trainer version -
 max_staleness leaves the buffer as dropped (reason `stale`): the trainer would never take
-it. The version index (`byver`, selection.py) orders ready groups by their lowest version,
+it. The version index (`byver`, ready_indexes.py) orders ready groups by their lowest version,
 so the stale ones are the front of the table's part of it, read up to the bound and never
 past it: the cost is that of the stale groups found, whatever fresh data the table holds.
 Each pass takes at most `limit` groups, so one write never grows without bound; the store's

@@ -14,7 +14,8 @@ from typing import Protocol, TypeVar
 import lmdb
 
 from ..errors import StoreError, clip
-from ..selection import ReadyDbs, ReadyIndex, put_rows, u64
+from ..ready_indexes import put_rows, u64
+from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
@@ -68,7 +69,7 @@ class TableState:
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs["counters"], self.prefix)
-        self.ready = ReadyIndex(ReadyDbs.of(dbs), txn, self.prefix)
+        self.ready = ReadyIndex(dbs, txn, self.prefix)
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, Cached] = {}

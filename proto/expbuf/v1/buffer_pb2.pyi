@@ -187,7 +187,7 @@ class PushReply(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages")
+    __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages", "order_name")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class SampleRequest(_message.Message):
     HAS_TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     COMPACT_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    ORDER_NAME_FIELD_NUMBER: _ClassVar[int]
     table: str
     batch_size: int
     num_groups: int
@@ -222,7 +223,8 @@ class SampleRequest(_message.Message):
     has_trainer_version: bool
     window: int
     compact_advantages: bool
-    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ...) -> None: ...
+    order_name: str
+    def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ..., order_name: _Optional[str] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths")

@@ -1,0 +1,221 @@
+"""A new order is one class and one registration: it declares an index of its own, which the
+store opens, keeps and checks without naming it; requests name the order over the wire."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.client import BufferClient, wire
+from expbuf.client.errors import InvalidArgumentError
+from expbuf.server.app import ExpbufServer
+from expbuf.server.config import ServerConfig
+from expbuf.server.errors import InvalidRequest
+from expbuf.server.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
+from expbuf.server.sample_spec import SpecError
+from expbuf.server.selection import ORDERS, Order, ReadyIndex, register, unregister
+from expbuf.server.store import Store, integrity
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items, make_experience, take
+
+UNKNOWN = 1 << 62  # where a group of unknown version sorts: after every known one
+
+
+class OldestVersion(KeyedIndex):
+    """Lowest model version first (unknown last), ties in ready order -> group key."""
+
+    databases = ("oldver",)
+    what = "the oldest-version index (oldver)"
+
+    def row(self, group: ReadyGroup) -> tuple[bytes, bytes]:
+        version = UNKNOWN if group.version is None else group.version
+        return version_key(version) + u64(group.rseq), group.gkey
+
+
+class OldestVersionFirst(Order):
+    """The stalest groups first: the ones a staleness bound would drop next."""
+
+    name = "oldest_version_first"
+    index = OldestVersion
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(OldestVersion).scan(reverse=False)
+
+
+@contextlib.contextmanager
+def registered_order(order: type[Order]) -> Iterator[str]:
+    """An order registered for the length of a test; yields its name."""
+    register(order)
+    try:
+        yield order.name
+    finally:
+        unregister(order.name)
+
+
+def fill(store: Store) -> None:
+    """Groups 1/0 .. 1/3 of versions 5, 2, unknown, 3 (in that ready order)."""
+    store.create_table(TableConfig("t", estimator="none", group_size=2))
+    for task, version in enumerate((5, 2, None, 3)):
+        store.put("t", group_items(1, task, 2, version=version))
+
+
+def test_a_registered_order_samples_from_its_own_index(tmp_path: Path) -> None:
+    with registered_order(OldestVersionFirst) as name, Store(tmp_path) as store:
+        fill(store)
+        assert "oldver" in store.environment.db
+        first = take(store, "t", num_groups=2, order=name, delivery="replay")
+        assert first.group_ids == ["1/1"] * 2 + ["1/3"] * 2
+        fresh = take(store, "t", num_groups=2, order=name, min_model_version=3, delivery="replay")
+        assert fresh.group_ids == ["1/3"] * 2 + ["1/0"] * 2  # the order's candidates that are fresh
+        leased = take(store, "t", num_groups=1, order=name, delivery="lease", lease_seconds=60)
+        assert leased.group_ids == ["1/1"] * 2
+        assert take(store, "t", num_groups=3, order=name).group_ids == ["1/3"] * 2 + ["1/0"] * 2 + ["1/2"] * 2
+        store.nack(leased.lease_id, "t")  # back into every index, the order's own included
+        assert store.verify("t") == []
+        assert take(store, "t", num_groups=1, order=name).group_ids == ["1/1"] * 2
+
+
+def test_a_requeued_group_moves_in_the_orders_index(tmp_path: Path) -> None:
+    """Reuse changes a replayed group's priority and place through the indexes' move hook."""
+    config = TableConfig("t", estimator="none", group_size=2, priority_decay=1.0)
+    with registered_order(OldestVersionFirst) as name, Store(tmp_path) as store:
+        store.create_table(config)
+        for task in range(3):
+            store.put("t", group_items(1, task, 2, version=4))
+        assert take(store, "t", num_groups=1, order=name, delivery="replay").group_ids == ["1/0"] * 2
+        assert store.verify("t") == []
+        order = [take(store, "t", num_groups=1, order=name, delivery="replay").group_ids[0] for _ in range(3)]
+        assert order == ["1/1", "1/2", "1/0"]  # the replayed group went behind the others of its version
+
+
+def test_integrity_checks_the_orders_index_and_names_it(tmp_path: Path) -> None:
+    with registered_order(OldestVersionFirst), Store(tmp_path) as store:
+        fill(store)
+        env = store.environment
+        with env.env.begin(write=True) as txn:
+            key, _ = next(iter(txn.cursor(db=env.db["oldver"])))
+            txn.delete(key, db=env.db["oldver"])
+        problems = store.verify("t")
+        assert problems == [
+            "ready group 1/1 is missing from the oldest-version index (oldver)",
+            "the oldest-version index (oldver) holds 3 groups, 4 belong in it",
+        ]
+
+
+def test_a_dropped_table_leaves_nothing_in_the_orders_index(tmp_path: Path) -> None:
+    with registered_order(OldestVersionFirst), Store(tmp_path) as store:
+        fill(store)
+        assert store.drop_table("t") == 8
+        with store.environment.read() as txn:
+            assert txn.stat(store.environment.db["oldver"])["entries"] == 0
+        with store.environment.read() as txn:
+            assert not any(integrity.scan(txn, store.environment.db, 0.0).values())  # strays included
+        oldver = store.environment.db["oldver"]
+        store.environment.submit(lambda txn: txn.put(b"\x00\x00\x00\x63" + bytes(16), b"9/9", db=oldver))
+        with store.environment.read() as txn:
+            found = integrity.scan(txn, store.environment.db, 0.0)
+        assert found[""] == ["1 entries of the oldver database belong to no table"]
+
+
+def test_the_index_is_built_at_open_and_dropped_when_no_order_reads_it(tmp_path: Path) -> None:
+    """A directory written before the order was registered gets its index at the next open;
+    one opened without the order drops it, so no index is read after changes it missed."""
+    with Store(tmp_path) as store:
+        fill(store)
+        with store.environment.read() as txn:
+            assert txn.get(b"indexes", db=store.environment.db["meta"]) is None  # the built-in orders' set
+    with registered_order(OldestVersionFirst) as name, Store(tmp_path) as store:
+        assert store.verify("t") == []
+        assert take(store, "t", num_groups=1, order=name).group_ids == ["1/1"] * 2
+    with Store(tmp_path) as store:
+        assert "oldver" not in store.environment.db
+        assert take(store, "t", num_groups=1, order="fifo").group_ids == ["1/0"] * 2
+        with store.environment.env.begin() as txn, pytest.raises(lmdb.NotFoundError):
+            store.environment.env.open_db(b"oldver", txn=txn, create=False)
+    with registered_order(OldestVersionFirst) as name, Store(tmp_path) as store:
+        assert store.verify("t") == []
+        assert take(store, "t", num_groups=2, order=name).group_ids == ["1/3"] * 2 + ["1/2"] * 2
+
+
+def test_registration_refuses_what_the_store_could_not_keep(tmp_path: Path) -> None:
+    class Clash(OldestVersionFirst):
+        name = "clash"
+
+        index = type("AnotherOnOldver", (OldestVersion,), {})  # another index on the same database
+
+    class OwnDatabase(OldestVersion):
+        databases = ("items",)
+
+    class Own(OldestVersionFirst):
+        name = "own"
+        index = OwnDatabase
+
+    class Nameless(OldestVersionFirst):
+        name = "Not A Name"
+
+    with registered_order(OldestVersionFirst):
+        with pytest.raises(ValueError, match="order oldest_version_first is registered already"):
+            register(OldestVersionFirst)
+        with pytest.raises(ValueError, match=r"order clash: database\(s\) oldver belong to OldestVersion"):
+            register(Clash)
+    with pytest.raises(ValueError, match="lower case letters"):
+        register(Nameless)
+    with pytest.raises(TypeError, match="is not an Order class"):
+        register(OldestVersion)  # type: ignore[arg-type]
+    with registered_order(Own), pytest.raises(ValueError, match=r"the store's own database\(s\) items"):
+        Store(tmp_path)
+    assert set(ORDERS) == {"fifo", "lifo", "uniform", "priority"}
+
+
+def test_an_order_registered_after_the_store_opened_is_refused_by_name(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        fill(store)
+        refused = pytest.raises(InvalidRequest, match=r"the index OldestVersion \(oldver\) is not open in this store")
+        with registered_order(OldestVersionFirst) as name, refused:
+            take(store, "t", num_groups=1, order=name)
+        assert store.verify("t") == []
+        with pytest.raises(SpecError, match="order is 'oldest_version_first'; expected one of fifo, lifo, uniform"):
+            take(store, "t", num_groups=1, order=name)
+
+
+def test_a_registered_order_over_a_real_server(tmp_path: Path) -> None:
+    """The client sends a built-in order as the enum and any other name as `order_name`."""
+    assert wire.order_fields("lifo") == {"order": wire.ORDER["lifo"]}
+    assert wire.order_fields("oldest_version_first") == {"order_name": "oldest_version_first"}
+    with registered_order(OldestVersionFirst) as name:
+        server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=-1)).start()
+        try:
+            with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+                client.create_table("t", group_size=2, estimator="none")
+                for task, version in enumerate((5, 2, None, 3)):
+                    client.push([make_experience(1, task, run, version=version) for run in range(2)], "t")
+
+                def one(order: str, groups: int) -> list[str]:
+                    return next(iter(client.sample("t", num_groups=groups, order=order, max_batches=1))).group_ids
+
+                assert one(name, 2) == ["1/1"] * 2 + ["1/3"] * 2
+                assert one("lifo", 1) == ["1/2"] * 2
+                with pytest.raises(InvalidArgumentError, match="order is 'newest_reward_first'; expected one of"):
+                    one("newest_reward_first", 1)
+                assert one(name, 1) == ["1/0"] * 2
+        finally:
+            server.stop(grace=1)
+
+
+def test_lmdb_names_the_index_database_as_declared(tmp_path: Path) -> None:
+    """The index lives in an LMDB database under the declared name, readable by any LMDB reader."""
+    with registered_order(OldestVersionFirst), Store(tmp_path) as store:
+        fill(store)
+    env = lmdb.open(str(tmp_path), max_dbs=64, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            rows = list(txn.cursor(db=env.open_db(b"oldver", txn=txn, create=False)))
+        assert [bytes(value) for _, value in rows] == [b"1/1", b"1/3", b"1/0", b"1/2"]
+    finally:
+        env.close()
