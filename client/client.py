@@ -11,7 +11,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -128,7 +128,7 @@ class BufferClient(ClientBase):
         batch_size: int | None = None,
         num_groups: int | None = None,
         **options: Unpack[SampleOptions],
-    ) -> Iterator[Batch]:
+    ) -> Generator[Batch, None, None]:
         """Stream batches of whole groups; the options and their defaults are SampleSpec's.
 
         `timeout` is how long each batch may wait for data. Each batch is confirmed to the

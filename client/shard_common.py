@@ -61,7 +61,7 @@ def dns_targets(name: str, port: int = 50051) -> dict[str, str]:
     except OSError as exc:
         raise BufferError(grpc.StatusCode.UNAVAILABLE, f"cannot resolve {name}: {exc}") from None
     targets: dict[str, str] = {}
-    for address in sorted({info[4][0] for info in infos}):
+    for address in sorted({str(info[4][0]) for info in infos}):
         try:
             host = socket.gethostbyaddr(address)[0]
         except OSError:

@@ -323,8 +323,9 @@ class Planned(Sharded):
 
     # ---- the trainer's side ------------------------------------------------------------------
 
-    def _set_trainer_version(self, version: int, table: str, need_answer: bool = True) -> Plan[int | None]:
-        """Set on every shard that answers, owed to the others; the lowest version a shard holds.
+    def _set_trainer_version(self, version: int, table: str, need_answer: bool = True) -> Plan[int]:
+        """Set on every shard that answers, owed to the others; the lowest version a shard holds
+        (the version asked, when no shard answered and no answer was needed).
 
         One short attempt each: a shard that misses it is owed it, so a trainer's step never waits
         for retries, or a whole deadline, on a shard that does not answer."""
@@ -336,7 +337,7 @@ class Planned(Sharded):
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}
         if refused or (need_answer and not results):
             raise shard_error(refused or errors, self.shard_map.targets, results)
-        return min(results.values(), default=None)
+        return min(results.values(), default=version)
 
     def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
         """Ack or nack each part of a batch's lease on the shard that granted it."""

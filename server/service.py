@@ -95,7 +95,8 @@ def _refusals(method: Callable) -> Callable:
     logged with its traceback, never UNKNOWN."""
 
     def abort(self: ExperienceBufferService, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
-        if context.code() is not None:  # the method aborted with its own status
+        # grpcio's server context has code(); types-grpcio omits it
+        if context.code() is not None:  # type: ignore[attr-defined]  # the method aborted with its own status
             raise exc
         table = _CALL_TABLE.get()
         label = table if self.store.has_table(table) else "unknown"
@@ -164,6 +165,12 @@ def request_order(request: pb.SampleRequest) -> str:
     if request.order:
         raise InvalidRequest("set order or order_name, not both")
     return request.order_name
+
+
+def _unknown_fields(message: Any) -> list[int]:
+    """The numbers of fields a newer client set that this server does not know."""
+    fields = UnknownFieldSet(message)
+    return [fields[i].field_number for i in range(len(fields))]
 
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
@@ -304,7 +311,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         if not self.bind_leases:
             return ""
         token = dict(context.invocation_metadata()).get("authorization", "")
-        return hashlib.sha256(token.encode()).hexdigest()[:16]
+        return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()[:16]
 
     def _observe_staleness(self, table: str, batch: Sampled) -> None:
         """Trainer version (else the newest pushed) minus each experience's version; an
@@ -443,8 +450,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     @_refusals
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
-        unknown = [f.field_number for f in UnknownFieldSet(request.config)]
-        unknown += [f.field_number for f in UnknownFieldSet(request.config.estimator)]
+        unknown = _unknown_fields(request.config) + _unknown_fields(request.config.estimator)
         if unknown:
             raise InvalidRequest(
                 f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "

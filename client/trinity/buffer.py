@@ -204,7 +204,7 @@ class ExpbufReader(BufferReader):
                 f"expbuf {what}: table '{self.location.table}' has groups of varying size "
                 "(group_size 0), which a replayed batch cannot be fitted to; use a table with a fixed group_size"
             )
-        if reuse:
+        if reuse and self._replay is not None:
             settings.check_reuse(self._replay, table)
         self._leases: list[str] = []
         self._sees_writers = True  # False once the token proved unable to ask (no push scope)

@@ -146,8 +146,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                     raise
                 logger.info("expbuf table %s: waiting for %d groups of version >= %s", self.table, batch_size, floor)
             finally:
-                # BufferClient.sample returns a generator, though annotated as an Iterator.
-                stream.close()  # type: ignore[attr-defined]
+                stream.close()
         rows = to_verl(batch.experiences)
         for row in rows:
             _stamp(row, global_steps)
