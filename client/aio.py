@@ -146,7 +146,7 @@ class AsyncBufferClient(ClientBase):
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return await self._run(calls.server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
         """As BufferClient.create_table; settings use the TOML names."""
         return await self._run(calls.create_table(name, exist_ok, settings))
 

@@ -191,13 +191,17 @@ def server_info() -> Unary[ServerInfo]:
     return Unary("ServerInfo", pb.ServerInfoRequest(), ServerInfo.from_proto, retry=True)
 
 
-def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[dict[str, Any]]:
+def _table_info(reply: pb.CreateTableReply) -> TableInfo:
+    return TableInfo.from_settings(wire.table_from_proto(reply.config))
+
+
+def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[TableInfo]:
     settings = dict(settings)
     capacity = settings.pop("capacity", None)
     if capacity is not None:
         settings["capacity_experiences"] = capacity
     request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
-    return Unary("CreateTable", request, lambda r: wire.table_from_proto(r.config), retry=False)
+    return Unary("CreateTable", request, _table_info, retry=False)
 
 
 def list_tables() -> Unary[list[TableInfo]]:

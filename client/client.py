@@ -230,7 +230,7 @@ class BufferClient(ClientBase):
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return self._run(calls.server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> dict[str, Any]:
+    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
         """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)::
 
         client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)

@@ -305,8 +305,10 @@ class ShapingInfo:
 
 @dataclass(frozen=True)
 class TableInfo:
-    """A table's settings, as `list_tables()` returns them, under the names of a TOML `[[tables]]`
-    block and of `create_table`; `settings()` gives them back as keywords for `create_table`."""
+    """A table's settings, as `list_tables()` and `create_table()` return them, under the names of
+    a TOML `[[tables]]` block and of `create_table`; `settings()` gives them back as keywords for
+    `create_table`. From a sharded client's `create_table`, `missing` names the shards that did
+    not answer (owed the table, created when they answer again)."""
 
     name: str
     group_by: str  # task | run | step | none
@@ -334,6 +336,7 @@ class TableInfo:
     priority_noise: float  # ... plus a Gaussian of this standard deviation
     tombstone_seconds: float | None = None  # None: the server's default, one day
     keep_failed: bool | None = None  # None: the server's default, True
+    missing: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> TableInfo:
@@ -342,7 +345,7 @@ class TableInfo:
 
     def settings(self) -> dict[str, Any]:
         """The settings under their TOML names, unset ones left out: `create_table(**info.settings())`."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "missing"}
         values["estimator_params"] = dict(self.estimator_params)
         values["shaping"] = {k: v for k, v in asdict(self.shaping).items() if v is not None}
         return {k: v for k, v in values.items() if v is not None}

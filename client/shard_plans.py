@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -238,7 +238,7 @@ class Planned(Sharded):
             yield from self._list_tables()
         return self._known_group_by(table)
 
-    def _create_table(self, name: str, exist_ok: bool, settings: dict[str, Any]) -> Plan[LiveResult]:
+    def _create_table(self, name: str, exist_ok: bool, settings: dict[str, Any]) -> Plan[TableInfo]:
         """On every shard; with exist_ok, a shard that does not answer is owed the table."""
         calls = [Call(s, "create_table", (name,), {"exist_ok": exist_ok, **settings}, None) for s in self.clients]
         configs, errors = self._sort(calls, (yield from self._exchange(calls)))
@@ -248,9 +248,9 @@ class Planned(Sharded):
         refused = {shard: exc for shard, exc in errors.items() if shard not in missing}
         if refused or not configs:
             raise shard_error(refused or missing, self.shard_map.targets, configs)
-        config = next(iter(configs.values()))
-        self._group_by[name] = config.get("group_by") or "task"
-        return LiveResult(config, {shard: str(exc) for shard, exc in missing.items()})
+        config: TableInfo = next(iter(configs.values()))
+        self._group_by[name] = config.group_by or "task"
+        return replace(config, missing={shard: str(exc) for shard, exc in missing.items()})
 
     def _reset_offpolicy(self, table: str, trainer_version: int | None) -> Plan[dict[str, dict[str, int]]]:
         """On every shard; an owed newer version is forgotten first, so it cannot undo the reset

@@ -164,7 +164,7 @@ class ShardedBufferClient(Planned):
         """The answering shards' infos combined, each in `.shards`; `.missing` names the others."""
         return self._run(self._server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> LiveResult:
+    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
         """Create the table on every shard (exist_ok makes a retry after a partial failure safe).
 
         With exist_ok, a shard that does not answer is owed the table, created the next time it

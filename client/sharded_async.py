@@ -134,7 +134,7 @@ class AsyncShardedBufferClient(Planned):
         """As ShardedBufferClient.server_info."""
         return await self._run(self._server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> LiveResult:
+    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
         """As ShardedBufferClient.create_table."""
         return await self._run(self._create_table(name, exist_ok, settings))
 

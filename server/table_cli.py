@@ -67,7 +67,7 @@ def _create(args: argparse.Namespace, client: BufferClient) -> int:
         print(f"expbuf table create: {exc}", file=sys.stderr)
         return 2
     created = client.create_table(args.name, exist_ok=args.exist_ok, **settings)
-    print(describe_text(created, {}).split("\n\n")[0])
+    print(describe_text(created.settings(), {}).split("\n\n")[0])
     return 0
 
 

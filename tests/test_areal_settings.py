@@ -63,7 +63,7 @@ def test_settings_follow_areals_config(server: ServerProcess) -> None:
         },
     }
     created = BufferClient(server.target).create_table("cfg", **settings)
-    assert (created["max_staleness"], created["batch_size"], created["group_size"]) == (2, 6, 8)
+    assert (created.max_staleness, created.batch_size, created.group_size) == (2, 6, 8)
     assert trainer_side(actor_config()) == []
     found = trainer_side(actor_config(kl_ctl=0.1, reward_scaling=2.0, adv_norm=NormConfig()))
     assert [f.split("=")[0].split(" ")[0] for f in found] == ["kl_ctl", "reward_bias", "adv_norm"]

@@ -106,7 +106,7 @@ def test_the_clients_return_typed_results(targets: list[str]) -> None:
         # A table's settings give back a table like it.
         settings = client.list_tables()[1].settings()
         twin = client.create_table(**settings | {"name": "twin"})
-        assert twin["shaping"]["reward_clip"] == 5.0
+        assert isinstance(twin, TableInfo) and twin.shaping.reward_clip == 5.0
         assert client.list_tables()[2] == dataclasses.replace(client.list_tables()[1], name="twin")
 
     async def run() -> tuple[BufferStats, list[TableInfo], ServerInfo]:

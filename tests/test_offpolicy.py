@@ -495,7 +495,7 @@ def test_evict_stale_over_grpc_and_the_stale_drop_metric(start_server: Servers) 
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         config = c.create_table("t", estimator="none", group_by="none", max_staleness=0, evict_stale=True)
-        assert config["evict_stale"] is True
+        assert config.evict_stale is True
         assert {t.name: t.evict_stale for t in c.list_tables()} == {"default": False, "t": True}
         c.push(trxp.build(group_items(1, 0, 3, version=1)), table="t")
         c.push(trxp.build(group_items(1, 1, 1, version=2)), table="t")

@@ -70,7 +70,7 @@ def test_tokens_and_scopes(start_server: Servers) -> None:
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert message in info.value.details
     with BufferClient(target, token="ops") as ops:
-        assert ops.create_table("mine")["name"] == "mine"
+        assert ops.create_table("mine").name == "mine"
         assert ops.stats()["default"].pushed == 8
 
 

@@ -203,7 +203,7 @@ def test_push_stream_acknowledges_each_commit(client: BufferClient, server: Expb
 def test_admin_calls(client: BufferClient) -> None:
     settings = {"group_size": 2, "max_times_sampled": 2, "when_full": "evict", "capacity": 100}
     created = client.create_table("replay", **settings)
-    assert created["max_times_sampled"] == 2 and created["capacity_experiences"] == 100
+    assert created.max_times_sampled == 2 and created.capacity_experiences == 100
     assert client.create_table("replay", exist_ok=True, **settings) == created
     with pytest.raises(BufferError) as info:
         client.create_table("replay")

@@ -230,7 +230,7 @@ def test_out_of_range_shaping_is_refused_over_grpc(client: BufferClient, shaping
 def test_unknown_shaping_setting_is_refused_naming_it(client: BufferClient) -> None:
     with pytest.raises(ValueError, match=r"unknown shaping setting\(s\): rewardclip; known: reward_clip"):
         client.create_table("typo", shaping={"rewardclip": 1.0})
-    assert client.create_table("ok", shaping={"reward_clip": 5})["shaping"]["reward_clip"] == 5.0
+    assert client.create_table("ok", shaping={"reward_clip": 5}).shaping.reward_clip == 5.0
 
 
 def test_shaping_in_toml(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
 
         # A table created with exist_ok: made on the live shards, owed to the missing one.
         config = client.create_table("t2", group_size=2, exist_ok=True)
-        assert config["group_size"] == 2 and set(config.missing) == {"s1"}
+        assert config.group_size == 2 and set(config.missing) == {"s1"}
         with pytest.raises(ShardError, match="shard s1"):
             client.create_table("t3", group_size=2)  # without exist_ok a missing shard fails it, and is not owed it
         assert client.pending == {"s1": [("create_table", "t2"), ("trainer_version", "t", 7)]}
