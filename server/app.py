@@ -59,6 +59,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def host_port(host: str, port: int) -> str:
+    """host:port as gRPC and a log line take it: an IPv6 literal in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _check_port_free(host: str, port: int, kind: str) -> None:
     """Fail with the port's name before gRPC or the HTTP server tries it (gRPC would log its own lines
     and a vague error), and before the data directory is opened."""
@@ -170,7 +175,7 @@ class ExpbufServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        address = f"{config.host}:{config.port}"
+        address = host_port(config.host, config.port)
         try:
             if credentials is None:
                 self.port = self.grpc.add_insecure_port(address)
@@ -191,7 +196,9 @@ class ExpbufServer:
         if self.config.metrics_port >= 0:
             host = self.config.metrics_host or self.config.host
             try:
-                metrics_http, _ = start_http_server(self.config.metrics_port, addr=host, registry=self.metrics.exported)
+                metrics_http, _ = start_http_server(
+                    self.config.metrics_port, addr=host.strip("[]"), registry=self.metrics.exported
+                )
             except OSError as exc:
                 self.service.ingest.close()
                 self.store.close()
@@ -205,10 +212,9 @@ class ExpbufServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "expbuf listening on %s:%d (metrics %s, tls %s, tokens %s, data %s, tables %s)",
-            self.config.host,
-            self.port,
-            f"{self.config.metrics_host or self.config.host}:{self.metrics_port}"
+            "expbuf listening on %s (metrics %s, tls %s, tokens %s, data %s, tables %s)",
+            host_port(self.config.host, self.port),
+            host_port(self.config.metrics_host or self.config.host, self.metrics_port)
             if self.config.metrics_port >= 0
             else "off",
             "on" if self.config.tls else "off",

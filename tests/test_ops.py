@@ -656,3 +656,15 @@ def test_log_configuration_keeps_the_host_process_handlers() -> None:
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+
+
+def test_an_ipv6_host_serves_grpc_and_metrics(start_server: Servers, caplog: pytest.LogCaptureFixture) -> None:
+    """host = "::1" binds gRPC and /metrics on the IPv6 loopback (gRPC takes it in brackets), and
+    the start-up line names the addresses as a client would write them."""
+    with caplog.at_level(logging.INFO, logger="expbuf"):
+        server = start_server(host="::1")
+    with BufferClient(f"[::1]:{server.port}", timeout=10) as client:
+        assert client.push(payload("grpo_group.trxp")).stored
+    text = urllib.request.urlopen(f"http://[::1]:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert "expbuf_tables" in text
+    assert any(f"listening on [::1]:{server.port} (metrics [::1]:{server.metrics_port}" in m for m in caplog.messages)
