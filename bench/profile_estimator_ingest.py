@@ -34,13 +34,13 @@ from expbuf.client import BufferClient  # noqa: E402
 
 # (stage, a function name that puts a sample in it), most specific first.
 STAGES = (
-    ("advantages: store them (records rewritten, groups made ready)", "TableTxn.finish_compute "),
+    ("advantages: store them (records rewritten, groups made ready)", "finish_compute ("),
     ("advantages: read completed groups (compute_backlog)", "Store.compute_backlog "),
     ("advantages: compute (estimator, shaping, hand-off)", "AdvantageWorker."),
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
     ("parse (validate the payload)", "parse "),
     ("pack each experience (Entry.of: repack, SHA-256)", "Entry.of "),
-    ("store the push (records, indexes, LMDB puts)", "TableTxn.put "),
+    ("store the push (records, indexes, LMDB puts)", "put ("),  # groups.put
     ("store: table and counters around the put", "Store.put_entries"),
     ("write loop and hand-offs", "Environment._write_loop"),
     ("ingest processes: hand-off and results", "Ingest."),
