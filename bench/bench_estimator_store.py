@@ -29,7 +29,7 @@ from bench_service import PER_PAYLOAD, make_payloads  # noqa: E402
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.advantages import compute  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
-from expbuf.server.store.types import Entry  # noqa: E402
+from expbuf.server.store.kinds import Entry  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
 

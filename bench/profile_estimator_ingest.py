@@ -28,32 +28,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_service import PER_PAYLOAD, PUSHERS, Proc, make_payloads  # noqa: E402
-from profile_push import IDLE  # noqa: E402
+from profile_push import STAGES as PUSH_STAGES  # noqa: E402
+from profile_push import busy_samples  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 
-# (stage, a function name that puts a sample in it), most specific first.
+# (stage, a function name that puts a sample in it), most specific first: the advantage
+# worker's stages, then the push's.
 STAGES = (
     ("advantages: store them (records rewritten, groups made ready)", "finish_compute ("),
     ("advantages: read completed groups (compute_backlog)", "Store.compute_backlog "),
     ("advantages: compute (estimator, shaping, hand-off)", "AdvantageWorker."),
-    ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
-    ("parse (validate the payload)", "parse "),
-    ("pack each experience (Entry.of: repack, SHA-256)", "Entry.of "),
-    ("store the push (records, indexes, LMDB puts)", "put ("),  # groups.put
-    ("store: table and counters around the put", "Store.put_entries"),
-    ("write loop and hand-offs", "Environment._write_loop"),
-    ("ingest processes: hand-off and results", "Ingest."),
-    ("gRPC: receive, unpack the request, reply", "_unary_response_in_pool"),
-    ("gRPC: the server's polling thread", "_serve "),
+    *PUSH_STAGES,
 )
-
-
-def stage_of(frames: list[str]) -> str:
-    for stage, marker in STAGES:
-        if any(frame.startswith(marker) for frame in frames):
-            return stage
-    return "other"
 
 
 def profile(py_spy: str, server: Proc, table: str, payloads: list[bytes], out: Path) -> tuple[float, dict[str, int]]:
@@ -78,21 +65,14 @@ def profile(py_spy: str, server: Proc, table: str, payloads: list[bytes], out: P
     for thread in threads:
         thread.join()
     with BufferClient(server.target, timeout=60) as client:
-        while client.stats(table)[table]["ready"] < len(payloads) * PER_PAYLOAD:
+        while client.stats(table)[table].ready < len(payloads) * PER_PAYLOAD:
             time.sleep(0.002)
     seconds = time.perf_counter() - start
     spy.send_signal(signal.SIGINT)
     _, err = spy.communicate(timeout=60)
     if not out.exists():
         sys.exit(f"py-spy failed: {err.strip()}")
-    counts: collections.Counter[str] = collections.Counter()
-    for line in out.read_text().splitlines():
-        stack, count = line.rsplit(" ", 1)
-        frames = stack.split(";")
-        if any(idle in frame for frame in frames[-3:] for idle in IDLE):
-            continue
-        counts[stage_of(frames)] += int(count)
-    return seconds, dict(counts)
+    return seconds, dict(busy_samples(out, STAGES))
 
 
 def main() -> None:

@@ -40,17 +40,30 @@ STAGES = (
     ("store the push (records, indexes, LMDB puts)", "put ("),  # groups.put
     ("store: table and counters around the put", "Store.put_entries"),
     ("write loop and hand-offs", "Environment._write_loop"),
+    ("ingest processes: hand-off and results", "Ingest."),
     ("gRPC: receive, unpack the request, reply", "_unary_response_in_pool"),
     ("gRPC: the server's polling thread", "_serve "),
 )
 IDLE = ("PyThread_acquire_lock_timed", "epoll_wait", "pthread_cond_timedwait", "pthread_cond_wait", "poll ")
 
 
-def stage_of(frames: list[str]) -> str:
-    for stage, marker in STAGES:
+def stage_of(frames: list[str], stages: tuple[tuple[str, str], ...]) -> str:
+    for stage, marker in stages:
         if any(frame.startswith(marker) for frame in frames):
             return stage
     return "other"
+
+
+def busy_samples(raw: Path, stages: tuple[tuple[str, str], ...] = STAGES) -> collections.Counter[str]:
+    """py-spy's raw output as busy samples by stage (stacks that end waiting left out)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if any(idle in frame for frame in frames[-3:] for idle in IDLE):
+            continue
+        counts[stage_of(frames, stages)] += int(count)
+    return counts
 
 
 def main() -> None:
@@ -97,13 +110,7 @@ def main() -> None:
             server.stop()
         if spy.returncode:
             sys.exit(f"py-spy failed: {spy.stderr.strip()}")
-        counts: collections.Counter[str] = collections.Counter()
-        for line in out.read_text().splitlines():
-            stack, count = line.rsplit(" ", 1)
-            frames = stack.split(";")
-            if any(idle in frame for frame in frames[-3:] for idle in IDLE):
-                continue
-            counts[stage_of(frames)] += int(count)
+        counts = busy_samples(out)
     busy = sum(counts.values())
     print(f"push of 256 x 8 KB, one writer, ingest processes {args.ingest_processes or 'by default'}: ", end="")
     print(f"{pushed[1] / pushed[0] * 1e6:.0f} µs per experience at the client, encode excluded")
