@@ -3,11 +3,12 @@
     reverb_side.py server   # prints 'listening on localhost:PORT' on stderr, serves until stdin closes
     reverb_side.py client TARGET   # reads one JSON command a line on stdin, answers one JSON line on stdout
 
-The server holds two tables (8 KB and 40 KB experiences), uniform sampling, FIFO removal at
+The server holds two tables (8 KB and 40 KB experiences; one more each for the legacy writer),
 max_size, a MinSize(1) rate limiter that never binds once the table is filled. Reverb keeps
 items in memory only: nothing is written to disk, nothing is fsynced.
-Commands: {"op": "push", "shape": "8k"|"40k", "pushes": N, "per": K} inserts N x K experiences
-one item each, flushing (waiting for the server's confirmation) after every K;
+Commands: {"op": "push" | "legacy", "shape": "8k"|"40k", "pushes": N, "per": K} inserts N x K
+experiences one item each, with the trajectory writer or the legacy `client.writer` (its fastest
+insert), flushing (waiting for the server's confirmation) after every K;
 {"op": "sample" | "dataset", "shape": ..., "count": N, "batch": B} reads N experiences with
 `client.sample` or a batched `TrajectoryDataset`. Answers {"count": N, "seconds": S}.
 """
@@ -63,6 +64,15 @@ def serve() -> None:
             signature={name: tf.TensorSpec(dims, tf.as_dtype(dtype)) for name, (dims, dtype) in spec.items()},
         )
         for shape, spec in SHAPES.items()
+    ] + [  # the legacy writer's items are sequences of one step: a table of their own, for pushes
+        reverb.Table(
+            name=f"{shape}-legacy",
+            sampler=reverb.selectors.Uniform(),
+            remover=reverb.selectors.Fifo(),
+            max_size=MAX_SIZE[shape],
+            rate_limiter=reverb.rate_limiters.MinSize(1),
+        )
+        for shape in SHAPES
     ]
     server = reverb.Server(tables=tables, port=None)
     print(f"listening on localhost:{server.port}", file=sys.stderr, flush=True)
@@ -77,6 +87,17 @@ def push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per:
             for i in range(per):
                 writer.append(steps[(p * per + i) % len(steps)])
                 writer.create_item(shape, 1.0, {name: writer.history[name][-1] for name in SHAPES[shape]})
+            writer.flush()
+    return time.perf_counter() - start
+
+
+def legacy_push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per: int) -> float:
+    start = time.perf_counter()
+    with client.writer(max_sequence_length=1) as writer:
+        for p in range(pushes):
+            for i in range(per):
+                writer.append(steps[(p * per + i) % len(steps)])
+                writer.create_item(f"{shape}-legacy", num_timesteps=1, priority=1.0)
             writer.flush()
     return time.perf_counter() - start
 
@@ -108,8 +129,9 @@ def client_loop(target: str) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         shape = cmd["shape"]
-        if cmd["op"] == "push":
-            seconds = push(client, shape, steps[shape], cmd["pushes"], cmd["per"])
+        if cmd["op"] in ("push", "legacy"):
+            writer = push if cmd["op"] == "push" else legacy_push
+            seconds = writer(client, shape, steps[shape], cmd["pushes"], cmd["per"])
             count = cmd["pushes"] * cmd["per"]
         elif cmd["op"] == "sample":
             count, seconds = cmd["count"], sample(client, shape, cmd["count"])
