@@ -4,6 +4,7 @@
     reverb_side.py client TARGET   # reads one JSON command a line on stdin, answers one JSON line on stdout
 
 The server holds two tables (8 KB and 40 KB experiences; one more each for the legacy writer),
+uniform sampling, FIFO removal at
 max_size, a MinSize(1) rate limiter that never binds once the table is filled. Reverb keeps
 items in memory only: nothing is written to disk, nothing is fsynced.
 Commands: {"op": "push" | "legacy", "shape": "8k"|"40k", "pushes": N, "per": K} inserts N x K
