@@ -123,7 +123,7 @@ def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
 
 def get(uids: Iterable[str], table: str) -> Unary[GetResult]:
     request = pb.GetRequest(table=table, uids=list(uids))
-    return Unary("Get", request, lambda r: GetResult(trxp.decode(r.payload), r.missing_uids), retry=True)
+    return Unary("Get", request, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
 
 
 class ListFilters(TypedDict, total=False):
