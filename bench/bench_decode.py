@@ -68,14 +68,24 @@ def load_before(revision: str, into: Path) -> Any:
     return importlib.import_module("before.trxp")
 
 
-def stream(client: BufferClient, table: str, batches: int, decode: Callable[[Any], list] | None) -> float:
-    """Experiences per second of one consume stream, each batch decoded by `decode`."""
+def server_cpu(pid: int) -> float:
+    """User + system CPU seconds the server has used, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stream(
+    client: BufferClient, server: int, table: str, batches: int, decode: Callable[[Any], list] | None
+) -> tuple[float, float, float]:
+    """Experiences per second of one consume stream, each batch decoded by `decode`, and the
+    client's and the server's CPU µs per experience."""
     got = 0
-    start = time.perf_counter()
+    start, cpu, served = time.perf_counter(), time.process_time(), server_cpu(server)
     for batch in client.sample(table, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60):
         got += len(batch.uids) if decode is None else len(decode(batch))
     assert got == batches * BATCH, got
-    return got / (time.perf_counter() - start)
+    wall, cpu, served = time.perf_counter() - start, time.process_time() - cpu, server_cpu(server) - served
+    return got / wall, cpu / got * 1e6, served / got * 1e6
 
 
 def cpu_per_experience(payloads: list[bytes], decode: Callable[[bytes], list]) -> float:
@@ -84,7 +94,7 @@ def cpu_per_experience(payloads: list[bytes], decode: Callable[[bytes], list]) -
     return (time.process_time() - start) / count * 1e6
 
 
-def measure(target: str, before: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
+def measure(target: str, server: int, before: Any, rounds: int) -> dict[str, dict[str, list[float]]]:
     streams: dict[str, Callable[[Any], list] | None] = {
         "bytes": None,
         "before": lambda batch: before.decode(batch.payload),
@@ -109,7 +119,10 @@ def measure(target: str, before: Any, rounds: int) -> dict[str, dict[str, list[f
                     restamp(pushes, SERIAL)
                     for exps in pushes:
                         client.push(exps, table=table)
-                    rates.setdefault(f"stream {name}", []).append(stream(client, table, batches, streams[name]))
+                    rate, cpu, served = stream(client, server, table, batches, streams[name])
+                    rates.setdefault(f"stream {name}", []).append(rate)
+                    rates.setdefault(f"client {name}", []).append(cpu)
+                    rates.setdefault(f"server {name}", []).append(served)
             restamp(pushes, SERIAL)
             for exps in pushes:
                 client.push(exps, table=table)
@@ -150,6 +163,20 @@ def report(command: str, load: str, revision: str, results: dict[str, dict[str, 
         )
     lines += [
         "",
+        "CPU µs per experience in those streams (medians), the client's and the server's:",
+        "",
+        "| experiences | client, bytes only | client, decoded before | client, decoded now | server, each stream |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for shape, rates in results.items():
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        served = statistics.median([v for name in ("bytes", "before", "now") for v in rates[f"server {name}"]])
+        lines.append(
+            f"| {shape} | {med['client bytes']:.1f} | {med['client before']:.1f} | {med['client now']:.1f} "
+            f"| {served:.1f} |"
+        )
+    lines += [
+        "",
         "Decode of the same sampled batches, CPU µs per experience (median of the rounds, the least in brackets):",
         "",
         "| experiences | before | `decode` now (a push's checks) | `decode_reply` now (a reader's) | before / reply |",
@@ -183,7 +210,7 @@ def main() -> None:
             "-m", "expbuf.server.cli", "serve", "--data", f"{tmp}/data", "--port", "0", "--metrics-port", "-1"
         )
         try:
-            results = measure(server.target, before, args.rounds)
+            results = measure(server.target, server.proc.pid, before, args.rounds)
         finally:
             server.stop()
     section = report(command, load, args.before, results)
