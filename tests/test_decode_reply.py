@@ -1,5 +1,6 @@
 """A sampled batch as a trainer reads it (`Batch.experiences`, trxp.decode_reply): the values
-pushed, bit for bit, for every dtype; a malformed reply refused with an error naming the problem."""
+pushed, bit for bit, for every dtype; a malformed reply refused with an error naming the problem;
+a reply's message read as protobuf reads it, its payload copied once (sample_reply)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from expbuf.client import EID, BufferClient, Experience, TrxpError, trxp
 from expbuf.client.experience import META_FIELDS, TENSOR_FIELDS
+from expbuf.client.sample_reply import read_sample_reply
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -247,3 +250,33 @@ def test_a_client_refuses_a_malformed_batch_from_the_wire(case: str) -> None:
             assert words in str(refused.value)
     finally:
         server.stop(None)
+
+
+def test_a_reply_is_read_as_protobuf_reads_it() -> None:
+    """The payload cut from gRPC's bytes and the rest parsed alone give the fields protobuf's own
+    parse gives, whatever the layout: payload first (as the server writes it), last, repeated
+    (the last one wins), absent, or with a length past the end (refused as protobuf refuses it)."""
+    payload = b"TRXP" + bytes(range(256)) * 600
+    message = pb.SampleReply(
+        payload=payload, uids=["a", "b"], group_ids=["g"], lease_id="l", lease_expires_unix=2.5, times_sampled=[1, 2]
+    )
+    rest = pb.SampleReply(uids=["a"], advantages=[0.5], response_lengths=[3]).SerializeToString()
+    first = message.SerializeToString()
+    layouts = {
+        "first": first,
+        "last": rest + pb.SampleReply(payload=payload).SerializeToString(),
+        "repeated": first + pb.SampleReply(payload=b"later").SerializeToString(),
+        "absent": rest,
+        "empty": b"",
+    }
+    for name, raw in layouts.items():
+        parts, want = read_sample_reply(raw), pb.SampleReply.FromString(raw)
+        assert parts.payload == want.payload, name
+        assert type(parts.payload) is bytes, name
+        want.payload = b""
+        assert parts.rest == want, name
+    for bad in (first[:-3], b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0a\x05ab"):
+        with pytest.raises(DecodeError):
+            pb.SampleReply.FromString(bad)
+        with pytest.raises(DecodeError):
+            read_sample_reply(bad)
