@@ -76,7 +76,7 @@ class AsyncBufferClient(ClientBase):
     ) -> AsyncIterator[Batch]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines."""
         request = SampleSpec(table, batch_size, num_groups, **options).request()
-        call = self._stub.Sample(metadata=self._metadata)
+        call = self._sample(metadata=self._metadata)
         received = 0
         try:
             await call.write(request)

@@ -27,6 +27,7 @@ from .results import (
     TableInfo,
     TableStats,
 )
+from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
 # How long a stream the caller left may take to hand back the batches already on their way.
@@ -123,7 +124,7 @@ def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
 
 def get(uids: Iterable[str], table: str) -> Unary[GetResult]:
     request = pb.GetRequest(table=table, uids=list(uids))
-    return Unary("Get", request, lambda r: GetResult(trxp.decode(r.payload), r.missing_uids), retry=True)
+    return Unary("Get", request, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
 
 
 class ListFilters(TypedDict, total=False):
@@ -225,17 +226,18 @@ def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     return pb.SampleRequest(received=received, stop=stop)
 
 
-def batch(reply: pb.SampleReply, table: str, ack: Callable, nack: Callable, kind: type[Batch] = Batch) -> Batch:
+def batch(reply: SampleReplyParts, table: str, ack: Callable, nack: Callable, kind: type[Batch] = Batch) -> Batch:
     """A sampled batch that acknowledges through `ack` and `nack` (the client's)."""
+    rest = reply.rest
     return kind(
-        payload=trxp.attach_advantages(reply.payload, reply.advantages, reply.response_lengths),
-        uids=list(reply.uids),
-        group_ids=list(reply.group_ids),
-        lease_id=reply.lease_id,
-        lease_expires=reply.lease_expires_unix,
-        partial=reply.partial,
+        payload=trxp.attach_advantages(reply.payload, rest.advantages, rest.response_lengths),
+        uids=list(rest.uids),
+        group_ids=list(rest.group_ids),
+        lease_id=rest.lease_id,
+        lease_expires=rest.lease_expires_unix,
+        partial=rest.partial,
         table=table,
-        times_sampled=list(reply.times_sampled),
+        times_sampled=list(rest.times_sampled),
         _ack=ack,
         _nack=nack,
     )

@@ -140,7 +140,7 @@ class BufferClient(ClientBase):
         yet here.
         """
         requests = SampleRequests(SampleSpec(table, batch_size, num_groups, **options).request())
-        stream = self._stub.Sample(requests, metadata=self._metadata)
+        stream = self._sample(requests, metadata=self._metadata)
         received = 0
         try:
             for reply in stream:

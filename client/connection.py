@@ -19,6 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from .errors import ExpbufError
+from .sample_reply import sample_method
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -123,6 +124,7 @@ class ClientBase:
         else:
             self._channel = type(self)._insecure_channel(target, options=options)
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+        self._sample = sample_method(self._channel)  # replies read with one copy of their payload
 
     def _attempts(self, retry: bool, timeout: float | None) -> Attempts:
         return Attempts(self.retries, retry, timeout or self.timeout)

@@ -50,10 +50,11 @@ class Batch:
 
     @cached_property
     def experiences(self) -> list[Experience]:
-        """Decoded on first use. The tensors are writable views over one buffer this batch
-        owns, into which decode gathered their bytes, aligned: writing to one never changes
-        `payload`."""
-        return trxp.decode(self.payload)
+        """Decoded on first use, with the checks a reader relies on (trxp.decode_reply): a
+        malformed payload raises TrxpError. The tensors are writable views over buffers this
+        batch owns, one per dtype, into which decode gathered their bytes: writing to one
+        never changes `payload`."""
+        return trxp.decode_reply(self.payload)
 
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""

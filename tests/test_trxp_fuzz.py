@@ -39,7 +39,8 @@ EMPTY_TENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"
 
 
 def check(data: bytes) -> list[trxp.RawItem] | None:
-    """Parse; only TrxpError may escape, work stays linear, and what is accepted stores within bounds."""
+    """Parse; only TrxpError may escape, work stays linear, and what is accepted stores within bounds.
+    A reader's decode (decode_reply) also raises only TrxpError, and reads whatever parse accepts."""
     work = trxp.Work.for_payload(len(data))
     try:
         items = trxp.parse(data, work=work)
@@ -53,6 +54,11 @@ def check(data: bytes) -> list[trxp.RawItem] | None:
         assert metadata <= trxp.EXPANSION_PER_BYTE * len(data) + trxp.EXPANSION_BASE + 64 * len(items)
         for blob, item in zip(stored, items, strict=True):
             assert trxp.parse(blob) == [item]
+    try:
+        read = len(trxp.decode_reply(data))
+    except TrxpError:
+        read = None
+    assert items is None or read == len(items)
     return items
 
 

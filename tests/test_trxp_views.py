@@ -1,5 +1,5 @@
-"""Zero-copy decode: a sampled batch's tensors are views over one buffer the batch owns,
-byte for byte what Trinity-RFT's own Experience.deserialize_many reads from the payload."""
+"""Zero-copy decode: a sampled batch's tensors are views over buffers the batch owns, one per
+dtype, byte for byte what Trinity-RFT's own Experience.deserialize_many reads from the payload."""
 
 from __future__ import annotations
 
@@ -46,11 +46,21 @@ def inside(tensor: torch.Tensor, buffer: memoryview) -> bool:
 
 
 def one_arena(exps: list) -> bool:
-    """Whether the tensors lie back to back, each at an 8-byte aligned address, in one span of
-    memory: views over one gathered buffer, not a copy each."""
-    spans = sorted((t.data_ptr(), t.nbytes) for e in exps for t in tensors(e).values() if t.numel())
-    aligned = all(start % 8 == 0 for start, _ in spans)
-    return aligned and all(b[0] == a[0] + a[1] + (-a[1] % 8) for a, b in itertools.pairwise(spans))
+    """Whether the tensors of each dtype lie back to back, each aligned to its element size,
+    in one span of memory: views over one gathered buffer per dtype, not a copy
+    each."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for e in exps:
+        for t in tensors(e).values():
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, made in by_dtype.items():
+        made.sort(key=torch.Tensor.data_ptr)
+        if any(t.data_ptr() % dtype.itemsize for t in made):
+            return False
+        if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in itertools.pairwise(made)):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -59,11 +69,12 @@ def test_views_hold_trinitys_values_and_share_the_buffer(name: str) -> None:
     assert_same_as_trinity(trxp.decode(data), data)
     assert one_arena(trxp.decode(data))
     items = trxp.parse(data)
-    arena, made = trxp.gather(items)
-    arena = memoryview(arena)
+    buffers, made = trxp.gather(items)
     exps = [trxp.to_experience(item, tensors) for item, tensors in zip(items, made, strict=True)]
     assert_same_as_trinity(exps, data)
-    assert all(inside(t, arena) for e in exps for t in tensors(e).values() if t.numel())
+    assert len(buffers) == len({raw.dtype for item in items for raw in item.tensors.values()})
+    made_tensors = [t for e in exps for t in tensors(e).values() if t.numel()]
+    assert all(sum(inside(t, memoryview(buffer)) for buffer in buffers) == 1 for t in made_tensors)
 
 
 def test_writing_a_tensor_changes_only_the_owned_copy() -> None:

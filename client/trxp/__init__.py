@@ -37,7 +37,7 @@ from .common import (
     TrxpError,
     Work,
 )
-from .convert import decode, encode, from_experience, gather, raw_of, tensor_of, to_experience
+from .convert import decode, decode_reply, encode, from_experience, gather, raw_of, tensor_of, to_experience
 from .parse import parse
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "attach_advantages",
     "build",
     "decode",
+    "decode_reply",
     "encode",
     "from_experience",
     "gather",

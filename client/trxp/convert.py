@@ -5,21 +5,23 @@ torch tensors; torch is imported only here, and only when tensors are made.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 from ..experience import (
+    EID,
     META_FIELDS,
     TENSOR_FIELDS,
     Experience,
 )
 from .build import build
 from .checks import Shape, check_meta, check_tensors, show
-from .common import CONTAINERS, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
+from .common import CONTAINERS, ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
@@ -28,63 +30,75 @@ from .parse import parse
 def decode(payload: bytes | bytearray | memoryview) -> list[Experience]:
     """Decode a TRXP payload into Experience objects whose tensors are views, not copies each.
 
-    Immutable bytes: every tensor's bytes are gathered into one new bytearray, each at an
-    8-byte aligned offset, and the tensors are views over it (`gather`): one C-level copy
-    per payload instead of one per tensor, whatever the payload's layout, and every tensor
-    writable without touching the caller's bytes. A writable buffer (a bytearray, or a
-    memoryview of one) is handed over as it is: its tensors are views of it where their
-    bytes are aligned to their element size (copies where not), so writing to it changes
-    them. A view keeps its whole buffer alive.
+    Immutable bytes: the tensors' bytes are gathered into one new bytearray per dtype, and
+    the tensors are views over it (`gather`): one C-level copy per dtype instead of one per
+    tensor, whatever the payload's layout, and every tensor writable without touching the
+    caller's bytes. A writable buffer (a bytearray, or a memoryview of one) is handed over
+    as it is: its tensors are views of it where their bytes are aligned to their element
+    size (copies where not), so writing to it changes them. A view keeps its whole buffer
+    alive.
     """
     view = memoryview(payload)
-    items = parse(view)
+    return _experiences(parse(view), view)
+
+
+def decode_reply(payload: bytes | bytearray | memoryview) -> list[Experience]:
+    """Decode a batch as the server sent it (a sample or a get), as `decode` does, with the
+    checks a reader relies on: the sections' bounds, the pickle scan and restricted
+    unpickler, each item's eid, fields, tensors and lengths. What it leaves out is the
+    store's own bound, the size of each item's metadata written out in full: the server
+    measured that when the item was pushed, and a reader never writes it out. A malformed
+    reply is refused with a TrxpError that names the problem, as a malformed push is."""
+    view = memoryview(payload)
+    work = Work.for_payload(len(view))
+    return _experiences(parse(view, work=work, shape=_ReplyData(work, UNBOUNDED, check_keys=False)), view)
+
+
+def _experiences(items: list[RawItem], view: memoryview) -> list[Experience]:
     if not view.readonly:
         return [to_experience(item) for item in items]
     _, tensors = gather(items)
     return [to_experience(item, made) for item, made in zip(items, tensors, strict=True)]
 
 
-# Each tensor gathered starts at a multiple of this: the largest element size (int64, float64).
-_ALIGN = 8
-_PADS = [bytes(size) for size in range(_ALIGN)]
+def gather(items: list[RawItem]) -> tuple[list[bytearray], list[dict[str, torch.Tensor]]]:
+    """Copy the bytes of every tensor of `items` into one new bytearray per dtype, back to
+    back in item order; the bytearrays, and each item's tensors as views over them.
 
-
-def gather(items: list[RawItem]) -> tuple[bytearray, list[dict[str, torch.Tensor]]]:
-    """Copy the bytes of every tensor of `items` into one new bytearray, each at an aligned
-    offset; the bytearray, and each item's tensors as views over it."""
+    One buffer per dtype keeps every tensor aligned to its element size without padding,
+    and makes the tensors of a dtype with one `split_with_sizes` rather than a
+    `torch.frombuffer` each."""
     import torch
 
-    pieces: list[bytes | memoryview] = []
-    starts: list[int] = []
-    at = 0
+    pieces: dict[str, list[bytes | memoryview]] = {}
     for item in items:
         for raw in item.tensors.values():
-            size = len(raw.data)
-            pad = -size % _ALIGN
-            pieces.append(raw.data)
-            if pad:
-                pieces.append(_PADS[pad])
-            starts.append(at)
-            at += size + pad
-    arena = bytearray().join(pieces)  # malloc'd, so aligned to at least 8 bytes
-    shift = -_address(arena) % _ALIGN
-    if shift:  # not seen with CPython's allocator; kept correct all the same
-        arena = bytearray(shift) + arena
+            runs = pieces.get(raw.dtype)
+            if runs is None:
+                runs = pieces[raw.dtype] = []
+            runs.append(raw.data)
     dtypes = _torch_dtypes()
+    buffers: list[bytearray] = []
+    views: dict[str, Iterator[torch.Tensor]] = {}
+    for code, runs in pieces.items():
+        dtype, itemsize = dtypes[code], ITEMSIZE[code]
+        buffer = bytearray().join(runs)  # malloc'd, so aligned to at least 8 bytes
+        shift = -_address(buffer) % itemsize
+        if shift:  # not seen with CPython's allocator; kept correct all the same
+            buffer = bytearray(shift) + buffer
+        buffers.append(buffer)
+        whole = (
+            torch.frombuffer(buffer, dtype=dtype, offset=shift) if len(buffer) > shift else torch.empty(0, dtype=dtype)
+        )
+        views[code] = iter(whole.split_with_sizes([len(run) // itemsize for run in runs]))
     made: list[dict[str, torch.Tensor]] = []
-    index = 0
     for item in items:
         tensors = {}
         for key, raw in item.tensors.items():
-            dtype, count = dtypes[raw.dtype], raw.numel
-            if count:
-                tensor = torch.frombuffer(arena, dtype=dtype, count=count, offset=starts[index] + shift)
-                tensors[key] = tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
-            else:
-                tensors[key] = torch.empty(raw.shape, dtype=dtype)
-            index += 1
+            tensor = next(views[raw.dtype])
+            tensors[key] = tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
         made.append(tensors)
-    return arena, made
+    return buffers, made
 
 
 def _address(buffer: bytearray) -> int:
@@ -97,20 +111,49 @@ def encode(experiences: Iterable[Any]) -> bytes:
 
 
 def to_experience(item: RawItem, tensors: dict[str, torch.Tensor] | None = None) -> Experience:
-    """An Experience of a parsed item; `tensors` are its tensors when already made (`gather`)."""
+    """An Experience of a parsed item; `tensors` are its tensors when already made (`gather`).
+
+    Made without Experience's __init__, whose keyword handling and default factories cost
+    more than the rest of a decoded experience: its fields are set at once, each of its
+    field's type, those the item lacks to their defaults."""
     meta = item.meta
-    # Keyword arguments of Experience by field name, each of its field's type.
-    fields: dict[str, Any] = (
-        {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else dict(tensors)
-    )
-    mm = {name[len(MM_PREFIX) :]: fields.pop(name) for name in list(fields) if name.startswith(MM_PREFIX)}
-    return Experience(
-        eid=item.eid,
-        **{name: meta[name] for name in META_FIELDS if name in meta},
-        custom_fields=meta.get("custom_fields", []),
-        multi_modal_inputs={key: mm[key] for key in meta.get("multi_modal_input_keys", [])},
-        **fields,
-    )
+    made = {name: tensor_of(raw) for name, raw in item.tensors.items()} if tensors is None else tensors
+    values = _FIELD_DEFAULTS.copy()
+    if meta.keys() <= _ITEM_KEYS:  # the server's items, and Trinity-RFT's: nothing to leave out
+        values.update(meta)
+        values.pop("multi_modal_input_keys", None)
+    else:
+        values.update({name: meta[name] for name in _ITEM_KEYS & meta.keys() if name != "multi_modal_input_keys"})
+    for name, factory in _FIELD_FACTORIES:
+        if name not in meta:
+            values[name] = factory()
+    eid = meta["eid"]
+    if type(eid) is dict and eid.keys() == _EID_KEYS:  # its five parts, set at once
+        values["eid"] = made_eid = object.__new__(EID)
+        made_eid.__dict__ = eid.copy()
+    else:
+        values["eid"] = EID(**eid)
+    values.update({name: tensor for name, tensor in made.items() if not name.startswith(MM_PREFIX)})
+    values["multi_modal_inputs"] = {key: made[MM_PREFIX + key] for key in meta.get("multi_modal_input_keys", [])}
+    experience = object.__new__(Experience)
+    experience.__dict__ = values
+    return experience
+
+
+# Experience's fields with a plain default (None for tokens, which a decoded item always has);
+# the metadata fields whose default is made by a factory, made only when an item lacks them;
+# the metadata keys an item may carry that become fields (eid and multi_modal_input_keys are
+# read on their own).
+_FIELD_DEFAULTS: dict[str, Any] = {
+    f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(Experience)
+}
+_FIELD_FACTORIES = [
+    (f.name, f.default_factory)
+    for f in dataclasses.fields(Experience)
+    if f.name in ("info", "metrics", "custom_fields") and f.default_factory is not dataclasses.MISSING
+]
+_ITEM_KEYS = frozenset({"eid", *META_FIELDS, "custom_fields", "multi_modal_input_keys"})
+_EID_KEYS = frozenset(field.name for field in dataclasses.fields(EID))
 
 
 def from_experience(exp: Any) -> RawItem:
@@ -157,6 +200,23 @@ class _CallerData(Shape):
         caller = {name: value for name in META_FIELDS if isinstance(value := item[name], CONTAINERS) and value}
         if caller:
             super().item(index, uid, caller)
+
+
+class _ReplyData(Shape):
+    """For a batch the server sent: measures only the nesting of the non-empty containers
+    among the fields an Experience carries, not their size (UNBOUNDED): most items have
+    none, and the walk is skipped. The eid is checked part by part by check_meta."""
+
+    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
+        get = item.get
+        for name in _WALKED:
+            value = get(name)
+            if value and isinstance(value, CONTAINERS):
+                super().item(index, uid, item)
+                return
+
+
+_WALKED = (*META_FIELDS, "custom_fields")
 
 
 def _eid_dict(eid: Any) -> dict[str, Any]:

@@ -38,13 +38,21 @@ from .pickles import PlainUnpickler, scan_pickle
 # ---- parsing (untrusted input) ---------------------------------------------------
 
 
-def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, work: Work | None = None) -> list[RawItem]:
+def parse(
+    payload: bytes | bytearray | memoryview,
+    *,
+    trusted: bool = False,
+    work: Work | None = None,
+    shape: Shape | None = None,
+) -> list[RawItem]:
     """Split a TRXP payload into validated items without creating tensors.
 
     `trusted=True` is for payloads the server itself wrote after validating them:
     it skips the pickle opcode scan and the per-item checks, not the restricted
     unpickler nor the bounds checks of the sections. `work` counts the decoding steps
-    (by default within the budget of a payload of this size).
+    (by default within the budget of a payload of this size). `shape` measures each
+    item's metadata for check_meta: by default the store's measure, its size written out
+    in full within the payload's expansion bound.
     """
     view = memoryview(payload).cast("B")
     size = len(view)
@@ -69,7 +77,9 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, wor
     if trailing:
         raise TrxpError(f"{trailing} trailing bytes after the declared sections")
     meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
-    items = _load_items(meta_bytes, trusted=trusted, work=work, max_size=EXPANSION_PER_BYTE * size + EXPANSION_BASE)
+    if shape is None:
+        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False)
+    items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
     tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
     per_item: list[dict[str, RawTensor]] = [{} for _ in items]
     for key, tensor in tensors.items():
@@ -82,7 +92,7 @@ def parse(payload: bytes | bytearray | memoryview, *, trusted: bool = False, wor
     return raw
 
 
-def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, max_size: int) -> list[dict[str, Any]]:
+def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Shape) -> list[dict[str, Any]]:
     if not trusted:
         scan_pickle(meta_bytes, work)
     work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
@@ -102,7 +112,6 @@ def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, max_size: 
     if not is_int(num_items) or num_items != len(items):
         raise TrxpError(f"metadata: num_items is {show(num_items)} but {len(items)} items are present")
     if not trusted:
-        shape = Shape(work, max_size, check_keys=False)
         for index, item in enumerate(items):
             check_meta(index, item, shape)
     return items
