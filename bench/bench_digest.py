@@ -1,26 +1,30 @@
-"""What packing an experience costs the server, and push throughput before and after a change to it.
+"""What packing an experience costs the server, and its ingest before and after a change to it.
 
-    .venv/bin/python bench/bench_digest.py [--repeats 15] [--rounds 3] [--before DIR] [--out bench/RESULTS.md]
+    .venv/bin/python bench/bench_digest.py [--repeats 15] [--rounds 5] [--before DIR] [--out bench/RESULTS.md]
 
 1. Per experience, in µs on one core, at bench_reverb's 8 KB shape (256 a push) and its 40 KB one
    (64 a push): the canonical repack (`trxp.pack_item`), the digests a store could take of the
    packed payload (SHA-256, XXH3-128, BLAKE3 where the `blake3` package is installed) and all of
    `Entry.of` as this tree takes it. Median over the repeats, the fastest in parentheses.
-2. Push throughput through `expbuf serve` (estimator none, durable acks, 4 pushers, 8 pushes each
-   of both shapes): this tree's server, and with `--before DIR` the server of another source tree
-   in alternating rounds, so that both see the same machine. DIR holds the repository's files at
-   another commit, e.g. `git archive e13e62d | tar -x -C DIR` for the tree before format 4.
+2. The server's ingest of 8 pushes of each shape into a fresh store (estimator none): CPU time per
+   experience to decode them (parse and Entry.of, as ingest.entries_of) and to store them (a
+   durable put of each push), in a child process of this tree, and with `--before DIR` of another
+   source tree in alternating rounds, so that both see the same machine. CPU time, not wall time:
+   on a shared machine the wall time of a push varies by more than the digest costs. DIR holds
+   the repository's files at another commit, e.g. `git archive e13e62d | tar -x -C DIR` for the
+   tree before format 4.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -33,14 +37,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_reverb import PER_PUSH, make_pushes  # noqa: E402
-from bench_service import Proc  # noqa: E402
 from results import write_section  # noqa: E402
 
-from expbuf.client import BufferClient, trxp  # noqa: E402
+from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Entry  # noqa: E402
 
 SHAPES = ("8k", "40k")
-PUSHERS, PUSHES = 4, 8
+PUSHES = 8
 
 
 def timed(run: Callable[[], object], count: int, repeats: int) -> tuple[float, float]:
@@ -81,33 +84,35 @@ def shape_costs(payloads: list[bytes], repeats: int) -> dict[str, tuple[float, f
     return row
 
 
-def push_rate(tree: Path | None, payloads: list[bytes], per_push: int) -> float:
-    """Experiences a second pushed by PUSHERS clients into a fresh server of this tree (or `tree`)."""
+def ingest_cost(tree: Path | None, shape: str) -> dict[str, float]:
+    """CPU µs per experience of a server's ingest (decode: parse and Entry.of; store: a durable
+    put of each push), in a child process of this tree or of `tree`."""
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    with tempfile.TemporaryDirectory() as data:
-        argv = ["-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", "--metrics-port", "0"]
-        server = Proc(*argv, env=env)
-        try:
-            with BufferClient(server.target) as client:
-                client.create_table("bench", estimator="none", group_by="none")
-            shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
+    command = [sys.executable, __file__, "--child", shape]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
 
-            def push(share: list[bytes]) -> None:
-                with BufferClient(server.target, timeout=120) as client:
-                    for payload in share:
-                        client.push(payload, table="bench")
 
-            threads = [threading.Thread(target=push, args=(share,)) for share in shares]
-            start = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            return len(payloads) * per_push / (time.perf_counter() - start)
-        finally:
-            server.stop()
+def child(shape: str) -> None:
+    """ingest_cost's child: PUSHES pushes of `shape` into a fresh store, timed in CPU seconds."""
+    from expbuf.server.ingest import entries_of
+    from expbuf.server.store import Store
+    from expbuf.server.tables import TableConfig
+
+    payloads = [trxp.encode(push) for push in make_pushes(shape, PUSHES)]
+    decode = store = 0.0
+    with tempfile.TemporaryDirectory() as data, Store(Path(data)) as buffer:
+        buffer.create_table(TableConfig(name="bench", estimator="none", group_by="none"))
+        for payload in payloads:
+            start = time.process_time()
+            entries = entries_of(payload)
+            middle = time.process_time()
+            buffer.put_entries("bench", entries)
+            decode, store = decode + middle - start, store + time.process_time() - middle
+    count = PUSHES * PER_PUSH[shape]
+    print(json.dumps({"decode": decode * 1e6 / count, "store": store * 1e6 / count}))
 
 
 def package_of(tree: Path, into: Path) -> Path:
@@ -122,16 +127,19 @@ def package_of(tree: Path, into: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--before", type=Path, help="another source tree whose server is measured beside this one")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", type=Path, help="another source tree whose ingest is measured beside this one's")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--child", choices=SHAPES, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    payloads = {shape: [trxp.encode(push) for push in make_pushes(shape, PUSHES * PUSHERS)] for shape in SHAPES}
-    steps = costs({shape: shape_payloads[:2] for shape, shape_payloads in payloads.items()}, args.repeats)
+    if args.child:
+        child(args.child)
+        return
+    steps = costs({shape: [trxp.encode(push) for push in make_pushes(shape, 2)] for shape in SHAPES}, args.repeats)
     for shape, row in steps.items():
         for name, (median, fastest) in row.items():
             print(f"{shape} {name}: {median:.1f} ({fastest:.1f}) µs")
-    rates: dict[tuple[str, str], list[float]] = {}
+    rounds: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         trees: dict[str, Path | None] = {"after": None}
         if args.before is not None:
@@ -139,19 +147,24 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, tree in trees.items():
                 for shape in SHAPES:
-                    rate = push_rate(tree, payloads[shape], PER_PUSH[shape])
-                    rates.setdefault((label, shape), []).append(rate)
-                    print(f"{label} {shape}: {rate:,.0f} experiences/s")
-    pushed = {key: statistics.median(values) for key, values in rates.items()}
-    write_section(Path(args.out), "## Packing and digest", section(steps, pushed, args))
+                    cost = ingest_cost(tree, shape)
+                    rounds.setdefault((label, shape), []).append(cost)
+                    print(f"{label} {shape}: decode {cost['decode']:.1f} µs, store {cost['store']:.1f} µs")
+    ingest = {
+        key: {part: statistics.median(cost[part] for cost in costs_) for part in ("decode", "store")}
+        for key, costs_ in rounds.items()
+    }
+    write_section(Path(args.out), "## Packing and digest", section(steps, ingest, args))
 
 
 def section(
-    steps: dict[str, dict[str, tuple[float, float]]], pushed: dict[tuple[str, str], float], args: argparse.Namespace
+    steps: dict[str, dict[str, tuple[float, float]]],
+    ingest: dict[tuple[str, str], dict[str, float]],
+    args: argparse.Namespace,
 ) -> str:
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     lines = [
-        "## Packing and digest: no SHA-256 on the push path (issue 22)",
+        "## Packing and digest: XXH3-128 instead of SHA-256 (issue 22)",
         "",
         f"`bench/bench_digest.py --repeats {args.repeats} --rounds {args.rounds}"
         + (" --before DIR` (DIR: the tree before format 4)" if args.before else "`")
@@ -165,16 +178,16 @@ def section(
         lines.append(f"| {name} | {' | '.join(cells)} |")
     lines += [
         "",
-        f"| push through `expbuf serve`, {PUSHERS} pushers, experiences/s (median of {args.rounds} rounds) "
-        "| 8 KB | 40 KB |",
+        f"| server ingest, CPU µs per experience (median of {args.rounds} rounds): decode + store | 8 KB | 40 KB |",
         "| --- | --- | --- |",
     ]
     for label in ("before", "after"):
-        if (label, "8k") in pushed:
-            lines.append(f"| {label} | {' | '.join(f'{pushed[(label, shape)]:,.0f}' for shape in SHAPES)} |")
-    if ("before", "8k") in pushed:
-        ratios = [pushed[("after", shape)] / pushed[("before", shape)] for shape in SHAPES]
-        lines.append(f"| after / before | {' | '.join(f'{ratio:.2f}' for ratio in ratios)} |")
+        if (label, "8k") in ingest:
+            cells = [f"{ingest[(label, s)]['decode']:.1f} + {ingest[(label, s)]['store']:.1f}" for s in SHAPES]
+            lines.append(f"| {label} | {' | '.join(cells)} |")
+    if ("before", "8k") in ingest:
+        ratios = [sum(ingest[("before", s)].values()) / sum(ingest[("after", s)].values()) for s in SHAPES]
+        lines.append(f"| experiences a CPU second ingests, after / before | {' | '.join(f'{r:.2f}' for r in ratios)} |")
     return "\n".join(lines) + "\n"
 
 
