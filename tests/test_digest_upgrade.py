@@ -1,22 +1,24 @@
 """Format 4 digests payloads with XXH3-128 where format 3 took SHA-256: the upgrade of
-tests/fixtures/datadir_v3 gives every stored payload its new digest, its tombstones (whose
-payloads are gone) keep their SHA-256 digest and still tell a retried push (a duplicate) from
+tests/fixtures/datadir_v3 gives every stored payload its new digest (none to a damaged one), its
+tombstones (whose payloads are gone) keep their SHA-256 digest and still tell a retried push (a duplicate) from
 other content (a conflict), and `expbuf check` says the older format is brought up to date."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
 import xxhash
 from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
-from expbuf.server.errors import Conflict
+from expbuf.server.errors import Conflict, Damaged
 from expbuf.server.store import Store, layout
 from expbuf.server.store.records import CONSUMED, RETIRED, ItemRecord
 from expbuf.server.tables import TableConfig
@@ -107,3 +109,17 @@ def test_check_says_format_3_is_brought_up_to_date_and_then_passes(v3: Path) -> 
     after = check()
     assert after.returncode == 0 and not after.stderr, after.stderr
     assert sorted(after.stdout.splitlines()) == sorted(f"{table}: ok" for table in MANIFEST["stats"])
+
+
+def test_the_upgrade_gives_no_new_digest_to_a_damaged_payload(v3: Path) -> None:
+    env = lmdb.open(str(v3), max_dbs=64)
+    with env.begin(write=True) as txn:
+        table_id = json.loads(txn.get(b"grpo4", db=env.open_db(b"tables", txn=txn)))["id"]
+        key = layout.table_prefix(table_id) + b"1/0/0/0/r0"  # ready: its payload is stored
+        blobs = env.open_db(b"blobs", txn=txn)
+        blob = bytearray(txn.get(key, db=blobs))
+        blob[-1] ^= 0x01  # a flipped bit in its last tensor: it still parses
+        txn.put(key, bytes(blob), db=blobs)
+    env.close()
+    with pytest.raises(Damaged, match="item 1/0/0/0/r0: its payload does not match its digest"):
+        Store(v3, clock=lambda: MANIFEST["now"])

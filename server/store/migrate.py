@@ -116,9 +116,10 @@ def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
 def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
     """Give every experience whose payload is stored the digest format 4 takes at push: that of the
     payload, or, for a payload kept as format 1 wrote it, of its canonical packing (as Entry.of
-    takes it). A tombstone keeps its SHA-256 digest, which groups.put still recognises, so a
-    retried push of it stays a duplicate until it is pruned. Each record is rewritten as the scan
-    passes it, at the same size, so the upgrade holds no list of them."""
+    takes it), once the SHA-256 digest has shown it undamaged; a damaged one keeps its digest, for
+    the check at open to name. A tombstone keeps its SHA-256 digest, which groups.put still
+    recognises, so a retried push of it stays a duplicate until it is pruned. Each record is
+    rewritten as the scan passes it, at the same size, so the upgrade holds no list of them."""
     with txn.cursor(db=dbs["items"]) as cur:
         for raw_key, raw in cur:
             key = bytes(raw_key)
@@ -126,14 +127,19 @@ def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database
             if blob is None:
                 continue
             record = ItemRecord.decode(raw)
-            if record.digest == digests.format_3(blob):
-                record.digest = digests.of(blob)
-            else:
-                try:
-                    record.digest = Entry.of(trxp.parse(blob, trusted=True)[0]).digest
-                except trxp.TrxpError:  # damaged: left as it is, for the check at open to name
-                    continue
+            packed = blob if record.digest == digests.format_3(blob) else _packed(blob)
+            if packed is None or record.digest != digests.format_3(packed):
+                continue  # damaged: left as it is, for the check at open to name
+            record.digest = digests.of(packed)
             cur.put(key, record.encode())
+
+
+def _packed(blob: bytes) -> bytes | None:
+    """A payload kept as format 1 wrote it, packed as Entry.of packs it; None if it does not parse."""
+    try:
+        return trxp.pack_item(trxp.parse(blob, trusted=True)[0])
+    except trxp.TrxpError:
+        return None
 
 
 def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
