@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_digest.py [--repeats 15] [--rounds 5] [--before DIR] [--out bench/RESULTS.md]
 
 1. Per experience, in µs on one core, at bench_reverb's 8 KB shape (256 a push) and its 40 KB one
-   (64 a push): the canonical repack (`trxp.pack_item`), the digests a store could take of the
+   (64 a push): the scan of the pushed metadata pickle, the canonical repack (`trxp.pack_item`) and
+   the metadata pickle it writes (`fragment`), the digests a store could take of the
    packed payload (SHA-256, XXH3-128, BLAKE3 where the `blake3` package is installed) and all of
    `Entry.of` as this tree takes it. Median over the repeats, the fastest in parentheses.
 2. The server's ingest of 8 pushes of each shape into a fresh store (estimator none): CPU time per
@@ -40,6 +41,9 @@ from bench_reverb import PER_PUSH, make_pushes  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
+from expbuf.client.trxp.build import fragment  # noqa: E402
+from expbuf.client.trxp.common import HEADER  # noqa: E402
+from expbuf.client.trxp.pickles import scan_pickle  # noqa: E402
 from expbuf.server.store import Entry  # noqa: E402
 
 SHAPES = ("8k", "40k")
@@ -77,7 +81,16 @@ def costs(payloads: dict[str, list[bytes]], repeats: int) -> dict[str, dict[str,
 def shape_costs(payloads: list[bytes], repeats: int) -> dict[str, tuple[float, float]]:
     items = [item for payload in payloads for item in trxp.parse(payload)]
     blobs = [trxp.pack_item(item) for item in items]
-    row = {"canonical repack (pack_item)": timed(lambda: [trxp.pack_item(i) for i in items], len(items), repeats)}
+    metas = [memoryview(payload)[trxp.HEADER_SIZE : trxp.HEADER_SIZE + meta_length(payload)] for payload in payloads]
+    row = {
+        "metadata scan of the push (scan_pickle)": timed(
+            lambda: [scan_pickle(meta, trxp.Work(1 << 40)) for meta in metas], len(items), repeats
+        ),
+        "canonical repack (pack_item)": timed(lambda: [trxp.pack_item(i) for i in items], len(items), repeats),
+        "of which the metadata pickle (fragment)": timed(
+            lambda: [fragment(i.meta) for i in items], len(items), repeats
+        ),
+    }
     for name, digest in digests().items():
         row[name] = timed(lambda digest=digest: [digest(b) for b in blobs], len(items), repeats)
     row["Entry.of (repack + digest + fields)"] = timed(lambda: [Entry.of(i) for i in items], len(items), repeats)
@@ -113,6 +126,11 @@ def child(shape: str) -> None:
             decode, store = decode + middle - start, store + time.process_time() - middle
     count = PUSHES * PER_PUSH[shape]
     print(json.dumps({"decode": decode * 1e6 / count, "store": store * 1e6 / count}))
+
+
+def meta_length(payload: bytes) -> int:
+    _, _, length, _ = HEADER.unpack_from(payload)
+    return int(length)
 
 
 def package_of(tree: Path, into: Path) -> Path:
