@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_digest.py [--repeats 15] [--rounds 5] [--before DIR] [--out bench/RESULTS.md]
 
 1. Per experience, in µs on one core, at bench_reverb's 8 KB shape (256 a push) and its 40 KB one
-   (64 a push): the scan of the pushed metadata pickle, the canonical repack (`trxp.pack_item`) and
-   the metadata pickle it writes (`fragment`), the digests a store could take of the
+   (64 a push): the scan of the pushed metadata pickle, the canonical repack (`trxp.pack_item`),
+   the metadata pickle it writes (`fragment`) and a bare walk of that pickle's opcodes (the least a
+   proof that a pushed pickle is already canonical would cost), the digests a store could take of the
    packed payload (SHA-256, XXH3-128, BLAKE3 where the `blake3` package is installed) and all of
    `Entry.of` as this tree takes it. Median over the repeats, the fastest in parentheses.
 2. The server's ingest of 8 pushes of each shape into a fresh store (estimator none): CPU time per
@@ -91,6 +92,8 @@ def shape_costs(payloads: list[bytes], repeats: int) -> dict[str, tuple[float, f
             lambda: [fragment(i.meta) for i in items], len(items), repeats
         ),
     }
+    fragments = [fragment(item.meta) for item in items]
+    row["a bare walk of that pickle's opcodes"] = timed(lambda: [walk(f) for f in fragments], len(items), repeats)
     for name, digest in digests().items():
         row[name] = timed(lambda digest=digest: [digest(b) for b in blobs], len(items), repeats)
     row["Entry.of (repack + digest + fields)"] = timed(lambda: [Entry.of(i) for i in items], len(items), repeats)
@@ -126,6 +129,29 @@ def child(shape: str) -> None:
             decode, store = decode + middle - start, store + time.process_time() - middle
     count = PUSHES * PER_PUSH[shape]
     print(json.dumps({"decode": decode * 1e6 / count, "store": store * 1e6 / count}))
+
+
+# The argument size of each opcode of a canonical metadata pickle that has one of a fixed size.
+_FIXED = {**dict.fromkeys(b"}])N\x88\x89(usaet\x85\x86\x87", 0), ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8}
+
+
+def walk(raw: bytes) -> int:
+    """Step over the opcodes of a canonical metadata pickle and count them, checking nothing: the
+    least a proof that a pushed pickle is canonical (sorted keys, minimal ints, no memo) costs."""
+    pos, ops = 0, 0
+    while pos < len(raw):
+        code = raw[pos]
+        ops += 1
+        size = _FIXED.get(code)
+        if size is not None:
+            pos += 1 + size
+        elif code == ord("X"):  # BINUNICODE
+            pos += 5 + int.from_bytes(raw[pos + 1 : pos + 5], "little")
+        elif code == ord("C"):  # SHORT_BINBYTES
+            pos += 2 + raw[pos + 1]
+        else:
+            raise ValueError(f"opcode {code} is not in the metadata of these shapes")
+    return ops
 
 
 def meta_length(payload: bytes) -> int:
