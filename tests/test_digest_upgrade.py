@@ -20,6 +20,7 @@ from test_datadir_v3 import MANIFEST, V3, group
 from expbuf.client import trxp
 from expbuf.server.errors import Conflict, Damaged
 from expbuf.server.store import Store, layout
+from expbuf.server.store.counters import Counters
 from expbuf.server.store.records import CONSUMED, RETIRED, ItemRecord
 from expbuf.server.tables import TableConfig
 
@@ -123,3 +124,30 @@ def test_the_upgrade_gives_no_new_digest_to_a_damaged_payload(v3: Path) -> None:
     env.close()
     with pytest.raises(Damaged, match="item 1/0/0/0/r0: its payload does not match its digest"):
         Store(v3, clock=lambda: MANIFEST["now"])
+
+
+def test_a_payload_kept_as_format_1_wrote_it_gets_the_digest_of_its_canonical_packing(v3: Path) -> None:
+    """Format 1's upgrade kept payloads in the layout they were pushed in, with the SHA-256 digest
+    of their canonical packing; format 4's gives them the XXH3-128 digest of that packing."""
+    item = group(1, 0, 4)[0]  # ready in grpo4
+    kept = trxp.build([item])  # Trinity-RFT's layout, not the stored one
+    env = lmdb.open(str(v3), max_dbs=64)
+    with env.begin(write=True) as txn:
+        dbs = {name: env.open_db(name.encode(), txn=txn) for name in ("tables", "items", "blobs", "counters")}
+        prefix = layout.table_prefix(json.loads(txn.get(b"grpo4", db=dbs["tables"]))["id"])
+        key = prefix + item.uid.encode()
+        rec = ItemRecord.decode(txn.get(key, db=dbs["items"]))
+        assert rec.digest == sha256_16(item) and kept != trxp.pack_item(item)
+        counters = Counters.decode(txn.get(prefix, db=dbs["counters"]))
+        counters.bytes += len(kept) - rec.size
+        rec.size = len(kept)
+        txn.put(key, rec.encode(), db=dbs["items"])
+        txn.put(key, kept, db=dbs["blobs"])
+        txn.put(prefix, counters.encode(), db=dbs["counters"])
+    env.close()
+    with Store(v3, clock=lambda: MANIFEST["now"]) as store:
+        assert store.verify("grpo4") == []
+        rec, blob = records(store)[key]
+        assert blob == kept and rec.digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
+        retried = group(1, 0, 4)
+        assert store.put("grpo4", retried).duplicates == [one.uid for one in retried]

@@ -127,10 +127,12 @@ def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database
             if blob is None:
                 continue
             record = ItemRecord.decode(raw)
-            packed = blob if record.digest == digests.format_3(blob) else _packed(blob)
-            if packed is None or record.digest != digests.format_3(packed):
-                continue  # damaged: left as it is, for the check at open to name
-            record.digest = digests.of(packed)
+            if record.digest != digests.format_3(blob):
+                packed = _packed(blob)  # a payload kept as format 1 wrote it, or a damaged one
+                if packed is None or record.digest != digests.format_3(packed):
+                    continue  # damaged: left as it is, for the check at open to name
+                blob = packed
+            record.digest = digests.of(blob)
             cur.put(key, record.encode())
 
 
