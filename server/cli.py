@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--check-at-open",
         choices=("full", "quick"),
-        help="before serving, check every record and digest (full, the default; about 1 GB/s) or only the"
+        help="before serving, check every record and digest (full, the default; about 3 GB/s) or only the"
         " directory's own records (quick) (env EXPBUF_CHECK_AT_OPEN)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")

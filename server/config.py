@@ -101,7 +101,7 @@ class ServerConfig:
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
     max_inflight_bytes: int = 1 << 30
     # What a start checks before serving: "full" reads the whole file (every record, digest, index
-    # and counter, about 1 GB/s), "quick" only the format, catalogue, counters, leases and grants.
+    # and counter, about 3 GB/s), "quick" only the format, catalogue, counters, leases and grants.
     check_at_open: str = "full"
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..ready_indexes import put_rows, u64
 from ..tables import estimator_of
-from . import layout, limiter
+from . import digests, layout, limiter
 from .capacity import make_room
 from .kinds import Entry, PutResult, ShapingUpdate
-from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, GroupRecord, ItemRecord
+from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED, GroupRecord, ItemRecord
 from .retirement import retire
 from .table_state import TableState
 
@@ -41,13 +41,18 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     fresh: dict[str, Entry] = {}
     for entry in entries:
         known = fresh.get(entry.uid)
-        digest = known.digest if known is not None else getattr(tt.item(entry.uid), "digest", None)
-        if digest is None:
-            fresh[entry.uid] = entry
-        elif digest == entry.digest:
-            result.duplicates.append(entry.uid)
+        if known is not None:
+            same = known.digest == entry.digest
         else:
+            rec = tt.item(entry.uid)
+            if rec is None:
+                fresh[entry.uid] = entry
+                continue
+            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
+            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
+        if not same:
             raise Conflict(f"uid {entry.uid} already exists with different content")
+        result.duplicates.append(entry.uid)
     _check_rewards(tt, fresh.values())
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():

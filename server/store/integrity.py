@@ -14,7 +14,6 @@ problem and `expbuf check`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +25,7 @@ from expbuf.client import trxp
 from ..errors import Damaged
 from ..ready_indexes import u64
 from ..tables import TableConfig
-from . import layout
+from . import digests, layout
 from .counters import read_counters
 from .extensions import Extensions
 from .kinds import Entry
@@ -220,7 +219,7 @@ def _check_blob(uid: str, rec: ItemRecord, blob: bytes) -> list[str]:
     their canonical packing."""
     if len(blob) != rec.size:
         return [f"item {uid}: its payload is {len(blob)} bytes, its record says {rec.size}"]
-    if hashlib.sha256(blob).digest()[:16] == rec.digest:
+    if digests.of(blob) == rec.digest:
         return []
     try:
         items = trxp.parse(blob, trusted=True)

@@ -3,7 +3,6 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -12,6 +11,7 @@ from expbuf.client import trxp
 
 from ..advantage_storage import Advantage, BatchStage, batch_parts
 from ..tables import TableConfig
+from . import digests
 from .records import ItemRecord
 from .snapshot import Snapshot
 
@@ -32,7 +32,7 @@ class Entry:
     rid: str
     sid: str
     blob: bytes
-    digest: bytes  # 16 bytes of SHA-256 of the blob
+    digest: bytes  # digests.of(blob)
     version: int | None
     reward: float | None
     priority: float
@@ -52,7 +52,7 @@ class Entry:
             rid=eid.rid,
             sid=eid.sid,
             blob=blob,
-            digest=hashlib.sha256(blob).digest()[:16],  # SHA-NI makes it the fastest here
+            digest=digests.of(blob),
             version=item.model_version,
             reward=item.meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,

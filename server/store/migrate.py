@@ -5,6 +5,8 @@ and step. Opening such a directory rewrites every item, group and lease record i
 binary form of records.py (live experiences get the digest of today's canonical packing,
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
 version index of ready groups (byver, ready_indexes.py): it is built from the group records.
+Format 3 digested payloads with SHA-256: every stored payload gets its XXH3-128 digest
+(digests.py), and tombstones keep theirs.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
@@ -26,7 +28,7 @@ from .. import selection
 from ..errors import StoreError
 from ..ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..tables import TableConfig, batch_stage
-from . import layout
+from . import digests, layout
 from .extensions import Extensions
 from .kinds import Entry
 from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
@@ -50,6 +52,8 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         _from_1(txn, env, dbs)
     if found <= 2:
         build(txn, dbs, [VersionIndex])
+    if found in (2, 3):  # format 1's upgrade digests its payloads anew as it is
+        _digests_to_xxh3(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)
@@ -107,6 +111,37 @@ def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
     _recompute_batch_stage_tables(txn, dbs)
     for name in layout.FORMAT_1_ONLY:
         txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
+
+
+def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    """Give every experience whose payload is stored the digest format 4 takes at push: that of the
+    payload, or, for a payload kept as format 1 wrote it, of its canonical packing (as Entry.of
+    takes it), once the SHA-256 digest has shown it undamaged; a damaged one keeps its digest, for
+    the check at open to name. A tombstone keeps its SHA-256 digest, which groups.put still
+    recognises, so a retried push of it stays a duplicate until it is pruned. Each record is
+    rewritten as the scan passes it, at the same size, so the upgrade holds no list of them."""
+    with txn.cursor(db=dbs["items"]) as cur:
+        for raw_key, raw in cur:
+            key = bytes(raw_key)
+            blob = txn.get(key, db=dbs["blobs"])
+            if blob is None:
+                continue
+            record = ItemRecord.decode(raw)
+            if record.digest != digests.format_3(blob):
+                packed = _packed(blob)  # a payload kept as format 1 wrote it, or a damaged one
+                if packed is None or record.digest != digests.format_3(packed):
+                    continue  # damaged: left as it is, for the check at open to name
+                blob = packed
+            record.digest = digests.of(blob)
+            cur.put(key, record.encode())
+
+
+def _packed(blob: bytes) -> bytes | None:
+    """A payload kept as format 1 wrote it, packed as Entry.of packs it; None if it does not parse."""
+    try:
+        return trxp.pack_item(trxp.parse(blob, trusted=True)[0])
+    except trxp.TrxpError:
+        return None
 
 
 def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:

@@ -73,7 +73,7 @@ class ItemRecord:
     state: str
     group: str
     seq: int
-    digest: bytes  # 16 bytes of SHA-256 of the stored payload
+    digest: bytes  # digests.of the stored payload (a tombstone left by format 3: its SHA-256 digest)
     size: int
     created: float
     tid: str

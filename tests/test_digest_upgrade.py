@@ -1,0 +1,153 @@
+"""Format 4 digests payloads with XXH3-128 where format 3 took SHA-256: the upgrade of
+tests/fixtures/datadir_v3 gives every stored payload its new digest (none to a damaged one), its
+tombstones (whose payloads are gone) keep their SHA-256 digest and still tell a retried push (a duplicate) from
+other content (a conflict), and `expbuf check` says the older format is brought up to date."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+import xxhash
+from test_datadir_v3 import MANIFEST, V3, group
+
+from expbuf.client import trxp
+from expbuf.server.errors import Conflict, Damaged
+from expbuf.server.store import Store, layout
+from expbuf.server.store.counters import Counters
+from expbuf.server.store.records import CONSUMED, RETIRED, ItemRecord
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items, take
+
+
+@pytest.fixture
+def v3(tmp_path: Path) -> Path:
+    shutil.copy(V3 / "data.mdb", tmp_path / "data.mdb")
+    return tmp_path
+
+
+def records(store: Store) -> dict[bytes, tuple[ItemRecord, bytes | None]]:
+    """Every item record of the directory by key, with its stored payload (None: a tombstone's)."""
+    env = store.environment
+    with env.read() as txn:
+        return {
+            bytes(key): (ItemRecord.decode(raw), txn.get(key, db=env.db["blobs"]))
+            for key, raw in txn.cursor(db=env.db["items"])
+        }
+
+
+def sha256_16(item: trxp.RawItem) -> bytes:
+    return hashlib.sha256(trxp.pack_item(item)).digest()[:16]
+
+
+def test_the_upgrade_digests_every_stored_payload_with_xxh3_and_tombstones_keep_theirs(v3: Path) -> None:
+    with Store(v3, clock=lambda: MANIFEST["now"]) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode() == b"4"
+        found = records(store)
+    stored = {key: (rec, blob) for key, (rec, blob) in found.items() if blob is not None}
+    assert len(stored) == sum(len(uids) for uids in MANIFEST["stored"].values())
+    for key, (rec, blob) in stored.items():
+        assert blob is not None and rec.digest == xxhash.xxh3_128_digest(blob), key
+    tombstones = {key[4:].decode(): rec for key, (rec, blob) in found.items() if blob is None}
+    retired = {item.uid: item for item in group(1, 2, 4) + group(4, 0, 1)}  # consumed, evicted
+    assert set(tombstones) == set(retired)
+    for uid, rec in tombstones.items():
+        assert rec.state in RETIRED
+        assert rec.digest == sha256_16(retired[uid]) != xxhash.xxh3_128_digest(trxp.pack_item(retired[uid]))
+
+
+def test_format_3_tombstones_catch_a_retry_and_a_conflict_after_the_upgrade_and_a_reopen(v3: Path) -> None:
+    Store(v3, clock=lambda: MANIFEST["now"]).close()  # the upgrade a server's start makes
+    with Store(v3, clock=lambda: MANIFEST["now"]) as store:  # a format-4 directory now
+        before = store.stats("grpo4")
+        consumed = group(1, 2, 4)
+        assert store.put("grpo4", consumed).duplicates == [item.uid for item in consumed]
+        with pytest.raises(Conflict, match="1/2/0/0/r0 already exists with different content"):
+            store.put("grpo4", group(1, 2, 4, reward_offset=0.5))
+        after = store.stats("grpo4")
+        assert {k: after[k] for k in ("pushed", "pending", "bytes")} == {
+            k: before[k] for k in ("pushed", "pending", "bytes")
+        }
+        evicted = group(4, 0, 1)
+        assert store.put("small", evicted).duplicates == [evicted[0].uid]
+        with pytest.raises(Conflict):
+            store.put("small", group(4, 0, 1, response=5))
+        assert store.verify("grpo4") == [] and store.verify("small") == []
+
+
+def test_a_tombstone_made_by_format_4_keeps_the_xxh3_digest_and_catches_a_retry(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        items = group_items(1, 0, 2)
+        store.put("t", items)
+        batch = take(store, "t", num_groups=2)
+        assert batch is not None and len(batch.uids) == 2
+        found = records(store)
+        assert len(found) == 2 and all(blob is None and rec.state == CONSUMED for rec, blob in found.values())
+        by_uid = {key[4:].decode(): rec for key, (rec, _) in found.items()}
+        for item in items:
+            assert by_uid[item.uid].digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
+        assert store.put("t", items).duplicates == [item.uid for item in items]
+
+
+def test_check_says_format_3_is_brought_up_to_date_and_then_passes(v3: Path) -> None:
+    def check() -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v3)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    before = check()
+    assert before.returncode == 1 and not before.stderr, before.stderr
+    assert "the directory has format 3: a server brings it to 4 at its next start" in before.stdout
+    Store(v3, clock=lambda: MANIFEST["now"]).close()
+    after = check()
+    assert after.returncode == 0 and not after.stderr, after.stderr
+    assert sorted(after.stdout.splitlines()) == sorted(f"{table}: ok" for table in MANIFEST["stats"])
+
+
+def test_the_upgrade_gives_no_new_digest_to_a_damaged_payload(v3: Path) -> None:
+    env = lmdb.open(str(v3), max_dbs=64)
+    with env.begin(write=True) as txn:
+        table_id = json.loads(txn.get(b"grpo4", db=env.open_db(b"tables", txn=txn)))["id"]
+        key = layout.table_prefix(table_id) + b"1/0/0/0/r0"  # ready: its payload is stored
+        blobs = env.open_db(b"blobs", txn=txn)
+        blob = bytearray(txn.get(key, db=blobs))
+        blob[-1] ^= 0x01  # a flipped bit in its last tensor: it still parses
+        txn.put(key, bytes(blob), db=blobs)
+    env.close()
+    with pytest.raises(Damaged, match="item 1/0/0/0/r0: its payload does not match its digest"):
+        Store(v3, clock=lambda: MANIFEST["now"])
+
+
+def test_a_payload_kept_as_format_1_wrote_it_gets_the_digest_of_its_canonical_packing(v3: Path) -> None:
+    """Format 1's upgrade kept payloads in the layout they were pushed in, with the SHA-256 digest
+    of their canonical packing; format 4's gives them the XXH3-128 digest of that packing."""
+    item = group(1, 0, 4)[0]  # ready in grpo4
+    kept = trxp.build([item])  # Trinity-RFT's layout, not the stored one
+    env = lmdb.open(str(v3), max_dbs=64)
+    with env.begin(write=True) as txn:
+        dbs = {name: env.open_db(name.encode(), txn=txn) for name in ("tables", "items", "blobs", "counters")}
+        prefix = layout.table_prefix(json.loads(txn.get(b"grpo4", db=dbs["tables"]))["id"])
+        key = prefix + item.uid.encode()
+        rec = ItemRecord.decode(txn.get(key, db=dbs["items"]))
+        assert rec.digest == sha256_16(item) and kept != trxp.pack_item(item)
+        counters = Counters.decode(txn.get(prefix, db=dbs["counters"]))
+        counters.bytes += len(kept) - rec.size
+        rec.size = len(kept)
+        txn.put(key, rec.encode(), db=dbs["items"])
+        txn.put(key, kept, db=dbs["blobs"])
+        txn.put(prefix, counters.encode(), db=dbs["counters"])
+    env.close()
+    with Store(v3, clock=lambda: MANIFEST["now"]) as store:
+        assert store.verify("grpo4") == []
+        rec, blob = records(store)[key]
+        assert blob == kept and rec.digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
+        retried = group(1, 0, 4)
+        assert store.put("grpo4", retried).duplicates == [one.uid for one in retried]
