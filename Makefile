@@ -30,10 +30,25 @@ QUIET_CONFLICTS := --no-warn-conflicts
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
 STAMP := $(VENV)/.expbuf-installed
+# The hot modules compiled with mypyc (compile_native.py, with the C compiler the machine has),
+# rebuilt whenever one of them or the build changes. Without a compiler, or if the build fails,
+# it says so in one line and expbuf runs as pure Python. A compiled module is used only while it
+# matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
+NATIVE_SOURCES := compile_native.py client/trxp/checks.py client/trxp/common.py client/trxp/parse.py \
+	client/trxp/pickles.py
+NATIVE_STAMP := $(VENV)/.expbuf-native
+# What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
+# modules were built: the fault suite, the parse, check and fuzz tests, and the store's.
+PURE_TESTS ?= tests/faults tests/test_trxp*.py tests/test_decode_hardening.py tests/test_hardening.py \
+	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
 
 .PHONY: setup serve test clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(PY) compile_native.py
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +73,8 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
 	$(PY) -m pytest $(PYTEST_ARGS)
+	if $(PY) -c "import sys, expbuf.client.trxp, expbuf.client.native as n; sys.exit(not n.compiled('expbuf.client.trxp.parse'))"; \
+		then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info client/trxp/_native

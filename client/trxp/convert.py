@@ -19,7 +19,7 @@ from ..experience import (
 )
 from .build import build
 from .checks import Shape, check_meta, check_tensors, show
-from .common import CONTAINERS, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
+from .common import MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
 
 # ---- Experience objects -----------------------------------------------------------
@@ -142,21 +142,13 @@ def from_experience(exp: Any) -> RawItem:
         tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
     work = Work(UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
-    check_meta(0, meta, _CallerData(work, UNBOUNDED, check_keys=True))
+    # Only the non-empty containers among the caller's fields (info, metrics, messages, tools...)
+    # are measured: a walk of anything else could not refuse it. The eid, custom fields and
+    # multi-modal keys are made here of values check_meta checks part by part, and the scalar
+    # fields are of a type check_meta checks too.
+    check_meta(0, meta, Shape(work, UNBOUNDED, check_keys=True, containers_of=META_FIELDS))
     check_tensors(0, item, work)
     return item
-
-
-class _CallerData(Shape):
-    """Measures only the non-empty containers among the caller's fields (info, metrics,
-    messages, tools...): a walk of anything else could not refuse it. The eid, custom fields
-    and multi-modal keys are made here of values check_meta checks part by part, and the
-    scalar fields are of a type check_meta checks too."""
-
-    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
-        caller = {name: value for name in META_FIELDS if isinstance(value := item[name], CONTAINERS) and value}
-        if caller:
-            super().item(index, uid, caller)
 
 
 def _eid_dict(eid: Any) -> dict[str, Any]:
