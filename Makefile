@@ -38,9 +38,12 @@ NATIVE_SOURCES := compile_native.py client/trxp/checks.py client/trxp/common.py 
 	client/trxp/pickles.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
-# modules were built: the fault suite, the parse, check and fuzz tests, and the store's.
+# modules are in use: the fault suite, the parse, check and fuzz tests, and the store's
+# (PURE_TESTS=tests: everything; PURE_TESTS= : no second run).
 PURE_TESTS ?= tests/faults tests/test_trxp*.py tests/test_decode_hardening.py tests/test_hardening.py \
 	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
+COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
+	sys.exit(not compiled('expbuf.client.trxp.parse'))
 
 .PHONY: setup serve test clean
 
@@ -73,8 +76,7 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
 	$(PY) -m pytest $(PYTEST_ARGS)
-	if $(PY) -c "import sys, expbuf.client.trxp, expbuf.client.native as n; sys.exit(not n.compiled('expbuf.client.trxp.parse'))"; \
-		then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi
+	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi)
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/trxp/_native

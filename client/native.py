@@ -62,7 +62,7 @@ def use_compiled(package: str, path: list[str]) -> bool:
         return False
     if changed:
         warnings.warn(
-            f"expbuf: the compiled {', '.join(changed)} of {package} no longer match their sources; "
+            f"expbuf: the compiled modules of {package} do not match their sources ({', '.join(changed)} changed); "
             "using the pure-Python modules (run `make setup` to rebuild them)",
             RuntimeWarning,
             stacklevel=2,

@@ -93,7 +93,7 @@ def test_a_stale_build_or_the_switch_leaves_the_sources(
         assert messages == []
     else:
         assert messages == [
-            "expbuf: the compiled hot of pkg no longer match their sources; "
+            "expbuf: the compiled modules of pkg do not match their sources (hot changed); "
             "using the pure-Python modules (run `make setup` to rebuild them)"
         ]
 
