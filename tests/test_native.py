@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 import struct
 import sys
 import sysconfig
@@ -55,6 +56,11 @@ def test_the_build_compiles_what_the_tests_expect() -> None:
         sys.path.remove(str(ROOT))
     assert {folder: modules for folder, (_, modules) in compile_native.COMPILED.items()} == COMPILED
     assert compile_native.NATIVE == native.NATIVE and compile_native.MANIFEST == native.MANIFEST
+    # make setup rebuilds whenever one of them changes (the import guard covers any it would miss)
+    listed = re.search(r"^NATIVE_SOURCES := ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert listed is not None
+    sources = {f"{folder}/{module}.py" for folder, modules in COMPILED.items() for module in modules}
+    assert set(listed.group(1).replace("\\\n", " ").split()) == {"compile_native.py", *sources}
 
 
 def package(tmp_path: Path, digest: str, abi: str | None = None) -> Path:
