@@ -30,10 +30,28 @@ QUIET_CONFLICTS := --no-warn-conflicts
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
 STAMP := $(VENV)/.expbuf-installed
+# The hot modules compiled with mypyc (client/native_build.py, with the C compiler the machine has),
+# rebuilt whenever one of them or the build changes. Without a compiler, or if the build fails,
+# it says so in one line and expbuf runs as pure Python. A compiled module is used only while it
+# matches its source (expbuf.client.native checks at import), so a stale one never shadows an edit.
+NATIVE_SOURCES := client/native_build.py client/trxp/checks.py client/trxp/common.py client/trxp/parse.py \
+	client/trxp/pickles.py
+NATIVE_STAMP := $(VENV)/.expbuf-native
+# What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
+# modules are in use: the fault suite, the parse, check and fuzz tests, and the store's
+# (PURE_TESTS=tests: everything; PURE_TESTS= : no second run).
+PURE_TESTS ?= tests/faults tests/test_trxp*.py tests/test_decode_hardening.py tests/test_hardening.py \
+	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
+COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
+	sys.exit(not compiled('expbuf.client.trxp.parse'))
 
 .PHONY: setup serve test clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(PY) client/native_build.py
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +76,7 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info client/trxp/_native

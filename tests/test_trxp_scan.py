@@ -1,6 +1,8 @@
 """The pickle scan replays segments it met before (trxp.pickles._Segment) instead of walking
 their opcodes again: with or without replaying, every pickle gets the same verdict, with the
-same message, and counts the same work."""
+same message, and counts the same work. These tests change the scan's limits and watch its
+recording, which only its source form allows: they run on pickles.py as written, the compiled
+scan being held to its verdicts by test_native.py."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_trxp_fuzz import FUZZ
 
-from expbuf.client import TrxpError, trxp
-from expbuf.client.trxp import pickles
+from expbuf.client.native import source_module
+
+pickles = source_module("expbuf.client.trxp.pickles")
 
 # Plain opcodes (with arguments) that an edit inserts or writes over: memo reads and writes,
 # marks, closes, values, and some that are not plain data.
@@ -25,10 +28,10 @@ EDITS = ["over", "in", "out"]
 
 
 def verdict(meta: bytes) -> tuple[str, Any]:
-    work = trxp.Work(1 << 40)
+    work = pickles.Work(1 << 40)
     try:
         pickles.scan_pickle(memoryview(meta), work)
-    except TrxpError as exc:
+    except pickles.TrxpError as exc:
         return "refused", str(exc)
     return "passed", work.used
 

@@ -14,10 +14,15 @@ payload's size. Every failure is a TrxpError naming the item and field.
 Two levels: `parse`/`build` work on RawItem (metadata plus raw tensor bytes, no
 torch), which is what the server stores and batches; `decode`/`encode` convert to
 and from Experience objects for users. The parts: common.py (layout, types),
-parse.py, pickles.py (the metadata pickle), checks.py (validation), build.py
+parse.py, pickles.py (the metadata pickle's scan), unpickler.py, checks.py (validation), build.py
 (building and splicing), convert.py (Experience objects and torch tensors), advantages.py
 (advantages of one value per experience as tensors, on either side of a sample).
 """
+
+from ..native import use_compiled
+
+# parse, checks, pickles and common compiled with mypyc where `make setup` built them (see native.py).
+use_compiled(__name__, __path__)
 
 from .advantages import attach as attach_advantages
 from .build import build, join, join_parts, pack_item

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,15 +102,24 @@ class Shape:
     shared at every level; here the steps are the references present, which the pickle
     spent at least a byte on each."""
 
-    def __init__(self, work: Work, max_size: int, *, check_keys: bool) -> None:
+    def __init__(
+        self, work: Work, max_size: int, *, check_keys: bool, containers_of: Collection[str] | None = None
+    ) -> None:
         self.work = work
         self.max_size = max_size
         self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
+        # Only the non-empty containers among these fields are measured: for the caller's own
+        # experiences, whose other fields check_meta checks part by part.
+        self.containers_of = containers_of
         self.size = 0  # of every item measured so far
         self.known: dict[int, tuple[int, int]] = {}  # id -> (height, size), or _OPEN while being measured
 
     def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
         """Measure every field of an item, counting it towards the payload's expansion bound."""
+        if self.containers_of is not None:
+            item = {
+                name: value for name in self.containers_of if isinstance(value := item.get(name), CONTAINERS) and value
+            }
         total, max_size, work, known = self.size, self.max_size, self.work, self.known
         for name, value in item.items():
             kind = type(value)

@@ -21,8 +21,14 @@ from ..experience import (
 )
 from .build import build
 from .checks import Shape, check_meta, check_tensors, show
-from .common import CONTAINERS, ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
+from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work
 from .parse import parse
+
+# For a batch the server sent: only the nesting of the non-empty containers among the fields
+# an Experience carries is measured, not their size (UNBOUNDED); most items have none. The
+# eid is checked part by part by check_meta.
+_WALKED = (*META_FIELDS, "custom_fields")
+
 
 # ---- Experience objects -----------------------------------------------------------
 
@@ -51,7 +57,9 @@ def decode_reply(payload: bytes | bytearray | memoryview) -> list[Experience]:
     reply is refused with a TrxpError that names the problem, as a malformed push is."""
     view = memoryview(payload)
     work = Work.for_payload(len(view))
-    return _experiences(parse(view, work=work, shape=_ReplyData(work, UNBOUNDED, check_keys=False)), view)
+    return _experiences(
+        parse(view, work=work, shape=Shape(work, UNBOUNDED, check_keys=False, containers_of=_WALKED)), view
+    )
 
 
 def _experiences(items: list[RawItem], view: memoryview) -> list[Experience]:
@@ -185,38 +193,13 @@ def from_experience(exp: Any) -> RawItem:
         tensors[MM_PREFIX + key] = raw_of(value)
     item = RawItem(meta, tensors)
     work = Work(UNBOUNDED)  # the caller's own objects: checked like a payload, without its size bounds
-    check_meta(0, meta, _CallerData(work, UNBOUNDED, check_keys=True))
+    # Only the non-empty containers among the caller's fields (info, metrics, messages, tools...)
+    # are measured: a walk of anything else could not refuse it. The eid, custom fields and
+    # multi-modal keys are made here of values check_meta checks part by part, and the scalar
+    # fields are of a type check_meta checks too.
+    check_meta(0, meta, Shape(work, UNBOUNDED, check_keys=True, containers_of=META_FIELDS))
     check_tensors(0, item, work)
     return item
-
-
-class _CallerData(Shape):
-    """Measures only the non-empty containers among the caller's fields (info, metrics,
-    messages, tools...): a walk of anything else could not refuse it. The eid, custom fields
-    and multi-modal keys are made here of values check_meta checks part by part, and the
-    scalar fields are of a type check_meta checks too."""
-
-    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
-        caller = {name: value for name in META_FIELDS if isinstance(value := item[name], CONTAINERS) and value}
-        if caller:
-            super().item(index, uid, caller)
-
-
-class _ReplyData(Shape):
-    """For a batch the server sent: measures only the nesting of the non-empty containers
-    among the fields an Experience carries, not their size (UNBOUNDED): most items have
-    none, and the walk is skipped. The eid is checked part by part by check_meta."""
-
-    def item(self, index: int, uid: str, item: dict[Any, Any]) -> None:
-        get = item.get
-        for name in _WALKED:
-            value = get(name)
-            if value and isinstance(value, CONTAINERS):
-                super().item(index, uid, item)
-                return
-
-
-_WALKED = (*META_FIELDS, "custom_fields")
 
 
 def _eid_dict(eid: Any) -> dict[str, Any]:

@@ -33,7 +33,8 @@ from .common import (
     TrxpError,
     Work,
 )
-from .pickles import PlainUnpickler, scan_pickle
+from .pickles import scan_pickle
+from .unpickler import PlainUnpickler
 
 # ---- parsing (untrusted input) ---------------------------------------------------
 

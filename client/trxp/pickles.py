@@ -1,16 +1,14 @@
 """The metadata pickle, read safely: an opcode scan that admits plain data only and bounds
-memo references and the unpickler's own work, and an unpickler that refuses every global.
+memo references and the unpickler's own work (the unpickler that refuses every global is in
+unpickler.py).
 """
 
 from __future__ import annotations
 
-import pickle
 import pickletools
 import re
 from dataclasses import dataclass
-from typing import Any
 
-from .checks import clip
 from .common import TrxpError, Work
 
 # Pickle opcodes that build plain data only, with their effect on the unpickler's stack.
@@ -32,16 +30,6 @@ _PLAIN_EFFECTS = {
     "MEMOIZE": _MEMOIZE, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT,
     "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET,
 }  # fmt: skip
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Reads plain data only: every global is refused, never looked up."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise TrxpError(f"metadata: pickle references the global {clip(module)}.{clip(name)}; refused")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise TrxpError("metadata: pickle uses persistent ids; refused")
 
 
 # Plain-data opcodes by byte: (name, argument size, stack effect), the size as pickletools

@@ -6,7 +6,8 @@ sub-objects, and safetensors headers with odd keys, dtypes, shapes and offsets. 
 payload is pushed to the service (in-process, over a store in a temporary directory):
 it is stored, or refused with INVALID_ARGUMENT (or ALREADY_EXISTS, FAILED_PRECONDITION
 for a uid or group already there), never another status; Stats still answers after it;
-and the CPU time it costs is bounded by its size.
+and the CPU time it costs is bounded by its size. The same payloads get the same verdict from
+the compiled parse as from its source, where the compiled modules are in use.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_native import same_parse, side_by_side
 
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -190,3 +192,15 @@ def test_a_push_is_stored_or_refused_with_a_status_and_bounded_work(
         buffer.Stats(pb.StatsRequest(), timeout=30)
     except grpc.RpcError as exc:
         pytest.fail(f"Stats fails after the push: {exc.code().name}: {exc.details()}")
+
+
+@side_by_side
+@given(payload=payloads())
+@example(payload=crafted(eid_extra=1))
+@example(payload=crafted(reward=10**400))
+@example(payload=crafted(info_model_version=2**63))
+@example(payload=renamed_tensor("tokens", "\u00b2:tokens"))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_the_compiled_parse_gives_each_push_the_same_verdict(payload: bytes) -> None:
+    """The push fuzzer's payloads through the compiled parse and its source (test_native.py)."""
+    same_parse(payload)

@@ -1,0 +1,197 @@
+"""The modules compiled with mypyc (client/native_build.py, expbuf.client.native): used where built
+and current, never when stale or when EXPBUF_PURE_PYTHON=1, and held to the same verdicts as
+their source. The fuzzers run the compiled parse and scan side by side with the same
+source executed as Python (native.source_module), on the fuzz suite's payloads, hostile
+pickles included: the same items, or the same error class and message, and the same work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import re
+import struct
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_trxp_fuzz import FUZZ, OPCODES, payloads, shared_levels, tensor_blob, with_metadata
+from test_trxp_scan import batch
+
+from expbuf.client import native
+from expbuf.client.trxp import common as compiled_common
+from expbuf.client.trxp import pickles as compiled_pickles
+
+ROOT = Path(__file__).resolve().parent.parent
+# package folder -> the modules client/native_build.py compiles there
+COMPILED = {"client/trxp": ("checks", "common", "parse", "pickles")}
+PACKAGES = {"client/trxp": "expbuf.client.trxp"}
+
+compiled_parse = sys.modules["expbuf.client.trxp.parse"]
+source_parse = native.source_module("expbuf.client.trxp.parse")
+source_pickles = native.source_module("expbuf.client.trxp.pickles")
+in_use = native.compiled("expbuf.client.trxp.parse")
+side_by_side = pytest.mark.skipif(not in_use, reason="the compiled modules are not in use (not built, or pure Python)")
+
+
+@pytest.mark.parametrize("folder", sorted(COMPILED))
+def test_the_compiled_modules_are_used_exactly_where_built_and_current(folder: str) -> None:
+    built = native.stale(ROOT / folder) == []
+    for module in COMPILED[folder]:
+        assert native.compiled(f"{PACKAGES[folder]}.{module}") == (built and not native.pure_python()), module
+    assert not native.compiled("expbuf.client.trxp.convert")  # the rest of the package stays as written
+
+
+def test_the_build_compiles_what_the_tests_expect() -> None:
+    from expbuf.client import native_build
+
+    assert {folder: modules for folder, (_, modules) in native_build.COMPILED.items()} == COMPILED
+    assert native_build.NATIVE == native.NATIVE and native_build.MANIFEST == native.MANIFEST
+    # make setup rebuilds whenever one of them changes (the import guard covers any it would miss)
+    listed = re.search(r"^NATIVE_SOURCES := ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert listed is not None
+    sources = {f"{folder}/{module}.py" for folder, modules in COMPILED.items() for module in modules}
+    assert set(listed.group(1).replace("\\\n", " ").split()) == {"client/native_build.py", *sources}
+
+
+def package(tmp_path: Path, digest: str, abi: str | None = None) -> Path:
+    """A package folder with one source and a manifest claiming it compiled from `digest`."""
+    (tmp_path / "hot.py").write_text("VALUE = 1\n")
+    (tmp_path / native.NATIVE).mkdir()
+    manifest = {"abi": abi or sysconfig.get_config_var("EXT_SUFFIX"), "sources": {"hot": digest}}
+    (tmp_path / native.NATIVE / native.MANIFEST).write_text(json.dumps(manifest))
+    return tmp_path
+
+
+def test_a_current_build_goes_ahead_of_the_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native.PURE_PYTHON, raising=False)
+    folder = package(tmp_path, hashlib.sha256(b"VALUE = 1\n").hexdigest())
+    path = [str(folder)]
+    assert native.use_compiled("pkg", path)
+    assert path == [str(folder / native.NATIVE), str(folder)]
+
+
+@pytest.mark.parametrize("why", ["edited", "other python", "pure python"])
+def test_a_stale_build_or_the_switch_leaves_the_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    monkeypatch.delenv(native.PURE_PYTHON, raising=False)
+    digest = hashlib.sha256(b"VALUE = 0\n" if why == "edited" else b"VALUE = 1\n").hexdigest()
+    folder = package(tmp_path, digest, abi=".cpython-39-x86_64-linux-gnu.so" if why == "other python" else None)
+    if why == "pure python":
+        monkeypatch.setenv(native.PURE_PYTHON, "1")
+    path = [str(folder)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not native.use_compiled("pkg", path)
+    assert path == [str(folder)]
+    messages = [str(warning.message) for warning in caught]
+    if why == "pure python":
+        assert messages == []
+    else:
+        assert messages == [
+            "expbuf: the compiled modules of pkg do not match their sources (hot changed); "
+            "using the pure-Python modules (run `make setup` to rebuild them)"
+        ]
+
+
+def test_a_package_without_a_build_stays_pure(tmp_path: Path) -> None:
+    path = [str(tmp_path)]
+    assert native.stale(tmp_path) is None
+    assert not native.use_compiled("pkg", path)
+    assert path == [str(tmp_path)]
+
+
+# ---- the same verdicts -----------------------------------------------------------------
+
+
+def outcome(parse_module: Any, data: bytes) -> tuple[Any, ...]:
+    """What a parse makes of a payload: the items (metadata pickled, so NaN and sharing compare)
+    and tensors, or the error's class and message; and the work it counted either way."""
+    work = parse_module.Work.for_payload(len(data))
+    try:
+        items = parse_module.parse(data, work=work)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), work.used
+    shown = [
+        (
+            pickle.dumps(item.meta, protocol=5),
+            {key: (t.dtype, t.shape, bytes(t.data)) for key, t in item.tensors.items()},
+        )
+        for item in items
+    ]
+    return "parsed", shown, work.used
+
+
+def same_parse(data: bytes) -> None:
+    assert outcome(compiled_parse, data) == outcome(source_parse, data)
+
+
+def same_scan(meta: bytes) -> None:
+    verdicts = []
+    for module, work_type in ((compiled_pickles, compiled_common.Work), (source_pickles, source_pickles.Work)):
+        work = work_type(1 << 40)
+        try:
+            module.scan_pickle(memoryview(meta), work)
+            verdicts.append(("passed", work.used))
+        except Exception as exc:
+            verdicts.append((type(exc).__name__, str(exc)))
+    assert verdicts[0] == verdicts[1]
+
+
+@side_by_side
+@given(payloads())
+@FUZZ
+def test_structured_payloads_get_the_same_verdict(data: bytes) -> None:
+    same_parse(data)
+
+
+@side_by_side
+@given(payloads(), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=6))
+@FUZZ
+def test_mutated_pickles_get_the_same_verdict(data: bytes, edits: list[tuple[int, int]]) -> None:
+    (meta_len,) = struct.unpack_from("<Q", data, 5)
+    meta = bytearray(data[21 : 21 + meta_len])
+    for position, value in edits:
+        meta.insert(position % (len(meta) + 1), value)
+    same_parse(with_metadata(bytes(meta), data[21 + meta_len :]))
+    same_scan(bytes(meta))
+
+
+@side_by_side
+@given(st.lists(OPCODES, max_size=60))
+@FUZZ
+def test_hostile_opcode_sequences_get_the_same_verdict(ops: list[bytes]) -> None:
+    meta = b"\x80\x05" + b"".join(ops) + b"."
+    same_scan(meta)
+    same_parse(with_metadata(meta))
+
+
+@side_by_side
+@given(st.integers(1, 40), st.integers(2, 6), st.integers(0, 5))
+@FUZZ
+def test_memo_towers_get_the_same_verdict(levels: int, refs: int, protocol: int) -> None:
+    meta = {
+        "eid": {"batch": 0, "task": 0, "run": 0, "step": 0, "suffix": "s"},
+        "info": {"x": shared_levels(levels, refs)},
+    }
+    pickled = pickle.dumps({"version": 1, "num_items": 1, "items": [meta]}, protocol=protocol)
+    tensors = tensor_blob({"0:tokens": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    same_parse(with_metadata(pickled, tensors))
+
+
+@side_by_side
+@given(st.integers(20, 200), st.booleans(), st.integers(0, 1 << 20), st.binary(min_size=1, max_size=3))
+@FUZZ
+def test_batches_the_scan_replays_get_the_same_verdict(count: int, memo: bool, position: int, edit: bytes) -> None:
+    """Trinity-RFT's batches, whose repeated items the scan replays, edited at one place."""
+    meta = batch(count, {"model_version": 3, "tags": ["a", "b"]}, memo=memo)
+    at = position % len(meta)
+    same_scan(meta)
+    same_scan(meta[:at] + edit + meta[at + len(edit) :])
