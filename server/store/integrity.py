@@ -164,6 +164,7 @@ def verify(tt: TableState) -> list[str]:
             except _DAMAGE as exc:
                 problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
             else:
+                problems.extend(_check_form(tt, uid, rec, ItemRecord.compact(cur.value())))
                 problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
             found = cur.next()
     ready = []  # every ready group, as the indexes of the orders hold it
@@ -190,6 +191,18 @@ def verify(tt: TableState) -> list[str]:
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
     return problems
+
+
+def _check_form(tt: TableState, uid: str, rec: ItemRecord, compact: bool) -> list[str]:
+    """A tombstone whose payload went is compact; a live experience, or a failed one whose
+    payload is kept (keep_failed), keeps its full record."""
+    full = rec.state in LIVE or (rec.state == FAILED and tt.txn.get(tt.key(uid), db=tt.db["blobs"]) is not None)
+    if compact and full:
+        kept = "" if rec.state in LIVE else " with its payload kept"
+        return [f"item {uid} is {rec.state}{kept}, but its record is a compact tombstone"]
+    if not compact and not full:
+        return [f"item {uid} is a {rec.state} tombstone kept in full, not compact"]
+    return []
 
 
 def _check_item(

@@ -30,8 +30,8 @@ from ..ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
-# (byver) of ready groups. See migrate.py.
-FORMAT = 3
+# (byver) of ready groups; 4 keeps compact tombstones. See migrate.py.
+FORMAT = 4
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",

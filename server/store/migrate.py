@@ -5,6 +5,8 @@ and step. Opening such a directory rewrites every item, group and lease record i
 binary form of records.py (live experiences get the digest of today's canonical packing,
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
 version index of ready groups (byver, ready_indexes.py): it is built from the group records.
+Format 3 kept a retired experience's whole record as its tombstone; format 4 keeps a compact
+one (records.py), and the upgrade rewrites the old ones (`compact_tombstones`).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
@@ -50,6 +52,8 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         _from_1(txn, env, dbs)
     if found <= 2:
         build(txn, dbs, [VersionIndex])
+    if found <= 3:
+        compact_tombstones(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)
@@ -91,6 +95,23 @@ def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes:
             grp = GroupRecord.decode(raw)
             if grp.state == READY:
                 ready.append(ReadyGroup(bytes(key[4:]), grp.ready_seq, grp.priority, grp.version))
+
+
+def compact_tombstones(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    """Format 4's step: tombstones written in full (every one before format 4) are rewritten
+    in the compact form, so that the space they held comes back at the upgrade rather than
+    as they are pruned, and a format-4 directory holds one form (which `expbuf check` checks).
+    A failed experience whose payload is kept (keep_failed) keeps its full record. Found
+    through the retired index: live records are not read."""
+    rewritten = []
+    for key in txn.cursor(db=dbs["retired"]).iternext(values=False):
+        item = bytes(key[:4] + key[12:])  # retired: T + retired time + uid; items: T + uid
+        raw = txn.get(item, db=dbs["items"])
+        if raw is None or ItemRecord.compact(raw) or txn.get(item, db=dbs["blobs"]) is not None:
+            continue
+        rewritten.append((item, ItemRecord.decode(raw).tombstone()))
+    for item, tombstone in rewritten:
+        txn.put(item, tombstone, db=dbs["items"])
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:

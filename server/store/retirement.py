@@ -26,9 +26,10 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed), records stay as tombstones so that a retried
     push of the same uid is still recognised as a duplicate, pruned after
-    tombstone_seconds. Done in passes, one per database, over all the groups; a record
-    not read yet in this transaction becomes a tombstone without being decoded. The
-    table's extensions hear of it first (`on_retire`)."""
+    tombstone_seconds: compact ones (records.py) where the payload goes. Done in passes,
+    one per database, over all the groups; a record not read yet in this transaction
+    becomes a tombstone without being decoded. The table's extensions hear of it first
+    (`on_retire`)."""
     tt.extensions.on_retire(tt, groups)
     if state != CONSUMED:
         for _, grp in groups:
@@ -41,6 +42,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             leave_indexes(tt, gkey, grp)
     counters, now, prefix = tt.counters, tt.now, tt.prefix
     stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
+    keep = state == FAILED and tt.config.keep_failed  # a kept payload keeps its full record, for Get
     keys, places, marks, tombstones, nbytes = [], [], [], [], 0
     for gkey, grp in groups:
         for uid in grp.members:
@@ -51,13 +53,18 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
                     continue
                 was, seq, size = rec.state, rec.seq, rec.size
                 rec.state, rec.retired = state, now
-                tt.put_item(uid, rec)
+                if keep:
+                    tt.put_item(uid, rec)
+                else:
+                    tt.settle_item(uid, rec)
+                    tombstones.append((key, rec.tombstone()))
             else:
                 raw = tt.txn.get(key, db=tt.db["items"])
                 if raw is None:
                     continue
                 was, seq, size = ItemRecord.place(raw)
-                tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
+                retired = ItemRecord.retired_as if keep else ItemRecord.tombstone_of
+                tombstones.append((key, retired(raw, state, now)))
             counters.add(was, -1)
             counters.add(state, 1)
             keys.append(key)
@@ -65,7 +72,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             marks.append((stamp + uid.encode(), b""))
             nbytes += size
         tt.move_group(gkey, grp, state)
-    drop_payloads(tt, keys, places, nbytes, keep_blobs=state == FAILED and tt.config.keep_failed)
+    drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
     for db, rows in ((tt.db["items"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)

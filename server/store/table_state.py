@@ -112,6 +112,12 @@ class TableState:
     def put_item(self, uid: str, rec: ItemRecord) -> None:
         self._items[uid] = self._dirty_items[uid] = rec
 
+    def settle_item(self, uid: str, rec: ItemRecord) -> None:
+        """The record as the caller has just written it itself (a tombstone, retirement.py):
+        cached, and no longer for save() to write."""
+        self._items[uid] = rec
+        self._dirty_items.pop(uid, None)
+
     def forget_item(self, uid: str) -> None:
         self._items[uid] = None
         self._dirty_items.pop(uid, None)

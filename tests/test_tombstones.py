@@ -1,0 +1,156 @@
+"""Compact tombstones (data directory format 4): a retired experience whose payload goes keeps
+only its state, digest, retired time and group, so that a retried push is still a duplicate
+or a conflict and pruning still finds it; a failed one whose payload is kept keeps its full
+record; the upgrade from format 3 rewrites the old, full tombstones; `expbuf check` knows
+both forms."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.server.errors import Conflict
+from expbuf.server.store import ItemRecord, Store, layout
+from expbuf.server.tables import TableConfig
+
+from conftest import FIXTURES
+from helpers import group_items, take
+
+V3 = FIXTURES / "datadir_v3"
+NOW = 1_800_000_000.0
+
+
+def _items(store: Store) -> dict[str, bytes]:
+    """Every item record of the directory, raw, by uid."""
+    with store.environment.read() as txn:
+        return {bytes(k[4:]).decode(): bytes(v) for k, v in txn.cursor(db=store.db["items"])}
+
+
+def _record(store: Store, table: str, uid: str) -> bytes:
+    """One item record of a table, raw."""
+    with store.environment.read() as txn:
+        prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+        return bytes(txn.get(prefix + uid.encode(), db=store.db["items"]))
+
+
+def _consume(store: Store) -> None:
+    assert take(store, "t", num_groups=1) is not None
+
+
+def _lease_and_ack(store: Store) -> None:
+    batch = take(store, "t", num_groups=1, delivery="lease")
+    assert batch is not None and store.ack(batch.lease_id) == 2
+
+
+def _evict(store: Store) -> None:
+    store.put("t", group_items(2, 0, 2, reward=0.0) + group_items(2, 1, 2, reward=0.0))
+
+
+@pytest.mark.parametrize(
+    ("retire", "state"), [(_consume, "consumed"), (_lease_and_ack, "consumed"), (_evict, "evicted")]
+)
+def test_a_retired_experience_is_a_compact_tombstone_that_keeps_a_retry_a_duplicate(
+    tmp_path: Path, retire: Callable[[Store], None], state: str
+) -> None:
+    clock = [NOW]
+    config = TableConfig(
+        "t", estimator="none", capacity_experiences=4, when_full="evict", tombstone_seconds=60, drop_zero_variance=False
+    )
+    with Store(tmp_path, clock=lambda: clock[0]) as store:
+        store.create_table(config)
+        first = group_items(1, 0, 2)
+        store.put("t", first)
+        retire(store)
+        tombs = {uid: raw for uid, raw in _items(store).items() if uid in {item.uid for item in first}}
+        assert len(tombs) == 2 and all(len(raw) == 25 + 2 + len("1/0") for raw in tombs.values())
+        recs = {uid: ItemRecord.decode(raw) for uid, raw in tombs.items()}
+        assert {(rec.state, rec.group, rec.retired) for rec in recs.values()} == {(state, "1/0", NOW)}
+        assert store.stats("t")[state] == 2 and store.verify("t") == []
+        assert store.put("t", first).duplicates == [item.uid for item in first]
+        with pytest.raises(Conflict):
+            store.put("t", group_items(1, 0, 2, reward=5.0))
+        clock[0] += 61
+        store.tick()  # past tombstone_seconds: forgotten, group and all
+        assert set(_items(store)).isdisjoint(recs) and store.stats("t")[state] == 0
+        assert store.verify("t") == []
+        assert store.put("t", first).stored == [item.uid for item in first]  # pushed again, as new
+
+
+def test_a_failed_experience_whose_payload_is_kept_keeps_its_full_record(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="grpo", keep_failed=True))
+        store.create_table(TableConfig("lean", estimator="grpo", keep_failed=False))
+        for table in ("t", "lean"):
+            store.put(table, group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=0.0))
+            store.finish_compute(table, {}, ready=[], failed={"1/0": "it failed"})
+        kept, gone = (_record(store, table, "1/0/0/0/r0s0") for table in ("t", "lean"))
+        assert not ItemRecord.compact(kept) and ItemRecord.decode(kept).state == "failed"
+        assert ItemRecord.compact(gone) and ItemRecord.decode(gone).state == "failed"
+        payload, missing = store.get_payload("t", ["1/0/0/0/r0s0"])
+        assert missing == [] and payload
+        assert store.get_payload("lean", ["1/0/0/0/r0s0"])[1] == ["1/0/0/0/r0s0"]
+        assert store.verify("t") == [] and store.verify("lean") == []
+
+
+def _raw_tombstones(path: Path) -> dict[bytes, bytes]:
+    """The item records the retired index names, read from the file without a Store."""
+    env = lmdb.open(str(path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, create=False)
+    try:
+        items, retired = env.open_db(b"items", create=False), env.open_db(b"retired", create=False)
+        with env.begin() as txn:
+            keys = [bytes(k[:4] + k[12:]) for k in txn.cursor(db=retired).iternext(values=False)]
+            return {key: bytes(txn.get(key, db=items)) for key in keys}
+    finally:
+        env.close()
+
+
+def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_pruned_in_time(
+    tmp_path: Path,
+) -> None:
+    shutil.copy(V3 / "data.mdb", tmp_path / "data.mdb")
+    manifest = json.loads((V3 / "manifest.json").read_text())
+    before = _raw_tombstones(tmp_path)
+    assert len(before) == 5 and not any(ItemRecord.compact(raw) for raw in before.values())
+    clock = [manifest["now"]]
+    with Store(tmp_path, clock=lambda: clock[0]) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"4"
+        for table in manifest["stats"]:
+            assert store.verify(table) == [], table
+    after = _raw_tombstones(tmp_path)
+    assert after.keys() == before.keys() and all(ItemRecord.compact(raw) for raw in after.values())
+    for key, raw in after.items():
+        old, new = ItemRecord.decode(before[key]), ItemRecord.decode(raw)
+        assert (new.state, new.digest, new.retired, new.group) == (old.state, old.digest, old.retired, old.group)
+        assert len(raw) < len(before[key]) // 4
+    with Store(tmp_path, clock=lambda: clock[0] + 86400 + 1) as store:
+        store.tick()
+        assert (store.stats("grpo4")["consumed"], store.stats("small")["evicted"]) == (0, 0)
+        for table in manifest["stats"]:
+            assert store.verify(table) == [], table
+    assert _raw_tombstones(tmp_path) == {}
+
+
+def test_check_names_a_tombstone_kept_in_full_and_a_live_record_in_the_compact_form(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", drop_zero_variance=False))
+        store.put("t", group_items(1, 0, 1) + group_items(1, 1, 1))
+        assert take(store, "t", num_groups=1, order="fifo") is not None
+        records = _items(store)
+        consumed, ready = "1/0/0/0/r0s0", "1/1/0/0/r0s0"
+        prefix = layout.table_prefix(store.catalog.lookup("t")[0])
+        with store.environment.env.begin(write=True) as txn:
+            full = ItemRecord.decode(records[consumed])
+            full.seq, full.size = 7, 100
+            txn.put(prefix + consumed.encode(), full.encode(), db=store.db["items"])
+            live = ItemRecord.decode(records[ready])
+            live.retired = NOW
+            txn.put(prefix + ready.encode(), live.tombstone(), db=store.db["items"])
+        problems = store.verify("t")
+        assert f"item {consumed} is a consumed tombstone kept in full, not compact" in problems
+        assert f"item {ready} is ready, but its record is a compact tombstone" in problems
