@@ -25,17 +25,17 @@ V3 = FIXTURES / "datadir_v3"
 NOW = 1_800_000_000.0
 
 
-def _items(store: Store) -> dict[str, bytes]:
-    """Every item record of the directory, raw, by uid."""
+def _records(store: Store, db: str = "tombs") -> dict[str, bytes]:
+    """Every record of the directory in `db` (items or tombs), raw, by uid."""
     with store.environment.read() as txn:
-        return {bytes(k[4:]).decode(): bytes(v) for k, v in txn.cursor(db=store.db["items"])}
+        return {bytes(k[4:]).decode(): bytes(v) for k, v in txn.cursor(db=store.db[db])}
 
 
-def _record(store: Store, table: str, uid: str) -> bytes:
-    """One item record of a table, raw."""
+def _record(store: Store, table: str, uid: str, db: str) -> bytes:
+    """One record of a table in `db` (items or tombs), raw."""
     with store.environment.read() as txn:
         prefix = layout.table_prefix(store.catalog.lookup(table)[0])
-        return bytes(txn.get(prefix + uid.encode(), db=store.db["items"]))
+        return bytes(txn.get(prefix + uid.encode(), db=store.db[db]))
 
 
 def _consume(store: Store) -> None:
@@ -66,7 +66,8 @@ def test_a_retired_experience_is_a_compact_tombstone_that_keeps_a_retry_a_duplic
         first = group_items(1, 0, 2)
         store.put("t", first)
         retire(store)
-        tombs = {uid: raw for uid, raw in _items(store).items() if uid in {item.uid for item in first}}
+        tombs = _records(store)
+        assert set(tombs) == {item.uid for item in first} and set(tombs).isdisjoint(_records(store, "items"))
         assert len(tombs) == 2 and all(len(raw) == 25 + 2 + len("1/0") for raw in tombs.values())
         recs = {uid: ItemRecord.decode(raw) for uid, raw in tombs.items()}
         assert {(rec.state, rec.group, rec.retired) for rec in recs.values()} == {(state, "1/0", NOW)}
@@ -76,7 +77,7 @@ def test_a_retired_experience_is_a_compact_tombstone_that_keeps_a_retry_a_duplic
             store.put("t", group_items(1, 0, 2, reward=5.0))
         clock[0] += 61
         store.tick()  # past tombstone_seconds: forgotten, group and all
-        assert set(_items(store)).isdisjoint(recs) and store.stats("t")[state] == 0
+        assert _records(store) == {} and store.stats("t")[state] == 0
         assert store.verify("t") == []
         assert store.put("t", first).stored == [item.uid for item in first]  # pushed again, as new
 
@@ -88,7 +89,7 @@ def test_a_failed_experience_whose_payload_is_kept_keeps_its_full_record(tmp_pat
         for table in ("t", "lean"):
             store.put(table, group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=0.0))
             store.finish_compute(table, {}, ready=[], failed={"1/0": "it failed"})
-        kept, gone = (_record(store, table, "1/0/0/0/r0s0") for table in ("t", "lean"))
+        kept, gone = _record(store, "t", "1/0/0/0/r0s0", "items"), _record(store, "lean", "1/0/0/0/r0s0", "tombs")
         assert not ItemRecord.compact(kept) and ItemRecord.decode(kept).state == "failed"
         assert ItemRecord.compact(gone) and ItemRecord.decode(gone).state == "failed"
         payload, missing = store.get_payload("t", ["1/0/0/0/r0s0"])
@@ -97,14 +98,15 @@ def test_a_failed_experience_whose_payload_is_kept_keeps_its_full_record(tmp_pat
         assert store.verify("t") == [] and store.verify("lean") == []
 
 
-def _raw_tombstones(path: Path) -> dict[bytes, bytes]:
-    """The item records the retired index names, read from the file without a Store."""
+def _raw_tombstones(path: Path, db: str) -> dict[bytes, bytes]:
+    """The records in `db` (items or tombs) that the retired index names, read from the file
+    without a Store."""
     env = lmdb.open(str(path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, create=False)
     try:
-        items, retired = env.open_db(b"items", create=False), env.open_db(b"retired", create=False)
+        records, retired = env.open_db(db.encode(), create=False), env.open_db(b"retired", create=False)
         with env.begin() as txn:
             keys = [bytes(k[:4] + k[12:]) for k in txn.cursor(db=retired).iternext(values=False)]
-            return {key: bytes(txn.get(key, db=items)) for key in keys}
+            return {key: bytes(raw) for key in keys if (raw := txn.get(key, db=records)) is not None}
     finally:
         env.close()
 
@@ -114,7 +116,7 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
 ) -> None:
     shutil.copy(V3 / "data.mdb", tmp_path / "data.mdb")
     manifest = json.loads((V3 / "manifest.json").read_text())
-    before = _raw_tombstones(tmp_path)
+    before = _raw_tombstones(tmp_path, "items")
     assert len(before) == 5 and not any(ItemRecord.compact(raw) for raw in before.values())
     clock = [manifest["now"]]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
@@ -122,7 +124,8 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
             assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"4"
         for table in manifest["stats"]:
             assert store.verify(table) == [], table
-    after = _raw_tombstones(tmp_path)
+    assert _raw_tombstones(tmp_path, "items") == {}
+    after = _raw_tombstones(tmp_path, "tombs")
     assert after.keys() == before.keys() and all(ItemRecord.compact(raw) for raw in after.values())
     for key, raw in after.items():
         old, new = ItemRecord.decode(before[key]), ItemRecord.decode(raw)
@@ -133,24 +136,29 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
         assert (store.stats("grpo4")["consumed"], store.stats("small")["evicted"]) == (0, 0)
         for table in manifest["stats"]:
             assert store.verify(table) == [], table
-    assert _raw_tombstones(tmp_path) == {}
+    assert _raw_tombstones(tmp_path, "tombs") == {}
 
 
-def test_check_names_a_tombstone_kept_in_full_and_a_live_record_in_the_compact_form(tmp_path: Path) -> None:
+def test_check_names_a_tombstone_kept_in_full_or_in_items_and_a_live_record_among_tombstones(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         store.create_table(TableConfig("t", estimator="none", drop_zero_variance=False))
-        store.put("t", group_items(1, 0, 1) + group_items(1, 1, 1))
-        assert take(store, "t", num_groups=1, order="fifo") is not None
-        records = _items(store)
-        consumed, ready = "1/0/0/0/r0s0", "1/1/0/0/r0s0"
+        store.put("t", group_items(1, 0, 1) + group_items(1, 1, 1) + group_items(1, 2, 1))
+        assert take(store, "t", num_groups=2, order="fifo") is not None
+        assert store.verify("t") == []
+        tombs, items = _records(store), _records(store, "items")
+        full, misplaced, ready = "1/0/0/0/r0s0", "1/1/0/0/r0s0", "1/2/0/0/r0s0"
         prefix = layout.table_prefix(store.catalog.lookup("t")[0])
         with store.environment.env.begin(write=True) as txn:
-            full = ItemRecord.decode(records[consumed])
-            full.seq, full.size = 7, 100
-            txn.put(prefix + consumed.encode(), full.encode(), db=store.db["items"])
-            live = ItemRecord.decode(records[ready])
+            whole = ItemRecord.decode(tombs[full])
+            whole.seq, whole.size = 7, 100
+            txn.delete(prefix + full.encode(), db=store.db["tombs"])
+            txn.put(prefix + full.encode(), whole.encode(), db=store.db["items"])
+            txn.delete(prefix + misplaced.encode(), db=store.db["tombs"])
+            txn.put(prefix + misplaced.encode(), tombs[misplaced], db=store.db["items"])
+            live = ItemRecord.decode(items[ready])
             live.retired = NOW
-            txn.put(prefix + ready.encode(), live.tombstone(), db=store.db["items"])
+            txn.put(prefix + ready.encode(), live.tombstone(), db=store.db["tombs"])
         problems = store.verify("t")
-        assert f"item {consumed} is a consumed tombstone kept in full, not compact" in problems
-        assert f"item {ready} is ready, but its record is a compact tombstone" in problems
+        assert f"item {full} is a consumed tombstone kept in full, not compact" in problems
+        assert f"item {misplaced} is consumed: its compact tombstone belongs in tombs, not items" in problems
+        assert f"item {ready} is ready, but its record is among the compact tombstones (tombs)" in problems

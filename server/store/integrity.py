@@ -156,17 +156,18 @@ def verify(tt: TableState) -> list[str]:
             except _DAMAGE as exc:
                 problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
             found = cur.next()
-    with txn.cursor(db=db["items"]) as cur:
-        found = cur.set_range(p)
-        while found and cur.key().startswith(p):
-            try:
-                uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
-            except _DAMAGE as exc:
-                problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
-            else:
-                problems.extend(_check_form(tt, uid, rec, ItemRecord.compact(cur.value())))
-                problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
-            found = cur.next()
+    for name in ("items", "tombs"):
+        with txn.cursor(db=db[name]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                try:
+                    uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
+                except _DAMAGE as exc:
+                    problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+                else:
+                    problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
+                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
+                found = cur.next()
     ready = []  # every ready group, as the indexes of the orders hold it
     for gkey, grp in groups.items():
         if grp.state in LIVE:
@@ -193,14 +194,19 @@ def verify(tt: TableState) -> list[str]:
     return problems
 
 
-def _check_form(tt: TableState, uid: str, rec: ItemRecord, compact: bool) -> list[str]:
-    """A tombstone whose payload went is compact; a live experience, or a failed one whose
-    payload is kept (keep_failed), keeps its full record."""
-    full = rec.state in LIVE or (rec.state == FAILED and tt.txn.get(tt.key(uid), db=tt.db["blobs"]) is not None)
-    if compact and full:
-        kept = "" if rec.state in LIVE else " with its payload kept"
-        return [f"item {uid} is {rec.state}{kept}, but its record is a compact tombstone"]
-    if not compact and not full:
+def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
+    """A tombstone whose payload went is compact, in the tombs database; a live experience,
+    or a failed one whose payload is kept (keep_failed), keeps its full record in items."""
+    key = tt.key(uid)
+    if db == "tombs":
+        if not compact or rec.state in LIVE:
+            return [f"item {uid} is {rec.state}, but its record is among the compact tombstones (tombs)"]
+        if tt.txn.get(key, db=tt.db["items"]) is not None:
+            return [f"item {uid} has both a record and a tombstone"]
+        return []
+    if compact:
+        return [f"item {uid} is {rec.state}: its compact tombstone belongs in tombs, not items"]
+    if rec.state in RETIRED and not (rec.state == FAILED and tt.txn.get(key, db=tt.db["blobs"]) is not None):
         return [f"item {uid} is a {rec.state} tombstone kept in full, not compact"]
     return []
 

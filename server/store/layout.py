@@ -4,6 +4,7 @@ Per-table keys start with the table's 4-byte id T (big-endian), so a table's ent
 one contiguous range:
 - tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
 - items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload
+- tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord
 - order:     T + seq -> uid (live experiences in insertion order: eviction, oldest age)
@@ -30,11 +31,12 @@ from ..ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
-# (byver) of ready groups; 4 keeps compact tombstones. See migrate.py.
+# (byver) of ready groups; 4 keeps compact tombstones in their own database (tombs). See migrate.py.
 FORMAT = 4
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
+    "tombs",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

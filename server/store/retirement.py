@@ -26,10 +26,10 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed), records stay as tombstones so that a retried
     push of the same uid is still recognised as a duplicate, pruned after
-    tombstone_seconds: compact ones (records.py) where the payload goes. Done in passes,
-    one per database, over all the groups; a record not read yet in this transaction
-    becomes a tombstone without being decoded. The table's extensions hear of it first
-    (`on_retire`)."""
+    tombstone_seconds: compact ones (records.py, in the tombs database) where the payload
+    goes, full records where it is kept. Done in passes, one per database, over all the
+    groups; a record not read yet in this transaction becomes a tombstone without being
+    decoded. The table's extensions hear of it first (`on_retire`)."""
     tt.extensions.on_retire(tt, groups)
     if state != CONSUMED:
         for _, grp in groups:
@@ -43,7 +43,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     counters, now, prefix = tt.counters, tt.now, tt.prefix
     stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
     keep = state == FAILED and tt.config.keep_failed  # a kept payload keeps its full record, for Get
-    keys, places, marks, tombstones, nbytes = [], [], [], [], 0
+    keys, places, marks, full, tombstones, nbytes = [], [], [], [], [], 0
     for gkey, grp in groups:
         for uid in grp.members:
             key = tt.key(uid)
@@ -63,8 +63,10 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
                 if raw is None:
                     continue
                 was, seq, size = ItemRecord.place(raw)
-                retired = ItemRecord.retired_as if keep else ItemRecord.tombstone_of
-                tombstones.append((key, retired(raw, state, now)))
+                if keep:
+                    full.append((key, ItemRecord.retired_as(raw, state, now)))
+                else:
+                    tombstones.append((key, ItemRecord.tombstone_of(raw, state, now)))
             counters.add(was, -1)
             counters.add(state, 1)
             keys.append(key)
@@ -73,7 +75,9 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             nbytes += size
         tt.move_group(gkey, grp, state)
     drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
-    for db, rows in ((tt.db["items"], tombstones), (tt.db["retired"], marks)):
+    if not keep:  # the records leave the live ones' pages, which stay dense
+        _delete_rows(tt.txn, tt.db["items"], sorted(keys))
+    for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)
 

@@ -91,8 +91,13 @@ class TableState:
         return self.prefix + name.encode()
 
     def item(self, uid: str) -> ItemRecord | None:
+        """The uid's record: a live experience's (or a failed one's whose payload is kept), or
+        else its compact tombstone."""
         if uid not in self._items:
-            raw = self.txn.get(self.key(uid), db=self.db["items"])
+            key = self.key(uid)
+            raw = self.txn.get(key, db=self.db["items"])
+            if raw is None:
+                raw = self.txn.get(key, db=self.db["tombs"])
             self._items[uid] = None if raw is None else ItemRecord.decode(raw)
         return self._items[uid]
 
@@ -113,15 +118,18 @@ class TableState:
         self._items[uid] = self._dirty_items[uid] = rec
 
     def settle_item(self, uid: str, rec: ItemRecord) -> None:
-        """The record as the caller has just written it itself (a tombstone, retirement.py):
-        cached, and no longer for save() to write."""
+        """The record as the caller has just written it itself (a compact tombstone,
+        retirement.py): cached, and no longer for save() to write."""
         self._items[uid] = rec
         self._dirty_items.pop(uid, None)
 
     def forget_item(self, uid: str) -> None:
+        """Remove the uid's record, or its tombstone."""
         self._items[uid] = None
         self._dirty_items.pop(uid, None)
-        self.txn.delete(self.key(uid), db=self.db["items"])
+        key = self.key(uid)
+        if not self.txn.delete(key, db=self.db["items"]):
+            self.txn.delete(key, db=self.db["tombs"])
 
     def group(self, gkey: str) -> GroupRecord | None:
         if gkey not in self._groups:
