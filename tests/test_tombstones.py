@@ -15,7 +15,7 @@ import lmdb
 import pytest
 
 from expbuf.server.errors import Conflict
-from expbuf.server.store import ItemRecord, Store, layout
+from expbuf.server.store import RETIRED, ItemRecord, Store, layout
 from expbuf.server.tables import TableConfig
 
 from conftest import FIXTURES
@@ -36,6 +36,11 @@ def _record(store: Store, table: str, uid: str, db: str) -> bytes:
     with store.environment.read() as txn:
         prefix = layout.table_prefix(store.catalog.lookup(table)[0])
         return bytes(txn.get(prefix + uid.encode(), db=store.db[db]))
+
+
+def _retired_groups(store: Store) -> int:
+    with store.environment.read() as txn:
+        return int(txn.stat(store.db["retired"])["entries"])
 
 
 def _consume(store: Store) -> None:
@@ -99,14 +104,23 @@ def test_a_failed_experience_whose_payload_is_kept_keeps_its_full_record(tmp_pat
 
 
 def _raw_tombstones(path: Path, db: str) -> dict[bytes, bytes]:
-    """The records in `db` (items or tombs) that the retired index names, read from the file
-    without a Store."""
+    """The tombstones in `db` (items or tombs), read from the file without a Store."""
     env = lmdb.open(str(path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, create=False)
     try:
-        records, retired = env.open_db(db.encode(), create=False), env.open_db(b"retired", create=False)
+        records = env.open_db(db.encode(), create=False)
         with env.begin() as txn:
-            keys = [bytes(k[:4] + k[12:]) for k in txn.cursor(db=retired).iternext(values=False)]
-            return {key: bytes(raw) for key in keys if (raw := txn.get(key, db=records)) is not None}
+            found = {bytes(key): bytes(raw) for key, raw in txn.cursor(db=records)}
+        return {key: raw for key, raw in found.items() if ItemRecord.decode(raw).state in RETIRED}
+    finally:
+        env.close()
+
+
+def _retired_index(path: Path) -> list[bytes]:
+    env = lmdb.open(str(path), max_dbs=layout.MAX_DBS, readonly=True, lock=False, create=False)
+    try:
+        retired = env.open_db(b"retired", create=False)
+        with env.begin() as txn:
+            return [bytes(key) for key, _ in txn.cursor(db=retired)]
     finally:
         env.close()
 
@@ -118,6 +132,7 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
     manifest = json.loads((V3 / "manifest.json").read_text())
     before = _raw_tombstones(tmp_path, "items")
     assert len(before) == 5 and not any(ItemRecord.compact(raw) for raw in before.values())
+    assert len(_retired_index(tmp_path)) == 5  # format 3: one entry per tombstone
     clock = [manifest["now"]]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
         with store.environment.read() as txn:
@@ -131,6 +146,8 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
         old, new = ItemRecord.decode(before[key]), ItemRecord.decode(raw)
         assert (new.state, new.digest, new.retired, new.group) == (old.state, old.digest, old.retired, old.group)
         assert len(raw) < len(before[key]) // 4
+    retired = {key[:4] + key[12:] for key in _retired_index(tmp_path)}  # one entry per retired group
+    assert retired == {b"\x00\x00\x00\x021/2", b"\x00\x00\x00\x054/0"}
     with Store(tmp_path, clock=lambda: clock[0] + 86400 + 1) as store:
         store.tick()
         assert (store.stats("grpo4")["consumed"], store.stats("small")["evicted"]) == (0, 0)
@@ -162,3 +179,25 @@ def test_check_names_a_tombstone_kept_in_full_or_in_items_and_a_live_record_amon
         assert f"item {full} is a consumed tombstone kept in full, not compact" in problems
         assert f"item {misplaced} is consumed: its compact tombstone belongs in tombs, not items" in problems
         assert f"item {ready} is ready, but its record is among the compact tombstones (tombs)" in problems
+        with store.environment.env.begin(write=True) as txn:
+            txn.drop(store.db["retired"], delete=False)
+        assert "retired group 1/1 is missing from the retired index" in store.verify("t")
+
+
+def test_a_group_whose_tombstones_are_deleted_one_by_one_leaves_the_retired_index_with_the_last(
+    tmp_path: Path,
+) -> None:
+    clock = [NOW]
+    with Store(tmp_path, clock=lambda: clock[0]) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=2, tombstone_seconds=60))
+        first, second = group_items(1, 0, 2), group_items(1, 1, 2)
+        store.put("t", first + second)
+        assert take(store, "t", num_groups=2) is not None
+        assert _retired_groups(store) == 2  # one per retired group, not per tombstone
+        store.delete("t", uids=[first[0].uid])
+        assert _retired_groups(store) == 2 and store.verify("t") == []
+        store.delete("t", uids=[first[1].uid])
+        assert _retired_groups(store) == 1 and store.verify("t") == []
+        clock[0] += 61
+        store.tick()
+        assert _retired_groups(store) == 0 and _records(store) == {} and store.verify("t") == []

@@ -148,6 +148,7 @@ def verify(tt: TableState) -> list[str]:
     p, txn, db = tt.prefix, tt.txn, tt.db
     counts: dict[str, int] = defaultdict(int)
     groups: dict[str, GroupRecord] = {}
+    retired: set[bytes] = set()  # the retired index's keys of the groups the tombstones are in
     with txn.cursor(db=db["groups"]) as cur:
         found = cur.set_range(p)
         while found and cur.key().startswith(p):
@@ -167,6 +168,8 @@ def verify(tt: TableState) -> list[str]:
                 else:
                     problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
                     problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
+                    if rec.state in RETIRED:
+                        retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
                 found = cur.next()
     ready = []  # every ready group, as the indexes of the orders hold it
     for gkey, grp in groups.items():
@@ -178,9 +181,11 @@ def verify(tt: TableState) -> list[str]:
             ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
             problems.append(f"pending group {gkey} is missing from the timeout index")
-    tombstones = sum(counts[state] for state in RETIRED)
-    if _prefix_count(tt, "retired") != tombstones:
-        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {tombstones} tombstones")
+    for key in sorted(retired):
+        if txn.get(key, db=db["retired"]) is None:
+            problems.append(f"retired group {key[12:].decode()} is missing from the retired index")
+    if _prefix_count(tt, "retired") != len(retired):
+        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {len(retired)} retired groups")
     if _prefix_count(tt, "compute") != counts["groups_computing"]:
         problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
     problems.extend(tt.ready.verify(ready))

@@ -10,7 +10,8 @@ one contiguous range:
 - order:     T + seq -> uid (live experiences in insertion order: eviction, oldest age)
 - pending:   T + created + group key -> b"" (incomplete groups, for group timeouts)
 - compute:   T + rseq -> group key (complete groups waiting for their advantages)
-- retired:   T + retired time + uid -> b"" (tombstones, pruned after tombstone_seconds)
+- retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
+  pruned together after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
 - ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
   and of the version index (byver); see ready_indexes.py and selection.py

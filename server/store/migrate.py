@@ -6,8 +6,8 @@ binary form of records.py (live experiences get the digest of today's canonical 
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
 version index of ready groups (byver, ready_indexes.py): it is built from the group records.
 Format 3 kept a retired experience's whole record as its tombstone; format 4 keeps a compact
-one (records.py) in a database of its own (tombs), and the upgrade moves the old ones there
-(`compact_tombstones`).
+one (records.py) in a database of its own (tombs), and its retired index names groups, not
+experiences: the upgrade moves the old tombstones and rebuilds the index (`compact_tombstones`).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
@@ -99,22 +99,30 @@ def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes:
 
 
 def compact_tombstones(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
-    """Format 4's step: tombstones kept as whole item records (every one before format 4)
+    """Format 4's step. Tombstones kept as whole item records (every one before format 4)
     move to the tombs database in the compact form, so that the space they held comes back
     at the upgrade rather than as they are pruned, and a format-4 directory keeps one form
-    (which `expbuf check` checks). A failed experience whose payload is kept (keep_failed)
-    keeps its full record. Found through the retired index: live records are not read."""
-    moved = []
+    (which `expbuf check` checks); a failed experience whose payload is kept (keep_failed)
+    keeps its full record. The retired index, which named every tombstone, names each
+    retired group once, at the time its members were retired. Found through that index:
+    live records are not read."""
+    moved, groups = [], set()
     for key in txn.cursor(db=dbs["retired"]).iternext(values=False):
         item = bytes(key[:4] + key[12:])  # retired: T + retired time + uid; items: T + uid
         raw = txn.get(item, db=dbs["items"])
-        if raw is None or txn.get(item, db=dbs["blobs"]) is not None:
+        if raw is None:
             continue
-        moved.append((item, ItemRecord.decode(raw).tombstone()))
+        rec = ItemRecord.decode(raw)
+        groups.add(bytes(key[:12]) + rec.group.encode())
+        if txn.get(item, db=dbs["blobs"]) is None:
+            moved.append((item, rec.tombstone()))
     moved.sort()
     for item, tombstone in moved:
         txn.delete(item, db=dbs["items"])
         txn.put(item, tombstone, db=dbs["tombs"])
+    txn.drop(dbs["retired"], delete=False)
+    for key in sorted(groups):
+        txn.put(key, b"", db=dbs["retired"])
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:

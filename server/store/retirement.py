@@ -41,7 +41,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
         if grp.state != READY:
             leave_indexes(tt, gkey, grp)
     counters, now, prefix = tt.counters, tt.now, tt.prefix
-    stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
+    stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
     keep = state == FAILED and tt.config.keep_failed  # a kept payload keeps its full record, for Get
     keys, places, marks, full, tombstones, nbytes = [], [], [], [], [], 0
     for gkey, grp in groups:
@@ -71,8 +71,8 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             counters.add(state, 1)
             keys.append(key)
             places.append(prefix + u64(seq))
-            marks.append((stamp + uid.encode(), b""))
             nbytes += size
+        marks.append((stamp + gkey.encode(), b""))
         tt.move_group(gkey, grp, state)
     drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
     if not keep:  # the records leave the live ones' pages, which stay dense
@@ -115,34 +115,43 @@ def _has_advantages(tt: TableState) -> bool:
 
 def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
     """Remove a retired experience's record (and a failed one's kept payload): its uid
-    may then be pushed again."""
+    may then be pushed again. Its group goes with its last member, and the group's place
+    in the retired index with it."""
     tt.forget_item(uid)
     tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
     tt.counters.add(rec.state, -1)
-    tt.txn.delete(tt.retired_key(uid, rec), db=tt.db["retired"])
     grp = tt.group(rec.group)
-    if grp is not None and uid in grp.members:
+    if grp is not None:
+        if uid not in grp.members:
+            return
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)
-        else:
-            tt.forget_group(rec.group)
+            return
+        tt.forget_group(rec.group)
+    tt.txn.delete(tt.retired_key(rec.group, rec.retired or 0.0), db=tt.db["retired"])
 
 
 def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
-    """Forget tombstones retired before the cutoff (at most `limit` per call)."""
+    """Forget the tombstones of groups retired before the cutoff (at most `limit` groups per
+    call); returns how many were forgotten."""
     cutoff = layout.micros(retired_before)
-    expired: list[str] = []
+    expired: list[bytes] = []
     with tt.txn.cursor(db=tt.db["retired"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
-            expired.append(cur.key()[12:].decode())
+            expired.append(cur.key())
             found = cur.next()
-    for uid in expired:
-        rec = tt.item(uid)
-        if rec is not None and rec.state in RETIRED:
-            forget_tombstone(tt, uid, rec)
-    return len(expired)
+    forgotten = 0
+    for key in expired:
+        grp = tt.group(key[12:].decode())
+        for uid in list(grp.members) if grp is not None else ():
+            rec = tt.item(uid)
+            if rec is not None and rec.state in RETIRED:
+                forget_tombstone(tt, uid, rec)
+                forgotten += 1
+        tt.txn.delete(key, db=tt.db["retired"])  # gone with the group's last member, or left by damage
+    return forgotten
 
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:

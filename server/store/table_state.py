@@ -160,8 +160,9 @@ class TableState:
     def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:
         return self.prefix + layout.micros(grp.created) + gkey.encode()
 
-    def retired_key(self, uid: str, rec: ItemRecord) -> bytes:
-        return self.prefix + layout.micros(rec.retired or 0.0) + uid.encode()
+    def retired_key(self, gkey: str, retired: float) -> bytes:
+        """A retired group's key in the retired index (when its members became tombstones)."""
+        return self.prefix + layout.micros(retired) + gkey.encode()
 
     def rseq_key(self, grp: GroupRecord) -> bytes:
         return self.prefix + u64(grp.ready_seq)
