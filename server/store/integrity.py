@@ -31,7 +31,7 @@ from .counters import read_counters
 from .extensions import Extensions
 from .kinds import Entry
 from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
-from .table_state import TableState
+from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
 # (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
@@ -220,7 +220,8 @@ def _check_item(
     tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int]
 ) -> list[str]:
     problems = []
-    counts[rec.state] += 1
+    state = member_state(rec, grp)
+    counts[state] += 1
     live = rec.state in LIVE
     blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
     if live != (blob is not None) and not (rec.state == FAILED and tt.config.keep_failed):
@@ -233,8 +234,8 @@ def _check_item(
             problems.append(f"item {uid} is missing from the insertion order")
     if grp is None or uid not in grp.members:
         problems.append(f"item {uid} is not a member of its group {rec.group}")
-    elif grp.state != rec.state:
-        problems.append(f"item {uid} is {rec.state} but its group {rec.group} is {grp.state}")
+    elif grp.state != state:
+        problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
 
 

@@ -8,6 +8,7 @@ version index of ready groups (byver, ready_indexes.py): it is built from the gr
 Format 3 kept a retired experience's whole record as its tombstone; format 4 keeps a compact
 one (records.py) in a database of its own (tombs), and its retired index names groups, not
 experiences: the upgrade moves the old tombstones and rebuilds the index (`compact_tombstones`).
+A leased group's members keep ready records from format 4 (`ready_while_leased`).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
@@ -32,7 +33,7 @@ from ..tables import TableConfig, batch_stage
 from . import layout
 from .extensions import Extensions
 from .kinds import Entry
-from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
+from .records import COMPUTING, LEASED, READY, GroupRecord, ItemRecord, Lease
 from .table_state import TableState
 
 _KEY = b"format"
@@ -55,6 +56,7 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         build(txn, dbs, [VersionIndex])
     if found <= 3:
         compact_tombstones(txn, dbs)
+        ready_while_leased(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)
@@ -123,6 +125,29 @@ def compact_tombstones(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Databa
     txn.drop(dbs["retired"], delete=False)
     for key in sorted(groups):
         txn.put(key, b"", db=dbs["retired"])
+
+
+def ready_while_leased(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    """Format 4's other step. A leased group's members were rewritten leased, and counted as
+    sampled, when the lease was taken; from format 4 their records stay ready while the
+    group's says leased, and count the lease when it ends. So each is rewritten ready, and
+    the lease it was counted for is taken back (not for a replayed group cooling down, whose
+    count is its replay's)."""
+    rewritten = []
+    for key, raw in txn.cursor(db=dbs["groups"]):
+        grp = GroupRecord.decode(raw)
+        if grp.state != LEASED:
+            continue
+        for uid in grp.members:
+            item = bytes(key[:4]) + uid.encode()
+            found = txn.get(item, db=dbs["items"])
+            rec = None if found is None else ItemRecord.decode(found)
+            if rec is not None and rec.state == LEASED:
+                rec.state = READY
+                rec.times_sampled -= 1 if grp.lease else 0
+                rewritten.append((item, rec.encode()))
+    for item, value in rewritten:
+        txn.put(item, value, db=dbs["items"])
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:

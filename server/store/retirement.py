@@ -51,7 +51,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             if cached:
                 if rec is None:
                     continue
-                was, seq, size = rec.state, rec.seq, rec.size
+                seq, size = rec.seq, rec.size
                 rec.state, rec.retired = state, now
                 if keep:
                     tt.put_item(uid, rec)
@@ -62,12 +62,12 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
                 raw = tt.txn.get(key, db=tt.db["items"])
                 if raw is None:
                     continue
-                was, seq, size = ItemRecord.place(raw)
+                _, seq, size = ItemRecord.place(raw)
                 if keep:
                     full.append((key, ItemRecord.retired_as(raw, state, now)))
                 else:
                     tombstones.append((key, ItemRecord.tombstone_of(raw, state, now)))
-            counters.add(was, -1)
+            counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
             counters.add(state, 1)
             keys.append(key)
             places.append(prefix + u64(seq))
@@ -169,11 +169,11 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             forget_tombstone(tt, uid, rec)
             continue
         limiter.forget(tt, [rec])
+        grp = tt.existing_group(rec.group)
         tt.forget_item(uid)
-        tt.counters.add(rec.state, -1)
+        tt.counters.add(grp.state, -1)
         deleted += 1
         drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
-        grp = tt.existing_group(rec.group)
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)

@@ -19,7 +19,7 @@ from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
-from .records import LIVE, GroupRecord, ItemRecord
+from .records import LEASED, LIVE, READY, GroupRecord, ItemRecord
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -39,6 +39,16 @@ def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) 
 def missing(what: str, name: str) -> StoreError:
     """The refusal of a record or payload that is named but not stored: the directory is damaged."""
     return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
+
+
+def stored_state(state: str) -> str:
+    """The state a member's record keeps while its group is in `state`."""
+    return READY if state == LEASED else state
+
+
+def member_state(rec: ItemRecord, grp: GroupRecord | None) -> str:
+    """An experience's state: its record's, or leased while its group is."""
+    return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
 
 
 class Events(Protocol):
@@ -174,14 +184,17 @@ class TableState:
 
     def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
         """Live groups and their members (key, record, member records) move to a live
-        `state` (retirement.py makes tombstones)."""
-        counters = self.counters
+        `state` (retirement.py makes tombstones). Members share their group's state, and the
+        records of a leased group's members say ready (its record says leased): a lease
+        taken or ended rewrites no member record for the state alone."""
+        counters, stored = self.counters, stored_state(state)
         for gkey, grp, recs in groups:
-            for uid, rec in recs.items():
-                counters.add(rec.state, -1)
-                rec.state = state
-                self.put_item(uid, rec)
+            counters.add(grp.state, -len(recs))
             counters.add(state, len(recs))
+            for uid, rec in recs.items():
+                if rec.state != stored:
+                    rec.state = stored
+                    self.put_item(uid, rec)
             self.move_group(gkey, grp, state)
 
     def move_group(self, gkey: str, grp: GroupRecord, state: str) -> None:
