@@ -163,28 +163,50 @@ def counts(n: int, group: int) -> dict[str, dict[str, float]]:
     return {stage: {k: v / (2 * n if stage == "push" else n) for k, v in c.items()} for stage, c in stages.items()}
 
 
+def _written() -> int:
+    """The bytes this process has sent to storage (Linux's /proc/self/io): LMDB's page writes."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def speed(n: int, group: int, size: int) -> dict[str, float]:
-    """Experiences per second of durable pushes, consumes, and leases then acks (64 at a time)."""
+    """Experiences per second of durable pushes, consumes, and leases then acks (64 at a time),
+    the process's CPU µs per experience of each (steadier than wall time on a busy machine) and
+    the bytes it wrote to storage per experience (LMDB's dirty pages: not noisy at all)."""
     writes = [entries(64, group, at, size) for at in range(0, 2 * n, 64)]
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "d", map_size=4 << 30)
-        store.create_table(_table(group))
-        start = time.perf_counter()
+    out: dict[str, float] = {}
+
+    def timed(name: str, count: int, fn: Callable[[], None]) -> None:
+        wall, cpu, written = time.perf_counter(), time.process_time(), _written()
+        fn()
+        out[name] = count / (time.perf_counter() - wall)
+        out[name + "_cpu_us"] = (time.process_time() - cpu) / count * 1e6
+        out[name + "_bytes"] = (_written() - written) / count
+
+    def push() -> None:
         for batch in writes:
             store.put_entries("t", batch)
-        push = 2 * n / (time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def consume() -> None:
         for _ in range(n // 64):
             assert store.sample(SampleSpec(table="t", batch_size=64, wait_seconds=0)) is not None
-        consume = n / (time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def lease_ack() -> None:
         for _ in range(n // 64):
             leased = store.sample(SampleSpec(table="t", batch_size=64, delivery="lease", wait_seconds=0))
             assert leased is not None
             store.ack(leased.lease_id)
-        lease = n / (time.perf_counter() - start)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "d", map_size=4 << 30)
+        store.create_table(_table(group))
+        timed("push", 2 * n, push)
+        timed("consume", n, consume)
+        timed("lease_ack", n, lease_ack)
         store.close()
-    return {"push": push, "consume": consume, "lease_ack": lease}
+    return out
 
 
 def tombstone_bytes(n: int, group: int) -> float:
@@ -269,18 +291,27 @@ def report(command: str, before: list[dict[str, Any]], after: list[dict[str, Any
             for label, res in trees
         ),
         "",
-        "Experiences per second, median of the rounds (64 per durable write or per batch; payload 0 = small):",
+        "Experiences per second, the process's CPU µs and the bytes written to storage per experience,"
+        " medians of the rounds (64 per durable write or per batch; payload 0 = small, else its bytes):",
         "",
         "| payload / group size | measure | "
-        + " | ".join(label for label, _ in trees)
-        + (" | after / before |" if before else " |"),
-        "| --- | --- | " + " | ".join("---" for _ in trees) + (" | --- |" if before else " |"),
+        + " | ".join(f"{label} exp/s | {label} CPU µs | {label} bytes written" for label, _ in trees)
+        + (" | exp/s after / before | CPU before / after | bytes before / after |" if before else " |"),
+        "| --- | --- | " + " | ".join("--- | --- | ---" for _ in trees) + (" | --- | --- | --- |" if before else " |"),
     ]
     for case in after[0]["speed"]:
         for measure in ("push", "consume", "lease_ack"):
-            medians = [statistics.median(r["speed"][case][measure] for r in results) for _, results in trees]
-            ratio = f" | **{medians[1] / medians[0]:.2f}**" if before else ""
-            lines.append(f"| {case} | {measure} | " + " | ".join(f"{m:,.0f}" for m in medians) + ratio + " |")
+            rate, cpu, written = (
+                [statistics.median(r["speed"][case][measure + suffix] for r in res) for _, res in trees]
+                for suffix in ("", "_cpu_us", "_bytes")
+            )
+            ratio = (
+                f" | **{rate[1] / rate[0]:.2f}** | **{cpu[0] / cpu[1]:.2f}** | **{written[0] / written[1]:.2f}**"
+                if before
+                else ""
+            )
+            cells = " | ".join(f"{r:,.0f} | {c:.0f} | {w:,.0f}" for r, c, w in zip(rate, cpu, written, strict=True))
+            lines.append(f"| {case} | {measure} | {cells}{ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -296,11 +327,14 @@ def main() -> None:
         child(args)
         return
     before, after = [], []
-    for _ in range(args.rounds):
-        if args.before is not None:
+    for round_ in range(args.rounds):  # which tree goes first alternates, so neither is always second
+        if args.before is not None and round_ % 2 == 0:
             before.append(run_child(args.before.resolve(), args.experiences))
         after.append(run_child(None, args.experiences))
-    command = "python bench/bench_writes.py" + (" --before DIR" if args.before else "") + f" --rounds {args.rounds}"
+        if args.before is not None and round_ % 2 == 1:
+            before.append(run_child(args.before.resolve(), args.experiences))
+    command = "python bench/bench_writes.py" + (" --before DIR" if args.before else "")
+    command += f" --rounds {args.rounds} --experiences {args.experiences}"
     section = report(command, before, after)
     print(section)
     if args.out:
