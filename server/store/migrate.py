@@ -144,7 +144,8 @@ def ready_while_leased(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Databa
             rec = None if found is None else ItemRecord.decode(found)
             if rec is not None and rec.state == LEASED:
                 rec.state = READY
-                rec.times_sampled -= 1 if grp.lease else 0
+                if grp.lease:
+                    rec.times_sampled -= 1
                 rewritten.append((item, rec.encode()))
     for item, value in rewritten:
         txn.put(item, value, db=dbs["items"])

@@ -4,7 +4,9 @@ An item record describes one stored experience, a group record one group of a ta
 a lease one batch handed out under a lease. Each is encoded as a fixed struct followed
 by its strings (u16 length + UTF-8) and lists; decoding is a struct unpack and a few
 slices, an order of magnitude cheaper than JSON, and the bytes are about a third.
-`from_v1` reads the JSON records of the first data directory format.
+`from_v1` reads the JSON records of the first data directory format. A retired experience
+whose payload went keeps a compact tombstone instead (`ItemRecord.tombstone`): its state,
+digest, retired time and group, 27 bytes and the group id's.
 """
 
 from __future__ import annotations
