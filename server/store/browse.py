@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import lmdb
 
 from ..ready_indexes import u64
-from .records import ItemRecord
-from .table_state import stored
+from .records import READY, GroupRecord, ItemRecord
+from .table_state import member_state, stored
 
 SCAN_PER_ITEM = 10
 _SEQ = struct.Struct(">Q")
@@ -30,7 +30,7 @@ class Listed:
     state: str
     version: int | None
     reward: float | None
-    times_sampled: int
+    times_sampled: int  # a batch still under a lease counts once the lease ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +63,22 @@ def page(
             budget -= 1
             uid = bytes(cur.value())
             rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
-            if _passes(rec, states, min_version, max_version):
-                items.append(Listed(uid.decode(), rec.group, rec.state, rec.version, rec.reward, rec.times_sampled))
+            state = rec.state
+            if state == READY:  # or leased, as its group says
+                state = member_state(
+                    rec, GroupRecord.decode(stored(txn, prefix + rec.group.encode(), dbs["groups"], "group"))
+                )
+            if _passes(rec, state, states, min_version, max_version):
+                items.append(Listed(uid.decode(), rec.group, state, rec.version, rec.reward, rec.times_sampled))
             found = cur.next()
             after = seq + 1
     return Page(items, after, True)
 
 
-def _passes(rec: ItemRecord, states: Collection[str], min_version: int | None, max_version: int | None) -> bool:
-    if states and rec.state not in states:
+def _passes(
+    rec: ItemRecord, state: str, states: Collection[str], min_version: int | None, max_version: int | None
+) -> bool:
+    if states and state not in states:
         return False
     if min_version is None and max_version is None:
         return True

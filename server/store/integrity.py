@@ -30,7 +30,7 @@ from .counters import read_counters
 from .extensions import Extensions
 from .kinds import Entry
 from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
-from .table_state import TableState
+from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
 # (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
@@ -147,6 +147,7 @@ def verify(tt: TableState) -> list[str]:
     p, txn, db = tt.prefix, tt.txn, tt.db
     counts: dict[str, int] = defaultdict(int)
     groups: dict[str, GroupRecord] = {}
+    retired: set[bytes] = set()  # the retired index's keys of the groups the tombstones are in
     with txn.cursor(db=db["groups"]) as cur:
         found = cur.set_range(p)
         while found and cur.key().startswith(p):
@@ -155,16 +156,20 @@ def verify(tt: TableState) -> list[str]:
             except _DAMAGE as exc:
                 problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
             found = cur.next()
-    with txn.cursor(db=db["items"]) as cur:
-        found = cur.set_range(p)
-        while found and cur.key().startswith(p):
-            try:
-                uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
-            except _DAMAGE as exc:
-                problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
-            else:
-                problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
-            found = cur.next()
+    for name in ("items", "tombs"):
+        with txn.cursor(db=db[name]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                try:
+                    uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
+                except _DAMAGE as exc:
+                    problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+                else:
+                    problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
+                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
+                    if rec.state in RETIRED:
+                        retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
+                found = cur.next()
     ready = []  # every ready group, as the indexes of the orders hold it
     for gkey, grp in groups.items():
         if grp.state in LIVE:
@@ -175,9 +180,11 @@ def verify(tt: TableState) -> list[str]:
             ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
             problems.append(f"pending group {gkey} is missing from the timeout index")
-    tombstones = sum(counts[state] for state in RETIRED)
-    if _prefix_count(tt, "retired") != tombstones:
-        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {tombstones} tombstones")
+    for key in sorted(retired):
+        if txn.get(key, db=db["retired"]) is None:
+            problems.append(f"retired group {key[12:].decode()} is missing from the retired index")
+    if _prefix_count(tt, "retired") != len(retired):
+        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {len(retired)} retired groups")
     if _prefix_count(tt, "compute") != counts["groups_computing"]:
         problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
     problems.extend(tt.ready.verify(ready))
@@ -191,11 +198,29 @@ def verify(tt: TableState) -> list[str]:
     return problems
 
 
+def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
+    """A tombstone whose payload went is compact, in the tombs database; a live experience,
+    or a failed one whose payload is kept (keep_failed), keeps its full record in items."""
+    key = tt.key(uid)
+    if db == "tombs":
+        if not compact or rec.state in LIVE:
+            return [f"item {uid} is {rec.state}, but its record is among the compact tombstones (tombs)"]
+        if tt.txn.get(key, db=tt.db["items"]) is not None:
+            return [f"item {uid} has both a record and a tombstone"]
+        return []
+    if compact:
+        return [f"item {uid} is {rec.state}: its compact tombstone belongs in tombs, not items"]
+    if rec.state in RETIRED and not (rec.state == FAILED and tt.txn.get(key, db=tt.db["blobs"]) is not None):
+        return [f"item {uid} is a {rec.state} tombstone kept in full, not compact"]
+    return []
+
+
 def _check_item(
     tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int]
 ) -> list[str]:
     problems = []
-    counts[rec.state] += 1
+    state = member_state(rec, grp)
+    counts[state] += 1
     live = rec.state in LIVE
     blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
     if live != (blob is not None) and not (rec.state == FAILED and tt.config.keep_failed):
@@ -208,8 +233,8 @@ def _check_item(
             problems.append(f"item {uid} is missing from the insertion order")
     if grp is None or uid not in grp.members:
         problems.append(f"item {uid} is not a member of its group {rec.group}")
-    elif grp.state != rec.state:
-        problems.append(f"item {uid} is {rec.state} but its group {rec.group} is {grp.state}")
+    elif grp.state != state:
+        problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
 
 

@@ -4,12 +4,14 @@ Per-table keys start with the table's 4-byte id T (big-endian), so a table's ent
 one contiguous range:
 - tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
 - items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload
+- tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord
 - order:     T + seq -> uid (live experiences in insertion order: eviction, oldest age)
 - pending:   T + created + group key -> b"" (incomplete groups, for group timeouts)
 - compute:   T + rseq -> group key (complete groups waiting for their advantages)
-- retired:   T + retired time + uid -> b"" (tombstones, pruned after tombstone_seconds)
+- retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
+  pruned together after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
 - ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
   and of the version index (byver); see ready_indexes.py and selection.py
@@ -30,11 +32,13 @@ from ..ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
-# (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py). See migrate.py.
+# (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
+# compact tombstones in their own database (tombs). See migrate.py.
 FORMAT = 4
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
+    "tombs",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

@@ -96,9 +96,10 @@ def take(
             batch.uids.append(uid)
             batch.group_ids.append(gkey)
             batch.versions.append(rec.version)
-            rec.times_sampled += 1
-            batch.times_sampled.append(rec.times_sampled)
-            tt.put_item(uid, rec)
+            batch.times_sampled.append(rec.times_sampled + 1)
+            if delivery != "lease":  # a leased one is counted in its record when the lease ends (end_lease)
+                rec.times_sampled += 1
+                tt.put_item(uid, rec)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     tt.counters.bytes_sampled += sum(rec.size for rec in rows.records)
     limit = tt.config.max_times_sampled
@@ -155,7 +156,8 @@ class _Payloads:
 def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
-    a batch held for a stream that never confirmed it goes back uncounted as sampled."""
+    a batch held for a stream that never confirmed it goes back uncounted as sampled. Only
+    a batch that goes back sampled rewrites its members' records (their times sampled)."""
     ended = []
     for gkey in gkeys:
         grp = tt.group(gkey)
@@ -167,12 +169,15 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
         retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
     back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
-    if unsent:
-        for _, _, recs in back:
-            for rec in recs.values():
-                rec.times_sampled -= 1
+    for _, _, recs in back:
+        for uid, rec in recs.items():
+            if unsent:
                 tt.counters.sampled -= 1
                 tt.counters.bytes_sampled -= rec.size
+            else:  # sampled: the record counts it now (a consumed one's tombstone need not)
+                rec.times_sampled += 1
+                tt.put_item(uid, rec)
+        if unsent:
             limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in ended])

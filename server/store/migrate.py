@@ -6,7 +6,11 @@ binary form of records.py (live experiences get the digest of today's canonical 
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
 version index of ready groups (byver, ready_indexes.py): it is built from the group records.
 Format 3 digested payloads with SHA-256: every stored payload gets its XXH3-128 digest
-(digests.py), and tombstones keep theirs.
+(digests.py), and tombstones keep theirs (`_digests_to_xxh3`). Format 3 also kept a retired
+experience's whole record as its tombstone; format 4 keeps a compact one (records.py) in a
+database of its own (tombs), and its retired index names groups, not experiences: the upgrade
+moves the old tombstones and rebuilds the index (`compact_tombstones`). A leased group's
+members keep ready records from format 4 (`ready_while_leased`).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more.
 Each step runs in the one transaction of the open: a crash during it leaves the format
@@ -31,7 +35,7 @@ from ..tables import TableConfig, batch_stage
 from . import digests, layout
 from .extensions import Extensions
 from .kinds import Entry
-from .records import COMPUTING, READY, GroupRecord, ItemRecord, Lease
+from .records import COMPUTING, LEASED, READY, GroupRecord, ItemRecord, Lease
 from .table_state import TableState
 
 _KEY = b"format"
@@ -54,6 +58,9 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         build(txn, dbs, [VersionIndex])
     if found in (2, 3):  # format 1's upgrade digests its payloads anew as it is
         _digests_to_xxh3(txn, dbs)
+    if found <= 3:  # after the digests: a tombstone keeps the digest it has
+        compact_tombstones(txn, dbs)
+        ready_while_leased(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)
@@ -95,6 +102,57 @@ def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes:
             grp = GroupRecord.decode(raw)
             if grp.state == READY:
                 ready.append(ReadyGroup(bytes(key[4:]), grp.ready_seq, grp.priority, grp.version))
+
+
+def compact_tombstones(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    """Format 4's step. Tombstones kept as whole item records (every one before format 4)
+    move to the tombs database in the compact form, so that the space they held comes back
+    at the upgrade rather than as they are pruned, and a format-4 directory keeps one form
+    (which `expbuf check` checks); a failed experience whose payload is kept (keep_failed)
+    keeps its full record. The retired index, which named every tombstone, names each
+    retired group once, at the time its members were retired. Found through that index:
+    live records are not read."""
+    moved, groups = [], set()
+    for key in txn.cursor(db=dbs["retired"]).iternext(values=False):
+        item = bytes(key[:4] + key[12:])  # retired: T + retired time + uid; items: T + uid
+        raw = txn.get(item, db=dbs["items"])
+        if raw is None:
+            continue
+        rec = ItemRecord.decode(raw)
+        groups.add(bytes(key[:12]) + rec.group.encode())
+        if txn.get(item, db=dbs["blobs"]) is None:
+            moved.append((item, rec.tombstone()))
+    moved.sort()
+    for item, tombstone in moved:
+        txn.delete(item, db=dbs["items"])
+        txn.put(item, tombstone, db=dbs["tombs"])
+    txn.drop(dbs["retired"], delete=False)
+    for key in sorted(groups):
+        txn.put(key, b"", db=dbs["retired"])
+
+
+def ready_while_leased(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+    """Format 4's other step. A leased group's members were rewritten leased, and counted as
+    sampled, when the lease was taken; from format 4 their records stay ready while the
+    group's says leased, and count the lease when it ends. So each is rewritten ready, and
+    the lease it was counted for is taken back (not for a replayed group cooling down, whose
+    count is its replay's)."""
+    rewritten = []
+    for key, raw in txn.cursor(db=dbs["groups"]):
+        grp = GroupRecord.decode(raw)
+        if grp.state != LEASED:
+            continue
+        for uid in grp.members:
+            item = bytes(key[:4]) + uid.encode()
+            found = txn.get(item, db=dbs["items"])
+            rec = None if found is None else ItemRecord.decode(found)
+            if rec is not None and rec.state == LEASED:
+                rec.state = READY
+                if grp.lease:
+                    rec.times_sampled -= 1
+                rewritten.append((item, rec.encode()))
+    for item, value in rewritten:
+        txn.put(item, value, db=dbs["items"])
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:

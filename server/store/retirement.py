@@ -26,9 +26,10 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed), records stay as tombstones so that a retried
     push of the same uid is still recognised as a duplicate, pruned after
-    tombstone_seconds. Done in passes, one per database, over all the groups; a record
-    not read yet in this transaction becomes a tombstone without being decoded. The
-    table's extensions hear of it first (`on_retire`)."""
+    tombstone_seconds: compact ones (records.py, in the tombs database) where the payload
+    goes, full records where it is kept. Done in passes, one per database, over all the
+    groups; a record not read yet in this transaction becomes a tombstone without being
+    decoded. The table's extensions hear of it first (`on_retire`)."""
     tt.extensions.on_retire(tt, groups)
     if state != CONSUMED:
         for _, grp in groups:
@@ -40,8 +41,9 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
         if grp.state != READY:
             leave_indexes(tt, gkey, grp)
     counters, now, prefix = tt.counters, tt.now, tt.prefix
-    stamp = prefix + layout.micros(now)  # retired_key() of everything retired now
-    keys, places, marks, tombstones, nbytes = [], [], [], [], 0
+    stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
+    keep = state == FAILED and tt.config.keep_failed  # a kept payload keeps its full record, for Get
+    keys, places, marks, full, tombstones, nbytes = [], [], [], [], [], 0
     for gkey, grp in groups:
         for uid in grp.members:
             key = tt.key(uid)
@@ -49,24 +51,33 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
             if cached:
                 if rec is None:
                     continue
-                was, seq, size = rec.state, rec.seq, rec.size
+                seq, size = rec.seq, rec.size
                 rec.state, rec.retired = state, now
-                tt.put_item(uid, rec)
+                if keep:
+                    tt.put_item(uid, rec)
+                else:
+                    tt.settle_item(uid, rec)
+                    tombstones.append((key, rec.tombstone()))
             else:
                 raw = tt.txn.get(key, db=tt.db["items"])
                 if raw is None:
                     continue
-                was, seq, size = ItemRecord.place(raw)
-                tombstones.append((key, ItemRecord.retired_as(raw, state, now)))
-            counters.add(was, -1)
+                _, seq, size = ItemRecord.place(raw)
+                if keep:
+                    full.append((key, ItemRecord.retired_as(raw, state, now)))
+                else:
+                    tombstones.append((key, ItemRecord.tombstone_of(raw, state, now)))
+            counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
             counters.add(state, 1)
             keys.append(key)
             places.append(prefix + u64(seq))
-            marks.append((stamp + uid.encode(), b""))
             nbytes += size
+        marks.append((stamp + gkey.encode(), b""))
         tt.move_group(gkey, grp, state)
-    drop_payloads(tt, keys, places, nbytes, keep_blobs=state == FAILED and tt.config.keep_failed)
-    for db, rows in ((tt.db["items"], tombstones), (tt.db["retired"], marks)):
+    drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
+    if not keep:  # the records leave the live ones' pages, which stay dense
+        _delete_rows(tt.txn, tt.db["items"], sorted(keys))
+    for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)
 
@@ -104,34 +115,43 @@ def _has_advantages(tt: TableState) -> bool:
 
 def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
     """Remove a retired experience's record (and a failed one's kept payload): its uid
-    may then be pushed again."""
+    may then be pushed again. Its group goes with its last member, and the group's place
+    in the retired index with it."""
     tt.forget_item(uid)
     tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
     tt.counters.add(rec.state, -1)
-    tt.txn.delete(tt.retired_key(uid, rec), db=tt.db["retired"])
     grp = tt.group(rec.group)
-    if grp is not None and uid in grp.members:
+    if grp is not None:
+        if uid not in grp.members:
+            return
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)
-        else:
-            tt.forget_group(rec.group)
+            return
+        tt.forget_group(rec.group)
+    tt.txn.delete(tt.retired_key(rec.group, rec.retired or 0.0), db=tt.db["retired"])
 
 
 def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
-    """Forget tombstones retired before the cutoff (at most `limit` per call)."""
+    """Forget the tombstones of groups retired before the cutoff (at most `limit` groups per
+    call); returns how many were forgotten."""
     cutoff = layout.micros(retired_before)
-    expired: list[str] = []
+    expired: list[bytes] = []
     with tt.txn.cursor(db=tt.db["retired"]) as cur:
         found = cur.set_range(tt.prefix)
         while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
-            expired.append(cur.key()[12:].decode())
+            expired.append(cur.key())
             found = cur.next()
-    for uid in expired:
-        rec = tt.item(uid)
-        if rec is not None and rec.state in RETIRED:
-            forget_tombstone(tt, uid, rec)
-    return len(expired)
+    forgotten = 0
+    for key in expired:
+        grp = tt.group(key[12:].decode())
+        for uid in list(grp.members) if grp is not None else ():
+            rec = tt.item(uid)
+            if rec is not None and rec.state in RETIRED:
+                forget_tombstone(tt, uid, rec)
+                forgotten += 1
+        tt.txn.delete(key, db=tt.db["retired"])  # gone with the group's last member, or left by damage
+    return forgotten
 
 
 def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
@@ -149,11 +169,11 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             forget_tombstone(tt, uid, rec)
             continue
         limiter.forget(tt, [rec])
+        grp = tt.existing_group(rec.group)
         tt.forget_item(uid)
-        tt.counters.add(rec.state, -1)
+        tt.counters.add(grp.state, -1)
         deleted += 1
         drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
-        grp = tt.existing_group(rec.group)
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)

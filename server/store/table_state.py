@@ -19,7 +19,7 @@ from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
-from .records import LIVE, GroupRecord, ItemRecord
+from .records import LEASED, LIVE, READY, GroupRecord, ItemRecord
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -39,6 +39,16 @@ def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) 
 def missing(what: str, name: str) -> StoreError:
     """The refusal of a record or payload that is named but not stored: the directory is damaged."""
     return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
+
+
+def stored_state(state: str) -> str:
+    """The state a member's record keeps while its group is in `state`."""
+    return READY if state == LEASED else state
+
+
+def member_state(rec: ItemRecord, grp: GroupRecord | None) -> str:
+    """An experience's state: its record's, or leased while its group is."""
+    return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
 
 
 class Events(Protocol):
@@ -91,8 +101,13 @@ class TableState:
         return self.prefix + name.encode()
 
     def item(self, uid: str) -> ItemRecord | None:
+        """The uid's record: a live experience's (or a failed one's whose payload is kept), or
+        else its compact tombstone."""
         if uid not in self._items:
-            raw = self.txn.get(self.key(uid), db=self.db["items"])
+            key = self.key(uid)
+            raw = self.txn.get(key, db=self.db["items"])
+            if raw is None:
+                raw = self.txn.get(key, db=self.db["tombs"])
             self._items[uid] = None if raw is None else ItemRecord.decode(raw)
         return self._items[uid]
 
@@ -112,10 +127,19 @@ class TableState:
     def put_item(self, uid: str, rec: ItemRecord) -> None:
         self._items[uid] = self._dirty_items[uid] = rec
 
+    def settle_item(self, uid: str, rec: ItemRecord) -> None:
+        """The record as the caller has just written it itself (a compact tombstone,
+        retirement.py): cached, and no longer for save() to write."""
+        self._items[uid] = rec
+        self._dirty_items.pop(uid, None)
+
     def forget_item(self, uid: str) -> None:
+        """Remove the uid's record, or its tombstone."""
         self._items[uid] = None
         self._dirty_items.pop(uid, None)
-        self.txn.delete(self.key(uid), db=self.db["items"])
+        key = self.key(uid)
+        if not self.txn.delete(key, db=self.db["items"]):
+            self.txn.delete(key, db=self.db["tombs"])
 
     def group(self, gkey: str) -> GroupRecord | None:
         if gkey not in self._groups:
@@ -146,8 +170,9 @@ class TableState:
     def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:
         return self.prefix + layout.micros(grp.created) + gkey.encode()
 
-    def retired_key(self, uid: str, rec: ItemRecord) -> bytes:
-        return self.prefix + layout.micros(rec.retired or 0.0) + uid.encode()
+    def retired_key(self, gkey: str, retired: float) -> bytes:
+        """A retired group's key in the retired index (when its members became tombstones)."""
+        return self.prefix + layout.micros(retired) + gkey.encode()
 
     def rseq_key(self, grp: GroupRecord) -> bytes:
         return self.prefix + u64(grp.ready_seq)
@@ -159,14 +184,17 @@ class TableState:
 
     def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
         """Live groups and their members (key, record, member records) move to a live
-        `state` (retirement.py makes tombstones)."""
-        counters = self.counters
+        `state` (retirement.py makes tombstones). Members share their group's state, and the
+        records of a leased group's members say ready (its record says leased): a lease
+        taken or ended rewrites no member record for the state alone."""
+        counters, stored = self.counters, stored_state(state)
         for gkey, grp, recs in groups:
-            for uid, rec in recs.items():
-                counters.add(rec.state, -1)
-                rec.state = state
-                self.put_item(uid, rec)
+            counters.add(grp.state, -len(recs))
             counters.add(state, len(recs))
+            for uid, rec in recs.items():
+                if rec.state != stored:
+                    rec.state = stored
+                    self.put_item(uid, rec)
             self.move_group(gkey, grp, state)
 
     def move_group(self, gkey: str, grp: GroupRecord, state: str) -> None:

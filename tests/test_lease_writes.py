@@ -1,0 +1,86 @@
+"""A lease rewrites no member record (format 4): the group's record says leased while its
+members' records stay ready, and a batch counts as sampled in them when it comes back (a
+consumed one's tombstone needs no count). Listing still shows the members leased, counters
+and `verify` agree, and a format-3 directory's leased members are brought to that form."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import ItemRecord, Store, layout
+from expbuf.server.tables import TableConfig
+
+from conftest import FIXTURES
+from helpers import group_items, take
+
+V3 = FIXTURES / "datadir_v3"
+
+
+def _records(store: Store, table: str) -> dict[str, bytes]:
+    prefix = layout.table_prefix(store.catalog.lookup(table)[0])
+    with store.environment.read() as txn, txn.cursor(db=store.db["items"]) as cur:
+        found = cur.set_range(prefix)
+        out = {}
+        while found and cur.key().startswith(prefix):
+            out[bytes(cur.key()[4:]).decode()] = bytes(cur.value())
+            found = cur.next()
+        return out
+
+
+def _listed(store: Store, table: str) -> dict[str, tuple[str, int]]:
+    return {e.uid: (e.state, e.times_sampled) for e in store.list_experiences(table).items}
+
+
+def test_a_lease_leaves_member_records_as_they_were_and_counts_the_batch_when_it_comes_back(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
+        before = _records(store, "t")
+        batch = take(store, "t", num_groups=2, delivery="lease", lease_seconds=60)
+        assert batch is not None and batch.times_sampled == [1, 1, 1, 1]
+        assert _records(store, "t") == before  # not one member record rewritten
+        assert set(_listed(store, "t").values()) == {("leased", 0)}
+        stats = store.stats("t")
+        assert (stats["ready"], stats["leased"], stats["groups_leased"]) == (0, 4, 2)
+        assert store.verify("t") == []
+        assert store.nack(batch.lease_id) == 4  # sent, then given back: sampled once
+        assert set(_listed(store, "t").values()) == {("ready", 1)}
+        assert all(ItemRecord.decode(raw).times_sampled == 1 for raw in _records(store, "t").values())
+        assert (store.stats("t")["ready"], store.stats("t")["leased"]) == (4, 0) and store.verify("t") == []
+        again = take(store, "t", num_groups=2, delivery="lease")
+        assert again is not None and again.times_sampled == [2, 2, 2, 2]
+        assert store.ack(again.lease_id) == 4
+        assert store.stats("t")["consumed"] == 4 and store.verify("t") == []
+
+
+def test_a_batch_held_for_a_stream_that_never_confirmed_it_comes_back_uncounted(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0))
+        before = _records(store, "t")
+        batch = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        assert batch is not None and store.stats("t")["sampled"] == 2
+        assert store.release_holds() == 2
+        assert _records(store, "t") == before and set(_listed(store, "t").values()) == {("ready", 0)}
+        assert store.stats("t")["sampled"] == 0 and store.verify("t") == []
+
+
+def test_a_format_3_leased_group_is_ready_in_its_member_records_and_its_lease_counts_when_it_ends(
+    tmp_path: Path,
+) -> None:
+    shutil.copy(V3 / "data.mdb", tmp_path / "data.mdb")
+    manifest = json.loads((V3 / "manifest.json").read_text())
+    lease = manifest["lease"]
+    with Store(tmp_path, clock=lambda: manifest["now"]) as store:
+        leased = {
+            uid: ItemRecord.decode(raw) for uid, raw in _records(store, "grpo4").items() if uid.startswith("1/1/")
+        }
+        assert len(leased) == 4 and {(rec.state, rec.times_sampled) for rec in leased.values()} == {("ready", 0)}
+        assert {_listed(store, "grpo4")[uid] for uid in leased} == {("leased", 0)}
+        assert store.verify("grpo4") == []
+        assert store.nack(lease["id"], lease["table"]) == 4
+        assert {_listed(store, "grpo4")[uid] for uid in leased} == {("ready", 1)}  # sampled once, as in format 3
+        assert store.verify("grpo4") == []
