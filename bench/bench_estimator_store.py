@@ -3,13 +3,14 @@
     .venv/bin/python bench/bench_estimator_store.py [--payloads 16] [--rounds 3]
 
 bench_advantages.py's payloads (64 x 40 KB experiences of 4,000 response tokens, groups of
-8), validated and packed once, then put into a fresh Store table with estimator grpo and one
-with none, alternating, one put (one durable commit) per payload. For grpo the advantage
-work follows, in its three steps: read the completed groups' item records back
+8), validated and packed once, then put into a fresh Store table with estimator grpo, computed
+by the push (as `expbuf serve` does: the store's `in_push`), with grpo left to the worker, and
+with none, in turns, one put (one durable commit) per payload. For grpo by the worker the
+advantage work follows, in its three steps: read the completed groups' item records back
 (`compute_backlog`), compute, and store the values (`finish_compute`: each member's record
 rewritten with its value, the group made ready, one more durable commit). CPU time of this
 process per experience (µs), medians of the rounds; the payloads are all put before the
-advantages are computed, so the work is one large job, the cheapest case.
+worker computes, so its work is one large job, its cheapest case.
 """
 
 from __future__ import annotations
@@ -27,23 +28,28 @@ sys.path.insert(0, str(HERE))
 from bench_service import PER_PAYLOAD, make_payloads  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
-from expbuf.server.advantages import compute  # noqa: E402
+from expbuf.server.advantages import AdvantageWorker, compute  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.kinds import Entry  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
+# column -> (estimator, whether the push computes the advantages)
+VARIANTS = {"grpo, in the push": ("grpo", True), "grpo, by the worker": ("grpo", False), "none": ("none", False)}
 
-def one(entries: list[list[Entry]], estimator: str) -> dict[str, float]:
+
+def one(entries: list[list[Entry]], estimator: str, in_push: bool) -> dict[str, float]:
     """CPU µs per experience of each step, for one table."""
     count = len(entries) * PER_PAYLOAD
     steps: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data, Store(data) as store:
+        if in_push:
+            store.in_push = AdvantageWorker(store).in_push
         store.create_table(TableConfig("t", estimator=estimator))
         start = time.process_time()
         for batch in entries:
             store.put_entries("t", batch)
         steps["put"] = time.process_time() - start
-        if estimator != "none":
+        if estimator != "none" and not in_push:
             start = time.process_time()
             jobs = store.compute_backlog()
             steps["read the completed groups back"] = time.process_time() - start
@@ -64,18 +70,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     entries = [[Entry.of(item) for item in trxp.parse(p)] for p in make_payloads(args.payloads)]
-    runs: dict[str, list[dict[str, float]]] = {"grpo": [], "none": []}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
     for r in range(args.rounds):
-        for estimator in ("grpo", "none") if r % 2 == 0 else ("none", "grpo"):
-            runs[estimator].append(one(entries, estimator))
-    print(f"| step, CPU µs per 40 KB experience (medians of {args.rounds}) | grpo | none |")
-    print("| --- | --- | --- |")
-    for step in runs["grpo"][0]:
-        grpo = statistics.median(run[step] for run in runs["grpo"])
-        none = statistics.median(run[step] for run in runs["none"]) if step in runs["none"][0] else 0.0
-        print(f"| {step} | {grpo:.1f} | {none:.1f} |")
-    totals = {name: statistics.median(sum(run.values()) for run in runs[name]) for name in runs}
-    print(f"| all | {totals['grpo']:.1f} | {totals['none']:.1f} |")
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(one(entries, *VARIANTS[name]))
+    print(f"| step, CPU µs per 40 KB experience (medians of {args.rounds}) | " + " | ".join(names) + " |")
+    print("| --- " * (len(names) + 1) + "|")
+    for step in runs["grpo, by the worker"][0]:
+        cells = [statistics.median(run.get(step, 0.0) for run in runs[name]) for name in names]
+        print(f"| {step} | " + " | ".join(f"{cell:.1f}" for cell in cells) + " |")
+    totals = [statistics.median(sum(run.values()) for run in runs[name]) for name in names]
+    print("| all | " + " | ".join(f"{total:.1f}" for total in totals) + " |")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .integrity import verify
-from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .migrate import migrate
 from .records import ItemRecord
 from .sampling import Sampling
@@ -84,6 +84,10 @@ class Store:
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
+        # The advantage computation a push runs for a table's groups in its own transaction
+        # (groups.compute_in_push), or None where the worker computes them; the server sets
+        # it (advantages.py), so the storage engine itself imports no estimator.
+        self.in_push: Callable[[TableConfig], Compute | None] | None = None
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
@@ -168,7 +172,9 @@ class Store:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             try:
-                put = functools.partial(self._put, entries=entries, final=final, blocked=blocked, reply_limit=limit)
+                put = functools.partial(
+                    self._put, entries=entries, final=final, blocked=blocked, reply_limit=limit, in_push=self.in_push
+                )
                 result = self._in_table(table, put)
             except TableFull:
                 if config.when_full != "block" or final:
@@ -183,11 +189,17 @@ class Store:
 
     @staticmethod
     def _put(
-        tt: TableState, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
+        tt: TableState,
+        entries: Sequence[Entry],
+        final: bool,
+        blocked: float,
+        reply_limit: int | None,
+        in_push: Callable[[TableConfig], Compute | None] | None,
     ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline); refuse them if a group would not
-        fit in one Sample reply of reply_limit bytes."""
+        fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
+        completes get their advantages in its transaction where it gives the table a computation."""
         deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
@@ -196,6 +208,7 @@ class Store:
         if held is not None:
             return held
         kept, stale = admission.screen(tt, entries)
+        tt.compute = in_push(tt.config) if in_push is not None else None
         result = groups.put(tt, kept)
         result.stale = stale
         return result

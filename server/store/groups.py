@@ -18,12 +18,18 @@ from ..ready_indexes import put_rows, u64
 from ..tables import estimator_of
 from . import layout, limiter
 from .capacity import make_room
-from .kinds import Entry, PutResult, ShapingUpdate
+from .kinds import ComputeJob, Entry, PutResult, ShapingUpdate
 from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, GroupRecord, ItemRecord
 from .retirement import retire
 from .table_state import TableState
 
 ReadyRow = tuple[bytes, int, float, int | None]
+# A group a push completed, with its member records, for compute_in_push.
+Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
+
+# The most experiences whose advantages a push computes itself: about 1 to 3 ms of CPU for
+# grpo (bench/RESULTS.md); a push completing more leaves them to the worker.
+IN_PUSH_LIMIT = 1024
 
 
 def _zero_variance(rewards: list[float | None]) -> bool:
@@ -71,15 +77,17 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     make_room(tt, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
     _insert(tt, by_group, groups)
     ready: list[ReadyRow] = []
+    computing: list[Completed] = []
     for gkey, grp in groups.items():
         if size == 0 or len(grp.members) >= size:
             result.completed_groups.append(gkey)
-            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready):
+            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready, computing=computing):
                 result.dropped_groups.append(gkey)
         else:
             if gkey in opened:
                 tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
             tt.put_group(gkey, grp)
+    compute_in_push(tt, computing, ready)
     tt.ready.add_many(ready)
     result.stored = list(fresh)
     tt.counters.pushed += len(fresh)
@@ -161,11 +169,14 @@ def complete(
     partial: bool,
     indexed: bool = True,
     ready: list[ReadyRow] | None = None,
+    computing: list[Completed] | None = None,
 ) -> bool:
     """A pending group becomes ready, or computing; False if the zero-variance filter
     dropped it. `indexed`: the group is in the pending index (a group opened and filled by
     one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now."""
+    caller to add with the others (ReadyIndex.add_many) instead of added now. With
+    `computing`, where the table has an advantage computation (`tt.compute`), a group that
+    needs advantages is appended there, still pending, for the caller's compute_in_push."""
     recs = tt.members(grp)
     grp.partial = partial
     if tt.config.drop_zero_variance and _zero_variance([rec.reward for rec in recs.values()]):
@@ -188,9 +199,89 @@ def complete(
             tt.ready.add(*row)
         else:
             ready.append(row)
+    elif computing is not None and tt.compute is not None:
+        computing.append((gkey, grp, recs))
     else:  # queued for its advantages (compute_queue.py); sampled once they are stored (finish_compute)
         tt.set_state(gkey, grp, recs, COMPUTING)
     return True
+
+
+def compute_in_push(tt: TableState, computing: list[Completed], ready: list[ReadyRow]) -> None:
+    """The advantages of the groups a push completed, computed in the push's own transaction:
+    each member's record is written once, ready with its value (the ready groups' index entries
+    are appended to `ready`). The groups are queued for the worker instead, computing, when
+    they hold more than IN_PUSH_LIMIT experiences, when a running reward normalisation must
+    take them after older queued groups, or when the computation fails or gives any of them a
+    non-finite value: a push never fails for its estimator, and a group fails alone, as the
+    worker decides."""
+    if not computing:
+        return
+    compute = tt.compute
+    count = sum(len(recs) for _, _, recs in computing)
+    if compute is None or count > IN_PUSH_LIMIT or (tt.config.shaping.reward_running_norm and _queued(tt)):
+        tt.set_states(computing, COMPUTING)
+        return
+    job = ComputeJob(
+        table=tt.config.name,
+        config=tt.config,
+        groups=[gkey for gkey, _, _ in computing],
+        members=[list(recs) for _, _, recs in computing],
+        records={uid: rec for _, _, recs in computing for uid, rec in recs.items()},
+        blobs={},
+        moments=tt.counters.reward_moments,
+    )
+    try:
+        values, _, dropped, failed, shaping = compute(job)
+    except Exception:  # the worker tries again, and fails only a group that fails on its own
+        failed = dict.fromkeys(job.groups, "the computation failed")
+    if failed:
+        tt.set_states(computing, COMPUTING)
+        return
+    _add_shaping(tt, shaping)
+    for gkey, grp, recs in computing:
+        if gkey in dropped:
+            _drop_below_threshold(tt, gkey, grp)
+        else:
+            ready.append(_store_advantages(tt, gkey, grp, recs, values, shaping))
+
+
+def _queued(tt: TableState) -> bool:
+    """Whether any group of the table waits in the compute queue."""
+    with tt.txn.cursor(db=tt.db["compute"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+
+
+def _add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
+    tt.counters.add_counts(shaping.counts)
+    tt.counters.reward_moments = shaping.moments
+
+
+def _drop_below_threshold(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    retire(tt, [(gkey, grp)], DROPPED)
+    tt.counters.groups_dropped += 1
+    tt.counters.dropped_std_threshold += 1
+
+
+def _store_advantages(
+    tt: TableState,
+    gkey: str,
+    grp: GroupRecord,
+    recs: dict[str, ItemRecord],
+    advantages: dict[str, float | bytes],
+    shaping: ShapingUpdate | None,
+) -> ReadyRow:
+    """A group's values stored and the group made ready; returns its ready index entry."""
+    for uid, rec in recs.items():
+        value = advantages[uid]
+        if shaping is not None and uid in shaping.rewards:
+            rec.shaped_reward = shaping.rewards[uid]
+        if isinstance(value, float):
+            rec.advantage = value
+        else:
+            tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+    tt.set_state(gkey, grp, recs, READY)
+    limiter.became_ready(tt, len(recs))
+    return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
 
 
 def finish_compute(
@@ -206,8 +297,7 @@ def finish_compute(
     larger, into the adv database. What reward shaping did (its counts and running
     moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
     if shaping is not None:
-        tt.counters.add_counts(shaping.counts)
-        tt.counters.reward_moments = shaping.moments
+        _add_shaping(tt, shaping)
     for gkey in [*ready, *dropped, *failed]:
         grp = tt.group(gkey)
         if grp is None or grp.state != COMPUTING:
@@ -217,22 +307,9 @@ def finish_compute(
             tt.counters.groups_failed += 1
             tt.counters.last_failure = f"group {gkey}: {failed[gkey]}"
         elif gkey in dropped:
-            retire(tt, [(gkey, grp)], DROPPED)
-            tt.counters.groups_dropped += 1
-            tt.counters.dropped_std_threshold += 1
+            _drop_below_threshold(tt, gkey, grp)
         else:
-            recs = tt.members(grp)
-            for uid, rec in recs.items():
-                value = advantages[uid]
-                if shaping is not None and uid in shaping.rewards:
-                    rec.shaped_reward = shaping.rewards[uid]
-                if isinstance(value, float):
-                    rec.advantage = value
-                else:
-                    tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
-            tt.set_state(gkey, grp, recs, READY)
-            limiter.became_ready(tt, len(recs))
-            tt.ready.add(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+            tt.ready.add(*_store_advantages(tt, gkey, grp, tt.members(grp), advantages, shaping))
     tt.save()
 
 
