@@ -11,11 +11,18 @@ advantage work follows, in its three steps: read the completed groups' item reco
 rewritten with its value, the group made ready, one more durable commit). CPU time of this
 process per experience (µs), medians of the rounds; the payloads are all put before the
 worker computes, so its work is one large job, its cheapest case.
+
+Then what computing in the push adds to its latency, for groups of 64 experiences of 4,000
+tokens (the size a group's estimator reads nothing more of: rewards, lengths and ids from the
+records): the wall time of a put of 1, 4 and 16 such groups (the last, 1,024 experiences, the
+most a push computes itself) into a grpo table computing in the push and into a none table, and
+the time of the computation in it (`groups.compute_in_push`), medians and the largest.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -26,10 +33,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_service import PER_PAYLOAD, make_payloads  # noqa: E402
+from bench_store import experience  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.advantages import AdvantageWorker, compute  # noqa: E402
-from expbuf.server.store import Store  # noqa: E402
+from expbuf.server.store import Store, groups  # noqa: E402
 from expbuf.server.store.kinds import Entry  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
@@ -64,6 +72,41 @@ def one(entries: list[list[Entry]], estimator: str, in_push: bool) -> dict[str, 
     return {step: seconds / count * 1e6 for step, seconds in steps.items()}
 
 
+def latency(groups_per_push: int, pushes: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """Put wall times (s) of pushes of groups of 64 into grpo (in the push) and none, and the
+    compute_in_push times within the grpo puts."""
+    payloads = [
+        [Entry.of(item) for item in trxp.parse(trxp.encode([experience(p, t, r, 5000) for t in range(groups_per_push)
+                                                             for r in range(64)]))]
+        for p in range(pushes)
+    ]  # fmt: skip
+    timed: list[float] = []
+    inner = groups.compute_in_push
+
+    @functools.wraps(inner)
+    def timing(*args: object) -> None:
+        start = time.perf_counter()
+        inner(*args)
+        timed.append(time.perf_counter() - start)
+
+    puts: dict[str, list[float]] = {"grpo": [], "none": []}
+    groups.compute_in_push = timing
+    try:
+        for r in range(rounds):
+            for estimator in ("grpo", "none") if r % 2 == 0 else ("none", "grpo"):
+                with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data, Store(data) as store:
+                    store.in_push = AdvantageWorker(store).in_push
+                    store.create_table(TableConfig("t", estimator=estimator, group_size=64))
+                    for batch in payloads:
+                        start = time.perf_counter()
+                        store.put_entries("t", batch)
+                        puts[estimator].append(time.perf_counter() - start)
+                    assert store.stats("t")["ready"] == pushes * groups_per_push * 64
+    finally:
+        groups.compute_in_push = inner
+    return puts["grpo"], puts["none"], timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--payloads", type=int, default=16)
@@ -82,6 +125,14 @@ def main() -> None:
         print(f"| {step} | " + " | ".join(f"{cell:.1f}" for cell in cells) + " |")
     totals = [statistics.median(sum(run.values()) for run in runs[name]) for name in names]
     print("| all | " + " | ".join(f"{total:.1f}" for total in totals) + " |")
+    print()
+    print("| push of groups of 64 x 40 KB | put, grpo in the push (ms) | put, none (ms) | compute_in_push (ms) |")
+    print("| --- | --- | --- | --- |")
+    for per_push in (1, 4, 16):
+        grpo, none, inner = latency(per_push, max(2, 16 // per_push), args.rounds)
+        ms = [statistics.median(grpo) * 1e3, statistics.median(none) * 1e3, statistics.median(inner) * 1e3]
+        cells = f"{ms[0]:.1f} | {ms[1]:.1f} | median {ms[2]:.2f}, largest {max(inner) * 1e3:.2f}"
+        print(f"| {per_push} group{'s' if per_push > 1 else ''} | {cells} |")
 
 
 if __name__ == "__main__":

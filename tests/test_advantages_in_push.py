@@ -1,6 +1,7 @@
 """Advantages computed by the push that completes a group (estimators with one value per
 experience, no batch stage, on the CPU): the values the worker stores, bit for bit, in the
-push's own transaction, with nothing left queued; the tables and groups left to the worker,
+push's own transaction (computed before it on the pushing thread where the push fills whole
+groups), with nothing left queued; the tables and groups left to the worker,
 a computation that fails failing only its group there, and groups an older directory left
 computing still computed by the worker."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ from expbuf.client import trxp
 from expbuf.server.advantages import AdvantageWorker, computed_in_push
 from expbuf.server.estimator_registry import ESTIMATORS, Estimator
 from expbuf.server.estimators import Advantages, FlatBatch, grpo
-from expbuf.server.store import FAILED, READY, ItemRecord, Store, layout
+from expbuf.server.store import FAILED, READY, ComputeJob, ItemRecord, Store, layout
 from expbuf.server.store import groups as group_rules
+from expbuf.server.store.kinds import Compute, Computed
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, make_experience, registered
@@ -214,3 +217,43 @@ def test_a_running_normalisation_takes_groups_after_older_queued_ones(tmp_path: 
         }
         store.put("t", [*group_items(3, 0, 3, reward=5.0)[:2], trxp.from_experience(make_experience(3, 0, 2))])
         assert store.stats("t")["computing"] == 0  # nothing older queued: computed in the push
+
+
+def test_whole_groups_are_computed_before_the_transaction_on_the_pushing_thread(tmp_path: Path) -> None:
+    """The writer only stores what the pushing thread computed for the groups the push fills;
+    a push that completes other groups (one pushed in part before) is computed by the writer."""
+    threads: list[str] = []
+    with Store(tmp_path / "a") as store, Store(tmp_path / "b") as by_worker:
+        worker = AdvantageWorker(store)
+
+        def in_push(config: TableConfig) -> Compute | None:
+            compute = worker.in_push(config)
+
+            def noted(job: ComputeJob) -> Computed:
+                threads.append(threading.current_thread().name)
+                assert compute is not None
+                return compute(job)
+
+            return noted if compute is not None else None
+
+        store.in_push = in_push
+        config = TableConfig("t", estimator="grpo", group_size=4, device="cpu", shaping={"advantage_clip": 0.8})
+
+        def group(batch: int, task: int) -> list[trxp.RawItem]:
+            return [
+                trxp.from_experience(make_experience(batch, task, run, reward=float(run * task))) for run in range(4)
+            ]
+
+        for s in (store, by_worker):
+            s.create_table(config)
+            s.put("t", group(1, 1)[:3])
+            s.put("t", group(1, 2) + group(1, 1)[3:])  # completes 1/2 (whole here) and 1/1 (pushed in part before)
+            s.put("t", group(1, 3))
+        main = threading.current_thread().name
+        assert threads[0] == main and threads[1] != main  # 1/2 ahead, then 1/2 and 1/1 by the writer
+        assert threads[2:] == [main]  # a push of whole groups: computed once, ahead
+        AdvantageWorker(by_worker).run_once()
+        assert {u: (r.state, r.advantage) for u, r in records(store, "t").items()} == {
+            u: (r.state, r.advantage) for u, r in records(by_worker, "t").items()
+        }
+        assert store.stats("t")["advantages_seen"] == by_worker.stats("t")["advantages_seen"] == 12

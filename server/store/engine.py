@@ -36,7 +36,7 @@ from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .integrity import verify
-from .kinds import Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .migrate import migrate
 from .records import ItemRecord
 from .sampling import Sampling
@@ -164,6 +164,8 @@ class Store:
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self.catalog.lookup(table)
         limit = self.max_reply_bytes
+        compute = self.in_push(config) if self.in_push is not None else None
+        ahead = groups.compute_ahead(config, entries, compute) if compute is not None else None
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         held = False  # whether the rate limit held this push
@@ -173,7 +175,13 @@ class Store:
             blocked = time.monotonic() - start if held else 0.0
             try:
                 put = functools.partial(
-                    self._put, entries=entries, final=final, blocked=blocked, reply_limit=limit, in_push=self.in_push
+                    self._put,
+                    entries=entries,
+                    final=final,
+                    blocked=blocked,
+                    reply_limit=limit,
+                    in_push=self.in_push,
+                    ahead=ahead,
                 )
                 result = self._in_table(table, put)
             except TableFull:
@@ -195,11 +203,13 @@ class Store:
         blocked: float,
         reply_limit: int | None,
         in_push: Callable[[TableConfig], Compute | None] | None,
+        ahead: Ahead | None,
     ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline); refuse them if a group would not
         fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
-        completes get their advantages in its transaction where it gives the table a computation."""
+        completes get their advantages in its transaction where it gives the table a computation
+        (`ahead`: computed before it, for the groups the push was expected to complete)."""
         deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
@@ -209,6 +219,7 @@ class Store:
             return held
         kept, stale = admission.screen(tt, entries)
         tt.compute = in_push(tt.config) if in_push is not None else None
+        tt.ahead = ahead
         result = groups.put(tt, kept)
         result.stale = stale
         return result

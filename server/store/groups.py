@@ -15,10 +15,10 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from ..ready_indexes import put_rows, u64
-from ..tables import estimator_of
+from ..tables import TableConfig, estimator_of
 from . import layout, limiter
 from .capacity import make_room
-from .kinds import ComputeJob, Entry, PutResult, ShapingUpdate
+from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, ShapingUpdate
 from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, GroupRecord, ItemRecord
 from .retirement import retire
 from .table_state import TableState
@@ -230,8 +230,12 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Read
         blobs={},
         moments=tt.counters.reward_moments,
     )
+    ahead = tt.ahead
     try:
-        values, _, dropped, failed, shaping = compute(job)
+        if ahead is not None and _same_job(ahead[0], job):
+            values, _, dropped, failed, shaping = ahead[1]
+        else:
+            values, _, dropped, failed, shaping = compute(job)
     except Exception:  # the worker tries again, and fails only a group that fails on its own
         failed = dict.fromkeys(job.groups, "the computation failed")
     if failed:
@@ -243,6 +247,69 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Read
             _drop_below_threshold(tt, gkey, grp)
         else:
             ready.append(_store_advantages(tt, gkey, grp, recs, values, shaping))
+
+
+def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Compute) -> Ahead | None:
+    """The advantages of the groups a push of `entries` is expected to complete, computed
+    before its transaction, on the caller's thread, so that the writer only stores them: the
+    groups of the push that fill their size (every group of it where the size is 0), less
+    those the zero-variance filter would drop. compute_in_push uses the result only where the
+    push completes exactly these groups with exactly these members (no duplicates, no members
+    pushed before) and computes in the transaction otherwise. None where nothing is expected,
+    or where a running reward normalisation needs the table's moments as the transaction
+    finds them."""
+    if config.shaping.reward_running_norm:
+        return None
+    members: dict[str, dict[str, Entry]] = {}
+    for entry in entries:
+        members.setdefault(entry.group_key(config.group_by), {}).setdefault(entry.uid, entry)
+    size = config.group_size
+    complete = {
+        gkey: group
+        for gkey, group in members.items()
+        if (size == 0 or len(group) == size)
+        and not (config.drop_zero_variance and _zero_variance([e.reward for e in group.values()]))
+    }
+    if not complete or sum(map(len, complete.values())) > IN_PUSH_LIMIT:
+        return None
+    job = ComputeJob(
+        table=config.name,
+        config=config,
+        groups=list(complete),
+        members=[list(group) for group in complete.values()],
+        records={uid: _estimated(gkey, e) for gkey, group in complete.items() for uid, e in group.items()},
+        blobs={},
+    )
+    try:
+        return job, compute(job)
+    except Exception:  # computed again in the transaction, and left to the worker if it fails there
+        return None
+
+
+def _estimated(gkey: str, entry: Entry) -> ItemRecord:
+    """What an estimator reads of an experience's record, before the record exists."""
+    return ItemRecord(
+        state=PENDING,
+        group=gkey,
+        seq=0,
+        digest=entry.digest,
+        size=len(entry.blob),
+        created=0.0,
+        tid=entry.tid,
+        rid=entry.rid,
+        step=entry.step,
+        response_length=entry.response_length,
+        generated=entry.generated,
+        version=entry.version,
+        reward=entry.reward,
+        priority=entry.priority,
+    )
+
+
+def _same_job(ahead: ComputeJob, job: ComputeJob) -> bool:
+    """Whether a job computed ahead is this one: the same table settings, groups and members
+    (the members' records come from the same entries: a uid pushed before is no member)."""
+    return ahead.groups == job.groups and ahead.members == job.members and ahead.config == job.config
 
 
 def _queued(tt: TableState) -> bool:

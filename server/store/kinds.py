@@ -168,3 +168,6 @@ class ShapingUpdate:
 # dropped ones, the failed ones with the reason, and what reward shaping did.
 Computed = tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]
 Compute = Callable[[ComputeJob], Computed]
+# A computation done before a push's transaction, for the groups the push is expected to
+# complete: the job and its result (groups.compute_ahead).
+Ahead = tuple[ComputeJob, Computed]

@@ -19,7 +19,7 @@ from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
-from .kinds import Compute
+from .kinds import Ahead, Compute
 from .records import LIVE, GroupRecord, ItemRecord
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
@@ -80,6 +80,9 @@ class TableState:
         # The table's advantage computation where a push runs it in its own transaction
         # (groups.compute_in_push); None leaves the groups a push completes to the worker.
         self.compute: Compute | None = None
+        # Its result for the groups the push was expected to complete, computed before the
+        # transaction (groups.compute_ahead), used where they are the groups it completes.
+        self.ahead: Ahead | None = None
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
