@@ -16,8 +16,8 @@ Then what computing in the push adds to its latency, for groups of 64 experience
 tokens (the size a group's estimator reads nothing more of: rewards, lengths and ids from the
 records): the wall time of a put of 1, 4 and 16 such groups (the last, 1,024 experiences, the
 most a push computes itself) into a grpo table computing in the push and into a none table, and
-within the first the time of the computation before the transaction (`groups.compute_ahead`,
-on the pushing thread) and of storing the values in it (`groups.compute_in_push`, on the
+within the first the time of the computation before the transaction (`compute_ahead`, on the
+pushing thread) and of storing the values in it (`compute_in_push`, on the
 writer), medians and the largest.
 """
 
@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +42,7 @@ from bench_store import experience  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.advantages import AdvantageWorker, compute  # noqa: E402
-from expbuf.server.store import Store, groups  # noqa: E402
+from expbuf.server.store import Store, groups, pushed_advantages  # noqa: E402
 from expbuf.server.store.kinds import Entry  # noqa: E402
 from expbuf.server.tables import TableConfig  # noqa: E402
 
@@ -76,9 +77,10 @@ def one(entries: list[list[Entry]], estimator: str, in_push: bool) -> dict[str, 
     return {step: seconds / count * 1e6 for step, seconds in steps.items()}
 
 
-def timed(name: str, into: list[float]) -> Callable[[], None]:
-    """Time every call of the function `name` of the group rules into `into`; returns the undo."""
-    inner = getattr(groups, name)
+def timed(module: ModuleType, name: str, into: list[float]) -> Callable[[], None]:
+    """Time every call of `module`'s function `name` (as the callers there find it) into
+    `into`; returns the undo."""
+    inner = getattr(module, name)
 
     @functools.wraps(inner)
     def timing(*args: Any) -> Any:
@@ -88,8 +90,8 @@ def timed(name: str, into: list[float]) -> Callable[[], None]:
         finally:
             into.append(time.perf_counter() - start)
 
-    setattr(groups, name, timing)
-    return lambda: setattr(groups, name, inner)
+    setattr(module, name, timing)
+    return lambda: setattr(module, name, inner)
 
 
 def latency(groups_per_push: int, pushes: int, rounds: int) -> dict[str, list[float]]:
@@ -102,7 +104,10 @@ def latency(groups_per_push: int, pushes: int, rounds: int) -> dict[str, list[fl
         for p in range(pushes)
     ]  # fmt: skip
     times: dict[str, list[float]] = {"grpo": [], "none": [], "compute_ahead": [], "compute_in_push": []}
-    undo = [timed(name, times[name]) for name in ("compute_ahead", "compute_in_push")]
+    undo = [
+        timed(pushed_advantages, "compute_ahead", times["compute_ahead"]),  # called there by the store
+        timed(groups, "compute_in_push", times["compute_in_push"]),  # called by groups.put
+    ]
     try:
         for r in range(rounds):
             for estimator in ("grpo", "none") if r % 2 == 0 else ("none", "grpo"):

@@ -5,7 +5,7 @@ tokens read or valued, no batch stage) on the CPU has its advantages computed by
 that completes a group, and stored in the push's own transaction (`computed_in_push`; the
 storage engine calls the worker's `in_push`, on the pushing thread before the transaction for
 the groups the push fills whole): each record is written once, ready with its value.
-For the others, and for groups a push leaves (store/groups.py `compute_in_push` says
+For the others, and for groups a push leaves (store/pushed_advantages.py says
 when), the store marks a completed group `computing` and queues it; this worker takes
 every queued group (all tables, oldest first), computes each table's estimator in one
 batched call on the table's device, and hands the results back to the store, which

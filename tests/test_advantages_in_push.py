@@ -20,8 +20,8 @@ from expbuf.server.advantages import AdvantageWorker, computed_in_push
 from expbuf.server.estimator_registry import ESTIMATORS, Estimator
 from expbuf.server.estimators import Advantages, FlatBatch, grpo
 from expbuf.server.store import FAILED, READY, ComputeJob, ItemRecord, Store, layout
-from expbuf.server.store import groups as group_rules
 from expbuf.server.store.kinds import Compute, Computed
+from expbuf.server.store.pushed_advantages import IN_PUSH_LIMIT
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, make_experience, registered
@@ -134,7 +134,7 @@ def test_a_push_completing_more_than_the_limit_leaves_them_to_the_worker(tmp_pat
         worker = AdvantageWorker(store)
         store.in_push = worker.in_push
         store.create_table(TableConfig("t", estimator="grpo", group_size=size, device="cpu"))
-        groups = group_rules.IN_PUSH_LIMIT // size
+        groups = IN_PUSH_LIMIT // size
         few = [item for task in range(groups) for item in group_items(1, task, size, reward=float(task % 3))]
         store.put("t", few)
         assert store.stats("t")["ready"] == len(few)

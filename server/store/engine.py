@@ -28,7 +28,18 @@ from ..advantage_storage import batch_payload
 from ..errors import InsertLimited, TableFull
 from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
-from . import admission, browse, deliverable, groups, integrity, layout, limiter, retirement, staleness
+from . import (
+    admission,
+    browse,
+    deliverable,
+    groups,
+    integrity,
+    layout,
+    limiter,
+    pushed_advantages,
+    retirement,
+    staleness,
+)
 from .batch_rows import BatchRows
 from .catalog import TableCatalog
 from .compute_queue import ComputeQueue, backlog
@@ -85,7 +96,7 @@ class Store:
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         # The advantage computation a push runs for a table's groups in its own transaction
-        # (groups.compute_in_push), or None where the worker computes them; the server sets
+        # (pushed_advantages.py), or None where the worker computes them; the server sets
         # it (advantages.py), so the storage engine itself imports no estimator.
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
         if not self.catalog.has("default"):
@@ -165,7 +176,7 @@ class Store:
         _, config = self.catalog.lookup(table)
         limit = self.max_reply_bytes
         compute = self.in_push(config) if self.in_push is not None else None
-        ahead = groups.compute_ahead(config, entries, compute) if compute is not None else None
+        ahead = pushed_advantages.compute_ahead(config, entries, compute) if compute is not None else None
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         held = False  # whether the rate limit held this push

@@ -169,5 +169,5 @@ class ShapingUpdate:
 Computed = tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]
 Compute = Callable[[ComputeJob], Computed]
 # A computation done before a push's transaction, for the groups the push is expected to
-# complete: the job and its result (groups.compute_ahead).
+# complete: the job and its result (pushed_advantages.compute_ahead).
 Ahead = tuple[ComputeJob, Computed]

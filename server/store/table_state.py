@@ -78,10 +78,10 @@ class TableState:
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
         # The table's advantage computation where a push runs it in its own transaction
-        # (groups.compute_in_push); None leaves the groups a push completes to the worker.
+        # (pushed_advantages.py); None leaves the groups a push completes to the worker.
         self.compute: Compute | None = None
         # Its result for the groups the push was expected to complete, computed before the
-        # transaction (groups.compute_ahead), used where they are the groups it completes.
+        # transaction (pushed_advantages.compute_ahead), used where they are the groups it completes.
         self.ahead: Ahead | None = None
 
     def save(self) -> None:
