@@ -33,9 +33,11 @@ from profile_push import busy_samples  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 
-# (stage, a function name that puts a sample in it), most specific first: the advantage
-# worker's stages, then the push's.
+# (stage, a function name that puts a sample in it), most specific first: the advantages a
+# push computes itself, the advantage worker's stages, then the push's.
 STAGES = (
+    ("advantages: computed by the push, before its transaction (compute_ahead)", "compute_ahead ("),
+    ("advantages: computed or stored in the push's transaction (compute_in_push)", "compute_in_push ("),
     ("advantages: store them (records rewritten, groups made ready)", "finish_compute ("),
     ("advantages: read completed groups (compute_backlog)", "Store.compute_backlog "),
     ("advantages: compute (estimator, shaping, hand-off)", "AdvantageWorker."),

@@ -1,6 +1,12 @@
 """Advantages on ingest: the worker that computes them for completed groups.
 
-When a group completes, the store marks it `computing` and queues it; this worker takes
+A table whose estimator gives one value per experience from the item records alone (no
+tokens read or valued, no batch stage) on the CPU has its advantages computed by the push
+that completes a group, and stored in the push's own transaction (`computed_in_push`; the
+storage engine calls the worker's `in_push`, on the pushing thread before the transaction for
+the groups the push fills whole): each record is written once, ready with its value.
+For the others, and for groups a push leaves (store/pushed_advantages.py says
+when), the store marks a completed group `computing` and queues it; this worker takes
 every queued group (all tables, oldest first), computes each table's estimator in one
 batched call on the table's device, and hands the results back to the store, which
 makes the groups ready in the same transaction that stores their advantages. The Push
@@ -28,6 +34,7 @@ from .advantage_storage import encode_results
 from .backend import Backend
 from .errors import clip
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
+from .store.kinds import Compute, Computed
 from .tables import ConfigError, TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
@@ -84,9 +91,7 @@ def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> tor
     return out
 
 
-def compute(
-    job: ComputeJob,
-) -> tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]:
+def compute(job: ComputeJob) -> Computed:
     """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
     groups with the reason, what reward shaping did). Shaping runs in LightRFT's order
     (shaping.py): the overlong penalty on the rewards; the running normalisation and the
@@ -151,6 +156,18 @@ def compute(
     return values, ready, dropped, failed, update
 
 
+def computed_in_push(config: TableConfig, cuda: bool) -> bool:
+    """Whether a push computes the table's advantages itself: its estimator gives one value
+    per experience from the item records (rewards, lengths, ids), with no batch stage, on
+    the CPU (`cuda`: whether the server has a CUDA device, which device "auto" takes)."""
+    estimator = estimator_of(config)
+    return (
+        estimator.ingest is not None
+        and not (estimator.token_level or estimator.token_valued or batch_stage(config))
+        and (config.device == "cpu" or (config.device == "auto" and not cuda))
+    )
+
+
 def check_device(config: TableConfig) -> None:
     """Refuse a table that asks for CUDA on a server without it: its advantages could never
     be computed."""
@@ -182,8 +199,22 @@ class AdvantageWorker:
         self.retry_delays = tuple(retry_delays)
         self._tries: dict[tuple[str, str], int] = {}  # (table, group) -> failed tries so far
         self._not_before: dict[str, float] = {}  # table -> monotonic time of its next try
+        self._cuda = torch.cuda.is_available()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-advantages", daemon=True)
+
+    def in_push(self, config: TableConfig) -> Compute | None:
+        """The computation a push runs for the table's completed groups in its own transaction
+        (the store's `in_push`), timed for the metrics as the worker's are; None where the
+        worker computes them."""
+        return self._timed if computed_in_push(config, self._cuda) else None
+
+    def _timed(self, job: ComputeJob) -> Computed:
+        started = time.perf_counter()
+        result = compute(job)
+        if self.on_computed is not None:
+            self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
+        return result
 
     def start(self) -> AdvantageWorker:
         self._thread.start()

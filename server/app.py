@@ -171,6 +171,7 @@ class ExpbufServer:
             max_wait_seconds=config.max_wait_seconds,
         )
         self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
+        self.store.in_push = self.advantages.in_push  # one-value estimators: computed by the push (advantages.py)
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

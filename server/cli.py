@@ -63,7 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait: a signal taken by another thread still reaches its handler
+        pass
     log.info("shutting down: no new RPCs; finishing those in flight")
     server.stop()
     return 0

@@ -9,10 +9,10 @@
   (the table extension hooks, after Reverb's TableExtension);
 - the rules, functions over a table's state: limiter.py (the rate limits between inserts and
   samples), retirement.py (how experiences leave), capacity.py (eviction or refusal when
-  full), groups.py (the group state machine), staleness.py (the trainer version, stale-group
-  eviction), compute_queue.py (groups waiting for advantages), deliverable.py, admission.py
-  (AReaL's bound), leases.py (taking a batch and its leases), browse.py, integrity.py,
-  migrate.py;
+  full), groups.py (the group state machine), pushed_advantages.py (advantages a push computes
+  and stores itself), staleness.py (the trainer version, stale-group eviction),
+  compute_queue.py (groups waiting for advantages), deliverable.py, admission.py (AReaL's
+  bound), leases.py (taking a batch and its leases), browse.py, integrity.py, migrate.py;
 - the services: catalog.py (the tables), sampling.py (sample, ack, nack), upkeep.py (lease and
   grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated);
 - engine.py: `Store`, the façade the server uses (through backend.Backend).

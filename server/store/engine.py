@@ -28,7 +28,18 @@ from ..advantage_storage import batch_payload
 from ..errors import InsertLimited, TableFull
 from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
-from . import admission, browse, deliverable, groups, integrity, layout, limiter, retirement, staleness
+from . import (
+    admission,
+    browse,
+    deliverable,
+    groups,
+    integrity,
+    layout,
+    limiter,
+    pushed_advantages,
+    retirement,
+    staleness,
+)
 from .batch_rows import BatchRows
 from .catalog import TableCatalog
 from .compute_queue import ComputeQueue, backlog
@@ -36,7 +47,7 @@ from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .integrity import verify
-from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .migrate import migrate
 from .records import ItemRecord
 from .sampling import Sampling
@@ -84,6 +95,10 @@ class Store:
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
+        # The advantage computation a push runs for a table's groups in its own transaction
+        # (pushed_advantages.py), or None where the worker computes them; the server sets
+        # it (advantages.py), so the storage engine itself imports no estimator.
+        self.in_push: Callable[[TableConfig], Compute | None] | None = None
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
@@ -160,6 +175,8 @@ class Store:
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         _, config = self.catalog.lookup(table)
         limit = self.max_reply_bytes
+        compute = self.in_push(config) if self.in_push is not None else None
+        ahead = pushed_advantages.compute_ahead(config, entries, compute) if compute is not None else None
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         held = False  # whether the rate limit held this push
@@ -168,7 +185,15 @@ class Store:
             final = time.monotonic() >= deadline
             blocked = time.monotonic() - start if held else 0.0
             try:
-                put = functools.partial(self._put, entries=entries, final=final, blocked=blocked, reply_limit=limit)
+                put = functools.partial(
+                    self._put,
+                    entries=entries,
+                    final=final,
+                    blocked=blocked,
+                    reply_limit=limit,
+                    in_push=self.in_push,
+                    ahead=ahead,
+                )
                 result = self._in_table(table, put)
             except TableFull:
                 if config.when_full != "block" or final:
@@ -183,11 +208,19 @@ class Store:
 
     @staticmethod
     def _put(
-        tt: TableState, entries: Sequence[Entry], final: bool, blocked: float, reply_limit: int | None
+        tt: TableState,
+        entries: Sequence[Entry],
+        final: bool,
+        blocked: float,
+        reply_limit: int | None,
+        in_push: Callable[[TableConfig], Compute | None] | None,
+        ahead: Ahead | None,
     ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline); refuse them if a group would not
-        fit in one Sample reply of reply_limit bytes."""
+        fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
+        completes get their advantages in its transaction where it gives the table a computation
+        (`ahead`: computed before it, for the groups the push was expected to complete)."""
         deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
@@ -196,6 +229,8 @@ class Store:
         if held is not None:
             return held
         kept, stale = admission.screen(tt, entries)
+        tt.compute = in_push(tt.config) if in_push is not None else None
+        tt.ahead = ahead
         result = groups.put(tt, kept)
         result.stale = stale
         return result

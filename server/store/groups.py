@@ -19,16 +19,18 @@ from ..tables import estimator_of
 from . import digests, layout, limiter
 from .capacity import make_room
 from .kinds import Entry, PutResult, ShapingUpdate
+from .pushed_advantages import (
+    Completed,
+    ReadyRow,
+    add_shaping,
+    compute_in_push,
+    drop_below_threshold,
+    store_advantages,
+    zero_variance,
+)
 from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED, GroupRecord, ItemRecord
 from .retirement import retire
 from .table_state import TableState
-
-ReadyRow = tuple[bytes, int, float, int | None]
-
-
-def _zero_variance(rewards: list[float | None]) -> bool:
-    """Whether a group's rewards are all known and all equal (it teaches nothing)."""
-    return None not in rewards and len(set(rewards)) <= 1
 
 
 def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
@@ -76,15 +78,17 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     make_room(tt, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
     _insert(tt, by_group, groups)
     ready: list[ReadyRow] = []
+    computing: list[Completed] = []
     for gkey, grp in groups.items():
         if size == 0 or len(grp.members) >= size:
             result.completed_groups.append(gkey)
-            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready):
+            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready, computing=computing):
                 result.dropped_groups.append(gkey)
         else:
             if gkey in opened:
                 tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
             tt.put_group(gkey, grp)
+    compute_in_push(tt, computing, ready)
     tt.ready.add_many(ready)
     result.stored = list(fresh)
     tt.counters.pushed += len(fresh)
@@ -166,14 +170,17 @@ def complete(
     partial: bool,
     indexed: bool = True,
     ready: list[ReadyRow] | None = None,
+    computing: list[Completed] | None = None,
 ) -> bool:
     """A pending group becomes ready, or computing; False if the zero-variance filter
     dropped it. `indexed`: the group is in the pending index (a group opened and filled by
     one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now."""
+    caller to add with the others (ReadyIndex.add_many) instead of added now. With
+    `computing`, where the table has an advantage computation (`tt.compute`), a group that
+    needs advantages is appended there, still pending, for the caller's compute_in_push."""
     recs = tt.members(grp)
     grp.partial = partial
-    if tt.config.drop_zero_variance and _zero_variance([rec.reward for rec in recs.values()]):
+    if tt.config.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)
         tt.counters.groups_dropped += 1
         tt.counters.dropped_zero_variance += 1
@@ -193,6 +200,8 @@ def complete(
             tt.ready.add(*row)
         else:
             ready.append(row)
+    elif computing is not None and tt.compute is not None:
+        computing.append((gkey, grp, recs))
     else:  # queued for its advantages (compute_queue.py); sampled once they are stored (finish_compute)
         tt.set_state(gkey, grp, recs, COMPUTING)
     return True
@@ -211,8 +220,7 @@ def finish_compute(
     larger, into the adv database. What reward shaping did (its counts and running
     moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
     if shaping is not None:
-        tt.counters.add_counts(shaping.counts)
-        tt.counters.reward_moments = shaping.moments
+        add_shaping(tt, shaping)
     for gkey in [*ready, *dropped, *failed]:
         grp = tt.group(gkey)
         if grp is None or grp.state != COMPUTING:
@@ -222,22 +230,9 @@ def finish_compute(
             tt.counters.groups_failed += 1
             tt.counters.last_failure = f"group {gkey}: {failed[gkey]}"
         elif gkey in dropped:
-            retire(tt, [(gkey, grp)], DROPPED)
-            tt.counters.groups_dropped += 1
-            tt.counters.dropped_std_threshold += 1
+            drop_below_threshold(tt, gkey, grp)
         else:
-            recs = tt.members(grp)
-            for uid, rec in recs.items():
-                value = advantages[uid]
-                if shaping is not None and uid in shaping.rewards:
-                    rec.shaped_reward = shaping.rewards[uid]
-                if isinstance(value, float):
-                    rec.advantage = value
-                else:
-                    tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
-            tt.set_state(gkey, grp, recs, READY)
-            limiter.became_ready(tt, len(recs))
-            tt.ready.add(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+            tt.ready.add(*store_advantages(tt, gkey, grp, tt.members(grp), advantages, shaping))
     tt.save()
 
 

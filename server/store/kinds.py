@@ -162,3 +162,12 @@ class ShapingUpdate:
     counts: dict[str, int]  # added to the shaping counters (counters.SHAPING_COUNTERS)
     moments: list[float] | None  # the running reward moments after it
     rewards: dict[str, float] = field(default_factory=dict)  # shaped rewards by uid, for the batch stage
+
+
+# An advantage computation of one job: the values to store by uid, the ready groups, the
+# dropped ones, the failed ones with the reason, and what reward shaping did.
+Computed = tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]
+Compute = Callable[[ComputeJob], Computed]
+# A computation done before a push's transaction, for the groups the push is expected to
+# complete: the job and its result (pushed_advantages.compute_ahead).
+Ahead = tuple[ComputeJob, Computed]

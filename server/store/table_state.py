@@ -19,6 +19,7 @@ from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
+from .kinds import Ahead, Compute
 from .records import LEASED, LIVE, READY, GroupRecord, ItemRecord
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
@@ -86,6 +87,12 @@ class TableState:
         self._groups: dict[str, GroupRecord | None] = {}
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
+        # The table's advantage computation where a push runs it in its own transaction
+        # (pushed_advantages.py); None leaves the groups a push completes to the worker.
+        self.compute: Compute | None = None
+        # Its result for the groups the push was expected to complete, computed before the
+        # transaction (pushed_advantages.compute_ahead), used where they are the groups it completes.
+        self.ahead: Ahead | None = None
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
