@@ -2,8 +2,9 @@
 as groups become ready, leave ready or change priority, and checks them for `expbuf check`.
 
 An order (selection.py) reads the index it declares; the store opens the databases of the
-indexes of the registered orders, and of the version index every order filters with. Every
-key starts with the table's 4-byte prefix. The built-in indexes:
+indexes of the registered orders, and of the version index every order filters with; a table
+keeps the eager ones always and a lazy one from the first request that reads it (selection.py).
+Every key starts with the table's 4-byte prefix. The built-in indexes (all lazy but `ready`):
 - `ready`:  rseq (u64 BE)                  -> group key   (fifo from the front, lifo from the back)
 - `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
 - `slots`:  slot (u64 BE)                  -> group key   (a dense array: uniform picks a random slot)

@@ -6,7 +6,9 @@ databases, keeps it as groups become ready, leave ready or change priority, and
 `integrity.verify` checks it, all without naming it. A new order is one class and one
 `register` call, before the store opens; an order with an index of its own (an `Index`
 class with its databases) gets them opened, built from the ready groups at the store's next
-open, and kept from then on.
+open, and kept from then on. A lazy index (`Index.lazy`: the built-in priority, slot and version
+indexes) is kept by a table only from the first request that reads it, so a push writes only
+the indexes its table's readers use.
 
 Every selection costs a few B-tree lookups, so it does not slow down as the table grows: no
 request scans the table. A request with a `min_model_version` reads only the groups at or
