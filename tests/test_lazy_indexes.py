@@ -11,7 +11,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import lmdb
+import pytest
+
 from expbuf.server import selection
+from expbuf.server.errors import InvalidRequest
+from expbuf.server.ready_indexes import PriorityIndex
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, layout
 from expbuf.server.tables import TableConfig
@@ -162,3 +167,22 @@ def test_a_directory_written_before_the_mark_keeps_every_index(tmp_path: Path) -
         key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
         store.environment.submit(lambda txn: txn.delete(key, db=counters))  # "t" as the fixture's tables
         assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+
+
+def test_a_request_undone_after_building_an_index_leaves_neither_it_nor_its_mark(tmp_path: Path) -> None:
+    """The index and its mark commit with the request that built them, or not at all."""
+    with one_each(tmp_path) as store:
+        store.put_entries("t", entries(8, 1))
+        table_id, config = store.catalog.lookup("t")
+
+        def refused(txn: lmdb.Transaction[bytes]) -> None:
+            store.catalog.state(txn, table_id, config).ready.of(PriorityIndex)
+            raise InvalidRequest("refused after the build")
+
+        with pytest.raises(InvalidRequest, match="refused after the build"):
+            store.environment.submit(refused)
+        assert push_puts(store, 8) == {name: 1.0 for name in (*RECORDS, "ready")}
+        assert store.verify("t") == []
+        store.environment.submit(lambda txn: store.catalog.state(txn, table_id, config).ready.of(PriorityIndex))
+        assert push_puts(store, 72) == {name: 1.0 for name in (*RECORDS, "ready", "prio")}
+        assert store.verify("t") == []
