@@ -125,6 +125,7 @@ def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], pref
 def mark_in_use(
     txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, names: set[str]
 ) -> None:
+    """Record the lazy indexes' databases a table keeps, in the transaction that builds them."""
     txn.put(prefix + IN_USE, ",".join(sorted(names)).encode("ascii"), db=dbs["counters"])
 
 
@@ -184,7 +185,7 @@ class ReadyIndex:
             raise InvalidRequest(f"the index {cls.__name__} is not kept by this table, and cannot be built here")
         groups = list(self.ready_groups())
         index = cls(self.dbs, self.txn, self.prefix)
-        for name in cls.databases:  # rows left by a release that kept every index are of another time
+        for name in cls.databases:  # rows a release that keeps every index wrote while it served the table are stale
             index.clear(name)
         index.add(groups)
         used = in_use(self.txn, self.dbs, self.prefix) or set()
