@@ -2,8 +2,9 @@
 as groups become ready, leave ready or change priority, and checks them for `expbuf check`.
 
 An order (selection.py) reads the index it declares; the store opens the databases of the
-indexes of the registered orders, and of the version index every order filters with. Every
-key starts with the table's 4-byte prefix. The built-in indexes:
+indexes of the registered orders, and of the version index every order filters with; a table
+keeps the eager ones always and a lazy one from the first request that reads it (selection.py).
+Every key starts with the table's 4-byte prefix. The built-in indexes (all lazy but `ready`):
 - `ready`:  rseq (u64 BE)                  -> group key   (fifo from the front, lifo from the back)
 - `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
 - `slots`:  slot (u64 BE)                  -> group key   (a dense array: uniform picks a random slot)
@@ -72,6 +73,10 @@ class Index(ABC):
     with them or not at all."""
 
     databases: ClassVar[tuple[str, ...]]
+    # Lazy: a table keeps it from the first request that reads it, built then from the ready
+    # groups (selection.ReadyIndex); eager: kept from the table's creation, as any reader of
+    # the database may expect.
+    lazy: ClassVar[bool] = False
 
     def __init__(self, dbs: Mapping[str, lmdb._Database], txn: lmdb.Transaction[bytes], prefix: bytes) -> None:
         self.txn, self.prefix = txn, prefix
@@ -96,15 +101,23 @@ class Index(ABC):
         """The problems of this index against the table's ready groups; [] when it holds
         exactly them. Each problem names the database it is in."""
 
-    def entries(self, name: str) -> int:
-        """The rows of one of its databases under the table's prefix (the bare prefix not counted)."""
+    def entries(self, name: str, *, bare: bool = False) -> int:
+        """The rows of one of its databases under the table's prefix (the bare prefix counted
+        only with `bare`)."""
         n, p = 0, self.prefix
         with self.txn.cursor(db=self.db[name]) as cur:
             found = cur.set_range(p)
             while found and cur.key().startswith(p):
-                n += len(cur.key()) > len(p)
+                n += bare or len(cur.key()) > len(p)
                 found = cur.next()
         return n
+
+    def clear(self, name: str) -> None:
+        """Delete every row of one of its databases under the table's prefix."""
+        with self.txn.cursor(db=self.db[name]) as cur:
+            found = cur.set_range(self.prefix)
+            while found and cur.key().startswith(self.prefix):
+                found = cur.delete()
 
 
 class KeyedIndex(Index):
@@ -172,6 +185,7 @@ class PriorityIndex(KeyedIndex):
     """Priority descending, then rseq -> group key."""
 
     databases = ("prio",)
+    lazy = True
     what = "the priority index (prio)"
 
     def row(self, group: ReadyGroup) -> tuple[bytes, bytes]:
@@ -184,6 +198,7 @@ class VersionIndex(KeyedIndex):
     for the groups below a version."""
 
     databases = ("byver",)
+    lazy = True
     what = "the version index (byver)"
 
     def row(self, group: ReadyGroup) -> tuple[bytes, bytes] | None:
@@ -256,6 +271,7 @@ class Slots(Index):
     `slotof` and the count under the bare prefix: uniform picks random slots."""
 
     databases = ("slots", "slotof")
+    lazy = True
 
     def add(self, groups: Sequence[ReadyGroup]) -> None:
         """Slots at the end of the array; the count is written once."""

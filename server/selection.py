@@ -6,7 +6,9 @@ databases, keeps it as groups become ready, leave ready or change priority, and
 `integrity.verify` checks it, all without naming it. A new order is one class and one
 `register` call, before the store opens; an order with an index of its own (an `Index`
 class with its databases) gets them opened, built from the ready groups at the store's next
-open, and kept from then on.
+open, and kept from then on. A lazy index (`Index.lazy`: the built-in priority, slot and version
+indexes) is kept by a table only from the first request that reads it, so a push writes only
+the indexes its table's readers use.
 
 Every selection costs a few B-tree lookups, so it does not slow down as the table grows: no
 request scans the table. A request with a `min_model_version` reads only the groups at or
@@ -22,7 +24,7 @@ from __future__ import annotations
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, TypeVar, cast
 
 import lmdb
@@ -35,6 +37,9 @@ O = TypeVar("O", bound="type[Order]")  # noqa: E741
 # A ready group as the rules pass it: key, rseq, priority, version (a ReadyGroup or a plain tuple).
 Row = tuple[bytes, int, float, int | None]
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# After a table's prefix in the counters database: the databases of the lazy indexes
+# (Index.lazy) the table keeps, comma separated. Absent (a table from before the mark): all.
+IN_USE = b"indexes"
 
 
 class Order(ABC):
@@ -95,46 +100,97 @@ def unregister(name: str) -> None:
 
 
 def indexes() -> list[type[Index]]:
-    """The indexes a store keeps: the version index, then those the registered orders read."""
+    """The indexes a store opens: the ready order, the version index, then those the registered
+    orders read. A table keeps those of them it was read with (`in_use`)."""
     return list(_KEPT)
 
 
 def _indexes() -> list[type[Index]]:
-    found: list[type[Index]] = [VersionIndex]
+    found: list[type[Index]] = [ReadyOrder, VersionIndex]
     for order in ORDERS.values():
         if order.index not in found:
             found.append(order.index)
     return found
 
 
-class ReadyIndex:
-    """The ready-group indexes of one table inside a transaction: the registered orders'
-    indexes whose databases the store opened, and the version index."""
+def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> set[str] | None:
+    """The index databases a table keeps; None: every one (a table from before the mark, or
+    databases without the counters)."""
+    if "counters" not in dbs:
+        return None
+    raw = txn.get(prefix + IN_USE, db=dbs["counters"])
+    return None if raw is None else set(bytes(raw).decode("ascii").split(",")) - {""}
 
-    def __init__(self, dbs: Mapping[str, lmdb._Database], txn: lmdb.Transaction[bytes], prefix: bytes) -> None:
-        self.dbs, self.txn, self.prefix = dbs, txn, prefix
+
+def mark_in_use(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, names: set[str]
+) -> None:
+    """Record the lazy indexes' databases a table keeps, in the transaction that builds them."""
+    txn.put(prefix + IN_USE, ",".join(sorted(names)).encode("ascii"), db=dbs["counters"])
+
+
+def keeps(used: set[str] | None, cls: type[Index]) -> bool:
+    """Whether a table whose mark is `used` keeps this index."""
+    return not cls.lazy or used is None or set(cls.databases) <= used
+
+
+class ReadyIndex:
+    """The ready-group indexes of one table inside a transaction: those of the registered
+    orders and the version index whose databases the store opened, of which the table keeps
+    the eager ones and the lazy ones it was read with. A request that needs a lazy one the
+    table does not keep yet builds it from `ready_groups` and marks it kept, in its own
+    transaction: it is kept from then on. So a push writes only the indexes its table's
+    readers use."""
+
+    def __init__(
+        self,
+        dbs: Mapping[str, lmdb._Database],
+        txn: lmdb.Transaction[bytes],
+        prefix: bytes,
+        ready_groups: Callable[[], Sequence[ReadyGroup]] | None = None,
+    ) -> None:
+        self.dbs, self.txn, self.prefix, self.ready_groups = dbs, txn, prefix, ready_groups
         self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
         self._kept: list[type[Index]] | None = None
 
+    def opened(self) -> list[type[Index]]:
+        """The indexes whose databases the store opened: the registered orders' and the version index."""
+        return [cls for cls in _KEPT if all(name in self.dbs for name in cls.databases)]
+
     def kept(self) -> list[type[Index]]:
-        """The indexes kept here: the registered orders' and the version index, where the
-        store opened their databases."""
+        """The opened indexes this table keeps."""
         if self._kept is None:
-            self._kept = [cls for cls in _KEPT if all(name in self.dbs for name in cls.databases)]
+            used = in_use(self.txn, self.dbs, self.prefix)
+            self._kept = [cls for cls in self.opened() if keeps(used, cls)]
         return self._kept
 
     def of(self, cls: type[I]) -> I:
-        """The index of one class; refused when the store did not open it (its order was
-        registered after the store opened)."""
+        """The index of one class, built first if the table does not keep it yet; refused when
+        the store did not open it (its order was registered after the store opened)."""
         index = self._made.get(cls)
         if index is None:
             if cls not in self.kept():
-                raise InvalidRequest(
-                    f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
-                    "an order is registered before the store opens"
-                )
+                if cls not in self.opened():
+                    raise InvalidRequest(
+                        f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
+                        "an order is registered before the store opens"
+                    )
+                self._start(cls)
             index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
         return cast(I, index)
+
+    def _start(self, cls: type[Index]) -> None:
+        """Build an index the table does not keep from its ready groups, and mark it kept."""
+        if self.ready_groups is None:
+            raise InvalidRequest(f"the index {cls.__name__} is not kept by this table, and cannot be built here")
+        groups = list(self.ready_groups())
+        index = cls(self.dbs, self.txn, self.prefix)
+        for name in cls.databases:  # rows a release that keeps every index wrote while it served the table are stale
+            index.clear(name)
+        index.add(groups)
+        used = in_use(self.txn, self.dbs, self.prefix) or set()
+        mark_in_use(self.txn, self.dbs, self.prefix, used | set(cls.databases))
+        self.kept().append(cls)
 
     @property
     def versions(self) -> VersionIndex:
@@ -171,9 +227,20 @@ class ReadyIndex:
                 index.move(old, new)
 
     def verify(self, ready: Sequence[Row]) -> list[str]:
-        """The problems of every open index against the table's ready groups."""
+        """The problems of every kept index against the table's ready groups, and the rows of
+        an opened index the table does not keep (which belong nowhere)."""
         rows = [ReadyGroup(*group) for group in ready]
-        return [problem for index in self._every() for problem in index.verify(rows)]
+        problems = [problem for index in self._every() for problem in index.verify(rows)]
+        for cls in self.opened():
+            if cls not in self.kept():
+                index = cls(self.dbs, self.txn, self.prefix)
+                for name in cls.databases:
+                    if index.entries(name, bare=True):
+                        problems.append(
+                            f"the {name} index holds {index.entries(name, bare=True)} rows, "
+                            "but the table does not keep it (it was never read in its order)"
+                        )
+        return problems
 
     def below_version(self, version: int, limit: int) -> list[str]:
         """Up to `limit` ready groups whose lowest version is below `version`, lowest first."""

@@ -147,6 +147,7 @@ def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -
     with Store(tmp_path) as store:
         store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
         store.put("t", group_items(1, 0, 3, version=4))
+        store.sample(SampleSpec("t", num_groups=1, min_model_version=4, delivery="replay"))  # the table keeps byver
         env = store.environment
         with env.env.begin(write=True) as txn:  # as format 2 left it: no version index
             txn.drop(env.db["byver"], delete=False)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import lmdb
 
+from .. import selection
 from ..errors import Conflict, NotFound, clip
 from ..tables import CONFIG_VERSION, TableConfig
 from . import layout
@@ -91,6 +92,8 @@ class TableCatalog:
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
             record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
             txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
+            # A new table keeps no lazy index: each is built when first read.
+            selection.mark_in_use(txn, db, layout.table_prefix(table_id), set())
             return True, table_id
 
         created, table_id = self.environment.submit(op)

@@ -12,9 +12,11 @@ one contiguous range:
 - compute:   T + rseq -> group key (complete groups waiting for their advantages)
 - retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
   pruned together after tombstone_seconds)
-- counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction
+- counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction;
+  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; selection.IN_USE)
 - ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
-  and of the version index (byver); see ready_indexes.py and selection.py
+  and of the version index (byver), of the tables that keep them; see ready_indexes.py and
+  selection.py
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
 - cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)

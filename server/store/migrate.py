@@ -12,7 +12,9 @@ database of its own (tombs), and its retired index names groups, not experiences
 moves the old tombstones and rebuilds the index (`compact_tombstones`). A leased group's
 members keep ready records from format 4 (`ready_while_leased`).
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
-an order registered since the last open and drops one no order reads any more.
+an order registered since the last open and drops one no order reads any more. Which indexes a
+table keeps is marked per table (selection.IN_USE, in the counters database); a table without
+the mark, as every table written before it, keeps every index, so no format step is needed.
 Each step runs in the one transaction of the open: a crash during it leaves the format
 found, and the next open starts again. A directory of a newer format than this expbuf
 reads is refused, naming both.
@@ -84,7 +86,8 @@ def keep_indexes(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[
 
 
 def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes: list[type[Index]]) -> None:
-    """Fill these indexes (emptied first) with the ready groups of every table, in ready order."""
+    """Fill these indexes (emptied first) with the ready groups of every table that keeps them,
+    in ready order."""
     if not indexes:
         return
     for index in indexes:
@@ -95,8 +98,10 @@ def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes:
     for key, raw in itertools.chain(txn.cursor(db=dbs["groups"]), [(b"", b"")]):
         if key[:4] != prefix:
             ready.sort(key=lambda group: group.rseq)
+            used = selection.in_use(txn, dbs, prefix) if ready else None
             for index in indexes if ready else ():
-                index(dbs, txn, prefix).add(ready)
+                if selection.keeps(used, index):  # a table not reading it builds it when it does
+                    index(dbs, txn, prefix).add(ready)
             prefix, ready = bytes(key[:4]), []
         if key:
             grp = GroupRecord.decode(raw)

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 import lmdb
 
 from ..errors import StoreError, clip
-from ..ready_indexes import put_rows, u64
+from ..ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
 from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
@@ -80,7 +80,7 @@ class TableState:
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
         self.counters = read_counters(txn, dbs["counters"], self.prefix)
-        self.ready = ReadyIndex(dbs, txn, self.prefix)
+        self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups)
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
         self._items: dict[str, Cached] = {}
@@ -168,6 +168,15 @@ class TableState:
         self._groups[gkey] = None
         self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
+
+    def ready_groups(self) -> list[ReadyGroup]:
+        """The ready groups in ready order, as an index first kept now is built from: the ready
+        order's keys, with each group's priority and version from its record."""
+        groups = []
+        for gkey in list(self.ready.of(ReadyOrder).scan(reverse=False)):
+            grp = self.existing_group(bytes(gkey).decode())
+            groups.append(ReadyGroup(bytes(gkey), grp.ready_seq, grp.priority, grp.version))
+        return groups
 
     def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
         return {uid: self.existing_item(uid) for uid in grp.members}

@@ -1,0 +1,188 @@
+"""A table keeps only the ready-group indexes its readers use: the ready order always, the
+uniform slots, the priority index and the version index from the first request that reads
+them, built then from the ready groups. Puts are counted as bench/bench_writes.py counts them,
+over a real Store."""
+
+from __future__ import annotations
+
+import collections
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from expbuf.server import selection
+from expbuf.server.errors import InvalidRequest
+from expbuf.server.ready_indexes import PriorityIndex
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store, layout
+from expbuf.server.tables import TableConfig
+
+from conftest import FIXTURES
+from helpers import group_items
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from bench_writes import counting, entries
+
+INDEXES = ("ready", "prio", "slots", "slotof", "byver")
+RECORDS = ("blobs", "items", "order", "groups")
+
+
+def one_each(tmp_path: Path, name: str = "t") -> Store:
+    store = Store(tmp_path)
+    store.create_table(TableConfig(name=name, estimator="none", group_size=1, drop_zero_variance=False))
+    return store
+
+
+def push_puts(store: Store, at: int, n: int = 64) -> dict[str, float]:
+    """The puts per experience of pushing n experiences, each its own group (of version 1), by
+    database: the counters and the uniform slots' count are written once per push, not counted."""
+    counted: collections.Counter[str] = collections.Counter()
+    counting(store, counted)
+    store.put_entries("t", entries(n, 1, at))
+    if counted["put slots"]:
+        counted["put slots"] -= 1
+    return {key[4:]: value / n for key, value in counted.items() if key.startswith("put ") and key != "put counters"}
+
+
+def replay(store: Store, table: str = "t", **spec: object) -> list[str]:
+    batch = store.sample(SampleSpec(table, delivery="replay", wait_seconds=0, **spec))  # type: ignore[arg-type]
+    assert batch is not None
+    return batch.group_ids
+
+
+def test_a_push_writes_the_indexes_its_table_was_read_with(tmp_path: Path) -> None:
+    with one_each(tmp_path) as store:
+        assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, "ready")}  # 5 puts, not 9
+        assert replay(store, num_groups=1, order="fifo") == ["0/0"]
+        assert push_puts(store, 64) == {name: 1.0 for name in (*RECORDS, "ready")}
+        replay(store, num_groups=1, order="uniform")
+        assert push_puts(store, 128) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof")}
+        assert store.verify("t") == []
+    with Store(tmp_path) as store:  # the mark is durable
+        assert push_puts(store, 192) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof")}
+        replay(store, num_groups=1, order="priority", min_model_version=1)  # reads the version index only
+        assert push_puts(store, 256) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof", "byver")}
+        replay(store, num_groups=1, order="priority")
+        assert push_puts(store, 320) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+        assert store.verify("t") == []
+
+
+def kept_always(tmp_path: Path) -> Store:
+    """A store whose table keeps every index from its creation, as a table from before the mark."""
+    store = one_each(tmp_path)
+    table_id, _ = store.catalog.lookup("t")
+    key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
+    store.environment.submit(lambda txn: txn.delete(key, db=counters))
+    return store
+
+
+def history(store: Store, batch: int = 1) -> None:
+    """Groups of several priorities and versions (one of none), some consumed, one leased and
+    given back, one requeued after a replay."""
+    for task in range(24):
+        version = None if task == 5 else task % 4
+        store.put("t", group_items(batch, task, 1, version=version, priority=float(task % 3)))
+    assert store.sample(SampleSpec("t", num_groups=3, wait_seconds=0)) is not None
+    leased = store.sample(SampleSpec("t", num_groups=2, order="lifo", delivery="lease", lease_seconds=60))
+    assert leased is not None and leased.lease_id
+    store.nack(leased.lease_id, "t")
+    replay(store, num_groups=1, order="fifo")
+
+
+def test_the_first_request_in_an_order_returns_what_a_table_that_kept_its_index_returns(tmp_path: Path) -> None:
+    with kept_always(tmp_path / "always") as always, one_each(tmp_path / "lazy") as lazy:
+        for store in (always, lazy):
+            history(store)
+        first = {
+            "priority": dict(num_groups=20, order="priority"),
+            "priority_fresh": dict(num_groups=5, order="priority", min_model_version=2),
+            "fifo_fresh": dict(num_groups=5, order="fifo", min_model_version=3),
+            "lifo_fresh": dict(num_groups=5, order="lifo", min_model_version=1),
+            "uniform_fresh": dict(num_groups=10, order="uniform", min_model_version=2),
+        }
+        for name, spec in first.items():
+            always.sampling.rng, lazy.sampling.rng = random.Random(name), random.Random(name)
+            assert replay(lazy, **spec) == replay(always, **spec), name
+        # Uniform's slots are in the order groups came and went: the first uniform read builds
+        # them in ready order, so the draw differs; the groups it can draw do not.
+        everything = dict(num_groups=21, order="uniform")
+        assert sorted(replay(lazy, **everything)) == sorted(replay(always, **everything))
+        assert always.verify("t") == [] and lazy.verify("t") == []
+        for store in (always, lazy):
+            history(store, 2)  # the indexes now kept are kept through every change
+    with Store(tmp_path / "always") as always, Store(tmp_path / "lazy") as lazy:
+        assert always.verify("t") == [] and lazy.verify("t") == []
+        for name, spec in first.items():
+            always.sampling.rng, lazy.sampling.rng = random.Random(name), random.Random(name)
+            assert replay(lazy, **spec) == replay(always, **spec), name
+
+
+def test_uniform_draws_as_a_table_that_kept_its_slots_when_no_group_left(tmp_path: Path) -> None:
+    with kept_always(tmp_path / "always") as always, one_each(tmp_path / "lazy") as lazy:
+        for store in (always, lazy):
+            store.put_entries("t", entries(40, 1))
+            store.sampling.rng = random.Random(3)
+        assert replay(lazy, num_groups=12, order="uniform") == replay(always, num_groups=12, order="uniform")
+
+
+def test_the_check_refuses_a_kept_index_that_disagrees_and_rows_of_one_not_kept(tmp_path: Path) -> None:
+    with one_each(tmp_path) as store:
+        store.put_entries("t", entries(4, 1))
+        table_id, _ = store.catalog.lookup("t")
+        prefix, db = layout.table_prefix(table_id), store.environment.db
+        stray = prefix + bytes(16)
+        store.environment.submit(lambda txn: txn.put(stray, b"0/0", db=db["prio"]))
+        assert store.verify("t") == [
+            "the prio index holds 1 rows, but the table does not keep it (it was never read in its order)"
+        ]
+        store.environment.submit(lambda txn: txn.delete(stray, db=db["prio"]))
+        replay(store, num_groups=1, order="priority")
+        assert store.verify("t") == []
+        with store.environment.read() as txn:
+            key = next(bytes(k) for k in txn.cursor(db=db["prio"]).iternext(values=False) if k.startswith(prefix))
+        store.environment.submit(lambda txn: txn.delete(key, db=db["prio"]))
+        problems = store.verify("t")
+        assert "the priority index (prio) holds 3 groups, 4 belong in it" in problems
+
+
+def test_a_directory_written_before_the_mark_keeps_every_index(tmp_path: Path) -> None:
+    """The format-3 fixture, upgraded: its tables have no mark, keep every index, and a push
+    writes every one of them."""
+    shutil.copy(FIXTURES / "datadir_v3" / "data.mdb", tmp_path / "data.mdb")
+    with Store(tmp_path) as store:
+        names = [table.name for table in store.list_tables()]
+        assert names
+        for name in names:
+            table_id, _ = store.catalog.lookup(name)
+            with store.environment.read() as txn:
+                assert selection.in_use(txn, store.environment.db, layout.table_prefix(table_id)) is None
+            assert store.verify(name) == []
+        store.create_table(TableConfig(name="t", estimator="none", group_size=1, drop_zero_variance=False))
+        table_id, _ = store.catalog.lookup("t")
+        key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
+        store.environment.submit(lambda txn: txn.delete(key, db=counters))  # "t" as the fixture's tables
+        assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+
+
+def test_a_request_undone_after_building_an_index_leaves_neither_it_nor_its_mark(tmp_path: Path) -> None:
+    """The index and its mark commit with the request that built them, or not at all."""
+    with one_each(tmp_path) as store:
+        store.put_entries("t", entries(8, 1))
+        table_id, config = store.catalog.lookup("t")
+
+        def refused(txn: lmdb.Transaction[bytes]) -> None:
+            store.catalog.state(txn, table_id, config).ready.of(PriorityIndex)
+            raise InvalidRequest("refused after the build")
+
+        with pytest.raises(InvalidRequest, match="refused after the build"):
+            store.environment.submit(refused)
+        assert push_puts(store, 8) == {name: 1.0 for name in (*RECORDS, "ready")}
+        assert store.verify("t") == []
+        store.environment.submit(lambda txn: store.catalog.state(txn, table_id, config).ready.of(PriorityIndex))
+        assert push_puts(store, 72) == {name: 1.0 for name in (*RECORDS, "ready", "prio")}
+        assert store.verify("t") == []
