@@ -168,6 +168,14 @@ def computed_in_push(config: TableConfig, cuda: bool) -> bool:
     )
 
 
+def use_threads(threads: int) -> None:
+    """torch's intra-op threads in this process (0 leaves torch's own default): the server's
+    computations are a push's groups or a worker's batch, too small to gain from more threads
+    on a few cores, where a second one costs every table CPU (bench/RESULTS.md)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def check_device(config: TableConfig) -> None:
     """Refuse a table that asks for CUDA on a server without it: its advantages could never
     be computed."""

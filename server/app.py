@@ -28,7 +28,7 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
-from .advantages import AdvantageWorker, check_device
+from .advantages import AdvantageWorker, check_device, use_threads
 from .auth import TokenAuth
 from .config import ServerConfig
 from .errors import StoreError
@@ -153,6 +153,7 @@ class ExpbufServer:
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))
         keep_reply_memory()
+        use_threads(config.torch_threads)
         few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),

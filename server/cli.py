@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
             "metrics_port": args.metrics_port,
             "metrics_host": args.metrics_host,
             "ingest_processes": args.ingest_processes,
+            "torch_threads": args.torch_threads,
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
@@ -193,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="processes that validate and pack pushes, 0 = none (default: cores - 1, at most 4;"
         " env EXPBUF_INGEST_PROCESSES)",
+    )
+    serve.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch's threads for the server's advantages, 0 = torch's default (default 1; env EXPBUF_TORCH_THREADS)",
     )
     serve.add_argument(
         "--push-stream-idle-seconds",

@@ -18,6 +18,7 @@ may also declare tables (created at start, or checked against the stored ones):
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     check_at_open = "full"        # "full": every record and digest before serving; "quick": the directory's own
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
+    torch_threads = 1             # torch's threads for the server's advantages (0: torch's own default)
     max_message_bytes = 268435456
 
     [tls]
@@ -105,6 +106,10 @@ class ServerConfig:
     check_at_open: str = "full"
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
+    # torch's intra-op threads in the server process, where advantages are computed (0: torch's own
+    # default, one per core). One by default: the server's computations are small (a push's groups, a
+    # worker's batch), and a second thread on a few cores costs every table CPU (bench/RESULTS.md).
+    torch_threads: int = 1
     log_format: str = "text"
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
@@ -159,6 +164,9 @@ class ServerConfig:
         processes = self.ingest_processes
         if processes is not None and (not isinstance(processes, int) or not 0 <= processes <= 64):
             raise ConfigError(f"ingest_processes must be an integer from 0 to 64, got {self.ingest_processes!r}")
+        threads = self.torch_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 1024:
+            raise ConfigError(f"torch_threads must be an integer from 0 (torch's default) to 1024, got {threads!r}")
         if not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"workers must be an integer >= 2, got {self.workers!r}")
         streams = self.max_sample_streams
@@ -212,6 +220,7 @@ _ENV = {
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_CHECK_AT_OPEN": ("check_at_open", str),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
+    "EXPBUF_TORCH_THREADS": ("torch_threads", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),
     "EXPBUF_SHARD": ("shard", str),
 }

@@ -1,0 +1,56 @@
+"""The server's torch threads: one by default (its computations are small, and on a few cores a
+second thread costs every table CPU: bench/RESULTS.md), torch's own default with 0, from TOML,
+environment or flag, and a bad value refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from expbuf.client import BufferClient
+from expbuf.server.config import ConfigError, ServerConfig, load
+
+from conftest import Servers
+from helpers import make_experience
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """torch's threads as the test process had them, restored after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_setting_comes_from_toml_environment_and_flag_and_a_bad_value_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert ServerConfig(data=str(tmp_path)).torch_threads == 1
+    toml = tmp_path / "expbuf.toml"
+    toml.write_text("torch_threads = 3\n")
+    assert load(str(toml)).torch_threads == 3
+    monkeypatch.setenv("EXPBUF_TORCH_THREADS", "0")
+    assert load(str(toml)).torch_threads == 0
+    assert load(str(toml), {"torch_threads": 2}).torch_threads == 2
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="torch_threads must be an integer from 0"):
+            ServerConfig(data=str(tmp_path), torch_threads=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("threads")
+def test_a_server_computes_with_the_threads_it_is_given(start_server: Servers) -> None:
+    torch.set_num_threads(2)
+    server = start_server(torch_threads=1)
+    assert torch.get_num_threads() == 1
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("t", group_size=4, estimator="grpo")
+        assert client.push([make_experience(1, 0, run) for run in range(4)], table="t").completed_groups == ["1/0"]
+        batch = next(client.sample("t", num_groups=1, delivery="consume", timeout=10, max_batches=1))
+        assert all(e.advantages is not None for e in batch.experiences)
+    server.stop()
+    torch.set_num_threads(2)
+    start_server(torch_threads=0)
+    assert torch.get_num_threads() == 2  # 0: torch's own setting is left as it is
