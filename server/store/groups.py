@@ -28,7 +28,7 @@ from .pushed_advantages import (
     store_advantages,
     zero_variance,
 )
-from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED, GroupRecord, ItemRecord
+from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED, GroupRecord
 from .retirement import retire
 from .table_state import TableState
 
@@ -123,25 +123,7 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
         grp = groups[gkey]
         for entry in members:
             size = len(entry.blob)
-            tt.put_item(
-                entry.uid,
-                ItemRecord(
-                    state=PENDING,
-                    group=gkey,
-                    seq=seq,
-                    digest=entry.digest,
-                    size=size,
-                    created=now,
-                    tid=entry.tid,
-                    rid=entry.rid,
-                    step=entry.step,
-                    response_length=entry.response_length,
-                    generated=entry.generated,
-                    version=entry.version,
-                    reward=entry.reward,
-                    priority=entry.priority,
-                ),
-            )
+            tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
             uid = entry.uid.encode()
             blobs.append((prefix + uid, entry.blob))
             order.append((prefix + u64(seq), uid))

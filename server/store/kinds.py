@@ -12,7 +12,7 @@ from expbuf.client import trxp
 from ..advantage_storage import Advantage, BatchStage, batch_parts
 from ..tables import TableConfig
 from . import digests
-from .records import ItemRecord
+from .records import PENDING, ItemRecord
 from .snapshot import Snapshot
 
 T = TypeVar("T")
@@ -60,6 +60,25 @@ class Entry:
             step=eid.step,
             response_length=item.response_length,
             generated=item.generated_tokens,
+        )
+
+    def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
+        """The record of this experience as a pending member of group `gkey`."""
+        return ItemRecord(
+            state=PENDING,
+            group=gkey,
+            seq=seq,
+            digest=self.digest,
+            size=len(self.blob),
+            created=created,
+            tid=self.tid,
+            rid=self.rid,
+            step=self.step,
+            response_length=self.response_length,
+            generated=self.generated,
+            version=self.version,
+            reward=self.reward,
+            priority=self.priority,
         )
 
     def group_key(self, group_by: str) -> str:

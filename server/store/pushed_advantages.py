@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from ..tables import TableConfig
 from . import limiter
 from .kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from .records import COMPUTING, DROPPED, PENDING, READY, GroupRecord, ItemRecord
+from .records import COMPUTING, DROPPED, READY, GroupRecord, ItemRecord
 from .retirement import retire
 from .table_state import TableState
 
@@ -105,33 +105,16 @@ def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Comput
         config=config,
         groups=list(complete),
         members=[list(group) for group in complete.values()],
-        records={uid: _estimated(gkey, e) for gkey, group in complete.items() for uid, e in group.items()},
+        # what an estimator reads of each record, before the record exists
+        records={
+            uid: e.record(gkey, seq=0, created=0.0) for gkey, group in complete.items() for uid, e in group.items()
+        },
         blobs={},
     )
     try:
         return job, compute(job)
     except Exception:  # computed again in the transaction, and left to the worker if it fails there
         return None
-
-
-def _estimated(gkey: str, entry: Entry) -> ItemRecord:
-    """What an estimator reads of an experience's record, before the record exists."""
-    return ItemRecord(
-        state=PENDING,
-        group=gkey,
-        seq=0,
-        digest=entry.digest,
-        size=len(entry.blob),
-        created=0.0,
-        tid=entry.tid,
-        rid=entry.rid,
-        step=entry.step,
-        response_length=entry.response_length,
-        generated=entry.generated,
-        version=entry.version,
-        reward=entry.reward,
-        priority=entry.priority,
-    )
 
 
 def _same_job(ahead: ComputeJob, job: ComputeJob) -> bool:
