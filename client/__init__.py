@@ -6,6 +6,7 @@ from .connection import Tls
 from .errors import (
     AlreadyExistsError,
     BufferError,
+    DataLossError,
     DeadlineExceededError,
     ExpbufError,
     FailedPreconditionError,
@@ -28,6 +29,7 @@ __all__ = [
     "BufferClient",
     "BufferError",
     "BufferStats",
+    "DataLossError",
     "DeadlineExceededError",
     "ExpbufError",
     "Experience",

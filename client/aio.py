@@ -75,15 +75,16 @@ class AsyncBufferClient(ClientBase):
         **options: Unpack[SampleOptions],
     ) -> AsyncIterator[Batch]:
         """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines."""
-        request = SampleSpec(table, batch_size, num_groups, **options).request()
+        spec = SampleSpec(table, batch_size, num_groups, **options)
         call = self._sample(metadata=self._metadata)
         received = 0
         try:
-            await call.write(request)
+            await call.write(spec.request())
             while (reply := await call.read()) is not grpc.aio.EOF:
+                batch = calls.batch(reply, table, self, AsyncBatch)
                 received += 1
                 await call.write(calls.confirmation(received))
-                yield calls.batch(reply, table, self.ack, self.nack, AsyncBatch)
+                yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
             raise ExpbufError(exc.code(), exc.details() or "") from None
         finally:
@@ -100,6 +101,10 @@ class AsyncBufferClient(ClientBase):
     async def nack(self, lease_id: str, table: str = "default") -> int:
         """Give a lease's batch back to the buffer now. Returns the experiences it held."""
         return await self._run(calls.nack(lease_id, table))
+
+    async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
+        """As BufferClient.renew: the lease now ends `seconds` from now; returns when."""
+        return await self._run(calls.renew(lease_id, seconds, table))
 
     async def set_trainer_version(self, version: int, table: str = "default") -> int:
         """Tell the table which policy version the trainer holds (it only moves forward; see reset_offpolicy).

@@ -8,19 +8,24 @@ Sample stream's pieces (confirmations, batches) are here too; its two loops are 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
+import grpc
+
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
+from .errors import DataLossError
 from .results import (
     Batch,
     BufferStats,
     ExperiencePage,
     GetResult,
     Grant,
+    Leases,
     ListedExperience,
     PushResult,
     ServerInfo,
@@ -30,6 +35,7 @@ from .results import (
 from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
+B = TypeVar("B", bound=Batch)
 # How long a stream the caller left may take to hand back the batches already on their way.
 STOP_SECONDS = 5.0
 
@@ -77,6 +83,11 @@ def ack(lease_id: str, table: str) -> Unary[int]:
 
 def nack(lease_id: str, table: str) -> Unary[int]:
     return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=False)
+
+
+def renew(lease_id: str, seconds: float, table: str) -> Unary[float]:
+    request = pb.RenewRequest(table=table, lease_id=lease_id, lease_seconds=seconds)
+    return Unary("Renew", request, lambda r: r.lease_expires_unix, retry=True)
 
 
 def set_trainer_version(version: int, table: str) -> Unary[int]:
@@ -226,18 +237,37 @@ def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     return pb.SampleRequest(received=received, stop=stop)
 
 
-def batch(reply: SampleReplyParts, table: str, ack: Callable, nack: Callable, kind: type[Batch] = Batch) -> Batch:
-    """A sampled batch that acknowledges through `ack` and `nack` (the client's)."""
+def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B]) -> B:
+    """A sampled batch, decoded (the checks a reader relies on), that acknowledges, gives
+    back and renews through `leases` (the client's). The client confirms a batch only once
+    this returns: one it cannot decode raises DataLossError naming it, and goes back."""
     rest = reply.rest
-    return kind(
-        payload=trxp.attach_advantages(reply.payload, rest.advantages, rest.response_lengths),
-        uids=list(rest.uids),
-        group_ids=list(rest.group_ids),
-        lease_id=rest.lease_id,
-        lease_expires=rest.lease_expires_unix,
-        partial=rest.partial,
-        table=table,
-        times_sampled=list(rest.times_sampled),
-        _ack=ack,
-        _nack=nack,
-    )
+    try:
+        made = kind(
+            payload=trxp.attach_advantages(reply.payload, rest.advantages, rest.response_lengths),
+            uids=list(rest.uids),
+            group_ids=list(rest.group_ids),
+            lease_id=rest.lease_id,
+            lease_expires=rest.lease_expires_unix,
+            partial=rest.partial,
+            table=table,
+            times_sampled=list(rest.times_sampled),
+            _leases=leases,
+        )
+        _ = made.experiences  # decoded now, before it is confirmed
+    except (trxp.TrxpError, ValueError, OverflowError) as exc:
+        groups = list(dict.fromkeys(rest.group_ids))
+        raise DataLossError(
+            grpc.StatusCode.DATA_LOSS,
+            f"a batch of table '{table}' ({len(rest.uids)} experiences, groups {', '.join(groups[:4])}"
+            f"{', ...' if len(groups) > 4 else ''}) could not be decoded, so it was not confirmed and goes back "
+            f"to the buffer: {type(exc).__name__}: {exc}",
+        ) from exc
+    return made
+
+
+def handed(made: B, lease_seconds: float) -> B:
+    """The batch as the client hands it to its caller, confirming it: a lease's clock starts now."""
+    if made.lease_id:
+        made.lease_expires = time.time() + lease_seconds
+    return made

@@ -131,22 +131,25 @@ class BufferClient(ClientBase):
     ) -> Generator[Batch, None, None]:
         """Stream batches of whole groups; the options and their defaults are SampleSpec's.
 
-        `timeout` is how long each batch may wait for data. Each batch is confirmed to the
-        server as it arrives, which also asks for more: the server keeps up to `window`
-        batches on their way while the caller works on this one (a credit window: 1 to 8;
-        1 is one batch ahead, with a round trip per batch; 2, the default, hides that round
-        trip). A consumed batch leaves the buffer once it has arrived here; the batches still
-        on their way when the caller stops iterating return to the buffer, as do leases not
-        yet here.
+        `timeout` is how long each batch may wait for data. Each batch is decoded, then
+        confirmed to the server as it is handed to the caller, which also asks for more: the
+        server keeps up to `window` batches on their way while the caller works on this one
+        (a credit window: 1 to 8; 1 is one batch ahead, with a round trip per batch; 2, the
+        default, hides that round trip). A consumed batch leaves the buffer, and a leased
+        batch's lease starts, once the caller has it; the batches still on their way when
+        the caller stops iterating return to the buffer, as does a batch that cannot be
+        decoded (DataLossError).
         """
-        requests = SampleRequests(SampleSpec(table, batch_size, num_groups, **options).request())
+        spec = SampleSpec(table, batch_size, num_groups, **options)
+        requests = SampleRequests(spec.request())
         stream = self._sample(requests, metadata=self._metadata)
         received = 0
         try:
             for reply in stream:
+                batch = calls.batch(reply, table, self, Batch)
                 received += 1
                 requests.confirm(received)
-                yield calls.batch(reply, table, self.ack, self.nack)
+                yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
             raise ExpbufError(exc.code(), exc.details() or "") from None
         finally:
@@ -168,6 +171,11 @@ class BufferClient(ClientBase):
     def nack(self, lease_id: str, table: str = "default") -> int:
         """Return the groups of a lease to the buffer now. Returns the experiences it held."""
         return self._run(calls.nack(lease_id, table))
+
+    def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
+        """Keep a lease for `seconds` more from now, for a step that outlasts the lease it took.
+        Returns when the lease now ends (Unix time, the server's clock)."""
+        return self._run(calls.renew(lease_id, seconds, table))
 
     def set_trainer_version(self, version: int, table: str = "default") -> int:
         """Tell the table the trainer's current policy version (staleness is measured from it).

@@ -93,4 +93,11 @@ class PermissionDeniedError(ExpbufError):
     status = grpc.StatusCode.PERMISSION_DENIED
 
 
+class DataLossError(ExpbufError):
+    """A sampled batch this client could not decode. It was not confirmed: it goes back to the
+    buffer (a leased one is not leased, a consumed one not consumed) and the message names it."""
+
+    status = grpc.StatusCode.DATA_LOSS
+
+
 BufferError = ExpbufError

@@ -7,10 +7,10 @@ decodes its payload on first use and acknowledges through the client that made i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from . import trxp
 from .experience import Experience
@@ -27,10 +27,21 @@ class PushResult:
     stale: list[str] = field(default_factory=list)  # dropped as staler than the table's max_staleness
 
 
+class Leases(Protocol):
+    """What a batch acknowledges, gives back and renews its lease through: the client that sampled it."""
+
+    def ack(self, lease_id: str, table: str = "default") -> Any: ...
+    def nack(self, lease_id: str, table: str = "default") -> Any: ...
+    def renew(self, lease_id: str, seconds: float, table: str = "default") -> Any: ...
+
+
 @dataclass
 class Batch:
     """One sampled batch of whole groups. `experiences` decodes the payload on first use;
-    `uids` and `group_ids` have one entry per experience, `groups` one per group."""
+    `uids` and `group_ids` have one entry per experience, `groups` one per group.
+
+    A leased batch's lease runs `lease_seconds` (the sample's) from when the client handed
+    the batch to its caller; `lease_expires` is then, on this machine's clock."""
 
     payload: bytes
     uids: list[str]
@@ -40,8 +51,7 @@ class Batch:
     partial: bool
     table: str = "default"
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
-    _ack: Callable[[str, str], Any] | None = field(default=None, repr=False)
-    _nack: Callable[[str, str], Any] | None = field(default=None, repr=False)
+    _leases: Leases | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> list[str]:
@@ -58,15 +68,23 @@ class Batch:
 
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""
-        return self._ack(self.lease_id, self.table) if self.lease_id and self._ack else 0
+        return self._leases.ack(self.lease_id, self.table) if self.lease_id and self._leases else 0
 
     def nack(self) -> int:
         """Return a leased batch to the buffer now."""
-        return self._nack(self.lease_id, self.table) if self.lease_id and self._nack else 0
+        return self._leases.nack(self.lease_id, self.table) if self.lease_id and self._leases else 0
+
+    def renew(self, seconds: float) -> float:
+        """Keep a leased batch for `seconds` more from now (a step that outlasts its lease);
+        returns when the lease now ends (Unix time, the server's clock)."""
+        if not (self.lease_id and self._leases):
+            return 0.0
+        self.lease_expires = self._leases.renew(self.lease_id, seconds, self.table)
+        return self.lease_expires
 
 
 class AsyncBatch(Batch):
-    """A Batch from AsyncBufferClient: `ack` and `nack` are coroutine functions, to be awaited.
+    """A Batch from AsyncBufferClient: `ack`, `nack` and `renew` are coroutine functions, to be awaited.
 
     (A plain Batch's `ack` called without `await` would return a coroutine that never runs:
     the lease would expire and the batch be delivered again, with nothing said.)
@@ -74,11 +92,18 @@ class AsyncBatch(Batch):
 
     async def ack(self) -> int:  # type: ignore[override]
         """Mark the leased batch done (await it); without a lease there is nothing to acknowledge."""
-        return await self._ack(self.lease_id, self.table) if self.lease_id and self._ack else 0
+        return await self._leases.ack(self.lease_id, self.table) if self.lease_id and self._leases else 0
 
     async def nack(self) -> int:  # type: ignore[override]
         """Return the leased batch to the buffer now (await it)."""
-        return await self._nack(self.lease_id, self.table) if self.lease_id and self._nack else 0
+        return await self._leases.nack(self.lease_id, self.table) if self.lease_id and self._leases else 0
+
+    async def renew(self, seconds: float) -> float:  # type: ignore[override]
+        """Keep the leased batch for `seconds` more from now (await it); returns when the lease now ends."""
+        if not (self.lease_id and self._leases):
+            return 0.0
+        self.lease_expires = await self._leases.renew(self.lease_id, seconds, self.table)
+        return self.lease_expires
 
 
 @dataclass

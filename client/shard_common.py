@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import socket
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
@@ -15,7 +15,7 @@ import grpc
 from . import calls, trxp
 from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
 from .errors import BufferError
-from .results import Batch, PushResult, TableInfo
+from .results import AsyncBatch, Batch, Leases, PushResult, TableInfo
 from .routing import ShardMap, group_key, rendezvous, shard_names
 from .sample_spec import SampleSpec
 
@@ -47,6 +47,10 @@ class ShardBatch(Batch):
     """A Batch and the shards its groups came from; its lease id is "shard/lease[,shard/lease...]"."""
 
     shards: list[str] = field(default_factory=list)
+
+
+class AsyncShardBatch(AsyncBatch, ShardBatch):
+    """A ShardBatch of the asyncio sharded client: `ack`, `nack` and `renew` are coroutine functions."""
 
 
 def dns_targets(name: str, port: int = 50051) -> dict[str, str]:
@@ -200,13 +204,13 @@ class Sharded:
         return [(shard, lease) for shard, _, lease in pairs]
 
     @staticmethod
-    def _merge(parts: list[tuple[str, Batch]], partial: bool, ack: Callable, nack: Callable) -> ShardBatch:
+    def _merge(parts: list[tuple[str, Batch]], partial: bool, leases: Leases, kind: type[ShardBatch]) -> ShardBatch:
         """One batch of the parts drawn from several shards; its lease id names each part's shard."""
         if len(parts) == 1:
             payload = parts[0][1].payload
         else:
             payload = trxp.build([item for _, part in parts for item in trxp.parse(part.payload, trusted=True)])
-        return ShardBatch(
+        return kind(
             payload=payload,
             uids=[uid for _, part in parts for uid in part.uids],
             group_ids=[group for _, part in parts for group in part.group_ids],
@@ -215,8 +219,7 @@ class Sharded:
             partial=partial or any(part.partial for _, part in parts),
             table=parts[0][1].table,
             times_sampled=[times for _, part in parts for times in part.times_sampled],
-            _ack=ack,
-            _nack=nack,
+            _leases=leases,
             shards=list(dict.fromkeys(shard for shard, _ in parts)),
         )
 

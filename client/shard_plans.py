@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
 
 from .client import Batch, BufferError, GetResult, Grant, PushResult
-from .results import BufferStats, ServerInfo, TableInfo, TableStats
+from .results import BufferStats, Leases, ServerInfo, TableInfo, TableStats
 from .routing import uid_group_key
 from .sample_spec import SampleSpec
 from .shard_common import (
@@ -339,6 +339,15 @@ class Planned(Sharded):
             raise shard_error(refused or errors, self.shard_map.targets, results)
         return min(results.values(), default=version)
 
+    def _renew(self, lease_id: str, seconds: float, table: str) -> Plan[float]:
+        """Renew each part of a batch's lease on the shard that granted it; the earliest end."""
+        calls = [Call(shard, "renew", (lease, seconds, table)) for shard, lease in self._leases(lease_id)]
+        outcomes = yield from self._exchange(calls)
+        errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
+        if errors:
+            raise shard_error(errors, self.shard_map.targets)
+        return min(outcomes)
+
     def _end(self, lease_id: str, method: str, table: str) -> Plan[int]:
         """Ack or nack each part of a batch's lease on the shard that granted it."""
         calls = [Call(shard, method, (lease, table)) for shard, lease in self._leases(lease_id)]
@@ -353,7 +362,7 @@ class Planned(Sharded):
         shard = self.admission_shard(table)
         return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
 
-    def _sample(self, spec: SampleSpec, ends: tuple[Callable, Callable]) -> Plan[None]:
+    def _sample(self, spec: SampleSpec, leases: Leases, kind: type[ShardBatch]) -> Plan[None]:
         """Batches drawn from every shard in proportion to what each holds ready, as Poll decides."""
         if spec.trainer_version is not None:  # every shard, the admission shard too
             yield from self._set_trainer_version(spec.trainer_version, spec.table, need_answer=False)
@@ -374,7 +383,7 @@ class Planned(Sharded):
                     raise step.error
                 return
             sent += 1
-            yield Emit(self._merge(parts, step.partial, *ends))
+            yield Emit(self._merge(parts, step.partial, leases, kind))
             if step.partial:
                 return
 

@@ -98,7 +98,7 @@ class ShardedBufferClient(Planned):
         is set on every shard that answers and owed to the others (see `set_trainer_version`).
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        plan = self._sample(spec, (self.ack, self.nack))
+        plan = self._sample(spec, self, ShardBatch)
         outcome = None
         while True:
             try:
@@ -118,6 +118,10 @@ class ShardedBufferClient(Planned):
     def nack(self, lease_id: str, table: str = "default") -> int:
         """Return a batch's groups to the buffers of their shards now."""
         return self._run(self._end(lease_id, "nack", table))
+
+    def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
+        """Renew a batch's lease on the shards that leased it; returns the earliest end."""
+        return self._run(self._renew(lease_id, seconds, table))
 
     def set_trainer_version(self, version: int, table: str = "default") -> int:
         """Tell every shard's table the trainer's current policy version; the lowest one a shard holds.

@@ -14,7 +14,7 @@ from .aio import AsyncBufferClient
 from .errors import BufferError
 from .results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
-from .shard_common import LiveResult, ShardBatch
+from .shard_common import AsyncShardBatch, LiveResult, ShardBatch
 from .shard_plans import Call, Emit, Plan, Planned, T
 from .shard_poll import Wait
 
@@ -76,7 +76,7 @@ class AsyncShardedBufferClient(Planned):
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        plan = self._sample(spec, (self.ack, self.nack))
+        plan = self._sample(spec, self, AsyncShardBatch)
         outcome = None
         while True:
             try:
@@ -94,6 +94,10 @@ class AsyncShardedBufferClient(Planned):
 
     async def nack(self, lease_id: str, table: str = "default") -> int:
         return await self._run(self._end(lease_id, "nack", table))
+
+    async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
+        """As ShardedBufferClient.renew."""
+        return await self._run(self._renew(lease_id, seconds, table))
 
     async def set_trainer_version(self, version: int, table: str = "default") -> int:
         """As ShardedBufferClient.set_trainer_version."""

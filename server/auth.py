@@ -29,6 +29,7 @@ SCOPE_OF_METHOD = {
     "Sample": "sample",
     "Ack": "sample",
     "Nack": "sample",
+    "Renew": "sample",
     "Get": "sample",
     "ListExperiences": "sample",
     "Stats": "sample",

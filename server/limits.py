@@ -27,7 +27,7 @@ from .interceptor import ServiceInterceptor
 RESERVED_THREADS = 4
 ACK_THREADS = 2
 # The calls that never wait, and may take ACK_THREADS beyond the workers.
-NEVER_WAITING = frozenset({"Ack", "Nack", "Stats"})
+NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Stats"})
 # The calls that may take the reserved workers: what keeps rollouts and trainers going.
 ESSENTIAL = frozenset({"Push", *NEVER_WAITING})
 

@@ -4,10 +4,13 @@ The client's messages after the first are read by a thread of their own, so that
 server notices a confirmation, a stop, a closed side or a cancel while it waits for
 data. The server sends a batch only while fewer than the stream's window (1 to
 MAX_WINDOW, sample_spec.py) are unconfirmed, so at most that many per stream are ever on
-their way, whatever gRPC's buffers would hold: a batch's consumption, or its lease,
-stands only once the client has it, and every unconfirmed batch returns to the buffer if
-the stream breaks or stops first. A lease is taken as its batch is sent, so its clock
-starts then.
+their way, whatever gRPC's buffers would hold. Every batch is taken held (the store's
+`hold`), whatever its delivery: invisible to others, and neither consumed, leased nor
+counted as replayed until the client confirms it has it. Then it is consumed, or its
+lease's clock starts, or its replay is counted (the store's `confirm`); every unconfirmed
+batch returns to the buffer as if never taken if the stream breaks or stops first. The
+expbuf clients confirm a batch as they hand it to their caller, so a leased batch waiting
+in the client while the caller trains on the one before does not run down its lease.
 """
 
 from __future__ import annotations
@@ -140,20 +143,20 @@ def stream_batches(
                 break
         if client.error is not None:
             raise client.error
-        window.consume_confirmed()  # a failure (a full disk) ends the stream with its error
+        window.deliver_confirmed()  # a failure (a full disk) ends the stream with its error
     finally:
         window.close(context)
 
 
 class _Window:
-    """The batches of one stream sent and not yet consumed: the unconfirmed ones, in the
-    order sent, and the confirmed held ones that the next take's commit consumes."""
+    """The batches of one stream sent and not yet delivered: the unconfirmed ones, in the
+    order sent, and the confirmed ones that the next take's commit delivers."""
 
     def __init__(self, store: Backend, spec: SampleSpec, client: ClientSide, owner: str) -> None:
         self.store, self.spec, self.client, self.owner = store, spec, client, owner
         self.sent = 0
         self.unconfirmed: deque[Sampled] = deque()
-        self.confirmed: list[str] = []  # held leases the client has, to consume
+        self.confirmed: list[str] = []  # held leases whose batches the client has, to deliver
 
     def sending(self, batch: Sampled) -> None:
         self.unconfirmed.append(batch)
@@ -163,76 +166,59 @@ class _Window:
     def _collect(self) -> None:
         """Move the batches the client has confirmed out of the window."""
         while self.unconfirmed and self.sent - len(self.unconfirmed) < self.client.received:
-            batch = self.unconfirmed.popleft()
-            if self.spec.delivery == "consume":
-                self.confirmed.append(batch.lease_id)
+            self.confirmed.append(self.unconfirmed.popleft().lease_id)
 
     def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:
-        """The next batch, consuming the confirmed ones in its commit. A confirmation that
-        arrives while it waits for data is consumed at once (the wait then goes on), so
-        that a batch the client has is never held for the whole wait."""
+        """The next batch, delivering the confirmed ones in its commit. A confirmation that
+        arrives while it waits for data is delivered at once (the wait then goes on): a
+        batch the client has is never held for the whole wait, a lease's clock starts when
+        it is confirmed, and a replayed group is back for the batch that waits."""
         deadline = time.monotonic() + seconds
         client = self.client
-        hold = self.spec.delivery == "consume"
         while True:
             self._collect()
             seen = client.received
 
             def stop(seen: int = seen) -> bool:
-                return client.stopped or client.broken or not context.is_active() or (hold and client.received > seen)
+                return client.stopped or client.broken or not context.is_active() or client.received > seen
 
             batch = self.store.sample(
                 self.spec,
                 timeout=max(0.0, deadline - time.monotonic()),
-                hold=hold,
+                hold=True,
                 owner=self.owner,
                 stop=stop,
-                ack=self.confirmed,
+                confirm=self.confirmed,
             )
             self.confirmed = []
-            if batch is not None or not hold or client.received == seen or client.stopped or client.broken:
+            if batch is not None or client.received == seen or client.stopped or client.broken:
                 return batch
             if not context.is_active() or time.monotonic() >= deadline:
                 return None
 
-    def consume_confirmed(self) -> None:
-        """Consume the held batches the client confirmed. If that fails, they stay held, never
+    def deliver_confirmed(self) -> None:
+        """Deliver the held batches the client confirmed. If that fails, they stay held, never
         given back: they return only when the server next starts (release_holds), rather than
         being delivered twice while the client has them."""
         self._collect()
         while self.confirmed:
-            self.store.ack(self.confirmed[0], self.spec.table, self.owner)
+            self.store.confirm(self.confirmed[0], self.spec, self.owner)
             self.confirmed.pop(0)
 
     def close(self, context: grpc.ServicerContext) -> None:
-        """The stream ended: consume what the client confirmed; the rest was delivered if the
+        """The stream ended: deliver what the client confirmed; the rest was delivered if the
         client closed its side normally, and otherwise returns to the buffer."""
         self._collect()
-        for lease_id in self.confirmed:  # the take that was to consume them failed: consume them alone
+        for lease_id in self.confirmed:  # the take that was to deliver them failed: deliver them alone
             with contextlib.suppress(StoreError):
-                self.store.ack(lease_id, self.spec.table, self.owner)
+                self.store.confirm(lease_id, self.spec, self.owner)
         if not self.unconfirmed:
             return
         client = self.client
         delivered = client.closed and not client.cancelled_within(CANCEL_GRACE) and context.is_active()
         for batch in self.unconfirmed:
             if delivered:  # it closed its side and did not cancel: the stream ends normally
-                _confirm(self.store, self.spec, batch, self.owner)
+                self.store.confirm(batch.lease_id, self.spec, self.owner)
             else:  # stopped, cancelled or broken before the client had it
-                _give_back(self.store, self.spec, batch, self.owner)
-
-
-def _confirm(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
-    """The client has the batch: a consumed one leaves the buffer now (or, when the stream
-    goes on, in the commit that takes the next batch: `ack` of Backend.sample). If that
-    fails (a full disk), the batch stays held, never given back: it returns only when the
-    server next starts (release_holds), rather than being delivered twice while the client
-    has it."""
-    if spec.delivery == "consume":
-        store.ack(batch.lease_id, spec.table, owner)
-
-
-def _give_back(store: Backend, spec: SampleSpec, batch: Sampled, owner: str) -> None:
-    if spec.delivery in ("consume", "lease"):
-        with contextlib.suppress(StoreError):  # acked meanwhile, expired, or the table was dropped
-            store.nack(batch.lease_id, spec.table, owner)
+                with contextlib.suppress(StoreError):  # acked meanwhile, or the table was dropped
+                    self.store.nack(batch.lease_id, self.spec.table, self.owner)

@@ -334,6 +334,12 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         table = request.table or "default"
         return pb.NackReply(requeued=self.store.nack(request.lease_id, table, self._owner(context)))
 
+    @_refusals
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
+        table = request.table or "default"
+        expires, leased = self.store.renew(request.lease_id, request.lease_seconds, table, self._owner(context))
+        return pb.RenewReply(lease_expires_unix=expires, leased=leased)
+
     # ---- admin -------------------------------------------------------------------
 
     @_refusals

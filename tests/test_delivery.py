@@ -1,5 +1,6 @@
 """Delivery over raw gRPC: what counts as consumed, how far the server reads ahead, and
-when a lease's clock starts. A real server on loopback, real LMDB."""
+when a lease's clock starts (when the client confirms its batch). A real server on
+loopback, real LMDB."""
 
 from __future__ import annotations
 
@@ -139,16 +140,22 @@ def test_read_ahead_is_one_batch_whatever_the_window(client: BufferClient, stub)
     assert client.stats("t")["t"].leased == 4  # leases stand until acked
 
 
-def test_lease_clock_starts_when_the_batch_is_sent(client: BufferClient, stub) -> None:
-    fill(client, 2)
-    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=30))
-    first = talk.read()
-    time.sleep(1.0)
-    talk.confirm(1)
-    second = talk.read()
-    assert second.lease_expires_unix - first.lease_expires_unix >= 0.9
+def test_lease_clock_starts_when_the_client_confirms_the_batch(client: BufferClient, stub) -> None:
+    """A leased batch waiting unconfirmed in the window (a trainer's caller still on the batch
+    before) runs no clock: three times its lease later it is still held, not expired and not
+    handed to anyone else; once confirmed it is a lease like any other, acked as usual."""
+    fill(client, 3)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=1, window=2))
+    first, second = talk.read(), talk.read()
+    time.sleep(3.0)  # the server's lease upkeep runs every 0.5 s
+    stats = client.stats("t")["t"]
+    assert (stats.leased, stats.leases_expired) == (4, 0)
+    others = [b.uids for b in client.sample("t", num_groups=3, timeout=0.3, allow_partial=True, delivery="consume")]
+    assert len(others) == 1 and set(others[0]).isdisjoint([*first.uids, *second.uids])  # the third group alone
     talk.confirm(2, stop=True)
-    list(talk.call)
+    assert list(talk.call) == []
+    acked = client.ack(first.lease_id, table="t") + client.ack(second.lease_id, table="t")
+    assert acked == 4
 
 
 def test_unconfirmed_lease_returns_at_once_when_the_stream_breaks(client: BufferClient, stub) -> None:

@@ -27,7 +27,7 @@ def test_service_has_every_rpc_of_the_design() -> None:
     service = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"]
     assert service.full_name == "expbuf.v1.ExperienceBuffer"
     assert set(service.methods_by_name) == {
-        "Push", "PushStream", "Sample", "Ack", "Nack", "Get", "Delete", "Seal",
+        "Push", "PushStream", "Sample", "Ack", "Nack", "Renew", "Get", "Delete", "Seal",
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
     }  # fmt: skip

@@ -151,7 +151,7 @@ def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_
         last = ""
         try:
             while True:
-                batch = s.sample(SampleSpec("plain", num_groups=1), hold=True, owner=owner, ack=last, timeout=0.3)
+                batch = s.sample(SampleSpec("plain", num_groups=1), hold=True, owner=owner, confirm=last, timeout=0.3)
                 last = ""
                 if batch is None:
                     if pushed.is_set():

@@ -229,6 +229,8 @@ def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None
         batches = list(client.sample("leased", num_groups=2, delivery="lease", max_batches=6))
         for batch in batches:
             assert {lease.split("/")[0] for lease in batch.lease_id.split(",")} == set(batch.shards)
+        before = time.time()
+        assert batches[0].renew(600) >= before + 590 and batches[0].lease_expires >= before + 590
         assert sum(batch.ack() for batch in batches[:5]) == 20  # experiences
         assert client.nack(batches[5].lease_id, table="leased") == 4
         stats = client.stats("leased")["leased"]
@@ -328,6 +330,7 @@ def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> N
             assert len(result.completed_groups) == 9
             uids = []
             async for batch in client.sample("async", num_groups=3, delivery="lease", max_batches=3):
+                assert await batch.renew(600) > time.time() + 590
                 assert await batch.ack() == 9
                 uids += batch.uids
             assert len(set(uids)) == 27

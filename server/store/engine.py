@@ -394,10 +394,10 @@ class Store:
         hold: bool = False,
         owner: str = "",
         stop: Callable[[], bool] | None = None,
-        ack: str | Sequence[str] = "",
+        confirm: str | Sequence[str] = "",
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait (Sampling.sample)."""
-        return self.sampling.sample(spec, timeout=timeout, hold=hold, owner=owner, stop=stop, ack=ack)
+        return self.sampling.sample(spec, timeout=timeout, hold=hold, owner=owner, stop=stop, confirm=confirm)
 
     def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Consume the groups of a lease; returns the experiences acknowledged."""
@@ -406,6 +406,14 @@ class Store:
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
         return self.sampling.nack(lease_id, table, owner)
+
+    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
+        """A stream's held batch that its client has, delivered as the stream asked (Sampling.confirm_in)."""
+        return self.sampling.confirm(lease_id, spec, owner)
+
+    def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:
+        """The lease now ends `seconds` from now; returns when, and the experiences it holds."""
+        return self.sampling.renew(lease_id, seconds, table, owner)
 
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server."""

@@ -4,8 +4,11 @@ A batch is chosen in the request's order, whole groups only, optionally only gro
 whose every member is at least `min_model_version` (found through the version index of
 ready_indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
-nack or expiry), holding it for a Sample stream (a lease without expiry, until the
-client confirms it), or replaying it (counted against max_times_sampled, lowered and cooled by reuse.py).
+nack or expiry), or replaying it (counted against max_times_sampled, lowered and cooled by
+reuse.py). A Sample stream's batch is first held, whatever its delivery: a lease without
+expiry, invisible to others, until the client confirms it has the batch (`confirm`); only
+then is it consumed, its lease's clock started, or its replay counted. A held batch the
+client never confirms goes back as if never taken.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .kinds import Sampled
 from .limiter import sample_limit
-from .records import CONSUMED, LEASED, READY, ItemRecord, Lease
+from .records import CONSUMED, LEASED, READY, GroupRecord, ItemRecord, Lease
 from .retirement import retire
+from .reuse import Taken
 from .snapshot import Snapshot
 from .staleness import report
 from .table_state import TableState, stored
@@ -80,12 +84,13 @@ def take(
     if held is not None:
         return held
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
-    delivery = "lease" if hold and spec.delivery == "consume" else spec.delivery
+    delivery = "lease" if hold else spec.delivery
     expires = None
     if delivery == "lease":
         batch.lease_id = secrets.token_hex(8)
+        batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
         if not hold:
-            expires = batch.lease_expires = tt.now + spec.lease_seconds
+            expires = batch.lease_expires
     rows = BatchRows(tt.txn, tt.db["adv"], tt.config)
     payloads = _Payloads(tt, snapshot() if snapshot is not None else None)
     taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
@@ -102,13 +107,10 @@ def take(
                 tt.put_item(uid, rec)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     tt.counters.bytes_sampled += sum(rec.size for rec in rows.records)
-    limit = tt.config.max_times_sampled
     if delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
-        spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
-        retire(tt, [(gkey, grp) for gkey, grp in chosen if gkey in spent], CONSUMED)
-        reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
+        _replayed(tt, taken, rng)
     elif delivery == "lease":
         tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
         for _, grp in chosen:
@@ -158,13 +160,9 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
     experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
     a batch held for a stream that never confirmed it goes back uncounted as sampled. Only
     a batch that goes back sampled rewrites its members' records (their times sampled)."""
-    ended = []
-    for gkey in gkeys:
-        grp = tt.group(gkey)
-        if grp is None or grp.state != LEASED or grp.lease != lease_id:
-            continue
+    ended = leased_groups(tt, lease_id, gkeys)
+    for _, grp in ended:
         grp.lease = ""
-        ended.append((gkey, grp))
     if not requeue:
         retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
@@ -182,3 +180,39 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in ended])
     return sum(len(grp.members) for _, grp in ended)
+
+
+def _replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:
+    """Groups replayed just now, their members' deliveries counted: those that reached
+    max_times_sampled retire, the others stay ready (lowered and cooled by reuse.py)."""
+    limit = tt.config.max_times_sampled
+    spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
+    retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
+    reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
+
+
+def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
+    """The groups still held under a lease (a group deleted meanwhile is not)."""
+    held = []
+    for gkey in gkeys:
+        grp = tt.group(gkey)
+        if grp is not None and grp.state == LEASED and grp.lease == lease_id:
+            held.append((gkey, grp))
+    return held
+
+
+def confirm_replay(tt: TableState, lease_id: str, gkeys: list[str], rng: random.Random) -> int:
+    """A held replay batch the client confirmed: its groups are ready again, then counted as
+    replayed (`_replayed`); returns the experiences."""
+    groups = leased_groups(tt, lease_id, gkeys)
+    for _, grp in groups:
+        grp.lease = ""
+    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]
+    for _, _, recs in taken:
+        for uid, rec in recs.items():
+            rec.times_sampled += 1
+            tt.put_item(uid, rec)
+    tt.set_states(taken, READY)
+    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups])
+    _replayed(tt, taken, rng)
+    return sum(len(recs) for _, _, recs in taken)

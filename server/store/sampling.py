@@ -1,8 +1,9 @@
-"""The sampling service of a Store: sample, ack and nack, taking whole groups in the writer's
-transaction, with the rate limit's waits, a stream's deferred confirmation (`ack` in the
-commit of the next take) and the end of leases (consumed, requeued, expired, or held by a
-stopped server). The batch stage's clip counts of each table's samples are kept here, in
-memory (they go with the batches' replies, not through the writer).
+"""The sampling service of a Store: sample, ack, nack and renew, taking whole groups in the
+writer's transaction, with the rate limit's waits, a stream's confirmations (`confirm`, in
+the commit of the next take: a held batch consumed, its lease's clock started, or its replay
+counted) and the end of leases (consumed, requeued, expired, or held by a stopped server).
+The batch stage's clip counts of each table's samples are kept here, in memory (they go
+with the batches' replies, not through the writer).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import lmdb
 
 from ..advantage_storage import StageCounts
 from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from ..sample_spec import SampleSpec
+from ..sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
 from ..tables import TableConfig
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
 from .kinds import Sampled
-from .leases import could_fill, end_lease, read_lease, take
+from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
 from .records import Lease
 from .table_state import TableState
 
@@ -61,25 +62,25 @@ class Sampling:
         hold: bool = False,
         owner: str = "",
         stop: Callable[[], bool] | None = None,
-        ack: str | Sequence[str] = "",
+        confirm: str | Sequence[str] = "",
     ) -> Sampled | None:
         """Select whole ready groups; None if not enough arrived within the wait.
 
-        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold`, a
-        consumed batch is not retired yet but held under a lease without expiry, until
-        the caller confirms it (`ack`) or gives it back (`nack`); holds left by a
-        stopped server return to the buffer at the next start (`release_holds`).
-        `owner` binds a lease to whoever took it. `stop` is polled while waiting (a
-        cancelled RPC ends the wait early, with None). `ack` names a lease (or several) of
-        this table and owner to consume first, in the same commit as the first attempt (a
-        stream's batches its client confirmed): one durable write for all, and the leases
-        are consumed even if the attempt fails, as by `ack` alone; if one cannot be
-        consumed, none is and nothing is taken.
+        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold` (a
+        Sample stream's take), the batch is held under a lease without expiry, whatever
+        its delivery, until the caller confirms its client has it (`confirm`) or gives it
+        back (`nack`, as if never taken); holds left by a stopped server return to the
+        buffer at the next start (`release_holds`). `owner` binds a lease to whoever took
+        it. `stop` is polled while waiting (a cancelled RPC ends the wait early, with
+        None). `confirm` names held leases (one or several) of this table and owner whose
+        batches the client has, delivered first as the spec asks (confirm_in), in the same
+        commit as the first attempt: one durable write for all, kept even if the attempt
+        fails; if one cannot be delivered, none is and nothing is taken.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
         held = False  # whether the rate limit held this request
-        acks = tuple(lease for lease in ((ack,) if isinstance(ack, str) else ack) if lease)
+        confirms = tuple(lease for lease in ((confirm,) if isinstance(confirm, str) else confirm) if lease)
         while True:
             generation = self.environment.generation
             final = time.monotonic() >= deadline
@@ -90,7 +91,7 @@ class Sampling:
                 txn: lmdb.Transaction[bytes],
                 f: bool = final,
                 b: float = blocked,
-                a: tuple[str, ...] = acks,
+                a: tuple[str, ...] = confirms,
                 i: int = table_id,
                 c: TableConfig = config,
             ) -> Sampled | SampleLimited | _Refused | None:
@@ -100,11 +101,11 @@ class Sampling:
                 if not a:
                     return take_in(txn)
                 for lease_id in a:
-                    self.end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
+                    self.confirm_in(txn, lease_id, spec, owner)
                 return self._isolated(txn, take_in)
 
             result = self.environment.submit(attempt)
-            acks = ()
+            confirms = ()
             if isinstance(result, _Refused):
                 raise result.error
             if isinstance(result, SampleLimited):
@@ -191,26 +192,59 @@ class Sampling:
             lambda txn: self.end_lease(txn, lease_id, requeue=True, table=table, owner=owner)
         )
 
+    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
+        """A stream's held batch that its client has (confirm_in); returns its experiences."""
+        return self.environment.submit(lambda txn: self.confirm_in(txn, lease_id, spec, owner))
+
+    def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:
+        """The lease now ends `seconds` from now (a held one's clock starts); returns when it
+        ends and the experiences it holds."""
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+
+        def op(txn: lmdb.Transaction[bytes]) -> tuple[float, int]:
+            lease = self._lease(txn, lease_id, table, owner)
+            tt = self.catalog.state_of(txn, lease.table_id)
+            now = self.catalog.clock() if tt is None else tt.now
+            self._set_expiry(txn, lease_id, lease, now + seconds)
+            count = 0 if tt is None else sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+            return now + seconds, count
+
+        return self.environment.submit(op)
+
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server; the
         streams that held them are gone. Returns the experiences requeued."""
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            held = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
-            return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in held)
+            holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
+            return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in holds)
 
         return self.environment.submit(op)
 
-    def end_lease(
-        self,
-        txn: lmdb.Transaction[bytes],
-        lease_id: str,
-        *,
-        requeue: bool,
-        expired: bool = False,
-        table: str | None = None,
-        owner: str = "",
-    ) -> int:
+    def confirm_in(self, txn: lmdb.Transaction[bytes], lease_id: str, spec: SampleSpec, owner: str) -> int:
+        """A held batch its stream's client confirmed it has, delivered as the stream asked:
+        consumed; leased, the lease's clock starting now (`spec.lease_seconds`); or
+        replayed, its deliveries counted. A lease whose batch the client already acked,
+        nacked or renewed (it may, once it has the batch) is left as that made it."""
+        if spec.delivery == "consume":
+            return self.end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
+        lease = read_lease(txn, self.db["leases"], lease_id)
+        if lease is None or lease.expires is not None:
+            return 0
+        lease = self._lease(txn, lease_id, spec.table, owner)
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        if spec.delivery == "lease":
+            self._set_expiry(txn, lease_id, lease, tt.now + spec.lease_seconds)
+            return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+        txn.delete(lease_id.encode(), db=self.db["leases"])
+        count = confirm_replay(tt, lease_id, lease.groups, self.rng)
+        tt.save()
+        return count
+
+    def _lease(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
+        """A lease that exists; with a table (a caller's request), of that table and owner."""
         if not lease_id:
             raise InvalidRequest("lease_id is empty")
         lease = read_lease(txn, self.db["leases"], lease_id)
@@ -222,6 +256,26 @@ class Sampling:
                 raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
             if lease.owner != owner:
                 raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+        return lease
+
+    def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        lease.expires = expires
+        txn.put(lease_id.encode(), lease.encode(), db=self.db["leases"])
+        txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
+
+    def end_lease(
+        self,
+        txn: lmdb.Transaction[bytes],
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        lease = self._lease(txn, lease_id, table, owner)
         txn.delete(lease_id.encode(), db=self.db["leases"])
         if lease.expires is not None:
             txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])

@@ -276,6 +276,24 @@ class NackReply(_message.Message):
     requeued: int
     def __init__(self, requeued: _Optional[int] = ...) -> None: ...
 
+class RenewRequest(_message.Message):
+    __slots__ = ("table", "lease_id", "lease_seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    lease_id: str
+    lease_seconds: float
+    def __init__(self, table: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("lease_expires_unix", "leased")
+    LEASE_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_unix: float
+    leased: int
+    def __init__(self, lease_expires_unix: _Optional[float] = ..., leased: _Optional[int] = ...) -> None: ...
+
 class GetRequest(_message.Message):
     __slots__ = ("table", "uids")
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.NackRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.NackReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/Renew',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewReply.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/Get',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetRequest.SerializeToString,
@@ -166,6 +171,14 @@ class ExperienceBufferServicer:
 
     def Nack(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Keep a lease: it now ends `lease_seconds` from this call, so a trainer whose step
+        outlasts the lease it asked for keeps its batch while it lives.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -296,6 +309,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.NackRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.NackReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewReply.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
@@ -503,6 +521,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Nack',
             expbuf_dot_v1_dot_buffer__pb2.NackRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.NackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/Renew',
+            expbuf_dot_v1_dot_buffer__pb2.RenewRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,130 @@
+"""The clients' side of a leased batch: its lease starts when the client hands it to its
+caller, `renew` keeps it while a long step runs, and a batch the client cannot decode is
+never confirmed, so it goes back to the buffer. A real server on loopback, real LMDB; the
+undecodable batch comes from a real gRPC server that sends one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, InvalidArgumentError, NotFoundError, trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
+
+from conftest import Servers
+from helpers import group_items
+
+
+@pytest.fixture
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
+
+
+@pytest.fixture
+def client(server: ExpbufServer) -> Iterator[BufferClient]:
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
+        c.create_table("t", group_size=2, estimator="none")
+        for task in range(3):
+            c.push(trxp.build(group_items(1, task, 2)), table="t")
+        yield c
+
+
+def test_a_batch_lease_runs_from_when_the_caller_gets_it(client: BufferClient) -> None:
+    batches = client.sample("t", num_groups=1, lease_seconds=30)
+    first = next(batches)
+    time.sleep(1.0)  # the caller's step; the next batch waits in the window meanwhile
+    before = time.time()
+    second = next(batches)
+    assert second.lease_expires >= before + 30 > first.lease_expires
+    batches.close()
+
+
+def test_renew_keeps_a_batch_past_its_lease(client: BufferClient) -> None:
+    batch = next(client.sample("t", num_groups=1, lease_seconds=1))
+    before = time.time()
+    assert batch.renew(120) >= before + 119
+    assert batch.lease_expires >= before + 119
+    time.sleep(2.0)  # past the lease asked for; the server's lease upkeep runs every 0.5 s
+    stats = client.stats("t")["t"]
+    assert (stats.leased, stats.leases_expired) == (2, 0)
+    assert batch.ack() == 2
+
+
+def test_renew_refusals_name_the_problem(client: BufferClient) -> None:
+    batch = next(client.sample("t", num_groups=1))
+    with pytest.raises(NotFoundError, match="unknown"):
+        client.renew("nope", 10, table="t")
+    with pytest.raises(InvalidArgumentError, match="lease_seconds"):
+        batch.renew(0)
+    with pytest.raises(NotFoundError, match="not a lease of table 'default'"):
+        client.renew(batch.lease_id, 10)
+    batch.ack()
+    with pytest.raises(NotFoundError, match="already acked"):
+        batch.renew(10)
+
+
+def test_async_renew(server: ExpbufServer, client: BufferClient) -> None:
+    async def run() -> None:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}") as aclient:
+            async for batch in aclient.sample("t", num_groups=1, max_batches=1, lease_seconds=1):
+                assert await batch.renew(300) > time.time() + 290
+                await asyncio.sleep(1.5)
+                assert await batch.ack() == 2
+
+    asyncio.run(run())
+    assert client.stats("t")["t"].leases_expired == 0
+
+
+class BrokenSampler(pb_grpc.ExperienceBufferServicer):
+    """Sends one batch whose payload is not TRXP, and records what the client confirms."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.ended = threading.Event()
+
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
+        next(requests)
+        yield pb.SampleReply(payload=b"TRXP\x01broken", uids=["1/0/0/0/"], group_ids=["1/0"], lease_id="L1")
+        for request in requests:
+            self.received.append(request.received)
+            if request.stop:
+                break
+        self.ended.set()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_batch_that_cannot_be_decoded_is_not_confirmed_and_names_itself(asynchronous: bool) -> None:
+    servicer = BrokenSampler()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ExperienceBufferServicer_to_server(servicer, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        with pytest.raises(DataLossError) as info:
+            if asynchronous:
+
+                async def run() -> None:
+                    async with AsyncBufferClient(f"127.0.0.1:{port}") as aclient:
+                        async for _ in aclient.sample("t", num_groups=1):
+                            pass
+
+                asyncio.run(run())
+            else:
+                with BufferClient(f"127.0.0.1:{port}") as bclient:
+                    for _ in bclient.sample("t", num_groups=1):
+                        pass
+        assert info.value.code == grpc.StatusCode.DATA_LOSS
+        assert "table 't' (1 experiences, groups 1/0) could not be decoded" in info.value.details
+        assert "goes back to the buffer" in info.value.details
+        assert servicer.ended.wait(10)
+        assert servicer.received and max(servicer.received) == 0  # never confirmed
+    finally:
+        grpc_server.stop(0)
