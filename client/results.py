@@ -179,6 +179,7 @@ class TableStats:
     duplicates: int
     sampled: int
     leases_expired: int
+    damaged: int  # experiences found damaged on disk when read, never served (their groups failed)
     # What reward shaping and the advantage clip did.
     overlong_penalised: int
     rewards_seen: int

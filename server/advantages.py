@@ -145,7 +145,10 @@ def compute(job: ComputeJob) -> Computed:
         if index in unshapeable:
             failed[gkey] = "the running reward normalisation gave a non-finite value (NaN or infinity)"
         elif not all(finite[uid] for uid in members):
-            failed[gkey] = f"{config.estimator} gave a non-finite advantage (NaN or infinity)"
+            failed[gkey] = (
+                f"{config.estimator} gave a non-finite advantage (NaN, infinity, or beyond float32's range, "
+                "in which advantages are served)"
+            )
     ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
     update = ShapingUpdate(
         counts={name: getattr(report, name) for name in SHAPING_COUNTERS},

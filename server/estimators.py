@@ -129,11 +129,12 @@ class Advantages:
         return advantages.float(), returns.float()
 
     def finite(self, batch: FlatBatch) -> Tensor:
-        """[N] bool: the experiences whose values are all finite."""
+        """[N] bool: the experiences whose values are all finite as the float32 a batch
+        carries them in (a float64 beyond float32's range would be infinite there)."""
         if self.scalar is not None:
-            return torch.isfinite(self.scalar)
+            return torch.isfinite(self.scalar.float())
         advantages, returns = self.token_values()
-        bad = (~torch.isfinite(advantages) | ~torch.isfinite(returns)).double()
+        bad = (~torch.isfinite(advantages.float()) | ~torch.isfinite(returns.float())).double()
         index = torch.arange(batch.lengths.numel(), device=bad.device)
         index = index.repeat_interleave(batch.lengths.to(bad.device), output_size=bad.numel())
         return _segment_sum(bad, index, batch.lengths.numel()) == 0

@@ -39,6 +39,7 @@ _STORE_COUNTERS = (
     ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted"),
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
+    ("expbuf_damaged", "Experiences a sample found damaged on disk: never served, their groups failed.", "damaged"),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
+from expbuf.client.trxp.checks import FLOAT32_MAX
 from expbuf.server.advantage_storage import expand
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.config import load as load_config
@@ -255,12 +256,13 @@ def test_batch_statistics_do_not_depend_on_arrival(client: BufferClient, estimat
 
 
 def test_non_finite_result_fails_its_group(client: BufferClient) -> None:
-    client.create_table("huge", estimator="grpo")
-    overflow = [trxp.from_experience(make_experience(6, 0, run, reward=1e308)) for run in range(2)]
+    client.create_table("huge", estimator="rloo")  # each reward less the others' mean: 2 * float32's largest
+    overflow = [trxp.from_experience(make_experience(6, 0, run, reward=(-1) ** run * FLOAT32_MAX)) for run in range(2)]
     client.push(trxp.build(overflow + group_items(6, 1, 2, reward=1.0)), table="huge")
     wait_computed(client, "huge")
     stats = client.stats("huge")["huge"]
-    assert stats.groups_failed == 1 and "non-finite" in stats.last_failure and "6/0" in stats.last_failure
+    assert stats.groups_failed == 1 and "6/0" in stats.last_failure
+    assert "non-finite" in stats.last_failure and "float32" in stats.last_failure
     batch = next(client.sample("huge", num_groups=1, max_batches=1, timeout=10, delivery="consume"))
     assert {e.eid.tid for e in batch.experiences} == {"6/1"}
     assert all(torch.isfinite(e.advantages).all() for e in batch.experiences)

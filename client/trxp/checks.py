@@ -95,6 +95,17 @@ def _number(where: str, field: str, value: Any) -> None:
         raise TrxpError(f"{where}: field '{field}' is {show(value)}, not representable as a float64")
 
 
+def _reward(where: str, value: Any) -> None:
+    """Refuse a reward that is not a number within float32's range: advantages are computed
+    from it and served as float32, so a larger one could only fail, or stop, its table."""
+    _number(where, "reward", value)
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        raise TrxpError(
+            f"{where}: field 'reward' is {show(value)}, beyond float32's range (±{FLOAT32_MAX!r}), "
+            "in which advantages are computed and served"
+        )
+
+
 class Shape:
     """Measures item metadata, each container once (by id): nesting depth and the bytes it
     takes written out in full, as the store packs each experience (shared references
@@ -219,6 +230,8 @@ _EID_PARTS = ("batch", "task", "run", "step", "suffix")
 _EID_KEYS = frozenset(_EID_PARTS)
 _INT64_BOUNDS = "-2**63, 2**63 - 1"
 _FLOAT_MAX = sys.float_info.max
+# float32's largest finite value: the bound of a reward (advantages are float32).
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 _INT64_MIN = -(2**63)
@@ -307,8 +320,8 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
     shape.item(index, uid, item)
     get = item.get
     reward = get("reward")
-    if reward is not None and not (type(reward) is float and -_FLOAT_MAX <= reward <= _FLOAT_MAX):
-        _number(_item_where(index, uid), "reward", reward)
+    if reward is not None and not (type(reward) is float and -FLOAT32_MAX <= reward <= FLOAT32_MAX):
+        _reward(_item_where(index, uid), reward)
     prompt_length = get("prompt_length", 1)
     if type(prompt_length) is not int or not 0 <= prompt_length <= INT64_MAX:
         _in_range(_item_where(index, uid), "prompt_length", prompt_length, 0, INT64_MAX, "0, 2**63 - 1")

@@ -48,6 +48,7 @@ class Counters:
     duplicates: int = 0
     sampled: int = 0
     leases_expired: int = 0
+    damaged: int = 0  # experiences whose stored payload was found damaged when read (their groups failed)
     # monotonic totals for the metrics
     bytes_pushed: int = 0
     bytes_sampled: int = 0

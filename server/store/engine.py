@@ -14,6 +14,7 @@ state (LMDB is copy-on-write).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import time
@@ -49,12 +50,14 @@ from .extensions import Extensions
 from .integrity import verify
 from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .migrate import migrate
+from .read_check import serve_problem
 from .records import ItemRecord
 from .sampling import Sampling
 from .staleness import StaleEviction
 from .table_state import TableState, stored
 from .upkeep import Upkeep
 
+log = logging.getLogger("expbuf.store")
 T = TypeVar("T")
 
 
@@ -314,7 +317,9 @@ class Store:
             )  # fmt: skip
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
-        """A TRXP batch of the stored experiences among uids (in their order), and the missing uids."""
+        """A TRXP batch of the stored experiences among uids (in their order), and the missing
+        uids. An experience that cannot be served (read_check.py) is never returned: it is
+        logged and listed as missing."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         missing = []
@@ -326,7 +331,13 @@ class Store:
                 if blob is None:
                     missing.append(uid)
                     continue
-                rows.add(key, ItemRecord.decode(stored(txn, key, self.db["items"], "experience")), blob)
+                rec = ItemRecord.decode(stored(txn, key, self.db["items"], "experience"))
+                problem = serve_problem(uid, rec, blob)
+                if problem is not None:
+                    log.error("table %s: Get found %s; it is not served", table, problem)
+                    missing.append(uid)
+                    continue
+                rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage.run(rows.advantages)
             return batch_payload(rows.blobs, advantages), missing

@@ -20,15 +20,13 @@ from pathlib import Path
 
 import lmdb
 
-from expbuf.client import trxp
-
 from ..errors import Damaged
 from ..ready_indexes import u64
 from ..tables import TableConfig
-from . import digests, layout
+from . import layout
 from .counters import read_counters
 from .extensions import Extensions
-from .kinds import Entry
+from .read_check import payload_problem
 from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
 from .table_state import TableState, member_state
 
@@ -226,7 +224,9 @@ def _check_item(
     if live != (blob is not None) and not (rec.state == FAILED and tt.config.keep_failed):
         problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
     if blob is not None:
-        problems.extend(_check_blob(uid, rec, blob))
+        problem = payload_problem(uid, rec, blob)
+        if problem is not None:
+            problems.append(f"item {uid}: {problem}")
     if live:
         counts["bytes"] += rec.size
         if tt.txn.get(tt.prefix + u64(rec.seq), db=tt.db["order"]) != uid.encode():
@@ -236,23 +236,6 @@ def _check_item(
     elif grp.state != state:
         problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
-
-
-def _check_blob(uid: str, rec: ItemRecord, blob: bytes) -> list[str]:
-    """A stored payload that matches its digest (so it is the payload that was checked at push).
-    A directory upgraded from format 1 keeps its payloads as they were, with the digest of
-    their canonical packing."""
-    if len(blob) != rec.size:
-        return [f"item {uid}: its payload is {len(blob)} bytes, its record says {rec.size}"]
-    if digests.of(blob) == rec.digest:
-        return []
-    try:
-        items = trxp.parse(blob, trusted=True)
-    except trxp.TrxpError as exc:
-        return [f"item {uid}: its payload does not parse ({exc})"]
-    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
-        return []
-    return [f"item {uid}: its payload does not match its digest"]
 
 
 def _prefix_count(tt: TableState, name: str) -> int:

@@ -14,6 +14,7 @@ client never confirms goes back as if never taken.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import secrets
 from collections.abc import Callable, Generator, Iterator
@@ -27,12 +28,15 @@ from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .kinds import Sampled
 from .limiter import sample_limit
-from .records import CONSUMED, LEASED, READY, GroupRecord, ItemRecord, Lease
+from .read_check import Unservable, serve_problem
+from .records import CONSUMED, FAILED, LEASED, READY, GroupRecord, ItemRecord, Lease
 from .retirement import retire
 from .reuse import Taken
 from .snapshot import Snapshot
 from .staleness import report
 from .table_state import TableState, stored
+
+log = logging.getLogger("expbuf.store")
 
 
 def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -67,22 +71,20 @@ def take(
     _Payloads). The batch carries its stored advantages; a table's batch stage is left to
     run where the reply is built (`Sampled.stage`, its clip counted in `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
-    chosen = []
-    total = 0
-    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
-        for gkey_raw in candidates:
-            gkey = gkey_raw.decode()
-            grp = tt.existing_group(gkey)
-            chosen.append((gkey, grp))
-            total += len(grp.members)
-            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
-                break
-    enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
-    if not chosen or not (enough or allow_partial):
-        return None
-    held = sample_limit(tt, total)
-    if held is not None:
-        return held
+    payloads = _Payloads(tt, snapshot)
+    while True:
+        chosen, total = _select(tt, spec, rng)
+        enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
+        if not chosen or not (enough or allow_partial):
+            return None
+        held = sample_limit(tt, total)
+        if held is not None:
+            return held
+        taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
+        unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(recs))]
+        if not unservable:
+            break
+        _fail_unservable(tt, unservable)  # and choose again, from the groups left
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
     expires = None
@@ -92,12 +94,9 @@ def take(
         if not hold:
             expires = batch.lease_expires
     rows = BatchRows(tt.txn, tt.db["adv"], tt.config)
-    payloads = _Payloads(tt, snapshot() if snapshot is not None else None)
-    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
     for gkey, _, recs in taken:
         for uid, rec in recs.items():
-            key = tt.key(uid)
-            rows.add(key, rec, payloads.read(key, rec))
+            rows.add(tt.key(uid), rec, payloads.read(uid))
             batch.uids.append(uid)
             batch.group_ids.append(gkey)
             batch.versions.append(rec.version)
@@ -138,21 +137,65 @@ def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
     yield from keys
 
 
+def _select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
+    """Ready groups in the request's order, until there are enough; and their experiences."""
+    chosen = []
+    total = 0
+    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
+        for gkey_raw in candidates:
+            gkey = gkey_raw.decode()
+            grp = tt.existing_group(gkey)
+            chosen.append((gkey, grp))
+            total += len(grp.members)
+            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
+                break
+    return chosen, total
+
+
+def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
+    """Groups a sample found a member of unservable (a damaged payload, a stored advantage
+    beyond float32) fail whole, never served (their good members' payloads stay for Get
+    where the table keeps failed groups); the damaged experiences are counted."""
+    for gkey, _, problems in groups:
+        for problem in problems:
+            log.error("table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problem)
+        tt.counters.damaged += sum(problem.damaged for problem in problems)
+        tt.counters.groups_failed += 1
+        tt.counters.last_failure = f"group {gkey}: {problems[0]}"
+    retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED)
+
+
 class _Payloads:
-    """Reads the stored payloads of a batch being taken: from the snapshot, a view, for an
-    experience that was stored before the snapshot's state (its insertion number is at most
-    the newest in the snapshot's insertion order: it was committed then, and its payload
-    has not changed since); a copy from the write for one stored in this very commit."""
+    """Reads and checks the stored payloads of a batch being taken: from the snapshot, a
+    view, for an experience that was stored before the snapshot's state (its insertion
+    number is at most the newest in the snapshot's insertion order: it was committed then,
+    and its payload has not changed since); a copy from the write for one stored in this
+    very commit. The snapshot opens at the first read."""
 
-    def __init__(self, tt: TableState, snapshot: Snapshot | None) -> None:
-        self.tt, self.snapshot = tt, snapshot
-        newest = None if snapshot is None else snapshot.last_key(tt.prefix, tt.db["order"])
-        self.newest = -1 if newest is None else int.from_bytes(newest[len(tt.prefix) :], "big")  # order: T + seq
+    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None) -> None:
+        self.tt, self._open = tt, open_snapshot
+        self.snapshot: Snapshot | None = None
+        self.newest = -1
+        self._read: dict[str, bytes | memoryview] = {}
 
-    def read(self, key: bytes, rec: ItemRecord) -> bytes | memoryview:
-        blobs = self.tt.db["blobs"]
+    def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
+        """Read a group's payloads; those that cannot be served."""
+        return [problem for uid, rec in recs.items() if (problem := serve_problem(uid, rec, self._get(uid, rec)))]
+
+    def read(self, uid: str) -> bytes | memoryview:
+        """A payload `check` read."""
+        return self._read[uid]
+
+    def _get(self, uid: str, rec: ItemRecord) -> bytes | memoryview:
+        if self.snapshot is None and self._open is not None:
+            self.snapshot = self._open()
+            newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
+            self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
+        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
         view = self.snapshot.get(key, blobs) if self.snapshot is not None and rec.seq <= self.newest else None
-        return view if view is not None else stored(self.tt.txn, key, blobs, "payload of experience")
+        blob = view if view is not None else stored(self.tt.txn, key, blobs, "payload of experience")
+        self._read[uid] = blob
+        return blob
 
 
 def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:

@@ -223,3 +223,40 @@ def test_check_reads_a_read_only_copy_and_writes_nothing(
         for path in paths:
             path.chmod(0o755 if path.is_dir() else 0o644)
     assert {directory: state(directory) for directory in directories} == before
+
+
+def test_a_quick_open_never_serves_a_damaged_payload(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """Random bytes over the payloads of a few experiences of a closed directory, opened with
+    the quick check (which reads no payload): a sample checks each payload's digest, serves
+    every undamaged group exactly as pushed, never a damaged experience, fails the groups
+    holding one and counts them; `expbuf check` names each."""
+    source, pushed = stored
+    rng = random.Random(20261123)
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    raw = (copy / "data.mdb").read_bytes()
+    once = [uid for uid in sorted(pushed) if raw.count(trxp.pack_item(pushed[uid])) == 1]  # not also in a freed page
+    damaged = sorted(rng.sample(once, 6))
+    with open(copy / "data.mdb", "r+b") as data:
+        for uid in damaged:
+            blob = trxp.pack_item(pushed[uid])
+            at = raw.index(blob) + rng.randrange(len(blob))
+            data.seek(at)
+            data.write(bytes([raw[at] ^ rng.randrange(1, 256)]))
+    bad_groups = {uid.rsplit("/", 3)[0] for uid in damaged}
+    with Store(copy, check_at_open="quick") as store:
+        served: dict[str, trxp.RawItem] = {}
+        while (batch := store.sample(SampleSpec("t", num_groups=8, allow_partial=True))) is not None:
+            served |= {item.uid: item for item in trxp.parse(batch.payload)}
+        stats = store.stats("t")
+        payload, missing = store.get_payload("t", damaged)
+    assert not set(damaged) & served.keys()
+    assert served.keys() == {uid for uid in pushed if uid.rsplit("/", 3)[0] not in bad_groups}
+    assert all(same_item(item, pushed[uid]) for uid, item in served.items())
+    assert (stats["damaged"], stats["groups_failed"]) == (len(damaged), len(bad_groups))
+    assert missing == damaged and trxp.parse(payload) == []  # nor by Get
+    checked = cli("check", "--data", str(copy))
+    assert checked.returncode == 1
+    assert all(f"item {uid}: its payload does not match its digest" in checked.stdout for uid in damaged)
