@@ -3,7 +3,8 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread; server/limits.py keeps waiting calls from taking them all.
+holds one worker thread; server/limits.py keeps waiting calls, and each scope's calls,
+from taking them all.
 
 The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
 otherwise start and split the connections between two stores. Start-up failures (a port
@@ -35,7 +36,7 @@ from .errors import StoreError
 from .estimators import resolve_device
 from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
-from .limits import RESERVED_THREADS, CallLimits, TableStreams, WaitingCap
+from .limits import RESERVED_THREADS, TableStreams, call_limits
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
@@ -143,12 +144,7 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
-        caps = {
-            "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
-            "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
-            "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
-        }
-        interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
+        interceptors.append(call_limits(config))
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))

@@ -42,6 +42,12 @@ SCOPE_OF_METHOD = {
 }
 
 
+def scope_of(method: str) -> str:
+    """The scope a token needs for `method` (an ExperienceBuffer method's name): every method not
+    named above is an admin one."""
+    return SCOPE_OF_METHOD.get(method, "admin")
+
+
 def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler that aborts without reading the request.
 
@@ -72,7 +78,7 @@ class TokenAuth(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        scope = SCOPE_OF_METHOD.get(method, "admin")
+        scope = scope_of(method)
         headers = [value for key, value in details.invocation_metadata or () if key == "authorization"]
         if not headers:
             log.info("refused %s: no bearer token", method)

@@ -12,7 +12,9 @@ may also declare tables (created at start, or checked against the stored ones):
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
     max_push_streams = 32         # open PushStreams (default: half the workers)
     max_waiting_admits = 16       # Admit calls waiting for room (default: a quarter of the workers)
-    reserved_workers = 8          # workers only Push, Ack, Nack and Stats may take (default: an eighth)
+    reserved_workers = 8          # workers calls that wait idle may not take (default: an eighth)
+    push_scope_workers = 16       # workers kept for push-scope calls (default: a quarter)
+    sample_scope_workers = 16     # workers kept for sample-scope calls (default: a quarter)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
@@ -95,8 +97,11 @@ class ServerConfig:
     max_table_streams: int | None = None  # None: max_sample_streams
     max_push_streams: int | None = None  # None: half the workers
     max_waiting_admits: int | None = None  # None: a quarter of the workers
-    # Workers kept for Push, Ack, Nack and Stats: no class of call can take every one (limits.py).
+    # Workers kept for the calls that do not wait idle: no class of call can take every one (limits.py).
     reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
+    # Workers kept for each scope's calls, which the other scope's calls cannot take (limits.py).
+    push_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
+    sample_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     push_stream_idle_seconds: float = 120.0
     max_wait_seconds: float = 600.0
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
@@ -150,6 +155,14 @@ class ServerConfig:
     def reserved_worker_count(self) -> int:
         return self.reserved_workers if self.reserved_workers is not None else max(1, self.workers // 8)
 
+    @property
+    def scope_shares(self) -> dict[str, int]:
+        """Workers kept for each scope's calls: by default a quarter of the workers each, or half of
+        those outside reserved_workers if that is fewer (so both shares fit beside the reserve)."""
+        default = min(self.workers // 4, (self.workers - self.reserved_worker_count) // 2)
+        push, sample = self.push_scope_workers, self.sample_scope_workers
+        return {"push": default if push is None else push, "sample": default if sample is None else sample}
+
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be a port number (0-65535; 0 picks a free one), got {self.port!r}")
@@ -186,6 +199,18 @@ class ServerConfig:
                 raise ConfigError(
                     f"{name} must be an integer from 1 to workers - 1 = {self.workers - 1}, got {value!r}"
                 )
+        for name in ("push_scope_workers", "sample_scope_workers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value < self.workers):
+                raise ConfigError(
+                    f"{name} must be an integer from 0 to workers - 1 = {self.workers - 1}, got {value!r}"
+                )
+        kept = sum(self.scope_shares.values())
+        if kept > self.workers - self.reserved_worker_count:
+            raise ConfigError(
+                f"push_scope_workers + sample_scope_workers = {kept} must be at most workers - reserved_workers = "
+                f"{self.workers - self.reserved_worker_count}"
+            )
         for name in ("push_stream_idle_seconds", "max_wait_seconds"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
@@ -215,6 +240,8 @@ _ENV = {
     "EXPBUF_MAX_PUSH_STREAMS": ("max_push_streams", int),
     "EXPBUF_MAX_WAITING_ADMITS": ("max_waiting_admits", int),
     "EXPBUF_RESERVED_WORKERS": ("reserved_workers", int),
+    "EXPBUF_PUSH_SCOPE_WORKERS": ("push_scope_workers", int),
+    "EXPBUF_SAMPLE_SCOPE_WORKERS": ("sample_scope_workers", int),
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),

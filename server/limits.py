@@ -1,16 +1,24 @@
-"""Bounds on concurrent calls, so that no class of call can take every worker thread.
+"""Bounds on concurrent calls, so that no class of call, and no scope's calls, can take every
+worker thread.
 
-Each call in progress holds one worker thread, and some calls hold theirs while they wait: a
-Sample stream for data, a PushStream for its next message, an Admit with a wait for room.
+Each call in progress holds one worker thread, and some calls hold theirs while they wait idle:
+a Sample stream for data, a PushStream for its next message, an Admit with a wait for room.
 Each of those classes has its own cap (`max_sample_streams`, `max_push_streams`,
-`max_waiting_admits`), and all of them together, with every other call, may take only
-`workers - reserved_workers` threads: the last `reserved_workers` are kept for Push, Ack, Nack
-and Stats, so that rollout workers can push and trainers ack whatever else is waiting. Pushes
-may wait too (on a full table, or the rate limit) and so may take every worker; Ack, Nack and
-Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a trainer's ack, which
-may be what makes room, is answered even then. The thread pool has RESERVED_THREADS more than
-`workers` (those included), so health checks, reflection and the refusals themselves are
-always answered.
+`max_waiting_admits`). Beyond the caps:
+
+- each scope (auth.py's push and sample) keeps a share of the workers, `push_scope_workers` and
+  `sample_scope_workers`: a call is refused if it would leave the other scope fewer free workers
+  than the part of its share its own calls do not hold. Rollout workers that block or idle never
+  take what trainers need, nor trainers' idle streams what rollout workers need;
+- calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
+  Push (which may wait for room, but is what rollouts are for) and every call that answers at
+  once (Ack, Get, ListTables, Seal, admin calls, ...);
+- Ack, Nack and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
+  trainer's ack, which may be what makes room, is answered even when its scope's share is full;
+  admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
+
+The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
+reflection and the refusals themselves are always answered.
 """
 
 from __future__ import annotations
@@ -18,18 +26,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from .auth import scope_of
 from .interceptor import ServiceInterceptor
 
-RESERVED_THREADS = 4
+if TYPE_CHECKING:
+    from .config import ServerConfig
+
 ACK_THREADS = 2
+ADMIN_THREADS = 2
+RESERVED_THREADS = ACK_THREADS + ADMIN_THREADS + 2
 # The calls that never wait, and may take ACK_THREADS beyond the workers.
 NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Stats"})
-# The calls that may take the reserved workers: what keeps rollouts and trainers going.
-ESSENTIAL = frozenset({"Push", *NEVER_WAITING})
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class WaitingCap:
 
 
 def call_class(method: str, request: Any) -> str:
-    """The capped class a call belongs to ("" for none): Admit waits only when asked to."""
+    """The capped class of a call that may wait idle ("" for none): Admit waits only when asked to."""
     if method == "Admit":
         return "waiting_admit" if getattr(request, "wait_seconds", 0) > 0 else ""
     return {"Sample": "sample_stream", "PushStream": "push_stream"}.get(method, "")
@@ -58,35 +69,67 @@ def call_class(method: str, request: Any) -> str:
 class CallLimits(ServiceInterceptor):
     """Refuses, with RESOURCE_EXHAUSTED naming the limit and its setting, calls beyond the bounds."""
 
-    def __init__(self, workers: int, reserved: int, caps: dict[str, WaitingCap]) -> None:
+    def __init__(self, workers: int, reserved: int, caps: dict[str, WaitingCap], shares: dict[str, int]) -> None:
         self.workers = workers
         self.reserved = reserved
         self.caps = caps
+        self.shares = shares  # scope -> workers kept for its calls
         self._lock = threading.Lock()
-        self._calls = 0
+        self._calls = 0  # on the workers (and ACK_THREADS)
+        self._admin_own = 0  # admin calls on ADMIN_THREADS
         self._open = dict.fromkeys(caps, 0)
+        self._in_scope = dict.fromkeys(shares, 0)
 
-    def _acquire(self, method: str, request: Any) -> Callable[[], None] | str:
+    def _kept(self, scope: str) -> dict[str, int]:
+        """The free workers each other scope keeps: the part of its share its calls do not hold."""
+        return {
+            other: share - self._in_scope[other]
+            for other, share in self.shares.items()
+            if other != scope and share > self._in_scope[other]
+        }
+
+    def _refusal(self, method: str, idle: bool, kept: dict[str, int]) -> str | None:
+        """Why the call cannot take a worker now; None if it can."""
+        limit = self.workers - (self.reserved if idle else 0) + (ACK_THREADS if method in NEVER_WAITING else 0)
+        if self._calls + 1 + sum(kept.values()) <= limit:
+            return None
+        held = [f"the last reserved_workers = {self.reserved} are kept for calls that do not wait idle"] if idle else []
+        held += [
+            f"{n} are kept for {scope}-scope calls ({scope}_scope_workers = {self.shares[scope]})"
+            for scope, n in kept.items()
+        ]
+        if not held:
+            return (
+                f"all workers = {self.workers} threads are taken by calls in progress "
+                "(raise it with EXPBUF_WORKERS or workers in the config file)"
+            )
+        return (
+            f"{self._calls} calls are in progress; of the workers = {self.workers} threads, {' and '.join(held)} "
+            "(raise workers with EXPBUF_WORKERS or in the config file)"
+        )
+
+    def acquire(self, method: str, request: Any) -> Callable[[], None] | str:
         """A release function for the slot taken, or the reason no slot is free."""
         kind = call_class(method, request)
+        scope = scope_of(method)
         with self._lock:
             cap = self.caps.get(kind)
             if cap is not None and self._open[kind] >= cap.limit:
                 return cap.refusal(self._open[kind])
-            if method not in ESSENTIAL and self._calls >= self.workers - self.reserved:
-                return (
-                    f"{self._calls} calls are in progress; the other reserved_workers = {self.reserved} of "
-                    f"workers = {self.workers} threads are kept for Push, Ack, Nack and Stats (raise workers "
-                    "with EXPBUF_WORKERS or in the config file)"
-                )
-            if self._calls >= self.workers + (ACK_THREADS if method in NEVER_WAITING else 0):
-                return (
-                    f"all workers = {self.workers} threads are taken by calls in progress "
-                    "(raise it with EXPBUF_WORKERS or workers in the config file)"
-                )
-            self._calls += 1
+            refusal = self._refusal(method, bool(kind), self._kept(scope))
+            own = False  # an admin call on one of its own threads, when no worker is free to it
+            if refusal is not None:
+                if scope != "admin" or self._admin_own >= ADMIN_THREADS:
+                    return refusal if cap is None else f"{self._open[kind]} {cap.what}; {refusal}"
+                own = True
+            if own:
+                self._admin_own += 1
+            else:
+                self._calls += 1
             if cap is not None:
                 self._open[kind] += 1
+            if scope in self._in_scope:
+                self._in_scope[scope] += 1
         released = False
 
         def release() -> None:
@@ -94,9 +137,14 @@ class CallLimits(ServiceInterceptor):
             with self._lock:
                 if not released:
                     released = True
-                    self._calls -= 1
+                    if own:
+                        self._admin_own -= 1
+                    else:
+                        self._calls -= 1
                     if cap is not None:
                         self._open[kind] -= 1
+                    if scope in self._in_scope:
+                        self._in_scope[scope] -= 1
 
         return release
 
@@ -105,7 +153,7 @@ class CallLimits(ServiceInterceptor):
     ) -> grpc.RpcMethodHandler:
         def limited_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                release = self._acquire(method, request)
+                release = self.acquire(method, request)
                 if isinstance(release, str):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
                 try:
@@ -117,7 +165,7 @@ class CallLimits(ServiceInterceptor):
 
         def limited_stream(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                release = self._acquire(method, request)
+                release = self.acquire(method, request)
                 if isinstance(release, str):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
                 context.add_callback(release)  # also when the stream ends without resuming this generator
@@ -138,6 +186,16 @@ class CallLimits(ServiceInterceptor):
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(limited_stream(handler.stream_stream), *serializers)
         raise ValueError(f"{method}: the handler has no behaviour to limit")
+
+
+def call_limits(config: ServerConfig) -> CallLimits:
+    """The bounds on concurrent calls that `config` sets."""
+    caps = {
+        "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
+        "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
+        "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
+    }
+    return CallLimits(config.workers, config.reserved_worker_count, caps, config.scope_shares)
 
 
 class TableStreams:

@@ -38,6 +38,7 @@ from expbuf.server import logs
 from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig, load
+from expbuf.server.limits import CallLimits, call_limits
 from expbuf.server.stats_view import COLUMNS, render
 from expbuf.server.tables import ConfigError
 
@@ -397,9 +398,8 @@ def test_metrics_host_binds_the_metrics_endpoint_apart(start_server: Servers) ->
 
 
 def test_waiting_sample_streams_leave_room_for_other_calls(start_server: Servers) -> None:
-    server = start_server(workers=8)
+    server = start_server(workers=8, max_sample_streams=4)  # below what the push scope's share leaves (5)
     limit = server.config.sample_stream_limit
-    assert 1 <= limit < server.config.workers
     ended: list[grpc.RpcError] = []
 
     def wait_on(call: grpc.Call) -> None:
@@ -489,7 +489,8 @@ def test_proto_names_its_go_package() -> None:
 
 
 def test_health_and_pushes_are_answered_when_every_other_worker_is_busy(start_server: Servers) -> None:
-    server = start_server(workers=4, max_sample_streams=3)
+    # No workers kept per scope: the reserve alone keeps the last worker from the Sample streams.
+    server = start_server(workers=4, max_sample_streams=3, push_scope_workers=0, sample_scope_workers=0)
     assert server.config.reserved_worker_count == 1
 
     def wait_on(call: grpc.Call) -> None:
@@ -629,6 +630,63 @@ def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
     done = cli("serve", "--data", str(tmp_path / "data"))  # a child: the command routes the root logger
     one_line_error(done, "push_stream_idle_seconds")  # refused before anything starts
     assert not (tmp_path / "data").exists()
+
+
+def test_workers_kept_per_scope_come_from_defaults_file_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quarter of the workers for each scope by default, fewer when reserved_workers leaves fewer:
+    settings that started a server before still do."""
+    assert ServerConfig().scope_shares == {"push": 16, "sample": 16}
+    assert ServerConfig(workers=16, reserved_workers=12).scope_shares == {"push": 2, "sample": 2}
+    assert ServerConfig(workers=2).scope_shares == {"push": 0, "sample": 0}
+    kept = ServerConfig(workers=64, max_sample_streams=63, max_table_streams=48, reserved_workers=20).scope_shares
+    assert kept == {"push": 16, "sample": 16}
+    with pytest.raises(ConfigError, match=r"push_scope_workers must be an integer from 0 to workers - 1 = 7"):
+        ServerConfig(workers=8, push_scope_workers=-1)
+    with pytest.raises(ConfigError, match=r"sample_scope_workers must be an integer from 0 to workers - 1 = 7"):
+        ServerConfig(workers=8, sample_scope_workers=8)
+    message = r"push_scope_workers \+ sample_scope_workers = 9 must be at most workers - reserved_workers = 7"
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(workers=8, push_scope_workers=6, sample_scope_workers=3)
+    config_file = tmp_path / "expbuf.toml"
+    config_file.write_text("workers = 32\npush_scope_workers = 10\n")
+    monkeypatch.setenv("EXPBUF_SAMPLE_SCOPE_WORKERS", "0")
+    assert load(str(config_file)).scope_shares == {"push": 10, "sample": 0}
+
+
+def admitted(limits: CallLimits, method: str, request: object) -> tuple[int, str]:
+    """How many more `method` calls `limits` lets in at once (each kept in progress), and the refusal
+    of the next."""
+    count = 0
+    while not isinstance(taken := limits.acquire(method, request), str):
+        count += 1
+    return count, taken
+
+
+def test_default_shares_on_64_workers() -> None:
+    """The figures the README gives for the default settings (64 workers, 8 reserved, 16 kept for
+    each scope): what one scope's calls may hold at their worst, and what the other then has."""
+    limits = call_limits(ServerConfig())
+    sampled, refusal = admitted(limits, "Sample", pb.SampleRequest())  # below max_sample_streams = 48
+    assert sampled == 40 and "push_scope_workers = 16" in refusal and "reserved_workers = 8" in refusal
+    assert admitted(limits, "PushStream", pb.PushRequest())[0] == 16
+    assert admitted(limits, "Push", pb.PushRequest())[0] == 8
+
+    limits = call_limits(ServerConfig())
+    pushed, refusal = admitted(limits, "Push", pb.PushRequest())  # blocked on a full table, say
+    assert pushed == 48 and "sample_scope_workers = 16" in refusal
+    assert admitted(limits, "Sample", pb.SampleRequest())[0] == 8  # sample_scope_workers - reserved_workers
+    assert admitted(limits, "Get", pb.GetRequest())[0] == 8
+    assert admitted(limits, "Ack", pb.AckRequest())[0] == 2
+    created, refusal = admitted(limits, "CreateTable", pb.CreateTableRequest())
+    assert created == 2 and "all workers = 64" in refusal
+
+    limits = call_limits(ServerConfig())
+    assert admitted(limits, "PushStream", pb.PushRequest())[0] == 32  # max_push_streams
+    assert admitted(limits, "Admit", pb.AdmitRequest(wait_seconds=5))[0] == 8
+    assert admitted(limits, "Sample", pb.SampleRequest())[0] == 16  # the trainers' whole share
+    assert admitted(limits, "Push", pb.PushRequest())[0] == 8  # the reserve
 
 
 def test_check_at_open_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,14 +2,18 @@
 lock out the calls that keep rollouts and trainers going.
 
 The server runs with 16 workers and every cap on a class of waiting calls raised to its
-highest (workers - 1), so that only the reserve of workers kept for Push, Ack, Nack and
-Stats stands between the idle calls and a lock-out. Each case opens more idle calls than
-there are workers: those beyond the other workers are refused at once, naming the reserve,
-and a push, an ack of a lease taken before, Stats and the health check are all answered.
+highest (workers - 1). With no workers kept for either scope, only the reserve of workers
+kept for calls that do not wait idle stands between the idle calls and a lock-out: each
+case opens more idle calls than there are workers, those beyond the other workers are
+refused at once, naming the reserve, and a push, an ack of a lease taken before, Stats, an
+admin call and the health check are all answered. With a share of the workers kept for each
+scope, one scope's calls at their worst (idle, waiting, blocked) leave the other scope its
+share: trainers still open Sample streams and read, rollout workers still push.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +40,9 @@ RAISED_CAPS = {
     "EXPBUF_MAX_PUSH_STREAMS": str(WORKERS - 1),
     "EXPBUF_MAX_WAITING_ADMITS": str(WORKERS - 1),
 }
+NO_SHARES = {"EXPBUF_PUSH_SCOPE_WORKERS": "0", "EXPBUF_SAMPLE_SCOPE_WORKERS": "0"}
+SHARE = 6  # workers kept for each scope in the share cases
+SHARES = {**RAISED_CAPS, "EXPBUF_PUSH_SCOPE_WORKERS": str(SHARE), "EXPBUF_SAMPLE_SCOPE_WORKERS": str(SHARE)}
 
 
 @pytest.fixture
@@ -62,6 +69,42 @@ def waiting_sample(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.Simpl
 def waiting_admit(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Future:
     """An Admit waiting for room on the full table."""
     return buffer.Admit.future(pb.AdmitRequest(table="full", count=1, wait_seconds=30), timeout=60)
+
+
+_blocked = itertools.count()
+
+
+def blocked_push(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Future:
+    """A Push waiting for room on the full table `blocking` (see blocking_table)."""
+    data, _ = payload("wait", next(_blocked))
+    return buffer.Push.future(pb.PushRequest(table="blocking", payload=data), timeout=60)
+
+
+def blocking_table(target: str) -> str:
+    """The table `blocking`, full, where pushes wait for room; the uid of one experience it holds."""
+    with BufferClient(target) as client:
+        client.create_table("blocking", capacity_experiences=4, when_full="block")
+    with channel(target) as chan:
+        data, uids = payload("fill", 0)
+        stub(chan).Push(pb.PushRequest(table="blocking", payload=data), timeout=30)
+    return uids[0]
+
+
+def settled(calls: list[grpc.Future], accepted: int, what: str) -> list[grpc.Future]:
+    """The calls refused (RESOURCE_EXHAUSTED, which comes at once; an accepted call waits) once all
+    but `accepted` of `calls` are; fails naming `what` when another number is accepted."""
+
+    def refused() -> list[grpc.Future]:
+        return [call for call in calls if call.done() and call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+    deadline = time.monotonic() + 20
+    while len(refused()) < len(calls) - accepted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found = refused()
+    assert len(found) == len(calls) - accepted, (
+        f"{what}: {len(calls) - len(found)} of {len(calls)} accepted on {WORKERS} workers, {accepted} expected"
+    )
+    return found
 
 
 def held_lease(target: str) -> str:
@@ -93,33 +136,27 @@ CASES = {
 def test_idle_calls_leave_push_ack_and_stats_answered(
     tmp_path: Path, serve: Callable[..., ServerProcess], case: str
 ) -> None:
-    server = serve(str(tmp_path / "data"), env=RAISED_CAPS)
+    server = serve(str(tmp_path / "data"), env=RAISED_CAPS | NO_SHARES)
     lease_id = held_lease(server.target)
     holds: list[queue.SimpleQueue] = []
     with channel(server.target) as chan:
         buffer = stub(chan)
         calls = [opener(buffer, holds) for opener, count in CASES[case] for _ in range(count)]
         try:
-            accepted = WORKERS - RESERVED
-            deadline = time.monotonic() + 30
-            while sum(call.done() for call in calls) < len(calls) - accepted and time.monotonic() < deadline:
-                time.sleep(0.1)
-            refused = [call for call in calls if call.done()]
-            assert len(refused) == len(calls) - accepted, (
-                f"{len(calls)} idle calls on {WORKERS} workers: {len(refused)} refused, "
-                f"{len(calls) - accepted} expected (all but the {accepted} workers outside the reserve)"
-            )
+            refused = settled(calls, WORKERS - RESERVED, f"{case} (all but the reserve)")
             for call in refused:
-                assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (call.code(), call.details())
                 assert f"reserved_workers = {RESERVED}" in call.details(), call.details()
             try:
                 data, uids = payload("during", 0)
                 pushed = buffer.Push(pb.PushRequest(table="default", payload=data), timeout=10)
                 acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
                 tables = buffer.Stats(pb.StatsRequest(), timeout=10).tables
+                buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)
                 assert healthy(chan)
             except grpc.RpcError as exc:
-                pytest.fail(f"{case}: Push, Ack, Stats or Health refused: {exc.code().name}: {exc.details()}")
+                pytest.fail(
+                    f"{case}: Push, Ack, Stats, CreateTable or Health refused: {exc.code().name}: {exc.details()}"
+                )
             assert list(pushed.stored_uids) == uids
             assert acked.acked
             assert {t.name for t in tables} >= {"default", "leased", "empty", "full"}
@@ -162,39 +199,133 @@ def test_idle_push_stream_and_long_waits_end_naming_their_setting(
         assert admitted.granted == 0
 
 
-def test_pushes_blocked_on_a_full_table_leave_acks_and_stats_answered(
+def test_pushes_blocked_on_a_full_table_leave_acks_stats_and_admin_answered(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:
-    """Pushes that wait for room may take every worker; the trainer's ack, which makes room,
-    and Stats are still answered."""
-    server = serve(str(tmp_path / "data"), env={"EXPBUF_WORKERS": str(WORKERS)})
+    """With no workers kept for the trainers, pushes that wait for room may take every worker;
+    the trainer's ack, which makes room, Stats and admin calls are still answered."""
+    server = serve(str(tmp_path / "data"), env={"EXPBUF_WORKERS": str(WORKERS)} | NO_SHARES)
     lease_id = held_lease(server.target)
-    with BufferClient(server.target) as client:
-        client.create_table("blocking", capacity_experiences=4, when_full="block")
+    blocking_table(server.target)
     with channel(server.target) as chan:
         buffer = stub(chan)
-        buffer.Push(pb.PushRequest(table="blocking", payload=payload("fill", 0)[0]), timeout=30)
-        calls = [
-            buffer.Push.future(pb.PushRequest(table="blocking", payload=payload("wait", task)[0]), timeout=60)
-            for task in range(WORKERS + 2)
-        ]
+        calls = [blocked_push(buffer, []) for _ in range(WORKERS + 2)]
         try:
-            deadline = time.monotonic() + 30
-            while sum(call.done() for call in calls) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            refused = [call for call in calls if call.done()]
-            assert len(refused) == 2, f"{len(calls)} blocked pushes on {WORKERS} workers: {len(refused)} refused"
-            for call in refused:
-                assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (call.code(), call.details())
+            for call in settled(calls, WORKERS, "pushes blocked on a full table"):
                 assert f"all workers = {WORKERS}" in call.details(), call.details()
             try:
                 acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
                 blocking = buffer.Stats(pb.StatsRequest(table="blocking"), timeout=10).tables[0]
+                buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)
                 assert healthy(chan)
             except grpc.RpcError as exc:
-                pytest.fail(f"Ack, Stats or Health refused while pushes wait: {exc.code().name}: {exc.details()}")
+                pytest.fail(
+                    f"Ack, Stats, CreateTable or Health refused while pushes wait: {exc.code().name}: {exc.details()}"
+                )
             assert acked.acked
             assert blocking.pushed == 4
         finally:
+            for call in calls:
+                call.cancel()
+
+
+def test_push_scope_at_its_worst_leaves_trainers_their_share(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """Idle PushStreams, waiting Admits and pushes blocked on a full table, as many as the push
+    scope may hold: trainers still open Sample streams, and Get, ListTables, Ack, Stats, an admin
+    call and the health check are answered."""
+    server = serve(str(tmp_path / "data"), env=SHARES)
+    lease_id = held_lease(server.target)
+    uid = blocking_table(server.target)
+    holds: list[queue.SimpleQueue] = []
+    calls: list[grpc.Future] = []
+    # (what, opener, opened, accepted): the idle calls leave the reserve and the trainers' share; the
+    # blocked pushes may take the reserve; the trainers' Sample streams then leave the reserve again.
+    steps = [
+        ("idle PushStreams", idle_push_stream, 20, WORKERS - RESERVED - SHARE, f"sample_scope_workers = {SHARE}"),
+        ("waiting Admits", waiting_admit, 20, 0, f"sample_scope_workers = {SHARE}"),
+        ("blocked pushes", blocked_push, 20, RESERVED, f"sample_scope_workers = {SHARE}"),
+        ("trainer Sample streams", waiting_sample, 60, SHARE - RESERVED, f"reserved_workers = {RESERVED}"),
+    ]
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        try:
+            for what, opener, count, accepted, setting in steps:
+                opened = [opener(buffer, holds) for _ in range(count)]
+                calls += opened
+                for call in settled(opened, accepted, what):
+                    assert setting in call.details(), (what, call.details())
+            try:
+                got = buffer.Get(pb.GetRequest(table="blocking", uids=[uid]), timeout=10)
+                listed = buffer.ListTables(pb.ListTablesRequest(), timeout=10).tables
+                acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
+                tables = buffer.Stats(pb.StatsRequest(), timeout=10).tables
+                buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)
+                assert healthy(chan)
+            except grpc.RpcError as exc:
+                pytest.fail(f"a trainer's or admin call refused: {exc.code().name}: {exc.details()}")
+            assert got.payload and not got.missing_uids
+            assert {t.name for t in listed} >= {"blocking", "leased"}
+            assert acked.acked
+            assert {t.name for t in tables} >= {"blocking", "leased"}
+            refused = [call for call in calls if call.done()]
+            assert len(refused) == len(calls) - (WORKERS - RESERVED), "an accepted call ended"
+        finally:
+            for hold in holds:
+                hold.put(None)
+            for call in calls:
+                call.cancel()
+
+
+def test_sample_scope_at_its_worst_leaves_pushers_their_share(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """Trainer Sample streams waiting for data, as many as the sample scope may hold: rollout workers
+    still open their share of PushStreams and push through them, and Push, Admit, Writers, Ack,
+    Stats, an admin call and the health check are answered."""
+    server = serve(str(tmp_path / "data"), env=SHARES)
+    lease_id = held_lease(server.target)
+    holds: list[queue.SimpleQueue] = []
+    calls: list[grpc.Future] = []
+    steps = [
+        ("trainer Sample streams", waiting_sample, 60, WORKERS - RESERVED - SHARE, f"push_scope_workers = {SHARE}"),
+        ("idle PushStreams", idle_push_stream, 20, SHARE, f"reserved_workers = {RESERVED}"),
+    ]
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        try:
+            for what, opener, count, accepted, setting in steps:
+                opened = [opener(buffer, holds) for _ in range(count)]
+                calls += opened
+                for call in settled(opened, accepted, what):
+                    assert setting in call.details(), (what, call.details())
+            streaming, hold = next(
+                (call, hold) for call, hold in zip(calls[-20:], holds[-20:], strict=True) if not call.done()
+            )
+            data, uids = payload("streamed", 0)
+            hold.put(pb.PushRequest(table="default", payload=data, seq=1))
+            try:
+                streamed = next(streaming)
+                data, pushed_uids = payload("during", 0)
+                pushed = buffer.Push(pb.PushRequest(table="default", payload=data), timeout=10)
+                admitted = buffer.Admit(pb.AdmitRequest(table="full", count=1), timeout=10)
+                writers = buffer.Writers(pb.WritersRequest(table="default"), timeout=10)
+                acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
+                buffer.Stats(pb.StatsRequest(), timeout=10)
+                buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)
+                assert healthy(chan)
+            except grpc.RpcError as exc:
+                pytest.fail(f"a rollout worker's or admin call refused: {exc.code().name}: {exc.details()}")
+            assert (streamed.seq, list(streamed.stored_uids)) == (1, uids)
+            assert list(pushed.stored_uids) == pushed_uids
+            assert admitted.granted == 0  # the table has no room: answered, not refused
+            assert writers.open == 0
+            assert acked.acked
+            refused = [call for call in calls if call.done()]
+            assert len(refused) == len(calls) - (WORKERS - RESERVED), "an accepted call ended"
+        finally:
+            for hold in holds:
+                hold.put(None)
             for call in calls:
                 call.cancel()
