@@ -245,6 +245,35 @@ def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the
     buffer.close()
 
 
+def test_source_leases_last_while_the_trainer_lives_and_go_back_when_it_closes(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_renew", group_by="task", group_size=2, estimator="grpo")
+    for task in ("a", "b", "c"):
+        client.push(explorer_group(task, 1, [0.0, 1.0]), "verl_renew")
+    buffer = build(server.target, "verl_renew", threshold=None, mode="source", lease_seconds=2)
+    ended, trained, _ = (buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)[0] for _ in range(3))
+    time.sleep(5.0)  # two and a half leases; the server's lease upkeep runs every 0.5 s
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.leases_expired) == (3, 0)  # renewed: a long step keeps its groups
+
+    # A lease that ended before its step did (the server out of reach for a whole lease; the lease id
+    # is the buffer's alone) is said, and holds back neither the round nor the other leases.
+    (lease,) = [lease for lease, keys in buffer._source_leases.items() if keys == set(ended.keys)]
+    client.nack(lease, "verl_renew")
+    with caplog.at_level(logging.ERROR):
+        step_end(ended)
+        step_end(trained)
+        buffer.sync_once()
+    assert f"lease {lease} ended before verl cleared its step" in caplog.text
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.groups_ready, after.consumed) == (1, 1, 2)
+
+    buffer.close()  # the third step never ended: its group goes back now
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.groups_ready, after.leases_expired) == (0, 2, 0)
+
+
 def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
     server: ServerProcess, client: BufferClient, tmp_path: Path
 ) -> None:

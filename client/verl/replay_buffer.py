@@ -13,7 +13,8 @@ pushed, untrained group is in the table for the next start.
 source: groups come from expbuf only (Trinity explorers, other workers). `sample` leases
 `batch_size` whole groups within the table's staleness bound of `global_steps`, writes them
 into TransferQueue under verl's field names and returns verl's KVBatchMeta; a lease is acked
-once verl has cleared all of its keys (after the step that trained them).
+once verl has cleared all of its keys (after the step that trained them). A lease is short and
+renewed while the trainer lives, so a dead trainer's groups go back within one lease.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import BufferClient, BufferError, TableInfo
+from expbuf.client import BufferClient, BufferError, NotFoundError, TableInfo
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
@@ -82,6 +83,9 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-verl", daemon=True)
         self._thread.start()
+        self._renewer = threading.Thread(target=self._keep_leases, name="expbuf-verl-leases", daemon=True)
+        if self.mode == "source":
+            self._renewer.start()
         atexit.register(self.close)
 
     def _table_config(self) -> TableInfo:
@@ -277,24 +281,66 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                 self._pushed.pop(uid, None)
 
     def _ack_cleared(self, listing: dict[str, dict]) -> None:
+        """Ack each lease whose keys verl has cleared; one that ended first is said, not retried, so
+        it holds back neither the round nor the other leases."""
         with self._lock:
             done = [lease for lease, keys in self._source_leases.items() if not keys & listing.keys()]
         for lease in done:
-            self.client.ack(lease, self.table)
+            try:
+                self.client.ack(lease, self.table)
+            except NotFoundError:
+                logger.error(
+                    "expbuf table %s: lease %s ended before verl cleared its step (not renewed for a whole "
+                    "lease_seconds): its groups went back to the table and may be trained again",
+                    self.table,
+                    lease,
+                )
             with self._lock:
                 self._source_leases.pop(lease, None)
 
+    def _keep_leases(self) -> None:
+        """Renew the leases of steps still running every third of a lease while this process lives: a
+        dead trainer's groups go back within one lease, a live one's stay however long its step."""
+        seconds = self.settings.location.lease_seconds
+        while not self._stopped.wait(seconds / 3):
+            with self._lock:
+                leases = list(self._source_leases)
+            for lease in leases:
+                try:
+                    self.client.renew(lease, seconds, self.table)
+                except NotFoundError:
+                    continue  # acked since, or ended: _ack_cleared says which
+                except Exception:
+                    logger.exception("expbuf table %s: renewing lease %s failed; retrying", self.table, lease)
+
+    def _give_back(self) -> None:
+        """At close, the leases of steps that never ended go back to the table now."""
+        with self._lock:
+            leases = list(self._source_leases)
+            self._source_leases.clear()
+        for lease in leases:
+            try:
+                self.client.nack(lease, self.table)
+            except NotFoundError:
+                continue  # ended already
+            except Exception:
+                logger.exception("expbuf table %s: giving back lease %s failed", self.table, lease)
+
     def close(self) -> None:
-        """Finish the pending round (pushes, retirements, acks) and stop the background thread."""
+        """Finish the pending round (pushes, retirements, acks), give back the leases of steps that
+        never ended and stop the background threads."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._renewer.is_alive():
+            self._renewer.join(timeout=30)
         try:
             self.sync_once()
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
+        self._give_back()
         self.client.close()
 
 
