@@ -221,6 +221,8 @@ def test_settings_read_sampler_kwargs_and_name_what_is_wrong() -> None:
     )
     assert (read.location.target, read.location.table, read.mode) == ("10.0.0.5:50051", "grpo", "source")
     assert read.location.tls is not None and read.location.tls.root_certificates == "/ca.pem"
+    assert read.location.lease_seconds == 60  # source mode's lease, renewed while the trainer lives
+    assert settings.read({"expbuf": {"target": "h:1", "table": "t", "lease_seconds": 5}}).location.lease_seconds == 5
     assert settings.read({"expbuf": {"target": "h:1", "table": "t", "token_env": "T"}}, env={"T": "s"}).location.token
     for kwargs, message in (
         ({}, "sampler_kwargs.expbuf is missing"),
@@ -228,6 +230,7 @@ def test_settings_read_sampler_kwargs_and_name_what_is_wrong() -> None:
         ({"expbuf": {"target": "h:1", "table": "t", "mode": "copy"}}, "mode='copy'"),
         ({"expbuf": {"target": "h:1", "table": "t", "batch": 3}}, "expbuf.batch is unknown"),
         ({"expbuf": {"target": "h:1", "table": "t", "token": "s"}}, "expbuf.token is unknown"),
+        ({"expbuf": {"target": "h:1", "table": "t", "lease_seconds": 0}}, "lease_seconds='0' must be a number > 0"),
     ):
         with pytest.raises(ValueError, match=message):
             settings.read(kwargs, env={})

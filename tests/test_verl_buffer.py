@@ -63,14 +63,21 @@ def client(server: ServerProcess) -> Iterator[BufferClient]:
 
 
 OPEN: list[ExpbufReplayBuffer] = []
+CHILDREN: list[subprocess.Popen] = []
 
 
 @pytest.fixture(autouse=True)
 def empty_queue(transfer_queue: None) -> Iterator[None]:
-    """Each test starts with an empty train partition; the buffers it built are closed after it."""
+    """Each test starts with an empty train partition; the buffers and child trainers it started
+    are closed and ended after it."""
     yield
     while OPEN:
         OPEN.pop().close()
+    while CHILDREN:
+        child = CHILDREN.pop()
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
     keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
     if keys:
         tq.kv_clear(keys=keys, partition_id=TRAIN)
@@ -164,7 +171,8 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
     restarted = build(server.target, "verl_mirror")
     meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=2)
     assert {k.split("_")[0] for k in meta.keys} == set(second)
-    assert stats(client, "verl_mirror").groups_leased == 2
+    after = stats(client, "verl_mirror")
+    assert (after.groups_ready, after.groups_leased) == (2, 0)  # read back, not leased: a crash now loses none
     for uid, rows in rows_before.items():
         back = group_rows(uid)
         assert [r.key for r in back] == [r.key for r in rows]
@@ -174,8 +182,7 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
             assert got.fields["raw_prompt"] == want.fields["raw_prompt"]
             assert got.fields["extra_fields"] == want.fields["extra_fields"]
     step_end(meta)
-    wait_for(lambda: stats(client, "verl_mirror").groups_leased == 0, "restored groups acked once trained")
-    assert stats(client, "verl_mirror").groups_ready == 0
+    wait_for(lambda: stats(client, "verl_mirror").groups_ready == 0, "restored groups retired once trained")
 
     stale, fresh = dispatch(1), dispatch(4)  # at step 4 a group dispatched at step 1 spans 4 > 2 versions
     wait_for(lambda: stats(client, "verl_mirror").groups_ready == 2, "both pushed")
@@ -238,6 +245,35 @@ def test_source_leases_fresh_whole_groups_into_transfer_queue_and_acks_after_the
     buffer.close()
 
 
+def test_source_leases_last_while_the_trainer_lives_and_go_back_when_it_closes(
+    server: ServerProcess, client: BufferClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.create_table("verl_renew", group_by="task", group_size=2, estimator="grpo")
+    for task in ("a", "b", "c"):
+        client.push(explorer_group(task, 1, [0.0, 1.0]), "verl_renew")
+    buffer = build(server.target, "verl_renew", threshold=None, mode="source", lease_seconds=2)
+    ended, trained, _ = (buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)[0] for _ in range(3))
+    time.sleep(5.0)  # two and a half leases; the server's lease upkeep runs every 0.5 s
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.leases_expired) == (3, 0)  # renewed: a long step keeps its groups
+
+    # A lease that ended before its step did (the server out of reach for a whole lease; the lease id
+    # is the buffer's alone) is said, and holds back neither the round nor the other leases.
+    (lease,) = [lease for lease, keys in buffer._source_leases.items() if keys == set(ended.keys)]
+    client.nack(lease, "verl_renew")
+    with caplog.at_level(logging.ERROR):
+        step_end(ended)
+        step_end(trained)
+        buffer.sync_once()
+    assert f"lease {lease} ended before verl cleared its step" in caplog.text
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.groups_ready, after.consumed) == (1, 1, 2)
+
+    buffer.close()  # the third step never ended: its group goes back now
+    after = stats(client, "verl_renew")
+    assert (after.groups_leased, after.groups_ready, after.leases_expired) == (0, 2, 0)
+
+
 def test_a_missing_table_or_a_mirror_table_that_groups_otherwise_is_refused(
     server: ServerProcess, client: BufferClient, tmp_path: Path
 ) -> None:
@@ -253,11 +289,36 @@ def run_trainer(server: ServerProcess, table: str, log: Path, *steps: int) -> su
     gcs = ray.get_runtime_context().gcs_address
     args = [sys.executable, str(Path(__file__).parent / "verl_trainer_child.py"), gcs, server.target, table]
     with open(log.with_suffix(".err"), "a") as err:  # a file: a full pipe would stall the child
-        return subprocess.Popen([*args, *map(str, steps[:3]), str(log), *map(str, steps[3:])], stderr=err)
+        child = subprocess.Popen([*args, *map(str, steps[:3]), str(log), *map(str, steps[3:])], stderr=err)
+    CHILDREN.append(child)
+    return child
 
 
 def child_log(log: Path) -> str:
     return log.with_suffix(".err").read_text()[-3000:]
+
+
+def kill_when_ready(child: subprocess.Popen, log: Path) -> dict[str, list[str]]:
+    """SIGKILL the child trainer at its kill point; what its log says, by kind of line."""
+    wait_for(lambda: (log.exists() and "ready" in log.read_text()) or child.poll() is not None, "the kill point", 120)
+    assert child.poll() is None, child_log(log)
+    child.send_signal(signal.SIGKILL)
+    child.wait(30)
+    return logged(log)
+
+
+def logged(log: Path) -> dict[str, list[str]]:
+    """The child trainer's log: the uids of its `trained`, `pushed` and `sampled` lines."""
+    lines = [line.split() for line in log.read_text().split("\n")]
+    return {
+        kind: [words[1] for words in lines if words and words[0] == kind] for kind in ("trained", "pushed", "sampled")
+    }
+
+
+def lose_transfer_queue() -> None:
+    """TransferQueue's memory dies with the trainer (verl's checkpoint holds none of these keys)."""
+    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
+    tq.kv_clear(keys=keys, partition_id=TRAIN)
 
 
 def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_none_twice(
@@ -267,28 +328,52 @@ def test_a_trainer_killed_between_checkpoints_loses_no_pushed_group_and_trains_n
     log = tmp_path / "trainer.log"
     # Steps 1 and 2 train; the checkpoint is after step 2; at step 3 the trainer dies with two
     # finished groups pushed and not yet trained.
-    first = run_trainer(server, "verl_crash", log, 1, 3, 3, 3)
-    wait_for(lambda: (log.exists() and "ready" in log.read_text()) or first.poll() is not None, "the kill point", 120)
-    assert first.poll() is None, child_log(log)
-    first.send_signal(signal.SIGKILL)
-    first.wait(30)
-    before = log.read_text().split("\n")
-    trained_before = [line.split()[1] for line in before if line.startswith("trained ")]
-    pushed = {line.split()[1] for line in before if line.startswith("pushed ")}
+    before = kill_when_ready(run_trainer(server, "verl_crash", log, 1, 3, 3, 3), log)
+    trained_before, pushed = before["trained"], set(before["pushed"])
     assert len(trained_before) == 4 and len(pushed) == 2
-    keys = list((tq.kv_list(TRAIN) or {}).get(TRAIN, {}))
-    tq.kv_clear(keys=keys, partition_id=TRAIN)  # TransferQueue's memory died with the trainer
+    lose_transfer_queue()
 
     # Resumed from the checkpoint: steps 3 to 5, new prompts at steps 3 and 4.
     log.write_text("")
     second = run_trainer(server, "verl_crash", log, 3, 5, 4)
     assert second.wait(180) == 0, child_log(log)
-    trained_after = [line.split()[1] for line in log.read_text().split("\n") if line.startswith("trained ")]
+    trained_after = logged(log)["trained"]
     assert len(trained_after) == len(set(trained_after)) == 6
     assert pushed <= set(trained_after), "a group pushed before the crash was lost"
     assert not set(trained_before) & set(trained_after), "a group was trained twice"
     wait_for(lambda: stats(client, "verl_crash").groups_ready == 0, "every trained group retired")
     assert stats(client, "verl_crash").groups_leased == 0
+
+
+def test_two_crashes_in_a_row_give_every_pushed_untrained_group_back_at_the_next_start(
+    server: ServerProcess, client: BufferClient, tmp_path: Path
+) -> None:
+    client.create_table("verl_twice", group_by="task", group_size=0, estimator="none")
+    log = tmp_path / "trainer.log"
+    # Steps 1 and 2 train; at step 3 the trainer dies with two groups pushed and sampled, not trained.
+    first = kill_when_ready(run_trainer(server, "verl_twice", log, 1, 3, 3, 3), log)
+    pushed = set(first["pushed"])
+    assert len(first["trained"]) == 4 and len(pushed) == 2
+    lose_transfer_queue()
+
+    # The restart's first sample restores them and takes them for step 3; it dies again before training them.
+    log.write_text("")
+    second = kill_when_ready(run_trainer(server, "verl_twice", log, 3, 5, 2, 3), log)
+    assert set(second["sampled"]) == pushed and not second["trained"], child_log(log)
+    after = stats(client, "verl_twice")
+    assert (after.groups_ready, after.groups_leased) == (2, 0), "the dead trainer holds groups"
+    lose_transfer_queue()
+
+    # The next start gets them back and trains them, with new prompts at steps 3 and 4.
+    log.write_text("")
+    third = run_trainer(server, "verl_twice", log, 3, 5, 4)
+    assert third.wait(180) == 0, child_log(log)
+    trained = logged(log)["trained"]
+    assert len(trained) == len(set(trained)) == 6
+    assert pushed <= set(trained), "a group pushed before the crashes was lost"
+    assert not set(first["trained"]) & set(trained), "a group was trained twice"
+    wait_for(lambda: stats(client, "verl_twice").groups_ready == 0, "every trained group retired")
+    assert stats(client, "verl_twice").groups_leased == 0
 
 
 def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
@@ -391,9 +476,32 @@ def test_a_trained_steps_keys_from_verls_checkpoint_are_neither_pushed_nor_resto
     assert {k.split("_")[0] for k in meta.keys} == {other}
     restarted.sync_once()
     after = stats(client, "verl_orphans")
-    assert (after.groups_leased, after.groups_ready, after.consumed) == (0, 1, 3)  # the trained one acked
+    assert (after.groups_leased, after.groups_ready, after.ready) == (0, 1, 3)  # the trained one is gone
+    assert client.get([f"verl/{uid}/0/0/0"], "verl_orphans").missing_uids == [f"verl/{uid}/0/0/0"]
     listing = tq.kv_list(TRAIN)[TRAIN]
     assert uid not in listing and any(key.startswith(uid + "_") for key in listing)  # not put back as a group
+
+
+def test_groups_a_dead_trainer_left_leased_are_restored(server: ServerProcess, client: BufferClient) -> None:
+    """An older release's restore leased the groups it put back for an hour; its trainer died with them."""
+    client.create_table("verl_stranded", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_stranded")
+    stranded = dispatch(1)
+    wait_for(lambda: stats(client, "verl_stranded").groups_ready == 1, "the finished group pushed")
+    buffer.close()
+    lose_transfer_queue()
+    with BufferClient(server.target) as dead:
+        (held,) = dead.sample("verl_stranded", num_groups=1, max_batches=1, lease_seconds=3600)
+    assert held.groups == [f"verl/{stranded}"]
+
+    restarted = build(server.target, "verl_stranded")
+    newer = dispatch(2)
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {stranded}  # the older group first, as verl samples
+    step_end(meta)
+    wait_for(lambda: stats(client, "verl_stranded").groups_leased == 0, "the stranded group retired once trained")
+    meta, _ = restarted.sample(global_steps=2, partition_id=TRAIN, batch_size=1)
+    assert {k.split("_")[0] for k in meta.keys} == {newer}
 
 
 def test_a_group_expbuf_cannot_store_is_logged_and_does_not_hold_back_the_others(

@@ -6,7 +6,8 @@ usage: verl_trainer_child.py GCS_ADDRESS TARGET TABLE FIRST_STEP LAST_STEP DISPA
 Each step dispatches two prompts while the step is at most DISPATCH_UNTIL (verl's prepare_step),
 samples two groups through the buffer, "trains" them (a `trained UID` line in LOG, fsynced) and
 clears their keys as verl's fit loop does. At step DIE_AT it dispatches its prompts, waits until
-the mirror has pushed them (`pushed UID` lines), writes `ready` and waits to be killed.
+the mirror has pushed them (`pushed UID` lines), samples (`sampled UID` lines: the step that
+dies with them), writes `ready` and waits to be killed.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
                     time.sleep(0.05)
                 for uid in uids:
                     note(f"pushed {uid}")
+                meta, _ = buffer.sample(global_steps=step, partition_id="train", batch_size=2)
+                for uid in sorted({key.split("_")[0] for key in meta.keys}):
+                    note(f"sampled {uid}")
                 note("ready")
                 time.sleep(600)
             meta, _ = buffer.sample(global_steps=step, partition_id="train", batch_size=2)

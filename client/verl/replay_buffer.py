@@ -5,14 +5,16 @@ runs unchanged; a background thread pushes every finished group of the train par
 expbuf (idempotent: the eid comes from the prompt uid, session and index), deletes a group
 from expbuf once verl has cleared its keys (after the step that trained it, or when verl
 evicted it as stale or filtered), and reports `global_steps` as the table's trainer version.
-After a restart, the first `sample` leases the groups still in expbuf (pushed, never trained)
+After a restart, the first `sample` reads the groups still in expbuf (pushed, never trained)
 and puts those TransferQueue does not already hold back in as finished groups, so verl trains
-them instead of losing them.
+them instead of losing them. Mirror mode holds no lease: whenever the trainer dies, every
+pushed, untrained group is in the table for the next start.
 
 source: groups come from expbuf only (Trinity explorers, other workers). `sample` leases
 `batch_size` whole groups within the table's staleness bound of `global_steps`, writes them
 into TransferQueue under verl's field names and returns verl's KVBatchMeta; a lease is acked
-once verl has cleared all of its keys (after the step that trained them).
+once verl has cleared all of its keys (after the step that trained them). A lease is short and
+renewed while the trainer lives, so a dead trainer's groups go back within one lease.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import atexit
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -29,7 +30,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import Batch, BufferClient, BufferError, TableInfo
+from expbuf.client import BufferClient, BufferError, NotFoundError, TableInfo
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
@@ -73,7 +74,6 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._lock = threading.Lock()  # the shared state below
         self._round = threading.Lock()  # one background round or restore at a time
         self._pushed: dict[str, set[str]] = {}  # uid -> its TransferQueue keys, for groups expbuf holds
-        self._restored_leases: dict[str, str] = {}  # uid -> lease holding it since a restart
         self._handed: dict[str, int] = {}  # uid -> round it was sampled in, until it is pushed
         self._rounds = 0
         self._source_leases: dict[str, set[str]] = {}  # lease id -> keys written into TransferQueue
@@ -83,6 +83,9 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-verl", daemon=True)
         self._thread.start()
+        self._renewer = threading.Thread(target=self._keep_leases, name="expbuf-verl-leases", daemon=True)
+        if self.mode == "source":
+            self._renewer.start()
         atexit.register(self.close)
 
     def _table_config(self) -> TableInfo:
@@ -165,19 +168,22 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             self._restore_groups()
 
     def _restore_groups(self) -> None:
-        ready = int(self.client.stats(self.table)[self.table].groups_ready)
-        if not ready:
+        """Every group a mirror table holds was pushed and never trained: ready, or leased by a trainer
+        that died under an older release (the table is its trainer's alone). They are read, not
+        leased, so a crash at any point of the restore or after it leaves them for the next start."""
+        groups = self._held_groups()
+        if not groups:
             return
         listing = (tq.kv_list(TRAIN) or {}).get(TRAIN, {})
         present = _trajectories(listing)
         restored = 0
-        for batch in self._leased_groups(ready):
-            rows = to_verl(batch.experiences)
+        for group_id, uids in groups.items():
+            rows = to_verl(self.client.get(uids, self.table))
             uid = rows[0].key.split("_")[0]
             if uid in present and uid not in listing:
                 # Trained: verl saves its checkpoint after a step and clears the step's keys after that,
                 # so the checkpoint holds them without their prompt. verl never samples them again.
-                self.client.ack(batch.lease_id, self.table)
+                self.client.delete(table=self.table, groups=[group_id])
                 continue
             if uid not in present:  # TransferQueue's own checkpoint did not bring it back
                 put_rows(TRAIN, rows)
@@ -187,23 +193,18 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                 restored += 1
             with self._lock:
                 self._pushed[uid] = present.get(uid) or {row.key for row in rows}
-                self._restored_leases[uid] = batch.lease_id
         logger.warning("expbuf table %s: put %d untrained groups back into TransferQueue", self.table, restored)
 
-    def _leased_groups(self, count: int) -> Iterator[Batch]:
-        """Up to `count` groups, one lease each, until the table has no more ready."""
-        try:
-            yield from self.client.sample(
-                self.table,
-                num_groups=1,
-                delivery="lease",
-                lease_seconds=self.settings.location.lease_seconds,
-                timeout=self.settings.wait_seconds,
-                max_batches=count,
-            )
-        except BufferError as exc:
-            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
+    def _held_groups(self) -> dict[str, list[str]]:
+        """Group id -> its members' uids, of every live group of the table, in the order they were pushed."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        page = self.client.list_experiences(self.table)
+        while True:
+            for listed in page.experiences:
+                groups[listed.group_id].append(listed.uid)
+            if page.done:
+                return groups
+            page = self.client.list_experiences(self.table, after=page.next)
 
     # ------------------------------------------------------------------ background
 
@@ -275,34 +276,71 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         with self._lock:
             done = [uid for uid, keys in self._pushed.items() if not keys & listing.keys()]
         for uid in done:
-            lease = self._restored_leases.get(uid)
-            if lease is not None:
-                self.client.ack(lease, self.table)
-            else:
-                self.client.delete(table=self.table, groups=[f"{VERL_BATCH}/{uid}"])
+            self.client.delete(table=self.table, groups=[f"{VERL_BATCH}/{uid}"])
             with self._lock:
                 self._pushed.pop(uid, None)
-                self._restored_leases.pop(uid, None)
 
     def _ack_cleared(self, listing: dict[str, dict]) -> None:
+        """Ack each lease whose keys verl has cleared; one that ended first is said, not retried, so
+        it holds back neither the round nor the other leases."""
         with self._lock:
             done = [lease for lease, keys in self._source_leases.items() if not keys & listing.keys()]
         for lease in done:
-            self.client.ack(lease, self.table)
+            try:
+                self.client.ack(lease, self.table)
+            except NotFoundError:
+                logger.error(
+                    "expbuf table %s: lease %s ended before verl cleared its step (not renewed for a whole "
+                    "lease_seconds): its groups went back to the table and may be trained again",
+                    self.table,
+                    lease,
+                )
             with self._lock:
                 self._source_leases.pop(lease, None)
 
+    def _keep_leases(self) -> None:
+        """Renew the leases of steps still running every third of a lease while this process lives: a
+        dead trainer's groups go back within one lease, a live one's stay however long its step."""
+        seconds = self.settings.location.lease_seconds
+        while not self._stopped.wait(seconds / 3):
+            with self._lock:
+                leases = list(self._source_leases)
+            for lease in leases:
+                try:
+                    self.client.renew(lease, seconds, self.table)
+                except NotFoundError:
+                    continue  # acked since, or ended: _ack_cleared says which
+                except Exception:
+                    logger.exception("expbuf table %s: renewing lease %s failed; retrying", self.table, lease)
+
+    def _give_back(self) -> None:
+        """At close, the leases of steps that never ended go back to the table now."""
+        with self._lock:
+            leases = list(self._source_leases)
+            self._source_leases.clear()
+        for lease in leases:
+            try:
+                self.client.nack(lease, self.table)
+            except NotFoundError:
+                continue  # ended already
+            except Exception:
+                logger.exception("expbuf table %s: giving back lease %s failed", self.table, lease)
+
     def close(self) -> None:
-        """Finish the pending round (pushes, retirements, acks) and stop the background thread."""
+        """Finish the pending round (pushes, retirements, acks), give back the leases of steps that
+        never ended and stop the background threads."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._renewer.is_alive():
+            self._renewer.join(timeout=30)
         try:
             self.sync_once()
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
+        self._give_back()
         self.client.close()
 
 

@@ -7,7 +7,8 @@ how verl's own settings must agree with the table's.
       mode: mirror              # mirror (default) or source
       token_env: EXPBUF_TOKEN   # the variable holding the bearer token (never the token itself)
       tls: false                # TLS with the system's roots; tls_ca, tls_cert, tls_key as files
-      lease_seconds: 3600       # how long a group taken from expbuf stays held before it returns
+      lease_seconds: 60         # source mode: how soon a dead trainer's leased groups go back
+                                # (renewed every third of it while the trainer lives)
       wait_seconds: 30          # source mode: how long one request waits for enough fresh groups
       restore: true             # mirror mode: put pushed, untrained groups back after a restart
 
@@ -33,6 +34,7 @@ from expbuf.client.trinity.location import Location, parse
 logger = logging.getLogger(__name__)
 
 MODES = ("mirror", "source")
+LEASE_SECONDS = 60.0  # a trainer that dies holds its step's groups this long; a live one renews
 _LOCATION_OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds")
 KNOWN = ("target", "table", "mode", "wait_seconds", "restore", *_LOCATION_OPTIONS)
 
@@ -68,8 +70,9 @@ def read(sampler_kwargs: Mapping[str, Any] | None, env: Mapping[str, str] | None
     target = str(raw["target"]).removeprefix("expbuf://").rstrip("/")
     if "/" in target or "?" in target:
         raise ValueError(f"sampler_kwargs.expbuf.target={target[:80]!r} must be HOST:PORT")
-    query = urlencode({k: _text(raw[k]) for k in _LOCATION_OPTIONS if k in raw})
-    location = parse(f"expbuf://{target}/{raw['table']}" + (f"?{query}" if query else ""), env or os.environ)
+    options = {"lease_seconds": LEASE_SECONDS} | {k: raw[k] for k in _LOCATION_OPTIONS if k in raw}
+    query = urlencode({k: _text(v) for k, v in options.items()})
+    location = parse(f"expbuf://{target}/{raw['table']}?{query}", env or os.environ)
     try:
         wait_seconds = float(raw.get("wait_seconds", 30.0))
     except (TypeError, ValueError):
