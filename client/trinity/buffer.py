@@ -196,8 +196,9 @@ class ExpbufReader(BufferReader):
         self._client = _client(self.location)
         table = settings.table_settings(self._client, self.location)
         self._group = settings.fixed_group_size(table)
+        self._capacity = table.capacity_experiences if table else 0
         if self.batch_size:
-            settings.check_batch_size(self.batch_size, self._group, self.location.table)
+            settings.check_batch_size(self.batch_size, self._group, self._capacity, self.location.table)
         if self.location.delivery == "replay" and not self._group:
             what = "replay_buffer reuse_cooldown_time" if reuse else "path option delivery=replay"
             raise ValueError(
@@ -215,7 +216,8 @@ class ExpbufReader(BufferReader):
         """The next batch: whole groups, at most `batch_size` experiences, with advantages.
 
         Exactly `batch_size` when the table's groups have a fixed size (which the reader checked
-        divides it); with groups of varying size (group_size 0) as many whole groups as fit.
+        divides it), waited for while a writer is open; fewer only once the writers are done.
+        With groups of varying size (group_size 0) as many whole groups as fit.
         `min_model_version` (Trinity's staleness-control sample strategy) keeps only groups
         whose every experience is at least that fresh. `model_version`, the policy version the
         trainer holds (the `expbuf` sample strategy gives it), is the table's trainer version.
@@ -228,7 +230,7 @@ class ExpbufReader(BufferReader):
         size = self.batch_size if batch_size is None else batch_size
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"batch_size must be a positive number of experiences, got {size!r}")
-        settings.check_batch_size(size, self._group, self.location.table)
+        settings.check_batch_size(size, self._group, self._capacity, self.location.table)
         min_version = kwargs.get("min_model_version")
         min_version = int(min_version) if min_version is not None and min_version > 0 else None
         version = kwargs.get("model_version")
@@ -268,7 +270,10 @@ class ExpbufReader(BufferReader):
             if taken and not single and not self._group:
                 seen = sum(len(b.groups) for b in taken)
                 groups = max(1, (size - total) * seen // total)
-            batch = self._take(delivery, groups, wait, done or groups > 1, min_version, version)
+            # A fixed-size read waits for all its groups (a partial take would return what is there
+            # after one poll); it takes fewer only at the end of data. Varying sizes take what fits.
+            partial = done or (groups > 1 and not self._group)
+            batch = self._take(delivery, groups, wait, partial, min_version, version)
             if batch is None:
                 if done:
                     break
