@@ -1,16 +1,26 @@
-"""Trinity-RFT readers through the plug-in, against an `expbuf serve` child, when the explorers are slow.
+"""Trinity-RFT readers through the plug-in, against an `expbuf serve` child: slow explorers, killed trainers.
 
 Two explorers push one group at a time, slower than a trainer's batch fills within one of the
 reader's polls (the reader checks each second whether the writers are done). Every read of a
 table with a fixed group size holds exactly `batch_size` experiences until the last explorer
 releases (issue: a read returned what was there after a second, and the trainer stepped on a
 fraction of its batch); every experience is read once.
+
+A trainer's reader in a child process, in the middle of a read that waits for more groups,
+keeps the groups it has taken past several leases while it lives, and once it is killed they
+return within a lease (issue: a killed reader left its groups leased for an hour).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -23,10 +33,11 @@ from trinity.common.config import ExperienceBufferConfig  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.trinity import plugin_dir  # noqa: E402
 
 from faultkit import servers  # noqa: E402
 from helpers import ServerProcess  # noqa: E402
-from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does
+from test_trinity_plugin import plugin, until  # noqa: E402, F401 - loads the plugin as Trinity does
 
 pytestmark = pytest.mark.faults
 
@@ -116,3 +127,49 @@ def test_reads_are_whole_batches_while_explorers_push_slowly(
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
         stats = admin.stats("slow")["slow"]
     assert (stats.ready, stats.consumed + stats.leased) == (0, EXPLORERS * GROUPS * size)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from trinity.utils.plugin_loader import load_plugins
+    load_plugins()  # from TRINITY_PLUGIN_DIRS, as Trinity's trainer actor does
+    import trinity.buffer
+    from trinity.common.config import ExperienceBufferConfig
+
+    config = ExperienceBufferConfig(name="experience_buffer", path=sys.argv[1], batch_size=64, max_read_timeout=600.0)
+    reader = trinity.buffer.get_buffer_reader(config)
+    print("reading", flush=True)
+    asyncio.run(reader.read())  # 12 of 64 experiences are there: it waits for more
+    """
+)
+
+
+def test_a_killed_readers_groups_return_within_a_lease(serve, tmp_path) -> None:
+    server = serve(str(tmp_path / "data"))
+    lease = 1.0
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table("agent", group_size=0, estimator="grpo")
+        admin.writers("agent", 1)  # an explorer is open: the read waits for a whole batch
+        admin.push(Experience.serialize_many([e for task in range(3) for e in runs(0, task, 4)]), "agent")
+
+        def counts() -> tuple[int, int, int]:
+            stats = admin.stats("agent")["agent"]
+            return stats.ready, stats.leased, stats.leases_expired
+
+        path = f"expbuf://127.0.0.1:{server.port}/agent?lease_seconds={lease}"
+        env = {**os.environ, "TRINITY_PLUGIN_DIRS": plugin_dir()}
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            assert until(lambda: counts()[:2] == (0, 12)), trainer.stderr.read() if trainer.poll() is not None else ""
+            time.sleep(4 * lease)  # the read waits on, four leases long
+            assert counts() == (0, 12, 0)
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(30)
+            assert until(lambda: counts()[:2] == (12, 0))
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
