@@ -390,6 +390,16 @@ def test_capacity_is_the_tables_and_blocks_the_writer(server: ExpbufServer, tabl
         assert admin.stats(TABLE)[TABLE].pushed == 5
 
 
+def test_a_batch_larger_than_the_tables_capacity_is_refused(server: ExpbufServer, table: Table) -> None:
+    """A read waits for a whole batch, which a table that holds fewer experiences never has."""
+    table(group_size=2, estimator="none", capacity_experiences=4, when_full="block")
+    with pytest.raises(ValueError, match=r"batch_size 6 is more than the 4 experiences expbuf table 'jobs' holds"):
+        trinity.buffer.get_buffer_reader(buffer_config(server, 6))
+    reader = trinity.buffer.get_buffer_reader(buffer_config(server, 4))
+    with pytest.raises(ValueError, match=r"batch_size 8 is more than the 4 experiences .*capacity_experiences"):
+        asyncio.run(reader.read(batch_size=8))
+
+
 def test_trinitys_priority_queue_newest_version_first_at_capacity(server: ExpbufServer, table: Table) -> None:
     """Trinity's replay_buffer (linear_decay, no reuse): 12 writes at capacity 8 are read
     highest model_version first, 11 down to 4, each with use_count 1, as from its AsyncPriorityQueue."""
@@ -882,3 +892,60 @@ def test_readme_replay_job_with_reuse(server: ExpbufServer, tmp_path: Path) -> N
     asyncio.run(trinity.buffer.get_buffer_writer(storage).release())
     with pytest.raises(StopAsyncIteration):
         asyncio.run(reader.read())
+
+
+def read_while_written_slowly(storage: ExperienceBufferConfig, tasks: int, reads_first: int) -> list[tuple[int, bool]]:
+    """An explorer writes `tasks` groups of 8 one at a time, then waits for `reads_first` reads
+    before it releases; the trainer reads until the end of data. Each read's size, and whether
+    the explorer had begun to release when it returned."""
+    read_done, releasing = threading.Semaphore(0), threading.Event()
+    failed: list[BaseException] = []
+
+    def explorer() -> None:
+        async def run() -> None:
+            writer = trinity.buffer.get_buffer_writer(storage)
+            await writer.acquire()
+            for number in range(tasks):
+                await writer.write(eight_runs(number))
+                await asyncio.sleep(0.05)  # a rollout step: slower than a read
+            for _ in range(reads_first):
+                await asyncio.to_thread(read_done.acquire, timeout=60)
+            releasing.set()
+            await writer.release()
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:
+            failed.append(exc)
+            releasing.set()
+
+    reader = trinity.buffer.get_buffer_reader(storage)
+    writing = threading.Thread(target=explorer)
+    writing.start()
+    reads = []
+    try:
+        while True:
+            try:
+                got = asyncio.run(reader.read())
+            except StopAsyncIteration:
+                break
+            reads.append((len(got), releasing.is_set()))
+            read_done.release()
+    finally:
+        writing.join(timeout=60)
+    assert not failed and not writing.is_alive()
+    return reads
+
+
+@pytest.mark.parametrize(("name", "tasks", "reads_first"), [("replay8", 40, 3), ("reuse8", 64, 2)])
+def test_readme_fixed_size_jobs_read_whole_batches_while_the_explorer_writes(
+    server: ExpbufServer, tmp_path: Path, name: str, tasks: int, reads_first: int
+) -> None:
+    """Every read that returns before the explorer releases holds exactly train_batch_size
+    experiences, however slowly the groups arrive; only reads at the end of data are short."""
+    storage = readme_job(server, tmp_path, name).buffer.trainer_input.experience_buffer
+    storage.max_read_timeout = 60.0  # a read that never fills fails the test, not hangs it
+    reads = read_while_written_slowly(storage, tasks, reads_first)
+    before_release = [size for size, released in reads if not released]
+    assert len(before_release) >= reads_first
+    assert before_release == [256] * len(before_release)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -231,6 +233,73 @@ def test_reader_restarts_from_its_state_dict(start_server: Servers) -> None:
     assert restarted.state_dict()["current_index"] == 12
 
 
+def until(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
+    """Whether `condition` holds within `seconds` (a bound for a broken run, not a timing)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_reader_keeps_its_leases_while_it_lives_and_lets_them_go_when_closed(start_server: Servers) -> None:
+    """A 1 s lease outlives a step of several seconds: the reader renews what it holds. Once the
+    reader is closed, or dropped, its batch comes back within a lease."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=4, estimator="grpo")
+        admin.push(Experience.serialize_many([e for t in range(3) for e in group(t, [1.0, 2.0, 3.0, 4.0])]), TABLE)
+
+        def counts() -> tuple[int, int, int, int]:
+            stats = admin.stats(TABLE)[TABLE]
+            return stats.ready, stats.leased, stats.consumed, stats.leases_expired
+
+        config = buffer_config(server.port, 4, "lease_seconds=1")
+        reader = trinity.buffer.get_buffer_reader(config)
+        asyncio.run(reader.read())
+        time.sleep(4)  # a training step four leases long
+        assert counts() == (8, 4, 0, 0)
+        asyncio.run(reader.read())  # acknowledges the first batch, still held
+        assert counts() == (4, 4, 4, 0)
+        reader.close()
+        assert until(lambda: counts() == (8, 0, 4, 1))
+        dropped = trinity.buffer.get_buffer_reader(config)
+        asyncio.run(dropped.read())
+        assert counts()[1] == 4
+        del dropped
+        gc.collect()
+        assert until(lambda: counts() == (8, 0, 4, 2))
+
+
+def test_a_read_given_up_on_gives_back_what_it_took(start_server: Servers) -> None:
+    """A read of 64 finds 3 groups of 4 and waits for more; the trainer cancels it: the groups
+    go back at once, not renewed for as long as the reader lives. So do they at max_read_timeout."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as admin:
+        admin.create_table(TABLE, group_size=0, estimator="grpo")
+        admin.writers(TABLE, 1)  # an explorer is open
+        admin.push(Experience.serialize_many([e for t in range(3) for e in group(t, [1.0, 2.0, 3.0, 4.0])]), TABLE)
+        reader = trinity.buffer.get_buffer_reader(buffer_config(server.port, 64, max_read_timeout=600.0))
+
+        async def give_up() -> None:
+            read = asyncio.ensure_future(reader.read())
+            while admin.stats(TABLE)[TABLE].leased < 12:
+                await asyncio.sleep(0.05)
+            read.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await read
+
+        asyncio.run(give_up())
+        stats = admin.stats(TABLE)[TABLE]
+        assert (stats.ready, stats.leased, stats.leases_expired) == (12, 0, 0)
+        impatient = trinity.buffer.get_buffer_reader(buffer_config(server.port, 64, max_read_timeout=1.0))
+        with pytest.raises(TimeoutError, match="max_read_timeout"):
+            asyncio.run(impatient.read())
+        stats = admin.stats(TABLE)[TABLE]
+        assert (stats.ready, stats.leased, stats.leases_expired) == (12, 0, 0)
+
+
 def test_reader_times_out_like_trinity_queue(start_server: Servers) -> None:
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as admin:
@@ -314,7 +383,7 @@ def test_path_options() -> None:
         "expbuf://h:1/t?token_env=OTHER&tls_cert=/c.pem&tls_key=/c.key&lease_seconds=60&order=lifo&delivery=replay", env
     )
     assert (located.token, located.lease_seconds, located.order, located.delivery) == ("t1", 60.0, "lifo", "replay")
-    assert plain.delivery == "lease"
+    assert (plain.delivery, plain.lease_seconds) == ("lease", 60.0)
     assert located.tls is not None
     assert (located.tls.root_certificates, located.tls.certificate_chain) == ("/env/ca.pem", "/c.pem")
     assert parse("expbuf://h:1/t?tls=1", env={}).tls.root_certificates is None  # system roots

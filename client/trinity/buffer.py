@@ -13,7 +13,9 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import threading
 import time
+import weakref
 from contextlib import closing
 from typing import Any
 
@@ -24,8 +26,10 @@ from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferClient, BufferError, PushResult
+from expbuf.client.connection import DEFAULT_TIMEOUT
 
 from . import settings
+from .leases import RENEWALS_PER_LEASE, LeaseKeeper
 from .location import Location, parse
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,8 @@ GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 POLL_SECONDS = 1.0
 
 
-def _client(location: Location) -> BufferClient:
-    return BufferClient(location.target, token=location.token, tls=location.tls)
+def _client(location: Location, timeout: float = DEFAULT_TIMEOUT) -> BufferClient:
+    return BufferClient(location.target, token=location.token, tls=location.tls, timeout=timeout)
 
 
 def _distinct_groups(data: list[Experience]) -> list[Experience]:
@@ -164,14 +168,26 @@ class ExpbufWriter(BufferWriter):
                     raise
 
 
+class _Handoff:
+    """A read's batches between its worker thread and its caller. A caller cancelled first
+    (the trainer gave up on the read) stops the read, and what it took goes back instead of
+    being renewed, unread, as long as the reader lives."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.batches: list[Batch] | None = None
+
+
 class ExpbufReader(BufferReader):
     """Reads batches of whole groups, never more than `batch_size` experiences, and ends at end of data.
 
     With the default delivery (`lease`) a batch is acknowledged only once the trainer asks
     for the next one, i.e. after the training step that used it; if the trainer dies first,
-    the lease expires and the batch goes back to the buffer. `state_dict()` holds the open
-    leases: a trainer restarted from a checkpoint acknowledges them on its first read, since
-    that batch is in the checkpoint.
+    the lease expires and the batch goes back to the buffer. The lease is short and renewed
+    while the reader lives (leases.py), so a step may take any time and a dead trainer's batch
+    returns within one lease. `state_dict()` holds the open leases: a trainer restarted from a
+    checkpoint acknowledges them on its first read, since that batch is in the checkpoint.
     """
 
     def __init__(self, config: StorageConfig) -> None:
@@ -196,8 +212,9 @@ class ExpbufReader(BufferReader):
         self._client = _client(self.location)
         table = settings.table_settings(self._client, self.location)
         self._group = settings.fixed_group_size(table)
+        self._capacity = table.capacity_experiences if table else 0
         if self.batch_size:
-            settings.check_batch_size(self.batch_size, self._group, self.location.table)
+            settings.check_batch_size(self.batch_size, self._group, self._capacity, self.location.table)
         if self.location.delivery == "replay" and not self._group:
             what = "replay_buffer reuse_cooldown_time" if reuse else "path option delivery=replay"
             raise ValueError(
@@ -207,6 +224,9 @@ class ExpbufReader(BufferReader):
         if reuse and self._replay is not None:
             settings.check_reuse(self._replay, table)
         self._leases: list[str] = []
+        keeper_client = _client(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_LEASE)
+        self._keeper = LeaseKeeper(keeper_client, self.location.table, self.location.lease_seconds)
+        weakref.finalize(self, self._keeper.close)  # a reader dropped unclosed renews nothing more
         self._sees_writers = True  # False once the token proved unable to ask (no push scope)
         self._experiences_read = 0
         self._batches_read = 0
@@ -215,7 +235,8 @@ class ExpbufReader(BufferReader):
         """The next batch: whole groups, at most `batch_size` experiences, with advantages.
 
         Exactly `batch_size` when the table's groups have a fixed size (which the reader checked
-        divides it); with groups of varying size (group_size 0) as many whole groups as fit.
+        divides it), waited for while a writer is open; fewer only once the writers are done.
+        With groups of varying size (group_size 0) as many whole groups as fit.
         `min_model_version` (Trinity's staleness-control sample strategy) keeps only groups
         whose every experience is at least that fresh. `model_version`, the policy version the
         trainer holds (the `expbuf` sample strategy gives it), is the table's trainer version.
@@ -228,13 +249,22 @@ class ExpbufReader(BufferReader):
         size = self.batch_size if batch_size is None else batch_size
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"batch_size must be a positive number of experiences, got {size!r}")
-        settings.check_batch_size(size, self._group, self.location.table)
+        settings.check_batch_size(size, self._group, self._capacity, self.location.table)
         min_version = kwargs.get("min_model_version")
         min_version = int(min_version) if min_version is not None and min_version > 0 else None
         version = kwargs.get("model_version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"model_version must be a non-negative integer, got {str(version)[:40]!r}")
-        batches = await asyncio.to_thread(self._read, size, min_version, version)
+        handoff = _Handoff()
+        try:
+            batches = await asyncio.to_thread(self._read, size, min_version, version, handoff)
+        except asyncio.CancelledError:
+            with handoff.lock:
+                handoff.cancelled = True
+                left = handoff.batches or []
+            if left:
+                threading.Thread(target=self._give_back, args=(left,), daemon=True).start()
+            raise
         if batches is None:
             raise StopAsyncIteration(f"expbuf table '{self.location.table}': its writers are done and it is empty")
         experiences = []
@@ -248,34 +278,53 @@ class ExpbufReader(BufferReader):
         self._experiences_read += len(experiences)
         return experiences
 
-    def _read(self, size: int, min_version: int | None, version: int | None) -> list[Batch] | None:
-        """Whole groups up to `size` experiences; None at the end of data.
+    def _read(self, size: int, min_version: int | None, version: int | None, handoff: _Handoff) -> list[Batch] | None:
+        """Whole groups up to `size` experiences, handed off; None at the end of data or when
+        the caller was cancelled. What a read took and does not hand off goes back."""
+        self._acknowledge()
+        taken: list[Batch] = []
+        try:
+            self._gather(size, min_version, version, handoff, taken)
+        except BaseException:
+            self._give_back(taken)
+            raise
+        with handoff.lock:
+            if not handoff.cancelled:
+                handoff.batches = taken
+                return taken or None
+        self._give_back(taken)
+        return None
+
+    def _gather(
+        self, size: int, min_version: int | None, version: int | None, handoff: _Handoff, taken: list[Batch]
+    ) -> None:
+        """Take whole groups up to `size` experiences into `taken`, which holds them if this raises.
 
         Groups of varying size are taken a few at a time: first one, then as many as the
         groups seen so far suggest fit in what is left. A take that does not fit goes back
         whole; after that, one group at a time until the next one does not fit.
         """
-        self._acknowledge()
         reuse = self.location.delivery == "replay" and self._replay is not None
         done = reuse and self._writers_done()  # reuse never runs dry: ask before taking
         delivery = self._delivery(done)
         deadline = time.monotonic() + self.timeout
-        taken: list[Batch] = []
         total, single = 0, False
-        while total < size:
+        while total < size and not handoff.cancelled:
             wait = 0.0 if done else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             groups = size // self._group if self._group else 1
             if taken and not single and not self._group:
                 seen = sum(len(b.groups) for b in taken)
                 groups = max(1, (size - total) * seen // total)
-            batch = self._take(delivery, groups, wait, done or groups > 1, min_version, version)
+            # A fixed-size read waits for all its groups (a partial take would return what is there
+            # after one poll); it takes fewer only at the end of data. Varying sizes take what fits.
+            partial = done or (groups > 1 and not self._group)
+            batch = self._take(delivery, groups, wait, partial, min_version, version)
             if batch is None:
                 if done:
                     break
                 done = self._writers_done()
                 delivery = self._delivery(done)
                 if not done and time.monotonic() >= deadline:
-                    self._give_back(taken)
                     raise TimeoutError(
                         f"expbuf table '{self.location.table}': no {size} experiences of whole groups "
                         f"within {self.timeout} s (max_read_timeout)"
@@ -296,13 +345,11 @@ class ExpbufReader(BufferReader):
             total += len(batch.uids)
             if self._group:
                 break
-        if not taken:
-            return None
-        if delivery == "consume" and not self._group:
-            for batch in taken:  # taken under a lease, to give back a group that does not fit
+        if taken and delivery == "consume" and not self._group and not handoff.cancelled:
+            for i, batch in enumerate(taken):  # taken under a lease, to give back a group that does not fit
                 self._client.ack(batch.lease_id, table=self.location.table)
-            taken = [dataclasses.replace(batch, lease_id="") for batch in taken]
-        return taken
+                self._keeper.drop(batch.lease_id)
+                taken[i] = dataclasses.replace(batch, lease_id="")
 
     def _delivery(self, done: bool) -> str:
         """How to take: as the path says, but once the writers are done Trinity's priority queue
@@ -331,11 +378,14 @@ class ExpbufReader(BufferReader):
         )
         try:
             with closing(stream):
-                return next(stream, None)  # a partial request ends its stream empty when nothing is left
+                batch = next(stream, None)  # a partial request ends its stream empty when nothing is left
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None
             raise
+        if batch is not None and batch.lease_id:
+            self._keeper.hold(batch.lease_id)
+        return batch
 
     def _writers_done(self) -> bool:
         """Whether every writer of the table has closed (the end of data); False where the
@@ -352,9 +402,15 @@ class ExpbufReader(BufferReader):
             return False
 
     def _give_back(self, batches: list[Batch]) -> None:
+        """Return leased batches now; one that cannot be (the server unreachable) is no longer
+        renewed, so it returns when its lease ends."""
         for batch in batches:
             if batch.lease_id:
-                self._client.nack(batch.lease_id, table=self.location.table)
+                self._keeper.drop(batch.lease_id)
+                try:
+                    self._client.nack(batch.lease_id, table=self.location.table)
+                except BufferError as exc:
+                    log.warning("expbuf: lease %s not given back (%s); it returns when it ends", batch.lease_id, exc)
 
     def _acknowledge(self) -> None:
         """Acknowledge the batch handed out last: the training step that used it is over."""
@@ -366,6 +422,7 @@ class ExpbufReader(BufferReader):
                 if exc.code != grpc.StatusCode.NOT_FOUND:
                     raise
                 log.warning("expbuf: lease %s expired or was already settled; its groups may be read again", lease)
+            self._keeper.drop(lease)
             self._leases.pop(0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -381,3 +438,12 @@ class ExpbufReader(BufferReader):
         self._batches_read = int(state_dict.get("batches_read", 0))
         leases = state_dict.get("lease_ids", [state_dict.get("lease_id") or ""])
         self._leases = [str(lease) for lease in leases if lease]
+        for lease in self._leases:  # kept while the restarted trainer loads its model
+            self._keeper.hold(lease)
+
+    def close(self) -> None:
+        """Stop renewing the leases held (they end within one lease) and close the connection.
+        Trinity's trainer never calls it: the renewals also stop when the reader is collected,
+        and with its process."""
+        self._keeper.close()
+        self._client.close()

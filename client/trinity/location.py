@@ -10,7 +10,9 @@ Options (query) and their environment fallbacks:
     tls_ca=PATH           the server's CA (EXPBUF_TLS_CA)
     tls_cert=PATH         client certificate for mutual TLS (EXPBUF_TLS_CLIENT_CERT), with
     tls_key=PATH          its private key (EXPBUF_TLS_CLIENT_KEY)
-    lease_seconds=S       how long the reader holds a batch before it returns to the buffer (3600)
+    lease_seconds=S       the reader's lease (60): renewed while the reader lives, so a batch is
+                          held as long as the trainer needs it; a killed reader's batch returns
+                          within this long
     order=fifo            the reader's sampling order: fifo, lifo, uniform or priority
     delivery=lease        how the reader takes a batch: lease (acknowledged on the next read),
                           consume (gone once read) or replay (stays, counted against the
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
-DEFAULT_LEASE_SECONDS = 3600.0
+DEFAULT_LEASE_SECONDS = 60.0
 OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order", "delivery")
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")

@@ -16,7 +16,8 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
   `max_times_sampled` and `priority_noise` must be Trinity's `decay`, `reuse_cooldown_time`,
   `use_count_limit` and `sigma`, or the reader is refused, saying what to set.
 - `batch_size` of the reader: whole groups of a table with a fixed `group_size` make it
-  only when it is a multiple of that size; another size is refused.
+  only when it is a multiple of that size, and a read waits for a whole batch, which a table
+  holding fewer experiences (`capacity_experiences`) never has; another size is refused.
 - an `expbuf://` path in a taskset: refused (expbuf holds experiences, not tasks).
 """
 
@@ -171,10 +172,17 @@ def fixed_group_size(table: TableInfo | None) -> int | None:
     return table.group_size or None
 
 
-def check_batch_size(batch_size: int, group: int | None, table: str) -> None:
-    """Whole groups of `group` experiences make `batch_size` only when it is a multiple."""
+def check_batch_size(batch_size: int, group: int | None, capacity: int, table: str) -> None:
+    """Whole groups of `group` experiences make `batch_size` only when it is a multiple, and a
+    read waits for a whole batch, which a table of `capacity` experiences (0: unbounded) must hold."""
     if group and batch_size % group:
         raise ValueError(
             f"batch_size {batch_size} is not a multiple of the group_size {group} of expbuf table '{table}': "
             f"whole groups never make it; set buffer.train_batch_size to a multiple of {group}"
+        )
+    if capacity and batch_size > capacity:
+        raise ValueError(
+            f"batch_size {batch_size} is more than the {capacity} experiences expbuf table '{table}' holds "
+            "(capacity_experiences), so a read would never fill; set buffer.train_batch_size to at most "
+            f"{capacity}, or create the table with a larger capacity_experiences"
         )
