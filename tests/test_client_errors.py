@@ -15,6 +15,7 @@ from expbuf.client import (
     AsyncBufferClient,
     BufferClient,
     BufferError,
+    DataLossError,
     DeadlineExceededError,
     ExpbufError,
     FailedPreconditionError,
@@ -54,7 +55,8 @@ def test_each_status_a_caller_handles_has_its_type(target: str) -> None:
             back = pickle.loads(pickle.dumps(error))  # crosses processes (Ray, multiprocessing) intact
             assert type(back) is kind and (back.code, back.details) == (error.code, error.details)
     assert type(ExpbufError(grpc.StatusCode.FAILED_PRECONDITION, "x")) is FailedPreconditionError
-    assert type(ExpbufError(grpc.StatusCode.DATA_LOSS, "x")) is ExpbufError  # no subclass: the base
+    assert type(ExpbufError(grpc.StatusCode.DATA_LOSS, "x")) is DataLossError
+    assert type(ExpbufError(grpc.StatusCode.ABORTED, "x")) is ExpbufError  # no subclass: the base
 
 
 def test_async_batch_ack_is_a_coroutine_function(target: str) -> None:
