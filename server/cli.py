@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
 
@@ -22,6 +23,11 @@ from .export_cli import add_export_command, run_export
 from .stats_view import watch
 from .table_cli import add_table_commands, run_table_command
 from .tables import ConfigError
+
+if TYPE_CHECKING:  # the server's modules load for serve and check only
+    import lmdb
+
+    from .store.environment import Environment
 
 log = logging.getLogger("expbuf")
 
@@ -145,11 +151,14 @@ def _check(args: argparse.Namespace) -> int:
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None
     try:
-        if environment.missing:
-            missing = ", ".join(environment.missing)
-            print(f"{args.data}: no {missing} database(s): an older format, brought up to date by the next start")
-            return 1
         with environment.read() as txn:
+            upgrade = _upgrade_only(environment, txn)
+            if upgrade:  # not damage: what the next start brings up to date
+                print(f"{args.data}: {upgrade}")
+                return 0
+            if environment.missing:
+                print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
+                return 1
             report = integrity.scan(txn, environment.db, time.time())
     finally:
         environment.close()
@@ -159,6 +168,23 @@ def _check(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
     return 1 if any(report.values()) else 0
+
+
+def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:
+    """What the next `expbuf serve` brings up to date in a directory that needs nothing else
+    (an earlier release's format, or the index of an order registered since), or None."""
+    from .store import integrity, layout
+
+    older = integrity.older_format(txn, environment.db) if {"meta", "tables"} <= environment.db.keys() else None
+    if older is not None:
+        return (
+            f"data directory format {older}, which the next expbuf serve upgrades to format {layout.FORMAT};"
+            " run expbuf check after that to check its tables"
+        )
+    if environment.missing and set(environment.missing) <= set(layout.index_databases()):
+        missing = ", ".join(environment.missing)
+        return f"no {missing} database(s), the index of a registered order: the next expbuf serve builds it"
+    return None
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
