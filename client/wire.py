@@ -169,7 +169,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         on_group_timeout=enum_value(ON_GROUP_TIMEOUT, "on_group_timeout", settings.get("on_group_timeout", "release")),
         estimator=pb.Estimator(
             name=settings.get("estimator", "grpo"),
-            params={k: param_number(k, v) for k, v in (settings.get("estimator_params") or {}).items()},
+            params={k: param_number(k, v) for k, v in _params(settings.get("estimator_params")).items()},
             device=settings.get("device", "auto"),
         ),
         capacity_experiences=settings.get("capacity_experiences") or 0,
@@ -191,6 +191,12 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
         priority_noise=settings.get("priority_noise", 0.0),
     ))  # fmt: skip
+
+
+def _params(params: Any) -> dict[str, Any]:
+    if not isinstance(params, dict | None):
+        raise WireError(f"estimator_params is {str(params)[:40]!r}; expected a dict of parameters")
+    return params or {}
 
 
 def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:

@@ -591,6 +591,10 @@ def test_table_commands(tmp_path: Path) -> None:
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
         bad = cli("table", "create", "x", "group_size", *target)
         assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+        # Mistakes the client catches before it calls: one line naming the setting, exit code 2.
+        one_line_error(cli("table", "create", "x", "group_size=-1", *target), "group_size", "-1")
+        one_line_error(cli("table", "create", "x", "gruop_size=4", *target), "unknown table setting", "gruop_size")
+        one_line_error(cli("table", "create", "x", "estimator_params=5", *target), "estimator_params", "5")
         listing = cli("table", "list", *target).stdout.splitlines()
         assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
         assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])
