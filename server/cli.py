@@ -273,7 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a command's positionals at its first option: `table create t --exist-ok
+    # group_size=8` leaves the settings over. Settings may come before, between or after options.
+    if extra and isinstance(getattr(args, "settings", None), list) and not any(a.startswith("-") for a in extra):
+        args.settings += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logs.configure()
     try:
         return args.func(args)

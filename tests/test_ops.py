@@ -589,6 +589,16 @@ def test_table_commands(tmp_path: Path) -> None:
         assert made.shaping.reward_clip == 5.0
         again = cli("table", "create", "grpo4", "group_size=4", *target)
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+        # --exist-ok (and the other options) before, between or after the settings
+        for order in (
+            ("grpo4", "--exist-ok", *settings),
+            ("grpo4", settings[0], "--exist-ok", *target, *settings[1:]),
+            ("--exist-ok", "grpo4", *settings),
+        ):
+            same = cli("table", "create", *order, *target)
+            assert same.returncode == 0 and not same.stderr, (order, same.stderr)
+        misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
+        assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
         bad = cli("table", "create", "x", "group_size", *target)
         assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
         # Mistakes the client catches before it calls: one line naming the setting, exit code 2.
