@@ -597,6 +597,8 @@ def test_table_commands(tmp_path: Path) -> None:
         ):
             same = cli("table", "create", *order, *target)
             assert same.returncode == 0 and not same.stderr, (order, same.stderr)
+        differs = cli("table", "create", "grpo4", "--exist-ok", "group_size=4", *settings[1:], *target)
+        assert differs.returncode == 1 and "group_size: the table has 8, the request 4" in differs.stderr
         misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
         assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
         bad = cli("table", "create", "x", "group_size", *target)

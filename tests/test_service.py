@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.errors import AlreadyExistsError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
 
@@ -208,6 +209,14 @@ def test_admin_calls(client: BufferClient) -> None:
     with pytest.raises(BufferError) as info:
         client.create_table("replay")
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    other = settings | {"group_size": 4, "when_full": "block", "shaping": {"advantage_clip": 2.0}}
+    with pytest.raises(AlreadyExistsError) as info:  # exist_ok takes the same settings only: it names each other one
+        client.create_table("replay", exist_ok=True, **other)
+    assert info.value.details == (
+        "table 'replay' already exists with other settings: group_size: the table has 2, the request 4; "
+        "when_full: the table has 'evict', the request 'block'; "
+        "shaping.advantage_clip: the table has 0.0, the request 2.0"
+    )
     with pytest.raises(ValueError, match="group_by is 'episode'"):
         client.create_table("bad", group_by="episode")
     with pytest.raises(BufferError) as info:
