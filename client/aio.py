@@ -14,8 +14,7 @@ import grpc
 import grpc.aio
 
 from . import calls
-from .connection import ClientBase
-from .errors import ExpbufError
+from .connection import ClientBase, call_error
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
 
@@ -85,7 +84,7 @@ class AsyncBufferClient(ClientBase):
                 await call.write(calls.confirmation(received))
                 yield calls.batch(reply, table, self.ack, self.nack, AsyncBatch)
         except grpc.RpcError as exc:
-            raise ExpbufError(exc.code(), exc.details() or "") from None
+            raise call_error(exc, self._tls) from None
         finally:
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):

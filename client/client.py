@@ -19,9 +19,8 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls
-from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
+from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
-from .errors import ExpbufError
 from .results import (
     AsyncBatch,
     Batch,
@@ -148,7 +147,7 @@ class BufferClient(ClientBase):
                 requests.confirm(received)
                 yield calls.batch(reply, table, self.ack, self.nack)
         except grpc.RpcError as exc:
-            raise ExpbufError(exc.code(), exc.details() or "") from None
+            raise call_error(exc, self._tls) from None
         finally:
             if stream.running():  # the caller stopped early: end the stream cleanly
                 requests.confirm(received, stop=True)

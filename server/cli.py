@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
+from expbuf.client.connection import call_error
 
 from . import __version__, logs
 from .config import load
@@ -106,7 +107,8 @@ def _health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata
             )
     except grpc.RpcError as exc:
-        print(f"{args.target}: {exc.code().name}: {exc.details() or 'no details'}", file=sys.stderr)
+        error = call_error(exc, tls is not None)
+        print(f"{args.target}: {error.code.name}: {error.details or 'no details'}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
