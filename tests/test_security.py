@@ -215,3 +215,34 @@ def test_health_and_stats_over_mutual_tls_with_a_token(certs: Path, start_server
     assert done.returncode == 1
     assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr
     assert "--tls-ca" in done.stderr
+
+
+def test_a_start_with_an_unset_token_variable_names_it(tmp_path: Path) -> None:
+    config = tmp_path / "expbuf.toml"
+    config.write_text(
+        '[[tokens]]\ntoken = "ops"\nscopes = ["admin"]\n\n'
+        '[[tokens]]\ntoken_env = "EXPBUF_TEST_UNSET_TOKEN"\nscopes = ["push"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EXPBUF_TEST_UNSET_TOKEN"}
+    command = [
+        sys.executable,
+        "-m",
+        "expbuf.server.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--data",
+        str(tmp_path / "d"),
+    ]
+    done = subprocess.run(
+        [*command, "--port", "0", "--metrics-port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "EXPBUF_TEST_UNSET_TOKEN" in lines[0] and "[[tokens]] entry 2" in lines[0], lines[0]
+    assert not (tmp_path / "d").exists()
