@@ -146,7 +146,7 @@ class AsyncBufferClient(ClientBase):
         return await self._run(calls.server_info())
 
     async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """As BufferClient.create_table; settings use the TOML names."""
+        """As BufferClient.create_table: settings use the names of a TOML `[[tables]]` block."""
         return await self._run(calls.create_table(name, exist_ok, settings))
 
     async def list_tables(self) -> list[TableInfo]:

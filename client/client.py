@@ -230,10 +230,14 @@ class BufferClient(ClientBase):
         return self._run(calls.server_info())
 
     def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)::
+        """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
+        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...)::
 
-        client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
-        """
+            client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
+
+        With exist_ok, a table of the same settings is returned as it is, and one of other settings
+        is refused (AlreadyExistsError) naming each setting that differs. `capacity`, the old name
+        of capacity_experiences, is still read in this release, with a FutureWarning."""
         return self._run(calls.create_table(name, exist_ok, settings))
 
     def list_tables(self) -> list[TableInfo]:

@@ -70,7 +70,7 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
             c.push((BAD_DIR / "missing_eid.bin").read_bytes())
         c.create_table("dapo", drop_zero_variance=True)
         c.push(trxp.build(group_items(1, 0, 4, reward=1.0)), table="dapo")  # dropped: zero variance
-        c.create_table("ring", estimator="none", capacity=4, when_full="evict")
+        c.create_table("ring", estimator="none", capacity_experiences=4, when_full="evict")
         c.push(trxp.build(group_items(2, 0, 4)), table="ring")
         c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
         wait_until(lambda: c.stats()["default"].ready == 16)
