@@ -51,6 +51,7 @@ class ExpbufBatchSource:
         self._held: Batch | None = None
 
     def get_version(self) -> int:
+        """The trainer's version: the version provider's, or else the last given to set_version."""
         return self.version_provider.get_version() if self.version_provider is not None else self._version
 
     def set_version(self, version: int) -> None:
