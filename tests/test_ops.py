@@ -231,6 +231,40 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert recipe is not None and recipe.group(1).split() == ["setup"]
 
 
+# What `pip check` may list after `make setup` (the README says why): the requirements of the
+# frameworks installed with --no-deps, and the pins no one set of versions meets.
+NO_DEPS = {"trinity-rft", "areal", "verl"}
+CONFLICTS = {
+    ("trinity-rft", "transformers"),
+    ("areal", "transformers"),
+    ("areal", "torch"),
+    ("areal", "hydra-core"),
+    ("areal", "omegaconf"),
+    ("areal", "networkx"),
+    ("areal", "peft"),
+    ("virtualenv", "packaging"),
+}
+
+
+def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120, check=False
+    )
+    unexpected = []
+    for line in done.stdout.splitlines():
+        missing = re.fullmatch(r"(\S+) \S+ requires (\S+), which is not installed\.", line)
+        conflict = re.fullmatch(r"(\S+) \S+ has requirement ([\w.-]+).*, but you have \S+ \S+\.", line)
+        if missing and missing.group(1) in NO_DEPS:
+            continue
+        if conflict and (conflict.group(1), conflict.group(2)) in CONFLICTS:
+            continue
+        if line != "No broken requirements found.":
+            unexpected.append(line)
+    assert not unexpected, unexpected
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`pip check` lists" in readme and all(f"`{package}`" in readme for _, package in CONFLICTS)
+
+
 def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
     """The root .dockerignore (the build context is the repository root) as Docker reads it."""
     patterns = [
