@@ -22,7 +22,7 @@ TRINITY_SPEC ?= trinity-rft==0.6.0
 # No transformers satisfies both: verl 0.9.1 declares <5.11, trinity-rft 0.6.0 >=5.12.1. verl's
 # pin is kept (its functions run in the tests; the Trinity modules used here run with it), and
 # the installs after trinity-rft and verl pass --no-warn-conflicts, so pip prints no ERROR block
-# for the two requirements left unmet on purpose (that one and verl's wandb); `pip check` still lists them.
+# for the requirements left unmet on purpose; `pip check` still lists them (the README says which and why).
 VERL_SPEC ?= verl==0.9.1
 VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
 QUIET_CONFLICTS := --no-warn-conflicts

@@ -14,8 +14,7 @@ import grpc
 import grpc.aio
 
 from . import calls
-from .connection import ClientBase
-from .errors import ExpbufError
+from .connection import ClientBase, call_error
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
 
@@ -86,7 +85,7 @@ class AsyncBufferClient(ClientBase):
                 await call.write(calls.confirmation(received))
                 yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
-            raise ExpbufError(exc.code(), exc.details() or "") from None
+            raise call_error(exc, self._tls) from None
         finally:
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
@@ -152,7 +151,7 @@ class AsyncBufferClient(ClientBase):
         return await self._run(calls.server_info())
 
     async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """As BufferClient.create_table; settings use the TOML names."""
+        """As BufferClient.create_table: settings use the names of a TOML `[[tables]]` block."""
         return await self._run(calls.create_table(name, exist_ok, settings))
 
     async def list_tables(self) -> list[TableInfo]:

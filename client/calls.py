@@ -9,6 +9,7 @@ Sample stream's pieces (confirmations, batches) are here too; its two loops are 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
@@ -209,9 +210,16 @@ def _table_info(reply: pb.CreateTableReply) -> TableInfo:
 
 def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[TableInfo]:
     settings = dict(settings)
-    capacity = settings.pop("capacity", None)
-    if capacity is not None:
-        settings["capacity_experiences"] = capacity
+    if "capacity" in settings:  # the old name, read for one more release
+        if "capacity_experiences" in settings:
+            raise ValueError("create_table got both capacity and capacity_experiences: pass capacity_experiences")
+        warnings.warn(
+            "create_table: capacity is the old name of capacity_experiences, the setting's name everywhere else;"
+            " pass capacity_experiences (capacity is refused from the next release)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        settings["capacity_experiences"] = settings.pop("capacity")
     request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
     return Unary("CreateTable", request, _table_info, retry=False)
 

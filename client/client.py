@@ -19,9 +19,8 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls
-from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
+from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
-from .errors import ExpbufError
 from .results import (
     AsyncBatch,
     Batch,
@@ -151,7 +150,7 @@ class BufferClient(ClientBase):
                 requests.confirm(received)
                 yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
-            raise ExpbufError(exc.code(), exc.details() or "") from None
+            raise call_error(exc, self._tls) from None
         finally:
             if stream.running():  # the caller stopped early: end the stream cleanly
                 requests.confirm(received, stop=True)
@@ -239,10 +238,14 @@ class BufferClient(ClientBase):
         return self._run(calls.server_info())
 
     def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """Create a table; settings use the TOML names (group_by, group_size, estimator, capacity, ...)::
+        """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
+        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...)::
 
-        client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
-        """
+            client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
+
+        With exist_ok, a table of the same settings is returned as it is, and one of other settings
+        is refused (AlreadyExistsError) naming each setting that differs. `capacity`, the old name
+        of capacity_experiences, is still read in this release, with a FutureWarning."""
         return self._run(calls.create_table(name, exist_ok, settings))
 
     def list_tables(self) -> list[TableInfo]:

@@ -61,10 +61,27 @@ class ChannelOptions(TypedDict, total=False):
     max_message_bytes: int
 
 
+# What a plaintext client's error adds where gRPC says only that the server closed the connection.
+TLS_HINT = (
+    "if the server takes TLS only, give the client its CA: tls=Tls(root_certificates=CA_PEM), or tls=True for the"
+    " system's CAs; expbuf's commands take --tls-ca or EXPBUF_TLS_CA"
+)
+
+
+def call_error(exc: grpc.RpcError, tls: bool) -> ExpbufError:
+    """The ExpbufError of a failed call, with gRPC's details. A TLS server closes a plaintext
+    connection, which gRPC reports as UNAVAILABLE "Socket closed": a plaintext client adds the hint."""
+    details = exc.details() or ""
+    if not tls and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
+        details = f"{details} ({TLS_HINT})"
+    return ExpbufError(exc.code(), details)
+
+
 class Attempts:
     """One call's attempts under one deadline: how long the next may take, and the pause before it."""
 
-    def __init__(self, retries: int, retry: bool, seconds: float) -> None:
+    def __init__(self, retries: int, retry: bool, seconds: float, *, tls: bool) -> None:
+        self._tls = tls
         self._retries = retries if retry else 0
         self._deadline = time.monotonic() + seconds
         self._attempt = 0
@@ -81,7 +98,7 @@ class Attempts:
             if time.monotonic() + pause < self._deadline:
                 self._attempt += 1
                 return pause
-        raise ExpbufError(exc.code(), exc.details() or "") from None
+        raise call_error(exc, self._tls) from None
 
 
 class ClientBase:
@@ -118,6 +135,7 @@ class ClientBase:
             ("grpc.max_receive_message_length", max_message_bytes),
             *RECONNECT,
         ]
+        self._tls = bool(tls)
         if tls:
             credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
             self._channel = type(self)._secure_channel(target, credentials, options=options)
@@ -127,4 +145,4 @@ class ClientBase:
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
 
     def _attempts(self, retry: bool, timeout: float | None) -> Attempts:
-        return Attempts(self.retries, retry, timeout or self.timeout)
+        return Attempts(self.retries, retry, timeout or self.timeout, tls=self._tls)

@@ -35,7 +35,7 @@ class Leases(Protocol):
     def renew(self, lease_id: str, seconds: float, table: str = "default") -> Any: ...
 
 
-@dataclass
+@dataclass(repr=False)
 class Batch:
     """One sampled batch of whole groups. `experiences` decodes the payload on first use;
     `uids` and `group_ids` have one entry per experience, `groups` one per group.
@@ -57,6 +57,13 @@ class Batch:
     def groups(self) -> list[str]:
         """The batch's distinct groups, in the order they come."""
         return list(dict.fromkeys(self.group_ids))
+
+    def __repr__(self) -> str:
+        """A summary: the payload's bytes, and a uid per experience, would print at three times its size."""
+        return (
+            f"{type(self).__name__}(table={self.table!r}, experiences={len(self.uids)}, groups={len(self.groups)},"
+            f" payload_bytes={len(self.payload)}, lease_id={self.lease_id!r}, partial={self.partial})"
+        )
 
     @cached_property
     def experiences(self) -> list[Experience]:
@@ -123,6 +130,10 @@ class GetResult(list[Experience]):
     def __init__(self, experiences: Iterable[Experience], missing_uids: Iterable[str]) -> None:
         super().__init__(experiences)
         self.missing_uids = list(missing_uids)
+
+    def __repr__(self) -> str:
+        """A summary: the experiences' tensors would print in full."""
+        return f"GetResult(experiences={len(self)}, missing_uids={len(self.missing_uids)})"
 
 
 @dataclass(frozen=True)

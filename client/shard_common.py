@@ -42,11 +42,14 @@ class LiveResult(dict):
         self.missing = dict(missing)
 
 
-@dataclass
+@dataclass(repr=False)
 class ShardBatch(Batch):
     """A Batch and the shards its groups came from; its lease id is "shard/lease[,shard/lease...]"."""
 
     shards: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, shards={self.shards})"
 
 
 class AsyncShardBatch(AsyncBatch, ShardBatch):

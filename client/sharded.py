@@ -40,6 +40,7 @@ class ShardedBufferClient(Planned):
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="expbuf-shards")
 
     def close(self) -> None:
+        """Close every shard's channel and the threads that call the shards in parallel."""
         self._pool.shutdown()
         for client in (*self.clients.values(), *self._probes.values(), *self._retired):
             client.close()
@@ -150,6 +151,11 @@ class ShardedBufferClient(Planned):
         return self._run(self._get(uids, table))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.
+
+        Raises ShardError naming a shard that did not answer or refused, its `result` what each of
+        the others removed, by shard.
+        """
         return self._run(self._delete(list(uids), table, list(groups)))
 
     def seal(self, group_id: str, table: str = "default") -> int:
@@ -181,6 +187,11 @@ class ShardedBufferClient(Planned):
         return self._run(self._list_tables())
 
     def drop_table(self, name: str) -> int:
+        """Drop the table on every shard (admin scope); the experiences it held over all of them.
+
+        Raises ShardError naming a shard that did not answer or refused, its `result` what each of
+        the others dropped, by shard.
+        """
         return self._run(self._drop_table(name))
 
 

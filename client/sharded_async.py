@@ -25,6 +25,7 @@ class AsyncShardedBufferClient(Planned):
     _client_class = AsyncBufferClient
 
     async def close(self) -> None:
+        """Close every shard's channel."""
         clients = (*self.clients.values(), *self._probes.values(), *self._retired)
         await asyncio.gather(*(client.close() for client in clients))
 
@@ -65,6 +66,7 @@ class AsyncShardedBufferClient(Planned):
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
     ) -> PushResult:
+        """As ShardedBufferClient.push."""
         return await self._run(self._push(items, table, timeout))
 
     async def sample(
@@ -90,9 +92,11 @@ class AsyncShardedBufferClient(Planned):
                 outcome = await self._step(step)
 
     async def ack(self, lease_id: str, table: str = "default") -> int:
+        """As ShardedBufferClient.ack."""
         return await self._run(self._end(lease_id, "ack", table))
 
     async def nack(self, lease_id: str, table: str = "default") -> int:
+        """As ShardedBufferClient.nack."""
         return await self._run(self._end(lease_id, "nack", table))
 
     async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
@@ -122,9 +126,11 @@ class AsyncShardedBufferClient(Planned):
         return await self._run(self._get(uids, table))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
+        """As ShardedBufferClient.delete."""
         return await self._run(self._delete(list(uids), table, list(groups)))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
+        """As ShardedBufferClient.seal."""
         return await self._run(self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))
 
     async def stats(self, table: str = "") -> BufferStats:
@@ -132,6 +138,7 @@ class AsyncShardedBufferClient(Planned):
         return await self._run(self._stats(table))
 
     async def shard_stats(self, table: str = "") -> LiveResult:
+        """As ShardedBufferClient.shard_stats."""
         return await self._run(self._live("stats", table))
 
     async def server_info(self) -> ServerInfo:
@@ -143,7 +150,9 @@ class AsyncShardedBufferClient(Planned):
         return await self._run(self._create_table(name, exist_ok, settings))
 
     async def list_tables(self) -> list[TableInfo]:
+        """As ShardedBufferClient.list_tables."""
         return await self._run(self._list_tables())
 
     async def drop_table(self, name: str) -> int:
+        """As ShardedBufferClient.drop_table."""
         return await self._run(self._drop_table(name))

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
@@ -28,15 +31,18 @@ PARAM_CHOICES = {
 
 
 def param_number(name: str, value: Any) -> Any:
-    """An estimator parameter as the wire carries it: a choice by its position."""
-    if not isinstance(value, str):
-        return value
+    """An estimator parameter as the wire carries it: a number as it is (a flag as 0 or 1), a
+    choice by its position. The server checks the number against the estimator's range."""
     choices = PARAM_CHOICES.get(name, ())
-    if value not in choices:
-        raise ValueError(
-            f"estimator parameter {name} is {value[:40]!r}; expected one of {', '.join(choices) or 'a number'}"
-        )
-    return float(choices.index(value))
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, str) and value in choices:
+        return float(choices.index(value))
+    named = "; ".join(f"{param}: {' or '.join(names)}" for param, names in PARAM_CHOICES.items())
+    allowed = " or ".join(choices) if choices else "a number"
+    if isinstance(value, str) and not choices:
+        allowed += f" (names are taken by {named})"
+    raise WireError(f"estimator parameter {name} is {repr(value)[:40]}; allowed: {allowed}")
 
 
 # A table's off-policy settings (admission, staleness, rate limits): the trainer's side of a run.
@@ -135,17 +141,30 @@ def shaping_to_proto(settings: dict[str, Any] | None) -> pb.Shaping:
     return _message(pb.Shaping, "shaping ", settings)
 
 
-def _message(cls: type, what: str, fields: dict[str, Any]) -> Any:
-    """A message of these fields; a value its field cannot take is refused naming the setting."""
+def _message(cls: type[Message], what: str, fields: dict[str, Any]) -> Any:
+    """A message of these fields; a value its field cannot take is refused naming the setting and
+    the values its field takes."""
     try:
         return cls(**fields)
     except (TypeError, ValueError) as exc:
         for name, value in fields.items():
             try:
                 cls(**{name: value})
-            except (TypeError, ValueError) as one:
-                raise WireError(f"{what}{name} is {repr(value)[:40]}: {str(one)[:200]}") from None
+            except (TypeError, ValueError):
+                allowed = _ALLOWED.get(cls.DESCRIPTOR.fields_by_name[name].type, "a value of its type")
+                raise WireError(f"{what}{name} is {repr(value)[:40]}; allowed: {allowed}") from None
         raise WireError(f"{what.strip() or 'table'}: {str(exc)[:200]}") from None
+
+
+# What a setting's field on the wire takes, by the field's type (the server checks the range it allows).
+_ALLOWED = {
+    FieldDescriptor.TYPE_BOOL: "true or false",
+    FieldDescriptor.TYPE_DOUBLE: "a number",
+    FieldDescriptor.TYPE_UINT32: "an integer >= 0 (at most 2^32 - 1)",
+    FieldDescriptor.TYPE_UINT64: "an integer >= 0 (at most 2^64 - 1)",
+    FieldDescriptor.TYPE_INT64: "an integer",
+    FieldDescriptor.TYPE_STRING: "a string",
+}
 
 
 def shaping_from_proto(msg: pb.Shaping) -> dict[str, Any]:
@@ -167,11 +186,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         group_size=settings.get("group_size", 0),
         group_timeout_seconds=settings.get("group_timeout_seconds", 0.0),
         on_group_timeout=enum_value(ON_GROUP_TIMEOUT, "on_group_timeout", settings.get("on_group_timeout", "release")),
-        estimator=pb.Estimator(
-            name=settings.get("estimator", "grpo"),
-            params={k: param_number(k, v) for k, v in (settings.get("estimator_params") or {}).items()},
-            device=settings.get("device", "auto"),
-        ),
+        estimator=_estimator(settings),
         capacity_experiences=settings.get("capacity_experiences") or 0,
         capacity_bytes=settings.get("capacity_bytes") or 0,
         when_full=enum_value(WHEN_FULL, "when_full", settings.get("when_full", "block")),
@@ -191,6 +206,19 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
         priority_noise=settings.get("priority_noise", 0.0),
     ))  # fmt: skip
+
+
+def _estimator(settings: dict[str, Any]) -> pb.Estimator:
+    """The estimator, its parameters and its device, each refused by name when the wire cannot carry it."""
+    name, device = settings.get("estimator", "grpo"), settings.get("device", "auto")
+    params = settings.get("estimator_params") or {}
+    if not isinstance(name, str):
+        raise WireError(f"estimator is {repr(name)[:40]}; allowed: an estimator's name")
+    if not isinstance(device, str):
+        raise WireError(f"device is {repr(device)[:40]}; allowed: a device's name (auto, cpu or cuda)")
+    if not isinstance(params, dict):
+        raise WireError(f"estimator_params is {str(params)[:40]!r}; expected a dict of parameters")
+    return pb.Estimator(name=name, params={k: param_number(k, v) for k, v in params.items()}, device=device)
 
 
 def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:

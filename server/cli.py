@@ -13,8 +13,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
+from expbuf.client.connection import call_error
 
 from . import __version__, logs
 from .config import load
@@ -22,6 +24,11 @@ from .export_cli import add_export_command, run_export
 from .stats_view import watch
 from .table_cli import add_table_commands, run_table_command
 from .tables import ConfigError
+
+if TYPE_CHECKING:  # the server's modules load for serve and check only
+    import lmdb
+
+    from .store.environment import Environment
 
 log = logging.getLogger("expbuf")
 
@@ -100,7 +107,8 @@ def _health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata
             )
     except grpc.RpcError as exc:
-        print(f"{args.target}: {exc.code().name}: {exc.details() or 'no details'}", file=sys.stderr)
+        error = call_error(exc, tls is not None)
+        print(f"{args.target}: {error.code.name}: {error.details or 'no details'}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
@@ -145,11 +153,14 @@ def _check(args: argparse.Namespace) -> int:
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None
     try:
-        if environment.missing:
-            missing = ", ".join(environment.missing)
-            print(f"{args.data}: no {missing} database(s): an older format, brought up to date by the next start")
-            return 1
         with environment.read() as txn:
+            upgrade = _upgrade_only(environment, txn)
+            if upgrade:  # not damage: what the next start brings up to date
+                print(f"{args.data}: {upgrade}")
+                return 0
+            if environment.missing:
+                print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
+                return 1
             report = integrity.scan(txn, environment.db, time.time())
     finally:
         environment.close()
@@ -159,6 +170,23 @@ def _check(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
     return 1 if any(report.values()) else 0
+
+
+def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:
+    """What the next `expbuf serve` brings up to date in a directory that needs nothing else
+    (an earlier release's format, or the index of an order registered since), or None."""
+    from .store import integrity, layout
+
+    older = integrity.older_format(txn, environment.db) if {"meta", "tables"} <= environment.db.keys() else None
+    if older is not None:
+        return (
+            f"data directory format {older}, which the next expbuf serve upgrades to format {layout.FORMAT};"
+            " run expbuf check after that to check its tables"
+        )
+    if environment.missing and set(environment.missing) <= set(layout.index_databases()):
+        missing = ", ".join(environment.missing)
+        return f"no {missing} database(s), the index of a registered order: the next expbuf serve builds it"
+    return None
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
@@ -247,7 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a command's positionals at its first option: `table create t --exist-ok
+    # group_size=8` leaves the settings over. Settings may come before, between or after options.
+    if extra and isinstance(getattr(args, "settings", None), list) and not any(a.startswith("-") for a in extra):
+        args.settings += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logs.configure()
     try:
         return args.func(args)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .errors import clip
 from .tables import ConfigError, TableConfig
 
 log = logging.getLogger("expbuf.config")
@@ -285,10 +286,16 @@ def _from_toml(path: Path) -> dict[str, Any]:
             client_ca=str(base / tls["client_ca"]) if tls.get("client_ca") else None,
         )
     tokens = {}
-    for entry in raw.get("tokens", []):
-        token = entry.get("token") or os.environ.get(entry.get("token_env", ""), "")
+    for number, entry in enumerate(raw.get("tokens", []), 1):
+        variable = entry.get("token_env")
+        token = entry.get("token") or (os.environ.get(variable, "") if isinstance(variable, str) else "")
+        if not token and variable is not None:
+            raise ConfigError(
+                f"config file {path}: [[tokens]] entry {number} reads its token from the variable"
+                f" {clip(variable, 60)}, which is unset or empty in the server's environment"
+            )
         if not token:
-            raise ConfigError(f"config file {path}: a [[tokens]] entry has no token (or its token_env is unset)")
+            raise ConfigError(f"config file {path}: [[tokens]] entry {number} has no token (token or token_env)")
         tokens[token] = frozenset(entry.get("scopes", []))
     if tokens:
         values["tokens"] = tokens

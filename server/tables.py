@@ -350,6 +350,22 @@ def _estimator_of_v1(name: str, params: dict[str, float]) -> tuple[str, dict[str
     return name, params
 
 
+def differences(have: TableConfig, want: TableConfig) -> list[str]:
+    """Each setting in which `want` differs from `have`, with both values; shaping's by their
+    own names (`shaping.reward_clip`)."""
+
+    def flat(config: TableConfig) -> dict[str, Any]:
+        settings = config.to_dict()
+        return settings | {f"shaping.{name}": value for name, value in settings.pop("shaping").items()}
+
+    theirs, ours = flat(have), flat(want)
+    return [
+        f"{name}: the table has {clip(repr(theirs[name]), 60)}, the request {clip(repr(ours[name]), 60)}"
+        for name in theirs
+        if theirs[name] != ours[name]
+    ]
+
+
 def default_table() -> TableConfig:
     """The table every server has: group by task, complete on push, grpo."""
     return TableConfig(name="default")

@@ -16,12 +16,19 @@ pytest.importorskip("areal")
 
 import areal
 from areal.api.cli_args import PPOActorConfig
+from areal.infra.staleness_manager import StalenessManager
 from areal.infra.workflow_executor import check_trajectory_format
 from areal.utils.data import concat_padded_tensors
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from expbuf.client import EID, BufferClient, BufferError
-from expbuf.client.areal import EXPBUF_ADVANTAGES, ExpbufBatchSource, KeepExpbufAdvantages, from_areal
+from expbuf.client.areal import (
+    EXPBUF_ADVANTAGES,
+    ExpbufBatchSource,
+    ExpbufStalenessManager,
+    KeepExpbufAdvantages,
+    from_areal,
+)
 
 from helpers import ServerProcess
 
@@ -136,3 +143,21 @@ def test_the_actor_option_trains_on_the_tables_advantages(server: ServerProcess)
     assert out["advantages"][out["loss_mask"].bool()].abs().unique().tolist() == pytest.approx([0.8660254], rel=1e-5)
     (plain,) = PPOActor(config, engine=None).compute_advantages([dict(traj)])
     assert not torch.equal(plain["advantages"], ours)  # AReaL's own would have been used otherwise
+
+
+def test_set_version_reaches_the_table_when_areals_trainer_calls_it(server: ServerProcess) -> None:
+    """AReaL's trainer calls set_version on its rollout engine after each weight update; the batch
+    source, in that engine's place, tells the table then, so the rollout processes' bound (the
+    table's, through AReaL's StalenessManager) moves with it, not at the next prepare_batch."""
+    client = BufferClient(server.target)
+    client.create_table("versioned", group_size=1, max_staleness=0, batch_size=2)
+    source = ExpbufBatchSource(server.target, "versioned", max_head_offpolicyness=0)
+    rollout = ExpbufStalenessManager(
+        server.target, "versioned", max_concurrent_rollouts=100, consumer_batch_size=2, max_staleness=0
+    )
+    assert isinstance(rollout, StalenessManager)
+    source.set_version(3)
+    assert client.stats("versioned")["versioned"].trainer_version == 3
+    assert (rollout.get_version(), rollout.get_capacity()) == (3, (0 + 3 + 1) * 2)
+    source.set_version(4)
+    assert source.get_version() == 4 and rollout.get_capacity() == (0 + 4 + 1) * 2

@@ -109,3 +109,38 @@ def test_every_client_refuses_a_bad_sample_option_by_name(target: str) -> None:
         asyncio.run(run_async(lambda: AsyncShardedBufferClient([target])))
         stats = client.stats("g")["g"]
         assert stats.pushed == 8 and stats.sampled == stats.consumed == stats.leased == 0  # none taken
+
+
+NAMED_PARAMS = (
+    "std_cal_level: group or batch; opmd_baseline: mean or logavgexp; enable_step_norm: false or true;"
+    " std_normalize: false or true"
+)
+BAD_TABLE_SETTINGS = [
+    ({"shaping": {"reward_running_norm": "yes"}}, "shaping reward_running_norm is 'yes'; allowed: true or false"),
+    ({"shaping": {"reward_clip": "5"}}, "shaping reward_clip is '5'; allowed: a number"),
+    ({"group_size": -1}, "group_size is -1; allowed: an integer >= 0 (at most 2^32 - 1)"),
+    ({"capacity_experiences": 2.5}, "capacity_experiences is 2.5; allowed: an integer >= 0 (at most 2^64 - 1)"),
+    ({"drop_zero_variance": "no"}, "drop_zero_variance is 'no'; allowed: true or false"),
+    (
+        {"estimator": "rec", "estimator_params": {"drop": "balance"}},
+        f"estimator parameter drop is 'balance'; allowed: a number (names are taken by {NAMED_PARAMS})",
+    ),
+    (
+        {"estimator_params": {"std_cal_level": "row"}},
+        "estimator parameter std_cal_level is 'row'; allowed: group or batch",
+    ),
+    ({"estimator_params": {"epsilon": [1]}}, "estimator parameter epsilon is [1]; allowed: a number"),
+    ({"estimator": 5}, "estimator is 5; allowed: an estimator's name"),
+    ({"device": None}, "device is None; allowed: a device's name (auto, cpu or cuda)"),
+]
+
+
+def test_a_bad_table_setting_is_refused_by_the_client_naming_it_and_what_it_allows(target: str) -> None:
+    """Caught before the call (the wire cannot carry the value): each names the setting, its value
+    and the values it takes, and creates nothing."""
+    with BufferClient(target) as client:
+        for settings, message in BAD_TABLE_SETTINGS:
+            with pytest.raises(ValueError) as info:
+                client.create_table("t", **settings)
+            assert str(info.value) == message
+        assert [table.name for table in client.list_tables()] == ["default"]

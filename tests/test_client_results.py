@@ -14,6 +14,7 @@ import pytest
 
 from expbuf.client import (
     AsyncBufferClient,
+    Batch,
     BufferClient,
     BufferStats,
     ServerInfo,
@@ -21,6 +22,8 @@ from expbuf.client import (
     TableInfo,
     TableStats,
 )
+from expbuf.client.results import AsyncBatch
+from expbuf.client.shard_common import ShardBatch
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
@@ -172,3 +175,37 @@ def test_merged_stats_take_each_field_by_its_meaning() -> None:
     assert (merged.reward_running_mean, merged.reward_running_std) == (0.5, 2.0)  # weighted by pushes
     unset = TableStats.merged([empty, dataclasses.replace(held, trainer_version=-1)])
     assert unset.trainer_version == -1
+
+
+def test_results_that_hold_payloads_print_a_summary(targets: list[str]) -> None:
+    """`print(batch)` names the table, the counts, the payload's size, the lease and partial, in
+    one short line, from every client; a read's result its counts (the bytes were 3 times the payload)."""
+    group = [make_experience(7, 0, run, response=600) for run in range(4)]  # about 23 KB as TRXP
+    expected = "table='t', experiences=4, groups=1, payload_bytes={}, lease_id={!r}, partial=False"
+
+    def check(batch: Batch, kind: str, extra: str = "") -> None:
+        assert len(batch.payload) > 20_000
+        assert repr(batch) == f"{kind}({expected.format(len(batch.payload), batch.lease_id)}{extra})"
+        assert batch.lease_id and str(batch) == repr(batch)
+
+    with BufferClient(targets[0]) as client:
+        client.create_table("t", group_size=4, estimator="none")
+        client.push(group, table="t")
+        batch = next(client.sample("t", num_groups=1, delivery="lease", max_batches=1))
+        check(batch, "Batch")
+        found = client.get([e.eid.uid for e in group] + ["7/0/9/0/r9s0"], table="t")
+        assert repr(found) == "GetResult(experiences=4, missing_uids=1)"
+        batch.nack()
+
+    async def run() -> AsyncBatch:
+        async with AsyncBufferClient(targets[0]) as client:
+            batch = await anext(aiter(client.sample("t", num_groups=1, delivery="lease", max_batches=1)))
+            await batch.nack()
+            return batch
+
+    check(asyncio.run(run()), "AsyncBatch")
+    with ShardedBufferClient({"s0": targets[0]}) as sharded:
+        batch = next(sharded.sample("t", num_groups=1, delivery="lease", max_batches=1))
+        assert isinstance(batch, ShardBatch)
+        check(batch, "ShardBatch", ", shards=['s0']")
+        batch.nack()

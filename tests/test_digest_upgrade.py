@@ -11,16 +11,19 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
 import xxhash
+from test_datadir import upgrade_notice
 from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
 from expbuf.server.errors import Conflict, Damaged
-from expbuf.server.store import Store, layout
+from expbuf.server.store import Store, layout, migrate
 from expbuf.server.store.counters import Counters
+from expbuf.server.store.environment import Environment
 from expbuf.server.store.records import CONSUMED, RETIRED, ItemRecord
 from expbuf.server.tables import TableConfig
 
@@ -105,9 +108,9 @@ def test_check_says_format_3_is_brought_up_to_date_and_then_passes(v3: Path) -> 
         command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v3)]
         return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
-    before = check()
-    assert before.returncode == 1 and not before.stderr, before.stderr
-    assert before.stdout.strip().endswith("an older format, brought up to date by the next start"), before.stdout
+    before = check()  # nothing damaged: only the upgrade the next start makes, exit 0
+    assert before.returncode == 0 and not before.stderr, before.stderr
+    assert before.stdout.strip() == upgrade_notice(v3, 3), before.stdout
     Store(v3, clock=lambda: MANIFEST["now"]).close()
     after = check()
     assert after.returncode == 0 and not after.stderr, after.stderr
@@ -153,3 +156,32 @@ def test_a_payload_kept_as_format_1_wrote_it_gets_the_digest_of_its_canonical_pa
         assert blob == kept and rec.digest == xxhash.xxh3_128_digest(trxp.pack_item(item))
         retried = group(1, 0, 4)
         assert store.put("grpo4", retried).duplicates == [one.uid for one in retried]
+
+
+def test_an_upgrade_that_does_not_commit_leaves_format_3_as_it_was(v3: Path) -> None:
+    """A start killed during the upgrade: the upgrade runs in the open's one transaction, the
+    databases format 4 adds included, so what is left is format 3 as it was, which `expbuf
+    check` says the next start upgrades (it once found the new, empty tombs database beside
+    format 3's records and reported every record as belonging to no table)."""
+
+    class Killed(Exception):
+        pass
+
+    def killed_before_the_commit(*args: Any) -> None:
+        migrate.migrate(*args)
+        raise Killed
+
+    before = (v3 / "data.mdb").read_bytes()
+    with pytest.raises(Killed):
+        Environment(v3, migrate=killed_before_the_commit)
+    reader = Environment(v3, readonly=True)
+    try:
+        assert reader.missing == ["tombs"]
+        with reader.read() as txn:
+            assert txn.get(b"format", db=reader.db["meta"]) == b"3"
+    finally:
+        reader.close()
+    assert (v3 / "data.mdb").read_bytes() == before
+    command = [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(v3)]
+    checked = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert checked.returncode == 0 and checked.stdout.strip() == upgrade_notice(v3, 3), checked.stdout

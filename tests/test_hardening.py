@@ -238,7 +238,7 @@ def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
 
 
 def test_push_larger_than_a_blocking_table_is_refused_at_once(client: BufferClient) -> None:
-    client.create_table("small", capacity=3, estimator="none")
+    client.create_table("small", capacity_experiences=3, estimator="none")
     with pytest.raises(BufferError) as info:
         client.push(trxp.build(group_items(1, 0, 4)), table="small", timeout=30)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -71,7 +71,7 @@ def test_metrics_after_a_known_workload(start_server: Servers) -> None:
             c.push((BAD_DIR / "missing_eid.bin").read_bytes())
         c.create_table("dapo", drop_zero_variance=True)
         c.push(trxp.build(group_items(1, 0, 4, reward=1.0)), table="dapo")  # dropped: zero variance
-        c.create_table("ring", estimator="none", capacity=4, when_full="evict")
+        c.create_table("ring", estimator="none", capacity_experiences=4, when_full="evict")
         c.push(trxp.build(group_items(2, 0, 4)), table="ring")
         c.push(trxp.build(group_items(2, 1, 4)), table="ring")  # evicts the first group
         wait_until(lambda: c.stats()["default"].ready == 16)
@@ -230,6 +230,40 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert not re.search(r"apt-get|apt |sudo|dpkg", makefile), "a make target installs system packages"
     recipe = re.search(r"^test:(.*)$", makefile, re.M)
     assert recipe is not None and recipe.group(1).split() == ["setup"]
+
+
+# What `pip check` may list after `make setup` (the README says why): the requirements of the
+# frameworks installed with --no-deps, and the pins no one set of versions meets.
+NO_DEPS = {"trinity-rft", "areal", "verl"}
+CONFLICTS = {
+    ("trinity-rft", "transformers"),
+    ("areal", "transformers"),
+    ("areal", "torch"),
+    ("areal", "hydra-core"),
+    ("areal", "omegaconf"),
+    ("areal", "networkx"),
+    ("areal", "peft"),
+    ("virtualenv", "packaging"),
+}
+
+
+def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120, check=False
+    )
+    unexpected = []
+    for line in done.stdout.splitlines():
+        missing = re.fullmatch(r"(\S+) \S+ requires (\S+), which is not installed\.", line)
+        conflict = re.fullmatch(r"(\S+) \S+ has requirement ([\w.-]+).*, but you have \S+ \S+\.", line)
+        if missing and missing.group(1) in NO_DEPS:
+            continue
+        if conflict and (conflict.group(1), conflict.group(2)) in CONFLICTS:
+            continue
+        if line != "No broken requirements found.":
+            unexpected.append(line)
+    assert not unexpected, unexpected
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`pip check` lists" in readme and all(f"`{package}`" in readme for _, package in CONFLICTS)
 
 
 def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
@@ -590,8 +624,24 @@ def test_table_commands(tmp_path: Path) -> None:
         assert made.shaping.reward_clip == 5.0
         again = cli("table", "create", "grpo4", "group_size=4", *target)
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+        # --exist-ok (and the other options) before, between or after the settings
+        for order in (
+            ("grpo4", "--exist-ok", *settings),
+            ("grpo4", settings[0], "--exist-ok", *target, *settings[1:]),
+            ("--exist-ok", "grpo4", *settings),
+        ):
+            same = cli("table", "create", *order, *target)
+            assert same.returncode == 0 and not same.stderr, (order, same.stderr)
+        differs = cli("table", "create", "grpo4", "--exist-ok", "group_size=4", *settings[1:], *target)
+        assert differs.returncode == 1 and "group_size: the table has 8, the request 4" in differs.stderr
+        misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
+        assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
         bad = cli("table", "create", "x", "group_size", *target)
         assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+        # Mistakes the client catches before it calls: one line naming the setting, exit code 2.
+        one_line_error(cli("table", "create", "x", "group_size=-1", *target), "group_size", "-1")
+        one_line_error(cli("table", "create", "x", "gruop_size=4", *target), "unknown table setting", "gruop_size")
+        one_line_error(cli("table", "create", "x", "estimator_params=5", *target), "estimator_params", "5")
         listing = cli("table", "list", *target).stdout.splitlines()
         assert listing[0].split() == ["table", "group_by", "group_size", "estimator", "ready", "leased", "pending"]
         assert any(line.split()[:4] == ["grpo4", "task", "8", "rloo"] for line in listing[1:])

@@ -13,6 +13,7 @@ import pytest
 
 from expbuf.client import BufferClient, wire
 from expbuf.client.errors import InvalidArgumentError
+from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.errors import InvalidRequest
@@ -219,3 +220,19 @@ def test_lmdb_names_the_index_database_as_declared(tmp_path: Path) -> None:
         assert [bytes(value) for _, value in rows] == [b"1/1", b"1/3", b"1/0", b"1/2"]
     finally:
         env.close()
+
+
+def test_check_says_the_next_start_builds_the_index_of_an_order_registered_since(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not damage: `expbuf check` with an order registered that the directory's server never had
+    names the index the next start builds, exit 0."""
+    with Store(tmp_path) as store:
+        fill(store)
+    with registered_order(OldestVersionFirst):
+        assert cli.main(["check", "--data", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{tmp_path}: no oldver database(s), the index of a registered order: the next expbuf serve builds it"
+    ]
+    assert cli.main(["check", "--data", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["default: ok", "t: ok"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
@@ -21,6 +22,9 @@ from expbuf.server.tables import ConfigError
 
 from conftest import Servers, payload
 from helpers import ServerProcess
+
+# What a plaintext client's error adds when a server closes its connection (as a TLS one does).
+TLS_HINT = "if the server takes TLS only, give the client its CA"
 
 TOKENS = {
     "pusher-secret": frozenset({"push"}),
@@ -80,9 +84,20 @@ def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) 
     target = f"127.0.0.1:{server.port}"
     with BufferClient(target, tls=Tls(root_certificates=str(certs / "ca.pem"))) as c:
         assert len(c.push(payload("grpo_group.trxp")).stored) == 8
-    with BufferClient(target, timeout=2, retries=0) as plain, pytest.raises(BufferError) as info:
-        plain.push(payload("single_turn.trxp"))
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    with BufferClient(target, timeout=2, retries=0) as plain:  # plain text against TLS: the hint, and gRPC's words
+        for call in (lambda: plain.push(payload("single_turn.trxp")), lambda: next(plain.sample(num_groups=1))):
+            with pytest.raises(BufferError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "Socket closed" in info.value.details and TLS_HINT in info.value.details, info.value.details
+
+    async def plain_async() -> str:
+        async with AsyncBufferClient(target, timeout=2, retries=0) as plain:
+            with pytest.raises(BufferError) as info:
+                await plain.push(payload("single_turn.trxp"))
+            return info.value.details
+
+    assert TLS_HINT in asyncio.run(plain_async())
     mutual = TlsConfig(cert=tls.cert, key=tls.key, client_ca=str(certs / "ca.pem"))
     server = start_server(tmp_path / "mtls", tls=mutual)
     target = f"127.0.0.1:{server.port}"
@@ -199,3 +214,35 @@ def test_health_and_stats_over_mutual_tls_with_a_token(certs: Path, start_server
     done = _cli("health", "--target", target, "--timeout", "2")  # plain text against TLS
     assert done.returncode == 1
     assert re.search(rf"^{re.escape(target)}: UNAVAILABLE: \S", done.stderr, re.M), done.stderr
+    assert "--tls-ca" in done.stderr
+
+
+def test_a_start_with_an_unset_token_variable_names_it(tmp_path: Path) -> None:
+    config = tmp_path / "expbuf.toml"
+    config.write_text(
+        '[[tokens]]\ntoken = "ops"\nscopes = ["admin"]\n\n'
+        '[[tokens]]\ntoken_env = "EXPBUF_TEST_UNSET_TOKEN"\nscopes = ["push"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EXPBUF_TEST_UNSET_TOKEN"}
+    command = [
+        sys.executable,
+        "-m",
+        "expbuf.server.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--data",
+        str(tmp_path / "d"),
+    ]
+    done = subprocess.run(
+        [*command, "--port", "0", "--metrics-port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "EXPBUF_TEST_UNSET_TOKEN" in lines[0] and "[[tokens]] entry 2" in lines[0], lines[0]
+    assert not (tmp_path / "d").exists()

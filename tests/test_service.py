@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.errors import AlreadyExistsError
 from expbuf.client.torch import ExperienceDataset
 from expbuf.server.app import ExpbufServer
 
@@ -179,7 +180,7 @@ def test_oversized_message_is_refused_clearly(client: BufferClient) -> None:
 
 
 def test_full_table_blocks_then_refuses(client: BufferClient) -> None:
-    client.create_table("small", capacity=4)
+    client.create_table("small", capacity_experiences=4)
     client.push(encode_items(group_items(1, 0, 4)), table="small")
     with pytest.raises(BufferError) as info:
         client.push(encode_items(group_items(1, 1, 2)), table="small", timeout=0.5)
@@ -201,13 +202,27 @@ def test_push_stream_acknowledges_each_commit(client: BufferClient, server: Expb
 
 
 def test_admin_calls(client: BufferClient) -> None:
-    settings = {"group_size": 2, "max_times_sampled": 2, "when_full": "evict", "capacity": 100}
+    settings = {"group_size": 2, "max_times_sampled": 2, "when_full": "evict", "capacity_experiences": 100}
     created = client.create_table("replay", **settings)
     assert created.max_times_sampled == 2 and created.capacity_experiences == 100
+    old_name = settings | {"capacity": settings.pop("capacity_experiences")}  # the old name: warned, still read
+    with pytest.warns(FutureWarning, match="capacity is the old name of capacity_experiences"):
+        assert client.create_table("replay", exist_ok=True, **old_name) == created
+    settings["capacity_experiences"] = 100
+    with pytest.raises(ValueError, match="both capacity and capacity_experiences"):
+        client.create_table("replay", exist_ok=True, **settings, capacity=100)
     assert client.create_table("replay", exist_ok=True, **settings) == created
     with pytest.raises(BufferError) as info:
         client.create_table("replay")
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    other = settings | {"group_size": 4, "when_full": "block", "shaping": {"advantage_clip": 2.0}}
+    with pytest.raises(AlreadyExistsError) as info:  # exist_ok takes the same settings only: it names each other one
+        client.create_table("replay", exist_ok=True, **other)
+    assert info.value.details == (
+        "table 'replay' already exists with other settings: group_size: the table has 2, the request 4; "
+        "when_full: the table has 'evict', the request 'block'; "
+        "shaping.advantage_clip: the table has 0.0, the request 2.0"
+    )
     with pytest.raises(ValueError, match="group_by is 'episode'"):
         client.create_table("bad", group_by="episode")
     with pytest.raises(BufferError) as info:

@@ -264,3 +264,48 @@ def test_moments_are_float64_sums_of_the_groups() -> None:
     forward = RunningMoments().update(values)
     backward = RunningMoments().update(values.flip(0))
     assert forward == backward
+
+
+@pytest.mark.parametrize(("gamma", "masked_last"), [(1.0, True), (0.9, False), (0.9, True)])
+def test_reinforceplusplus_is_lightrfts_reinforce_with_the_reward_discounted_from_the_last_response_token(
+    client: BufferClient, gamma: float, masked_last: bool
+) -> None:
+    """expbuf puts a reward on the last response token, LightRFT's compute_reward on the last
+    generated one; each discounts from there. So apart from the variance factor the two agree at
+    gamma = 1 or where the last response token is generated, and otherwise exactly as LightRFT's
+    reinforce would with each reward discounted by gamma ** k, k the response's trailing tokens
+    not generated (which moves every value, the batch whitening mixing them)."""
+    client.create_table("g", estimator="reinforceplusplus", estimator_params={"gamma": gamma})
+    rng = random.Random(11)
+    pushed = [
+        make_experience(1, task, 0, reward=round(rng.uniform(-2, 4), 3), response=rng.randint(3, 7))
+        for task in range(8)
+    ]
+    trailing = {}
+    for e in pushed:
+        k = rng.randint(1, 2) if masked_last and int(e.eid.task) % 2 else 0  # half end on tool output
+        if k:
+            e.action_mask[-k:] = False
+        trailing[e.eid.uid] = k
+    client.push(pushed, table="g")
+    experiences, _ = served(client, "g", 8)
+    tokens = sum(int(e.action_mask.sum()) for e in experiences)
+    factor = math.sqrt((tokens - 1) / tokens)
+    config = Config("reinforce", 1, gamma=gamma)
+    discounted = [
+        make_experience(1, e.eid.task, 0, reward=e.reward * gamma ** trailing[e.eid.uid]) for e in experiences
+    ]
+    for one, e in zip(discounted, experiences, strict=True):
+        one.eid, one.action_mask = e.eid, e.action_mask
+    want = reference(config, discounted, 1)
+    assert_close(values(experiences), {uid: [v * factor for v in row] for uid, row in want.items()}, 1e-4)
+    as_pushed = reference(config, experiences, 1)  # LightRFT's reinforce of the same experiences
+    gap = max(
+        abs(a * factor - b)
+        for uid, row in as_pushed.items()
+        for a, b in zip(row, values(experiences)[uid], strict=True)
+    )
+    if gamma == 1.0 or not masked_last:
+        assert gap < 1e-4
+    else:
+        assert gap > 0.1, gap

@@ -16,6 +16,7 @@ class KeepExpbufAdvantages:
     not applied to them (the table's estimator and advantage clip made them)."""
 
     def compute_advantages(self, data: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """AReaL's actor's own, then the table's advantages in place of its own where a trajectory has them."""
         # A mixin: the next class in the method resolution order is AReaL's actor.
         out: list[dict[str, Any]] = super().compute_advantages(data, *args, **kwargs)  # type: ignore[misc]
         for traj in out:

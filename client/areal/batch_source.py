@@ -21,8 +21,9 @@ from .convert import to_areal
 class ExpbufBatchSource:
     """What AReaL's trainer calls `prepare_batch` on (its rollout engine's place).
 
-    `version_provider` (the actor engine, say) has `get_version()`; without one, `set_version`
-    keeps it, as AReaL's trainer calls it on the rollout engine after each weight update.
+    `version_provider` (the actor engine, say) has `get_version()`; without one, the version is
+    the last given to `set_version`, which AReaL's trainer calls on the rollout engine after each
+    weight update, and which sets the table's trainer version there and then.
     With `advantages`, each dict also has the table's `advantages`, with AReaL's next-token
     shift (see `keep_expbuf_advantages` to have AReaL's actor train on them)."""
 
@@ -50,9 +51,14 @@ class ExpbufBatchSource:
         self._held: Batch | None = None
 
     def get_version(self) -> int:
+        """The trainer's version: the version provider's, or else the last given to set_version."""
         return self.version_provider.get_version() if self.version_provider is not None else self._version
 
     def set_version(self, version: int) -> None:
+        """The trainer's new version (AReaL's trainer calls this on its rollout engine after each
+        weight update): kept, and told to the table at once, whose admission and staleness bound
+        the rollout processes follow, rather than at the next prepare_batch."""
+        self.client.set_trainer_version(version, self.table)
         self._version = version
 
     def ack(self) -> None:

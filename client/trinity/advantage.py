@@ -16,6 +16,9 @@ from trinity.common.experience import Experience
 
 
 class ExpbufAdvantageFn(AdvantageFn, ExperienceOperator):
+    """Trinity-RFT's advantage_fn `expbuf`: the advantages the table computed, taken as they came
+    with the batch (a batch that holds none is refused, naming the cause)."""
+
     def __call__(self, exps: Any, **kwargs: Any) -> tuple[Any, dict]:
         if isinstance(exps, list):
             return self.process(exps)

@@ -11,7 +11,7 @@ import lmdb
 
 from .. import selection
 from ..errors import Conflict, NotFound, clip
-from ..tables import CONFIG_VERSION, TableConfig
+from ..tables import CONFIG_VERSION, TableConfig, differences
 from . import layout
 from .counters import read_counters
 from .environment import Environment
@@ -85,9 +85,12 @@ class TableCatalog:
             raw = txn.get(config.name.encode(), db=db["tables"])
             if raw is not None:
                 record = json.loads(raw)
-                if exist_ok and TableConfig.from_stored(record["config"], record.get("v", 1)) == config:
-                    return False, record["id"]
-                raise Conflict(f"table '{config.name}' already exists")
+                if not exist_ok:
+                    raise Conflict(f"table '{config.name}' already exists")
+                other = differences(TableConfig.from_stored(record["config"], record.get("v", 1)), config)
+                if other:
+                    raise Conflict(f"table '{config.name}' already exists with other settings: {'; '.join(other)}")
+                return False, record["id"]
             table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
             record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}

@@ -131,19 +131,20 @@ class Environment:
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=layout.MAX_DBS, sync=True, metasync=True, readahead=False
             )
-            self.db = {name: self.env.open_db(name.encode()) for name in names}
-            self._migrate()
+            self._migrate(names)
         except _DAMAGE as exc:
             raise Damaged(self.path, f"{type(exc).__name__}: {exc}") from None
 
-    def _migrate(self) -> None:
-        """Bring the directory to the current format, growing the map if the rewrite needs it."""
-        if self._migration is None:
-            return
+    def _migrate(self, names: tuple[str, ...]) -> None:
+        """Open the databases and bring the directory to the current format, growing the map if
+        the rewrite needs it. The databases a newer format adds are created in the upgrade's own
+        transaction: a start killed before its commit leaves the directory as it found it."""
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    self._migration(txn, self.env, self.db, self.path)
+                    self.db = {name: self.env.open_db(name.encode(), txn=txn) for name in names}
+                    if self._migration is not None:
+                        self._migration(txn, self.env, self.db, self.path)
                 return
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]

@@ -66,6 +66,10 @@ def scan(
     report: dict[str, list[str]] = {"": []}
     catalogue: dict[str, tuple[int, TableConfig]] = {}
     try:
+        older = older_format(txn, dbs)
+        if older is not None:  # its records are in a form these checks do not read
+            report[""].append(f"the directory has format {older}: a server brings it to {layout.FORMAT} at its start")
+            return report
         _directory(txn, dbs, catalogue, report[""])
         if strays:
             report[""] += _strays(txn, dbs, catalogue)
@@ -82,6 +86,15 @@ def scan(
     return report
 
 
+def older_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int | None:
+    """The format of a directory an earlier release wrote, which a server brings up to date at
+    its next start; None for the current format, a new directory or a damaged format record."""
+    raw = txn.get(b"format", db=dbs["meta"])
+    if raw is None:
+        return 1 if txn.stat(dbs["tables"])["entries"] else None
+    return int(raw) if raw.isdigit() and 0 < int(raw) < layout.FORMAT else None
+
+
 def _directory(
     txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
@@ -90,10 +103,6 @@ def _directory(
 ) -> None:
     """The format record, the catalogue, each table's counters, the leases and the grants."""
     raw = txn.get(b"format", db=dbs["meta"])
-    older = (int(raw) if raw.isdigit() else 0) if raw is not None else (1 if txn.stat(dbs["tables"])["entries"] else 0)
-    if 0 < older < layout.FORMAT:
-        problems.append(f"the directory has format {older}: a server brings it to {layout.FORMAT} at its next start")
-        return
     if raw is not None and (not raw.isdigit() or int(raw) != layout.FORMAT):
         problems.append(f"the format record is {bytes(raw)[:20]!r}, not {layout.FORMAT}")
     next_id = txn.get(b"next_table_id", b"1", db=dbs["meta"])
