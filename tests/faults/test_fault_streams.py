@@ -8,6 +8,7 @@ health check.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,3 +149,41 @@ def test_many_waiting_streams_do_not_starve_other_calls(tmp_path: Path, serve: C
         finally:
             for stream in streams:
                 stream.cancel()
+
+
+@pytest.mark.parametrize("delivery", [pb.DELIVERY_CONSUME, pb.DELIVERY_LEASE], ids=["consume", "lease"])
+def test_a_server_killed_between_send_and_confirm_loses_and_repeats_nothing(
+    tmp_path: Path, serve: Callable[..., ServerProcess], delivery: int
+) -> None:
+    """SIGKILL with the credit window full: one batch the client has (confirmed, and for a
+    lease acked), two sent and never confirmed. At every restart the two come back ready,
+    the one delivered stays delivered, and nothing else moved: consumed is exactly what the
+    client has, the rest is all there."""
+    data = str(tmp_path / "data")
+    server = serve(data)
+    with channel(server.target) as chan:
+        groups = push_groups(stub(chan), 12, size=2)
+    delivered: list[str] = []
+    for rounds in range(3):
+        with channel(server.target) as chan:
+            buffer = stub(chan)
+            request = pb.SampleRequest(num_groups=1, delivery=delivery, lease_seconds=600, wait_seconds=5, window=3)
+            stream = SampleStream(buffer, request)
+            first = stream.next()  # confirmed: a consumed batch leaves at the server's next commit
+            unconfirmed = [u for _ in range(2) for u in next(stream.call).uids]  # sent, never confirmed
+            if delivery == pb.DELIVERY_LEASE:
+                assert buffer.Ack(pb.AckRequest(lease_id=first.lease_id), timeout=10).acked == 2
+            deadline = time.monotonic() + 20
+            while stats(buffer).consumed < len(delivered) + 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the server commits the confirmation while it waits for room in the window
+            delivered += first.uids
+            assert not set(delivered) & set(unconfirmed)
+        assert server.stop(signal.SIGKILL) == -signal.SIGKILL
+        server = serve(data)
+        with channel(server.target) as chan:
+            buffer = stub(chan)
+            s = stats(buffer)
+            assert (s.consumed, s.leased, s.ready) == (len(delivered), 0, 24 - len(delivered)), f"round {rounds}: {s}"
+            assert set(buffer.Get(pb.GetRequest(uids=delivered), timeout=10).missing_uids) == set(delivered)
+            left = [uid for uids in groups for uid in uids if uid not in delivered]
+            assert not buffer.Get(pb.GetRequest(uids=left), timeout=10).missing_uids
