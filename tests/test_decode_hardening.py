@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from expbuf.client import EID, BufferClient, BufferError, TrxpError, decode, trxp
+from expbuf.client.trxp.checks import FLOAT32_MAX
 from expbuf.server.store import Store
 from expbuf.server.tables import TableConfig
 
@@ -209,8 +210,10 @@ def test_numeric_fields_out_of_range_are_refused(fields: dict[str, Any], message
 def test_numeric_limits_themselves_are_accepted() -> None:
     eid = {"batch": -(2**63), "task": 2**63 - 1, "run": 2**63 - 1, "step": 2**31 - 1, "suffix": "s"}
     info = {"model_version": 2**63 - 1, "priority": -(10**300)}
-    (item,) = trxp.parse(one_item(item_meta(eid=eid, info=info, reward=-(10**308))))
+    (item,) = trxp.parse(one_item(item_meta(eid=eid, info=info, reward=-FLOAT32_MAX)))
     assert item.model_version == 2**63 - 1
+    with pytest.raises(TrxpError, match=r"field 'reward' is -1e\+308, beyond float32's range"):
+        trxp.parse(one_item(item_meta(eid=eid, info=info, reward=-1e308)))
 
 
 def test_huge_num_items_is_refused_with_a_short_message() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from expbuf.client import EID, BufferClient, Experience, TrxpError, trxp
+from expbuf.client import EID, BufferClient, DataLossError, Experience, TrxpError, trxp
 from expbuf.client.experience import META_FIELDS, TENSOR_FIELDS
 from expbuf.client.sample_reply import read_sample_reply
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -234,8 +234,9 @@ class MalformedServer(pb_grpc.ExperienceBufferServicer):
 
 @pytest.mark.parametrize("case", ["truncated", "a global", "logprobs too short", "messages nested too deep"])
 def test_a_client_refuses_a_malformed_batch_from_the_wire(case: str) -> None:
-    """A real gRPC server on loopback sends the malformed batch; the client's batch raises
-    TrxpError naming the problem when read, and the client stays usable."""
+    """A real gRPC server on loopback sends the malformed batch; the client decodes it before
+    it confirms it, so the iterator raises DataLossError naming the problem (the TrxpError is
+    its cause), and the client stays usable."""
     make, words = MALFORMED[case]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_ExperienceBufferServicer_to_server(MalformedServer(make()), server)
@@ -243,11 +244,11 @@ def test_a_client_refuses_a_malformed_batch_from_the_wire(case: str) -> None:
     server.start()
     try:
         with BufferClient(f"127.0.0.1:{port}", timeout=10) as client:
-            batches = list(client.sample(num_groups=1, max_batches=1, timeout=10))
-            assert len(batches) == 1
-            with pytest.raises(TrxpError) as refused:
-                assert not batches[0].experiences
-            assert words in str(refused.value)
+            with pytest.raises(DataLossError) as refused:
+                list(client.sample(num_groups=1, max_batches=1, timeout=10))
+            assert words in str(refused.value) and isinstance(refused.value.__cause__, TrxpError)
+            with pytest.raises(DataLossError):  # usable: the next stream is read the same way
+                list(client.sample(num_groups=1, max_batches=1, timeout=10))
     finally:
         server.stop(None)
 
