@@ -43,12 +43,14 @@ from . import (
 )
 from .batch_rows import BatchRows
 from .catalog import TableCatalog
+from .claims import Claims
 from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .integrity import verify
 from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .ledger import Ledger
 from .migrate import migrate
 from .read_check import serve_problem
 from .records import ItemRecord
@@ -62,7 +64,8 @@ T = TypeVar("T")
 
 
 class Store:
-    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O."""
+    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O; the
+    prompt ledger's datasets and claims are its `claims` service (claims.py)."""
 
     def __init__(
         self,
@@ -93,10 +96,12 @@ class Store:
         self.clock = clock
         self.db = self.environment.db
         # What runs at every table's events: the store's own, then any a caller registers.
-        self.extensions = Extensions([ComputeQueue(), StaleEviction()])
+        self.ledger = Ledger()
+        self.extensions = Extensions([ComputeQueue(), StaleEviction(), self.ledger])
         self.catalog = TableCatalog(self.environment, self.extensions, clock)
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
         self.upkeep = Upkeep(self.environment.env, self.catalog)
+        self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         # The advantage computation a push runs for a table's groups in its own transaction
         # (pushed_advantages.py), or None where the worker computes them; the server sets
