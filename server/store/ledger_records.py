@@ -41,10 +41,15 @@ _PROMPT = struct.Struct("<BIdB")  # state, attempt, expires (0: none), holder le
 _STATE_CODE = {state: code for code, state in enumerate(PROMPT_STATES)}
 
 
+def prompt_eid(name: str, epoch: int, index: int, attempt: int) -> tuple[str, str]:
+    """The EID batch and task of the experiences of one attempt at a prompt."""
+    return f"{name}/{epoch}", f"{index}@{attempt}"
+
+
 def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
-    """The group of one attempt at a prompt: its experiences' EID batch is `name/epoch` and
-    their task `index@attempt`, so a table grouping by task groups them under this key."""
-    return f"{name}/{epoch}/{index}@{attempt}"
+    """The group of one attempt at a prompt, as a table grouping by task keys it (EID tid)."""
+    batch, task = prompt_eid(name, epoch, index, attempt)
+    return f"{batch}/{task}"
 
 
 @dataclass
