@@ -18,6 +18,7 @@ from .errors import (
     UnavailableError,
 )
 from .experience import EID, Experience
+from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
 from .results import Batch, BufferStats, GetResult, PushResult, ServerInfo, ShapingInfo, TableInfo, TableStats
 from .trxp import TrxpError, decode, encode
 
@@ -29,8 +30,11 @@ __all__ = [
     "BufferClient",
     "BufferError",
     "BufferStats",
+    "Claim",
     "DataLossError",
+    "DatasetInfo",
     "DeadlineExceededError",
+    "EpochCounts",
     "ExpbufError",
     "Experience",
     "FailedPreconditionError",
@@ -38,6 +42,8 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "PermissionDeniedError",
+    "Prompt",
+    "PromptPage",
     "PushResult",
     "ResourceExhaustedError",
     "ServerInfo",

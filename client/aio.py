@@ -15,6 +15,7 @@ import grpc.aio
 
 from . import calls
 from .connection import ClientBase, call_error
+from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_spec import SampleOptions, SampleSpec
 
@@ -125,6 +126,62 @@ class AsyncBufferClient(ClientBase):
     async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
         """Finish a grant: `accepted` rollouts stay counted, the others give their room back (all, if unset)."""
         return await self._run(calls.finish_grant(grant, accepted))
+
+    # ---- the prompt ledger ------------------------------------------------------------
+
+    async def create_dataset(
+        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
+    ) -> DatasetInfo:
+        """As BufferClient.create_dataset."""
+        return await self._run(calls.create_dataset(table, name, size, exist_ok, settings))
+
+    async def datasets(self, table: str = "default") -> list[DatasetInfo]:
+        """As BufferClient.datasets."""
+        return await self._run(calls.datasets(table))
+
+    async def ledger(self, table: str, dataset: str) -> DatasetInfo:
+        """As BufferClient.ledger."""
+        (info,) = await self._run(calls.datasets(table, dataset))
+        return info
+
+    async def claim(
+        self,
+        table: str,
+        dataset: str,
+        count: int = 1,
+        *,
+        lease_seconds: float = 300.0,
+        owner: str = "",
+        wait: float = 0.0,
+    ) -> Claim:
+        """As BufferClient.claim."""
+        return await self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
+
+    async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
+        """As BufferClient.renew_claims."""
+        ended: list[Prompt] = []
+        for (table, dataset), part in calls.by_dataset(prompts).items():
+            ended += (await self._run(calls.renew_claims(table, dataset, part, seconds)))[1]
+        return ended
+
+    async def release_claims(self, prompts: Iterable[Prompt]) -> int:
+        """As BufferClient.release_claims."""
+        released = 0
+        for (table, dataset), part in calls.by_dataset(prompts).items():
+            released += await self._run(calls.release_claims(table, dataset, part))
+        return released
+
+    async def list_prompts(
+        self,
+        table: str,
+        dataset: str,
+        *,
+        states: Iterable[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """As BufferClient.list_prompts."""
+        return await self._run(calls.list_prompts(table, dataset, states, after, limit))
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

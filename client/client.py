@@ -21,6 +21,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from . import calls
 from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
+from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     AsyncBatch,
     Batch,
@@ -201,6 +202,72 @@ class BufferClient(ClientBase):
     def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
         """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back."""
         return self._run(calls.finish_grant(grant, accepted))
+
+    # ---- the prompt ledger ------------------------------------------------------------
+
+    def create_dataset(
+        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
+    ) -> DatasetInfo:
+        """A dataset of `size` prompts (indexes 0..size-1) on a table that groups by task.
+        Settings: `epochs` (1), `seed` (each epoch in a permutation fixed by it; None: index
+        order), `max_in_flight` (bound on prompts claimed, or generated and not yet trained; 0:
+        none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
+        it goes out again), `max_attempts` (5: a prompt sent back this often is dropped)."""
+        return self._run(calls.create_dataset(table, name, size, exist_ok, settings))
+
+    def datasets(self, table: str = "default") -> list[DatasetInfo]:
+        """The table's datasets, each with its cursor and its prompts by state and epoch."""
+        return self._run(calls.datasets(table))
+
+    def ledger(self, table: str, dataset: str) -> DatasetInfo:
+        """One dataset's settings, cursor and prompts by state and epoch."""
+        (info,) = self._run(calls.datasets(table, dataset))
+        return info
+
+    def claim(
+        self,
+        table: str,
+        dataset: str,
+        count: int = 1,
+        *,
+        lease_seconds: float = 300.0,
+        owner: str = "",
+        wait: float = 0.0,
+    ) -> Claim:
+        """Up to `count` prompts for this rollout worker, under claims that end `lease_seconds`
+        from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
+        seconds when none can be handed out now (max_in_flight reached, or every prompt out).
+        `done` says the dataset has nothing left to hand out or train."""
+        return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
+
+    def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
+        """Claims now end `seconds` from now; returns the prompts whose claim had already ended
+        (not renewed: their groups will not be taken, give up on them)."""
+        ended: list[Prompt] = []
+        for (table, dataset), part in calls.by_dataset(prompts).items():
+            ended += self._run(calls.renew_claims(table, dataset, part, seconds))[1]
+        return ended
+
+    def release_claims(self, prompts: Iterable[Prompt]) -> int:
+        """Give claims back now: each prompt goes out again with its next attempt. Returns the
+        claims that were still held."""
+        return sum(
+            self._run(calls.release_claims(table, dataset, part))
+            for (table, dataset), part in calls.by_dataset(prompts).items()
+        )
+
+    def list_prompts(
+        self,
+        table: str,
+        dataset: str,
+        *,
+        states: Iterable[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """A page of the dataset's prompts handed out at least once, in (epoch, index) order, of
+        `states` (all when empty); pass the page's `after` for the next."""
+        return self._run(calls.list_prompts(table, dataset, states, after, limit))
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

@@ -17,6 +17,9 @@ from .sample_spec import SampleSpec
 from .store import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .store.admission import Grant
 from .store.browse import Page
+from .store.claims import PromptPage
+from .store.ledger import Claimed
+from .store.ledger_records import DatasetRecord
 from .tables import TableConfig
 
 
@@ -66,6 +69,39 @@ class Backend(Protocol):
     def reset_offpolicy(self, table: str, version: int | None = None) -> tuple[int | None, int]: ...
     def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant: ...
     def finish_grant(self, table: str, grant_id: str, accepted: int | None = None) -> int: ...
+
+    # the prompt ledger
+    def create_dataset(
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False
+    ) -> tuple[DatasetRecord, bool]: ...
+    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]: ...
+    def claim(
+        self,
+        table: str,
+        name: str,
+        count: int,
+        *,
+        seconds: float,
+        owner: str = "",
+        holder: str = "",
+        wait: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[Claimed], bool]: ...
+    def renew_claims(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""
+    ) -> tuple[float, list[tuple[int, int, int]]]: ...
+    def release_claims(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], *, holder: str = ""
+    ) -> int: ...
+    def list_prompts(
+        self,
+        table: str,
+        name: str,
+        *,
+        states: Sequence[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage: ...
 
     # state and upkeep
     def stats(self, table: str) -> dict[str, Any]: ...

@@ -87,6 +87,12 @@ class StaleExperience(GroupClosed):
     reason = "stale"
 
 
+class StaleAttempt(GroupClosed):
+    """A push into the group of a prompt's attempt whose claim ended (the prompt ledger)."""
+
+    reason = "stale_attempt"
+
+
 class VersionJump(GroupClosed):
     """A trainer version beyond what the table's data allows, with evict_stale on."""
 

@@ -60,8 +60,9 @@ class WaitingCap:
 
 
 def call_class(method: str, request: Any) -> str:
-    """The capped class of a call that may wait idle ("" for none): Admit waits only when asked to."""
-    if method == "Admit":
+    """The capped class of a call that may wait idle ("" for none): Admit and Claim wait only
+    when asked to, and share max_waiting_admits (both are a rollout worker's wait for room)."""
+    if method in ("Admit", "Claim"):
         return "waiting_admit" if getattr(request, "wait_seconds", 0) > 0 else ""
     return {"Sample": "sample_stream", "PushStream": "push_stream"}.get(method, "")
 
@@ -193,7 +194,9 @@ def call_limits(config: ServerConfig) -> CallLimits:
     caps = {
         "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
         "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
-        "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
+        "waiting_admit": WaitingCap(
+            "Admit and Claim calls wait for room", "max_waiting_admits", config.waiting_admit_limit
+        ),
     }
     return CallLimits(config.workers, config.reserved_worker_count, caps, config.scope_shares)
 

@@ -6,13 +6,10 @@ TRXP payloads through the codec, and refusals to gRPC status codes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextvars import ContextVar
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -26,9 +23,11 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from . import __version__
 from .advantages import check_device
 from .backend import Backend
-from .errors import InvalidRequest, SpecError, StoreError, clip
+from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
+from .errors import InvalidRequest, SpecError, clip
 from .inflight import PushMessage
 from .ingest import Ingest
+from .ledger_service import LedgerCalls
 from .limits import IdleMessages, TableStreams
 from .metrics import Metrics
 from .replies import sample_reply
@@ -42,96 +41,12 @@ from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
 
-# The table the current call is on, for a refusal's log line and metric: set when a call
-# starts, and again by a stream once its first message names the table.
-_CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="default")
-
 # The TableStats fields of the versions, by the counter each comes from (unknown: -1).
 _VERSION_STATS = {
     "min_model_version": "min_version",
     "max_model_version": "max_version",
     "trainer_version": "trainer_version",
 }
-
-
-def _table_of(request: Any) -> str:
-    """The table a request names (CreateTable and DropTable name it their own way)."""
-    if isinstance(request, pb.CreateTableRequest):
-        return request.config.name
-    if isinstance(request, pb.DropTableRequest):
-        return request.name
-    return getattr(request, "table", "") or "default"
-
-
-class _RefusalLog:
-    """Logs refusals, at most `per_second` lines a second: a client that sends garbage in
-    a loop must not flood the log. Lines held back are counted in the next one."""
-
-    def __init__(self, per_second: float = 10.0) -> None:
-        self.per_second = per_second
-        self._lock = threading.Lock()
-        self._window = 0.0
-        self._logged = 0
-        self._held_back = 0
-
-    def __call__(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._window >= 1.0:
-                self._window, self._logged = now, 0
-            if self._logged >= self.per_second:
-                self._held_back += 1
-                return
-            self._logged += 1
-            held_back, self._held_back = self._held_back, 0
-        if held_back:
-            message += f" ({held_back} refusals not logged before this one)"
-        log.log(level, message, *args, exc_info=exc_info)
-
-
-def _refusals(method: Callable) -> Callable:
-    """Map refusals (errors.py) to the status code and metric reason their class carries, with
-    their message; count and log them. Anything else is a fault of the server: INTERNAL,
-    logged with its traceback, never UNKNOWN."""
-
-    def abort(self: ExperienceBufferService, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
-        # grpcio's server context has code(); types-grpcio omits it
-        if context.code() is not None:  # type: ignore[attr-defined]  # the method aborted with its own status
-            raise exc
-        table = _CALL_TABLE.get()
-        label = table if self.store.has_table(table) else "unknown"
-        if isinstance(exc, StoreError):
-            code, reason = grpc.StatusCode[exc.status], exc.reason
-            self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
-                             code.name, reason, clip(str(exc), 500))  # fmt: skip
-        else:
-            code, reason = grpc.StatusCode.INTERNAL, "internal"
-            self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
-            exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
-        self.metrics.refused.labels(label, reason).inc()
-        context.abort(code, clip(str(exc), 1000))
-
-    if method.__name__ in ("Sample", "PushStream"):
-
-        @functools.wraps(method)
-        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            _CALL_TABLE.set(_table_of(request))
-            try:
-                yield from method(self, request, context)
-            except Exception as exc:
-                abort(self, request, context, exc)
-
-        return stream
-
-    @functools.wraps(method)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        _CALL_TABLE.set(_table_of(request))
-        try:
-            return method(self, request, context)
-        except Exception as exc:
-            abort(self, request, context, exc)
-
-    return unary
 
 
 def sample_spec(request: pb.SampleRequest) -> SampleSpec:
@@ -187,14 +102,7 @@ def _ids(values: Iterable[str], what: str) -> list[str]:
     return ids
 
 
-def _remaining(context: grpc.ServicerContext, limit: float | None = None) -> float:
-    """Seconds left before the caller's deadline (bounded by limit)."""
-    left = context.time_remaining()
-    left = 3600.0 if left is None else max(0.0, left - 0.05)
-    return left if limit is None else min(left, limit)
-
-
-class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
         store: Backend,
@@ -212,7 +120,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         self.ingest = ingest or Ingest()
         self.table_streams = table_streams or TableStreams(1 << 30)
         self.bind_leases = bind_leases
-        self.refusal_log = _RefusalLog()
+        self.refusal_log = RefusalLog()
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
@@ -225,11 +133,11 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         table = request.table or "default"
-        _CALL_TABLE.set(table)
+        CALL_TABLE.set(table)
         entries = self.ingest.entries(request.payload)
         if isinstance(request, PushMessage):
             request.drop_payload()
-        result = self.store.put_entries(table, entries, timeout=_remaining(context))
+        result = self.store.put_entries(table, entries, timeout=remaining(context))
         for gkey in result.dropped_groups:
             log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
         return pb.PushReply(
@@ -240,11 +148,11 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             stale_uids=result.stale,
         )
 
-    @_refusals
+    @refusals
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
         return self._push(request, context)
 
-    @_refusals
+    @refusals
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
         """Pushes as they come; a stream that sends nothing for push_stream_idle_seconds ends
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits)."""
@@ -268,7 +176,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     # ---- sample ------------------------------------------------------------------
 
-    @_refusals
+    @refusals
     def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Batches sent as the client asks for them (see sample_stream.py)."""
         try:
@@ -277,7 +185,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             return
         if first is None:
             return
-        _CALL_TABLE.set(first.table or "default")
+        CALL_TABLE.set(first.table or "default")
         spec = sample_spec(first)
         bound = ""
         if spec.wait_seconds > self.max_wait_seconds:
@@ -298,7 +206,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 requests,
                 context,
                 owner=self._owner(context),
-                timeout=lambda: _remaining(context, spec.wait_seconds),
+                timeout=lambda: remaining(context, spec.wait_seconds),
                 reply=reply,
                 bound=bound,
             )
@@ -324,17 +232,17 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             if version is not None:
                 histogram.observe(max(0, latest - version))
 
-    @_refusals
+    @refusals
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         table = request.table or "default"
         return pb.AckReply(acked=self.store.ack(request.lease_id, table, self._owner(context)))
 
-    @_refusals
+    @refusals
     def Nack(self, request: pb.NackRequest, context: grpc.ServicerContext) -> pb.NackReply:
         table = request.table or "default"
         return pb.NackReply(requeued=self.store.nack(request.lease_id, table, self._owner(context)))
 
-    @_refusals
+    @refusals
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         table = request.table or "default"
         expires, leased = self.store.renew(request.lease_id, request.lease_seconds, table, self._owner(context))
@@ -342,12 +250,12 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
 
     # ---- admin -------------------------------------------------------------------
 
-    @_refusals
+    @refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
         payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
         return pb.GetReply(payload=payload, missing_uids=missing)
 
-    @_refusals
+    @refusals
     def ListExperiences(
         self, request: pb.ListExperiencesRequest, context: grpc.ServicerContext
     ) -> pb.ListExperiencesReply:
@@ -377,18 +285,18 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         ]
         return pb.ListExperiencesReply(experiences=listed, next=found.next, done=found.done)
 
-    @_refusals
+    @refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         table = request.table or "default"
         deleted = self.store.delete(table, _ids(request.uids, "uids"), _ids(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
-    @_refusals
+    @refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
         (group_id,) = _ids([request.group_id], "group_id")
         return pb.SealReply(size=self.store.seal(request.table or "default", group_id))
 
-    @_refusals
+    @refusals
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         names = [request.table] if request.table else [t.name for t in self.store.list_tables()]
         return pb.StatsReply(tables=[self._table_stats(name) for name in names])
@@ -407,29 +315,29 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
                 setattr(stats, field.name, s[field.name])
         return stats
 
-    @_refusals
+    @refusals
     def SetTrainerVersion(
         self, request: pb.SetTrainerVersionRequest, context: grpc.ServicerContext
     ) -> pb.SetTrainerVersionReply:
         version = self.store.set_trainer_version(request.table or "default", request.version)
         return pb.SetTrainerVersionReply(version=version)
 
-    @_refusals
+    @refusals
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
         table = request.table or "default"
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
-        wait = _remaining(context, asked) if request.wait_seconds > 0 else 0.0
+        wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
         grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
         self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
         return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
 
-    @_refusals
+    @refusals
     def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
         accepted = request.accepted if request.HasField("accepted") else None
         returned = self.store.finish_grant(request.table or "default", request.grant_id, accepted)
         return pb.FinishGrantReply(returned=returned)
 
-    @_refusals
+    @refusals
     def ResetOffPolicy(
         self, request: pb.ResetOffPolicyRequest, context: grpc.ServicerContext
     ) -> pb.ResetOffPolicyReply:
@@ -441,7 +349,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         )
         return pb.ResetOffPolicyReply(trainer_version=-1 if stored is None else stored, submitted=submitted)
 
-    @_refusals
+    @refusals
     def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:
         storage = self.store.storage_info()
         return pb.ServerInfoReply(
@@ -454,7 +362,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             lmdb_map_used_ratio=storage["map_used_ratio"],
         )
 
-    @_refusals
+    @refusals
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
         unknown = _unknown_fields(request.config) + _unknown_fields(request.config.estimator)
         if unknown:
@@ -473,11 +381,11 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
             log.info("table created: %s", config.to_dict())
         return pb.CreateTableReply(config=wire.table_to_proto(self.store.table(config.name).to_dict()), created=created)
 
-    @_refusals
+    @refusals
     def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesReply:
         return pb.ListTablesReply(tables=[wire.table_to_proto(t.to_dict()) for t in self.store.list_tables()])
 
-    @_refusals
+    @refusals
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableReply:
         if request.name == "default":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the default table cannot be dropped")
@@ -486,7 +394,7 @@ class ExperienceBufferService(pb_grpc.ExperienceBufferServicer):
         log.info("table dropped: %s (%d live experiences)", request.name, dropped)
         return pb.DropTableReply(dropped_experiences=dropped)
 
-    @_refusals
+    @refusals
     def Writers(self, request: pb.WritersRequest, context: grpc.ServicerContext) -> pb.WritersReply:
         table = request.table or "default"
         self.store.table(table)  # NOT_FOUND for a table that does not exist

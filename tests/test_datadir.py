@@ -13,7 +13,7 @@ import pytest
 
 from expbuf.client import decode
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.store import Store
+from expbuf.server.store import Store, layout
 
 from conftest import FIXTURES
 from helpers import group_items, take
@@ -115,7 +115,7 @@ def test_first_format_tables_now_finished_per_batch_compute_their_ready_groups_a
 def upgrade_notice(data: Path, found: int) -> str:
     """What `expbuf check` prints for a directory that only needs the upgrade a start makes."""
     return (
-        f"{data}: data directory format {found}, which the next expbuf serve upgrades to format 4;"
+        f"{data}: data directory format {found}, which the next expbuf serve upgrades to format {layout.FORMAT};"
         " run expbuf check after that to check its tables"
     )
 

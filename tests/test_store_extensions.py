@@ -14,6 +14,7 @@ from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, TableExtension
 from expbuf.server.store.compute_queue import ComputeQueue
 from expbuf.server.store.extensions import Extensions
+from expbuf.server.store.ledger import Ledger
 from expbuf.server.store.records import GroupRecord
 from expbuf.server.store.staleness import StaleEviction
 from expbuf.server.store.table_state import Groups, TableState
@@ -28,6 +29,9 @@ class Journal(TableExtension):
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
+    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        self.events.append(("push", list(gkeys)))
+
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         self.events.append(("insert", tt.config.name, len(uids)))
 
@@ -37,8 +41,8 @@ class Journal(TableExtension):
     def on_sample(self, tt: TableState, groups: Groups) -> None:
         self.events.append(("sample", [gkey for gkey, _ in groups]))
 
-    def on_retire(self, tt: TableState, groups: Groups) -> None:
-        self.events.append(("retire", [(gkey, grp.state) for gkey, grp in groups]))
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
+        self.events.append(("retire", [(gkey, grp.state) for gkey, grp in groups], state))
 
 
 def test_a_registered_extension_hears_a_real_stores_events(tmp_path: Path) -> None:
@@ -51,18 +55,23 @@ def test_a_registered_extension_hears_a_real_stores_events(tmp_path: Path) -> No
         assert store.nack(leased.lease_id) == 2
         assert store.sample(SampleSpec("t", num_groups=1)) is not None  # consumed
     assert journal.events == [
+        ("push", [gkey]),
         ("update", gkey, "pending", "ready"),
         ("insert", "t", 2),
         ("update", gkey, "ready", "leased"),
         ("sample", [gkey]),
         ("update", gkey, "leased", "ready"),
-        ("retire", [(gkey, "ready")]),
+        ("retire", [(gkey, "ready")], "consumed"),
         ("sample", [gkey]),
     ]
 
 
 class Refuser(TableExtension):
-    """Refuses every push of a table named `closed`."""
+    """Refuses every push of a table named `closed`, and into a group named `0/1`."""
+
+    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        if "0/1" in gkeys:
+            raise InvalidRequest("group 0/1 takes no pushes")
 
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         if tt.config.name == "closed":
@@ -77,6 +86,8 @@ def test_an_extension_runs_inside_the_requests_transaction(tmp_path: Path) -> No
             store.create_table(TableConfig(name=name, estimator="none", group_size=2))
         with pytest.raises(InvalidRequest, match="takes no pushes"):
             store.put("closed", group_items(0, 0, 2))
+        with pytest.raises(InvalidRequest, match="group 0/1 takes no pushes"):
+            store.put("open", group_items(0, 0, 2) + group_items(0, 1, 2))
         store.put("open", group_items(0, 0, 2))
         assert store.stats("closed")["pushed"] == 0 and store.stats("closed")["ready"] == 0
         assert store.stats("open")["ready"] == 2
@@ -88,9 +99,9 @@ def test_only_extensions_are_registered() -> None:
         Extensions().register(object())  # type: ignore[arg-type]
 
 
-def test_the_compute_queue_and_stale_eviction_are_the_stores_own_extensions(tmp_path: Path) -> None:
+def test_the_compute_queue_stale_eviction_and_ledger_are_the_stores_own_extensions(tmp_path: Path) -> None:
     with Store(tmp_path / "data") as store:
-        assert [type(ext) for ext in store.extensions] == [ComputeQueue, StaleEviction]
+        assert [type(ext) for ext in store.extensions] == [ComputeQueue, StaleEviction, Ledger]
         store.create_table(TableConfig(name="g", estimator="grpo", group_size=2))
         store.put("g", group_items(0, 0, 2))
         (job,) = store.compute_backlog()  # queued by the compute queue's on_update

@@ -27,7 +27,7 @@ class ComputeQueue(TableExtension):
         if grp.state == COMPUTING:
             tt.txn.put(tt.rseq_key(grp), gkey.encode(), db=tt.db["compute"])
 
-    def on_retire(self, tt: TableState, groups: Groups) -> None:
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
         for _, grp in groups:
             if grp.state == COMPUTING:
                 tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])

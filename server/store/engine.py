@@ -43,12 +43,15 @@ from . import (
 )
 from .batch_rows import BatchRows
 from .catalog import TableCatalog
+from .claims import Claims, PromptPage
 from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .integrity import verify
 from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .ledger import Claimed, Ledger
+from .ledger_records import DatasetRecord
 from .migrate import migrate
 from .read_check import serve_problem
 from .records import ItemRecord
@@ -62,7 +65,8 @@ T = TypeVar("T")
 
 
 class Store:
-    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O."""
+    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O; the
+    prompt ledger's datasets and claims are its `claims` service (claims.py)."""
 
     def __init__(
         self,
@@ -93,10 +97,12 @@ class Store:
         self.clock = clock
         self.db = self.environment.db
         # What runs at every table's events: the store's own, then any a caller registers.
-        self.extensions = Extensions([ComputeQueue(), StaleEviction()])
+        self.ledger = Ledger()
+        self.extensions = Extensions([ComputeQueue(), StaleEviction(), self.ledger])
         self.catalog = TableCatalog(self.environment, self.extensions, clock)
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
         self.upkeep = Upkeep(self.environment.env, self.catalog)
+        self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         # The advantage computation a push runs for a table's groups in its own transaction
         # (pushed_advantages.py), or None where the worker computes them; the server sets
@@ -429,6 +435,55 @@ class Store:
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server."""
         return self.sampling.release_holds()
+
+    # ---- the prompt ledger (claims.py) ------------------------------------------------------
+
+    def create_dataset(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
+        """A dataset of prompts on the table; (record, created)."""
+        return self.claims.create(table, ds, exist_ok=exist_ok)
+
+    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
+        """The table's datasets (or the one named), with their cursors and counts."""
+        return self.claims.datasets(table, name)
+
+    def claim(
+        self,
+        table: str,
+        name: str,
+        count: int,
+        *,
+        seconds: float,
+        owner: str = "",
+        holder: str = "",
+        wait: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[Claimed], bool]:
+        """Up to `count` prompts under claims that end `seconds` from now; and whether the dataset is done."""
+        return self.claims.claim(table, name, count, seconds=seconds, owner=owner, holder=holder, wait=wait, stop=stop)
+
+    def renew_claims(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""
+    ) -> tuple[float, list[tuple[int, int, int]]]:
+        """Claims (epoch, index, attempt) now end `seconds` from now; when, and those that had ended."""
+        return self.claims.renew(table, name, prompts, seconds, holder)
+
+    def release_claims(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], *, holder: str = ""
+    ) -> int:
+        """Claims given back now: their prompts go out again with attempt + 1."""
+        return self.claims.release(table, name, prompts, holder)
+
+    def list_prompts(
+        self,
+        table: str,
+        name: str,
+        *,
+        states: Sequence[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """A page of the dataset's prompts handed out at least once."""
+        return self.claims.prompts(table, name, states=states, after=after, limit=limit)
 
     # ---- advantages ------------------------------------------------------------------------
 

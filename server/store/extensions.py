@@ -6,7 +6,8 @@ An extension is one class overriding the events it needs; a Store runs the ones 
 with it (`Store.extensions.register`) in every table's transaction, in the order registered.
 The events come from inside the writer's transaction: what an extension writes commits, or
 is undone, with the request that raised the event. The store's own extensions are the
-compute queue (compute_queue.py) and the eviction of stale groups (staleness.py).
+compute queue (compute_queue.py), the eviction of stale groups (staleness.py) and the
+prompt ledger (ledger.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ E = TypeVar("E", bound="TableExtension")
 class TableExtension:
     """The events of a table; each does nothing unless overridden."""
 
+    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        """A push is about to store new experiences into these groups (before the group rules
+        look at them): an extension may refuse it by raising a StoreError, and then nothing
+        of it is stored."""
+
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         """A push stored these new experiences (duplicates and stale ones excluded)."""
 
@@ -33,9 +39,9 @@ class TableExtension:
     def on_sample(self, tt: TableState, groups: Groups) -> None:
         """A batch of these groups was taken (any delivery)."""
 
-    def on_retire(self, tt: TableState, groups: Groups) -> None:
-        """These live groups leave the table (consumed, evicted, dropped, failed or deleted);
-        `grp.state` is still their last live state."""
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
+        """These live groups leave the table as `state`: consumed, evicted, dropped, failed, or
+        DELETED (records.py); `grp.state` is still their last live state."""
 
     def on_version(self, tt: TableState) -> None:
         """The table's trainer version moved (a trainer's report, or an admin's reset)."""
@@ -61,6 +67,10 @@ class Extensions:
     def __iter__(self) -> Iterator[TableExtension]:
         return iter(self._all)
 
+    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        for ext in self._all:
+            ext.on_push(tt, gkeys)
+
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         for ext in self._all:
             ext.on_insert(tt, uids)
@@ -73,9 +83,9 @@ class Extensions:
         for ext in self._all:
             ext.on_sample(tt, groups)
 
-    def on_retire(self, tt: TableState, groups: Groups) -> None:
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
         for ext in self._all:
-            ext.on_retire(tt, groups)
+            ext.on_retire(tt, groups, state)
 
     def on_version(self, tt: TableState) -> None:
         for ext in self._all:

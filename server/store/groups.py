@@ -59,6 +59,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():
         by_group[entry.group_key(tt.config.group_by)].append(entry)
+    tt.extensions.on_push(tt, list(by_group))
     groups: dict[str, GroupRecord] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.group_size

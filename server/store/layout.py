@@ -20,6 +20,8 @@ one contiguous range:
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
 - cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
+- ledger:    T + a kind byte + ... -> the prompt ledger's datasets, prompts, queues, group entries
+  and claim expiries (ledger_records.py)
 Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's
 511-byte limit.
 """
@@ -35,12 +37,13 @@ from ..ready_indexes import u64
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
 # (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
-# compact tombstones in their own database (tombs). See migrate.py.
-FORMAT = 4
+# compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
+# ledger_records.py). See migrate.py.
+FORMAT = 5
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
-    "tombs",
+    "tombs", "ledger",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

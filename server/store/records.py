@@ -23,6 +23,8 @@ CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
 LIVE = (PENDING, COMPUTING, READY, LEASED)
 RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED)
 STATES = (*LIVE, *RETIRED)
+# Not a stored state: how a group deleted by request leaves the table, to the extensions' on_retire.
+DELETED = "deleted"
 _STATE_CODE = {state: code for code, state in enumerate(STATES)}
 
 _U16 = struct.Struct("<H")

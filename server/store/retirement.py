@@ -12,7 +12,7 @@ import lmdb
 
 from ..ready_indexes import put_rows, u64
 from . import layout, limiter
-from .records import CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
+from .records import CONSUMED, DELETED, FAILED, LIVE, PENDING, READY, RETIRED, GroupRecord, ItemRecord
 from .table_state import TableState
 
 
@@ -30,7 +30,7 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str
     goes, full records where it is kept. Done in passes, one per database, over all the
     groups; a record not read yet in this transaction becomes a tombstone without being
     decoded. The table's extensions hear of it first (`on_retire`)."""
-    tt.extensions.on_retire(tt, groups)
+    tt.extensions.on_retire(tt, groups, state)
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:
@@ -179,7 +179,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             tt.put_group(rec.group, grp)
             continue
         if grp.state in LIVE:
-            tt.extensions.on_retire(tt, [(rec.group, grp)])
+            tt.extensions.on_retire(tt, [(rec.group, grp)], DELETED)
         leave_indexes(tt, rec.group, grp)
         if grp.state in LIVE:
             tt.counters.add_groups(grp.state, -1)

@@ -1,6 +1,7 @@
 """The store's periodic upkeep: expired leases return their groups, expired grants their
 room for rollouts, incomplete groups time out, stale ready groups are evicted (tables with
-evict_stale: the extensions' `on_upkeep`, staleness.py), old tombstones are forgotten.
+evict_stale) and ended claims send their prompts back (the extensions' `on_upkeep`,
+staleness.py and ledger.py), old tombstones are forgotten.
 
 Each lease and each table runs in a nested transaction of its own: one that fails (a
 damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
@@ -28,6 +29,7 @@ from ..tables import TableConfig
 from . import admission, layout, retirement
 from .catalog import TableCatalog
 from .groups import expire_groups
+from .ledger_records import oldest_claim
 from .staleness import EVICT_LIMIT
 
 T = TypeVar("T")
@@ -128,6 +130,9 @@ class Upkeep:
         prefix = layout.table_prefix(table_id)
         if config.evict_stale:
             return True
+        claim = oldest_claim(txn, self.db["ledger"], table_id)
+        if claim is not None and claim <= layout.micros(now):
+            return True
         if config.group_timeout_seconds > 0:
             oldest = self._oldest(txn, self.db["pending"], prefix)
             if oldest is not None and oldest <= layout.micros(now - config.group_timeout_seconds):
@@ -140,8 +145,10 @@ class Upkeep:
 
     def waiting(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig) -> bool:
         """Whether a table holds what will fall due without another write: incomplete groups
-        that time out, or tombstones to forget."""
+        that time out, tombstones to forget, or claims on prompts that end."""
         prefix = layout.table_prefix(table_id)
+        if oldest_claim(txn, self.db["ledger"], table_id) is not None:
+            return True
         if config.group_timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
             return True
         return config.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None

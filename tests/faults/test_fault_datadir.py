@@ -19,7 +19,7 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.errors import Damaged
 from expbuf.server.sample_spec import SampleSpec
-from expbuf.server.store import Store, integrity
+from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
 from expbuf.server.tables import TableConfig
 
@@ -287,7 +287,7 @@ def test_a_kill_during_the_format_upgrade_leaves_format_3_or_4_and_check_finds_n
         assert checked.returncode == 0 and not checked.stderr, (trial, checked.stdout, checked.stderr)
         lines = checked.stdout.splitlines()
         upgrade = [
-            f"{data}: data directory format 3, which the next expbuf serve upgrades to format 4;"
+            f"{data}: data directory format 3, which the next expbuf serve upgrades to format {layout.FORMAT};"
             " run expbuf check after that to check its tables"
         ]
         assert lines in (upgrade, [f"{table}: ok" for table in tables]), (trial, checked.stdout)

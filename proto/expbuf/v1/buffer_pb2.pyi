@@ -613,3 +613,215 @@ class WritersReply(_message.Message):
     open: int
     done: bool
     def __init__(self, open: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class DatasetConfig(_message.Message):
+    __slots__ = ("name", "size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ON_DROP_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    epochs: int
+    seed: int
+    max_in_flight: int
+    on_drop: str
+    max_attempts: int
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    shard: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., on_drop: _Optional[str] = ..., max_attempts: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[str] = ...) -> None: ...
+
+class EpochCounts(_message.Message):
+    __slots__ = ("pending", "claimed", "generated", "trained", "dropped")
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    pending: int
+    claimed: int
+    generated: int
+    trained: int
+    dropped: int
+    def __init__(self, pending: _Optional[int] = ..., claimed: _Optional[int] = ..., generated: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("config", "created_unix", "cursor_epoch", "cursor_position", "counts", "reissued", "attempts_dropped", "done", "owned")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_POSITION_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REISSUED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    config: DatasetConfig
+    created_unix: float
+    cursor_epoch: int
+    cursor_position: int
+    counts: _containers.RepeatedCompositeFieldContainer[EpochCounts]
+    reissued: int
+    attempts_dropped: int
+    done: bool
+    owned: int
+    def __init__(self, config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., created_unix: _Optional[float] = ..., cursor_epoch: _Optional[int] = ..., cursor_position: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[EpochCounts, _Mapping]]] = ..., reissued: _Optional[int] = ..., attempts_dropped: _Optional[int] = ..., done: _Optional[bool] = ..., owned: _Optional[int] = ...) -> None: ...
+
+class CreateDatasetRequest(_message.Message):
+    __slots__ = ("table", "config", "exist_ok")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    config: DatasetConfig
+    exist_ok: bool
+    def __init__(self, table: _Optional[str] = ..., config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class CreateDatasetReply(_message.Message):
+    __slots__ = ("dataset", "created")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    created: bool
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ("table", "name")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    name: str
+    def __init__(self, table: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ListDatasetsReply(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("dataset", "epoch", "index", "attempt", "batch", "task", "expires_unix", "state", "owner")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    epoch: int
+    index: int
+    attempt: int
+    batch: str
+    task: str
+    expires_unix: float
+    state: str
+    owner: str
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ..., batch: _Optional[str] = ..., task: _Optional[str] = ..., expires_unix: _Optional[float] = ..., state: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dataset: str
+    count: int
+    lease_seconds: float
+    owner: str
+    wait_seconds: float
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., count: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ClaimReply(_message.Message):
+    __slots__ = ("prompts", "done")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    done: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class PromptRef(_message.Message):
+    __slots__ = ("epoch", "index", "attempt")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    index: int
+    attempt: int
+    def __init__(self, epoch: _Optional[int] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class RenewClaimsRequest(_message.Message):
+    __slots__ = ("table", "dataset", "prompts", "lease_seconds")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dataset: str
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptRef]
+    lease_seconds: float
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewClaimsReply(_message.Message):
+    __slots__ = ("expires_unix", "ended")
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    expires_unix: float
+    ended: _containers.RepeatedCompositeFieldContainer[PromptRef]
+    def __init__(self, expires_unix: _Optional[float] = ..., ended: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ...) -> None: ...
+
+class ReleaseClaimsRequest(_message.Message):
+    __slots__ = ("table", "dataset", "prompts")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dataset: str
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptRef]
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[PromptRef, _Mapping]]] = ...) -> None: ...
+
+class ReleaseClaimsReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class ListPromptsRequest(_message.Message):
+    __slots__ = ("table", "dataset", "states", "has_after", "after_epoch", "after_index", "limit")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    HAS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dataset: str
+    states: _containers.RepeatedScalarFieldContainer[str]
+    has_after: bool
+    after_epoch: int
+    after_index: int
+    limit: int
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ..., has_after: _Optional[bool] = ..., after_epoch: _Optional[int] = ..., after_index: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListPromptsReply(_message.Message):
+    __slots__ = ("prompts", "after_epoch", "after_index", "done")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    after_epoch: int
+    after_index: int
+    done: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., after_epoch: _Optional[int] = ..., after_index: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -134,6 +134,36 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.WritersRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.WritersReply.FromString,
                 _registered_method=True)
+        self.CreateDataset = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/CreateDataset',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.CreateDatasetRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.CreateDatasetReply.FromString,
+                _registered_method=True)
+        self.ListDatasets = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ListDatasets',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ListDatasetsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListDatasetsReply.FromString,
+                _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/Claim',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ClaimReply.FromString,
+                _registered_method=True)
+        self.RenewClaims = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/RenewClaims',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewClaimsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewClaimsReply.FromString,
+                _registered_method=True)
+        self.ReleaseClaims = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ReleaseClaims',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.FromString,
+                _registered_method=True)
+        self.ListPrompts = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ListPrompts',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ListPromptsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListPromptsReply.FromString,
+                _registered_method=True)
 
 
 class ExperienceBufferServicer:
@@ -282,6 +312,46 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateDataset(self, request, context):
+        """The prompt ledger: a table's datasets of prompts, each prompt's life (pending, claimed,
+        generated, trained, dropped) kept durably beside the groups its experiences make. Rollout
+        workers claim prompts, push their group under the EID the claim names, and renew or
+        release their claims; a claim that ends before the group is complete goes out again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDatasets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewClaims(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseClaims(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrompts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExperienceBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -384,6 +454,36 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Writers,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.WritersRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.WritersReply.SerializeToString,
+            ),
+            'CreateDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDataset,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.CreateDatasetRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.CreateDatasetReply.SerializeToString,
+            ),
+            'ListDatasets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDatasets,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListDatasetsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ListDatasetsReply.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ClaimRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ClaimReply.SerializeToString,
+            ),
+            'RenewClaims': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewClaims,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewClaimsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewClaimsReply.SerializeToString,
+            ),
+            'ReleaseClaims': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClaims,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.SerializeToString,
+            ),
+            'ListPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrompts,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ListPromptsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ListPromptsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -926,6 +1026,168 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Writers',
             expbuf_dot_v1_dot_buffer__pb2.WritersRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.WritersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/CreateDataset',
+            expbuf_dot_v1_dot_buffer__pb2.CreateDatasetRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.CreateDatasetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDatasets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ListDatasets',
+            expbuf_dot_v1_dot_buffer__pb2.ListDatasetsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ListDatasetsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/Claim',
+            expbuf_dot_v1_dot_buffer__pb2.ClaimRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ClaimReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewClaims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/RenewClaims',
+            expbuf_dot_v1_dot_buffer__pb2.RenewClaimsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.RenewClaimsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClaims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ReleaseClaims',
+            expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ListPrompts',
+            expbuf_dot_v1_dot_buffer__pb2.ListPromptsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ListPromptsReply.FromString,
             options,
             channel_credentials,
             insecure,

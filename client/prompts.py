@@ -1,0 +1,126 @@
+"""The prompt ledger as the clients return it: the prompts a claim hands out, a claim's
+result, a dataset's settings and counts, a page of prompts.
+
+A rollout worker claims prompts (`client.claim`), generates each one's group with the EID
+the prompt names (`prompt.eid(run)`), pushes it, and renews its claims while it works
+(`client.renew_claims`); a claim that ends before the group is complete goes back and out
+again with the next attempt, and a push into the ended attempt is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .experience import EID
+
+STATES = ("pending", "claimed", "generated", "trained", "dropped")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a dataset: index `index` of epoch `epoch`, at attempt `attempt`. Its
+    experiences carry EID batch `batch` and task `task` (`eid(run)`), so that they make the
+    prompt's group; its claim ends at `expires` (Unix time, the server's clock) unless renewed."""
+
+    dataset: str
+    epoch: int
+    index: int
+    attempt: int
+    batch: str
+    task: str
+    expires: float
+    table: str = "default"
+    state: str = "claimed"  # as ListPrompts reports it
+    owner: str = ""
+
+    def eid(self, run: int, step: int = 0, suffix: str = "") -> EID:
+        """The EID of this attempt's experience of run `run` (and step `step`): its uid is the
+        same every time, so a push retried after a lost reply is a duplicate, never a copy."""
+        return EID(batch=self.batch, task=self.task, run=run, step=step, suffix=suffix)
+
+    @property
+    def group(self) -> str:
+        """The group this attempt's experiences make in a table grouped by task."""
+        return f"{self.batch}/{self.task}"
+
+    @classmethod
+    def from_proto(cls, msg: Any, table: str) -> Prompt:
+        return cls(
+            dataset=msg.dataset, epoch=msg.epoch, index=msg.index, attempt=msg.attempt, batch=msg.batch,
+            task=msg.task, expires=msg.expires_unix, table=table, state=msg.state or "claimed", owner=msg.owner,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a claim handed out: `prompts` (possibly none), and `done` once the dataset has
+    nothing left to hand out or train: the rollout loop ends (Trinity's StopAsyncIteration)."""
+
+    prompts: list[Prompt]
+    done: bool
+
+
+@dataclass(frozen=True)
+class EpochCounts:
+    """An epoch's prompts by state."""
+
+    pending: int
+    claimed: int
+    generated: int
+    trained: int
+    dropped: int
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A dataset's settings, its cursor (the next new prompt's epoch and position), its counts
+    by epoch, the claims handed out again, the incomplete groups of ended claims dropped, and
+    whether it is done. `owned` is the prompts per epoch the server hands out: `size`, or
+    for one shard of a sharded table its part (a sharded client merges the shards')."""
+
+    table: str
+    name: str
+    size: int
+    epochs: int
+    seed: int | None
+    max_in_flight: int
+    on_drop: str
+    max_attempts: int
+    created: float
+    cursor_epoch: int
+    cursor_position: int
+    counts: list[EpochCounts]
+    reissued: int
+    attempts_dropped: int
+    done: bool
+    owned: int
+    shards: list[str] = field(default_factory=list)
+
+    def total(self, state: str) -> int:
+        """Prompts in `state` over every epoch."""
+        return sum(getattr(row, state) for row in self.counts)
+
+    @classmethod
+    def from_proto(cls, msg: Any, table: str) -> DatasetInfo:
+        config = msg.config
+        return cls(
+            table=table, name=config.name, size=config.size, epochs=config.epochs,
+            seed=config.seed if config.HasField("seed") else None, max_in_flight=config.max_in_flight,
+            on_drop=config.on_drop, max_attempts=config.max_attempts, created=msg.created_unix,
+            cursor_epoch=msg.cursor_epoch, cursor_position=msg.cursor_position,
+            counts=[EpochCounts(c.pending, c.claimed, c.generated, c.trained, c.dropped) for c in msg.counts],
+            reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done, owned=msg.owned,
+            shards=list(config.shards),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PromptPage:
+    """A page of a dataset's prompts handed out at least once, in (epoch, index) order; pass
+    `after` for the next page. A prompt never handed out has no record here: the dataset's
+    counts hold it as pending."""
+
+    prompts: list[Prompt]
+    after: tuple[int, int] | None
+    done: bool

@@ -1,0 +1,168 @@
+"""The prompt ledger's calls of the ExperienceBuffer servicer (CreateDataset, ListDatasets,
+Claim, RenewClaims, ReleaseClaims, ListPrompts), and their records on the wire.
+
+The rules are the storage engine's (store/ledger.py); here requests become its calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from .backend import Backend
+from .call_context import refusals, remaining
+from .errors import InvalidRequest
+from .store.ledger import Claimed
+from .store.ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
+
+
+def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
+    """A CreateDataset request's settings as a record (ledger.check names those out of range)."""
+    return DatasetRecord(
+        name=config.name,
+        size=config.size,
+        epochs=config.epochs or 1,
+        seed=config.seed if config.HasField("seed") else None,
+        max_in_flight=config.max_in_flight,
+        on_drop=config.on_drop or "done",
+        max_attempts=config.max_attempts or 5,
+        shards=list(config.shards),
+        shard=config.shard,
+    )
+
+
+def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
+    """A dataset, its cursor and its counts by epoch, as DatasetInfo."""
+    config = pb.DatasetConfig(
+        name=ds.name,
+        size=ds.size,
+        epochs=ds.epochs,
+        max_in_flight=ds.max_in_flight,
+        on_drop=ds.on_drop,
+        max_attempts=ds.max_attempts,
+        shards=ds.shards,
+        shard=ds.shard,
+    )
+    if ds.seed is not None:
+        config.seed = ds.seed
+    counts = []
+    for row in ds.counts:
+        held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
+        counts.append(pb.EpochCounts(pending=ds.owned - sum(held.values()), **held))
+    return pb.DatasetInfo(
+        config=config,
+        created_unix=ds.created,
+        cursor_epoch=ds.cursor_epoch,
+        cursor_position=ds.cursor_position,
+        counts=counts,
+        reissued=ds.reissued,
+        attempts_dropped=ds.attempts_dropped,
+        done=ds.done,
+        owned=ds.owned,
+    )
+
+
+def prompt_of(dataset: str, claimed: Claimed) -> pb.Prompt:
+    batch, task = prompt_eid(dataset, claimed.epoch, claimed.index, claimed.attempt)
+    return pb.Prompt(
+        dataset=dataset,
+        epoch=claimed.epoch,
+        index=claimed.index,
+        attempt=claimed.attempt,
+        batch=batch,
+        task=task,
+        expires_unix=claimed.expires,
+        state="claimed",
+    )
+
+
+def _refs(prompts: Iterable[pb.PromptRef]) -> list[tuple[int, int, int]]:
+    return [(p.epoch, p.index, p.attempt) for p in prompts]
+
+
+class LedgerCalls:
+    """The ledger's calls, mixed into the servicer (service.py), which provides the store,
+    the caller's token fingerprint and the bound on waits."""
+
+    store: Backend
+    max_wait_seconds: float
+
+    def _owner(self, context: grpc.ServicerContext) -> str:
+        raise NotImplementedError
+
+    @refusals
+    def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:
+        record, created = self.store.create_dataset(
+            request.table or "default", dataset_of(request.config), exist_ok=request.exist_ok
+        )
+        return pb.CreateDatasetReply(dataset=info_of(record), created=created)
+
+    @refusals
+    def ListDatasets(self, request: pb.ListDatasetsRequest, context: grpc.ServicerContext) -> pb.ListDatasetsReply:
+        records = self.store.datasets(request.table or "default", request.name)
+        return pb.ListDatasetsReply(datasets=[info_of(record) for record in records])
+
+    @refusals
+    def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimReply:
+        asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting claim holds a worker thread
+        claimed, done = self.store.claim(
+            request.table or "default",
+            request.dataset,
+            request.count,
+            seconds=request.lease_seconds,
+            owner=request.owner,
+            holder=self._owner(context),
+            wait=remaining(context, asked) if request.wait_seconds > 0 else 0.0,
+            stop=lambda: not context.is_active(),
+        )
+        prompts = [prompt_of(request.dataset, c) for c in claimed]
+        for prompt in prompts:
+            prompt.owner = request.owner
+        return pb.ClaimReply(prompts=prompts, done=done)
+
+    @refusals
+    def RenewClaims(self, request: pb.RenewClaimsRequest, context: grpc.ServicerContext) -> pb.RenewClaimsReply:
+        expires, ended = self.store.renew_claims(
+            request.table or "default", request.dataset, _refs(request.prompts), request.lease_seconds,
+            holder=self._owner(context),
+        )  # fmt: skip
+        refs = [pb.PromptRef(epoch=e, index=i, attempt=a) for e, i, a in ended]
+        return pb.RenewClaimsReply(expires_unix=expires, ended=refs)
+
+    @refusals
+    def ReleaseClaims(self, request: pb.ReleaseClaimsRequest, context: grpc.ServicerContext) -> pb.ReleaseClaimsReply:
+        released = self.store.release_claims(
+            request.table or "default", request.dataset, _refs(request.prompts), holder=self._owner(context)
+        )
+        return pb.ReleaseClaimsReply(released=released)
+
+    @refusals
+    def ListPrompts(self, request: pb.ListPromptsRequest, context: grpc.ServicerContext) -> pb.ListPromptsReply:
+        unknown = [state for state in request.states if state not in PROMPT_STATES]
+        if unknown:
+            raise InvalidRequest(f"states: {unknown[:4]!r}; expected some of {', '.join(PROMPT_STATES)}")
+        page = self.store.list_prompts(
+            request.table or "default",
+            request.dataset,
+            states=list(request.states),
+            after=(request.after_epoch, request.after_index) if request.has_after else None,
+            limit=request.limit or 1000,
+        )
+        after = page.after or (0, 0)
+        return pb.ListPromptsReply(
+            prompts=[_listed(request.dataset, epoch, index, rec) for epoch, index, rec in page.prompts],
+            after_epoch=after[0],
+            after_index=after[1],
+            done=page.done,
+        )
+
+
+def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord) -> pb.Prompt:
+    batch, task = prompt_eid(dataset, epoch, index, rec.attempt)
+    return pb.Prompt(
+        dataset=dataset, epoch=epoch, index=index, attempt=rec.attempt, batch=batch, task=task,
+        expires_unix=rec.expires, state=rec.state, owner=rec.owner,
+    )  # fmt: skip

@@ -1,0 +1,129 @@
+"""The claims service of a Store: a table's datasets of prompts, claims with their wait for a
+prompt, renewals, releases and listings, each in the writer's transaction (the rules are
+ledger.py's). A claim that finds nothing to hand out waits, as a sample waits for data,
+until a prompt comes back, room frees under max_in_flight, the dataset is done, or its time
+is up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import lmdb
+
+from ..errors import InvalidRequest
+from ..sample_spec import MAX_LEASE_SECONDS, check_seconds
+from .catalog import TableCatalog
+from .environment import Environment
+from .ledger import Claimed, Ledger
+from .ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord
+from .table_state import TableState
+
+T = TypeVar("T")
+MAX_CLAIM = 65536  # prompts one claim may ask for
+MAX_PAGE = 10000
+
+
+@dataclass(frozen=True)
+class PromptPage:
+    """One page of a dataset's prompt records in (epoch, index) order; `after` names the last."""
+
+    prompts: list[tuple[int, int, PromptRecord]]
+    after: tuple[int, int] | None
+    done: bool
+
+
+class Claims:
+    """Datasets and claims over a data directory's environment and table catalog."""
+
+    def __init__(
+        self, environment: Environment, catalog: TableCatalog, ledger: Ledger, mark: Callable[[int], None]
+    ) -> None:
+        self.environment, self.catalog, self.ledger, self._mark = environment, catalog, ledger, mark
+
+    def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
+        table_id, config = self.catalog.lookup(table)
+
+        def op(txn: lmdb.Transaction[bytes]) -> T:
+            self._mark(table_id)  # the upkeep ends the table's claims when their time comes
+            tt = self.catalog.state(txn, table_id, config)
+            result = fn(tt)
+            tt.save()
+            return result
+
+        return self.environment.submit(op)
+
+    def create(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
+        """A dataset on the table (ledger.check names a setting out of range); (record, created)."""
+        return self._in_table(table, lambda tt: self.ledger.create(tt, ds, exist_ok=exist_ok))
+
+    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
+        """The table's datasets (or the one named), their cursors and counts."""
+        table_id, config = self.catalog.lookup(table)
+        with self.environment.read() as txn:
+            tt = self.catalog.state(txn, table_id, config)
+            return [self.ledger.dataset(tt, name)] if name else self.ledger.datasets(tt)
+
+    def claim(
+        self,
+        table: str,
+        name: str,
+        count: int,
+        *,
+        seconds: float,
+        owner: str = "",
+        holder: str = "",
+        wait: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[Claimed], bool]:
+        """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
+        is not done; `stop` is polled while waiting (a cancelled call)."""
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_CLAIM:
+            raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_CLAIM} prompts")
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        deadline = time.monotonic() + wait
+        while True:
+            generation = self.environment.generation
+            claimed, done = self._in_table(table, lambda tt: self.ledger.claim(tt, name, count, seconds, owner, holder))
+            if claimed or done or time.monotonic() >= deadline or (stop is not None and stop()):
+                return claimed, done
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def renew(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str = ""
+    ) -> tuple[float, list[tuple[int, int, int]]]:
+        """Claims now end `seconds` from now (ledger.renew); when, and those that had ended."""
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        return self._in_table(table, lambda tt: self.ledger.renew(tt, name, prompts, seconds, holder))
+
+    def release(self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], holder: str = "") -> int:
+        """Claims given back now (ledger.release); returns how many were still held."""
+        return self._in_table(table, lambda tt: self.ledger.release(tt, name, prompts, holder))
+
+    def prompts(
+        self,
+        table: str,
+        name: str,
+        *,
+        states: Sequence[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """A page of the dataset's prompts handed out at least once, in (epoch, index) order,
+        of the given states (all when empty), reading at most `limit` records."""
+        unknown = [state for state in states if state not in PROMPT_STATES]
+        if unknown:
+            raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequest(f"limit is {limit}; a page reads 1 to {MAX_PAGE} prompts")
+        table_id, config = self.catalog.lookup(table)
+        with self.environment.read() as txn:
+            tt = self.catalog.state(txn, table_id, config)
+            self.ledger.dataset(tt, name)
+            read = list(self.ledger.prompts(tt, name, after, limit))
+        last = (read[-1][0], read[-1][1]) if read else after
+        kept = [row for row in read if not states or row[2].state in states]
+        return PromptPage(kept, last, len(read) < limit)

@@ -1,0 +1,228 @@
+"""The prompt ledger's records and keys (ledger.py keeps its rules).
+
+A table's datasets of prompts live in the `ledger` database, under the table's id T:
+- T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, counts
+- T + "p" + name + 0 + epoch + index      -> PromptRecord: a prompt handed out at least once
+- T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
+- T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
+- T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
+(epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
+prompt never handed out has no record: it is pending, at or beyond the dataset's cursor.
+
+An epoch visits the indexes 0..size-1 in a permutation fixed by the dataset's seed
+(`permuted`: a keyed Feistel network with cycle walking, so the cursor maps a position to its
+index in constant time and memory, whatever the size), or in index order without a seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lmdb
+
+from . import layout
+
+PENDING, CLAIMED, GENERATED, TRAINED, DROPPED = "pending", "claimed", "generated", "trained", "dropped"
+PROMPT_STATES = (PENDING, CLAIMED, GENERATED, TRAINED, DROPPED)
+ON_DROP = ("done", "retry")
+# A dataset's name starts with a letter: a group key that began with a number would read as a
+# rollout batch to a sharded client's shard epochs (routing.py).
+NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
+MAX_SIZE = 2**40
+
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_PROMPT = struct.Struct("<BIdB")  # state, attempt, expires (0: none), holder length
+_STATE_CODE = {state: code for code, state in enumerate(PROMPT_STATES)}
+
+
+def prompt_eid(name: str, epoch: int, index: int, attempt: int) -> tuple[str, str]:
+    """The EID batch and task of the experiences of one attempt at a prompt."""
+    return f"{name}/{epoch}", f"{index}@{attempt}"
+
+
+def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
+    """The group of one attempt at a prompt, as a table grouping by task keys it (EID tid)."""
+    batch, task = prompt_eid(name, epoch, index, attempt)
+    return f"{batch}/{task}"
+
+
+@dataclass
+class DatasetRecord:
+    """A dataset of prompts on a table, its cursor and its counts.
+
+    `counts[epoch][state]` counts the prompts of each epoch in each state but pending (the
+    rest of the epoch's `owned` prompts). `owned` is the prompts of an epoch this server hands
+    out: `size`, or for a shard of a sharded table those whose key its rendezvous owns."""
+
+    name: str
+    size: int
+    epochs: int = 1
+    seed: int | None = None
+    max_in_flight: int = 0  # claimed plus generated but not trained; 0: no bound
+    on_drop: str = "done"
+    max_attempts: int = 5
+    created: float = 0.0
+    shards: list[str] = field(default_factory=list)  # a sharded table's shards at creation (epoch 0)
+    shard: str = ""  # this server's name among them
+    owned: int = 0
+    cursor_epoch: int = 0
+    cursor_position: int = 0
+    next_seq: int = 0
+    reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
+    attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
+    counts: list[dict[str, int]] = field(default_factory=list)
+
+    def settings(self) -> dict[str, Any]:
+        """What the creator chose: an identical CreateDataset with exist_ok finds it."""
+        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards")
+        return {key: getattr(self, key) for key in keys}
+
+    def count(self, epoch: int, state: str, delta: int) -> None:
+        row = self.counts[epoch]
+        row[state] = row.get(state, 0) + delta
+
+    def total(self, *states: str) -> int:
+        return sum(row.get(state, 0) for row in self.counts for state in states)
+
+    @property
+    def in_flight(self) -> int:
+        return self.total(CLAIMED, GENERATED)
+
+    @property
+    def done(self) -> bool:
+        """Every prompt of every epoch trained, or dropped as done."""
+        return self.total(TRAINED, DROPPED) >= self.owned * self.epochs
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> DatasetRecord:
+        return cls(**json.loads(bytes(raw)))
+
+
+@dataclass
+class PromptRecord:
+    """A prompt handed out at least once: its state, the attempt that holds or held it, when
+    its claim ends (claimed only), who claimed it (a name the claimant gave) and the token
+    that did (its fingerprint, when tokens are on)."""
+
+    state: str
+    attempt: int
+    expires: float = 0.0
+    owner: str = ""
+    holder: str = ""
+
+    def encode(self) -> bytes:
+        holder, owner = self.holder.encode(), self.owner.encode()
+        return _PROMPT.pack(_STATE_CODE[self.state], self.attempt, self.expires, len(holder)) + holder + owner
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> PromptRecord:
+        code, attempt, expires, holder = _PROMPT.unpack_from(raw)
+        rest = bytes(raw[_PROMPT.size :])
+        return cls(PROMPT_STATES[code], attempt, expires, rest[holder:].decode(), rest[:holder].decode())
+
+
+def dataset_key(table_id: int, name: str) -> bytes:
+    return layout.table_prefix(table_id) + b"d" + name.encode()
+
+
+def datasets_prefix(table_id: int) -> bytes:
+    return layout.table_prefix(table_id) + b"d"
+
+
+def prompt_key(table_id: int, name: str, epoch: int, index: int) -> bytes:
+    return prompts_prefix(table_id, name) + _U32.pack(epoch) + _U64.pack(index)
+
+
+def prompts_prefix(table_id: int, name: str) -> bytes:
+    return layout.table_prefix(table_id) + b"p" + name.encode() + b"\0"
+
+
+def prompt_of(key: bytes) -> tuple[int, int]:
+    """(epoch, index) of a prompt key."""
+    return _U32.unpack_from(key, len(key) - 12)[0], _U64.unpack_from(key, len(key) - 8)[0]
+
+
+def queue_key(table_id: int, name: str, seq: int) -> bytes:
+    return queue_prefix(table_id, name) + _U64.pack(seq)
+
+
+def queue_prefix(table_id: int, name: str) -> bytes:
+    return layout.table_prefix(table_id) + b"q" + name.encode() + b"\0"
+
+
+def place(epoch: int, index: int) -> bytes:
+    return _U32.pack(epoch) + _U64.pack(index)
+
+
+def unplace(raw: bytes | memoryview) -> tuple[int, int]:
+    return _U32.unpack_from(raw)[0], _U64.unpack_from(raw, 4)[0]
+
+
+def group_entry_key(table_id: int, gkey: str) -> bytes:
+    return layout.table_prefix(table_id) + b"g" + gkey.encode()
+
+
+def group_entry(name: str, epoch: int, index: int, attempt: int) -> bytes:
+    return name.encode() + b"\0" + place(epoch, index) + _U32.pack(attempt)
+
+
+def read_group_entry(raw: bytes | memoryview) -> tuple[str, int, int, int]:
+    """(dataset, epoch, index, attempt) of a group entry."""
+    data = bytes(raw)
+    name, rest = data[:-16], data[-16:]
+    epoch, index = unplace(rest)
+    return name.rstrip(b"\0").decode(), epoch, index, _U32.unpack_from(rest, 12)[0]
+
+
+def expiry_key(table_id: int, expires: float, name: str, epoch: int, index: int) -> bytes:
+    return expiry_prefix(table_id) + layout.micros(expires) + name.encode() + b"\0" + place(epoch, index)
+
+
+def expiry_prefix(table_id: int) -> bytes:
+    return layout.table_prefix(table_id) + b"x"
+
+
+def oldest_claim(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int) -> bytes | None:
+    """When the table's first claim ends (8 sortable bytes), or None if it has no claim."""
+    prefix = expiry_prefix(table_id)
+    with txn.cursor(db=db) as cur:
+        if cur.set_range(prefix) and bytes(cur.key()).startswith(prefix):
+            return bytes(cur.key()[5:13])
+    return None
+
+
+def read_expiry_key(key: bytes) -> tuple[str, int, int]:
+    """(dataset, epoch, index) of a claim expiry key."""
+    name = key[13:-12].rstrip(b"\0").decode()
+    epoch, index = unplace(key[-12:])
+    return name, epoch, index
+
+
+def permuted(seed: int | None, epoch: int, size: int, position: int) -> int:
+    """The index at `position` of an epoch's visit of 0..size-1: the position itself without a
+    seed; else a permutation keyed by (seed, epoch), a 4-round Feistel network over the
+    smallest even power of two at least `size`, walked until it lands below `size` (fewer
+    than 4 steps on average)."""
+    if seed is None or size <= 1:
+        return position
+    half = max(1, ((size - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    key = _U64.pack(seed & (2**64 - 1)) + _U32.pack(epoch)
+    value = position
+    while True:
+        left, right = value >> half, value & mask
+        for round_ in range(4):
+            digest = hashlib.blake2b(_U64.pack(right) + bytes([round_]), digest_size=8, key=key).digest()
+            left, right = right, left ^ (int.from_bytes(digest, "big") & mask)
+        value = (left << half) | right
+        if value < size:
+            return value

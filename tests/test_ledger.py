@@ -1,0 +1,238 @@
+"""The prompt ledger in the storage engine: datasets, claims, and the life of each prompt
+(pending, claimed, generated, trained, dropped) moved by the table's own events, durable and
+in the same transaction. Real LMDB in a temporary directory; the store's clock is the test's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import trxp
+from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store
+from expbuf.server.store.ledger import Claimed
+from expbuf.server.store.ledger_records import DatasetRecord, group_key, permuted
+from expbuf.server.tables import TableConfig
+
+from helpers import make_experience
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def items(name: str, prompt: Claimed, runs: range, reward: float | None = None) -> list[trxp.RawItem]:
+    """The experiences of one attempt at a prompt: EID batch name/epoch, task index@attempt."""
+    return [
+        trxp.from_experience(
+            make_experience(
+                f"{name}/{prompt.epoch}",
+                f"{prompt.index}@{prompt.attempt}",
+                run,
+                reward=float(run if reward is None else reward),
+            )
+        )
+        for run in runs
+    ]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Store:
+    with Store(tmp_path / "data", clock=clock, seed=3) as s:
+        s.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        yield s
+        assert s.verify("t") == []
+
+
+def ledger(store: Store, name: str = "math") -> DatasetRecord:
+    (ds,) = store.claims.datasets("t", name)
+    return ds
+
+
+def counts(ds: DatasetRecord) -> dict[str, int]:
+    return {state: ds.total(state) for state in ("claimed", "generated", "trained", "dropped")}
+
+
+def test_a_dataset_is_created_once_and_refused_by_name(store: Store) -> None:
+    ds, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7))
+    assert created and ds.owned == 4 and ds.counts == [{}, {}]
+    again, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7), exist_ok=True)
+    assert not created and again.created == ds.created
+    with pytest.raises(Conflict, match="epochs: the dataset has 2, the request 3"):
+        store.claims.create("t", DatasetRecord("math", size=4, epochs=3, seed=7), exist_ok=True)
+    with pytest.raises(Conflict, match="already has dataset 'math'"):
+        store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7))
+    for bad, message in [
+        (DatasetRecord("9lives", size=1), "must start with a letter"),
+        (DatasetRecord("m", size=0), "size is 0"),
+        (DatasetRecord("m", size=1, epochs=0), "epochs is 0"),
+        (DatasetRecord("m", size=1, on_drop="never"), "on_drop is 'never'"),
+        (DatasetRecord("m", size=1, max_attempts=0), "max_attempts is 0"),
+        (DatasetRecord("m", size=1, seed=2**64), "seed is"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            store.claims.create("t", bad)
+    store.create_table(TableConfig(name="runs", group_by="run", estimator="none"))
+    with pytest.raises(ConfigError, match="group_by = task"):
+        store.claims.create("runs", DatasetRecord("m", size=1))
+    with pytest.raises(NotFound, match="no dataset 'nope'"):
+        store.claims.claim("t", "nope", 1, seconds=10)
+
+
+def test_epochs_visit_every_index_once_in_order_or_in_a_seeded_permutation(store: Store) -> None:
+    store.claims.create("t", DatasetRecord("plain", size=5, epochs=2))
+    store.claims.create("t", DatasetRecord("shuffled", size=1000, epochs=2, seed=11))
+    plain, _ = store.claims.claim("t", "plain", 10, seconds=60)
+    assert [(p.epoch, p.index, p.attempt) for p in plain] == [(e, i, 0) for e in range(2) for i in range(5)]
+    shuffled, _ = store.claims.claim("t", "shuffled", 2000, seconds=60)
+    first, second = ([p.index for p in shuffled if p.epoch == e] for e in range(2))
+    assert sorted(first) == sorted(second) == list(range(1000))
+    assert first != list(range(1000)) and first != second
+    assert first == [permuted(11, 0, 1000, position) for position in range(1000)]  # fixed by the seed alone
+
+
+def test_a_prompt_is_generated_when_its_group_completes_and_trained_when_consumed(store: Store) -> None:
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (prompt,), done = store.claims.claim("t", "math", 1, seconds=60, owner="worker-1")
+    assert (prompt.epoch, prompt.index, prompt.attempt, done) == (0, 0, 0, False)
+    store.put("t", items("math", prompt, range(1)))
+    assert counts(ledger(store)) == {"claimed": 1, "generated": 0, "trained": 0, "dropped": 0}
+    store.put("t", items("math", prompt, range(1, 2)))
+    assert counts(ledger(store)) == {"claimed": 0, "generated": 1, "trained": 0, "dropped": 0}
+    batch = store.sample(SampleSpec("t", num_groups=1))
+    assert batch.group_ids == [group_key("math", 0, 0, 0)] * 2
+    assert counts(ledger(store)) == {"claimed": 0, "generated": 0, "trained": 1, "dropped": 0}
+    page = store.claims.prompts("t", "math")
+    assert [(e, i, r.state, r.attempt) for e, i, r in page.prompts] == [(0, 0, "trained", 0)]
+
+
+def test_a_lease_acked_trains_its_prompt_and_one_given_back_does_not(store: Store) -> None:
+    store.claims.create("t", DatasetRecord("math", size=2))
+    prompts, _ = store.claims.claim("t", "math", 2, seconds=60)
+    for prompt in prompts:
+        store.put("t", items("math", prompt, range(2)))
+    first = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
+    second = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
+    store.nack(second.lease_id)
+    assert counts(ledger(store))["generated"] == 2
+    store.ack(first.lease_id)
+    assert counts(ledger(store)) == {"claimed": 0, "generated": 1, "trained": 1, "dropped": 0}
+
+
+def test_a_claim_that_ends_sends_its_prompt_back_first_and_its_old_attempt_is_refused(
+    store: Store, clock: Clock
+) -> None:
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (lost,), _ = store.claims.claim("t", "math", 1, seconds=10, owner="crashed")
+    store.put("t", items("math", lost, range(1)))  # one of two runs, then the worker dies
+    clock.now += 11
+    store.tick()
+    ds = ledger(store)
+    assert counts(ds) == {"claimed": 0, "generated": 0, "trained": 0, "dropped": 0}
+    assert (ds.reissued, ds.attempts_dropped) == (1, 1)
+    assert store.stats("t")["pending"] == 0  # the incomplete group of the ended attempt was dropped
+    with pytest.raises(StaleAttempt, match=r"attempt 0 of prompt math/0/0, whose claim ended"):
+        store.put("t", items("math", lost, range(1, 2)))
+    (again, fresh), _ = store.claims.claim("t", "math", 2, seconds=10)
+    assert (again.epoch, again.index, again.attempt) == (0, 0, 1)  # sent back: out before the new ones
+    assert (fresh.index, fresh.attempt) == (1, 0)
+    store.put("t", items("math", again, range(2)))
+    assert counts(ledger(store))["generated"] == 1
+    assert store.sample(SampleSpec("t", num_groups=1)).group_ids == [group_key("math", 0, 0, 1)] * 2
+
+
+def test_release_renew_and_another_tokens_claims(store: Store, clock: Clock) -> None:
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (a, b), _ = store.claims.claim("t", "math", 2, seconds=10, holder="token-a")
+    with pytest.raises(Forbidden, match="claimed with another token"):
+        store.claims.renew("t", "math", [(a.epoch, a.index, a.attempt)], 60, holder="token-b")
+    clock.now += 8
+    expires, ended = store.claims.renew("t", "math", [(a.epoch, a.index, a.attempt)], 60, holder="token-a")
+    assert expires == clock.now + 60 and ended == []
+    clock.now += 5  # b's claim has ended, a's not
+    store.tick()
+    expires, ended = store.claims.renew(
+        "t", "math", [(a.epoch, a.index, a.attempt), (b.epoch, b.index, b.attempt)], 60, holder="token-a"
+    )
+    assert ended == [(b.epoch, b.index, b.attempt)]
+    assert store.claims.release("t", "math", [(a.epoch, a.index, a.attempt)], holder="token-a") == 1
+    assert store.claims.release("t", "math", [(a.epoch, a.index, a.attempt)], holder="token-a") == 0
+    back, _ = store.claims.claim("t", "math", 3, seconds=10)
+    assert [(p.index, p.attempt) for p in back] == [(1, 1), (0, 1), (2, 0)]
+
+
+def test_max_in_flight_bounds_claimed_and_generated_prompts(store: Store) -> None:
+    store.claims.create("t", DatasetRecord("math", size=10, max_in_flight=3))
+    prompts, _ = store.claims.claim("t", "math", 5, seconds=60)
+    assert len(prompts) == 3
+    assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)
+    store.put("t", items("math", prompts[0], range(2)))  # generated: still in flight
+    assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)
+    store.sample(SampleSpec("t", num_groups=1))  # trained: room for one
+    assert len(store.claims.claim("t", "math", 5, seconds=60)[0]) == 1
+
+
+def test_a_dataset_is_done_once_every_prompt_of_every_epoch_is_trained_or_dropped(store: Store) -> None:
+    store.claims.create("t", DatasetRecord("math", size=2, epochs=2))
+    prompts, done = store.claims.claim("t", "math", 10, seconds=60)
+    assert len(prompts) == 4 and not done
+    for prompt in prompts:
+        store.put("t", items("math", prompt, range(2)))
+    assert store.claims.claim("t", "math", 1, seconds=60) == ([], False)  # generated, not trained
+    store.sample(SampleSpec("t", num_groups=4))
+    assert store.claims.claim("t", "math", 1, seconds=60) == ([], True)
+    assert ledger(store).done
+
+
+@pytest.mark.parametrize(("on_drop", "max_attempts"), [("done", 5), ("retry", 5), ("retry", 1)])
+def test_a_group_the_table_drops_counts_its_prompt_done_or_sends_it_back(
+    tmp_path: Path, on_drop: str, max_attempts: int
+) -> None:
+    with Store(tmp_path / "data") as store:
+        store.create_table(TableConfig(name="t", group_size=2, estimator="none", drop_zero_variance=True))
+        store.claims.create("t", DatasetRecord("math", size=2, on_drop=on_drop, max_attempts=max_attempts))
+        (prompt,), _ = store.claims.claim("t", "math", 1, seconds=60)
+        store.put("t", items("math", prompt, range(2), reward=1.0))  # all rewards equal: dropped
+        ds = ledger(store)
+        if on_drop == "retry" and max_attempts > 1:
+            assert (counts(ds)["dropped"], ds.reissued) == (0, 1)
+            (again,), _ = store.claims.claim("t", "math", 1, seconds=60)
+            assert (again.index, again.attempt) == (0, 1)
+        else:
+            assert (counts(ds)["dropped"], ds.reissued) == (1, 0)
+            (nxt,), _ = store.claims.claim("t", "math", 1, seconds=60)
+            assert (nxt.index, nxt.attempt) == (1, 0)
+        assert store.verify("t") == []
+
+
+def test_the_ledger_survives_a_restart(tmp_path: Path, clock: Clock) -> None:
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", DatasetRecord("math", size=4, seed=5))
+        (first, second), _ = store.claims.claim("t", "math", 2, seconds=10)
+        store.put("t", items("math", first, range(2)))
+    clock.now += 20
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.tick()  # the second claim ended while the server was down
+        ds = ledger(store)
+        assert counts(ds) == {"claimed": 0, "generated": 1, "trained": 0, "dropped": 0}
+        (again, *_), _ = store.claims.claim("t", "math", 3, seconds=10)
+        assert (again.index, again.attempt) == (second.index, 1)
+        assert (ledger(store).cursor_epoch, ledger(store).cursor_position) == (1, 0)  # past the last epoch
+
+
+def test_a_table_without_datasets_reads_the_ledger_once(store: Store) -> None:
+    """Pushes into a table that holds no dataset never look up their groups in the ledger."""
+    store.put("t", items("x", Claimed(0, 0, 0, 0.0), range(2)))
+    assert store.ledger.holds(store.catalog.state(store.environment.env.begin(), *store.catalog.lookup("t"))) is False

@@ -1,0 +1,159 @@
+"""The prompt ledger over gRPC: the clients' create_dataset, claim, renew_claims,
+release_claims, ledger and list_prompts against a real server on loopback, the refusals
+they name, and a prompt's life from claim to trained through pushes and samples."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from expbuf.client import (
+    AlreadyExistsError,
+    AsyncBufferClient,
+    BufferClient,
+    Experience,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    Prompt,
+)
+from expbuf.server.app import ExpbufServer
+
+from conftest import Servers
+from helpers import make_experience
+
+
+def group(prompt: Prompt, runs: range) -> list[Experience]:
+    """The experiences of one attempt at a prompt (rewards 0, 1, ...: never all equal)."""
+    out = []
+    for run in runs:
+        exp = make_experience(0, 0, run, reward=float(run))
+        exp.eid = prompt.eid(run)
+        out.append(exp)
+    return out
+
+
+@pytest.fixture
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server()
+
+
+@pytest.fixture
+def client(server: ExpbufServer) -> Iterator[BufferClient]:
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
+        c.create_table("t", group_size=2, estimator="grpo")
+        yield c
+
+
+def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
+    info = client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4)
+    assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 3, False)
+    assert [c.pending for c in info.counts] == [3, 3]
+    assert (
+        client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4, exist_ok=True).created == info.created
+    )
+    with pytest.raises(AlreadyExistsError, match="epochs: the dataset has 2, the request 1"):
+        client.create_dataset("t", "math", 3, seed=9, max_in_flight=4, exist_ok=True)
+    claim = client.claim("t", "math", 2, lease_seconds=60, owner="worker-7")
+    assert len(claim.prompts) == 2 and not claim.done
+    first = claim.prompts[0]
+    assert (first.batch, first.task, first.attempt) == ("math/0", f"{first.index}@0", 0)
+    assert first.eid(3).uid == f"math/0/{first.index}@0/3/0/"
+    assert first.expires > time.time() + 50
+    client.push(group(first, range(2)), table="t")
+    for _ in range(200):  # the group's advantages are computed, then it is sampled
+        ledger = client.ledger("t", "math")
+        if ledger.total("generated"):
+            break
+        time.sleep(0.02)
+    assert (ledger.total("claimed"), ledger.total("generated")) == (1, 1)
+    batch = next(client.sample("t", num_groups=1, timeout=10))
+    assert batch.groups == [first.group]
+    batch.ack()
+    ledger = client.ledger("t", "math")
+    assert (ledger.total("trained"), ledger.counts[0].pending, ledger.counts[1].pending) == (1, 1, 3)
+    page = client.list_prompts("t", "math")
+    assert [(p.index, p.state, p.owner) for p in page.prompts] == sorted(
+        [(first.index, "trained", "worker-7"), (claim.prompts[1].index, "claimed", "worker-7")]
+    )
+    assert page.done and [p.state for p in client.list_prompts("t", "math", states=["trained"]).prompts] == ["trained"]
+    assert client.datasets("t") == [client.ledger("t", "math")]
+
+
+def test_a_push_into_an_ended_attempt_is_refused_naming_it(client: BufferClient) -> None:
+    client.create_dataset("t", "math", 2)
+    (prompt,) = client.claim("t", "math", lease_seconds=60).prompts
+    client.push(group(prompt, range(1)), table="t")
+    assert client.release_claims([prompt]) == 1
+    with pytest.raises(FailedPreconditionError, match=r"attempt 0 of prompt math/0/0, whose claim ended"):
+        client.push(group(prompt, range(1, 2)), table="t")
+    (again,) = client.claim("t", "math", lease_seconds=60).prompts
+    assert (again.index, again.attempt, again.task) == (0, 1, "0@1")
+    assert client.renew_claims([again, prompt], 120) == [prompt]  # the ended one comes back
+
+
+def test_claim_refusals_name_the_problem(client: BufferClient) -> None:
+    with pytest.raises(NotFoundError, match="no dataset 'nope'"):
+        client.claim("t", "nope")
+    client.create_dataset("t", "math", 2)
+    with pytest.raises(InvalidArgumentError, match="lease_seconds"):
+        client.claim("t", "math", lease_seconds=0)
+    with pytest.raises(InvalidArgumentError, match="count is 100000"):
+        client.claim("t", "math", 100000)
+    with pytest.raises(InvalidArgumentError, match="size is 0"):
+        client.create_dataset("t", "empty", 0)
+    client.create_table("runs", group_by="run")
+    with pytest.raises(InvalidArgumentError, match="group_by = task"):
+        client.create_dataset("runs", "math", 2)
+    with pytest.raises(ValueError, match="unknown setting"):
+        client.create_dataset("t", "typo", 2, epoch=3)
+
+
+def test_a_claim_waits_for_a_prompt_to_come_back(client: BufferClient) -> None:
+    client.create_dataset("t", "math", 1)
+    assert len(client.claim("t", "math", lease_seconds=1).prompts) == 1
+    started = time.monotonic()
+    claim = client.claim("t", "math", wait=30)  # the first claim ends after 1 s: its prompt comes back
+    assert [(p.index, p.attempt) for p in claim.prompts] == [(0, 1)]
+    assert time.monotonic() - started < 29
+    client.push(group(claim.prompts[0], range(2)), table="t")
+    for _batch in client.sample("t", num_groups=1, timeout=10, delivery="consume", max_batches=1):
+        pass
+    assert client.claim("t", "math", wait=5).done
+
+
+def test_claims_are_bound_to_the_token_that_took_them(start_server: Servers) -> None:
+    server = start_server(tokens={"a": frozenset({"push", "sample", "admin"}), "b": frozenset({"push", "sample"})})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="a") as a, BufferClient(target, token="b") as b:
+        a.create_table("t", group_size=2)
+        a.create_dataset("t", "math", 2)
+        (prompt,) = a.claim("t", "math").prompts
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            b.renew_claims([prompt], 60)
+        with pytest.raises(PermissionDeniedError):
+            b.create_dataset("t", "other", 2)  # admin scope
+        assert a.release_claims([prompt]) == 1
+
+
+def test_the_async_client_claims_too(server: ExpbufServer, client: BufferClient) -> None:
+    client.create_dataset("t", "math", 4)
+
+    async def run() -> list[tuple[int, int]]:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}") as aclient:
+            claim = await aclient.claim("t", "math", 4)
+            assert await aclient.renew_claims(claim.prompts, 60) == []
+            assert await aclient.release_claims(claim.prompts[2:]) == 2
+            info = await aclient.ledger("t", "math")
+            assert info.total("claimed") == 2 and len(await aclient.datasets("t")) == 1
+            page = await aclient.list_prompts("t", "math", limit=2)
+            assert len(page.prompts) == 2 and not page.done
+            rest = await aclient.list_prompts("t", "math", after=page.after)
+            assert len(rest.prompts) == 2 and rest.done
+            return [(p.index, p.attempt) for p in claim.prompts]
+
+    assert asyncio.run(run()) == [(0, 0), (1, 0), (2, 0), (3, 0)]
