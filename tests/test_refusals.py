@@ -44,6 +44,7 @@ EXPECTED = {
     errors.Forbidden: ("PERMISSION_DENIED", "forbidden"),
     errors.GroupClosed: ("FAILED_PRECONDITION", "group_closed"),
     errors.StaleExperience: ("FAILED_PRECONDITION", "stale"),
+    errors.StaleAttempt: ("FAILED_PRECONDITION", "stale_attempt"),
     errors.VersionJump: ("FAILED_PRECONDITION", "group_closed"),
     errors.TableFull: ("RESOURCE_EXHAUSTED", "table_full"),
     errors.TooLarge: ("RESOURCE_EXHAUSTED", "too_large"),
