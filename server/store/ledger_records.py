@@ -87,6 +87,12 @@ class DatasetRecord:
         row = self.counts[epoch]
         row[state] = row.get(state, 0) + delta
 
+    def states(self, epoch: int) -> dict[str, int]:
+        """An epoch's prompts by state, pending included (those of its `owned` in no other)."""
+        row = self.counts[epoch]
+        held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
+        return {PENDING: self.owned - sum(held.values()), **held}
+
     def total(self, *states: str) -> int:
         return sum(row.get(state, 0) for row in self.counts for state in states)
 
