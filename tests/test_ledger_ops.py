@@ -1,5 +1,6 @@
-"""The prompt ledger's operations side against a real server: the ledger's series on a real
-/metrics scrape, read back from LMDB after a restart."""
+"""The prompt ledger's operations side against a real server: `expbuf dataset create|list|
+describe` in a child process (its refusals naming the setting), and the ledger's series on a
+real /metrics scrape, read back from LMDB after a restart."""
 
 from __future__ import annotations
 
@@ -132,3 +133,112 @@ def test_a_scrape_reads_each_tables_datasets_once(tmp_path: Path) -> None:
         pending = {(s.labels["table"], s.labels["dataset"]): s.value for s in families["expbuf_prompts"].samples
                    if s.labels["state"] == "pending"}  # fmt: skip
         assert pending == {(t, d): n for t in "abc" for d, n in (("one", 2), ("two", 3))}
+
+
+# ---- the command line -------------------------------------------------------------------
+
+
+def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
+    server: ExpbufServer, client: BufferClient
+) -> None:
+    target = ("--target", f"127.0.0.1:{server.port}")
+    settings = ("epochs=2", "seed=7", "max_in_flight=3", "on_drop=retry", "max_attempts=4")
+    made = cli("dataset", "create", "t", "math", "10", *settings, *target)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip() == (
+        'dataset math on table t: size=10 epochs=2 seed=7 max_in_flight=3 on_drop="retry" max_attempts=4'
+    )
+    info = client.ledger("t", "math")
+    assert (info.size, info.epochs, info.seed, info.max_in_flight, info.on_drop, info.max_attempts) == (
+        10, 2, 7, 3, "retry", 4,
+    )  # fmt: skip
+    for order in (
+        ("t", "math", "10", "--exist-ok", *settings),
+        ("t", "math", "10", settings[0], "--exist-ok", *target, *settings[1:]),
+        ("--exist-ok", "t", "math", "10", *settings),
+    ):
+        same = cli("dataset", "create", *order, *target)
+        assert same.returncode == 0 and not same.stderr and same.stdout == made.stdout, (order, same.stderr)
+    one_line_error(cli("dataset", "create", "t", "math", "10", *target), 1, "ALREADY_EXISTS", "math")
+    differs = cli("dataset", "create", "t", "math", "10", "--exist-ok", "epochs=3", *target)
+    one_line_error(differs, 1, "epochs: the dataset has 2, the request 3")
+    # The server's refusals: exit code 1, its status and message, naming the setting.
+    one_line_error(cli("dataset", "create", "t", "x", "0", *target), 1, "INVALID_ARGUMENT", "size is 0")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "max_attempts=5000", *target), 1, "max_attempts is 5000")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "on_drop=never", *target), 1, "on_drop is 'never'")
+    one_line_error(cli("dataset", "create", "nope", "x", "2", *target), 1, "NOT_FOUND", "nope")
+    # Mistakes caught before the call: exit code 2, one line naming the setting.
+    one_line_error(cli("dataset", "create", "t", "x", "ten", *target), 2, "size", "'ten'")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "epochs=0", *target), 2, "epochs is 0")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "max_attempts=0", *target), 2, "max_attempts is 0")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "seed=1.5", *target), 2, "seed is 1.5")
+    one_line_error(cli("dataset", "create", "t", "x", "-2", *target), 2, "size is -2")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "epoch=3", *target), 2, "unknown setting", "epoch")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "epochs", *target), 2, "KEY=VALUE")
+    assert [d.name for d in client.datasets("t")] == ["math"]  # nothing refused was made
+
+
+def test_dataset_list_and_describe_show_counts_cursor_and_prompts(server: ExpbufServer, client: BufferClient) -> None:
+    target = ("--target", f"127.0.0.1:{server.port}")
+    prompts = every_state(client)
+    client.create_dataset("t", "later", 3, epochs=2, seed=5)
+    listing = cli("dataset", "list", "t", *target)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines()]
+    assert rows == [
+        ["dataset", "size", "epochs", "pending", "claimed", "generated", "trained", "dropped", "cursor", "done"],
+        ["later", "3", "2", "6", "0", "0", "0", "0", "0:0", "no"],
+        ["math", "4", "1", "2", "1", "0", "1", "0", "0:3", "no"],
+    ]
+    described = cli("dataset", "describe", "t", "math", *target)
+    assert described.returncode == 0, described.stderr
+    settings, epochs, listed = described.stdout.split("\n\n")
+    lines = settings.splitlines()
+    assert lines[0] == "dataset math on table t"
+    assert lines[1:7] == ["size = 4", "epochs = 1", "seed = unset (index order)", "max_in_flight = 0",
+                          'on_drop = "done"', "max_attempts = 5"]  # fmt: skip
+    assert lines[8:] == ["cursor = epoch 0, position 3", "reissued = 1", "attempts_dropped = 1", "done = false"]
+    assert [row.split() for row in epochs.splitlines()] == [
+        ["epoch", "pending", "claimed", "generated", "trained", "dropped"],
+        ["0", "2", "1", "0", "1", "0"],
+    ]
+    rows = [row.split() for row in listed.splitlines()]
+    assert rows[0] == ["epoch", "index", "attempt", "state", "group", "owner", "expires"]
+    trained, released, claimed = prompts["trained"], prompts["released"], prompts["claimed"]
+    expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(claimed.expires))
+    assert rows[1:] == [
+        ["0", "0", "0", "trained", trained.group, "worker-2", "-"],
+        ["0", "1", "1", "pending", "math/0/1@1", "-", "-"],
+        ["0", "2", "0", "claimed", claimed.group, "worker-2", expires],
+    ]
+    assert released.index == 1
+    only = cli("dataset", "describe", "t", "math", "--states", "claimed,pending", "--limit", "1", *target)
+    assert only.returncode == 0, only.stderr
+    listed = only.stdout.split("\n\n")[2].splitlines()
+    assert [row.split()[:4] for row in listed[1:-1]] == [["0", "1", "1", "pending"]]
+    assert listed[-1] == "(more prompts: raise --limit)"
+    none = cli("dataset", "describe", "t", "math", "--limit", "0", *target)
+    assert none.returncode == 0 and len(none.stdout.split("\n\n")) == 2
+    one_line_error(cli("dataset", "describe", "t", "math", "--states", "claimd", *target), 2, "--states", "claimd")
+    one_line_error(cli("dataset", "describe", "t", "math", "--limit", "-1", *target), 2, "--limit", "-1")
+    one_line_error(cli("dataset", "describe", "t", "nope", *target), 1, "NOT_FOUND", "no dataset 'nope'")
+    one_line_error(cli("dataset", "list", "nope", *target), 1, "NOT_FOUND", "nope")
+
+
+def test_describe_pages_past_a_page_that_holds_none_of_the_states_asked_for(
+    server: ExpbufServer, client: BufferClient
+) -> None:
+    """ListPrompts reads a bounded page and keeps the states asked for: a page may keep none
+    and still not be the last; its `after` goes on from the last record read."""
+    client.create_dataset("t", "big", 1005)
+    prompts = client.claim("t", "big", 1005, lease_seconds=600).prompts
+    assert client.release_claims(prompts[-1:]) == 1
+    page = client.list_prompts("t", "big", states=["pending"])
+    assert (page.prompts, page.done, page.after) == ([], False, (0, 999))
+    (pending,) = client.list_prompts("t", "big", states=["pending"], after=page.after).prompts
+    assert (pending.index, pending.attempt) == (1004, 1)
+    target = ("--target", f"127.0.0.1:{server.port}")
+    described = cli("dataset", "describe", "t", "big", "--states", "pending", *target)
+    assert described.returncode == 0, described.stderr
+    rows = [row.split() for row in described.stdout.split("\n\n")[2].splitlines()]
+    assert rows[1:] == [["0", "1004", "1", "pending", "big/0/1004@1", "-", "-"]]
