@@ -291,6 +291,12 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
         raise ValueError(
             f"create_dataset: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_DATASET_SETTINGS))}"
         )
+    for key, value in {"size": size, **settings}.items():
+        bounds = _DATASET_INTEGERS.get(key)
+        if bounds and not (key == "seed" and value is None) and not _integer_in(value, *bounds):
+            raise ValueError(f"create_dataset: {key} is {value!r}; it must be an integer in {bounds[0]}..{bounds[1]}")
+    if not isinstance(settings.get("on_drop", ""), str):
+        raise ValueError(f"create_dataset: on_drop is {settings['on_drop']!r}; expected 'done' or 'retry'")
     seed = settings.get("seed")
     config = pb.DatasetConfig(
         name=name,
@@ -309,6 +315,18 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
 
 
 _DATASET_SETTINGS = frozenset({"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard"})
+# What the wire carries; an epochs or max_attempts of 0 would be read there as the default, not refused.
+_DATASET_INTEGERS = {
+    "size": (0, 2**64 - 1),
+    "epochs": (1, 2**32 - 1),
+    "seed": (-(2**63), 2**63 - 1),
+    "max_in_flight": (0, 2**64 - 1),
+    "max_attempts": (1, 2**32 - 1),
+}
+
+
+def _integer_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
@@ -367,7 +385,8 @@ def list_prompts(
 
     def read(reply: pb.ListPromptsReply) -> PromptPage:
         prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
-        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None) else None
+        # A page that is not the last read `limit` records, whether or not it kept any of `states`.
+        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None or not reply.done) else None
         return PromptPage(prompts, last, reply.done)
 
     return Unary("ListPrompts", request, read, retry=True)

@@ -20,9 +20,10 @@ from expbuf.client.connection import call_error
 
 from . import __version__, logs
 from .config import load
+from .dataset_cli import add_dataset_commands
 from .export_cli import add_export_command, run_export
 from .stats_view import watch
-from .table_cli import add_table_commands, run_table_command
+from .table_cli import add_table_commands, run_client_command
 from .tables import ConfigError
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
@@ -118,8 +119,8 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.target, args.token, args.watch, args.count, tls=_tls(args))
 
 
-def _table(args: argparse.Namespace) -> int:
-    return run_table_command(args, _tls(args))
+def _client_command(args: argparse.Namespace) -> int:
+    return run_client_command(args, _tls(args))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -266,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default %(default)s)"
     )
     health.set_defaults(func=_health)
-    add_table_commands(sub, _client_options, _table)
+    add_table_commands(sub, _client_options, _client_command)
+    add_dataset_commands(sub, _client_options, _client_command)
     add_export_command(sub, _client_options, _export)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")

@@ -48,10 +48,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
     )
     if ds.seed is not None:
         config.seed = ds.seed
-    counts = []
-    for row in ds.counts:
-        held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
-        counts.append(pb.EpochCounts(pending=ds.owned - sum(held.values()), **held))
+    counts = [pb.EpochCounts(**ds.states(epoch)) for epoch in range(len(ds.counts))]
     return pb.DatasetInfo(
         config=config,
         created_unix=ds.created,

@@ -1,8 +1,8 @@
 """Prometheus metrics of an expbuf server.
 
 What the store keeps durably (counts by state, totals pushed, sampled, evicted, dropped,
-expired) is read from the store at every scrape, so gauges and counters stay right
-across restarts. Tables that never held anything, but `default`, are left out of the
+expired, the prompt ledger's counts) is read from the store at every scrape, so gauges and
+counters stay right across restarts. Tables that never held anything, but `default`, are left out of the
 per-table series (`expbuf_tables` counts all tables). What only the server sees (RPC
 latency by method and code, refusals before anything reaches the store, advantage time,
 staleness of sampled experiences) is measured here. Each server has its own registry.
@@ -10,6 +10,7 @@ staleness of sampled experiences) is measured here. Each server has its own regi
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from .backend import Backend
 from .interceptor import ServiceInterceptor
 from .shaping import RunningMoments
 from .store import LIVE
+from .store.ledger_records import PROMPT_STATES, DatasetRecord
 
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed")
@@ -100,6 +102,7 @@ class StoreCollector(Collector):
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
+        yield from _ledger_metrics({name: self.store.datasets(name) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
             "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
@@ -107,6 +110,30 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
         )
+
+
+def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric]:
+    """The prompt ledger's counts by table and dataset (tables without a dataset have none)."""
+    labels = ["table", "dataset"]
+    prompts = GaugeMetricFamily("expbuf_prompts", "Prompts of a dataset by state.", labels=[*labels, "state"])
+    reissued = CounterMetricFamily(
+        "expbuf_prompt_claims_reissued",
+        "Claims handed out again: a claim ended, or a dropped group's retry.",
+        labels=labels,
+    )
+    dropped = CounterMetricFamily(
+        "expbuf_prompt_attempts_dropped", "Incomplete groups of attempts whose claim ended, dropped.", labels=labels
+    )
+    for table, records in datasets.items():
+        for ds in records:
+            by_state: collections.Counter[str] = collections.Counter()
+            for epoch in range(len(ds.counts)):
+                by_state.update(ds.states(epoch))
+            for state in PROMPT_STATES:
+                prompts.add_metric([table, ds.name, state], by_state[state])
+            reissued.add_metric([table, ds.name], ds.reissued)
+            dropped.add_metric([table, ds.name], ds.attempts_dropped)
+    yield from (prompts, reissued, dropped)
 
 
 def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -129,6 +129,7 @@ def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:
         next(c.sample(num_groups=1, max_batches=1, timeout=10, delivery="consume"))
         c.set_trainer_version(1)
         c.admit("default", 1)
+        c.create_dataset("default", "prompts", 4)  # the ledger's series: a table's datasets
         with pytest.raises(BufferError):  # refusals are counted from the first one on
             c.push((BAD_DIR / "bad_magic.bin").read_bytes())
     samples = scrape(server.metrics_port)

@@ -18,8 +18,8 @@ from ..errors import InvalidRequest
 from ..sample_spec import MAX_LEASE_SECONDS, check_seconds
 from .catalog import TableCatalog
 from .environment import Environment
-from .ledger import Claimed, Ledger
-from .ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord
+from .ledger import Claimed, Ledger, no_dataset
+from .ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord, read_dataset, read_datasets, read_prompts
 from .table_state import TableState
 
 T = TypeVar("T")
@@ -62,10 +62,16 @@ class Claims:
 
     def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
         """The table's datasets (or the one named), their cursors and counts."""
-        table_id, config = self.catalog.lookup(table)
+        table_id, _ = self.catalog.lookup(table)
+        # Reads take no table state: one (it refers to itself) would keep its transaction's LMDB
+        # reader slot until a garbage collection, and a scrape reads every table's datasets.
         with self.environment.read() as txn:
-            tt = self.catalog.state(txn, table_id, config)
-            return [self.ledger.dataset(tt, name)] if name else self.ledger.datasets(tt)
+            if not name:
+                return read_datasets(txn, self.catalog.db["ledger"], table_id)
+            found = read_dataset(txn, self.catalog.db["ledger"], table_id, name)
+        if found is None:
+            raise no_dataset(table, name)
+        return [found]
 
     def claim(
         self,
@@ -119,11 +125,12 @@ class Claims:
             raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidRequest(f"limit is {limit}; a page reads 1 to {MAX_PAGE} prompts")
-        table_id, config = self.catalog.lookup(table)
-        with self.environment.read() as txn:
-            tt = self.catalog.state(txn, table_id, config)
-            self.ledger.dataset(tt, name)
-            read = list(self.ledger.prompts(tt, name, after, limit))
+        table_id, _ = self.catalog.lookup(table)
+        with self.environment.read() as txn:  # no table state, as in datasets()
+            db = self.catalog.db["ledger"]
+            if read_dataset(txn, db, table_id, name) is None:
+                raise no_dataset(table, name)
+            read = list(read_prompts(txn, db, table_id, name, after, limit))
         last = (read[-1][0], read[-1][1]) if read else after
         kept = [row for row in read if not states or row[2].state in states]
         return PromptPage(kept, last, len(read) < limit)

@@ -19,7 +19,7 @@ generated or trained, with no change to the group rules.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, clip
@@ -46,10 +46,9 @@ from .ledger_records import (
     permuted,
     place,
     prompt_key,
-    prompt_of,
-    prompts_prefix,
     queue_key,
     queue_prefix,
+    read_dataset,
     read_expiry_key,
     read_group_entry,
     unplace,
@@ -97,6 +96,10 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
 
 
+def no_dataset(table: str, name: str) -> NotFound:
+    return NotFound(f"table '{table}' has no dataset '{clip(name)}'")
+
+
 class Ledger(TableExtension):
     """The ledger's rules over one table's state, and the table events that move prompts."""
 
@@ -137,21 +140,11 @@ class Ledger(TableExtension):
         self._holds[tt.table_id] = True
         return ds, True
 
-    def datasets(self, tt: TableState) -> list[DatasetRecord]:
-        prefix = datasets_prefix(tt.table_id)
-        with tt.txn.cursor(db=tt.db["ledger"]) as cur:
-            found = cur.set_range(prefix)
-            out = []
-            while found and bytes(cur.key()).startswith(prefix):
-                out.append(DatasetRecord.decode(cur.value()))
-                found = cur.next()
-        return out
-
     def dataset(self, tt: TableState, name: str) -> DatasetRecord:
-        raw = tt.txn.get(dataset_key(tt.table_id, name), db=tt.db["ledger"]) if len(name) <= 64 else None
-        if raw is None:
-            raise NotFound(f"table '{tt.config.name}' has no dataset '{clip(name)}'")
-        return DatasetRecord.decode(raw)
+        found = read_dataset(tt.txn, tt.db["ledger"], tt.table_id, name)
+        if found is None:
+            raise no_dataset(tt.config.name, name)
+        return found
 
     def _save(self, tt: TableState, ds: DatasetRecord) -> None:
         tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=tt.db["ledger"])
@@ -393,17 +386,3 @@ class Ledger(TableExtension):
         entry = read_group_entry(raw)
         rec = self._prompt(tt, *entry[:3])
         return None if rec is None else (entry, rec)
-
-    def prompts(
-        self, tt: TableState, name: str, after: tuple[int, int] | None, limit: int
-    ) -> Iterator[tuple[int, int, PromptRecord]]:
-        """The dataset's prompt records in (epoch, index) order, after `after`."""
-        prefix = prompts_prefix(tt.table_id, name)
-        start = prefix + (place(*after) + b"\0" if after is not None else b"")
-        with tt.txn.cursor(db=tt.db["ledger"]) as cur:
-            found = cur.set_range(start)
-            while found and limit > 0 and bytes(cur.key()).startswith(prefix):
-                epoch, index = prompt_of(bytes(cur.key()))
-                yield epoch, index, PromptRecord.decode(cur.value())
-                limit -= 1
-                found = cur.next()

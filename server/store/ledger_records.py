@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,6 +87,12 @@ class DatasetRecord:
     def count(self, epoch: int, state: str, delta: int) -> None:
         row = self.counts[epoch]
         row[state] = row.get(state, 0) + delta
+
+    def states(self, epoch: int) -> dict[str, int]:
+        """An epoch's prompts by state, pending included (those of its `owned` in no other)."""
+        row = self.counts[epoch]
+        held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
+        return {PENDING: self.owned - sum(held.values()), **held}
 
     def total(self, *states: str) -> int:
         return sum(row.get(state, 0) for row in self.counts for state in states)
@@ -189,6 +196,44 @@ def expiry_key(table_id: int, expires: float, name: str, epoch: int, index: int)
 
 def expiry_prefix(table_id: int) -> bytes:
     return layout.table_prefix(table_id) + b"x"
+
+
+def read_datasets(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int) -> list[DatasetRecord]:
+    """A table's dataset records, by name."""
+    prefix = datasets_prefix(table_id)
+    out = []
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(prefix)
+        while found and bytes(cur.key()).startswith(prefix):
+            out.append(DatasetRecord.decode(cur.value()))
+            found = cur.next()
+    return out
+
+
+def read_dataset(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str) -> DatasetRecord | None:
+    """One dataset's record; None when the table has no such dataset."""
+    raw = txn.get(dataset_key(table_id, name), db=db) if len(name) <= 64 else None
+    return None if raw is None else DatasetRecord.decode(raw)
+
+
+def read_prompts(
+    txn: lmdb.Transaction[bytes],
+    db: lmdb._Database,
+    table_id: int,
+    name: str,
+    after: tuple[int, int] | None,
+    limit: int,
+) -> Iterator[tuple[int, int, PromptRecord]]:
+    """Up to `limit` of a dataset's prompt records in (epoch, index) order, after `after`."""
+    prefix = prompts_prefix(table_id, name)
+    start = prefix + (place(*after) + b"\0" if after is not None else b"")
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(start)
+        while found and limit > 0 and bytes(cur.key()).startswith(prefix):
+            epoch, index = prompt_of(bytes(cur.key()))
+            yield epoch, index, PromptRecord.decode(cur.value())
+            limit -= 1
+            found = cur.next()
 
 
 def oldest_claim(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int) -> bytes | None:
