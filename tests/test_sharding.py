@@ -5,6 +5,7 @@ killed with SIGKILL mid-run, a shard added while groups are pending)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import signal
@@ -28,7 +29,9 @@ from expbuf.client.routing import (
     ShardMapError,
     batch_number,
     group_key,
+    owners,
     rendezvous,
+    routing_key,
     uid_group_key,
 )
 from expbuf.client.shard_plans import Owed
@@ -122,6 +125,10 @@ def test_rendezvous_moves_only_the_keys_the_new_shard_wins() -> None:
     assert all(after[key] == "d" for key in moved)
     assert 350 < len(moved) < 650  # about a quarter of the keys move to the fourth shard
     assert set(Counter(before.values())) == {"a", "b", "c"}
+    assert list(owners(keys, ["a", "b", "c"])) == [before[key] for key in keys]
+    for key in [*keys, "12/eval/3", "x" * 300]:  # the hash is blake2b-64 keyed by the shard's name, ties by name
+        scores = {s: hashlib.blake2b(key.encode(), digest_size=8, key=s.encode()).digest() for s in ("a", "b", "c")}
+        assert rendezvous(key, "abc") == max(scores, key=lambda s: (int.from_bytes(scores[s], "big"), s))
 
 
 def test_epochs_route_groups_by_the_batch_they_began_in() -> None:
@@ -144,6 +151,40 @@ def test_group_keys_and_batches() -> None:
     assert [batch_number(k) for k in ("12/eval/3", "7", "x/1", "-3/1", "12abc/1")] == [12, 7, None, None, None]
     with pytest.raises(ShardMapError, match="group_by is 'tasks'"):
         group_key(eid, "tasks")
+
+
+def test_every_attempt_at_a_prompt_routes_as_the_prompt() -> None:
+    """A group key ending in `<digits>@<digits>` (the prompt ledger's task, index@attempt) is
+    hashed without its `@attempt`, so every attempt lands on the shard that holds the prompt."""
+    grown = ShardMap.of({"a": "h:1", "b": "h:2", "c": "h:3"}).add_shard("d", "h:4", since_batch=10)
+    keys = [f"math/{epoch}/{index}" for epoch in range(3) for index in range(200)]
+    for key in keys:
+        assert routing_key(f"{key}@0") == routing_key(f"{key}@17") == key
+        owner = grown.owner(key)
+        assert {grown.owner(f"{key}@{attempt}") for attempt in range(8)} == {owner}
+        assert owner == rendezvous(key, ["a", "b", "c"])  # a dataset's name is no number: epoch 0
+    assert {grown.owner(key) for key in keys} == {"a", "b", "c"}
+    assert routing_key("12@3") == "12" and routing_key("12/7@1") == "12/7"
+    assert grown.owner("12/7@1") == rendezvous("12/7", ["a", "b", "c", "d"])  # batch 12 is epoch 1's
+    # Any other key, '@' or not, is hashed whole, as before.
+    for key in (
+        "0/17",
+        "math/0/12",
+        "math/0/12@",
+        "math/0/@3",
+        "math/0/x@3",
+        "math/0/12@x",
+        "math/0/1@2@3",
+        "math/0/12@3/4",
+        "math/0/12@-3",
+        "math/0/+1@3",
+        "math/0/\u0661@3",
+        "math/0/1@\u0662",
+        "math/0/ 1@3",
+        "math/0/1@2\n",
+    ):
+        assert routing_key(key) == key, key
+        assert grown.owner(key) == rendezvous(key, grown.epoch_of(key).shards)
 
 
 def test_a_uid_alone_gives_its_group_key() -> None:
