@@ -76,8 +76,9 @@ class EpochCounts:
 class DatasetInfo:
     """A dataset's settings, its cursor (the next new prompt's epoch and position), its counts
     by epoch, the claims handed out again, the incomplete groups of ended claims dropped, and
-    whether it is done. `owned` is the prompts per epoch the server hands out: `size`, or
-    for one shard of a sharded table its part (a sharded client merges the shards')."""
+    whether it is done. `owned` is the prompts of every epoch the server hands out: `size`
+    times `epochs`, or for one shard of a sharded table its part (a sharded client merges the
+    shards')."""
 
     table: str
     name: str

@@ -38,7 +38,8 @@ from .experience import EID
 
 # The part of the experience id that names its group, by the table's group_by.
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# A shard's name: it labels metrics and may be a pod's DNS label.
+SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _LEADING_INT = re.compile(r"(\d+)(?:/|$)")
 _ATTEMPT = re.compile(r"([0-9]+)@[0-9]+")
 
@@ -127,7 +128,7 @@ class ShardMap:
             if len(set(epoch.shards)) != len(epoch.shards):
                 raise ShardMapError(f"epoch {index} names a shard twice: {list(epoch.shards)}")
             for name in epoch.shards:
-                if not _NAME.fullmatch(name):
+                if not SHARD_NAME.fullmatch(name):
                     raise ShardMapError(
                         f"shard name {name[:80]!r} must be 1-63 letters, digits, '.', '_' or '-' (not first)"
                     )

@@ -49,9 +49,9 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
     if ds.seed is not None:
         config.seed = ds.seed
     counts = []
-    for row in ds.counts:
+    for owned, row in zip(ds.owned, ds.counts, strict=True):
         held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
-        counts.append(pb.EpochCounts(pending=ds.owned - sum(held.values()), **held))
+        counts.append(pb.EpochCounts(pending=owned - sum(held.values()), **held))
     return pb.DatasetInfo(
         config=config,
         created_unix=ds.created,
@@ -61,7 +61,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         reissued=ds.reissued,
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
-        owned=ds.owned,
+        owned=sum(ds.owned),
     )
 
 
@@ -96,7 +96,10 @@ class LedgerCalls:
     @refusals
     def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:
         record, created = self.store.create_dataset(
-            request.table or "default", dataset_of(request.config), exist_ok=request.exist_ok
+            request.table or "default",
+            dataset_of(request.config),
+            exist_ok=request.exist_ok,
+            stop=lambda: not context.is_active(),  # a shard's part may take a while to count
         )
         return pb.CreateDatasetReply(dataset=info_of(record), created=created)
 
