@@ -75,8 +75,8 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
         lines.append(f"{key} = {'unset (index order)' if value is None else toml_value(value)}")
     if info.shards:
         lines.append(f"shards = {toml_value(info.shards)}")
-    if info.owned != info.size:
-        lines.append(f"owned = {info.owned} (the prompts of each epoch this server hands out)")
+    if info.owned != info.size * info.epochs:
+        lines.append(f"owned = {info.owned} (the prompts of all epochs this server, or these shards, hand out)")
     lines += [
         f"created = {_utc(info.created)}",
         f"cursor = {_cursor(info, short=False)}",

@@ -58,7 +58,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         reissued=ds.reissued,
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
-        owned=ds.owned,
+        owned=sum(ds.owned),
     )
 
 
@@ -93,7 +93,10 @@ class LedgerCalls:
     @refusals
     def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:
         record, created = self.store.create_dataset(
-            request.table or "default", dataset_of(request.config), exist_ok=request.exist_ok
+            request.table or "default",
+            dataset_of(request.config),
+            exist_ok=request.exist_ok,
+            stop=lambda: not context.is_active(),  # a shard's part may take a while to count
         )
         return pb.CreateDatasetReply(dataset=info_of(record), created=created)
 

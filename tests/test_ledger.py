@@ -66,7 +66,7 @@ def counts(ds: DatasetRecord) -> dict[str, int]:
 
 def test_a_dataset_is_created_once_and_refused_by_name(store: Store) -> None:
     ds, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7))
-    assert created and ds.owned == 4 and ds.counts == [{}, {}]
+    assert created and ds.owned == [4, 4] and ds.counts == [{}, {}]
     again, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7), exist_ok=True)
     assert not created and again.created == ds.created
     with pytest.raises(Conflict, match="epochs: the dataset has 2, the request 3"):

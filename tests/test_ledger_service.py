@@ -51,7 +51,7 @@ def client(server: ExpbufServer) -> Iterator[BufferClient]:
 
 def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     info = client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4)
-    assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 3, False)
+    assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 6, False)
     assert [c.pending for c in info.counts] == [3, 3]
     assert (
         client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4, exist_ok=True).created == info.created

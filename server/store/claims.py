@@ -18,8 +18,9 @@ from ..errors import InvalidRequest
 from ..sample_spec import MAX_LEASE_SECONDS, check_seconds
 from .catalog import TableCatalog
 from .environment import Environment
-from .ledger import Claimed, Ledger, no_dataset
+from .ledger import Claimed, Ledger, check, no_dataset
 from .ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord, read_dataset, read_datasets, read_prompts
+from .ledger_shards import count_owned
 from .table_state import TableState
 
 T = TypeVar("T")
@@ -56,8 +57,17 @@ class Claims:
 
         return self.environment.submit(op)
 
-    def create(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
-        """A dataset on the table (ledger.check names a setting out of range); (record, created)."""
+    def create(
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
+    ) -> tuple[DatasetRecord, bool]:
+        """A dataset on the table (ledger.check names a setting out of range); (record, created).
+
+        A shard's part of a sharded dataset is counted here, before the write, so the writer
+        is not held meanwhile; `stop` is polled while counting (a cancelled call)."""
+        _, config = self.catalog.lookup(table)
+        check(ds, config.group_by)
+        if ds.shards and not any(found.name == ds.name for found in self.datasets(table)):
+            ds.owned = count_owned(ds, stop)
         return self._in_table(table, lambda tt: self.ledger.create(tt, ds, exist_ok=exist_ok))
 
     def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:

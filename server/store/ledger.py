@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from expbuf.client.routing import SHARD_NAME
+
 from ..errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, clip
 from . import layout
 from .extensions import TableExtension
@@ -53,6 +55,7 @@ from .ledger_records import (
     read_group_entry,
     unplace,
 )
+from .ledger_shards import count_owned, owns
 from .records import CONSUMED, GroupRecord
 from .records import DROPPED as GROUP_DROPPED
 from .records import PENDING as GROUP_PENDING
@@ -61,6 +64,7 @@ from .table_state import Groups, TableState
 
 MAX_EPOCHS = 2**20
 MAX_ATTEMPTS = 1000
+MAX_SHARDS = 1024
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,27 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(f"{where}: seed is {clip(ds.seed)}; it must be a 64-bit integer, or unset for index order")
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
+    if ds.shards or ds.shard:
+        check_shards(ds, where)
+
+
+def check_shards(ds: DatasetRecord, where: str) -> None:
+    """A shard's part of a sharded dataset: valid, distinct shard names, this server's among them."""
+    if len(ds.shards) > MAX_SHARDS:
+        raise ConfigError(f"{where}: shards names {len(ds.shards)} shards; at most {MAX_SHARDS}")
+    for name in ds.shards:
+        if not SHARD_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where}: shard name {clip(name)!r} must be 1-63 letters, digits, '.', '_' or '-' (not first)"
+            )
+    twice = sorted({name for name in ds.shards if ds.shards.count(name) > 1})
+    if twice:
+        raise ConfigError(f"{where}: shards names shard {twice[0]!r} twice")
+    if ds.shard not in ds.shards:
+        raise ConfigError(
+            f"{where}: shard is {clip(ds.shard)!r}, not one of its shards {clip(ds.shards)}"
+            " (a sharded client sets both: the shards of its map's first epoch, and the one it asks)"
+        )
 
 
 def no_dataset(table: str, name: str) -> NotFound:
@@ -134,7 +159,7 @@ class Ledger(TableExtension):
             detail = f" with other settings: {'; '.join(differ)}" if differ else ""
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
         ds.created = tt.now
-        ds.owned = ds.owned or ds.size
+        ds.owned = ds.owned or count_owned(ds)  # a shard's part is counted before the write (claims.py)
         ds.counts = [{} for _ in range(ds.epochs)]
         self._save(tt, ds)
         self._holds[tt.table_id] = True
@@ -181,7 +206,7 @@ class Ledger(TableExtension):
 
     def _next(self, tt: TableState, ds: DatasetRecord) -> tuple[int, int, int] | None:
         """The next prompt to hand out, (epoch, index, attempt): the oldest sent back, else the
-        cursor's; None when neither has one."""
+        cursor's (skipping the prompts a shard does not own); None when neither has one."""
         prefix = queue_prefix(tt.table_id, ds.name)
         ledger = tt.db["ledger"]
         with tt.txn.cursor(db=ledger) as cur:
@@ -191,14 +216,15 @@ class Ledger(TableExtension):
                 rec = self._prompt(tt, ds.name, epoch, index)
                 if rec is not None and rec.state == PENDING:
                     return epoch, index, rec.attempt
-        if ds.cursor_epoch >= ds.epochs:
-            return None
-        epoch = ds.cursor_epoch
-        index = permuted(ds.seed, epoch, ds.size, ds.cursor_position)
-        ds.cursor_position += 1
-        if ds.cursor_position >= ds.size:
-            ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
-        return epoch, index, 0
+        while ds.cursor_epoch < ds.epochs:
+            epoch = ds.cursor_epoch
+            index = permuted(ds.seed, epoch, ds.size, ds.cursor_position)
+            ds.cursor_position += 1
+            if ds.cursor_position >= ds.size:
+                ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+            if owns(ds, epoch, index):
+                return epoch, index, 0
+        return None
 
     def renew(
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str

@@ -92,9 +92,12 @@ def _own(ds: DatasetRecord) -> list[str]:
     if len(ds.counts) != ds.epochs:
         raise ValueError(f"it counts {len(ds.counts)} epoch(s) of its {ds.epochs}")
     problems = []
-    for name in ("owned", "next_seq", "reissued", "attempts_dropped"):
+    for name in ("next_seq", "reissued", "attempts_dropped"):
         if getattr(ds, name) < 0:
             problems.append(f"{where}: {name} is {getattr(ds, name)}; a count is never negative")
+    if len(ds.owned) != ds.epochs or any(owned < 0 or owned > ds.size for owned in ds.owned):
+        problems.append(f"{where}: owned is {ds.owned}; it holds each epoch's prompts of this server, 0..{ds.size}")
+        return problems
     for epoch, row in enumerate(ds.counts):
         for state, count in row.items():
             if state not in _COUNTED:
@@ -102,10 +105,10 @@ def _own(ds: DatasetRecord) -> list[str]:
             elif count < 0:
                 problems.append(f"{where}: epoch {epoch} counts {count} {state} prompt(s); a count is never negative")
         held = sum(row.values())
-        if held > ds.owned:
+        if held > ds.owned[epoch]:
             problems.append(
                 f"{where}: epoch {epoch} counts {held} prompt(s) claimed, generated, trained or dropped,"
-                f" of its {ds.owned}"
+                f" of its {ds.owned[epoch]}"
             )
     at_end = ds.cursor_epoch == ds.epochs and ds.cursor_position == 0
     if not at_end and not (0 <= ds.cursor_epoch < ds.epochs and 0 <= ds.cursor_position < ds.size):

@@ -58,8 +58,8 @@ class DatasetRecord:
     """A dataset of prompts on a table, its cursor and its counts.
 
     `counts[epoch][state]` counts the prompts of each epoch in each state but pending (the
-    rest of the epoch's `owned` prompts). `owned` is the prompts of an epoch this server hands
-    out: `size`, or for a shard of a sharded table those whose key its rendezvous owns."""
+    rest of the epoch's `owned` prompts). `owned[epoch]` is the prompts of an epoch this server
+    hands out: `size`, or on a shard of a sharded table those it owns (ledger_shards.py)."""
 
     name: str
     size: int
@@ -69,9 +69,9 @@ class DatasetRecord:
     on_drop: str = "done"
     max_attempts: int = 5
     created: float = 0.0
-    shards: list[str] = field(default_factory=list)  # a sharded table's shards at creation (epoch 0)
+    shards: list[str] = field(default_factory=list)  # a sharded table's shards of epoch 0, sorted
     shard: str = ""  # this server's name among them
-    owned: int = 0
+    owned: list[int] = field(default_factory=list)  # per epoch
     cursor_epoch: int = 0
     cursor_position: int = 0
     next_seq: int = 0
@@ -79,9 +79,12 @@ class DatasetRecord:
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
     counts: list[dict[str, int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.shards = sorted(self.shards)  # the same shards in any order are the same placement
+
     def settings(self) -> dict[str, Any]:
         """What the creator chose: an identical CreateDataset with exist_ok finds it."""
-        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards")
+        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
         return {key: getattr(self, key) for key in keys}
 
     def count(self, epoch: int, state: str, delta: int) -> None:
@@ -92,7 +95,7 @@ class DatasetRecord:
         """An epoch's prompts by state, pending included (those of its `owned` in no other)."""
         row = self.counts[epoch]
         held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
-        return {PENDING: self.owned - sum(held.values()), **held}
+        return {PENDING: self.owned[epoch] - sum(held.values()), **held}
 
     def total(self, *states: str) -> int:
         return sum(row.get(state, 0) for row in self.counts for state in states)
@@ -104,7 +107,7 @@ class DatasetRecord:
     @property
     def done(self) -> bool:
         """Every prompt of every epoch trained, or dropped as done."""
-        return self.total(TRAINED, DROPPED) >= self.owned * self.epochs
+        return self.total(TRAINED, DROPPED) >= sum(self.owned)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
