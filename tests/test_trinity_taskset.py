@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -313,6 +314,32 @@ def test_what_a_taskset_on_expbuf_cannot_be_is_refused_by_name(
     )
     with pytest.raises(ValueError, match="dataset= and source= name a taskset's prompts"):
         trinity.buffer.get_buffer_reader(experiences)
+
+
+def test_a_max_in_flight_the_explorers_own_unwritten_steps_fill_is_refused_by_name(
+    server: ExpbufServer, admin: BufferClient, tmp_path: Path
+) -> None:
+    """Trinity writes a step after its next read: when that read finds the dataset's max_in_flight
+    full of the explorer's own claims, nothing can make room, and the read says so instead of
+    waiting for ever."""
+    admin.create_dataset(TABLE, DATASET, SIZE, epochs=EPOCHS, max_in_flight=2)
+    taskset = trinity.buffer.get_buffer_reader(taskset_config(server, tmp_path, "dataset=math&source=SOURCE"))
+    assert len(asyncio.run(taskset.read())) == 2
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            asyncio.run(taskset.read())
+        except BaseException as exc:  # the outcome is the test's, in the test's thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)  # a read that waited for ever fails the test
+    reader.start()
+    reader.join(120)
+    taskset.close()
+    assert outcome, "the read still waits"
+    with pytest.raises(ValueError, match=r"max_in_flight=2 and this explorer holds all 2 of its claims"):
+        raise outcome[0]
 
 
 def test_a_step_written_after_one_of_its_claims_ended_keeps_the_other_groups(

@@ -162,7 +162,9 @@ class ExpbufTaskset(BufferReader):
     def _only_mine_left(self) -> bool:
         """Whether no prompt waits to go out and every claim is this reader's own: its tasks are
         all there is left to generate. Read the counts before the claims held (none is taken
-        meanwhile), so that a claim that ends in between is not taken for another claimant's."""
+        meanwhile), so that a claim that ends in between is not taken for another claimant's.
+        Refused when the dataset's max_in_flight is full of this reader's own claims alone: its
+        explorer writes them only after this read, which would wait for ever."""
         if not self._sees_ledger:
             return False
         try:
@@ -171,9 +173,18 @@ class ExpbufTaskset(BufferReader):
             log.warning("expbuf: this token cannot read the dataset (no sample scope); the explorer ends once done")
             self._sees_ledger = False
             return False
-        if info.max_in_flight and info.total("claimed") + info.total("generated") >= info.max_in_flight:
+        claimed, generated = info.total("claimed"), info.total("generated")
+        mine = claimed <= len(self._keeper.held())
+        if info.max_in_flight and claimed + generated >= info.max_in_flight:
+            if mine and not generated:
+                raise ValueError(
+                    f"taskset '{self.name}': dataset '{self.location.dataset}' has max_in_flight="
+                    f"{info.max_in_flight} and this explorer holds all {claimed} of its claims in steps it has not "
+                    "written (Trinity writes a step after its next read), so no trainer can make room: set "
+                    f"max_in_flight to at least batch_size ({self.batch_size}) x (the explorer's steps in flight + 1)"
+                )
             return False  # the trainer makes room
-        return info.total("pending") == 0 and info.total("claimed") <= len(self._keeper.held())
+        return info.total("pending") == 0 and mine
 
     def _task(self, prompt: Prompt) -> Any:
         """Trinity's task of the prompt's row, as its file reader makes it, carrying the prompt's EID."""
