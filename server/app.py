@@ -166,7 +166,7 @@ class ExpbufServer:
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
-            ingest=Ingest(config.ingest_workers),
+            ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
             push_stream_idle_seconds=config.push_stream_idle_seconds,
             max_wait_seconds=config.max_wait_seconds,

@@ -1,6 +1,7 @@
 """Large pushes against an `expbuf serve` child: the payload bytes that pushes in progress
 hold are capped by max_inflight_bytes (pushes past it wait for their deadline, then are
-refused naming the setting), and the server's memory returns after the pushes.
+refused naming the setting), an experience's metadata by max_metadata_bytes, and the
+server's memory returns after the pushes.
 
 The memory figures are printed (run with -s to see them); bench/RESULTS.md has them for larger
 pushes. RSS is asserted loosely: memory, not time.
@@ -38,6 +39,14 @@ def large_payload(batch: str, experiences: int, response: int) -> bytes:
     return trxp.build(
         [trxp.from_experience(make_experience(batch, task, 0, response=response)) for task in range(experiences)]
     )
+
+
+def metadata_payload(batch: str, experiences: int, size: int) -> bytes:
+    """Experiences of 7 tokens, each carrying `size` bytes in its info: a bytes value in the metadata pickle."""
+    items = [trxp.from_experience(make_experience(batch, task, 0)) for task in range(experiences)]
+    for item in items:
+        item.meta["info"]["blob"] = bytes(size)
+    return trxp.build(items)
 
 
 def test_pushes_past_max_inflight_bytes_wait_then_are_refused_naming_it(
@@ -114,3 +123,36 @@ def test_concurrent_large_pushes_memory_is_bounded_and_returned(
     )
     assert peak - base < 5 * in_flight, "a push costs more than gRPC's receive and one packed copy"
     assert after - base < in_flight, "the pushes' memory stays after them"
+
+
+def test_an_experience_past_max_metadata_bytes_is_refused_naming_it_and_its_memory_returned(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """64 MiB in one experience's info, past the default max_metadata_bytes (8 MiB): refused
+    before it is packed, having cost gRPC's receive and the metadata's objects, and given back.
+    (A push of the same size first lets gRPC's buffers of the connection reach their size.)"""
+    server = serve(str(tmp_path / "data"))
+    pid = server.proc.pid
+    body = metadata_payload("one", 1, 64 * MB)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.Push(pb.PushRequest(payload=large_payload("warm", 7, 1 << 20)), timeout=120)
+        time.sleep(1.0)
+        base, base_anon = reset_peak_rss(pid), _status_bytes(pid, "RssAnon")
+        with pytest.raises(grpc.RpcError) as refused:
+            buffer.Push(pb.PushRequest(payload=body), timeout=120)
+        time.sleep(2.0)
+        peak, after = peak_rss_bytes(pid), _status_bytes(pid, "RssAnon")
+        assert buffer.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 7
+        assert buffer.Push(pb.PushRequest(payload=metadata_payload("small", 2, MB)), timeout=30).stored_uids
+    print(
+        f"\na refused push of {len(body) // MB} MiB in one info: server RSS {base // MB} MiB before, "
+        f"{peak // MB} MiB peak (+{(peak - base) / len(body):.2f}x); anonymous memory {base_anon // MB} MiB before, "
+        f"{after // MB} MiB after (+{(after - base_anon) // MB} MiB)"
+    )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    details = refused.value.details()
+    assert details.startswith("item 0 (uid one/0/0/0/r0s0): its metadata takes 671"), details
+    assert "max_metadata_bytes = 8388608" in details and "EXPBUF_MAX_METADATA_BYTES" in details, details
+    assert peak - base < 5 * len(body), "a refused push costs more than gRPC's receive, a scan and its objects"
+    assert after - base_anon < len(body) // 4, "the refused push's memory stays after it"
