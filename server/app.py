@@ -151,7 +151,13 @@ class ExpbufServer:
         interceptors.append(CallLimits(config.workers, config.reserved_worker_count, caps))
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
-        interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))
+        interceptors.append(
+            PushMemory(
+                self.inflight,
+                stream_wait=config.push_stream_idle_seconds / 2,
+                max_push_bytes=config.max_message_bytes,
+            )
+        )
         keep_reply_memory()
         use_threads(config.torch_threads)
         few_arenas()
