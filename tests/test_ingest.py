@@ -18,7 +18,7 @@ import torch
 from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server import ingest as ingest_module
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ConfigError, ServerConfig
+from expbuf.server.config import ConfigError, ServerConfig, load
 from expbuf.server.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, Servers, payload
@@ -209,7 +209,9 @@ def metadata_payload(sizes: list[int]) -> bytes:
     )
 
 
-def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_naming_it(tmp_path: Path) -> None:
+def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = metadata_payload([1000, 300_000])
     pool = Ingest(1, max_metadata_bytes=256 << 10)
     try:
@@ -227,6 +229,8 @@ def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_namin
     with pytest.raises(ConfigError, match="max_metadata_bytes must be an integer >= 65536"):
         ServerConfig(data=str(tmp_path), max_metadata_bytes=1000)
     assert ServerConfig(data=str(tmp_path)).max_metadata_bytes == 8 << 20
+    monkeypatch.setenv("EXPBUF_MAX_METADATA_BYTES", str(1 << 20))
+    assert load(None).max_metadata_bytes == 1 << 20
 
 
 def test_a_push_past_max_metadata_bytes_is_refused_and_the_server_goes_on(start_server: Servers) -> None:
