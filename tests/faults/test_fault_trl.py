@@ -77,7 +77,7 @@ def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path
             args = AsyncGRPOConfig(
                 output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=GROUP,
                 max_staleness=STEPS + 1, token_budget=0, report_to="none", save_strategy="no", use_cpu=True,
-                disable_tqdm=True,
+                disable_tqdm=True, heartbeat_stale_after_s=120,  # a server that never comes back fails the run
             )  # fmt: skip
             kill = KillTheServer(server, lambda: start(data, "--port", str(port)))
             with on_cpu():
