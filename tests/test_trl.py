@@ -247,6 +247,26 @@ def test_a_lease_is_acked_once_the_steps_that_trained_it_ended(client: BufferCli
     assert [ack_lag(1), ack_lag(2), ack_lag(8)] == [3, 2, 2]
 
 
+def test_leases_are_kept_through_a_step_longer_than_they_last(client: BufferClient, tmp_path: Path) -> None:
+    client.create_table("r", group_size=2)
+    for task in range(2):
+        client.push(group(task, [1.0, 0.0], version=1, mark=2 * task), table="r")
+    worker = ExpbufRolloutWorker(client, "r", num_groups=2, wait_seconds=0.5, lease_seconds=6)
+    started(worker, trl_args(tmp_path))
+    try:
+        take(worker, 4)
+        (batch,) = worker.book.held()
+        first = batch.lease_expires
+        assert until(lambda: batch.lease_expires > first + 6), "the lease was not renewed twice"
+        stats = client.stats("r")["r"]
+        assert (stats.leased, stats.ready) == (4, 0)
+        for _ in range(3):
+            worker.callback.on_step_end(None, None, None)
+        assert until(lambda: client.stats("r")["r"].consumed == 4)
+    finally:
+        worker.stop()
+
+
 def test_the_lease_book_waits_for_the_last_sample_of_a_lease(client: BufferClient) -> None:
     client.create_table("l", group_size=2)
     client.push(group(0, [1.0, 0.0], version=1), table="l")
