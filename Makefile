@@ -12,7 +12,7 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity,ray,areal,verl
+EXTRAS ?= test,trinity,ray,areal,verl,trl
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
@@ -26,6 +26,8 @@ TRINITY_SPEC ?= trinity-rft==0.6.0
 VERL_SPEC ?= verl==0.9.1
 VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
 QUIET_CONFLICTS := --no-warn-conflicts
+# TRL for expbuf.client.trl and its tests comes with the trl extra, with its own dependencies: they
+# are all met beside the frameworks above (transformers within verl's range), so no --no-deps.
 # AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
