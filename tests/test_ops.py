@@ -243,6 +243,7 @@ CONFLICTS = {
     ("areal", "omegaconf"),
     ("areal", "networkx"),
     ("areal", "peft"),
+    ("verl", "tensordict"),
     ("virtualenv", "packaging"),
 }
 
