@@ -150,6 +150,10 @@ def test_one_element_at_a_time_makes_the_same_groups_and_a_prompt_seen_again_a_n
         first, second = rb.sample(return_info=True)[1], rb.sample(return_info=True)[1]
         assert len(set(first["group_ids"])) == len(set(second["group_ids"])) == 1
         assert first["group_ids"][0] != second["group_ids"][0]
+        rb.extend(groups(["other"], 6))  # one extend past a group: four make group 0, two open group 1
+        rb.extend(groups(["other"], 2, offset=1.0))
+        table = admin.stats("rounds")["rounds"]
+        assert (table.ready, table.groups_ready, table.groups_pending) == (8, 2, 0)
 
 
 def test_writers_on_their_own_fill_one_group_and_a_new_writer_finds_the_open_round(target) -> None:
@@ -192,7 +196,7 @@ def test_a_batch_is_leased_until_the_next_sample_and_a_dead_trainers_batch_comes
         assert counts() == (0, 4, 2)
         again = rb.sample(return_info=True)[1]  # acknowledges the second batch, waits for the dead one's
         assert set(again["uids"]) == set(taken["uids"]) and not set(again["uids"]) & set(first["uids"])
-        rb.sampler.ack(rb.storage)  # after the last step
+        rb.sampler.ack()  # after the last step
         assert counts() == (0, 0, 6)
 
 
@@ -206,7 +210,7 @@ def test_a_long_step_keeps_its_batch(target) -> None:
         threading.Event().wait(4.0)  # the step
         table = admin.stats("long")["long"]
         assert (table.leased, table.leases_expired) == (2, 0)
-        rb.sampler.close(rb.storage)  # a run abandoned mid-step: the batch goes back now
+        rb.sampler.close()  # a run abandoned mid-step: the batch goes back now
         assert admin.stats("long")["long"].ready == 2
 
 
@@ -260,3 +264,4 @@ def test_refusals_name_the_problem(target) -> None:
         with pytest.raises(ValueError, match="vary over its tokens"):
             rb.sample()
         assert admin.stats("tokens")["tokens"].ready == 2  # the batch went back
+

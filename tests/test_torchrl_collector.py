@@ -162,6 +162,6 @@ def test_llm_collector_writes_into_expbuf_and_grpo_trains_on_its_groups(start_se
         assert bool(torch.isfinite(total))
         total.backward()
         assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
-        rb.sampler.ack(rb.storage)  # the step is done (no sample follows to say so)
+        rb.sampler.ack()  # the step is done (no sample follows to say so)
         table = admin.stats("llm")["llm"]
         assert (table.consumed, table.leased, table.ready) == (2 * RUNS, 0, RUNS)

@@ -47,9 +47,10 @@ class ExpbufSampler(Sampler):
 
     `rb.sample(batch_size)` asks for `batch_size` experiences filled with whole groups (a batch
     may end one group past it: a multiple of the table's group size is exactly that many
-    groups). The options are `sample()`'s: order (fifo, lifo, uniform, priority or a registered order), delivery
-    (lease, consume or replay), lease_seconds, timeout (how long a batch may wait for ready
-    groups; then DeadlineExceededError), min_model_version, trainer_version, allow_partial.
+    groups). The options are `sample()`'s: order (fifo, lifo, uniform, priority or a registered
+    order), delivery (lease, consume or replay), lease_seconds, timeout (how long a batch may
+    wait for ready groups; then DeadlineExceededError), min_model_version, trainer_version,
+    allow_partial.
     """
 
     def __init__(self, **options: Unpack[SampleOptions]) -> None:
@@ -62,6 +63,8 @@ class ExpbufSampler(Sampler):
         self._given_back: list[str] = []  # leases of interrupted draws, to give back once the server answers
         self._restored: str | None = None  # the lease a loaded checkpoint named, to acknowledge
         self._keeper: LeaseKeeper | None = None
+        self._keeper_table = ""
+        self._source: ExpbufStorage | None = None  # the storage sampled last
         self._lock = threading.Lock()
 
     @property
@@ -72,6 +75,7 @@ class ExpbufSampler(Sampler):
         if not isinstance(storage, ExpbufStorage):
             raise TypeError(f"ExpbufSampler draws from an ExpbufStorage, not {type(storage).__name__}")
         with self._lock:
+            self._source = storage
             self._ack_last(storage)
             batch = self._draw(storage, batch_size)
             try:
@@ -91,13 +95,18 @@ class ExpbufSampler(Sampler):
         return torch.arange(count), info
 
     def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
+        """The renewer of this sampler's leases on the storage's table (its own channel)."""
+        if self._keeper is not None and self._keeper_table != storage.table:
+            self._keeper.close()
+            self._keeper = None
         if self._keeper is None:
-            self._keeper = LeaseKeeper(storage.connect(), storage.table, float(self.options.get("lease_seconds", 60.0)))
+            seconds = float(self.options.get("lease_seconds", SampleSpec.lease_seconds))
+            self._keeper, self._keeper_table = LeaseKeeper(storage.connect(), storage.table, seconds), storage.table
         return self._keeper
 
     def _draw(self, storage: ExpbufStorage, batch_size: int) -> Batch:
         """One batch whose delivery the server has committed (see the module's docstring)."""
-        deadline = time.monotonic() + storage.client.timeout
+        deadline: float | None = None  # the server has been unavailable since `client.timeout` before it
         while True:
             received: list[Batch] = []
             try:
@@ -105,6 +114,7 @@ class ExpbufSampler(Sampler):
                     received.append(batch)
             except UnavailableError as exc:
                 self._given_back += [b.lease_id for b in received if b.lease_id]
+                deadline = deadline or time.monotonic() + storage.client.timeout
                 if time.monotonic() + PAUSE >= deadline:
                     raise
                 log.warning("expbuf table %s: a draw was interrupted (%s); drawing again", storage.table, exc.details)
@@ -136,18 +146,19 @@ class ExpbufSampler(Sampler):
             self._keeper.drop(lease)
         self._last = None
 
-    def ack(self, storage: ExpbufStorage) -> None:
+    def ack(self) -> None:
         """Acknowledge the batch drawn last now: after the last step, when no sample follows."""
         with self._lock:
-            self._ack_last(storage)
+            if self._source is not None:
+                self._ack_last(self._source)
 
-    def close(self, storage: ExpbufStorage) -> None:
+    def close(self) -> None:
         """Stop renewing. The batch drawn last goes back to the table now (its step is not known to
         have finished: call `ack` first when it has)."""
         with self._lock:
-            if self._last is not None:
+            if self._last is not None and self._source is not None:
                 with contextlib.suppress(NotFoundError):  # it ended already
-                    storage.client.nack(self._last.lease_id, storage.table)
+                    self._source.client.nack(self._last.lease_id, self._source.table)
                 self._last = None
             if self._keeper is not None:
                 self._keeper.close()
@@ -175,7 +186,7 @@ class ExpbufSampler(Sampler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_last=None, _keeper=None, _given_back=[], _lock=None)
+        state.update(_last=None, _keeper=None, _source=None, _given_back=[], _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -39,25 +39,30 @@ STATE_FILE = "expbuf.json"
 
 
 class _Rounds:
-    """The round each group name is open at, as far as this writer knows."""
+    """The round each group name is open at, and how many members this writer put into it."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
-        self._open: OrderedDict[str, tuple[int, int]] = OrderedDict()  # task -> (round, members this writer put)
+        self._open: OrderedDict[str, tuple[int, int]] = OrderedDict()  # task -> (round, members)
 
-    def open(self, task: str) -> int:
-        return self._open.get(task, (0, 0))[0]
+    def plan(self, task: str, count: int) -> list[int]:
+        """The rounds of `count` new members: the open one while it has room, then the next ones.
+        A table that completes groups on push takes each push's members as one group."""
+        round_, members = self._open.get(task, (0, 0))
+        if not self.group_size:
+            return [round_] * count
+        return [round_ + (members + i) // self.group_size for i in range(count)]
 
     def stored(self, task: str, count: int) -> None:
-        """`count` members went into the open round; a group of `group_size` (or any push, when
-        the table completes groups on push) closes it."""
-        done, members = self._open.get(task, (0, 0))
-        members += count
-        if not self.group_size or members >= self.group_size:
-            done, members = done + 1, 0
-        self._set(task, (done, members))
+        round_, members = self._open.get(task, (0, 0))
+        if self.group_size:
+            round_, members = round_ + (members + count) // self.group_size, (members + count) % self.group_size
+        else:
+            round_, members = round_ + 1, 0
+        self._set(task, (round_, members))
 
     def closed(self, task: str, round_: int) -> None:
+        """The server refused round `round_` as complete: another writer filled it."""
         self._set(task, (round_ + 1, 0))
 
     def _set(self, task: str, value: tuple[int, int]) -> None:
@@ -167,31 +172,31 @@ class ExpbufStorage(LazyStackStorage):
         return convert.to_experience(element, EID(task=task, suffix=uuid.uuid4().hex), group)
 
     def _push(self, pending: dict[str, list[Experience]]) -> None:
-        """One push of every group's members into its open round."""
+        """One push of every group's members into the rounds this writer knows to have room."""
         assert self._rounds is not None
         for task, exps in pending.items():
-            for exp in exps:
-                exp.eid.batch = self._rounds.open(task)
+            for exp, round_ in zip(exps, self._rounds.plan(task, len(exps)), strict=True):
+                exp.eid.batch = round_
         self.client.push([exp for exps in pending.values() for exp in exps], self.table)
         for task, exps in pending.items():
             self._rounds.stored(task, len(exps))
 
     def _push_group(self, task: str, exps: list[Experience]) -> None:
-        """A group's members into the rounds with room for them: all at once, else one by one."""
+        """A group name's members after a refusal: all at once, else one by one, each into the
+        first round the server finds open."""
         assert self._rounds is not None
         while True:
-            round_ = self._rounds.open(task)
             try:
                 self._push({task: exps})
                 return
             except FailedPreconditionError as exc:
-                if not _closed_group(exc, f"{round_}/{task}"):
+                if not any(_closed_group(exc, exp.eid.tid) for exp in exps):
                     raise
-                if len(exps) > 1:  # the round has room for fewer: fill it, then the next
+                if len(exps) > 1:  # fewer fit than this writer thought: one at a time
                     for exp in exps:
                         self._push_group(task, [exp])
                     return
-                self._rounds.closed(task, round_)
+                self._rounds.closed(task, int(exps[0].eid.batch))
 
     # ------------------------------------------------------------------ reading
 

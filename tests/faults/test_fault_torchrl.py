@@ -116,7 +116,7 @@ def test_a_server_killed_mid_run_loses_nothing_acknowledged_and_trains_nothing_t
             with steps:
                 trained.extend((td["query"], int(td["tokens", "response"][1])) for td in batch.unbind(0))
                 steps.notify_all()
-        rb.sampler.ack(rb.storage)
+        rb.sampler.ack()
     for thread in threads:
         thread.join(60)
     assert not failures, failures
