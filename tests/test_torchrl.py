@@ -13,9 +13,11 @@ wrappers and its Ray collectors need CUDA and are not run; nothing else of the p
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +267,15 @@ def test_refusals_name_the_problem(target) -> None:
             rb.sample()
         assert admin.stats("tokens")["tokens"].ready == 2  # the batch went back
 
+
+def test_the_readmes_snippet_runs(target, capsys) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Using expbuf from TorchRL") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S)
+    assert snippet is not None
+    exec(compile(snippet.group(1).replace("127.0.0.1:50051", target), "README", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out
+    assert printed.count("2+2=") == 4 and printed.count("3+3=") == 4
+    with BufferClient(target) as admin:
+        table = admin.stats("grpo4")["grpo4"]
+    assert (table.consumed, table.leased) == (8, 0)
