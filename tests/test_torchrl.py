@@ -25,7 +25,7 @@ torchrl = pytest.importorskip("torchrl")
 
 import torch  # noqa: E402
 from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack  # noqa: E402
-from torchrl.data import ReplayBuffer  # noqa: E402
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer  # noqa: E402
 from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens  # noqa: E402
 from torchrl.objectives.llm import MCAdvantage  # noqa: E402
 
@@ -94,6 +94,10 @@ def rows(batch: TensorDictBase) -> list[TensorDictBase]:
     return list(batch.unbind(0))
 
 
+def uids_of(batch: TensorDictBase) -> list[str]:
+    return list(batch["expbuf", "uid"])
+
+
 def test_extend_and_sample_whole_groups_with_the_tables_advantage_equal_to_mcadvantage(target) -> None:
     with BufferClient(target) as admin:
         admin.create_table("grpo4", group_size=4, estimator="grpo")
@@ -105,11 +109,12 @@ def test_extend_and_sample_whole_groups_with_the_tables_advantage_equal_to_mcadv
         mc = {key(td): float(td["advantage"].reshape(())) for td in rows(reference)}
         seen: list[str] = []
         for _ in range(2):
-            batch, info = rb.sample(return_info=True)
-            assert batch["advantage"].shape == (len(info["uids"]), 1, 1)
-            assert Counter(info["group_ids"]).most_common()[-1][1] == 4  # whole groups only
-            stored = {e.eid.uid: e for e in admin.get(info["uids"], "grpo4")}
-            for uid, td in zip(info["uids"], rows(batch), strict=True):
+            batch = rb.sample()
+            uids = uids_of(batch)
+            assert batch["advantage"].shape == (len(uids), 1, 1)
+            assert Counter(batch["expbuf", "group_id"]).most_common()[-1][1] == 4  # whole groups only
+            stored = {e.eid.uid: e for e in admin.get(uids, "grpo4")}
+            for uid, td in zip(uids, rows(batch), strict=True):
                 exp = stored[uid]
                 first_action = exp.advantages[exp.action_mask.bool()][0]
                 assert float(td["advantage"].reshape(())) == pytest.approx(float(first_action), abs=0)  # the table's
@@ -139,6 +144,21 @@ def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -
         assert bool(full[:3].isnan().all()) and torch.equal(full[3:], td["log_probs", "response"])
 
 
+def test_a_tensordict_replay_buffer_takes_them_too(target) -> None:
+    """TensorDictReplayBuffer writes the sampler's info into the batch: it holds tensors only."""
+    with BufferClient(target) as admin:
+        admin.create_table("tdrb", group_size=2, estimator="grpo")
+        rb = TensorDictReplayBuffer(
+            storage=ExpbufStorage(target, "tdrb"), sampler=ExpbufSampler(timeout=5), batch_size=2
+        )
+        rb.extend(groups(["a"], 2))
+        batch = rb.sample()
+        assert batch["times_sampled"].tolist() == [1, 1]
+        assert sorted(batch["advantage"].flatten().tolist()) == pytest.approx([-0.70710677, 0.70710677], rel=1e-5)
+        rb.sampler.ack()
+        assert admin.stats("tdrb")["tdrb"].consumed == 2
+
+
 def test_one_element_at_a_time_makes_the_same_groups_and_a_prompt_seen_again_a_new_group(target) -> None:
     """MCAdvantage's grouping, kept by the table: the first four of a name are its group 0, the
     next four its group 1; `add` (one element) counts as extend does."""
@@ -149,9 +169,8 @@ def test_one_element_at_a_time_makes_the_same_groups_and_a_prompt_seen_again_a_n
             rb.add(td)
         table = admin.stats("rounds")["rounds"]
         assert (table.ready, table.groups_ready, table.groups_pending) == (8, 2, 0)
-        first, second = rb.sample(return_info=True)[1], rb.sample(return_info=True)[1]
-        assert len(set(first["group_ids"])) == len(set(second["group_ids"])) == 1
-        assert first["group_ids"][0] != second["group_ids"][0]
+        first, second = set(rb.sample()["expbuf", "group_id"]), set(rb.sample()["expbuf", "group_id"])
+        assert len(first) == len(second) == 1 and first != second
         rb.extend(groups(["other"], 6))  # one extend past a group: four make group 0, two open group 1
         rb.extend(groups(["other"], 2, offset=1.0))
         table = admin.stats("rounds")["rounds"]
@@ -187,17 +206,17 @@ def test_a_batch_is_leased_until_the_next_sample_and_a_dead_trainers_batch_comes
             table = admin.stats("lease")["lease"]
             return table.ready, table.leased, table.consumed
 
-        first = rb.sample(return_info=True)[1]
+        first = uids_of(rb.sample())
         assert counts() == (4, 2, 0)
         rb.sample()  # the step that used the first batch returned: it is acknowledged
         assert counts() == (2, 2, 2)
         # a trainer that dies: nothing acknowledges its batch, nothing renews its lease
         dead = buffer(target, "lease", 2, lease_seconds=1.0)
-        taken = dead.sample(return_info=True)[1]
+        taken = uids_of(dead.sample())
         dead.sampler._keeper.close()  # as its process's death would: nothing renews the lease
         assert counts() == (0, 4, 2)
-        again = rb.sample(return_info=True)[1]  # acknowledges the second batch, waits for the dead one's
-        assert set(again["uids"]) == set(taken["uids"]) and not set(again["uids"]) & set(first["uids"])
+        again = uids_of(rb.sample())  # acknowledges the second batch, waits for the dead one's
+        assert set(again) == set(taken) and not set(again) & set(first)
         rb.sampler.ack()  # after the last step
         assert counts() == (0, 0, 6)
 
@@ -221,11 +240,10 @@ def test_state_dict_says_where_the_data_is_and_a_checkpoint_acknowledges_its_ste
         admin.create_table("ckpt", group_size=2, estimator="grpo")
         rb = buffer(target, "ckpt", 2, lease_seconds=60.0)
         rb.extend(groups(["a", "b"], 2))
-        taken = rb.sample(return_info=True)[1]
-        trained = taken["uids"]
+        trained = uids_of(rb.sample())
         state = rb.state_dict()
         assert state["_storage"] == {"target": target, "table": "ckpt"}
-        assert state["_sampler"] == {"lease_id": taken["lease_id"]}
+        assert set(state["_sampler"]) == {"lease_id"} and state["_sampler"]["lease_id"]
         rb.dumps(tmp_path / "rb")
         rb.sampler._keeper.close()  # the trainer dies right after its checkpoint
         restored = ReplayBuffer(
@@ -233,7 +251,7 @@ def test_state_dict_says_where_the_data_is_and_a_checkpoint_acknowledges_its_ste
         )
         restored.loads(tmp_path / "rb")
         assert (restored.storage.target, restored.storage.table) == (target, "ckpt")
-        nxt = restored.sample(return_info=True)[1]["uids"]
+        nxt = uids_of(restored.sample())
         assert not set(nxt) & set(trained)  # the checkpoint's step is not trained again
         assert admin.stats("ckpt")["ckpt"].consumed == 2
         with pytest.raises(DeadlineExceededError):

@@ -14,6 +14,7 @@ experience:
     the group key ("query")             info["group"]; the eid's task is a digest of it
     "advantage" (sampled only)          the table's advantage: one value per experience, shape (1, 1),
                                         where TorchRL's MCAdvantage writes it and GRPOLoss reads it
+    ("expbuf", "uid" | "group_id")      (sampled only) the experience's uid and its group's id
 
 The rest of an element (a ChatHistory, a reference model's log-probs, done flags) is not stored.
 Tokens must be unpadded (`pad_output=False`, the wrappers' default): padded ones are refused.
@@ -34,6 +35,7 @@ from expbuf.client.experience import EID, Experience
 ADVANTAGE: NestedKey = "advantage"
 REWARD: NestedKey = ("next", "reward")
 VERSION: NestedKey = "policy_version"
+IDENTITY: NestedKey = "expbuf"  # a sampled element's uid and group id
 GROUP_INFO = "group"  # info[...] that keeps an experience's group name
 
 
@@ -183,6 +185,7 @@ def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
     advantage = _advantage(exp)
     if advantage is not None:
         element[ADVANTAGE] = advantage
+    element[IDENTITY] = TensorDict(uid=exp.eid.uid, group_id=exp.eid.tid, batch_size=[])
     return element
 
 

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -86,13 +87,8 @@ class ExpbufSampler(Sampler):
             if self.leases:
                 self._last = batch
                 self._keeper_of(storage).hold(batch.lease_id)
-        info = {
-            "uids": batch.uids,
-            "group_ids": batch.group_ids,
-            "lease_id": batch.lease_id,
-            "times_sampled": torch.tensor(batch.times_sampled),
-        }
-        return torch.arange(count), info
+        # tensors only: TensorDictReplayBuffer writes the info into the batch (the uids are in it already)
+        return torch.arange(count), {"times_sampled": torch.tensor(batch.times_sampled)}
 
     def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
         """The renewer of this sampler's leases on the storage's table (its own channel)."""
@@ -102,6 +98,7 @@ class ExpbufSampler(Sampler):
         if self._keeper is None:
             seconds = float(self.options.get("lease_seconds", SampleSpec.lease_seconds))
             self._keeper, self._keeper_table = LeaseKeeper(storage.connect(), storage.table, seconds), storage.table
+            weakref.finalize(self, self._keeper.close)  # a sampler dropped unclosed renews nothing more
         return self._keeper
 
     def _draw(self, storage: ExpbufStorage, batch_size: int) -> Batch:
