@@ -189,6 +189,6 @@ def to_element(exp: Experience, group_key: NestedKey) -> TensorDict:
     return element
 
 
-def to_tensordict(experiences: list[Experience], group_key: NestedKey) -> list[TensorDict]:
+def to_elements(experiences: list[Experience], group_key: NestedKey) -> list[TensorDict]:
     """Sampled experiences as elements; `lazy_stack` them for a batch (ragged sequences)."""
     return [to_element(exp, group_key) for exp in experiences]

@@ -13,8 +13,8 @@ is given back (once the server answers again) and drawn anew, so a batch the tra
 can never also be sitting in the table.
 
 `state_dict()` names the lease of the batch drawn last; a checkpoint taken between steps
-(after the step that used it) therefore holds it, and `load_state_dict` acknowledges it, so
-a trainer restored from that checkpoint does not train that batch a second time.
+(after the step that used it) therefore holds it, and `load_state_dict` has it acknowledged at
+the next sample, so a trainer restored from that checkpoint does not train that batch again.
 """
 
 from __future__ import annotations

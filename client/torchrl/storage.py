@@ -202,7 +202,7 @@ class ExpbufStorage(LazyStackStorage):
 
     def hold(self, batch: Batch) -> int:
         """Keep a drawn batch's elements for `get`; returns how many there are."""
-        self._storage = convert.to_tensordict(batch.experiences, self.group_key)
+        self._storage = convert.to_elements(batch.experiences, self.group_key)
         self._bump_mutation_revision()
         return len(self._storage)
 
