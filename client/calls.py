@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
@@ -19,7 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
-from .errors import DataLossError
+from .errors import DataLossError, ExpbufError
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     Batch,
@@ -57,6 +57,25 @@ class Unary(Generic[R]):
     timeout: float | None = None
 
 
+@dataclass(frozen=True)
+class Chunked(Generic[R]):
+    """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
+    messages as gRPC sends them, anew for each attempt; the stream's one reply is read as a Unary's."""
+
+    requests: Callable[[], Iterator[pb.PushRequest]]
+    read: Callable[[Any], R]
+    retry: bool
+    timeout: float | None = None
+    method: str = "PushStream"
+
+
+def one_reply(replies: list[Any]) -> Any:
+    """The reply to a push sent in chunks: its stream answers it once."""
+    if len(replies) != 1:
+        raise ExpbufError(grpc.StatusCode.INTERNAL, f"PushStream answered a push in chunks {len(replies)} times")
+    return replies[0]
+
+
 def payload(items: bytes | Iterable[Any]) -> bytes:
     """TRXP bytes as they are, or experiences (expbuf's or Trinity-RFT's) encoded."""
     if isinstance(items, (bytes, bytearray, memoryview)):
@@ -70,13 +89,26 @@ def _version(version: int) -> int:
     return version
 
 
-def push(items: bytes | Iterable[Any], table: str, timeout: float | None) -> Unary[PushResult]:
+def push(
+    items: bytes | Iterable[Any], table: str, timeout: float | None, chunk_bytes: int
+) -> Unary[PushResult] | Chunked[PushResult]:
+    """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never)."""
+
     def read(reply: pb.PushReply) -> PushResult:
         return PushResult(
             list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
         )
 
-    return Unary("Push", pb.PushRequest(table=table, payload=payload(items)), read, retry=True, timeout=timeout)
+    body = payload(items)
+    if 0 < chunk_bytes < len(body):
+        return Chunked(lambda: _chunks(body, table, chunk_bytes), read, retry=True, timeout=timeout)
+    return Unary("Push", pb.PushRequest(table=table, payload=body), read, retry=True, timeout=timeout)
+
+
+def _chunks(body: bytes, table: str, size: int) -> Iterator[pb.PushRequest]:
+    yield pb.PushRequest(table=table, payload=body[:size], total_bytes=len(body))
+    for start in range(size, len(body), size):
+        yield pb.PushRequest(payload=body[start : start + size])
 
 
 def ack(lease_id: str, table: str) -> Unary[int]:

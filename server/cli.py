@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
+            "max_metadata_bytes": args.max_metadata_bytes,
             "check_at_open": args.check_at_open,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
@@ -244,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
         " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
+    )
+    serve.add_argument(
+        "--max-metadata-bytes",
+        type=int,
+        help="the most an experience's metadata may take written out; a push with more is refused"
+        " (default 8 MiB; env EXPBUF_MAX_METADATA_BYTES)",
     )
     serve.add_argument(
         "--check-at-open",

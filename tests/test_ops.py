@@ -244,6 +244,7 @@ CONFLICTS = {
     ("areal", "omegaconf"),
     ("areal", "networkx"),
     ("areal", "peft"),
+    ("verl", "tensordict"),
     ("virtualenv", "packaging"),
 }
 

@@ -28,9 +28,9 @@ from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferError, PushResult
+from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 
 from . import settings
-from .leases import RENEWALS_PER_LEASE, LeaseKeeper
 from .location import connect, parse
 from .taskset import prompt_eid
 
