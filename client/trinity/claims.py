@@ -8,7 +8,8 @@ before a claim ends). A claim whose group is complete ends (its prompt is genera
 dropped at its next renewal; one held `hold` seconds is renewed no more, so that a task that
 never made a group (every run failed) goes out again with its next attempt. The thread stops
 when the reader is closed or collected, and dies with its process: a killed explorer's prompts
-go out again within one claim.
+go out again within one claim. The thread is the one that renews a reader's leases
+(expbuf.client.lease_keeper.Renewer).
 """
 
 from __future__ import annotations
@@ -19,71 +20,42 @@ import time
 from collections.abc import Callable, Iterable
 
 from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, Renewer
 from expbuf.client.prompts import Prompt
 
 log = logging.getLogger(__name__)
-RENEWALS_PER_CLAIM = 3
+RENEWALS_PER_CLAIM = RENEWALS_PER_LEASE
+_Key = tuple[str, str, int, int, int]
 
 
-def _key(prompt: Prompt) -> tuple[str, str, int, int, int]:
+def _key(prompt: Prompt) -> _Key:
     return prompt.table, prompt.dataset, prompt.epoch, prompt.index, prompt.attempt
 
 
-class ClaimKeeper:
+class ClaimKeeper(Renewer[_Key, tuple[Prompt, float]]):
     """Renews the claims it holds every `seconds / 3`, each for `seconds` more, for at most
     `hold` seconds after it took them, until closed."""
 
     def __init__(
         self, client: BufferClient, seconds: float, hold: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._client = client  # its own channel, its calls bounded by the renewal period
-        self._seconds, self._hold, self._clock = seconds, hold, clock
-        self._held: dict[tuple[str, str, int, int, int], tuple[Prompt, float]] = {}  # key -> prompt, until when
-        self._lock = threading.Lock()
+        super().__init__(client, seconds, "expbuf-claim-keeper")
+        self._hold, self._clock = hold, clock
         self._renewing = threading.Lock()  # one renewal at a time: the thread's, or held()'s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def period(self) -> float:
-        return self._seconds / RENEWALS_PER_CLAIM
 
     def hold(self, prompts: Iterable[Prompt]) -> None:
         """Keep these claims until their groups are complete, they end, or `hold` seconds pass."""
         until = self._clock() + self._hold
-        with self._lock:
-            if self._stop.is_set():
-                return
-            for prompt in prompts:
-                self._held[_key(prompt)] = (prompt, until)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="expbuf-claim-keeper", daemon=True)
-                self._thread.start()
+        self._keep({_key(prompt): (prompt, until) for prompt in prompts})
 
     def held(self) -> list[Prompt]:
         """The claims still held, renewed now: those whose group is complete, or that ended, are
         dropped first."""
-        self._renew()
+        self._renew_held()
         with self._lock:
             return [prompt for prompt, _ in self._held.values()]
 
-    def close(self) -> None:
-        """Stop renewing; the claims still held end within one claim. Idempotent."""
-        with self._lock:
-            self._stop.set()
-            self._held.clear()
-            running = self._thread is not None
-        if not running:
-            self._client.close()  # else the thread closes it, after any renewal in flight
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.period):
-                self._renew()
-        finally:
-            self._client.close()
-
-    def _renew(self) -> None:
+    def _renew_held(self) -> None:
         with self._renewing:
             now = self._clock()
             with self._lock:
