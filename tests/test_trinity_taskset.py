@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -39,6 +40,7 @@ from trinity.common.config import (  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.prompts import Claim  # noqa: E402
 from expbuf.client.trinity import ExpbufTaskset, plugin_dir  # noqa: E402
 from expbuf.client.trinity.claims import ClaimKeeper  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
@@ -316,6 +318,26 @@ def test_what_a_taskset_on_expbuf_cannot_be_is_refused_by_name(
         trinity.buffer.get_buffer_reader(experiences)
 
 
+def read_within(taskset: ExpbufTaskset, seconds: float = 120.0) -> list | BaseException:
+    """A read's tasks, or what it raised; a read that waits for ever fails the test instead of
+    holding it (the read goes on in its thread until the taskset is closed)."""
+    outcome: list[list | BaseException] = []
+
+    def read() -> None:
+        try:
+            outcome.append(asyncio.run(taskset.read()))
+        except BaseException as exc:  # the outcome is the test's, in the test's thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if not outcome:
+        taskset.close()
+        raise AssertionError("the read still waits")
+    return outcome[0]
+
+
 def test_a_max_in_flight_the_explorers_own_unwritten_steps_fill_is_refused_by_name(
     server: ExpbufServer, admin: BufferClient, tmp_path: Path
 ) -> None:
@@ -325,21 +347,55 @@ def test_a_max_in_flight_the_explorers_own_unwritten_steps_fill_is_refused_by_na
     admin.create_dataset(TABLE, DATASET, SIZE, epochs=EPOCHS, max_in_flight=2)
     taskset = trinity.buffer.get_buffer_reader(taskset_config(server, tmp_path, "dataset=math&source=SOURCE"))
     assert len(asyncio.run(taskset.read())) == 2
-    outcome: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            asyncio.run(taskset.read())
-        except BaseException as exc:  # the outcome is the test's, in the test's thread
-            outcome.append(exc)
-
-    reader = threading.Thread(target=read, daemon=True)  # a read that waited for ever fails the test
-    reader.start()
-    reader.join(120)
+    outcome = read_within(taskset)
     taskset.close()
-    assert outcome, "the read still waits"
     with pytest.raises(ValueError, match=r"max_in_flight=2 and this explorer holds all 2 of its claims"):
-        raise outcome[0]
+        raise outcome if isinstance(outcome, BaseException) else AssertionError(outcome)
+
+
+def groups(tasks: list) -> list[str]:
+    return [f"{task.index['expbuf']['batch']}/{task.index['expbuf']['task']}" for task in tasks]
+
+
+def test_explorers_sharing_a_dataset_end_together_and_wait_for_a_rollout_workers_claims(
+    server: ExpbufServer, admin: BufferClient, tmp_path: Path
+) -> None:
+    """Two explorers read one dataset. At its end each holds the claims of steps it writes only
+    after its loop ends, so neither waits for the other's; a rollout worker's claims are waited
+    for, since their prompts may come back, and then go to the explorer that waited."""
+    admin.create_dataset(TABLE, DATASET, SIZE)
+    config = taskset_config(server, tmp_path, "dataset=math&source=SOURCE", total_epochs=1)
+    first, second = trinity.buffer.get_buffer_reader(config), trinity.buffer.get_buffer_reader(config)
+    worker = admin.claim(TABLE, DATASET, 2, lease_seconds=600, owner="rollout-worker-1").prompts
+    handed = groups(asyncio.run(first.read())) + groups(asyncio.run(second.read()))
+    assert admin.ledger(TABLE, DATASET).total("pending") == 0
+
+    claims, waited = Counter[str](), threading.Event()  # the read found nothing to claim, and claimed again
+    claim = first._client.claim
+
+    def claiming(*args: Any, **kwargs: Any) -> Claim:
+        claims["calls"] += 1
+        if claims["calls"] == 2:
+            waited.set()
+        return claim(*args, **kwargs)
+
+    first._client.claim = claiming  # type: ignore[method-assign]
+    outcome: list[list | BaseException] = []
+    reader = threading.Thread(target=lambda: outcome.append(read_within(first)), daemon=True)
+    reader.start()
+    assert waited.wait(120), "the read did not wait for the worker's claims"
+    assert admin.release_claims(worker) == 2  # the worker gives its prompts back
+    reader.join(150)
+    assert outcome and not isinstance(outcome[0], BaseException), outcome
+    assert sorted(groups(outcome[0])) == sorted(p.group.replace("@0", "@1") for p in worker)
+    handed += groups(outcome[0])
+
+    for explorer in (first, second):  # every claim now an explorer's: each loop ends
+        assert isinstance(read_within(explorer), StopAsyncIteration)
+    assert sorted(g.split("@")[0] for g in handed) == sorted(f"{DATASET}/0/{i}" for i in range(SIZE))
+    assert admin.ledger(TABLE, DATASET).total("claimed") == SIZE
+    first.close()
+    second.close()
 
 
 def test_a_step_written_after_one_of_its_claims_ended_keeps_the_other_groups(

@@ -13,8 +13,9 @@ A task carries its prompt in `task.index["expbuf"]` (EID batch and task); Trinit
 `task.index` into each experience's `info["task_index"]`, and the plugin's writer gives the
 experiences the prompt's EID (Trinity's workflow runner sets `eid.batch` to the explore step),
 so that they make the prompt's group. The explorer's loop ends (StopAsyncIteration) when the
-ledger says the dataset is done, or when nothing is left to generate but this explorer's own
-tasks, which it then finishes: Trinity writes a step's experiences only after its next read.
+ledger says the dataset is done, or when nothing is left to generate but explorers' tasks (its
+own, and those of other explorers reading the dataset), which each then finishes: Trinity writes
+a step's experiences only after its next read.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 TASK_INDEX_KEY = "expbuf"  # task.index[TASK_INDEX_KEY] = {"batch": ..., "task": ...}
 # How long one claim waits for a prompt before the reader asks whether it should stop.
 POLL_SECONDS = 1.0
+OWNER_PREFIX = "trinity-explorer-"  # the owner of an explorer's claims: its host, pid, a nonce
 
 
 def prompt_eid(info: Any) -> tuple[str, str] | None:
@@ -76,7 +78,7 @@ class ExpbufTaskset(BufferReader):
         self._size = len(self._rows)
         self._client = connect(self.location)
         self._check_dataset(config.total_epochs)
-        self._owner = f"trinity-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._owner = f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         keeper = connect(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_CLAIM)
         self._keeper = ClaimKeeper(keeper, self.location.lease_seconds, self.location.hold_seconds)
         weakref.finalize(self, self._keeper.close)  # a reader dropped unclosed renews nothing more
@@ -131,7 +133,7 @@ class ExpbufTaskset(BufferReader):
     async def read(self, batch_size: int | None = None, **kwargs: Any) -> list:
         """The tasks of up to `batch_size` prompts claimed now (fewer while the dataset's
         max_in_flight holds them back), waiting for one; StopAsyncIteration when the dataset is
-        done, or nothing is left to generate but this explorer's own tasks."""
+        done, or nothing is left to generate but explorers' tasks."""
         size = batch_size or self.batch_size
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"batch_size must be a positive number of tasks, got {size!r}")
@@ -156,13 +158,16 @@ class ExpbufTaskset(BufferReader):
             if claim.prompts:
                 self._keeper.hold(claim.prompts)
                 return claim.prompts
-            if claim.done or self._only_mine_left():
+            if claim.done or self._nothing_to_wait_for():
                 return None
 
-    def _only_mine_left(self) -> bool:
-        """Whether no prompt waits to go out and every claim is this reader's own: its tasks are
-        all there is left to generate. Read the counts before the claims held (none is taken
-        meanwhile), so that a claim that ends in between is not taken for another claimant's.
+    def _nothing_to_wait_for(self) -> bool:
+        """Whether no prompt waits to go out and every claim is an explorer's: this reader's own,
+        or another explorer's reading the dataset, which writes its unwritten steps once its own
+        loop ends (two explorers waiting for each other's claims would wait for ever). A rollout
+        worker's claim is waited for: its prompt may come back. The counts are read before the
+        claims held (none is taken meanwhile), so that a claim that ends in between is not taken
+        for another claimant's, and again after another's claims are listed, for the same reason.
         Refused when the dataset's max_in_flight is full of this reader's own claims alone: its
         explorer writes them only after this read, which would wait for ever."""
         if not self._sees_ledger:
@@ -184,7 +189,24 @@ class ExpbufTaskset(BufferReader):
                     f"max_in_flight to at least batch_size ({self.batch_size}) x (the explorer's steps in flight + 1)"
                 )
             return False  # the trainer makes room
-        return info.total("pending") == 0 and mine
+        if info.total("pending"):
+            return False
+        if mine:
+            return True
+        if not self._explorers_hold_every_claim():
+            return False
+        return not self._client.ledger(self.location.table, self.location.dataset).total("pending")
+
+    def _explorers_hold_every_claim(self) -> bool:
+        """Whether every claim on the dataset is a Trinity explorer's (its owner names one)."""
+        table, dataset, after = self.location.table, self.location.dataset, None
+        while True:
+            page = self._client.list_prompts(table, dataset, states=["claimed"], after=after)
+            if any(not prompt.owner.startswith(OWNER_PREFIX) for prompt in page.prompts):
+                return False
+            if page.done or page.after is None:
+                return True
+            after = page.after
 
     def _task(self, prompt: Prompt) -> Any:
         """Trinity's task of the prompt's row, as its file reader makes it, carrying the prompt's EID."""
