@@ -298,7 +298,7 @@ def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
         "client/trxp/_native/parse.cpython-311-x86_64-linux-gnu.so",  # compiled for this machine, by make setup
     )
     sources = ("Makefile", "pyproject.toml", "README.md", "server/app.py", "proto/expbuf/v1/buffer.proto")
-    sources += ("client/native_build.py", "client/native.py", "client/trxp/parse.py")
+    sources += ("setup.py", "client/native_build.py", "client/native.py", "client/trxp/parse.py")
     assert [p for p in local_state if not ignored(p)] == []
     assert [p for p in sources if ignored(p)] == []
 
