@@ -367,7 +367,9 @@ def list_prompts(
 
     def read(reply: pb.ListPromptsReply) -> PromptPage:
         prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
-        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None) else None
+        # A page that read records names the last it read, even when it kept none of `states`.
+        read = prompts or after is not None or not reply.done
+        last = (reply.after_epoch, reply.after_index) if read else None
         return PromptPage(prompts, last, reply.done)
 
     return Unary("ListPrompts", request, read, retry=True)
