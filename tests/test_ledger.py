@@ -13,7 +13,16 @@ from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, Sta
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.ledger import Claimed
-from expbuf.server.store.ledger_records import DatasetRecord, group_key, permuted
+from expbuf.server.store.ledger_records import (
+    DatasetRecord,
+    PromptRecord,
+    dataset_key,
+    expiry_key,
+    group_key,
+    permuted,
+    prompt_key,
+    queue_key,
+)
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience
@@ -236,3 +245,34 @@ def test_a_table_without_datasets_reads_the_ledger_once(store: Store) -> None:
     """Pushes into a table that holds no dataset never look up their groups in the ledger."""
     store.put("t", items("x", Claimed(0, 0, 0, 0.0), range(2)))
     assert store.ledger.holds(store.catalog.state(store.environment.env.begin(), *store.catalog.lookup("t"))) is False
+
+
+def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, clock: Clock) -> None:
+    """`expbuf check` (Store.verify) holds a dataset's counts, its claims' expiry index and its
+    queue of prompts sent back against the prompt records, and those against the groups."""
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", DatasetRecord("math", size=4))
+        (done, held, back), _ = store.claims.claim("t", "math", 3, seconds=10)
+        store.put("t", items("math", done, range(2)))  # generated
+        store.claims.release("t", "math", [(back.epoch, back.index, back.attempt)])  # pending, in the queue
+        assert store.verify("t") == []
+        table_id, _ = store.catalog.lookup("t")
+        db = store.catalog.db["ledger"]
+        with store.environment.env.begin(write=True) as txn:
+            txn.delete(expiry_key(table_id, held.expires, "math", 0, held.index), db=db)
+            txn.delete(queue_key(table_id, "math", 0), db=db)
+            ds = DatasetRecord.decode(txn.get(dataset_key(table_id, "math"), db=db))
+            ds.count(0, "trained", 1)
+            txn.put(dataset_key(table_id, "math"), ds.encode(), db=db)
+            txn.put(prompt_key(table_id, "math", 0, 3), PromptRecord("generated", 0).encode(), db=db)
+        found = store.verify("t")
+    assert found == [
+        f"dataset math: prompt 0/{held.index} is claimed (attempt 0) but its claim is not in the expiry index",
+        "dataset math: prompt 0/3 is generated, but the group of attempt 0 is not there",
+        "dataset math: its queue of prompts sent back holds 0 entries for 1 such prompts "
+        f"(not sent back: []; missing: [(0, {back.index})])",
+        "dataset math: epoch 0 counts 1 generated prompts, but 2 were found",
+        "dataset math: epoch 0 counts 1 trained prompts, but 0 were found",
+        "the claims' expiry index holds 0 entries for 1 claimed prompts",
+    ]
