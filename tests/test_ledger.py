@@ -16,7 +16,9 @@ from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,
     PromptRecord,
+    counts_key,
     dataset_key,
+    encode_counts,
     expiry_key,
     group_key,
     permuted,
@@ -248,8 +250,9 @@ def test_a_table_without_datasets_reads_the_ledger_once(store: Store) -> None:
 
 
 def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, clock: Clock) -> None:
-    """`expbuf check` (Store.verify) holds a dataset's counts, its claims' expiry index and its
-    queue of prompts sent back against the prompt records, and those against the groups."""
+    """`expbuf check` (Store.verify) holds a dataset's totals and counts by epoch, its claims'
+    expiry index and its queue of prompts sent back against the prompt records, and those
+    against the groups."""
     with Store(tmp_path / "data", clock=clock) as store:
         store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
         store.claims.create("t", DatasetRecord("math", size=4))
@@ -262,9 +265,7 @@ def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, cl
         with store.environment.env.begin(write=True) as txn:
             txn.delete(expiry_key(table_id, held.expires, "math", 0, held.index), db=db)
             txn.delete(queue_key(table_id, "math", 0), db=db)
-            ds = DatasetRecord.decode(txn.get(dataset_key(table_id, "math"), db=db))
-            ds.count(0, "trained", 1)
-            txn.put(dataset_key(table_id, "math"), ds.encode(), db=db)
+            txn.put(counts_key(table_id, "math", 0), encode_counts({"claimed": 1, "generated": 1, "trained": 1}), db=db)
             txn.put(prompt_key(table_id, "math", 0, 3), PromptRecord("generated", 0).encode(), db=db)
         found = store.verify("t")
     assert found == [
@@ -272,7 +273,23 @@ def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, cl
         "dataset math: prompt 0/3 is generated, but the group of attempt 0 is not there",
         "dataset math: its queue of prompts sent back holds 0 entries for 1 such prompts "
         f"(not sent back: []; missing: [(0, {back.index})])",
+        "dataset math: its totals count 1 generated prompts, but 2 were found",
         "dataset math: epoch 0 counts 1 generated prompts, but 2 were found",
         "dataset math: epoch 0 counts 1 trained prompts, but 0 were found",
         "the claims' expiry index holds 0 entries for 1 claimed prompts",
     ]
+
+
+def test_an_event_writes_only_its_epochs_counts_whatever_the_epochs(store: Store) -> None:
+    """A claim, a group completing and a consume each rewrite the dataset's record: it holds
+    totals, and each epoch's counts are a record of their own, so the most epochs a dataset may
+    have (2**20) cost an event no more than one."""
+    store.claims.create("t", DatasetRecord("long", size=2, epochs=2**20))
+    (prompt,), _ = store.claims.claim("t", "long", 1, seconds=60)
+    store.put("t", items("long", prompt, range(2)))
+    assert store.sample(SampleSpec("t", num_groups=1)) is not None
+    table_id, _ = store.catalog.lookup("t")
+    with store.environment.read() as txn:
+        assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
+    ds = ledger(store, "long")
+    assert (ds.total("trained"), len(ds.counts), ds.counts[0], ds.counts[-1]) == (1, 2**20, {"trained": 1}, {})

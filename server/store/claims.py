@@ -58,14 +58,20 @@ class Claims:
 
     def create(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
         """A dataset on the table (ledger.check names a setting out of range); (record, created)."""
-        return self._in_table(table, lambda tt: self.ledger.create(tt, ds, exist_ok=exist_ok))
+
+        def create(tt: TableState) -> tuple[DatasetRecord, bool]:
+            record, created = self.ledger.create(tt, ds, exist_ok=exist_ok)
+            return self.ledger.with_counts(tt, record), created
+
+        return self._in_table(table, create)
 
     def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
         """The table's datasets (or the one named), their cursors and counts."""
         table_id, config = self.catalog.lookup(table)
         with self.environment.read() as txn:
             tt = self.catalog.state(txn, table_id, config)
-            return [self.ledger.dataset(tt, name)] if name else self.ledger.datasets(tt)
+            found = [self.ledger.dataset(tt, name)] if name else self.ledger.datasets(tt)
+            return [self.ledger.with_counts(tt, ds) for ds in found]
 
     def claim(
         self,

@@ -36,8 +36,13 @@ from .ledger_records import (
     TRAINED,
     DatasetRecord,
     PromptRecord,
+    counts_epoch,
+    counts_key,
+    counts_prefix,
     dataset_key,
     datasets_prefix,
+    decode_counts,
+    encode_counts,
     expiry_key,
     expiry_prefix,
     group_entry,
@@ -132,7 +137,7 @@ class Ledger(TableExtension):
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
         ds.created = tt.now
         ds.owned = ds.owned or ds.size
-        ds.counts = [{} for _ in range(ds.epochs)]
+        ds.totals, ds.counts = {}, []
         self._save(tt, ds)
         self._holds[tt.table_id] = True
         return ds, True
@@ -155,6 +160,26 @@ class Ledger(TableExtension):
 
     def _save(self, tt: TableState, ds: DatasetRecord) -> None:
         tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=tt.db["ledger"])
+
+    def _count(self, tt: TableState, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
+        """`delta` more prompts of the epoch in `state`: in its record and the dataset's totals."""
+        ds.totals[state] = ds.totals.get(state, 0) + delta
+        key, ledger = counts_key(tt.table_id, ds.name, epoch), tt.db["ledger"]
+        raw = tt.txn.get(key, db=ledger)
+        row = {} if raw is None else decode_counts(raw)
+        row[state] = row.get(state, 0) + delta
+        tt.txn.put(key, encode_counts(row), db=ledger)
+
+    def with_counts(self, tt: TableState, ds: DatasetRecord) -> DatasetRecord:
+        """The dataset with its counts by epoch read (`counts`, one row per epoch)."""
+        ds.counts = [{} for _ in range(ds.epochs)]
+        prefix = counts_prefix(tt.table_id, ds.name)
+        with tt.txn.cursor(db=tt.db["ledger"]) as cur:
+            found = cur.set_range(prefix)
+            while found and bytes(cur.key()).startswith(prefix):
+                ds.counts[counts_epoch(bytes(cur.key()))] = decode_counts(cur.value())
+                found = cur.next()
+        return ds
 
     # ---- claims ------------------------------------------------------------------------------
 
@@ -181,7 +206,7 @@ class Ledger(TableExtension):
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
-            ds.count(epoch, CLAIMED, 1)
+            self._count(tt, ds, epoch, CLAIMED, 1)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
         return out, ds.done
@@ -275,7 +300,7 @@ class Ledger(TableExtension):
         its attempts spent), and the attempt's incomplete group, if any, is dropped."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
@@ -289,7 +314,7 @@ class Ledger(TableExtension):
         rec.expires, rec.owner, rec.holder = 0.0, "", ""
         if rec.attempt + 1 >= ds.max_attempts:
             rec.state = DROPPED
-            ds.count(epoch, DROPPED, 1)
+            self._count(tt, ds, epoch, DROPPED, 1)
         else:
             rec.state, rec.attempt = PENDING, rec.attempt + 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
@@ -330,8 +355,8 @@ class Ledger(TableExtension):
         self._unexpire(tt, name, epoch, index, rec)
         rec.state, rec.expires = GENERATED, 0.0
         self._put(tt, name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
-        ds.count(epoch, GENERATED, 1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, GENERATED, 1)
         self._save(tt, ds)
 
     def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
@@ -339,6 +364,7 @@ class Ledger(TableExtension):
         failed or deleted one's is done or goes back (on_drop)."""
         if not self.holds(tt):
             return
+        loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
         for gkey, _ in groups:
             found = self._entry(tt, gkey)
             if found is None:
@@ -346,20 +372,21 @@ class Ledger(TableExtension):
             (name, epoch, index, attempt), rec = found
             if rec.attempt != attempt or rec.state not in (CLAIMED, GENERATED):
                 continue
-            ds = self.dataset(tt, name)
+            ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
-            ds.count(epoch, rec.state, -1)
+            self._count(tt, ds, epoch, rec.state, -1)
             if state == CONSUMED:
                 rec.state, rec.expires = TRAINED, 0.0
-                ds.count(epoch, TRAINED, 1)
+                self._count(tt, ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.state, rec.expires = DROPPED, 0.0
-                ds.count(epoch, DROPPED, 1)
+                self._count(tt, ds, epoch, DROPPED, 1)
                 self._put(tt, name, epoch, index, rec)
+        for ds in loaded.values():
             self._save(tt, ds)
 
     def on_upkeep(self, tt: TableState) -> int:

@@ -2,7 +2,7 @@
 their prompts and with the table's groups, so that a crash that left them apart is reported.
 
 Every dataset and prompt record decodes and names an (epoch, index) of its dataset; each
-epoch's counts by state are its prompt records in that state; a claimed prompt's claim is in
+epoch's counts by state, and the dataset's totals, are its prompt records in that state; a claimed prompt's claim is in
 the expiry index, which holds nothing else; a prompt sent back and not claimed again is in
 its dataset's queue once, and the queue holds nothing else; the group of a claimed prompt's
 attempt is incomplete or not there yet, and a generated prompt's is complete and live.
@@ -10,18 +10,20 @@ attempt is incomplete or not there yet, and a generated prompt's is complete and
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from .ledger_records import (
     CLAIMED,
-    DROPPED,
+    COUNTED,
     GENERATED,
     PENDING,
-    TRAINED,
     DatasetRecord,
     PromptRecord,
+    counts_epoch,
+    counts_prefix,
     datasets_prefix,
+    decode_counts,
     expiry_key,
     expiry_prefix,
     group_key,
@@ -33,8 +35,6 @@ from .ledger_records import (
 from .records import LIVE
 from .records import PENDING as GROUP_PENDING
 from .table_state import TableState
-
-COUNTED = (CLAIMED, GENERATED, TRAINED, DROPPED)  # a dataset's counts hold these; pending is the rest
 
 
 def _entries(tt: TableState, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -57,24 +57,42 @@ def verify_ledger(tt: TableState) -> list[str]:
             continue
         found, dataset_claims = _prompts(tt, ds, problems)
         claims += dataset_claims
-        if len(ds.counts) != ds.epochs:
-            problems.append(f"dataset {ds.name}: counts for {len(ds.counts)} epochs, but it has {ds.epochs}")
-        for epoch, row in enumerate(ds.counts[: ds.epochs]):
-            for state in COUNTED:
-                if row.get(state, 0) != found[epoch][state]:
-                    problems.append(
-                        f"dataset {ds.name}: epoch {epoch} counts {row.get(state, 0)} {state} prompts, "
-                        f"but {found[epoch][state]} were found"
-                    )
+        _counts(tt, ds, found, problems)
     expiries = sum(1 for _ in _entries(tt, expiry_prefix(tt.table_id)))
     if expiries != claims:
         problems.append(f"the claims' expiry index holds {expiries} entries for {claims} claimed prompts")
     return problems
 
 
-def _prompts(tt: TableState, ds: DatasetRecord, problems: list[str]) -> tuple[list[Counter[str]], int]:
+def _counts(tt: TableState, ds: DatasetRecord, found: dict[int, Counter[str]], problems: list[str]) -> None:
+    """Each epoch's counts, and the dataset's totals, against the prompt records found."""
+    for state in COUNTED:
+        records = sum(row[state] for row in found.values())
+        if ds.total(state) != records:
+            problems.append(
+                f"dataset {ds.name}: its totals count {ds.total(state)} {state} prompts, but {records} were found"
+            )
+    unseen = {epoch for epoch, row in found.items() if +row}
+    for key, raw in _entries(tt, counts_prefix(tt.table_id, ds.name)):
+        epoch = counts_epoch(key)
+        if epoch >= ds.epochs:
+            problems.append(f"dataset {ds.name}: counts for epoch {epoch}, but it has {ds.epochs} epochs")
+            continue
+        unseen.discard(epoch)
+        row = decode_counts(raw)
+        for state in COUNTED:
+            if row.get(state, 0) != found[epoch][state]:
+                problems.append(
+                    f"dataset {ds.name}: epoch {epoch} counts {row.get(state, 0)} {state} prompts, "
+                    f"but {found[epoch][state]} were found"
+                )
+    for epoch in sorted(unseen):
+        problems.append(f"dataset {ds.name}: epoch {epoch} has no counts, but prompts {dict(found[epoch])} were found")
+
+
+def _prompts(tt: TableState, ds: DatasetRecord, problems: list[str]) -> tuple[dict[int, Counter[str]], int]:
     """One dataset's prompt records checked; their counts by epoch and state, and the claims."""
-    found: list[Counter[str]] = [Counter() for _ in range(ds.epochs)]
+    found: dict[int, Counter[str]] = defaultdict(Counter)
     pending: set[tuple[int, int]] = set()
     claims = 0
     for key, raw in _entries(tt, prompts_prefix(tt.table_id, ds.name)):

@@ -1,7 +1,8 @@
 """The prompt ledger's records and keys (ledger.py keeps its rules).
 
 A table's datasets of prompts live in the `ledger` database, under the table's id T:
-- T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, counts
+- T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, totals
+- T + "c" + name + 0 + epoch              -> the epoch's prompts claimed, generated, trained, dropped (4 x u64)
 - T + "p" + name + 0 + epoch + index      -> PromptRecord: a prompt handed out at least once
 - T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
@@ -20,7 +21,7 @@ import hashlib
 import json
 import re
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
@@ -29,6 +30,7 @@ from . import layout
 
 PENDING, CLAIMED, GENERATED, TRAINED, DROPPED = "pending", "claimed", "generated", "trained", "dropped"
 PROMPT_STATES = (PENDING, CLAIMED, GENERATED, TRAINED, DROPPED)
+COUNTED = PROMPT_STATES[1:]  # the states a dataset counts; pending is the rest
 ON_DROP = ("done", "retry")
 # A dataset's name starts with a letter: a group key that began with a number would read as a
 # rollout batch to a sharded client's shard epochs (routing.py).
@@ -37,6 +39,7 @@ MAX_SIZE = 2**40
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_COUNTS = struct.Struct(">4Q")  # an epoch's prompts claimed, generated, trained, dropped
 _PROMPT = struct.Struct("<BIdB")  # state, attempt, expires (0: none), holder length
 _STATE_CODE = {state: code for code, state in enumerate(PROMPT_STATES)}
 
@@ -54,11 +57,15 @@ def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
 
 @dataclass
 class DatasetRecord:
-    """A dataset of prompts on a table, its cursor and its counts.
+    """A dataset of prompts on a table, its cursor and its totals.
 
-    `counts[epoch][state]` counts the prompts of each epoch in each state but pending (the
-    rest of the epoch's `owned` prompts). `owned` is the prompts of an epoch this server hands
-    out: `size`, or for a shard of a sharded table those whose key its rendezvous owns."""
+    `totals[state]` counts the prompts of every epoch in each state but pending (the rest of
+    the `owned` prompts of each epoch). Each epoch's own counts are a record of their own
+    (`counts_key`), so that an event rewrites this record and its epoch's, whatever the
+    epochs; `counts` holds them, one row per epoch, only when read for a caller
+    (ledger.Ledger.with_counts), and is never stored here. `owned` is the prompts of an epoch
+    this server hands out: `size`, or for a shard of a sharded table those whose key its
+    rendezvous owns."""
 
     name: str
     size: int
@@ -76,19 +83,16 @@ class DatasetRecord:
     next_seq: int = 0
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
-    counts: list[dict[str, int]] = field(default_factory=list)
+    totals: dict[str, int] = field(default_factory=dict)
+    counts: list[dict[str, int]] = field(default_factory=list)  # read for a caller, not stored
 
     def settings(self) -> dict[str, Any]:
         """What the creator chose: an identical CreateDataset with exist_ok finds it."""
         keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards")
         return {key: getattr(self, key) for key in keys}
 
-    def count(self, epoch: int, state: str, delta: int) -> None:
-        row = self.counts[epoch]
-        row[state] = row.get(state, 0) + delta
-
     def total(self, *states: str) -> int:
-        return sum(row.get(state, 0) for row in self.counts for state in states)
+        return sum(self.totals.get(state, 0) for state in states)
 
     @property
     def in_flight(self) -> int:
@@ -100,11 +104,35 @@ class DatasetRecord:
         return self.total(TRAINED, DROPPED) >= self.owned * self.epochs
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        stored = {key: value for key, value in vars(self).items() if key != "counts"}
+        return json.dumps(stored, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> DatasetRecord:
         return cls(**json.loads(bytes(raw)))
+
+
+def counts_key(table_id: int, name: str, epoch: int) -> bytes:
+    return counts_prefix(table_id, name) + _U32.pack(epoch)
+
+
+def counts_prefix(table_id: int, name: str) -> bytes:
+    return layout.table_prefix(table_id) + b"c" + name.encode() + b"\0"
+
+
+def counts_epoch(key: bytes) -> int:
+    """The epoch of an epoch's counts key."""
+    epoch: int = _U32.unpack_from(key, len(key) - 4)[0]
+    return epoch
+
+
+def encode_counts(row: dict[str, int]) -> bytes:
+    return _COUNTS.pack(*(row.get(state, 0) for state in COUNTED))
+
+
+def decode_counts(raw: bytes | memoryview) -> dict[str, int]:
+    """An epoch's counts by state, the states with none left out."""
+    return {state: n for state, n in zip(COUNTED, _COUNTS.unpack(raw), strict=True) if n}
 
 
 @dataclass
