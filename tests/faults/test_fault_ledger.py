@@ -145,7 +145,9 @@ def check_trainer_log(log: TrainerLog, trainers_killed: set[str], server_kills: 
         )
     cut = [d for d in log.deliveries if d.outcome not in (None, "acked")]
     assert all(d.outcome == "not_found" for d in cut), Counter(d.outcome for d in cut)
-    assert len(cut) <= server_kills, f"{len(cut)} acks not confirmed, but the server was killed {server_kills} times"
+    # A server kill leaves the trainer at most the batch in hand and the one on its way (the
+    # client's window of 2): each may be acked after the server's restart and not found.
+    assert len(cut) <= 2 * server_kills, f"{len(cut)} acks not found, but the server was killed {server_kills} times"
 
     by_group: dict[str, list[Delivery]] = {}
     for delivery in log.deliveries:
