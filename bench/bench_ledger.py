@@ -12,7 +12,9 @@ grpo), one client. Per prompt, a rollout worker's and a trainer's work:
 Each round runs `--prompts` prompts on each side, the side that goes first alternating, after
 one round of each to warm up. The ratio is the two sides' time per prompt, measured side by
 side; the median of the rounds' own ratios leaves out rounds that a passing load on a shared
-machine slowed on one side only (goal: at most 1.05).
+machine slowed on one side only (goal: at most 1.05). The server's CPU time and the bytes it
+wrote to storage per prompt, read from /proc for each side's rounds, are steadier than wall
+time and say where an extra goes.
 """
 
 from __future__ import annotations
@@ -46,13 +48,23 @@ PARTS = ("claim", "push", "sample + ack")
 HEADING = "## The prompt ledger's cost per prompt (issue 28)"
 
 
-class Side:
-    """One side's work and the time each part of it took."""
+def server_use(pid: int) -> tuple[float, int]:
+    """The server's CPU seconds and the bytes it has sent to storage (LMDB's pages), from /proc:
+    steadier than wall time on a busy machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    written = int(io["write_bytes"])
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), written
 
-    def __init__(self, client: BufferClient, table: str, template: list[Experience], claim: int) -> None:
-        self.client, self.table, self.template, self.claim = client, table, template, claim
+
+class Side:
+    """One side's work, the time each part of it took, and the server's CPU and writes for it."""
+
+    def __init__(self, client: BufferClient, table: str, template: list[Experience], claim: int, pid: int) -> None:
+        self.client, self.table, self.template, self.claim, self.pid = client, table, template, claim, pid
         self.next_task = 0
         self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.cpu, self.written = 0.0, 0
         self.prompts = 0
 
     def eids(self) -> list[list[EID]]:
@@ -68,6 +80,7 @@ class Side:
     def run(self, prompts: int, *, timed: bool = True) -> float:
         """Claim, push, lease and ack `prompts` prompts; the seconds it took."""
         spent = dict.fromkeys(PARTS, 0.0)
+        cpu, written = server_use(self.pid)
         for _ in range(prompts // self.claim):
             start = time.perf_counter()
             eids = self.eids()
@@ -86,6 +99,9 @@ class Side:
         if timed:
             for part, seconds in spent.items():
                 self.seconds[part] += seconds
+            now_cpu, now_written = server_use(self.pid)
+            self.cpu += now_cpu - cpu
+            self.written += now_written - written
             self.prompts += prompts
         return sum(spent.values())
 
@@ -105,7 +121,7 @@ def bench(rounds: int, prompts: int, claim: int) -> dict[str, float]:
                     client.create_table(table, group_size=GROUP)
                 size = (rounds + 1) * prompts
                 client.create_dataset(WITH, DATASET, size, max_attempts=1)
-                sides = {table: Side(client, table, template, claim) for table in (WITH, WITHOUT)}
+                sides = {table: Side(client, table, template, claim, server.proc.pid) for table in (WITH, WITHOUT)}
                 for side in sides.values():
                     side.run(prompts, timed=False)
                 ratios = []
@@ -119,8 +135,11 @@ def bench(rounds: int, prompts: int, claim: int) -> dict[str, float]:
             server.stop()
     row = {f"{table}_{part}": side.ms(part) for table, side in sides.items() for part in ("", *PARTS)}
     row["prompts"] = sides[WITH].prompts
+    for table, side in sides.items():
+        row[f"{table}_cpu"] = side.cpu / side.prompts * 1e3
+        row[f"{table}_kb"] = side.written / side.prompts / 1024
     row["median_ratio"] = statistics.median(ratios)
-    print(claim, row, [round(r, 2) for r in ratios], file=sys.stderr)
+    print(claim, row, file=sys.stderr)
     return row
 
 
@@ -136,15 +155,16 @@ def report(command: str, rows: dict[int, dict[str, float]]) -> str:
         f"{prompts:.0f} prompts a side per claim size, in alternating rounds; ms per prompt.",
         "",
         "| claim | without the ledger | with the ledger | of which claim / push / sample + ack (extra) "
-        "| ratio | median of rounds | goal |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| ratio | median of rounds | goal | server CPU without / with | written to storage without / with |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for claim, row in rows.items():
         without, with_ = row[f"{WITHOUT}_"], row[f"{WITH}_"]
         parts = " / ".join(f"{row[f'{WITH}_{part}'] - row[f'{WITHOUT}_{part}']:+.2f}" for part in PARTS)
         lines.append(
             f"| {claim} | {without:.2f} ms | {with_:.2f} ms | {parts} ms | {with_ / without:.3f} "
-            f"| **{row['median_ratio']:.3f}** | ≤ 1.05 |"
+            f"| **{row['median_ratio']:.3f}** | ≤ 1.05 | {row[f'{WITHOUT}_cpu']:.2f} / {row[f'{WITH}_cpu']:.2f} ms "
+            f"| {row[f'{WITHOUT}_kb']:.0f} / {row[f'{WITH}_kb']:.0f} KB |"
         )
     return "\n".join([*lines, ""])
 
