@@ -28,7 +28,8 @@ from .counters import read_counters
 from .extensions import Extensions
 from .ledger_check import verify_ledger
 from .read_check import payload_problem
-from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
+from .records import GroupRecord, ItemRecord, Lease
+from .states import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything

@@ -59,10 +59,11 @@ from .ledger_records import (
     unplace,
 )
 from .ledger_shards import count_owned, owns
-from .records import CONSUMED, GroupRecord
-from .records import DROPPED as GROUP_DROPPED
-from .records import PENDING as GROUP_PENDING
+from .records import GroupRecord
 from .retirement import retire
+from .states import CONSUMED
+from .states import DROPPED as GROUP_DROPPED
+from .states import PENDING as GROUP_PENDING
 from .table_state import Groups, TableState
 
 MAX_EPOCHS = 2**20

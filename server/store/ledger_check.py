@@ -38,8 +38,8 @@ from .ledger_records import (
     read_group_entry,
     unplace,
 )
-from .records import LIVE
-from .records import PENDING as GROUP_PENDING
+from .states import LIVE
+from .states import PENDING as GROUP_PENDING
 from .table_state import TableState
 
 
