@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make serve   set up .venv and start the server (LMDB in ./expbuf-data, 127.0.0.1:50051)
-#   make test    set up .venv and run the test suite
+#   make test    set up .venv and run the test suite (and build the docs site, strictly)
 # An active virtualenv (VIRTUAL_ENV) is used instead of .venv; a torch that is already
 # importable there (a GPU build, say) is left alone.
 
@@ -12,7 +12,7 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity,ray,areal,verl,trl,torchrl
+EXTRAS ?= test,trinity,ray,areal,verl,trl,torchrl,docs
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
@@ -79,6 +79,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
+	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi)
 
