@@ -22,7 +22,7 @@ TRINITY_SPEC ?= trinity-rft==0.6.0
 # No transformers satisfies both: verl 0.9.1 declares <5.11, trinity-rft 0.6.0 >=5.12.1. verl's
 # pin is kept (its functions run in the tests; the Trinity modules used here run with it), and
 # the installs after trinity-rft and verl pass --no-warn-conflicts, so pip prints no ERROR block
-# for the requirements left unmet on purpose; `pip check` still lists them (the README says which and why).
+# for the requirements left unmet on purpose; `pip check` still lists them (docs/getting-started.md says which and why).
 # Nor does a tensordict satisfy both verl 0.9.1 (<=0.10) and torchrl 0.14 (the torchrl extra: >=0.14.3,
 # <0.15): torchrl's range is taken, since the verl code the tests run works with it (they pass with it).
 VERL_SPEC ?= verl==0.9.1

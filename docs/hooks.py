@@ -1,10 +1,11 @@
-"""The docs site's reference pages, written at build time from the code (an MkDocs hook).
+"""The docs site's generated pages, written at build time from the code (an MkDocs hook).
 
 The gRPC API comes from buffer.proto's comments, the CLI from `expbuf`'s argparse parser, the
 settings from the `ServerConfig` and `TableConfig` dataclasses and their comments, and the Python
 client's page from `expbuf.client.__all__` (rendered by mkdocstrings from the docstrings). None
 is written by hand, so none can drift from what it describes: `mkdocs build --strict` in
-`make test` fails on a reference a page makes to something that has gone.
+`make test` fails on a reference a page makes to something that has gone. The benchmarks'
+figures are bench/RESULTS.md itself, which the benchmarks write.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
         "",
         "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.tables.TableConfig`. The server's",
         "settings come from its TOML file (`--config`), the environment and its flags (the last wins); a table's",
-        "from the file's `[[tables]]`, `create_table` or `expbuf table create`.",
+        "from the file's `[[tables]]`, `create_table` or `expbuf table create`. See",
+        "[Serving](../operations/serving.md) for what they do together.",
         "",
     ]
     sources = {name: ", ".join(f"`{s}`" for s in found) for name, found in where.items()}
@@ -297,7 +299,7 @@ def link_sources() -> None:
 
 
 def pages() -> dict[str, str]:
-    """The reference pages by their path under docs/."""
+    """The generated pages by their path under docs/."""
     from expbuf import client
     from expbuf.server import cli, config, tables
 
@@ -306,6 +308,7 @@ def pages() -> dict[str, str]:
         "reference/cli.md": cli_page(cli.build_parser()),
         "reference/settings.md": settings_page(config.ServerConfig, tables.TableConfig, setting_sources()),
         "reference/python-client.md": client_page(list(client.__all__)),
+        "benchmark-results.md": (ROOT / "bench" / "RESULTS.md").read_text(),
     }
 
 

@@ -8,14 +8,13 @@ import dataclasses
 import importlib.util
 import re
 import sys
-from pathlib import Path
 from types import ModuleType
 
 from expbuf import client
 from expbuf.proto.v1 import buffer_pb2
 from expbuf.server import cli, config, tables
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+from pages import DOCS, ROOT, page
 
 
 def load_hooks() -> ModuleType:
@@ -106,3 +105,12 @@ def test_client_page_renders_every_export_of_expbuf_client() -> None:
     for name in client.__all__:
         assert f"::: expbuf.client.{name}\n" in page
     assert page.index("BufferClient") < page.index("Batch") < page.index("ExpbufError")
+
+
+def test_the_readmes_links_reach_files_in_the_tree() -> None:
+    """The README is read on the forge, outside the site: each relative link names a file there."""
+    readme = page("README")
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert len(links) > 20
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+    assert len(readme.splitlines()) < 300
