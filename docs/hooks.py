@@ -5,7 +5,7 @@ settings from the `ServerConfig` and `TableConfig` dataclasses and their comment
 client's page from `expbuf.client.__all__` (rendered by mkdocstrings from the docstrings). None
 is written by hand, so none can drift from what it describes: `mkdocs build --strict` in
 `make test` fails on a reference a page makes to something that has gone. The benchmarks'
-figures are bench/RESULTS.md itself, which the benchmarks write.
+figures are bench/RESULTS.md itself, which the benchmarks write, and their history bench/HISTORY.md.
 """
 
 from __future__ import annotations
@@ -308,7 +308,8 @@ def pages() -> dict[str, str]:
         "reference/cli.md": cli_page(cli.build_parser()),
         "reference/settings.md": settings_page(config.ServerConfig, tables.TableConfig, setting_sources()),
         "reference/python-client.md": client_page(list(client.__all__)),
-        "benchmark-results.md": (ROOT / "bench" / "RESULTS.md").read_text(),
+        "bench/RESULTS.md": (ROOT / "bench" / "RESULTS.md").read_text(),
+        "bench/HISTORY.md": (ROOT / "bench" / "HISTORY.md").read_text(),
     }
 
 
