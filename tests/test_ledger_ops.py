@@ -118,12 +118,13 @@ def test_metrics_count_prompts_by_state_and_survive_a_restart(
 
 
 def test_a_scrape_reads_each_tables_datasets_once(tmp_path: Path) -> None:
+    """Once per table, and from the dataset records' totals alone: no epoch's counts are read."""
     reads: list[str] = []
 
     class Counting(Store):
-        def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
-            reads.append(table)
-            return super().datasets(table, name)
+        def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+            reads.append(table if not by_epoch else f"{table} by epoch")
+            return super().datasets(table, name, by_epoch=by_epoch)
 
     with Counting(tmp_path / "data") as store:
         for table in ("a", "b", "c"):

@@ -1,9 +1,9 @@
 """The integrity checks of a data directory.
 
 `verify` checks one table: every record decodes, every stored payload matches its digest
-(taken at push, when the payload was checked), every index, group and counter agrees
-with the items, and the prompt ledger's records agree with each other (ledger_check.py). `scan` checks the
-whole directory (its format record, the catalogue of tables, their counters, the leases
+(taken at push, when the payload was checked), every index, group and counter agrees with
+the items, and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
+checks the whole directory (its format record, the catalogue of tables, their counters, the leases
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
