@@ -252,7 +252,7 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
 
 
 def setting_sources() -> dict[str, list[str]]:
-    """ "Class.field" -> the environment variables and `expbuf serve` flags that set it."""
+    """The environment variables and `expbuf serve` flags that set each setting, by "Class.field"."""
     from expbuf.server import cli, config
 
     where: dict[str, list[str]] = {}
