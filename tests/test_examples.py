@@ -1,4 +1,4 @@
-"""The README's rollout worker and trainer run against a real server."""
+"""The README's quick start and the examples' rollout worker and trainer run against a real server."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from expbuf.client import BufferClient
 
 from conftest import Servers
+from pages import code_blocks, page
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,6 +27,18 @@ def run(script: str, *args: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+@pytest.mark.parametrize("name", ["README", "getting-started.md"])
+def test_the_first_push_and_sample_run_as_written(name: str, target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The newcomer's snippet: 32 experiences stored, then two batches of two whole groups each."""
+    code = code_blocks(page(name), "python")[0]
+    exec(compile(code.replace("127.0.0.1:50051", target), name, "exec"), {"__name__": "docs"})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "32 stored"
+    assert [line.split("]")[0] for line in printed[1:]] == ["['0/0', '0/1'", "['0/2', '0/3'"]
+    with BufferClient(target) as client:
+        assert client.stats("grpo8")["grpo8"].consumed == 32
 
 
 def test_rollout_worker_then_trainer(target: str) -> None:

@@ -44,6 +44,7 @@ from expbuf.server.tables import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape
+from pages import page
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -233,7 +234,7 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert recipe is not None and recipe.group(1).split() == ["setup"]
 
 
-# What `pip check` may list after `make setup` (the README says why): the requirements of the
+# What `pip check` may list after `make setup` (docs/getting-started.md says why): the requirements of the
 # frameworks installed with --no-deps, and the pins no one set of versions meets.
 NO_DEPS = {"trinity-rft", "areal", "verl"}
 CONFLICTS = {
@@ -249,7 +250,7 @@ CONFLICTS = {
 }
 
 
-def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
+def test_pip_check_lists_only_the_unmet_requirements_the_docs_name() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120, check=False
     )
@@ -264,8 +265,8 @@ def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
         if line != "No broken requirements found.":
             unexpected.append(line)
     assert not unexpected, unexpected
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "`pip check` lists" in readme and all(f"`{package}`" in readme for _, package in CONFLICTS)
+    setup = " ".join(page("getting-started.md").split())
+    assert "`pip check` lists" in setup and all(f"`{package}`" in setup for _, package in CONFLICTS)
 
 
 def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
@@ -514,12 +515,14 @@ def test_rollout_worker_runs_again(start_server: Servers) -> None:
         assert [row.generated for row in c.ledger("default", "prompts").counts] == [2]
 
 
-def test_readme_says_how_to_run_the_installed_commands() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert "source .venv/bin/activate" in readme and ".venv/bin/expbuf" in readme
-    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
-    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
-    assert "metrics_host" in readme and "--metrics-host" in readme
+def test_readme_and_docs_say_how_to_run_the_installed_commands() -> None:
+    for name in ("README", "getting-started.md"):
+        text = page(name)
+        assert "source .venv/bin/activate" in text and ".venv/bin/expbuf" in text, name
+        assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text, name
+    assert "--index-url https://download.pytorch.org/whl/cpu" in page("getting-started.md")
+    serving = page("operations/serving.md")
+    assert "metrics_host" in serving and "--metrics-host" in serving
 
 
 def test_health_command_does_not_load_torch() -> None:
