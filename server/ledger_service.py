@@ -58,7 +58,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         reissued=ds.reissued,
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
-        owned=sum(ds.owned),
+        owned=ds.owned_total,
     )
 
 

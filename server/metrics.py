@@ -10,7 +10,6 @@ staleness of sampled experiences) is measured here. Each server has its own regi
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -102,7 +101,7 @@ class StoreCollector(Collector):
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
-        yield from _ledger_metrics({name: self.store.datasets(name) for name in names})
+        yield from _ledger_metrics({name: self.store.datasets(name, by_epoch=False) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
             "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
@@ -126,9 +125,7 @@ def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric
     )
     for table, records in datasets.items():
         for ds in records:
-            by_state: collections.Counter[str] = collections.Counter()
-            for epoch in range(len(ds.counts)):
-                by_state.update(ds.states(epoch))
+            by_state = ds.overall()  # the dataset record's totals: no epoch is read
             for state in PROMPT_STATES:
                 prompts.add_metric([table, ds.name, state], by_state[state])
             reissued.add_metric([table, ds.name], ds.reissued)

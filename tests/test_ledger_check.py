@@ -24,7 +24,9 @@ from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,
     PromptRecord,
+    counts_key,
     dataset_key,
+    encode_counts,
     expiry_key,
     group_entry,
     group_entry_key,
@@ -107,6 +109,15 @@ def edit_dataset(change: Callable[[DatasetRecord], None]) -> Write:
     return write
 
 
+def epoch_counts(epoch: int, owned: int, **row: int) -> Write:
+    """Epoch `epoch`'s record of prompts owned and counts by state, written over."""
+
+    def write(txn: lmdb.Transaction, db: lmdb._Database, table_id: int) -> None:
+        txn.put(counts_key(table_id, "math", epoch), encode_counts(owned, row), db=db)
+
+    return write
+
+
 def prompt(txn: lmdb.Transaction, db: lmdb._Database, table_id: int, index: int) -> PromptRecord:
     return PromptRecord.decode(txn.get(prompt_key(table_id, "math", 0, index), db=db))
 
@@ -139,23 +150,31 @@ DAMAGE: list[tuple[str, Write, list[str]]] = [
     ("undecodable", undecodable, ["dataset record 'math' does not decode"]),
     (
         "counts",
-        edit_dataset(lambda ds: ds.counts[0].update(trained=2)),
+        epoch_counts(0, 4, claimed=1, generated=1, trained=2),
         ["dataset math: epoch 0 counts 2 trained prompt(s), but 1 prompt record(s) are trained"],
     ),
     (
         "negative",
-        edit_dataset(lambda ds: ds.counts[1].update(dropped=-1)),
+        edit_dataset(lambda ds: ds.totals.update(dropped=-1)),
         [
-            "dataset math: epoch 1 counts -1 dropped prompt(s); a count is never negative",
-            "dataset math: epoch 1 counts -1 dropped prompt(s), but 0 prompt record(s) are dropped",
+            "dataset math: its totals count -1 dropped prompt(s); a count is never negative",
+            "dataset math: its totals count -1 dropped prompt(s), but 0 prompt record(s) are dropped",
         ],
     ),
     (
         "pending negative",
-        edit_dataset(lambda ds: ds.counts[1].update(dropped=5)),
+        epoch_counts(1, 4, dropped=5),
         [
             "dataset math: epoch 1 counts 5 prompt(s) claimed, generated, trained or dropped, of its 4",
             "dataset math: epoch 1 counts 5 dropped prompt(s), but 0 prompt record(s) are dropped",
+        ],
+    ),
+    (
+        "owned",
+        epoch_counts(1, 3),
+        [
+            "dataset math: epoch 1 owns 3 prompt(s); it owns all its 4",
+            "dataset math: its epochs own 7 prompt(s), but its owned_total is 8",
         ],
     ),
     (

@@ -1,6 +1,6 @@
 """The prompt ledger's operations side against a real server: `expbuf dataset create|list|
 describe` in a child process (its refusals naming the setting), the ledger's series on a real
-/metrics scrape, read back from LMDB after a restart, and the README's worker and trainer."""
+/metrics scrape, read back from LMDB after a restart, and the docs' worker and trainer (concepts/prompt-ledger.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from expbuf.server.tables import TableConfig
 
 from conftest import Servers
 from helpers import make_experience, scrape
+from pages import code_blocks, page
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 STATES = ("pending", "claimed", "generated", "trained", "dropped")
 
 
@@ -118,12 +118,13 @@ def test_metrics_count_prompts_by_state_and_survive_a_restart(
 
 
 def test_a_scrape_reads_each_tables_datasets_once(tmp_path: Path) -> None:
+    """Once per table, and from the dataset records' totals alone: no epoch's counts are read."""
     reads: list[str] = []
 
     class Counting(Store):
-        def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
-            reads.append(table)
-            return super().datasets(table, name)
+        def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+            reads.append(table if not by_epoch else f"{table} by epoch")
+            return super().datasets(table, name, by_epoch=by_epoch)
 
     with Counting(tmp_path / "data") as store:
         for table in ("a", "b", "c"):
@@ -262,19 +263,20 @@ def test_describe_pages_past_a_page_that_holds_none_of_the_states_asked_for(
     assert rows[1:] == [["0", "1004", "1", "pending", "big/0/1004@1", "-", "-"]]
 
 
-def test_the_readmes_rollout_worker_and_trainer_run_as_written(
+def test_the_docs_rollout_worker_and_trainer_run_as_written(
     server: ExpbufServer, capsys: pytest.CaptureFixture
 ) -> None:
     """Every prompt of both epochs is trained once, in batches the trainer acked."""
-    section = README.read_text().split("## The life of a prompt")[1].split("\n## ")[0]
-    code = section.split("```python\n")[1].split("```")[0]
+    code = code_blocks(page("concepts/prompt-ledger.md"), "python")[0]
     steps: list[list[Experience]] = []
 
     def generate(index: int, n: int) -> list[Experience]:
         return [make_experience(0, index, run, reward=float(run)) for run in range(n)]
 
     scope = {"generate": generate, "train_step": steps.append}
-    exec(compile(code.replace("127.0.0.1:50051", f"127.0.0.1:{server.port}"), "README.md", "exec"), scope)
+    exec(
+        compile(code.replace("127.0.0.1:50051", f"127.0.0.1:{server.port}"), "concepts/prompt-ledger.md", "exec"), scope
+    )
     assert capsys.readouterr().out.strip() == "32"
     groups = [exp.eid.tid for step in steps for exp in step]
     assert len(groups) == 32 * 8 and len(set(groups)) == 32

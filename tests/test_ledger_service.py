@@ -157,3 +157,20 @@ def test_the_async_client_claims_too(server: ExpbufServer, client: BufferClient)
             return [(p.index, p.attempt) for p in claim.prompts]
 
     assert asyncio.run(run()) == [(0, 0), (1, 0), (2, 0), (3, 0)]
+
+
+def test_paging_by_state_moves_past_pages_that_keep_no_prompt(client: BufferClient) -> None:
+    """A page that read records but kept none of the asked states still names where it
+    stopped, so the next page goes on from there instead of reading the first again."""
+    client.create_dataset("t", "math", 5)
+    claim = client.claim("t", "math", 5, lease_seconds=60)
+    assert client.release_claims(claim.prompts[3:]) == 2  # prompts 3 and 4 are pending again
+    found, after, pages = [], None, 0
+    while pages < 10:
+        page = client.list_prompts("t", "math", states=["pending"], after=after, limit=2)
+        found += [(p.index, p.attempt) for p in page.prompts]
+        pages += 1
+        if page.done:
+            break
+        after = page.after
+    assert (found, pages) == ([(3, 1), (4, 1)], 3)

@@ -16,7 +16,7 @@ from expbuf.client.routing import ShardMap
 from expbuf.server.errors import Cancelled, ConfigError
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
-from expbuf.server.store.ledger_records import DatasetRecord, group_key, permuted
+from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience
@@ -76,6 +76,28 @@ def test_a_shard_is_done_once_its_own_prompts_are_trained(stores: dict[str, Stor
     (info,) = store.claims.datasets("t", "math")
     assert info.done and info.total("trained") == len(claimed)
     assert store.claims.claim("t", "math", 1, seconds=60) == ([], True)
+
+
+def test_a_shards_part_of_each_epoch_is_kept_beside_its_counts_not_in_the_dataset_record(
+    stores: dict[str, Store],
+) -> None:
+    """Every claim, completed group and consume rewrites the dataset record: it keeps its size
+    whatever the epochs, each epoch's part being written at create where the epoch's counts
+    are, and kept there by every event."""
+    store = stores["s1"]
+    ds, _ = store.claims.create("t", sharded("long", "s1", size=3, epochs=4000))
+    (c,), _ = store.claims.claim("t", "long", 1, seconds=60)
+    runs = [make_experience(f"long/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
+    store.put("t", [trxp.from_experience(run) for run in runs])
+    assert store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None
+    table_id, _ = store.catalog.lookup("t")
+    with store.environment.read() as txn:
+        assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
+    (again,) = store.claims.datasets("t", "long")
+    assert again.owned == ds.owned and again.owned_total == sum(ds.owned) < 3 * 4000
+    assert again.states(c.epoch) == {
+        "pending": ds.owned[c.epoch] - 1, "claimed": 0, "generated": 0, "trained": 1, "dropped": 0
+    }  # fmt: skip
 
 
 def test_a_dataset_on_a_shard_is_created_once_whatever_order_its_shards_come_in(stores: dict[str, Store]) -> None:

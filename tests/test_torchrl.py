@@ -13,11 +13,9 @@ wrappers and its Ray collectors need CUDA and are not run; nothing else of the p
 from __future__ import annotations
 
 import pickle
-import re
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -31,6 +29,8 @@ from torchrl.objectives.llm import MCAdvantage  # noqa: E402
 
 from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
 from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
+
+from pages import code_blocks, page  # noqa: E402
 
 PROMPT = torch.tensor([5, 6, 7])
 
@@ -286,12 +286,9 @@ def test_refusals_name_the_problem(target) -> None:
         assert admin.stats("tokens")["tokens"].ready == 2  # the batch went back
 
 
-def test_the_readmes_snippet_runs(target, capsys) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Using expbuf from TorchRL") :]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S)
-    assert snippet is not None
-    exec(compile(snippet.group(1).replace("127.0.0.1:50051", target), "README", "exec"), {"__name__": "readme"})
+def test_the_docs_snippet_runs(target, capsys) -> None:
+    snippet = code_blocks(page("frameworks/torchrl.md"), "python")[0]
+    exec(compile(snippet.replace("127.0.0.1:50051", target), "frameworks/torchrl.md", "exec"), {"__name__": "docs"})
     printed = capsys.readouterr().out
     assert printed.count("2+2=") == 4 and printed.count("3+3=") == 4
     with BufferClient(target) as admin:

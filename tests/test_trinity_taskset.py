@@ -46,12 +46,13 @@ from expbuf.client.trinity.claims import ClaimKeeper  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
 
 from conftest import Servers  # noqa: E402
+from pages import code_blocks, page  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 from trinity_explorer_child import WORKFLOW, explore  # noqa: E402
 
 TABLE, DATASET, SIZE, EPOCHS = "grpo8", "math", 6, 2
-README = Path(__file__).resolve().parent.parent / "README.md"
-README_ADDRESS, README_SOURCE = "10.0.0.5:50051", "/data/math"
+PAGE = "frameworks/trinity.md"  # the docs page of Trinity-RFT, whose taskset job this runs
+PAGE_ADDRESS, PAGE_SOURCE = "10.0.0.5:50051", "/data/math"
 CHILD = Path(__file__).parent / "trinity_explorer_child.py"
 
 
@@ -76,23 +77,17 @@ def source(tmp_path: Path, rows: int = SIZE) -> Path:
     return directory
 
 
-def readme_trinity() -> str:
-    text = README.read_text()
-    section = text[text.index("## Using expbuf from Trinity-RFT") :]
-    return section[: section.index("\n## ", 1)]
-
-
-def readme_taskset() -> str:
-    """The README's taskset job (Trinity's section): the YAML block that names a dataset."""
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme_trinity(), re.S) if "dataset=" in b]
+def page_taskset() -> str:
+    """The page's taskset job: the YAML block that names a dataset."""
+    (block,) = [b for b in code_blocks(page(PAGE), "yaml") if "dataset=" in b]
     return block
 
 
 def job(server: ExpbufServer, tmp_path: Path, lease_seconds: float = 5.0) -> Path:
-    """The README's taskset job on this machine (its rows in tmp_path, claims of `lease_seconds`),
+    """The page's taskset job on this machine (its rows in tmp_path, claims of `lease_seconds`),
     with the rest of an explore-mode Trinity job, written where Trinity loads it from."""
     address = f"127.0.0.1:{server.port}"
-    readme = readme_taskset().replace(README_ADDRESS, address).replace(README_SOURCE, str(source(tmp_path)))
+    shown = page_taskset().replace(PAGE_ADDRESS, address).replace(PAGE_SOURCE, str(source(tmp_path)))
     rest = {
         "project": "expbuf",
         "name": "ledger",
@@ -106,7 +101,7 @@ def job(server: ExpbufServer, tmp_path: Path, lease_seconds: float = 5.0) -> Pat
             "trainer_input": {"experience_buffer": {"name": "experiences", "path": f"expbuf://{address}/{TABLE}"}},
         },
     }
-    merged = OmegaConf.to_container(OmegaConf.merge(rest, yaml.safe_load(readme)))
+    merged = OmegaConf.to_container(OmegaConf.merge(rest, yaml.safe_load(shown)))
     merged["buffer"]["batch_size"] = 2  # tasks an explore step reads
     taskset = merged["buffer"]["explorer_input"]["taskset"]
     taskset["default_workflow_type"] = WORKFLOW
@@ -116,9 +111,9 @@ def job(server: ExpbufServer, tmp_path: Path, lease_seconds: float = 5.0) -> Pat
     return path
 
 
-def readme_dataset(client: BufferClient) -> None:
-    """The dataset as the README's command creates it, for this job's rows."""
-    command = re.search(r"expbuf dataset create (\S+) (\S+) (\d+) (.*)", readme_trinity())
+def page_dataset(client: BufferClient) -> None:
+    """The dataset as the page's command creates it, for this job's rows."""
+    command = re.search(r"expbuf dataset create (\S+) (\S+) (\d+) (.*)", page(PAGE))
     assert command is not None and command.group(1, 2) == (TABLE, DATASET)
     settings = dict(word.split("=") for word in command.group(4).split("#")[0].split())
     client.create_dataset(TABLE, DATASET, SIZE, **{key: int(value) for key, value in settings.items()})
@@ -170,7 +165,7 @@ def check_rows(read: list[Experience]) -> None:
 def test_the_explorers_loop_takes_its_prompts_from_the_ledger(
     server: ExpbufServer, admin: BufferClient, tmp_path: Path
 ) -> None:
-    readme_dataset(admin)
+    page_dataset(admin)
     config = loaded(job(server, tmp_path))
     steps: list[str] = []
     last = SIZE * EPOCHS // 2
@@ -226,7 +221,7 @@ def writes(log: Path) -> list[int]:
 def test_an_explorer_killed_mid_step_gives_its_prompts_back_and_none_is_skipped_or_trained_twice(
     server: ExpbufServer, admin: BufferClient, tmp_path: Path
 ) -> None:
-    readme_dataset(admin)
+    page_dataset(admin)
     config = job(server, tmp_path)
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = run_explorer(config, first_log, die_at=3)

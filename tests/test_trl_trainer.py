@@ -26,6 +26,7 @@ from expbuf.client import EID, BufferClient
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences
 
 from conftest import Servers
+from pages import code_blocks, page
 from trl_cpu import EOS, MARKS, NoWeightSync, on_cpu, tiny_model, trained_marks, until
 
 GROUP = 4
@@ -131,14 +132,13 @@ def test_async_grpo_trains_each_sample_once_and_acks_only_trained_ones(
     assert stats.trainer_version == trainer.model_version == steps + 1  # a weight sync at start and each step
 
 
-def test_the_readmes_trl_section_runs_as_written(
+def test_the_docs_trl_section_runs_as_written(
     start_server: Servers, model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The snippet as written, but for the server's address, the model (the tiny one), the CPU
     (AsyncGRPOConfig trains in bf16 on a GPU by default) and TRL's weight sync (no vLLM server
     here: tests/trl_cpu.py)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    code = readme.split("## Using expbuf from TRL")[1].split("\n## ")[0].split("```python\n")[1].split("```")[0]
+    code = code_blocks(page("frameworks/trl.md"), "python")[0]
     for old, new in {
         "10.0.0.5:50051": f"127.0.0.1:{start_server().port}",
         '"Qwen/Qwen3-0.6B"': repr(model),
@@ -150,7 +150,7 @@ def test_the_readmes_trl_section_runs_as_written(
     monkeypatch.chdir(tmp_path)
     names: dict[str, Any] = {"NoWeightSync": NoWeightSync}
     with on_cpu():
-        exec(compile(code, "README.md", "exec"), names)
+        exec(compile(code, "frameworks/trl.md", "exec"), names)
     assert names["trainer"].state.global_step == 4
     client: BufferClient = names["client"]
     ledger = client.ledger("trl_grpo", "prompts")

@@ -21,7 +21,7 @@ parse.py, pickles.py (the metadata pickle's scan), unpickler.py, checks.py (vali
 
 from ..native import use_compiled
 
-# parse, checks, pickles and common compiled with mypyc where `make setup` built them (see native.py).
+# parse, checks, pickles and common compiled with mypyc where `make setup` or the wheel built them (see native.py).
 use_compiled(__name__, __path__)
 
 from .advantages import attach as attach_advantages

@@ -22,7 +22,8 @@ from .counters import SHAPING_COUNTERS
 from .engine import Store
 from .extensions import TableExtension
 from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
-from .records import (
+from .records import ItemRecord
+from .states import (
     COMPUTING,
     CONSUMED,
     DROPPED,
@@ -34,7 +35,8 @@ from .records import (
     READY,
     RETIRED,
     STATES,
-    ItemRecord,
+    IllegalMove,
+    State,
 )
 
 __all__ = [
@@ -52,10 +54,12 @@ __all__ = [
     "STATES",
     "ComputeJob",
     "Entry",
+    "IllegalMove",
     "ItemRecord",
     "PutResult",
     "Sampled",
     "ShapingUpdate",
+    "State",
     "Store",
     "TableExtension",
 ]

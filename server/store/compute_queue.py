@@ -14,7 +14,8 @@ from . import layout
 from .counters import read_counters
 from .extensions import TableExtension
 from .kinds import ComputeJob
-from .records import COMPUTING, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
+from .states import COMPUTING
 from .table_state import Groups, TableState, stored
 
 

@@ -455,9 +455,10 @@ class Store:
         """A dataset of prompts on the table, or a shard's part of one; (record, created)."""
         return self.claims.create(table, ds, exist_ok=exist_ok, stop=stop)
 
-    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
-        """The table's datasets (or the one named), with their cursors and counts."""
-        return self.claims.datasets(table, name)
+    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+        """The table's datasets (or the one named), with their cursors and totals, and each
+        epoch's prompts owned and counts unless not `by_epoch`."""
+        return self.claims.datasets(table, name, by_epoch=by_epoch)
 
     def claim(
         self,

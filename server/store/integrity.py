@@ -1,9 +1,9 @@
 """The integrity checks of a data directory.
 
 `verify` checks one table: every record decodes, every stored payload matches its digest
-(taken at push, when the payload was checked), every index, group and counter agrees
-with the items, and the prompt ledger's records agree with each other (ledger_check.py). `scan` checks the
-whole directory (its format record, the catalogue of tables, their counters, the leases
+(taken at push, when the payload was checked), every index, group and counter agrees with
+the items, and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
+checks the whole directory (its format record, the catalogue of tables, their counters, the leases
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
@@ -28,7 +28,8 @@ from .counters import read_counters
 from .extensions import Extensions
 from .ledger_check import verify_ledger
 from .read_check import payload_problem
-from .records import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES, GroupRecord, ItemRecord, Lease
+from .records import GroupRecord, ItemRecord, Lease
+from .states import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything

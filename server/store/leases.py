@@ -29,11 +29,12 @@ from .batch_rows import BatchRows
 from .kinds import Sampled
 from .limiter import sample_limit
 from .read_check import Unservable, serve_problem
-from .records import CONSUMED, FAILED, LEASED, READY, GroupRecord, ItemRecord, Lease
+from .records import GroupRecord, ItemRecord, Lease
 from .retirement import retire
 from .reuse import Taken
 from .snapshot import Snapshot
 from .staleness import report
+from .states import CONSUMED, FAILED, LEASED, READY
 from .table_state import TableState, stored
 
 log = logging.getLogger("expbuf.store")

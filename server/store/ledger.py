@@ -38,8 +38,11 @@ from .ledger_records import (
     TRAINED,
     DatasetRecord,
     PromptRecord,
+    counts_key,
     dataset_key,
     datasets_prefix,
+    decode_counts,
+    encode_counts,
     expiry_key,
     expiry_prefix,
     group_entry,
@@ -56,10 +59,11 @@ from .ledger_records import (
     unplace,
 )
 from .ledger_shards import count_owned, owns
-from .records import CONSUMED, GroupRecord
-from .records import DROPPED as GROUP_DROPPED
-from .records import PENDING as GROUP_PENDING
+from .records import GroupRecord
 from .retirement import retire
+from .states import CONSUMED
+from .states import DROPPED as GROUP_DROPPED
+from .states import PENDING as GROUP_PENDING
 from .table_state import Groups, TableState
 
 MAX_EPOCHS = 2**20
@@ -160,8 +164,11 @@ class Ledger(TableExtension):
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
         ds.created = tt.now
         ds.owned = ds.owned or count_owned(ds)  # a shard's part is counted before the write (claims.py)
-        ds.counts = [{} for _ in range(ds.epochs)]
+        ds.owned_total, ds.totals, ds.counts = sum(ds.owned), {}, [{} for _ in range(ds.epochs)]
         self._save(tt, ds)
+        if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
+            for epoch, owned in enumerate(ds.owned):
+                tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
         self._holds[tt.table_id] = True
         return ds, True
 
@@ -173,6 +180,15 @@ class Ledger(TableExtension):
 
     def _save(self, tt: TableState, ds: DatasetRecord) -> None:
         tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=tt.db["ledger"])
+
+    def _count(self, tt: TableState, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
+        """`delta` more prompts of the epoch in `state`: in its record and the dataset's totals."""
+        ds.totals[state] = ds.totals.get(state, 0) + delta
+        key, ledger = counts_key(tt.table_id, ds.name, epoch), tt.db["ledger"]
+        raw = tt.txn.get(key, db=ledger)
+        owned, row = (ds.size, {}) if raw is None else decode_counts(raw)
+        row[state] = row.get(state, 0) + delta
+        tt.txn.put(key, encode_counts(owned, row), db=ledger)
 
     # ---- claims ------------------------------------------------------------------------------
 
@@ -199,7 +215,7 @@ class Ledger(TableExtension):
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
-            ds.count(epoch, CLAIMED, 1)
+            self._count(tt, ds, epoch, CLAIMED, 1)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
         return out, ds.done
@@ -294,7 +310,7 @@ class Ledger(TableExtension):
         its attempts spent), and the attempt's incomplete group, if any, is dropped."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
@@ -308,7 +324,7 @@ class Ledger(TableExtension):
         rec.expires, rec.owner, rec.holder = 0.0, "", ""
         if rec.attempt + 1 >= ds.max_attempts:
             rec.state = DROPPED
-            ds.count(epoch, DROPPED, 1)
+            self._count(tt, ds, epoch, DROPPED, 1)
         else:
             rec.state, rec.attempt = PENDING, rec.attempt + 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
@@ -349,8 +365,8 @@ class Ledger(TableExtension):
         self._unexpire(tt, name, epoch, index, rec)
         rec.state, rec.expires = GENERATED, 0.0
         self._put(tt, name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
-        ds.count(epoch, GENERATED, 1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, GENERATED, 1)
         self._save(tt, ds)
 
     def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
@@ -358,6 +374,7 @@ class Ledger(TableExtension):
         failed or deleted one's is done or goes back (on_drop)."""
         if not self.holds(tt):
             return
+        loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
         for gkey, _ in groups:
             found = self._entry(tt, gkey)
             if found is None:
@@ -365,20 +382,21 @@ class Ledger(TableExtension):
             (name, epoch, index, attempt), rec = found
             if rec.attempt != attempt or rec.state not in (CLAIMED, GENERATED):
                 continue
-            ds = self.dataset(tt, name)
+            ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
-            ds.count(epoch, rec.state, -1)
+            self._count(tt, ds, epoch, rec.state, -1)
             if state == CONSUMED:
                 rec.state, rec.expires = TRAINED, 0.0
-                ds.count(epoch, TRAINED, 1)
+                self._count(tt, ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.state, rec.expires = DROPPED, 0.0
-                ds.count(epoch, DROPPED, 1)
+                self._count(tt, ds, epoch, DROPPED, 1)
                 self._put(tt, name, epoch, index, rec)
+        for ds in loaded.values():
             self._save(tt, ds)
 
     def on_upkeep(self, tt: TableState) -> int:

@@ -2,12 +2,15 @@
 and for `expbuf check`).
 
 Each check names a state the ledger's rules never leave behind, and whose damage would lose,
-repeat or stall a prompt: a dataset record that does not decode or whose counts disagree with
-its prompt records; a claim without its expiry key (it would never end) or an expiry key
+repeat or stall a prompt: a dataset record that does not decode, or whose totals or epochs'
+counts disagree with its prompt records; an epoch owning more prompts than it has, or counting
+more than it owns; a claim without its expiry key (it would never end) or an expiry key
 without its claim; a pending prompt no queue entry names (it would never go out again) or a
-queue entry naming a prompt that is not pending; a group entry naming no prompt; a negative
-count; a cursor out of range. Every pass reads the ledger's keys in order and looks records up
-by key, so memory grows with the queued prompts, not with the dataset.
+queue entry naming a prompt that is not pending; a group entry naming no prompt; a claimed
+prompt whose attempt's group is complete, or a generated one whose group is not complete and
+live (a crash that left the ledger apart from the table's groups); a negative count; a cursor
+out of range. Every pass reads the ledger's keys in order and looks records up by key, so
+memory grows with the queued prompts and the epochs with an event, not with the dataset.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from . import layout
 from .ledger import check
 from .ledger_records import (
     CLAIMED,
+    COUNTED,
+    GENERATED,
     PENDING,
-    PROMPT_STATES,
     DatasetRecord,
     PromptRecord,
+    counts_epoch,
     datasets_prefix,
+    decode_counts,
     expiry_key,
     expiry_prefix,
     group_key,
@@ -32,20 +38,21 @@ from .ledger_records import (
     read_group_entry,
     unplace,
 )
+from .states import LIVE
+from .states import PENDING as GROUP_PENDING
 from .table_state import TableState
-
-_COUNTED = PROMPT_STATES[1:]  # a dataset record counts every state but pending
 
 
 def verify_ledger(tt: TableState) -> list[str]:
     """The problems of the table's datasets and prompts; [] when consistent."""
     problems: list[str] = []
     datasets = _datasets(tt, problems)
+    rows = _epochs(tt, datasets, problems)
     queued = _queue(tt, datasets, problems)
     found = _prompts(tt, datasets, queued, problems)
     for name, ds in datasets.items():
         if ds is not None:
-            problems += _counts(ds, found.get(name, {}))
+            problems += _counts(ds, rows.get(name, {}), found.get(name, {}))
     _expiries(tt, datasets, problems)
     _groups(tt, datasets, problems)
     return problems
@@ -65,7 +72,7 @@ def _name(raw: bytes) -> str:
 
 def _datasets(tt: TableState, problems: list[str]) -> dict[str, DatasetRecord | None]:
     """The table's datasets by name (None: a record that does not decode), each record's
-    settings, counts and cursor checked on their own."""
+    settings, totals and cursor checked on their own."""
     out: dict[str, DatasetRecord | None] = {}
     prefix = datasets_prefix(tt.table_id)
     for key, value in _entries(tt, prefix):
@@ -86,30 +93,29 @@ def _datasets(tt: TableState, problems: list[str]) -> dict[str, DatasetRecord | 
 
 
 def _own(ds: DatasetRecord) -> list[str]:
-    """What a dataset record says of itself: no count negative, none over the epoch's
-    prompts, the cursor within its epochs."""
+    """What a dataset record says of itself: no count negative, its totals within the prompts
+    it owns, those within its epochs' prompts, the cursor within its epochs."""
     where = f"dataset {ds.name}"
-    if len(ds.counts) != ds.epochs:
-        raise ValueError(f"it counts {len(ds.counts)} epoch(s) of its {ds.epochs}")
     problems = []
     for name in ("next_seq", "reissued", "attempts_dropped"):
         if getattr(ds, name) < 0:
             problems.append(f"{where}: {name} is {getattr(ds, name)}; a count is never negative")
-    if len(ds.owned) != ds.epochs or any(owned < 0 or owned > ds.size for owned in ds.owned):
-        problems.append(f"{where}: owned is {ds.owned}; it holds each epoch's prompts of this server, 0..{ds.size}")
-        return problems
-    for epoch, row in enumerate(ds.counts):
-        for state, count in row.items():
-            if state not in _COUNTED:
-                problems.append(f"{where}: epoch {epoch} counts a state {state!r} the ledger does not know")
-            elif count < 0:
-                problems.append(f"{where}: epoch {epoch} counts {count} {state} prompt(s); a count is never negative")
-        held = sum(row.values())
-        if held > ds.owned[epoch]:
-            problems.append(
-                f"{where}: epoch {epoch} counts {held} prompt(s) claimed, generated, trained or dropped,"
-                f" of its {ds.owned[epoch]}"
-            )
+    if not 0 <= ds.owned_total <= ds.size * ds.epochs:
+        problems.append(
+            f"{where}: owned_total is {ds.owned_total}; it holds the prompts of all epochs this server hands out,"
+            f" 0..{ds.size * ds.epochs}"
+        )
+    for state, count in ds.totals.items():
+        if state not in COUNTED:
+            problems.append(f"{where}: its totals count a state {state!r} the ledger does not know")
+        elif count < 0:
+            problems.append(f"{where}: its totals count {count} {state} prompt(s); a count is never negative")
+    held = sum(ds.totals.get(state, 0) for state in COUNTED)
+    if held > ds.owned_total:
+        problems.append(
+            f"{where}: its totals count {held} prompt(s) claimed, generated, trained or dropped,"
+            f" of its {ds.owned_total}"
+        )
     at_end = ds.cursor_epoch == ds.epochs and ds.cursor_position == 0
     if not at_end and not (0 <= ds.cursor_epoch < ds.epochs and 0 <= ds.cursor_position < ds.size):
         problems.append(
@@ -117,6 +123,61 @@ def _own(ds: DatasetRecord) -> list[str]:
             f" its {ds.epochs} epoch(s) of {ds.size} prompt(s)"
         )
     return problems
+
+
+def _epochs(
+    tt: TableState, datasets: dict[str, DatasetRecord | None], problems: list[str]
+) -> dict[str, dict[int, dict[str, int]]]:
+    """Each dataset's epoch counts records, by epoch: each of one of its epochs, owning `size`
+    prompts (a shard's part: at most that), counting no more than it owns; a sharded dataset
+    has one for every epoch (written at create), and the prompts its epochs own add up to the
+    dataset's owned_total (an epoch with no record owns `size`)."""
+    rows: dict[str, dict[int, dict[str, int]]] = {}
+    owned: dict[str, int] = defaultdict(int)
+    orphans: dict[str, int] = defaultdict(int)
+    prefix = layout.table_prefix(tt.table_id) + b"c"
+    for key, value in _entries(tt, prefix):
+        name = _name(key[len(prefix) : -5])
+        if name not in datasets:
+            orphans[name] += 1
+            continue
+        ds = datasets[name]
+        if ds is None:
+            continue
+        epoch = counts_epoch(key)
+        where = f"dataset {name}: epoch {epoch}"
+        try:
+            epoch_owned, row = decode_counts(value)
+        except Exception as exc:  # a damaged record may raise anything its decoder does
+            problems.append(f"{where}: its counts do not decode ({type(exc).__name__}: {exc})")
+            continue
+        if epoch >= ds.epochs:
+            problems.append(f"{where} has counts, but the dataset has {ds.epochs} epoch(s)")
+            continue
+        rows.setdefault(name, {})[epoch] = row
+        owned[name] += epoch_owned
+        if epoch_owned > ds.size or (not ds.shards and epoch_owned != ds.size):
+            bound = "at most" if ds.shards else "all"
+            problems.append(f"{where} owns {epoch_owned} prompt(s); it owns {bound} its {ds.size}")
+        if sum(row.values()) > epoch_owned:
+            problems.append(
+                f"{where} counts {sum(row.values())} prompt(s) claimed, generated, trained or dropped,"
+                f" of its {epoch_owned}"
+            )
+    for name, ds in datasets.items():
+        if ds is None:
+            continue
+        unwritten = ds.epochs - len(rows.get(name, {}))
+        if ds.shards and unwritten:
+            problems.append(f"dataset {name}: {unwritten} of its {ds.epochs} epoch(s) have no counts of its part")
+        elif owned[name] + unwritten * ds.size != ds.owned_total:
+            problems.append(
+                f"dataset {name}: its epochs own {owned[name] + unwritten * ds.size} prompt(s),"
+                f" but its owned_total is {ds.owned_total}"
+            )
+    for name, count in orphans.items():
+        problems.append(f"{count} epoch counts record(s) of dataset {name!r}, which has no dataset record")
+    return rows
 
 
 def _queue(tt: TableState, datasets: dict[str, DatasetRecord | None], problems: list[str]) -> set[tuple[str, int, int]]:
@@ -185,17 +246,38 @@ def _prompts(
             problems.append(f"{where} is claimed, but its claim has no expiry key")
         if rec.state == PENDING and (name, epoch, index) not in queued:
             problems.append(f"{where} is pending at attempt {rec.attempt}, but no queue entry names it")
+        if rec.state in (CLAIMED, GENERATED):
+            problems += _group_of(tt, where, group_key(name, epoch, index, rec.attempt), rec)
     for name, count in orphans.items():
         problems.append(f"{count} prompt record(s) of dataset {name!r}, which has no dataset record")
     return found
 
 
-def _counts(ds: DatasetRecord, found: dict[int, dict[str, int]]) -> list[str]:
-    """A dataset's counts per epoch and state against its prompt records."""
+def _group_of(tt: TableState, where: str, gkey: str, rec: PromptRecord) -> list[str]:
+    """A claimed prompt's attempt has an incomplete group, or none yet; a generated one's is
+    complete and live (its retirement would have moved the prompt on)."""
+    grp = tt.group(gkey)
+    if rec.state == CLAIMED and grp is not None and grp.state != GROUP_PENDING:
+        return [f"{where} is claimed, but the group of attempt {rec.attempt} is {grp.state}"]
+    if rec.state == GENERATED and (grp is None or grp.state not in LIVE or grp.state == GROUP_PENDING):
+        state = "not there" if grp is None else grp.state
+        return [f"{where} is generated, but the group of attempt {rec.attempt} is {state}"]
+    return []
+
+
+def _counts(ds: DatasetRecord, rows: dict[int, dict[str, int]], found: dict[int, dict[str, int]]) -> list[str]:
+    """A dataset's totals, and its counts per epoch and state, against its prompt records."""
     problems = []
-    for epoch, row in enumerate(ds.counts):
-        records = found.get(epoch, {})
-        for state in _COUNTED:
+    for state in COUNTED:
+        in_state = sum(counted.get(state, 0) for counted in found.values())
+        if ds.totals.get(state, 0) != in_state:
+            problems.append(
+                f"dataset {ds.name}: its totals count {ds.totals.get(state, 0)} {state} prompt(s),"
+                f" but {in_state} prompt record(s) are {state}"
+            )
+    for epoch in sorted(set(rows) | set(found)):
+        row, records = rows.get(epoch, {}), found.get(epoch, {})
+        for state in COUNTED:
             if row.get(state, 0) != records.get(state, 0):
                 problems.append(
                     f"dataset {ds.name}: epoch {epoch} counts {row.get(state, 0)} {state} prompt(s),"

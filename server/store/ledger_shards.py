@@ -10,7 +10,7 @@ every prompt goes out once per epoch.
 
 The epoch is in the key, so each epoch's part is its own. The parts are counted when the
 dataset is created, before its write, so the writer is not held: 3 to 5 s per million prompts
-per epoch with three shards (README, "The prompt ledger on shards"), where counting an epoch
+per epoch with three shards (docs/operations/scaling-out.md, "The prompt ledger on shards"), where counting an epoch
 when the cursor reaches it would hold every write of the shard that long mid-run.
 """
 

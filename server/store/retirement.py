@@ -14,19 +14,8 @@ import lmdb
 from ..errors import Forbidden, GroupIncomplete, clip
 from ..ready_indexes import put_rows, u64
 from . import layout, limiter
-from .records import (
-    CONSUMED,
-    DELETED,
-    FAILED,
-    LEASED,
-    LIVE,
-    PENDING,
-    READY,
-    RETIRED,
-    GroupRecord,
-    ItemRecord,
-    Lease,
-)
+from .records import DELETED, GroupRecord, ItemRecord, Lease
+from .states import CONSUMED, FAILED, LEASED, LIVE, PENDING, READY, RETIRED, State
 from .table_state import TableState
 
 
@@ -36,7 +25,7 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
         txn.delete(key, db=db)
 
 
-def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str) -> None:
+def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed), records stay as tombstones so that a retried
     push of the same uid is still recognised as a duplicate, pruned after
