@@ -19,7 +19,17 @@ from .errors import (
 )
 from .experience import EID, Experience
 from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
-from .results import Batch, BufferStats, GetResult, PushResult, ServerInfo, ShapingInfo, TableInfo, TableStats
+from .results import (
+    Batch,
+    BufferStats,
+    GetResult,
+    PushResult,
+    ScrubInfo,
+    ServerInfo,
+    ShapingInfo,
+    TableInfo,
+    TableStats,
+)
 from .trxp import TrxpError, decode, encode
 
 __all__ = [
@@ -46,6 +56,7 @@ __all__ = [
     "PromptPage",
     "PushResult",
     "ResourceExhaustedError",
+    "ScrubInfo",
     "ServerInfo",
     "ShapingInfo",
     "TableInfo",

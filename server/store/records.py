@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Experience (and group) states. Live: pending (the group is incomplete), computing (its
-# advantages are being computed), ready, leased. The others are tombstones.
+# advantages are being computed), ready, leased. The others are tombstones; quarantined is an
+# experience whose stored payload was found damaged (quarantine.py), an experience's state only.
 PENDING, COMPUTING, READY, LEASED = "pending", "computing", "ready", "leased"
 CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
+QUARANTINED = "quarantined"
 LIVE = (PENDING, COMPUTING, READY, LEASED)
-RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED)
+RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED, QUARANTINED)
 STATES = (*LIVE, *RETIRED)
 # Not a stored state: how a group deleted by request leaves the table, to the extensions' on_retire.
 DELETED = "deleted"
@@ -126,6 +128,13 @@ class ItemRecord:
         retiring it needs."""
         state, seq, _, size = cls._PLACE.unpack_from(data)
         return STATES[state], seq, size
+
+    @classmethod
+    def digest_of(cls, data: bytes | memoryview) -> tuple[bytes, int]:
+        """The digest and size of an encoded full record, the rest left undecoded: what the
+        scrub compares a payload with."""
+        _, _, digest, size = cls._PLACE.unpack_from(data)
+        return digest, size
 
     @classmethod
     def retired_as(cls, data: bytes | memoryview, state: str, when: float) -> bytes:
