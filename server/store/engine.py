@@ -34,6 +34,7 @@ from . import (
     browse,
     deliverable,
     groups,
+    index_builds,
     integrity,
     layout,
     limiter,
@@ -49,6 +50,7 @@ from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
+from .index_builds import submit_building
 from .integrity import verify
 from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
@@ -156,14 +158,15 @@ class Store:
         self.close()
 
     def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
-        """Run `fn` on one table in the writer's next transaction."""
+        """Run `fn` on one table in the writer's next transaction (after building, in chunks, an
+        index it needs that the table does not keep yet: index_builds.py)."""
         table_id, config = self.catalog.lookup(table)
 
         def op(txn: lmdb.Transaction[bytes]) -> T:
             self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
             return fn(self.catalog.state(txn, table_id, config))
 
-        return self.environment.submit(op)
+        return submit_building(self.environment, self.catalog, op)
 
     @property
     def maintenance_failures(self) -> int:
@@ -451,7 +454,10 @@ class Store:
         def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
             return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
 
-        return self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        for building in self.upkeep.take_builds():  # an index a table's upkeep needs: built, then used next pass
+            index_builds.build(self.environment, self.catalog, building)
+        return done
 
     # ---- sampling (sampling.py) ----------------------------------------------------------------
 

@@ -1,0 +1,43 @@
+"""Building a lazy ready-group index in chunks (selection.ReadyIndex.build_step), each a write
+transaction of its own, so that the writer's other requests (pushes, samples) wait at most one
+chunk at a time, while the request that needs the index waits for the whole build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import lmdb
+
+from ..selection import IndexBuilding
+from . import layout
+from .catalog import TableCatalog
+from .environment import Environment
+
+T = TypeVar("T")
+
+
+def build(environment: Environment, catalog: TableCatalog, building: IndexBuilding) -> int:
+    """Build the index a request found missing, chunk by chunk, until its table keeps it (or
+    the table is gone); returns the transactions it took."""
+    table_id = layout.table_of(building.prefix)
+    chunks = 0
+
+    def step(txn: lmdb.Transaction[bytes]) -> bool:
+        tt = catalog.state_of(txn, table_id)
+        return tt is None or tt.ready.build_step(building.index)
+
+    while True:
+        chunks += 1
+        if environment.submit(step):
+            return chunks
+
+
+def submit_building(environment: Environment, catalog: TableCatalog, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
+    """`fn` in the writer's next transaction; when it needs an index its table does not keep
+    yet, the index is built first (`build`) and `fn` tried again."""
+    while True:
+        try:
+            return environment.submit(fn)
+        except IndexBuilding as building:
+            build(environment, catalog, building)
