@@ -219,6 +219,15 @@ def test_compose_file_is_valid_for_compose() -> None:
             assert dependency in services, (name, dependency)
         assert all(isinstance(v, str) for v in (service.get("environment") or {}).values()), name
     assert services["expbuf"]["ports"] == ["50051:50051", "9400:9400"]
+    # The quick start serves in seconds at any size and keeps RSS under 1 GB: the health check gives
+    # it 20 s, the memory limit leaves room for 1 GiB of pushes in flight at 3x (README, Operations).
+    health = services["expbuf"]["healthcheck"]
+    assert health["test"] == ["CMD", "expbuf", "health"] and health["start_period"] == "20s"
+    assert services["expbuf"]["mem_limit"] == "6g"
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert (
+        'HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 CMD ["expbuf", "health"]' in dockerfile
+    )
     # Publishing on every interface without tokens is a choice the file must say out loud.
     text = (DOCKER / "compose.yaml").read_text()
     warning = text[text.index("  expbuf:") : text.index("    ports:")]
