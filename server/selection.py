@@ -176,6 +176,18 @@ def _mark_builds(
     txn.put(prefix + BUILDING, text.encode("ascii"), db=dbs["counters"])
 
 
+def forget_builds(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, indexes: Sequence[type[Index]]
+) -> None:
+    """Forget a table's builds under way of these indexes (their rows were emptied: a build
+    starts over)."""
+    found = builds(txn, dbs, prefix)
+    if any(cls.databases[0] in found for cls in indexes):
+        _mark_builds(
+            txn, dbs, prefix, {name: at for name, at in found.items() if name not in {c.databases[0] for c in indexes}}
+        )
+
+
 def keeps(used: set[str] | None, cls: type[Index]) -> bool:
     """Whether a table whose mark is `used` keeps this index."""
     return not cls.lazy or used is None or set(cls.databases) <= used
