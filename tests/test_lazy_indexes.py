@@ -15,12 +15,14 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from expbuf.client import EID, Experience, trxp
 from expbuf.server import selection
 from expbuf.server.errors import InvalidRequest
 from expbuf.server.ready_indexes import PriorityIndex
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.selection import IndexBuilding
 from expbuf.server.store import Store, layout
+from expbuf.server.store.kinds import Entry
 from expbuf.server.tables import TableConfig
 
 from conftest import FIXTURES
@@ -239,6 +241,66 @@ def test_the_first_request_in_an_order_builds_its_index_in_chunks_that_pushes_pa
         assert taken == [["0/0"]]  # every group has priority 0: the oldest first, as fifo
         assert store.verify("t") == []
         assert push_puts(store, ready + pushed) == {name: 1.0 for name in (*RECORDS, "ready", "prio")}
+
+
+SMALL = trxp.from_experience(Experience(eid=EID(batch=0, task=0, run=0), tokens=list(range(8)), prompt_length=4))
+
+
+def many(first: int, count: int) -> list[Entry]:
+    """Experiences of tasks first..first+count-1, each its own group: as entries() makes them,
+    from one template, cheaply enough for a million."""
+    made = []
+    for task in range(first, first + count):
+        meta = {**SMALL.meta, "eid": {**SMALL.meta["eid"], "task": task}}
+        made.append(Entry.of(trxp.RawItem(meta, SMALL.tensors)))
+    return made
+
+
+def test_pushes_during_the_first_build_on_a_million_ready_groups_wait_for_at_most_two_of_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: the first priority request on a table of 1 M ready groups that keeps no
+    priority index, at the default BUILD_CHUNK, while one client pushes all along. Each write
+    transaction of the build indexes at most BUILD_CHUNK groups, and a push made meanwhile waits
+    for at most the chunk under way and the next (which its own transaction may hold): never more
+    than 2 x BUILD_CHUNK rows however many groups are ready (bench_growth.py --restart measures
+    the milliseconds). Pushes commit between the chunks until the build ends; the request is then
+    served."""
+    ready, chunk = 1_000_000, selection.BUILD_CHUNK
+    with one_each(tmp_path) as store:
+        for first in range(0, ready, 50_000):
+            store.put_entries("t", many(first, 50_000))
+        counted: collections.Counter[str] = collections.Counter()
+        counting(store, counted)
+        batches: list[tuple[int, int]] = []  # each write transaction's priority rows and payloads
+        indexed = [0]  # priority rows committed so far
+        apply = store.environment._apply
+
+        def measured(ops: list) -> None:  # type: ignore[type-arg]
+            prio, blobs = counted["put prio"], counted["put blobs"]
+            apply(ops)
+            batches.append((counted["put prio"] - prio, counted["put blobs"] - blobs))
+            indexed[0] = counted["put prio"]
+
+        monkeypatch.setattr(store.environment, "_apply", measured)
+        taken: list[list[str]] = []
+        sampler = threading.Thread(target=lambda: taken.append(replay(store, num_groups=1, order="priority")))
+        sampler.start()
+        waited = []  # the priority rows committed while each push waited
+        while sampler.is_alive():
+            before = indexed[0]
+            store.put_entries("t", many(ready + len(waited), 1))
+            waited.append(indexed[0] - before)
+        sampler.join()
+        building = [i for i, (prio, _) in enumerate(batches) if prio]
+        assert sum(prio for prio, _ in batches) == ready + len(waited)  # the pushes' groups too
+        assert len(building) >= ready // chunk
+        assert max(prio for prio, _ in batches) <= chunk
+        during = [i for i, (_, blobs) in enumerate(batches) if blobs and building[0] < i < building[-1]]
+        assert len(during) >= 2, "pushes did not commit between the chunks of the build"
+        assert 0 < max(waited) <= 2 * chunk, max(waited)
+        assert taken == [["0/0"]]  # every group has priority 0: the oldest first, as fifo
+        assert store.stats("t")["ready"] == ready + len(waited)
 
 
 def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_path: Path) -> None:
