@@ -130,7 +130,7 @@ def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
     for name, text, value in gauges:
         yield GaugeMetricFamily(name, text, value=value)
     counters = (
-        ("expbuf_scrub_checked_bytes", "Bytes (payloads and records) the scrub checked.", scrub.checked_bytes),
+        ("expbuf_scrub_checked_bytes", "Payload bytes the scrub checked.", scrub.checked_bytes),
         ("expbuf_scrub_checked_experiences", "Experiences the scrub checked.", scrub.checked),
         ("expbuf_scrub_passes", "Complete scrub passes.", scrub.passes),
         ("expbuf_scrub_found", "Damaged experiences the scrub found and quarantined.", scrub.found),
