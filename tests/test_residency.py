@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, residency
 from expbuf.server.tables import TableConfig
 
@@ -57,3 +58,23 @@ def test_a_full_open_check_and_a_scrub_pass_leave_the_file_out_of_rss(data: Path
         read_whole = resident(data / "data.mdb")
     assert read_whole > size / 2  # what a pass over the file leaves resident when nothing gives it back
     assert after_open < size / 10 and after_pass < size / 10
+
+
+def test_the_first_build_of_an_index_leaves_the_file_out_of_rss(tmp_path: Path) -> None:
+    """The first priority request builds the table's priority index from every ready group's
+    record (index_builds.py), which touches pages all over the file; they are given back when
+    the build ends, as after a scrub pass."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=1, drop_zero_variance=False))
+        for start in range(0, 100_000, 10_000):
+            store.put_entries("t", entries(10_000, 1, start))
+    size = (tmp_path / "data.mdb").stat().st_size
+    with Store(tmp_path) as store:
+        batch = store.sample(SampleSpec("t", num_groups=1, order="priority", delivery="replay", wait_seconds=0))
+        assert batch is not None and batch.group_ids == ["0/0"]
+        after_build = resident(tmp_path / "data.mdb")
+        with store.environment.read() as txn:  # the same records read again, given back by nobody
+            assert sum(1 for _ in txn.cursor(db=store.db["groups"])) == 100_000
+        read_again = resident(tmp_path / "data.mdb")
+    assert read_again > size / 10  # what the build's reads leave resident when nothing gives them back
+    assert after_build < size / 50

@@ -1,6 +1,8 @@
 """Building a lazy ready-group index in chunks (selection.ReadyIndex.build_step), each a write
 transaction of its own, so that the writer's other requests (pushes, samples) wait at most one
-chunk at a time, while the request that needs the index waits for the whole build."""
+chunk at a time, while the request that needs the index waits for the whole build. The build
+reads every ready group's record, all over the file: the map's pages are given back
+every RELEASE_CHUNKS chunks and at its end (residency.py), so RSS does not keep them."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from typing import TypeVar
 import lmdb
 
 from ..selection import IndexBuilding
-from . import layout
+from . import layout, residency
 from .catalog import TableCatalog
 from .environment import Environment
 
 T = TypeVar("T")
+RELEASE_CHUNKS = 64  # some 130,000 ready groups' records between two releases of the map's pages
 
 
 def build(environment: Environment, catalog: TableCatalog, building: IndexBuilding) -> int:
@@ -29,7 +32,10 @@ def build(environment: Environment, catalog: TableCatalog, building: IndexBuildi
 
     while True:
         chunks += 1
-        if environment.submit(step):
+        done = environment.submit(step)
+        if done or chunks % RELEASE_CHUNKS == 0:
+            residency.release(environment.path / "data.mdb")  # the records it read: page cache, not RSS
+        if done:
             return chunks
 
 
