@@ -273,34 +273,50 @@ def test_pushes_during_the_first_build_on_a_million_ready_groups_wait_for_at_mos
         counted: collections.Counter[str] = collections.Counter()
         counting(store, counted)
         batches: list[tuple[int, int]] = []  # each write transaction's priority rows and payloads
-        indexed = [0]  # priority rows committed so far
-        apply = store.environment._apply
+        lock, indexed = threading.Lock(), [0]  # priority rows committed so far
+        queued: dict[int, int] = {}  # a push's request -> the rows committed when it was queued
+        waited: list[int] = []  # the priority rows committed while each push waited, its own included
+        apply, writes = store.environment._apply, store.environment._queue
+        pusher = threading.current_thread()
+
+        class Queue:
+            """The writer's queue, noting when each push is queued (atomically with the count)."""
+
+            def put(self, op: object) -> None:
+                with lock:
+                    if threading.current_thread() is pusher and op is not None:
+                        queued[id(op)] = indexed[0]
+                    writes.put(op)
+
+            get, get_nowait = writes.get, writes.get_nowait
 
         def measured(ops: list) -> None:  # type: ignore[type-arg]
             prio, blobs = counted["put prio"], counted["put blobs"]
             apply(ops)
             batches.append((counted["put prio"] - prio, counted["put blobs"] - blobs))
-            indexed[0] = counted["put prio"]
+            with lock:
+                indexed[0] = counted["put prio"]
+                waited.extend(indexed[0] - queued.pop(id(op)) for op in ops if id(op) in queued)
 
         monkeypatch.setattr(store.environment, "_apply", measured)
+        monkeypatch.setattr(store.environment, "_queue", Queue())  # the writer waits on `writes` itself
         taken: list[list[str]] = []
         sampler = threading.Thread(target=lambda: taken.append(replay(store, num_groups=1, order="priority")))
         sampler.start()
-        waited = []  # the priority rows committed while each push waited
+        pushed = 0
         while sampler.is_alive():
-            before = indexed[0]
-            store.put_entries("t", many(ready + len(waited), 1))
-            waited.append(indexed[0] - before)
+            store.put_entries("t", many(ready + pushed, 1))
+            pushed += 1
         sampler.join()
         building = [i for i, (prio, _) in enumerate(batches) if prio]
-        assert sum(prio for prio, _ in batches) == ready + len(waited)  # the pushes' groups too
+        assert sum(prio for prio, _ in batches) == ready + pushed  # the pushes' groups too
         assert len(building) >= ready // chunk
         assert max(prio for prio, _ in batches) <= chunk
         during = [i for i, (_, blobs) in enumerate(batches) if blobs and building[0] < i < building[-1]]
         assert len(during) >= 2, "pushes did not commit between the chunks of the build"
-        assert 0 < max(waited) <= 2 * chunk, max(waited)
+        assert len(waited) == pushed and 0 < max(waited) <= 2 * chunk, max(waited)
         assert taken == [["0/0"]]  # every group has priority 0: the oldest first, as fifo
-        assert store.stats("t")["ready"] == ready + len(waited)
+        assert store.stats("t")["ready"] == ready + pushed
 
 
 def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_path: Path) -> None:
