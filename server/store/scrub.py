@@ -112,10 +112,12 @@ class Scrub:
     # ---- a pass --------------------------------------------------------------------------
 
     def status(self) -> ScrubStatus:
+        """What the scrub has done so far (a consistent copy)."""
         with self._lock:
             return self._status
 
     def _running(self, running: bool, total: int = 0) -> None:
+        """A pass begins (its counts from zero, `total` bytes to check) or ends (its counts kept)."""
         with self._lock:
             s = self._status
             self._status = replace(
