@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make serve   set up .venv and start the server (LMDB in ./expbuf-data, 127.0.0.1:50051)
-#   make test    set up .venv and run the test suite
+#   make test    set up .venv and run the test suite (and build the docs site, strictly)
 # An active virtualenv (VIRTUAL_ENV) is used instead of .venv; a torch that is already
 # importable there (a GPU build, say) is left alone.
 
@@ -12,7 +12,7 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= test,trinity,ray,areal,verl
+EXTRAS ?= test,trinity,ray,areal,verl,trl,torchrl,docs
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
@@ -22,10 +22,14 @@ TRINITY_SPEC ?= trinity-rft==0.6.0
 # No transformers satisfies both: verl 0.9.1 declares <5.11, trinity-rft 0.6.0 >=5.12.1. verl's
 # pin is kept (its functions run in the tests; the Trinity modules used here run with it), and
 # the installs after trinity-rft and verl pass --no-warn-conflicts, so pip prints no ERROR block
-# for the requirements left unmet on purpose; `pip check` still lists them (the README says which and why).
+# for the requirements left unmet on purpose; `pip check` still lists them (docs/getting-started.md says which and why).
+# Nor does a tensordict satisfy both verl 0.9.1 (<=0.10) and torchrl 0.14 (the torchrl extra: >=0.14.3,
+# <0.15): torchrl's range is taken, since the verl code the tests run works with it (they pass with it).
 VERL_SPEC ?= verl==0.9.1
-VERL_NEEDS := 'tensordict>=0.8,<=0.10' 'transformers>=5.5.3,<5.11'
+VERL_NEEDS := 'tensordict>=0.14.3,<0.15' 'transformers>=5.5.3,<5.11'
 QUIET_CONFLICTS := --no-warn-conflicts
+# TRL for expbuf.client.trl and its tests comes with the trl extra, with its own dependencies: they
+# are all met beside the frameworks above (transformers within verl's range), so no --no-deps.
 # AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
@@ -75,6 +79,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
+	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi)
 

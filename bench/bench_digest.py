@@ -92,7 +92,7 @@ def shape_costs(payloads: list[bytes], repeats: int) -> dict[str, tuple[float, f
             lambda: [fragment(i.meta) for i in items], len(items), repeats
         ),
     }
-    fragments = [fragment(item.meta) for item in items]
+    fragments = [b"".join(fragment(item.meta)) for item in items]
     row["a bare walk of that pickle's opcodes"] = timed(lambda: [walk(f) for f in fragments], len(items), repeats)
     for name, digest in digests().items():
         row[name] = timed(lambda digest=digest: [digest(b) for b in blobs], len(items), repeats)

@@ -430,9 +430,10 @@ def restart_section(args: argparse.Namespace) -> str:
         [
             restart_heading(args.shape),
             "",
-            f"`.venv/bin/python bench/bench_growth.py --restart --shape {args.shape} --sizes {args.sizes} --data DIR"
-            f"{' --full' if args.full else ''}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores shared with "
-            f"other work, load {load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. Default settings "
+            f"Command: `.venv/bin/python bench/bench_growth.py --restart --shape {args.shape} --sizes {args.sizes} "
+            f"--data DIR{' --full' if args.full else ''}`  ",
+            f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} at the start and "
+            f"{os.getloadavg()[0]:.1f} at the end. Default settings "
             "but where a column says otherwise (a quick open, the scrub at 32 MB/s). Latencies in ms, p50 / p99; "
             "a sample is a one-group Sample stream.",
             "",

@@ -1,36 +1,98 @@
-"""expbuf client side: the TRXP codec, experience types and the gRPC clients."""
+"""expbuf client side: the TRXP codec, experience types and the gRPC clients.
 
-from .aio import AsyncBufferClient
-from .client import BufferClient
-from .connection import Tls
-from .errors import (
-    AlreadyExistsError,
-    BufferError,
-    DataLossError,
-    DeadlineExceededError,
-    ExpbufError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
-from .experience import EID, Experience
-from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
-from .results import (
-    Batch,
-    BufferStats,
-    GetResult,
-    PushResult,
-    ScrubInfo,
-    ServerInfo,
-    ShapingInfo,
-    TableInfo,
-    TableStats,
-)
-from .trxp import TrxpError, decode, encode
+The names below are imported when first used (PEP 562), so that `import expbuf.client.trxp`
+(the codec, which the server's store reads payloads with) loads neither grpc nor the clients.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aio import AsyncBufferClient
+    from .client import BufferClient
+    from .connection import Tls
+    from .errors import (
+        AlreadyExistsError,
+        BufferError,
+        DataLossError,
+        DeadlineExceededError,
+        ExpbufError,
+        FailedPreconditionError,
+        InvalidArgumentError,
+        NotFoundError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        UnauthenticatedError,
+        UnavailableError,
+    )
+    from .experience import EID, Experience
+    from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
+    from .results import (
+        Batch,
+        BufferStats,
+        GetResult,
+        PushResult,
+        ScrubInfo,
+        ServerInfo,
+        ShapingInfo,
+        TableInfo,
+        TableStats,
+    )
+    from .trxp import TrxpError, decode, encode
+
+# each public name -> the module of this package that defines it
+_HOMES = {
+    "AsyncBufferClient": "aio",
+    "BufferClient": "client",
+    "Tls": "connection",
+    "AlreadyExistsError": "errors",
+    "BufferError": "errors",
+    "DataLossError": "errors",
+    "DeadlineExceededError": "errors",
+    "ExpbufError": "errors",
+    "FailedPreconditionError": "errors",
+    "InvalidArgumentError": "errors",
+    "NotFoundError": "errors",
+    "PermissionDeniedError": "errors",
+    "ResourceExhaustedError": "errors",
+    "UnauthenticatedError": "errors",
+    "UnavailableError": "errors",
+    "EID": "experience",
+    "Experience": "experience",
+    "Claim": "prompts",
+    "DatasetInfo": "prompts",
+    "EpochCounts": "prompts",
+    "Prompt": "prompts",
+    "PromptPage": "prompts",
+    "Batch": "results",
+    "BufferStats": "results",
+    "GetResult": "results",
+    "PushResult": "results",
+    "ScrubInfo": "results",
+    "ServerInfo": "results",
+    "ShapingInfo": "results",
+    "TableInfo": "results",
+    "TableStats": "results",
+    "TrxpError": "trxp",
+    "decode": "trxp",
+    "encode": "trxp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # once: later reads find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "EID",

@@ -50,12 +50,16 @@ class AsyncBufferClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, call: calls.Unary[R]) -> R:
+    async def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method = getattr(self._stub, call.method)
         attempts = self._attempts(call.retry, call.timeout)
         while True:
             try:
-                reply = await method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
+                if isinstance(call, calls.Chunked):
+                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
+                    reply = calls.one_reply([reply async for reply in replies])
+                else:
+                    reply = await method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 await asyncio.sleep(attempts.pause(exc))
             else:
@@ -64,8 +68,9 @@ class AsyncBufferClient(ClientBase):
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
     ) -> PushResult:
-        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns."""
-        return await self._run(calls.push(items, table, timeout))
+        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
+        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     async def sample(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
@@ -19,7 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
-from .errors import DataLossError
+from .errors import DataLossError, ExpbufError
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     Batch,
@@ -57,6 +57,25 @@ class Unary(Generic[R]):
     timeout: float | None = None
 
 
+@dataclass(frozen=True)
+class Chunked(Generic[R]):
+    """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
+    messages as gRPC sends them, anew for each attempt; the stream's one reply is read as a Unary's."""
+
+    requests: Callable[[], Iterator[pb.PushRequest]]
+    read: Callable[[Any], R]
+    retry: bool
+    timeout: float | None = None
+    method: str = "PushStream"
+
+
+def one_reply(replies: list[Any]) -> Any:
+    """The reply to a push sent in chunks: its stream answers it once."""
+    if len(replies) != 1:
+        raise ExpbufError(grpc.StatusCode.INTERNAL, f"PushStream answered a push in chunks {len(replies)} times")
+    return replies[0]
+
+
 def payload(items: bytes | Iterable[Any]) -> bytes:
     """TRXP bytes as they are, or experiences (expbuf's or Trinity-RFT's) encoded."""
     if isinstance(items, (bytes, bytearray, memoryview)):
@@ -70,13 +89,26 @@ def _version(version: int) -> int:
     return version
 
 
-def push(items: bytes | Iterable[Any], table: str, timeout: float | None) -> Unary[PushResult]:
+def push(
+    items: bytes | Iterable[Any], table: str, timeout: float | None, chunk_bytes: int
+) -> Unary[PushResult] | Chunked[PushResult]:
+    """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never)."""
+
     def read(reply: pb.PushReply) -> PushResult:
         return PushResult(
             list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
         )
 
-    return Unary("Push", pb.PushRequest(table=table, payload=payload(items)), read, retry=True, timeout=timeout)
+    body = payload(items)
+    if 0 < chunk_bytes < len(body):
+        return Chunked(lambda: _chunks(body, table, chunk_bytes), read, retry=True, timeout=timeout)
+    return Unary("Push", pb.PushRequest(table=table, payload=body), read, retry=True, timeout=timeout)
+
+
+def _chunks(body: bytes, table: str, size: int) -> Iterator[pb.PushRequest]:
+    yield pb.PushRequest(table=table, payload=body[:size], total_bytes=len(body))
+    for start in range(size, len(body), size):
+        yield pb.PushRequest(payload=body[start : start + size])
 
 
 def ack(lease_id: str, table: str) -> Unary[int]:
@@ -291,6 +323,12 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
         raise ValueError(
             f"create_dataset: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_DATASET_SETTINGS))}"
         )
+    for key, value in {"size": size, **settings}.items():
+        bounds = _DATASET_INTEGERS.get(key)
+        if bounds and not (key == "seed" and value is None) and not _integer_in(value, *bounds):
+            raise ValueError(f"create_dataset: {key} is {value!r}; it must be an integer in {bounds[0]}..{bounds[1]}")
+    if not isinstance(settings.get("on_drop", ""), str):
+        raise ValueError(f"create_dataset: on_drop is {settings['on_drop']!r}; expected 'done' or 'retry'")
     seed = settings.get("seed")
     config = pb.DatasetConfig(
         name=name,
@@ -309,6 +347,18 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
 
 
 _DATASET_SETTINGS = frozenset({"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard"})
+# What the wire carries; an epochs or max_attempts of 0 would be read there as the default, not refused.
+_DATASET_INTEGERS = {
+    "size": (0, 2**64 - 1),
+    "epochs": (1, 2**32 - 1),
+    "seed": (-(2**63), 2**63 - 1),
+    "max_in_flight": (0, 2**64 - 1),
+    "max_attempts": (1, 2**32 - 1),
+}
+
+
+def _integer_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
@@ -367,7 +417,8 @@ def list_prompts(
 
     def read(reply: pb.ListPromptsReply) -> PromptPage:
         prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
-        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None) else None
+        # A page that is not the last read `limit` records, whether or not it kept any of `states`.
+        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None or not reply.done) else None
         return PromptPage(prompts, last, reply.done)
 
     return Unary("ListPrompts", request, read, retry=True)

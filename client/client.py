@@ -106,12 +106,16 @@ class BufferClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, call: calls.Unary[R]) -> R:
+    def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method = getattr(self._stub, call.method)
         attempts = self._attempts(call.retry, call.timeout)
         while True:
             try:
-                reply = method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
+                if isinstance(call, calls.Chunked):
+                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
+                    reply = calls.one_reply(list(replies))
+                else:
+                    reply = method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 time.sleep(attempts.pause(exc))
             else:
@@ -119,8 +123,9 @@ class BufferClient(ClientBase):
 
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
-        A retried push is safe: what was stored already comes back in `duplicates`."""
-        return self._run(calls.push(items, table, timeout))
+        A retried push is safe: what was stored already comes back in `duplicates`. A payload
+        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        return self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def sample(
         self,

@@ -23,6 +23,8 @@ from .sample_reply import sample_method
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# A push larger than this goes over PushStream in chunks of this size (see PushRequest.total_bytes).
+DEFAULT_PUSH_CHUNK_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_RETRIES = 5
 # A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
@@ -59,6 +61,7 @@ class ChannelOptions(TypedDict, total=False):
     timeout: float
     retries: int
     max_message_bytes: int
+    push_chunk_bytes: int
 
 
 # What a plaintext client's error adds where gRPC says only that the server closed the connection.
@@ -116,19 +119,28 @@ class ClientBase:
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
     ) -> None:
         """Connect to `target` (HOST:PORT). `token` is sent as a bearer token; `tls` is a Tls
         (a CA, and a client pair for mutual TLS) or True for the system's CAs. Every call has a
         deadline of `timeout` seconds; pushes and reads are retried up to `retries` times while
         the server is UNAVAILABLE (safe: a push is idempotent). `max_message_bytes` must be at
-        least the server's to receive its largest batches. The channel opens lazily::
+        least the server's to receive its largest batches. A push larger than `push_chunk_bytes`
+        is sent in chunks of that size, so that neither side holds gRPC's copies of one large
+        message (0: every push in one message, as a server of 0.2.0 or older needs). The channel opens lazily::
 
             with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
                 client.push(experiences, table="grpo8")
         """
+        if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
+            raise ValueError(
+                f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "
+                f"got {push_chunk_bytes}"
+            )
         self.target = target
         self.timeout = timeout
         self.retries = retries
+        self.push_chunk_bytes = push_chunk_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_send_message_length", max_message_bytes),

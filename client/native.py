@@ -1,5 +1,6 @@
-"""expbuf's hot modules compiled with mypyc (by `make setup`, from the same sources), used in
-place of those sources only while they are what the sources compile to.
+"""expbuf's hot modules compiled with mypyc (by `make setup` in a checkout, or into the wheel by
+setup.py, from the same sources), used in place of those sources only while they are what the
+sources compile to.
 
 A compiled package keeps its extension modules in `_native/` beside its sources, with a
 manifest of the SHA-256 of each source they were built from. `use_compiled` puts that
@@ -63,7 +64,7 @@ def use_compiled(package: str, path: list[str]) -> bool:
     if changed:
         warnings.warn(
             f"expbuf: the compiled modules of {package} do not match their sources ({', '.join(changed)} changed); "
-            "using the pure-Python modules (run `make setup` to rebuild them)",
+            "using the pure-Python modules (run `make setup`, or reinstall expbuf, to rebuild them)",
             RuntimeWarning,
             stacklevel=2,
         )

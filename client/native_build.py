@@ -1,13 +1,15 @@
-"""Build expbuf's hot modules with mypyc from their own sources (`make setup` runs this).
+"""Build expbuf's hot modules with mypyc from their own sources: in the tree (`make setup` runs
+this file, for an editable install) and into a wheel (setup.py's build_ext calls compile_into).
 
 Each compiled package gets a `_native/` folder beside its sources: the extension modules
 and a manifest of the SHA-256 of every source they were built from. expbuf.client.native
 puts that folder ahead of the sources at import only while every digest still matches, so
-an edited source is never shadowed by a module compiled from its older self.
+an edited source is never shadowed by a module compiled from its older self; a wheel carries
+the sources and the modules of one build, so they match where it is installed.
 
 Where there is no C compiler, or the build fails, the `_native/` folders are removed and
-one line says expbuf runs as pure Python; the exit status is 0 either way, as that is a
-working install.
+one line says expbuf runs as pure Python: a working install, so the exit status is 0 and a
+wheel is built, unless EXPBUF_REQUIRE_NATIVE=1 asks for the compiled modules.
 
     python client/native_build.py
 """
@@ -18,9 +20,11 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the source tree
@@ -37,19 +41,30 @@ NATIVE = "_native"
 # Where it builds: the same path each time, so that mypy's cache there spares most of a rebuild.
 WORK = ROOT / "build" / "native"
 MANIFEST = "manifest.json"
+# Set to 1 (CI, the Docker image's build), a build that cannot compile the modules fails instead.
+REQUIRE = "EXPBUF_REQUIRE_NATIVE"
+
+
+class NativeBuildError(RuntimeError):
+    """The compiled modules could not be built and EXPBUF_REQUIRE_NATIVE asks for them."""
 
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def clear() -> None:
-    for folder in COMPILED:
-        shutil.rmtree(ROOT / folder / NATIVE, ignore_errors=True)
+def in_tree(folder: str, package: str) -> Path:
+    """Where `make setup` puts a package's compiled modules: beside its sources in the tree."""
+    return ROOT / folder / NATIVE
 
 
-def build(work: Path) -> None:
-    """Compile every group in `work`, then copy each package's modules and manifest in place."""
+def in_lib(lib: Path) -> Callable[[str, str], Path]:
+    """Where a wheel's build puts them: beside the package's sources in the build's tree `lib`."""
+    return lambda folder, package: lib.joinpath(*package.split("."), NATIVE)
+
+
+def build(work: Path, target: Callable[[str, str], Path]) -> None:
+    """Compile every group in `work`, then copy each package's modules and manifest to `target`."""
     from mypyc.build import mypycify
     from setuptools import Distribution  # type: ignore[import-untyped]
 
@@ -90,32 +105,59 @@ def build(work: Path) -> None:
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     for folder, (package, modules) in COMPILED.items():
         built = work / "lib" / package.replace(".", "/")
-        target = ROOT / folder / NATIVE
-        target.mkdir()
+        native = target(folder, package)
+        native.mkdir(parents=True)
         for module in built.glob(f"*{suffix}"):
-            shutil.copy2(module, target / module.name)
+            shutil.copy2(module, native / module.name)
         manifest = {
             "abi": suffix,
             "sources": {module: digest(ROOT / folder / f"{module}.py") for module in modules},
         }
-        (target / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        (native / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def why(exc: BaseException) -> str:
+    """The reason a build failed, in a few words: a compiler that fails is named, not its whole command."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, subprocess.CalledProcessError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, subprocess.CalledProcessError) and isinstance(cause.cmd, list | tuple) and cause.cmd:
+        return f"{type(exc).__name__}: the C compiler {cause.cmd[0]} exited with status {cause.returncode}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+
+
+def compile_into(target: Callable[[str, str], Path], work: Path) -> None:
+    """Build the compiled modules into `target` (in_tree or in_lib) and say so in one line. Where
+    they cannot be, none are left there (not even an earlier build's) and one line says expbuf runs
+    as pure Python, unless EXPBUF_REQUIRE_NATIVE=1, which makes that an error naming the reason."""
+    natives = [target(folder, package) for folder, (package, _) in COMPILED.items()]
+    for native in natives:
+        shutil.rmtree(native, ignore_errors=True)
+    try:
+        for stale in ("src", "lib"):  # links and modules of the last build; its mypy cache and objects stay
+            shutil.rmtree(work / stale, ignore_errors=True)
+        build(work, target)
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error; a missing compiler raises
+        for native in natives:
+            shutil.rmtree(native, ignore_errors=True)
+        if os.environ.get("EXPBUF_NATIVE_VERBOSE"):
+            traceback.print_exc()
+        reason = why(exc)
+        if os.environ.get(REQUIRE, "") not in ("", "0"):
+            message = f"expbuf: compiled modules not built ({reason}) and {REQUIRE}=1 requires them"
+            raise NativeBuildError(message) from exc
+        print(f"expbuf: compiled modules not built ({reason}); expbuf runs as pure Python")
+        return
+    names = ", ".join(f"{package}.{module}" for package, modules in COMPILED.values() for module in modules)
+    print(f"expbuf: compiled with mypyc: {names}")
 
 
 def main() -> int:
-    clear()
     try:
-        for stale in ("src", "lib"):  # links and modules of the last build; its mypy cache and objects stay
-            shutil.rmtree(WORK / stale, ignore_errors=True)
-        build(WORK)
-    except (Exception, SystemExit) as exc:  # mypyc exits on a type error; a missing compiler raises
-        clear()
-        if os.environ.get("EXPBUF_NATIVE_VERBOSE"):
-            traceback.print_exc()
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-        print(f"expbuf: compiled modules not built ({reason}); expbuf runs as pure Python")
-        return 0
-    names = ", ".join(f"{package}.{module}" for package, modules in COMPILED.values() for module in modules)
-    print(f"expbuf: compiled with mypyc: {names}")
+        compile_into(in_tree, WORK)
+    except NativeBuildError as exc:
+        print(exc)
+        return 1
     return 0
 
 

@@ -9,7 +9,8 @@ again with the next attempt, and a push into the ended attempt is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .experience import EID
@@ -76,8 +77,10 @@ class EpochCounts:
 class DatasetInfo:
     """A dataset's settings, its cursor (the next new prompt's epoch and position), its counts
     by epoch, the claims handed out again, the incomplete groups of ended claims dropped, and
-    whether it is done. `owned` is the prompts per epoch the server hands out: `size`, or
-    for one shard of a sharded table its part (a sharded client merges the shards')."""
+    whether it is done. `owned` is the prompts of every epoch the server hands out: `size`
+    times `epochs`, or for one shard of a sharded table its part (`shard`, one of `shards`).
+    A sharded client merges the shards' (`merged`); `missing` names the shards that did not
+    answer it, with their error."""
 
     table: str
     name: str
@@ -96,10 +99,37 @@ class DatasetInfo:
     done: bool
     owned: int
     shards: list[str] = field(default_factory=list)
+    shard: str = ""
+    missing: Mapping[str, str] = field(default_factory=dict)
 
     def total(self, state: str) -> int:
         """Prompts in `state` over every epoch."""
         return sum(getattr(row, state) for row in self.counts)
+
+    @classmethod
+    def merged(cls, parts: Sequence[DatasetInfo], missing: Mapping[str, str]) -> DatasetInfo:
+        """One dataset over the shards that answered: counts (each epoch's), owned prompts, claims
+        re-issued, attempts dropped and the max_in_flight bounds summed; the earliest creation
+        and the least advanced cursor; done once every shard is done and none is missing."""
+        first = parts[0]
+        cursor = min((p.cursor_epoch, p.cursor_position) for p in parts)
+        return replace(
+            first,
+            max_in_flight=sum(p.max_in_flight for p in parts),
+            created=min(p.created for p in parts),
+            cursor_epoch=cursor[0],
+            cursor_position=cursor[1],
+            counts=[
+                EpochCounts(*(sum(getattr(p.counts[epoch], state) for p in parts) for state in STATES))
+                for epoch in range(first.epochs)
+            ],
+            reissued=sum(p.reissued for p in parts),
+            attempts_dropped=sum(p.attempts_dropped for p in parts),
+            done=all(p.done for p in parts) and not missing,
+            owned=sum(p.owned for p in parts),
+            shard="",
+            missing=dict(missing),
+        )
 
     @classmethod
     def from_proto(cls, msg: Any, table: str) -> DatasetInfo:
@@ -111,7 +141,7 @@ class DatasetInfo:
             cursor_epoch=msg.cursor_epoch, cursor_position=msg.cursor_position,
             counts=[EpochCounts(c.pending, c.claimed, c.generated, c.trained, c.dropped) for c in msg.counts],
             reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done, owned=msg.owned,
-            shards=list(config.shards),
+            shards=list(config.shards), shard=config.shard,
         )  # fmt: skip
 
 

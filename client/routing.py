@@ -15,14 +15,22 @@ they started, and of the new groups only those that hash to the added shard move
 A batch that is not an integer (nor a string starting with one, like "12/eval") belongs to
 epoch 0, so such groups never move. Shards are named, and hashed by name, so a shard that
 restarts at another address keeps its groups.
+
+Every attempt at a prompt of the prompt ledger must land on the shard that holds the prompt.
+Its group key is `name/epoch/index@attempt`, so a group key whose last part is
+`<digits>@<digits>` (ASCII digits) is hashed without its `@<digits>` (`routing_key`): all its
+attempts have one owner. A dataset's name starts with a letter, so its prompts belong to
+epoch 0 and never move either; a shard of the ledger hands out the prompts whose
+`name/epoch/index` it wins among epoch 0's shards.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +38,10 @@ from .experience import EID
 
 # The part of the experience id that names its group, by the table's group_by.
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# A shard's name: it labels metrics and may be a pod's DNS label.
+SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _LEADING_INT = re.compile(r"(\d+)(?:/|$)")
+_ATTEMPT = re.compile(r"([0-9]+)@[0-9]+")
 
 
 class ShardMapError(ValueError):
@@ -56,14 +66,41 @@ def batch_number(key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _score(shard: str, key: str) -> int:
-    digest = hashlib.blake2b(key.encode(), digest_size=8, key=shard.encode()).digest()
-    return int.from_bytes(digest, "big")
+def routing_key(key: str) -> str:
+    """What rendezvous hashes for a group key: the key, less the `@attempt` of a last part
+    `<digits>@<digits>` (an attempt at a prompt goes where the prompt is)."""
+    head, slash, last = key.rpartition("/")
+    match = _ATTEMPT.fullmatch(last)
+    return f"{head}{slash}{match.group(1)}" if match else key
+
+
+@functools.lru_cache(maxsize=4096)
+def _keyed(shard: str) -> hashlib.blake2b:
+    """The shard's keyed hash before any input: a copy of it is cheaper than keying anew."""
+    return hashlib.blake2b(digest_size=8, key=shard.encode())
+
+
+def _owner(data: bytes, keyed: list[tuple[hashlib.blake2b, str]]) -> str:
+    top, owner = b"", ""
+    for base, shard in keyed:
+        score = base.copy()
+        score.update(data)
+        digest = score.digest()  # 8 big-endian bytes: they sort as the number
+        if digest > top or (digest == top and shard > owner):
+            top, owner = digest, shard
+    return owner
 
 
 def rendezvous(key: str, shards: Iterable[str]) -> str:
-    """The shard with the highest hash for `key`: adding a shard moves only the keys it wins."""
-    return max(shards, key=lambda shard: (_score(shard, key), shard))
+    """The shard with the highest hash for `key`: blake2b-64 of the key keyed by the shard's
+    name (ties to the greater name). Adding a shard moves only the keys it wins."""
+    return _owner(key.encode(), [(_keyed(shard), shard) for shard in shards])
+
+
+def owners(keys: Iterable[str], shards: Iterable[str]) -> Iterator[str]:
+    """`rendezvous` of each key over the same shards, faster for many keys."""
+    keyed = [(_keyed(shard), shard) for shard in shards]
+    return (_owner(key.encode(), keyed) for key in keys)
 
 
 @dataclass(frozen=True)
@@ -91,7 +128,7 @@ class ShardMap:
             if len(set(epoch.shards)) != len(epoch.shards):
                 raise ShardMapError(f"epoch {index} names a shard twice: {list(epoch.shards)}")
             for name in epoch.shards:
-                if not _NAME.fullmatch(name):
+                if not SHARD_NAME.fullmatch(name):
                     raise ShardMapError(
                         f"shard name {name[:80]!r} must be 1-63 letters, digits, '.', '_' or '-' (not first)"
                     )
@@ -128,8 +165,8 @@ class ShardMap:
         return next((e for e in reversed(self.epochs) if number >= e.since_batch), self.epochs[0])
 
     def owner(self, key: str) -> str:
-        """The shard that owns the group with this key."""
-        return rendezvous(key, self.epoch_of(key).shards)
+        """The shard that owns the group with this key (every attempt at a prompt: one owner)."""
+        return rendezvous(routing_key(key), self.epoch_of(key).shards)
 
     def add_shard(self, name: str, target: str, since_batch: int) -> ShardMap:
         """A new epoch with one more shard, routing groups of batches from `since_batch` on."""

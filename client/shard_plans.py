@@ -74,16 +74,22 @@ def is_down(outcome: Any) -> bool:
 
 class Owed:
     """What the client still owes shards that missed a call: tables created with exist_ok, then
-    trainer versions (the latest per table). Shared by the threads of one blocking client."""
+    datasets created with exist_ok (their tables first), then trainer versions (the latest per
+    table). Shared by the threads of one blocking client."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._creates: dict[str, dict[str, dict[str, Any]]] = {}
+        self._datasets: dict[str, dict[tuple[str, str], tuple[int, dict[str, Any]]]] = {}
         self._versions: dict[str, dict[str, int]] = {}
 
     def create(self, shard: str, name: str, settings: dict[str, Any]) -> None:
         with self._lock:
             self._creates.setdefault(shard, {})[name] = settings
+
+    def dataset(self, shard: str, table: str, name: str, size: int, settings: dict[str, Any]) -> None:
+        with self._lock:
+            self._datasets.setdefault(shard, {})[(table, name)] = (size, settings)
 
     def version(self, shard: str, table: str, version: int) -> None:
         with self._lock:
@@ -94,6 +100,9 @@ class Owed:
         with self._lock:
             for creates in self._creates.values():
                 creates.pop(table, None)
+            for datasets in self._datasets.values():
+                for key in [key for key in datasets if key[0] == table]:
+                    del datasets[key]
             for versions in self._versions.values():
                 versions.pop(table, None)
 
@@ -110,11 +119,15 @@ class Owed:
                 Call(shard, "create_table", (name,), {"exist_ok": True, **settings}, quick=None)
                 for name, settings in self._creates.get(shard, {}).items()
             ]
+            datasets = [  # the whole timeout, as the create had: the shard counts its part first
+                Call(shard, "create_dataset", (table, name, size), {"exist_ok": True, **settings})
+                for (table, name), (size, settings) in self._datasets.get(shard, {}).items()
+            ]
             versions = [
                 Call(shard, "set_trainer_version", (version, table), quick=True)
                 for table, version in self._versions.get(shard, {}).items()
             ]
-        return creates + versions
+        return creates + datasets + versions
 
     def settle(self, call: Call, outcome: Any) -> None:
         """An owed call answered: it is paid (or refused, and dropped with a warning) unless the
@@ -123,26 +136,31 @@ class Owed:
             return
         if isinstance(outcome, BufferError):
             _log.warning("shard %s refused the owed %s%s: %s", call.shard, call.method, call.args, outcome)
-        owed: dict[str, Any]  # by table: the create_table keywords, or the trainer version
+        owed: dict[Any, Any]  # the create_table keywords by table, the create_dataset's by (table, name), a version
+        value: Any
         with self._lock:
+            settings = {k: v for k, v in call.kwargs.items() if k != "exist_ok"}
             if call.method == "create_table":
-                owed, key, value = self._creates.get(call.shard, {}), call.args[0], dict(call.kwargs)
-                value.pop("exist_ok")
+                owed, key, value = self._creates.get(call.shard, {}), call.args[0], settings
+            elif call.method == "create_dataset":
+                owed, key, value = self._datasets.get(call.shard, {}), call.args[:2], (call.args[2], settings)
             else:
                 owed, key, value = self._versions.get(call.shard, {}), call.args[1], call.args[0]
             if owed.get(key) == value:
                 del owed[key]
 
     def pending(self) -> dict[str, list[tuple[Any, ...]]]:
-        """Per shard, what it is owed: ("create_table", name) and ("trainer_version", table, version)."""
+        """Per shard, what it is owed: ("create_table", name), ("create_dataset", table, name) and
+        ("trainer_version", table, version)."""
         with self._lock:
-            shards = {*self._creates, *self._versions}
-            return {
+            shards = {*self._creates, *self._datasets, *self._versions}
+            owed = {
                 shard: [("create_table", name) for name in self._creates.get(shard, {})]
+                + [("create_dataset", *key) for key in self._datasets.get(shard, {})]
                 + [("trainer_version", t, v) for t, v in self._versions.get(shard, {}).items()]
                 for shard in sorted(shards)
-                if self._creates.get(shard) or self._versions.get(shard)
             }
+            return {shard: calls for shard, calls in owed.items() if calls}
 
 
 class Planned(Sharded):
@@ -201,7 +219,11 @@ class Planned(Sharded):
 
         A shard that refuses the call still fails it; with no shard answering it fails UNAVAILABLE.
         """
-        calls = [Call(shard, method, args, kwargs, quick=None) for shard in self.clients]
+        return (yield from self._live_on(self.clients, method, *args, **kwargs))
+
+    def _live_on(self, shards: Iterable[str], method: str, /, *args: Any, **kwargs: Any) -> Plan[LiveResult]:
+        """`_live` on these shards."""
+        calls = [Call(shard, method, args, kwargs, quick=None) for shard in shards]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         missing = {shard: exc for shard, exc in errors.items() if is_down(exc)}
         refused = {shard: exc for shard, exc in errors.items() if not is_down(exc)}

@@ -7,7 +7,8 @@ experiences) each holds (`allocate`), so every ready group has the same chance w
 shard holds it; a shard that does not answer is left out until it does. The parts arrive
 in parallel and are joined into one TRXP batch. A leased batch's lease id names the shard
 of each part ("s0/lease,s2/lease"), so `ack` and `nack` reach the shards that granted
-them. Stats, tables and Delete cover every shard; Get asks each uid's owner.
+them. Stats, tables and Delete cover every shard; Get asks each uid's owner. Datasets of
+prompts live on the shards of the map's first epoch, each handing out its part (shard_ledger.py).
 
 The calls' logic is in shard_plans.py, shared with the asyncio client; this module makes
 the calls a plan asks for, in parallel on a thread pool.
@@ -21,16 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
 from .client import BufferClient, BufferError, GetResult, Grant, PushResult
+from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import BufferStats, ServerInfo, TableInfo
 from .routing import ShardMap
 from .sample_spec import SampleOptions, SampleSpec
 from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .shard_plans import Call, Emit, Plan, Planned, T
+from .shard_ledger import LedgerPlans
+from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
 from .sharded_async import AsyncShardedBufferClient
 
 
-class ShardedBufferClient(Planned):
+class ShardedBufferClient(LedgerPlans):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient
@@ -193,6 +196,63 @@ class ShardedBufferClient(Planned):
         the others dropped, by shard.
         """
         return self._run(self._drop_table(name))
+
+    # ---- the prompt ledger (shard_ledger.py) --------------------------------------------------
+
+    def create_dataset(
+        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
+    ) -> DatasetInfo:
+        """As BufferClient.create_dataset, on every shard of the map's first epoch, each handing
+        out its part; `max_in_flight` is split among them (at least 1 each). With exist_ok, a
+        shard that does not answer is owed the dataset (`pending`) and named in `.missing`."""
+        return self._run(self._create_dataset(table, name, size, exist_ok, settings))
+
+    def datasets(self, table: str = "default") -> list[DatasetInfo]:
+        """The table's datasets, each merged over the shards that answer (`.missing`: the others)."""
+        return self._run(self._datasets(table))
+
+    def ledger(self, table: str, dataset: str) -> DatasetInfo:
+        """One dataset's counts merged over the shards that answer (`.missing`: the others)."""
+        return self._run(self._ledger(table, dataset))
+
+    def claim(
+        self,
+        table: str,
+        dataset: str,
+        count: int = 1,
+        *,
+        lease_seconds: float = 300.0,
+        owner: str = "",
+        wait: float = 0.0,
+    ) -> Claim:
+        """Up to `count` prompts from the shards that have some, a shard that is down left out
+        (its prompts wait for it); with none now, waits up to `wait` for one. `done` once every
+        shard says its part is done. A shard that refuses raises ShardError, its `result` the
+        Claim of what the others gave."""
+        return self._run(self._claim(table, dataset, count, lease_seconds, owner, wait))
+
+    def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
+        """As BufferClient.renew_claims, each prompt on its shard (ShardError: `result` the ended
+        prompts of the shards that answered)."""
+        return self._run(self._renew_claims(prompts, seconds))
+
+    def release_claims(self, prompts: Iterable[Prompt]) -> int:
+        """As BufferClient.release_claims, each prompt on its shard (ShardError: `result` what
+        the shards that answered released)."""
+        return self._run(self._release_claims(prompts))
+
+    def list_prompts(
+        self,
+        table: str,
+        dataset: str,
+        *,
+        states: Iterable[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """A page of the dataset's prompts handed out, merged over its shards in (epoch, index)
+        order, at most `limit`; pass `after=page.after` for the next. Every shard must answer."""
+        return self._run(self._list_prompts(table, dataset, states, after, limit))
 
 
 __all__ = [

@@ -151,7 +151,13 @@ class ExpbufServer:
         interceptors.append(call_limits(config))
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
-        interceptors.append(PushMemory(self.inflight, stream_wait=config.push_stream_idle_seconds / 2))
+        interceptors.append(
+            PushMemory(
+                self.inflight,
+                stream_wait=config.push_stream_idle_seconds / 2,
+                max_push_bytes=config.max_message_bytes,
+            )
+        )
         keep_reply_memory()
         use_threads(config.torch_threads)
         few_arenas()
@@ -166,7 +172,7 @@ class ExpbufServer:
             max_message_bytes=config.max_message_bytes,
             advantage_device=str(resolve_device("auto")),
             bind_leases=bool(config.tokens),
-            ingest=Ingest(config.ingest_workers),
+            ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
             push_stream_idle_seconds=config.push_stream_idle_seconds,
             max_wait_seconds=config.max_wait_seconds,

@@ -73,9 +73,9 @@ class Backend(Protocol):
 
     # the prompt ledger
     def create_dataset(
-        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
     ) -> tuple[DatasetRecord, bool]: ...
-    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]: ...
+    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]: ...
     def claim(
         self,
         table: str,

@@ -20,9 +20,10 @@ from expbuf.client.connection import call_error
 
 from . import __version__, logs
 from .config import load
+from .dataset_cli import add_dataset_commands
 from .export_cli import add_export_command, run_export
 from .stats_view import watch
-from .table_cli import add_table_commands, run_table_command
+from .table_cli import add_table_commands, run_client_command
 from .tables import ConfigError
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
@@ -51,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
+            "max_metadata_bytes": args.max_metadata_bytes,
             "check_at_open": args.check_at_open,
             "scrub_mb_per_second": args.scrub_mb_per_second,
             "scrub_interval_seconds": args.scrub_interval_seconds,
@@ -120,8 +122,8 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.target, args.token, args.watch, args.count, tls=_tls(args))
 
 
-def _table(args: argparse.Namespace) -> int:
-    return run_table_command(args, _tls(args))
+def _client_command(args: argparse.Namespace) -> int:
+    return run_client_command(args, _tls(args))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -251,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
     )
     serve.add_argument(
+        "--max-metadata-bytes",
+        type=int,
+        help="the most an experience's metadata may take written out; a push with more is refused"
+        " (default 8 MiB; env EXPBUF_MAX_METADATA_BYTES)",
+    )
+    serve.add_argument(
         "--check-at-open",
         choices=("quick", "full"),
         help="before serving, check the directory's structure (quick, the default: reads check what they"
@@ -283,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default %(default)s)"
     )
     health.set_defaults(func=_health)
-    add_table_commands(sub, _client_options, _table)
+    add_table_commands(sub, _client_options, _client_command)
+    add_dataset_commands(sub, _client_options, _client_command)
     add_export_command(sub, _client_options, _export)
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")

@@ -18,6 +18,7 @@ may also declare tables (created at start, or checked against the stored ones):
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
+    max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
     check_at_open = "quick"       # "quick": the directory's structure; "full": every record and digest before serving
     scrub_mb_per_second = 32      # the background check of every payload after the start (0: off)
     scrub_interval_seconds = 86400  # and again this long after each pass began
@@ -109,6 +110,9 @@ class ServerConfig:
     max_wait_seconds: float = 600.0
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
     max_inflight_bytes: int = 1 << 30
+    # An experience's metadata written out (its pickle, shared references expanded): a push with a
+    # larger one is refused. The server holds an experience's metadata twice while it repacks it.
+    max_metadata_bytes: int = 8 << 20
     # What a start checks before serving: "quick" only the format, catalogue, counters, leases and
     # grants (every read checks the payloads it serves, and the scrub checks the rest); "full"
     # reads the whole file first (every record, digest, index and counter, about 3 GB/s).
@@ -225,6 +229,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
         if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
             raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
+        if not isinstance(self.max_metadata_bytes, int) or self.max_metadata_bytes < 1 << 16:
+            raise ConfigError(f"max_metadata_bytes must be an integer >= 65536, got {self.max_metadata_bytes!r}")
         if self.check_at_open not in ("full", "quick"):
             raise ConfigError(f"check_at_open must be 'full' or 'quick', got {self.check_at_open!r}")
         rate = self.scrub_mb_per_second
@@ -261,6 +267,7 @@ _ENV = {
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
+    "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),
     "EXPBUF_CHECK_AT_OPEN": ("check_at_open", str),
     "EXPBUF_SCRUB_MB_PER_SECOND": ("scrub_mb_per_second", float),
     "EXPBUF_SCRUB_INTERVAL_SECONDS": ("scrub_interval_seconds", float),

@@ -132,6 +132,13 @@ class SampleLimited(StoreError):
     reason = "rate_limited"
 
 
+class Cancelled(StoreError):
+    """A call its caller gave up on, stopped before it wrote anything (a long CreateDataset)."""
+
+    status = "CANCELLED"
+    reason = "cancelled"
+
+
 class Damaged(StoreError):
     """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
 

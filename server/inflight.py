@@ -5,19 +5,24 @@ A push's message arrives as one bytes object (gRPC copies it out of its own buff
 parsing it as a protobuf message and reading its payload field would copy it twice more, so
 PushRequest is read here by hand and its payload is a view of those bytes. Decoding then packs
 each experience once (the stored blob), the received bytes are let go, and LMDB copies the
-blobs into its pages: a push holds about twice its payload at its peak.
+blobs into its pages: a push holds about twice its payload at its peak, plus gRPC's copies of
+its message while it is received. A payload sent in chunks over PushStream (total_bytes) is
+put together here, chunk by chunk, in memory of its own size: gRPC's copies are then of one
+chunk at a time.
 
 A push starts reading its message only while the payloads held by pushes in progress are
 below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
 RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
 so the pushes that started reading below the cap may together pass it, by at most one message
-each.) A push larger than the cap still goes through when nothing else is in flight. When the
+each; a payload in chunks is held as its chunks come, and once its first is read the others
+are read whatever the cap.) A push larger than the cap still goes through when nothing else is in flight. When the
 last push in flight ends, memory freed by large pushes is handed back to the system.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,17 +31,20 @@ from typing import Any
 import grpc
 
 from .interceptor import ServiceInterceptor
+from .limits import PROGRESS
 
 TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
 
 
 @dataclass(slots=True)
 class PushMessage:
-    """A PushRequest whose payload is a view of the received bytes."""
+    """A PushRequest whose payload is a view of the received bytes (or of a payload put
+    together from chunks)."""
 
     table: str
     payload: memoryview
     seq: int
+    total_bytes: int = 0
 
     def drop_payload(self) -> None:
         """Let the received bytes go (once decoded), before the store copies the packed experiences."""
@@ -57,10 +65,10 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def read_push_request(data: bytes) -> PushMessage:
-    """PushRequest's wire form (table = 1, payload = 2, seq = 3; other fields skipped, the
-    last of a repeated field wins, as protobuf reads them), the payload uncopied."""
+    """PushRequest's wire form (table = 1, payload = 2, seq = 3, total_bytes = 4; other fields
+    skipped, the last of a repeated field wins, as protobuf reads them), the payload uncopied."""
     view = memoryview(data)
-    table, payload, seq = b"", view[:0], 0
+    table, payload, seq, total = b"", view[:0], 0, 0
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
@@ -69,6 +77,8 @@ def read_push_request(data: bytes) -> PushMessage:
             value, pos = _varint(data, pos)
             if number == 3:
                 seq = value
+            elif number == 4:
+                total = value
         elif kind == 2:
             length, pos = _varint(data, pos)
             if pos + length > len(data):
@@ -84,7 +94,7 @@ def read_push_request(data: bytes) -> PushMessage:
             raise ValueError(f"PushRequest: field {number} has wire type {kind}, which no field of it has")
         if number == 0 or pos > len(data):
             raise ValueError("PushRequest: malformed message")
-    return PushMessage(table.decode(), payload, seq)
+    return PushMessage(table.decode(), payload, seq, total)
 
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -159,6 +169,11 @@ class InFlight:
         return release
 
 
+def _release(held: list[Callable[[], None]]) -> None:
+    while held:
+        held.pop()()
+
+
 def _remaining(context: grpc.ServicerContext) -> float:
     """How long a push may wait to be read: its deadline, less the time to send a refusal."""
     left = context.time_remaining()
@@ -166,23 +181,82 @@ def _remaining(context: grpc.ServicerContext) -> float:
 
 
 class PushMemory(ServiceInterceptor):
-    """Push and PushStream read their messages with read_push_request, once InFlight admits them."""
+    """Push and PushStream read their messages with read_push_request, once InFlight admits them;
+    PushStream puts the chunks of a payload together before the servicer sees it."""
 
-    def __init__(self, inflight: InFlight, stream_wait: float = 3600.0) -> None:
+    def __init__(self, inflight: InFlight, stream_wait: float = 3600.0, max_push_bytes: int = 256 << 20) -> None:
         self.inflight = inflight
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
+        self.max_push_bytes = max_push_bytes  # the largest payload in chunks: max_message_bytes
 
     def _read(
         self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0
     ) -> tuple[Any, Callable[[], None]] | None:
-        """The next message, admitted (waiting at most `most`) and held; None at the end of the client's messages."""
+        """The next message, admitted (waiting at most `most`) and held; None at the end of the
+        client's messages."""
         refused = self.inflight.admit(min(most, _remaining(context)))
         if refused is not None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         request = next(requests, None)
         if request is None:
             return None
-        return request, self.inflight.hold(len(request.payload))
+        size = len(request.payload)
+        if request.total_bytes and request.total_bytes < size:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
+            )
+        if request.total_bytes > self.max_push_bytes:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload of total_bytes = {request.total_bytes} is larger than the largest push, "
+                f"max_message_bytes = {self.max_push_bytes} (EXPBUF_MAX_MESSAGE_BYTES)",
+            )
+        return request, self.inflight.hold(size)
+
+    def _chunks(
+        self,
+        first: PushMessage,
+        requests: Iterator[Any],
+        context: grpc.ServicerContext,
+        held: list[Callable[[], None]],
+    ) -> Iterator[Any]:
+        """The payload whose first chunk is `first`, put together from the chunks that follow it
+        (each held as it comes, into `held`, and let go once copied), then handed over as one
+        message; PROGRESS after each chunk but the last, so that the stream is not taken for
+        idle. A stream that ends before the last chunk is refused: nothing of the push is stored."""
+        total, got = first.total_bytes, len(first.payload)
+        whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
+        whole[:got] = first.payload
+        first.drop_payload()
+        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
+        while got < total:
+            yield PROGRESS
+            chunk = next(requests, None)
+            if chunk is None:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                )
+            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and nothing "
+                    "else (table, seq and total_bytes unset)",
+                )
+            end = got + len(chunk.payload)
+            if end > total:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                )
+            held.append(self.inflight.hold(len(chunk.payload)))
+            whole[got:end] = chunk.payload
+            chunk.drop_payload()
+            got = end
+        message = PushMessage(first.table, whole, first.seq)
+        del whole  # the message alone holds the payload, which the servicer lets go once decoded
+        yield message
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -196,6 +270,12 @@ class PushMemory(ServiceInterceptor):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push: the call carried no message")
                 request, release = read
                 try:
+                    if request.total_bytes > len(request.payload):
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Push: total_bytes = {request.total_bytes} but the payload is {len(request.payload)} "
+                            "bytes: a payload in chunks goes over PushStream",
+                        )
                     return behavior(request, context)
                 finally:
                     release()
@@ -206,17 +286,21 @@ class PushMemory(ServiceInterceptor):
             behavior = handler.stream_stream
 
             def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                release: Callable[[], None] = lambda: None  # noqa: E731
+                held: list[Callable[[], None]] = []  # what the push being read holds, chunk by chunk
                 try:
                     while True:
                         read = self._read(requests, context, self.stream_wait)
                         if read is None:
                             return
                         request, release = read
-                        yield request  # held until the stream asks for the next one
-                        release()
+                        held.append(release)
+                        if request.total_bytes > len(request.payload):
+                            yield from self._chunks(request, requests, context, held)
+                        else:
+                            yield request  # held until the stream asks for the next one
+                        _release(held)
                 finally:
-                    release()
+                    _release(held)
 
             def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 yield from behavior(admitted(requests, context), context)

@@ -35,6 +35,7 @@ from typing import Any
 
 from expbuf.client import trxp
 
+from .config import ServerConfig
 from .errors import InvalidPayload
 from .store import Entry
 
@@ -55,11 +56,28 @@ SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
 
 
-def entries_of(payload: bytes | memoryview) -> list[Entry]:
+def metadata_limit(max_bytes: int) -> trxp.MetadataLimit:
+    """The limit of an experience's metadata, as a refusal names its setting."""
+    return trxp.MetadataLimit(
+        max_bytes,
+        f"max_metadata_bytes = {max_bytes} (raise it with EXPBUF_MAX_METADATA_BYTES, or carry large data "
+        "in tensors: multi-modal inputs)",
+    )
+
+
+def entries_of(payload: bytes | memoryview, limit: trxp.MetadataLimit | None = None) -> list[Entry]:
     """A pushed payload's experiences, validated and packed as the store keeps them; a payload
-    the codec refuses is an InvalidPayload, with the codec's message."""
+    the codec refuses is an InvalidPayload, with the codec's message.
+
+    An experience's metadata is unpickled, then pickled again in its canonical form: for a
+    moment both are held, so `limit` bounds it; the tensors are copied once, into the packed copy."""
     try:
-        return [Entry.of(item) for item in trxp.parse(payload)]
+        items = trxp.parse(payload, limit=limit)
+        items.reverse()
+        entries = []
+        while items:  # each item's metadata is let go as its packed copy is made
+            entries.append(Entry.of(items.pop()))
+        return entries
     except trxp.TrxpError as exc:
         raise InvalidPayload(str(exc)) from None
 
@@ -107,9 +125,10 @@ def _shared_fd() -> int:
         return os.dup(file.fileno())
 
 
-def _serve(conn: Connection) -> None:
+def _serve(conn: Connection, max_metadata_bytes: int) -> None:
     """A worker process: decode each payload put in the region, write the experiences'
     bytes back there one after another, and reply with their other fields, or the refusal."""
+    limit = metadata_limit(max_metadata_bytes)
     region = _Region(recv_handle(conn))
     conn.send_bytes(b"")  # imported and ready
     while True:
@@ -119,7 +138,7 @@ def _serve(conn: Connection) -> None:
             return
         view = region.fit(size)
         try:
-            reply: Any = _pack(entries_of(view[:length]), region)
+            reply: Any = _pack(entries_of(view[:length], limit), region)
         except Exception as exc:
             reply = exc
         try:
@@ -144,9 +163,11 @@ def _pack(entries: list[Entry], region: _Region) -> list[tuple]:
 class _Worker:
     """One ingest process, the connection it takes requests on and its shared region."""
 
-    def __init__(self, context: multiprocessing.context.SpawnContext) -> None:
+    def __init__(self, context: multiprocessing.context.SpawnContext, max_metadata_bytes: int) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child,), name="expbuf-ingest", daemon=True)
+        self.process = context.Process(
+            target=_serve, args=(child, max_metadata_bytes), name="expbuf-ingest", daemon=True
+        )
         self.process.start()
         child.close()
         self.region = _Region(_shared_fd())
@@ -190,15 +211,18 @@ class _Worker:
 
 
 class Ingest:
-    """Turns pushed payloads into entries, here or in `processes` worker processes (0: always here)."""
+    """Turns pushed payloads into entries, here or in `processes` worker processes (0: always here),
+    each experience's metadata within `max_metadata_bytes`."""
 
-    def __init__(self, processes: int = 0) -> None:
+    def __init__(self, processes: int = 0, max_metadata_bytes: int = ServerConfig.max_metadata_bytes) -> None:
         self.processes = processes
+        self.max_metadata_bytes = max_metadata_bytes
+        self._limit = metadata_limit(max_metadata_bytes)
         self._context = multiprocessing.get_context("spawn")
         self._free = threading.Condition()  # guards the fields below; notified when a worker is free
         self._decoding = 0  # pushes being decoded, here or in a worker
         self._closed = False
-        self._workers = [_Worker(self._context) for _ in range(processes)]
+        self._workers = [_Worker(self._context, max_metadata_bytes) for _ in range(processes)]
         for worker in self._workers:
             worker.ready()
         self._idle = list(self._workers)
@@ -232,12 +256,12 @@ class Ingest:
 
     def entries(self, payload: bytes | memoryview) -> list[Entry]:
         if not self.processes or not SMALL <= len(payload) <= LARGE:
-            return entries_of(payload)
+            return entries_of(payload, self._limit)
         with self._free:
             alone = self._decoding == 0
             self._decoding += 1
         try:
-            return entries_of(payload) if alone else self._in_worker(payload)
+            return entries_of(payload, self._limit) if alone else self._in_worker(payload)
         finally:
             with self._free:
                 self._decoding -= 1
@@ -246,7 +270,7 @@ class Ingest:
         with self._free:
             self._free.wait_for(lambda: self._idle or self._closed)
             if self._closed:
-                return entries_of(payload)
+                return entries_of(payload, self._limit)
             worker = self._idle.pop()
         returned: _Worker | None = worker
         try:
@@ -259,7 +283,7 @@ class Ingest:
             self._give_back(returned)
         if isinstance(result, Exception):
             raise result
-        return entries_of(payload) if result is None else result
+        return entries_of(payload, self._limit) if result is None else result
 
     def _replace(self, broken: _Worker) -> _Worker | None:
         """A new worker in place of a broken one (none once the pool is closed)."""
@@ -267,7 +291,7 @@ class Ingest:
         with self._free:
             if self._closed:
                 return None
-        worker = _Worker(self._context)
+        worker = _Worker(self._context, self.max_metadata_bytes)
         worker.ready()
         with self._free:
             self._workers[self._workers.index(broken)] = worker

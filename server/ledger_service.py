@@ -48,10 +48,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
     )
     if ds.seed is not None:
         config.seed = ds.seed
-    counts = []
-    for row in ds.counts:
-        held = {state: row.get(state, 0) for state in PROMPT_STATES[1:]}
-        counts.append(pb.EpochCounts(pending=ds.owned - sum(held.values()), **held))
+    counts = [pb.EpochCounts(**ds.states(epoch)) for epoch in range(len(ds.counts))]
     return pb.DatasetInfo(
         config=config,
         created_unix=ds.created,
@@ -61,7 +58,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         reissued=ds.reissued,
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
-        owned=ds.owned,
+        owned=ds.owned_total,
     )
 
 
@@ -96,7 +93,10 @@ class LedgerCalls:
     @refusals
     def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:
         record, created = self.store.create_dataset(
-            request.table or "default", dataset_of(request.config), exist_ok=request.exist_ok
+            request.table or "default",
+            dataset_of(request.config),
+            exist_ok=request.exist_ok,
+            stop=lambda: not context.is_active(),  # a shard's part may take a while to count
         )
         return pb.CreateDatasetReply(dataset=info_of(record), created=created)
 

@@ -23,6 +23,7 @@ reflection and the refusals themselves are always answered.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -229,10 +230,16 @@ class TableStreams:
                 del self._open[table]
 
 
+# What a stream's messages may yield between two messages to say that one arrived which is
+# not to be handed over (a chunk of a push not yet whole): the stream is not idle meanwhile.
+PROGRESS: Any = object()
+
+
 class IdleMessages:
     """A stream's messages, read by a thread of their own so that the call can end one that
-    sends nothing for `seconds` (a PushStream left open holds a worker thread). The reader
-    asks gRPC for the next message only when the call wants it: no payload is read ahead."""
+    sends nothing for `seconds` (a PushStream left open holds a worker thread): `seconds`
+    without a message, or a PROGRESS. The reader asks gRPC for the next message only when the
+    call wants it: no payload is read ahead."""
 
     def __init__(self, requests: Iterator[Any], seconds: float) -> None:
         self.seconds = seconds
@@ -241,6 +248,7 @@ class IdleMessages:
         self._wanted = False
         self._closed = False
         self._slot: list[Any] = []  # the message handed over; [] while none is
+        self._progress = 0  # PROGRESS seen
         threading.Thread(target=self._read, name="expbuf-stream-reader", daemon=True).start()
 
     def _read(self) -> None:
@@ -249,7 +257,6 @@ class IdleMessages:
                 self._changed.wait_for(lambda: self._wanted or self._closed)
                 if self._closed:
                     return
-                self._wanted = False
             try:
                 message: Any = next(self._requests)
             except (StopIteration, grpc.RpcError):  # the client closed its side, or the call ended
@@ -257,10 +264,17 @@ class IdleMessages:
             except Exception as exc:  # a refusal of the message (an abort): the call raises it
                 message = exc
             with self._changed:
-                self._slot.append(message)
+                if message is PROGRESS:  # still wanted: read on
+                    self._progress += 1
+                else:
+                    self._wanted = False
+                    self._slot.append(message)
                 self._changed.notify_all()
             if message is None or isinstance(message, Exception):
                 return
+
+    def _moved(self, progress: int) -> bool:
+        return bool(self._slot) or self._progress != progress
 
     def next(self) -> Any:
         """The next message; None when the client closed its side; TimeoutError after `seconds` of
@@ -268,8 +282,9 @@ class IdleMessages:
         with self._changed:
             self._wanted = True
             self._changed.notify_all()
-            if not self._changed.wait_for(lambda: self._slot, self.seconds):
-                raise TimeoutError
+            while not self._slot:
+                if not self._changed.wait_for(functools.partial(self._moved, self._progress), self.seconds):
+                    raise TimeoutError
             message = self._slot.pop()
         if isinstance(message, Exception):
             raise message

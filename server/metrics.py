@@ -1,8 +1,8 @@
 """Prometheus metrics of an expbuf server.
 
 What the store keeps durably (counts by state, totals pushed, sampled, evicted, dropped,
-expired) is read from the store at every scrape, so gauges and counters stay right
-across restarts. Tables that never held anything, but `default`, are left out of the
+expired, the prompt ledger's counts) is read from the store at every scrape, so gauges and
+counters stay right across restarts. Tables that never held anything, but `default`, are left out of the
 per-table series (`expbuf_tables` counts all tables). What only the server sees (RPC
 latency by method and code, refusals before anything reaches the store, advantage time,
 staleness of sampled experiences) is measured here. Each server has its own registry.
@@ -23,6 +23,7 @@ from .backend import Backend
 from .interceptor import ServiceInterceptor
 from .shaping import RunningMoments
 from .store import LIVE, ScrubStatus
+from .store.ledger_records import PROMPT_STATES, DatasetRecord
 
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed", "quarantined")
@@ -105,6 +106,7 @@ class StoreCollector(Collector):
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
         yield from _scrub_metrics(self.store.scrub_status())
+        yield from _ledger_metrics({name: self.store.datasets(name, by_epoch=False) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
             "expbuf_storage_bytes", "Bytes of the LMDB data file in use.", value=storage["used_bytes"]
@@ -137,6 +139,28 @@ def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
     )
     for name, text, value in counters:
         yield CounterMetricFamily(name, text, value=value)
+
+
+def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric]:
+    """The prompt ledger's counts by table and dataset (tables without a dataset have none)."""
+    labels = ["table", "dataset"]
+    prompts = GaugeMetricFamily("expbuf_prompts", "Prompts of a dataset by state.", labels=[*labels, "state"])
+    reissued = CounterMetricFamily(
+        "expbuf_prompt_claims_reissued",
+        "Claims handed out again: a claim ended, or a dropped group's retry.",
+        labels=labels,
+    )
+    dropped = CounterMetricFamily(
+        "expbuf_prompt_attempts_dropped", "Incomplete groups of attempts whose claim ended, dropped.", labels=labels
+    )
+    for table, records in datasets.items():
+        for ds in records:
+            by_state = ds.overall()  # the dataset record's totals: no epoch is read
+            for state in PROMPT_STATES:
+                prompts.add_metric([table, ds.name, state], by_state[state])
+            reissued.add_metric([table, ds.name], ds.reissued)
+            dropped.add_metric([table, ds.name], ds.attempts_dropped)
+    yield from (prompts, reissued, dropped)
 
 
 def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -35,7 +35,7 @@ from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .shaping import RunningMoments
 from .store import Sampled
-from .store.records import LIVE
+from .store.states import LIVE
 from .tables import TableConfig
 from .writers import Writers
 

@@ -55,17 +55,13 @@ def describe_text(settings: dict[str, Any], stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _columns(rows: list[tuple[str, ...]]) -> str:
+def columns(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def _create(args: argparse.Namespace, client: BufferClient) -> int:
-    try:
-        settings = dict(parse_setting(s) for s in args.settings)
-    except SettingError as exc:
-        print(f"expbuf table create: {exc}", file=sys.stderr)
-        return 2
+    settings = dict(parse_setting(s) for s in args.settings)  # a SettingError is a ValueError: exit code 2
     created = client.create_table(args.name, exist_ok=args.exist_ok, **settings)
     print(describe_text(created.settings(), {}).split("\n\n")[0])
     return 0
@@ -78,7 +74,7 @@ def _list(args: argparse.Namespace, client: BufferClient) -> int:
         s = stats.get(t.name)
         counts = ("-", "-", "-") if s is None else (str(s.ready), str(s.leased), str(s.pending))
         rows.append((t.name, t.group_by, str(t.group_size), t.estimator, *counts))
-    print(_columns(rows))
+    print(columns(rows))
     return 0
 
 
@@ -128,16 +124,16 @@ def add_table_commands(
     create.add_argument("name", help="the table's name")
     create.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="settings, e.g. group_size=8 estimator=grpo")
     create.add_argument("--exist-ok", action="store_true", help="succeed if a table with these settings exists")
-    create.set_defaults(table_action=_create)
+    create.set_defaults(run_action=_create)
     listing = actions.add_parser("list", help="every table with its grouping, estimator and counts")
-    listing.set_defaults(table_action=_list)
+    listing.set_defaults(run_action=_list)
     describe = actions.add_parser("describe", help="a table's settings as TOML, and its counts")
     describe.add_argument("name", help="the table's name")
-    describe.set_defaults(table_action=_describe)
+    describe.set_defaults(run_action=_describe)
     drop = actions.add_parser("drop", help="drop a table and every experience in it")
     drop.add_argument("name", help="the table's name")
     drop.add_argument("--yes", action="store_true", help="really drop it (the command refuses without)")
-    drop.set_defaults(table_action=_drop)
+    drop.set_defaults(run_action=_drop)
     reset = actions.add_parser(
         "reset-offpolicy",
         help="set a table's trainer version back (or unset it) and forget the rollouts admission counted,"
@@ -145,22 +141,23 @@ def add_table_commands(
     )
     reset.add_argument("name", help="the table's name")
     reset.add_argument("--version", type=int, help="the trainer version to set (default: unset, as a new table)")
-    reset.set_defaults(table_action=_reset)
+    reset.set_defaults(run_action=_reset)
     for parser in (create, listing, describe, drop, reset):
         client_options(parser)
         parser.set_defaults(func=run)
 
 
-def run_table_command(args: argparse.Namespace, tls: Tls | None) -> int:
-    """Run one `expbuf table` action; a refusal by the server is its status and message, exit code 1,
-    and a mistake the client catches before it calls (a setting it does not know, a value its
-    field cannot take) is that message, exit code 2."""
+def run_client_command(args: argparse.Namespace, tls: Tls | None) -> int:
+    """Run one action of `expbuf table` or `expbuf dataset` (`args.run_action`); a refusal by
+    the server is its status and message, exit code 1, and a mistake the client catches before
+    it calls (a setting it does not know, a value its field cannot take) is that message, exit
+    code 2."""
     with BufferClient(args.target, token=args.token, tls=tls, timeout=30, retries=0) as client:
         try:
-            return args.table_action(args, client)
+            return args.run_action(args, client)
         except BufferError as exc:
-            print(f"expbuf table {args.action}: {exc.code.name}: {exc.details}", file=sys.stderr)
+            print(f"expbuf {args.command} {args.action}: {exc.code.name}: {exc.details}", file=sys.stderr)
             return 1
         except ValueError as exc:  # the client's own checks of what it was given (wire.WireError, ...)
-            print(f"expbuf table {args.action}: {exc}", file=sys.stderr)
+            print(f"expbuf {args.command} {args.action}: {exc}", file=sys.stderr)
             return 2

@@ -23,6 +23,7 @@ from expbuf.client.areal import ExpbufBatchSource, KeepExpbufAdvantages, from_ar
 from expbuf.server.config import load
 
 from helpers import ServerProcess
+from pages import code_blocks, page
 
 
 @pytest.fixture(scope="module")
@@ -132,22 +133,17 @@ def test_turn_discount_is_areals_interaction_cache(server: ServerProcess) -> Non
     assert discounted[0] == pytest.approx(0.5 * 0.9 + 2.0 * 0.9**3)
 
 
-def readme_section() -> str:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    return readme.split("## Using expbuf from AReaL")[1].split("\n## ")[0]
-
-
-def test_the_readmes_areal_section_runs_as_written(server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
-    code = readme_section().split("```python\n")[1].split("```")[0]
-    exec(compile(code.replace("10.0.0.5:50051", server.target), "README.md", "exec"), {})
+def test_the_docs_areal_page_runs_as_written(server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
+    code = code_blocks(page("frameworks/areal.md"), "python")[0]
+    exec(compile(code.replace("10.0.0.5:50051", server.target), "frameworks/areal.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "[]"
     (table,) = [t for t in BufferClient(server.target).list_tables() if t.name == "areal_grpo"]
     assert (table.group_size, table.max_staleness, table.batch_size) == (8, 2, 32)
     assert table.shaping.reward_clip == 20.0
 
 
-def test_the_readmes_areal_toml_is_what_table_settings_gives(tmp_path: Path) -> None:
-    (tmp_path / "expbuf.toml").write_text(readme_section().split("```toml\n")[1].split("```")[0])
+def test_the_docs_areal_toml_is_what_table_settings_gives(tmp_path: Path) -> None:
+    (tmp_path / "expbuf.toml").write_text(code_blocks(page("frameworks/areal.md"), "toml")[0])
     (table,) = load(str(tmp_path / "expbuf.toml")).tables
     settings = table_settings(
         InferenceEngineConfig(consumer_batch_size=32, max_head_offpolicyness=2),

@@ -24,7 +24,8 @@ from expbuf.server.errors import Conflict, Damaged
 from expbuf.server.store import Store, layout, migrate
 from expbuf.server.store.counters import Counters
 from expbuf.server.store.environment import Environment
-from expbuf.server.store.records import CONSUMED, RETIRED, ItemRecord
+from expbuf.server.store.records import ItemRecord
+from expbuf.server.store.states import CONSUMED, RETIRED
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, take

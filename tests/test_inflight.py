@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -13,13 +14,14 @@ from google.protobuf.message import DecodeError
 from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
 from expbuf.server.inflight import InFlight, read_push_request
 
 from conftest import BAD_DIR, Servers
 from helpers import group_items
 
 UNKNOWN_FIELDS = (
-    b"\x20\x96\x01"  # field 4, varint
+    b"\x40\x96\x01"  # field 8, varint
     b"\x29"
     + bytes(8)  # field 5, 64-bit
     + b"\x35"
@@ -32,17 +34,24 @@ UNKNOWN_FIELDS = (
     "message",
     [
         pb.PushRequest(),
-        pb.PushRequest(table="grpo8", payload=b"TRXP" + bytes(range(256)) * 40, seq=2**64 - 1),
+        pb.PushRequest(table="grpo8", payload=b"TRXP" + bytes(range(256)) * 40, seq=2**64 - 1, total_bytes=2**40),
         pb.PushRequest(table="tâble", payload=b"x"),
     ],
     ids=["empty", "full", "utf8"],
 )
-@pytest.mark.parametrize("extra", [b"", UNKNOWN_FIELDS, b"\x12\x02zz\x18\x05"], ids=["plain", "unknown", "repeated"])
+@pytest.mark.parametrize(
+    "extra", [b"", UNKNOWN_FIELDS, b"\x12\x02zz\x18\x05\x20\x07"], ids=["plain", "unknown", "repeated"]
+)
 def test_reads_what_protobuf_reads(message: pb.PushRequest, extra: bytes) -> None:
     data = message.SerializeToString() + extra
     want = pb.PushRequest.FromString(data)
     got = read_push_request(data)
-    assert (got.table, bytes(got.payload), got.seq) == (want.table, want.payload, want.seq)
+    assert (got.table, bytes(got.payload), got.seq, got.total_bytes) == (
+        want.table,
+        want.payload,
+        want.seq,
+        want.total_bytes,
+    )
 
 
 @pytest.mark.parametrize(
@@ -90,3 +99,119 @@ def test_pushes_give_back_what_they_held_however_they_end(start_server: Servers)
     while server.inflight.held and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.inflight.held == 0
+
+
+def chunks(payload: bytes, size: int, *, seq: int = 0, table: str = "") -> list[pb.PushRequest]:
+    """A payload in chunks of `size` bytes, as a client sends it over PushStream."""
+    first = pb.PushRequest(table=table, seq=seq, payload=payload[:size], total_bytes=len(payload))
+    return [first, *(pb.PushRequest(payload=payload[at : at + size]) for at in range(size, len(payload), size))]
+
+
+def held_drops_to_zero(server: ExpbufServer) -> bool:
+    deadline = time.monotonic() + 10
+    while server.inflight.held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.inflight.held == 0
+
+
+def test_a_push_in_chunks_is_stored_and_answered_once_as_if_sent_whole(start_server: Servers) -> None:
+    server = start_server()
+    whole, parted, last = (trxp.build(group_items(batch, 0, 2)) for batch in ("whole", "parted", "last"))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t")), timeout=10)
+        messages = [pb.PushRequest(payload=whole, seq=1), *chunks(parted, 100, seq=2, table="t")]
+        replies = list(stub.PushStream(iter([*messages, pb.PushRequest(payload=last, seq=3)]), timeout=30))
+        assert [reply.seq for reply in replies] == [1, 2, 3]
+        assert [len(reply.stored_uids) for reply in replies] == [2, 2, 2]
+        assert stub.Stats(pb.StatsRequest(table="t"), timeout=10).tables[0].pushed == 2
+        # The same payload sent whole, or in other chunks: the same stored bytes, so duplicates.
+        again = list(stub.PushStream(iter(chunks(parted, 37, seq=4, table="t")), timeout=30))
+        assert [(reply.seq, list(reply.duplicate_uids)) for reply in again] == [(4, list(replies[1].stored_uids))]
+        whole_again = stub.Push(pb.PushRequest(table="t", payload=parted), timeout=10)
+        assert list(whole_again.duplicate_uids) == list(replies[1].stored_uids)
+    assert held_drops_to_zero(server)
+
+
+def refusal(stub: pb_grpc.ExperienceBufferStub, messages: list[pb.PushRequest]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.PushStream(iter(messages), timeout=30))
+    return refused.value
+
+
+def test_chunks_that_do_not_make_their_push_are_refused_naming_why_and_store_nothing(start_server: Servers) -> None:
+    server = start_server(max_message_bytes=1 << 20)
+    body = trxp.build(group_items("c", 0, 2))
+    parted = chunks(body, 200, seq=5)
+    bad = (BAD_DIR / "prompt_longer_than_tokens.bin").read_bytes()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        ended = refusal(stub, parted[:-1])
+        assert ended.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ended.details() == (
+            f"PushStream ended {200 * (len(parted) - 1)} bytes into the push of seq 5 in chunks "
+            f"(total_bytes = {len(body)}): nothing of it is stored"
+        )
+        stray = pb.PushRequest(table="default", payload=body[200:400])
+        assert (
+            "a chunk after the first carries a payload and nothing else" in refusal(stub, [parted[0], stray]).details()
+        )
+        past = pb.PushRequest(payload=body[200:] + b"x")
+        assert "past total_bytes" in refusal(stub, [parted[0], past]).details()
+        short = refusal(stub, [pb.PushRequest(payload=body, total_bytes=10)])
+        assert short.details() == f"PushRequest: total_bytes = 10 is less than the {len(body)} bytes of its payload"
+        huge = refusal(stub, [pb.PushRequest(payload=body[:200], total_bytes=2 << 20)])
+        assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_message_bytes = 1048576" in huge.details(), huge.details()
+        with pytest.raises(grpc.RpcError) as unary:
+            stub.Push(parted[0], timeout=10)
+        assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "a payload in chunks goes over PushStream" in unary.value.details()
+        invalid = refusal(stub, chunks(bad, 100))  # refused as it is sent whole, naming the field
+        assert invalid.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_length" in invalid.details()
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
+        assert stub.Push(pb.PushRequest(payload=body), timeout=10).stored_uids
+    assert held_drops_to_zero(server)
+
+
+def test_a_stream_broken_between_chunks_stores_nothing_of_that_push(start_server: Servers) -> None:
+    server = start_server()
+    body = trxp.build(group_items("broken", 0, 2))
+    parted = chunks(body, 100)
+    sent = threading.Event()
+    end = threading.Event()
+
+    def messages() -> Iterator[pb.PushRequest]:
+        yield from parted[:2]
+        sent.set()
+        end.wait(30)
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        call = stub.PushStream(messages(), timeout=30)
+        assert sent.wait(10)
+        deadline = time.monotonic() + 10
+        while server.inflight.held != 200 and time.monotonic() < deadline:  # the two chunks sent, as they came
+            time.sleep(0.01)
+        assert server.inflight.held == 200
+        call.cancel()
+        end.set()
+        assert held_drops_to_zero(server)
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
+        assert stub.Push(pb.PushRequest(payload=body), timeout=10).stored_uids
+
+
+def test_a_push_in_chunks_slower_than_the_idle_timeout_goes_on_while_chunks_come(start_server: Servers) -> None:
+    """Each chunk counts as a message for push_stream_idle_seconds: the push as a whole may take longer."""
+    server = start_server(push_stream_idle_seconds=3)
+    body = trxp.build(group_items("slow", 0, 2))
+    parted = chunks(body, len(body) // 10 + 1)
+
+    def messages() -> Iterator[pb.PushRequest]:
+        for message in parted:  # 10 chunks, 0.5 s apart: 5 s in all
+            yield message
+            time.sleep(0.5)
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        replies = list(pb_grpc.ExperienceBufferStub(channel).PushStream(messages(), timeout=60))
+    assert len(parted) == 10 and [len(reply.stored_uids) for reply in replies] == [2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import tracemalloc
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from expbuf.client import EID, BufferClient, BufferError, Experience, trxp
 from expbuf.server import ingest as ingest_module
 from expbuf.server.app import ExpbufServer
-from expbuf.server.config import ConfigError, ServerConfig
+from expbuf.server.config import ConfigError, ServerConfig, load
 from expbuf.server.ingest import Ingest, entries_of
 
 from conftest import BAD_DIR, MANIFEST, Servers, payload
@@ -192,3 +193,81 @@ def test_an_empty_payload_is_refused_without_losing_the_worker() -> None:
         assert pool._workers[0] is worker and worker.process.is_alive()
     finally:
         pool.close()
+
+
+def metadata_payload(sizes: list[int]) -> bytes:
+    """Experiences of 4 tokens, each carrying `size` bytes in its info (a bytes value)."""
+    return trxp.encode(
+        Experience(
+            eid=EID(batch="m", task=task, suffix="s"),
+            tokens=torch.arange(4, dtype=torch.int32),
+            prompt_length=1,
+            reward=1.0,
+            info={"blob": bytes(size)},
+        )
+        for task, size in enumerate(sizes)
+    )
+
+
+def test_an_experience_whose_metadata_passes_max_metadata_bytes_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = metadata_payload([1000, 300_000])
+    pool = Ingest(1, max_metadata_bytes=256 << 10)
+    try:
+        refusals = []
+        for decode in (pool.entries, pool._in_worker):  # here, and in a worker process
+            with pytest.raises(ingest_module.InvalidPayload) as refused:
+                decode(data)
+            refusals.append(str(refused.value))
+    finally:
+        pool.close()
+    assert refusals[0] == refusals[1]
+    assert refusals[0].startswith("item 1 (uid m/1/0/0/s): its metadata takes 300"), refusals[0]
+    assert "max_metadata_bytes = 262144" in refusals[0] and "EXPBUF_MAX_METADATA_BYTES" in refusals[0]
+    assert [entry.uid for entry in Ingest(0, max_metadata_bytes=512 << 10).entries(data)] == ["m/0/0/0/s", "m/1/0/0/s"]
+    with pytest.raises(ConfigError, match="max_metadata_bytes must be an integer >= 65536"):
+        ServerConfig(data=str(tmp_path), max_metadata_bytes=1000)
+    assert ServerConfig(data=str(tmp_path)).max_metadata_bytes == 8 << 20
+    monkeypatch.setenv("EXPBUF_MAX_METADATA_BYTES", str(1 << 20))
+    assert load(None).max_metadata_bytes == 1 << 20
+
+
+def test_a_push_past_max_metadata_bytes_is_refused_and_the_server_goes_on(start_server: Servers) -> None:
+    server = start_server(ingest_processes=1, max_metadata_bytes=256 << 10)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        with pytest.raises(BufferError) as refused:
+            client.push(metadata_payload([300_000]))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "item 0 (uid m/0/0/0/s)" in refused.value.details, refused.value.details
+        assert "max_metadata_bytes = 262144" in refused.value.details
+        assert client.stats("default")["default"].pushed == 0
+        assert client.push(metadata_payload([200_000])).stored == ["m/0/0/0/s"]
+
+
+def traced_decode(data: bytes) -> tuple[int, int]:
+    """What entries_of(data) allocates at its peak, and what stays allocated once its entries are let go."""
+    entries_of(data)  # this thread's first decode made what it keeps for every other
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        entries = entries_of(data)
+        peak = tracemalloc.get_traced_memory()[1]
+        del entries
+        return peak - base, tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_decoding_metadata_holds_the_packed_copy_and_one_experience_s_metadata_beside_the_payload() -> None:
+    """An experience's metadata is unpickled once, without a copy of the pickle first, and let
+    go once packed: a payload of many experiences holds about one packed copy more, one of a
+    single experience two (its metadata as objects, then packed). Nothing stays after."""
+    many = metadata_payload([1 << 20] * 8)
+    peak, after = traced_decode(many)
+    assert peak < len(many) + (3 << 20), peak / len(many)
+    assert after < 1 << 20, after
+    one = metadata_payload([8 << 20])
+    peak, after = traced_decode(one)
+    assert peak < 2 * len(one) + (1 << 20), peak / len(one)
+    assert after < 1 << 20, after

@@ -13,7 +13,18 @@ from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, Sta
 from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.ledger import Claimed
-from expbuf.server.store.ledger_records import DatasetRecord, group_key, permuted
+from expbuf.server.store.ledger_records import (
+    DatasetRecord,
+    PromptRecord,
+    counts_key,
+    dataset_key,
+    encode_counts,
+    expiry_key,
+    group_key,
+    permuted,
+    prompt_key,
+    queue_key,
+)
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience
@@ -66,7 +77,7 @@ def counts(ds: DatasetRecord) -> dict[str, int]:
 
 def test_a_dataset_is_created_once_and_refused_by_name(store: Store) -> None:
     ds, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7))
-    assert created and ds.owned == 4 and ds.counts == [{}, {}]
+    assert created and ds.owned == [4, 4] and ds.counts == [{}, {}]
     again, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7), exist_ok=True)
     assert not created and again.created == ds.created
     with pytest.raises(Conflict, match="epochs: the dataset has 2, the request 3"):
@@ -236,3 +247,50 @@ def test_a_table_without_datasets_reads_the_ledger_once(store: Store) -> None:
     """Pushes into a table that holds no dataset never look up their groups in the ledger."""
     store.put("t", items("x", Claimed(0, 0, 0, 0.0), range(2)))
     assert store.ledger.holds(store.catalog.state(store.environment.env.begin(), *store.catalog.lookup("t"))) is False
+
+
+def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, clock: Clock) -> None:
+    """`expbuf check` (Store.verify) holds a dataset's totals and counts by epoch, its claims'
+    expiry index and its queue of prompts sent back against the prompt records, and those
+    against the groups."""
+    with Store(tmp_path / "data", clock=clock) as store:
+        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", DatasetRecord("math", size=4))
+        (done, held, back), _ = store.claims.claim("t", "math", 3, seconds=10)
+        store.put("t", items("math", done, range(2)))  # generated
+        store.claims.release("t", "math", [(back.epoch, back.index, back.attempt)])  # pending, in the queue
+        assert store.verify("t") == []
+        table_id, _ = store.catalog.lookup("t")
+        db = store.catalog.db["ledger"]
+        with store.environment.env.begin(write=True) as txn:
+            txn.delete(expiry_key(table_id, held.expires, "math", 0, held.index), db=db)
+            txn.delete(queue_key(table_id, "math", 0), db=db)
+            txn.put(
+                counts_key(table_id, "math", 0), encode_counts(4, {"claimed": 1, "generated": 1, "trained": 1}), db=db
+            )
+            txn.put(prompt_key(table_id, "math", 0, 3), PromptRecord("generated", 0).encode(), db=db)
+        found = store.verify("t")
+    assert found == [
+        f"dataset math: prompt 0/{held.index} is claimed, but its claim has no expiry key",
+        f"dataset math: prompt 0/{back.index} is pending at attempt 1, but no queue entry names it",
+        "dataset math: prompt 0/3 is generated, but the group of attempt 0 is not there",
+        "dataset math: its totals count 1 generated prompt(s), but 2 prompt record(s) are generated",
+        "dataset math: epoch 0 counts 1 generated prompt(s), but 2 prompt record(s) are generated",
+        "dataset math: epoch 0 counts 1 trained prompt(s), but 0 prompt record(s) are trained",
+        "dataset math: epoch 0 holds 4 prompt record(s), but its cursor has handed out 3",
+    ]
+
+
+def test_an_event_writes_only_its_epochs_counts_whatever_the_epochs(store: Store) -> None:
+    """A claim, a group completing and a consume each rewrite the dataset's record: it holds
+    totals, and each epoch's counts are a record of their own, so the most epochs a dataset may
+    have (2**20) cost an event no more than one."""
+    store.claims.create("t", DatasetRecord("long", size=2, epochs=2**20))
+    (prompt,), _ = store.claims.claim("t", "long", 1, seconds=60)
+    store.put("t", items("long", prompt, range(2)))
+    assert store.sample(SampleSpec("t", num_groups=1)) is not None
+    table_id, _ = store.catalog.lookup("t")
+    with store.environment.read() as txn:
+        assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
+    ds = ledger(store, "long")
+    assert (ds.total("trained"), len(ds.counts), ds.counts[0], ds.counts[-1]) == (1, 2**20, {"trained": 1}, {})

@@ -51,7 +51,7 @@ def client(server: ExpbufServer) -> Iterator[BufferClient]:
 
 def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     info = client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4)
-    assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 3, False)
+    assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 6, False)
     assert [c.pending for c in info.counts] == [3, 3]
     assert (
         client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4, exist_ok=True).created == info.created
@@ -157,3 +157,20 @@ def test_the_async_client_claims_too(server: ExpbufServer, client: BufferClient)
             return [(p.index, p.attempt) for p in claim.prompts]
 
     assert asyncio.run(run()) == [(0, 0), (1, 0), (2, 0), (3, 0)]
+
+
+def test_paging_by_state_moves_past_pages_that_keep_no_prompt(client: BufferClient) -> None:
+    """A page that read records but kept none of the asked states still names where it
+    stopped, so the next page goes on from there instead of reading the first again."""
+    client.create_dataset("t", "math", 5)
+    claim = client.claim("t", "math", 5, lease_seconds=60)
+    assert client.release_claims(claim.prompts[3:]) == 2  # prompts 3 and 4 are pending again
+    found, after, pages = [], None, 0
+    while pages < 10:
+        page = client.list_prompts("t", "math", states=["pending"], after=after, limit=2)
+        found += [(p.index, p.attempt) for p in page.prompts]
+        pages += 1
+        if page.done:
+            break
+        after = page.after
+    assert (found, pages) == ([(3, 1), (4, 1)], 3)

@@ -97,7 +97,7 @@ def test_a_stale_build_or_the_switch_leaves_the_sources(
     else:
         assert messages == [
             "expbuf: the compiled modules of pkg do not match their sources (hot changed); "
-            "using the pure-Python modules (run `make setup` to rebuild them)"
+            "using the pure-Python modules (run `make setup`, or reinstall expbuf, to rebuild them)"
         ]
 
 

@@ -27,6 +27,7 @@ from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import FIXTURES, Servers
 from helpers import group_items, scrape
+from pages import code_blocks, page
 
 # ---- the trainer's version -----------------------------------------------------------------
 
@@ -423,10 +424,8 @@ def test_the_rate_limits_state_survives_a_restart(tmp_path: Path) -> None:
             store.put_entries("t", [replace(one, uid="d")])
 
 
-def test_the_readmes_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Keeping rollouts on-policy")[1]
-    toml = section.split("```toml\n")[1].split("```")[0]
+def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
+    toml = code_blocks(page("concepts/staleness.md"), "toml")[0]
     (tmp_path / "expbuf.toml").write_text(toml)
     (table,) = load(str(tmp_path / "expbuf.toml")).tables
     assert (table.max_staleness, table.batch_size, table.on_stale) == (2, 4, "drop")

@@ -44,6 +44,7 @@ from expbuf.server.tables import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape
+from pages import page
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -129,6 +130,7 @@ def test_dashboard_queries_use_exported_metrics(start_server: Servers) -> None:
         next(c.sample(num_groups=1, max_batches=1, timeout=10, delivery="consume"))
         c.set_trainer_version(1)
         c.admit("default", 1)
+        c.create_dataset("default", "prompts", 4)  # the ledger's series: a table's datasets
         with pytest.raises(BufferError):  # refusals are counted from the first one on
             c.push((BAD_DIR / "bad_magic.bin").read_bytes())
     samples = scrape(server.metrics_port)
@@ -241,7 +243,7 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert recipe is not None and recipe.group(1).split() == ["setup"]
 
 
-# What `pip check` may list after `make setup` (the README says why): the requirements of the
+# What `pip check` may list after `make setup` (docs/getting-started.md says why): the requirements of the
 # frameworks installed with --no-deps, and the pins no one set of versions meets.
 NO_DEPS = {"trinity-rft", "areal", "verl"}
 CONFLICTS = {
@@ -252,11 +254,12 @@ CONFLICTS = {
     ("areal", "omegaconf"),
     ("areal", "networkx"),
     ("areal", "peft"),
+    ("verl", "tensordict"),
     ("virtualenv", "packaging"),
 }
 
 
-def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
+def test_pip_check_lists_only_the_unmet_requirements_the_docs_name() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120, check=False
     )
@@ -271,8 +274,8 @@ def test_pip_check_lists_only_the_unmet_requirements_the_readme_names() -> None:
         if line != "No broken requirements found.":
             unexpected.append(line)
     assert not unexpected, unexpected
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "`pip check` lists" in readme and all(f"`{package}`" in readme for _, package in CONFLICTS)
+    setup = " ".join(page("getting-started.md").split())
+    assert "`pip check` lists" in setup and all(f"`{package}`" in setup for _, package in CONFLICTS)
 
 
 def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
@@ -305,19 +308,43 @@ def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
         "client/trxp/_native/parse.cpython-311-x86_64-linux-gnu.so",  # compiled for this machine, by make setup
     )
     sources = ("Makefile", "pyproject.toml", "README.md", "server/app.py", "proto/expbuf/v1/buffer.proto")
-    sources += ("client/native_build.py", "client/native.py", "client/trxp/parse.py")
+    sources += ("setup.py", "client/native_build.py", "client/native.py", "client/trxp/parse.py")
     assert [p for p in local_state if not ignored(p)] == []
     assert [p for p in sources if ignored(p)] == []
 
 
-def test_image_uses_the_readme_setup_command() -> None:
-    dockerfile = (DOCKER / "Dockerfile").read_text()
-    readme = (ROOT / "README.md").read_text()
-    assert "make setup" in readme
-    assert re.search(r"^RUN .*make setup", dockerfile, re.M), "the image must install with the README's make setup"
-    assert re.search(r"^USER (?!root)", dockerfile, re.M)
-    assert re.search(r'^HEALTHCHECK .*CMD \["expbuf", "health"\]', dockerfile, re.M)
-    assert re.search(r"^VOLUME", dockerfile, re.M)
+def dockerfile_stages() -> list[tuple[str, list[str]]]:
+    """docker/Dockerfile's stages: each stage's FROM line and its instructions, continued lines joined."""
+    text = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            stages.append((line, []))
+        elif line.strip() and not line.startswith("#") and stages:
+            stages[-1][1].append(" ".join(line.split()))
+    return stages
+
+
+def test_image_builds_the_compiled_wheel_and_runs_it_without_a_compiler() -> None:
+    """A build stage with a C compiler builds the wheel, failing rather than leaving the codec pure
+    Python; the slim final stage, on the same base, installs that wheel and fails to build unless
+    the installed expbuf runs the compiled modules."""
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (DOCKER / "Dockerfile").read_text(), re.M)
+    assert base is not None and base.group(1).startswith("python:3.11")
+    (build_from, build), (final_from, final) = dockerfile_stages()
+    assert build_from == "FROM ${PYTHON_IMAGE} AS wheel" and final_from == "FROM ${PYTHON_IMAGE}"
+    assert any(re.search(r"^RUN apt-get .*install .*\bgcc\b", line) for line in build)
+    assert any(
+        re.search(r"^RUN EXPBUF_REQUIRE_NATIVE=1 pip wheel .*--no-deps --wheel-dir /wheels \.$", line) for line in build
+    )
+    assert not any(re.search(r"\b(gcc|make|build-essential)\b", line) for line in final)
+    assert "COPY --from=wheel /wheels /wheels" in final
+    install = next(line for line in final if "/wheels/expbuf-" in line)
+    assert re.search(r"pip install .*/wheels/expbuf-\*\.whl", install)
+    assert "compiled('expbuf.client.trxp.parse')" in install  # the image build fails on a pure-Python install
+    assert any(re.match(r"USER (?!root)", line) for line in final)
+    assert any(re.match(r'HEALTHCHECK .*CMD \["expbuf", "health"\]', line) for line in final)
+    assert any(line.startswith("VOLUME") for line in final)
     prometheus = (DOCKER / "prometheus.yml").read_text()
     assert "expbuf:9400" in prometheus
 
@@ -479,28 +506,32 @@ def test_waiting_sample_streams_leave_room_for_other_calls(start_server: Servers
 
 
 def test_rollout_worker_runs_again(start_server: Servers) -> None:
+    """A new user's rollout worker run twice before any trainer: the second run finds every
+    prompt of the dataset generated, pushes nothing and ends cleanly, instead of failing on the
+    dataset that exists or pushing its prompts again."""
     server = start_server()
     target = f"127.0.0.1:{server.port}"
-    worker = [sys.executable, str(ROOT / "examples" / "rollout_worker.py"), "--target", target, "--tasks", "2"]
-    for _ in range(2):  # each run pushes a new batch
-        done = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.count("stored 8, duplicates 0") == 2, done.stdout
+    worker = [sys.executable, str(ROOT / "examples" / "rollout_worker.py"), "--target", target]
+    worker += ["--size", "2", "--wait", "1"]
+    first = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("stored 8, duplicates 0") == 2, first.stdout
+    again = subprocess.run(worker, capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0, again.stderr
+    assert "stored" not in again.stdout and "no prompt to claim within 1s" in again.stdout, again.stdout
     with BufferClient(target) as c:
-        c.push(trxp.build(group_items(7, 0, 8)))
-    done = subprocess.run([*worker, "--batch", "7"], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr  # a batch named again: its complete group is skipped, not a crash
-    assert "task 0: batch 7 already holds this group" in done.stdout and "task 1: stored 8," in done.stdout
-    with BufferClient(target) as c:
-        assert c.stats()["default"].pushed == 2 * 2 * 8 + 8 + 8
+        assert c.stats()["default"].pushed == 2 * 8
+        assert [row.generated for row in c.ledger("default", "prompts").counts] == [2]
 
 
-def test_readme_says_how_to_run_the_installed_commands() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert "source .venv/bin/activate" in readme and ".venv/bin/expbuf" in readme
-    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
-    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
-    assert "metrics_host" in readme and "--metrics-host" in readme
+def test_readme_and_docs_say_how_to_run_the_installed_commands() -> None:
+    for name in ("README", "getting-started.md"):
+        text = page(name)
+        assert "source .venv/bin/activate" in text and ".venv/bin/expbuf" in text, name
+        assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text, name
+    assert "--index-url https://download.pytorch.org/whl/cpu" in page("getting-started.md")
+    serving = page("operations/serving.md")
+    assert "metrics_host" in serving and "--metrics-host" in serving
 
 
 def test_health_command_does_not_load_torch() -> None:

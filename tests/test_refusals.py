@@ -51,11 +51,13 @@ EXPECTED = {
     errors.StorageFull: ("RESOURCE_EXHAUSTED", "storage_full"),
     errors.InsertLimited: ("RESOURCE_EXHAUSTED", "rate_limited"),
     errors.SampleLimited: ("DEADLINE_EXCEEDED", "rate_limited"),
+    errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
     errors.StoreClosed: ("UNAVAILABLE", "closed"),
 }
-# Statuses a caller does not handle by type: the client raises the base for them.
-UNTYPED = {"INTERNAL"}
+# Statuses a caller does not handle by type: the client raises the base for them (a caller
+# never sees CANCELLED from the server: it is the one that gave up).
+UNTYPED = {"INTERNAL", "CANCELLED"}
 
 
 def subclasses(kind: type) -> Iterator[type]:

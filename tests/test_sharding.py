@@ -5,6 +5,7 @@ killed with SIGKILL mid-run, a shard added while groups are pending)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import signal
@@ -21,17 +22,21 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, BufferError, PushResult, trxp
+from expbuf.client import BufferClient, BufferError, Claim, Experience, Prompt, PromptPage, PushResult, trxp
 from expbuf.client.routing import (
     Epoch,
     ShardMap,
     ShardMapError,
     batch_number,
     group_key,
+    owners,
     rendezvous,
+    routing_key,
     uid_group_key,
 )
+from expbuf.client.shard_ledger import bounds, merge_pages, spread
 from expbuf.client.shard_plans import Owed
+from expbuf.client.shard_poll import POLL_SECONDS, Wait
 from expbuf.client.sharded import (
     AsyncShardedBufferClient,
     LiveResult,
@@ -41,7 +46,7 @@ from expbuf.client.sharded import (
     dns_targets,
 )
 
-from helpers import ServerProcess, make_experience
+from helpers import ServerProcess, make_experience, scrape
 
 NAMES = ("s0", "s1", "s2")
 
@@ -103,6 +108,25 @@ def wait_for(condition: Callable[[], object], what: str, seconds: float = 60.0) 
         time.sleep(0.05)
 
 
+def scrape_refusals(shards: Shards, name: str) -> dict[str, float]:
+    """A shard's refusals of table 'huge' by reason, from a real /metrics scrape."""
+    return {
+        dict(labels)["reason"]: value
+        for (metric, labels), value in scrape(shards.procs[name].metrics_port).items()
+        if metric == "expbuf_refused_total" and dict(labels).get("table") == "huge"
+    }
+
+
+def attempt(prompt: Prompt, runs: range = range(2)) -> list[Experience]:
+    """The experiences of one attempt at a prompt (rewards 0, 1, ...)."""
+    out = []
+    for run in runs:
+        exp = make_experience(0, 0, run, reward=float(run))
+        exp.eid = prompt.eid(run)
+        out.append(exp)
+    return out
+
+
 def drain(client: ShardedBufferClient, table: str, num_groups: int = 3) -> list:
     """Consume every batch there is (a short wait ends the stream)."""
     batches = []
@@ -122,6 +146,10 @@ def test_rendezvous_moves_only_the_keys_the_new_shard_wins() -> None:
     assert all(after[key] == "d" for key in moved)
     assert 350 < len(moved) < 650  # about a quarter of the keys move to the fourth shard
     assert set(Counter(before.values())) == {"a", "b", "c"}
+    assert list(owners(keys, ["a", "b", "c"])) == [before[key] for key in keys]
+    for key in [*keys, "12/eval/3", "x" * 300]:  # the hash is blake2b-64 keyed by the shard's name, ties by name
+        scores = {s: hashlib.blake2b(key.encode(), digest_size=8, key=s.encode()).digest() for s in ("a", "b", "c")}
+        assert rendezvous(key, "abc") == max(scores, key=lambda s: (int.from_bytes(scores[s], "big"), s))
 
 
 def test_epochs_route_groups_by_the_batch_they_began_in() -> None:
@@ -144,6 +172,40 @@ def test_group_keys_and_batches() -> None:
     assert [batch_number(k) for k in ("12/eval/3", "7", "x/1", "-3/1", "12abc/1")] == [12, 7, None, None, None]
     with pytest.raises(ShardMapError, match="group_by is 'tasks'"):
         group_key(eid, "tasks")
+
+
+def test_every_attempt_at_a_prompt_routes_as_the_prompt() -> None:
+    """A group key ending in `<digits>@<digits>` (the prompt ledger's task, index@attempt) is
+    hashed without its `@attempt`, so every attempt lands on the shard that holds the prompt."""
+    grown = ShardMap.of({"a": "h:1", "b": "h:2", "c": "h:3"}).add_shard("d", "h:4", since_batch=10)
+    keys = [f"math/{epoch}/{index}" for epoch in range(3) for index in range(200)]
+    for key in keys:
+        assert routing_key(f"{key}@0") == routing_key(f"{key}@17") == key
+        owner = grown.owner(key)
+        assert {grown.owner(f"{key}@{attempt}") for attempt in range(8)} == {owner}
+        assert owner == rendezvous(key, ["a", "b", "c"])  # a dataset's name is no number: epoch 0
+    assert {grown.owner(key) for key in keys} == {"a", "b", "c"}
+    assert routing_key("12@3") == "12" and routing_key("12/7@1") == "12/7"
+    assert grown.owner("12/7@1") == rendezvous("12/7", ["a", "b", "c", "d"])  # batch 12 is epoch 1's
+    # Any other key, '@' or not, is hashed whole, as before.
+    for key in (
+        "0/17",
+        "math/0/12",
+        "math/0/12@",
+        "math/0/@3",
+        "math/0/x@3",
+        "math/0/12@x",
+        "math/0/1@2@3",
+        "math/0/12@3/4",
+        "math/0/12@-3",
+        "math/0/+1@3",
+        "math/0/\u0661@3",
+        "math/0/1@\u0662",
+        "math/0/ 1@3",
+        "math/0/1@2\n",
+    ):
+        assert routing_key(key) == key, key
+        assert grown.owner(key) == rendezvous(key, grown.epoch_of(key).shards)
 
 
 def test_a_uid_alone_gives_its_group_key() -> None:
@@ -452,3 +514,182 @@ def test_what_a_missing_shard_is_owed_keeps_the_newest_and_tables_first() -> Non
     owed.version("s2", "u", 9)
     owed.forget_versions("u")  # an admin's reset: an owed newer version must not undo it
     assert owed.pending() == {"s2": [("create_table", "u")]}
+
+
+def test_a_dataset_owed_to_a_missing_shard_comes_after_its_table_and_before_versions() -> None:
+    owed = Owed()
+    owed.version("s1", "t", 3)
+    owed.dataset("s1", "t", "math", 8, {"epochs": 2, "shards": ["s0", "s1"], "shard": "s1"})
+    owed.create("s1", "t", {"group_size": 2})
+    calls = owed.calls("s1")
+    assert [call.method for call in calls] == ["create_table", "create_dataset", "set_trainer_version"]
+    assert calls[1].args == ("t", "math", 8) and calls[1].kwargs["exist_ok"] and calls[1].kwargs["shard"] == "s1"
+    assert owed.pending() == {
+        "s1": [("create_table", "t"), ("create_dataset", "t", "math"), ("trainer_version", "t", 3)]
+    }
+    owed.settle(calls[1], BufferError(grpc.StatusCode.UNAVAILABLE, "down"))
+    assert ("create_dataset", "t", "math") in owed.pending()["s1"]
+    owed.settle(calls[1], object())  # created
+    assert ("create_dataset", "t", "math") not in owed.pending()["s1"]
+    owed.dataset("s2", "t", "math", 8, {})
+    owed.forget("t")  # its table dropped: nothing more is owed for it
+    assert owed.pending() == {}
+
+
+# ---- the prompt ledger on shards -----------------------------------------------------------
+
+
+def test_claims_split_over_the_shards_and_max_in_flight_among_them() -> None:
+    assert spread(7, ["a", "b", "c"]) == {"a": 3, "b": 2, "c": 2}
+    assert spread(1, ["b", "c", "a"]) == {"b": 1}  # one prompt: the shard whose turn it is
+    assert bounds(10, ["a", "b", "c"]) == {"a": 4, "b": 3, "c": 3}
+    assert bounds(2, ["a", "b", "c"]) == {"a": 1, "b": 1, "c": 1}  # each shard may hand out one
+    assert bounds(0, ["a", "b"]) == {"a": 0, "b": 0} and bounds("x", ["a"]) == {"a": "x"}  # refused by the shard
+
+
+def test_a_waiting_claim_pauses_between_asks_of_shards_that_are_down() -> None:
+    """The claim plan alone, each shard call answered here: s0 and s2 are done, s1 is down. The
+    done shards are not asked again; the down one is, after pauses that double up to a cap."""
+    down = BufferError(grpc.StatusCode.UNAVAILABLE, "down")
+    with ShardedBufferClient({"s0": "127.0.0.1:1", "s1": "127.0.0.1:2", "s2": "127.0.0.1:3"}) as client:
+        plan = client._claim("t", "math", 2, 60.0, "", 30.0)
+        steps, outcome = [], None
+        for _ in range(14):
+            step = plan.send(outcome)
+            steps.append(step if isinstance(step, Wait) else [call.shard for call in step])
+            outcome = None if isinstance(step, Wait) else [down if c.shard == "s1" else Claim([], True) for c in step]
+        assert steps[:2] == [["s0", "s1"], ["s2"]]  # parts of 2 from the shards in turn, then the rest
+        assert steps[2::2] == [["s1"]] * 6
+        assert [step.seconds for step in steps[3::2]] == [POLL_SECONDS[0] * 2**i for i in range(5)] + [POLL_SECONDS[1]]
+        with pytest.raises(ShardError, match="shard s1") as nobody:
+            client._run(client._claim("t", "math", 1, 60.0, "", 0.0))  # no shard answers at all: UNAVAILABLE
+        assert nobody.value.code == grpc.StatusCode.UNAVAILABLE and set(nobody.value.shards) == set(client.clients)
+
+
+def test_merged_pages_of_prompts_miss_and_repeat_none() -> None:
+    """Pages of three shards, each of its own prompts, some read but filtered out by state."""
+    owned = {
+        shard: [(e, i) for e in range(2) for i in range(30) if (3 * e + i) % 3 == n] for n, shard in enumerate(NAMES)
+    }
+    kept = {pair for pair in (p for part in owned.values() for p in part) if pair[1] % 4 != 1}
+
+    def page(shard: str, after: tuple[int, int] | None, limit: int) -> PromptPage:
+        read = [pair for pair in owned[shard] if after is None or pair > after][:limit]
+        rows = [Prompt("math", e, i, 0, f"math/{e}", f"{i}@0", 0.0) for e, i in read if (e, i) in kept]
+        return PromptPage(rows, read[-1] if read else after, len(read) < limit)
+
+    for limit in (1, 4, 7, 100):
+        seen, after, done = [], None, False
+        while not done:
+            merged = merge_pages([page(shard, after, limit) for shard in NAMES], limit)
+            assert len(merged.prompts) <= limit
+            seen += [(p.epoch, p.index) for p in merged.prompts]
+            after, done = merged.after, merged.done
+        assert seen == sorted(kept), limit
+
+
+def test_a_dataset_across_shards_hands_out_each_prompt_once_per_epoch_where_its_groups_land(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets(), timeout=20) as client:
+        client.create_table("prompts", group_size=2, estimator="none")
+        info = client.create_dataset("prompts", "math", 30, epochs=2, seed=4, max_in_flight=10)
+        assert (info.owned, info.max_in_flight, info.shards, info.missing, info.done) == (
+            60,
+            10,
+            list(NAMES),
+            {},
+            False,
+        )
+        assert [c.pending for c in info.counts] == [30, 30]
+        parts = {}
+        for name in NAMES:
+            with BufferClient(shards.procs[name].target) as direct:
+                parts[name] = direct.ledger("prompts", "math")
+        assert {part.shard for part in parts.values()} == set(NAMES)
+        assert [sum(p.counts[e].pending for p in parts.values()) for e in (0, 1)] == [30, 30]
+        assert sorted(part.max_in_flight for part in parts.values()) == [3, 3, 4]
+        assert client.create_dataset("prompts", "math", 30, epochs=2, seed=4, max_in_flight=10, exist_ok=True) == info
+        with pytest.raises(ValueError, match="shard and shards are the sharded client's to set"):
+            client.create_dataset("prompts", "other", 3, shards=["s0"], shard="s0")
+
+        handed: list[Prompt] = []
+        released: Prompt | None = None
+        while not (claim := client.claim("prompts", "math", 4, lease_seconds=120, owner="w")).done:
+            assert claim.prompts, "a claim that is not done gives prompts: none is in flight between claims"
+            handed += claim.prompts
+            if released is None:  # one attempt given back half pushed: the prompt comes back with attempt 1
+                released = claim.prompts[0]
+                client.push(attempt(released, range(1)), table="prompts")
+                assert client.release_claims([released]) == 1
+            work = [p for p in claim.prompts if p != released]
+            assert client.renew_claims(work, 120) == []
+            for prompt in work:
+                client.push(attempt(prompt), table="prompts")
+                owner = client.shard_map.owner(prompt.group)
+                with BufferClient(shards.procs[owner].target) as direct:  # the group is on the prompt's shard
+                    assert len(direct.get([e.eid.uid for e in attempt(prompt)], table="prompts")) == 2
+            if work:
+                (batch,) = client.sample("prompts", num_groups=len(work), max_batches=1, timeout=10, delivery="consume")
+                assert sorted(batch.groups) == sorted(p.group for p in work)
+        assert released is not None
+        again = [p for p in handed if (p.epoch, p.index) == (released.epoch, released.index)]
+        assert [p.attempt for p in again] == [0, 1]
+        assert client.shard_map.owner(again[0].group) == client.shard_map.owner(again[1].group)
+        firsts = Counter((p.epoch, p.index) for p in handed if p.attempt == 0)
+        assert set(firsts) == {(e, i) for e in (0, 1) for i in range(30)} and set(firsts.values()) == {1}
+
+        ledger = client.ledger("prompts", "math")
+        assert ledger.done and [c.trained for c in ledger.counts] == [30, 30]
+        assert (ledger.reissued, ledger.attempts_dropped, ledger.total("pending")) == (1, 1, 0)
+        assert client.datasets("prompts") == [ledger]
+        listed, after = [], None
+        while True:
+            page = client.list_prompts("prompts", "math", after=after, limit=7)
+            listed += page.prompts
+            after = page.after
+            if page.done:
+                break
+        assert [(p.epoch, p.index) for p in listed] == sorted(firsts)
+        assert {(p.state, p.owner) for p in listed} == {("trained", "w")}
+        for name in NAMES:  # each shard holds the prompts it owns, and only those
+            with BufferClient(shards.procs[name].target) as direct:
+                mine = direct.list_prompts("prompts", "math").prompts
+            assert mine and {client.shard_map.owner(p.group) for p in mine} == {name}
+
+
+def test_a_create_that_outlasts_its_timeout_is_not_owed_and_stores_nothing(shards: Shards) -> None:
+    """Each shard counts its part before the write; one whose caller gave up stops and stores nothing."""
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("huge", group_size=2)
+    cancelled = {name: scrape_refusals(shards, name).get("cancelled", 0) for name in NAMES}
+    with ShardedBufferClient(shards.targets(), timeout=1.0, retries=0) as client:
+        with pytest.raises(ShardError) as slow:  # millions of prompts: seconds to count on each shard
+            client.create_dataset("huge", "math", 5_000_000, exist_ok=True)
+        assert slow.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and set(slow.value.shards) == set(NAMES)
+        assert client.pending == {}  # not owed: it would take as long again
+    for name in NAMES:
+        wait_for(lambda name=name: scrape_refusals(shards, name).get("cancelled", 0) > cancelled[name], "the stop")
+    with ShardedBufferClient(shards.targets()) as client:
+        assert client.datasets("huge") == []
+
+
+def test_async_client_runs_the_ledger_across_shards(shards: Shards) -> None:
+    async def run() -> None:
+        async with AsyncShardedBufferClient(shards.targets()) as client:
+            await client.create_table("aprompts", group_size=2, estimator="none")
+            info = await client.create_dataset("aprompts", "math", 9)
+            assert (info.owned, info.shards) == (9, list(NAMES))
+            claim = await client.claim("aprompts", "math", 5, lease_seconds=60)
+            assert len(claim.prompts) == 5 and not claim.done
+            assert len({client.shard_map.owner(p.group) for p in claim.prompts}) > 1  # from several shards
+            assert await client.renew_claims(claim.prompts, 60) == []
+            assert await client.release_claims(claim.prompts[3:]) == 2
+            ledger = await client.ledger("aprompts", "math")
+            assert (ledger.total("claimed"), ledger.total("pending"), ledger.reissued) == (3, 6, 2)
+            assert await client.datasets("aprompts") == [ledger]
+            page = await client.list_prompts("aprompts", "math", states=["claimed"])
+            assert sorted(p.index for p in page.prompts) == sorted(p.index for p in claim.prompts[:3])
+            rest = await client.claim("aprompts", "math", 9, lease_seconds=60)
+            assert len(rest.prompts) == 6 and {p.attempt for p in rest.prompts} == {0, 1}
+            assert (await client.claim("aprompts", "math", 1, wait=0.5)).prompts == []  # all out: waited, none
+
+    asyncio.run(run())

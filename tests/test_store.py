@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from expbuf.client import decode, trxp
 from expbuf.server.errors import Conflict, GroupClosed, InvalidRequest, NotFound, StoreError, TableFull, TooLarge
-from expbuf.server.store import Store, layout
+from expbuf.server.store import Entry, Store, layout
 from expbuf.server.tables import ConfigError, TableConfig
 
 from conftest import payload
@@ -72,6 +73,20 @@ def test_fixture_round_trip_through_the_store(store: Store) -> None:
     assert batch.uids == result.stored
     assert trxp.parse(batch.payload) == trxp.parse(data)
     assert [e.eid.uid for e in decode(batch.payload)] == result.stored
+
+
+class Entries(list):
+    """A list of entries whose life a test can watch (a weak reference to it)."""
+
+
+def test_a_put_keeps_no_reference_to_its_entries_once_committed(store: Store) -> None:
+    """The writer thread lets a push's packed experiences go with its commit, not at the next
+    write: they are a push's size, and an idle server would hold the last push's."""
+    entries = Entries(Entry.of(item) for item in trxp.parse(payload("grpo_group.trxp")))
+    watched = weakref.ref(entries)
+    stored = store.put_entries("plain", entries).stored
+    del entries
+    assert watched() is None and len(stored) == 8
 
 
 def test_duplicate_is_noop_and_different_bytes_refused(store: Store) -> None:

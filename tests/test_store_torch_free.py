@@ -55,3 +55,18 @@ def test_open_push_and_sample_from_a_batch_stage_table_import_no_torch(tmp_path:
         [sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
     )
     assert child.returncode == 0 and child.stdout.strip() == "torch-free", child.stderr
+
+
+LOADED = "import sys, expbuf.server.store\n{then}print(sorted(set(sys.argv[1:]) & set(sys.modules)))"
+
+
+def test_importing_the_store_loads_no_grpc_no_client_and_no_torch() -> None:
+    """The store reads payloads with the codec, expbuf.client.trxp: importing it runs
+    expbuf.client's __init__, whose clients (and grpc) load only when first named."""
+    watched = ["grpc", "torch", "expbuf.client.client", "expbuf.client.aio"]
+    for then, loaded in (("", []), ("from expbuf.client import BufferClient\n", ["expbuf.client.client", "grpc"])):
+        source = LOADED.format(then=then)
+        child = subprocess.run(
+            [sys.executable, "-c", source, *watched], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert child.returncode == 0 and child.stdout.strip() == str(loaded), (child.stdout, child.stderr)

@@ -48,6 +48,7 @@ from expbuf.client.trinity import plugin_dir  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
 
 from conftest import Servers  # noqa: E402
+from pages import code_blocks, page  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 
 TABLE = "jobs"
@@ -774,21 +775,17 @@ def test_what_reuse_cannot_run_is_refused_by_name(server: ExpbufServer, table: T
         trinity.buffer.get_buffer_reader(buffer_config(server, RUNS, replay_buffer=LINEAR))
 
 
-# ---- the README's jobs -------------------------------------------------------------------------------
-# The README's Trinity section shows each job as a table (TOML) and the part of a Trinity config that
-# uses it (YAML). These tests read those blocks from the README, so the two cannot drift, load each job
+# ---- the docs' jobs ---------------------------------------------------------------------------------
+# The docs' Trinity page shows each job as a table (TOML) and the part of a Trinity config that
+# uses it (YAML). These tests read those blocks from the page, so the two cannot drift, load each job
 # with Trinity's load_config and check_and_update(), create its table and run it through the plug-in.
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 README_ADDRESS = "10.0.0.5:50051"
 
 
 def readme_blocks(language: str) -> list[str]:
-    """The code blocks in `language` of the README's Trinity section, in order."""
-    text = README.read_text()
-    section = text[text.index("## Using expbuf from Trinity-RFT") :]
-    section = section[: section.index("\n## ", 1)]
-    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+    """The code blocks in `language` of the docs' Trinity page, in order."""
+    return code_blocks(page("frameworks/trinity.md"), language)
 
 
 def readme_tables() -> dict[str, dict]:

@@ -51,7 +51,7 @@ def check(data: bytes) -> list[trxp.RawItem] | None:
     assert work.used <= WORK_PER_BYTE * len(data) + WORK_BASE, f"{work.used} steps for {len(data)} bytes"
     if items is not None:
         stored = [trxp.pack_item(item) for item in items]
-        metadata = sum(len(fragment(item.meta)) for item in items)
+        metadata = sum(sum(map(len, fragment(item.meta))) for item in items)
         assert metadata <= trxp.EXPANSION_PER_BYTE * len(data) + trxp.EXPANSION_BASE + 64 * len(items)
         for blob, item in zip(stored, items, strict=True):
             assert trxp.parse(blob) == [item]

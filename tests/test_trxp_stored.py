@@ -29,6 +29,7 @@ PINNED = {
     "rich_fields.trxp": "5470463ae09a34b1f17d6733f91bcf7eb3bcef0be2932fa4fdab7814c409bb13",
     "single_turn.trxp": "60375a1efc8a08ba5d35dcdee353b84733e610e035135d35551480e27ee8a58b",
     "tricky": "e09bcc7b4815993869f14de5c38f5aca9968f66b745c730b3b6ddcbc6e7a3a4b",
+    "large values": "224f57b5f9c0266f47a0d0ee0d5583f247f99b2f045d5ae0e88166e24089a9cc",
 }
 
 
@@ -70,8 +71,35 @@ def tricky_payload() -> bytes:
     return trxp.encode(exps)
 
 
+def large_values_payload() -> bytes:
+    """Metadata with str and bytes values of 64 KiB and more, which the pickler writes past its
+    buffer: ASCII and non-ASCII text, bytes, a large key, a large value shared by two fields,
+    large values first and last in their dict, and a response text of its own."""
+    shared = bytes(range(256)) * 300
+    info = {
+        "a": "x" * 70_000,
+        "model_version": 2,
+        "m": {"one": shared, "two": shared, "tail": "東京" * 40_000},
+        "k" * 66_000: b"v",
+        "z": bytes(65_536),
+    }
+    exp = Experience(
+        eid=EID(batch="big", task="t", run=0, suffix="s"),
+        tokens=torch.arange(6, dtype=torch.int64),
+        prompt_length=2,
+        reward=0.5,
+        info=info,
+        response_text="y" * 100_000,
+    )
+    return trxp.encode([exp])
+
+
 def payloads() -> dict[str, bytes]:
-    return {**{name: payload(name) for name in sorted(MANIFEST["payloads"])}, "tricky": tricky_payload()}
+    return {
+        **{name: payload(name) for name in sorted(MANIFEST["payloads"])},
+        "tricky": tricky_payload(),
+        "large values": large_values_payload(),
+    }
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))

@@ -34,6 +34,7 @@ from expbuf.client.verl.rows import rows_of  # noqa: E402
 from expbuf.server.config import load  # noqa: E402
 
 from helpers import ServerProcess  # noqa: E402
+from pages import code_blocks, page  # noqa: E402
 from test_verl import agent_loop_rows, dispatch  # noqa: E402
 
 TRAIN = "train"
@@ -376,12 +377,12 @@ def test_two_crashes_in_a_row_give_every_pushed_untrained_group_back_at_the_next
     assert stats(client, "verl_twice").groups_leased == 0
 
 
-def test_the_readmes_verl_lines_build_the_buffer_through_verls_loader(
+def test_the_docs_verl_lines_build_the_buffer_through_verls_loader(
     server: ServerProcess, client: BufferClient, tmp_path: Path
 ) -> None:
-    section = (Path(__file__).parent.parent / "README.md").read_text().split("## Using expbuf from verl")[1]
-    yaml_lines = section.split("```yaml\n")[1].split("```")[0]
-    toml_lines = section.split("```toml\n")[1].split("```")[0]
+    section = page("frameworks/verl.md")
+    yaml_lines = code_blocks(section, "yaml")[0]
+    toml_lines = code_blocks(section, "toml")[0]
     (tmp_path / "expbuf.toml").write_text(toml_lines)
     (table,) = load(str(tmp_path / "expbuf.toml")).tables
     (settings,) = tomllib.loads(toml_lines)["tables"]

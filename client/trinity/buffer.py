@@ -27,9 +27,9 @@ from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferClient, BufferError, PushResult
 from expbuf.client.connection import DEFAULT_TIMEOUT
+from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 
 from . import settings
-from .leases import RENEWALS_PER_LEASE, LeaseKeeper
 from .location import Location, parse
 
 log = logging.getLogger(__name__)

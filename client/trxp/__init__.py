@@ -21,7 +21,7 @@ parse.py, pickles.py (the metadata pickle's scan), unpickler.py, checks.py (vali
 
 from ..native import use_compiled
 
-# parse, checks, pickles and common compiled with mypyc where `make setup` built them (see native.py).
+# parse, checks, pickles and common compiled with mypyc where `make setup` or the wheel built them (see native.py).
 use_compiled(__name__, __path__)
 
 from .advantages import attach as attach_advantages
@@ -37,6 +37,7 @@ from .common import (
     VERSION,
     WORK_BASE,
     WORK_PER_BYTE,
+    MetadataLimit,
     RawItem,
     RawTensor,
     TrxpError,
@@ -56,6 +57,7 @@ __all__ = [
     "VERSION",
     "WORK_BASE",
     "WORK_PER_BYTE",
+    "MetadataLimit",
     "RawItem",
     "RawTensor",
     "TrxpError",

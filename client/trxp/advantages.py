@@ -108,4 +108,4 @@ def attach(payload: bytes, values: Sequence[float], lengths: Sequence[int]) -> b
             base += len(tensor.data)
             data.append(tensor.data)
     head = header_json[:-1] + (b"," if header else b"") + b",".join(entries) + b"}"
-    return b"".join(frame(bytes(meta), head, data))
+    return b"".join(frame([meta], head, data))

@@ -6,7 +6,6 @@ without unpickling them.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import operator
 import pickle
@@ -64,7 +63,7 @@ def build(items: Sequence[RawItem]) -> bytes:
             fields.append(_header_entry(_json_key(key), tensor, offset, end))
             data.append(tensor.data)
             offset = end
-    return b"".join(frame(meta, f"{{{','.join(fields)}}}".encode(), data))
+    return b"".join(frame([meta], f"{{{','.join(fields)}}}".encode(), data))
 
 
 _KEY = operator.itemgetter(0)
@@ -79,15 +78,18 @@ def _assemble_parts(
 ) -> list[bytes | memoryview]:
     """A payload as the runs of bytes it is made of, in order."""
     header_json = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8") if header else b"{}"
-    return frame(meta, header_json, data)
+    return frame([meta], header_json, data)
 
 
-def frame(meta: bytes, header_json: bytes, data: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """The runs of bytes of a payload whose safetensors header is already written as JSON."""
+def frame(
+    meta: Sequence[bytes | memoryview], header_json: bytes, data: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """The runs of bytes of a payload whose metadata pickle is the runs `meta` and whose
+    safetensors header is already written as JSON."""
     header_json += b" " * (-len(header_json) % 8)
     tensor_len = 8 + len(header_json) + sum(map(len, data))
-    head = HEADER.pack(MAGIC, VERSION, len(meta), tensor_len)
-    return [head, meta, struct.pack("<Q", len(header_json)), header_json, *data]
+    head = HEADER.pack(MAGIC, VERSION, sum(map(len, meta)), tensor_len)
+    return [head, *meta, struct.pack("<Q", len(header_json)), header_json, *data]
 
 
 # The server stores each experience as a one-item payload whose metadata pickle is laid
@@ -99,28 +101,39 @@ _SPLICE_TAIL = b"eu."
 _SPLICE_ONE = _SPLICE_HEAD + struct.pack("<i", 1) + _SPLICE_ITEMS
 
 
-_picklers = threading.local()  # per thread: a pickler and its buffer, reused for every item
+class _Runs(list[bytes | memoryview]):
+    """A pickler's output as the runs of bytes it writes: its opcodes, and each str or bytes
+    value of 64 KiB or more as it is (the pickler hands those over without buffering them)."""
+
+    write = list.append
 
 
-def fragment(meta: dict[str, Any]) -> bytes:
-    """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP."""
-    buffer: io.BytesIO
+_picklers = threading.local()  # per thread: a pickler and its output, reused for every item
+
+
+def fragment(meta: dict[str, Any]) -> list[bytes | memoryview]:
+    """An item's metadata as the opcodes of its canonical pickle, without PROTO and STOP, in
+    runs of bytes: large values are not copied, so the runs are read while `meta` lives."""
+    runs: _Runs
     pickler: pickle.Pickler
     try:
-        buffer, pickler = _picklers.one
+        runs, pickler = _picklers.one
     except AttributeError:  # the first item in this thread
-        buffer = io.BytesIO()
-        pickler = pickle.Pickler(buffer, protocol=3)
+        runs = _Runs()
+        pickler = pickle.Pickler(runs, protocol=3)
         pickler.fast = True  # no memo: the opcodes do not refer to anything outside themselves
-        _picklers.one = buffer, pickler
-    buffer.seek(0)
-    buffer.truncate()
+        _picklers.one = runs, pickler
     try:
         pickler.dump(_canonical(meta))
+        out = runs[:]
     except BaseException:
         del _picklers.one  # not reused after a failure midway
         raise
-    return buffer.getvalue()[2:-1]
+    finally:
+        runs.clear()
+    if len(out) == 1:
+        return [memoryview(out[0])[2:-1]]
+    return [memoryview(out[0])[2:], *out[1:-1], memoryview(out[-1])[:-1]]
 
 
 def _canonical(value: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> Any:
@@ -152,7 +165,7 @@ def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that join() splices cheaply."""
-    meta = _SPLICE_ONE + fragment(item.meta) + _SPLICE_TAIL
+    meta = [_SPLICE_ONE, *fragment(item.meta), _SPLICE_TAIL]
     header: list[str] = []
     data: list[bytes | memoryview] = []
     offset = 0
@@ -270,7 +283,7 @@ def join_parts(
             )
             base += len(tensor.data)
             data.append(tensor.data)
-    return frame(_splice_meta(fragments), b"{" + b",".join(entries) + b"}", data)
+    return frame([_splice_meta(fragments)], b"{" + b",".join(entries) + b"}", data)
 
 
 # One entry of a batch header, as json.dumps(header, separators=(",", ":"), ensure_ascii=False)

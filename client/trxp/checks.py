@@ -33,6 +33,7 @@ from .common import (
     MAX_UID_BYTES,
     MM_PREFIX,
     SCALARS,
+    MetadataLimit,
     RawItem,
     TrxpError,
     Work,
@@ -114,10 +115,17 @@ class Shape:
     spent at least a byte on each."""
 
     def __init__(
-        self, work: Work, max_size: int, *, check_keys: bool, containers_of: Collection[str] | None = None
+        self,
+        work: Work,
+        max_size: int,
+        *,
+        check_keys: bool,
+        containers_of: Collection[str] | None = None,
+        limit: MetadataLimit | None = None,
     ) -> None:
         self.work = work
         self.max_size = max_size
+        self.limit = limit  # of each item's own size, beside max_size's of them all
         self.check_keys = check_keys  # not needed after the pickle scan, which refused other keys
         # Only the non-empty containers among these fields are measured: for the caller's own
         # experiences, whose other fields check_meta checks part by part.
@@ -160,6 +168,12 @@ class Shape:
                     f"{_item_where(index, uid)}: field {show(name)}: metadata expands to more than {max_size} bytes "
                     f"when shared references are written out ({EXPANSION_PER_BYTE} per payload byte + {EXPANSION_BASE})"
                 )
+        limit = self.limit
+        if limit is not None and total - self.size > limit.size:
+            raise TrxpError(
+                f"{_item_where(index, uid)}: its metadata takes {total - self.size} bytes written out, more than "
+                f"{limit.name}"
+            )
         self.size = total
 
     def _container(self, value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> tuple[int, int]:

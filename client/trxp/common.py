@@ -115,6 +115,15 @@ class Work:
             raise TrxpError(f"decoding work exceeds its budget of {self.limit} steps")
 
 
+@dataclass(frozen=True)
+class MetadataLimit:
+    """The most an item's metadata may take written out (Shape's measure), and how a refusal
+    names that limit: a setting of the server that holds the payload."""
+
+    size: int
+    name: str
+
+
 @dataclass(slots=True)
 class RawTensor:
     """A tensor as safetensors stores it: dtype code, shape, little-endian bytes.

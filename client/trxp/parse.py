@@ -5,7 +5,6 @@ allocated, within a work budget proportional to the payload's size.
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import struct
@@ -28,13 +27,14 @@ from .common import (
     MAGIC,
     MM_PREFIX,
     VERSION,
+    MetadataLimit,
     RawItem,
     RawTensor,
     TrxpError,
     Work,
 )
 from .pickles import scan_pickle
-from .unpickler import PlainUnpickler
+from .unpickler import load_plain
 
 # ---- parsing (untrusted input) ---------------------------------------------------
 
@@ -45,6 +45,7 @@ def parse(
     trusted: bool = False,
     work: Work | None = None,
     shape: Shape | None = None,
+    limit: MetadataLimit | None = None,
 ) -> list[RawItem]:
     """Split a TRXP payload into validated items without creating tensors.
 
@@ -53,7 +54,7 @@ def parse(
     unpickler nor the bounds checks of the sections. `work` counts the decoding steps
     (by default within the budget of a payload of this size). `shape` measures each
     item's metadata for check_meta: by default the store's measure, its size written out
-    in full within the payload's expansion bound.
+    in full within the payload's expansion bound, and each item's within `limit` if given.
     """
     view = memoryview(payload).cast("B")
     size = len(view)
@@ -79,7 +80,7 @@ def parse(
         raise TrxpError(f"{trailing} trailing bytes after the declared sections")
     meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
     if shape is None:
-        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False)
+        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
     items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
     tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
     per_item: list[dict[str, RawTensor]] = [{} for _ in items]
@@ -98,7 +99,7 @@ def _load_items(meta_bytes: memoryview, *, trusted: bool, work: Work, shape: Sha
         scan_pickle(meta_bytes, work)
     work.charge(len(meta_bytes))  # the unpickler is linear in its input once the scan has passed it
     try:
-        meta = PlainUnpickler(io.BytesIO(meta_bytes)).load()
+        meta = load_plain(meta_bytes)
     except TrxpError:
         raise
     except Exception as exc:  # the unpickler raises many types on malformed input

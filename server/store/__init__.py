@@ -24,7 +24,9 @@ from .counters import SHAPING_COUNTERS
 from .engine import Store
 from .extensions import TableExtension
 from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
-from .records import (
+from .records import ItemRecord
+from .scrub import ScrubStatus
+from .states import (
     COMPUTING,
     CONSUMED,
     DROPPED,
@@ -37,9 +39,9 @@ from .records import (
     READY,
     RETIRED,
     STATES,
-    ItemRecord,
+    IllegalMove,
+    State,
 )
-from .scrub import ScrubStatus
 
 __all__ = [
     "COMPUTING",
@@ -57,11 +59,13 @@ __all__ = [
     "STATES",
     "ComputeJob",
     "Entry",
+    "IllegalMove",
     "ItemRecord",
     "PutResult",
     "Sampled",
     "ScrubStatus",
     "ShapingUpdate",
+    "State",
     "Store",
     "TableExtension",
 ]

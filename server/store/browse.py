@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import lmdb
 
 from ..ready_indexes import u64
-from .records import READY, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
+from .states import READY
 from .table_state import member_state, stored
 
 SCAN_PER_ITEM = 10

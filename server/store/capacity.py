@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..errors import TableFull, TooLarge
-from .records import EVICTED, READY
 from .retirement import retire
+from .states import EVICTED, READY
 from .table_state import TableState
 
 

@@ -18,8 +18,17 @@ from ..errors import InvalidRequest
 from ..sample_spec import MAX_LEASE_SECONDS, check_seconds
 from .catalog import TableCatalog
 from .environment import Environment
-from .ledger import Claimed, Ledger
-from .ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord
+from .ledger import Claimed, Ledger, check, no_dataset
+from .ledger_records import (
+    PROMPT_STATES,
+    DatasetRecord,
+    PromptRecord,
+    read_dataset,
+    read_datasets,
+    read_epochs,
+    read_prompts,
+)
+from .ledger_shards import count_owned
 from .table_state import TableState
 
 T = TypeVar("T")
@@ -56,16 +65,44 @@ class Claims:
 
         return self.environment.submit(op)
 
-    def create(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
-        """A dataset on the table (ledger.check names a setting out of range); (record, created)."""
-        return self._in_table(table, lambda tt: self.ledger.create(tt, ds, exist_ok=exist_ok))
+    def create(
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
+    ) -> tuple[DatasetRecord, bool]:
+        """A dataset on the table (ledger.check names a setting out of range); (record with its
+        epochs read, created).
 
-    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
-        """The table's datasets (or the one named), their cursors and counts."""
+        A shard's part of a sharded dataset is counted here, before the write, so the writer
+        is not held meanwhile; `stop` is polled while counting (a cancelled call)."""
         table_id, config = self.catalog.lookup(table)
+        check(ds, config.group_by)
+        if ds.shards:
+            with self.environment.read() as txn:
+                exists = read_dataset(txn, self.catalog.db["ledger"], table_id, ds.name) is not None
+            if not exists:
+                ds.owned = count_owned(ds, stop)
+
+        def create(tt: TableState) -> tuple[DatasetRecord, bool]:
+            record, created = self.ledger.create(tt, ds, exist_ok=exist_ok)
+            return read_epochs(tt.txn, tt.db["ledger"], tt.table_id, record), created
+
+        return self._in_table(table, create)
+
+    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+        """The table's datasets (or the one named), their cursors and totals, and unless not
+        `by_epoch` each epoch's prompts owned and counts (a read per epoch with an event)."""
+        table_id, _ = self.catalog.lookup(table)
+        db = self.catalog.db["ledger"]
+        # Reads take no table state: one (it refers to itself) would keep its transaction's LMDB
+        # reader slot until a garbage collection, and a scrape reads every table's datasets.
         with self.environment.read() as txn:
-            tt = self.catalog.state(txn, table_id, config)
-            return [self.ledger.dataset(tt, name)] if name else self.ledger.datasets(tt)
+            if name:
+                found = read_dataset(txn, db, table_id, name)
+                if found is None:
+                    raise no_dataset(table, name)
+                records = [found]
+            else:
+                records = read_datasets(txn, db, table_id)
+            return [read_epochs(txn, db, table_id, ds) for ds in records] if by_epoch else records
 
     def claim(
         self,
@@ -119,11 +156,12 @@ class Claims:
             raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidRequest(f"limit is {limit}; a page reads 1 to {MAX_PAGE} prompts")
-        table_id, config = self.catalog.lookup(table)
-        with self.environment.read() as txn:
-            tt = self.catalog.state(txn, table_id, config)
-            self.ledger.dataset(tt, name)
-            read = list(self.ledger.prompts(tt, name, after, limit))
+        table_id, _ = self.catalog.lookup(table)
+        with self.environment.read() as txn:  # no table state, as in datasets()
+            db = self.catalog.db["ledger"]
+            if read_dataset(txn, db, table_id, name) is None:
+                raise no_dataset(table, name)
+            read = list(read_prompts(txn, db, table_id, name, after, limit))
         last = (read[-1][0], read[-1][1]) if read else after
         kept = [row for row in read if not states or row[2].state in states]
         return PromptPage(kept, last, len(read) < limit)

@@ -15,7 +15,8 @@ from .counters import read_counters
 from .extensions import TableExtension
 from .kinds import ComputeJob
 from .read_check import payload_problem
-from .records import COMPUTING, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
+from .states import COMPUTING
 from .table_state import Groups, TableState, stored
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import lmdb
 
-from .records import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY
+from .states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
 
 # The counters of what reward shaping and advantage clipping did (see shaping.py).
 SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
@@ -86,17 +86,17 @@ class Counters:
     # what a newer release stored that this one does not know, written back as it was
     unknown: dict[str, Any] = field(default_factory=dict)
 
-    def in_state(self, state: str) -> int:
+    def in_state(self, state: State) -> int:
         """Experiences in `state`."""
         count: int = getattr(self, _BY_STATE[state])
         return count
 
-    def add(self, state: str, count: int) -> None:
+    def add(self, state: State, count: int) -> None:
         """`count` more experiences in `state` (fewer when negative)."""
         name = _BY_STATE[state]
         setattr(self, name, getattr(self, name) + count)
 
-    def add_groups(self, state: str, count: int) -> None:
+    def add_groups(self, state: State, count: int) -> None:
         """`count` more groups in live `state` (fewer when negative)."""
         name = _GROUPS_BY_STATE[state]
         setattr(self, name, getattr(self, name) + count)

@@ -496,13 +496,16 @@ class Store:
 
     # ---- the prompt ledger (claims.py) ------------------------------------------------------
 
-    def create_dataset(self, table: str, ds: DatasetRecord, *, exist_ok: bool = False) -> tuple[DatasetRecord, bool]:
-        """A dataset of prompts on the table; (record, created)."""
-        return self.claims.create(table, ds, exist_ok=exist_ok)
+    def create_dataset(
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
+    ) -> tuple[DatasetRecord, bool]:
+        """A dataset of prompts on the table, or a shard's part of one; (record, created)."""
+        return self.claims.create(table, ds, exist_ok=exist_ok, stop=stop)
 
-    def datasets(self, table: str, name: str = "") -> list[DatasetRecord]:
-        """The table's datasets (or the one named), with their cursors and counts."""
-        return self.claims.datasets(table, name)
+    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+        """The table's datasets (or the one named), with their cursors and totals, and each
+        epoch's prompts owned and counts unless not `by_epoch`."""
+        return self.claims.datasets(table, name, by_epoch=by_epoch)
 
     def claim(
         self,

@@ -177,24 +177,27 @@ class Environment:
         return future.result()
 
     def _write_loop(self) -> None:
-        while True:
-            op = self._queue.get()
-            if op is None:
-                return
-            ops = [op]
-            stop = False
-            while len(ops) < self._batch_limit:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                ops.append(more)
-            self._apply(ops)
-            if stop:
-                return
+        while self._write_batch():
+            pass
+
+    def _write_batch(self) -> bool:
+        """Apply the next batch of requests; False once the store closes. The requests, and
+        what they carry (a push's packed experiences), go with the batch, not at the next one."""
+        op = self._queue.get()
+        if op is None:
+            return False
+        ops = [op]
+        while len(ops) < self._batch_limit:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                self._apply(ops)
+                return False
+            ops.append(more)
+        self._apply(ops)
+        return True
 
     def _apply(self, ops: list[_Op]) -> None:
         """Run ops in one transaction, each nested so a refusal undoes only itself. Only a

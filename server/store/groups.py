@@ -28,8 +28,9 @@ from .pushed_advantages import (
     store_advantages,
     zero_variance,
 )
-from .records import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED, GroupRecord
+from .records import GroupRecord
 from .retirement import retire
+from .states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from .table_state import TableState
 
 

@@ -1,9 +1,9 @@
 """The integrity checks of a data directory.
 
 `verify` checks one table: every record decodes, every stored payload matches its digest
-(taken at push, when the payload was checked), and every index, group and counter agrees
-with the items. `scan` checks the
-whole directory (its format record, the catalogue of tables, their counters, the leases
+(taken at push, when the payload was checked), every index, group and counter agrees with
+the items, and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
+checks the whole directory (its format record, the catalogue of tables, their counters, the leases
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
@@ -26,20 +26,10 @@ from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
 from .extensions import Extensions
+from .ledger_check import verify_ledger
 from .read_check import payload_problem
-from .records import (
-    COMPUTING,
-    FAILED,
-    LIVE,
-    PENDING,
-    QUARANTINED,
-    READY,
-    RETIRED,
-    STATES,
-    GroupRecord,
-    ItemRecord,
-    Lease,
-)
+from .records import GroupRecord, ItemRecord, Lease
+from .states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
@@ -228,7 +218,7 @@ def verify(tt: TableState) -> list[str]:
     live = sum(counts[state] for state in LIVE)
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
-    return problems
+    return problems + verify_ledger(tt)
 
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:

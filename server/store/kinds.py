@@ -12,8 +12,9 @@ from expbuf.client import trxp
 from ..advantage_storage import Advantage, BatchStage, batch_parts
 from ..tables import TableConfig
 from . import digests
-from .records import PENDING, ItemRecord
+from .records import ItemRecord
 from .snapshot import Snapshot
+from .states import PENDING
 
 T = TypeVar("T")
 

@@ -30,11 +30,12 @@ from .kinds import Sampled
 from .limiter import sample_limit
 from .quarantine import quarantine_groups
 from .read_check import Unservable, serve_problem
-from .records import CONSUMED, FAILED, LEASED, READY, GroupRecord, ItemRecord, Lease
+from .records import GroupRecord, ItemRecord, Lease
 from .retirement import retire
 from .reuse import Taken
 from .snapshot import Snapshot
 from .staleness import report
+from .states import CONSUMED, FAILED, LEASED, READY
 from .table_state import TableState, stored
 
 log = logging.getLogger("expbuf.store")

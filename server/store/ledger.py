@@ -19,8 +19,10 @@ generated or trained, with no change to the group rules.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from expbuf.client.routing import SHARD_NAME
 
 from ..errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, clip
 from . import layout
@@ -36,8 +38,11 @@ from .ledger_records import (
     TRAINED,
     DatasetRecord,
     PromptRecord,
+    counts_key,
     dataset_key,
     datasets_prefix,
+    decode_counts,
+    encode_counts,
     expiry_key,
     expiry_prefix,
     group_entry,
@@ -46,22 +51,24 @@ from .ledger_records import (
     permuted,
     place,
     prompt_key,
-    prompt_of,
-    prompts_prefix,
     queue_key,
     queue_prefix,
+    read_dataset,
     read_expiry_key,
     read_group_entry,
     unplace,
 )
-from .records import CONSUMED, GroupRecord
-from .records import DROPPED as GROUP_DROPPED
-from .records import PENDING as GROUP_PENDING
+from .ledger_shards import count_owned, owns
+from .records import GroupRecord
 from .retirement import retire
+from .states import CONSUMED
+from .states import DROPPED as GROUP_DROPPED
+from .states import PENDING as GROUP_PENDING
 from .table_state import Groups, TableState
 
 MAX_EPOCHS = 2**20
 MAX_ATTEMPTS = 1000
+MAX_SHARDS = 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,31 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(f"{where}: seed is {clip(ds.seed)}; it must be a 64-bit integer, or unset for index order")
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
+    if ds.shards or ds.shard:
+        check_shards(ds, where)
+
+
+def check_shards(ds: DatasetRecord, where: str) -> None:
+    """A shard's part of a sharded dataset: valid, distinct shard names, this server's among them."""
+    if len(ds.shards) > MAX_SHARDS:
+        raise ConfigError(f"{where}: shards names {len(ds.shards)} shards; at most {MAX_SHARDS}")
+    for name in ds.shards:
+        if not SHARD_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where}: shard name {clip(name)!r} must be 1-63 letters, digits, '.', '_' or '-' (not first)"
+            )
+    twice = sorted({name for name in ds.shards if ds.shards.count(name) > 1})
+    if twice:
+        raise ConfigError(f"{where}: shards names shard {twice[0]!r} twice")
+    if ds.shard not in ds.shards:
+        raise ConfigError(
+            f"{where}: shard is {clip(ds.shard)!r}, not one of its shards {clip(ds.shards)}"
+            " (a sharded client sets both: the shards of its map's first epoch, and the one it asks)"
+        )
+
+
+def no_dataset(table: str, name: str) -> NotFound:
+    return NotFound(f"table '{table}' has no dataset '{clip(name)}'")
 
 
 class Ledger(TableExtension):
@@ -131,30 +163,32 @@ class Ledger(TableExtension):
             detail = f" with other settings: {'; '.join(differ)}" if differ else ""
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
         ds.created = tt.now
-        ds.owned = ds.owned or ds.size
-        ds.counts = [{} for _ in range(ds.epochs)]
+        ds.owned = ds.owned or count_owned(ds)  # a shard's part is counted before the write (claims.py)
+        ds.owned_total, ds.totals, ds.counts = sum(ds.owned), {}, [{} for _ in range(ds.epochs)]
         self._save(tt, ds)
+        if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
+            for epoch, owned in enumerate(ds.owned):
+                tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
         self._holds[tt.table_id] = True
         return ds, True
 
-    def datasets(self, tt: TableState) -> list[DatasetRecord]:
-        prefix = datasets_prefix(tt.table_id)
-        with tt.txn.cursor(db=tt.db["ledger"]) as cur:
-            found = cur.set_range(prefix)
-            out = []
-            while found and bytes(cur.key()).startswith(prefix):
-                out.append(DatasetRecord.decode(cur.value()))
-                found = cur.next()
-        return out
-
     def dataset(self, tt: TableState, name: str) -> DatasetRecord:
-        raw = tt.txn.get(dataset_key(tt.table_id, name), db=tt.db["ledger"]) if len(name) <= 64 else None
-        if raw is None:
-            raise NotFound(f"table '{tt.config.name}' has no dataset '{clip(name)}'")
-        return DatasetRecord.decode(raw)
+        found = read_dataset(tt.txn, tt.db["ledger"], tt.table_id, name)
+        if found is None:
+            raise no_dataset(tt.config.name, name)
+        return found
 
     def _save(self, tt: TableState, ds: DatasetRecord) -> None:
         tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=tt.db["ledger"])
+
+    def _count(self, tt: TableState, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
+        """`delta` more prompts of the epoch in `state`: in its record and the dataset's totals."""
+        ds.totals[state] = ds.totals.get(state, 0) + delta
+        key, ledger = counts_key(tt.table_id, ds.name, epoch), tt.db["ledger"]
+        raw = tt.txn.get(key, db=ledger)
+        owned, row = (ds.size, {}) if raw is None else decode_counts(raw)
+        row[state] = row.get(state, 0) + delta
+        tt.txn.put(key, encode_counts(owned, row), db=ledger)
 
     # ---- claims ------------------------------------------------------------------------------
 
@@ -181,14 +215,14 @@ class Ledger(TableExtension):
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
-            ds.count(epoch, CLAIMED, 1)
+            self._count(tt, ds, epoch, CLAIMED, 1)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
         return out, ds.done
 
     def _next(self, tt: TableState, ds: DatasetRecord) -> tuple[int, int, int] | None:
         """The next prompt to hand out, (epoch, index, attempt): the oldest sent back, else the
-        cursor's; None when neither has one."""
+        cursor's (skipping the prompts a shard does not own); None when neither has one."""
         prefix = queue_prefix(tt.table_id, ds.name)
         ledger = tt.db["ledger"]
         with tt.txn.cursor(db=ledger) as cur:
@@ -198,14 +232,15 @@ class Ledger(TableExtension):
                 rec = self._prompt(tt, ds.name, epoch, index)
                 if rec is not None and rec.state == PENDING:
                     return epoch, index, rec.attempt
-        if ds.cursor_epoch >= ds.epochs:
-            return None
-        epoch = ds.cursor_epoch
-        index = permuted(ds.seed, epoch, ds.size, ds.cursor_position)
-        ds.cursor_position += 1
-        if ds.cursor_position >= ds.size:
-            ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
-        return epoch, index, 0
+        while ds.cursor_epoch < ds.epochs:
+            epoch = ds.cursor_epoch
+            index = permuted(ds.seed, epoch, ds.size, ds.cursor_position)
+            ds.cursor_position += 1
+            if ds.cursor_position >= ds.size:
+                ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+            if owns(ds, epoch, index):
+                return epoch, index, 0
+        return None
 
     def renew(
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str
@@ -275,7 +310,7 @@ class Ledger(TableExtension):
         its attempts spent), and the attempt's incomplete group, if any, is dropped."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
@@ -289,7 +324,7 @@ class Ledger(TableExtension):
         rec.expires, rec.owner, rec.holder = 0.0, "", ""
         if rec.attempt + 1 >= ds.max_attempts:
             rec.state = DROPPED
-            ds.count(epoch, DROPPED, 1)
+            self._count(tt, ds, epoch, DROPPED, 1)
         else:
             rec.state, rec.attempt = PENDING, rec.attempt + 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
@@ -330,8 +365,8 @@ class Ledger(TableExtension):
         self._unexpire(tt, name, epoch, index, rec)
         rec.state, rec.expires = GENERATED, 0.0
         self._put(tt, name, epoch, index, rec)
-        ds.count(epoch, CLAIMED, -1)
-        ds.count(epoch, GENERATED, 1)
+        self._count(tt, ds, epoch, CLAIMED, -1)
+        self._count(tt, ds, epoch, GENERATED, 1)
         self._save(tt, ds)
 
     def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
@@ -339,6 +374,7 @@ class Ledger(TableExtension):
         failed or deleted one's is done or goes back (on_drop)."""
         if not self.holds(tt):
             return
+        loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
         for gkey, _ in groups:
             found = self._entry(tt, gkey)
             if found is None:
@@ -346,20 +382,21 @@ class Ledger(TableExtension):
             (name, epoch, index, attempt), rec = found
             if rec.attempt != attempt or rec.state not in (CLAIMED, GENERATED):
                 continue
-            ds = self.dataset(tt, name)
+            ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
-            ds.count(epoch, rec.state, -1)
+            self._count(tt, ds, epoch, rec.state, -1)
             if state == CONSUMED:
                 rec.state, rec.expires = TRAINED, 0.0
-                ds.count(epoch, TRAINED, 1)
+                self._count(tt, ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.state, rec.expires = DROPPED, 0.0
-                ds.count(epoch, DROPPED, 1)
+                self._count(tt, ds, epoch, DROPPED, 1)
                 self._put(tt, name, epoch, index, rec)
+        for ds in loaded.values():
             self._save(tt, ds)
 
     def on_upkeep(self, tt: TableState) -> int:
@@ -393,17 +430,3 @@ class Ledger(TableExtension):
         entry = read_group_entry(raw)
         rec = self._prompt(tt, *entry[:3])
         return None if rec is None else (entry, rec)
-
-    def prompts(
-        self, tt: TableState, name: str, after: tuple[int, int] | None, limit: int
-    ) -> Iterator[tuple[int, int, PromptRecord]]:
-        """The dataset's prompt records in (epoch, index) order, after `after`."""
-        prefix = prompts_prefix(tt.table_id, name)
-        start = prefix + (place(*after) + b"\0" if after is not None else b"")
-        with tt.txn.cursor(db=tt.db["ledger"]) as cur:
-            found = cur.set_range(start)
-            while found and limit > 0 and bytes(cur.key()).startswith(prefix):
-                epoch, index = prompt_of(bytes(cur.key()))
-                yield epoch, index, PromptRecord.decode(cur.value())
-                limit -= 1
-                found = cur.next()

@@ -1,13 +1,16 @@
 """The prompt ledger's records and keys (ledger.py keeps its rules).
 
 A table's datasets of prompts live in the `ledger` database, under the table's id T:
-- T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, counts
+- T + "d" + name                          -> DatasetRecord (JSON): settings, cursor, totals
+- T + "c" + name + 0 + epoch              -> the epoch's prompts owned, claimed, generated, trained, dropped (5 x u64)
 - T + "p" + name + 0 + epoch + index      -> PromptRecord: a prompt handed out at least once
 - T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
-prompt never handed out has no record: it is pending, at or beyond the dataset's cursor.
+prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
+epoch's counts are written at its first event, or at create on a shard of a sharded table
+(whose part of each epoch is counted then); an epoch without them owns `size` prompts, all pending.
 
 An epoch visits the indexes 0..size-1 in a permutation fixed by the dataset's seed
 (`permuted`: a keyed Feistel network with cycle walking, so the cursor maps a position to its
@@ -20,7 +23,8 @@ import hashlib
 import json
 import re
 import struct
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
@@ -29,6 +33,7 @@ from . import layout
 
 PENDING, CLAIMED, GENERATED, TRAINED, DROPPED = "pending", "claimed", "generated", "trained", "dropped"
 PROMPT_STATES = (PENDING, CLAIMED, GENERATED, TRAINED, DROPPED)
+COUNTED = PROMPT_STATES[1:]  # the states a dataset counts; pending is the rest
 ON_DROP = ("done", "retry")
 # A dataset's name starts with a letter: a group key that began with a number would read as a
 # rollout batch to a sharded client's shard epochs (routing.py).
@@ -37,6 +42,7 @@ MAX_SIZE = 2**40
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_COUNTS = struct.Struct(">5Q")  # an epoch's prompts owned, claimed, generated, trained, dropped
 _PROMPT = struct.Struct("<BIdB")  # state, attempt, expires (0: none), holder length
 _STATE_CODE = {state: code for code, state in enumerate(PROMPT_STATES)}
 
@@ -54,11 +60,14 @@ def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
 
 @dataclass
 class DatasetRecord:
-    """A dataset of prompts on a table, its cursor and its counts.
+    """A dataset of prompts on a table, its cursor and its totals.
 
-    `counts[epoch][state]` counts the prompts of each epoch in each state but pending (the
-    rest of the epoch's `owned` prompts). `owned` is the prompts of an epoch this server hands
-    out: `size`, or for a shard of a sharded table those whose key its rendezvous owns."""
+    `totals[state]` counts the prompts of every epoch in each state but pending (the rest of
+    the `owned_total` prompts this server hands out: `size` per epoch, or on a shard of a
+    sharded table those it owns, ledger_shards.py). Each epoch's prompts owned and counts by
+    state are a record of their own (`counts_key`), so that an event rewrites this record and
+    its epoch's, whatever the epochs. `owned` and `counts` hold them, one row per epoch, only
+    when read for a caller (`read_epochs`), and are never stored here."""
 
     name: str
     size: int
@@ -68,27 +77,40 @@ class DatasetRecord:
     on_drop: str = "done"
     max_attempts: int = 5
     created: float = 0.0
-    shards: list[str] = field(default_factory=list)  # a sharded table's shards at creation (epoch 0)
+    shards: list[str] = field(default_factory=list)  # a sharded table's shards of epoch 0, sorted
     shard: str = ""  # this server's name among them
-    owned: int = 0
+    owned_total: int = 0  # the prompts of all epochs this server hands out
     cursor_epoch: int = 0
     cursor_position: int = 0
     next_seq: int = 0
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
-    counts: list[dict[str, int]] = field(default_factory=list)
+    totals: dict[str, int] = field(default_factory=dict)
+    owned: list[int] = field(default_factory=list)  # per epoch: read for a caller, not stored
+    counts: list[dict[str, int]] = field(default_factory=list)  # per epoch: read for a caller, not stored
+
+    def __post_init__(self) -> None:
+        self.shards = sorted(self.shards)  # the same shards in any order are the same placement
 
     def settings(self) -> dict[str, Any]:
         """What the creator chose: an identical CreateDataset with exist_ok finds it."""
-        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards")
+        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
         return {key: getattr(self, key) for key in keys}
 
-    def count(self, epoch: int, state: str, delta: int) -> None:
+    def states(self, epoch: int) -> dict[str, int]:
+        """An epoch's prompts by state, pending included (those of its `owned` in no other);
+        the epochs must have been read (`read_epochs`)."""
         row = self.counts[epoch]
-        row[state] = row.get(state, 0) + delta
+        held = {state: row.get(state, 0) for state in COUNTED}
+        return {PENDING: self.owned[epoch] - sum(held.values()), **held}
+
+    def overall(self) -> dict[str, int]:
+        """The prompts of every epoch by state, pending included, from the record alone."""
+        held = {state: self.totals.get(state, 0) for state in COUNTED}
+        return {PENDING: self.owned_total - sum(held.values()), **held}
 
     def total(self, *states: str) -> int:
-        return sum(row.get(state, 0) for row in self.counts for state in states)
+        return sum(self.totals.get(state, 0) for state in states)
 
     @property
     def in_flight(self) -> int:
@@ -97,14 +119,39 @@ class DatasetRecord:
     @property
     def done(self) -> bool:
         """Every prompt of every epoch trained, or dropped as done."""
-        return self.total(TRAINED, DROPPED) >= self.owned * self.epochs
+        return self.total(TRAINED, DROPPED) >= self.owned_total
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts")}
+        return json.dumps(stored, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> DatasetRecord:
         return cls(**json.loads(bytes(raw)))
+
+
+def counts_key(table_id: int, name: str, epoch: int) -> bytes:
+    return counts_prefix(table_id, name) + _U32.pack(epoch)
+
+
+def counts_prefix(table_id: int, name: str) -> bytes:
+    return layout.table_prefix(table_id) + b"c" + name.encode() + b"\0"
+
+
+def counts_epoch(key: bytes) -> int:
+    """The epoch of an epoch's counts key."""
+    epoch: int = _U32.unpack_from(key, len(key) - 4)[0]
+    return epoch
+
+
+def encode_counts(owned: int, row: dict[str, int]) -> bytes:
+    return _COUNTS.pack(owned, *(row.get(state, 0) for state in COUNTED))
+
+
+def decode_counts(raw: bytes | memoryview) -> tuple[int, dict[str, int]]:
+    """An epoch's prompts owned, and its counts by state with the states of none left out."""
+    owned, *counts = _COUNTS.unpack(raw)
+    return owned, {state: n for state, n in zip(COUNTED, counts, strict=True) if n}
 
 
 @dataclass
@@ -189,6 +236,58 @@ def expiry_key(table_id: int, expires: float, name: str, epoch: int, index: int)
 
 def expiry_prefix(table_id: int) -> bytes:
     return layout.table_prefix(table_id) + b"x"
+
+
+def read_datasets(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int) -> list[DatasetRecord]:
+    """A table's dataset records, by name."""
+    prefix = datasets_prefix(table_id)
+    out = []
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(prefix)
+        while found and bytes(cur.key()).startswith(prefix):
+            out.append(DatasetRecord.decode(cur.value()))
+            found = cur.next()
+    return out
+
+
+def read_dataset(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str) -> DatasetRecord | None:
+    """One dataset's record; None when the table has no such dataset."""
+    raw = txn.get(dataset_key(table_id, name), db=db) if len(name) <= 64 else None
+    return None if raw is None else DatasetRecord.decode(raw)
+
+
+def read_epochs(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, ds: DatasetRecord) -> DatasetRecord:
+    """The dataset with each epoch's prompts owned and counts read into `owned` and `counts`
+    (an epoch without its record has had no event: `size` owned, none counted)."""
+    ds.owned, ds.counts = [ds.size] * ds.epochs, [{} for _ in range(ds.epochs)]
+    prefix = counts_prefix(table_id, ds.name)
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(prefix)
+        while found and bytes(cur.key()).startswith(prefix):
+            epoch = counts_epoch(bytes(cur.key()))
+            ds.owned[epoch], ds.counts[epoch] = decode_counts(cur.value())
+            found = cur.next()
+    return ds
+
+
+def read_prompts(
+    txn: lmdb.Transaction[bytes],
+    db: lmdb._Database,
+    table_id: int,
+    name: str,
+    after: tuple[int, int] | None,
+    limit: int,
+) -> Iterator[tuple[int, int, PromptRecord]]:
+    """Up to `limit` of a dataset's prompt records in (epoch, index) order, after `after`."""
+    prefix = prompts_prefix(table_id, name)
+    start = prefix + (place(*after) + b"\0" if after is not None else b"")
+    with txn.cursor(db=db) as cur:
+        found = cur.set_range(start)
+        while found and limit > 0 and bytes(cur.key()).startswith(prefix):
+            epoch, index = prompt_of(bytes(cur.key()))
+            yield epoch, index, PromptRecord.decode(cur.value())
+            limit -= 1
+            found = cur.next()
 
 
 def oldest_claim(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int) -> bytes | None:

@@ -34,7 +34,8 @@ import lmdb
 from ..errors import InsertLimited, SampleLimited
 from .counters import stored_names
 from .kinds import Entry
-from .records import LEASED, READY, ItemRecord
+from .records import ItemRecord
+from .states import LEASED, READY
 from .table_state import TableState
 
 # The limiter's counters by their names in the stored counters.

@@ -37,7 +37,8 @@ from ..tables import TableConfig, batch_stage
 from . import digests, layout
 from .extensions import Extensions
 from .kinds import Entry
-from .records import COMPUTING, LEASED, READY, GroupRecord, ItemRecord, Lease
+from .records import GroupRecord, ItemRecord, Lease
+from .states import COMPUTING, LEASED, READY
 from .table_state import TableState
 
 _KEY = b"format"

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from ..tables import TableConfig
 from . import limiter
 from .kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from .records import COMPUTING, DROPPED, READY, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
 from .retirement import retire
+from .states import COMPUTING, DROPPED, READY
 from .table_state import TableState
 
 ReadyRow = tuple[bytes, int, float, int | None]

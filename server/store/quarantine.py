@@ -16,8 +16,9 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from .read_check import payload_problem
-from .records import FAILED, LIVE, QUARANTINED, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
 from .retirement import retire
+from .states import FAILED, LIVE, QUARANTINED
 from .table_state import TableState
 
 log = logging.getLogger("expbuf.store")

@@ -16,15 +16,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-# Experience (and group) states. Live: pending (the group is incomplete), computing (its
-# advantages are being computed), ready, leased. The others are tombstones; quarantined is an
-# experience whose stored payload was found damaged (quarantine.py), an experience's state only.
-PENDING, COMPUTING, READY, LEASED = "pending", "computing", "ready", "leased"
-CONSUMED, EVICTED, DROPPED, FAILED = "consumed", "evicted", "dropped", "failed"
-QUARANTINED = "quarantined"
-LIVE = (PENDING, COMPUTING, READY, LEASED)
-RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED, QUARANTINED)
-STATES = (*LIVE, *RETIRED)
+from .states import STATES, State
+
 # Not a stored state: how a group deleted by request leaves the table, to the extensions' on_retire.
 DELETED = "deleted"
 _STATE_CODE = {state: code for code, state in enumerate(STATES)}
@@ -76,7 +69,7 @@ class ItemRecord:
     """One stored experience: its state, group, place in the insertion order, content
     digest and size, how often it was sampled, and what the estimators read."""
 
-    state: str
+    state: State
     group: str
     seq: int
     digest: bytes  # digests.of the stored payload (a tombstone left by format 3: its SHA-256 digest)
@@ -123,7 +116,7 @@ class ItemRecord:
     _RETIRED_AT = struct.calcsize("<BQ16sQdqIIqddQd")  # where `retired` lies in the head
 
     @classmethod
-    def place(cls, data: bytes | memoryview) -> tuple[str, int, int]:
+    def place(cls, data: bytes | memoryview) -> tuple[State, int, int]:
         """The state, seq and size of an encoded record, the rest left undecoded: what
         retiring it needs."""
         state, seq, _, size = cls._PLACE.unpack_from(data)
@@ -137,7 +130,7 @@ class ItemRecord:
         return digest, size
 
     @classmethod
-    def retired_as(cls, data: bytes | memoryview, state: str, when: float) -> bytes:
+    def retired_as(cls, data: bytes | memoryview, state: State, when: float) -> bytes:
         """An encoded record as the tombstone it becomes, retired in `state` at `when`: the
         same bytes as decoding, changing and encoding it, without building the record."""
         out = bytearray(data)
@@ -158,7 +151,7 @@ class ItemRecord:
         return head + _U16.pack(len(group)) + group
 
     @classmethod
-    def tombstone_of(cls, data: bytes | memoryview, state: str, when: float) -> bytes:
+    def tombstone_of(cls, data: bytes | memoryview, state: State, when: float) -> bytes:
         """An encoded live record as the compact tombstone it becomes, retired in `state` at
         `when`, without building the record."""
         (size,) = _U16.unpack_from(data, cls._HEAD.size)
@@ -238,7 +231,7 @@ class ItemRecord:
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> ItemRecord:
         return cls(
-            state=rec["s"],
+            state=State(rec["s"]),
             group=rec["g"],
             seq=rec["q"],
             digest=bytes.fromhex(rec["d"])[:16],
@@ -263,7 +256,7 @@ class GroupRecord:
     """One group of a table: its state, members in push order, and once complete, its
     place in the ready order (`rseq`), priority, lowest policy version and lease."""
 
-    state: str
+    state: State
     created: float
     members: list[str] = field(default_factory=list)
     partial: bool = False
@@ -311,7 +304,7 @@ class GroupRecord:
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> GroupRecord:
         return cls(
-            state=rec["s"],
+            state=State(rec["s"]),
             created=rec["c"],
             members=list(rec["m"]),
             partial=bool(rec.get("x", False)),

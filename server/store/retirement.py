@@ -12,7 +12,8 @@ import lmdb
 
 from ..ready_indexes import put_rows, u64
 from . import layout, limiter
-from .records import CONSUMED, DELETED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, GroupRecord, ItemRecord
+from .records import DELETED, GroupRecord, ItemRecord
+from .states import CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from .table_state import TableState
 
 
@@ -23,7 +24,7 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
 
 
 def retire(
-    tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: str, quarantined: Set[str] = frozenset()
+    tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State, quarantined: Set[str] = frozenset()
 ) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
     failed group's stay with keep_failed, and those of a group failed for a quarantined

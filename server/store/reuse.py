@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from ..ready_indexes import put_rows
 from ..tables import TableConfig
 from . import layout
-from .records import LEASED, READY, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
+from .states import LEASED, READY
 from .table_state import TableState
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]

@@ -26,8 +26,8 @@ from typing import overload
 
 from ..errors import VersionJump
 from .extensions import TableExtension
-from .records import DROPPED, READY
 from .retirement import retire
+from .states import DROPPED, READY
 from .table_state import TableState
 
 # Stale groups evicted per table in one pass (one write transaction).

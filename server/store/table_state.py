@@ -20,7 +20,8 @@ from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
 from .kinds import Ahead, Compute
-from .records import LEASED, LIVE, READY, GroupRecord, ItemRecord
+from .records import GroupRecord, ItemRecord
+from .states import LEASED, LIVE, READY, State, check_move
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -42,12 +43,12 @@ def missing(what: str, name: str) -> StoreError:
     return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
 
 
-def stored_state(state: str) -> str:
+def stored_state(state: State) -> State:
     """The state a member's record keeps while its group is in `state`."""
     return READY if state == LEASED else state
 
 
-def member_state(rec: ItemRecord, grp: GroupRecord | None) -> str:
+def member_state(rec: ItemRecord, grp: GroupRecord | None) -> State:
     """An experience's state: its record's, or leased while its group is."""
     return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
 
@@ -198,10 +199,10 @@ class TableState:
 
     # ---- states and their counts ---------------------------------------------------------
 
-    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: str) -> None:
+    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: State) -> None:
         self.set_states([(gkey, grp, recs)], state)
 
-    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: str) -> None:
+    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
         `state` (retirement.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease
@@ -216,10 +217,12 @@ class TableState:
                     self.put_item(uid, rec)
             self.move_group(gkey, grp, state)
 
-    def move_group(self, gkey: str, grp: GroupRecord, state: str) -> None:
+    def move_group(self, gkey: str, grp: GroupRecord, state: State) -> None:
         """A group's own state and the counts of groups by live state; a move between live
-        states is the extensions' `on_update`."""
+        states is the extensions' `on_update`. Every move of a group comes here, and is
+        checked against the state machine (states.py)."""
         was = grp.state
+        check_move(gkey, was, state)
         if was in LIVE:
             self.counters.add_groups(was, -1)
         if state in LIVE:

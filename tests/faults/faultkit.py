@@ -8,6 +8,8 @@ import functools
 import os
 import queue
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -159,6 +161,16 @@ def sample_all(buffer: pb_grpc.ExperienceBufferStub, request: pb.SampleRequest, 
 
 def stats(buffer: pb_grpc.ExperienceBufferStub, table: str = "default") -> pb.TableStats:
     return buffer.Stats(pb.StatsRequest(table=table), timeout=10).tables[0]
+
+
+def check_data(data: Path) -> subprocess.CompletedProcess:
+    """`expbuf check` of a stopped server's data directory."""
+    return subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def cpu_seconds(pid: int) -> float:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +25,7 @@ import pytest
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import SampleStream, channel, payload, sample_all, scaled, servers, stats, stub
+from faultkit import SampleStream, channel, check_data, payload, sample_all, scaled, servers, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
@@ -231,15 +229,6 @@ def run_load(target: str, seconds: float, pushers: list[Pusher], ledger: Ledger,
     for worker in workers:
         worker.join(60)
         assert not worker.is_alive(), "a load worker hung"
-
-
-def check_data(data: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def drain(target: str, ledger: Ledger) -> set[str]:

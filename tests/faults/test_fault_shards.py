@@ -5,6 +5,10 @@ the version on them, stats name the missing shard, a get answers from each uid's
 that is up, and a table created with exist_ok is made on the others; the version and the
 table are owed to the missing shard and reach it first thing when it is back. Both the
 blocking and the asyncio client run the same plans, so both are driven here.
+
+The prompt ledger too: claims go on with the other shards while one is down, whose prompts
+wait for it and come out once it is back, none lost and none handed out twice; a dataset
+created with exist_ok meanwhile is owed to it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, trxp
+from expbuf.client import BufferClient, Claim, Prompt, trxp
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError
 
 from faultkit import group, servers
+from helpers import make_experience
 
 pytestmark = pytest.mark.faults
 
@@ -124,4 +129,79 @@ def test_a_killed_shard_degrades_every_call_and_is_paid_what_it_missed(tmp_path:
         rest = [uid for batch in drained for uid in batch.uids]
         counts = Counter([*served_uids, *(delivered - set(served_uids)), *rest])
         assert set(counts) == set(owner) and set(counts.values()) == {1}
+        client.close()
+
+
+def test_a_killed_shard_delays_its_prompts_and_loses_none(tmp_path: Path) -> None:
+    with servers() as start:
+        with ThreadPoolExecutor(len(NAMES)) as pool:
+            procs = dict(zip(NAMES, pool.map(lambda n: start(str(tmp_path / n), "--shard", n), NAMES), strict=True))
+        client = ShardedBufferClient({n: p.target for n, p in procs.items()}, timeout=5.0, retries=2)
+        client.create_table("p", group_size=2, estimator="none")
+        client.create_dataset("p", "math", 24, epochs=2, seed=3)
+        handed: list[Prompt] = []
+
+        def claim(count: int, wait: float = 0.0) -> Claim:
+            claimed = client.claim("p", "math", count, lease_seconds=300, wait=wait)
+            handed.extend(claimed.prompts)
+            return claimed
+
+        def work(prompts: list[Prompt]) -> None:
+            """Generate each prompt's group and train it."""
+            for prompt in prompts:
+                runs = [make_experience(0, 0, run, reward=float(run)) for run in (0, 1)]
+                for run, exp in enumerate(runs):
+                    exp.eid = prompt.eid(run)
+                client.push(runs, table="p")
+            (batch,) = client.sample("p", num_groups=len(prompts), max_batches=1, timeout=10, delivery="consume")
+            assert sorted(batch.groups) == sorted(p.group for p in prompts)
+
+        def shard(prompt: Prompt) -> str:
+            return client.shard_map.owner(prompt.group)
+
+        work(claim(6).prompts)
+        held = claim(3).prompts  # claimed, one from each shard, before the kill: their claims are durable
+        assert {shard(p) for p in held} == set(NAMES)
+        assert procs["s1"].stop(signal.SIGKILL) == -signal.SIGKILL
+
+        # The others keep handing out their prompts; the killed shard's wait for it.
+        while more := claim(5).prompts:
+            assert "s1" not in {shard(p) for p in more}
+            work(more)
+        work([p for p in held if shard(p) != "s1"])
+        late = client.claim("p", "math", 2, wait=1.5)
+        assert (late.prompts, late.done) == ([], False)
+        ledger = client.ledger("p", "math")
+        assert set(ledger.missing) == {"s1"} and not ledger.done
+        made = client.create_dataset("p", "late", 6, exist_ok=True)  # made on the others, owed to s1
+        assert set(made.missing) == {"s1"} and client.pending == {"s1": [("create_dataset", "p", "late")]}
+
+        async def degraded() -> None:
+            async with AsyncShardedBufferClient(client.shard_map, timeout=5.0, retries=2) as aclient:
+                claimed = await aclient.claim("p", "math", 4)
+                assert (claimed.prompts, claimed.done) == ([], False)
+                assert set((await aclient.ledger("p", "math")).missing) == {"s1"}
+
+        asyncio.run(degraded())
+
+        # Back on its directory and address: its held claim is still held, and its prompts come out.
+        procs["s1"] = start(str(tmp_path / "s1"), "--shard", "s1", "--port", str(procs["s1"].port))
+        deadline = time.monotonic() + 30
+        while client.ledger("p", "math").missing:  # within the client's reconnect backoff, 2 s at most
+            assert time.monotonic() < deadline, "the client did not reach the restarted shard"
+            time.sleep(0.2)
+        assert client.pending == {}
+        with BufferClient(procs["s1"].target) as direct:
+            assert direct.ledger("p", "late").shard == "s1"
+        assert client.ledger("p", "late").owned == 6
+        work([p for p in held if shard(p) == "s1"])
+        while not (more := claim(4, wait=2.0)).done:
+            assert {shard(p) for p in more.prompts} <= {"s1"}
+            if more.prompts:
+                work(more.prompts)
+        firsts = Counter((p.epoch, p.index) for p in handed)
+        assert set(firsts) == {(e, i) for e in range(2) for i in range(24)} and set(firsts.values()) == {1}
+        ledger = client.ledger("p", "math")
+        assert ledger.done and not ledger.missing and [c.trained for c in ledger.counts] == [24, 24]
+        assert (ledger.reissued, ledger.attempts_dropped) == (0, 0)
         client.close()

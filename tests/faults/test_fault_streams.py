@@ -33,7 +33,7 @@ def serve() -> Iterator[Callable[..., ServerProcess]]:
 
 
 # Windows tested: the batches the server may prepare for one stream beyond those its reader
-# has (the README's "What counts as delivered": the stream's window, 1 by default on the wire).
+# has (docs/concepts/credit-window.md: the stream's window, 1 by default on the wire).
 WINDOWS = [1, 3]
 MANY_STREAMS = 80  # more than the server's 64 workers
 

@@ -1,4 +1,5 @@
-"""A reader's leases, renewed while the reader lives, so that they can be short.
+"""A reader's leases (Trinity-RFT's reader, TorchRL's sampler), renewed while the reader lives,
+so that they can be short.
 
 A trainer holds a batch for a step, a checkpoint or an evaluation of any length, and a read of
 groups of varying size holds what it has taken while it waits for more (up to Trinity's

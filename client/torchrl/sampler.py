@@ -1,0 +1,222 @@
+"""A TorchRL sampler that draws whole groups from an expbuf table, in the server's orders.
+
+Each `ReplayBuffer.sample()` is one batch of whole groups, leased (by default): the batch
+drawn before is acknowledged first, since a trainer asks for its next batch once the step
+that used the last one has returned. A trainer that dies in the middle of a step never
+acknowledges that step's batch: its lease, renewed in the background while the trainer
+lives, ends within `lease_seconds` of the death, and the groups are drawn again. Nothing
+pushed is lost, and a batch whose step finished is not drawn again.
+
+A draw is taken only once the server has made its lease durable: the batch's stream ends
+normally after the server committed the delivery. A draw that a server's crash interrupts
+is given back (once the server answers again) and drawn anew, so a batch the trainer has
+can never also be sitting in the table.
+
+`state_dict()` names the lease of the batch drawn last; a checkpoint taken between steps
+(after the step that used it) therefore holds it, and `load_state_dict` has it acknowledged at
+the next sample, so a trainer restored from that checkpoint does not train that batch again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Unpack
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from expbuf.client.client import BufferClient
+from expbuf.client.errors import NotFoundError, UnavailableError
+from expbuf.client.lease_keeper import LeaseKeeper
+from expbuf.client.results import Batch
+from expbuf.client.sample_spec import SampleOptions, SampleSpec
+
+from .storage import ExpbufStorage, read_state, write_state
+
+log = logging.getLogger(__name__)
+PAUSE = 0.5  # seconds between tries while the server is unavailable
+
+
+class ExpbufSampler(Sampler):
+    """Draws each batch from the table of the `ExpbufStorage` it samples.
+
+    `rb.sample(batch_size)` asks for `batch_size` experiences filled with whole groups (a batch
+    may end one group past it: a multiple of the table's group size is exactly that many
+    groups). The options are `sample()`'s: order (fifo, lifo, uniform, priority or a registered
+    order), delivery (lease, consume or replay), lease_seconds, timeout (how long a batch may
+    wait for ready groups; then DeadlineExceededError), min_model_version, trainer_version,
+    allow_partial.
+    """
+
+    def __init__(self, **options: Unpack[SampleOptions]) -> None:
+        for fixed in ("max_batches", "window"):
+            if fixed in options:
+                raise ValueError(f"ExpbufSampler: {fixed} is not an option (each sample() is one batch)")
+        SampleSpec("default", 1, **options)  # refuses a bad value now, naming it
+        self.options: dict[str, Any] = {"delivery": "lease", **options}
+        self._last: Batch | None = None  # the batch drawn last, not yet acknowledged
+        self._given_back: list[str] = []  # leases of interrupted draws, to give back once the server answers
+        self._restored: str | None = None  # the lease a loaded checkpoint named, to acknowledge
+        self._keeper: LeaseKeeper | None = None
+        self._keeper_table = ""
+        self._source: ExpbufStorage | None = None  # the storage sampled last
+        self._lock = threading.Lock()
+
+    @property
+    def leases(self) -> bool:
+        return bool(self.options["delivery"] == "lease")
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        if not isinstance(storage, ExpbufStorage):
+            raise TypeError(f"ExpbufSampler draws from an ExpbufStorage, not {type(storage).__name__}")
+        with self._lock:
+            self._source = storage
+            self._ack_last(storage)
+            batch = self._draw(storage, batch_size)
+            try:
+                count = storage.hold(batch)
+            except Exception:
+                batch.nack()  # a batch that cannot be handed over goes back now
+                raise
+            if self.leases:
+                self._last = batch
+                self._keeper_of(storage).hold(batch.lease_id)
+        # tensors only: TensorDictReplayBuffer writes the info into the batch (the uids are in it already)
+        return torch.arange(count), {"times_sampled": torch.tensor(batch.times_sampled)}
+
+    def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
+        """The renewer of this sampler's leases on the storage's table (its own channel)."""
+        if self._keeper is not None and self._keeper_table != storage.table:
+            self._keeper.close()
+            self._keeper = None
+        if self._keeper is None:
+            seconds = float(self.options.get("lease_seconds", SampleSpec.lease_seconds))
+            self._keeper, self._keeper_table = LeaseKeeper(storage.connect(), storage.table, seconds), storage.table
+            weakref.finalize(self, self._keeper.close)  # a sampler dropped unclosed renews nothing more
+        return self._keeper
+
+    def _draw(self, storage: ExpbufStorage, batch_size: int) -> Batch:
+        """One batch whose delivery the server has committed (see the module's docstring)."""
+        deadline: float | None = None  # the server has been unavailable since `client.timeout` before it
+        while True:
+            received: list[Batch] = []
+            try:
+                for batch in storage.client.sample(storage.table, batch_size, **self.options, max_batches=1, window=1):
+                    received.append(batch)
+            except UnavailableError as exc:
+                self._given_back += [b.lease_id for b in received if b.lease_id]
+                deadline = deadline or time.monotonic() + storage.client.timeout
+                if time.monotonic() + PAUSE >= deadline:
+                    raise
+                log.warning("expbuf table %s: a draw was interrupted (%s); drawing again", storage.table, exc.details)
+                time.sleep(PAUSE)
+                continue
+            self._give_back(storage.client, storage.table)
+            return received[0]
+
+    def _give_back(self, client: BufferClient, table: str) -> None:
+        while self._given_back:
+            try:
+                log.info("expbuf table %s: giving back lease %s of an interrupted draw", table, self._given_back[0])
+                client.nack(self._given_back[0], table)
+            except NotFoundError:
+                pass  # its delivery was never committed: it went back when the server started
+            self._given_back.pop(0)
+
+    def _ack_last(self, storage: ExpbufStorage) -> None:
+        """Acknowledge the batch drawn last (the step that used it has returned), and the lease a
+        loaded checkpoint named."""
+        if self._restored is not None:
+            _settle(storage.client, storage.table, self._restored, storage.client.timeout, expected=False)
+            self._restored = None
+        if self._last is None:
+            return
+        lease = self._last.lease_id
+        _settle(storage.client, storage.table, lease, storage.client.timeout, expected=True)
+        if self._keeper is not None:
+            self._keeper.drop(lease)
+        self._last = None
+
+    def ack(self) -> None:
+        """Acknowledge the batch drawn last now: after the last step, when no sample follows."""
+        with self._lock:
+            if self._source is not None:
+                self._ack_last(self._source)
+
+    def close(self) -> None:
+        """Stop renewing. The batch drawn last goes back to the table now (its step is not known to
+        have finished: call `ack` first when it has)."""
+        with self._lock:
+            if self._last is not None and self._source is not None:
+                with contextlib.suppress(NotFoundError):  # it ended already
+                    self._source.client.nack(self._last.lease_id, self._source.table)
+                self._last = None
+            if self._keeper is not None:
+                self._keeper.close()
+                self._keeper = None
+
+    # ------------------------------------------------------------------ TorchRL's sampler interface
+
+    def state_dict(self) -> dict[str, Any]:
+        """The lease of the batch drawn last (None: nothing unacknowledged)."""
+        return {"lease_id": self._last.lease_id if self._last is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The lease a checkpoint names is acknowledged at the next sample: the checkpoint holds
+        the step that trained it (it may have been acknowledged already, which is as well)."""
+        self._restored = state_dict.get("lease_id") or None
+
+    def _empty(self) -> None:
+        return None
+
+    def dumps(self, path: str | Path) -> None:
+        write_state(self.state_dict(), path)
+
+    def loads(self, path: str | Path) -> None:
+        self.load_state_dict(read_state(path))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_last=None, _keeper=None, _source=None, _given_back=[], _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options})"
+
+
+def _settle(client: BufferClient, table: str, lease: str, seconds: float, *, expected: bool) -> None:
+    """Ack `lease`, trying again while the server is unavailable. An ack that a crash left
+    unanswered may have been committed: NOT_FOUND then means done. An `expected` lease that is
+    NOT_FOUND at the first try ended before it (not renewed for a whole lease): it went back."""
+    deadline = time.monotonic() + seconds
+    unanswered = False
+    while True:
+        try:
+            client.ack(lease, table)
+            return
+        except UnavailableError as exc:
+            unanswered = True
+            if time.monotonic() + PAUSE >= deadline:
+                raise
+            log.warning(
+                "expbuf table %s: the ack of lease %s went unanswered (%s); trying again", table, lease, exc.details
+            )
+            time.sleep(PAUSE)
+        except NotFoundError:
+            if expected and not unanswered:
+                log.error(
+                    "expbuf table %s: lease %s ended before it was acknowledged (not renewed for a whole "
+                    "lease_seconds): its groups went back to the table and may be trained again",
+                    table,
+                    lease,
+                )
+            return

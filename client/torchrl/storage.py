@@ -1,0 +1,258 @@
+"""A TorchRL replay-buffer storage whose data lives in an expbuf table.
+
+`extend` and `add` push each element (a dialog turn) as an experience, durable when they
+return; the server groups them, computes the table's advantages when a group completes, and
+`ExpbufSampler` draws whole groups back. The storage itself keeps only the batch drawn last,
+which TorchRL's `ReplayBuffer` reads through `get`; its `state_dict` says where the data is
+(target and table), not a copy of it.
+
+Groups are named as TorchRL's MCAdvantage names them: by the value at `group_key` (the prompt,
+"query", by default). The first `group_size` elements of a name pushed into the table, by any
+writer on any machine, are its group 0, the next ones its group 1, and so on: the eid of an
+element is batch = that round, task = a digest of the name. A writer keeps the open round of
+the names it wrote; a round the server reports complete (another writer filled it) is passed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from tensordict import NestedKey, TensorDictBase
+from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data.replay_buffers.storages import LazyStackStorage, Storage
+
+from expbuf.client.client import BufferClient
+from expbuf.client.errors import FailedPreconditionError
+from expbuf.client.experience import EID, Experience
+from expbuf.client.results import Batch, TableInfo
+
+from . import convert
+
+# Calls are retried while the server is unavailable (a restart) until their deadline, `timeout`.
+RETRIES = 1_000
+ROUNDS_KEPT = 1 << 16  # group names whose open round a writer remembers (the least recent forgotten)
+STATE_FILE = "expbuf.json"
+
+
+class _Rounds:
+    """The round each group name is open at, and how many members this writer put into it."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self._open: OrderedDict[str, tuple[int, int]] = OrderedDict()  # task -> (round, members)
+
+    def plan(self, task: str, count: int) -> list[int]:
+        """The rounds of `count` new members: the open one while it has room, then the next ones.
+        A table that completes groups on push takes each push's members as one group."""
+        round_, members = self._open.get(task, (0, 0))
+        if not self.group_size:
+            return [round_] * count
+        return [round_ + (members + i) // self.group_size for i in range(count)]
+
+    def stored(self, task: str, count: int) -> None:
+        round_, members = self._open.get(task, (0, 0))
+        if self.group_size:
+            round_, members = round_ + (members + count) // self.group_size, (members + count) % self.group_size
+        else:
+            round_, members = round_ + 1, 0
+        self._set(task, (round_, members))
+
+    def closed(self, task: str, round_: int) -> None:
+        """The server refused round `round_` as complete: another writer filled it."""
+        self._set(task, (round_ + 1, 0))
+
+    def _set(self, task: str, value: tuple[int, int]) -> None:
+        self._open[task] = value
+        self._open.move_to_end(task)
+        while len(self._open) > ROUNDS_KEPT:
+            self._open.popitem(last=False)
+
+
+def _closed_group(exc: FailedPreconditionError, tid: str) -> bool:
+    """Whether the server refused a push because group `tid` is complete, or too full for it."""
+    return exc.details.startswith(f"group {tid} ") and (
+        "is already complete" in exc.details or "overfill" in exc.details
+    )
+
+
+class _Checkpointer(StorageCheckpointerBase):
+    """`ReplayBuffer.dumps` and `loads`: the storage's state dict as JSON (where the data is)."""
+
+    def dumps(self, storage: ExpbufStorage, path: str | Path) -> None:
+        write_state(storage.state_dict(), path)
+
+    def loads(self, storage: ExpbufStorage, path: str | Path) -> None:
+        storage.load_state_dict(read_state(path))
+
+
+def write_state(state: dict[str, Any], path: str | Path) -> None:
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / STATE_FILE).write_text(json.dumps(state))
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    return dict(json.loads((Path(path) / STATE_FILE).read_text()))
+
+
+class ExpbufStorage(LazyStackStorage):
+    """TorchRL storage over the expbuf table `table` at `target` (HOST:PORT).
+
+    `group_key` names the entry that names an element's group (MCAdvantage's `prompt_key`);
+    `connection` goes to `BufferClient` (token, tls, timeout, retries, max_message_bytes).
+    The table must group by task. Use it with `ExpbufSampler`::
+
+        rb = ReplayBuffer(storage=ExpbufStorage("10.0.0.5:50051", "grpo8"), sampler=ExpbufSampler())
+    """
+
+    _default_checkpointer = _Checkpointer
+
+    def __init__(
+        self, target: str, table: str = "default", *, group_key: NestedKey = "query", **connection: Any
+    ) -> None:
+        super().__init__(max_size=None)
+        self.target = target
+        self.table = table
+        self.group_key = group_key
+        self._connection = {"retries": RETRIES, **connection}
+        self._client: BufferClient | None = None
+        self._info: TableInfo | None = None
+        self._rounds: _Rounds | None = None
+
+    @property
+    def client(self) -> BufferClient:
+        """The client of this storage (its own channel, opened on first use)."""
+        if self._client is None:
+            self._client = self.connect()
+        return self._client
+
+    def connect(self) -> BufferClient:
+        """A new client of the same server, with the same settings."""
+        return BufferClient(self.target, **self._connection)
+
+    def table_info(self) -> TableInfo:
+        """The table's settings, read once; a table that does not group by task is refused."""
+        if self._info is None:
+            found = [info for info in self.client.list_tables() if info.name == self.table]
+            if not found:
+                raise ValueError(f"expbuf table {self.table!r} does not exist at {self.target}")
+            if found[0].group_by != "task":
+                raise ValueError(
+                    f"expbuf table {self.table!r} has group_by={found[0].group_by!r}: a TorchRL storage groups "
+                    "elements by their group name, so the table needs group_by = 'task'"
+                )
+            self._info = found[0]
+        return self._info
+
+    # ------------------------------------------------------------------ writing
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Push the elements of `data` (the positions TorchRL's writer chose mean nothing here)."""
+        named = [(*convert.group_name(element, self.group_key), element) for element in convert.elements(data)]
+        if self._rounds is None:
+            self._rounds = _Rounds(self.table_info().group_size)
+        by_task: dict[str, list[tuple[str | list[Any], TensorDictBase]]] = {}
+        for task, group, element in named:
+            by_task.setdefault(task, []).append((group, element))
+        pending = {task: [self._experience(task, g, e) for g, e in members] for task, members in by_task.items()}
+        try:
+            self._push(pending)
+        except FailedPreconditionError as exc:
+            if not any(_closed_group(exc, exps[0].eid.tid) for exps in pending.values()):
+                raise
+            for task, exps in pending.items():
+                self._push_group(task, exps)
+        self._bump_mutation_revision()
+
+    def _experience(self, task: str, group: str | list[Any], element: TensorDictBase) -> Experience:
+        return convert.to_experience(element, EID(task=task, suffix=uuid.uuid4().hex), group)
+
+    def _push(self, pending: dict[str, list[Experience]]) -> None:
+        """One push of every group's members into the rounds this writer knows to have room."""
+        assert self._rounds is not None
+        for task, exps in pending.items():
+            for exp, round_ in zip(exps, self._rounds.plan(task, len(exps)), strict=True):
+                exp.eid.batch = round_
+        self.client.push([exp for exps in pending.values() for exp in exps], self.table)
+        for task, exps in pending.items():
+            self._rounds.stored(task, len(exps))
+
+    def _push_group(self, task: str, exps: list[Experience]) -> None:
+        """A group name's members after a refusal: all at once, else one by one, each into the
+        first round the server finds open."""
+        assert self._rounds is not None
+        while True:
+            try:
+                self._push({task: exps})
+                return
+            except FailedPreconditionError as exc:
+                if not any(_closed_group(exc, exp.eid.tid) for exp in exps):
+                    raise
+                if len(exps) > 1:  # fewer fit than this writer thought: one at a time
+                    for exp in exps:
+                        self._push_group(task, [exp])
+                    return
+                self._rounds.closed(task, int(exps[0].eid.batch))
+
+    # ------------------------------------------------------------------ reading
+
+    def hold(self, batch: Batch) -> int:
+        """Keep a drawn batch's elements for `get`; returns how many there are."""
+        self._storage = convert.to_elements(batch.experiences, self.group_key)
+        self._bump_mutation_revision()
+        return len(self._storage)
+
+    def get(self, index: Any) -> Any:
+        if not self._storage:
+            raise IndexError(
+                f"an expbuf storage keeps no local copy of table {self.table!r}: only the batch an "
+                "ExpbufSampler drew last can be read"
+            )
+        return super().get(index)
+
+    def __len__(self) -> int:
+        """The table's ready experiences (complete groups not yet delivered)."""
+        return self.client.stats(self.table)[self.table].ready
+
+    def _empty(self) -> None:
+        """Forget the batch drawn last. The table keeps its data (delete it with expbuf's admin calls)."""
+        self._storage = []
+        self._bump_mutation_revision()
+
+    # ------------------------------------------------------------------ where the data is
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "table": self.table}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Point this storage at the table a state dict names."""
+        missing = {"target", "table"} - set(state_dict)
+        if missing:
+            raise ValueError(f"an expbuf storage's state dict names target and table; missing {sorted(missing)}")
+        if state_dict["target"] != self.target:
+            self.close()
+            self.target = state_dict["target"]
+        self.table = state_dict["table"]
+        self._info, self._rounds, self._storage = None, None, []
+        self._bump_mutation_revision()
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for other processes (a collector's): the channel and the drawn batch stay here."""
+        state = Storage.__getstate__(self)
+        state.update(_client=None, _storage=[], _rounds=None)
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(target={self.target!r}, table={self.table!r}, group_key={self.group_key!r})"
+
+
+__all__ = ["ExpbufStorage", "read_state", "write_state"]

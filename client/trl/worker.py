@@ -1,0 +1,245 @@
+"""ExpbufRolloutWorker: TRL's AsyncGRPOTrainer takes its rollouts from an expbuf table.
+
+It satisfies TRL 1.16's `RolloutWorkerProtocol`. Rollouts are made elsewhere, by any expbuf
+client (convert.py turns TRL-style ids, masks, log-probs and rewards into a group's
+experiences), and the table computes their advantages. A thread leases whole groups, at most
+`batches_ahead` batches ahead of the trainer, turns each experience into TRL's RolloutSample
+and queues them on `rollout_buffer`, which the trainer drains. Only groups at least as recent
+as the trainer's version minus `max_staleness` are taken (the table's version index finds
+them), and TRL's queue still drops those that grew stale while queued.
+
+Acks. A batch is acked by the TRL callback `worker.callback` at the end of a step, once every
+sample of it was trained (leases.py says when; the next `get` comes before that, since TRL
+fetches ahead), and renewed while it waits; a batch is handed to the trainer only once the
+server has stored its delivery. So a trainer that crashes gets its untrained samples again
+when their leases end, and a server killed and restarted keeps every lease it had: nothing
+acked is lost, and no sample goes to the trainer twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..areal.connection import connect, table_config
+from ..client import BufferClient
+from ..errors import ExpbufError
+from ..results import Batch
+from .convert import rollout_samples
+from .keeper import TRANSIENT, LeaseKeeper
+from .leases import LeaseBook, ack_lag
+from .sample_queue import SampleQueue
+
+log = logging.getLogger("expbuf.trl")
+
+# Estimators whose advantages differ from token to token: a RolloutSample has one per sequence.
+TOKEN_LEVEL = frozenset({"reinforceplusplus", "discounted_return"})
+
+
+class AckAfterStep(TrainerCallback):
+    """The worker's TRL callback: it learns the trainer's settings when training begins and
+    acks, at each step's end, the batches that are trained by then."""
+
+    def __init__(self, worker: ExpbufRolloutWorker) -> None:
+        self.worker = worker
+        self.began = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.worker.book.lag = ack_lag(args.gradient_accumulation_steps)
+        self.worker.trainer_settings(args.max_staleness)
+        self.began = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.worker.keeper.ack(self.worker.book.step_ended())
+
+
+class ExpbufRolloutWorker:
+    """TRL's rollout worker over an expbuf table (pass `callbacks=[worker.callback]` with it).
+
+    `num_groups` whole groups are leased at a time (fewer when no more are ready within
+    `wait_seconds`), each for `lease_seconds`, renewed while the trainer lives. `max_staleness`
+    defaults to the trainer's (`AsyncGRPOConfig.max_staleness`)."""
+
+    def __init__(
+        self,
+        client: BufferClient | str,
+        table: str,
+        *,
+        num_groups: int = 4,
+        lease_seconds: float = 300.0,
+        max_staleness: int | None = None,
+        batches_ahead: int = 2,
+        wait_seconds: float = 5.0,
+        token: str | None = None,
+    ) -> None:
+        if num_groups < 1 or batches_ahead < 1:
+            raise ValueError(f"num_groups ({num_groups}) and batches_ahead ({batches_ahead}) must be at least 1")
+        if not (math.isfinite(lease_seconds) and lease_seconds > 0):
+            raise ValueError(f"lease_seconds is {lease_seconds!r}; it must be a finite number of seconds > 0")
+        self.client = connect(client, token)
+        self.table = table
+        self.config = table_config(self.client, table)
+        if self.config.estimator in TOKEN_LEVEL:
+            raise ValueError(
+                f"expbuf table {table!r} has the estimator {self.config.estimator}, whose advantages differ from "
+                "token to token; TRL's RolloutSample takes one advantage per sequence: use a group estimator"
+            )
+        self.num_groups = num_groups
+        self.lease_seconds = lease_seconds
+        self.max_staleness = max_staleness
+        self.batches_ahead = batches_ahead
+        self.wait_seconds = wait_seconds
+        self.book = LeaseBook()
+        self.rollout_buffer = SampleQueue(self.book.taken)
+        self.metrics_queue: queue.Queue[dict[str, float]] = queue.Queue(maxsize=4096)
+        self.callback = AckAfterStep(self)
+        self.keeper = LeaseKeeper(
+            self.client, table, self.book, lease_seconds, answered=self._answered, failed=self._fail,
+            metric=self._metric,
+        )  # fmt: skip
+        self._version = 0
+        self._failure: Exception | None = None
+        self._last_answer = time.monotonic()
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    # ---- RolloutWorkerProtocol ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin leasing (TRL calls this when training begins, after its first weight sync)."""
+        if not self.callback.began:
+            raise RuntimeError(
+                "ExpbufRolloutWorker acks each batch from its TRL callback: pass callbacks=[worker.callback] to "
+                "AsyncGRPOTrainer along with rollout_worker=worker"
+            )
+        if self._sampler is not None:
+            return
+        self._stop.clear()
+        self._failure = None
+        self._last_answer = time.monotonic()
+        self.keeper.start()
+        self._sampler = threading.Thread(target=self._sample_loop, name="expbuf-trl-sampler", daemon=True)
+        self._sampler.start()
+
+    def stop(self) -> None:
+        """Stop leasing; ack what is due and give back every other batch held (TRL calls this
+        when training ends, also when it fails)."""
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+            self._sampler = None
+        self.rollout_buffer.clear()
+        self.keeper.give_back(self.book.release())
+        self.keeper.stop()
+
+    def update_model_version(self, model_version: int) -> None:
+        """The trainer's policy version (after each weight sync): the staleness floor of the next
+        lease at once, and the table's trainer version from the keeper's thread."""
+        self._version = model_version
+        self.keeper.set_version(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise when the worker stopped on an error, or the server has not answered for more
+        than `stale_after_s` seconds (a restart within that is waited out)."""
+        if self._failure is not None:
+            raise RuntimeError(f"the expbuf rollout worker stopped: {self._failure}") from self._failure
+        try:
+            self.client.server_info()
+        except ExpbufError as exc:
+            silent = time.monotonic() - self._last_answer
+            if silent > stale_after_s:
+                raise RuntimeError(
+                    f"expbuf at {self.client.target} has not answered for {silent:.0f}s (more than {stale_after_s:g}s):"
+                    f" {exc}"
+                ) from exc
+        else:
+            self._answered()
+
+    # ---- the trainer's settings, from the callback ----------------------------------------
+
+    def trainer_settings(self, max_staleness: int) -> None:
+        """The trainer's staleness bound, unless the worker was given one."""
+        if self.max_staleness is None:
+            self.max_staleness = max_staleness
+        table_bound = self.config.max_staleness
+        if table_bound is not None and table_bound != self.max_staleness:
+            log.warning(
+                "expbuf table %s keeps max_staleness %d and the trainer %d: the stricter one decides what is trained",
+                self.table,
+                table_bound,
+                self.max_staleness,
+            )
+
+    # ---- the sampler thread ---------------------------------------------------------------
+
+    def _sample_loop(self) -> None:
+        pause = 0.05
+        while not self._stop.is_set():
+            if not self.book.wait_for_room(self.batches_ahead, 0.5):
+                continue
+            try:
+                batches = self._take()
+            except ExpbufError as exc:
+                if exc.code not in TRANSIENT:
+                    self._fail(exc)
+                    return
+                log.info("expbuf table %s: %s; sampling again in %.2fs", self.table, exc, pause)
+                self._stop.wait(pause)
+                pause = min(2.0, pause * 2)
+                continue
+            pause = 0.05
+            self._answered()
+            for batch in batches:
+                try:
+                    samples = rollout_samples(batch.experiences, batch.group_ids)
+                except ValueError as exc:
+                    self.keeper.give_back([batch])
+                    self._fail(exc)
+                    return
+                self.book.hold(batch, len(samples))
+                self.rollout_buffer.add(batch.lease_id, samples)
+                self._metric("expbuf/groups_sampled_total", float(len(batch.groups)))
+
+    def _take(self) -> list[Batch]:
+        """At most one batch; returned only once the stream ended normally, i.e. the server has
+        stored its delivery. A batch whose stream broke after it arrived is given back instead
+        (its delivery may not have been stored, and the server would hand it out again)."""
+        floor = None if self.max_staleness is None else self._version - self.max_staleness
+        got: list[Batch] = []
+        try:
+            for batch in self.client.sample(
+                self.table,
+                num_groups=self.num_groups,
+                delivery="lease",
+                lease_seconds=self.lease_seconds,
+                timeout=self.wait_seconds,
+                max_batches=1,
+                allow_partial=True,
+                min_model_version=floor,
+            ):
+                got.append(batch)
+        except ExpbufError:
+            self.keeper.give_back(got)
+            raise
+        return got
+
+    # ---- what both threads report -------------------------------------------------------
+
+    def _answered(self) -> None:
+        self._last_answer = time.monotonic()
+
+    def _fail(self, exc: Exception) -> None:
+        log.error("expbuf table %s: the rollout worker stops: %s", self.table, exc)
+        self._failure = exc
+        self._stop.set()
+
+    def _metric(self, key: str, value: float) -> None:
+        with contextlib.suppress(queue.Full):  # metrics the trainer does not drain are dropped
+            self.metrics_queue.put_nowait({key: value})

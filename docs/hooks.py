@@ -1,0 +1,325 @@
+"""The docs site's generated pages, written at build time from the code (an MkDocs hook).
+
+The gRPC API comes from buffer.proto's comments, the CLI from `expbuf`'s argparse parser, the
+settings from the `ServerConfig` and `TableConfig` dataclasses and their comments, and the Python
+client's page from `expbuf.client.__all__` (rendered by mkdocstrings from the docstrings). None
+is written by hand, so none can drift from what it describes: `mkdocs build --strict` in
+`make test` fails on a reference a page makes to something that has gone. The benchmarks'
+figures are bench/RESULTS.md itself, which the benchmarks write, and their history bench/HISTORY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib.util
+import inspect
+import tempfile
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor_pb2
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "proto"
+PROTO = "expbuf/v1/buffer.proto"
+# Where mkdocstrings finds the client's sources under its installed name (mkdocs.yml: paths);
+# the install maps expbuf.client to client/, which a search by path cannot see.
+SOURCES = ROOT / "build" / "docs-src"
+
+
+def cell(text: str) -> str:
+    """One line of text, safe in a Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+# ---- the gRPC API ----------------------------------------------------------------------------
+
+
+def proto_descriptor() -> descriptor_pb2.FileDescriptorProto:
+    """buffer.proto compiled by protoc with its comments (source info) kept."""
+    include = Path(protoc.__file__).resolve().parent / "_proto"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "set.pb"
+        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", "--include_source_info", f"-o{out}", PROTO]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO}")
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    return next(f for f in files.file if f.name == PROTO)
+
+
+def _comments(source: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int, ...], str]:
+    """Each element's comment (leading, then trailing) by its path in the descriptor."""
+    found = {}
+    for location in source.source_code_info.location:
+        text = " ".join(part.strip() for part in (location.leading_comments, location.trailing_comments) if part)
+        if text:
+            found[tuple(location.path)] = " ".join(text.split())
+    return found
+
+
+def _type_name(field: descriptor_pb2.FieldDescriptorProto, maps: dict[str, descriptor_pb2.DescriptorProto]) -> str:
+    if field.type_name.rsplit(".", 1)[-1] in maps:
+        key, value = maps[field.type_name.rsplit(".", 1)[-1]].field
+        return f"map<{_type_name(key, maps)}, {_type_name(value, maps)}>"
+    if field.type_name:
+        name = field.type_name.rsplit(".", 1)[-1]
+        return f"[`{name}`](#{name.lower()})"
+    kind = descriptor_pb2.FieldDescriptorProto.Type.Name(field.type)
+    return f"`{kind.removeprefix('TYPE_').lower()}`"
+
+
+def grpc_page(source: descriptor_pb2.FileDescriptorProto) -> str:
+    """Services, RPCs, messages with their fields and enums with their values, as commented."""
+    comments = _comments(source)
+    lines = ["# gRPC API", "", f"Generated from `proto/{PROTO}` (package `{source.package}`).", ""]
+    if (12,) in comments:  # the comment above `syntax`: the file's own
+        lines += [comments[(12,)], ""]
+    for s, service in enumerate(source.service):
+        lines += [
+            f"## Service `{service.name}`",
+            "",
+            "| RPC | request | reply | what it does |",
+            "| --- | --- | --- | --- |",
+        ]
+        for m, method in enumerate(service.method):
+            request = ("stream " if method.client_streaming else "") + method.input_type.rsplit(".", 1)[-1]
+            reply = ("stream " if method.server_streaming else "") + method.output_type.rsplit(".", 1)[-1]
+            note = cell(comments.get((6, s, 2, m), ""))
+            lines.append(f"| `{method.name}` | `{request}` | `{reply}` | {note} |")
+        lines.append("")
+    lines += ["## Messages", ""]
+    for i, message in enumerate(source.message_type):
+        lines += _message(message, (4, i), comments, 3)
+    lines += ["## Enums", ""]
+    for i, enum in enumerate(source.enum_type):
+        lines += _enum(enum, (5, i), comments, 3)
+    return "\n".join(lines)
+
+
+def _message(
+    message: descriptor_pb2.DescriptorProto, path: tuple[int, ...], comments: dict[tuple[int, ...], str], depth: int
+) -> list[str]:
+    lines = [f"{'#' * depth} {message.name}", ""]
+    if path in comments:
+        lines += [comments[path], ""]
+    if message.field:
+        lines += ["| field | number | type | meaning |", "| --- | --- | --- | --- |"]
+        maps = {nested.name: nested for nested in message.nested_type if nested.options.map_entry}
+        for f, field in enumerate(message.field):
+            kind = _type_name(field, maps)
+            if field.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED and not kind.startswith("map<"):
+                kind = "repeated " + kind
+            elif field.proto3_optional:
+                kind = "optional " + kind
+            lines.append(f"| `{field.name}` | {field.number} | {kind} | {cell(comments.get((*path, 2, f), ''))} |")
+        lines.append("")
+    for e, enum in enumerate(message.enum_type):
+        lines += _enum(enum, (*path, 4, e), comments, depth + 1)
+    for n, nested in enumerate(message.nested_type):
+        if not nested.options.map_entry:
+            lines += _message(nested, (*path, 3, n), comments, depth + 1)
+    return lines
+
+
+def _enum(
+    enum: descriptor_pb2.EnumDescriptorProto, path: tuple[int, ...], comments: dict[tuple[int, ...], str], depth: int
+) -> list[str]:
+    lines = [f"{'#' * depth} {enum.name}", ""]
+    if path in comments:
+        lines += [comments[path], ""]
+    lines += ["| value | number | meaning |", "| --- | --- | --- |"]
+    for v, value in enumerate(enum.value):
+        lines.append(f"| `{value.name}` | {value.number} | {cell(comments.get((*path, 2, v), ''))} |")
+    return [*lines, ""]
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def _commands(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    """The parser and every sub-command below it, depth first."""
+    found = [(name, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                found += _commands(sub, f"{name} {sub_name}")
+    return found
+
+
+def cli_page(parser: argparse.ArgumentParser) -> str:
+    """Each command's help, as `expbuf COMMAND --help` prints it."""
+    lines = ["# Command line", "", "Generated from `expbuf`'s parser (`expbuf.server.cli.build_parser`).", ""]
+    for name, command in _commands(parser, parser.prog):
+        command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
+        level = "#" * min(2 + name.count(" "), 4)
+        lines += [f"{level} `{name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+# ---- the settings ----------------------------------------------------------------------------
+
+
+def field_notes(cls: type) -> dict[str, str]:
+    """Each field's comment in the class's source: the comment lines above it and the one after it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    notes = {}
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    for node in body.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above = []
+        row = node.lineno - 2
+        while row >= 0 and lines[row].strip().startswith("#"):
+            above.insert(0, lines[row].strip().lstrip("#").strip())
+            row -= 1
+        _, _, inline = lines[node.end_lineno - 1].partition("  # ")
+        notes[node.target.id] = " ".join([*above, inline.strip()]).strip()
+    return notes
+
+
+def _default(field: dataclasses.Field[Any]) -> str:
+    if field.default is not dataclasses.MISSING:
+        return f"`{field.default!r}`"
+    if field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+        return f"`{value!r}`" if not dataclasses.is_dataclass(value) else "its defaults"
+    return "required"
+
+
+def _dataclasses_in(hint: Any) -> list[type]:
+    """The dataclasses a field's type names (`X`, `X | None`, `tuple[X, ...]`)."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return [hint]
+    return [cls for arg in typing.get_args(hint) for cls in _dataclasses_in(arg)]
+
+
+def _hint_text(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    if isinstance(hint, types.UnionType):
+        return " | ".join(_hint_text(arg) for arg in typing.get_args(hint))
+    return str(hint).replace("typing.", "").replace("expbuf.server.tables.", "").replace("expbuf.server.config.", "")
+
+
+def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = None) -> list[str]:
+    """A table of cls's fields (type, default, where else it is set, comment), then one for each
+    dataclass a field holds. where: "Class.field" -> the variables and flags that set it."""
+    seen = set() if seen is None else seen
+    seen.add(cls)
+    hints = typing.get_type_hints(cls)
+    notes = field_notes(cls)
+    lines = [f"## `{cls.__name__}`", ""]
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
+        lines += [" ".join(cls.__doc__.split()), ""]
+    lines += ["| setting | type | default | also from | note |", "| --- | --- | --- | --- | --- |"]
+    nested: list[type] = []
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        hint = hints[field.name]
+        nested += [c for c in _dataclasses_in(hint) if c not in seen and c not in nested]
+        also = where.get(f"{cls.__name__}.{field.name}", "")
+        lines.append(
+            f"| `{field.name}` | `{cell(_hint_text(hint))}` | {_default(field)} | {also} | {cell(notes[field.name])} |"
+        )
+    lines.append("")
+    for inner in nested:
+        lines += settings_tables(inner, where, seen)
+    return lines
+
+
+def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str:
+    """ServerConfig's and TableConfig's fields, each with the variables and flags that set it."""
+    lines = [
+        "# Settings",
+        "",
+        "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.tables.TableConfig`. The server's",
+        "settings come from its TOML file (`--config`), the environment and its flags (the last wins); a table's",
+        "from the file's `[[tables]]`, `create_table` or `expbuf table create`. See",
+        "[Serving](../operations/serving.md) for what they do together.",
+        "",
+    ]
+    sources = {name: ", ".join(f"`{s}`" for s in found) for name, found in where.items()}
+    return "\n".join(lines + settings_tables(server, sources) + settings_tables(table, sources))
+
+
+def setting_sources() -> dict[str, list[str]]:
+    """The environment variables and `expbuf serve` flags that set each setting, by "Class.field"."""
+    from expbuf.server import cli, config
+
+    where: dict[str, list[str]] = {}
+    for variable, (name, _) in config._ENV.items():
+        where.setdefault(f"ServerConfig.{name}", []).append(variable)
+    for name, (variable, _) in config.SERVER_TLS_ENV.items():
+        where.setdefault(f"TlsConfig.{name}", []).append(variable)
+    serve = next(p for n, p in _commands(cli.build_parser(), "expbuf") if n == "expbuf serve")
+    settings = {field.name for field in dataclasses.fields(config.ServerConfig)}
+    for action in serve._actions:
+        if action.option_strings and action.dest in settings:
+            where.setdefault(f"ServerConfig.{action.dest}", []).append(action.option_strings[0])
+    return where
+
+
+# ---- the Python client -----------------------------------------------------------------------
+
+
+def client_page(exported: list[str]) -> str:
+    """Every name `expbuf.client` exports, rendered by mkdocstrings from its docstrings."""
+    lines = ["# Python client", "", "Generated from the docstrings of what `expbuf.client` exports.", ""]
+    for name in sorted(exported, key=lambda n: (not n.endswith("Client"), n.endswith("Error"), n.lower())):
+        lines += [f"::: expbuf.client.{name}", ""]
+    lines += ["::: expbuf.client.sharded.ShardedBufferClient", "", "::: expbuf.client.sharded.AsyncShardedBufferClient"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the hook --------------------------------------------------------------------------------
+
+
+def link_sources() -> None:
+    """Lay out expbuf's installed packages under SOURCES by their import names, for mkdocstrings."""
+    root = SOURCES / "expbuf"
+    root.mkdir(parents=True, exist_ok=True)
+    # A package, not a namespace: griffe would take proto/expbuf (a package on the path) first.
+    (root / "__init__.py").write_text("")
+    for name in ("client", "server", "proto"):
+        spec = importlib.util.find_spec(f"expbuf.{name}")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"expbuf.{name} is not installed: run `make setup` first")
+        link = root / name
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(spec.submodule_search_locations[0]).resolve(), target_is_directory=True)
+
+
+def pages() -> dict[str, str]:
+    """The generated pages by their path under docs/."""
+    from expbuf import client
+    from expbuf.server import cli, config, tables
+
+    return {
+        "reference/grpc.md": grpc_page(proto_descriptor()),
+        "reference/cli.md": cli_page(cli.build_parser()),
+        "reference/settings.md": settings_page(config.ServerConfig, tables.TableConfig, setting_sources()),
+        "reference/python-client.md": client_page(list(client.__all__)),
+        "bench/RESULTS.md": (ROOT / "bench" / "RESULTS.md").read_text(),
+        "bench/HISTORY.md": (ROOT / "bench" / "HISTORY.md").read_text(),
+    }
+
+
+def on_startup(command: str, dirty: bool) -> None:
+    link_sources()
+
+
+def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    for path, text in pages().items():
+        files.append(File.generated(config, path, content=text))
+    return files

@@ -1,0 +1,110 @@
+"""TRL's AsyncGRPOTrainer trains from an `expbuf serve` child that is SIGKILLed in the middle of
+the run and restarted on the same data and port, while the trainer goes on (tests/trl_cpu.py:
+a tiny model on the CPU).
+
+Every sample carries a mark token, so the trainer's own packed inputs say what it trained.
+After the run: no sample was trained twice, every experience the table no longer holds was
+trained (nothing acknowledged is lost), what was not trained is back in the table, the
+server's counts agree, and `expbuf check` passes.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+
+from datasets import Dataset
+from test_trl_trainer import GROUP, RecordingTrainer, push_groups
+from transformers import TrainerCallback
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from expbuf.client import BufferClient
+from expbuf.client.trl import ExpbufRolloutWorker
+
+from faultkit import servers
+from helpers import ServerProcess
+from trl_cpu import NoWeightSync, on_cpu, tiny_model
+
+pytestmark = pytest.mark.faults
+
+STEPS = 8
+KILL_AT = 3  # the step after whose end the server is killed
+DOWN_SECONDS = 1.0  # then restarted this long after, whatever the trainer is doing
+
+
+class KillTheServer(TrainerCallback):
+    """SIGKILL the server at the end of step KILL_AT; a thread starts it again on its port."""
+
+    def __init__(self, server: ServerProcess, restart: Callable[[], ServerProcess]) -> None:
+        self.server, self.restart = server, restart
+        self.killed = threading.Event()
+        self.back = threading.Event()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step != KILL_AT:
+            return
+        self.server.proc.send_signal(signal.SIGKILL)
+        self.server.proc.wait(30)
+        self.killed.set()
+
+        def start_again() -> None:
+            self.back.wait(DOWN_SECONDS)  # an event no one sets yet: a pause the trainer does not wait for
+            self.server = self.restart()
+            self.back.set()
+
+        threading.Thread(target=start_again, daemon=True).start()
+
+
+def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
+    model = tiny_model(tmp_path / "model")
+    data = str(tmp_path / "data")
+    with servers() as start:
+        server = start(data)
+        port = server.port
+        with BufferClient(server.target) as client:
+            client.create_table("grpo", group_size=GROUP)
+            uids = push_groups(client, "grpo", STEPS + 4)
+            worker = ExpbufRolloutWorker(client, "grpo", num_groups=1, wait_seconds=0.5, lease_seconds=120)
+            args = AsyncGRPOConfig(
+                output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=GROUP,
+                max_staleness=STEPS + 1, token_budget=0, report_to="none", save_strategy="no", use_cpu=True,
+                disable_tqdm=True, heartbeat_stale_after_s=120,  # a server that never comes back fails the run
+            )  # fmt: skip
+            kill = KillTheServer(server, lambda: start(data, "--port", str(port)))
+            with on_cpu():
+                trainer = RecordingTrainer(
+                    model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
+                    rollout_worker=worker, weight_transfer=NoWeightSync(), callbacks=[worker.callback, kill],
+                )  # fmt: skip
+                trainer.trained = []
+                trainer.train()
+
+            assert kill.killed.is_set() and kill.back.is_set(), "the server was not killed and restarted mid-run"
+            assert trainer.state.global_step == STEPS
+            marks = [mark for step in trainer.trained for mark in step]
+            assert len(marks) == len(set(marks)), (
+                f"samples trained twice: {sorted(m for m in marks if marks.count(m) > 1)}"
+            )
+            live = {e.uid: e.state for e in client.list_experiences("grpo").experiences}
+            gone = {mark for uid, mark in uids.items() if uid not in live}
+            assert gone <= set(marks), f"acknowledged experiences neither in the table nor trained: {gone - set(marks)}"
+            assert set(live.values()) == {"ready"}, "the worker gave back every lease it held when training ended"
+            stats = client.stats("grpo")["grpo"]
+            assert (stats.pushed, stats.consumed, stats.ready) == (len(uids), len(gone), len(live))
+        assert kill.server.stop(signal.SIGTERM) == 0
+    checked = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "check", "--data", data],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, f"expbuf check after the run:\n{checked.stdout}{checked.stderr}"

@@ -1,0 +1,116 @@
+"""The docs site's reference pages, generated at build time (docs/hooks.py): each lists
+everything it describes, with the comments and help the code carries."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import re
+import sys
+from types import ModuleType
+
+from expbuf import client
+from expbuf.proto.v1 import buffer_pb2
+from expbuf.server import cli, config, tables
+
+from pages import DOCS, ROOT, page
+
+
+def load_hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = load_hooks()
+
+
+def row(page: str, name: str) -> str:
+    """The table row whose first cell is `name`."""
+    found = re.search(rf"^\| `{re.escape(name)}` \|.*$", page, re.M)
+    assert found, f"no row for {name}"
+    return found.group(0)
+
+
+def test_grpc_page_lists_every_rpc_message_field_and_enum_value_with_its_comment() -> None:
+    page = hooks.grpc_page(hooks.proto_descriptor())
+    for method in buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods:
+        assert method.input_type.name in row(page, method.name)
+    for message in buffer_pb2.DESCRIPTOR.message_types_by_name.values():
+        assert re.search(rf"^### {message.name}$", page, re.M)
+    for enum in buffer_pb2.DESCRIPTOR.enum_types_by_name.values():
+        assert re.search(rf"^### {enum.name}$", page, re.M)
+        for value in enum.values:
+            row(page, value.name)
+    # Comments above an element and after it on its line, and streams and maps by their kind.
+    assert "Store one TRXP payload. The reply acknowledges a durable (fsynced) commit." in row(page, "Push")
+    assert "eid.tid: all runs of a task" in row(page, "GROUP_BY_TASK")
+    assert "`stream SampleRequest` | `stream SampleReply`" in row(page, "Sample")
+    assert "map<`string`, `double`>" in row(page, "params")
+
+
+def test_cli_page_holds_every_command_and_option() -> None:
+    page = hooks.cli_page(cli.build_parser())
+    for name, command in hooks._commands(cli.build_parser(), "expbuf"):
+        assert re.search(rf"^#+ `{name}`$", page, re.M), name
+        for action in command._actions:
+            for option in action.option_strings if action.help != argparse.SUPPRESS else ():
+                assert option in page, (name, option)
+    assert "--max-metadata-bytes" in page and "env EXPBUF_MAX_METADATA_BYTES" in page
+
+
+def test_settings_page_has_a_row_for_every_setting_with_its_variables_and_flags() -> None:
+    page = hooks.settings_page(config.ServerConfig, tables.TableConfig, hooks.setting_sources())
+    for cls in (config.ServerConfig, config.TlsConfig, tables.TableConfig, tables.Shaping):
+        assert re.search(rf"^## `{cls.__name__}`$", page, re.M)
+        section = page.split(f"## `{cls.__name__}`")[1].split("\n## ")[0]
+        for field in dataclasses.fields(cls):
+            row(section, field.name)
+    for variable, (name, _) in config._ENV.items():
+        assert f"`{variable}`" in row(page, name)
+    assert "`EXPBUF_MAX_WAIT_SECONDS`, `--max-wait-seconds`" in row(page, "max_wait_seconds")
+    assert "`EXPBUF_SERVER_TLS_CLIENT_CA`" in row(page, "client_ca")
+    assert "| `max_inflight_bytes` | `int` | `1073741824` |" in page
+
+
+@dataclasses.dataclass
+class Noted:
+    plain: int = 1
+    # Two lines above
+    # the field.
+    above: str = "a"
+    inline: float = 0.5  # after it
+    # Above and
+    both: int | None = None  # after
+
+
+def test_a_settings_note_is_the_comment_above_the_field_and_the_one_after_it() -> None:
+    assert hooks.field_notes(Noted) == {
+        "plain": "",
+        "above": "Two lines above the field.",
+        "inline": "after it",
+        "both": "Above and after",
+    }
+    table = "\n".join(hooks.settings_tables(Noted, {"Noted.inline": "`X`"}))
+    assert row(table, "both") == "| `both` | `int \\| None` | `None` |  | Above and after |"
+    assert row(table, "inline") == "| `inline` | `float` | `0.5` | `X` | after it |"
+
+
+def test_client_page_renders_every_export_of_expbuf_client() -> None:
+    page = hooks.client_page(list(client.__all__))
+    for name in client.__all__:
+        assert f"::: expbuf.client.{name}\n" in page
+    assert page.index("BufferClient") < page.index("Batch") < page.index("ExpbufError")
+
+
+def test_the_readmes_links_reach_files_in_the_tree() -> None:
+    """The README is read on the forge, outside the site: each relative link names a file there."""
+    readme = page("README")
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert len(links) > 20
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+    assert len(readme.splitlines()) < 300

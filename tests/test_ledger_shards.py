@@ -1,0 +1,131 @@
+"""The prompt ledger on the shards of a sharded table, in the storage engine: each shard holds
+the dataset and hands out only the prompts it owns, those whose `name/epoch/index` the
+sharded clients' router sends to it, so that over the shards every prompt goes out once per
+epoch and its groups meet where it was handed out. Real LMDB in temporary directories."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import trxp
+from expbuf.client.routing import ShardMap
+from expbuf.server.errors import Cancelled, ConfigError
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store
+from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
+from expbuf.server.tables import TableConfig
+
+from helpers import make_experience
+
+SHARDS = ["s0", "s1", "s2"]
+
+
+def sharded(name: str, shard: str, **settings: object) -> DatasetRecord:
+    return DatasetRecord(name, shards=list(SHARDS), shard=shard, **settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def stores(tmp_path: Path) -> Iterator[dict[str, Store]]:
+    opened = {shard: Store(tmp_path / shard, seed=3) for shard in SHARDS}
+    for store in opened.values():
+        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+    yield opened
+    for store in opened.values():
+        assert store.verify("t") == []
+        store.close()
+
+
+def test_each_shard_hands_out_its_own_prompts_and_over_the_shards_each_goes_out_once_per_epoch(
+    stores: dict[str, Store],
+) -> None:
+    router = ShardMap.of({shard: f"h:{n}" for n, shard in enumerate(SHARDS)})
+    handed: dict[str, list[tuple[int, int]]] = {}
+    for shard, store in stores.items():
+        ds, created = store.claims.create("t", sharded("math", shard, size=40, epochs=3, seed=11))
+        assert created and ds.shard == shard and len(ds.owned) == 3
+        claimed, done = store.claims.claim("t", "math", 1000, seconds=60)
+        handed[shard] = [(c.epoch, c.index) for c in claimed]
+        assert len(handed[shard]) == sum(ds.owned) and not done
+        for c in claimed:  # the router sends every attempt's group to the shard that handed the prompt out
+            assert {router.owner(group_key("math", c.epoch, c.index, a)) for a in range(3)} == {shard}
+        assert store.claims.claim("t", "math", 5, seconds=60) == ([], False)  # its part is out, not trained
+    everything = Counter(pair for pairs in handed.values() for pair in pairs)
+    assert set(everything) == {(e, i) for e in range(3) for i in range(40)} and set(everything.values()) == {1}
+    owned = {shard: store.claims.datasets("t", "math")[0].owned for shard, store in stores.items()}
+    assert [sum(parts[e] for parts in owned.values()) for e in range(3)] == [40, 40, 40]
+    assert len({tuple(parts) for parts in owned.values()}) == 3  # each shard's part of each epoch is its own
+    # Each shard walks each epoch's seeded order and hands out its part of it, in that order.
+    order = [(e, permuted(11, e, 40, position)) for e in range(3) for position in range(40)]
+    assert handed["s1"] == [pair for pair in order if pair in set(handed["s1"])]
+
+
+def test_a_shard_is_done_once_its_own_prompts_are_trained(stores: dict[str, Store]) -> None:
+    store = stores["s2"]
+    ds, _ = store.claims.create("t", sharded("math", "s2", size=12, epochs=2))
+    claimed, _ = store.claims.claim("t", "math", 100, seconds=60)
+    assert len(claimed) == sum(ds.owned) < 24
+    for c in claimed:
+        runs = [make_experience(f"math/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
+        store.put("t", [trxp.from_experience(run) for run in runs])
+    while store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
+        pass
+    (info,) = store.claims.datasets("t", "math")
+    assert info.done and info.total("trained") == len(claimed)
+    assert store.claims.claim("t", "math", 1, seconds=60) == ([], True)
+
+
+def test_a_shards_part_of_each_epoch_is_kept_beside_its_counts_not_in_the_dataset_record(
+    stores: dict[str, Store],
+) -> None:
+    """Every claim, completed group and consume rewrites the dataset record: it keeps its size
+    whatever the epochs, each epoch's part being written at create where the epoch's counts
+    are, and kept there by every event."""
+    store = stores["s1"]
+    ds, _ = store.claims.create("t", sharded("long", "s1", size=3, epochs=4000))
+    (c,), _ = store.claims.claim("t", "long", 1, seconds=60)
+    runs = [make_experience(f"long/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
+    store.put("t", [trxp.from_experience(run) for run in runs])
+    assert store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None
+    table_id, _ = store.catalog.lookup("t")
+    with store.environment.read() as txn:
+        assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
+    (again,) = store.claims.datasets("t", "long")
+    assert again.owned == ds.owned and again.owned_total == sum(ds.owned) < 3 * 4000
+    assert again.states(c.epoch) == {
+        "pending": ds.owned[c.epoch] - 1, "claimed": 0, "generated": 0, "trained": 1, "dropped": 0
+    }  # fmt: skip
+
+
+def test_a_dataset_on_a_shard_is_created_once_whatever_order_its_shards_come_in(stores: dict[str, Store]) -> None:
+    store = stores["s0"]
+    ds, created = store.claims.create("t", sharded("math", "s0", size=9))
+    again, created_again = store.claims.create(
+        "t", DatasetRecord("math", size=9, shards=["s2", "s0", "s1"], shard="s0"), exist_ok=True
+    )
+    assert created and not created_again and again.owned == ds.owned and again.shards == SHARDS
+
+
+def test_sharded_settings_out_of_range_are_refused_by_name(stores: dict[str, Store]) -> None:
+    store = stores["s0"]
+    for bad, message in [
+        (DatasetRecord("m", size=4, shards=["s0", "s1"], shard="s9"), "shard is 's9', not one of its shards"),
+        (DatasetRecord("m", size=4, shard="s0"), "shard is 's0', not one of its shards"),
+        (DatasetRecord("m", size=4, shards=["s0", "s1"]), "shard is '', not one of its shards"),
+        (DatasetRecord("m", size=4, shards=["s0", "s0"], shard="s0"), "names shard 's0' twice"),
+        (DatasetRecord("m", size=4, shards=["s0", "a/b"], shard="s0"), "shard name 'a/b' must be"),
+        (DatasetRecord("m", size=4, shards=[f"s{n}" for n in range(1025)], shard="s0"), "1025 shards; at most 1024"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            store.claims.create("t", bad)
+    assert store.claims.datasets("t") == []
+
+
+def test_a_create_whose_caller_gave_up_while_counting_stores_nothing(stores: dict[str, Store]) -> None:
+    store = stores["s1"]
+    with pytest.raises(Cancelled, match="dataset 'big'"):
+        store.claims.create("t", sharded("big", "s1", size=10**9), stop=lambda: True)
+    assert store.claims.datasets("t") == []

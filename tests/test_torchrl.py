@@ -1,0 +1,296 @@
+"""expbuf.client.torchrl driven by TorchRL's own classes: ReplayBuffer, MCAdvantage, LLMCollector, GRPOLoss.
+
+Every test runs a real server in-process (tests/conftest.py). The data are TorchRL's LLM
+TensorDicts: its Tokens, Masks, LogProbs and Text classes, the group name at "query" (as its
+datasets and MCAdvantage name it) and the reward at ("next", "reward") in the (1, 1) shape its
+reward parsers give. The LLM path runs on the CPU with a one-layer Llama built from a config
+and a tokenizer built in the test (nothing downloaded): ChatEnv in text mode, TorchRL's
+TransformersWrapper generating, LLMCollector writing into the expbuf storage, and GRPOLoss
+(with a TransformersWrapper scoring) on the sampled batch. The line: TorchRL's vLLM and SGLang
+wrappers and its Ray collectors need CUDA and are not run; nothing else of the path is left out.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+torchrl = pytest.importorskip("torchrl")
+
+import torch  # noqa: E402
+from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack  # noqa: E402
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer  # noqa: E402
+from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens  # noqa: E402
+from torchrl.objectives.llm import MCAdvantage  # noqa: E402
+
+from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
+from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
+
+from pages import code_blocks, page  # noqa: E402
+
+PROMPT = torch.tensor([5, 6, 7])
+
+
+@pytest.fixture(autouse=True)
+def _stack_lists() -> Iterator[None]:
+    """TorchRL's LLM stack runs with lists stacked (its GRPO scripts and tests set it)."""
+    with set_list_to_stack(True):
+        yield
+
+
+@pytest.fixture
+def target(start_server) -> str:
+    return f"127.0.0.1:{start_server().port}"
+
+
+def element(query: str, run: int, reward: float, *, version: int | None = None) -> TensorDict:
+    """One dialog turn as TorchRL's LLM wrappers and envs write it (unpadded, done)."""
+    response = torch.arange(2 + run % 3) + 10 * (run + 1)
+    full = torch.cat([PROMPT, response])
+    assistant = torch.cat([torch.zeros(3, dtype=torch.bool), torch.ones(len(response), dtype=torch.bool)])
+    assistant[-1] = run % 2 == 0  # a masked-out last token on odd runs: masks keep their zeros
+    fields: dict = {
+        "tokens": Tokens(prompt=PROMPT, response=response, full=full, padded=False, batch_size=[]),
+        "masks": Masks(
+            all_attention_mask=torch.ones(len(full), dtype=torch.bool),
+            all_assistant_mask=assistant,
+            padded=False,
+            batch_size=[],
+        ),
+        "log_probs": LogProbs(response=-torch.rand(len(response)) - 0.1, padded=False, batch_size=[]),
+        "text": Text(prompt=f"<q>{query}", response=f"answer {run}", batch_size=[]),
+        "query": query,
+        ("next", "reward"): torch.tensor([[reward]]),
+        ("next", "done"): torch.tensor([True]),
+    }
+    if version is not None:
+        fields["policy_version"] = version
+    return TensorDict(fields, batch_size=[])
+
+
+def groups(queries: list[str], size: int, offset: float = 0.0) -> TensorDictBase:
+    """`size` runs of each query, with distinct rewards, lazily stacked as LLMCollector flattens them."""
+    return lazy_stack(
+        [element(q, run, offset + (run * run + 1.0) * (i + 1)) for i, q in enumerate(queries) for run in range(size)]
+    )
+
+
+def buffer(target: str, table: str, batch_size: int, **options) -> ReplayBuffer:
+    return ReplayBuffer(
+        storage=ExpbufStorage(target, table), sampler=ExpbufSampler(timeout=5, **options), batch_size=batch_size
+    )
+
+
+def key(td: TensorDictBase) -> tuple[str, tuple[int, ...]]:
+    """An element's identity in these tests: its group name and its response."""
+    return td["query"], tuple(td["tokens", "response"].tolist())
+
+
+def rows(batch: TensorDictBase) -> list[TensorDictBase]:
+    return list(batch.unbind(0))
+
+
+def uids_of(batch: TensorDictBase) -> list[str]:
+    return list(batch["expbuf", "uid"])
+
+
+def test_extend_and_sample_whole_groups_with_the_tables_advantage_equal_to_mcadvantage(target) -> None:
+    with BufferClient(target) as admin:
+        admin.create_table("grpo4", group_size=4, estimator="grpo")
+        data = groups(["alpha", "beta", "gamma", "delta"], 4)
+        rb = buffer(target, "grpo4", 8)
+        rb.extend(data)
+        assert len(rb) == 16  # ready in the table: complete groups
+        reference = MCAdvantage(grpo_size=4, prompt_key="query").inv(data.clone())
+        mc = {key(td): float(td["advantage"].reshape(())) for td in rows(reference)}
+        seen: list[str] = []
+        for _ in range(2):
+            batch = rb.sample()
+            uids = uids_of(batch)
+            assert batch["advantage"].shape == (len(uids), 1, 1)
+            assert Counter(batch["expbuf", "group_id"]).most_common()[-1][1] == 4  # whole groups only
+            stored = {e.eid.uid: e for e in admin.get(uids, "grpo4")}
+            for uid, td in zip(uids, rows(batch), strict=True):
+                exp = stored[uid]
+                first_action = exp.advantages[exp.action_mask.bool()][0]
+                assert float(td["advantage"].reshape(())) == pytest.approx(float(first_action), abs=0)  # the table's
+                # TorchRL's MCAdvantage: (r - mean) / max(std, 1e-6); grpo: (r - mean) / (std + 1e-6)
+                assert float(td["advantage"].reshape(())) == pytest.approx(mc[key(td)], rel=1e-5)
+            seen += [td["query"] for td in rows(batch)]
+        assert Counter(seen) == {"alpha": 4, "beta": 4, "gamma": 4, "delta": 4}
+
+
+def test_a_sampled_element_holds_what_was_extended_under_torchrls_keys(target) -> None:
+    with BufferClient(target) as admin:
+        admin.create_table("keys", group_size=2, estimator="grpo")
+    sent = lazy_stack([element("q", run, float(run), version=7) for run in range(2)])
+    rb = buffer(target, "keys", 2)
+    rb.extend(sent)
+    got = {key(td): td for td in rows(rb.sample())}
+    for td in rows(sent):
+        back = got[key(td)]
+        for name in [("tokens", "prompt"), ("tokens", "full"), ("log_probs", "response")]:
+            assert torch.equal(back[name], td[name]), name
+        assert torch.equal(back["masks", "all_assistant_mask"], td["masks", "all_assistant_mask"])
+        assert bool(back["masks", "all_attention_mask"].all())
+        assert (back["text", "prompt"], back["text", "response"]) == (td["text", "prompt"], td["text", "response"])
+        assert torch.equal(back["next", "reward"], td["next", "reward"])
+        assert int(back["policy_version"]) == 7
+        full = back["log_probs", "full"]
+        assert bool(full[:3].isnan().all()) and torch.equal(full[3:], td["log_probs", "response"])
+
+
+def test_a_tensordict_replay_buffer_takes_them_too(target) -> None:
+    """TensorDictReplayBuffer writes the sampler's info into the batch: it holds tensors only."""
+    with BufferClient(target) as admin:
+        admin.create_table("tdrb", group_size=2, estimator="grpo")
+        rb = TensorDictReplayBuffer(
+            storage=ExpbufStorage(target, "tdrb"), sampler=ExpbufSampler(timeout=5), batch_size=2
+        )
+        rb.extend(groups(["a"], 2))
+        batch = rb.sample()
+        assert batch["times_sampled"].tolist() == [1, 1]
+        assert sorted(batch["advantage"].flatten().tolist()) == pytest.approx([-0.70710677, 0.70710677], rel=1e-5)
+        rb.sampler.ack()
+        assert admin.stats("tdrb")["tdrb"].consumed == 2
+
+
+def test_one_element_at_a_time_makes_the_same_groups_and_a_prompt_seen_again_a_new_group(target) -> None:
+    """MCAdvantage's grouping, kept by the table: the first four of a name are its group 0, the
+    next four its group 1; `add` (one element) counts as extend does."""
+    with BufferClient(target) as admin:
+        admin.create_table("rounds", group_size=4, estimator="grpo")
+        rb = buffer(target, "rounds", 4)
+        for td in rows(groups(["same"], 8)):
+            rb.add(td)
+        table = admin.stats("rounds")["rounds"]
+        assert (table.ready, table.groups_ready, table.groups_pending) == (8, 2, 0)
+        first, second = set(rb.sample()["expbuf", "group_id"]), set(rb.sample()["expbuf", "group_id"])
+        assert len(first) == len(second) == 1 and first != second
+        rb.extend(groups(["other"], 6))  # one extend past a group: four make group 0, two open group 1
+        rb.extend(groups(["other"], 2, offset=1.0))
+        table = admin.stats("rounds")["rounds"]
+        assert (table.ready, table.groups_ready, table.groups_pending) == (8, 2, 0)
+
+
+def test_writers_on_their_own_fill_one_group_and_a_new_writer_finds_the_open_round(target) -> None:
+    """Two processes' storages (pickled, as a collector's would be) each write half of a group:
+    the group completes on the server, which MCAdvantage's per-process queues cannot do. A writer
+    that starts later, knowing nothing, passes the rounds other writers filled."""
+    with BufferClient(target) as admin:
+        admin.create_table("shared", group_size=4, estimator="grpo")
+        storage = ExpbufStorage(target, "shared")
+        writers = [pickle.loads(pickle.dumps(storage)) for _ in range(3)]
+        data = rows(groups(["p"], 4))
+        writers[0].set(None, lazy_stack(data[:2]))
+        assert admin.stats("shared")["shared"].groups_pending == 1
+        writers[1].set(None, lazy_stack(data[2:]))
+        assert admin.stats("shared")["shared"].groups_ready == 1
+        writers[0].set(None, lazy_stack(data[:3]))  # round 1, three of four
+        writers[2].set(None, lazy_stack(rows(groups(["p"], 2, offset=5.0))))  # passes round 0: one into 1, one into 2
+        table = admin.stats("shared")["shared"]
+        assert (table.groups_ready, table.groups_pending, table.ready, table.pending) == (2, 1, 8, 1)
+
+
+def test_a_batch_is_leased_until_the_next_sample_and_a_dead_trainers_batch_comes_back(target) -> None:
+    with BufferClient(target) as admin:
+        admin.create_table("lease", group_size=2, estimator="grpo")
+        rb = buffer(target, "lease", 2, lease_seconds=1.0)
+        rb.extend(groups(["a", "b", "c"], 2))
+
+        def counts() -> tuple[int, int, int]:
+            table = admin.stats("lease")["lease"]
+            return table.ready, table.leased, table.consumed
+
+        first = uids_of(rb.sample())
+        assert counts() == (4, 2, 0)
+        rb.sample()  # the step that used the first batch returned: it is acknowledged
+        assert counts() == (2, 2, 2)
+        # a trainer that dies: nothing acknowledges its batch, nothing renews its lease
+        dead = buffer(target, "lease", 2, lease_seconds=1.0)
+        taken = uids_of(dead.sample())
+        dead.sampler._keeper.close()  # as its process's death would: nothing renews the lease
+        assert counts() == (0, 4, 2)
+        again = uids_of(rb.sample())  # acknowledges the second batch, waits for the dead one's
+        assert set(again) == set(taken) and not set(again) & set(first)
+        rb.sampler.ack()  # after the last step
+        assert counts() == (0, 0, 6)
+
+
+def test_a_long_step_keeps_its_batch(target) -> None:
+    """The lease is renewed while the trainer lives: a step four leases long keeps its groups."""
+    with BufferClient(target) as admin:
+        admin.create_table("long", group_size=2, estimator="grpo")
+        rb = buffer(target, "long", 2, lease_seconds=1.0)
+        rb.extend(groups(["a"], 2))
+        rb.sample()
+        threading.Event().wait(4.0)  # the step
+        table = admin.stats("long")["long"]
+        assert (table.leased, table.leases_expired) == (2, 0)
+        rb.sampler.close()  # a run abandoned mid-step: the batch goes back now
+        assert admin.stats("long")["long"].ready == 2
+
+
+def test_state_dict_says_where_the_data_is_and_a_checkpoint_acknowledges_its_step(target, tmp_path) -> None:
+    with BufferClient(target) as admin:
+        admin.create_table("ckpt", group_size=2, estimator="grpo")
+        rb = buffer(target, "ckpt", 2, lease_seconds=60.0)
+        rb.extend(groups(["a", "b"], 2))
+        trained = uids_of(rb.sample())
+        state = rb.state_dict()
+        assert state["_storage"] == {"target": target, "table": "ckpt"}
+        assert set(state["_sampler"]) == {"lease_id"} and state["_sampler"]["lease_id"]
+        rb.dumps(tmp_path / "rb")
+        rb.sampler._keeper.close()  # the trainer dies right after its checkpoint
+        restored = ReplayBuffer(
+            storage=ExpbufStorage("127.0.0.1:1", "elsewhere"), sampler=ExpbufSampler(timeout=5), batch_size=2
+        )
+        restored.loads(tmp_path / "rb")
+        assert (restored.storage.target, restored.storage.table) == (target, "ckpt")
+        nxt = uids_of(restored.sample())
+        assert not set(nxt) & set(trained)  # the checkpoint's step is not trained again
+        assert admin.stats("ckpt")["ckpt"].consumed == 2
+        with pytest.raises(DeadlineExceededError):
+            restored.sample()  # nothing else is left: the checkpoint's batch did not come back
+
+
+def test_refusals_name_the_problem(target) -> None:
+    with BufferClient(target) as admin:
+        admin.create_table("by_run", group_by="run", group_size=2, estimator="grpo")
+        admin.create_table("tokens", group_size=2, estimator="discounted_return", estimator_params={"gamma": 0.5})
+        admin.create_table("ok", group_size=2, estimator="grpo")
+        with pytest.raises(ValueError, match=r"group_by='run'.*group_by = 'task'"):
+            ReplayBuffer(storage=ExpbufStorage(target, "by_run")).extend(groups(["a"], 2))
+        with pytest.raises(ValueError, match="'missing' does not exist"):
+            ReplayBuffer(storage=ExpbufStorage(target, "missing")).extend(groups(["a"], 2))
+        nameless = groups(["a"], 2).exclude("query")
+        with pytest.raises(ValueError, match="no group name at 'query'"):
+            ReplayBuffer(storage=ExpbufStorage(target, "ok")).extend(nameless)
+        padded = element("a", 0, 1.0)
+        padded["tokens"].padded = True
+        with pytest.raises(ValueError, match="padded"):
+            ReplayBuffer(storage=ExpbufStorage(target, "ok")).add(padded)
+        with pytest.raises(ValueError, match="window is not an option"):
+            ExpbufSampler(window=2)
+        with pytest.raises(ValueError, match="lease_seconds"):
+            ExpbufSampler(lease_seconds=-1)
+        assert admin.stats("ok")["ok"].pushed == 0
+        rb = buffer(target, "tokens", 2)
+        rb.extend(groups(["a"], 2))  # returns-to-go discounted by 0.5: a value per token
+        with pytest.raises(ValueError, match="vary over its tokens"):
+            rb.sample()
+        assert admin.stats("tokens")["tokens"].ready == 2  # the batch went back
+
+
+def test_the_docs_snippet_runs(target, capsys) -> None:
+    snippet = code_blocks(page("frameworks/torchrl.md"), "python")[0]
+    exec(compile(snippet.replace("127.0.0.1:50051", target), "frameworks/torchrl.md", "exec"), {"__name__": "docs"})
+    printed = capsys.readouterr().out
+    assert printed.count("2+2=") == 4 and printed.count("3+3=") == 4
+    with BufferClient(target) as admin:
+        table = admin.stats("grpo4")["grpo4"]
+    assert (table.consumed, table.leased) == (8, 0)

@@ -1,0 +1,187 @@
+"""A wheel built from the tree carries the compiled codec (setup.py, client/native_build.py).
+
+The wheel is built from a copy of the sources in a temporary directory (nothing is written to the
+tree), installed, not editable, into a fresh virtualenv (its dependencies read from this one), and
+a child process there imports expbuf: it must run the compiled modules, built from the very sources
+installed beside them, without mypy at run time, and parse Trinity-RFT's payloads and the hostile
+ones exactly as the same sources run as Python do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# What a wheel is built from: the packaging files and the packages' folders (pyproject.toml's package-dir).
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "client", "server", "proto")
+COMPILED = ("checks", "common", "parse", "pickles")
+PAYLOADS = sorted([*(ROOT / "tests/fixtures/trxp").glob("*.trxp"), *(ROOT / "tests/fixtures/bad").glob("*.bin")])
+REQUIRE = "EXPBUF_REQUIRE_NATIVE"
+
+# Run by the installed package: where it was imported from, what is compiled, and the verdict of the
+# compiled parse and of its source run as Python on every payload.
+CHILD = """
+import hashlib, json, pickle, sys
+import expbuf.client.trxp as trxp
+from expbuf.client import native
+
+def verdict(parse_module, data):
+    work = parse_module.Work.for_payload(len(data))
+    try:
+        items = parse_module.parse(data, work=work)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc), work.used]
+    shown = [(i.meta, {k: (t.dtype, t.shape, bytes(t.data)) for k, t in i.tensors.items()}) for i in items]
+    return ["parsed", hashlib.sha256(pickle.dumps(shown, protocol=5)).hexdigest(), work.used]
+
+source = native.source_module("expbuf.client.trxp.parse")
+payloads = [open(path, "rb").read() for path in sys.argv[1:]]
+modules = ("checks", "common", "parse", "pickles", "convert")
+print(json.dumps({
+    "path": trxp.__path__,
+    "compiled": {module: native.compiled("expbuf.client.trxp." + module) for module in modules},
+    "build_tools": sorted({name.split(".")[0] for name in sys.modules} & {"mypy", "mypyc", "librt", "setuptools"}),
+    "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.parse"], data) for data in payloads],
+    "source_verdicts": [verdict(source, data) for data in payloads],
+}))
+"""
+
+
+def has_compiler() -> bool:
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(compiler) is not None
+
+
+needs_compiler = pytest.mark.skipif(not has_compiler(), reason="no C compiler to build the compiled codec with")
+
+
+def copy_sources(into: Path) -> Path:
+    """The files a wheel is built from, without compiled modules or caches of this checkout."""
+    into.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, into / name, ignore=shutil.ignore_patterns("_native", "__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, into / name)
+    return into
+
+
+def build_wheel(src: Path, out: Path, **env: str) -> subprocess.CompletedProcess:
+    """`pip wheel` of the copied tree, offline: the build requirements are this virtualenv's."""
+    command = [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "--no-index"]
+    return subprocess.run(
+        [*command, "--wheel-dir", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PIP_NO_CACHE_DIR": "1", **env},
+    )
+
+
+def build_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """What the build said about the compiled modules (pip -v passes the backend's output on)."""
+    return [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip().startswith("expbuf:")]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One copy of the sources for every build here: a later build finds the last one's build folder."""
+    return copy_sources(tmp_path_factory.mktemp("tree") / "src")
+
+
+@pytest.fixture(scope="module")
+def wheel(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    done = build_wheel(tree, out, **{REQUIRE: "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    names = ", ".join(f"expbuf.client.trxp.{module}" for module in COMPILED)
+    assert build_lines(done) == [f"expbuf: compiled with mypyc: {names}"]
+    (built,) = out.glob("expbuf-*.whl")
+    return built
+
+
+@needs_compiler
+def test_the_wheel_holds_the_compiled_modules_and_their_manifest(wheel: Path) -> None:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        manifest = json.loads(archive.read("expbuf/client/trxp/_native/manifest.json"))
+        tag = archive.read(next(name for name in names if name.endswith(".dist-info/WHEEL"))).decode()
+    for module in (*COMPILED, "native__mypyc"):
+        assert f"expbuf/client/trxp/_native/{module}{suffix}" in names, module
+    for module in COMPILED:
+        assert f"expbuf/client/trxp/{module}.py" in names, module  # the pure-Python fallback ships too
+    assert manifest["abi"] == suffix and sorted(manifest["sources"]) == sorted(COMPILED)
+    assert "Root-Is-Purelib: false" in tag  # a wheel for this Python and platform only
+    assert not any(name.startswith("expbuf/client/trxp/") and name.endswith(".c") for name in names)
+
+
+@needs_compiler
+def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.strip()
+    )  # fmt: skip
+    # expbuf's dependencies are read from this virtualenv (a path line, so its editable expbuf stays out)
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)]
+    subprocess.run(install, capture_output=True, check=True, timeout=300)
+
+    env = {key: value for key, value in os.environ.items() if key != "EXPBUF_PURE_PYTHON"}
+    done = subprocess.run(
+        [str(python), "-c", CHILD, *map(str, PAYLOADS)],
+        capture_output=True, text=True, timeout=300, check=False, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["path"][0] == str(site / "expbuf/client/trxp/_native")
+    assert seen["compiled"] == {**dict.fromkeys(COMPILED, True), "convert": False}
+    assert seen["build_tools"] == []
+    assert seen["compiled_verdicts"] == seen["source_verdicts"]
+    kinds = [verdict[0] for verdict in seen["compiled_verdicts"]]
+    assert kinds.count("parsed") == len(list((ROOT / "tests/fixtures/trxp").glob("*.trxp")))
+    assert kinds.count("TrxpError") == len(list((ROOT / "tests/fixtures/bad").glob("*.bin")))
+
+
+def native_files(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return [name for name in archive.namelist() if "/_native/" in name]
+
+
+# After the compiled build (when there is a compiler), in the same tree: what that build left in the
+# build folder must not reach a wheel built without a compiler.
+@pytest.mark.usefixtures(*(["wheel"] if has_compiler() else []))
+def test_without_a_compiler_the_wheel_is_pure_python_and_the_build_says_so(tree: Path, tmp_path: Path) -> None:
+    done = build_wheel(tree, tmp_path, CC="false")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert build_lines(done) == [
+        "expbuf: compiled modules not built (CompileError: the C compiler false exited with status 1); "
+        "expbuf runs as pure Python"
+    ]
+    (built,) = tmp_path.glob("expbuf-*.whl")
+    assert native_files(built) == []
+
+
+def test_without_a_compiler_the_build_fails_when_the_compiled_modules_are_required(tree: Path, tmp_path: Path) -> None:
+    done = build_wheel(tree, tmp_path, CC="false", **{REQUIRE: "1"})
+    assert done.returncode != 0
+    assert (
+        "expbuf: compiled modules not built (CompileError: the C compiler false exited with status 1) and "
+        "EXPBUF_REQUIRE_NATIVE=1 requires them"
+    ) in done.stdout + done.stderr
+    assert list(tmp_path.glob("*.whl")) == []
