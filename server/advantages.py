@@ -33,9 +33,10 @@ from . import estimators, shaping
 from .advantage_storage import encode_results
 from .backend import Backend
 from .errors import clip
+from .moments import RunningMoments
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
 from .store.kinds import Compute, Computed
-from .tables import ConfigError, TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
+from .tables import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
 
@@ -103,7 +104,7 @@ def compute(job: ComputeJob) -> Computed:
     items = None
     if estimator_of(config).token_level:
         items = [item for uid in uids for item in trxp.parse(job.blobs[uid], trusted=True)]
-    moments = shaping.RunningMoments.of(job.moments)
+    moments = RunningMoments.of(job.moments)
     report = shaping.ShapingReport()
     sizes = [len(members) for members in job.members]
     first = group_step_first(config)
@@ -177,13 +178,6 @@ def use_threads(threads: int) -> None:
     on a few cores, where a second one costs every table CPU (bench/RESULTS.md)."""
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-def check_device(config: TableConfig) -> None:
-    """Refuse a table that asks for CUDA on a server without it: its advantages could never
-    be computed."""
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"table '{config.name}': device is 'cuda', but this server has no CUDA device")
 
 
 class AdvantageWorker:

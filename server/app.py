@@ -29,11 +29,11 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
-from .advantages import AdvantageWorker, check_device, use_threads
+from .advantage_start import AdvantageStart
 from .auth import TokenAuth
 from .config import ServerConfig
+from .devices import check_device
 from .errors import StoreError
-from .estimators import resolve_device
 from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
 from .limits import RESERVED_THREADS, TableStreams, call_limits
@@ -159,7 +159,6 @@ class ExpbufServer:
             )
         )
         keep_reply_memory()
-        use_threads(config.torch_threads)
         few_arenas()
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
@@ -170,15 +169,20 @@ class ExpbufServer:
             self.store,
             metrics=self.metrics,
             max_message_bytes=config.max_message_bytes,
-            advantage_device=str(resolve_device("auto")),
+            advantage_device="",  # known once torch has loaded (advantage_start.py)
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
             push_stream_idle_seconds=config.push_stream_idle_seconds,
             max_wait_seconds=config.max_wait_seconds,
         )
-        self.advantages = AdvantageWorker(self.store, on_computed=self._advantages_computed)
-        self.store.in_push = self.advantages.in_push  # one-value estimators: computed by the push (advantages.py)
+        # one-value estimators: computed by the push (advantages.py), once torch has loaded
+        self.advantages = AdvantageStart(
+            self.store,
+            torch_threads=config.torch_threads,
+            on_computed=self._advantages_computed,
+            on_device=self._advantage_device,
+        )
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -199,6 +203,9 @@ class ExpbufServer:
     def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
         self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
 
+    def _advantage_device(self, device: str) -> None:
+        self.service.advantage_device = device
+
     def start(self) -> ExpbufServer:
         """Serve; on a StartupError nothing is left running and the store is closed."""
         if self.config.metrics_port >= 0:
@@ -214,8 +221,8 @@ class ExpbufServer:
                     f"cannot bind the metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}"
                 ) from None
             self._metrics_http, self.metrics_port = metrics_http, metrics_http.server_port
-        self.advantages.start()
         self.grpc.start()
+        self.advantages.start()  # torch loads while the server already serves
         self._maintenance.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from .backend import Backend
 from .interceptor import ServiceInterceptor
-from .shaping import RunningMoments
+from .moments import RunningMoments
 from .store import LIVE, ScrubStatus
 from .store.ledger_records import PROMPT_STATES, DatasetRecord
 

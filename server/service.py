@@ -21,19 +21,19 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from . import __version__
-from .advantages import check_device
 from .backend import Backend
 from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
+from .devices import check_device
 from .errors import InvalidRequest, SpecError, clip
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
 from .limits import IdleMessages, TableStreams
 from .metrics import Metrics
+from .moments import RunningMoments
 from .replies import sample_reply
 from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
-from .shaping import RunningMoments
 from .store import Sampled
 from .store.states import LIVE
 from .tables import TableConfig

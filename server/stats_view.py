@@ -100,7 +100,7 @@ def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, 
     widths = [max([len(header), *(len(cells[i]) for _, cells in rows)]) for i, header in enumerate(COLUMNS)]
     lines = [
         f"expbuf {info.version}  uptime {_age(info.uptime_seconds)}  storage {_size(info.storage_bytes)}"
-        f" (map {info.lmdb_map_used_ratio:.0%})  advantages on {info.advantage_device}",
+        f" (map {info.lmdb_map_used_ratio:.0%})  advantages on {info.advantage_device or 'a device not known yet'}",
         scrub_line(info.scrub, time.time()),
         "",
         "  ".join(header.ljust(w) for header, w in zip(COLUMNS, widths, strict=True)).rstrip(),
