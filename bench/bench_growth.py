@@ -1,7 +1,9 @@
 """How one table grows: push and sample latency, selection by order, restart, RSS and bytes per
-experience at 10 k, 1 M and 10 M experiences.
+experience at 10 k, 1 M and 10 M experiences; and (--restart) a restart of a large table with
+default settings, the scrub and the first build of a new order's index.
 
     .venv/bin/python bench/bench_growth.py [--sizes 10000,1000000,10000000] [--out bench/RESULTS.md]
+    .venv/bin/python bench/bench_growth.py --restart --shape small --sizes 10000000 --data DIR [--out ...]
 
 One `expbuf serve` child with a `grpo` table of groups of 4 small experiences (7 tokens,
 4 response tokens, a random priority, model version = group // 1000). Pushers fill it to each
@@ -14,12 +16,26 @@ size in pushes of 256 groups; at each size the bench measures, with the fill sto
   `check_at_open = "quick"`;
 - the server's RSS after the restart and after the measurements;
 - the data file's allocated bytes per stored experience.
+
+--restart (issue 29) fills DIR once (`small`: the experiences above; `8k`: 1,024 tokens each,
+about 8 KB; kept and topped up by later runs) and, with its server stopped each time, measures:
+- restart to the first served sample with default settings (quick open, the scrub at its
+  default bound): from the new `expbuf serve` to the first one-group batch received, and the
+  server's RSS then;
+- push and sample p50/p99 (200 one-group pushes, 100 one-group Sample streams) while that
+  start's scrub pass runs, then with no scrub (`scrub_mb_per_second = 0`);
+- the scrub's pass at the default bound, and with no bound: MB/s of payload, and RSS after it;
+- the first priority request on a table that keeps no priority index (a forgotten one is
+  dropped offline first): its wait, the server's RSS after it, and the waits of one-group
+  pushes made meanwhile (p50, p99, max);
+- with --full, a restart with `check_at_open = "full"` to its first sample, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import random
 import statistics
@@ -35,9 +51,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import lmdb  # noqa: E402
 from results import write_section  # noqa: E402
 
-from expbuf.client import BufferClient, trxp  # noqa: E402
+from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
+from expbuf.server import selection  # noqa: E402
+from expbuf.server.store import layout  # noqa: E402
 
 from helpers import ServerProcess, make_experience  # noqa: E402
 
@@ -49,18 +68,18 @@ ORDERS = ("fifo", "lifo", "uniform", "priority")
 TEMPLATE = trxp.from_experience(make_experience(0, 0, 0))
 
 
-def groups(first: int, count: int) -> bytes:
+def groups(first: int, count: int, template: trxp.RawItem = TEMPLATE) -> bytes:
     """TRXP bytes of groups first..first+count-1, each GROUP runs of its own task."""
     rng = random.Random(first)
     items = []
     for g in range(first, first + count):
         priority = rng.random()
         for run in range(GROUP):
-            meta = copy.deepcopy(TEMPLATE.meta)
+            meta = copy.deepcopy(template.meta)
             meta["eid"].update(batch=g, task=g, run=run, suffix=f"r{run}")
             meta["info"] = {"model_version": g // 1000, "priority": priority}
             meta["reward"] = float(run)
-            items.append(trxp.RawItem(meta, TEMPLATE.tensors))
+            items.append(trxp.RawItem(meta, template.tensors))
     return trxp.build(items)
 
 
@@ -71,9 +90,9 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def quantiles(values: list[float]) -> str:
+def quantiles(values: list[float], high: float = 0.9) -> str:
     ms = sorted(v * 1000 for v in values)
-    return f"{statistics.median(ms):.1f} / {ms[int(len(ms) * 0.9)]:.1f}"
+    return f"{statistics.median(ms):.1f} / {ms[min(len(ms) - 1, int(len(ms) * high))]:.1f}"
 
 
 class Growth:
@@ -156,7 +175,8 @@ def run(sizes: list[int]) -> list[str]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("EXPBUF_BENCH_DIR")) as tmp:
         config = Path(tmp) / "growth.toml"
         config.write_text(
-            f'check_at_open = "CHECK"\n[[tables]]\nname = "{TABLE}"\ngroup_size = {GROUP}\nestimator = "grpo"\n'
+            f'check_at_open = "CHECK"\nscrub_mb_per_second = 0\n'
+            f'[[tables]]\nname = "{TABLE}"\ngroup_size = {GROUP}\nestimator = "grpo"\n'
             "tombstone_seconds = 0\n"
         )
         growth = Growth(f"{tmp}/data", config)
@@ -182,11 +202,269 @@ def run(sizes: list[int]) -> list[str]:
     return rows
 
 
+SHAPES: dict[str, dict[str, int]] = {"small": {}, "8k": {"prompt": 256, "response": 768}}
+
+
+class Restarts:
+    """A data directory kept between runs (`--data`), its server started with settings of the
+    run's own, and the next group number to push."""
+
+    def __init__(self, data: Path, shape: str) -> None:
+        self.data, self.template = data, trxp.from_experience(make_experience(0, 0, 0, **SHAPES[shape]))
+        self.per_push = PER_PUSH if shape == "small" else 64
+        self.configs = data.parent / f"{data.name}-configs"
+        self.configs.mkdir(parents=True, exist_ok=True)
+        self.next_group = 0
+
+    def start(self, name: str, **settings: object) -> tuple[ServerProcess, float]:
+        """A server with these settings (TOML values) and the growth table; it and when it was spawned."""
+        lines = [f"{key} = {value!r}".replace("'", '"') for key, value in settings.items()]
+        lines += [f'[[tables]]\nname = "{TABLE}"\ngroup_size = {GROUP}\nestimator = "grpo"\ntombstone_seconds = 0']
+        config = self.configs / f"{name}.toml"
+        config.write_text("\n".join(lines) + "\n")
+        begin = time.perf_counter()
+        server = ServerProcess(str(self.data), "--config", str(config), start_seconds=3600)
+        with BufferClient(server.target, timeout=600) as client:
+            self.next_group = max(self.next_group, client.stats(TABLE)[TABLE].pushed // GROUP)
+        return server, begin
+
+    def fill(self, server: ServerProcess, total_groups: int) -> float:
+        """Push groups until the table was pushed total_groups; experiences per second (0: none pushed)."""
+        lock, start_group, started = threading.Lock(), self.next_group, time.perf_counter()
+
+        def pusher() -> None:
+            with BufferClient(server.target, timeout=600) as client:
+                while True:
+                    with lock:
+                        first, count = self.next_group, min(self.per_push, total_groups - self.next_group)
+                        self.next_group += max(count, 0)
+                    if count <= 0:
+                        return
+                    client.push(groups(first, count, self.template), TABLE)
+
+        threads = [threading.Thread(target=pusher) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        pushed = (self.next_group - start_group) * GROUP
+        return pushed / max(time.perf_counter() - started, 1e-9) if pushed else 0.0
+
+    def push_one(self, client: BufferClient) -> float:
+        payload = groups(self.next_group, 1, self.template)
+        self.next_group += 1
+        begin = time.perf_counter()
+        client.push(payload, TABLE)
+        return time.perf_counter() - begin
+
+    def latencies(self, server: ServerProcess) -> tuple[list[float], list[float]]:
+        """Seconds of 200 one-group pushes, and of 100 one-group Sample streams."""
+        with BufferClient(server.target, timeout=120) as client:
+            pushes = [self.push_one(client) for _ in range(200)]
+            samples = []
+            for _ in range(100):
+                begin = time.perf_counter()
+                batches = list(client.sample(TABLE, num_groups=1, delivery="consume", max_batches=1, window=1))
+                samples.append(time.perf_counter() - begin)
+                assert len(batches) == 1
+        return pushes, samples
+
+    def build(self, server: ServerProcess) -> dict[str, str]:
+        """The first priority request, while one client pushes one group at a time."""
+        done, waits = threading.Event(), []
+
+        def pusher() -> None:
+            with BufferClient(server.target, timeout=600) as client:
+                while not done.is_set():
+                    waits.append(self.push_one(client))
+
+        with BufferClient(server.target, timeout=600) as client:
+            ready = client.stats(TABLE)[TABLE].groups_ready
+            thread = threading.Thread(target=pusher)
+            thread.start()
+            time.sleep(1.0)  # the pusher's own pace first
+            before = len(waits)
+            begin = time.perf_counter()
+            next(client.sample(TABLE, num_groups=1, order="priority", delivery="consume", max_batches=1, timeout=3600))
+            wait = time.perf_counter() - begin
+            rss = rss_mib(server.proc.pid)
+            during = waits[before:]
+            done.set()
+            thread.join()
+        ms = sorted(w * 1000 for w in during)
+        return {
+            "ready": f"{ready:,}",
+            "wait": f"{wait:.1f}",
+            "rss": f"{rss:.0f}",
+            "pushes": f"{len(ms)}: {statistics.median(ms):.1f} / {ms[int(len(ms) * 0.99)]:.1f} / {ms[-1]:.0f}",
+        }
+
+
+def scrub_of(server: ServerProcess) -> ScrubInfo:
+    with BufferClient(server.target, timeout=60) as client:
+        return client.server_info().scrub
+
+
+def scrub_pass(server: ServerProcess, timeout: float = 7200) -> ScrubInfo:
+    """Wait until the server completes a scrub pass; its ScrubInfo then."""
+    deadline = time.monotonic() + timeout
+    while (scrub := scrub_of(server)).passes < 1:
+        assert time.monotonic() < deadline, "no scrub pass in time"
+        time.sleep(1.0)
+    return scrub
+
+
+def forget_index(data: Path, name: str) -> None:
+    """Drop a lazy index the growth table keeps (its mark and rows, in transactions of 100 k), as
+    if no request had read it: the next run measures its first build again."""
+    size = (data / "data.mdb").stat().st_size
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS, readahead=False, map_size=2 * size + (1 << 30))
+    try:
+        with env.begin(write=True) as txn:
+            dbs = {db: env.open_db(db.encode(), txn=txn) for db in ("tables", "counters", name)}
+            prefix = layout.table_prefix(json.loads(txn.get(TABLE.encode(), db=dbs["tables"]))["id"])
+            used = selection.in_use(txn, dbs, prefix)
+            if used is not None:
+                selection.mark_in_use(txn, dbs, prefix, used - {name})
+            txn.delete(prefix + selection.BUILDING, db=dbs["counters"])
+        deleted = 1
+        while deleted:
+            deleted = 0
+            with env.begin(write=True) as txn, txn.cursor(db=dbs[name]) as cur:
+                found = cur.set_range(prefix)
+                while found and deleted < 100_000 and cur.key().startswith(prefix):
+                    found = cur.delete()
+                    deleted += 1
+    finally:
+        env.close()
+
+
+def step(what: str) -> None:
+    """A line on stderr as each measurement begins (a run takes many minutes), with the load."""
+    print(f"{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}: {what}", file=sys.stderr, flush=True)
+
+
+def p99_ratio(scrub: list[float], plain: list[float]) -> str:
+    """How many times the p99 with a scrub running is the p99 without."""
+    high = [sorted(values)[min(len(values) - 1, int(len(values) * 0.99))] for values in (scrub, plain)]
+    return f"{high[0] / high[1]:.2f}"
+
+
+def stopped(server: ServerProcess) -> None:
+    server.proc.terminate()
+    server.proc.wait(600)
+
+
+def restart_row(data: Path, shape: str, size: int, full: bool) -> str:
+    """One row of the restart table: fill (or top up) the directory, then each measurement."""
+    runs = Restarts(data, shape)
+    step("fill")
+    server, _ = runs.start("fill", scrub_mb_per_second=0)
+    rate = runs.fill(server, size // GROUP)
+    stopped(server)
+    stored = runs.next_group * GROUP
+    file_gb = sum(p.stat().st_blocks * 512 for p in data.rglob("*") if p.is_file()) / 1e9
+    step("forget the priority index")
+    forget_index(data, "prio")
+    step("restart with default settings")
+    load = os.getloadavg()[0]
+    server, begin = runs.start("default")  # every setting at its default
+    with BufferClient(server.target, timeout=600) as client:
+        next(client.sample(TABLE, num_groups=1, delivery="consume", max_batches=1, window=1, timeout=600))
+    first = time.perf_counter() - begin
+    rss_open = rss_mib(server.proc.pid)
+    started_with = scrub_of(server).running
+    step(f"first sample after {first:.2f} s, RSS {rss_open:.0f} MiB; latencies while the scrub runs")
+    push_scrub, sample_scrub = runs.latencies(server)
+    during = started_with and scrub_of(server).running  # else the "scrub" figures are partly without it
+    step("the scrub's pass at the default bound")
+    bound = scrub_pass(server)
+    rss_pass = rss_mib(server.proc.pid)
+    stopped(server)
+    step("latencies with no scrub")
+    server, _ = runs.start("no-scrub", scrub_mb_per_second=0)
+    push_plain, sample_plain = runs.latencies(server)
+    step("the first priority request")
+    build = runs.build(server)
+    stopped(server)
+    step("an unbounded scrub pass")
+    server, _ = runs.start("unbounded", scrub_mb_per_second=100000)
+    free = scrub_pass(server)
+    rss_free = rss_mib(server.proc.pid)
+    stopped(server)
+    full_cell = "-"
+    if full:
+        step("a restart with the full open check")
+        server, begin = runs.start("full", check_at_open="full", scrub_mb_per_second=0)
+        with BufferClient(server.target, timeout=600) as client:
+            next(client.sample(TABLE, num_groups=1, delivery="consume", max_batches=1, window=1, timeout=600))
+        full_cell = f"{time.perf_counter() - begin:.1f} s, {rss_mib(server.proc.pid):.0f} MiB"
+        stopped(server)
+
+    def rate_of(scrub: ScrubInfo) -> str:
+        return f"{scrub.last_pass_bytes / 1e6 / max(scrub.last_pass_seconds, 1e-9):.1f}"
+
+    row = (
+        f"| {shape} | {stored:,} | {file_gb:.1f} | {'reused' if not rate else f'{rate:,.0f}'} "
+        f"| {first:.2f} (load {load:.1f}) "
+        f"| {rss_open:.0f} / {rss_pass:.0f} / {rss_free:.0f} | {quantiles(push_plain, 0.99)} "
+        f"| {quantiles(push_scrub, 0.99)} (p99 x{p99_ratio(push_scrub, push_plain)}) | {quantiles(sample_plain, 0.99)} "
+        f"| {quantiles(sample_scrub, 0.99)} (p99 x{p99_ratio(sample_scrub, sample_plain)})"
+        f"{'' if during else ' (the pass ended meanwhile)'} "
+        f"| {rate_of(bound)} ({bound.last_pass_bytes / 1e9:.1f} GB in {bound.last_pass_seconds:.0f} s) "
+        f"/ {rate_of(free)} | {build['ready']}: {build['wait']} s, RSS {build['rss']} MiB; {build['pushes']} "
+        f"| {full_cell} |"
+    )
+    print(row, flush=True)
+    return row
+
+
+def restart_heading(shape: str) -> str:
+    return f"## Restart at any size: {shape} experiences (issue 29)"
+
+
+def restart_section(args: argparse.Namespace) -> str:
+    load = os.getloadavg()[0]
+    rows = [restart_row(Path(args.data), args.shape, int(size), args.full) for size in args.sizes.split(",")]
+    return "\n".join(
+        [
+            restart_heading(args.shape),
+            "",
+            f"Command: `.venv/bin/python bench/bench_growth.py --restart --shape {args.shape} --sizes {args.sizes} "
+            f"--data DIR{' --full' if args.full else ''}`  ",
+            f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} at the start and "
+            f"{os.getloadavg()[0]:.1f} at the end. Default settings "
+            "but where a column says otherwise (a quick open, the scrub at 32 MB/s). Latencies in ms, p50 / p99; "
+            "a sample is a one-group Sample stream.",
+            "",
+            "| shape | stored | data GB | fill exp/s | restart to first sample s | RSS MiB: open / after a "
+            "pass at the bound / unbounded | push, no scrub | push, scrub running | sample, no scrub "
+            "| sample, scrub running | scrub MB/s: at the bound / unbounded | first priority request: ready "
+            "groups: wait, RSS after it; pushes meanwhile: count: p50 / p99 / max ms "
+            "| full open check: to first sample, RSS |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,1000000,10000000", help="table sizes to measure at, in experiences")
     parser.add_argument("--out", type=Path, help="write the table into this RESULTS.md")
+    parser.add_argument("--restart", action="store_true", help="measure restarts, the scrub and index builds")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="small", help="--restart: the experiences' size")
+    parser.add_argument("--data", help="--restart: the data directory, filled once and reused")
+    parser.add_argument("--full", action="store_true", help="--restart: also a restart with the full open check")
     args = parser.parse_args()
+    if args.restart:
+        if not args.data:
+            parser.error("--restart needs --data DIR (filled once, reused by later runs)")
+        section = restart_section(args)
+        print(section)
+        if args.out:
+            write_section(args.out, restart_heading(args.shape), section)
+        return
     rows = run([int(s) for s in args.sizes.split(",")])
     body = "\n".join(
         [

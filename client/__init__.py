@@ -29,7 +29,17 @@ if TYPE_CHECKING:
     )
     from .experience import EID, Experience
     from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
-    from .results import Batch, BufferStats, GetResult, PushResult, ServerInfo, ShapingInfo, TableInfo, TableStats
+    from .results import (
+        Batch,
+        BufferStats,
+        GetResult,
+        PushResult,
+        ScrubInfo,
+        ServerInfo,
+        ShapingInfo,
+        TableInfo,
+        TableStats,
+    )
     from .trxp import TrxpError, decode, encode
 
 # each public name -> the module of this package that defines it
@@ -60,6 +70,7 @@ _HOMES = {
     "BufferStats": "results",
     "GetResult": "results",
     "PushResult": "results",
+    "ScrubInfo": "results",
     "ServerInfo": "results",
     "ShapingInfo": "results",
     "TableInfo": "results",
@@ -107,6 +118,7 @@ __all__ = [
     "PromptPage",
     "PushResult",
     "ResourceExhaustedError",
+    "ScrubInfo",
     "ServerInfo",
     "ShapingInfo",
     "TableInfo",

@@ -116,7 +116,11 @@ class ExpbufServer:
             _check_port_free(config.metrics_host or config.host, config.metrics_port, "metrics")
         try:
             self.store = Store(
-                config.data, max_reply_bytes=config.max_message_bytes, check_at_open=config.check_at_open
+                config.data,
+                max_reply_bytes=config.max_message_bytes,
+                check_at_open=config.check_at_open,
+                scrub_mb_per_second=config.scrub_mb_per_second,
+                scrub_interval_seconds=config.scrub_interval_seconds,
             )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None

@@ -54,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
             "max_inflight_bytes": args.max_inflight_bytes,
             "max_metadata_bytes": args.max_metadata_bytes,
             "check_at_open": args.check_at_open,
+            "scrub_mb_per_second": args.scrub_mb_per_second,
+            "scrub_interval_seconds": args.scrub_interval_seconds,
         }
         config = load(args.config, overrides | {"log_format": args.log_format, "shard": args.shard})
     except ConfigError as exc:
@@ -164,11 +166,15 @@ def _check(args: argparse.Namespace) -> int:
                 print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
                 return 1
             report = integrity.scan(txn, environment.db, time.time())
+            known = integrity.quarantined(txn, environment.db)
     finally:
         environment.close()
     for name, problems in report.items():
         if name or problems:
-            print(f"{name or '(directory)'}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+            verdict = "ok" if not problems else f"{len(problems)} problem(s)"
+            if known.get(name):  # damage found when read, and quarantined: known, not a problem
+                verdict += f" ({known[name]} experience(s) quarantined: damaged, never served)"
+            print(f"{name or '(directory)'}: {verdict}")
         for problem in problems:
             print(f"  {problem}")
     return 1 if any(report.values()) else 0
@@ -254,9 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--check-at-open",
-        choices=("full", "quick"),
-        help="before serving, check every record and digest (full, the default; about 3 GB/s) or only the"
-        " directory's own records (quick) (env EXPBUF_CHECK_AT_OPEN)",
+        choices=("quick", "full"),
+        help="before serving, check the directory's structure (quick, the default: reads check what they"
+        " serve, the scrub the rest) or every record and digest (full; about 3 GB/s) (env EXPBUF_CHECK_AT_OPEN)",
+    )
+    serve.add_argument(
+        "--scrub-mb-per-second",
+        type=float,
+        help="the background check of every payload after the start reads at most this many MB/s, 0 turns it off"
+        " (default 32; env EXPBUF_SCRUB_MB_PER_SECOND)",
+    )
+    serve.add_argument(
+        "--scrub-interval-seconds",
+        type=float,
+        help="a scrub pass begins this long after the last began (default 86400; env EXPBUF_SCRUB_INTERVAL_SECONDS)",
     )
     serve.add_argument("--config", help="TOML file with settings, TLS, tokens and tables")
     serve.add_argument("--shard", help="this server's shard name, a label on its metrics (env EXPBUF_SHARD)")

@@ -19,7 +19,9 @@ may also declare tables (created at start, or checked against the stored ones):
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
-    check_at_open = "full"        # "full": every record and digest before serving; "quick": the directory's own
+    check_at_open = "quick"       # "quick": the directory's structure; "full": every record and digest before serving
+    scrub_mb_per_second = 32      # the background check of every payload after the start (0: off)
+    scrub_interval_seconds = 86400  # and again this long after each pass began
     ingest_processes = 1          # processes that validate and pack pushes (default: cores - 1, at most 4)
     torch_threads = 1             # torch's threads for the server's advantages (0: torch's own default)
     max_message_bytes = 268435456
@@ -111,9 +113,14 @@ class ServerConfig:
     # An experience's metadata written out (its pickle, shared references expanded): a push with a
     # larger one is refused. The server holds an experience's metadata twice while it repacks it.
     max_metadata_bytes: int = 8 << 20
-    # What a start checks before serving: "full" reads the whole file (every record, digest, index
-    # and counter, about 3 GB/s), "quick" only the format, catalogue, counters, leases and grants.
-    check_at_open: str = "full"
+    # What a start checks before serving: "quick" only the format, catalogue, counters, leases and
+    # grants (every read checks the payloads it serves, and the scrub checks the rest); "full"
+    # reads the whole file first (every record, digest, index and counter, about 3 GB/s).
+    check_at_open: str = "quick"
+    # The background scrub (store/scrub.py): the payload and record bytes it reads per second at
+    # most (0: no scrub), and how long after a pass began the next begins.
+    scrub_mb_per_second: float = 32.0
+    scrub_interval_seconds: float = 86400.0
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
     # torch's intra-op threads in the server process, where advantages are computed (0: torch's own
@@ -226,6 +233,14 @@ class ServerConfig:
             raise ConfigError(f"max_metadata_bytes must be an integer >= 65536, got {self.max_metadata_bytes!r}")
         if self.check_at_open not in ("full", "quick"):
             raise ConfigError(f"check_at_open must be 'full' or 'quick', got {self.check_at_open!r}")
+        rate = self.scrub_mb_per_second
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 100_000:
+            raise ConfigError(f"scrub_mb_per_second must be a number from 0 (no scrub) to 100000, got {rate!r}")
+        interval = self.scrub_interval_seconds
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not 60 <= interval <= 31_536_000:
+            raise ConfigError(
+                f"scrub_interval_seconds must be a number of seconds from 60 to 31536000 (a year), got {interval!r}"
+            )
         for token, scopes in self.tokens.items():
             if not token:
                 raise ConfigError("a token is empty")
@@ -254,6 +269,8 @@ _ENV = {
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),
     "EXPBUF_CHECK_AT_OPEN": ("check_at_open", str),
+    "EXPBUF_SCRUB_MB_PER_SECOND": ("scrub_mb_per_second", float),
+    "EXPBUF_SCRUB_INTERVAL_SECONDS": ("scrub_interval_seconds", float),
     "EXPBUF_INGEST_PROCESSES": ("ingest_processes", int),
     "EXPBUF_TORCH_THREADS": ("torch_threads", int),
     "EXPBUF_LOG_FORMAT": ("log_format", str),

@@ -2,8 +2,10 @@
 
 It pages through ListExperiences and reads each page's payloads with Get, so what it
 writes carries the advantages the table computed, and the server never holds more than
-a page for it. JSON lines suit a look with `jq` or pandas; TRXP is what Trinity-RFT's
-`Experience.deserialize_many` and `expbuf.client.decode` read.
+a page for it. An experience Get does not return (retired since it was listed, or found
+damaged and quarantined) is left out and counted, and the export goes on. JSON lines suit
+a look with `jq` or pandas; TRXP is what Trinity-RFT's `Experience.deserialize_many` and
+`expbuf.client.decode` read.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ def json_line(listed: ListedExperience, exp: Experience) -> str:
     return json.dumps(record, ensure_ascii=False)
 
 
-def pages(client: BufferClient, args: argparse.Namespace) -> Iterator[tuple[list[ListedExperience], list[Experience]]]:
-    """Each page's listed experiences with their payloads (those retired meanwhile left out)."""
+def pages(
+    client: BufferClient, args: argparse.Namespace
+) -> Iterator[tuple[list[ListedExperience], list[Experience], int]]:
+    """Each page's listed experiences with their payloads, and how many listed ones Get did not
+    return (retired meanwhile, or quarantined: their payloads found damaged), left out."""
     after = 0
     while True:
         page = client.list_experiences(
@@ -59,24 +64,26 @@ def pages(client: BufferClient, args: argparse.Namespace) -> Iterator[tuple[list
         if page.experiences:
             got = {e.eid.uid: e for e in client.get([e.uid for e in page.experiences], table=args.table)}
             listed = [e for e in page.experiences if e.uid in got]
-            yield listed, [got[e.uid] for e in listed]
+            yield listed, [got[e.uid] for e in listed], len(page.experiences) - len(listed)
         if page.done:
             return
         after = page.next
 
 
 def _export(client: BufferClient, args: argparse.Namespace, out: TextIO | None) -> int:
-    count = 0
+    count = skipped = 0
     collected: list[Experience] = []
-    for listed, experiences in pages(client, args):
+    for listed, experiences, left_out in pages(client, args):
         count += len(experiences)
+        skipped += left_out
         if out is not None:
             out.writelines(json_line(item, exp) + "\n" for item, exp in zip(listed, experiences, strict=True))
         else:
             collected += experiences
     if out is None:
         Path(args.out).write_bytes(encode(collected))
-    print(f"exported {count} experiences of {args.table}", file=sys.stderr)
+    note = f" ({skipped} listed but not returned: retired meanwhile, or quarantined as damaged)" if skipped else ""
+    print(f"exported {count} experiences of {args.table}{note}", file=sys.stderr)
     return 0
 
 

@@ -22,11 +22,11 @@ from prometheus_client.registry import Collector
 from .backend import Backend
 from .interceptor import ServiceInterceptor
 from .shaping import RunningMoments
-from .store import LIVE
+from .store import LIVE, ScrubStatus
 from .store.ledger_records import PROMPT_STATES, DatasetRecord
 
 GROUP_STATES = LIVE
-EXPERIENCE_STATES = (*LIVE, "consumed")
+EXPERIENCE_STATES = (*LIVE, "consumed", "quarantined")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # (metric name, help, store counter)
 _STORE_COUNTERS = (
@@ -40,7 +40,11 @@ _STORE_COUNTERS = (
     ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted"),
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
-    ("expbuf_damaged", "Experiences a sample found damaged on disk: never served, their groups failed.", "damaged"),
+    (
+        "expbuf_damaged",
+        "Experiences found damaged on disk by a read or the scrub, and quarantined: never served, their groups failed.",
+        "damaged",
+    ),
 )
 _DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
@@ -101,6 +105,7 @@ class StoreCollector(Collector):
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
+        yield from _scrub_metrics(self.store.scrub_status())
         yield from _ledger_metrics({name: self.store.datasets(name, by_epoch=False) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
@@ -109,6 +114,31 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
         )
+
+
+def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
+    """The background scrub (store/scrub.py): its bound, the pass under way, its totals since the
+    start and the last complete pass (kept in the data directory)."""
+    gauges = (
+        ("expbuf_scrub_bound_bytes_per_second", "The scrub's rate bound (0: no scrub).", scrub.mb_per_second * 1e6),
+        ("expbuf_scrub_running", "1 while a scrub pass is under way.", int(scrub.running)),
+        ("expbuf_scrub_pass_checked_bytes", "Bytes the pass under way (else the last) checked.",
+         scrub.pass_checked_bytes),
+        ("expbuf_scrub_pass_total_bytes", "Payload bytes stored when that pass began.", scrub.pass_total_bytes),
+        ("expbuf_scrub_last_pass_end_timestamp_seconds", "When the last complete pass ended (0: never).",
+         scrub.last_pass_end_unix),
+        ("expbuf_scrub_last_pass_seconds", "How long the last complete pass took.", scrub.last_pass_seconds),
+    )  # fmt: skip
+    for name, text, value in gauges:
+        yield GaugeMetricFamily(name, text, value=value)
+    counters = (
+        ("expbuf_scrub_checked_bytes", "Payload bytes the scrub checked.", scrub.checked_bytes),
+        ("expbuf_scrub_checked_experiences", "Experiences the scrub checked.", scrub.checked),
+        ("expbuf_scrub_passes", "Complete scrub passes.", scrub.passes),
+        ("expbuf_scrub_found", "Damaged experiences the scrub found and quarantined.", scrub.found),
+    )
+    for name, text, value in counters:
+        yield CounterMetricFamily(name, text, value=value)
 
 
 def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric]:

@@ -112,12 +112,15 @@ class Index(ABC):
                 found = cur.next()
         return n
 
-    def clear(self, name: str) -> None:
-        """Delete every row of one of its databases under the table's prefix."""
+    def clear(self, name: str, limit: int) -> int:
+        """Delete up to `limit` rows of one of its databases under the table's prefix; how many."""
+        deleted = 0
         with self.txn.cursor(db=self.db[name]) as cur:
             found = cur.set_range(self.prefix)
-            while found and cur.key().startswith(self.prefix):
+            while found and deleted < limit and cur.key().startswith(self.prefix):
                 found = cur.delete()
+                deleted += 1
+        return deleted
 
 
 class KeyedIndex(Index):
@@ -179,6 +182,19 @@ class ReadyOrder(KeyedIndex):
 
     def row(self, group: ReadyGroup) -> tuple[bytes, bytes]:
         return u64(group.rseq), group.gkey
+
+    def from_rseq(self, start: int, limit: int) -> tuple[list[tuple[int, bytes]], int | None]:
+        """Up to `limit` ready groups (rseq, group key) from rseq `start` on, in ready order, and
+        the rseq after the last of them (None: no ready group lies past them)."""
+        p, found = self.prefix, list[tuple[int, bytes]]()
+        with self.txn.cursor(db=self.db["ready"]) as cur:
+            more = cur.set_range(p + u64(start))
+            while more and cur.key().startswith(p):
+                if len(found) == limit:
+                    return found, found[-1][0] + 1
+                found.append((_U64.unpack(cur.key()[len(p) :])[0], bytes(cur.value())))
+                more = cur.next()
+        return found, None
 
 
 class PriorityIndex(KeyedIndex):

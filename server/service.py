@@ -10,7 +10,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import grpc
@@ -365,6 +365,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             uptime_seconds=time.time() - self.started,
             storage_bytes=int(storage["used_bytes"]),
             lmdb_map_used_ratio=storage["map_used_ratio"],
+            scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
         )
 
     @refusals

@@ -1,8 +1,8 @@
 """`expbuf stats`: a terminal view of a running server through the Stats RPC.
 
 For an operator without Grafana: every table's experiences and groups by state, bytes,
-the oldest experience's age, the policy versions seen, and (with --watch) push and
-sample rates between refreshes.
+the oldest experience's age, the policy versions seen, the background scrub's progress and
+last complete pass, and (with --watch) push and sample rates between refreshes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
-from expbuf.client import BufferClient, BufferError, ServerInfo, TableStats, Tls
+from expbuf.client import BufferClient, BufferError, ScrubInfo, ServerInfo, TableStats, Tls
 
 COLUMNS = (
     "table",
@@ -23,6 +23,7 @@ COLUMNS = (
     "consumed",
     "groups p/c/r/l",
     "failed",
+    "quarantined",
     "dropped",
     "bytes",
     "oldest",
@@ -60,6 +61,7 @@ def _row(name: str, t: TableStats, rates: dict[str, tuple[float, float]]) -> tup
         t.consumed,
         f"{t.groups_pending}/{t.groups_computing}/{t.groups_ready}/{t.groups_leased}",
         t.groups_failed,
+        t.quarantined,
         t.groups_dropped,
         _size(t.bytes),
         _age(t.oldest_age_seconds) if t.live else "-",
@@ -70,6 +72,28 @@ def _row(name: str, t: TableStats, rates: dict[str, tuple[float, float]]) -> tup
     return tuple(str(c) for c in cells)
 
 
+def scrub_line(scrub: ScrubInfo, now: float) -> str:
+    """The background scrub in one line: the pass under way, what it found, the last complete pass."""
+    if not scrub.mb_per_second:
+        line = "scrub off"
+    elif scrub.running:
+        line = (
+            f"scrub {scrub.progress:.0%} ({_size(scrub.pass_checked_bytes)} of {_size(scrub.pass_total_bytes)},"
+            f" at most {scrub.mb_per_second:g} MB/s)"
+        )
+    else:
+        line = f"scrub idle (at most {scrub.mb_per_second:g} MB/s, every {_age(scrub.interval_seconds)})"
+    line += f", found {scrub.found} damaged since the start"
+    if scrub.last_pass_end_unix:
+        line += (
+            f"; last complete pass {_age(max(0.0, now - scrub.last_pass_end_unix))} ago"
+            f" ({_size(scrub.last_pass_bytes)} in {_age(scrub.last_pass_seconds)}, {scrub.last_pass_found} found)"
+        )
+    else:
+        line += "; no complete pass yet"
+    return line
+
+
 def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, tuple[float, float]]) -> str:
     """The view as text; each column as wide as its widest cell, so long table names keep the columns aligned."""
     rows = [(name, _row(name, t, rates)) for name, t in tables.items()]
@@ -77,6 +101,7 @@ def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, 
     lines = [
         f"expbuf {info.version}  uptime {_age(info.uptime_seconds)}  storage {_size(info.storage_bytes)}"
         f" (map {info.lmdb_map_used_ratio:.0%})  advantages on {info.advantage_device}",
+        scrub_line(info.scrub, time.time()),
         "",
         "  ".join(header.ljust(w) for header, w in zip(COLUMNS, widths, strict=True)).rstrip(),
     ]

@@ -35,8 +35,10 @@ STORED_BEFORE = (
 )
 
 # What this release stores for the same steps: the counters it added, in their places.
-STORED_NOW = STORED_BEFORE.replace(b'"leases_expired":0,', b'"leases_expired":0,"damaged":0,')
-ADDED = {"damaged": 0}
+STORED_NOW = STORED_BEFORE.replace(b'"failed":0,', b'"failed":0,"quarantined":0,').replace(
+    b'"leases_expired":0,', b'"leases_expired":0,"damaged":0,'
+)
+ADDED = {"quarantined": 0, "damaged": 0}
 
 
 def _run(store: Store) -> None:
@@ -135,7 +137,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
         server.stop(grace=1)
     fields = [field.name for field in pb.TableStats.DESCRIPTOR.fields]
     named = [name for name in fields if name in stored and name != "oldest_age_seconds"]  # an age moves on
-    assert len(named) == 29 and "oldest_age_seconds" in fields and reported.oldest_age_seconds >= 0
+    assert len(named) == 30 and "oldest_age_seconds" in fields and reported.oldest_age_seconds >= 0
     assert {name: getattr(reported, name) for name in named} == {name: stored[name] for name in named}
     assert (reported.min_model_version, reported.max_model_version) == (stored["min_version"], 1)
     assert (reported.pushed, reported.consumed, reported.pending, reported.trainer_version) == (3, 2, 1, 4)

@@ -129,7 +129,7 @@ def test_the_upgrade_gives_no_new_digest_to_a_damaged_payload(v3: Path) -> None:
         txn.put(key, bytes(blob), db=blobs)
     env.close()
     with pytest.raises(Damaged, match="item 1/0/0/0/r0: its payload does not match its digest"):
-        Store(v3, clock=lambda: MANIFEST["now"])
+        Store(v3, clock=lambda: MANIFEST["now"], check_at_open="full")
 
 
 def test_a_payload_kept_as_format_1_wrote_it_gets_the_digest_of_its_canonical_packing(v3: Path) -> None:

@@ -11,11 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 from test_ops import ServerProcess
+from test_quarantine import damage
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
+from expbuf.server.store import Store
 from expbuf.server.store.browse import SCAN_PER_ITEM
+from expbuf.server.tables import TableConfig
 
-from helpers import make_experience
+from helpers import group_items, make_experience
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +126,30 @@ def test_export_trxp_reads_back_as_stored(server: ServerProcess, tmp_path: Path)
     assert [e.eid.uid for e in decode(out.read_bytes())] == [e.eid.uid for e in want]
     refused = export(server, "t3", "--format", "trxp")
     assert refused.returncode == 2 and "--out" in refused.stderr
+
+
+def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:
+    """A payload damaged on disk (no scrub, so the export's Get is the first read to meet it):
+    the export leaves it out, says so, writes every other experience, and the experience is
+    quarantined."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        for task in range(6):
+            store.put("t", group_items(0, task, 2))
+        damage(store, "t", "0/3/1/0/r1s0")
+    proc = ServerProcess(str(data), "--scrub-mb-per-second", "0")
+    try:
+        done = export(proc, "t")
+        assert done.returncode == 0, done.stderr
+        assert sorted(json.loads(line)["uid"] for line in done.stdout.splitlines()) == sorted(
+            f"0/{task}/{run}/0/r{run}s0" for task in range(6) for run in range(2) if (task, run) != (3, 1)
+        )
+        assert done.stderr.strip() == (
+            "exported 11 experiences of t (1 listed but not returned: retired meanwhile, or quarantined as damaged)"
+        )
+        with BufferClient(proc.target) as client:
+            stats = client.stats("t")["t"]
+            assert (stats.quarantined, stats.groups_failed, stats.ready) == (1, 1, 10)
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0

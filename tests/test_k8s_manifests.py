@@ -100,6 +100,12 @@ def test_statefulset_gives_each_shard_its_volume_probes_and_name() -> None:
         assert probe.grpc.port == ports["grpc"]
     assert container.readiness_probe.grpc.service == "expbuf.v1.ExperienceBuffer"
     assert container.resources.requests["cpu"] and container.resources.requests["memory"]
+    # The quick start serves in seconds at any size and keeps RSS under 1 GB (README, "Damaged data";
+    # bench/RESULTS.md, "Restart at any size"): the startup probe gives it 30 s, the memory limit room
+    # for 1 GiB of pushes in flight at 3x.
+    startup = container.startup_probe
+    assert startup.period_seconds * startup.failure_threshold == 30
+    assert (container.resources.requests["memory"], container.resources.limits["memory"]) == ("2Gi", "6Gi")
     assert sts.spec.template.spec.security_context.run_as_user == 10001  # the image's user
 
 

@@ -221,6 +221,15 @@ def test_compose_file_is_valid_for_compose() -> None:
             assert dependency in services, (name, dependency)
         assert all(isinstance(v, str) for v in (service.get("environment") or {}).values()), name
     assert services["expbuf"]["ports"] == ["50051:50051", "9400:9400"]
+    # The quick start serves in seconds at any size and keeps RSS under 1 GB: the health check gives
+    # it 20 s, the memory limit leaves room for 1 GiB of pushes in flight at 3x (README, Operations).
+    health = services["expbuf"]["healthcheck"]
+    assert health["test"] == ["CMD", "expbuf", "health"] and health["start_period"] == "20s"
+    assert services["expbuf"]["mem_limit"] == "6g"
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert (
+        'HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 CMD ["expbuf", "health"]' in dockerfile
+    )
     # Publishing on every interface without tokens is a choice the file must say out loud.
     text = (DOCKER / "compose.yaml").read_text()
     warning = text[text.index("  expbuf:") : text.index("    ports:")]
@@ -611,7 +620,9 @@ def test_stats_columns_fit_long_table_names() -> None:
     names = ("t", "a_table_name_of_forty_characters_xxxxxx")
     tables = {name: TableStats(**zero | row | {"name": name}) for name in names}
     info = ServerInfo("x", "1", "cpu", 1 << 20, uptime_seconds=1.0, storage_bytes=1, lmdb_map_used_ratio=0.1)
-    lines = render(info, tables, {"t": (1.5, 2.5)}).splitlines()[2:]
+    text = render(info, tables, {"t": (1.5, 2.5)}).splitlines()
+    assert text[1] == "scrub off, found 0 damaged since the start; no complete pass yet"
+    lines = text[3:]
     cell = r"\S+(?: \S+)*"  # cells ("2.0 KB") may hold one space, columns are two apart
     starts = [m.start() for m in re.finditer(cell, lines[0])]
     assert len(starts) == len(COLUMNS)
@@ -770,14 +781,32 @@ def test_default_shares_on_64_workers() -> None:
     assert admitted(limits, "Push", pb.PushRequest())[0] == 8  # the reserve
 
 
-def test_check_at_open_is_a_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """full (the default) or quick, from the environment as from the file and flags; nothing else."""
-    assert load().check_at_open == "full"
-    monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "quick")
-    assert load().check_at_open == "quick"
+def test_check_at_open_and_the_scrub_are_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quick (the default) or full, and the scrub's rate and interval, from the environment as
+    from the file and flags; nothing else."""
+    config = load()
+    assert (config.check_at_open, config.scrub_mb_per_second, config.scrub_interval_seconds) == ("quick", 32, 86400)
+    monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "full")
+    monkeypatch.setenv("EXPBUF_SCRUB_MB_PER_SECOND", "0")
+    monkeypatch.setenv("EXPBUF_SCRUB_INTERVAL_SECONDS", "3600")
+    config = load()
+    assert (config.check_at_open, config.scrub_mb_per_second, config.scrub_interval_seconds) == ("full", 0, 3600)
+    toml = tmp_path / "expbuf.toml"
+    toml.write_text("scrub_mb_per_second = 8\nscrub_interval_seconds = 600\n")
+    monkeypatch.delenv("EXPBUF_SCRUB_MB_PER_SECOND")
+    monkeypatch.delenv("EXPBUF_SCRUB_INTERVAL_SECONDS")
+    assert (load(str(toml)).scrub_mb_per_second, load(str(toml)).scrub_interval_seconds) == (8, 600)
+    assert load(str(toml), {"scrub_mb_per_second": 2.5}).scrub_mb_per_second == 2.5  # a flag wins
     monkeypatch.setenv("EXPBUF_CHECK_AT_OPEN", "some")
     with pytest.raises(ConfigError, match="check_at_open must be 'full' or 'quick'"):
         load()
+    monkeypatch.delenv("EXPBUF_CHECK_AT_OPEN")
+    for name, value, bound in (
+        ("scrub_mb_per_second", -1, "from 0 (no scrub) to 100000"),
+        ("scrub_interval_seconds", 10, "from 60 to 31536000 (a year)"),
+    ):
+        with pytest.raises(ConfigError, match=f"{name} must be a number .*{re.escape(bound)}, got {value}"):
+            load(None, {name: value})
 
 
 def test_log_configuration_keeps_the_host_process_handlers() -> None:

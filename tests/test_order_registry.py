@@ -236,3 +236,40 @@ def test_check_says_the_next_start_builds_the_index_of_an_order_registered_since
     ]
     assert cli.main(["check", "--data", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == ["default: ok", "t: ok"]
+
+
+class LazyOldestVersion(OldestVersion):
+    """The same index, kept by a table only from its first read, and built then."""
+
+    databases = ("lazyold",)
+    lazy = True
+    what = "the lazy oldest-version index (lazyold)"
+
+
+class LazyOldestVersionFirst(Order):
+    name = "lazy_oldest_version_first"
+    index = LazyOldestVersion
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(LazyOldestVersion).scan(reverse=False)
+
+
+def test_a_build_under_way_starts_over_when_the_index_was_dropped_meanwhile(tmp_path: Path) -> None:
+    """A build of a lazy index cut short, then an open without its order (the index dropped) and
+    one with it again: the old cursor is forgotten, so the build starts from the first ready
+    group and the index misses none."""
+    with registered_order(LazyOldestVersionFirst), Store(tmp_path) as store:
+        fill(store)
+        table_id, config = store.catalog.lookup("t")
+        assert not store.environment.submit(
+            lambda txn: store.catalog.state(txn, table_id, config).ready.build_step(LazyOldestVersion, limit=2)
+        )
+        assert store.verify("t") == []
+    with Store(tmp_path) as store:
+        assert "lazyold" not in store.environment.db
+    with registered_order(LazyOldestVersionFirst) as name, Store(tmp_path) as store:
+        assert store.verify("t") == []
+        assert take(store, "t", num_groups=4, order=name).group_ids == [
+            f"1/{task}" for task in (1, 3, 0, 2) for _ in range(2)
+        ]
+        assert store.verify("t") == []

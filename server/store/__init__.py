@@ -12,9 +12,11 @@
   full), groups.py (the group state machine), pushed_advantages.py (advantages a push computes
   and stores itself), staleness.py (the trainer version, stale-group eviction),
   compute_queue.py (groups waiting for advantages), deliverable.py, admission.py (AReaL's
-  bound), leases.py (taking a batch and its leases), browse.py, integrity.py, migrate.py;
+  bound), leases.py (taking a batch and its leases), quarantine.py (damaged payloads found by
+  a read), browse.py, integrity.py, migrate.py;
 - the services: catalog.py (the tables), sampling.py (sample, ack, nack), upkeep.py (lease and
-  grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated);
+  grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated),
+  scrub.py (every payload checked in the background, residency.py keeping RSS small);
 - engine.py: `Store`, the façade the server uses (through backend.Backend).
 """
 
@@ -23,6 +25,7 @@ from .engine import Store
 from .extensions import TableExtension
 from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .records import ItemRecord
+from .scrub import ScrubStatus
 from .states import (
     COMPUTING,
     CONSUMED,
@@ -32,6 +35,7 @@ from .states import (
     LEASED,
     LIVE,
     PENDING,
+    QUARANTINED,
     READY,
     RETIRED,
     STATES,
@@ -48,6 +52,7 @@ __all__ = [
     "LEASED",
     "LIVE",
     "PENDING",
+    "QUARANTINED",
     "READY",
     "RETIRED",
     "SHAPING_COUNTERS",
@@ -58,6 +63,7 @@ __all__ = [
     "ItemRecord",
     "PutResult",
     "Sampled",
+    "ScrubStatus",
     "ShapingUpdate",
     "State",
     "Store",

@@ -14,6 +14,7 @@ from . import layout
 from .counters import read_counters
 from .extensions import TableExtension
 from .kinds import ComputeJob
+from .read_check import payload_problem
 from .records import GroupRecord, ItemRecord
 from .states import COMPUTING
 from .table_state import Groups, TableState, stored
@@ -40,13 +41,16 @@ def backlog(
     table_of: Callable[[int], tuple[str, TableConfig] | None],
     after: int,
     limit: int,
+    damaged: dict[str, list[str]],
 ) -> tuple[list[ComputeJob], int]:
     """Queued groups, oldest first within each table, up to about `limit` experiences, as one
     job per table, starting with the first table with a backlog after table id `after` (the
     caller passes the returned table id, the last job's, next time: tables take turns being first). The
     queue is read from table to table with a backlog, never over the tables without one.
-    Payloads are read only for estimators that need token-level data; the others work from
-    the item records. `table_of` names a table id's table, None for a dropped one."""
+    Payloads are read only for estimators that need token-level data, each checked against its
+    digest: a group with a damaged one is left out, its damaged members' uids listed by table in
+    `damaged` (for the caller to quarantine); the others work from the item records. `table_of`
+    names a table id's table, None for a dropped one."""
     jobs: list[ComputeJob] = []
     count = 0
     seen: set[int] = set()
@@ -69,16 +73,24 @@ def backlog(
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
                     grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
-                    job.groups.append(gkey.decode())
-                    job.members.append(grp.members)
+                    records, blobs = {}, {}
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
-                        job.records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
+                        records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
                         if token_level:
-                            job.blobs[uid] = stored(txn, item_key, dbs["blobs"], "payload of experience")
+                            blobs[uid] = stored(txn, item_key, dbs["blobs"], "payload of experience")
+                    bad = [uid for uid, blob in blobs.items() if payload_problem(uid, records[uid], blob) is not None]
+                    if bad:
+                        damaged.setdefault(name, []).extend(bad)
+                    else:
+                        job.groups.append(gkey.decode())
+                        job.members.append(grp.members)
+                        job.records |= records
+                        job.blobs |= blobs
                     count += len(grp.members)
                     found = cur.next()
-                jobs.append(job)
+                if job.groups:
+                    jobs.append(job)
                 after = table_id
             found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
     return jobs, after

@@ -17,7 +17,7 @@ from typing import Any
 
 import lmdb
 
-from .states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, READY, State
+from .states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
 
 # The counters of what reward shaping and advantage clipping did (see shaping.py).
 SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
@@ -36,6 +36,7 @@ class Counters:
     evicted: int = 0
     dropped: int = 0
     failed: int = 0
+    quarantined: int = 0  # found damaged when read or scrubbed (quarantine.py): never served
     bytes: int = 0
     # groups by live state, and those dropped and failed
     groups_pending: int = 0
@@ -48,7 +49,7 @@ class Counters:
     duplicates: int = 0
     sampled: int = 0
     leases_expired: int = 0
-    damaged: int = 0  # experiences whose stored payload was found damaged when read (their groups failed)
+    damaged: int = 0  # experiences ever quarantined (their tombstones are forgotten in time, this total is not)
     # monotonic totals for the metrics
     bytes_pushed: int = 0
     bytes_sampled: int = 0
@@ -151,6 +152,7 @@ _BY_STATE = {PENDING: "pending", COMPUTING: "computing", READY: "ready", LEASED:
     EVICTED: "evicted",
     DROPPED: "dropped",
     FAILED: "failed",
+    QUARANTINED: "quarantined",
 }
 _GROUPS_BY_STATE = {
     PENDING: "groups_pending",

@@ -26,7 +26,7 @@ import lmdb
 from expbuf.client import trxp
 
 from ..advantage_storage import batch_payload
-from ..errors import InsertLimited, TableFull
+from ..errors import InsertLimited, NotFound, TableFull
 from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
 from . import (
@@ -34,10 +34,12 @@ from . import (
     browse,
     deliverable,
     groups,
+    index_builds,
     integrity,
     layout,
     limiter,
     pushed_advantages,
+    residency,
     retirement,
     staleness,
 )
@@ -48,14 +50,17 @@ from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
+from .index_builds import submit_building
 from .integrity import verify
 from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
 from .ledger_records import DatasetRecord
 from .migrate import migrate
-from .read_check import serve_problem
+from .quarantine import quarantine_found
+from .read_check import payload_problem, serve_problem
 from .records import ItemRecord
 from .sampling import Sampling
+from .scrub import Scrub, ScrubStatus
 from .staleness import StaleEviction
 from .table_state import TableState, stored
 from .upkeep import Upkeep
@@ -78,7 +83,9 @@ class Store:
         seed: int | None = None,
         batch_limit: int = 512,
         max_reply_bytes: int | None = None,
-        check_at_open: str = "full",
+        check_at_open: str = "quick",
+        scrub_mb_per_second: float = 0.0,
+        scrub_interval_seconds: float = 86400.0,
     ) -> None:
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
@@ -91,6 +98,7 @@ class Store:
         except BaseException:
             self.environment.close()
             raise
+        residency.release(self.environment.path / "data.mdb")  # the pages the check read: page cache, not RSS
         self.path = self.environment.path
         self.max_map_size = max_map_size
         self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
@@ -111,6 +119,12 @@ class Store:
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
+        # The check of every payload that a quick open leaves out, in the background (scrub.py).
+        self.scrub = Scrub(
+            self.environment, self.catalog, self._quarantine_found,
+            mb_per_second=scrub_mb_per_second, interval_seconds=scrub_interval_seconds, clock=clock,
+        )  # fmt: skip
+        self.scrub.start()
 
     def _recount(self) -> None:
         """Tables whose rate-limit counts an older build kept are counted again (limiter.py);
@@ -132,7 +146,9 @@ class Store:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish and commit every queued request, then close the environment."""
+        """Stop the scrub, finish and commit every queued request, then close the environment."""
+        if hasattr(self, "scrub"):
+            self.scrub.stop()
         self.environment.close()
 
     def __enter__(self) -> Store:
@@ -142,14 +158,15 @@ class Store:
         self.close()
 
     def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
-        """Run `fn` on one table in the writer's next transaction."""
+        """Run `fn` on one table in the writer's next transaction (after building, in chunks, an
+        index it needs that the table does not keep yet: index_builds.py)."""
         table_id, config = self.catalog.lookup(table)
 
         def op(txn: lmdb.Transaction[bytes]) -> T:
             self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
             return fn(self.catalog.state(txn, table_id, config))
 
-        return self.environment.submit(op)
+        return submit_building(self.environment, self.catalog, op)
 
     @property
     def maintenance_failures(self) -> int:
@@ -294,14 +311,23 @@ class Store:
     # ---- reads and admin ---------------------------------------------------------------
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
-        """Stored payloads of the live experiences among uids."""
+        """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
+        checked against its digest first: a damaged one is quarantined (quarantine.py), not returned."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
-        found = {}
+        found, damaged = {}, []
         with self.environment.read() as txn:
             for uid in uids:
-                blob = txn.get(prefix + uid.encode(), db=self.db["blobs"])
-                if blob is not None:
-                    found[uid] = bytes(blob)
+                key = prefix + uid.encode()
+                blob = txn.get(key, db=self.db["blobs"])
+                if blob is None:
+                    continue
+                rec = ItemRecord.decode(stored(txn, key, self.db["items"], "experience"))
+                if payload_problem(uid, rec, blob) is None:
+                    found[uid] = blob
+                else:
+                    damaged.append(uid)
+        if damaged:
+            self.quarantine(table, damaged)
         return found
 
     def list_experiences(
@@ -325,10 +351,10 @@ class Store:
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
         uids. An experience that cannot be served (read_check.py) is never returned: it is
-        logged and listed as missing."""
+        listed as missing, and one whose payload is damaged is quarantined (quarantine.py)."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
-        missing = []
+        missing, damaged = [], []
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             rows = BatchRows(txn, self.db["adv"], config)
             for uid in uids:
@@ -340,13 +366,42 @@ class Store:
                 rec = ItemRecord.decode(stored(txn, key, self.db["items"], "experience"))
                 problem = serve_problem(uid, rec, blob)
                 if problem is not None:
-                    log.error("table %s: Get found %s; it is not served", table, problem)
+                    if problem.damaged:
+                        damaged.append(uid)
+                    else:
+                        log.error("table %s: Get found %s; it is not served", table, problem)
                     missing.append(uid)
                     continue
                 rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage.run(rows.advantages)
-            return batch_payload(rows.blobs, advantages), missing
+            payload = batch_payload(rows.blobs, advantages)
+        if damaged:
+            self.quarantine(table, damaged)
+        return payload, missing
+
+    def quarantine(self, table: str, uids: Sequence[str]) -> int:
+        """Quarantine those of uids whose stored payload is damaged, checked again in the
+        writer's transaction (quarantine.py); returns how many were."""
+
+        def op(tt: TableState) -> int:
+            count = quarantine_found(tt, uids)
+            if count:
+                tt.save()
+            return count
+
+        return self._in_table(table, op)
+
+    def _quarantine_found(self, table: str, uids: list[str]) -> int:
+        """`quarantine`, for the scrub: a table dropped meanwhile has nothing to quarantine."""
+        try:
+            return self.quarantine(table, uids)
+        except NotFound:
+            return 0
+
+    def scrub_status(self) -> ScrubStatus:
+        """What the background scrub has done (scrub.py)."""
+        return self.scrub.status()
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
         """Remove experiences (and their records, so they may be pushed again)."""
@@ -410,7 +465,10 @@ class Store:
         def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
             return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
 
-        return self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
+        for building in self.upkeep.take_builds():  # an index a table's upkeep needs: built, then used next pass
+            index_builds.build(self.environment, self.catalog, building)
+        return done
 
     # ---- sampling (sampling.py) ----------------------------------------------------------------
 
@@ -518,13 +576,18 @@ class Store:
         about `limit` experiences, as one job per table. Tables take turns being first, so a
         table with a long backlog cannot keep the others waiting. The compute index is read
         from table to table with a backlog, never over the tables without one. Payloads are read
-        only for estimators that need token-level data; the others work from the item records."""
+        only for estimators that need token-level data, each checked against its digest: a group
+        with a damaged one is not computed, its damaged members are quarantined (quarantine.py);
+        the others work from the item records."""
 
         def table_of(table_id: int) -> tuple[str, TableConfig] | None:
             return self.catalog.by_id(table_id)
 
+        damaged: dict[str, list[str]] = {}
         with self.environment.read() as txn:
-            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit)
+            jobs, self._last_computed = backlog(txn, self.db, table_of, self._last_computed, limit, damaged)
+        for table, uids in damaged.items():
+            self._quarantine_found(table, uids)
         return jobs
 
     def finish_compute(

@@ -29,7 +29,7 @@ from .extensions import Extensions
 from .ledger_check import verify_ledger
 from .read_check import payload_problem
 from .records import GroupRecord, ItemRecord, Lease
-from .states import COMPUTING, FAILED, LIVE, PENDING, READY, RETIRED, STATES
+from .states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
@@ -86,6 +86,20 @@ def scan(
             [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
         )
     return report
+
+
+def quarantined(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> dict[str, int]:
+    """The experiences each table holds quarantined (quarantine.py): damage found and dealt with
+    when they were read, which `expbuf check` reports as known, not as a problem. Tables whose
+    catalogue entry or counters do not decode are left out (`scan` reports them)."""
+    known = {}
+    for key, value in txn.cursor(db=dbs["tables"]):
+        try:
+            prefix = layout.table_prefix(int(json.loads(value)["id"]))
+            known[bytes(key).decode()] = read_counters(txn, dbs["counters"], prefix).quarantined
+        except _DAMAGE:
+            continue
+    return known
 
 
 def older_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int | None:
@@ -175,7 +189,7 @@ def verify(tt: TableState) -> list[str]:
                     problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
                 else:
                     problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
-                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts))
+                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts, kept=name == "items"))
                     if rec.state in RETIRED:
                         retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
                 found = cur.next()
@@ -209,7 +223,8 @@ def verify(tt: TableState) -> list[str]:
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
     """A tombstone whose payload went is compact, in the tombs database; a live experience,
-    or a failed one whose payload is kept (keep_failed), keeps its full record in items."""
+    or a failed one whose payload is kept (keep_failed, or its group failed for a quarantined
+    member), keeps its full record in items."""
     key = tt.key(uid)
     if db == "tombs":
         if not compact or rec.state in LIVE:
@@ -225,14 +240,16 @@ def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: boo
 
 
 def _check_item(
-    tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int]
+    tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int], *, kept: bool
 ) -> list[str]:
+    """One item against its payload, group and place in the insertion order; `kept`: its full
+    record is in items, where a failed one keeps its payload (_check_form)."""
     problems = []
     state = member_state(rec, grp)
     counts[state] += 1
     live = rec.state in LIVE
     blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
-    if live != (blob is not None) and not (rec.state == FAILED and tt.config.keep_failed):
+    if live != (blob is not None) and not (rec.state == FAILED and kept):
         problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
     if blob is not None:
         problem = payload_problem(uid, rec, blob)
@@ -244,7 +261,7 @@ def _check_item(
             problems.append(f"item {uid} is missing from the insertion order")
     if grp is None or uid not in grp.members:
         problems.append(f"item {uid} is not a member of its group {rec.group}")
-    elif grp.state != state:
+    elif grp.state != state and not (state == QUARANTINED and grp.state == FAILED):
         problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
 

@@ -28,6 +28,7 @@ from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .kinds import Sampled
 from .limiter import sample_limit
+from .quarantine import quarantine_groups
 from .read_check import Unservable, serve_problem
 from .records import GroupRecord, ItemRecord, Lease
 from .retirement import retire
@@ -154,16 +155,28 @@ def _select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
-    """Groups a sample found a member of unservable (a damaged payload, a stored advantage
-    beyond float32) fail whole, never served (their good members' payloads stay for Get
-    where the table keeps failed groups); the damaged experiences are counted."""
-    for gkey, _, problems in groups:
+    """Groups a sample found a member of unservable fail whole, never served: one with a
+    damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the
+    others' payloads kept for Get); one whose stored advantage is beyond float32 as any failed
+    group (its payloads kept where the table keeps failed groups)."""
+    damaged, beyond = [], []
+    for gkey, grp, problems in groups:
+        found = {problem.uid: problem.why for problem in problems if problem.damaged}
         for problem in problems:
-            log.error("table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problem)
-        tt.counters.damaged += sum(problem.damaged for problem in problems)
-        tt.counters.groups_failed += 1
-        tt.counters.last_failure = f"group {gkey}: {problems[0]}"
-    retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED)
+            if not problem.damaged:
+                log.error(
+                    "table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problem
+                )
+        if found:
+            damaged.append((gkey, grp, found))
+        else:
+            beyond.append((gkey, grp))
+            tt.counters.groups_failed += 1
+            tt.counters.last_failure = f"group {gkey}: {problems[0]}"
+    if damaged:
+        quarantine_groups(tt, damaged)
+    if beyond:
+        retire(tt, beyond, FAILED)
 
 
 class _Payloads:

@@ -87,13 +87,15 @@ def keep_indexes(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[
 
 
 def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes: list[type[Index]]) -> None:
-    """Fill these indexes (emptied first) with the ready groups of every table that keeps them,
-    in ready order."""
+    """Fill these indexes (emptied first, and the builds under way of them forgotten) with the
+    ready groups of every table that keeps them, in ready order."""
     if not indexes:
         return
     for index in indexes:
         for name in index.databases:
             txn.drop(dbs[name], delete=False)
+    for _, raw in txn.cursor(db=dbs["tables"]):  # a build under way of an index emptied here starts over
+        selection.forget_builds(txn, dbs, layout.table_prefix(json.loads(raw)["id"]), indexes)
     prefix, ready = b"", list[ReadyGroup]()
     # The groups of a table are one run of keys; an empty key ends the last run.
     for key, raw in itertools.chain(txn.cursor(db=dbs["groups"]), [(b"", b"")]):

@@ -123,6 +123,13 @@ class ItemRecord:
         return STATES[state], seq, size
 
     @classmethod
+    def digest_of(cls, data: bytes | memoryview) -> tuple[bytes, int]:
+        """The digest and size of an encoded full record, the rest left undecoded: what the
+        scrub compares a payload with."""
+        _, _, digest, size = cls._PLACE.unpack_from(data)
+        return digest, size
+
+    @classmethod
     def retired_as(cls, data: bytes | memoryview, state: State, when: float) -> bytes:
         """An encoded record as the tombstone it becomes, retired in `state` at `when`: the
         same bytes as decoding, changing and encoding it, without building the record."""

@@ -7,7 +7,7 @@ experiences outright, tombstones included.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
@@ -15,7 +15,7 @@ from ..errors import Forbidden, GroupIncomplete, clip
 from ..ready_indexes import put_rows, u64
 from . import layout, limiter
 from .records import DELETED, GroupRecord, ItemRecord, Lease
-from .states import CONSUMED, FAILED, LEASED, LIVE, PENDING, READY, RETIRED, State
+from .states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from .table_state import TableState
 
 
@@ -25,14 +25,18 @@ def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterabl
         txn.delete(key, db=db)
 
 
-def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State) -> None:
+def retire(
+    tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State, quarantined: Set[str] = frozenset()
+) -> None:
     """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
-    failed group's stay with keep_failed), records stay as tombstones so that a retried
-    push of the same uid is still recognised as a duplicate, pruned after
-    tombstone_seconds: compact ones (records.py, in the tombs database) where the payload
-    goes, full records where it is kept. Done in passes, one per database, over all the
-    groups; a record not read yet in this transaction becomes a tombstone without being
-    decoded. The table's extensions hear of it first (`on_retire`)."""
+    failed group's stay with keep_failed, and those of a group failed for a quarantined
+    member), records stay as tombstones so that a retried push of the same uid is still
+    recognised as a duplicate, pruned after tombstone_seconds: compact ones (records.py, in
+    the tombs database) where the payload goes, full records where it is kept. The members
+    among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
+    their payloads gone. Done in passes, one per database, over all the groups; a record not
+    read yet in this transaction becomes a tombstone without being decoded. The table's
+    extensions hear of it first (`on_retire`)."""
     tt.extensions.on_retire(tt, groups, state)
     if state != CONSUMED:
         for _, grp in groups:
@@ -45,18 +49,21 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: Sta
             leave_indexes(tt, gkey, grp)
     counters, now, prefix = tt.counters, tt.now, tt.prefix
     stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
-    keep = state == FAILED and tt.config.keep_failed  # a kept payload keeps its full record, for Get
-    keys, places, marks, full, tombstones, nbytes = [], [], [], [], [], 0
+    # A kept payload keeps its full record, for Get.
+    keep = state == FAILED and (tt.config.keep_failed or bool(quarantined))
+    keys, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], 0, []
     for gkey, grp in groups:
         for uid in grp.members:
             key = tt.key(uid)
+            kept = keep and uid not in quarantined
+            became = QUARANTINED if uid in quarantined else state
             cached, rec = tt.cached_item(uid)
             if cached:
                 if rec is None:
                     continue
                 seq, size = rec.seq, rec.size
-                rec.state, rec.retired = state, now
-                if keep:
+                rec.state, rec.retired = became, now
+                if kept:
                     tt.put_item(uid, rec)
                 else:
                     tt.settle_item(uid, rec)
@@ -66,20 +73,24 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: Sta
                 if raw is None:
                     continue
                 _, seq, size = ItemRecord.place(raw)
-                if keep:
-                    full.append((key, ItemRecord.retired_as(raw, state, now)))
+                if kept:
+                    full.append((key, ItemRecord.retired_as(raw, became, now)))
                 else:
-                    tombstones.append((key, ItemRecord.tombstone_of(raw, state, now)))
+                    tombstones.append((key, ItemRecord.tombstone_of(raw, became, now)))
             counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
-            counters.add(state, 1)
+            counters.add(became, 1)
             keys.append(key)
             places.append(prefix + u64(seq))
             nbytes += size
+            if uid in quarantined:
+                damaged.append(key)
         marks.append((stamp + gkey.encode(), b""))
         tt.move_group(gkey, grp, state)
     drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
-    if not keep:  # the records leave the live ones' pages, which stay dense
-        _delete_rows(tt.txn, tt.db["items"], sorted(keys))
+    if keep:  # the quarantined members' payloads go all the same
+        _delete_rows(tt.txn, tt.db["blobs"], sorted(damaged))
+    gone = sorted(key for key, _ in tombstones)
+    _delete_rows(tt.txn, tt.db["items"], gone)  # the records leave the live ones' pages, which stay dense
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)

@@ -19,10 +19,12 @@ import lmdb
 from ..advantage_storage import StageCounts
 from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
 from ..sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from ..selection import IndexBuilding
 from ..tables import TableConfig
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
+from .index_builds import build
 from .kinds import Sampled
 from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
 from .records import Lease
@@ -75,7 +77,9 @@ class Sampling:
         None). `confirm` names held leases (one or several) of this table and owner whose
         batches the client has, delivered first as the spec asks (confirm_in), in the same
         commit as the first attempt: one durable write for all, kept even if the attempt
-        fails; if one cannot be delivered, none is and nothing is taken.
+        fails; if one cannot be delivered, none is and nothing is taken. The first request in an
+        order whose index the table does not keep yet waits while it is built in chunks
+        (index_builds.py), which other requests do not wait for.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
@@ -104,8 +108,15 @@ class Sampling:
                     self.confirm_in(txn, lease_id, spec, owner)
                 return self._isolated(txn, take_in)
 
-            result = self.environment.submit(attempt)
+            try:
+                result = self.environment.submit(attempt)
+            except IndexBuilding as building:  # nothing was kept: built now, then asked again
+                build(self.environment, self.catalog, building)
+                continue
             confirms = ()
+            if isinstance(result, _Refused) and isinstance(result.error, IndexBuilding):
+                build(self.environment, self.catalog, result.error)  # the confirmations were kept
+                continue
             if isinstance(result, _Refused):
                 raise result.error
             if isinstance(result, SampleLimited):

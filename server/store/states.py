@@ -14,6 +14,9 @@ tombstone never moves again (a push of it is a duplicate until the tombstone is 
 - dropped: zero variance, a group timeout, staleness, below an estimator's threshold;
 - failed: its estimator failed, or a sample found a member it cannot serve.
 
+Quarantined is an experience's state only, never a group's: a member whose stored payload was
+found damaged (quarantine.py) leaves as a quarantined tombstone, and its group fails.
+
 A ready group moves back to computing only when an upgrade of the data directory recomputes
 its stored advantages (migrate.py). Experiences share their group's state (a leased group's
 members say ready in their own records: a lease rewrites no member record).
@@ -39,12 +42,14 @@ class State(StrEnum):
     EVICTED = "evicted"
     DROPPED = "dropped"
     FAILED = "failed"
+    QUARANTINED = "quarantined"  # an experience's only (quarantine.py)
 
 
 PENDING, COMPUTING, READY, LEASED = State.PENDING, State.COMPUTING, State.READY, State.LEASED
 CONSUMED, EVICTED, DROPPED, FAILED = State.CONSUMED, State.EVICTED, State.DROPPED, State.FAILED
+QUARANTINED = State.QUARANTINED
 LIVE = (PENDING, COMPUTING, READY, LEASED)
-RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED)
+RETIRED = (CONSUMED, EVICTED, DROPPED, FAILED, QUARANTINED)
 # Records store a state as its place here: a new state goes at the end, never between.
 STATES = (*LIVE, *RETIRED)
 

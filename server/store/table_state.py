@@ -171,14 +171,16 @@ class TableState:
         self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
 
-    def ready_groups(self) -> list[ReadyGroup]:
-        """The ready groups in ready order, as an index first kept now is built from: the ready
-        order's keys, with each group's priority and version from its record."""
+    def ready_groups(self, start: int, limit: int) -> tuple[list[ReadyGroup], int | None]:
+        """Up to `limit` ready groups from rseq `start` on, in ready order, as a lazy index being
+        built reads them (selection.ReadyIndex.build_step), each with its priority and version
+        from its record; and the rseq to go on from (None: none lies past them)."""
+        rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)
         groups = []
-        for gkey in list(self.ready.of(ReadyOrder).scan(reverse=False)):
-            grp = self.existing_group(bytes(gkey).decode())
-            groups.append(ReadyGroup(bytes(gkey), grp.ready_seq, grp.priority, grp.version))
-        return groups
+        for _, gkey in rows:
+            grp = self.existing_group(gkey.decode())
+            groups.append(ReadyGroup(gkey, grp.ready_seq, grp.priority, grp.version))
+        return groups, after
 
     def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
         return {uid: self.existing_item(uid) for uid in grp.members}

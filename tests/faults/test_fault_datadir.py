@@ -8,6 +8,7 @@ import os
 import queue
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.client import trxp
+from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.errors import Damaged
 from expbuf.server.sample_spec import SampleSpec
@@ -125,8 +126,8 @@ def same_item(served: trxp.RawItem, pushed: trxp.RawItem) -> bool:
 def test_random_damage_is_refused_at_open_or_does_no_harm(
     stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
 ) -> None:
-    """Bytes written at random over a copy: the store refuses to open it, naming `expbuf check`,
-    and check finds the damage; or it serves every experience exactly as pushed."""
+    """Bytes written at random over a copy: the full check refuses to open it, naming `expbuf
+    check`, and check finds the damage; or it serves every experience exactly as pushed."""
     source, pushed = stored
     rng = random.Random(20261122)
     outcomes = []
@@ -134,7 +135,7 @@ def test_random_damage_is_refused_at_open_or_does_no_harm(
         copy = tmp_path / f"copy{trial}"
         damage(source, copy, rng, writes=rng.randint(1, 3))
         try:
-            store = Store(copy)
+            store = Store(copy, check_at_open="full")
         except Damaged as exc:
             assert "expbuf check --data" in str(exc)
             assert any(check_report(copy).values())  # check reports what open refused
@@ -167,19 +168,19 @@ def test_a_damaged_payload_stops_the_server_in_one_line_and_check_names_it(
         data.seek(at)
         data.write(bytes(b ^ 0xFF for b in blob[-4:]))
 
-    done = cli("serve", "--data", str(copy), "--port", "0", "--metrics-port", "-1")
+    done = cli("serve", "--data", str(copy), "--port", "0", "--metrics-port", "-1", "--check-at-open", "full")
     line = one_line_error(done, str(copy), "damaged", "expbuf check")
     assert "0/57/2/0/r2s0" in line
     checked = cli("check", "--data", str(copy))
     assert checked.returncode == 1 and not checked.stderr, checked.stderr
     assert "t: 1 problem(s)" in checked.stdout
     assert "item 0/57/2/0/r2s0: its payload does not match its digest" in checked.stdout
-    # The quick check at open reads only the directory's own records: it opens (the operator's
-    # choice for a large buffer that must be back fast), and `expbuf check` still finds the damage.
-    with Store(copy, check_at_open="quick") as store:
+    # The quick check at open (the default) reads only the directory's structure: it opens, and
+    # `expbuf check` still finds the damage, until a read or the scrub quarantines it.
+    with Store(copy) as store:
         assert store.has_table("t")
     with pytest.raises(Damaged):
-        Store(copy)
+        Store(copy, check_at_open="full")
 
 
 def test_check_reads_a_read_only_copy_and_writes_nothing(
@@ -225,41 +226,125 @@ def test_check_reads_a_read_only_copy_and_writes_nothing(
     assert {directory: state(directory) for directory in directories} == before
 
 
-def test_a_quick_open_never_serves_a_damaged_payload(
-    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
-) -> None:
-    """Random bytes over the payloads of a few experiences of a closed directory, opened with
-    the quick check (which reads no payload): a sample checks each payload's digest, serves
-    every undamaged group exactly as pushed, never a damaged experience, fails the groups
-    holding one and counts them; `expbuf check` names each."""
-    source, pushed = stored
-    rng = random.Random(20261123)
-    copy = tmp_path / "copy"
-    shutil.copytree(source, copy)
-    raw = (copy / "data.mdb").read_bytes()
-    once = [uid for uid in sorted(pushed) if raw.count(trxp.pack_item(pushed[uid])) == 1]  # not also in a freed page
-    damaged = sorted(rng.sample(once, 6))
-    with open(copy / "data.mdb", "r+b") as data:
+def damage_payloads(
+    source: Path, into: Path, pushed: dict[str, trxp.RawItem], rng: random.Random, count: int
+) -> list[str]:
+    """A copy of a directory with one random byte changed in the stored payloads of `count`
+    random experiences (of those whose bytes lie once in the file, not also in a freed page);
+    their uids."""
+    shutil.copytree(source, into)
+    raw = (into / "data.mdb").read_bytes()
+    once = [uid for uid in sorted(pushed) if raw.count(trxp.pack_item(pushed[uid])) == 1]
+    damaged = sorted(rng.sample(once, count))
+    with open(into / "data.mdb", "r+b") as data:
         for uid in damaged:
             blob = trxp.pack_item(pushed[uid])
             at = raw.index(blob) + rng.randrange(len(blob))
             data.seek(at)
             data.write(bytes([raw[at] ^ rng.randrange(1, 256)]))
-    bad_groups = {uid.rsplit("/", 3)[0] for uid in damaged}
+    return damaged
+
+
+def group_of(uid: str) -> str:
+    return uid.rsplit("/", 3)[0]
+
+
+def test_a_quick_open_never_serves_a_damaged_payload(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """Random bytes over the payloads of a few experiences of a closed directory, opened with
+    the quick check (which reads no payload): a sample checks each payload's digest, serves
+    every undamaged group exactly as pushed, never a damaged experience; it quarantines each
+    damaged one and fails its group, whose other members Get still returns as pushed; `expbuf
+    check` then reports the quarantined ones as known, not as damage."""
+    source, pushed = stored
+    copy = tmp_path / "copy"
+    damaged = damage_payloads(source, copy, pushed, random.Random(20261123), 6)
+    bad_groups = {group_of(uid) for uid in damaged}
+    kept = sorted(uid for uid in pushed if group_of(uid) in bad_groups and uid not in damaged)
+    before = cli("check", "--data", str(copy))
+    assert before.returncode == 1
+    assert all(f"item {uid}: its payload does not match its digest" in before.stdout for uid in damaged)
     with Store(copy, check_at_open="quick") as store:
         served: dict[str, trxp.RawItem] = {}
         while (batch := store.sample(SampleSpec("t", num_groups=8, allow_partial=True))) is not None:
             served |= {item.uid: item for item in trxp.parse(batch.payload)}
         stats = store.stats("t")
-        payload, missing = store.get_payload("t", damaged)
+        payload, missing = store.get_payload("t", damaged + kept)
+        assert store.verify("t") == []
     assert not set(damaged) & served.keys()
-    assert served.keys() == {uid for uid in pushed if uid.rsplit("/", 3)[0] not in bad_groups}
+    assert served.keys() == {uid for uid in pushed if group_of(uid) not in bad_groups}
     assert all(same_item(item, pushed[uid]) for uid, item in served.items())
-    assert (stats["damaged"], stats["groups_failed"]) == (len(damaged), len(bad_groups))
-    assert missing == damaged and trxp.parse(payload) == []  # nor by Get
+    assert (stats["damaged"], stats["quarantined"]) == (len(damaged), len(damaged))
+    assert (stats["groups_failed"], stats["failed"]) == (len(bad_groups), len(kept))
+    assert missing == damaged  # nor by Get; the good members of their groups are
+    assert {item.uid: same_item(item, pushed[item.uid]) for item in trxp.parse(payload)} == dict.fromkeys(kept, True)
     checked = cli("check", "--data", str(copy))
-    assert checked.returncode == 1
-    assert all(f"item {uid}: its payload does not match its digest" in checked.stdout for uid in damaged)
+    assert checked.returncode == 0, checked.stdout
+    assert checked.stdout.splitlines() == [
+        "default: ok",
+        f"t: ok ({len(damaged)} experience(s) quarantined: damaged, never served)",
+    ]
+
+
+def test_with_default_settings_no_damaged_experience_is_served_and_the_scrub_finds_the_rest(
+    stored: tuple[Path, dict[str, trxp.RawItem]], tmp_path: Path
+) -> None:
+    """Random bytes over the payloads of a closed directory, then `expbuf serve` with default
+    settings (a quick open, the scrub in the background), and reads of everything: Gets of half
+    the groups, the scrub's first pass, then samples of all that is ready. No damaged experience
+    is served; each is quarantined, counted and logged once (those no read asked for, by the
+    scrub); every undamaged experience is served exactly as pushed, by a sample or, in a group
+    failed for a damaged member, by Get; `expbuf check` then reports the quarantined as known."""
+    source, pushed = stored
+    copy = tmp_path / "copy"
+    damaged = damage_payloads(source, copy, pushed, random.Random(20261129), 12)
+    bad_groups = {group_of(uid) for uid in damaged}
+    groups = sorted({group_of(uid) for uid in pushed})
+    asked = set(groups[: len(groups) // 2])
+    assert bad_groups & asked and bad_groups - asked  # reads find some, only the scrub the others
+    with servers() as start:
+        server = start(str(copy))
+        chan = channel(server.target)
+        buffer = stub(chan)
+        served: dict[str, trxp.RawItem] = {}
+
+        def get(uids: list[str]) -> list[str]:
+            reply = buffer.Get(pb.GetRequest(table="t", uids=uids), timeout=30)
+            served.update((item.uid, item) for item in trxp.parse(reply.payload))
+            return list(reply.missing_uids)
+
+        missing = get(sorted(uid for uid in pushed if group_of(uid) in asked))
+        assert sorted(missing) == sorted(uid for uid in damaged if group_of(uid) in asked)
+        deadline = time.monotonic() + 120
+        while (scrub := buffer.ServerInfo(pb.ServerInfoRequest(), timeout=10).scrub).passes < 1:
+            assert time.monotonic() < deadline, "the scrub made no pass in two minutes"
+            time.sleep(0.1)
+        # Those no read asked for, the scrub found (it may have met the others before the Gets did).
+        unasked = len([uid for uid in damaged if group_of(uid) not in asked])
+        assert scrub.found == scrub.last_pass_found and unasked <= scrub.found <= len(damaged)
+        after_scrub = stats(buffer, "t")
+        assert (after_scrub.damaged, after_scrub.quarantined) == (len(damaged), len(damaged))
+        good = len(groups) - len(bad_groups)
+        assert after_scrub.groups_ready == good
+        with BufferClient(server.target, timeout=30) as client:
+            for batch in client.sample("t", num_groups=1, max_batches=good, timeout=10, delivery="consume"):
+                served.update((item.uid, item) for item in trxp.parse(batch.payload))
+        kept = sorted(uid for uid in pushed if group_of(uid) in bad_groups and uid not in damaged)
+        assert get(kept + damaged) == damaged
+        final = stats(buffer, "t")
+        chan.close()
+        assert server.stop(signal.SIGTERM) == 0
+    assert not set(damaged) & served.keys()
+    assert served.keys() == set(pushed) - set(damaged)
+    assert all(same_item(item, pushed[uid]) for uid, item in served.items())
+    assert (final.ready, final.damaged, final.quarantined) == (0, len(damaged), len(damaged))
+    assert final.groups_failed == len(bad_groups)
+    logged = "".join(server.log)
+    assert all(logged.count(f"experience {uid} quarantined") == 1 for uid in damaged)
+    checked = cli("check", "--data", str(copy))
+    assert checked.returncode == 0, checked.stdout
+    assert f"t: ok ({len(damaged)} experience(s) quarantined: damaged, never served)" in checked.stdout
 
 
 def test_a_kill_during_the_format_upgrade_leaves_format_3_or_4_and_check_finds_no_damage(tmp_path: Path) -> None:

@@ -363,7 +363,7 @@ class StatsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std", "trainer_version", "submitted", "admitted", "grants_expired", "stale_dropped", "damaged")
+    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std", "trainer_version", "submitted", "admitted", "grants_expired", "stale_dropped", "damaged", "quarantined")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,7 @@ class TableStats(_message.Message):
     GRANTS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     name: str
     pending: int
     ready: int
@@ -434,7 +435,8 @@ class TableStats(_message.Message):
     grants_expired: int
     stale_dropped: int
     damaged: int
-    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ..., trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ..., admitted: _Optional[int] = ..., grants_expired: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., damaged: _Optional[int] = ...) -> None: ...
+    quarantined: int
+    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ..., trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ..., admitted: _Optional[int] = ..., grants_expired: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., damaged: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tables",)
@@ -447,7 +449,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoReply(_message.Message):
-    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio")
+    __slots__ = ("version", "trxp_version", "advantage_device", "max_message_bytes", "uptime_seconds", "storage_bytes", "lmdb_map_used_ratio", "scrub")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRXP_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +457,7 @@ class ServerInfoReply(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LMDB_MAP_USED_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_FIELD_NUMBER: _ClassVar[int]
     version: str
     trxp_version: str
     advantage_device: str
@@ -462,7 +465,38 @@ class ServerInfoReply(_message.Message):
     uptime_seconds: float
     storage_bytes: int
     lmdb_map_used_ratio: float
-    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ...) -> None: ...
+    scrub: ScrubInfo
+    def __init__(self, version: _Optional[str] = ..., trxp_version: _Optional[str] = ..., advantage_device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., storage_bytes: _Optional[int] = ..., lmdb_map_used_ratio: _Optional[float] = ..., scrub: _Optional[_Union[ScrubInfo, _Mapping]] = ...) -> None: ...
+
+class ScrubInfo(_message.Message):
+    __slots__ = ("mb_per_second", "interval_seconds", "running", "pass_checked_bytes", "pass_total_bytes", "passes", "checked_bytes", "checked", "found", "last_pass_end_unix", "last_pass_seconds", "last_pass_bytes", "last_pass_found")
+    MB_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PASS_CHECKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_END_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    mb_per_second: float
+    interval_seconds: float
+    running: bool
+    pass_checked_bytes: int
+    pass_total_bytes: int
+    passes: int
+    checked_bytes: int
+    checked: int
+    found: int
+    last_pass_end_unix: float
+    last_pass_seconds: float
+    last_pass_bytes: int
+    last_pass_found: int
+    def __init__(self, mb_per_second: _Optional[float] = ..., interval_seconds: _Optional[float] = ..., running: _Optional[bool] = ..., pass_checked_bytes: _Optional[int] = ..., pass_total_bytes: _Optional[int] = ..., passes: _Optional[int] = ..., checked_bytes: _Optional[int] = ..., checked: _Optional[int] = ..., found: _Optional[int] = ..., last_pass_end_unix: _Optional[float] = ..., last_pass_seconds: _Optional[float] = ..., last_pass_bytes: _Optional[int] = ..., last_pass_found: _Optional[int] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("config", "exist_ok")

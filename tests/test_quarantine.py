@@ -1,0 +1,128 @@
+"""Quarantine (server/store/quarantine.py): an experience whose stored payload no longer matches
+its digest is quarantined by whichever read finds it (a sample, a Get, the advantage worker's
+read of token-level payloads), never served, counted by state and in `damaged`, logged once;
+its group fails and its other members keep their payloads for Get until their tombstones are
+forgotten. The damage is made here by changing a stored payload's byte in place, as a bad page
+would (tests/faults/test_fault_datadir.py writes over the file itself)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import decode
+from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store, layout
+from expbuf.server.tables import TableConfig
+
+from helpers import group_items
+
+
+def damage(store: Store, table: str, uid: str) -> None:
+    """Flip one byte of the uid's stored payload (its last tensor's), its size unchanged."""
+    key, blobs = layout.table_prefix(store.catalog.lookup(table)[0]) + uid.encode(), store.db["blobs"]
+
+    def flip(txn) -> None:  # type: ignore[no-untyped-def]
+        blob = bytearray(txn.get(key, db=blobs))
+        blob[-1] ^= 0xFF
+        txn.put(key, bytes(blob), db=blobs)
+
+    store.environment.submit(flip)
+
+
+def uids(task: int, size: int = 4) -> list[str]:
+    return [f"0/{task}/{run}/0/r{run}s0" for run in range(size)]
+
+
+def quarantine_logs(caplog: pytest.LogCaptureFixture, uid: str) -> int:
+    return sum(uid in r.getMessage() and "quarantined" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("keep_failed", [True, False])
+def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_for_get(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep_failed: bool
+) -> None:
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=4, keep_failed=keep_failed))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        bad, good = uids(1)[2], [uid for uid in uids(1) if uid != uids(1)[2]]
+        damage(store, "t", bad)
+        payload, missing = store.get_payload("t", uids(1))
+        assert missing == [bad]
+        assert [e.eid.uid for e in decode(payload)] == good
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["failed"], stats["groups_failed"]) == (1, 1, 3, 1)
+        assert (stats["ready"], stats["groups_ready"], stats["bytes"] > 0) == (8, 2, True)
+        assert "experience 0/1/2/0/r2s0 quarantined" in stats["last_failure"]
+        assert store.verify("t") == []
+        # Never served, logged once: a second Get, the raw read and samples find it gone.
+        assert store.get_payload("t", [bad])[1] == [bad] and store.get("t", uids(1)).keys() == set(good)
+        served = []
+        while (batch := store.sample(SampleSpec("t", num_groups=1, wait_seconds=0))) is not None:
+            served += batch.uids
+        assert sorted(served) == sorted(uids(0) + uids(2))
+        assert quarantine_logs(caplog, bad) == 1
+        assert store.stats("t")["damaged"] == 1
+
+
+def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=4))
+        for task in range(4):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        damage(store, "t", uids(0)[0])
+        damage(store, "t", uids(2)[3])
+        batch = store.sample(SampleSpec("t", num_groups=2, wait_seconds=0))
+        assert batch is not None and batch.group_ids == ["0/1"] * 4 + ["0/3"] * 4
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["failed"], stats["groups_failed"], stats["ready"]) == (2, 6, 2, 0)
+        assert store.verify("t") == []
+
+
+def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=4))
+        store.put("t", group_items(0, 0, 4))
+        damage(store, "t", uids(0)[0])
+        assert store.get_payload("t", uids(0))[1] == [uids(0)[0]]
+        damage(store, "t", uids(0)[1])  # a failed member whose payload was kept for Get
+        assert store.get("t", uids(0)).keys() == set(uids(0)[2:])
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["failed"], stats["groups_failed"]) == (2, 2, 2, 1)
+        assert store.verify("t") == []
+
+
+def test_quarantined_tombstones_are_forgotten_in_time_and_the_total_stays(tmp_path: Path) -> None:
+    now = [1000.0]
+    with Store(tmp_path, clock=lambda: now[0]) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=2, tombstone_seconds=60))
+        store.put("t", group_items(0, 0, 2))
+        damage(store, "t", uids(0, 2)[0])
+        store.get_payload("t", uids(0, 2))
+        now[0] += 61
+        store.tick()
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["failed"], stats["damaged"]) == (0, 0, 1)
+        assert store.get_payload("t", uids(0, 2))[1] == uids(0, 2)
+        assert store.put("t", group_items(0, 0, 2)).stored == uids(0, 2)  # pushed again, it is stored anew
+        assert store.verify("t") == []
+
+
+def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path: Path) -> None:
+    """rloo reads each member's tokens: a group with a damaged one is not computed, the
+    damaged member is quarantined, the other groups are computed."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="rloo", group_size=4, drop_zero_variance=False))
+        for task in range(3):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        damage(store, "t", uids(1)[3])
+        worker = AdvantageWorker(store)
+        assert worker.run_once() == 2
+        stats = store.stats("t")
+        assert (stats["groups_ready"], stats["groups_failed"], stats["quarantined"], stats["computing"]) == (2, 1, 1, 0)
+        assert store.verify("t") == []

@@ -1,0 +1,80 @@
+"""The server's resident memory does not grow with its data file (server/store/residency.py): the
+map pages a full open check or a scrub pass read are given back, so the data file's share of the
+process's RSS (its mapping's `Rss` in /proc/self/smaps) stays a small part of the file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store, residency
+from expbuf.server.tables import TableConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from bench_writes import entries
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+
+
+def resident(path: Path) -> int:
+    """Bytes of this process's maps of `path` that are resident now."""
+    ranges = residency.mapped(path)
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            start, _, end = head.partition("-")
+            inside = (int(start, 16), int(end, 16)) in ranges
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of about 100 MB: 12,000 experiences of 8 KB."""
+    path = tmp_path_factory.mktemp("resident") / "data"
+    with Store(path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=1, drop_zero_variance=False))
+        for start in range(0, 12_000, 1_000):
+            store.put_entries("t", entries(1_000, 1, start, size=8_000))
+    return path
+
+
+def test_a_full_open_check_and_a_scrub_pass_leave_the_file_out_of_rss(data: Path) -> None:
+    size = (data / "data.mdb").stat().st_size
+    assert size > 90e6
+    with Store(data, check_at_open="full") as store:  # reads every payload through the map
+        after_open = resident(data / "data.mdb")
+        assert store.scrub.run_pass() == 0
+        after_pass = resident(data / "data.mdb")
+        with store.environment.read() as txn:  # a read of its own, given back by nobody: it stays
+            for _, blob in txn.cursor(db=store.db["blobs"]):
+                assert blob
+        read_whole = resident(data / "data.mdb")
+    assert read_whole > size / 2  # what a pass over the file leaves resident when nothing gives it back
+    assert after_open < size / 10 and after_pass < size / 10
+
+
+def test_the_first_build_of_an_index_leaves_the_file_out_of_rss(tmp_path: Path) -> None:
+    """The first priority request builds the table's priority index from every ready group's
+    record (index_builds.py), which touches pages all over the file; they are given back when
+    the build ends, as after a scrub pass."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("t", estimator="none", group_size=1, drop_zero_variance=False))
+        for start in range(0, 100_000, 10_000):
+            store.put_entries("t", entries(10_000, 1, start))
+    size = (tmp_path / "data.mdb").stat().st_size
+    with Store(tmp_path) as store:
+        batch = store.sample(SampleSpec("t", num_groups=1, order="priority", delivery="replay", wait_seconds=0))
+        assert batch is not None and batch.group_ids == ["0/0"]
+        after_build = resident(tmp_path / "data.mdb")
+        with store.environment.read() as txn:  # the same records read again, given back by nobody
+            assert sum(1 for _ in txn.cursor(db=store.db["groups"])) == 100_000
+        read_again = resident(tmp_path / "data.mdb")
+    assert read_again > size / 10  # what the build's reads leave resident when nothing gives them back
+    assert after_build < size / 50

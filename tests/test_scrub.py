@@ -1,0 +1,140 @@
+"""The background scrub (server/store/scrub.py): every stored payload checked against its digest
+in read transactions of bounded size, at a bounded rate, the damaged quarantined as a read
+would in short write transactions of their own; the last complete pass kept across restarts;
+progress and findings in ServerInfo, `expbuf stats` and the metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_quarantine import damage, uids
+
+from expbuf.client import BufferClient
+from expbuf.server.sample_spec import SampleSpec
+from expbuf.server.store import Store, scrub
+from expbuf.server.tables import TableConfig
+
+from helpers import ServerProcess, group_items, scrape
+
+
+def filled(path: Path, groups: int = 40, **settings: object) -> Store:
+    store = Store(path, **settings)  # type: ignore[arg-type]
+    store.create_table(TableConfig("t", estimator="none", group_size=4))
+    for task in range(groups):
+        store.put("t", group_items(0, task, 4, reward=float(task)))
+    return store
+
+
+def test_a_pass_quarantines_what_no_read_met_and_keeps_the_pass_on_record(tmp_path: Path) -> None:
+    with filled(tmp_path) as store:
+        for task, run in ((3, 0), (3, 2), (17, 1)):
+            damage(store, "t", uids(task)[run])
+        before = store.stats("t")
+        assert store.scrub_status().last_pass_end_unix == 0.0
+        assert store.scrub.run_pass() == 3
+        status = store.scrub_status()
+        assert (status.passes, status.found, status.checked, status.running) == (1, 3, 160, False)
+        assert status.pass_total_bytes == status.pass_checked_bytes == status.checked_bytes == before["bytes"]
+        assert status.last_pass_found == 3 and status.last_pass_end_unix > 0
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["groups_failed"], stats["failed"]) == (3, 3, 2, 5)
+        assert store.verify("t") == []
+        served = []
+        while (batch := store.sample(SampleSpec("t", num_groups=8, wait_seconds=0, allow_partial=True))) is not None:
+            served += batch.uids
+        assert len(served) == 38 * 4 and not {*uids(3), *uids(17)} & set(served)
+        assert store.scrub.run_pass() == 0  # found once: quarantined, never found again
+        last = store.scrub_status()
+    with Store(tmp_path) as store:  # the last complete pass is on record; the counts since the start are not
+        again = store.scrub_status()
+        assert (again.passes, again.found) == (0, 0)
+        assert (again.last_pass_end_unix, again.last_pass_bytes) == (last.last_pass_end_unix, last.last_pass_bytes)
+
+
+def test_it_reads_in_bounded_chunks_and_writes_only_what_it_found(tmp_path: Path, monkeypatch) -> None:
+    """Each read transaction holds at most CHUNK_ITEMS payloads; the writer runs one short
+    transaction per chunk that found damage, and one for the pass's record."""
+    monkeypatch.setattr(scrub, "CHUNK_ITEMS", 16)
+    with filled(tmp_path) as store:
+        damage(store, "t", uids(1)[0])  # payloads in key order: 0/0, 0/1, 0/10: the first chunk
+        damage(store, "t", uids(10)[0])  # the same chunk
+        damage(store, "t", uids(30)[3])  # a later one
+        chunks: list[int] = []
+        read = store.scrub._chunk
+
+        def counted(prefix: bytes, after: bytes) -> tuple[list[str], bytes | None, int, int, int]:
+            result = read(prefix, after)
+            chunks.append(result[4])
+            return result
+
+        monkeypatch.setattr(store.scrub, "_chunk", counted)
+        batches = store.environment.batches
+        assert store.scrub.run_pass() == 3
+        assert store.environment.batches - batches == 3  # two chunks found damage, then the record
+        assert max(chunks) == 16 and sum(chunks) == 160
+
+
+def test_the_rate_bound_holds_and_a_close_ends_a_pass(tmp_path: Path, monkeypatch) -> None:
+    """A pass at a bound reads no faster than it (payloads and records; the machine's load only
+    makes it slower); a store closed in the middle of a slow pass ends it at its next chunk,
+    uncounted."""
+    monkeypatch.setattr(scrub, "CHUNK_ITEMS", 16)
+    with filled(tmp_path, groups=60) as store:
+        store.scrub.mb_per_second = 0.1
+        store.scrub.run_pass()
+        status = store.scrub_status()
+        records = 240 * 100  # each record is at least 100 bytes
+        assert status.last_pass_seconds >= (status.last_pass_bytes + records) / 0.1e6 * 0.99
+    with Store(tmp_path, scrub_mb_per_second=0.001) as store:
+        while not store.scrub_status().pass_checked_bytes:  # a chunk was read: the pass is under way
+            store.scrub._stop.wait(0.01)
+    status = store.scrub_status()
+    assert status.passes == 0 and status.pass_checked_bytes < status.pass_total_bytes
+
+
+def test_a_server_scrubs_after_its_start_and_shows_it(tmp_path: Path) -> None:
+    with filled(tmp_path / "data") as store:
+        damage(store, "t", uids(5)[1])
+    server = ServerProcess(str(tmp_path / "data"), "--scrub-mb-per-second", "1000")
+    try:
+        with BufferClient(server.target, timeout=20) as client:
+            deadline = time.monotonic() + 60
+            while client.server_info().scrub.passes < 1:
+                assert time.monotonic() < deadline, "no scrub pass in a minute"
+                time.sleep(0.05)
+            info = client.server_info()
+            assert (info.scrub.passes, info.scrub.found, info.scrub.mb_per_second) == (1, 1, 1000)
+            assert info.scrub.last_pass_found == 1 and info.scrub.progress == 1.0
+            assert client.stats("t")["t"].quarantined == 1
+        metrics = scrape(server.metrics_port)
+        assert metrics[("expbuf_scrub_found_total", ())] == 1
+        assert metrics[("expbuf_scrub_passes_total", ())] == 1
+        assert metrics[("expbuf_scrub_checked_experiences_total", ())] == 160
+        assert metrics[("expbuf_buffer_experiences", (("state", "quarantined"), ("table", "t")))] == 1
+        assert metrics[("expbuf_scrub_last_pass_end_timestamp_seconds", ())] > 0
+        shown = subprocess.run(
+            [sys.executable, "-m", "expbuf.server.cli", "stats", "--target", server.target],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert "scrub idle (at most 1000 MB/s, every 24.0h), found 1 damaged since the start" in shown
+        assert "; last complete pass " in shown and ", 1 found)" in shown
+    finally:
+        assert server.stop(signal.SIGTERM) == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "100001", "x"])
+def test_the_rate_is_a_checked_setting(value: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(tmp_path), "--port", "0",
+         "--metrics-port", "-1"],
+        env={**os.environ, "EXPBUF_SCRUB_MB_PER_SECOND": value},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "scrub_mb_per_second" in done.stderr or "EXPBUF_SCRUB_MB_PER_SECOND" in done.stderr
