@@ -14,6 +14,7 @@ import grpc
 import grpc.aio
 
 from . import calls
+from .aio_pusher import AsyncPusher
 from .connection import ClientBase, call_error
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
@@ -71,6 +72,11 @@ class AsyncBufferClient(ClientBase):
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
         A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
         return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
+
+    def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncPusher:
+        """Pipelined pushes to `table`, as BufferClient.pusher: `await pusher.push(items)` returns an
+        asyncio Future of the PushResult once the push is on its way. See AsyncPusher."""
+        return AsyncPusher(self, table, window, timeout)
 
     async def sample(
         self,

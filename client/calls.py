@@ -94,19 +94,24 @@ def push(
 ) -> Unary[PushResult] | Chunked[PushResult]:
     """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never)."""
 
-    def read(reply: pb.PushReply) -> PushResult:
-        return PushResult(
-            list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
-        )
-
     body = payload(items)
     if 0 < chunk_bytes < len(body):
-        return Chunked(lambda: _chunks(body, table, chunk_bytes), read, retry=True, timeout=timeout)
-    return Unary("Push", pb.PushRequest(table=table, payload=body), read, retry=True, timeout=timeout)
+        return Chunked(lambda: push_requests(body, table, chunk_bytes), push_result, retry=True, timeout=timeout)
+    return Unary("Push", pb.PushRequest(table=table, payload=body), push_result, retry=True, timeout=timeout)
 
 
-def _chunks(body: bytes, table: str, size: int) -> Iterator[pb.PushRequest]:
-    yield pb.PushRequest(table=table, payload=body[:size], total_bytes=len(body))
+def push_result(reply: pb.PushReply) -> PushResult:
+    return PushResult(
+        list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
+    )
+
+
+def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[pb.PushRequest]:
+    """The PushStream messages of one push: whole, or in chunks of `size` (0: whole) when larger."""
+    if not 0 < size < len(body):
+        yield pb.PushRequest(table=table, payload=body, seq=seq)
+        return
+    yield pb.PushRequest(table=table, payload=body[:size], total_bytes=len(body), seq=seq)
     for start in range(size, len(body), size):
         yield pb.PushRequest(payload=body[start : start + size])
 

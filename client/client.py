@@ -22,6 +22,7 @@ from . import calls
 from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .pusher import Pusher
 from .results import (
     AsyncBatch,
     Batch,
@@ -126,6 +127,14 @@ class BufferClient(ClientBase):
         A retried push is safe: what was stored already comes back in `duplicates`. A payload
         larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
         return self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
+
+    def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> Pusher:
+        """Pipelined pushes to `table`: up to `window` (1 to 64) in flight over one PushStream, so
+        the next payload is encoded while the server stores the last. `push()` returns a Future of
+        the PushResult; futures complete in push order, each push durable or failed on its own (a
+        failure names its uids, in the error's `uids`). The pusher holds up to `window` payloads;
+        each push has `timeout` (the client's) as a push alone has. See Pusher."""
+        return Pusher(self, table, window, timeout)
 
     def sample(
         self,

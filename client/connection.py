@@ -80,6 +80,12 @@ def call_error(exc: grpc.RpcError, tls: bool) -> ExpbufError:
     return ExpbufError(exc.code(), details)
 
 
+def backoff(attempt: int) -> float:
+    """Seconds to wait before retry `attempt` + 1 of a call the server could not take: doubling
+    from 50 ms up to 2 s, with jitter, so that clients that lost one server do not return at once."""
+    return min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+
+
 class Attempts:
     """One call's attempts under one deadline: how long the next may take, and the pause before it."""
 
@@ -97,7 +103,7 @@ class Attempts:
         """Seconds to wait before retrying a call the server could not take now; raises the
         call's ExpbufError when it is not to be retried (not UNAVAILABLE, no retries or time left)."""
         if exc.code() == grpc.StatusCode.UNAVAILABLE and self._attempt < self._retries:
-            pause = min(2.0, 0.05 * 2**self._attempt) * (0.5 + random.random())
+            pause = backoff(self._attempt)
             if time.monotonic() + pause < self._deadline:
                 self._attempt += 1
                 return pause
@@ -141,6 +147,7 @@ class ClientBase:
         self.timeout = timeout
         self.retries = retries
         self.push_chunk_bytes = push_chunk_bytes
+        self.max_message_bytes = max_message_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_send_message_length", max_message_bytes),

@@ -19,6 +19,8 @@ class ExpbufError(Exception):
     """A refused or failed call; `code` is the grpc.StatusCode and `details` the server's message."""
 
     status: ClassVar[grpc.StatusCode | None] = None
+    # The experiences of a pipelined push that failed (see Pusher), for a caller that pushes them again.
+    uids: tuple[str, ...] = ()
 
     def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:
         if cls is ExpbufError:

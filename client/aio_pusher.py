@@ -1,0 +1,147 @@
+"""AsyncPusher: the asyncio client's pipelined pushes, as Pusher (pusher.py) with the same window
+rules (pipeline.py). Each stream's replies are read by a task of its own; one push's messages
+are written at a time, so a payload's chunks are never interleaved with another's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+
+from . import calls
+from .pipeline import Pending, Stream, Window
+from .results import PushResult
+
+if TYPE_CHECKING:
+    from .aio import AsyncBufferClient
+
+
+class _Open:
+    """A PushStream in progress: its bookkeeping and its call."""
+
+    def __init__(self, window: Window, client: AsyncBufferClient) -> None:
+        self.state = Stream()
+        self.call = client._stub.PushStream(timeout=window.stream_seconds, metadata=client._metadata)
+        self.closed = False
+
+
+class AsyncPusher:
+    """Up to `window` pushes in flight to one table over one PushStream, as Pusher: `await push()`
+    returns an asyncio Future at once (waiting only while the window is full); futures complete
+    in push order, each with its PushResult or its ExpbufError naming its uids::
+
+        async with client.pusher("grpo8", window=4) as pusher:
+            futures = [await pusher.push(batch) for batch in batches]
+        results = await asyncio.gather(*futures)
+    """
+
+    def __init__(self, client: AsyncBufferClient, table: str, window: int, timeout: float | None) -> None:
+        self._client = client
+        self._window = Window(table, window, client, timeout)
+        self._changed = asyncio.Event()  # set whenever pushes are handed back
+        self._writing = asyncio.Lock()
+        self._stream: _Open | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._futures: dict[int, asyncio.Future[PushResult]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """Pushes made whose futures are not yet complete (at most the window)."""
+        return len(self._window.pushes)
+
+    async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
+        """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
+        body = calls.payload(items)
+        while self._window.full:
+            self._changed.clear()
+            await self._changed.wait()
+        pending = self._window.add(body)
+        future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
+        self._futures[pending.number] = future
+        if pending.outcome is None:
+            await self._send([pending])
+        self._settle()
+        return future
+
+    async def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed."""
+        while self._window.pushes:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def close(self) -> None:
+        """Wait for every push, then end the stream."""
+        await self.flush()
+        async with self._writing:
+            if self._stream is not None:
+                await self._end(self._stream)
+                self._stream = None
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> AsyncPusher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _end(self, stream: _Open) -> None:
+        """No more pushes on `stream`: it answers those it has, then ends (under `_writing`)."""
+        if not stream.closed:
+            stream.closed = True
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # it has ended already
+                await stream.call.done_writing()
+
+    async def _send(self, pushes: list[Pending]) -> None:
+        """Send pushes on the current stream, a new one if it takes no more. A stream's reader
+        decides for every push on it once it ends, so they join it before any write."""
+        async with self._writing:
+            stream = self._stream
+            if stream is None or stream.closed or not self._window.takes(stream.state):
+                if stream is not None:
+                    await self._end(stream)
+                stream = self._stream = _Open(self._window, self._client)
+                task = asyncio.create_task(self._read(stream))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            stream.state.sent.extend(pushes)
+            try:
+                for pending in pushes:
+                    for request in pending.requests(self._window.chunk_bytes):
+                        await stream.call.write(request)
+            except (grpc.RpcError, asyncio.InvalidStateError):  # the stream ended: its reader decides
+                pass
+
+    async def _read(self, stream: _Open) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            while (reply := await stream.call.read()) is not grpc.aio.EOF:
+                self._window.answered(stream.state, reply)
+                self._settle()
+        except grpc.RpcError as exc:
+            error = exc
+        stream.closed = True
+        again, pause = self._window.ended(stream.state, error)
+        if self._stream is stream:
+            self._stream = None
+        self._settle()
+        if again:
+            await asyncio.sleep(pause)
+            await self._send(again)
+
+    def _settle(self) -> None:
+        """Complete the futures of the pushes handed back, in order."""
+        finished = self._window.finished()
+        for pending in finished:
+            future = self._futures.pop(pending.number)
+            if future.done():  # cancelled by its caller
+                continue
+            if isinstance(pending.outcome, PushResult):
+                future.set_result(pending.outcome)
+            else:
+                future.set_exception(pending.outcome)  # type: ignore[arg-type]  # an ExpbufError
+        if finished:
+            self._changed.set()

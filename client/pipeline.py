@@ -1,0 +1,182 @@
+"""What the blocking and the asyncio pusher share: the window of pushes in flight, the messages
+each push sends, and what the end of a stream means for each push on it. No I/O here: each
+pusher (pusher.py, aio_pusher.py) only sends, reads and waits.
+
+A pusher's pushes go over PushStream, each with its number as its seq, up to `window` of them
+not yet handed back. The server takes a stream's pushes one at a time, in order, and answers
+each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
+unanswered push's, and the server read none after it: that push fails alone, and the others
+go again on a new stream. When a stream breaks (UNAVAILABLE: the server went away), the push
+it was on may or may not be stored: every push unanswered on it goes again (a push is
+idempotent; what was stored comes back as duplicates) while the client's retries and the
+push's deadline last, then fails UNAVAILABLE naming its uids. Futures complete in push order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from . import calls, trxp
+from .connection import backoff
+from .errors import ExpbufError
+from .results import PushResult
+
+MAX_WINDOW = 64
+NAMED_UIDS = 32  # the uids an error names; past them, how many more
+
+
+def check_window(window: Any) -> int:
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"window must be an integer from 1 to {MAX_WINDOW}, got {window!r}")
+    return window
+
+
+@dataclass(eq=False)
+class Pending:
+    """One push of a pusher, from push() until its future is completed."""
+
+    number: int  # 1 for the pusher's first push; its seq on the wire
+    table: str
+    body: bytes
+    deadline: float  # monotonic: no retry starts after it
+    attempts: int = 0  # sends after the first
+    outcome: PushResult | ExpbufError | None = None
+
+    def requests(self, chunk_bytes: int) -> Iterator[pb.PushRequest]:
+        return calls.push_requests(self.body, self.table, chunk_bytes, self.number)
+
+    def fail(self, code: grpc.StatusCode, details: str, why: str = "") -> None:
+        """Fail with the error of `code`, naming the push and its uids (read from its payload only now)."""
+        try:
+            uids = tuple(item.uid for item in trxp.parse(self.body))
+        except trxp.TrxpError:
+            uids, named = (), "its payload is not TRXP, so its uids are unknown"
+        else:
+            shown = ", ".join(uids[:NAMED_UIDS])
+            more = f" and {len(uids) - NAMED_UIDS} more" if len(uids) > NAMED_UIDS else ""
+            named = f"uids {shown}{more}"
+        error = ExpbufError(code, f"{details} (push {self.number} of this pusher{why}; {named})")
+        error.uids = uids
+        self.outcome = error
+        self.body = b""
+
+
+@dataclass(eq=False)
+class Stream:
+    """One PushStream's bookkeeping: when it opened and its pushes not yet answered, oldest first."""
+
+    opened: float = field(default_factory=time.monotonic)
+    sent: deque[Pending] = field(default_factory=deque)
+
+
+class Window:
+    """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
+
+    def __init__(self, table: str, size: int, client: Any, timeout: float | None) -> None:
+        self.table = table
+        self.size = check_window(size)
+        self.chunk_bytes: int = client.push_chunk_bytes
+        self.max_message_bytes: int = client.max_message_bytes
+        self.timeout: float = timeout or client.timeout
+        self.retries: int = client.retries
+        self.pushes: deque[Pending] = deque()
+        self._numbers = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.pushes) >= self.size
+
+    @property
+    def stream_seconds(self) -> float:
+        """A stream's deadline: a push joins one only in its first `timeout` seconds, so each
+        push has at least the client's timeout, as a push alone has."""
+        return 2 * self.timeout
+
+    def takes(self, stream: Stream | None) -> bool:
+        """Whether a new push may go on `stream`."""
+        return stream is not None and time.monotonic() - stream.opened < self.timeout
+
+    def add(self, body: bytes) -> Pending:
+        """The next push, of a payload the pusher encoded while earlier ones were on their way.
+        One no message could carry fails at once."""
+        self._numbers += 1
+        pending = Pending(self._numbers, self.table, body, time.monotonic() + self.timeout)
+        if self.chunk_bytes == 0 and len(body) > self.max_message_bytes:
+            pending.fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a payload of {len(body)} bytes is larger than max_message_bytes = {self.max_message_bytes} "
+                "and push_chunk_bytes = 0 sends it whole",
+            )
+        self.pushes.append(pending)
+        return pending
+
+    def answered(self, stream: Stream, reply: pb.PushReply) -> None:
+        """The server answered the oldest push unanswered on `stream`: it is durable."""
+        if not stream.sent:
+            return
+        pending = stream.sent.popleft()
+        if reply.seq != pending.number:
+            pending.fail(grpc.StatusCode.INTERNAL, f"PushStream answered seq {reply.seq}, not {pending.number}")
+        else:
+            pending.outcome = calls.push_result(reply)
+            pending.body = b""
+
+    def ended(self, stream: Stream, exc: grpc.RpcError | None) -> tuple[list[Pending], float]:
+        """`stream` ended (with `exc`, or without an error): the pushes to send again, in order,
+        after the pause returned; the others unanswered on it have failed."""
+        sent, stream.sent = list(stream.sent), deque()
+        if not sent:
+            return [], 0.0
+        if exc is None:
+            for pending in sent:
+                pending.fail(grpc.StatusCode.INTERNAL, "PushStream ended without answering it")
+            return [], 0.0
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.CANCELLED:  # on this side: the channel closed
+            for pending in sent:
+                pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
+            return [], 0.0
+        if code != grpc.StatusCode.UNAVAILABLE:
+            sent.pop(0).fail(code, details)
+            return self._in_time(sent, code, details), 0.0
+        pause = backoff(max(pending.attempts for pending in sent))
+        again = []
+        for pending in sent:
+            pending.attempts += 1
+            if pending.attempts > self.retries or time.monotonic() + pause >= pending.deadline:
+                pending.fail(
+                    code,
+                    details,
+                    f", not answered after {pending.attempts - 1} retries: whether it was stored is unknown, "
+                    "and pushing it again is safe",
+                )
+            else:
+                again.append(pending)
+        return again, pause
+
+    def _in_time(self, pushes: list[Pending], code: grpc.StatusCode, details: str) -> list[Pending]:
+        """Of pushes the server did not read, those with time left; the others fail, not stored."""
+        now = time.monotonic()
+        for pending in pushes:
+            if now >= pending.deadline:
+                pending.fail(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"not sent in time: the stream it was on ended ({code.name}: {details})",
+                    ", not stored",
+                )
+        return [pending for pending in pushes if pending.outcome is None]
+
+    def finished(self) -> list[Pending]:
+        """The pushes handed back now: those with an outcome with none unfinished before them."""
+        done = []
+        while self.pushes and self.pushes[0].outcome is not None:
+            done.append(self.pushes.popleft())
+        return done

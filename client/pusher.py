@@ -1,0 +1,168 @@
+"""Pusher: the blocking client's pipelined pushes, up to a window of them in flight over PushStream.
+
+The window's rules are pipeline.py's; here each stream's replies are read by a thread of its
+own, and the futures are completed outside the pusher's lock, so a callback may push again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from . import calls
+from .pipeline import Pending, Stream, Window
+from .results import PushResult
+
+if TYPE_CHECKING:
+    from .client import BufferClient
+
+
+class _Requests:
+    """A stream's messages as gRPC sends them: each push's, made when gRPC asks for them."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+
+    def __iter__(self) -> Any:
+        while (pending := self._queue.get()) is not None:
+            yield from pending.requests(self._chunk_bytes)
+
+    def send(self, pending: Pending) -> None:
+        self._queue.put(pending)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+class _Open:
+    """A PushStream in progress: its bookkeeping, its messages and its replies."""
+
+    def __init__(self, window: Window, client: BufferClient) -> None:
+        self.state = Stream()
+        self.requests = _Requests(window.chunk_bytes)
+        self.replies = client._stub.PushStream(
+            iter(self.requests), timeout=window.stream_seconds, metadata=client._metadata
+        )
+
+
+class Pusher:
+    """Up to `window` pushes in flight to one table over one PushStream: `push()` returns a
+    Future at once (waiting only while the window is full), so the next payload is encoded
+    while the server stores the last. Each future holds its push's PushResult once durable,
+    or its ExpbufError naming its uids; they complete in the order of the pushes. Made by
+    `BufferClient.pusher()`; close it (or leave its `with`) to wait for every push::
+
+        with client.pusher("grpo8", window=4) as pusher:
+            futures = [pusher.push(batch) for batch in batches]
+        results = [f.result() for f in futures]
+    """
+
+    def __init__(self, client: BufferClient, table: str, window: int, timeout: float | None) -> None:
+        self._client = client
+        self._window = Window(table, window, client, timeout)
+        self._changed = threading.Condition()
+        self._stream: _Open | None = None
+        self._readers: list[threading.Thread] = []
+        self._futures: dict[int, Future[PushResult]] = {}
+        self._ready: deque[tuple[Pending, Future[PushResult]]] = deque()  # handed back, futures to complete
+        self._completing = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Pushes made whose futures are not yet complete (at most the window)."""
+        return len(self._window.pushes)
+
+    def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
+        """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
+        body = calls.payload(items)
+        future: Future[PushResult] = Future()
+        with self._changed:
+            self._changed.wait_for(lambda: not self._window.full)
+            pending = self._window.add(body)
+            self._futures[pending.number] = future
+            if pending.outcome is None:
+                self._send([pending])
+        self._settle()
+        return future
+
+    def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._window.pushes)
+
+    def close(self) -> None:
+        """Wait for every push, then end the stream."""
+        self.flush()
+        with self._changed:
+            if self._stream is not None:
+                self._stream.requests.close()
+                self._stream = None
+            readers, self._readers = self._readers, []
+        for reader in readers:
+            reader.join()
+
+    def __enter__(self) -> Pusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, pushes: list[Pending]) -> None:
+        """Send pushes on the current stream, a new one if it takes no more (under the lock)."""
+        if self._stream is None or not self._window.takes(self._stream.state):
+            if self._stream is not None:
+                self._stream.requests.close()  # answers what it has, then ends
+            self._stream = _Open(self._window, self._client)
+            reader = threading.Thread(target=self._read, args=(self._stream,), name="expbuf-pusher", daemon=True)
+            self._readers = [r for r in self._readers if r.is_alive()] + [reader]
+            reader.start()
+        for pending in pushes:
+            self._stream.state.sent.append(pending)
+            self._stream.requests.send(pending)
+
+    def _read(self, stream: _Open) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in stream.replies:
+                with self._changed:
+                    self._window.answered(stream.state, reply)
+                self._settle()
+        except grpc.RpcError as exc:
+            error = exc
+        stream.requests.close()  # gRPC's thread that sends them may be waiting for one
+        with self._changed:
+            again, pause = self._window.ended(stream.state, error)
+            if self._stream is stream:
+                self._stream = None
+        self._settle()
+        if again:
+            time.sleep(pause)
+            with self._changed:
+                self._send(again)
+
+    def _settle(self) -> None:
+        """Complete the futures of the pushes handed back, in order, outside the lock. One thread
+        at a time completes them; a callback that pushes again only queues what it hands back."""
+        with self._changed:
+            finished = self._window.finished()
+            self._ready.extend((pending, self._futures.pop(pending.number)) for pending in finished)
+            if finished:
+                self._changed.notify_all()
+        while self._ready and self._completing.acquire(blocking=False):
+            try:
+                while self._ready:
+                    pending, future = self._ready.popleft()
+                    if isinstance(pending.outcome, PushResult):
+                        future.set_result(pending.outcome)
+                    else:
+                        future.set_exception(pending.outcome)
+            finally:
+                self._completing.release()

@@ -1,0 +1,176 @@
+"""Pipelined pushes: a pusher keeps up to `window` pushes in flight over one PushStream, from the
+blocking and the asyncio client. Each push's future holds its own outcome, the futures complete
+in the order of the pushes, a refused push fails alone and names its uids, and the others in
+the window are stored (checked by Get)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import pytest
+
+from expbuf.client import (
+    AlreadyExistsError,
+    AsyncBufferClient,
+    BufferClient,
+    ExpbufError,
+    InvalidArgumentError,
+    PushResult,
+    trxp,
+)
+
+from conftest import Servers
+from helpers import make_experience, scrape
+
+Outcome = PushResult | ExpbufError
+
+
+def group(batch: str, task: int, size: int = 4, reward: float = 1.0) -> list[Any]:
+    return [make_experience(batch, task, run, reward=reward) for run in range(size)]
+
+
+def uids(items: Sequence[Any]) -> list[str]:
+    return [item.eid.uid for item in items]
+
+
+def push_sync(target: str, table: str, pushes: Sequence[Any], window: int) -> tuple[list[Outcome], list[int]]:
+    """Each push's outcome, and the order in which their futures completed."""
+    done: list[int] = []
+    with BufferClient(target, push_chunk_bytes=1 << 16) as client, client.pusher(table, window=window) as pusher:
+        pending = []
+        for index, items in enumerate(pushes):
+            future = pusher.push(items)
+            future.add_done_callback(lambda _, index=index: done.append(index))
+            pending.append(future)
+            assert pusher.in_flight <= window
+        futures.wait(pending)
+    return [f.exception() or f.result() for f in pending], done  # type: ignore[misc]
+
+
+def push_async(target: str, table: str, pushes: Sequence[Any], window: int) -> tuple[list[Outcome], list[int]]:
+    async def body() -> tuple[list[Outcome], list[int]]:
+        done: list[int] = []
+        async with AsyncBufferClient(target, push_chunk_bytes=1 << 16) as client:
+            async with client.pusher(table, window=window) as pusher:
+                pending = []
+                for index, items in enumerate(pushes):
+                    future = await pusher.push(items)
+                    future.add_done_callback(lambda _, index=index: done.append(index))
+                    pending.append(future)
+                    assert pusher.in_flight <= window
+            outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        return list(outcomes), done
+
+    return asyncio.run(body())
+
+
+PUSHERS: dict[str, Callable[[str, str, Sequence[Any], int], tuple[list[Outcome], list[int]]]] = {
+    "blocking": push_sync,
+    "asyncio": push_async,
+}
+
+
+def stream_calls(port: int) -> float:
+    return sum(
+        value
+        for (name, labels), value in scrape(port).items()
+        if name == "expbuf_rpc_duration_seconds_count" and dict(labels)["method"] == "PushStream"
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_every_push_in_a_window_is_answered_in_order_over_one_stream(start_server: Servers, kind: str) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("g4", group_size=4)
+    pushes = [group(kind, task) for task in range(12)]
+    outcomes, order = PUSHERS[kind](target, "g4", pushes, 4)
+    assert order == list(range(12))
+    for task, (items, outcome) in enumerate(zip(pushes, outcomes, strict=True)):
+        assert isinstance(outcome, PushResult)
+        assert outcome.stored == uids(items) and outcome.duplicates == []
+        assert outcome.completed_groups == [f"{kind}/{task}"]
+    assert stream_calls(server.metrics_port) == 1
+    with BufferClient(target) as client:
+        assert client.get([u for items in pushes for u in uids(items)], table="g4").missing_uids == []
+
+
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_refused_push_in_the_middle_of_a_window_fails_alone_naming_its_uids(start_server: Servers, kind: str) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    first, conflict = group(kind, 0), group(kind, 9, reward=0.0)
+    conflict[0] = make_experience(kind, 0, 0, reward=0.0)  # first[0]'s uid with other bytes
+    garbage = b"TRXP not a payload"
+    pushes = [first, group(kind, 1), conflict, group(kind, 2), garbage, group(kind, 3), group(kind, 1)]
+    outcomes, order = PUSHERS[kind](target, "default", pushes, 4)
+    assert order == list(range(len(pushes)))
+    refused = outcomes[2]
+    assert isinstance(refused, AlreadyExistsError)
+    for uid in uids(conflict):
+        assert uid in refused.details
+    assert "push 3 of this pusher" in refused.details
+    unreadable = outcomes[4]
+    assert isinstance(unreadable, InvalidArgumentError) and "push 5 of this pusher" in unreadable.details
+    for index in (0, 1, 3, 5):
+        outcome = outcomes[index]
+        assert isinstance(outcome, PushResult) and outcome.stored == uids(pushes[index])
+    again = outcomes[6]  # the same group twice in one window: the second is a duplicate
+    assert isinstance(again, PushResult) and again.stored == [] and again.duplicates == uids(pushes[1])
+    with BufferClient(target) as client:
+        stored = client.get([u for i in (0, 1, 3, 5) for u in uids(pushes[i])])
+        assert stored.missing_uids == []
+        assert client.get(uids(conflict)[1:]).missing_uids == uids(conflict)[1:]  # nothing of a refused push
+
+
+def test_a_pusher_holds_at_most_its_window_and_waits_for_room(start_server: Servers) -> None:
+    """Two pushes in flight on a full table that blocks: a third push() waits until one is answered."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, timeout=60) as client:
+        client.create_table("full", group_size=4, capacity_experiences=4, when_full="block")
+        client.push(group("full", 0), table="full")
+        with client.pusher("full", window=2) as pusher:
+            waiting = [pusher.push(group("full", task)) for task in (1, 2)]
+            assert pusher.in_flight == 2
+            third_sent = threading.Event()
+
+            def third() -> None:
+                waiting.append(pusher.push(group("full", 3)))
+                third_sent.set()
+
+            thread = threading.Thread(target=third)
+            thread.start()
+            assert not third_sent.wait(0.5) and pusher.in_flight == 2
+            for _ in range(3):  # each batch taken makes room for the next group
+                assert next(client.sample("full", num_groups=1, delivery="consume", max_batches=1)).groups
+            thread.join(60)
+            assert third_sent.is_set()
+        assert [len(f.result().stored) for f in waiting] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("window", [0, 65, 1.5, True])
+def test_a_window_out_of_bounds_is_refused_naming_it(start_server: Servers, window: Any) -> None:
+    server = start_server()
+    with (
+        BufferClient(f"127.0.0.1:{server.port}") as client,
+        pytest.raises(ValueError, match=r"window must be an integer from 1 to 64, got"),
+    ):
+        client.pusher("default", window=window)
+
+
+def test_a_pusher_sends_large_payloads_in_chunks_among_whole_ones(start_server: Servers) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    big = [make_experience("big", 0, run, response=20_000) for run in range(2)]
+    pushes = [group("small", 0), big, group("small", 1), trxp.encode(group("small", 2))]
+    outcomes, order = push_sync(target, "default", pushes, 3)
+    assert order == [0, 1, 2, 3]
+    assert [o.stored if isinstance(o, PushResult) else o for o in outcomes] == [uids(p) for p in pushes[:3]] + [
+        uids(group("small", 2))
+    ]
