@@ -108,7 +108,9 @@ class Growth:
         text = self.config.read_text().replace("CHECK", check)
         self.config.with_name(f"{check}.toml").write_text(text)
         # a full open check of 10 M experiences reads every byte of the data file
-        return ServerProcess(self.data, "--config", str(self.config.with_name(f"{check}.toml")), start_seconds=1800)
+        return ServerProcess(
+            self.data, "--config", str(self.config.with_name(f"{check}.toml")), start_seconds=1800, warm=False
+        )
 
     def fill(self, groups_total: int, pushers: int = 2) -> float:
         """Push groups until the table holds groups_total; returns experiences per second."""
@@ -223,7 +225,7 @@ class Restarts:
         config = self.configs / f"{name}.toml"
         config.write_text("\n".join(lines) + "\n")
         begin = time.perf_counter()
-        server = ServerProcess(str(self.data), "--config", str(config), start_seconds=3600)
+        server = ServerProcess(str(self.data), "--config", str(config), start_seconds=3600, warm=False)
         with BufferClient(server.target, timeout=600) as client:
             self.next_group = max(self.next_group, client.stats(TABLE)[TABLE].pushed // GROUP)
         return server, begin

@@ -82,6 +82,7 @@ class AdvantageStart:
                 if not self._stopped:
                     self._worker = worker.start()
             self._on_device(device)
+            log.info("advantage worker started: advantages computed on %s", device)
         finally:
             self._ready.set()
 
