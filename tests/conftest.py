@@ -1,12 +1,12 @@
 """Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures, the
-factory of in-process servers and the one local Ray cluster."""
+factory of in-process servers, the `expbuf serve` children and the one local Ray cluster."""
 
 from __future__ import annotations
 
 import json
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +14,8 @@ import pytest
 
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+
+from helpers import ServerProcess, servers
 
 # torch warns at import when NumPy is absent; expbuf does not use NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -102,6 +104,13 @@ def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     servers = Servers(tmp_path_factory.mktemp("server") / "data")
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerProcess]]:
+    """Starts `expbuf serve` children for one test (helpers.servers); those still running after it are killed."""
+    with servers() as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
