@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -145,6 +146,15 @@ def serve() -> Iterator[Callable[..., ServerProcess]]:
     """Starts `expbuf serve` children for one test (helpers.servers); those still running after it are killed."""
     with servers() as start:
         yield start
+
+
+@pytest.fixture(scope="module")
+def child_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One `expbuf serve` child that a module's tests share, each with tables of its own; it
+    must exit cleanly on SIGTERM."""
+    proc = ServerProcess(str(tmp_path_factory.mktemp("child") / "data"))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +15,6 @@ from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.store.browse import SCAN_PER_ITEM
 
 from helpers import make_experience
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    """One server for the module; each test fills a table of its own."""
-    proc = ServerProcess(str(tmp_path_factory.mktemp("export")))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0
 
 
 def fill(client: BufferClient, table: str) -> None:
@@ -45,8 +36,8 @@ def everything(client: BufferClient, table: str, **filters: object) -> list:
         after = page.next
 
 
-def test_pages_cover_the_live_experiences_once_in_insertion_order(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_pages_cover_the_live_experiences_once_in_insertion_order(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t0")
         next(client.sample("t0", num_groups=2, delivery="lease", lease_seconds=600, max_batches=1, timeout=10))
         listed, after, sizes = [], 0, []
@@ -66,8 +57,8 @@ def test_pages_cover_the_live_experiences_once_in_insertion_order(server: Server
         assert {e.group_id for e in listed[:2]} == {"0/0"} and listed[0].reward == 0.0 and listed[1].reward == 1.0
 
 
-def test_filters_by_state_and_version(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_filters_by_state_and_version(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t1")
         assert [e.uid for e in everything(client, "t1", states=["pending"])] == ["0/99/0/0/r0s0"]
         fresh = everything(client, "t1", min_model_version=7)
@@ -95,11 +86,11 @@ def export(server: ServerProcess, table: str, *args: str) -> subprocess.Complete
     )  # fmt: skip
 
 
-def test_export_json_lines_with_the_servers_advantages(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_export_json_lines_with_the_servers_advantages(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t2")
         stored = {e.eid.uid: e for e in client.get([e.uid for e in everything(client, "t2")], table="t2")}
-    done = export(server, "t2", "--state", "ready", "--min-version", "8")
+    done = export(child_server, "t2", "--state", "ready", "--min-version", "8")
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(line["uid"] for line in lines) == sorted(u for u, e in stored.items() if e.model_version >= 8)
@@ -112,14 +103,14 @@ def test_export_json_lines_with_the_servers_advantages(server: ServerProcess) ->
         assert abs(line["advantages"][0]) > 0.5  # the group's grpo values, not zeros
 
 
-def test_export_trxp_reads_back_as_stored(server: ServerProcess, tmp_path: Path) -> None:
-    with BufferClient(server.target) as client:
+def test_export_trxp_reads_back_as_stored(child_server: ServerProcess, tmp_path: Path) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t3")
         want = client.get([e.uid for e in everything(client, "t3")], table="t3")
     out = tmp_path / "t.trxp"
-    done = export(server, "t3", "--format", "trxp", "--out", str(out))
+    done = export(child_server, "t3", "--format", "trxp", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == trxp.encode(want)
     assert [e.eid.uid for e in decode(out.read_bytes())] == [e.eid.uid for e in want]
-    refused = export(server, "t3", "--format", "trxp")
+    refused = export(child_server, "t3", "--format", "trxp")
     assert refused.returncode == 2 and "--out" in refused.stderr
