@@ -107,6 +107,10 @@ class AsyncBufferClient(ClientBase):
         """Give a lease's batch back to the buffer now. Returns the experiences it held."""
         return await self._run(calls.nack(lease_id, table))
 
+    async def retire(self, groups: Iterable[str], table: str = "default") -> int:
+        """As BufferClient.retire: consume groups trained without a lease, keeping their tombstones."""
+        return await self._run(calls.retire(groups, table))
+
     async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
         """As BufferClient.renew: the lease now ends `seconds` from now; returns when."""
         return await self._run(calls.renew(lease_id, seconds, table))

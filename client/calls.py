@@ -119,6 +119,11 @@ def nack(lease_id: str, table: str) -> Unary[int]:
     return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=False)
 
 
+def retire(groups: Iterable[str], table: str) -> Unary[int]:
+    request = pb.RetireRequest(table=table, group_ids=list(groups))
+    return Unary("Retire", request, lambda r: r.retired, retry=True)  # a retired group stays retired
+
+
 def renew(lease_id: str, seconds: float, table: str) -> Unary[float]:
     request = pb.RenewRequest(table=table, lease_id=lease_id, lease_seconds=seconds)
     return Unary("Renew", request, lambda r: r.lease_expires_unix, retry=True)

@@ -177,6 +177,14 @@ class BufferClient(ClientBase):
         """Return the groups of a lease to the buffer now. Returns the experiences it held."""
         return self._run(calls.nack(lease_id, table))
 
+    def retire(self, groups: Iterable[str], table: str = "default") -> int:
+        """Consume groups this trainer trained without a lease (a framework's own queue held them),
+        as `ack` consumes a lease's: their payloads go and their tombstones stay, so a push of them
+        again is a duplicate, and a prompt whose group it is is trained. Ready groups, and groups
+        leased with this client's token, retire; absent or retired ones are skipped; an incomplete
+        one is FailedPreconditionError (none retires). Returns the groups retired."""
+        return self._run(calls.retire(groups, table))
+
     def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
         """Keep a lease for `seconds` more from now, for a step that outlasts the lease it took.
         Returns when the lease now ends (Unix time, the server's clock)."""

@@ -8,12 +8,16 @@ out of reach as long. Instead the lease is short and a background thread renews 
 the reader holds a third of a lease apart: a renewal may fail twice (a server restart, a
 network cut) before the lease ends. The thread stops when the reader is closed or collected,
 and dies with its process, so a dead reader's groups return within one lease.
+
+Renewer is that thread, shared with the claims a Trinity-RFT taskset holds on its prompts
+(expbuf.client.trinity.claims); what it renews, and how, is its subclass's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -21,16 +25,19 @@ from expbuf.client.client import BufferClient, BufferError
 
 log = logging.getLogger(__name__)
 RENEWALS_PER_LEASE = 3
+K = TypeVar("K")
+V = TypeVar("V")
 
 
-class LeaseKeeper:
-    """Renews the leases it holds every `seconds / 3`, each for `seconds` more, until closed."""
+class Renewer(Generic[K, V]):
+    """A thread that renews what its subclass holds (`_held`) every `seconds / 3`, from the
+    first hold until closed, then closes its client."""
 
-    def __init__(self, client: BufferClient, table: str, seconds: float) -> None:
+    def __init__(self, client: BufferClient, seconds: float, name: str) -> None:
         self._client = client  # its own channel, its calls bounded by the renewal period
-        self._table = table
         self._seconds = seconds
-        self._held: dict[str, None] = {}  # insertion-ordered set
+        self._name = name
+        self._held: dict[K, V] = {}  # insertion-ordered
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -39,23 +46,18 @@ class LeaseKeeper:
     def period(self) -> float:
         return self._seconds / RENEWALS_PER_LEASE
 
-    def hold(self, lease_id: str) -> None:
-        """Keep this lease until it is dropped."""
+    def _keep(self, items: dict[K, V]) -> None:
+        """Hold these (nothing once closed), starting the thread at the first."""
         with self._lock:
             if self._stop.is_set():
                 return
-            self._held[lease_id] = None
+            self._held.update(items)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="expbuf-lease-keeper", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
 
-    def drop(self, lease_id: str) -> None:
-        """Stop keeping a lease: acknowledged or given back."""
-        with self._lock:
-            self._held.pop(lease_id, None)
-
     def close(self) -> None:
-        """Stop renewing; the leases still held end within one lease. Idempotent."""
+        """Stop renewing; what is still held ends within one lease. Idempotent."""
         with self._lock:
             self._stop.set()
             self._held.clear()
@@ -66,14 +68,37 @@ class LeaseKeeper:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.period):
-                with self._lock:
-                    leases = list(self._held)
-                for lease in leases:
-                    if self._stop.is_set():
-                        return
-                    self._renew(lease)
+                self._renew_held()
         finally:
             self._client.close()
+
+    def _renew_held(self) -> None:
+        raise NotImplementedError
+
+
+class LeaseKeeper(Renewer[str, None]):
+    """Renews the leases it holds every `seconds / 3`, each for `seconds` more, until closed."""
+
+    def __init__(self, client: BufferClient, table: str, seconds: float) -> None:
+        super().__init__(client, seconds, "expbuf-lease-keeper")
+        self._table = table
+
+    def hold(self, lease_id: str) -> None:
+        """Keep this lease until it is dropped."""
+        self._keep({lease_id: None})
+
+    def drop(self, lease_id: str) -> None:
+        """Stop keeping a lease: acknowledged or given back."""
+        with self._lock:
+            self._held.pop(lease_id, None)
+
+    def _renew_held(self) -> None:
+        with self._lock:
+            leases = list(self._held)
+        for lease in leases:
+            if self._stop.is_set():
+                return
+            self._renew(lease)
 
     def _renew(self, lease: str) -> None:
         try:

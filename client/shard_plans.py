@@ -327,6 +327,19 @@ class Planned(Sharded):
             raise shard_error(refused, self.shard_map.targets)
         return {exp.eid.uid: exp for part in results.values() for exp in part}, errors
 
+    def _retire(self, groups: Iterable[str], table: str) -> Plan[int]:
+        """Each group on the shard that owns it; the groups retired over all of them. Raises
+        ShardError naming a shard that did not answer or refused, its `result` what each of the
+        others retired, by shard."""
+        parts: dict[str, list[str]] = {}
+        for group in dict.fromkeys(groups):
+            parts.setdefault(self.shard_map.owner(group), []).append(group)
+        calls = [Call(shard, "retire", (part, table)) for shard, part in parts.items()]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
+        if errors:
+            raise shard_error(errors, self.shard_map.targets, results)
+        return sum(results.values())
+
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
         return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())
 

@@ -161,6 +161,14 @@ class ShardedBufferClient(LedgerPlans):
         """
         return self._run(self._delete(list(uids), table, list(groups)))
 
+    def retire(self, groups: Iterable[str], table: str = "default") -> int:
+        """As BufferClient.retire, each group on the shard that owns it; the groups retired.
+
+        Raises ShardError naming a shard that did not answer or refused, its `result` what each of
+        the others retired, by shard (a retry of the whole call is safe).
+        """
+        return self._run(self._retire(groups, table))
+
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group on the shard that owns it."""
         return self._run(self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))

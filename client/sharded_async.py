@@ -131,6 +131,10 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.delete."""
         return await self._run(self._delete(list(uids), table, list(groups)))
 
+    async def retire(self, groups: Iterable[str], table: str = "default") -> int:
+        """As ShardedBufferClient.retire."""
+        return await self._run(self._retire(groups, table))
+
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As ShardedBufferClient.seal."""
         return await self._run(self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))

@@ -33,6 +33,7 @@ SCOPE_OF_METHOD = {
     "Ack": "sample",
     "Nack": "sample",
     "Renew": "sample",
+    "Retire": "sample",
     "Get": "sample",
     "ListExperiences": "sample",
     "Stats": "sample",

@@ -93,6 +93,13 @@ class StaleAttempt(GroupClosed):
     reason = "stale_attempt"
 
 
+class GroupIncomplete(StoreError):
+    """A group asked to retire as trained before it is complete (pending, or its advantages computing)."""
+
+    status = "FAILED_PRECONDITION"
+    reason = "group_incomplete"
+
+
 class VersionJump(GroupClosed):
     """A trainer version beyond what the table's data allows, with evict_stale on."""
 

@@ -13,7 +13,7 @@ Each of those classes has its own cap (`max_sample_streams`, `max_push_streams`,
 - calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
   Push (which may wait for room, but is what rollouts are for) and every call that answers at
   once (Ack, Get, ListTables, Seal, admin calls, ...);
-- Ack, Nack and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
+- Ack, Nack, Renew, Retire and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
   trainer's ack, which may be what makes room, is answered even when its scope's share is full;
   admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
 
@@ -41,7 +41,7 @@ ACK_THREADS = 2
 ADMIN_THREADS = 2
 RESERVED_THREADS = ACK_THREADS + ADMIN_THREADS + 2
 # The calls that never wait, and may take ACK_THREADS beyond the workers.
-NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Stats"})
+NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Retire", "Stats"})
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,11 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         expires, leased = self.store.renew(request.lease_id, request.lease_seconds, table, self._owner(context))
         return pb.RenewReply(lease_expires_unix=expires, leased=leased)
 
+    @refusals
+    def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
+        groups = _ids(request.group_ids, "group_ids")
+        return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
+
     # ---- admin -------------------------------------------------------------------
 
     @refusals

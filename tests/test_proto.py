@@ -30,7 +30,7 @@ def test_service_has_every_rpc_of_the_design() -> None:
         "Push", "PushStream", "Sample", "Ack", "Nack", "Renew", "Get", "Delete", "Seal",
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
-        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts",
+        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts", "Retire",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming

@@ -45,6 +45,7 @@ EXPECTED = {
     errors.GroupClosed: ("FAILED_PRECONDITION", "group_closed"),
     errors.StaleExperience: ("FAILED_PRECONDITION", "stale"),
     errors.StaleAttempt: ("FAILED_PRECONDITION", "stale_attempt"),
+    errors.GroupIncomplete: ("FAILED_PRECONDITION", "group_incomplete"),
     errors.VersionJump: ("FAILED_PRECONDITION", "group_closed"),
     errors.TableFull: ("RESOURCE_EXHAUSTED", "table_full"),
     errors.TooLarge: ("RESOURCE_EXHAUSTED", "too_large"),

@@ -445,6 +445,27 @@ def test_trxp_parts_keep_every_item(shards: Shards) -> None:
         assert sorted(items) == sorted(e.eid.uid for e in experiences)
 
 
+def test_groups_retire_as_trained_on_the_shards_that_hold_them(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("retire", group_size=2, estimator="none")
+        pushed = groups(0, range(12), range(2))
+        client.push(pushed, table="retire")
+        held = {client.shard_map.owner(f"0/{task}") for task in range(12)}
+        assert len(held) > 1  # the groups are spread over several shards
+        assert client.retire([f"0/{task}" for task in range(8)] + ["0/99"], table="retire") == 8
+        again = client.push(pushed[:16], table="retire")
+        assert sorted(again.duplicates) == sorted(e.eid.uid for e in pushed[:16])  # their tombstones stayed
+
+        async def rest() -> int:
+            async with AsyncShardedBufferClient(shards.targets()) as aclient:
+                return await aclient.retire([f"0/{task}" for task in range(12)], table="retire")
+
+        assert asyncio.run(rest()) == 4
+        per_shard = client.shard_stats("retire")
+        assert sum(s["retire"].consumed for s in per_shard.values()) == 24
+        assert sum(s["retire"].groups_ready for s in per_shard.values()) == 0
+
+
 def test_admission_holds_the_staleness_bound_over_all_shards(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         client.create_table("admit", estimator="none", group_by="none", max_staleness=1, batch_size=4)

@@ -460,10 +460,12 @@ def test_consume_delivery_and_groups_of_varying_size(server: ExpbufServer, table
         trinity.buffer.get_buffer_reader(buffer_config(server, 4, "delivery=replay"))
 
 
-def test_a_taskset_on_expbuf_is_refused(server: ExpbufServer, table: Table) -> None:
+def test_a_taskset_on_expbuf_names_its_dataset(server: ExpbufServer, table: Table) -> None:
+    """A taskset on expbuf is a dataset of prompts (tests/test_trinity_taskset.py); a path that names
+    none is refused, saying what to name."""
     table(group_size=2)
     taskset = TasksetConfig(name="tasks", path=f"expbuf://127.0.0.1:{server.port}/{TABLE}", batch_size=4)
-    with pytest.raises(ValueError, match="an expbuf:// path holds experiences, not tasks"):
+    with pytest.raises(ValueError, match=r"reads a dataset of prompts; name it and its rows in the path"):
         trinity.buffer.get_buffer_reader(taskset)
 
 

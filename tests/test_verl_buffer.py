@@ -30,7 +30,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, TableStats  # noqa: E402
 from expbuf.client.verl import ExpbufExternalTrainer, ExpbufReplayBuffer, from_verl  # noqa: E402
-from expbuf.client.verl.rows import rows_of  # noqa: E402
+from expbuf.client.verl.rows import put_rows, rows_of  # noqa: E402
 from expbuf.server.config import load  # noqa: E402
 
 from helpers import ServerProcess  # noqa: E402
@@ -192,6 +192,37 @@ def test_mirror_pushes_finished_groups_retires_trained_ones_and_restores_after_a
     wait_for(lambda: stats(client, "verl_mirror").groups_ready == 1, "the group verl evicted leaves expbuf")
     assert client.get([f"verl/{stale}/0/0/0"], "verl_mirror").missing_uids == [f"verl/{stale}/0/0/0"]
     restarted.close()
+
+
+def test_a_trained_group_pushed_again_after_a_restart_is_a_duplicate(
+    server: ServerProcess, client: BufferClient
+) -> None:
+    """verl restarts from a checkpoint saved before the step that trained a group: TransferQueue holds
+    the group again, finished, and the restarted mirror pushes it. The mirror retired it as trained, so
+    expbuf keeps its tombstones and the push is a duplicate: no second copy is held or restored."""
+    client.create_table("verl_repush", group_by="task", group_size=0, estimator="none")
+    buffer = build(server.target, "verl_repush")
+    uid = dispatch(1)
+    wait_for(lambda: stats(client, "verl_repush").groups_ready == 1, "the finished group pushed")
+    rows = group_rows(uid)
+    meta, _ = buffer.sample(global_steps=1, partition_id=TRAIN, batch_size=1)
+    step_end(meta)  # trained
+    wait_for(lambda: stats(client, "verl_repush").groups_ready == 0, "the trained group retired")
+    assert stats(client, "verl_repush").consumed == 3  # retired as trained, its tombstones kept
+    buffer.close()
+
+    put_rows(TRAIN, rows)  # the checkpoint from before that step brings it back
+    tag = {"is_prompt": True, "status": "finished", "global_steps": 1}
+    tq.kv_batch_put(keys=[uid], partition_id=TRAIN, tags=[tag])
+    restarted = build(server.target, "verl_repush")
+    restarted.sync_once()
+    after = stats(client, "verl_repush")
+    assert (after.pushed, after.duplicates, after.groups_ready) == (3, 3, 0)
+    meta, _ = restarted.sample(global_steps=1, partition_id=TRAIN, batch_size=1)  # verl trains it again, once
+    assert {key.split("_")[0] for key in meta.keys} == {uid}
+    step_end(meta)
+    restarted.sync_once()
+    assert stats(client, "verl_repush").groups_ready == 0
 
 
 def explorer_group(task: str, version: int, rewards: list[float]) -> list[Experience]:

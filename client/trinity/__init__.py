@@ -2,9 +2,10 @@
 
 With TRINITY_PLUGIN_DIRS pointing at plugin_dir(), Trinity's own factories
 `trinity.buffer.get_buffer_writer` and `get_buffer_reader` return ExpbufWriter and
-ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, and Trinity's for any
-other path; the advantage function `expbuf` takes the buffer's advantages as they are, and
-the sample strategy `expbuf` tells the buffer the trainer's policy version.
+ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, ExpbufTaskset for a
+taskset whose path names a dataset of prompts (`?dataset=NAME&source=PATH`), and Trinity's
+for any other path; the advantage function `expbuf` takes the buffer's advantages as they
+are, and the sample strategy `expbuf` tells the buffer the trainer's policy version.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
 from .location import Location, is_expbuf_path, parse
 from .sample_strategy import ExpbufSampleStrategy
-from .settings import refuse_taskset
+from .settings import is_taskset, refuse_taskset
+from .taskset import ExpbufTaskset
 
 __all__ = [
     "ExpbufAdvantageFn",
     "ExpbufReader",
     "ExpbufSampleStrategy",
+    "ExpbufTaskset",
     "ExpbufWriter",
     "Location",
     "install",
@@ -42,14 +45,17 @@ def plugin_dir() -> str:
     return str(Path(__file__).parent / "plugin")
 
 
-def _routed(original: Callable[[Any], Any], expbuf_cls: type) -> Callable[[Any], Any]:
+def _routed(original: Callable[[Any], Any], expbuf_cls: type, taskset_cls: type | None) -> Callable[[Any], Any]:
     @functools.wraps(original)
     def factory(config: Any) -> Any:
         if is_expbuf_path(getattr(config, "path", None)):
             from trinity.common.config import StorageConfig
 
+            storage = config if isinstance(config, StorageConfig) else config.to_storage_config()
+            if taskset_cls is not None and is_taskset(config):
+                return taskset_cls(storage)
             refuse_taskset(config)
-            return expbuf_cls(config if isinstance(config, StorageConfig) else config.to_storage_config())
+            return expbuf_cls(storage)
         return original(config)
 
     factory.__expbuf_original__ = original  # type: ignore[attr-defined]
@@ -75,10 +81,13 @@ def install() -> None:
     if SAMPLE_STRATEGY_NAME not in SAMPLE_STRATEGY.modules:
         SAMPLE_STRATEGY.register_module(SAMPLE_STRATEGY_NAME, ExpbufSampleStrategy)
     replace = {}
-    for name, expbuf_cls in (("get_buffer_writer", ExpbufWriter), ("get_buffer_reader", ExpbufReader)):
+    for name, expbuf_cls, taskset_cls in (
+        ("get_buffer_writer", ExpbufWriter, None),
+        ("get_buffer_reader", ExpbufReader, ExpbufTaskset),
+    ):
         current = getattr(factories, name)
         if not hasattr(current, "__expbuf_original__"):
-            replace[current] = _routed(current, expbuf_cls)
+            replace[current] = _routed(current, expbuf_cls, taskset_cls)
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").split(".")[0] != "trinity":
             continue

@@ -3,6 +3,8 @@
 The explorer's experience pipeline writes through ExpbufWriter; the trainer's sample
 strategy reads through ExpbufReader. Both take the StorageConfig Trinity-RFT builds from
 its `buffer.trainer_input.experience_buffer` section, whose `path` is `expbuf://HOST:PORT/TABLE`.
+Experiences of a task read from an expbuf dataset (taskset.py) are written under their prompt's
+EID, so that they make the prompt's group.
 Trinity's interface is asyncio; the blocking client runs in a worker thread, so either works
 from whichever event loop Trinity calls it on.
 """
@@ -25,21 +27,37 @@ from trinity.buffer.buffer_writer import BufferWriter
 from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
-from expbuf.client.client import Batch, BufferClient, BufferError, PushResult
-from expbuf.client.connection import DEFAULT_TIMEOUT
+from expbuf.client.client import Batch, BufferError, PushResult
 from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 
 from . import settings
-from .location import Location, parse
+from .location import connect, parse
+from .taskset import prompt_eid
 
 log = logging.getLogger(__name__)
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+STALE_ATTEMPT = "whose claim ended"  # a push into the group of a prompt attempt whose claim ended
 # How long one wait for a batch lasts before the reader checks whether the table's writers are done.
 POLL_SECONDS = 1.0
 
 
-def _client(location: Location, timeout: float = DEFAULT_TIMEOUT) -> BufferClient:
-    return BufferClient(location.target, token=location.token, tls=location.tls, timeout=timeout)
+def _stale_attempt(exc: BufferError) -> bool:
+    """Whether a push was refused for holding the group of a prompt attempt whose claim ended."""
+    return exc.code == grpc.StatusCode.FAILED_PRECONDITION and STALE_ATTEMPT in exc.details
+
+
+def _prompt_groups(data: list[Experience]) -> list[Experience]:
+    """Experiences of a task read from an expbuf dataset get its prompt's EID batch and task (from
+    the task's index, which Trinity copies into `info["task_index"]`), in place of the explore
+    step and the task's place in it that Trinity's workflow runner gave them."""
+    out = []
+    for exp in data:
+        prompt = prompt_eid(exp.info)
+        if prompt is not None and (str(exp.eid.batch), str(exp.eid.task)) != prompt:
+            exp = copy.copy(exp)
+            exp.eid = dataclasses.replace(exp.eid, batch=prompt[0], task=prompt[1])
+        out.append(exp)
+    return out
 
 
 def _distinct_groups(data: list[Experience]) -> list[Experience]:
@@ -87,8 +105,9 @@ class ExpbufWriter(BufferWriter):
 
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
-        self._client = _client(self.location)
         settings.refuse_taskset(config)
+        settings.refuse_dataset(self.location, config.name)
+        self._client = connect(self.location)
         self._priorities = settings.priority_replay(config) is not None
         self._table = settings.table_settings(self._client, self.location)
         settings.check_capacity(config, self._table)
@@ -98,9 +117,50 @@ class ExpbufWriter(BufferWriter):
         self._refs = 0
 
     def _push(self, data: list[Experience]) -> PushResult:
-        data = _distinct_groups(data)
+        data = _distinct_groups(_prompt_groups(data))
         if self._priorities:
             data = [_prioritised(exp) for exp in data]
+        try:
+            result = self._store(data)
+        except BufferError as exc:
+            if not _stale_attempt(exc):
+                raise
+            result = self._store_each_group(data)
+        if result.duplicates:
+            log.warning(
+                "expbuf: %d of %d experiences written to table '%s' were stored already (first: %s); "
+                "stored once, as a retried write is",
+                len(result.duplicates), len(data), self.location.table, result.duplicates[0],
+            )  # fmt: skip
+        if self._seals:
+            open_groups = {getattr(exp.eid, self._group_key) for exp in data}
+            self._seal(sorted(open_groups - set(result.completed_groups)))
+        return result
+
+    def _store_each_group(self, data: list[Experience]) -> PushResult:
+        """A write that held the group of a prompt attempt whose claim had ended (the task outlasted
+        its claim) was refused whole: its groups go one at a time, and those of ended attempts are
+        left out, their prompts having gone out again with their next attempt."""
+        groups: dict[str, list[Experience]] = {}
+        for exp in data:
+            groups.setdefault(getattr(exp.eid, self._group_key), []).append(exp)
+        stored, duplicates, completed, stale = [], [], [], []
+        for members in groups.values():
+            try:
+                part = self._store(members)
+            except BufferError as exc:
+                if not _stale_attempt(exc):
+                    raise
+                table = self.location.table
+                log.warning("expbuf: table '%s': %d experiences not written: %s", table, len(members), exc.details)
+                continue
+            stored += part.stored
+            duplicates += part.duplicates
+            completed += part.completed_groups
+            stale += part.stale
+        return PushResult(stored, duplicates, completed, stale)
+
+    def _store(self, data: list[Experience]) -> PushResult:
         payload = Experience.serialize_many(data)
         while True:
             try:
@@ -119,15 +179,6 @@ class ExpbufWriter(BufferWriter):
                         "write every run of a task together, as Trinity's explorer does"
                     ) from exc
                 raise
-        if result.duplicates:
-            log.warning(
-                "expbuf: %d of %d experiences written to table '%s' were stored already (first: %s); "
-                "stored once, as a retried write is",
-                len(result.duplicates), len(data), self.location.table, result.duplicates[0],
-            )  # fmt: skip
-        if self._seals:
-            open_groups = {getattr(exp.eid, self._group_key) for exp in data}
-            self._seal(sorted(open_groups - set(result.completed_groups)))
         return result
 
     def _overfill(self, details: str) -> str:
@@ -193,6 +244,7 @@ class ExpbufReader(BufferReader):
     def __init__(self, config: StorageConfig) -> None:
         self.location = parse(config.path)
         settings.refuse_taskset(config)
+        settings.refuse_dataset(self.location, config.name)
         self._replay = settings.priority_replay(config)
         reuse = self._replay is not None and self._replay.reuse
         if self._replay is not None:
@@ -209,7 +261,7 @@ class ExpbufReader(BufferReader):
             self.location = dataclasses.replace(self.location, order="priority", delivery=delivery)
         self.batch_size = config.batch_size
         self.timeout = config.max_read_timeout
-        self._client = _client(self.location)
+        self._client = connect(self.location)
         table = settings.table_settings(self._client, self.location)
         self._group = settings.fixed_group_size(table)
         self._capacity = table.capacity_experiences if table else 0
@@ -224,7 +276,7 @@ class ExpbufReader(BufferReader):
         if reuse and self._replay is not None:
             settings.check_reuse(self._replay, table)
         self._leases: list[str] = []
-        keeper_client = _client(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_LEASE)
+        keeper_client = connect(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_LEASE)
         self._keeper = LeaseKeeper(keeper_client, self.location.table, self.location.lease_seconds)
         weakref.finalize(self, self._keeper.close)  # a reader dropped unclosed renews nothing more
         self._sees_writers = True  # False once the token proved unable to ask (no push scope)

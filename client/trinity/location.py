@@ -1,4 +1,5 @@
-"""Where a Trinity-RFT experience buffer lives in expbuf: `expbuf://HOST:PORT/TABLE?options`.
+"""Where a Trinity-RFT experience buffer, or a taskset's prompts, live in expbuf:
+`expbuf://HOST:PORT/TABLE?options`.
 
 The path carries the server, the table and how to reach it; secrets never do. A token is
 read from an environment variable (EXPBUF_TOKEN, or the one named by `token_env`), because
@@ -18,6 +19,15 @@ Options (query) and their environment fallbacks:
                           consume (gone once read) or replay (stays, counted against the
                           table's max_times_sampled)
 
+A taskset's path names a dataset of prompts on the table (the prompt ledger) and where its
+rows are, which Trinity's own file reader reads by index:
+    dataset=NAME          the dataset (created beforehand: `expbuf dataset create`)
+    source=PATH           the taskset's rows, as Trinity's file taskset path would name them
+    lease_seconds=S       how long a claim lasts (60): renewed while the explorer lives, so a
+                          killed explorer's prompts go out again within this long
+    hold_seconds=S        how long a claim is renewed at most (21600): a task that never made a
+                          group (every run failed) goes out again, with its next attempt
+
 A table's settings (max_staleness, batch_size, on_stale, the rate limits, ...) are not
 options: they belong to the table, fixed when it is created (TOML or create_table), and a
 path naming one is refused with that said, rather than left to disagree with the table.
@@ -32,7 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
-from expbuf.client.client import Tls
+from expbuf.client.client import BufferClient, Tls
+from expbuf.client.connection import DEFAULT_TIMEOUT
 from expbuf.client.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
 log = logging.getLogger(__name__)
@@ -40,7 +51,13 @@ SCHEME = "expbuf"
 DEFAULT_PORT = 50051
 DEFAULT_TOKEN_ENV = "EXPBUF_TOKEN"
 DEFAULT_LEASE_SECONDS = 60.0
-OPTIONS = ("token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order", "delivery")
+# Trinity gives a task at most max_timeout x (max_retry_times + 1), 1800 s x 3 by default, and
+# finalizes a step some steps after it read its tasks: a claim is kept four times that long.
+DEFAULT_HOLD_SECONDS = 21600.0
+OPTIONS = (
+    "token_env", "tls", "tls_ca", "tls_cert", "tls_key", "lease_seconds", "order", "delivery",
+    "dataset", "source", "hold_seconds",
+)  # fmt: skip
 _TABLE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -59,6 +76,14 @@ class Location:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     order: str = "fifo"
     delivery: str = "lease"
+    dataset: str = ""  # a taskset's: the dataset of prompts, and where its rows are
+    source: str = ""
+    hold_seconds: float = DEFAULT_HOLD_SECONDS
+
+
+def connect(location: Location, timeout: float = DEFAULT_TIMEOUT) -> BufferClient:
+    """A client of the location's server, with its token and TLS."""
+    return BufferClient(location.target, token=location.token, tls=location.tls, timeout=timeout)
 
 
 def _flag(name: str, value: str) -> bool:
@@ -128,16 +153,28 @@ def parse(path: str, env: Mapping[str, str] | None = None) -> Location:
     token = env.get(token_env) or None
     if "token_env" in options and token is None:
         raise ValueError(f"expbuf path: token_env={token_env[:40]} but that environment variable is not set")
-    try:
-        lease_seconds = float(options.get("lease_seconds", DEFAULT_LEASE_SECONDS))
-    except ValueError:
-        lease_seconds = -1.0
-    if not 0 < lease_seconds < float("inf"):
-        raise ValueError(f"expbuf path option lease_seconds={options['lease_seconds'][:40]!r} must be a number > 0")
+    lease_seconds = _seconds(options, "lease_seconds", DEFAULT_LEASE_SECONDS)
+    hold_seconds = _seconds(options, "hold_seconds", DEFAULT_HOLD_SECONDS)
     order = options.get("order", "fifo")
     if order not in ORDER:
         raise ValueError(f"expbuf path option order={order[:40]!r}; expected one of {', '.join(ORDER)}")
     delivery = options.get("delivery", "lease")
     if delivery not in DELIVERY:
         raise ValueError(f"expbuf path option delivery={delivery[:40]!r}; expected one of {', '.join(DELIVERY)}")
-    return Location(f"{host}:{port}", table, token, _tls(options, env), lease_seconds, order, delivery)
+    dataset, source = options.get("dataset", ""), options.get("source", "")
+    if bool(dataset) != bool(source):
+        raise ValueError(
+            "expbuf path: dataset=NAME and source=PATH go together (a taskset's prompts, and where its rows are)"
+        )
+    tls = _tls(options, env)
+    return Location(f"{host}:{port}", table, token, tls, lease_seconds, order, delivery, dataset, source, hold_seconds)
+
+
+def _seconds(options: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        seconds = float(options.get(name, default))
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"expbuf path option {name}={options[name][:40]!r} must be a number > 0")
+    return seconds

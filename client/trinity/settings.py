@@ -18,7 +18,9 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
 - `batch_size` of the reader: whole groups of a table with a fixed `group_size` make it
   only when it is a multiple of that size, and a read waits for a whole batch, which a table
   holding fewer experiences (`capacity_experiences`) never has; another size is refused.
-- an `expbuf://` path in a taskset: refused (expbuf holds experiences, not tasks).
+- a taskset with an `expbuf://` path reads a dataset of prompts (`dataset=` and `source=`,
+  taskset.py); written to, or without them, it is refused, and an experience buffer's path
+  names neither.
 """
 
 from __future__ import annotations
@@ -51,15 +53,29 @@ def table_settings(client: BufferClient, location: Location) -> TableInfo | None
     return tables[location.table]
 
 
-def refuse_taskset(config: Any) -> None:
-    """A taskset (or a storage config made from one) never reads from expbuf."""
+def is_taskset(config: Any) -> bool:
+    """Whether a buffer config is a taskset's (or a storage config made from one)."""
     from trinity.common.config import TasksetConfig
 
     tasks = getattr(config, "schema_type", None) == "task" or getattr(config, "default_workflow_type", None)
-    if isinstance(config, TasksetConfig) or tasks or getattr(config, "repeat_times", None) is not None:
+    return isinstance(config, TasksetConfig) or bool(tasks) or getattr(config, "repeat_times", None) is not None
+
+
+def refuse_taskset(config: Any) -> None:
+    """An experience buffer's reader or writer is not a taskset's: a taskset is read from a
+    dataset of prompts (taskset.py) and never written."""
+    if is_taskset(config):
         raise ValueError(
-            f"buffer '{getattr(config, 'name', '')}': an expbuf:// path holds experiences, not tasks; "
-            "a taskset's path must be a dataset (file or database)"
+            f"buffer '{getattr(config, 'name', '')}': a taskset on expbuf is read from a dataset of prompts "
+            "(expbuf://HOST:PORT/TABLE?dataset=NAME&source=PATH), never written; write its source instead"
+        )
+
+
+def refuse_dataset(location: Location, name: str) -> None:
+    """An experience buffer's path names no dataset of prompts: that is a taskset's."""
+    if location.dataset or location.source:
+        raise ValueError(
+            f"buffer '{name}': dataset= and source= name a taskset's prompts; an experience buffer's path takes neither"
         )
 
 

@@ -2,9 +2,11 @@
 
 mirror (default): verl's agent loop writes TransferQueue as always and verl's own sampling
 runs unchanged; a background thread pushes every finished group of the train partition to
-expbuf (idempotent: the eid comes from the prompt uid, session and index), deletes a group
-from expbuf once verl has cleared its keys (after the step that trained it, or when verl
-evicted it as stale or filtered), and reports `global_steps` as the table's trainer version.
+expbuf (idempotent: the eid comes from the prompt uid, session and index), retires a group
+from expbuf as trained once verl has cleared its keys (after the step that trained it, or
+when verl evicted it as stale or filtered), and reports `global_steps` as the table's trainer
+version. A retired group's tombstones stay, so the same group pushed again after a restart
+from an older checkpoint is a duplicate, not a second copy.
 After a restart, the first `sample` reads the groups still in expbuf (pushed, never trained)
 and puts those TransferQueue does not already hold back in as finished groups, so verl trains
 them instead of losing them. Mirror mode holds no lease: whenever the trainer dies, every
@@ -30,7 +32,7 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import BufferClient, BufferError, NotFoundError, TableInfo
+from expbuf.client import BufferClient, BufferError, FailedPreconditionError, NotFoundError, TableInfo
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
@@ -183,7 +185,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             if uid in present and uid not in listing:
                 # Trained: verl saves its checkpoint after a step and clears the step's keys after that,
                 # so the checkpoint holds them without their prompt. verl never samples them again.
-                self.client.delete(table=self.table, groups=[group_id])
+                self._retire(group_id)
                 continue
             if uid not in present:  # TransferQueue's own checkpoint did not bring it back
                 put_rows(TRAIN, rows)
@@ -276,9 +278,20 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         with self._lock:
             done = [uid for uid, keys in self._pushed.items() if not keys & listing.keys()]
         for uid in done:
-            self.client.delete(table=self.table, groups=[f"{VERL_BATCH}/{uid}"])
+            if not self._retire(f"{VERL_BATCH}/{uid}"):
+                continue
             with self._lock:
                 self._pushed.pop(uid, None)
+
+    def _retire(self, group_id: str) -> bool:
+        """Retire a group as trained: its payloads go, its tombstones stay (a push of it again is a
+        duplicate). False while the table still computes its advantages: the next round retires it."""
+        try:
+            self.client.retire([group_id], self.table)
+        except FailedPreconditionError as exc:
+            logger.info("expbuf table %s: group %s retires once complete (%s)", self.table, group_id, exc.details)
+            return False
+        return True
 
     def _ack_cleared(self, listing: dict[str, dict]) -> None:
         """Ack each lease whose keys verl has cleared; one that ended first is said, not retried, so

@@ -358,6 +358,17 @@ class Store:
 
         return self._in_table(table, op)
 
+    def retire(self, table: str, group_ids: Sequence[str], owner: str = "") -> int:
+        """Consume groups a trainer trained by their ids, as an ack would (retirement.retire_trained);
+        returns the groups retired."""
+
+        def op(tt: TableState) -> int:
+            count = retirement.retire_trained(tt, group_ids, owner)
+            tt.save()
+            return count
+
+        return self._in_table(table, op)
+
     def seal(self, table: str, group_id: str) -> int:
         """Complete a pending group now; returns its size."""
         return self._in_table(table, lambda tt: groups.seal(tt, group_id))

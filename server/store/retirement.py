@@ -1,7 +1,8 @@
 """How experiences leave a table: retired groups (consumed, evicted, dropped, failed) keep
 their members' records as tombstones, so that a retried push of the same uid is still a
 duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; a
-Delete removes experiences outright, tombstones included.
+trainer retires the groups it trained by their ids (`retire_trained`); a Delete removes
+experiences outright, tombstones included.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from collections.abc import Iterable, Sequence
 
 import lmdb
 
+from ..errors import Forbidden, GroupIncomplete, clip
 from ..ready_indexes import put_rows, u64
 from . import layout, limiter
-from .records import DELETED, GroupRecord, ItemRecord
-from .states import CONSUMED, FAILED, LIVE, PENDING, READY, RETIRED, State
+from .records import DELETED, GroupRecord, ItemRecord, Lease
+from .states import CONSUMED, FAILED, LEASED, LIVE, PENDING, READY, RETIRED, State
 from .table_state import TableState
 
 
@@ -81,6 +83,36 @@ def retire(tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: Sta
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
         rows.sort()
         put_rows(tt.txn, db, rows)
+
+
+def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") -> int:
+    """Groups a trainer trained without a lease of this table (a framework's own queue holds
+    them): consumed, as an ack consumes a lease's, so their payloads go, their tombstones stay
+    (a push of them again is a duplicate) and a prompt whose group it is is trained. Ready
+    groups, and groups leased with the caller's token, retire; an absent or retired one is left
+    alone (a retried call changes nothing); an incomplete one is refused, and then none retires.
+    Returns the groups retired."""
+    found: dict[str, GroupRecord] = {}
+    for gkey in group_ids:
+        grp = tt.group(gkey)
+        if grp is None or grp.state in RETIRED or gkey in found:
+            continue
+        if grp.state not in (READY, LEASED):
+            raise GroupIncomplete(
+                f"group {clip(gkey)} is {grp.state}: only a complete group (ready or leased) retires as trained"
+            )
+        if grp.state == LEASED:
+            raw = tt.txn.get(grp.lease.encode(), db=tt.db["leases"])
+            if raw is not None and Lease.decode(raw).owner != owner:
+                raise Forbidden(f"group {clip(gkey)} is leased with another token")
+        found[gkey] = grp
+    for grp in found.values():
+        if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
+            limiter.forget(tt, tt.members(grp).values())
+        grp.lease = ""
+    groups = list(found.items())
+    retire(tt, groups, CONSUMED)
+    return len(groups)
 
 
 def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:

@@ -296,6 +296,20 @@ class RenewReply(_message.Message):
     leased: int
     def __init__(self, lease_expires_unix: _Optional[float] = ..., leased: _Optional[int] = ...) -> None: ...
 
+class RetireRequest(_message.Message):
+    __slots__ = ("table", "group_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RetireReply(_message.Message):
+    __slots__ = ("retired",)
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    retired: int
+    def __init__(self, retired: _Optional[int] = ...) -> None: ...
+
 class GetRequest(_message.Message):
     __slots__ = ("table", "uids")
     TABLE_FIELD_NUMBER: _ClassVar[int]

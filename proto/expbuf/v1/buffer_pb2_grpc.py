@@ -64,6 +64,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewReply.FromString,
                 _registered_method=True)
+        self.Retire = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/Retire',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.RetireRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.RetireReply.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/Get',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetRequest.SerializeToString,
@@ -208,6 +213,16 @@ class ExperienceBufferServicer:
     def Renew(self, request, context):
         """Keep a lease: it now ends `lease_seconds` from this call, so a trainer whose step
         outlasts the lease it asked for keeps its batch while it lives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Retire(self, request, context):
+        """Consume groups a trainer trained by their ids, as an Ack consumes a lease's: for a trainer
+        that took them another way (a framework's own queue). Their payloads go and their
+        tombstones stay, so a push of them again is a duplicate; a prompt whose group it is is
+        trained. Absent and retired groups are skipped; an incomplete one is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -384,6 +399,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.RenewRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.RenewReply.SerializeToString,
+            ),
+            'Retire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retire,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.RetireRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.RetireReply.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
@@ -648,6 +668,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Renew',
             expbuf_dot_v1_dot_buffer__pb2.RenewRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.RenewReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/Retire',
+            expbuf_dot_v1_dot_buffer__pb2.RetireRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.RetireReply.FromString,
             options,
             channel_credentials,
             insecure,
