@@ -1,19 +1,29 @@
 """Shared fixtures: the TRXP payloads copied from shared/fixtures into tests/fixtures, the
-factory of in-process servers and the one local Ray cluster."""
+factory of in-process servers with a default server, its target, client and raw stub, the
+`expbuf serve` children and the one local Ray cluster.
+
+A module that needs a server of other settings defines its own `server`; the `target`,
+`client` and `stub` of its tests then reach that one."""
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+import grpc
 import pytest
 
+from expbuf.client import BufferClient
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
+
+from helpers import ServerProcess, servers
 
 # torch warns at import when NumPy is absent; expbuf does not use NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -102,6 +112,49 @@ def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     servers = Servers(tmp_path_factory.mktemp("server") / "data")
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture
+def server(start_server: Servers) -> ExpbufServer:
+    """The test's in-process server, with the default settings."""
+    return start_server()
+
+
+@pytest.fixture
+def target(server: ExpbufServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def client(target: str, request: pytest.FixtureRequest) -> Iterator[BufferClient]:
+    """A blocking client of the test's server. Its calls' timeout is 10 s unless the module
+    marks another: `pytestmark = pytest.mark.client_timeout(20)`."""
+    mark = request.node.get_closest_marker("client_timeout")
+    with BufferClient(target, timeout=mark.args[0] if mark else 10) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(target: str) -> Iterator[pb_grpc.ExperienceBufferStub]:
+    """A raw stub of the test's server, for requests the client would not build."""
+    with grpc.insecure_channel(target) as channel:
+        yield pb_grpc.ExperienceBufferStub(channel)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerProcess]]:
+    """Starts `expbuf serve` children for one test (helpers.servers); those still running after it are killed."""
+    with servers() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def child_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One `expbuf serve` child that a module's tests share, each with tables of its own; it
+    must exit cleanly on SIGTERM."""
+    proc = ServerProcess(str(tmp_path_factory.mktemp("child") / "data"))
+    yield proc
+    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
 
 
 @pytest.fixture(scope="session")

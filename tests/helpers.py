@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import signal
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -177,3 +178,23 @@ class ServerProcess:
     def stop(self, sig: int) -> int:
         self.proc.send_signal(sig)
         return self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[Callable[..., ServerProcess]]:
+    """Start `expbuf serve` children on free ports (ServerProcess: gRPC and metrics on port 0,
+    read back), `env` EXPBUF_* settings of their own; SIGKILL those still running on the way out."""
+    started: list[ServerProcess] = []
+
+    def start(data: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(data, *args, env=env)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            if server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGKILL)
+                server.proc.wait(30)

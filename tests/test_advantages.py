@@ -22,15 +22,10 @@ from expbuf.server.estimator_registry import ESTIMATORS, Estimator, register
 from expbuf.server.store import Store
 from expbuf.server.tables import ConfigError, TableConfig
 
-from conftest import Servers, payload
+from conftest import payload
 from helpers import group_items, make_experience, registered, take
 
-
-@pytest.fixture
-def client(start_server: Servers) -> BufferClient:
-    server = start_server()
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-        yield c
+pytestmark = pytest.mark.client_timeout(20)
 
 
 def test_grpo_group_over_grpc(client: BufferClient) -> None:

@@ -3,10 +3,8 @@ actor (its advantage computation, with and without the table's advantages)."""
 
 from __future__ import annotations
 
-import signal
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,13 +61,6 @@ def group_rows(version: int, first: int, size: int = 4) -> dict[str, torch.Tenso
     return concat_padded_tensors(rows)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
-
-
 class Version:
     def __init__(self, version: int) -> None:
         self.version = version
@@ -88,11 +79,11 @@ def push_groups(client: BufferClient, table: str, versions: list[int]) -> dict[i
     return pushed
 
 
-def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("train", group_size=4)
     pushed = push_groups(client, "train", [1, 3, 4])
-    source = ExpbufBatchSource(server.target, "train", max_head_offpolicyness=1, version_provider=Version(4))
+    source = ExpbufBatchSource(child_server.target, "train", max_head_offpolicyness=1, version_provider=Version(4))
     loader = StatefulDataLoader(list(range(8)), batch_size=2)
 
     batch = source.prepare_batch(loader, workflow="unused", group_size=4)
@@ -110,7 +101,7 @@ def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(server: Serv
     stats = client.stats("train")["train"]
     assert stats.leased == 8  # held until the trainer is done with them
     later = ExpbufBatchSource(
-        server.target, "train", max_head_offpolicyness=1, version_provider=Version(4), timeout=0.5
+        child_server.target, "train", max_head_offpolicyness=1, version_provider=Version(4), timeout=0.5
     )
     with pytest.raises(BufferError, match="DEADLINE_EXCEEDED"):
         later.prepare_batch(num_groups=1)  # what is left is the group of version 1, below 4 - 1
@@ -118,11 +109,11 @@ def test_prepare_batch_gives_areal_one_checked_dict_per_fresh_group(server: Serv
     assert client.stats("train")["train"].leased == 0
 
 
-def test_the_actor_option_trains_on_the_tables_advantages(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_the_actor_option_trains_on_the_tables_advantages(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("adv", group_size=4)
     push_groups(client, "adv", [2])
-    source = ExpbufBatchSource(server.target, "adv", max_head_offpolicyness=0, advantages=True)
+    source = ExpbufBatchSource(child_server.target, "adv", max_head_offpolicyness=0, advantages=True)
     source.set_version(2)
     (traj,) = source.prepare_batch(num_groups=1)
     assert check_trajectory_format(traj, batch_size=4)
@@ -145,15 +136,15 @@ def test_the_actor_option_trains_on_the_tables_advantages(server: ServerProcess)
     assert not torch.equal(plain["advantages"], ours)  # AReaL's own would have been used otherwise
 
 
-def test_set_version_reaches_the_table_when_areals_trainer_calls_it(server: ServerProcess) -> None:
+def test_set_version_reaches_the_table_when_areals_trainer_calls_it(child_server: ServerProcess) -> None:
     """AReaL's trainer calls set_version on its rollout engine after each weight update; the batch
     source, in that engine's place, tells the table then, so the rollout processes' bound (the
     table's, through AReaL's StalenessManager) moves with it, not at the next prepare_batch."""
-    client = BufferClient(server.target)
+    client = BufferClient(child_server.target)
     client.create_table("versioned", group_size=1, max_staleness=0, batch_size=2)
-    source = ExpbufBatchSource(server.target, "versioned", max_head_offpolicyness=0)
+    source = ExpbufBatchSource(child_server.target, "versioned", max_head_offpolicyness=0)
     rollout = ExpbufStalenessManager(
-        server.target, "versioned", max_concurrent_rollouts=100, consumer_batch_size=2, max_staleness=0
+        child_server.target, "versioned", max_concurrent_rollouts=100, consumer_batch_size=2, max_staleness=0
     )
     assert isinstance(rollout, StalenessManager)
     source.set_version(3)

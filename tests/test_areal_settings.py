@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +24,6 @@ from helpers import ServerProcess
 from pages import code_blocks, page
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
-
-
 def actor_config(**changes: object) -> PPOActorConfig:
     settings = dict(
         experiment_name="e",
@@ -47,7 +38,7 @@ def actor_config(**changes: object) -> PPOActorConfig:
     return PPOActorConfig(**{**settings, **changes})
 
 
-def test_settings_follow_areals_config(server: ServerProcess) -> None:
+def test_settings_follow_areals_config(child_server: ServerProcess) -> None:
     rollout = InferenceEngineConfig(consumer_batch_size=6, max_head_offpolicyness=2)
     settings = table_settings(rollout, GenerationHyperparameters(n_samples=8), actor_config())
     assert settings == {
@@ -63,17 +54,17 @@ def test_settings_follow_areals_config(server: ServerProcess) -> None:
             "overlong_buffer_penalty_factor": 0.5,
         },
     }
-    created = BufferClient(server.target).create_table("cfg", **settings)
+    created = BufferClient(child_server.target).create_table("cfg", **settings)
     assert (created.max_staleness, created.batch_size, created.group_size) == (2, 6, 8)
     assert trainer_side(actor_config()) == []
     found = trainer_side(actor_config(kl_ctl=0.1, reward_scaling=2.0, adv_norm=NormConfig()))
     assert [f.split("=")[0].split(" ")[0] for f in found] == ["kl_ctl", "reward_bias", "adv_norm"]
 
 
-def test_table_shaping_gives_areals_actor_advantages(server: ServerProcess) -> None:
+def test_table_shaping_gives_areals_actor_advantages(child_server: ServerProcess) -> None:
     """AReaL's actor (no KL, no critic) makes every generated token's advantage the shaped
     reward; a table with the mapped shaping and `reinforce` (advantage = reward) agrees."""
-    client = BufferClient(server.target)
+    client = BufferClient(child_server.target)
     config = actor_config()
     settings = table_settings(InferenceEngineConfig(), GenerationHyperparameters(n_samples=4), config)
     client.create_table("shaped", **settings, estimator="reinforce")
@@ -108,8 +99,8 @@ def test_table_shaping_gives_areals_actor_advantages(server: ServerProcess) -> N
     assert sorted({round(v, 4) for v in theirs["advantages"][mask].tolist()}) == [-1.5, 0.75, 1.0, 1.5]
 
 
-def test_turn_discount_is_areals_interaction_cache(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_turn_discount_is_areals_interaction_cache(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     settings = table_settings(InferenceEngineConfig(consumer_batch_size=1), turn_discount=0.9)
     client.create_table("turns", **settings)
     rewards = [None, 0.5, 0.0, 2.0]
@@ -133,11 +124,11 @@ def test_turn_discount_is_areals_interaction_cache(server: ServerProcess) -> Non
     assert discounted[0] == pytest.approx(0.5 * 0.9 + 2.0 * 0.9**3)
 
 
-def test_the_docs_areal_page_runs_as_written(server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
+def test_the_docs_areal_page_runs_as_written(child_server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
     code = code_blocks(page("frameworks/areal.md"), "python")[0]
-    exec(compile(code.replace("10.0.0.5:50051", server.target), "frameworks/areal.md", "exec"), {})
+    exec(compile(code.replace("10.0.0.5:50051", child_server.target), "frameworks/areal.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "[]"
-    (table,) = [t for t in BufferClient(server.target).list_tables() if t.name == "areal_grpo"]
+    (table,) = [t for t in BufferClient(child_server.target).list_tables() if t.name == "areal_grpo"]
     assert (table.group_size, table.max_staleness, table.batch_size) == (8, 2, 32)
     assert table.shaping.reward_clip == 20.0
 

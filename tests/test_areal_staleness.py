@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,20 +39,13 @@ class OneRow(RolloutWorkflow):
         return {"input_ids": torch.ones(1, 3, dtype=torch.int32), "attention_mask": torch.ones(1, 3, dtype=torch.bool)}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
-
-
-def test_capacities_match_areals_manager_over_a_scripted_trace(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_capacities_match_areals_manager_over_a_scripted_trace(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("parity", group_size=1, max_staleness=2, batch_size=3)
     limits = dict(max_concurrent_rollouts=5, consumer_batch_size=3, max_staleness=2)
     version = Version()
     areal = StalenessManager(version, **limits)
-    ours = ExpbufStalenessManager(server.target, "parity", **limits)
+    ours = ExpbufStalenessManager(child_server.target, "parity", **limits)
     ours.set_version(0)
     rng = random.Random(7)
     seen = []
@@ -81,11 +73,11 @@ def test_capacities_match_areals_manager_over_a_scripted_trace(server: ServerPro
     assert counted - (1 if ours._spare else 0) == stats.accepted + stats.running
 
 
-def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_areals_executor_keeps_the_tables_bound_through_the_engine_seam(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("seam", group_size=1, max_staleness=0, batch_size=2)
     config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
-    engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": server.target, "table": "seam"})
+    engine = ExpbufRemoteInfEngine(config, backend=None, expbuf={"client": child_server.target, "table": "seam"})
     engine.workflow_executor = WorkflowExecutor(config, inference_engine=engine)  # as initialize() does
     executor = engine.workflow_executor
     assert executor.staleness_manager is engine.expbuf_staleness
@@ -123,11 +115,11 @@ sys.stdin.read()
 """
 
 
-def test_the_bound_holds_across_a_killed_rollout_process(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_the_bound_holds_across_a_killed_rollout_process(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("restart", group_size=1, max_staleness=1, batch_size=2)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, server.target], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, child_server.target], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         started = child.stdout.readline()
@@ -137,7 +129,7 @@ def test_the_bound_holds_across_a_killed_rollout_process(server: ServerProcess) 
         child.wait(30)
 
     limits = dict(max_concurrent_rollouts=100, consumer_batch_size=2, max_staleness=1)
-    ours = ExpbufStalenessManager(server.target, "restart", **limits)
+    ours = ExpbufStalenessManager(child_server.target, "restart", **limits)
     assert ours.get_capacity() == 0  # the restarted process starts where the killed one was
     fresh = StalenessManager(Version(3), **limits)
     assert fresh.get_capacity() == 10  # AReaL's own manager after a restart: AReaL#1388's burst
@@ -152,9 +144,9 @@ def test_the_bound_holds_across_a_killed_rollout_process(server: ServerProcess) 
     assert ours.get_capacity() == 4
 
 
-def test_table_settings_must_agree_with_areals(server: ServerProcess) -> None:
-    BufferClient(server.target).create_table("other", group_size=1, max_staleness=1, batch_size=4)
+def test_table_settings_must_agree_with_areals(child_server: ServerProcess) -> None:
+    BufferClient(child_server.target).create_table("other", group_size=1, max_staleness=1, batch_size=4)
     with pytest.raises(ValueError, match="max_staleness 1 and batch_size 4; AReaL's max_head_offpolicyness is 2"):
         ExpbufStalenessManager(
-            server.target, "other", max_concurrent_rollouts=4, consumer_batch_size=4, max_staleness=2
+            child_server.target, "other", max_concurrent_rollouts=4, consumer_batch_size=4, max_staleness=2
         )

@@ -4,8 +4,6 @@ a real `expbuf serve`."""
 from __future__ import annotations
 
 import logging
-import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -82,13 +80,6 @@ class ScriptedAgent(RolloutWorkflow):
         return {f"{id(self)}-a": turn1, f"{id(self)}-b": turn2}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(str(tmp_path_factory.mktemp("areal") / "data"))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0, "".join(proc.log)
-
-
 def run_executor(workflow: RolloutWorkflow, prompts: list[list[int]], version: int = 5) -> tuple[list, Any]:
     config = InferenceEngineConfig(consumer_batch_size=len(prompts), max_head_offpolicyness=1)
     config.check_trajectory_format = True
@@ -110,12 +101,12 @@ def whole_groups(client: BufferClient, table: str, groups: int) -> list[list]:
     return [sorted(g, key=lambda e: (e.eid.run, e.eid.step)) for g in by_group.values()]
 
 
-def test_groups_reach_expbuf_and_areal_gets_its_trajectories(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_groups_reach_expbuf_and_areal_gets_its_trajectories(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("rlvr", group_size=4)
     inner = ScriptedRLVR()
     prompts = [[1, 2], [3, 4, 5], [6]]
-    trajectories, stats = run_executor(ExpbufWorkflow(inner, server.target, "rlvr", group_size=4), prompts)
+    trajectories, stats = run_executor(ExpbufWorkflow(inner, child_server.target, "rlvr", group_size=4), prompts)
     assert inner.calls == 12 and stats.accepted == 3
 
     groups = whole_groups(client, "rlvr", 3)
@@ -133,11 +124,11 @@ def test_groups_reach_expbuf_and_areal_gets_its_trajectories(server: ServerProce
             assert torch.equal(back[key].to(value.dtype), value), key
 
 
-def test_agent_groups_by_import_path_for_another_trainer(server: ServerProcess) -> None:
-    client = BufferClient(server.target)
+def test_agent_groups_by_import_path_for_another_trainer(child_server: ServerProcess) -> None:
+    client = BufferClient(child_server.target)
     client.create_table("agent", group_size=16, estimator="multi_turn_discount")
     workflow = ExpbufWorkflow(
-        "test_areal_workflow.ScriptedAgent", server.target, "agent", group_size=2, produce_only=True
+        "test_areal_workflow.ScriptedAgent", child_server.target, "agent", group_size=2, produce_only=True
     )
     trajectories, stats = run_executor(workflow, [[1, 2], [3]])
     assert trajectories == [None, None] and stats.rejected == 2  # AReaL trains on nothing here
@@ -153,22 +144,24 @@ def test_agent_groups_by_import_path_for_another_trainer(server: ServerProcess) 
         assert first.advantages[first.action_mask].unique().tolist() == [1.0]
 
 
-def test_a_workflow_that_is_not_one_is_refused(server: ServerProcess) -> None:
-    BufferClient(server.target).create_table("t")
+def test_a_workflow_that_is_not_one_is_refused(child_server: ServerProcess) -> None:
+    BufferClient(child_server.target).create_table("t")
     with pytest.raises(TypeError, match="must be a RolloutWorkflow"):
-        ExpbufWorkflow("collections.OrderedDict", server.target, "t")
+        ExpbufWorkflow("collections.OrderedDict", child_server.target, "t")
     with pytest.raises(ValueError, match="no table 'missing'"):
-        ExpbufWorkflow(ScriptedRLVR(), server.target, "missing")
+        ExpbufWorkflow(ScriptedRLVR(), child_server.target, "missing")
 
 
-def test_groups_of_one_from_areals_own_grouping_are_refused(server: ServerProcess) -> None:
+def test_groups_of_one_from_areals_own_grouping_are_refused(child_server: ServerProcess) -> None:
     """AReaL's GroupedRolloutWorkflow around ExpbufWorkflow (AReaL's group size left at n) runs
     it once per sample: each run would be a group of its own. The rollouts fail, nothing is stored."""
     from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
 
-    client = BufferClient(server.target)
+    client = BufferClient(child_server.target)
     client.create_table("grouped", group_size=4)
-    wrapped = GroupedRolloutWorkflow(ExpbufWorkflow(ScriptedRLVR(), server.target, "grouped"), 4, logging.getLogger())
+    wrapped = GroupedRolloutWorkflow(
+        ExpbufWorkflow(ScriptedRLVR(), child_server.target, "grouped"), 4, logging.getLogger()
+    )
     trajectories, stats = run_executor(wrapped, [[1, 2]])
     assert trajectories == [None] and stats.rejected == 1
     assert client.stats("grouped")["grouped"].pushed == 0

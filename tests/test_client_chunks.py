@@ -29,11 +29,6 @@ from helpers import make_experience, scrape
 CHUNK = 1 << 16
 
 
-@pytest.fixture
-def server(start_server: Servers) -> ExpbufServer:
-    return start_server()
-
-
 def calls(server: ExpbufServer, method: str) -> float:
     """Calls of `method` the server has answered, whatever their status."""
     return sum(

@@ -25,12 +25,7 @@ from expbuf.client import (
 from expbuf.client.client import AsyncBatch
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 
-from conftest import BAD_DIR, Servers, payload
-
-
-@pytest.fixture
-def target(start_server: Servers) -> str:
-    return f"127.0.0.1:{start_server().port}"
+from conftest import BAD_DIR, payload
 
 
 def test_each_status_a_caller_handles_has_its_type(target: str) -> None:

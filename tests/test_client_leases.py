@@ -19,22 +19,16 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
-from conftest import Servers
 from helpers import group_items
 
 
 @pytest.fixture
-def server(start_server: Servers) -> ExpbufServer:
-    return start_server()
-
-
-@pytest.fixture
-def client(server: ExpbufServer) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
-        c.create_table("t", group_size=2, estimator="none")
-        for task in range(3):
-            c.push(trxp.build(group_items(1, task, 2)), table="t")
-        yield c
+def client(client: BufferClient) -> BufferClient:
+    """The shared client, with table t holding three groups of two."""
+    client.create_table("t", group_size=2, estimator="none")
+    for task in range(3):
+        client.push(trxp.build(group_items(1, task, 2)), table="t")
+    return client
 
 
 def test_a_batch_lease_runs_from_when_the_caller_gets_it(client: BufferClient) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import queue
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -17,28 +16,16 @@ import pytest
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
 from helpers import group_items
 
 
 @pytest.fixture
-def server(start_server: Servers) -> ExpbufServer:
-    return start_server()
-
-
-@pytest.fixture
-def client(server: ExpbufServer) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
-        c.create_table("t", group_size=2, estimator="none")
-        yield c
-
-
-@pytest.fixture
-def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield pb_grpc.ExperienceBufferStub(channel)
+def client(client: BufferClient) -> BufferClient:
+    """The shared client, with table t (groups of two, no estimator)."""
+    client.create_table("t", group_size=2, estimator="none")
+    return client
 
 
 def fill(client: BufferClient, groups: int, table: str = "t") -> None:

@@ -10,15 +10,9 @@ import pytest
 
 from expbuf.client import BufferClient
 
-from conftest import Servers
 from pages import code_blocks, page
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-@pytest.fixture
-def target(start_server: Servers) -> str:
-    return f"127.0.0.1:{start_server().port}"
 
 
 def run(script: str, *args: str) -> str:

@@ -21,14 +21,6 @@ from expbuf.server.tables import TableConfig
 from helpers import group_items, make_experience
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    """One server for the module; each test fills a table of its own."""
-    proc = ServerProcess(str(tmp_path_factory.mktemp("export")))
-    yield proc
-    assert proc.stop(signal.SIGTERM) == 0
-
-
 def fill(client: BufferClient, table: str) -> None:
     """Groups of 2 at model versions 0..9, then one pending group (its second run never came)."""
     client.create_table(table, group_size=2, estimator="grpo")
@@ -48,8 +40,8 @@ def everything(client: BufferClient, table: str, **filters: object) -> list:
         after = page.next
 
 
-def test_pages_cover_the_live_experiences_once_in_insertion_order(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_pages_cover_the_live_experiences_once_in_insertion_order(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t0")
         next(client.sample("t0", num_groups=2, delivery="lease", lease_seconds=600, max_batches=1, timeout=10))
         listed, after, sizes = [], 0, []
@@ -69,8 +61,8 @@ def test_pages_cover_the_live_experiences_once_in_insertion_order(server: Server
         assert {e.group_id for e in listed[:2]} == {"0/0"} and listed[0].reward == 0.0 and listed[1].reward == 1.0
 
 
-def test_filters_by_state_and_version(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_filters_by_state_and_version(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t1")
         assert [e.uid for e in everything(client, "t1", states=["pending"])] == ["0/99/0/0/r0s0"]
         fresh = everything(client, "t1", min_model_version=7)
@@ -98,11 +90,11 @@ def export(server: ServerProcess, table: str, *args: str) -> subprocess.Complete
     )  # fmt: skip
 
 
-def test_export_json_lines_with_the_servers_advantages(server: ServerProcess) -> None:
-    with BufferClient(server.target) as client:
+def test_export_json_lines_with_the_servers_advantages(child_server: ServerProcess) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t2")
         stored = {e.eid.uid: e for e in client.get([e.uid for e in everything(client, "t2")], table="t2")}
-    done = export(server, "t2", "--state", "ready", "--min-version", "8")
+    done = export(child_server, "t2", "--state", "ready", "--min-version", "8")
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(line["uid"] for line in lines) == sorted(u for u, e in stored.items() if e.model_version >= 8)
@@ -115,16 +107,16 @@ def test_export_json_lines_with_the_servers_advantages(server: ServerProcess) ->
         assert abs(line["advantages"][0]) > 0.5  # the group's grpo values, not zeros
 
 
-def test_export_trxp_reads_back_as_stored(server: ServerProcess, tmp_path: Path) -> None:
-    with BufferClient(server.target) as client:
+def test_export_trxp_reads_back_as_stored(child_server: ServerProcess, tmp_path: Path) -> None:
+    with BufferClient(child_server.target) as client:
         fill(client, "t3")
         want = client.get([e.uid for e in everything(client, "t3")], table="t3")
     out = tmp_path / "t.trxp"
-    done = export(server, "t3", "--format", "trxp", "--out", str(out))
+    done = export(child_server, "t3", "--format", "trxp", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == trxp.encode(want)
     assert [e.eid.uid for e in decode(out.read_bytes())] == [e.eid.uid for e in want]
-    refused = export(server, "t3", "--format", "trxp")
+    refused = export(child_server, "t3", "--format", "trxp")
     assert refused.returncode == 2 and "--out" in refused.stderr
 
 

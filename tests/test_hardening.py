@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -26,23 +25,6 @@ from expbuf.server.tables import MAX_SECONDS, ConfigError, TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience, take
-
-
-@pytest.fixture
-def server(start_server: Servers) -> ExpbufServer:
-    return start_server()
-
-
-@pytest.fixture
-def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield pb_grpc.ExperienceBufferStub(channel)
-
-
-@pytest.fixture
-def client(server: ExpbufServer) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
-        yield c
 
 
 def refused(call: object, *args: object, **kwargs: object) -> grpc.RpcError:

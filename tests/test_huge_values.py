@@ -7,7 +7,6 @@ Python client."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -23,8 +22,9 @@ from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.tables import TableConfig
 
-from conftest import Servers
 from helpers import group_items, make_experience
+
+pytestmark = pytest.mark.client_timeout(20)
 
 # In this order: each leaves the groups ready for the next.
 DELIVERIES = {"replay": pb.DELIVERY_REPLAY, "lease": pb.DELIVERY_LEASE, "consume": pb.DELIVERY_CONSUME}
@@ -37,17 +37,6 @@ def group(task: int, rewards: list[float], batch: int = 1) -> bytes:
     for item, reward in zip(items, rewards, strict=True):
         item.meta["reward"] = reward
     return trxp.build(items)
-
-
-@pytest.fixture
-def server(start_server: Servers) -> ExpbufServer:
-    return start_server()
-
-
-@pytest.fixture
-def client(server: ExpbufServer) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-        yield c
 
 
 @pytest.mark.parametrize("reward", [1e300, -1e300, 3.5e38, 10**39])

@@ -31,12 +31,6 @@ def server(start_server: Servers) -> ExpbufServer:
     return start_server(max_message_bytes=4 << 20)
 
 
-@pytest.fixture
-def client(server: ExpbufServer) -> BufferClient:
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as c:
-        yield c
-
-
 def encode_items(items: list[trxp.RawItem]) -> bytes:
     return trxp.build(items)
 

@@ -26,6 +26,8 @@ from expbuf.server.tables import ConfigError, TableConfig
 from conftest import Servers
 from helpers import make_experience, registered, take
 
+pytestmark = pytest.mark.client_timeout(20)
+
 SHAPING = {
     "overlong_buffer": True,
     "overlong_buffer_len": 4,
@@ -68,13 +70,6 @@ def clip(value: float, limit: float) -> float:
 def grpo(rewards: list[float]) -> list[float]:
     mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
     return [(r - mean) / (std + 1e-6) for r in rewards]
-
-
-@pytest.fixture
-def client(start_server: Servers) -> Iterator[BufferClient]:
-    server = start_server()
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-        yield c
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "grpo", "discounted_return"])

@@ -9,7 +9,6 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -20,17 +19,11 @@ from expbuf.client import BufferClient, BufferError, wire
 from expbuf.client.experience import Experience
 from expbuf.server.tables import ConfigError, TableConfig
 
-from conftest import Servers
 from helpers import make_experience
 
+pytestmark = pytest.mark.client_timeout(20)
+
 TOL = 2e-5  # LightRFT keeps its running moments in float32
-
-
-@pytest.fixture
-def client(start_server: Servers) -> Iterator[BufferClient]:
-    server = start_server()
-    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
-        yield c
 
 
 def wait_computed(client: BufferClient, table: str, groups: int) -> None:

@@ -42,11 +42,6 @@ def _stack_lists() -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def target(start_server) -> str:
-    return f"127.0.0.1:{start_server().port}"
-
-
 def element(query: str, run: int, reward: float, *, version: int | None = None) -> TensorDict:
     """One dialog turn as TorchRL's LLM wrappers and envs write it (unpadded, done)."""
     response = torch.arange(2 + run % 3) + 10 * (run + 1)

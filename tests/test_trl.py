@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,22 +24,14 @@ from trl.experimental.async_grpo.async_rollout_worker import (
 )
 
 from expbuf.client import EID, BufferClient, Experience
+from expbuf.client.connection import DEFAULT_TIMEOUT
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
 from expbuf.client.trl.leases import LeaseBook, ack_lag
 
 from conftest import Servers
 from trl_cpu import EOS, MARKS, PAD, until
 
-
-@pytest.fixture
-def target(start_server: Servers) -> str:
-    return f"127.0.0.1:{start_server().port}"
-
-
-@pytest.fixture
-def client(target: str) -> Iterator[BufferClient]:
-    with BufferClient(target) as c:
-        yield c
+pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
 
 
 def trl_args(tmp_path: Path, **settings: object) -> AsyncGRPOConfig:

@@ -9,7 +9,6 @@ one more, and with the token budget one sample more), and the acks wait for that
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,14 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from expbuf.client import EID, BufferClient
+from expbuf.client.connection import DEFAULT_TIMEOUT
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences
 
 from conftest import Servers
 from pages import code_blocks, page
 from trl_cpu import EOS, MARKS, NoWeightSync, on_cpu, tiny_model, trained_marks, until
+
+pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
 
 GROUP = 4
 
@@ -84,12 +86,6 @@ def push_groups(client: BufferClient, table: str, groups: int) -> dict[str, int]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def client(start_server: Servers) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{start_server().port}") as c:
-        yield c
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from expbuf.client import BufferClient, trxp
 from expbuf.client.experience import TENSOR_FIELDS
 
-from conftest import Servers, payload
+from conftest import payload
 
 trinity = pytest.importorskip("trinity.common.experience")
 FIXTURES = sorted(p.name for p in (Path(__file__).parent / "fixtures" / "trxp").glob("*.trxp"))
@@ -116,12 +115,6 @@ def test_a_writable_buffer_is_shared_and_a_misaligned_tensor_is_copied() -> None
     narrow = [t for e in exps for t in tensors(e).values() if t.dtype.itemsize == 1 and t.numel()]
     assert wide(exps) and not any(inside(t, view) for t in wide(exps))
     assert narrow and all(inside(t, view) for t in narrow)
-
-
-@pytest.fixture
-def client(start_server: Servers) -> Iterator[BufferClient]:
-    with BufferClient(f"127.0.0.1:{start_server().port}", timeout=10) as c:
-        yield c
 
 
 def test_a_sampled_batch_decodes_to_views_over_its_own_buffer(client: BufferClient) -> None:

@@ -7,10 +7,9 @@ import copy
 import functools
 import os
 import queue
-import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from expbuf.server.metrics import Metrics
 from expbuf.server.service import ExperienceBufferService
 from expbuf.server.store import Store
 
-from helpers import ServerProcess, group_items
+from helpers import group_items
+from helpers import servers as servers  # the fault modules that start children in a `with` block import it here
 
 SCALE = int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
 SERVICE = "expbuf.v1.ExperienceBuffer"
@@ -34,26 +34,6 @@ MAX_MESSAGE = 256 << 20
 def scaled(count: int) -> int:
     """A count of rounds or operations, lengthened by EXPBUF_SOAK_SCALE."""
     return max(1, count * SCALE)
-
-
-@contextlib.contextmanager
-def servers() -> Iterator[Callable[..., ServerProcess]]:
-    """Start `expbuf serve` children on free ports (ServerProcess: gRPC and metrics on port 0,
-    read back), `env` EXPBUF_* settings of their own; SIGKILL those still running on the way out."""
-    started: list[ServerProcess] = []
-
-    def start(data: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(data, *args, env=env)
-        started.append(server)
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in started:
-            if server.proc.poll() is None:
-                server.proc.send_signal(signal.SIGKILL)
-                server.proc.wait(30)
 
 
 @contextlib.contextmanager

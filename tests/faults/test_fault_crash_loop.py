@@ -25,16 +25,10 @@ import pytest
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import SampleStream, channel, check_data, payload, sample_all, scaled, servers, stats, stub
+from faultkit import SampleStream, channel, check_data, payload, sample_all, scaled, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 ROUNDS = scaled(2)  # a kill, a restart on the killed data, a second kill; more with EXPBUF_SOAK_SCALE

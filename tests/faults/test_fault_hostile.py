@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import resource
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -23,16 +23,10 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import channel, cpu_seconds, group, healthy, peak_rss_bytes, reset_peak_rss, servers, stats, stub
+from faultkit import channel, cpu_seconds, group, healthy, peak_rss_bytes, reset_peak_rss, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 CPU_BOUND_SECONDS = 5.0  # generous: a refusal costs milliseconds

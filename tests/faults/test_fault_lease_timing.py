@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 
 from expbuf.client import BufferClient, trxp
 
-from faultkit import group, scaled, servers
-from helpers import ServerProcess
+from faultkit import group, scaled
 
 pytestmark = pytest.mark.faults
 
 LEASE = 3.0  # seconds
 STEP = 2.0  # a training step: two of them are longer than the lease
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def test_a_slow_trainer_acks_every_batch_and_no_uid_goes_to_two_trainers(serve, tmp_path) -> None:

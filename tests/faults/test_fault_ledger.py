@@ -32,7 +32,7 @@ import pytest
 
 from expbuf.client import BufferClient
 
-from faultkit import check_data, scaled, servers
+from faultkit import check_data, scaled
 from helpers import ServerProcess
 from ledger_roles import CLAIM_SECONDS, DATASET, GROUP, TABLE
 
@@ -87,12 +87,6 @@ def roles() -> Iterator[list[Role]]:
         if role.proc.poll() is None:
             role.proc.send_signal(signal.SIGKILL)
             role.proc.wait(30)
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,7 +26,7 @@ from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import channel, healthy, payload, sample_all, servers, stub
+from faultkit import channel, healthy, payload, sample_all, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
@@ -43,12 +43,6 @@ RAISED_CAPS = {
 NO_SHARES = {"EXPBUF_PUSH_SCOPE_WORKERS": "0", "EXPBUF_SAMPLE_SCOPE_WORKERS": "0"}
 SHARE = 6  # workers kept for each scope in the share cases
 SHARES = {**RAISED_CAPS, "EXPBUF_PUSH_SCOPE_WORKERS": str(SHARE), "EXPBUF_SAMPLE_SCOPE_WORKERS": str(SHARE)}
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def idle_push_stream(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Call:

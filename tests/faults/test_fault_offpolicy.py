@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -15,16 +15,10 @@ import pytest
 from expbuf.client import BufferClient, BufferError, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import SampleStream, channel, servers, stats, stub
+from faultkit import SampleStream, channel, stats, stub
 from helpers import ServerProcess, make_experience
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def group(task: int, size: int = 8, *, varied: bool = True, version: int = 0) -> list[bytes]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,18 +20,12 @@ import pytest
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from faultkit import _status_bytes, channel, peak_rss_bytes, reset_peak_rss, servers, stub
+from faultkit import _status_bytes, channel, peak_rss_bytes, reset_peak_rss, stub
 from helpers import ServerProcess, make_experience
 
 pytestmark = pytest.mark.faults
 
 MB = 1 << 20
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def large_payload(batch: str, experiences: int, response: int) -> bytes:

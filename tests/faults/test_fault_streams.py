@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,16 +20,10 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from faultkit import SampleStream, channel, group, healthy, sample_all, servers, stats, stub
+from faultkit import SampleStream, channel, group, healthy, sample_all, stats, stub
 from helpers import ServerProcess
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 # Windows tested: the batches the server may prepare for one stream beyond those its reader

@@ -15,7 +15,6 @@ from __future__ import annotations
 import signal
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -29,8 +28,7 @@ from torchrl.modules.llm.policies import LogProbs, Tokens
 from expbuf.client import BufferClient, DeadlineExceededError
 from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage
 
-from faultkit import scaled, servers
-from helpers import ServerProcess
+from faultkit import scaled
 
 pytestmark = pytest.mark.faults
 
@@ -38,12 +36,6 @@ GROUPS = 24
 RUNS = 4
 PACE = 0.2  # seconds between the writer's groups: the trainer waits in its draws most of the time
 KILLS = scaled(2)  # even kills land as the trainer acknowledges a step, odd ones while it waits in a draw
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def group(number: int) -> TensorDict:

@@ -22,7 +22,6 @@ import textwrap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -35,8 +34,6 @@ from trinity.common.experience import EID, Experience  # noqa: E402
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.client.trinity import plugin_dir  # noqa: E402
 
-from faultkit import servers  # noqa: E402
-from helpers import ServerProcess  # noqa: E402
 from test_trinity_plugin import plugin, until  # noqa: E402, F401 - loads the plugin as Trinity does
 
 pytestmark = pytest.mark.faults
@@ -44,12 +41,6 @@ pytestmark = pytest.mark.faults
 EXPLORERS = 2
 GROUPS = 12  # per explorer
 PAUSE = 0.5  # seconds between an explorer's writes: a batch takes several of the reader's polls
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerProcess]]:
-    with servers() as start:
-        yield start
 
 
 def runs(explorer: int, task: int, size: int) -> list[Experience]:
