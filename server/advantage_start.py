@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import StoreError
+from .errors import AdvantagesUnavailable
 from .store import Store
 from .store.kinds import Compute
 from .tables import TableConfig
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
     from .advantages import AdvantageWorker
 
 log = logging.getLogger("expbuf.server")
-
-
-class AdvantagesUnavailable(StoreError):
-    """The advantage worker could not start (torch did not load): a fault of the server,
-    INTERNAL, which clients do not retry."""
-
-    reason = "advantages_unavailable"
 
 
 class AdvantageStart:

@@ -162,3 +162,10 @@ class StoreClosed(StoreError):
 
     status = "UNAVAILABLE"
     reason = "closed"
+
+
+class AdvantagesUnavailable(StoreError):
+    """The advantage worker could not start (torch did not load): a fault of the server,
+    INTERNAL, which clients do not retry (advantage_start.py)."""
+
+    reason = "advantages_unavailable"
