@@ -2,8 +2,9 @@
 
 `Store` is a façade. It composes the environment (environment.py: the LMDB environment and
 its writer thread), the table catalog (catalog.py), the table extensions (extensions.py:
-the compute queue and stale-group eviction, and any registered), the sampling service
-(sampling.py) and the upkeep service (upkeep.py), and puts each request through the writer as
+the compute queue and stale-group eviction, and any registered), and its services: pushes
+(pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
+upkeep (upkeep.py) and the scrub (scrub.py). It puts each request through the writer as
 one table's transaction: a table's state (table_state.py) changed by the rules (groups.py,
 capacity.py, retirement.py, leases.py, limiter.py, admission.py, staleness.py). Reads are
 answered from read transactions. Nothing lives only in memory but the table list, so a
@@ -13,7 +14,6 @@ state (LMDB is copy-on-write).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -25,25 +25,21 @@ import lmdb
 
 from expbuf.client import trxp
 
-from ..advantage_storage import batch_payload
-from ..errors import InsertLimited, NotFound, TableFull
+from ..errors import NotFound
 from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
 from . import (
     admission,
     browse,
-    deliverable,
     groups,
     index_builds,
     integrity,
     layout,
     limiter,
-    pushed_advantages,
     residency,
     retirement,
     staleness,
 )
-from .batch_rows import BatchRows
 from .catalog import TableCatalog
 from .claims import Claims, PromptPage
 from .compute_queue import ComputeQueue, backlog
@@ -52,12 +48,13 @@ from .environment import Environment
 from .extensions import Extensions
 from .index_builds import submit_building
 from .integrity import verify
-from .kinds import Ahead, Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
 from .ledger_records import DatasetRecord
 from .migrate import migrate
+from .pushing import Pushing
 from .quarantine import quarantine_found
-from .read_check import payload_problem, serve_problem
+from .reads import Reads
 from .records import ItemRecord
 from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
@@ -101,7 +98,6 @@ class Store:
         residency.release(self.environment.path / "data.mdb")  # the pages the check read: page cache, not RSS
         self.path = self.environment.path
         self.max_map_size = max_map_size
-        self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.clock = clock
         self.db = self.environment.db
         # What runs at every table's events: the store's own, then any a caller registers.
@@ -111,11 +107,9 @@ class Store:
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
+        self.pushing = Pushing(self.environment, self.catalog, self._in_table, max_reply_bytes)
+        self.reads = Reads(self.environment, self.catalog, self.quarantine)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
-        # The advantage computation a push runs for a table's groups in its own transaction
-        # (pushed_advantages.py), or None where the worker computes them; the server sets
-        # it (advantages.py), so the storage engine itself imports no estimator.
-        self.in_push: Callable[[TableConfig], Compute | None] | None = None
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
@@ -199,67 +193,19 @@ class Store:
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
-        _, config = self.catalog.lookup(table)
-        limit = self.max_reply_bytes
-        compute = self.in_push(config) if self.in_push is not None else None
-        ahead = pushed_advantages.compute_ahead(config, entries, compute) if compute is not None else None
-        start = time.monotonic()
-        deadline = start + (timeout if timeout is not None else 0.0)
-        held = False  # whether the rate limit held this push
-        while True:
-            generation = self.environment.generation
-            final = time.monotonic() >= deadline
-            blocked = time.monotonic() - start if held else 0.0
-            try:
-                put = functools.partial(
-                    self._put,
-                    entries=entries,
-                    final=final,
-                    blocked=blocked,
-                    reply_limit=limit,
-                    in_push=self.in_push,
-                    ahead=ahead,
-                )
-                result = self._in_table(table, put)
-            except TableFull:
-                if config.when_full != "block" or final:
-                    raise
-            else:
-                if not isinstance(result, InsertLimited):
-                    return result
-                if final:
-                    raise result
-                held = True
-            self.environment.wait_for_change(generation, deadline)
+        """Store validated entries durably (Pushing.put)."""
+        return self.pushing.put(table, entries, timeout=timeout)
 
-    @staticmethod
-    def _put(
-        tt: TableState,
-        entries: Sequence[Entry],
-        final: bool,
-        blocked: float,
-        reply_limit: int | None,
-        in_push: Callable[[TableConfig], Compute | None] | None,
-        ahead: Ahead | None,
-    ) -> PutResult | InsertLimited:
-        """Store entries, or the rate limit that holds them (with the time it held them,
-        counted when it lets them go or at the deadline); refuse them if a group would not
-        fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
-        completes get their advantages in its transaction where it gives the table a computation
-        (`ahead`: computed before it, for the groups the push was expected to complete)."""
-        deliverable.check(tt, entries, reply_limit)
-        held = limiter.insert_limit(tt, entries)
-        if blocked and (held is None or final):
-            tt.counters.insert_blocked_seconds += blocked
-            tt.save()
-        if held is not None:
-            return held
-        kept, stale = admission.screen(tt, entries)
-        tt.compute = in_push(tt.config) if in_push is not None else None
-        tt.ahead = ahead
-        result = groups.put(tt, kept)
-        result.stale = stale
-        return result
+    @property
+    def in_push(self) -> Callable[[TableConfig], Compute | None] | None:
+        """The advantage computation a push runs for a table's groups in its own transaction
+        (pushed_advantages.py), or None where the worker computes them; the server sets it
+        (advantage_start.py), so the storage engine itself imports no estimator."""
+        return self.pushing.in_push
+
+    @in_push.setter
+    def in_push(self, compute: Callable[[TableConfig], Compute | None] | None) -> None:
+        self.pushing.in_push = compute
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -311,24 +257,8 @@ class Store:
     # ---- reads and admin ---------------------------------------------------------------
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
-        """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
-        checked against its digest first: a damaged one is quarantined (quarantine.py), not returned."""
-        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
-        found, damaged = {}, []
-        with self.environment.read() as txn:
-            for uid in uids:
-                key = prefix + uid.encode()
-                blob = txn.get(key, db=self.db["blobs"])
-                if blob is None:
-                    continue
-                rec = ItemRecord.decode(stored(txn, key, self.db["items"], "experience"))
-                if payload_problem(uid, rec, blob) is None:
-                    found[uid] = blob
-                else:
-                    damaged.append(uid)
-        if damaged:
-            self.quarantine(table, damaged)
-        return found
+        """Stored payloads among uids, each checked first (Reads.get)."""
+        return self.reads.get(table, uids)
 
     def list_experiences(
         self,
@@ -341,44 +271,13 @@ class Store:
         limit: int = 1000,
     ) -> browse.Page:
         """A page of the table's live experiences in insertion order (see browse.py)."""
-        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
-        with self.environment.read() as txn:
-            return browse.page(
-                txn, self.db, prefix,
-                states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
-            )  # fmt: skip
+        return self.reads.page(
+            table, states=states, min_version=min_version, max_version=max_version, after=after, limit=limit
+        )
 
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
-        """A TRXP batch of the stored experiences among uids (in their order), and the missing
-        uids. An experience that cannot be served (read_check.py) is never returned: it is
-        listed as missing, and one whose payload is damaged is quarantined (quarantine.py)."""
-        table_id, config = self.catalog.lookup(table)
-        prefix = layout.table_prefix(table_id)
-        missing, damaged = [], []
-        with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
-            rows = BatchRows(txn, self.db["adv"], config)
-            for uid in uids:
-                key = prefix + uid.encode()
-                blob = txn.get(key, db=self.db["blobs"])
-                if blob is None:
-                    missing.append(uid)
-                    continue
-                rec = ItemRecord.decode(stored(txn, key, self.db["items"], "experience"))
-                problem = serve_problem(uid, rec, blob)
-                if problem is not None:
-                    if problem.damaged:
-                        damaged.append(uid)
-                    else:
-                        log.error("table %s: Get found %s; it is not served", table, problem)
-                    missing.append(uid)
-                    continue
-                rows.add(key, rec, blob)
-            stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
-            advantages = rows.advantages if stage is None else stage.run(rows.advantages)
-            payload = batch_payload(rows.blobs, advantages)
-        if damaged:
-            self.quarantine(table, damaged)
-        return payload, missing
+        """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
+        return self.reads.payload(table, uids)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the
