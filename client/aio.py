@@ -42,8 +42,9 @@ class AsyncBufferClient(ClientBase):
     _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled."""
         await self._channel.close()
+        await self._unretried_channel.close()
 
     async def __aenter__(self) -> AsyncBufferClient:
         return self
@@ -52,19 +53,15 @@ class AsyncBufferClient(ClientBase):
         await self.close()
 
     async def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
-        method = getattr(self._stub, call.method)
-        attempts = self._attempts(call.retry, call.timeout)
-        while True:
-            try:
-                if isinstance(call, calls.Chunked):
-                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
-                    reply = calls.one_reply([reply async for reply in replies])
-                else:
-                    reply = await method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                await asyncio.sleep(attempts.pause(exc))
+        method, keywords = self._method(call)
+        try:
+            if isinstance(call, calls.Chunked):
+                reply = calls.one_reply([reply async for reply in method(call.requests(), **keywords)])
             else:
-                return call.read(reply)
+                reply = await method(call.request, **keywords)
+        except grpc.RpcError as exc:
+            raise call_error(exc, self._tls) from None
+        return call.read(reply)
 
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Generator, Iterable
 from typing import Any, TypeVar, Unpack
 
@@ -98,8 +97,9 @@ class BufferClient(ClientBase):
     _secure_channel = staticmethod(grpc.secure_channel)
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled."""
         self._channel.close()
+        self._unretried_channel.close()
 
     def __enter__(self) -> BufferClient:
         return self
@@ -108,19 +108,15 @@ class BufferClient(ClientBase):
         self.close()
 
     def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
-        method = getattr(self._stub, call.method)
-        attempts = self._attempts(call.retry, call.timeout)
-        while True:
-            try:
-                if isinstance(call, calls.Chunked):
-                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
-                    reply = calls.one_reply(list(replies))
-                else:
-                    reply = method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                time.sleep(attempts.pause(exc))
+        method, keywords = self._method(call)
+        try:
+            if isinstance(call, calls.Chunked):
+                reply = calls.one_reply(list(method(call.requests(), **keywords)))
             else:
-                return call.read(reply)
+                reply = method(call.request, **keywords)
+        except grpc.RpcError as exc:
+            raise call_error(exc, self._tls) from None
+        return call.read(reply)
 
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.

@@ -91,6 +91,10 @@ def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) 
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
             assert "Socket closed" in info.value.details and TLS_HINT in info.value.details, info.value.details
 
+    with BufferClient(target, timeout=2) as plain, pytest.raises(BufferError) as info:  # retried: the same words
+        plain.push(payload("single_turn.trxp"))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and TLS_HINT in info.value.details, info.value.details
+
     async def plain_async() -> str:
         async with AsyncBufferClient(target, timeout=2, retries=0) as plain:
             with pytest.raises(BufferError) as info:
