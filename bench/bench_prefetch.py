@@ -1,18 +1,21 @@
 """Decode that overlaps training (issue 32): a trainer's loop with `prefetch` 0 (off), 1 (the
 default) and 2, side by side in one run.
 
-    .venv/bin/python bench/bench_prefetch.py [--rounds 3] [--batches 6] [--out bench/RESULTS.md]
+    .venv/bin/python bench/bench_prefetch.py [--rounds 3] [--batches 10] [--out bench/RESULTS.md]
 
 One `expbuf serve` child on loopback (bench_reverb.py's ExpbufSide), the trainer here. Batches of
 256 experiences of bench_reverb.py's shapes (8 KB and 40 KB), consume delivery, window 2 (the
 default). Each batch's tensors are read (`batch.experiences`), then a step runs:
 - `sleep`: time.sleep, standing for a GPU step (the GIL is free meanwhile);
 - `torch`: CPU work in torch matmuls on one thread, which release the GIL as a kernel launch does.
-Both steps last about as long as the caller's receive and decode of a batch with prefetch off
-(measured in the warm-up, per shape), where overlapping them can gain the most. Each round runs
-every prefetch once per step, in rotating order, after the same warm-up; fresh ids for every
-stream, pushed before it, untimed. Batches per second, median of the rounds; ratios are to
-prefetch 0 of the same run.
+Both steps last about as long as a batch takes to arrive, decoded, with prefetch off (the median
+wait, measured in the warm-up, per shape), where overlapping the two can gain the most. Each
+round runs every prefetch once per step, in rotating order, after the same warm-up; fresh ids
+for every stream, pushed before it, untimed. A trainer's loop runs on, so each is timed from
+`sample()` to the end of its last step, the stream's end not included. Batches per second,
+median of the rounds; each ratio is to prefetch 0 in the same round, the median of the rounds'
+ratios (paired, so that the machine's drift between rounds cancels); and the median time the caller
+waited for a batch (`next()` and `.experiences`), what prefetch takes off its path.
 """
 
 from __future__ import annotations
@@ -64,43 +67,48 @@ def sleep_step(seconds: float) -> Callable[[], None]:
 
 def trainer(
     side: ExpbufSide, shape: str, pushes: list, serial: itertools.count, prefetch: int, step: Callable[[], None] | None
-) -> float:
-    """Batches per second of one consume stream read as a trainer reads it, of `pushes` pushed
-    before it under fresh ids (untimed)."""
+) -> tuple[float, float]:
+    """One trainer's loop over a consume stream of the batches in `pushes` (pushed before it
+    under fresh ids, untimed): batches per second up to the end of its last step (a trainer's
+    loop runs on; the stream's end is not timed), and the median time the caller waited for a
+    batch and its tensors."""
     restamp(pushes, serial)
     for exps in pushes:
         side.client.push(exps, table=TABLE[shape])
     batches = sum(map(len, pushes)) // BATCH
+    waits = []
+    stream = side.client.sample(TABLE[shape], batch_size=BATCH, delivery="consume", timeout=60, prefetch=prefetch)
     start = time.perf_counter()
-    got = 0
-    for batch in side.client.sample(
-        TABLE[shape], batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60, prefetch=prefetch
-    ):
-        got += len(batch.experiences)
+    for _ in range(batches):
+        asked = time.perf_counter()
+        assert len(next(stream).experiences) >= BATCH
+        waits.append(time.perf_counter() - asked)
         if step is not None:
             step()
-    assert got == batches * BATCH, got
-    return batches / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    stream.close()  # the batches sent ahead go back: the next stream takes them first
+    return batches / seconds, statistics.median(waits)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     serial = itertools.count()
-    figures: dict[tuple[str, str, int], list[float]] = {}
+    rates: dict[tuple[str, str, int], list[float]] = {}
+    waits: dict[tuple[str, str, int], list[float]] = {}
     fetch: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         side = ExpbufSide(str(Path(tmp) / "data"))
         try:
             for shape in ("8k", "40k"):
                 pushes = make_pushes(shape, args.batches * BATCH // PER_PUSH[shape])
-                # the warm-up, and the steps' length: the caller's time per batch with prefetch off
-                fetch[shape] = statistics.median(1 / trainer(side, shape, pushes, serial, 0, None) for _ in range(3))
+                # the warm-up, and the steps' length: how long a batch takes to arrive, decoded, with prefetch off
+                fetch[shape] = statistics.median(trainer(side, shape, pushes, serial, 0, None)[1] for _ in range(3))
                 steps = {"sleep": sleep_step(fetch[shape]), "torch": torch_step(fetch[shape])}
                 for step in steps.values():  # the same warm-up for every prefetch
                     for prefetch in PREFETCH:
@@ -108,27 +116,39 @@ def main() -> None:
                 for r in range(args.rounds):
                     for name, step in steps.items():
                         for prefetch in PREFETCH[r % 3 :] + PREFETCH[: r % 3]:
-                            rate = trainer(side, shape, pushes, serial, prefetch, step)
-                            figures.setdefault((shape, name, prefetch), []).append(rate)
-                            print(shape, name, f"prefetch={prefetch}", f"{rate:.2f} batches/s", flush=True)
+                            rate, wait = trainer(side, shape, pushes, serial, prefetch, step)
+                            rates.setdefault((shape, name, prefetch), []).append(rate)
+                            waits.setdefault((shape, name, prefetch), []).append(wait)
+                            print(
+                                shape,
+                                name,
+                                f"prefetch={prefetch}",
+                                f"{rate:.2f} batches/s",
+                                f"wait {wait * 1e3:.1f} ms",
+                            )
         finally:
             side.stop()
     rows = []
     for shape in ("8k", "40k"):
         for name in ("sleep", "torch"):
-            base = statistics.median(figures[shape, name, 0])
+            base = rates[shape, name, 0]
             cells = []
             for prefetch in PREFETCH:
-                value = statistics.median(figures[shape, name, prefetch])
-                cells.append(f"{value:.2f}" if prefetch == 0 else f"{value:.2f} (**{value / base:.2f}**)")
+                value = statistics.median(rates[shape, name, prefetch])
+                wait = statistics.median(waits[shape, name, prefetch]) * 1e3
+                paired = statistics.median(a / b for a, b in zip(rates[shape, name, prefetch], base, strict=True))
+                ratio = "" if prefetch == 0 else f" (**{paired:.2f}**)"
+                cells.append(f"{value:.2f}{ratio}, waits {wait:.1f} ms")
             rows.append(f"| {shape} | {name}, {fetch[shape] * 1e3:.0f} ms | " + " | ".join(cells) + " |")
     command = f"bench/bench_prefetch.py --rounds {args.rounds} --batches {args.batches}"
     section = (
         f"{HEADING}\n\n"
         f"Command: `.venv/bin/python {command}` (load average {load:.1f} at the start, 2 cores, shared).\n"
-        f"A trainer's loop over a consume stream: batches of {BATCH}, tensors read, then a step as long as the "
-        "caller's receive and decode of a batch with prefetch off. Batches per second, median of the rounds; "
-        "in brackets the ratio to prefetch 0 of the same run.\n\n"
+        f"A trainer's loop over a consume stream: {args.batches} batches of {BATCH}, the tensors of each read, then "
+        "a step as long as a batch takes to arrive, decoded, with prefetch off (median, measured in the warm-up). "
+        "Batches per second up to the end of the last step, median of the rounds; in brackets the median of "
+        "the rounds' ratios to prefetch 0 in the same round; then the median time the caller waited for a batch "
+        "and its tensors.\n\n"
         "| size | step | prefetch 0 | prefetch 1 (default) | prefetch 2 |\n| --- | --- | --- | --- | --- |\n"
         + "\n".join(rows)
         + "\n\n"
