@@ -10,8 +10,10 @@ here. A batch waiting here is one of the stream's credit window (the server send
 `window` batches not confirmed), so `depth` is at most the window (SampleSpec checks it); it
 is neither leased nor consumed, and returns to the buffer when the stream ends or the process
 dies. A batch that cannot be decoded waits in its place as its DataLossError. Once the stream
-broke (a server gone, a deadline, a cancel), the batches waiting here went back with it: the
-caller gets the error, not them, so no batch is trained that the buffer holds again.
+has ended, the batches still waiting here went back with it (the server ends a stream
+normally with batches unconfirmed only when it found no more data for an `allow_partial`
+stream, and otherwise ends it with an error: a server gone, a deadline, a cancel): the caller
+gets the end or the error, not them, so no batch is trained that the buffer holds again.
 
 Both clients use it. The blocking client's `read` is its stream's next reply; the asyncio
 client's reads on its event loop, so there only the decode runs on this thread. Each client
@@ -59,7 +61,8 @@ class Prefetcher:
         self._waiting = 0  # decoded (or being decoded) and not yet taken: at most depth
         self._stopping = False
         self._call_done = False
-        self._broken: BaseException | None = None
+        self._finished = False  # the stream has ended: what waits went back to the buffer
+        self._error: BaseException | None = None  # what ended it, if not its normal end
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -71,9 +74,9 @@ class Prefetcher:
                     self._deliver(self._decoded(reply))
         except Exception as exc:  # the stream broke or was cancelled
             error = exc
-            with self._room:
-                self._broken = exc
         finally:
+            with self._room:
+                self._finished, self._error = True, error
             self._deliver(Outcome(error=error, last=True))
 
     def _make_room(self) -> bool:
@@ -95,17 +98,19 @@ class Prefetcher:
 
     def take(self, outcome: Outcome) -> Batch | None:
         """The batch to hand the caller next, None at the stream's end. Raises a batch's
-        DataLossError in its place, and the error that ended the stream at once: the batches
-        still waiting went back to the buffer with the stream."""
+        DataLossError in its place. Once the stream has ended, raises the error that ended it
+        or returns None, whatever still waits: it went back to the buffer with the stream."""
         with self._room:
             if outcome.last:
                 self.ended = True
             else:
                 self._waiting -= 1
                 self._room.notify()
-            broken = self._broken
-        if broken is not None:
-            raise broken
+            finished, error = self._finished, self._error
+        if error is not None:
+            raise error
+        if finished:
+            return None
         if outcome.error is not None:
             raise outcome.error
         return outcome.batch

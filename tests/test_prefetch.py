@@ -1,7 +1,7 @@
 """Batches decoded ahead of the caller (`prefetch`): the decode runs on a thread of the stream's
 own while the caller holds the batch before, and changes nothing of what counts as received.
 A batch decoded ahead is confirmed only when the caller takes it, comes back when the stream
-ends, raises its DataLossError in its place, and is never handed over once its stream broke;
+ends, raises its DataLossError in its place, and is never handed over once its stream ended;
 closing the iterator, however it closes, ends the thread. A real server on loopback, real
 LMDB; the client's decode is wrapped (never replaced) to see when and where it runs."""
 
@@ -146,19 +146,24 @@ def test_a_batch_that_cannot_be_decoded_raises_in_its_place(asynchronous: bool, 
         grpc_server.stop(0)
 
 
-def test_a_stream_that_ends_in_an_error_hands_over_no_batch_decoded_ahead(
-    client: BufferClient, decodes: Decodes
+@pytest.mark.parametrize("partial", [False, True], ids=["deadline", "allow_partial"])
+def test_a_stream_that_ended_hands_over_no_batch_decoded_ahead(
+    client: BufferClient, decodes: Decodes, partial: bool
 ) -> None:
-    """The server sent batch 2 ahead, then found no batch 3 in time and ended the stream: batch
-    2, unconfirmed, went back to the buffer, so the caller gets the error, not batch 2."""
+    """The server sent batch 2 ahead, then found no batch 3 within `timeout` and ended the
+    stream (DEADLINE_EXCEEDED, or its normal end under allow_partial): batch 2, unconfirmed,
+    went back to the buffer, so the caller gets the error or the end, not batch 2."""
     fill(client, 2)
-    batches = client.sample("t", num_groups=1, delivery="consume", timeout=1)
+    batches = client.sample("t", num_groups=1, delivery="consume", timeout=1, allow_partial=partial)
     next(batches)
     (thread,) = prefetch_threads()
     thread.join(20)  # it ends with the stream
     assert not thread.is_alive() and decodes.wait(2)
-    with pytest.raises(DeadlineExceededError):
-        next(batches)
+    if partial:
+        assert list(batches) == []
+    else:
+        with pytest.raises(DeadlineExceededError):
+            next(batches)
     stats = settle(client, lambda s: s.leased == 0)
     assert (stats.consumed, stats.ready) == (2, 2)
 
