@@ -31,6 +31,7 @@ from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
 from .advantage_start import AdvantageStart
 from .auth import TokenAuth
+from .batch_stage import finish_batch
 from .config import ServerConfig
 from .devices import check_device
 from .errors import StoreError
@@ -121,6 +122,7 @@ class ExpbufServer:
                 check_at_open=config.check_at_open,
                 scrub_mb_per_second=config.scrub_mb_per_second,
                 scrub_interval_seconds=config.scrub_interval_seconds,
+                batch_stage=finish_batch,
             )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None

@@ -59,6 +59,7 @@ from .records import ItemRecord
 from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
 from .staleness import StaleEviction
+from .stored_advantages import FinishBatch
 from .table_state import TableState, stored
 from .upkeep import Upkeep
 
@@ -83,7 +84,12 @@ class Store:
         check_at_open: str = "quick",
         scrub_mb_per_second: float = 0.0,
         scrub_interval_seconds: float = 86400.0,
+        batch_stage: FinishBatch | None = None,
     ) -> None:
+        """`batch_stage` finishes the advantages of a table with a batch stage over each batch
+        taken, where the reply is built (server/batch_stage.finish_batch, which the server
+        gives): the storage engine computes with no torch. A store without one refuses to
+        take a batch of such a table."""
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )
@@ -104,11 +110,11 @@ class Store:
         self.ledger = Ledger()
         self.extensions = Extensions([ComputeQueue(), StaleEviction(), self.ledger])
         self.catalog = TableCatalog(self.environment, self.extensions, clock)
-        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
+        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self.pushing = Pushing(self.environment, self.catalog, self._in_table, max_reply_bytes)
-        self.reads = Reads(self.environment, self.catalog, self.quarantine)
+        self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)

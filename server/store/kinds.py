@@ -9,12 +9,12 @@ from typing import TypeVar
 
 from expbuf.client import trxp
 
-from ..advantage_storage import Advantage, BatchStage, batch_parts
 from ..tables import TableConfig
 from . import digests
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .states import PENDING
+from .stored_advantages import Advantage, Stage, batch_parts
 
 T = TypeVar("T")
 
@@ -118,7 +118,7 @@ class Sampled:
     partial: bool = False
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
-    stage: BatchStage | None = field(default=None, repr=False, compare=False)
+    stage: Stage | None = field(default=None, repr=False, compare=False)
 
     @property
     def payload(self) -> bytes:
@@ -128,7 +128,7 @@ class Sampled:
         """Run the batch stage on the stored advantages, once."""
         if self.stage is not None:
             stage, self.stage = self.stage, None
-            self.advantages = stage.run(self.advantages)
+            self.advantages = stage(self.advantages)
 
     def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
         """`build` of the payload as the runs of bytes it is made of (trxp.join_parts),
