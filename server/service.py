@@ -32,9 +32,9 @@ from .limits import IdleMessages, TableStreams
 from .metrics import Metrics
 from .moments import RunningMoments
 from .replies import sample_reply
-from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .store import Sampled
+from .store.sample_spec import SampleSpec
 from .store.states import LIVE
 from .tables import TableConfig
 from .writers import Writers

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, TableExtension
 from expbuf.server.store.records import GroupRecord
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
 from expbuf.server.store.table_state import TableState
 from expbuf.server.tables import TableConfig

@@ -18,8 +18,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.estimator_registry import ESTIMATORS
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, make_experience

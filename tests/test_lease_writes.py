@@ -9,8 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import ItemRecord, Store, layout
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from conftest import FIXTURES

@@ -10,7 +10,6 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
@@ -25,6 +24,7 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience

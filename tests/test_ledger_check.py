@@ -17,7 +17,6 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.errors import Damaged
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
 from expbuf.server.store.ledger import Claimed
@@ -34,6 +33,7 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience

@@ -14,9 +14,9 @@ import pytest
 from expbuf.client import trxp
 from expbuf.client.routing import ShardMap
 from expbuf.server.errors import Cancelled, ConfigError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import make_experience

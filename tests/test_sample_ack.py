@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.errors import Forbidden, NotFound, SpecError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items

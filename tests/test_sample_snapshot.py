@@ -12,9 +12,9 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.errors import StoreError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.environment import MAX_SNAPSHOTS
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, take

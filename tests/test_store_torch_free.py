@@ -14,8 +14,8 @@ import pytest
 from expbuf.client import trxp
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.errors import StoreError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.tables import TableConfig
 
 from helpers import group_items, make_experience
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent(
 
     from expbuf.client import trxp
     from expbuf.server.batch_stage import finish_batch
-    from expbuf.server.sample_spec import SampleSpec
+    from expbuf.server.store.sample_spec import SampleSpec
     from expbuf.server.store import Store
 
     data = Path(sys.argv[1])

@@ -26,7 +26,6 @@ import lmdb
 from expbuf.client import trxp
 
 from ..errors import NotFound
-from ..sample_spec import SampleSpec, check_version
 from ..tables import TableConfig, default_table
 from . import (
     admission,
@@ -56,6 +55,7 @@ from .pushing import Pushing
 from .quarantine import quarantine_found
 from .reads import Reads
 from .records import ItemRecord
+from .sample_spec import SampleSpec, check_version
 from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
 from .staleness import StaleEviction

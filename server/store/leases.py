@@ -22,7 +22,6 @@ from collections.abc import Callable, Generator, Iterator
 import lmdb
 
 from ..errors import SampleLimited
-from ..sample_spec import SampleSpec
 from . import layout, limiter, reuse
 from .batch_rows import BatchRows
 from .kinds import Sampled
@@ -32,6 +31,7 @@ from .read_check import Unservable, serve_problem
 from .records import GroupRecord, ItemRecord, Lease
 from .retirement import retire
 from .reuse import Taken
+from .sample_spec import SampleSpec
 from .snapshot import Snapshot
 from .staleness import report
 from .states import CONSUMED, FAILED, LEASED, READY

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import SpecError, clip
-from .selection import ORDERS
+from ..errors import SpecError, clip
+from ..selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")
 # A lease longer than a week is a forgotten batch, not a long training step.
