@@ -16,13 +16,12 @@ import lmdb
 import pytest
 
 from expbuf.client import EID, Experience, trxp
-from expbuf.server import selection
 from expbuf.server.errors import InvalidRequest
 from expbuf.server.ready_indexes import PriorityIndex
-from expbuf.server.selection import IndexBuilding
-from expbuf.server.store import Store, layout
+from expbuf.server.store import Store, layout, selection
 from expbuf.server.store.kinds import Entry
 from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.selection import IndexBuilding
 from expbuf.server.tables import TableConfig
 
 from conftest import FIXTURES

@@ -10,9 +10,9 @@ import lmdb
 import pytest
 
 from expbuf.server.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
-from expbuf.server.selection import ReadyIndex
 from expbuf.server.store import Store
 from expbuf.server.store.records import ItemRecord
+from expbuf.server.store.selection import ReadyIndex
 from expbuf.server.store.states import CONSUMED, LEASED
 from expbuf.server.tables import TableConfig
 

@@ -9,10 +9,9 @@ from collections.abc import Callable
 
 import lmdb
 
-from .. import selection
 from ..errors import Conflict, NotFound, clip
 from ..tables import CONFIG_VERSION, TableConfig, differences
-from . import layout
+from . import layout, selection
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions

@@ -30,11 +30,10 @@ import lmdb
 
 from expbuf.client import trxp
 
-from .. import selection
 from ..errors import StoreError
 from ..ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..tables import TableConfig, batch_stage
-from . import digests, layout
+from . import digests, layout, selection
 from .extensions import Extensions
 from .kinds import Entry
 from .records import GroupRecord, ItemRecord, Lease

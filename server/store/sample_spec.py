@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import SpecError, clip
-from ..selection import ORDERS
+from .selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")
 # A lease longer than a week is a forgotten batch, not a long training step.

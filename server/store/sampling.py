@@ -17,7 +17,6 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from ..selection import IndexBuilding
 from ..tables import TableConfig
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
@@ -27,6 +26,7 @@ from .kinds import Sampled
 from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
 from .records import Lease
 from .sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from .selection import IndexBuilding
 from .stored_advantages import FinishBatch, StageCounts
 from .table_state import TableState
 

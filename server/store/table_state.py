@@ -15,12 +15,12 @@ import lmdb
 
 from ..errors import StoreError, clip
 from ..ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
-from ..selection import ReadyIndex
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
 from .kinds import Ahead, Compute
 from .records import GroupRecord, ItemRecord
+from .selection import ReadyIndex
 from .states import LEASED, LIVE, READY, State, check_move
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.

@@ -25,12 +25,12 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import clip
-from ..selection import IndexBuilding
 from ..tables import TableConfig
 from . import admission, layout, retirement
 from .catalog import TableCatalog
 from .groups import expire_groups
 from .ledger_records import oldest_claim
+from .selection import IndexBuilding
 from .staleness import EVICT_LIMIT
 
 T = TypeVar("T")
