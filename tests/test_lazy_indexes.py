@@ -17,9 +17,9 @@ import pytest
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.server.errors import InvalidRequest
-from expbuf.server.ready_indexes import PriorityIndex
 from expbuf.server.store import Store, layout, selection
 from expbuf.server.store.kinds import Entry
+from expbuf.server.store.ready_indexes import PriorityIndex
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.selection import IndexBuilding
 from expbuf.server.tables import TableConfig

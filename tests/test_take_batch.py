@@ -9,8 +9,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.server.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
 from expbuf.server.store import Store
+from expbuf.server.store.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
 from expbuf.server.store.records import ItemRecord
 from expbuf.server.store.selection import ReadyIndex
 from expbuf.server.store.states import CONSUMED, LEASED

@@ -14,7 +14,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
-from ..ready_indexes import put_rows, u64
 from ..tables import estimator_of
 from . import digests, layout, limiter
 from .capacity import make_room
@@ -28,6 +27,7 @@ from .pushed_advantages import (
     store_advantages,
     zero_variance,
 )
+from .ready_indexes import put_rows, u64
 from .records import GroupRecord
 from .retirement import retire
 from .states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED

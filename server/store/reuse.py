@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..ready_indexes import put_rows
 from ..tables import TableConfig
 from . import layout
+from .ready_indexes import put_rows
 from .records import GroupRecord, ItemRecord
 from .states import LEASED, READY
 from .table_state import TableState

@@ -14,11 +14,11 @@ from typing import Protocol, TypeVar
 import lmdb
 
 from ..errors import StoreError, clip
-from ..ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
 from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
 from .kinds import Ahead, Compute
+from .ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
 from .records import GroupRecord, ItemRecord
 from .selection import ReadyIndex
 from .states import LEASED, LIVE, READY, State, check_move
