@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from .errors import AdvantagesUnavailable
 from .store import Store
 from .store.kinds import Compute
-from .tables import TableConfig
+from .store.table_config import TableConfig
 
 if TYPE_CHECKING:
     from .advantages import AdvantageWorker

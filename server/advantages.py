@@ -37,7 +37,7 @@ from .moments import RunningMoments
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
 from .store.kinds import Compute, Computed
 from .store.stored_advantages import token_record
-from .tables import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
+from .store.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
 

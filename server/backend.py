@@ -20,7 +20,7 @@ from .store.claims import PromptPage
 from .store.ledger import Claimed
 from .store.ledger_records import DatasetRecord
 from .store.sample_spec import SampleSpec
-from .tables import TableConfig
+from .store.table_config import TableConfig
 
 
 @runtime_checkable

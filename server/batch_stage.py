@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from expbuf.client import trxp
 
 from .store.stored_advantages import Advantage, SentApart, StageCounts, token_parts, token_record
-from .tables import TableConfig, batch_stage, estimator_args, estimator_of
+from .store.table_config import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
     from .shaping import ShapingReport

@@ -21,10 +21,10 @@ from expbuf.client.connection import call_error
 from . import __version__, logs
 from .config import load
 from .dataset_cli import add_dataset_commands
+from .errors import ConfigError
 from .export_cli import add_export_command, run_export
 from .stats_view import watch
 from .table_cli import add_table_commands, run_client_command
-from .tables import ConfigError
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
     import lmdb

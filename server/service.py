@@ -36,7 +36,7 @@ from .sample_stream import stream_batches
 from .store import Sampled
 from .store.sample_spec import SampleSpec
 from .store.states import LIVE
-from .tables import TableConfig
+from .store.table_config import TableConfig
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")

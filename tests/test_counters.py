@@ -16,7 +16,7 @@ from expbuf.server.config import ServerConfig
 from expbuf.server.store import STATES, Store, integrity, layout
 from expbuf.server.store.counters import NAMES, Counters
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 

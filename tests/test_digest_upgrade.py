@@ -26,7 +26,7 @@ from expbuf.server.store.counters import Counters
 from expbuf.server.store.environment import Environment
 from expbuf.server.store.records import ItemRecord
 from expbuf.server.store.states import CONSUMED, RETIRED
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 

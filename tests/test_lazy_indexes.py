@@ -22,7 +22,7 @@ from expbuf.server.store.kinds import Entry
 from expbuf.server.store.ready_indexes import PriorityIndex
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.selection import IndexBuilding
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items

@@ -34,7 +34,7 @@ from expbuf.server.store.ledger_records import (
     queue_key,
 )
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import make_experience
 

@@ -23,7 +23,7 @@ from expbuf.server.errors import InvalidRequest, NotFound
 from expbuf.server.store import Entry, Store, layout
 from expbuf.server.store.limiter import InsertLimited, SampleLimited
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from conftest import FIXTURES, Servers
 from helpers import group_items, scrape

@@ -21,7 +21,7 @@ from expbuf.server.store import Store, integrity
 from expbuf.server.store.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
 from expbuf.server.store.sample_spec import SpecError
 from expbuf.server.store.selection import ORDERS, Order, ReadyIndex, register, unregister
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience, take
 

@@ -14,7 +14,7 @@ from expbuf.client import trxp
 from expbuf.server.store import Entry, Store, layout
 from expbuf.server.store.limiter import INSERTED, SAMPLED, InsertLimited
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience
 

@@ -11,7 +11,7 @@ import pytest
 
 from expbuf.server.store import Store, residency
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 

@@ -17,7 +17,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.ledger_records import DatasetRecord, group_key
 from expbuf.server.store.limiter import INSERTED, SAMPLED
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience

@@ -13,7 +13,7 @@ import pytest
 from expbuf.server.errors import Forbidden, NotFound, SpecError
 from expbuf.server.store import Store
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 

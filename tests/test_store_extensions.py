@@ -17,8 +17,8 @@ from expbuf.server.store.ledger import Ledger
 from expbuf.server.store.records import GroupRecord
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.staleness import StaleEviction
+from expbuf.server.store.table_config import TableConfig
 from expbuf.server.store.table_state import Groups, TableState
-from expbuf.server.tables import TableConfig
 
 from helpers import group_items
 

@@ -14,7 +14,7 @@ from expbuf.server.store.ready_indexes import PriorityIndex, ReadyOrder, Slots, 
 from expbuf.server.store.records import ItemRecord
 from expbuf.server.store.selection import ReadyIndex
 from expbuf.server.store.states import CONSUMED, LEASED
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 

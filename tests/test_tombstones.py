@@ -16,7 +16,7 @@ import pytest
 
 from expbuf.server.errors import Conflict
 from expbuf.server.store import RETIRED, ItemRecord, Store, layout
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items, take

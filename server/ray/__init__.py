@@ -39,7 +39,7 @@ class ShardActor:
         from expbuf.server.app import ExpbufServer
         from expbuf.server.config import ServerConfig
         from expbuf.server.errors import StoreError
-        from expbuf.server.tables import TableConfig
+        from expbuf.server.store.table_config import TableConfig
 
         data = Path(data_root) / name
         data.mkdir(parents=True, exist_ok=True)

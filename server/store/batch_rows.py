@@ -6,9 +6,9 @@ from __future__ import annotations
 import lmdb
 
 from ..errors import StoreError
-from ..tables import TableConfig, batch_stage
 from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
+from .table_config import TableConfig, batch_stage
 
 
 class BatchRows:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 import lmdb
 
 from ..errors import Conflict, NotFound, clip
-from ..tables import CONFIG_VERSION, TableConfig, differences
 from . import layout, selection
 from .counters import read_counters
 from .environment import Environment
 from .extensions import Extensions
 from .records import Lease
+from .table_config import CONFIG_VERSION, TableConfig, differences
 from .table_state import TableState
 
 

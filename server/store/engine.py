@@ -26,7 +26,6 @@ import lmdb
 from expbuf.client import trxp
 
 from ..errors import NotFound
-from ..tables import TableConfig, default_table
 from . import (
     admission,
     browse,
@@ -60,6 +59,7 @@ from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
 from .staleness import StaleEviction
 from .stored_advantages import FinishBatch
+from .table_config import TableConfig, default_table
 from .table_state import TableState, stored
 from .upkeep import Upkeep
 

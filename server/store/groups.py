@@ -14,7 +14,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
-from ..tables import estimator_of
 from . import digests, layout, limiter
 from .capacity import make_room
 from .kinds import Entry, PutResult, ShapingUpdate
@@ -31,6 +30,7 @@ from .ready_indexes import put_rows, u64
 from .records import GroupRecord
 from .retirement import retire
 from .states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
+from .table_config import estimator_of
 from .table_state import TableState
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import lmdb
 
 from ..errors import Damaged
-from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
 from .extensions import Extensions
@@ -30,6 +29,7 @@ from .read_check import payload_problem
 from .ready_indexes import u64
 from .records import GroupRecord, ItemRecord, Lease
 from .states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from .table_config import TableConfig
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything

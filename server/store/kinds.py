@@ -9,12 +9,12 @@ from typing import TypeVar
 
 from expbuf.client import trxp
 
-from ..tables import TableConfig
 from . import digests
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .states import PENDING
 from .stored_advantages import Advantage, Stage, batch_parts
+from .table_config import TableConfig
 
 T = TypeVar("T")
 

@@ -31,13 +31,13 @@ import lmdb
 from expbuf.client import trxp
 
 from ..errors import StoreError
-from ..tables import TableConfig, batch_stage
 from . import digests, layout, selection
 from .extensions import Extensions
 from .kinds import Entry
 from .ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from .records import GroupRecord, ItemRecord, Lease
 from .states import COMPUTING, LEASED, READY
+from .table_config import TableConfig, batch_stage
 from .table_state import TableState
 
 _KEY = b"format"

@@ -17,7 +17,6 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from ..tables import TableConfig
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
@@ -28,6 +27,7 @@ from .records import Lease
 from .sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
 from .selection import IndexBuilding
 from .stored_advantages import FinishBatch, StageCounts
+from .table_config import TableConfig
 from .table_state import TableState
 
 T = TypeVar("T")

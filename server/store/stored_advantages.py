@@ -28,8 +28,8 @@ from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
 from expbuf.client.trxp.common import RawTensor
 
-from ..tables import TableConfig
 from .records import ItemRecord
+from .table_config import TableConfig
 
 
 class SentApart:

@@ -22,7 +22,7 @@ from expbuf.server.errors import Damaged
 from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
 from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from faultkit import channel, payload, servers, stats, stub
 from helpers import group_items

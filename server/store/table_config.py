@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .errors import ConfigError, clip
+from ..errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 
 GROUP_BY = ("task", "run", "step", "none")
@@ -23,7 +23,7 @@ CONFIG_VERSION = 2
 
 
 def estimator_of(config: TableConfig) -> Estimator:
-    """The table's estimator (server/estimator_registry.py)."""
+    """The table's estimator (estimator_registry.py)."""
     return ESTIMATORS[config.estimator]
 
 
