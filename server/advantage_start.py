@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import AdvantagesUnavailable
 from .store import Store
+from .store.errors import AdvantagesUnavailable
 from .store.kinds import Compute
 from .store.table_config import TableConfig
 

@@ -32,9 +32,9 @@ from expbuf.client.trxp.convert import flat_tensor
 
 from . import estimators, shaping
 from .backend import Backend
-from .errors import clip
 from .moments import RunningMoments
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
+from .store.errors import clip
 from .store.kinds import Compute, Computed
 from .store.stored_advantages import token_record
 from .store.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first

@@ -34,7 +34,6 @@ from .auth import TokenAuth
 from .batch_stage import finish_batch
 from .config import ServerConfig
 from .devices import check_device
-from .errors import ConfigError, StoreError
 from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
 from .limits import RESERVED_THREADS, TableStreams, call_limits
@@ -42,6 +41,7 @@ from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
 from .store import Store
+from .store.errors import ConfigError, StoreError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name

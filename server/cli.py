@@ -21,9 +21,9 @@ from expbuf.client.connection import call_error
 from . import __version__, logs
 from .config import load
 from .dataset_cli import add_dataset_commands
-from .errors import ConfigError
 from .export_cli import add_export_command, run_export
 from .stats_view import watch
+from .store.errors import ConfigError
 from .table_cli import add_table_commands, run_client_command
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
@@ -145,9 +145,9 @@ def _check(args: argparse.Namespace) -> int:
 
     import lmdb
 
-    from .errors import Damaged, StoreError
     from .store import integrity
     from .store.environment import Environment
+    from .store.errors import Damaged, StoreError
 
     try:
         environment = Environment(args.data, readonly=True)

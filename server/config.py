@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, clip
+from .store.errors import ConfigError, clip
 from .store.table_config import TableConfig
 
 log = logging.getLogger("expbuf.config")

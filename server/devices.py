@@ -4,7 +4,7 @@ background (app.py)."""
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from .store.errors import ConfigError
 from .store.table_config import TableConfig
 
 

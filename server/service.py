@@ -24,7 +24,6 @@ from . import __version__
 from .backend import Backend
 from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
 from .devices import check_device
-from .errors import InvalidRequest, SpecError, clip
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
@@ -34,6 +33,7 @@ from .moments import RunningMoments
 from .replies import sample_reply
 from .sample_stream import stream_batches
 from .store import Sampled
+from .store.errors import InvalidRequest, SpecError, clip
 from .store.sample_spec import SampleSpec
 from .store.states import LIVE
 from .store.table_config import TableConfig

@@ -11,8 +11,8 @@ import pytest
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.errors import TooLarge
 from expbuf.server.store import Store
+from expbuf.server.store.errors import TooLarge
 
 from conftest import Servers
 from helpers import make_experience

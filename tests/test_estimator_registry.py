@@ -13,8 +13,8 @@ from expbuf.client import decode, trxp
 from expbuf.server import estimators
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.batch_stage import finish_batch
-from expbuf.server.errors import InvalidRequest
 from expbuf.server.store import Store
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator, Param, register
 from expbuf.server.store.table_config import ConfigError, TableConfig, batch_stage, group_step_first
 

@@ -16,8 +16,8 @@ import lmdb
 import pytest
 
 from expbuf.client import EID, Experience, trxp
-from expbuf.server.errors import InvalidRequest
 from expbuf.server.store import Store, layout, selection
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.kinds import Entry
 from expbuf.server.store.ready_indexes import PriorityIndex
 from expbuf.server.store.sample_spec import SampleSpec

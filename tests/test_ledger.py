@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store import Store
+from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,

@@ -16,9 +16,9 @@ import lmdb
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.errors import Damaged
 from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
+from expbuf.server.store.errors import Damaged
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,

@@ -13,8 +13,8 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.routing import ShardMap
-from expbuf.server.errors import Cancelled, ConfigError
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Cancelled, ConfigError
 from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.table_config import TableConfig

@@ -16,8 +16,8 @@ from expbuf.client.errors import InvalidArgumentError
 from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.errors import InvalidRequest
 from expbuf.server.store import Store, integrity
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
 from expbuf.server.store.sample_spec import SpecError
 from expbuf.server.store.selection import ORDERS, Order, ReadyIndex, register, unregister

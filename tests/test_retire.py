@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, FailedPreconditionError, PermissionDeniedError, trxp
-from expbuf.server.errors import Forbidden, GroupIncomplete
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Forbidden, GroupIncomplete
 from expbuf.server.store.ledger_records import DatasetRecord, group_key
 from expbuf.server.store.limiter import INSERTED, SAMPLED
 from expbuf.server.store.sample_spec import SampleSpec

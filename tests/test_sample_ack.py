@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.errors import Forbidden, NotFound, SpecError
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Forbidden, NotFound, SpecError
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.table_config import TableConfig
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.errors import InvalidRequest
 from expbuf.server.store import Store, TableExtension
 from expbuf.server.store.compute_queue import ComputeQueue
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.extensions import Extensions
 from expbuf.server.store.ledger import Ledger
 from expbuf.server.store.records import GroupRecord

@@ -13,8 +13,8 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.errors import StoreError
 from expbuf.server.store import Store
+from expbuf.server.store.errors import StoreError
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.table_config import TableConfig
 

@@ -22,8 +22,8 @@ from typing import TypedDict
 
 import lmdb
 
-from ..errors import InvalidRequest, NotFound, StaleExperience, clip
 from . import layout
+from .errors import InvalidRequest, NotFound, StaleExperience, clip
 from .kinds import Entry
 from .sample_spec import MAX_COUNT
 from .table_state import TableState

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import lmdb
 
-from ..errors import StoreError
+from .errors import StoreError
 from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
 from .table_config import TableConfig, batch_stage

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import lmdb
 
-from ..errors import Conflict, NotFound, clip
 from . import layout, selection
 from .counters import read_counters
 from .environment import Environment
+from .errors import Conflict, NotFound, clip
 from .extensions import Extensions
 from .records import Lease
 from .table_config import CONFIG_VERSION, TableConfig, differences

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import InvalidRequest
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import InvalidRequest
 from .ledger import Claimed, Ledger, check, no_dataset
 from .ledger_records import (
     PROMPT_STATES,

@@ -25,7 +25,6 @@ import lmdb
 
 from expbuf.client import trxp
 
-from ..errors import NotFound
 from . import (
     admission,
     browse,
@@ -43,6 +42,7 @@ from .claims import Claims, PromptPage
 from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
+from .errors import NotFound
 from .extensions import Extensions
 from .index_builds import submit_building
 from .integrity import verify

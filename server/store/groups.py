@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from . import digests, layout, limiter
 from .capacity import make_room
+from .errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from .kinds import Entry, PutResult, ShapingUpdate
 from .pushed_advantages import (
     Completed,

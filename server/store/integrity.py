@@ -20,9 +20,9 @@ from pathlib import Path
 
 import lmdb
 
-from ..errors import Damaged
 from . import layout
 from .counters import read_counters
+from .errors import Damaged
 from .extensions import Extensions
 from .ledger_check import verify_ledger
 from .read_check import payload_problem

@@ -21,9 +21,9 @@ from collections.abc import Callable, Generator, Iterator
 
 import lmdb
 
-from ..errors import SampleLimited
 from . import layout, limiter, reuse
 from .batch_rows import BatchRows
+from .errors import SampleLimited
 from .kinds import Sampled
 from .limiter import sample_limit
 from .quarantine import quarantine_groups

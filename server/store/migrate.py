@@ -30,8 +30,8 @@ import lmdb
 
 from expbuf.client import trxp
 
-from ..errors import StoreError
 from . import digests, layout, selection
+from .errors import StoreError
 from .extensions import Extensions
 from .kinds import Entry
 from .ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex

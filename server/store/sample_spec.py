@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import SpecError, clip
+from .errors import SpecError, clip
 from .selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")

@@ -16,10 +16,10 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
 from .index_builds import build
 from .kinds import Sampled
 from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take

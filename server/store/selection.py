@@ -35,7 +35,7 @@ from typing import ClassVar, TypeVar, cast
 
 import lmdb
 
-from ..errors import InvalidRequest
+from .errors import InvalidRequest
 from .ready_indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, Slots, VersionIndex
 
 I = TypeVar("I", bound=Index)  # noqa: E741

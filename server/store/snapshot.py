@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import lmdb
 
-from ..errors import StoreError
+from .errors import StoreError
 from .ready_indexes import next_prefix
 
 Value = bytes | memoryview

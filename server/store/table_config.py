@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ..errors import ConfigError, clip
+from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
 
 GROUP_BY = ("task", "run", "step", "none")

@@ -13,9 +13,9 @@ from typing import Protocol, TypeVar
 
 import lmdb
 
-from ..errors import StoreError, clip
 from . import layout
 from .counters import read_counters
+from .errors import StoreError, clip
 from .kinds import Ahead, Compute
 from .ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
 from .records import GroupRecord, ItemRecord

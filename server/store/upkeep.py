@@ -24,9 +24,9 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import clip
 from . import admission, layout, retirement
 from .catalog import TableCatalog
+from .errors import clip
 from .groups import expire_groups
 from .ledger_records import oldest_claim
 from .selection import IndexBuilding
