@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from expbuf.client import trxp
+from expbuf.client.trxp.common import RawItem
 
 from . import (
     admission,
@@ -194,7 +194,7 @@ class Store:
 
     # ---- push --------------------------------------------------------------------------
 
-    def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult:
+    def put(self, table: str, items: Sequence[RawItem], *, timeout: float | None = None) -> PutResult:
         """Store validated items durably. A full table in block mode waits until timeout."""
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 

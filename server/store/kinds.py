@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from expbuf.client import trxp
+from expbuf.client.trxp.build import pack_item
+from expbuf.client.trxp.common import RawItem
 
 from . import digests
 from .records import ItemRecord
@@ -43,9 +44,9 @@ class Entry:
     generated: int  # response tokens under the action mask
 
     @classmethod
-    def of(cls, item: trxp.RawItem) -> Entry:
+    def of(cls, item: RawItem) -> Entry:
         eid = item.eid
-        blob = trxp.pack_item(item)
+        blob = pack_item(item)
         priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,
@@ -131,7 +132,7 @@ class Sampled:
             self.advantages = stage(self.advantages)
 
     def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
-        """`build` of the payload as the runs of bytes it is made of (trxp.join_parts),
+        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
         which are valid only during the call: each byte is copied once, by `build`. The
         batch stage runs first, if it has not."""
         self.finish()
