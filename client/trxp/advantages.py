@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Sequence
 
 from .build import ENTRY, frame
-from .common import HEADER, HEADER_SIZE, NUMBER_FORMAT, RawTensor, TrxpError
+from .common import HEADER, HEADER_SIZE, ITEMSIZE, NUMBER_FORMAT, RawTensor, TrxpError
 
 _F32 = struct.Struct("<f")
 _HEADER_LEN = struct.Struct("<Q")
@@ -60,11 +60,16 @@ def _scaled_numbers(mask: RawTensor, value: float) -> bytes:
     """value * mask for a mask of integers (or a bool mask whose bytes are not all 0 or 1):
     a mask of 0 and 1 through `_scaled_mask`, with 0 * value's signed zero; any other
     element by element, each product rounded once to float32."""
-    code = _MASK_FORMAT[mask.dtype]
-    numbers = struct.unpack(f"<{mask.numel}{code}", mask.data)
-    factor = _F32.unpack(_F32.pack(value))[0]
-    if not set(numbers) - {0, 1}:
-        data = _scaled_mask(bytes(numbers), _F32.pack(factor), _F32.pack(0.0 * factor))
+    one = _F32.pack(value)
+    factor = _F32.unpack(one)[0]
+    flags = _zeros_and_ones(mask)
+    numbers: tuple[int, ...] = ()
+    if flags is None:
+        numbers = struct.unpack(f"<{mask.numel}{_MASK_FORMAT[mask.dtype]}", mask.data)
+        if not set(numbers) - {0, 1}:  # a bool mask's other bytes are true
+            flags = bytes(numbers)
+    if flags is not None:
+        data = _scaled_mask(flags, one, _F32.pack(0.0 * factor))
         assert data is not None
         return data
     elements = array("f", map(_float32_exact, numbers))  # each element rounded once to float32
@@ -72,6 +77,16 @@ def _scaled_numbers(mask: RawTensor, value: float) -> bytes:
     if sys.byteorder == "big":
         products.byteswap()
     return products.tobytes()
+
+
+def _zeros_and_ones(mask: RawTensor) -> bytes | None:
+    """An integer mask's elements as one byte each where every one is 0 or 1, read from the
+    bytes (little-endian: each element's first byte is 0 or 1, its others 0); None otherwise."""
+    data = bytes(mask.data)
+    if data.translate(None, b"\x00\x01"):
+        return None
+    first = data[:: ITEMSIZE[mask.dtype]]
+    return first if first.count(1) == data.count(1) else None  # every 1 an element's first byte
 
 
 def _float32_exact(number: int) -> float:
