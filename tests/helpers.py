@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
-from expbuf.server.estimator_registry import Estimator, register, unregister
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Sampled, Store
+from expbuf.server.store.estimator_registry import Estimator, register, unregister
+from expbuf.server.store.sample_spec import SampleSpec
 
 if TYPE_CHECKING:
     from expbuf.client import BufferClient, TableStats

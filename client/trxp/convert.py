@@ -297,6 +297,15 @@ def tensor_of(raw: RawTensor) -> torch.Tensor:
     return tensor if len(raw.shape) == 1 else tensor.reshape(raw.shape)
 
 
+def flat_tensor(raw: RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of a stored tensor (an action mask, say), or `fill` where it is absent."""
+    import torch
+
+    if raw is None:
+        return torch.full((length,), fill, dtype=dtype)
+    return tensor_of(raw).reshape(-1).to(dtype)
+
+
 @functools.cache
 def _safetensors_codes() -> dict[torch.dtype, str]:
     """torch dtype -> safetensors code, the inverse of _torch_dtypes."""

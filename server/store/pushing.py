@@ -13,12 +13,12 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
-from ..errors import InsertLimited, TableFull
-from ..tables import TableConfig
 from . import admission, deliverable, groups, limiter, pushed_advantages
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import InsertLimited, TableFull
 from .kinds import Ahead, Compute, Entry, PutResult
+from .table_config import TableConfig
 from .table_state import TableState
 
 Stored = PutResult | InsertLimited
