@@ -48,6 +48,7 @@ class KillTheServer(TrainerCallback):
         self.server, self.restart = server, restart
         self.killed = threading.Event()
         self.back = threading.Event()
+        self.restarting: threading.Thread | None = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step != KILL_AT:
@@ -61,7 +62,8 @@ class KillTheServer(TrainerCallback):
             self.server = self.restart()
             self.back.set()
 
-        threading.Thread(target=start_again, daemon=True).start()
+        self.restarting = threading.Thread(target=start_again, daemon=True)
+        self.restarting.start()
 
 
 def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
@@ -88,6 +90,10 @@ def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path
                 trainer.trained = []
                 trainer.train()
 
+            # The restarted server serves before its advantage worker has loaded torch, which is
+            # when its start returns: a fast trainer may end first.
+            if kill.restarting is not None:
+                kill.restarting.join(120)
             assert kill.killed.is_set() and kill.back.is_set(), "the server was not killed and restarted mid-run"
             assert trainer.state.global_step == STEPS
             marks = [mark for step in trainer.trained for mark in step]
