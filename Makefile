@@ -42,9 +42,12 @@ NATIVE_SOURCES := client/native_build.py client/trxp/checks.py client/trxp/commo
 	client/trxp/pickles.py
 NATIVE_STAMP := $(VENV)/.expbuf-native
 # What `make test` runs a second time as pure Python (EXPBUF_PURE_PYTHON=1) where the compiled
-# modules are in use: the fault suite, the parse, check and fuzz tests, and the store's
+# modules are in use: what the compiled modules decide (the parse, check and fuzz tests, hostile
+# and fuzzed payloads at a live server), and the store's, which parses every push; not the rest of
+# the fault suite, whose crashes and restarts take the codec's verdicts as given
 # (PURE_TESTS=tests: everything; PURE_TESTS= : no second run).
-PURE_TESTS ?= tests/faults tests/test_trxp*.py tests/test_decode_hardening.py tests/test_hardening.py \
+PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py tests/test_trxp*.py \
+	tests/test_decode_hardening.py tests/test_hardening.py \
 	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
 	sys.exit(not compiled('expbuf.client.trxp.parse'))
