@@ -3,9 +3,9 @@ each push sends, and what the end of a stream means for each push on it. No I/O 
 pusher (pusher.py, aio_pusher.py) only sends, reads and waits.
 
 A pusher's pushes go over PushStream, each with its number as its seq, up to `window` of them
-not yet handed back. The server takes a stream's pushes one at a time, in order, and answers
-each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
-unanswered push's, and the server read none after it: that push fails alone, and the others
+not yet handed back. The server stores a stream's pushes in order, several in one commit, and
+answers each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
+unanswered push's, and the server stored none after it: that push fails alone, and the others
 go again on a new stream. When a stream breaks (UNAVAILABLE: the server went away), the push
 it was on may or may not be stored: every push unanswered on it goes again (a push is
 idempotent; what was stored comes back as duplicates) while the client's retries and the
