@@ -5,9 +5,7 @@ core however many pushers there are. With `ingest_processes` > 0 (cores - 1 by d
 in that many worker processes (spawned, so no thread of the server is forked) while
 other pushes are being decoded: the server process keeps the storage and the RPCs. A push
 that arrives while no other is being decoded is decoded here, where it costs no hand-off:
-a single pusher is as fast as with no processes. (Unless its caller is `busy`: a PushStream
-whose earlier pushes are being stored decodes the next in a worker, so that the decode and the
-store run at once instead of taking turns under the GIL.) So is a payload below SMALL, whose decode
+a single pusher is as fast as with no processes; so is a payload below SMALL, whose decode
 is shorter than the hand-off, and one above LARGE, whose cost is copying, which the hand-off
 would double. Every check is the same code either way.
 
@@ -256,13 +254,11 @@ class Ingest:
             if not idle:
                 time.sleep(WATCH_SECONDS)
 
-    def entries(self, payload: bytes | memoryview, busy: bool = False) -> list[Entry]:
-        """The payload's entries, decoded here or in a worker (see the module); `busy`: the caller's
-        other work in progress would take turns with a decode here."""
+    def entries(self, payload: bytes | memoryview) -> list[Entry]:
         if not self.processes or not SMALL <= len(payload) <= LARGE:
             return entries_of(payload, self._limit)
         with self._free:
-            alone = self._decoding == 0 and not busy
+            alone = self._decoding == 0
             self._decoding += 1
         try:
             return entries_of(payload, self._limit) if alone else self._in_worker(payload)

@@ -241,8 +241,7 @@ class IdleMessages:
     sends nothing for `seconds` (a PushStream left open holds a worker thread): `seconds`
     without a message, or a PROGRESS.
 
-    The reader starts at the call's first next(). It reads up to `ahead` messages that the call
-    has not yet said `done()` with, and
+    The reader reads up to `ahead` messages that the call has not yet said `done()` with, and
     makes each ready with `prepare` as it comes (a push's parse), so that the call works on one
     while the next are read and made ready. Messages, the end of the client's (None) and what
     reading or preparing one raised come out in the order they came; after an end or an error the
@@ -267,14 +266,8 @@ class IdleMessages:
         self._closed = False
         self._ready: deque[Any] = deque()  # made ready, not yet taken
         self._open = 0  # messages read or being read that the call has not said done with
-        self._taken = 0  # messages the call took and has not said done with
         self._progress = 0  # PROGRESS seen
-        self._reader: threading.Thread | None = None  # started by the first next()
-
-    @property
-    def taken(self) -> int:
-        """Messages the call took and has not said done with (a stream's pushes being stored)."""
-        return self._taken
+        threading.Thread(target=self._read, name="expbuf-stream-reader", daemon=True).start()
 
     def _read(self) -> None:
         while True:
@@ -324,15 +317,10 @@ class IdleMessages:
         """The next message; None when the client closed its side; TimeoutError after `seconds` of
         silence; what reading or preparing it raised."""
         with self._changed:
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read, name="expbuf-stream-reader", daemon=True)
-                self._reader.start()
             while not self._ready:
                 if not self._changed.wait_for(functools.partial(self._moved, self._progress), self.seconds):
                     raise TimeoutError
             message = self._ready.popleft()
-            if message is not None and not isinstance(message, Exception):
-                self._taken += 1
         if isinstance(message, Exception):
             raise message
         return message
@@ -343,14 +331,12 @@ class IdleMessages:
             taken = []
             while self._ready and self._ready[0] is not None and not isinstance(self._ready[0], Exception):
                 taken.append(self._ready.popleft())
-            self._taken += len(taken)
             return taken
 
     def done(self, count: int = 1) -> None:
         """The call is done with `count` messages it took: the reader may read as many more."""
         with self._changed:
             self._open -= count
-            self._taken -= count
             self._changed.notify_all()
 
     def close(self) -> None:

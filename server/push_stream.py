@@ -66,13 +66,12 @@ class Unparsed(Exception):
         self.table, self.error = table, error
 
 
-def open_messages(requests: Iterator[Any], ingest: Ingest, idle_seconds: float, window: int) -> IdleMessages:
-    """A PushStream's messages, read and parsed up to `window` ahead of its replies. A push is
-    parsed in an ingest process while the stream's earlier pushes are being stored (Ingest's `busy`)."""
+def parser(ingest: Ingest) -> Callable[[PushMessage | pb.PushRequest], Parsed]:
+    """What the stream's reader does with each push it reads: parse it, and let its payload go."""
 
     def parse(message: PushMessage | pb.PushRequest) -> Parsed:
         try:
-            entries = ingest.entries(message.payload, busy=messages.taken > 0)
+            entries = ingest.entries(message.payload)
         except Exception as exc:
             _release(message)
             raise Unparsed(message.table or "default", exc) from None
@@ -80,8 +79,12 @@ def open_messages(requests: Iterator[Any], ingest: Ingest, idle_seconds: float, 
             message.drop_payload()
         return Parsed(message, Push(message.table or "default", entries))
 
-    messages = IdleMessages(requests, idle_seconds, ahead=window, prepare=parse, discard=Parsed.release)
-    return messages
+    return parse
+
+
+def open_messages(requests: Iterator[Any], ingest: Ingest, idle_seconds: float, window: int) -> IdleMessages:
+    """A PushStream's messages, read and parsed up to `window` ahead of its replies."""
+    return IdleMessages(requests, idle_seconds, ahead=window, prepare=parser(ingest), discard=Parsed.release)
 
 
 def replies(

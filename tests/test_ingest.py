@@ -98,29 +98,6 @@ def test_a_lone_push_is_decoded_here(ingest: Ingest, monkeypatch: pytest.MonkeyP
     assert ingest.entries(data) == entries_of(data)
 
 
-def test_a_push_of_a_busy_stream_is_decoded_in_a_worker(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PushStream whose earlier pushes are being stored (`busy`) decodes the next in a worker,
-    so that the decode and the store run at once; alone and not busy, a push is decoded here."""
-    data = trxp.encode(
-        Experience(
-            eid=EID(batch="busy", task=0, run=run),
-            tokens=torch.arange(20_000, dtype=torch.int32),
-            prompt_length=1,
-            logprobs=torch.zeros(19_999),
-            reward=1.0,
-        )
-        for run in range(2)
-    )
-    assert ingest_module.SMALL <= len(data) <= ingest_module.LARGE
-    handed: list[int] = []
-    in_worker = ingest._in_worker
-    monkeypatch.setattr(ingest, "_in_worker", lambda payload: handed.append(len(payload)) or in_worker(payload))
-    assert ingest.entries(data, busy=True) == entries_of(data)
-    assert handed == [len(data)]
-    assert ingest.entries(data) == entries_of(data)
-    assert handed == [len(data)]
-
-
 def test_a_small_push_is_decoded_here_beside_others(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A payload below SMALL decodes faster than a hand-off takes (bench/RESULTS.md)."""
 
