@@ -12,6 +12,9 @@ checkout with its own virtualenv), the client being this tree's: in each round e
 against both servers back to back (which goes first alternates), so "to before" is the median of
 the rounds' ratios of the two. With `--shards N`, N more servers of this tree take the same pushes
 through `ShardedBufferClient.pusher` (group_by none: each push's experiences spread over the shards).
+`--before-args` gives the earlier server flags of its own: `--before .venv/bin/python --before-args
+"--push-stream-window 1"` compares this tree's server with itself storing each push of a stream
+before it reads the next (its section is FLAGS_HEADING's).
 Each round runs every way once, in rotating order, after the same warm-up; fresh ids each time.
 Medians of the rounds; "ratio" is to `pusher(window=1)` of the same server(s).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -40,6 +44,7 @@ from expbuf.client import BufferClient, Experience  # noqa: E402
 from expbuf.client.sharded import ShardedBufferClient  # noqa: E402
 
 HEADING = "## Pipelined pushes: a pusher's window (issue 32)"
+FLAGS_HEADING = "## Pipelined pushes: this tree's server beside itself with other flags (issue 32)"
 WINDOWS = (1, 2, 4, 8)
 
 
@@ -81,6 +86,7 @@ def main() -> None:
     parser.add_argument("--pushes-8k", type=int, default=48)
     parser.add_argument("--pushes-40k", type=int, default=48)
     parser.add_argument("--before", metavar="PYTHON", help="also run the server of the tree this Python imports")
+    parser.add_argument("--before-args", default="", help="more flags of the earlier server, in one string")
     parser.add_argument("--shards", type=int, default=0, help="also push through a sharded pusher over N servers")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
@@ -89,7 +95,8 @@ def main() -> None:
     servers = {"this tree": sys.executable} | ({"before": args.before} if args.before else {})
     sharded_name = f"{args.shards} shards"
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {name: ExpbufSide(str(Path(tmp) / name), python) for name, python in servers.items()}
+        flags = {"before": tuple(shlex.split(args.before_args))}
+        sides = {name: ExpbufSide(str(Path(tmp) / name), py, flags.get(name, ())) for name, py in servers.items()}
         shards = [ExpbufSide(str(Path(tmp) / f"shard{n}")) for n in range(args.shards)]
         sharded = ShardedBufferClient([shard.server.target for shard in shards], timeout=120) if shards else None
         ways = {(server, name): run for server, side in sides.items() for name, run in ways_of(side).items()}
@@ -124,20 +131,22 @@ def main() -> None:
                 row += f" | {statistics.median(a / b for a, b in paired):.2f}" if server == "this tree" else " |"
             rows.append(row + " |")
     options = (f" --before {args.before}" if args.before else "") + (f" --shards {args.shards}" if args.shards else "")
+    options += f' --before-args "{args.before_args}"' if args.before_args else ""
     command = f"bench/bench_push_window.py --rounds {args.rounds}{options}"
     ratios = "ratio to `pusher(window=1)` of the same server(s)"
     header = "| size | server | how | exp/s | ratio |"
     if args.before:
         ratios += "; to before: the median of the rounds' ratios to the same way against the earlier tree's server"
         header += " to before |"
+    heading = FLAGS_HEADING if args.before_args else HEADING
     section = (
-        f"{HEADING}\n\n"
+        f"{heading}\n\n"
         f"Command: `.venv/bin/python {command}` (load average {load:.1f} at the start and {end_load:.1f} at the end, "
         "2 cores, shared).\n"
         f"One pusher, experiences per second, median of the rounds; {ratios}.\n\n"
         f"{header}\n{'| --- ' * header.count(' |')}|\n" + "\n".join(rows) + "\n\n"
     )
-    write_section(Path(args.out), HEADING, section)
+    write_section(Path(args.out), heading, section)
     print(section)
 
 
