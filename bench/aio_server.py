@@ -18,7 +18,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import channel_options
 from expbuf.server.service import sample_spec
 from expbuf.server.store import Store
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 # The service benchmark measures transport and storage: no advantage computation.
 TABLE = TableConfig(name="bench", estimator="none")

@@ -115,7 +115,7 @@ def child(shape: str) -> None:
     """ingest_cost's child: PUSHES pushes of `shape` into a fresh store, timed in CPU seconds."""
     from expbuf.server.ingest import entries_of
     from expbuf.server.store import Store
-    from expbuf.server.tables import TableConfig
+    from expbuf.server.store.table_config import TableConfig
 
     payloads = [trxp.encode(push) for push in make_pushes(shape, PUSHES)]
     decode = store = 0.0

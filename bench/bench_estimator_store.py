@@ -44,7 +44,7 @@ from expbuf.client import trxp  # noqa: E402
 from expbuf.server.advantages import AdvantageWorker, compute  # noqa: E402
 from expbuf.server.store import Store, groups, pushed_advantages  # noqa: E402
 from expbuf.server.store.kinds import Entry  # noqa: E402
-from expbuf.server.tables import TableConfig  # noqa: E402
+from expbuf.server.store.table_config import TableConfig  # noqa: E402
 
 # column -> (estimator, whether the push computes the advantages)
 VARIANTS = {"grpo, in the push": ("grpo", True), "grpo, by the worker": ("grpo", False), "none": ("none", False)}

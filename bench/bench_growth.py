@@ -55,8 +55,7 @@ import lmdb  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
-from expbuf.server import selection  # noqa: E402
-from expbuf.server.store import layout  # noqa: E402
+from expbuf.server.store import layout, selection  # noqa: E402
 
 from helpers import ServerProcess, make_experience  # noqa: E402
 

@@ -32,7 +32,7 @@ from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.ledger_records import DatasetRecord  # noqa: E402
 from expbuf.server.store.ledger_shards import count_owned  # noqa: E402
-from expbuf.server.tables import TableConfig  # noqa: E402
+from expbuf.server.store.table_config import TableConfig  # noqa: E402
 
 SHARDS = ["s0", "s1", "s2"]
 CLAIM = 3000

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
-from expbuf.server.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.selection import ReadyIndex  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.tables import TableConfig  # noqa: E402
+from expbuf.server.store.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.selection import ReadyIndex  # noqa: E402
+from expbuf.server.store.table_config import TableConfig  # noqa: E402
 
 GROUP, PER_WRITE, TOKENS = 8, 64, 5000
 # The storage engine alone: groups are ready as pushed (no advantage computation).

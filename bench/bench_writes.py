@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
-from expbuf.server.sample_spec import SampleSpec  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.environment import Environment  # noqa: E402
-from expbuf.server.tables import TableConfig  # noqa: E402
+from expbuf.server.store.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.table_config import TableConfig  # noqa: E402
 
 Counts = collections.Counter[str]
 

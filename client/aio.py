@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, TypeVar, Unpack
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, TypeVar, Unpack, cast
 
 import grpc
 import grpc.aio
@@ -16,8 +16,10 @@ import grpc.aio
 from . import calls
 from .aio_pusher import AsyncPusher
 from .connection import ClientBase, call_error
+from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from .sample_reply import SampleReplyParts
 from .sample_spec import SampleOptions, SampleSpec
 
 R = TypeVar("R")
@@ -27,6 +29,36 @@ async def _drain(call: grpc.aio.StreamStreamCall) -> None:
     """Read a stream to its end (batches already on their way are dropped)."""
     while await call.read() is not grpc.aio.EOF:
         pass
+
+
+def _reader(call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop) -> Callable[[], SampleReplyParts | None]:
+    """The prefetch thread's read of `call`: each read runs on the event loop, the thread waits
+    for it (and gives up once the loop is closed, so no thread outlives it)."""
+
+    async def read() -> SampleReplyParts | None:
+        reply = await call.read()
+        return None if reply is grpc.aio.EOF else cast(SampleReplyParts, reply)
+
+    def wait() -> SampleReplyParts | None:
+        future = asyncio.run_coroutine_threadsafe(read(), loop)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if loop.is_closed():
+                    raise RuntimeError("the event loop of this Sample stream is closed") from None
+
+    return wait
+
+
+def _deliverer(outcomes: asyncio.Queue[Outcome], loop: asyncio.AbstractEventLoop) -> Callable[[Outcome], None]:
+    """Hands the prefetch thread's outcomes to the event loop."""
+
+    def deliver(outcome: Outcome) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no caller is left to take it
+            loop.call_soon_threadsafe(outcomes.put_nowait, outcome)
+
+    return deliver
 
 
 class AsyncBufferClient(ClientBase):
@@ -42,8 +74,9 @@ class AsyncBufferClient(ClientBase):
     _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled."""
         await self._channel.close()
+        await self._unretried_channel.close()
 
     async def __aenter__(self) -> AsyncBufferClient:
         return self
@@ -52,19 +85,15 @@ class AsyncBufferClient(ClientBase):
         await self.close()
 
     async def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
-        method = getattr(self._stub, call.method)
-        attempts = self._attempts(call.retry, call.timeout)
-        while True:
-            try:
-                if isinstance(call, calls.Chunked):
-                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
-                    reply = calls.one_reply([reply async for reply in replies])
-                else:
-                    reply = await method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                await asyncio.sleep(attempts.pause(exc))
+        method, keywords = self._method(call)
+        try:
+            if isinstance(call, calls.Chunked):
+                reply = calls.one_reply([reply async for reply in method(call.requests(), **keywords)])
             else:
-                return call.read(reply)
+                reply = await method(call.request, **keywords)
+        except grpc.RpcError as exc:
+            raise call_error(exc, self._tls) from None
+        return call.read(reply)
 
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
@@ -85,25 +114,51 @@ class AsyncBufferClient(ClientBase):
         num_groups: int | None = None,
         **options: Unpack[SampleOptions],
     ) -> AsyncIterator[Batch]:
-        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines."""
+        """Stream batches as BufferClient.sample does; leased batches' ack()/nack() are coroutines.
+        The batches decoded ahead (`prefetch`) are decoded on a thread of the stream's own, off
+        the event loop, so a trainer's coroutine runs while they are."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         call = self._sample(metadata=self._metadata)
+        outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+
+        def decode(reply: SampleReplyParts) -> AsyncBatch:
+            return calls.batch(reply, table, self, AsyncBatch)
+
+        async def next_batch() -> Batch | None:
+            if ahead is not None:
+                return ahead.take(await outcomes.get())
+            reply = await call.read()
+            return None if reply is grpc.aio.EOF else decode(reply)
+
+        async def passed() -> None:  # the outcomes after the caller stopped, to the stream's end
+            while ahead is not None and not ahead.ended:
+                ahead.skip(await outcomes.get())
+
+        ahead: Prefetcher | None = None
         received = 0
         try:
             await call.write(spec.request())
-            while (reply := await call.read()) is not grpc.aio.EOF:
-                batch = calls.batch(reply, table, self, AsyncBatch)
+            if spec.ahead:
+                loop = asyncio.get_running_loop()
+                ahead = Prefetcher(_reader(call, loop), decode, spec.ahead, _deliverer(outcomes, loop))
+                call.add_done_callback(ahead.call_done)
+            while (batch := await next_batch()) is not None:
                 received += 1
                 await call.write(calls.confirmation(received))
                 yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
             raise call_error(exc, self._tls) from None
         finally:
+            if ahead is not None:
+                ahead.stop()
             if not call.done():  # the caller stopped early: end the stream cleanly
                 with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
                     await call.write(calls.confirmation(received, stop=True))
-                    await asyncio.wait_for(_drain(call), calls.STOP_SECONDS)
+                    await asyncio.wait_for(_drain(call) if ahead is None else passed(), calls.STOP_SECONDS)
                 call.cancel()
+            if ahead is not None:  # its thread reads the stream to its end
+                await passed()
+                ahead.join()
 
     async def ack(self, lease_id: str, table: str = "default") -> int:
         """Acknowledge a lease: its batch is consumed. Returns the experiences it held."""

@@ -25,7 +25,9 @@ class _Open:
 
     def __init__(self, window: Window, client: AsyncBufferClient) -> None:
         self.state = Stream()
-        self.call = client._stub.PushStream(timeout=window.stream_seconds, metadata=client._metadata)
+        self.call = client._unretried.PushStream(  # the pusher resends what a broken stream left (pipeline.py)
+            timeout=window.stream_seconds, metadata=client._metadata, wait_for_ready=client.wait_for_ready
+        )
         self.closed = False
 
 

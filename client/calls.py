@@ -19,6 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
+from .connection import RETRIED_METHODS
 from .errors import DataLossError, ExpbufError
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
@@ -46,8 +47,9 @@ STOP_SECONDS = 5.0
 class Unary(Generic[R]):
     """One unary call: `method` of the stub with `request`; `read` turns the reply into the result.
 
-    `retry` says whether the call may be made again after UNAVAILABLE (it is idempotent);
-    `timeout` replaces the client's deadline for this call.
+    `retry` says whether the call may be made again after UNAVAILABLE (it is idempotent); a
+    call of a method under the channel's retry policy (connection.RETRIED_METHODS) that may not
+    goes over the client's channel without it. `timeout` replaces the client's deadline for this call.
     """
 
     method: str
@@ -56,11 +58,16 @@ class Unary(Generic[R]):
     retry: bool
     timeout: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.retry and self.method not in RETRIED_METHODS:
+            raise ValueError(f"{self.method} is not under the channel's retry policy (connection.RETRIED_METHODS)")
+
 
 @dataclass(frozen=True)
 class Chunked(Generic[R]):
     """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
-    messages as gRPC sends them, anew for each attempt; the stream's one reply is read as a Unary's."""
+    messages as gRPC sends them, which it keeps for a retry; the stream's one reply is read as a
+    Unary's, and a retry sends the whole push again, as a push sent whole."""
 
     requests: Callable[[], Iterator[pb.PushRequest]]
     read: Callable[[Any], R]

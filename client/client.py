@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Generator, Iterable
 from typing import Any, TypeVar, Unpack
 
@@ -21,6 +20,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from . import calls
 from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
+from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .pusher import Pusher
 from .results import (
@@ -36,6 +36,7 @@ from .results import (
     TableInfo,
     TableStats,
 )
+from .sample_reply import SampleReplyParts
 from .sample_spec import SampleOptions, SampleSpec
 
 R = TypeVar("R")
@@ -98,8 +99,9 @@ class BufferClient(ClientBase):
     _secure_channel = staticmethod(grpc.secure_channel)
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channels; calls in flight are cancelled."""
         self._channel.close()
+        self._unretried_channel.close()
 
     def __enter__(self) -> BufferClient:
         return self
@@ -108,19 +110,15 @@ class BufferClient(ClientBase):
         self.close()
 
     def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
-        method = getattr(self._stub, call.method)
-        attempts = self._attempts(call.retry, call.timeout)
-        while True:
-            try:
-                if isinstance(call, calls.Chunked):
-                    replies = method(call.requests(), timeout=attempts.remaining(), metadata=self._metadata)
-                    reply = calls.one_reply(list(replies))
-                else:
-                    reply = method(call.request, timeout=attempts.remaining(), metadata=self._metadata)
-            except grpc.RpcError as exc:
-                time.sleep(attempts.pause(exc))
+        method, keywords = self._method(call)
+        try:
+            if isinstance(call, calls.Chunked):
+                reply = calls.one_reply(list(method(call.requests(), **keywords)))
             else:
-                return call.read(reply)
+                reply = method(call.request, **keywords)
+        except grpc.RpcError as exc:
+            raise call_error(exc, self._tls) from None
+        return call.read(reply)
 
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
@@ -149,32 +147,55 @@ class BufferClient(ClientBase):
         confirmed to the server as it is handed to the caller, which also asks for more: the
         server keeps up to `window` batches on their way while the caller works on this one
         (a credit window: 1 to 8; 1 is one batch ahead, with a round trip per batch; 2, the
-        default, hides that round trip). A consumed batch leaves the buffer, and a leased
-        batch's lease starts, once the caller has it; the batches still on their way when
-        the caller stops iterating return to the buffer, as does a batch that cannot be
-        decoded (DataLossError).
+        default, hides that round trip). `prefetch` of them (1 by default, up to `window`;
+        0: none) are received and decoded on a thread of the stream's own while the caller
+        works, so its step and the decode overlap. A consumed batch leaves the buffer, and a
+        leased batch's lease starts, once the caller has it; the batches still on their way
+        or decoded ahead when the caller stops iterating return to the buffer, as does a
+        batch that cannot be decoded (DataLossError, raised in its place).
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
         requests = SampleRequests(spec.request())
         stream = self._sample(requests, metadata=self._metadata)
+        outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+
+        def decode(reply: SampleReplyParts) -> Batch:
+            return calls.batch(reply, table, self, Batch)
+
+        def next_batch() -> Batch | None:
+            if ahead is not None:
+                return ahead.take(outcomes.get())
+            reply = next(stream, None)
+            return None if reply is None else decode(reply)
+
+        ahead = None
+        if spec.ahead:
+            ahead = Prefetcher(lambda: next(stream, None), decode, spec.ahead, outcomes.put)
+            stream.add_done_callback(ahead.call_done)
         received = 0
         try:
-            for reply in stream:
-                batch = calls.batch(reply, table, self, Batch)
+            while (batch := next_batch()) is not None:
                 received += 1
                 requests.confirm(received)
                 yield calls.handed(batch, spec.lease_seconds)
         except grpc.RpcError as exc:
             raise call_error(exc, self._tls) from None
         finally:
+            if ahead is not None:
+                ahead.stop()
+            timer = threading.Timer(calls.STOP_SECONDS, stream.cancel)
             if stream.running():  # the caller stopped early: end the stream cleanly
                 requests.confirm(received, stop=True)
-                timer = threading.Timer(calls.STOP_SECONDS, stream.cancel)
                 timer.start()
-                with contextlib.suppress(grpc.RpcError):
-                    for _ in stream:  # batches already on their way go back to the buffer
-                        pass
-                timer.cancel()
+                if ahead is None:
+                    with contextlib.suppress(grpc.RpcError):
+                        for _ in stream:  # batches already on their way go back to the buffer
+                            pass
+            if ahead is not None:  # its thread reads the stream to its end
+                while not ahead.ended:
+                    ahead.skip(outcomes.get())
+                ahead.join()
+            timer.cancel()
             requests.close()
 
     def ack(self, lease_id: str, table: str = "default") -> int:

@@ -1,18 +1,21 @@
-"""What both clients of one server share below their calls: TLS settings, the channel, and when to retry.
+"""What both clients of one server share below their calls: TLS settings, the channels, and their retry policy.
 
 A push is idempotent on the server (a retried payload is reported as duplicates), so pushes
-and reads are retried with backoff while the server is UNAVAILABLE; every call has a deadline.
-The blocking client (client.py) and the asyncio one (aio.py) differ only in how they wait.
+and reads are retried by gRPC's own retry policy (the channel's service config) while the
+server is UNAVAILABLE; every call has a deadline that covers all its attempts. gRPC has no
+switch for one call: a call of a method under the policy that must not be made twice (calls.py)
+goes over a second channel without it. The blocking client (client.py) and the asyncio one
+(aio.py) differ only in how they wait.
 """
 
 from __future__ import annotations
 
-import random
-import time
+import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import grpc
 
@@ -21,12 +24,45 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from .errors import ExpbufError
 from .sample_reply import sample_method
 
+if TYPE_CHECKING:
+    from .calls import Chunked, Unary
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # A push larger than this goes over PushStream in chunks of this size (see PushRequest.total_bytes).
 DEFAULT_PUSH_CHUNK_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 30.0
-DEFAULT_RETRIES = 5
+# gRPC makes at most 5 attempts of a call (its retry design caps a policy's maxAttempts there,
+# and grpcio has no setting to raise it): 4 retries after the first.
+MAX_RETRIES = 4
+DEFAULT_RETRIES = MAX_RETRIES
+SERVICE = "expbuf.v1.ExperienceBuffer"
+# The methods under the retry policy: every call of them is idempotent, or is sent with the
+# policy only when it is (a call of one whose `retry` is False, calls.py, goes over the channel
+# without it). Not here: Sample (a trainer's stream that breaks raises its error, as it always has),
+# nor any call whose repetition would act twice (Ack, Nack, Admit, FinishGrant, Claim, Delete,
+# Seal, CreateTable, DropTable).
+RETRIED_METHODS = frozenset(
+    {
+        "Push",
+        "PushStream",
+        "Retire",
+        "Renew",
+        "SetTrainerVersion",
+        "ResetOffPolicy",
+        "Writers",
+        "Get",
+        "ListExperiences",
+        "Stats",
+        "ServerInfo",
+        "ListTables",
+        "CreateDataset",
+        "ListDatasets",
+        "RenewClaims",
+        "ReleaseClaims",
+        "ListPrompts",
+    }
+)
 # A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
 # to 120 s, which would keep a restarted server (or shard) unused that long after it is back.
 RECONNECT = (
@@ -34,6 +70,27 @@ RECONNECT = (
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# gRPC keeps what a call sent until the call is answered, so that a retry can send it again;
+# past this many bytes it commits the call to its attempt, unretried. Its default (256 KiB)
+# would leave every larger push unretried: with the most it takes, a push of any size (whole,
+# or in chunks) is retried whole, and gRPC holds a copy of it until it is answered.
+RETRY_BUFFER = (("grpc.per_rpc_retry_buffer_size", 2**31 - 1),)
+
+
+def service_config(retries: int) -> str:
+    """The channel's service config: RETRIED_METHODS retried on UNAVAILABLE up to `retries`
+    times (none: no policy), backing off from 50 ms, doubling up to 2 s, each pause ±20% (gRPC's jitter)."""
+    if retries <= 0:
+        return json.dumps({"methodConfig": []})
+    policy = {
+        "maxAttempts": retries + 1,
+        "initialBackoff": "0.05s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    names = [{"service": SERVICE, "method": method} for method in sorted(RETRIED_METHODS)]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
 
 
 @dataclass(frozen=True)
@@ -60,6 +117,7 @@ class ChannelOptions(TypedDict, total=False):
 
     timeout: float
     retries: int
+    wait_for_ready: bool
     max_message_bytes: int
     push_chunk_bytes: int
 
@@ -80,38 +138,8 @@ def call_error(exc: grpc.RpcError, tls: bool) -> ExpbufError:
     return ExpbufError(exc.code(), details)
 
 
-def backoff(attempt: int) -> float:
-    """Seconds to wait before retry `attempt` + 1 of a call the server could not take: doubling
-    from 50 ms up to 2 s, with jitter, so that clients that lost one server do not return at once."""
-    return min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
-
-
-class Attempts:
-    """One call's attempts under one deadline: how long the next may take, and the pause before it."""
-
-    def __init__(self, retries: int, retry: bool, seconds: float, *, tls: bool) -> None:
-        self._tls = tls
-        self._retries = retries if retry else 0
-        self._deadline = time.monotonic() + seconds
-        self._attempt = 0
-
-    def remaining(self) -> float:
-        """The deadline left for the next attempt."""
-        return max(0.001, self._deadline - time.monotonic())
-
-    def pause(self, exc: grpc.RpcError) -> float:
-        """Seconds to wait before retrying a call the server could not take now; raises the
-        call's ExpbufError when it is not to be retried (not UNAVAILABLE, no retries or time left)."""
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._attempt < self._retries:
-            pause = backoff(self._attempt)
-            if time.monotonic() + pause < self._deadline:
-                self._attempt += 1
-                return pause
-        raise call_error(exc, self._tls) from None
-
-
 class ClientBase:
-    """Settings and channel shared by the blocking and the asyncio client."""
+    """Settings and channels shared by the blocking and the asyncio client."""
 
     _insecure_channel: Callable[..., Any]
     _secure_channel: Callable[..., Any]
@@ -124,16 +152,20 @@ class ClientBase:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
+        wait_for_ready: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
     ) -> None:
         """Connect to `target` (HOST:PORT). `token` is sent as a bearer token; `tls` is a Tls
         (a CA, and a client pair for mutual TLS) or True for the system's CAs. Every call has a
-        deadline of `timeout` seconds; pushes and reads are retried up to `retries` times while
-        the server is UNAVAILABLE (safe: a push is idempotent). `max_message_bytes` must be at
-        least the server's to receive its largest batches. A push larger than `push_chunk_bytes`
-        is sent in chunks of that size, so that neither side holds gRPC's copies of one large
-        message (0: every push in one message, as a server of 0.2.0 or older needs). The channel opens lazily::
+        deadline of `timeout` seconds, for all its attempts; pushes and reads are retried up to
+        `retries` times (at most 4, gRPC's limit) while the server is UNAVAILABLE (safe: a push
+        is idempotent). With `wait_for_ready`, they wait for a server that cannot be reached (a
+        restart) until their deadline instead of failing UNAVAILABLE once their retries are
+        spent. `max_message_bytes` must be at least the server's to receive its largest batches.
+        A push larger than `push_chunk_bytes` is sent in chunks of that size, so that neither
+        side holds gRPC's copies of one large message (0: every push in one message, as a server
+        of 0.2.0 or older needs). The connection opens lazily::
 
             with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
                 client.push(experiences, table="grpo8")
@@ -143,25 +175,54 @@ class ClientBase:
                 f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "
                 f"got {push_chunk_bytes}"
             )
+        if retries > MAX_RETRIES:
+            warnings.warn(
+                f"retries={retries}: gRPC's retry policy makes at most {MAX_RETRIES} retries of a call, so the "
+                f"client makes {MAX_RETRIES}; to wait for a server that restarts, pass wait_for_ready=True",
+                UserWarning,
+                stacklevel=2,
+            )
         self.target = target
         self.timeout = timeout
-        self.retries = retries
+        self.retries = max(0, min(retries, MAX_RETRIES))
+        self.wait_for_ready = wait_for_ready
         self.push_chunk_bytes = push_chunk_bytes
         self.max_message_bytes = max_message_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            *RECONNECT,
-        ]
         self._tls = bool(tls)
-        if tls:
-            credentials = (tls if isinstance(tls, Tls) else Tls()).credentials()
-            self._channel = type(self)._secure_channel(target, credentials, options=options)
-        else:
-            self._channel = type(self)._insecure_channel(target, options=options)
+        credentials = (tls if isinstance(tls, Tls) else Tls()).credentials() if tls else None
+        self._channel = self._open(target, credentials, service_config(self.retries))
+        # The same options but the service config: without TLS, gRPC gives both channels one
+        # connection; with TLS, each its own (it tells credentials apart by identity, and grpcio
+        # makes them anew for each channel), opened on the first call that needs it.
+        self._unretried_channel = self._open(target, credentials, service_config(0))
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
+        self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
 
-    def _attempts(self, retry: bool, timeout: float | None) -> Attempts:
-        return Attempts(self.retries, retry, timeout or self.timeout, tls=self._tls)
+    def _open(self, target: str, credentials: grpc.ChannelCredentials | None, config: str) -> Any:
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            *RECONNECT,
+            *RETRY_BUFFER,
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config_disable_resolution", 1),  # the policy is this one, never a DNS record's
+            ("grpc.service_config", config),
+        ]
+        if credentials is None:
+            return type(self)._insecure_channel(target, options=options)
+        return type(self)._secure_channel(target, credentials, options=options)
+
+    def _method(self, call: Unary[Any] | Chunked[Any]) -> tuple[Any, dict[str, Any]]:
+        """The stub method that makes `call`, and its keywords. A call of a method under the retry
+        policy that may not be retried (opening a writer, creating a dataset without exist_ok) goes
+        over the channel without the policy: gRPC has no switch for one call. Only a call that may
+        be retried waits for the server with wait_for_ready."""
+        stub = self._unretried if not call.retry and call.method in RETRIED_METHODS else self._stub
+        keywords = {
+            "timeout": call.timeout or self.timeout,
+            "metadata": self._metadata,
+            "wait_for_ready": call.retry and self.wait_for_ready,
+        }
+        return getattr(stub, call.method), keywords

@@ -10,10 +10,17 @@ go again on a new stream. When a stream breaks (UNAVAILABLE: the server went awa
 it was on may or may not be stored: every push unanswered on it goes again (a push is
 idempotent; what was stored comes back as duplicates) while the client's retries and the
 push's deadline last, then fails UNAVAILABLE naming its uids. Futures complete in push order.
+
+That resend is the one retry the clients make by hand. gRPC's retry policy retries a stream
+only until its first reply, and sends again everything the stream carried: a pusher's stream
+has answered pushes before it breaks, and only those unanswered may go again. So a pusher's
+streams go over the client's channel without the policy (connection.py), and their pushes are
+sent again here, with the client's `retries` and the policy's backoff.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -25,12 +32,18 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls, trxp
-from .connection import backoff
 from .errors import ExpbufError
 from .results import PushResult
 
 MAX_WINDOW = 64
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait before resend `attempt` + 1 of pushes a broken stream left unanswered:
+    the retry policy's (connection.service_config), doubling from 50 ms up to 2 s with gRPC's
+    jitter of 20%, so that pushers that lost one server do not return at once."""
+    return min(2.0, 0.05 * 2**attempt) * random.uniform(0.8, 1.2)
 
 
 def check_window(window: Any) -> int:

@@ -48,8 +48,11 @@ class _Open:
     def __init__(self, window: Window, client: BufferClient) -> None:
         self.state = Stream()
         self.requests = _Requests(window.chunk_bytes)
-        self.replies = client._stub.PushStream(
-            iter(self.requests), timeout=window.stream_seconds, metadata=client._metadata
+        self.replies = client._unretried.PushStream(  # the pusher resends what a broken stream left (pipeline.py)
+            iter(self.requests),
+            timeout=window.stream_seconds,
+            metadata=client._metadata,
+            wait_for_ready=client.wait_for_ready,
         )
 
 

@@ -31,6 +31,7 @@ class SampleOptions(TypedDict, total=False):
     allow_partial: bool
     trainer_version: int | None
     window: int
+    prefetch: int
 
 
 def _integer(name: str, value: Any, low: int, *, optional: bool = False) -> None:
@@ -57,7 +58,9 @@ class SampleSpec:
     (at most once: it leaves the buffer once it has arrived) or "replay" (it stays).
     `timeout` is how long each batch may wait for enough ready data; `max_batches` 0 streams
     until the caller stops; `window` is how many batches the server keeps on their way (1 to
-    MAX_WINDOW).
+    MAX_WINDOW); `prefetch` is how many of those the client decodes ahead of its caller on a
+    thread of the stream's own (0: none, each is decoded when the caller asks; at most
+    `window`, since a batch decoded ahead is one the server sent ahead; see prefetch.py).
     """
 
     table: str = "default"
@@ -72,6 +75,7 @@ class SampleSpec:
     allow_partial: bool = False
     trainer_version: int | None = None
     window: int = 2
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         if bool(self.batch_size) == bool(self.num_groups):
@@ -95,6 +99,12 @@ class SampleSpec:
         _integer("window", self.window, 1)
         if self.window > MAX_WINDOW:
             raise ValueError(f"sample: window is {self.window}; it must be 1 to {MAX_WINDOW} batches ahead")
+        _integer("prefetch", self.prefetch, 0)
+        if self.prefetch > self.window:
+            raise ValueError(
+                f"sample: prefetch is {self.prefetch}; it must be 0 to window ({self.window}): a batch decoded "
+                "ahead is one of the batches the server sends ahead"
+            )
 
     @property
     def size(self) -> int:
@@ -109,6 +119,12 @@ class SampleSpec:
     def keywords(self) -> dict[str, Any]:
         """The spec as the keywords of a client's `sample()`."""
         return asdict(self)
+
+    @property
+    def ahead(self) -> int:
+        """How many batches the client decodes ahead of its caller: `prefetch`, but none for a
+        stream of one batch, which has nothing after it to decode."""
+        return 0 if self.max_batches == 1 else self.prefetch
 
     def part(self, size: int, allow_partial: bool) -> SampleSpec:
         """One batch of `size` of the same unit at once, as a sharded client asks of one shard."""

@@ -20,7 +20,7 @@ from .routing import ShardMap, group_key, rendezvous, shard_names
 from .sample_spec import SampleSpec
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
-# a short deadline; a shard that fails it is left out.
+# no wait for a shard that is down, a short deadline; a shard that fails it is left out.
 _PROBE_SECONDS = 2.0
 
 
@@ -179,7 +179,9 @@ class Sharded:
                 continue
             self._retired += [c for c in (clients.get(name), probes.get(name)) if c is not None]
             clients[name] = make(target, **self._options)
-            probes[name] = make(target, **{**self._options, "retries": 0, "timeout": _PROBE_SECONDS})
+            probes[name] = make(
+                target, **{**self._options, "retries": 0, "wait_for_ready": False, "timeout": _PROBE_SECONDS}
+            )
         self.clients, self._probes = clients, probes
 
     def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:

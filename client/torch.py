@@ -6,7 +6,9 @@
 
 Each item is one Batch (whole groups). A leased batch is acknowledged when the next
 one is requested, i.e. once the training step that used it has returned; if the
-trainer dies mid-step the lease expires and the batch goes back to the buffer.
+trainer dies mid-step the lease expires and the batch goes back to the buffer. The
+client decodes the next batch while the step runs (`prefetch`, 1 by default; pass
+prefetch=0 among the sample arguments to decode each when it is requested).
 Use it with `batch_size=None` and `num_workers=0` (the client holds a gRPC channel).
 """
 

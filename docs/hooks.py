@@ -208,7 +208,12 @@ def _hint_text(hint: Any) -> str:
         return hint.__name__
     if isinstance(hint, types.UnionType):
         return " | ".join(_hint_text(arg) for arg in typing.get_args(hint))
-    return str(hint).replace("typing.", "").replace("expbuf.server.tables.", "").replace("expbuf.server.config.", "")
+    return (
+        str(hint)
+        .replace("typing.", "")
+        .replace("expbuf.server.store.table_config.", "")
+        .replace("expbuf.server.config.", "")
+    )
 
 
 def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = None) -> list[str]:
@@ -241,9 +246,9 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
     lines = [
         "# Settings",
         "",
-        "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.tables.TableConfig`. The server's",
-        "settings come from its TOML file (`--config`), the environment and its flags (the last wins); a table's",
-        "from the file's `[[tables]]`, `create_table` or `expbuf table create`. See",
+        "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.store.table_config.TableConfig`.",
+        "The server's settings come from its TOML file (`--config`), the environment and its flags (the last",
+        "wins); a table's from the file's `[[tables]]`, `create_table` or `expbuf table create`. See",
         "[Serving](../operations/serving.md) for what they do together.",
         "",
     ]
@@ -301,12 +306,13 @@ def link_sources() -> None:
 def pages() -> dict[str, str]:
     """The generated pages by their path under docs/."""
     from expbuf import client
-    from expbuf.server import cli, config, tables
+    from expbuf.server import cli, config
+    from expbuf.server.store import table_config
 
     return {
         "reference/grpc.md": grpc_page(proto_descriptor()),
         "reference/cli.md": cli_page(cli.build_parser()),
-        "reference/settings.md": settings_page(config.ServerConfig, tables.TableConfig, setting_sources()),
+        "reference/settings.md": settings_page(config.ServerConfig, table_config.TableConfig, setting_sources()),
         "reference/python-client.md": client_page(list(client.__all__)),
         "bench/RESULTS.md": (ROOT / "bench" / "RESULTS.md").read_text(),
         "bench/HISTORY.md": (ROOT / "bench" / "HISTORY.md").read_text(),

@@ -19,10 +19,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import AdvantagesUnavailable
 from .store import Store
+from .store.errors import AdvantagesUnavailable
 from .store.kinds import Compute
-from .tables import TableConfig
+from .store.table_config import TableConfig
 
 if TYPE_CHECKING:
     from .advantages import AdvantageWorker

@@ -14,7 +14,8 @@ ack does not wait for it, and no experience is sampled before it is done. A comp
 that fails is retried group by group, so only a group that fails on its own fails, with
 the reason in Stats, and the worker goes on; one that yields a non-finite value fails
 the groups it belongs to: no NaN or infinity is stored or served. How the results are
-stored and reach a sampled batch is advantage_storage.py's.
+stored is `encode_results` here and store/stored_advantages.py; how they reach a sampled
+batch, batch_stage.py.
 """
 
 from __future__ import annotations
@@ -27,18 +28,32 @@ from collections.abc import Callable, Sequence
 import torch
 
 from expbuf.client import trxp
-from expbuf.client.trxp.advantages import flat_tensor
+from expbuf.client.trxp.convert import flat_tensor
 
 from . import estimators, shaping
-from .advantage_storage import encode_results
 from .backend import Backend
-from .errors import clip
 from .moments import RunningMoments
 from .store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
+from .store.errors import clip
 from .store.kinds import Compute, Computed
-from .tables import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
+from .store.stored_advantages import token_record
+from .store.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 
 log = logging.getLogger("expbuf.advantages")
+
+
+def encode_results(result: estimators.Advantages, batch: estimators.FlatBatch) -> list[float | bytes]:
+    """What the store keeps for each experience: its one value, or its token-level record."""
+    if result.scalar is not None:
+        return [float(v) for v in result.scalar.double().cpu().tolist()]
+    lengths = batch.lengths.tolist()
+    token_advantages, token_returns = result.token_values()
+    advantages = token_advantages.float().cpu().split(lengths)
+    returns = token_returns.float().cpu().split(lengths)
+    return [
+        token_record(n, trxp.raw_of(a).data, trxp.raw_of(r).data)
+        for a, r, n in zip(advantages, returns, lengths, strict=True)
+    ]
 
 
 def build_batch(

@@ -31,9 +31,9 @@ from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
 from .advantage_start import AdvantageStart
 from .auth import TokenAuth
+from .batch_stage import finish_batch
 from .config import ServerConfig
 from .devices import check_device
-from .errors import StoreError
 from .inflight import InFlight, PushMemory, few_arenas
 from .ingest import Ingest
 from .limits import RESERVED_THREADS, TableStreams, call_limits
@@ -41,7 +41,7 @@ from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
 from .store import Store
-from .tables import ConfigError
+from .store.errors import ConfigError, StoreError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
@@ -121,6 +121,7 @@ class ExpbufServer:
                 check_at_open=config.check_at_open,
                 scrub_mb_per_second=config.scrub_mb_per_second,
                 scrub_interval_seconds=config.scrub_interval_seconds,
+                batch_stage=finish_batch,
             )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None

@@ -13,14 +13,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
 
-from .sample_spec import SampleSpec
 from .store import ComputeJob, Entry, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
 from .store.admission import Grant
 from .store.browse import Page
 from .store.claims import PromptPage
 from .store.ledger import Claimed
 from .store.ledger_records import DatasetRecord
-from .tables import TableConfig
+from .store.sample_spec import SampleSpec
+from .store.table_config import TableConfig
 
 
 @runtime_checkable

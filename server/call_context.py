@@ -16,7 +16,7 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .errors import StoreError, clip
+from .store.errors import StoreError, clip
 
 log = logging.getLogger("expbuf.service")
 
@@ -61,7 +61,7 @@ class RefusalLog:
 
 
 def refusals(method: Callable) -> Callable:
-    """Map refusals (errors.py) to the status code and metric reason their class carries, with
+    """Map refusals (store/errors.py) to the status code and metric reason their class carries, with
     their message; count and log them. Anything else is a fault of the server: INTERNAL,
     logged with its traceback, never UNKNOWN."""
 

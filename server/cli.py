@@ -23,8 +23,8 @@ from .config import load
 from .dataset_cli import add_dataset_commands
 from .export_cli import add_export_command, run_export
 from .stats_view import watch
+from .store.errors import ConfigError
 from .table_cli import add_table_commands, run_client_command
-from .tables import ConfigError
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
     import lmdb
@@ -146,9 +146,9 @@ def _check(args: argparse.Namespace) -> int:
 
     import lmdb
 
-    from .errors import Damaged, StoreError
     from .store import integrity
     from .store.environment import Environment
+    from .store.errors import Damaged, StoreError
 
     try:
         environment = Environment(args.data, readonly=True)

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import clip
-from .tables import ConfigError, TableConfig
+from .store.errors import ConfigError, clip
+from .store.table_config import TableConfig
 
 log = logging.getLogger("expbuf.config")
 # The server's TLS variables, and the names they had before (read for one more release, with a

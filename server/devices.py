@@ -4,7 +4,8 @@ background (app.py)."""
 
 from __future__ import annotations
 
-from .tables import ConfigError, TableConfig
+from .store.errors import ConfigError
+from .store.table_config import TableConfig
 
 
 def check_device(config: TableConfig) -> None:

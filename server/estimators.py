@@ -15,7 +15,7 @@ depends on a group alone; its result is stored per experience. Statistics over a
 store a pending value, and their batch stage (the `finish_*` functions) turns the pending
 values of a sampled batch into its advantages, so that a batch gets the same advantages
 however its groups arrived. Each estimator is registered, with its parameters and both
-stages, in estimator_registry.py.
+stages, in store/estimator_registry.py.
 
 Most estimators give one value per experience (every generated token of an experience
 carries it): their result is `Advantages(scalar=...)`. `reinforceplusplus` and
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .estimator_registry import ESTIMATORS
+from .store.estimator_registry import ESTIMATORS
 
 WHITEN_EPSILON = 1e-8  # Trinity-RFT's masked_whiten
 

@@ -36,8 +36,8 @@ from typing import Any
 from expbuf.client import trxp
 
 from .config import ServerConfig
-from .errors import InvalidPayload
 from .store import Entry
+from .store.errors import InvalidPayload
 
 log = logging.getLogger("expbuf.ingest")
 

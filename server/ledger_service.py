@@ -14,7 +14,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
 from .call_context import refusals, remaining
-from .errors import InvalidRequest
+from .store.errors import InvalidRequest
 from .store.ledger import Claimed
 from .store.ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
 

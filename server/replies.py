@@ -17,9 +17,9 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .advantage_storage import send_apart
 from .interceptor import ServiceInterceptor
 from .store import Sampled
+from .store.stored_advantages import send_apart
 
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
 # glibc's mallopt parameters, and what keep_reply_memory sets them to.
@@ -41,7 +41,7 @@ def sample_reply(batch: Sampled, *, lease: bool, compact: bool = False) -> bytes
     map into the reply); the batch is released then, its payload is not read again. A
     table's batch stage runs here, on the RPC's thread (`Sampled.finish`), not in the
     store's write transaction. `compact`: advantages of one value per experience go
-    beside the payload, not into it (advantage_storage.send_apart)."""
+    beside the payload, not into it (store/stored_advantages.send_apart)."""
     values: list[float] = []
     lengths: list[int] = []
     if compact:

@@ -27,9 +27,9 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
-from .errors import InvalidRequest, StoreError
-from .sample_spec import SampleSpec
 from .store import Sampled
+from .store.errors import InvalidRequest, StoreError
+from .store.sample_spec import SampleSpec
 
 # How long a client that closed its side has to show that it cancelled (see cancelled_within).
 CANCEL_GRACE = 0.2

@@ -24,7 +24,6 @@ from . import __version__, push_stream
 from .backend import Backend
 from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
 from .devices import check_device
-from .errors import InvalidRequest, SpecError, clip
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
@@ -32,11 +31,12 @@ from .limits import TableStreams
 from .metrics import Metrics
 from .moments import RunningMoments
 from .replies import sample_reply
-from .sample_spec import SampleSpec
 from .sample_stream import stream_batches
 from .store import PutResult, Sampled
+from .store.errors import InvalidRequest, SpecError, clip
+from .store.sample_spec import SampleSpec
 from .store.states import LIVE
-from .tables import TableConfig
+from .store.table_config import TableConfig
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")

@@ -14,7 +14,7 @@ The steps, in order, each off unless configured:
    that value becomes 0; a std of 0 gives 0 too, not NaN.
 4. Reward clipping to [-reward_clip, reward_clip].
 5. The estimator, for those without a group step.
-6. advantages_norm, over each sampled batch's generated tokens (advantage_storage.py).
+6. advantages_norm, over each sampled batch's generated tokens (batch_stage.py).
 7. Advantage clipping to [-advantage_clip, advantage_clip], then an estimator's whitening
    over the batch (reinforceplusplus, reinforce++_baseline), as LightRFT clips and then
    whitens across the batch.
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .moments import RunningMoments
-from .tables import Shaping
+from .store.table_config import Shaping
 
 ADVANTAGES_NORM_EPSILON = 1e-8  # LightRFT's BaseREINFORCECalculator
 

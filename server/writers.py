@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from .store.errors import InvalidRequest
 
 
 @dataclass

@@ -6,17 +6,22 @@ import contextlib
 import hashlib
 import signal
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
-from expbuf.server.estimator_registry import Estimator, register, unregister
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Sampled, Store
+from expbuf.server.store.estimator_registry import Estimator, register, unregister
+from expbuf.server.store.sample_spec import SampleSpec
+
+if TYPE_CHECKING:
+    from expbuf.client import BufferClient, TableStats
 
 
 def make_experience(
@@ -48,6 +53,61 @@ def make_experience(
 def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) -> list[trxp.RawItem]:
     """A GRPO group: `size` runs of one task, as validated RawItems."""
     return [trxp.from_experience(make_experience(batch, task, run, **kwargs)) for run in range(size)]
+
+
+def fill(client: BufferClient, groups: int, table: str = "t") -> None:
+    """Push `groups` complete groups of two (tasks 0..groups-1 of batch 1) into `table`."""
+    items = [item for task in range(groups) for item in group_items(1, task, 2)]
+    for start in range(0, len(items), 200):
+        client.push(trxp.build(items[start : start + 200]), table=table)
+
+
+def settle(client: BufferClient, predicate: Callable[[TableStats], bool], table: str = "t") -> TableStats:
+    """The table's stats once `predicate(stats)` holds, or after 10 s (the server finishes a
+    broken stream on its own)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = client.stats(table)[table]
+        if predicate(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+class Decodes:
+    """The client's decode (trxp.decode_reply, what Batch.experiences runs), wrapped, never
+    replaced: each decode started is counted with the name of its thread, and `hold` makes one
+    wait for a release the test gives. `install` sets it in place (pytest's monkeypatch.setattr,
+    or the builtin setattr in a child process)."""
+
+    def __init__(self, install: Callable[[object, str, object], None]) -> None:
+        self.threads: list[str] = []
+        self.held: dict[int, tuple[threading.Event, threading.Event]] = {}
+        self.released: dict[int, bool] = {}
+        self._changed = threading.Condition()
+        real = trxp.decode_reply
+
+        def decode(payload: bytes) -> list[Experience]:
+            with self._changed:
+                self.threads.append(threading.current_thread().name)
+                number = len(self.threads)
+                self._changed.notify_all()
+            if number in self.held:
+                started, release = self.held[number]
+                started.set()
+                self.released[number] = release.wait(10)
+            return real(payload)
+
+        install(trxp, "decode_reply", decode)
+
+    def wait(self, count: int, seconds: float = 10.0) -> bool:
+        """Whether `count` decodes have started within `seconds`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.threads) >= count, seconds)
+
+    def hold(self, number: int) -> tuple[threading.Event, threading.Event]:
+        """Decode `number` sets the first event when it starts and waits for the second."""
+        self.held[number] = (threading.Event(), threading.Event())
+        return self.held[number]
 
 
 def take(store: Store, table: str, **spec: object) -> Sampled | None:

@@ -14,13 +14,13 @@ import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.trxp.checks import FLOAT32_MAX
-from expbuf.server.advantage_storage import expand
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.config import load as load_config
-from expbuf.server.errors import InvalidRequest
-from expbuf.server.estimator_registry import ESTIMATORS, Estimator, register
 from expbuf.server.store import Store
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.errors import InvalidRequest
+from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator, register
+from expbuf.server.store.stored_advantages import expand
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from conftest import payload
 from helpers import group_items, make_experience, registered, take

@@ -17,12 +17,12 @@ import torch
 
 from expbuf.client import trxp
 from expbuf.server.advantages import AdvantageWorker, computed_in_push
-from expbuf.server.estimator_registry import ESTIMATORS, Estimator
 from expbuf.server.estimators import Advantages, FlatBatch, grpo
 from expbuf.server.store import FAILED, READY, ComputeJob, ItemRecord, Store, layout
+from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator
 from expbuf.server.store.kinds import Compute, Computed
 from expbuf.server.store.pushed_advantages import IN_PUSH_LIMIT
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience, registered
 

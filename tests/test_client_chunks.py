@@ -101,14 +101,14 @@ def test_push_chunk_bytes_0_sends_every_push_whole_and_a_bad_value_is_refused(se
             BufferClient(target, push_chunk_bytes=bad, max_message_bytes=1 << 20)
 
 
-def test_a_push_in_chunks_is_retried_while_the_server_is_unavailable(start_server: Servers) -> None:
+def test_a_push_in_chunks_waits_for_a_server_that_starts_late(start_server: Servers) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     later = threading.Timer(0.5, lambda: start_server(port=port))
     later.start()
     try:
-        with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10, push_chunk_bytes=CHUNK) as client:
+        with BufferClient(f"127.0.0.1:{port}", timeout=20, wait_for_ready=True, push_chunk_bytes=CHUNK) as client:
             assert len(client.push(large("retried")).stored) == 2
     finally:
         later.join()

@@ -81,6 +81,8 @@ BAD_SAMPLE_OPTIONS = [
     ({"num_groups": 1, "trainer_version": -1}, "trainer_version is -1"),
     ({"num_groups": 1, "allow_partial": "yes"}, "allow_partial is 'yes'"),
     ({"num_groups": 1, "window": 9}, "window is 9; it must be 1 to 8"),
+    ({"num_groups": 1, "prefetch": -1}, "prefetch is -1"),
+    ({"num_groups": 1, "window": 2, "prefetch": 3}, r"prefetch is 3; it must be 0 to window \(2\)"),
 ]
 
 

@@ -13,10 +13,10 @@ from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import STATES, Store, integrity, layout
 from expbuf.server.store.counters import NAMES, Counters
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 

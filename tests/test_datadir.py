@@ -13,6 +13,7 @@ import pytest
 
 from expbuf.client import decode
 from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.batch_stage import finish_batch
 from expbuf.server.store import Store, layout
 
 from conftest import FIXTURES
@@ -99,7 +100,7 @@ def test_first_format_tables_now_finished_per_batch_compute_their_ready_groups_a
         record["config"]["estimator_params"] = {"std_over_batch": 1.0}
         txn.put(b"grpo4", json.dumps(record).encode())
     env.close()
-    with Store(v1) as store:
+    with Store(v1, batch_stage=finish_batch) as store:
         assert store.table("grpo4").estimator_params == {"std_cal_level": 1.0}
         stats = store.stats("grpo4")
         assert (stats["groups_ready"], stats["groups_computing"]) == (0, 1)

@@ -15,8 +15,8 @@ import torch
 
 from expbuf.client import EID, Experience, decode, trxp
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.errors import Conflict
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Conflict
 
 from conftest import FIXTURES
 from helpers import take

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import BufferClient, trxp
+from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from conftest import Servers
-from helpers import group_items
+from helpers import fill, group_items, settle
 
 
 @pytest.fixture
@@ -26,12 +26,6 @@ def client(client: BufferClient) -> BufferClient:
     """The shared client, with table t (groups of two, no estimator)."""
     client.create_table("t", group_size=2, estimator="none")
     return client
-
-
-def fill(client: BufferClient, groups: int, table: str = "t") -> None:
-    items = [item for task in range(groups) for item in group_items(1, task, 2)]
-    for start in range(0, len(items), 200):
-        client.push(trxp.build(items[start : start + 200]), table=table)
 
 
 def request(**fields: object) -> pb.SampleRequest:
@@ -57,16 +51,6 @@ class Conversation:
     def cancel(self) -> None:
         self.call.cancel()
         self._out.put(None)
-
-
-def settle(client: BufferClient, predicate: object, table: str = "t") -> dict:
-    """Stats once `predicate(stats)` holds (the server finishes a broken stream on its own)."""
-    deadline = time.monotonic() + 10
-    while True:
-        stats = client.stats(table)[table]
-        if predicate(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 def test_streams_that_end_normally_consume_their_batches(client: BufferClient, stub) -> None:
@@ -230,9 +214,9 @@ def test_confirming_more_than_was_sent_is_refused_and_confirms_nothing(client: B
 
 def test_held_batches_of_a_killed_server_come_back(tmp_path: Path, start_server: Servers) -> None:
     """A batch held for a consume stream when the server stops returns at the next start."""
-    from expbuf.server.sample_spec import SampleSpec
     from expbuf.server.store import Store
-    from expbuf.server.tables import TableConfig
+    from expbuf.server.store.sample_spec import SampleSpec
+    from expbuf.server.store.table_config import TableConfig
 
     with Store(tmp_path) as store:
         store.create_table(TableConfig("t", estimator="none"))

@@ -20,13 +20,13 @@ from test_datadir import upgrade_notice
 from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
-from expbuf.server.errors import Conflict, Damaged
 from expbuf.server.store import Store, layout, migrate
 from expbuf.server.store.counters import Counters
 from expbuf.server.store.environment import Environment
+from expbuf.server.store.errors import Conflict, Damaged
 from expbuf.server.store.records import ItemRecord
 from expbuf.server.store.states import CONSUMED, RETIRED
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 

@@ -12,7 +12,8 @@ from types import ModuleType
 
 from expbuf import client
 from expbuf.proto.v1 import buffer_pb2
-from expbuf.server import cli, config, tables
+from expbuf.server import cli, config
+from expbuf.server.store import table_config
 
 from pages import DOCS, ROOT, page
 
@@ -64,8 +65,8 @@ def test_cli_page_holds_every_command_and_option() -> None:
 
 
 def test_settings_page_has_a_row_for_every_setting_with_its_variables_and_flags() -> None:
-    page = hooks.settings_page(config.ServerConfig, tables.TableConfig, hooks.setting_sources())
-    for cls in (config.ServerConfig, config.TlsConfig, tables.TableConfig, tables.Shaping):
+    page = hooks.settings_page(config.ServerConfig, table_config.TableConfig, hooks.setting_sources())
+    for cls in (config.ServerConfig, config.TlsConfig, table_config.TableConfig, table_config.Shaping):
         assert re.search(rf"^## `{cls.__name__}`$", page, re.M)
         section = page.split(f"## `{cls.__name__}`")[1].split("\n## ")[0]
         for field in dataclasses.fields(cls):

@@ -12,10 +12,11 @@ import torch
 from expbuf.client import decode, trxp
 from expbuf.server import estimators
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.errors import InvalidRequest
-from expbuf.server.estimator_registry import ESTIMATORS, Estimator, Param, register
+from expbuf.server.batch_stage import finish_batch
 from expbuf.server.store import Store
-from expbuf.server.tables import ConfigError, TableConfig, batch_stage, group_step_first
+from expbuf.server.store.errors import InvalidRequest
+from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator, Param, register
+from expbuf.server.store.table_config import ConfigError, TableConfig, batch_stage, group_step_first
 
 from helpers import group_items, make_experience, registered, take
 
@@ -45,7 +46,7 @@ def test_a_registered_estimator_runs_end_to_end_through_a_store(tmp_path: Path) 
     """One registration: the table takes its name and parameter, the worker runs its ingest
     stage, a sample runs its batch stage over the sampled batch."""
     rewards = {0: [1.0, 2.0, 6.0], 1: [0.0, 4.0, 5.0]}
-    with registered(SCALED) as name, Store(tmp_path) as store:
+    with registered(SCALED) as name, Store(tmp_path, batch_stage=finish_batch) as store:
         config = TableConfig("t", group_size=3, estimator=name, estimator_params={"scale": 0.5})
         assert batch_stage(config) and group_step_first(config)
         store.create_table(config)

@@ -14,11 +14,12 @@ import torch
 
 from expbuf.client import EID, BufferClient, Experience, trxp
 from expbuf.server import estimators as est
-from expbuf.server.advantage_storage import encode_results, expand, finish_batch
-from expbuf.server.advantages import build_batch
-from expbuf.server.estimator_registry import ESTIMATORS
+from expbuf.server.advantages import build_batch, encode_results
+from expbuf.server.batch_stage import finish_batch
 from expbuf.server.store import ItemRecord
-from expbuf.server.tables import ConfigError, TableConfig, estimator_args
+from expbuf.server.store.estimator_registry import ESTIMATORS
+from expbuf.server.store.stored_advantages import expand
+from expbuf.server.store.table_config import ConfigError, TableConfig, estimator_args
 
 from conftest import Servers, payload
 

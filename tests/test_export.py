@@ -16,7 +16,7 @@ from test_quarantine import damage
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.store import Store
 from expbuf.server.store.browse import SCAN_PER_ITEM
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, TableExtension
 from expbuf.server.store.records import GroupRecord
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
+from expbuf.server.store.table_config import TableConfig
 from expbuf.server.store.table_state import TableState
-from expbuf.server.tables import TableConfig
 
 from helpers import group_items
 

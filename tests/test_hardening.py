@@ -19,9 +19,9 @@ from expbuf.client.wire import WireError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.errors import StorageFull, TableFull, TooLarge
 from expbuf.server.store import Store
-from expbuf.server.tables import MAX_SECONDS, ConfigError, TableConfig
+from expbuf.server.store.errors import StorageFull, TableFull, TooLarge
+from expbuf.server.store.table_config import MAX_SECONDS, ConfigError, TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience, take

@@ -16,14 +16,13 @@ import lmdb
 import pytest
 
 from expbuf.client import EID, Experience, trxp
-from expbuf.server import selection
-from expbuf.server.errors import InvalidRequest
-from expbuf.server.ready_indexes import PriorityIndex
-from expbuf.server.sample_spec import SampleSpec
-from expbuf.server.selection import IndexBuilding
-from expbuf.server.store import Store, layout
+from expbuf.server.store import Store, layout, selection
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.kinds import Entry
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.ready_indexes import PriorityIndex
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.selection import IndexBuilding
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,
@@ -25,7 +24,8 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import make_experience
 

@@ -16,10 +16,9 @@ import lmdb
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.errors import Damaged
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
+from expbuf.server.store.errors import Damaged
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
     DatasetRecord,
@@ -34,7 +33,8 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import make_experience
 

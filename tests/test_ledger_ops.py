@@ -19,7 +19,7 @@ from expbuf.server.app import ExpbufServer
 from expbuf.server.metrics import StoreCollector
 from expbuf.server.store import Store
 from expbuf.server.store.ledger_records import DatasetRecord
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import Servers
 from helpers import make_experience, scrape

@@ -13,11 +13,11 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.routing import ShardMap
-from expbuf.server.errors import Cancelled, ConfigError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Cancelled, ConfigError
 from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import make_experience
 

@@ -19,11 +19,11 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, calls, t
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.config import load
-from expbuf.server.errors import InvalidRequest, NotFound
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
+from expbuf.server.store.errors import InvalidRequest, NotFound
 from expbuf.server.store.limiter import InsertLimited, SampleLimited
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from conftest import FIXTURES, Servers
 from helpers import group_items, scrape

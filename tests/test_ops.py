@@ -40,7 +40,7 @@ from expbuf.server.cli import build_parser
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.limits import CallLimits, call_limits
 from expbuf.server.stats_view import COLUMNS, render
-from expbuf.server.tables import ConfigError
+from expbuf.server.store.table_config import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape

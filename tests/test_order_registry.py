@@ -16,12 +16,12 @@ from expbuf.client.errors import InvalidArgumentError
 from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.errors import InvalidRequest
-from expbuf.server.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
-from expbuf.server.sample_spec import SpecError
-from expbuf.server.selection import ORDERS, Order, ReadyIndex, register, unregister
 from expbuf.server.store import Store, integrity
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import InvalidRequest
+from expbuf.server.store.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
+from expbuf.server.store.sample_spec import SpecError
+from expbuf.server.store.selection import ORDERS, Order, ReadyIndex, register, unregister
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience, take
 

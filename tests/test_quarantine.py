@@ -14,9 +14,9 @@ import pytest
 
 from expbuf.client import decode
 from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, layout
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Entry, Store, layout
 from expbuf.server.store.limiter import INSERTED, SAMPLED, InsertLimited
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, residency
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 

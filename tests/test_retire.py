@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, FailedPreconditionError, PermissionDeniedError, trxp
-from expbuf.server.errors import Forbidden, GroupIncomplete
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
+from expbuf.server.store.errors import Forbidden, GroupIncomplete
 from expbuf.server.store.ledger_records import DatasetRecord, group_key
 from expbuf.server.store.limiter import INSERTED, SAMPLED
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience

@@ -10,7 +10,7 @@ import pytest
 from test_store import Clock
 
 from expbuf.server.store import Store
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from helpers import group_items, take
 

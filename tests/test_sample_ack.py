@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.errors import Forbidden, NotFound, SpecError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import Forbidden, NotFound, SpecError
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 

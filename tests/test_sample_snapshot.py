@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.errors import StoreError
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store
 from expbuf.server.store.environment import MAX_SNAPSHOTS
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import StoreError
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 

@@ -16,9 +16,9 @@ import pytest
 from test_quarantine import damage, uids
 
 from expbuf.client import BufferClient
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, scrub
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import ServerProcess, group_items, scrape
 

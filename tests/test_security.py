@@ -18,7 +18,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
-from expbuf.server.tables import ConfigError
+from expbuf.server.store.table_config import ConfigError
 
 from conftest import Servers, payload
 from helpers import ServerProcess
@@ -90,6 +90,10 @@ def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) 
                 call()
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
             assert "Socket closed" in info.value.details and TLS_HINT in info.value.details, info.value.details
+
+    with BufferClient(target, timeout=2) as plain, pytest.raises(BufferError) as info:  # retried: the same words
+        plain.push(payload("single_turn.trxp"))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and TLS_HINT in info.value.details, info.value.details
 
     async def plain_async() -> str:
         async with AsyncBufferClient(target, timeout=2, retries=0) as plain:

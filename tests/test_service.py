@@ -336,7 +336,7 @@ def test_kill_9_during_pushes_loses_no_acknowledged_uid(tmp_path: Path) -> None:
         proc.stop(signal.SIGTERM)
 
 
-def test_push_retries_while_the_server_is_unavailable(start_server: Servers) -> None:
+def test_a_push_with_wait_for_ready_waits_for_a_server_that_starts_late(start_server: Servers) -> None:
     import socket
 
     with socket.socket() as probe:
@@ -345,7 +345,7 @@ def test_push_retries_while_the_server_is_unavailable(start_server: Servers) -> 
     later = threading.Timer(0.5, lambda: start_server(port=port))
     later.start()
     try:
-        with BufferClient(f"127.0.0.1:{port}", timeout=20, retries=10) as c:
+        with BufferClient(f"127.0.0.1:{port}", timeout=20, wait_for_ready=True) as c:
             assert len(c.push(payload("grpo_group.trxp")).stored) == 8
         with BufferClient(f"127.0.0.1:{port}", retries=0) as c:
             assert c.stats()["default"].pushed == 8

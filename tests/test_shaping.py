@@ -18,7 +18,7 @@ from expbuf.server.shaping import (
     penalise_overlong,
     shape,
 )
-from expbuf.server.tables import ConfigError
+from expbuf.server.store.table_config import ConfigError
 
 
 def ref_overlong(reward: float, length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:

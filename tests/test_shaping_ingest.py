@@ -19,9 +19,9 @@ from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.experience import Experience
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.config import load as load_config
-from expbuf.server.estimator_registry import Estimator
 from expbuf.server.store import Store
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.estimator_registry import Estimator
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from conftest import Servers
 from helpers import make_experience, registered, take

@@ -17,7 +17,7 @@ from lightrft_reference import Config, ExperienceMaker
 
 from expbuf.client import BufferClient, BufferError, wire
 from expbuf.client.experience import Experience
-from expbuf.server.tables import ConfigError, TableConfig
+from expbuf.server.store.table_config import ConfigError, TableConfig
 
 from helpers import make_experience
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.errors import InvalidRequest
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, TableExtension
 from expbuf.server.store.compute_queue import ComputeQueue
+from expbuf.server.store.errors import InvalidRequest
 from expbuf.server.store.extensions import Extensions
 from expbuf.server.store.ledger import Ledger
 from expbuf.server.store.records import GroupRecord
+from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.staleness import StaleEviction
+from expbuf.server.store.table_config import TableConfig
 from expbuf.server.store.table_state import Groups, TableState
-from expbuf.server.tables import TableConfig
 
 from helpers import group_items
 

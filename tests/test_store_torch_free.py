@@ -1,5 +1,6 @@
 """The storage engine imports no torch: opening a store, pushing and sampling from a table
-with a batch stage leave torch unloaded; the stage runs where the reply is built."""
+with a batch stage leave torch unloaded; the stage, which the store is given, runs where the
+reply is built."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from expbuf.client import trxp
 from expbuf.server.advantages import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import StoreError
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, make_experience
 
@@ -21,11 +26,12 @@ CHILD = textwrap.dedent(
     from pathlib import Path
 
     from expbuf.client import trxp
-    from expbuf.server.sample_spec import SampleSpec
+    from expbuf.server.batch_stage import finish_batch
+    from expbuf.server.store.sample_spec import SampleSpec
     from expbuf.server.store import Store
 
     data = Path(sys.argv[1])
-    with Store(data) as store:
+    with Store(data, batch_stage=finish_batch) as store:
         result = store.put("w", trxp.parse((data / "more.trxp").read_bytes()))
         assert len(result.stored) == 4, result
         batch = store.sample(SampleSpec("w", num_groups=2, wait_seconds=0))
@@ -55,6 +61,21 @@ def test_open_push_and_sample_from_a_batch_stage_table_import_no_torch(tmp_path:
         [sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
     )
     assert child.returncode == 0 and child.stdout.strip() == "torch-free", child.stderr
+
+
+def test_a_store_given_no_batch_stage_takes_no_batch_of_a_table_that_needs_one(tmp_path: Path) -> None:
+    """Its stored values are pending ones, not advantages: a sample is refused and takes
+    nothing, and so is a Get."""
+    refused = r"table 'w' finishes its advantages over each sampled batch, .* \(Store\(batch_stage=\.\.\.\)\)"
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig("w", group_size=2, estimator="reinforce++_baseline"))
+        store.put("w", group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=2.0))
+        assert AdvantageWorker(store).run_once() == 2
+        with pytest.raises(StoreError, match=refused):
+            store.sample(SampleSpec("w", num_groups=1))
+        assert store.stats("w")["ready"] == 4
+        with pytest.raises(StoreError, match=refused):
+            store.get_payload("w", ["1/0/0/0/r0s0"])
 
 
 LOADED = "import sys, expbuf.server.store\n{then}print(sorted(set(sys.argv[1:]) & set(sys.modules)))"

@@ -9,12 +9,12 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.server.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
-from expbuf.server.selection import ReadyIndex
 from expbuf.server.store import Store
+from expbuf.server.store.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
 from expbuf.server.store.records import ItemRecord
+from expbuf.server.store.selection import ReadyIndex
 from expbuf.server.store.states import CONSUMED, LEASED
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 

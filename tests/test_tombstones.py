@@ -14,9 +14,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.server.errors import Conflict
 from expbuf.server.store import RETIRED, ItemRecord, Store, layout
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import Conflict
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items, take

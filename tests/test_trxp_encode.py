@@ -3,6 +3,7 @@ and the caller's own mistakes refused with errors that name the field."""
 
 from __future__ import annotations
 
+import math
 import struct
 from types import SimpleNamespace
 
@@ -196,8 +197,8 @@ def deep(levels: int) -> list:
         ({"reward": [1.0]}, r"field 'reward' must be a number, got list"),
         ({"multi_modal_inputs": {1: torch.zeros(2)}}, r"field 'multi_modal_inputs' has a key of type int"),
         ({"custom_fields": [{"source_field": "a"}]}, r"an entry lacks destination_field, data_type"),
-        ({"eid": EID(run=-1)}, r"^item 0: field 'eid.run' is -1, outside \[0, 2\*\*63 - 1\]"),
-        ({"eid": EID(suffix="a/b")}, r"^item 0: field 'eid.suffix' contains '/'"),
+        ({"eid": EID(run=-1)}, r"^item 1: field 'eid.run' is -1, outside \[0, 2\*\*63 - 1\]"),
+        ({"eid": EID(suffix="a/b")}, r"^item 1: field 'eid.suffix' contains '/'"),
         ({"eid": {"batch": 0, "task": 0, "run": 0, "step": 0, "suffix": "a", "x": 1}}, r"field 'eid' has unknown"),
         ({"logprobs": torch.zeros(5)}, r"field 'logprobs' has length 5, but the response has 3 tokens"),
         ({"action_mask": torch.ones(3, 1)}, r"field 'action_mask' must be 1-D"),
@@ -219,3 +220,109 @@ def test_caller_containers_are_kept_as_given() -> None:
     (back,) = trxp.decode(encode([exp]))
     assert (back.info, back.metrics, back.messages, back.tools) == (info, {}, [], [{"name": "calc"}])
     assert back.chosen_messages == deep(30)
+
+
+FIELD_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+MM_DTYPES = [*TENSOR_DTYPES, torch.int32, torch.int8, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.int32, torch.int64]),  # tokens
+            st.integers(1, 3),  # prompt length
+            st.integers(1, 3),  # response length
+            st.sets(st.sampled_from(["logprobs", "advantages", "returns", "teacher_logprobs"])),
+            st.booleans(),  # routed experts: 2-D
+            st.sampled_from(FIELD_DTYPES),
+            st.none() | st.sampled_from([torch.bool, torch.int8, torch.int32]),  # action mask
+            st.dictionaries(
+                st.sampled_from(["pixel_values", "tokens", "0:tokens", *AWKWARD_NAMES]),
+                st.tuples(st.sampled_from(MM_DTYPES), st.lists(st.integers(0, 3), max_size=3)),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=14,
+    )
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_batch_of_mixed_tensors_is_what_trinity_writes_and_reads(specs: list) -> None:
+    """Every tensor field, dtype, shape and length mixed in one batch (items 10 and up sort before
+    item 2): the bytes Trinity-RFT writes, and the same tensors back through its decoder and
+    expbuf's own."""
+    pytest.importorskip("trinity")
+    from trinity.common.experience import EID as TrinityEID
+    from trinity.common.experience import Experience as TrinityExperience
+
+    exps = []
+    for i, (token_dtype, prompt, response, fields, routed, dtype, mask, mm) in enumerate(specs):
+        values = {name: torch.arange(response, dtype=torch.float64).to(dtype) + i for name in sorted(fields)}
+        if routed:
+            values["routed_experts"] = torch.arange(2 * (prompt + response - 1), dtype=torch.int32).reshape(-1, 2)
+        if mask is not None:
+            values["action_mask"] = torch.ones(response, dtype=mask)
+        exps.append(
+            TrinityExperience(
+                eid=TrinityEID(batch=0, task=i, run=0, step=0, suffix="s"),
+                tokens=torch.arange(prompt + response, dtype=token_dtype),
+                prompt_length=prompt,
+                multi_modal_inputs={
+                    key: torch.arange(math.prod(shape)).reshape(shape).to(mm_dtype)
+                    for key, (mm_dtype, shape) in mm.items()
+                }
+                or None,
+                **values,
+            )
+        )
+    data = encode(exps)
+    assert data == TrinityExperience.serialize_many(exps)
+    for back in (TrinityExperience.deserialize_many(data), trxp.decode(data)):
+        for want, got in zip(exps, back, strict=True):
+            for name in (
+                "tokens",
+                "logprobs",
+                "advantages",
+                "returns",
+                "teacher_logprobs",
+                "action_mask",
+                "routed_experts",
+            ):
+                assert (getattr(got, name) is None) == (getattr(want, name) is None), name
+                if getattr(want, name) is not None:
+                    assert getattr(got, name).dtype == getattr(want, name).dtype
+                    assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert list(got.multi_modal_inputs or {}) == list(want.multi_modal_inputs or {})
+            for key, tensor in (want.multi_modal_inputs or {}).items():
+                assert got.multi_modal_inputs[key].dtype == tensor.dtype
+                assert got.multi_modal_inputs[key].shape == tensor.shape
+                assert torch.equal(
+                    got.multi_modal_inputs[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+                ), key
+
+
+def test_a_refusal_names_the_experience_by_its_place() -> None:
+    exps = [experience(eid=EID(batch=1, task=0, run=i, suffix="x")) for i in range(5)]
+    exps[3].logprobs = torch.zeros(2)
+    with pytest.raises(TrxpError, match=r"^item 3 \(uid 1/0/3/0/x\): field 'logprobs' has length 2"):
+        encode(exps)
+    exps[3] = experience(info={"model_version": -1})
+    with pytest.raises(TrxpError, match=r"^item 3 \(uid 1/0/0/0/x\): field 'info.model_version' is -1"):
+        encode(exps)
+
+
+def test_each_experience_is_measured_as_it_is_when_read() -> None:
+    """A container shared by the experiences of a batch, changed between two of them as they
+    are read: the later one is measured as it is then, not by what the container was."""
+    info: dict = {"trace": []}
+
+    def experiences():
+        yield experience(info=info)
+        info["trace"] = deep(40)
+        yield experience(info=info)
+
+    with pytest.raises(TrxpError, match=r"^item 1 \(uid .*\): field 'info': nested deeper than 32 levels"):
+        encode(experiences())
+    shared = {"trace": deep(20)}
+    (first, second) = trxp.decode(encode([experience(info=shared), experience(info=shared)]))
+    assert first.info == second.info == shared

@@ -32,8 +32,6 @@ from expbuf.client.results import Batch, TableInfo
 
 from . import convert
 
-# Calls are retried while the server is unavailable (a restart) until their deadline, `timeout`.
-RETRIES = 1_000
 ROUNDS_KEPT = 1 << 16  # group names whose open round a writer remembers (the least recent forgotten)
 STATE_FILE = "expbuf.json"
 
@@ -103,7 +101,9 @@ class ExpbufStorage(LazyStackStorage):
     """TorchRL storage over the expbuf table `table` at `target` (HOST:PORT).
 
     `group_key` names the entry that names an element's group (MCAdvantage's `prompt_key`);
-    `connection` goes to `BufferClient` (token, tls, timeout, retries, max_message_bytes).
+    `connection` goes to `BufferClient` (token, tls, timeout, retries, wait_for_ready,
+    max_message_bytes); its calls wait for a server that restarts until their deadline,
+    `timeout`, unless `wait_for_ready=False`.
     The table must group by task. Use it with `ExpbufSampler`::
 
         rb = ReplayBuffer(storage=ExpbufStorage("10.0.0.5:50051", "grpo8"), sampler=ExpbufSampler())
@@ -118,7 +118,7 @@ class ExpbufStorage(LazyStackStorage):
         self.target = target
         self.table = table
         self.group_key = group_key
-        self._connection = {"retries": RETRIES, **connection}
+        self._connection = {"wait_for_ready": True, **connection}
         self._client: BufferClient | None = None
         self._info: TableInfo | None = None
         self._rounds: _Rounds | None = None

@@ -5,66 +5,98 @@ generated tokens. Its `advantages` and `returns` tensors are that value times th
 mask, as float32 (`scaled`). The server either splices them into a sampled batch, or, for a
 client that asks for compact advantages, sends the values beside a payload without them
 (4 bytes per token each, about 32 KB per experience of 4,000 tokens): the client then adds
-them with `attach`, through the same `scaled`, so that the tensors are bit-identical.
+them with `attach`, through the same `scaled`, so that the tensors are bit-identical. Both
+work on the bytes, without torch: the storage engine splices with them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from .build import ENTRY, frame
-from .common import HEADER, HEADER_SIZE, RawTensor, TrxpError
-
-if TYPE_CHECKING:
-    import torch
+from .common import HEADER, HEADER_SIZE, ITEMSIZE, NUMBER_FORMAT, RawTensor, TrxpError
 
 _F32 = struct.Struct("<f")
 _HEADER_LEN = struct.Struct("<Q")
 ADDED = ("advantages", "returns")  # the tensors a value becomes, both value * action_mask
-
-
-def flat_tensor(raw: RawTensor | None, length: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of a stored tensor (an action mask, say), or `fill` where it is absent."""
-    import torch
-
-    from .convert import tensor_of
-
-    if raw is None:
-        return torch.full((length,), fill, dtype=dtype)
-    return tensor_of(raw).reshape(-1).to(dtype)
+# The struct format of each action mask dtype (bool or integer: checks.py), as its elements are read.
+_MASK_FORMAT = {"BOOL": "?", "U8": "B", "I8": "b"} | {
+    code: NUMBER_FORMAT[code] for code in ("I16", "U16", "I32", "U32", "I64", "U64")
+}
 
 
 def scaled(value: float, length: int, mask: RawTensor | None) -> RawTensor:
     """float32 `value` for each generated token: value * action_mask, or `length` copies of
-    the value where the experience has no mask. A BOOL mask is scaled on its bytes (no torch)."""
-    data = _F32.pack(value) * length if mask is None else None
-    if mask is not None and mask.dtype == "BOOL":
-        data = _scaled_mask(bytes(mask.data), value)
-    if data is not None and len(data) == 4 * length:
-        return RawTensor("F32", (length,), data)
-    import torch
-
-    from .convert import raw_of
-
-    return raw_of(flat_tensor(mask, length, 1, torch.float32) * value)
+    the value where the experience has no mask. The mask's elements and the value are taken
+    as float32 and multiplied in float32, as torch does (`mask.float() * value`)."""
+    if mask is None:
+        return RawTensor("F32", (length,), _F32.pack(value) * length)
+    data = _scaled_mask(bytes(mask.data), _F32.pack(value), bytes(4)) if mask.dtype == "BOOL" else None
+    if data is None:
+        data = _scaled_numbers(mask, value)
+    return RawTensor("F32", (len(data) // 4,), data)
 
 
-def _scaled_mask(mask: bytes, value: float) -> bytes | None:
-    """A BOOL mask's bytes 0/1 as float32 0 / value; None if it holds other bytes. A mask
-    without zeros is one repeat of the value's 4 bytes; any other is written as the k-th
-    byte of every float at once, k = 0..3 (a translate and a strided copy each)."""
+def _scaled_mask(mask: bytes, one: bytes, zero: bytes) -> bytes | None:
+    """A mask's bytes 0/1 as float32 `zero` / `one`; None if it holds other bytes. A mask
+    without zeros is one repeat of `one`; any other is written as the k-th byte of every
+    float at once, k = 0..3 (a translate and a strided copy each)."""
     if mask.translate(None, b"\x00\x01"):
         return None
-    one = _F32.pack(value)
     if not mask.count(0):
         return one * len(mask)
     out = bytearray(4 * len(mask))
     for k in range(4):
-        out[k::4] = mask.translate(bytes.maketrans(b"\x01", one[k : k + 1]))
+        out[k::4] = mask.translate(bytes.maketrans(b"\x00\x01", zero[k : k + 1] + one[k : k + 1]))
     return bytes(out)
+
+
+def _scaled_numbers(mask: RawTensor, value: float) -> bytes:
+    """value * mask for a mask of integers (or a bool mask whose bytes are not all 0 or 1):
+    a mask of 0 and 1 through `_scaled_mask`, with 0 * value's signed zero; any other
+    element by element, each product rounded once to float32."""
+    one = _F32.pack(value)
+    factor = _F32.unpack(one)[0]
+    flags = _zeros_and_ones(mask)
+    numbers: tuple[int, ...] = ()
+    if flags is None:
+        numbers = struct.unpack(f"<{mask.numel}{_MASK_FORMAT[mask.dtype]}", mask.data)
+        if not set(numbers) - {0, 1}:  # a bool mask's other bytes are true
+            flags = bytes(numbers)
+    if flags is not None:
+        data = _scaled_mask(flags, one, _F32.pack(0.0 * factor))
+        assert data is not None
+        return data
+    elements = array("f", map(_float32_exact, numbers))  # each element rounded once to float32
+    products = array("f", [element * factor for element in elements])  # exact in float64, rounded once
+    if sys.byteorder == "big":
+        products.byteswap()
+    return products.tobytes()
+
+
+def _zeros_and_ones(mask: RawTensor) -> bytes | None:
+    """An integer mask's elements as one byte each where every one is 0 or 1, read from the
+    bytes (little-endian: each element's first byte is 0 or 1, its others 0); None otherwise."""
+    data = bytes(mask.data)
+    if data.translate(None, b"\x00\x01"):
+        return None
+    first = data[:: ITEMSIZE[mask.dtype]]
+    return first if first.count(1) == data.count(1) else None  # every 1 an element's first byte
+
+
+def _float32_exact(number: int) -> float:
+    """A float that rounds to float32 as the integer does: the integer itself up to 2**53; a
+    larger one cut to 26 bits and a sticky bit, so that float64 does not round it first."""
+    if abs(number) <= 1 << 53:
+        return float(number)
+    shift = abs(number).bit_length() - 26
+    kept = abs(number) >> shift | (abs(number) & ((1 << shift) - 1) != 0)
+    return math.copysign(math.ldexp(kept, shift), number)
 
 
 def attach(payload: bytes, values: Sequence[float], lengths: Sequence[int]) -> bytes:

@@ -43,10 +43,10 @@ def build(items: Sequence[RawItem]) -> bytes:
         {"version": VERSION, "num_items": len(items), "items": [item.meta for item in items]},
         protocol=5,
     )
-    by_dtype: dict[str, list[tuple[str, RawTensor]]] = {}
+    by_dtype: dict[str, list[tuple[str, str, RawTensor]]] = {}
     for index, item in enumerate(items):
         for name, tensor in item.tensors.items():
-            entry = (f"{index}:{name}", tensor)
+            entry = (f"{index}:{name}", name, tensor)
             try:
                 by_dtype[tensor.dtype].append(entry)
             except KeyError:
@@ -58,9 +58,9 @@ def build(items: Sequence[RawItem]) -> bytes:
     for code in sorted(by_dtype, key=DTYPE_RANK.__getitem__, reverse=True):
         bucket = by_dtype[code]
         bucket.sort(key=_KEY)
-        for key, tensor in bucket:
+        for key, name, tensor in bucket:
             end = offset + len(tensor.data)
-            fields.append(_header_entry(_json_key(key), tensor, offset, end))
+            fields.append(_header_entry(f'"{key}"' if name in _PLAIN_NAMES else _json_key(key), tensor, offset, end))
             data.append(tensor.data)
             offset = end
     return b"".join(frame([meta], f"{{{','.join(fields)}}}".encode(), data))
@@ -211,6 +211,8 @@ def _json_key(key: str) -> str:
 
 
 _FIELD_KEYS = {name: _json_key(f"0:{name}") for name in TENSOR_FIELDS}
+# Tensor names JSON writes as they are: the key of one is written without a look at its text.
+_PLAIN_NAMES = frozenset(TENSOR_FIELDS)
 
 
 def join(

@@ -1,9 +1,15 @@
 """Durable storage of experiences in LMDB, in layers that import only downward:
 
+- what every layer reads: errors.py (every refusal, its gRPC status named, not imported),
+  ready_indexes.py (the ready-group indexes, one `Index` class each), selection.py (the orders,
+  one registered `Order` class each, and a table's `ReadyIndex`), estimator_registry.py (the
+  estimators a table can name), table_config.py (`TableConfig` and its checks), sample_spec.py
+  (`SampleSpec`, a sample request checked once), states.py (the group state machine);
 - the environment and the formats: environment.py (the LMDB environment, its single writer
   thread and group commit), layout.py (the named databases and the keys in them), records.py
   (ItemRecord, GroupRecord, Lease and their binary encoding), kinds.py (what goes in and comes
-  out: Entry, Push, PutResult, Sampled, ComputeJob), snapshot.py, batch_rows.py;
+  out: Entry, Push, PutResult, Sampled, ComputeJob), stored_advantages.py (advantages' stored
+  forms, spliced into a batch), snapshot.py, batch_rows.py;
 - the table state: table_state.py (one table in one transaction: its record cache, counters,
   ready index and `save`), counters.py (the counters and their stored form), extensions.py
   (the table extension hooks, after Reverb's TableExtension);
@@ -18,6 +24,13 @@
   grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated),
   scrub.py (every payload checked in the background, residency.py keeping RSS small);
 - engine.py: `Store`, the façade the server uses (through backend.Backend).
+
+The store is the bottom layer of the server, fenced: no chain of imports from it reaches grpc or
+torch (the import contracts in pyproject.toml; tests/test_fence.py). It reads payloads with the
+codec's torch-free submodules (expbuf.client.trxp.parse, .build, .common, .checks, .advantages),
+never the expbuf.client.trxp package. What computes with torch is given to it by the server: the
+batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where the reply is
+built) and the advantages a push computes (`Store.in_push`).
 """
 
 from .counters import SHAPING_COUNTERS

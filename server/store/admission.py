@@ -22,10 +22,10 @@ from typing import TypedDict
 
 import lmdb
 
-from ..errors import InvalidRequest, NotFound, StaleExperience, clip
-from ..sample_spec import MAX_COUNT
 from . import layout
+from .errors import InvalidRequest, NotFound, StaleExperience, clip
 from .kinds import Entry
+from .sample_spec import MAX_COUNT
 from .table_state import TableState
 
 # A grant older than a day is a lost worker, not a long rollout.

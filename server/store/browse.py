@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..ready_indexes import u64
+from .ready_indexes import u64
 from .records import GroupRecord, ItemRecord
 from .states import READY
 from .table_state import member_state, stored

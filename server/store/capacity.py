@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..errors import TableFull, TooLarge
+from .errors import TableFull, TooLarge
 from .retirement import retire
 from .states import EVICTED, READY
 from .table_state import TableState

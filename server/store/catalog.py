@@ -9,14 +9,13 @@ from collections.abc import Callable
 
 import lmdb
 
-from .. import selection
-from ..errors import Conflict, NotFound, clip
-from ..tables import CONFIG_VERSION, TableConfig, differences
-from . import layout
+from . import layout, selection
 from .counters import read_counters
 from .environment import Environment
+from .errors import Conflict, NotFound, clip
 from .extensions import Extensions
 from .records import Lease
+from .table_config import CONFIG_VERSION, TableConfig, differences
 from .table_state import TableState
 
 

@@ -14,10 +14,9 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import InvalidRequest
-from ..sample_spec import MAX_LEASE_SECONDS, check_seconds
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import InvalidRequest
 from .ledger import Claimed, Ledger, check, no_dataset
 from .ledger_records import (
     PROMPT_STATES,
@@ -29,6 +28,7 @@ from .ledger_records import (
     read_prompts,
 )
 from .ledger_shards import count_owned
+from .sample_spec import MAX_LEASE_SECONDS, check_seconds
 from .table_state import TableState
 
 T = TypeVar("T")

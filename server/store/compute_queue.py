@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import lmdb
 
-from ..tables import TableConfig, estimator_of
 from . import layout
 from .counters import read_counters
 from .extensions import TableExtension
@@ -17,6 +16,7 @@ from .kinds import ComputeJob
 from .read_check import payload_problem
 from .records import GroupRecord, ItemRecord
 from .states import COMPUTING
+from .table_config import TableConfig, estimator_of
 from .table_state import Groups, TableState, stored
 
 

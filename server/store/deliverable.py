@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..errors import TooLarge, clip
+from .errors import TooLarge, clip
 from .kinds import Entry
 from .table_state import TableState
 

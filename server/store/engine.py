@@ -23,11 +23,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from expbuf.client import trxp
+from expbuf.client.trxp.common import RawItem
 
-from ..errors import NotFound
-from ..sample_spec import SampleSpec, check_version
-from ..tables import TableConfig, default_table
 from . import (
     admission,
     browse,
@@ -45,6 +42,7 @@ from .claims import Claims, PromptPage
 from .compute_queue import ComputeQueue, backlog
 from .counters import read_counters
 from .environment import Environment
+from .errors import NotFound
 from .extensions import Extensions
 from .index_builds import submit_building
 from .integrity import verify
@@ -56,9 +54,12 @@ from .pushing import Pushing
 from .quarantine import quarantine_found
 from .reads import Reads
 from .records import ItemRecord
+from .sample_spec import SampleSpec, check_version
 from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
 from .staleness import StaleEviction
+from .stored_advantages import FinishBatch
+from .table_config import TableConfig, default_table
 from .table_state import TableState, stored
 from .upkeep import Upkeep
 
@@ -83,7 +84,12 @@ class Store:
         check_at_open: str = "quick",
         scrub_mb_per_second: float = 0.0,
         scrub_interval_seconds: float = 86400.0,
+        batch_stage: FinishBatch | None = None,
     ) -> None:
+        """`batch_stage` finishes the advantages of a table with a batch stage over each batch
+        taken, where the reply is built (server/batch_stage.finish_batch, which the server
+        gives): the storage engine computes with no torch. A store without one refuses to
+        take a batch of such a table."""
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )
@@ -104,11 +110,11 @@ class Store:
         self.ledger = Ledger()
         self.extensions = Extensions([ComputeQueue(), StaleEviction(), self.ledger])
         self.catalog = TableCatalog(self.environment, self.extensions, clock)
-        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed))
+        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self.pushing = Pushing(self.environment, self.catalog, self._state_in, max_reply_bytes)
-        self.reads = Reads(self.environment, self.catalog, self.quarantine)
+        self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
@@ -192,7 +198,7 @@ class Store:
 
     # ---- push --------------------------------------------------------------------------
 
-    def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult:
+    def put(self, table: str, items: Sequence[RawItem], *, timeout: float | None = None) -> PutResult:
         """Store validated items durably. A full table in block mode waits until timeout."""
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 

@@ -33,8 +33,8 @@ from typing import Any, Literal, TypeVar, overload
 
 import lmdb
 
-from ..errors import Damaged, StorageFull, StoreClosed, StoreError
 from . import layout
+from .errors import Damaged, StorageFull, StoreClosed, StoreError
 from .snapshot import Snapshot
 
 T = TypeVar("T")

@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from ..errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
-from ..ready_indexes import put_rows, u64
-from ..tables import estimator_of
 from . import digests, layout, limiter
 from .capacity import make_room
+from .errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
 from .kinds import Entry, PutResult, ShapingUpdate
 from .pushed_advantages import (
     Completed,
@@ -28,9 +26,11 @@ from .pushed_advantages import (
     store_advantages,
     zero_variance,
 )
+from .ready_indexes import put_rows, u64
 from .records import GroupRecord
 from .retirement import retire
 from .states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
+from .table_config import estimator_of
 from .table_state import TableState
 
 

@@ -11,10 +11,10 @@ from typing import TypeVar
 
 import lmdb
 
-from ..selection import IndexBuilding
 from . import layout, residency
 from .catalog import TableCatalog
 from .environment import Environment
+from .selection import IndexBuilding
 
 T = TypeVar("T")
 RELEASE_CHUNKS = 64  # some 130,000 ready groups' records between two releases of the map's pages

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import lmdb
 
-from ..errors import Damaged
-from ..ready_indexes import u64
-from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
+from .errors import Damaged
 from .extensions import Extensions
 from .ledger_check import verify_ledger
 from .read_check import payload_problem
+from .ready_indexes import u64
 from .records import GroupRecord, ItemRecord, Lease
 from .states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from .table_config import TableConfig
 from .table_state import TableState, member_state
 
 # A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything

@@ -7,14 +7,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from expbuf.client import trxp
+from expbuf.client.trxp.build import pack_item
+from expbuf.client.trxp.common import RawItem
 
-from ..advantage_storage import Advantage, BatchStage, batch_parts
-from ..tables import TableConfig
 from . import digests
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .states import PENDING
+from .stored_advantages import Advantage, Stage, batch_parts
+from .table_config import TableConfig
 
 T = TypeVar("T")
 
@@ -43,9 +44,9 @@ class Entry:
     generated: int  # response tokens under the action mask
 
     @classmethod
-    def of(cls, item: trxp.RawItem) -> Entry:
+    def of(cls, item: RawItem) -> Entry:
         eid = item.eid
-        blob = trxp.pack_item(item)
+        blob = pack_item(item)
         priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,
@@ -128,7 +129,7 @@ class Sampled:
     partial: bool = False
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
-    stage: BatchStage | None = field(default=None, repr=False, compare=False)
+    stage: Stage | None = field(default=None, repr=False, compare=False)
 
     @property
     def payload(self) -> bytes:
@@ -138,10 +139,10 @@ class Sampled:
         """Run the batch stage on the stored advantages, once."""
         if self.stage is not None:
             stage, self.stage = self.stage, None
-            self.advantages = stage.run(self.advantages)
+            self.advantages = stage(self.advantages)
 
     def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
-        """`build` of the payload as the runs of bytes it is made of (trxp.join_parts),
+        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
         which are valid only during the call: each byte is copied once, by `build`. The
         batch stage runs first, if it has not."""
         self.finish()

@@ -31,8 +31,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
-from .. import selection
-from ..ready_indexes import u64
+from . import selection
+from .ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index

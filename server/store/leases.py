@@ -21,11 +21,9 @@ from collections.abc import Callable, Generator, Iterator
 
 import lmdb
 
-from ..advantage_storage import StageCounts
-from ..errors import SampleLimited
-from ..sample_spec import SampleSpec
 from . import layout, limiter, reuse
 from .batch_rows import BatchRows
+from .errors import SampleLimited
 from .kinds import Sampled
 from .limiter import sample_limit
 from .quarantine import quarantine_groups
@@ -33,9 +31,11 @@ from .read_check import Unservable, serve_problem
 from .records import GroupRecord, ItemRecord, Lease
 from .retirement import retire
 from .reuse import Taken
+from .sample_spec import SampleSpec
 from .snapshot import Snapshot
 from .staleness import report
 from .states import CONSUMED, FAILED, LEASED, READY
+from .stored_advantages import FinishBatch, StageCounts
 from .table_state import TableState, stored
 
 log = logging.getLogger("expbuf.store")
@@ -64,6 +64,7 @@ def take(
     hold: bool,
     owner: str,
     snapshot: Callable[[], Snapshot] | None = None,
+    finish: FinishBatch | None = None,
     counts: StageCounts | None = None,
 ) -> Sampled | SampleLimited | None:
     """Select and deliver one batch; None if there is not enough (and no partial batch),
@@ -71,7 +72,8 @@ def take(
     is stored first (staleness.py); the caller undoes it when no batch is taken. With
     `snapshot` (a way to open one), the payloads are views read from it, not copies (see
     _Payloads). The batch carries its stored advantages; a table's batch stage is left to
-    run where the reply is built (`Sampled.stage`, its clip counted in `counts`)."""
+    run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
+    `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
     payloads = _Payloads(tt, snapshot)
     while True:
@@ -95,7 +97,7 @@ def take(
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
         if not hold:
             expires = batch.lease_expires
-    rows = BatchRows(tt.txn, tt.db["adv"], tt.config)
+    rows = BatchRows(tt.txn, tt.db["adv"], tt.config, finish)
     for gkey, _, recs in taken:
         for uid, rec in recs.items():
             rows.add(tt.key(uid), rec, payloads.read(uid))

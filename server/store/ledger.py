@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from expbuf.client.routing import SHARD_NAME
 
-from ..errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, clip
 from . import layout
+from .errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, clip
 from .extensions import TableExtension
 from .ledger_records import (
     CLAIMED,

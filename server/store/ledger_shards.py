@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from expbuf.client.routing import owners, rendezvous
 
-from ..errors import Cancelled
+from .errors import Cancelled
 from .ledger_records import DatasetRecord
 
 _CHUNK = 65536  # prompts counted between looks at whether the caller gave up

@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 
 import lmdb
 
-from ..errors import InsertLimited, SampleLimited
 from .counters import stored_names
+from .errors import InsertLimited, SampleLimited
 from .kinds import Entry
 from .records import ItemRecord
 from .states import LEASED, READY

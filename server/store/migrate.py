@@ -28,17 +28,18 @@ from pathlib import Path
 
 import lmdb
 
-from expbuf.client import trxp
+from expbuf.client.trxp.build import pack_item
+from expbuf.client.trxp.common import TrxpError
+from expbuf.client.trxp.parse import parse
 
-from .. import selection
-from ..errors import StoreError
-from ..ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
-from ..tables import TableConfig, batch_stage
-from . import digests, layout
+from . import digests, layout, selection
+from .errors import StoreError
 from .extensions import Extensions
 from .kinds import Entry
+from .ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from .records import GroupRecord, ItemRecord, Lease
 from .states import COMPUTING, LEASED, READY
+from .table_config import TableConfig, batch_stage
 from .table_state import TableState
 
 _KEY = b"format"
@@ -172,7 +173,7 @@ def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
     for key, record in items:
         blob = txn.get(key, db=dbs["blobs"])
         if blob is not None:  # digests are now of the canonical packing: a retried push stays a duplicate
-            record.digest = Entry.of(trxp.parse(blob, trusted=True)[0]).digest
+            record.digest = Entry.of(parse(blob, trusted=True)[0]).digest
         txn.put(key, record.encode(), db=dbs["items"])
     _recompute_batch_stage_tables(txn, dbs)
     for name in layout.FORMAT_1_ONLY:
@@ -205,8 +206,8 @@ def _digests_to_xxh3(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database
 def _packed(blob: bytes) -> bytes | None:
     """A payload kept as format 1 wrote it, packed as Entry.of packs it; None if it does not parse."""
     try:
-        return trxp.pack_item(trxp.parse(blob, trusted=True)[0])
-    except trxp.TrxpError:
+        return pack_item(parse(blob, trusted=True)[0])
+    except TrxpError:
         return None
 
 

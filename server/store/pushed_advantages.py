@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..tables import TableConfig
 from . import limiter
 from .kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from .records import GroupRecord, ItemRecord
 from .retirement import retire
 from .states import COMPUTING, DROPPED, READY
+from .table_config import TableConfig
 from .table_state import TableState
 
 ReadyRow = tuple[bytes, int, float, int | None]

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..errors import InsertLimited, TableFull
-from ..selection import IndexBuilding
-from ..tables import TableConfig
 from . import admission, deliverable, groups, index_builds, limiter, pushed_advantages
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import InsertLimited, TableFull
 from .kinds import Ahead, Compute, Entry, Push, PutResult
+from .selection import IndexBuilding
+from .table_config import TableConfig
 from .table_state import TableState
 
 # A table's state in the writer's transaction, by table id and configuration (Store._state_in).

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expbuf.client import trxp
 from expbuf.client.trxp.checks import FLOAT32_MAX
+from expbuf.client.trxp.common import TrxpError
+from expbuf.client.trxp.parse import parse
 
 from . import digests
 from .kinds import Entry
@@ -26,8 +27,8 @@ def payload_problem(uid: str, rec: ItemRecord, blob: bytes | memoryview) -> str 
     if digests.of(blob) == rec.digest:
         return None
     try:
-        items = trxp.parse(bytes(blob), trusted=True)
-    except trxp.TrxpError:
+        items = parse(bytes(blob), trusted=True)
+    except TrxpError:
         items = []
     if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
         return None

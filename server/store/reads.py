@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from ..advantage_storage import batch_payload
 from . import browse, layout
 from .batch_rows import BatchRows
 from .catalog import TableCatalog
 from .environment import Environment
 from .read_check import payload_problem, serve_problem
 from .records import ItemRecord
+from .stored_advantages import FinishBatch, batch_payload
 from .table_state import stored
 
 log = logging.getLogger("expbuf.store")
@@ -25,12 +25,17 @@ log = logging.getLogger("expbuf.store")
 
 class Reads:
     """Reads over a data directory's environment and table catalog; `quarantine(table, uids)`
-    quarantines those of uids whose payload is damaged (Store.quarantine)."""
+    quarantines those of uids whose payload is damaged (Store.quarantine), `finish` is the
+    batch stage the server gave the store."""
 
     def __init__(
-        self, environment: Environment, catalog: TableCatalog, quarantine: Callable[[str, Sequence[str]], int]
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        quarantine: Callable[[str, Sequence[str]], int],
+        finish: FinishBatch | None,
     ) -> None:
-        self.environment, self.catalog, self._quarantine = environment, catalog, quarantine
+        self.environment, self.catalog, self._quarantine, self.finish = environment, catalog, quarantine, finish
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
@@ -78,7 +83,7 @@ class Reads:
         prefix = layout.table_prefix(table_id)
         missing, damaged = [], []
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
-            rows = BatchRows(txn, self.environment.db["adv"], config)
+            rows = BatchRows(txn, self.environment.db["adv"], config, self.finish)
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = txn.get(key, db=self.environment.db["blobs"])
@@ -96,7 +101,7 @@ class Reads:
                     continue
                 rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
-            advantages = rows.advantages if stage is None else stage.run(rows.advantages)
+            advantages = rows.advantages if stage is None else stage(rows.advantages)
             payload = batch_payload(rows.blobs, advantages)
         if damaged:
             self._quarantine(table, damaged)

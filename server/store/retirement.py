@@ -11,9 +11,9 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ..errors import Forbidden, GroupIncomplete, clip
-from ..ready_indexes import put_rows, u64
 from . import layout, limiter
+from .errors import Forbidden, GroupIncomplete, clip
+from .ready_indexes import put_rows, u64
 from .records import DELETED, GroupRecord, ItemRecord, Lease
 from .states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from .table_state import TableState

@@ -20,11 +20,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ..ready_indexes import put_rows
-from ..tables import TableConfig
 from . import layout
+from .ready_indexes import put_rows
 from .records import GroupRecord, ItemRecord
 from .states import LEASED, READY
+from .table_config import TableConfig
 from .table_state import TableState
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]

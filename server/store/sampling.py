@@ -16,18 +16,18 @@ from typing import TypeVar
 
 import lmdb
 
-from ..advantage_storage import StageCounts
-from ..errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from ..sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
-from ..selection import IndexBuilding
-from ..tables import TableConfig
 from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
+from .errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
 from .index_builds import build
 from .kinds import Sampled
 from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
 from .records import Lease
+from .sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from .selection import IndexBuilding
+from .stored_advantages import FinishBatch, StageCounts
+from .table_config import TableConfig
 from .table_state import TableState
 
 T = TypeVar("T")
@@ -41,10 +41,13 @@ class _Refused:
 
 
 class Sampling:
-    """Sampling and leases over a data directory's environment and table catalog."""
+    """Sampling and leases over a data directory's environment and table catalog; `finish` is
+    the batch stage the server gave the store, bound to each batch taken (Sampled.stage)."""
 
-    def __init__(self, environment: Environment, catalog: TableCatalog, rng: random.Random) -> None:
-        self.environment, self.catalog, self.rng = environment, catalog, rng
+    def __init__(
+        self, environment: Environment, catalog: TableCatalog, rng: random.Random, finish: FinishBatch | None
+    ) -> None:
+        self.environment, self.catalog, self.rng, self.finish = environment, catalog, rng, finish
         self.db = environment.db
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
 
@@ -165,7 +168,7 @@ class Sampling:
         def attempt(t: TableState) -> Sampled | SampleLimited | None:
             return take(
                 t, spec, partial, self.rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
-                counts=self.stage_counts(tt.table_id),
+                finish=self.finish, counts=self.stage_counts(tt.table_id),
             )  # fmt: skip
 
         moves = staleness.next_version(tt, spec.trainer_version) is not None

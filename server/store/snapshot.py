@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 
 import lmdb
 
-from ..errors import StoreError
-from ..ready_indexes import next_prefix
+from .errors import StoreError
+from .ready_indexes import next_prefix
 
 Value = bytes | memoryview
 

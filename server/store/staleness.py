@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import overload
 
-from ..errors import VersionJump
+from .errors import VersionJump
 from .extensions import TableExtension
 from .retirement import retire
 from .states import DROPPED, READY

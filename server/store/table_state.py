@@ -13,15 +13,15 @@ from typing import Protocol, TypeVar
 
 import lmdb
 
-from ..errors import StoreError, clip
-from ..ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
-from ..selection import ReadyIndex
-from ..tables import TableConfig
 from . import layout
 from .counters import read_counters
+from .errors import StoreError, clip
 from .kinds import Ahead, Compute
+from .ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
 from .records import GroupRecord, ItemRecord
+from .selection import ReadyIndex
 from .states import LEASED, LIVE, READY, State, check_move
+from .table_config import TableConfig
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None

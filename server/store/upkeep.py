@@ -24,14 +24,14 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import clip
-from ..selection import IndexBuilding
-from ..tables import TableConfig
 from . import admission, layout, retirement
 from .catalog import TableCatalog
+from .errors import clip
 from .groups import expire_groups
 from .ledger_records import oldest_claim
+from .selection import IndexBuilding
 from .staleness import EVICT_LIMIT
+from .table_config import TableConfig
 
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")

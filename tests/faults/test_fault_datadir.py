@@ -18,11 +18,11 @@ import pytest
 
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.errors import Damaged
-from expbuf.server.sample_spec import SampleSpec
 from expbuf.server.store import Store, integrity, layout
 from expbuf.server.store.environment import Environment
-from expbuf.server.tables import TableConfig
+from expbuf.server.store.errors import Damaged
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
 
 from faultkit import channel, payload, servers, stats, stub
 from helpers import group_items

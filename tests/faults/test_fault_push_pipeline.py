@@ -2,7 +2,8 @@
 
 Every push is either acknowledged, and then durable (Get finds it after a restart on the
 killed data), or fails with an error that names its uids. A server that is back within the
-client's retries takes the pushes that were in flight again, and then every push is acknowledged.
+pushes' deadline takes the pushes that were in flight again, when the client waits for it
+(wait_for_ready), and then every push is acknowledged.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def serve() -> Iterator[Callable[..., ServerProcess]]:
 
 
 def push_through_a_kill(
-    target: str, acked_before_kill: int, kill: Callable[[], None], **client: float
+    target: str, acked_before_kill: int, kill: Callable[[], None], **client: float | bool
 ) -> tuple[list[futures.Future[PushResult]], list[list[str]]]:
     """Push PUSHES groups with a window of WINDOW, killing the server once `acked_before_kill` are acked."""
     acked = threading.Event()
@@ -81,7 +82,7 @@ def test_a_killed_server_loses_no_acked_push_and_names_the_uids_of_each_failed_o
         assert client.get([uid for uids in acked for uid in uids]).missing_uids == []
 
 
-def test_a_server_back_within_the_retries_takes_every_push_that_was_in_flight(
+def test_a_server_back_within_the_deadline_takes_every_push_that_was_in_flight(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:
     data = str(tmp_path / "data")
@@ -92,7 +93,7 @@ def test_a_server_back_within_the_retries_takes_every_push_that_was_in_flight(
         server.stop(signal.SIGKILL)
         serve(data, "--port", str(port))
 
-    pushed, sent = push_through_a_kill(server.target, 5, restart, retries=30, timeout=120)
+    pushed, sent = push_through_a_kill(server.target, 5, restart, wait_for_ready=True, timeout=120)
     for future, uids in zip(pushed, sent, strict=True):
         result = future.result()
         assert sorted(result.stored + result.duplicates) == sorted(uids)

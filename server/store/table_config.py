@@ -23,7 +23,7 @@ CONFIG_VERSION = 2
 
 
 def estimator_of(config: TableConfig) -> Estimator:
-    """The table's estimator (server/estimator_registry.py)."""
+    """The table's estimator (estimator_registry.py)."""
     return ESTIMATORS[config.estimator]
 
 

@@ -4,7 +4,8 @@ logs at a bounded length.
 
 The service maps a refusal to its status and reason by its class alone (service.py); a new
 refusal is one class here. `status` is the name of a `grpc.StatusCode` member, so the storage
-engine, which raises most of these, does not import grpc.
+engine, which raises most of these and holds this module, does not import grpc (a contract in
+pyproject.toml).
 """
 
 from __future__ import annotations

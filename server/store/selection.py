@@ -1,0 +1,438 @@
+"""The selection orders, one registered `Order` class each, and `ReadyIndex`: the ready-group
+indexes of one table that the store keeps for them.
+
+An order declares the index it reads (ready_indexes.py): the store opens that index's
+databases, keeps it as groups become ready, leave ready or change priority, and
+`integrity.verify` checks it, all without naming it. A new order is one class and one
+`register` call, before the store opens; an order with an index of its own (an `Index`
+class with its databases) gets them opened, built from the ready groups at the store's next
+open, and kept from then on. A lazy index (`Index.lazy`: the built-in priority, slot and version
+indexes) is kept by a table only from the first request that reads it, so a push writes only
+the indexes its table's readers use. That request does not build it in its own transaction: it
+raises `IndexBuilding`, and its caller builds the index in chunks of BUILD_CHUNK ready groups,
+each a write transaction of its own (`ReadyIndex.build_step`), then retries it, so pushes wait at
+most one chunk at a time however many groups are ready. While an index is being built, the
+changes of ready groups reach the part of it built so far (the groups before its cursor in the
+ready order), and the build reaches the others; its cursor is kept in the table's counters
+database (`BUILDING`), so a build cut short by a stop goes on at the next request.
+
+Every selection costs a few B-tree lookups, so it does not slow down as the table grows: no
+request scans the table. A request with a `min_model_version` reads only the groups at or
+above it from the version index (`byver`), however many older groups there are: fifo and
+lifo merge the versions' runs (a cost of the distinct fresh versions, a few), priority and
+uniform order the fresh groups they find, and an order without a way of its own takes its
+candidates that are fresh. A group with an unknown version (any member without
+info["model_version"]) is not in `byver`: it never meets a minimum version.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar, TypeVar, cast
+
+import lmdb
+
+from .errors import InvalidRequest
+from .ready_indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, Slots, VersionIndex
+
+I = TypeVar("I", bound=Index)  # noqa: E741
+O = TypeVar("O", bound="type[Order]")  # noqa: E741
+# A ready group as the rules pass it: key, rseq, priority, version (a ReadyGroup or a plain tuple).
+Row = tuple[bytes, int, float, int | None]
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# After a table's prefix in the counters database: the databases of the lazy indexes
+# (Index.lazy) the table keeps, comma separated. Absent (a table from before the mark): all.
+IN_USE = b"indexes"
+# After a table's prefix in the counters database: the lazy indexes being built, each as its first
+# database's name = its cursor (`clear` while rows an earlier release left are deleted, then the
+# rseq the build goes on from), comma separated.
+BUILDING = b"building"
+# The ready groups (or stale rows deleted) a build's transaction takes at most. In a large file a
+# priority row lands on a page of its own (priorities are random) and a group's record is read
+# from anywhere, so a chunk costs its rows' pages in the commit: at 2,048, pushes made during a
+# build of 2.5 M groups waited 82 / 520 ms (p50 / p99); at 256, 29 / 100 ms, the build taking
+# 2.4x as long (bench_growth.py --restart, a loaded 2-core machine).
+BUILD_CHUNK = 256
+_CLEAR = -1  # a build's cursor while it deletes stale rows
+
+
+class IndexBuilding(Exception):
+    """A request needs a lazy index its table does not keep yet; the caller builds it (in
+    chunks, `ReadyIndex.build_step`) and tries the request again. Nothing of the request is
+    kept: it is raised before the request changes anything it would keep."""
+
+    def __init__(self, prefix: bytes, index: type[Index]) -> None:
+        super().__init__(f"the index {index.__name__} of table {prefix!r} is being built")
+        self.prefix, self.index = prefix, index
+
+
+class Order(ABC):
+    """One way to take ready groups, from the index it declares."""
+
+    name: ClassVar[str]
+    index: ClassVar[type[Index]]  # the index it reads; several orders may read one (fifo and lifo)
+
+    @abstractmethod
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        """Ready group keys, each at most once, lazily (a generator, which the caller closes): a
+        caller that needs k groups reads about k."""
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        """The candidates whose lowest version is at least `min_version`: the fresh groups
+        read from the version index, then this order's candidates until each was met."""
+        wanted = {gkey for _, _, gkey in ready.versions.at_least(min_version)}
+        for gkey in self.candidates(ready, rng):
+            if not wanted:
+                return
+            if gkey in wanted:
+                wanted.discard(gkey)
+                yield gkey
+
+
+# Every order by name, in the order error messages list them.
+ORDERS: dict[str, type[Order]] = {}
+_KEPT: list[type[Index]] = []  # indexes(), made anew at each (un)registration: every request reads it
+
+
+def register(order: O, *, replace: bool = False) -> O:
+    """Make an order available to sample requests under its name (a class decorator too);
+    a name taken already is refused unless `replace`. A store opened from now on opens and
+    keeps the order's index."""
+    global _KEPT
+    if not (isinstance(order, type) and issubclass(order, Order)):
+        raise TypeError(f"{order!r} is not an Order class")
+    if not isinstance(getattr(order, "name", None), str) or not _NAME.fullmatch(order.name):
+        raise ValueError(f"an order's name is lower case letters, digits and _ (at most 64), not {order.name!r}")
+    if not (isinstance(getattr(order, "index", None), type) and issubclass(order.index, Index)):
+        raise TypeError(f"order {order.name} declares no Index class as its `index`")
+    if order.name in ORDERS and not replace:
+        raise ValueError(f"order {order.name} is registered already")
+    for other in _KEPT:
+        shared = set(other.databases) & set(order.index.databases)
+        if shared and other is not order.index:
+            raise ValueError(f"order {order.name}: database(s) {', '.join(sorted(shared))} belong to {other.__name__}")
+    ORDERS[order.name] = order
+    _KEPT = _indexes()
+    return order
+
+
+def unregister(name: str) -> None:
+    """Remove an order (a store opened from now on drops its index unless another order reads it)."""
+    global _KEPT
+    ORDERS.pop(name, None)
+    _KEPT = _indexes()
+
+
+def indexes() -> list[type[Index]]:
+    """The indexes a store opens: the ready order, the version index, then those the registered
+    orders read. A table keeps those of them it was read with (`in_use`)."""
+    return list(_KEPT)
+
+
+def _indexes() -> list[type[Index]]:
+    found: list[type[Index]] = [ReadyOrder, VersionIndex]
+    for order in ORDERS.values():
+        if order.index not in found:
+            found.append(order.index)
+    return found
+
+
+def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> set[str] | None:
+    """The index databases a table keeps; None: every one (a table from before the mark, or
+    databases without the counters)."""
+    if "counters" not in dbs:
+        return None
+    raw = txn.get(prefix + IN_USE, db=dbs["counters"])
+    return None if raw is None else set(bytes(raw).decode("ascii").split(",")) - {""}
+
+
+def mark_in_use(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, names: set[str]
+) -> None:
+    """Record the lazy indexes' databases a table keeps, in the transaction that builds them."""
+    txn.put(prefix + IN_USE, ",".join(sorted(names)).encode("ascii"), db=dbs["counters"])
+
+
+def builds(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> dict[str, int]:
+    """The lazy indexes a table is building, by their first database's name: each one's cursor."""
+    if "counters" not in dbs:
+        return {}
+    raw = txn.get(prefix + BUILDING, db=dbs["counters"])
+    found = {}
+    for part in bytes(raw or b"").decode("ascii").split(","):
+        name, _, cursor = part.partition("=")
+        if name:
+            found[name] = _CLEAR if cursor == "clear" else int(cursor)
+    return found
+
+
+def _mark_builds(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, found: dict[str, int]
+) -> None:
+    if not found:
+        txn.delete(prefix + BUILDING, db=dbs["counters"])
+        return
+    text = ",".join(f"{name}={'clear' if cursor == _CLEAR else cursor}" for name, cursor in sorted(found.items()))
+    txn.put(prefix + BUILDING, text.encode("ascii"), db=dbs["counters"])
+
+
+def forget_builds(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, indexes: Sequence[type[Index]]
+) -> None:
+    """Forget a table's builds under way of these indexes (their rows were emptied: a build
+    starts over)."""
+    found = builds(txn, dbs, prefix)
+    if any(cls.databases[0] in found for cls in indexes):
+        _mark_builds(
+            txn, dbs, prefix, {name: at for name, at in found.items() if name not in {c.databases[0] for c in indexes}}
+        )
+
+
+def keeps(used: set[str] | None, cls: type[Index]) -> bool:
+    """Whether a table whose mark is `used` keeps this index."""
+    return not cls.lazy or used is None or set(cls.databases) <= used
+
+
+class ReadyIndex:
+    """The ready-group indexes of one table inside a transaction: those of the registered
+    orders and the version index whose databases the store opened, of which the table keeps
+    the eager ones and the lazy ones it was read with. A request that needs a lazy one the
+    table does not keep yet raises IndexBuilding; its caller builds it chunk by chunk
+    (`build_step`, from `ready_groups`), after which the table keeps it. So a push writes only
+    the indexes its table's readers use, and never waits for a whole build."""
+
+    def __init__(
+        self,
+        dbs: Mapping[str, lmdb._Database],
+        txn: lmdb.Transaction[bytes],
+        prefix: bytes,
+        ready_groups: Callable[[int, int], tuple[list[ReadyGroup], int | None]] | None = None,
+    ) -> None:
+        self.dbs, self.txn, self.prefix, self.ready_groups = dbs, txn, prefix, ready_groups
+        self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
+        self._kept: list[type[Index]] | None = None
+        self._builds: dict[str, int] | None = None
+
+    def opened(self) -> list[type[Index]]:
+        """The indexes whose databases the store opened: the registered orders' and the version index."""
+        return [cls for cls in _KEPT if all(name in self.dbs for name in cls.databases)]
+
+    def kept(self) -> list[type[Index]]:
+        """The opened indexes this table keeps."""
+        if self._kept is None:
+            used = in_use(self.txn, self.dbs, self.prefix)
+            self._kept = [cls for cls in self.opened() if keeps(used, cls)]
+        return self._kept
+
+    def building(self) -> dict[type[Index], int]:
+        """The opened indexes this table is building, each with its cursor (_CLEAR: deleting
+        stale rows; else the rseq the build goes on from: the groups before it are indexed)."""
+        if self._builds is None:
+            self._builds = builds(self.txn, self.dbs, self.prefix)
+        return {cls: self._builds[cls.databases[0]] for cls in self.opened() if cls.databases[0] in self._builds}
+
+    def of(self, cls: type[I]) -> I:
+        """The index of one class; IndexBuilding when the table does not keep it yet (the caller
+        builds it and asks again), refused when the store did not open it (its order was
+        registered after the store opened)."""
+        index = self._made.get(cls)
+        if index is None:
+            if cls not in self.kept():
+                if cls not in self.opened():
+                    raise InvalidRequest(
+                        f"the index {cls.__name__} ({', '.join(cls.databases)}) is not open in this store: "
+                        "an order is registered before the store opens"
+                    )
+                if self.ready_groups is None:
+                    raise InvalidRequest(
+                        f"the index {cls.__name__} is not kept by this table, and cannot be built here"
+                    )
+                raise IndexBuilding(self.prefix, cls)
+            index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
+        return cast(I, index)
+
+    def build_step(self, cls: type[Index], limit: int | None = None) -> bool:
+        """One chunk of the build of an index the table does not keep: up to `limit` (default
+        BUILD_CHUNK) stale rows deleted (rows a release that kept every index wrote while it served the table), then up
+        to `limit` ready groups indexed, from the cursor on in the ready order. The last chunk
+        marks it kept. Whether the table keeps it now."""
+        if cls in self.kept():
+            return True
+        if self.ready_groups is None:
+            raise InvalidRequest(f"the index {cls.__name__} is not kept by this table, and cannot be built here")
+        index, found = cls(self.dbs, self.txn, self.prefix), builds(self.txn, self.dbs, self.prefix)
+        cursor = found.get(cls.databases[0], _CLEAR)
+        budget = BUILD_CHUNK if limit is None else limit
+        if cursor == _CLEAR:
+            for name in cls.databases:
+                budget -= index.clear(name, budget)
+            if budget <= 0:
+                found[cls.databases[0]] = _CLEAR
+                return self._saved(found)
+            cursor = 0
+        groups, after = self.ready_groups(cursor, budget)
+        index.add(groups)
+        if after is not None:
+            found[cls.databases[0]] = after
+            return self._saved(found)
+        found.pop(cls.databases[0], None)
+        self._saved(found)
+        used = in_use(self.txn, self.dbs, self.prefix) or set()
+        mark_in_use(self.txn, self.dbs, self.prefix, used | set(cls.databases))
+        self.kept().append(cls)
+        return True
+
+    def _saved(self, found: dict[str, int]) -> bool:
+        _mark_builds(self.txn, self.dbs, self.prefix, found)
+        self._builds = found
+        return False
+
+    @property
+    def versions(self) -> VersionIndex:
+        return self.of(VersionIndex)
+
+    def _every(self) -> list[Index]:
+        return [self.of(cls) for cls in self.kept()]
+
+    def _partial(self) -> list[tuple[Index, int]]:
+        """The indexes being built past their stale rows, each with its cursor."""
+        return [(cls(self.dbs, self.txn, self.prefix), at) for cls, at in self.building().items() if at != _CLEAR]
+
+    def add(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
+        self.add_many([(gkey, rseq, priority, version)])
+
+    def add_many(self, groups: Sequence[Row]) -> None:
+        """Index groups that became ready, in that order: each index writes them in one pass
+        (one being built, those before its cursor: the build reaches the others)."""
+        if groups:
+            rows = [ReadyGroup(*group) for group in groups]
+            for index in self._every():
+                index.add(rows)
+            for index, at in self._partial():
+                index.add([row for row in rows if row.rseq < at])
+
+    def remove(self, gkey: bytes, rseq: int, priority: float, version: int | None) -> None:
+        self.remove_many([(gkey, rseq, priority, version)])
+
+    def remove_many(self, groups: Sequence[Row]) -> None:
+        """Unindex groups that leave ready, in that order (from an index being built too, which
+        holds those before its cursor: removing one it lacks changes nothing)."""
+        if groups:
+            rows = [ReadyGroup(*group) for group in groups]
+            for index in self._every():
+                index.remove(rows)
+            for index, _ in self._partial():
+                index.remove(rows)
+
+    def move_many(self, before: Sequence[Row], after: Sequence[Row]) -> None:
+        """Ready groups that got a new priority and place (`after[i]` is `before[i]` changed)."""
+        if before:
+            old, new = [ReadyGroup(*group) for group in before], [ReadyGroup(*group) for group in after]
+            for index in self._every():
+                index.move(old, new)
+            for index, at in self._partial():
+                index.remove(old)
+                index.add([row for row in new if row.rseq < at])
+
+    def verify(self, ready: Sequence[Row]) -> list[str]:
+        """The problems of every kept index against the table's ready groups, of every index
+        being built against those before its cursor, and the rows of an opened index the table
+        neither keeps nor builds (which belong nowhere)."""
+        rows = [ReadyGroup(*group) for group in ready]
+        problems = [problem for index in self._every() for problem in index.verify(rows)]
+        for index, at in self._partial():
+            problems += index.verify([row for row in rows if row.rseq < at])
+        building = self.building()
+        for cls in self.opened():
+            if cls not in self.kept() and cls not in building:
+                index = cls(self.dbs, self.txn, self.prefix)
+                for name in cls.databases:
+                    if index.entries(name, bare=True):
+                        problems.append(
+                            f"the {name} index holds {index.entries(name, bare=True)} rows, "
+                            "but the table does not keep it (it was never read in its order)"
+                        )
+        return problems
+
+    def below_version(self, version: int, limit: int) -> list[str]:
+        """Up to `limit` ready groups whose lowest version is below `version`, lowest first."""
+        return self.versions.below(version, limit)
+
+    def candidates(self, order: str, rng: random.Random, min_version: int | None = None) -> Iterator[bytes]:
+        """Ready group keys in the named order, each at most once, lazily. With `min_version`,
+        only groups whose lowest version is at least that (from `byver`)."""
+        if order not in ORDERS:
+            raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
+        chosen = ORDERS[order]()
+        return chosen.candidates(self, rng) if min_version is None else chosen.fresh(self, min_version, rng)
+
+
+@register
+class Fifo(Order):
+    """Oldest completed group first."""
+
+    name = "fifo"
+    index = ReadyOrder
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(ReadyOrder).scan(reverse=False)
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        return ready.versions.in_ready_order(min_version, newest=False)
+
+
+@register
+class Lifo(Order):
+    """Newest completed group first."""
+
+    name = "lifo"
+    index = ReadyOrder
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(ReadyOrder).scan(reverse=True)
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        return ready.versions.in_ready_order(min_version, newest=True)
+
+
+@register
+class Uniform(Order):
+    """Random groups without replacement: random slots of the dense slot array."""
+
+    name = "uniform"
+    index = Slots
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        slots = ready.of(Slots)
+        count, seen = slots.count(), set[int]()
+        while len(seen) < count:
+            slot = rng.randrange(count)
+            if slot not in seen:
+                seen.add(slot)
+                yield slots.slot(slot)
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        """The fresh groups, read once and shuffled (a cost of the fresh groups)."""
+        fresh = [gkey for _, _, gkey in ready.versions.at_least(min_version)]
+        rng.shuffle(fresh)
+        yield from fresh
+
+
+@register
+class Priority(Order):
+    """Highest info["priority"] first, ties oldest first."""
+
+    name = "priority"
+    index = PriorityIndex
+
+    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
+        return ready.of(PriorityIndex).scan(reverse=False)
+
+    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
+        """The fresh groups, read once and sorted by priority, ties oldest first."""
+        fresh = sorted((pkey, key[8:], gkey) for key, pkey, gkey in ready.versions.at_least(min_version))
+        for _, _, gkey in fresh:
+            yield gkey

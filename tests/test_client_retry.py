@@ -1,0 +1,324 @@
+"""Both clients retry by gRPC's own retry policy (the channel's service config, connection.py).
+
+A gRPC proxy stands in front of a real server, as a load balancer does, and answers UNAVAILABLE
+to the calls a test tells it to, as such a proxy does while its server is away; it counts every
+call it gets, so attempts are counted where they arrive, and the server's own RPC metrics say
+which of them reached it. The idempotent calls are retried up to the client's `retries` (at most
+4, gRPC's limit), within one deadline; a call described with retry=False, and every call that is
+not idempotent, is made once; a pusher's stream is resent by the pusher alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from expbuf.client import (
+    AsyncBufferClient,
+    BufferClient,
+    DeadlineExceededError,
+    NotFoundError,
+    UnavailableError,
+    trxp,
+)
+from expbuf.client.connection import MAX_RETRIES
+from expbuf.proto.v1 import buffer_pb2
+from expbuf.server.app import ExpbufServer
+
+from conftest import Servers
+from helpers import group_items, make_experience, scrape
+
+SERVICE = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"]
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+KINDS = ("blocking", "asyncio")
+
+
+class Front:
+    """A gRPC proxy of the ExperienceBuffer service on a free loopback port, forwarding each call
+    to `backend`. `refuse(method, times)` answers UNAVAILABLE to the next `times` calls of
+    `method` without forwarding them, after `delay` seconds and after reading the first `read`
+    messages of a client stream (None: all of them, a push in chunks whole). `lose(method, times)`
+    forwards them and answers UNAVAILABLE instead of the reply, as a connection cut after the
+    server acted does. `calls` holds each call it got: its method and the client's address."""
+
+    def __init__(self, backend: str) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self._refused: Counter[str] = Counter()
+        self._lost: Counter[str] = Counter()
+        self._delay, self._read = 0.0, 0
+        self._lock = threading.Lock()
+        self._backend = grpc.insecure_channel(backend, options=MESSAGE_OPTIONS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=MESSAGE_OPTIONS)
+        handlers = {method.name: self._handler(method) for method in SERVICE.methods}
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)])
+        self.target = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def close(self) -> None:
+        self._server.stop(None).wait()
+        self._backend.close()
+
+    def refuse(self, method: str, times: int, delay: float = 0.0, read: int | None = 0) -> None:
+        self._refused[method], self._delay, self._read = times, delay, read
+
+    def lose(self, method: str, times: int) -> None:
+        self._lost[method] = times
+
+    def attempts(self, method: str) -> int:
+        return sum(1 for name, _ in self.calls if name == method)
+
+    def _arrived(self, method: str, request: Any, context: grpc.ServicerContext) -> bool:
+        """Record a call; refuse it if told to. Whether its reply is to be lost."""
+        with self._lock:
+            self.calls.append((method, context.peer()))
+            refused = self._refused[method] > 0
+            lost = not refused and self._lost[method] > 0
+            self._refused[method] -= refused
+            self._lost[method] -= lost
+        if refused:
+            if self._read != 0:
+                for _ in itertools.islice(request, self._read):
+                    pass
+            time.sleep(self._delay)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the front's server is away")
+        return lost
+
+    def _handler(self, method: Any) -> grpc.RpcMethodHandler:
+        path = f"/{SERVICE.full_name}/{method.name}"
+        kind = f"{'stream' if method.client_streaming else 'unary'}_{'stream' if method.server_streaming else 'unary'}"
+        forward = getattr(self._backend, kind)(path)
+
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            lost = self._arrived(method.name, request, context)
+            try:
+                reply = forward(request, timeout=context.time_remaining())
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())
+            if lost:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the front lost the reply")
+            return reply
+
+        def relay(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._arrived(method.name, request, context)
+            try:
+                yield from forward(request, timeout=context.time_remaining())
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())
+
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(relay if method.server_streaming else run)
+
+
+@pytest.fixture
+def front(server: ExpbufServer) -> Iterator[Front]:
+    proxy = Front(f"127.0.0.1:{server.port}")
+    yield proxy
+    proxy.close()
+
+
+def served(server: ExpbufServer, method: str) -> float:
+    """Calls of `method` that reached the server, by its own metrics."""
+    return sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count" and dict(labels)["method"] == method
+    )
+
+
+def call(kind: str, target: str, name: str, *args: Any, **options: Any) -> Any:
+    """client.`name`(*args) on a client of `kind` made with `options`, closed afterwards."""
+    if kind == "blocking":
+        with BufferClient(target, **options) as client:
+            return getattr(client, name)(*args)
+
+    async def body() -> Any:
+        async with AsyncBufferClient(target, **options) as client:
+            return await getattr(client, name)(*args)
+
+    return asyncio.run(body())
+
+
+def group(task: int, size: int = 4) -> bytes:
+    return trxp.build(group_items("retry", task, size))
+
+
+def uids(body: bytes) -> list[str]:
+    return [item.uid for item in trxp.parse(body)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_push_and_a_read_the_server_cannot_take_are_retried_until_it_is_back(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    body = group(0)
+    front.refuse("Push", MAX_RETRIES)
+    assert call(kind, front.target, "push", body).stored == uids(body)
+    front.refuse("Get", MAX_RETRIES)
+    assert call(kind, front.target, "get", uids(body)).missing_uids == []
+    assert (front.attempts("Push"), front.attempts("Get")) == (MAX_RETRIES + 1, MAX_RETRIES + 1)
+    assert (served(server, "Push"), served(server, "Get")) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_push_whose_reply_was_lost_is_sent_again_and_answered_as_duplicates(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    body = group(1)
+    front.lose("Push", 1)
+    result = call(kind, front.target, "push", body)
+    assert (result.stored, result.duplicates) == ([], uids(body))
+    assert front.attempts("Push") == served(server, "Push") == 2
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1 << 16])
+def test_a_push_larger_than_grpcs_default_retry_buffer_is_retried_whole_or_in_chunks(
+    front: Front, chunk_bytes: int
+) -> None:
+    items = [trxp.from_experience(make_experience("big", chunk_bytes, run, response=20_000)) for run in range(2)]
+    body = trxp.build(items)
+    assert len(body) > 256 << 10  # gRPC would commit a call that sent more, unretried
+    method = "PushStream" if chunk_bytes else "Push"
+    front.refuse(method, 2, read=None)
+    with BufferClient(front.target, push_chunk_bytes=chunk_bytes) as client:
+        assert client.push(body).stored == uids(body)
+    assert front.attempts(method) == 3
+
+
+@pytest.mark.parametrize("retries", [0, 1, MAX_RETRIES])
+def test_the_attempts_of_a_call_are_bounded_by_the_clients_retries(front: Front, retries: int) -> None:
+    front.refuse("Stats", 100)
+    with pytest.raises(UnavailableError, match="the front's server is away"):
+        call("blocking", front.target, "stats", "", retries=retries)
+    assert front.attempts("Stats") == retries + 1
+
+
+def test_retries_beyond_grpcs_limit_are_its_limit_with_a_warning(front: Front) -> None:
+    front.refuse("Stats", 100)
+    with (
+        pytest.warns(UserWarning, match="at most 4 retries of a call"),
+        BufferClient(front.target, retries=9) as client,
+    ):
+        assert client.retries == MAX_RETRIES
+        with pytest.raises(UnavailableError):
+            client.stats()
+    assert front.attempts("Stats") == MAX_RETRIES + 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_described_not_to_retry_and_a_call_that_is_not_idempotent_are_made_once(
+    server: ExpbufServer, front: Front, kind: str
+) -> None:
+    front.refuse("Writers", 1)
+    with pytest.raises(UnavailableError):
+        call(kind, front.target, "writers", "default", 1)  # opening a writer twice would count two
+    front.refuse("Writers", 1)
+    assert call(kind, front.target, "writers", "default", 0) == (0, False)  # a read: retried
+    front.refuse("Ack", 1)
+    with pytest.raises(UnavailableError):
+        call(kind, front.target, "ack", "no-such-lease")
+    with pytest.raises(NotFoundError):  # the server's own answer, once the front lets it through
+        call(kind, front.target, "ack", "no-such-lease")
+    assert (front.attempts("Writers"), front.attempts("Ack")) == (3, 2)
+    assert (served(server, "Writers"), served(server, "Ack")) == (1, 1)
+
+
+def test_a_sample_stream_is_not_retried(server: ExpbufServer, front: Front) -> None:
+    """Not by the policy, which does not name it: a batch on its way is the server's to give back.
+    (The blocking client: the asyncio one may read gRPC's "Internal error from Core" for a
+    stream its server ends while it writes, retried or not.)"""
+    front.refuse("Sample", 1)
+    with BufferClient(front.target) as client, pytest.raises(UnavailableError):
+        next(client.sample(num_groups=1, timeout=1))
+    assert (front.attempts("Sample"), served(server, "Sample")) == (1, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pushers_stream_is_resent_by_the_pusher_alone(front: Front, kind: str) -> None:
+    """Its stream goes over the channel without the policy: two refusals are two of its own
+    resends, so with one retry the push fails (the policy would have sent it a third time). The
+    front reads the push before it refuses: an asyncio stream that its server ends while the
+    client is writing may read gRPC's "Internal error from Core" instead of the status."""
+    body = group(2)
+
+    def push(retries: int) -> Any:
+        if kind == "blocking":
+            with BufferClient(front.target, retries=retries) as client, client.pusher() as pusher:
+                future = pusher.push(body)
+            return future.exception() or future.result()
+
+        async def body_async() -> Any:
+            async with AsyncBufferClient(front.target, retries=retries) as client, client.pusher() as pusher:
+                future = await pusher.push(body)
+            return future.exception() or future.result()
+
+        return asyncio.run(body_async())
+
+    front.refuse("PushStream", 2, read=1)
+    failed = push(retries=1)
+    assert isinstance(failed, UnavailableError) and uids(body)[0] in failed.details
+    assert front.attempts("PushStream") == 2
+    front.refuse("PushStream", 2, read=1)
+    assert push(retries=2).stored == uids(body)
+    assert front.attempts("PushStream") == 5
+
+
+def test_the_deadline_bounds_all_the_attempts_of_a_call(front: Front) -> None:
+    front.refuse("Stats", 100, delay=0.6)
+    with pytest.raises(DeadlineExceededError), BufferClient(front.target, timeout=1.0) as client:
+        client.stats()
+    assert 1 <= front.attempts("Stats") <= 2 < MAX_RETRIES + 1
+
+
+def test_retried_and_unretried_calls_share_one_connection(front: Front) -> None:
+    with BufferClient(front.target) as client:
+        client.push(group(3))  # over the channel with the retry policy
+        client.writers("default", 1)  # over the one without it
+        with client.pusher() as pusher:
+            pusher.push(group(4)).result()
+        client.writers("default", -1)
+    assert len(front.calls) == 4 and len({peer for _, peer in front.calls}) == 1, front.calls
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_wait_for_ready_a_push_and_a_read_wait_for_a_server_that_comes_back_after_the_retries(
+    start_server: Servers, kind: str
+) -> None:
+    """The server listens 1.2 s after each call starts: later than 4 retries take (50 ms doubling,
+    0.9 s at most with gRPC's jitter), well within the deadline."""
+    port, body = free_port(), group(5)
+    for name, arg, check in (("push", body, "stored"), ("get", uids(body), "missing_uids")):
+        later = threading.Timer(1.2, lambda: start_server(port=port))
+        later.start()
+        try:
+            result = call(kind, f"127.0.0.1:{port}", name, arg, wait_for_ready=True, timeout=30)
+        finally:
+            later.join()
+        assert getattr(result, check) == (uids(body) if name == "push" else [])
+        start_server.stop_all()
+
+
+def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits_only_for_retried_calls() -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    for retries in (0, MAX_RETRIES):
+        with pytest.raises(UnavailableError):
+            call("blocking", target, "push", group(6), retries=retries)
+    with pytest.raises(UnavailableError):  # retry=False: one attempt, now; it would wait 30 s otherwise
+        call("blocking", target, "writers", "default", 1, wait_for_ready=True, timeout=30)
+    with pytest.raises(DeadlineExceededError):  # a retried call waits, until its deadline
+        call("blocking", target, "stats", "", wait_for_ready=True, timeout=0.5)

@@ -1,0 +1,73 @@
+"""The storage engine is fenced: the import contract that it reaches neither grpc nor torch
+(pyproject.toml) breaks on a probe import that breaks it, and holds on the tree as it is.
+
+lint-imports reads a copy of the packages laid out under their installed names (expbuf/server,
+expbuf/client, expbuf/proto, expbuf/ray) in a temporary directory: run there, it puts that
+directory first on sys.path, ahead of the editable install. That it reads the copy shows in the
+probes: each exists only in the copy, and the report names the probed module."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = {"server": "server", "client": "client", "proto": "proto/expbuf", "ray": "server/ray"}
+FENCE = "The storage engine imports neither grpc nor torch"
+# A store module, what is added to it, and the forbidden package it then reaches.
+PROBES = [
+    ("states", "\n\ndef _probe() -> None:\n    import torch  # noqa: F401\n", "torch"),
+    ("engine", "\nimport grpc  # noqa: E402\n", "grpc"),
+    ("records", "\nfrom expbuf.client import trxp  # noqa: E402  (its convert.py imports torch)\n", "torch"),
+]
+
+
+def importlinter_settings() -> str:
+    """The [tool.importlinter] tables of pyproject.toml, as they are written there."""
+    lines, inside = [], False
+    for line in (ROOT / "pyproject.toml").read_text().splitlines():
+        if line.startswith("["):
+            inside = line.strip("[]").startswith("tool.importlinter")
+        if inside:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("fence")
+    for name, source in TREES.items():
+        skip = shutil.ignore_patterns("__pycache__", "_native", "*.so")
+        shutil.copytree(ROOT / source, root / "expbuf" / name, ignore=skip)
+    (root / "importlinter.toml").write_text(importlinter_settings())
+    yield root
+
+
+def lint(root: Path) -> tuple[int, str]:
+    command = [str(Path(sys.executable).parent / "lint-imports"), "--config", "importlinter.toml", "--no-cache"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_tree_as_it_is_keeps_every_contract(tree: Path) -> None:
+    status, out = lint(tree)
+    assert status == 0 and f"{FENCE} KEPT" in out and ", 0 broken." in out, out
+
+
+@pytest.mark.parametrize(("module", "probe", "reached"), PROBES)
+def test_a_probe_import_breaks_the_fence(tree: Path, module: str, probe: str, reached: str) -> None:
+    path = tree / "expbuf" / "server" / "store" / f"{module}.py"
+    source = path.read_text()
+    path.write_text(source + probe)
+    try:
+        status, out = lint(tree)
+    finally:
+        path.write_text(source)
+    assert status == 1 and f"{FENCE} BROKEN" in out and ", 1 broken." in out, out
+    assert f"expbuf.server.store is not allowed to import {reached}:" in out, out
+    assert f"expbuf.server.store.{module} -> " in out, out
