@@ -120,10 +120,12 @@ class ReverbSide:
 
 
 class ExpbufSide:
-    """An `expbuf serve` process on a fresh data directory, one table per shape."""
+    """An `expbuf serve` process on a fresh data directory, one table per shape; `python` picks the
+    tree it runs (the one that Python imports expbuf from), `args` are more of its flags."""
 
-    def __init__(self, data: str) -> None:
-        self.server = Proc("-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", "--metrics-port", "-1")
+    def __init__(self, data: str, python: str = sys.executable, args: tuple[str, ...] = ()) -> None:
+        serve = ("-m", "expbuf.server.cli", "serve", "--data", data, "--port", "0", "--metrics-port", "-1", *args)
+        self.server = Proc(*serve, python=python)
         self.client = BufferClient(self.server.target, timeout=120)
         for table in TABLE.values():
             self.client.create_table(table, estimator="none", group_by="none")

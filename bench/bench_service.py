@@ -48,8 +48,8 @@ MAX = 256 << 20
 class Proc:
     """A server process; waits for its 'listening on' line."""
 
-    def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, *argv], stderr=subprocess.PIPE, text=True, env=env)
+    def __init__(self, *argv: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+        self.proc = subprocess.Popen([python, *argv], stderr=subprocess.PIPE, text=True, env=env)
         for line in self.proc.stderr:
             match = re.search(r"listening on ([\d.]+:\d+)", line)
             if match:

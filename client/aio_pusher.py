@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
 
 from . import calls
-from .pipeline import Pending, Stream, Window
+from .pipeline import Ordered, Pending, Stream, Window
 from .results import PushResult
 
 if TYPE_CHECKING:
@@ -31,7 +31,50 @@ class _Open:
         self.closed = False
 
 
-class AsyncPusher:
+W = TypeVar("W", bound=Ordered[Any])
+
+
+class AsyncOrderedFutures(Generic[W]):
+    """An asyncio pusher's futures, one per push, completed in the order of the pushes."""
+
+    def __init__(self, window: W) -> None:
+        self._window = window
+        self._changed = asyncio.Event()  # set whenever pushes are handed back
+        self._futures: dict[int, asyncio.Future[PushResult]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """Pushes made whose futures are not yet complete (at most the window)."""
+        return len(self._window.pushes)
+
+    async def _room(self) -> None:
+        """Wait while the window is full."""
+        while self._window.full:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed."""
+        while self._window.pushes:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _settle(self) -> None:
+        """Complete the futures of the pushes handed back, in order."""
+        finished = self._window.finished()
+        for push in finished:
+            future = self._futures.pop(push.number)
+            if future.done():  # cancelled by its caller
+                continue
+            if isinstance(push.outcome, PushResult):
+                future.set_result(push.outcome)
+            else:
+                future.set_exception(push.outcome)
+        if finished:
+            self._changed.set()
+
+
+class AsyncPusher(AsyncOrderedFutures[Window]):
     """Up to `window` pushes in flight to one table over one PushStream, as Pusher: `await push()`
     returns an asyncio Future at once (waiting only while the window is full); futures complete
     in push order, each with its PushResult or its ExpbufError naming its uids::
@@ -42,38 +85,26 @@ class AsyncPusher:
     """
 
     def __init__(self, client: AsyncBufferClient, table: str, window: int, timeout: float | None) -> None:
+        super().__init__(Window(table, window, client, timeout))
         self._client = client
-        self._window = Window(table, window, client, timeout)
-        self._changed = asyncio.Event()  # set whenever pushes are handed back
         self._writing = asyncio.Lock()
         self._stream: _Open | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._futures: dict[int, asyncio.Future[PushResult]] = {}
-
-    @property
-    def in_flight(self) -> int:
-        """Pushes made whose futures are not yet complete (at most the window)."""
-        return len(self._window.pushes)
 
     async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
-        body = calls.payload(items)
-        while self._window.full:
-            self._changed.clear()
-            await self._changed.wait()
-        pending = self._window.add(body)
+        return await self._push(calls.payload(items))
+
+    async def _push(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:
+        """Push TRXP bytes as push `number`, as Pusher._push."""
+        await self._room()
+        pending = self._window.add(body, number)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         self._futures[pending.number] = future
         if pending.outcome is None:
             await self._send([pending])
         self._settle()
         return future
-
-    async def flush(self) -> None:
-        """Wait until every push made so far is durable or has failed."""
-        while self._window.pushes:
-            self._changed.clear()
-            await self._changed.wait()
 
     async def close(self) -> None:
         """Wait for every push, then end the stream."""
@@ -133,17 +164,3 @@ class AsyncPusher:
         if again:
             await asyncio.sleep(pause)
             await self._send(again)
-
-    def _settle(self) -> None:
-        """Complete the futures of the pushes handed back, in order."""
-        finished = self._window.finished()
-        for pending in finished:
-            future = self._futures.pop(pending.number)
-            if future.done():  # cancelled by its caller
-                continue
-            if isinstance(pending.outcome, PushResult):
-                future.set_result(pending.outcome)
-            else:
-                future.set_exception(pending.outcome)  # type: ignore[arg-type]  # an ExpbufError
-        if finished:
-            self._changed.set()

@@ -3,9 +3,9 @@ each push sends, and what the end of a stream means for each push on it. No I/O 
 pusher (pusher.py, aio_pusher.py) only sends, reads and waits.
 
 A pusher's pushes go over PushStream, each with its number as its seq, up to `window` of them
-not yet handed back. The server takes a stream's pushes one at a time, in order, and answers
-each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
-unanswered push's, and the server read none after it: that push fails alone, and the others
+not yet handed back. The server stores a stream's pushes in order, several in one commit, and
+answers each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
+unanswered push's, and the server stored none after it: that push fails alone, and the others
 go again on a new stream. When a stream breaks (UNAVAILABLE: the server went away), the push
 it was on may or may not be stored: every push unanswered on it goes again (a push is
 idempotent; what was stored comes back as duplicates) while the client's retries and the
@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -90,22 +90,50 @@ class Stream:
     sent: deque[Pending] = field(default_factory=deque)
 
 
-class Window:
-    """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
+class Numbered(Protocol):
+    number: int
+    outcome: Any  # None until the push has one
 
-    def __init__(self, table: str, size: int, client: Any, timeout: float | None) -> None:
-        self.table = table
+
+P = TypeVar("P", bound=Numbered)
+
+
+class Ordered(Generic[P]):
+    """Pushes in the order pushed, up to `size` of them not yet handed back, each handed back
+    once it and every push before it have an outcome."""
+
+    def __init__(self, size: int) -> None:
         self.size = check_window(size)
-        self.chunk_bytes: int = client.push_chunk_bytes
-        self.max_message_bytes: int = client.max_message_bytes
-        self.timeout: float = timeout or client.timeout
-        self.retries: int = client.retries
-        self.pushes: deque[Pending] = deque()
+        self.pushes: deque[P] = deque()
         self._numbers = 0
 
     @property
     def full(self) -> bool:
         return len(self.pushes) >= self.size
+
+    def number(self, given: int | None = None) -> int:
+        """The next push's number: `given` (greater than the last), or one more than the last."""
+        self._numbers = self._numbers + 1 if given is None else given
+        return self._numbers
+
+    def finished(self) -> list[P]:
+        """The pushes handed back now: those with an outcome with none unfinished before them."""
+        done = []
+        while self.pushes and self.pushes[0].outcome is not None:
+            done.append(self.pushes.popleft())
+        return done
+
+
+class Window(Ordered[Pending]):
+    """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
+
+    def __init__(self, table: str, size: int, client: Any, timeout: float | None) -> None:
+        super().__init__(size)
+        self.table = table
+        self.chunk_bytes: int = client.push_chunk_bytes
+        self.max_message_bytes: int = client.max_message_bytes
+        self.timeout: float = timeout or client.timeout
+        self.retries: int = client.retries
 
     @property
     def stream_seconds(self) -> float:
@@ -117,11 +145,11 @@ class Window:
         """Whether a new push may go on `stream`."""
         return stream is not None and time.monotonic() - stream.opened < self.timeout
 
-    def add(self, body: bytes) -> Pending:
-        """The next push, of a payload the pusher encoded while earlier ones were on their way.
+    def add(self, body: bytes, number: int | None = None) -> Pending:
+        """The next push, of a payload the pusher encoded while earlier ones were on their way;
+        `number`, when given, is its number (a sharded pusher's, whose push this is a part of).
         One no message could carry fails at once."""
-        self._numbers += 1
-        pending = Pending(self._numbers, self.table, body, time.monotonic() + self.timeout)
+        pending = Pending(self.number(number), self.table, body, time.monotonic() + self.timeout)
         if self.chunk_bytes == 0 and len(body) > self.max_message_bytes:
             pending.fail(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -186,10 +214,3 @@ class Window:
                     ", not stored",
                 )
         return [pending for pending in pushes if pending.outcome is None]
-
-    def finished(self) -> list[Pending]:
-        """The pushes handed back now: those with an outcome with none unfinished before them."""
-        done = []
-        while self.pushes and self.pushes[0].outcome is not None:
-            done.append(self.pushes.popleft())
-        return done

@@ -12,12 +12,12 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
 from . import calls
-from .pipeline import Pending, Stream, Window
+from .pipeline import Ordered, Pending, Stream, Window
 from .results import PushResult
 
 if TYPE_CHECKING:
@@ -56,7 +56,50 @@ class _Open:
         )
 
 
-class Pusher:
+W = TypeVar("W", bound=Ordered[Any])
+
+
+class OrderedFutures(Generic[W]):
+    """A pusher's futures, one per push, completed in the order of the pushes outside its lock,
+    by one thread at a time: a callback that pushes again only queues what it hands back."""
+
+    def __init__(self, window: W) -> None:
+        self._window = window
+        self._changed = threading.Condition()
+        self._futures: dict[int, Future[PushResult]] = {}
+        self._ready: deque[tuple[Any, Future[PushResult]]] = deque()  # handed back, futures to complete
+        self._completing = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Pushes made whose futures are not yet complete (at most the window)."""
+        return len(self._window.pushes)
+
+    def flush(self) -> None:
+        """Wait until every push made so far is durable or has failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._window.pushes)
+
+    def _settle(self) -> None:
+        """Complete the futures of the pushes handed back, in order, outside the lock."""
+        with self._changed:
+            finished = self._window.finished()
+            self._ready.extend((push, self._futures.pop(push.number)) for push in finished)
+            if finished:
+                self._changed.notify_all()
+        while self._ready and self._completing.acquire(blocking=False):
+            try:
+                while self._ready:
+                    push, future = self._ready.popleft()
+                    if isinstance(push.outcome, PushResult):
+                        future.set_result(push.outcome)
+                    else:
+                        future.set_exception(push.outcome)
+            finally:
+                self._completing.release()
+
+
+class Pusher(OrderedFutures[Window]):
     """Up to `window` pushes in flight to one table over one PushStream: `push()` returns a
     Future at once (waiting only while the window is full), so the next payload is encoded
     while the server stores the last. Each future holds its push's PushResult once durable,
@@ -69,37 +112,27 @@ class Pusher:
     """
 
     def __init__(self, client: BufferClient, table: str, window: int, timeout: float | None) -> None:
+        super().__init__(Window(table, window, client, timeout))
         self._client = client
-        self._window = Window(table, window, client, timeout)
-        self._changed = threading.Condition()
         self._stream: _Open | None = None
         self._readers: list[threading.Thread] = []
-        self._futures: dict[int, Future[PushResult]] = {}
-        self._ready: deque[tuple[Pending, Future[PushResult]]] = deque()  # handed back, futures to complete
-        self._completing = threading.Lock()
-
-    @property
-    def in_flight(self) -> int:
-        """Pushes made whose futures are not yet complete (at most the window)."""
-        return len(self._window.pushes)
 
     def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
-        body = calls.payload(items)
+        return self._push(calls.payload(items))
+
+    def _push(self, body: bytes, number: int | None = None) -> Future[PushResult]:
+        """Push TRXP bytes as push `number` (a sharded pusher's, of which this is a part: named so
+        in its refusal, and sent as its seq), by default one more than the last."""
         future: Future[PushResult] = Future()
         with self._changed:
             self._changed.wait_for(lambda: not self._window.full)
-            pending = self._window.add(body)
+            pending = self._window.add(body, number)
             self._futures[pending.number] = future
             if pending.outcome is None:
                 self._send([pending])
         self._settle()
         return future
-
-    def flush(self) -> None:
-        """Wait until every push made so far is durable or has failed."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._window.pushes)
 
     def close(self) -> None:
         """Wait for every push, then end the stream."""
@@ -150,22 +183,3 @@ class Pusher:
             time.sleep(pause)
             with self._changed:
                 self._send(again)
-
-    def _settle(self) -> None:
-        """Complete the futures of the pushes handed back, in order, outside the lock. One thread
-        at a time completes them; a callback that pushes again only queues what it hands back."""
-        with self._changed:
-            finished = self._window.finished()
-            self._ready.extend((pending, self._futures.pop(pending.number)) for pending in finished)
-            if finished:
-                self._changed.notify_all()
-        while self._ready and self._completing.acquire(blocking=False):
-            try:
-                while self._ready:
-                    pending, future = self._ready.popleft()
-                    if isinstance(pending.outcome, PushResult):
-                        future.set_result(pending.outcome)
-                    else:
-                        future.set_exception(pending.outcome)
-            finally:
-                self._completing.release()

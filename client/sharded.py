@@ -30,6 +30,7 @@ from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targ
 from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
+from .shard_pusher import ShardedPusher
 from .sharded_async import AsyncShardedBufferClient
 
 
@@ -86,6 +87,13 @@ class ShardedBufferClient(LedgerPlans):
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store experiences durably, each group on its shard; the parts go out in parallel."""
         return self._run(self._push(items, table, timeout))
+
+    def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> ShardedPusher:
+        """Pipelined pushes to `table` over the shards, as BufferClient.pusher: up to `window` (1 to
+        64) in flight, each push's parts sent at once to their shards' pushers (one per shard,
+        each over its own PushStream). Futures complete in push order, a failed push with a
+        ShardError naming its shards and uids. See ShardedPusher."""
+        return ShardedPusher(self, table, window, timeout)
 
     def sample(
         self,

@@ -19,6 +19,7 @@ from .shard_common import AsyncShardBatch, LiveResult, ShardBatch
 from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
+from .shard_pusher import AsyncShardedPusher
 
 
 class AsyncShardedBufferClient(LedgerPlans):
@@ -70,6 +71,11 @@ class AsyncShardedBufferClient(LedgerPlans):
     ) -> PushResult:
         """As ShardedBufferClient.push."""
         return await self._run(self._push(items, table, timeout))
+
+    def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncShardedPusher:
+        """Pipelined pushes to `table` over the shards, as ShardedBufferClient.pusher: `await
+        pusher.push(items)` returns an asyncio Future of the PushResult. See AsyncShardedPusher."""
+        return AsyncShardedPusher(self, table, window, timeout)
 
     async def sample(
         self,

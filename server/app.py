@@ -175,6 +175,7 @@ class ExpbufServer:
             ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
             push_stream_idle_seconds=config.push_stream_idle_seconds,
+            push_stream_window=config.push_stream_window,
             max_wait_seconds=config.max_wait_seconds,
         )
         # one-value estimators: computed by the push (advantages.py), once torch has loaded

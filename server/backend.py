@@ -8,12 +8,12 @@ one that exists.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
 
-from .store import ComputeJob, Entry, PutResult, Sampled, ScrubStatus, ShapingUpdate
+from .store import ComputeJob, Entry, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
 from .store.admission import Grant
 from .store.browse import Page
 from .store.claims import PromptPage
@@ -37,6 +37,7 @@ class Backend(Protocol):
     # experiences
     def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult: ...
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult: ...
+    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]: ...
     def sample(
         self,
         spec: SampleSpec,

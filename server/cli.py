@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
             "ingest_processes": args.ingest_processes,
             "torch_threads": args.torch_threads,
             "push_stream_idle_seconds": args.push_stream_idle_seconds,
+            "push_stream_window": args.push_stream_window,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
             "max_metadata_bytes": args.max_metadata_bytes,
@@ -240,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--push-stream-idle-seconds",
         type=float,
         help="end a PushStream that sends nothing this long (default 120; env EXPBUF_PUSH_STREAM_IDLE_SECONDS)",
+    )
+    serve.add_argument(
+        "--push-stream-window",
+        type=int,
+        help="pushes a PushStream reads and stores ahead of its replies (default 8; env EXPBUF_PUSH_STREAM_WINDOW)",
     )
     serve.add_argument(
         "--max-wait-seconds",

@@ -16,6 +16,7 @@ may also declare tables (created at start, or checked against the stored ones):
     push_scope_workers = 16       # workers kept for push-scope calls (default: a quarter)
     sample_scope_workers = 16     # workers kept for sample-scope calls (default: a quarter)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
+    push_stream_window = 8        # pushes a PushStream reads and stores ahead of its replies
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
@@ -107,6 +108,9 @@ class ServerConfig:
     push_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     sample_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     push_stream_idle_seconds: float = 120.0
+    # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
+    # reads and parses the next, and the next step stores all it parsed in one commit (push_stream.py).
+    push_stream_window: int = 8
     max_wait_seconds: float = 600.0
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
     max_inflight_bytes: int = 1 << 30
@@ -227,6 +231,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
+        window = self.push_stream_window
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 1024:
+            raise ConfigError(f"push_stream_window must be an integer from 1 to 1024, got {window!r}")
         if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
             raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
         if not isinstance(self.max_metadata_bytes, int) or self.max_metadata_bytes < 1 << 16:
@@ -265,6 +272,7 @@ _ENV = {
     "EXPBUF_PUSH_SCOPE_WORKERS": ("push_scope_workers", int),
     "EXPBUF_SAMPLE_SCOPE_WORKERS": ("sample_scope_workers", int),
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
+    "EXPBUF_PUSH_STREAM_WINDOW": ("push_stream_window", int),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),

@@ -17,6 +17,12 @@ so the pushes that started reading below the cap may together pass it, by at mos
 each; a payload in chunks is held as its chunks come, and once its first is read the others
 are read whatever the cap.) A push larger than the cap still goes through when nothing else is in flight. When the
 last push in flight ends, memory freed by large pushes is handed back to the system.
+
+A PushStream reads its next messages while its earlier pushes are stored (push_stream.py): each
+message carries what it holds, given back once its push is stored or refused, and the stream's
+wait for room is not timed while its own earlier pushes hold memory, which they give back. Its
+refusals are raised as a `Refusal`, which the stream gives as its status in its turn, after the
+replies of the pushes before it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import grpc
 
@@ -45,10 +52,26 @@ class PushMessage:
     payload: memoryview
     seq: int
     total_bytes: int = 0
+    held: list[Callable[[], None]] = field(default_factory=list)  # what it holds of max_inflight_bytes
 
     def drop_payload(self) -> None:
         """Let the received bytes go (once decoded), before the store copies the packed experiences."""
         self.payload = memoryview(b"")
+
+    def release(self) -> None:
+        """Give back what the push held of max_inflight_bytes (once stored or refused; again: nothing)."""
+        _release(self.held)
+
+
+class Refusal(Exception):
+    """A PushStream message refused as it was read: the status the stream ends with in its turn."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+    def abort(self, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(self.code, self.details)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -128,6 +151,7 @@ class InFlight:
         self.limit = limit
         self._changed = threading.Condition()
         self._held = 0
+        self._owners: dict[object, int] = {}  # pushes holding memory, by the stream they came on
         self._since_trim = 0
         self._trim = _malloc_trim()
 
@@ -135,21 +159,34 @@ class InFlight:
     def held(self) -> int:
         return self._held
 
-    def admit(self, timeout: float) -> str | None:
-        """Wait up to `timeout` until a push may read its message; the refusal if it may not."""
+    def admit(self, timeout: float, owner: object = None) -> str | None:
+        """Wait until a push may read its message, up to `timeout`; the refusal if it may not. The
+        time is counted only while `owner` (a stream) holds nothing: its own pushes give back theirs."""
         with self._changed:
-            if self._changed.wait_for(lambda: self._held < self.limit, timeout):
-                return None
-            return (
-                f"pushes in progress hold {self._held} bytes of payload, the limit is max_inflight_bytes = "
-                f"{self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or retry later)"
-            )
+            deadline = None
+            while self._held >= self.limit:
+                if self._owners.get(owner):
+                    deadline = None
+                    self._changed.wait()
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return (
+                        f"pushes in progress hold {self._held} bytes of payload, the limit is max_inflight_bytes = "
+                        f"{self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or retry later)"
+                    )
+                self._changed.wait(left)
+            return None
 
-    def hold(self, size: int) -> Callable[[], None]:
-        """Count a read payload until the function returned is called."""
+    def hold(self, size: int, owner: object = None) -> Callable[[], None]:
+        """Count a read payload (of `owner`'s) until the function returned is called."""
         with self._changed:
             self._held += size
             self._since_trim += size
+            if owner is not None:
+                self._owners[owner] = self._owners.get(owner, 0) + 1
         released = False
 
         def release() -> None:
@@ -159,6 +196,10 @@ class InFlight:
             released = True
             with self._changed:
                 self._held -= size
+                if owner is not None:
+                    self._owners[owner] -= 1
+                    if not self._owners[owner]:
+                        del self._owners[owner]
                 self._changed.notify_all()
                 trim = self._held == 0 and self._since_trim >= TRIM_AFTER
                 if trim:
@@ -182,7 +223,8 @@ def _remaining(context: grpc.ServicerContext) -> float:
 
 class PushMemory(ServiceInterceptor):
     """Push and PushStream read their messages with read_push_request, once InFlight admits them;
-    PushStream puts the chunks of a payload together before the servicer sees it."""
+    PushStream puts the chunks of a payload together before the servicer sees it. A message that
+    cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn."""
 
     def __init__(self, inflight: InFlight, stream_wait: float = 3600.0, max_push_bytes: int = 256 << 20) -> None:
         self.inflight = inflight
@@ -190,73 +232,74 @@ class PushMemory(ServiceInterceptor):
         self.max_push_bytes = max_push_bytes  # the largest payload in chunks: max_message_bytes
 
     def _read(
-        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0
-    ) -> tuple[Any, Callable[[], None]] | None:
-        """The next message, admitted (waiting at most `most`) and held; None at the end of the
-        client's messages."""
-        refused = self.inflight.admit(min(most, _remaining(context)))
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
+    ) -> PushMessage | None:
+        """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
+        None at the end of the client's messages."""
+        refused = self.inflight.admit(min(most, _remaining(context)), owner)
         if refused is not None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         request = next(requests, None)
         if request is None:
             return None
         size = len(request.payload)
+        request.held.append(self.inflight.hold(size, owner))
         if request.total_bytes and request.total_bytes < size:
-            context.abort(
+            request.release()
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
             )
         if request.total_bytes > self.max_push_bytes:
-            context.abort(
+            request.release()
+            raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"PushRequest: a payload of total_bytes = {request.total_bytes} is larger than the largest push, "
                 f"max_message_bytes = {self.max_push_bytes} (EXPBUF_MAX_MESSAGE_BYTES)",
             )
-        return request, self.inflight.hold(size)
+        return request
 
-    def _chunks(
-        self,
-        first: PushMessage,
-        requests: Iterator[Any],
-        context: grpc.ServicerContext,
-        held: list[Callable[[], None]],
-    ) -> Iterator[Any]:
+    def _chunks(self, first: PushMessage, requests: Iterator[Any], owner: object) -> Generator[Any, None, PushMessage]:
         """The payload whose first chunk is `first`, put together from the chunks that follow it
-        (each held as it comes, into `held`, and let go once copied), then handed over as one
-        message; PROGRESS after each chunk but the last, so that the stream is not taken for
+        (each held as it comes, by the message made, and let go once copied), then returned as
+        one message; PROGRESS after each chunk but the last, so that the stream is not taken for
         idle. A stream that ends before the last chunk is refused: nothing of the push is stored."""
         total, got = first.total_bytes, len(first.payload)
         whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
         whole[:got] = first.payload
         first.drop_payload()
-        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
-        while got < total:
-            yield PROGRESS
-            chunk = next(requests, None)
-            if chunk is None:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushStream ended {got} bytes into {where}: nothing of it is stored",
-                )
-            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and nothing "
-                    "else (table, seq and total_bytes unset)",
-                )
-            end = got + len(chunk.payload)
-            if end > total:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
-                )
-            held.append(self.inflight.hold(len(chunk.payload)))
-            whole[got:end] = chunk.payload
-            chunk.drop_payload()
-            got = end
-        message = PushMessage(first.table, whole, first.seq)
+        message = PushMessage(first.table, whole, first.seq, held=first.held)
         del whole  # the message alone holds the payload, which the servicer lets go once decoded
-        yield message
+        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
+        try:
+            while got < total:
+                yield PROGRESS
+                chunk = next(requests, None)
+                if chunk is None:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                    )
+                if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
+                        "nothing else (table, seq and total_bytes unset)",
+                    )
+                end = got + len(chunk.payload)
+                if end > total:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                    )
+                message.held.append(self.inflight.hold(len(chunk.payload), owner))
+                message.payload[got:end] = chunk.payload
+                chunk.drop_payload()
+                got = end
+        except BaseException:
+            message.release()
+            raise
+        return message
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -265,10 +308,12 @@ class PushMemory(ServiceInterceptor):
             behavior = handler.unary_unary
 
             def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                read = self._read(requests, context)
-                if read is None:
+                try:
+                    request = self._read(requests, context)
+                except Refusal as refusal:
+                    refusal.abort(context)
+                if request is None:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push: the call carried no message")
-                request, release = read
                 try:
                     if request.total_bytes > len(request.payload):
                         context.abort(
@@ -278,7 +323,7 @@ class PushMemory(ServiceInterceptor):
                         )
                     return behavior(request, context)
                 finally:
-                    release()
+                    request.release()
 
             # A unary request is framed as a stream of one: taken as a stream, it is read only when asked for.
             return grpc.stream_unary_rpc_method_handler(push, read_push_request, handler.response_serializer)
@@ -286,21 +331,15 @@ class PushMemory(ServiceInterceptor):
             behavior = handler.stream_stream
 
             def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                held: list[Callable[[], None]] = []  # what the push being read holds, chunk by chunk
-                try:
-                    while True:
-                        read = self._read(requests, context, self.stream_wait)
-                        if read is None:
-                            return
-                        request, release = read
-                        held.append(release)
-                        if request.total_bytes > len(request.payload):
-                            yield from self._chunks(request, requests, context, held)
-                        else:
-                            yield request  # held until the stream asks for the next one
-                        _release(held)
-                finally:
-                    _release(held)
+                """The stream's messages, each holding its memory until the servicer releases it."""
+                owner = object()  # this stream, whose own pushes in progress free the room it waits for
+                while True:
+                    request = self._read(requests, context, self.stream_wait, owner)
+                    if request is None:
+                        return
+                    if request.total_bytes > len(request.payload):
+                        request = yield from self._chunks(request, requests, owner)
+                    yield request
 
             def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 yield from behavior(admitted(requests, context), context)

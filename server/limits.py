@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -238,59 +239,111 @@ PROGRESS: Any = object()
 class IdleMessages:
     """A stream's messages, read by a thread of their own so that the call can end one that
     sends nothing for `seconds` (a PushStream left open holds a worker thread): `seconds`
-    without a message, or a PROGRESS. The reader asks gRPC for the next message only when the
-    call wants it: no payload is read ahead."""
+    without a message, or a PROGRESS.
 
-    def __init__(self, requests: Iterator[Any], seconds: float) -> None:
+    The reader reads up to `ahead` messages that the call has not yet said `done()` with, and
+    makes each ready with `prepare` as it comes (a push's parse), so that the call works on one
+    while the next are read and made ready. Messages, the end of the client's (None) and what
+    reading or preparing one raised come out in the order they came; after an end or an error the
+    reader reads no more. Once the call closes it, what it made ready and no one took goes to
+    `discard`."""
+
+    def __init__(
+        self,
+        requests: Iterator[Any],
+        seconds: float,
+        *,
+        ahead: int = 1,
+        prepare: Callable[[Any], Any] | None = None,
+        discard: Callable[[Any], None] | None = None,
+    ) -> None:
         self.seconds = seconds
+        self.ahead = ahead
         self._requests = requests
+        self._prepare = prepare
+        self._discard = discard
         self._changed = threading.Condition()
-        self._wanted = False
         self._closed = False
-        self._slot: list[Any] = []  # the message handed over; [] while none is
+        self._ready: deque[Any] = deque()  # made ready, not yet taken
+        self._open = 0  # messages read or being read that the call has not said done with
         self._progress = 0  # PROGRESS seen
         threading.Thread(target=self._read, name="expbuf-stream-reader", daemon=True).start()
 
     def _read(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._wanted or self._closed)
+                self._changed.wait_for(lambda: self._open < self.ahead or self._closed)
                 if self._closed:
                     return
-            try:
-                message: Any = next(self._requests)
-            except (StopIteration, grpc.RpcError):  # the client closed its side, or the call ended
-                message = None
-            except Exception as exc:  # a refusal of the message (an abort): the call raises it
-                message = exc
+                self._open += 1
+            message = self._next()
             with self._changed:
-                if message is PROGRESS:  # still wanted: read on
-                    self._progress += 1
-                else:
-                    self._wanted = False
-                    self._slot.append(message)
-                self._changed.notify_all()
-            if message is None or isinstance(message, Exception):
+                closed = self._closed
+                if not closed:
+                    self._ready.append(message)
+                    self._changed.notify_all()
+            if closed:
+                self._drop(message)
+            if closed or message is None or isinstance(message, Exception):
                 return
 
+    def _next(self) -> Any:
+        """The next message made ready; None once the client closed its side or the call ended;
+        what reading or preparing it raised (a refusal of it: the call raises it in its turn)."""
+        try:
+            while (message := next(self._requests)) is PROGRESS:  # still wanted: read on
+                with self._changed:
+                    self._progress += 1
+                    self._changed.notify_all()
+        except (StopIteration, grpc.RpcError):
+            return None
+        except Exception as exc:
+            return exc
+        if self._prepare is None:
+            return message
+        try:
+            return self._prepare(message)
+        except Exception as exc:
+            return exc
+
+    def _drop(self, message: Any) -> None:
+        if self._discard is not None and message is not None and not isinstance(message, Exception):
+            self._discard(message)
+
     def _moved(self, progress: int) -> bool:
-        return bool(self._slot) or self._progress != progress
+        return bool(self._ready) or self._progress != progress
 
     def next(self) -> Any:
         """The next message; None when the client closed its side; TimeoutError after `seconds` of
-        silence; what reading it raised."""
+        silence; what reading or preparing it raised."""
         with self._changed:
-            self._wanted = True
-            self._changed.notify_all()
-            while not self._slot:
+            while not self._ready:
                 if not self._changed.wait_for(functools.partial(self._moved, self._progress), self.seconds):
                     raise TimeoutError
-            message = self._slot.pop()
+            message = self._ready.popleft()
         if isinstance(message, Exception):
             raise message
         return message
 
+    def ready(self) -> list[Any]:
+        """The messages made ready by now, without waiting (up to an end or an error, which next() gives)."""
+        with self._changed:
+            taken = []
+            while self._ready and self._ready[0] is not None and not isinstance(self._ready[0], Exception):
+                taken.append(self._ready.popleft())
+            return taken
+
+    def done(self, count: int = 1) -> None:
+        """The call is done with `count` messages it took: the reader may read as many more."""
+        with self._changed:
+            self._open -= count
+            self._changed.notify_all()
+
     def close(self) -> None:
         with self._changed:
             self._closed = True
+            left = list(self._ready)
+            self._ready.clear()
             self._changed.notify_all()
+        for message in left:
+            self._drop(message)

@@ -20,19 +20,19 @@ from expbuf.client import trxp, wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from . import __version__
+from . import __version__, push_stream
 from .backend import Backend
 from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
 from .devices import check_device
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
-from .limits import IdleMessages, TableStreams
+from .limits import TableStreams
 from .metrics import Metrics
 from .moments import RunningMoments
 from .replies import sample_reply
 from .sample_stream import stream_batches
-from .store import Sampled
+from .store import PutResult, Sampled
 from .store.errors import InvalidRequest, SpecError, clip
 from .store.sample_spec import SampleSpec
 from .store.states import LIVE
@@ -114,6 +114,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         ingest: Ingest | None = None,
         table_streams: TableStreams | None = None,
         push_stream_idle_seconds: float = 120.0,
+        push_stream_window: int = 8,
         max_wait_seconds: float = 600.0,
     ) -> None:
         self.store = store
@@ -125,6 +126,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         self.max_message_bytes = max_message_bytes
         self.advantage_device = advantage_device
         self.push_stream_idle_seconds = push_stream_idle_seconds
+        self.push_stream_window = push_stream_window
         self.max_wait_seconds = max_wait_seconds
         self.started = time.time()
         self.writers = Writers()
@@ -137,11 +139,14 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         entries = self.ingest.entries(request.payload)
         if isinstance(request, PushMessage):
             request.drop_payload()
-        result = self.store.put_entries(table, entries, timeout=remaining(context))
+        return self._reply(request.seq, table, self.store.put_entries(table, entries, timeout=remaining(context)))
+
+    def _reply(self, seq: int, table: str, result: PutResult) -> pb.PushReply:
+        """A stored push's reply (its groups dropped as they completed are logged)."""
         for gkey in result.dropped_groups:
             log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
         return pb.PushReply(
-            seq=request.seq,
+            seq=seq,
             stored_uids=result.stored,
             duplicate_uids=result.duplicates,
             completed_groups=result.completed_groups,
@@ -154,23 +159,14 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
 
     @refusals
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
-        """Pushes as they come; a stream that sends nothing for push_stream_idle_seconds ends
+        """Pushes as they come, up to push_stream_window of them at once, each answered in order once
+        durable (push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits)."""
-        messages = IdleMessages(request_iterator, self.push_stream_idle_seconds)
+        messages = push_stream.open_messages(
+            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window
+        )
         try:
-            while True:
-                try:
-                    request = messages.next()
-                except TimeoutError:
-                    seconds = self.push_stream_idle_seconds
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"PushStream idle: no message for {seconds:g}s; the server ends idle streams after "
-                        f"push_stream_idle_seconds = {seconds:g} (EXPBUF_PUSH_STREAM_IDLE_SECONDS); open a new one",
-                    )
-                if request is None:
-                    return
-                yield self._push(request, context)
+            yield from push_stream.replies(self.store, messages, context, self._reply)
         finally:
             messages.close()
 

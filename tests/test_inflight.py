@@ -81,6 +81,27 @@ def test_a_push_past_the_cap_waits_until_the_held_bytes_drop() -> None:
     assert admitted == [None] and inflight.held == 0
 
 
+def test_a_stream_waits_for_room_its_own_pushes_hold_without_being_refused() -> None:
+    """A stream reads its next push while its earlier ones are stored: room they hold is waited
+    for without the refusal's timer, which starts only once the stream holds nothing."""
+    inflight = InFlight(100)
+    stream = object()
+    release = inflight.hold(150, stream)
+    refusal = inflight.admit(0.05)  # another stream's push: refused in its time
+    assert refusal is not None and "max_inflight_bytes = 100" in refusal
+    admitted: list[str | None] = []
+    waiter = threading.Thread(target=lambda: admitted.append(inflight.admit(0.05, stream)))
+    waiter.start()
+    time.sleep(0.3)  # six times its timeout: it would have been refused, had the timer run
+    assert admitted == []
+    other = inflight.hold(150)  # now the room is held by another stream's push alone
+    release()
+    waiter.join(10)
+    assert admitted and admitted[0] is not None and "max_inflight_bytes = 100" in admitted[0]
+    other()
+    assert inflight.admit(0.05, stream) is None and inflight.held == 0
+
+
 def test_pushes_give_back_what_they_held_however_they_end(start_server: Servers) -> None:
     server = start_server()
     good = trxp.build(group_items(0, 0, 2))

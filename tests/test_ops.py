@@ -711,11 +711,16 @@ def test_limits_on_waiting_calls_come_from_defaults_file_environment_and_flags(
         ServerConfig(workers=8, reserved_workers=8)
     with pytest.raises(ConfigError, match=r"push_stream_idle_seconds must be a number of seconds above 0"):
         ServerConfig(push_stream_idle_seconds=0)
+    assert config.push_stream_window == 8
+    with pytest.raises(ConfigError, match=r"push_stream_window must be an integer from 1 to 1024, got 0"):
+        ServerConfig(push_stream_window=0)
     config_file = tmp_path / "expbuf.toml"
     config_file.write_text("max_push_streams = 3\nmax_wait_seconds = 30\nreserved_workers = 2\n")
     monkeypatch.setenv("EXPBUF_MAX_WAITING_ADMITS", "5")
     monkeypatch.setenv("EXPBUF_PUSH_STREAM_IDLE_SECONDS", "7.5")
+    monkeypatch.setenv("EXPBUF_PUSH_STREAM_WINDOW", "3")
     loaded = load(str(config_file), {"max_wait_seconds": 9.0})
+    assert loaded.push_stream_window == 3
     assert (loaded.push_stream_limit, loaded.waiting_admit_limit, loaded.reserved_worker_count) == (3, 5, 2)
     assert (loaded.push_stream_idle_seconds, loaded.max_wait_seconds) == (7.5, 9.0)
     monkeypatch.setenv("EXPBUF_PUSH_STREAM_IDLE_SECONDS", "-1")

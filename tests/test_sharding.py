@@ -401,6 +401,86 @@ def test_async_client_pushes_samples_and_acks_across_shards(shards: Shards) -> N
     asyncio.run(run())
 
 
+def pushed_through(shards: Shards, kind: str, table: str, pushes: list) -> tuple[list, list[int]]:
+    """Each push's outcome through a sharded pusher of window 4, and the order its futures completed in."""
+    done: list[int] = []
+
+    def note(index: int) -> Callable[[object], None]:
+        return lambda _: done.append(index)
+
+    if kind == "blocking":
+        with ShardedBufferClient(shards.targets()) as client, client.pusher(table, window=4) as pusher:
+            futures = []
+            for index, items in enumerate(pushes):
+                futures.append(pusher.push(items))
+                futures[-1].add_done_callback(note(index))
+                assert pusher.in_flight <= 4
+        return [f.exception() or f.result() for f in futures], done
+
+    async def run() -> list:
+        async with AsyncShardedBufferClient(shards.targets()) as client:
+            async with client.pusher(table, window=4) as pusher:
+                futures = []
+                for index, items in enumerate(pushes):
+                    futures.append(await pusher.push(items))
+                    futures[-1].add_done_callback(note(index))
+                    assert pusher.in_flight <= 4
+            return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    return asyncio.run(run()), done
+
+
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_a_sharded_pusher_sends_each_group_to_its_shard_and_answers_in_push_order(shards: Shards, kind: str) -> None:
+    table = f"piped-{kind}"
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table(table, group_size=2)
+        pushes = [groups(batch, range(3), range(2)) for batch in range(10)]  # three groups a push
+        pushes.append(pushes[2])  # the same push again in the window: duplicates
+        outcomes, order = pushed_through(shards, kind, table, pushes)
+        assert order == list(range(len(pushes)))
+        for items, outcome in zip(pushes[:10], outcomes, strict=False):
+            assert isinstance(outcome, PushResult), outcome
+            assert sorted(outcome.stored) == sorted(e.eid.uid for e in items) and outcome.duplicates == []
+            assert sorted(outcome.completed_groups) == sorted({e.eid.tid for e in items})
+        assert sorted(outcomes[10].duplicates) == sorted(e.eid.uid for e in pushes[2]) and not outcomes[10].stored
+        owners_of = {e.eid.uid: client.shard_map.owner(e.eid.tid) for items in pushes for e in items}
+        assert len(set(owners_of.values())) == len(NAMES)
+        for name in NAMES:
+            held = [uid for uid, shard in owners_of.items() if shard == name]
+            with BufferClient(shards.procs[name].target) as direct:
+                assert direct.get(held, table=table).missing_uids == []
+
+
+@pytest.mark.parametrize("kind", ["blocking", "asyncio"])
+def test_a_refused_push_of_a_sharded_pusher_fails_alone_naming_its_shard_and_uids(shards: Shards, kind: str) -> None:
+    table = f"piped-refused-{kind}"
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table(table, group_size=2)
+        first = groups(0, range(1), range(2))
+        conflict = [make_experience(0, 0, 0, reward=0.0), *groups(0, range(5, 6), range(2))]  # first[0]'s uid
+        pushes = [first, groups(0, range(1, 2), range(2)), conflict, groups(0, range(2, 3), range(2)), b"no TRXP"]
+        pushes.append(groups(0, range(3, 4), range(2)))
+        outcomes, order = pushed_through(shards, kind, table, pushes)
+        assert order == list(range(len(pushes)))
+        refused = outcomes[2]
+        shard = client.shard_map.owner("0/0")
+        assert isinstance(refused, ShardError) and refused.code == grpc.StatusCode.ALREADY_EXISTS, refused
+        assert refused.shards == [shard] and f"shard {shard} " in refused.details
+        assert "push 3 of this pusher" in refused.details
+        if client.shard_map.owner("0/5") == shard:  # the part on that shard is refused whole
+            assert set(refused.uids) == {e.eid.uid for e in conflict} and refused.result.stored == []
+        else:  # the other shard stored its part
+            assert refused.uids == (conflict[0].eid.uid,)
+            assert sorted(refused.result.stored) == sorted(e.eid.uid for e in conflict[1:])
+        unreadable = outcomes[4]
+        assert isinstance(unreadable, BufferError) and unreadable.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "push 5 of this pusher" in unreadable.details
+        for index in (0, 1, 3, 5):
+            stored = outcomes[index]
+            assert isinstance(stored, PushResult) and sorted(stored.stored) == sorted(e.eid.uid for e in pushes[index])
+
+
 def test_metrics_carry_the_shard_label(shards: Shards) -> None:
     with BufferClient(shards.procs["s2"].target) as direct:
         direct.stats()

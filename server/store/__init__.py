@@ -8,8 +8,8 @@
 - the environment and the formats: environment.py (the LMDB environment, its single writer
   thread and group commit), layout.py (the named databases and the keys in them), records.py
   (ItemRecord, GroupRecord, Lease and their binary encoding), kinds.py (what goes in and comes
-  out: Entry, PutResult, Sampled, ComputeJob), stored_advantages.py (advantages' stored forms,
-  spliced into a batch), snapshot.py, batch_rows.py;
+  out: Entry, Push, PutResult, Sampled, ComputeJob), stored_advantages.py (advantages' stored
+  forms, spliced into a batch), snapshot.py, batch_rows.py;
 - the table state: table_state.py (one table in one transaction: its record cache, counters,
   ready index and `save`), counters.py (the counters and their stored form), extensions.py
   (the table extension hooks, after Reverb's TableExtension);
@@ -36,7 +36,7 @@ built) and the advantages a push computes (`Store.in_push`).
 from .counters import SHAPING_COUNTERS
 from .engine import Store
 from .extensions import TableExtension
-from .kinds import ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
 from .records import ItemRecord
 from .scrub import ScrubStatus
 from .states import (
@@ -74,6 +74,7 @@ __all__ = [
     "Entry",
     "IllegalMove",
     "ItemRecord",
+    "Push",
     "PutResult",
     "Sampled",
     "ScrubStatus",

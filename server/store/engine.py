@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import lmdb
@@ -46,7 +46,7 @@ from .errors import NotFound
 from .extensions import Extensions
 from .index_builds import submit_building
 from .integrity import verify
-from .kinds import Compute, ComputeJob, Entry, PutResult, Sampled, ShapingUpdate
+from .kinds import Compute, ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
 from .ledger_records import DatasetRecord
 from .migrate import migrate
@@ -113,7 +113,7 @@ class Store:
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
-        self.pushing = Pushing(self.environment, self.catalog, self._in_table, max_reply_bytes)
+        self.pushing = Pushing(self.environment, self.catalog, self._state_in, max_reply_bytes)
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):
@@ -163,10 +163,14 @@ class Store:
         table_id, config = self.catalog.lookup(table)
 
         def op(txn: lmdb.Transaction[bytes]) -> T:
-            self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
-            return fn(self.catalog.state(txn, table_id, config))
+            return fn(self._state_in(txn, table_id, config))
 
         return submit_building(self.environment, self.catalog, op)
+
+    def _state_in(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig) -> TableState:
+        """A table's state in the writer's transaction, the table marked for the next upkeep pass."""
+        self.upkeep.mark(table_id)  # in the writer's transaction: never before an upkeep pass that misses it
+        return self.catalog.state(txn, table_id, config)
 
     @property
     def maintenance_failures(self) -> int:
@@ -201,6 +205,11 @@ class Store:
     def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         """Store validated entries durably (Pushing.put)."""
         return self.pushing.put(table, entries, timeout=timeout)
+
+    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]:
+        """Store pushes durably, in order, sharing the writer's commits; each one's result once
+        durable, a refusal after those before it (Pushing.put_in_order)."""
+        return self.pushing.put_in_order(pushes, timeout=timeout)
 
     @property
     def in_push(self) -> Callable[[TableConfig], Compute | None] | None:

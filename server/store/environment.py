@@ -214,7 +214,7 @@ class Environment:
                     results.append(self._run(ops[0], parent))
                 else:
                     for op in ops:
-                        child = self.env.begin(write=True, parent=parent)
+                        child = self.nested(parent)
                         results.append(self._run(op, child))
                         (child.commit if results[-1][0] else child.abort)()
                 if any(ok for ok, _ in results):
@@ -247,6 +247,11 @@ class Environment:
                 op.future.set_result(value)
             else:
                 op.future.set_exception(value)
+
+    def nested(self, parent: lmdb.Transaction[bytes]) -> lmdb.Transaction[bytes]:
+        """A write transaction nested in `parent` (in the writer thread): committed, its changes
+        join the parent's; aborted, it undoes only itself."""
+        return self.env.begin(write=True, parent=parent)
 
     @staticmethod
     def _run(op: _Op, txn: lmdb.Transaction[bytes]) -> tuple[bool, Any]:

@@ -3,7 +3,7 @@ store, the result of a push, a sampled batch, and a computation of advantages to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -86,6 +86,16 @@ class Entry:
     def group_key(self, group_by: str) -> str:
         key: str = getattr(self, GROUP_KEY_OF[group_by])
         return key
+
+
+@dataclass(slots=True)
+class Push:
+    """A push as the store takes it: a table and validated entries. The store reads the entries
+    when the writer stores them and keeps them no longer, so whoever made the push lets them go
+    (`entries = []`) as soon as it has the push's result."""
+
+    table: str
+    entries: Sequence[Entry]
 
 
 @dataclass

@@ -1,76 +1,159 @@
-"""A push: validated entries stored in the writer's transaction, durably when it returns.
+"""Pushes: validated entries stored in the writer's transaction, durably when it returns.
 
-A table full in block mode, or a rate limit that holds the push, is waited out until the
-push's timeout, the push tried again at each change of the environment. Where the server gives
-a table a computation (`in_push`: one-value estimators), the groups the push completes get
-their advantages in its transaction, computed before it where the push's groups can be
-foreseen (pushed_advantages.py).
+A push alone is a sequence of one: `put_in_order` stores a stream's pushes in order, as many
+as it holds in one request to the writer, each in a transaction nested in it (so a refusal
+undoes only its own push), and stops at the first that does not store. Those that stored
+share the writer's commit; the caller hears each one's result once durable, and a refused
+push's refusal after them, with none after it stored: exactly as if each had been sent after
+the reply of the one before.
+
+A full table in block mode, or a rate limit that holds a push, is waited out until the
+pushes' timeout, the push tried again (with those after it) at each change of the environment.
+Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
+push completes get their advantages in its transaction, computed before it where the push's
+groups can be foreseen (pushed_advantages.py).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from . import admission, deliverable, groups, limiter, pushed_advantages
+import lmdb
+
+from . import admission, deliverable, groups, index_builds, limiter, pushed_advantages
 from .catalog import TableCatalog
 from .environment import Environment
 from .errors import InsertLimited, TableFull
-from .kinds import Ahead, Compute, Entry, PutResult
+from .kinds import Ahead, Compute, Entry, Push, PutResult
+from .selection import IndexBuilding
 from .table_config import TableConfig
 from .table_state import TableState
 
-Stored = PutResult | InsertLimited
-InTable = Callable[[str, Callable[[TableState], Stored]], Stored]
+# A table's state in the writer's transaction, by table id and configuration (Store._state_in).
+StateIn = Callable[["lmdb.Transaction[bytes]", int, TableConfig], TableState]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """One push, looked up and with its advantages computed ahead, ready for the writer (which
+    reads its entries from the push itself: see kinds.Push)."""
+
+    push: Push
+    table_id: int
+    config: TableConfig
+    ahead: Ahead | None
 
 
 class Pushing:
-    """Pushes into a data directory's tables; `in_table` runs a function on one table in the
-    writer's next transaction (Store._in_table)."""
+    """Pushes into a data directory's tables; `state_in` opens a table's state in the writer's
+    transaction (Store._state_in)."""
 
     def __init__(
-        self, environment: Environment, catalog: TableCatalog, in_table: InTable, max_reply_bytes: int | None
+        self, environment: Environment, catalog: TableCatalog, state_in: StateIn, max_reply_bytes: int | None
     ) -> None:
-        self.environment, self.catalog, self._in_table = environment, catalog, in_table
+        self.environment, self.catalog, self._state_in = environment, catalog, state_in
         self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
 
     def put(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
         """Store validated entries durably. A full table in block mode, or a rate limit that holds
         the push, waits until timeout."""
-        _, config = self.catalog.lookup(table)
-        limit = self.max_reply_bytes
-        compute = self.in_push(config) if self.in_push is not None else None
-        ahead = pushed_advantages.compute_ahead(config, entries, compute) if compute is not None else None
+        (result,) = self.put_in_order([Push(table, entries)], timeout=timeout)
+        return result
+
+    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]:
+        """Store pushes durably, in order, each as `put` would; yields each one's result once it is
+        durable. A refused push raises after the results of those before it, and none after it is
+        stored. They share one deadline, `timeout` from now."""
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
-        held = False  # whether the rate limit held this push
-        while True:
-            generation = self.environment.generation
-            final = time.monotonic() >= deadline
-            blocked = time.monotonic() - start if held else 0.0
+        todo: deque[_Ready] = deque()
+        unready: Exception | None = None  # a push that cannot be tried (its table does not exist)
+        for push in pushes:
             try:
-                put = functools.partial(
-                    self._put,
-                    entries=entries,
-                    final=final,
-                    blocked=blocked,
-                    reply_limit=limit,
-                    in_push=self.in_push,
-                    ahead=ahead,
-                )
-                result = self._in_table(table, put)
-            except TableFull:
-                if config.when_full != "block" or final:
-                    raise
-            else:
-                if not isinstance(result, InsertLimited):
-                    return result
+                todo.append(self._ready(push))
+            except Exception as exc:
+                unready = exc
+                break
+        since, held = start, False  # when the first push of `todo` was first tried; whether a rate limit held it
+        while todo:
+            generation = self.environment.generation
+            now = time.monotonic()
+            final = now >= deadline
+            done, stop = self._submit(list(todo), final, now - since if held else 0.0)
+            for result in done:
+                todo.popleft()
+                yield result
+            if done:
+                since, held = time.monotonic(), False
+            if stop is None:
+                continue
+            if isinstance(stop, IndexBuilding):
+                index_builds.build(self.environment, self.catalog, stop)
+                continue
+            if isinstance(stop, TableFull):
+                if todo[0].config.when_full != "block" or final:
+                    raise stop
+            elif isinstance(stop, InsertLimited):
                 if final:
-                    raise result
+                    raise stop
                 held = True
+            else:
+                raise stop
             self.environment.wait_for_change(generation, deadline)
+        if unready is not None:
+            raise unready
+
+    def _ready(self, push: Push) -> _Ready:
+        """A push looked up, with the advantages it is expected to compute, computed now."""
+        table_id, config = self.catalog.lookup(push.table)
+        compute = self.in_push(config) if self.in_push is not None else None
+        ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
+        return _Ready(push, table_id, config, ahead)
+
+    def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
+        """`_in_order` in the writer's next transaction; the first push's refusal, or the failure of
+        the whole transaction, as what stopped it."""
+        try:
+            return self.environment.submit(
+                functools.partial(self._in_order, pushes=pushes, final=final, blocked=blocked)
+            )
+        except Exception as exc:
+            return [], exc
+
+    def _in_order(
+        self, txn: lmdb.Transaction[bytes], pushes: list[_Ready], final: bool, blocked: float
+    ) -> tuple[list[PutResult], Exception | None]:
+        """In the writer's transaction: the pushes in order, each in a transaction nested in `txn`
+        (none for a push alone), until one does not store; the results of those that stored, and
+        what stopped the next (its refusal, or the rate limit that holds it), which the ones after
+        it wait for. A refusal of the first push is raised, so that nothing of it is kept."""
+        done: list[PutResult] = []
+        for ready in pushes:
+            child = self.environment.nested(txn) if len(pushes) > 1 else txn
+            try:
+                # looked up again: a push that waited may find its table dropped (or dropped and made again)
+                table_id, config = self.catalog.lookup(ready.push.table)
+                ahead = ready.ahead if table_id == ready.table_id else None
+                tt = self._state_in(child, table_id, config)
+                result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.max_reply_bytes,
+                                   self.in_push, ahead)  # fmt: skip
+            except Exception as exc:
+                if child is not txn:
+                    child.abort()
+                if not done or isinstance(exc, lmdb.MapFullError):  # a full map: the writer grows it and runs all again
+                    raise
+                return done, exc
+            if child is not txn:
+                child.commit()
+            if isinstance(result, InsertLimited):  # kept: at the deadline it counts the time it held the push
+                return done, result
+            done.append(result)
+        return done, None
 
     @staticmethod
     def _put(
