@@ -38,6 +38,7 @@ from .results import (
 )
 from .sample_reply import SampleReplyParts
 from .sample_spec import SampleOptions, SampleSpec
+from .table_settings import TableSettings
 
 R = TypeVar("R")
 
@@ -347,7 +348,7 @@ class BufferClient(ClientBase):
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return self._run(calls.server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
+    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Unpack[TableSettings]) -> TableInfo:
         """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
         estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...)::
 

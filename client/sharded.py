@@ -31,6 +31,7 @@ from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
 from .sharded_async import AsyncShardedBufferClient
+from .table_settings import TableSettings
 
 
 class ShardedBufferClient(LedgerPlans):
@@ -185,7 +186,7 @@ class ShardedBufferClient(LedgerPlans):
         """The answering shards' infos combined, each in `.shards`; `.missing` names the others."""
         return self._run(self._server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
+    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Unpack[TableSettings]) -> TableInfo:
         """Create the table on every shard (exist_ok makes a retry after a partial failure safe).
 
         With exist_ok, a shard that does not answer is owed the table, created the next time it

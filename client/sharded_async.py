@@ -19,6 +19,7 @@ from .shard_common import AsyncShardBatch, LiveResult, ShardBatch
 from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
+from .table_settings import TableSettings
 
 
 class AsyncShardedBufferClient(LedgerPlans):
@@ -151,7 +152,7 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.server_info."""
         return await self._run(self._server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
+    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Unpack[TableSettings]) -> TableInfo:
         """As ShardedBufferClient.create_table."""
         return await self._run(self._create_table(name, exist_ok, settings))
 

@@ -144,7 +144,7 @@ class ExpbufServer:
             except ConfigError as exc:
                 raise StartupError(str(exc)) from None
             if self.store.create_table(table, exist_ok=True):
-                log.info("table created from config: %s", table.to_dict())
+                log.info("table created from config: %s", table.settings())
         self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:

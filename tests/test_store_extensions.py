@@ -48,7 +48,7 @@ class Journal(TableExtension):
 def test_a_registered_extension_hears_a_real_stores_events(tmp_path: Path) -> None:
     with Store(tmp_path / "data") as store:
         journal = store.extensions.register(Journal())
-        store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
         pushed = store.put("t", group_items(0, 0, 2))
         (gkey,) = pushed.completed_groups
         leased = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
@@ -83,7 +83,7 @@ def test_an_extension_runs_inside_the_requests_transaction(tmp_path: Path) -> No
     with Store(tmp_path / "data") as store:
         store.extensions.register(Refuser())
         for name in ("closed", "open"):
-            store.create_table(TableConfig(name=name, estimator="none", group_size=2))
+            store.create_table(TableConfig.of(name=name, estimator="none", group_size=2))
         with pytest.raises(InvalidRequest, match="takes no pushes"):
             store.put("closed", group_items(0, 0, 2))
         with pytest.raises(InvalidRequest, match="group 0/1 takes no pushes"):
@@ -102,7 +102,7 @@ def test_only_extensions_are_registered() -> None:
 def test_the_compute_queue_stale_eviction_and_ledger_are_the_stores_own_extensions(tmp_path: Path) -> None:
     with Store(tmp_path / "data") as store:
         assert [type(ext) for ext in store.extensions] == [ComputeQueue, StaleEviction, Ledger]
-        store.create_table(TableConfig(name="g", estimator="grpo", group_size=2))
+        store.create_table(TableConfig.of(name="g", estimator="grpo", group_size=2))
         store.put("g", group_items(0, 0, 2))
         (job,) = store.compute_backlog()  # queued by the compute queue's on_update
         assert job.table == "g" and len(job.groups) == 1

@@ -92,7 +92,7 @@ class TableCatalog:
                 return False, record["id"]
             table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
-            record = {"id": table_id, "config": config.to_dict(), "created": self.clock(), "v": CONFIG_VERSION}
+            record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
             txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
             # A new table keeps no lazy index: each is built when first read.
             selection.mark_in_use(txn, db, layout.table_prefix(table_id), set())

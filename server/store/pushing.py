@@ -62,7 +62,7 @@ class Pushing:
                 )
                 result = self._in_table(table, put)
             except TableFull:
-                if config.when_full != "block" or final:
+                if config.capacity.when_full != "block" or final:
                     raise
             else:
                 if not isinstance(result, InsertLimited):
