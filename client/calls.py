@@ -36,6 +36,7 @@ from .results import (
     TableStats,
 )
 from .sample_reply import SampleReplyParts
+from .table_presets import with_preset
 
 R = TypeVar("R")
 B = TypeVar("B", bound=Batch)
@@ -258,8 +259,8 @@ def _table_info(reply: pb.CreateTableReply) -> TableInfo:
     return TableInfo.from_settings(wire.table_from_proto(reply.config))
 
 
-def create_table(name: str, exist_ok: bool, settings: Mapping[str, Any]) -> Unary[TableInfo]:
-    flat = dict(settings)
+def create_table(name: str, exist_ok: bool, settings: Mapping[str, Any], preset: str | None = None) -> Unary[TableInfo]:
+    flat = with_preset(preset, settings)
     if "capacity" in flat:  # the old name, read for one more release
         if "capacity_experiences" in flat:
             raise ValueError("create_table got both capacity and capacity_experiences: pass capacity_experiences")

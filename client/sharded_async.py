@@ -19,6 +19,7 @@ from .shard_common import AsyncShardBatch, LiveResult, ShardBatch
 from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
+from .table_presets import with_preset
 from .table_settings import TableSettings
 
 
@@ -152,9 +153,11 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.server_info."""
         return await self._run(self._server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Unpack[TableSettings]) -> TableInfo:
+    async def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> TableInfo:
         """As ShardedBufferClient.create_table."""
-        return await self._run(self._create_table(name, exist_ok, settings))
+        return await self._run(self._create_table(name, exist_ok, with_preset(preset, settings)))
 
     async def list_tables(self) -> list[TableInfo]:
         """As ShardedBufferClient.list_tables."""

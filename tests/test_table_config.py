@@ -30,6 +30,8 @@ from expbuf.server.store.table_parts import (
     flat_names,
 )
 
+from pages import code_blocks, page
+
 A_TABLE: TableSettings = {
     "group_by": "run",
     "group_size": 4,
@@ -220,3 +222,7 @@ def test_an_old_clients_create_table_makes_the_table_it_always_did(stub, server)
     assert table_from_proto(reply.config) == want.settings()
     listed = stub.ListTables(pb.ListTablesRequest(), timeout=10).tables
     assert [table_from_proto(t) for t in listed if t.name == "old"] == [table_from_proto(reply.config)]
+
+
+def test_the_parts_example_of_the_tables_page_runs() -> None:
+    exec(code_blocks(page("concepts/tables.md"), "python")[0], {})

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack
 
+from expbuf.client.table_presets import preset_settings
 from expbuf.client.table_settings import SETTING_NAMES, TableSettings
 
 from .errors import ConfigError, clip
@@ -155,13 +156,26 @@ class TableConfig:
 
     @classmethod
     def from_settings(cls, data: Mapping[str, Any]) -> TableConfig:
-        """A table from its flat settings (a TOML block, a create_table's, a stored record's);
-        an unknown setting, or one out of range, is refused naming it."""
-        unknown = set(data) - set(WHERE) - {"name"}
+        """A table from its flat settings (a TOML block, a create_table's, a stored record's), a
+        `preset` among them expanded first (client/table_presets.py); an unknown setting, or
+        one out of range, is refused naming it."""
+        settings = {k: v for k, v in data.items() if k not in ("name", "preset")}
+        if "preset" in data:
+            try:
+                settings = preset_settings(data["preset"], settings)
+            except ValueError as exc:
+                raise ConfigError(f"table '{clip(data.get('name'))}': {exc}") from None
+        unknown = set(settings) - set(WHERE)
         if unknown:
             raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
         name = _check_name(data.get("name"))
-        return cls(name, **_parts(name, {k: v for k, v in data.items() if k != "name"}))
+        return cls(name, **_parts(name, settings))
+
+    @classmethod
+    def preset(cls, preset: str, name: str, **overrides: Unpack[TableSettings]) -> TableConfig:
+        """A preset's table (client/table_presets.py: queue, replay, trinity), the settings given
+        over the preset's: `TableConfig.preset("trinity", "grpo8", group_size=8)`."""
+        return cls.from_settings({"name": name, "preset": preset, **overrides})
 
     def settings(self) -> dict[str, Any]:
         """The flat settings, every one of them, in the wire's order: `TableConfig.from_settings`
