@@ -69,13 +69,9 @@ class TableSettings(TypedDict, total=False):
     priority_decay: float
     reuse_cooldown_seconds: float
     priority_noise: float
+    extensions: Sequence[str]  # the table extensions it runs, by the names the server registered
 
 
 # The names, in the order of the wire's TableConfig message.
 SETTING_NAMES: tuple[str, ...] = tuple(TableSettings.__annotations__)
 SHAPING_NAMES: tuple[str, ...] = tuple(ShapingSettings.__annotations__)
-
-
-def unknown_settings(settings: Sequence[str]) -> list[str]:
-    """The names among `settings` that are no table setting, sorted."""
-    return sorted(set(settings) - set(SETTING_NAMES))

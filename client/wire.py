@@ -176,7 +176,15 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         priority_decay=settings.get("priority_decay", 0.0),
         reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
         priority_noise=settings.get("priority_noise", 0.0),
+        extensions=_extensions(settings.get("extensions") or ()),
     ))  # fmt: skip
+
+
+def _extensions(names: Any) -> list[str]:
+    """The extension names a table runs: a list of names (a lone string would be its letters)."""
+    if isinstance(names, str) or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise WireError(f"extensions is {repr(names)[:40]}; allowed: a list of extension names")
+    return list(names)
 
 
 def _estimator(settings: dict[str, Any]) -> pb.Estimator:
@@ -221,4 +229,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "priority_decay": msg.priority_decay,
         "reuse_cooldown_seconds": msg.reuse_cooldown_seconds,
         "priority_noise": msg.priority_noise,
+        "extensions": list(msg.extensions),
     }

@@ -18,7 +18,7 @@ from expbuf.client.table_settings import SETTING_NAMES, TableSettings
 from expbuf.client.wire import table_from_proto
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.store.errors import ConfigError
-from expbuf.server.store.table_config import PARTS, WHERE, TableConfig, differences
+from expbuf.server.store.table_config import OWN, PARTS, WHERE, TableConfig, differences
 from expbuf.server.store.table_parts import (
     Advantages,
     Capacity,
@@ -58,11 +58,12 @@ A_TABLE: TableSettings = {
     "priority_decay": 1.0,
     "reuse_cooldown_seconds": 5.0,
     "priority_noise": 0.1,
+    "extensions": ["journal"],
 }
 
 
 def test_every_flat_setting_is_one_field_of_one_part() -> None:
-    owned = [setting for cls in PARTS.values() for setting in flat_names(cls).values()]
+    owned = [*(setting for cls in PARTS.values() for setting in flat_names(cls).values()), *OWN]
     assert sorted(owned) == sorted(SETTING_NAMES) and len(set(owned)) == len(owned)
     assert list(WHERE) == list(SETTING_NAMES)
     assert set(A_TABLE) == set(SETTING_NAMES)  # the test's table sets every one
@@ -94,6 +95,7 @@ def test_flat_settings_become_parts_and_come_back() -> None:
         staleness=config.staleness,
         rate_limiter=config.rate_limiter,
         reuse=config.reuse,
+        extensions=("journal",),
     )
     assert built == config and differences(built, config) == []
     assert differences(TableConfig("t"), config)[0] == "group_by: the table has 'task', the request 'run'"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -50,10 +50,17 @@ PARTS: dict[str, type[Part]] = {
     "rate_limiter": RateLimiter,
     "reuse": Reuse,
 }
-_OWNERS = {setting: (part, name) for part, cls in PARTS.items() for name, setting in flat_names(cls).items()}
-# Each flat setting -> the part and field that hold it, in the order of the wire's message (a
-# setting without a field fails here, at import).
-WHERE: dict[str, tuple[str, str]] = {setting: _OWNERS[setting] for setting in SETTING_NAMES}
+# TableConfig's own fields that are flat settings, outside any part.
+OWN = ("extensions",)
+_OWNERS: dict[str, tuple[str | None, str]] = {
+    setting: (part, name) for part, cls in PARTS.items() for name, setting in flat_names(cls).items()
+} | {name: (None, name) for name in OWN}
+# Each flat setting -> the part (None: the table itself) and field that hold it, in the order
+# of the wire's message (a setting without a field fails here, at import).
+WHERE: dict[str, tuple[str | None, str]] = {setting: _OWNERS[setting] for setting in SETTING_NAMES}
+# A table extension's name, as a table names it and a Store registers it (extensions.py).
+EXTENSION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
+MAX_EXTENSIONS = 32
 
 
 def estimator_of(config: TableConfig) -> Estimator:
@@ -108,6 +115,9 @@ class TableConfig:
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)
     # How often, and how, a replayed group is delivered again.
     reuse: Reuse = field(default_factory=Reuse)
+    # The table extensions it runs, by the names the Store registered them under (each an
+    # instance of its own for this table); the store's own rules follow from the other settings.
+    extensions: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -119,6 +129,7 @@ class TableConfig:
         staleness: Staleness | None = None,
         rate_limiter: RateLimiter | None = None,
         reuse: Reuse | None = None,
+        extensions: Sequence[str] = (),
         **flat: Any,
     ) -> None:
         given = {
@@ -141,8 +152,9 @@ class TableConfig:
             mixed = [part for part, value in given.items() if value is not None]
             if mixed:
                 raise TypeError(f"TableConfig takes parts or flat settings, not both (got {', '.join(mixed)})")
-            given = dict(_parts(name, flat))
+            given = dict(_fields(name, flat))
         object.__setattr__(self, "name", _check_name(name))
+        object.__setattr__(self, "extensions", _check_extensions(name, extensions))
         for part, cls in PARTS.items():
             value = given.get(part)
             if value is not None and not isinstance(value, cls):
@@ -169,7 +181,7 @@ class TableConfig:
         if unknown:
             raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
         name = _check_name(data.get("name"))
-        return cls(name, **_parts(name, settings))
+        return cls(name, **_fields(name, settings))
 
     @classmethod
     def preset(cls, preset: str, name: str, **overrides: Unpack[TableSettings]) -> TableConfig:
@@ -182,10 +194,8 @@ class TableConfig:
         takes them back."""
         flat: dict[str, Any] = {"name": self.name}
         for setting, (part, name) in WHERE.items():
-            value = getattr(getattr(self, part), name)
-            flat[setting] = (
-                value.to_dict() if isinstance(value, Shaping) else dict(value) if isinstance(value, dict) else value
-            )
+            value = getattr(self if part is None else getattr(self, part), name)
+            flat[setting] = _plain(value)
         return flat
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,25 +243,64 @@ class TableConfig:
         return cls.from_settings(data)
 
     def to_stored(self) -> dict[str, Any]:
-        """The settings a table record keeps (read back by `from_stored`)."""
-        return self.settings()
+        """The settings a table record keeps (read back by `from_stored`): a table without
+        extensions is stored as an earlier release stored it, so that release still opens it."""
+        stored = self.settings()
+        if not stored["extensions"]:
+            del stored["extensions"]
+        return stored
 
 
-def _parts(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts that flat settings set (the others are left out, to take their defaults); a
-    refusal names the table."""
-    fields: dict[str, dict[str, Any]] = {}
+def _fields(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """TableConfig's keywords for these flat settings: the parts they set (the others left out,
+    to take their defaults) and its own fields; a refusal names the table."""
+    parts: dict[str, dict[str, Any]] = {}
+    own: dict[str, Any] = {}
     for setting, value in flat.items():
         if setting not in WHERE:
             raise ConfigError(f"table '{name}': unknown table setting {clip(setting, 40)}")
         part, field_name = WHERE[setting]
-        fields.setdefault(part, {})[field_name] = value
+        if part is None:
+            own[field_name] = value
+        else:
+            parts.setdefault(part, {})[field_name] = value
     try:
         if "shaping" in flat:
-            fields["advantages"]["shaping"] = Shaping.from_dict(flat["shaping"])
-        return {part: PARTS[part](**values) for part, values in fields.items()}
+            parts["advantages"]["shaping"] = Shaping.from_dict(flat["shaping"])
+        return own | {part: PARTS[part](**values) for part, values in parts.items()}
     except ConfigError as exc:
         raise ConfigError(f"table '{name}': {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the flat settings hold it (TOML's and JSON's kinds): shaping as a dict, a
+    list for a tuple, a dict copied."""
+    if isinstance(value, Shaping):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _check_extensions(table: str, names: object) -> tuple[str, ...]:
+    """The extension names a table runs: a list of distinct names (a lone string would be its letters)."""
+    if isinstance(names, str) or not isinstance(names, list | tuple) or len(names) > MAX_EXTENSIONS:
+        raise ConfigError(
+            f"table '{table}': extensions is {clip(repr(names), 60)}; expected a list of at most "
+            f"{MAX_EXTENSIONS} extension names"
+        )
+    for extension in names:
+        if not isinstance(extension, str) or not EXTENSION_NAME.match(extension):
+            raise ConfigError(
+                f"table '{table}': extension name {clip(repr(extension), 60)} must start with a letter and hold "
+                "1-64 letters, digits, '_', '.' or '-'"
+            )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"table '{table}': extensions names {twice[0]!r} twice")
+    return tuple(names)
 
 
 def _estimator_of_v1(name: str, params: dict[str, float]) -> tuple[str, dict[str, Any]]:
