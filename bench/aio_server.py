@@ -21,7 +21,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.table_config import TableConfig
 
 # The service benchmark measures transport and storage: no advantage computation.
-TABLE = TableConfig(name="bench", estimator="none")
+TABLE = TableConfig.of(name="bench", estimator="none")
 
 
 class AioService(pb_grpc.ExperienceBufferServicer):

@@ -139,7 +139,7 @@ def best_of(fn: Callable[[], object], device: str, repeats: int) -> float:
 
 
 def _args(name: str) -> dict:
-    return estimator_args(TableConfig(name="bench", estimator=name))
+    return estimator_args(TableConfig.of(name="bench", estimator=name))
 
 
 def check_loops(tokens: int) -> None:

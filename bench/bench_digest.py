@@ -120,7 +120,7 @@ def child(shape: str) -> None:
     payloads = [trxp.encode(push) for push in make_pushes(shape, PUSHES)]
     decode = store = 0.0
     with tempfile.TemporaryDirectory() as data, Store(Path(data)) as buffer:
-        buffer.create_table(TableConfig(name="bench", estimator="none", group_by="none"))
+        buffer.create_table(TableConfig.of(name="bench", estimator="none", group_by="none"))
         for payload in payloads:
             start = time.process_time()
             entries = entries_of(payload)

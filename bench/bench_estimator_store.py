@@ -57,7 +57,7 @@ def one(entries: list[list[Entry]], estimator: str, in_push: bool) -> dict[str, 
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data, Store(data) as store:
         if in_push:
             store.in_push = AdvantageWorker(store).in_push
-        store.create_table(TableConfig("t", estimator=estimator))
+        store.create_table(TableConfig.of("t", estimator=estimator))
         start = time.process_time()
         for batch in entries:
             store.put_entries("t", batch)
@@ -113,7 +113,7 @@ def latency(groups_per_push: int, pushes: int, rounds: int) -> dict[str, list[fl
             for estimator in ("grpo", "none") if r % 2 == 0 else ("none", "grpo"):
                 with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data, Store(data) as store:
                     store.in_push = AdvantageWorker(store).in_push
-                    store.create_table(TableConfig("t", estimator=estimator, group_size=64))
+                    store.create_table(TableConfig.of("t", estimator=estimator, group_size=64))
                     for batch in payloads:
                         start = time.perf_counter()
                         store.put_entries("t", batch)

@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, Store(Path(tmp)) as store:
         for table in ("t", "w"):
-            store.create_table(TableConfig(name=table, group_size=2, estimator="none"))
+            store.create_table(TableConfig.of(name=table, group_size=2, estimator="none"))
         began = time.perf_counter()
         count_owned(sharded("alone", args.size))
         alone = time.perf_counter() - began

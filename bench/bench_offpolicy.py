@@ -74,7 +74,7 @@ def bench_index(tmp: Path, stale: int) -> dict[str, float]:
     row: dict[str, float] = {}
     with Store(tmp / "index", map_size=4 << 30) as store:
         for name in ("stale", "fresh"):
-            store.create_table(TableConfig(name=name, estimator="none", group_by="none"))
+            store.create_table(TableConfig.of(name=name, estimator="none", group_by="none"))
         fill(store, "stale", "a", FRESH, 9)
         front = store.sample(SampleSpec("stale", num_groups=FRESH, delivery="lease", lease_seconds=3600))
         fill(store, "stale", "s", stale, 1)
@@ -97,8 +97,8 @@ def bench_index(tmp: Path, stale: int) -> dict[str, float]:
 def bench_limiter(tmp: Path, rounds: int) -> dict[str, float]:
     one = template()
     tables = {
-        "off": TableConfig(name="off", estimator="none", group_by="none"),
-        "on": TableConfig(
+        "off": TableConfig.of(name="off", estimator="none", group_by="none"),
+        "on": TableConfig.of(
             name="on", estimator="none", group_by="none", samples_per_insert=1.0, samples_per_insert_error=1e12
         ),
     }

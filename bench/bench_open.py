@@ -37,7 +37,7 @@ GROUP = 8
 def fill(data: Path, groups: int) -> int:
     """A directory with `groups` ready groups; its data.mdb's size."""
     with Store(data) as store:
-        store.create_table(TableConfig(name="t", group_size=GROUP, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=GROUP, estimator="none"))
         for task in range(groups):
             store.put("t", [trxp.from_experience(experience(0, task, run)) for run in range(GROUP)])
     return (data / "data.mdb").stat().st_size

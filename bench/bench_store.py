@@ -39,7 +39,7 @@ from expbuf.server.store.table_config import TableConfig  # noqa: E402
 
 GROUP, PER_WRITE, TOKENS = 8, 64, 5000
 # The storage engine alone: groups are ready as pushed (no advantage computation).
-TABLE = TableConfig(name="bench", estimator="none")
+TABLE = TableConfig.of(name="bench", estimator="none")
 
 
 def experience(batch: int, task: int, run: int, tokens: int = TOKENS) -> Experience:
@@ -141,7 +141,7 @@ def bench_selection(tmp: Path, sizes: list[int]) -> list[dict[str, float]]:
     """Selection latency as the table grows: pure index selection and a full sample call."""
     template = Entry.of(trxp.from_experience(experience(0, 0, 0, tokens=8)))
     store = Store(tmp / "sel", map_size=1 << 30)
-    store.create_table(TableConfig(name="sel", group_size=GROUP, estimator="none"))
+    store.create_table(TableConfig.of(name="sel", group_size=GROUP, estimator="none"))
     filled, rows = 0, []
     for size in sizes:
         while filled < size:

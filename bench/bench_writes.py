@@ -130,7 +130,7 @@ def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:
 
 
 def _table(group: int) -> TableConfig:
-    return TableConfig(name="t", estimator="none", group_size=group, drop_zero_variance=False)
+    return TableConfig.of(name="t", estimator="none", group_size=group, drop_zero_variance=False)
 
 
 def counts(n: int, group: int) -> dict[str, dict[str, float]]:

@@ -21,6 +21,7 @@ from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .sample_reply import SampleReplyParts
 from .sample_spec import SampleOptions, SampleSpec
+from .table_settings import TableSettings
 
 R = TypeVar("R")
 
@@ -277,9 +278,12 @@ class AsyncBufferClient(ClientBase):
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return await self._run(calls.server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """As BufferClient.create_table: settings use the names of a TOML `[[tables]]` block."""
-        return await self._run(calls.create_table(name, exist_ok, settings))
+    async def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> TableInfo:
+        """As BufferClient.create_table: settings use the names of a TOML `[[tables]]` block, over a
+        `preset`'s if one is given."""
+        return await self._run(calls.create_table(name, exist_ok, settings, preset))
 
     async def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
@@ -36,6 +36,7 @@ from .results import (
     TableStats,
 )
 from .sample_reply import SampleReplyParts
+from .table_presets import with_preset
 
 R = TypeVar("R")
 B = TypeVar("B", bound=Batch)
@@ -258,10 +259,10 @@ def _table_info(reply: pb.CreateTableReply) -> TableInfo:
     return TableInfo.from_settings(wire.table_from_proto(reply.config))
 
 
-def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[TableInfo]:
-    settings = dict(settings)
-    if "capacity" in settings:  # the old name, read for one more release
-        if "capacity_experiences" in settings:
+def create_table(name: str, exist_ok: bool, settings: Mapping[str, Any], preset: str | None = None) -> Unary[TableInfo]:
+    flat = with_preset(preset, settings)
+    if "capacity" in flat:  # the old name, read for one more release
+        if "capacity_experiences" in flat:
             raise ValueError("create_table got both capacity and capacity_experiences: pass capacity_experiences")
         warnings.warn(
             "create_table: capacity is the old name of capacity_experiences, the setting's name everywhere else;"
@@ -269,8 +270,8 @@ def create_table(name: str, exist_ok: bool, settings: dict[str, Any]) -> Unary[T
             FutureWarning,
             stacklevel=3,
         )
-        settings["capacity_experiences"] = settings.pop("capacity")
-    request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **settings}), exist_ok=exist_ok)
+        flat["capacity_experiences"] = flat.pop("capacity")
+    request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **flat}), exist_ok=exist_ok)
     return Unary("CreateTable", request, _table_info, retry=False)
 
 

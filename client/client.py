@@ -38,6 +38,7 @@ from .results import (
 )
 from .sample_reply import SampleReplyParts
 from .sample_spec import SampleOptions, SampleSpec
+from .table_settings import TableSettings
 
 R = TypeVar("R")
 
@@ -347,16 +348,25 @@ class BufferClient(ClientBase):
         """The server's version, uptime, storage and map use, and the device advantages run on."""
         return self._run(calls.server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
+    def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> TableInfo:
         """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
         estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...)::
 
             client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
 
+        `preset` starts from a common table's settings (`queue`, `replay`, `trinity`: see
+        docs/concepts/tables.md), the settings given over them; it is expanded here, so the
+        server gets plain settings::
+
+            client.create_table("replay", preset="replay", capacity_experiences=100_000, min_size_to_sample=1024)
+
         With exist_ok, a table of the same settings is returned as it is, and one of other settings
-        is refused (AlreadyExistsError) naming each setting that differs. `capacity`, the old name
-        of capacity_experiences, is still read in this release, with a FutureWarning."""
-        return self._run(calls.create_table(name, exist_ok, settings))
+        is refused (AlreadyExistsError) naming each setting that differs. An unknown preset, or one
+        without the settings it needs, is a ValueError naming them. `capacity`, the old name of
+        capacity_experiences, is still read in this release, with a FutureWarning."""
+        return self._run(calls.create_table(name, exist_ok, settings, preset))
 
     def list_tables(self) -> list[TableInfo]:
         """Every table's settings, under the names of a TOML `[[tables]]` block."""

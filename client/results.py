@@ -427,16 +427,19 @@ class TableInfo:
     priority_noise: float  # ... plus a Gaussian of this standard deviation
     tombstone_seconds: float | None = None  # None: the server's default, one day
     keep_failed: bool | None = None  # None: the server's default, True
+    extensions: tuple[str, ...] = ()  # the table extensions it runs, by their registered names
     missing: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> TableInfo:
         """From settings under their TOML names (wire.table_from_proto)."""
-        return cls(**{**settings, "shaping": ShapingInfo(**settings.get("shaping") or {})})
+        shaping = ShapingInfo(**settings.get("shaping") or {})
+        return cls(**{**settings, "shaping": shaping, "extensions": tuple(settings.get("extensions", ()))})
 
     def settings(self) -> dict[str, Any]:
         """The settings under their TOML names, unset ones left out: `create_table(**info.settings())`."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "missing"}
         values["estimator_params"] = dict(self.estimator_params)
+        values["extensions"] = list(self.extensions)
         values["shaping"] = {k: v for k, v in asdict(self.shaping).items() if v is not None}
         return {k: v for k, v in values.items() if v is not None}

@@ -260,13 +260,13 @@ class Planned(Sharded):
             yield from self._list_tables()
         return self._known_group_by(table)
 
-    def _create_table(self, name: str, exist_ok: bool, settings: dict[str, Any]) -> Plan[TableInfo]:
+    def _create_table(self, name: str, exist_ok: bool, settings: Mapping[str, Any]) -> Plan[TableInfo]:
         """On every shard; with exist_ok, a shard that does not answer is owed the table."""
         calls = [Call(s, "create_table", (name,), {"exist_ok": exist_ok, **settings}, None) for s in self.clients]
         configs, errors = self._sort(calls, (yield from self._exchange(calls)))
         missing = {shard: exc for shard, exc in errors.items() if is_down(exc)} if exist_ok else {}
         for shard in missing:
-            self._owed.create(shard, name, settings)
+            self._owed.create(shard, name, dict(settings))
         refused = {shard: exc for shard, exc in errors.items() if shard not in missing}
         if refused or not configs:
             raise shard_error(refused or missing, self.shard_map.targets, configs)

@@ -32,6 +32,8 @@ from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
 from .shard_pusher import ShardedPusher
 from .sharded_async import AsyncShardedBufferClient
+from .table_presets import with_preset
+from .table_settings import TableSettings
 
 
 class ShardedBufferClient(LedgerPlans):
@@ -193,13 +195,16 @@ class ShardedBufferClient(LedgerPlans):
         """The answering shards' infos combined, each in `.shards`; `.missing` names the others."""
         return self._run(self._server_info())
 
-    def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
-        """Create the table on every shard (exist_ok makes a retry after a partial failure safe).
+    def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> TableInfo:
+        """Create the table on every shard (exist_ok makes a retry after a partial failure safe),
+        with the settings of BufferClient.create_table, a `preset` among them.
 
         With exist_ok, a shard that does not answer is owed the table, created the next time it
         answers; the config returned names it in `.missing`.
         """
-        return self._run(self._create_table(name, exist_ok, settings))
+        return self._run(self._create_table(name, exist_ok, with_preset(preset, settings)))
 
     def list_tables(self) -> list[TableInfo]:
         """Every table's settings, as the first shard that answers holds them."""

@@ -20,6 +20,8 @@ from .shard_ledger import LedgerPlans
 from .shard_plans import Call, Emit, Plan, T
 from .shard_poll import Wait
 from .shard_pusher import AsyncShardedPusher
+from .table_presets import with_preset
+from .table_settings import TableSettings
 
 
 class AsyncShardedBufferClient(LedgerPlans):
@@ -157,9 +159,11 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.server_info."""
         return await self._run(self._server_info())
 
-    async def create_table(self, name: str, *, exist_ok: bool = False, **settings: Any) -> TableInfo:
+    async def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> TableInfo:
         """As ShardedBufferClient.create_table."""
-        return await self._run(self._create_table(name, exist_ok, settings))
+        return await self._run(self._create_table(name, exist_ok, with_preset(preset, settings)))
 
     async def list_tables(self) -> list[TableInfo]:
         """As ShardedBufferClient.list_tables."""

@@ -14,6 +14,8 @@ from google.protobuf.message import Message
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from .table_settings import SETTING_NAMES, SHAPING_NAMES
+
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
 ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
@@ -56,40 +58,9 @@ OFF_POLICY_SETTINGS = (
     "evict_stale",
 )
 # Every setting of a table, by the names of the TOML file and of create_table.
-TABLE_SETTINGS = (
-    "name",
-    "group_by",
-    "group_size",
-    "group_timeout_seconds",
-    "on_group_timeout",
-    "estimator",
-    "estimator_params",
-    "device",
-    "capacity_experiences",
-    "capacity_bytes",
-    "when_full",
-    "max_times_sampled",
-    "drop_zero_variance",
-    "tombstone_seconds",
-    "keep_failed",
-    "shaping",
-    *OFF_POLICY_SETTINGS,
-    "priority_decay",
-    "reuse_cooldown_seconds",
-    "priority_noise",
-)
+TABLE_SETTINGS = ("name", *SETTING_NAMES)
 # The settings of a table's `shaping` (reward shaping and advantage clipping).
-SHAPING_SETTINGS = (
-    "reward_clip",
-    "overlong_buffer",
-    "overlong_buffer_len",
-    "overlong_buffer_penalty_factor",
-    "max_new_tokens",
-    "reward_running_norm",
-    "reward_running_norm_minus_mean",
-    "advantage_clip",
-    "advantages_norm",
-)
+SHAPING_SETTINGS = SHAPING_NAMES
 
 
 class WireError(ValueError):
@@ -205,7 +176,15 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         priority_decay=settings.get("priority_decay", 0.0),
         reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
         priority_noise=settings.get("priority_noise", 0.0),
+        extensions=_extensions(settings.get("extensions") or ()),
     ))  # fmt: skip
+
+
+def _extensions(names: Any) -> list[str]:
+    """The extension names a table runs: a list of names (a lone string would be its letters)."""
+    if isinstance(names, str) or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise WireError(f"extensions is {repr(names)[:40]}; allowed: a list of extension names")
+    return list(names)
 
 
 def _estimator(settings: dict[str, Any]) -> pb.Estimator:
@@ -250,4 +229,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "priority_decay": msg.priority_decay,
         "reuse_cooldown_seconds": msg.reuse_cooldown_seconds,
         "priority_noise": msg.priority_noise,
+        "extensions": list(msg.extensions),
     }

@@ -212,6 +212,7 @@ def _hint_text(hint: Any) -> str:
         str(hint)
         .replace("typing.", "")
         .replace("expbuf.server.store.table_config.", "")
+        .replace("expbuf.server.store.table_parts.", "")
         .replace("expbuf.server.config.", "")
     )
 
@@ -232,9 +233,10 @@ def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = N
         hint = hints[field.name]
         nested += [c for c in _dataclasses_in(hint) if c not in seen and c not in nested]
         also = where.get(f"{cls.__name__}.{field.name}", "")
-        lines.append(
-            f"| `{field.name}` | `{cell(_hint_text(hint))}` | {_default(field)} | {also} | {cell(notes[field.name])} |"
-        )
+        # A table part's field under its flat setting name (table_parts.SETTING), the one users write.
+        name = field.metadata.get("setting", field.name)
+        note = notes[field.name] + (f" (`{cls.__name__}.{field.name}` in Python)" if name != field.name else "")
+        lines.append(f"| `{name}` | `{cell(_hint_text(hint))}` | {_default(field)} | {also} | {cell(note.strip())} |")
     lines.append("")
     for inner in nested:
         lines += settings_tables(inner, where, seen)
@@ -248,7 +250,9 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
         "",
         "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.store.table_config.TableConfig`.",
         "The server's settings come from its TOML file (`--config`), the environment and its flags (the last",
-        "wins); a table's from the file's `[[tables]]`, `create_table` or `expbuf table create`. See",
+        "wins); a table's from the file's `[[tables]]`, `create_table` or `expbuf table create`, each under",
+        "the flat name its part's table below gives it (`group_size`, `when_full`). In Python a `TableConfig`",
+        "is composed of those parts, or made from the flat names with `TableConfig.of(name, **settings)`. See",
         "[Serving](../operations/serving.md) for what they do together.",
         "",
     ]

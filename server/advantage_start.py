@@ -82,7 +82,7 @@ class AdvantageStart:
     def in_push(self, config: TableConfig) -> Compute | None:
         """The store's `in_push`: None for a table without an estimator; otherwise, once the
         worker has started, its answer."""
-        if config.estimator == "none":
+        if config.advantages.estimator == "none":
             return None
         self._ready.wait()
         if self._worker is None:

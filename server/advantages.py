@@ -114,7 +114,7 @@ def compute(job: ComputeJob) -> Computed:
     reward clip, group by group in the job's order (the groups' completion order), on the
     values of an estimator's group step or else on the rewards; the advantage clip last,
     unless the batch stage finishes the values."""
-    config, settings = job.config, job.config.shaping
+    config, settings = job.config, job.config.advantages.shaping
     uids = [uid for members in job.members for uid in members]
     items = None
     if estimator_of(config).token_level:
@@ -136,8 +136,8 @@ def compute(job: ComputeJob) -> Computed:
 
     records = [job.records[uid] for uid in uids]
     batch, group_keys = build_batch(records, items, shape)
-    device = estimators.resolve_device(config.device)
-    result = estimators.estimate(config.estimator, batch.to(device), estimator_args(config))
+    device = estimators.resolve_device(config.advantages.device)
+    result = estimators.estimate(config.advantages.estimator, batch.to(device), estimator_args(config))
     dropped = []
     if result.drop_groups is not None:
         dropped = [group_keys[i] for i in result.drop_groups.nonzero().squeeze(1).cpu().tolist()]
@@ -162,7 +162,7 @@ def compute(job: ComputeJob) -> Computed:
             failed[gkey] = "the running reward normalisation gave a non-finite value (NaN or infinity)"
         elif not all(finite[uid] for uid in members):
             failed[gkey] = (
-                f"{config.estimator} gave a non-finite advantage (NaN, infinity, or beyond float32's range, "
+                f"{config.advantages.estimator} gave a non-finite advantage (NaN, infinity, or beyond float32's range, "
                 "in which advantages are served)"
             )
     ready = [gkey for gkey in job.groups if gkey not in set(dropped) and gkey not in failed]
@@ -183,7 +183,7 @@ def computed_in_push(config: TableConfig, cuda: bool) -> bool:
     return (
         estimator.ingest is not None
         and not (estimator.token_level or estimator.token_valued or batch_stage(config))
-        and (config.device == "cpu" or (config.device == "auto" and not cuda))
+        and (config.advantages.device == "cpu" or (config.advantages.device == "auto" and not cuda))
     )
 
 
@@ -233,7 +233,7 @@ class AdvantageWorker:
         started = time.perf_counter()
         result = compute(job)
         if self.on_computed is not None:
-            self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
+            self.on_computed(job.table, job.config.advantages.estimator, time.perf_counter() - started)
         return result
 
     def start(self) -> AdvantageWorker:
@@ -257,7 +257,7 @@ class AdvantageWorker:
             self._compute(job)
             handled += len(job.groups)
             if self.on_computed is not None:
-                self.on_computed(job.table, job.config.estimator, time.perf_counter() - started)
+                self.on_computed(job.table, job.config.advantages.estimator, time.perf_counter() - started)
         return handled
 
     def _compute(self, job: ComputeJob) -> None:
@@ -308,9 +308,9 @@ class AdvantageWorker:
         return update.moments
 
     def _fail(self, job: ComputeJob, errors: dict[str, Exception]) -> None:
-        config = job.config
+        advantages = job.config.advantages
         reasons = {
-            gkey: f"{config.estimator} on {config.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
+            gkey: f"{advantages.estimator} on {advantages.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
             for gkey, exc in errors.items()
         }
         for gkey, reason in reasons.items():

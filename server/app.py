@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Mapping
 from concurrent import futures
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -40,7 +41,7 @@ from .limits import RESERVED_THREADS, TableStreams, call_limits
 from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
-from .store import Store
+from .store import Store, TableExtension
 from .store.errors import ConfigError, StoreError
 
 log = logging.getLogger("expbuf")
@@ -107,7 +108,8 @@ def _summary(names: list[str], shown: int = 5) -> str:
 class ExpbufServer:
     """The store behind a gRPC server, with a maintenance thread for leases and timeouts."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, extensions: Mapping[str, type[TableExtension]] | None = None) -> None:
+        """`extensions`: the table extension kinds tables may name, by name (Store(extensions=...))."""
         self.config = config
         credentials = server_credentials(config)
         # Ports first: a start refused for a port in use leaves no data directory behind.
@@ -122,6 +124,7 @@ class ExpbufServer:
                 scrub_mb_per_second=config.scrub_mb_per_second,
                 scrub_interval_seconds=config.scrub_interval_seconds,
                 batch_stage=finish_batch,
+                extensions=extensions,
             )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None
@@ -141,10 +144,11 @@ class ExpbufServer:
         for table in config.tables:
             try:
                 check_device(table)
-            except ConfigError as exc:
+                created = self.store.create_table(table, exist_ok=True)
+            except ConfigError as exc:  # a device it has not, an extension not registered
                 raise StartupError(str(exc)) from None
-            if self.store.create_table(table, exist_ok=True):
-                log.info("table created from config: %s", table.to_dict())
+            if created:
+                log.info("table created from config: %s", table.settings())
         self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:

@@ -70,7 +70,7 @@ def _finish(
         run=torch.tensor([runs.setdefault(rec.rid, len(runs)) for rec in records], dtype=torch.int64),
         step=torch.tensor([rec.step for rec in records], dtype=torch.int64),
     )
-    estimator, args, settings = estimator_of(config), estimator_args(config), config.shaping
+    estimator, args, settings = estimator_of(config), estimator_args(config), config.advantages.shaping
     batched = estimator.has_batch_stage(args)
     if not estimator.token_valued:
         values = rows.pending

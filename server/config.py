@@ -331,7 +331,7 @@ def _from_toml(path: Path) -> dict[str, Any]:
         tokens[token] = frozenset(entry.get("scopes", []))
     if tokens:
         values["tokens"] = tokens
-    values["tables"] = tuple(TableConfig.from_dict(t) for t in raw.get("tables", []))
+    values["tables"] = tuple(TableConfig.from_settings(t) for t in raw.get("tables", []))
     return values
 
 

@@ -11,7 +11,7 @@ from .store.table_config import TableConfig
 def check_device(config: TableConfig) -> None:
     """Refuse a table that asks for CUDA on a server without it: its advantages could never
     be computed."""
-    if config.device != "cuda":
+    if config.advantages.device != "cuda":
         return
     import torch  # here: only a table that asks for CUDA needs it
 

@@ -376,16 +376,18 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             settings = wire.table_from_proto(request.config)
         except wire.WireError as exc:
             raise InvalidRequest(str(exc)) from None
-        config = TableConfig.from_dict(settings)
+        config = TableConfig.from_settings(settings)
         check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:
-            log.info("table created: %s", config.to_dict())
-        return pb.CreateTableReply(config=wire.table_to_proto(self.store.table(config.name).to_dict()), created=created)
+            log.info("table created: %s", config.settings())
+        return pb.CreateTableReply(
+            config=wire.table_to_proto(self.store.table(config.name).settings()), created=created
+        )
 
     @refusals
     def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesReply:
-        return pb.ListTablesReply(tables=[wire.table_to_proto(t.to_dict()) for t in self.store.list_tables()])
+        return pb.ListTablesReply(tables=[wire.table_to_proto(t.settings()) for t in self.store.list_tables()])
 
     @refusals
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableReply:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .moments import RunningMoments
-from .store.table_config import Shaping
+from .store.table_parts import Shaping
 
 ADVANTAGES_NORM_EPSILON = 1e-8  # LightRFT's BaseREINFORCECalculator
 

@@ -1,8 +1,9 @@
 """`expbuf table create|list|describe|drop|reset-offpolicy`: table administration from a shell, through the RPCs.
 
 Settings are given as `KEY=VALUE` with the TOML names and TOML values (`group_size=8`,
-`estimator=grpo`, `shaping={reward_clip=5.0}`), and `describe` prints a table's settings as
-the `[[tables]]` block of a TOML config, so what an operator reads can be pasted into one.
+`estimator=grpo`, `shaping={reward_clip=5.0}`), over a preset's with `--preset NAME`, and
+`describe` prints a table's settings as the `[[tables]]` block of a TOML config, so what an
+operator reads can be pasted into one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from expbuf.client import BufferClient, BufferError, Tls
+from expbuf.client.table_presets import PRESETS
 
 
 class SettingError(ValueError):
@@ -62,7 +64,7 @@ def columns(rows: list[tuple[str, ...]]) -> str:
 
 def _create(args: argparse.Namespace, client: BufferClient) -> int:
     settings = dict(parse_setting(s) for s in args.settings)  # a SettingError is a ValueError: exit code 2
-    created = client.create_table(args.name, exist_ok=args.exist_ok, **settings)
+    created = client.create_table(args.name, exist_ok=args.exist_ok, preset=args.preset, **settings)
     print(describe_text(created.settings(), {}).split("\n\n")[0])
     return 0
 
@@ -124,6 +126,11 @@ def add_table_commands(
     create.add_argument("name", help="the table's name")
     create.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="settings, e.g. group_size=8 estimator=grpo")
     create.add_argument("--exist-ok", action="store_true", help="succeed if a table with these settings exists")
+    create.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="start from a common table's settings (queue, replay, trinity); the settings given win over them",
+    )
     create.set_defaults(run_action=_create)
     listing = actions.add_parser("list", help="every table with its grouping, estimator and counts")
     listing.set_defaults(run_action=_list)

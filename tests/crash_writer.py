@@ -32,7 +32,7 @@ def group_items(batch: str, task: int, size: int) -> list[trxp.RawItem]:
 
 def main(path: str, run: int) -> None:
     store = Store(path, map_size=256 << 10)
-    store.create_table(TableConfig(name="g4", group_size=4), exist_ok=True)
+    store.create_table(TableConfig.of(name="g4", group_size=4), exist_ok=True)
     lock = threading.Lock()
 
     def writer(worker: int) -> None:

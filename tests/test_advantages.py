@@ -95,7 +95,7 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
     """Groups computed together with a group that makes the estimator raise are retried
     one by one: only that group fails, and it keeps its payloads for Get and Delete."""
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator=exploding))
+        store.create_table(TableConfig.of("t", estimator=exploding))
         store.put("t", group_items(1, 0, 3, reward=1.0) + group_items(1, 1, 3, reward=13.0) + group_items(1, 2, 3))
         assert AdvantageWorker(store).run_once() == 3
         stats = store.stats("t")
@@ -108,7 +108,7 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
         assert store.delete("t", group_ids=["1/1"]) == 0  # a failed group is no longer live ...
         assert store.get_payload("t", guilty)[1] == guilty  # ... but its payloads go with it
         assert store.verify("t") == []
-        store.create_table(TableConfig("lean", estimator=exploding, keep_failed=False))
+        store.create_table(TableConfig.of("lean", estimator=exploding, keep_failed=False))
         store.put("lean", group_items(2, 0, 2, reward=13.0))
         AdvantageWorker(store, retry_delays=()).run_once()  # no second try: a group alone fails at once
         assert store.get_payload("lean", ["2/0/0/0/r0s0"])[1] == ["2/0/0/0/r0s0"]
@@ -130,7 +130,7 @@ def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exp
 
     register(dataclasses.replace(ESTIMATORS[exploding], ingest=for_a_while), replace=True)
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator=exploding))
+        store.create_table(TableConfig.of("t", estimator=exploding))
         store.put("t", group_items(1, 0, 3) + group_items(1, 1, 3))
         worker = AdvantageWorker(store, retry_delays=(0.0, 0.0))
         worker.run_once()
@@ -180,8 +180,8 @@ def test_groups_completed_together_are_one_job_and_survive_restart(tmp_path: Pat
 
 def test_zero_variance_and_std_threshold(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="dapo", drop_zero_variance=True))
-        store.create_table(TableConfig(name="thr", estimator_params={"std_threshold": 0.2}))
+        store.create_table(TableConfig.of(name="dapo", drop_zero_variance=True))
+        store.create_table(TableConfig.of(name="thr", estimator_params={"std_threshold": 0.2}))
         for name in ("default", "dapo", "thr"):
             store.put(name, group_items(1, 0, 4, reward=1.0))  # all equal
             store.put(name, trxp.parse(payload("grpo_group.trxp")))
@@ -198,7 +198,7 @@ def test_reward_checks_at_the_store(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         with pytest.raises(InvalidRequest, match="uid 1/0/0/0/r0s0 has no reward"):
             store.put("default", group_items(1, 0, 2, reward=None))
-        store.create_table(TableConfig(name="rf", estimator="discounted_return"))
+        store.create_table(TableConfig.of(name="rf", estimator="discounted_return"))
         with pytest.raises(InvalidRequest, match="or token_level_reward"):
             store.put("rf", group_items(1, 0, 2, reward=None))
         assert store.put("rf", trxp.parse(payload("rich_fields.trxp"))).stored
@@ -302,8 +302,8 @@ def test_expand_puts_the_value_under_the_mask(dtype: torch.dtype | None) -> None
 
 def test_a_long_backlog_does_not_keep_other_tables_waiting(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("a"))
-        store.create_table(TableConfig("b"))
+        store.create_table(TableConfig.of("a"))
+        store.create_table(TableConfig.of("b"))
         store.put("b", group_items(2, 0, 2))
         worker = AdvantageWorker(store, batch_limit=4)
         for round_ in range(5):

@@ -73,7 +73,7 @@ CASES = [
 @pytest.mark.parametrize(("name", "params", "shaping"), CASES)
 def test_a_push_stores_the_values_the_worker_would(tmp_path: Path, name: str, params: dict, shaping: dict) -> None:
     steps = 3 if name in ("step_wise_grpo", "multi_turn_discount") else 1
-    config = TableConfig("t", estimator=name, estimator_params=params, shaping=shaping, group_size=6, device="cpu")
+    config = TableConfig.of("t", estimator=name, estimator_params=params, shaping=shaping, group_size=6, device="cpu")
     assert computed_in_push(config, cuda=False)
     with Store(tmp_path / "push") as in_push, Store(tmp_path / "worker") as by_worker:
         worker = AdvantageWorker(in_push)
@@ -98,24 +98,24 @@ def test_a_push_stores_the_values_the_worker_would(tmp_path: Path, name: str, pa
 
 
 def test_only_one_value_estimators_on_the_cpu_are_computed_in_the_push() -> None:
-    pushed = {name for name in ESTIMATORS if computed_in_push(TableConfig("t", estimator=name), cuda=False)}
+    pushed = {name for name in ESTIMATORS if computed_in_push(TableConfig.of("t", estimator=name), cuda=False)}
     assert pushed == {
         "grpo", "step_wise_grpo", "reinforce", "opmd", "asymre", "rec", "drgrpo", "multi_turn_discount",
     }  # fmt: skip
-    assert not computed_in_push(TableConfig("t", estimator="grpo"), cuda=True)  # "auto" takes the GPU there
-    assert not computed_in_push(TableConfig("t", estimator="grpo", device="cuda"), cuda=True)
-    assert computed_in_push(TableConfig("t", estimator="grpo", device="cpu"), cuda=True)
-    batch_std = TableConfig("t", estimator="grpo", estimator_params={"std_cal_level": "batch"})
+    assert not computed_in_push(TableConfig.of("t", estimator="grpo"), cuda=True)  # "auto" takes the GPU there
+    assert not computed_in_push(TableConfig.of("t", estimator="grpo", device="cuda"), cuda=True)
+    assert computed_in_push(TableConfig.of("t", estimator="grpo", device="cpu"), cuda=True)
+    batch_std = TableConfig.of("t", estimator="grpo", estimator_params={"std_cal_level": "batch"})
     assert not computed_in_push(batch_std, cuda=False)
-    assert not computed_in_push(TableConfig("t", estimator="drgrpo", shaping={"advantages_norm": True}), cuda=False)
+    assert not computed_in_push(TableConfig.of("t", estimator="drgrpo", shaping={"advantages_norm": True}), cuda=False)
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        TableConfig("t", estimator="reinforce++_baseline", group_size=4),  # a batch stage
-        TableConfig("t", estimator="rloo", group_size=4),  # reads the tokens
-        TableConfig("t", estimator="grpo", estimator_params={"std_cal_level": "batch"}, group_size=4),
+        TableConfig.of("t", estimator="reinforce++_baseline", group_size=4),  # a batch stage
+        TableConfig.of("t", estimator="rloo", group_size=4),  # reads the tokens
+        TableConfig.of("t", estimator="grpo", estimator_params={"std_cal_level": "batch"}, group_size=4),
     ],
 )
 def test_other_tables_are_left_to_the_worker(tmp_path: Path, config: TableConfig) -> None:
@@ -133,7 +133,7 @@ def test_a_push_completing_more_than_the_limit_leaves_them_to_the_worker(tmp_pat
     with Store(tmp_path) as store:
         worker = AdvantageWorker(store)
         store.in_push = worker.in_push
-        store.create_table(TableConfig("t", estimator="grpo", group_size=size, device="cpu"))
+        store.create_table(TableConfig.of("t", estimator="grpo", group_size=size, device="cpu"))
         groups = IN_PUSH_LIMIT // size
         few = [item for task in range(groups) for item in group_items(1, task, size, reward=float(task % 3))]
         store.put("t", few)
@@ -164,7 +164,7 @@ def test_a_failing_estimator_fails_only_its_group_never_the_push(tmp_path: Path,
     with registered(Estimator("flaky", ingest=stage, group_step=True)) as name, Store(tmp_path) as store:
         worker = AdvantageWorker(store, retry_delays=())
         store.in_push = worker.in_push
-        store.create_table(TableConfig("t", estimator=name, group_size=2, device="cpu"))
+        store.create_table(TableConfig.of("t", estimator=name, group_size=2, device="cpu"))
         good = [trxp.from_experience(make_experience(1, 0, run, reward=float(run))) for run in range(2)]
         bad = [trxp.from_experience(make_experience(1, 1, run, reward=7.0 - run)) for run in range(2)]
         result = store.put("t", good + bad)
@@ -180,7 +180,7 @@ def test_a_failing_estimator_fails_only_its_group_never_the_push(tmp_path: Path,
 
 
 def test_groups_an_older_directory_left_computing_are_computed_by_the_worker(tmp_path: Path) -> None:
-    config = TableConfig("t", estimator="grpo", group_size=4, device="cpu")
+    config = TableConfig.of("t", estimator="grpo", group_size=4, device="cpu")
     with Store(tmp_path) as older:  # a server that left every group to its worker, stopped before it ran
         older.create_table(config)
         older.put("t", group_items(1, 0, 4, reward=1.0) + group_items(1, 1, 2, reward=0.0))
@@ -198,7 +198,7 @@ def test_groups_an_older_directory_left_computing_are_computed_by_the_worker(tmp
 def test_a_running_normalisation_takes_groups_after_older_queued_ones(tmp_path: Path) -> None:
     """The running moments chain through the groups in the order they completed: a push waits
     for the worker to take the older groups, and the values are those of the worker alone."""
-    config = TableConfig("t", estimator="grpo", group_size=3, device="cpu", shaping={"reward_running_norm": True})
+    config = TableConfig.of("t", estimator="grpo", group_size=3, device="cpu", shaping={"reward_running_norm": True})
     first = [*group_items(1, 0, 3, reward=1.0)[:2], trxp.from_experience(make_experience(1, 0, 2, reward=4.0))]
     second = [trxp.from_experience(make_experience(2, 0, run, reward=float(run * run))) for run in range(3)]
     with Store(tmp_path / "a") as store, Store(tmp_path / "b") as by_worker:
@@ -237,7 +237,7 @@ def test_whole_groups_are_computed_before_the_transaction_on_the_pushing_thread(
             return noted if compute is not None else None
 
         store.in_push = in_push
-        config = TableConfig("t", estimator="grpo", group_size=4, device="cpu", shaping={"advantage_clip": 0.8})
+        config = TableConfig.of("t", estimator="grpo", group_size=4, device="cpu", shaping={"advantage_clip": 0.8})
 
         def group(batch: int, task: int) -> list[trxp.RawItem]:
             return [

@@ -42,7 +42,7 @@ ADDED = {"quarantined": 0, "damaged": 0}
 
 
 def _run(store: Store) -> None:
-    store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+    store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
     store.put("t", group_items(0, 0, 2) + group_items(0, 1, 2) + group_items(0, 2, 1))
     store.sample(SampleSpec("t", num_groups=1))
     store.set_trainer_version("t", 3)
@@ -112,7 +112,7 @@ def test_a_misspelt_counter_is_an_error_not_a_new_counter() -> None:
 
 def test_a_count_that_is_not_a_number_is_damage(tmp_path: Path) -> None:
     with Store(tmp_path / "data") as store:
-        store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
         _overwrite(store, "t", STORED_BEFORE.replace(b'"pushed":5', b'"pushed":"5"'))
         with store.environment.read() as txn:
             problems = integrity.scan(txn, store.db, 0.0, strays=False, tables=False)[""]
@@ -124,7 +124,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
     while unknown; over a real server and a real client."""
     server = ExpbufServer(ServerConfig(data=str(tmp_path / "data"), port=0, metrics_port=0)).start()
     try:
-        server.store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+        server.store.create_table(TableConfig.of(name="t", estimator="none", group_size=2))
         server.store.put("t", group_items(0, 0, 2) + group_items(0, 1, 1))
         server.store.sample(SampleSpec("t", num_groups=1))
         with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:

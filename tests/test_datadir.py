@@ -34,7 +34,7 @@ def test_first_format_opens_with_everything_in_place(v1: Path) -> None:
     now = MANIFEST["now"]
     with Store(v1, clock=lambda: now) as store:
         assert {t.name for t in store.list_tables()} == set(MANIFEST["stats"])
-        assert store.table("turns").estimator == "discounted_return"  # version 1's "reinforce"
+        assert store.table("turns").advantages.estimator == "discounted_return"  # version 1's "reinforce"
         for table, want in MANIFEST["stats"].items():
             stats = store.stats(table)
             assert {k: stats[k] for k in COUNTS} == {k: want[k] for k in COUNTS}, table
@@ -101,7 +101,7 @@ def test_first_format_tables_now_finished_per_batch_compute_their_ready_groups_a
         txn.put(b"grpo4", json.dumps(record).encode())
     env.close()
     with Store(v1, batch_stage=finish_batch) as store:
-        assert store.table("grpo4").estimator_params == {"std_cal_level": 1.0}
+        assert store.table("grpo4").advantages.params == {"std_cal_level": 1.0}
         stats = store.stats("grpo4")
         assert (stats["groups_ready"], stats["groups_computing"]) == (0, 1)
         assert store.verify("grpo4") == []

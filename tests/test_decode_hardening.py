@@ -312,7 +312,7 @@ def test_same_content_in_another_key_order_is_a_duplicate(tmp_path: Path) -> Non
     (original,) = trxp.parse(payload("rich_fields.trxp"))
     other = trxp.parse(trxp.build([trxp.RawItem(reordered(original.meta), dict(original.tensors))]))
     with Store(tmp_path / "data", map_size=1 << 22) as store:
-        store.create_table(TableConfig(name="plain", estimator="none"))
+        store.create_table(TableConfig.of(name="plain", estimator="none"))
         assert store.put("plain", [original]).stored == [original.uid]
         result = store.put("plain", other)
         assert result.duplicates == [original.uid]

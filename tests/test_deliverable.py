@@ -53,7 +53,7 @@ def test_a_group_that_grows_past_the_limit_is_refused_at_the_push_that_would_do_
     from expbuf.server.store.table_config import TableConfig
 
     with Store(tmp_path, max_reply_bytes=LIMIT) as store:
-        store.create_table(TableConfig(name="g8", group_size=8))
+        store.create_table(TableConfig.of(name="g8", group_size=8))
         first = group_payload(0, 600, range(3))
         store.put("g8", trxp.parse(first))
         with pytest.raises(TooLarge, match=f"group 0/0 would take .* max_message_bytes = {LIMIT}"):

@@ -219,7 +219,7 @@ def test_held_batches_of_a_killed_server_come_back(tmp_path: Path, start_server:
     from expbuf.server.store.table_config import TableConfig
 
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none"))
+        store.create_table(TableConfig.of("t", estimator="none"))
         store.put("t", group_items(1, 0, 2))
         held = store.sample(SampleSpec("t", num_groups=1), hold=True)
         assert held.lease_id and store.stats("t")["leased"] == 2

@@ -11,9 +11,11 @@ import sys
 from types import ModuleType
 
 from expbuf import client
+from expbuf.client.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
 from expbuf.server import cli, config
 from expbuf.server.store import table_config
+from expbuf.server.store.table_parts import Shaping, flat_names
 
 from pages import DOCS, ROOT, page
 
@@ -66,11 +68,14 @@ def test_cli_page_holds_every_command_and_option() -> None:
 
 def test_settings_page_has_a_row_for_every_setting_with_its_variables_and_flags() -> None:
     page = hooks.settings_page(config.ServerConfig, table_config.TableConfig, hooks.setting_sources())
-    for cls in (config.ServerConfig, config.TlsConfig, table_config.TableConfig, table_config.Shaping):
+    for cls in (config.ServerConfig, config.TlsConfig, table_config.TableConfig, *table_config.PARTS.values(), Shaping):
         assert re.search(rf"^## `{cls.__name__}`$", page, re.M)
         section = page.split(f"## `{cls.__name__}`")[1].split("\n## ")[0]
         for field in dataclasses.fields(cls):
-            row(section, field.name)
+            row(section, flat_names(cls)[field.name])  # a part's field under its flat name
+    for setting in SETTING_NAMES:  # each with its note
+        assert not row(page, setting).endswith("|  |"), setting
+    assert "(`Grouping.size` in Python)" in row(page, "group_size")
     for variable, (name, _) in config._ENV.items():
         assert f"`{variable}`" in row(page, name)
     assert "`EXPBUF_MAX_WAIT_SECONDS`, `--max-wait-seconds`" in row(page, "max_wait_seconds")

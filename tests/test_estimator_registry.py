@@ -47,7 +47,7 @@ def test_a_registered_estimator_runs_end_to_end_through_a_store(tmp_path: Path) 
     stage, a sample runs its batch stage over the sampled batch."""
     rewards = {0: [1.0, 2.0, 6.0], 1: [0.0, 4.0, 5.0]}
     with registered(SCALED) as name, Store(tmp_path, batch_stage=finish_batch) as store:
-        config = TableConfig("t", group_size=3, estimator=name, estimator_params={"scale": 0.5})
+        config = TableConfig.of("t", group_size=3, estimator=name, estimator_params={"scale": 0.5})
         assert batch_stage(config) and group_step_first(config)
         store.create_table(config)
         store.put("t", [trxp.from_experience(make_experience(1, t, run, reward=r)) for t, rs in rewards.items()
@@ -65,17 +65,17 @@ def test_a_registered_estimator_is_validated_by_its_record() -> None:
     with registered(SCALED) as name:
         assert name in ESTIMATORS
         with pytest.raises(ConfigError, match="estimator scaled_centred parameter scale is '0'; allowed: > 0"):
-            TableConfig("t", estimator=name, estimator_params={"scale": 0})
+            TableConfig.of("t", estimator=name, estimator_params={"scale": 0})
         with pytest.raises(ConfigError, match=r"has no parameter\(s\) tau \(it takes: scale\)"):
-            TableConfig("t", estimator=name, estimator_params={"tau": 1.0})
+            TableConfig.of("t", estimator=name, estimator_params={"tau": 1.0})
         with pytest.raises(ValueError, match="scaled_centred is registered already"):
             register(SCALED)
     with pytest.raises(ConfigError, match="estimator is 'scaled_centred'; expected one of grpo,"):
-        TableConfig("t", estimator=name)
+        TableConfig.of("t", estimator=name)
 
 
 def test_a_push_without_reward_is_refused_by_the_record(tmp_path: Path) -> None:
     with registered(SCALED) as name, Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator=name))
+        store.create_table(TableConfig.of("t", estimator=name))
         with pytest.raises(InvalidRequest, match=r"computes advantages with scaled_centred, which needs one$"):
             store.put("t", group_items(1, 0, 2, reward=None))

@@ -104,7 +104,7 @@ def random_batch(seed: int, *, multi_step: bool = False, min_size: int = 1) -> l
 
 def ours(name: str, params: dict, exps: list[Exp], device: str = "cpu") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """uid -> (advantages, returns) as a trainer samples them, all experiences in one batch."""
-    config = TableConfig(name="t", estimator=name, estimator_params=params, device=device)
+    config = TableConfig.of(name="t", estimator=name, estimator_params=params, device=device)
     records = [e.record() for e in exps]
     items = [trxp.from_experience(e.build()) for e in exps] if ESTIMATORS[name].token_level else None
     batch, group_keys = build_batch(records, items)
@@ -360,20 +360,20 @@ OUT_OF_RANGE = [
 @pytest.mark.parametrize(("estimator", "param", "value", "allowed"), OUT_OF_RANGE)
 def test_out_of_range_parameter_is_refused(estimator: str, param: str, value: object, allowed: str) -> None:
     with pytest.raises(ConfigError) as info:
-        TableConfig(name="t1", estimator=estimator, estimator_params={param: value})
+        TableConfig.of(name="t1", estimator=estimator, estimator_params={param: value})
     message = str(info.value)
     for part in ("table 't1'", f"estimator {estimator}", f"parameter {param}", f"allowed: {allowed}"):
         assert part in message
 
 
 def test_parameters_are_stored_as_numbers_and_given_by_name() -> None:
-    config = TableConfig(name="t", estimator="opmd", estimator_params={"opmd_baseline": "logavgexp"})
-    assert config.estimator_params == {"opmd_baseline": 1.0}
-    assert TableConfig.from_dict(config.to_dict()) == config
+    config = TableConfig.of(name="t", estimator="opmd", estimator_params={"opmd_baseline": "logavgexp"})
+    assert config.advantages.params == {"opmd_baseline": 1.0}
+    assert TableConfig.from_settings(config.settings()) == config
     assert estimator_args(config) == {"opmd_baseline": "logavgexp", "tau": 1.0}
-    assert estimator_args(TableConfig(name="t", estimator="grpo"))["std_threshold"] is None
+    assert estimator_args(TableConfig.of(name="t", estimator="grpo"))["std_threshold"] is None
     with pytest.raises(ConfigError, match=r"estimator rloo has no parameter\(s\) gamma \(it takes: none\)"):
-        TableConfig(name="t", estimator="rloo", estimator_params={"gamma": 0.9})
+        TableConfig.of(name="t", estimator="rloo", estimator_params={"gamma": 0.9})
 
 
 # ---- end to end: Trinity-RFT's own payloads through a real server -----------------------

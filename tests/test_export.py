@@ -126,7 +126,7 @@ def test_export_goes_past_a_damaged_experience(tmp_path: Path) -> None:
     quarantined."""
     data = tmp_path / "data"
     with Store(data) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         for task in range(6):
             store.put("t", group_items(0, task, 2))
         damage(store, "t", "0/3/1/0/r1s0")

@@ -51,9 +51,9 @@ def test_an_allowed_move_passes(was: State, to: State) -> None:
 
 
 def test_every_forbidden_move_fails_its_transaction_and_stores_nothing(tmp_path: Path) -> None:
-    with Store(tmp_path / "data") as store:
-        mover = store.extensions.register(Mover())
-        store.create_table(TableConfig(name="t", estimator="none", group_size=2))
+    with Store(tmp_path / "data", extensions={"mover": Mover}) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, extensions=["mover"]))
+        (mover,) = (ext for ext in store.extensions_of("t") if isinstance(ext, Mover))
         for n, (was, to) in enumerate(FORBIDDEN):
             mover.move = (was, to)
             with pytest.raises(IllegalMove, match=f"cannot move from {was} to {to}"):

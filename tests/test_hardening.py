@@ -91,7 +91,7 @@ def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: P
     """An earlier release accepted tombstone_seconds = 1e10; such a table loads with the
     longest allowed value, and the lease upkeep of every table runs."""
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("old", estimator="none"))
+        store.create_table(TableConfig.of("old", estimator="none"))
         store.put("old", group_items(1, 0, 2))
         lease = take(store, "old", num_groups=1, delivery="lease", lease_seconds=0.01)
         assert lease is not None
@@ -102,7 +102,7 @@ def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: P
         txn.put(b"old", json.dumps(record).encode())
     env.close()
     with Store(tmp_path, clock=lambda: time.time() + 60) as store:
-        assert store.table("old").tombstone_seconds == MAX_SECONDS
+        assert store.table("old").retention.tombstone_seconds == MAX_SECONDS
         done = store.tick()
         assert (done["leases_expired"], done["failed"]) == (1, 0)
 
@@ -110,8 +110,8 @@ def test_a_table_stored_with_an_old_out_of_range_setting_still_loads(tmp_path: P
 def test_one_damaged_table_does_not_stop_the_upkeep_of_the_others(tmp_path: Path, caplog) -> None:
     now = [time.time()]
     with Store(tmp_path, clock=lambda: now[0]) as store:
-        store.create_table(TableConfig("hurt", estimator="none", group_size=4, group_timeout_seconds=1))
-        store.create_table(TableConfig("fine", estimator="none"))
+        store.create_table(TableConfig.of("hurt", estimator="none", group_size=4, group_timeout_seconds=1))
+        store.create_table(TableConfig.of("fine", estimator="none"))
         store.put("fine", group_items(1, 0, 2))
         take(store, "fine", num_groups=1, delivery="lease", lease_seconds=0.01)
         # a timeout index entry whose group record is gone (a damaged directory)
@@ -202,7 +202,7 @@ def test_a_lease_is_bound_to_the_token_that_took_it(start_server: Servers) -> No
 def test_eviction_never_takes_a_pending_group(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         store.create_table(
-            TableConfig("ring", estimator="none", group_size=4, capacity_experiences=6, when_full="evict")
+            TableConfig.of("ring", estimator="none", group_size=4, capacity_experiences=6, when_full="evict")
         )
         pending = group_items(1, 0, 4)
         store.put("ring", pending[:2])
@@ -233,7 +233,7 @@ def test_the_longest_uid_works_in_every_grouping(tmp_path: Path) -> None:
     suffix = "s" * (trxp.MAX_UID_BYTES - len("b/t/0/0/"))
     with Store(tmp_path) as store:
         for by in ("task", "run", "step", "none"):
-            store.create_table(TableConfig(f"by_{by}", estimator="none", group_by=by, tombstone_seconds=1))
+            store.create_table(TableConfig.of(f"by_{by}", estimator="none", group_by=by, tombstone_seconds=1))
             exp = make_experience("b", "t", 0)
             exp.eid.suffix = suffix
             item = trxp.from_experience(exp)
@@ -246,7 +246,7 @@ def test_the_longest_uid_works_in_every_grouping(tmp_path: Path) -> None:
 
 def test_full_disk_or_map_names_the_place(tmp_path: Path) -> None:
     with Store(tmp_path, map_size=1 << 20, max_map_size=1 << 20) as store:
-        store.create_table(TableConfig("t", estimator="none", group_by="none"))
+        store.create_table(TableConfig.of("t", estimator="none", group_by="none"))
         with pytest.raises(StorageFull) as info:
             for task in range(1000):
                 store.put("t", [trxp.from_experience(make_experience(1, task, 0, response=4000, prompt=4000))])
@@ -289,7 +289,7 @@ def test_tables_of_the_first_format_open_under_todays_estimator_names(tmp_path: 
     env.close()
     with Store(tmp_path) as store:
         for name, (_, _, estimator, params) in old.items():
-            assert (store.table(name).estimator, store.table(name).estimator_params) == (estimator, params)
+            assert (store.table(name).advantages.estimator, store.table(name).advantages.params) == (estimator, params)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a server without CUDA")

@@ -96,7 +96,7 @@ def test_a_stored_advantage_beyond_float32_fails_its_group_when_sampled(tmp_path
     the sample that finds it fails that group, names it, and serves the others. (The table
     computes nothing itself: the test writes the stored values, as that release left them.)"""
     with Store(tmp_path / "data") as store:
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
         store.put("t", group_items(1, 0, 2))
         store.put("t", group_items(1, 1, 2))
 

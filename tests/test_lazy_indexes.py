@@ -41,7 +41,7 @@ RECORDS = ("blobs", "items", "order", "groups")
 
 def one_each(tmp_path: Path, name: str = "t") -> Store:
     store = Store(tmp_path)
-    store.create_table(TableConfig(name=name, estimator="none", group_size=1, drop_zero_variance=False))
+    store.create_table(TableConfig.of(name=name, estimator="none", group_size=1, drop_zero_variance=False))
     return store
 
 
@@ -169,7 +169,7 @@ def test_a_directory_written_before_the_mark_keeps_every_index(tmp_path: Path) -
             with store.environment.read() as txn:
                 assert selection.in_use(txn, store.environment.db, layout.table_prefix(table_id)) is None
             assert store.verify(name) == []
-        store.create_table(TableConfig(name="t", estimator="none", group_size=1, drop_zero_variance=False))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_size=1, drop_zero_variance=False))
         table_id, _ = store.catalog.lookup("t")
         key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
         store.environment.submit(lambda txn: txn.delete(key, db=counters))  # "t" as the fixture's tables
@@ -359,7 +359,7 @@ def test_the_upkeep_builds_an_index_it_needs_and_uses_it_at_its_next_pass(tmp_pa
     """A table that evicts stale groups, whose version index is not kept (its mark and rows
     removed, as a build never made): the upkeep's eviction needs it, so the pass leaves that
     table's piece undone, the index is built in chunks, and the next pass evicts."""
-    config = TableConfig(
+    config = TableConfig.of(
         name="t", estimator="none", group_size=1, drop_zero_variance=False, evict_stale=True, max_staleness=0
     )
     with Store(tmp_path) as store:

@@ -36,7 +36,7 @@ def _listed(store: Store, table: str) -> dict[str, tuple[str, int]]:
 
 def test_a_lease_leaves_member_records_as_they_were_and_counts_the_batch_when_it_comes_back(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
         before = _records(store, "t")
         batch = take(store, "t", num_groups=2, delivery="lease", lease_seconds=60)
@@ -58,7 +58,7 @@ def test_a_lease_leaves_member_records_as_they_were_and_counts_the_batch_when_it
 
 def test_a_batch_held_for_a_stream_that_never_confirmed_it_comes_back_uncounted(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=2))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
         store.put("t", group_items(1, 0, 2, reward=0.0))
         before = _records(store, "t")
         batch = store.sample(SampleSpec("t", num_groups=1), hold=True)

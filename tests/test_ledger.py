@@ -61,7 +61,7 @@ def clock() -> Clock:
 @pytest.fixture
 def store(tmp_path: Path, clock: Clock) -> Store:
     with Store(tmp_path / "data", clock=clock, seed=3) as s:
-        s.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        s.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
         yield s
         assert s.verify("t") == []
 
@@ -94,7 +94,7 @@ def test_a_dataset_is_created_once_and_refused_by_name(store: Store) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             store.claims.create("t", bad)
-    store.create_table(TableConfig(name="runs", group_by="run", estimator="none"))
+    store.create_table(TableConfig.of(name="runs", group_by="run", estimator="none"))
     with pytest.raises(ConfigError, match="group_by = task"):
         store.claims.create("runs", DatasetRecord("m", size=1))
     with pytest.raises(NotFound, match="no dataset 'nope'"):
@@ -211,7 +211,7 @@ def test_a_group_the_table_drops_counts_its_prompt_done_or_sends_it_back(
     tmp_path: Path, on_drop: str, max_attempts: int
 ) -> None:
     with Store(tmp_path / "data") as store:
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none", drop_zero_variance=True))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none", drop_zero_variance=True))
         store.claims.create("t", DatasetRecord("math", size=2, on_drop=on_drop, max_attempts=max_attempts))
         (prompt,), _ = store.claims.claim("t", "math", 1, seconds=60)
         store.put("t", items("math", prompt, range(2), reward=1.0))  # all rewards equal: dropped
@@ -229,7 +229,7 @@ def test_a_group_the_table_drops_counts_its_prompt_done_or_sends_it_back(
 
 def test_the_ledger_survives_a_restart(tmp_path: Path, clock: Clock) -> None:
     with Store(tmp_path / "data", clock=clock) as store:
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
         store.claims.create("t", DatasetRecord("math", size=4, seed=5))
         (first, second), _ = store.claims.claim("t", "math", 2, seconds=10)
         store.put("t", items("math", first, range(2)))
@@ -254,7 +254,7 @@ def test_check_finds_a_ledger_that_disagrees_with_its_prompts(tmp_path: Path, cl
     expiry index and its queue of prompts sent back against the prompt records, and those
     against the groups."""
     with Store(tmp_path / "data", clock=clock) as store:
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
         store.claims.create("t", DatasetRecord("math", size=4))
         (done, held, back), _ = store.claims.claim("t", "math", 3, seconds=10)
         store.put("t", items("math", done, range(2)))  # generated

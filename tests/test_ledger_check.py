@@ -55,7 +55,7 @@ def ledger_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     trained, 0/1 generated, 0/2 claimed and 0/3 sent back (pending, queued, attempt 1)."""
     data = tmp_path_factory.mktemp("ledger") / "data"
     with Store(data) as store:
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
         store.claims.create("t", DatasetRecord("math", size=4, epochs=2))
         trained, generated, claimed, released = store.claims.claim("t", "math", 4, seconds=3600)[0]
         store.put("t", items(trained, range(2)))

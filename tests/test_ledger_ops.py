@@ -128,7 +128,7 @@ def test_a_scrape_reads_each_tables_datasets_once(tmp_path: Path) -> None:
 
     with Counting(tmp_path / "data") as store:
         for table in ("a", "b", "c"):
-            store.create_table(TableConfig(name=table, estimator="none"))
+            store.create_table(TableConfig.of(name=table, estimator="none"))
             store.create_dataset(table, DatasetRecord("one", size=2))
             store.create_dataset(table, DatasetRecord("two", size=3))
         families = {family.name: family for family in StoreCollector(store).collect()}
@@ -144,7 +144,7 @@ def test_a_scrape_of_many_tables_frees_each_read_as_it_goes(tmp_path: Path) -> N
     so a scrape of hundreds of tables never runs the server out of readers."""
     with Store(tmp_path / "data") as store:
         for i in range(300):
-            store.create_table(TableConfig(name=f"t{i}", estimator="none"))
+            store.create_table(TableConfig.of(name=f"t{i}", estimator="none"))
         gc.disable()
         try:
             families = [family.name for family in StoreCollector(store).collect()]

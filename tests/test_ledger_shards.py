@@ -32,7 +32,7 @@ def sharded(name: str, shard: str, **settings: object) -> DatasetRecord:
 def stores(tmp_path: Path) -> Iterator[dict[str, Store]]:
     opened = {shard: Store(tmp_path / shard, seed=3) for shard in SHARDS}
     for store in opened.values():
-        store.create_table(TableConfig(name="t", group_size=2, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
     yield opened
     for store in opened.values():
         assert store.verify("t") == []

@@ -78,18 +78,18 @@ async def _async_set(target: str, version: int) -> int:
 
 def test_off_policy_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="max_staleness"):
-        TableConfig(name="t", max_staleness=-1)
+        TableConfig.of(name="t", max_staleness=-1)
     with pytest.raises(ConfigError, match="on_stale"):
-        TableConfig(name="t", on_stale="keep")
+        TableConfig.of(name="t", on_stale="keep")
     with pytest.raises(ConfigError, match="samples_per_insert"):
-        TableConfig(name="t", samples_per_insert=float("nan"))
+        TableConfig.of(name="t", samples_per_insert=float("nan"))
 
 
 def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="trainer_version"):
         SampleSpec("default", num_groups=1, trainer_version=-1)
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="t", estimator="none"))
+        store.create_table(TableConfig.of(name="t", estimator="none"))
         with pytest.raises(InvalidRequest, match="version"):
             store.set_trainer_version("t", True)  # type: ignore[arg-type]
         assert store.sample(SampleSpec("t", num_groups=1, trainer_version=2)) is None
@@ -101,7 +101,7 @@ def test_trainer_version_on_a_sample_spec_is_checked(tmp_path: Path) -> None:
 
 def test_min_model_version_finds_fresh_groups_behind_100k_stale_ones(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_by="none"))
         one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
 
         def push(prefix: str, count: int, version: int) -> None:
@@ -128,7 +128,7 @@ def test_min_model_version_finds_fresh_groups_behind_100k_stale_ones(tmp_path: P
 def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> None:
     versions = [3, 7, 5, 7, 1, 5, 9, 3, 5]
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_by="none"))
         one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
         for i, version in enumerate(versions):
             store.put_entries("t", [replace(one, uid=f"g{i}", version=version, priority=float(i % 3))])
@@ -146,7 +146,7 @@ def test_fifo_and_lifo_merge_the_runs_of_every_fresh_version(tmp_path: Path) -> 
 
 def test_a_directory_without_the_version_index_gets_it_at_open(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="t", estimator="none", group_by="none"))
+        store.create_table(TableConfig.of(name="t", estimator="none", group_by="none"))
         store.put("t", group_items(1, 0, 3, version=4))
         store.sample(SampleSpec("t", num_groups=1, min_model_version=4, delivery="replay"))  # the table keeps byver
         env = store.environment
@@ -178,7 +178,7 @@ def test_admission_follows_areals_rule(tmp_path: Path) -> None:
     staleness, batch = 2, 4
     rng = random.Random(7)
     version, submitted, grants = 0, 0, []  # the reference: AReaL's StalenessManager, plainly
-    config = TableConfig(name="t", estimator="none", max_staleness=staleness, batch_size=batch)
+    config = TableConfig.of(name="t", estimator="none", max_staleness=staleness, batch_size=batch)
     store = Store(tmp_path)
     store.create_table(config)
     for step in range(300):
@@ -209,7 +209,7 @@ def test_admission_follows_areals_rule(tmp_path: Path) -> None:
 def test_a_vanished_workers_grants_expire_and_their_room_comes_back(tmp_path: Path) -> None:
     clock = [1000.0]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
-        store.create_table(TableConfig(name="t", estimator="none", max_staleness=0, batch_size=3))
+        store.create_table(TableConfig.of(name="t", estimator="none", max_staleness=0, batch_size=3))
         lost = store.admit("t", 5, grant_seconds=30)
         assert lost.count == 3 and store.admit("t", 1).count == 0
         with pytest.raises(NotFound, match="grant"):
@@ -292,7 +292,7 @@ def test_stale_pushes_are_dropped_or_refused(start_server: Servers) -> None:
 
 def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_path: Path) -> None:
     staleness, batch, steps = 1, 4, 8
-    config = TableConfig(name="t", estimator="none", group_by="none", max_staleness=staleness, batch_size=batch)
+    config = TableConfig.of(name="t", estimator="none", group_by="none", max_staleness=staleness, batch_size=batch)
     one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
     done = threading.Event()
     worst: list[int] = []
@@ -335,7 +335,7 @@ def test_workers_under_admission_never_feed_the_trainer_stale_experience(tmp_pat
 
 
 def _limited(name: str, **settings: object) -> TableConfig:
-    return TableConfig(name=name, estimator="none", group_by="none", **settings)
+    return TableConfig.of(name=name, estimator="none", group_by="none", **settings)
 
 
 def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> None:
@@ -428,8 +428,9 @@ def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
     toml = code_blocks(page("concepts/staleness.md"), "toml")[0]
     (tmp_path / "expbuf.toml").write_text(toml)
     (table,) = load(str(tmp_path / "expbuf.toml")).tables
-    assert (table.max_staleness, table.batch_size, table.on_stale) == (2, 4, "drop")
-    assert (table.min_size_to_sample, table.samples_per_insert, table.samples_per_insert_error) == (0, 0.0, 0)
+    assert (table.staleness.max_staleness, table.staleness.batch_size, table.staleness.on_stale) == (2, 4, "drop")
+    limiter = table.rate_limiter
+    assert (limiter.min_size_to_sample, limiter.samples_per_insert, limiter.error_buffer) == (0, 0.0, 0)
 
 
 # ---- stale-group eviction ----------------------------------------------------------------
@@ -439,7 +440,9 @@ def test_100k_stale_groups_are_evicted_in_bounded_steps_and_fresh_ones_stay(tmp_
     from expbuf.server.store.staleness import EVICT_LIMIT
 
     with Store(tmp_path) as store:
-        store.create_table(TableConfig(name="t", estimator="none", group_by="none", max_staleness=2, evict_stale=True))
+        store.create_table(
+            TableConfig.of(name="t", estimator="none", group_by="none", max_staleness=2, evict_stale=True)
+        )
         one = Entry.of(group_items(0, 0, 1, response=1, prompt=1)[0])
 
         def push(prefix: str, count: int, version: int | None) -> None:
@@ -471,7 +474,7 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
     with Store(tmp_path) as store:
         for name, evict in (("keep", False), ("evict", True)):
             store.create_table(
-                TableConfig(name=name, estimator="none", group_by="none", max_staleness=1, evict_stale=evict)
+                TableConfig.of(name=name, estimator="none", group_by="none", max_staleness=1, evict_stale=evict)
             )
             store.put_entries(name, [Entry.of(item) for item in group_items(0, 0, 4, version=3)])
             store.put_entries(name, [replace(Entry.of(group_items(0, 1, 1, version=6)[0]), uid="new")])
@@ -488,7 +491,7 @@ def test_stale_groups_stay_without_evict_stale_and_go_when_the_trainer_advances(
         assert batch.group_ids == ["new"]  # bound 6: "mid" (version 5) was evicted, not taken
         assert store.stats("evict")["dropped_stale"] == 5
     with pytest.raises(ConfigError, match="evict_stale must be true or false"):
-        TableConfig(name="t", evict_stale="yes")  # type: ignore[arg-type]
+        TableConfig.of(name="t", evict_stale="yes")  # type: ignore[arg-type]
 
 
 def test_evict_stale_over_grpc_and_the_stale_drop_metric(start_server: Servers) -> None:

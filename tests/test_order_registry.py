@@ -61,7 +61,7 @@ def registered_order(order: type[Order]) -> Iterator[str]:
 
 def fill(store: Store) -> None:
     """Groups 1/0 .. 1/3 of versions 5, 2, unknown, 3 (in that ready order)."""
-    store.create_table(TableConfig("t", estimator="none", group_size=2))
+    store.create_table(TableConfig.of("t", estimator="none", group_size=2))
     for task, version in enumerate((5, 2, None, 3)):
         store.put("t", group_items(1, task, 2, version=version))
 
@@ -84,7 +84,7 @@ def test_a_registered_order_samples_from_its_own_index(tmp_path: Path) -> None:
 
 def test_a_requeued_group_moves_in_the_orders_index(tmp_path: Path) -> None:
     """Reuse changes a replayed group's priority and place through the indexes' move hook."""
-    config = TableConfig("t", estimator="none", group_size=2, priority_decay=1.0)
+    config = TableConfig.of("t", estimator="none", group_size=2, priority_decay=1.0)
     with registered_order(OldestVersionFirst) as name, Store(tmp_path) as store:
         store.create_table(config)
         for task in range(3):

@@ -47,7 +47,7 @@ def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_f
 ) -> None:
     caplog.set_level(logging.ERROR, "expbuf.store")
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=4, keep_failed=keep_failed))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4, keep_failed=keep_failed))
         for task in range(3):
             store.put("t", group_items(0, task, 4, reward=float(task)))
         bad, good = uids(1)[2], [uid for uid in uids(1) if uid != uids(1)[2]]
@@ -72,7 +72,7 @@ def test_a_get_quarantines_a_damaged_experience_and_its_group_keeps_the_others_f
 
 def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=4))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
         for task in range(4):
             store.put("t", group_items(0, task, 4, reward=float(task)))
         damage(store, "t", uids(0)[0])
@@ -86,7 +86,7 @@ def test_a_sample_quarantines_and_serves_the_other_groups(tmp_path: Path) -> Non
 
 def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=4))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
         store.put("t", group_items(0, 0, 4))
         damage(store, "t", uids(0)[0])
         assert store.get_payload("t", uids(0))[1] == [uids(0)[0]]
@@ -100,7 +100,7 @@ def test_a_kept_payload_found_damaged_is_quarantined_alone(tmp_path: Path) -> No
 def test_quarantined_tombstones_are_forgotten_in_time_and_the_total_stays(tmp_path: Path) -> None:
     now = [1000.0]
     with Store(tmp_path, clock=lambda: now[0]) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=2, tombstone_seconds=60))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, tombstone_seconds=60))
         store.put("t", group_items(0, 0, 2))
         damage(store, "t", uids(0, 2)[0])
         store.get_payload("t", uids(0, 2))
@@ -117,7 +117,7 @@ def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path
     """rloo reads each member's tokens: a group with a damaged one is not computed, the
     damaged member is quarantined, the other groups are computed."""
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="rloo", group_size=4, drop_zero_variance=False))
+        store.create_table(TableConfig.of("t", estimator="rloo", group_size=4, drop_zero_variance=False))
         for task in range(3):
             store.put("t", group_items(0, task, 4, reward=float(task)))
         damage(store, "t", uids(1)[3])

@@ -32,12 +32,12 @@ def equal(batch: str, task: int, size: int = 4) -> list[Entry]:
 
 def limited(**settings: object) -> TableConfig:
     base = {"estimator": "none", "group_size": 4, "samples_per_insert": 1.0, "samples_per_insert_error": 4.0}
-    return TableConfig(name="t", **(base | settings))
+    return TableConfig.of(name="t", **(base | settings))
 
 
 def diff(store: Store) -> float:
     stats = store.stats("t")
-    return stats[INSERTED] * store.table("t").samples_per_insert - stats[SAMPLED]
+    return stats[INSERTED] * store.table("t").rate_limiter.samples_per_insert - stats[SAMPLED]
 
 
 def take_all(store: Store, groups: int = 1) -> int:

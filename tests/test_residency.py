@@ -39,7 +39,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory of about 100 MB: 12,000 experiences of 8 KB."""
     path = tmp_path_factory.mktemp("resident") / "data"
     with Store(path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=1, drop_zero_variance=False))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=1, drop_zero_variance=False))
         for start in range(0, 12_000, 1_000):
             store.put_entries("t", entries(1_000, 1, start, size=8_000))
     return path
@@ -65,7 +65,7 @@ def test_the_first_build_of_an_index_leaves_the_file_out_of_rss(tmp_path: Path) 
     record (index_builds.py), which touches pages all over the file; they are given back when
     the build ends, as after a scrub pass."""
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=1, drop_zero_variance=False))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=1, drop_zero_variance=False))
         for start in range(0, 100_000, 10_000):
             store.put_entries("t", entries(10_000, 1, start))
     size = (tmp_path / "data.mdb").stat().st_size

@@ -27,7 +27,7 @@ from helpers import group_items, make_experience
 def store(tmp_path: Path) -> Store:
     with Store(tmp_path / "data", seed=3) as s:
         s.create_table(
-            TableConfig(
+            TableConfig.of(
                 name="t", group_size=2, estimator="none", samples_per_insert=1.0, samples_per_insert_error=100.0
             )
         )

@@ -23,7 +23,7 @@ def reused(store: Store, table: str = "reuse") -> tuple[str, list[int]] | None:
 
 def test_a_delivered_group_is_lowered_cooled_and_back_after_a_restart(tmp_path: Path) -> None:
     clock = Clock()
-    config = TableConfig(
+    config = TableConfig.of(
         name="reuse", estimator="none", priority_decay=2.0, reuse_cooldown_seconds=10.0, max_times_sampled=3
     )
     with Store(tmp_path, clock=clock) as store:
@@ -51,7 +51,7 @@ def test_a_delivered_group_is_lowered_cooled_and_back_after_a_restart(tmp_path: 
 def test_without_cooldown_a_group_goes_behind_its_equals_at_once(tmp_path: Path) -> None:
     """Trinity appends a returning item to the items of its priority: a (3, then 2) follows b (2)."""
     with Store(tmp_path, clock=Clock()) as store:
-        store.create_table(TableConfig(name="reuse", estimator="none", priority_decay=1.0))
+        store.create_table(TableConfig.of(name="reuse", estimator="none", priority_decay=1.0))
         store.put("reuse", group_items(1, "a", 1, priority=3.0))
         store.put("reuse", group_items(1, "b", 1, priority=2.0))
         order = [reused(store) for _ in range(5)]
@@ -62,7 +62,7 @@ def test_without_cooldown_a_group_goes_behind_its_equals_at_once(tmp_path: Path)
 def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path) -> None:
     clock = Clock()
     with Store(tmp_path, clock=clock) as store:
-        store.create_table(TableConfig(name="reuse", estimator="none", reuse_cooldown_seconds=5.0))
+        store.create_table(TableConfig.of(name="reuse", estimator="none", reuse_cooldown_seconds=5.0))
         store.put("reuse", group_items(1, "a", 2))
         assert reused(store) == ("1/a", [1, 1])
         store.delete("reuse", group_ids=["1/a"])
@@ -83,4 +83,4 @@ def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path) ->
 )
 def test_reuse_settings_are_checked_by_name(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        TableConfig(name="reuse", **settings)
+        TableConfig.of(name="reuse", **settings)

@@ -17,7 +17,7 @@ from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items
 
-PLAIN = TableConfig(name="plain", estimator="none", group_size=2)
+PLAIN = TableConfig.of(name="plain", estimator="none", group_size=2)
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_dropping_a_table_ends_the_batches_held_from_it(tmp_path: Path) -> None:
     leaves the held batches of other tables as they are."""
     with Store(tmp_path / "data", map_size=16 << 20) as store:
         for name in ("plain", "other"):
-            store.create_table(TableConfig(name=name, estimator="none", group_size=2))
+            store.create_table(TableConfig.of(name=name, estimator="none", group_size=2))
             store.put(name, group_items(1, 0, 2))
         store.sample(SampleSpec("plain", num_groups=1), hold=True, owner="me")
         kept = store.sample(SampleSpec("other", num_groups=1), hold=True, owner="me")
@@ -202,7 +202,7 @@ def test_a_replayed_batch_counts_only_once_confirmed(tmp_path: Path) -> None:
     """With max_times_sampled = 1, a replayed batch given back unconfirmed (a stream stopped
     before its client had it) leaves its group ready and uncounted; confirmed, it retires."""
     with Store(tmp_path / "data", map_size=16 << 20, seed=3) as store:
-        store.create_table(TableConfig(name="once", estimator="none", group_size=2, max_times_sampled=1))
+        store.create_table(TableConfig.of(name="once", estimator="none", group_size=2, max_times_sampled=1))
         store.put("once", group_items(1, 0, 2))
         spec = SampleSpec("once", num_groups=1, delivery="replay")
         first = store.sample(spec, hold=True, owner="me")
@@ -222,7 +222,7 @@ def test_a_replayed_batch_counts_only_once_confirmed(tmp_path: Path) -> None:
 def test_a_confirmed_replay_under_reuse_is_lowered_and_stays_until_spent(tmp_path: Path) -> None:
     """Replayed groups confirmed go back ready, their deliveries counted in their records."""
     with Store(tmp_path / "data", map_size=16 << 20, seed=3) as store:
-        config = TableConfig(name="reuse", estimator="none", group_size=2, max_times_sampled=2, priority_decay=1.0)
+        config = TableConfig.of(name="reuse", estimator="none", group_size=2, max_times_sampled=2, priority_decay=1.0)
         store.create_table(config)
         store.put("reuse", group_items(1, 0, 2))
         spec = SampleSpec("reuse", num_groups=1, delivery="replay", order="priority")

@@ -19,7 +19,7 @@ from expbuf.server.store.table_config import TableConfig
 
 from helpers import group_items, take
 
-PLAIN = TableConfig(name="plain", estimator="none", group_size=2)
+PLAIN = TableConfig.of(name="plain", estimator="none", group_size=2)
 
 
 def stored(items: list[trxp.RawItem]) -> list[trxp.RawItem]:

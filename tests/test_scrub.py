@@ -25,7 +25,7 @@ from helpers import ServerProcess, group_items, scrape
 
 def filled(path: Path, groups: int = 40, **settings: object) -> Store:
     store = Store(path, **settings)  # type: ignore[arg-type]
-    store.create_table(TableConfig("t", estimator="none", group_size=4))
+    store.create_table(TableConfig.of("t", estimator="none", group_size=4))
     for task in range(groups):
         store.put("t", group_items(0, task, 4, reward=float(task)))
     return store

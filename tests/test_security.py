@@ -125,7 +125,7 @@ def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     config = load(str(config_file), {"data": "/override", "host": None})
     assert (config.data, config.port, config.host) == ("/override", 7000, "127.0.0.1")
     assert config.tokens == {"from-env": frozenset({"push"})}
-    assert [t.name for t in config.tables] == ["grpo8"] and config.tables[0].group_size == 8
+    assert [t.name for t in config.tables] == ["grpo8"] and config.tables[0].grouping.size == 8
     assert parse_tokens("a:push,sample; b:admin") == {"a": frozenset({"push", "sample"}), "b": frozenset({"admin"})}
     with pytest.raises(ConfigError, match="unknown token scope"):
         ServerConfig(tokens={"x": frozenset({"root"})})

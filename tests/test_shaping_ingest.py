@@ -159,7 +159,7 @@ def test_moments_chain_through_retries_and_a_failed_try_leaves_them(tmp_path: Pa
     good = [[make_experience(1, task, run, reward=rng.uniform(-3, 3)) for run in range(3)] for task in (0, 2)]
     guilty = [make_experience(1, 1, run, reward=50.0, response=7) for run in range(3)]
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("c", estimator=exploding, shaping={"reward_running_norm": True}))
+        store.create_table(TableConfig.of("c", estimator=exploding, shaping={"reward_running_norm": True}))
         store.put("c", [trxp.from_experience(e) for e in good[0] + guilty + good[1]])
         assert AdvantageWorker(store).run_once() == 3
         stats = store.stats("c")
@@ -232,7 +232,7 @@ def test_shaping_in_toml(tmp_path: Path) -> None:
     path = tmp_path / "expbuf.toml"
     path.write_text('[[tables]]\nname = "t"\nshaping = { reward_clip = 5.0, advantage_clip = 2 }\n')
     (table,) = load_config(path).tables
-    assert (table.shaping.reward_clip, table.shaping.advantage_clip) == (5.0, 2)
+    assert (table.advantages.shaping.reward_clip, table.advantages.shaping.advantage_clip) == (5.0, 2)
     path.write_text('[[tables]]\nname = "t"\nshaping = { overlong_buffer = true, max_new_tokens = 8 }\n')
     with pytest.raises(ConfigError, match="table 't': shaping overlong_buffer needs 0 < overlong_buffer_len"):
         load_config(path)
@@ -279,7 +279,7 @@ def test_a_group_whose_group_step_fails_takes_nothing_in(tmp_path: Path) -> None
     for run, item in enumerate(huge):
         item.meta["reward"] = 1e308 * (run < 2)
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("g", estimator="grpo", shaping={"reward_running_norm": True}))
+        store.create_table(TableConfig.of("g", estimator="grpo", shaping={"reward_running_norm": True}))
         store.put("g", [trxp.from_experience(e) for e in good[0]] + huge + [trxp.from_experience(e) for e in good[1]])
         assert AdvantageWorker(store).run_once() == 3
         stats = store.stats("g")

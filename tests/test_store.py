@@ -19,7 +19,7 @@ from conftest import payload
 from helpers import group_items, take
 
 # Most tests are about storage, not advantages: their table stores groups as pushed.
-PLAIN = TableConfig(name="plain", estimator="none")
+PLAIN = TableConfig.of(name="plain", estimator="none")
 
 
 class Clock:
@@ -49,20 +49,20 @@ def store(tmp_path: Path, clock: Clock) -> Store:
 def test_default_table_exists_and_survives_restart(tmp_path: Path) -> None:
     with Store(tmp_path) as s:
         assert [t.name for t in s.list_tables()] == ["default"]
-        assert s.table("default") == TableConfig(name="default")
-        s.create_table(TableConfig(name="runs", group_by="run", group_size=3, max_times_sampled=2))
+        assert s.table("default") == TableConfig.of(name="default")
+        s.create_table(TableConfig.of(name="runs", group_by="run", group_size=3, max_times_sampled=2))
     with Store(tmp_path) as s:
         assert [t.name for t in s.list_tables()] == ["default", "runs"]
-        assert s.table("runs").group_size == 3
+        assert s.table("runs").grouping.size == 3
 
 
 def test_table_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="group_by"):
-        TableConfig(name="x", group_by="episode")
+        TableConfig.of(name="x", group_by="episode")
     with pytest.raises(ConfigError, match="table name"):
-        TableConfig(name="bad name!")
+        TableConfig.of(name="bad name!")
     with pytest.raises(ConfigError, match="unknown table setting"):
-        TableConfig.from_dict({"name": "x", "capacity": 3})
+        TableConfig.from_settings({"name": "x", "capacity": 3})
 
 
 def test_fixture_round_trip_through_the_store(store: Store) -> None:
@@ -129,7 +129,7 @@ def test_refused_push_stores_nothing(store: Store) -> None:
 
 
 def test_groups_complete_at_size_and_seal(store: Store) -> None:
-    store.create_table(TableConfig(name="g4", estimator="none", group_size=4))
+    store.create_table(TableConfig.of(name="g4", estimator="none", group_size=4))
     items = group_items(1, 1, 4)
     assert store.put("g4", items[:3]).completed_groups == []
     assert take(store, "g4", num_groups=1) is None
@@ -150,7 +150,7 @@ def test_groups_complete_at_size_and_seal(store: Store) -> None:
 def test_group_by_run_step_and_none(store: Store) -> None:
     multi = trxp.parse(payload("multi_turn.trxp"))
     for by, want in (("run", ["2/1/0"]), ("step", ["2/1/0", "2/1/1", "2/1/2"]), ("none", [i.uid for i in multi])):
-        store.create_table(TableConfig(name=f"by_{by}", estimator="none", group_by=by))
+        store.create_table(TableConfig.of(name=f"by_{by}", estimator="none", group_by=by))
         assert store.put(f"by_{by}", multi).completed_groups == want
         assert store.verify(f"by_{by}") == []
     assert take(store, "by_run", num_groups=1).uids == [i.uid for i in multi]
@@ -192,7 +192,7 @@ def test_uniform_consume_takes_each_group_once(store: Store) -> None:
 
 
 def test_replay_respects_max_times_sampled(store: Store) -> None:
-    store.create_table(TableConfig(name="replay", estimator="none", max_times_sampled=3))
+    store.create_table(TableConfig.of(name="replay", estimator="none", max_times_sampled=3))
     store.put("replay", group_items(1, 0, 2))
     for _ in range(3):
         assert take(store, "replay", num_groups=1, delivery="replay") is not None
@@ -257,9 +257,9 @@ def test_lease_ack_nack_and_expiry_across_restart(tmp_path: Path, clock: Clock) 
 
 
 def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
-    store.create_table(TableConfig(name="rel", estimator="none", group_size=4, group_timeout_seconds=5))
+    store.create_table(TableConfig.of(name="rel", estimator="none", group_size=4, group_timeout_seconds=5))
     store.create_table(
-        TableConfig(name="drop", estimator="none", group_size=4, group_timeout_seconds=5, on_group_timeout="drop")
+        TableConfig.of(name="drop", estimator="none", group_size=4, group_timeout_seconds=5, on_group_timeout="drop")
     )
     for name in ("rel", "drop"):
         store.put(name, group_items(1, 0, 2))
@@ -275,7 +275,7 @@ def test_group_timeout_release_and_drop(store: Store, clock: Clock) -> None:
 
 
 def test_zero_variance_groups_are_dropped(store: Store) -> None:
-    store.create_table(TableConfig(name="dapo", estimator="none", drop_zero_variance=True))
+    store.create_table(TableConfig.of(name="dapo", estimator="none", drop_zero_variance=True))
     store.put("dapo", group_items(1, 0, 4, reward=1.0))
     store.put("dapo", trxp.parse(payload("grpo_group.trxp")))
     stats = store.stats("dapo")
@@ -285,7 +285,9 @@ def test_zero_variance_groups_are_dropped(store: Store) -> None:
 def test_one_push_fills_opens_extends_and_drops_groups(store: Store, clock: Clock) -> None:
     """A push's groups are handled in passes over the whole push: each kind of group it
     touches ends in the same state, indexes and counters as when pushed alone."""
-    config = TableConfig(name="mix", estimator="none", group_size=4, drop_zero_variance=True, group_timeout_seconds=5)
+    config = TableConfig.of(
+        name="mix", estimator="none", group_size=4, drop_zero_variance=True, group_timeout_seconds=5
+    )
     store.create_table(config)
     store.put("mix", group_items(1, 0, 4)[:2], timeout=0)  # group 0 pending with 2 of 4
     clock.now += 1
@@ -307,7 +309,7 @@ def test_one_push_fills_opens_extends_and_drops_groups(store: Store, clock: Cloc
 
 
 def test_capacity_block_and_evict(store: Store) -> None:
-    store.create_table(TableConfig(name="full", estimator="none", capacity_experiences=4))
+    store.create_table(TableConfig.of(name="full", estimator="none", capacity_experiences=4))
     store.put("full", group_items(1, 0, 4))
     with pytest.raises(TableFull, match="is full"):
         store.put("full", group_items(1, 1, 2), timeout=0.05)
@@ -315,7 +317,7 @@ def test_capacity_block_and_evict(store: Store) -> None:
     unblocked.start()
     assert len(store.put("full", group_items(1, 1, 2), timeout=5).stored) == 2
     unblocked.join()
-    store.create_table(TableConfig(name="ring", estimator="none", capacity_experiences=6, when_full="evict"))
+    store.create_table(TableConfig.of(name="ring", estimator="none", capacity_experiences=6, when_full="evict"))
     for task in range(5):
         store.put("ring", group_items(2, task, 2))
     leased = take(store, "ring", num_groups=1, delivery="lease")
@@ -370,7 +372,7 @@ def test_concurrent_pushes_share_commits(store: Store) -> None:
 
 
 def test_tables_interleaved_keep_their_indexes(store: Store) -> None:
-    store.create_table(TableConfig(name="other", estimator="none"))
+    store.create_table(TableConfig.of(name="other", estimator="none"))
     for task in range(3):
         store.put("other", group_items(4, task, 2))
         store.put("plain", group_items(4, task, 2))
@@ -380,12 +382,12 @@ def test_tables_interleaved_keep_their_indexes(store: Store) -> None:
 
 
 def test_drop_table(store: Store) -> None:
-    store.create_table(TableConfig(name="tmp", estimator="none"))
+    store.create_table(TableConfig.of(name="tmp", estimator="none"))
     store.put("tmp", group_items(1, 0, 3))
     assert store.drop_table("tmp") == 3
     with pytest.raises(NotFound, match="table 'tmp' does not exist"):
         store.put("tmp", group_items(1, 0, 3))
-    store.create_table(TableConfig(name="tmp", estimator="none"))
+    store.create_table(TableConfig.of(name="tmp", estimator="none"))
     assert store.stats("tmp")["ready"] == 0 and store.verify("tmp") == []
 
 
@@ -402,7 +404,7 @@ def test_second_process_is_refused(tmp_path: Path) -> None:
 
 
 def test_tombstones_are_pruned_after_their_time(store: Store, clock: Clock) -> None:
-    store.create_table(TableConfig(name="short", estimator="none", tombstone_seconds=60))
+    store.create_table(TableConfig.of(name="short", estimator="none", tombstone_seconds=60))
     items = group_items(1, 0, 3)
     store.put("short", items)
     take(store, "short", num_groups=1)
@@ -429,7 +431,7 @@ def test_the_store_is_a_backend(store: Store) -> None:
 def test_waiting_for_data_or_room_sleeps_instead_of_spinning(store: Store) -> None:
     """A sample waiting for data retries only when something changed (or every 0.25 s):
     its own empty retries do not wake it, nor anyone else waiting."""
-    store.create_table(TableConfig(name="full", estimator="none", capacity_experiences=2))
+    store.create_table(TableConfig.of(name="full", estimator="none", capacity_experiences=2))
     store.put("full", group_items(1, 0, 2))
     before = store.environment.batches
     assert take(store, "plain", num_groups=1, wait_seconds=1.0) is None

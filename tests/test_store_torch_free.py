@@ -51,7 +51,7 @@ CHILD = textwrap.dedent(
 def test_open_push_and_sample_from_a_batch_stage_table_import_no_torch(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         store.create_table(
-            TableConfig("w", group_size=4, estimator="reinforce++_baseline", shaping={"advantage_clip": 0.5})
+            TableConfig.of("w", group_size=4, estimator="reinforce++_baseline", shaping={"advantage_clip": 0.5})
         )
         runs = [make_experience(1, task, run, reward=float(run)) for task in (0, 1) for run in range(4)]
         store.put("w", [trxp.from_experience(e) for e in runs])  # values r - mean: +-0.5, +-1.5
@@ -68,7 +68,7 @@ def test_a_store_given_no_batch_stage_takes_no_batch_of_a_table_that_needs_one(t
     nothing, and so is a Get."""
     refused = r"table 'w' finishes its advantages over each sampled batch, .* \(Store\(batch_stage=\.\.\.\)\)"
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("w", group_size=2, estimator="reinforce++_baseline"))
+        store.create_table(TableConfig.of("w", group_size=2, estimator="reinforce++_baseline"))
         store.put("w", group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=2.0))
         assert AdvantageWorker(store).run_once() == 2
         with pytest.raises(StoreError, match=refused):

@@ -21,9 +21,9 @@ def test_a_pass_visits_only_the_active_tables(tmp_path: Path) -> None:
     now = [1_000_000.0]
     with Store(tmp_path, clock=lambda: now[0]) as store:
         for i in range(IDLE_TABLES):
-            store.create_table(TableConfig(f"idle{i}", estimator="none"))
-        store.create_table(TableConfig("timed", estimator="none", group_size=4, group_timeout_seconds=10))
-        store.create_table(TableConfig("consumed", estimator="none", tombstone_seconds=60))
+            store.create_table(TableConfig.of(f"idle{i}", estimator="none"))
+        store.create_table(TableConfig.of("timed", estimator="none", group_size=4, group_timeout_seconds=10))
+        store.create_table(TableConfig.of("consumed", estimator="none", tombstone_seconds=60))
         every = IDLE_TABLES + 3  # with the default table
         first = store.tick()  # the first pass is a sweep: it visits every table, and works on none
         assert (first["tables_visited"], first["tables_worked"]) == (every, 0)

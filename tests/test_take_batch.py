@@ -19,7 +19,7 @@ from expbuf.server.store.table_config import TableConfig
 from helpers import group_items, take
 
 PREFIX = b"\x00\x00\x00\x07"
-UNIFORM = TableConfig(name="u", estimator="none", group_size=2)
+UNIFORM = TableConfig.of(name="u", estimator="none", group_size=2)
 
 
 @pytest.fixture

@@ -63,7 +63,7 @@ def test_a_retired_experience_is_a_compact_tombstone_that_keeps_a_retry_a_duplic
     tmp_path: Path, retire: Callable[[Store], None], state: str
 ) -> None:
     clock = [NOW]
-    config = TableConfig(
+    config = TableConfig.of(
         "t", estimator="none", capacity_experiences=4, when_full="evict", tombstone_seconds=60, drop_zero_variance=False
     )
     with Store(tmp_path, clock=lambda: clock[0]) as store:
@@ -89,8 +89,8 @@ def test_a_retired_experience_is_a_compact_tombstone_that_keeps_a_retry_a_duplic
 
 def test_a_failed_experience_whose_payload_is_kept_keeps_its_full_record(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="grpo", keep_failed=True))
-        store.create_table(TableConfig("lean", estimator="grpo", keep_failed=False))
+        store.create_table(TableConfig.of("t", estimator="grpo", keep_failed=True))
+        store.create_table(TableConfig.of("lean", estimator="grpo", keep_failed=False))
         for table in ("t", "lean"):
             store.put(table, group_items(1, 0, 2, reward=1.0) + group_items(1, 1, 2, reward=0.0))
             store.finish_compute(table, {}, ready=[], failed={"1/0": "it failed"})
@@ -158,7 +158,7 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
 
 def test_check_names_a_tombstone_kept_in_full_or_in_items_and_a_live_record_among_tombstones(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.create_table(TableConfig("t", estimator="none", drop_zero_variance=False))
+        store.create_table(TableConfig.of("t", estimator="none", drop_zero_variance=False))
         store.put("t", group_items(1, 0, 1) + group_items(1, 1, 1) + group_items(1, 2, 1))
         assert take(store, "t", num_groups=2, order="fifo") is not None
         assert store.verify("t") == []
@@ -189,7 +189,7 @@ def test_a_group_whose_tombstones_are_deleted_one_by_one_leaves_the_retired_inde
 ) -> None:
     clock = [NOW]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
-        store.create_table(TableConfig("t", estimator="none", group_size=2, tombstone_seconds=60))
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, tombstone_seconds=60))
         first, second = group_items(1, 0, 2), group_items(1, 1, 2)
         store.put("t", first + second)
         assert take(store, "t", num_groups=2) is not None

@@ -23,7 +23,7 @@ from helpers import group_items
 
 
 def table(**settings: object) -> TableConfig:
-    return TableConfig(name="t", estimator="none", group_size=2, **settings)
+    return TableConfig.of(name="t", estimator="none", group_size=2, **settings)
 
 
 def push(store: Store, task: int, version: int) -> None:
@@ -76,7 +76,7 @@ def test_with_evict_stale_a_jump_past_the_data_is_refused(tmp_path: Path) -> Non
         assert store.stats("t")["dropped_stale"] == 5
         assert store.reset_offpolicy("t", 2**40) == (2**40, 0)  # an admin sets any version
     with Store(tmp_path) as store:  # without evict_stale nothing is evicted: any jump may go
-        store.create_table(TableConfig(name="u", estimator="none", max_staleness=2))
+        store.create_table(TableConfig.of(name="u", estimator="none", max_staleness=2))
         assert store.set_trainer_version("u", 2**63 - 1) == 2**63 - 1
 
 

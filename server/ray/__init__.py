@@ -51,7 +51,7 @@ class ShardActor:
             port=port,
             metrics_port=metrics_port,
             shard=name,
-            tables=tuple(TableConfig.from_dict(t) for t in tables),
+            tables=tuple(TableConfig.from_settings(t) for t in tables),
         )
         deadline = time.monotonic() + _LOCK_WAIT_SECONDS
         while True:

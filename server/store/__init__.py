@@ -3,7 +3,8 @@
 - what every layer reads: errors.py (every refusal, its gRPC status named, not imported),
   ready_indexes.py (the ready-group indexes, one `Index` class each), selection.py (the orders,
   one registered `Order` class each, and a table's `ReadyIndex`), estimator_registry.py (the
-  estimators a table can name), table_config.py (`TableConfig` and its checks), sample_spec.py
+  estimators a table can name), table_config.py (`TableConfig`, composed of the parts of
+  table_parts.py, each checking its settings), sample_spec.py
   (`SampleSpec`, a sample request checked once), states.py (the group state machine);
 - the environment and the formats: environment.py (the LMDB environment, its single writer
   thread and group commit), layout.py (the named databases and the keys in them), records.py
@@ -12,7 +13,7 @@
   forms, spliced into a batch), snapshot.py, batch_rows.py;
 - the table state: table_state.py (one table in one transaction: its record cache, counters,
   ready index and `save`), counters.py (the counters and their stored form), extensions.py
-  (the table extension hooks, after Reverb's TableExtension);
+  (the table extension hooks, after Reverb's TableExtension, and the kinds tables name);
 - the rules, functions over a table's state: limiter.py (the rate limits between inserts and
   samples), retirement.py (how experiences leave), capacity.py (eviction or refusal when
   full), groups.py (the group state machine), pushed_advantages.py (advantages a push computes
@@ -20,7 +21,7 @@
   compute_queue.py (groups waiting for advantages), deliverable.py, admission.py (AReaL's
   bound), leases.py (taking a batch and its leases), quarantine.py (damaged payloads found by
   a read), browse.py, integrity.py, migrate.py;
-- the services: catalog.py (the tables), sampling.py (sample, ack, nack), upkeep.py (lease and
+- the services: catalog.py (the tables and each one's extensions), sampling.py (sample, ack, nack), upkeep.py (lease and
   grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated),
   scrub.py (every payload checked in the background, residency.py keeping RSS small);
 - engine.py: `Store`, the façade the server uses (through backend.Backend).

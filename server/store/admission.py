@@ -52,10 +52,10 @@ class Grant:
 def capacity(tt: TableState) -> int | None:
     """Rollouts that may start now; None when the table sets no bound."""
     cfg = tt.config
-    if cfg.max_staleness is None or not cfg.batch_size:
+    if cfg.staleness.max_staleness is None or not cfg.staleness.batch_size:
         return None
     version = tt.counters.trainer_version or 0
-    return max(0, (cfg.max_staleness + version + 1) * cfg.batch_size - tt.counters.submitted)
+    return max(0, (cfg.staleness.max_staleness + version + 1) * cfg.staleness.batch_size - tt.counters.submitted)
 
 
 def grant(tt: TableState, count: int, seconds: float) -> Grant:
@@ -127,16 +127,16 @@ def screen(tt: TableState, entries: Sequence[Entry]) -> tuple[list[Entry], list[
     """The entries to store and the uids dropped as stale (on_stale = drop); a stale
     entry with on_stale = refuse refuses the whole push."""
     cfg, version = tt.config, tt.counters.trainer_version
-    if cfg.max_staleness is None or version is None:
+    if cfg.staleness.max_staleness is None or version is None:
         return list(entries), []
-    bound = version - cfg.max_staleness
+    bound = version - cfg.staleness.max_staleness
     stale = [e for e in entries if e.version is not None and e.version < bound]
     if not stale:
         return list(entries), []
-    if cfg.on_stale == "refuse":
+    if cfg.staleness.on_stale == "refuse":
         raise StaleExperience(
             f"table '{cfg.name}': experience {stale[0].uid} has model_version {stale[0].version}, below "
-            f"{bound} (trainer version {version} - max_staleness {cfg.max_staleness}); "
+            f"{bound} (trainer version {version} - max_staleness {cfg.staleness.max_staleness}); "
             f"{len(stale)} of {len(entries)} experiences are stale, nothing was stored"
         )
     tt.counters.stale_dropped += len(stale)

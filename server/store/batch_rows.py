@@ -24,7 +24,7 @@ class BatchRows:
         finish: FinishBatch | None,
     ) -> None:
         self.txn, self.adv, self.config, self.finish = txn, adv, config, finish
-        self.computed = config.estimator != "none"  # a table without an estimator has no advantages
+        self.computed = config.advantages.estimator != "none"  # a table without an estimator has no advantages
         self.blobs: list[bytes | memoryview] = []
         self.records: list[ItemRecord] = []
         self.advantages: list[Advantage] = []

@@ -20,20 +20,20 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
     def over() -> bool:
         live = tt.counters.live()
         return bool(
-            (cfg.capacity_experiences and live + count > cfg.capacity_experiences)
-            or (cfg.capacity_bytes and tt.counters.bytes + nbytes > cfg.capacity_bytes)
+            (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
+            or (cfg.capacity.bytes and tt.counters.bytes + nbytes > cfg.capacity.bytes)
         )
 
     if not over():
         return
-    if (cfg.capacity_experiences and count > cfg.capacity_experiences) or (
-        cfg.capacity_bytes and nbytes > cfg.capacity_bytes
+    if (cfg.capacity.experiences and count > cfg.capacity.experiences) or (
+        cfg.capacity.bytes and nbytes > cfg.capacity.bytes
     ):
         raise TooLarge(
             f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
-            f"({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes) on their own"
+            f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
-    if cfg.when_full == "evict":
+    if cfg.capacity.when_full == "evict":
         for gkey in _oldest_groups(tt):
             if gkey in keep:
                 continue
@@ -44,7 +44,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             tt.counters.evicted_total += len(grp.members)
             if not over():
                 return
-    raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity_experiences} experiences, {cfg.capacity_bytes} bytes)")
+    raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
 
 
 def _oldest_groups(tt: TableState) -> Iterator[str]:

@@ -74,7 +74,7 @@ class Claims:
         A shard's part of a sharded dataset is counted here, before the write, so the writer
         is not held meanwhile; `stop` is polled while counting (a cancelled call)."""
         table_id, config = self.catalog.lookup(table)
-        check(ds, config.group_by)
+        check(ds, config.grouping.by)
         if ds.shards:
             with self.environment.read() as txn:
                 exists = read_dataset(txn, self.catalog.db["ledger"], table_id, ds.name) is not None

@@ -36,7 +36,7 @@ def check(tt: TableState, entries: Sequence[Entry], limit: int | None) -> None:
         if entry.uid in seen or tt.item(entry.uid) is not None:  # a duplicate adds nothing
             continue
         seen.add(entry.uid)
-        added[entry.group_key(tt.config.group_by)] += member_bytes(len(entry.blob), entry.response_length, entry.uid)
+        added[entry.group_key(tt.config.grouping.by)] += member_bytes(len(entry.blob), entry.response_length, entry.uid)
     for gkey, new in added.items():
         if REPLY_FRAMING + new <= limit and not _stored_members(tt, gkey):
             continue

@@ -1,8 +1,8 @@
 """The LMDB storage engine behind the expbuf server: one object that every caller uses.
 
 `Store` is a façade. It composes the environment (environment.py: the LMDB environment and
-its writer thread), the table catalog (catalog.py), the table extensions (extensions.py:
-the compute queue and stale-group eviction, and any registered), and its services: pushes
+its writer thread), the table catalog (catalog.py) with each table's extensions (extensions.py:
+the store's own its settings call for, and the kinds it names), and its services: pushes
 (pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
 upkeep (upkeep.py) and the scrub (scrub.py). It puts each request through the writer as
 one table's transaction: a table's state (table_state.py) changed by the rules (groups.py,
@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import lmdb
@@ -37,13 +37,13 @@ from . import (
     retirement,
     staleness,
 )
-from .catalog import TableCatalog
+from .catalog import EveryTable, TableCatalog
 from .claims import Claims, PromptPage
-from .compute_queue import ComputeQueue, backlog
+from .compute_queue import backlog
 from .counters import read_counters
 from .environment import Environment
 from .errors import NotFound
-from .extensions import Extensions
+from .extensions import ExtensionKinds, TableExtension
 from .index_builds import submit_building
 from .integrity import verify
 from .kinds import Compute, ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
@@ -57,7 +57,6 @@ from .records import ItemRecord
 from .sample_spec import SampleSpec, check_version
 from .sampling import Sampling
 from .scrub import Scrub, ScrubStatus
-from .staleness import StaleEviction
 from .stored_advantages import FinishBatch
 from .table_config import TableConfig, default_table
 from .table_state import TableState, stored
@@ -85,11 +84,14 @@ class Store:
         scrub_mb_per_second: float = 0.0,
         scrub_interval_seconds: float = 86400.0,
         batch_stage: FinishBatch | None = None,
+        extensions: Mapping[str, type[TableExtension]] | None = None,
     ) -> None:
         """`batch_stage` finishes the advantages of a table with a batch stage over each batch
         taken, where the reply is built (server/batch_stage.finish_batch, which the server
         gives): the storage engine computes with no torch. A store without one refuses to
-        take a batch of such a table."""
+        take a batch of such a table. `extensions` registers table extension kinds by name
+        before the tables are read (`register_extension`): a stored table naming a kind not
+        registered fails the open, naming the table and the kind."""
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )
@@ -106,10 +108,17 @@ class Store:
         self.max_map_size = max_map_size
         self.clock = clock
         self.db = self.environment.db
-        # What runs at every table's events: the store's own, then any a caller registers.
+        # The extension kinds tables may name; a table's extensions are made by the catalog.
+        self.extension_kinds = ExtensionKinds()
         self.ledger = Ledger()
-        self.extensions = Extensions([ComputeQueue(), StaleEviction(), self.ledger])
-        self.catalog = TableCatalog(self.environment, self.extensions, clock)
+        try:
+            for name, kind in (extensions or {}).items():
+                self.extension_kinds.register(name, kind)
+            self.catalog = TableCatalog(self.environment, self.extension_kinds, self.ledger, clock)
+        except BaseException:
+            self.environment.close()
+            raise
+        self.extensions = EveryTable(self.catalog)
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
@@ -195,6 +204,18 @@ class Store:
     def drop_table(self, name: str) -> int:
         """Delete a table and everything in it; returns the live experiences dropped."""
         return self.catalog.drop(name)
+
+    def register_extension(self, name: str, kind: type[TableExtension], *, replace: bool = False) -> None:
+        """Let tables run the table extension `kind` by naming it (`TableConfig.extensions`),
+        each table an instance of its own, made with no arguments (extensions.py). Tables the
+        data directory holds already that name a kind need it registered before the open:
+        `Store(extensions={name: kind})`."""
+        self.extension_kinds.register(name, kind, replace=replace)
+
+    def extensions_of(self, table: str) -> tuple[TableExtension, ...]:
+        """A table's extensions in the order they run: the store's own its settings call for,
+        then the instances of the kinds it names."""
+        return self.catalog.extensions_of(table)
 
     # ---- push --------------------------------------------------------------------------
 

@@ -59,11 +59,11 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     _check_rewards(tt, fresh.values())
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():
-        by_group[entry.group_key(tt.config.group_by)].append(entry)
+        by_group[entry.group_key(tt.config.grouping.by)].append(entry)
     tt.extensions.on_push(tt, list(by_group))
     groups: dict[str, GroupRecord] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
-    size = tt.config.group_size
+    size = tt.config.grouping.size
     for gkey, members in by_group.items():
         grp = tt.group(gkey)
         if grp is None:
@@ -101,7 +101,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
 
 
 def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
-    estimator = tt.config.estimator
+    estimator = tt.config.advantages.estimator
     needs_reward = estimator_of(tt.config).needs_reward
     for entry in entries:
         if entry.reward is not None or estimator == "none":
@@ -164,7 +164,7 @@ def complete(
     needs advantages is appended there, still pending, for the caller's compute_in_push."""
     recs = tt.members(grp)
     grp.partial = partial
-    if tt.config.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
+    if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)
         tt.counters.groups_dropped += 1
         tt.counters.dropped_zero_variance += 1
@@ -176,7 +176,7 @@ def complete(
     grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
     grp.rseq = tt.counters.next_rseq
     tt.counters.next_rseq += 1
-    if tt.config.estimator == "none":
+    if tt.config.advantages.estimator == "none":
         tt.set_state(gkey, grp, recs, READY)
         limiter.became_ready(tt, len(recs))
         row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
@@ -231,7 +231,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
             found = cur.next()
     for gkey in expired:
         grp = tt.existing_group(gkey)
-        if tt.config.on_group_timeout == "drop":
+        if tt.config.grouping.on_timeout == "drop":
             retire(tt, [(gkey, grp)], DROPPED)
             tt.counters.groups_dropped += 1
             tt.counters.dropped_timeout += 1

@@ -244,7 +244,7 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
 def _replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:
     """Groups replayed just now, their members' deliveries counted: those that reached
     max_times_sampled retire, the others stay ready (lowered and cooled by reuse.py)."""
-    limit = tt.config.max_times_sampled
+    limit = tt.config.reuse.max_times_sampled
     spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
     retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
     reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)

@@ -149,7 +149,7 @@ class Ledger(TableExtension):
 
     def create(self, tt: TableState, ds: DatasetRecord, *, exist_ok: bool) -> tuple[DatasetRecord, bool]:
         """A new dataset, or the identical one that exists (exist_ok); (record, created)."""
-        check(ds, tt.config.group_by)
+        check(ds, tt.config.grouping.by)
         raw = tt.txn.get(dataset_key(tt.table_id, ds.name), db=tt.db["ledger"])
         if raw is not None:
             found = DatasetRecord.decode(raw)

@@ -81,7 +81,7 @@ def _datasets(tt: TableState, problems: list[str]) -> dict[str, DatasetRecord | 
             ds = DatasetRecord.decode(value)
             if ds.name != name:
                 raise ValueError(f"it names dataset {ds.name!r}")
-            check(ds, tt.config.group_by)
+            check(ds, tt.config.grouping.by)
             own = _own(ds)
         except Exception as exc:  # a damaged record may raise anything its decoder does
             problems.append(f"dataset record {name!r} does not decode ({type(exc).__name__}: {exc})")

@@ -94,7 +94,7 @@ def recount(tt: TableState) -> bool:
             found = cur.next()
     gone = max(0, tt.counters.pushed - tt.counters.pending - tt.counters.computing - live)
     tt.counters.rate_inserted = live + gone
-    tt.counters.rate_sampled = samples + gone * tt.config.samples_per_insert
+    tt.counters.rate_sampled = samples + gone * tt.config.rate_limiter.samples_per_insert
     tt.save()
     return True
 
@@ -105,25 +105,25 @@ def recount(tt: TableState) -> bool:
 def _diff(tt: TableState) -> tuple[float, float]:
     """diff and the band's centre."""
     cfg = tt.config
-    spi = cfg.samples_per_insert
-    return tt.counters.rate_inserted * spi - tt.counters.rate_sampled, spi * cfg.min_size_to_sample
+    spi = cfg.rate_limiter.samples_per_insert
+    return tt.counters.rate_inserted * spi - tt.counters.rate_sampled, spi * cfg.rate_limiter.min_size_to_sample
 
 
 def insert_limit(tt: TableState, entries: Sequence[Entry]) -> InsertLimited | None:
     """Why inserting the entries not stored yet (a retried push's are) must wait now; None
     when they may go."""
     cfg = tt.config
-    if not cfg.samples_per_insert:
+    if not cfg.rate_limiter.samples_per_insert:
         return None
     count = len({e.uid for e in entries if tt.item(e.uid) is None})
     if not count:
         return None
     diff, centre = _diff(tt)
-    if diff + count * cfg.samples_per_insert <= centre + cfg.samples_per_insert_error or diff <= centre:
+    if diff + count * cfg.rate_limiter.samples_per_insert <= centre + cfg.rate_limiter.error_buffer or diff <= centre:
         return None
     return InsertLimited(
-        f"table '{cfg.name}': samples_per_insert {cfg.samples_per_insert:g} (error "
-        f"{cfg.samples_per_insert_error:g}) holds inserts until more is sampled: {_counts(tt)}"
+        f"table '{cfg.name}': samples_per_insert {cfg.rate_limiter.samples_per_insert:g} (error "
+        f"{cfg.rate_limiter.error_buffer:g}) holds inserts until more is sampled: {_counts(tt)}"
     )
 
 
@@ -131,19 +131,19 @@ def sample_limit(tt: TableState, count: int) -> SampleLimited | None:
     """Why sampling `count` experiences must wait now; None when it may go."""
     cfg = tt.config
     inserted = tt.counters.rate_inserted
-    if inserted < cfg.min_size_to_sample:
+    if inserted < cfg.rate_limiter.min_size_to_sample:
         return SampleLimited(
-            f"table '{cfg.name}': min_size_to_sample {cfg.min_size_to_sample} holds samples; "
+            f"table '{cfg.name}': min_size_to_sample {cfg.rate_limiter.min_size_to_sample} holds samples; "
             f"{inserted} experiences were inserted"
         )
-    if not cfg.samples_per_insert:
+    if not cfg.rate_limiter.samples_per_insert:
         return None
     diff, centre = _diff(tt)
-    if diff - count >= centre - cfg.samples_per_insert_error or diff >= centre:
+    if diff - count >= centre - cfg.rate_limiter.error_buffer or diff >= centre:
         return None
     return SampleLimited(
-        f"table '{cfg.name}': samples_per_insert {cfg.samples_per_insert:g} (error "
-        f"{cfg.samples_per_insert_error:g}) holds samples until more is inserted: {_counts(tt)}"
+        f"table '{cfg.name}': samples_per_insert {cfg.rate_limiter.samples_per_insert:g} (error "
+        f"{cfg.rate_limiter.error_buffer:g}) holds samples until more is inserted: {_counts(tt)}"
     )
 
 

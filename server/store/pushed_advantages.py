@@ -47,7 +47,7 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Read
         return
     compute = tt.compute
     count = sum(len(recs) for _, _, recs in computing)
-    if compute is None or count > IN_PUSH_LIMIT or (tt.config.shaping.reward_running_norm and _queued(tt)):
+    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and _queued(tt)):
         tt.set_states(computing, COMPUTING)
         return
     job = ComputeJob(
@@ -87,17 +87,17 @@ def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Comput
     pushed before) and computes in the transaction otherwise. None where nothing is expected,
     or where a running reward normalisation needs the table's moments as the transaction
     finds them."""
-    if config.shaping.reward_running_norm:
+    if config.advantages.shaping.reward_running_norm:
         return None
     members: dict[str, dict[str, Entry]] = {}
     for entry in entries:
-        members.setdefault(entry.group_key(config.group_by), {}).setdefault(entry.uid, entry)
-    size = config.group_size
+        members.setdefault(entry.group_key(config.grouping.by), {}).setdefault(entry.uid, entry)
+    size = config.grouping.size
     complete = {
         gkey: group
         for gkey, group in members.items()
         if (size == 0 or len(group) == size)
-        and not (config.drop_zero_variance and zero_variance([e.reward for e in group.values()]))
+        and not (config.grouping.drop_zero_variance and zero_variance([e.reward for e in group.values()]))
     }
     if not complete or sum(map(len, complete.values())) > IN_PUSH_LIMIT:
         return None

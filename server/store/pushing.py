@@ -96,7 +96,7 @@ class Pushing:
                 index_builds.build(self.environment, self.catalog, stop)
                 continue
             if isinstance(stop, TableFull):
-                if todo[0].config.when_full != "block" or final:
+                if todo[0].config.capacity.when_full != "block" or final:
                     raise stop
             elif isinstance(stop, InsertLimited):
                 if final:

@@ -50,7 +50,7 @@ def retire(
     counters, now, prefix = tt.counters, tt.now, tt.prefix
     stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
     # A kept payload keeps its full record, for Get.
-    keep = state == FAILED and (tt.config.keep_failed or bool(quarantined))
+    keep = state == FAILED and (tt.config.retention.keep_failed or bool(quarantined))
     keys, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], 0, []
     for gkey, grp in groups:
         for uid in grp.members:

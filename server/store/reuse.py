@@ -32,7 +32,7 @@ Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
 def reuses(config: TableConfig) -> bool:
     """Whether a replayed group is lowered and moved (else it stays where it is)."""
-    return config.priority_decay > 0 or config.reuse_cooldown_seconds > 0
+    return config.reuse.priority_decay > 0 or config.reuse.cooldown_seconds > 0
 
 
 def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None:
@@ -44,10 +44,10 @@ def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None
     before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
     for _, grp, recs in groups:
         uses = max(rec.times_sampled for rec in recs.values())
-        grp.priority = max(rec.priority for rec in recs.values()) - config.priority_decay * uses
-        if config.priority_noise:
-            grp.priority += rng.gauss(0.0, config.priority_noise)
-    cooldown = config.reuse_cooldown_seconds
+        grp.priority = max(rec.priority for rec in recs.values()) - config.reuse.priority_decay * uses
+        if config.reuse.priority_noise:
+            grp.priority += rng.gauss(0.0, config.reuse.priority_noise)
+    cooldown = config.reuse.cooldown_seconds
     if cooldown <= 0:  # a priority change of ready groups, for every order's index
         tt.ready.move_many(before, _ready_again(tt, groups))
         return
@@ -60,7 +60,7 @@ def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None
 def warm(tt: TableState) -> int:
     """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
     groups deleted or retired meanwhile are dropped."""
-    if tt.config.reuse_cooldown_seconds <= 0:  # nothing of this table ever cools
+    if tt.config.reuse.cooldown_seconds <= 0:  # nothing of this table ever cools
         return 0
     due = []
     cutoff = layout.micros(tt.now)

@@ -38,10 +38,10 @@ def ceiling(tt: TableState) -> int | None:
     """The highest version a report may set; None when any may be set (no evict_stale, or a
     table that has neither a version nor versioned data yet, so nothing to evict)."""
     cfg, counters = tt.config, tt.counters
-    if not cfg.evict_stale or cfg.max_staleness is None:
+    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None:
         return None
     known = [v for v in (counters.trainer_version, counters.max_version) if v is not None]
-    return max(known) + cfg.max_staleness + 1 if known else None
+    return max(known) + cfg.staleness.max_staleness + 1 if known else None
 
 
 def next_version(tt: TableState, reported: int | None) -> int | None:
@@ -56,8 +56,9 @@ def next_version(tt: TableState, reported: int | None) -> int | None:
         raise VersionJump(
             f"table '{cfg.name}': trainer version {reported} jumps past {top}, the newest model version pushed "
             f"({tt.counters.max_version}) or the stored trainer version ({stored}), whichever is higher, + "
-            f"max_staleness {cfg.max_staleness} + 1; with evict_stale it would evict groups no trainer could have "
-            f"passed. An admin sets any version with `expbuf table reset-offpolicy {cfg.name} --version {reported}`"
+            f"max_staleness {cfg.staleness.max_staleness} + 1; with evict_stale it would evict groups no trainer "
+            f"could have passed. An admin sets any version with "
+            f"`expbuf table reset-offpolicy {cfg.name} --version {reported}`"
         )
     return reported
 
@@ -88,9 +89,9 @@ def reset(tt: TableState, version: int | None) -> None:
 def stale_bound(tt: TableState) -> int | None:
     """The lowest version a ready group may have; None when the table evicts nothing."""
     cfg, version = tt.config, tt.counters.trainer_version
-    if not cfg.evict_stale or cfg.max_staleness is None or version is None:
+    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None or version is None:
         return None
-    return version - cfg.max_staleness
+    return version - cfg.staleness.max_staleness
 
 
 def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:

@@ -1,40 +1,81 @@
-"""Table configuration: how a table groups, completes, caps and replays experiences.
+"""A table's configuration: its name and its parts (table_parts.py), and the flat settings they
+are written as.
 
-The same names are used in the TOML config file, in CreateTable and in the
-client's create_table keyword arguments.
+Outside Python objects a table's settings are flat, under one name each (`group_size`,
+`when_full`): the TOML `[[tables]]` file, CreateTable's message, `create_table(**settings)`,
+`expbuf table create NAME key=value`, and the table records the store keeps. `from_settings`
+and `settings` turn them into parts and back through one mapping, each part's fields to their
+flat names (table_parts.flat_names); the typed flat settings are the client's TableSettings
+(client/table_settings.py).
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Unpack
+
+from expbuf.client.table_presets import preset_settings
+from expbuf.client.table_settings import SETTING_NAMES, TableSettings
 
 from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
+from .table_parts import (
+    MAX_SECONDS,
+    Advantages,
+    Capacity,
+    Grouping,
+    Part,
+    RateLimiter,
+    Retention,
+    Reuse,
+    Shaping,
+    Staleness,
+    flat_names,
+)
 
-GROUP_BY = ("task", "run", "step", "none")
-WHEN_FULL = ("block", "evict")
-ON_GROUP_TIMEOUT = ("release", "drop")
-ON_STALE = ("drop", "refuse")
 # The form of stored table records: 1 before the estimators took Trinity-RFT's names.
 CONFIG_VERSION = 2
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# The parts of a table, by the attribute that holds each.
+PARTS: dict[str, type[Part]] = {
+    "grouping": Grouping,
+    "advantages": Advantages,
+    "capacity": Capacity,
+    "retention": Retention,
+    "staleness": Staleness,
+    "rate_limiter": RateLimiter,
+    "reuse": Reuse,
+}
+# TableConfig's own fields that are flat settings, outside any part.
+OWN = ("extensions",)
+_OWNERS: dict[str, tuple[str | None, str]] = {
+    setting: (part, name) for part, cls in PARTS.items() for name, setting in flat_names(cls).items()
+} | {name: (None, name) for name in OWN}
+# Each flat setting -> the part (None: the table itself) and field that hold it, in the order
+# of the wire's message (a setting without a field fails here, at import).
+WHERE: dict[str, tuple[str | None, str]] = {setting: _OWNERS[setting] for setting in SETTING_NAMES}
+# A table extension's name, as a table names it and a Store registers it (extensions.py).
+EXTENSION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
+MAX_EXTENSIONS = 32
 
 
 def estimator_of(config: TableConfig) -> Estimator:
     """The table's estimator (estimator_registry.py)."""
-    return ESTIMATORS[config.estimator]
+    return ESTIMATORS[config.advantages.estimator]
 
 
 def estimator_args(config: TableConfig) -> dict[str, float | str | None]:
     """The estimator's keyword arguments: the table's parameters over the defaults, choices by name."""
-    return estimator_of(config).args(config.estimator_params)
+    return estimator_of(config).args(config.advantages.params)
 
 
 def batch_stage(config: TableConfig) -> bool:
     """Whether the table's advantages are finished over each sampled batch (statistics over the batch)."""
-    return config.shaping.advantages_norm or estimator_of(config).has_batch_stage(estimator_args(config))
+    return config.advantages.shaping.advantages_norm or estimator_of(config).has_batch_stage(estimator_args(config))
 
 
 def group_step_first(config: TableConfig) -> bool:
@@ -47,258 +88,139 @@ def group_step_first(config: TableConfig) -> bool:
     return not (estimator.group_step_in_batch and estimator.has_batch_stage(estimator_args(config)))
 
 
-DEVICES = ("auto", "cpu", "cuda")
-# Timeouts and retention beyond ten years are mistakes (1e10, inf), not plans.
-MAX_SECONDS = 10 * 365 * 86400.0
-# Counts travel as uint32/uint64 on the wire; values at the top of those ranges are
-# negative numbers sent unsigned.
-_INT_LIMITS = {
-    "group_size": 2**20,
-    "capacity_experiences": 2**62,
-    "capacity_bytes": 2**62,
-    "max_times_sampled": 2**31 - 1,
-    "batch_size": 2**31 - 1,
-    "min_size_to_sample": 2**62,
-}
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(f"table name {clip(name)!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return name
 
 
-# The shaping settings that turn a step on (the others are its parameters).
-_SWITCHES = ("reward_clip", "overlong_buffer", "reward_running_norm", "advantage_clip", "advantages_norm")
+@dataclass(frozen=True, init=False)
+class TableConfig:
+    """A table: its name and its parts, each checked when made. `TableConfig.of(name, **settings)`
+    makes one from flat settings (`group_size=8`), `settings()` gives them back."""
 
+    # 1-64 letters, digits, '_', '.' or '-'.
+    name: str
+    # How experiences make groups, and when a group is complete.
+    grouping: Grouping = field(default_factory=Grouping)
+    # The estimator, its parameters and device, and the shaping around it.
+    advantages: Advantages = field(default_factory=Advantages)
+    # What the table holds, and what a push into a full table gets.
+    capacity: Capacity = field(default_factory=Capacity)
+    # How long experiences that left keep their records.
+    retention: Retention = field(default_factory=Retention)
+    # How far rollouts may lag the trainer.
+    staleness: Staleness = field(default_factory=Staleness)
+    # When samples may start, and how far they may run ahead of inserts.
+    rate_limiter: RateLimiter = field(default_factory=RateLimiter)
+    # How often, and how, a replayed group is delivered again.
+    reuse: Reuse = field(default_factory=Reuse)
+    # The table extensions it runs, by the names the Store registered them under (each an
+    # instance of its own for this table); the store's own rules follow from the other settings.
+    extensions: tuple[str, ...] = ()
 
-@dataclass(frozen=True)
-class Shaping:
-    """A table's reward shaping and advantage clipping (server/shaping.py), under LightRFT's
-    setting names; 0 (or false) turns a step off."""
-
-    reward_clip: float = 0.0
-    overlong_buffer: bool = False
-    overlong_buffer_len: int = 0
-    overlong_buffer_penalty_factor: float = 1.0
-    max_new_tokens: int = 0
-    reward_running_norm: bool = False
-    reward_running_norm_minus_mean: bool = False
-    advantage_clip: float = 0.0
-    advantages_norm: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("reward_clip", "advantage_clip", "overlong_buffer_penalty_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"shaping {name} is {clip(value, 40)}; allowed: a finite number >= 0")
-        for name in ("overlong_buffer_len", "max_new_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
-                raise ConfigError(f"shaping {name} is {clip(value, 40)}; allowed: an integer >= 0 and < 2^31")
-        for name in ("overlong_buffer", "reward_running_norm", "reward_running_norm_minus_mean", "advantages_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"shaping {name} is {clip(getattr(self, name), 40)}; allowed: true or false")
-        if self.overlong_buffer and not 0 < self.overlong_buffer_len < self.max_new_tokens:
-            raise ConfigError(
-                f"shaping overlong_buffer needs 0 < overlong_buffer_len < max_new_tokens, "
-                f"got {self.overlong_buffer_len} and {self.max_new_tokens}"
+    def __init__(
+        self,
+        name: str,
+        grouping: Grouping | None = None,
+        advantages: Advantages | None = None,
+        capacity: Capacity | None = None,
+        retention: Retention | None = None,
+        staleness: Staleness | None = None,
+        rate_limiter: RateLimiter | None = None,
+        reuse: Reuse | None = None,
+        extensions: Sequence[str] = (),
+        **flat: Any,
+    ) -> None:
+        given = {
+            "grouping": grouping,
+            "advantages": advantages,
+            "capacity": capacity,
+            "retention": retention,
+            "staleness": staleness,
+            "rate_limiter": rate_limiter,
+            "reuse": reuse,
+        }
+        if flat:  # the flat keywords of earlier releases
+            warnings.warn(
+                "TableConfig(name, group_size=..., ...) with flat settings is deprecated and is refused from the "
+                "next release: use TableConfig.of(name, **settings), or the parts "
+                "(TableConfig(name, grouping=Grouping(size=8)))",
+                DeprecationWarning,
+                stacklevel=2,
             )
-
-    @property
-    def active(self) -> list[str]:
-        """The settings that turn a step on."""
-        return [f.name for f in fields(self) if f.name in _SWITCHES and getattr(self, f.name)]
-
-    @property
-    def shapes_values(self) -> bool:
-        """Whether the running normalisation or the reward clip is on (the steps that take
-        the group step's values, where there is one)."""
-        return self.reward_running_norm or self.reward_clip > 0
-
-    @property
-    def shapes_rewards(self) -> bool:
-        """Whether any reward step (overlong penalty, running normalisation, clip) is on."""
-        return self.overlong_buffer or self.reward_running_norm or self.reward_clip > 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+            mixed = [part for part, value in given.items() if value is not None]
+            if mixed:
+                raise TypeError(f"TableConfig takes parts or flat settings, not both (got {', '.join(mixed)})")
+            given = dict(_fields(name, flat))
+        object.__setattr__(self, "name", _check_name(name))
+        object.__setattr__(self, "extensions", _check_extensions(name, extensions))
+        for part, cls in PARTS.items():
+            value = given.get(part)
+            if value is not None and not isinstance(value, cls):
+                raise ConfigError(f"table '{name}': {part} is {clip(repr(value), 60)}; expected a {cls.__name__}")
+            object.__setattr__(self, part, cls() if value is None else value)
 
     @classmethod
-    def from_dict(cls, data: Any) -> Shaping:
-        """The settings of a TOML inline table, a create_table dict or a stored record."""
-        if isinstance(data, Shaping):
-            return data
-        if not isinstance(data, dict):
-            raise ConfigError(f"shaping is {clip(data, 40)}; expected a table of settings")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
+    def of(cls, name: str, **settings: Unpack[TableSettings]) -> TableConfig:
+        """A table from flat settings under their TOML names: `TableConfig.of("t", group_size=8)`."""
+        return cls.from_settings({"name": name, **settings})
+
+    @classmethod
+    def from_settings(cls, data: Mapping[str, Any]) -> TableConfig:
+        """A table from its flat settings (a TOML block, a create_table's, a stored record's), a
+        `preset` among them expanded first (client/table_presets.py); an unknown setting, or
+        one out of range, is refused naming it."""
+        settings = {k: v for k, v in data.items() if k not in ("name", "preset")}
+        if "preset" in data:
+            try:
+                settings = preset_settings(data["preset"], settings)
+            except ValueError as exc:
+                raise ConfigError(f"table '{clip(data.get('name'))}': {exc}") from None
+        unknown = set(settings) - set(WHERE)
         if unknown:
-            raise ConfigError(
-                f"unknown shaping setting(s): {', '.join(clip(u, 40) for u in unknown)}; known: {', '.join(known)}"
-            )
-        return cls(**data)
+            raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
+        name = _check_name(data.get("name"))
+        return cls(name, **_fields(name, settings))
 
+    @classmethod
+    def preset(cls, preset: str, name: str, **overrides: Unpack[TableSettings]) -> TableConfig:
+        """A preset's table (client/table_presets.py: queue, replay, trinity), the settings given
+        over the preset's: `TableConfig.preset("trinity", "grpo8", group_size=8)`."""
+        return cls.from_settings({"name": name, "preset": preset, **overrides})
 
-@dataclass(frozen=True)
-class TableConfig:
-    name: str
-    group_by: str = "task"
-    group_size: int = 0
-    group_timeout_seconds: float = 0.0
-    on_group_timeout: str = "release"
-    estimator: str = "grpo"
-    estimator_params: dict[str, float] = field(default_factory=dict)
-    device: str = "auto"
-    capacity_experiences: int = 0
-    capacity_bytes: int = 0
-    when_full: str = "block"
-    max_times_sampled: int = 0
-    drop_zero_variance: bool = False
-    # How long a consumed, evicted, dropped or failed experience keeps its record (so that
-    # a retried push of it stays a duplicate); 0 = forever.
-    tombstone_seconds: float = 86400.0
-    # Whether a group whose advantages could not be computed keeps its payloads (for Get
-    # and Delete) until its record is forgotten, or loses them at once.
-    keep_failed: bool = True
-    # Reward shaping before the estimator and advantage clipping after it.
-    shaping: Shaping = field(default_factory=Shaping)
-    # Off-policy control: how many versions a rollout may lag the trainer (None: no bound),
-    # the trainer's rollouts per version (admission; 0: no bound), what a push of
-    # experiences staler than the bound gets (admission.py), and whether ready groups that
-    # fall below it as the trainer advances are evicted (staleness.py).
-    max_staleness: int | None = None
-    batch_size: int = 0
-    on_stale: str = "drop"
-    evict_stale: bool = False
-    # Rate limits (limiter.py): no sample before the table has held min_size_to_sample
-    # experiences; samples per insert (0: no limit) within +- the error buffer.
-    min_size_to_sample: int = 0
-    samples_per_insert: float = 0.0
-    samples_per_insert_error: float = 0.0
-    # Reuse under replay delivery (reuse.py), as Trinity-RFT's priority queue: each delivery
-    # lowers a group's priority by priority_decay and keeps it out of reach for
-    # reuse_cooldown_seconds, with a Gaussian of standard deviation priority_noise added to
-    # the lowered priority; decay and cooldown 0: a replayed group stays where it is.
-    priority_decay: float = 0.0
-    reuse_cooldown_seconds: float = 0.0
-    priority_noise: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigError(f"table name {clip(self.name)!r} must be 1-64 letters, digits, '_', '.' or '-'")
-        for name, allowed in (
-            ("group_by", GROUP_BY),
-            ("when_full", WHEN_FULL),
-            ("on_group_timeout", ON_GROUP_TIMEOUT),
-            ("on_stale", ON_STALE),
-            ("estimator", tuple(ESTIMATORS)),
-            ("device", DEVICES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} is {getattr(self, name)!r}; expected one of {', '.join(allowed)}")
-        for name, high in _INT_LIMITS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
-                raise ConfigError(f"table '{self.name}': {name} must be an integer from 0 to {high}, got {value!r}")
-        for name in ("group_timeout_seconds", "tombstone_seconds", "reuse_cooldown_seconds"):
-            value = getattr(self, name)
-            if (
-                not isinstance(value, (int, float))
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or not 0 <= value <= MAX_SECONDS
-            ):
-                raise ConfigError(
-                    f"table '{self.name}': {name} must be from 0 to {MAX_SECONDS:g} seconds (10 years), got {value!r}"
-                )
-        if not isinstance(self.drop_zero_variance, bool) or not isinstance(self.keep_failed, bool):
-            raise ConfigError(f"table '{self.name}': drop_zero_variance and keep_failed must be true or false")
-        self._check_off_policy()
-        self._check_reuse()
-        if self.group_by == "none" and self.group_size > 1:
-            raise ConfigError("group_size must be 0 or 1 when group_by is 'none'")
-        self._check_estimator_params()
-        try:
-            object.__setattr__(self, "shaping", Shaping.from_dict(self.shaping))
-        except ConfigError as exc:
-            raise ConfigError(f"table '{self.name}': {exc}") from None
-        self._check_shaping()
-
-    def _check_shaping(self) -> None:
-        """Shaping where it can run: a `none` table computes nothing, so it would ignore every
-        step; advantages_norm whitens one value per experience, and LightRFT skips it for
-        grpo, whose values are normalised per group already."""
-        active = self.shaping.active
-        if self.estimator == "none" and active:
-            raise ConfigError(
-                f"table '{self.name}': shaping {', '.join(active)} needs an estimator; "
-                "estimator 'none' computes no advantages, so nothing would be shaped or clipped"
-            )
-        if self.shaping.advantages_norm and (ESTIMATORS[self.estimator].token_valued or self.estimator == "grpo"):
-            why = (
-                "its values are normalised per group already (LightRFT skips advantages_norm for grpo)"
-                if self.estimator == "grpo"
-                else "it gives token-level values, which advantages_norm does not take"
-            )
-            raise ConfigError(
-                f"table '{self.name}': shaping advantages_norm is not available with {self.estimator}: {why}"
-            )
-
-    def _check_off_policy(self) -> None:
-        staleness = self.max_staleness
-        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or
-                                      not 0 <= staleness < 2**31):  # fmt: skip
-            raise ConfigError(
-                f"table '{self.name}': max_staleness must be an integer from 0 to 2^31 - 1, got {clip(staleness, 40)}"
-            )
-        if not isinstance(self.evict_stale, bool):
-            got = clip(self.evict_stale, 40)
-            raise ConfigError(f"table '{self.name}': evict_stale must be true or false, got {got}")
-        for name in ("samples_per_insert", "samples_per_insert_error"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"table '{self.name}': {name} must be a finite number >= 0, got {clip(value, 40)}")
-        spi, error = self.samples_per_insert, self.samples_per_insert_error
-        if spi and error < max(1.0, spi):  # a narrower band would block both sides for good
-            raise ConfigError(
-                f"table '{self.name}': samples_per_insert_error is {error:g}; with samples_per_insert {spi:g} "
-                f"it must be >= {max(1.0, spi):g}"
-            )
-        if error and not spi:
-            raise ConfigError(f"table '{self.name}': samples_per_insert_error needs samples_per_insert > 0")
-
-    def _check_reuse(self) -> None:
-        """Decay and noise are finite priority points; noise perturbs only a lowered priority."""
-        for name in ("priority_decay", "priority_noise"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"table '{self.name}': {name} must be a finite number >= 0, got {clip(value, 40)}")
-        if self.priority_noise and not (self.priority_decay or self.reuse_cooldown_seconds):
-            raise ConfigError(
-                f"table '{self.name}': priority_noise is added to a replayed group's lowered priority; "
-                "it needs priority_decay or reuse_cooldown_seconds > 0"
-            )
-
-    def _check_estimator_params(self) -> None:
-        """Every parameter known to the estimator and in its range; choices stored by position."""
-        if not isinstance(self.estimator_params, dict) or not all(isinstance(k, str) for k in self.estimator_params):
-            raise ConfigError("estimator_params must map parameter names to values")
-        known = ESTIMATORS[self.estimator].params
-        unknown = set(self.estimator_params) - set(known)
-        if unknown:
-            takes = ", ".join(known) or "none"
-            raise ConfigError(
-                f"estimator {self.estimator} has no parameter(s) {', '.join(sorted(unknown))} (it takes: {takes})"
-            )
-        checked = {}
-        for name, value in self.estimator_params.items():
-            stored = known[name].check(value)
-            if stored is None:
-                raise ConfigError(
-                    f"table '{self.name}': estimator {self.estimator} parameter {name} is {str(value)[:40]!r}; "
-                    f"allowed: {known[name].describe()}"
-                )
-            checked[name] = stored
-        object.__setattr__(self, "estimator_params", checked)
+    def settings(self) -> dict[str, Any]:
+        """The flat settings, every one of them, in the wire's order: `TableConfig.from_settings`
+        takes them back."""
+        flat: dict[str, Any] = {"name": self.name}
+        for setting, (part, name) in WHERE.items():
+            value = getattr(self if part is None else getattr(self, part), name)
+            flat[setting] = _plain(value)
+        return flat
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The flat settings (deprecated: `settings()`)."""
+        warnings.warn("TableConfig.to_dict() is deprecated: use settings()", DeprecationWarning, stacklevel=2)
+        return self.settings()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TableConfig:
+        """A table from flat settings (deprecated: `from_settings`)."""
+        warnings.warn("TableConfig.from_dict() is deprecated: use from_settings()", DeprecationWarning, stacklevel=2)
+        return cls.from_settings(data)
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            """A flat setting read as an attribute (`config.group_size`), as earlier releases had
+            them: deprecated, for one release."""
+            where = WHERE.get(name)
+            if where is None:
+                raise AttributeError(f"'TableConfig' object has no attribute {name!r}")
+            warnings.warn(
+                f"TableConfig.{name} is deprecated: read config.{where[0]}.{where[1]}", DeprecationWarning, stacklevel=2
+            )
+            return getattr(getattr(self, where[0]), where[1])
 
     @classmethod
     def from_stored(cls, data: dict[str, Any], version: int = CONFIG_VERSION) -> TableConfig:
@@ -318,15 +240,67 @@ class TableConfig:
             data["estimator"], data["estimator_params"] = _estimator_of_v1(
                 data.get("estimator", "grpo"), dict(data.get("estimator_params") or {})
             )
-        return cls.from_dict(data)
+        return cls.from_settings(data)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TableConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"unknown table setting(s): {', '.join(clip(u, 40) for u in sorted(unknown))}")
-        return cls(**data)
+    def to_stored(self) -> dict[str, Any]:
+        """The settings a table record keeps (read back by `from_stored`): a table without
+        extensions is stored as an earlier release stored it, so that release still opens it."""
+        stored = self.settings()
+        if not stored["extensions"]:
+            del stored["extensions"]
+        return stored
+
+
+def _fields(name: str, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """TableConfig's keywords for these flat settings: the parts they set (the others left out,
+    to take their defaults) and its own fields; a refusal names the table."""
+    parts: dict[str, dict[str, Any]] = {}
+    own: dict[str, Any] = {}
+    for setting, value in flat.items():
+        if setting not in WHERE:
+            raise ConfigError(f"table '{name}': unknown table setting {clip(setting, 40)}")
+        part, field_name = WHERE[setting]
+        if part is None:
+            own[field_name] = value
+        else:
+            parts.setdefault(part, {})[field_name] = value
+    try:
+        if "shaping" in flat:
+            parts["advantages"]["shaping"] = Shaping.from_dict(flat["shaping"])
+        return own | {part: PARTS[part](**values) for part, values in parts.items()}
+    except ConfigError as exc:
+        raise ConfigError(f"table '{name}': {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the flat settings hold it (TOML's and JSON's kinds): shaping as a dict, a
+    list for a tuple, a dict copied."""
+    if isinstance(value, Shaping):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _check_extensions(table: str, names: object) -> tuple[str, ...]:
+    """The extension names a table runs: a list of distinct names (a lone string would be its letters)."""
+    if isinstance(names, str) or not isinstance(names, list | tuple) or len(names) > MAX_EXTENSIONS:
+        raise ConfigError(
+            f"table '{table}': extensions is {clip(repr(names), 60)}; expected a list of at most "
+            f"{MAX_EXTENSIONS} extension names"
+        )
+    for extension in names:
+        if not isinstance(extension, str) or not EXTENSION_NAME.match(extension):
+            raise ConfigError(
+                f"table '{table}': extension name {clip(repr(extension), 60)} must start with a letter and hold "
+                "1-64 letters, digits, '_', '.' or '-'"
+            )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"table '{table}': extensions names {twice[0]!r} twice")
+    return tuple(names)
 
 
 def _estimator_of_v1(name: str, params: dict[str, float]) -> tuple[str, dict[str, Any]]:
@@ -351,11 +325,11 @@ def _estimator_of_v1(name: str, params: dict[str, float]) -> tuple[str, dict[str
 
 
 def differences(have: TableConfig, want: TableConfig) -> list[str]:
-    """Each setting in which `want` differs from `have`, with both values; shaping's by their
-    own names (`shaping.reward_clip`)."""
+    """Each setting in which `want` differs from `have`, with both values, under the flat
+    names; shaping's by their own (`shaping.reward_clip`)."""
 
     def flat(config: TableConfig) -> dict[str, Any]:
-        settings = config.to_dict()
+        settings = config.settings()
         return settings | {f"shaping.{name}": value for name, value in settings.pop("shaping").items()}
 
     theirs, ours = flat(have), flat(want)
@@ -368,4 +342,4 @@ def differences(have: TableConfig, want: TableConfig) -> list[str]:
 
 def default_table() -> TableConfig:
     """The table every server has: group by task, complete on push, grpo."""
-    return TableConfig(name="default")
+    return TableConfig("default")

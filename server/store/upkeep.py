@@ -130,18 +130,18 @@ class Upkeep:
         """Whether a table has upkeep to do now: an incomplete group to time out, a tombstone to
         forget, or (evict_stale) a trainer version that may have left stale groups."""
         prefix = layout.table_prefix(table_id)
-        if config.evict_stale:
+        if config.staleness.evict_stale:
             return True
         claim = oldest_claim(txn, self.db["ledger"], table_id)
         if claim is not None and claim <= layout.micros(now):
             return True
-        if config.group_timeout_seconds > 0:
+        if config.grouping.timeout_seconds > 0:
             oldest = self._oldest(txn, self.db["pending"], prefix)
-            if oldest is not None and oldest <= layout.micros(now - config.group_timeout_seconds):
+            if oldest is not None and oldest <= layout.micros(now - config.grouping.timeout_seconds):
                 return True
-        if config.tombstone_seconds > 0:
+        if config.retention.tombstone_seconds > 0:
             oldest = self._oldest(txn, self.db["retired"], prefix)
-            if oldest is not None and oldest < layout.micros(now - config.tombstone_seconds):
+            if oldest is not None and oldest < layout.micros(now - config.retention.tombstone_seconds):
                 return True
         return False
 
@@ -151,9 +151,9 @@ class Upkeep:
         prefix = layout.table_prefix(table_id)
         if oldest_claim(txn, self.db["ledger"], table_id) is not None:
             return True
-        if config.group_timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
+        if config.grouping.timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
             return True
-        return config.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
+        return config.retention.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
 
     def expired(self, txn: lmdb.Transaction[bytes], now: float, index: str = "lease_exp") -> list[bytes]:
         """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
@@ -182,9 +182,15 @@ class Upkeep:
         """Time out incomplete groups, run the extensions' upkeep (stale ready groups evicted)
         and prune tombstones of one table."""
         tt = self.catalog.state(txn, table_id, config, now)
-        timed_out = expire_groups(tt, now - config.group_timeout_seconds) if config.group_timeout_seconds > 0 else 0
+        timed_out = (
+            expire_groups(tt, now - config.grouping.timeout_seconds) if config.grouping.timeout_seconds > 0 else 0
+        )
         stale = tt.extensions.on_upkeep(tt)
-        pruned = retirement.prune_tombstones(tt, now - config.tombstone_seconds) if config.tombstone_seconds > 0 else 0
+        pruned = (
+            retirement.prune_tombstones(tt, now - config.retention.tombstone_seconds)
+            if config.retention.tombstone_seconds > 0
+            else 0
+        )
         if timed_out or pruned:
             tt.save()
         return timed_out, pruned, stale

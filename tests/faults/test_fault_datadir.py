@@ -90,7 +90,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tr
     data = tmp_path_factory.mktemp("stored") / "data"
     pushed: dict[str, trxp.RawItem] = {}
     with Store(data) as store:
-        store.create_table(TableConfig(name="t", group_size=4, estimator="none"))
+        store.create_table(TableConfig.of(name="t", group_size=4, estimator="none"))
         for task in range(GROUPS):
             items = group_items(0, task, 4, reward=float(task))
             store.put("t", items)

@@ -1,0 +1,77 @@
+"""A table's settings under their flat names, typed: the names of a TOML `[[tables]]` block, of
+`create_table(**settings)`, of `expbuf table create NAME key=value` and of the wire's
+TableConfig message.
+
+`TableSettings` lets a type checker see a mistyped mode (`when_full="blok"`) or setting name in
+`create_table`. It imports neither grpc nor torch: the server's table configuration
+(server/store/table_config.py) takes its modes from here, so both sides know one list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypedDict, get_args
+
+GroupBy = Literal["task", "run", "step", "none"]
+OnGroupTimeout = Literal["release", "drop"]
+Device = Literal["auto", "cpu", "cuda"]
+WhenFull = Literal["block", "evict"]
+OnStale = Literal["drop", "refuse"]
+
+GROUP_BY: tuple[GroupBy, ...] = get_args(GroupBy)
+ON_GROUP_TIMEOUT: tuple[OnGroupTimeout, ...] = get_args(OnGroupTimeout)
+DEVICES: tuple[Device, ...] = get_args(Device)
+WHEN_FULL: tuple[WhenFull, ...] = get_args(WhenFull)
+ON_STALE: tuple[OnStale, ...] = get_args(OnStale)
+
+
+class ShapingSettings(TypedDict, total=False):
+    """A table's `shaping`: reward shaping before the estimator and advantage clipping after it,
+    under LightRFT's names; 0 (or false) turns a step off."""
+
+    reward_clip: float
+    overlong_buffer: bool
+    overlong_buffer_len: int
+    overlong_buffer_penalty_factor: float
+    max_new_tokens: int
+    reward_running_norm: bool
+    reward_running_norm_minus_mean: bool
+    advantage_clip: float
+    advantages_norm: bool
+
+
+class TableSettings(TypedDict, total=False):
+    """Every setting of a table but its name; each left out takes the server's default. The
+    settings reference (docs: Reference, Settings) says what each does."""
+
+    group_by: GroupBy
+    group_size: int
+    group_timeout_seconds: float
+    on_group_timeout: OnGroupTimeout
+    estimator: str  # a registered estimator's name: grpo, rloo, opmd, ... or none
+    estimator_params: Mapping[str, float | str]
+    device: Device
+    capacity_experiences: int
+    capacity_bytes: int
+    when_full: WhenFull
+    max_times_sampled: int
+    drop_zero_variance: bool
+    tombstone_seconds: float
+    keep_failed: bool
+    shaping: ShapingSettings
+    max_staleness: int | None
+    batch_size: int
+    on_stale: OnStale
+    min_size_to_sample: int
+    samples_per_insert: float
+    samples_per_insert_error: float
+    evict_stale: bool
+    priority_decay: float
+    reuse_cooldown_seconds: float
+    priority_noise: float
+    extensions: Sequence[str]  # the table extensions it runs, by the names the server registered
+
+
+# The names, in the order of the wire's TableConfig message.
+SETTING_NAMES: tuple[str, ...] = tuple(TableSettings.__annotations__)
+SHAPING_NAMES: tuple[str, ...] = tuple(ShapingSettings.__annotations__)
