@@ -62,14 +62,14 @@ STAGES = (
 )
 
 
-def package(tree: Path) -> Path:
-    """A directory that holds `tree` as the expbuf package, laid out as the install maps it."""
-    root = Path(tempfile.mkdtemp(prefix="expbuf-tree-"))
-    pkg = root / "expbuf"
-    pkg.mkdir()
+def package(tree: Path, root: Path) -> Path:
+    """A directory under `root` that holds `tree` as the expbuf package, laid out as the install
+    maps it."""
+    pkg = root / "tree" / "expbuf"
+    pkg.mkdir(parents=True)
     for name, target in (("server", "server"), ("client", "client"), ("proto", "proto/expbuf"), ("ray", "server/ray")):
         (pkg / name).symlink_to(tree / target)
-    return root
+    return pkg.parent
 
 
 class Server:
@@ -78,7 +78,7 @@ class Server:
     def __init__(self, tree: Path | None, data: Path) -> None:
         env = dict(os.environ)
         if tree is not None:
-            env["PYTHONPATH"] = str(package(tree))
+            env["PYTHONPATH"] = str(package(tree, data.parent))
         argv = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
         argv += ["--metrics-port", "-1", "--ingest-processes", "0"]
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
