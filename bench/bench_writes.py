@@ -1,5 +1,6 @@
 """Writes per experience: the LMDB puts and deletes each stored experience costs the writer
-(on a push, each experience its own group and groups of 8; a consume; a lease, then its ack),
+(on a push, each experience its own group and groups of 8; a consume; a consume stream's takes,
+each batch held and delivered in the next take's commit; a lease, then its ack),
 what a tombstone costs in the data file, and push and sample throughput, optionally side by
 side with an earlier tree of expbuf (each round runs both, alternating, in child processes).
 
@@ -96,6 +97,22 @@ class _Txn:
         return getattr(self._txn, name)
 
 
+class _Env:
+    """The LMDB environment, whose transactions nested in a counting one count too (a Sample
+    stream's take runs nested in the transaction that delivers its confirmed batches)."""
+
+    def __init__(self, env: lmdb.Environment, names: dict[int, str], counts: Counts) -> None:
+        self._env, self._names, self._counts = env, names, counts
+
+    def begin(self, *args: Any, parent: Any = None, **kwargs: Any) -> Any:
+        if not isinstance(parent, _Txn):
+            return self._env.begin(*args, parent=parent, **kwargs)
+        return _Txn(self._env.begin(*args, parent=parent._txn, **kwargs), self._names, self._counts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
 def counting(store: Store, counted: Counts) -> None:
     """Make every request of the store's writer count its writes into `counted`."""
     env: Environment = store.environment
@@ -111,6 +128,7 @@ def counting(store: Store, counted: Counts) -> None:
             return False, exc
 
     env._run = run  # type: ignore[method-assign]
+    env.env = _Env(env.env, names, counted)  # type: ignore[assignment]
 
 
 def entries(n: int, group: int, start: int = 0, size: int = 0) -> list[Entry]:
@@ -133,21 +151,37 @@ def _table(group: int) -> TableConfig:
     return TableConfig.of(name="t", estimator="none", group_size=group, drop_zero_variance=False)
 
 
+def stream(store: Store, batches: int) -> None:
+    """A consume stream's takes, 64 experiences each: every batch held when taken and delivered
+    in the commit of the next take, as a Sample stream confirms it (the last one alone)."""
+    spec = SampleSpec(table="t", batch_size=64, wait_seconds=0)
+    held = ""
+    for _ in range(batches):
+        batch = store.sample(spec, hold=True, confirm=held)
+        assert batch is not None
+        held = batch.lease_id
+    store.confirm(held, spec)
+
+
 def counts(n: int, group: int) -> dict[str, dict[str, float]]:
-    """The writes per experience of a push, a consume, and a lease and its ack, by database."""
+    """The writes per experience of a push, a consume, a consume stream's takes (each batch
+    held, then delivered in the next take's commit), and a lease and its ack, by database."""
     stages: dict[str, Counts] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "d")
         store.create_table(_table(group))
         counted: Counts = collections.Counter()
         counting(store, counted)
-        for at in range(0, 2 * n, 64):
+        for at in range(0, 3 * n, 64):
             store.put_entries("t", entries(64, group, at))
         stages["push"] = +counted
         counted.clear()
         for _ in range(n // 64):
             assert store.sample(SampleSpec(table="t", batch_size=64, wait_seconds=0)) is not None
         stages["consume"] = +counted
+        counted.clear()
+        stream(store, n // 64)
+        stages["stream"] = +counted
         counted.clear()
         leases = []
         for _ in range(n // 64):
@@ -160,7 +194,7 @@ def counts(n: int, group: int) -> dict[str, dict[str, float]]:
             store.ack(lease_id)
         stages["ack"] = +counted
         store.close()
-    return {stage: {k: v / (2 * n if stage == "push" else n) for k, v in c.items()} for stage, c in stages.items()}
+    return {stage: {k: v / (3 * n if stage == "push" else n) for k, v in c.items()} for stage, c in stages.items()}
 
 
 def _written() -> int:
@@ -172,10 +206,11 @@ def _written() -> int:
 
 
 def speed(n: int, group: int, size: int) -> dict[str, float]:
-    """Experiences per second of durable pushes, consumes, and leases then acks (64 at a time),
-    the process's CPU µs per experience of each (steadier than wall time on a busy machine) and
-    the bytes it wrote to storage per experience (LMDB's dirty pages: not noisy at all)."""
-    writes = [entries(64, group, at, size) for at in range(0, 2 * n, 64)]
+    """Experiences per second of durable pushes, consumes, a consume stream's takes, and leases
+    then acks (64 at a time), the process's CPU µs per experience of each (steadier than wall
+    time on a busy machine) and the bytes it wrote to storage per experience (LMDB's dirty pages:
+    not noisy at all)."""
+    writes = [entries(64, group, at, size) for at in range(0, 3 * n, 64)]
     out: dict[str, float] = {}
 
     def timed(name: str, count: int, fn: Callable[[], None]) -> None:
@@ -202,8 +237,9 @@ def speed(n: int, group: int, size: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "d", map_size=4 << 30)
         store.create_table(_table(group))
-        timed("push", 2 * n, push)
+        timed("push", 3 * n, push)
         timed("consume", n, consume)
+        timed("stream", n, lambda: stream(store, n // 64))
         timed("lease_ack", n, lease_ack)
         store.close()
     return out
@@ -300,7 +336,7 @@ def report(command: str, before: list[dict[str, Any]], after: list[dict[str, Any
         "| --- | --- | " + " | ".join("--- | --- | ---" for _ in trees) + (" | --- | --- | --- |" if before else " |"),
     ]
     for case in after[0]["speed"]:
-        for measure in ("push", "consume", "lease_ack"):
+        for measure in ("push", "consume", "stream", "lease_ack"):
             rate, cpu, written = (
                 [statistics.median(r["speed"][case][measure + suffix] for r in res) for _, res in trees]
                 for suffix in ("", "_cpu_us", "_bytes")

@@ -1,0 +1,299 @@
+"""A consume stream's cost to the server: its CPU and the bytes it writes per consumed experience,
+through a real `expbuf serve`, optionally side by side with an earlier tree of expbuf, and where
+that CPU goes (py-spy).
+
+    .venv/bin/python bench/bench_consume.py [--before DIR] [--rounds 4] [--experiences 16384]
+        [--profile OUT] [--out bench/RESULTS.md]
+
+Each round starts a server of each tree in turn (which goes first alternating), fills a table
+with 8 KB experiences (bench_reverb's shape, 256 a push), then drains it with one consume
+stream of batches of 256 (no decode at the client: the payload's bytes are read), and reads the
+server process's CPU time (user and system, /proc) and bytes written to storage over the drain
+alone. Twice per round: each experience its own group (group_by none) and groups of 8. DIR holds
+an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/_native there
+for its compiled codec). With --profile, py-spy samples the last round's server of this tree over
+its drains, and the busy samples go to stages of the consume path (written to OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_reverb import make_pushes, restamp  # noqa: E402
+from bench_writes import counts  # noqa: E402
+from profile_push import busy_samples  # noqa: E402
+from results import write_section  # noqa: E402
+
+from expbuf.client import EID, BufferClient, trxp  # noqa: E402
+
+HEADING = "## A consume stream's cost to the server (issue 32)"
+BATCH = 256
+USAGE = ("cpu", "written", "minor", "major")  # what Server.usage reads, in its order
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+CASES = {"1": {"group_by": "none"}, "8": {"group_by": "task", "group_size": 8}}
+# (stage, a function name that puts a sample in it), most specific first.
+STAGES = (
+    ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
+    ("confirm: consume the batch before (end_lease, retire)", "end_lease "),
+    ("take: read payloads and check their digests", "_Payloads.check "),
+    ("take: read member records", "TableState.members "),
+    ("take: select groups (ready index, group records)", "_select "),
+    ("take: leave the ready index", "ReadyIndex.remove_many "),
+    ("take: the rest (states, records written, lease)", "take "),
+    ("reply: splice the batch and frame it", "sample_reply "),
+    ("write loop and hand-offs", "Environment._write_loop"),
+    ("gRPC: the stream's handler and messages", "stream_batches "),
+    ("gRPC: the server's polling thread", "_serve "),
+)
+
+
+def package(tree: Path, root: Path) -> Path:
+    """A directory under `root` that holds `tree` as the expbuf package, laid out as the install
+    maps it."""
+    pkg = root / "tree" / "expbuf"
+    pkg.mkdir(parents=True)
+    for name, target in (("server", "server"), ("client", "client"), ("proto", "proto/expbuf"), ("ray", "server/ray")):
+        (pkg / name).symlink_to(tree / target)
+    return pkg.parent
+
+
+class Server:
+    """An `expbuf serve` of one tree (None: this one) on a fresh data directory."""
+
+    def __init__(self, tree: Path | None, data: Path) -> None:
+        env = dict(os.environ)
+        if tree is not None:
+            env["PYTHONPATH"] = str(package(tree, data.parent))
+        argv = [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(data), "--port", "0"]
+        argv += ["--metrics-port", "-1", "--ingest-processes", "0"]
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stderr is not None
+        self.log: list[str] = []
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if "listening on" in line:
+                self.target = line.split("listening on ")[1].split()[0]
+                break
+        else:
+            raise RuntimeError("the server did not start:\n" + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr or ()), daemon=True).start()
+
+    def wait_started(self, timeout: float = 120.0) -> None:
+        """Until the advantage worker has started (torch loaded): the server's steady state."""
+        deadline = time.monotonic() + timeout
+        while not any("advantage worker" in line or "advantages cannot" in line for line in self.log):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server's advantage worker did not start:\n" + "".join(self.log))
+            time.sleep(0.1)
+
+    def usage(self) -> tuple[float, int, int, int]:
+        """The process's CPU seconds (user and system), bytes written to storage, and minor and
+        major page faults so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / ticks
+        io = dict(line.split(": ") for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines())
+        return cpu, int(io["write_bytes"]), int(fields[7]), int(fields[9])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def payloads(count: int, group: int, serial: collections.abc.Iterator[int]) -> list[bytes]:
+    """`count` experiences of 8 KB as pushes of 256, fresh uids; with groups of `group`."""
+    pushes = make_pushes("8k", count // 256)
+    restamp(pushes, serial)
+    if group > 1:
+        for exps in pushes:
+            for i, exp in enumerate(exps):
+                exp.eid = EID(batch=exps[i - i % group].eid.batch, task=0, run=i % group)
+    return [trxp.encode(exps) for exps in pushes]
+
+
+def drain(target: str, table: str, count: int) -> int:
+    """Consume `count` experiences in batches of BATCH; returns the payload bytes received."""
+    total = 0
+    with BufferClient(target, timeout=120) as client:
+        batches = client.sample(table, batch_size=BATCH, delivery="consume", max_batches=count // BATCH, prefetch=0)
+        for batch in batches:
+            total += len(batch.payload)
+    return total
+
+
+def one_server(tree: Path | None, experiences: int, cycles: int, spy: Path | None) -> dict[str, dict[str, float]]:
+    """A server of `tree`: each case filled then drained, `cycles` times in turn; CPU µs and bytes
+    written per consumed experience over its drains (and the CPU per pushed one over its fills).
+    With `spy`, py-spy records the last cycle's drains there."""
+    totals: dict[str, collections.Counter[str]] = {case: collections.Counter() for case in CASES}
+    serial = iter(range(10**9))
+    with tempfile.TemporaryDirectory() as data:
+        server = Server(tree, Path(data) / "d")
+        try:
+            with BufferClient(server.target, timeout=120) as client:
+                for case, options in CASES.items():
+                    client.create_table(f"g{case}", estimator="none", **options)
+            server.wait_started()
+            for cycle in range(cycles):
+                for case in CASES:
+                    table, total = f"g{case}", totals[case]
+                    pushes = payloads(experiences, int(case), serial)
+                    filled = server.usage()
+                    with BufferClient(server.target, timeout=120) as client:
+                        for payload in pushes:
+                            client.push(payload, table=table)
+                    total["push_cpu"] += server.usage()[0] - filled[0]
+                    del pushes
+                    recorder = None
+                    if spy is not None and cycle == cycles - 1:
+                        command = [PY_SPY, "record", "-p", str(server.proc.pid), "-r", "250", "--native"]
+                        command += ["--threads", "-f", "raw", "-o", f"{spy}.{case}"]
+                        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        time.sleep(1.0)  # attached
+                    before = server.usage()
+                    wall = time.perf_counter()
+                    drain(server.target, table, experiences)
+                    total["wall"] += time.perf_counter() - wall
+                    for key, now, then in zip(USAGE, server.usage(), before, strict=True):
+                        total[key] += now - then
+                    if recorder is not None:
+                        recorder.send_signal(signal.SIGINT)
+                        recorder.wait(60)
+        finally:
+            server.stop()
+    n = experiences * cycles
+    return {
+        case: {
+            "cpu_us": t["cpu"] / n * 1e6,
+            "push_cpu_us": t["push_cpu"] / n * 1e6,
+            "written": t["written"] / n,
+            "exp_s": n / t["wall"],
+            "minor": t["minor"] / n,
+            "major": t["major"] / n,
+        }
+        for case, t in totals.items()
+    }
+
+
+def report(command: str, runs: dict[str, list[dict[str, Any]]], load: tuple[str, str], cycles: int) -> str:
+    trees = list(runs)
+    pair = len(trees) > 1
+    lines = [
+        HEADING,
+        "",
+        f"Command: `{command}`  ",
+        f"{os.cpu_count()} CPUs, shared; load average {load[0]} at the start, {load[1]} at the end (`uptime`). "
+        f"A real `expbuf serve` (ingest processes 0, each tree's in turn), one table per group size filled with "
+        f"8 KB experiences then drained by one consume stream of batches of {BATCH} (`prefetch=0`, the "
+        f"payload's bytes read, not decoded), {cycles} times in turn, fsync on every commit. The server process's "
+        "CPU (user and system, /proc) and bytes written to storage over the drains, per consumed experience, "
+        "medians of the rounds; the CPU of its fills per pushed experience beside them.",
+        "",
+        "| group size | "
+        + " | ".join(f"{t} CPU µs | {t} bytes written | {t} exp/s | {t} push CPU µs" for t in trees)
+        + (" | consume CPU before / after | bytes before / after | push CPU before / after |" if pair else " |"),
+        "| --- | "
+        + " | ".join("---: | ---: | ---: | ---:" for _ in trees)
+        + (" | ---: | ---: | ---: |" if pair else " |"),
+    ]
+    keys = ("cpu_us", "written", "exp_s", "push_cpu_us")
+    for case in CASES:
+        med = {t: {k: statistics.median(r[case][k] for r in runs[t]) for k in keys} for t in trees}
+        cells = " | ".join(
+            f"{m['cpu_us']:.1f} | {m['written']:,.0f} | {m['exp_s']:,.0f} | {m['push_cpu_us']:.1f}"
+            for m in med.values()
+        )
+        ratio = ""
+        if pair:
+            b, a = med["before"], med["after"]
+            ratio = " | " + " | ".join(f"**{b[k] / a[k]:.2f}**" for k in ("cpu_us", "written", "push_cpu_us"))
+        lines.append(f"| {case} | {cells}{ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def writes_per_experience() -> str:
+    """The LMDB writes per consumed experience of a consume stream (bench_writes.py's count, the
+    Store alone: each batch held when taken, delivered in the next take's commit)."""
+    cells = []
+    for case in CASES:
+        stream = counts(512, int(case))["stream"]
+        puts = sum(v for k, v in stream.items() if k.startswith("put "))
+        deletes = sum(v for k, v in stream.items() if k.startswith("del "))
+        cells.append(f"groups of {case}: {puts:.2f} puts and {deletes:.2f} deletes")
+    return (
+        "\nLMDB writes per consumed experience of the stream (`bench_writes.py`'s stream stage, batches "
+        "of 64): " + "; ".join(cells) + ".\n"
+    )
+
+
+def profile_shares(profile: Path) -> str:
+    """The stages of the profiled drains (py-spy, native frames), as shares of the busy samples."""
+    heading = (
+        "Where the server's busy samples went over the last round's drains (`--profile`, py-spy at 250 Hz, "
+        "native frames; a thread waiting in fsync counts as busy; shares move by tens of points from run to run):"
+    )
+    lines = ["", heading, ""]
+    lines += ["| stage | " + " | ".join(f"groups of {case}" for case in CASES) + " |"]
+    lines += ["| --- | " + " | ".join("---:" for _ in CASES) + " |"]
+    shares = {}
+    for case in CASES:
+        found = busy_samples(Path(f"{profile}.{case}"), STAGES)
+        busy = sum(found.values())
+        shares[case] = {stage: count / busy for stage, count in found.items()}
+    for stage in [name for name, _ in STAGES] + ["other"]:
+        lines.append(f"| {stage} | " + " | ".join(f"{shares[case].get(stage, 0.0):.0%}" for case in CASES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _uptime() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--before", type=Path, help="an earlier tree of expbuf to measure side by side")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--experiences", type=int, default=16384, help="per drain (a multiple of 256)")
+    parser.add_argument("--cycles", type=int, default=3, help="fills and drains of each case per server")
+    parser.add_argument("--profile", type=Path, help="py-spy the last round's server of this tree; its stages here")
+    parser.add_argument("--out", help="write the section into this RESULTS.md")
+    args = parser.parse_args()
+    start = _uptime()
+    label = "after" if args.before else "now"
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], label: []} if args.before else {label: []}
+    for round_ in range(args.rounds):
+        order = [args.before.resolve(), None] if args.before and round_ % 2 == 0 else [None]
+        if args.before and round_ % 2:
+            order = [None, args.before.resolve()]
+        for tree in order:
+            spy = args.profile if tree is None and args.profile and round_ == args.rounds - 1 else None
+            runs["before" if tree is not None else label].append(one_server(tree, args.experiences, args.cycles, spy))
+        print(round_, {t: r[-1] for t, r in runs.items()}, file=sys.stderr)
+    command = "python bench/bench_consume.py" + (" --before DIR" if args.before else "")
+    command += f" --rounds {args.rounds} --experiences {args.experiences} --cycles {args.cycles}"
+    section = report(command, runs, (start, _uptime()), args.cycles)
+    section += writes_per_experience()
+    if args.profile:
+        section += profile_shares(args.profile)
+    print(section)
+    if args.out:
+        write_section(Path(args.out), HEADING, section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""What a consume stream writes per batch, as counts (bench/bench_writes.py counts them, over a
+real Store): the take that holds a batch writes its groups' records (leased) and leaves the ready
+order; the confirm, in the next take's commit, consumes it: the payloads, live records and places
+in the insertion order go, each member's compact tombstone and its group's consumed record and
+retired mark are written. Nothing is written per member that the layout does not need."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+
+from expbuf.server.store import Store
+from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.table_config import TableConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from bench_writes import counting, entries
+
+BATCH = 64
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_a_consume_stream_writes_per_batch_what_the_layout_needs_and_no_more(tmp_path: Path, group: int) -> None:
+    groups = BATCH // group
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=group, drop_zero_variance=False))
+        for at in range(0, 4 * BATCH, BATCH):
+            store.put_entries("t", entries(BATCH, group, at))
+        counted: collections.Counter[str] = collections.Counter()
+        counting(store, counted)
+        spec = SampleSpec("t", batch_size=BATCH, wait_seconds=0)
+        first = store.sample(spec, hold=True)
+        assert first is not None
+        assert +counted == {"put groups": groups, "del ready": groups, "put leases": 1, "put counters": 1}
+        counted.clear()
+        second = store.sample(spec, hold=True, confirm=first.lease_id)  # delivers the first
+        assert second is not None
+        assert +counted == {
+            # the first batch consumed
+            "del leases": 1,
+            "del blobs": BATCH,
+            "del items": BATCH,
+            "del order": BATCH,
+            "put tombs": BATCH,
+            "put retired": groups,
+            # the second taken, and each group's record written once by each
+            "del ready": groups,
+            "put groups": 2 * groups,
+            "put leases": 1,
+            "put counters": 2,
+        }
+        assert store.stats("t")["consumed"] == BATCH and store.stats("t")["leased"] == BATCH
+        assert store.verify("t") == []
