@@ -1,6 +1,7 @@
 """AsyncBufferClient: the asyncio client of one expbuf server, with BufferClient's methods as coroutines.
 
-It runs the calls described in calls.py, as BufferClient (client.py) does, awaiting each.
+It runs the calls described in calls.py, as BufferClient (client.py) does, awaiting each. How a
+stream it writes to ended is the stream's own status (aio_status.py), never a failed write's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, TypeVar, Unpack, cast
 import grpc
 import grpc.aio
 
-from . import calls
+from . import aio_status, calls
 from .aio_pusher import AsyncPusher
 from .connection import ClientBase, call_error
 from .prefetch import Outcome, Prefetcher
@@ -89,7 +90,7 @@ class AsyncBufferClient(ClientBase):
         method, keywords = self._method(call)
         try:
             if isinstance(call, calls.Chunked):
-                reply = calls.one_reply([reply async for reply in method(call.requests(), **keywords)])
+                reply = calls.one_reply(await aio_status.replies(method(call.requests(), **keywords)))
             else:
                 reply = await method(call.request, **keywords)
         except grpc.RpcError as exc:
@@ -120,6 +121,7 @@ class AsyncBufferClient(ClientBase):
         the event loop, so a trainer's coroutine runs while they are."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
         call = self._sample(metadata=self._metadata)
+        status = aio_status.StreamStatus(call)
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
         def decode(reply: SampleReplyParts) -> AsyncBatch:
@@ -147,8 +149,10 @@ class AsyncBufferClient(ClientBase):
                 received += 1
                 await call.write(calls.confirmation(received))
                 yield calls.handed(batch, spec.lease_seconds)
-        except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+        except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
+            error = await status.error()
+            if error is not None:
+                raise call_error(error, self._tls) from None
         finally:
             if ahead is not None:
                 ahead.stop()

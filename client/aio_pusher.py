@@ -1,6 +1,7 @@
 """AsyncPusher: the asyncio client's pipelined pushes, as Pusher (pusher.py) with the same window
 rules (pipeline.py). Each stream's replies are read by a task of its own; one push's messages
-are written at a time, so a payload's chunks are never interleaved with another's."""
+are written at a time, so a payload's chunks are never interleaved with another's. How a stream
+ended is its own status (aio_status.py), never a failed write's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 import grpc.aio
 
 from . import calls
+from .aio_status import StreamStatus
 from .pipeline import Ordered, Pending, Stream, Window
 from .results import PushResult
 
@@ -28,6 +30,7 @@ class _Open:
         self.call = client._unretried.PushStream(  # the pusher resends what a broken stream left (pipeline.py)
             timeout=window.stream_seconds, metadata=client._metadata, wait_for_ready=client.wait_for_ready
         )
+        self.status = StreamStatus(self.call)
         self.closed = False
 
 
@@ -149,15 +152,12 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
                 pass
 
     async def _read(self, stream: _Open) -> None:
-        error: grpc.RpcError | None = None
-        try:
+        with contextlib.suppress(grpc.RpcError):  # how the stream ended is read below
             while (reply := await stream.call.read()) is not grpc.aio.EOF:
                 self._window.answered(stream.state, reply)
                 self._settle()
-        except grpc.RpcError as exc:
-            error = exc
         stream.closed = True
-        again, pause = self._window.ended(stream.state, error)
+        again, pause = self._window.ended(stream.state, await stream.status.error())
         if self._stream is stream:
             self._stream = None
         self._settle()

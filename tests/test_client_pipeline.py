@@ -128,6 +128,26 @@ def test_a_refused_push_in_the_middle_of_a_window_fails_alone_naming_its_uids(st
         assert client.get(uids(conflict)[1:]).missing_uids == uids(conflict)[1:]  # nothing of a refused push
 
 
+@pytest.mark.parametrize("kind", sorted(PUSHERS))
+def test_a_push_refused_while_the_pusher_still_writes_fails_with_the_refusal(start_server: Servers, kind: str) -> None:
+    """The server refuses the first push of a window while the client is still writing the
+    others, round after round: the refused push fails with the server's own refusal, never with
+    the failed write's INTERNAL ("Internal error from Core", which grpc.aio made of such a write
+    in 7 to 14 of these 30 rounds), and every push after it is stored on the stream that follows."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.push(group("base", 0))
+    conflict = trxp.encode(group("base", 0, reward=0.0))  # the same uids with other bytes
+    for round_ in range(30):
+        after = [[make_experience(f"w{round_}", task, run, response=2000) for run in range(4)] for task in range(4)]
+        outcomes, _ = PUSHERS[kind](target, "default", [conflict, *after], 5)
+        assert isinstance(outcomes[0], AlreadyExistsError), f"round {round_}: {outcomes[0]!r}"
+        assert "push 1 of this pusher" in outcomes[0].details
+        for items, outcome in zip(after, outcomes[1:], strict=True):
+            assert isinstance(outcome, PushResult) and outcome.stored == uids(items), f"round {round_}: {outcome!r}"
+
+
 def test_a_pusher_holds_at_most_its_window_and_waits_for_room(start_server: Servers) -> None:
     """Two pushes in flight on a full table that blocks: a third push() waits until one is answered."""
     server = start_server()

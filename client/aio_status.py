@@ -1,0 +1,98 @@
+"""How a grpc.aio stream ended: the status its server, a proxy, or the lost connection gave it.
+
+When a write fails because its stream has ended (the server refused a push, or went away, or a
+proxy ended the stream, while the client was still writing), grpc.aio gives the call the status
+INTERNAL "Internal error from Core" in place of the stream's own (grpc/grpc#36066, grpcio 1.85).
+If the event loop comes to the failed write after the stream's status, that INTERNAL replaces
+the status for good; if before, the stream's status replaces it when it comes. A read of the
+stream, or `await call.code()`, gets whichever the call holds at that moment. So the asyncio
+pusher failed with INTERNAL a push that the stream's UNAVAILABLE would have sent again, or a
+refused push that its refusal names; the blocking client reads the stream's own status.
+
+The asyncio client therefore reads how its streams ended here, never from the exception a read
+or a write raised: the call's first status, taken as it is set (its done callbacks run then),
+unless that one is the failed write's; then the status that replaces it. Only grpc.aio gives
+INTERNAL with those details; a server's own INTERNAL is the stream's status like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+T = TypeVar("T")
+Status = tuple[grpc.StatusCode, str]
+
+WRITE_FAILED: Status = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+# How long the stream's own status may take to replace a failed write's: Core delivers both at
+# once, so it is there within a turn or two of the event loop; this bounds the wait for a call
+# whose INTERNAL nothing replaces.
+REPLACED_WITHIN = 1.0
+LOOK_EVERY = 0.005
+
+
+def _at_once(step: Coroutine[Any, Any, T]) -> T | None:
+    """What a coroutine returns if it returns without waiting, else None: a done call's code()
+    and details() do, so a done callback reads the status the call holds as it runs."""
+    try:
+        step.send(None)
+    except StopIteration as returned:
+        return returned.value
+    step.close()
+    return None
+
+
+class StreamStatus:
+    """How one grpc.aio stream ended. Made with the call, before anything is written on it."""
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self._call = call
+        self._first: Status | None = None
+        call.add_done_callback(self._set)
+
+    def _set(self, call: grpc.aio.Call) -> None:
+        """The call's first status, as it is set: a failed write's INTERNAL may replace it after."""
+        code, details = _at_once(call.code()), _at_once(call.details())
+        if code is not None:
+            self._first = code, details or ""
+
+    async def _held(self) -> Status:
+        return await self._call.code(), await self._call.details() or ""
+
+    async def status(self) -> Status:
+        """The stream's own code and details, once it has ended."""
+        held = await self._held()
+        if self._first is not None and self._first != WRITE_FAILED:
+            return self._first
+        loop = asyncio.get_running_loop()
+        until = loop.time() + REPLACED_WITHIN
+        while held == WRITE_FAILED and loop.time() < until:
+            await asyncio.sleep(LOOK_EVERY)
+            held = await self._held()
+        return held
+
+    async def error(self) -> grpc.aio.AioRpcError | None:
+        """The error of the stream's own status once it has ended; None if it ended OK."""
+        code, details = await self.status()
+        if code == grpc.StatusCode.OK:
+            return None
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+async def replies(call: grpc.aio.StreamStreamCall) -> list[Any]:
+    """Every reply of a stream whose requests gRPC writes from an iterator (a push in chunks);
+    raises the error of the stream's own status."""
+    status = StreamStatus(call)
+    read: list[Any] = []
+    with contextlib.suppress(grpc.RpcError):  # how it ended is read below
+        async for reply in call:
+            read.append(reply)
+    error = await status.error()
+    if error is not None:
+        raise error
+    return read
