@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -185,10 +186,14 @@ def cpu_seconds(pid: int) -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     pids = [str(pid)]
     for task in Path(f"/proc/{pid}/task").iterdir():
-        pids += (task / "children").read_text().split()
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            pids += (task / "children").read_text().split()
     total = 0.0
     for one in pids:
-        fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a child that ended meanwhile
+            continue
         total += (int(fields[11]) + int(fields[12])) / ticks
     return total
 
@@ -436,6 +441,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data:
         exp = ExpbufSide(data)
         try:
+            exp.server.wait_for("advantage worker")  # torch loads after the server listens: its steady state
             for shape, batches in pushes.items():
                 warm = batches[: 2 * BATCH // PER_PUSH[shape]]
                 one_round(exp, rev, shape, warm, reverb_first=False)  # the same warm-up for both
