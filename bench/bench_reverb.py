@@ -12,10 +12,16 @@ logprobs), 256 per push; 40 KB experiences (bench_store.experience), 64 per push
   experience, flush after every push (in memory, no fsync).
 - Push also against Reverb's legacy `client.writer` (one step, one item, flush after every push),
   its fastest insert.
-- Sample, batches of 256: expbuf's consume stream (each experience delivered once and deleted),
-  half of each round's read as bytes and half decoded into tensors (`Batch.experiences`, what a
-  trainer reads), against Reverb's `client.sample` and its batched `TrajectoryDataset` (uniform,
-  with replacement; it hands over decoded tensors).
+- Pipelined pushes, window W (4 and 8): expbuf's `pusher(window=W)` (up to W pushes unanswered,
+  the next one encoded meanwhile; timed to its close, when every push is durable) against
+  Reverb's writers kept at most W pushes ahead of the server's confirmations (reverb_side.py),
+  each flushed at the end. expbuf's go into a table of their own, dropped after each.
+- Sample, batches of 256: expbuf's consume stream (each experience delivered once and deleted,
+  decoded into tensors by the client before it confirms the batch), half of each round's read
+  with `prefetch=0` and half with `prefetch=1` (the default: decoded on the stream's own thread),
+  the tensors of each experience read (`Batch.experiences`, what a trainer reads), against
+  Reverb's `client.sample` and its batched `TrajectoryDataset` (uniform, with replacement; it
+  hands over decoded tensors).
 Each round runs expbuf and Reverb in alternating order; the same warm-up precedes both.
 """
 
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -33,6 +41,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -42,17 +51,18 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_service import Proc, experience  # noqa: E402
+from bench_service import Proc, experience, uptime  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry  # noqa: E402
 
-HEADING = "## Against DeepMind Reverb (issues 10, 22)"
+HEADING = "## Against DeepMind Reverb (issues 10, 22, 32)"
 BATCH = 256
 PER_PUSH = {"8k": 256, "40k": 64}
 TABLE = {"8k": "small", "40k": "large"}
 SERIAL = itertools.count()
+WINDOWS = (4, 8)  # pipelined pushes: pushes in flight
 # The tf.data stream reads this many times the pushed count, so that it too runs for seconds, not a
 # fraction of one (its start-up varies by a few hundred ms). It samples with replacement.
 DATASET_READS = 4
@@ -136,21 +146,67 @@ class ExpbufSide:
             self.client.push(exps, table=TABLE[shape])
         return sum(map(len, pushes)) / (time.perf_counter() - start)
 
-    def sample(self, shape: str, count: int, *, decoded: bool = False) -> float:
-        """Consume `count` experiences in batches; `decoded` also makes each batch's tensors
-        (what a trainer reads, and what Reverb's TrajectoryDataset hands over)."""
+    def pipelined(self, table: str, pushes: list[list[Experience]], window: int) -> float:
+        """Push through a pusher of `window`: timed from the first push to the pusher's close, when
+        every push is durable."""
+        start = time.perf_counter()
+        with self.client.pusher(table, window=window) as pusher:
+            futures = [pusher.push(exps) for exps in pushes]
+        seconds = time.perf_counter() - start
+        stored = sum(len(f.result().stored) for f in futures)
+        assert stored == sum(map(len, pushes)), (stored, window)
+        return stored / seconds
+
+    def sample(self, shape: str, count: int, *, prefetch: int) -> float:
+        """Consume `count` experiences in batches, each experience's tensors read (what a trainer
+        reads, and what Reverb's TrajectoryDataset hands over); the client decodes every batch,
+        `prefetch` of them ahead of this loop on the stream's own thread."""
         start = time.perf_counter()
         got = 0
         for batch in self.client.sample(
-            TABLE[shape], batch_size=BATCH, delivery="consume", max_batches=count // BATCH, timeout=60
+            TABLE[shape],
+            batch_size=BATCH,
+            delivery="consume",
+            max_batches=count // BATCH,
+            timeout=60,
+            prefetch=prefetch,
         ):
-            got += len(batch.experiences) if decoded else len(batch.uids)
+            got += len(batch.experiences)
         assert got == count // BATCH * BATCH, (got, count)
         return got / (time.perf_counter() - start)
 
     def stop(self) -> None:
         self.client.close()
         self.server.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) of a process and of its children alive now (an expbuf
+    server's ingest processes), from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = [str(pid)]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            pids += (task / "children").read_text().split()
+    total = 0.0
+    for one in pids:
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a child that ended meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+class Usage:
+    """CPU seconds so far of one side's client (None: this process, all its threads) and server."""
+
+    def __init__(self, client: int | None, server: int) -> None:
+        self.client, self.server = client, server
+
+    def read(self) -> tuple[float, float]:
+        client = time.process_time() if self.client is None else cpu_seconds(self.client)
+        return client, cpu_seconds(self.server)
 
 
 def restamp(pushes: list[list[Experience]], serial: itertools.count) -> None:
@@ -193,18 +249,43 @@ def one_round(exp: ExpbufSide, rev: ReverbSide, shape: str, pushes: list, reverb
     count = sum(map(len, pushes))
     restamp(pushes, SERIAL)
     out: dict[str, float] = {}
+    ours, theirs = Usage(None, exp.server.proc.pid), Usage(rev.client.pid, rev.server.pid)
+
+    def measure(name: str, usage: Usage, items: int, run: Callable[[], float]) -> None:
+        """Experiences per second of `run`, and its CPU µs per experience in each process."""
+        before = usage.read()
+        out[name] = run()
+        for where, now, then in zip(("client", "server"), usage.read(), before, strict=True):
+            out[f"{name} {where} cpu"] = (now - then) / items * 1e6
 
     def expbuf_side() -> None:
-        out["expbuf push"] = exp.push(shape, pushes)
-        half = count // 2 // BATCH * BATCH
-        out["expbuf consume"] = exp.sample(shape, half)
-        out["expbuf decoded"] = exp.sample(shape, count - half, decoded=True)
+        measure("expbuf push", ours, count, lambda: exp.push(shape, pushes))
+        halves = {0: count // 2 // BATCH * BATCH}
+        halves[1] = count - halves[0]
+        for prefetch in (0, 1) if reverb_first else (1, 0):  # which half drains the fuller table alternates
+            measure(
+                f"expbuf prefetch {prefetch}",
+                ours,
+                halves[prefetch] // BATCH * BATCH,
+                functools.partial(exp.sample, shape, halves[prefetch], prefetch=prefetch),
+            )
+        for window in WINDOWS:  # each into a table of its own, dropped after it (untimed)
+            table = f"{TABLE[shape]}-w{window}"
+            exp.client.create_table(table, estimator="none", group_by="none")
+            measure(f"expbuf window {window}", ours, count, functools.partial(exp.pipelined, table, pushes, window))
+            exp.client.drop_table(table)
 
     def reverb_side() -> None:
-        out["reverb push"] = rev.run(op="push", shape=shape, pushes=len(pushes), per=PER_PUSH[shape])
-        out["reverb legacy"] = rev.run(op="legacy", shape=shape, pushes=len(pushes), per=PER_PUSH[shape])
-        out["reverb sample"] = rev.run(op="sample", shape=shape, count=count)
-        out["reverb dataset"] = rev.run(op="dataset", shape=shape, count=DATASET_READS * count, batch=BATCH)
+        per = PER_PUSH[shape]
+        measure("reverb push", theirs, count, lambda: rev.run(op="push", shape=shape, pushes=len(pushes), per=per))
+        measure("reverb legacy", theirs, count, lambda: rev.run(op="legacy", shape=shape, pushes=len(pushes), per=per))
+        measure("reverb sample", theirs, count, lambda: rev.run(op="sample", shape=shape, count=count))
+        reads = DATASET_READS * count // BATCH * BATCH
+        measure("reverb dataset", theirs, reads, lambda: rev.run(op="dataset", shape=shape, count=reads, batch=BATCH))
+        for window in WINDOWS:
+            for op, name in (("push", f"reverb window {window}"), ("legacy", f"reverb legacy window {window}")):
+                run = functools.partial(rev.run, op=op, shape=shape, pushes=len(pushes), per=per, window=window)
+                measure(name, theirs, count, run)
 
     for side in (reverb_side, expbuf_side) if reverb_first else (expbuf_side, reverb_side):
         side()
@@ -221,14 +302,14 @@ def cell(values: list[float]) -> str:
 
 
 def report(
-    command: str, load: float, rounds: int, pushes: dict[str, int], res: dict[str, dict[str, list[float]]]
+    command: str, load: tuple[str, str], rounds: int, pushes: dict[str, int], res: dict[str, dict[str, list[float]]]
 ) -> str:
     lines = [
         HEADING,
         "",
         f"Command: `{command}`  ",
         f"Loopback, {os.cpu_count()} cores shared with other work running on the machine (load average "
-        f"{load:.1f} at the start); dm-reverb 0.14.0, "
+        f"{load[0]} at the start, {load[1]} at the end, `uptime`); dm-reverb 0.14.0, "
         "tensorflow 2.15 in their own venv. Servers and clients in their own processes, one writer each. "
         f"Medians of {rounds} rounds, expbuf and Reverb in alternating order, after the same warm-up; "
         f"{pushes['8k']} pushes of 256 x 8 KB and {pushes['40k']} of 64 x 40 KB per round, the same "
@@ -237,46 +318,96 @@ def report(
         "deletes what it delivers (durably); Reverb samples uniformly, with replacement, and its "
         f"`TrajectoryDataset` reads {DATASET_READS} x the pushed count per round (a longer, steadier measure).",
         "",
+        "What each push waits for. `push`: expbuf's `client.push()` returns once the server has "
+        "answered that the push is durable (stored and fsynced), and only then is the next one encoded; "
+        "Reverb's writer `flush()` after each push returns once the server has confirmed every item "
+        "made (inserted in its table, in memory). Window W: expbuf's `pusher(window=W).push()` encodes "
+        "the push and sends it, waiting only while W pushes are unanswered, and the time ends when "
+        "`close()` returns, every push durable; Reverb's trajectory writer sends each item as it is made "
+        "and, after each push, `flush(block_until_num_items=(W-1) x per push)` waits until at most W - 1 "
+        "pushes' items are unconfirmed; its legacy writer's `max_in_flight_items` (W x per push) makes "
+        "`create_item` wait while W pushes' items are unconfirmed; each `flush()`es once at the end. "
+        "Sample: expbuf's client decodes every batch into tensors before it confirms it (there is no "
+        "read as bytes any more); with `prefetch=1`, the default, on the stream's own thread, one batch "
+        "ahead of the caller; with `prefetch=0` in the caller's thread, when it asks.",
+        "",
         "| measure | expbuf, median (min-max) | Reverb, median (min-max) | expbuf / Reverb, medians | goal |",
         "| --- | --- | --- | --- | --- |",
     ]
-    goals = {  # issue 22's
+    cpu_rows: list[tuple[str, str, str, str]] = []
+    goals = {  # issue 32's
         ("8k", "push"): "≥ 1.0",
         ("8k", "legacy"): "≥ 1.0",
         ("8k", "decoded"): "≥ 0.8",
         ("40k", "push"): "≥ 1.0",
+        ("40k", "legacy"): "≥ 1.0",
         ("40k", "decoded"): "≥ 1.0",
     }
     for shape, r in res.items():
-        size = "8 KB, 256 per push" if shape == "8k" else "40 KB, 64 per push"
+        per = PER_PUSH[shape]
+        size = f"{shape[:-1]} KB, {per} per push"
         kb = shape[:-1]
-        rows = (
+        rows = [
             ("push", f"push, {size} (`push` / trajectory writer + flush)", "expbuf push", "reverb push"),
             ("legacy", f"push, {size} (`push` / legacy `client.writer` + flush)", "expbuf push", "reverb legacy"),
+        ]
+        for w in WINDOWS:
+            rows += [
+                (
+                    f"window {w}",
+                    f"push, {size}, window {w} (`pusher(window={w})` / trajectory writer, "
+                    f"`flush(block_until_num_items={(w - 1) * per})` after each push)",
+                    f"expbuf window {w}",
+                    f"reverb window {w}",
+                ),
+                (
+                    f"legacy window {w}",
+                    f"push, {size}, window {w} (`pusher(window={w})` / legacy `client.writer`, "
+                    f"`max_in_flight_items={w * per}`)",
+                    f"expbuf window {w}",
+                    f"reverb legacy window {w}",
+                ),
+            ]
+        rows += [
             (
                 "sample",
-                f"sample {kb} KB, batches of 256 (consume / `client.sample`)",
-                "expbuf consume",
+                f"sample {kb} KB, batches of 256, decoded, prefetch 1 (consume / `client.sample`)",
+                "expbuf prefetch 1",
                 "reverb sample",
             ),
             (
-                "bytes",
-                f"sample {kb} KB, batches of 256, as bytes (consume / `TrajectoryDataset` tf.data)",
-                "expbuf consume",
+                "prefetch 0",
+                f"sample {kb} KB, batches of 256, decoded tensors, prefetch 0 (consume / `TrajectoryDataset` tf.data)",
+                "expbuf prefetch 0",
                 "reverb dataset",
             ),
             (
                 "decoded",
-                f"sample {kb} KB, batches of 256, decoded tensors (consume / `TrajectoryDataset` tf.data)",
-                "expbuf decoded",
+                f"sample {kb} KB, batches of 256, decoded tensors, prefetch 1, the default "
+                "(consume / `TrajectoryDataset` tf.data)",
+                "expbuf prefetch 1",
                 "reverb dataset",
             ),
-        )
+        ]
         for key, label, ours, theirs in rows:
             lines.append(
                 f"| {label} | {cell(r[ours])} | {cell(r[theirs])} | **{median(r[ours]) / median(r[theirs]):.2f}** | "
                 f"{goals.get((shape, key), '')} |"
             )
+        cpu_rows.extend((shape, label, ours, theirs) for _, label, ours, theirs in rows)
+    lines += [
+        "",
+        "CPU per experience of each process over the same measures (µs, medians of the rounds; user and "
+        "system time from /proc: the expbuf client's every thread, gRPC's included, and each server with "
+        "its child processes; Reverb's client is its process of TensorFlow and the writer or dataset):",
+        "",
+        "| measure | expbuf client | expbuf server | Reverb client | Reverb server |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for shape, label, ours, theirs in cpu_rows:
+        r = res[shape]
+        cpu = [median(r[f"{name} {where} cpu"]) for name in (ours, theirs) for where in ("client", "server")]
+        lines.append(f"| {label} | " + " | ".join(f"{c:.1f}" for c in cpu) + " |")
     lines += [
         "",
         "Parts of expbuf's push, each timed alone in the same run (µs per experience, medians): "
@@ -303,13 +434,14 @@ def main() -> None:
     command = "python bench/bench_reverb.py " + " ".join(
         a if a != args.reverb_python else "REVERB_VENV/bin/python" for a in sys.argv[1:]
     )
-    load = os.getloadavg()[0]
+    load = uptime()
     pushes = {"8k": make_pushes("8k", args.pushes_8k), "40k": make_pushes("40k", args.pushes_40k)}
     results: dict[str, dict[str, list[float]]] = {shape: collections.defaultdict(list) for shape in pushes}
     rev = ReverbSide(args.reverb_python)
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as data:
         exp = ExpbufSide(data)
         try:
+            exp.server.wait_for("advantage worker")  # torch loads after the server listens: its steady state
             for shape, batches in pushes.items():
                 warm = batches[: 2 * BATCH // PER_PUSH[shape]]
                 one_round(exp, rev, shape, warm, reverb_first=False)  # the same warm-up for both
@@ -323,7 +455,7 @@ def main() -> None:
         finally:
             exp.stop()
             rev.stop()
-    section = report(command, load, args.rounds, {"8k": args.pushes_8k, "40k": args.pushes_40k}, results)
+    section = report(command, (load, uptime()), args.rounds, {"8k": args.pushes_8k, "40k": args.pushes_40k}, results)
     print(section)
     write_section(Path(args.out), HEADING, section)
 

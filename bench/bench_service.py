@@ -5,10 +5,13 @@
 Each server runs in its own process on a loopback port; clients run here.
 - Push: 8 concurrent pushers, 40 KB experiences, 64 per payload, durable acks; against
   raw durable LMDB puts of the same bytes (one writer, fsync per 64) and a raw gRPC push
-  of the same payloads to a server that stores nothing.
+  of the same payloads to a server that stores nothing. Each pusher with `push()` (one push
+  at a time), then (the thread-pool server) each with `pusher(window=4)`, a rollout worker's
+  pipelined pushes, into a table of its own.
 - Sample: whole groups of 8, batches of 256 experiences; consume (each batch confirmed in
   the stream, no Ack RPC) and lease with an Ack RPC per batch, in alternating rounds;
-  against a raw gRPC server stream of messages of the same size.
+  against a raw gRPC server stream of messages of the same size. The client's defaults:
+  each batch decoded before it is confirmed, one ahead of the caller (`prefetch=1`).
 - Latency: p50/p99 of a one-experience push with a durable ack, and of the first batch of
   a sample when data is ready.
 Both server flavours are measured: the thread-pool server (`expbuf serve`) and a
@@ -39,25 +42,40 @@ from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
+from expbuf.client.client import SampleRequests  # noqa: E402
+from expbuf.client.sample_reply import sample_method  # noqa: E402
+from expbuf.client.sample_spec import SampleSpec  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
 TABLE = "bench"  # estimator none: bench_advantages.py measures ingest with advantages
+WINDOW = 4  # the pipelined pushers' window (the pusher's default)
 MAX = 256 << 20
 
 
 class Proc:
-    """A server process; waits for its 'listening on' line."""
+    """A server process; waits for its 'listening on' line, and keeps its log."""
 
     def __init__(self, *argv: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
         self.proc = subprocess.Popen([python, *argv], stderr=subprocess.PIPE, text=True, env=env)
+        self.log: list[str] = []
         for line in self.proc.stderr:
+            self.log.append(line)
             match = re.search(r"listening on ([\d.]+:\d+)", line)
             if match:
                 self.target = match.group(1)
                 break
         else:
             raise RuntimeError(f"{argv} did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> None:
+        """Until a line of the log holds `text` (an `expbuf serve` logs 'advantage worker' once torch
+        has loaded, on a thread of its own: its steady state)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.log):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"no {text!r} in the server's log:\n" + "".join(self.log))
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -89,6 +107,23 @@ def bench_push(target: str, payloads: list[bytes]) -> float:
         with BufferClient(target, timeout=120) as c:
             for payload in share:
                 c.push(payload, table=TABLE)
+
+    return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
+
+
+def bench_pusher(target: str, payloads: list[bytes]) -> float:
+    """The same pushes, each pusher through `pusher(window=WINDOW)`, into a table of its own:
+    MB/s up to the last pusher's close (every push durable)."""
+    shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
+    table = f"{TABLE}-w{WINDOW}"
+    with BufferClient(target) as c:
+        c.create_table(table, estimator="none", exist_ok=True)
+
+    def push(share: list[bytes]) -> None:
+        with BufferClient(target, timeout=120) as c, c.pusher(table, window=WINDOW) as pusher:
+            futures = [pusher.push(payload) for payload in share]
+        for future in futures:
+            future.result()
 
     return sum(map(len, payloads)) / run_threads(shares, push) / 1e6
 
@@ -141,12 +176,32 @@ def lease_batches(target: str, batches: int) -> tuple[int, float]:
         return total, time.perf_counter() - start
 
 
-def bench_sample(target: str, batches: int) -> dict[str, float]:
+def raw_consume_batches(target: str, batches: int) -> tuple[int, float]:
+    """Consume as a raw gRPC client reads it, from the pipelined pushers' table: each reply's
+    payload bytes, each batch confirmed on the stream as it arrives, nothing decoded (the
+    server's part alone). Returns (payload bytes, seconds)."""
+    spec = SampleSpec(f"{TABLE}-w{WINDOW}", num_groups=BATCH // GROUP, delivery="consume", max_batches=batches)
+    requests = SampleRequests(spec.request())
+    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
+        total = 0
+        start = time.perf_counter()
+        for received, reply in enumerate(sample_method(channel)(requests, timeout=120), 1):
+            total += len(reply.payload)
+            requests.confirm(received)
+        requests.close()
+        return total, time.perf_counter() - start
+
+
+def bench_sample(target: str, batches: int, raw: bool) -> dict[str, float]:
     """MB/s of consume and of lease + ack, in alternating rounds (consume, lease, lease, consume)
-    so that neither gets the fresher or the fuller buffer."""
-    runs = {"consume": consume_batches, "lease": lease_batches}
-    spent = {name: [0, 0.0] for name in runs}
-    for name in ("consume", "lease", "lease", "consume"):
+    so that neither gets the fresher or the fuller buffer; with `raw`, consume read as bytes
+    over a raw stream too, first and last."""
+    runs = {"consume": consume_batches, "lease": lease_batches, "raw consume": raw_consume_batches}
+    order = ("consume", "lease", "lease", "consume")
+    if raw:
+        order = ("raw consume", *order, "raw consume")
+    spent = {name: [0, 0.0] for name in order}
+    for name in order:
         size, seconds = runs[name](target, batches // 4)
         spent[name][0] += size
         spent[name][1] += seconds
@@ -206,25 +261,34 @@ def measure_server(kind: str, data: Path, payloads: list[bytes], reps: int) -> d
         if kind == "sync":
             with BufferClient(server.target) as c:
                 c.create_table(TABLE, estimator="none", exist_ok=True)
+            server.wait_for("advantage worker")  # torch loads after the server listens: its steady state
         push = bench_push(server.target, payloads)
-        sample = bench_sample(server.target, len(payloads) * PER_PAYLOAD // BATCH)
+        pipelined = bench_pusher(server.target, payloads) if kind == "sync" else float("nan")  # no PushStream in aio
+        sample = bench_sample(server.target, len(payloads) * PER_PAYLOAD // BATCH, raw=kind == "sync")
         latency = bench_latency(server.target, reps)
     finally:
         server.stop()
-    result = {"push": push, **sample, **latency}
+    result = {"push": push, "pusher": pipelined, **sample, **latency}
     print(kind, result, file=sys.stderr)
     return result
 
 
-def report(command: str, runs: dict[str, dict], raw: dict[str, float]) -> str:
+def report(command: str, runs: dict[str, dict], raw: dict[str, float], load: tuple[str, str]) -> str:
     s, a = runs["sync"], runs["aio"]
     mb = raw["batch_bytes"] / 1e6
     lines = [
         "## Service over gRPC (issue 3)",
         "",
         f"Command: `{command}`  ",
-        f"Loopback, {os.cpu_count()} cores; servers in their own processes, clients in the benchmark's; "
-        "MB/s of TRXP payload bytes. Ratios are expbuf / baseline, measured in the same run.",
+        f"Loopback, {os.cpu_count()} cores (load average {load[0]} at the start, {load[1]} at the end, `uptime`); "
+        "servers in their own processes, clients in the benchmark's; "
+        "MB/s of TRXP payload bytes. Ratios are expbuf / baseline, measured in the same run. "
+        f"Pushes of pre-encoded payloads, each pusher's durable before its next (`push()`), or up to {WINDOW} "
+        f"in flight (`pusher(window={WINDOW})`, timed to its close). Samples with the client's defaults: each "
+        "batch decoded into tensors before it is confirmed, one batch ahead of the caller (`prefetch=1`); "
+        "and, from the pipelined pushers' table, read as a raw gRPC client reads the Sample stream (each "
+        "reply's payload bytes, confirmed as it arrives, not decoded). Measured once the server's torch has "
+        "loaded (it loads after the server listens).",
         "",
         "| measure | thread-pool server (`expbuf serve`) | grpc.aio server | baseline | ratio (thread pool) | goal |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -232,12 +296,17 @@ def report(command: str, runs: dict[str, dict], raw: dict[str, float]) -> str:
         f"raw durable LMDB puts {raw['lmdb']:.0f} MB/s | **{s['push'] / raw['lmdb']:.2f}** | ≥ 0.6 |",
         f"| the same | | | raw gRPC push, no storage {raw['grpc_push']:.0f} MB/s | "
         f"{s['push'] / raw['grpc_push']:.2f} | |",
+        f"| the same, each pusher `pusher(window={WINDOW})` | {s['pusher']:.0f} MB/s | | "
+        f"raw durable LMDB puts {raw['lmdb']:.0f} MB/s | **{s['pusher'] / raw['lmdb']:.2f}** | ≥ 0.6 |",
         f"| sample, groups of 8, {BATCH} per batch ({mb:.1f} MB), consume (no Ack RPC) | "
         f"{s['consume']:.0f} MB/s | "
         f"{a['consume']:.0f} MB/s | raw gRPC stream {raw['grpc_stream']:.0f} MB/s | "
         f"**{s['consume'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
         f"| the same, lease + an Ack RPC per batch | {s['lease']:.0f} MB/s | {a['lease']:.0f} MB/s | "
         f"raw gRPC stream {raw['grpc_stream']:.0f} MB/s | **{s['lease'] / raw['grpc_stream']:.2f}** | ≥ 0.6 |",
+        f"| the same, consume read as bytes by a raw gRPC client (confirmed, not decoded) | "
+        f"{s['raw consume']:.0f} MB/s | | raw gRPC stream {raw['grpc_stream']:.0f} MB/s | "
+        f"{s['raw consume'] / raw['grpc_stream']:.2f} | |",
         f"| one-experience push (40 KB), durable ack: p50 / p99 | {s['push_p50']:.2f} / {s['push_p99']:.2f} ms | "
         f"{a['push_p50']:.2f} / {a['push_p99']:.2f} ms | | | p99 < 10 ms |",
         f"| first batch of a sample, data ready (one group): p50 / p99 | {s['first_p50']:.2f} / "
@@ -247,6 +316,10 @@ def report(command: str, runs: dict[str, dict], raw: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def uptime() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--payloads-per-pusher", type=int, default=8)
@@ -254,6 +327,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     command = ("python bench/bench_service.py " + " ".join(sys.argv[1:])).strip()
+    start = uptime()
     payloads = make_payloads(PUSHERS * args.payloads_per_pusher)
     with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
         raw_server = Proc(str(HERE / "raw_grpc_server.py"))
@@ -267,7 +341,7 @@ def main() -> None:
         raw["lmdb"] = bench_raw_lmdb(Path(tmp) / "raw", payloads)
         print("raw", raw, file=sys.stderr)
         runs = {kind: measure_server(kind, Path(tmp) / kind, payloads, args.latency_reps) for kind in ("sync", "aio")}
-    section = report(command, runs, raw)
+    section = report(command, runs, raw, (start, uptime()))
     print(section)
     write_section(Path(args.out), "## Service over gRPC (issue 3)", section)
 

@@ -9,7 +9,11 @@ max_size, a MinSize(1) rate limiter that never binds once the table is filled. R
 items in memory only: nothing is written to disk, nothing is fsynced.
 Commands: {"op": "push" | "legacy", "shape": "8k"|"40k", "pushes": N, "per": K} inserts N x K
 experiences one item each, with the trajectory writer or the legacy `client.writer` (its fastest
-insert), flushing (waiting for the server's confirmation) after every K;
+insert), flushing (waiting for the server's confirmation) after every K; with "window": W > 0,
+pipelined as expbuf's pusher of window W is: the trajectory writer waits after each push until
+at most W - 1 pushes' items are unconfirmed (`flush(block_until_num_items=...)`), the legacy
+writer keeps at most W pushes' items unconfirmed (`max_in_flight_items`), and each flushes
+(waits for every item) once, at the end;
 {"op": "sample" | "dataset", "shape": ..., "count": N, "batch": B} reads N experiences with
 `client.sample` or a batched `TrajectoryDataset`. Answers {"count": N, "seconds": S}.
 """
@@ -81,25 +85,33 @@ def serve() -> None:
     server.stop()
 
 
-def push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per: int) -> float:
+def push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per: int, window: int = 0) -> float:
+    """The trajectory writer: every item confirmed after each push, or with `window`, at most
+    `window` - 1 pushes' items unconfirmed after each push (its items are sent as they are made)."""
     start = time.perf_counter()
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
         for p in range(pushes):
             for i in range(per):
                 writer.append(steps[(p * per + i) % len(steps)])
                 writer.create_item(shape, 1.0, {name: writer.history[name][-1] for name in SHAPES[shape]})
-            writer.flush()
+            writer.flush(block_until_num_items=max(window - 1, 0) * per)
+        writer.flush()
     return time.perf_counter() - start
 
 
-def legacy_push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per: int) -> float:
+def legacy_push(client: reverb.Client, shape: str, steps: list[dict], pushes: int, per: int, window: int = 0) -> float:
+    """The legacy writer: flushed after each push, or with `window`, at most `window` pushes'
+    items unconfirmed at any time (create_item waits for room) and one flush at the end."""
+    in_flight = {"max_in_flight_items": window * per} if window else {}
     start = time.perf_counter()
-    with client.writer(max_sequence_length=1) as writer:
+    with client.writer(max_sequence_length=1, **in_flight) as writer:
         for p in range(pushes):
             for i in range(per):
                 writer.append(steps[(p * per + i) % len(steps)])
                 writer.create_item(f"{shape}-legacy", num_timesteps=1, priority=1.0)
-            writer.flush()
+            if not window:
+                writer.flush()
+        writer.flush()
     return time.perf_counter() - start
 
 
@@ -132,7 +144,7 @@ def client_loop(target: str) -> None:
         shape = cmd["shape"]
         if cmd["op"] in ("push", "legacy"):
             writer = push if cmd["op"] == "push" else legacy_push
-            seconds = writer(client, shape, steps[shape], cmd["pushes"], cmd["per"])
+            seconds = writer(client, shape, steps[shape], cmd["pushes"], cmd["per"], cmd.get("window", 0))
             count = cmd["pushes"] * cmd["per"]
         elif cmd["op"] == "sample":
             count, seconds = cmd["count"], sample(client, shape, cmd["count"])
