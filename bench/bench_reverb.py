@@ -31,6 +31,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import os
@@ -175,6 +176,22 @@ class ExpbufSide:
         assert got == count // BATCH * BATCH, (got, count)
         return got / (time.perf_counter() - start)
 
+    def frozen(self, table: str, count: int) -> float:
+        """`sample` with the default prefetch after `gc.freeze()`, as the docs advise a trainer
+        (docs/concepts/pushing-and-sampling.md): what this process holds (torch, the bench's pushes) moves out of the
+        collector's reach, so the full collections a decoded batch's objects bring on stay short."""
+        gc.freeze()
+        try:
+            start = time.perf_counter()
+            got = 0
+            for batch in self.client.sample(
+                table, batch_size=BATCH, delivery="consume", max_batches=count // BATCH, timeout=60
+            ):
+                got += len(batch.experiences)
+            return got / (time.perf_counter() - start)
+        finally:
+            gc.unfreeze()
+
     def stop(self) -> None:
         self.client.close()
         self.server.stop()
@@ -273,6 +290,8 @@ def one_round(exp: ExpbufSide, rev: ReverbSide, shape: str, pushes: list, reverb
             table = f"{TABLE[shape]}-w{window}"
             exp.client.create_table(table, estimator="none", group_by="none")
             measure(f"expbuf window {window}", ours, count, functools.partial(exp.pipelined, table, pushes, window))
+            if window == WINDOWS[-1]:  # its experiences drained as the default half is, the heap frozen
+                measure("expbuf frozen", ours, count // BATCH * BATCH, functools.partial(exp.frozen, table, count))
             exp.client.drop_table(table)
 
     def reverb_side() -> None:
@@ -329,7 +348,9 @@ def report(
         "`create_item` wait while W pushes' items are unconfirmed; each `flush()`es once at the end. "
         "Sample: expbuf's client decodes every batch into tensors before it confirms it (there is no "
         "read as bytes any more); with `prefetch=1`, the default, on the stream's own thread, one batch "
-        "ahead of the caller; with `prefetch=0` in the caller's thread, when it asks.",
+        "ahead of the caller; with `prefetch=0` in the caller's thread, when it asks; and once more "
+        "(from the window-8 pushes' table) after `gc.freeze()`, which takes what the process holds out "
+        "of the garbage collector's full passes (docs/concepts/pushing-and-sampling.md).",
         "",
         "| measure | expbuf, median (min-max) | Reverb, median (min-max) | expbuf / Reverb, medians | goal |",
         "| --- | --- | --- | --- | --- |",
@@ -386,6 +407,13 @@ def report(
                 f"sample {kb} KB, batches of 256, decoded tensors, prefetch 1, the default "
                 "(consume / `TrajectoryDataset` tf.data)",
                 "expbuf prefetch 1",
+                "reverb dataset",
+            ),
+            (
+                "frozen",
+                f"sample {kb} KB, batches of 256, decoded tensors, prefetch 1, after `gc.freeze()` "
+                "(consume / `TrajectoryDataset` tf.data)",
+                "expbuf frozen",
                 "reverb dataset",
             ),
         ]
