@@ -262,9 +262,20 @@ class ExpbufServer:
                 log.info("stale ready groups evicted: %d", done["groups_stale_evicted"])
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop accepting, let running RPCs finish within grace, commit, close."""
+        """Stop accepting, end the open streams at their next safe point (draining.py), let the
+        other running RPCs finish within grace, commit, close."""
         self.health.enter_graceful_shutdown()
-        self.grpc.stop(grace).wait()
+        stopped = self.grpc.stop(grace)  # no new RPCs from now on
+        self.service.draining.begin()
+        self.store.wake()  # Sample streams waiting for data see the stop at once
+        stopped.wait()
+        ended = self.service.draining.ended
+        log.info(
+            "streams ended by the stop: %d (%d PushStream, %d Sample), with UNAVAILABLE: their clients send again",
+            ended.total(),
+            ended["PushStream"],
+            ended["Sample"],
+        )
         self._stop.set()
         if self._maintenance.is_alive():
             self._maintenance.join()

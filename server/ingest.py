@@ -234,7 +234,7 @@ class Ingest:
         would reach it. A worker that dies while decoding is replaced by that push."""
         while True:
             with self._free:
-                if self._closed:
+                if self._closing():
                     return
                 idle = {worker.process.sentinel: worker for worker in self._idle}
             for sentinel in multiprocessing.connection.wait(list(idle), timeout=WATCH_SECONDS) if idle else ():
@@ -242,6 +242,8 @@ class Ingest:
                     continue
                 worker = idle[sentinel]
                 with self._free:
+                    if self._closing():
+                        return
                     if worker not in self._idle:  # taken by a push meanwhile: that push finds it dead
                         continue
                     self._idle.remove(worker)
@@ -253,6 +255,11 @@ class Ingest:
                     time.sleep(WATCH_SECONDS)
             if not idle:
                 time.sleep(WATCH_SECONDS)
+
+    def _closing(self) -> bool:
+        """Closed, or the interpreter is exiting (its main thread has ended, and multiprocessing's exit
+        handler terminates every worker): no new worker is started then."""
+        return self._closed or not threading.main_thread().is_alive()
 
     def entries(self, payload: bytes | memoryview) -> list[Entry]:
         if not self.processes or not SMALL <= len(payload) <= LARGE:

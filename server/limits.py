@@ -236,6 +236,10 @@ class TableStreams:
 PROGRESS: Any = object()
 
 
+class Interrupted(Exception):
+    """The call is to end now (the server is stopping), and no message read is left to take."""
+
+
 class IdleMessages:
     """A stream's messages, read by a thread of their own so that the call can end one that
     sends nothing for `seconds` (a PushStream left open holds a worker thread): `seconds`
@@ -245,8 +249,8 @@ class IdleMessages:
     makes each ready with `prepare` as it comes (a push's parse), so that the call works on one
     while the next are read and made ready. Messages, the end of the client's (None) and what
     reading or preparing one raised come out in the order they came; after an end or an error the
-    reader reads no more. Once the call closes it, what it made ready and no one took goes to
-    `discard`."""
+    reader reads no more, and none after `interrupt()`. Once the call closes it, what it made ready
+    and no one took goes to `discard`."""
 
     def __init__(
         self,
@@ -264,6 +268,7 @@ class IdleMessages:
         self._discard = discard
         self._changed = threading.Condition()
         self._closed = False
+        self._interrupted = False
         self._ready: deque[Any] = deque()  # made ready, not yet taken
         self._open = 0  # messages read or being read that the call has not said done with
         self._progress = 0  # PROGRESS seen
@@ -272,8 +277,8 @@ class IdleMessages:
     def _read(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._open < self.ahead or self._closed)
-                if self._closed:
+                self._changed.wait_for(lambda: self._open < self.ahead or self._closed or self._interrupted)
+                if self._closed or self._interrupted:
                     return
                 self._open += 1
             message = self._next()
@@ -311,13 +316,15 @@ class IdleMessages:
             self._discard(message)
 
     def _moved(self, progress: int) -> bool:
-        return bool(self._ready) or self._progress != progress
+        return bool(self._ready) or self._progress != progress or self._interrupted
 
     def next(self) -> Any:
         """The next message; None when the client closed its side; TimeoutError after `seconds` of
-        silence; what reading or preparing it raised."""
+        silence; Interrupted once interrupted with none ready; what reading or preparing it raised."""
         with self._changed:
             while not self._ready:
+                if self._interrupted:
+                    raise Interrupted
                 if not self._changed.wait_for(functools.partial(self._moved, self._progress), self.seconds):
                     raise TimeoutError
             message = self._ready.popleft()
@@ -337,6 +344,12 @@ class IdleMessages:
         """The call is done with `count` messages it took: the reader may read as many more."""
         with self._changed:
             self._open -= count
+            self._changed.notify_all()
+
+    def interrupt(self) -> None:
+        """Read no more messages; next() gives those read already, then raises Interrupted."""
+        with self._changed:
+            self._interrupted = True
             self._changed.notify_all()
 
     def close(self) -> None:

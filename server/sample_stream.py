@@ -11,6 +11,9 @@ lease's clock starts, or its replay is counted (the store's `confirm`); every un
 batch returns to the buffer as if never taken if the stream breaks or stops first. The
 expbuf clients confirm a batch as they hand it to their caller, so a leased batch waiting
 in the client while the caller trains on the one before does not run down its lease.
+
+When the server stops, the stream ends between batches with UNAVAILABLE (draining.py): what the
+client confirmed by then is delivered, and the rest returns to the buffer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
+from .draining import Draining
 from .store import Sampled
 from .store.errors import InvalidRequest, StoreError
 from .store.sample_spec import SampleSpec
@@ -45,6 +49,7 @@ class ClientSide:
         self.broken = False  # cancelled, or the connection went
         self.error: InvalidRequest | None = None
         self.terminated = False  # the call ended (before the server finished: a cancel)
+        self.interrupted = False  # the server is stopping
         self._sent = 0
         self._changed = threading.Condition()
         context.add_callback(self._wake)
@@ -77,6 +82,12 @@ class ClientSide:
         except grpc.RpcError:
             self._wake()
 
+    def interrupt(self) -> None:
+        """The server is stopping: a wait for a confirmation or for data ends now."""
+        with self._changed:
+            self.interrupted = True
+            self._changed.notify_all()
+
     @property
     def done(self) -> bool:
         """Nothing more will be asked for."""
@@ -95,9 +106,9 @@ class ClientSide:
             return self._changed.wait_for(lambda: self.terminated, seconds)
 
     def wait_confirmed(self, count: int) -> bool:
-        """Wait until the client confirms `count` batches; False if it never will."""
+        """Wait until the client confirms `count` batches; False if it never will, or the server is stopping."""
         with self._changed:
-            self._changed.wait_for(lambda: self.received >= count or self.done)
+            self._changed.wait_for(lambda: self.received >= count or self.done or self.interrupted)
             return self.received >= count
 
 
@@ -110,37 +121,46 @@ def stream_batches(
     owner: str,
     timeout: Callable[[], float],
     reply: Callable[[Sampled], bytes],
+    draining: Draining,
     bound: str = "",
 ) -> Iterator[bytes]:
     """The replies of one stream. `timeout()` is how long the next batch may wait for data;
     `bound` says what set it, when the server shortened what the client asked.
 
     Returns None through StopIteration when the stream ends; raises DEADLINE_EXCEEDED
-    (through `context.abort`) when no batch could be made in time.
+    (through `context.abort`) when no batch could be made in time, UNAVAILABLE when the
+    server stops (`draining`).
     """
     client = ClientSide(requests, context)
     window = _Window(store, spec, client, owner)
     try:
-        while True:
-            batch = window.take(timeout(), context)
-            if batch is None:
-                if client.error is not None:
-                    raise client.error
-                if client.stopped or client.broken or not context.is_active() or spec.allow_partial:
-                    return
-                context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s{bound}",
-                )
-            spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
-            window.sending(batch)
-            yield reply(batch)
-            last = batch.partial or window.sent == spec.max_batches
-            # room for one more batch in the window; after the last one, every confirmation
-            if not client.wait_confirmed(window.sent if last else window.sent - spec.window + 1):
-                break
-            if last or client.done:
-                break
+        with draining.watching(client.interrupt):
+            while True:
+                batch = None if client.interrupted else window.take(timeout(), context)
+                if batch is None:
+                    if client.error is not None:
+                        raise client.error
+                    if client.stopped or client.broken or not context.is_active():
+                        return
+                    if client.interrupted:
+                        draining.end("Sample", context)
+                    if spec.allow_partial:
+                        return
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s{bound}",
+                    )
+                spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
+                window.sending(batch)
+                yield reply(batch)
+                last = batch.partial or window.sent == spec.max_batches
+                # room for one more batch in the window; after the last one, every confirmation
+                if not client.wait_confirmed(window.sent if last else window.sent - spec.window + 1):
+                    if client.interrupted and not client.done:
+                        draining.end("Sample", context)
+                    break
+                if last or client.done:
+                    break
         if client.error is not None:
             raise client.error
         window.deliver_confirmed()  # a failure (a full disk) ends the stream with its error
@@ -180,7 +200,8 @@ class _Window:
             seen = client.received
 
             def stop(seen: int = seen) -> bool:
-                return client.stopped or client.broken or not context.is_active() or client.received > seen
+                stopping = client.stopped or client.broken or client.interrupted
+                return stopping or not context.is_active() or client.received > seen
 
             batch = self.store.sample(
                 self.spec,
@@ -191,7 +212,7 @@ class _Window:
                 confirm=self.confirmed,
             )
             self.confirmed = []
-            if batch is not None or client.received == seen or client.stopped or client.broken:
+            if batch is not None or client.received == seen or client.stopped or client.broken or client.interrupted:
                 return batch
             if not context.is_active() or time.monotonic() >= deadline:
                 return None

@@ -24,10 +24,11 @@ from . import __version__, push_stream
 from .backend import Backend
 from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
 from .devices import check_device
+from .draining import Draining
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
-from .limits import TableStreams
+from .limits import Interrupted, TableStreams
 from .metrics import Metrics
 from .moments import RunningMoments
 from .replies import sample_reply
@@ -130,6 +131,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         self.max_wait_seconds = max_wait_seconds
         self.started = time.time()
         self.writers = Writers()
+        self.draining = Draining()
 
     # ---- push --------------------------------------------------------------------
 
@@ -161,12 +163,16 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
         """Pushes as they come, up to push_stream_window of them at once, each answered in order once
         durable (push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
-        with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits)."""
+        with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
+        the server stops, it ends with UNAVAILABLE once it has answered every push it read (draining.py)."""
         messages = push_stream.open_messages(
             request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window
         )
         try:
-            yield from push_stream.replies(self.store, messages, context, self._reply)
+            with self.draining.watching(messages.interrupt):
+                yield from push_stream.replies(self.store, messages, context, self._reply)
+        except Interrupted:
+            self.draining.end("PushStream", context)
         finally:
             messages.close()
 
@@ -204,6 +210,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 owner=self._owner(context),
                 timeout=lambda: remaining(context, spec.wait_seconds),
                 reply=reply,
+                draining=self.draining,
                 bound=bound,
             )
         finally:

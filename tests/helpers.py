@@ -209,7 +209,8 @@ class ServerProcess:
         self.port = 0
         self.metrics_port = -1
         ready, self._warm = threading.Event(), threading.Event()
-        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(ready,), daemon=True)
+        self._reader.start()
         if not ready.wait(start_seconds) or not self.port or (warm and not self._warm.wait(start_seconds)):
             self.proc.kill()
             code = self.proc.wait(10)
@@ -236,8 +237,11 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def stop(self, sig: int) -> int:
+        """Send `sig`; the exit code, once the child's log is read to its end."""
         self.proc.send_signal(sig)
-        return self.proc.wait(30)
+        code = self.proc.wait(30)
+        self._reader.join(30)
+        return code
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -152,6 +154,14 @@ def test_a_closed_pool_decodes_here() -> None:
     assert not worker.process.is_alive()
     data = payload("grpo_group.trxp")
     assert pool._in_worker(data) == entries_of(data) and pool.entries(data) == entries_of(data)
+
+
+def test_a_pool_left_open_at_exit_starts_no_new_process() -> None:
+    """multiprocessing ends the workers of a pool no one closed as the interpreter exits: its watch
+    must not take that for a death and start a process in an interpreter that is exiting."""
+    code = "import logging; logging.basicConfig(); from expbuf.server.ingest import Ingest; pool = Ingest(1)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "starting a new one" not in done.stderr, done.stderr
 
 
 def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.MonkeyPatch) -> None:

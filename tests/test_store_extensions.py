@@ -210,6 +210,7 @@ def test_a_toml_table_names_its_extensions(tmp_path: Path) -> None:
     try:
         assert isinstance(server.store.extensions_of("j")[-1], Journal)
     finally:
+        server.service.ingest.close()  # a server never started: its ingest processes end here
         server.store.close()
 
 

@@ -1,0 +1,199 @@
+"""SIGTERM an `expbuf serve` child while long-lived streams are open: a pusher's PushStream between
+pushes, a Sample stream waiting for data, a Sample stream with a batch sent and not confirmed.
+
+The stop ends each stream at its next safe point with UNAVAILABLE saying that the server is shutting
+down, rather than letting it run out the grace and be cancelled: the clients then do what they do
+when a server goes away. A pusher sends what was unanswered again to the restarted server, which
+stores every experience once; a batch the trainer had not confirmed is back in the buffer after the
+restart, and nothing is delivered twice. The child exits 0 and logs how many streams it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import AsyncBufferClient, BufferClient, PushResult, UnavailableError, trxp
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from faultkit import SampleStream, channel, group, payload, stats, stub
+from helpers import ServerProcess
+
+pytestmark = pytest.mark.faults
+log = logging.getLogger(__name__)
+
+WINDOW = 8
+BEFORE = 5  # pushes answered before the stop, on the stream the pusher then keeps open
+KINDS = ("blocking", "asyncio")
+ENDED = re.compile(r"streams ended by the stop: (\d+)")
+
+
+def push_across_a_stop(
+    kind: str, target: str, stop: Callable[[], None], restarted: threading.Event
+) -> tuple[list[PushResult | BaseException], list[list[str]]]:
+    """From a client of `kind`: BEFORE pushes answered, then `stop` (in a thread) while the pusher's
+    stream is open and idle, and pushes one after another until `restarted`; each push's outcome,
+    and its uids."""
+    sent: list[list[str]] = []
+
+    def body() -> bytes:
+        data, uids = payload("stop", len(sent))
+        sent.append(uids)
+        return data
+
+    stopper = threading.Thread(target=stop)
+    if kind == "blocking":
+        with (
+            BufferClient(target, wait_for_ready=True, timeout=120) as buffer,
+            buffer.pusher("default", window=WINDOW) as pusher,
+        ):
+            pushed = [pusher.push(body()) for _ in range(BEFORE)]
+            pusher.flush()
+            stopper.start()
+            while not restarted.is_set():
+                pushed.append(pusher.push(body()))
+        outcomes = [future.exception() or future.result() for future in pushed]
+    else:
+
+        async def push_all() -> list[PushResult | BaseException]:
+            async with (
+                AsyncBufferClient(target, wait_for_ready=True, timeout=120) as buffer,
+                buffer.pusher("default", window=WINDOW) as pusher,
+            ):
+                pushed = [await pusher.push(body()) for _ in range(BEFORE)]
+                await pusher.flush()
+                stopper.start()
+                while not restarted.is_set():
+                    pushed.append(await pusher.push(body()))
+                    await asyncio.sleep(0)  # the pusher's reads of replies run between pushes
+            return await asyncio.gather(*pushed, return_exceptions=True)
+
+        outcomes = asyncio.run(push_all())
+    stopper.join()
+    return outcomes, sent
+
+
+def stopped(server: ServerProcess) -> int:
+    """SIGTERM the child; its exit code, once its log is complete. The stop's time is logged, never asserted."""
+    began = time.monotonic()
+    code = server.stop(signal.SIGTERM)
+    log.info("the child stopped %.2f s after SIGTERM", time.monotonic() - began)
+    return code
+
+
+def ended_by_the_stop(server: ServerProcess) -> list[int]:
+    """The counts of the stop's log line of streams it ended."""
+    return [int(match.group(1)) for line in server.log if (match := ENDED.search(line))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pusher_sends_again_what_a_stop_left_and_the_restarted_server_stores_it_once(
+    tmp_path: Path, serve: Callable[..., ServerProcess], kind: str
+) -> None:
+    data = str(tmp_path / "data")
+    server = serve(data)
+    port = server.port
+    restarted = threading.Event()
+    codes: list[int] = []
+
+    def stop_and_restart() -> None:
+        codes.append(stopped(server))
+        serve(data, "--port", str(port))
+        restarted.set()
+
+    outcomes, sent = push_across_a_stop(kind, server.target, stop_and_restart, restarted)
+    for outcome, uids in zip(outcomes, sent, strict=True):
+        assert isinstance(outcome, PushResult), outcome
+        assert sorted(outcome.stored + outcome.duplicates) == sorted(uids)
+    assert codes == [0], "".join(server.log)
+    assert ended_by_the_stop(server) == [1], "".join(server.log)  # the pusher's stream
+    every = [uid for uids in sent for uid in uids]
+    with BufferClient(server.target) as client:
+        assert client.get(every).missing_uids == []
+        assert client.stats("default")["default"].pushed == len(every), "an experience was stored twice"
+
+
+def test_waiting_streams_end_unavailable_at_a_stop_and_the_server_says_how_many(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """A raw Sample stream and a client's sample() iterator, each waiting for data on a table it
+    emptied, and a raw PushStream between pushes."""
+    server = serve(str(tmp_path / "data"))
+    with (
+        channel(server.target) as chan,
+        BufferClient(server.target, timeout=60) as client,
+        futures.ThreadPoolExecutor(1) as pool,
+    ):
+        buffer = stub(chan)
+        for table in ("raw", "client", "pushed"):
+            buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name=table)), timeout=10)
+        for table in ("raw", "client"):  # one group each: a stream takes it, then waits for another
+            buffer.Push(pb.PushRequest(table=table, payload=trxp.build(group(table, 0, 1))), timeout=30)
+        request = pb.SampleRequest(table="raw", num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=60)
+        raw = SampleStream(buffer, request)
+        raw.next()  # the stream is open at the server, and waits for data
+        batches = client.sample("client", num_groups=1, timeout=60)
+        next(batches)
+        waiting = pool.submit(next, batches)
+        pushes: queue.SimpleQueue[pb.PushRequest | None] = queue.SimpleQueue()
+        pushes.put(pb.PushRequest(table="pushed", payload=trxp.build(group("p", 0, 1)), seq=1))
+        push_stream = buffer.PushStream(iter(pushes.get, None), timeout=60)
+        assert next(push_stream).seq == 1  # answered: the stream is open, and idle
+        assert stopped(server) == 0, "".join(server.log)
+        for call in (raw.call, push_stream):
+            with pytest.raises(grpc.RpcError) as ended:
+                next(call)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+            assert "shutting down" in ended.value.details()
+        pushes.put(None)
+        with pytest.raises(UnavailableError, match="shutting down") as error:
+            waiting.result(timeout=60)
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert ended_by_the_stop(server) == [3], "".join(server.log)
+
+
+def test_a_consumed_batch_not_confirmed_at_a_stop_is_back_after_the_restart_and_delivered_once(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    data = str(tmp_path / "data")
+    server = serve(data)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        buffer.Push(pb.PushRequest(payload=trxp.build(group("c", 0, 1) + group("c", 1, 1))), timeout=30)
+        request = pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=60, window=2)
+        stream = SampleStream(buffer, request)
+        confirmed = list(stream.next().uids)
+        unconfirmed = list(next(stream.call).uids)  # sent, never confirmed
+        deadline = time.monotonic() + 30
+        while stats(buffer).consumed < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server delivers the confirmed batch while it waits for a third
+        assert stats(buffer).consumed == 1
+        assert stopped(server) == 0, "".join(server.log)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream.call)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "shutting down" in ended.value.details()
+        stream.cancel()
+    assert ended_by_the_stop(server) == [1], "".join(server.log)
+    server = serve(data)
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        s = stats(buffer)
+        assert (s.consumed, s.leased, s.ready) == (1, 0, 1), s
+        again = SampleStream(buffer, pb.SampleRequest(num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=1))
+        assert list(again.next().uids) == unconfirmed
+        with pytest.raises(grpc.RpcError) as waited:
+            again.next()
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, "the confirmed batch was delivered again"
+        assert not set(confirmed) & set(unconfirmed)
