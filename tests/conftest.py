@@ -62,6 +62,20 @@ MANIFEST = json.loads((TRXP_DIR / "manifest.json").read_text())
 BAD_README = json.loads((BAD_DIR / "README.json").read_text())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep each module's tests on one pytest-xdist worker (`make test` runs `-n 2 --dist
+    loadgroup`): a module's shared servers start once and its tests run in their order. Tests
+    that share something outside their process go together whatever their module: those on the
+    local Ray cluster (one cluster, not one per worker) and those marked
+    `pytest.mark.xdist_group(NAME)` (Trinity's plugin loader copies into its installed package)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = "ray" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def payload(name: str) -> bytes:
     return (TRXP_DIR / name).read_bytes()
 
