@@ -53,7 +53,7 @@ PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py
 # Trinity plugin's on one too (tests/conftest.py groups them). PYTEST_WORKERS=0 runs the suite in
 # this process, PYTEST_WORKERS=auto on as many workers as the machine has cores.
 PYTEST_WORKERS ?= 2
-PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
 	sys.exit(not compiled('expbuf.client.trxp.parse'))
 

@@ -51,9 +51,6 @@ from conftest import Servers  # noqa: E402
 from pages import code_blocks, page  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 
-# Trinity's plugin loader copies the plugin into its installed package: one xdist worker runs these.
-pytestmark = pytest.mark.xdist_group("trinity")
-
 TABLE = "jobs"
 
 

@@ -39,9 +39,6 @@ from expbuf.server.config import TlsConfig  # noqa: E402
 
 from conftest import Servers  # noqa: E402
 
-# Trinity's plugin loader copies the plugin into its installed package: one xdist worker runs these.
-pytestmark = pytest.mark.xdist_group("trinity")
-
 TABLE = "grpo4"
 
 

@@ -50,9 +50,6 @@ from pages import code_blocks, page  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
 from trinity_explorer_child import WORKFLOW, explore  # noqa: E402
 
-# Trinity's plugin loader copies the plugin into its installed package: one xdist worker runs these.
-pytestmark = pytest.mark.xdist_group("trinity")
-
 TABLE, DATASET, SIZE, EPOCHS = "grpo8", "math", 6, 2
 PAGE = "frameworks/trinity.md"  # the docs page of Trinity-RFT, whose taskset job this runs
 PAGE_ADDRESS, PAGE_SOURCE = "10.0.0.5:50051", "/data/math"

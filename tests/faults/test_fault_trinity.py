@@ -36,8 +36,7 @@ from expbuf.client.trinity import plugin_dir  # noqa: E402
 
 from test_trinity_plugin import plugin, until  # noqa: E402, F401 - loads the plugin as Trinity does
 
-# Trinity's plugin loader copies the plugin into its installed package: one xdist worker runs these.
-pytestmark = [pytest.mark.faults, pytest.mark.xdist_group("trinity")]
+pytestmark = pytest.mark.faults
 
 EXPLORERS = 2
 GROUPS = 12  # per explorer
