@@ -76,6 +76,7 @@ SHARED_MODULES = {
 SHARING = {module: name for name, modules in SHARED_MODULES.items() for module in modules}
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """With `--dist loadfile` (`make test` runs `-n 2 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
