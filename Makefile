@@ -49,6 +49,11 @@ NATIVE_STAMP := $(VENV)/.expbuf-native
 PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py tests/test_trxp*.py \
 	tests/test_decode_hardening.py tests/test_hardening.py \
 	tests/test_store*.py tests/test_datadir*.py tests/test_native.py
+# pytest's workers (pytest-xdist): each module's tests run on one worker, the Ray tests and the
+# Trinity plugin's on one too (tests/conftest.py groups them). PYTEST_WORKERS=0 runs the suite in
+# this process, PYTEST_WORKERS=auto on as many workers as the machine has cores.
+PYTEST_WORKERS ?= 2
+PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
 	sys.exit(not compiled('expbuf.client.trxp.parse'))
 
@@ -83,8 +88,8 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
 	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PY) -m pytest $(PYTEST_ARGS) $(PURE_TESTS); fi)
+	$(PYTEST_RUN) $(PYTEST_ARGS)
+	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PYTEST_RUN) $(PYTEST_ARGS) $(PURE_TESTS); fi)
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/trxp/_native

@@ -62,6 +62,37 @@ MANIFEST = json.loads((TRXP_DIR / "manifest.json").read_text())
 BAD_README = json.loads((BAD_DIR / "README.json").read_text())
 
 
+# The modules whose tests share something outside their process, by what they share: one
+# pytest-xdist worker runs each set (pytest_xdist_make_scheduler).
+SHARED_MODULES = {
+    "ray": ("tests/test_ray.py", "tests/test_verl_buffer.py"),  # the local Ray cluster: one, not one per worker
+    "trinity": (  # Trinity's plugin loader copies the plugin into its installed package
+        "tests/test_trinity_plugin.py",
+        "tests/test_trinity_jobs.py",
+        "tests/test_trinity_taskset.py",
+        "tests/faults/test_fault_trinity.py",
+    ),
+}
+SHARING = {module: name for name, modules in SHARED_MODULES.items() for module in modules}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """With `--dist loadfile` (`make test` runs `-n 2 --dist loadfile`), each module's tests run on
+    one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
+    set run on one worker too."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByModule(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SHARING.get(module, module)
+
+    return ByModule(config, log)
+
+
 def payload(name: str) -> bytes:
     return (TRXP_DIR / name).read_bytes()
 

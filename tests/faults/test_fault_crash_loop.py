@@ -269,6 +269,10 @@ def test_crash_loop_under_mixed_load(tmp_path: Path, serve: Callable[..., Server
         server = serve(str(data))
 
         def kill(server: ServerProcess = server) -> None:
+            # On a busy machine the load may not have had a push answered yet: the kill waits for one.
+            deadline = time.monotonic() + 60
+            while not ledger.acked and time.monotonic() < deadline:
+                time.sleep(0.05)
             server.proc.send_signal(signal.SIGKILL)
             server.proc.wait(30)
 
