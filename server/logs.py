@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+from typing import Any
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
@@ -30,7 +32,19 @@ class JsonFormatter(logging.Formatter):
 
 
 class _StderrHandler(logging.StreamHandler):
-    """The handler `configure` installs, told apart from handlers the host process installed."""
+    """The handler `configure` installs, told apart from handlers the host process installed.
+
+    It writes to sys.stderr as it is when a line comes (as logging's last resort does), not as it
+    was when configured: a host that swaps sys.stderr (a test runner's capture, closed after its
+    test) would otherwise see expbuf's threads fail to write to the closed one."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        """StreamHandler's constructor sets it; sys.stderr of the moment is used instead."""
 
 
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import fnmatch
 import importlib.metadata
 import importlib.resources
+import io
 import json
 import logging
 import logging.handlers
@@ -829,6 +830,27 @@ def test_log_configuration_keeps_the_host_process_handlers() -> None:
         logging.getLogger("expbuf.server.test").warning("routed")
         assert host in root.handlers and [r.getMessage() for r in host.buffer] == ["routed"]
     finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment() -> None:
+    """The handler writes to sys.stderr as it is when a line comes, not as it was when configured:
+    a process that swaps it (a test runner's capture, closed after its test) never finds expbuf's
+    threads writing to a closed stream ("--- Logging error ---")."""
+    root = logging.getLogger()
+    saved_handlers, saved_level, saved_stderr = list(root.handlers), root.level, sys.stderr
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        sys.stderr = first
+        logs.configure("text")
+        first.close()  # the stream of the moment of the configure is gone
+        sys.stderr = second
+        logging.getLogger("expbuf.server.test").warning("after the swap")
+        written = second.getvalue()
+        assert "Logging error" not in written and written.endswith("after the swap\n"), written
+    finally:
+        sys.stderr = saved_stderr
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
 
