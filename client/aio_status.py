@@ -11,7 +11,8 @@ refused push that its refusal names; the blocking client reads the stream's own 
 
 The asyncio client therefore reads how its streams ended here, never from the exception a read
 or a write raised: the call's first status, taken as it is set (its done callbacks run then),
-unless that one is the failed write's; then the status that replaces it. Only grpc.aio gives
+unless that one is the failed write's; then the status that replaces it, or UNAVAILABLE if none
+does within REPLACED_WITHIN (the stream ended under a write and grpc.aio kept no status of its own). Only grpc.aio gives
 INTERNAL with those details; a server's own INTERNAL is the stream's status like any other.
 """
 
@@ -33,6 +34,14 @@ WRITE_FAILED: Status = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 # once, so it is there within a turn or two of the event loop; this bounds the wait for a call
 # whose INTERNAL nothing replaces.
 REPLACED_WITHIN = 1.0
+# What a stream ended with when grpc.aio kept no status but the failed write's: it ended while the
+# client wrote to it, which a server's refusal or its going away both do. UNAVAILABLE, so the
+# pusher sends its unanswered pushes again on a new stream: safe, a push stores nothing twice,
+# and a refusal answers the push again there, this time with its own status.
+NO_STATUS: Status = (
+    grpc.StatusCode.UNAVAILABLE,
+    "the stream ended while the client was writing to it and grpc.aio kept no status for it (grpc/grpc#36066)",
+)
 LOOK_EVERY = 0.005
 
 
@@ -74,6 +83,8 @@ class StreamStatus:
         while held == WRITE_FAILED and loop.time() < until:
             await asyncio.sleep(LOOK_EVERY)
             held = await self._held()
+        if held == WRITE_FAILED:  # nothing replaced it: the stream ended under a write, its status lost
+            return NO_STATUS
         return held
 
     async def error(self) -> grpc.aio.AioRpcError | None:
