@@ -158,14 +158,14 @@ class ExpbufSide:
         assert stored == sum(map(len, pushes)), (stored, window)
         return stored / seconds
 
-    def sample(self, shape: str, count: int, *, prefetch: int) -> float:
-        """Consume `count` experiences in batches, each experience's tensors read (what a trainer
-        reads, and what Reverb's TrajectoryDataset hands over); the client decodes every batch,
-        `prefetch` of them ahead of this loop on the stream's own thread."""
+    def sample(self, table: str, count: int, *, prefetch: int = 1) -> float:
+        """Consume `count` experiences of `table` in batches, each experience's tensors read (what a
+        trainer reads, and what Reverb's TrajectoryDataset hands over); the client decodes every
+        batch, `prefetch` of them ahead of this loop on the stream's own thread."""
         start = time.perf_counter()
         got = 0
         for batch in self.client.sample(
-            TABLE[shape],
+            table,
             batch_size=BATCH,
             delivery="consume",
             max_batches=count // BATCH,
@@ -178,17 +178,12 @@ class ExpbufSide:
 
     def frozen(self, table: str, count: int) -> float:
         """`sample` with the default prefetch after `gc.freeze()`, as the docs advise a trainer
-        (docs/concepts/pushing-and-sampling.md): what this process holds (torch, the bench's pushes) moves out of the
-        collector's reach, so the full collections a decoded batch's objects bring on stay short."""
+        (docs/concepts/pushing-and-sampling.md): what this process holds (torch, the bench's
+        pushes) moves out of the collector's reach, so the full collections a decoded batch's
+        objects bring on stay short."""
         gc.freeze()
         try:
-            start = time.perf_counter()
-            got = 0
-            for batch in self.client.sample(
-                table, batch_size=BATCH, delivery="consume", max_batches=count // BATCH, timeout=60
-            ):
-                got += len(batch.experiences)
-            return got / (time.perf_counter() - start)
+            return self.sample(table, count)
         finally:
             gc.unfreeze()
 
@@ -284,7 +279,7 @@ def one_round(exp: ExpbufSide, rev: ReverbSide, shape: str, pushes: list, reverb
                 f"expbuf prefetch {prefetch}",
                 ours,
                 halves[prefetch] // BATCH * BATCH,
-                functools.partial(exp.sample, shape, halves[prefetch], prefetch=prefetch),
+                functools.partial(exp.sample, TABLE[shape], halves[prefetch], prefetch=prefetch),
             )
         for window in WINDOWS:  # each into a table of its own, dropped after it (untimed)
             table = f"{TABLE[shape]}-w{window}"
