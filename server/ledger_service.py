@@ -35,7 +35,7 @@ def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
 
 
 def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
-    """A dataset, its cursor and its counts by epoch, as DatasetInfo."""
+    """A dataset, its cursor, its counts by epoch started and over every epoch, as DatasetInfo."""
     config = pb.DatasetConfig(
         name=ds.name,
         size=ds.size,
@@ -59,6 +59,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
         owned=ds.owned_total,
+        totals=pb.EpochCounts(**ds.overall()),
     )
 
 

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from expbuf.client import (
@@ -21,6 +22,8 @@ from expbuf.client import (
     PermissionDeniedError,
     Prompt,
 )
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
@@ -52,7 +55,7 @@ def client(server: ExpbufServer) -> Iterator[BufferClient]:
 def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     info = client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4)
     assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 6, False)
-    assert [c.pending for c in info.counts] == [3, 3]
+    assert ([c.pending for c in info.counts], info.total("pending")) == ([3], 6)  # epoch 1 has not started
     assert (
         client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4, exist_ok=True).created == info.created
     )
@@ -75,7 +78,7 @@ def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     assert batch.groups == [first.group]
     batch.ack()
     ledger = client.ledger("t", "math")
-    assert (ledger.total("trained"), ledger.counts[0].pending, ledger.counts[1].pending) == (1, 1, 3)
+    assert (ledger.total("trained"), ledger.counts[0].pending, ledger.total("pending")) == (1, 1, 4)
     page = client.list_prompts("t", "math")
     assert [(p.index, p.state, p.owner) for p in page.prompts] == sorted(
         [(first.index, "trained", "worker-7"), (claim.prompts[1].index, "claimed", "worker-7")]
@@ -174,3 +177,21 @@ def test_paging_by_state_moves_past_pages_that_keep_no_prompt(client: BufferClie
             break
         after = page.after
     assert (found, pages) == ([(3, 1), (4, 1)], 3)
+
+
+def test_a_dataset_of_many_epochs_costs_its_reader_only_the_epochs_started(
+    client: BufferClient, server: ExpbufServer
+) -> None:
+    """ListDatasets of a dataset of 2**20 epochs (the most allowed) carries the epochs started
+    and the totals over all of them, not a row per epoch: a trainer reads it every step."""
+    client.create_dataset("t", "long", 10, epochs=2**20)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = pb_grpc.ExperienceBufferStub(channel).ListDatasets(pb.ListDatasetsRequest(table="t", name="long"))
+    assert reply.ByteSize() < 256
+    info = client.ledger("t", "long")
+    assert (len(info.counts), info.counts[0].pending, info.total("pending"), info.done) == (1, 10, 10 * 2**20, False)
+    claim = client.claim("t", "long", 11)
+    info = client.ledger("t", "long")
+    assert [(c.pending, c.claimed) for c in info.counts] == [(0, 10), (9, 1)]
+    assert (info.total("claimed"), info.total("pending")) == (11, 10 * 2**20 - 11)
+    assert len(claim.prompts) == 11

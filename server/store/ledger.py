@@ -162,13 +162,13 @@ class Ledger(TableExtension):
                 return found, False
             detail = f" with other settings: {'; '.join(differ)}" if differ else ""
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
-        ds.created = tt.now
-        ds.owned = ds.owned or count_owned(ds)  # a shard's part is counted before the write (claims.py)
-        ds.owned_total, ds.totals, ds.counts = sum(ds.owned), {}, [{} for _ in range(ds.epochs)]
-        self._save(tt, ds)
+        ds.created, ds.totals = tt.now, {}
         if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
+            ds.owned = ds.owned or count_owned(ds)  # counted before the write (claims.py)
             for epoch, owned in enumerate(ds.owned):
                 tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
+        ds.owned_total = sum(ds.owned) if ds.shards else ds.size * ds.epochs  # nothing written per epoch
+        self._save(tt, ds)
         self._holds[tt.table_id] = True
         return ds, True
 
