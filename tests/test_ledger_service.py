@@ -5,6 +5,8 @@ they name, and a prompt's life from claim to trained through pushes and samples.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 from collections.abc import Iterator
 
@@ -195,3 +197,59 @@ def test_a_dataset_of_many_epochs_costs_its_reader_only_the_epochs_started(
     assert [(c.pending, c.claimed) for c in info.counts] == [(0, 10), (9, 1)]
     assert (info.total("claimed"), info.total("pending")) == (11, 10 * 2**20 - 11)
     assert len(claim.prompts) == 11
+
+
+def test_a_claims_owner_is_bounded_and_a_longer_one_stores_nothing(client: BufferClient) -> None:
+    """The owner is stored in every claimed prompt's record and repeated in replies: one longer
+    than its bound is refused by name before anything is claimed."""
+    client.create_dataset("t", "math", 4)
+    with pytest.raises(InvalidArgumentError, match=r"owner is 257 bytes; .* at most 256 bytes"):
+        client.claim("t", "math", 4, owner="é" * 128 + "x")
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.cursor_position, client.list_prompts("t", "math").prompts) == (0, 0, [])
+    (prompt,) = client.claim("t", "math", owner="é" * 128).prompts  # 256 bytes of UTF-8
+    assert prompt.owner == "é" * 128
+    assert [p.owner for p in client.list_prompts("t", "math").prompts] == ["é" * 128]
+
+
+def test_a_claim_whose_reply_could_not_be_sent_is_refused_before_it_claims(start_server: Servers) -> None:
+    """A claim's reply, counted with its owner and dataset name at their bounds and every number
+    of its prompts at its largest, fits the server's largest message: a claim of more prompts is
+    refused, naming count and the most its reply holds, and claims nothing."""
+    server = start_server(max_message_bytes=1 << 16)
+    owner, name = "o" * 256, "d" * 64
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=2)
+        client.create_dataset("t", name, 2**40, epochs=2**20, seed=-1, max_attempts=1000)
+        with pytest.raises(InvalidArgumentError, match=r"count is 65536; .* holds at most (\d+) prompts") as refused:
+            client.claim("t", name, 65536, owner=owner)
+        most = int(re.search(r"holds at most (\d+) prompts", str(refused.value)).group(1))
+        assert 0 < most < 65536
+        assert client.ledger("t", name).total("claimed") == 0
+        with pytest.raises(InvalidArgumentError, match=rf"count is {most + 1}; "):
+            client.claim("t", name, most + 1, owner=owner)
+        claim = client.claim("t", name, most, owner=owner)
+        assert len(claim.prompts) == most and {p.owner for p in claim.prompts} == {owner}
+        assert client.ledger("t", name).total("claimed") == most
+
+
+def test_a_claims_wait_is_a_number_of_seconds(client: BufferClient, server: ExpbufServer) -> None:
+    """wait_seconds NaN was taken as no wait: it, the infinities and a negative wait are refused
+    by name, and claim nothing."""
+    client.create_dataset("t", "math", 2)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for wait in (math.nan, math.inf, -math.inf, -1.0):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Claim(pb.ClaimRequest(table="t", dataset="math", count=1, lease_seconds=60, wait_seconds=wait))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, wait
+            assert "wait_seconds" in refused.value.details(), wait
+    assert client.ledger("t", "math").total("claimed") == 0
+
+
+def test_a_seed_takes_the_whole_int64_range(client: BufferClient) -> None:
+    for seed in (-(2**63), 2**63 - 1):
+        info = client.create_dataset("t", f"s{seed & 1}", 5, seed=seed)
+        assert info.seed == seed
+        claim = client.claim("t", info.name, 5)
+        assert sorted(p.index for p in claim.prompts) == list(range(5))

@@ -98,8 +98,13 @@ def check(ds: DatasetRecord, group_by: str) -> None:
     ):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ConfigError(f"{where}: {setting} is {clip(value)}; it must be an integer in {low}..{high}")
-    if ds.seed is not None and (not isinstance(ds.seed, int) or isinstance(ds.seed, bool) or abs(ds.seed) >= 2**63):
-        raise ConfigError(f"{where}: seed is {clip(ds.seed)}; it must be a 64-bit integer, or unset for index order")
+    if ds.seed is not None and (
+        not isinstance(ds.seed, int) or isinstance(ds.seed, bool) or not -(2**63) <= ds.seed < 2**63
+    ):  # the whole range of the wire's int64
+        bounds = f"{-(2**63)}..{2**63 - 1}"
+        raise ConfigError(
+            f"{where}: seed is {clip(ds.seed)}; it must be an integer in {bounds}, or unset for index order"
+        )
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
     if ds.shards or ds.shard:
