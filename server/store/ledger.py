@@ -56,6 +56,7 @@ from .ledger_records import (
     read_dataset,
     read_expiry_key,
     read_group_entry,
+    read_group_key,
     unplace,
 )
 from .ledger_shards import count_owned, owns
@@ -340,20 +341,35 @@ class Ledger(TableExtension):
     # ---- the table's events ------------------------------------------------------------------
 
     def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
-        """Refuse a push into the group of an attempt whose claim ended."""
+        """Only the claimant of a prompt's attempt pushes its group (with tokens on, the token
+        that claimed it: `tt.holder`). Refuse a push into the group of an attempt whose claim
+        ended, of one not handed out (a prompt's group keys are predictable: a push into one
+        would block the claimant to come), or of one claimed with another token."""
         if not self.holds(tt):
             return
         for gkey in gkeys:
             found = self._entry(tt, gkey)
             if found is None:
+                named = read_group_key(gkey)
+                if named is not None and tt.txn.get(dataset_key(tt.table_id, named[0]), db=tt.db["ledger"]):
+                    name, epoch, index, attempt = named
+                    raise StaleAttempt(
+                        f"group {gkey} is attempt {attempt} of prompt {name}/{epoch}/{index}, which no claim holds"
+                        " (not handed out): nothing of this push is stored; push the groups of the prompts you claim"
+                    )
                 continue
             (name, epoch, index, attempt), rec = found
+            prompt = f"prompt {name}/{epoch}/{index}"
             if rec.attempt != attempt or rec.state != CLAIMED:
-                prompt = f"prompt {name}/{epoch}/{index}"
                 held = f"attempt {rec.attempt} is {rec.state}" if rec.state in (PENDING, CLAIMED) else rec.state
                 raise StaleAttempt(
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
                     "nothing of this push is stored; claim a prompt again"
+                )
+            if rec.holder != tt.holder:
+                raise Forbidden(
+                    f"group {clip(gkey)} is attempt {attempt} of {prompt}, claimed with another token: "
+                    "nothing of this push is stored"
                 )
 
     def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:

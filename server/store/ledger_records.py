@@ -58,6 +58,18 @@ def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
     return f"{batch}/{task}"
 
 
+_GROUP_KEY = re.compile(
+    r"([A-Za-z][A-Za-z0-9_.\-]{0,63})/(0|[1-9][0-9]{0,19})/(0|[1-9][0-9]{0,19})@(0|[1-9][0-9]{0,9})"
+)
+
+
+def read_group_key(gkey: str) -> tuple[str, int, int, int] | None:
+    """(dataset, epoch, index, attempt) of a group key as `group_key` makes them; None for any
+    other key."""
+    found = _GROUP_KEY.fullmatch(gkey)
+    return None if found is None else (found[1], int(found[2]), int(found[3]), int(found[4]))
+
+
 @dataclass
 class DatasetRecord:
     """A dataset of prompts on a table, its cursor and its totals.
