@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import lmdb
 import pytest
 
 from expbuf.client import (
@@ -30,6 +31,9 @@ from expbuf.client.sharded import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
+from expbuf.server.store import Store
+from expbuf.server.store.ledger_records import DatasetRecord, PromptRecord, prompt_key
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import Servers
 from helpers import make_experience
@@ -342,3 +346,32 @@ def test_on_shards_only_the_claims_token_pushes_its_prompts_group(start_server: 
         for prompt in held:
             assert len(a.push(group(prompt, range(2)), table="t").stored) == 2
         assert a.ledger("t", "math").total("generated") == 8
+
+
+def test_a_page_of_prompts_holds_what_one_reply_carries(start_server: Servers, tmp_path: Path) -> None:
+    """ListPrompts reads no more prompts than one reply carries with their owners at the bound,
+    and shows an owner stored before the bound cut to it: paging goes on to the last prompt."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig.of(name="t", group_size=2))
+        store.claims.create("t", DatasetRecord("math", size=600))
+        store.claims.claim("t", "math", 600, seconds=600, owner="o" * 256)
+        table_id, _ = store.catalog.lookup("t")
+        key = prompt_key(table_id, "math", 0, 0)
+
+        def longer(txn: lmdb.Transaction[bytes]) -> None:  # an owner written before owners were bounded
+            rec = PromptRecord.decode(txn.get(key, db=store.catalog.db["ledger"]))
+            rec.owner = "é" * (1 << 17)
+            txn.put(key, rec.encode(), db=store.catalog.db["ledger"])
+
+        store.environment.submit(longer)
+    server = start_server(data=data, max_message_bytes=1 << 16)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        first = client.list_prompts("t", "math", limit=10000)
+        assert 0 < len(first.prompts) < 600 and not first.done
+        assert first.prompts[0].owner == "é" * 128  # 256 bytes
+        seen, page = [p.index for p in first.prompts], first
+        while not page.done:
+            page = client.list_prompts("t", "math", after=page.after, limit=10000)
+            seen += [p.index for p in page.prompts]
+        assert seen == list(range(600))
