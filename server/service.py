@@ -141,7 +141,8 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         entries = self.ingest.entries(request.payload)
         if isinstance(request, PushMessage):
             request.drop_payload()
-        return self._reply(request.seq, table, self.store.put_entries(table, entries, timeout=remaining(context)))
+        result = self.store.put_entries(table, entries, timeout=remaining(context), holder=self._owner(context))
+        return self._reply(request.seq, table, result)
 
     def _reply(self, seq: int, table: str, result: PutResult) -> pb.PushReply:
         """A stored push's reply (its groups dropped as they completed are logged)."""
@@ -166,7 +167,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
         the server stops, it ends with UNAVAILABLE once it has answered every push it read (draining.py)."""
         messages = push_stream.open_messages(
-            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window
+            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window, self._owner(context)
         )
         try:
             with self.draining.watching(messages.interrupt):

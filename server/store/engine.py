@@ -223,9 +223,11 @@ class Store:
         """Store validated items durably. A full table in block mode waits until timeout."""
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
-    def put_entries(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None) -> PutResult:
-        """Store validated entries durably (Pushing.put)."""
-        return self.pushing.put(table, entries, timeout=timeout)
+    def put_entries(
+        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, holder: str = ""
+    ) -> PutResult:
+        """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
+        return self.pushing.put(table, entries, timeout=timeout, holder=holder)
 
     def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]:
         """Store pushes durably, in order, sharing the writer's commits; each one's result once
