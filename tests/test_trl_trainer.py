@@ -45,6 +45,18 @@ class RecordingTrainer(AsyncGRPOTrainer):
         return loss
 
 
+def recording_trainer(
+    model: str, args: AsyncGRPOConfig, worker: ExpbufRolloutWorker, *callbacks: TrainerCallback
+) -> RecordingTrainer:
+    """TRL's trainer taking its rollouts from `worker` (made and trained under `on_cpu()`)."""
+    trainer = RecordingTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}), rollout_worker=worker,
+        weight_transfer=NoWeightSync(), callbacks=[worker.callback, *callbacks],
+    )  # fmt: skip
+    trainer.trained = []
+    return trainer
+
+
 class AckedOnlyWhenTrained(TrainerCallback):
     """After the worker's callback at each step's end: what the table consumed was trained (by
     this trainer, or `before` it)."""
@@ -113,11 +125,7 @@ def train(
         disable_tqdm=True, **settings,
     )  # fmt: skip
     with on_cpu():
-        trainer = RecordingTrainer(
-            model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
-            rollout_worker=worker, weight_transfer=NoWeightSync(), callbacks=[worker.callback],
-        )  # fmt: skip
-        trainer.trained = []
+        trainer = recording_trainer(model, args, worker)
         check = AckedOnlyWhenTrained(trainer, worker, uids, trained)
         trainer.add_callback(check)
         trainer.train(resume_from_checkpoint=str(output / f"checkpoint-{steps}") if resume else None)
@@ -197,12 +205,7 @@ def test_what_trls_queue_drops_as_stale_in_the_last_fetch_is_acked_at_the_end(
         token_budget=0, max_staleness=0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
     with on_cpu():
-        trainer = RecordingTrainer(
-            model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
-            rollout_worker=worker, weight_transfer=NoWeightSync(), callbacks=[worker.callback],
-        )  # fmt: skip
-        trainer.trained = []
-        trainer.add_callback(QueueFullAfterStepOne(worker))
+        trainer = recording_trainer(model, args, worker, QueueFullAfterStepOne(worker))
         trainer.train()
     trained = {mark for marks in trainer.trained for mark in marks}
     assert trained == {*range(0, 3 * GROUP), *range(5 * GROUP, 6 * GROUP)}
