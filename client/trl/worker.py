@@ -10,11 +10,11 @@ them), and TRL's queue still drops those that grew stale while queued.
 
 Acks. A batch is acked by the TRL callback `worker.callback` at the end of a step, once every
 sample of it was trained (leases.py says when; the next `get` comes before that, since TRL
-fetches ahead), and at the end of training if its last step trained it, and renewed while it
-waits; a batch is handed to the trainer only once the
-server has stored its delivery. So a trainer that crashes gets its untrained samples again
-when their leases end, and a server killed and restarted keeps every lease it had: nothing
-acked is lost, and no sample goes to the trainer twice.
+fetches ahead), or at the end of training if its last step trained it, and renewed while it
+waits; a batch is handed to the trainer only once the server has stored its delivery. So a
+trainer that crashes gets its untrained samples again when their leases end, and a server
+killed and restarted keeps every lease it had: nothing acked is lost, and no sample goes to
+the trainer twice.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import TrainerCallback
@@ -61,12 +62,14 @@ class TrainerPlanner:
         self.reads_ahead = self.token_budget > 0  # the token budget's ends a micro-batch on a sample that does not fit
 
     def planned(self, samples: list[RolloutSample], count: int) -> int | None:
+        """leases.Planner's: the samples as TRL's queue dataset yields them, through its planner."""
         items = [
             {"input_ids": s.input_ids, "completion_mask": s.completion_mask, "group_id": s.group_id, "at": at}
             for at, s in enumerate(samples)
         ]
+        planner: Iterable[list[Any]]
         if self.reads_ahead:
-            planner: Any = TokenBudgetBatcher(items, self.processes, self.token_budget, defaultdict(list))
+            planner = TokenBudgetBatcher(items, self.processes, self.token_budget, defaultdict(list))
         else:
             planner = FixedCountBatcher(items, self.processes, self.samples)
         made = list(itertools.islice(planner, count))
