@@ -90,7 +90,7 @@ class ExpbufSampler(Sampler):
         with self._lock:
             batch = self._next
             self._next = None
-            if batch is not None and (storage, batch_size) != (self._source, self._batch_size):
+            if batch is not None and (storage is not self._source or batch_size != self._batch_size):
                 self._put_back(batch)  # drawn for another storage or size than this sample asks
                 batch = None
             if batch is None:
