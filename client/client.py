@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Generator, Iterable
 from typing import Any, TypeVar, Unpack
 
@@ -157,6 +158,7 @@ class BufferClient(ClientBase):
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
         requests = SampleRequests(spec.request())
+        confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)
         outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
 
@@ -176,9 +178,11 @@ class BufferClient(ClientBase):
         received = 0
         try:
             while (batch := next_batch()) is not None:
+                batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 received += 1
+                confirmed = time.monotonic()
                 requests.confirm(received)
-                yield calls.handed(batch, spec.lease_seconds)
+                yield batch
         except grpc.RpcError as exc:
             raise call_error(exc, self._tls) from None
         finally:
