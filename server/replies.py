@@ -62,6 +62,7 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> by
         advantages=values,
         response_lengths=lengths,
         confirm_seconds=confirm_seconds,
+        lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
     try:
         return batch.render(

@@ -1,7 +1,8 @@
 """How long a sent batch may wait for its client's confirmation (max_confirm_seconds): a
 trainer that hangs with its stream open gives its window back, whatever the delivery, and
-a confirmation that comes after the bound is refused with the stream's end. A real server
-on loopback, real LMDB; raw gRPC where the test plays a client in another language."""
+a confirmation that comes after the bound is refused with the stream's end; and what a raw
+client is told of its lease when it confirms late. A real server on loopback, real LMDB;
+raw gRPC where the test plays a client in another language."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, DeadlineExceededError, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store.errors import ConfigError
+from expbuf.server.store.records import Lease
 
 from conftest import Servers
 from helpers import fill, group_items, settle
@@ -209,6 +212,43 @@ def test_each_reply_says_how_long_its_batch_may_wait_from_the_confirmation_befor
         assert replies[1].confirm_seconds == 30
         assert 30 <= replies[0].confirm_seconds < 40  # sent right after the first message
         assert replies[2].confirm_seconds > 30
+
+
+def _lease_end(server: ExpbufServer, lease_id: str) -> float | None:
+    """When the server's store has a lease end (None while it is held, its clock not started)."""
+    with server.store.environment.read() as txn:
+        raw = txn.get(lease_id.encode(), db=server.store.db["leases"])
+    return None if raw is None else Lease.decode(raw).expires
+
+
+def test_a_raw_client_that_confirms_late_is_told_how_long_its_lease_runs(start_server: Servers) -> None:
+    """A raw client confirms a leased batch after the reply's lease_expires_unix has passed:
+    that value is the earliest the lease can end, as documented, and the reply's lease_seconds,
+    counted on the client's clock from when it sent the confirmation, gives an end no later
+    than the lease's true one."""
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        fill(client, 3)
+        first = pb.SampleRequest(
+            table="t", num_groups=1, window=2, delivery=pb.DELIVERY_LEASE, lease_seconds=1, wait_seconds=30
+        )
+        talk = Conversation(pb_grpc.ExperienceBufferStub(channel), first)
+        talk.read()
+        talk.confirm(1)
+        second = talk.read()
+        while time.time() <= second.lease_expires_unix:  # the client is busy with the first batch
+            time.sleep(0.05)
+        sent = time.time()
+        talk.confirm(2)  # the server waits for data for the fourth batch: it starts this lease at once
+        deadline = time.monotonic() + 10
+        while (end := _lease_end(server, second.lease_id)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        talk.cancel()
+        assert second.lease_seconds == 1
+        assert second.lease_expires_unix < sent
+        assert end is not None and end >= sent + second.lease_seconds
 
 
 class PatientSampler(pb_grpc.ExperienceBufferServicer):
