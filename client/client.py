@@ -154,7 +154,10 @@ class BufferClient(ClientBase):
         works, so its step and the decode overlap. A consumed batch leaves the buffer, and a
         leased batch's lease starts, once the caller has it; the batches still on their way
         or decoded ahead when the caller stops iterating return to the buffer, as does a
-        batch that cannot be decoded (DataLossError, raised in its place).
+        batch that cannot be decoded (DataLossError, raised in its place). The server waits for
+        a batch's confirmation at most its max_confirm_seconds from the one before: when the
+        caller's step outlasts that, the next batch raises DeadlineExceededError naming the
+        setting, the batches on their way went back to the buffer, and none is handed over.
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
         requests = SampleRequests(spec.request())
