@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -27,36 +25,24 @@ from expbuf.server.store.errors import ConfigError
 from expbuf.server.store.records import Lease
 
 from conftest import Servers
-from helpers import fill, group_items, settle
+from helpers import Conversation, fill, group_items, serving, settle
 
 DELIVERIES = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 
 
-class Conversation:
-    """A raw client of the Sample stream that confirms each batch when told to."""
-
-    def __init__(self, stub: pb_grpc.ExperienceBufferStub, first: pb.SampleRequest) -> None:
-        self._out: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
-        self._out.put(first)
-        self.call = stub.Sample(iter(self._out.get, None), timeout=20)
-
-    def read(self) -> pb.SampleReply:
-        return next(self.call)
-
-    def confirm(self, received: int) -> None:
-        self._out.put(pb.SampleRequest(received=received))
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self._out.put(None)
-
-    def end(self) -> grpc.RpcError:
-        """The error that ends the stream, once every reply before it was read."""
-        with pytest.raises(grpc.RpcError) as ended:
-            for _ in self.call:
-                pass
-        self._out.put(None)
-        return ended.value
+@contextlib.contextmanager
+def raw_stream(
+    start_server: Servers, groups: int, settings: dict[str, float], **request: object
+) -> Iterator[tuple[ExpbufServer, BufferClient, Conversation]]:
+    """A server with `settings`, table t holding `groups` groups of two, a client of it, and a
+    raw Sample stream of one group a batch, a window of 2, opened with `request`."""
+    server = start_server(**settings)
+    target = f"127.0.0.1:{server.port}"
+    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        fill(client, groups)
+        first = pb.SampleRequest(table="t", num_groups=1, window=2, **request)
+        yield server, client, Conversation(pb_grpc.ExperienceBufferStub(channel), first)
 
 
 @pytest.mark.parametrize("delivery", DELIVERIES)
@@ -67,15 +53,8 @@ def test_a_hung_raw_client_gives_its_window_back_and_its_late_confirmation_is_re
     after it wait max_confirm_seconds (here its default, max_wait_seconds) and go back to the
     buffer as on a broken stream; the stream ends DEADLINE_EXCEEDED naming the bound, and the
     confirmation the client sends afterwards delivers nothing. Only the first batch was delivered."""
-    server = start_server(max_wait_seconds=1)
-    target = f"127.0.0.1:{server.port}"
-    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        fill(client, 5)
-        first = pb.SampleRequest(
-            table="t", num_groups=1, window=2, lease_seconds=600, delivery=DELIVERIES[delivery], wait_seconds=1
-        )
-        talk = Conversation(pb_grpc.ExperienceBufferStub(channel), first)
+    request = {"lease_seconds": 600, "delivery": DELIVERIES[delivery], "wait_seconds": 1}
+    with raw_stream(start_server, 5, {"max_wait_seconds": 1}, **request) as (_, client, talk):
         delivered = talk.read()
         talk.confirm(1)
         held = [talk.read(), talk.read()]  # received, never confirmed: the trainer hangs
@@ -156,13 +135,8 @@ def test_the_asyncio_client_tells_a_late_trainer_too(start_server: Servers) -> N
 def test_the_bound_runs_while_the_stream_waits_for_data(start_server: Servers) -> None:
     """A batch not confirmed while the server waits for data for the next one is bounded too:
     the stream ends at max_confirm_seconds naming it, long before its wait for data would."""
-    server = start_server(max_confirm_seconds=1, max_wait_seconds=60)
-    target = f"127.0.0.1:{server.port}"
-    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        fill(client, 2)
-        first = pb.SampleRequest(table="t", num_groups=1, window=2, delivery=pb.DELIVERY_CONSUME, wait_seconds=60)
-        talk = Conversation(pb_grpc.ExperienceBufferStub(channel), first)
+    settings = {"max_confirm_seconds": 1, "max_wait_seconds": 60}
+    with raw_stream(start_server, 2, settings, delivery=pb.DELIVERY_CONSUME, wait_seconds=60) as (_, client, talk):
         talk.read()
         talk.confirm(1)  # the server takes the batch after the next: no data, it waits
         held = talk.read()
@@ -195,13 +169,8 @@ def test_each_reply_says_how_long_its_batch_may_wait_from_the_confirmation_befor
     """confirm_seconds is max_confirm_seconds for a batch sent before the confirmation of the
     one before it, and that plus the time since that confirmation for one sent after it (here:
     the server waited for data)."""
-    server = start_server(max_confirm_seconds=30)
-    target = f"127.0.0.1:{server.port}"
-    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        fill(client, 2)
-        first = pb.SampleRequest(table="t", num_groups=1, window=2, delivery=pb.DELIVERY_CONSUME, wait_seconds=30)
-        talk = Conversation(pb_grpc.ExperienceBufferStub(channel), first)
+    settings = {"max_confirm_seconds": 30}
+    with raw_stream(start_server, 2, settings, delivery=pb.DELIVERY_CONSUME, wait_seconds=30) as (_, client, talk):
         replies = [talk.read(), talk.read()]  # both sent before any confirmation
         talk.confirm(2)
         time.sleep(0.5)  # the server waits for data for the third
@@ -226,15 +195,8 @@ def test_a_raw_client_that_confirms_late_is_told_how_long_its_lease_runs(start_s
     that value is the earliest the lease can end, as documented, and the reply's lease_seconds,
     counted on the client's clock from when it sent the confirmation, gives an end no later
     than the lease's true one."""
-    server = start_server()
-    target = f"127.0.0.1:{server.port}"
-    with grpc.insecure_channel(target) as channel, BufferClient(target) as client:
-        client.create_table("t", group_size=2, estimator="none")
-        fill(client, 3)
-        first = pb.SampleRequest(
-            table="t", num_groups=1, window=2, delivery=pb.DELIVERY_LEASE, lease_seconds=1, wait_seconds=30
-        )
-        talk = Conversation(pb_grpc.ExperienceBufferStub(channel), first)
+    request = {"delivery": pb.DELIVERY_LEASE, "lease_seconds": 1, "wait_seconds": 30}
+    with raw_stream(start_server, 3, {}, **request) as (server, _, talk):
         talk.read()
         talk.confirm(1)
         second = talk.read()
@@ -281,16 +243,12 @@ def test_the_client_never_hands_over_a_batch_its_confirmation_would_reach_too_la
     a batch the server may have given back, even before any status from the server; it ends
     the stream, its last confirmation counting only the batch it handed over."""
     servicer = PatientSampler()
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_ExperienceBufferServicer_to_server(servicer, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    grpc_server.start()
-    try:
+    with serving(servicer) as target:
         with pytest.raises(DeadlineExceededError) as info:
             if asynchronous:
 
                 async def run() -> None:
-                    async with AsyncBufferClient(f"127.0.0.1:{port}") as aclient:
+                    async with AsyncBufferClient(target) as aclient:
                         batches = aclient.sample("t", num_groups=1, window=2, prefetch=prefetch)
                         async with contextlib.aclosing(batches):
                             await anext(batches)
@@ -299,7 +257,7 @@ def test_the_client_never_hands_over_a_batch_its_confirmation_would_reach_too_la
 
                 asyncio.run(run())
             else:
-                with BufferClient(f"127.0.0.1:{port}") as bclient:
+                with BufferClient(target) as bclient:
                     batches = bclient.sample("t", num_groups=1, window=2, prefetch=prefetch)
                     next(batches)
                     time.sleep(1.5)
@@ -311,8 +269,6 @@ def test_the_client_never_hands_over_a_batch_its_confirmation_would_reach_too_la
         assert "was not handed over and goes back to the buffer" in str(info.value)
         assert servicer.ended.wait(10)
         assert servicer.received and max(servicer.received) == 1  # the first batch only
-    finally:
-        grpc_server.stop(0)
 
 
 def test_max_confirm_seconds_comes_from_the_settings_and_defaults_to_max_wait_seconds(
@@ -323,7 +279,7 @@ def test_max_confirm_seconds_comes_from_the_settings_and_defaults_to_max_wait_se
     assert ServerConfig(max_wait_seconds=30, max_confirm_seconds=900).confirm_seconds == 900
     for bad in (0, -1, 86401, "60", True):
         with pytest.raises(ConfigError, match=r"max_confirm_seconds must be a number of seconds above 0"):
-            ServerConfig(max_confirm_seconds=bad)  # type: ignore[arg-type]
+            ServerConfig(max_confirm_seconds=bad)
     config_file = tmp_path / "expbuf.toml"
     config_file.write_text("max_confirm_seconds = 1800\n")
     assert load(str(config_file)).confirm_seconds == 1800
