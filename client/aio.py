@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar, Unpack, cast
 
@@ -120,6 +121,7 @@ class AsyncBufferClient(ClientBase):
         The batches decoded ahead (`prefetch`) are decoded on a thread of the stream's own, off
         the event loop, so a trainer's coroutine runs while they are."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
+        confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         call = self._sample(metadata=self._metadata)
         status = aio_status.StreamStatus(call)
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -146,9 +148,11 @@ class AsyncBufferClient(ClientBase):
                 ahead = Prefetcher(_reader(call, loop), decode, spec.ahead, _deliverer(outcomes, loop))
                 call.add_done_callback(ahead.call_done)
             while (batch := await next_batch()) is not None:
+                batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 received += 1
+                confirmed = time.monotonic()
                 await call.write(calls.confirmation(received))
-                yield calls.handed(batch, spec.lease_seconds)
+                yield batch
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:

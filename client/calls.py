@@ -20,7 +20,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
 from .connection import RETRIED_METHODS
-from .errors import DataLossError, ExpbufError
+from .errors import DataLossError, DeadlineExceededError, ExpbufError
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     Batch,
@@ -42,6 +42,9 @@ R = TypeVar("R")
 B = TypeVar("B", bound=Batch)
 # How long a stream the caller left may take to hand back the batches already on their way.
 STOP_SECONDS = 5.0
+# What the client keeps of a batch's confirm_seconds for its confirmation's way to the server:
+# a tenth of it, at most this.
+CONFIRM_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,7 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B]) ->
             table=table,
             times_sampled=list(rest.times_sampled),
             _leases=leases,
+            confirm_seconds=rest.confirm_seconds,
         )
         _ = made.experiences  # decoded now, before it is confirmed
     except (trxp.TrxpError, ValueError, OverflowError) as exc:
@@ -325,8 +329,25 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B]) ->
     return made
 
 
-def handed(made: B, lease_seconds: float) -> B:
-    """The batch as the client hands it to its caller, confirming it: a lease's clock starts now."""
+def handed(made: B, lease_seconds: float, since: float) -> B:
+    """The batch as the client hands it to its caller, confirming it: a lease's clock starts now.
+
+    The server gives a batch back (and ends the stream) when its confirmation has not come
+    `confirm_seconds` (the reply's) after the client's confirmation before it, sent at `since`
+    (time.monotonic(); the stream's first request, for the first batch). A batch asked for
+    past that, less a tenth (at most CONFIRM_MARGIN) for the confirmation's way, may be in the
+    buffer again already: it is not handed over, so no batch is trained that another trainer
+    may get, and DeadlineExceededError says why."""
+    seconds = made.confirm_seconds
+    waited = time.monotonic() - since
+    if seconds and waited > seconds - min(seconds / 10, CONFIRM_MARGIN):
+        raise DeadlineExceededError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"a batch of table '{made.table}' was asked for {waited:.1f}s after the batch before it (or the stream's "
+            f"start), too late for the server, which waits {seconds:g}s for its confirmation (max_confirm_seconds, "
+            "EXPBUF_MAX_CONFIRM_SECONDS): it was not handed over and goes back to the buffer with the batches after "
+            "it. Open a new sample() to go on; a step this long needs a larger max_confirm_seconds",
+        )
     if made.lease_id:
         made.lease_expires = time.time() + lease_seconds
     return made

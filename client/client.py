@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Generator, Iterable
 from typing import Any, TypeVar, Unpack
 
@@ -153,10 +154,14 @@ class BufferClient(ClientBase):
         works, so its step and the decode overlap. A consumed batch leaves the buffer, and a
         leased batch's lease starts, once the caller has it; the batches still on their way
         or decoded ahead when the caller stops iterating return to the buffer, as does a
-        batch that cannot be decoded (DataLossError, raised in its place).
+        batch that cannot be decoded (DataLossError, raised in its place). The server waits for
+        a batch's confirmation at most its max_confirm_seconds from the one before: when the
+        caller's step outlasts that, the next batch raises DeadlineExceededError naming the
+        setting, the batches on their way went back to the buffer, and none is handed over.
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
         requests = SampleRequests(spec.request())
+        confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)
         outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
 
@@ -176,9 +181,11 @@ class BufferClient(ClientBase):
         received = 0
         try:
             while (batch := next_batch()) is not None:
+                batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 received += 1
+                confirmed = time.monotonic()
                 requests.confirm(received)
-                yield calls.handed(batch, spec.lease_seconds)
+                yield batch
         except grpc.RpcError as exc:
             raise call_error(exc, self._tls) from None
         finally:

@@ -41,7 +41,10 @@ class Batch:
     `uids` and `group_ids` have one entry per experience, `groups` one per group.
 
     A leased batch's lease runs `lease_seconds` (the sample's) from when the client handed
-    the batch to its caller; `lease_expires` is then, on this machine's clock."""
+    the batch to its caller; `lease_expires` is then, on this machine's clock. The server
+    waits for that hand-over (the client's confirmation) at most `confirm_seconds` from the
+    one before (its max_confirm_seconds, or more): a batch asked for later is not handed over
+    (calls.handed)."""
 
     payload: bytes
     uids: list[str]
@@ -52,6 +55,7 @@ class Batch:
     table: str = "default"
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     _leases: Leases | None = field(default=None, repr=False)
+    confirm_seconds: float = field(default=0.0, repr=False)  # the reply's; 0: the server sets no bound
 
     @property
     def groups(self) -> list[str]:

@@ -181,6 +181,7 @@ class ExpbufServer:
             push_stream_idle_seconds=config.push_stream_idle_seconds,
             push_stream_window=config.push_stream_window,
             max_wait_seconds=config.max_wait_seconds,
+            max_confirm_seconds=config.confirm_seconds,
         )
         # one-value estimators: computed by the push (advantages.py), once torch has loaded
         self.advantages = AdvantageStart(

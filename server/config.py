@@ -18,6 +18,7 @@ may also declare tables (created at start, or checked against the stored ones):
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     push_stream_window = 8        # pushes a PushStream reads and stores ahead of its replies
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
+    max_confirm_seconds = 600     # the longest a sent batch waits for its confirmation (default: max_wait_seconds)
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
     check_at_open = "quick"       # "quick": the directory's structure; "full": every record and digest before serving
@@ -112,6 +113,10 @@ class ServerConfig:
     # reads and parses the next, and the next step stores all it parsed in one commit (push_stream.py).
     push_stream_window: int = 8
     max_wait_seconds: float = 600.0
+    # The longest a Sample batch sent waits for its client's confirmation, counted from the later of
+    # its send and the client's confirmation of the batch before: a trainer's step. Past it the
+    # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (sample_stream.py).
+    max_confirm_seconds: float | None = None  # None: max_wait_seconds
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
     max_inflight_bytes: int = 1 << 30
     # An experience's metadata written out (its pickle, shared references expanded): a push with a
@@ -148,6 +153,13 @@ class ServerConfig:
             return self.ingest_processes
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return max(1, min(4, cores - 1))
+
+    @property
+    def confirm_seconds(self) -> float:
+        """How long a sent batch waits for its confirmation: max_confirm_seconds, by default
+        max_wait_seconds, the server's other bound on a Sample stream's idle worker (a
+        trainer's step may be long; a lease, which a trainer may renew, would bound it wrongly)."""
+        return self.max_wait_seconds if self.max_confirm_seconds is None else self.max_confirm_seconds
 
     @property
     def sample_stream_limit(self) -> int:
@@ -227,8 +239,10 @@ class ServerConfig:
                 f"push_scope_workers + sample_scope_workers = {kept} must be at most workers - reserved_workers = "
                 f"{self.workers - self.reserved_worker_count}"
             )
-        for name in ("push_stream_idle_seconds", "max_wait_seconds"):
+        for name in ("push_stream_idle_seconds", "max_wait_seconds", "max_confirm_seconds"):
             value = getattr(self, name)
+            if name == "max_confirm_seconds" and value is None:
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
         window = self.push_stream_window
@@ -274,6 +288,7 @@ _ENV = {
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_PUSH_STREAM_WINDOW": ("push_stream_window", int),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
+    "EXPBUF_MAX_CONFIRM_SECONDS": ("max_confirm_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),
     "EXPBUF_CHECK_AT_OPEN": ("check_at_open", str),

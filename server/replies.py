@@ -19,6 +19,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .interceptor import ServiceInterceptor
 from .store import Sampled
+from .store.sample_spec import SampleSpec
 from .store.stored_advantages import send_apart
 
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
@@ -36,15 +37,17 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def sample_reply(batch: Sampled, *, lease: bool, compact: bool = False) -> bytes:
-    """The serialised SampleReply of a batch, its payload copied once (from the store's
-    map into the reply); the batch is released then, its payload is not read again. A
-    table's batch stage runs here, on the RPC's thread (`Sampled.finish`), not in the
-    store's write transaction. `compact`: advantages of one value per experience go
-    beside the payload, not into it (store/stored_advantages.send_apart)."""
+def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> bytes:
+    """The serialised SampleReply of a batch taken for `spec`, its payload copied once (from
+    the store's map into the reply); the batch is released then, its payload is not read
+    again. A table's batch stage runs here, on the RPC's thread (`Sampled.finish`), not in
+    the store's write transaction. With `spec.compact_advantages`, advantages of one value
+    per experience go beside the payload, not into it (store/stored_advantages.send_apart).
+    `confirm_seconds`: how long the stream waits for its confirmation (sample_stream.py)."""
     values: list[float] = []
     lengths: list[int] = []
-    if compact:
+    lease = spec.delivery == "lease"
+    if spec.compact_advantages:
         batch.finish()
         apart = send_apart(batch.advantages)
         if apart is not None:
@@ -58,6 +61,8 @@ def sample_reply(batch: Sampled, *, lease: bool, compact: bool = False) -> bytes
         times_sampled=batch.times_sampled,
         advantages=values,
         response_lengths=lengths,
+        confirm_seconds=confirm_seconds,
+        lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
     try:
         return batch.render(

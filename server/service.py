@@ -117,6 +117,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         push_stream_idle_seconds: float = 120.0,
         push_stream_window: int = 8,
         max_wait_seconds: float = 600.0,
+        max_confirm_seconds: float = 600.0,
     ) -> None:
         self.store = store
         self.ingest = ingest or Ingest()
@@ -129,6 +130,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         self.push_stream_idle_seconds = push_stream_idle_seconds
         self.push_stream_window = push_stream_window
         self.max_wait_seconds = max_wait_seconds
+        self.max_confirm_seconds = max_confirm_seconds
         self.started = time.time()
         self.writers = Writers()
         self.draining = Draining()
@@ -195,9 +197,9 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             spec = replace(spec, wait_seconds=self.max_wait_seconds)
             bound = f" (the server's max_wait_seconds = {self.max_wait_seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"
 
-        def reply(batch: Sampled) -> bytes:
+        def reply(batch: Sampled, confirm_seconds: float) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
-            return sample_reply(batch, lease=spec.delivery == "lease", compact=spec.compact_advantages)
+            return sample_reply(batch, spec, confirm_seconds)
 
         refused = self.table_streams.enter(spec.table)
         if refused is not None:
@@ -213,6 +215,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 reply=reply,
                 draining=self.draining,
                 bound=bound,
+                confirm_seconds=self.max_confirm_seconds,
             )
         finally:
             self.table_streams.leave(spec.table)

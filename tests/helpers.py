@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import queue
 import signal
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import TYPE_CHECKING
 
+import grpc
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Sampled, Store
 from expbuf.server.store.estimator_registry import Estimator, register, unregister
 from expbuf.server.store.sample_spec import SampleSpec
@@ -71,6 +76,50 @@ def settle(client: BufferClient, predicate: Callable[[TableStats], bool], table:
         if predicate(stats) or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
+
+
+class Conversation:
+    """A raw client of the Sample stream (as one in another language would be) that confirms
+    each batch when told to."""
+
+    def __init__(self, stub: pb_grpc.ExperienceBufferStub, first: pb.SampleRequest, timeout: float = 30) -> None:
+        self._out: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        self._out.put(first)
+        self.call = stub.Sample(iter(self._out.get, None), timeout=timeout)
+
+    def read(self) -> pb.SampleReply:
+        return next(self.call)
+
+    def confirm(self, received: int, *, stop: bool = False) -> None:
+        self._out.put(pb.SampleRequest(received=received, stop=stop))
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._out.put(None)
+
+    def end(self) -> grpc.RpcError:
+        """The error that ends the stream, once every reply before it was read."""
+        try:
+            for _ in self.call:
+                pass
+        except grpc.RpcError as error:
+            return error
+        finally:
+            self._out.put(None)
+        raise AssertionError("the stream ended without an error")
+
+
+@contextlib.contextmanager
+def serving(servicer: pb_grpc.ExperienceBufferServicer) -> Iterator[str]:
+    """A servicer of the test's own (one that misbehaves on purpose) on a free loopback port; its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ExperienceBufferServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
 
 
 class Decodes:

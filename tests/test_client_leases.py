@@ -9,7 +9,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
-from helpers import group_items
+from helpers import group_items, serving
 
 
 @pytest.fixture
@@ -97,22 +96,18 @@ class BrokenSampler(pb_grpc.ExperienceBufferServicer):
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_batch_that_cannot_be_decoded_is_not_confirmed_and_names_itself(asynchronous: bool) -> None:
     servicer = BrokenSampler()
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_ExperienceBufferServicer_to_server(servicer, grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    grpc_server.start()
-    try:
+    with serving(servicer) as target:
         with pytest.raises(DataLossError) as info:
             if asynchronous:
 
                 async def run() -> None:
-                    async with AsyncBufferClient(f"127.0.0.1:{port}") as aclient:
+                    async with AsyncBufferClient(target) as aclient:
                         async for _ in aclient.sample("t", num_groups=1):
                             pass
 
                 asyncio.run(run())
             else:
-                with BufferClient(f"127.0.0.1:{port}") as bclient:
+                with BufferClient(target) as bclient:
                     for _ in bclient.sample("t", num_groups=1):
                         pass
         assert info.value.code == grpc.StatusCode.DATA_LOSS
@@ -120,5 +115,3 @@ def test_a_batch_that_cannot_be_decoded_is_not_confirmed_and_names_itself(asynch
         assert "goes back to the buffer" in info.value.details
         assert servicer.ended.wait(10)
         assert servicer.received and max(servicer.received) == 0  # never confirmed
-    finally:
-        grpc_server.stop(0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from conftest import Servers
-from helpers import fill, group_items, settle
+from helpers import Conversation, fill, group_items, settle
 
 
 @pytest.fixture
@@ -32,25 +31,6 @@ def request(**fields: object) -> pb.SampleRequest:
     return pb.SampleRequest(
         **{"table": "t", "num_groups": 1, "delivery": pb.DELIVERY_CONSUME, "wait_seconds": 2, **fields}
     )
-
-
-class Conversation:
-    """A raw client of the Sample stream that confirms each batch when told to."""
-
-    def __init__(self, stub: pb_grpc.ExperienceBufferStub, first: pb.SampleRequest) -> None:
-        self._out: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
-        self._out.put(first)
-        self.call = stub.Sample(iter(self._out.get, None), timeout=30)
-
-    def read(self) -> pb.SampleReply:
-        return next(self.call)
-
-    def confirm(self, received: int, *, stop: bool = False) -> None:
-        self._out.put(pb.SampleRequest(received=received, stop=stop))
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self._out.put(None)
 
 
 def test_streams_that_end_normally_consume_their_batches(client: BufferClient, stub) -> None:

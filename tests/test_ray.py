@@ -20,6 +20,10 @@ ray = pytest.importorskip("ray")
 expbuf_ray = pytest.importorskip("expbuf.ray")
 
 NAMESPACE = "expbuf-test"
+# A push to a shard that has just started computes its groups' advantages once the shard's torch
+# has loaded (server/advantage_start.py): about 2 s on a quiet machine, past the client's 5 s on
+# a busy one. Such a push waits this long for its acknowledgement.
+STARTING_SECONDS = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     client = ShardedBufferClient.from_ray(NAMESPACE, timeout=5.0)
     acked: set[str] = set()
     first = [make_experience(0, task, run) for task in range(20) for run in range(2)]
-    client.push(first, table="rl")
+    client.push(first, table="rl", timeout=STARTING_SECONDS)  # both shards have just started
     acked |= {e.eid.uid for e in first}
     delivered = []
     for batch in client.sample("rl", num_groups=4, delivery="lease", max_batches=2):
@@ -83,7 +87,7 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     assert expbuf_ray.shard_map(NAMESPACE) == grown
     client.set_map(grown)
     third = [make_experience(2, task, run) for task in range(30) for run in range(2)]
-    client.push(third, table="rl")
+    client.push(third, table="rl", timeout=STARTING_SECONDS)  # expbuf-2 has just started
     held = client.shard_stats("rl")["expbuf-2"]["rl"]
     assert held.pushed == 2 * sum(grown.owner(f"2/{task}") == "expbuf-2" for task in range(30)) > 0
     client.close()

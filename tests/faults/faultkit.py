@@ -10,7 +10,6 @@ import queue
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,7 @@ from expbuf.server.metrics import Metrics
 from expbuf.server.service import ExperienceBufferService
 from expbuf.server.store import Store
 
-from helpers import group_items
+from helpers import group_items, serving
 from helpers import servers as servers  # the fault modules that start children in a `with` block import it here
 
 SCALE = int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
@@ -40,15 +39,9 @@ def scaled(count: int) -> int:
 def service_over(store: Store) -> Iterator[str]:
     """The gRPC service over a Store built here (for settings `expbuf serve` has no flag for),
     on a free loopback port; its target."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     service = ExperienceBufferService(store, metrics=Metrics(store), max_message_bytes=16 << 20, advantage_device="cpu")
-    pb_grpc.add_ExperienceBufferServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(None).wait()
+    with serving(service) as target:
+        yield target
 
 
 def channel(target: str) -> grpc.Channel:

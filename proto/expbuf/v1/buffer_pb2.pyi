@@ -231,7 +231,7 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ..., order_name: _Optional[str] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,8 @@ class SampleReply(_message.Message):
     TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -250,7 +252,9 @@ class SampleReply(_message.Message):
     times_sampled: _containers.RepeatedScalarFieldContainer[int]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     response_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    confirm_seconds: float
+    lease_seconds: float
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")
