@@ -161,6 +161,8 @@ class ExpbufServer:
                 self.inflight,
                 stream_wait=config.push_stream_idle_seconds / 2,
                 max_push_bytes=config.max_message_bytes,
+                min_mb_per_second=config.push_min_mb_per_second,
+                grace=config.push_stream_idle_seconds,
             )
         )
         keep_reply_memory()

@@ -17,6 +17,7 @@ may also declare tables (created at start, or checked against the stored ones):
     sample_scope_workers = 16     # workers kept for sample-scope calls (default: a quarter)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     push_stream_window = 8        # pushes a PushStream reads and stores ahead of its replies
+    push_min_mb_per_second = 0.1  # a push in chunks slower than this on average is ended
     max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
@@ -111,6 +112,9 @@ class ServerConfig:
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
     # reads and parses the next, and the next step stores all it parsed in one commit (push_stream.py).
     push_stream_window: int = 8
+    # A push in chunks must come at this many MB (10^6 bytes) a second on average, after a grace of
+    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (inflight.py).
+    push_min_mb_per_second: float = 0.1
     max_wait_seconds: float = 600.0
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
     max_inflight_bytes: int = 1 << 30
@@ -231,6 +235,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
+        rate = self.push_min_mb_per_second
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 100_000:
+            raise ConfigError(f"push_min_mb_per_second must be a number above 0 and at most 100000, got {rate!r}")
         window = self.push_stream_window
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 1024:
             raise ConfigError(f"push_stream_window must be an integer from 1 to 1024, got {window!r}")
@@ -273,6 +280,7 @@ _ENV = {
     "EXPBUF_SAMPLE_SCOPE_WORKERS": ("sample_scope_workers", int),
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_PUSH_STREAM_WINDOW": ("push_stream_window", int),
+    "EXPBUF_PUSH_MIN_MB_PER_SECOND": ("push_min_mb_per_second", float),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
     "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),
