@@ -153,7 +153,8 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
-        interceptors.append(call_limits(config))
+        self.call_limits = call_limits(config)
+        interceptors.append(self.call_limits)
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(
