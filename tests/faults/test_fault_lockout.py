@@ -9,26 +9,31 @@ refused at once, naming the reserve, and a push, an ack of a lease taken before,
 admin call and the health check are all answered. With a share of the workers kept for each
 scope, one scope's calls at their worst (idle, waiting, blocked) leave the other scope its
 share: trainers still open Sample streams and read, rollout workers still push. With the
-default settings, pushes blocked on a full table leave trainers their whole share.
+default settings, pushes blocked on a full table leave trainers their whole share, and a fleet
+of rollout workers running the prompt ledger's loop, more than the claims the server lets wait,
+gets every prompt while pushes and samples get through.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from faultkit import channel, healthy, payload, sample_all, stub
-from helpers import ServerProcess
+from helpers import ServerProcess, group_items, make_experience, scrape
+from pages import code_blocks, page
 
 pytestmark = pytest.mark.faults
 
@@ -380,3 +385,65 @@ def test_pushes_blocked_on_a_full_table_leave_trainers_their_whole_share(
             for call in pushes + trainers:
                 call.cancel()
 
+
+def refused_claims(server: ServerProcess) -> float:
+    """Claims the server refused RESOURCE_EXHAUSTED, by its own metrics."""
+    return sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count"
+        and dict(labels) == {"method": "Claim", "code": "RESOURCE_EXHAUSTED"}
+    )
+
+
+def test_a_fleet_running_the_ledger_pages_loop_gets_every_prompt_while_pushes_and_samples_get_through(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """40 rollout workers run the loop of concepts/prompt-ledger.md against a server of the default
+    64 workers: the claims beyond those the server lets wait at once are refused and asked again
+    by their clients; every worker's loop ends, every prompt is trained once, and pushes (whole and
+    in chunks) and samples get through while the claims wait."""
+    server = serve(str(tmp_path / "data"))
+    code = code_blocks(page("concepts/prompt-ledger.md"), "python")[0]
+    scope: dict[str, Any] = {
+        "generate": lambda index, n: [make_experience(0, index, run, reward=float(run)) for run in range(n)],
+        "train_step": lambda experiences: None,
+    }
+    exec(compile(code[: code.index("\nwith BufferClient(")], "concepts/prompt-ledger.md", "exec"), scope)
+    table, dataset, size = scope["TABLE"], scope["DATASET"], 64
+    errors: list[BaseException] = []
+
+    def rollout_worker() -> None:
+        try:
+            with BufferClient(server.target) as client:
+                scope["rollout_worker"](client)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with BufferClient(server.target, timeout=30) as client:
+        client.create_table(table, group_size=8)
+        client.create_dataset(table, dataset, size, max_in_flight=8)
+        client.create_table("other")
+        fleet = [threading.Thread(target=rollout_worker) for _ in range(40)]
+        for worker in fleet:
+            worker.start()
+        deadline = time.monotonic() + 60
+        while not (refused_claims(server) and client.ledger(table, dataset).total("generated") == 8):
+            assert time.monotonic() < deadline, "the fleet's claims never filled what the server lets wait"
+            assert not errors, errors
+            time.sleep(0.1)
+        # The claims wait for prompts the trainer has not freed: pushes and samples meanwhile.
+        whole, uids = payload("during", 0)
+        assert client.push(whole, table="other").stored == uids
+        large = trxp.build(group_items("chunked", 0, 2, response=8000))
+        with BufferClient(server.target, push_chunk_bytes=1 << 16) as chunked:
+            assert len(chunked.push(large, table="other").stored) == 2
+        sampled = next(client.sample("other", num_groups=2, max_batches=1, timeout=10, delivery="consume"))
+        assert len(sampled.uids) == 6
+        scope["trainer"](client)
+        for worker in fleet:
+            worker.join(120)
+        assert not errors, errors
+        assert not any(worker.is_alive() for worker in fleet)
+        info = client.ledger(table, dataset)
+    assert info.done and info.total("trained") == size
