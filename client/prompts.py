@@ -76,11 +76,13 @@ class EpochCounts:
 @dataclass(frozen=True)
 class DatasetInfo:
     """A dataset's settings, its cursor (the next new prompt's epoch and position), its counts
-    by epoch, the claims handed out again, the incomplete groups of ended claims dropped, and
-    whether it is done. `owned` is the prompts of every epoch the server hands out: `size`
-    times `epochs`, or for one shard of a sharded table its part (`shard`, one of `shards`).
-    A sharded client merges the shards' (`merged`); `missing` names the shards that did not
-    answer it, with their error."""
+    over every epoch (`totals`, `total(state)`) and by epoch started (`counts`: epochs 0 through
+    the cursor's; an epoch after those has had no prompt handed out, all its prompts pending),
+    the claims handed out again, the incomplete groups of ended claims dropped, and whether it
+    is done. `owned` is the prompts of every epoch the server hands out: `size` times `epochs`,
+    or for one shard of a sharded table its part (`shard`, one of `shards`). A sharded client
+    merges the shards' (`merged`); `missing` names the shards that did not answer it, with
+    their error."""
 
     table: str
     name: str
@@ -98,31 +100,39 @@ class DatasetInfo:
     attempts_dropped: int
     done: bool
     owned: int
+    totals: EpochCounts
     shards: list[str] = field(default_factory=list)
     shard: str = ""
     missing: Mapping[str, str] = field(default_factory=dict)
 
     def total(self, state: str) -> int:
         """Prompts in `state` over every epoch."""
-        return sum(getattr(row, state) for row in self.counts)
+        return int(getattr(self.totals, state))
 
     @classmethod
     def merged(cls, parts: Sequence[DatasetInfo], missing: Mapping[str, str]) -> DatasetInfo:
-        """One dataset over the shards that answered: counts (each epoch's), owned prompts, claims
-        re-issued, attempts dropped and the max_in_flight bounds summed; the earliest creation
-        and the least advanced cursor; done once every shard is done and none is missing."""
+        """One dataset over the shards that answered: totals, owned prompts, claims re-issued,
+        attempts dropped and the max_in_flight bounds summed; the earliest creation and the
+        least advanced cursor; done once every shard is done and none is missing. An epoch is
+        in `counts` once a shard started it; of its `size` prompts, those no shard that
+        answered counts in another state are pending (a shard's part of an epoch it has not
+        started is all pending)."""
         first = parts[0]
         cursor = min((p.cursor_epoch, p.cursor_position) for p in parts)
+        counts = []
+        for epoch in range(max(len(p.counts) for p in parts)):
+            held = [
+                sum(getattr(p.counts[epoch], state) for p in parts if epoch < len(p.counts)) for state in STATES[1:]
+            ]
+            counts.append(EpochCounts(first.size - sum(held), *held))
         return replace(
             first,
             max_in_flight=sum(p.max_in_flight for p in parts),
             created=min(p.created for p in parts),
             cursor_epoch=cursor[0],
             cursor_position=cursor[1],
-            counts=[
-                EpochCounts(*(sum(getattr(p.counts[epoch], state) for p in parts) for state in STATES))
-                for epoch in range(first.epochs)
-            ],
+            counts=counts,
+            totals=EpochCounts(*(sum(p.total(state) for p in parts) for state in STATES)),
             reissued=sum(p.reissued for p in parts),
             attempts_dropped=sum(p.attempts_dropped for p in parts),
             done=all(p.done for p in parts) and not missing,
@@ -133,15 +143,19 @@ class DatasetInfo:
 
     @classmethod
     def from_proto(cls, msg: Any, table: str) -> DatasetInfo:
+        """A DatasetInfo as the server sent it; a server older than its `totals` sent a row for
+        every epoch, which add up to them."""
         config = msg.config
+        counts = [EpochCounts(c.pending, c.claimed, c.generated, c.trained, c.dropped) for c in msg.counts]
+        rows = [msg.totals] if msg.HasField("totals") else counts
+        totals = EpochCounts(*(sum(getattr(row, state) for row in rows) for state in STATES))
         return cls(
             table=table, name=config.name, size=config.size, epochs=config.epochs,
             seed=config.seed if config.HasField("seed") else None, max_in_flight=config.max_in_flight,
             on_drop=config.on_drop, max_attempts=config.max_attempts, created=msg.created_unix,
             cursor_epoch=msg.cursor_epoch, cursor_position=msg.cursor_position,
-            counts=[EpochCounts(c.pending, c.claimed, c.generated, c.trained, c.dropped) for c in msg.counts],
-            reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done, owned=msg.owned,
-            shards=list(config.shards), shard=config.shard,
+            counts=counts, reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done,
+            owned=msg.owned, totals=totals, shards=list(config.shards), shard=config.shard,
         )  # fmt: skip
 
 

@@ -38,7 +38,13 @@ class Backend(Protocol):
     # experiences
     def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult: ...
     def put_entries(
-        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, may_wait: MayWait | None = None
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
     ) -> PutResult: ...
     def put_in_order(
         self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None

@@ -86,6 +86,10 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
     ]
     epochs: list[tuple[str, ...]] = [("epoch", *STATES)]
     epochs += [(str(epoch), *(str(getattr(row, state)) for state in STATES)) for epoch, row in enumerate(info.counts)]
+    if len(info.counts) < info.epochs:  # the epochs not started, in one row: every prompt pending
+        later = info.total("pending") - sum(row.pending for row in info.counts)
+        first, last = len(info.counts), info.epochs - 1
+        epochs.append((str(first) if first == last else f"{first}..{last}", str(later), *"0000"))
     sections = ["\n".join(lines), columns(epochs)]
     if args.limit:
         prompts, more = _prompts(client, args.table, args.name, states, args.limit)

@@ -14,9 +14,13 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
 from .call_context import refusals, remaining
-from .store.errors import InvalidRequest
-from .store.ledger import Claimed
-from .store.ledger_records import PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
+from .store.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, shown_owner
+from .store.errors import InvalidRequest, clip
+from .store.ledger import MAX_ATTEMPTS, MAX_EPOCHS, Claimed
+from .store.ledger_records import MAX_SIZE, PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
+
+# A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
+_REPLY_FIELDS = 32
 
 
 def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
@@ -35,7 +39,7 @@ def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
 
 
 def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
-    """A dataset, its cursor and its counts by epoch, as DatasetInfo."""
+    """A dataset, its cursor, its counts by epoch started and over every epoch, as DatasetInfo."""
     config = pb.DatasetConfig(
         name=ds.name,
         size=ds.size,
@@ -59,6 +63,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         attempts_dropped=ds.attempts_dropped,
         done=ds.done,
         owned=ds.owned_total,
+        totals=pb.EpochCounts(**ds.overall()),
     )
 
 
@@ -76,16 +81,35 @@ def prompt_of(dataset: str, claimed: Claimed) -> pb.Prompt:
     )
 
 
+def prompt_bytes(dataset: str, owner: str) -> int:
+    """The most bytes one prompt of `dataset` claimed by `owner` adds to a reply: every number
+    at its largest, the longest state, and the prompt's tag and length."""
+    epoch, index, attempt = MAX_EPOCHS - 1, MAX_SIZE - 1, MAX_ATTEMPTS - 1
+    batch, task = prompt_eid(dataset, epoch, index, attempt)
+    longest = max(PROMPT_STATES, key=len)
+    size = pb.Prompt(
+        dataset=dataset, epoch=epoch, index=index, attempt=attempt, batch=batch, task=task, expires_unix=1.0,
+        state=longest, owner=owner,
+    ).ByteSize()  # fmt: skip
+    return 1 + (size.bit_length() + 6) // 7 + size
+
+
+def most_prompts(dataset: str, owner: str, max_message_bytes: int) -> int:
+    """The most prompts of `dataset` claimed by `owner` that one reply can carry."""
+    return max(0, max_message_bytes - _REPLY_FIELDS) // prompt_bytes(dataset, owner)
+
+
 def _refs(prompts: Iterable[pb.PromptRef]) -> list[tuple[int, int, int]]:
     return [(p.epoch, p.index, p.attempt) for p in prompts]
 
 
 class LedgerCalls:
     """The ledger's calls, mixed into the servicer (service.py), which provides the store,
-    the caller's token fingerprint and the bound on waits."""
+    the caller's token fingerprint, the bound on waits and the largest message."""
 
     store: Backend
     max_wait_seconds: float
+    max_message_bytes: int
 
     def _owner(self, context: grpc.ServicerContext) -> str:
         raise NotImplementedError
@@ -107,6 +131,16 @@ class LedgerCalls:
 
     @refusals
     def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimReply:
+        """Prompts claimed, refused before it claims any whose reply could not be sent: the
+        claims would stay, held by a caller that never learned which prompts they were."""
+        check_claim(request.count, request.owner, request.wait_seconds)
+        most = most_prompts(request.dataset, request.owner, self.max_message_bytes)
+        if request.count > most:
+            raise InvalidRequest(
+                f"count is {request.count}; a reply holds at most {most} prompts of dataset '{clip(request.dataset)}'"
+                f" claimed by an owner of {len(request.owner.encode())} bytes within the server's"
+                f" max_message_bytes = {self.max_message_bytes}"
+            )
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting claim holds a worker thread
         claimed, done = self.store.claim(
             request.table or "default",
@@ -115,7 +149,7 @@ class LedgerCalls:
             seconds=request.lease_seconds,
             owner=request.owner,
             holder=self._owner(context),
-            wait=remaining(context, asked) if request.wait_seconds > 0 else 0.0,
+            wait=remaining(context, asked),
             stop=lambda: not context.is_active(),
         )
         prompts = [prompt_of(request.dataset, c) for c in claimed]
@@ -144,12 +178,14 @@ class LedgerCalls:
         unknown = [state for state in request.states if state not in PROMPT_STATES]
         if unknown:
             raise InvalidRequest(f"states: {unknown[:4]!r}; expected some of {', '.join(PROMPT_STATES)}")
+        limit = request.limit or 1000
+        fits = max(1, most_prompts(request.dataset, "o" * MAX_OWNER_BYTES, self.max_message_bytes))
         page = self.store.list_prompts(
             request.table or "default",
             request.dataset,
             states=list(request.states),
             after=(request.after_epoch, request.after_index) if request.has_after else None,
-            limit=request.limit or 1000,
+            limit=limit if limit > MAX_PAGE else min(limit, fits),  # out of range: refused by name; else what fits
         )
         after = page.after or (0, 0)
         return pb.ListPromptsReply(
@@ -164,5 +200,5 @@ def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord) -> pb.Promp
     batch, task = prompt_eid(dataset, epoch, index, rec.attempt)
     return pb.Prompt(
         dataset=dataset, epoch=epoch, index=index, attempt=rec.attempt, batch=batch, task=task,
-        expires_unix=rec.expires, state=rec.state, owner=rec.owner,
+        expires_unix=rec.expires, state=rec.state, owner=shown_owner(rec.owner),
     )  # fmt: skip

@@ -67,8 +67,9 @@ class Unparsed(Exception):
         self.table, self.error = table, error
 
 
-def parser(ingest: Ingest) -> Callable[[PushMessage | pb.PushRequest], Parsed]:
-    """What the stream's reader does with each push it reads: parse it, and let its payload go."""
+def parser(ingest: Ingest, holder: str) -> Callable[[PushMessage | pb.PushRequest], Parsed]:
+    """What the stream's reader does with each push it reads: parse it, and let its payload go;
+    `holder` is who pushes (kinds.Push)."""
 
     def parse(message: PushMessage | pb.PushRequest) -> Parsed:
         try:
@@ -78,14 +79,16 @@ def parser(ingest: Ingest) -> Callable[[PushMessage | pb.PushRequest], Parsed]:
             raise Unparsed(message.table or "default", exc) from None
         if isinstance(message, PushMessage):
             message.drop_payload()
-        return Parsed(message, Push(message.table or "default", entries))
+        return Parsed(message, Push(message.table or "default", entries, holder))
 
     return parse
 
 
-def open_messages(requests: Iterator[Any], ingest: Ingest, idle_seconds: float, window: int) -> IdleMessages:
+def open_messages(
+    requests: Iterator[Any], ingest: Ingest, idle_seconds: float, window: int, holder: str
+) -> IdleMessages:
     """A PushStream's messages, read and parsed up to `window` ahead of its replies."""
-    return IdleMessages(requests, idle_seconds, ahead=window, prepare=parser(ingest), discard=Parsed.release)
+    return IdleMessages(requests, idle_seconds, ahead=window, prepare=parser(ingest, holder), discard=Parsed.release)
 
 
 def replies(

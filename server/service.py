@@ -143,7 +143,9 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             request.drop_payload()
         timeout, note = room_wait(context, self.max_wait_seconds)
         try:  # a push that finds it must wait for room is a call that waits idle (limits.py)
-            result = self.store.put_entries(table, entries, timeout=timeout, may_wait=MAY_WAIT.get())
+            result = self.store.put_entries(
+                table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
+            )
         except (TableFull, InsertLimited) as exc:
             raise noted(exc, note) from None
         return self._reply(request.seq, table, result)
@@ -171,7 +173,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
         the server stops, it ends with UNAVAILABLE once it has answered every push it read (draining.py)."""
         messages = push_stream.open_messages(
-            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window
+            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window, self._owner(context)
         )
         try:
             with self.draining.watching(messages.interrupt):

@@ -13,7 +13,7 @@ from types import ModuleType
 from expbuf import client
 from expbuf.client.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
-from expbuf.server import cli, config
+from expbuf.server import auth, cli, config
 from expbuf.server.store import table_config
 from expbuf.server.store.table_parts import Shaping, flat_names
 
@@ -120,3 +120,16 @@ def test_the_readmes_links_reach_files_in_the_tree() -> None:
     assert len(links) > 20
     assert [link for link in links if not (ROOT / link).is_file()] == []
     assert len(readme.splitlines()) < 300
+
+
+def test_the_tokens_page_gives_every_call_its_scope() -> None:
+    """docs/operations/tls-and-tokens.md names each ExperienceBuffer call in the row of the scope
+    the server asks for it (auth.scope_of), once."""
+    text = (DOCS / "operations" / "tls-and-tokens.md").read_text()
+    named: dict[str, str] = {}
+    for scope, calls in re.findall(r"^\| `(\w+)` \| ([A-Za-z, ]+) \|$", text, re.M):
+        for call in calls.split(", "):
+            assert call not in named, call
+            named[call] = scope
+    methods = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods_by_name
+    assert named == {method: auth.scope_of(method) for method in methods}

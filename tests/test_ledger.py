@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.store import Store
+from expbuf.server.store import Store, layout
 from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.ledger import Claimed
 from expbuf.server.store.ledger_records import (
@@ -77,7 +77,7 @@ def counts(ds: DatasetRecord) -> dict[str, int]:
 
 def test_a_dataset_is_created_once_and_refused_by_name(store: Store) -> None:
     ds, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7))
-    assert created and ds.owned == [4, 4] and ds.counts == [{}, {}]
+    assert created and (ds.owned, ds.counts, ds.owned_total) == ([4], [{}], 8)  # epoch 1 has not started
     again, created = store.claims.create("t", DatasetRecord("math", size=4, epochs=2, seed=7), exist_ok=True)
     assert not created and again.created == ds.created
     with pytest.raises(Conflict, match="epochs: the dataset has 2, the request 3"):
@@ -293,4 +293,36 @@ def test_an_event_writes_only_its_epochs_counts_whatever_the_epochs(store: Store
     with store.environment.read() as txn:
         assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
     ds = ledger(store, "long")
-    assert (ds.total("trained"), len(ds.counts), ds.counts[0], ds.counts[-1]) == (1, 2**20, {"trained": 1}, {})
+    assert (ds.total("trained"), ds.counts) == (1, [{"trained": 1}])
+
+
+def ledger_keys(store: Store, kind: bytes) -> int:
+    """The table's keys of one kind in the ledger database (ledger_records.py: d, c, p, q, g, x)."""
+    table_id, _ = store.catalog.lookup("t")
+    prefix = layout.table_prefix(table_id) + kind
+    with store.environment.read() as txn, txn.cursor(db=store.catalog.db["ledger"]) as cur:
+        found, keys = cur.set_range(prefix), 0
+        while found and bytes(cur.key()).startswith(prefix):
+            keys, found = keys + 1, cur.next()
+    return keys
+
+
+def test_a_dataset_of_many_epochs_costs_nothing_until_an_epoch_starts(store: Store) -> None:
+    """A dataset of 2**20 epochs (the most allowed) is one record at create, and a read of it
+    reads the epochs started (through the cursor's), not every epoch: its totals and whether it
+    is done come from its record."""
+    store.claims.create("t", DatasetRecord("long", size=10, epochs=2**20))
+    assert [ledger_keys(store, kind) for kind in (b"d", b"c", b"p")] == [1, 0, 0]
+    ds = ledger(store, "long")
+    assert (ds.owned, ds.counts, ds.owned_total, ds.overall()["pending"], ds.done) == (
+        [10],
+        [{}],
+        10 * 2**20,
+        10 * 2**20,
+        False,
+    )
+    store.claims.claim("t", "long", 11, seconds=60)
+    assert [ledger_keys(store, kind) for kind in (b"d", b"c", b"p")] == [1, 2, 11]
+    ds = ledger(store, "long")
+    assert (ds.owned, ds.counts, ds.total("claimed")) == ([10, 10], [{"claimed": 10}, {"claimed": 1}], 11)
+    assert [ds.states(epoch)["pending"] for epoch in (0, 1)] == [0, 9]

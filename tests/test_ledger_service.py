@@ -5,15 +5,21 @@ they name, and a prompt's life from claim to trained through pushes and samples.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import grpc
+import lmdb
 import pytest
 
 from expbuf.client import (
     AlreadyExistsError,
     AsyncBufferClient,
     BufferClient,
+    BufferError,
     Experience,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -21,17 +27,23 @@ from expbuf.client import (
     PermissionDeniedError,
     Prompt,
 )
+from expbuf.client.sharded import ShardedBufferClient
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
+from expbuf.server.store import Store
+from expbuf.server.store.ledger_records import DatasetRecord, PromptRecord, prompt_key
+from expbuf.server.store.table_config import TableConfig
 
 from conftest import Servers
 from helpers import make_experience
 
 
-def group(prompt: Prompt, runs: range) -> list[Experience]:
+def group(prompt: Prompt, runs: range, **kwargs: object) -> list[Experience]:
     """The experiences of one attempt at a prompt (rewards 0, 1, ...: never all equal)."""
     out = []
     for run in runs:
-        exp = make_experience(0, 0, run, reward=float(run))
+        exp = make_experience(0, 0, run, reward=float(run), **kwargs)
         exp.eid = prompt.eid(run)
         out.append(exp)
     return out
@@ -52,7 +64,7 @@ def client(server: ExpbufServer) -> Iterator[BufferClient]:
 def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     info = client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4)
     assert (info.name, info.size, info.epochs, info.seed, info.owned, info.done) == ("math", 3, 2, 9, 6, False)
-    assert [c.pending for c in info.counts] == [3, 3]
+    assert ([c.pending for c in info.counts], info.total("pending")) == ([3], 6)  # epoch 1 has not started
     assert (
         client.create_dataset("t", "math", 3, epochs=2, seed=9, max_in_flight=4, exist_ok=True).created == info.created
     )
@@ -75,7 +87,7 @@ def test_a_prompts_life_from_claim_to_trained(client: BufferClient) -> None:
     assert batch.groups == [first.group]
     batch.ack()
     ledger = client.ledger("t", "math")
-    assert (ledger.total("trained"), ledger.counts[0].pending, ledger.counts[1].pending) == (1, 1, 3)
+    assert (ledger.total("trained"), ledger.counts[0].pending, ledger.total("pending")) == (1, 1, 4)
     page = client.list_prompts("t", "math")
     assert [(p.index, p.state, p.owner) for p in page.prompts] == sorted(
         [(first.index, "trained", "worker-7"), (claim.prompts[1].index, "claimed", "worker-7")]
@@ -174,3 +186,192 @@ def test_paging_by_state_moves_past_pages_that_keep_no_prompt(client: BufferClie
             break
         after = page.after
     assert (found, pages) == ([(3, 1), (4, 1)], 3)
+
+
+def test_a_claims_owner_is_bounded_and_a_longer_one_stores_nothing(client: BufferClient) -> None:
+    """The owner is stored in every claimed prompt's record and repeated in replies: one longer
+    than its bound is refused by name before anything is claimed."""
+    client.create_dataset("t", "math", 4)
+    with pytest.raises(InvalidArgumentError, match=r"owner is 257 bytes; .* at most 256 bytes"):
+        client.claim("t", "math", 4, owner="é" * 128 + "x")
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.cursor_position, client.list_prompts("t", "math").prompts) == (0, 0, [])
+    (prompt,) = client.claim("t", "math", owner="é" * 128).prompts  # 256 bytes of UTF-8
+    assert prompt.owner == "é" * 128
+    assert [p.owner for p in client.list_prompts("t", "math").prompts] == ["é" * 128]
+
+
+def test_a_claim_whose_reply_could_not_be_sent_is_refused_before_it_claims(start_server: Servers) -> None:
+    """A claim's reply, counted with its owner and dataset name at their bounds and every number
+    of its prompts at its largest, fits the server's largest message: a claim of more prompts is
+    refused, naming count and the most its reply holds, and claims nothing."""
+    server = start_server(max_message_bytes=1 << 16)
+    owner, name = "o" * 256, "d" * 64
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        client.create_table("t", group_size=2)
+        client.create_dataset("t", name, 2**40, epochs=2**20, seed=-1, max_attempts=1000)
+        with pytest.raises(InvalidArgumentError, match=r"count is 65536; .* holds at most (\d+) prompts") as refused:
+            client.claim("t", name, 65536, owner=owner)
+        most = int(re.search(r"holds at most (\d+) prompts", str(refused.value)).group(1))
+        assert 0 < most < 65536
+        assert client.ledger("t", name).total("claimed") == 0
+        with pytest.raises(InvalidArgumentError, match=rf"count is {most + 1}; "):
+            client.claim("t", name, most + 1, owner=owner)
+        claim = client.claim("t", name, most, owner=owner)
+        assert len(claim.prompts) == most and {p.owner for p in claim.prompts} == {owner}
+        assert client.ledger("t", name).total("claimed") == most
+
+
+def uids(experiences: list[Experience]) -> list[str]:
+    return [e.eid.uid for e in experiences]
+
+
+def test_only_the_claims_token_pushes_its_prompts_group(start_server: Servers) -> None:
+    """With tokens on, a push into the group of a prompt another token holds is refused whole,
+    by unary Push, PushStream and a push in chunks alike: nothing of it is stored, and the claim
+    and its holder's own push are untouched."""
+    scopes = frozenset({"push", "sample", "admin"})
+    server = start_server(tokens={"a": scopes, "b": scopes})
+    target = f"127.0.0.1:{server.port}"
+    with (
+        BufferClient(target, token="a", timeout=20) as a,
+        BufferClient(target, token="b", timeout=20) as b,
+        BufferClient(target, token="b", timeout=20, push_chunk_bytes=1 << 16) as chunked,
+    ):
+        a.create_table("t", group_size=2, estimator="grpo")
+        a.create_dataset("t", "math", 4)
+        (held,) = a.claim("t", "math", lease_seconds=60).prompts
+        (own,) = b.claim("t", "math", lease_seconds=60).prompts
+        theirs = group(held, range(2))
+        with pytest.raises(PermissionDeniedError, match=rf"prompt math/0/{held.index}, claimed with another token"):
+            b.push(theirs, table="t")
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):  # one group refused: all are
+            b.push(group(own, range(2)) + theirs, table="t")
+        with b.pusher("t") as pusher, pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            pusher.push(theirs).result(timeout=20)
+        large = group(held, range(2), response=20_000)  # a payload of several chunks
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            chunked.push(large, table="t")
+        found = a.get(uids(theirs) + uids(group(own, range(2))), table="t")
+        assert len(found) == 0 and a.stats("t")["t"].pushed == 0
+        assert a.renew_claims([held], 60) == [] and b.renew_claims([own], 60) == []
+        assert a.push(theirs, table="t").stored == uids(theirs)
+        assert b.push(group(own, range(2)), table="t").stored == uids(group(own, range(2)))
+        info = a.ledger("t", "math")
+        assert (info.total("claimed"), info.total("generated")) == (0, 2)
+
+
+def test_a_push_into_an_attempt_no_claim_holds_is_refused(client: BufferClient) -> None:
+    """A prompt's group ids are predictable: a push into an attempt not handed out yet (a prompt
+    never claimed, or an attempt past the prompt's) is refused and stores nothing, so that it
+    cannot block the claimant to come. A group of the dataset's name that is no prompt's is a
+    group like any other."""
+    client.create_dataset("t", "math", 2)
+    (first,) = client.claim("t", "math", lease_seconds=60).prompts
+    later = Prompt("math", 0, 1 - first.index, 0, "math/0", f"{1 - first.index}@0", 0.0, table="t")
+    with pytest.raises(FailedPreconditionError, match=rf"attempt 0 of prompt math/0/{later.index}, which no claim"):
+        client.push(group(later, range(2)), table="t")
+    ahead = Prompt("math", 0, first.index, 1, "math/0", f"{first.index}@1", 0.0, table="t")
+    with pytest.raises(FailedPreconditionError, match=rf"attempt 1 of prompt math/0/{first.index}, which no claim"):
+        client.push(group(ahead, range(2)), table="t")
+    assert client.stats("t")["t"].pushed == 0
+    (second,) = client.claim("t", "math", lease_seconds=60).prompts
+    assert second.index == later.index
+    assert len(client.push(group(second, range(2)), table="t").stored) == 2
+    other = Prompt("math", 0, 0, 0, "math/0", "0", 0.0, table="t")  # task "0": no attempt, no prompt's group
+    assert len(client.push(group(other, range(2)), table="t").stored) == 2
+
+
+def test_a_claims_wait_is_a_number_of_seconds(client: BufferClient, server: ExpbufServer) -> None:
+    """wait_seconds NaN was taken as no wait: it, the infinities and a negative wait are refused
+    by name, and claim nothing."""
+    client.create_dataset("t", "math", 2)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for wait in (math.nan, math.inf, -math.inf, -1.0):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Claim(pb.ClaimRequest(table="t", dataset="math", count=1, lease_seconds=60, wait_seconds=wait))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, wait
+            assert "wait_seconds" in refused.value.details(), wait
+    assert client.ledger("t", "math").total("claimed") == 0
+
+
+def test_a_seed_takes_the_whole_int64_range(client: BufferClient) -> None:
+    for seed in (-(2**63), 2**63 - 1):
+        info = client.create_dataset("t", f"s{seed & 1}", 5, seed=seed)
+        assert info.seed == seed
+        claim = client.claim("t", info.name, 5)
+        assert sorted(p.index for p in claim.prompts) == list(range(5))
+
+
+def test_a_dataset_of_many_epochs_costs_its_reader_only_the_epochs_started(
+    client: BufferClient, server: ExpbufServer
+) -> None:
+    """ListDatasets of a dataset of 2**20 epochs (the most allowed) carries the epochs started
+    and the totals over all of them, not a row per epoch: a trainer reads it every step."""
+    client.create_dataset("t", "long", 10, epochs=2**20)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = pb_grpc.ExperienceBufferStub(channel).ListDatasets(pb.ListDatasetsRequest(table="t", name="long"))
+    assert reply.ByteSize() < 256
+    info = client.ledger("t", "long")
+    assert (len(info.counts), info.counts[0].pending, info.total("pending"), info.done) == (1, 10, 10 * 2**20, False)
+    claim = client.claim("t", "long", 11)
+    info = client.ledger("t", "long")
+    assert [(c.pending, c.claimed) for c in info.counts] == [(0, 10), (9, 1)]
+    assert (info.total("claimed"), info.total("pending")) == (11, 10 * 2**20 - 11)
+    assert len(claim.prompts) == 11
+
+
+def test_on_shards_only_the_claims_token_pushes_its_prompts_group(start_server: Servers, tmp_path: Path) -> None:
+    """A sharded table: each prompt's group goes to the shard that handed it out, which refuses
+    another token's push of it, whole, and stores its claimant's."""
+    scopes = frozenset({"push", "sample", "admin"})
+    tokens = {"a": scopes, "b": scopes}
+    targets = {
+        name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name, tokens=tokens).port}" for name in ("s0", "s1")
+    }
+    with (
+        ShardedBufferClient(targets, token="a", timeout=20) as a,
+        ShardedBufferClient(targets, token="b", timeout=20) as b,
+    ):
+        a.create_table("t", group_size=2, estimator="grpo")
+        a.create_dataset("t", "math", 8)
+        held = a.claim("t", "math", 8, lease_seconds=60).prompts
+        assert {a.shard_map.owner(prompt.group) for prompt in held} == {"s0", "s1"}
+        for prompt in held:
+            with pytest.raises(BufferError, match="claimed with another token") as refused:
+                b.push(group(prompt, range(2)), table="t")
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert sum(stats["t"].pushed for stats in a.shard_stats("t").values()) == 0
+        for prompt in held:
+            assert len(a.push(group(prompt, range(2)), table="t").stored) == 2
+        assert a.ledger("t", "math").total("generated") == 8
+
+
+def test_a_page_of_prompts_holds_what_one_reply_carries(start_server: Servers, tmp_path: Path) -> None:
+    """ListPrompts reads no more prompts than one reply carries with their owners at the bound,
+    and shows an owner stored before the bound cut to it: paging goes on to the last prompt."""
+    data = tmp_path / "data"
+    with Store(data) as store:
+        store.create_table(TableConfig.of(name="t", group_size=2))
+        store.claims.create("t", DatasetRecord("math", size=600))
+        store.claims.claim("t", "math", 600, seconds=600, owner="o" * 256)
+        table_id, _ = store.catalog.lookup("t")
+        key = prompt_key(table_id, "math", 0, 0)
+
+        def longer(txn: lmdb.Transaction[bytes]) -> None:  # an owner written before owners were bounded
+            rec = PromptRecord.decode(txn.get(key, db=store.catalog.db["ledger"]))
+            rec.owner = "é" * (1 << 17)
+            txn.put(key, rec.encode(), db=store.catalog.db["ledger"])
+
+        store.environment.submit(longer)
+    server = start_server(data=data, max_message_bytes=1 << 16)
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
+        first = client.list_prompts("t", "math", limit=10000)
+        assert 0 < len(first.prompts) < 600 and not first.done
+        assert first.prompts[0].owner == "é" * 128  # 256 bytes
+        seen, page = [p.index for p in first.prompts], first
+        while not page.done:
+            page = client.list_prompts("t", "math", after=page.after, limit=10000)
+            seen += [p.index for p in page.prompts]
+        assert seen == list(range(600))

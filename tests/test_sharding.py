@@ -700,13 +700,15 @@ def test_a_dataset_across_shards_hands_out_each_prompt_once_per_epoch_where_its_
             {},
             False,
         )
-        assert [c.pending for c in info.counts] == [30, 30]
+        assert ([c.pending for c in info.counts], info.total("pending")) == ([30], 60)  # epoch 1 has not started
         parts = {}
         for name in NAMES:
             with BufferClient(shards.procs[name].target) as direct:
                 parts[name] = direct.ledger("prompts", "math")
         assert {part.shard for part in parts.values()} == set(NAMES)
-        assert [sum(p.counts[e].pending for p in parts.values()) for e in (0, 1)] == [30, 30]
+        assert [len(p.counts) for p in parts.values()] == [1, 1, 1]
+        assert sum(p.counts[0].pending for p in parts.values()) == 30
+        assert sum(p.total("pending") for p in parts.values()) == 60
         assert sorted(part.max_in_flight for part in parts.values()) == [3, 3, 4]
         assert client.create_dataset("prompts", "math", 30, epochs=2, seed=4, max_in_flight=10, exist_ok=True) == info
         with pytest.raises(ValueError, match="shard and shards are the sharded client's to set"):

@@ -23,7 +23,7 @@ torchrl = pytest.importorskip("torchrl")
 
 import torch  # noqa: E402
 from tensordict import TensorDict, TensorDictBase, lazy_stack, set_list_to_stack  # noqa: E402
-from torchrl.data import ReplayBuffer, TensorDictReplayBuffer  # noqa: E402
+from torchrl.data import ReplayBuffer, TensorDictMaxValueWriter, TensorDictReplayBuffer  # noqa: E402
 from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens  # noqa: E402
 from torchrl.objectives.llm import MCAdvantage  # noqa: E402
 
@@ -154,6 +154,29 @@ def test_a_tensordict_replay_buffer_takes_them_too(target) -> None:
         assert admin.stats("tdrb")["tdrb"].consumed == 2
 
 
+@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+def test_iterating_ends_when_no_batch_comes_within_the_wait(target, kind) -> None:
+    """`for batch in rb:` runs until the sampler's `ran_out` (TorchRL's ReplayBuffer.__iter__):
+    it is set when no batch comes within `timeout` after the last one, so the loop ends there,
+    having acknowledged every batch it yielded. A loop's first batch is `rb.sample()`'s: none
+    within the wait raises DeadlineExceededError, as `rb.sample()` does."""
+    with BufferClient(target) as admin:
+        admin.create_table("iter", group_size=2, estimator="grpo")
+        rb = kind(storage=ExpbufStorage(target, "iter"), sampler=ExpbufSampler(timeout=1), batch_size=2)
+        rb.extend(groups(["a", "b", "c"], 2))
+        seen = [td["query"] for batch in rb for td in rows(batch)]
+        assert Counter(seen) == {"a": 2, "b": 2, "c": 2}
+        table = admin.stats("iter")["iter"]
+        assert (table.consumed, table.leased, table.ready) == (6, 0, 0)
+        with pytest.raises(DeadlineExceededError, match="did not have 2 experiences ready within 1s"):
+            rb.sample()
+        with pytest.raises(DeadlineExceededError):
+            next(iter(rb))
+        rb.extend(groups(["d"], 2))  # more data: a loop runs again
+        assert [td["query"] for batch in rb for td in rows(batch)] == ["d", "d"]
+        assert admin.stats("iter")["iter"].consumed == 8
+
+
 def test_one_element_at_a_time_makes_the_same_groups_and_a_prompt_seen_again_a_new_group(target) -> None:
     """MCAdvantage's grouping, kept by the table: the first four of a name are its group 0, the
     next four its group 1; `add` (one element) counts as extend does."""
@@ -269,6 +292,13 @@ def test_refusals_name_the_problem(target) -> None:
         padded["tokens"].padded = True
         with pytest.raises(ValueError, match="padded"):
             ReplayBuffer(storage=ExpbufStorage(target, "ok")).add(padded)
+        with pytest.raises(TypeError, match=r"no max_size: the table's capacity settings"):
+            ExpbufStorage(target, "ok", max_size=1000)  # TorchRL storages take one; the table bounds this one
+        with pytest.raises(TypeError, match="unexpected keyword argument 'tokn'"):
+            ExpbufStorage(target, "ok", tokn="secret")  # refused where it is made, not at the first call
+        top = TensorDictReplayBuffer(storage=ExpbufStorage(target, "ok"), writer=TensorDictMaxValueWriter())
+        with pytest.raises(ValueError, match="TensorDictMaxValueWriter has no effect on an expbuf storage"):
+            top.extend(groups(["a"], 2))
         with pytest.raises(ValueError, match="window is not an option"):
             ExpbufSampler(window=2)
         with pytest.raises(ValueError, match="lease_seconds"):

@@ -264,9 +264,9 @@ def test_the_lease_book_waits_for_the_last_sample_of_a_lease(client: BufferClien
     batch = next(client.sample("l", num_groups=1, timeout=10, max_batches=1))
     book = LeaseBook(lag=2)
     book.hold(batch, 2)
-    book.taken(batch.lease_id)
+    book.taken(batch.lease_id, None)
     assert [book.step_ended() for _ in range(3)] == [[], [], []]  # one sample still queued
-    book.taken(batch.lease_id)
+    book.taken(batch.lease_id, None)
     assert book.step_ended() == []
     assert book.step_ended() == [batch] and book.held() == []
     batch.ack()

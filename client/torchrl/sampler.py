@@ -12,6 +12,14 @@ normally after the server committed the delivery. A draw that a server's crash i
 is given back (once the server answers again) and drawn anew, so a batch the trainer has
 can never also be sitting in the table.
 
+`for batch in rb:` runs, in TorchRL's `ReplayBuffer.__iter__`, until the sampler's `ran_out`,
+which TorchRL reads right before each sample of the loop. A loop's first batch is drawn by
+`sample()` (as `rb.sample()` draws, raising DeadlineExceededError when none comes within
+`timeout`: TorchRL's samplers refuse an empty storage too); once a batch was handed out,
+reading `ran_out` draws the next one (acknowledging the one before: the loop came back, so
+its step returned), for the `sample()` that follows to hand over, and is True when none
+came within `timeout`. The loop then ends with every batch it yielded acknowledged.
+
 `state_dict()` names the lease of the batch drawn last; a checkpoint taken between steps
 (after the step that used it) therefore holds it, and `load_state_dict` has it acknowledged at
 the next sample, so a trainer restored from that checkpoint does not train that batch again.
@@ -32,7 +40,7 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from expbuf.client.client import BufferClient
-from expbuf.client.errors import NotFoundError, UnavailableError
+from expbuf.client.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from expbuf.client.lease_keeper import LeaseKeeper
 from expbuf.client.results import Batch
 from expbuf.client.sample_spec import SampleOptions, SampleSpec
@@ -50,8 +58,8 @@ class ExpbufSampler(Sampler):
     may end one group past it: a multiple of the table's group size is exactly that many
     groups). The options are `sample()`'s: order (fifo, lifo, uniform, priority or a registered
     order), delivery (lease, consume or replay), lease_seconds, timeout (how long a batch may
-    wait for ready groups; then DeadlineExceededError), min_model_version, trainer_version,
-    allow_partial.
+    wait for ready groups; then DeadlineExceededError, or the end of a `for batch in rb:` loop
+    past its first batch), min_model_version, trainer_version, allow_partial.
     """
 
     def __init__(self, **options: Unpack[SampleOptions]) -> None:
@@ -66,6 +74,10 @@ class ExpbufSampler(Sampler):
         self._keeper: LeaseKeeper | None = None
         self._keeper_table = ""
         self._source: ExpbufStorage | None = None  # the storage sampled last
+        self._batch_size = 0  # and the batch size asked for
+        self._next: Batch | None = None  # drawn by a read of `ran_out`, for the next sample()
+        self._handed = False  # a batch was handed out since the sampler last ran out
+        self._ran_out = False
         self._lock = threading.Lock()
 
     @property
@@ -76,19 +88,58 @@ class ExpbufSampler(Sampler):
         if not isinstance(storage, ExpbufStorage):
             raise TypeError(f"ExpbufSampler draws from an ExpbufStorage, not {type(storage).__name__}")
         with self._lock:
-            self._source = storage
-            self._ack_last(storage)
-            batch = self._draw(storage, batch_size)
+            batch = self._next
+            self._next = None
+            if batch is not None and (storage is not self._source or batch_size != self._batch_size):
+                self._put_back(batch)  # drawn for another storage or size than this sample asks
+                batch = None
+            if batch is None:
+                batch = self._next_batch(storage, batch_size)
             try:
                 count = storage.hold(batch)
             except Exception:
-                batch.nack()  # a batch that cannot be handed over goes back now
+                self._put_back(batch)  # a batch that cannot be handed over goes back now
                 raise
             if self.leases:
                 self._last = batch
-                self._keeper_of(storage).hold(batch.lease_id)
+            self._handed, self._ran_out = True, False
         # tensors only: TensorDictReplayBuffer writes the info into the batch (the uids are in it already)
         return torch.arange(count), {"times_sampled": torch.tensor(batch.times_sampled)}
+
+    @property
+    def ran_out(self) -> bool:
+        """Whether no batch came within `timeout` (see the module's docstring): read while a loop
+        runs, it draws the batch the next `sample()` hands over."""
+        with self._lock:
+            if self._ran_out or self._next is not None or not self._handed or self._source is None:
+                return self._ran_out
+            try:
+                self._next = self._next_batch(self._source, self._batch_size)
+            except DeadlineExceededError:
+                self._handed, self._ran_out = False, True
+            return self._ran_out
+
+    @ran_out.setter
+    def ran_out(self, value: bool) -> None:
+        """TorchRL clears it when a loop begins after one that ran out."""
+        with self._lock:
+            self._ran_out = value
+
+    def _next_batch(self, storage: ExpbufStorage, batch_size: int) -> Batch:
+        """The next batch (leases renewed), after acknowledging the one drawn before."""
+        self._source, self._batch_size = storage, batch_size
+        self._ack_last(storage)
+        batch = self._draw(storage, batch_size)
+        if self.leases:
+            self._keeper_of(storage).hold(batch.lease_id)
+        return batch
+
+    def _put_back(self, batch: Batch) -> None:
+        """Give back a batch no step trained (an unleased one is gone already: nothing to do)."""
+        if self._keeper is not None:
+            self._keeper.drop(batch.lease_id)
+        with contextlib.suppress(NotFoundError):  # it ended already
+            batch.nack()
 
     def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
         """The renewer of this sampler's leases on the storage's table (its own channel)."""
@@ -153,10 +204,10 @@ class ExpbufSampler(Sampler):
         """Stop renewing. The batch drawn last goes back to the table now (its step is not known to
         have finished: call `ack` first when it has)."""
         with self._lock:
-            if self._last is not None and self._source is not None:
-                with contextlib.suppress(NotFoundError):  # it ended already
-                    self._source.client.nack(self._last.lease_id, self._source.table)
-                self._last = None
+            for batch in (self._last, self._next):
+                if batch is not None:
+                    self._put_back(batch)
+            self._last = self._next = None
             if self._keeper is not None:
                 self._keeper.close()
                 self._keeper = None
@@ -183,7 +234,7 @@ class ExpbufSampler(Sampler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_last=None, _keeper=None, _source=None, _given_back=[], _lock=None)
+        state.update(_last=None, _next=None, _keeper=None, _source=None, _given_back=[], _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -11,10 +11,16 @@ Groups are named as TorchRL's MCAdvantage names them: by the value at `group_key
 writer on any machine, are its group 0, the next ones its group 1, and so on: the eid of an
 element is batch = that round, task = a digest of the name. A writer keeps the open round of
 the names it wrote; a round the server reports complete (another writer filled it) is passed.
+
+The table, not the storage, decides what is kept (its capacity settings: capacity_experiences,
+when_full): the storage has no `max_size` (refused by name), and the positions TorchRL's writer
+picks mean nothing here, so only its round-robin writers are taken (the default ones): another
+writer, TensorDictMaxValueWriter say, is refused by name at the first write rather than ignored.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import uuid
 from collections import OrderedDict
@@ -24,6 +30,7 @@ from typing import Any
 from tensordict import NestedKey, TensorDictBase
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.storages import LazyStackStorage, Storage
+from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import FailedPreconditionError
@@ -114,11 +121,17 @@ class ExpbufStorage(LazyStackStorage):
     def __init__(
         self, target: str, table: str = "default", *, group_key: NestedKey = "query", **connection: Any
     ) -> None:
+        if "max_size" in connection:
+            raise TypeError(
+                "ExpbufStorage has no max_size: the table's capacity settings (capacity_experiences, when_full) "
+                "bound what it keeps"
+            )
         super().__init__(max_size=None)
         self.target = target
         self.table = table
         self.group_key = group_key
         self._connection = {"wait_for_ready": True, **connection}
+        inspect.signature(BufferClient).bind(target, **self._connection)  # a wrong name is refused now
         self._client: BufferClient | None = None
         self._info: TableInfo | None = None
         self._rounds: _Rounds | None = None
@@ -152,6 +165,7 @@ class ExpbufStorage(LazyStackStorage):
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Push the elements of `data` (the positions TorchRL's writer chose mean nothing here)."""
+        self._refuse_other_writers()
         named = [(*convert.group_name(element, self.group_key), element) for element in convert.elements(data)]
         if self._rounds is None:
             self._rounds = _Rounds(self.table_info().group_size)
@@ -167,6 +181,16 @@ class ExpbufStorage(LazyStackStorage):
             for task, exps in pending.items():
                 self._push_group(task, exps)
         self._bump_mutation_revision()
+
+    def _refuse_other_writers(self) -> None:
+        """A writer of a buffer reading this storage that is not round-robin would have no effect."""
+        for buffer in self._attached_entities_iter():
+            writer = getattr(buffer, "writer", None)
+            if writer is not None and not isinstance(writer, RoundRobinWriter):
+                raise ValueError(
+                    f"{type(writer).__name__} has no effect on an expbuf storage: every element given is pushed, and "
+                    "the table's capacity settings decide what it keeps; use the buffer's default writer"
+                )
 
     def _experience(self, task: str, group: str | list[Any], element: TensorDictBase) -> Experience:
         return convert.to_experience(element, EID(task=task, suffix=uuid.uuid4().hex), group)

@@ -2,8 +2,8 @@
 
 It is a `queue.Queue` (TRL's trainer calls `get(timeout=...)` and `qsize()` on it, and its
 protocol types the attribute as one), filled only by the worker with each leased batch's
-samples at once; taking a sample tells the lease book (leases.py), under the queue's lock, so
-the book knows which lease each sample the trainer took belongs to.
+samples at once; taking a sample tells the worker (for its lease book, leases.py), under the
+queue's lock, which lease the sample the trainer took belongs to.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 
 class SampleQueue(queue.Queue[RolloutSample]):
-    def __init__(self, taken: Callable[[str], None]) -> None:
+    def __init__(self, taken: Callable[[str, RolloutSample], None]) -> None:
         super().__init__()
         self._taken = taken
         self._leases: deque[str] = deque()  # the lease of each queued sample, in the same order
@@ -34,7 +34,7 @@ class SampleQueue(queue.Queue[RolloutSample]):
 
     def _get(self) -> RolloutSample:
         sample = self.queue.popleft()
-        self._taken(self._leases.popleft())
+        self._taken(self._leases.popleft(), sample)
         return sample
 
     def clear(self) -> None:

@@ -10,23 +10,29 @@ them), and TRL's queue still drops those that grew stale while queued.
 
 Acks. A batch is acked by the TRL callback `worker.callback` at the end of a step, once every
 sample of it was trained (leases.py says when; the next `get` comes before that, since TRL
-fetches ahead), and renewed while it waits; a batch is handed to the trainer only once the
-server has stored its delivery. So a trainer that crashes gets its untrained samples again
-when their leases end, and a server killed and restarted keeps every lease it had: nothing
-acked is lost, and no sample goes to the trainer twice.
+fetches ahead), or at the end of training if its last step trained it, and renewed while it
+waits; a batch is handed to the trainer only once the server has stored its delivery. So a
+trainer that crashes gets its untrained samples again when their leases end, and a server
+killed and restarted keeps every lease it had: nothing acked is lost, and no sample goes to
+the trainer twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import queue
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import TrainerCallback
+from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, TokenBudgetBatcher
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..areal.connection import connect, table_config
 from ..client import BufferClient
@@ -34,7 +40,7 @@ from ..errors import ExpbufError
 from ..results import Batch
 from .convert import rollout_samples
 from .keeper import TRANSIENT, LeaseKeeper
-from .leases import LeaseBook, ack_lag
+from .leases import LeaseBook
 from .sample_queue import SampleQueue
 
 log = logging.getLogger("expbuf.trl")
@@ -43,21 +49,54 @@ log = logging.getLogger("expbuf.trl")
 TOKEN_LEVEL = frozenset({"reinforceplusplus", "discounted_return"})
 
 
+class TrainerPlanner:
+    """The micro-batches of TRL's trainer as `args` sets them up (AsyncGRPOTrainer's
+    get_train_dataloader): TRL's own planner, the token budget's or the fixed count's, made
+    again over the samples of a fetch to find where its micro-batches end."""
+
+    def __init__(self, args: Any) -> None:
+        self.accumulation = int(args.gradient_accumulation_steps)
+        self.processes = int(args.world_size)
+        self.token_budget = int(args.token_budget or 0)
+        self.samples = int(args.per_device_train_batch_size) * self.processes
+        self.reads_ahead = self.token_budget > 0  # the token budget's ends a micro-batch on a sample that does not fit
+
+    def planned(self, samples: list[RolloutSample], count: int) -> int | None:
+        """leases.Planner's: the samples as TRL's queue dataset yields them, through its planner."""
+        items = [
+            {"input_ids": s.input_ids, "completion_mask": s.completion_mask, "group_id": s.group_id, "at": at}
+            for at, s in enumerate(samples)
+        ]
+        planner: Iterable[list[Any]]
+        if self.reads_ahead:
+            planner = TokenBudgetBatcher(items, self.processes, self.token_budget, defaultdict(list))
+        else:
+            planner = FixedCountBatcher(items, self.processes, self.samples)
+        made = list(itertools.islice(planner, count))
+        if len(made) < count:
+            return None
+        return 1 + max(item["at"] for rows in made for row in rows for item in row.samples)
+
+
 class AckAfterStep(TrainerCallback):
-    """The worker's TRL callback: it learns the trainer's settings when training begins and
-    acks, at each step's end, the batches that are trained by then."""
+    """The worker's TRL callback: it learns the trainer's settings when training begins, acks at
+    each step's end the batches that are trained by then, and at the end of training those
+    its last step trained."""
 
     def __init__(self, worker: ExpbufRolloutWorker) -> None:
         self.worker = worker
         self.began = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.worker.book.lag = ack_lag(args.gradient_accumulation_steps)
+        self.worker.book.begin(TrainerPlanner(args))
         self.worker.trainer_settings(args.max_staleness)
         self.began = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.worker.keeper.ack(self.worker.book.step_ended())
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.worker.keeper.ack(self.worker.book.trained())
 
 
 class ExpbufRolloutWorker:
@@ -97,7 +136,7 @@ class ExpbufRolloutWorker:
         self.batches_ahead = batches_ahead
         self.wait_seconds = wait_seconds
         self.book = LeaseBook()
-        self.rollout_buffer = SampleQueue(self.book.taken)
+        self.rollout_buffer = SampleQueue(self._taken)
         self.metrics_queue: queue.Queue[dict[str, float]] = queue.Queue(maxsize=4096)
         self.callback = AckAfterStep(self)
         self.keeper = LeaseKeeper(
@@ -105,6 +144,7 @@ class ExpbufRolloutWorker:
             metric=self._metric,
         )  # fmt: skip
         self._version = 0
+        self._queue_staleness = math.inf  # the trainer's max_staleness, by which TRL's queue drops a sample
         self._failure: Exception | None = None
         self._last_answer = time.monotonic()
         self._stop = threading.Event()
@@ -165,7 +205,8 @@ class ExpbufRolloutWorker:
     # ---- the trainer's settings, from the callback ----------------------------------------
 
     def trainer_settings(self, max_staleness: int) -> None:
-        """The trainer's staleness bound, unless the worker was given one."""
+        """The trainer's staleness bound (its queue's), and the worker's unless it was given one."""
+        self._queue_staleness = max_staleness
         if self.max_staleness is None:
             self.max_staleness = max_staleness
         table_bound = self.config.max_staleness
@@ -176,6 +217,12 @@ class ExpbufRolloutWorker:
                 table_bound,
                 self.max_staleness,
             )
+
+    def _taken(self, lease_id: str, sample: RolloutSample) -> None:
+        """The trainer took a sample: TRL's queue dataset drops it if it is more than the trainer's
+        max_staleness versions behind the trainer's, and its planner never sees it."""
+        stale = self._version - sample.model_version > self._queue_staleness
+        self.book.taken(lease_id, None if stale else sample)
 
     # ---- the sampler thread ---------------------------------------------------------------
 

@@ -28,12 +28,32 @@ from .ledger_records import (
     read_prompts,
 )
 from .ledger_shards import count_owned
-from .sample_spec import MAX_LEASE_SECONDS, check_seconds
+from .sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from .table_state import TableState
 
 T = TypeVar("T")
 MAX_CLAIM = 65536  # prompts one claim may ask for
 MAX_PAGE = 10000
+# A claim's owner is stored in each prompt it claims and repeated in the replies that show them:
+# a name for the claimant (a host, a pod, a process), not data.
+MAX_OWNER_BYTES = 256
+
+
+def check_claim(count: int, owner: str, wait: float) -> None:
+    """Refuse a claim's count, owner or wait out of range, naming it and its bound (before it
+    claims anything; the service checks its request's with it before it bounds the wait)."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_CLAIM:
+        raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_CLAIM} prompts")
+    if len(owner.encode()) > MAX_OWNER_BYTES:
+        raise InvalidRequest(
+            f"owner is {len(owner.encode())} bytes; a claim's owner is at most {MAX_OWNER_BYTES} bytes of UTF-8"
+        )
+    check_seconds("wait_seconds", wait, low=0.0, high=MAX_WAIT_SECONDS)
+
+
+def shown_owner(owner: str) -> str:
+    """An owner as replies show it: one stored before owners were bounded is cut to the bound."""
+    return owner.encode()[:MAX_OWNER_BYTES].decode(errors="ignore")
 
 
 @dataclass(frozen=True)
@@ -118,8 +138,7 @@ class Claims:
     ) -> tuple[list[Claimed], bool]:
         """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
         is not done; `stop` is polled while waiting (a cancelled call)."""
-        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_CLAIM:
-            raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_CLAIM} prompts")
+        check_claim(count, owner, wait)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
         while True:

@@ -224,10 +224,16 @@ class Store:
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
     def put_entries(
-        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, may_wait: MayWait | None = None
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
     ) -> PutResult:
-        """Store validated entries durably (Pushing.put)."""
-        return self.pushing.put(table, entries, timeout=timeout, may_wait=may_wait)
+        """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
+        return self.pushing.put(table, entries, timeout=timeout, holder=holder, may_wait=may_wait)
 
     def put_in_order(
         self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None

@@ -69,7 +69,7 @@ class Conflict(StoreError):
 
 
 class Forbidden(StoreError):
-    """A lease taken by another token."""
+    """A lease, or a prompt's claim, taken by another token."""
 
     status = "PERMISSION_DENIED"
     reason = "forbidden"
@@ -89,7 +89,8 @@ class StaleExperience(GroupClosed):
 
 
 class StaleAttempt(GroupClosed):
-    """A push into the group of a prompt's attempt whose claim ended (the prompt ledger)."""
+    """A push into the group of a prompt's attempt that no claim holds: its claim ended, or it
+    was never handed out (the prompt ledger)."""
 
     reason = "stale_attempt"
 

@@ -92,12 +92,14 @@ class Entry:
 
 @dataclass(slots=True)
 class Push:
-    """A push as the store takes it: a table and validated entries. The store reads the entries
-    when the writer stores them and keeps them no longer, so whoever made the push lets them go
-    (`entries = []`) as soon as it has the push's result."""
+    """A push as the store takes it: a table, validated entries, and who pushes them (with
+    tokens on, a fingerprint of the caller's token; only a claimed prompt's token pushes its
+    group). The store reads the entries when the writer stores them and keeps them no longer,
+    so whoever made the push lets them go (`entries = []`) as soon as it has the push's result."""
 
     table: str
     entries: Sequence[Entry]
+    holder: str = ""
 
 
 @dataclass

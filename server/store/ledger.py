@@ -56,6 +56,7 @@ from .ledger_records import (
     read_dataset,
     read_expiry_key,
     read_group_entry,
+    read_group_key,
     unplace,
 )
 from .ledger_shards import count_owned, owns
@@ -98,8 +99,13 @@ def check(ds: DatasetRecord, group_by: str) -> None:
     ):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ConfigError(f"{where}: {setting} is {clip(value)}; it must be an integer in {low}..{high}")
-    if ds.seed is not None and (not isinstance(ds.seed, int) or isinstance(ds.seed, bool) or abs(ds.seed) >= 2**63):
-        raise ConfigError(f"{where}: seed is {clip(ds.seed)}; it must be a 64-bit integer, or unset for index order")
+    if ds.seed is not None and (
+        not isinstance(ds.seed, int) or isinstance(ds.seed, bool) or not -(2**63) <= ds.seed < 2**63
+    ):  # the whole range of the wire's int64
+        bounds = f"{-(2**63)}..{2**63 - 1}"
+        raise ConfigError(
+            f"{where}: seed is {clip(ds.seed)}; it must be an integer in {bounds}, or unset for index order"
+        )
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
     if ds.shards or ds.shard:
@@ -162,13 +168,13 @@ class Ledger(TableExtension):
                 return found, False
             detail = f" with other settings: {'; '.join(differ)}" if differ else ""
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
-        ds.created = tt.now
-        ds.owned = ds.owned or count_owned(ds)  # a shard's part is counted before the write (claims.py)
-        ds.owned_total, ds.totals, ds.counts = sum(ds.owned), {}, [{} for _ in range(ds.epochs)]
-        self._save(tt, ds)
+        ds.created, ds.totals = tt.now, {}
         if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
+            ds.owned = ds.owned or count_owned(ds)  # counted before the write (claims.py)
             for epoch, owned in enumerate(ds.owned):
                 tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
+        ds.owned_total = sum(ds.owned) if ds.shards else ds.size * ds.epochs  # nothing written per epoch
+        self._save(tt, ds)
         self._holds[tt.table_id] = True
         return ds, True
 
@@ -335,20 +341,35 @@ class Ledger(TableExtension):
     # ---- the table's events ------------------------------------------------------------------
 
     def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
-        """Refuse a push into the group of an attempt whose claim ended."""
+        """Only the claimant of a prompt's attempt pushes its group (with tokens on, the token
+        that claimed it: `tt.holder`). Refuse a push into the group of an attempt whose claim
+        ended, of one not handed out (a prompt's group keys are predictable: a push into one
+        would block the claimant to come), or of one claimed with another token."""
         if not self.holds(tt):
             return
         for gkey in gkeys:
             found = self._entry(tt, gkey)
             if found is None:
+                named = read_group_key(gkey)
+                if named is not None and tt.txn.get(dataset_key(tt.table_id, named[0]), db=tt.db["ledger"]):
+                    name, epoch, index, attempt = named
+                    raise StaleAttempt(
+                        f"group {gkey} is attempt {attempt} of prompt {name}/{epoch}/{index}, which no claim holds"
+                        " (not handed out): nothing of this push is stored; push the groups of the prompts you claim"
+                    )
                 continue
             (name, epoch, index, attempt), rec = found
+            prompt = f"prompt {name}/{epoch}/{index}"
             if rec.attempt != attempt or rec.state != CLAIMED:
-                prompt = f"prompt {name}/{epoch}/{index}"
                 held = f"attempt {rec.attempt} is {rec.state}" if rec.state in (PENDING, CLAIMED) else rec.state
                 raise StaleAttempt(
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
                     "nothing of this push is stored; claim a prompt again"
+                )
+            if rec.holder != tt.holder:
+                raise Forbidden(
+                    f"group {clip(gkey)} is attempt {attempt} of {prompt}, claimed with another token: "
+                    "nothing of this push is stored"
                 )
 
     def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:

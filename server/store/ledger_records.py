@@ -58,16 +58,30 @@ def group_key(name: str, epoch: int, index: int, attempt: int) -> str:
     return f"{batch}/{task}"
 
 
+_GROUP_KEY = re.compile(
+    r"([A-Za-z][A-Za-z0-9_.\-]{0,63})/(0|[1-9][0-9]{0,19})/(0|[1-9][0-9]{0,19})@(0|[1-9][0-9]{0,9})"
+)
+
+
+def read_group_key(gkey: str) -> tuple[str, int, int, int] | None:
+    """(dataset, epoch, index, attempt) of a group key as `group_key` makes them; None for any
+    other key."""
+    found = _GROUP_KEY.fullmatch(gkey)
+    return None if found is None else (found[1], int(found[2]), int(found[3]), int(found[4]))
+
+
 @dataclass
 class DatasetRecord:
     """A dataset of prompts on a table, its cursor and its totals.
 
     `totals[state]` counts the prompts of every epoch in each state but pending (the rest of
     the `owned_total` prompts this server hands out: `size` per epoch, or on a shard of a
-    sharded table those it owns, ledger_shards.py). Each epoch's prompts owned and counts by
-    state are a record of their own (`counts_key`), so that an event rewrites this record and
-    its epoch's, whatever the epochs. `owned` and `counts` hold them, one row per epoch, only
-    when read for a caller (`read_epochs`), and are never stored here."""
+    sharded table those it owns, ledger_shards.py), so that the totals and whether the dataset
+    is `done` read this record alone. Each epoch's prompts owned and counts by state are a
+    record of their own (`counts_key`), so that an event rewrites this record and its epoch's,
+    whatever the epochs. `owned` and `counts` hold them, one row per epoch started (`started`),
+    only when read for a caller (`read_epochs`), and are never stored here: an epoch past the
+    cursor's has had no prompt handed out, all its prompts pending."""
 
     name: str
     size: int
@@ -86,8 +100,8 @@ class DatasetRecord:
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
     totals: dict[str, int] = field(default_factory=dict)
-    owned: list[int] = field(default_factory=list)  # per epoch: read for a caller, not stored
-    counts: list[dict[str, int]] = field(default_factory=list)  # per epoch: read for a caller, not stored
+    owned: list[int] = field(default_factory=list)  # per epoch started: read for a caller, not stored
+    counts: list[dict[str, int]] = field(default_factory=list)  # per epoch started: read for a caller, not stored
 
     def __post_init__(self) -> None:
         self.shards = sorted(self.shards)  # the same shards in any order are the same placement
@@ -97,9 +111,14 @@ class DatasetRecord:
         keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
         return {key: getattr(self, key) for key in keys}
 
+    @property
+    def started(self) -> int:
+        """The epochs started: those up to the cursor's (every one once the cursor is past the last)."""
+        return min(self.cursor_epoch + 1, self.epochs)
+
     def states(self, epoch: int) -> dict[str, int]:
-        """An epoch's prompts by state, pending included (those of its `owned` in no other);
-        the epochs must have been read (`read_epochs`)."""
+        """A started epoch's prompts by state, pending included (those of its `owned` in no
+        other); the epochs must have been read (`read_epochs`)."""
         row = self.counts[epoch]
         held = {state: row.get(state, 0) for state in COUNTED}
         return {PENDING: self.owned[epoch] - sum(held.values()), **held}
@@ -257,14 +276,17 @@ def read_dataset(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int
 
 
 def read_epochs(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, ds: DatasetRecord) -> DatasetRecord:
-    """The dataset with each epoch's prompts owned and counts read into `owned` and `counts`
-    (an epoch without its record has had no event: `size` owned, none counted)."""
-    ds.owned, ds.counts = [ds.size] * ds.epochs, [{} for _ in range(ds.epochs)]
+    """The dataset with each started epoch's prompts owned and counts read into `owned` and
+    `counts` (an epoch without its record has had no event: `size` owned, none counted); the
+    records of the epochs after them (a shard's parts, written at create) are not read."""
+    ds.owned, ds.counts = [ds.size] * ds.started, [{} for _ in range(ds.started)]
     prefix = counts_prefix(table_id, ds.name)
     with txn.cursor(db=db) as cur:
         found = cur.set_range(prefix)
         while found and bytes(cur.key()).startswith(prefix):
             epoch = counts_epoch(bytes(cur.key()))
+            if epoch >= ds.started:
+                break
             ds.owned[epoch], ds.counts[epoch] = decode_counts(cur.value())
             found = cur.next()
     return ds

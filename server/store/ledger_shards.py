@@ -38,10 +38,8 @@ def owns(ds: DatasetRecord, epoch: int, index: int) -> bool:
 
 
 def count_owned(ds: DatasetRecord, stop: Callable[[], bool] | None = None) -> list[int]:
-    """The prompts of each epoch this server hands out; raises Cancelled once `stop()` says
-    the caller gave up."""
-    if not ds.shards:
-        return [ds.size] * ds.epochs
+    """The prompts of each epoch a shard's part of a sharded dataset hands out; raises
+    Cancelled once `stop()` says the caller gave up."""
     return [_count(ds, epoch, stop) for epoch in range(ds.epochs)]
 
 

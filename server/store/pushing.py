@@ -63,11 +63,17 @@ class Pushing:
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
 
     def put(
-        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, may_wait: MayWait | None = None
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
     ) -> PutResult:
         """Store validated entries durably. A full table in block mode, or a rate limit that holds
         the push, waits until timeout."""
-        (result,) = self.put_in_order([Push(table, entries)], timeout=timeout, may_wait=may_wait)
+        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout, may_wait=may_wait)
         return result
 
     def put_in_order(
@@ -153,6 +159,7 @@ class Pushing:
                 table_id, config = self.catalog.lookup(ready.push.table)
                 ahead = ready.ahead if table_id == ready.table_id else None
                 tt = self._state_in(child, table_id, config)
+                tt.holder = ready.push.holder
                 result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.max_reply_bytes,
                                    self.in_push, ahead)  # fmt: skip
             except Exception as exc:

@@ -16,6 +16,7 @@ from .selection import ORDERS
 DELIVERIES = ("consume", "lease", "replay")
 # A lease longer than a week is a forgotten batch, not a long training step.
 MAX_LEASE_SECONDS = 7 * 86400.0
+MAX_WAIT_SECONDS = float(2**31)  # a request's wait; the server bounds it further (max_wait_seconds)
 # Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
 MAX_COUNT = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -81,7 +82,7 @@ class SampleSpec:
             raise SpecError(f"delivery is {self.delivery!r}; expected one of {', '.join(DELIVERIES)}")
         if self.delivery == "lease":
             check_seconds("lease_seconds", self.lease_seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
-        check_seconds("wait_seconds", self.wait_seconds, low=0.0, high=float(2**31))
+        check_seconds("wait_seconds", self.wait_seconds, low=0.0, high=MAX_WAIT_SECONDS)
         version = self.min_model_version
         if version is not None and (
             not isinstance(version, int) or isinstance(version, bool) or not INT64[0] <= version <= INT64[1]

@@ -95,6 +95,8 @@ class TableState:
         # Its result for the groups the push was expected to complete, computed before the
         # transaction (pushed_advantages.compute_ahead), used where they are the groups it completes.
         self.ahead: Ahead | None = None
+        # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
+        self.holder = ""
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""

@@ -22,8 +22,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from datasets import Dataset
-from test_trl_trainer import GROUP, RecordingTrainer, push_groups
+from test_trl_trainer import GROUP, push_groups, recording_trainer
 from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
@@ -32,7 +31,7 @@ from expbuf.client.trl import ExpbufRolloutWorker
 
 from faultkit import servers
 from helpers import ServerProcess
-from trl_cpu import NoWeightSync, on_cpu, tiny_model
+from trl_cpu import on_cpu, tiny_model
 
 pytestmark = pytest.mark.faults
 
@@ -83,11 +82,7 @@ def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path
             )  # fmt: skip
             kill = KillTheServer(server, lambda: start(data, "--port", str(port)))
             with on_cpu():
-                trainer = RecordingTrainer(
-                    model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
-                    rollout_worker=worker, weight_transfer=NoWeightSync(), callbacks=[worker.callback, kill],
-                )  # fmt: skip
-                trainer.trained = []
+                trainer = recording_trainer(model, args, worker, kill)
                 trainer.train()
 
             # The restarted server serves before its advantage worker has loaded torch, which is

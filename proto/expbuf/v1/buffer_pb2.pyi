@@ -703,7 +703,7 @@ class EpochCounts(_message.Message):
     def __init__(self, pending: _Optional[int] = ..., claimed: _Optional[int] = ..., generated: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("config", "created_unix", "cursor_epoch", "cursor_position", "counts", "reissued", "attempts_dropped", "done", "owned")
+    __slots__ = ("config", "created_unix", "cursor_epoch", "cursor_position", "counts", "reissued", "attempts_dropped", "done", "owned", "totals")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CURSOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -713,6 +713,7 @@ class DatasetInfo(_message.Message):
     ATTEMPTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     OWNED_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     config: DatasetConfig
     created_unix: float
     cursor_epoch: int
@@ -722,7 +723,8 @@ class DatasetInfo(_message.Message):
     attempts_dropped: int
     done: bool
     owned: int
-    def __init__(self, config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., created_unix: _Optional[float] = ..., cursor_epoch: _Optional[int] = ..., cursor_position: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[EpochCounts, _Mapping]]] = ..., reissued: _Optional[int] = ..., attempts_dropped: _Optional[int] = ..., done: _Optional[bool] = ..., owned: _Optional[int] = ...) -> None: ...
+    totals: EpochCounts
+    def __init__(self, config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., created_unix: _Optional[float] = ..., cursor_epoch: _Optional[int] = ..., cursor_position: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[EpochCounts, _Mapping]]] = ..., reissued: _Optional[int] = ..., attempts_dropped: _Optional[int] = ..., done: _Optional[bool] = ..., owned: _Optional[int] = ..., totals: _Optional[_Union[EpochCounts, _Mapping]] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("table", "config", "exist_ok")
