@@ -18,6 +18,7 @@ import grpc.aio
 from . import aio_status, calls
 from .aio_pusher import AsyncPusher
 from .connection import ClientBase, call_error
+from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
@@ -88,6 +89,18 @@ class AsyncBufferClient(ClientBase):
         await self.close()
 
     async def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+        """`call`'s result; made again after a pause where calls.Attempts says so."""
+        attempts = calls.Attempts(call, self.timeout)
+        while True:
+            try:
+                return await self._attempt(attempts.call)
+            except ExpbufError as exc:
+                pause = attempts.after(exc)
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
             if isinstance(call, calls.Chunked):

@@ -8,10 +8,11 @@ Sample stream's pieces (confirmations, batches) are here too; its two loops are 
 
 from __future__ import annotations
 
+import random
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypedDict, TypeVar
 
 import grpc
@@ -19,7 +20,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import trxp, wire
-from .connection import RETRIED_METHODS
+from .connection import BACKOFF, RETRIED_METHODS
 from .errors import DataLossError, DeadlineExceededError, ExpbufError
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
@@ -78,6 +79,42 @@ class Chunked(Generic[R]):
     retry: bool
     timeout: float | None = None
     method: str = "PushStream"
+
+
+class Attempts(Generic[R]):
+    """The attempts of one call, `call` the next. A call that waits on the server (a claim's or an
+    admit's `wait`: its request's wait_seconds) holds a server thread while it waits, so the server
+    lets only so many wait at once and refuses the others at once, before they begin (ExpbufError.busy).
+    Such a refusal is not the caller's answer: the call is made again after a pause, as gRPC's retry
+    policy pauses (connection.BACKOFF), waiting what is left of its wait; once its wait is spent,
+    once more without waiting, so that it answers with what there is. No attempt ends past the
+    first one's deadline (the call's timeout, else the client's `timeout`)."""
+
+    def __init__(self, call: Unary[R] | Chunked[R], timeout: float) -> None:
+        self.call = call
+        start = time.monotonic()
+        self._waits_until = start + (getattr(call.request, "wait_seconds", 0.0) if isinstance(call, Unary) else 0.0)
+        self._deadline = start + (call.timeout or timeout)
+        self._pause = BACKOFF.initial
+
+    def after(self, error: ExpbufError) -> float | None:
+        """The pause before the call is made again (`call` is then that attempt), or None when
+        `error` is the call's answer."""
+        call = self.call
+        if not (error.busy and isinstance(call, Unary) and call.request.wait_seconds > 0):
+            return None
+        now = time.monotonic()
+        pause = min(self._pause * random.uniform(1 - BACKOFF.jitter, 1 + BACKOFF.jitter), self._waits_until - now)
+        pause = max(pause, 0.0)
+        self._pause = min(self._pause * BACKOFF.multiplier, BACKOFF.most)
+        start = now + pause
+        if start >= self._deadline:
+            return None
+        request = type(call.request)()
+        request.CopyFrom(call.request)
+        request.wait_seconds = max(0.0, self._waits_until - start)
+        self.call = replace(call, request=request, timeout=self._deadline - start)
+        return pause
 
 
 def one_reply(replies: list[Any]) -> Any:

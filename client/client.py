@@ -21,6 +21,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from . import calls
 from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
+from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .pusher import Pusher
@@ -112,6 +113,18 @@ class BufferClient(ClientBase):
         self.close()
 
     def _run(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
+        """`call`'s result; made again after a pause where calls.Attempts says so."""
+        attempts = calls.Attempts(call, self.timeout)
+        while True:
+            try:
+                return self._attempt(attempts.call)
+            except ExpbufError as exc:
+                pause = attempts.after(exc)
+                if pause is None:
+                    raise
+                time.sleep(pause)
+
+    def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
             if isinstance(call, calls.Chunked):
@@ -246,7 +259,8 @@ class BufferClient(ClientBase):
 
     def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
         """How many of `count` rollouts may start now under the table's staleness bound,
-        waiting up to `wait` seconds for room. Finish the grant when the rollouts are done
+        waiting up to `wait` seconds for room (asking again while the server has as many admits
+        waiting as it lets, as claim does). Finish the grant when the rollouts are done
         (`finish_grant`); a grant not finished within grant_seconds gives its room back."""
         return self._run(calls.admit(table, count, wait, grant_seconds, self.timeout))
 
@@ -287,7 +301,8 @@ class BufferClient(ClientBase):
     ) -> Claim:
         """Up to `count` prompts for this rollout worker, under claims that end `lease_seconds`
         from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
-        seconds when none can be handed out now (max_in_flight reached, or every prompt out).
+        seconds when none can be handed out now (max_in_flight reached, or every prompt out),
+        asking again while the server has as many claims waiting as it lets (calls.Attempts).
         `done` says the dataset has nothing left to hand out or train."""
         return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
 

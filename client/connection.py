@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import grpc
 
@@ -23,6 +23,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from .errors import ExpbufError
 from .sample_reply import sample_method
+from .wire import BUSY
 
 if TYPE_CHECKING:
     from .calls import Chunked, Unary
@@ -77,16 +78,30 @@ RECONNECT = (
 RETRY_BUFFER = (("grpc.per_rpc_retry_buffer_size", 2**31 - 1),)
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """The pauses between attempts of a call: from `initial` seconds, times `multiplier` each
+    time up to `most`, each ±`jitter` (gRPC's retry policy applies them, with its own jitter of ±20%)."""
+
+    initial: float = 0.05
+    most: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+
+BACKOFF = Backoff()
+
+
 def service_config(retries: int) -> str:
     """The channel's service config: RETRIED_METHODS retried on UNAVAILABLE up to `retries`
-    times (none: no policy), backing off from 50 ms, doubling up to 2 s, each pause ±20% (gRPC's jitter)."""
+    times (none: no policy), with the pauses of BACKOFF."""
     if retries <= 0:
         return json.dumps({"methodConfig": []})
     policy = {
         "maxAttempts": retries + 1,
-        "initialBackoff": "0.05s",
-        "maxBackoff": "2s",
-        "backoffMultiplier": 2,
+        "initialBackoff": f"{BACKOFF.initial:g}s",
+        "maxBackoff": f"{BACKOFF.most:g}s",
+        "backoffMultiplier": BACKOFF.multiplier,
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
     names = [{"service": SERVICE, "method": method} for method in sorted(RETRIED_METHODS)]
@@ -130,12 +145,16 @@ TLS_HINT = (
 
 
 def call_error(exc: grpc.RpcError, tls: bool) -> ExpbufError:
-    """The ExpbufError of a failed call, with gRPC's details. A TLS server closes a plaintext
-    connection, which gRPC reports as UNAVAILABLE "Socket closed": a plaintext client adds the hint."""
+    """The ExpbufError of a failed call, with gRPC's details (and `busy` where the server says so,
+    wire.BUSY). A TLS server closes a plaintext connection, which gRPC reports as UNAVAILABLE
+    "Socket closed": a plaintext client adds the hint."""
     details = exc.details() or ""
     if not tls and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
         details = f"{details} ({TLS_HINT})"
-    return ExpbufError(exc.code(), details)
+    error = ExpbufError(exc.code(), details)
+    metadata = cast(Iterable[tuple[str, Any]], exc.trailing_metadata() or ())  # pairs, blocking or asyncio
+    error.busy = any(key == BUSY for key, _ in metadata)
+    return error
 
 
 class ClientBase:

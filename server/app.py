@@ -153,7 +153,8 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
-        interceptors.append(call_limits(config))
+        self.call_limits = call_limits(config)
+        interceptors.append(self.call_limits)
         interceptors.append(PassBytes())
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(
@@ -161,6 +162,8 @@ class ExpbufServer:
                 self.inflight,
                 stream_wait=config.push_stream_idle_seconds / 2,
                 max_push_bytes=config.max_message_bytes,
+                min_mb_per_second=config.push_min_mb_per_second,
+                grace=config.push_stream_idle_seconds,
             )
         )
         keep_reply_memory()

@@ -17,6 +17,7 @@ from .store import ComputeJob, Entry, Push, PutResult, Sampled, ScrubStatus, Sha
 from .store.admission import Grant
 from .store.browse import Page
 from .store.claims import PromptPage
+from .store.kinds import MayWait
 from .store.ledger import Claimed
 from .store.ledger_records import DatasetRecord
 from .store.sample_spec import SampleSpec
@@ -37,9 +38,17 @@ class Backend(Protocol):
     # experiences
     def put(self, table: str, items: Sequence[trxp.RawItem], *, timeout: float | None = None) -> PutResult: ...
     def put_entries(
-        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, holder: str = ""
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
     ) -> PutResult: ...
-    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]: ...
+    def put_in_order(
+        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
+    ) -> Iterator[PutResult]: ...
     def sample(
         self,
         spec: SampleSpec,

@@ -110,3 +110,21 @@ def remaining(context: grpc.ServicerContext, limit: float | None = None) -> floa
     left = context.time_remaining()
     left = 3600.0 if left is None else max(0.0, left - 0.05)
     return left if limit is None else min(left, limit)
+
+
+def max_wait_note(seconds: float) -> str:
+    """What a refusal at the end of a wait adds when the server's max_wait_seconds ended it."""
+    return f" (the server's max_wait_seconds = {seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"
+
+
+def room_wait(context: grpc.ServicerContext, most: float) -> tuple[float, str]:
+    """How long a push may wait for room in a full table or under the rate limit: until its
+    deadline, at most the server's max_wait_seconds `most` (it holds a worker thread meanwhile);
+    and what its refusal then adds (max_wait_note) when `most` is what ends the wait."""
+    left = remaining(context)
+    return (left, "") if left <= most else (most, max_wait_note(most))
+
+
+def noted(refusal: StoreError, note: str) -> StoreError:
+    """`refusal`, with `note` after its message (a refusal of its class made anew) if there is one."""
+    return type(refusal)(f"{refusal}{note}") if note else refusal

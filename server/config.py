@@ -12,12 +12,14 @@ may also declare tables (created at start, or checked against the stored ones):
     max_sample_streams = 48       # open Sample streams (default: three quarters of workers)
     max_push_streams = 32         # open PushStreams (default: half the workers)
     max_waiting_admits = 16       # Admit calls waiting for room (default: a quarter of the workers)
+    max_waiting_claims = 16       # Claim calls waiting for prompts (default: a quarter of the workers)
     reserved_workers = 8          # workers calls that wait idle may not take (default: an eighth)
     push_scope_workers = 16       # workers kept for push-scope calls (default: a quarter)
     sample_scope_workers = 16     # workers kept for sample-scope calls (default: a quarter)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     push_stream_window = 8        # pushes a PushStream reads and stores ahead of its replies
-    max_wait_seconds = 600        # the longest a Sample batch or an Admit waits for data or room
+    push_min_mb_per_second = 0.1  # a push in chunks slower than this on average is ended
+    max_wait_seconds = 600        # the longest a Sample batch, an Admit, a Claim or a push waits
     max_confirm_seconds = 600     # the longest a sent batch waits for its confirmation (default: max_wait_seconds)
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
@@ -103,6 +105,8 @@ class ServerConfig:
     max_table_streams: int | None = None  # None: max_sample_streams
     max_push_streams: int | None = None  # None: half the workers
     max_waiting_admits: int | None = None  # None: a quarter of the workers
+    # Claims waiting for prompts at once; more wait in their clients, which ask again (limits.py).
+    max_waiting_claims: int | None = None  # None: a quarter of the workers
     # Workers kept for the calls that do not wait idle: no class of call can take every one (limits.py).
     reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
     # Workers kept for each scope's calls, which the other scope's calls cannot take (limits.py).
@@ -112,6 +116,10 @@ class ServerConfig:
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
     # reads and parses the next, and the next step stores all it parsed in one commit (push_stream.py).
     push_stream_window: int = 8
+    # A push in chunks must come at this many MB (10^6 bytes) a second on average, after a grace of
+    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (inflight.py).
+    push_min_mb_per_second: float = 0.1
+    # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0
     # The longest a Sample batch sent waits for its client's confirmation, counted from the later of
     # its send and the client's confirmation of the batch before: a trainer's step. Past it the
@@ -180,6 +188,10 @@ class ServerConfig:
         return self.max_waiting_admits if self.max_waiting_admits is not None else max(1, self.workers // 4)
 
     @property
+    def waiting_claim_limit(self) -> int:
+        return self.max_waiting_claims if self.max_waiting_claims is not None else max(1, self.workers // 4)
+
+    @property
     def reserved_worker_count(self) -> int:
         return self.reserved_workers if self.reserved_workers is not None else max(1, self.workers // 8)
 
@@ -221,7 +233,7 @@ class ServerConfig:
                 f"max_table_streams must be an integer from 1 to max_sample_streams = {self.sample_stream_limit}, "
                 f"got {per_table!r}"
             )
-        for name in ("max_push_streams", "max_waiting_admits", "reserved_workers"):
+        for name in ("max_push_streams", "max_waiting_admits", "max_waiting_claims", "reserved_workers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 1 <= value < self.workers):
                 raise ConfigError(
@@ -245,6 +257,9 @@ class ServerConfig:
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 86400:
                 raise ConfigError(f"{name} must be a number of seconds above 0 and at most 86400, got {value!r}")
+        rate = self.push_min_mb_per_second
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 100_000:
+            raise ConfigError(f"push_min_mb_per_second must be a number above 0 and at most 100000, got {rate!r}")
         window = self.push_stream_window
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= 1024:
             raise ConfigError(f"push_stream_window must be an integer from 1 to 1024, got {window!r}")
@@ -282,11 +297,13 @@ _ENV = {
     "EXPBUF_MAX_TABLE_STREAMS": ("max_table_streams", int),
     "EXPBUF_MAX_PUSH_STREAMS": ("max_push_streams", int),
     "EXPBUF_MAX_WAITING_ADMITS": ("max_waiting_admits", int),
+    "EXPBUF_MAX_WAITING_CLAIMS": ("max_waiting_claims", int),
     "EXPBUF_RESERVED_WORKERS": ("reserved_workers", int),
     "EXPBUF_PUSH_SCOPE_WORKERS": ("push_scope_workers", int),
     "EXPBUF_SAMPLE_SCOPE_WORKERS": ("sample_scope_workers", int),
     "EXPBUF_PUSH_STREAM_IDLE_SECONDS": ("push_stream_idle_seconds", float),
     "EXPBUF_PUSH_STREAM_WINDOW": ("push_stream_window", int),
+    "EXPBUF_PUSH_MIN_MB_PER_SECOND": ("push_min_mb_per_second", float),
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_CONFIRM_SECONDS": ("max_confirm_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),

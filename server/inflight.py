@@ -14,9 +14,14 @@ A push starts reading its message only while the payloads held by pushes in prog
 below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
 RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
 so the pushes that started reading below the cap may together pass it, by at most one message
-each; a payload in chunks is held as its chunks come, and once its first is read the others
-are read whatever the cap.) A push larger than the cap still goes through when nothing else is in flight. When the
-last push in flight ends, memory freed by large pushes is handed back to the system.
+each.) A push sent whole that is larger than the cap still goes through when nothing else is in
+flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
+by that, reserving all of it once it fits beside what is held (waiting, and refused, as above),
+and refused at once, naming both, when it is larger than the cap; its reservation is given back
+however the push ends. It must also come at `push_min_mb_per_second` on average, after a grace of
+`push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
+and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
+handed back to the system.
 
 A PushStream reads its next messages while its earlier pushes are stored (push_stream.py): each
 message carries what it holds, given back once its push is stored or refused, and the stream's
@@ -151,6 +156,7 @@ class InFlight:
         self.limit = limit
         self._changed = threading.Condition()
         self._held = 0
+        self._waiting = 0  # pushes waiting for room
         self._owners: dict[object, int] = {}  # pushes holding memory, by the stream they came on
         self._since_trim = 0
         self._trim = _malloc_trim()
@@ -159,12 +165,30 @@ class InFlight:
     def held(self) -> int:
         return self._held
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
     def admit(self, timeout: float, owner: object = None) -> str | None:
         """Wait until a push may read its message, up to `timeout`; the refusal if it may not. The
         time is counted only while `owner` (a stream) holds nothing: its own pushes give back theirs."""
         with self._changed:
-            deadline = None
-            while self._held >= self.limit:
+            return self._wait_for(lambda: self._held < self.limit, timeout, owner, "")
+
+    def reserve(self, size: int, timeout: float, owner: object = None) -> Callable[[], None] | str:
+        """Hold `size` bytes (what a push in chunks announces) once they fit beside what is held,
+        waiting as admit() does; the function that gives them back, or the refusal."""
+        with self._changed:
+            what = f"a push in chunks of total_bytes = {size} waited for room: "
+            refused = self._wait_for(lambda: self._held + size <= self.limit, timeout, owner, what)
+            return self.hold(size, owner) if refused is None else refused
+
+    def _wait_for(self, fits: Callable[[], bool], timeout: float, owner: object, what: str) -> str | None:
+        """Wait (the lock held) until `fits()`, as admit() says; the refusal, after `what`, if not in time."""
+        deadline = None
+        self._waiting += 1
+        try:
+            while not fits():
                 if self._owners.get(owner):
                     deadline = None
                     self._changed.wait()
@@ -174,11 +198,14 @@ class InFlight:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return (
-                        f"pushes in progress hold {self._held} bytes of payload, the limit is max_inflight_bytes = "
-                        f"{self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or retry later)"
+                        f"{what}pushes in progress hold {self._held} bytes of payload, the limit is "
+                        f"max_inflight_bytes = {self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the "
+                        "config file, or retry later)"
                     )
                 self._changed.wait(left)
             return None
+        finally:
+            self._waiting -= 1
 
     def hold(self, size: int, owner: object = None) -> Callable[[], None]:
         """Count a read payload (of `owner`'s) until the function returned is called."""
@@ -226,10 +253,19 @@ class PushMemory(ServiceInterceptor):
     PushStream puts the chunks of a payload together before the servicer sees it. A message that
     cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn."""
 
-    def __init__(self, inflight: InFlight, stream_wait: float = 3600.0, max_push_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        inflight: InFlight,
+        stream_wait: float = 3600.0,
+        max_push_bytes: int = 256 << 20,
+        min_mb_per_second: float = 0.1,
+        grace: float = 120.0,
+    ) -> None:
         self.inflight = inflight
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         self.max_push_bytes = max_push_bytes  # the largest payload in chunks: max_message_bytes
+        # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
+        self.min_mb_per_second, self.grace = min_mb_per_second, grace
 
     def _read(
         self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
@@ -259,19 +295,42 @@ class PushMemory(ServiceInterceptor):
             )
         return request
 
-    def _chunks(self, first: PushMessage, requests: Iterator[Any], owner: object) -> Generator[Any, None, PushMessage]:
-        """The payload whose first chunk is `first`, put together from the chunks that follow it
-        (each held as it comes, by the message made, and let go once copied), then returned as
-        one message; PROGRESS after each chunk but the last, so that the stream is not taken for
-        idle. A stream that ends before the last chunk is refused: nothing of the push is stored."""
+    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object) -> None:
+        """Hold what a push in chunks announces (total_bytes) in place of its first chunk, once it
+        fits beside what pushes in progress hold (waiting as a message's read does); refused at once
+        when larger than the cap, which it could never fit under."""
+        total, limit = first.total_bytes, self.inflight.limit
+        first.release()
+        if total > limit:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_inflight_bytes = "
+                f"{limit}, the payload bytes pushes in progress may hold together (raise it with "
+                "EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
+            )
+        held = self.inflight.reserve(total, min(self.stream_wait, _remaining(context)), owner)
+        if isinstance(held, str):
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held)
+        first.held.append(held)
+
+    def _chunks(
+        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
+    ) -> Generator[Any, None, PushMessage]:
+        """The payload whose first chunk is `first`, reserved (`_reserve`) and put together from the
+        chunks that follow it, then returned as one message; PROGRESS after each chunk but the last,
+        so that the stream is not taken for idle. A stream that ends before the last chunk, or whose
+        chunks come slower than min_mb_per_second on average after the grace, is refused: nothing of
+        the push is stored, and its reservation is given back."""
+        self._reserve(first, context, owner)
         total, got = first.total_bytes, len(first.payload)
-        whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
-        whole[:got] = first.payload
-        first.drop_payload()
-        message = PushMessage(first.table, whole, first.seq, held=first.held)
-        del whole  # the message alone holds the payload, which the servicer lets go once decoded
         where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
+        started, allowed = time.monotonic(), self.grace + total / (self.min_mb_per_second * 1e6)
         try:
+            whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
+            whole[:got] = first.payload
+            first.drop_payload()
+            message = PushMessage(first.table, whole, first.seq, held=first.held)
+            del whole  # the message alone holds the payload, which the servicer lets go once decoded
             while got < total:
                 yield PROGRESS
                 chunk = next(requests, None)
@@ -292,12 +351,20 @@ class PushMemory(ServiceInterceptor):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
                     )
-                message.held.append(self.inflight.hold(len(chunk.payload), owner))
+                elapsed = time.monotonic() - started
+                if end < total and elapsed > allowed:
+                    raise Refusal(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
+                        f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
+                        f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
+                        "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                    )
                 message.payload[got:end] = chunk.payload
                 chunk.drop_payload()
                 got = end
         except BaseException:
-            message.release()
+            first.release()  # what the message holds: the same list
             raise
         return message
 
@@ -338,7 +405,7 @@ class PushMemory(ServiceInterceptor):
                     if request is None:
                         return
                     if request.total_bytes > len(request.payload):
-                        request = yield from self._chunks(request, requests, owner)
+                        request = yield from self._chunks(request, requests, context, owner)
                     yield request
 
             def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

@@ -2,23 +2,27 @@
 worker thread.
 
 Each call in progress holds one worker thread, and some calls hold theirs while they wait idle:
-a Sample stream for data, a PushStream for its next message, an Admit with a wait for room.
-Each of those classes has its own cap (`max_sample_streams`, `max_push_streams`,
-`max_waiting_admits`). Beyond the caps:
+a Sample stream for data, a PushStream for its next message, an Admit with a wait for room, a
+Claim with a wait for prompts. Each of those classes has its own cap (`max_sample_streams`,
+`max_push_streams`, `max_waiting_admits`, `max_waiting_claims`). Beyond the caps:
 
 - each scope (auth.py's push and sample) keeps a share of the workers, `push_scope_workers` and
   `sample_scope_workers`: a call is refused if it would leave the other scope fewer free workers
   than the part of its share its own calls do not hold. Rollout workers that block or idle never
   take what trainers need, nor trainers' idle streams what rollout workers need;
 - calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
-  Push (which may wait for room, but is what rollouts are for) and every call that answers at
-  once (Ack, Get, ListTables, Seal, admin calls, ...);
+  Push and every call that answers at once (Ack, Get, ListTables, Seal, admin calls, ...). A
+  Push that finds it must wait (for room in a full table, for the rate limit) becomes a call that
+  waits idle: it waits only if one would be let in now (`MAY_WAIT`), and is refused at once
+  otherwise, so that blocked pushes never take the reserve that makes a scope's share usable;
 - Ack, Nack, Renew, Retire and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
   trainer's ack, which may be what makes room, is answered even when its scope's share is full;
   admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
 
 The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
-reflection and the refusals themselves are always answered.
+reflection and the refusals themselves are always answered. A call refused here did nothing: its
+refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
+so refused again while its wait lasts (client/calls.py, Attempts).
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
+from expbuf.client.wire import BUSY
+
 from .auth import scope_of
 from .interceptor import ServiceInterceptor
+from .store.kinds import MayWait
 
 if TYPE_CHECKING:
     from .config import ServerConfig
@@ -43,6 +51,11 @@ ADMIN_THREADS = 2
 RESERVED_THREADS = ACK_THREADS + ADMIN_THREADS + 2
 # The calls that never wait, and may take ACK_THREADS beyond the workers.
 NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Retire", "Stats"})
+# The calls that wait only when asked to (a request's wait_seconds), each class with its own cap.
+WAITING_WHEN_ASKED = {"Admit": "waiting_admit", "Claim": "waiting_claim"}
+# Asked by the call in progress (a unary call let in as one that does not wait idle) once it finds
+# it must wait: None if it may, as a call that waits idle would be let in now; else why not.
+MAY_WAIT: ContextVar[MayWait | None] = ContextVar("expbuf_may_wait", default=None)
 
 
 @dataclass(frozen=True)
@@ -63,9 +76,10 @@ class WaitingCap:
 
 def call_class(method: str, request: Any) -> str:
     """The capped class of a call that may wait idle ("" for none): Admit and Claim wait only
-    when asked to, and share max_waiting_admits (both are a rollout worker's wait for room)."""
-    if method in ("Admit", "Claim"):
-        return "waiting_admit" if getattr(request, "wait_seconds", 0) > 0 else ""
+    when asked to, each class under its own cap (a fleet of rollout workers waiting for prompts
+    must not take the room of those waiting for a staleness bound)."""
+    if method in WAITING_WHEN_ASKED:
+        return WAITING_WHEN_ASKED[method] if getattr(request, "wait_seconds", 0) > 0 else ""
     return {"Sample": "sample_stream", "PushStream": "push_stream"}.get(method, "")
 
 
@@ -91,10 +105,16 @@ class CallLimits(ServiceInterceptor):
             if other != scope and share > self._in_scope[other]
         }
 
-    def _refusal(self, method: str, idle: bool, kept: dict[str, int]) -> str | None:
-        """Why the call cannot take a worker now; None if it can."""
+    def in_progress(self, kind: str) -> int:
+        """The calls of a capped class (call_class) in progress."""
+        with self._lock:
+            return self._open[kind]
+
+    def _refusal(self, method: str, idle: bool, kept: dict[str, int], joining: int = 1) -> str | None:
+        """Why the call cannot take a worker now (one more, `joining`, or the one it holds: 0);
+        None if it can."""
         limit = self.workers - (self.reserved if idle else 0) + (ACK_THREADS if method in NEVER_WAITING else 0)
-        if self._calls + 1 + sum(kept.values()) <= limit:
+        if self._calls + joining + sum(kept.values()) <= limit:
             return None
         held = [f"the last reserved_workers = {self.reserved} are kept for calls that do not wait idle"] if idle else []
         held += [
@@ -151,17 +171,27 @@ class CallLimits(ServiceInterceptor):
 
         return release
 
+    def may_wait(self, method: str) -> str | None:
+        """A call in progress let in as one that does not wait idle (a Push) is about to wait: None if
+        a call that waits idle would be let in now, else why not (it is then refused, not left waiting)."""
+        with self._lock:
+            return self._refusal(method, True, self._kept(scope_of(method)), joining=0)
+
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
+        may_wait = functools.partial(self.may_wait, method)
+
         def limited_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
                 release = self.acquire(method, request)
                 if isinstance(release, str):
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
+                    _refuse(context, release)
+                waiting = MAY_WAIT.set(may_wait)
                 try:
                     return behavior(request, context)
                 finally:
+                    MAY_WAIT.reset(waiting)
                     release()
 
             return run
@@ -170,7 +200,7 @@ class CallLimits(ServiceInterceptor):
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 release = self.acquire(method, request)
                 if isinstance(release, str):
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, release)
+                    _refuse(context, release)
                 context.add_callback(release)  # also when the stream ends without resuming this generator
                 try:
                     yield from behavior(request, context)
@@ -191,14 +221,19 @@ class CallLimits(ServiceInterceptor):
         raise ValueError(f"{method}: the handler has no behaviour to limit")
 
 
+def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
+    """End a call refused before it began, saying so (wire.BUSY): the same call later may get in."""
+    context.set_trailing_metadata(((BUSY, "1"),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
+
 def call_limits(config: ServerConfig) -> CallLimits:
     """The bounds on concurrent calls that `config` sets."""
     caps = {
         "sample_stream": WaitingCap("Sample streams are open", "max_sample_streams", config.sample_stream_limit),
         "push_stream": WaitingCap("PushStreams are open", "max_push_streams", config.push_stream_limit),
-        "waiting_admit": WaitingCap(
-            "Admit and Claim calls wait for room", "max_waiting_admits", config.waiting_admit_limit
-        ),
+        "waiting_admit": WaitingCap("Admit calls wait for room", "max_waiting_admits", config.waiting_admit_limit),
+        "waiting_claim": WaitingCap("Claim calls wait for prompts", "max_waiting_claims", config.waiting_claim_limit),
     }
     return CallLimits(config.workers, config.reserved_worker_count, caps, config.scope_shares)
 

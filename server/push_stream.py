@@ -28,11 +28,12 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
-from .call_context import CALL_TABLE, remaining
+from .call_context import CALL_TABLE, noted, room_wait
 from .inflight import PushMessage, Refusal
 from .ingest import Ingest
 from .limits import IdleMessages
 from .store import Push, PutResult
+from .store.errors import InsertLimited, TableFull
 
 # A push's reply from its seq, table and result (the servicer's, shared with unary Push).
 Reply = Callable[[int, str, PutResult], pb.PushReply]
@@ -91,9 +92,10 @@ def open_messages(
 
 
 def replies(
-    store: Backend, messages: IdleMessages, context: grpc.ServicerContext, reply: Reply
+    store: Backend, messages: IdleMessages, context: grpc.ServicerContext, reply: Reply, max_wait: float
 ) -> Iterator[pb.PushReply]:
-    """Each push's reply, in order, once durable; the stream's refusal in its turn (see the module)."""
+    """Each push's reply, in order, once durable (each waiting for room at most `max_wait`, the
+    server's max_wait_seconds); the stream's refusal in its turn (see the module)."""
     while True:
         try:
             first = messages.next()
@@ -111,18 +113,27 @@ def replies(
             raise unparsed.error from None
         if first is None:
             return
-        yield from _store([first, *messages.ready()], store, messages, context, reply)
+        yield from _store([first, *messages.ready()], store, messages, context, reply, max_wait)
 
 
 def _store(
-    pushes: list[Parsed], store: Backend, messages: IdleMessages, context: grpc.ServicerContext, reply: Reply
+    pushes: list[Parsed],
+    store: Backend,
+    messages: IdleMessages,
+    context: grpc.ServicerContext,
+    reply: Reply,
+    max_wait: float,
 ) -> Iterator[pb.PushReply]:
     """Store pushes in one request to the writer; each one's reply once it is durable."""
-    results = store.put_in_order([parsed.push for parsed in pushes], timeout=remaining(context))
+    timeout, note = room_wait(context, max_wait)
+    results = store.put_in_order([parsed.push for parsed in pushes], timeout=timeout)
     try:
         for parsed in pushes:
             CALL_TABLE.set(parsed.push.table)
-            result = next(results)  # its refusal, raised after the replies of the pushes before it
+            try:  # its refusal, raised after the replies of the pushes before it
+                result = next(results)
+            except (TableFull, InsertLimited) as exc:
+                raise noted(exc, note) from None
             parsed.release()
             messages.done()
             yield reply(parsed.message.seq, parsed.push.table, result)

@@ -22,19 +22,19 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from . import __version__, push_stream
 from .backend import Backend
-from .call_context import CALL_TABLE, RefusalLog, refusals, remaining
+from .call_context import CALL_TABLE, RefusalLog, max_wait_note, noted, refusals, remaining, room_wait
 from .devices import check_device
 from .draining import Draining
 from .inflight import PushMessage
 from .ingest import Ingest
 from .ledger_service import LedgerCalls
-from .limits import Interrupted, TableStreams
+from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
 from .moments import RunningMoments
 from .replies import sample_reply
 from .sample_stream import stream_batches
 from .store import PutResult, Sampled
-from .store.errors import InvalidRequest, SpecError, clip
+from .store.errors import InsertLimited, InvalidRequest, SpecError, TableFull, clip
 from .store.sample_spec import SampleSpec
 from .store.states import LIVE
 from .store.table_config import TableConfig
@@ -143,7 +143,13 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         entries = self.ingest.entries(request.payload)
         if isinstance(request, PushMessage):
             request.drop_payload()
-        result = self.store.put_entries(table, entries, timeout=remaining(context), holder=self._owner(context))
+        timeout, note = room_wait(context, self.max_wait_seconds)
+        try:  # a push that finds it must wait for room is a call that waits idle (limits.py)
+            result = self.store.put_entries(
+                table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
+            )
+        except (TableFull, InsertLimited) as exc:
+            raise noted(exc, note) from None
         return self._reply(request.seq, table, result)
 
     def _reply(self, seq: int, table: str, result: PutResult) -> pb.PushReply:
@@ -173,7 +179,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         )
         try:
             with self.draining.watching(messages.interrupt):
-                yield from push_stream.replies(self.store, messages, context, self._reply)
+                yield from push_stream.replies(self.store, messages, context, self._reply, self.max_wait_seconds)
         except Interrupted:
             self.draining.end("PushStream", context)
         finally:
@@ -195,7 +201,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         bound = ""
         if spec.wait_seconds > self.max_wait_seconds:
             spec = replace(spec, wait_seconds=self.max_wait_seconds)
-            bound = f" (the server's max_wait_seconds = {self.max_wait_seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"
+            bound = max_wait_note(self.max_wait_seconds)
 
         def reply(batch: Sampled, confirm_seconds: float) -> bytes:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction

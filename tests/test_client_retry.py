@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -29,11 +29,15 @@ from expbuf.client import (
     DeadlineExceededError,
     ExpbufError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
     trxp,
 )
+from expbuf.client import calls as calls_module
 from expbuf.client.connection import MAX_RETRIES
-from expbuf.proto.v1 import buffer_pb2
+from expbuf.client.prompts import Claim
+from expbuf.client.sharded import ShardedBufferClient
+from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
@@ -379,3 +383,139 @@ def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits
         call("blocking", target, "writers", "default", 1, wait_for_ready=True, timeout=30)
     with pytest.raises(DeadlineExceededError):  # a retried call waits, until its deadline
         call("blocking", target, "stats", "", wait_for_ready=True, timeout=0.5)
+
+
+# ---- waiting calls refused because as many as the server lets wait already do -------------
+
+
+def refused(server: ExpbufServer, method: str) -> float:
+    """Calls of `method` the server refused RESOURCE_EXHAUSTED, by its own metrics."""
+    return sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count"
+        and dict(labels) == {"method": method, "code": "RESOURCE_EXHAUSTED"}
+    )
+
+
+def wait_for(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def ledger_client(kind: str, target: str) -> BufferClient | ShardedBufferClient:
+    """A blocking client of the server (the asyncio kind's admin), or a sharded one of it alone."""
+    return ShardedBufferClient({"a": target}) if kind == "sharded" else BufferClient(target)
+
+
+def claims_at_once(kind: str, target: str, count: int, wait: float) -> list[Claim]:
+    """`count` claims of one prompt each, made at once by one client of `kind`, each waiting `wait`."""
+    if kind == "asyncio":
+
+        async def body() -> list[Claim]:
+            async with AsyncBufferClient(target) as client:
+                return list(await asyncio.gather(*(client.claim("t", "d", 1, wait=wait) for _ in range(count))))
+
+        return asyncio.run(body())
+    with ledger_client(kind, target) as client, futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda _: client.claim("t", "d", 1, wait=wait), range(count)))
+
+
+@pytest.mark.parametrize("kind", ("blocking", "asyncio", "sharded"))
+def test_a_waiting_claim_refused_at_the_servers_cap_waits_in_the_client_and_claims_again(
+    start_server: Servers, kind: str
+) -> None:
+    """The server lets one claim wait; of two claims waiting at once, the second is refused and
+    made again by its client until it gets in, and both get a prompt once two are freed."""
+    server = start_server(max_waiting_claims=1)
+    target = f"127.0.0.1:{server.port}"
+    got: list[Claim] = []
+    with ledger_client(kind, target) as admin:
+        admin.create_table("t", group_size=1)
+        admin.create_dataset("t", "d", 2, max_in_flight=2)
+        held = admin.claim("t", "d", 2).prompts  # every prompt out: the claims below wait
+        claimers = threading.Thread(target=lambda: got.extend(claims_at_once(kind, target, 2, 30)))
+        claimers.start()
+        try:
+            wait_for(lambda: refused(server, "Claim"), "no claim was refused at the cap")
+            assert admin.release_claims(held) == 2
+        finally:
+            claimers.join(60)
+    assert sorted(len(claim.prompts) for claim in got) == [1, 1], got
+    assert sorted(p.index for claim in got for p in claim.prompts) == [0, 1]
+
+
+def wait_one_second(kind: str, target: str, method: str) -> Any:
+    """A claim of one prompt of dataset `d`, or an admit of one rollout, on table `t` that waits 1 s."""
+    if kind == "asyncio":
+
+        async def body() -> Any:
+            async with AsyncBufferClient(target, timeout=10) as client:
+                if method == "Claim":
+                    return await client.claim("t", "d", 1, wait=1.0)
+                return await client.admit("t", 1, wait=1.0)
+
+        return asyncio.run(body())
+    with BufferClient(target, timeout=10) as client:
+        return client.claim("t", "d", 1, wait=1.0) if method == "Claim" else client.admit("t", 1, wait=1.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("method", ("Claim", "Admit"))
+def test_a_waiting_call_kept_out_for_its_whole_wait_answers_without_waiting_within_its_deadline(
+    start_server: Servers, kind: str, method: str
+) -> None:
+    """While another call holds the one place the server lets a claim (an admit) wait in, a claim
+    (an admit) asking to wait 1 s is refused and made again until its wait is spent, then made
+    once without waiting: it answers with what there is (nothing), not with the refusal."""
+    server = start_server(max_waiting_claims=1, max_waiting_admits=1)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as admin, grpc.insecure_channel(target) as channel:
+        admin.create_table("t", group_size=1, max_staleness=0, batch_size=1)
+        admin.create_dataset("t", "d", 1)
+        admin.claim("t", "d", 1)
+        assert admin.admit("t", 1).count == 1  # the table has no more room
+        stub = buffer_pb2_grpc.ExperienceBufferStub(channel)
+        if method == "Claim":
+            holder = stub.Claim.future(
+                buffer_pb2.ClaimRequest(table="t", dataset="d", count=1, lease_seconds=300, wait_seconds=30)
+            )
+        else:
+            holder = stub.Admit.future(buffer_pb2.AdmitRequest(table="t", count=1, wait_seconds=30))
+        kind_of = "waiting_claim" if method == "Claim" else "waiting_admit"
+        wait_for(lambda: server.call_limits.in_progress(kind_of) == 1, "the holding call did not start waiting")
+        try:
+            answer = wait_one_second(kind, target, method)
+            if method == "Claim":
+                assert (answer.prompts, answer.done) == ([], False)
+            else:
+                assert answer.count == 0
+            assert refused(server, method) >= 1  # it was kept out, and asked again
+            assert not holder.done()
+        finally:
+            holder.cancel()
+
+
+def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_not_waiting() -> None:
+    """Each attempt after a busy refusal waits what is left of the wait and ends by the first
+    attempt's deadline; once the wait is spent, one more without waiting, then the refusal."""
+    first = calls_module.claim("t", "d", 1, 300.0, "", wait=0.4, timeout=2.0)
+    attempts = calls_module.Attempts(first, timeout=30.0)
+    deadline = time.monotonic() + 2.4
+    busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+    busy.busy = True
+    made = [attempts.call]
+    while (pause := attempts.after(busy)) is not None:
+        assert pause >= 0
+        time.sleep(pause)
+        made.append(attempts.call)
+        assert time.monotonic() + (attempts.call.timeout or 0) <= deadline + 0.01
+    waits = [call.request.wait_seconds for call in made]
+    assert len(made) >= 3 and waits[-1] == 0 and all(w > 0 for w in waits[:-1])
+    assert waits[:-1] == sorted(waits[:-1], reverse=True)
+    other = calls_module.Attempts(first, timeout=30.0)
+    assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
+    unwaiting = calls_module.Attempts(calls_module.claim("t", "d", 1, 300.0, "", wait=0, timeout=2.0), 30.0)
+    assert unwaiting.after(busy) is None

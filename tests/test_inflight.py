@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -212,9 +213,9 @@ def test_a_stream_broken_between_chunks_stores_nothing_of_that_push(start_server
         call = stub.PushStream(messages(), timeout=30)
         assert sent.wait(10)
         deadline = time.monotonic() + 10
-        while server.inflight.held != 200 and time.monotonic() < deadline:  # the two chunks sent, as they came
+        while server.inflight.held != len(body) and time.monotonic() < deadline:  # what its first chunk announced
             time.sleep(0.01)
-        assert server.inflight.held == 200
+        assert server.inflight.held == len(body)
         call.cancel()
         end.set()
         assert held_drops_to_zero(server)
@@ -223,8 +224,9 @@ def test_a_stream_broken_between_chunks_stores_nothing_of_that_push(start_server
 
 
 def test_a_push_in_chunks_slower_than_the_idle_timeout_goes_on_while_chunks_come(start_server: Servers) -> None:
-    """Each chunk counts as a message for push_stream_idle_seconds: the push as a whole may take longer."""
-    server = start_server(push_stream_idle_seconds=3)
+    """Each chunk counts as a message for push_stream_idle_seconds: the push as a whole may take
+    longer, as long as it comes at push_min_mb_per_second on average (here 100 bytes a second)."""
+    server = start_server(push_stream_idle_seconds=3, push_min_mb_per_second=0.0001)
     body = trxp.build(group_items("slow", 0, 2))
     parted = chunks(body, len(body) // 10 + 1)
 
@@ -236,3 +238,100 @@ def test_a_push_in_chunks_slower_than_the_idle_timeout_goes_on_while_chunks_come
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         replies = list(pb_grpc.ExperienceBufferStub(channel).PushStream(messages(), timeout=60))
     assert len(parted) == 10 and [len(reply.stored_uids) for reply in replies] == [2]
+
+
+def held_back(stub: pb_grpc.ExperienceBufferStub, parted: list[pb.PushRequest], go: threading.Event) -> Any:
+    """A PushStream of one push in chunks that sends its first chunk, then the rest once `go` is set."""
+
+    def messages() -> Iterator[pb.PushRequest]:
+        yield parted[0]
+        go.wait(60)
+        yield from parted[1:]
+
+    return stub.PushStream(messages(), timeout=60)
+
+
+def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: Servers) -> None:
+    """Four pushes in chunks, each announcing more than half of max_inflight_bytes: the first to
+    come reserves what it announces, and the others wait, holding nothing, until it is stored."""
+    cap = 1 << 20
+    server = start_server(max_inflight_bytes=cap)
+    bodies = [trxp.build(group_items(f"b{n}", 0, 1, response=70_000)) for n in range(4)]
+    assert all(cap // 2 < len(body) < cap for body in bodies)
+    go = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        calls = [held_back(stub, chunks(body, 64 << 10, seq=n), go) for n, body in enumerate(bodies)]
+        try:
+            deadline = time.monotonic() + 30
+            while not (server.inflight.held in {len(body) for body in bodies} and server.inflight.waiting == 3):
+                assert time.monotonic() < deadline, (
+                    f"pushes in chunks hold {server.inflight.held} bytes, not the total one of them announced"
+                )
+                time.sleep(0.02)
+        finally:
+            go.set()
+        replies = [list(call) for call in calls]
+    assert [[len(reply.stored_uids) for reply in stream] for stream in replies] == [[1]] * 4
+    assert held_drops_to_zero(server)
+
+
+def test_a_push_in_chunks_waits_for_room_then_is_refused_naming_what_it_announced(start_server: Servers) -> None:
+    cap = 1 << 20
+    server = start_server(max_inflight_bytes=cap, push_stream_idle_seconds=2)  # it waits for room 1 s at most
+    first, second = (trxp.build(group_items(f"w{n}", 0, 1, response=70_000)) for n in range(2))
+    go = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        holding = held_back(stub, chunks(first, 64 << 10), go)
+        try:
+            deadline = time.monotonic() + 30
+            while server.inflight.held != len(first):
+                assert time.monotonic() < deadline, "the first push in chunks did not reserve what it announced"
+                time.sleep(0.02)
+            ended = refusal(stub, chunks(second, 64 << 10, seq=7))
+        finally:
+            go.set()
+        assert [len(reply.stored_uids) for reply in holding] == [1]
+    assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"total_bytes = {len(second)}" in ended.details(), ended.details()
+    assert f"max_inflight_bytes = {cap}" in ended.details(), ended.details()
+    assert held_drops_to_zero(server)
+
+
+def test_a_push_in_chunks_larger_than_max_inflight_bytes_is_refused_naming_both(start_server: Servers) -> None:
+    cap = 1 << 20
+    server = start_server(max_inflight_bytes=cap)
+    body = trxp.build(group_items("huge", 0, 1, response=150_000))
+    assert cap < len(body) < server.config.max_message_bytes
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        ended = refusal(stub, chunks(body, 64 << 10))
+        assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"total_bytes = {len(body)}" in ended.details(), ended.details()
+        assert f"max_inflight_bytes = {cap}" in ended.details(), ended.details()
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
+    assert held_drops_to_zero(server)
+
+
+def test_a_push_in_chunks_slower_than_push_min_mb_per_second_is_refused_naming_it(start_server: Servers) -> None:
+    """Each chunk comes within push_stream_idle_seconds, so the stream is never idle; the push as a
+    whole comes at far less than the bound on its average rate (after a grace of the idle time)."""
+    server = start_server(push_stream_idle_seconds=2, push_min_mb_per_second=0.001)
+    body = trxp.build(group_items("trickle", 0, 1))
+    parted = chunks(body, 16)
+
+    def messages() -> Iterator[pb.PushRequest]:
+        for message in parted:
+            yield message
+            time.sleep(0.2)
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.PushStream(messages(), timeout=120))
+        assert stub.Stats(pb.StatsRequest(table="default"), timeout=10).tables[0].pushed == 0
+    assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, refused.value.details()
+    assert "push_min_mb_per_second = 0.001" in refused.value.details(), refused.value.details()
+    assert "EXPBUF_PUSH_MIN_MB_PER_SECOND" in refused.value.details()
+    assert held_drops_to_zero(server)

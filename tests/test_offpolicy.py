@@ -372,7 +372,9 @@ def test_the_rate_limit_keeps_samples_per_insert_in_its_band(tmp_path: Path) -> 
 
 
 def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Servers) -> None:
-    server = start_server()
+    """Each side waits for what the server bounds (a sample its `timeout`, a push the server's
+    max_wait_seconds), well within the client's deadline: the refusal, not the deadline, ends it."""
+    server = start_server(max_wait_seconds=0.5)
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as c:
         c.create_table(
             "t", estimator="none", group_by="none", min_size_to_sample=2, samples_per_insert=1.0,
@@ -387,9 +389,10 @@ def test_both_sides_block_and_time_out_with_the_limit_named(start_server: Server
         for i in (1, 2):  # diff 3: the top of the band (centre 2, error 1)
             c.push(trxp.build(group_items(1, i, 1)), table="t")
         with pytest.raises(BufferError) as insert:
-            c.push(trxp.build(group_items(1, 3, 1)), table="t", timeout=0.5)
+            c.push(trxp.build(group_items(1, 3, 1)), table="t")
         assert insert.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "samples_per_insert 1 (error 1) holds inserts" in insert.value.details
+        assert "max_wait_seconds = 0.5" in insert.value.details
         batches = c.sample("t", num_groups=1, timeout=0.3, delivery="replay")
         assert len(next(batches).uids) == 1 and len(next(batches).uids) == 1  # diff 1: the bottom
         with pytest.raises(BufferError) as sample:

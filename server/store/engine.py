@@ -46,7 +46,7 @@ from .errors import NotFound
 from .extensions import ExtensionKinds, TableExtension
 from .index_builds import submit_building
 from .integrity import verify
-from .kinds import Compute, ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
+from .kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
 from .ledger_records import DatasetRecord
 from .migrate import migrate
@@ -224,15 +224,23 @@ class Store:
         return self.put_entries(table, [Entry.of(item) for item in items], timeout=timeout)
 
     def put_entries(
-        self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, holder: str = ""
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
     ) -> PutResult:
         """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
-        return self.pushing.put(table, entries, timeout=timeout, holder=holder)
+        return self.pushing.put(table, entries, timeout=timeout, holder=holder, may_wait=may_wait)
 
-    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]:
+    def put_in_order(
+        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
+    ) -> Iterator[PutResult]:
         """Store pushes durably, in order, sharing the writer's commits; each one's result once
         durable, a refusal after those before it (Pushing.put_in_order)."""
-        return self.pushing.put_in_order(pushes, timeout=timeout)
+        return self.pushing.put_in_order(pushes, timeout=timeout, may_wait=may_wait)
 
     @property
     def in_push(self) -> Callable[[TableConfig], Compute | None] | None:

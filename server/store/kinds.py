@@ -20,6 +20,8 @@ from .table_config import TableConfig
 T = TypeVar("T")
 
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+# Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
+MayWait = Callable[[], str | None]
 
 
 @dataclass(slots=True)

@@ -9,6 +9,9 @@ the reply of the one before.
 
 A full table in block mode, or a rate limit that holds a push, is waited out until the
 pushes' timeout, the push tried again (with those after it) at each change of the environment.
+The caller may say whether they may wait at all (`may_wait`, asked before they first would): the
+server lets a push wait only where a call that waits idle would be let in (server/limits.py), and
+refuses it at once otherwise.
 Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
 push completes get their advantages in its transaction, computed before it where the push's
 groups can be foreseen (pushed_advantages.py).
@@ -28,7 +31,7 @@ from . import admission, deliverable, groups, index_builds, limiter, pushed_adva
 from .catalog import TableCatalog
 from .environment import Environment
 from .errors import InsertLimited, TableFull
-from .kinds import Ahead, Compute, Entry, Push, PutResult
+from .kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from .selection import IndexBuilding
 from .table_config import TableConfig
 from .table_state import TableState
@@ -59,16 +62,27 @@ class Pushing:
         self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
 
-    def put(self, table: str, entries: Sequence[Entry], *, timeout: float | None = None, holder: str = "") -> PutResult:
+    def put(
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
+    ) -> PutResult:
         """Store validated entries durably. A full table in block mode, or a rate limit that holds
         the push, waits until timeout."""
-        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout)
+        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout, may_wait=may_wait)
         return result
 
-    def put_in_order(self, pushes: Sequence[Push], *, timeout: float | None = None) -> Iterator[PutResult]:
+    def put_in_order(
+        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
+    ) -> Iterator[PutResult]:
         """Store pushes durably, in order, each as `put` would; yields each one's result once it is
         durable. A refused push raises after the results of those before it, and none after it is
-        stored. They share one deadline, `timeout` from now."""
+        stored. They share one deadline, `timeout` from now. Before they first wait for room,
+        `may_wait()` is asked: a reason it gives refuses the push that would wait, with it."""
         start = time.monotonic()
         deadline = start + (timeout if timeout is not None else 0.0)
         todo: deque[_Ready] = deque()
@@ -104,6 +118,11 @@ class Pushing:
                 held = True
             else:
                 raise stop
+            if may_wait is not None:
+                refused = may_wait()
+                if refused is not None:
+                    raise type(stop)(f"{stop}; the push may not wait: {refused}")
+                may_wait = None
             self.environment.wait_for_change(generation, deadline)
         if unready is not None:
             raise unready

@@ -8,26 +8,32 @@ case opens more idle calls than there are workers, those beyond the other worker
 refused at once, naming the reserve, and a push, an ack of a lease taken before, Stats, an
 admin call and the health check are all answered. With a share of the workers kept for each
 scope, one scope's calls at their worst (idle, waiting, blocked) leave the other scope its
-share: trainers still open Sample streams and read, rollout workers still push.
+share: trainers still open Sample streams and read, rollout workers still push. With the
+default settings, pushes blocked on a full table leave trainers their whole share, and a fleet
+of rollout workers running the prompt ledger's loop, more than the claims the server lets wait,
+gets every prompt while pushes and samples get through.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from expbuf.client import BufferClient
+from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from faultkit import channel, healthy, payload, sample_all, stub
-from helpers import ServerProcess
+from helpers import ServerProcess, group_items, make_experience, scrape
+from pages import code_blocks, page
 
 pytestmark = pytest.mark.faults
 
@@ -39,6 +45,7 @@ RAISED_CAPS = {
     "EXPBUF_MAX_TABLE_STREAMS": str(WORKERS - 1),
     "EXPBUF_MAX_PUSH_STREAMS": str(WORKERS - 1),
     "EXPBUF_MAX_WAITING_ADMITS": str(WORKERS - 1),
+    "EXPBUF_MAX_WAITING_CLAIMS": str(WORKERS - 1),
 }
 NO_SHARES = {"EXPBUF_PUSH_SCOPE_WORKERS": "0", "EXPBUF_SAMPLE_SCOPE_WORKERS": "0"}
 SHARE = 6  # workers kept for each scope in the share cases
@@ -84,7 +91,7 @@ def blocking_table(target: str) -> str:
     return uids[0]
 
 
-def settled(calls: list[grpc.Future], accepted: int, what: str) -> list[grpc.Future]:
+def settled(calls: list[grpc.Future], accepted: int, what: str, workers: int = WORKERS) -> list[grpc.Future]:
     """The calls refused (RESOURCE_EXHAUSTED, which comes at once; an accepted call waits) once all
     but `accepted` of `calls` are; fails naming `what` when another number is accepted."""
 
@@ -96,7 +103,7 @@ def settled(calls: list[grpc.Future], accepted: int, what: str) -> list[grpc.Fut
         time.sleep(0.1)
     found = refused()
     assert len(found) == len(calls) - accepted, (
-        f"{what}: {len(calls) - len(found)} of {len(calls)} accepted on {WORKERS} workers, {accepted} expected"
+        f"{what}: {len(calls) - len(found)} of {len(calls)} accepted on {workers} workers, {accepted} expected"
     )
     return found
 
@@ -196,26 +203,32 @@ def test_idle_push_stream_and_long_waits_end_naming_their_setting(
 def test_pushes_blocked_on_a_full_table_leave_acks_stats_and_admin_answered(
     tmp_path: Path, serve: Callable[..., ServerProcess]
 ) -> None:
-    """With no workers kept for the trainers, pushes that wait for room may take every worker;
-    the trainer's ack, which makes room, Stats and admin calls are still answered."""
+    """With no workers kept for the trainers, pushes that wait for room take every worker but the
+    reserve (a push that must wait is a call that waits idle): the trainer's ack, which makes room,
+    a Get, Stats and admin calls are still answered."""
     server = serve(str(tmp_path / "data"), env={"EXPBUF_WORKERS": str(WORKERS)} | NO_SHARES)
     lease_id = held_lease(server.target)
-    blocking_table(server.target)
+    uid = blocking_table(server.target)
     with channel(server.target) as chan:
         buffer = stub(chan)
         calls = [blocked_push(buffer, []) for _ in range(WORKERS + 2)]
         try:
-            for call in settled(calls, WORKERS, "pushes blocked on a full table"):
-                assert f"all workers = {WORKERS}" in call.details(), call.details()
+            for call in settled(calls, WORKERS - RESERVED, "pushes blocked on a full table"):
+                assert (
+                    f"reserved_workers = {RESERVED}" in call.details() or f"all workers = {WORKERS}" in call.details()
+                )
             try:
+                got = buffer.Get(pb.GetRequest(table="blocking", uids=[uid]), timeout=10)
                 acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
                 blocking = buffer.Stats(pb.StatsRequest(table="blocking"), timeout=10).tables[0]
                 buffer.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="made")), timeout=10)
                 assert healthy(chan)
             except grpc.RpcError as exc:
                 pytest.fail(
-                    f"Ack, Stats, CreateTable or Health refused while pushes wait: {exc.code().name}: {exc.details()}"
+                    f"Get, Ack, Stats, CreateTable or Health refused while pushes wait: {exc.code().name}: "
+                    f"{exc.details()}"
                 )
+            assert got.payload and not got.missing_uids
             assert acked.acked
             assert blocking.pushed == 4
         finally:
@@ -234,13 +247,14 @@ def test_push_scope_at_its_worst_leaves_trainers_their_share(
     uid = blocking_table(server.target)
     holds: list[queue.SimpleQueue] = []
     calls: list[grpc.Future] = []
-    # (what, opener, opened, accepted): the idle calls leave the reserve and the trainers' share; the
-    # blocked pushes may take the reserve; the trainers' Sample streams then leave the reserve again.
+    # (what, opener, opened, accepted): the idle calls leave the reserve and the trainers' share, and so
+    # do pushes that must wait for room (they are refused as they would start to); the trainers' Sample
+    # streams then take their whole share, leaving the reserve to the calls that answer at once.
     steps = [
         ("idle PushStreams", idle_push_stream, 20, WORKERS - RESERVED - SHARE, f"sample_scope_workers = {SHARE}"),
         ("waiting Admits", waiting_admit, 20, 0, f"sample_scope_workers = {SHARE}"),
-        ("blocked pushes", blocked_push, 20, RESERVED, f"sample_scope_workers = {SHARE}"),
-        ("trainer Sample streams", waiting_sample, 60, SHARE - RESERVED, f"reserved_workers = {RESERVED}"),
+        ("blocked pushes", blocked_push, 20, 0, f"sample_scope_workers = {SHARE}"),
+        ("trainer Sample streams", waiting_sample, 60, SHARE, f"reserved_workers = {RESERVED}"),
     ]
     with channel(server.target) as chan:
         buffer = stub(chan)
@@ -323,3 +337,113 @@ def test_sample_scope_at_its_worst_leaves_pushers_their_share(
                 hold.put(None)
             for call in calls:
                 call.cancel()
+
+
+def trainer_stream(buffer: pb_grpc.ExperienceBufferStub, holds: list[queue.SimpleQueue]) -> grpc.Call:
+    """A trainer's Sample stream on the table `ready`: once let in, it gets a batch at once and holds
+    its worker while the batch is unconfirmed (the trainer's step)."""
+    hold: queue.SimpleQueue = queue.SimpleQueue()
+    hold.put(pb.SampleRequest(table="ready", num_groups=1, delivery=pb.DELIVERY_CONSUME, wait_seconds=10))
+    holds.append(hold)
+    return buffer.Sample(iter(hold.get, None), timeout=60)
+
+
+def test_pushes_blocked_on_a_full_table_leave_trainers_their_whole_share(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """With the default 64 workers, pushes that wait for room in a full table are waiting calls:
+    they take at most what the push scope's waiting calls may (the workers less the reserve and the
+    trainers' share), and 12 trainers all open their Sample streams beside 80 of them."""
+    workers, reserved, share = 64, 8, 16  # the defaults
+    server = serve(str(tmp_path / "data"))
+    lease_id = held_lease(server.target)
+    uid = blocking_table(server.target)
+    with BufferClient(server.target) as client:
+        client.create_table("ready")
+    holds: list[queue.SimpleQueue] = []
+    with channel(server.target) as chan:
+        buffer = stub(chan)
+        for task in range(12):
+            buffer.Push(pb.PushRequest(table="ready", payload=payload("ready", task)[0]), timeout=30)
+        pushes = [blocked_push(buffer, []) for _ in range(80)]
+        trainers: list[grpc.Call] = []
+        try:
+            for call in settled(pushes, workers - reserved - share, "80 pushes blocked on a full table", workers):
+                assert f"sample_scope_workers = {share}" in call.details(), call.details()
+            trainers = [trainer_stream(buffer, holds) for _ in range(12)]
+            try:
+                batches = [next(stream) for stream in trainers]  # a refused stream raises its refusal
+                got = buffer.Get(pb.GetRequest(table="blocking", uids=[uid]), timeout=10)
+                acked = buffer.Ack(pb.AckRequest(table="leased", lease_id=lease_id), timeout=10)
+            except grpc.RpcError as exc:
+                pytest.fail(f"a trainer's call refused beside blocked pushes: {exc.code().name}: {exc.details()}")
+            assert len({reply.group_ids[0] for reply in batches}) == 12
+            assert got.payload and acked.acked
+        finally:
+            for hold in holds:
+                hold.put(None)
+            for call in pushes + trainers:
+                call.cancel()
+
+
+def refused_claims(server: ServerProcess) -> float:
+    """Claims the server refused RESOURCE_EXHAUSTED, by its own metrics."""
+    return sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count"
+        and dict(labels) == {"method": "Claim", "code": "RESOURCE_EXHAUSTED"}
+    )
+
+
+def test_a_fleet_running_the_ledger_pages_loop_gets_every_prompt_while_pushes_and_samples_get_through(
+    tmp_path: Path, serve: Callable[..., ServerProcess]
+) -> None:
+    """40 rollout workers run the loop of concepts/prompt-ledger.md against a server of the default
+    64 workers: the claims beyond those the server lets wait at once are refused and asked again
+    by their clients; every worker's loop ends, every prompt is trained once, and pushes (whole and
+    in chunks) and samples get through while the claims wait."""
+    server = serve(str(tmp_path / "data"))
+    code = code_blocks(page("concepts/prompt-ledger.md"), "python")[0]
+    scope: dict[str, Any] = {
+        "generate": lambda index, n: [make_experience(0, index, run, reward=float(run)) for run in range(n)],
+        "train_step": lambda experiences: None,
+    }
+    exec(compile(code[: code.index("\nwith BufferClient(")], "concepts/prompt-ledger.md", "exec"), scope)
+    table, dataset, size = scope["TABLE"], scope["DATASET"], 64
+    errors: list[BaseException] = []
+
+    def rollout_worker() -> None:
+        try:
+            with BufferClient(server.target) as client:
+                scope["rollout_worker"](client)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with BufferClient(server.target, timeout=30) as client:
+        client.create_table(table, group_size=8)
+        client.create_dataset(table, dataset, size, max_in_flight=8)
+        client.create_table("other")
+        fleet = [threading.Thread(target=rollout_worker) for _ in range(40)]
+        for worker in fleet:
+            worker.start()
+        deadline = time.monotonic() + 60
+        while not (refused_claims(server) and client.ledger(table, dataset).total("generated") == 8):
+            assert time.monotonic() < deadline, "the fleet's claims never filled what the server lets wait"
+            assert not errors, errors
+            time.sleep(0.1)
+        # The claims wait for prompts the trainer has not freed: pushes and samples meanwhile.
+        whole, uids = payload("during", 0)
+        assert client.push(whole, table="other").stored == uids
+        large = trxp.build(group_items("chunked", 0, 2, response=8000))
+        with BufferClient(server.target, push_chunk_bytes=1 << 16) as chunked:
+            assert len(chunked.push(large, table="other").stored) == 2
+        sampled = next(client.sample("other", num_groups=2, max_batches=1, timeout=10, delivery="consume"))
+        assert len(sampled.uids) == 6
+        scope["trainer"](client)
+        for worker in fleet:
+            worker.join(120)
+        assert not errors, errors
+        assert not any(worker.is_alive() for worker in fleet)
+        info = client.ledger(table, dataset)
+    assert info.done and info.total("trained") == size
