@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from .backend import Backend
 from .interceptor import ServiceInterceptor
 from .moments import RunningMoments
-from .store import LIVE, ScrubStatus
+from .store import LIVE, IndexBuild, ScrubStatus
 from .store.ledger_records import PROMPT_STATES, DatasetRecord
 
 GROUP_STATES = LIVE
@@ -106,6 +106,7 @@ class StoreCollector(Collector):
             oldest.add_metric([table], stats["oldest_age_seconds"])
         yield oldest
         yield from _scrub_metrics(self.store.scrub_status())
+        yield from _build_metrics(self.store.index_builds())
         yield from _ledger_metrics({name: self.store.datasets(name, by_epoch=False) for name in names})
         storage = self.store.storage_info()
         yield GaugeMetricFamily(
@@ -139,6 +140,22 @@ def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:
     )
     for name, text, value in counters:
         yield CounterMetricFamily(name, text, value=value)
+
+
+def _build_metrics(builds: list[IndexBuild]) -> Iterator[Metric]:
+    """The background builds of the indexes tables lack (store/index_builds.py), while each is to
+    do or under way: no series once a table keeps the index."""
+    labels = ["table", "index"]
+    gauges = (
+        ("expbuf_index_build_ready_groups", "A table's ready groups when the build of its index started.", "ready"),
+        ("expbuf_index_build_indexed_groups", "Ready groups that build has indexed so far.", "indexed"),
+        ("expbuf_index_build_waiting_requests", "Requests waiting for that build.", "waiting"),
+    )
+    for name, text, field in gauges:
+        family = GaugeMetricFamily(name, text, labels=labels)
+        for build in builds:
+            family.add_metric([build.table, build.index], getattr(build, field))
+        yield family
 
 
 def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric]:

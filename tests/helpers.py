@@ -21,7 +21,7 @@ from expbuf.client import EID, Experience, trxp
 from expbuf.client.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.store import Sampled, Store
+from expbuf.server.store import Entry, Sampled, Store
 from expbuf.server.store.estimator_registry import Estimator, register, unregister
 from expbuf.server.store.sample_spec import SampleSpec
 
@@ -58,6 +58,28 @@ def make_experience(
 def group_items(batch: int | str, task: int | str, size: int, **kwargs: object) -> list[trxp.RawItem]:
     """A GRPO group: `size` runs of one task, as validated RawItems."""
     return [trxp.from_experience(make_experience(batch, task, run, **kwargs)) for run in range(size)]
+
+
+SMALL = trxp.from_experience(Experience(eid=EID(batch=0, task=0, run=0), tokens=list(range(8)), prompt_length=4))
+
+
+def small_groups(first: int, count: int) -> list[Entry]:
+    """Experiences of tasks first..first+count-1 of batch 0, each its own group (no priority, no
+    version), from one template: cheaply enough for a million."""
+    made = []
+    for task in range(first, first + count):
+        meta = {**SMALL.meta, "eid": {**SMALL.meta["eid"], "task": task}}
+        made.append(Entry.of(trxp.RawItem(meta, SMALL.tensors)))
+    return made
+
+
+def wait_for(check: Callable[[], object], what: str, seconds: float = 120.0) -> None:
+    """Poll until `check()` holds; fail naming `what` after `seconds` (a generous bound: the
+    machine is shared and slow at times)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
+        time.sleep(0.02)
 
 
 def fill(client: BufferClient, groups: int, table: str = "t") -> None:

@@ -1,42 +1,53 @@
-"""A table keeps only the ready-group indexes its readers use: the ready order always, the
-uniform slots, the priority index and the version index from the first request that reads
-them, built then from the ready groups. Puts are counted as bench/bench_writes.py counts them,
-over a real Store."""
+"""A table keeps every ready-group index from its creation; one a table lacks (an earlier release
+kept the uniform slots, the priority and the version index only from the first request that read
+them) is built in the background from the open, in chunks that pushes pass between, and a request
+that reads it meanwhile waits for the build, never served from part of it. Writes are counted as
+bench/bench_writes.py counts them, over a real Store."""
 
 from __future__ import annotations
 
 import collections
+import json
+import logging
 import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import lmdb
 import pytest
 
-from expbuf.client import EID, Experience, trxp
-from expbuf.server.store import Store, layout, selection
+from expbuf.client import BufferClient
+from expbuf.client.errors import ExpbufError
+from expbuf.server.store import Store, errors, index_builds, layout, selection
+from expbuf.server.store.environment import Environment
 from expbuf.server.store.errors import InvalidRequest
-from expbuf.server.store.kinds import Entry
-from expbuf.server.store.ready_indexes import PriorityIndex
+from expbuf.server.store.ready_indexes import Index, PriorityIndex
 from expbuf.server.store.sample_spec import SampleSpec
 from expbuf.server.store.selection import IndexBuilding
 from expbuf.server.store.table_config import TableConfig
 
-from conftest import FIXTURES
-from helpers import group_items
+from conftest import FIXTURES, Servers
+from helpers import group_items, scrape, small_groups, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from bench_writes import counting, entries
+from bench_writes import Counts, counting, entries
 
-# Ready groups of the first-build test: the rule it checks holds at any size past a few chunks;
-# EXPBUF_SOAK_SCALE=10 gives the million of issue 29.
-BUILD_READY = 100_000 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
+HERE = Path(__file__).resolve().parent
+
+# Ready groups of the tests of a build from the open: what they check holds at any size past a few
+# chunks; EXPBUF_SOAK_SCALE=20 gives the million of issue 39.
+OPEN_READY = 50_000 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
 INDEXES = ("ready", "prio", "slots", "slotof", "byver")
 RECORDS = ("blobs", "items", "order", "groups")
+BUILDER = "expbuf-index-builds"  # the builds' thread
 
 
 def one_each(tmp_path: Path, name: str = "t") -> Store:
@@ -45,10 +56,31 @@ def one_each(tmp_path: Path, name: str = "t") -> Store:
     return store
 
 
+def made_before(store: Store, name: str = "t") -> Store:
+    """The table as an earlier release made it (before anything is pushed): it keeps the ready
+    order, and each other index only once it is built."""
+    table_id, _ = store.catalog.lookup(name)
+    prefix, db = layout.table_prefix(table_id), store.environment.db
+    store.environment.submit(lambda txn: selection.mark_in_use(txn, db, prefix, set()))
+    return store
+
+
+def kept_by(store: Store, name: str = "t") -> set[str] | None:
+    """The lazy indexes' databases a table keeps, as its mark says (None: every one)."""
+    table_id, _ = store.catalog.lookup(name)
+    with store.environment.read() as txn:
+        return selection.in_use(txn, store.environment.db, layout.table_prefix(table_id))
+
+
+def fill(store: Store, ready: int, table: str = "t") -> None:
+    for first in range(0, ready, 50_000):
+        store.put_entries(table, small_groups(first, min(50_000, ready - first)))
+
+
 def push_puts(store: Store, at: int, n: int = 64) -> dict[str, float]:
     """The puts per experience of pushing n experiences, each its own group (of version 1), by
     database: the counters and the uniform slots' count are written once per push, not counted."""
-    counted: collections.Counter[str] = collections.Counter()
+    counted: Counts = collections.Counter()
     counting(store, counted)
     store.put_entries("t", entries(n, 1, at))
     if counted["put slots"]:
@@ -56,31 +88,53 @@ def push_puts(store: Store, at: int, n: int = 64) -> dict[str, float]:
     return {key[4:]: value / n for key, value in counted.items() if key.startswith("put ") and key != "put counters"}
 
 
-def replay(store: Store, table: str = "t", **spec: object) -> list[str]:
-    batch = store.sample(SampleSpec(table, delivery="replay", wait_seconds=0, **spec))  # type: ignore[arg-type]
+def replay(store: Store, table: str = "t", wait: float = 120.0, **spec: object) -> list[str]:
+    """A replayed batch's groups, waiting up to `wait` (for data, or for an index being built)."""
+    batch = store.sample(SampleSpec(table, delivery="replay", wait_seconds=wait, **spec))  # type: ignore[arg-type]
     assert batch is not None
     return batch.group_ids
 
 
-def test_a_push_writes_the_indexes_its_table_was_read_with(tmp_path: Path) -> None:
+def test_a_new_table_keeps_every_index_from_its_creation(tmp_path: Path) -> None:
+    """A push of groups of one writes every index (9 puts, not the 5 of a table read only in fifo
+    order), so a first request in any order builds nothing, and an open has nothing to build."""
     with one_each(tmp_path) as store:
-        assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, "ready")}  # 5 puts, not 9
-        assert replay(store, num_groups=1, order="fifo") == ["0/0"]
-        assert push_puts(store, 64) == {name: 1.0 for name in (*RECORDS, "ready")}
-        replay(store, num_groups=1, order="uniform")
-        assert push_puts(store, 128) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof")}
+        assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+        assert store.index_builds() == []
+        for order in ("uniform", "priority"):
+            replay(store, num_groups=1, order=order)
+        assert replay(store, num_groups=1, order="fifo", min_model_version=1) == ["0/0"]
         assert store.verify("t") == []
-    with Store(tmp_path) as store:  # the mark is durable
-        assert push_puts(store, 192) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof")}
-        replay(store, num_groups=1, order="priority", min_model_version=1)  # reads the version index only
-        assert push_puts(store, 256) == {name: 1.0 for name in (*RECORDS, "ready", "slots", "slotof", "byver")}
-        replay(store, num_groups=1, order="priority")
-        assert push_puts(store, 320) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+    with Store(tmp_path) as store:
+        assert store.index_builds() == []
+        assert push_puts(store, 64) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
         assert store.verify("t") == []
+
+
+def test_an_open_builds_the_indexes_a_table_lacks_in_the_background_and_logs_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table an earlier release made keeps the ready order only: its pushes write 5 puts. The
+    next open builds its other indexes with no request asking, says so in the log when each
+    starts and ends, and from then on a push writes every index."""
+    with made_before(one_each(tmp_path)) as store:
+        assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, "ready")}
+        assert kept_by(store) == set()
+    caplog.set_level(logging.INFO, logger="expbuf.store")
+    with Store(tmp_path) as store:
+        wait_for(lambda: kept_by(store) == {"prio", "slots", "slotof", "byver"}, "the builds from the open")
+        wait_for(lambda: store.index_builds() == [], "the builds' end")
+        assert store.verify("t") == []
+        assert push_puts(store, 64) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
+    lines = [record.getMessage() for record in caplog.records if record.name == "expbuf.store"]
+    for what in ("the uniform slots (slots, slotof)", "the priority index (prio)", "the version index (byver)"):
+        assert f"table t: building {what} in the background from 64 ready groups; " in "\n".join(lines), what
+        assert any(line.startswith(f"table t: {what} built, 64 ready groups in ") for line in lines), what
 
 
 def kept_always(tmp_path: Path) -> Store:
-    """A store whose table keeps every index from its creation, as a table from before the mark."""
+    """A store whose table keeps every index from its creation without a mark, as a table from
+    before the mark."""
     store = one_each(tmp_path)
     table_id, _ = store.catalog.lookup("t")
     key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
@@ -102,7 +156,7 @@ def history(store: Store, batch: int = 1) -> None:
 
 
 def test_the_first_request_in_an_order_returns_what_a_table_that_kept_its_index_returns(tmp_path: Path) -> None:
-    with kept_always(tmp_path / "always") as always, one_each(tmp_path / "lazy") as lazy:
+    with kept_always(tmp_path / "always") as always, made_before(one_each(tmp_path / "lazy")) as lazy:
         for store in (always, lazy):
             history(store)
         first = {
@@ -115,8 +169,8 @@ def test_the_first_request_in_an_order_returns_what_a_table_that_kept_its_index_
         for name, spec in first.items():
             always.sampling.rng, lazy.sampling.rng = random.Random(name), random.Random(name)
             assert replay(lazy, **spec) == replay(always, **spec), name
-        # Uniform's slots are in the order groups came and went: the first uniform read builds
-        # them in ready order, so the draw differs; the groups it can draw do not.
+        # Uniform's slots are in the order groups came and went: a build makes them in ready
+        # order, so the draw differs; the groups it can draw do not.
         everything = dict(num_groups=21, order="uniform")
         assert sorted(replay(lazy, **everything)) == sorted(replay(always, **everything))
         assert always.verify("t") == [] and lazy.verify("t") == []
@@ -130,7 +184,7 @@ def test_the_first_request_in_an_order_returns_what_a_table_that_kept_its_index_
 
 
 def test_uniform_draws_as_a_table_that_kept_its_slots_when_no_group_left(tmp_path: Path) -> None:
-    with kept_always(tmp_path / "always") as always, one_each(tmp_path / "lazy") as lazy:
+    with kept_always(tmp_path / "always") as always, made_before(one_each(tmp_path / "lazy")) as lazy:
         for store in (always, lazy):
             store.put_entries("t", entries(40, 1))
             store.sampling.rng = random.Random(3)
@@ -138,7 +192,7 @@ def test_uniform_draws_as_a_table_that_kept_its_slots_when_no_group_left(tmp_pat
 
 
 def test_the_check_refuses_a_kept_index_that_disagrees_and_rows_of_one_not_kept(tmp_path: Path) -> None:
-    with one_each(tmp_path) as store:
+    with made_before(one_each(tmp_path)) as store:
         store.put_entries("t", entries(4, 1))
         table_id, _ = store.catalog.lookup("t")
         prefix, db = layout.table_prefix(table_id), store.environment.db
@@ -165,10 +219,9 @@ def test_a_directory_written_before_the_mark_keeps_every_index(tmp_path: Path) -
         names = [table.name for table in store.list_tables()]
         assert names
         for name in names:
-            table_id, _ = store.catalog.lookup(name)
-            with store.environment.read() as txn:
-                assert selection.in_use(txn, store.environment.db, layout.table_prefix(table_id)) is None
+            assert kept_by(store, name) is None
             assert store.verify(name) == []
+        assert store.index_builds() == []
         store.create_table(TableConfig.of(name="t", estimator="none", group_size=1, drop_zero_variance=False))
         table_id, _ = store.catalog.lookup("t")
         key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
@@ -182,7 +235,7 @@ def test_a_request_that_needs_an_index_not_kept_changes_nothing_and_an_undone_ch
     """A request that reads an index its table does not keep raises IndexBuilding before it
     changes anything; a chunk of the build commits with its transaction or not at all, cursor
     included."""
-    with one_each(tmp_path) as store:
+    with made_before(one_each(tmp_path)) as store:
         store.put_entries("t", entries(8, 1))
         table_id, config = store.catalog.lookup("t")
 
@@ -190,7 +243,7 @@ def test_a_request_that_needs_an_index_not_kept_changes_nothing_and_an_undone_ch
             store.catalog.state(txn, table_id, config).ready.of(PriorityIndex)
 
         def refused(txn: lmdb.Transaction[bytes]) -> None:
-            assert not store.catalog.state(txn, table_id, config).ready.build_step(PriorityIndex, limit=4)
+            assert not store.catalog.state(txn, table_id, config).ready.build_step(PriorityIndex, limit=4).kept
             raise InvalidRequest("refused after a chunk")
 
         with pytest.raises(IndexBuilding):
@@ -206,129 +259,239 @@ def test_a_request_that_needs_an_index_not_kept_changes_nothing_and_an_undone_ch
         assert store.verify("t") == []
 
 
-def test_the_first_request_in_an_order_builds_its_index_in_chunks_that_pushes_pass_between(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A priority sample on a table of 5,000 ready groups that keeps no priority index: the
-    index is built in transactions of at most BUILD_CHUNK groups (100 here), and pushes made
-    meanwhile commit between them, never waiting for the whole build; the sample is served
-    when the build is done, as a table that kept the index all along serves it."""
-    monkeypatch.setattr(selection, "BUILD_CHUNK", 100)
-    ready = 5000
-    with one_each(tmp_path) as store:
-        store.put_entries("t", entries(ready, 1))
-        counted: collections.Counter[str] = collections.Counter()
-        counting(store, counted)
-        batches: list[tuple[int, int]] = []  # each write transaction's priority rows and payloads
-        apply = store.environment._apply
+class Writes:
+    """What the writer does, watched: the rows each request writes, by the thread that asked for
+    it (a request's path), and for each write transaction, whether it ran a chunk of a build and
+    what else; for each push, the chunks committed while it waited (its own transaction
+    included)."""
 
-        def measured(ops: list) -> None:  # type: ignore[type-arg]
-            prio, blobs = counted["put prio"], counted["put blobs"]
-            apply(ops)
-            batches.append((counted["put prio"] - prio, counted["put blobs"] - blobs))
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch, pusher: str) -> None:
+        self.by_thread: dict[str, Counts] = collections.defaultdict(collections.Counter)
+        self.chunks: list[tuple[str, int]] = []  # each chunk's asking thread and its groups
+        self.batches: list[tuple[int, int]] = []  # each write transaction's chunks and other requests
+        self.waited: list[int] = []  # the chunks committed while each push waited
+        self._who, self._lock, self._queued = "", threading.Lock(), dict[int, int]()
+        env = store.environment
+        counting(store, cast(Counts, self))
+        build_step, submit, apply, queue = selection.ReadyIndex.build_step, env.submit, env._apply, env._queue
+        watch = self
 
-        monkeypatch.setattr(store.environment, "_apply", measured)
-        taken: list[list[str]] = []
-        sampler = threading.Thread(target=lambda: taken.append(replay(store, num_groups=1, order="priority")))
-        sampler.start()
-        pushed = 0
-        while sampler.is_alive():
-            store.put_entries("t", entries(1, 1, ready + pushed))
-            pushed += 1
-        sampler.join()
-        building = [i for i, (prio, _) in enumerate(batches) if prio]
-        assert len(building) >= ready // 100
-        assert max(prio for prio, _ in batches) <= 100
-        during = [i for i, (_, blobs) in enumerate(batches) if blobs and building[0] < i < building[-1]]
-        assert during, "no push committed while the index was built"
-        assert taken == [["0/0"]]  # every group has priority 0: the oldest first, as fifo
-        assert store.verify("t") == []
-        assert push_puts(store, ready + pushed) == {name: 1.0 for name in (*RECORDS, "ready", "prio")}
+        def step(ready: selection.ReadyIndex, cls: type[Index], limit: int | None = None) -> selection.BuildStep:
+            done = build_step(ready, cls, limit)
+            watch.chunks.append((watch._who, done.groups))
+            return done
 
+        def asked(fn: Callable[[lmdb.Transaction[bytes]], Any], **kwargs: bool) -> Any:
+            who = threading.current_thread().name
 
-SMALL = trxp.from_experience(Experience(eid=EID(batch=0, task=0, run=0), tokens=list(range(8)), prompt_length=4))
+            def run(txn: lmdb.Transaction[bytes]) -> Any:
+                watch._who = who
+                return fn(txn)
 
+            return submit(run, **kwargs)
 
-def many(first: int, count: int) -> list[Entry]:
-    """Experiences of tasks first..first+count-1, each its own group: as entries() makes them,
-    from one template, cheaply enough for a million."""
-    made = []
-    for task in range(first, first + count):
-        meta = {**SMALL.meta, "eid": {**SMALL.meta["eid"], "task": task}}
-        made.append(Entry.of(trxp.RawItem(meta, SMALL.tensors)))
-    return made
-
-
-def test_pushes_during_the_first_build_on_many_ready_groups_wait_for_at_most_two_of_its_chunks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 29: the first priority request on a table of BUILD_READY ready groups (1 M with
-    EXPBUF_SOAK_SCALE=10) that keeps no priority index, at the default BUILD_CHUNK, while one
-    client pushes all along. Each write
-    transaction of the build indexes at most BUILD_CHUNK groups, and a push made meanwhile waits
-    for at most the chunk under way and the next (which its own transaction may hold): never more
-    than 2 x BUILD_CHUNK rows however many groups are ready (bench_growth.py --restart measures
-    the milliseconds). Pushes commit between the chunks until the build ends; the request is then
-    served."""
-    ready, chunk = BUILD_READY, selection.BUILD_CHUNK
-    with one_each(tmp_path) as store:
-        for first in range(0, ready, 50_000):
-            store.put_entries("t", many(first, min(50_000, ready - first)))
-        counted: collections.Counter[str] = collections.Counter()
-        counting(store, counted)
-        batches: list[tuple[int, int]] = []  # each write transaction's priority rows and payloads
-        lock, indexed = threading.Lock(), [0]  # priority rows committed so far
-        queued: dict[int, int] = {}  # a push's request -> the rows committed when it was queued
-        waited: list[int] = []  # the priority rows committed while each push waited, its own included
-        apply, writes = store.environment._apply, store.environment._queue
-        pusher = threading.current_thread()
+        def applied(ops: list[Any], **kwargs: bool) -> None:
+            chunks = len(self.chunks)
+            apply(ops, **kwargs)
+            with self._lock:
+                ran = len(self.chunks) - chunks
+                self.batches.append((ran, len(ops) - ran))
+                done = sum(1 for ran, _ in self.batches if ran)
+                self.waited.extend(done - self._queued.pop(id(op)) for op in ops if id(op) in self._queued)
 
         class Queue:
-            """The writer's queue, noting when each push is queued (atomically with the count)."""
+            """The writer's queue, noting the chunks committed when each push is queued."""
 
             def put(self, op: object) -> None:
-                with lock:
-                    if threading.current_thread() is pusher and op is not None:
-                        queued[id(op)] = indexed[0]
-                    writes.put(op)
+                with watch._lock:
+                    if threading.current_thread().name == pusher and op is not None:
+                        watch._queued[id(op)] = sum(1 for ran, _ in watch.batches if ran)
+                    queue.put(op)
 
-            get, get_nowait = writes.get, writes.get_nowait
+            get, get_nowait = queue.get, queue.get_nowait
 
-        def measured(ops: list) -> None:  # type: ignore[type-arg]
-            prio, blobs = counted["put prio"], counted["put blobs"]
-            apply(ops)
-            batches.append((counted["put prio"] - prio, counted["put blobs"] - blobs))
-            with lock:
-                indexed[0] = counted["put prio"]
-                waited.extend(indexed[0] - queued.pop(id(op)) for op in ops if id(op) in queued)
+        monkeypatch.setattr(selection.ReadyIndex, "build_step", step)
+        monkeypatch.setattr(env, "submit", asked)
+        monkeypatch.setattr(env, "_apply", applied)
+        monkeypatch.setattr(env, "_queue", Queue())  # the writer waits on `queue` itself
 
-        monkeypatch.setattr(store.environment, "_apply", measured)
-        monkeypatch.setattr(store.environment, "_queue", Queue())  # the writer waits on `writes` itself
+    def __getitem__(self, key: str) -> int:
+        return self.by_thread[self._who][key]
+
+    def __setitem__(self, key: str, value: int) -> None:
+        self.by_thread[self._who][key] = value
+
+    def index_rows(self, thread: str) -> int:
+        return sum(n for key, n in self.by_thread[thread].items() if key.split()[-1] in INDEXES[1:])
+
+
+def test_the_first_requests_after_an_open_find_their_indexes_built_in_the_background_which_pushes_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: a table an earlier release made holds OPEN_READY ready groups and keeps no uniform
+    or priority index. At the next open their builds start with no request asking; a uniform and
+    a priority request made once the first chunk has committed are served without a row of an
+    index written on their path (they wait while the builds go on), and the batches are right.
+    Every chunk indexes at most BUILD_CHUNK groups in a write transaction of its own, and a push
+    made all along waits for at most one chunk (the one under way when it came)."""
+    with made_before(one_each(tmp_path)) as store:
+        fill(store, OPEN_READY)
+    with Store(tmp_path) as store:
+        writes = Writes(store, monkeypatch, pusher="pusher")
+        finished, pushed = threading.Event(), [0]
+
+        def pusher() -> None:
+            while not finished.is_set():
+                store.put_entries("t", small_groups(OPEN_READY + pushed[0], 1))
+                pushed[0] += 1
+
+        thread = threading.Thread(target=pusher, name="pusher")
+        thread.start()
+        try:
+            wait_for(lambda: writes.chunks, "a chunk of a build from the open")
+            store.sampling.rng = random.Random(39)
+            (uniform,) = replay(store, num_groups=1, order="uniform", wait=600)
+            assert replay(store, num_groups=1, order="priority", wait=600) == ["0/0"]  # every priority 0: fifo
+            wait_for(lambda: kept_by(store) == {"prio", "slots", "slotof", "byver"}, "every build", 600)
+            wait_for(lambda: pushed[0] > 0, "a push")
+        finally:
+            finished.set()
+            thread.join()
+        me = threading.current_thread().name
+        assert int(uniform.split("/")[1]) < OPEN_READY + pushed[0]
+        assert writes.index_rows(me) == 0 and {who for who, _ in writes.chunks} == {BUILDER}
+        assert writes.index_rows(BUILDER) >= 3 * OPEN_READY  # slots, slotof and prio rows: no version
+        assert max(groups for _, groups in writes.chunks) <= selection.BUILD_CHUNK
+        assert all(others == 0 for ran, others in writes.batches if ran), "a chunk shared a transaction"
+        chunked = [i for i, (ran, _) in enumerate(writes.batches) if ran]
+        between = [i for i, (ran, others) in enumerate(writes.batches) if others and chunked[0] < i < chunked[-1]]
+        assert len(between) >= 2, "no request committed between the chunks"
+        assert len(writes.waited) == pushed[0] and max(writes.waited) <= 1, max(writes.waited)
+        assert store.verify("t") == []
+        assert store.stats("t")["ready"] == OPEN_READY + pushed[0]
+
+
+def held_builds(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every store's index builds before their next chunk until the event is set."""
+    go, chunk = threading.Event(), index_builds.IndexBuilds._chunk
+
+    def held(self: index_builds.IndexBuilds, job: Any) -> None:
+        go.wait()
+        chunk(self, job)
+
+    monkeypatch.setattr(index_builds.IndexBuilds, "_chunk", held)
+    return go
+
+
+def test_a_request_waits_for_the_build_of_its_index_within_its_own_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the uniform slots are being built, a uniform request whose wait ends first is refused
+    (IndexNotReady, naming the table and the index) and takes nothing; one that is stopped returns
+    nothing; one with a longer wait waits for the build and is then served, as a table that kept
+    its slots serves it."""
+    with made_before(one_each(tmp_path)) as store:
+        store.put_entries("t", entries(300, 1))
+    go = held_builds(monkeypatch)
+    with Store(tmp_path) as store:
+        spec = SampleSpec("t", num_groups=300, order="uniform", delivery="consume", wait_seconds=0.2)
+        with pytest.raises(errors.IndexNotReady) as refused:
+            store.sample(spec)
+        assert str(refused.value).startswith("table 't': the uniform slots (slots, slotof) is being built in the ")
+        assert str(refused.value).endswith("the request's wait ended first: ask again, or wait longer")
+        assert store.sample(spec, timeout=600, stop=lambda: True) is None
+        assert store.stats("t")["ready"] == 300
         taken: list[list[str]] = []
-        sampler = threading.Thread(target=lambda: taken.append(replay(store, num_groups=1, order="priority")))
-        sampler.start()
-        pushed = 0
-        while sampler.is_alive():
-            store.put_entries("t", many(ready + pushed, 1))
-            pushed += 1
-        sampler.join()
-        building = [i for i, (prio, _) in enumerate(batches) if prio]
-        assert sum(prio for prio, _ in batches) == ready + pushed  # the pushes' groups too
-        assert len(building) >= ready // chunk
-        assert max(prio for prio, _ in batches) <= chunk
-        during = [i for i, (_, blobs) in enumerate(batches) if blobs and building[0] < i < building[-1]]
-        assert len(during) >= 2, "pushes did not commit between the chunks of the build"
-        assert len(waited) == pushed and 0 < max(waited) <= 2 * chunk, max(waited)
-        assert taken == [["0/0"]]  # every group has priority 0: the oldest first, as fifo
-        assert store.stats("t")["ready"] == ready + pushed
+        waiting = threading.Thread(target=lambda: taken.append(store.sample(spec, timeout=600).group_ids))  # type: ignore[union-attr]
+        waiting.start()
+        wait_for(lambda: [(b.index, b.waiting) for b in store.index_builds() if b.waiting] == [("slots", 1)], "a wait")
+        go.set()
+        waiting.join()
+        assert sorted(taken[0]) == sorted(f"0/{task}" for task in range(300))
+        assert store.stats("t")["ready"] == 0 and store.verify("t") == []
+
+
+def test_a_sample_past_its_wait_while_the_index_builds_is_deadline_exceeded_and_the_build_is_in_the_metrics(
+    tmp_path: Path, start_server: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over gRPC: a Sample stream whose wait ends while its index is still being built ends
+    DEADLINE_EXCEEDED with the build's message and the reason index_building; the metrics show
+    the build (its ready groups, the groups indexed, the requests waiting) until it is done."""
+    with made_before(one_each(tmp_path / "data")) as store:
+        store.put_entries("t", entries(50, 1))
+    go = held_builds(monkeypatch)
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(ExpbufError) as refused:
+            next(client.sample("t", num_groups=1, order="priority", timeout=0.3))
+        assert refused.value.code.name == "DEADLINE_EXCEEDED"
+        assert "the priority index (prio) is being built in the background" in str(refused.value)
+        metrics = scrape(server.metrics_port)
+        labels = (("index", "prio"), ("table", "t"))
+        assert metrics[("expbuf_index_build_ready_groups", labels)] == 0  # not started: held
+        assert metrics[("expbuf_index_build_indexed_groups", labels)] == 0
+        assert metrics[("expbuf_refused_total", (("reason", "index_building"), ("table", "t")))] == 1
+        go.set()
+        wait_for(lambda: not any(name.startswith("expbuf_index_build") for name, _ in scrape(server.metrics_port)), "")
+        assert len(next(client.sample("t", num_groups=1, order="priority", timeout=60)).experiences) == 1
+
+
+def test_a_build_killed_midway_goes_on_from_its_cursor_at_the_next_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGKILL in the middle of a build from the open, while pushes go on: the part built and its
+    cursor are consistent with every acknowledged push, the next open goes on from the cursor (its
+    log says how far the build had come), and the index then holds every ready group."""
+    ready = 20_000
+    with made_before(one_each(tmp_path)) as store:
+        fill(store, ready)
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "index_build_child.py"), str(tmp_path), str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+        text=True,
+    )
+    pushed, killed = ready, False
+    assert child.stdout is not None and child.stderr is not None
+    for line in child.stdout:
+        said = json.loads(line)
+        pushed = said["pushed"]
+        if any(total and indexed >= total // 4 for _, indexed, total in said["builds"]):
+            child.send_signal(signal.SIGKILL)
+            killed = True
+            break
+    child.wait()
+    assert killed, f"no build was seen under way: {child.stderr.read()[-2000:]}"
+    child.stdout.close()
+    child.stderr.close()
+    reader = Environment(tmp_path, readonly=True)
+    try:
+        with reader.read() as txn:
+            prefix = next(
+                layout.table_prefix(json.loads(raw)["id"])
+                for name, raw in txn.cursor(db=reader.db["tables"])
+                if bytes(name) == b"t"
+            )
+            cursors = selection.builds(txn, reader.db, prefix)
+    finally:
+        reader.close()
+    assert any(cursor > 0 for cursor in cursors.values()), cursors
+    caplog.set_level(logging.INFO, logger="expbuf.store")
+    with Store(tmp_path) as store:
+        assert store.verify("t") == []
+        wait_for(lambda: kept_by(store) == {"prio", "slots", "slotof", "byver"}, "the builds after the kill", 600)
+        assert store.verify("t") == []
+        assert store.stats("t")["ready"] >= pushed
+    assert any("indexed before a restart" in record.getMessage() for record in caplog.records)
 
 
 def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_path: Path) -> None:
     """Three chunks of a uniform build, then the store closes: the part built is kept in step
     with every change (pushes, consumed and leased groups, a lease given back), checks clean
-    after the restart, and the first uniform request finishes it; it then draws what a table
-    that kept its slots all along can draw."""
-    with kept_always(tmp_path / "always") as always, one_each(tmp_path / "lazy") as lazy:
+    after the restart, and the build from the open finishes it; it then draws what a table that
+    kept its slots all along can draw."""
+    with kept_always(tmp_path / "always") as always, made_before(one_each(tmp_path / "lazy")) as lazy:
         for store in (always, lazy):
             store.put_entries("t", entries(40, 1))
         table_id, config = lazy.catalog.lookup("t")
@@ -355,10 +518,10 @@ def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_pa
             assert selection.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {}
 
 
-def test_the_upkeep_builds_an_index_it_needs_and_uses_it_at_its_next_pass(tmp_path: Path) -> None:
+def test_the_upkeep_has_an_index_it_needs_built_and_uses_it_once_built(tmp_path: Path) -> None:
     """A table that evicts stale groups, whose version index is not kept (its mark and rows
     removed, as a build never made): the upkeep's eviction needs it, so the pass leaves that
-    table's piece undone, the index is built in chunks, and the next pass evicts."""
+    table's piece undone and has the index built in the background; a pass after that evicts."""
     config = TableConfig.of(
         name="t", estimator="none", group_size=1, drop_zero_variance=False, evict_stale=True, max_staleness=0
     )
@@ -366,13 +529,13 @@ def test_the_upkeep_builds_an_index_it_needs_and_uses_it_at_its_next_pass(tmp_pa
         store.create_table(config)
         for task in range(6):
             store.put("t", group_items(0, task, 1, version=task % 3))
-        store.set_trainer_version("t", 1)  # builds the version index, and evicts the groups of version 0
+        store.set_trainer_version("t", 1)  # evicts the groups of version 0
         assert store.stats("t")["ready"] == 4
         table_id, _ = store.catalog.lookup("t")
         prefix, db = layout.table_prefix(table_id), store.environment.db
 
         def forget(txn: lmdb.Transaction[bytes]) -> None:
-            selection.mark_in_use(txn, db, prefix, set())
+            selection.mark_in_use(txn, db, prefix, selection.every_lazy(db) - {"byver"})
             with txn.cursor(db=db["byver"]) as cur:
                 found = cur.set_range(prefix)
                 while found and cur.key().startswith(prefix):
@@ -384,8 +547,7 @@ def test_the_upkeep_builds_an_index_it_needs_and_uses_it_at_its_next_pass(tmp_pa
         store.environment.submit(forget)
         assert store.verify("t") == []
         store.tick()
-        with store.environment.read() as txn:
-            assert "byver" in (selection.in_use(txn, db, prefix) or set())
         assert store.maintenance_failures == 0 and store.stats("t")["ready"] == 4
+        wait_for(lambda: "byver" in (kept_by(store) or set()), "the version index's build")
         store.tick()
         assert store.stats("t")["ready"] == 2 and store.verify("t") == []

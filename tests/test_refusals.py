@@ -52,6 +52,7 @@ EXPECTED = {
     errors.StorageFull: ("RESOURCE_EXHAUSTED", "storage_full"),
     errors.InsertLimited: ("RESOURCE_EXHAUSTED", "rate_limited"),
     errors.SampleLimited: ("DEADLINE_EXCEEDED", "rate_limited"),
+    errors.IndexNotReady: ("DEADLINE_EXCEEDED", "index_building"),
     errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
     errors.StoreClosed: ("UNAVAILABLE", "closed"),

@@ -23,7 +23,8 @@
   a read), browse.py, integrity.py, migrate.py;
 - the services: catalog.py (the tables and each one's extensions), sampling.py (sample, ack, nack), upkeep.py (lease and
   grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated),
-  scrub.py (every payload checked in the background, residency.py keeping RSS small);
+  scrub.py (every payload checked in the background, residency.py keeping RSS small),
+  index_builds.py (the indexes a table lacks, built in the background from the open);
 - engine.py: `Store`, the façade the server uses (through backend.Backend).
 
 The store is the bottom layer of the server, fenced: no chain of imports from it reaches grpc or
@@ -37,6 +38,7 @@ built) and the advantages a push computes (`Store.in_push`).
 from .counters import SHAPING_COUNTERS
 from .engine import Store
 from .extensions import TableExtension
+from .index_builds import IndexBuild
 from .kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
 from .records import ItemRecord
 from .scrub import ScrubStatus
@@ -74,6 +76,7 @@ __all__ = [
     "ComputeJob",
     "Entry",
     "IllegalMove",
+    "IndexBuild",
     "ItemRecord",
     "Push",
     "PutResult",

@@ -147,8 +147,10 @@ class TableCatalog:
             txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
             record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
             txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
-            # A new table keeps no lazy index: each is built when first read.
-            selection.mark_in_use(txn, db, layout.table_prefix(table_id), set())
+            # A new table keeps every index from its creation, so that no request in a new order
+            # waits for a build (index_builds.py says why); the mark names them all, so an order
+            # registered later has its index built in the background.
+            selection.mark_in_use(txn, db, layout.table_prefix(table_id), selection.every_lazy(db))
             return True, table_id
 
         created, table_id = self.environment.submit(op)

@@ -4,7 +4,8 @@
 its writer thread), the table catalog (catalog.py) with each table's extensions (extensions.py:
 the store's own its settings call for, and the kinds it names), and its services: pushes
 (pushing.py), reads (reads.py), sampling (sampling.py), the prompt ledger's claims (claims.py),
-upkeep (upkeep.py) and the scrub (scrub.py). It puts each request through the writer as
+upkeep (upkeep.py), the scrub (scrub.py) and the background builds of the indexes a table lacks
+(index_builds.py). It puts each request through the writer as
 one table's transaction: a table's state (table_state.py) changed by the rules (groups.py,
 capacity.py, retirement.py, leases.py, limiter.py, admission.py, staleness.py). Reads are
 answered from read transactions. Nothing lives only in memory but the table list, so a
@@ -29,7 +30,6 @@ from . import (
     admission,
     browse,
     groups,
-    index_builds,
     integrity,
     layout,
     limiter,
@@ -44,7 +44,7 @@ from .counters import read_counters
 from .environment import Environment
 from .errors import NotFound
 from .extensions import ExtensionKinds, TableExtension
-from .index_builds import submit_building
+from .index_builds import IndexBuild, IndexBuilds
 from .integrity import verify
 from .kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
 from .ledger import Claimed, Ledger
@@ -119,15 +119,18 @@ class Store:
             self.environment.close()
             raise
         self.extensions = EveryTable(self.catalog)
-        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage)
+        # The lazy indexes a table lacks, built in the background from here (index_builds.py).
+        self.builds = IndexBuilds(self.environment, self.catalog)
+        self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage, self.builds)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
-        self.pushing = Pushing(self.environment, self.catalog, self._state_in, max_reply_bytes)
+        self.pushing = Pushing(self.environment, self.catalog, self._state_in, max_reply_bytes, self.builds)
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
+        self.builds.start()
         # The check of every payload that a quick open leaves out, in the background (scrub.py).
         self.scrub = Scrub(
             self.environment, self.catalog, self._quarantine_found,
@@ -155,9 +158,12 @@ class Store:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the scrub, finish and commit every queued request, then close the environment."""
+        """Stop the scrub and the index builds (each goes on from its cursor at the next open),
+        finish and commit every queued request, then close the environment."""
         if hasattr(self, "scrub"):
             self.scrub.stop()
+        if hasattr(self, "builds"):
+            self.builds.stop()
         self.environment.close()
 
     def __enter__(self) -> Store:
@@ -167,14 +173,14 @@ class Store:
         self.close()
 
     def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
-        """Run `fn` on one table in the writer's next transaction (after building, in chunks, an
-        index it needs that the table does not keep yet: index_builds.py)."""
+        """Run `fn` on one table in the writer's next transaction (once an index it needs that
+        the table does not keep yet is built in the background: index_builds.py)."""
         table_id, config = self.catalog.lookup(table)
 
         def op(txn: lmdb.Transaction[bytes]) -> T:
             return fn(self._state_in(txn, table_id, config))
 
-        return submit_building(self.environment, self.catalog, op)
+        return self.builds.submit(op)
 
     def _state_in(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig) -> TableState:
         """A table's state in the writer's transaction, the table marked for the next upkeep pass."""
@@ -393,6 +399,10 @@ class Store:
     def storage_info(self) -> dict[str, float]:
         return self.environment.storage_info()
 
+    def index_builds(self) -> list[IndexBuild]:
+        """The background builds of the indexes tables lack, to do or under way (index_builds.py)."""
+        return self.builds.status()
+
     def verify(self, table: str) -> list[str]:
         """Check every index and counter of a table against its items; [] when consistent."""
         table_id, config = self.catalog.lookup(table)
@@ -411,8 +421,8 @@ class Store:
             return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
 
         done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
-        for building in self.upkeep.take_builds():  # an index a table's upkeep needs: built, then used next pass
-            index_builds.build(self.environment, self.catalog, building)
+        for building in self.upkeep.take_builds():  # an index a table's upkeep needs: used once built
+            self.builds.want(building)
         return done
 
     # ---- sampling (sampling.py) ----------------------------------------------------------------

@@ -7,6 +7,12 @@ callers share the cost of the fsync, and each returns only after that commit. A 
 map doubles (once no reader holds a transaction) up to `max_map_size` and the batch is
 retried; a full disk or an I/O error fails the batch, committing nothing.
 
+Background work (a chunk of an index build, index_builds.py) goes through the same writer
+with `submit(fn, background=True)`: it runs in a transaction of its own, never in a batch
+with requests, and after the requests that were waiting when the writer met it. So a request
+waits for at most one background transaction, the one under way when it came, and two
+background transactions in a row run only while no request waits.
+
 Only one process may open a data directory: it holds an exclusive flock on the directory's
 `data.mdb` for its life, a lock the kernel keeps on the open file itself and drops when the
 process ends, however it ends. No file's existence stands for the lock, so deleting one
@@ -17,6 +23,7 @@ LMDB read-only without its lock file, so it works on a read-only copy and writes
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import os
@@ -63,6 +70,7 @@ MAX_SNAPSHOTS = 16
 class _Op:
     fn: Callable[[lmdb.Transaction[bytes]], Any]
     future: Future[Any]
+    background: bool = False
 
 
 class Environment:
@@ -104,6 +112,7 @@ class Environment:
         self._generation = 0
         self.batches = 0  # batches of requests the writer has run, committed or not
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._later: collections.deque[_Op] = collections.deque()  # background ops met, run after a batch
         self._closed = False
         self._closing = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="expbuf-writer", daemon=True)
@@ -167,13 +176,15 @@ class Environment:
 
     # ---- writes ----------------------------------------------------------------------
 
-    def submit(self, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T:
-        """Run `fn` in the writer thread's next transaction; return once it is committed."""
+    def submit(self, fn: Callable[[lmdb.Transaction[bytes]], T], *, background: bool = False) -> T:
+        """Run `fn` in the writer thread's next transaction; return once it is committed. With
+        `background`, in a transaction of its own once the requests waiting now are committed
+        (see the module's docstring); its commit wakes no wait_for_change()."""
         future: Future[T] = Future()
         with self._closing:
             if self._closed or self.readonly:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
-            self._queue.put(_Op(fn, future))
+            self._queue.put(_Op(fn, future, background))
         return future.result()
 
     def _write_loop(self) -> None:
@@ -181,29 +192,34 @@ class Environment:
             pass
 
     def _write_batch(self) -> bool:
-        """Apply the next batch of requests; False once the store closes. The requests, and
-        what they carry (a push's packed experiences), go with the batch, not at the next one."""
-        op = self._queue.get()
-        if op is None:
-            return False
-        ops = [op]
-        while len(ops) < self._batch_limit:
-            try:
-                more = self._queue.get_nowait()
+        """Apply the next batch of requests, then one background op met so far; False once the
+        store closes (every op queued before the close applied). The requests, and what they
+        carry (a push's packed experiences), go with the batch, not at the next one."""
+        requests: list[_Op] = []
+        closing = False
+        while len(requests) < self._batch_limit:
+            try:  # wait for a first op only when no background op is held
+                op = self._queue.get_nowait() if requests or self._later else self._queue.get()
             except queue.Empty:
                 break
-            if more is None:
-                self._apply(ops)
-                return False
-            ops.append(more)
-        self._apply(ops)
-        return True
+            if op is None:
+                closing = True
+                break
+            (self._later if op.background else requests).append(op)
+        if requests:
+            self._apply(requests)
+        while self._later:
+            self._apply([self._later.popleft()], background=True)
+            if not closing:
+                break
+        return not closing
 
-    def _apply(self, ops: list[_Op]) -> None:
+    def _apply(self, ops: list[_Op], *, background: bool = False) -> None:
         """Run ops in one transaction, each nested so a refusal undoes only itself. Only a
         commit that changed something counts as a change for wait_for_change(): a caller
         that retries a request which changed nothing (a sample waiting for data, a push
-        waiting for room) sleeps until someone else's change instead of spinning."""
+        waiting for room) sleeps until someone else's change instead of spinning. A background
+        op's commit does not count either: it changes nothing such a caller waits for."""
         self.batches += 1
         before = self.env.info()["last_txnid"]
         while True:
@@ -238,7 +254,7 @@ class Environment:
                 )
                 results = [(False, failed)] * len(ops)
                 break
-        if self.env.info()["last_txnid"] != before:
+        if not background and self.env.info()["last_txnid"] != before:
             with self._changed:
                 self._generation += 1
                 self._changed.notify_all()

@@ -141,6 +141,14 @@ class SampleLimited(StoreError):
     reason = "rate_limited"
 
 
+class IndexNotReady(StoreError):
+    """A request that reads an index its table is still building in the background
+    (index_builds.py), whose wait ended before the build did: asked again later, it is served."""
+
+    status = "DEADLINE_EXCEEDED"
+    reason = "index_building"
+
+
 class Cancelled(StoreError):
     """A call its caller gave up on, stopped before it wrote anything (a long CreateDataset)."""
 

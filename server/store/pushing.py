@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import lmdb
 
-from . import admission, deliverable, groups, index_builds, limiter, pushed_advantages
+from . import admission, deliverable, groups, limiter, pushed_advantages
 from .catalog import TableCatalog
 from .environment import Environment
 from .errors import InsertLimited, TableFull
+from .index_builds import IndexBuilds
 from .kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from .selection import IndexBuilding
 from .table_config import TableConfig
@@ -56,9 +57,14 @@ class Pushing:
     transaction (Store._state_in)."""
 
     def __init__(
-        self, environment: Environment, catalog: TableCatalog, state_in: StateIn, max_reply_bytes: int | None
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        state_in: StateIn,
+        max_reply_bytes: int | None,
+        builds: IndexBuilds,
     ) -> None:
-        self.environment, self.catalog, self._state_in = environment, catalog, state_in
+        self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
         self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
 
@@ -106,8 +112,8 @@ class Pushing:
                 since, held = time.monotonic(), False
             if stop is None:
                 continue
-            if isinstance(stop, IndexBuilding):
-                index_builds.build(self.environment, self.catalog, stop)
+            if isinstance(stop, IndexBuilding):  # nothing was kept: tried again once the index is built
+                self.builds.wait(stop)
                 continue
             if isinstance(stop, TableFull):
                 if todo[0].config.capacity.when_full != "block" or final:

@@ -3,7 +3,8 @@ as groups become ready, leave ready or change priority, and checks them for `exp
 
 An order (selection.py) reads the index it declares; the store opens the databases of the
 indexes of the registered orders, and of the version index every order filters with; a table
-keeps the eager ones always and a lazy one from the first request that reads it (selection.py).
+keeps them all from its creation, and a lazy one it lacks (a table an earlier release made) is
+built in the background from the open (selection.py, index_builds.py).
 Every key starts with the table's 4-byte prefix. The built-in indexes (all lazy but `ready`):
 - `ready`:  rseq (u64 BE)                  -> group key   (fifo from the front, lifo from the back)
 - `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
@@ -73,10 +74,18 @@ class Index(ABC):
     with them or not at all."""
 
     databases: ClassVar[tuple[str, ...]]
-    # Lazy: a table keeps it from the first request that reads it, built then from the ready
-    # groups (selection.ReadyIndex); eager: kept from the table's creation, as any reader of
-    # the database may expect.
+    # Every table keeps it from its creation. Lazy: a table an earlier release made may lack it
+    # (that release kept it only from the first request that read it), and so may every table
+    # when its order was registered since; the store then builds it in the background from
+    # the open (index_builds.py). Eager: built in the open's own transaction (migrate.py), as
+    # any reader of the database may expect it kept.
     lazy: ClassVar[bool] = False
+    # How problems and the log name it, e.g. "the priority index (prio)"; empty: by its databases.
+    what: ClassVar[str] = ""
+
+    @classmethod
+    def described(cls) -> str:
+        return cls.what or f"the index ({', '.join(cls.databases)})"
 
     def __init__(self, dbs: Mapping[str, lmdb._Database], txn: lmdb.Transaction[bytes], prefix: bytes) -> None:
         self.txn, self.prefix = txn, prefix
@@ -126,8 +135,6 @@ class Index(ABC):
 class KeyedIndex(Index):
     """An index of one database with one row per ready group (none where `row` says None):
     a new index of this kind is one `row` method."""
-
-    what: ClassVar[str]  # how a problem names it, e.g. "the ready index (ready)"
 
     @abstractmethod
     def row(self, group: ReadyGroup) -> tuple[bytes, bytes] | None:
@@ -195,6 +202,16 @@ class ReadyOrder(KeyedIndex):
                 found.append((_U64.unpack(cur.key()[len(p) :])[0], bytes(cur.value())))
                 more = cur.next()
         return found, None
+
+    def before(self, rseq: int) -> int:
+        """How many ready groups lie before `rseq` in the ready order (a cost of those groups)."""
+        p, end, count = self.prefix, self.prefix + u64(rseq), 0
+        with self.txn.cursor(db=self.db["ready"]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key() < end:
+                count += 1
+                found = cur.next()
+        return count
 
 
 class PriorityIndex(KeyedIndex):
@@ -288,6 +305,7 @@ class Slots(Index):
 
     databases = ("slots", "slotof")
     lazy = True
+    what = "the uniform slots (slots, slotof)"
 
     def add(self, groups: Sequence[ReadyGroup]) -> None:
         """Slots at the end of the array; the count is written once."""

@@ -20,7 +20,7 @@ from . import layout, reuse, staleness
 from .catalog import TableCatalog
 from .environment import Environment
 from .errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from .index_builds import build
+from .index_builds import IndexBuilds
 from .kinds import Sampled
 from .leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
 from .records import Lease
@@ -45,9 +45,14 @@ class Sampling:
     the batch stage the server gave the store, bound to each batch taken (Sampled.stage)."""
 
     def __init__(
-        self, environment: Environment, catalog: TableCatalog, rng: random.Random, finish: FinishBatch | None
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        rng: random.Random,
+        finish: FinishBatch | None,
+        builds: IndexBuilds,
     ) -> None:
-        self.environment, self.catalog, self.rng, self.finish = environment, catalog, rng, finish
+        self.environment, self.catalog, self.rng, self.finish, self.builds = environment, catalog, rng, finish, builds
         self.db = environment.db
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
 
@@ -80,9 +85,9 @@ class Sampling:
         None). `confirm` names held leases (one or several) of this table and owner whose
         batches the client has, delivered first as the spec asks (confirm_in), in the same
         commit as the first attempt: one durable write for all, kept even if the attempt
-        fails; if one cannot be delivered, none is and nothing is taken. The first request in an
-        order whose index the table does not keep yet waits while it is built in chunks
-        (index_builds.py), which other requests do not wait for.
+        fails; if one cannot be delivered, none is and nothing is taken. A request in an order
+        whose index the table is still building in the background (index_builds.py) waits for
+        the build within the same deadline, then is tried again; past it, IndexNotReady.
         """
         start = time.monotonic()
         deadline = start + (spec.wait_seconds if timeout is None else timeout)
@@ -113,12 +118,14 @@ class Sampling:
 
             try:
                 result = self.environment.submit(attempt)
-            except IndexBuilding as building:  # nothing was kept: built now, then asked again
-                build(self.environment, self.catalog, building)
+            except IndexBuilding as building:  # nothing was kept: asked again once it is built
+                if not self.builds.wait(building, deadline, stop):
+                    return None
                 continue
             confirms = ()
             if isinstance(result, _Refused) and isinstance(result.error, IndexBuilding):
-                build(self.environment, self.catalog, result.error)  # the confirmations were kept
+                if not self.builds.wait(result.error, deadline, stop):  # the confirmations were kept
+                    return None
                 continue
             if isinstance(result, _Refused):
                 raise result.error

@@ -6,15 +6,18 @@ databases, keeps it as groups become ready, leave ready or change priority, and
 `integrity.verify` checks it, all without naming it. A new order is one class and one
 `register` call, before the store opens; an order with an index of its own (an `Index`
 class with its databases) gets them opened, built from the ready groups at the store's next
-open, and kept from then on. A lazy index (`Index.lazy`: the built-in priority, slot and version
-indexes) is kept by a table only from the first request that reads it, so a push writes only
-the indexes its table's readers use. That request does not build it in its own transaction: it
-raises `IndexBuilding`, and its caller builds the index in chunks of BUILD_CHUNK ready groups,
-each a write transaction of its own (`ReadyIndex.build_step`), then retries it, so pushes wait at
-most one chunk at a time however many groups are ready. While an index is being built, the
-changes of ready groups reach the part of it built so far (the groups before its cursor in the
-ready order), and the build reaches the others; its cursor is kept in the table's counters
-database (`BUILDING`), so a build cut short by a stop goes on at the next request.
+open, and kept from then on. A table keeps every index from its creation. A lazy index
+(`Index.lazy`: the built-in priority, slot and version indexes) may be missing from a table
+an earlier release made (it kept one only from the first request that read it), or when its
+order was registered since: the store builds it in the background from the open
+(index_builds.py), in chunks of BUILD_CHUNK ready groups, each a write transaction of its own
+(`ReadyIndex.build_step`), so pushes wait for at most one chunk however many groups are ready.
+A request that reads it meanwhile raises `IndexBuilding` before it changes anything, and its
+caller waits for the build, then tries it again: no request is served from a part of an index.
+While an index is being built, the changes of ready groups reach the part of it built so far
+(the groups before its cursor in the ready order), and the build reaches the others; its cursor
+is kept in the table's counters database (`BUILDING`), so a build cut short by a stop or a
+crash goes on from there at the next open.
 
 Every selection costs a few B-tree lookups, so it does not slow down as the table grows: no
 request scans the table. A request with a `min_model_version` reads only the groups at or
@@ -31,7 +34,7 @@ import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ClassVar, TypeVar, cast
+from typing import ClassVar, NamedTuple, TypeVar, cast
 
 import lmdb
 
@@ -60,9 +63,9 @@ _CLEAR = -1  # a build's cursor while it deletes stale rows
 
 
 class IndexBuilding(Exception):
-    """A request needs a lazy index its table does not keep yet; the caller builds it (in
-    chunks, `ReadyIndex.build_step`) and tries the request again. Nothing of the request is
-    kept: it is raised before the request changes anything it would keep."""
+    """A request needs a lazy index its table does not keep yet; the caller waits while the
+    store builds it in the background (index_builds.py) and tries the request again. Nothing
+    of the request is kept: it is raised before the request changes anything it would keep."""
 
     def __init__(self, prefix: bytes, index: type[Index]) -> None:
         super().__init__(f"the index {index.__name__} of table {prefix!r} is being built")
@@ -196,13 +199,26 @@ def keeps(used: set[str] | None, cls: type[Index]) -> bool:
     return not cls.lazy or used is None or set(cls.databases) <= used
 
 
+def every_lazy(dbs: Mapping[str, lmdb._Database]) -> set[str]:
+    """The databases of every lazy index the store opened: a new table's mark (it keeps them all)."""
+    return {name for cls in _KEPT if cls.lazy and all(n in dbs for n in cls.databases) for name in cls.databases}
+
+
+class BuildStep(NamedTuple):
+    """What one chunk of a build did: whether the table keeps the index now, and the ready
+    groups it indexed."""
+
+    kept: bool
+    groups: int
+
+
 class ReadyIndex:
     """The ready-group indexes of one table inside a transaction: those of the registered
     orders and the version index whose databases the store opened, of which the table keeps
-    the eager ones and the lazy ones it was read with. A request that needs a lazy one the
-    table does not keep yet raises IndexBuilding; its caller builds it chunk by chunk
-    (`build_step`, from `ready_groups`), after which the table keeps it. So a push writes only
-    the indexes its table's readers use, and never waits for a whole build."""
+    the eager ones and the lazy ones it was made with or has had built since. A request that
+    needs a lazy one the table does not keep yet raises IndexBuilding; its caller waits while
+    the store builds it chunk by chunk in the background (`build_step`, from `ready_groups`),
+    after which the table keeps it. So no push ever waits for a whole build."""
 
     def __init__(
         self,
@@ -254,13 +270,13 @@ class ReadyIndex:
             index = self._made[cls] = cls(self.dbs, self.txn, self.prefix)
         return cast(I, index)
 
-    def build_step(self, cls: type[Index], limit: int | None = None) -> bool:
+    def build_step(self, cls: type[Index], limit: int | None = None) -> BuildStep:
         """One chunk of the build of an index the table does not keep: up to `limit` (default
         BUILD_CHUNK) stale rows deleted (rows a release that kept every index wrote while it served the table), then up
         to `limit` ready groups indexed, from the cursor on in the ready order. The last chunk
-        marks it kept. Whether the table keeps it now."""
+        marks it kept."""
         if cls in self.kept():
-            return True
+            return BuildStep(True, 0)
         if self.ready_groups is None:
             raise InvalidRequest(f"the index {cls.__name__} is not kept by this table, and cannot be built here")
         index, found = cls(self.dbs, self.txn, self.prefix), builds(self.txn, self.dbs, self.prefix)
@@ -271,24 +287,25 @@ class ReadyIndex:
                 budget -= index.clear(name, budget)
             if budget <= 0:
                 found[cls.databases[0]] = _CLEAR
-                return self._saved(found)
+                self._saved(found)
+                return BuildStep(False, 0)
             cursor = 0
         groups, after = self.ready_groups(cursor, budget)
         index.add(groups)
         if after is not None:
             found[cls.databases[0]] = after
-            return self._saved(found)
+            self._saved(found)
+            return BuildStep(False, len(groups))
         found.pop(cls.databases[0], None)
         self._saved(found)
         used = in_use(self.txn, self.dbs, self.prefix) or set()
         mark_in_use(self.txn, self.dbs, self.prefix, used | set(cls.databases))
         self.kept().append(cls)
-        return True
+        return BuildStep(True, len(groups))
 
-    def _saved(self, found: dict[str, int]) -> bool:
+    def _saved(self, found: dict[str, int]) -> None:
         _mark_builds(self.txn, self.dbs, self.prefix, found)
         self._builds = found
-        return False
 
     @property
     def versions(self) -> VersionIndex:

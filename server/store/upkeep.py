@@ -47,7 +47,7 @@ class Upkeep:
         self._reported: set[str] = set()
         self._active: set[int] = set()  # ids of the tables the next pass visits
         self._last_sweep = float("-inf")
-        self._builds: list[IndexBuilding] = []  # indexes a piece needed that its table does not keep yet
+        self._builds: list[IndexBuilding] = []  # indexes a piece needed that its table is still building
 
     def mark(self, table_id: int) -> None:
         """A table was written to: the next pass visits it (called in the writer's transaction)."""
@@ -197,14 +197,15 @@ class Upkeep:
 
     def take_builds(self) -> list[IndexBuilding]:
         """The indexes pieces of the last pass needed and their tables did not keep yet: the
-        store builds them (in chunks, index_builds.py), and the next pass does the pieces."""
+        store has them built in the background (index_builds.py), and a pass after that does
+        the pieces."""
         builds, self._builds = self._builds, []
         return builds
 
     def isolated(self, txn: lmdb.Transaction[bytes], what: str, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | None:
         """Run one piece in a nested transaction; on failure undo it, log it once per
         distinct reason, count it, and return None. A piece that needs an index its table does
-        not keep yet is undone and left for the next pass (`take_builds`)."""
+        not keep yet is undone and left for a pass after its build (`take_builds`)."""
         child = self.env.begin(write=True, parent=txn)
         try:
             result = fn(child)
