@@ -29,6 +29,20 @@ about 8 KB; kept and topped up by later runs) and, with its server stopped each 
   dropped offline first): its wait, the server's RSS after it, and the waits of one-group
   pushes made meanwhile (p50, p99, max);
 - with --full, a restart with `check_at_open = "full"` to its first sample, for comparison.
+
+--first-uniform (issue 39) fills DIR the same way to `--groups` ready groups of 4 small experiences
+(kept between runs), makes the table as a release that kept the priority, uniform and version
+indexes only from the first request in their order left it (forget_index), and measures, for this
+tree and for `--before TREE` (another source tree, run as the expbuf package), one after the other:
+- `at once`: a uniform request made as soon as the server listens; from the spawn of `expbuf
+  serve` to the first one-group batch received, the request's own wait, and when every build
+  ended (this tree builds the indexes a table lacks in the background from the open; the tree
+  before builds the uniform slots on the request's path);
+- `later`: the same request made once this tree's builds are done (the tree before: as long after
+  its open): its wait;
+- in both, the waits of one-group pushes made one after the other all along (from the first one's
+  answer, which waits for torch to load): those made while a build ran, and those of the 3 s after
+  it (p50 / p99 / max ms).
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -52,18 +67,20 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import lmdb  # noqa: E402
+from bench_consume import package  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
 from expbuf.server.store import layout, selection  # noqa: E402
 
-from helpers import ServerProcess, make_experience  # noqa: E402
+from helpers import ServerProcess, make_experience, scrape  # noqa: E402
 
 HEADING = "## Growth of one table to 10 M experiences (issue 22)"
 TABLE = "growth"
 GROUP = 4
 PER_PUSH = 256
 ORDERS = ("fifo", "lifo", "uniform", "priority")
+LAZY = ("prio", "slots", "slotof", "byver")  # the databases of the built-in lazy indexes
 TEMPLATE = trxp.from_experience(make_experience(0, 0, 0))
 
 
@@ -315,29 +332,172 @@ def scrub_pass(server: ServerProcess, timeout: float = 7200) -> ScrubInfo:
     return scrub
 
 
-def forget_index(data: Path, name: str) -> None:
-    """Drop a lazy index the growth table keeps (its mark and rows, in transactions of 100 k), as
-    if no request had read it: the next run measures its first build again."""
+def forget_index(data: Path, *names: str) -> None:
+    """Drop lazy indexes the growth table keeps (their databases' marks and rows, in transactions of
+    100 k), as if an earlier release had made the table and no request had read them: the next run
+    measures their first builds again."""
     size = (data / "data.mdb").stat().st_size
     env = lmdb.open(str(data), max_dbs=layout.MAX_DBS, readahead=False, map_size=2 * size + (1 << 30))
     try:
         with env.begin(write=True) as txn:
-            dbs = {db: env.open_db(db.encode(), txn=txn) for db in ("tables", "counters", name)}
+            dbs = {db: env.open_db(db.encode(), txn=txn) for db in ("tables", "counters", *names)}
             prefix = layout.table_prefix(json.loads(txn.get(TABLE.encode(), db=dbs["tables"]))["id"])
             used = selection.in_use(txn, dbs, prefix)
-            if used is not None:
-                selection.mark_in_use(txn, dbs, prefix, used - {name})
+            selection.mark_in_use(txn, dbs, prefix, (set(LAZY) if used is None else used) - set(names))
             txn.delete(prefix + selection.BUILDING, db=dbs["counters"])
-        deleted = 1
-        while deleted:
-            deleted = 0
-            with env.begin(write=True) as txn, txn.cursor(db=dbs[name]) as cur:
-                found = cur.set_range(prefix)
-                while found and deleted < 100_000 and cur.key().startswith(prefix):
-                    found = cur.delete()
-                    deleted += 1
+        for name in names:
+            deleted = 1
+            while deleted:
+                deleted = 0
+                with env.begin(write=True) as txn, txn.cursor(db=dbs[name]) as cur:
+                    found = cur.set_range(prefix)
+                    while found and deleted < 100_000 and cur.key().startswith(prefix):
+                        found = cur.delete()
+                        deleted += 1
     finally:
         env.close()
+
+
+def builds_under_way(server: ServerProcess) -> bool:
+    """Whether the server is building an index in the background (its expbuf_index_build_* metrics;
+    a tree without them builds none)."""
+    return any(name == "expbuf_index_build_ready_groups" for name, _ in scrape(server.metrics_port))
+
+
+@dataclass(frozen=True)
+class UniformRun:
+    """One run of --first-uniform: seconds from the spawn of `expbuf serve`, and push waits."""
+
+    listening: float
+    asked: float
+    answered: float
+    building: float  # when the builds began: at the open (this tree), or with the request (before)
+    built: float  # when the last one ended
+    during: list[float]  # the waits of the pushes made while a build ran
+    after: list[float]  # and in the 3 s after
+
+
+def first_uniform_run(data: Path, tree: Path | None, delay: float | None) -> UniformRun:
+    """One server of a tree (None: this one) on the directory, its table's lazy indexes forgotten:
+    a uniform request at once (`delay` None) or `delay` seconds after it listens (0: once its builds
+    are done), while one client pushes one group at a time. Seconds, from the spawn."""
+    step("forget the lazy indexes")
+    forget_index(data, *LAZY)
+    config = data.parent / f"{data.name}-configs" / "first-uniform.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f'scrub_mb_per_second = 0\n[[tables]]\nname = "{TABLE}"\ngroup_size = {GROUP}\nestimator = "grpo"\n'
+        "tombstone_seconds = 0\n"
+    )
+    env = None
+    if tree is not None:
+        env = {"PYTHONPATH": str(package(tree, Path(tempfile.mkdtemp(prefix="expbuf-before-"))))}
+    step(f"{tree or 'this tree'}: the first uniform request {'at once' if delay is None else 'later'}")
+    spawned = time.perf_counter()
+    server = ServerProcess(str(data), "--config", str(config), env=env, start_seconds=3600, warm=False)
+    listening = time.perf_counter() - spawned
+    runs = Restarts(data, "small")
+    done, pushes = threading.Event(), list[tuple[float, float]]()
+
+    def pusher() -> None:
+        with BufferClient(server.target, timeout=600) as client:
+            runs.next_group = client.stats(TABLE)[TABLE].pushed // GROUP + 1
+            runs.push_one(client)  # not counted: it waits for torch to load (advantage_start.py)
+            while not done.is_set():
+                began = time.perf_counter() - spawned
+                pushes.append((began, runs.push_one(client)))
+
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    built: float | None = None  # when the last build ended
+    try:
+        if delay == 0:
+            while builds_under_way(server):
+                time.sleep(0.2)
+            built = time.perf_counter() - spawned
+        elif delay is not None:
+            time.sleep(max(0.0, spawned + listening + delay - time.perf_counter()))
+        with BufferClient(server.target, timeout=3600) as client:
+            asked = time.perf_counter() - spawned
+            next(client.sample(TABLE, num_groups=1, order="uniform", delivery="consume", max_batches=1, timeout=3600))
+            answered = time.perf_counter() - spawned
+        if built is None and tree is None:
+            while builds_under_way(server):
+                time.sleep(0.2)
+            built = time.perf_counter() - spawned
+        if built is None:  # the tree before built the slots on the request's path
+            built = answered
+        time.sleep(3.0)
+    finally:
+        done.set()
+        thread.join()
+        stopped(server)
+    building = listening if tree is None else asked
+    return UniformRun(
+        listening,
+        asked,
+        answered,
+        building,
+        built,
+        during=[wait for began, wait in pushes if building <= began < built],
+        after=[wait for began, wait in pushes if built <= began < built + 3.0],
+    )
+
+
+def ms3(values: list[float]) -> str:
+    """Push waits: count, p50 / p99 / max in ms."""
+    if not values:
+        return "-"
+    ms = sorted(v * 1000 for v in values)
+    return f"{len(ms)}: {statistics.median(ms):.1f} / {ms[min(len(ms) - 1, int(len(ms) * 0.99))]:.1f} / {ms[-1]:.0f}"
+
+
+def first_uniform_heading() -> str:
+    return "## The first uniform request after an open: indexes built in the background (issue 39)"
+
+
+def first_uniform_section(args: argparse.Namespace) -> str:
+    """Fill (or top up) DIR, then the runs of each tree, side by side."""
+    data, load = Path(args.data), os.getloadavg()[0]
+    runs = Restarts(data, "small")
+    step("fill")
+    server, _ = runs.start("fill", scrub_mb_per_second=0)
+    runs.fill(server, args.groups)
+    with BufferClient(server.target, timeout=600) as client:
+        ready = client.stats(TABLE)[TABLE].groups_ready
+    stopped(server)
+    trees: list[tuple[str, Path | None]] = [("before", Path(args.before).resolve()), ("after", None)]
+    rows = []
+    for name, tree in trees:
+        run = first_uniform_run(data, tree, None)
+        rows.append((name, "at once", run))
+    later = first_uniform_run(data, None, 0)
+    delay = later.asked - later.listening
+    rows.append(("before", f"{delay:.0f} s after the open", first_uniform_run(data, trees[0][1], delay)))
+    rows.append(("after", "once built", later))
+    lines = [
+        f"| {name} | {when} | {run.listening:.1f} | {run.built - run.building:.1f} "
+        f"| {run.answered - run.asked:.2f} | {run.answered:.1f} | {ms3(run.during)} | {ms3(run.after)} |"
+        for name, when, run in rows
+    ]
+    return "\n".join(
+        [
+            first_uniform_heading(),
+            "",
+            f"Command: `.venv/bin/python bench/bench_growth.py --first-uniform --groups {args.groups} --data DIR "
+            "--before TREE` (TREE: main before issue 39, `git archive`d, with this tree's compiled codec copied in)  ",
+            f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} at the start and "
+            f"{os.getloadavg()[0]:.1f} at the end. {ready:,} ready groups of {GROUP} small experiences, the table as "
+            "an earlier release left it: the ready order kept, no uniform, priority or version index. Default "
+            "settings but the scrub (off). Seconds from the spawn of `expbuf serve`; a push is one group, one "
+            "after the other all along; its waits as count: p50 / p99 / max ms.",
+            "",
+            "| tree | uniform request | spawn to listening s | builds s | request's wait s "
+            "| spawn to first uniform sample s | pushes while building | pushes the 3 s after |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *lines,
+        ]
+    )
 
 
 def step(what: str) -> None:
@@ -457,7 +617,18 @@ def main() -> None:
     parser.add_argument("--shape", choices=tuple(SHAPES), default="small", help="--restart: the experiences' size")
     parser.add_argument("--data", help="--restart: the data directory, filled once and reused")
     parser.add_argument("--full", action="store_true", help="--restart: also a restart with the full open check")
+    parser.add_argument("--first-uniform", action="store_true", help="the first uniform request after an open")
+    parser.add_argument("--groups", type=int, default=1_003_520, help="--first-uniform: ready groups to fill to")
+    parser.add_argument("--before", help="--first-uniform: the tree to measure beside this one")
     args = parser.parse_args()
+    if args.first_uniform:
+        if not (args.data and args.before):
+            parser.error("--first-uniform needs --data DIR (filled once, reused) and --before TREE")
+        section = first_uniform_section(args)
+        print(section)
+        if args.out:
+            write_section(args.out, first_uniform_heading(), section)
+        return
     if args.restart:
         if not args.data:
             parser.error("--restart needs --data DIR (filled once, reused by later runs)")

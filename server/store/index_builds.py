@@ -14,13 +14,15 @@ by the time a trainer asks it is there.
 How: one thread (`IndexBuilds`) takes the builds a chunk at a time: BUILD_CHUNK ready groups
 indexed in a write transaction of the writer's background lane (environment.py), which runs
 alone, after the requests waiting when it comes, so a request waits for at most one chunk.
-While no request waits for an index and others write, a build takes at most BUILD_SHARE of the
-writer's time (it pauses after each chunk); a build a request waits for goes first, at full
-pace. A request that reads an index still being built waits for it (`wait`) up to its own
-deadline, then is refused with IndexNotReady (DEADLINE_EXCEEDED, saying how far the build got);
-once the index is built the request is tried again whole, so none is ever served from part of
-an index. A build's cursor is kept with the chunk that moves it (selection.BUILDING), so a stop
-or a crash loses at most the chunk under way, and the next open goes on from the cursor.
+While no request waits for it, a build takes at most BUILD_SHARE of the time (it pauses after
+each chunk): it shares the writer and the interpreter with the requests, and at full pace it
+made the server's own start and its pushes slower (bench_growth.py --first-uniform); a build a
+request waits for goes first, at full pace. A request that reads an index still being built
+waits for it (`wait`) up to its own deadline, then is refused with IndexNotReady
+(DEADLINE_EXCEEDED, saying how far the build got); once the index is built the request is tried
+again whole, so none is ever served from part of an index. A build's cursor is kept with the
+chunk that moves it (selection.BUILDING), so a stop or a crash loses at most the chunk under way,
+and the next open goes on from the cursor.
 
 Progress: a log line when a build starts, every PROGRESS_SECONDS and when it ends; `status()`
 (Store.index_builds, the `expbuf_index_build_*` metrics). The map's pages a build read are given
@@ -49,7 +51,7 @@ from .selection import BuildStep, IndexBuilding, ReadyIndex, builds
 T = TypeVar("T")
 log = logging.getLogger("expbuf.store")
 RELEASE_CHUNKS = 64  # some 16,000 ready groups' records between two releases of the map's pages
-# The most of the writer's time a build takes while others write and no request waits for it.
+# The most of the time a build takes while no request waits for it.
 BUILD_SHARE = 0.5
 PROGRESS_SECONDS = 30.0
 POLL_SECONDS = 0.25  # how often a request waiting for a build looks at its `stop`
@@ -93,7 +95,6 @@ class IndexBuilds:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._chunks = 0  # chunks run, for the release of the map's pages
-        self._batches = 0  # the writer's batches when the last chunk ended
         self._reported: set[str] = set()
 
     # ---- the thread ----------------------------------------------------------------------
@@ -135,8 +136,8 @@ class IndexBuilds:
         return max(todo, key=lambda job: (job.waiting > 0, job is self._current, -job.seq), default=None)
 
     def _chunk(self, job: _Job) -> None:
-        """One chunk of a build in the writer's background lane, then (with others writing and
-        no request waiting for a build) a pause that keeps the builds to their share."""
+        """One chunk of a build in the writer's background lane, then (while no request waits for
+        a build) a pause that keeps the builds to their share."""
         if not job.started:
             self._begin(job)
         began = time.monotonic()
@@ -157,7 +158,6 @@ class IndexBuilds:
             self._failed(job, exc)
             return
         spent = time.monotonic() - began
-        batches, self._batches = self._batches, self.environment.batches
         self._chunks += 1
         if done.kept or self._chunks % RELEASE_CHUNKS == 0:
             residency.release(self.environment.path / "data.mdb")  # the records it read: page cache, not RSS
@@ -169,7 +169,7 @@ class IndexBuilds:
                 del self._jobs[(job.table_id, job.index)]
             self._changed.notify_all()
         self._report(job)
-        if not done.kept and self._batches - batches > 1:  # others wrote since the last chunk
+        if not done.kept:
             with self._changed:
                 self._changed.wait_for(
                     lambda: self._stopping or any(j.waiting for j in self._jobs.values()),

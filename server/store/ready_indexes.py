@@ -82,6 +82,10 @@ class Index(ABC):
     lazy: ClassVar[bool] = False
     # How problems and the log name it, e.g. "the priority index (prio)"; empty: by its databases.
     what: ClassVar[str] = ""
+    # Whether it reads a group's priority and version. A build reads each ready group's record for
+    # an index that does; for one that does not (the uniform slots) it reads the ready order alone,
+    # and the groups it gives the index say priority 0 and no version.
+    reads_records: ClassVar[bool] = True
 
     @classmethod
     def described(cls) -> str:
@@ -306,6 +310,7 @@ class Slots(Index):
     databases = ("slots", "slotof")
     lazy = True
     what = "the uniform slots (slots, slotof)"
+    reads_records = False
 
     def add(self, groups: Sequence[ReadyGroup]) -> None:
         """Slots at the end of the array; the count is written once."""

@@ -302,6 +302,15 @@ class GroupRecord:
         )
 
     @classmethod
+    def placed(cls, data: bytes | memoryview) -> tuple[int, float, int | None]:
+        """A complete group's place in the ready order, priority and lowest version, read from the
+        head of its record alone: an index build reads a million of them."""
+        _, _, _, rseq, priority, version = cls._HEAD.unpack_from(data)
+        if rseq < 0:
+            raise ValueError("a group that was never complete has no place in the ready order")
+        return rseq, priority, None if version == _NONE_INT else version
+
+    @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> GroupRecord:
         return cls(
             state=State(rec["s"]),

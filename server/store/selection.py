@@ -225,7 +225,7 @@ class ReadyIndex:
         dbs: Mapping[str, lmdb._Database],
         txn: lmdb.Transaction[bytes],
         prefix: bytes,
-        ready_groups: Callable[[int, int], tuple[list[ReadyGroup], int | None]] | None = None,
+        ready_groups: Callable[[int, int, bool], tuple[list[ReadyGroup], int | None]] | None = None,
     ) -> None:
         self.dbs, self.txn, self.prefix, self.ready_groups = dbs, txn, prefix, ready_groups
         self._made: dict[type[Index], Index] = {}  # made when first used: a request reads one or two
@@ -290,7 +290,7 @@ class ReadyIndex:
                 self._saved(found)
                 return BuildStep(False, 0)
             cursor = 0
-        groups, after = self.ready_groups(cursor, budget)
+        groups, after = self.ready_groups(cursor, budget, cls.reads_records)
         index.add(groups)
         if after is not None:
             found[cls.databases[0]] = after

@@ -173,16 +173,17 @@ class TableState:
         self._dirty_groups.pop(gkey, None)
         self.txn.delete(self.key(gkey), db=self.db["groups"])
 
-    def ready_groups(self, start: int, limit: int) -> tuple[list[ReadyGroup], int | None]:
+    def ready_groups(self, start: int, limit: int, records: bool = True) -> tuple[list[ReadyGroup], int | None]:
         """Up to `limit` ready groups from rseq `start` on, in ready order, as a lazy index being
         built reads them (selection.ReadyIndex.build_step), each with its priority and version
-        from its record; and the rseq to go on from (None: none lies past them)."""
+        from the head of its record (without `records`: priority 0, no version); and the rseq to
+        go on from (None: none lies past them)."""
         rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)
-        groups = []
-        for _, gkey in rows:
-            grp = self.existing_group(gkey.decode())
-            groups.append(ReadyGroup(gkey, grp.ready_seq, grp.priority, grp.version))
-        return groups, after
+        if not records:
+            return [ReadyGroup(gkey, rseq, 0.0, None) for rseq, gkey in rows], after
+        db = self.db["groups"]
+        placed = (GroupRecord.placed(stored(self.txn, self.prefix + gkey, db, "group")) for _, gkey in rows)
+        return [ReadyGroup(gkey, *place) for (_, gkey), place in zip(rows, placed, strict=True)], after
 
     def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
         return {uid: self.existing_item(uid) for uid in grp.members}
