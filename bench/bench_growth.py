@@ -368,6 +368,7 @@ def builds_under_way(server: ServerProcess) -> bool:
 class UniformRun:
     """One run of --first-uniform: seconds from the spawn of `expbuf serve`, and push waits."""
 
+    ready: int  # the table's ready groups at the open (the pushes of earlier runs add to them)
     listening: float
     asked: float
     answered: float
@@ -398,10 +399,12 @@ def first_uniform_run(data: Path, tree: Path | None, delay: float | None) -> Uni
     listening = time.perf_counter() - spawned
     runs = Restarts(data, "small")
     done, pushes = threading.Event(), list[tuple[float, float]]()
+    with BufferClient(server.target, timeout=600) as client:
+        stats = client.stats(TABLE)[TABLE]
+    runs.next_group = stats.pushed // GROUP + 1
 
     def pusher() -> None:
         with BufferClient(server.target, timeout=600) as client:
-            runs.next_group = client.stats(TABLE)[TABLE].pushed // GROUP + 1
             runs.push_one(client)  # not counted: it waits for torch to load (advantage_start.py)
             while not done.is_set():
                 began = time.perf_counter() - spawned
@@ -434,6 +437,7 @@ def first_uniform_run(data: Path, tree: Path | None, delay: float | None) -> Uni
         stopped(server)
     building = listening if tree is None else asked
     return UniformRun(
+        stats.groups_ready,
         listening,
         asked,
         answered,
@@ -463,8 +467,6 @@ def first_uniform_section(args: argparse.Namespace) -> str:
     step("fill")
     server, _ = runs.start("fill", scrub_mb_per_second=0)
     runs.fill(server, args.groups)
-    with BufferClient(server.target, timeout=600) as client:
-        ready = client.stats(TABLE)[TABLE].groups_ready
     stopped(server)
     trees: list[tuple[str, Path | None]] = [("before", Path(args.before).resolve()), ("after", None)]
     rows = []
@@ -476,7 +478,7 @@ def first_uniform_section(args: argparse.Namespace) -> str:
     rows.append(("before", f"{delay:.0f} s after the open", first_uniform_run(data, trees[0][1], delay)))
     rows.append(("after", "once built", later))
     lines = [
-        f"| {name} | {when} | {run.listening:.1f} | {run.built - run.building:.1f} "
+        f"| {name} | {when} | {run.ready:,} | {run.listening:.1f} | {run.built - run.building:.1f} "
         f"| {run.answered - run.asked:.2f} | {run.answered:.1f} | {ms3(run.during)} | {ms3(run.after)} |"
         for name, when, run in rows
     ]
@@ -487,14 +489,14 @@ def first_uniform_section(args: argparse.Namespace) -> str:
             f"Command: `.venv/bin/python bench/bench_growth.py --first-uniform --groups {args.groups} --data DIR "
             "--before TREE` (TREE: main before issue 39, `git archive`d, with this tree's compiled codec copied in)  ",
             f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} at the start and "
-            f"{os.getloadavg()[0]:.1f} at the end. {ready:,} ready groups of {GROUP} small experiences, the table as "
-            "an earlier release left it: the ready order kept, no uniform, priority or version index. Default "
+            f"{os.getloadavg()[0]:.1f} at the end. Ready groups of {GROUP} small experiences, the table as an "
+            "earlier release left it: the ready order kept, no uniform, priority or version index. Default "
             "settings but the scrub (off). Seconds from the spawn of `expbuf serve`; a push is one group, one "
             "after the other all along; its waits as count: p50 / p99 / max ms.",
             "",
-            "| tree | uniform request | spawn to listening s | builds s | request's wait s "
+            "| tree | uniform request | ready groups | spawn to listening s | builds s | request's wait s "
             "| spawn to first uniform sample s | pushes while building | pushes the 3 s after |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *lines,
         ]
     )
