@@ -435,6 +435,9 @@ def first_uniform_run(data: Path, tree: Path | None, delay: float | None) -> Uni
         done.set()
         thread.join()
         stopped(server)
+    for line in server.log:  # what an operator reads of the builds
+        if "in the background" in line or " built, " in line:
+            print(line.rstrip(), file=sys.stderr, flush=True)
     building = listening if tree is None else asked
     return UniformRun(
         stats.groups_ready,
