@@ -490,7 +490,8 @@ def first_uniform_section(args: argparse.Namespace) -> str:
             first_uniform_heading(),
             "",
             f"Command: `.venv/bin/python bench/bench_growth.py --first-uniform --groups {args.groups} --data DIR "
-            "--before TREE` (TREE: main before issue 39, `git archive`d, with this tree's compiled codec copied in)  ",
+            "--before TREE` (TREE: the main this tree branched from, `git archive`d, with this tree's compiled "
+            "codec copied in)  ",
             f"Machine: {os.cpu_count()} CPU threads, shared; load {load:.1f} at the start and "
             f"{os.getloadavg()[0]:.1f} at the end. Ready groups of {GROUP} small experiences, the table as an "
             "earlier release left it: the ready order kept, no uniform, priority or version index. Default "
