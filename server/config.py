@@ -347,6 +347,11 @@ def _from_toml(path: Path) -> dict[str, Any]:
     if tokens:
         values["tokens"] = tokens
     values["tables"] = tuple(TableConfig.from_settings(t) for t in raw.get("tables", []))
+    names = [table.name for table in values["tables"]]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        named = ", ".join(f"'{clip(name, 64)}'" for name in twice)
+        raise ConfigError(f"config file {path}: [[tables]] names {named} twice; give each table one block")
     return values
 
 

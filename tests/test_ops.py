@@ -408,6 +408,34 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     one_line_error(done, missing)
 
 
+def test_a_tables_block_the_data_directory_does_not_match_is_one_line(tmp_path: Path) -> None:
+    """A [[tables]] block edited after the table was made (group_size 8, then 4) and a restart:
+    one line naming the table and the setting, exit 2, and the table as it was."""
+    config = tmp_path / "expbuf.toml"
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    first = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
+    assert first.stop(signal.SIGTERM) == 0
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 4\n')
+    done = cli("serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", str(config))
+    line = one_line_error(done, "'grpo'", "group_size", "8", "4", "[[tables]]")
+    assert "Traceback" not in line
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    again = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
+    try:
+        with BufferClient(again.target) as c:
+            assert next(t for t in c.list_tables() if t.name == "grpo").group_size == 8
+    finally:
+        assert again.stop(signal.SIGTERM) == 0
+
+
+def test_a_table_named_twice_in_the_config_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "expbuf.toml"
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n\n[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    done = cli("serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", str(config))
+    one_line_error(done, str(config), "'grpo'", "twice", "[[tables]]")
+    assert not (tmp_path / "data").exists()  # refused before the data directory is opened
+
+
 def test_a_locked_data_directory_is_one_line(tmp_path: Path) -> None:
     running = ServerProcess(str(tmp_path / "locked"))
     try:
