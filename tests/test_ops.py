@@ -408,6 +408,20 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     one_line_error(done, missing)
 
 
+def test_ctrl_c_stops_the_server_and_its_ingest_processes_without_a_traceback(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (`make serve`) sends SIGINT to the whole process group: the ingest
+    processes take it too. The server stops cleanly, and nothing prints a traceback or an error."""
+    proc = ServerProcess(str(tmp_path), "--ingest-processes", "2", own_group=True)
+    with BufferClient(proc.target) as c:
+        c.push(payload("grpo_group.trxp"))
+    code = proc.stop(signal.SIGINT, group=True)
+    log = "".join(proc.log)  # to its end: every process of the group writes to it
+    assert code == 0, log
+    assert "expbuf stopped" in log, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and " ERROR " not in log, log
+    assert "ingest process died" not in log, log
+
+
 def test_a_tables_block_the_data_directory_does_not_match_is_one_line(tmp_path: Path) -> None:
     """A [[tables]] block edited after the table was made (group_size 8, then 4) and a restart:
     one line naming the table and the setting, exit 2, and the table as it was."""
@@ -416,9 +430,10 @@ def test_a_tables_block_the_data_directory_does_not_match_is_one_line(tmp_path: 
     first = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
     assert first.stop(signal.SIGTERM) == 0
     config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 4\n')
-    done = cli("serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", str(config))
-    line = one_line_error(done, "'grpo'", "group_size", "8", "4", "[[tables]]")
-    assert "Traceback" not in line
+    done = cli(
+        "serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", f"{config}"
+    )
+    one_line_error(done, "'grpo'", "group_size", "8", "4", "[[tables]]")
     config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n')
     again = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
     try:
@@ -431,7 +446,7 @@ def test_a_tables_block_the_data_directory_does_not_match_is_one_line(tmp_path: 
 def test_a_table_named_twice_in_the_config_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "expbuf.toml"
     config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n\n[[tables]]\nname = "grpo"\ngroup_size = 8\n')
-    done = cli("serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", str(config))
+    done = cli("serve", "--data", f"{tmp_path}/data", "--port", "0", "--metrics-port", "-1", "--config", str(config))
     one_line_error(done, str(config), "'grpo'", "twice", "[[tables]]")
     assert not (tmp_path / "data").exists()  # refused before the data directory is opened
 
