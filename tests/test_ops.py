@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import importlib.metadata
 import importlib.resources
@@ -15,10 +16,13 @@ import logging
 import logging.handlers
 import os
 import re
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import tomllib
@@ -180,6 +184,59 @@ def test_json_logs_and_stats_view(tmp_path: Path) -> None:
     row = next(line for line in out.splitlines()[::-1] if line.startswith("default "))
     assert re.search(r"default\s+0\s+\d+\s+\d+\s+0\s+0\s+", row)
     assert "5..5" in row
+    assert "\x1b" not in out  # into a pipe: no terminal sequences
+
+
+def read_terminal(command: list[str], lines: int, columns: int, timeout: float = 60) -> str:
+    """What `command` writes to a terminal (a pty) of `lines` x `columns`, until it exits."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # they would override the pty's
+    child = subprocess.Popen(command, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    chunk = os.read(master, 1 << 16)
+                except OSError:  # EIO: the child's end is closed
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        assert child.wait(10) == 0, child.stderr.read() if child.stderr else ""
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        os.close(master)
+    return out.decode().replace("\r\n", "\n")  # the terminal's own line ends
+
+
+def test_stats_watch_redraws_one_screen_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal each refresh is drawn over the last, from the top (the screen is cleared
+    once), every line cut to the width and the view to the height, so nothing scrolls and no
+    screen piles up under another; into a pipe it is plain text (test_json_logs_and_stats_view)."""
+    proc = ServerProcess(str(tmp_path))
+    try:
+        with BufferClient(proc.target) as c:
+            for n in range(12):  # a view taller than the terminal
+                c.create_table(f"t{n}", estimator="none")
+        command = ["stats", "--target", proc.target, "--watch", "0.2", "--count", "3"]
+        out = read_terminal([sys.executable, "-m", "expbuf.server.cli", *command], lines=12, columns=80)
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0
+    home, erase_line, erase_below, erase_screen = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
+    assert out.startswith(erase_screen + home) and out.count(erase_screen) == 1, repr(out[:200])
+    frames = out.split(home)[1:]
+    assert len(frames) == 3, repr(out)
+    for frame in frames:
+        assert frame.endswith(erase_below), repr(frame)
+        lines = frame[: -len(erase_below)].split("\n")
+        assert lines[-1] == "" and len(lines) - 1 <= 11, lines  # at most 11 line ends on 12 lines
+        assert all(line.endswith(erase_line) and len(line) - len(erase_line) <= 80 for line in lines[:-1]), lines
+        assert lines[0].startswith("expbuf ") and "more line(s)" in lines[-2], lines
 
 
 def test_health_command(tmp_path: Path) -> None:
