@@ -17,7 +17,7 @@ import grpc.aio
 
 from . import aio_status, calls
 from .aio_pusher import AsyncPusher
-from .connection import ClientBase, call_error
+from .connection import ClientBase
 from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
@@ -95,7 +95,7 @@ class AsyncBufferClient(ClientBase):
             else:
                 reply = await method(call.request, **keywords)
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
     async def push(
@@ -156,7 +156,7 @@ class AsyncBufferClient(ClientBase):
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:
-                raise call_error(error, self._tls) from None
+                raise self._error(error) from None
         finally:
             if ahead is not None:
                 ahead.stop()

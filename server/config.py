@@ -31,7 +31,8 @@ may also declare tables (created at start, or checked against the stored ones):
     [tls]
     cert = "server.pem"
     key = "server.key"
-    client_ca = "ca.pem"          # optional: require client certificates (mutual TLS)
+    client_ca = "ca.pem"          # mutual TLS: every client must present a certificate this CA signed;
+                                  # leave it out for TLS alone (clients need only the CA of cert)
 
     [[tokens]]
     token = "..."                 # or token_env = "NAME" to read it from the environment

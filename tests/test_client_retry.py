@@ -379,3 +379,14 @@ def test_a_server_that_is_down_fails_a_call_unavailable_and_wait_for_ready_waits
         call("blocking", target, "writers", "default", 1, wait_for_ready=True, timeout=30)
     with pytest.raises(DeadlineExceededError):  # a retried call waits, until its deadline
         call("blocking", target, "stats", "", wait_for_ready=True, timeout=0.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(kind: str) -> None:
+    """gRPC's own words are "Deadline Exceeded": the error says where the client looked, and why a
+    call may wait out its deadline with wait_for_ready."""
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(DeadlineExceededError) as info:
+        call(kind, target, "stats", "", wait_for_ready=True, timeout=0.5)
+    assert target in info.value.details and "wait_for_ready" in info.value.details, info.value.details
+    assert "TLS" in info.value.details, info.value.details  # a plaintext client: the server may take TLS only
