@@ -301,6 +301,38 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert recipe is not None and recipe.group(1).split() == ["setup"]
 
 
+def make_dry_run(target: str, venv: Path) -> list[str]:
+    """The commands `make TARGET` would run in a virtualenv at `venv` (make -n: none is run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "MAKEFLAGS", "MAKELEVEL")}
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_make_serve_installs_no_framework_and_make_test_completes_its_virtualenv(tmp_path: Path) -> None:
+    """`make serve` installs what serving needs; `make test` adds the rest, also to a virtualenv that
+    `make serve` set up (its stamp says only that), and installs nothing twice."""
+    serve = " ".join(make_dry_run("serve", tmp_path / "fresh"))
+    assert "pip install" in serve and '-e ".[native]"' in serve and "expbuf serve" in serve
+    assert not re.search(r"trinity|areal|verl|trl|torchrl|\[test", serve), serve
+    venv = tmp_path / "served"
+    (venv / "bin").mkdir(parents=True)
+    for stamp in (".expbuf-serve", ".expbuf-native"):  # what `make serve` leaves, newer than its sources
+        (venv / stamp).touch()
+    assert not any("pip" in line for line in make_dry_run("setup-serve", venv))
+    rest = make_dry_run("setup", venv)
+    installs = [line for line in rest if "pip install" in line]
+    assert installs and '-e ".[test,trinity,ray,areal,verl,trl,torchrl,docs]"' in installs[0], rest
+    assert not any('".[native]"' in line or '"torch==' in line for line in rest), rest  # serving's, done
+    assert rest[-1] == f"touch {venv}/.expbuf-installed", rest
+
+
 # What `pip check` may list after `make setup` (docs/getting-started.md says why): the requirements of the
 # frameworks installed with --no-deps, and the pins no one set of versions meets.
 NO_DEPS = {"trinity-rft", "areal", "verl"}
