@@ -17,7 +17,7 @@ import grpc.aio
 
 from . import aio_status, calls
 from .aio_pusher import AsyncPusher
-from .connection import ClientBase, call_error
+from .connection import ClientBase
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -108,7 +108,7 @@ class AsyncBufferClient(ClientBase):
             else:
                 reply = await method(call.request, **keywords)
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
     async def push(
@@ -169,7 +169,7 @@ class AsyncBufferClient(ClientBase):
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:
-                raise call_error(error, self._tls) from None
+                raise self._error(error) from None
         finally:
             if ahead is not None:
                 ahead.stop()

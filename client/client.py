@@ -19,7 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls
-from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
+from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
@@ -132,7 +132,7 @@ class BufferClient(ClientBase):
             else:
                 reply = method(call.request, **keywords)
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
@@ -200,7 +200,7 @@ class BufferClient(ClientBase):
                 requests.confirm(received)
                 yield batch
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc) from None
         finally:
             if ahead is not None:
                 ahead.stop()

@@ -25,6 +25,7 @@ import multiprocessing.connection
 import operator
 import os
 import pickle
+import signal
 import struct
 import tempfile
 import threading
@@ -127,7 +128,11 @@ def _shared_fd() -> int:
 
 def _serve(conn: Connection, max_metadata_bytes: int) -> None:
     """A worker process: decode each payload put in the region, write the experiences'
-    bytes back there one after another, and reply with their other fields, or the refusal."""
+    bytes back there one after another, and reply with their other fields, or the refusal.
+
+    It ignores SIGINT, which a terminal's Ctrl-C sends to the server's whole process group: the
+    server stops, and closes the pool (the worker ends when its connection does)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     limit = metadata_limit(max_metadata_bytes)
     region = _Region(recv_handle(conn))
     conn.send_bytes(b"")  # imported and ready

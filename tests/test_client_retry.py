@@ -519,3 +519,14 @@ def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_n
     assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
     unwaiting = calls_module.Attempts(calls_module.claim("t", "d", 1, 300.0, "", wait=0, timeout=2.0), 30.0)
     assert unwaiting.after(busy) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(kind: str) -> None:
+    """gRPC's own words are "Deadline Exceeded": the error says where the client looked, and why a
+    call may wait out its deadline with wait_for_ready."""
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(DeadlineExceededError) as info:
+        call(kind, target, "stats", "", wait_for_ready=True, timeout=0.5)
+    assert target in info.value.details and "wait_for_ready" in info.value.details, info.value.details
+    assert "TLS" in info.value.details, info.value.details  # a plaintext client: the server may take TLS only
