@@ -113,6 +113,15 @@ def test_epochs_visit_every_index_once_in_order_or_in_a_seeded_permutation(store
     assert first == [permuted(11, 0, 1000, position) for position in range(1000)]  # fixed by the seed alone
 
 
+def test_an_epochs_order_never_changes_under_a_running_dataset() -> None:
+    """A dataset's cursor is a position in its epoch's order, stored: a faster walk of the order
+    must give each position the index it always had."""
+    assert [permuted(11, 0, 1000, position) for position in range(8)] == [1, 753, 4, 518, 99, 952, 579, 876]
+    assert [permuted(-(2**63), 7, 2**40, p) for p in (0, 1, 2**40 - 1)] == [637875235719, 235243148563, 29585336100]
+    assert [permuted(2**63 - 1, 2**20 - 1, 5, position) for position in range(5)] == [2, 4, 0, 1, 3]
+    assert [permuted(None, 3, 5, position) for position in range(5)] == [0, 1, 2, 3, 4]
+
+
 def test_a_prompt_is_generated_when_its_group_completes_and_trained_when_consumed(store: Store) -> None:
     store.claims.create("t", DatasetRecord("math", size=3))
     (prompt,), done = store.claims.claim("t", "math", 1, seconds=60, owner="worker-1")

@@ -7,6 +7,7 @@ is up.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,14 +138,23 @@ class Claims:
         stop: Callable[[], bool] | None = None,
     ) -> tuple[list[Claimed], bool]:
         """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
-        is not done; `stop` is polled while waiting (a cancelled call)."""
+        is not done; `stop` is polled while waiting (a cancelled call). A claim whose cursor
+        spent its share of a transaction (ledger.STEP_HASHES) goes on in the next, the writer
+        let go in between."""
         check_claim(count, owner, wait)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
+        claimed: list[Claimed] = []
         while True:
             generation = self.environment.generation
-            claimed, done = self._in_table(table, lambda tt: self.ledger.claim(tt, name, count, seconds, owner, holder))
-            if claimed or done or time.monotonic() >= deadline or (stop is not None and stop()):
+            claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
+                                      owner=owner, holder=holder)  # fmt: skip
+            part, done, unfinished = self._in_table(table, claim)
+            claimed += part
+            stopped = stop is not None and stop()
+            if unfinished and not stopped:  # its share of the writer spent: it goes on in another transaction
+                continue
+            if claimed or done or time.monotonic() >= deadline or stopped:
                 return claimed, done
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
