@@ -35,7 +35,7 @@ from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.server.store.claims import MAX_CLAIM  # noqa: E402
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL  # noqa: E402
 
 HEADING = "## The prompt ledger's largest calls and the writer (issue 39)"
 CALLS = ("claim", "renew", "release")
@@ -130,7 +130,7 @@ def report(command: str, count: int, figures: dict[str, list[float]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--count", type=int, default=MAX_CLAIM, help="prompts per call (default: the most allowed)")
+    parser.add_argument("--count", type=int, default=MAX_PROMPTS_PER_CALL, help="prompts per call (default: the most)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the section into this RESULTS.md")
     args = parser.parse_args()

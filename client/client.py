@@ -310,7 +310,7 @@ class BufferClient(ClientBase):
         """Claims now end `seconds` from now; returns the prompts whose claim had already ended
         (not renewed: their groups will not be taken, give up on them)."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             ended += self._run(calls.renew_claims(table, dataset, part, seconds))[1]
         return ended
 
@@ -319,7 +319,7 @@ class BufferClient(ClientBase):
         claims that were still held."""
         return sum(
             self._run(calls.release_claims(table, dataset, part))
-            for (table, dataset), part in calls.by_dataset(prompts).items()
+            for (table, dataset), part in calls.by_dataset(prompts)
         )
 
     def list_prompts(

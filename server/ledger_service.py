@@ -14,7 +14,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
 from .call_context import refusals, remaining
-from .store.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, shown_owner
+from .store.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, check_refs, shown_owner
 from .store.errors import InvalidRequest, clip
 from .store.ledger import MAX_ATTEMPTS, MAX_EPOCHS, Claimed
 from .store.ledger_records import MAX_SIZE, PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
@@ -159,6 +159,7 @@ class LedgerCalls:
 
     @refusals
     def RenewClaims(self, request: pb.RenewClaimsRequest, context: grpc.ServicerContext) -> pb.RenewClaimsReply:
+        check_refs(request.prompts, "RenewClaims")  # before the prompts are read
         expires, ended = self.store.renew_claims(
             request.table or "default", request.dataset, _refs(request.prompts), request.lease_seconds,
             holder=self._owner(context),
@@ -168,6 +169,7 @@ class LedgerCalls:
 
     @refusals
     def ReleaseClaims(self, request: pb.ReleaseClaimsRequest, context: grpc.ServicerContext) -> pb.ReleaseClaimsReply:
+        check_refs(request.prompts, "ReleaseClaims")  # before the prompts are read
         released = self.store.release_claims(
             request.table or "default", request.dataset, _refs(request.prompts), holder=self._owner(context)
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.server.store import Store, layout
 from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.ledger import Claimed
@@ -335,3 +336,19 @@ def test_a_dataset_of_many_epochs_costs_nothing_until_an_epoch_starts(store: Sto
     ds = ledger(store, "long")
     assert (ds.owned, ds.counts, ds.total("claimed")) == ([10, 10], [{"claimed": 10}, {"claimed": 1}], 11)
     assert [ds.states(epoch)["pending"] for epoch in (0, 1)] == [0, 9]
+
+
+def test_claims_that_end_together_end_so_many_a_transaction(store: Store, clock: Clock) -> None:
+    """A claim's end costs the writer what its release does: claims that end together (a fleet
+    of rollout workers gone at once) end at most MAX_PROMPTS_PER_CALL a transaction, the rest at
+    the next upkeep pass, which comes back while the table holds claims."""
+    store.claims.create("t", DatasetRecord("math", size=MAX_PROMPTS_PER_CALL + 1))
+    for count in (MAX_PROMPTS_PER_CALL, 1):
+        store.claims.claim("t", "math", count, seconds=60)
+    clock.now += 61
+    store.tick()
+    ds = ledger(store)
+    assert (ds.total("claimed"), ds.reissued) == (1, MAX_PROMPTS_PER_CALL)
+    store.tick()
+    ds = ledger(store)
+    assert (ds.total("claimed"), ds.reissued) == (0, MAX_PROMPTS_PER_CALL + 1)

@@ -8,6 +8,7 @@ import asyncio
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from expbuf.client import (
     PermissionDeniedError,
     Prompt,
 )
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL as MAX
 from expbuf.client.sharded import ShardedBufferClient
+from expbuf.client.sharded_async import AsyncShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
@@ -210,10 +213,10 @@ def test_a_claim_whose_reply_could_not_be_sent_is_refused_before_it_claims(start
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=2)
         client.create_dataset("t", name, 2**40, epochs=2**20, seed=-1, max_attempts=1000)
-        with pytest.raises(InvalidArgumentError, match=r"count is 65536; .* holds at most (\d+) prompts") as refused:
-            client.claim("t", name, 65536, owner=owner)
+        with pytest.raises(InvalidArgumentError, match=rf"count is {MAX}; .* holds at most (\d+) prompts") as refused:
+            client.claim("t", name, MAX, owner=owner)
         most = int(re.search(r"holds at most (\d+) prompts", str(refused.value)).group(1))
-        assert 0 < most < 65536
+        assert 0 < most < MAX
         assert client.ledger("t", name).total("claimed") == 0
         with pytest.raises(InvalidArgumentError, match=rf"count is {most + 1}; "):
             client.claim("t", name, most + 1, owner=owner)
@@ -375,3 +378,88 @@ def test_a_page_of_prompts_holds_what_one_reply_carries(start_server: Servers, t
             page = client.list_prompts("t", "math", after=page.after, limit=10000)
             seen += [p.index for p in page.prompts]
         assert seen == list(range(600))
+
+
+def expiries(client: BufferClient, table: str = "t", dataset: str = "math") -> dict[tuple[int, int], float]:
+    """When each claim of the dataset ends, by prompt, read page by page."""
+    out, page = {}, None
+    while page is None or not page.done:
+        page = client.list_prompts(table, dataset, states=["claimed"], after=page.after if page else None)
+        out.update({(p.epoch, p.index): p.expires for p in page.prompts})
+    return out
+
+
+def test_a_call_names_at_most_so_many_prompts_and_one_naming_more_changes_nothing(
+    client: BufferClient, server: ExpbufServer
+) -> None:
+    """A Claim hands out, and a RenewClaims or a ReleaseClaims names, at most MAX_PROMPTS_PER_CALL
+    prompts: the server's one writer works through them in one transaction, every other tenant's
+    writes waiting (a claim of 65,536 held it for seconds). One over is refused by name, before
+    anything is looked up, and changes nothing."""
+    client.create_dataset("t", "math", MAX + 1)
+    with pytest.raises(InvalidArgumentError, match=rf"count is {MAX + 1}; a claim asks for 1 to {MAX} prompts"):
+        client.claim("t", "math", MAX + 1)
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.cursor_position) == (0, 0)
+    held = (
+        client.claim("t", "math", MAX, lease_seconds=60).prompts + client.claim("t", "math", lease_seconds=60).prompts
+    )
+    before = expiries(client)
+    assert len(before) == MAX + 1
+    refs = [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in held]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for call, request in (
+            ("RenewClaims", pb.RenewClaimsRequest(table="t", dataset="math", prompts=refs, lease_seconds=600)),
+            ("ReleaseClaims", pb.ReleaseClaimsRequest(table="t", dataset="math", prompts=refs)),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub, call)(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, call
+            assert f"prompts names {MAX + 1} prompts; a {call} names at most {MAX}" in refused.value.details()
+    assert expiries(client) == before
+    assert client.ledger("t", "math").total("claimed") == MAX + 1
+
+
+def test_the_clients_renew_and_release_any_number_of_claims(client: BufferClient, server: ExpbufServer) -> None:
+    """The blocking and the asyncio clients renew and release more claims than one call may name
+    in calls of at most MAX_PROMPTS_PER_CALL each: no caller's code changes."""
+    client.create_dataset("t", "math", MAX + 1)
+    held = (
+        client.claim("t", "math", MAX, lease_seconds=60).prompts + client.claim("t", "math", lease_seconds=60).prompts
+    )
+    before = expiries(client)
+    assert client.renew_claims(held, 600) == []
+    renewed = expiries(client)
+    assert renewed.keys() == before.keys() and all(renewed[key] > before[key] + 500 for key in before)
+
+    async def run() -> tuple[list[Prompt], int]:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}", timeout=20) as aclient:
+            return await aclient.renew_claims(held, 900), await aclient.release_claims(held[1:])
+
+    assert asyncio.run(run()) == ([], MAX)
+    assert client.release_claims(held) == 1
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.reissued) == (0, MAX + 1)
+
+
+def test_the_sharded_clients_renew_and_release_any_number_of_claims(start_server: Servers, tmp_path: Path) -> None:
+    """The sharded clients send each shard its prompts' renewals and releases, in calls of at
+    most MAX_PROMPTS_PER_CALL."""
+    targets = {name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name).port}" for name in ("s0", "s1")}
+    with ShardedBufferClient(targets, timeout=30) as sharded:
+        sharded.create_table("t", group_size=2)
+        sharded.create_dataset("t", "math", 3 * MAX)
+        held = [p for _ in range(3) for p in sharded.claim("t", "math", MAX, lease_seconds=60).prompts]
+        assert len(held) == 3 * MAX
+        assert max(Counter(sharded.shard_map.owner(p.group) for p in held).values()) > MAX
+        assert sharded.renew_claims(held, 600) == []
+
+        async def run() -> int:
+            async with AsyncShardedBufferClient(targets, timeout=30) as aclient:
+                assert await aclient.renew_claims(held, 900) == []
+                return await aclient.release_claims(held[1:])
+
+        assert asyncio.run(run()) == 3 * MAX - 1
+        assert sharded.release_claims(held) == 1
+        assert sharded.ledger("t", "math").reissued == 3 * MAX

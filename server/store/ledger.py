@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.client.routing import SHARD_NAME
 
 from . import layout
@@ -302,13 +303,20 @@ class Ledger(TableExtension):
         return released
 
     def expire(self, tt: TableState) -> int:
-        """End the table's claims whose time has come; returns how many."""
+        """End the table's claims whose time has come, the first MAX_PROMPTS_PER_CALL of them (a
+        claim's end costs what its release does: the rest end in the next transaction, the
+        upkeep's pass coming back while the table holds claims); returns how many."""
         prefix = expiry_prefix(tt.table_id)
         cutoff = layout.micros(tt.now)
-        due = []
+        due: list[tuple[str, int, int]] = []
         with tt.txn.cursor(db=tt.db["ledger"]) as cur:
             found = cur.set_range(prefix)
-            while found and bytes(cur.key()).startswith(prefix) and bytes(cur.key())[5:13] <= cutoff:
+            while (
+                found
+                and len(due) < MAX_PROMPTS_PER_CALL
+                and bytes(cur.key()).startswith(prefix)
+                and bytes(cur.key())[5:13] <= cutoff
+            ):
                 due.append(read_expiry_key(bytes(cur.key())))
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
