@@ -352,3 +352,15 @@ def test_claims_that_end_together_end_so_many_a_transaction(store: Store, clock:
     store.tick()
     ds = ledger(store)
     assert (ds.total("claimed"), ds.reissued) == (0, MAX_PROMPTS_PER_CALL + 1)
+
+
+def test_a_prompt_whose_every_attempt_has_a_group_already_is_dropped(store: Store) -> None:
+    """A prompt whose attempts' groups the table held before its dataset existed is handed out
+    at the first attempt without one; one without any (max_attempts of them taken) is dropped,
+    and the claim hands out the next prompt."""
+    for index, attempt in ((0, 0), (1, 0), (1, 1)):
+        store.put("t", items("math", Claimed(0, index, attempt, 0.0), range(2)))
+    store.claims.create("t", DatasetRecord("math", size=3, max_attempts=2))
+    claimed, _ = store.claims.claim("t", "math", 3, seconds=60)
+    assert [(c.index, c.attempt) for c in claimed] == [(0, 1), (2, 0)]
+    assert counts(ledger(store)) == {"claimed": 2, "generated": 0, "trained": 0, "dropped": 1}

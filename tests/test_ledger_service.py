@@ -463,3 +463,22 @@ def test_the_sharded_clients_renew_and_release_any_number_of_claims(start_server
         assert asyncio.run(run()) == 3 * MAX - 1
         assert sharded.release_claims(held) == 1
         assert sharded.ledger("t", "math").reissued == 3 * MAX
+
+
+def test_groups_pushed_under_a_dataset_name_before_it_existed_block_no_prompt(client: BufferClient) -> None:
+    """Before a dataset exists the server cannot tell its prompts' groups from any other, so a
+    push under its name is a group like any other; a claim never hands out an attempt whose
+    group the table holds, so a dataset created over such groups hands out the next attempt of
+    their prompts, and its claimants' groups complete."""
+    squatted = [Prompt("math", 0, index, 0, "math/0", f"{index}@0", 0.0, table="t") for index in (0, 1)]
+    assert len(client.push(group(squatted[0], range(2)), table="t").stored) == 2  # complete
+    assert len(client.push(group(squatted[1], range(1)), table="t").stored) == 1  # incomplete
+    assert client.create_dataset("t", "math", 3).total("pending") == 3
+    claim = client.claim("t", "math", 3, lease_seconds=60)
+    assert [(p.index, p.attempt) for p in claim.prompts] == [(0, 1), (1, 1), (2, 0)]
+    for prompt in claim.prompts:
+        assert len(client.push(group(prompt, range(2)), table="t").stored) == 2
+    with pytest.raises(FailedPreconditionError, match="attempt 0 of prompt math/0/1, which no claim holds"):
+        client.push(group(squatted[1], range(1, 2)), table="t")
+    info = client.ledger("t", "math")
+    assert (info.total("generated"), info.total("claimed"), info.reissued) == (3, 0, 0)

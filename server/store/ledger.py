@@ -244,7 +244,30 @@ class Ledger(TableExtension):
     def _hand_out(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int] | None]:
         """The prompts to hand out, (epoch, index, attempt), for as long as the claim takes
         them: the oldest sent back, then the cursor's (skipping the prompts a shard does not
-        own); None, last, once the cursor spent STEP_HASHES in this transaction."""
+        own), each at its first attempt whose group the table does not hold (`_untaken`); None,
+        last, once the cursor spent STEP_HASHES in this transaction."""
+        for epoch, index, attempt in self._candidates(tt, ds):
+            free = self._untaken(tt, ds, epoch, index, attempt)
+            if free is not None:
+                yield epoch, index, free
+        if ds.cursor_epoch < ds.epochs:
+            yield None
+
+    def _untaken(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, attempt: int) -> int | None:
+        """The first attempt at the prompt from `attempt` on whose group the table does not hold:
+        before a dataset exists a push under its name is a group like any other, and a claim of
+        an attempt whose group is taken could never complete it. None, the prompt dropped, when
+        every attempt left is taken."""
+        while attempt < ds.max_attempts:
+            if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
+                return attempt
+            attempt += 1
+        self._put(tt, ds.name, epoch, index, PromptRecord(DROPPED, ds.max_attempts - 1))
+        self._count(ds, epoch, DROPPED, 1)
+        return None
+
+    def _candidates(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int]]:
+        """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES."""
         prefix, ledger = queue_prefix(tt.table_id, ds.name), tt.db["ledger"]
         while True:
             with tt.txn.cursor(db=ledger) as cur:
@@ -257,10 +280,7 @@ class Ledger(TableExtension):
                 yield epoch, index, rec.attempt
         orders: dict[int, Permutation] = {}
         hashes = 0
-        while ds.cursor_epoch < ds.epochs:
-            if hashes >= STEP_HASHES:
-                yield None
-                return
+        while ds.cursor_epoch < ds.epochs and hashes < STEP_HASHES:
             epoch = ds.cursor_epoch
             order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
             index = order(ds.cursor_position)
