@@ -482,3 +482,35 @@ def test_groups_pushed_under_a_dataset_name_before_it_existed_block_no_prompt(cl
         client.push(group(squatted[1], range(1, 2)), table="t")
     info = client.ledger("t", "math")
     assert (info.total("generated"), info.total("claimed"), info.reissued) == (3, 0, 0)
+
+
+def test_a_create_whose_reply_could_not_be_sent_is_refused_before_it_stores(start_server: Servers) -> None:
+    """CreateDataset's reply repeats the dataset's settings, its shards' names among them, with
+    its counts: a create whose request just fits the server's max_message_bytes would commit
+    and fail to send its reply. It is refused by name before it stores anything."""
+    limit = 1 << 14
+    server = start_server(max_message_bytes=limit)
+    config = pb.DatasetConfig(name="d", size=10, epochs=2, seed=-1, max_attempts=1000)
+    request = pb.CreateDatasetRequest(table="t", config=config)
+    while request.ByteSize() <= limit - 2:  # shard names of 63 characters, the last cut to fit the bound
+        request.config.shards.append(f"s{len(request.config.shards):04d}".ljust(63, "x"))
+        request.config.shard = request.config.shards[0]
+    while request.ByteSize() > limit - 2:
+        request.config.shards[-1] = request.config.shards[-1][:-1]
+    with (
+        BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        client.create_table("t", group_size=2)
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.ExperienceBufferStub(channel).CreateDataset(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(
+            rf"the reply would take up to \d+ bytes, over the server's max_message_bytes = {limit}: it repeats"
+            rf" the settings, the names of {len(request.config.shards)} shards among them",
+            refused.value.details(),
+        )
+        assert client.datasets("t") == []
+        del request.config.shards[len(request.config.shards) // 2 :]  # its reply fits, and the name is free
+        created = pb_grpc.ExperienceBufferStub(channel).CreateDataset(request)
+        assert created.created and list(created.dataset.config.shards) == sorted(request.config.shards)
