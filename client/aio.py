@@ -252,14 +252,14 @@ class AsyncBufferClient(ClientBase):
     async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """As BufferClient.renew_claims."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             ended += (await self._run(calls.renew_claims(table, dataset, part, seconds)))[1]
         return ended
 
     async def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """As BufferClient.release_claims."""
         released = 0
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             released += await self._run(calls.release_claims(table, dataset, part))
         return released
 

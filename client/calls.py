@@ -22,7 +22,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from . import trxp, wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .errors import DataLossError, DeadlineExceededError, ExpbufError
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     Batch,
     BufferStats,
@@ -461,12 +461,16 @@ def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:
     return [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in prompts]
 
 
-def by_dataset(prompts: Iterable[Prompt]) -> dict[tuple[str, str], list[Prompt]]:
-    """Prompts by (table, dataset): one call each."""
+def by_dataset(prompts: Iterable[Prompt]) -> list[tuple[tuple[str, str], list[Prompt]]]:
+    """Prompts by (table, dataset), in parts of at most MAX_PROMPTS_PER_CALL: one call each."""
     out: dict[tuple[str, str], list[Prompt]] = {}
     for prompt in prompts:
         out.setdefault((prompt.table, prompt.dataset), []).append(prompt)
-    return out
+    return [
+        (key, part[start : start + MAX_PROMPTS_PER_CALL])
+        for key, part in out.items()
+        for start in range(0, len(part), MAX_PROMPTS_PER_CALL)
+    ]
 
 
 def renew_claims(table: str, dataset: str, prompts: list[Prompt], seconds: float) -> Unary[tuple[float, list[Prompt]]]:

@@ -303,23 +303,25 @@ class BufferClient(ClientBase):
         from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
         seconds when none can be handed out now (max_in_flight reached, or every prompt out),
         asking again while the server has as many claims waiting as it lets (calls.Attempts).
-        `done` says the dataset has nothing left to hand out or train."""
+        `done` says the dataset has nothing left to hand out or train. `count` is at most
+        MAX_PROMPTS_PER_CALL (expbuf.client.prompts)."""
         return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
 
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """Claims now end `seconds` from now; returns the prompts whose claim had already ended
-        (not renewed: their groups will not be taken, give up on them)."""
+        (not renewed: their groups will not be taken, give up on them). Any number, in calls of
+        at most MAX_PROMPTS_PER_CALL."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             ended += self._run(calls.renew_claims(table, dataset, part, seconds))[1]
         return ended
 
     def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """Give claims back now: each prompt goes out again with its next attempt. Returns the
-        claims that were still held."""
+        claims that were still held. Any number, in calls of at most MAX_PROMPTS_PER_CALL."""
         return sum(
             self._run(calls.release_claims(table, dataset, part))
-            for (table, dataset), part in calls.by_dataset(prompts).items()
+            for (table, dataset), part in calls.by_dataset(prompts)
         )
 
     def list_prompts(
