@@ -505,17 +505,20 @@ def test_a_waiting_call_kept_out_for_its_whole_wait_answers_without_waiting_with
 def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_not_waiting() -> None:
     """Each attempt after a busy refusal waits what is left of the wait and ends by the first
     attempt's deadline; once the wait is spent, one more without waiting, then the refusal."""
-    first = calls_module.claim("t", "d", 1, 300.0, "", wait=0.4, timeout=2.0)
+    first = calls_module.claim("t", "d", 1, 300.0, "", wait=1.0, timeout=3.0)
     attempts = calls_module.Attempts(first, timeout=30.0)
-    deadline = time.monotonic() + 2.4
+    deadline = time.monotonic() + (first.timeout or 0)  # the first attempt's deadline is at most this
     busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
     busy.busy = True
     made = [attempts.call]
-    while (pause := attempts.after(busy)) is not None:
+    while True:
+        asked = time.monotonic()  # the next attempt starts `pause` after a moment at least this late
+        if (pause := attempts.after(busy)) is None:
+            break
         assert pause >= 0
+        assert asked + pause + (attempts.call.timeout or 0) <= deadline
         time.sleep(pause)
         made.append(attempts.call)
-        assert time.monotonic() + (attempts.call.timeout or 0) <= deadline + 0.01
     waits = [call.request.wait_seconds for call in made]
     assert len(made) >= 3 and waits[-1] == 0 and all(w > 0 for w in waits[:-1])
     assert waits[:-1] == sorted(waits[:-1], reverse=True)
