@@ -115,7 +115,8 @@ class AsyncBufferClient(ClientBase):
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
     ) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
-        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream.
+        A full table in block mode makes it wait for room until its deadline, as BufferClient.push."""
         return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncPusher:

@@ -138,7 +138,9 @@ class BufferClient(ClientBase):
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
         A retried push is safe: what was stored already comes back in `duplicates`. A payload
-        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table
+        in block mode makes it wait for room until its deadline, asking again while the server has
+        as many calls waiting as it lets (calls.Attempts)."""
         return self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> Pusher:

@@ -11,6 +11,7 @@ goes over a second channel without it. The blocking client (client.py) and the a
 from __future__ import annotations
 
 import json
+import random
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ class Backoff:
     most: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2
+
+    def pause(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` + 2 (0: before the second attempt)."""
+        grown = self.initial * self.multiplier ** min(attempt, 64)  # `most` long before, and no overflow
+        return min(self.most, grown) * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
 BACKOFF = Backoff()
@@ -178,9 +184,14 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
             f"{': ' + hint if hint else ''})"
         )
     error = ExpbufError(exc.code(), details)
-    metadata = cast(Iterable[tuple[str, Any]], exc.trailing_metadata() or ())  # pairs, blocking or asyncio
-    error.busy = any(key == BUSY for key, _ in metadata)
+    error.busy = busy(exc)
     return error
+
+
+def busy(exc: grpc.RpcError) -> bool:
+    """Whether the server refused the call as having done nothing (wire.BUSY): the same call later may get in."""
+    metadata = cast(Iterable[tuple[str, Any]], exc.trailing_metadata() or ())  # pairs, blocking or asyncio
+    return any(key == BUSY for key, _ in metadata)
 
 
 class ClientBase:

@@ -14,7 +14,9 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
   Push and every call that answers at once (Ack, Get, ListTables, Seal, admin calls, ...). A
   Push that finds it must wait (for room in a full table, for the rate limit) becomes a call that
   waits idle: it waits only if one would be let in now (`MAY_WAIT`), and is refused at once
-  otherwise, so that blocked pushes never take the reserve that makes a scope's share usable;
+  otherwise, so that blocked pushes never take the reserve that makes a scope's share usable.
+  Such a push stored nothing and its refusal says so, as a call refused before it began does
+  (below). A PushStream waits idle from its start, so its pushes wait for room as it does;
 - Ack, Nack, Renew, Retire and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
   trainer's ack, which may be what makes room, is answered even when its scope's share is full;
   admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
@@ -22,7 +24,8 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
 The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
 reflection and the refusals themselves are always answered. A call refused here did nothing: its
 refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
-so refused again while its wait lasts (client/calls.py, Attempts).
+so refused again while its wait lasts, and a push until its deadline (client/calls.py, Attempts;
+a pusher's, client/pipeline.py).
 """
 
 from __future__ import annotations
@@ -180,13 +183,18 @@ class CallLimits(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        may_wait = functools.partial(self.may_wait, method)
-
         def limited_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
                 release = self.acquire(method, request)
                 if isinstance(release, str):
                     _refuse(context, release)
+
+                def may_wait() -> str | None:
+                    refused = self.may_wait(method)
+                    if refused is not None:  # the call ends refused before it waited: it did nothing
+                        _mark_busy(context)
+                    return refused
+
                 waiting = MAY_WAIT.set(may_wait)
                 try:
                     return behavior(request, context)
@@ -221,9 +229,14 @@ class CallLimits(ServiceInterceptor):
         raise ValueError(f"{method}: the handler has no behaviour to limit")
 
 
-def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
-    """End a call refused before it began, saying so (wire.BUSY): the same call later may get in."""
+def _mark_busy(context: grpc.ServicerContext) -> None:
+    """Say in the call's refusal that it did nothing (wire.BUSY): the same call later may get in."""
     context.set_trailing_metadata(((BUSY, "1"),))
+
+
+def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
+    """End a call refused before it began, saying so (_mark_busy)."""
+    _mark_busy(context)
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
 
