@@ -144,9 +144,9 @@ def test_sigterm_to_the_group_with_pushes_in_flight_keeps_what_was_acknowledged(
 def test_a_group_signal_while_the_ingest_processes_start_stops_the_server_cleanly(tmp_path: Path, sig: int) -> None:
     """The signal reaches the ingest processes as they import what they run (they are spawned
     before the server listens): the server starts, then stops, with no traceback."""
+    serve = ["serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", *INGEST]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expbuf.server.cli", "serve", "--data", str(tmp_path / "data"), "--port", "0"]
-        + ["--metrics-port", "-1", *INGEST],
+        [sys.executable, "-m", "expbuf.server.cli", *serve],
         stderr=subprocess.PIPE,
         text=True,
         process_group=0,
