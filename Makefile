@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine:
-#   make serve   set up .venv and start the server (LMDB in ./expbuf-data, 127.0.0.1:50051)
-#   make test    set up .venv and run the test suite (and build the docs site, strictly)
+#   make serve   set up .venv with what serving needs and start the server (LMDB in ./expbuf-data, 127.0.0.1:50051)
+#   make test    set up .venv with everything the tests need and run them (and build the docs site, strictly)
+# `make setup-serve` and `make setup` set up without running; `make check-extras` imports each framework
+# adapter in a virtualenv holding only its own extra.
 # An active virtualenv (VIRTUAL_ENV) is used instead of .venv; a torch that is already
 # importable there (a GPU build, say) is left alone.
 
@@ -12,6 +14,9 @@ PYTHON ?= python3
 # and a machine whose pip is configured with a local CPU wheel gets that one.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
+# What `make serve` installs: expbuf, with mypyc to compile its hot modules (the native extra).
+SERVE_EXTRAS ?= native
+# What `make setup` (and so `make test`) adds: the tests' tools, every adapter's extra, the docs.
 EXTRAS ?= test,trinity,ray,areal,verl,trl,torchrl,docs
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
@@ -33,6 +38,7 @@ QUIET_CONFLICTS := --no-warn-conflicts
 # AReaL for expbuf.client.areal and its tests, installed with the areal extra (what its modules
 # import) but without its own dependencies (they pull CUDA packages); AREAL_SPEC= skips it.
 AREAL_SPEC ?= areal==1.0.4
+SERVE_STAMP := $(VENV)/.expbuf-serve
 STAMP := $(VENV)/.expbuf-installed
 # The hot modules compiled with mypyc (client/native_build.py, with the C compiler the machine has),
 # rebuilt whenever one of them or the build changes. Without a compiler, or if the build fails,
@@ -57,17 +63,27 @@ PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
 	sys.exit(not compiled('expbuf.client.trxp.parse'))
 
-.PHONY: setup serve test clean
+.PHONY: setup setup-serve serve test check-extras clean
 
-setup: $(STAMP) $(NATIVE_STAMP)
+setup-serve: $(SERVE_STAMP) $(NATIVE_STAMP)
 
-$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+setup: setup-serve $(STAMP)
+
+$(NATIVE_STAMP): $(SERVE_STAMP) $(NATIVE_SOURCES)
 	$(PY) client/native_build.py
 	touch $@
 
-$(STAMP): pyproject.toml
+# Serving's install: the virtualenv, torch and expbuf with SERVE_EXTRAS; none of the frameworks.
+$(SERVE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install $(QUIET_CONFLICTS) -e "$(if $(SERVE_EXTRAS),.[$(SERVE_EXTRAS)],.)"
+	touch $@
+
+# The rest of the tests' install, into the virtualenv above (one `make serve` made, say): the extras
+# and the frameworks the adapters are tested with. Its own stamp, so `make test` completes a
+# virtualenv that `make serve` set up.
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install $(QUIET_CONFLICTS) -e "$(if $(EXTRAS),.[$(EXTRAS)],.)"
 	$(if $(and $(TRINITY_SPEC),$(findstring trinity,$(EXTRAS))),$(PY) -c "import trinity" 2>/dev/null || { echo "Installing $(TRINITY_SPEC) with --no-deps (the plugin's tests need it)"; \
 		$(PY) -m pip install $(QUIET_CONFLICTS) --no-deps "$(TRINITY_SPEC)"; })
@@ -79,7 +95,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install $(QUIET_CONFLICTS) --no-deps "$(AREAL_SPEC)"; })
 	touch $@
 
-serve: setup
+serve: setup-serve
 	$(VENV)/bin/expbuf serve $(ARGS)
 
 test: setup
@@ -90,6 +106,21 @@ test: setup
 	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
 	$(PYTEST_RUN) $(PYTEST_ARGS)
 	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PYTEST_RUN) $(PYTEST_ARGS) $(PURE_TESTS); fi)
+
+# Each adapter in a virtualenv of its own (under EXTRAS_DIR) holding expbuf with only that adapter's
+# extra and its framework, installed as `make setup` installs them, as a user of that one framework
+# has it; every module of the adapter is imported there (tests/import_adapter.py). Not part of
+# `make test`: each virtualenv takes minutes and a torch. tests/test_extras.py checks the same in the
+# test run, with the other frameworks' imports refused.
+ADAPTERS ?= trinity verl areal trl torchrl
+EXTRAS_DIR ?= build/extras
+check-extras:
+	@for adapter in $(ADAPTERS); do \
+		echo "== expbuf[$$adapter] in $(EXTRAS_DIR)/$$adapter"; \
+		$(MAKE) --no-print-directory VENV=$(EXTRAS_DIR)/$$adapter SERVE_EXTRAS= EXTRAS=$$adapter \
+			$(EXTRAS_DIR)/$$adapter/.expbuf-installed || exit 1; \
+		$(EXTRAS_DIR)/$$adapter/bin/python tests/import_adapter.py expbuf.client.$$adapter || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/trxp/_native

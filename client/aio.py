@@ -17,7 +17,7 @@ import grpc.aio
 
 from . import aio_status, calls
 from .aio_pusher import AsyncPusher
-from .connection import ClientBase, call_error
+from .connection import ClientBase
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -108,14 +108,15 @@ class AsyncBufferClient(ClientBase):
             else:
                 reply = await method(call.request, **keywords)
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
     async def push(
         self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
     ) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
-        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream.
+        A full table in block mode makes it wait for room until its deadline, as BufferClient.push."""
         return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncPusher:
@@ -169,7 +170,7 @@ class AsyncBufferClient(ClientBase):
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:
-                raise call_error(error, self._tls) from None
+                raise self._error(error) from None
         finally:
             if ahead is not None:
                 ahead.stop()
@@ -252,14 +253,14 @@ class AsyncBufferClient(ClientBase):
     async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """As BufferClient.renew_claims."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             ended += (await self._run(calls.renew_claims(table, dataset, part, seconds)))[1]
         return ended
 
     async def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """As BufferClient.release_claims."""
         released = 0
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             released += await self._run(calls.release_claims(table, dataset, part))
         return released
 

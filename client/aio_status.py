@@ -10,7 +10,9 @@ pusher failed with INTERNAL a push that the stream's UNAVAILABLE would have sent
 refused push that its refusal names; the blocking client reads the stream's own status.
 
 The asyncio client therefore reads how its streams ended here, never from the exception a read
-or a write raised: the call's first status, taken as it is set (its done callbacks run then),
+or a write raised: the call's first status and its trailing metadata (which say whether a refusal
+did nothing, wire.BUSY, and which the failed write's INTERNAL takes away too), taken as they are
+set (its done callbacks run then),
 unless that one is the failed write's; then the status that replaces it, or UNAVAILABLE if none
 does within REPLACED_WITHIN (the stream ended under a write and grpc.aio kept no status of its own). Only grpc.aio gives
 INTERNAL with those details; a server's own INTERNAL is the stream's status like any other.
@@ -62,6 +64,7 @@ class StreamStatus:
     def __init__(self, call: grpc.aio.Call) -> None:
         self._call = call
         self._first: Status | None = None
+        self._first_trailing: grpc.aio.Metadata | None = None  # its trailing metadata, which goes with it
         call.add_done_callback(self._set)
 
     def _set(self, call: grpc.aio.Call) -> None:
@@ -69,6 +72,7 @@ class StreamStatus:
         code, details = _at_once(call.code()), _at_once(call.details())
         if code is not None:
             self._first = code, details or ""
+            self._first_trailing = _at_once(call.trailing_metadata())
 
     async def _held(self) -> Status:
         return await self._call.code(), await self._call.details() or ""
@@ -88,11 +92,13 @@ class StreamStatus:
         return held
 
     async def error(self) -> grpc.aio.AioRpcError | None:
-        """The error of the stream's own status once it has ended; None if it ended OK."""
+        """The error of the stream's own status once it has ended, with the stream's trailing
+        metadata (what says a refusal did nothing: wire.BUSY); None if it ended OK."""
         code, details = await self.status()
         if code == grpc.StatusCode.OK:
             return None
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        trailing = self._first_trailing if (code, details) == self._first else await self._call.trailing_metadata()
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
 
 
 async def replies(call: grpc.aio.StreamStreamCall) -> list[Any]:

@@ -8,7 +8,6 @@ Sample stream's pieces (confirmations, batches) are here too; its two loops are 
 
 from __future__ import annotations
 
-import random
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,7 +21,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from . import trxp, wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .errors import DataLossError, DeadlineExceededError, ExpbufError
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from .results import (
     Batch,
     BufferStats,
@@ -82,39 +81,52 @@ class Chunked(Generic[R]):
 
 
 class Attempts(Generic[R]):
-    """The attempts of one call, `call` the next. A call that waits on the server (a claim's or an
-    admit's `wait`: its request's wait_seconds) holds a server thread while it waits, so the server
-    lets only so many wait at once and refuses the others at once, before they begin (ExpbufError.busy).
-    Such a refusal is not the caller's answer: the call is made again after a pause, as gRPC's retry
-    policy pauses (connection.BACKOFF), waiting what is left of its wait; once its wait is spent,
-    once more without waiting, so that it answers with what there is. No attempt ends past the
-    first one's deadline (the call's timeout, else the client's `timeout`)."""
+    """The attempts of one call, `call` the next. The server lets only so many calls wait at once
+    (each holds a server thread while it waits) and refuses the others at once, as having done
+    nothing (ExpbufError.busy). Such a refusal of a call that waits there is not its caller's
+    answer: the call is made again after a pause, as gRPC's retry policy pauses
+    (connection.BACKOFF). A claim or an admit with a `wait` (its request's wait_seconds) waits
+    what is left of it; once its wait is spent, it is made once more without waiting, so that it
+    answers with what there is. A push, which waits for room in a full table in block mode, or
+    for the rate limit, is made as it was: it stored nothing, and is stored once however often it
+    is sent. No attempt ends past the first one's deadline (the call's timeout, else the client's
+    `timeout`); the refusal that comes when none may start before it is the caller's."""
 
     def __init__(self, call: Unary[R] | Chunked[R], timeout: float) -> None:
         self.call = call
         start = time.monotonic()
-        self._waits_until = start + (getattr(call.request, "wait_seconds", 0.0) if isinstance(call, Unary) else 0.0)
+        self._pushes = isinstance(call, Chunked) or call.method == "Push"
+        self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
-        self._pause = BACKOFF.initial
+        self._made = 0  # attempts made again
 
     def after(self, error: ExpbufError) -> float | None:
         """The pause before the call is made again (`call` is then that attempt), or None when
         `error` is the call's answer."""
         call = self.call
-        if not (error.busy and isinstance(call, Unary) and call.request.wait_seconds > 0):
+        waits = _wait(call) > 0  # not once it is made without waiting
+        if not (error.busy and (waits or self._pushes)):
             return None
         now = time.monotonic()
-        pause = min(self._pause * random.uniform(1 - BACKOFF.jitter, 1 + BACKOFF.jitter), self._waits_until - now)
-        pause = max(pause, 0.0)
-        self._pause = min(self._pause * BACKOFF.multiplier, BACKOFF.most)
+        pause = BACKOFF.pause(self._made)
+        self._made += 1
+        if waits:
+            pause = max(0.0, min(pause, self._waits_until - now))
         start = now + pause
         if start >= self._deadline:
             return None
-        request = type(call.request)()
-        request.CopyFrom(call.request)
-        request.wait_seconds = max(0.0, self._waits_until - start)
-        self.call = replace(call, request=request, timeout=self._deadline - start)
+        if isinstance(call, Unary) and waits:
+            request = type(call.request)()
+            request.CopyFrom(call.request)
+            request.wait_seconds = max(0.0, self._waits_until - start)
+            call = replace(call, request=request)
+        self.call = replace(call, timeout=self._deadline - start)
         return pause
+
+
+def _wait(call: Unary[Any] | Chunked[Any]) -> float:
+    """The seconds `call` asks the server to wait (a claim's or an admit's wait_seconds), 0 for none."""
+    return float(getattr(call.request, "wait_seconds", 0.0)) if isinstance(call, Unary) else 0.0
 
 
 def one_reply(replies: list[Any]) -> Any:
@@ -461,12 +473,16 @@ def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:
     return [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in prompts]
 
 
-def by_dataset(prompts: Iterable[Prompt]) -> dict[tuple[str, str], list[Prompt]]:
-    """Prompts by (table, dataset): one call each."""
+def by_dataset(prompts: Iterable[Prompt]) -> list[tuple[tuple[str, str], list[Prompt]]]:
+    """Prompts by (table, dataset), in parts of at most MAX_PROMPTS_PER_CALL: one call each."""
     out: dict[tuple[str, str], list[Prompt]] = {}
     for prompt in prompts:
         out.setdefault((prompt.table, prompt.dataset), []).append(prompt)
-    return out
+    return [
+        (key, part[start : start + MAX_PROMPTS_PER_CALL])
+        for key, part in out.items()
+        for start in range(0, len(part), MAX_PROMPTS_PER_CALL)
+    ]
 
 
 def renew_claims(table: str, dataset: str, prompts: list[Prompt], seconds: float) -> Unary[tuple[float, list[Prompt]]]:

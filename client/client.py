@@ -19,7 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls
-from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls, call_error
+from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
@@ -132,13 +132,15 @@ class BufferClient(ClientBase):
             else:
                 reply = method(call.request, **keywords)
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
     def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
         A retried push is safe: what was stored already comes back in `duplicates`. A payload
-        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream."""
+        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table
+        in block mode makes it wait for room until its deadline, asking again while the server has
+        as many calls waiting as it lets (calls.Attempts)."""
         return self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> Pusher:
@@ -200,7 +202,7 @@ class BufferClient(ClientBase):
                 requests.confirm(received)
                 yield batch
         except grpc.RpcError as exc:
-            raise call_error(exc, self._tls) from None
+            raise self._error(exc) from None
         finally:
             if ahead is not None:
                 ahead.stop()
@@ -303,23 +305,25 @@ class BufferClient(ClientBase):
         from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
         seconds when none can be handed out now (max_in_flight reached, or every prompt out),
         asking again while the server has as many claims waiting as it lets (calls.Attempts).
-        `done` says the dataset has nothing left to hand out or train."""
+        `done` says the dataset has nothing left to hand out or train. `count` is at most
+        MAX_PROMPTS_PER_CALL (expbuf.client.prompts)."""
         return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
 
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """Claims now end `seconds` from now; returns the prompts whose claim had already ended
-        (not renewed: their groups will not be taken, give up on them)."""
+        (not renewed: their groups will not be taken, give up on them). Any number, in calls of
+        at most MAX_PROMPTS_PER_CALL."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts).items():
+        for (table, dataset), part in calls.by_dataset(prompts):
             ended += self._run(calls.renew_claims(table, dataset, part, seconds))[1]
         return ended
 
     def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """Give claims back now: each prompt goes out again with its next attempt. Returns the
-        claims that were still held."""
+        claims that were still held. Any number, in calls of at most MAX_PROMPTS_PER_CALL."""
         return sum(
             self._run(calls.release_claims(table, dataset, part))
-            for (table, dataset), part in calls.by_dataset(prompts).items()
+            for (table, dataset), part in calls.by_dataset(prompts)
         )
 
     def list_prompts(

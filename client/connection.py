@@ -11,6 +11,7 @@ goes over a second channel without it. The blocking client (client.py) and the a
 from __future__ import annotations
 
 import json
+import random
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -88,6 +89,11 @@ class Backoff:
     multiplier: float = 2.0
     jitter: float = 0.2
 
+    def pause(self, attempt: int) -> float:
+        """Seconds to wait before attempt `attempt` + 2 (0: before the second attempt)."""
+        grown = self.initial * self.multiplier ** min(attempt, 64)  # `most` long before, and no overflow
+        return min(self.most, grown) * random.uniform(1 - self.jitter, 1 + self.jitter)
+
 
 BACKOFF = Backoff()
 
@@ -142,19 +148,50 @@ TLS_HINT = (
     "if the server takes TLS only, give the client its CA: tls=Tls(root_certificates=CA_PEM), or tls=True for the"
     " system's CAs; expbuf's commands take --tls-ca or EXPBUF_TLS_CA"
 )
+# What a TLS client without a certificate of its own adds there: the server may ask for one (client_ca in its [tls]).
+MUTUAL_TLS_HINT = (
+    "if the server asks for client certificates (mutual TLS), give the client its certificate and key:"
+    " Tls(CA_PEM, certificate_chain=CERT_PEM, private_key=KEY_PEM); expbuf's commands take --tls-cert and --tls-key"
+    " or EXPBUF_TLS_CLIENT_CERT and EXPBUF_TLS_CLIENT_KEY"
+)
+# gRPC's own details for a call whose deadline passed in the client (a server's refusal has its own words).
+GRPC_DEADLINE = "Deadline Exceeded"
 
 
-def call_error(exc: grpc.RpcError, tls: bool) -> ExpbufError:
-    """The ExpbufError of a failed call, with gRPC's details (and `busy` where the server says so,
-    wire.BUSY). A TLS server closes a plaintext connection, which gRPC reports as UNAVAILABLE
-    "Socket closed": a plaintext client adds the hint."""
-    details = exc.details() or ""
-    if not tls and exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
-        details = f"{details} ({TLS_HINT})"
+def tls_hint(tls: Tls | None) -> str:
+    """Why a server might close this client's connections: TLS it has not, or a certificate it has not."""
+    if tls is None:
+        return TLS_HINT
+    return MUTUAL_TLS_HINT if tls.certificate_chain is None else ""
+
+
+def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bool = False) -> ExpbufError:
+    """The ExpbufError of a failed call to `target`, with gRPC's details and what the client can tell
+    (and `busy` where the server says so, wire.BUSY).
+
+    A server closes a connection whose TLS it does not take (a plaintext client of a TLS server, a
+    client without a certificate where mutual TLS asks for one), which gRPC reports as UNAVAILABLE
+    "Socket closed": the error adds the hint. A call that `waited` for the server (wait_for_ready)
+    and reached none waits out its deadline, and gRPC says only "Deadline Exceeded": the error
+    names the target and what keeps a client from it."""
+    details, hint = exc.details() or "", tls_hint(tls)
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and hint:
+        details = f"{details} ({hint})"
+    elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited and details == GRPC_DEADLINE:
+        details = (
+            f"{details}: no answer from {target} in time; with wait_for_ready a call waits until its deadline for a"
+            " server it cannot reach (none listening there, or one that refuses this client's TLS settings"
+            f"{': ' + hint if hint else ''})"
+        )
     error = ExpbufError(exc.code(), details)
-    metadata = cast(Iterable[tuple[str, Any]], exc.trailing_metadata() or ())  # pairs, blocking or asyncio
-    error.busy = any(key == BUSY for key, _ in metadata)
+    error.busy = busy(exc)
     return error
+
+
+def busy(exc: grpc.RpcError) -> bool:
+    """Whether the server refused the call as having done nothing (wire.BUSY): the same call later may get in."""
+    metadata = cast(Iterable[tuple[str, Any]], exc.trailing_metadata() or ())  # pairs, blocking or asyncio
+    return any(key == BUSY for key, _ in metadata)
 
 
 class ClientBase:
@@ -208,8 +245,8 @@ class ClientBase:
         self.push_chunk_bytes = push_chunk_bytes
         self.max_message_bytes = max_message_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._tls = bool(tls)
-        credentials = (tls if isinstance(tls, Tls) else Tls()).credentials() if tls else None
+        self._tls = tls if isinstance(tls, Tls) else Tls() if tls else None
+        credentials = self._tls.credentials() if self._tls else None
         self._channel = self._open(target, credentials, service_config(self.retries))
         # The same options but the service config: without TLS, gRPC gives both channels one
         # connection; with TLS, each its own (it tells credentials apart by identity, and grpcio
@@ -232,6 +269,10 @@ class ClientBase:
         if credentials is None:
             return type(self)._insecure_channel(target, options=options)
         return type(self)._secure_channel(target, credentials, options=options)
+
+    def _error(self, exc: grpc.RpcError, waited: bool = False) -> ExpbufError:
+        """The ExpbufError of a failed call of this client's (call_error); `waited`: with wait_for_ready."""
+        return call_error(exc, self._tls, self.target, waited)
 
     def _method(self, call: Unary[Any] | Chunked[Any]) -> tuple[Any, dict[str, Any]]:
         """The stub method that makes `call`, and its keywords. A call of a method under the retry

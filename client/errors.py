@@ -21,8 +21,9 @@ class ExpbufError(Exception):
     status: ClassVar[grpc.StatusCode | None] = None
     # The experiences of a pipelined push that failed (see Pusher), for a caller that pushes them again.
     uids: tuple[str, ...] = ()
-    # The server refused the call before it began, as many calls as it lets in being in progress:
-    # the same call later may get in (a waiting claim or admit is made again: calls.Attempts).
+    # The server refused the call as having done nothing, as many calls as it lets in (or lets
+    # wait) being in progress: the same call later may get in (a waiting claim or admit, and a
+    # push, are made again: calls.Attempts, pipeline.py).
     busy: bool = False
 
     def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:

@@ -6,21 +6,23 @@ A pusher's pushes go over PushStream, each with its number as its seq, up to `wi
 not yet handed back. The server stores a stream's pushes in order, several in one commit, and
 answers each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
 unanswered push's, and the server stored none after it: that push fails alone, and the others
-go again on a new stream. When a stream breaks (UNAVAILABLE: the server went away), the push
-it was on may or may not be stored: every push unanswered on it goes again (a push is
-idempotent; what was stored comes back as duplicates) while the client's retries and the
-push's deadline last, then fails UNAVAILABLE naming its uids. Futures complete in push order.
+go again on a new stream. A refusal that says the push did nothing (wire.BUSY: the server lets
+only so many calls wait at once, and refused the stream as it opened) is not its answer: every
+push unanswered on the stream goes again after a pause, until its deadline, as a push alone does
+(calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
+may or may not be stored: every push unanswered on it goes again (a push is idempotent; what was
+stored comes back as duplicates) while the client's retries and the push's deadline last, then
+fails UNAVAILABLE naming its uids. Futures complete in push order.
 
-That resend is the one retry the clients make by hand. gRPC's retry policy retries a stream
-only until its first reply, and sends again everything the stream carried: a pusher's stream
-has answered pushes before it breaks, and only those unanswered may go again. So a pusher's
-streams go over the client's channel without the policy (connection.py), and their pushes are
-sent again here, with the client's `retries` and the policy's backoff.
+Both resends are made here, by hand. gRPC's retry policy retries a stream only until its first
+reply, and sends again everything the stream carried: a pusher's stream has answered pushes
+before it breaks, and only those unanswered may go again. So a pusher's streams go over the
+client's channel without the policy (connection.py), and their pushes are sent again here, with
+the client's `retries` and the policy's backoff (connection.BACKOFF).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -32,18 +34,12 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from . import calls, trxp
+from .connection import BACKOFF, busy
 from .errors import ExpbufError
 from .results import PushResult
 
 MAX_WINDOW = 64
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
-
-
-def backoff(attempt: int) -> float:
-    """Seconds to wait before resend `attempt` + 1 of pushes a broken stream left unanswered:
-    the retry policy's (connection.service_config), doubling from 50 ms up to 2 s with gRPC's
-    jitter of 20%, so that pushers that lost one server do not return at once."""
-    return min(2.0, 0.05 * 2**attempt) * random.uniform(0.8, 1.2)
 
 
 def check_window(window: Any) -> int:
@@ -60,7 +56,8 @@ class Pending:
     table: str
     body: bytes
     deadline: float  # monotonic: no retry starts after it
-    attempts: int = 0  # sends after the first
+    attempts: int = 0  # sends after the first, of a push whose stream broke
+    kept_out: int = 0  # sends after the first, of a push the server refused as having done nothing
     outcome: PushResult | ExpbufError | None = None
 
     def requests(self, chunk_bytes: int) -> Iterator[pb.PushRequest]:
@@ -185,10 +182,12 @@ class Window(Ordered[Pending]):
             for pending in sent:
                 pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
             return [], 0.0
+        if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
+            return self._kept_out(sent, code, details)
         if code != grpc.StatusCode.UNAVAILABLE:
             sent.pop(0).fail(code, details)
             return self._in_time(sent, code, details), 0.0
-        pause = backoff(max(pending.attempts for pending in sent))
+        pause = BACKOFF.pause(max(pending.attempts for pending in sent))
         again = []
         for pending in sent:
             pending.attempts += 1
@@ -199,6 +198,21 @@ class Window(Ordered[Pending]):
                     f", not answered after {pending.attempts - 1} retries: whether it was stored is unknown, "
                     "and pushing it again is safe",
                 )
+            else:
+                again.append(pending)
+        return again, pause
+
+    def _kept_out(self, pushes: list[Pending], code: grpc.StatusCode, details: str) -> tuple[list[Pending], float]:
+        """The server refused the oldest of `pushes` as having done nothing, as many calls as it
+        lets wait doing so already (wire.BUSY; a stream refused as it opened), and read none after
+        it: each goes again after the pause returned, as a push alone would (calls.Attempts), and
+        one whose deadline comes first fails with the refusal, not stored."""
+        pause = BACKOFF.pause(max(pending.kept_out for pending in pushes))
+        again = []
+        for pending in pushes:
+            pending.kept_out += 1
+            if time.monotonic() + pause >= pending.deadline:
+                pending.fail(code, details, ", refused until its deadline: not stored")
             else:
                 again.append(pending)
         return again, pause

@@ -16,6 +16,13 @@ from typing import Any
 from .experience import EID
 
 STATES = ("pending", "claimed", "generated", "trained", "dropped")
+# The most prompts one call hands out or names: a Claim's count, the prompts of a RenewClaims or
+# a ReleaseClaims. The server's one writer works through them in one transaction, every other
+# tenant's writes waiting (a claim of 65,536 held it for seconds); 4,096 hold it a fraction of
+# a second (bench/bench_ledger_hold.py), and are more than a rollout step claims at once: a
+# Trinity explorer's batch of tasks, a single controller's training batch of prompts. The
+# clients renew and release any number of claims in calls of at most this many.
+MAX_PROMPTS_PER_CALL = 4096
 
 
 @dataclass(frozen=True)

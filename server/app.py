@@ -42,7 +42,7 @@ from .metrics import Metrics, RpcMetrics
 from .replies import PassBytes, keep_reply_memory
 from .service import ExperienceBufferService
 from .store import Store, TableExtension
-from .store.errors import ConfigError, StoreError
+from .store.errors import ConfigError, Conflict, StoreError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
@@ -147,6 +147,11 @@ class ExpbufServer:
                 created = self.store.create_table(table, exist_ok=True)
             except ConfigError as exc:  # a device it has not, an extension not registered
                 raise StartupError(str(exc)) from None
+            except Conflict as exc:  # the block edited since the table was made: the stored table is kept
+                raise StartupError(
+                    f"config [[tables]]: {exc} (the request: the block in the config; a table's settings are fixed"
+                    " when it is created, so give the block the table's, or leave the table out of the config)"
+                ) from None
             if created:
                 log.info("table created from config: %s", table.settings())
         self.metrics = Metrics(self.store, shard=config.shard)

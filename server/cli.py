@@ -112,7 +112,7 @@ def _health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(), timeout=args.timeout, metadata=metadata
             )
     except grpc.RpcError as exc:
-        error = call_error(exc, tls is not None)
+        error = call_error(exc, tls, args.target)
         print(f"{args.target}: {error.code.name}: {error.details or 'no details'}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -33,7 +33,8 @@ may also declare tables (created at start, or checked against the stored ones):
     [tls]
     cert = "server.pem"
     key = "server.key"
-    client_ca = "ca.pem"          # optional: require client certificates (mutual TLS)
+    client_ca = "ca.pem"          # mutual TLS: every client must present a certificate this CA signed;
+                                  # leave it out for TLS alone (clients need only the CA of cert)
 
     [[tokens]]
     token = "..."                 # or token_env = "NAME" to read it from the environment
@@ -364,6 +365,11 @@ def _from_toml(path: Path) -> dict[str, Any]:
     if tokens:
         values["tokens"] = tokens
     values["tables"] = tuple(TableConfig.from_settings(t) for t in raw.get("tables", []))
+    names = [table.name for table in values["tables"]]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        named = ", ".join(f"'{clip(name, 64)}'" for name in twice)
+        raise ConfigError(f"config file {path}: [[tables]] names {named} twice; give each table one block")
     return values
 
 

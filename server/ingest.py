@@ -13,6 +13,11 @@ A payload goes to a worker and its packed experiences come back through shared m
 (one memfd per worker), the experiences' fields as one pickle of tuples: no per-item
 pickling and no payload-sized pipe transfers. A worker that dies is reaped and replaced at
 once (a thread watches the idle ones), and the push it was decoding is decoded here instead.
+
+A stop signal sent to the server's whole process group (a terminal's Ctrl-C, GNU `timeout`,
+systemd's default `KillMode=control-group`, `kill -TERM -PGID`) reaches the workers too: they
+ignore SIGINT and SIGTERM from birth, finish the pushes they are decoding, and end when the
+server closes the pool, as it does when it stops (or when its interpreter exits).
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ import multiprocessing.connection
 import operator
 import os
 import pickle
+import signal
 import struct
 import tempfile
 import threading
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.util import Finalize
 from typing import Any
 
 from expbuf.client import trxp
@@ -54,6 +62,10 @@ LARGE = 16 << 20
 # (8 pushers of 8 x 8 KB experiences pushed 0.84x with one worker what they did with none).
 SMALL = 256 << 10
 WATCH_SECONDS = 0.5  # how often the watch of idle workers looks again at the pool
+# The server's stop signals, which a worker leaves to the server. It is spawned with them blocked
+# (the mask outlives exec), so one sent while its interpreter starts waits, and is discarded once
+# the worker ignores it: there is no earlier moment at which a spawned process could ignore it.
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 def metadata_limit(max_bytes: int) -> trxp.MetadataLimit:
@@ -127,7 +139,13 @@ def _shared_fd() -> int:
 
 def _serve(conn: Connection, max_metadata_bytes: int) -> None:
     """A worker process: decode each payload put in the region, write the experiences'
-    bytes back there one after another, and reply with their other fields, or the refusal."""
+    bytes back there one after another, and reply with their other fields, or the refusal.
+
+    It ignores the stop signals (_STOP_SIGNALS), which a process group's stop sends it too: the
+    server stops, and closes the pool (the worker ends when its connection does)."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     limit = metadata_limit(max_metadata_bytes)
     region = _Region(recv_handle(conn))
     conn.send_bytes(b"")  # imported and ready
@@ -168,7 +186,16 @@ class _Worker:
         self.process = context.Process(
             target=_serve, args=(child, max_metadata_bytes), name="expbuf-ingest", daemon=True
         )
-        self.process.start()
+        # Blocked in this thread only while the process is spawned: one sent meanwhile reaches
+        # the server once unblocked (or another of its threads at once). multiprocessing's resource
+        # tracker, which the first spawn starts, unblocks them once it has started its own process:
+        # it is started before they are blocked.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self.region = _Region(_shared_fd())
         send_handle(self.conn, self.region.fd, self.process.pid)
@@ -222,10 +249,19 @@ class Ingest:
         self._free = threading.Condition()  # guards the fields below; notified when a worker is free
         self._decoding = 0  # pushes being decoded, here or in a worker
         self._closed = False
-        self._workers = [_Worker(self._context, max_metadata_bytes) for _ in range(processes)]
-        for worker in self._workers:
-            worker.ready()
-        self._idle = list(self._workers)
+        self._idle: list[_Worker] = []  # every worker, until pushes take them
+        # A pool no one closed is closed as the interpreter exits, before multiprocessing ends
+        # the workers it left with SIGTERM, which they ignore: it would wait for them for ever.
+        self._at_exit = Finalize(None, self.close, exitpriority=0)
+        try:
+            for _ in range(processes):
+                self._idle.append(_Worker(self._context, max_metadata_bytes))
+            for worker in self._idle:
+                worker.ready()
+        except BaseException:  # those started end now, not with an interpreter that may keep this pool
+            self.close()
+            raise
+        self._workers = list(self._idle)
         if processes:
             threading.Thread(target=self._watch, name="expbuf-ingest-watch", daemon=True).start()
 
@@ -251,14 +287,16 @@ class Ingest:
                 try:
                     self._give_back(self._replace(worker))
                 except Exception:  # cannot start one now: a push finds the slot empty and decodes here
+                    if self._closing():  # closed while the new one started: no push needs it
+                        return
                     log.exception("cannot start an ingest process; retrying when a push needs one")
                     time.sleep(WATCH_SECONDS)
             if not idle:
                 time.sleep(WATCH_SECONDS)
 
     def _closing(self) -> bool:
-        """Closed, or the interpreter is exiting (its main thread has ended, and multiprocessing's exit
-        handler terminates every worker): no new worker is started then."""
+        """Closed, or the interpreter is exiting (its main thread has ended, and the pool is closed
+        at exit): no new worker is started then."""
         return self._closed or not threading.main_thread().is_alive()
 
     def entries(self, payload: bytes | memoryview) -> list[Entry]:
@@ -315,6 +353,7 @@ class Ingest:
 
     def close(self) -> None:
         """End the worker processes; a push still being decoded in one ends it when done."""
+        self._at_exit.cancel()
         with self._free:
             self._closed = True
             idle, self._idle = self._idle, []

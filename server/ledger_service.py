@@ -7,6 +7,7 @@ The rules are the storage engine's (store/ledger.py); here requests become its c
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import grpc
 
@@ -14,7 +15,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .backend import Backend
 from .call_context import refusals, remaining
-from .store.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, shown_owner
+from .store.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, check_refs, shown_owner
 from .store.errors import InvalidRequest, clip
 from .store.ledger import MAX_ATTEMPTS, MAX_EPOCHS, Claimed
 from .store.ledger_records import MAX_SIZE, PROMPT_STATES, DatasetRecord, PromptRecord, prompt_eid
@@ -67,6 +68,14 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
     )
 
 
+def create_reply_bytes(ds: DatasetRecord) -> int:
+    """The most bytes CreateDataset's reply takes for a new dataset of these settings: as a new
+    one, its cursor at the start and one epoch started, with every count at its largest."""
+    owned = min(ds.size * ds.epochs, 2**64 - 1)  # settings out of range are refused by name after this
+    new = replace(ds, created=1.0, owned_total=owned, owned=[ds.size], counts=[{}], totals={})
+    return pb.CreateDatasetReply(dataset=info_of(new), created=True).ByteSize()
+
+
 def prompt_of(dataset: str, claimed: Claimed) -> pb.Prompt:
     batch, task = prompt_eid(dataset, claimed.epoch, claimed.index, claimed.attempt)
     return pb.Prompt(
@@ -116,9 +125,20 @@ class LedgerCalls:
 
     @refusals
     def CreateDataset(self, request: pb.CreateDatasetRequest, context: grpc.ServicerContext) -> pb.CreateDatasetReply:
+        """A dataset created, refused before it is stored when its reply could not be sent: the
+        reply repeats the settings, up to 1,024 shard names of them, which may outgrow a small
+        max_message_bytes the request fitted in."""
+        wanted = dataset_of(request.config)
+        most = create_reply_bytes(wanted)
+        if most > self.max_message_bytes:
+            raise InvalidRequest(
+                f"the reply would take up to {most} bytes, over the server's max_message_bytes ="
+                f" {self.max_message_bytes}: it repeats the settings, the names of {len(wanted.shards)} shards among"
+                " them, with the dataset's counts; nothing is created"
+            )
         record, created = self.store.create_dataset(
             request.table or "default",
-            dataset_of(request.config),
+            wanted,
             exist_ok=request.exist_ok,
             stop=lambda: not context.is_active(),  # a shard's part may take a while to count
         )
@@ -159,6 +179,7 @@ class LedgerCalls:
 
     @refusals
     def RenewClaims(self, request: pb.RenewClaimsRequest, context: grpc.ServicerContext) -> pb.RenewClaimsReply:
+        check_refs(request.prompts, "RenewClaims")  # before the prompts are read
         expires, ended = self.store.renew_claims(
             request.table or "default", request.dataset, _refs(request.prompts), request.lease_seconds,
             holder=self._owner(context),
@@ -168,6 +189,7 @@ class LedgerCalls:
 
     @refusals
     def ReleaseClaims(self, request: pb.ReleaseClaimsRequest, context: grpc.ServicerContext) -> pb.ReleaseClaimsReply:
+        check_refs(request.prompts, "ReleaseClaims")  # before the prompts are read
         released = self.store.release_claims(
             request.table or "default", request.dataset, _refs(request.prompts), holder=self._owner(context)
         )

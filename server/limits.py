@@ -13,8 +13,10 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
 - calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
   Push and every call that answers at once (Ack, Get, ListTables, Seal, admin calls, ...). A
   Push that finds it must wait (for room in a full table, for the rate limit) becomes a call that
-  waits idle: it waits only if one would be let in now (`MAY_WAIT`), and is refused at once
-  otherwise, so that blocked pushes never take the reserve that makes a scope's share usable;
+  waits idle: it waits only if the calls that wait idle, with it, leave the reserve (`MAY_WAIT`),
+  and is refused at once otherwise, so that blocked pushes never take the reserve that makes a scope's share usable.
+  Such a push stored nothing and its refusal says so, as a call refused before it began does
+  (below). A PushStream waits idle from its start, so its pushes wait for room as it does;
 - Ack, Nack, Renew, Retire and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
   trainer's ack, which may be what makes room, is answered even when its scope's share is full;
   admin calls have ADMIN_THREADS of their own beyond those, so they always get in.
@@ -22,7 +24,8 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
 The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
 reflection and the refusals themselves are always answered. A call refused here did nothing: its
 refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
-so refused again while its wait lasts (client/calls.py, Attempts).
+so refused again while its wait lasts, and a push until its deadline (client/calls.py, Attempts;
+a pusher's, client/pipeline.py).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ NEVER_WAITING = frozenset({"Ack", "Nack", "Renew", "Retire", "Stats"})
 # The calls that wait only when asked to (a request's wait_seconds), each class with its own cap.
 WAITING_WHEN_ASKED = {"Admit": "waiting_admit", "Claim": "waiting_claim"}
 # Asked by the call in progress (a unary call let in as one that does not wait idle) once it finds
-# it must wait: None if it may, as a call that waits idle would be let in now; else why not.
+# it must wait: None if it may (Slot.may_wait); else why not.
 MAY_WAIT: ContextVar[MayWait | None] = ContextVar("expbuf_may_wait", default=None)
 
 
@@ -83,6 +86,29 @@ def call_class(method: str, request: Any) -> str:
     return {"Sample": "sample_stream", "PushStream": "push_stream"}.get(method, "")
 
 
+@dataclass(eq=False)
+class Slot:
+    """A call's place among the calls in progress, taken by CallLimits.acquire."""
+
+    limits: CallLimits
+    method: str
+    kind: str  # its capped class (call_class), "" for none
+    scope: str
+    own: bool  # an admin call on one of ADMIN_THREADS
+    waiting: bool = False  # counted among the calls that wait idle
+    released: bool = False
+
+    def may_wait(self) -> str | None:
+        """The call, let in as one that does not wait idle (a Push), is about to wait: None if it
+        may, the calls that wait idle with it leaving the reserve and the other scopes' shares (it
+        is then counted as one of them until it ends), else why not (it is then refused, not left waiting)."""
+        return self.limits._may_wait(self)
+
+    def release(self) -> None:
+        """The call ended (a second release counts nothing)."""
+        self.limits._release(self)
+
+
 class CallLimits(ServiceInterceptor):
     """Refuses, with RESOURCE_EXHAUSTED naming the limit and its setting, calls beyond the bounds."""
 
@@ -96,6 +122,7 @@ class CallLimits(ServiceInterceptor):
         self._admin_own = 0  # admin calls on ADMIN_THREADS
         self._open = dict.fromkeys(caps, 0)
         self._in_scope = dict.fromkeys(shares, 0)
+        self._waiting = 0  # of _calls, those that wait idle (of a capped class, or a push let wait)
 
     def _kept(self, scope: str) -> dict[str, int]:
         """The free workers each other scope keeps: the part of its share its calls do not hold."""
@@ -111,10 +138,20 @@ class CallLimits(ServiceInterceptor):
             return self._open[kind]
 
     def _refusal(self, method: str, idle: bool, kept: dict[str, int], joining: int = 1) -> str | None:
-        """Why the call cannot take a worker now (one more, `joining`, or the one it holds: 0);
-        None if it can."""
-        limit = self.workers - (self.reserved if idle else 0) + (ACK_THREADS if method in NEVER_WAITING else 0)
-        if self._calls + joining + sum(kept.values()) <= limit:
+        """Why the call cannot take a worker now (`joining`: 1), or, holding one (0), begin to wait
+        idle on it; None if it can.
+
+        A call that comes to wait idle must leave the reserve free now. A call in progress that
+        finds it must wait (a Push into a full table) is counted with the calls that wait idle
+        only: whether it may wait must not depend on how many calls that answer at once are in
+        progress beside it (they end by themselves), nor on whether the pushes arriving together
+        all started before any of them found it must wait."""
+        keep = sum(kept.values())
+        if idle:
+            counted, limit = (self._calls if joining else self._waiting) + 1, self.workers - self.reserved
+        else:
+            counted, limit = self._calls + joining, self.workers + (ACK_THREADS if method in NEVER_WAITING else 0)
+        if counted + keep <= limit:
             return None
         held = [f"the last reserved_workers = {self.reserved} are kept for calls that do not wait idle"] if idle else []
         held += [
@@ -127,12 +164,12 @@ class CallLimits(ServiceInterceptor):
                 "(raise it with EXPBUF_WORKERS or workers in the config file)"
             )
         return (
-            f"{self._calls} calls are in progress; of the workers = {self.workers} threads, {' and '.join(held)} "
-            "(raise workers with EXPBUF_WORKERS or in the config file)"
+            f"{self._calls} calls are in progress, {self._waiting} of them waiting idle; of the workers = "
+            f"{self.workers} threads, {' and '.join(held)} (raise workers with EXPBUF_WORKERS or in the config file)"
         )
 
-    def acquire(self, method: str, request: Any) -> Callable[[], None] | str:
-        """A release function for the slot taken, or the reason no slot is free."""
+    def acquire(self, method: str, request: Any) -> Slot | str:
+        """The slot taken, or the reason no slot is free."""
         kind = call_class(method, request)
         scope = scope_of(method)
         with self._lock:
@@ -153,59 +190,72 @@ class CallLimits(ServiceInterceptor):
                 self._open[kind] += 1
             if scope in self._in_scope:
                 self._in_scope[scope] += 1
-        released = False
+            slot = Slot(self, method, kind, scope, own)
+            if kind:
+                self._waiting += 1
+                slot.waiting = True
+            return slot
 
-        def release() -> None:
-            nonlocal released
-            with self._lock:
-                if not released:
-                    released = True
-                    if own:
-                        self._admin_own -= 1
-                    else:
-                        self._calls -= 1
-                    if cap is not None:
-                        self._open[kind] -= 1
-                    if scope in self._in_scope:
-                        self._in_scope[scope] -= 1
-
-        return release
-
-    def may_wait(self, method: str) -> str | None:
-        """A call in progress let in as one that does not wait idle (a Push) is about to wait: None if
-        a call that waits idle would be let in now, else why not (it is then refused, not left waiting)."""
+    def _release(self, slot: Slot) -> None:
         with self._lock:
-            return self._refusal(method, True, self._kept(scope_of(method)), joining=0)
+            if slot.released:
+                return
+            slot.released = True
+            if slot.own:
+                self._admin_own -= 1
+            else:
+                self._calls -= 1
+            if slot.waiting:
+                self._waiting -= 1
+            if slot.kind in self._open:
+                self._open[slot.kind] -= 1
+            if slot.scope in self._in_scope:
+                self._in_scope[slot.scope] -= 1
+
+    def _may_wait(self, slot: Slot) -> str | None:
+        with self._lock:
+            if slot.waiting:
+                return None
+            refused = self._refusal(slot.method, True, self._kept(slot.scope), joining=0)
+            if refused is None:
+                self._waiting += 1
+                slot.waiting = True
+            return refused
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        may_wait = functools.partial(self.may_wait, method)
-
         def limited_unary(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                release = self.acquire(method, request)
-                if isinstance(release, str):
-                    _refuse(context, release)
+                slot = self.acquire(method, request)
+                if isinstance(slot, str):
+                    _refuse(context, slot)
+
+                def may_wait() -> str | None:
+                    refused = slot.may_wait()
+                    if refused is not None:  # the call ends refused before it waited: it did nothing
+                        _mark_busy(context)
+                    return refused
+
                 waiting = MAY_WAIT.set(may_wait)
                 try:
                     return behavior(request, context)
                 finally:
                     MAY_WAIT.reset(waiting)
-                    release()
+                    slot.release()
 
             return run
 
         def limited_stream(behavior: Callable) -> Callable:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                release = self.acquire(method, request)
-                if isinstance(release, str):
-                    _refuse(context, release)
-                context.add_callback(release)  # also when the stream ends without resuming this generator
+                slot = self.acquire(method, request)
+                if isinstance(slot, str):
+                    _refuse(context, slot)
+                context.add_callback(slot.release)  # also when the stream ends without resuming this generator
                 try:
                     yield from behavior(request, context)
                 finally:
-                    release()
+                    slot.release()
 
             return run
 
@@ -221,9 +271,14 @@ class CallLimits(ServiceInterceptor):
         raise ValueError(f"{method}: the handler has no behaviour to limit")
 
 
-def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
-    """End a call refused before it began, saying so (wire.BUSY): the same call later may get in."""
+def _mark_busy(context: grpc.ServicerContext) -> None:
+    """Say in the call's refusal that it did nothing (wire.BUSY): the same call later may get in."""
     context.set_trailing_metadata(((BUSY, "1"),))
+
+
+def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
+    """End a call refused before it began, saying so (_mark_busy)."""
+    _mark_busy(context)
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
 

@@ -2,11 +2,14 @@
 
 For an operator without Grafana: every table's experiences and groups by state, bytes,
 the oldest experience's age, the policy versions seen, the background scrub's progress and
-last complete pass, and (with --watch) push and sample rates between refreshes.
+last complete pass, and (with --watch) push and sample rates between refreshes. Watched on a
+terminal, each refresh is drawn over the last, as `top` draws; into a pipe or a file, each is
+appended as plain text.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -112,6 +115,23 @@ def render(info: ServerInfo, tables: Mapping[str, TableStats], rates: dict[str, 
     return "\n".join(lines)
 
 
+# ANSI/VT100 sequences: the cursor home, erase to the end of the line, erase below the cursor, erase the screen.
+HOME, ERASE_LINE, ERASE_BELOW, ERASE_SCREEN = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
+
+
+def redraw(text: str, first: bool, size: tuple[int, int]) -> str:
+    """The view drawn over the one before it, on a terminal of `size` (columns, lines): from the
+    top, each line cut to the width and cleared to its end, the rest of the screen cleared; at
+    most one line less than the terminal holds, so that nothing scrolls. The first clears the
+    screen once (as `clear` does); after it the screen only changes where the view does."""
+    columns, rows = size
+    lines = text.split("\n")
+    if len(lines) > rows - 1:
+        lines = [*lines[: max(0, rows - 2)], f"... {len(lines) - rows + 2} more line(s): a taller terminal shows them"]
+    body = "".join(line[:columns] + ERASE_LINE + "\n" for line in lines)
+    return (ERASE_SCREEN if first else "") + HOME + body + ERASE_BELOW
+
+
 def watch(
     target: str,
     token: str | None,
@@ -143,9 +163,11 @@ def watch(
                                 (t.pushed - before.pushed) / elapsed,
                                 (t.sampled - before.sampled) / elapsed,
                             )
+                view = render(info, tables, rates)
                 if interval and out.isatty():
-                    out.write("\x1b[H\x1b[2J")
-                out.write(render(info, tables, rates) + "\n")
+                    out.write(redraw(view, not shown, shutil.get_terminal_size()))
+                else:
+                    out.write(view + "\n")
                 out.flush()
                 shown += 1
                 previous = (now, tables)

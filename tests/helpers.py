@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
 import signal
 import threading
@@ -249,7 +250,8 @@ class ServerProcess:
     """`expbuf serve` in a child process, for restart and kill tests.
 
     Every port is a free one: gRPC and metrics on port 0 unless `args` say otherwise, both
-    read back from the start-up line. A child that exits before it listens fails at once,
+    read back from the start-up line. With `own_group` it leads a process group of its own (with
+    the ingest processes it starts), as a shell's job does. A child that exits before it listens fails at once,
     with its log. With `warm` (the default) the child is returned once its advantage worker
     has started, or failed to, as its log says: torch loads after the server listens
     (server/advantage_start.py), and a test that measures the child's memory or CPU, or a
@@ -264,8 +266,8 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         start_seconds: float = 60,
         warm: bool = True,
+        own_group: bool = False,
     ) -> None:
-        import os
         import subprocess
         import sys
 
@@ -275,6 +277,7 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            process_group=0 if own_group else None,  # own_group: a terminal's job, for its Ctrl-C
         )
         self.log: list[str] = []
         self.port = 0
@@ -307,9 +310,13 @@ class ServerProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stop(self, sig: int) -> int:
-        """Send `sig`; the exit code, once the child's log is read to its end."""
-        self.proc.send_signal(sig)
+    def stop(self, sig: int, *, group: bool = False) -> int:
+        """Send `sig` (to its whole process group with `group`, as a terminal's Ctrl-C does: see
+        `own_group`); the exit code, once the child's log is read to its end."""
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
         code = self.proc.wait(30)
         self._reader.join(30)
         return code

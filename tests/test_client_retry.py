@@ -11,7 +11,10 @@ not idempotent, is made once; a pusher's stream is resent by the pusher alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
+import queue
 import socket
 import threading
 import time
@@ -29,6 +32,7 @@ from expbuf.client import (
     DeadlineExceededError,
     ExpbufError,
     NotFoundError,
+    PushResult,
     ResourceExhaustedError,
     UnavailableError,
     trxp,
@@ -501,17 +505,20 @@ def test_a_waiting_call_kept_out_for_its_whole_wait_answers_without_waiting_with
 def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_not_waiting() -> None:
     """Each attempt after a busy refusal waits what is left of the wait and ends by the first
     attempt's deadline; once the wait is spent, one more without waiting, then the refusal."""
-    first = calls_module.claim("t", "d", 1, 300.0, "", wait=0.4, timeout=2.0)
+    first = calls_module.claim("t", "d", 1, 300.0, "", wait=1.0, timeout=3.0)
     attempts = calls_module.Attempts(first, timeout=30.0)
-    deadline = time.monotonic() + 2.4
+    deadline = time.monotonic() + (first.timeout or 0)  # the first attempt's deadline is at most this
     busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
     busy.busy = True
     made = [attempts.call]
-    while (pause := attempts.after(busy)) is not None:
+    while True:
+        asked = time.monotonic()  # the next attempt starts `pause` after a moment at least this late
+        if (pause := attempts.after(busy)) is None:
+            break
         assert pause >= 0
+        assert asked + pause + (attempts.call.timeout or 0) <= deadline
         time.sleep(pause)
         made.append(attempts.call)
-        assert time.monotonic() + (attempts.call.timeout or 0) <= deadline + 0.01
     waits = [call.request.wait_seconds for call in made]
     assert len(made) >= 3 and waits[-1] == 0 and all(w > 0 for w in waits[:-1])
     assert waits[:-1] == sorted(waits[:-1], reverse=True)
@@ -519,3 +526,163 @@ def test_the_attempts_of_a_waiting_call_end_by_its_first_deadline_the_last_one_n
     assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
     unwaiting = calls_module.Attempts(calls_module.claim("t", "d", 1, 300.0, "", wait=0, timeout=2.0), 30.0)
     assert unwaiting.after(busy) is None
+
+
+def test_the_attempts_of_a_push_kept_out_send_it_as_it_was_until_its_deadline() -> None:
+    """A push refused as having done nothing is made again as it was (a push alone or in chunks)
+    while an attempt may start before its deadline; any other refusal is its caller's answer."""
+    busy = ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+    busy.busy = True
+    for chunk_bytes in (0, 1 << 16):
+        first = calls_module.push(one_run("attempts"), "t", 0.5, chunk_bytes)
+        attempts = calls_module.Attempts(first, timeout=30.0)
+        made = [attempts.call]
+        while (pause := attempts.after(busy)) is not None:
+            time.sleep(pause)
+            made.append(attempts.call)
+        assert len(made) >= 2
+        assert all(dataclasses.replace(call, timeout=None) == dataclasses.replace(first, timeout=None) for call in made)
+        assert all(0 < (call.timeout or 0) <= 0.5 for call in made)
+        other = calls_module.Attempts(first, timeout=30.0)
+        assert other.after(ResourceExhaustedError(grpc.StatusCode.RESOURCE_EXHAUSTED, "table full")) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_waited_for_a_server_it_never_reached_names_the_target(kind: str) -> None:
+    """gRPC's own words are "Deadline Exceeded": the error says where the client looked, and why a
+    call may wait out its deadline with wait_for_ready."""
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(DeadlineExceededError) as info:
+        call(kind, target, "stats", "", wait_for_ready=True, timeout=0.5)
+    assert target in info.value.details and "wait_for_ready" in info.value.details, info.value.details
+    assert "TLS" in info.value.details, info.value.details  # a plaintext client: the server may take TLS only
+
+
+# ---- pushes kept out of a full table because as many as the server lets wait already do -----
+
+# How a rollout worker pushes: alone (blocking, asyncio, sharded), in chunks over a PushStream,
+# or with a pipelined pusher of its own.
+PUSH_KINDS = (
+    *("blocking", "asyncio", "sharded"),
+    *("chunks", "asyncio-chunks"),
+    *("pusher", "asyncio-pusher", "sharded-pusher"),
+)
+
+
+def pushed_by(kind: str) -> str:
+    """The method that carries a push of `kind`."""
+    return "PushStream" if "chunks" in kind or "pusher" in kind else "Push"
+
+
+def one_run(task: int | str) -> bytes:
+    """One experience of 80 KB and more, sent in chunks by a client with push_chunk_bytes = 64 KiB."""
+    return trxp.build(group_items("kept", task, 1, response=20_000))
+
+
+def pushes_at_once(kind: str, target: str, bodies: list[bytes], timeout: float) -> list[Any]:
+    """Each of `bodies` pushed to table `t` at once by a rollout worker of its own (a pusher of its
+    own for a pusher's kind), all on one client of `kind` with `timeout`: each push's PushResult,
+    or the error its caller got."""
+    chunk_bytes = 1 << 16 if "chunks" in kind else 4 << 20
+    if kind.startswith("asyncio"):
+
+        async def body() -> list[Any]:
+            async with AsyncBufferClient(target, timeout=timeout, push_chunk_bytes=chunk_bytes) as client:
+
+                async def one(data: bytes) -> PushResult:
+                    if "pusher" not in kind:
+                        return await client.push(data, table="t")
+                    async with client.pusher("t") as pusher:
+                        future = await pusher.push(data)
+                    return await future
+
+                return list(await asyncio.gather(*(one(data) for data in bodies), return_exceptions=True))
+
+        return asyncio.run(body())
+    if kind.startswith("sharded"):
+        client: BufferClient | ShardedBufferClient = ShardedBufferClient({"a": target}, timeout=timeout)
+    else:
+        client = BufferClient(target, timeout=timeout, push_chunk_bytes=chunk_bytes)
+
+    def one(data: bytes) -> Any:
+        try:
+            if "pusher" not in kind:
+                return client.push(data, table="t")
+            with client.pusher("t") as pusher:
+                return pusher.push(data).result()
+        except ExpbufError as exc:
+            return exc
+
+    with client, futures.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(one, bodies))
+
+
+def full_table(target: str) -> list[str]:
+    """Table `t`, full (2 experiences) in block mode: pushes into it wait for room. The uids it holds."""
+    with BufferClient(target) as admin:
+        admin.create_table("t", estimator="none", group_by="none", capacity_experiences=2, when_full="block")
+        held = [trxp.build(group_items("held", task, 1)) for task in range(2)]
+        for data in held:
+            admin.push(data, table="t")
+    return [uid for data in held for uid in uids(data)]
+
+
+@pytest.mark.parametrize("kind", PUSH_KINDS)
+def test_pushes_kept_out_of_a_full_table_are_made_again_until_a_trainer_makes_room(
+    start_server: Servers, kind: str
+) -> None:
+    """A block-mode table is full, and 10 rollout workers push into it at once on a server of 8
+    workers: the server lets only so many wait for room (a push that waits is a call that waits
+    idle), and refuses the others at once, as having done nothing. Their clients push them again
+    after a pause, so once a trainer consumes, every push is stored, once, and none is refused
+    to its caller."""
+    server = start_server(workers=8)
+    target = f"127.0.0.1:{server.port}"
+    held = full_table(target)
+    bodies = [one_run(task) for task in range(10)]
+    outcomes: list[Any] = []
+    consumed: list[str] = []
+    pushers = threading.Thread(target=lambda: outcomes.extend(pushes_at_once(kind, target, bodies, 120)))
+    pushers.start()
+    try:
+        wait_for(lambda: refused(server, pushed_by(kind)), "no push was kept out")
+        with BufferClient(target) as trainer, contextlib.suppress(DeadlineExceededError):  # then: which push failed
+            for batch in trainer.sample("t", num_groups=1, delivery="consume", timeout=30):
+                consumed += batch.uids
+                if len(consumed) == len(held) + len(bodies):
+                    break
+    finally:
+        pushers.join(120)
+    assert [o if isinstance(o, BaseException) else o.stored for o in outcomes] == [uids(data) for data in bodies]
+    assert sorted(consumed) == sorted(held + [uid for data in bodies for uid in uids(data)])
+
+
+@pytest.mark.parametrize("kind", PUSH_KINDS)
+def test_a_push_kept_out_past_its_deadline_is_refused_naming_the_limit(start_server: Servers, kind: str) -> None:
+    """Idle PushStreams take every place the server lets push-scope calls wait in: a push into the
+    full table is kept out (a push alone, as it would wait for room; a PushStream, at
+    max_push_streams), made again while its deadline lasts, and then refused RESOURCE_EXHAUSTED
+    naming what kept it out. Nothing of it is stored."""
+    server = start_server(workers=8, max_push_streams=5)  # 8 - reserved_workers 1 - sample_scope_workers 2
+    target = f"127.0.0.1:{server.port}"
+    full_table(target)
+    data = one_run("late")
+    holds: list[Any] = []
+    with grpc.insecure_channel(target) as channel:
+        stub = buffer_pb2_grpc.ExperienceBufferStub(channel)
+        for _ in range(5):
+            hold: Any = queue.SimpleQueue()
+            holds.append((hold, stub.PushStream(iter(hold.get, None), timeout=60)))
+        try:
+            wait_for(lambda: server.call_limits.in_progress("push_stream") == 5, "the idle PushStreams did not open")
+            (outcome,) = pushes_at_once(kind, target, [data], 3)
+        finally:
+            for hold, stream in holds:
+                hold.put(None)
+                stream.cancel()
+    assert isinstance(outcome, ExpbufError) and outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome
+    limit = "max_push_streams = 5" if pushed_by(kind) == "PushStream" else "table 't' is full"
+    assert limit in outcome.details, outcome.details
+    assert refused(server, pushed_by(kind)) >= 2  # kept out, and made again
+    with BufferClient(target) as admin:
+        assert admin.get(uids(data), table="t").missing_uids == uids(data)

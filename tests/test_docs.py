@@ -133,3 +133,12 @@ def test_the_tokens_page_gives_every_call_its_scope() -> None:
             named[call] = scope
     methods = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods_by_name
     assert named == {method: auth.scope_of(method) for method in methods}
+
+
+def test_no_page_installs_expbuf_from_a_package_index() -> None:
+    """No package index has expbuf: every `pip install` of it names a clone, a git URL or a wheel."""
+    pages = ["README", *(str(path.relative_to(DOCS)) for path in sorted(DOCS.rglob("*.md")))]
+    from_an_index = re.compile(r"pip install ['\"]?expbuf(?:\[[\w,]+\])?(?:['\"`\s]|$)(?! *@)", re.M)
+    found = [f"{name}: {match.group(0)!r}" for name in pages for match in from_an_index.finditer(page(name))]
+    assert not found, found
+    assert 'pip install "./expbuf[trl]"' in page("frameworks/trl.md")

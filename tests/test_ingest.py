@@ -157,11 +157,36 @@ def test_a_closed_pool_decodes_here() -> None:
 
 
 def test_a_pool_left_open_at_exit_starts_no_new_process() -> None:
-    """multiprocessing ends the workers of a pool no one closed as the interpreter exits: its watch
-    must not take that for a death and start a process in an interpreter that is exiting."""
+    """A pool no one closed is closed as the interpreter exits (its workers ignore the SIGTERM
+    multiprocessing ends them with then), and its watch must not take that for a death and start
+    a process in an interpreter that is exiting."""
     code = "import logging; logging.basicConfig(); from expbuf.server.ingest import Ingest; pool = Ingest(1)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "starting a new one" not in done.stderr, done.stderr
+
+
+START = """
+import os
+if __name__ == "__mp_main__":  # in a worker: the first to get here lives, the other dies before it is ready
+    try:
+        os.close(os.open(os.environ["EXPBUF_TEST_FLAG"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        os._exit(3)
+if __name__ == "__main__":
+    from expbuf.server.ingest import Ingest
+    Ingest(2)
+"""
+
+
+def test_a_pool_that_fails_to_start_ends_the_workers_it_started(tmp_path: Path) -> None:
+    """One worker of two dies as it starts: the pool's start fails, and the worker started beside
+    it ends, though the failure is the interpreter's last (which keeps the pool referenced) and
+    the worker ignores the SIGTERM multiprocessing ends it with as the interpreter exits."""
+    script = tmp_path / "start.py"
+    script.write_text(START)
+    env = {**os.environ, "EXPBUF_TEST_FLAG": str(tmp_path / "flag")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "Ingest(2)" in done.stderr, done.stderr  # the failure, told by its traceback
 
 
 def test_concurrent_pushes_each_get_their_own_entries(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,20 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == sorted(
         p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"
     )
+
+
+def test_every_image_tag_is_the_package_version() -> None:
+    """The image holds the package: its tag in the manifests, the Dockerfile's build line and the
+    docs is pyproject.toml's version, the one source (expbuf --version reads it too)."""
+    version = tomllib.loads((K8S.parent.parent / "pyproject.toml").read_text())["project"]["version"]
+    image = model("statefulset.yaml").spec.template.spec.containers[0].image
+    assert image == f"expbuf:{version}", image
+    root = K8S.parent.parent
+    files = [*root.glob("docker/**/*"), *root.glob("docs/**/*.md"), root / "README.md"]
+    tags = {
+        (str(path.relative_to(root)), tag)
+        for path in files
+        if path.is_file() and path.suffix in {"", ".md", ".yaml", ".yml"}
+        for tag in re.findall(r"\bexpbuf:(\d+\.\d+\.\d+)\b", path.read_text())
+    }
+    assert tags and all(tag == version for _, tag in tags), sorted(tags)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.server.store import Store, layout
 from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.ledger import Claimed
@@ -111,6 +112,15 @@ def test_epochs_visit_every_index_once_in_order_or_in_a_seeded_permutation(store
     assert sorted(first) == sorted(second) == list(range(1000))
     assert first != list(range(1000)) and first != second
     assert first == [permuted(11, 0, 1000, position) for position in range(1000)]  # fixed by the seed alone
+
+
+def test_an_epochs_order_never_changes_under_a_running_dataset() -> None:
+    """A dataset's cursor is a position in its epoch's order, stored: a faster walk of the order
+    must give each position the index it always had."""
+    assert [permuted(11, 0, 1000, position) for position in range(8)] == [1, 753, 4, 518, 99, 952, 579, 876]
+    assert [permuted(-(2**63), 7, 2**40, p) for p in (0, 1, 2**40 - 1)] == [637875235719, 235243148563, 29585336100]
+    assert [permuted(2**63 - 1, 2**20 - 1, 5, position) for position in range(5)] == [2, 4, 0, 1, 3]
+    assert [permuted(None, 3, 5, position) for position in range(5)] == [0, 1, 2, 3, 4]
 
 
 def test_a_prompt_is_generated_when_its_group_completes_and_trained_when_consumed(store: Store) -> None:
@@ -326,3 +336,31 @@ def test_a_dataset_of_many_epochs_costs_nothing_until_an_epoch_starts(store: Sto
     ds = ledger(store, "long")
     assert (ds.owned, ds.counts, ds.total("claimed")) == ([10, 10], [{"claimed": 10}, {"claimed": 1}], 11)
     assert [ds.states(epoch)["pending"] for epoch in (0, 1)] == [0, 9]
+
+
+def test_claims_that_end_together_end_so_many_a_transaction(store: Store, clock: Clock) -> None:
+    """A claim's end costs the writer what its release does: claims that end together (a fleet
+    of rollout workers gone at once) end at most MAX_PROMPTS_PER_CALL a transaction, the rest at
+    the next upkeep pass, which comes back while the table holds claims."""
+    store.claims.create("t", DatasetRecord("math", size=MAX_PROMPTS_PER_CALL + 1))
+    for count in (MAX_PROMPTS_PER_CALL, 1):
+        store.claims.claim("t", "math", count, seconds=60)
+    clock.now += 61
+    store.tick()
+    ds = ledger(store)
+    assert (ds.total("claimed"), ds.reissued) == (1, MAX_PROMPTS_PER_CALL)
+    store.tick()
+    ds = ledger(store)
+    assert (ds.total("claimed"), ds.reissued) == (0, MAX_PROMPTS_PER_CALL + 1)
+
+
+def test_a_prompt_whose_every_attempt_has_a_group_already_is_dropped(store: Store) -> None:
+    """A prompt whose attempts' groups the table held before its dataset existed is handed out
+    at the first attempt without one; one without any (max_attempts of them taken) is dropped,
+    and the claim hands out the next prompt."""
+    for index, attempt in ((0, 0), (1, 0), (1, 1)):
+        store.put("t", items("math", Claimed(0, index, attempt, 0.0), range(2)))
+    store.claims.create("t", DatasetRecord("math", size=3, max_attempts=2))
+    claimed, _ = store.claims.claim("t", "math", 3, seconds=60)
+    assert [(c.index, c.attempt) for c in claimed] == [(0, 1), (2, 0)]
+    assert counts(ledger(store)) == {"claimed": 2, "generated": 0, "trained": 0, "dropped": 1}

@@ -8,6 +8,7 @@ import asyncio
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from expbuf.client import (
     PermissionDeniedError,
     Prompt,
 )
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL as MAX
 from expbuf.client.sharded import ShardedBufferClient
+from expbuf.client.sharded_async import AsyncShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
@@ -210,10 +213,10 @@ def test_a_claim_whose_reply_could_not_be_sent_is_refused_before_it_claims(start
     with BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client:
         client.create_table("t", group_size=2)
         client.create_dataset("t", name, 2**40, epochs=2**20, seed=-1, max_attempts=1000)
-        with pytest.raises(InvalidArgumentError, match=r"count is 65536; .* holds at most (\d+) prompts") as refused:
-            client.claim("t", name, 65536, owner=owner)
+        with pytest.raises(InvalidArgumentError, match=rf"count is {MAX}; .* holds at most (\d+) prompts") as refused:
+            client.claim("t", name, MAX, owner=owner)
         most = int(re.search(r"holds at most (\d+) prompts", str(refused.value)).group(1))
-        assert 0 < most < 65536
+        assert 0 < most < MAX
         assert client.ledger("t", name).total("claimed") == 0
         with pytest.raises(InvalidArgumentError, match=rf"count is {most + 1}; "):
             client.claim("t", name, most + 1, owner=owner)
@@ -375,3 +378,139 @@ def test_a_page_of_prompts_holds_what_one_reply_carries(start_server: Servers, t
             page = client.list_prompts("t", "math", after=page.after, limit=10000)
             seen += [p.index for p in page.prompts]
         assert seen == list(range(600))
+
+
+def expiries(client: BufferClient, table: str = "t", dataset: str = "math") -> dict[tuple[int, int], float]:
+    """When each claim of the dataset ends, by prompt, read page by page."""
+    out, page = {}, None
+    while page is None or not page.done:
+        page = client.list_prompts(table, dataset, states=["claimed"], after=page.after if page else None)
+        out.update({(p.epoch, p.index): p.expires for p in page.prompts})
+    return out
+
+
+def test_a_call_names_at_most_so_many_prompts_and_one_naming_more_changes_nothing(
+    client: BufferClient, server: ExpbufServer
+) -> None:
+    """A Claim hands out, and a RenewClaims or a ReleaseClaims names, at most MAX_PROMPTS_PER_CALL
+    prompts: the server's one writer works through them in one transaction, every other tenant's
+    writes waiting (a claim of 65,536 held it for seconds). One over is refused by name, before
+    anything is looked up, and changes nothing."""
+    client.create_dataset("t", "math", MAX + 1)
+    with pytest.raises(InvalidArgumentError, match=rf"count is {MAX + 1}; a claim asks for 1 to {MAX} prompts"):
+        client.claim("t", "math", MAX + 1)
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.cursor_position) == (0, 0)
+    held = (
+        client.claim("t", "math", MAX, lease_seconds=60).prompts + client.claim("t", "math", lease_seconds=60).prompts
+    )
+    before = expiries(client)
+    assert len(before) == MAX + 1
+    refs = [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in held]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        for call, request in (
+            ("RenewClaims", pb.RenewClaimsRequest(table="t", dataset="math", prompts=refs, lease_seconds=600)),
+            ("ReleaseClaims", pb.ReleaseClaimsRequest(table="t", dataset="math", prompts=refs)),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(stub, call)(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, call
+            assert f"prompts names {MAX + 1} prompts; a {call} names at most {MAX}" in refused.value.details()
+    assert expiries(client) == before
+    assert client.ledger("t", "math").total("claimed") == MAX + 1
+
+
+def test_the_clients_renew_and_release_any_number_of_claims(client: BufferClient, server: ExpbufServer) -> None:
+    """The blocking and the asyncio clients renew and release more claims than one call may name
+    in calls of at most MAX_PROMPTS_PER_CALL each: no caller's code changes."""
+    client.create_dataset("t", "math", MAX + 1)
+    held = (
+        client.claim("t", "math", MAX, lease_seconds=60).prompts + client.claim("t", "math", lease_seconds=60).prompts
+    )
+    before = expiries(client)
+    assert client.renew_claims(held, 600) == []
+    renewed = expiries(client)
+    assert renewed.keys() == before.keys() and all(renewed[key] > before[key] + 500 for key in before)
+
+    async def run() -> tuple[list[Prompt], int]:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}", timeout=20) as aclient:
+            return await aclient.renew_claims(held, 900), await aclient.release_claims(held[1:])
+
+    assert asyncio.run(run()) == ([], MAX)
+    assert client.release_claims(held) == 1
+    info = client.ledger("t", "math")
+    assert (info.total("claimed"), info.reissued) == (0, MAX + 1)
+
+
+def test_the_sharded_clients_renew_and_release_any_number_of_claims(start_server: Servers, tmp_path: Path) -> None:
+    """The sharded clients send each shard its prompts' renewals and releases, in calls of at
+    most MAX_PROMPTS_PER_CALL."""
+    targets = {name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name).port}" for name in ("s0", "s1")}
+    with ShardedBufferClient(targets, timeout=30) as sharded:
+        sharded.create_table("t", group_size=2)
+        sharded.create_dataset("t", "math", 3 * MAX)
+        held = [p for _ in range(3) for p in sharded.claim("t", "math", MAX, lease_seconds=60).prompts]
+        assert len(held) == 3 * MAX
+        assert max(Counter(sharded.shard_map.owner(p.group) for p in held).values()) > MAX
+        assert sharded.renew_claims(held, 600) == []
+
+        async def run() -> int:
+            async with AsyncShardedBufferClient(targets, timeout=30) as aclient:
+                assert await aclient.renew_claims(held, 900) == []
+                return await aclient.release_claims(held[1:])
+
+        assert asyncio.run(run()) == 3 * MAX - 1
+        assert sharded.release_claims(held) == 1
+        assert sharded.ledger("t", "math").reissued == 3 * MAX
+
+
+def test_groups_pushed_under_a_dataset_name_before_it_existed_block_no_prompt(client: BufferClient) -> None:
+    """Before a dataset exists the server cannot tell its prompts' groups from any other, so a
+    push under its name is a group like any other; a claim never hands out an attempt whose
+    group the table holds, so a dataset created over such groups hands out the next attempt of
+    their prompts, and its claimants' groups complete."""
+    squatted = [Prompt("math", 0, index, 0, "math/0", f"{index}@0", 0.0, table="t") for index in (0, 1)]
+    assert len(client.push(group(squatted[0], range(2)), table="t").stored) == 2  # complete
+    assert len(client.push(group(squatted[1], range(1)), table="t").stored) == 1  # incomplete
+    assert client.create_dataset("t", "math", 3).total("pending") == 3
+    claim = client.claim("t", "math", 3, lease_seconds=60)
+    assert [(p.index, p.attempt) for p in claim.prompts] == [(0, 1), (1, 1), (2, 0)]
+    for prompt in claim.prompts:
+        assert len(client.push(group(prompt, range(2)), table="t").stored) == 2
+    with pytest.raises(FailedPreconditionError, match="attempt 0 of prompt math/0/1, which no claim holds"):
+        client.push(group(squatted[1], range(1, 2)), table="t")
+    info = client.ledger("t", "math")
+    assert (info.total("generated"), info.total("claimed"), info.reissued) == (3, 0, 0)
+
+
+def test_a_create_whose_reply_could_not_be_sent_is_refused_before_it_stores(start_server: Servers) -> None:
+    """CreateDataset's reply repeats the dataset's settings, its shards' names among them, with
+    its counts: a create whose request just fits the server's max_message_bytes would commit
+    and fail to send its reply. It is refused by name before it stores anything."""
+    limit = 1 << 14
+    server = start_server(max_message_bytes=limit)
+    config = pb.DatasetConfig(name="d", size=10, epochs=2, seed=-1, max_attempts=1000)
+    request = pb.CreateDatasetRequest(table="t", config=config)
+    while request.ByteSize() <= limit - 2:  # shard names of 63 characters, the last cut to fit the bound
+        request.config.shards.append(f"s{len(request.config.shards):04d}".ljust(63, "x"))
+        request.config.shard = request.config.shards[0]
+    while request.ByteSize() > limit - 2:
+        request.config.shards[-1] = request.config.shards[-1][:-1]
+    with (
+        BufferClient(f"127.0.0.1:{server.port}", timeout=20) as client,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        client.create_table("t", group_size=2)
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.ExperienceBufferStub(channel).CreateDataset(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(
+            rf"the reply would take up to \d+ bytes, over the server's max_message_bytes = {limit}: it repeats"
+            rf" the settings, the names of {len(request.config.shards)} shards among them",
+            refused.value.details(),
+        )
+        assert client.datasets("t") == []
+        del request.config.shards[len(request.config.shards) // 2 :]  # its reply fits, and the name is free
+        created = pb_grpc.ExperienceBufferStub(channel).CreateDataset(request)
+        assert created.created and list(created.dataset.config.shards) == sorted(request.config.shards)

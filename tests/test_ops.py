@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import importlib.metadata
 import importlib.resources
@@ -15,10 +16,13 @@ import logging
 import logging.handlers
 import os
 import re
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import tomllib
@@ -180,6 +184,59 @@ def test_json_logs_and_stats_view(tmp_path: Path) -> None:
     row = next(line for line in out.splitlines()[::-1] if line.startswith("default "))
     assert re.search(r"default\s+0\s+\d+\s+\d+\s+0\s+0\s+", row)
     assert "5..5" in row
+    assert "\x1b" not in out  # into a pipe: no terminal sequences
+
+
+def read_terminal(command: list[str], lines: int, columns: int, timeout: float = 60) -> str:
+    """What `command` writes to a terminal (a pty) of `lines` x `columns`, until it exits."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # they would override the pty's
+    child = subprocess.Popen(command, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    chunk = os.read(master, 1 << 16)
+                except OSError:  # EIO: the child's end is closed
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        assert child.wait(10) == 0, child.stderr.read() if child.stderr else ""
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        os.close(master)
+    return out.decode().replace("\r\n", "\n")  # the terminal's own line ends
+
+
+def test_stats_watch_redraws_one_screen_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal each refresh is drawn over the last, from the top (the screen is cleared
+    once), every line cut to the width and the view to the height, so nothing scrolls and no
+    screen piles up under another; into a pipe it is plain text (test_json_logs_and_stats_view)."""
+    proc = ServerProcess(str(tmp_path))
+    try:
+        with BufferClient(proc.target) as c:
+            for n in range(12):  # a view taller than the terminal
+                c.create_table(f"t{n}", estimator="none")
+        command = ["stats", "--target", proc.target, "--watch", "0.2", "--count", "3"]
+        out = read_terminal([sys.executable, "-m", "expbuf.server.cli", *command], lines=12, columns=80)
+    finally:
+        assert proc.stop(signal.SIGTERM) == 0
+    home, erase_line, erase_below, erase_screen = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
+    assert out.startswith(erase_screen + home) and out.count(erase_screen) == 1, repr(out[:200])
+    frames = out.split(home)[1:]
+    assert len(frames) == 3, repr(out)
+    for frame in frames:
+        assert frame.endswith(erase_below), repr(frame)
+        lines = frame[: -len(erase_below)].split("\n")
+        assert lines[-1] == "" and len(lines) - 1 <= 11, lines  # at most 11 line ends on 12 lines
+        assert all(line.endswith(erase_line) and len(line) - len(erase_line) <= 80 for line in lines[:-1]), lines
+        assert lines[0].startswith("expbuf ") and "more line(s)" in lines[-2], lines
 
 
 def test_health_command(tmp_path: Path) -> None:
@@ -242,6 +299,38 @@ def test_make_test_changes_nothing_on_the_system() -> None:
     assert not re.search(r"apt-get|apt |sudo|dpkg", makefile), "a make target installs system packages"
     recipe = re.search(r"^test:(.*)$", makefile, re.M)
     assert recipe is not None and recipe.group(1).split() == ["setup"]
+
+
+def make_dry_run(target: str, venv: Path) -> list[str]:
+    """The commands `make TARGET` would run in a virtualenv at `venv` (make -n: none is run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "MAKEFLAGS", "MAKELEVEL")}
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_make_serve_installs_no_framework_and_make_test_completes_its_virtualenv(tmp_path: Path) -> None:
+    """`make serve` installs what serving needs; `make test` adds the rest, also to a virtualenv that
+    `make serve` set up (its stamp says only that), and installs nothing twice."""
+    serve = " ".join(make_dry_run("serve", tmp_path / "fresh"))
+    assert "pip install" in serve and '-e ".[native]"' in serve and "expbuf serve" in serve
+    assert not re.search(r"trinity|areal|verl|trl|torchrl|\[test", serve), serve
+    venv = tmp_path / "served"
+    (venv / "bin").mkdir(parents=True)
+    for stamp in (".expbuf-serve", ".expbuf-native"):  # what `make serve` leaves, newer than its sources
+        (venv / stamp).touch()
+    assert not any("pip" in line for line in make_dry_run("setup-serve", venv))
+    rest = make_dry_run("setup", venv)
+    installs = [line for line in rest if "pip install" in line]
+    assert installs and '-e ".[test,trinity,ray,areal,verl,trl,torchrl,docs]"' in installs[0], rest
+    assert not any('".[native]"' in line or '"torch==' in line for line in rest), rest  # serving's, done
+    assert rest[-1] == f"touch {venv}/.expbuf-installed", rest
 
 
 # What `pip check` may list after `make setup` (docs/getting-started.md says why): the requirements of the
@@ -406,6 +495,49 @@ def test_start_up_failures_are_one_line(tmp_path: Path, listener: socket.socket)
     tls = {"EXPBUF_SERVER_TLS_CERT": missing, "EXPBUF_SERVER_TLS_KEY": missing}
     done = cli("serve", "--data", str(tmp_path / "t"), "--port", "0", "--metrics-port", "-1", env=tls)
     one_line_error(done, missing)
+
+
+def test_ctrl_c_stops_the_server_and_its_ingest_processes_without_a_traceback(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (`make serve`) sends SIGINT to the whole process group: the ingest
+    processes take it too. The server stops cleanly, and nothing prints a traceback or an error."""
+    proc = ServerProcess(str(tmp_path), "--ingest-processes", "2", own_group=True)
+    with BufferClient(proc.target) as c:
+        c.push(payload("grpo_group.trxp"))
+    code = proc.stop(signal.SIGINT, group=True)
+    log = "".join(proc.log)  # to its end: every process of the group writes to it
+    assert code == 0, log
+    assert "expbuf stopped" in log, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and " ERROR " not in log, log
+    assert "ingest process died" not in log, log
+
+
+def test_a_tables_block_the_data_directory_does_not_match_is_one_line(tmp_path: Path) -> None:
+    """A [[tables]] block edited after the table was made (group_size 8, then 4) and a restart:
+    one line naming the table and the setting, exit 2, and the table as it was."""
+    config = tmp_path / "expbuf.toml"
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    first = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
+    assert first.stop(signal.SIGTERM) == 0
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 4\n')
+    done = cli(
+        "serve", "--data", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--config", f"{config}"
+    )
+    one_line_error(done, "'grpo'", "group_size", "8", "4", "[[tables]]")
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    again = ServerProcess(str(tmp_path / "data"), "--config", str(config), warm=False)
+    try:
+        with BufferClient(again.target) as c:
+            assert next(t for t in c.list_tables() if t.name == "grpo").group_size == 8
+    finally:
+        assert again.stop(signal.SIGTERM) == 0
+
+
+def test_a_table_named_twice_in_the_config_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "expbuf.toml"
+    config.write_text('[[tables]]\nname = "grpo"\ngroup_size = 8\n\n[[tables]]\nname = "grpo"\ngroup_size = 8\n')
+    done = cli("serve", "--data", f"{tmp_path}/data", "--port", "0", "--metrics-port", "-1", "--config", str(config))
+    one_line_error(done, str(config), "'grpo'", "twice", "[[tables]]")
+    assert not (tmp_path / "data").exists()  # refused before the data directory is opened
 
 
 def test_a_locked_data_directory_is_one_line(tmp_path: Path) -> None:

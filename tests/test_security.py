@@ -25,6 +25,8 @@ from helpers import ServerProcess
 
 # What a plaintext client's error adds when a server closes its connection (as a TLS one does).
 TLS_HINT = "if the server takes TLS only, give the client its CA"
+# What a TLS client without a certificate adds, as a server asking for client certificates closes its connection.
+MUTUAL_TLS_HINT = "if the server asks for client certificates (mutual TLS), give the client its certificate and key"
 
 TOKENS = {
     "pusher-secret": frozenset({"push"}),
@@ -108,10 +110,15 @@ def test_tls_and_mutual_tls(tmp_path: Path, certs: Path, start_server: Servers) 
     client_tls = Tls(str(certs / "ca.pem"), str(certs / "client.pem"), str(certs / "client.key"))
     with BufferClient(target, tls=client_tls) as c:
         assert len(c.push(payload("grpo_group.trxp")).stored) == 8
-    no_cert = Tls(root_certificates=str(certs / "ca.pem"))
+    no_cert = Tls(root_certificates=str(certs / "ca.pem"))  # the CA only, against mutual TLS: the hint
     with BufferClient(target, tls=no_cert, timeout=2, retries=0) as c, pytest.raises(BufferError) as info:
         c.push(payload("single_turn.trxp"))
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "Socket closed" in info.value.details and MUTUAL_TLS_HINT in info.value.details, info.value.details
+    with BufferClient(target, tls=no_cert, timeout=1, wait_for_ready=True) as c, pytest.raises(BufferError) as info:
+        c.stats()  # waits for a connection the server refuses each time, until the deadline: the target and the hint
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert target in info.value.details and MUTUAL_TLS_HINT in info.value.details, info.value.details
 
 
 def test_config_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

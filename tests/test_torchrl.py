@@ -319,3 +319,30 @@ def test_the_docs_snippet_runs(target, capsys) -> None:
     with BufferClient(target) as admin:
         table = admin.stats("grpo4")["grpo4"]
     assert (table.consumed, table.leased) == (8, 0)
+
+
+@pytest.mark.parametrize("delivery", ["lease", "consume", "replay"])
+@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+def test_prefetch_is_refused_at_the_first_sample_before_anything_is_drawn(target, kind, delivery) -> None:
+    """TorchRL's prefetch draws on threads ahead of the trainer and never tells the sampler which
+    batch a step took. Leased, the first sample() with prefetch=2 left the trainer in its first
+    step with that batch and the next already acknowledged (consumed 4 of 6, the third leased in
+    the queue): a crash then lost both. Consumed, the batches drawn ahead left the table
+    untrained (consumed 6 of 8 while the trainer held 2); replayed, a for loop could end in
+    DeadlineExceededError from a prefetch thread's draw. So the buffer is refused by name,
+    whatever the delivery, and the table is left as it was."""
+    with BufferClient(target) as admin:
+        admin.create_table("ahead", group_size=2, estimator="grpo")
+        sampler = ExpbufSampler(timeout=1, delivery=delivery)
+        rb = kind(storage=ExpbufStorage(target, "ahead"), sampler=sampler, batch_size=2, prefetch=2)
+        rb.extend(groups(["a", "b", "c"], 2))
+        message = rf"ExpbufSampler\(delivery='{delivery}'\) does not work with prefetch=2: .* without prefetch"
+        with pytest.raises(ValueError, match=message):
+            rb.sample()
+        with pytest.raises(ValueError, match=message):
+            next(iter(rb))
+        table = admin.stats("ahead")["ahead"]
+        assert (table.ready, table.leased, table.consumed) == (6, 0, 0)
+        assert {e.times_sampled for e in admin.list_experiences("ahead").experiences} == {0}
+        plain = kind(storage=ExpbufStorage(target, "ahead"), sampler=ExpbufSampler(timeout=1), batch_size=2)
+        assert len([batch for batch in plain]) == 3  # the same table, without prefetch

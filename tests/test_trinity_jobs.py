@@ -800,6 +800,17 @@ def readme_jobs() -> dict[str, str]:
     return {re.search(rf"expbuf://{re.escape(README_ADDRESS)}/(\w+)", job).group(1): job for job in jobs}
 
 
+def cpu_cluster() -> dict:
+    """The page's `cluster` block for a CPU machine, which Trinity's check needs there."""
+    return next(yaml.safe_load(block) for block in readme_blocks("yaml") if block.startswith("cluster:"))
+
+
+def test_the_cpu_recipe_declares_the_gpus_trinity_counts() -> None:
+    """Without gpu_per_node, check_and_update() asks Ray for the cluster's GPUs and divides by them."""
+    cluster = cpu_cluster()["cluster"]
+    assert cluster["gpu_per_node"] > 0 and cluster["node_num"] == 1, cluster
+
+
 def readme_job(server: ExpbufServer, tmp_path: Path, name: str) -> Config:
     """The README's job on the table `name`, with the rest of a job on this machine, loaded and
     checked by Trinity; its table created as the README says."""
@@ -809,7 +820,7 @@ def readme_job(server: ExpbufServer, tmp_path: Path, name: str) -> Config:
         "mode": "both",
         "checkpoint_root_dir": str(tmp_path / "checkpoints"),
         "model": {"model_path": str(tmp_path), "max_model_len": 4096},
-        "cluster": {"node_num": 1, "gpu_per_node": 8},  # Ray counts no GPUs on a CPU machine
+        **cpu_cluster(),  # the page's recipe: Ray counts no GPUs on a CPU machine
         "buffer": {"batch_size": 32, "total_epochs": 1, "explorer_input": {"taskset": {"name": "tasks"}}},
     }
     job = yaml.safe_load(readme_jobs()[name].replace(README_ADDRESS, f"127.0.0.1:{server.port}"))

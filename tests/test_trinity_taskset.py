@@ -40,7 +40,7 @@ from trinity.common.config import (  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.prompts import Claim  # noqa: E402
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL, Claim  # noqa: E402
 from expbuf.client.trinity import ExpbufTaskset, plugin_dir  # noqa: E402
 from expbuf.client.trinity.claims import ClaimKeeper  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402
@@ -440,4 +440,17 @@ def test_claims_are_let_go_once_held_too_long(server: ExpbufServer, admin: Buffe
     now[0] = 100.0  # held that long: the keeper renews them no more, and they end
     assert keeper.held() == []
     wait_for(lambda: admin.ledger(TABLE, DATASET).reissued == 2, "the claims to end")
+    keeper.close()
+
+
+def test_the_keeper_renews_more_claims_than_one_call_may_name(server: ExpbufServer, admin: BufferClient) -> None:
+    """A reader holding more claims than one RenewClaims may name (several steps' tasks) renews
+    them all, in calls of at most MAX_PROMPTS_PER_CALL."""
+    admin.create_dataset(TABLE, "wide", MAX_PROMPTS_PER_CALL + 1)
+    keeper = ClaimKeeper(BufferClient(f"127.0.0.1:{server.port}", timeout=30), seconds=600.0, hold=3600.0)
+    held = [p for n in (MAX_PROMPTS_PER_CALL, 1) for p in admin.claim(TABLE, "wide", n, lease_seconds=60).prompts]
+    keeper.hold(held)
+    assert keeper.held() == held  # renewed now: none had ended
+    page = admin.list_prompts(TABLE, "wide", states=["claimed"], limit=10)
+    assert len(page.prompts) == 10 and min(p.expires for p in page.prompts) > max(p.expires for p in held) + 500
     keeper.close()

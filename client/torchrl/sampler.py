@@ -20,6 +20,16 @@ reading `ran_out` draws the next one (acknowledging the one before: the loop cam
 its step returned), for the `sample()` that follows to hand over, and is True when none
 came within `timeout`. The loop then ends with every batch it yielded acknowledged.
 
+A buffer that prefetches (`ReplayBuffer(prefetch=N)`) is refused by name at its first sample,
+before anything is drawn. TorchRL's prefetch runs the sampler on threads of the buffer's own,
+ahead of the trainer, up to N draws at once in no fixed order, and the trainer's taking a batch
+out of that queue reaches neither the sampler nor the storage; so no draw can tell which batch a
+finished step trained. Leased, each draw would acknowledge a batch still queued or in its step,
+which a crash then loses; consumed, the batches drawn ahead leave the table untrained, lost when
+the run stops or crashes; replayed, nothing is lost, but a `for` loop's end (no batch within
+`timeout`) can come out of a thread's draw as DeadlineExceededError, the batches queued behind it
+never handed over.
+
 `state_dict()` names the lease of the batch drawn last; a checkpoint taken between steps
 (after the step that used it) therefore holds it, and `load_state_dict` has it acknowledged at
 the next sample, so a trainer restored from that checkpoint does not train that batch again.
@@ -49,6 +59,11 @@ from .storage import ExpbufStorage, read_state, write_state
 
 log = logging.getLogger(__name__)
 PAUSE = 0.5  # seconds between tries while the server is unavailable
+UNDER_PREFETCH = {  # what goes wrong when TorchRL's prefetch threads draw (see the module's docstring)
+    "lease": "each draw would acknowledge a batch still queued or in its step, lost if the trainer then dies",
+    "consume": "the batches drawn ahead would leave the table untrained, lost when the run stops or crashes",
+    "replay": "a for loop could end in DeadlineExceededError raised by a prefetch thread's draw",
+}
 
 
 class ExpbufSampler(Sampler):
@@ -87,6 +102,7 @@ class ExpbufSampler(Sampler):
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         if not isinstance(storage, ExpbufStorage):
             raise TypeError(f"ExpbufSampler draws from an ExpbufStorage, not {type(storage).__name__}")
+        self._refuse_prefetch(storage)
         with self._lock:
             batch = self._next
             self._next = None
@@ -105,6 +121,19 @@ class ExpbufSampler(Sampler):
             self._handed, self._ran_out = True, False
         # tensors only: TensorDictReplayBuffer writes the info into the batch (the uids are in it already)
         return torch.arange(count), {"times_sampled": torch.tensor(batch.times_sampled)}
+
+    def _refuse_prefetch(self, storage: ExpbufStorage) -> None:
+        """A buffer drawing ahead on threads: the trainer's take of a batch never reaches this
+        sampler, so its draws cannot follow the trainer (TorchRL names the setting `_prefetch_cap`)."""
+        for buffer in storage.readers():
+            ahead = getattr(buffer, "_prefetch_cap", 0)
+            if ahead and getattr(buffer, "_sampler", None) is self:
+                delivery = self.options["delivery"]
+                raise ValueError(
+                    f"ExpbufSampler(delivery={delivery!r}) does not work with prefetch={ahead}: TorchRL's "
+                    "prefetch draws batches on threads before the trainer asks and never says which batch a "
+                    f"step took, so {UNDER_PREFETCH[delivery]}; build the buffer without prefetch"
+                )
 
     @property
     def ran_out(self) -> bool:

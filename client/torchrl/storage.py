@@ -182,9 +182,13 @@ class ExpbufStorage(LazyStackStorage):
                 self._push_group(task, exps)
         self._bump_mutation_revision()
 
+    def readers(self) -> list[Any]:
+        """The TorchRL buffers reading this storage (each attaches itself to its storage when made)."""
+        return list(self._attached_entities_iter())
+
     def _refuse_other_writers(self) -> None:
         """A writer of a buffer reading this storage that is not round-robin would have no effect."""
-        for buffer in self._attached_entities_iter():
+        for buffer in self.readers():
             writer = getattr(buffer, "writer", None)
             if writer is not None and not isinstance(writer, RoundRobinWriter):
                 raise ValueError(

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from expbuf.client.location import Location, is_expbuf_path, parse
+
 from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
-from .location import Location, is_expbuf_path, parse
 from .sample_strategy import ExpbufSampleStrategy
 from .settings import is_taskset, refuse_taskset
 from .taskset import ExpbufTaskset

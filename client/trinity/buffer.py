@@ -29,9 +29,9 @@ from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferError, PushResult
 from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
+from expbuf.client.location import connect, parse
 
 from . import settings
-from .location import connect, parse
 from .taskset import prompt_eid
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.location import Location
 from expbuf.client.results import TableInfo
-
-from .location import Location
 
 log = logging.getLogger(__name__)
 TRINITY_DEFAULT_CAPACITY = 10000

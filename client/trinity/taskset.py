@@ -35,10 +35,10 @@ from trinity.common.config import StorageConfig
 from trinity.common.constants import StorageType
 
 from expbuf.client.errors import NotFoundError, PermissionDeniedError
+from expbuf.client.location import connect, parse
 from expbuf.client.prompts import Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
-from .location import connect, parse
 
 log = logging.getLogger(__name__)
 TASK_INDEX_KEY = "expbuf"  # task.index[TASK_INDEX_KEY] = {"batch": ..., "task": ...}

@@ -7,12 +7,15 @@ is up.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import TypeVar
 
 import lmdb
+
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
 
 from .catalog import TableCatalog
 from .environment import Environment
@@ -32,7 +35,6 @@ from .sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from .table_state import TableState
 
 T = TypeVar("T")
-MAX_CLAIM = 65536  # prompts one claim may ask for
 MAX_PAGE = 10000
 # A claim's owner is stored in each prompt it claims and repeated in the replies that show them:
 # a name for the claimant (a host, a pod, a process), not data.
@@ -42,13 +44,23 @@ MAX_OWNER_BYTES = 256
 def check_claim(count: int, owner: str, wait: float) -> None:
     """Refuse a claim's count, owner or wait out of range, naming it and its bound (before it
     claims anything; the service checks its request's with it before it bounds the wait)."""
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_CLAIM:
-        raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_CLAIM} prompts")
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
+        raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL} prompts")
     if len(owner.encode()) > MAX_OWNER_BYTES:
         raise InvalidRequest(
             f"owner is {len(owner.encode())} bytes; a claim's owner is at most {MAX_OWNER_BYTES} bytes of UTF-8"
         )
     check_seconds("wait_seconds", wait, low=0.0, high=MAX_WAIT_SECONDS)
+
+
+def check_refs(prompts: Sized, call: str) -> None:
+    """Refuse a renewal or a release naming more prompts than one call may (before it looks one
+    up: the writer is held while it does)."""
+    if len(prompts) > MAX_PROMPTS_PER_CALL:
+        raise InvalidRequest(
+            f"prompts names {len(prompts)} prompts; a {call} names at most {MAX_PROMPTS_PER_CALL}"
+            " (the clients split larger ones into calls of this many)"
+        )
 
 
 def shown_owner(owner: str) -> str:
@@ -137,14 +149,23 @@ class Claims:
         stop: Callable[[], bool] | None = None,
     ) -> tuple[list[Claimed], bool]:
         """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
-        is not done; `stop` is polled while waiting (a cancelled call)."""
+        is not done; `stop` is polled while waiting (a cancelled call). A claim whose cursor
+        spent its share of a transaction (ledger.STEP_HASHES) goes on in the next, the writer
+        let go in between."""
         check_claim(count, owner, wait)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
+        claimed: list[Claimed] = []
         while True:
             generation = self.environment.generation
-            claimed, done = self._in_table(table, lambda tt: self.ledger.claim(tt, name, count, seconds, owner, holder))
-            if claimed or done or time.monotonic() >= deadline or (stop is not None and stop()):
+            claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
+                                      owner=owner, holder=holder)  # fmt: skip
+            part, done, unfinished = self._in_table(table, claim)
+            claimed += part
+            stopped = stop is not None and stop()
+            if unfinished and not stopped:  # its share of the writer spent: it goes on in another transaction
+                continue
+            if claimed or done or time.monotonic() >= deadline or stopped:
                 return claimed, done
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
@@ -152,11 +173,13 @@ class Claims:
         self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str = ""
     ) -> tuple[float, list[tuple[int, int, int]]]:
         """Claims now end `seconds` from now (ledger.renew); when, and those that had ended."""
+        check_refs(prompts, "RenewClaims")
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         return self._in_table(table, lambda tt: self.ledger.renew(tt, name, prompts, seconds, holder))
 
     def release(self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], holder: str = "") -> int:
         """Claims given back now (ledger.release); returns how many were still held."""
+        check_refs(prompts, "ReleaseClaims")
         return self._in_table(table, lambda tt: self.ledger.release(tt, name, prompts, holder))
 
     def prompts(

@@ -19,9 +19,11 @@ generated or trained, with no change to the group rules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.client.routing import SHARD_NAME
 
 from . import layout
@@ -29,6 +31,7 @@ from .errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt, cl
 from .extensions import TableExtension
 from .ledger_records import (
     CLAIMED,
+    COUNTED,
     DROPPED,
     GENERATED,
     MAX_SIZE,
@@ -37,6 +40,7 @@ from .ledger_records import (
     PENDING,
     TRAINED,
     DatasetRecord,
+    Permutation,
     PromptRecord,
     counts_key,
     dataset_key,
@@ -48,7 +52,6 @@ from .ledger_records import (
     group_entry,
     group_entry_key,
     group_key,
-    permuted,
     place,
     prompt_key,
     queue_key,
@@ -70,6 +73,11 @@ from .table_state import Groups, TableState
 MAX_EPOCHS = 2**20
 MAX_ATTEMPTS = 1000
 MAX_SHARDS = 1024
+# The ownership hashes (one a shard) a claim's cursor spends in one transaction stepping over a
+# shard's part of a dataset: with many shards, one prompt owned costs about shards**2 (1,024
+# shards: about 1 s a prompt), so a claim goes on in another transaction rather than hold the
+# writer (about 50 ms a transaction).
+STEP_HASHES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -185,68 +193,103 @@ class Ledger(TableExtension):
         return found
 
     def _save(self, tt: TableState, ds: DatasetRecord) -> None:
-        tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=tt.db["ledger"])
+        """Write the dataset's record, and the counts of each epoch whose prompts moved since
+        it was read."""
+        ledger = tt.db["ledger"]
+        for epoch, moved in ds.moved.items():
+            key = counts_key(tt.table_id, ds.name, epoch)
+            raw = tt.txn.get(key, db=ledger)
+            owned, row = (ds.size, {}) if raw is None else decode_counts(raw)
+            tt.txn.put(key, encode_counts(owned, {s: row.get(s, 0) + moved.get(s, 0) for s in COUNTED}), db=ledger)
+        ds.moved = {}
+        tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=ledger)
 
-    def _count(self, tt: TableState, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
-        """`delta` more prompts of the epoch in `state`: in its record and the dataset's totals."""
+    def _count(self, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
+        """`delta` more prompts of the epoch in `state`: in the dataset's totals, and its epoch's
+        record when the dataset is saved."""
         ds.totals[state] = ds.totals.get(state, 0) + delta
-        key, ledger = counts_key(tt.table_id, ds.name, epoch), tt.db["ledger"]
-        raw = tt.txn.get(key, db=ledger)
-        owned, row = (ds.size, {}) if raw is None else decode_counts(raw)
-        row[state] = row.get(state, 0) + delta
-        tt.txn.put(key, encode_counts(owned, row), db=ledger)
+        moved = ds.moved.setdefault(epoch, {})
+        moved[state] = moved.get(state, 0) + delta
 
     # ---- claims ------------------------------------------------------------------------------
 
     def claim(
         self, tt: TableState, name: str, count: int, seconds: float, owner: str, holder: str
-    ) -> tuple[list[Claimed], bool]:
+    ) -> tuple[list[Claimed], bool, bool]:
         """Up to `count` prompts for one claimant, the ones sent back first, under claims that
-        end `seconds` from now; and whether the dataset is done (nothing left to hand out or
-        train). Claims already ended are ended first, so their prompts go out again now."""
+        end `seconds` from now; whether the dataset is done (nothing left to hand out or
+        train); and whether the claim stopped short with this transaction's STEP_HASHES spent,
+        to go on in another. Claims already ended are ended first, so their prompts go out
+        again now."""
         self.dataset(tt, name)
         self.expire(tt)
         ds = self.dataset(tt, name)
         room = count if not ds.max_in_flight else max(0, min(count, ds.max_in_flight - ds.in_flight))
         out: list[Claimed] = []
-        expires = tt.now + seconds
-        while len(out) < room:
-            nxt = self._next(tt, ds)
+        expires, ledger, more = tt.now + seconds, tt.db["ledger"], False
+        for nxt in itertools.islice(self._hand_out(tt, ds), room):
             if nxt is None:
+                more = True
                 break
             epoch, index, attempt = nxt
-            rec = PromptRecord(CLAIMED, attempt, expires, owner, holder)
-            self._put(tt, ds.name, epoch, index, rec)
-            ledger = tt.db["ledger"]
+            self._put(tt, ds.name, epoch, index, PromptRecord(CLAIMED, attempt, expires, owner, holder))
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
-            self._count(tt, ds, epoch, CLAIMED, 1)
+            self._count(ds, epoch, CLAIMED, 1)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
-        return out, ds.done
+        return out, ds.done, more
 
-    def _next(self, tt: TableState, ds: DatasetRecord) -> tuple[int, int, int] | None:
-        """The next prompt to hand out, (epoch, index, attempt): the oldest sent back, else the
-        cursor's (skipping the prompts a shard does not own); None when neither has one."""
-        prefix = queue_prefix(tt.table_id, ds.name)
-        ledger = tt.db["ledger"]
-        with tt.txn.cursor(db=ledger) as cur:
-            while cur.set_range(prefix) and bytes(cur.key()).startswith(prefix):
+    def _hand_out(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int] | None]:
+        """The prompts to hand out, (epoch, index, attempt), for as long as the claim takes
+        them: the oldest sent back, then the cursor's (skipping the prompts a shard does not
+        own), each at its first attempt whose group the table does not hold (`_untaken`); None,
+        last, once the cursor spent STEP_HASHES in this transaction."""
+        for epoch, index, attempt in self._candidates(tt, ds):
+            free = self._untaken(tt, ds, epoch, index, attempt)
+            if free is not None:
+                yield epoch, index, free
+        if ds.cursor_epoch < ds.epochs:
+            yield None
+
+    def _untaken(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, attempt: int) -> int | None:
+        """The first attempt at the prompt from `attempt` on whose group the table does not hold:
+        before a dataset exists a push under its name is a group like any other, and a claim of
+        an attempt whose group is taken could never complete it. None, the prompt dropped, when
+        every attempt left is taken."""
+        while attempt < ds.max_attempts:
+            if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
+                return attempt
+            attempt += 1
+        self._put(tt, ds.name, epoch, index, PromptRecord(DROPPED, ds.max_attempts - 1))
+        self._count(ds, epoch, DROPPED, 1)
+        return None
+
+    def _candidates(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int]]:
+        """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES."""
+        prefix, ledger = queue_prefix(tt.table_id, ds.name), tt.db["ledger"]
+        while True:
+            with tt.txn.cursor(db=ledger) as cur:
+                if not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)):
+                    break
                 epoch, index = unplace(cur.value())
                 cur.delete()
-                rec = self._prompt(tt, ds.name, epoch, index)
-                if rec is not None and rec.state == PENDING:
-                    return epoch, index, rec.attempt
-        while ds.cursor_epoch < ds.epochs:
+            rec = self._prompt(tt, ds.name, epoch, index)
+            if rec is not None and rec.state == PENDING:
+                yield epoch, index, rec.attempt
+        orders: dict[int, Permutation] = {}
+        hashes = 0
+        while ds.cursor_epoch < ds.epochs and hashes < STEP_HASHES:
             epoch = ds.cursor_epoch
-            index = permuted(ds.seed, epoch, ds.size, ds.cursor_position)
+            order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
+            index = order(ds.cursor_position)
             ds.cursor_position += 1
             if ds.cursor_position >= ds.size:
                 ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+            hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
             if owns(ds, epoch, index):
-                return epoch, index, 0
-        return None
+                yield epoch, index, 0
 
     def renew(
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str
@@ -280,13 +323,20 @@ class Ledger(TableExtension):
         return released
 
     def expire(self, tt: TableState) -> int:
-        """End the table's claims whose time has come; returns how many."""
+        """End the table's claims whose time has come, the first MAX_PROMPTS_PER_CALL of them (a
+        claim's end costs what its release does: the rest end in the next transaction, the
+        upkeep's pass coming back while the table holds claims); returns how many."""
         prefix = expiry_prefix(tt.table_id)
         cutoff = layout.micros(tt.now)
-        due = []
+        due: list[tuple[str, int, int]] = []
         with tt.txn.cursor(db=tt.db["ledger"]) as cur:
             found = cur.set_range(prefix)
-            while found and bytes(cur.key()).startswith(prefix) and bytes(cur.key())[5:13] <= cutoff:
+            while (
+                found
+                and len(due) < MAX_PROMPTS_PER_CALL
+                and bytes(cur.key()).startswith(prefix)
+                and bytes(cur.key())[5:13] <= cutoff
+            ):
                 due.append(read_expiry_key(bytes(cur.key())))
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
@@ -316,7 +366,7 @@ class Ledger(TableExtension):
         its attempts spent), and the attempt's incomplete group, if any, is dropped."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
-        self._count(tt, ds, epoch, CLAIMED, -1)
+        self._count(ds, epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
@@ -330,7 +380,7 @@ class Ledger(TableExtension):
         rec.expires, rec.owner, rec.holder = 0.0, "", ""
         if rec.attempt + 1 >= ds.max_attempts:
             rec.state = DROPPED
-            self._count(tt, ds, epoch, DROPPED, 1)
+            self._count(ds, epoch, DROPPED, 1)
         else:
             rec.state, rec.attempt = PENDING, rec.attempt + 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
@@ -386,8 +436,8 @@ class Ledger(TableExtension):
         self._unexpire(tt, name, epoch, index, rec)
         rec.state, rec.expires = GENERATED, 0.0
         self._put(tt, name, epoch, index, rec)
-        self._count(tt, ds, epoch, CLAIMED, -1)
-        self._count(tt, ds, epoch, GENERATED, 1)
+        self._count(ds, epoch, CLAIMED, -1)
+        self._count(ds, epoch, GENERATED, 1)
         self._save(tt, ds)
 
     def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
@@ -406,16 +456,16 @@ class Ledger(TableExtension):
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
-            self._count(tt, ds, epoch, rec.state, -1)
+            self._count(ds, epoch, rec.state, -1)
             if state == CONSUMED:
                 rec.state, rec.expires = TRAINED, 0.0
-                self._count(tt, ds, epoch, TRAINED, 1)
+                self._count(ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.state, rec.expires = DROPPED, 0.0
-                self._count(tt, ds, epoch, DROPPED, 1)
+                self._count(ds, epoch, DROPPED, 1)
                 self._put(tt, name, epoch, index, rec)
         for ds in loaded.values():
             self._save(tt, ds)

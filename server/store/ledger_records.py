@@ -13,7 +13,7 @@ epoch's counts are written at its first event, or at create on a shard of a shar
 (whose part of each epoch is counted then); an epoch without them owns `size` prompts, all pending.
 
 An epoch visits the indexes 0..size-1 in a permutation fixed by the dataset's seed
-(`permuted`: a keyed Feistel network with cycle walking, so the cursor maps a position to its
+(`Permutation`: a keyed Feistel network with cycle walking, so the cursor maps a position to its
 index in constant time and memory, whatever the size), or in index order without a seed.
 """
 
@@ -102,6 +102,9 @@ class DatasetRecord:
     totals: dict[str, int] = field(default_factory=dict)
     owned: list[int] = field(default_factory=list)  # per epoch started: read for a caller, not stored
     counts: list[dict[str, int]] = field(default_factory=list)  # per epoch started: read for a caller, not stored
+    # per epoch, the changes of its counts by an event not yet written: the ledger writes each
+    # epoch's record once, with the dataset's, whatever the prompts the event moved; not stored
+    moved: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.shards = sorted(self.shards)  # the same shards in any order are the same placement
@@ -141,7 +144,7 @@ class DatasetRecord:
         return self.total(TRAINED, DROPPED) >= self.owned_total
 
     def encode(self) -> bytes:
-        stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts")}
+        stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts", "moved")}
         return json.dumps(stored, separators=(",", ":")).encode()
 
     @classmethod
@@ -328,22 +331,39 @@ def read_expiry_key(key: bytes) -> tuple[str, int, int]:
     return name, epoch, index
 
 
+class Permutation:
+    """An epoch's visit of 0..size-1: the position itself without a seed; else a permutation
+    keyed by (seed, epoch), a 4-round Feistel network over the smallest even power of two at
+    least `size`, walked until it lands below `size` (fewer than 4 steps on average). Keyed
+    once, so that a claim mapping many positions hashes each round once."""
+
+    def __init__(self, seed: int | None, epoch: int, size: int) -> None:
+        self.size = size
+        self.keyed = None
+        if seed is not None and size > 1:
+            self.half = max(1, ((size - 1).bit_length() + 1) // 2)
+            self.mask = (1 << self.half) - 1
+            key = _U64.pack(seed & (2**64 - 1)) + _U32.pack(epoch)
+            self.keyed = hashlib.blake2b(digest_size=8, key=key)  # a copy is cheaper than keying anew
+
+    def __call__(self, position: int) -> int:
+        if self.keyed is None:
+            return position
+        half, mask, value = self.half, self.mask, position
+        while True:
+            left, right = value >> half, value & mask
+            for round_ in _ROUNDS:
+                digest = self.keyed.copy()
+                digest.update(_U64.pack(right) + round_)
+                left, right = right, left ^ (int.from_bytes(digest.digest(), "big") & mask)
+            value = (left << half) | right
+            if value < self.size:
+                return value
+
+
+_ROUNDS = tuple(bytes([round_]) for round_ in range(4))
+
+
 def permuted(seed: int | None, epoch: int, size: int, position: int) -> int:
-    """The index at `position` of an epoch's visit of 0..size-1: the position itself without a
-    seed; else a permutation keyed by (seed, epoch), a 4-round Feistel network over the
-    smallest even power of two at least `size`, walked until it lands below `size` (fewer
-    than 4 steps on average)."""
-    if seed is None or size <= 1:
-        return position
-    half = max(1, ((size - 1).bit_length() + 1) // 2)
-    mask = (1 << half) - 1
-    key = _U64.pack(seed & (2**64 - 1)) + _U32.pack(epoch)
-    value = position
-    while True:
-        left, right = value >> half, value & mask
-        for round_ in range(4):
-            digest = hashlib.blake2b(_U64.pack(right) + bytes([round_]), digest_size=8, key=key).digest()
-            left, right = right, left ^ (int.from_bytes(digest, "big") & mask)
-        value = (left << half) | right
-        if value < size:
-            return value
+    """The index at `position` of an epoch's visit of 0..size-1 (Permutation)."""
+    return Permutation(seed, epoch, size)(position)

@@ -28,6 +28,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, trxp
+from expbuf.client.wire import BUSY
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -353,7 +354,9 @@ def test_pushes_blocked_on_a_full_table_leave_trainers_their_whole_share(
 ) -> None:
     """With the default 64 workers, pushes that wait for room in a full table are waiting calls:
     they take at most what the push scope's waiting calls may (the workers less the reserve and the
-    trainers' share), and 12 trainers all open their Sample streams beside 80 of them."""
+    trainers' share), and 12 trainers all open their Sample streams beside 80 of them. Each push
+    refused, whether as it came or as it would have waited, says it did nothing (wire.BUSY), so
+    its client pushes it again."""
     workers, reserved, share = 64, 8, 16  # the defaults
     server = serve(str(tmp_path / "data"))
     lease_id = held_lease(server.target)
@@ -370,6 +373,7 @@ def test_pushes_blocked_on_a_full_table_leave_trainers_their_whole_share(
         try:
             for call in settled(pushes, workers - reserved - share, "80 pushes blocked on a full table", workers):
                 assert f"sample_scope_workers = {share}" in call.details(), call.details()
+                assert (BUSY, "1") in (call.trailing_metadata() or ()), f"not marked as having done nothing: {call}"
             trainers = [trainer_stream(buffer, holds) for _ in range(12)]
             try:
                 batches = [next(stream) for stream in trainers]  # a refused stream raises its refusal

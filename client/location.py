@@ -1,5 +1,6 @@
 """Where a Trinity-RFT experience buffer, or a taskset's prompts, live in expbuf:
-`expbuf://HOST:PORT/TABLE?options`.
+`expbuf://HOST:PORT/TABLE?options`. verl's settings (expbuf.client.verl) name a buffer the same
+way, so this lives beside the client, importable without Trinity-RFT.
 
 The path carries the server, the table and how to reach it; secrets never do. A token is
 read from an environment variable (EXPBUF_TOKEN, or the one named by `token_env`), because

@@ -1,0 +1,51 @@
+"""Each framework adapter imports where only its own framework is installed, as after
+`pip install "expbuf[verl]"`: a verl user has no Trinity-RFT, a TRL user no AReaL.
+
+`make setup` installs every framework, so an import of another adapter's framework would pass
+every other test. Here each adapter, every module of it, is imported in a child whose import
+system refuses the other adapters' frameworks as an environment without them would
+(ModuleNotFoundError; tests/import_adapter.py). `make check-extras` imports each in a real
+virtualenv per extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The top-level packages each adapter's extra brings, its framework's own requirements among them
+# (trinity-rft requires verl), and so what a child importing that adapter may load.
+FRAMEWORKS = {
+    "trinity": ("trinity", "verl"),
+    "verl": ("verl", "transfer_queue"),
+    "areal": ("areal",),
+    "trl": ("trl",),
+    "torchrl": ("torchrl",),
+}
+EVERY = sorted({name for names in FRAMEWORKS.values() for name in names})
+
+IMPORT = Path(__file__).parent / "import_adapter.py"
+
+
+@pytest.mark.parametrize("adapter", sorted(FRAMEWORKS))
+def test_an_adapter_imports_without_the_other_frameworks(adapter: str) -> None:
+    own = FRAMEWORKS[adapter]
+    missing = [name for name in own if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed here (make setup installs it)")
+    refused = [name for name in EVERY if name not in own]
+    done = subprocess.run(
+        [sys.executable, str(IMPORT), f"expbuf.client.{adapter}", ",".join(refused)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"expbuf.client.{adapter} without {', '.join(refused)}:\n{done.stderr[-3000:]}"
+    imported = re.fullmatch(rf"expbuf\.client\.{adapter}: (\d+) modules imported\n", done.stdout)
+    assert imported and int(imported.group(1)) > 1, done.stdout
