@@ -7,8 +7,8 @@ first uniform or priority request on a million ready groups, and pushes overlapp
 up to 175 ms (issue 39). An index built on demand always makes its first request wait, and no
 other way serves that request right (a priority sample reads every ready group's priority), so
 the indexes are kept from the start instead: a few more rows per ready group written by a push
-(4 per experience with groups of 1: 23 % more CPU each in the Store alone, the same within 3 %
-through a server; bench/RESULTS.md, "Keeping every ready-group index"). A table that lacks one (made
+(4 per experience with groups of 1: through a server, small experiences pushed 0.83x as fast;
+bench/RESULTS.md, "Keeping every ready-group index"). A table that lacks one (made
 by an earlier release, or an order registered since) has it built here, from the open, so that
 by the time a trainer asks it is there.
 
