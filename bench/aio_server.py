@@ -16,9 +16,9 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import channel_options
-from expbuf.server.service import sample_spec
+from expbuf.server.rpc.service import sample_spec
 from expbuf.server.store import Store
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.table_config import TableConfig
 
 # The service benchmark measures transport and storage: no advantage computation.
 TABLE = TableConfig.of(name="bench", estimator="none")

@@ -51,13 +51,14 @@ from bench_writes import _written, counting  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, trxp  # noqa: E402
-from expbuf.server.replies import keep_reply_memory  # noqa: E402
-from expbuf.server.store import Entry, Store, groups  # noqa: E402
-from expbuf.server.store.read_check import payload_problem  # noqa: E402
-from expbuf.server.store.ready_indexes import put_rows, u64  # noqa: E402
-from expbuf.server.store.records import ItemRecord  # noqa: E402
-from expbuf.server.store.states import PENDING  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.rpc.replies import keep_reply_memory  # noqa: E402
+from expbuf.server.store import Entry, Store  # noqa: E402
+from expbuf.server.store.disk.records import ItemRecord  # noqa: E402
+from expbuf.server.store.rules import groups  # noqa: E402
+from expbuf.server.store.rules.read_check import payload_problem  # noqa: E402
+from expbuf.server.store.schema.ready_indexes import put_rows, u64  # noqa: E402
+from expbuf.server.store.schema.states import PENDING  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 HEADING = "## Store a push once: chunks against the per-experience repack (issue 32)"
 SHAPES = {"8k": 256, "40k": 64}  # experiences per push

@@ -41,10 +41,11 @@ from bench_service import PER_PAYLOAD, make_payloads  # noqa: E402
 from bench_store import experience  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
-from expbuf.server.advantages import AdvantageWorker, compute  # noqa: E402
-from expbuf.server.store import Store, groups, pushed_advantages  # noqa: E402
-from expbuf.server.store.kinds import Entry  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.advantages.worker import AdvantageWorker, compute  # noqa: E402
+from expbuf.server.store import Store  # noqa: E402
+from expbuf.server.store.disk.kinds import Entry  # noqa: E402
+from expbuf.server.store.rules import groups, pushed_advantages  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 # column -> (estimator, whether the push computes the advantages)
 VARIANTS = {"grpo, in the push": ("grpo", True), "grpo, by the worker": ("grpo", False), "none": ("none", False)}

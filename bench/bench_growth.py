@@ -71,7 +71,8 @@ from bench_consume import package  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
-from expbuf.server.store import layout, selection  # noqa: E402
+from expbuf.server.store.disk import layout  # noqa: E402
+from expbuf.server.store.schema import selection  # noqa: E402
 
 from helpers import ServerProcess, make_experience, scrape  # noqa: E402
 
@@ -405,7 +406,7 @@ def first_uniform_run(data: Path, tree: Path | None, delay: float | None) -> Uni
 
     def pusher() -> None:
         with BufferClient(server.target, timeout=600) as client:
-            runs.push_one(client)  # not counted: it waits for torch to load (advantage_start.py)
+            runs.push_one(client)  # not counted: it waits for torch to load (advantages/start.py)
             while not done.is_set():
                 began = time.perf_counter() - spawned
                 pushes.append((began, runs.push_one(client)))

@@ -30,9 +30,9 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
-from expbuf.server.store.ledger_records import DatasetRecord  # noqa: E402
-from expbuf.server.store.ledger_shards import count_owned  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.ledger.records import DatasetRecord  # noqa: E402
+from expbuf.server.store.ledger.shards import count_owned  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 SHARDS = ["s0", "s1", "s2"]
 CLAIM = 3000

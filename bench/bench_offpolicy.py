@@ -31,8 +31,8 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 FRESH = 2000  # fresh groups behind the stale ones
 CHUNK = 10_000

@@ -29,7 +29,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 GROUP = 8
 

@@ -33,9 +33,9 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.store.selection import ReadyIndex  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.selection import ReadyIndex  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 GROUP, PER_WRITE, TOKENS = 8, 64, 5000
 # The storage engine alone: groups are ready as pushed (no advantage computation).

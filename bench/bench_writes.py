@@ -35,9 +35,9 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import EID, Experience, trxp  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
-from expbuf.server.store.environment import Environment  # noqa: E402
-from expbuf.server.store.sample_spec import SampleSpec  # noqa: E402
-from expbuf.server.store.table_config import TableConfig  # noqa: E402
+from expbuf.server.store.disk.environment import Environment  # noqa: E402
+from expbuf.server.store.schema.sample_spec import SampleSpec  # noqa: E402
+from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 Counts = collections.Counter[str]
 

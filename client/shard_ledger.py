@@ -2,7 +2,7 @@
 
 A dataset's prompts are placed as their groups are (routing.py): the group of every attempt
 at prompt `index` of epoch `epoch` goes to the rendezvous of `name/epoch/index` over the shards
-of the map's first epoch, and that shard hands the prompt out (server/store/ledger_shards.py).
+of the map's first epoch, and that shard hands the prompt out (server/store/ledger/shards.py).
 So `create_dataset` creates the dataset on each of those shards, naming them all and the one
 asked, and splits `max_in_flight` among them. A claim asks them for parts of its count, from a
 start that turns with each claim so that one-prompt claims spread over the shards, and asks

@@ -4,7 +4,7 @@ TableConfig message.
 
 `TableSettings` lets a type checker see a mistyped mode (`when_full="blok"`) or setting name in
 `create_table`. It imports neither grpc nor torch: the server's table configuration
-(server/store/table_config.py) takes its modes from here, so both sides know one list.
+(server/store/schema/table_config.py) takes its modes from here, so both sides know one list.
 """
 
 from __future__ import annotations

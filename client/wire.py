@@ -23,7 +23,7 @@ ON_STALE = {"drop": pb.ON_STALE_DROP, "refuse": pb.ON_STALE_REFUSE}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
-# it lets in were in progress (server/limits.py): the same call later may get in.
+# it lets in were in progress (server/rpc/limits.py): the same call later may get in.
 BUSY = "expbuf-busy"
 # Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
 # travels as its position in the tuple (flags as 0 or 1).

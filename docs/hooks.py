@@ -211,8 +211,8 @@ def _hint_text(hint: Any) -> str:
     return (
         str(hint)
         .replace("typing.", "")
-        .replace("expbuf.server.store.table_config.", "")
-        .replace("expbuf.server.store.table_parts.", "")
+        .replace("expbuf.server.store.schema.table_config.", "")
+        .replace("expbuf.server.store.schema.table_parts.", "")
         .replace("expbuf.server.config.", "")
     )
 
@@ -248,7 +248,7 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
     lines = [
         "# Settings",
         "",
-        "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.store.table_config.TableConfig`.",
+        "Generated from `expbuf.server.config.ServerConfig` and `expbuf.server.store.schema.table_config.TableConfig`.",
         "The server's settings come from its TOML file (`--config`), the environment and its flags (the last",
         "wins); a table's from the file's `[[tables]]`, `create_table` or `expbuf table create`, each under",
         "the flat name its part's table below gives it (`group_size`, `when_full`). In Python a `TableConfig`",
@@ -311,7 +311,7 @@ def pages() -> dict[str, str]:
     """The generated pages by their path under docs/."""
     from expbuf import client
     from expbuf.server import cli, config
-    from expbuf.server.store import table_config
+    from expbuf.server.store.schema import table_config
 
     return {
         "reference/grpc.md": grpc_page(proto_descriptor()),

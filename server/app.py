@@ -3,7 +3,7 @@
 gRPC runs synchronously on a thread pool: the store serialises writes in its own
 writer thread anyway, and a grpc.aio server over the same store measured the same on
 sample and latency and 8-20 % more on push (bench/RESULTS.md). Each open Sample stream
-holds one worker thread; server/limits.py keeps waiting calls, and each scope's calls,
+holds one worker thread; server/rpc/limits.py keeps waiting calls, and each scope's calls,
 from taking them all.
 
 The port is bound exclusively (no SO_REUSEPORT): a second server on a taken port would
@@ -30,19 +30,19 @@ from prometheus_client import start_http_server
 
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 
-from .advantage_start import AdvantageStart
-from .auth import TokenAuth
-from .batch_stage import finish_batch
+from .advantages.batch_stage import finish_batch
+from .advantages.devices import check_device
+from .advantages.start import AdvantageStart
 from .config import ServerConfig
-from .devices import check_device
-from .inflight import InFlight, PushMemory, few_arenas
-from .ingest import Ingest
-from .limits import RESERVED_THREADS, TableStreams, call_limits
-from .metrics import Metrics, RpcMetrics
-from .replies import PassBytes, keep_reply_memory
-from .service import ExperienceBufferService
+from .rpc.auth import TokenAuth
+from .rpc.inflight import InFlight, PushMemory, few_arenas
+from .rpc.ingest import Ingest
+from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
+from .rpc.metrics import Metrics, RpcMetrics
+from .rpc.replies import PassBytes, keep_reply_memory
+from .rpc.service import ExperienceBufferService
 from .store import Store, TableExtension
-from .store.errors import ConfigError, Conflict, StoreError
+from .store.schema.errors import ConfigError, Conflict, StoreError
 
 log = logging.getLogger("expbuf")
 SERVICE_NAME = buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].full_name
@@ -182,7 +182,7 @@ class ExpbufServer:
             self.store,
             metrics=self.metrics,
             max_message_bytes=config.max_message_bytes,
-            advantage_device="",  # known once torch has loaded (advantage_start.py)
+            advantage_device="",  # known once torch has loaded (advantages/start.py)
             bind_leases=bool(config.tokens),
             ingest=Ingest(config.ingest_workers, config.max_metadata_bytes),
             table_streams=TableStreams(config.table_stream_limit),
@@ -191,7 +191,7 @@ class ExpbufServer:
             max_wait_seconds=config.max_wait_seconds,
             max_confirm_seconds=config.confirm_seconds,
         )
-        # one-value estimators: computed by the push (advantages.py), once torch has loaded
+        # one-value estimators: computed by the push (advantages/worker.py), once torch has loaded
         self.advantages = AdvantageStart(
             self.store,
             torch_threads=config.torch_threads,
@@ -271,7 +271,7 @@ class ExpbufServer:
                 log.info("stale ready groups evicted: %d", done["groups_stale_evicted"])
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop accepting, end the open streams at their next safe point (draining.py), let the
+        """Stop accepting, end the open streams at their next safe point (rpc/draining.py), let the
         other running RPCs finish within grace, commit, close."""
         self.health.enter_graceful_shutdown()
         stopped = self.grpc.stop(grace)  # no new RPCs from now on

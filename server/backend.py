@@ -14,14 +14,14 @@ from typing import Any, Protocol, runtime_checkable
 from expbuf.client import trxp
 
 from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
-from .store.admission import Grant
-from .store.browse import Page
-from .store.claims import PromptPage
-from .store.kinds import MayWait
-from .store.ledger import Claimed
-from .store.ledger_records import DatasetRecord
-from .store.sample_spec import SampleSpec
-from .store.table_config import TableConfig
+from .store.disk.kinds import MayWait
+from .store.ledger.records import DatasetRecord
+from .store.ledger.rules import Claimed
+from .store.schema.sample_spec import SampleSpec
+from .store.schema.table_config import TableConfig
+from .store.services.claims import PromptPage
+from .store.tables.admission import Grant
+from .store.tables.browse import Page
 
 
 @runtime_checkable

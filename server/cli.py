@@ -19,17 +19,17 @@ from expbuf.client import Tls
 from expbuf.client.connection import call_error
 
 from . import __version__, logs
+from .commands.datasets import add_dataset_commands
+from .commands.export import add_export_command, run_export
+from .commands.stats import watch
+from .commands.tables import add_table_commands, run_client_command
 from .config import load
-from .dataset_cli import add_dataset_commands
-from .export_cli import add_export_command, run_export
-from .stats_view import watch
-from .store.errors import ConfigError
-from .table_cli import add_table_commands, run_client_command
+from .store.schema.errors import ConfigError
 
 if TYPE_CHECKING:  # the server's modules load for serve and check only
     import lmdb
 
-    from .store.environment import Environment
+    from .store.disk.environment import Environment
 
 log = logging.getLogger("expbuf")
 
@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("configuration: %s", exc)
         return 2
     logs.configure(config.log_format)
-    from .inflight import few_arenas
+    from .rpc.inflight import few_arenas
 
     few_arenas()  # before torch and gRPC start their threads, each of which could take an arena
     from .app import ExpbufServer, StartupError
@@ -146,9 +146,9 @@ def _check(args: argparse.Namespace) -> int:
 
     import lmdb
 
-    from .store import integrity
-    from .store.environment import Environment
-    from .store.errors import Damaged, StoreError
+    from .store.disk.environment import Environment
+    from .store.schema.errors import Damaged, StoreError
+    from .store.tables import integrity
 
     try:
         environment = Environment(args.data, readonly=True)
@@ -184,7 +184,8 @@ def _check(args: argparse.Namespace) -> int:
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:
     """What the next `expbuf serve` brings up to date in a directory that needs nothing else
     (an earlier release's format, or the index of an order registered since), or None."""
-    from .store import integrity, layout
+    from .store.disk import layout
+    from .store.tables import integrity
 
     older = integrity.older_format(txn, environment.db) if {"meta", "tables"} <= environment.db.keys() else None
     if older is not None:

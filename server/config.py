@@ -55,8 +55,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .store.errors import ConfigError, clip
-from .store.table_config import TableConfig
+from .store.schema.errors import ConfigError, clip
+from .store.schema.table_config import TableConfig
 
 log = logging.getLogger("expbuf.config")
 # The server's TLS variables, and the names they had before (read for one more release, with a
@@ -106,27 +106,27 @@ class ServerConfig:
     max_table_streams: int | None = None  # None: max_sample_streams
     max_push_streams: int | None = None  # None: half the workers
     max_waiting_admits: int | None = None  # None: a quarter of the workers
-    # Claims waiting for prompts at once; more wait in their clients, which ask again (limits.py).
+    # Claims waiting for prompts at once; more wait in their clients, which ask again (rpc/limits.py).
     max_waiting_claims: int | None = None  # None: a quarter of the workers
-    # Workers kept for the calls that do not wait idle: no class of call can take every one (limits.py).
+    # Workers kept for the calls that do not wait idle: no class of call can take every one (rpc/limits.py).
     reserved_workers: int | None = None  # None: an eighth of the workers, at least 1
-    # Workers kept for each scope's calls, which the other scope's calls cannot take (limits.py).
+    # Workers kept for each scope's calls, which the other scope's calls cannot take (rpc/limits.py).
     push_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     sample_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     push_stream_idle_seconds: float = 120.0
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
-    # reads and parses the next, and the next step stores all it parsed in one commit (push_stream.py).
+    # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push_stream.py).
     push_stream_window: int = 8
     # A push in chunks must come at this many MB (10^6 bytes) a second on average, after a grace of
-    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (inflight.py).
+    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (rpc/inflight.py).
     push_min_mb_per_second: float = 0.1
     # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0
     # The longest a Sample batch sent waits for its client's confirmation, counted from the later of
     # its send and the client's confirmation of the batch before: a trainer's step. Past it the
-    # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (sample_stream.py).
+    # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (rpc/sample_stream.py).
     max_confirm_seconds: float | None = None  # None: max_wait_seconds
-    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (inflight.py).
+    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/inflight.py).
     max_inflight_bytes: int = 1 << 30
     # An experience's metadata written out (its pickle, shared references expanded): a push with a
     # larger one is refused. The server holds an experience's metadata twice while it repacks it.
@@ -135,7 +135,7 @@ class ServerConfig:
     # grants (every read checks the payloads it serves, and the scrub checks the rest); "full"
     # reads the whole file first (every record, digest, index and counter, about 3 GB/s).
     check_at_open: str = "quick"
-    # The background scrub (store/scrub.py): the payload and record bytes it reads per second at
+    # The background scrub (store/services/scrub.py): the payload and record bytes it reads per second at
     # most (0: no scrub), and how long after a pass began the next begins.
     scrub_mb_per_second: float = 32.0
     scrub_interval_seconds: float = 86400.0

@@ -1,6 +1,6 @@
-"""Deprecated: the estimator registry is `expbuf.server.store.estimator_registry` (moved.py)."""
+"""Deprecated: the estimator registry is `expbuf.server.store.schema.estimator_registry` (moved.py)."""
 
 from .moved import moved
-from .store import estimator_registry
+from .store.schema import estimator_registry
 
 __getattr__ = moved(__name__, estimator_registry)

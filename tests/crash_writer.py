@@ -15,7 +15,7 @@ from pathlib import Path
 
 from expbuf.client import trxp
 from expbuf.server.store import Store
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.table_config import TableConfig
 
 # A group of 8 made by Trinity-RFT; re-labelled per task so no torch import is needed here.
 TEMPLATE = trxp.parse((Path(__file__).parent / "fixtures" / "trxp" / "grpo_group.trxp").read_bytes())

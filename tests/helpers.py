@@ -23,8 +23,8 @@ from expbuf.client.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
-from expbuf.server.store.estimator_registry import Estimator, register, unregister
-from expbuf.server.store.sample_spec import SampleSpec
+from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
+from expbuf.server.store.schema.sample_spec import SampleSpec
 
 if TYPE_CHECKING:
     from expbuf.client import BufferClient, TableStats
@@ -254,7 +254,7 @@ class ServerProcess:
     the ingest processes it starts), as a shell's job does. A child that exits before it listens fails at once,
     with its log. With `warm` (the default) the child is returned once its advantage worker
     has started, or failed to, as its log says: torch loads after the server listens
-    (server/advantage_start.py), and a test that measures the child's memory or CPU, or a
+    (server/advantages/start.py), and a test that measures the child's memory or CPU, or a
     push's latency, must not count that load. A benchmark of the start itself passes
     warm=False.
     """

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from expbuf.server.store import Store, selection
+from expbuf.server.store import Store
+from expbuf.server.store.schema import selection
 
 from helpers import small_groups
 

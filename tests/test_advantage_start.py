@@ -1,4 +1,4 @@
-"""torch loads after the server listens (server/advantage_start.py): the server's modules import
+"""torch loads after the server listens (server/advantages/start.py): the server's modules import
 no torch; a push that computes its advantages waits for the worker and is stored as before; and
 where torch cannot load, the server still serves what needs no advantages and refuses by name
 each push that does."""
@@ -17,7 +17,7 @@ from expbuf.client.errors import ExpbufError
 
 from helpers import ServerProcess, group_items, make_experience
 
-SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.service", "expbuf.server.metrics"
+SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.rpc.service", "expbuf.server.rpc.metrics"
 
 
 def test_the_servers_modules_import_no_torch() -> None:

@@ -14,13 +14,13 @@ import torch
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.trxp.checks import FLOAT32_MAX
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.config import load as load_config
 from expbuf.server.store import Store
-from expbuf.server.store.errors import InvalidRequest
-from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator, register
-from expbuf.server.store.stored_advantages import expand
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store.disk.stored_advantages import expand
+from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS, Estimator, register
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import payload
 from helpers import group_items, make_experience, registered, take
@@ -80,7 +80,7 @@ def test_missing_reward_is_refused_naming_the_uid(client: BufferClient) -> None:
 def exploding() -> Iterator[str]:
     """An estimator that raises on any batch holding a reward of 13 (grpo otherwise): a
     computation that fails because of one group."""
-    from expbuf.server import estimators
+    from expbuf.server.advantages.worker import estimators
 
     def explode(batch: estimators.FlatBatch, **args: object) -> estimators.Advantages:
         if bool((batch.rewards == 13.0).any()):
@@ -118,7 +118,7 @@ def test_failed_computation_fails_only_the_guilty_group_and_keeps_its_payloads(t
 def test_a_failure_of_every_group_is_retried_before_it_fails(tmp_path: Path, exploding) -> None:
     """When every group fails (here: the estimator fails for a while, whatever the data),
     the groups stay computing and are tried again; they fail only after the last try."""
-    from expbuf.server import estimators
+    from expbuf.server.advantages.worker import estimators
 
     explode = ESTIMATORS[exploding].ingest_stage()
     passing = {"fail": True}

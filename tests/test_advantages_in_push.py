@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from expbuf.client import trxp
-from expbuf.server.advantages import AdvantageWorker, computed_in_push
-from expbuf.server.estimators import Advantages, FlatBatch, grpo
-from expbuf.server.store import FAILED, READY, ComputeJob, ItemRecord, Store, layout
-from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator
-from expbuf.server.store.kinds import Compute, Computed
-from expbuf.server.store.pushed_advantages import IN_PUSH_LIMIT
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.advantages.estimators import Advantages, FlatBatch, grpo
+from expbuf.server.advantages.worker import AdvantageWorker, computed_in_push
+from expbuf.server.store import FAILED, READY, ComputeJob, ItemRecord, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.kinds import Compute, Computed
+from expbuf.server.store.rules.pushed_advantages import IN_PUSH_LIMIT
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS, Estimator
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience, registered
 

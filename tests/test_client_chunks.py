@@ -19,8 +19,8 @@ from expbuf.client.connection import DEFAULT_PUSH_CHUNK_BYTES
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.metrics import Metrics
-from expbuf.server.service import ExperienceBufferService
+from expbuf.server.rpc.metrics import Metrics
+from expbuf.server.rpc.service import ExperienceBufferService
 from expbuf.server.store import Store
 
 from conftest import Servers

@@ -21,8 +21,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig, load
-from expbuf.server.store.errors import ConfigError
-from expbuf.server.store.records import Lease
+from expbuf.server.store.disk.records import Lease
+from expbuf.server.store.schema.errors import ConfigError
 
 from conftest import Servers
 from helpers import Conversation, fill, group_items, serving, settle

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import decode
-from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.batch_stage import finish_batch
-from expbuf.server.store import Store, layout
+from expbuf.server.advantages.batch_stage import finish_batch
+from expbuf.server.advantages.worker import AdvantageWorker
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
 
 from conftest import FIXTURES
 from helpers import group_items, take

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from expbuf.client import EID, Experience, decode, trxp
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.errors import Conflict
+from expbuf.server.store.schema.errors import Conflict
 
 from conftest import FIXTURES
 from helpers import take

@@ -16,7 +16,7 @@ import pytest
 from expbuf.client import EID, BufferClient, BufferError, TrxpError, decode, trxp
 from expbuf.client.trxp.checks import FLOAT32_MAX
 from expbuf.server.store import Store
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers, payload
 

@@ -12,7 +12,7 @@ from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
-from expbuf.server.store.errors import TooLarge
+from expbuf.server.store.schema.errors import TooLarge
 
 from conftest import Servers
 from helpers import make_experience
@@ -50,7 +50,7 @@ def test_every_accepted_group_is_delivered_and_the_others_are_refused(start_serv
 
 
 def test_a_group_that_grows_past_the_limit_is_refused_at_the_push_that_would_do_it(tmp_path: Path) -> None:
-    from expbuf.server.store.table_config import TableConfig
+    from expbuf.server.store.schema.table_config import TableConfig
 
     with Store(tmp_path, max_reply_bytes=LIMIT) as store:
         store.create_table(TableConfig.of(name="g8", group_size=8))

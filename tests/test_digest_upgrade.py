@@ -20,13 +20,15 @@ from test_datadir import upgrade_notice
 from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
-from expbuf.server.store import Store, layout, migrate
-from expbuf.server.store.counters import Counters
-from expbuf.server.store.environment import Environment
-from expbuf.server.store.errors import Conflict, Damaged
-from expbuf.server.store.records import ItemRecord
-from expbuf.server.store.states import CONSUMED, RETIRED
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.disk.records import ItemRecord
+from expbuf.server.store.rules.counters import Counters
+from expbuf.server.store.schema.errors import Conflict, Damaged
+from expbuf.server.store.schema.states import CONSUMED, RETIRED
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import migrate
 
 from helpers import group_items, take
 

@@ -13,9 +13,10 @@ from types import ModuleType
 from expbuf import client
 from expbuf.client.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
-from expbuf.server import auth, cli, config
-from expbuf.server.store import table_config
-from expbuf.server.store.table_parts import Shaping, flat_names
+from expbuf.server import cli, config
+from expbuf.server.rpc import auth
+from expbuf.server.store.schema import table_config
+from expbuf.server.store.schema.table_parts import Shaping, flat_names
 
 from pages import DOCS, ROOT, page
 

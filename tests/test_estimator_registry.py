@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from expbuf.client import decode, trxp
-from expbuf.server import estimators
-from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.batch_stage import finish_batch
+from expbuf.server.advantages.batch_stage import finish_batch
+from expbuf.server.advantages.worker import AdvantageWorker, estimators
 from expbuf.server.store import Store
-from expbuf.server.store.errors import InvalidRequest
-from expbuf.server.store.estimator_registry import ESTIMATORS, Estimator, Param, register
-from expbuf.server.store.table_config import ConfigError, TableConfig, batch_stage, group_step_first
+from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS, Estimator, Param, register
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig, batch_stage, group_step_first
 
 from helpers import group_items, make_experience, registered, take
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from expbuf.client import EID, BufferClient, Experience, trxp
-from expbuf.server import estimators as est
-from expbuf.server.advantages import build_batch, encode_results
-from expbuf.server.batch_stage import finish_batch
+from expbuf.server.advantages.batch_stage import finish_batch
+from expbuf.server.advantages.worker import build_batch, encode_results
+from expbuf.server.advantages.worker import estimators as est
 from expbuf.server.store import ItemRecord
-from expbuf.server.store.estimator_registry import ESTIMATORS
-from expbuf.server.store.stored_advantages import expand
-from expbuf.server.store.table_config import ConfigError, TableConfig, estimator_args
+from expbuf.server.store.disk.stored_advantages import expand
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig, estimator_args
 
 from conftest import Servers, payload
 

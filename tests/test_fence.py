@@ -21,9 +21,24 @@ TREES = {"server": "server", "client": "client", "proto": "proto/expbuf", "ray":
 FENCE = "The storage engine imports neither grpc nor torch"
 # A store module, what is added to it, and the forbidden package it then reaches.
 PROBES = [
-    ("states", "\n\ndef _probe() -> None:\n    import torch  # noqa: F401\n", "torch"),
+    ("schema.states", "\n\ndef _probe() -> None:\n    import torch  # noqa: F401\n", "torch"),
     ("engine", "\nimport grpc  # noqa: E402\n", "grpc"),
-    ("records", "\nfrom expbuf.client import trxp  # noqa: E402  (its convert.py imports torch)\n", "torch"),
+    ("disk.records", "\nfrom expbuf.client import trxp  # noqa: E402  (its convert.py imports torch)\n", "torch"),
+]
+# A module of the server (its path under server/), the module it is made to import, and the
+# contract that import breaks: one for each contract over the rooms and inside them.
+ROOM_PROBES = [
+    ("store/schema/errors.py", "..services.sampling", "The storage engine imports only downward"),
+    ("store/services/index_builds.py", ".sampling", "The store's services import only downward"),
+    ("store/tables/leases.py", ".catalog", "The store's tables import only downward"),
+    ("store/ledger/records.py", ".rules", "The prompt ledger imports only downward"),
+    ("store/rules/counters.py", ".groups", "The store's rules import only downward"),
+    ("store/schema/errors.py", ".states", "The store's schema imports only downward"),
+    ("config.py", ".app", "The server imports only downward, the storage engine at the bottom"),
+    ("rpc/interceptor.py", ".service", "The gRPC service imports only downward"),
+    ("advantages/moments.py", ".worker", "The advantages import only downward"),
+    ("commands/tables.py", ".stats", "The command line's tools import only downward"),
+    ("commands/stats.py", "..store.ledger.records", "Only the store and the service reach the prompt ledger"),
 ]
 
 
@@ -61,7 +76,7 @@ def test_the_tree_as_it_is_keeps_every_contract(tree: Path) -> None:
 
 @pytest.mark.parametrize(("module", "probe", "reached"), PROBES)
 def test_a_probe_import_breaks_the_fence(tree: Path, module: str, probe: str, reached: str) -> None:
-    path = tree / "expbuf" / "server" / "store" / f"{module}.py"
+    path = tree / "expbuf" / "server" / "store" / f"{module.replace('.', '/')}.py"
     source = path.read_text()
     path.write_text(source + probe)
     try:
@@ -71,3 +86,19 @@ def test_a_probe_import_breaks_the_fence(tree: Path, module: str, probe: str, re
     assert status == 1 and f"{FENCE} BROKEN" in out and ", 1 broken." in out, out
     assert f"expbuf.server.store is not allowed to import {reached}:" in out, out
     assert f"expbuf.server.store.{module} -> " in out, out
+
+
+@pytest.mark.parametrize(("where", "imported", "contract"), ROOM_PROBES)
+def test_a_probe_import_breaks_each_contract_over_the_rooms(
+    tree: Path, where: str, imported: str, contract: str
+) -> None:
+    path = tree / "expbuf" / "server" / where
+    source = path.read_text()
+    parent, name = imported.rsplit(".", 1)
+    path.write_text(f"{source}\n\ndef _probe() -> None:\n    from {parent or '.'} import {name}  # noqa: F401\n")
+    try:
+        status, out = lint(tree)
+    finally:
+        path.write_text(source)
+    # (an import up across rooms closes cycles that break the rooms' own orders too)
+    assert status == 1 and f"{contract} BROKEN" in out, out

@@ -1,4 +1,4 @@
-"""The group state machine (server/store/states.py): one table of allowed moves, checked
+"""The group state machine (server/store/schema/states.py): one table of allowed moves, checked
 where every move of a group goes through (TableState.move_group). Each forbidden move is
 tried inside a real Store's push transaction: it raises IllegalMove, and the push stores
 nothing."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store, TableExtension
-from expbuf.server.store.records import GroupRecord
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
-from expbuf.server.store.table_config import TableConfig
-from expbuf.server.store.table_state import TableState
+from expbuf.server.store.disk.records import GroupRecord
+from expbuf.server.store.rules.table_state import TableState
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items
 

@@ -20,8 +20,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
-from expbuf.server.store.errors import StorageFull, TableFull, TooLarge
-from expbuf.server.store.table_config import MAX_SECONDS, ConfigError, TableConfig
+from expbuf.server.store.schema.errors import StorageFull, TableFull, TooLarge
+from expbuf.server.store.schema.table_config import MAX_SECONDS, ConfigError, TableConfig
 
 from conftest import Servers
 from helpers import group_items, make_experience, take

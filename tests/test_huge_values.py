@@ -18,9 +18,9 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
-from expbuf.server.store.estimator_registry import ESTIMATORS
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.estimator_registry import ESTIMATORS
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
 

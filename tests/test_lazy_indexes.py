@@ -25,13 +25,16 @@ import pytest
 
 from expbuf.client import BufferClient
 from expbuf.client.errors import ExpbufError
-from expbuf.server.store import Store, errors, index_builds, layout, selection
-from expbuf.server.store.environment import Environment
-from expbuf.server.store.errors import InvalidRequest
-from expbuf.server.store.ready_indexes import Index, PriorityIndex
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.selection import IndexBuilding
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.schema import errors, selection
+from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.ready_indexes import Index, PriorityIndex
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.selection import IndexBuilding
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services import index_builds
 
 from conftest import FIXTURES, Servers
 from helpers import group_items, scrape, small_groups, wait_for

@@ -9,9 +9,10 @@ import json
 import shutil
 from pathlib import Path
 
-from expbuf.server.store import ItemRecord, Store, layout
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import ItemRecord, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items, take

@@ -10,10 +10,9 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
-from expbuf.server.store import Store, layout
-from expbuf.server.store.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
-from expbuf.server.store.ledger import Claimed
-from expbuf.server.store.ledger_records import (
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.ledger.records import (
     DatasetRecord,
     PromptRecord,
     counts_key,
@@ -25,8 +24,10 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.ledger.rules import Claimed
+from expbuf.server.store.schema.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import make_experience
 

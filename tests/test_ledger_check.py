@@ -16,11 +16,10 @@ import lmdb
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.store import Store, integrity, layout
-from expbuf.server.store.environment import Environment
-from expbuf.server.store.errors import Damaged
-from expbuf.server.store.ledger import Claimed
-from expbuf.server.store.ledger_records import (
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.ledger.records import (
     DatasetRecord,
     PromptRecord,
     counts_key,
@@ -33,8 +32,11 @@ from expbuf.server.store.ledger_records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.ledger.rules import Claimed
+from expbuf.server.store.schema.errors import Damaged
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import integrity
 
 from helpers import make_experience
 

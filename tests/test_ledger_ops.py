@@ -16,10 +16,10 @@ import pytest
 
 from expbuf.client import BufferClient, Experience, Prompt
 from expbuf.server.app import ExpbufServer
-from expbuf.server.metrics import StoreCollector
+from expbuf.server.rpc.metrics import StoreCollector
 from expbuf.server.store import Store
-from expbuf.server.store.ledger_records import DatasetRecord
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.ledger.records import DatasetRecord
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import make_experience, scrape

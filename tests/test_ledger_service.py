@@ -35,8 +35,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
-from expbuf.server.store.ledger_records import DatasetRecord, PromptRecord, prompt_key
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.ledger.records import DatasetRecord, PromptRecord, prompt_key
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import make_experience

@@ -14,11 +14,11 @@ import pytest
 from expbuf.client import trxp
 from expbuf.client.routing import ShardMap
 from expbuf.server.store import Store
-from expbuf.server.store.errors import Cancelled, ConfigError
-from expbuf.server.store.ledger import STEP_HASHES
-from expbuf.server.store.ledger_records import DatasetRecord, dataset_key, group_key, permuted
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.ledger.records import DatasetRecord, dataset_key, group_key, permuted
+from expbuf.server.store.ledger.rules import STEP_HASHES
+from expbuf.server.store.schema.errors import Cancelled, ConfigError
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import make_experience
 

@@ -11,9 +11,13 @@ import pytest
 
 # The old path, the new one, and the names the docs told users to import from the old one.
 MOVED = [
-    ("expbuf.server.estimator_registry", "expbuf.server.store.estimator_registry", ["Estimator", "Param", "register"]),
-    ("expbuf.server.ready_indexes", "expbuf.server.store.ready_indexes", ["KeyedIndex", "u64", "version_key"]),
-    ("expbuf.server.selection", "expbuf.server.store.selection", ["Order", "register"]),
+    (
+        "expbuf.server.estimator_registry",
+        "expbuf.server.store.schema.estimator_registry",
+        ["Estimator", "Param", "register"],
+    ),
+    ("expbuf.server.ready_indexes", "expbuf.server.store.schema.ready_indexes", ["KeyedIndex", "u64", "version_key"]),
+    ("expbuf.server.selection", "expbuf.server.store.schema.selection", ["Order", "register"]),
 ]
 
 

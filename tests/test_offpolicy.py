@@ -19,11 +19,12 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, calls, t
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.config import load
-from expbuf.server.store import Entry, Store, layout
-from expbuf.server.store.errors import InvalidRequest, NotFound
-from expbuf.server.store.limiter import InsertLimited, SampleLimited
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.rules.limiter import InsertLimited, SampleLimited
+from expbuf.server.store.schema.errors import InvalidRequest, NotFound
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import FIXTURES, Servers
 from helpers import group_items, scrape
@@ -440,7 +441,7 @@ def test_the_docs_off_policy_settings_load_from_toml(tmp_path: Path) -> None:
 
 
 def test_100k_stale_groups_are_evicted_in_bounded_steps_and_fresh_ones_stay(tmp_path: Path) -> None:
-    from expbuf.server.store.staleness import EVICT_LIMIT
+    from expbuf.server.store.rules.staleness import EVICT_LIMIT
 
     with Store(tmp_path) as store:
         store.create_table(

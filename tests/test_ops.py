@@ -42,10 +42,10 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import logs
 from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
+from expbuf.server.commands.stats import COLUMNS, render
 from expbuf.server.config import ServerConfig, load
-from expbuf.server.limits import CallLimits, call_limits
-from expbuf.server.stats_view import COLUMNS, render
-from expbuf.server.store.table_config import ConfigError
+from expbuf.server.rpc.limits import CallLimits, call_limits
+from expbuf.server.store.schema.table_config import ConfigError
 
 from conftest import BAD_DIR, Servers, payload
 from helpers import ServerProcess, group_items, scrape

@@ -16,12 +16,14 @@ from expbuf.client.errors import InvalidArgumentError
 from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.store import Store, index_builds, integrity
-from expbuf.server.store.errors import InvalidRequest
-from expbuf.server.store.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
-from expbuf.server.store.sample_spec import SpecError
-from expbuf.server.store.selection import ORDERS, Order, ReadyIndex, register, unregister
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.schema.errors import InvalidRequest
+from expbuf.server.store.schema.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
+from expbuf.server.store.schema.sample_spec import SpecError
+from expbuf.server.store.schema.selection import ORDERS, Order, ReadyIndex, register, unregister
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services import index_builds
+from expbuf.server.store.tables import integrity
 
 from helpers import group_items, make_experience, take
 

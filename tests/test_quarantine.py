@@ -1,4 +1,4 @@
-"""Quarantine (server/store/quarantine.py): an experience whose stored payload no longer matches
+"""Quarantine (server/store/rules/quarantine.py): an experience whose stored payload no longer matches
 its digest is quarantined by whichever read finds it (a sample, a Get, the advantage worker's
 read of token-level payloads), never served, counted by state and in `damaged`, logged once;
 its group fails and its other members keep their payloads for Get until their tombstones are
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import decode
-from expbuf.server.advantages import AdvantageWorker
-from expbuf.server.store import Store, layout
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.advantages.worker import AdvantageWorker
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items
 

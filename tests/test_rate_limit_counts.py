@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.store import Entry, Store, layout
-from expbuf.server.store.limiter import INSERTED, SAMPLED, InsertLimited
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.rules.limiter import INSERTED, SAMPLED, InsertLimited
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
 

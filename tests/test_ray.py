@@ -21,7 +21,7 @@ expbuf_ray = pytest.importorskip("expbuf.ray")
 
 NAMESPACE = "expbuf-test"
 # A push to a shard that has just started computes its groups' advantages once the shard's torch
-# has loaded (server/advantage_start.py): about 2 s on a quiet machine, past the client's 5 s on
+# has loaded (server/advantages/start.py): about 2 s on a quiet machine, past the client's 5 s on
 # a busy one. Such a push waits this long for its acknowledgement.
 STARTING_SECONDS = 120.0
 

@@ -1,4 +1,4 @@
-"""Refusals carry their status on their class: every server refusal class lives in store/errors.py with
+"""Refusals carry their status on their class: every server refusal class lives in store/schema/errors.py with
 its gRPC code and metric reason, every client error class with its status; a live refusal over
 gRPC raises the client class of its code and counts its reason on a real /metrics scrape."""
 
@@ -27,7 +27,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.store import errors
+from expbuf.server.store.schema import errors
 
 from conftest import BAD_DIR
 from helpers import make_experience, scrape

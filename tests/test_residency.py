@@ -1,4 +1,4 @@
-"""The server's resident memory does not grow with its data file (server/store/residency.py): the
+"""The server's resident memory does not grow with its data file (server/store/disk/residency.py): the
 map pages a full open check or a scrub pass read are given back, so the data file's share of the
 process's RSS (its mapping's `Rss` in /proc/self/smaps) stays a small part of the file."""
 
@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from expbuf.server.store import Store, layout, residency, selection
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout, residency
+from expbuf.server.store.schema import selection
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 

@@ -1,4 +1,4 @@
-"""Reuse under replay delivery (server/store/reuse.py): each delivery lowers a group's priority by the
+"""Reuse under replay delivery (server/store/rules/reuse.py): each delivery lowers a group's priority by the
 table's priority_decay, sends it behind the groups of equal priority and keeps it out of reach for
 reuse_cooldown_seconds, durably, until max_times_sampled retires it."""
 
@@ -10,7 +10,7 @@ import pytest
 from test_store import Clock
 
 from expbuf.server.store import Store
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from helpers import group_items, take
 

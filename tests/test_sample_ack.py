@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.errors import Forbidden, NotFound, SpecError
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.errors import Forbidden, NotFound, SpecError
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items
 

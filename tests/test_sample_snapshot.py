@@ -1,4 +1,4 @@
-"""Sampled payloads read as views of a snapshot (server/store/snapshot.py): the bytes
+"""Sampled payloads read as views of a snapshot (server/store/disk/snapshot.py): the bytes
 delivered are the ones stored, whatever commits, map growth or closing happen while a
 batch is held, and a released batch cannot be read again."""
 
@@ -12,10 +12,10 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.store import Store
-from expbuf.server.store.environment import MAX_SNAPSHOTS
-from expbuf.server.store.errors import StoreError
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.disk.environment import MAX_SNAPSHOTS
+from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, take
 

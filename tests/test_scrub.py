@@ -1,4 +1,4 @@
-"""The background scrub (server/store/scrub.py): every stored payload checked against its digest
+"""The background scrub (server/store/services/scrub.py): every stored payload checked against its digest
 in read transactions of bounded size, at a bounded rate, the damaged quarantined as a read
 would in short write transactions of their own; the last complete pass kept across restarts;
 progress and findings in ServerInfo, `expbuf stats` and the metrics."""
@@ -16,9 +16,10 @@ import pytest
 from test_quarantine import damage, uids
 
 from expbuf.client import BufferClient
-from expbuf.server.store import Store, scrub
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services import scrub
 
 from helpers import ServerProcess, group_items, scrape
 

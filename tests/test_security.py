@@ -18,7 +18,7 @@ from expbuf.client import AsyncBufferClient, BufferClient, BufferError, Tls
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.config import ServerConfig, TlsConfig, load, parse_tokens
-from expbuf.server.store.table_config import ConfigError
+from expbuf.server.store.schema.table_config import ConfigError
 
 from conftest import Servers, payload
 from helpers import ServerProcess

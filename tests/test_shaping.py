@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from expbuf.server.shaping import (
+from expbuf.server.advantages.shaping import (
     RunningMoments,
     Shaping,
     ShapingReport,
@@ -18,7 +18,7 @@ from expbuf.server.shaping import (
     penalise_overlong,
     shape,
 )
-from expbuf.server.store.table_config import ConfigError
+from expbuf.server.store.schema.table_config import ConfigError
 
 
 def ref_overlong(reward: float, length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:

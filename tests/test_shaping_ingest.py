@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.client.experience import Experience
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.config import load as load_config
 from expbuf.server.store import Store
-from expbuf.server.store.estimator_registry import Estimator
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store.schema.estimator_registry import Estimator
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import Servers
 from helpers import make_experience, registered, take
@@ -140,7 +140,7 @@ def test_running_moments_survive_a_restart(start_server: Servers) -> None:
 def exploding() -> Iterator[str]:
     """reinforce, except that it raises on a batch holding a response of 7 tokens (a fact
     that shaping does not change): a computation that fails because of one group."""
-    from expbuf.server import estimators
+    from expbuf.server.advantages.worker import estimators
 
     def explode(batch: estimators.FlatBatch) -> estimators.Advantages:
         if bool((batch.generated == 7).any()):

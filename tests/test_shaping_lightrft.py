@@ -17,7 +17,7 @@ from lightrft_reference import Config, ExperienceMaker
 
 from expbuf.client import BufferClient, BufferError, wire
 from expbuf.client.experience import Experience
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from helpers import make_experience
 
@@ -251,7 +251,7 @@ def test_client_errors_name_the_setting(settings: dict, message: str) -> None:
 def test_moments_are_float64_sums_of_the_groups() -> None:
     """The served values do not depend on which groups were computed together: a group's
     update of the moments is exact sums of its own values (math.fsum)."""
-    from expbuf.server.moments import RunningMoments
+    from expbuf.server.advantages.moments import RunningMoments
 
     values = torch.tensor([0.1, 0.2, 0.3, 1e-9, 7.0], dtype=torch.float64)
     forward = RunningMoments().update(values)

@@ -11,9 +11,18 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import decode, trxp
-from expbuf.server.store import Entry, Store, layout
-from expbuf.server.store.errors import Conflict, GroupClosed, InvalidRequest, NotFound, StoreError, TableFull, TooLarge
-from expbuf.server.store.table_config import ConfigError, TableConfig
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.errors import (
+    Conflict,
+    GroupClosed,
+    InvalidRequest,
+    NotFound,
+    StoreError,
+    TableFull,
+    TooLarge,
+)
+from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from conftest import payload
 from helpers import group_items, take

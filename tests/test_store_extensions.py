@@ -1,4 +1,4 @@
-"""Table extensions (server/store/extensions.py): a new hook is one class and one registration,
+"""Table extensions (server/store/rules/extensions.py): a new hook is one class and one registration,
 named in the tables that run it (each its own instance), and runs at a real Store's events
 inside the request's transaction; the compute queue, stale-group eviction and the prompt ledger
 are the store's own extensions, run only on the tables whose settings call for them."""
@@ -15,15 +15,15 @@ from expbuf.client import BufferClient, InvalidArgumentError
 from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import Store, TableExtension
-from expbuf.server.store.compute_queue import ComputeQueue
-from expbuf.server.store.errors import ConfigError, InvalidRequest, StoreError
-from expbuf.server.store.extensions import ExtensionKinds
-from expbuf.server.store.ledger import Ledger
-from expbuf.server.store.records import GroupRecord
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.staleness import StaleEviction
-from expbuf.server.store.table_config import TableConfig
-from expbuf.server.store.table_state import Groups, TableState
+from expbuf.server.store.disk.records import GroupRecord
+from expbuf.server.store.ledger.rules import Ledger
+from expbuf.server.store.rules.extensions import ExtensionKinds
+from expbuf.server.store.rules.staleness import StaleEviction
+from expbuf.server.store.rules.table_state import Groups, TableState
+from expbuf.server.store.schema.errors import ConfigError, InvalidRequest, StoreError
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables.compute_queue import ComputeQueue
 
 from conftest import payload
 from helpers import group_items

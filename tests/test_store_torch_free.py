@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.server.advantages import AdvantageWorker
+from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.errors import StoreError
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, make_experience
 
@@ -26,8 +26,8 @@ CHILD = textwrap.dedent(
     from pathlib import Path
 
     from expbuf.client import trxp
-    from expbuf.server.batch_stage import finish_batch
-    from expbuf.server.store.sample_spec import SampleSpec
+    from expbuf.server.advantages.batch_stage import finish_batch
+    from expbuf.server.store.schema.sample_spec import SampleSpec
     from expbuf.server.store import Store
 
     data = Path(sys.argv[1])

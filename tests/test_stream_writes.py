@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 

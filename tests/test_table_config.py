@@ -1,4 +1,4 @@
-"""A table's configuration composed of typed parts (server/store/table_parts.py): each part checks
+"""A table's configuration composed of typed parts (server/store/schema/table_parts.py): each part checks
 its own ranges, the flat settings map to the parts and back through one mapping, mypy sees a
 mistyped mode, the flat keywords of earlier releases still work with a DeprecationWarning, and an
 old client's CreateTable (flat fields only) creates the same table as before."""
@@ -17,9 +17,9 @@ from mypy import api
 from expbuf.client.table_settings import SETTING_NAMES, TableSettings
 from expbuf.client.wire import table_from_proto
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.store.errors import ConfigError
-from expbuf.server.store.table_config import OWN, PARTS, WHERE, TableConfig, differences
-from expbuf.server.store.table_parts import (
+from expbuf.server.store.schema.errors import ConfigError
+from expbuf.server.store.schema.table_config import OWN, PARTS, WHERE, TableConfig, differences
+from expbuf.server.store.schema.table_parts import (
     Advantages,
     Capacity,
     Grouping,
@@ -153,8 +153,8 @@ def test_mypy_sees_a_mistyped_mode_or_setting(tmp_path: Path) -> None:
             """
             from expbuf.client import AsyncBufferClient, BufferClient
             from expbuf.client.sharded import ShardedBufferClient
-            from expbuf.server.store.table_config import TableConfig
-            from expbuf.server.store.table_parts import Capacity
+            from expbuf.server.store.schema.table_config import TableConfig
+            from expbuf.server.store.schema.table_parts import Capacity
 
             def make(client: BufferClient, sharded: ShardedBufferClient) -> None:
                 client.create_table("t", group_size=8, when_full="evict", shaping={"reward_clip": 5.0})

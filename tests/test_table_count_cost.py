@@ -8,8 +8,8 @@ from pathlib import Path
 
 from expbuf.client import BufferClient, trxp
 from expbuf.server.store import Store
-from expbuf.server.store.table_config import TableConfig
-from expbuf.server.store.upkeep import SWEEP_SECONDS
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.services.upkeep import SWEEP_SECONDS
 
 from conftest import Servers
 from helpers import group_items, scrape, take

@@ -15,11 +15,11 @@ from expbuf.client import AsyncBufferClient, BufferClient
 from expbuf.client.sharded import ShardedBufferClient
 from expbuf.client.table_presets import PRESETS
 from expbuf.server import cli
+from expbuf.server.commands.tables import run_client_command
 from expbuf.server.config import load
-from expbuf.server.store.errors import ConfigError
-from expbuf.server.store.table_config import TableConfig
-from expbuf.server.store.table_parts import Capacity, Grouping, RateLimiter
-from expbuf.server.table_cli import run_client_command
+from expbuf.server.store.schema.errors import ConfigError
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.schema.table_parts import Capacity, Grouping, RateLimiter
 
 from pages import code_blocks, page
 

@@ -10,11 +10,11 @@ import lmdb
 import pytest
 
 from expbuf.server.store import Store
-from expbuf.server.store.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
-from expbuf.server.store.records import ItemRecord
-from expbuf.server.store.selection import ReadyIndex
-from expbuf.server.store.states import CONSUMED, LEASED
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.disk.records import ItemRecord
+from expbuf.server.store.schema.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
+from expbuf.server.store.schema.selection import ReadyIndex
+from expbuf.server.store.schema.states import CONSUMED, LEASED
+from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import group_items, take
 

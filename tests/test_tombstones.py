@@ -14,9 +14,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.server.store import RETIRED, ItemRecord, Store, layout
-from expbuf.server.store.errors import Conflict
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import RETIRED, ItemRecord, Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.errors import Conflict
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import FIXTURES
 from helpers import group_items, take

@@ -14,9 +14,9 @@ import pytest
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
 from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.server.store import Store
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.staleness import VersionJump
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store.rules.staleness import VersionJump
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
 from helpers import group_items

@@ -12,7 +12,7 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
   (`reuse_cooldown_time` unset) each experience is read once, and a full table
   (`when_full = "evict"`) makes room by evicting its oldest groups. With reuse the reader
   replays (`delivery=replay`) and the table lowers, cools and retires each delivered group
-  (server/store/reuse.py): the table's `priority_decay`, `reuse_cooldown_seconds`,
+  (server/store/rules/reuse.py): the table's `priority_decay`, `reuse_cooldown_seconds`,
   `max_times_sampled` and `priority_noise` must be Trinity's `decay`, `reuse_cooldown_time`,
   `use_count_limit` and `sigma`, or the reader is refused, saying what to set.
 - `batch_size` of the reader: whole groups of a table with a fixed `group_size` make it

@@ -15,7 +15,7 @@ Two levels: `parse`/`build` work on RawItem (metadata plus raw tensor bytes, no
 torch), which is what the server stores and batches; `decode`/`encode` convert to
 and from Experience objects for users. The parts: common.py (layout, types),
 parse.py, pickles.py (the metadata pickle's scan), unpickler.py, checks.py (validation), build.py
-(building and splicing), convert.py (Experience objects and torch tensors), advantages.py
+(building and splicing), convert.py (Experience objects and torch tensors), advantages/worker.py
 (advantages of one value per experience as tensors, on either side of a sample).
 """
 

@@ -38,8 +38,8 @@ class ShardActor:
     def __init__(self, name: str, data_root: str, tables: Sequence[dict[str, Any]], metrics_port: int) -> None:
         from expbuf.server.app import ExpbufServer
         from expbuf.server.config import ServerConfig
-        from expbuf.server.store.errors import StoreError
-        from expbuf.server.store.table_config import TableConfig
+        from expbuf.server.store.schema.errors import StoreError
+        from expbuf.server.store.schema.table_config import TableConfig
 
         data = Path(data_root) / name
         data.mkdir(parents=True, exist_ok=True)

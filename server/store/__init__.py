@@ -35,14 +35,12 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
-from .counters import SHAPING_COUNTERS
+from .disk.kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
+from .disk.records import ItemRecord
 from .engine import Store
-from .extensions import TableExtension
-from .index_builds import IndexBuild
-from .kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
-from .records import ItemRecord
-from .scrub import ScrubStatus
-from .states import (
+from .rules.counters import SHAPING_COUNTERS
+from .rules.extensions import TableExtension
+from .schema.states import (
     COMPUTING,
     CONSUMED,
     DROPPED,
@@ -58,6 +56,8 @@ from .states import (
     IllegalMove,
     State,
 )
+from .services.index_builds import IndexBuild
+from .services.scrub import ScrubStatus
 
 __all__ = [
     "COMPUTING",

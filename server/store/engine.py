@@ -26,41 +26,33 @@ import lmdb
 
 from expbuf.client.trxp.common import RawItem
 
-from . import (
-    admission,
-    browse,
-    groups,
-    integrity,
-    layout,
-    limiter,
-    residency,
-    retirement,
-    staleness,
-)
-from .catalog import EveryTable, TableCatalog
-from .claims import Claims, PromptPage
-from .compute_queue import backlog
-from .counters import read_counters
-from .environment import Environment
-from .errors import NotFound
-from .extensions import ExtensionKinds, TableExtension
-from .index_builds import IndexBuild, IndexBuilds
-from .integrity import verify
-from .kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
-from .ledger import Claimed, Ledger
-from .ledger_records import DatasetRecord
-from .migrate import migrate
-from .pushing import Pushing
-from .quarantine import quarantine_found
-from .reads import Reads
-from .records import ItemRecord
-from .sample_spec import SampleSpec, check_version
-from .sampling import Sampling
-from .scrub import Scrub, ScrubStatus
-from .stored_advantages import FinishBatch
-from .table_config import TableConfig, default_table
-from .table_state import TableState, stored
-from .upkeep import Upkeep
+from .disk import layout, residency
+from .disk.environment import Environment
+from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
+from .disk.records import ItemRecord
+from .disk.stored_advantages import FinishBatch
+from .ledger.records import DatasetRecord
+from .ledger.rules import Claimed, Ledger
+from .rules import groups, limiter, retirement, staleness
+from .rules.counters import read_counters
+from .rules.extensions import ExtensionKinds, TableExtension
+from .rules.quarantine import quarantine_found
+from .rules.table_state import TableState, stored
+from .schema.errors import NotFound
+from .schema.sample_spec import SampleSpec, check_version
+from .schema.table_config import TableConfig, default_table
+from .services.claims import Claims, PromptPage
+from .services.index_builds import IndexBuild, IndexBuilds
+from .services.pushing import Pushing
+from .services.reads import Reads
+from .services.sampling import Sampling
+from .services.scrub import Scrub, ScrubStatus
+from .services.upkeep import Upkeep
+from .tables import admission, browse, integrity
+from .tables.catalog import EveryTable, TableCatalog
+from .tables.compute_queue import backlog
+from .tables.integrity import verify
+from .tables.migrate import migrate
 
 log = logging.getLogger("expbuf.store")
 T = TypeVar("T")
@@ -252,7 +244,7 @@ class Store:
     def in_push(self) -> Callable[[TableConfig], Compute | None] | None:
         """The advantage computation a push runs for a table's groups in its own transaction
         (pushed_advantages.py), or None where the worker computes them; the server sets it
-        (advantage_start.py), so the storage engine itself imports no estimator."""
+        (advantages/start.py), so the storage engine itself imports no estimator."""
         return self.pushing.in_push
 
     @in_push.setter

@@ -18,11 +18,13 @@ import pytest
 
 from expbuf.client import BufferClient, trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.store import Store, integrity, layout
-from expbuf.server.store.environment import Environment
-from expbuf.server.store.errors import Damaged
-from expbuf.server.store.sample_spec import SampleSpec
-from expbuf.server.store.table_config import TableConfig
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.schema.errors import Damaged
+from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import integrity
 
 from faultkit import channel, payload, servers, stats, stub
 from helpers import group_items

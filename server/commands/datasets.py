@@ -1,0 +1,165 @@
+"""`expbuf dataset create|list|describe`: a table's datasets of prompts from a shell, through the RPCs.
+
+Settings are `KEY=VALUE` as for `expbuf table create` (each value read as TOML). `describe`
+pages through ListPrompts, so the server reads one bounded page at a time for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from expbuf.client import BufferClient
+from expbuf.client.prompts import STATES, DatasetInfo, Prompt
+
+from .tables import columns, parse_setting, toml_value
+
+PAGE = 1000  # prompt records a ListPrompts call reads
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _settings(info: DatasetInfo) -> dict[str, object]:
+    """What the creator chose (seed None: index order)."""
+    return {
+        "size": info.size,
+        "epochs": info.epochs,
+        "seed": info.seed,
+        "max_in_flight": info.max_in_flight,
+        "on_drop": info.on_drop,
+        "max_attempts": info.max_attempts,
+    }
+
+
+def _cursor(info: DatasetInfo, short: bool) -> str:
+    """The next new prompt's epoch and position in it, or the end once every epoch went out."""
+    if info.cursor_epoch >= info.epochs:
+        return "end" if short else "end (every epoch handed out)"
+    if short:
+        return f"{info.cursor_epoch}:{info.cursor_position}"
+    return f"epoch {info.cursor_epoch}, position {info.cursor_position}"
+
+
+def _create(args: argparse.Namespace, client: BufferClient) -> int:
+    settings = dict(parse_setting(s) for s in args.settings)  # a SettingError is a ValueError: exit code 2
+    size = parse_setting(f"size={args.size}")[1]
+    info = client.create_dataset(args.table, args.name, size, exist_ok=args.exist_ok, **settings)
+    shown = " ".join(f"{key}={toml_value(value)}" for key, value in _settings(info).items() if value is not None)
+    print(f"dataset {info.name} on table {args.table}: {shown}")
+    return 0
+
+
+def _list(args: argparse.Namespace, client: BufferClient) -> int:
+    rows: list[tuple[str, ...]] = [("dataset", "size", "epochs", *STATES, "cursor", "done")]
+    for info in client.datasets(args.table):
+        counts = (str(info.total(state)) for state in STATES)
+        done = "yes" if info.done else "no"
+        rows.append((info.name, str(info.size), str(info.epochs), *counts, _cursor(info, short=True), done))
+    print(columns(rows))
+    return 0
+
+
+def _describe(args: argparse.Namespace, client: BufferClient) -> int:
+    states = [state for given in args.states or () for state in given.split(",") if state]
+    unknown = [state for state in states if state not in STATES]
+    if unknown:
+        raise ValueError(f"--states {','.join(unknown)}: expected some of {', '.join(STATES)}")
+    if args.limit < 0:
+        raise ValueError(f"--limit {args.limit}: the prompts to show, 0 or more")
+    info = client.ledger(args.table, args.name)
+    lines = [f"dataset {info.name} on table {args.table}"]
+    for key, value in _settings(info).items():
+        lines.append(f"{key} = {'unset (index order)' if value is None else toml_value(value)}")
+    if info.shards:
+        lines.append(f"shards = {toml_value(info.shards)}")
+    if info.owned != info.size * info.epochs:
+        lines.append(f"owned = {info.owned} (the prompts of all epochs this server, or these shards, hand out)")
+    lines += [
+        f"created = {_utc(info.created)}",
+        f"cursor = {_cursor(info, short=False)}",
+        f"reissued = {info.reissued}",
+        f"attempts_dropped = {info.attempts_dropped}",
+        f"done = {toml_value(info.done)}",
+    ]
+    epochs: list[tuple[str, ...]] = [("epoch", *STATES)]
+    epochs += [(str(epoch), *(str(getattr(row, state)) for state in STATES)) for epoch, row in enumerate(info.counts)]
+    if len(info.counts) < info.epochs:  # the epochs not started, in one row: every prompt pending
+        later = info.total("pending") - sum(row.pending for row in info.counts)
+        first, last = len(info.counts), info.epochs - 1
+        epochs.append((str(first) if first == last else f"{first}..{last}", str(later), *"0000"))
+    sections = ["\n".join(lines), columns(epochs)]
+    if args.limit:
+        prompts, more = _prompts(client, args.table, args.name, states, args.limit)
+        rows: list[tuple[str, ...]] = [("epoch", "index", "attempt", "state", "group", "owner", "expires")]
+        rows += [_row(p) for p in prompts]
+        sections.append(columns(rows) + ("\n(more prompts: raise --limit)" if more else ""))
+    print("\n\n".join(sections))
+    return 0
+
+
+def _prompts(client: BufferClient, table: str, name: str, states: list[str], limit: int) -> tuple[list[Prompt], bool]:
+    """Up to `limit` prompts of the states asked for, in (epoch, index) order, a page at a
+    time; and whether there are more."""
+    shown: list[Prompt] = []
+    after = None
+    while len(shown) <= limit:
+        page = client.list_prompts(table, name, states=states, after=after, limit=PAGE)
+        shown += page.prompts
+        if page.done:
+            break
+        after = page.after
+    return shown[:limit], len(shown) > limit
+
+
+def _row(prompt: Prompt) -> tuple[str, ...]:
+    expires = _utc(prompt.expires) if prompt.state == "claimed" else "-"
+    return (
+        str(prompt.epoch), str(prompt.index), str(prompt.attempt), prompt.state, prompt.group,
+        prompt.owner or "-", expires,
+    )  # fmt: skip
+
+
+def add_dataset_commands(
+    sub: argparse._SubParsersAction,
+    client_options: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    """Register `expbuf dataset ...` under the top-level parser; `run` connects and calls the action."""
+    dataset = sub.add_parser("dataset", help="create, list or describe the datasets of prompts of a running server")
+    actions = dataset.add_subparsers(dest="action", required=True, help="what to do with datasets")
+    create = actions.add_parser("create", help="create a dataset of SIZE prompts on a table that groups by task")
+    create.add_argument("table", help="the table's name")
+    create.add_argument("name", help="the dataset's name")
+    create.add_argument("size", help="prompts per epoch (indexes 0..SIZE-1)")
+    create.add_argument(
+        "settings",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="epochs, seed, max_in_flight, on_drop (done or retry), max_attempts; e.g. epochs=3 seed=7",
+    )
+    create.add_argument("--exist-ok", action="store_true", help="succeed if the dataset exists with these settings")
+    create.set_defaults(run_action=_create)
+    listing = actions.add_parser("list", help="a table's datasets: prompts by state, cursor, done")
+    listing.add_argument("table", help="the table's name")
+    listing.set_defaults(run_action=_list)
+    describe = actions.add_parser(
+        "describe", help="a dataset's settings, cursor, counts per epoch and state, and its prompts"
+    )
+    describe.add_argument("table", help="the table's name")
+    describe.add_argument("name", help="the dataset's name")
+    describe.add_argument(
+        "--states",
+        action="append",
+        metavar="STATE[,STATE]",
+        help=f"list only prompts in these states ({', '.join(STATES)}); repeatable",
+    )
+    describe.add_argument(
+        "--limit", type=int, default=100, help="prompts to list at most, 0 for none (default %(default)s)"
+    )
+    describe.set_defaults(run_action=_describe)
+    for parser in (create, listing, describe):
+        client_options(parser)
+        parser.set_defaults(func=run)

@@ -1,0 +1,130 @@
+"""What every call of the ExperienceBuffer servicer shares: how a refusal becomes its gRPC
+status, metric and log line (`refusals`), the table a call is on, and the time left before
+its deadline."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from ..store.schema.errors import StoreError, clip
+
+log = logging.getLogger("expbuf.service")
+
+# The table the current call is on, for a refusal's log line and metric: set when a call
+# starts, and again by a stream once its first message names the table.
+CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="default")
+
+
+def table_of(request: Any) -> str:
+    """The table a request names (CreateTable and DropTable name it their own way)."""
+    if isinstance(request, pb.CreateTableRequest):
+        return request.config.name
+    if isinstance(request, pb.DropTableRequest):
+        return request.name
+    return getattr(request, "table", "") or "default"
+
+
+class RefusalLog:
+    """Logs refusals, at most `per_second` lines a second: a client that sends garbage in
+    a loop must not flood the log. Lines held back are counted in the next one."""
+
+    def __init__(self, per_second: float = 10.0) -> None:
+        self.per_second = per_second
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._logged = 0
+        self._held_back = 0
+
+    def __call__(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window >= 1.0:
+                self._window, self._logged = now, 0
+            if self._logged >= self.per_second:
+                self._held_back += 1
+                return
+            self._logged += 1
+            held_back, self._held_back = self._held_back, 0
+        if held_back:
+            message += f" ({held_back} refusals not logged before this one)"
+        log.log(level, message, *args, exc_info=exc_info)
+
+
+def refusals(method: Callable) -> Callable:
+    """Map refusals (store/schema/errors.py) to the status code and metric reason their class carries, with
+    their message; count and log them. Anything else is a fault of the server: INTERNAL,
+    logged with its traceback, never UNKNOWN."""
+
+    def abort(self: Any, request: Any, context: grpc.ServicerContext, exc: Exception) -> None:
+        # grpcio's server context has code(); types-grpcio omits it
+        if context.code() is not None:  # type: ignore[attr-defined]  # the method aborted with its own status
+            raise exc
+        table = CALL_TABLE.get()
+        label = table if self.store.has_table(table) else "unknown"
+        if isinstance(exc, StoreError):
+            code, reason = grpc.StatusCode[exc.status], exc.reason
+            self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
+                             code.name, reason, clip(str(exc), 500))  # fmt: skip
+        else:
+            code, reason = grpc.StatusCode.INTERNAL, "internal"
+            self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
+            exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
+        self.metrics.refused.labels(label, reason).inc()
+        context.abort(code, clip(str(exc), 1000))
+
+    if method.__name__ in ("Sample", "PushStream"):
+
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            CALL_TABLE.set(table_of(request))
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:
+                abort(self, request, context, exc)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        CALL_TABLE.set(table_of(request))
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            abort(self, request, context, exc)
+
+    return unary
+
+
+def remaining(context: grpc.ServicerContext, limit: float | None = None) -> float:
+    """Seconds left before the caller's deadline (bounded by limit)."""
+    left = context.time_remaining()
+    left = 3600.0 if left is None else max(0.0, left - 0.05)
+    return left if limit is None else min(left, limit)
+
+
+def max_wait_note(seconds: float) -> str:
+    """What a refusal at the end of a wait adds when the server's max_wait_seconds ended it."""
+    return f" (the server's max_wait_seconds = {seconds:g}, EXPBUF_MAX_WAIT_SECONDS)"
+
+
+def room_wait(context: grpc.ServicerContext, most: float) -> tuple[float, str]:
+    """How long a push may wait for room in a full table or under the rate limit: until its
+    deadline, at most the server's max_wait_seconds `most` (it holds a worker thread meanwhile);
+    and what its refusal then adds (max_wait_note) when `most` is what ends the wait."""
+    left = remaining(context)
+    return (left, "") if left <= most else (most, max_wait_note(most))
+
+
+def noted(refusal: StoreError, note: str) -> StoreError:
+    """`refusal`, with `note` after its message (a refusal of its class made anew) if there is one."""
+    return type(refusal)(f"{refusal}{note}") if note else refusal

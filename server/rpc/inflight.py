@@ -1,0 +1,415 @@
+"""What pushes hold in memory: their payloads read without a copy, counted against
+`max_inflight_bytes` while they are decoded and stored, and given back after.
+
+A push's message arrives as one bytes object (gRPC copies it out of its own buffers once);
+parsing it as a protobuf message and reading its payload field would copy it twice more, so
+PushRequest is read here by hand and its payload is a view of those bytes. Decoding then packs
+each experience once (the stored blob), the received bytes are let go, and LMDB copies the
+blobs into its pages: a push holds about twice its payload at its peak, plus gRPC's copies of
+its message while it is received. A payload sent in chunks over PushStream (total_bytes) is
+put together here, chunk by chunk, in memory of its own size: gRPC's copies are then of one
+chunk at a time.
+
+A push starts reading its message only while the payloads held by pushes in progress are
+below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
+RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
+so the pushes that started reading below the cap may together pass it, by at most one message
+each.) A push sent whole that is larger than the cap still goes through when nothing else is in
+flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
+by that, reserving all of it once it fits beside what is held (waiting, and refused, as above),
+and refused at once, naming both, when it is larger than the cap; its reservation is given back
+however the push ends. It must also come at `push_min_mb_per_second` on average, after a grace of
+`push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
+and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
+handed back to the system.
+
+A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
+message carries what it holds, given back once its push is stored or refused, and the stream's
+wait for room is not timed while its own earlier pushes hold memory, which they give back. Its
+refusals are raised as a `Refusal`, which the stream gives as its status in its turn, after the
+replies of the pushes before it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+
+from .interceptor import ServiceInterceptor
+from .limits import PROGRESS
+
+TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
+
+
+@dataclass(slots=True)
+class PushMessage:
+    """A PushRequest whose payload is a view of the received bytes (or of a payload put
+    together from chunks)."""
+
+    table: str
+    payload: memoryview
+    seq: int
+    total_bytes: int = 0
+    held: list[Callable[[], None]] = field(default_factory=list)  # what it holds of max_inflight_bytes
+
+    def drop_payload(self) -> None:
+        """Let the received bytes go (once decoded), before the store copies the packed experiences."""
+        self.payload = memoryview(b"")
+
+    def release(self) -> None:
+        """Give back what the push held of max_inflight_bytes (once stored or refused; again: nothing)."""
+        _release(self.held)
+
+
+class Refusal(Exception):
+    """A PushStream message refused as it was read: the status the stream ends with in its turn."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+    def abort(self, context: grpc.ServicerContext) -> NoReturn:
+        context.abort(self.code, self.details)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("PushRequest: a truncated or overlong varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def read_push_request(data: bytes) -> PushMessage:
+    """PushRequest's wire form (table = 1, payload = 2, seq = 3, total_bytes = 4; other fields
+    skipped, the last of a repeated field wins, as protobuf reads them), the payload uncopied."""
+    view = memoryview(data)
+    table, payload, seq, total = b"", view[:0], 0, 0
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, pos = _varint(data, pos)
+            if number == 3:
+                seq = value
+            elif number == 4:
+                total = value
+        elif kind == 2:
+            length, pos = _varint(data, pos)
+            if pos + length > len(data):
+                raise ValueError("PushRequest: a field runs past the end of the message")
+            if number == 1:
+                table = data[pos : pos + length]
+            elif number == 2:
+                payload = view[pos : pos + length]
+            pos += length
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        else:
+            raise ValueError(f"PushRequest: field {number} has wire type {kind}, which no field of it has")
+        if number == 0 or pos > len(data):
+            raise ValueError("PushRequest: malformed message")
+    return PushMessage(table.decode(), payload, seq, total)
+
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+ARENAS = 2
+
+
+def few_arenas() -> bool:
+    """Let every thread allocate from at most ARENAS malloc arenas (glibc). By default each busy
+    thread gets an arena of its own, and the free memory at the top of one (up to 64 MiB) goes
+    back to the system only past the trim threshold that keep_reply_memory raises: each worker
+    thread that received a large push kept that much. In two arenas malloc_trim hands it back.
+    False where the C library is not glibc."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, ARENAS))
+    except (OSError, AttributeError):
+        return False
+
+
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    return lambda: trim(0)
+
+
+class InFlight:
+    """The payload bytes held by pushes in progress, and the cap that makes new ones wait."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._changed = threading.Condition()
+        self._held = 0
+        self._waiting = 0  # pushes waiting for room
+        self._owners: dict[object, int] = {}  # pushes holding memory, by the stream they came on
+        self._since_trim = 0
+        self._trim = _malloc_trim()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def admit(self, timeout: float, owner: object = None) -> str | None:
+        """Wait until a push may read its message, up to `timeout`; the refusal if it may not. The
+        time is counted only while `owner` (a stream) holds nothing: its own pushes give back theirs."""
+        with self._changed:
+            return self._wait_for(lambda: self._held < self.limit, timeout, owner, "")
+
+    def reserve(self, size: int, timeout: float, owner: object = None) -> Callable[[], None] | str:
+        """Hold `size` bytes (what a push in chunks announces) once they fit beside what is held,
+        waiting as admit() does; the function that gives them back, or the refusal."""
+        with self._changed:
+            what = f"a push in chunks of total_bytes = {size} waited for room: "
+            refused = self._wait_for(lambda: self._held + size <= self.limit, timeout, owner, what)
+            return self.hold(size, owner) if refused is None else refused
+
+    def _wait_for(self, fits: Callable[[], bool], timeout: float, owner: object, what: str) -> str | None:
+        """Wait (the lock held) until `fits()`, as admit() says; the refusal, after `what`, if not in time."""
+        deadline = None
+        self._waiting += 1
+        try:
+            while not fits():
+                if self._owners.get(owner):
+                    deadline = None
+                    self._changed.wait()
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return (
+                        f"{what}pushes in progress hold {self._held} bytes of payload, the limit is "
+                        f"max_inflight_bytes = {self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the "
+                        "config file, or retry later)"
+                    )
+                self._changed.wait(left)
+            return None
+        finally:
+            self._waiting -= 1
+
+    def hold(self, size: int, owner: object = None) -> Callable[[], None]:
+        """Count a read payload (of `owner`'s) until the function returned is called."""
+        with self._changed:
+            self._held += size
+            self._since_trim += size
+            if owner is not None:
+                self._owners[owner] = self._owners.get(owner, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            with self._changed:
+                self._held -= size
+                if owner is not None:
+                    self._owners[owner] -= 1
+                    if not self._owners[owner]:
+                        del self._owners[owner]
+                self._changed.notify_all()
+                trim = self._held == 0 and self._since_trim >= TRIM_AFTER
+                if trim:
+                    self._since_trim = 0
+            if trim:  # the heap keeps freed blocks of a large push; the last push hands them back
+                self._trim()
+
+        return release
+
+
+def _release(held: list[Callable[[], None]]) -> None:
+    while held:
+        held.pop()()
+
+
+def _remaining(context: grpc.ServicerContext) -> float:
+    """How long a push may wait to be read: its deadline, less the time to send a refusal."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - min(1.0, 0.1 * left))
+
+
+class PushMemory(ServiceInterceptor):
+    """Push and PushStream read their messages with read_push_request, once InFlight admits them;
+    PushStream puts the chunks of a payload together before the servicer sees it. A message that
+    cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn."""
+
+    def __init__(
+        self,
+        inflight: InFlight,
+        stream_wait: float = 3600.0,
+        max_push_bytes: int = 256 << 20,
+        min_mb_per_second: float = 0.1,
+        grace: float = 120.0,
+    ) -> None:
+        self.inflight = inflight
+        self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
+        self.max_push_bytes = max_push_bytes  # the largest payload in chunks: max_message_bytes
+        # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
+        self.min_mb_per_second, self.grace = min_mb_per_second, grace
+
+    def _read(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
+    ) -> PushMessage | None:
+        """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
+        None at the end of the client's messages."""
+        refused = self.inflight.admit(min(most, _remaining(context)), owner)
+        if refused is not None:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        request = next(requests, None)
+        if request is None:
+            return None
+        size = len(request.payload)
+        request.held.append(self.inflight.hold(size, owner))
+        if request.total_bytes and request.total_bytes < size:
+            request.release()
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
+            )
+        if request.total_bytes > self.max_push_bytes:
+            request.release()
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload of total_bytes = {request.total_bytes} is larger than the largest push, "
+                f"max_message_bytes = {self.max_push_bytes} (EXPBUF_MAX_MESSAGE_BYTES)",
+            )
+        return request
+
+    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object) -> None:
+        """Hold what a push in chunks announces (total_bytes) in place of its first chunk, once it
+        fits beside what pushes in progress hold (waiting as a message's read does); refused at once
+        when larger than the cap, which it could never fit under."""
+        total, limit = first.total_bytes, self.inflight.limit
+        first.release()
+        if total > limit:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_inflight_bytes = "
+                f"{limit}, the payload bytes pushes in progress may hold together (raise it with "
+                "EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
+            )
+        held = self.inflight.reserve(total, min(self.stream_wait, _remaining(context)), owner)
+        if isinstance(held, str):
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held)
+        first.held.append(held)
+
+    def _chunks(
+        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
+    ) -> Generator[Any, None, PushMessage]:
+        """The payload whose first chunk is `first`, reserved (`_reserve`) and put together from the
+        chunks that follow it, then returned as one message; PROGRESS after each chunk but the last,
+        so that the stream is not taken for idle. A stream that ends before the last chunk, or whose
+        chunks come slower than min_mb_per_second on average after the grace, is refused: nothing of
+        the push is stored, and its reservation is given back."""
+        self._reserve(first, context, owner)
+        total, got = first.total_bytes, len(first.payload)
+        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
+        started, allowed = time.monotonic(), self.grace + total / (self.min_mb_per_second * 1e6)
+        try:
+            whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
+            whole[:got] = first.payload
+            first.drop_payload()
+            message = PushMessage(first.table, whole, first.seq, held=first.held)
+            del whole  # the message alone holds the payload, which the servicer lets go once decoded
+            while got < total:
+                yield PROGRESS
+                chunk = next(requests, None)
+                if chunk is None:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                    )
+                if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
+                        "nothing else (table, seq and total_bytes unset)",
+                    )
+                end = got + len(chunk.payload)
+                if end > total:
+                    raise Refusal(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                    )
+                elapsed = time.monotonic() - started
+                if end < total and elapsed > allowed:
+                    raise Refusal(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
+                        f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
+                        f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
+                        "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                    )
+                message.payload[got:end] = chunk.payload
+                chunk.drop_payload()
+                got = end
+        except BaseException:
+            first.release()  # what the message holds: the same list
+            raise
+        return message
+
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if method == "Push" and handler.unary_unary:
+            behavior = handler.unary_unary
+
+            def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                try:
+                    request = self._read(requests, context)
+                except Refusal as refusal:
+                    refusal.abort(context)
+                if request is None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push: the call carried no message")
+                try:
+                    if request.total_bytes > len(request.payload):
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Push: total_bytes = {request.total_bytes} but the payload is {len(request.payload)} "
+                            "bytes: a payload in chunks goes over PushStream",
+                        )
+                    return behavior(request, context)
+                finally:
+                    request.release()
+
+            # A unary request is framed as a stream of one: taken as a stream, it is read only when asked for.
+            return grpc.stream_unary_rpc_method_handler(push, read_push_request, handler.response_serializer)
+        if method == "PushStream" and handler.stream_stream:
+            behavior = handler.stream_stream
+
+            def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                """The stream's messages, each holding its memory until the servicer releases it."""
+                owner = object()  # this stream, whose own pushes in progress free the room it waits for
+                while True:
+                    request = self._read(requests, context, self.stream_wait, owner)
+                    if request is None:
+                        return
+                    if request.total_bytes > len(request.payload):
+                        request = yield from self._chunks(request, requests, context, owner)
+                    yield request
+
+            def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from behavior(admitted(requests, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
+        return handler

@@ -1,0 +1,424 @@
+"""The ExperienceBuffer gRPC servicer: translates between the wire and the store.
+
+Nothing here decides anything about storage; it maps requests to backend calls,
+TRXP payloads through the codec, and refusals to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, replace
+from typing import Any
+
+import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from expbuf.client import trxp, wire
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from .. import __version__
+from ..advantages.devices import check_device
+from ..advantages.moments import RunningMoments
+from ..backend import Backend
+from ..store import PutResult, Sampled
+from ..store.schema.errors import InsertLimited, InvalidRequest, SpecError, TableFull, clip
+from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.states import LIVE
+from ..store.schema.table_config import TableConfig
+from . import push_stream
+from .call_context import CALL_TABLE, RefusalLog, max_wait_note, noted, refusals, remaining, room_wait
+from .draining import Draining
+from .inflight import PushMessage
+from .ingest import Ingest
+from .ledger_service import LedgerCalls
+from .limits import MAY_WAIT, Interrupted, TableStreams
+from .metrics import Metrics
+from .replies import sample_reply
+from .sample_stream import stream_batches
+from .writers import Writers
+
+log = logging.getLogger("expbuf.service")
+
+# The TableStats fields of the versions, by the counter each comes from (unknown: -1).
+_VERSION_STATS = {
+    "min_model_version": "min_version",
+    "max_model_version": "max_version",
+    "trainer_version": "trainer_version",
+}
+
+
+def sample_spec(request: pb.SampleRequest) -> SampleSpec:
+    """The first message of a Sample stream as a checked SampleSpec."""
+    try:
+        order = request_order(request)
+        delivery = wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume")
+    except wire.WireError as exc:
+        raise SpecError(str(exc)) from None
+    return SampleSpec(
+        table=request.table or "default",
+        num_groups=request.num_groups,
+        batch_size=request.batch_size,
+        order=order,
+        delivery=delivery,
+        lease_seconds=request.lease_seconds,
+        wait_seconds=request.wait_seconds,
+        allow_partial=request.allow_partial,
+        max_batches=request.max_batches,
+        min_model_version=request.min_model_version if request.has_min_model_version else None,
+        trainer_version=request.trainer_version if request.has_trainer_version else None,
+        window=request.window or 1,
+        compact_advantages=request.compact_advantages,
+    )
+
+
+def request_order(request: pb.SampleRequest) -> str:
+    """The order a Sample request names: a registered order's `order_name`, or the enum."""
+    if not request.order_name:
+        return wire.enum_name(wire.ORDER, "order", request.order, "fifo")
+    if request.order:
+        raise InvalidRequest("set order or order_name, not both")
+    return request.order_name
+
+
+def _unknown_fields(message: Any) -> list[int]:
+    """The numbers of fields a newer client set that this server does not know."""
+    fields = UnknownFieldSet(message)
+    return [fields[i].field_number for i in range(len(fields))]
+
+
+MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
+
+
+def _ids(values: Iterable[str], what: str) -> list[str]:
+    """Uids or group ids of a request: each non-empty and no longer than a stored one can be."""
+    ids = list(values)
+    for value in ids:
+        if not value or len(value.encode()) > trxp.MAX_UID_BYTES:
+            raise InvalidRequest(
+                f"{what}: {clip(value)!r} is not an id (ids are 1 to {trxp.MAX_UID_BYTES} bytes of UTF-8)"
+            )
+    return ids
+
+
+class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
+    def __init__(
+        self,
+        store: Backend,
+        *,
+        metrics: Metrics,
+        max_message_bytes: int,
+        advantage_device: str,
+        bind_leases: bool = False,
+        ingest: Ingest | None = None,
+        table_streams: TableStreams | None = None,
+        push_stream_idle_seconds: float = 120.0,
+        push_stream_window: int = 8,
+        max_wait_seconds: float = 600.0,
+        max_confirm_seconds: float = 600.0,
+    ) -> None:
+        self.store = store
+        self.ingest = ingest or Ingest()
+        self.table_streams = table_streams or TableStreams(1 << 30)
+        self.bind_leases = bind_leases
+        self.refusal_log = RefusalLog()
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.advantage_device = advantage_device
+        self.push_stream_idle_seconds = push_stream_idle_seconds
+        self.push_stream_window = push_stream_window
+        self.max_wait_seconds = max_wait_seconds
+        self.max_confirm_seconds = max_confirm_seconds
+        self.started = time.time()
+        self.writers = Writers()
+        self.draining = Draining()
+
+    # ---- push --------------------------------------------------------------------
+
+    def _push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        table = request.table or "default"
+        CALL_TABLE.set(table)
+        entries = self.ingest.entries(request.payload)
+        if isinstance(request, PushMessage):
+            request.drop_payload()
+        timeout, note = room_wait(context, self.max_wait_seconds)
+        try:  # a push that finds it must wait for room is a call that waits idle (rpc/limits.py)
+            result = self.store.put_entries(
+                table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
+            )
+        except (TableFull, InsertLimited) as exc:
+            raise noted(exc, note) from None
+        return self._reply(request.seq, table, result)
+
+    def _reply(self, seq: int, table: str, result: PutResult) -> pb.PushReply:
+        """A stored push's reply (its groups dropped as they completed are logged)."""
+        for gkey in result.dropped_groups:
+            log.info("group dropped: table %s, group %s, reason zero_variance", table, gkey)
+        return pb.PushReply(
+            seq=seq,
+            stored_uids=result.stored,
+            duplicate_uids=result.duplicates,
+            completed_groups=result.completed_groups,
+            stale_uids=result.stale,
+        )
+
+    @refusals
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        return self._push(request, context)
+
+    @refusals
+    def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
+        """Pushes as they come, up to push_stream_window of them at once, each answered in order once
+        durable (rpc/push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
+        with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
+        the server stops, it ends with UNAVAILABLE once it has answered every push it read (rpc/draining.py)."""
+        messages = push_stream.open_messages(
+            request_iterator, self.ingest, self.push_stream_idle_seconds, self.push_stream_window, self._owner(context)
+        )
+        try:
+            with self.draining.watching(messages.interrupt):
+                yield from push_stream.replies(self.store, messages, context, self._reply, self.max_wait_seconds)
+        except Interrupted:
+            self.draining.end("PushStream", context)
+        finally:
+            messages.close()
+
+    # ---- sample ------------------------------------------------------------------
+
+    @refusals
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Batches sent as the client asks for them (see rpc/sample_stream.py)."""
+        try:
+            first = next(requests, None)
+        except grpc.RpcError:  # cancelled before it asked for anything
+            return
+        if first is None:
+            return
+        CALL_TABLE.set(first.table or "default")
+        spec = sample_spec(first)
+        bound = ""
+        if spec.wait_seconds > self.max_wait_seconds:
+            spec = replace(spec, wait_seconds=self.max_wait_seconds)
+            bound = max_wait_note(self.max_wait_seconds)
+
+        def reply(batch: Sampled, confirm_seconds: float) -> bytes:
+            self._observe_staleness(spec.table, batch)  # from the sample's own transaction
+            return sample_reply(batch, spec, confirm_seconds)
+
+        refused = self.table_streams.enter(spec.table)
+        if refused is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        try:
+            yield from stream_batches(
+                self.store,
+                spec,
+                requests,
+                context,
+                owner=self._owner(context),
+                timeout=lambda: remaining(context, spec.wait_seconds),
+                reply=reply,
+                draining=self.draining,
+                bound=bound,
+                confirm_seconds=self.max_confirm_seconds,
+            )
+        finally:
+            self.table_streams.leave(spec.table)
+
+    def _owner(self, context: grpc.ServicerContext) -> str:
+        """Who takes a lease: a fingerprint of the caller's token when tokens are on, so
+        that only that caller can ack or nack it."""
+        if not self.bind_leases:
+            return ""
+        token = dict(context.invocation_metadata()).get("authorization", "")
+        return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()[:16]
+
+    def _observe_staleness(self, table: str, batch: Sampled) -> None:
+        """Trainer version (else the newest pushed) minus each experience's version; an
+        experience newer than the trainer counts as 0."""
+        latest = batch.trainer_version if batch.trainer_version is not None else batch.newest_version
+        if latest is None:
+            return
+        histogram = self.metrics.staleness.labels(table)
+        for version in batch.versions:
+            if version is not None:
+                histogram.observe(max(0, latest - version))
+
+    @refusals
+    def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
+        table = request.table or "default"
+        return pb.AckReply(acked=self.store.ack(request.lease_id, table, self._owner(context)))
+
+    @refusals
+    def Nack(self, request: pb.NackRequest, context: grpc.ServicerContext) -> pb.NackReply:
+        table = request.table or "default"
+        return pb.NackReply(requeued=self.store.nack(request.lease_id, table, self._owner(context)))
+
+    @refusals
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
+        table = request.table or "default"
+        expires, leased = self.store.renew(request.lease_id, request.lease_seconds, table, self._owner(context))
+        return pb.RenewReply(lease_expires_unix=expires, leased=leased)
+
+    @refusals
+    def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
+        groups = _ids(request.group_ids, "group_ids")
+        return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
+
+    # ---- admin -------------------------------------------------------------------
+
+    @refusals
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
+        payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
+        return pb.GetReply(payload=payload, missing_uids=missing)
+
+    @refusals
+    def ListExperiences(
+        self, request: pb.ListExperiencesRequest, context: grpc.ServicerContext
+    ) -> pb.ListExperiencesReply:
+        unknown = sorted(set(request.states) - set(LIVE))
+        if unknown:
+            raise InvalidRequest(f"states: {clip(unknown[0])!r} is not a live state ({', '.join(LIVE)})")
+        if request.limit > MAX_LIST_PAGE:
+            raise InvalidRequest(f"limit: {request.limit} is above the page limit of {MAX_LIST_PAGE}")
+        found = self.store.list_experiences(
+            request.table or "default",
+            states=list(request.states),
+            min_version=request.min_model_version if request.HasField("min_model_version") else None,
+            max_version=request.max_model_version if request.HasField("max_model_version") else None,
+            after=request.after,
+            limit=request.limit or 1000,
+        )
+        listed = [
+            pb.ListedExperience(
+                uid=item.uid,
+                group_id=item.group,
+                state=item.state,
+                model_version=item.version,
+                reward=item.reward,
+                times_sampled=item.times_sampled,
+            )
+            for item in found.items
+        ]
+        return pb.ListExperiencesReply(experiences=listed, next=found.next, done=found.done)
+
+    @refusals
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
+        table = request.table or "default"
+        deleted = self.store.delete(table, _ids(request.uids, "uids"), _ids(request.group_ids, "group_ids"))
+        return pb.DeleteReply(deleted=deleted)
+
+    @refusals
+    def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
+        (group_id,) = _ids([request.group_id], "group_id")
+        return pb.SealReply(size=self.store.seal(request.table or "default", group_id))
+
+    @refusals
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        names = [request.table] if request.table else [t.name for t in self.store.list_tables()]
+        return pb.StatsReply(tables=[self._table_stats(name) for name in names])
+
+    def _table_stats(self, name: str) -> pb.TableStats:
+        """A table's counters as a TableStats: each field from the counter of its name, the
+        versions as -1 while unknown, the reward normalisation as its mean and std."""
+        s = self.store.stats(name)
+        moments = RunningMoments.of(s["reward_moments"])
+        stats = pb.TableStats(name=name, reward_running_mean=moments.mean, reward_running_std=moments.std)
+        for field in pb.TableStats.DESCRIPTOR.fields:
+            if field.name in _VERSION_STATS:
+                version = s[_VERSION_STATS[field.name]]
+                setattr(stats, field.name, -1 if version is None else version)
+            elif field.name in s:
+                setattr(stats, field.name, s[field.name])
+        return stats
+
+    @refusals
+    def SetTrainerVersion(
+        self, request: pb.SetTrainerVersionRequest, context: grpc.ServicerContext
+    ) -> pb.SetTrainerVersionReply:
+        version = self.store.set_trainer_version(request.table or "default", request.version)
+        return pb.SetTrainerVersionReply(version=version)
+
+    @refusals
+    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitReply:
+        table = request.table or "default"
+        asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting Admit holds a worker thread
+        wait = remaining(context, asked) if request.wait_seconds > 0 else 0.0
+        grant = self.store.admit(table, request.count, wait=wait, grant_seconds=request.grant_seconds or 300.0)
+        self.metrics.admission.labels(table, "granted" if grant.count else "no_room").inc()
+        return pb.AdmitReply(granted=grant.count, grant_id=grant.grant_id, expires_unix=grant.expires)
+
+    @refusals
+    def FinishGrant(self, request: pb.FinishGrantRequest, context: grpc.ServicerContext) -> pb.FinishGrantReply:
+        accepted = request.accepted if request.HasField("accepted") else None
+        returned = self.store.finish_grant(request.table or "default", request.grant_id, accepted)
+        return pb.FinishGrantReply(returned=returned)
+
+    @refusals
+    def ResetOffPolicy(
+        self, request: pb.ResetOffPolicyRequest, context: grpc.ServicerContext
+    ) -> pb.ResetOffPolicyReply:
+        table = request.table or "default"
+        version = request.trainer_version if request.has_trainer_version else None
+        stored, submitted = self.store.reset_offpolicy(table, version)
+        log.info(
+            "off-policy state of table %s reset: trainer version %s, %d rollouts counted", table, stored, submitted
+        )
+        return pb.ResetOffPolicyReply(trainer_version=-1 if stored is None else stored, submitted=submitted)
+
+    @refusals
+    def ServerInfo(self, request: pb.ServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfoReply:
+        storage = self.store.storage_info()
+        return pb.ServerInfoReply(
+            version=__version__,
+            trxp_version=str(trxp.VERSION),
+            advantage_device=self.advantage_device,
+            max_message_bytes=self.max_message_bytes,
+            uptime_seconds=time.time() - self.started,
+            storage_bytes=int(storage["used_bytes"]),
+            lmdb_map_used_ratio=storage["map_used_ratio"],
+            scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
+        )
+
+    @refusals
+    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
+        unknown = _unknown_fields(request.config) + _unknown_fields(request.config.estimator)
+        if unknown:
+            raise InvalidRequest(
+                f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
+                f"(expbuf {__version__}) does not know them, so it refuses the table instead of dropping them"
+            )
+        try:
+            settings = wire.table_from_proto(request.config)
+        except wire.WireError as exc:
+            raise InvalidRequest(str(exc)) from None
+        config = TableConfig.from_settings(settings)
+        check_device(config)
+        created = self.store.create_table(config, exist_ok=request.exist_ok)
+        if created:
+            log.info("table created: %s", config.settings())
+        return pb.CreateTableReply(
+            config=wire.table_to_proto(self.store.table(config.name).settings()), created=created
+        )
+
+    @refusals
+    def ListTables(self, request: pb.ListTablesRequest, context: grpc.ServicerContext) -> pb.ListTablesReply:
+        return pb.ListTablesReply(tables=[wire.table_to_proto(t.settings()) for t in self.store.list_tables()])
+
+    @refusals
+    def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableReply:
+        if request.name == "default":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the default table cannot be dropped")
+        dropped = self.store.drop_table(request.name)
+        self.writers.forget(request.name)
+        log.info("table dropped: %s (%d live experiences)", request.name, dropped)
+        return pb.DropTableReply(dropped_experiences=dropped)
+
+    @refusals
+    def Writers(self, request: pb.WritersRequest, context: grpc.ServicerContext) -> pb.WritersReply:
+        table = request.table or "default"
+        self.store.table(table)  # NOT_FOUND for a table that does not exist
+        count = self.writers.change(table, request.change)
+        return pb.WritersReply(open=count.open, done=count.done)

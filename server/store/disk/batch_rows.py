@@ -1,0 +1,52 @@
+"""The rows of a batch read from the store: each experience's payload, item record and
+stored advantage, as a sample (leases.take) and a Get (Store.get_payload) read them."""
+
+from __future__ import annotations
+
+import lmdb
+
+from ..schema.errors import StoreError
+from ..schema.table_config import TableConfig, batch_stage
+from .records import ItemRecord
+from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
+
+
+class BatchRows:
+    """A batch being read in one transaction, row by row. The advantages are the stored
+    ones; a table with a batch stage finishes them where the reply is built (`stage`), with
+    the batch stage the server gave the store (`finish`)."""
+
+    def __init__(
+        self,
+        txn: lmdb.Transaction[bytes | memoryview],
+        adv: lmdb._Database,
+        config: TableConfig,
+        finish: FinishBatch | None,
+    ) -> None:
+        self.txn, self.adv, self.config, self.finish = txn, adv, config, finish
+        self.computed = config.advantages.estimator != "none"  # a table without an estimator has no advantages
+        self.blobs: list[bytes | memoryview] = []
+        self.records: list[ItemRecord] = []
+        self.advantages: list[Advantage] = []
+
+    def add(self, key: bytes, rec: ItemRecord, blob: bytes | memoryview) -> None:
+        """One experience: its payload (as read), its record and its stored advantage (the
+        value in the record, or the token-level record of the `adv` database)."""
+        token_level = self.txn.get(key, db=self.adv) if self.computed and rec.advantage is None else None
+        self.blobs.append(blob)
+        self.records.append(rec)
+        self.advantages.append(stored_advantage(rec, None if token_level is None else bytes(token_level)))
+
+    def stage(self, counts: StageCounts | None) -> Stage | None:
+        """The batch stage still to run on these rows, or None where the table has none. A
+        store given no batch stage refuses to take such a batch: its stored values are
+        pending, not advantages."""
+        if not self.records or not batch_stage(self.config):
+            return None
+        if self.finish is None:
+            raise StoreError(
+                f"table {self.config.name!r} finishes its advantages over each sampled batch, "
+                "and this store was given no batch stage (Store(batch_stage=...))"
+            )
+        finish, config, records = self.finish, self.config, self.records
+        return lambda stored: finish(config, records, stored, counts)

@@ -1,0 +1,208 @@
+"""What goes into the store and what comes out of it: a validated experience ready to
+store, the result of a push, a sampled batch, and a computation of advantages to do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from expbuf.client.trxp.build import pack_item
+from expbuf.client.trxp.common import RawItem
+
+from ..schema.states import PENDING
+from ..schema.table_config import TableConfig
+from . import digests
+from .records import ItemRecord
+from .snapshot import Snapshot
+from .stored_advantages import Advantage, Stage, batch_parts
+
+T = TypeVar("T")
+
+GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
+# Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
+MayWait = Callable[[], str | None]
+
+
+@dataclass(slots=True)
+class Entry:
+    """One validated experience ready to store: its identity and one-item payload.
+
+    Not changed once made; not frozen, as a frozen dataclass's construction costs a push
+    about a microsecond an experience more."""
+
+    uid: str
+    tid: str
+    rid: str
+    sid: str
+    blob: bytes
+    digest: bytes  # digests.of(blob)
+    version: int | None
+    reward: float | None
+    priority: float
+    has_token_rewards: bool
+    step: int
+    response_length: int
+    generated: int  # response tokens under the action mask
+
+    @classmethod
+    def of(cls, item: RawItem) -> Entry:
+        eid = item.eid
+        blob = pack_item(item)
+        priority = item.meta.get("info", {}).get("priority", 0.0)
+        return cls(
+            uid=eid.uid,
+            tid=eid.tid,
+            rid=eid.rid,
+            sid=eid.sid,
+            blob=blob,
+            digest=digests.of(blob),
+            version=item.model_version,
+            reward=item.meta.get("reward"),
+            priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
+            has_token_rewards="token_level_reward" in item.tensors,
+            step=eid.step,
+            response_length=item.response_length,
+            generated=item.generated_tokens,
+        )
+
+    def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
+        """The record of this experience as a pending member of group `gkey`."""
+        return ItemRecord(
+            state=PENDING,
+            group=gkey,
+            seq=seq,
+            digest=self.digest,
+            size=len(self.blob),
+            created=created,
+            tid=self.tid,
+            rid=self.rid,
+            step=self.step,
+            response_length=self.response_length,
+            generated=self.generated,
+            version=self.version,
+            reward=self.reward,
+            priority=self.priority,
+        )
+
+    def group_key(self, group_by: str) -> str:
+        key: str = getattr(self, GROUP_KEY_OF[group_by])
+        return key
+
+
+@dataclass(slots=True)
+class Push:
+    """A push as the store takes it: a table, validated entries, and who pushes them (with
+    tokens on, a fingerprint of the caller's token; only a claimed prompt's token pushes its
+    group). The store reads the entries when the writer stores them and keeps them no longer,
+    so whoever made the push lets them go (`entries = []`) as soon as it has the push's result."""
+
+    table: str
+    entries: Sequence[Entry]
+    holder: str = ""
+
+
+@dataclass
+class PutResult:
+    stored: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    completed_groups: list[str] = field(default_factory=list)
+    dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
+    stale: list[str] = field(default_factory=list)  # dropped as older than the staleness bound
+
+
+@dataclass
+class Sampled:
+    """A selected batch: uids in group order, their group ids and stored payloads.
+
+    The payloads may be views into the store's map, read from `snapshot` (snapshot.py):
+    `render` and `payload` read them while they are valid; `release` ends the snapshot
+    once the batch's reply is built. `advantages` are the stored values; a table's batch
+    stage (`stage`) finishes them once, when the payload is first rendered: where the
+    reply is built, outside the store's write transaction."""
+
+    uids: list[str]
+    group_ids: list[str]
+    blobs: list[bytes | memoryview]
+    advantages: list[Advantage] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # policy version of each experience
+    newest_version: int | None = None  # the newest version pushed to the table, for staleness
+    trainer_version: int | None = None  # the trainer's version, when set: the reference of staleness
+    lease_id: str = ""
+    lease_expires: float = 0.0
+    partial: bool = False
+    times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
+    snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
+    stage: Stage | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def payload(self) -> bytes:
+        return self.render(b"".join)
+
+    def finish(self) -> None:
+        """Run the batch stage on the stored advantages, once."""
+        if self.stage is not None:
+            stage, self.stage = self.stage, None
+            self.advantages = stage(self.advantages)
+
+    def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
+        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
+        which are valid only during the call: each byte is copied once, by `build`. The
+        batch stage runs first, if it has not."""
+        self.finish()
+        if self.snapshot is None:
+            return build(batch_parts(self.blobs, self.advantages))
+        with self.snapshot.reading():
+            return build(batch_parts(self.blobs, self.advantages))
+
+    def release(self) -> None:
+        """End the snapshot the payloads are read from, without copying them: for a batch
+        whose reply is built; its payload cannot be read again."""
+        if self.snapshot is not None:
+            self.snapshot.release()
+
+
+@dataclass
+class ComputeJob:
+    """Completed groups of one table whose advantages are to be computed."""
+
+    table: str
+    config: TableConfig
+    groups: list[str]
+    members: list[list[str]]
+    records: dict[str, ItemRecord]  # by uid: reward, ids, step, lengths
+    blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
+    moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
+
+    def split(self) -> list[ComputeJob]:
+        """One job per group, to find which group a failed computation cannot take."""
+        return [
+            ComputeJob(
+                table=self.table,
+                config=self.config,
+                groups=[gkey],
+                members=[members],
+                records={uid: self.records[uid] for uid in members},
+                blobs={uid: self.blobs[uid] for uid in members if uid in self.blobs},
+                moments=self.moments,
+            )
+            for gkey, members in zip(self.groups, self.members, strict=True)
+        ]
+
+
+@dataclass
+class ShapingUpdate:
+    """What reward shaping did in one computation, saved with its advantages."""
+
+    counts: dict[str, int]  # added to the shaping counters (counters.SHAPING_COUNTERS)
+    moments: list[float] | None  # the running reward moments after it
+    rewards: dict[str, float] = field(default_factory=dict)  # shaped rewards by uid, for the batch stage
+
+
+# An advantage computation of one job: the values to store by uid, the ready groups, the
+# dropped ones, the failed ones with the reason, and what reward shaping did.
+Computed = tuple[dict[str, float | bytes], list[str], list[str], dict[str, str], ShapingUpdate]
+Compute = Callable[[ComputeJob], Computed]
+# A computation done before a push's transaction, for the groups the push is expected to
+# complete: the job and its result (pushed_advantages.compute_ahead).
+Ahead = tuple[ComputeJob, Computed]

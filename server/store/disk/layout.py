@@ -1,0 +1,97 @@
+"""Where the store keeps what: its named LMDB databases and the keys in them.
+
+Per-table keys start with the table's 4-byte id T (big-endian), so a table's entries are
+one contiguous range:
+- tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
+- items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload
+- tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
+- adv:       T + uid -> token-level advantages (only estimators that have them)
+- groups:    T + group key -> GroupRecord
+- order:     T + seq -> uid (live experiences in insertion order: eviction, oldest age)
+- pending:   T + created + group key -> b"" (incomplete groups, for group timeouts)
+- compute:   T + rseq -> group key (complete groups waiting for their advantages)
+- retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
+  pruned together after tombstone_seconds)
+- counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction;
+  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; selection.IN_USE)
+- ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
+  and of the version index (byver), of the tables that keep them; see ready_indexes.py and
+  selection.py
+- leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
+- grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
+- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
+- ledger:    T + a kind byte + ... -> the prompt ledger's datasets, prompts, queues, group entries
+  and claim expiries (ledger_records.py)
+Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's
+511-byte limit.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+from ..schema import selection
+from ..schema.ready_indexes import u64
+
+# The form of the data directory: 1 kept JSON records and task, run and step indexes;
+# 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
+# (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
+# compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
+# ledger_records.py). See migrate.py.
+FORMAT = 5
+DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
+OWN = (
+    *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
+    "tombs", "ledger",
+)  # fmt: skip
+# The indexes a directory written before the order registry keeps: those of the built-in orders.
+BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")
+FORMAT_1_ONLY = ("tasks", "runs", "steps")
+MAX_DBS = 64  # the store's own, the indexes of the registered orders, and format 1's while it is upgraded
+
+
+def index_databases() -> tuple[str, ...]:
+    """The databases of the indexes the store keeps for the registered orders (selection.py)."""
+    names = tuple(name for index in selection.indexes() for name in index.databases)
+    taken = set(names) & set(OWN + FORMAT_1_ONLY)
+    if taken:
+        raise ValueError(f"an order's index names the store's own database(s) {', '.join(sorted(taken))}")
+    return names
+
+
+def databases() -> tuple[str, ...]:
+    """Every database a store opens: its own, then the indexes'."""
+    return OWN + index_databases()
+
+
+def per_table(dbs: Iterable[str]) -> list[str]:
+    """Of these databases, those keyed by table (a dropped table leaves nothing in them)."""
+    return [name for name in dbs if name not in DIRECTORY]
+
+
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+
+def table_prefix(table_id: int) -> bytes:
+    return _U32.pack(table_id)
+
+
+def table_of(key: bytes) -> int:
+    table_id: int = _U32.unpack(key[:4])[0]
+    return table_id
+
+
+def micros(seconds: float) -> bytes:
+    """A time as 8 sortable bytes (microseconds; times before 1970 sort first as 0)."""
+    return u64(max(0, int(seconds * 1e6)))
+
+
+def expiry_key(expires: float, lease_id: str) -> bytes:
+    return micros(expires) + lease_id.encode()
+
+
+def expiry_of(key: bytes) -> float:
+    stamp: int = _U64.unpack(key[:8])[0]
+    return stamp / 1e6

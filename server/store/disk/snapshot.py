@@ -1,0 +1,94 @@
+"""Read transactions whose values are views into the LMDB map, for sampled batches.
+
+A sampled batch is megabytes of stored payloads that are read once, into its reply.
+Copied out of LMDB when the batch is taken, each byte would be copied twice; read from a
+snapshot (a read transaction opened while the batch is taken, so it sees the last
+committed state) they are memoryviews into the map, copied once, into the reply. The
+views are valid only while the snapshot's transaction is open: they are used under its
+lock (`reading`), and the transaction ends when the batch is released, when it is
+garbage, or when the environment must end it (a map resize or a close: `detach` then
+copies the views first, so the batch stays readable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import lmdb
+
+from ..schema.errors import StoreError
+from ..schema.ready_indexes import next_prefix
+
+Value = bytes | memoryview
+
+
+class Snapshot:
+    """One read transaction with buffers, and the lists of views read from it."""
+
+    def __init__(self, txn: lmdb.Transaction[memoryview], done: Callable[[], None]) -> None:
+        self._txn: lmdb.Transaction[memoryview] | None = txn
+        self._done = done
+        self._lock = threading.Lock()
+        self._held: list[list[Value]] = []
+        self._released = False
+
+    @property
+    def open(self) -> bool:
+        return self._txn is not None
+
+    def get(self, key: bytes, db: lmdb._Database) -> memoryview | None:
+        """A value as a view into the map (only while the snapshot is open)."""
+        assert self._txn is not None
+        return self._txn.get(key, db=db)
+
+    def last_key(self, prefix: bytes, db: lmdb._Database) -> bytes | None:
+        """The greatest key that starts with prefix, or None."""
+        assert self._txn is not None
+        end = next_prefix(prefix)
+        with self._txn.cursor(db=db) as cur:
+            found = (cur.prev() if cur.set_range(end) else cur.last()) if end is not None else cur.last()
+            return bytes(cur.key()) if found and cur.key()[: len(prefix)] == prefix else None
+
+    def hold(self, values: list[Value]) -> list[Value]:
+        """Values (views of this snapshot among them) that `detach` turns into copies."""
+        self._held.append(values)
+        return values
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """The held views stay valid inside; a released snapshot's are gone."""
+        with self._lock:
+            if self._released:
+                raise StoreError("the batch's payload was released once its reply was built")
+            yield
+
+    def detach(self) -> None:
+        """Copy every view still held, then end the transaction."""
+        with self._lock:
+            if self._txn is None:
+                return
+            for values in self._held:
+                values[:] = [bytes(v) if isinstance(v, memoryview) else v for v in values]
+            self._end()
+
+    def release(self) -> None:
+        """End the transaction without copying: the views are dropped, not to be read again."""
+        with self._lock:
+            if self._txn is not None:
+                self._released = True
+                for values in self._held:
+                    values.clear()
+                self._end()
+
+    def _end(self) -> None:
+        txn, self._txn = self._txn, None
+        self._held = []
+        if txn is not None:
+            txn.abort()
+            self._done()
+
+    def __del__(self) -> None:
+        if self._txn is not None:  # garbage: nothing can read its views any more
+            self._end()

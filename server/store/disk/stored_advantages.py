@@ -1,0 +1,128 @@
+"""How computed advantages are stored, and how they reach a sampled batch, without torch.
+
+Stored form, per experience: one value in its item record when every generated token
+carries the same value (every estimator but the token-level ones), or a token-level record
+(`token_record`: response length u32 + float32 advantages + float32 returns) in the `adv`
+database. `expand` turns either into the `advantages` and `returns` tensors of a sampled
+batch (value * action_mask, client/trxp/advantages.py), and `batch_payload` splices them
+into the batch. For a client that asks for compact advantages, `send_apart` keeps one value
+per experience out of the payload: the reply carries the values and the client expands them
+with the same code.
+
+An estimator with a batch stage stores pending values instead (see server/advantages/estimators.py),
+and the batch stage turns the pending values of a sampled batch into its advantages, in the
+stored forms, before `expand`. That stage computes with torch, so it lives above the storage
+engine (server/advantages/batch_stage.py): the server gives it to the Store (`FinishBatch`), which binds
+it to a taken batch and hands the batch on with it (`Stage`), to run where the reply is built,
+on the RPC's thread: never inside the write transaction, so no push waits behind a whitening
+pass.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+from expbuf.client.trxp.advantages import ADDED, scaled
+from expbuf.client.trxp.build import join_parts
+from expbuf.client.trxp.common import RawTensor
+
+from ..schema.table_config import TableConfig
+from .records import ItemRecord
+
+
+class SentApart:
+    """An experience's advantage sent beside the payload (a compact sample reply), not in it."""
+
+
+SENT_APART = SentApart()
+
+# An experience's computed advantage: (value, response length) when every generated token
+# carries the same value, the stored token-level record otherwise, or None; SENT_APART in a
+# compact reply's batch, where the value goes beside the payload.
+Advantage = tuple[float, int] | bytes | None | SentApart
+
+_LENGTH = struct.Struct("<I")
+
+
+class StageCounts:
+    """What the batch stage's advantage clip did in one table's samples since the server
+    started. The stage runs as replies are built, outside any write transaction, so these
+    counts are kept in memory; Stats adds them to the table's durable counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.advantages_seen = 0
+        self.advantages_clipped = 0
+
+    def add(self, seen: int, clipped: int) -> None:
+        with self._lock:
+            self.advantages_seen += seen
+            self.advantages_clipped += clipped
+
+
+# The batch stage the server gives the Store (server/batch_stage.finish_batch): a batch's
+# advantages from the table's configuration, the batch's item records and stored values in
+# batch order, and the counts its clip adds to (None for a Get, which is not a sample).
+FinishBatch = Callable[[TableConfig, Sequence[ItemRecord], Sequence[Advantage], StageCounts | None], list[Advantage]]
+# A taken batch's batch stage, bound to its rows: its advantages from its stored ones.
+Stage = Callable[[Sequence[Advantage]], list[Advantage]]
+
+
+def token_record(length: int, advantages: bytes | memoryview, returns: bytes | memoryview) -> bytes:
+    """The stored token-level record of one experience: its float32 advantages and returns."""
+    return _LENGTH.pack(length) + advantages + returns
+
+
+def token_parts(record: bytes) -> tuple[int, bytes, bytes]:
+    """A token-level record's response length, float32 advantages and float32 returns."""
+    (length,) = _LENGTH.unpack_from(record)
+    middle = _LENGTH.size + 4 * length
+    return length, record[_LENGTH.size : middle], record[middle:]
+
+
+def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
+    """An experience's stored advantage: the value in its record, or its token-level record."""
+    if record.advantage is not None:
+        return (record.advantage, record.response_length)
+    return token_level
+
+
+def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> bytes:
+    """One TRXP batch of stored experiences, with their computed advantages and returns."""
+    return b"".join(batch_parts(blobs, advantages))
+
+
+def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+    """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
+    A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
+    if all(a is None for a in advantages):
+        return join_parts(blobs)
+    if all(a is SENT_APART for a in advantages):
+        return join_parts(blobs, drop=ADDED)
+    return join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
+
+
+def expand(advantage: Advantage, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
+    """The advantages and returns tensors of one sampled experience (none when sent apart)."""
+    if advantage is None or isinstance(advantage, SentApart):
+        return {}
+    if isinstance(advantage, tuple):
+        value, length = advantage
+        values = scaled(value, length, tensors.get("action_mask"))
+        return {"advantages": values, "returns": values}
+    length, advantages, returns = token_parts(bytes(advantage))
+    return {"advantages": RawTensor("F32", (length,), advantages), "returns": RawTensor("F32", (length,), returns)}
+
+
+def send_apart(advantages: Sequence[Advantage]) -> tuple[list[Advantage], list[float], list[int]] | None:
+    """A batch's advantages for a client that asked for them compact: what the payload
+    splices (SENT_APART for each), and the values and response lengths sent beside it;
+    None where an experience has token-level advantages (or none), which only the payload
+    can carry."""
+    if not advantages or not all(isinstance(a, tuple) for a in advantages):
+        return None
+    values = [a[0] for a in advantages]  # type: ignore[index]
+    lengths = [a[1] for a in advantages]  # type: ignore[index]
+    return [SENT_APART] * len(advantages), values, lengths

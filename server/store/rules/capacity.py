@@ -1,0 +1,63 @@
+"""A table's capacity in experiences and bytes: a push that would pass it evicts the
+oldest ready groups (evict mode) or is refused (block mode: the pusher may wait for room;
+a push larger than the capacity on its own is refused at once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..schema.errors import TableFull, TooLarge
+from ..schema.states import EVICTED, READY
+from .retirement import retire
+from .table_state import TableState
+
+
+def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
+    """Room for `count` experiences of `nbytes` in the table: evict the oldest ready groups
+    (never pending ones, which still take members, nor leased ones) or refuse."""
+    cfg = tt.config
+
+    def over() -> bool:
+        live = tt.counters.live()
+        return bool(
+            (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
+            or (cfg.capacity.bytes and tt.counters.bytes + nbytes > cfg.capacity.bytes)
+        )
+
+    if not over():
+        return
+    if (cfg.capacity.experiences and count > cfg.capacity.experiences) or (
+        cfg.capacity.bytes and nbytes > cfg.capacity.bytes
+    ):
+        raise TooLarge(
+            f"table '{cfg.name}': {count} experiences of {nbytes} bytes exceed its capacity "
+            f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
+        )
+    if cfg.capacity.when_full == "evict":
+        for gkey in _oldest_groups(tt):
+            if gkey in keep:
+                continue
+            grp = tt.existing_group(gkey)
+            if grp.state != READY:  # a pending group still takes members; leased ones are out
+                continue
+            retire(tt, [(gkey, grp)], EVICTED)
+            tt.counters.evicted_total += len(grp.members)
+            if not over():
+                return
+    raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
+
+
+def _oldest_groups(tt: TableState) -> Iterator[str]:
+    """Groups of the live experiences, oldest first. The caller retires groups between
+    steps, so each step opens a fresh cursor after the last key seen."""
+    seen: set[str] = set()
+    position = tt.prefix
+    while True:
+        with tt.txn.cursor(db=tt.db["order"]) as cur:
+            if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
+                return
+            position = cur.key() + b"\0"
+            gkey = tt.existing_item(cur.value().decode()).group
+        if gkey not in seen:
+            seen.add(gkey)
+            yield gkey

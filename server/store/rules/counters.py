@@ -1,0 +1,173 @@
+"""A table's durable counters: counts by state, bytes and totals, written in the same
+transaction as the records they count.
+
+`Counters` is a slotted type: a misspelt counter is an AttributeError where it is written, and
+no counter comes into being by accident. Its stored form is a flat JSON object of the fields
+by name (the form every release wrote): a stored object lacking a field (one an older release
+did not keep) reads as that field's zero, and one holding a field this release does not know
+(a newer release's) keeps it as it was, to write it back unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import lmdb
+
+from ..schema.states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
+
+# The counters of what reward shaping and advantage clipping did (see advantages/shaping.py).
+SHAPING_COUNTERS = ("overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped")
+
+
+@dataclass(slots=True)
+class Counters:
+    """One table's counters."""
+
+    # experiences by state (the live ones, then the tombstones) and the live ones' bytes
+    pending: int = 0
+    computing: int = 0
+    ready: int = 0
+    leased: int = 0
+    consumed: int = 0
+    evicted: int = 0
+    dropped: int = 0
+    failed: int = 0
+    quarantined: int = 0  # found damaged when read or scrubbed (quarantine.py): never served
+    bytes: int = 0
+    # groups by live state, and those dropped and failed
+    groups_pending: int = 0
+    groups_computing: int = 0
+    groups_ready: int = 0
+    groups_leased: int = 0
+    groups_dropped: int = 0
+    groups_failed: int = 0
+    pushed: int = 0
+    duplicates: int = 0
+    sampled: int = 0
+    leases_expired: int = 0
+    damaged: int = 0  # experiences ever quarantined (their tombstones are forgotten in time, this total is not)
+    # monotonic totals for the metrics
+    bytes_pushed: int = 0
+    bytes_sampled: int = 0
+    evicted_total: int = 0
+    dropped_zero_variance: int = 0
+    dropped_timeout: int = 0
+    dropped_std_threshold: int = 0
+    dropped_stale: int = 0
+    # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
+    overlong_penalised: int = 0
+    rewards_seen: int = 0
+    rewards_clipped: int = 0
+    advantages_seen: int = 0
+    advantages_clipped: int = 0
+    # off-policy control (admission.py)
+    submitted: int = 0
+    admitted: int = 0
+    grants_expired: int = 0
+    rollouts_rejected: int = 0
+    stale_dropped: int = 0
+    # seconds the rate limits held inserts and samples, and the limiter's own counts (limiter.py)
+    insert_blocked_seconds: float = 0
+    sample_blocked_seconds: float = 0
+    rate_inserted: float = 0
+    rate_sampled: float = 0
+    # the next insertion and ready sequence numbers
+    next_seq: int = 0
+    next_rseq: int = 0
+    min_version: int | None = None
+    trainer_version: int | None = None  # the trainer's policy version (set_trainer_version)
+    max_version: int | None = None
+    last_failure: str = ""
+    reward_moments: list[float] | None = None  # [mean, population variance, count] of the running reward normalisation
+    # what a newer release stored that this one does not know, written back as it was
+    unknown: dict[str, Any] = field(default_factory=dict)
+
+    def in_state(self, state: State) -> int:
+        """Experiences in `state`."""
+        count: int = getattr(self, _BY_STATE[state])
+        return count
+
+    def add(self, state: State, count: int) -> None:
+        """`count` more experiences in `state` (fewer when negative)."""
+        name = _BY_STATE[state]
+        setattr(self, name, getattr(self, name) + count)
+
+    def add_groups(self, state: State, count: int) -> None:
+        """`count` more groups in live `state` (fewer when negative)."""
+        name = _GROUPS_BY_STATE[state]
+        setattr(self, name, getattr(self, name) + count)
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """Add to counts by name (what reward shaping did, by SHAPING_COUNTERS); a name that
+        is no count is a KeyError, never a new counter."""
+        for name, count in counts.items():
+            if name not in _COUNTS:
+                raise KeyError(f"no counter {name!r}")
+            setattr(self, name, getattr(self, name) + count)
+
+    def live(self) -> int:
+        """Live experiences (pending, computing, ready, leased)."""
+        return self.pending + self.computing + self.ready + self.leased
+
+    # ---- the stored form -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every counter this release knows, by name."""
+        return {name: getattr(self, name) for name in NAMES}
+
+    def encode(self) -> builtins.bytes:  # `bytes` in this class is the counter
+        """The stored form: the known counters, then the unknown ones as they were read."""
+        return json.dumps(self.to_dict() | self.unknown, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> Counters:
+        """Counters from their stored form; a count that is not a number is a ValueError."""
+        if not isinstance(stored, dict):
+            raise ValueError(f"the counters are a {type(stored).__name__}, not an object")
+        counters = cls()
+        for name, value in stored.items():
+            if name not in _FIELDS:
+                counters.unknown[name] = value
+                continue
+            if name in _COUNTS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"counter {name} is {value!r}, not a number")
+            setattr(counters, name, value)
+        return counters
+
+    @classmethod
+    def decode(cls, raw: builtins.bytes | memoryview | None) -> Counters:
+        return cls() if raw is None else cls.from_dict(json.loads(bytes(raw)))
+
+
+NAMES = tuple(f.name for f in fields(Counters) if f.name != "unknown")
+_FIELDS = frozenset(NAMES)
+_COUNTS = frozenset(f.name for f in fields(Counters) if f.default == 0 and f.name in _FIELDS)
+# The counter of the experiences in each state, and of the groups in each live state.
+_BY_STATE = {PENDING: "pending", COMPUTING: "computing", READY: "ready", LEASED: "leased"} | {
+    CONSUMED: "consumed",
+    EVICTED: "evicted",
+    DROPPED: "dropped",
+    FAILED: "failed",
+    QUARANTINED: "quarantined",
+}
+_GROUPS_BY_STATE = {
+    PENDING: "groups_pending",
+    COMPUTING: "groups_computing",
+    READY: "groups_ready",
+    LEASED: "groups_leased",
+}
+
+
+def read_counters(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> Counters:
+    """A table's stored counters (zero for a table that has none yet)."""
+    return Counters.decode(txn.get(prefix, db=db))
+
+
+def stored_names(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> frozenset[str] | None:
+    """The counters a table's stored form holds (None: nothing stored): which release wrote it."""
+    raw = txn.get(prefix, db=db)
+    return None if raw is None else frozenset(json.loads(bytes(raw)))

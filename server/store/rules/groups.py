@@ -1,0 +1,253 @@
+"""The rules of a table's groups: experiences join groups, groups move through their states,
+and the table keeps within its capacity. Functions over a table's state (table_state.py).
+
+States: pending (the group is incomplete) → computing (its advantages) → ready → leased →
+consumed; a group may also be evicted, dropped (zero variance, timeout, std threshold) or
+failed (retirement.py: retired experiences keep their record as a tombstone with their
+digest, so a retried push is still a duplicate, until `tombstone_seconds`). Counts by state,
+bytes and totals are counters written in the same transaction as the records.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from ..disk import digests, layout
+from ..disk.kinds import Entry, PutResult, ShapingUpdate
+from ..disk.records import GroupRecord
+from ..schema.errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
+from ..schema.ready_indexes import put_rows, u64
+from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
+from ..schema.table_config import estimator_of
+from . import limiter
+from .capacity import make_room
+from .pushed_advantages import (
+    Completed,
+    ReadyRow,
+    add_shaping,
+    compute_in_push,
+    drop_below_threshold,
+    store_advantages,
+    zero_variance,
+)
+from .retirement import retire
+from .table_state import TableState
+
+
+def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
+    """Store a push: each new experience joins its group, and each group it fills becomes
+    ready (or computing). Per-item work is done in passes over the whole push: payloads,
+    insertion order and ready indexes are written one database at a time."""
+    if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
+        raise NotFound(f"table '{tt.config.name}' does not exist")
+    result = PutResult()
+    fresh: dict[str, Entry] = {}
+    for entry in entries:
+        known = fresh.get(entry.uid)
+        if known is not None:
+            same = known.digest == entry.digest
+        else:
+            rec = tt.item(entry.uid)
+            if rec is None:
+                fresh[entry.uid] = entry
+                continue
+            # A tombstone left by format 3 keeps the digest of that format (its payload is gone).
+            same = rec.digest == entry.digest or (rec.state in RETIRED and rec.digest == digests.format_3(entry.blob))
+        if not same:
+            raise Conflict(f"uid {entry.uid} already exists with different content")
+        result.duplicates.append(entry.uid)
+    _check_rewards(tt, fresh.values())
+    by_group: dict[str, list[Entry]] = defaultdict(list)
+    for entry in fresh.values():
+        by_group[entry.group_key(tt.config.grouping.by)].append(entry)
+    tt.extensions.on_push(tt, list(by_group))
+    groups: dict[str, GroupRecord] = {}
+    opened: set[str] = set()  # groups this push starts: not in the pending index yet
+    size = tt.config.grouping.size
+    for gkey, members in by_group.items():
+        grp = tt.group(gkey)
+        if grp is None:
+            grp = GroupRecord(state=PENDING, created=tt.now)
+            tt.counters.groups_pending += 1
+            opened.add(gkey)
+        elif grp.state != PENDING:
+            raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
+        if size and len(grp.members) + len(members) > size:
+            raise GroupClosed(
+                f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
+            )
+        groups[gkey] = grp
+    make_room(tt, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
+    _insert(tt, by_group, groups)
+    ready: list[ReadyRow] = []
+    computing: list[Completed] = []
+    for gkey, grp in groups.items():
+        if size == 0 or len(grp.members) >= size:
+            result.completed_groups.append(gkey)
+            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready, computing=computing):
+                result.dropped_groups.append(gkey)
+        else:
+            if gkey in opened:
+                tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
+            tt.put_group(gkey, grp)
+    compute_in_push(tt, computing, ready)
+    tt.ready.add_many(ready)
+    result.stored = list(fresh)
+    tt.counters.pushed += len(fresh)
+    tt.counters.duplicates += len(result.duplicates)
+    tt.extensions.on_insert(tt, result.stored)
+    tt.save()
+    return result
+
+
+def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
+    estimator = tt.config.advantages.estimator
+    needs_reward = estimator_of(tt.config).needs_reward
+    for entry in entries:
+        if entry.reward is not None or estimator == "none":
+            continue
+        if needs_reward or not entry.has_token_rewards:
+            raise InvalidRequest(
+                f"uid {entry.uid} has no reward; table '{tt.config.name}' computes advantages "
+                f"with {estimator}, which needs one" + (" (or token_level_reward)" if not needs_reward else "")
+            )
+
+
+def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:
+    """New experiences as pending members of their groups, in push order: their records
+    (written by save), payloads and places in the insertion order."""
+    counters = tt.counters
+    prefix, now, seq, nbytes = tt.prefix, tt.now, counters.next_seq, 0
+    blobs: list[tuple[bytes, bytes]] = []
+    order: list[tuple[bytes, bytes]] = []  # insertion order: T + seq -> uid
+    versions: list[int] = []
+    for gkey, members in by_group.items():
+        grp = groups[gkey]
+        for entry in members:
+            size = len(entry.blob)
+            tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
+            uid = entry.uid.encode()
+            blobs.append((prefix + uid, entry.blob))
+            order.append((prefix + u64(seq), uid))
+            grp.members.append(entry.uid)
+            if entry.version is not None:
+                versions.append(entry.version)
+            seq += 1
+            nbytes += size
+    put_rows(tt.txn, tt.db["blobs"], blobs)
+    put_rows(tt.txn, tt.db["order"], order)
+    counters.pending += seq - counters.next_seq
+    counters.next_seq = seq
+    counters.bytes += nbytes
+    counters.bytes_pushed += nbytes
+    if versions:
+        low, high = counters.min_version, counters.max_version
+        counters.min_version = min(versions) if low is None else min(low, *versions)
+        counters.max_version = max(versions) if high is None else max(high, *versions)
+
+
+def complete(
+    tt: TableState,
+    gkey: str,
+    grp: GroupRecord,
+    *,
+    partial: bool,
+    indexed: bool = True,
+    ready: list[ReadyRow] | None = None,
+    computing: list[Completed] | None = None,
+) -> bool:
+    """A pending group becomes ready, or computing; False if the zero-variance filter
+    dropped it. `indexed`: the group is in the pending index (a group opened and filled by
+    one push never is). With `ready`, a ready group's index entry is appended there for the
+    caller to add with the others (ReadyIndex.add_many) instead of added now. With
+    `computing`, where the table has an advantage computation (`tt.compute`), a group that
+    needs advantages is appended there, still pending, for the caller's compute_in_push."""
+    recs = tt.members(grp)
+    grp.partial = partial
+    if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
+        retire(tt, [(gkey, grp)], DROPPED)
+        tt.counters.groups_dropped += 1
+        tt.counters.dropped_zero_variance += 1
+        return False
+    if indexed:
+        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+    versions = [rec.version for rec in recs.values() if rec.version is not None]
+    grp.version = min(versions) if versions and len(versions) == len(recs) else None
+    grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+    grp.rseq = tt.counters.next_rseq
+    tt.counters.next_rseq += 1
+    if tt.config.advantages.estimator == "none":
+        tt.set_state(gkey, grp, recs, READY)
+        limiter.became_ready(tt, len(recs))
+        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+        if ready is None:
+            tt.ready.add(*row)
+        else:
+            ready.append(row)
+    elif computing is not None and tt.compute is not None:
+        computing.append((gkey, grp, recs))
+    else:  # queued for its advantages (compute_queue.py); sampled once they are stored (finish_compute)
+        tt.set_state(gkey, grp, recs, COMPUTING)
+    return True
+
+
+def finish_compute(
+    tt: TableState,
+    advantages: dict[str, float | bytes],
+    ready: Sequence[str],
+    dropped: Sequence[str],
+    failed: dict[str, str],
+    shaping: ShapingUpdate | None = None,
+) -> None:
+    """One value per experience goes into its record (rewritten anyway to become ready),
+    with its shaped reward where the batch stage needs it; token-level advantages, being
+    larger, into the adv database. What reward shaping did (its counts and running
+    moments) is saved with them. Groups deleted or evicted meanwhile are left alone."""
+    if shaping is not None:
+        add_shaping(tt, shaping)
+    for gkey in [*ready, *dropped, *failed]:
+        grp = tt.group(gkey)
+        if grp is None or grp.state != COMPUTING:
+            continue
+        if gkey in failed:
+            retire(tt, [(gkey, grp)], FAILED)
+            tt.counters.groups_failed += 1
+            tt.counters.last_failure = f"group {gkey}: {failed[gkey]}"
+        elif gkey in dropped:
+            drop_below_threshold(tt, gkey, grp)
+        else:
+            tt.ready.add(*store_advantages(tt, gkey, grp, tt.members(grp), advantages, shaping))
+    tt.save()
+
+
+def expire_groups(tt: TableState, created_before: float) -> int:
+    """Release (flagged partial) or drop incomplete groups created before the cutoff."""
+    expired = []
+    cutoff = layout.micros(created_before)
+    with tt.txn.cursor(db=tt.db["pending"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
+            expired.append(cur.key()[12:].decode())
+            found = cur.next()
+    for gkey in expired:
+        grp = tt.existing_group(gkey)
+        if tt.config.grouping.on_timeout == "drop":
+            retire(tt, [(gkey, grp)], DROPPED)
+            tt.counters.groups_dropped += 1
+            tt.counters.dropped_timeout += 1
+        else:
+            complete(tt, gkey, grp, partial=True)
+    return len(expired)
+
+
+def seal(tt: TableState, gkey: str) -> int:
+    """Complete a pending group now; returns its size."""
+    grp = tt.group(gkey)
+    if grp is None:
+        raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
+    if grp.state != PENDING:
+        raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
+    complete(tt, gkey, grp, partial=False)
+    tt.save()
+    return len(grp.members)

@@ -1,0 +1,163 @@
+"""Advantages a push computes and stores itself: for the groups it completes, where the
+server gives the table a computation (the estimators with one value per experience from the
+item records, no batch stage, on the CPU; advantages/worker.py decides), the values are computed
+before the push's transaction on the pushing thread (`compute_ahead`) or in it, and stored in
+it (`compute_in_push`), each member's record written once, ready with its value. Groups it
+leaves are queued for the advantage worker (compute_queue.py), whose values are stored with
+the same functions (groups.finish_compute). Rules over a table's state (table_state.py); the
+computation itself is a callable the server injects: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.states import COMPUTING, DROPPED, READY
+from ..schema.table_config import TableConfig
+from . import limiter
+from .retirement import retire
+from .table_state import TableState
+
+ReadyRow = tuple[bytes, int, float, int | None]
+# A group a push completed, with its member records, for compute_in_push.
+Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
+
+# The most experiences whose advantages a push computes itself: about 1 to 4 ms for grpo
+# (bench/RESULTS.md); a push completing more leaves them to the worker.
+IN_PUSH_LIMIT = 1024
+
+
+def zero_variance(rewards: list[float | None]) -> bool:
+    """Whether a group's rewards are all known and all equal (it teaches nothing): the filter
+    of drop_zero_variance, which compute_ahead foresees."""
+    return None not in rewards and len(set(rewards)) <= 1
+
+
+def compute_in_push(tt: TableState, computing: list[Completed], ready: list[ReadyRow]) -> None:
+    """The advantages of the groups a push completed, computed in the push's own transaction:
+    each member's record is written once, ready with its value (the ready groups' index entries
+    are appended to `ready`). The groups are queued for the worker instead, computing, when
+    they hold more than IN_PUSH_LIMIT experiences, when a running reward normalisation must
+    take them after older queued groups, or when the computation fails or gives any of them a
+    non-finite value: a push never fails for its estimator, and a group fails alone, as the
+    worker decides."""
+    if not computing:
+        return
+    compute = tt.compute
+    count = sum(len(recs) for _, _, recs in computing)
+    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and _queued(tt)):
+        tt.set_states(computing, COMPUTING)
+        return
+    job = ComputeJob(
+        table=tt.config.name,
+        config=tt.config,
+        groups=[gkey for gkey, _, _ in computing],
+        members=[list(recs) for _, _, recs in computing],
+        records={uid: rec for _, _, recs in computing for uid, rec in recs.items()},
+        blobs={},
+        moments=tt.counters.reward_moments,
+    )
+    ahead = tt.ahead
+    try:
+        if ahead is not None and _same_job(ahead[0], job):
+            values, _, dropped, failed, shaping = ahead[1]
+        else:
+            values, _, dropped, failed, shaping = compute(job)
+    except Exception:  # the worker tries again, and fails only a group that fails on its own
+        failed = dict.fromkeys(job.groups, "the computation failed")
+    if failed:
+        tt.set_states(computing, COMPUTING)
+        return
+    add_shaping(tt, shaping)
+    for gkey, grp, recs in computing:
+        if gkey in dropped:
+            drop_below_threshold(tt, gkey, grp)
+        else:
+            ready.append(store_advantages(tt, gkey, grp, recs, values, shaping))
+
+
+def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Compute) -> Ahead | None:
+    """The advantages of the groups a push of `entries` is expected to complete, computed
+    before its transaction, on the caller's thread, so that the writer only stores them: the
+    groups of the push that fill their size (every group of it where the size is 0), less
+    those the zero-variance filter would drop. compute_in_push uses the result only where the
+    push completes exactly these groups with exactly these members (no duplicates, no members
+    pushed before) and computes in the transaction otherwise. None where nothing is expected,
+    or where a running reward normalisation needs the table's moments as the transaction
+    finds them."""
+    if config.advantages.shaping.reward_running_norm:
+        return None
+    members: dict[str, dict[str, Entry]] = {}
+    for entry in entries:
+        members.setdefault(entry.group_key(config.grouping.by), {}).setdefault(entry.uid, entry)
+    size = config.grouping.size
+    complete = {
+        gkey: group
+        for gkey, group in members.items()
+        if (size == 0 or len(group) == size)
+        and not (config.grouping.drop_zero_variance and zero_variance([e.reward for e in group.values()]))
+    }
+    if not complete or sum(map(len, complete.values())) > IN_PUSH_LIMIT:
+        return None
+    job = ComputeJob(
+        table=config.name,
+        config=config,
+        groups=list(complete),
+        members=[list(group) for group in complete.values()],
+        # what an estimator reads of each record, before the record exists
+        records={
+            uid: e.record(gkey, seq=0, created=0.0) for gkey, group in complete.items() for uid, e in group.items()
+        },
+        blobs={},
+    )
+    try:
+        return job, compute(job)
+    except Exception:  # computed again in the transaction, and left to the worker if it fails there
+        return None
+
+
+def _same_job(ahead: ComputeJob, job: ComputeJob) -> bool:
+    """Whether a job computed ahead is this one: the same table settings, groups and members
+    (the members' records come from the same entries: a uid pushed before is no member)."""
+    return ahead.groups == job.groups and ahead.members == job.members and ahead.config == job.config
+
+
+def _queued(tt: TableState) -> bool:
+    """Whether any group of the table waits in the compute queue."""
+    with tt.txn.cursor(db=tt.db["compute"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+
+
+def add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
+    tt.counters.add_counts(shaping.counts)
+    tt.counters.reward_moments = shaping.moments
+
+
+def drop_below_threshold(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    retire(tt, [(gkey, grp)], DROPPED)
+    tt.counters.groups_dropped += 1
+    tt.counters.dropped_std_threshold += 1
+
+
+def store_advantages(
+    tt: TableState,
+    gkey: str,
+    grp: GroupRecord,
+    recs: dict[str, ItemRecord],
+    advantages: dict[str, float | bytes],
+    shaping: ShapingUpdate | None,
+) -> ReadyRow:
+    """A group's values stored and the group made ready; returns its ready index entry."""
+    for uid, rec in recs.items():
+        value = advantages[uid]
+        if shaping is not None and uid in shaping.rewards:
+            rec.shaped_reward = shaping.rewards[uid]
+        if isinstance(value, float):
+            rec.advantage = value
+        else:
+            tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+    tt.set_state(gkey, grp, recs, READY)
+    limiter.became_ready(tt, len(recs))
+    return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)

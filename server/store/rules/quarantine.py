@@ -1,0 +1,81 @@
+"""Quarantine: an experience whose stored payload is not the one pushed (damage on disk, found
+by a read's check of its digest or by the scrub) leaves the buffer in a state of its own,
+`quarantined`, and is never served.
+
+Its group fails: a batch holds whole groups, and the group's advantages were computed with the
+damaged member. The group's other members keep their payloads, as failed experiences, for Get
+and export until their tombstones are forgotten (`tombstone_seconds`), so nothing good is lost
+with it. A member of a group that had failed already, whose payload was kept, is quarantined
+alone. Each experience is logged once, with its uid, when it is quarantined, and counted: by
+state (`quarantined`, a tombstone forgotten in time like the others) and in the total `damaged`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.states import FAILED, LIVE, QUARANTINED
+from .read_check import payload_problem
+from .retirement import retire
+from .table_state import TableState
+
+log = logging.getLogger("expbuf.store")
+
+
+def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupRecord, dict[str, str]]]) -> int:
+    """Live groups with damaged members (uid -> why) fail; those members are quarantined.
+    Returns how many were."""
+    quarantined: set[str] = set()
+    for gkey, _, damaged in groups:
+        for uid, why in damaged.items():
+            log.error(
+                "table %s: experience %s quarantined (%s): never served; its group %s failed",
+                tt.config.name, uid, why, gkey,
+            )  # fmt: skip
+        quarantined |= damaged.keys()
+        tt.counters.groups_failed += 1
+        uid, why = next(iter(damaged.items()))
+        tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
+    tt.counters.damaged += len(quarantined)
+    retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)
+    return len(quarantined)
+
+
+def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord, why: str) -> None:
+    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
+    log.error("table %s: experience %s quarantined (%s): never served", tt.config.name, uid, why)
+    key = tt.key(uid)
+    tt.txn.delete(key, db=tt.db["blobs"])
+    tt.txn.delete(key, db=tt.db["items"])
+    rec.state = QUARANTINED
+    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
+    tt.settle_item(uid, rec)
+    tt.counters.add(FAILED, -1)
+    tt.counters.add(QUARANTINED, 1)
+    tt.counters.damaged += 1
+
+
+def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
+    """Quarantine those of `uids` whose stored payload, read again here in the write
+    transaction, is damaged; those changed or gone since they were found are left alone.
+    Returns how many were quarantined."""
+    groups: dict[str, tuple[GroupRecord, dict[str, str]]] = {}
+    count = 0
+    for uid in dict.fromkeys(uids):
+        rec = tt.item(uid)
+        if rec is None or rec.state not in (*LIVE, FAILED):
+            continue
+        blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
+        why = None if blob is None else payload_problem(uid, rec, blob)
+        if why is None:
+            continue
+        if rec.state == FAILED:
+            quarantine_kept(tt, uid, rec, why)
+            count += 1
+            continue
+        grp = tt.existing_group(rec.group)
+        groups.setdefault(rec.group, (grp, {}))[1][uid] = why
+    count += quarantine_groups(tt, [(gkey, grp, damaged) for gkey, (grp, damaged) in groups.items()])
+    return count

@@ -1,0 +1,56 @@
+"""What is checked of a stored experience before it leaves the store (a sampled batch, a Get)
+and by the full check of a directory: that its payload is the one pushed (the digest taken at
+push), and that its stored advantage can be served as the float32 a batch carries it in.
+
+A payload upgraded from format 1 keeps the layout it was pushed in, with the digest of its
+canonical packing: its own bytes are compared through that packing (slow, and only for such
+payloads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from expbuf.client.trxp.checks import FLOAT32_MAX
+from expbuf.client.trxp.common import TrxpError
+from expbuf.client.trxp.parse import parse
+
+from ..disk import digests
+from ..disk.kinds import Entry
+from ..disk.records import ItemRecord
+
+
+def payload_problem(uid: str, rec: ItemRecord, blob: bytes | memoryview) -> str | None:
+    """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
+    if len(blob) != rec.size:
+        return f"its payload is {len(blob)} bytes, its record says {rec.size}"
+    if digests.of(blob) == rec.digest:
+        return None
+    try:
+        items = parse(bytes(blob), trusted=True)
+    except TrxpError:
+        items = []
+    if len(items) == 1 and items[0].uid == uid and Entry.of(items[0]).digest == rec.digest:
+        return None
+    return "its payload does not match its digest"
+
+
+@dataclass(frozen=True)
+class Unservable:
+    """An experience that cannot be served, and why."""
+
+    uid: str
+    why: str
+    damaged: bool  # its payload is not the one pushed (else: its stored advantage is beyond float32)
+
+    def __str__(self) -> str:
+        return f"experience {self.uid}: {self.why}"
+
+
+def serve_problem(uid: str, rec: ItemRecord, blob: bytes | memoryview) -> Unservable | None:
+    """Why the experience cannot be served (its payload is damaged, or its stored advantage
+    is beyond float32), or None when it can."""
+    if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:
+        return Unservable(uid, f"its stored advantage {rec.advantage!r} is beyond float32's range", damaged=False)
+    problem = payload_problem(uid, rec, blob)
+    return None if problem is None else Unservable(uid, problem, damaged=True)

@@ -1,0 +1,232 @@
+"""How experiences leave a table: retired groups (consumed, evicted, dropped, failed) keep
+their members' records as tombstones, so that a retried push of the same uid is still a
+duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; a
+trainer retires the groups it trained by their ids (`retire_trained`); a Delete removes
+experiences outright, tombstones included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence, Set
+
+import lmdb
+
+from ..disk import layout
+from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
+from ..schema.errors import Forbidden, GroupIncomplete, clip
+from ..schema.ready_indexes import put_rows, u64
+from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from . import limiter
+from .table_state import TableState
+
+
+def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
+    """Delete keys (absent ones are no error) from one database."""
+    for key in keys:
+        txn.delete(key, db=db)
+
+
+def retire(
+    tt: TableState, groups: Sequence[tuple[str, GroupRecord]], state: State, quarantined: Set[str] = frozenset()
+) -> None:
+    """Members leave the buffer (consumed, evicted, dropped, failed): payloads go (a
+    failed group's stay with keep_failed, and those of a group failed for a quarantined
+    member), records stay as tombstones so that a retried push of the same uid is still
+    recognised as a duplicate, pruned after tombstone_seconds: compact ones (records.py, in
+    the tombs database) where the payload goes, full records where it is kept. The members
+    among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
+    their payloads gone. Done in passes, one per database, over all the groups; a record not
+    read yet in this transaction becomes a tombstone without being decoded. The table's
+    extensions hear of it first (`on_retire`)."""
+    tt.extensions.on_retire(tt, groups, state)
+    if state != CONSUMED:
+        for _, grp in groups:
+            if grp.state in limiter.COUNTED:
+                limiter.forget(tt, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
+    ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
+    tt.ready.remove_many(ready)
+    for gkey, grp in groups:
+        if grp.state != READY:
+            leave_indexes(tt, gkey, grp)
+    counters, now, prefix = tt.counters, tt.now, tt.prefix
+    stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
+    # A kept payload keeps its full record, for Get.
+    keep = state == FAILED and (tt.config.retention.keep_failed or bool(quarantined))
+    keys, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], 0, []
+    for gkey, grp in groups:
+        for uid in grp.members:
+            key = tt.key(uid)
+            kept = keep and uid not in quarantined
+            became = QUARANTINED if uid in quarantined else state
+            cached, rec = tt.cached_item(uid)
+            if cached:
+                if rec is None:
+                    continue
+                seq, size = rec.seq, rec.size
+                rec.state, rec.retired = became, now
+                if kept:
+                    tt.put_item(uid, rec)
+                else:
+                    tt.settle_item(uid, rec)
+                    tombstones.append((key, rec.tombstone()))
+            else:
+                raw = tt.txn.get(key, db=tt.db["items"])
+                if raw is None:
+                    continue
+                _, seq, size = ItemRecord.place(raw)
+                if kept:
+                    full.append((key, ItemRecord.retired_as(raw, became, now)))
+                else:
+                    tombstones.append((key, ItemRecord.tombstone_of(raw, became, now)))
+            counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
+            counters.add(became, 1)
+            keys.append(key)
+            places.append(prefix + u64(seq))
+            nbytes += size
+            if uid in quarantined:
+                damaged.append(key)
+        marks.append((stamp + gkey.encode(), b""))
+        tt.move_group(gkey, grp, state)
+    drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
+    if keep:  # the quarantined members' payloads go all the same
+        _delete_rows(tt.txn, tt.db["blobs"], sorted(damaged))
+    gone = sorted(key for key, _ in tombstones)
+    _delete_rows(tt.txn, tt.db["items"], gone)  # the records leave the live ones' pages, which stay dense
+    for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
+        rows.sort()
+        put_rows(tt.txn, db, rows)
+
+
+def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") -> int:
+    """Groups a trainer trained without a lease of this table (a framework's own queue holds
+    them): consumed, as an ack consumes a lease's, so their payloads go, their tombstones stay
+    (a push of them again is a duplicate) and a prompt whose group it is is trained. Ready
+    groups, and groups leased with the caller's token, retire; an absent or retired one is left
+    alone (a retried call changes nothing); an incomplete one is refused, and then none retires.
+    Returns the groups retired."""
+    found: dict[str, GroupRecord] = {}
+    for gkey in group_ids:
+        grp = tt.group(gkey)
+        if grp is None or grp.state in RETIRED or gkey in found:
+            continue
+        if grp.state not in (READY, LEASED):
+            raise GroupIncomplete(
+                f"group {clip(gkey)} is {grp.state}: only a complete group (ready or leased) retires as trained"
+            )
+        if grp.state == LEASED:
+            raw = tt.txn.get(grp.lease.encode(), db=tt.db["leases"])
+            if raw is not None and Lease.decode(raw).owner != owner:
+                raise Forbidden(f"group {clip(gkey)} is leased with another token")
+        found[gkey] = grp
+    for grp in found.values():
+        if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
+            limiter.forget(tt, tt.members(grp).values())
+        grp.lease = ""
+    groups = list(found.items())
+    retire(tt, groups, CONSUMED)
+    return len(groups)
+
+
+def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    """A group leaves the ready or pending index (the others are the extensions')."""
+    if grp.state == READY:
+        tt.ready.remove(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+    elif grp.state == PENDING:
+        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+
+
+def drop_payloads(
+    tt: TableState, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False
+) -> None:
+    """Experiences (their keys, their keys in the insertion order, their bytes) leave
+    the live data: payloads, advantages and places in the insertion order go
+    (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
+    a time, in key order."""
+    keys, txn = sorted(keys), tt.txn
+    if not keep_blobs:
+        _delete_rows(txn, tt.db["blobs"], keys)
+    if _has_advantages(tt):
+        _delete_rows(txn, tt.db["adv"], keys)
+    _delete_rows(txn, tt.db["order"], sorted(places))
+    tt.counters.bytes -= nbytes
+
+
+def _has_advantages(tt: TableState) -> bool:
+    """Whether any token-level advantages of this table are stored (none for a table
+    without an estimator, so retiring its experiences need not look for them)."""
+    with tt.txn.cursor(db=tt.db["adv"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+
+
+def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
+    """Remove a retired experience's record (and a failed one's kept payload): its uid
+    may then be pushed again. Its group goes with its last member, and the group's place
+    in the retired index with it."""
+    tt.forget_item(uid)
+    tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
+    tt.counters.add(rec.state, -1)
+    grp = tt.group(rec.group)
+    if grp is not None:
+        if uid not in grp.members:
+            return
+        grp.members.remove(uid)
+        if grp.members:
+            tt.put_group(rec.group, grp)
+            return
+        tt.forget_group(rec.group)
+    tt.txn.delete(tt.retired_key(rec.group, rec.retired or 0.0), db=tt.db["retired"])
+
+
+def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000) -> int:
+    """Forget the tombstones of groups retired before the cutoff (at most `limit` groups per
+    call); returns how many were forgotten."""
+    cutoff = layout.micros(retired_before)
+    expired: list[bytes] = []
+    with tt.txn.cursor(db=tt.db["retired"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] < cutoff and len(expired) < limit:
+            expired.append(cur.key())
+            found = cur.next()
+    forgotten = 0
+    for key in expired:
+        grp = tt.group(key[12:].decode())
+        for uid in list(grp.members) if grp is not None else ():
+            rec = tt.item(uid)
+            if rec is not None and rec.state in RETIRED:
+                forget_tombstone(tt, uid, rec)
+                forgotten += 1
+        tt.txn.delete(key, db=tt.db["retired"])  # gone with the group's last member, or left by damage
+    return forgotten
+
+
+def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int:
+    targets = list(uids)
+    for gkey in group_ids:
+        grp = tt.group(gkey)
+        if grp is not None:
+            targets.extend(grp.members)
+    deleted = 0
+    for uid in dict.fromkeys(targets):
+        rec = tt.item(uid)
+        if rec is None:
+            continue
+        if rec.state not in LIVE:
+            forget_tombstone(tt, uid, rec)
+            continue
+        limiter.forget(tt, [rec])
+        grp = tt.existing_group(rec.group)
+        tt.forget_item(uid)
+        tt.counters.add(grp.state, -1)
+        deleted += 1
+        drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
+        grp.members.remove(uid)
+        if grp.members:
+            tt.put_group(rec.group, grp)
+            continue
+        if grp.state in LIVE:
+            tt.extensions.on_retire(tt, [(rec.group, grp)], DELETED)
+        leave_indexes(tt, rec.group, grp)
+        if grp.state in LIVE:
+            tt.counters.add_groups(grp.state, -1)
+        tt.forget_group(rec.group)
+    return deleted

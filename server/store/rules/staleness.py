@@ -1,0 +1,123 @@
+"""The trainer's policy version of a table, and eviction of the ready groups it leaves stale.
+
+The version only moves forward. A report lower than the stored version keeps the stored
+one (the reply says which is stored): a trainer restarted from a checkpoint goes on, its
+rollouts judged against the newest weights the job reached. Only an admin's reset
+(`reset`: the ResetOffPolicy RPC, `expbuf table reset-offpolicy`) sets it back. With
+`evict_stale`, a report may move the version at most to the newest model version pushed
+(or the stored version, if higher) + max_staleness + 1: a trainer can have trained only on
+groups at most max_staleness behind it, and it reports one more after its step. A larger
+jump, which would evict groups no trainer could yet have passed (a token sending 2**63-1
+would evict them all), is refused, naming the reset that sets any version.
+
+With `evict_stale`, a ready group whose lowest model version fell below trainer version -
+max_staleness leaves the buffer as dropped (reason `stale`): the trainer would never take
+it. The version index (`byver`, ready_indexes.py) orders ready groups by their lowest version,
+so the stale ones are the front of the table's part of it, read up to the bound and never
+past it: the cost is that of the stale groups found, whatever fresh data the table holds.
+Each pass takes at most `limit` groups, so one write never grows without bound; the store's
+upkeep takes the rest on its next passes. The eviction is a table extension (`StaleEviction`,
+extensions.py): it runs when the version moves and at each upkeep.
+"""
+
+from __future__ import annotations
+
+from typing import overload
+
+from ..schema.errors import VersionJump
+from ..schema.states import DROPPED, READY
+from .extensions import TableExtension
+from .retirement import retire
+from .table_state import TableState
+
+# Stale groups evicted per table in one pass (one write transaction).
+EVICT_LIMIT = 10_000
+
+
+def ceiling(tt: TableState) -> int | None:
+    """The highest version a report may set; None when any may be set (no evict_stale, or a
+    table that has neither a version nor versioned data yet, so nothing to evict)."""
+    cfg, counters = tt.config, tt.counters
+    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None:
+        return None
+    known = [v for v in (counters.trainer_version, counters.max_version) if v is not None]
+    return max(known) + cfg.staleness.max_staleness + 1 if known else None
+
+
+def next_version(tt: TableState, reported: int | None) -> int | None:
+    """The version a trainer's report stores; None when it stores nothing (no report, or
+    not above the stored version). Refuses a jump past the ceiling."""
+    stored = tt.counters.trainer_version
+    if reported is None or (stored is not None and reported <= stored):
+        return None
+    top = ceiling(tt)
+    if top is not None and reported > top:
+        cfg = tt.config
+        raise VersionJump(
+            f"table '{cfg.name}': trainer version {reported} jumps past {top}, the newest model version pushed "
+            f"({tt.counters.max_version}) or the stored trainer version ({stored}), whichever is higher, + "
+            f"max_staleness {cfg.staleness.max_staleness} + 1; with evict_stale it would evict groups no trainer "
+            f"could have passed. An admin sets any version with "
+            f"`expbuf table reset-offpolicy {cfg.name} --version {reported}`"
+        )
+    return reported
+
+
+@overload
+def report(tt: TableState, reported: int) -> int: ...  # a version was reported: one is stored
+@overload
+def report(tt: TableState, reported: int | None) -> int | None: ...
+def report(tt: TableState, reported: int | None) -> int | None:
+    """Store a trainer's report (see next_version); the table's extensions hear of a move
+    (with evict_stale, a first bounded batch of the groups that fell stale is dropped).
+    Returns the stored version."""
+    version = next_version(tt, reported)
+    if version is not None:
+        tt.counters.trainer_version = version
+        tt.save()
+        tt.extensions.on_version(tt)
+    return tt.counters.trainer_version
+
+
+def reset(tt: TableState, version: int | None) -> None:
+    """An admin sets the version to any value, or to none (None), backwards too."""
+    tt.counters.trainer_version = version
+    tt.save()
+    tt.extensions.on_version(tt)
+
+
+def stale_bound(tt: TableState) -> int | None:
+    """The lowest version a ready group may have; None when the table evicts nothing."""
+    cfg, version = tt.config, tt.counters.trainer_version
+    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None or version is None:
+        return None
+    return version - cfg.staleness.max_staleness
+
+
+def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
+    """Drop up to `limit` ready groups below the table's staleness bound; returns how many."""
+    bound = stale_bound(tt)
+    if bound is None:
+        return 0
+    stale = tt.ready.below_version(bound, limit)
+    for gkey in stale:
+        grp = tt.group(gkey)
+        if grp is None or grp.state != READY:
+            continue
+        retire(tt, [(gkey, grp)], DROPPED)
+        tt.counters.groups_dropped += 1
+        tt.counters.dropped_stale += 1
+    if stale:
+        tt.save()
+    return len(stale)
+
+
+class StaleEviction(TableExtension):
+    """Drops the ready groups that fell below the staleness bound of a table with evict_stale:
+    a first bounded batch when the trainer version moves, the rest at the upkeep's passes."""
+
+    def on_version(self, tt: TableState) -> None:
+        evict_stale(tt)
+
+    def on_upkeep(self, tt: TableState) -> int:
+        return evict_stale(tt)

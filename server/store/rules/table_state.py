@@ -1,0 +1,236 @@
+"""One table inside one transaction, as state: its records (read once, changed in a write-back
+cache, written by `save`), its counters, its ready index, and the keys of its indexes.
+
+The rules that change a table (groups.py, capacity.py, retirement.py, leases.py, ...) are
+functions over this state; it imports none of them. A table's extensions (extensions.py, a
+layer above) are reached through `extensions`, as the `Events` they answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+import lmdb
+
+from ..disk import layout
+from ..disk.kinds import Ahead, Compute
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.errors import StoreError, clip
+from ..schema.ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
+from ..schema.selection import ReadyIndex
+from ..schema.states import LEASED, LIVE, READY, State, check_move
+from ..schema.table_config import TableConfig
+from .counters import read_counters
+
+# A member's record as the cache holds it: absent (None) when the table has no such uid.
+Cached = ItemRecord | None
+Groups = Sequence[tuple[str, GroupRecord]]
+V = TypeVar("V", bytes, memoryview)
+
+
+def stored(txn: lmdb.Transaction[V], key: bytes, db: lmdb._Database, what: str) -> V:
+    """The value of a table's key (its id, then a name) that an index or a record names, so
+    it is stored: one that is not is damage, refused by name rather than read as nothing."""
+    value = txn.get(key, db=db)
+    if value is None:
+        raise missing(what, bytes(key[4:]).decode(errors="replace"))
+    return value
+
+
+def missing(what: str, name: str) -> StoreError:
+    """The refusal of a record or payload that is named but not stored: the directory is damaged."""
+    return StoreError(f"{what} {clip(name)} is named but not stored: run `expbuf check` on the data directory")
+
+
+def stored_state(state: State) -> State:
+    """The state a member's record keeps while its group is in `state`."""
+    return READY if state == LEASED else state
+
+
+def member_state(rec: ItemRecord, grp: GroupRecord | None) -> State:
+    """An experience's state: its record's, or leased while its group is."""
+    return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
+
+
+class Events(Protocol):
+    """The events of a table its extensions hear (extensions.py says when each comes): the
+    state raises `on_update`, the rules the others."""
+
+    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None: ...
+    def on_insert(self, tt: TableState, uids: Sequence[str]) -> None: ...
+    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None: ...
+    def on_sample(self, tt: TableState, groups: Groups) -> None: ...
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None: ...
+    def on_version(self, tt: TableState) -> None: ...
+    def on_upkeep(self, tt: TableState) -> int: ...
+
+
+class TableState:
+    """One table inside one write (or read) transaction."""
+
+    def __init__(
+        self,
+        txn: lmdb.Transaction[bytes],
+        dbs: dict[str, lmdb._Database],
+        table_id: int,
+        config: TableConfig,
+        now: float,
+        extensions: Events,
+    ) -> None:
+        self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
+        self.extensions = extensions
+        self.prefix = layout.table_prefix(table_id)
+        self.counters = read_counters(txn, dbs["counters"], self.prefix)
+        self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups)
+        # Write-back caches: a record changed several times in one request is encoded and
+        # written once, by save().
+        self._items: dict[str, Cached] = {}
+        self._groups: dict[str, GroupRecord | None] = {}
+        self._dirty_items: dict[str, ItemRecord] = {}
+        self._dirty_groups: dict[str, GroupRecord] = {}
+        # The table's advantage computation where a push runs it in its own transaction
+        # (pushed_advantages.py); None leaves the groups a push completes to the worker.
+        self.compute: Compute | None = None
+        # Its result for the groups the push was expected to complete, computed before the
+        # transaction (pushed_advantages.compute_ahead), used where they are the groups it completes.
+        self.ahead: Ahead | None = None
+        # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
+        self.holder = ""
+
+    def save(self) -> None:
+        """Write changed records and the counters; every changing request ends with it."""
+        put_rows(self.txn, self.db["items"], [(self.key(uid), rec.encode()) for uid, rec in self._dirty_items.items()])
+        put_rows(self.txn, self.db["groups"], [(self.key(gkey), g.encode()) for gkey, g in self._dirty_groups.items()])
+        self._dirty_items.clear()
+        self._dirty_groups.clear()
+        self.txn.put(self.prefix, self.counters.encode(), db=self.db["counters"])
+
+    # ---- records -----------------------------------------------------------------------
+
+    def key(self, name: str) -> bytes:
+        return self.prefix + name.encode()
+
+    def item(self, uid: str) -> ItemRecord | None:
+        """The uid's record: a live experience's (or a failed one's whose payload is kept), or
+        else its compact tombstone."""
+        if uid not in self._items:
+            key = self.key(uid)
+            raw = self.txn.get(key, db=self.db["items"])
+            if raw is None:
+                raw = self.txn.get(key, db=self.db["tombs"])
+            self._items[uid] = None if raw is None else ItemRecord.decode(raw)
+        return self._items[uid]
+
+    def existing_item(self, uid: str) -> ItemRecord:
+        """The record of an experience an index or its group names, which exists while they do."""
+        rec = self.item(uid)
+        if rec is None:
+            raise missing("experience", uid)
+        return rec
+
+    def cached_item(self, uid: str) -> tuple[bool, Cached]:
+        """Whether the uid's record was read in this transaction, and the record if it was:
+        a caller that only rewrites a few bytes of the others (retirement.py) leaves them
+        undecoded."""
+        return (True, self._items[uid]) if uid in self._items else (False, None)
+
+    def put_item(self, uid: str, rec: ItemRecord) -> None:
+        self._items[uid] = self._dirty_items[uid] = rec
+
+    def settle_item(self, uid: str, rec: ItemRecord) -> None:
+        """The record as the caller has just written it itself (a compact tombstone,
+        retirement.py): cached, and no longer for save() to write."""
+        self._items[uid] = rec
+        self._dirty_items.pop(uid, None)
+
+    def forget_item(self, uid: str) -> None:
+        """Remove the uid's record, or its tombstone."""
+        self._items[uid] = None
+        self._dirty_items.pop(uid, None)
+        key = self.key(uid)
+        if not self.txn.delete(key, db=self.db["items"]):
+            self.txn.delete(key, db=self.db["tombs"])
+
+    def group(self, gkey: str) -> GroupRecord | None:
+        if gkey not in self._groups:
+            raw = self.txn.get(self.key(gkey), db=self.db["groups"])
+            self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
+        return self._groups[gkey]
+
+    def existing_group(self, gkey: str) -> GroupRecord:
+        """The record of a group an index or a member names, which exists while they do."""
+        grp = self.group(gkey)
+        if grp is None:
+            raise missing("group", gkey)
+        return grp
+
+    def put_group(self, gkey: str, grp: GroupRecord) -> None:
+        self._groups[gkey] = self._dirty_groups[gkey] = grp
+
+    def forget_group(self, gkey: str) -> None:
+        self._groups[gkey] = None
+        self._dirty_groups.pop(gkey, None)
+        self.txn.delete(self.key(gkey), db=self.db["groups"])
+
+    def ready_groups(self, start: int, limit: int, records: bool = True) -> tuple[list[ReadyGroup], int | None]:
+        """Up to `limit` ready groups from rseq `start` on, in ready order, as a lazy index being
+        built reads them (selection.ReadyIndex.build_step), each with its priority and version
+        from the head of its record (without `records`: priority 0, no version); and the rseq to
+        go on from (None: none lies past them)."""
+        rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)
+        if not records:
+            return [ReadyGroup(gkey, rseq, 0.0, None) for rseq, gkey in rows], after
+        db = self.db["groups"]
+        placed = (GroupRecord.placed(stored(self.txn, self.prefix + gkey, db, "group")) for _, gkey in rows)
+        return [ReadyGroup(gkey, *place) for (_, gkey), place in zip(rows, placed, strict=True)], after
+
+    def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+        return {uid: self.existing_item(uid) for uid in grp.members}
+
+    # ---- keys of the per-table indexes ---------------------------------------------------
+
+    def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:
+        return self.prefix + layout.micros(grp.created) + gkey.encode()
+
+    def retired_key(self, gkey: str, retired: float) -> bytes:
+        """A retired group's key in the retired index (when its members became tombstones)."""
+        return self.prefix + layout.micros(retired) + gkey.encode()
+
+    def rseq_key(self, grp: GroupRecord) -> bytes:
+        return self.prefix + u64(grp.ready_seq)
+
+    # ---- states and their counts ---------------------------------------------------------
+
+    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: State) -> None:
+        self.set_states([(gkey, grp, recs)], state)
+
+    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: State) -> None:
+        """Live groups and their members (key, record, member records) move to a live
+        `state` (retirement.py makes tombstones). Members share their group's state, and the
+        records of a leased group's members say ready (its record says leased): a lease
+        taken or ended rewrites no member record for the state alone."""
+        counters, stored = self.counters, stored_state(state)
+        for gkey, grp, recs in groups:
+            counters.add(grp.state, -len(recs))
+            counters.add(state, len(recs))
+            for uid, rec in recs.items():
+                if rec.state != stored:
+                    rec.state = stored
+                    self.put_item(uid, rec)
+            self.move_group(gkey, grp, state)
+
+    def move_group(self, gkey: str, grp: GroupRecord, state: State) -> None:
+        """A group's own state and the counts of groups by live state; a move between live
+        states is the extensions' `on_update`. Every move of a group comes here, and is
+        checked against the state machine (states.py)."""
+        was = grp.state
+        check_move(gkey, was, state)
+        if was in LIVE:
+            self.counters.add_groups(was, -1)
+        if state in LIVE:
+            self.counters.add_groups(state, 1)
+        grp.state = state
+        self.put_group(gkey, grp)
+        if was in LIVE and state in LIVE and was != state:
+            self.extensions.on_update(self, gkey, grp, was)

@@ -1,0 +1,181 @@
+"""Every refusal the server makes, each class carrying the gRPC status it maps to and its
+reason on `expbuf_refused_total`, and `clip`, which keeps untrusted input out of messages and
+logs at a bounded length.
+
+The service maps a refusal to its status and reason by its class alone (rpc/service.py); a new
+refusal is one class here. `status` is the name of a `grpc.StatusCode` member, so the storage
+engine, which raises most of these and holds this module, does not import grpc (a contract in
+pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+CLIP = 100
+
+
+def clip(value: object, limit: int = CLIP) -> str:
+    """`value` as text of at most about `limit` characters, saying how long it was."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+class StoreError(Exception):
+    """A refused request: `status` names the gRPC status code it maps to, `reason` its label on
+    the refusals metric. Raised as it is, a fault of the server rather than of the request."""
+
+    status: ClassVar[str] = "INTERNAL"
+    reason: ClassVar[str] = "internal"
+
+
+class InvalidRequest(StoreError):
+    """A request whose fields the server cannot take; the message names the field."""
+
+    status = "INVALID_ARGUMENT"
+    reason = "invalid_request"
+
+
+class InvalidPayload(InvalidRequest):
+    """A push whose payload the TRXP codec refused; the message names the item and field."""
+
+    reason = "invalid_payload"
+
+
+class ConfigError(InvalidRequest, ValueError):
+    """A table or server setting out of its range; the message names the setting."""
+
+    reason = "invalid_config"
+
+
+class SpecError(InvalidRequest):
+    """A sample request is malformed; the message names the field and its allowed range."""
+
+
+class NotFound(StoreError):
+    """No such table, lease, grant or experience."""
+
+    status = "NOT_FOUND"
+    reason = "not_found"
+
+
+class Conflict(StoreError):
+    """A uid pushed again with other bytes, or a table that exists with other settings."""
+
+    status = "ALREADY_EXISTS"
+    reason = "conflict"
+
+
+class Forbidden(StoreError):
+    """A lease, or a prompt's claim, taken by another token."""
+
+    status = "PERMISSION_DENIED"
+    reason = "forbidden"
+
+
+class GroupClosed(StoreError):
+    """The group's or table's state refuses it now: a push into a complete group."""
+
+    status = "FAILED_PRECONDITION"
+    reason = "group_closed"
+
+
+class StaleExperience(GroupClosed):
+    """A push carries an experience older than the table's staleness bound (on_stale = refuse)."""
+
+    reason = "stale"
+
+
+class StaleAttempt(GroupClosed):
+    """A push into the group of a prompt's attempt that no claim holds: its claim ended, or it
+    was never handed out (the prompt ledger)."""
+
+    reason = "stale_attempt"
+
+
+class GroupIncomplete(StoreError):
+    """A group asked to retire as trained before it is complete (pending, or its advantages computing)."""
+
+    status = "FAILED_PRECONDITION"
+    reason = "group_incomplete"
+
+
+class VersionJump(GroupClosed):
+    """A trainer version beyond what the table's data allows, with evict_stale on."""
+
+
+class TableFull(StoreError):
+    """The table has no room now; a blocking table's pusher may wait for room."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "table_full"
+
+
+class TooLarge(StoreError):
+    """A push larger than the table's whole capacity, or a group larger than a reply: waiting would never help."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "too_large"
+
+
+class StorageFull(StoreError):
+    """The disk or the map cannot grow to hold the write."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "storage_full"
+
+
+class InsertLimited(StoreError):
+    """An insert held by the rate limit until its deadline."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "rate_limited"
+
+
+class SampleLimited(StoreError):
+    """A sample held by the rate limit until its deadline."""
+
+    status = "DEADLINE_EXCEEDED"
+    reason = "rate_limited"
+
+
+class IndexNotReady(StoreError):
+    """A request that reads an index its table is still building in the background
+    (index_builds.py), whose wait ended before the build did: asked again later, it is served."""
+
+    status = "DEADLINE_EXCEEDED"
+    reason = "index_building"
+
+
+class Cancelled(StoreError):
+    """A call its caller gave up on, stopped before it wrote anything (a long CreateDataset)."""
+
+    status = "CANCELLED"
+    reason = "cancelled"
+
+
+class Damaged(StoreError):
+    """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
+
+    status = "DATA_LOSS"
+    reason = "damaged"
+
+    def __init__(self, path: object, damage: str) -> None:
+        super().__init__(f"damaged ({damage}); run `expbuf check --data {path}`")
+        self.damage = damage
+
+
+class StoreClosed(StoreError):
+    """The store is closing or closed: the server is stopping."""
+
+    status = "UNAVAILABLE"
+    reason = "closed"
+
+
+class AdvantagesUnavailable(StoreError):
+    """The advantage worker could not start (torch did not load): a fault of the server,
+    INTERNAL, which clients do not retry (advantages/start.py)."""
+
+    reason = "advantages_unavailable"

@@ -1,0 +1,209 @@
+"""The claims service of a Store: a table's datasets of prompts, claims with their wait for a
+prompt, renewals, releases and listings, each in the writer's transaction (the rules are
+ledger.py's). A claim that finds nothing to hand out waits, as a sample waits for data,
+until a prompt comes back, room frees under max_in_flight, the dataset is done, or its time
+is up.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence, Sized
+from dataclasses import dataclass
+from typing import TypeVar
+
+import lmdb
+
+from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
+
+from ..disk.environment import Environment
+from ..ledger.records import (
+    PROMPT_STATES,
+    DatasetRecord,
+    PromptRecord,
+    read_dataset,
+    read_datasets,
+    read_epochs,
+    read_prompts,
+)
+from ..ledger.rules import Claimed, Ledger, check, no_dataset
+from ..ledger.shards import count_owned
+from ..rules.table_state import TableState
+from ..schema.errors import InvalidRequest
+from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
+from ..tables.catalog import TableCatalog
+
+T = TypeVar("T")
+MAX_PAGE = 10000
+# A claim's owner is stored in each prompt it claims and repeated in the replies that show them:
+# a name for the claimant (a host, a pod, a process), not data.
+MAX_OWNER_BYTES = 256
+
+
+def check_claim(count: int, owner: str, wait: float) -> None:
+    """Refuse a claim's count, owner or wait out of range, naming it and its bound (before it
+    claims anything; the service checks its request's with it before it bounds the wait)."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PROMPTS_PER_CALL:
+        raise InvalidRequest(f"count is {count!r}; a claim asks for 1 to {MAX_PROMPTS_PER_CALL} prompts")
+    if len(owner.encode()) > MAX_OWNER_BYTES:
+        raise InvalidRequest(
+            f"owner is {len(owner.encode())} bytes; a claim's owner is at most {MAX_OWNER_BYTES} bytes of UTF-8"
+        )
+    check_seconds("wait_seconds", wait, low=0.0, high=MAX_WAIT_SECONDS)
+
+
+def check_refs(prompts: Sized, call: str) -> None:
+    """Refuse a renewal or a release naming more prompts than one call may (before it looks one
+    up: the writer is held while it does)."""
+    if len(prompts) > MAX_PROMPTS_PER_CALL:
+        raise InvalidRequest(
+            f"prompts names {len(prompts)} prompts; a {call} names at most {MAX_PROMPTS_PER_CALL}"
+            " (the clients split larger ones into calls of this many)"
+        )
+
+
+def shown_owner(owner: str) -> str:
+    """An owner as replies show it: one stored before owners were bounded is cut to the bound."""
+    return owner.encode()[:MAX_OWNER_BYTES].decode(errors="ignore")
+
+
+@dataclass(frozen=True)
+class PromptPage:
+    """One page of a dataset's prompt records in (epoch, index) order; `after` names the last."""
+
+    prompts: list[tuple[int, int, PromptRecord]]
+    after: tuple[int, int] | None
+    done: bool
+
+
+class Claims:
+    """Datasets and claims over a data directory's environment and table catalog."""
+
+    def __init__(
+        self, environment: Environment, catalog: TableCatalog, ledger: Ledger, mark: Callable[[int], None]
+    ) -> None:
+        self.environment, self.catalog, self.ledger, self._mark = environment, catalog, ledger, mark
+
+    def _in_table(self, table: str, fn: Callable[[TableState], T]) -> T:
+        table_id, config = self.catalog.lookup(table)
+
+        def op(txn: lmdb.Transaction[bytes]) -> T:
+            self._mark(table_id)  # the upkeep ends the table's claims when their time comes
+            tt = self.catalog.state(txn, table_id, config)
+            result = fn(tt)
+            tt.save()
+            return result
+
+        return self.environment.submit(op)
+
+    def create(
+        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
+    ) -> tuple[DatasetRecord, bool]:
+        """A dataset on the table (ledger.check names a setting out of range); (record with its
+        epochs read, created).
+
+        A shard's part of a sharded dataset is counted here, before the write, so the writer
+        is not held meanwhile; `stop` is polled while counting (a cancelled call)."""
+        table_id, config = self.catalog.lookup(table)
+        check(ds, config.grouping.by)
+        if ds.shards:
+            with self.environment.read() as txn:
+                exists = read_dataset(txn, self.catalog.db["ledger"], table_id, ds.name) is not None
+            if not exists:
+                ds.owned = count_owned(ds, stop)
+
+        def create(tt: TableState) -> tuple[DatasetRecord, bool]:
+            record, created = self.ledger.create(tt, ds, exist_ok=exist_ok)
+            return read_epochs(tt.txn, tt.db["ledger"], tt.table_id, record), created
+
+        return self._in_table(table, create)
+
+    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
+        """The table's datasets (or the one named), their cursors and totals, and unless not
+        `by_epoch` each epoch's prompts owned and counts (a read per epoch with an event)."""
+        table_id, _ = self.catalog.lookup(table)
+        db = self.catalog.db["ledger"]
+        # Reads take no table state: one (it refers to itself) would keep its transaction's LMDB
+        # reader slot until a garbage collection, and a scrape reads every table's datasets.
+        with self.environment.read() as txn:
+            if name:
+                found = read_dataset(txn, db, table_id, name)
+                if found is None:
+                    raise no_dataset(table, name)
+                records = [found]
+            else:
+                records = read_datasets(txn, db, table_id)
+            return [read_epochs(txn, db, table_id, ds) for ds in records] if by_epoch else records
+
+    def claim(
+        self,
+        table: str,
+        name: str,
+        count: int,
+        *,
+        seconds: float,
+        owner: str = "",
+        holder: str = "",
+        wait: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[Claimed], bool]:
+        """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
+        is not done; `stop` is polled while waiting (a cancelled call). A claim whose cursor
+        spent its share of a transaction (ledger.STEP_HASHES) goes on in the next, the writer
+        let go in between."""
+        check_claim(count, owner, wait)
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        deadline = time.monotonic() + wait
+        claimed: list[Claimed] = []
+        while True:
+            generation = self.environment.generation
+            claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
+                                      owner=owner, holder=holder)  # fmt: skip
+            part, done, unfinished = self._in_table(table, claim)
+            claimed += part
+            stopped = stop is not None and stop()
+            if unfinished and not stopped:  # its share of the writer spent: it goes on in another transaction
+                continue
+            if claimed or done or time.monotonic() >= deadline or stopped:
+                return claimed, done
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def renew(
+        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str = ""
+    ) -> tuple[float, list[tuple[int, int, int]]]:
+        """Claims now end `seconds` from now (ledger.renew); when, and those that had ended."""
+        check_refs(prompts, "RenewClaims")
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        return self._in_table(table, lambda tt: self.ledger.renew(tt, name, prompts, seconds, holder))
+
+    def release(self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], holder: str = "") -> int:
+        """Claims given back now (ledger.release); returns how many were still held."""
+        check_refs(prompts, "ReleaseClaims")
+        return self._in_table(table, lambda tt: self.ledger.release(tt, name, prompts, holder))
+
+    def prompts(
+        self,
+        table: str,
+        name: str,
+        *,
+        states: Sequence[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> PromptPage:
+        """A page of the dataset's prompts handed out at least once, in (epoch, index) order,
+        of the given states (all when empty), reading at most `limit` records."""
+        unknown = [state for state in states if state not in PROMPT_STATES]
+        if unknown:
+            raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequest(f"limit is {limit}; a page reads 1 to {MAX_PAGE} prompts")
+        table_id, _ = self.catalog.lookup(table)
+        with self.environment.read() as txn:  # no table state, as in datasets()
+            db = self.catalog.db["ledger"]
+            if read_dataset(txn, db, table_id, name) is None:
+                raise no_dataset(table, name)
+            read = list(read_prompts(txn, db, table_id, name, after, limit))
+        last = (read[-1][0], read[-1][1]) if read else after
+        kept = [row for row in read if not states or row[2].state in states]
+        return PromptPage(kept, last, len(read) < limit)

@@ -1,0 +1,212 @@
+"""Pushes: validated entries stored in the writer's transaction, durably when it returns.
+
+A push alone is a sequence of one: `put_in_order` stores a stream's pushes in order, as many
+as it holds in one request to the writer, each in a transaction nested in it (so a refusal
+undoes only its own push), and stops at the first that does not store. Those that stored
+share the writer's commit; the caller hears each one's result once durable, and a refused
+push's refusal after them, with none after it stored: exactly as if each had been sent after
+the reply of the one before.
+
+A full table in block mode, or a rate limit that holds a push, is waited out until the
+pushes' timeout, the push tried again (with those after it) at each change of the environment.
+The caller may say whether they may wait at all (`may_wait`, asked before they first would): the
+server lets a push wait only where a call that waits idle would be let in (server/rpc/limits.py), and
+refuses it at once otherwise.
+Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
+push completes get their advantages in its transaction, computed before it where the push's
+groups can be foreseen (pushed_advantages.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import lmdb
+
+from ..disk.environment import Environment
+from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
+from ..rules import groups, limiter, pushed_advantages
+from ..rules.table_state import TableState
+from ..schema.errors import InsertLimited, TableFull
+from ..schema.selection import IndexBuilding
+from ..schema.table_config import TableConfig
+from ..tables import admission, deliverable
+from ..tables.catalog import TableCatalog
+from .index_builds import IndexBuilds
+
+# A table's state in the writer's transaction, by table id and configuration (Store._state_in).
+StateIn = Callable[["lmdb.Transaction[bytes]", int, TableConfig], TableState]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """One push, looked up and with its advantages computed ahead, ready for the writer (which
+    reads its entries from the push itself: see kinds.Push)."""
+
+    push: Push
+    table_id: int
+    config: TableConfig
+    ahead: Ahead | None
+
+
+class Pushing:
+    """Pushes into a data directory's tables; `state_in` opens a table's state in the writer's
+    transaction (Store._state_in)."""
+
+    def __init__(
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        state_in: StateIn,
+        max_reply_bytes: int | None,
+        builds: IndexBuilds,
+    ) -> None:
+        self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
+        self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
+        self.in_push: Callable[[TableConfig], Compute | None] | None = None
+
+    def put(
+        self,
+        table: str,
+        entries: Sequence[Entry],
+        *,
+        timeout: float | None = None,
+        holder: str = "",
+        may_wait: MayWait | None = None,
+    ) -> PutResult:
+        """Store validated entries durably. A full table in block mode, or a rate limit that holds
+        the push, waits until timeout."""
+        (result,) = self.put_in_order([Push(table, entries, holder)], timeout=timeout, may_wait=may_wait)
+        return result
+
+    def put_in_order(
+        self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
+    ) -> Iterator[PutResult]:
+        """Store pushes durably, in order, each as `put` would; yields each one's result once it is
+        durable. A refused push raises after the results of those before it, and none after it is
+        stored. They share one deadline, `timeout` from now. Before they first wait for room,
+        `may_wait()` is asked: a reason it gives refuses the push that would wait, with it."""
+        start = time.monotonic()
+        deadline = start + (timeout if timeout is not None else 0.0)
+        todo: deque[_Ready] = deque()
+        unready: Exception | None = None  # a push that cannot be tried (its table does not exist)
+        for push in pushes:
+            try:
+                todo.append(self._ready(push))
+            except Exception as exc:
+                unready = exc
+                break
+        since, held = start, False  # when the first push of `todo` was first tried; whether a rate limit held it
+        while todo:
+            generation = self.environment.generation
+            now = time.monotonic()
+            final = now >= deadline
+            done, stop = self._submit(list(todo), final, now - since if held else 0.0)
+            for result in done:
+                todo.popleft()
+                yield result
+            if done:
+                since, held = time.monotonic(), False
+            if stop is None:
+                continue
+            if isinstance(stop, IndexBuilding):  # nothing was kept: tried again once the index is built
+                self.builds.wait(stop)
+                continue
+            if isinstance(stop, TableFull):
+                if todo[0].config.capacity.when_full != "block" or final:
+                    raise stop
+            elif isinstance(stop, InsertLimited):
+                if final:
+                    raise stop
+                held = True
+            else:
+                raise stop
+            if may_wait is not None:
+                refused = may_wait()
+                if refused is not None:
+                    raise type(stop)(f"{stop}; the push may not wait: {refused}")
+                may_wait = None
+            self.environment.wait_for_change(generation, deadline)
+        if unready is not None:
+            raise unready
+
+    def _ready(self, push: Push) -> _Ready:
+        """A push looked up, with the advantages it is expected to compute, computed now."""
+        table_id, config = self.catalog.lookup(push.table)
+        compute = self.in_push(config) if self.in_push is not None else None
+        ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
+        return _Ready(push, table_id, config, ahead)
+
+    def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
+        """`_in_order` in the writer's next transaction; the first push's refusal, or the failure of
+        the whole transaction, as what stopped it."""
+        try:
+            return self.environment.submit(
+                functools.partial(self._in_order, pushes=pushes, final=final, blocked=blocked)
+            )
+        except Exception as exc:
+            return [], exc
+
+    def _in_order(
+        self, txn: lmdb.Transaction[bytes], pushes: list[_Ready], final: bool, blocked: float
+    ) -> tuple[list[PutResult], Exception | None]:
+        """In the writer's transaction: the pushes in order, each in a transaction nested in `txn`
+        (none for a push alone), until one does not store; the results of those that stored, and
+        what stopped the next (its refusal, or the rate limit that holds it), which the ones after
+        it wait for. A refusal of the first push is raised, so that nothing of it is kept."""
+        done: list[PutResult] = []
+        for ready in pushes:
+            child = self.environment.nested(txn) if len(pushes) > 1 else txn
+            try:
+                # looked up again: a push that waited may find its table dropped (or dropped and made again)
+                table_id, config = self.catalog.lookup(ready.push.table)
+                ahead = ready.ahead if table_id == ready.table_id else None
+                tt = self._state_in(child, table_id, config)
+                tt.holder = ready.push.holder
+                result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.max_reply_bytes,
+                                   self.in_push, ahead)  # fmt: skip
+            except Exception as exc:
+                if child is not txn:
+                    child.abort()
+                if not done or isinstance(exc, lmdb.MapFullError):  # a full map: the writer grows it and runs all again
+                    raise
+                return done, exc
+            if child is not txn:
+                child.commit()
+            if isinstance(result, InsertLimited):  # kept: at the deadline it counts the time it held the push
+                return done, result
+            done.append(result)
+        return done, None
+
+    @staticmethod
+    def _put(
+        tt: TableState,
+        entries: Sequence[Entry],
+        final: bool,
+        blocked: float,
+        reply_limit: int | None,
+        in_push: Callable[[TableConfig], Compute | None] | None,
+        ahead: Ahead | None,
+    ) -> PutResult | InsertLimited:
+        """Store entries, or the rate limit that holds them (with the time it held them,
+        counted when it lets them go or at the deadline); refuse them if a group would not
+        fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
+        completes get their advantages in its transaction where it gives the table a computation
+        (`ahead`: computed before it, for the groups the push was expected to complete)."""
+        deliverable.check(tt, entries, reply_limit)
+        held = limiter.insert_limit(tt, entries)
+        if blocked and (held is None or final):
+            tt.counters.insert_blocked_seconds += blocked
+            tt.save()
+        if held is not None:
+            return held
+        kept, stale = admission.screen(tt, entries)
+        tt.compute = in_push(tt.config) if in_push is not None else None
+        tt.ahead = ahead
+        result = groups.put(tt, kept)
+        result.stale = stale
+        return result

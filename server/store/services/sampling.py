@@ -1,0 +1,311 @@
+"""The sampling service of a Store: sample, ack, nack and renew, taking whole groups in the
+writer's transaction, with the rate limit's waits, a stream's confirmations (`confirm`, in
+the commit of the next take: a held batch consumed, its lease's clock started, or its replay
+counted) and the end of leases (consumed, requeued, expired, or held by a stopped server).
+The batch stage's clip counts of each table's samples are kept here, in memory (they go
+with the batches' replies, not through the writer).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import lmdb
+
+from ..disk import layout
+from ..disk.environment import Environment
+from ..disk.kinds import Sampled
+from ..disk.records import Lease
+from ..disk.stored_advantages import FinishBatch, StageCounts
+from ..rules import reuse, staleness
+from ..rules.table_state import TableState
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
+from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from ..schema.selection import IndexBuilding
+from ..schema.table_config import TableConfig
+from ..tables.catalog import TableCatalog
+from ..tables.leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
+from .index_builds import IndexBuilds
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A request refused inside a transaction that still commits (see Sampling._isolated)."""
+
+    error: Exception
+
+
+class Sampling:
+    """Sampling and leases over a data directory's environment and table catalog; `finish` is
+    the batch stage the server gave the store, bound to each batch taken (Sampled.stage)."""
+
+    def __init__(
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        rng: random.Random,
+        finish: FinishBatch | None,
+        builds: IndexBuilds,
+    ) -> None:
+        self.environment, self.catalog, self.rng, self.finish, self.builds = environment, catalog, rng, finish, builds
+        self.db = environment.db
+        self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
+
+    def stage_counts(self, table_id: int) -> StageCounts:
+        """Where the batch stage of the table's samples counts what its clip did."""
+        return self._batch_counts.setdefault(table_id, StageCounts())
+
+    def counted(self, table_id: int) -> StageCounts | None:
+        """What the batch stage of the table's samples counted since the server started."""
+        return self._batch_counts.get(table_id)
+
+    def sample(
+        self,
+        spec: SampleSpec,
+        *,
+        timeout: float | None = None,
+        hold: bool = False,
+        owner: str = "",
+        stop: Callable[[], bool] | None = None,
+        confirm: str | Sequence[str] = "",
+    ) -> Sampled | None:
+        """Select whole ready groups; None if not enough arrived within the wait.
+
+        `timeout` bounds the wait (default: the spec's wait_seconds). With `hold` (a
+        Sample stream's take), the batch is held under a lease without expiry, whatever
+        its delivery, until the caller confirms its client has it (`confirm`) or gives it
+        back (`nack`, as if never taken); holds left by a stopped server return to the
+        buffer at the next start (`release_holds`). `owner` binds a lease to whoever took
+        it. `stop` is polled while waiting (a cancelled RPC ends the wait early, with
+        None). `confirm` names held leases (one or several) of this table and owner whose
+        batches the client has, delivered first as the spec asks (confirm_in), in the same
+        commit as the first attempt: one durable write for all, kept even if the attempt
+        fails; if one cannot be delivered, none is and nothing is taken. A request in an order
+        whose index the table is still building in the background (index_builds.py) waits for
+        the build within the same deadline, then is tried again; past it, IndexNotReady.
+        """
+        start = time.monotonic()
+        deadline = start + (spec.wait_seconds if timeout is None else timeout)
+        held = False  # whether the rate limit held this request
+        confirms = tuple(lease for lease in ((confirm,) if isinstance(confirm, str) else confirm) if lease)
+        while True:
+            generation = self.environment.generation
+            final = time.monotonic() >= deadline
+            blocked = time.monotonic() - start if held else 0.0
+            table_id, config = self.catalog.lookup(spec.table)  # at each attempt: it may have been dropped
+
+            def attempt(
+                txn: lmdb.Transaction[bytes],
+                f: bool = final,
+                b: float = blocked,
+                a: tuple[str, ...] = confirms,
+                i: int = table_id,
+                c: TableConfig = config,
+            ) -> Sampled | SampleLimited | _Refused | None:
+                def take_in(t: lmdb.Transaction[bytes]) -> Sampled | SampleLimited | None:
+                    return self._take(t, self.catalog.state(t, i, c), spec, f, b, hold, owner)
+
+                if not a:
+                    return take_in(txn)
+                for lease_id in a:
+                    self.confirm_in(txn, lease_id, spec, owner)
+                return self._isolated(txn, take_in)
+
+            try:
+                result = self.environment.submit(attempt)
+            except IndexBuilding as building:  # nothing was kept: asked again once it is built
+                if not self.builds.wait(building, deadline, stop):
+                    return None
+                continue
+            confirms = ()
+            if isinstance(result, _Refused) and isinstance(result.error, IndexBuilding):
+                if not self.builds.wait(result.error, deadline, stop):  # the confirmations were kept
+                    return None
+                continue
+            if isinstance(result, _Refused):
+                raise result.error
+            if isinstance(result, SampleLimited):
+                if final:
+                    raise result
+                held = True
+            elif result is not None or final:
+                return result
+            if stop is not None and stop():
+                return None
+            self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
+
+    def _isolated(self, txn: lmdb.Transaction[bytes], fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | _Refused:
+        """`fn` in a transaction nested in txn: a refusal undoes only its own changes and is
+        returned, so that the rest of txn still commits. A full map or an LMDB error fails
+        the whole transaction, as anywhere else."""
+        child = self.environment.env.begin(write=True, parent=txn)
+        try:
+            result = fn(child)
+        except lmdb.Error:
+            child.abort()
+            raise
+        except Exception as exc:
+            child.abort()
+            return _Refused(exc)
+        child.commit()
+        return result
+
+    def _take(
+        self,
+        txn: lmdb.Transaction[bytes],
+        tt: TableState,
+        spec: SampleSpec,
+        final: bool,
+        blocked: float,
+        hold: bool,
+        owner: str,
+    ) -> Sampled | SampleLimited | None:
+        """One attempt. A request whose trainer version would move the table's (and evict
+        what falls stale) takes in a nested transaction, kept only when a batch is taken:
+        the version is stored with a batch, and a waiting request changes nothing; while the
+        table holds too little ready data for any batch, it does not even try."""
+        partial = spec.allow_partial and final
+        reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
+
+        def attempt(t: TableState) -> Sampled | SampleLimited | None:
+            return take(
+                t, spec, partial, self.rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
+                finish=self.finish, counts=self.stage_counts(tt.table_id),
+            )  # fmt: skip
+
+        moves = staleness.next_version(tt, spec.trainer_version) is not None
+        if not moves:
+            result = attempt(tt)
+        elif not could_fill(tt, spec, partial):
+            result = None  # waiting for data: nothing is stored, nothing evicted
+        else:
+            child = self.environment.env.begin(write=True, parent=txn)
+            try:
+                result = attempt(self.catalog.state(child, tt.table_id, tt.config, tt.now))
+            except BaseException:
+                child.abort()
+                raise
+            if isinstance(result, Sampled):
+                child.commit()
+            else:
+                child.abort()
+        if blocked and (isinstance(result, Sampled) or final):
+            tt = self.catalog.state(txn, tt.table_id, tt.config, tt.now)
+            tt.counters.sample_blocked_seconds += blocked
+            tt.save()
+        return result
+
+    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Consume the groups of a lease; returns the experiences acknowledged. With a
+        table (a caller's request), the lease must be of that table and that owner."""
+        return self.environment.submit(
+            lambda txn: self.end_lease(txn, lease_id, requeue=False, table=table, owner=owner)
+        )
+
+    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
+        """Return the groups of a lease to the buffer; returns the experiences requeued."""
+        return self.environment.submit(
+            lambda txn: self.end_lease(txn, lease_id, requeue=True, table=table, owner=owner)
+        )
+
+    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
+        """A stream's held batch that its client has (confirm_in); returns its experiences."""
+        return self.environment.submit(lambda txn: self.confirm_in(txn, lease_id, spec, owner))
+
+    def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:
+        """The lease now ends `seconds` from now (a held one's clock starts); returns when it
+        ends and the experiences it holds."""
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+
+        def op(txn: lmdb.Transaction[bytes]) -> tuple[float, int]:
+            lease = self._lease(txn, lease_id, table, owner)
+            tt = self.catalog.state_of(txn, lease.table_id)
+            now = self.catalog.clock() if tt is None else tt.now
+            self._set_expiry(txn, lease_id, lease, now + seconds)
+            count = 0 if tt is None else sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+            return now + seconds, count
+
+        return self.environment.submit(op)
+
+    def release_holds(self) -> int:
+        """Return every batch held for a stream of an earlier run of the server; the
+        streams that held them are gone. Returns the experiences requeued."""
+
+        def op(txn: lmdb.Transaction[bytes]) -> int:
+            holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
+            return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in holds)
+
+        return self.environment.submit(op)
+
+    def confirm_in(self, txn: lmdb.Transaction[bytes], lease_id: str, spec: SampleSpec, owner: str) -> int:
+        """A held batch its stream's client confirmed it has, delivered as the stream asked:
+        consumed; leased, the lease's clock starting now (`spec.lease_seconds`); or
+        replayed, its deliveries counted. A lease whose batch the client already acked,
+        nacked or renewed (it may, once it has the batch) is left as that made it."""
+        if spec.delivery == "consume":
+            return self.end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
+        lease = read_lease(txn, self.db["leases"], lease_id)
+        if lease is None or lease.expires is not None:
+            return 0
+        lease = self._lease(txn, lease_id, spec.table, owner)
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        if spec.delivery == "lease":
+            self._set_expiry(txn, lease_id, lease, tt.now + spec.lease_seconds)
+            return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+        txn.delete(lease_id.encode(), db=self.db["leases"])
+        count = confirm_replay(tt, lease_id, lease.groups, self.rng)
+        tt.save()
+        return count
+
+    def _lease(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
+        """A lease that exists; with a table (a caller's request), of that table and owner."""
+        if not lease_id:
+            raise InvalidRequest("lease_id is empty")
+        lease = read_lease(txn, self.db["leases"], lease_id)
+        if lease is None:
+            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
+        if table is not None:
+            table_id, _ = self.catalog.lookup(table)
+            if lease.table_id != table_id:
+                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
+            if lease.owner != owner:
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+        return lease
+
+    def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        lease.expires = expires
+        txn.put(lease_id.encode(), lease.encode(), db=self.db["leases"])
+        txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
+
+    def end_lease(
+        self,
+        txn: lmdb.Transaction[bytes],
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        lease = self._lease(txn, lease_id, table, owner)
+        txn.delete(lease_id.encode(), db=self.db["leases"])
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        count = end_lease(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
+        if expired:
+            tt.counters.leases_expired += 1
+        tt.save()
+        return count

@@ -1,0 +1,259 @@
+"""The background scrub: every stored payload compared with the digest taken at its push, at a
+bounded rate, after the store opens and again every `interval_seconds`, as ZFS and Ceph scrub.
+
+A start checks only the directory's structure (integrity.at_open, quick), and every read checks
+the payloads it serves (read_check.py); the scrub finds the damage no read has met yet, and
+quarantines it as a read would (quarantine.py, through the store's `quarantine`), so the next
+sample does not have to. It never holds the writer: it reads in read transactions of at most
+CHUNK_BYTES or CHUNK_ITEMS (short, so the file's old pages are not held either), sleeps between
+them so that it reads at most `mb_per_second` (payloads and their records; the counts it reports
+are of payload bytes, those a table's `bytes` counts), and quarantines what it
+finds in a short write transaction of its own. The map pages it read are given back every
+RELEASE_BYTES (residency.py), so RSS does not grow with the file. The last complete pass is
+kept in the directory (`meta` database, key `scrub`), so a restart still says when the data was
+last checked whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import lmdb
+
+from ..disk import digests, layout, residency
+from ..disk.environment import Environment
+from ..disk.records import ItemRecord
+from ..rules.counters import read_counters
+from ..rules.read_check import payload_problem
+from ..tables.catalog import TableCatalog
+
+log = logging.getLogger("expbuf.store")
+CHUNK_BYTES = 1 << 20
+CHUNK_ITEMS = 1024
+RELEASE_BYTES = 64 << 20
+LAST_PASS = b"scrub"  # in the meta database: the last complete pass, as JSON
+
+
+@dataclass(frozen=True)
+class ScrubStatus:
+    """What the scrub has done: its settings, the pass under way (or the last one), the totals
+    since the store opened, and the last complete pass (kept across restarts)."""
+
+    mb_per_second: float = 0.0  # the bound; 0: no background scrub
+    interval_seconds: float = 0.0
+    running: bool = False
+    pass_checked_bytes: int = 0  # payload bytes, as every byte count here
+    pass_total_bytes: int = 0  # the live payload bytes stored when the pass started
+    passes: int = 0  # complete passes since the store opened
+    checked_bytes: int = 0  # since the store opened
+    checked: int = 0  # experiences, since the store opened
+    found: int = 0  # experiences quarantined by the scrub since the store opened
+    last_pass_end_unix: float = 0.0  # 0: never
+    last_pass_seconds: float = 0.0
+    last_pass_bytes: int = 0
+    last_pass_found: int = 0
+
+
+Quarantine = Callable[[str, list[str]], int]  # (table, uids) -> how many were quarantined
+
+
+class Scrub:
+    """The scrub of one store's payloads, run by a thread of its own (`start`) or a pass at a
+    time (`run_pass`)."""
+
+    def __init__(
+        self,
+        environment: Environment,
+        catalog: TableCatalog,
+        quarantine: Quarantine,
+        *,
+        mb_per_second: float = 0.0,
+        interval_seconds: float = 86400.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.environment, self.catalog, self.quarantine, self.clock = environment, catalog, quarantine, clock
+        self.mb_per_second, self.interval_seconds = mb_per_second, interval_seconds
+        self._lock = threading.Lock()
+        self._status = ScrubStatus(mb_per_second=mb_per_second, interval_seconds=interval_seconds)
+        self._status = self._with_last_pass(self._status)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._released = 0  # bytes read since the map's pages were last given back
+        self._reported: set[str] = set()
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Scrub in the background, a pass now and one every interval_seconds (if the rate is above 0)."""
+        if self.mb_per_second > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="expbuf-scrub", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """End the pass under way at its next chunk, and the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_pass()
+            except Exception:  # a failure of one pass (a full disk at its record, say) is not the last
+                log.exception("scrub pass failed; the next starts in %gs", self.interval_seconds)
+            self._stop.wait(max(0.0, started + self.interval_seconds - time.monotonic()))
+
+    # ---- a pass --------------------------------------------------------------------------
+
+    def status(self) -> ScrubStatus:
+        """What the scrub has done so far (a consistent copy)."""
+        with self._lock:
+            return self._status
+
+    def _running(self, running: bool, total: int = 0) -> None:
+        """A pass begins (its counts from zero, `total` bytes to check) or ends (its counts kept)."""
+        with self._lock:
+            s = self._status
+            self._status = replace(
+                s,
+                running=running,
+                pass_checked_bytes=0 if running else s.pass_checked_bytes,
+                pass_total_bytes=total if running else s.pass_total_bytes,
+            )
+
+    def run_pass(self) -> int:
+        """Check every stored payload once, at the rate bound (none when it is 0), quarantining
+        the damaged; returns how many were. A stop ends it early, not counted as a pass."""
+        rate = self.mb_per_second * 1e6
+        tables = self.catalog.entries()
+        with self.environment.read() as txn:
+            total = sum(read_counters(txn, self.db["counters"], layout.table_prefix(t)).bytes for t, _ in tables)
+        began, started = self.clock(), time.monotonic()
+        self._running(True, total)
+        checked_bytes = found = 0
+        try:
+            for table_id, _ in tables:
+                prefix = layout.table_prefix(table_id)
+                after: bytes | None = prefix
+                while after is not None and not self._stop.is_set():
+                    chunk_started = time.monotonic()
+                    bad, after, payloads, nbytes, count = self._chunk(prefix, after)
+                    table = self.catalog.by_id(table_id)
+                    newly = self.quarantine(table[0], bad) if bad and table is not None else 0
+                    found += newly
+                    checked_bytes += payloads
+                    self._counted(payloads, nbytes, count, newly)
+                    if rate > 0:
+                        self._stop.wait(max(0.0, nbytes / rate - (time.monotonic() - chunk_started)))
+            if self._stop.is_set():
+                return found
+            self._finish(began, time.monotonic() - started, checked_bytes, found)
+            return found
+        finally:
+            self._running(False)
+            residency.release(self.environment.path / "data.mdb")
+            self._released = 0
+
+    @property
+    def db(self) -> dict[str, lmdb._Database]:
+        return self.environment.db
+
+    def _counted(self, payloads: int, nbytes: int, count: int, found: int) -> None:
+        """A chunk done: its payload bytes and experiences counted, the map's pages given back
+        every RELEASE_BYTES read."""
+        with self._lock:
+            s = self._status
+            self._status = replace(
+                s,
+                pass_checked_bytes=s.pass_checked_bytes + payloads,
+                checked_bytes=s.checked_bytes + payloads,
+                checked=s.checked + count,
+                found=s.found + found,
+            )
+        self._released += nbytes
+        if self._released >= RELEASE_BYTES:
+            residency.release(self.environment.path / "data.mdb")
+            self._released = 0
+
+    def _chunk(self, prefix: bytes, after: bytes) -> tuple[list[str], bytes | None, int, int, int]:
+        """Check the payloads from key `after` on, up to CHUNK_BYTES or CHUNK_ITEMS, in one read
+        transaction: the uids found damaged, where the next chunk starts (None: the table's
+        end), the payload bytes checked, the bytes read (payloads and records) and the payloads
+        checked."""
+        bad: list[str] = []
+        payloads = nbytes = count = 0
+        db = self.db
+        try:
+            with self.environment.read(buffers=True) as txn, txn.cursor(db=db["blobs"]) as cur:
+                found = cur.set_range(after)
+                while found and cur.key()[:4] == prefix:
+                    if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
+                        return bad, bytes(cur.key()), payloads, nbytes, count
+                    key, blob = cur.key(), cur.value()
+                    raw = txn.get(key, db=db["items"])
+                    payloads += len(blob)
+                    nbytes += len(blob) + (0 if raw is None else len(raw))
+                    count += 1
+                    if raw is not None and self._damaged(key, raw, blob):
+                        bad.append(bytes(key[4:]).decode())
+                    found = cur.next()
+        except lmdb.Error as exc:  # a page LMDB cannot read: `expbuf check` says more; the next table goes on
+            self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")
+        return bad, None, payloads, nbytes, count
+
+    def _damaged(self, key: memoryview, raw: memoryview, blob: memoryview) -> bool:
+        """Whether the payload is not the one its record's digest names."""
+        try:
+            if ItemRecord.compact(raw):
+                return False  # a tombstone keeps no payload: `expbuf check` reports one that has
+            digest, size = ItemRecord.digest_of(raw)
+            if len(blob) == size and digests.of(blob) == digest:
+                return False
+            uid = bytes(key[4:]).decode()
+            return payload_problem(uid, ItemRecord.decode(raw), blob) is not None
+        except Exception as exc:  # a record a damaged page made undecodable: structure, for `expbuf check`
+            self._report(f"the record of {bytes(key[4:])[:80]!r} does not decode ({type(exc).__name__}: {exc})")
+            return False
+
+    def _report(self, problem: str) -> None:
+        if problem not in self._reported:
+            self._reported.add(problem)
+            log.error("scrub: %s; run `expbuf check` on a copy of the data directory", problem)
+
+    # ---- the last complete pass ---------------------------------------------------------------
+
+    def _finish(self, began: float, seconds: float, nbytes: int, found: int) -> None:
+        record = {"end": self.clock(), "began": began, "seconds": seconds, "bytes": nbytes, "found": found}
+        meta = self.db["meta"]
+        self.environment.submit(lambda txn: txn.put(LAST_PASS, json.dumps(record).encode(), db=meta))
+        with self._lock:
+            self._status = self._with_last_pass(replace(self._status, passes=self._status.passes + 1))
+        log.log(
+            logging.WARNING if found else logging.DEBUG,  # a clean pass is in the metrics and `expbuf stats`
+            "scrub pass done: %.0f MB checked in %.0f s (%.1f MB/s), %d damaged experience(s) quarantined",
+            nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9), found,
+        )  # fmt: skip
+
+    def _with_last_pass(self, status: ScrubStatus) -> ScrubStatus:
+        """The status with the last complete pass as the directory keeps it."""
+        with self.environment.read() as txn:
+            raw = txn.get(LAST_PASS, db=self.db["meta"])
+        try:
+            record = json.loads(raw) if raw is not None else None
+            if not isinstance(record, dict):
+                return status
+            return replace(
+                status,
+                last_pass_end_unix=float(record["end"]),
+                last_pass_seconds=float(record["seconds"]),
+                last_pass_bytes=int(record["bytes"]),
+                last_pass_found=int(record["found"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            return status

@@ -1,0 +1,230 @@
+"""The store's periodic upkeep: expired leases return their groups, expired grants their
+room for rollouts, incomplete groups time out, stale ready groups are evicted (tables with
+evict_stale) and ended claims send their prompts back (the extensions' `on_upkeep`,
+staleness.py and ledger.py), old tombstones are forgotten.
+
+Each lease and each table runs in a nested transaction of its own: one that fails (a
+damaged record, say) is undone, logged once per distinct reason, counted, and skipped,
+and the others go on, so one table can never stop the upkeep of every table.
+
+Its cost grows with the tables that have something to do, not with all tables: a pass visits
+the active ones (written to since they were last found idle, or with incomplete groups that
+may time out, tombstones to forget, or stale groups left to evict), and one pass every
+SWEEP_SECONDS visits every table, for what reached a table by another way (a sample's
+tombstones). A visited table is worked on only when something is due: the oldest incomplete
+group and the oldest tombstone are the first keys of their time-ordered indexes, one seek each.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import lmdb
+
+from ..disk import layout
+from ..ledger.records import oldest_claim
+from ..rules import retirement
+from ..rules.groups import expire_groups
+from ..rules.staleness import EVICT_LIMIT
+from ..schema.errors import clip
+from ..schema.selection import IndexBuilding
+from ..schema.table_config import TableConfig
+from ..tables import admission
+from ..tables.catalog import TableCatalog
+
+T = TypeVar("T")
+log = logging.getLogger("expbuf.store")
+SWEEP_SECONDS = 30.0
+
+
+class Upkeep:
+    """Runs the upkeep inside the writer's transaction, isolating each piece."""
+
+    def __init__(self, env: lmdb.Environment, catalog: TableCatalog) -> None:
+        self.env, self.catalog, self.db = env, catalog, catalog.db
+        self.failures = 0  # pieces skipped because they failed
+        self._reported: set[str] = set()
+        self._active: set[int] = set()  # ids of the tables the next pass visits
+        self._last_sweep = float("-inf")
+        self._builds: list[IndexBuilding] = []  # indexes a piece needed that its table is still building
+
+    def mark(self, table_id: int) -> None:
+        """A table was written to: the next pass visits it (called in the writer's transaction)."""
+        self._active.add(table_id)
+
+    def run(
+        self,
+        txn: lmdb.Transaction[bytes],
+        now: float,
+        end_lease: Callable[[lmdb.Transaction[bytes], str], int],
+    ) -> dict[str, int]:
+        """One round of upkeep: expired leases (`end_lease` requeues one, the sampling
+        service's) and grants, then every table; counts of what was done."""
+        tables = self.catalog.entries()
+        done = dict.fromkeys(
+            (
+                "leases_expired",
+                "requeued",
+                "rollouts_returned",
+                "groups_timed_out",
+                "groups_stale_evicted",
+                "tombstones_pruned",
+                "failed",
+                "tables_visited",
+                "tables_worked",
+            ),
+            0,
+        )
+
+        def expire(t: lmdb.Transaction[bytes], key: bytes) -> int:
+            lease_id = key[8:]
+            if t.get(lease_id, db=self.db["leases"]) is None:  # an expiry without its lease
+                t.delete(key, db=self.db["lease_exp"])
+                return 0
+            return end_lease(t, lease_id.decode())
+
+        for key in self.expired(txn, now):
+            requeued = self.isolated(txn, f"lease {key[8:]!r}", functools.partial(expire, key=key))
+            done["failed"] += requeued is None
+            done["leases_expired"] += requeued is not None
+            done["requeued"] += requeued or 0
+        for key in self.expired(txn, now, "grant_exp"):
+            returned = self.isolated(txn, f"grant {key[8:]!r}", functools.partial(self.expire_grant, key=key))
+            done["failed"] += returned is None
+            done["rollouts_returned"] += returned or 0
+        if now - self._last_sweep >= SWEEP_SECONDS:
+            self._last_sweep = now
+        else:
+            tables = [(table_id, config) for table_id, config in tables if table_id in self._active]
+        done["tables_visited"] = len(tables)
+        for table_id, config in tables:
+            self._active.discard(table_id)
+            if not self.due(txn, table_id, config, now):
+                if self.waiting(txn, table_id, config):
+                    self._active.add(table_id)
+                continue
+            done["tables_worked"] += 1
+            where = f"table {config.name}"
+            result = self.isolated(txn, where, functools.partial(self.table, table_id=table_id, config=config, now=now))
+            if result is None:
+                done["failed"] += 1
+                self._active.add(table_id)  # tried again at the next pass
+                continue
+            done["groups_timed_out"] += result[0]
+            done["tombstones_pruned"] += result[1]
+            done["groups_stale_evicted"] += result[2]
+            if result[2] >= EVICT_LIMIT or self.waiting(txn, table_id, config):
+                self._active.add(table_id)
+        return done
+
+    @staticmethod
+    def _oldest(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bytes | None:
+        """The time (8 sortable bytes) of the first key of a table in a time-ordered index."""
+        with txn.cursor(db=db) as cur:
+            if cur.set_range(prefix) and cur.key().startswith(prefix):
+                return bytes(cur.key()[4:12])
+        return None
+
+    def due(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float) -> bool:
+        """Whether a table has upkeep to do now: an incomplete group to time out, a tombstone to
+        forget, or (evict_stale) a trainer version that may have left stale groups."""
+        prefix = layout.table_prefix(table_id)
+        if config.staleness.evict_stale:
+            return True
+        claim = oldest_claim(txn, self.db["ledger"], table_id)
+        if claim is not None and claim <= layout.micros(now):
+            return True
+        if config.grouping.timeout_seconds > 0:
+            oldest = self._oldest(txn, self.db["pending"], prefix)
+            if oldest is not None and oldest <= layout.micros(now - config.grouping.timeout_seconds):
+                return True
+        if config.retention.tombstone_seconds > 0:
+            oldest = self._oldest(txn, self.db["retired"], prefix)
+            if oldest is not None and oldest < layout.micros(now - config.retention.tombstone_seconds):
+                return True
+        return False
+
+    def waiting(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig) -> bool:
+        """Whether a table holds what will fall due without another write: incomplete groups
+        that time out, tombstones to forget, or claims on prompts that end."""
+        prefix = layout.table_prefix(table_id)
+        if oldest_claim(txn, self.db["ledger"], table_id) is not None:
+            return True
+        if config.grouping.timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
+            return True
+        return config.retention.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
+
+    def expired(self, txn: lmdb.Transaction[bytes], now: float, index: str = "lease_exp") -> list[bytes]:
+        """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
+        expired = []
+        with txn.cursor(db=self.db[index]) as cur:
+            for key, _ in cur:
+                if layout.expiry_of(key) > now:
+                    break
+                expired.append(bytes(key))
+        return expired
+
+    def expire_grant(self, txn: lmdb.Transaction[bytes], key: bytes) -> int:
+        """An expired grant gives its rollouts back (admission.py); returns them."""
+        grant_id = key[8:].decode()
+        record = admission.read_grant(txn, self.db, grant_id)
+        tt = None if record is None else self.catalog.state_of(txn, record["t"])
+        if record is None or tt is None:  # an expiry without its grant, or the grant of a dropped table
+            txn.delete(key, db=self.db["grant_exp"])
+            txn.delete(grant_id.encode(), db=self.db["grants"])
+            return 0
+        return admission.finish(tt, grant_id, record, 0, expired=True)
+
+    def table(
+        self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float
+    ) -> tuple[int, int, int]:
+        """Time out incomplete groups, run the extensions' upkeep (stale ready groups evicted)
+        and prune tombstones of one table."""
+        tt = self.catalog.state(txn, table_id, config, now)
+        timed_out = (
+            expire_groups(tt, now - config.grouping.timeout_seconds) if config.grouping.timeout_seconds > 0 else 0
+        )
+        stale = tt.extensions.on_upkeep(tt)
+        pruned = (
+            retirement.prune_tombstones(tt, now - config.retention.tombstone_seconds)
+            if config.retention.tombstone_seconds > 0
+            else 0
+        )
+        if timed_out or pruned:
+            tt.save()
+        return timed_out, pruned, stale
+
+    def take_builds(self) -> list[IndexBuilding]:
+        """The indexes pieces of the last pass needed and their tables did not keep yet: the
+        store has them built in the background (index_builds.py), and a pass after that does
+        the pieces."""
+        builds, self._builds = self._builds, []
+        return builds
+
+    def isolated(self, txn: lmdb.Transaction[bytes], what: str, fn: Callable[[lmdb.Transaction[bytes]], T]) -> T | None:
+        """Run one piece in a nested transaction; on failure undo it, log it once per
+        distinct reason, count it, and return None. A piece that needs an index its table does
+        not keep yet is undone and left for a pass after its build (`take_builds`)."""
+        child = self.env.begin(write=True, parent=txn)
+        try:
+            result = fn(child)
+        except lmdb.MapFullError:
+            child.abort()
+            raise
+        except IndexBuilding as building:
+            child.abort()
+            self._builds.append(building)
+            return None
+        except Exception as exc:
+            child.abort()
+            self.failures += 1
+            reason = f"{what}: {type(exc).__name__}: {exc}"
+            if reason not in self._reported:
+                self._reported.add(reason)
+                log.error("maintenance skipped %s", clip(reason, 300))
+            return None
+        child.commit()
+        return result

@@ -1,0 +1,7 @@
+"""The tables and the work on a table's groups: the catalog (catalog.py, the tables and each
+one's extensions, above the rest), taking a batch and its leases (leases.py), AReaL's admission
+bound, what is deliverable, groups waiting for advantages (compute_queue.py), a table's
+migration, its integrity check, and browsing it.
+
+May import the rooms below: ledger, rules, disk, schema.
+"""

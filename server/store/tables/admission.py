@@ -1,0 +1,144 @@
+"""Admission of rollouts, after AReaL's bound on off-policyness, and the staleness screen
+of pushes.
+
+A rollout worker asks before it starts rollouts. With `max_staleness` s and `batch_size`
+B, a table lets rollouts start while submitted <= (s + trainer version + 1) * B, where
+`submitted` counts the rollouts granted so far minus those given back. A grant is a
+lease: the worker finishes it (saying how many rollouts were accepted; the others give
+their room back), or it expires (a crashed worker) and all of it comes back. Grants and
+their expiry index are in LMDB, so they survive a restart; `submitted` is a counter.
+
+A push of experiences older than trainer version - s is dropped (counted) or refused,
+per the table's `on_stale`; an experience without a version is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+import lmdb
+
+from ..disk import layout
+from ..disk.kinds import Entry
+from ..rules.table_state import TableState
+from ..schema.errors import InvalidRequest, NotFound, StaleExperience, clip
+from ..schema.sample_spec import MAX_COUNT
+
+# A grant older than a day is a lost worker, not a long rollout.
+MAX_GRANT_SECONDS = 86400.0
+
+
+class GrantRecord(TypedDict):
+    """A grant as stored (JSON): its table id, its rollouts and when it expires."""
+
+    t: int
+    n: int
+    e: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Rollouts a worker may start now: `count` (0: none; then no grant id) until `expires`."""
+
+    count: int
+    grant_id: str = ""
+    expires: float = 0.0
+
+
+def capacity(tt: TableState) -> int | None:
+    """Rollouts that may start now; None when the table sets no bound."""
+    cfg = tt.config
+    if cfg.staleness.max_staleness is None or not cfg.staleness.batch_size:
+        return None
+    version = tt.counters.trainer_version or 0
+    return max(0, (cfg.staleness.max_staleness + version + 1) * cfg.staleness.batch_size - tt.counters.submitted)
+
+
+def grant(tt: TableState, count: int, seconds: float) -> Grant:
+    """Grant up to `count` rollouts under a lease of `seconds`."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
+        raise InvalidRequest(f"count must be an integer from 1 to {MAX_COUNT}, got {clip(count)}")
+    if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_GRANT_SECONDS:
+        raise InvalidRequest(f"grant_seconds is {clip(seconds)}; it must be > 0 and <= {MAX_GRANT_SECONDS:g}")
+    room = capacity(tt)
+    granted = count if room is None else min(count, room)
+    if granted == 0:
+        return Grant(0)
+    grant_id, expires = secrets.token_hex(8), tt.now + seconds
+    record: GrantRecord = {"t": tt.table_id, "n": granted, "e": expires}
+    tt.txn.put(grant_id.encode(), json.dumps(record).encode(), db=tt.db["grants"])
+    tt.txn.put(layout.expiry_key(expires, grant_id), b"", db=tt.db["grant_exp"])
+    tt.counters.submitted += granted
+    tt.counters.admitted += granted
+    tt.save()
+    return Grant(granted, grant_id, expires)
+
+
+def read_grant(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], grant_id: str) -> GrantRecord | None:
+    raw = txn.get(grant_id.encode(), db=dbs["grants"]) if 0 < len(grant_id) <= 64 else None
+    if raw is None:
+        return None
+    record: GrantRecord = json.loads(raw)
+    return record
+
+
+def finish(tt: TableState, grant_id: str, record: GrantRecord, accepted: int | None, *, expired: bool = False) -> int:
+    """End a grant: `accepted` rollouts stay submitted (None: all), the others give their
+    room back. Returns the rollouts given back."""
+    count = record["n"]
+    if accepted is None:
+        accepted = count
+    if not isinstance(accepted, int) or isinstance(accepted, bool) or not 0 <= accepted <= count:
+        raise InvalidRequest(f"accepted must be an integer from 0 to {count} (the grant's count), got {clip(accepted)}")
+    tt.txn.delete(grant_id.encode(), db=tt.db["grants"])
+    tt.txn.delete(layout.expiry_key(record["e"], grant_id), db=tt.db["grant_exp"])
+    returned = count - accepted
+    tt.counters.submitted -= returned
+    if expired:
+        tt.counters.grants_expired += returned
+    else:
+        tt.counters.rollouts_rejected += returned
+    tt.save()
+    return returned
+
+
+def reset(tt: TableState) -> int:
+    """Forget the rollouts counted against the bound but those of grants still open (a job
+    that starts over); returns them. The totals (admitted, expired, rejected) stay."""
+    held = 0
+    for _, raw in tt.txn.cursor(db=tt.db["grants"]):
+        record = json.loads(raw)
+        if record["t"] == tt.table_id:
+            held += record["n"]
+    tt.counters.submitted = held
+    tt.save()
+    return held
+
+
+def unknown_grant(grant_id: str, table: str) -> NotFound:
+    return NotFound(f"grant '{clip(grant_id)}' of table '{clip(table)}' is unknown, finished or expired")
+
+
+def screen(tt: TableState, entries: Sequence[Entry]) -> tuple[list[Entry], list[str]]:
+    """The entries to store and the uids dropped as stale (on_stale = drop); a stale
+    entry with on_stale = refuse refuses the whole push."""
+    cfg, version = tt.config, tt.counters.trainer_version
+    if cfg.staleness.max_staleness is None or version is None:
+        return list(entries), []
+    bound = version - cfg.staleness.max_staleness
+    stale = [e for e in entries if e.version is not None and e.version < bound]
+    if not stale:
+        return list(entries), []
+    if cfg.staleness.on_stale == "refuse":
+        raise StaleExperience(
+            f"table '{cfg.name}': experience {stale[0].uid} has model_version {stale[0].version}, below "
+            f"{bound} (trainer version {version} - max_staleness {cfg.staleness.max_staleness}); "
+            f"{len(stale)} of {len(entries)} experiences are stale, nothing was stored"
+        )
+    tt.counters.stale_dropped += len(stale)
+    dropped = {e.uid for e in stale}
+    return [e for e in entries if e.uid not in dropped], sorted(dropped)

@@ -1,0 +1,205 @@
+"""The table catalog: every table's name, id and configuration, read at open and kept in
+memory (the `tables` database is its durable form), each table's extensions, and the door to
+a table's state in a transaction, with its extensions attached."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import lmdb
+
+from ..disk import layout
+from ..disk.environment import Environment
+from ..disk.records import Lease
+from ..ledger.rules import Ledger
+from ..rules.counters import read_counters
+from ..rules.extensions import ExtensionKinds, Extensions, TableExtension
+from ..rules.staleness import StaleEviction
+from ..rules.table_state import TableState
+from ..schema import selection
+from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
+from ..schema.table_config import CONFIG_VERSION, TableConfig, differences
+from .compute_queue import ComputeQueue
+
+_NO_EXTENSIONS = Extensions()
+E = TypeVar("E", bound=TableExtension)
+
+
+class TableCatalog:
+    """The tables of one data directory. A table's extensions are made when it is read at open
+    or created: the store's own rules its settings call for, then an instance of each kind it
+    names (`kinds`); a stored table naming a kind not registered fails the open."""
+
+    def __init__(
+        self, environment: Environment, kinds: ExtensionKinds, ledger: Ledger, clock: Callable[[], float]
+    ) -> None:
+        self.environment, self.kinds, self.ledger, self.clock = environment, kinds, ledger, clock
+        self.db = environment.db
+        self._tables: dict[str, tuple[int, TableConfig]] = {}
+        self._names: dict[int, str] = {}  # table id -> name
+        self._extensions: dict[int, Extensions] = {}  # table id -> its extensions
+        # Stateless, so one of each serves every table that runs it.
+        self._compute_queue, self._stale_eviction = ComputeQueue(), StaleEviction()
+        self._everywhere: list[TableExtension] = []  # run on every table (Store.extensions, deprecated)
+        with environment.read() as txn:
+            for name, raw in txn.cursor(db=self.db["tables"]):
+                record = json.loads(raw)
+                config = TableConfig.from_stored(record["config"], record.get("v", 1))
+                if kinds.unknown(config.extensions):
+                    raise StoreError(
+                        f"{kinds.refusal(config.name, config.extensions)}: register each kind it names before the "
+                        "data directory opens (Store(extensions={NAME: Kind}), ExpbufServer(config, extensions=...))"
+                    )
+                self._add(name.decode(), record["id"], config)
+
+    def _add(self, name: str, table_id: int, config: TableConfig) -> None:
+        self._tables[name] = (table_id, config)
+        self._names[table_id] = name
+        if table_id not in self._extensions:  # a table found again (exist_ok) keeps its instances
+            self._extensions[table_id] = Extensions(
+                [*self._own(config), *self.kinds.make(config.extensions), *self._everywhere]
+            )
+
+    def _own(self, config: TableConfig) -> list[TableExtension]:
+        """The store's own rules a table's settings call for, and no others: the compute queue
+        where its estimator computes, stale eviction where it evicts stale groups, the prompt
+        ledger where it groups by task (the tables that may hold datasets)."""
+        own: list[TableExtension] = []
+        if config.advantages.estimator != "none":
+            own.append(self._compute_queue)
+        if config.staleness.evict_stale:
+            own.append(self._stale_eviction)
+        if config.grouping.by == "task":
+            own.append(self.ledger)
+        return own
+
+    def run_everywhere(self, extension: TableExtension) -> None:
+        """Run `extension` on every table, those created later too (Store.extensions, deprecated)."""
+        self._everywhere.append(extension)
+        for extensions in self._extensions.values():
+            extensions.add(extension)
+
+    def extensions_of(self, name: str) -> tuple[TableExtension, ...]:
+        """A table's extensions, in the order they run."""
+        return tuple(self._extensions[self.lookup(name)[0]])
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def lookup(self, name: str) -> tuple[int, TableConfig]:
+        """A table's id and configuration; NotFound names a missing one."""
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise NotFound(f"table '{clip(name)}' does not exist") from None
+
+    def has(self, name: str) -> bool:
+        return name in self._tables
+
+    def configs(self) -> list[TableConfig]:
+        """Every table's configuration, in the order they were created."""
+        return [config for _, config in self.entries()]
+
+    def entries(self) -> list[tuple[int, TableConfig]]:
+        return sorted(self._tables.values(), key=lambda t: t[0])
+
+    def by_id(self, table_id: int) -> tuple[str, TableConfig] | None:
+        """A table id's name and configuration; None for a dropped table."""
+        name = self._names.get(table_id)
+        if name is None or name not in self._tables:
+            return None
+        return name, self._tables[name][1]
+
+    # ---- a table's state in a transaction --------------------------------------------------
+
+    def state(
+        self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float | None = None
+    ) -> TableState:
+        extensions = self._extensions.get(table_id, _NO_EXTENSIONS)  # none for a table dropped meanwhile
+        return TableState(txn, self.db, table_id, config, self.clock() if now is None else now, extensions)
+
+    def state_of(self, txn: lmdb.Transaction[bytes], table_id: int) -> TableState | None:
+        """The state of the table with this id; None for a dropped table."""
+        table = self.by_id(table_id)
+        return None if table is None else self.state(txn, table_id, table[1])
+
+    # ---- changes -------------------------------------------------------------------------
+
+    def create(self, config: TableConfig, *, exist_ok: bool = False) -> bool:
+        """Create a table; True if created. An identical existing table is fine with exist_ok. A
+        table naming an extension kind not registered is refused (ConfigError)."""
+        if self.kinds.unknown(config.extensions):
+            raise ConfigError(self.kinds.refusal(config.name, config.extensions))
+        db = self.db
+
+        def op(txn: lmdb.Transaction[bytes]) -> tuple[bool, int]:
+            raw = txn.get(config.name.encode(), db=db["tables"])
+            if raw is not None:
+                record = json.loads(raw)
+                if not exist_ok:
+                    raise Conflict(f"table '{config.name}' already exists")
+                other = differences(TableConfig.from_stored(record["config"], record.get("v", 1)), config)
+                if other:
+                    raise Conflict(f"table '{config.name}' already exists with other settings: {'; '.join(other)}")
+                return False, record["id"]
+            table_id = int(txn.get(b"next_table_id", b"1", db=db["meta"]))
+            txn.put(b"next_table_id", str(table_id + 1).encode(), db=db["meta"])
+            record = {"id": table_id, "config": config.to_stored(), "created": self.clock(), "v": CONFIG_VERSION}
+            txn.put(config.name.encode(), json.dumps(record).encode(), db=db["tables"])
+            # A new table keeps every index from its creation, so that no request in a new order
+            # waits for a build (index_builds.py says why); the mark names them all, so an order
+            # registered later has its index built in the background.
+            selection.mark_in_use(txn, db, layout.table_prefix(table_id), selection.every_lazy(db))
+            return True, table_id
+
+        created, table_id = self.environment.submit(op)
+        self._add(config.name, table_id, config)
+        return created
+
+    def drop(self, name: str) -> int:
+        """Delete a table and everything in it; returns the live experiences dropped."""
+        table_id, _ = self.lookup(name)
+        prefix, db = layout.table_prefix(table_id), self.db
+
+        def op(txn: lmdb.Transaction[bytes]) -> int:
+            counters = read_counters(txn, db["counters"], prefix)
+            txn.delete(name.encode(), db=db["tables"])
+            for part in layout.per_table(db):
+                with txn.cursor(db=db[part]) as cur:
+                    if cur.set_range(prefix):
+                        while cur.key().startswith(prefix) and cur.delete():
+                            pass
+            # Leases are keyed by id, not table: a batch held by a stream of this table ends here.
+            ended = [key for key, raw in txn.cursor(db=db["leases"]) if Lease.decode(raw).table_id == table_id]
+            for key in ended:
+                txn.delete(key, db=db["leases"])
+            return counters.live()
+
+        dropped = self.environment.submit(op)
+        self._tables.pop(name, None)
+        self._names.pop(table_id, None)
+        self._extensions.pop(table_id, None)
+        return dropped
+
+
+class EveryTable:
+    """`Store.extensions` of earlier releases, deprecated: `register(extension)` runs that one
+    instance on every table."""
+
+    def __init__(self, catalog: TableCatalog) -> None:
+        self._catalog = catalog
+
+    def register(self, extension: E) -> E:
+        warnings.warn(
+            "Store.extensions.register(extension) is deprecated and goes in the next release: register the "
+            "extension's kind with Store.register_extension(name, Kind) and name it in the tables that run it "
+            "(TableConfig extensions)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if not isinstance(extension, TableExtension):
+            raise TypeError(f"{extension!r} is not a TableExtension")
+        self._catalog.run_everywhere(extension)
+        return extension

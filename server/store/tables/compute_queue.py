@@ -1,0 +1,96 @@
+"""The compute queue: complete groups waiting for their advantages, in the order they
+completed, as a table extension (extensions.py). A group joins when it becomes computing and
+leaves when its advantages are stored or it leaves the table; the server's advantage workers
+read it (`backlog`), table by table in turns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lmdb
+
+from ..disk import layout
+from ..disk.kinds import ComputeJob
+from ..disk.records import GroupRecord, ItemRecord
+from ..rules.counters import read_counters
+from ..rules.extensions import TableExtension
+from ..rules.read_check import payload_problem
+from ..rules.table_state import Groups, TableState, stored
+from ..schema.states import COMPUTING
+from ..schema.table_config import TableConfig, estimator_of
+
+
+class ComputeQueue(TableExtension):
+    """Keeps the `compute` index (T + rseq -> group key) of the computing groups."""
+
+    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
+        if was == COMPUTING:
+            tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
+        if grp.state == COMPUTING:
+            tt.txn.put(tt.rseq_key(grp), gkey.encode(), db=tt.db["compute"])
+
+    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
+        for _, grp in groups:
+            if grp.state == COMPUTING:
+                tt.txn.delete(tt.rseq_key(grp), db=tt.db["compute"])
+
+
+def backlog(
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    table_of: Callable[[int], tuple[str, TableConfig] | None],
+    after: int,
+    limit: int,
+    damaged: dict[str, list[str]],
+) -> tuple[list[ComputeJob], int]:
+    """Queued groups, oldest first within each table, up to about `limit` experiences, as one
+    job per table, starting with the first table with a backlog after table id `after` (the
+    caller passes the returned table id, the last job's, next time: tables take turns being first). The
+    queue is read from table to table with a backlog, never over the tables without one.
+    Payloads are read only for estimators that need token-level data, each checked against its
+    digest: a group with a damaged one is left out, its damaged members' uids listed by table in
+    `damaged` (for the caller to quarantine); the others work from the item records. `table_of`
+    names a table id's table, None for a dropped one."""
+    jobs: list[ComputeJob] = []
+    count = 0
+    seen: set[int] = set()
+    with txn.cursor(db=dbs["compute"]) as cur:
+        found = cur.set_range(layout.table_prefix(after + 1)) or cur.first()
+        while found and count < limit:
+            table_id = layout.table_of(cur.key())
+            if table_id in seen:  # around to the first table again
+                break
+            seen.add(table_id)
+            prefix = layout.table_prefix(table_id)
+            table = table_of(table_id)
+            if table is not None:
+                name, config = table
+                moments = read_counters(txn, dbs["counters"], prefix).reward_moments
+                job = ComputeJob(
+                    table=name, config=config, groups=[], members=[], records={}, blobs={}, moments=moments
+                )
+                token_level = estimator_of(config).token_level
+                while found and cur.key().startswith(prefix) and count < limit:
+                    gkey = cur.value()
+                    grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
+                    records, blobs = {}, {}
+                    for uid in grp.members:
+                        item_key = prefix + uid.encode()
+                        records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
+                        if token_level:
+                            blobs[uid] = stored(txn, item_key, dbs["blobs"], "payload of experience")
+                    bad = [uid for uid, blob in blobs.items() if payload_problem(uid, records[uid], blob) is not None]
+                    if bad:
+                        damaged.setdefault(name, []).extend(bad)
+                    else:
+                        job.groups.append(gkey.decode())
+                        job.members.append(grp.members)
+                        job.records |= records
+                        job.blobs |= blobs
+                    count += len(grp.members)
+                    found = cur.next()
+                if job.groups:
+                    jobs.append(job)
+                after = table_id
+            found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
+    return jobs, after

@@ -1,0 +1,276 @@
+"""The integrity checks of a data directory.
+
+`verify` checks one table: every record decodes, every stored payload matches its digest
+(taken at push, when the payload was checked), every index, group and counter agrees with
+the items, and its datasets of prompts agree with their prompts (ledger_check.py). `scan`
+checks the whole directory (its format record, the catalogue of tables, their counters, the leases
+and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
+a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
+is what a server checks before it serves a directory: all of `scan` but the entries of no
+table (which nothing reads), since a damaged record or payload it let through would come
+back to a trainer as an error or, worse, as wrong data; it raises Damaged naming the first
+problem and `expbuf check`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import lmdb
+
+from ..disk import layout
+from ..disk.records import GroupRecord, ItemRecord, Lease
+from ..ledger.check import verify_ledger
+from ..rules.counters import read_counters
+from ..rules.extensions import Extensions
+from ..rules.read_check import payload_problem
+from ..rules.table_state import TableState, member_state
+from ..schema.errors import Damaged
+from ..schema.ready_indexes import u64
+from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from ..schema.table_config import TableConfig
+
+# A damaged page can make LMDB, a record's decoder or the TRXP parser raise almost anything
+# (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
+_DAMAGE = Exception
+_SHOWN = 20  # problems shown per table at most; the count says how many more
+
+
+def at_open(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], path: Path, now: float, *, full: bool = True
+) -> None:
+    """Refuse a damaged directory before it is served: raises Damaged naming the first problem.
+
+    `full` checks every record, digest, index and counter (a read of the whole file); without
+    it only the directory's own records: format, catalogue, counters, leases and grants."""
+    found = scan(txn, dbs, now, strays=False, tables=full)
+    problems = [(where, problem) for where, listed in found.items() for problem in listed]
+    if problems:
+        where, first = problems[0]
+        more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        place = f"table {where}: " if where else ""
+        raise Damaged(path, f"{place}{first}{more}")
+
+
+def scan(
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    now: float,
+    *,
+    strays: bool = True,
+    tables: bool = True,
+) -> dict[str, list[str]]:
+    """Every problem of the directory, by table name ("" for the directory's own records);
+    `strays` also counts the entries that belong to no table, and `tables` checks each table's
+    items, digests, indexes and counters."""
+    report: dict[str, list[str]] = {"": []}
+    catalogue: dict[str, tuple[int, TableConfig]] = {}
+    try:
+        older = older_format(txn, dbs)
+        if older is not None:  # its records are in a form these checks do not read
+            report[""].append(f"the directory has format {older}: a server brings it to {layout.FORMAT} at its start")
+            return report
+        _directory(txn, dbs, catalogue, report[""])
+        if strays:
+            report[""] += _strays(txn, dbs, catalogue)
+    except _DAMAGE as exc:
+        report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
+    for name, (table_id, config) in catalogue.items() if tables else ():
+        try:
+            problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()))
+        except _DAMAGE as exc:
+            problems = [f"reading it raised {type(exc).__name__}: {exc}"]
+        report[name] = problems[:_SHOWN] + (
+            [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
+        )
+    return report
+
+
+def quarantined(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> dict[str, int]:
+    """The experiences each table holds quarantined (quarantine.py): damage found and dealt with
+    when they were read, which `expbuf check` reports as known, not as a problem. Tables whose
+    catalogue entry or counters do not decode are left out (`scan` reports them)."""
+    known = {}
+    for key, value in txn.cursor(db=dbs["tables"]):
+        try:
+            prefix = layout.table_prefix(int(json.loads(value)["id"]))
+            known[bytes(key).decode()] = read_counters(txn, dbs["counters"], prefix).quarantined
+        except _DAMAGE:
+            continue
+    return known
+
+
+def older_format(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int | None:
+    """The format of a directory an earlier release wrote, which a server brings up to date at
+    its next start; None for the current format, a new directory or a damaged format record."""
+    raw = txn.get(b"format", db=dbs["meta"])
+    if raw is None:
+        return 1 if txn.stat(dbs["tables"])["entries"] else None
+    return int(raw) if raw.isdigit() and 0 < int(raw) < layout.FORMAT else None
+
+
+def _directory(
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    tables: dict[str, tuple[int, TableConfig]],
+    problems: list[str],
+) -> None:
+    """The format record, the catalogue, each table's counters, the leases and the grants."""
+    raw = txn.get(b"format", db=dbs["meta"])
+    if raw is not None and (not raw.isdigit() or int(raw) != layout.FORMAT):
+        problems.append(f"the format record is {bytes(raw)[:20]!r}, not {layout.FORMAT}")
+    next_id = txn.get(b"next_table_id", b"1", db=dbs["meta"])
+    if not next_id.isdigit():
+        problems.append(f"the next table id is {bytes(next_id)[:20]!r}, not a number")
+    for key, value in txn.cursor(db=dbs["tables"]):
+        try:
+            name, record = bytes(key).decode(), json.loads(value)
+            table_id, config = int(record["id"]), TableConfig.from_stored(record["config"], record.get("v", 1))
+        except Exception as exc:  # the catalogue's entries are JSON: any decoding error means damage
+            problems.append(f"the catalogue entry {bytes(key)[:60]!r} does not decode ({type(exc).__name__}: {exc})")
+            continue
+        if config.name != name or any(table_id == known for known, _ in tables.values()):
+            problems.append(f"the catalogue entry {name!r} names table {config.name!r}, id {table_id}")
+            continue
+        try:
+            read_counters(txn, dbs["counters"], layout.table_prefix(table_id))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"the counters of table {name!r} do not decode ({exc})")
+            continue
+        tables[name] = (table_id, config)
+    for key, value in txn.cursor(db=dbs["leases"]):
+        try:
+            Lease.decode(value)
+        except _DAMAGE as exc:
+            problems.append(f"lease {bytes(key)[:60]!r} does not decode ({exc})")
+    for key, value in txn.cursor(db=dbs["grants"]):
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            problems.append(f"grant {bytes(key)[:60]!r} does not decode ({exc})")
+
+
+def _strays(
+    txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], tables: dict[str, tuple[int, TableConfig]]
+) -> list[str]:
+    known = {layout.table_prefix(table_id) for table_id, _ in tables.values()}
+    problems = []
+    for name in layout.per_table(dbs):
+        strays = sum(1 for key in txn.cursor(db=dbs[name]).iternext(values=False) if bytes(key[:4]) not in known)
+        if strays:
+            problems.append(f"{strays} entries of the {name} database belong to no table")
+    return problems
+
+
+def verify(tt: TableState) -> list[str]:
+    """The problems found in one table; [] when consistent."""
+    problems: list[str] = []
+    p, txn, db = tt.prefix, tt.txn, tt.db
+    counts: dict[str, int] = defaultdict(int)
+    groups: dict[str, GroupRecord] = {}
+    retired: set[bytes] = set()  # the retired index's keys of the groups the tombstones are in
+    with txn.cursor(db=db["groups"]) as cur:
+        found = cur.set_range(p)
+        while found and cur.key().startswith(p):
+            try:
+                groups[cur.key()[4:].decode()] = GroupRecord.decode(cur.value())
+            except _DAMAGE as exc:
+                problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+            found = cur.next()
+    for name in ("items", "tombs"):
+        with txn.cursor(db=db[name]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                try:
+                    uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
+                except _DAMAGE as exc:
+                    problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+                else:
+                    problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
+                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts, kept=name == "items"))
+                    if rec.state in RETIRED:
+                        retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
+                found = cur.next()
+    ready = []  # every ready group, as the indexes of the orders hold it
+    for gkey, grp in groups.items():
+        if grp.state in LIVE:
+            counts["groups_" + grp.state] += 1
+        if grp.state == COMPUTING and txn.get(tt.rseq_key(grp), db=db["compute"]) != gkey.encode():
+            problems.append(f"computing group {gkey} is missing from the compute queue")
+        if grp.state == READY:
+            ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
+        if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
+            problems.append(f"pending group {gkey} is missing from the timeout index")
+    for key in sorted(retired):
+        if txn.get(key, db=db["retired"]) is None:
+            problems.append(f"retired group {key[12:].decode()} is missing from the retired index")
+    if _prefix_count(tt, "retired") != len(retired):
+        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {len(retired)} retired groups")
+    if _prefix_count(tt, "compute") != counts["groups_computing"]:
+        problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
+    problems.extend(tt.ready.verify(ready))
+    stored = tt.counters.to_dict()
+    for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
+        if stored[name] != counts[name]:
+            problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
+    live = sum(counts[state] for state in LIVE)
+    if _prefix_count(tt, "order") != live:
+        problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
+    return problems + verify_ledger(tt)
+
+
+def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
+    """A tombstone whose payload went is compact, in the tombs database; a live experience,
+    or a failed one whose payload is kept (keep_failed, or its group failed for a quarantined
+    member), keeps its full record in items."""
+    key = tt.key(uid)
+    if db == "tombs":
+        if not compact or rec.state in LIVE:
+            return [f"item {uid} is {rec.state}, but its record is among the compact tombstones (tombs)"]
+        if tt.txn.get(key, db=tt.db["items"]) is not None:
+            return [f"item {uid} has both a record and a tombstone"]
+        return []
+    if compact:
+        return [f"item {uid} is {rec.state}: its compact tombstone belongs in tombs, not items"]
+    if rec.state in RETIRED and not (rec.state == FAILED and tt.txn.get(key, db=tt.db["blobs"]) is not None):
+        return [f"item {uid} is a {rec.state} tombstone kept in full, not compact"]
+    return []
+
+
+def _check_item(
+    tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int], *, kept: bool
+) -> list[str]:
+    """One item against its payload, group and place in the insertion order; `kept`: its full
+    record is in items, where a failed one keeps its payload (_check_form)."""
+    problems = []
+    state = member_state(rec, grp)
+    counts[state] += 1
+    live = rec.state in LIVE
+    blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
+    if live != (blob is not None) and not (rec.state == FAILED and kept):
+        problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
+    if blob is not None:
+        problem = payload_problem(uid, rec, blob)
+        if problem is not None:
+            problems.append(f"item {uid}: {problem}")
+    if live:
+        counts["bytes"] += rec.size
+        if tt.txn.get(tt.prefix + u64(rec.seq), db=tt.db["order"]) != uid.encode():
+            problems.append(f"item {uid} is missing from the insertion order")
+    if grp is None or uid not in grp.members:
+        problems.append(f"item {uid} is not a member of its group {rec.group}")
+    elif grp.state != state and not (state == QUARANTINED and grp.state == FAILED):
+        problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
+    return problems
+
+
+def _prefix_count(tt: TableState, name: str) -> int:
+    n = 0
+    with tt.txn.cursor(db=tt.db[name]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix):
+            n += len(cur.key()) > len(tt.prefix)
+            found = cur.next()
+    return n
