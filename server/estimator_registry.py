@@ -1,6 +1,6 @@
-"""Deprecated: the estimator registry is `expbuf.server.store.schema.estimator_registry` (moved.py)."""
+"""Deprecated: the estimator registry is `expbuf.server.store.schema.estimator_registry` (store/moved.py)."""
 
-from .moved import moved
+from .store.moved import moved
 from .store.schema import estimator_registry
 
 __getattr__ = moved(__name__, estimator_registry)

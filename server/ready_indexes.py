@@ -1,6 +1,6 @@
-"""Deprecated: the ready-group indexes are `expbuf.server.store.schema.ready_indexes` (moved.py)."""
+"""Deprecated: the ready-group indexes are `expbuf.server.store.schema.ready_indexes` (store/moved.py)."""
 
-from .moved import moved
+from .store.moved import moved
 from .store.schema import ready_indexes
 
 __getattr__ = moved(__name__, ready_indexes)

@@ -1,6 +1,6 @@
-"""Deprecated: the orders are `expbuf.server.store.schema.selection` (moved.py)."""
+"""Deprecated: the orders are `expbuf.server.store.schema.selection` (store/moved.py)."""
 
-from .moved import moved
+from .store.moved import moved
 from .store.schema import selection
 
 __getattr__ = moved(__name__, selection)

@@ -1,10 +1,13 @@
-"""Import paths the docs gave before the storage engine took in these modules still work for one
-release: each name is the moved module's own, read with a DeprecationWarning that names the new
-path and points at the line that read it (server/moved.py)."""
+"""Import paths the docs gave before these modules moved (into the storage engine, then into the
+rooms) still work for one release: each name is the moved module's own, read with a
+DeprecationWarning that names the new path and points at the line that read it
+(server/store/moved.py). Nothing of expbuf's own reads an old path."""
 
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -18,6 +21,18 @@ MOVED = [
     ),
     ("expbuf.server.ready_indexes", "expbuf.server.store.schema.ready_indexes", ["KeyedIndex", "u64", "version_key"]),
     ("expbuf.server.selection", "expbuf.server.store.schema.selection", ["Order", "register"]),
+    ("expbuf.server.store.selection", "expbuf.server.store.schema.selection", ["Order", "register", "IN_USE"]),
+    ("expbuf.server.store.estimator_registry", "expbuf.server.store.schema.estimator_registry", ["register"]),
+    ("expbuf.server.store.ready_indexes", "expbuf.server.store.schema.ready_indexes", ["KeyedIndex"]),
+    ("expbuf.server.store.table_config", "expbuf.server.store.schema.table_config", ["TableConfig"]),
+    ("expbuf.server.store.table_parts", "expbuf.server.store.schema.table_parts", ["Shaping"]),
+    ("expbuf.server.store.errors", "expbuf.server.store.schema.errors", ["StoreError"]),
+    ("expbuf.server.store.states", "expbuf.server.store.schema.states", ["State"]),
+    ("expbuf.server.store.sample_spec", "expbuf.server.store.schema.sample_spec", ["SampleSpec"]),
+    ("expbuf.server.store.stored_advantages", "expbuf.server.store.disk.stored_advantages", ["FinishBatch"]),
+    ("expbuf.server.estimators", "expbuf.server.advantages.estimators", ["FlatBatch"]),
+    ("expbuf.server.batch_stage", "expbuf.server.advantages.batch_stage", ["finish_batch"]),
+    ("expbuf.server.shaping", "expbuf.server.advantages.shaping", ["shape"]),
 ]
 
 
@@ -34,3 +49,33 @@ def test_an_old_path_reads_the_moved_module_with_a_warning(old: str, new: str, n
         assert str(caught[0].message) == said
     with pytest.raises(AttributeError):
         module.no_such_name  # noqa: B018
+
+
+# What a user's process imports: the server, the store, the client and every adapter.
+ENTRY_POINTS = [
+    "expbuf.server.app",
+    "expbuf.server.cli",
+    "expbuf.server.store",
+    "expbuf.client",
+    "expbuf.client.torch",
+    "expbuf.client.trinity",
+    "expbuf.client.verl",
+    "expbuf.client.areal",
+    "expbuf.client.trl",
+    "expbuf.client.torchrl",
+    "expbuf.ray",
+]
+
+
+def test_nothing_of_expbufs_own_reads_an_old_path() -> None:
+    """Every module of the server, the store, the client and the adapters imported in a fresh
+    interpreter, with expbuf's own deprecation warnings made errors: none is raised."""
+    code = "; ".join(f"import {name}" for name in ENTRY_POINTS)
+    done = subprocess.run(
+        [sys.executable, "-W", "error:expbuf.:DeprecationWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""Old import paths of modules that moved into the storage engine, kept for one release.
+"""Old import paths of modules that moved, kept for one release.
 
-A module documented under an old path (`expbuf.server.selection`, say) stays importable
+A module documented under an old path (`expbuf.server.store.selection`, say) stays importable
 there: each name read from it is the moved module's, with a DeprecationWarning that names the
 new path, attributed to the line that read it. The old paths go in the release after the one
 that moved them (CHANGELOG.md).

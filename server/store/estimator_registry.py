@@ -1,0 +1,6 @@
+"""Deprecated: `expbuf.server.store.schema.estimator_registry` (moved.py)."""
+
+from .moved import moved
+from .schema import estimator_registry
+
+__getattr__ = moved(__name__, estimator_registry)
