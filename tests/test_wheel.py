@@ -27,10 +27,14 @@ COMPILED = ("checks", "common", "parse", "pickles")
 PAYLOADS = sorted([*(ROOT / "tests/fixtures/trxp").glob("*.trxp"), *(ROOT / "tests/fixtures/bad").glob("*.bin")])
 REQUIRE = "EXPBUF_REQUIRE_NATIVE"
 
+# What a user's process imports first: the server's command line and app, the store, the clients.
+ENTRY_POINTS = ("expbuf.server.cli", "expbuf.server.app", "expbuf.server.store", "expbuf.client", "expbuf.ray")
+
 # Run by the installed package: where it was imported from, what is compiled, and the verdict of the
 # compiled parse and of its source run as Python on every payload.
 CHILD = """
 import hashlib, json, pickle, sys
+import importlib
 import expbuf.client.trxp as trxp
 from expbuf.client import native
 
@@ -43,17 +47,31 @@ def verdict(parse_module, data):
     shown = [(i.meta, {k: (t.dtype, t.shape, bytes(t.data)) for k, t in i.tensors.items()}) for i in items]
     return ["parsed", hashlib.sha256(pickle.dumps(shown, protocol=5)).hexdigest(), work.used]
 
+ENTRY_POINTS = {entry_points!r}
 source = native.source_module("expbuf.client.trxp.parse")
 payloads = [open(path, "rb").read() for path in sys.argv[1:]]
 modules = ("checks", "common", "parse", "pickles", "convert")
 print(json.dumps({
     "path": trxp.__path__,
     "compiled": {module: native.compiled("expbuf.client.trxp." + module) for module in modules},
+    "entry_points": [importlib.import_module(name).__name__ for name in ENTRY_POINTS],
     "build_tools": sorted({name.split(".")[0] for name in sys.modules} & {"mypy", "mypyc", "librt", "setuptools"}),
     "compiled_verdicts": [verdict(sys.modules["expbuf.client.trxp.parse"], data) for data in payloads],
     "source_verdicts": [verdict(source, data) for data in payloads],
 }))
-"""
+""".replace("{entry_points!r}", repr(ENTRY_POINTS))
+
+
+def packages_in(tree: Path) -> set[str]:
+    """The package folders of a source tree, as an installed expbuf lays them out (pyproject's package-dir)."""
+    roots = {"client": "expbuf/client", "server": "expbuf/server", "proto/expbuf": "expbuf/proto"}
+    found = set()
+    for folder, installed in roots.items():
+        for init in (tree / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(tree / folder).as_posix()
+            found.add(f"{installed}/{rel}".removesuffix("/."))
+    # expbuf.ray lives in server/ray
+    return {name.replace("expbuf/server/ray", "expbuf/ray", 1) for name in found}
 
 
 def has_compiler() -> bool:
@@ -127,6 +145,13 @@ def test_the_wheel_holds_the_compiled_modules_and_their_manifest(wheel: Path) ->
 
 
 @needs_compiler
+def test_the_wheel_holds_every_package_of_the_tree(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name.removesuffix("/__init__.py") for name in archive.namelist() if name.endswith("/__init__.py")}
+    assert packages_in(ROOT) - shipped == set()
+
+
+@needs_compiler
 def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
@@ -152,6 +177,7 @@ def test_an_installed_wheel_runs_the_compiled_modules_and_parses_as_pure_python(
     assert seen["path"][0] == str(site / "expbuf/client/trxp/_native")
     assert seen["compiled"] == {**dict.fromkeys(COMPILED, True), "convert": False}
     assert seen["build_tools"] == []
+    assert seen["entry_points"] == list(ENTRY_POINTS)
     assert seen["compiled_verdicts"] == seen["source_verdicts"]
     kinds = [verdict[0] for verdict in seen["compiled_verdicts"]]
     assert kinds.count("parsed") == len(list((ROOT / "tests/fixtures/trxp").glob("*.trxp")))
