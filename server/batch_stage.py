@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.advantages.batch_stage` (store/moved.py)."""
+"""Deprecated: `expbuf.server.advantages.batch_stage` (client/moved.py)."""
+
+from expbuf.client.moved import moved
 
 from .advantages import batch_stage
-from .store.moved import moved
 
 __getattr__ = moved(__name__, batch_stage)

@@ -1,6 +1,7 @@
-"""Deprecated: the estimator registry is `expbuf.server.store.schema.estimator_registry` (store/moved.py)."""
+"""Deprecated: the estimator registry is `expbuf.server.store.schema.estimator_registry` (client/moved.py)."""
 
-from .store.moved import moved
+from expbuf.client.moved import moved
+
 from .store.schema import estimator_registry
 
 __getattr__ = moved(__name__, estimator_registry)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.advantages.estimators` (store/moved.py)."""
+"""Deprecated: `expbuf.server.advantages.estimators` (client/moved.py)."""
+
+from expbuf.client.moved import moved
 
 from .advantages import estimators
-from .store.moved import moved
 
 __getattr__ = moved(__name__, estimators)

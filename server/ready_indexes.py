@@ -1,6 +1,7 @@
-"""Deprecated: the ready-group indexes are `expbuf.server.store.schema.ready_indexes` (store/moved.py)."""
+"""Deprecated: the ready-group indexes are `expbuf.server.store.schema.ready_indexes` (client/moved.py)."""
 
-from .store.moved import moved
+from expbuf.client.moved import moved
+
 from .store.schema import ready_indexes
 
 __getattr__ = moved(__name__, ready_indexes)

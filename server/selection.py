@@ -1,6 +1,7 @@
-"""Deprecated: the orders are `expbuf.server.store.schema.selection` (store/moved.py)."""
+"""Deprecated: the orders are `expbuf.server.store.schema.selection` (client/moved.py)."""
 
-from .store.moved import moved
+from expbuf.client.moved import moved
+
 from .store.schema import selection
 
 __getattr__ = moved(__name__, selection)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.advantages.shaping` (store/moved.py)."""
+"""Deprecated: `expbuf.server.advantages.shaping` (client/moved.py)."""
+
+from expbuf.client.moved import moved
 
 from .advantages import shaping
-from .store.moved import moved
 
 __getattr__ = moved(__name__, shaping)

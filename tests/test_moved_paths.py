@@ -1,7 +1,7 @@
 """Import paths the docs gave before these modules moved (into the storage engine, then into the
 rooms) still work for one release: each name is the moved module's own, read with a
 DeprecationWarning that names the new path and points at the line that read it
-(server/store/moved.py). Nothing of expbuf's own reads an old path."""
+(client/moved.py). Nothing of expbuf's own reads an old path."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.errors` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.errors` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import errors
 
 __getattr__ = moved(__name__, errors)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.estimator_registry` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.estimator_registry` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import estimator_registry
 
 __getattr__ = moved(__name__, estimator_registry)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.ready_indexes` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.ready_indexes` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import ready_indexes
 
 __getattr__ = moved(__name__, ready_indexes)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.sample_spec` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.sample_spec` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import sample_spec
 
 __getattr__ = moved(__name__, sample_spec)

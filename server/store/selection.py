@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.selection` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.selection` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import selection
 
 __getattr__ = moved(__name__, selection)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.states` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.states` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import states
 
 __getattr__ = moved(__name__, states)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.disk.stored_advantages` (moved.py)."""
+"""Deprecated: `expbuf.server.store.disk.stored_advantages` (client/moved.py)."""
+
+from expbuf.client.moved import moved
 
 from .disk import stored_advantages
-from .moved import moved
 
 __getattr__ = moved(__name__, stored_advantages)

@@ -1,6 +1,7 @@
-"""Deprecated: `expbuf.server.store.schema.table_config` (moved.py)."""
+"""Deprecated: `expbuf.server.store.schema.table_config` (client/moved.py)."""
 
-from .moved import moved
+from expbuf.client.moved import moved
+
 from .schema import table_config
 
 __getattr__ = moved(__name__, table_config)

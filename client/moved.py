@@ -3,7 +3,8 @@
 A module documented under an old path (`expbuf.server.store.selection`, say) stays importable
 there: each name read from it is the moved module's, with a DeprecationWarning that names the
 new path, attributed to the line that read it. The old paths go in the release after the one
-that moved them (CHANGELOG.md).
+that moved them (CHANGELOG.md). It lives at the bottom of the client, which imports nothing of
+the server, so that the client's old paths and the server's share it.
 """
 
 from __future__ import annotations
