@@ -43,7 +43,7 @@ from bench_service import PUSHERS, Proc, make_payloads  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.sample_spec import SampleSpec  # noqa: E402
+from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 from expbuf.server.advantages.worker import estimators as est  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig, estimator_args  # noqa: E402
 

@@ -3,7 +3,7 @@ revision's, side by side in one run (issue 22).
 
     .venv/bin/python bench/bench_decode.py [--before c0c4723] [--rounds 5] [--out bench/RESULTS.md]
 
-The earlier revision's codec (client/trxp and client/experience.py, read with `git show`) is
+The earlier revision's codec (client/trxp and client/schema/experience.py, read with `git show`) is
 loaded beside this tree's as a package of its own; both decode the same replies of one
 `expbuf serve` child on loopback. Shapes: 8 KB experiences as bench_reverb.py pushes them
 (int32[1024] tokens, float32[1023] logprobs), 40 KB as bench_store.experience makes them;
@@ -51,7 +51,7 @@ def load_before(revision: str, into: Path) -> Any:
     """The codec of `revision` as package `before` (its modules import one another relatively)."""
     root = HERE.parent
     files = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", revision, "client/trxp", "client/experience.py"],
+        ["git", "ls-tree", "-r", "--name-only", revision, "client/trxp", "client/schema/experience.py"],
         cwd=root,
         check=True,
         capture_output=True,

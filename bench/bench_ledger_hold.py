@@ -35,7 +35,7 @@ from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL  # noqa: E402
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL  # noqa: E402
 
 HEADING = "## The prompt ledger's largest calls and the writer (issue 39)"
 CALLS = ("claim", "renew", "release")

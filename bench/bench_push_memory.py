@@ -37,7 +37,7 @@ from bench_service import Proc  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, ExpbufError, Experience, trxp  # noqa: E402
-from expbuf.client.connection import DEFAULT_PUSH_CHUNK_BYTES  # noqa: E402
+from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES  # noqa: E402
 
 MB = 1 << 20
 HEADING = "## A push's memory (issue 16)"

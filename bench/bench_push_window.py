@@ -41,7 +41,7 @@ from bench_reverb import TABLE, ExpbufSide, make_pushes, restamp  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, Experience  # noqa: E402
-from expbuf.client.sharded import ShardedBufferClient  # noqa: E402
+from expbuf.client.shards.blocking import ShardedBufferClient  # noqa: E402
 
 HEADING = "## Pipelined pushes: a pusher's window (issue 32)"
 FLAGS_HEADING = "## Pipelined pushes: this tree's server beside itself with other flags (issue 32)"

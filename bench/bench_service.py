@@ -43,8 +43,8 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
 from expbuf.client.client import SampleRequests  # noqa: E402
-from expbuf.client.sample_reply import sample_method  # noqa: E402
-from expbuf.client.sample_spec import SampleSpec  # noqa: E402
+from expbuf.client.rpc.sample_reply import sample_method  # noqa: E402
+from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
 TABLE = "bench"  # estimator none: bench_advantages.py measures ingest with advantages

@@ -32,7 +32,7 @@ from bench_store import experience  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
-from expbuf.client.sharded import ShardedBufferClient  # noqa: E402
+from expbuf.client.shards.blocking import ShardedBufferClient  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP = 8, 64, 8
 SHARDS = (1, 2, 3)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .aio import AsyncBufferClient
     from .client import BufferClient
-    from .connection import Tls
     from .errors import (
         AlreadyExistsError,
         BufferError,
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
         UnauthenticatedError,
         UnavailableError,
     )
-    from .experience import EID, Experience
-    from .prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
     from .results import (
         Batch,
         BufferStats,
@@ -40,13 +37,16 @@ if TYPE_CHECKING:
         TableInfo,
         TableStats,
     )
+    from .rpc.connection import Tls
+    from .schema.experience import EID, Experience
+    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
     from .trxp import TrxpError, decode, encode
 
 # each public name -> the module of this package that defines it
 _HOMES = {
     "AsyncBufferClient": "aio",
     "BufferClient": "client",
-    "Tls": "connection",
+    "Tls": "rpc.connection",
     "AlreadyExistsError": "errors",
     "BufferError": "errors",
     "DataLossError": "errors",
@@ -59,13 +59,13 @@ _HOMES = {
     "ResourceExhaustedError": "errors",
     "UnauthenticatedError": "errors",
     "UnavailableError": "errors",
-    "EID": "experience",
-    "Experience": "experience",
-    "Claim": "prompts",
-    "DatasetInfo": "prompts",
-    "EpochCounts": "prompts",
-    "Prompt": "prompts",
-    "PromptPage": "prompts",
+    "EID": "schema.experience",
+    "Experience": "schema.experience",
+    "Claim": "schema.prompts",
+    "DatasetInfo": "schema.prompts",
+    "EpochCounts": "schema.prompts",
+    "Prompt": "schema.prompts",
+    "PromptPage": "schema.prompts",
     "Batch": "results",
     "BufferStats": "results",
     "GetResult": "results",

@@ -15,16 +15,16 @@ from typing import Any, TypeVar, Unpack, cast
 import grpc
 import grpc.aio
 
-from . import aio_status, calls
-from .aio_pusher import AsyncPusher
-from .connection import ClientBase
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .pushers.aio import AsyncPusher
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
-from .sample_reply import SampleReplyParts
-from .sample_spec import SampleOptions, SampleSpec
-from .table_settings import TableSettings
+from .rpc import aio_status, calls
+from .rpc.connection import ClientBase
+from .rpc.sample_reply import SampleReplyParts
+from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
 

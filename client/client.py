@@ -18,13 +18,10 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from . import calls
-from .connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
-from .pusher import Pusher
+from .pushers.blocking import Pusher
 from .results import (
     AsyncBatch,
     Batch,
@@ -38,9 +35,12 @@ from .results import (
     TableInfo,
     TableStats,
 )
-from .sample_reply import SampleReplyParts
-from .sample_spec import SampleOptions, SampleSpec
-from .table_settings import TableSettings
+from .rpc import calls
+from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
+from .rpc.sample_reply import SampleReplyParts
+from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
 
@@ -306,7 +306,7 @@ class BufferClient(ClientBase):
         seconds when none can be handed out now (max_in_flight reached, or every prompt out),
         asking again while the server has as many claims waiting as it lets (calls.Attempts).
         `done` says the dataset has nothing left to hand out or train. `count` is at most
-        MAX_PROMPTS_PER_CALL (expbuf.client.prompts)."""
+        MAX_PROMPTS_PER_CALL (expbuf.client.schema.prompts)."""
         return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
 
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from expbuf.client.client import BufferClient, Tls
-from expbuf.client.connection import DEFAULT_TIMEOUT
-from expbuf.client.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
+from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
+from expbuf.client.rpc.wire import DELIVERY, OFF_POLICY_SETTINGS, ORDER
 
 log = logging.getLogger(__name__)
 SCHEME = "expbuf"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .results import Batch
-from .sample_reply import SampleReplyParts
+from .rpc.sample_reply import SampleReplyParts
 
 THREAD_NAME = "expbuf-prefetch"
 

@@ -7,7 +7,7 @@ is the client's own, so the client imports nothing of the server.
 
 from __future__ import annotations
 
-from .routing import ShardMap
+from .schema.routing import ShardMap
 
 
 def shard_map(namespace: str, name: str = "expbuf") -> ShardMap:

@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from . import trxp
-from .experience import Experience
+from .schema.experience import Experience
 
 
 @dataclass

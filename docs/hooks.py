@@ -285,7 +285,8 @@ def client_page(exported: list[str]) -> str:
     lines = ["# Python client", "", "Generated from the docstrings of what `expbuf.client` exports.", ""]
     for name in sorted(exported, key=lambda n: (not n.endswith("Client"), n.endswith("Error"), n.lower())):
         lines += [f"::: expbuf.client.{name}", ""]
-    lines += ["::: expbuf.client.sharded.ShardedBufferClient", "", "::: expbuf.client.sharded.AsyncShardedBufferClient"]
+    sharded = "expbuf.client.shards.blocking"
+    lines += [f"::: {sharded}.ShardedBufferClient", "", f"::: {sharded}.AsyncShardedBufferClient"]
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from expbuf.client import BufferClient
-from expbuf.client.prompts import STATES
+from expbuf.client.schema.prompts import STATES
 from expbuf.client.torch import ExperienceDataset
 
 

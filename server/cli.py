@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expbuf.client import Tls
-from expbuf.client.connection import call_error
+from expbuf.client.rpc.connection import call_error
 
 from . import __version__, logs
 from .commands.datasets import add_dataset_commands

@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import EID, Experience, trxp
-from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.client.schema.experience import TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store

@@ -16,7 +16,7 @@ PUBLIC = {
         "TableInfo", "ShapingInfo", "ServerInfo",
     ],
     "expbuf.client.results": ["AsyncBatch", "ExperiencePage", "ListedExperience", "Grant"],
-    "expbuf.client.sharded": ["ShardedBufferClient", "AsyncShardedBufferClient", "ShardBatch", "ShardError"],
+    "expbuf.client.shards.blocking": ["ShardedBufferClient", "AsyncShardedBufferClient", "ShardBatch", "ShardError"],
     "expbuf.client.trinity": ["ExpbufAdvantageFn", "ExpbufReader", "ExpbufSampleStrategy", "ExpbufWriter", "Location"],
     "expbuf.client.verl": ["ExpbufExternalTrainer", "ExpbufReplayBuffer", "Row", "Settings"],
     "expbuf.client.areal": [

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, PushResult, trxp
-from expbuf.client.connection import DEFAULT_PUSH_CHUNK_BYTES
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.rpc.connection import DEFAULT_PUSH_CHUNK_BYTES
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.rpc.metrics import Metrics

@@ -23,7 +23,7 @@ from expbuf.client import (
     NotFoundError,
 )
 from expbuf.client.client import AsyncBatch
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
 from conftest import BAD_DIR, payload
 

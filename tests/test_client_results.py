@@ -23,8 +23,8 @@ from expbuf.client import (
     TableStats,
 )
 from expbuf.client.results import AsyncBatch
-from expbuf.client.shard_common import ShardBatch
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.shards.common import ShardBatch
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig

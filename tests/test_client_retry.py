@@ -37,10 +37,10 @@ from expbuf.client import (
     UnavailableError,
     trxp,
 )
-from expbuf.client import calls as calls_module
-from expbuf.client.connection import MAX_RETRIES
-from expbuf.client.prompts import Claim
-from expbuf.client.sharded import ShardedBufferClient
+from expbuf.client.rpc import calls as calls_module
+from expbuf.client.rpc.connection import MAX_RETRIES
+from expbuf.client.schema.prompts import Claim
+from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2, buffer_pb2_grpc
 from expbuf.server.app import ExpbufServer
 

@@ -17,8 +17,8 @@ import torch
 from google.protobuf.message import DecodeError
 
 from expbuf.client import EID, BufferClient, DataLossError, Experience, TrxpError, trxp
-from expbuf.client.experience import META_FIELDS, TENSOR_FIELDS
-from expbuf.client.sample_reply import read_sample_reply
+from expbuf.client.rpc.sample_reply import read_sample_reply
+from expbuf.client.schema.experience import META_FIELDS, TENSOR_FIELDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 

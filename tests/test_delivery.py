@@ -362,7 +362,7 @@ def test_every_client_leases_by_default_so_a_batch_never_acked_comes_back(server
     """Lease is the default delivery (#21): a trainer that dies before `batch.ack()` loses nothing;
     its batch returns when the lease expires. One batch from each of the four clients, none acked."""
     from expbuf.client import AsyncBufferClient
-    from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+    from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
     target = f"127.0.0.1:{server.port}"
     fill(client, 4)

@@ -11,7 +11,7 @@ import sys
 from types import ModuleType
 
 from expbuf import client
-from expbuf.client.table_settings import SETTING_NAMES
+from expbuf.client.schema.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
 from expbuf.server import cli, config
 from expbuf.server.rpc import auth

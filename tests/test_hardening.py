@@ -15,7 +15,7 @@ import lmdb
 import pytest
 
 from expbuf.client import BufferClient, BufferError, trxp
-from expbuf.client.wire import WireError
+from expbuf.client.rpc.wire import WireError
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.ledger.records import (

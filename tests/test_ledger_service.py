@@ -28,9 +28,9 @@ from expbuf.client import (
     PermissionDeniedError,
     Prompt,
 )
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL as MAX
-from expbuf.client.sharded import ShardedBufferClient
-from expbuf.client.sharded_async import AsyncShardedBufferClient
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL as MAX
+from expbuf.client.shards.aio import AsyncShardedBufferClient
+from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
-from expbuf.client.routing import ShardMap
+from expbuf.client.schema.routing import ShardMap
 from expbuf.server.store import Store
 from expbuf.server.store.ledger.records import DatasetRecord, dataset_key, group_key, permuted
 from expbuf.server.store.ledger.rules import STEP_HASHES

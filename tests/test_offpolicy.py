@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, BufferError, calls, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
+from expbuf.client.rpc import calls
 from expbuf.client.torch import ExperienceDataset
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.config import load

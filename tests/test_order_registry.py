@@ -11,8 +11,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from expbuf.client import BufferClient, wire
+from expbuf.client import BufferClient
 from expbuf.client.errors import InvalidArgumentError
+from expbuf.client.rpc import wire
 from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig

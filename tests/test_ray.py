@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from expbuf.client.sharded import ShardedBufferClient, ShardError
+from expbuf.client.shards.blocking import ShardedBufferClient, ShardError
 
 from helpers import make_experience
 

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
-from expbuf.client.experience import Experience
+from expbuf.client.schema.experience import Experience
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.config import load as load_config
 from expbuf.server.store import Store

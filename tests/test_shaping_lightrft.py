@@ -15,8 +15,9 @@ import pytest
 import torch
 from lightrft_reference import Config, ExperienceMaker
 
-from expbuf.client import BufferClient, BufferError, wire
-from expbuf.client.experience import Experience
+from expbuf.client import BufferClient, BufferError
+from expbuf.client.rpc import wire
+from expbuf.client.schema.experience import Experience
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from helpers import make_experience

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from expbuf.client.errors import DeadlineExceededError
-from expbuf.client.sample_spec import SampleSpec
-from expbuf.client.shard_common import ShardError
-from expbuf.client.shard_poll import POLL_SECONDS, Ask, Done, GiveUp, Poll, Wait
+from expbuf.client.rpc.sample_spec import SampleSpec
+from expbuf.client.shards.common import ShardError
+from expbuf.client.shards.poll import POLL_SECONDS, Ask, Done, GiveUp, Poll, Wait
 
 
 def test_a_batch_the_shards_can_fill_is_asked_in_proportion_to_what_each_holds() -> None:

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, BufferError, Claim, Experience, Prompt, PromptPage, PushResult, trxp
-from expbuf.client.routing import (
+from expbuf.client.schema.routing import (
     Epoch,
     ShardMap,
     ShardMapError,
@@ -34,10 +34,7 @@ from expbuf.client.routing import (
     routing_key,
     uid_group_key,
 )
-from expbuf.client.shard_ledger import bounds, merge_pages, spread
-from expbuf.client.shard_plans import Owed
-from expbuf.client.shard_poll import POLL_SECONDS, Wait
-from expbuf.client.sharded import (
+from expbuf.client.shards.blocking import (
     AsyncShardedBufferClient,
     LiveResult,
     ShardedBufferClient,
@@ -45,6 +42,9 @@ from expbuf.client.sharded import (
     allocate,
     dns_targets,
 )
+from expbuf.client.shards.ledger import bounds, merge_pages, spread
+from expbuf.client.shards.plans import Owed
+from expbuf.client.shards.poll import POLL_SECONDS, Wait
 
 from helpers import ServerProcess, make_experience, scrape
 
@@ -244,7 +244,7 @@ def test_allocate_splits_a_batch_by_ready_groups() -> None:
 
 
 def test_the_client_never_imports_ray() -> None:
-    code = "import sys, expbuf.client, expbuf.client.sharded; sys.exit(int('ray' in sys.modules))"
+    code = "import sys, expbuf.client, expbuf.client.shards.blocking; sys.exit(int('ray' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -14,8 +14,8 @@ import pytest
 import typecheck
 from mypy import api
 
-from expbuf.client.table_settings import SETTING_NAMES, TableSettings
-from expbuf.client.wire import table_from_proto
+from expbuf.client.rpc.wire import table_from_proto
+from expbuf.client.schema.table_settings import SETTING_NAMES, TableSettings
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.table_config import OWN, PARTS, WHERE, TableConfig, differences
@@ -152,7 +152,7 @@ def test_mypy_sees_a_mistyped_mode_or_setting(tmp_path: Path) -> None:
         textwrap.dedent(
             """
             from expbuf.client import AsyncBufferClient, BufferClient
-            from expbuf.client.sharded import ShardedBufferClient
+            from expbuf.client.shards.blocking import ShardedBufferClient
             from expbuf.server.store.schema.table_config import TableConfig
             from expbuf.server.store.schema.table_parts import Capacity
 

@@ -1,4 +1,4 @@
-"""Presets (client/table_presets.py): the settings of the common tables, one definition each, the
+"""Presets (client/schema/table_presets.py): the settings of the common tables, one definition each, the
 same table from every entry point (TableConfig.preset, a TOML block, the clients, the sharded
 client, the command line), the settings given over the preset's, and refusals that name what is
 missing or unknown."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient
-from expbuf.client.sharded import ShardedBufferClient
-from expbuf.client.table_presets import PRESETS
+from expbuf.client.schema.table_presets import PRESETS
+from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.server import cli
 from expbuf.server.commands.tables import run_client_command
 from expbuf.server.config import load

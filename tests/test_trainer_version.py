@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, BufferError, trxp
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.server.store import Store
 from expbuf.server.store.rules.staleness import VersionJump
 from expbuf.server.store.schema.sample_spec import SampleSpec

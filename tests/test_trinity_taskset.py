@@ -40,7 +40,7 @@ from trinity.common.config import (  # noqa: E402
 from trinity.common.experience import EID, Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL, Claim  # noqa: E402
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL, Claim  # noqa: E402
 from expbuf.client.trinity import ExpbufTaskset, plugin_dir  # noqa: E402
 from expbuf.client.trinity.claims import ClaimKeeper  # noqa: E402
 from expbuf.server.app import ExpbufServer  # noqa: E402

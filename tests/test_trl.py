@@ -24,7 +24,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (
 )
 
 from expbuf.client import EID, BufferClient, Experience
-from expbuf.client.connection import DEFAULT_TIMEOUT
+from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
 from expbuf.client.trl.leases import LeaseBook, ack_lag
 

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from expbuf.client import EID, BufferClient
-from expbuf.client.connection import DEFAULT_TIMEOUT
+from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences
 
 from conftest import Servers

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, trxp
-from expbuf.client.experience import TENSOR_FIELDS
+from expbuf.client.schema.experience import TENSOR_FIELDS
 
 from conftest import payload
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..experience import EID, Experience
 from ..layout import pad
+from ..schema.experience import EID, Experience
 from . import layout
 
 # The run-length code of a row's per-token versions, prompt included ([[version, count], ...]).

@@ -19,7 +19,7 @@ from areal.utils.data import concat_padded_tensors
 from areal.utils.dynamic_import import import_from_string
 
 from ..client import BufferClient, BufferError
-from ..experience import EID, Experience
+from ..schema.experience import EID, Experience
 from .connection import GROUP_KEY_OF, connect, table_config
 from .convert import from_areal
 

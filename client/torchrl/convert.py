@@ -30,7 +30,7 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens
 
 from expbuf.client import layout
-from expbuf.client.experience import EID, Experience
+from expbuf.client.schema.experience import EID, Experience
 
 ADVANTAGE: NestedKey = "advantage"
 REWARD: NestedKey = ("next", "reward")

@@ -53,7 +53,7 @@ from expbuf.client.client import BufferClient
 from expbuf.client.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from expbuf.client.lease_keeper import LeaseKeeper
 from expbuf.client.results import Batch
-from expbuf.client.sample_spec import SampleOptions, SampleSpec
+from expbuf.client.rpc.sample_spec import SampleOptions, SampleSpec
 
 from .storage import ExpbufStorage, read_state, write_state
 

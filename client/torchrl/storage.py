@@ -34,8 +34,8 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import FailedPreconditionError
-from expbuf.client.experience import EID, Experience
 from expbuf.client.results import Batch, TableInfo
+from expbuf.client.schema.experience import EID, Experience
 
 from . import convert
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from expbuf.client.client import BufferClient, BufferError
 from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, Renewer
-from expbuf.client.prompts import Prompt
+from expbuf.client.schema.prompts import Prompt
 
 log = logging.getLogger(__name__)
 RENEWALS_PER_CLAIM = RENEWALS_PER_LEASE

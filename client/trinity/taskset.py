@@ -36,7 +36,7 @@ from trinity.common.constants import StorageType
 
 from expbuf.client.errors import NotFoundError, PermissionDeniedError
 from expbuf.client.location import connect, parse
-from expbuf.client.prompts import Prompt
+from expbuf.client.schema.prompts import Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper
 

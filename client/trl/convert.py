@@ -31,8 +31,8 @@ import torch
 import xxhash
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..experience import EID, Experience
-from ..prompts import Prompt
+from ..schema.experience import EID, Experience
+from ..schema.prompts import Prompt
 
 Rows = Any  # a 2-D tensor or array, a sequence of 1-D ones or of lists; or one row
 

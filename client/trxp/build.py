@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     pass
 
 
-from ..experience import TENSOR_FIELDS
+from ..schema.experience import TENSOR_FIELDS
 from .common import (
     CONTAINERS,
     DTYPE_RANK,

@@ -13,11 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
-from ..experience import (
-    EID,
-    RESPONSE_TENSOR_FIELDS,
-    TOKEN_TENSOR_FIELDS,
-)
+from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from .common import (
     CONTAINERS,
     EXACT_CONTAINERS,

@@ -12,10 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
-from ..experience import (
-    EID,
-    RESPONSE_TENSOR_FIELDS,
-)
+from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS
 
 MAGIC = b"TRXP"
 VERSION = 1

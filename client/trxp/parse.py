@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     pass
 
-from ..experience import (
-    TENSOR_FIELDS,
-)
+from ..schema.experience import TENSOR_FIELDS
 from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
 from .common import (
     EXPANSION_BASE,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from expbuf.client import layout
-from expbuf.client.experience import EID, Experience
+from expbuf.client.schema.experience import EID, Experience
 
 VERL_BATCH = "verl"  # eid.batch of an experience that verl's agent loop produced
 SUFFIX = "0"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from expbuf.client import BufferClient
-from expbuf.client.prompts import STATES, DatasetInfo, Prompt
+from expbuf.client.schema.prompts import STATES, DatasetInfo, Prompt
 
 from .tables import columns, parse_setting, toml_value
 

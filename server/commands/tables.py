@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from expbuf.client import BufferClient, BufferError, Tls
-from expbuf.client.table_presets import PRESETS
+from expbuf.client.schema.table_presets import PRESETS
 
 
 class SettingError(ValueError):

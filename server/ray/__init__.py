@@ -1,7 +1,7 @@
 """expbuf shards as Ray actors (installed as `expbuf.ray`; needs the `ray` extra).
 
 Ray places, restarts and names the shards; expbuf adds only which shard owns a group
-(expbuf.client.routing). Each shard is an actor running a plain expbuf server:
+(expbuf.client.schema.routing). Each shard is an actor running a plain expbuf server:
 
 - one shard per alive node by default, pinned to its node (hard node affinity) so that a
   restarted actor finds its own LMDB directory under `data_root` on that node's disk;
@@ -25,7 +25,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from expbuf.client.ray_registry import shard_map
-from expbuf.client.routing import ShardMap
+from expbuf.client.schema.routing import ShardMap
 
 _PORT_FILE = "ray-port"
 # How long a restarted shard waits for its crashed predecessor to let go of the data directory.

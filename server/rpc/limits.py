@@ -24,8 +24,8 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
 The thread pool has RESERVED_THREADS more than `workers` (those included), so health checks,
 reflection and the refusals themselves are always answered. A call refused here did nothing: its
 refusal carries the trailing metadata `wire.BUSY`, and the clients make a waiting claim or admit
-so refused again while its wait lasts, and a push until its deadline (client/calls.py, Attempts;
-a pusher's, client/pipeline.py).
+so refused again while its wait lasts, and a push until its deadline (client/rpc/calls.py, Attempts;
+a pusher's, client/pushers/pipeline.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from expbuf.client.wire import BUSY
+from expbuf.client.rpc.wire import BUSY
 
 from ..store.disk.kinds import MayWait
 from .auth import scope_of

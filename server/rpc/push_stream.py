@@ -10,7 +10,7 @@ the requests, with its seq.
 A refused push, whether its message could not be read (inflight.Refusal), its payload not be
 parsed, or the store refused it, ends the stream with its status after the replies of the pushes
 before it, and nothing after it is stored: a client sends those again on a new stream
-(client/pipeline.py), as if each push had waited for the reply of the one before.
+(client/pushers/pipeline.py), as if each push had waited for the reply of the one before.
 
 Memory: each push holds its payload's bytes of `max_inflight_bytes` until it is stored or
 refused, and the reader reads no more than the window ahead, so a client that stops reading

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from expbuf.client import trxp, wire
+from expbuf.client import trxp
+from expbuf.client.rpc import wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 

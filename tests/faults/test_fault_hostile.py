@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import trxp, wire
+from expbuf.client import trxp
+from expbuf.client.rpc import wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 

@@ -28,7 +28,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, trxp
-from expbuf.client.wire import BUSY
+from expbuf.client.rpc.wire import BUSY
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from expbuf.client import BufferClient, Claim, Prompt, trxp
-from expbuf.client.sharded import AsyncShardedBufferClient, ShardedBufferClient, ShardError
+from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient, ShardError
 
 from faultkit import group, servers
 from helpers import make_experience

@@ -23,8 +23,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
-from expbuf.client.routing import SHARD_NAME
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
+from expbuf.client.schema.routing import SHARD_NAME
 
 from ..disk import layout
 from ..disk.records import GroupRecord

@@ -3,7 +3,7 @@
 A sharded client creates a dataset on every shard of its map's first epoch, naming them all
 (`shards`) and the one it asks (`shard`). Its router sends the group of every attempt at a
 prompt, `name/epoch/index@attempt`, to the rendezvous of `name/epoch/index` over those shards
-(expbuf.client.routing: the key less its `@attempt`; a dataset's name is no number, so epoch
+(expbuf.client.schema.routing: the key less its `@attempt`; a dataset's name is no number, so epoch
 0's shards, for good). A shard owns the prompts whose groups it is sent, and hands out only
 those: a prompt's claims, its groups and its state meet on one shard, and over the shards
 every prompt goes out once per epoch.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from expbuf.client.routing import owners, rendezvous
+from expbuf.client.schema.routing import owners, rendezvous
 
 from ..schema.errors import Cancelled
 from .records import DatasetRecord

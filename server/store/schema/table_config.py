@@ -6,7 +6,7 @@ Outside Python objects a table's settings are flat, under one name each (`group_
 `expbuf table create NAME key=value`, and the table records the store keeps. `from_settings`
 and `settings` turn them into parts and back through one mapping, each part's fields to their
 flat names (table_parts.flat_names); the typed flat settings are the client's TableSettings
-(client/table_settings.py).
+(client/schema/table_settings.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack
 
-from expbuf.client.table_presets import preset_settings
-from expbuf.client.table_settings import SETTING_NAMES, TableSettings
+from expbuf.client.schema.table_presets import preset_settings
+from expbuf.client.schema.table_settings import SETTING_NAMES, TableSettings
 
 from .errors import ConfigError, clip
 from .estimator_registry import ESTIMATORS, Estimator
@@ -169,7 +169,7 @@ class TableConfig:
     @classmethod
     def from_settings(cls, data: Mapping[str, Any]) -> TableConfig:
         """A table from its flat settings (a TOML block, a create_table's, a stored record's), a
-        `preset` among them expanded first (client/table_presets.py); an unknown setting, or
+        `preset` among them expanded first (client/schema/table_presets.py); an unknown setting, or
         one out of range, is refused naming it."""
         settings = {k: v for k, v in data.items() if k not in ("name", "preset")}
         if "preset" in data:
@@ -185,7 +185,7 @@ class TableConfig:
 
     @classmethod
     def preset(cls, preset: str, name: str, **overrides: Unpack[TableSettings]) -> TableConfig:
-        """A preset's table (client/table_presets.py: queue, replay, trinity), the settings given
+        """A preset's table (client/schema/table_presets.py: queue, replay, trinity), the settings given
         over the preset's: `TableConfig.preset("trinity", "grpo8", group_size=8)`."""
         return cls.from_settings({"name": name, "preset": preset, **overrides})
 

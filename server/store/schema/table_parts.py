@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from expbuf.client.table_settings import (
+from expbuf.client.schema.table_settings import (
     DEVICES,
     GROUP_BY,
     ON_GROUP_TIMEOUT,

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import lmdb
 
-from expbuf.client.prompts import MAX_PROMPTS_PER_CALL
+from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk.environment import Environment
 from ..ledger.records import (

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
-from . import calls
+from ..results import PushResult
+from ..rpc import calls
 from .pipeline import Ordered, Pending, Stream, Window
-from .results import PushResult
 
 if TYPE_CHECKING:
-    from .client import BufferClient
+    from ..client import BufferClient
 
 
 class _Requests:

@@ -33,10 +33,11 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from . import calls, trxp
-from .connection import BACKOFF, busy
-from .errors import ExpbufError
-from .results import PushResult
+from .. import trxp
+from ..errors import ExpbufError
+from ..results import PushResult
+from ..rpc import calls
+from ..rpc.connection import BACKOFF, busy
 
 MAX_WINDOW = 64
 NAMED_UIDS = 32  # the uids an error names; past them, how many more

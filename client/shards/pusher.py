@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
-from .aio_pusher import AsyncOrderedFutures, AsyncPusher
-from .errors import ExpbufError
-from .pipeline import Ordered
-from .pusher import OrderedFutures, Pusher
-from .results import PushResult
-from .shard_common import Sharded, merge_push, shard_error
+from ..errors import ExpbufError
+from ..pushers.aio import AsyncOrderedFutures, AsyncPusher
+from ..pushers.blocking import OrderedFutures, Pusher
+from ..pushers.pipeline import Ordered
+from ..results import PushResult
+from .common import Sharded, merge_push, shard_error
 
 if TYPE_CHECKING:
-    from .sharded import ShardedBufferClient
-    from .sharded_async import AsyncShardedBufferClient
+    from .aio import AsyncShardedBufferClient
+    from .blocking import ShardedBufferClient
 
 Parts = dict[str, bytes]  # a push's payload by the shard that owns its groups
 

@@ -10,18 +10,18 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
 
-from .aio import AsyncBufferClient
-from .errors import BufferError
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
-from .results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
-from .sample_spec import SampleOptions, SampleSpec
-from .shard_common import AsyncShardBatch, LiveResult, ShardBatch
-from .shard_ledger import LedgerPlans
-from .shard_plans import Call, Emit, Plan, T
-from .shard_poll import Wait
-from .shard_pusher import AsyncShardedPusher
-from .table_presets import with_preset
-from .table_settings import TableSettings
+from ..aio import AsyncBufferClient
+from ..errors import BufferError
+from ..results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from ..schema.table_presets import with_preset
+from ..schema.table_settings import TableSettings
+from .common import AsyncShardBatch, LiveResult, ShardBatch
+from .ledger import LedgerPlans
+from .plans import Call, Emit, Plan, T
+from .poll import Wait
+from .pusher import AsyncShardedPusher
 
 
 class AsyncShardedBufferClient(LedgerPlans):

@@ -12,12 +12,13 @@ from typing import Any, Unpack
 
 import grpc
 
-from . import calls, trxp
-from .connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
-from .errors import BufferError
-from .results import AsyncBatch, Batch, Leases, PushResult, TableInfo
-from .routing import ShardMap, group_key, rendezvous, shard_names
-from .sample_spec import SampleSpec
+from .. import trxp
+from ..errors import BufferError
+from ..results import AsyncBatch, Batch, Leases, PushResult, TableInfo
+from ..rpc import calls
+from ..rpc.connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
+from ..rpc.sample_spec import SampleSpec
+from ..schema.routing import ShardMap, group_key, rendezvous, shard_names
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # no wait for a shard that is down, a short deadline; a shard that fails it is left out.
@@ -156,7 +157,7 @@ class Sharded:
     @classmethod
     def from_ray(cls, namespace: str, name: str = "expbuf", **options: Any) -> Any:
         """Shards started by `expbuf.ray.start_shards` in a Ray namespace (needs `ray.init()` first)."""
-        from .ray_registry import shard_map
+        from ..ray_registry import shard_map
 
         return cls(shard_map(namespace, name), **options)
 

@@ -22,7 +22,7 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from .errors import ExpbufError
+from ..errors import ExpbufError
 from .sample_reply import sample_method
 from .wire import BUSY
 

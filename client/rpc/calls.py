@@ -18,11 +18,9 @@ import grpc
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from . import trxp, wire
-from .connection import BACKOFF, RETRIED_METHODS
-from .errors import DataLossError, DeadlineExceededError, ExpbufError
-from .prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
-from .results import (
+from .. import trxp
+from ..errors import DataLossError, DeadlineExceededError, ExpbufError
+from ..results import (
     Batch,
     BufferStats,
     ExperiencePage,
@@ -35,8 +33,11 @@ from .results import (
     TableInfo,
     TableStats,
 )
+from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
+from ..schema.table_presets import with_preset
+from . import wire
+from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
-from .table_presets import with_preset
 
 R = TypeVar("R")
 B = TypeVar("B", bound=Batch)

@@ -24,11 +24,11 @@ from typing import Any
 
 import grpc
 
-from .errors import BufferError
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
-from .shard_common import shard_error
-from .shard_plans import Call, Plan, Planned, is_down
-from .shard_poll import POLL_SECONDS, Wait
+from ..errors import BufferError
+from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from .common import shard_error
+from .plans import Call, Plan, Planned, is_down
+from .poll import POLL_SECONDS, Wait
 
 # A waiting claim asks again this often, in turn, so that a prompt freed on a shard the slice did
 # not ask goes out within a few slices.

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from .errors import ExpbufError
-from .sample_spec import SampleSpec
-from .shard_common import ShardError, allocate
+from ..errors import ExpbufError
+from ..rpc.sample_spec import SampleSpec
+from .common import ShardError, allocate
 
 # The pause between looks at the shards' ready counts when none can fill the batch yet: it
 # starts short, doubles, and stops growing here.

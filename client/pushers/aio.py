@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import grpc
 import grpc.aio
 
-from . import calls
-from .aio_status import StreamStatus
+from ..results import PushResult
+from ..rpc import calls
+from ..rpc.aio_status import StreamStatus
 from .pipeline import Ordered, Pending, Stream, Window
-from .results import PushResult
 
 if TYPE_CHECKING:
-    from .aio import AsyncBufferClient
+    from ..aio import AsyncBufferClient
 
 
 class _Open:

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .table_settings import SETTING_NAMES, SHAPING_NAMES
+from ..schema.table_settings import SETTING_NAMES, SHAPING_NAMES
 
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}

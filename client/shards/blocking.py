@@ -21,19 +21,19 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
-from .client import BufferClient, BufferError, GetResult, Grant, PushResult
-from .prompts import Claim, DatasetInfo, Prompt, PromptPage
-from .results import BufferStats, ServerInfo, TableInfo
-from .routing import ShardMap
-from .sample_spec import SampleOptions, SampleSpec
-from .shard_common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .shard_ledger import LedgerPlans
-from .shard_plans import Call, Emit, Plan, T
-from .shard_poll import Wait
-from .shard_pusher import ShardedPusher
-from .sharded_async import AsyncShardedBufferClient
-from .table_presets import with_preset
-from .table_settings import TableSettings
+from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
+from ..results import BufferStats, ServerInfo, TableInfo
+from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
+from ..schema.routing import ShardMap
+from ..schema.table_presets import with_preset
+from ..schema.table_settings import TableSettings
+from .aio import AsyncShardedBufferClient
+from .common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
+from .ledger import LedgerPlans
+from .plans import Call, Emit, Plan, T
+from .poll import Wait
+from .pusher import ShardedPusher
 
 
 class ShardedBufferClient(LedgerPlans):

@@ -24,18 +24,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from .client import Batch, BufferError, GetResult, Grant, PushResult
-from .results import BufferStats, Leases, ServerInfo, TableInfo, TableStats
-from .routing import uid_group_key
-from .sample_spec import SampleSpec
-from .shard_common import (
-    LiveResult,
-    ShardBatch,
-    Sharded,
-    merge_push,
-    shard_error,
-)
-from .shard_poll import Ask, GiveUp, Poll, Wait
+from ..client import Batch, BufferError, GetResult, Grant, PushResult
+from ..results import BufferStats, Leases, ServerInfo, TableInfo, TableStats
+from ..rpc.sample_spec import SampleSpec
+from ..schema.routing import uid_group_key
+from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
+from .poll import Ask, GiveUp, Poll, Wait
 
 T = TypeVar("T")
 _log = logging.getLogger("expbuf.client")
