@@ -1,4 +1,4 @@
-"""AsyncPusher: the asyncio client's pipelined pushes, as Pusher (pusher.py) with the same window
+"""AsyncPusher: the asyncio client's pipelined pushes, as Pusher (blocking.py) with the same window
 rules (pipeline.py). Each stream's replies are read by a task of its own; one push's messages
 are written at a time, so a payload's chunks are never interleaved with another's. How a stream
 ended is its own status (aio_status.py), never a failed write's."""

@@ -1,6 +1,6 @@
 """What the blocking and the asyncio pusher share: the window of pushes in flight, the messages
 each push sends, and what the end of a stream means for each push on it. No I/O here: each
-pusher (pusher.py, aio_pusher.py) only sends, reads and waits.
+pusher (blocking.py, aio.py) only sends, reads and waits.
 
 A pusher's pushes go over PushStream, each with its number as its seq, up to `window` of them
 not yet handed back. The server stores a stream's pushes in order, several in one commit, and

@@ -1,6 +1,6 @@
-"""AsyncShardedBufferClient: the asyncio twin of ShardedBufferClient (sharded.py).
+"""AsyncShardedBufferClient: the asyncio twin of ShardedBufferClient (blocking.py).
 
-It runs the same plans (shard_plans.py), making the calls each step asks for at once with
+It runs the same plans (plans.py), making the calls each step asks for at once with
 asyncio.gather.
 """
 
@@ -173,7 +173,7 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.drop_table."""
         return await self._run(self._drop_table(name))
 
-    # ---- the prompt ledger (shard_ledger.py) --------------------------------------------------
+    # ---- the prompt ledger (ledger.py) --------------------------------------------------
 
     async def create_dataset(
         self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any

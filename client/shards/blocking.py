@@ -8,9 +8,9 @@ shard holds it; a shard that does not answer is left out until it does. The part
 in parallel and are joined into one TRXP batch. A leased batch's lease id names the shard
 of each part ("s0/lease,s2/lease"), so `ack` and `nack` reach the shards that granted
 them. Stats, tables and Delete cover every shard; Get asks each uid's owner. Datasets of
-prompts live on the shards of the map's first epoch, each handing out its part (shard_ledger.py).
+prompts live on the shards of the map's first epoch, each handing out its part (ledger.py).
 
-The calls' logic is in shard_plans.py, shared with the asyncio client; this module makes
+The calls' logic is in plans.py, shared with the asyncio client; this module makes
 the calls a plan asks for, in parallel on a thread pool.
 """
 
@@ -218,7 +218,7 @@ class ShardedBufferClient(LedgerPlans):
         """
         return self._run(self._drop_table(name))
 
-    # ---- the prompt ledger (shard_ledger.py) --------------------------------------------------
+    # ---- the prompt ledger (ledger.py) --------------------------------------------------
 
     def create_dataset(
         self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any

@@ -1,6 +1,6 @@
 """What the blocking and asyncio sharded clients share: their errors, batches and degraded
 results, the shard map's connections, splitting a push by shard, sharing a batch out among
-shards, and merging what the shards answer. Their calls' logic is in shard_plans.py."""
+shards, and merging what the shards answer. Their calls' logic is in plans.py."""
 
 from __future__ import annotations
 

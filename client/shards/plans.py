@@ -3,7 +3,7 @@
 Each call is a plan: a generator that yields the shard calls to make in parallel (a list of
 `Call`), a pause (`Wait`) or, while sampling, a batch for the caller (`Emit`), and is sent
 back the calls' outcomes (each a result or the BufferError it raised). The drivers in
-sharded.py and sharded_async.py only make the calls, with threads or with asyncio.
+blocking.py and aio.py only make the calls, with threads or with asyncio.
 
 A shard that does not answer (UNAVAILABLE or DEADLINE_EXCEEDED) degrades a call instead of
 failing it where the call can do without it: a sample draws from the others, stats and

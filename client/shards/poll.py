@@ -2,7 +2,7 @@
 
 Pure logic, with no calls and no clock: `Poll` is told the time, the shards' ready counts and
 what each fetch brought, and answers with the next thing to do (`Ask`, `Wait`, `Done` or
-`GiveUp`). The sample plan (shard_plans.py) makes the calls it asks for, and the blocking and
+`GiveUp`). The sample plan (plans.py) makes the calls it asks for, and the blocking and
 asyncio drivers run that plan, so the poll algorithm exists once.
 """
 
