@@ -33,6 +33,14 @@ MOVED = [
     ("expbuf.server.estimators", "expbuf.server.advantages.estimators", ["FlatBatch"]),
     ("expbuf.server.batch_stage", "expbuf.server.advantages.batch_stage", ["finish_batch"]),
     ("expbuf.server.shaping", "expbuf.server.advantages.shaping", ["shape"]),
+    ("expbuf.client.experience", "expbuf.client.schema.experience", ["Experience", "EID"]),
+    ("expbuf.client.prompts", "expbuf.client.schema.prompts", ["Claim", "MAX_PROMPTS_PER_CALL"]),
+    ("expbuf.client.routing", "expbuf.client.schema.routing", ["ShardMap", "rendezvous"]),
+    ("expbuf.client.table_presets", "expbuf.client.schema.table_presets", ["preset_settings"]),
+    ("expbuf.client.table_settings", "expbuf.client.schema.table_settings", ["TableSettings"]),
+    ("expbuf.client.sample_spec", "expbuf.client.rpc.sample_spec", ["SampleSpec"]),
+    ("expbuf.client.wire", "expbuf.client.rpc.wire", ["param_number"]),
+    ("expbuf.client.sharded", "expbuf.client.shards.blocking", ["ShardedBufferClient", "AsyncShardedBufferClient"]),
 ]
 
 
@@ -57,6 +65,8 @@ ENTRY_POINTS = [
     "expbuf.server.cli",
     "expbuf.server.store",
     "expbuf.client",
+    "expbuf.client.shards.blocking",
+    "expbuf.client.pushers.aio",
     "expbuf.client.torch",
     "expbuf.client.trinity",
     "expbuf.client.verl",
@@ -70,7 +80,7 @@ ENTRY_POINTS = [
 def test_nothing_of_expbufs_own_reads_an_old_path() -> None:
     """Every module of the server, the store, the client and the adapters imported in a fresh
     interpreter, with expbuf's own deprecation warnings made errors: none is raised."""
-    code = "; ".join(f"import {name}" for name in ENTRY_POINTS)
+    code = "; ".join([*(f"import {name}" for name in ENTRY_POINTS), "from expbuf.client import *"])
     done = subprocess.run(
         [sys.executable, "-W", "error:expbuf.:DeprecationWarning", "-c", code],
         capture_output=True,

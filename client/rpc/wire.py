@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..schema.table_settings import SETTING_NAMES, SHAPING_NAMES
+from ..schema.table_settings import PARAM_CHOICES, SETTING_NAMES, SHAPING_NAMES
 
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
@@ -25,14 +25,6 @@ DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay"
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
 # it lets in were in progress (server/rpc/limits.py): the same call later may get in.
 BUSY = "expbuf-busy"
-# Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
-# travels as its position in the tuple (flags as 0 or 1).
-PARAM_CHOICES = {
-    "std_cal_level": ("group", "batch"),
-    "opmd_baseline": ("mean", "logavgexp"),
-    "enable_step_norm": ("false", "true"),
-    "std_normalize": ("false", "true"),
-}
 
 
 def param_number(name: str, value: Any) -> Any:

@@ -24,6 +24,15 @@ DEVICES: tuple[Device, ...] = get_args(Device)
 WHEN_FULL: tuple[WhenFull, ...] = get_args(WhenFull)
 ON_STALE: tuple[OnStale, ...] = get_args(OnStale)
 
+# Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
+# travels as its position in the tuple (flags as 0 or 1).
+PARAM_CHOICES = {
+    "std_cal_level": ("group", "batch"),
+    "opmd_baseline": ("mean", "logavgexp"),
+    "enable_step_norm": ("false", "true"),
+    "std_normalize": ("false", "true"),
+}
+
 
 class ShapingSettings(TypedDict, total=False):
     """A table's `shaping`: reward shaping before the estimator and advantage clipping after it,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from expbuf.client.rpc.wire import PARAM_CHOICES
+from expbuf.client.schema.table_settings import PARAM_CHOICES
 
 # A stage: the function itself, or its "module:function" name.
 Stage = Callable[..., Any] | str
