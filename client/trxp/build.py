@@ -13,11 +13,7 @@ import re
 import struct
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
-
+from typing import Any
 
 from ..schema.experience import TENSOR_FIELDS
 from .common import (

@@ -8,10 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from .common import (

@@ -7,10 +7,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from ..schema.experience import TENSOR_FIELDS
 from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
