@@ -25,16 +25,21 @@ class ExpbufError(Exception):
     # wait) being in progress: the same call later may get in (a waiting claim or admit, and a
     # push, are made again: calls.Attempts, pipeline.py).
     busy: bool = False
+    # Why the server refused the call (client/schema/reasons.py, a `Reason` value): what code acts
+    # on, never the message's words. None where no expbuf server said (an older server, a proxy,
+    # a failure on this side).
+    reason: str | None = None
 
     def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:
         if cls is ExpbufError:
             cls = ExpbufError.for_status(code)
         return super().__new__(cls)
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason
 
     @staticmethod
     def for_status(code: grpc.StatusCode) -> type[ExpbufError]:
@@ -42,7 +47,8 @@ class ExpbufError(Exception):
         return next((kind for kind in ExpbufError.__subclasses__() if kind.status == code), ExpbufError)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ExpbufError, (self.code, self.details))
+        # its attributes too (reason, busy, uids): an error that crossed a process (Ray) says the same
+        return (ExpbufError, (self.code, self.details), self.__dict__)
 
 
 class InvalidArgumentError(ExpbufError):

@@ -4,7 +4,9 @@ gRPC raises the client class of its code and counts its reason on a real /metric
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import pickle
 import pkgutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import expbuf.server
 from expbuf.client import (
     AlreadyExistsError,
+    AsyncBufferClient,
     BufferClient,
     DeadlineExceededError,
     ExpbufError,
@@ -23,13 +26,16 @@ from expbuf.client import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from expbuf.client.rpc.connection import call_error
+from expbuf.client.schema.reasons import Reason
+from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
 from expbuf.server.store.schema import errors
 
-from conftest import BAD_DIR
+from conftest import BAD_DIR, Servers
 from helpers import make_experience, scrape
 
 # What each refusal answers: the gRPC status and the reason on expbuf_refused_total.
@@ -43,6 +49,7 @@ EXPECTED = {
     errors.Conflict: ("ALREADY_EXISTS", "conflict"),
     errors.Forbidden: ("PERMISSION_DENIED", "forbidden"),
     errors.GroupClosed: ("FAILED_PRECONDITION", "group_closed"),
+    errors.GroupOverfilled: ("FAILED_PRECONDITION", "group_overfilled"),
     errors.StaleExperience: ("FAILED_PRECONDITION", "stale"),
     errors.StaleAttempt: ("FAILED_PRECONDITION", "stale_attempt"),
     errors.GroupIncomplete: ("FAILED_PRECONDITION", "group_incomplete"),
@@ -129,14 +136,14 @@ def test_a_live_refusal_raises_its_client_class_and_counts_its_reason(server: Ex
             try:
                 return list(replies)
             except grpc.RpcError as exc:
-                raise ExpbufError(exc.code(), exc.details() or "") from None
+                raise call_error(exc, None) from None
 
         def stream_sample() -> object:
             replies = stub.Sample(iter([pb.SampleRequest(table="g", num_groups=1, order=99)]), timeout=10)
             try:
                 return list(replies)
             except grpc.RpcError as exc:
-                raise ExpbufError(exc.code(), exc.details() or "") from None
+                raise call_error(exc, None) from None
 
         cases: list[tuple[Callable[[], object], type[ExpbufError], tuple[str, str]]] = [
             (lambda: client.push(bad), InvalidArgumentError, ("default", "invalid_payload")),
@@ -161,6 +168,105 @@ def test_a_live_refusal_raises_its_client_class_and_counts_its_reason(server: Ex
             with pytest.raises(kind) as raised:
                 call()
             assert type(raised.value) is kind and raised.value.code == kind.status
+            assert raised.value.reason == counted[1], (kind.__name__, raised.value.details)  # sent with the refusal
             after = refusals(server.metrics_port)
             changed = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
             assert changed == {counted: 1}, (kind.__name__, raised.value.details)
+
+
+def test_every_reason_is_one_the_server_gives_and_the_docs_list() -> None:
+    """The reasons are a stable, documented set: each is given by the server (a refusal class's,
+    or one the service gives itself), and docs/concepts/pushing-and-sampling.md lists each once."""
+    root = Path(__file__).resolve().parent.parent
+    server = "".join(path.read_text() for path in (root / "server").rglob("*.py"))
+    docs = (root / "docs/concepts/pushing-and-sampling.md").read_text()
+    listed = [line.split("`")[1] for line in docs.splitlines() if line.startswith("| `") and line.count("|") == 3]
+    for reason in Reason:
+        assert f"Reason.{reason.name}" in server, reason
+    assert sorted(listed) == sorted(Reason), "the docs' table of reasons"
+
+
+def reasons_of(calls: dict[str, Callable[[], object]]) -> dict[str, str | None]:
+    found = {}
+    for name, call in calls.items():
+        with pytest.raises(ExpbufError) as raised:
+            call()
+        found[name] = raised.value.reason
+    return found
+
+
+def test_the_reason_reaches_every_client_and_a_pusher(target: str) -> None:
+    """A refusal's reason, sent beside its message, is what the blocking, asyncio and sharded
+    clients and a pusher give as `ExpbufError.reason`, from refusals of the store and of the
+    service itself (a Sample that found too little ready)."""
+    bad = (BAD_DIR / "bad_magic.bin").read_bytes()
+    with BufferClient(target, retries=0, timeout=20) as client, ShardedBufferClient([target]) as sharded:
+        client.create_table("four", group_size=4)
+        client.push([make_experience(0, "a", run) for run in range(3)], table="four")
+        client.push([make_experience(0, "b", run) for run in range(4)], table="four")
+        client.push([make_experience(0, "c", 0)], table="four")
+        with client.pusher("four") as pusher:
+            overfill = pusher.push([make_experience(0, "a", run) for run in range(3, 5)])
+            with pytest.raises(ExpbufError) as raised:
+                overfill.result(timeout=30)
+        assert raised.value.reason == Reason.GROUP_OVERFILLED
+        assert reasons_of(
+            {
+                "bad payload": lambda: client.push(bad),
+                "overfill": lambda: client.push([make_experience(0, "a", run) for run in range(3, 5)], table="four"),
+                "complete": lambda: client.push([make_experience(0, "b", 4)], table="four"),
+                "other bytes": lambda: client.push([make_experience(0, "c", 0, reward=0.5)], table="four"),
+                "no table": lambda: client.stats("nope"),
+                "no dataset": lambda: client.claim("four", "nope"),
+                "too little": lambda: next(client.sample("four", num_groups=9, timeout=0.3, delivery="consume")),
+                "sharded, no table": lambda: sharded.stats("nope"),
+                "sharded, bad payload": lambda: sharded.push(bad, table="four"),
+            }
+        ) == {
+            "bad payload": Reason.INVALID_PAYLOAD,
+            "overfill": Reason.GROUP_OVERFILLED,
+            "complete": Reason.GROUP_CLOSED,
+            "other bytes": Reason.CONFLICT,
+            "no table": Reason.NOT_FOUND,
+            "no dataset": Reason.NOT_FOUND,
+            "too little": Reason.NOT_READY,
+            "sharded, no table": Reason.NOT_FOUND,
+            "sharded, bad payload": Reason.INVALID_PAYLOAD,  # refused by the sharded client, which parses to route
+        }
+
+    async def asyncio_reasons() -> dict[str, str | None]:
+        found = {}
+        async with AsyncBufferClient(target, retries=0) as client:
+            for name, call in {
+                "bad payload": lambda: client.push(bad),
+                "no table": lambda: client.stats("nope"),
+                "too little": lambda: client.sample("four", num_groups=9, timeout=0.3, delivery="consume").__anext__(),
+            }.items():
+                with pytest.raises(ExpbufError) as raised:
+                    await call()
+                found[name] = raised.value.reason
+        return found
+
+    assert asyncio.run(asyncio_reasons()) == {
+        "bad payload": Reason.INVALID_PAYLOAD,
+        "no table": Reason.NOT_FOUND,
+        "too little": Reason.NOT_READY,
+    }
+
+
+def test_the_interceptors_refusals_carry_their_reasons(start_server: Servers) -> None:
+    """Refusals made before a method runs (a token missing or lacking the scope) carry theirs too."""
+    server = start_server(tokens={"pusher": frozenset({"push"})})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, retries=0) as anonymous, BufferClient(target, retries=0, token="pusher") as pusher:
+        assert reasons_of({"no token": lambda: anonymous.stats(), "no scope": lambda: pusher.stats()}) == {
+            "no token": Reason.UNAUTHENTICATED,
+            "no scope": Reason.FORBIDDEN,
+        }
+
+
+def test_an_error_keeps_its_reason_across_processes() -> None:
+    error = ExpbufError(grpc.StatusCode.FAILED_PRECONDITION, "x", Reason.STALE_ATTEMPT)
+    error.busy = True
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), back.reason, back.busy) == (FailedPreconditionError, Reason.STALE_ATTEMPT, True)

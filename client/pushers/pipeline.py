@@ -38,6 +38,7 @@ from ..errors import ExpbufError
 from ..results import PushResult
 from ..rpc import calls
 from ..rpc.connection import BACKOFF, busy
+from ..rpc.wire import reason_of
 
 MAX_WINDOW = 64
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
@@ -64,7 +65,7 @@ class Pending:
     def requests(self, chunk_bytes: int) -> Iterator[pb.PushRequest]:
         return calls.push_requests(self.body, self.table, chunk_bytes, self.number)
 
-    def fail(self, code: grpc.StatusCode, details: str, why: str = "") -> None:
+    def fail(self, code: grpc.StatusCode, details: str, why: str = "", reason: str | None = None) -> None:
         """Fail with the error of `code`, naming the push and its uids (read from its payload only now)."""
         try:
             uids = tuple(item.uid for item in trxp.parse(self.body))
@@ -74,7 +75,7 @@ class Pending:
             shown = ", ".join(uids[:NAMED_UIDS])
             more = f" and {len(uids) - NAMED_UIDS} more" if len(uids) > NAMED_UIDS else ""
             named = f"uids {shown}{more}"
-        error = ExpbufError(code, f"{details} (push {self.number} of this pusher{why}; {named})")
+        error = ExpbufError(code, f"{details} (push {self.number} of this pusher{why}; {named})", reason)
         error.uids = uids
         self.outcome = error
         self.body = b""
@@ -183,10 +184,11 @@ class Window(Ordered[Pending]):
             for pending in sent:
                 pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
             return [], 0.0
+        reason = reason_of(exc.trailing_metadata())
         if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
-            return self._kept_out(sent, code, details)
+            return self._kept_out(sent, code, details, reason)
         if code != grpc.StatusCode.UNAVAILABLE:
-            sent.pop(0).fail(code, details)
+            sent.pop(0).fail(code, details, reason=reason)
             return self._in_time(sent, code, details), 0.0
         pause = BACKOFF.pause(max(pending.attempts for pending in sent))
         again = []
@@ -203,7 +205,9 @@ class Window(Ordered[Pending]):
                 again.append(pending)
         return again, pause
 
-    def _kept_out(self, pushes: list[Pending], code: grpc.StatusCode, details: str) -> tuple[list[Pending], float]:
+    def _kept_out(
+        self, pushes: list[Pending], code: grpc.StatusCode, details: str, reason: str | None
+    ) -> tuple[list[Pending], float]:
         """The server refused the oldest of `pushes` as having done nothing, as many calls as it
         lets wait doing so already (wire.BUSY; a stream refused as it opened), and read none after
         it: each goes again after the pause returned, as a push alone would (calls.Attempts), and
@@ -213,7 +217,7 @@ class Window(Ordered[Pending]):
         for pending in pushes:
             pending.kept_out += 1
             if time.monotonic() + pause >= pending.deadline:
-                pending.fail(code, details, ", refused until its deadline: not stored")
+                pending.fail(code, details, ", refused until its deadline: not stored", reason)
             else:
                 again.append(pending)
         return again, pause

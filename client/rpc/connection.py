@@ -24,7 +24,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
 from .sample_reply import sample_method
-from .wire import BUSY
+from .wire import BUSY, reason_of
 
 if TYPE_CHECKING:
     from .calls import Chunked, Unary
@@ -167,7 +167,7 @@ def tls_hint(tls: Tls | None) -> str:
 
 def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bool = False) -> ExpbufError:
     """The ExpbufError of a failed call to `target`, with gRPC's details and what the client can tell
-    (and `busy` where the server says so, wire.BUSY).
+    (and `busy` where the server says so, wire.BUSY), and the reason the server gave a refusal.
 
     A server closes a connection whose TLS it does not take (a plaintext client of a TLS server, a
     client without a certificate where mutual TLS asks for one), which gRPC reports as UNAVAILABLE
@@ -183,7 +183,8 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
             " server it cannot reach (none listening there, or one that refuses this client's TLS settings"
             f"{': ' + hint if hint else ''})"
         )
-    error = ExpbufError(exc.code(), details)
+    trailing = exc.trailing_metadata()  # pairs, blocking or asyncio
+    error = ExpbufError(exc.code(), details, reason_of(trailing))
     error.busy = busy(exc)
     return error
 

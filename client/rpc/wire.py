@@ -10,10 +10,12 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
+from google.rpc import error_details_pb2, status_pb2
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..schema.reasons import DOMAIN, Reason
 from ..schema.table_settings import PARAM_CHOICES, SETTING_NAMES, SHAPING_NAMES
 
 GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_BY_STEP, "none": pb.GROUP_BY_NONE}
@@ -25,6 +27,35 @@ DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay"
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
 # it lets in were in progress (server/rpc/limits.py): the same call later may get in.
 BUSY = "expbuf-busy"
+# Where gRPC's rich error model carries a status's details (a google.rpc.Status, serialised).
+STATUS_DETAILS = "grpc-status-details-bin"
+
+
+def refusal_trailer(code: int, message: str, reason: Reason, busy: bool = False) -> tuple[tuple[str, Any], ...]:
+    """The trailing metadata of a refusal: its reason as a google.rpc.ErrorInfo of domain `expbuf`
+    in the status details, which any gRPC client can read, and BUSY where the call did nothing."""
+    status = status_pb2.Status(code=code, message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN))
+    trailer: tuple[tuple[str, Any], ...] = ((STATUS_DETAILS, status.SerializeToString()),)
+    return (*trailer, (BUSY, "1")) if busy else trailer
+
+
+def reason_of(trailing: Any) -> str | None:
+    """The reason an expbuf server gave a refusal, from the call's trailing metadata (pairs, as the
+    blocking and the asyncio calls give them); None from a server that sent none (an older one,
+    or a proxy that refused the call itself)."""
+    for key, value in trailing or ():
+        if key != STATUS_DETAILS or not isinstance(value, bytes):
+            continue
+        try:
+            details = status_pb2.Status.FromString(value).details
+        except DecodeError:
+            return None
+        info = error_details_pb2.ErrorInfo()
+        for detail in details:
+            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == DOMAIN:
+                return info.reason
+    return None
 
 
 def param_number(name: str, value: Any) -> Any:

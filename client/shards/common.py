@@ -18,6 +18,7 @@ from ..results import AsyncBatch, Batch, Leases, PushResult, TableInfo
 from ..rpc import calls
 from ..rpc.connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
 from ..rpc.sample_spec import SampleSpec
+from ..schema.reasons import Reason
 from ..schema.routing import ShardMap, group_key, rendezvous, shard_names
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
@@ -26,10 +27,13 @@ _PROBE_SECONDS = 2.0
 
 
 class ShardError(BufferError):
-    """A call failed on one or more shards; `shards` names them, `result` holds what the others did."""
+    """A call failed on one or more shards; `shards` names them, `result` holds what the others did,
+    `reason` is the first failed shard's."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, shards: Sequence[str], result: Any = None) -> None:
-        super().__init__(code, details)
+    def __init__(
+        self, code: grpc.StatusCode, details: str, shards: Sequence[str], result: Any = None, reason: str | None = None
+    ) -> None:
+        super().__init__(code, details, reason)
         self.shards = list(shards)
         self.result = result
 
@@ -92,7 +96,7 @@ def merge_push(results: Iterable[PushResult]) -> PushResult:
 def shard_error(errors: Mapping[str, BufferError], targets: Mapping[str, str], result: Any = None) -> ShardError:
     first = next(iter(errors.values()))
     details = "; ".join(f"shard {name} ({targets[name]}): {exc}" for name, exc in errors.items())
-    return ShardError(first.code, details, list(errors), result)
+    return ShardError(first.code, details, list(errors), result, first.reason)
 
 
 def allocate(ready: Mapping[str, int], need: int) -> dict[str, int]:
@@ -191,7 +195,7 @@ class Sharded:
         try:
             parsed = trxp.parse(payload)
         except trxp.TrxpError as exc:
-            raise BufferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise BufferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), Reason.INVALID_PAYLOAD) from None
         parts: dict[str, list[trxp.RawItem]] = {}
         for item in parsed:
             parts.setdefault(self.shard_map.owner(group_key(item.eid, group_by)), []).append(item)
@@ -206,6 +210,7 @@ class Sharded:
             raise BufferError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lease id {lease_id[:80]!r} does not name shards of this client (expected shard/lease[,...])",
+                Reason.INVALID_REQUEST,
             )
         return [(shard, lease) for shard, _, lease in pairs]
 

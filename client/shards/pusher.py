@@ -75,6 +75,7 @@ class ShardWindow(Ordered[ShardPush]):
             push.outcome = ExpbufError(
                 parts.code,
                 f"{parts.details} (push {number} of this pusher; its payload is not TRXP, so its uids are unknown)",
+                parts.reason,
             )
         else:
             push = ShardPush(number, {shard: targets[shard] for shard in parts})

@@ -36,6 +36,7 @@ from expbuf.client.client import BufferClient
 from expbuf.client.errors import FailedPreconditionError
 from expbuf.client.results import Batch, TableInfo
 from expbuf.client.schema.experience import EID, Experience
+from expbuf.client.schema.reasons import Reason
 
 from . import convert
 
@@ -77,11 +78,9 @@ class _Rounds:
             self._open.popitem(last=False)
 
 
-def _closed_group(exc: FailedPreconditionError, tid: str) -> bool:
-    """Whether the server refused a push because group `tid` is complete, or too full for it."""
-    return exc.details.startswith(f"group {tid} ") and (
-        "is already complete" in exc.details or "overfill" in exc.details
-    )
+def _closed_group(exc: FailedPreconditionError) -> bool:
+    """Whether the server refused a push because a group of it is complete, or too full for it."""
+    return exc.reason in (Reason.GROUP_CLOSED, Reason.GROUP_OVERFILLED)
 
 
 class _Checkpointer(StorageCheckpointerBase):
@@ -176,7 +175,7 @@ class ExpbufStorage(LazyStackStorage):
         try:
             self._push(pending)
         except FailedPreconditionError as exc:
-            if not any(_closed_group(exc, exps[0].eid.tid) for exps in pending.values()):
+            if not _closed_group(exc):
                 raise
             for task, exps in pending.items():
                 self._push_group(task, exps)
@@ -218,7 +217,7 @@ class ExpbufStorage(LazyStackStorage):
                 self._push({task: exps})
                 return
             except FailedPreconditionError as exc:
-                if not any(_closed_group(exc, exp.eid.tid) for exp in exps):
+                if not _closed_group(exc):
                     raise
                 if len(exps) > 1:  # fewer fit than this writer thought: one at a time
                     for exp in exps:

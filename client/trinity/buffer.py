@@ -30,20 +30,20 @@ from trinity.common.experience import Experience
 from expbuf.client.client import Batch, BufferError, PushResult
 from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.location import connect, parse
+from expbuf.client.schema.reasons import Reason
 
 from . import settings
 from .taskset import prompt_eid
 
 log = logging.getLogger(__name__)
 GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
-STALE_ATTEMPT = "whose claim ended"  # a push into the group of a prompt attempt whose claim ended
 # How long one wait for a batch lasts before the reader checks whether the table's writers are done.
 POLL_SECONDS = 1.0
 
 
 def _stale_attempt(exc: BufferError) -> bool:
     """Whether a push was refused for holding the group of a prompt attempt whose claim ended."""
-    return exc.code == grpc.StatusCode.FAILED_PRECONDITION and STALE_ATTEMPT in exc.details
+    return exc.reason == Reason.STALE_ATTEMPT
 
 
 def _prompt_groups(data: list[Experience]) -> list[Experience]:
@@ -167,12 +167,12 @@ class ExpbufWriter(BufferWriter):
                 result = self._client.push(payload, self.location.table)
                 break
             except BufferError as exc:
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "is full" in exc.details:
+                if exc.reason == Reason.TABLE_FULL:
                     log.info("expbuf: table '%s' is full; the write waits for room", self.location.table)
                     continue  # a full table blocks the writer, as Trinity's queue does
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "overfill" in exc.details:
+                if exc.reason == Reason.GROUP_OVERFILLED:
                     raise ValueError(self._overfill(exc.details)) from exc
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and "already complete" in exc.details:
+                if exc.reason == Reason.GROUP_CLOSED:
                     raise ValueError(
                         f"expbuf table '{self.location.table}': {exc.details}: a group's experiences came in "
                         "two writes, and a write completes its groups when it is stored (sealed, or group_size 0); "

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 
 import grpc
 
-from .interceptor import ServiceInterceptor
+from expbuf.client.schema.reasons import Reason
+
+from .interceptor import ServiceInterceptor, refuse
 
 log = logging.getLogger("expbuf.auth")
 SCOPE_OF_METHOD = {
@@ -61,8 +63,10 @@ def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
     request and a stream alike), and a streamed request is read only when iterated.
     """
 
+    reason = Reason.FORBIDDEN if code == grpc.StatusCode.PERMISSION_DENIED else Reason.UNAUTHENTICATED
+
     def abort(requests: object, context: grpc.ServicerContext) -> None:
-        context.abort(code, message)
+        refuse(context, code, message, reason)
 
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort)

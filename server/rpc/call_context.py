@@ -14,9 +14,11 @@ from typing import Any
 
 import grpc
 
+from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store.schema.errors import StoreError, clip
+from .interceptor import refuse
 
 log = logging.getLogger("expbuf.service")
 
@@ -76,11 +78,11 @@ def refusals(method: Callable) -> Callable:
             self.refusal_log(logging.INFO, "refused %s on table %s: %s (%s): %s", method.__name__, clip(table),
                              code.name, reason, clip(str(exc), 500))  # fmt: skip
         else:
-            code, reason = grpc.StatusCode.INTERNAL, "internal"
+            code, reason = grpc.StatusCode.INTERNAL, Reason.INTERNAL
             self.refusal_log(logging.ERROR, "%s on table %s failed", method.__name__, clip(table), exc_info=True)
             exc = RuntimeError(f"internal error in {method.__name__}: {type(exc).__name__}: {clip(str(exc), 300)}")
         self.metrics.refused.labels(label, reason).inc()
-        context.abort(code, clip(str(exc), 1000))
+        refuse(context, code, clip(str(exc), 1000), reason)
 
     if method.__name__ in ("Sample", "PushStream"):
 

@@ -20,6 +20,10 @@ from typing import NoReturn
 
 import grpc
 
+from expbuf.client.schema.reasons import Reason
+
+from .interceptor import refuse
+
 SHUTTING_DOWN = (
     "the server is shutting down; send again on a new stream (the expbuf clients do so for UNAVAILABLE), "
     "to this server once it is back or to another"
@@ -65,4 +69,4 @@ class Draining:
         """End a stream at its safe point: UNAVAILABLE, saying that the server is shutting down."""
         with self._lock:
             self.ended[method] += 1
-        context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        refuse(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN, Reason.SHUTTING_DOWN)

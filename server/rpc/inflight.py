@@ -42,7 +42,9 @@ from typing import Any, NoReturn
 
 import grpc
 
-from .interceptor import ServiceInterceptor
+from expbuf.client.schema.reasons import Reason
+
+from .interceptor import ServiceInterceptor, refuse
 from .limits import PROGRESS
 
 TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
@@ -71,12 +73,12 @@ class PushMessage:
 class Refusal(Exception):
     """A PushStream message refused as it was read: the status the stream ends with in its turn."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: Reason) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.reason = code, details, reason
 
     def abort(self, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(self.code, self.details)
+        refuse(context, self.code, self.details, self.reason)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -274,7 +276,7 @@ class PushMemory(ServiceInterceptor):
         None at the end of the client's messages."""
         refused = self.inflight.admit(min(most, _remaining(context)), owner)
         if refused is not None:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
         request = next(requests, None)
         if request is None:
             return None
@@ -285,6 +287,7 @@ class PushMemory(ServiceInterceptor):
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
+                Reason.INVALID_REQUEST,
             )
         if request.total_bytes > self.max_push_bytes:
             request.release()
@@ -292,6 +295,7 @@ class PushMemory(ServiceInterceptor):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"PushRequest: a payload of total_bytes = {request.total_bytes} is larger than the largest push, "
                 f"max_message_bytes = {self.max_push_bytes} (EXPBUF_MAX_MESSAGE_BYTES)",
+                Reason.TOO_LARGE,
             )
         return request
 
@@ -307,10 +311,11 @@ class PushMemory(ServiceInterceptor):
                 f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_inflight_bytes = "
                 f"{limit}, the payload bytes pushes in progress may hold together (raise it with "
                 "EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
+                Reason.TOO_LARGE,
             )
         held = self.inflight.reserve(total, min(self.stream_wait, _remaining(context)), owner)
         if isinstance(held, str):
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held)
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         first.held.append(held)
 
     def _chunks(
@@ -338,18 +343,21 @@ class PushMemory(ServiceInterceptor):
                     raise Refusal(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                        Reason.INVALID_REQUEST,
                     )
                 if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
                     raise Refusal(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
                         "nothing else (table, seq and total_bytes unset)",
+                        Reason.INVALID_REQUEST,
                     )
                 end = got + len(chunk.payload)
                 if end > total:
                     raise Refusal(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                        Reason.INVALID_REQUEST,
                     )
                 elapsed = time.monotonic() - started
                 if end < total and elapsed > allowed:
@@ -359,6 +367,7 @@ class PushMemory(ServiceInterceptor):
                         f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
                         f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
                         "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                        Reason.TOO_SLOW,
                     )
                 message.payload[got:end] = chunk.payload
                 chunk.drop_payload()
@@ -380,13 +389,20 @@ class PushMemory(ServiceInterceptor):
                 except Refusal as refusal:
                     refusal.abort(context)
                 if request is None:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push: the call carried no message")
+                    refuse(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "Push: the call carried no message",
+                        Reason.INVALID_REQUEST,
+                    )
                 try:
                     if request.total_bytes > len(request.payload):
-                        context.abort(
+                        refuse(
+                            context,
                             grpc.StatusCode.INVALID_ARGUMENT,
                             f"Push: total_bytes = {request.total_bytes} but the payload is {len(request.payload)} "
                             "bytes: a payload in chunks goes over PushStream",
+                            Reason.INVALID_REQUEST,
                         )
                     return behavior(request, context)
                 finally:

@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from expbuf.client.rpc.wire import BUSY
+from expbuf.client.schema.reasons import Reason
 
 from ..store.disk.kinds import MayWait
 from .auth import scope_of
-from .interceptor import ServiceInterceptor
+from .interceptor import ServiceInterceptor, refuse
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -272,14 +273,14 @@ class CallLimits(ServiceInterceptor):
 
 
 def _mark_busy(context: grpc.ServicerContext) -> None:
-    """Say in the call's refusal that it did nothing (wire.BUSY): the same call later may get in."""
+    """Say in the call's refusal to come that it did nothing (wire.BUSY): the same call later may get in."""
     context.set_trailing_metadata(((BUSY, "1"),))
 
 
 def _refuse(context: grpc.ServicerContext, refusal: str) -> NoReturn:
-    """End a call refused before it began, saying so (_mark_busy)."""
-    _mark_busy(context)
-    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    """End a call refused before it began, saying it did nothing (wire.BUSY): the same call later
+    may get in."""
+    refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, Reason.BUSY, busy=True)
 
 
 def call_limits(config: ServerConfig) -> CallLimits:

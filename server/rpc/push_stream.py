@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
@@ -33,6 +34,7 @@ from ..store.schema.errors import InsertLimited, TableFull
 from .call_context import CALL_TABLE, noted, room_wait
 from .inflight import PushMessage, Refusal
 from .ingest import Ingest
+from .interceptor import refuse
 from .limits import IdleMessages
 
 # A push's reply from its seq, table and result (the servicer's, shared with unary Push).
@@ -101,10 +103,12 @@ def replies(
             first = messages.next()
         except TimeoutError:
             seconds = messages.seconds
-            context.abort(
+            refuse(
+                context,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"PushStream idle: no message for {seconds:g}s; the server ends idle streams after "
                 f"push_stream_idle_seconds = {seconds:g} (EXPBUF_PUSH_STREAM_IDLE_SECONDS); open a new one",
+                Reason.IDLE,
             )
         except Refusal as refusal:
             refusal.abort(context)

@@ -40,6 +40,7 @@ from typing import NoReturn
 
 import grpc
 
+from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
@@ -47,6 +48,7 @@ from ..store import Sampled
 from ..store.schema.errors import InvalidRequest, StoreError
 from ..store.schema.sample_spec import SampleSpec
 from .draining import Draining
+from .interceptor import refuse
 
 log = logging.getLogger("expbuf.service")
 
@@ -178,9 +180,11 @@ def stream_batches(
                         window.end_overdue(context)
                     if spec.allow_partial:
                         return
-                    context.abort(
+                    refuse(
+                        context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"table '{spec.table}' did not have {spec.want} ready within {spec.wait_seconds:g}s{bound}",
+                        Reason.NOT_READY,
                     )
                 spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
                 yield reply(batch, window.sending(batch))
@@ -257,12 +261,14 @@ class _Window:
             "%d batches back to the buffer",
             table, received + 1, self.seconds, late,
         )  # fmt: skip
-        context.abort(
+        refuse(
+            context,
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"batch {received + 1} of this Sample stream of table '{table}' was not confirmed within "
             f"{self.seconds:g}s of its send or of the confirmation before it (the server's max_confirm_seconds = "
             f"{self.seconds:g}, EXPBUF_MAX_CONFIRM_SECONDS): it and every batch sent after it ({late} in all) "
             "went back to the buffer, and a confirmation sent now delivers nothing; open a new stream",
+            Reason.UNCONFIRMED,
         )
 
     def take(self, seconds: float, context: grpc.ServicerContext) -> Sampled | None:

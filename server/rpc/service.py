@@ -18,6 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
+from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -35,6 +36,7 @@ from .call_context import CALL_TABLE, RefusalLog, max_wait_note, noted, refusals
 from .draining import Draining
 from .inflight import PushMessage
 from .ingest import Ingest
+from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
@@ -211,7 +213,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
 
         refused = self.table_streams.enter(spec.table)
         if refused is not None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.STREAMS_FULL)
         try:
             yield from stream_batches(
                 self.store,
@@ -411,7 +413,12 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
     @refusals
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableReply:
         if request.name == "default":
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the default table cannot be dropped")
+            refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the default table cannot be dropped",
+                Reason.INVALID_REQUEST,
+            )
         dropped = self.store.drop_table(request.name)
         self.writers.forget(request.name)
         log.info("table dropped: %s (%d live experiences)", request.name, dropped)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from ..disk import digests, layout
 from ..disk.kinds import Entry, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
-from ..schema.errors import Conflict, GroupClosed, InvalidRequest, NotFound, clip
+from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest, NotFound, clip
 from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
@@ -74,7 +74,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
         elif grp.state != PENDING:
             raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
         if size and len(grp.members) + len(members) > size:
-            raise GroupClosed(
+            raise GroupOverfilled(
                 f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
             )
         groups[gkey] = grp

@@ -1,5 +1,6 @@
 """Every refusal the server makes, each class carrying the gRPC status it maps to and its
-reason on `expbuf_refused_total`, and `clip`, which keeps untrusted input out of messages and
+reason (client/schema/reasons.py: sent to the client with the refusal, and counted on
+`expbuf_refused_total`), and `clip`, which keeps untrusted input out of messages and
 logs at a bounded length.
 
 The service maps a refusal to its status and reason by its class alone (rpc/service.py); a new
@@ -11,6 +12,8 @@ pyproject.toml).
 from __future__ import annotations
 
 from typing import ClassVar
+
+from expbuf.client.schema.reasons import Reason
 
 CLIP = 100
 
@@ -28,26 +31,26 @@ class StoreError(Exception):
     the refusals metric. Raised as it is, a fault of the server rather than of the request."""
 
     status: ClassVar[str] = "INTERNAL"
-    reason: ClassVar[str] = "internal"
+    reason: ClassVar[Reason] = Reason.INTERNAL
 
 
 class InvalidRequest(StoreError):
     """A request whose fields the server cannot take; the message names the field."""
 
     status = "INVALID_ARGUMENT"
-    reason = "invalid_request"
+    reason = Reason.INVALID_REQUEST
 
 
 class InvalidPayload(InvalidRequest):
     """A push whose payload the TRXP codec refused; the message names the item and field."""
 
-    reason = "invalid_payload"
+    reason = Reason.INVALID_PAYLOAD
 
 
 class ConfigError(InvalidRequest, ValueError):
     """A table or server setting out of its range; the message names the setting."""
 
-    reason = "invalid_config"
+    reason = Reason.INVALID_CONFIG
 
 
 class SpecError(InvalidRequest):
@@ -58,48 +61,54 @@ class NotFound(StoreError):
     """No such table, lease, grant or experience."""
 
     status = "NOT_FOUND"
-    reason = "not_found"
+    reason = Reason.NOT_FOUND
 
 
 class Conflict(StoreError):
     """A uid pushed again with other bytes, or a table that exists with other settings."""
 
     status = "ALREADY_EXISTS"
-    reason = "conflict"
+    reason = Reason.CONFLICT
 
 
 class Forbidden(StoreError):
     """A lease, or a prompt's claim, taken by another token."""
 
     status = "PERMISSION_DENIED"
-    reason = "forbidden"
+    reason = Reason.FORBIDDEN
 
 
 class GroupClosed(StoreError):
     """The group's or table's state refuses it now: a push into a complete group."""
 
     status = "FAILED_PRECONDITION"
-    reason = "group_closed"
+    reason = Reason.GROUP_CLOSED
+
+
+class GroupOverfilled(GroupClosed):
+    """A push that would give a group more experiences than the table's group_size."""
+
+    reason = Reason.GROUP_OVERFILLED
 
 
 class StaleExperience(GroupClosed):
     """A push carries an experience older than the table's staleness bound (on_stale = refuse)."""
 
-    reason = "stale"
+    reason = Reason.STALE
 
 
 class StaleAttempt(GroupClosed):
     """A push into the group of a prompt's attempt that no claim holds: its claim ended, or it
     was never handed out (the prompt ledger)."""
 
-    reason = "stale_attempt"
+    reason = Reason.STALE_ATTEMPT
 
 
 class GroupIncomplete(StoreError):
     """A group asked to retire as trained before it is complete (pending, or its advantages computing)."""
 
     status = "FAILED_PRECONDITION"
-    reason = "group_incomplete"
+    reason = Reason.GROUP_INCOMPLETE
 
 
 class VersionJump(GroupClosed):
@@ -110,35 +119,35 @@ class TableFull(StoreError):
     """The table has no room now; a blocking table's pusher may wait for room."""
 
     status = "RESOURCE_EXHAUSTED"
-    reason = "table_full"
+    reason = Reason.TABLE_FULL
 
 
 class TooLarge(StoreError):
     """A push larger than the table's whole capacity, or a group larger than a reply: waiting would never help."""
 
     status = "RESOURCE_EXHAUSTED"
-    reason = "too_large"
+    reason = Reason.TOO_LARGE
 
 
 class StorageFull(StoreError):
     """The disk or the map cannot grow to hold the write."""
 
     status = "RESOURCE_EXHAUSTED"
-    reason = "storage_full"
+    reason = Reason.STORAGE_FULL
 
 
 class InsertLimited(StoreError):
     """An insert held by the rate limit until its deadline."""
 
     status = "RESOURCE_EXHAUSTED"
-    reason = "rate_limited"
+    reason = Reason.RATE_LIMITED
 
 
 class SampleLimited(StoreError):
     """A sample held by the rate limit until its deadline."""
 
     status = "DEADLINE_EXCEEDED"
-    reason = "rate_limited"
+    reason = Reason.RATE_LIMITED
 
 
 class IndexNotReady(StoreError):
@@ -146,21 +155,21 @@ class IndexNotReady(StoreError):
     (index_builds.py), whose wait ended before the build did: asked again later, it is served."""
 
     status = "DEADLINE_EXCEEDED"
-    reason = "index_building"
+    reason = Reason.INDEX_BUILDING
 
 
 class Cancelled(StoreError):
     """A call its caller gave up on, stopped before it wrote anything (a long CreateDataset)."""
 
     status = "CANCELLED"
-    reason = "cancelled"
+    reason = Reason.CANCELLED
 
 
 class Damaged(StoreError):
     """A data directory whose records cannot be trusted (a damaged page); `expbuf check` says where."""
 
     status = "DATA_LOSS"
-    reason = "damaged"
+    reason = Reason.DAMAGED
 
     def __init__(self, path: object, damage: str) -> None:
         super().__init__(f"damaged ({damage}); run `expbuf check --data {path}`")
@@ -171,11 +180,11 @@ class StoreClosed(StoreError):
     """The store is closing or closed: the server is stopping."""
 
     status = "UNAVAILABLE"
-    reason = "closed"
+    reason = Reason.CLOSED
 
 
 class AdvantagesUnavailable(StoreError):
     """The advantage worker could not start (torch did not load): a fault of the server,
     INTERNAL, which clients do not retry (advantages/start.py)."""
 
-    reason = "advantages_unavailable"
+    reason = Reason.ADVANTAGES_UNAVAILABLE
