@@ -22,7 +22,8 @@ from prometheus_client.registry import Collector
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import LIVE, IndexBuild, ScrubStatus
-from ..store.ledger.records import PROMPT_STATES, DatasetRecord
+from ..store.ledger.records import DatasetRecord
+from ..store.ledger.states import PROMPT_STATES
 from .interceptor import ServiceInterceptor
 
 GROUP_STATES = LIVE

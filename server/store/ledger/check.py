@@ -23,10 +23,6 @@ from ..rules.table_state import TableState
 from ..schema.states import LIVE
 from ..schema.states import PENDING as GROUP_PENDING
 from .records import (
-    CLAIMED,
-    COUNTED,
-    GENERATED,
-    PENDING,
     DatasetRecord,
     PromptRecord,
     counts_epoch,
@@ -41,6 +37,7 @@ from .records import (
     unplace,
 )
 from .rules import check
+from .states import CLAIMED, COUNTED, GENERATED, PENDING
 
 
 def verify_ledger(tt: TableState) -> list[str]:

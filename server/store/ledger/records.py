@@ -30,10 +30,8 @@ from typing import Any
 import lmdb
 
 from ..disk import layout
+from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, PromptState, check_prompt_move
 
-PENDING, CLAIMED, GENERATED, TRAINED, DROPPED = "pending", "claimed", "generated", "trained", "dropped"
-PROMPT_STATES = (PENDING, CLAIMED, GENERATED, TRAINED, DROPPED)
-COUNTED = PROMPT_STATES[1:]  # the states a dataset counts; pending is the rest
 ON_DROP = ("done", "retry")
 # A dataset's name starts with a letter: a group key that began with a number would read as a
 # rollout batch to a sharded client's shard epochs (routing.py).
@@ -123,12 +121,12 @@ class DatasetRecord:
         """A started epoch's prompts by state, pending included (those of its `owned` in no
         other); the epochs must have been read (`read_epochs`)."""
         row = self.counts[epoch]
-        held = {state: row.get(state, 0) for state in COUNTED}
+        held: dict[str, int] = {state: row.get(state, 0) for state in COUNTED}
         return {PENDING: self.owned[epoch] - sum(held.values()), **held}
 
     def overall(self) -> dict[str, int]:
         """The prompts of every epoch by state, pending included, from the record alone."""
-        held = {state: self.totals.get(state, 0) for state in COUNTED}
+        held: dict[str, int] = {state: self.totals.get(state, 0) for state in COUNTED}
         return {PENDING: self.owned_total - sum(held.values()), **held}
 
     def total(self, *states: str) -> int:
@@ -141,7 +139,7 @@ class DatasetRecord:
     @property
     def done(self) -> bool:
         """Every prompt of every epoch trained, or dropped as done."""
-        return self.total(TRAINED, DROPPED) >= self.owned_total
+        return self.total(*DONE) >= self.owned_total
 
     def encode(self) -> bytes:
         stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts", "moved")}
@@ -182,11 +180,16 @@ class PromptRecord:
     its claim ends (claimed only), who claimed it (a name the claimant gave) and the token
     that did (its fingerprint, when tokens are on)."""
 
-    state: str
+    state: PromptState
     attempt: int
     expires: float = 0.0
     owner: str = ""
     holder: str = ""
+
+    def move(self, to: PromptState, prompt: str) -> None:
+        """Move to `to`, as PROMPT_MOVES allows (states.py): the one way a prompt's state changes."""
+        check_prompt_move(prompt, self.state, to)
+        self.state = to
 
     def encode(self) -> bytes:
         holder, owner = self.holder.encode(), self.owner.encode()

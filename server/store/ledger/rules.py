@@ -36,15 +36,9 @@ from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
 from .records import (
-    CLAIMED,
-    COUNTED,
-    DROPPED,
-    GENERATED,
     MAX_SIZE,
     NAME,
     ON_DROP,
-    PENDING,
-    TRAINED,
     DatasetRecord,
     Permutation,
     PromptRecord,
@@ -69,6 +63,7 @@ from .records import (
     unplace,
 )
 from .shards import count_owned, owns
+from .states import CLAIMED, COUNTED, DROPPED, GENERATED, PENDING, TRAINED
 
 MAX_EPOCHS = 2**20
 MAX_ATTEMPTS = 1000
@@ -232,7 +227,10 @@ class Ledger(TableExtension):
                 more = True
                 break
             epoch, index, attempt = nxt
-            self._put(tt, ds.name, epoch, index, PromptRecord(CLAIMED, attempt, expires, owner, holder))
+            rec = self._prompt(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
+            rec.move(CLAIMED, f"{ds.name}/{epoch}/{index}")
+            rec.attempt, rec.expires, rec.owner, rec.holder = attempt, expires, owner, holder
+            self._put(tt, ds.name, epoch, index, rec)
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
@@ -262,7 +260,10 @@ class Ledger(TableExtension):
             if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
                 return attempt
             attempt += 1
-        self._put(tt, ds.name, epoch, index, PromptRecord(DROPPED, ds.max_attempts - 1))
+        rec = self._prompt(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
+        rec.move(DROPPED, f"{ds.name}/{epoch}/{index}")
+        rec.attempt = ds.max_attempts - 1
+        self._put(tt, ds.name, epoch, index, rec)
         self._count(ds, epoch, DROPPED, 1)
         return None
 
@@ -378,11 +379,13 @@ class Ledger(TableExtension):
         """The prompt goes out again with attempt + 1, before any new one; dropped instead once
         it had max_attempts."""
         rec.expires, rec.owner, rec.holder = 0.0, "", ""
+        prompt = f"{ds.name}/{epoch}/{index}"
         if rec.attempt + 1 >= ds.max_attempts:
-            rec.state = DROPPED
+            rec.move(DROPPED, prompt)
             self._count(ds, epoch, DROPPED, 1)
         else:
-            rec.state, rec.attempt = PENDING, rec.attempt + 1
+            rec.move(PENDING, prompt)
+            rec.attempt += 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
             ds.next_seq += 1
             ds.reissued += 1
@@ -434,7 +437,8 @@ class Ledger(TableExtension):
             return
         ds = self.dataset(tt, name)
         self._unexpire(tt, name, epoch, index, rec)
-        rec.state, rec.expires = GENERATED, 0.0
+        rec.move(GENERATED, f"{name}/{epoch}/{index}")
+        rec.expires = 0.0
         self._put(tt, name, epoch, index, rec)
         self._count(ds, epoch, CLAIMED, -1)
         self._count(ds, epoch, GENERATED, 1)
@@ -458,13 +462,15 @@ class Ledger(TableExtension):
                 self._unexpire(tt, name, epoch, index, rec)
             self._count(ds, epoch, rec.state, -1)
             if state == CONSUMED:
-                rec.state, rec.expires = TRAINED, 0.0
+                rec.move(TRAINED, f"{name}/{epoch}/{index}")
+                rec.expires = 0.0
                 self._count(ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
-                rec.state, rec.expires = DROPPED, 0.0
+                rec.move(DROPPED, f"{name}/{epoch}/{index}")
+                rec.expires = 0.0
                 self._count(ds, epoch, DROPPED, 1)
                 self._put(tt, name, epoch, index, rec)
         for ds in loaded.values():

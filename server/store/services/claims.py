@@ -19,7 +19,6 @@ from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk.environment import Environment
 from ..ledger.records import (
-    PROMPT_STATES,
     DatasetRecord,
     PromptRecord,
     read_dataset,
@@ -29,6 +28,7 @@ from ..ledger.records import (
 )
 from ..ledger.rules import Claimed, Ledger, check, no_dataset
 from ..ledger.shards import count_owned
+from ..ledger.states import PROMPT_STATES
 from ..rules.table_state import TableState
 from ..schema.errors import InvalidRequest
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
