@@ -82,7 +82,7 @@ def client_cost(client: ShardedBufferClient, payloads: list[bytes], reps: int = 
     for _ in range(reps):
         for payload in payloads:
             begin = time.perf_counter()
-            client._split(payload, "task")
+            client.split(payload, "task")
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
 

@@ -42,6 +42,7 @@ ROOM_PROBES = [
     ("server/commands/stats.py", "..store.ledger.records", "Only the store and the service reach the prompt ledger"),
     ("client/schema/routing.py", "..rpc.wire", "The client imports only downward"),
     ("client/rpc/calls.py", "..shards.plans", "The client imports only downward"),
+    ("client/pushers/blocking.py", "..client.BufferClient", "The client imports only downward"),
 ]
 
 

@@ -520,7 +520,7 @@ def test_dns_discovery_names_shards_by_their_reverse_entries(shards: Shards) -> 
 def test_trxp_parts_keep_every_item(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         experiences = groups(0, range(10), range(2))
-        parts = client._split(trxp.encode(experiences), "task")
+        parts = client.split(trxp.encode(experiences), "task")
         items = [item.uid for part in parts.values() for item in trxp.parse(part)]
         assert sorted(items) == sorted(e.eid.uid for e in experiences)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -16,20 +16,15 @@ import grpc.aio
 from ..results import PushResult
 from ..rpc import calls
 from ..rpc.aio_status import StreamStatus
-from .pipeline import Ordered, Pending, Stream, Window
-
-if TYPE_CHECKING:
-    from ..aio import AsyncBufferClient
+from .pipeline import Ordered, Pending, PushTarget, Stream, Window
 
 
 class _Open:
     """A PushStream in progress: its bookkeeping and its call."""
 
-    def __init__(self, window: Window, client: AsyncBufferClient) -> None:
+    def __init__(self, window: Window, client: PushTarget) -> None:
         self.state = Stream()
-        self.call = client._unretried.PushStream(  # the pusher resends what a broken stream left (pipeline.py)
-            timeout=window.stream_seconds, metadata=client._metadata, wait_for_ready=client.wait_for_ready
-        )
+        self.call = client.push_stream(window.stream_seconds)
         self.status = StreamStatus(self.call)
         self.closed = False
 
@@ -87,7 +82,7 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
         results = await asyncio.gather(*futures)
     """
 
-    def __init__(self, client: AsyncBufferClient, table: str, window: int, timeout: float | None) -> None:
+    def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:
         super().__init__(Window(table, window, client, timeout))
         self._client = client
         self._writing = asyncio.Lock()
@@ -96,10 +91,10 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
 
     async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
-        return await self._push(calls.payload(items))
+        return await self.push_part(calls.payload(items))
 
-    async def _push(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:
-        """Push TRXP bytes as push `number`, as Pusher._push."""
+    async def push_part(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:
+        """Push TRXP bytes as push `number`, as Pusher.push_part."""
         await self._room()
         pending = self._window.add(body, number)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()

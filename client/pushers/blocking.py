@@ -12,16 +12,13 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from ..results import PushResult
 from ..rpc import calls
-from .pipeline import Ordered, Pending, Stream, Window
-
-if TYPE_CHECKING:
-    from ..client import BufferClient
+from .pipeline import Ordered, Pending, PushTarget, Stream, Window
 
 
 class _Requests:
@@ -45,15 +42,10 @@ class _Requests:
 class _Open:
     """A PushStream in progress: its bookkeeping, its messages and its replies."""
 
-    def __init__(self, window: Window, client: BufferClient) -> None:
+    def __init__(self, window: Window, client: PushTarget) -> None:
         self.state = Stream()
         self.requests = _Requests(window.chunk_bytes)
-        self.replies = client._unretried.PushStream(  # the pusher resends what a broken stream left (pipeline.py)
-            iter(self.requests),
-            timeout=window.stream_seconds,
-            metadata=client._metadata,
-            wait_for_ready=client.wait_for_ready,
-        )
+        self.replies = client.push_stream(window.stream_seconds, iter(self.requests))
 
 
 W = TypeVar("W", bound=Ordered[Any])
@@ -111,7 +103,7 @@ class Pusher(OrderedFutures[Window]):
         results = [f.result() for f in futures]
     """
 
-    def __init__(self, client: BufferClient, table: str, window: int, timeout: float | None) -> None:
+    def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:
         super().__init__(Window(table, window, client, timeout))
         self._client = client
         self._stream: _Open | None = None
@@ -119,11 +111,12 @@ class Pusher(OrderedFutures[Window]):
 
     def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
-        return self._push(calls.payload(items))
+        return self.push_part(calls.payload(items))
 
-    def _push(self, body: bytes, number: int | None = None) -> Future[PushResult]:
-        """Push TRXP bytes as push `number` (a sharded pusher's, of which this is a part: named so
-        in its refusal, and sent as its seq), by default one more than the last."""
+    def push_part(self, body: bytes, number: int | None = None) -> Future[PushResult]:
+        """Push TRXP bytes as push `number`, by default one more than the last: a sharded
+        pusher's parts go so, each numbered as the push it is a part of (named so in its
+        refusal, and sent as its seq)."""
         future: Future[PushResult] = Future()
         with self._changed:
             self._changed.wait_for(lambda: not self._window.full)

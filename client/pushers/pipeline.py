@@ -123,10 +123,22 @@ class Ordered(Generic[P]):
         return done
 
 
+class PushTarget(Protocol):
+    """What a pusher needs of the client that made it (BufferClient, AsyncBufferClient): its
+    settings and a PushStream of its own (ClientBase.push_stream)."""
+
+    timeout: float
+    retries: int
+    push_chunk_bytes: int
+    max_message_bytes: int
+
+    def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any: ...
+
+
 class Window(Ordered[Pending]):
     """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
 
-    def __init__(self, table: str, size: int, client: Any, timeout: float | None) -> None:
+    def __init__(self, table: str, size: int, client: PushTarget, timeout: float | None) -> None:
         super().__init__(size)
         self.table = table
         self.chunk_bytes: int = client.push_chunk_bytes

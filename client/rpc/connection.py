@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import Any, Protocol, TypedDict, cast
 
 import grpc
 
@@ -26,8 +26,19 @@ from ..errors import ExpbufError
 from .sample_reply import sample_method
 from .wire import BUSY, reason_of
 
-if TYPE_CHECKING:
-    from .calls import Chunked, Unary
+
+class CallShape(Protocol):
+    """What the channel needs to know of a call (calls.Unary, calls.Chunked) to make it."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def retry(self) -> bool: ...
+
+    @property
+    def timeout(self) -> float | None: ...
+
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -271,11 +282,20 @@ class ClientBase:
             return type(self)._insecure_channel(target, options=options)
         return type(self)._secure_channel(target, credentials, options=options)
 
+    def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any:
+        """A PushStream of this client's for its pushers (`pusher()`), over the channel without
+        the retry policy: a pusher sends again what a broken stream left (pushers/pipeline.py).
+        The blocking client's takes the iterator of its `requests`; the asyncio client's call is
+        written to."""
+        method = self._unretried.PushStream
+        keywords = {"timeout": seconds, "metadata": self._metadata, "wait_for_ready": self.wait_for_ready}
+        return method(**keywords) if requests is None else method(requests, **keywords)
+
     def _error(self, exc: grpc.RpcError, waited: bool = False) -> ExpbufError:
         """The ExpbufError of a failed call of this client's (call_error); `waited`: with wait_for_ready."""
         return call_error(exc, self._tls, self.target, waited)
 
-    def _method(self, call: Unary[Any] | Chunked[Any]) -> tuple[Any, dict[str, Any]]:
+    def _method(self, call: CallShape) -> tuple[Any, dict[str, Any]]:
         """The stub method that makes `call`, and its keywords. A call of a method under the retry
         policy that may not be retried (opening a writer, creating a dataset without exist_ok) goes
         over the channel without the policy: gRPC has no switch for one call. Only a call that may

@@ -77,7 +77,7 @@ class AsyncShardedBufferClient(LedgerPlans):
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncShardedPusher:
         """Pipelined pushes to `table` over the shards, as ShardedBufferClient.pusher: `await
         pusher.push(items)` returns an asyncio Future of the PushResult. See AsyncShardedPusher."""
-        return AsyncShardedPusher(self, table, window, timeout)
+        return AsyncShardedPusher(self, table, window, timeout, lambda: self._run(self._group_by_of(table)))
 
     async def sample(
         self,

@@ -95,7 +95,7 @@ class ShardedBufferClient(LedgerPlans):
         64) in flight, each push's parts sent at once to their shards' pushers (one per shard,
         each over its own PushStream). Futures complete in push order, a failed push with a
         ShardError naming its shards and uids. See ShardedPusher."""
-        return ShardedPusher(self, table, window, timeout)
+        return ShardedPusher(self, table, window, timeout, lambda: self._run(self._group_by_of(table)))
 
     def sample(
         self,

@@ -189,8 +189,9 @@ class Sharded:
             )
         self.clients, self._probes = clients, probes
 
-    def _split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
-        """The payload's items by owning shard; a payload that is all one shard's goes unchanged."""
+    def split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
+        """The payload's items by the shard that owns their groups (grouped by `group_by`), each
+        shard's as TRXP bytes; a payload that is all one shard's goes unchanged."""
         payload = calls.payload(items)
         try:
             parsed = trxp.parse(payload)

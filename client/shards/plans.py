@@ -283,7 +283,7 @@ class Planned(Sharded):
 
     def _push(self, items: bytes | Iterable[Any], table: str, timeout: float | None) -> Plan[PushResult]:
         """Each group's part to its shard, in parallel; ShardError's `result` is what the others stored."""
-        parts = self._split(items, (yield from self._group_by_of(table)))
+        parts = self.split(items, (yield from self._group_by_of(table)))
         calls = [Call(shard, "push", (part, table), {"timeout": timeout}) for shard, part in parts.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:

@@ -1,7 +1,7 @@
 """Pipelined pushes over shards: ShardedPusher and AsyncShardedPusher.
 
 A sharded pusher keeps one pusher per shard (BufferClient.pusher, AsyncBufferClient.pusher),
-each over its own PushStream. A push is split by group (shard_common.Sharded._split), and its
+each over its own PushStream. A push is split by group (common.Sharded.split), and its
 parts go at once to their shards' pushers, numbered as the push: each shard stores its parts in
 the order of the pushes, the shards in parallel. The push's future completes once every part's
 has, in the order of the pushes: with the parts' PushResults merged, or with a ShardError that
@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -30,10 +30,6 @@ from ..pushers.blocking import OrderedFutures, Pusher
 from ..pushers.pipeline import Ordered
 from ..results import PushResult
 from .common import Sharded, merge_push, shard_error
-
-if TYPE_CHECKING:
-    from .aio import AsyncShardedBufferClient
-    from .blocking import ShardedBufferClient
 
 Parts = dict[str, bytes]  # a push's payload by the shard that owns its groups
 
@@ -51,7 +47,7 @@ class ShardPush:
 def split(client: Sharded, items: bytes | Iterable[Any], group_by: str) -> Parts | ExpbufError:
     """The push's parts by shard, or the error of a payload that is not TRXP."""
     try:
-        return client._split(items, group_by)
+        return client.split(items, group_by)
     except ExpbufError as exc:
         return exc
 
@@ -106,19 +102,25 @@ class ShardPushers(Generic[Q]):
 
     def __init__(self, client: Sharded, table: str, window: int, timeout: float | None) -> None:
         self._client, self._table, self._window_size, self._timeout = client, table, window, timeout
-        self._pushers: dict[str, Q] = {}
+        self._pushers: dict[str, tuple[Any, Q]] = {}  # by shard: the client that made its pusher, and the pusher
         self._retired: list[Q] = []  # of shards that moved to another address (set_map)
         self._group_by: str | None = None  # the table's, asked for at the first push
 
     def _pusher(self, shard: str) -> Q:
         """The shard's pusher, a new one if the shard's client changed."""
         client = self._client.clients[shard]
-        pusher = self._pushers.get(shard)
-        if pusher is None or pusher._client is not client:
-            if pusher is not None:
-                self._retired.append(pusher)
-            pusher = self._pushers[shard] = client.pusher(self._table, window=self._window_size, timeout=self._timeout)
+        made = self._pushers.get(shard)
+        if made is not None and made[0] is client:
+            return made[1]
+        if made is not None:
+            self._retired.append(made[1])
+        pusher = client.pusher(self._table, window=self._window_size, timeout=self._timeout)
+        self._pushers[shard] = (client, pusher)
         return pusher
+
+    def _all(self) -> list[Q]:
+        """Every pusher made, the retired ones too."""
+        return [pusher for _, pusher in self._pushers.values()] + self._retired
 
 
 class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
@@ -127,17 +129,18 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
     with its merged PushResult once every part is durable, or its ShardError (see the module).
     Made by `ShardedBufferClient.pusher()`; close it (or leave its `with`) to wait for every push."""
 
-    _client: ShardedBufferClient
-
-    def __init__(self, client: ShardedBufferClient, table: str, window: int, timeout: float | None) -> None:
+    def __init__(
+        self, client: Sharded, table: str, window: int, timeout: float | None, group_by: Callable[[], str]
+    ) -> None:
         ShardPushers.__init__(self, client, table, window, timeout)
+        self._ask_group_by = group_by  # the table's grouping, from the shards (the client's plan)
         OrderedFutures.__init__(self, ShardWindow(window))
         self._sending = threading.RLock()  # a push's parts reach each shard's pusher in push order
 
     def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
         if self._group_by is None:
-            self._group_by = self._client._run(self._client._group_by_of(self._table))
+            self._group_by = self._ask_group_by()
         parts = split(self._client, items, self._group_by)
         future: Future[PushResult] = Future()
         with self._sending:
@@ -146,7 +149,7 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
                 push = self._window.add(parts, self._client.shard_map.targets)
                 self._futures[push.number] = future
             for shard, part in parts.items() if isinstance(parts, dict) else ():
-                sent = self._pusher(shard)._push(part, push.number)
+                sent = self._pusher(shard).push_part(part, push.number)
                 sent.add_done_callback(functools.partial(self._answered, push, shard))
         self._settle()
         return future
@@ -154,7 +157,7 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
     def close(self) -> None:
         """Wait for every push, then end each shard's stream."""
         self.flush()
-        for pusher in (*self._pushers.values(), *self._retired):
+        for pusher in self._all():
             pusher.close()
 
     def __enter__(self) -> ShardedPusher:
@@ -172,17 +175,18 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
 class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWindow]):
     """ShardedPusher for AsyncShardedBufferClient: `await push()` returns an asyncio Future at once."""
 
-    _client: AsyncShardedBufferClient
-
-    def __init__(self, client: AsyncShardedBufferClient, table: str, window: int, timeout: float | None) -> None:
+    def __init__(
+        self, client: Sharded, table: str, window: int, timeout: float | None, group_by: Callable[[], Awaitable[str]]
+    ) -> None:
         ShardPushers.__init__(self, client, table, window, timeout)
+        self._ask_group_by = group_by  # the table's grouping, from the shards (the client's plan)
         AsyncOrderedFutures.__init__(self, ShardWindow(window))
         self._sending = asyncio.Lock()  # a push's parts reach each shard's pusher in push order
 
     async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
         if self._group_by is None:
-            self._group_by = await self._client._run(self._client._group_by_of(self._table))
+            self._group_by = await self._ask_group_by()
         parts = split(self._client, items, self._group_by)
         future: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         async with self._sending:
@@ -190,7 +194,7 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
             push = self._window.add(parts, self._client.shard_map.targets)
             self._futures[push.number] = future
             for shard, part in parts.items() if isinstance(parts, dict) else ():
-                sent = await self._pusher(shard)._push(part, push.number)
+                sent = await self._pusher(shard).push_part(part, push.number)
                 sent.add_done_callback(functools.partial(self._answered, push, shard))
         self._settle()
         return future
@@ -198,7 +202,7 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
     async def close(self) -> None:
         """Wait for every push, then end each shard's stream."""
         await self.flush()
-        for pusher in (*self._pushers.values(), *self._retired):
+        for pusher in self._all():
             await pusher.close()
 
     async def __aenter__(self) -> AsyncShardedPusher:
