@@ -59,11 +59,16 @@ PURE_TESTS ?= tests/faults/test_fault_hostile.py tests/faults/test_fault_fuzz.py
 # Trinity plugin's on one too (tests/conftest.py groups them). PYTEST_WORKERS=0 runs the suite in
 # this process, PYTEST_WORKERS=auto on as many workers as the machine has cores.
 PYTEST_WORKERS ?= 2
+# mermaid, which draws the docs' diagrams, shipped with the site: its npm package (pinned, and
+# checked against this digest of its script) unpacked by `make docs-js` with the machine's npm.
+MERMAID_SPEC ?= mermaid@11.17.2
+MERMAID_SHA256 ?= 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8
+MERMAID_JS := build/docs-js/mermaid.min.js
 PYTEST_RUN := $(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.native import compiled; \
 	sys.exit(not compiled('expbuf.client.trxp.parse'))
 
-.PHONY: setup setup-serve serve test check-extras clean
+.PHONY: setup setup-serve serve test check-extras clean docs-js docs-look
 
 setup-serve: $(SERVE_STAMP) $(NATIVE_STAMP)
 
@@ -95,10 +100,26 @@ $(STAMP): $(SERVE_STAMP)
 		$(PY) -m pip install $(QUIET_CONFLICTS) --no-deps "$(AREAL_SPEC)"; })
 	touch $@
 
+docs-js: $(MERMAID_JS)
+
+$(MERMAID_JS): Makefile
+	@command -v npm >/dev/null || { echo "the docs' diagrams need mermaid from the npm registry: install Node.js and npm (Debian: apt-get install npm)"; exit 1; }
+	rm -rf build/docs-js && mkdir -p build/docs-js
+	cd build/docs-js && npm pack --silent $(MERMAID_SPEC) > pack.txt
+	tar -xzOf build/docs-js/$$(cat build/docs-js/pack.txt) package/dist/mermaid.min.js > $@.part
+	echo "$(MERMAID_SHA256)  $@.part" | sha256sum --check --quiet
+	mv $@.part $@ && rm build/docs-js/$$(cat build/docs-js/pack.txt)
+
+# The built site drawn by a real headless browser (Debian's chromium), for whoever has one: PNGs of
+# the home page and the pages with diagrams in build/docs-look (docs/look.py). Not part of `make test`.
+docs-look: setup $(MERMAID_JS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) docs/look.py $(PAGES)
+
 serve: setup-serve
 	$(VENV)/bin/expbuf serve $(ARGS)
 
-test: setup
+test: setup $(if $(findstring docs,$(EXTRAS)),$(MERMAID_JS))
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports

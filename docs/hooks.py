@@ -6,6 +6,9 @@ client's page from `expbuf.client.__all__` (rendered by mkdocstrings from the do
 is written by hand, so none can drift from what it describes: `mkdocs build --strict` in
 `make test` fails on a reference a page makes to something that has gone. The benchmarks'
 figures are bench/RESULTS.md itself, which the benchmarks write, and their history bench/HISTORY.md.
+
+The diagrams are drawn by mermaid's script shipped with the site (MERMAID, fetched from the npm
+registry by `make docs-js`), so that a reader without the network sees them drawn.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ PROTO = "expbuf/v1/buffer.proto"
 # Where mkdocstrings finds the client's sources under its installed name (mkdocs.yml: paths);
 # the install maps expbuf.client to client/, which a search by path cannot see.
 SOURCES = ROOT / "build" / "docs-src"
+# mermaid's script, as `make docs-js` unpacks it from its npm package, and where the site has it
+# (mkdocs.yml: extra_javascript; the theme draws with it rather than fetch one from a CDN).
+MERMAID = ROOT / "build" / "docs-js" / "mermaid.min.js"
+MERMAID_ON_SITE = "javascripts/mermaid.min.js"
 
 
 def cell(text: str) -> str:
@@ -333,4 +340,7 @@ def on_files(files: Any, config: Any) -> Any:
 
     for path, text in pages().items():
         files.append(File.generated(config, path, content=text))
+    if not MERMAID.is_file():
+        raise RuntimeError(f"{MERMAID.relative_to(ROOT)} is missing: run `make docs-js` (mermaid, from npm)")
+    files.append(File.generated(config, MERMAID_ON_SITE, abs_src_path=str(MERMAID)))
     return files
