@@ -208,20 +208,31 @@ def _dataclasses_in(hint: Any) -> list[type]:
     return [cls for arg in typing.get_args(hint) for cls in _dataclasses_in(arg)]
 
 
+# A setting's type in the words of its TOML file.
+_PLAIN = {bool: "true or false", int: "integer", float: "number", str: "text"}
+
+
 def _hint_text(hint: Any) -> str:
-    if hint is type(None):
-        return "None"
-    if isinstance(hint, type) and not typing.get_args(hint):
-        return hint.__name__
-    if isinstance(hint, types.UnionType):
-        return " | ".join(_hint_text(arg) for arg in typing.get_args(hint))
-    return (
-        str(hint)
-        .replace("typing.", "")
-        .replace("expbuf.server.store.schema.table_config.", "")
-        .replace("expbuf.server.store.schema.table_parts.", "")
-        .replace("expbuf.server.config.", "")
-    )
+    """A setting's type as a reader of the TOML file needs it: "integer", "text, optional",
+    "one of: block, evict", "list of text", or the table of settings below that holds it."""
+    args = typing.get_args(hint)
+    if hint in _PLAIN:
+        return _PLAIN[hint]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return f"the settings of `{hint.__name__}` below"
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of: " + ", ".join(str(arg) for arg in args)
+    if isinstance(hint, types.UnionType) and type(None) in args:
+        (kept,) = [arg for arg in args if arg is not type(None)]
+        return f"{_hint_text(kept)}, optional"
+    if typing.get_origin(hint) is tuple:
+        return f"list of {_hint_text(args[0])}"
+    if typing.get_origin(hint) is dict:
+        key, value = args
+        return f"table of {_hint_text(key)} to {_hint_text(value)}"
+    if typing.get_origin(hint) is frozenset:
+        return f"list of {_hint_text(args[0])}"
+    raise TypeError(f"a setting of type {hint!r} has no words in docs/hooks.py: add them")
 
 
 def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = None) -> list[str]:
@@ -243,7 +254,7 @@ def settings_tables(cls: type, where: dict[str, str], seen: set[type] | None = N
         # A table part's field under its flat setting name (table_parts.SETTING), the one users write.
         name = field.metadata.get("setting", field.name)
         note = notes[field.name] + (f" (`{cls.__name__}.{field.name}` in Python)" if name != field.name else "")
-        lines.append(f"| `{name}` | `{cell(_hint_text(hint))}` | {_default(field)} | {also} | {cell(note.strip())} |")
+        lines.append(f"| `{name}` | {cell(_hint_text(hint))} | {_default(field)} | {also} | {cell(note.strip())} |")
     lines.append("")
     for inner in nested:
         lines += settings_tables(inner, where, seen)
@@ -264,7 +275,11 @@ def settings_page(server: type, table: type, where: dict[str, list[str]]) -> str
         "",
     ]
     sources = {name: ", ".join(f"`{s}`" for s in found) for name, found in where.items()}
-    return "\n".join(lines + settings_tables(server, sources) + settings_tables(table, sources))
+    seen: set[type] = set()
+    lines += settings_tables(server, sources, seen)
+    if table not in seen:  # the server's `tables` holds tables: their settings are listed once, from there
+        lines += settings_tables(table, sources, seen)
+    return "\n".join(lines)
 
 
 def setting_sources() -> dict[str, list[str]]:
@@ -282,6 +297,45 @@ def setting_sources() -> dict[str, list[str]]:
         if action.option_strings and action.dest in settings:
             where.setdefault(f"ServerConfig.{action.dest}", []).append(action.option_strings[0])
     return where
+
+
+# ---- the estimators --------------------------------------------------------------------------
+
+ESTIMATORS_HERE = "<!-- the estimators: a table docs/hooks.py writes from the registry -->"
+
+
+def _param(name: str, param: Any) -> str:
+    default = (
+        "unset"
+        if param.default is None
+        else f'"{param.default}"'
+        if isinstance(param.default, str)
+        else f"{param.default:g}"
+    )
+    return f"`{name}` ({default}): {param.describe()}"
+
+
+def estimators_table(estimators: dict[str, Any], default: str) -> str:
+    """Every registered estimator: what it computes, its parameters with their defaults and
+    allowed values, and where it runs (at ingest, and over each sampled batch)."""
+    lines = ["| estimator | value | parameters (default): allowed | stage |", "| --- | --- | --- | --- |"]
+    for name, estimator in estimators.items():
+        params = "; ".join(_param(key, param) for key, param in estimator.params.items())
+        stage = "" if estimator.ingest is None else "ingest"
+        if estimator.batch is not None:
+            stage += f"; batch with {estimator.batch_when}" if estimator.batch_when else " + batch"
+        named = f"`{name}`" + (" (the default)" if name == default else "")
+        lines.append(f"| {named} | {cell(estimator.value)} | {cell(params)} | {cell(stage)} |")
+    return "\n".join(lines)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if ESTIMATORS_HERE not in markdown:
+        return markdown
+    from expbuf.server.store.schema import estimator_registry, table_parts
+
+    default = table_parts.Advantages().estimator
+    return markdown.replace(ESTIMATORS_HERE, estimators_table(estimator_registry.ESTIMATORS, default))
 
 
 # ---- the Python client -----------------------------------------------------------------------

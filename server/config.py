@@ -86,21 +86,21 @@ SCOPES = ("push", "sample", "admin")
 
 @dataclass(frozen=True)
 class TlsConfig:
-    cert: str
-    key: str
-    client_ca: str | None = None
+    cert: str  # the server's certificate chain (PEM file)
+    key: str  # the server's private key (PEM file)
+    client_ca: str | None = None  # CA that clients' certificates must chain to: mutual TLS; None: any client
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    data: str = "./expbuf-data"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9400
+    data: str = "./expbuf-data"  # the data directory: the LMDB environment and its lock
+    host: str = "127.0.0.1"  # the address gRPC listens on (0.0.0.0: every interface)
+    port: int = 50051  # gRPC's port (0: a free one, logged and read back)
+    metrics_port: int = 9400  # the Prometheus /metrics port (0: a free one; -1: none)
     # /metrics needs no token and names the tables: bind it where only the scraper reaches it.
     metrics_host: str | None = None  # None: the same address as host
-    max_message_bytes: int = 256 << 20
-    workers: int = 64
+    max_message_bytes: int = 256 << 20  # the largest gRPC message either way, and so the largest push and reply
+    workers: int = 64  # the threads that serve calls; every limit below is a share of them
     max_sample_streams: int | None = None  # None: three quarters of workers
     # Open Sample streams on one table, so the trainers of one table cannot take every stream.
     max_table_streams: int | None = None  # None: max_sample_streams
@@ -113,7 +113,7 @@ class ServerConfig:
     # Workers kept for each scope's calls, which the other scope's calls cannot take (rpc/limits.py).
     push_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
     sample_scope_workers: int | None = None  # None: a quarter of the workers (see scope_shares)
-    push_stream_idle_seconds: float = 120.0
+    push_stream_idle_seconds: float = 120.0  # a PushStream that sends nothing for this long is ended
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
     # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push_stream.py).
     push_stream_window: int = 8
@@ -138,19 +138,21 @@ class ServerConfig:
     # The background scrub (store/services/scrub.py): the payload and record bytes it reads per second at
     # most (0: no scrub), and how long after a pass began the next begins.
     scrub_mb_per_second: float = 32.0
-    scrub_interval_seconds: float = 86400.0
+    scrub_interval_seconds: float = 86400.0  # from the start of one scrub pass to the next
     # Processes that validate and pack pushed payloads (0: the server process alone does it).
     ingest_processes: int | None = None  # None: ingest_workers() picks by the cores
     # torch's intra-op threads in the server process, where advantages are computed (0: torch's own
     # default, one per core). One by default: the server's computations are small (a push's groups, a
     # worker's batch), and a second thread on a few cores costs every table CPU (bench/RESULTS.md).
     torch_threads: int = 1
-    log_format: str = "text"
+    log_format: str = "text"  # "text" lines, or "json": one JSON object per line
     # This server's name among the shards of a sharded buffer; labels its metrics.
     shard: str = ""
-    tls: TlsConfig | None = None
+    tls: TlsConfig | None = None  # TLS for gRPC (the `[tls]` block); None: plaintext
     # token -> scopes; empty means no authentication.
     tokens: dict[str, frozenset[str]] = field(default_factory=dict)
+    # The tables made at start (`[[tables]]` blocks) where not there yet; one there with other
+    # settings stops the start.
     tables: tuple[TableConfig, ...] = ()
 
     @property

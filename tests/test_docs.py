@@ -44,6 +44,7 @@ def test_grpc_page_lists_every_rpc_message_field_and_enum_value_with_its_comment
     page = hooks.grpc_page(hooks.proto_descriptor())
     for method in buffer_pb2.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods:
         assert method.input_type.name in row(page, method.name)
+        assert not row(page, method.name).endswith("|  |"), method.name  # one line that says what it is for
     for message in buffer_pb2.DESCRIPTOR.message_types_by_name.values():
         assert re.search(rf"^### {message.name}$", page, re.M)
     for enum in buffer_pb2.DESCRIPTOR.enum_types_by_name.values():
@@ -74,14 +75,17 @@ def test_settings_page_has_a_row_for_every_setting_with_its_variables_and_flags(
         section = page.split(f"## `{cls.__name__}`")[1].split("\n## ")[0]
         for field in dataclasses.fields(cls):
             row(section, flat_names(cls)[field.name])  # a part's field under its flat name
-    for setting in SETTING_NAMES:  # each with its note
+    settings = re.findall(r"^\| `(\w+)` \|", page, re.M)
+    assert len(settings) == len(set(settings)) > 70  # each setting once: the server's `tables` lists no table twice
+    for setting in {*SETTING_NAMES, *settings}:  # each with one line that says what it is for
         assert not row(page, setting).endswith("|  |"), setting
     assert "(`Grouping.size` in Python)" in row(page, "group_size")
     for variable, (name, _) in config._ENV.items():
         assert f"`{variable}`" in row(page, name)
     assert "`EXPBUF_MAX_WAIT_SECONDS`, `--max-wait-seconds`" in row(page, "max_wait_seconds")
     assert "`EXPBUF_SERVER_TLS_CLIENT_CA`" in row(page, "client_ca")
-    assert "| `max_inflight_bytes` | `int` | `1073741824` |" in page
+    assert "| `max_inflight_bytes` | integer | `1073741824` |" in page  # plain types, as a TOML file has them
+    assert "| `when_full` | one of: block, evict |" in page and "| `metrics_host` | text, optional |" in page
 
 
 @dataclasses.dataclass
@@ -103,8 +107,8 @@ def test_a_settings_note_is_the_comment_above_the_field_and_the_one_after_it() -
         "both": "Above and after",
     }
     table = "\n".join(hooks.settings_tables(Noted, {"Noted.inline": "`X`"}))
-    assert row(table, "both") == "| `both` | `int \\| None` | `None` |  | Above and after |"
-    assert row(table, "inline") == "| `inline` | `float` | `0.5` | `X` | after it |"
+    assert row(table, "both") == "| `both` | integer, optional | `None` |  | Above and after |"
+    assert row(table, "inline") == "| `inline` | number | `0.5` | `X` | after it |"
 
 
 def test_client_page_renders_every_export_of_expbuf_client() -> None:
@@ -143,3 +147,21 @@ def test_no_page_installs_expbuf_from_a_package_index() -> None:
     found = [f"{name}: {match.group(0)!r}" for name in pages for match in from_an_index.finditer(page(name))]
     assert not found, found
     assert 'pip install "./expbuf[trl]"' in page("frameworks/trl.md")
+
+
+def test_the_estimators_table_is_written_from_the_registry() -> None:
+    """docs/concepts/estimators.md holds no hand-written row: the hook writes one per registered
+    estimator, with what it computes, its parameters' defaults and ranges, and its stages."""
+    from expbuf.server.store.schema.estimator_registry import ESTIMATORS
+
+    source = page("concepts/estimators.md")
+    assert hooks.ESTIMATORS_HERE in source and "| `grpo`" not in source
+    table = hooks.estimators_table(ESTIMATORS, "grpo")
+    for name, estimator in ESTIMATORS.items():
+        line = row(table, name) if name != "grpo" else table.splitlines()[2]
+        assert line.startswith(f"| `{name}`") and estimator.value and estimator.value.split(";")[0][:20] in line
+        for key in estimator.params:
+            assert f"`{key}` (" in line, (name, key)
+    assert "`epsilon` (1e-06): > 0" in row(table, "grpo_verl")
+    assert row(table, "reinforceplusplus").endswith("| ingest + batch |")
+    assert table.splitlines()[2].startswith("| `grpo` (the default) |")

@@ -199,13 +199,15 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A leased batch was trained: its groups are consumed (their prompts trained).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Nack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A leased batch was not trained: its groups go back to the buffer, to be sampled again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -229,49 +231,57 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Read experiences by uid, as one TRXP payload, naming those not found.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admin: remove experiences by uid and whole groups by id, so that they may be pushed again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Seal(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Complete a pending group now with the runs it has; its advantages are computed over them.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A table's counts (or every table's): experiences and groups by state, bytes, refusals.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ServerInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The server's version, its limits and settings a client adapts to.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreateTable(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admin: make a table with its settings; an identical one that exists is found (exist_ok).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListTables(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every table with its settings.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DropTable(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admin: remove a table and everything in it (not the default table).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -294,7 +304,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FinishGrant(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End an Admit's grant: its accepted rollouts stay counted, the others give their room back.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -328,7 +339,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateDataset(self, request, context):
-        """The prompt ledger: a table's datasets of prompts, each prompt's life (pending, claimed,
+        """Make a table's dataset of prompts (an identical one that exists is found, exist_ok).
+        The prompt ledger: a table's datasets of prompts, each prompt's life (pending, claimed,
         generated, trained, dropped) kept durably beside the groups its experiences make. Rollout
         workers claim prompts, push their group under the EID the claim names, and renew or
         release their claims; a claim that ends before the group is complete goes out again.
@@ -338,31 +350,36 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDatasets(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A table's datasets (or one) with their cursors and each state's count of prompts.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Claim(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Up to `count` prompts for a rollout worker, under claims that end unless renewed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RenewClaims(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Move claims' ends on; names the prompts whose claim had already ended.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseClaims(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Give claimed prompts back now: they go out again with the next attempt.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListPrompts(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A page of a dataset's prompts handed out at least once, with their states and claimants.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -100,6 +100,11 @@ class Estimator:
     token_valued: bool = False
     group_step: bool = False
     group_step_in_batch: bool = False
+    # What every generated token of an experience carries, in the words and symbols of the
+    # estimators page (docs/concepts/estimators.md), which shows it: r the reward, s the score.
+    value: str = ""
+    # When the batch stage runs, for an estimator whose arguments decide it (`batched`).
+    batch_when: str = ""
 
     def args(self, stored: dict[str, float]) -> dict[str, float | str | None]:
         """Its keyword arguments: the table's stored parameters over the defaults, choices by name."""
@@ -174,6 +179,12 @@ register(
         batched=_std_over_batch,
         group_step=True,
         group_step_in_batch=True,
+        value=(
+            '(r − μ_g) / (σ_g + ε); with `std_cal_level = "batch"` σ is that of the sampled '
+            "batch's rewards (1 for a batch of one); with `std_threshold` set, groups of one "
+            "and groups with σ_g ≤ it are dropped"
+        ),
+        batch_when='std_cal_level = "batch"',
     )
 )
 register(
@@ -184,6 +195,7 @@ register(
         needs_reward=False,
         token_level=True,
         group_step=True,
+        value="(s − μ_g) / (σ_g + ε) over the scores",
     )
 )
 register(
@@ -195,6 +207,14 @@ register(
         batched=_std_over_batch,
         group_step=True,
         group_step_in_batch=True,
+        value=(
+            "grpo over the last step of each run of a group (its highest `step` number; "
+            "Trinity-RFT takes the last in its list, the same step when a run's steps are "
+            "listed in order, as its workflows list them, while expbuf's arrival order is not"
+            " a run's order); every step of the run carries it (÷ the run's number of steps "
+            'with `enable_step_norm`); "batch": σ of the sampled batch\'s last-step rewards'
+        ),
+        batch_when='std_cal_level = "batch"',
     )
 )
 register(
@@ -206,11 +226,33 @@ register(
         needs_reward=False,
         token_level=True,
         token_valued=True,
+        value=(
+            "per token G_t = r_t + γ·G_{t+1} of the token-level rewards (through masked "
+            "tokens), whitened over the sampled batch's generated tokens: (G − mean) / √(var "
+            "+ 1e-8), unbiased var; no group baseline"
+        ),
     )
 )
-register(Estimator("reinforce", ingest=_TORCH + "reinforce"))
-register(Estimator("rloo", ingest=_TORCH + "rloo", needs_reward=False, token_level=True, group_step=True))
-register(Estimator("opmd", {"opmd_baseline": _BASELINE, "tau": _TAU}, ingest=_TORCH + "opmd", group_step=True))
+register(Estimator("reinforce", ingest=_TORCH + "reinforce", value="r"))
+register(
+    Estimator(
+        "rloo",
+        ingest=_TORCH + "rloo",
+        needs_reward=False,
+        token_level=True,
+        group_step=True,
+        value="s − (Σ_g s − s) / (n_g − 1)",
+    )
+)
+register(
+    Estimator(
+        "opmd",
+        {"opmd_baseline": _BASELINE, "tau": _TAU},
+        ingest=_TORCH + "opmd",
+        group_step=True,
+        value=('r − b_g, b_g = μ_g, or with `opmd_baseline = "logavgexp"` τ·log(mean_g exp(r/τ))'),
+    )
+)
 register(
     Estimator(
         "opmd_verl",
@@ -219,9 +261,12 @@ register(
         needs_reward=False,
         token_level=True,
         group_step=True,
+        value="`opmd` over the scores",
     )
 )
-register(Estimator("asymre", {"baseline_shift": _SHIFT}, ingest=_TORCH + "asymre", group_step=True))
+register(
+    Estimator("asymre", {"baseline_shift": _SHIFT}, ingest=_TORCH + "asymre", group_step=True, value="r − (μ_g + δ)")
+)
 register(
     Estimator(
         "asymre_verl",
@@ -230,11 +275,23 @@ register(
         needs_reward=False,
         token_level=True,
         group_step=True,
+        value="`asymre` over the scores",
     )
 )
-register(Estimator("rec", {"epsilon": _EPSILON, "std_normalize": _FLAG}, ingest=_TORCH + "rec", group_step=True))
+register(
+    Estimator(
+        "rec",
+        {"epsilon": _EPSILON, "std_normalize": _FLAG},
+        ingest=_TORCH + "rec",
+        group_step=True,
+        value=(
+            "r − μ_g, or with `std_normalize` (r − μ_g) / (σ'_g + ε), σ' the population std; "
+            "a group of one keeps r (Trinity-RFT raises on it)"
+        ),
+    )
+)
 # expbuf's own estimators, with no Trinity-RFT counterpart of the same meaning.
-register(Estimator("drgrpo", ingest=_TORCH + "drgrpo", group_step=True))
+register(Estimator("drgrpo", ingest=_TORCH + "drgrpo", group_step=True, value="r − μ_g"))
 register(
     Estimator(
         "reinforce++_baseline",
@@ -242,6 +299,10 @@ register(
         ingest=_TORCH + "reinforce_pp_baseline",
         batch=_TORCH + "finish_reinforce_pp_baseline",
         group_step=True,
+        value=(
+            "verl's group-baseline REINFORCE++: x = r − μ_g, whitened over the sampled "
+            "batch's generated tokens: (x − mean) / √(var + ε), unbiased var"
+        ),
     )
 )
 register(
@@ -252,7 +313,15 @@ register(
         needs_reward=False,
         token_level=True,
         token_valued=True,
+        value=("per token G_t = r_t + γ·G_{t+1} of the token-level rewards, through masked tokens"),
     )
 )
-register(Estimator("multi_turn_discount", {"turn_level_discount": _DISCOUNT}, ingest=_TORCH + "multi_turn_discount"))
-register(Estimator("none", needs_reward=False))
+register(
+    Estimator(
+        "multi_turn_discount",
+        {"turn_level_discount": _DISCOUNT},
+        ingest=_TORCH + "multi_turn_discount",
+        value="per run, over steps 0..T−1: G_t = r_t + γ·G_{t+1}",
+    )
+)
+register(Estimator("none", needs_reward=False, value="advantages stay as pushed"))
