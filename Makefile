@@ -103,7 +103,7 @@ $(STAMP): $(SERVE_STAMP)
 docs-js: $(MERMAID_JS)
 
 $(MERMAID_JS): Makefile
-	@command -v npm >/dev/null || { echo "the docs' diagrams need mermaid from the npm registry: install Node.js and npm (Debian: apt-get install npm)"; exit 1; }
+	@command -v npm >/dev/null || { echo "the docs' diagrams need mermaid from the npm registry: install Node.js and npm (Debian's package npm)"; exit 1; }
 	rm -rf build/docs-js && mkdir -p build/docs-js
 	cd build/docs-js && npm pack --silent $(MERMAID_SPEC) > pack.txt
 	tar -xzOf build/docs-js/$$(cat build/docs-js/pack.txt) package/dist/mermaid.min.js > $@.part
