@@ -72,7 +72,7 @@ COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.nat
 
 setup-serve: $(SERVE_STAMP) $(NATIVE_STAMP)
 
-setup: setup-serve $(STAMP)
+setup: setup-serve $(STAMP) $(if $(findstring docs,$(EXTRAS)),$(MERMAID_JS))
 
 $(NATIVE_STAMP): $(SERVE_STAMP) $(NATIVE_SOURCES)
 	$(PY) client/native_build.py
@@ -119,7 +119,7 @@ docs-look: setup $(MERMAID_JS)
 serve: setup-serve
 	$(VENV)/bin/expbuf serve $(ARGS)
 
-test: setup $(if $(findstring docs,$(EXTRAS)),$(MERMAID_JS))
+test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
