@@ -72,7 +72,7 @@ COMPILED_IN_USE := import sys; import expbuf.client.trxp; from expbuf.client.nat
 
 setup-serve: $(SERVE_STAMP) $(NATIVE_STAMP)
 
-setup: setup-serve $(STAMP) $(if $(findstring docs,$(EXTRAS)),$(MERMAID_JS))
+setup: setup-serve $(if $(findstring docs,$(EXTRAS)),$(MERMAID_JS)) $(STAMP)
 
 $(NATIVE_STAMP): $(SERVE_STAMP) $(NATIVE_SOURCES)
 	$(PY) client/native_build.py
