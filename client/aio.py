@@ -66,12 +66,14 @@ def _deliverer(outcomes: asyncio.Queue[Outcome], loop: asyncio.AbstractEventLoop
 
 
 class AsyncBufferClient(ClientBase):
-    """asyncio client with the methods of BufferClient, as coroutines::
+    """asyncio client with the methods of BufferClient, as coroutines:
 
+    ```python
     async with AsyncBufferClient("127.0.0.1:50051") as client:
         async for batch in client.sample("grpo8", num_groups=4):
             await train(batch.experiences)
             await batch.ack()
+    ```
     """
 
     _insecure_channel = staticmethod(grpc.aio.insecure_channel)

@@ -89,13 +89,15 @@ class SampleRequests:
 
 
 class BufferClient(ClientBase):
-    """Blocking client. Use as a context manager or call close()::
+    """Blocking client. Use as a context manager or call close():
 
+    ```python
     with BufferClient("127.0.0.1:50051") as client:
         client.push(experiences, table="grpo8")
         for batch in client.sample("grpo8", num_groups=4):
             train(batch.experiences)
             batch.ack()
+    ```
     """
 
     _insecure_channel = staticmethod(grpc.insecure_channel)
@@ -345,10 +347,12 @@ class BufferClient(ClientBase):
 
     def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
         """A page of the table's live experiences in insertion order, optionally of some states and
-        model versions; page on with `after=page.next` until `page.done`. Example::
+        model versions; page on with `after=page.next` until `page.done`. Example:
 
-            page = client.list_experiences("grpo8", states=["ready"])
-            experiences = client.get([e.uid for e in page.experiences], table="grpo8")
+        ```python
+        page = client.list_experiences("grpo8", states=["ready"])
+        experiences = client.get([e.uid for e in page.experiences], table="grpo8")
+        ```
         """
         return self._run(calls.list_experiences(table, **filters))
 
@@ -364,9 +368,11 @@ class BufferClient(ClientBase):
 
     def stats(self, table: str = "") -> BufferStats:
         """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
-        or of every table when `table` is empty, each a TableStats by table name::
+        or of every table when `table` is empty, each a TableStats by table name:
 
-            ready = client.stats("grpo8")["grpo8"].ready
+        ```python
+        ready = client.stats("grpo8")["grpo8"].ready
+        ```
         """
         return self._run(calls.stats(table))
 
@@ -378,15 +384,19 @@ class BufferClient(ClientBase):
         self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
     ) -> TableInfo:
         """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
-        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...)::
+        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...):
 
-            client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
+        ```python
+        client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
+        ```
 
         `preset` starts from a common table's settings (`queue`, `replay`, `trinity`: see
         docs/concepts/tables.md), the settings given over them; it is expanded here, so the
-        server gets plain settings::
+        server gets plain settings:
 
-            client.create_table("replay", preset="replay", capacity_experiences=100_000, min_size_to_sample=1024)
+        ```python
+        client.create_table("replay", preset="replay", capacity_experiences=100_000, min_size_to_sample=1024)
+        ```
 
         With exist_ok, a table of the same settings is returned as it is, and one of other settings
         is refused (AlreadyExistsError) naming each setting that differs. An unknown preset, or one

@@ -4,6 +4,7 @@ everything it describes, with the comments and help the code carries."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib.util
 import re
@@ -165,3 +166,23 @@ def test_the_estimators_table_is_written_from_the_registry() -> None:
     assert "`epsilon` (1e-06): > 0" in row(table, "grpo_verl")
     assert row(table, "reinforceplusplus").endswith("| ingest + batch |")
     assert table.splitlines()[2].startswith("| `grpo` (the default) |")
+
+
+def test_every_hand_written_page_has_sections_a_reader_can_jump_to() -> None:
+    """Each page of docs/ written by hand has `##` sections, which make its table of contents."""
+    bare = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if not re.search(r"^## ", p.read_text(), re.M)]
+    assert bare == []
+
+
+def test_the_clients_examples_are_code_blocks_the_site_draws_as_code() -> None:
+    """mkdocstrings reads docstrings as Markdown: a reST literal block (a line ending `::`) shows
+    as prose, so the examples are fenced."""
+    reST = []
+    for path in (ROOT / "client").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=False) or ""
+                reST += [
+                    f"{path.relative_to(ROOT)}: {line.strip()}" for line in doc.splitlines() if line.endswith("::")
+                ]
+    assert reST == []

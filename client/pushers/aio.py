@@ -75,11 +75,13 @@ class AsyncOrderedFutures(Generic[W]):
 class AsyncPusher(AsyncOrderedFutures[Window]):
     """Up to `window` pushes in flight to one table over one PushStream, as Pusher: `await push()`
     returns an asyncio Future at once (waiting only while the window is full); futures complete
-    in push order, each with its PushResult or its ExpbufError naming its uids::
+    in push order, each with its PushResult or its ExpbufError naming its uids:
 
-        async with client.pusher("grpo8", window=4) as pusher:
-            futures = [await pusher.push(batch) for batch in batches]
-        results = await asyncio.gather(*futures)
+    ```python
+    async with client.pusher("grpo8", window=4) as pusher:
+        futures = [await pusher.push(batch) for batch in batches]
+    results = await asyncio.gather(*futures)
+    ```
     """
 
     def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:

@@ -96,11 +96,13 @@ class Pusher(OrderedFutures[Window]):
     Future at once (waiting only while the window is full), so the next payload is encoded
     while the server stores the last. Each future holds its push's PushResult once durable,
     or its ExpbufError naming its uids; they complete in the order of the pushes. Made by
-    `BufferClient.pusher()`; close it (or leave its `with`) to wait for every push::
+    `BufferClient.pusher()`; close it (or leave its `with`) to wait for every push:
 
-        with client.pusher("grpo8", window=4) as pusher:
-            futures = [pusher.push(batch) for batch in batches]
-        results = [f.result() for f in futures]
+    ```python
+    with client.pusher("grpo8", window=4) as pusher:
+        futures = [pusher.push(batch) for batch in batches]
+    results = [f.result() for f in futures]
+    ```
     """
 
     def __init__(self, client: PushTarget, table: str, window: int, timeout: float | None) -> None:

@@ -233,10 +233,12 @@ class ClientBase:
         spent. `max_message_bytes` must be at least the server's to receive its largest batches.
         A push larger than `push_chunk_bytes` is sent in chunks of that size, so that neither
         side holds gRPC's copies of one large message (0: every push in one message, as a server
-        of 0.2.0 or older needs). The connection opens lazily::
+        of 0.2.0 or older needs). The connection opens lazily:
 
-            with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
-                client.push(experiences, table="grpo8")
+        ```python
+        with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:
+            client.push(experiences, table="grpo8")
+        ```
         """
         if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
             raise ValueError(

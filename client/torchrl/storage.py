@@ -110,9 +110,11 @@ class ExpbufStorage(LazyStackStorage):
     `connection` goes to `BufferClient` (token, tls, timeout, retries, wait_for_ready,
     max_message_bytes); its calls wait for a server that restarts until their deadline,
     `timeout`, unless `wait_for_ready=False`.
-    The table must group by task. Use it with `ExpbufSampler`::
+    The table must group by task. Use it with `ExpbufSampler`:
 
-        rb = ReplayBuffer(storage=ExpbufStorage("10.0.0.5:50051", "grpo8"), sampler=ExpbufSampler())
+    ```python
+    rb = ReplayBuffer(storage=ExpbufStorage("10.0.0.5:50051", "grpo8"), sampler=ExpbufSampler())
+    ```
     """
 
     _default_checkpointer = _Checkpointer
