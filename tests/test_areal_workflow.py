@@ -148,7 +148,7 @@ def test_a_workflow_that_is_not_one_is_refused(child_server: ServerProcess) -> N
     BufferClient(child_server.target).create_table("t")
     with pytest.raises(TypeError, match="must be a RolloutWorkflow"):
         ExpbufWorkflow("collections.OrderedDict", child_server.target, "t")
-    with pytest.raises(ValueError, match="no table 'missing'"):
+    with pytest.raises(ValueError, match="table 'missing' does not exist"):
         ExpbufWorkflow(ScriptedRLVR(), child_server.target, "missing")
 
 

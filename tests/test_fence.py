@@ -43,6 +43,8 @@ ROOM_PROBES = [
     ("client/schema/routing.py", "..rpc.wire", "The client imports only downward"),
     ("client/rpc/calls.py", "..shards.plans", "The client imports only downward"),
     ("client/pushers/blocking.py", "..client.BufferClient", "The client imports only downward"),
+    ("client/kit/tables.py", "..trinity.settings", "The client imports only downward"),
+    ("client/trl/worker.py", "..areal.workflow", "The client imports only downward"),  # adapters: independent
 ]
 
 

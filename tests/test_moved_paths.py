@@ -41,6 +41,8 @@ MOVED = [
     ("expbuf.client.sample_spec", "expbuf.client.rpc.sample_spec", ["SampleSpec"]),
     ("expbuf.client.wire", "expbuf.client.rpc.wire", ["param_number"]),
     ("expbuf.client.sharded", "expbuf.client.shards.blocking", ["ShardedBufferClient", "AsyncShardedBufferClient"]),
+    ("expbuf.client.lease_keeper", "expbuf.client.kit.lease_keeper", ["LeaseKeeper", "RENEWALS_PER_LEASE"]),
+    ("expbuf.client.location", "expbuf.client.kit.location", ["Location", "parse"]),
 ]
 
 

@@ -319,7 +319,7 @@ def test_a_failure_stops_the_worker_and_check_health_says_why(client: BufferClie
 
 
 def test_what_the_worker_refuses(client: BufferClient) -> None:
-    with pytest.raises(ValueError, match="no table 'nope'"):
+    with pytest.raises(ValueError, match="table 'nope' does not exist"):
         ExpbufRolloutWorker(client, "nope")
     client.create_table("tok", group_size=2, estimator="reinforceplusplus")
     with pytest.raises(ValueError, match="estimator reinforceplusplus, whose advantages differ from token to token"):

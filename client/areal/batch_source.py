@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..client import Batch, BufferClient
-from .connection import GROUP_KEY_OF, connect, table_config
+from ..kit.tables import connect, table_info
+from ..schema.routing import GROUP_KEY_OF
 from .convert import to_areal
 
 
@@ -46,7 +47,7 @@ class ExpbufBatchSource:
         self.advantages = advantages
         self.lease_seconds = lease_seconds
         self.timeout = timeout
-        self._group_key = GROUP_KEY_OF.get(table_config(self.client, table).group_by, "uid")
+        self._group_key = GROUP_KEY_OF.get(table_info(self.client, table).group_by, "uid")
         self._version = 0
         self._held: Batch | None = None
 

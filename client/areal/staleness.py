@@ -23,7 +23,7 @@ from collections import deque
 from areal.infra.staleness_manager import StalenessManager
 
 from ..client import BufferClient, BufferError, Grant
-from .connection import connect, table_config
+from ..kit.tables import connect, table_info
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ExpbufStalenessManager(StalenessManager):
         self.table = table
         self.grant_seconds = grant_seconds
         self.admit_wait = admit_wait
-        config = table_config(self.client, table)
+        config = table_info(self.client, table)
         if config.max_staleness != max_staleness or config.batch_size != consumer_batch_size:
             raise ValueError(
                 f"expbuf table '{table}' has max_staleness {config.max_staleness} and batch_size "

@@ -19,8 +19,9 @@ from areal.utils.data import concat_padded_tensors
 from areal.utils.dynamic_import import import_from_string
 
 from ..client import BufferClient, BufferError
+from ..kit.tables import connect, table_info
 from ..schema.experience import EID, Experience
-from .connection import GROUP_KEY_OF, connect, table_config
+from ..schema.routing import GROUP_KEY_OF
 from .convert import from_areal
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class ExpbufWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.produce_only = produce_only
         self.batch = batch
-        config = table_config(self.client, table)
-        self._group_key = GROUP_KEY_OF.get(config.group_by)
+        config = table_info(self.client, table)
+        self._group_key = None if config.group_by == "none" else GROUP_KEY_OF[config.group_by]
         self._table_group_size = config.group_size
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:

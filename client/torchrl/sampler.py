@@ -51,7 +51,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import DeadlineExceededError, NotFoundError, UnavailableError
-from expbuf.client.lease_keeper import LeaseKeeper
+from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.results import Batch
 from expbuf.client.rpc.sample_spec import SampleOptions, SampleSpec
 

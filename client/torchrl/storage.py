@@ -34,6 +34,7 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from expbuf.client.client import BufferClient
 from expbuf.client.errors import FailedPreconditionError
+from expbuf.client.kit.tables import table_info
 from expbuf.client.results import Batch, TableInfo
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.schema.reasons import Reason
@@ -151,15 +152,13 @@ class ExpbufStorage(LazyStackStorage):
     def table_info(self) -> TableInfo:
         """The table's settings, read once; a table that does not group by task is refused."""
         if self._info is None:
-            found = [info for info in self.client.list_tables() if info.name == self.table]
-            if not found:
-                raise ValueError(f"expbuf table {self.table!r} does not exist at {self.target}")
-            if found[0].group_by != "task":
+            info = table_info(self.client, self.table, make_it="with group_by = 'task'")
+            if info.group_by != "task":
                 raise ValueError(
-                    f"expbuf table {self.table!r} has group_by={found[0].group_by!r}: a TorchRL storage groups "
+                    f"expbuf table {self.table!r} has group_by={info.group_by!r}: a TorchRL storage groups "
                     "elements by their group name, so the table needs group_by = 'task'"
                 )
-            self._info = found[0]
+            self._info = info
         return self._info
 
     # ------------------------------------------------------------------ writing

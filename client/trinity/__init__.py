@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from expbuf.client.location import Location, is_expbuf_path, parse
+from expbuf.client.kit.location import Location, is_expbuf_path, parse
 
 from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter

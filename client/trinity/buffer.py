@@ -28,15 +28,15 @@ from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferError, PushResult
-from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
-from expbuf.client.location import connect, parse
+from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
+from expbuf.client.kit.location import connect, parse
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.schema.routing import GROUP_KEY_OF
 
 from . import settings
 from .taskset import prompt_eid
 
 log = logging.getLogger(__name__)
-GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 # How long one wait for a batch lasts before the reader checks whether the table's writers are done.
 POLL_SECONDS = 1.0
 

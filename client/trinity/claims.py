@@ -9,7 +9,7 @@ dropped at its next renewal; one held `hold` seconds is renewed no more, so that
 never made a group (every run failed) goes out again with its next attempt. The thread stops
 when the reader is closed or collected, and dies with its process: a killed explorer's prompts
 go out again within one claim. The thread is the one that renews a reader's leases
-(expbuf.client.lease_keeper.Renewer).
+(expbuf.client.kit.lease_keeper.Renewer).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from expbuf.client.client import BufferClient, BufferError
-from expbuf.client.lease_keeper import RENEWALS_PER_LEASE, Renewer
+from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, Renewer
 from expbuf.client.schema.prompts import Prompt
 
 log = logging.getLogger(__name__)

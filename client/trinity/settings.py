@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from expbuf.client.client import BufferClient, BufferError
-from expbuf.client.location import Location
+from expbuf.client.kit.location import Location
+from expbuf.client.kit.tables import table_info
 from expbuf.client.results import TableInfo
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,10 @@ TRINITY_DEFAULT_CAPACITY = 10000
 def table_settings(client: BufferClient, location: Location) -> TableInfo | None:
     """The table's settings; None where the token may not read them (push-only)."""
     try:
-        tables = {t.name: t for t in client.list_tables()}
+        return table_info(client, location.table, make_it="with group_size = 0 for Trinity jobs")
     except BufferError as exc:
         log.warning("expbuf: cannot read the settings of table '%s' (%s); they are not checked", location.table, exc)
         return None
-    if location.table not in tables:
-        raise ValueError(
-            f"expbuf table '{location.table}' does not exist at {location.target}: create it first "
-            "(the server's TOML [[tables]] or create_table), with group_size = 0 for Trinity jobs"
-        )
-    return tables[location.table]
 
 
 def is_taskset(config: Any) -> bool:

@@ -35,7 +35,7 @@ from trinity.common.config import StorageConfig
 from trinity.common.constants import StorageType
 
 from expbuf.client.errors import NotFoundError, PermissionDeniedError
-from expbuf.client.location import connect, parse
+from expbuf.client.kit.location import connect, parse
 from expbuf.client.schema.prompts import Prompt
 
 from .claims import RENEWALS_PER_CLAIM, ClaimKeeper

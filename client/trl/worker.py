@@ -34,9 +34,9 @@ from transformers import TrainerCallback
 from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, TokenBudgetBatcher
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..areal.connection import connect, table_config
 from ..client import BufferClient
 from ..errors import ExpbufError
+from ..kit.tables import connect, table_info
 from ..results import Batch
 from .convert import rollout_samples
 from .keeper import TRANSIENT, LeaseKeeper
@@ -124,7 +124,7 @@ class ExpbufRolloutWorker:
             raise ValueError(f"lease_seconds is {lease_seconds!r}; it must be a finite number of seconds > 0")
         self.client = connect(client, token)
         self.table = table
-        self.config = table_config(self.client, table)
+        self.config = table_info(self.client, table)
         if self.config.estimator in TOKEN_LEVEL:
             raise ValueError(
                 f"expbuf table {table!r} has the estimator {self.config.estimator}, whose advantages differ from "

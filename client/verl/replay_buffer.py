@@ -33,6 +33,9 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from expbuf.client import BufferClient, BufferError, FailedPreconditionError, NotFoundError, TableInfo
+from expbuf.client.kit.lease_keeper import LeaseKeeper
+from expbuf.client.kit.location import connect
+from expbuf.client.kit.tables import table_info
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
 from expbuf.client.verl.rows import put_rows, rows_of
@@ -85,19 +88,13 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="expbuf-verl", daemon=True)
         self._thread.start()
-        self._renewer = threading.Thread(target=self._keep_leases, name="expbuf-verl-leases", daemon=True)
-        if self.mode == "source":
-            self._renewer.start()
+        # the leases of steps still running, renewed every third of a lease while this process lives
+        # (its own channel): a dead trainer's groups go back within one lease, a live one's stay
+        self._keeper = LeaseKeeper(connect(self.settings.location), self.table, self.settings.location.lease_seconds)
         atexit.register(self.close)
 
     def _table_config(self) -> TableInfo:
-        tables = {t.name: t for t in self.client.list_tables()}
-        if self.table not in tables:
-            raise ValueError(
-                f"expbuf table {self.table!r} does not exist on {self.client.target}: create it "
-                "(TOML [[tables]] or create_table; mirror mode: group_by = 'task', group_size = 0)"
-            )
-        config = tables[self.table]
+        config = table_info(self.client, self.table, make_it="mirror mode: group_by = 'task', group_size = 0")
         if self.settings.mode == "mirror" and (config.group_by != "task" or config.group_size != 0):
             raise ValueError(
                 f"expbuf table {self.table!r} has group_by={config.group_by!r}, group_size={config.group_size}: "
@@ -159,6 +156,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         keys = [row.key for row in rows]
         with self._lock:
             self._source_leases[batch.lease_id] = set(keys)
+        self._keeper.hold(batch.lease_id)
         return KVBatchMeta(partition_id=TRAIN, keys=keys, tags=[row.tag for row in rows])
 
     # ------------------------------------------------------------------ restore
@@ -310,21 +308,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
                 )
             with self._lock:
                 self._source_leases.pop(lease, None)
-
-    def _keep_leases(self) -> None:
-        """Renew the leases of steps still running every third of a lease while this process lives: a
-        dead trainer's groups go back within one lease, a live one's stay however long its step."""
-        seconds = self.settings.location.lease_seconds
-        while not self._stopped.wait(seconds / 3):
-            with self._lock:
-                leases = list(self._source_leases)
-            for lease in leases:
-                try:
-                    self.client.renew(lease, seconds, self.table)
-                except NotFoundError:
-                    continue  # acked since, or ended: _ack_cleared says which
-                except Exception:
-                    logger.exception("expbuf table %s: renewing lease %s failed; retrying", self.table, lease)
+            self._keeper.drop(lease)
 
     def _give_back(self) -> None:
         """At close, the leases of steps that never ended go back to the table now."""
@@ -347,12 +331,11 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout=30)
-        if self._renewer.is_alive():
-            self._renewer.join(timeout=30)
         try:
             self.sync_once()
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
+        self._keeper.close()
         self._give_back()
         self.client.close()
 

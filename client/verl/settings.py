@@ -12,7 +12,7 @@ how verl's own settings must agree with the table's.
       wait_seconds: 30          # source mode: how long one request waits for enough fresh groups
       restore: true             # mirror mode: put pushed, untrained groups back after a restart
 
-Token and TLS work as in the Trinity-RFT plug-in (expbuf.client.location), and the
+Token and TLS work as in the Trinity-RFT plug-in (expbuf.client.kit.location), and the
 same environment fallbacks apply (EXPBUF_TOKEN, EXPBUF_TLS, EXPBUF_TLS_CA, ...).
 
 verl counts off-policy spans in steps, `max_off_policy_threshold = s + 1` meaning a trajectory
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from expbuf.client.location import Location, parse
+from expbuf.client.kit.location import Location, parse
 
 logger = logging.getLogger(__name__)
 
