@@ -31,7 +31,7 @@ PROBES = [
 ROOM_PROBES = [
     ("server/store/schema/errors.py", "..services.sampling", "The storage engine imports only downward"),
     ("server/store/services/index_builds.py", ".sampling", "The store's services import only downward"),
-    ("server/store/tables/leases.py", ".catalog", "The store's tables import only downward"),
+    ("server/store/tables/taking.py", ".catalog", "The store's tables import only downward"),
     ("server/store/ledger/records.py", ".rules", "The prompt ledger imports only downward"),
     ("server/store/rules/counters.py", ".groups", "The store's rules import only downward"),
     ("server/store/schema/errors.py", ".states", "The store's schema imports only downward"),

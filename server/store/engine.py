@@ -410,7 +410,7 @@ class Store:
         now = self.clock()
 
         def end_lease(txn: lmdb.Transaction[bytes], lease_id: str) -> int:
-            return self.sampling.end_lease(txn, lease_id, requeue=True, expired=True)
+            return self.sampling.leases.end(txn, lease_id, requeue=True, expired=True)
 
         done = self.environment.submit(lambda txn: self.upkeep.run(txn, now, end_lease))
         for building in self.upkeep.take_builds():  # an index a table's upkeep needs: used once built
@@ -441,7 +441,7 @@ class Store:
         return self.sampling.nack(lease_id, table, owner)
 
     def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
-        """A stream's held batch that its client has, delivered as the stream asked (Sampling.confirm_in)."""
+        """A stream's held batch that its client has, delivered as the stream asked (tables/leases.py)."""
         return self.sampling.confirm(lease_id, spec, owner)
 
     def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:

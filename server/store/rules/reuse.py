@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from ..disk import layout
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.ready_indexes import put_rows
-from ..schema.states import LEASED, READY
+from ..schema.states import CONSUMED, LEASED, READY
 from ..schema.table_config import TableConfig
+from .retirement import retire
 from .table_state import TableState
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
@@ -92,3 +93,12 @@ def _ready_again(tt: TableState, groups: Sequence[Taken]) -> list[tuple[bytes, i
         tt.put_group(gkey, grp)
         rows.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
     return rows
+
+
+def replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:
+    """Groups replayed just now, their members' deliveries counted: those that reached
+    max_times_sampled retire, the others stay ready, lowered and cooled (`requeue`)."""
+    limit = tt.config.reuse.max_times_sampled
+    spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
+    retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
+    requeue(tt, [group for group in taken if group[0] not in spent], rng)

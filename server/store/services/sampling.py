@@ -16,19 +16,18 @@ from typing import TypeVar
 
 import lmdb
 
-from ..disk import layout
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
-from ..disk.records import Lease
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse, staleness
 from ..rules.table_state import TableState
-from ..schema.errors import Forbidden, InvalidRequest, NotFound, SampleLimited, clip
-from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from ..schema.errors import SampleLimited
+from ..schema.sample_spec import SampleSpec
 from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
-from ..tables.leases import confirm_replay, could_fill, end_lease, leased_groups, read_lease, take
+from ..tables.leases import Leases
+from ..tables.taking import could_fill, take
 from .index_builds import IndexBuilds
 
 T = TypeVar("T")
@@ -55,6 +54,7 @@ class Sampling:
     ) -> None:
         self.environment, self.catalog, self.rng, self.finish, self.builds = environment, catalog, rng, finish, builds
         self.db = environment.db
+        self.leases = Leases(catalog)  # a lease's life (tables/leases.py): this service asks it each step
         self._batch_counts: dict[int, StageCounts] = {}  # by table id: the batch stage's clip counts
 
     def stage_counts(self, table_id: int) -> StageCounts:
@@ -84,7 +84,7 @@ class Sampling:
         buffer at the next start (`release_holds`). `owner` binds a lease to whoever took
         it. `stop` is polled while waiting (a cancelled RPC ends the wait early, with
         None). `confirm` names held leases (one or several) of this table and owner whose
-        batches the client has, delivered first as the spec asks (confirm_in), in the same
+        batches the client has, delivered first as the spec asks (Leases.confirm), in the same
         commit as the first attempt: one durable write for all, kept even if the attempt
         fails; if one cannot be delivered, none is and nothing is taken. A request in an order
         whose index the table is still building in the background (index_builds.py) waits for
@@ -114,7 +114,7 @@ class Sampling:
                 if not a:
                     return take_in(txn)
                 for lease_id in a:
-                    self.confirm_in(txn, lease_id, spec, owner)
+                    self.leases.confirm(txn, lease_id, spec, owner, self.rng)
                 return self._isolated(txn, take_in)
 
             try:
@@ -174,10 +174,13 @@ class Sampling:
         reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
         def attempt(t: TableState) -> Sampled | SampleLimited | None:
-            return take(
-                t, spec, partial, self.rng, hold=hold, owner=owner, snapshot=self.environment.snapshot,
+            batch = take(
+                t, spec, partial, self.rng, hold=hold, snapshot=self.environment.snapshot,
                 finish=self.finish, counts=self.stage_counts(tt.table_id),
             )  # fmt: skip
+            if isinstance(batch, Sampled) and batch.lease_id:
+                self.leases.grant(t.txn, batch, t.table_id, hold=hold, owner=owner)
+            return batch
 
         moves = staleness.next_version(tt, spec.trainer_version) is not None
         if not moves:
@@ -205,107 +208,25 @@ class Sampling:
         """Consume the groups of a lease; returns the experiences acknowledged. With a
         table (a caller's request), the lease must be of that table and that owner."""
         return self.environment.submit(
-            lambda txn: self.end_lease(txn, lease_id, requeue=False, table=table, owner=owner)
+            lambda txn: self.leases.end(txn, lease_id, requeue=False, table=table, owner=owner)
         )
 
     def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
         return self.environment.submit(
-            lambda txn: self.end_lease(txn, lease_id, requeue=True, table=table, owner=owner)
+            lambda txn: self.leases.end(txn, lease_id, requeue=True, table=table, owner=owner)
         )
 
     def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
-        """A stream's held batch that its client has (confirm_in); returns its experiences."""
-        return self.environment.submit(lambda txn: self.confirm_in(txn, lease_id, spec, owner))
+        """A stream's held batch that its client has (Leases.confirm); returns its experiences."""
+        return self.environment.submit(lambda txn: self.leases.confirm(txn, lease_id, spec, owner, self.rng))
 
     def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:
         """The lease now ends `seconds` from now (a held one's clock starts); returns when it
         ends and the experiences it holds."""
-        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
-
-        def op(txn: lmdb.Transaction[bytes]) -> tuple[float, int]:
-            lease = self._lease(txn, lease_id, table, owner)
-            tt = self.catalog.state_of(txn, lease.table_id)
-            now = self.catalog.clock() if tt is None else tt.now
-            self._set_expiry(txn, lease_id, lease, now + seconds)
-            count = 0 if tt is None else sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
-            return now + seconds, count
-
-        return self.environment.submit(op)
+        return self.environment.submit(lambda txn: self.leases.renew(txn, lease_id, seconds, table, owner))
 
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server; the
         streams that held them are gone. Returns the experiences requeued."""
-
-        def op(txn: lmdb.Transaction[bytes]) -> int:
-            holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
-            return sum(self.end_lease(txn, lease_id, requeue=True) for lease_id in holds)
-
-        return self.environment.submit(op)
-
-    def confirm_in(self, txn: lmdb.Transaction[bytes], lease_id: str, spec: SampleSpec, owner: str) -> int:
-        """A held batch its stream's client confirmed it has, delivered as the stream asked:
-        consumed; leased, the lease's clock starting now (`spec.lease_seconds`); or
-        replayed, its deliveries counted. A lease whose batch the client already acked,
-        nacked or renewed (it may, once it has the batch) is left as that made it."""
-        if spec.delivery == "consume":
-            return self.end_lease(txn, lease_id, requeue=False, table=spec.table, owner=owner)
-        lease = read_lease(txn, self.db["leases"], lease_id)
-        if lease is None or lease.expires is not None:
-            return 0
-        lease = self._lease(txn, lease_id, spec.table, owner)
-        tt = self.catalog.state_of(txn, lease.table_id)
-        if tt is None:  # the table was dropped
-            return 0
-        if spec.delivery == "lease":
-            self._set_expiry(txn, lease_id, lease, tt.now + spec.lease_seconds)
-            return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
-        txn.delete(lease_id.encode(), db=self.db["leases"])
-        count = confirm_replay(tt, lease_id, lease.groups, self.rng)
-        tt.save()
-        return count
-
-    def _lease(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
-        """A lease that exists; with a table (a caller's request), of that table and owner."""
-        if not lease_id:
-            raise InvalidRequest("lease_id is empty")
-        lease = read_lease(txn, self.db["leases"], lease_id)
-        if lease is None:
-            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
-        if table is not None:
-            table_id, _ = self.catalog.lookup(table)
-            if lease.table_id != table_id:
-                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
-            if lease.owner != owner:
-                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
-        return lease
-
-    def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
-        if lease.expires is not None:
-            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
-        lease.expires = expires
-        txn.put(lease_id.encode(), lease.encode(), db=self.db["leases"])
-        txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
-
-    def end_lease(
-        self,
-        txn: lmdb.Transaction[bytes],
-        lease_id: str,
-        *,
-        requeue: bool,
-        expired: bool = False,
-        table: str | None = None,
-        owner: str = "",
-    ) -> int:
-        lease = self._lease(txn, lease_id, table, owner)
-        txn.delete(lease_id.encode(), db=self.db["leases"])
-        if lease.expires is not None:
-            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
-        tt = self.catalog.state_of(txn, lease.table_id)
-        if tt is None:  # the table was dropped
-            return 0
-        count = end_lease(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
-        if expired:
-            tt.counters.leases_expired += 1
-        tt.save()
-        return count
+        return self.environment.submit(self.leases.release_holds)

@@ -1,45 +1,39 @@
-"""Taking a batch of whole ready groups, and the leases that keep it out of reach.
+"""A lease's life, in one place: granted with a batch, confirmed, renewed, and ended.
 
-A batch is chosen in the request's order, whole groups only, optionally only groups
-whose every member is at least `min_model_version` (found through the version index of
-ready_indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
-(payloads deleted in the same transaction), leasing it (invisible until acked; back on
-nack or expiry), or replaying it (counted against max_times_sampled, lowered and cooled by
-reuse.py). A Sample stream's batch is first held, whatever its delivery: a lease without
-expiry, invisible to others, until the client confirms it has the batch (`confirm`); only
-then is it consumed, its lease's clock started, or its replay counted. A held batch the
-client never confirms goes back as if never taken.
+A leased batch's groups are LEASED and name their lease; the lease is a record under its id
+(its table, groups, expiry and owner) and, while its clock runs, a row of the expiry index:
+
+- granted when a batch is taken (`grant`): running at once (`expires` set), or held for a
+  Sample stream (no expiry), invisible to others, until the stream's client confirms it has
+  the batch;
+- confirmed (`confirm`): as the stream asked, consumed, its clock started, or its replay counted;
+- renewed (`renew`): it now ends that long from now (a held one's clock starts);
+- ended (`end`): by an ack (consumed), a nack or its expiry (back to the buffer, counted as
+  sampled), or at the next start for a hold whose stream is gone (`release_holds`: back,
+  uncounted). Groups no longer under the lease (deleted meanwhile) are left alone.
+
+A caller's request names its table and token: a lease of another table is not found, and one
+taken with another token is refused (`checked`). Every step runs in the writer's transaction
+it is given. The sampling service asks this module for each step (services/sampling.py), and
+the upkeep for the expired ones (services/upkeep.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import random
-import secrets
-from collections.abc import Callable, Generator, Iterator
 
 import lmdb
 
 from ..disk import layout
-from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
-from ..disk.records import GroupRecord, ItemRecord, Lease
-from ..disk.snapshot import Snapshot
-from ..disk.stored_advantages import FinishBatch, StageCounts
+from ..disk.records import GroupRecord, Lease
 from ..rules import limiter, reuse
-from ..rules.limiter import sample_limit
-from ..rules.quarantine import quarantine_groups
-from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
-from ..rules.reuse import Taken
-from ..rules.staleness import report
-from ..rules.table_state import TableState, stored
-from ..schema.errors import SampleLimited
-from ..schema.sample_spec import SampleSpec
-from ..schema.states import CONSUMED, FAILED, LEASED, READY
-
-log = logging.getLogger("expbuf.store")
+from ..rules.table_state import TableState
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
+from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
+from ..schema.states import CONSUMED, LEASED, READY
+from .catalog import TableCatalog
 
 
 def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -47,179 +41,128 @@ def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) 
     return None if raw is None else Lease.decode(raw)
 
 
-def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
-    """Whether the table holds enough ready data for the request at all (whatever its
-    versions): when not, no batch can be taken and nothing needs to be tried."""
-    groups, experiences = tt.counters.groups_ready, tt.counters.ready
-    if allow_partial:
-        return groups > 0
-    return bool((spec.num_groups and groups >= spec.num_groups) or (spec.batch_size and experiences >= spec.batch_size))
+def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
+    """The groups still held under a lease (a group deleted meanwhile is not)."""
+    held = []
+    for gkey in gkeys:
+        grp = tt.group(gkey)
+        if grp is not None and grp.state == LEASED and grp.lease == lease_id:
+            held.append((gkey, grp))
+    return held
 
 
-def take(
-    tt: TableState,
-    spec: SampleSpec,
-    allow_partial: bool,
-    rng: random.Random,
-    *,
-    hold: bool,
-    owner: str,
-    snapshot: Callable[[], Snapshot] | None = None,
-    finish: FinishBatch | None = None,
-    counts: StageCounts | None = None,
-) -> Sampled | SampleLimited | None:
-    """Select and deliver one batch; None if there is not enough (and no partial batch),
-    the rate limit (limiter.py) if it holds the batch back. The request's trainer version
-    is stored first (staleness.py); the caller undoes it when no batch is taken. With
-    `snapshot` (a way to open one), the payloads are views read from it, not copies (see
-    _Payloads). The batch carries its stored advantages; a table's batch stage is left to
-    run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
-    `counts`)."""
-    report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
-    payloads = _Payloads(tt, snapshot)
-    while True:
-        chosen, total = _select(tt, spec, rng)
-        enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
-        if not chosen or not (enough or allow_partial):
-            return None
-        held = sample_limit(tt, total)
-        if held is not None:
-            return held
-        taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
-        unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(recs))]
-        if not unservable:
-            break
-        _fail_unservable(tt, unservable)  # and choose again, from the groups left
-    batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
-    delivery = "lease" if hold else spec.delivery
-    expires = None
-    if delivery == "lease":
-        batch.lease_id = secrets.token_hex(8)
-        batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
-        if not hold:
-            expires = batch.lease_expires
-    rows = BatchRows(tt.txn, tt.db["adv"], tt.config, finish)
-    for gkey, _, recs in taken:
-        for uid, rec in recs.items():
-            rows.add(tt.key(uid), rec, payloads.read(uid))
-            batch.uids.append(uid)
-            batch.group_ids.append(gkey)
-            batch.versions.append(rec.version)
-            batch.times_sampled.append(rec.times_sampled + 1)
-            if delivery != "lease":  # a leased one is counted in its record when the lease ends (end_lease)
-                rec.times_sampled += 1
-                tt.put_item(uid, rec)
-    batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
-    tt.counters.bytes_sampled += sum(rec.size for rec in rows.records)
-    if delivery == "consume":
-        retire(tt, chosen, CONSUMED)
-    elif delivery == "replay":
-        _replayed(tt, taken, rng)
-    elif delivery == "lease":
-        tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
-        for _, grp in chosen:
-            grp.lease = batch.lease_id
-        tt.set_states(taken, LEASED)
-    if delivery == "lease":
-        lease = Lease(table_id=tt.table_id, groups=[g for g, _ in chosen], expires=expires, owner=owner)
-        tt.txn.put(batch.lease_id.encode(), lease.encode(), db=tt.db["leases"])
+class Leases:
+    """Every lease of a data directory's tables, over its catalog (the tables' states)."""
+
+    def __init__(self, catalog: TableCatalog) -> None:
+        self.catalog = catalog
+        self.db = catalog.db
+
+    def grant(self, txn: lmdb.Transaction[bytes], batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
+        """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
+        until confirmed, or running until `batch.lease_expires`."""
+        expires = None if hold else batch.lease_expires
+        lease = Lease(table_id=table_id, groups=list(dict.fromkeys(batch.group_ids)), expires=expires, owner=owner)
+        txn.put(batch.lease_id.encode(), lease.encode(), db=self.db["leases"])
         if expires is not None:
-            tt.txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=tt.db["lease_exp"])
-    tt.counters.sampled += len(batch.uids)
-    limiter.taken(tt, len(batch.uids))
-    batch.newest_version = tt.counters.max_version
-    batch.trainer_version = tt.counters.trainer_version
-    tt.extensions.on_sample(tt, chosen)
-    tt.save()
-    if payloads.snapshot is not None:
-        batch.snapshot = payloads.snapshot
-        payloads.snapshot.hold(batch.blobs)
-    return batch
+            txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
+
+    def checked(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
+        """A lease that exists; with a table (a caller's request), of that table and owner."""
+        if not lease_id:
+            raise InvalidRequest("lease_id is empty")
+        lease = read_lease(txn, self.db["leases"], lease_id)
+        if lease is None:
+            raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
+        if table is not None:
+            table_id, _ = self.catalog.lookup(table)
+            if lease.table_id != table_id:
+                raise NotFound(f"lease '{clip(lease_id)}' is not a lease of table '{clip(table)}'")
+            if lease.owner != owner:
+                raise Forbidden(f"lease '{clip(lease_id)}' was taken with another token")
+        return lease
+
+    def renew(
+        self, txn: lmdb.Transaction[bytes], lease_id: str, seconds: float, table: str, owner: str
+    ) -> tuple[float, int]:
+        """The lease now ends `seconds` from now (a held one's clock starts); when it ends, and
+        the experiences it holds."""
+        check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
+        lease = self.checked(txn, lease_id, table, owner)
+        tt = self.catalog.state_of(txn, lease.table_id)
+        now = self.catalog.clock() if tt is None else tt.now
+        self._set_expiry(txn, lease_id, lease, now + seconds)
+        count = 0 if tt is None else sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+        return now + seconds, count
+
+    def confirm(
+        self, txn: lmdb.Transaction[bytes], lease_id: str, spec: SampleSpec, owner: str, rng: random.Random
+    ) -> int:
+        """A held batch its stream's client confirmed it has, delivered as the stream asked:
+        consumed; leased, the lease's clock starting now (`spec.lease_seconds`); or
+        replayed, its deliveries counted. A lease whose batch the client already acked,
+        nacked or renewed (it may, once it has the batch) is left as that made it."""
+        if spec.delivery == "consume":
+            return self.end(txn, lease_id, requeue=False, table=spec.table, owner=owner)
+        lease = read_lease(txn, self.db["leases"], lease_id)
+        if lease is None or lease.expires is not None:
+            return 0
+        lease = self.checked(txn, lease_id, spec.table, owner)
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        if spec.delivery == "lease":
+            self._set_expiry(txn, lease_id, lease, tt.now + spec.lease_seconds)
+            return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+        txn.delete(lease_id.encode(), db=self.db["leases"])
+        count = _replay_confirmed(tt, lease_id, lease.groups, rng)
+        tt.save()
+        return count
+
+    def end(
+        self,
+        txn: lmdb.Transaction[bytes],
+        lease_id: str,
+        *,
+        requeue: bool,
+        expired: bool = False,
+        table: str | None = None,
+        owner: str = "",
+    ) -> int:
+        """End a lease: its groups consumed (an ack), or back to the buffer (`requeue`: a nack,
+        its expiry, a hold released); returns the experiences."""
+        lease = self.checked(txn, lease_id, table, owner)
+        txn.delete(lease_id.encode(), db=self.db["leases"])
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        tt = self.catalog.state_of(txn, lease.table_id)
+        if tt is None:  # the table was dropped
+            return 0
+        count = _groups_back(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
+        if expired:
+            tt.counters.leases_expired += 1
+        tt.save()
+        return count
+
+    def release_holds(self, txn: lmdb.Transaction[bytes]) -> int:
+        """Every batch held for a stream of an earlier run of the server goes back; the streams
+        that held them are gone. Returns the experiences requeued."""
+        holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
+        return sum(self.end(txn, lease_id, requeue=True) for lease_id in holds)
+
+    def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
+        if lease.expires is not None:
+            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        lease.expires = expires
+        txn.put(lease_id.encode(), lease.encode(), db=self.db["leases"])
+        txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
 
 
-def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
-    """`keys` as a generator: closing it closes them, and the cursors they read from."""
-    yield from keys
-
-
-def _select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
-    """Ready groups in the request's order, until there are enough; and their experiences."""
-    chosen = []
-    total = 0
-    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
-        for gkey_raw in candidates:
-            gkey = gkey_raw.decode()
-            grp = tt.existing_group(gkey)
-            chosen.append((gkey, grp))
-            total += len(grp.members)
-            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
-                break
-    return chosen, total
-
-
-def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
-    """Groups a sample found a member of unservable fail whole, never served: one with a
-    damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the
-    others' payloads kept for Get); one whose stored advantage is beyond float32 as any failed
-    group (its payloads kept where the table keeps failed groups)."""
-    damaged, beyond = [], []
-    for gkey, grp, problems in groups:
-        found = {problem.uid: problem.why for problem in problems if problem.damaged}
-        for problem in problems:
-            if not problem.damaged:
-                log.error(
-                    "table %s: group %s failed when sampled, never to be served: %s", tt.config.name, gkey, problem
-                )
-        if found:
-            damaged.append((gkey, grp, found))
-        else:
-            beyond.append((gkey, grp))
-            tt.counters.groups_failed += 1
-            tt.counters.last_failure = f"group {gkey}: {problems[0]}"
-    if damaged:
-        quarantine_groups(tt, damaged)
-    if beyond:
-        retire(tt, beyond, FAILED)
-
-
-class _Payloads:
-    """Reads and checks the stored payloads of a batch being taken: from the snapshot, a
-    view, for an experience that was stored before the snapshot's state (its insertion
-    number is at most the newest in the snapshot's insertion order: it was committed then,
-    and its payload has not changed since); a copy from the write for one stored in this
-    very commit. The snapshot opens at the first read."""
-
-    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None) -> None:
-        self.tt, self._open = tt, open_snapshot
-        self.snapshot: Snapshot | None = None
-        self.newest = -1
-        self._read: dict[str, bytes | memoryview] = {}
-
-    def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
-        """Read a group's payloads; those that cannot be served."""
-        return [problem for uid, rec in recs.items() if (problem := serve_problem(uid, rec, self._get(uid, rec)))]
-
-    def read(self, uid: str) -> bytes | memoryview:
-        """A payload `check` read."""
-        return self._read[uid]
-
-    def _get(self, uid: str, rec: ItemRecord) -> bytes | memoryview:
-        if self.snapshot is None and self._open is not None:
-            self.snapshot = self._open()
-            newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
-            self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
-        view = self.snapshot.get(key, blobs) if self.snapshot is not None and rec.seq <= self.newest else None
-        blob = view if view is not None else stored(self.tt.txn, key, blobs, "payload of experience")
-        self._read[uid] = blob
-        return blob
-
-
-def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool = False) -> int:
+def _groups_back(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
-    experiences. Groups no longer under this lease (deleted, say) are left alone. `unsent`:
-    a batch held for a stream that never confirmed it goes back uncounted as sampled. Only
-    a batch that goes back sampled rewrites its members' records (their times sampled)."""
+    experiences. `unsent`: a batch held for a stream that never confirmed it goes back
+    uncounted as sampled. Only a batch that goes back sampled rewrites its members' records
+    (their times sampled)."""
     ended = leased_groups(tt, lease_id, gkeys)
     for _, grp in ended:
         grp.lease = ""
@@ -242,28 +185,9 @@ def end_lease(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool,
     return sum(len(grp.members) for _, grp in ended)
 
 
-def _replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:
-    """Groups replayed just now, their members' deliveries counted: those that reached
-    max_times_sampled retire, the others stay ready (lowered and cooled by reuse.py)."""
-    limit = tt.config.reuse.max_times_sampled
-    spent = {gkey for gkey, _, recs in taken if limit and max(r.times_sampled for r in recs.values()) >= limit}
-    retire(tt, [(gkey, grp) for gkey, grp, _ in taken if gkey in spent], CONSUMED)
-    reuse.requeue(tt, [group for group in taken if group[0] not in spent], rng)
-
-
-def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
-    """The groups still held under a lease (a group deleted meanwhile is not)."""
-    held = []
-    for gkey in gkeys:
-        grp = tt.group(gkey)
-        if grp is not None and grp.state == LEASED and grp.lease == lease_id:
-            held.append((gkey, grp))
-    return held
-
-
-def confirm_replay(tt: TableState, lease_id: str, gkeys: list[str], rng: random.Random) -> int:
+def _replay_confirmed(tt: TableState, lease_id: str, gkeys: list[str], rng: random.Random) -> int:
     """A held replay batch the client confirmed: its groups are ready again, then counted as
-    replayed (`_replayed`); returns the experiences."""
+    replayed (reuse.replayed); returns the experiences."""
     groups = leased_groups(tt, lease_id, gkeys)
     for _, grp in groups:
         grp.lease = ""
@@ -274,5 +198,5 @@ def confirm_replay(tt: TableState, lease_id: str, gkeys: list[str], rng: random.
             tt.put_item(uid, rec)
     tt.set_states(taken, READY)
     tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups])
-    _replayed(tt, taken, rng)
+    reuse.replayed(tt, taken, rng)
     return sum(len(recs) for _, _, recs in taken)
