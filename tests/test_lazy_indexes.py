@@ -292,7 +292,10 @@ class Writes:
 
             def run(txn: lmdb.Transaction[bytes]) -> Any:
                 watch._who = who
-                return fn(txn)
+                try:
+                    return fn(txn)
+                finally:  # an unwatched chunk the writer runs next in the same batch is not this caller's
+                    watch._who = UNWATCHED
 
             return submit(run, **kwargs)
 
