@@ -76,7 +76,7 @@ class AckedOnlyWhenTrained(TrainerCallback):
         trained = {mark for marks in self.trainer.trained for mark in marks}
         if not self.first_step:  # the run's first step
             self.first_step = set(trained)
-        if not until(lambda: self.worker.keeper.pending() == 0):
+        if not until(lambda: self.worker.reporter.pending() == 0):
             self.violations.append(f"step {state.global_step}: acks not made")
         early = self.consumed() - trained - self.before
         if early:

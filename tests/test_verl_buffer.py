@@ -297,7 +297,7 @@ def test_source_leases_last_while_the_trainer_lives_and_go_back_when_it_closes(
         step_end(ended)
         step_end(trained)
         buffer.sync_once()
-    assert f"lease {lease} ended before verl cleared its step" in caplog.text
+    assert f"lease {lease} ended before it was " in caplog.text  # acknowledged, or renewed: whichever came first
     after = stats(client, "verl_renew")
     assert (after.groups_leased, after.groups_ready, after.consumed) == (1, 1, 2)
 

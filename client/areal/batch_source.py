@@ -4,16 +4,19 @@ It answers `prepare_batch` as AReaL's inference engine does (the trainer calls i
 same arguments): one right-padded trajectory dict per group, `dataloader.batch_size` groups,
 ready for AReaL's trajectory format check and `concat_padded_tensors`. Groups are taken under a
 lease with `min_model_version = version - max_head_offpolicyness` and the trainer's version,
-which the table stores; the lease is acked at the next `prepare_batch` (the trainer is done
-with the batch), so a trainer that crashes mid-step loses nothing: the groups come back when
-the lease expires.
+which the table stores; the lease is renewed while the trainer works on the batch and acked at
+the next `prepare_batch` (the trainer is done with it), so a step of any length keeps its groups
+and a trainer that crashes mid-step loses nothing: the groups come back within a lease.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..client import Batch, BufferClient
+from ..kit.batches import take_one
+from ..kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from ..kit.tables import connect, table_info
 from ..schema.routing import GROUP_KEY_OF
 from .convert import to_areal
@@ -50,6 +53,9 @@ class ExpbufBatchSource:
         self._group_key = GROUP_KEY_OF.get(table_info(self.client, table).group_by, "uid")
         self._version = 0
         self._held: Batch | None = None
+        renewals = self.client.clone(timeout=lease_seconds / RENEWALS_PER_LEASE)
+        self._keeper = LeaseKeeper(self.client, table, lease_seconds, renewals=renewals)
+        weakref.finalize(self, self._keeper.close)  # a source dropped unclosed renews nothing more
 
     def get_version(self) -> int:
         """The trainer's version: the version provider's, or else the last given to set_version."""
@@ -66,7 +72,14 @@ class ExpbufBatchSource:
         """The trainer is done with the last batch: its groups leave the table."""
         held, self._held = self._held, None
         if held is not None:
-            held.ack()
+            self._keeper.ack(held.lease_id)
+
+    def close(self) -> None:
+        """Stop renewing; the batch held, which no step is known to have trained, goes back now."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._keeper.give_back(held.lease_id)
+        self._keeper.close()
 
     def prepare_batch(
         self,
@@ -86,18 +99,20 @@ class ExpbufBatchSource:
             raise ValueError("prepare_batch needs num_groups or a dataloader with a batch_size")
         self.ack()
         version = self.get_version()
-        batch = next(
-            self.client.sample(
-                self.table,
-                num_groups=count,
-                delivery="lease",
-                lease_seconds=self.lease_seconds,
-                timeout=self.timeout,
-                max_batches=1,
-                min_model_version=max(0, version - self.max_head_offpolicyness),
-                trainer_version=version,
-            )
+        batch = take_one(
+            self.client,
+            self.table,
+            lambda broken: self._keeper.give_back(broken.lease_id),
+            num_groups=count,
+            delivery="lease",
+            lease_seconds=self.lease_seconds,
+            timeout=self.timeout,
+            min_model_version=max(0, version - self.max_head_offpolicyness),
+            trainer_version=version,
         )
+        if batch is None:  # not allow_partial: a stream ends with its batch or an error
+            raise RuntimeError(f"expbuf table {self.table}: a sample stream ended without its batch")
+        self._keeper.hold(batch.lease_id, batch.lease_expires)
         self._held = batch
         groups: dict[str, list[Any]] = {}
         for exp in batch.experiences:

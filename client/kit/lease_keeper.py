@@ -1,5 +1,5 @@
-"""A reader's leases (Trinity-RFT's reader, TorchRL's sampler), renewed while the reader lives,
-so that they can be short.
+"""A reader's leases, renewed while the reader lives, so that they can be short, and settled
+(acknowledged or given back) in one way by every adapter.
 
 A trainer holds a batch for a step, a checkpoint or an evaluation of any length, and a read of
 groups of varying size holds what it has taken while it waits for more (up to Trinity's
@@ -9,6 +9,11 @@ the reader holds a third of a lease apart: a renewal may fail twice (a server re
 network cut) before the lease ends. The thread stops when the reader is closed or collected,
 and dies with its process, so a dead reader's groups return within one lease.
 
+A lease found gone (at a renewal, or at the first attempt of its ack) had ended: its groups went
+back to the table and may be trained again, which the keeper logs once and tells its `lost`
+callback. An ack is not idempotent: one made again after an attempt whose reply was lost (a
+restart) may find its lease gone because the first attempt consumed it, which is no loss.
+
 Renewer is that thread, shared with the claims a Trinity-RFT taskset holds on its prompts
 (expbuf.client.trinity.claims); what it renews, and how, is its subclass's.
 """
@@ -17,24 +22,27 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import grpc
-
-from expbuf.client.client import BufferClient, BufferError
+from expbuf.client.client import BufferClient
+from expbuf.client.errors import ExpbufError, NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
 RENEWALS_PER_LEASE = 3
+PAUSE = 0.5  # seconds between the tries of an ack while the server is unavailable
 K = TypeVar("K")
 V = TypeVar("V")
 
 
 class Renewer(Generic[K, V]):
     """A thread that renews what its subclass holds (`_held`) every `seconds / 3`, from the
-    first hold until closed, then closes its client."""
+    first hold until closed, then closes its client (with `closes`: one of its own)."""
 
-    def __init__(self, client: BufferClient, seconds: float, name: str) -> None:
+    def __init__(self, client: BufferClient, seconds: float, name: str, *, closes: bool = True) -> None:
         self._client = client  # its own channel, its calls bounded by the renewal period
+        self._closes = closes
         self._seconds = seconds
         self._name = name
         self._held: dict[K, V] = {}  # insertion-ordered
@@ -62,7 +70,7 @@ class Renewer(Generic[K, V]):
             self._stop.set()
             self._held.clear()
             running = self._thread is not None
-        if not running:
+        if not running and self._closes:
             self._client.close()  # else the thread closes it, after any renewal in flight
 
     def _run(self) -> None:
@@ -70,27 +78,86 @@ class Renewer(Generic[K, V]):
             while not self._stop.wait(self.period):
                 self._renew_held()
         finally:
-            self._client.close()
+            if self._closes:
+                self._client.close()
 
     def _renew_held(self) -> None:
         raise NotImplementedError
 
 
-class LeaseKeeper(Renewer[str, None]):
-    """Renews the leases it holds every `seconds / 3`, each for `seconds` more, until closed."""
+class LeaseKeeper(Renewer[str, float]):
+    """Keeps the leases it holds: renews each every `seconds / 3`, for `seconds` more, over its
+    own `renewals` client (closed with the keeper), and acks or gives one back over `client`.
+    With no `renewals`, renewals go over `client` too, which the keeper then leaves open."""
 
-    def __init__(self, client: BufferClient, table: str, seconds: float) -> None:
-        super().__init__(client, seconds, "expbuf-lease-keeper")
+    def __init__(
+        self,
+        client: BufferClient,
+        table: str,
+        seconds: float,
+        *,
+        renewals: BufferClient | None = None,
+        lost: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(renewals or client, seconds, "expbuf-lease-keeper", closes=renewals is not None)
+        self._settles = client
         self._table = table
+        self._lost = lost or (lambda lease: None)
+        self._gone: set[str] = set()  # leases found ended, told once
 
-    def hold(self, lease_id: str) -> None:
-        """Keep this lease until it is dropped."""
-        self._keep({lease_id: None})
+    def hold(self, lease_id: str, expires: float = 0.0) -> None:
+        """Keep this lease until it is acknowledged, given back or dropped."""
+        self._keep({lease_id: expires})
 
     def drop(self, lease_id: str) -> None:
-        """Stop keeping a lease: acknowledged or given back."""
+        """Stop keeping a lease (settled some other way)."""
         with self._lock:
             self._held.pop(lease_id, None)
+
+    def expires(self, lease_id: str) -> float | None:
+        """When a held lease ends (Unix seconds) as its last renewal said; 0.0 before the first."""
+        with self._lock:
+            return self._held.get(lease_id)
+
+    def ack(self, lease_id: str, *, retry_for: float = 0.0, tried: bool = False) -> int:
+        """Acknowledge a lease: its groups were trained. Tried again while the server is
+        unavailable, for `retry_for` seconds; `tried`: an attempt was made before and may have
+        been committed. The experiences acknowledged; 0 for a lease found gone."""
+        deadline = time.monotonic() + retry_for
+        with self._lock:
+            expires = self._held.pop(lease_id, None)  # no renewal races the ack
+        try:
+            while True:
+                try:
+                    return self._settles.ack(lease_id, self._table)
+                except UnavailableError:
+                    tried = True
+                    if time.monotonic() + PAUSE >= deadline:
+                        raise
+                    time.sleep(PAUSE)
+        except NotFoundError:
+            if not tried:
+                self._ended(lease_id, "acknowledged")
+            return 0
+        except ExpbufError:
+            if expires is not None:
+                self.hold(lease_id, expires)  # kept while the ack is to be made again
+            raise
+
+    def give_back(self, lease_id: str) -> bool:
+        """Return a lease's groups to the table now; False when that failed (the server out of
+        reach), and the lease, no longer renewed, returns them when it ends."""
+        self.drop(lease_id)
+        try:
+            self._settles.nack(lease_id, self._table)
+        except NotFoundError:
+            return True  # ended already: its groups went back
+        except ExpbufError as exc:
+            log.warning(
+                "expbuf table %s: lease %s not given back (%s); it returns when it ends", self._table, lease_id, exc
+            )
+            return False
+        return True
 
     def _renew_held(self) -> None:
         with self._lock:
@@ -102,15 +169,34 @@ class LeaseKeeper(Renewer[str, None]):
 
     def _renew(self, lease: str) -> None:
         try:
-            self._client.renew(lease, self._seconds, table=self._table)
-        except BufferError as exc:
+            expires = self._client.renew(lease, self._seconds, table=self._table)
+        except ExpbufError as exc:
             with self._lock:
                 still_held = lease in self._held and not self._stop.is_set()
-                if exc.code == grpc.StatusCode.NOT_FOUND:
+                if isinstance(exc, NotFoundError):
                     self._held.pop(lease, None)
             if not still_held:
                 return  # settled meanwhile: acknowledged, given back or closed
-            if exc.code == grpc.StatusCode.NOT_FOUND:
-                log.warning("expbuf: lease %s ended before it was renewed; its groups may be read again", lease)
+            if isinstance(exc, NotFoundError):
+                self._ended(lease, "renewed")
             else:
                 log.warning("expbuf: lease %s not renewed (%s); retrying in %.3g s", lease, exc, self.period)
+            return
+        with self._lock:
+            if lease in self._held:
+                self._held[lease] = expires
+
+    def _ended(self, lease: str, what: str) -> None:
+        """A held lease was found gone: said once, and told to `lost`."""
+        with self._lock:
+            if lease in self._gone:
+                return
+            self._gone.add(lease)
+        log.error(
+            "expbuf table %s: lease %s ended before it was %s (not renewed for a whole lease_seconds): its groups "
+            "went back to the table and may be trained again",
+            self._table,
+            lease,
+            what,
+        )
+        self._lost(lease)

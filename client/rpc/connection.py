@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypedDict, cast
+from typing import Any, Protocol, Self, TypedDict, cast
 
 import grpc
 
@@ -252,6 +252,11 @@ class ClientBase:
                 UserWarning,
                 stacklevel=2,
             )
+        self._settings: dict[str, Any] = {
+            "target": target, "token": token, "tls": tls, "timeout": timeout, "retries": retries,
+            "wait_for_ready": wait_for_ready, "max_message_bytes": max_message_bytes,
+            "push_chunk_bytes": push_chunk_bytes,
+        }  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.retries = max(0, min(retries, MAX_RETRIES))
@@ -269,6 +274,11 @@ class ClientBase:
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
         self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
+
+    def clone(self, **changes: Any) -> Self:
+        """A new client of the same server with this one's settings (token, TLS, ...) and its own
+        channels, `changes` applied: a background thread's, with a deadline of its own."""
+        return type(self)(**{**self._settings, **changes})
 
     def _open(self, target: str, credentials: grpc.ChannelCredentials | None, config: str) -> Any:
         options = [

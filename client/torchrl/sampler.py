@@ -37,7 +37,6 @@ the next sample, so a trainer restored from that checkpoint does not train that 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -45,12 +44,13 @@ import weakref
 from pathlib import Path
 from typing import Any, Unpack
 
+import grpc
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from expbuf.client.client import BufferClient
-from expbuf.client.errors import DeadlineExceededError, NotFoundError, UnavailableError
+from expbuf.client.errors import DeadlineExceededError, UnavailableError
+from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.results import Batch
 from expbuf.client.rpc.sample_spec import SampleOptions, SampleSpec
@@ -160,15 +160,13 @@ class ExpbufSampler(Sampler):
         self._ack_last(storage)
         batch = self._draw(storage, batch_size)
         if self.leases:
-            self._keeper_of(storage).hold(batch.lease_id)
+            self._keeper_of(storage).hold(batch.lease_id, batch.lease_expires)
         return batch
 
     def _put_back(self, batch: Batch) -> None:
         """Give back a batch no step trained (an unleased one is gone already: nothing to do)."""
-        if self._keeper is not None:
-            self._keeper.drop(batch.lease_id)
-        with contextlib.suppress(NotFoundError):  # it ended already
-            batch.nack()
+        if self._keeper is not None and batch.lease_id:
+            self._keeper.give_back(batch.lease_id)
 
     def _keeper_of(self, storage: ExpbufStorage) -> LeaseKeeper:
         """The renewer of this sampler's leases on the storage's table (its own channel)."""
@@ -177,7 +175,8 @@ class ExpbufSampler(Sampler):
             self._keeper = None
         if self._keeper is None:
             seconds = float(self.options.get("lease_seconds", SampleSpec.lease_seconds))
-            self._keeper, self._keeper_table = LeaseKeeper(storage.connect(), storage.table, seconds), storage.table
+            keeper = LeaseKeeper(storage.client, storage.table, seconds, renewals=storage.connect())
+            self._keeper, self._keeper_table = keeper, storage.table
             weakref.finalize(self, self._keeper.close)  # a sampler dropped unclosed renews nothing more
         return self._keeper
 
@@ -185,42 +184,37 @@ class ExpbufSampler(Sampler):
         """One batch whose delivery the server has committed (see the module's docstring)."""
         deadline: float | None = None  # the server has been unavailable since `client.timeout` before it
         while True:
-            received: list[Batch] = []
             try:
-                for batch in storage.client.sample(storage.table, batch_size, **self.options, max_batches=1, window=1):
-                    received.append(batch)
+                batch = take_one(
+                    storage.client, storage.table, lambda broken: self._given_back.append(broken.lease_id),
+                    batch_size=batch_size, **self.options,
+                )  # fmt: skip
             except UnavailableError as exc:
-                self._given_back += [b.lease_id for b in received if b.lease_id]
                 deadline = deadline or time.monotonic() + storage.client.timeout
                 if time.monotonic() + PAUSE >= deadline:
                     raise
                 log.warning("expbuf table %s: a draw was interrupted (%s); drawing again", storage.table, exc.details)
                 time.sleep(PAUSE)
                 continue
-            self._give_back(storage.client, storage.table)
-            return received[0]
-
-    def _give_back(self, client: BufferClient, table: str) -> None:
-        while self._given_back:
-            try:
-                log.info("expbuf table %s: giving back lease %s of an interrupted draw", table, self._given_back[0])
-                client.nack(self._given_back[0], table)
-            except NotFoundError:
-                pass  # its delivery was never committed: it went back when the server started
-            self._given_back.pop(0)
+            while self._given_back:  # one not found was never committed: it went back when the server started
+                lease = self._given_back.pop(0)
+                log.info("expbuf table %s: giving back lease %s of an interrupted draw", storage.table, lease)
+                self._keeper_of(storage).give_back(lease)
+            if batch is None:  # allow_partial, and nothing was ready
+                raise DeadlineExceededError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"expbuf table {storage.table}: no ready groups to draw"
+                )
+            return batch
 
     def _ack_last(self, storage: ExpbufStorage) -> None:
         """Acknowledge the batch drawn last (the step that used it has returned), and the lease a
         loaded checkpoint named."""
-        if self._restored is not None:
-            _settle(storage.client, storage.table, self._restored, storage.client.timeout, expected=False)
+        if self._restored is not None:  # the checkpoint's: it may have been acknowledged already
+            self._keeper_of(storage).ack(self._restored, retry_for=storage.client.timeout, tried=True)
             self._restored = None
         if self._last is None:
             return
-        lease = self._last.lease_id
-        _settle(storage.client, storage.table, lease, storage.client.timeout, expected=True)
-        if self._keeper is not None:
-            self._keeper.drop(lease)
+        self._keeper_of(storage).ack(self._last.lease_id, retry_for=storage.client.timeout)
         self._last = None
 
     def ack(self) -> None:
@@ -271,32 +265,3 @@ class ExpbufSampler(Sampler):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options})"
-
-
-def _settle(client: BufferClient, table: str, lease: str, seconds: float, *, expected: bool) -> None:
-    """Ack `lease`, trying again while the server is unavailable. An ack that a crash left
-    unanswered may have been committed: NOT_FOUND then means done. An `expected` lease that is
-    NOT_FOUND at the first try ended before it (not renewed for a whole lease): it went back."""
-    deadline = time.monotonic() + seconds
-    unanswered = False
-    while True:
-        try:
-            client.ack(lease, table)
-            return
-        except UnavailableError as exc:
-            unanswered = True
-            if time.monotonic() + PAUSE >= deadline:
-                raise
-            log.warning(
-                "expbuf table %s: the ack of lease %s went unanswered (%s); trying again", table, lease, exc.details
-            )
-            time.sleep(PAUSE)
-        except NotFoundError:
-            if expected and not unanswered:
-                log.error(
-                    "expbuf table %s: lease %s ended before it was acknowledged (not renewed for a whole "
-                    "lease_seconds): its groups went back to the table and may be trained again",
-                    table,
-                    lease,
-                )
-            return

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import weakref
-from contextlib import closing
 from typing import Any
 
 import grpc
@@ -28,6 +27,7 @@ from trinity.common.config import StorageConfig
 from trinity.common.experience import Experience
 
 from expbuf.client.client import Batch, BufferError, PushResult
+from expbuf.client.kit.batches import take_one
 from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.location import connect, parse
 from expbuf.client.schema.reasons import Reason
@@ -276,8 +276,9 @@ class ExpbufReader(BufferReader):
         if reuse and self._replay is not None:
             settings.check_reuse(self._replay, table)
         self._leases: list[str] = []
-        keeper_client = connect(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_LEASE)
-        self._keeper = LeaseKeeper(keeper_client, self.location.table, self.location.lease_seconds)
+        self._restored: set[str] = set()  # the leases a loaded checkpoint named
+        renewals = self._client.clone(timeout=self.location.lease_seconds / RENEWALS_PER_LEASE)
+        self._keeper = LeaseKeeper(self._client, self.location.table, self.location.lease_seconds, renewals=renewals)
         weakref.finalize(self, self._keeper.close)  # a reader dropped unclosed renews nothing more
         self._sees_writers = True  # False once the token proved unable to ask (no push scope)
         self._experiences_read = 0
@@ -399,8 +400,7 @@ class ExpbufReader(BufferReader):
                 break
         if taken and delivery == "consume" and not self._group and not handoff.cancelled:
             for i, batch in enumerate(taken):  # taken under a lease, to give back a group that does not fit
-                self._client.ack(batch.lease_id, table=self.location.table)
-                self._keeper.drop(batch.lease_id)
+                self._keeper.ack(batch.lease_id)
                 taken[i] = dataclasses.replace(batch, lease_id="")
 
     def _delivery(self, done: bool) -> str:
@@ -416,27 +416,26 @@ class ExpbufReader(BufferReader):
         """One batch of `groups` whole groups (fewer with `partial`), or None if none came in `wait` s."""
         if delivery == "consume" and not self._group:
             delivery = "lease"
-        stream = self._client.sample(
-            self.location.table,
-            num_groups=groups,
-            order=self.location.order,
-            delivery=delivery,
-            lease_seconds=self.location.lease_seconds,
-            timeout=wait,
-            max_batches=1,
-            min_model_version=min_version,
-            allow_partial=partial,
-            trainer_version=version,
-        )
         try:
-            with closing(stream):
-                batch = next(stream, None)  # a partial request ends its stream empty when nothing is left
+            batch = take_one(
+                self._client,
+                self.location.table,
+                lambda broken: self._give_back([broken]),
+                num_groups=groups,
+                order=self.location.order,
+                delivery=delivery,
+                lease_seconds=self.location.lease_seconds,
+                timeout=wait,
+                min_model_version=min_version,
+                allow_partial=partial,
+                trainer_version=version,
+            )  # None: a partial request ends its stream empty when nothing is left
         except BufferError as exc:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return None
             raise
         if batch is not None and batch.lease_id:
-            self._keeper.hold(batch.lease_id)
+            self._keeper.hold(batch.lease_id, batch.lease_expires)
         return batch
 
     def _writers_done(self) -> bool:
@@ -458,23 +457,14 @@ class ExpbufReader(BufferReader):
         renewed, so it returns when its lease ends."""
         for batch in batches:
             if batch.lease_id:
-                self._keeper.drop(batch.lease_id)
-                try:
-                    self._client.nack(batch.lease_id, table=self.location.table)
-                except BufferError as exc:
-                    log.warning("expbuf: lease %s not given back (%s); it returns when it ends", batch.lease_id, exc)
+                self._keeper.give_back(batch.lease_id)
 
     def _acknowledge(self) -> None:
         """Acknowledge the batch handed out last: the training step that used it is over."""
         while self._leases:
             lease = self._leases[0]
-            try:
-                self._client.ack(lease, table=self.location.table)
-            except BufferError as exc:
-                if exc.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-                log.warning("expbuf: lease %s expired or was already settled; its groups may be read again", lease)
-            self._keeper.drop(lease)
+            self._keeper.ack(lease, tried=lease in self._restored)  # a checkpoint's may have been acked since
+            self._restored.discard(lease)
             self._leases.pop(0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -490,6 +480,7 @@ class ExpbufReader(BufferReader):
         self._batches_read = int(state_dict.get("batches_read", 0))
         leases = state_dict.get("lease_ids", [state_dict.get("lease_id") or ""])
         self._leases = [str(lease) for lease in leases if lease]
+        self._restored = set(self._leases)
         for lease in self._leases:  # kept while the restarted trainer loads its model
             self._keeper.hold(lease)
 

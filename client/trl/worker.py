@@ -20,12 +20,14 @@ the trainer twice.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -36,11 +38,13 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..client import BufferClient
 from ..errors import ExpbufError
+from ..kit.batches import take_one
+from ..kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from ..kit.tables import connect, table_info
 from ..results import Batch
 from .convert import rollout_samples
-from .keeper import TRANSIENT, LeaseKeeper
 from .leases import LeaseBook
+from .reporter import TRANSIENT, Reporter
 from .sample_queue import SampleQueue
 
 log = logging.getLogger("expbuf.trl")
@@ -93,10 +97,10 @@ class AckAfterStep(TrainerCallback):
         self.began = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.worker.keeper.ack(self.worker.book.step_ended())
+        self.worker.reporter.ack(self.worker.book.step_ended())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.worker.keeper.ack(self.worker.book.trained())
+        self.worker.reporter.ack(self.worker.book.trained())
 
 
 class ExpbufRolloutWorker:
@@ -139,10 +143,13 @@ class ExpbufRolloutWorker:
         self.rollout_buffer = SampleQueue(self._taken)
         self.metrics_queue: queue.Queue[dict[str, float]] = queue.Queue(maxsize=4096)
         self.callback = AckAfterStep(self)
-        self.keeper = LeaseKeeper(
-            self.client, table, self.book, lease_seconds, answered=self._answered, failed=self._fail,
-            metric=self._metric,
-        )  # fmt: skip
+        renewals = self.client.clone(timeout=lease_seconds / RENEWALS_PER_LEASE)
+        lost = functools.partial(_put, self.metrics_queue, "expbuf/leases_lost_total", 1.0)  # holds no worker
+        self.leases = LeaseKeeper(self.client, table, lease_seconds, renewals=renewals, lost=lambda _: lost())
+        weakref.finalize(self, self.leases.close)  # a worker dropped renews nothing more
+        self.reporter = Reporter(
+            self.client, table, self.leases, answered=self._answered, failed=self._fail, metric=self._metric
+        )
         self._version = 0
         self._queue_staleness = math.inf  # the trainer's max_staleness, by which TRL's queue drops a sample
         self._failure: Exception | None = None
@@ -164,7 +171,7 @@ class ExpbufRolloutWorker:
         self._stop.clear()
         self._failure = None
         self._last_answer = time.monotonic()
-        self.keeper.start()
+        self.reporter.start()
         self._sampler = threading.Thread(target=self._sample_loop, name="expbuf-trl-sampler", daemon=True)
         self._sampler.start()
 
@@ -176,14 +183,14 @@ class ExpbufRolloutWorker:
             self._sampler.join()
             self._sampler = None
         self.rollout_buffer.clear()
-        self.keeper.give_back(self.book.release())
-        self.keeper.stop()
+        self.reporter.give_back(self.book.release())
+        self.reporter.stop()
 
     def update_model_version(self, model_version: int) -> None:
         """The trainer's policy version (after each weight sync): the staleness floor of the next
-        lease at once, and the table's trainer version from the keeper's thread."""
+        lease at once, and the table's trainer version from the reporter's thread."""
         self._version = model_version
-        self.keeper.set_version(model_version)
+        self.reporter.set_version(model_version)
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise when the worker stopped on an error, or the server has not answered for more
@@ -247,35 +254,30 @@ class ExpbufRolloutWorker:
                 try:
                     samples = rollout_samples(batch.experiences, batch.group_ids)
                 except ValueError as exc:
-                    self.keeper.give_back([batch])
+                    self.reporter.give_back([batch])
                     self._fail(exc)
                     return
                 self.book.hold(batch, len(samples))
+                self.leases.hold(batch.lease_id, batch.lease_expires)
                 self.rollout_buffer.add(batch.lease_id, samples)
                 self._metric("expbuf/groups_sampled_total", float(len(batch.groups)))
 
     def _take(self) -> list[Batch]:
-        """At most one batch; returned only once the stream ended normally, i.e. the server has
-        stored its delivery. A batch whose stream broke after it arrived is given back instead
-        (its delivery may not have been stored, and the server would hand it out again)."""
+        """At most one batch, delivered durably (kit.batches.take_one): one whose stream broke
+        after it arrived is given back instead."""
         floor = None if self.max_staleness is None else self._version - self.max_staleness
-        got: list[Batch] = []
-        try:
-            for batch in self.client.sample(
-                self.table,
-                num_groups=self.num_groups,
-                delivery="lease",
-                lease_seconds=self.lease_seconds,
-                timeout=self.wait_seconds,
-                max_batches=1,
-                allow_partial=True,
-                min_model_version=floor,
-            ):
-                got.append(batch)
-        except ExpbufError:
-            self.keeper.give_back(got)
-            raise
-        return got
+        batch = take_one(
+            self.client,
+            self.table,
+            lambda broken: self.reporter.give_back([broken]),
+            num_groups=self.num_groups,
+            delivery="lease",
+            lease_seconds=self.lease_seconds,
+            timeout=self.wait_seconds,
+            allow_partial=True,
+            min_model_version=floor,
+        )
+        return [] if batch is None else [batch]
 
     # ---- what both threads report -------------------------------------------------------
 
@@ -288,5 +290,9 @@ class ExpbufRolloutWorker:
         self._stop.set()
 
     def _metric(self, key: str, value: float) -> None:
-        with contextlib.suppress(queue.Full):  # metrics the trainer does not drain are dropped
-            self.metrics_queue.put_nowait({key: value})
+        _put(self.metrics_queue, key, value)
+
+
+def _put(metrics: queue.Queue[dict[str, float]], key: str, value: float) -> None:
+    with contextlib.suppress(queue.Full):  # metrics the trainer does not drain are dropped
+        metrics.put_nowait({key: value})

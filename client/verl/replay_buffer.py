@@ -32,9 +32,9 @@ import transfer_queue as tq
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from expbuf.client import BufferClient, BufferError, FailedPreconditionError, NotFoundError, TableInfo
-from expbuf.client.kit.lease_keeper import LeaseKeeper
-from expbuf.client.kit.location import connect
+from expbuf.client import BufferClient, BufferError, FailedPreconditionError, TableInfo
+from expbuf.client.kit.batches import take_one
+from expbuf.client.kit.lease_keeper import RENEWALS_PER_LEASE, LeaseKeeper
 from expbuf.client.kit.tables import table_info
 from expbuf.client.verl import settings as settings_mod
 from expbuf.client.verl.convert import VERL_BATCH, Row, from_verl, parse_key, to_verl
@@ -90,7 +90,9 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         self._thread.start()
         # the leases of steps still running, renewed every third of a lease while this process lives
         # (its own channel): a dead trainer's groups go back within one lease, a live one's stay
-        self._keeper = LeaseKeeper(connect(self.settings.location), self.table, self.settings.location.lease_seconds)
+        seconds = self.settings.location.lease_seconds
+        renewals = self.client.clone(timeout=seconds / RENEWALS_PER_LEASE)
+        self._keeper = LeaseKeeper(self.client, self.table, seconds, renewals=renewals)
         atexit.register(self.close)
 
     def _table_config(self) -> TableInfo:
@@ -129,26 +131,24 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         """Lease `batch_size` whole groups within the staleness bound and write them into TransferQueue."""
         staleness = self.table_config.max_staleness
         floor = None if staleness is None else global_steps - staleness
-        while True:
-            stream = self.client.sample(
-                self.table,
-                num_groups=batch_size,
-                delivery="lease",
-                lease_seconds=self.settings.location.lease_seconds,
-                timeout=self.settings.wait_seconds,
-                max_batches=1,
-                min_model_version=floor,
-                trainer_version=global_steps,
-            )
+        batch = None
+        while batch is None:
             try:
-                batch = next(stream)
-                break
+                batch = take_one(
+                    self.client,
+                    self.table,
+                    lambda broken: self._keeper.give_back(broken.lease_id),
+                    num_groups=batch_size,
+                    delivery="lease",
+                    lease_seconds=self.settings.location.lease_seconds,
+                    timeout=self.settings.wait_seconds,
+                    min_model_version=floor,
+                    trainer_version=global_steps,
+                )
             except BufferError as exc:
                 if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 logger.info("expbuf table %s: waiting for %d groups of version >= %s", self.table, batch_size, floor)
-            finally:
-                stream.close()
         rows = to_verl(batch.experiences)
         for row in rows:
             _stamp(row, global_steps)
@@ -156,7 +156,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         keys = [row.key for row in rows]
         with self._lock:
             self._source_leases[batch.lease_id] = set(keys)
-        self._keeper.hold(batch.lease_id)
+        self._keeper.hold(batch.lease_id, batch.lease_expires)
         return KVBatchMeta(partition_id=TRAIN, keys=keys, tags=[row.tag for row in rows])
 
     # ------------------------------------------------------------------ restore
@@ -297,18 +297,9 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
         with self._lock:
             done = [lease for lease, keys in self._source_leases.items() if not keys & listing.keys()]
         for lease in done:
-            try:
-                self.client.ack(lease, self.table)
-            except NotFoundError:
-                logger.error(
-                    "expbuf table %s: lease %s ended before verl cleared its step (not renewed for a whole "
-                    "lease_seconds): its groups went back to the table and may be trained again",
-                    self.table,
-                    lease,
-                )
+            self._keeper.ack(lease)
             with self._lock:
                 self._source_leases.pop(lease, None)
-            self._keeper.drop(lease)
 
     def _give_back(self) -> None:
         """At close, the leases of steps that never ended go back to the table now."""
@@ -316,12 +307,7 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             leases = list(self._source_leases)
             self._source_leases.clear()
         for lease in leases:
-            try:
-                self.client.nack(lease, self.table)
-            except NotFoundError:
-                continue  # ended already
-            except Exception:
-                logger.exception("expbuf table %s: giving back lease %s failed", self.table, lease)
+            self._keeper.give_back(lease)
 
     def close(self) -> None:
         """Finish the pending round (pushes, retirements, acks), give back the leases of steps that
@@ -335,8 +321,8 @@ class ExpbufReplayBuffer(ReplayBufferAsync):
             self.sync_once()
         except Exception:
             logger.exception("expbuf table %s: last mirror round failed", self.table)
-        self._keeper.close()
         self._give_back()
+        self._keeper.close()
         self.client.close()
 
 
