@@ -186,3 +186,20 @@ def test_the_clients_examples_are_code_blocks_the_site_draws_as_code() -> None:
                     f"{path.relative_to(ROOT)}: {line.strip()}" for line in doc.splitlines() if line.endswith("::")
                 ]
     assert reST == []
+
+
+LONGEST_PARAGRAPH = 400  # words: past that a reader skims; a list or a section serves better
+
+
+def test_no_hand_written_paragraph_runs_on_past_what_a_reader_scans() -> None:
+    """A paragraph (or a list item) of docs/ written by hand holds at most LONGEST_PARAGRAPH
+    words; code blocks and tables aside."""
+    long = []
+    for path in sorted(DOCS.rglob("*.md")):
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for block in re.split(r"\n\s*\n", text):
+            for part in re.split(r"\n(?=[-*] |\d+\. )", block):  # each list item of a block
+                words = len(part.split())
+                if words > LONGEST_PARAGRAPH and not part.lstrip().startswith("|"):
+                    long.append(f"{path.relative_to(DOCS).as_posix()}: {words} words from {part.split()[:6]}")
+    assert long == []
