@@ -143,7 +143,7 @@ class AsyncBufferClient(ClientBase):
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
         def decode(reply: SampleReplyParts) -> AsyncBatch:
-            return calls.batch(reply, table, self, AsyncBatch)
+            return calls.batch(reply, table, self, AsyncBatch, columnar=bool(spec.fields))
 
         async def next_batch() -> Batch | None:
             if ahead is not None:

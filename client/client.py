@@ -183,7 +183,7 @@ class BufferClient(ClientBase):
         outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
 
         def decode(reply: SampleReplyParts) -> Batch:
-            return calls.batch(reply, table, self, Batch)
+            return calls.batch(reply, table, self, Batch, columnar=bool(spec.fields))
 
         def next_batch() -> Batch | None:
             if ahead is not None:

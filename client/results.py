@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import trxp
 from .schema.experience import Experience
+
+if TYPE_CHECKING:
+    from .columns import Column
 
 
 @dataclass
@@ -56,6 +59,13 @@ class Batch:
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     _leases: Leases | None = field(default=None, repr=False)
     confirm_seconds: float = field(default=0.0, repr=False)  # the reply's; 0: the server sets no bound
+    # A columnar batch's fields (sample(..., fields=[...])), by name; the payload is empty then.
+    columns: dict[str, Column] = field(default_factory=dict, repr=False)
+
+    @property
+    def columnar(self) -> bool:
+        """Whether the batch came as columns (sample's `fields`) rather than a TRXP payload."""
+        return not self.payload and bool(self.columns or self.uids)
 
     @property
     def groups(self) -> list[str]:
@@ -74,7 +84,12 @@ class Batch:
         """Decoded on first use, with the checks a reader relies on (trxp.decode_reply): a
         malformed payload raises TrxpError. The tensors are writable views over buffers this
         batch owns, one per dtype, into which decode gathered their bytes: writing to one
-        never changes `payload`."""
+        never changes `payload`. A columnar batch has none: it carries `columns`."""
+        if self.columnar:
+            raise ValueError(
+                f"this batch of table '{self.table}' was sampled as columns (fields={sorted(self.columns)}): "
+                "read batch.columns, or sample without fields for experiences"
+            )
         return trxp.decode_reply(self.payload)
 
     def ack(self) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from expbuf.client import BufferClient, BufferError, Claim, Experience, Prompt, PromptPage, PushResult, trxp
 from expbuf.client.schema.routing import (
@@ -282,6 +283,23 @@ def test_groups_land_whole_on_their_shard_and_are_delivered_once(shards: Shards)
             assert {owner[uid] for uid in batch.uids} == set(batch.shards)
             assert sorted(e.eid.uid for e in batch.experiences) == sorted(batch.uids)
         assert client.stats("mixed")["mixed"].consumed == 240
+
+
+def test_a_columnar_batch_from_several_shards_is_their_columns_in_batch_order(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("columns", group_size=2)
+        client.push(groups(0, range(12), range(2)), table="columns")
+        settled(client, "columns")
+        options = {"num_groups": 12, "delivery": "replay", "max_batches": 1, "timeout": 10}
+        (whole,) = client.sample("columns", **options)
+        (columnar,) = client.sample("columns", **options, fields=["tokens", "advantages"])
+        assert len(columnar.shards) > 1 and sorted(columnar.uids) == sorted(whole.uids)
+        by_uid = {exp.eid.uid: exp for exp in whole.experiences}
+        for name in ("tokens", "advantages"):
+            column = columnar.columns[name]
+            assert column.items == list(range(24))
+            for uid, got in zip(columnar.uids, column.tensors, strict=True):
+                assert torch.equal(got, getattr(by_uid[uid], name)), (name, uid)
 
 
 def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:

@@ -19,6 +19,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .. import trxp
+from ..columns import decode_columns
 from ..errors import DataLossError, DeadlineExceededError, ExpbufError
 from ..results import (
     Batch,
@@ -349,12 +350,18 @@ def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     return pb.SampleRequest(received=received, stop=stop)
 
 
-def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B]) -> B:
+def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B], *, columnar: bool = False) -> B:
     """A sampled batch, decoded (the checks a reader relies on), that acknowledges, gives
     back and renews through `leases` (the client's). The client confirms a batch only once
-    this returns: one it cannot decode raises DataLossError naming it, and goes back."""
+    this returns: one it cannot decode raises DataLossError naming it, and goes back.
+    `columnar`: the request named fields, so the reply must carry columns, not a payload."""
     rest = reply.rest
     try:
+        if columnar and reply.payload:
+            raise ValueError(
+                "the request named fields, and the server sent a TRXP payload: it predates columnar batches "
+                "(a server of this release or later sends them)"
+            )
         made = kind(
             payload=trxp.attach_advantages(reply.payload, rest.advantages, rest.response_lengths),
             uids=list(rest.uids),
@@ -366,8 +373,10 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B]) ->
             times_sampled=list(rest.times_sampled),
             _leases=leases,
             confirm_seconds=rest.confirm_seconds,
+            columns=decode_columns(rest.columns, len(rest.uids)) if rest.columns else {},
         )
-        _ = made.experiences  # decoded now, before it is confirmed
+        if not made.columnar:
+            _ = made.experiences  # decoded now, before it is confirmed
     except (trxp.TrxpError, ValueError, OverflowError) as exc:
         groups = list(dict.fromkeys(rest.group_ids))
         raise DataLossError(

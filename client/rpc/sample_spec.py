@@ -8,6 +8,7 @@ any stream opens; the server checks the same ranges again where the request ente
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypedDict
 
@@ -32,6 +33,7 @@ class SampleOptions(TypedDict, total=False):
     trainer_version: int | None
     window: int
     prefetch: int
+    fields: Sequence[str] | None
 
 
 def _integer(name: str, value: Any, low: int, *, optional: bool = False) -> None:
@@ -76,6 +78,7 @@ class SampleSpec:
     trainer_version: int | None = None
     window: int = 2
     prefetch: int = 1
+    fields: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if bool(self.batch_size) == bool(self.num_groups):
@@ -100,6 +103,12 @@ class SampleSpec:
         if self.window > MAX_WINDOW:
             raise ValueError(f"sample: window is {self.window}; it must be 1 to {MAX_WINDOW} batches ahead")
         _integer("prefetch", self.prefetch, 0)
+        if self.fields is not None:
+            if isinstance(self.fields, str) or not all(isinstance(name, str) and name for name in self.fields):
+                raise ValueError(f"sample: fields is {self.fields!r}; it must be a list of tensor field names")
+            if not self.fields:
+                raise ValueError("sample: fields is empty; name the tensor fields to read, or leave it None")
+            object.__setattr__(self, "fields", tuple(self.fields))
         if self.prefetch > self.window:
             raise ValueError(
                 f"sample: prefetch is {self.prefetch}; it must be 0 to window ({self.window}): a batch decoded "
@@ -149,4 +158,5 @@ class SampleSpec:
             has_trainer_version=self.trainer_version is not None,
             window=self.window,
             compact_advantages=True,
+            fields=self.fields or (),
         )

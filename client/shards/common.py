@@ -4,6 +4,7 @@ shards, and merging what the shards answer. Their calls' logic is in plans.py.""
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import Any, Unpack
 import grpc
 
 from .. import trxp
+from ..columns import join_columns
 from ..errors import BufferError
 from ..results import AsyncBatch, Batch, Leases, PushResult, TableInfo
 from ..rpc import calls
@@ -218,12 +220,17 @@ class Sharded:
     @staticmethod
     def _merge(parts: list[tuple[str, Batch]], partial: bool, leases: Leases, kind: type[ShardBatch]) -> ShardBatch:
         """One batch of the parts drawn from several shards; its lease id names each part's shard."""
-        if len(parts) == 1:
+        columns = parts[0][1].columns
+        if len(parts) == 1 or parts[0][1].columnar:
             payload = parts[0][1].payload
         else:
             payload = trxp.build([item for _, part in parts for item in trxp.parse(part.payload, trusted=True)])
+        if len(parts) > 1 and parts[0][1].columnar:
+            bases = itertools.accumulate((len(part.uids) for _, part in parts[:-1]), initial=0)
+            columns = join_columns([(base, part.columns) for base, (_, part) in zip(bases, parts, strict=True)])
         return kind(
             payload=payload,
+            columns=columns,
             uids=[uid for _, part in parts for uid in part.uids],
             group_ids=[group for _, part in parts for group in part.group_ids],
             lease_id=",".join(f"{shard}/{part.lease_id}" for shard, part in parts if part.lease_id),

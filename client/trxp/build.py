@@ -319,6 +319,21 @@ def _stored_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
     return found, whole and end == section_len
 
 
+def stored_tensors(header: bytes, section: memoryview) -> dict[str, RawTensor]:
+    """One stored item's tensors by name, as views of its tensor `section`, read from its
+    safetensors header as join() reads it."""
+    found, _ = _stored_tensors(header, len(section))
+    return {
+        _json_name(name): RawTensor(dtype.decode(), _shape(shape), section[start:end])
+        for name, dtype, shape, start, end in found
+    }
+
+
+def _json_name(text: bytes) -> str:
+    """A name as the contents of a JSON string, read back."""
+    return json.loads(b'"' + text + b'"') if b"\\" in text else text.decode()
+
+
 def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], bool]:
     """_stored_tensors() of a header in another layout, through a JSON parse."""
     found: list[_Stored] = []

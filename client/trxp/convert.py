@@ -80,7 +80,7 @@ def gather(items: list[RawItem]) -> tuple[list[bytearray], list[dict[str, torch.
             if runs is None:
                 runs = pieces[raw.dtype] = []
             runs.append(raw.data)
-    dtypes = _torch_dtypes()
+    dtypes = torch_dtypes()
     buffers: list[bytearray] = []
     views: dict[str, Iterator[torch.Tensor]] = {}
     for code, runs in pieces.items():
@@ -250,7 +250,7 @@ def _custom_field_dict(cf: Any) -> dict[str, str]:
 
 
 @functools.cache
-def _torch_dtypes() -> dict[str, torch.dtype]:
+def torch_dtypes() -> dict[str, torch.dtype]:
     """safetensors code -> torch dtype; torch is imported only when tensors are made."""
     import torch
 
@@ -278,7 +278,7 @@ def tensor_of(raw: RawTensor) -> torch.Tensor:
     the element size (torch.frombuffer shares it), otherwise a copy that owns its memory."""
     import torch
 
-    dtype = _torch_dtypes()[raw.dtype]
+    dtype = torch_dtypes()[raw.dtype]
     if raw.numel == 0:
         return torch.empty(raw.shape, dtype=dtype)
     data = raw.data
@@ -303,8 +303,8 @@ def flat_tensor(raw: RawTensor | None, length: int, fill: int, dtype: torch.dtyp
 
 @functools.cache
 def _safetensors_codes() -> dict[torch.dtype, str]:
-    """torch dtype -> safetensors code, the inverse of _torch_dtypes."""
-    return {dtype: code for code, dtype in _torch_dtypes().items()}
+    """torch dtype -> safetensors code, the inverse of torch_dtypes."""
+    return {dtype: code for code, dtype in torch_dtypes().items()}
 
 
 def raw_of(value: Any) -> RawTensor:

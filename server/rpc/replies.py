@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from expbuf.client.trxp.columns import ColumnParts
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store import Sampled
@@ -23,6 +24,8 @@ from ..store.schema.sample_spec import SampleSpec
 from .interceptor import ServiceInterceptor
 
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
+_COLUMN_TAG = b"\x62"  # SampleReply field 12 (columns), length-delimited
+_VALUES_TAG = b"\x32"  # Column field 6 (values), length-delimited
 # glibc's mallopt parameters, and what keep_reply_memory sets them to.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 128 << 20
@@ -47,7 +50,7 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> by
     values: list[float] = []
     lengths: list[int] = []
     lease = spec.delivery == "lease"
-    if spec.compact_advantages:
+    if spec.compact_advantages and not spec.fields:
         batch.finish()
         apart = send_apart(batch.advantages)
         if apart is not None:
@@ -65,11 +68,28 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> by
         lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
     try:
+        if spec.fields:
+            return batch.columns(spec.fields, lambda columns: b"".join([*_framed(columns), rest]))
         return batch.render(
             lambda parts: b"".join([_PAYLOAD_TAG, _varint(sum(len(part) for part in parts)), *parts, rest])
         )
     finally:
         batch.release()
+
+
+def _framed(columns: list[ColumnParts]) -> list[bytes | memoryview]:
+    """The reply's `columns` as the runs of bytes they are made of: each Column's small fields
+    serialised by protobuf, its values written after them (protobuf reads fields in any order)
+    as the stored bytes, which the caller's join copies once."""
+    runs: list[bytes | memoryview] = []
+    for column in columns:
+        head = pb.Column(
+            name=column.name, dtype=column.dtype, items=column.items, ndim=column.ndim, shapes=column.shapes
+        ).SerializeToString()
+        size = column.size
+        values_head = _VALUES_TAG + _varint(size)
+        runs += [_COLUMN_TAG, _varint(len(head) + len(values_head) + size), head, values_head, *column.values]
+    return runs
 
 
 def keep_reply_memory() -> bool:

@@ -75,6 +75,7 @@ def sample_spec(request: pb.SampleRequest) -> SampleSpec:
         trainer_version=request.trainer_version if request.has_trainer_version else None,
         window=request.window or 1,
         compact_advantages=request.compact_advantages,
+        fields=tuple(request.fields),
     )
 
 

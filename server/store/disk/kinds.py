@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from expbuf.client.trxp.build import pack_item
+from expbuf.client.trxp.columns import ColumnParts
 from expbuf.client.trxp.common import RawItem
 
 from ..schema.states import PENDING
@@ -15,7 +16,7 @@ from ..schema.table_config import TableConfig
 from . import digests
 from .records import ItemRecord
 from .snapshot import Snapshot
-from .stored_advantages import Advantage, Stage, batch_parts
+from .stored_advantages import Advantage, Stage, batch_columns, batch_parts
 
 T = TypeVar("T")
 
@@ -154,6 +155,15 @@ class Sampled:
             return build(batch_parts(self.blobs, self.advantages))
         with self.snapshot.reading():
             return build(batch_parts(self.blobs, self.advantages))
+
+    def columns(self, fields: Sequence[str], build: Callable[[list[ColumnParts]], T]) -> T:
+        """`build` of the batch as the columns of `fields` (stored_advantages.batch_columns),
+        whose bytes are valid only during the call, as render's are. The batch stage runs first."""
+        self.finish()
+        if self.snapshot is None:
+            return build(batch_columns(self.blobs, self.advantages, fields))
+        with self.snapshot.reading():
+            return build(batch_columns(self.blobs, self.advantages, fields))
 
     def release(self) -> None:
         """End the snapshot the payloads are read from, without copying them: for a batch

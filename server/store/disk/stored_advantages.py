@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
+from expbuf.client.trxp.columns import ColumnParts, column_parts
 from expbuf.client.trxp.common import RawTensor
 
 from ..schema.table_config import TableConfig
@@ -102,6 +103,16 @@ def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advant
     if all(a is SENT_APART for a in advantages):
         return join_parts(blobs, drop=ADDED)
     return join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
+
+
+def batch_columns(
+    blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage], fields: Sequence[str]
+) -> list[ColumnParts]:
+    """A batch of stored experiences as the columns of `fields`, computed advantages and returns
+    included (in place of any pushed with an experience that has computed ones)."""
+    if all(a is None for a in advantages):
+        return column_parts(blobs, fields)
+    return column_parts(blobs, fields, lambda index, tensors: expand(advantages[index], tensors), ADDED)
 
 
 def expand(advantage: Advantage, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:

@@ -23,6 +23,9 @@ INT64 = (-(2**63), 2**63 - 1)
 # The most batches a stream may have sent and not yet had confirmed: what the server
 # prepares ahead of its client, whatever gRPC's flow-control window would hold.
 MAX_WINDOW = 8
+# A columnar request's fields: how many it may name, and how long a name may be (in UTF-8 bytes).
+MAX_FIELDS = 64
+MAX_FIELD_NAME = 128
 
 
 def check_count(name: str, value: int) -> None:
@@ -48,6 +51,19 @@ def check_seconds(name: str, value: float, *, low: float, high: float, low_open:
         raise SpecError(f"{name} is {value:g}; it must be {bound} and <= {high:g}")
 
 
+def check_fields(fields: tuple[str, ...]) -> None:
+    """The tensor fields of a columnar request: at most MAX_FIELDS names, each a non-empty
+    string of at most MAX_FIELD_NAME bytes, none twice."""
+    if len(fields) > MAX_FIELDS:
+        raise SpecError(f"fields names {len(fields)} fields; at most {MAX_FIELDS}")
+    for name in fields:
+        if not isinstance(name, str) or not name or len(name.encode()) > MAX_FIELD_NAME:
+            raise SpecError(f"fields: {clip(repr(name))} is not a field name (1 to {MAX_FIELD_NAME} bytes)")
+    if len(set(fields)) != len(fields):
+        twice = sorted({name for name in fields if fields.count(name) > 1})
+        raise SpecError(f"fields names {clip(', '.join(twice))} more than once")
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """One stream's request: how many, in which order, delivered how, and how long to wait.
@@ -70,6 +86,7 @@ class SampleSpec:
     trainer_version: int | None = None  # stored for the table before the batch is taken
     window: int = 1  # batches sent ahead of the client's confirmations (1..MAX_WINDOW)
     compact_advantages: bool = False  # one value per experience beside the payload, where it can be
+    fields: tuple[str, ...] = ()  # a columnar reply of these tensor fields; empty: the TRXP payload
 
     def __post_init__(self) -> None:
         for name in ("num_groups", "batch_size", "max_batches"):
@@ -92,6 +109,7 @@ class SampleSpec:
             check_version("trainer_version", self.trainer_version)
         if not isinstance(self.window, int) or isinstance(self.window, bool) or not 1 <= self.window <= MAX_WINDOW:
             raise SpecError(f"window is {self.window!r}; it must be 1 to {MAX_WINDOW} batches ahead")
+        check_fields(self.fields)
 
     @property
     def want(self) -> str:

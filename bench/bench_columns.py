@@ -1,0 +1,144 @@
+"""A trainer's batches as columns against the same batches decoded as experiences, side by side
+in one run (issue 41).
+
+    .venv/bin/python bench/bench_columns.py [--rounds 5] [--out bench/RESULTS.md]
+
+One `expbuf serve` child on loopback; the shapes and streams of bench/bench_decode.py: 8 KB
+experiences (int32[1024] tokens, float32[1023] log-probs) and 40 KB ones, batches of 256, consume
+delivery, estimator none. Each round runs, in alternating order, one consume stream of:
+- bytes: the TRXP reply, not decoded (what the transport and the server cost);
+- experiences: `Batch.experiences`, a trainer's read today;
+- columns: `sample(..., fields=["tokens", "logprobs"])`, the batch as one tensor per field
+  (`Batch.columns`), decoded before it is confirmed.
+Experiences per second, and the client's and the server's CPU µs per experience; medians of the
+rounds, ratios of medians from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_decode import BATCH, SERIAL, SHAPES, server_cpu  # noqa: E402
+from bench_reverb import make_pushes, restamp  # noqa: E402
+from bench_service import Proc  # noqa: E402
+from results import write_section  # noqa: E402
+
+from expbuf.client import BufferClient  # noqa: E402
+
+HEADING = "## Columnar batches against decoded experiences (issue 41)"
+FIELDS = ["tokens", "logprobs"]
+STREAMS: dict[str, dict[str, Any]] = {"bytes": {}, "experiences": {}, "columns": {"fields": FIELDS}}
+
+
+def stream(client: BufferClient, server: int, table: str, batches: int, name: str) -> tuple[float, float, float]:
+    """Experiences per second of one consume stream read as `name` says, and the client's and
+    the server's CPU µs per experience."""
+    got = 0
+    start, cpu, served = time.perf_counter(), time.process_time(), server_cpu(server)
+    for batch in client.sample(
+        table, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60, **STREAMS[name]
+    ):
+        if name == "experiences":
+            got += len([exp.tokens for exp in batch.experiences])
+        elif name == "columns":
+            got += int(batch.columns["tokens"].offsets.numel()) - 1
+        else:
+            got += len(batch.uids)
+    assert got == batches * BATCH, got
+    wall, cpu, served = time.perf_counter() - start, time.process_time() - cpu, server_cpu(server) - served
+    return got / wall, cpu / got * 1e6, served / got * 1e6
+
+
+def measure(target: str, server: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    results: dict[str, dict[str, list[float]]] = {}
+    with BufferClient(target, timeout=120) as client:
+        for shape, (kind, per_stream) in SHAPES.items():
+            table = f"columns{kind}"
+            client.create_table(table, estimator="none", group_by="none")
+            pushes = make_pushes(kind, per_stream)
+            batches = sum(map(len, pushes)) // BATCH
+            rates = results.setdefault(shape, {})
+            names = list(STREAMS)
+            for r in range(rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    restamp(pushes, SERIAL)
+                    for exps in pushes:
+                        client.push(exps, table=table)
+                    rate, cpu, served = stream(client, server, table, batches, name)
+                    rates.setdefault(f"stream {name}", []).append(rate)
+                    rates.setdefault(f"client {name}", []).append(cpu)
+                    rates.setdefault(f"server {name}", []).append(served)
+            print(shape, {k: round(statistics.median(v), 1) for k, v in rates.items()}, file=sys.stderr)
+    return results
+
+
+def report(command: str, load: str, results: dict[str, dict[str, list[float]]]) -> str:
+    lines = [
+        HEADING,
+        "",
+        f"Command: `{command}`  ",
+        f"Loopback, {os.cpu_count()} cores shared with other work: load average {load} at the start "
+        "(uptime). Batches of 256, consume delivery; columns of tokens and log-probs; medians of the "
+        "rounds, ratios from the same run.",
+        "",
+        "| experiences | stream, bytes only | stream, experiences | stream, columns | columns / experiences "
+        "| columns / bytes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape, rates in results.items():
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        raw, exps, cols = med["stream bytes"], med["stream experiences"], med["stream columns"]
+        lines.append(
+            f"| {shape} | {raw:,.0f} exp/s | {exps:,.0f} exp/s | {cols:,.0f} exp/s | **{cols / exps:.2f}** "
+            f"| {cols / raw:.2f} |"
+        )
+    lines += [
+        "",
+        "CPU µs per experience in those streams (medians), the client's and the server's:",
+        "",
+        "| experiences | client: bytes / experiences / columns | server: bytes / experiences / columns |",
+        "| --- | --- | --- |",
+    ]
+    for shape, rates in results.items():
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        client = " / ".join(f"{med[f'client {name}']:.1f}" for name in STREAMS)
+        server = " / ".join(f"{med[f'server {name}']:.1f}" for name in STREAMS)
+        lines.append(f"| {shape} | {client} | {server} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args()
+    command = ("python bench/bench_columns.py " + " ".join(sys.argv[1:])).strip()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+        server = Proc(
+            "-m", "expbuf.server.cli", "serve", "--data", f"{tmp}/data", "--port", "0", "--metrics-port", "-1"
+        )
+        try:
+            results = measure(server.target, server.proc.pid, args.rounds)
+        finally:
+            server.stop()
+    section = report(command, load, results)
+    print(section)
+    write_section(Path(args.out), HEADING, section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""A columnar batch's fields as tensors: `sample(..., fields=[...])` gives each batch's `columns`.
+
+A trainer that reads tensors, not Experience objects, asks for the fields it trains on and gets,
+per field, every experience's values back to back in one tensor, with `offsets` where each
+experience's rows begin: the jagged layout of `torch.nested` (`Column.nested()`) and of
+TransferQueue, with no Python object per experience. Each field's bytes are copied once, from
+the reply into a buffer the tensor owns (so it is writable); the checks are those of the reply's
+framing: every column's values fit its shapes exactly, or the batch is not confirmed and goes
+back (DataLossError).
+
+A field stored with several dtypes in one batch (log-probs sent as float32 by one rollout worker
+and bfloat16 by another) is promoted to one dtype; one stored with several ranks, or with
+trailing dimensions that differ, has no jagged form: its `values` and `offsets` are None and
+`tensors` holds each experience's tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .trxp.common import ITEMSIZE
+from .trxp.convert import torch_dtypes
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor field of a batch. `items` are the batch positions (of `uids`) of the
+    experiences that have it, `shapes` their shapes. Jagged along the first dimension:
+    experience k's rows are `values[offsets[k]:offsets[k + 1]]`."""
+
+    name: str
+    items: list[int]
+    shapes: list[tuple[int, ...]]
+    values: torch.Tensor | None
+    offsets: torch.Tensor | None
+    parts: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Each experience's tensor (views of `values` where the column is jagged)."""
+        if self.values is None or self.offsets is None:
+            return list(self.parts)
+        bounds = self.offsets.tolist()
+        return [self.values[bounds[k] : bounds[k + 1]].reshape(shape) for k, shape in enumerate(self.shapes)]
+
+    def nested(self) -> torch.Tensor:
+        """The column as a jagged nested tensor (torch.nested, layout=torch.jagged): one row per
+        experience that has the field. Its experiences' tensors must be of rank 1 or more."""
+        import torch
+
+        if self.values is None or self.offsets is None:
+            raise ValueError(f"column {self.name!r} has experiences of different ranks or trailing dimensions")
+        if any(not shape for shape in self.shapes):
+            raise ValueError(f"column {self.name!r} holds one value per experience: use `values`")
+        return torch.nested.nested_tensor_from_jagged(self.values, self.offsets)
+
+
+def decode_columns(columns: Any, count: int) -> dict[str, Column]:
+    """The `columns` of a SampleReply (pb.Column messages) of a batch of `count` experiences,
+    by field: checked against their framing, a field's columns of several dtypes merged. A
+    ValueError names what does not fit."""
+    import torch
+
+    dtypes = torch_dtypes()
+    by_name: dict[str, list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]]] = {}
+    for column in columns:
+        if column.dtype not in dtypes:
+            raise ValueError(f"column {column.name!r}: unknown dtype {column.dtype!r}")
+        items = list(column.items)
+        shapes = _shapes(column, len(items))
+        if any(not 0 <= item < count for item in items) or len(set(items)) != len(items):
+            raise ValueError(f"column {column.name!r}: its experiences are not positions of the batch")
+        numel = sum(math.prod(shape) for shape in shapes)
+        if numel * ITEMSIZE[column.dtype] != len(column.values):
+            raise ValueError(
+                f"column {column.name!r}: {len(column.values)} bytes of values for {numel} {column.dtype} values"
+            )
+        values = torch.frombuffer(bytearray(column.values), dtype=dtypes[column.dtype]) if numel else None
+        flat = values if values is not None else torch.empty(0, dtype=dtypes[column.dtype])
+        by_name.setdefault(column.name, []).append((items, shapes, flat))
+    return {name: _merged(name, parts) for name, parts in by_name.items()}
+
+
+def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
+    ndim = column.ndim
+    dims = list(column.shapes)
+    if len(dims) != ndim * items:
+        raise ValueError(f"column {column.name!r}: {len(dims)} shape numbers for {items} experiences of rank {ndim}")
+    return [tuple(dims[k * ndim : (k + 1) * ndim]) for k in range(items)]
+
+
+def join_columns(parts: list[tuple[int, dict[str, Column]]]) -> dict[str, Column]:
+    """The columns of batches joined into one (a sharded client's parts), each part's
+    experiences from position `base` on, in the order the parts come."""
+    pieces: dict[str, list[_Piece]] = {}
+    for base, columns in parts:
+        for name, column in columns.items():
+            pieces.setdefault(name, []).extend(
+                (base + item, shape, tensor.reshape(-1))
+                for item, shape, tensor in zip(column.items, column.shapes, column.tensors, strict=True)
+            )
+    return {name: _column(name, found) for name, found in pieces.items()}
+
+
+_Piece = tuple[int, tuple[int, ...], "torch.Tensor"]  # an experience's position, shape and flat values
+
+
+def _merged(name: str, parts: list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]]) -> Column:
+    """One Column of a field's columns as they came (each flat, its experiences back to back)."""
+    if len(parts) == 1:
+        items, shapes, flat = parts[0]
+        if _jagged(shapes):
+            return Column(name, items, shapes, _rows(flat, shapes), _offsets(shapes))
+    pieces: list[_Piece] = []
+    for items, shapes, flat in parts:
+        at = 0
+        for item, shape in zip(items, shapes, strict=True):
+            size = math.prod(shape)
+            pieces.append((item, shape, flat[at : at + size]))
+            at += size
+    return _column(name, pieces)
+
+
+def _column(name: str, pieces: list[_Piece]) -> Column:
+    """A Column of experiences' flat values in batch order: jagged where every one has the same
+    rank and trailing dimensions, its dtype the promotion of theirs."""
+    import torch
+
+    pieces.sort(key=lambda piece: piece[0])
+    items = [item for item, _, _ in pieces]
+    shapes = [shape for _, shape, _ in pieces]
+    if not _jagged(shapes):
+        return Column(name, items, shapes, None, None, tuple(flat.reshape(shape) for _, shape, flat in pieces))
+    dtype = pieces[0][2].dtype
+    for _, _, flat in pieces[1:]:
+        dtype = torch.promote_types(dtype, flat.dtype)
+    values = torch.cat([flat.to(dtype) for _, _, flat in pieces])
+    return Column(name, items, shapes, _rows(values, shapes), _offsets(shapes))
+
+
+def _jagged(shapes: list[tuple[int, ...]]) -> bool:
+    """Whether tensors of these shapes line up along their first dimension."""
+    return len({len(shape) for shape in shapes}) == 1 and len({shape[1:] for shape in shapes}) == 1
+
+
+def _rows(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> torch.Tensor:
+    """Flat values as rows: their first dimension joined, the trailing ones kept."""
+    return flat.reshape(-1, *shapes[0][1:]) if shapes and shapes[0] else flat
+
+
+def _offsets(shapes: list[tuple[int, ...]]) -> torch.Tensor:
+    """Where each experience's rows begin, and the end: len(shapes) + 1 numbers."""
+    import torch
+
+    offsets = torch.zeros(len(shapes) + 1, dtype=torch.int64)
+    if shapes:
+        offsets[1:] = torch.tensor([shape[0] if shape else 1 for shape in shapes], dtype=torch.int64).cumsum(0)
+    return offsets

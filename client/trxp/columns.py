@@ -1,0 +1,72 @@
+"""A batch of stored experiences as columns: for each tensor field asked for, the values of the
+experiences that have it, back to back in batch order, with each one's shape.
+
+Each stored experience's tensors are found through its safetensors header, read as join() reads
+it (build.stored_tensors: no parse of the metadata pickle, no JSON parse of a header pack_item
+wrote), and handed on as views of the stored bytes: the caller that frames the reply copies
+each byte once. A field stored with several dtypes or ranks in one batch makes one column for
+each (Trinity-RFT lets a client send log-probs as float32 in one experience and bfloat16 in
+another); the client merges them where it can.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .build import stored_tensors
+from .common import HEADER, HEADER_SIZE, RawTensor
+
+
+@dataclass
+class ColumnParts:
+    """One column of a batch: the experiences (`items`, batch positions) whose `name` tensor has
+    this dtype and rank, their shapes (`ndim` numbers each, flattened) and their bytes as runs."""
+
+    name: str
+    dtype: str
+    ndim: int
+    items: list[int] = field(default_factory=list)
+    shapes: list[int] = field(default_factory=list)
+    values: list[bytes | memoryview] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.values))
+
+
+def column_parts(
+    payloads: Iterable[bytes | memoryview],
+    fields: Sequence[str],
+    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    added: Sequence[str] = (),
+) -> list[ColumnParts]:
+    """The columns of `fields` over stored one-item payloads, in the order `fields` names them
+    (each field's columns in the order their first experience comes). `extra(i, tensors)`
+    gives tensors that item i gets on top of its stored ones (the server's advantages); it is
+    called only when a field in `added` (the names it may give) is asked for."""
+    wanted = set(fields)
+    computed = bool(extra is not None and wanted & set(added))
+    columns: dict[tuple[str, str, int], ColumnParts] = {}
+    for index, payload in enumerate(payloads):
+        view = memoryview(payload)
+        _, _, meta_len, _ = HEADER.unpack_from(view)
+        blob = view[HEADER_SIZE + meta_len :]
+        (header_len,) = struct.unpack_from("<Q", blob)
+        section = blob[8 + header_len :]
+        found = stored_tensors(bytes(blob[8 : 8 + header_len]), section)
+        tensors = {name: tensor for name, tensor in found.items() if name in wanted}
+        if computed:
+            assert extra is not None
+            tensors.update({k: v for k, v in extra(index, found).items() if k in wanted})
+        for name, tensor in tensors.items():
+            key = (name, tensor.dtype, len(tensor.shape))
+            column = columns.get(key)
+            if column is None:
+                column = columns[key] = ColumnParts(name, tensor.dtype, len(tensor.shape))
+            column.items.append(index)
+            column.shapes.extend(tensor.shape)
+            column.values.append(tensor.data)
+    rank = {name: at for at, name in enumerate(fields)}
+    return sorted(columns.values(), key=lambda column: rank[column.name])

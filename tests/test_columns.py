@@ -1,0 +1,169 @@
+"""Columnar batches: `sample(..., fields=[...])` gives each field of a batch as one tensor, jagged
+by experience, equal field by field to what the TRXP payload of the same batch decodes to. A real
+server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from expbuf.client import BufferClient, DataLossError, trxp
+from expbuf.client.columns import decode_columns
+from expbuf.client.schema.experience import EID, Experience
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from helpers import serving
+
+FIELDS = ["tokens", "logprobs", "action_mask", "advantages", "returns", "routed_experts"]
+
+
+def rollout(task: int, run: int, response: int, *, half: bool = False) -> Experience:
+    """A rollout of `response` generated tokens with its routing ids (uint8, 2 experts a token)."""
+    prompt = 3 + task
+    return Experience(
+        eid=EID(batch=0, task=task, run=run),
+        tokens=torch.arange(prompt + response, dtype=torch.int64) + 100 * run,
+        prompt_length=prompt,
+        logprobs=torch.linspace(-1, 0, response, dtype=torch.bfloat16 if half else torch.float32),
+        action_mask=torch.arange(response) % 3 != 0,
+        routed_experts=(torch.arange((prompt + response) * 2, dtype=torch.uint8) % 64).reshape(-1, 2),
+        reward=float(run),
+    )
+
+
+def pushed(client: BufferClient, table: str, *, half_from: int = 99) -> list[Experience]:
+    client.create_table(table, group_size=3, estimator="grpo")
+    made = [rollout(task, run, 4 + task + run, half=run >= half_from) for task in range(3) for run in range(3)]
+    client.push(trxp.encode(made), table=table)
+    return made
+
+
+def both(client: BufferClient, table: str) -> tuple[list[Experience], dict]:
+    """The same three groups, replayed: as experiences, and as columns."""
+    kw = {"num_groups": 3, "delivery": "replay", "max_batches": 1, "timeout": 10}
+    (trxp_batch,) = client.sample(table, **kw)
+    (columnar,) = client.sample(table, **kw, fields=FIELDS)
+    assert columnar.uids == trxp_batch.uids and not columnar.payload
+    return trxp_batch.experiences, columnar.columns
+
+
+def test_a_columnar_sample_equals_the_trxp_sample_field_by_field(client: BufferClient) -> None:
+    pushed(client, "c")
+    experiences, columns = both(client, "c")
+    assert list(columns) == FIELDS
+    for name in FIELDS:
+        column = columns[name]
+        assert column.items == list(range(len(experiences)))
+        want = [getattr(exp, name) for exp in experiences]
+        assert [tuple(t.shape) for t in want] == column.shapes
+        for got, expected in zip(column.tensors, want, strict=True):
+            assert got.dtype == expected.dtype and torch.equal(got, expected), name
+        assert column.values is not None and column.offsets is not None
+        assert column.offsets.tolist()[-1] == column.values.shape[0]
+    nested = columns["logprobs"].nested()
+    assert nested.is_nested and nested.size(0) == len(experiences)
+    assert torch.equal(nested.unbind()[4], experiences[4].logprobs)
+    routed = columns["routed_experts"]
+    assert routed.values is not None and routed.values.dtype == torch.uint8 and routed.values.shape[1:] == (2,)
+    advantages = torch.cat([exp.advantages for exp in experiences])
+    assert torch.equal(columns["advantages"].values, advantages) and advantages.abs().sum() > 0
+
+
+def test_the_docs_trainer_takes_a_jagged_tensordict_of_its_fields(client: BufferClient) -> None:
+    """docs/concepts/pushing-and-sampling.md, "Columnar batches": its loop, as written there."""
+    from tensordict import TensorDict
+
+    made = pushed(client, "d")
+    fields = ["tokens", "action_mask", "logprobs", "advantages"]
+    steps = []
+    for batch in client.sample("d", num_groups=3, fields=fields, max_batches=1, timeout=10):
+        columns = batch.columns
+        step = TensorDict({name: columns[name].nested() for name in fields}, batch_size=[len(batch.uids)])
+        steps.append(step)
+        batch.ack()
+    (step,) = steps
+    by_uid = {exp.eid.uid: exp for exp in made}
+    assert torch.equal(step[4]["tokens"], by_uid[batch.uids[4]].tokens)
+    assert client.stats("d")["d"].consumed == 9
+
+
+def test_a_columnar_batch_carries_only_its_fields_and_no_experiences(client: BufferClient) -> None:
+    pushed(client, "o")
+    (batch,) = client.sample("o", num_groups=1, max_batches=1, fields=["logprobs", "teacher_logprobs"], timeout=10)
+    assert list(batch.columns) == ["logprobs"]  # no experience has teacher log-probs
+    with pytest.raises(ValueError, match="sampled as columns"):
+        _ = batch.experiences
+    columns = batch.columns["logprobs"]
+    columns.values.add_(1.0)  # writable: the batch owns its buffer
+    batch.ack()
+
+
+def test_a_field_stored_with_two_dtypes_is_promoted_in_batch_order(client: BufferClient) -> None:
+    pushed(client, "h", half_from=2)  # each group's third run sends bfloat16 log-probs
+    experiences, columns = both(client, "h")
+    logprobs = columns["logprobs"]
+    assert logprobs.values is not None and logprobs.values.dtype == torch.float32
+    for got, exp in zip(logprobs.tensors, experiences, strict=True):
+        assert torch.equal(got, exp.logprobs.float())
+
+
+def test_a_columnar_request_with_bad_fields_is_refused_naming_them(client: BufferClient) -> None:
+    pushed(client, "r")
+    with pytest.raises(ValueError, match="fields is empty"):
+        next(client.sample("r", num_groups=1, fields=[]))
+    request = pb.SampleRequest(table="r", num_groups=1, max_batches=1, fields=["tokens", "tokens"])
+    channel = grpc.insecure_channel(client.target)
+    stream = channel.stream_stream(
+        "/expbuf.v1.ExperienceBuffer/Sample",
+        request_serializer=pb.SampleRequest.SerializeToString,
+        response_deserializer=pb.SampleReply.FromString,
+    )(iter([request]))
+    with pytest.raises(grpc.RpcError) as refused:
+        next(stream)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fields names tokens more than once" in refused.value.details()
+    channel.close()
+    assert client.stats("r")["r"].ready == 9  # nothing was taken
+
+
+def test_a_reply_whose_columns_do_not_fit_their_framing_is_refused() -> None:
+    short = pb.Column(name="tokens", dtype="I64", items=[0], ndim=1, shapes=[4], values=b"\0" * 24)
+    with pytest.raises(ValueError, match="24 bytes of values for 4 I64 values"):
+        decode_columns([short], 1)
+    outside = pb.Column(name="tokens", dtype="I64", items=[3], ndim=1, shapes=[1], values=b"\0" * 8)
+    with pytest.raises(ValueError, match="not positions of the batch"):
+        decode_columns([outside], 1)
+
+
+class OlderServer(pb_grpc.ExperienceBufferServicer):
+    """A server from before columnar batches: it ignores `fields` and sends the TRXP payload."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.received: list[int] = []
+        self.ended = threading.Event()
+
+    def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[pb.SampleReply]:
+        next(requests)
+        yield pb.SampleReply(payload=self.payload, uids=["0/0/0/0/"], group_ids=["0/0"], lease_id="L1")
+        try:
+            self.received += [request.received for request in requests]
+        finally:
+            self.ended.set()
+
+
+def test_a_server_that_sends_a_payload_for_fields_is_named_and_its_batch_goes_back() -> None:
+    server = OlderServer(trxp.encode([rollout(0, 0, 4)]))
+    with (
+        serving(server) as target,
+        BufferClient(target) as older,
+        pytest.raises(DataLossError, match="it predates columnar batches"),
+    ):
+        next(older.sample("t", num_groups=1, fields=["tokens"]))
+    assert server.ended.wait(30)
+    assert 1 not in server.received  # never confirmed: it goes back
