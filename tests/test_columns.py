@@ -92,6 +92,28 @@ def test_the_docs_trainer_takes_a_jagged_tensordict_of_its_fields(client: Buffer
     assert client.stats("d")["d"].consumed == 9
 
 
+def test_scalar_columns_come_from_what_the_server_keeps_of_each_experience(client: BufferClient) -> None:
+    made = [rollout(task, run, 4 + task + run) for task in range(3) for run in range(3)]
+    client.create_table("v", group_size=3, estimator="none")
+    for exp in made:
+        exp.info = {"model_version": exp.eid.run + 1} if exp.eid.run else {}
+    client.push(trxp.encode(made), table="v")
+    fields = ["model_version", "tokens", "reward", "response_length"]
+    (batch,) = client.sample("v", num_groups=3, fields=fields, max_batches=1, timeout=10)
+    columns = batch.columns
+    assert list(columns) == fields
+    by_uid = {exp.eid.uid: exp for exp in made}
+    exps = [by_uid[uid] for uid in batch.uids]
+    assert columns["reward"].values.tolist() == [exp.reward for exp in exps]
+    assert columns["reward"].values.dtype == torch.float64 and columns["reward"].offsets.tolist() == list(range(10))
+    assert columns["response_length"].values.tolist() == [len(exp.logprobs) for exp in exps]
+    versions = columns["model_version"]  # the experiences of run 0 have none: left out
+    assert versions.items == [k for k, exp in enumerate(exps) if exp.eid.run]
+    assert versions.values.tolist() == [exp.eid.run + 1 for exp in exps if exp.eid.run]
+    with pytest.raises(ValueError, match="one value per experience"):
+        versions.nested()
+
+
 def test_a_columnar_batch_carries_only_its_fields_and_no_experiences(client: BufferClient) -> None:
     pushed(client, "o")
     (batch,) = client.sample("o", num_groups=1, max_batches=1, fields=["logprobs", "teacher_logprobs"], timeout=10)

@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from .build import stored_tensors
 from .common import HEADER, HEADER_SIZE, RawTensor
 
+# Columns of one value per experience that the server keeps beside each experience's payload (in
+# its record), by name, with their dtype: an experience without one (no reward, no version) is
+# left out of its column.
+SCALARS = {"reward": "F64", "model_version": "I64", "response_length": "I64"}
+_PACK = {"F64": "<%dd", "I64": "<%dq"}
+
 
 @dataclass
 class ColumnParts:
@@ -68,5 +74,21 @@ def column_parts(
             column.items.append(index)
             column.shapes.extend(tensor.shape)
             column.values.append(tensor.data)
+    return in_order(columns.values(), fields)
+
+
+def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnParts | None:
+    """The column of one value per experience of `name` (one of SCALARS), of the experiences
+    that have one; None when none has."""
+    dtype = SCALARS[name]
+    items = [index for index, value in enumerate(values) if value is not None]
+    if not items:
+        return None
+    data = struct.pack(_PACK[dtype] % len(items), *[values[index] for index in items])
+    return ColumnParts(name, dtype, 0, items, [], [data])
+
+
+def in_order(columns: Iterable[ColumnParts], fields: Sequence[str]) -> list[ColumnParts]:
+    """Columns in the order `fields` names them (a stable sort: a field's columns keep theirs)."""
     rank = {name: at for at, name in enumerate(fields)}
-    return sorted(columns.values(), key=lambda column: rank[column.name])
+    return sorted(columns, key=lambda column: rank[column.name])

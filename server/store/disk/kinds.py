@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.columns import ColumnParts
+from expbuf.client.trxp.columns import SCALARS, ColumnParts, in_order, scalar_column
 from expbuf.client.trxp.common import RawItem
 
 from ..schema.states import PENDING
@@ -127,6 +127,8 @@ class Sampled:
     blobs: list[bytes | memoryview]
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
+    rewards: list[float | None] = field(default_factory=list)  # each experience's, as pushed
+    response_lengths: list[int] = field(default_factory=list)  # each experience's generated tokens
     newest_version: int | None = None  # the newest version pushed to the table, for staleness
     trainer_version: int | None = None  # the trainer's version, when set: the reference of staleness
     lease_id: str = ""
@@ -160,10 +162,20 @@ class Sampled:
         """`build` of the batch as the columns of `fields` (stored_advantages.batch_columns),
         whose bytes are valid only during the call, as render's are. The batch stage runs first."""
         self.finish()
+        tensors = [name for name in fields if name not in SCALARS]
+        scalars: dict[str, Sequence[float | int | None]] = {
+            "reward": self.rewards,
+            "model_version": self.versions,
+            "response_length": self.response_lengths,
+        }
+        kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
+        ones = [column for column in kept if column is not None]
+        if not tensors:
+            return build(ones)
         if self.snapshot is None:
-            return build(batch_columns(self.blobs, self.advantages, fields))
+            return build(in_order([*batch_columns(self.blobs, self.advantages, tensors), *ones], fields))
         with self.snapshot.reading():
-            return build(batch_columns(self.blobs, self.advantages, fields))
+            return build(in_order([*batch_columns(self.blobs, self.advantages, tensors), *ones], fields))
 
     def release(self) -> None:
         """End the snapshot the payloads are read from, without copying them: for a batch

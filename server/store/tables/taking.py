@@ -91,6 +91,8 @@ def take(
             batch.uids.append(uid)
             batch.group_ids.append(gkey)
             batch.versions.append(rec.version)
+            batch.rewards.append(rec.reward)
+            batch.response_lengths.append(rec.response_length)
             batch.times_sampled.append(rec.times_sampled + 1)
             if delivery != "lease":  # a leased one is counted in its record when the lease ends (leases.py)
                 rec.times_sampled += 1
