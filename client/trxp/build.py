@@ -319,6 +319,17 @@ def _stored_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
     return found, whole and end == section_len
 
 
+def stored_entries(header: bytes, section_len: int) -> list[tuple[bytes, bytes, bytes, int, int]]:
+    """One stored item's tensors as its safetensors header writes them: name and dtype as the
+    contents of JSON strings, dimensions as JSON text, start and end offsets in its section."""
+    return _stored_tensors(header, section_len)[0]
+
+
+def json_text(text: str) -> bytes:
+    """A string as the contents of a JSON string, as a stored header writes a name."""
+    return _json_text(text)
+
+
 def stored_tensors(header: bytes, section: memoryview) -> dict[str, RawTensor]:
     """One stored item's tensors by name, as views of its tensor `section`, read from its
     safetensors header as join() reads it."""

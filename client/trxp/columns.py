@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .build import stored_tensors
+from .build import json_text, stored_entries, stored_tensors
 from .common import HEADER, HEADER_SIZE, RawTensor
 
 # Columns of one value per experience that the server keeps beside each experience's payload (in
@@ -52,29 +52,51 @@ def column_parts(
     (each field's columns in the order their first experience comes). `extra(i, tensors)`
     gives tensors that item i gets on top of its stored ones (the server's advantages); it is
     called only when a field in `added` (the names it may give) is asked for."""
-    wanted = set(fields)
-    computed = bool(extra is not None and wanted & set(added))
-    columns: dict[tuple[str, str, int], ColumnParts] = {}
+    wanted = {json_text(name): name for name in fields}  # as the stored headers write them
+    computed = bool(extra is not None and set(fields) & set(added))
+    columns: dict[tuple[bytes, bytes, bytes], ColumnParts] = {}
     for index, payload in enumerate(payloads):
         view = memoryview(payload)
         _, _, meta_len, _ = HEADER.unpack_from(view)
         blob = view[HEADER_SIZE + meta_len :]
         (header_len,) = struct.unpack_from("<Q", blob)
         section = blob[8 + header_len :]
-        found = stored_tensors(bytes(blob[8 : 8 + header_len]), section)
-        tensors = {name: tensor for name, tensor in found.items() if name in wanted}
+        header = bytes(blob[8 : 8 + header_len])
         if computed:
             assert extra is not None
-            tensors.update({k: v for k, v in extra(index, found).items() if k in wanted})
-        for name, tensor in tensors.items():
-            key = (name, tensor.dtype, len(tensor.shape))
-            column = columns.get(key)
-            if column is None:
-                column = columns[key] = ColumnParts(name, tensor.dtype, len(tensor.shape))
-            column.items.append(index)
-            column.shapes.extend(tensor.shape)
-            column.values.append(tensor.data)
+            found = stored_tensors(header, section)
+            for name, tensor in {**found, **extra(index, found)}.items():
+                text = json_text(name)
+                if text in wanted:
+                    dims = b",".join([b"%d" % dim for dim in tensor.shape])
+                    _add(columns, wanted, index, (text, tensor.dtype.encode(), dims), tensor.shape, tensor.data)
+            continue
+        for text, dtype, dims, start, end in stored_entries(header, len(section)):
+            if text in wanted:
+                _add(columns, wanted, index, (text, dtype, dims), None, section[start:end])
     return in_order(columns.values(), fields)
+
+
+def _add(
+    columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+    wanted: dict[bytes, str],
+    index: int,
+    entry: tuple[bytes, bytes, bytes],
+    shape: tuple[int, ...] | None,
+    data: bytes | memoryview,
+) -> None:
+    """Item `index`'s tensor (its name, dtype and dimensions as its header writes them) into the
+    column of its field, dtype and rank."""
+    text, dtype, dims = entry
+    if shape is None:
+        shape = tuple(map(int, dims.split(b","))) if dims else ()
+    key = (text, dtype, b"%d" % len(shape))
+    column = columns.get(key)
+    if column is None:
+        column = columns[key] = ColumnParts(wanted[text], dtype.decode(), len(shape))
+    column.items.append(index)
+    column.shapes.extend(shape)
+    column.values.append(data)
 
 
 def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnParts | None:
