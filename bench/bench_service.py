@@ -181,7 +181,7 @@ def raw_consume_batches(target: str, batches: int) -> tuple[int, float]:
     payload bytes, each batch confirmed on the stream as it arrives, nothing decoded (the
     server's part alone). Returns (payload bytes, seconds)."""
     spec = SampleSpec(f"{TABLE}-w{WINDOW}", num_groups=BATCH // GROUP, delivery="consume", max_batches=batches)
-    requests = SampleRequests(spec.request())
+    requests = SampleRequests(spec.request(MAX))
     with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
         total = 0
         start = time.perf_counter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, TypeVar, Unpack, cast
 
 import grpc
@@ -21,7 +21,7 @@ from .pushers.aio import AsyncPusher
 from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from .rpc import aio_status, calls
 from .rpc.connection import ClientBase
-from .rpc.sample_reply import SampleReplyParts
+from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
@@ -35,13 +35,20 @@ async def _drain(call: grpc.aio.StreamStreamCall) -> None:
         pass
 
 
-def _reader(call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop) -> Callable[[], SampleReplyParts | None]:
-    """The prefetch thread's read of `call`: each read runs on the event loop, the thread waits
-    for it (and gives up once the loop is closed, so no thread outlives it)."""
+async def _read_whole(call: grpc.aio.StreamStreamCall, parts: Parts) -> SampleReplyParts | None:
+    """The next batch's reply of `call`, put together from its parts; None at the stream's end."""
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        if (whole := parts.add(cast(SampleReplyParts, reply))) is not None:
+            return whole
+    parts.end()
+    return None
 
-    async def read() -> SampleReplyParts | None:
-        reply = await call.read()
-        return None if reply is grpc.aio.EOF else cast(SampleReplyParts, reply)
+
+def _reader(
+    read: Callable[[], Coroutine[Any, Any, SampleReplyParts | None]], loop: asyncio.AbstractEventLoop
+) -> Callable[[], SampleReplyParts | None]:
+    """The prefetch thread's `read`: each runs on the event loop, the thread waits for it (and
+    gives up once the loop is closed, so no thread outlives it)."""
 
     def wait() -> SampleReplyParts | None:
         future = asyncio.run_coroutine_threadsafe(read(), loop)
@@ -139,6 +146,7 @@ class AsyncBufferClient(ClientBase):
         spec = SampleSpec(table, batch_size, num_groups, **options)
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         call = self._sample(metadata=self._metadata)
+        parts = Parts()
         status = aio_status.StreamStatus(call)
         outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
@@ -148,8 +156,8 @@ class AsyncBufferClient(ClientBase):
         async def next_batch() -> Batch | None:
             if ahead is not None:
                 return ahead.take(await outcomes.get())
-            reply = await call.read()
-            return None if reply is grpc.aio.EOF else decode(reply)
+            reply = await _read_whole(call, parts)
+            return None if reply is None else decode(reply)
 
         async def passed() -> None:  # the outcomes after the caller stopped, to the stream's end
             while ahead is not None and not ahead.ended:
@@ -158,10 +166,11 @@ class AsyncBufferClient(ClientBase):
         ahead: Prefetcher | None = None
         received = 0
         try:
-            await call.write(spec.request())
+            await call.write(spec.request(self.max_message_bytes))
             if spec.ahead:
                 loop = asyncio.get_running_loop()
-                ahead = Prefetcher(_reader(call, loop), decode, spec.ahead, _deliverer(outcomes, loop))
+                read = _reader(lambda: _read_whole(call, parts), loop)
+                ahead = Prefetcher(read, decode, spec.ahead, _deliverer(outcomes, loop))
                 call.add_done_callback(ahead.call_done)
             while (batch := await next_batch()) is not None:
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)

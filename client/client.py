@@ -37,7 +37,7 @@ from .results import (
 )
 from .rpc import calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
-from .rpc.sample_reply import SampleReplyParts
+from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
@@ -177,10 +177,18 @@ class BufferClient(ClientBase):
         setting, the batches on their way went back to the buffer, and none is handed over.
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        requests = SampleRequests(spec.request())
+        requests = SampleRequests(spec.request(self.max_message_bytes))
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)
         outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        parts = Parts()
+
+        def read() -> SampleReplyParts | None:
+            while (reply := next(stream, None)) is not None:
+                if (whole := parts.add(reply)) is not None:
+                    return whole
+            parts.end()
+            return None
 
         def decode(reply: SampleReplyParts) -> Batch:
             return calls.batch(reply, table, self, Batch, columnar=bool(spec.fields))
@@ -188,12 +196,12 @@ class BufferClient(ClientBase):
         def next_batch() -> Batch | None:
             if ahead is not None:
                 return ahead.take(outcomes.get())
-            reply = next(stream, None)
+            reply = read()
             return None if reply is None else decode(reply)
 
         ahead = None
         if spec.ahead:
-            ahead = Prefetcher(lambda: next(stream, None), decode, spec.ahead, outcomes.put)
+            ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
             stream.add_done_callback(ahead.call_done)
         received = 0
         try:

@@ -119,7 +119,6 @@ class ExpbufServer:
         try:
             self.store = Store(
                 config.data,
-                max_reply_bytes=config.max_message_bytes,
                 check_at_open=config.check_at_open,
                 scrub_mb_per_second=config.scrub_mb_per_second,
                 scrub_interval_seconds=config.scrub_interval_seconds,
@@ -166,7 +165,6 @@ class ExpbufServer:
             PushMemory(
                 self.inflight,
                 stream_wait=config.push_stream_idle_seconds / 2,
-                max_push_bytes=config.max_message_bytes,
                 min_mb_per_second=config.push_min_mb_per_second,
                 grace=config.push_stream_idle_seconds,
             )

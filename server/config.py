@@ -99,7 +99,7 @@ class ServerConfig:
     metrics_port: int = 9400  # the Prometheus /metrics port (0: a free one; -1: none)
     # /metrics needs no token and names the tables: bind it where only the scraper reaches it.
     metrics_host: str | None = None  # None: the same address as host
-    max_message_bytes: int = 256 << 20  # the largest gRPC message either way, and so the largest push and reply
+    max_message_bytes: int = 256 << 20  # the largest gRPC message either way: a push's chunk, a reply's part
     workers: int = 64  # the threads that serve calls; every limit below is a share of them
     max_sample_streams: int | None = None  # None: three quarters of workers
     # Open Sample streams on one table, so the trainers of one table cannot take every stream.

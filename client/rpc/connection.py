@@ -230,10 +230,11 @@ class ClientBase:
         `retries` times (at most 4, gRPC's limit) while the server is UNAVAILABLE (safe: a push
         is idempotent). With `wait_for_ready`, they wait for a server that cannot be reached (a
         restart) until their deadline instead of failing UNAVAILABLE once their retries are
-        spent. `max_message_bytes` must be at least the server's to receive its largest batches.
-        A push larger than `push_chunk_bytes` is sent in chunks of that size, so that neither
-        side holds gRPC's copies of one large message (0: every push in one message, as a server
-        of 0.2.0 or older needs). The connection opens lazily:
+        spent. `max_message_bytes` is the largest message either way: a batch larger than it
+        (or than the server's) comes in parts, which the client puts back together. A push
+        larger than `push_chunk_bytes` is sent in chunks of that size, so that neither side
+        holds gRPC's copies of one large message (0: every push in one message, as a server of
+        0.2.0 or older needs). The connection opens lazily:
 
         ```python
         with BufferClient("127.0.0.1:50051", token=os.environ["EXPBUF_TOKEN"]) as client:

@@ -6,46 +6,117 @@ field, which the server writes first (as protobuf's own serialiser does, field 1
 cut from gRPC's bytes at once, and only the rest of the message is parsed. Anything else (no
 payload first, a payload field repeated later, a malformed length) is read as a whole message,
 as before.
+
+A batch too large for one message comes in parts (SampleReply.part: the whole reply's bytes
+cut in order, the first part saying how many there are in all); `Parts` puts them back
+together, and the whole is read as any reply is.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import grpc
+
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..errors import DataLossError
+
 SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
-_PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
+_PAYLOAD_TAG = 0x0A  # field 1 (payload), length-delimited
+_PART_TAG = 0x6A  # field 13 (part), length-delimited
+_WHOLE_TAG = 0x70  # field 14 (whole_bytes), varint
 
 
 class SampleReplyParts(NamedTuple):
-    """A SampleReply as its payload and the rest of the message (whose payload is empty)."""
+    """A SampleReply as its payload and the rest of the message (whose payload is empty); for
+    a part of a reply in parts, its bytes as a view of the message (`part`), not copied."""
 
     payload: bytes
     rest: pb.SampleReply
+    part: memoryview | None = None
 
 
-def read_sample_reply(raw: bytes) -> SampleReplyParts:
-    """The parts of a serialised SampleReply, its payload copied once."""
-    if raw[:1] == _PAYLOAD_TAG:
-        length, at = 0, 1
-        for shift in range(0, 64, 7):
-            if at >= len(raw):
-                break
-            byte = raw[at]
-            at += 1
-            length |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                end = at + length
-                if end <= len(raw):
-                    rest = pb.SampleReply.FromString(raw[end:])
-                    if not rest.payload:  # a later payload field would replace this one: the last one wins
-                        return SampleReplyParts(raw[at:end], rest)
-                break
-    whole = pb.SampleReply.FromString(raw)
+def _varint(raw: bytes | memoryview, at: int) -> tuple[int, int] | None:
+    """The varint at `at` and where it ends, or None where raw ends first."""
+    value = 0
+    for shift in range(0, 64, 7):
+        if at >= len(raw):
+            return None
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+    return None
+
+
+def read_sample_reply(raw: bytes | memoryview) -> SampleReplyParts:
+    """The parts of a serialised SampleReply, its payload copied once (a part's, not at all)."""
+    first = raw[0] if len(raw) else None
+    if first in (_WHOLE_TAG, _PART_TAG):  # a part: [whole_bytes,] part, as the server writes it
+        head = _varint(raw, 1) if first == _WHOLE_TAG else (0, 0)
+        if head is not None and head[1] < len(raw) and raw[head[1]] == _PART_TAG:
+            length = _varint(raw, head[1] + 1)
+            if length is not None and length[0] + length[1] == len(raw):
+                return SampleReplyParts(b"", pb.SampleReply(whole_bytes=head[0]), memoryview(raw)[length[1] :])
+    if first == _PAYLOAD_TAG and (length := _varint(raw, 1)) is not None:
+        size, at = length
+        end = at + size
+        if end <= len(raw):
+            rest = pb.SampleReply.FromString(bytes(raw[end:]))
+            if not rest.payload:  # a later payload field would replace this one: the last one wins
+                return SampleReplyParts(bytes(raw[at:end]), rest)
+    whole = pb.SampleReply.FromString(bytes(raw))
     payload = whole.payload
     whole.ClearField("payload")
     return SampleReplyParts(payload, whole)
+
+
+class Parts:
+    """The replies of one stream as whole replies: one in a message passes as it is, and one in
+    parts is put together in a buffer of its size, each part copied once. A stream whose parts
+    do not add up (a server's fault) raises DataLossError: the stream ends, and its batches
+    not confirmed return to the buffer."""
+
+    def __init__(self) -> None:
+        self._whole: bytearray | None = None
+        self._filled = 0
+
+    def add(self, reply: SampleReplyParts) -> SampleReplyParts | None:
+        """The whole reply that `reply` is or completes; None while parts of it are to come."""
+        rest = reply.rest
+        part = reply.part if reply.part is not None else rest.part
+        if not part and not rest.whole_bytes:
+            if self._whole is not None:
+                self._broken(f"a whole reply came {self._filled} bytes into a reply of {len(self._whole)} in parts")
+            return reply
+        if rest.whole_bytes:
+            if self._whole is not None:
+                self._broken(f"a reply in parts began {self._filled} bytes into one of {len(self._whole)}")
+            self._whole, self._filled = bytearray(rest.whole_bytes), 0
+        elif self._whole is None:
+            self._broken("a part came that no first part (whole_bytes) began")
+        whole = self._whole
+        assert whole is not None
+        end = self._filled + len(part)
+        if end > len(whole):
+            self._broken(f"its parts add up to {end} bytes, past the whole reply's {len(whole)}")
+        whole[self._filled : end] = part
+        self._filled = end
+        if end < len(whole):
+            return None
+        self._whole = None
+        return read_sample_reply(memoryview(whole))
+
+    def end(self) -> None:
+        """The stream ended: None, unless a reply in parts was cut short."""
+        if self._whole is not None:
+            self._broken(f"the stream ended {self._filled} bytes into a reply of {len(self._whole)} in parts")
+
+    def _broken(self, what: str) -> None:
+        self._whole = None
+        raise DataLossError(grpc.StatusCode.DATA_LOSS, f"a Sample stream's reply in parts is broken: {what}")
 
 
 def sample_method(channel: Any) -> Any:

@@ -140,8 +140,9 @@ class SampleSpec:
         one = replace(self, timeout=0.0, max_batches=1, allow_partial=allow_partial)
         return replace(one, num_groups=size) if self.by_groups else replace(one, batch_size=size)
 
-    def request(self) -> pb.SampleRequest:
-        """The first message of the Sample stream."""
+    def request(self, max_reply_bytes: int) -> pb.SampleRequest:
+        """The first message of the Sample stream, for a client that receives messages of up to
+        `max_reply_bytes` (a larger batch comes in parts)."""
         return pb.SampleRequest(
             table=self.table,
             batch_size=self.batch_size or 0,
@@ -159,4 +160,5 @@ class SampleSpec:
             window=self.window,
             compact_advantages=True,
             fields=self.fields or (),
+            max_reply_bytes=max_reply_bytes,
         )

@@ -8,7 +8,8 @@ each experience once (the stored blob), the received bytes are let go, and LMDB 
 blobs into its pages: a push holds about twice its payload at its peak, plus gRPC's copies of
 its message while it is received. A payload sent in chunks over PushStream (total_bytes) is
 put together here, chunk by chunk, in memory of its own size: gRPC's copies are then of one
-chunk at a time.
+chunk at a time, and `max_message_bytes` bounds a chunk, not the payload, which only
+`max_inflight_bytes` bounds.
 
 A push starts reading its message only while the payloads held by pushes in progress are
 below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
@@ -259,13 +260,11 @@ class PushMemory(ServiceInterceptor):
         self,
         inflight: InFlight,
         stream_wait: float = 3600.0,
-        max_push_bytes: int = 256 << 20,
         min_mb_per_second: float = 0.1,
         grace: float = 120.0,
     ) -> None:
         self.inflight = inflight
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
-        self.max_push_bytes = max_push_bytes  # the largest payload in chunks: max_message_bytes
         # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
 
@@ -288,14 +287,6 @@ class PushMemory(ServiceInterceptor):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
                 Reason.INVALID_REQUEST,
-            )
-        if request.total_bytes > self.max_push_bytes:
-            request.release()
-            raise Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"PushRequest: a payload of total_bytes = {request.total_bytes} is larger than the largest push, "
-                f"max_message_bytes = {self.max_push_bytes} (EXPBUF_MAX_MESSAGE_BYTES)",
-                Reason.TOO_LARGE,
             )
         return request
 

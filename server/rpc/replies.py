@@ -5,13 +5,20 @@ serialised, each byte would be copied into the message and again out of it; here
 reply's bytes are written directly (the payload field first, then the rest of the message,
 which protobuf allows in any order), and `PassBytes` lets such bytes through gRPC's
 serialiser untouched.
+
+A reply larger than one message (a group of long rollouts can pass gRPC's 2 GiB, and any
+server's `max_message_bytes`) goes in parts (SampleReply.part): each part is cut from the
+stored bytes as it is sent, under the batch's snapshot only while it is cut, so the server
+holds one part of the batch at a time, not the batch, and a slow reader never holds the
+snapshot that a map resize waits for.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,6 +33,21 @@ from .interceptor import ServiceInterceptor
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
 _COLUMN_TAG = b"\x62"  # SampleReply field 12 (columns), length-delimited
 _VALUES_TAG = b"\x32"  # Column field 6 (values), length-delimited
+_PART_TAG = b"\x6a"  # SampleReply field 13 (part), length-delimited
+_WHOLE_TAG = b"\x70"  # SampleReply field 14 (whole_bytes), varint
+PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is at most the limit
+MIN_REPLY_BYTES = 1024  # the least max_reply_bytes a client may ask for (as max_message_bytes)
+# The largest part: a reply over this goes in parts, for a client that takes them, so a stream
+# holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
+PART_BYTES = 64 << 20
+Run = bytes | memoryview
+T = TypeVar("T")
+
+
+class ReplyTooLarge(Exception):
+    """A batch's reply is larger than one message, and the client cannot take it in parts."""
+
+
 # glibc's mallopt parameters, and what keep_reply_memory sets them to.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 128 << 20
@@ -40,13 +62,16 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> bytes:
-    """The serialised SampleReply of a batch taken for `spec`, its payload copied once (from
-    the store's map into the reply); the batch is released then, its payload is not read
-    again. A table's batch stage runs here, on the RPC's thread (`Sampled.finish`), not in
-    the store's write transaction. With `spec.compact_advantages`, advantages of one value
-    per experience go beside the payload, not into it (store/stored_advantages.send_apart).
-    `confirm_seconds`: how long the stream waits for its confirmation (rpc/sample_stream.py)."""
+def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit: int, parts: bool) -> Iterator[bytes]:
+    """The messages of a batch taken for `spec`: its serialised SampleReply, its payload copied
+    once (from the store's map into the reply), or, when the client takes `parts` and that is
+    larger than `limit` bytes or PART_BYTES, the reply cut into parts of at most both
+    (ReplyTooLarge when the client does not and it is larger than `limit`). The batch is
+    released after the last, its payload is not read again. A table's batch stage runs here,
+    on the RPC's thread (`Sampled.finish`), not in the store's write transaction. With
+    `spec.compact_advantages`, advantages of one value per experience go beside the payload,
+    not into it (store/stored_advantages.send_apart). `confirm_seconds`: how long the stream
+    waits for its confirmation (rpc/sample_stream.py)."""
     values: list[float] = []
     lengths: list[int] = []
     lease = spec.delivery == "lease"
@@ -67,14 +92,47 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float) -> by
         confirm_seconds=confirm_seconds,
         lease_seconds=spec.lease_seconds if lease else 0.0,
     ).SerializeToString()
-    try:
+
+    def render(cut: Callable[[list[Run]], T]) -> T:
+        """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
-            return batch.columns(spec.fields, lambda columns: b"".join([*_framed(columns), rest]))
-        return batch.render(
-            lambda parts: b"".join([_PAYLOAD_TAG, _varint(sum(len(part) for part in parts)), *parts, rest])
-        )
+            return batch.columns(spec.fields, lambda columns: cut([*_framed(columns), rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(len(run) for run in runs)), *runs, rest]))
+
+    def first(runs: list[Run]) -> tuple[int, bytes]:
+        whole = sum(len(run) for run in runs)
+        if whole <= cut:
+            return whole, b"".join(runs)
+        if not parts:
+            raise ReplyTooLarge(whole)
+        return whole, _part(runs, start=0, end=step, whole=whole)
+
+    cut = min(limit, PART_BYTES) if parts else limit
+    step = cut - PART_FRAMING
+    try:
+        whole, message = render(first)
+        yield message
+        for start in range(step, whole if whole > cut else 0, step):
+            end = min(start + step, whole)
+            yield render(partial(_part, start=start, end=end))
     finally:
         batch.release()
+
+
+def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
+    """A SampleReply of the bytes `start` to `end` of the runs put end to end, as its `part`
+    (and, for the first, the `whole_bytes` they add up to): copied once, into the message."""
+    pieces: list[Run] = [_WHOLE_TAG, _varint(whole)] if whole else []
+    pieces += [_PART_TAG, _varint(end - start)]
+    at = 0
+    for run in runs:
+        size = len(run)
+        if at + size > start:
+            pieces.append(memoryview(run)[max(0, start - at) : min(size, end - at)])
+        at += size
+        if at >= end:
+            break
+    return b"".join(pieces)
 
 
 def _framed(columns: list[ColumnParts]) -> list[bytes | memoryview]:

@@ -148,12 +148,13 @@ def stream_batches(
     *,
     owner: str,
     timeout: Callable[[], float],
-    reply: Callable[[Sampled, float], bytes],
+    reply: Callable[[Sampled, float], Iterator[bytes]],
     draining: Draining,
     confirm_seconds: float,
     bound: str = "",
 ) -> Iterator[bytes]:
-    """The replies of one stream, each made by `reply(batch, seconds)`: `seconds` is how long
+    """The replies of one stream, each batch's messages made by `reply(batch, seconds)` (one, or
+    its parts): `seconds` is how long
     the batch may wait for its confirmation, counted from the confirmation before it.
     `timeout()` is how long the next batch may wait for data; `bound` says what set it,
     when the server shortened what the client asked. `confirm_seconds` is the server's
@@ -187,7 +188,7 @@ def stream_batches(
                         Reason.NOT_READY,
                     )
                 spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
-                yield reply(batch, window.sending(batch))
+                yield from window.send(batch, reply)
                 last = batch.partial or window.sent == spec.max_batches
                 # room for one more batch in the window; after the last one, every confirmation
                 if not client.wait_confirmed(window.sent if last else window.sent - spec.window + 1, window.due):
@@ -230,6 +231,26 @@ class _Window:
         self.sent += 1
         self.client.sending(self.sent)
         return seconds
+
+    def send(self, batch: Sampled, reply: Callable[[Sampled, float], Iterator[bytes]]) -> Iterator[bytes]:
+        """The messages of `batch` (`reply`'s). A batch whose first message could not be made
+        (too large for a client that cannot take parts) was never sent: it returns to the
+        buffer at once, not with the stream, which would count it delivered to a client that
+        had closed its side."""
+        started = False
+        try:
+            for message in reply(batch, self.sending(batch)):
+                started = True
+                yield message
+        except BaseException:
+            if not started:
+                self.unconfirmed.pop()
+                self.sent_at.pop()
+                self.sent -= 1
+                self.client.sending(self.sent)
+                with contextlib.suppress(StoreError):
+                    self.store.nack(batch.lease_id, self.spec.table, self.owner)
+            raise
 
     def _collect(self) -> None:
         """Move the batches the client has confirmed out of the window."""

@@ -40,7 +40,7 @@ from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
-from .replies import sample_reply
+from .replies import MIN_REPLY_BYTES, ReplyTooLarge, sample_reply
 from .sample_stream import stream_batches
 from .writers import Writers
 
@@ -208,9 +208,30 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             spec = replace(spec, wait_seconds=self.max_wait_seconds)
             bound = max_wait_note(self.max_wait_seconds)
 
-        def reply(batch: Sampled, confirm_seconds: float) -> bytes:
+        if 0 < first.max_reply_bytes < MIN_REPLY_BYTES:
+            refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"SampleRequest: max_reply_bytes = {first.max_reply_bytes}; it must be 0 (one message a batch) "
+                f"or at least {MIN_REPLY_BYTES}",
+                Reason.INVALID_REQUEST,
+            )
+        limit = min(self.max_message_bytes, first.max_reply_bytes or self.max_message_bytes)
+
+        def reply(batch: Sampled, confirm_seconds: float) -> Iterator[bytes]:
             self._observe_staleness(spec.table, batch)  # from the sample's own transaction
-            return sample_reply(batch, spec, confirm_seconds)
+            try:
+                yield from sample_reply(batch, spec, confirm_seconds, limit, parts=first.max_reply_bytes > 0)
+            except ReplyTooLarge as exc:
+                refuse(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a batch of table '{spec.table}' takes {exc.args[0]} bytes, more than one message (the "
+                    f"server's max_message_bytes = {self.max_message_bytes}), and this client sent no "
+                    "max_reply_bytes, so it cannot take the batch in parts: it returns to the buffer. Sample with "
+                    "an expbuf client of this release or later (or set SampleRequest.max_reply_bytes)",
+                    Reason.TOO_LARGE,
+                )
 
         refused = self.table_streams.enter(spec.table)
         if refused is not None:

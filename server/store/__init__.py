@@ -18,7 +18,7 @@
   samples), retirement.py (how experiences leave), capacity.py (eviction or refusal when
   full), groups.py (the group state machine), pushed_advantages.py (advantages a push computes
   and stores itself), staleness.py (the trainer version, stale-group eviction),
-  compute_queue.py (groups waiting for advantages), deliverable.py, admission.py (AReaL's
+  compute_queue.py (groups waiting for advantages), admission.py (AReaL's
   bound), taking.py (taking a batch), leases.py (a lease's life), quarantine.py (damaged payloads found by
   a read), browse.py, integrity.py, migrate.py;
 - the services: catalog.py (the tables and each one's extensions), sampling.py (sample, ack, nack), upkeep.py (lease and

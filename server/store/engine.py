@@ -71,7 +71,6 @@ class Store:
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
         batch_limit: int = 512,
-        max_reply_bytes: int | None = None,
         check_at_open: str = "quick",
         scrub_mb_per_second: float = 0.0,
         scrub_interval_seconds: float = 86400.0,
@@ -116,7 +115,7 @@ class Store:
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage, self.builds)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
-        self.pushing = Pushing(self.environment, self.catalog, self._state_in, max_reply_bytes, self.builds)
+        self.pushing = Pushing(self.environment, self.catalog, self._state_in, self.builds)
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):

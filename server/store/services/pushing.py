@@ -34,7 +34,7 @@ from ..rules.table_state import TableState
 from ..schema.errors import InsertLimited, TableFull
 from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
-from ..tables import admission, deliverable
+from ..tables import admission
 from ..tables.catalog import TableCatalog
 from .index_builds import IndexBuilds
 
@@ -62,11 +62,9 @@ class Pushing:
         environment: Environment,
         catalog: TableCatalog,
         state_in: StateIn,
-        max_reply_bytes: int | None,
         builds: IndexBuilds,
     ) -> None:
         self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
-        self.max_reply_bytes = max_reply_bytes  # a group that would not fit in one Sample reply is refused
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
 
     def put(
@@ -167,8 +165,7 @@ class Pushing:
                 ahead = ready.ahead if table_id == ready.table_id else None
                 tt = self._state_in(child, table_id, config)
                 tt.holder = ready.push.holder
-                result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.max_reply_bytes,
-                                   self.in_push, ahead)  # fmt: skip
+                result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.in_push, ahead)
             except Exception as exc:
                 if child is not txn:
                     child.abort()
@@ -188,16 +185,13 @@ class Pushing:
         entries: Sequence[Entry],
         final: bool,
         blocked: float,
-        reply_limit: int | None,
         in_push: Callable[[TableConfig], Compute | None] | None,
         ahead: Ahead | None,
     ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
-        counted when it lets them go or at the deadline); refuse them if a group would not
-        fit in one Sample reply of reply_limit bytes. With `in_push`, the groups the push
+        counted when it lets them go or at the deadline). With `in_push`, the groups the push
         completes get their advantages in its transaction where it gives the table a computation
         (`ahead`: computed before it, for the groups the push was expected to complete)."""
-        deliverable.check(tt, entries, reply_limit)
         held = limiter.insert_limit(tt, entries)
         if blocked and (held is None or final):
             tt.counters.insert_blocked_seconds += blocked
