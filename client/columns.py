@@ -3,8 +3,9 @@
 A trainer that reads tensors, not Experience objects, asks for the fields it trains on and gets,
 per field, every experience's values back to back in one tensor, with `offsets` where each
 experience's rows begin: the jagged layout of `torch.nested` (`Column.nested()`) and of
-TransferQueue, with no Python object per experience. Each field's bytes are copied once, from
-the reply into a buffer the tensor owns (so it is writable); the checks are those of the reply's
+TransferQueue, with no Python object per experience. Each field's tensor is made on its bytes
+where they are in the reply, which the client keeps in one writable buffer (copied once from
+gRPC's bytes: rpc/sample_reply.py), aligned there by the server; the checks are those of the reply's
 framing: every column's values fit its shapes exactly, or the batch is not confirmed and goes
 back (DataLossError).
 
@@ -17,6 +18,7 @@ trailing dimensions that differ, has no jagged form: its `values` and `offsets` 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,15 +62,18 @@ class Column:
         return torch.nested.nested_tensor_from_jagged(self.values, self.offsets)
 
 
-def decode_columns(columns: Any, count: int) -> dict[str, Column]:
+def decode_columns(columns: Any, count: int, values: Sequence[memoryview] | None = None) -> dict[str, Column]:
     """The `columns` of a SampleReply (pb.Column messages) of a batch of `count` experiences,
     by field: checked against their framing, a field's columns of several dtypes merged. A
-    ValueError names what does not fit."""
+    ValueError names what does not fit. `values`: each column's values as a writable view of
+    the reply (rpc/sample_reply.py), which its tensor is made on; without them, each column's
+    own values are copied into a buffer of its own."""
     import torch
 
     dtypes = torch_dtypes()
     by_name: dict[str, list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]]] = {}
-    for column in columns:
+    for index, column in enumerate(columns):
+        data = values[index] if values is not None else column.values
         if column.dtype not in dtypes:
             raise ValueError(f"column {column.name!r}: unknown dtype {column.dtype!r}")
         items = list(column.items)
@@ -76,12 +81,14 @@ def decode_columns(columns: Any, count: int) -> dict[str, Column]:
         if any(not 0 <= item < count for item in items) or len(set(items)) != len(items):
             raise ValueError(f"column {column.name!r}: its experiences are not positions of the batch")
         numel = sum(math.prod(shape) for shape in shapes)
-        if numel * ITEMSIZE[column.dtype] != len(column.values):
-            raise ValueError(
-                f"column {column.name!r}: {len(column.values)} bytes of values for {numel} {column.dtype} values"
-            )
-        values = torch.frombuffer(bytearray(column.values), dtype=dtypes[column.dtype]) if numel else None
-        flat = values if values is not None else torch.empty(0, dtype=dtypes[column.dtype])
+        if numel * ITEMSIZE[column.dtype] != len(data):
+            raise ValueError(f"column {column.name!r}: {len(data)} bytes of values for {numel} {column.dtype} values")
+        writable = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)
+        flat = (
+            torch.frombuffer(writable, dtype=dtypes[column.dtype])
+            if numel
+            else torch.empty(0, dtype=dtypes[column.dtype])
+        )
         by_name.setdefault(column.name, []).append((items, shapes, flat))
     return {name: _merged(name, parts) for name, parts in by_name.items()}
 

@@ -90,6 +90,7 @@ def test_a_group_larger_than_a_message_is_stored_and_sampled_in_parts(
         assert torch.equal(tokens.values, torch.cat([e.tokens for e in pushed]))
         assert torch.equal(logprobs.values, torch.cat([e.logprobs for e in pushed]))
         assert [int(n) for n in logprobs.offsets.diff()] == list(RESPONSES)
+        assert tokens.values.data_ptr() % 64 == 0 and logprobs.values.data_ptr() % 64 == 0  # read in place
     else:
         got = batch.experiences
         assert [len(e.tokens) for e in got] == [len(e.tokens) for e in pushed]

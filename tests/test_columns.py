@@ -13,6 +13,7 @@ import torch
 
 from expbuf.client import BufferClient, DataLossError, trxp
 from expbuf.client.columns import decode_columns
+from expbuf.client.rpc.sample_reply import read_sample_reply
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -189,3 +190,38 @@ def test_a_server_that_sends_a_payload_for_fields_is_named_and_its_batch_goes_ba
         next(older.sample("t", num_groups=1, fields=["tokens"]))
     assert server.ended.wait(30)
     assert 1 not in server.received  # never confirmed: it goes back
+
+
+def test_columns_are_made_in_place_in_the_reply_aligned_and_writable(client: BufferClient) -> None:
+    pushed(client, "a")
+    _, columns = both(client, "a")
+    for name, column in columns.items():
+        assert column.values is not None and column.values.data_ptr() % 64 == 0, name
+    logprobs = columns["logprobs"].values
+    logprobs[0] = 7.0  # a trainer may write into its batch
+    assert float(logprobs[0]) == 7.0
+
+
+def test_a_columnar_reply_in_protobufs_own_layout_reads_the_same(client: BufferClient) -> None:
+    """A reply serialised by protobuf (its uids before its columns, as another server's would
+    be) is not read in place: it is parsed whole and each column copied, to the same tensors."""
+    pushed(client, "p")
+    request = pb.SampleRequest(
+        table="p", num_groups=3, delivery=pb.DELIVERY_REPLAY, max_batches=1, wait_seconds=10, fields=FIELDS
+    )
+    with grpc.insecure_channel(client.target) as channel:
+        sample = channel.stream_stream(
+            "/expbuf.v1.ExperienceBuffer/Sample", request_serializer=pb.SampleRequest.SerializeToString
+        )
+        (raw,) = sample(iter([request]), timeout=10)
+    ours = read_sample_reply(raw)
+    assert ours.values is not None and len(ours.values) == len(ours.rest.columns)
+    theirs = read_sample_reply(pb.SampleReply.FromString(raw).SerializeToString())
+    assert theirs.values is None
+    count = len(ours.rest.uids)
+    in_place = decode_columns(ours.rest.columns, count, ours.values)
+    parsed = decode_columns(theirs.rest.columns, count)
+    assert list(in_place) == list(parsed) == FIELDS
+    for name in FIELDS:
+        assert torch.equal(in_place[name].values, parsed[name].values), name
+        assert torch.equal(in_place[name].offsets, parsed[name].offsets), name

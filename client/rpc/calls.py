@@ -373,7 +373,7 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B], *,
             times_sampled=list(rest.times_sampled),
             _leases=leases,
             confirm_seconds=rest.confirm_seconds,
-            columns=decode_columns(rest.columns, len(rest.uids)) if rest.columns else {},
+            columns=decode_columns(rest.columns, len(rest.uids), reply.values) if rest.columns else {},
         )
         if not made.columnar:
             _ = made.experiences  # decoded now, before it is confirmed

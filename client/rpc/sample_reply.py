@@ -7,6 +7,11 @@ cut from gRPC's bytes at once, and only the rest of the message is parsed. Anyth
 payload first, a payload field repeated later, a malformed length) is read as a whole message,
 as before.
 
+A columnar reply (the server writes its columns first) is kept as one writable buffer, copied
+once from gRPC's bytes (not at all when it came in parts, which are put together in one), and
+each column's values are a view of it, at a multiple of 64 bytes from its start: the client's
+tensors are made on those views, with no copy of their own.
+
 A batch too large for one message comes in parts (SampleReply.part: the whole reply's bytes
 cut in order, the first part saying how many there are in all); `Parts` puts them back
 together, and the whole is read as any reply is.
@@ -14,6 +19,7 @@ together, and the whole is read as any reply is.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, NamedTuple
 
 import grpc
@@ -26,15 +32,21 @@ SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
 _PAYLOAD_TAG = 0x0A  # field 1 (payload), length-delimited
 _PART_TAG = 0x6A  # field 13 (part), length-delimited
 _WHOLE_TAG = 0x70  # field 14 (whole_bytes), varint
+_COLUMN_TAG = 0x62  # field 12 (columns), length-delimited
+_VALUES_FIELD = 6  # Column.values
+ALIGN = 64  # where the server starts each column's values, from the reply's start
 
 
 class SampleReplyParts(NamedTuple):
     """A SampleReply as its payload and the rest of the message (whose payload is empty); for
-    a part of a reply in parts, its bytes as a view of the message (`part`), not copied."""
+    a part of a reply in parts, its bytes as a view of the message (`part`), not copied; for a
+    columnar reply read in place, each column's values as a writable view (`values`, in the
+    order of `rest.columns`, whose own values are empty)."""
 
     payload: bytes
     rest: pb.SampleReply
     part: memoryview | None = None
+    values: tuple[memoryview, ...] | None = None
 
 
 def _varint(raw: bytes | memoryview, at: int) -> tuple[int, int] | None:
@@ -60,6 +72,11 @@ def read_sample_reply(raw: bytes | memoryview) -> SampleReplyParts:
             length = _varint(raw, head[1] + 1)
             if length is not None and length[0] + length[1] == len(raw):
                 return SampleReplyParts(b"", pb.SampleReply(whole_bytes=head[0]), memoryview(raw)[length[1] :])
+    if first == _COLUMN_TAG:
+        buffer = raw if isinstance(raw, memoryview) and not raw.readonly else aligned(raw)
+        columnar = _columns_in_place(buffer)
+        if columnar is not None:
+            return columnar
     if first == _PAYLOAD_TAG and (length := _varint(raw, 1)) is not None:
         size, at = length
         end = at + size
@@ -73,6 +90,79 @@ def read_sample_reply(raw: bytes | memoryview) -> SampleReplyParts:
     return SampleReplyParts(payload, whole)
 
 
+def aligned(data: bytes | memoryview | int) -> memoryview:
+    """A writable buffer that starts at a multiple of ALIGN bytes in memory: a copy of `data`, or
+    zeros of that size. The server aligns each column's values to ALIGN from the reply's start,
+    so in such a buffer their tensors are aligned in memory too."""
+    size = data if isinstance(data, int) else len(data)
+    space = bytearray(size + ALIGN)
+    shift = -ctypes.addressof(ctypes.c_char.from_buffer(space)) % ALIGN
+    view = memoryview(space)[shift : shift + size]
+    if not isinstance(data, int):
+        view[:] = data
+    return view
+
+
+def _columns_in_place(raw: memoryview) -> SampleReplyParts | None:
+    """A reply whose columns come first, as the server writes them: each column's values a view
+    of `raw`, its other fields and the rest of the reply parsed by protobuf. None for any other
+    layout, which is then read as a whole message."""
+    heads: list[bytes] = []
+    values: list[memoryview] = []
+    at = 0
+    while at < len(raw) and raw[at] == _COLUMN_TAG:
+        length = _varint(raw, at + 1)
+        if length is None or length[0] + length[1] > len(raw):
+            return None
+        fields = _values_apart(raw, length[1], length[0] + length[1])
+        if fields is None:
+            return None
+        heads.append(fields[0])
+        values.append(fields[1])
+        at = length[0] + length[1]
+    rest = pb.SampleReply.FromString(bytes(raw[at:]))
+    if rest.columns or rest.payload:
+        return None
+    rest.columns.extend(pb.Column.FromString(head) for head in heads)
+    return SampleReplyParts(b"", rest, values=tuple(values))
+
+
+def _values_apart(raw: memoryview, start: int, end: int) -> tuple[bytes, memoryview] | None:
+    """A Column message's fields but its values (as bytes, to parse), and its values (a view);
+    None where the message does not parse."""
+    head = bytearray()
+    values = raw[start:start]
+    at = start
+    while at < end:
+        key = _varint(raw, at)
+        if key is None:
+            return None
+        tag, body = key
+        kind, data = tag & 7, body
+        if kind == 0:
+            number = _varint(raw, body)
+            if number is None:
+                return None
+            after = number[1]
+        elif kind == 2:
+            length = _varint(raw, body)
+            if length is None:
+                return None
+            data, after = length[1], length[1] + length[0]
+        elif kind in (1, 5):
+            after = body + (8 if kind == 1 else 4)
+        else:
+            return None
+        if after > end:
+            return None
+        if tag == _VALUES_FIELD << 3 | 2:
+            values = raw[data:after]  # a later one replaces it, as protobuf reads it
+        else:
+            head += raw[at:after]
+        at = after
+    return bytes(head), values
+
+
 class Parts:
     """The replies of one stream as whole replies: one in a message passes as it is, and one in
     parts is put together in a buffer of its size, each part copied once. A stream whose parts
@@ -80,7 +170,7 @@ class Parts:
     not confirmed return to the buffer."""
 
     def __init__(self) -> None:
-        self._whole: bytearray | None = None
+        self._whole: memoryview | None = None
         self._filled = 0
 
     def add(self, reply: SampleReplyParts) -> SampleReplyParts | None:
@@ -94,7 +184,7 @@ class Parts:
         if rest.whole_bytes:
             if self._whole is not None:
                 self._broken(f"a reply in parts began {self._filled} bytes into one of {len(self._whole)}")
-            self._whole, self._filled = bytearray(rest.whole_bytes), 0
+            self._whole, self._filled = aligned(rest.whole_bytes), 0
         elif self._whole is None:
             self._broken("a part came that no first part (whole_bytes) began")
         whole = self._whole
@@ -107,7 +197,7 @@ class Parts:
         if end < len(whole):
             return None
         self._whole = None
-        return read_sample_reply(memoryview(whole))
+        return read_sample_reply(whole)
 
     def end(self) -> None:
         """The stream ended: None, unless a reply in parts was cut short."""

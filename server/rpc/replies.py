@@ -33,6 +33,8 @@ from .interceptor import ServiceInterceptor
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
 _COLUMN_TAG = b"\x62"  # SampleReply field 12 (columns), length-delimited
 _VALUES_TAG = b"\x32"  # Column field 6 (values), length-delimited
+_ALIGN_TAG = b"\x3a"  # Column field 7 (align), length-delimited
+ALIGN = 64  # where a column's values start in the reply: a multiple of this
 _PART_TAG = b"\x6a"  # SampleReply field 13 (part), length-delimited
 _WHOLE_TAG = b"\x70"  # SampleReply field 14 (whole_bytes), varint
 PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is at most the limit
@@ -136,17 +138,31 @@ def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
 
 
 def _framed(columns: list[ColumnParts]) -> list[bytes | memoryview]:
-    """The reply's `columns` as the runs of bytes they are made of: each Column's small fields
-    serialised by protobuf, its values written after them (protobuf reads fields in any order)
-    as the stored bytes, which the caller's join copies once."""
+    """The reply's `columns`, written first, as the runs of bytes they are made of: each
+    Column's small fields serialised by protobuf, its values written after them (protobuf reads
+    fields in any order) as the stored bytes, which the caller's join copies once, each
+    starting at a multiple of ALIGN bytes from the reply's start (the `align` field's zeros
+    before them), so a client reads them in place as tensors."""
     runs: list[bytes | memoryview] = []
+    at = 0  # where the next column starts in the reply
     for column in columns:
         head = pb.Column(
             name=column.name, dtype=column.dtype, items=column.items, ndim=column.ndim, shapes=column.shapes
         ).SerializeToString()
         size = column.size
         values_head = _VALUES_TAG + _varint(size)
-        runs += [_COLUMN_TAG, _varint(len(head) + len(values_head) + size), head, values_head, *column.values]
+        pad = b""
+        for _ in range(3):  # a longer pad may lengthen the column's own length prefix: settle it
+            body = len(head) + len(pad) + len(values_head) + size
+            start = at + len(_COLUMN_TAG) + len(_varint(body)) + len(head) + len(pad) + len(values_head)
+            if start % ALIGN == 0:
+                break
+            width = len(pad) + -start % ALIGN
+            width += ALIGN if width < 2 else 0  # the field's tag and length take two bytes
+            pad = _ALIGN_TAG + _varint(width - 2) + bytes(width - 2)
+        column_head = _COLUMN_TAG + _varint(body)
+        runs += [column_head, head, pad, values_head, *column.values]
+        at += len(column_head) + body
     return runs
 
 

@@ -235,20 +235,22 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_groups: _Optional[int] = ..., order: _Optional[_Union[Order, str]] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ..., max_batches: _Optional[int] = ..., min_model_version: _Optional[int] = ..., has_min_model_version: _Optional[bool] = ..., received: _Optional[int] = ..., stop: _Optional[bool] = ..., trainer_version: _Optional[int] = ..., has_trainer_version: _Optional[bool] = ..., window: _Optional[int] = ..., compact_advantages: _Optional[bool] = ..., order_name: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
 
 class Column(_message.Message):
-    __slots__ = ("name", "dtype", "items", "ndim", "shapes", "values")
+    __slots__ = ("name", "dtype", "items", "ndim", "shapes", "values", "align")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     NDIM_FIELD_NUMBER: _ClassVar[int]
     SHAPES_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     items: _containers.RepeatedScalarFieldContainer[int]
     ndim: int
     shapes: _containers.RepeatedScalarFieldContainer[int]
     values: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., items: _Optional[_Iterable[int]] = ..., ndim: _Optional[int] = ..., shapes: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
+    align: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., items: _Optional[_Iterable[int]] = ..., ndim: _Optional[int] = ..., shapes: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., align: _Optional[bytes] = ...) -> None: ...
 
 class SampleReply(_message.Message):
     __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes")
