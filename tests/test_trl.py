@@ -23,12 +23,15 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _AsyncRolloutLoop,
 )
 
-from expbuf.client import EID, BufferClient, Experience
+from expbuf.client import EID, BufferClient, ExpbufError, Experience
+from expbuf.client.kit.lease_keeper import LeaseKeeper
 from expbuf.client.rpc.connection import DEFAULT_TIMEOUT
 from expbuf.client.trl import ExpbufRolloutWorker, group_experiences, group_id, rollout_samples
 from expbuf.client.trl.leases import LeaseBook, ack_lag
+from expbuf.client.trl.reporter import Reporter
 
 from conftest import Servers
+from helpers import servers
 from trl_cpu import EOS, MARKS, PAD, until
 
 pytestmark = pytest.mark.client_timeout(DEFAULT_TIMEOUT)  # BufferClient's own
@@ -338,3 +341,30 @@ def test_a_ledger_prompt_names_the_group(client: BufferClient) -> None:
     assert [e.eid.uid for e in exps] == [prompt.eid(0).uid, prompt.eid(1).uid]
     client.push(exps, table="p")
     assert client.ledger("p", "math").total("generated") == 1
+
+
+def test_a_batch_given_back_while_the_server_is_away_is_given_back_once_it_is_back(tmp_path: Path) -> None:
+    """A broken stream's batch goes back when the server answers again, not at its lease's end."""
+    data = str(tmp_path / "data")
+    with servers() as start:
+        server = start(data)
+        port = server.port
+        with BufferClient(server.target, timeout=5) as client:
+            client.create_table("g", group_size=2)
+            client.push(group(0, [1.0, 0.0], version=1), table="g")
+            (batch,) = client.sample("g", num_groups=1, max_batches=1, timeout=10, lease_seconds=300)
+            keeper = LeaseKeeper(client, "g", 300)
+            failures: list[ExpbufError] = []
+            reporter = Reporter(
+                client, "g", keeper, answered=lambda: None, failed=failures.append, metric=lambda *_: None
+            )
+            server.proc.kill()
+            server.proc.wait(30)
+            reporter.give_back([batch])
+            reporter.round()  # the server is away: the give-back waits for the next round
+            assert reporter.pending() == 1
+            start(data, "--port", str(port))
+            assert until(lambda: (reporter.round(), reporter.pending())[1] == 0, 30)
+            stats = client.stats("g")["g"]
+            assert (stats.leased, stats.ready) == (0, 2) and not failures
+            keeper.close()

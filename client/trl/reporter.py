@@ -5,13 +5,16 @@ and give-back; the reporter makes them off the trainer's thread, in order.
 
 Nothing here blocks the trainer: a call the server cannot take now (it restarts, say) is made
 again at the next round, an ack as one tried before (LeaseKeeper.ack: a lease found gone then
-was consumed by the attempt whose reply was lost).
+was consumed by the attempt whose reply was lost), and a give-back until its lease would have
+ended anyway: a batch whose stream broke when the server went away is given back once it is
+back, not held from every trainer for the rest of its lease.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -59,7 +62,7 @@ class Reporter:
         self._version: int | None = None
         self._version_told: int | None = None
         self._acks: dict[str, bool] = {}  # lease -> an attempt was made
-        self._nacks: list[str] = []
+        self._nacks: dict[str, float] = {}  # lease -> when it ends anyway (Unix time): given back until then
         self._thread: threading.Thread | None = None
 
     @property
@@ -94,7 +97,9 @@ class Reporter:
 
     def give_back(self, batches: list[Batch]) -> None:
         with self._lock:
-            self._nacks += [batch.lease_id for batch in batches]
+            for batch in batches:
+                ends = max(batch.lease_expires, self.leases.expires(batch.lease_id) or 0.0)
+                self._nacks.setdefault(batch.lease_id, ends)
         if batches:
             self._wake.set()
 
@@ -148,10 +153,14 @@ class Reporter:
                 self._metric("expbuf/acked_total", float(acked))
 
     def _give_back(self) -> None:
-        """What goes back is given back once: one the server cannot take now returns when its
-        lease ends, which the keeper no longer renews."""
+        """Give back what goes back; one the server cannot take now is tried again at the next
+        round, until its lease (which the keeper no longer renews) ends and returns it."""
         with self._lock:
-            nacks, self._nacks = self._nacks, []
-        for lease in nacks:
-            if self.leases.give_back(lease):
+            nacks = dict(self._nacks)
+        for lease, ends in nacks.items():
+            given = self.leases.give_back(lease)
+            if given or time.time() >= ends:
+                with self._lock:
+                    self._nacks.pop(lease, None)
+            if given:
                 self._answered()

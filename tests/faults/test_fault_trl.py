@@ -115,7 +115,9 @@ def test_a_server_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path
                 f"acknowledged experiences neither in the table nor trained: {gone - set(marks)}"
             )
             assert gone == set(marks), f"trained, yet not acknowledged: {sorted(set(marks) - gone)}"
-            assert set(live.values()) == {"ready"}, "the worker gave back every lease it held when training ended"
+            assert set(live.values()) == {"ready"}, (
+                f"the worker gave back every lease it held when training ended: {live}"
+            )
             stats = client.stats("grpo")["grpo"]
             assert (stats.pushed, stats.consumed, stats.ready) == (len(uids), len(marks), len(uids) - len(marks))
         assert kill.server.stop(signal.SIGTERM) == 0
