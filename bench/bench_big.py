@@ -6,10 +6,11 @@ machine's copy bandwidth (one `bytes` copy of a buffer) as the limit, and the se
 
 Each size pushes `--total` MiB (at least two experiences), one experience a push over the
 client's defaults (chunks of 4 MiB), into an `expbuf serve` child, then consumes them as
-columns (tokens, log-probs and mask: every byte), one experience a batch, window 2; batches
-larger than 64 MiB come in parts. The raw baselines write the same payloads to an LMDB
-environment of their own, one durable commit each, and read the same bytes over a gRPC stream
-of messages of at most 64 MiB (bench/raw_grpc_server.py) with nothing decoded. Server memory:
+columns (tokens, log-probs and mask: every byte) in batches of 16 MiB (one experience a batch
+from 16 MiB on), window 2; replies larger than PART_BYTES come in parts. The raw baselines write
+the same payloads to an LMDB environment of their own, one durable commit each, and read the
+same bytes over a gRPC stream of messages of one batch's bytes, at most PART_BYTES
+(bench/raw_grpc_server.py), with nothing decoded. Server memory:
 the peak RSS (VmHWM, reset before each phase) and the peak of its anonymous memory (RssAnon,
 sampled every 5 ms) over its RSS before, in MiB; the consume's RSS counts the stored pages it
 maps, its anonymous memory does not.
@@ -38,9 +39,10 @@ from bench_service import Proc  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
+from expbuf.server.rpc.replies import PART_BYTES  # noqa: E402
 
 MB = 1 << 20
-PART = 64 * MB  # the raw stream's largest message, as expbuf's parts
+BATCH = 16 * MB  # a consume batch's bytes, or one experience where that is more
 HEADING = "## Large experiences end to end (issue 41)"
 FIELDS = ["tokens", "logprobs", "action_mask"]
 
@@ -86,6 +88,11 @@ class Memory:
         self.anon = self.anon_peak - self.anon_before
 
 
+def batch_groups(size: int) -> int:
+    """Experiences a consume batch: BATCH bytes of them, or one."""
+    return max(1, BATCH // size)
+
+
 def expbuf_side(sizes: list[int], total: int) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for size in sizes:
@@ -110,10 +117,16 @@ def expbuf_side(sizes: list[int], total: int) -> dict[int, dict[str, float]]:
                             del body
                     push_rate = pushed / seconds
                     received = 0
+                    groups = batch_groups(size)
                     with Memory(pid) as consume_memory:
                         start = time.perf_counter()
                         for batch in client.sample(
-                            "big", num_groups=1, max_batches=count, timeout=30, delivery="consume", fields=FIELDS
+                            "big",
+                            num_groups=groups,
+                            max_batches=count // groups,
+                            timeout=30,
+                            delivery="consume",
+                            fields=FIELDS,
                         ):
                             received += sum(column.values.nbytes for column in batch.columns.values())
                             del batch
@@ -163,8 +176,8 @@ def raw_stream(sizes: list[int], total: int) -> dict[int, float]:
             stream = channel.unary_stream("/bench.Raw/Stream")
             for size in sizes:
                 count = max(2, total // size)
-                message = min(size, PART)
-                messages = count * -(-size // message)
+                message = min(size * batch_groups(size), PART_BYTES)
+                messages = count * size // message
                 received = 0
                 start = time.perf_counter()
                 for reply in stream(f"{messages},{message}".encode(), timeout=600):

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.client import trxp
+from expbuf.client.rpc.sample_reply import Parts, read_sample_reply
+from expbuf.server.rpc.replies import sample_reply
 from expbuf.server.store import Store
 from expbuf.server.store.disk.environment import MAX_SNAPSHOTS
 from expbuf.server.store.schema.errors import StoreError
@@ -189,3 +191,33 @@ def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_
     assert (stats["consumed"], stats["leased"], stats["ready"]) == (len(packed), 0, 0)
     assert s.verify("plain") == []
     s.close()
+
+
+@pytest.mark.parametrize("fields", [(), ("tokens", "logprobs")], ids=["trxp", "columns"])
+def test_a_reply_in_parts_is_the_same_bytes_when_its_snapshot_ends_between_parts(
+    store: Store, fields: tuple[str, ...]
+) -> None:
+    """The parts after the first are cut from runs the snapshot keeps: a map resize or a close
+    that ends it between two parts copies them first, and the reply is still the stored bytes."""
+    items = group_items(1, 0, 2, response=4_000)
+    store.put("plain", items)
+    spec = SampleSpec(table="plain", num_groups=1, fields=fields, delivery="replay")
+
+    def reply(detach: bool) -> bytes:
+        batch = take(store, "plain", num_groups=1, delivery="replay")
+        parts = sample_reply(batch, spec, 0.0, limit=4096, parts=True)
+        whole = [next(parts)]
+        if detach:
+            assert batch.snapshot is not None and batch.snapshot.open
+            batch.snapshot.detach()  # what a map resize does
+        whole += list(parts)
+        assert len(whole) > 2
+        glued = Parts()
+        for message in whole[:-1]:
+            assert glued.add(read_sample_reply(message)) is None
+        done = glued.add(read_sample_reply(whole[-1]))
+        assert done is not None
+        done.rest.ClearField("times_sampled")  # the second delivery counts one more
+        return bytes(done.payload) + done.rest.SerializeToString() + bytes(b"".join(done.values or ()))
+
+    assert reply(detach=True) == reply(detach=False)

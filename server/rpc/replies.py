@@ -7,9 +7,10 @@ which protobuf allows in any order), and `PassBytes` lets such bytes through gRP
 serialiser untouched.
 
 A reply larger than one message (a group of long rollouts can pass gRPC's 2 GiB, and any
-server's `max_message_bytes`) goes in parts (SampleReply.part): each part is cut from the
-stored bytes as it is sent, under the batch's snapshot only while it is cut, so the server
-holds one part of the batch at a time, not the batch, and a slow reader never holds the
+server's `max_message_bytes`) goes in parts (SampleReply.part): its runs of bytes are made
+once and kept by the batch's snapshot (copied, should the snapshot have to end first), and
+each part is cut from them as it is sent, under the snapshot only while it is cut, so the
+server holds one part of the batch at a time, not the batch, and a slow reader never holds the
 snapshot that a map resize waits for.
 """
 
@@ -41,7 +42,7 @@ PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is a
 MIN_REPLY_BYTES = 1024  # the least max_reply_bytes a client may ask for (as max_message_bytes)
 # The largest part: a reply over this goes in parts, for a client that takes them, so a stream
 # holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
-PART_BYTES = 64 << 20
+PART_BYTES = 8 << 20
 Run = bytes | memoryview
 T = TypeVar("T")
 
@@ -101,12 +102,15 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
             return batch.columns(spec.fields, lambda columns: cut([*_framed(columns), rest]))
         return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(len(run) for run in runs)), *runs, rest]))
 
+    kept: list[list[Run]] = []  # a reply in parts: its runs, for the parts after the first
+
     def first(runs: list[Run]) -> tuple[int, bytes]:
         whole = sum(len(run) for run in runs)
         if whole <= cut:
             return whole, b"".join(runs)
         if not parts:
             raise ReplyTooLarge(whole)
+        kept.append(batch.keep(list(runs)))
         return whole, _part(runs, start=0, end=step, whole=whole)
 
     cut = min(limit, PART_BYTES) if parts else limit
@@ -115,8 +119,7 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
         whole, message = render(first)
         yield message
         for start in range(step, whole if whole > cut else 0, step):
-            end = min(start + step, whole)
-            yield render(partial(_part, start=start, end=end))
+            yield batch.read(partial(_part, kept[0], start=start, end=min(start + step, whole)))
     finally:
         batch.release()
 

@@ -177,6 +177,18 @@ class Sampled:
         with self.snapshot.reading():
             return build(in_order([*batch_columns(self.blobs, self.advantages, tensors), *ones], fields))
 
+    def keep(self, runs: list[bytes | memoryview]) -> list[bytes | memoryview]:
+        """Runs made by `render` or `columns` (views of the snapshot among them), kept readable
+        past that call, with `read`: copied in place should the snapshot end before `release`."""
+        return runs if self.snapshot is None else self.snapshot.hold(runs)
+
+    def read(self, use: Callable[[], T]) -> T:
+        """`use()` while the views the batch holds are valid (kept runs among them)."""
+        if self.snapshot is None:
+            return use()
+        with self.snapshot.reading():
+            return use()
+
     def release(self) -> None:
         """End the snapshot the payloads are read from, without copying them: for a batch
         whose reply is built; its payload cannot be read again."""
