@@ -129,6 +129,7 @@ def _unpacked(items: list[trxp.RawItem]) -> list[Entry]:
             sid=item.eid.sid,
             blob=b"",
             digest=b"\0" * 16,
+            size=0,
             version=item.model_version,
             reward=item.meta.get("reward"),
             priority=0.0,

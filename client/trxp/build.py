@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 import pickle
 import re
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..schema.experience import TENSOR_FIELDS
@@ -22,13 +23,14 @@ from .common import (
     EXACT_CONTAINERS,
     EXACT_SCALARS,
     HEADER,
-    HEADER_SIZE,
+    ITEMSIZE,
     MAGIC,
     VERSION,
     RawItem,
     RawTensor,
 )
 from .parse import parse
+from .pieces import Section, SectionTensors, Stored, cut, parts_of, whole
 
 # ---- building (trusted input) -----------------------------------------------------
 
@@ -78,12 +80,16 @@ def _assemble_parts(
 
 
 def frame(
-    meta: Sequence[bytes | memoryview], header_json: bytes, data: Sequence[bytes | memoryview]
+    meta: Sequence[bytes | memoryview],
+    header_json: bytes,
+    data: Sequence[bytes | memoryview],
+    data_len: int | None = None,
 ) -> list[bytes | memoryview]:
     """The runs of bytes of a payload whose metadata pickle is the runs `meta` and whose
-    safetensors header is already written as JSON."""
+    safetensors header is already written as JSON, its tensor data `data` (or, given
+    `data_len`, data of that many bytes that the runs leave out)."""
     header_json += b" " * (-len(header_json) % 8)
-    tensor_len = 8 + len(header_json) + sum(map(len, data))
+    tensor_len = 8 + len(header_json) + (sum(map(len, data)) if data_len is None else data_len)
     head = HEADER.pack(MAGIC, VERSION, sum(map(len, meta)), tensor_len)
     return [head, *meta, struct.pack("<Q", len(header_json)), header_json, *data]
 
@@ -161,16 +167,33 @@ def _splice_meta(fragments: Sequence[bytes | memoryview]) -> bytes:
 
 def pack_item(item: RawItem) -> bytes:
     """One validated experience as a one-item TRXP payload that join() splices cheaply."""
-    meta = [_SPLICE_ONE, *fragment(item.meta), _SPLICE_TAIL]
+    tensors = sorted(item.tensors.items(), key=_tensor_order)
+    return b"".join(_packed(item.meta, tensors, [len(tensor.data) for _, tensor in tensors], True))
+
+
+def pack_head(item: RawItem) -> tuple[list[bytes | memoryview], list[str]]:
+    """pack_item's payload up to its tensor data, from the tensors' shapes (their data may not
+    be there yet: a payload read as it arrives), and the order in which it lays out the tensors'
+    data after it."""
+    tensors = sorted(item.tensors.items(), key=_tensor_order)
+    sizes = [math.prod(tensor.shape) * ITEMSIZE[tensor.dtype] for _, tensor in tensors]
+    return _packed(item.meta, tensors, sizes, False), [name for name, _ in tensors]
+
+
+def _packed(
+    meta: dict[str, Any], tensors: list[tuple[str, RawTensor]], sizes: list[int], data: bool
+) -> list[bytes | memoryview]:
+    """A one-item payload in the canonical form the store keeps (its runs of bytes), the tensors
+    of `sizes` bytes laid out in the order given; without their data unless `data`."""
     header: list[str] = []
-    data: list[bytes | memoryview] = []
     offset = 0
-    for name, tensor in sorted(item.tensors.items(), key=_tensor_order):
-        end = offset + len(tensor.data)
+    for (name, tensor), size in zip(tensors, sizes, strict=True):
+        end = offset + size
         header.append(_header_entry(_FIELD_KEYS.get(name) or _json_key(f"0:{name}"), tensor, offset, end))
-        data.append(tensor.data)
         offset = end
-    return b"".join(frame(meta, f"{{{','.join(header)}}}".encode(), data))
+    header_json = f"{{{','.join(header)}}}".encode()
+    runs = [_SPLICE_ONE, *fragment(meta), _SPLICE_TAIL]
+    return frame(runs, header_json, [tensor.data for _, tensor in tensors] if data else [], offset)
 
 
 def _tensor_order(entry: tuple[str, RawTensor]) -> tuple[int, str]:
@@ -213,7 +236,7 @@ _PLAIN_NAMES = frozenset(TENSOR_FIELDS)
 
 def join(
     payloads: Iterable[bytes],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None = None,
 ) -> bytes:
     """Concatenate payloads the server stored (already validated) into one batch.
 
@@ -226,8 +249,8 @@ def join(
 
 
 def join_parts(
-    payloads: Iterable[bytes | memoryview],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    payloads: Iterable[Stored],
+    extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None = None,
     drop: Collection[str] = (),
 ) -> list[bytes | memoryview]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
@@ -243,16 +266,11 @@ def join_parts(
     data: list[bytes | memoryview] = []
     base = 0
     for index, payload in enumerate(payloads):
-        view = memoryview(payload)
-        _, _, meta_len, _ = HEADER.unpack_from(view)
-        meta = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+        meta, header, section, section_len = parts_of(payload)
         if meta[: len(_SPLICE_ONE)] != _SPLICE_ONE or meta[-len(_SPLICE_TAIL) :] != _SPLICE_TAIL:
             return [_rebuild(payloads, extra, drop)]
         fragments.append(meta[len(_SPLICE_ONE) : -len(_SPLICE_TAIL)])
-        blob = view[HEADER_SIZE + meta_len :]
-        (header_len,) = struct.unpack_from("<Q", blob)
-        section = blob[8 + header_len :]
-        stored, whole = _stored_tensors(bytes(blob[8 : 8 + header_len]), len(section))
+        stored, whole = _stored_tensors(header, section_len)
         if dropped and any(t[0] in dropped for t in stored):
             stored = [t for t in stored if t[0] not in dropped]
             whole = False
@@ -260,17 +278,20 @@ def join_parts(
             entries.extend(
                 [ENTRY % (index, name, dtype, shape, base + a, base + b) for name, dtype, shape, a, b in stored]
             )
-            data.append(section)
-            base += len(section)
+            _extend(data, section)
+            base += section_len
             continue
         added: dict[str, RawTensor] = {}
         if extra is not None:
-            added = extra(
-                index, {t.decode(): RawTensor(d.decode(), _shape(s), section[a:b]) for t, d, s, a, b in stored}
-            )
-        kept = [t for t in stored if t[0].decode() not in added] if added else stored
+            added = extra(index, stored_tensors(stored, section))
+        kept = [t for t in stored if _json_name(t[0]) not in added] if added else stored
         # Tensors kept whole are copied as one run of bytes; a replaced one leaves a gap.
-        data.extend([section] if whole and len(kept) == len(stored) else [section[t[3] : t[4]] for t in kept])
+        if whole and len(kept) == len(stored):
+            _extend(data, section)
+        elif isinstance(section, memoryview):
+            data.extend([section[t[3] : t[4]] for t in kept])
+        else:
+            data.extend([run for t in kept for run in cut(section, t[3], t[4])])
         for name, dtype, shape, start, end in kept:
             entries.append(ENTRY % (index, name, dtype, shape, base, base + end - start))
             base += end - start
@@ -330,14 +351,16 @@ def json_text(text: str) -> bytes:
     return _json_text(text)
 
 
-def stored_tensors(header: bytes, section: memoryview) -> dict[str, RawTensor]:
-    """One stored item's tensors by name, as views of its tensor `section`, read from its
-    safetensors header as join() reads it."""
-    found, _ = _stored_tensors(header, len(section))
-    return {
-        _json_name(name): RawTensor(dtype.decode(), _shape(shape), section[start:end])
-        for name, dtype, shape, start, end in found
-    }
+def stored_tensors(found: list[_Stored], section: Section) -> Mapping[str, RawTensor]:
+    """One stored item's tensors (its `stored_entries`) by name, as views of its tensor section,
+    or, for a section in pieces, made as each is looked up (pieces.SectionTensors)."""
+    if isinstance(section, memoryview):
+        return {
+            _json_name(name): RawTensor(dtype.decode(), _shape(shape), section[start:end])
+            for name, dtype, shape, start, end in found
+        }
+    entries = {_json_name(name): (dtype.decode(), _shape(shape), a, b) for name, dtype, shape, a, b in found}
+    return SectionTensors(entries, section)
 
 
 def _json_name(text: bytes) -> str:
@@ -361,16 +384,24 @@ def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
     return found, whole and end == section_len
 
 
+def _extend(data: list[bytes | memoryview], section: Section) -> None:
+    """A whole section onto a payload's runs: one run, or its pieces."""
+    if isinstance(section, memoryview):
+        data.append(section)
+    else:
+        data.extend(section)
+
+
 def _shape(text: bytes) -> tuple[int, ...]:
     return tuple(map(int, text.split(b","))) if text else ()
 
 
 def _rebuild(
-    payloads: Sequence[bytes | memoryview],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None,
+    payloads: Sequence[Stored],
+    extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None,
     drop: Collection[str],
 ) -> bytes:
-    items = [item for payload in payloads for item in parse(payload, trusted=True)]
+    items = [item for payload in payloads for item in parse(whole(payload), trusted=True)]
     for index, item in enumerate(items):
         for name in drop:
             item.tensors.pop(name, None)

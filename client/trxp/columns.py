@@ -2,21 +2,23 @@
 experiences that have it, back to back in batch order, with each one's shape.
 
 Each stored experience's tensors are found through its safetensors header, read as join() reads
-it (build.stored_tensors: no parse of the metadata pickle, no JSON parse of a header pack_item
-wrote), and handed on as views of the stored bytes: the caller that frames the reply copies
-each byte once. A field stored with several dtypes or ranks in one batch makes one column for
-each (Trinity-RFT lets a client send log-probs as float32 in one experience and bfloat16 in
-another); the client merges them where it can.
+it (build.stored_entries: no parse of the metadata pickle, no JSON parse of a header pack_item
+wrote), and handed on as views of the stored bytes (the pieces a tensor spans, for a section
+stored in pieces: pieces.py): the caller that frames the reply copies each byte once. A field
+stored with several dtypes or ranks in one batch makes one column for each (Trinity-RFT lets a
+client send log-probs as float32 in one experience and bfloat16 in another); the client merges
+them where it can.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .build import json_text, stored_entries, stored_tensors
-from .common import HEADER, HEADER_SIZE, RawTensor
+from .common import RawTensor
+from .pieces import Stored, cut, parts_of
 
 # Columns of one value per experience that the server keeps beside each experience's payload (in
 # its record), by name, with their dtype: an experience without one (no reward, no version) is
@@ -43,9 +45,9 @@ class ColumnParts:
 
 
 def column_parts(
-    payloads: Iterable[bytes | memoryview],
+    payloads: Iterable[Stored],
     fields: Sequence[str],
-    extra: Callable[[int, dict[str, RawTensor]], dict[str, RawTensor]] | None = None,
+    extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None = None,
     added: Sequence[str] = (),
 ) -> list[ColumnParts]:
     """The columns of `fields` over stored one-item payloads, in the order `fields` names them
@@ -56,25 +58,38 @@ def column_parts(
     computed = bool(extra is not None and set(fields) & set(added))
     columns: dict[tuple[bytes, bytes, bytes], ColumnParts] = {}
     for index, payload in enumerate(payloads):
-        view = memoryview(payload)
-        _, _, meta_len, _ = HEADER.unpack_from(view)
-        blob = view[HEADER_SIZE + meta_len :]
-        (header_len,) = struct.unpack_from("<Q", blob)
-        section = blob[8 + header_len :]
-        header = bytes(blob[8 : 8 + header_len])
+        _, header, section, section_len = parts_of(payload)
+        found = stored_entries(header, section_len)
+        given: Mapping[str, RawTensor] = {}
         if computed:
             assert extra is not None
-            found = stored_tensors(header, section)
-            for name, tensor in {**found, **extra(index, found)}.items():
-                text = json_text(name)
-                if text in wanted:
-                    dims = b",".join([b"%d" % dim for dim in tensor.shape])
-                    _add(columns, wanted, index, (text, tensor.dtype.encode(), dims), tensor.shape, tensor.data)
-            continue
-        for text, dtype, dims, start, end in stored_entries(header, len(section)):
-            if text in wanted:
-                _add(columns, wanted, index, (text, dtype, dims), None, section[start:end])
+            given = extra(index, stored_tensors(found, section))
+        for text, dtype, dims, start, end in found:
+            if text not in wanted:
+                continue
+            tensor = given.get(wanted[text]) if given else None
+            if tensor is None:
+                _add(columns, wanted, index, (text, dtype, dims), None, cut(section, start, end))
+            else:  # replaced: in the stored one's place
+                _computed(columns, wanted, index, text, tensor)
+        names = {text for text, *_ in found}
+        for name, tensor in given.items():
+            text = json_text(name)
+            if text in wanted and text not in names:
+                _computed(columns, wanted, index, text, tensor)
     return in_order(columns.values(), fields)
+
+
+def _computed(
+    columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+    wanted: dict[bytes, str],
+    index: int,
+    text: bytes,
+    tensor: RawTensor,
+) -> None:
+    """Item `index`'s tensor that the caller's `extra` gave (a computed advantage) into its column."""
+    dims = b",".join([b"%d" % dim for dim in tensor.shape])
+    _add(columns, wanted, index, (text, tensor.dtype.encode(), dims), tensor.shape, [tensor.data])
 
 
 def _add(
@@ -83,7 +98,7 @@ def _add(
     index: int,
     entry: tuple[bytes, bytes, bytes],
     shape: tuple[int, ...] | None,
-    data: bytes | memoryview,
+    data: list[bytes | memoryview],
 ) -> None:
     """Item `index`'s tensor (its name, dtype and dimensions as its header writes them) into the
     column of its field, dtype and rank."""
@@ -96,7 +111,7 @@ def _add(
         column = columns[key] = ColumnParts(wanted[text], dtype.decode(), len(shape))
     column.items.append(index)
     column.shapes.extend(shape)
-    column.values.append(data)
+    column.values.extend(data)
 
 
 def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnParts | None:

@@ -26,7 +26,7 @@ import lmdb
 
 from expbuf.client.trxp.common import RawItem
 
-from .disk import layout, residency
+from .disk import chunked, layout, residency
 from .disk.environment import Environment
 from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
 from .disk.records import ItemRecord
@@ -121,6 +121,7 @@ class Store:
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
+        self._sweep_staged()
         self.builds.start()
         # The check of every payload that a quick open leaves out, in the background (scrub.py).
         self.scrub = Scrub(
@@ -145,6 +146,15 @@ class Store:
 
         if due:
             self.environment.submit(op)
+
+    def _sweep_staged(self) -> None:
+        """The chunk sets that pushes in chunks were staging when the last server stopped go:
+        those pushes never completed (chunked.py)."""
+        with self.environment.read() as txn:
+            staged = chunked.staged_sets(txn, self.db)
+        if staged:
+            self.environment.submit(lambda txn: chunked.sweep_staged(txn, self.db))
+            log.info("dropped the sections of %d push(es) in chunks that a stop cut short", staged)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -231,6 +241,14 @@ class Store:
     ) -> PutResult:
         """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
         return self.pushing.put(table, entries, timeout=timeout, holder=holder, may_wait=may_wait)
+
+    def stage(self, table: str, set_id: int | None, index: int, chunk: bytes | memoryview) -> int:
+        """Stage one chunk of a large section of a push in chunks (Pushing.stage); the set."""
+        return self.pushing.stage(table, set_id, index, chunk)
+
+    def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
+        """Drop the sets a refused push in chunks staged (Pushing.drop_staged)."""
+        self.pushing.drop_staged(table, set_ids)
 
     def put_in_order(
         self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None

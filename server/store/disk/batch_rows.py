@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import lmdb
 
+from expbuf.client.trxp.pieces import Stored
+
 from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
 from .records import ItemRecord
@@ -25,11 +27,11 @@ class BatchRows:
     ) -> None:
         self.txn, self.adv, self.config, self.finish = txn, adv, config, finish
         self.computed = config.advantages.estimator != "none"  # a table without an estimator has no advantages
-        self.blobs: list[bytes | memoryview] = []
+        self.blobs: list[Stored] = []
         self.records: list[ItemRecord] = []
         self.advantages: list[Advantage] = []
 
-    def add(self, key: bytes, rec: ItemRecord, blob: bytes | memoryview) -> None:
+    def add(self, key: bytes, rec: ItemRecord, blob: Stored) -> None:
         """One experience: its payload (as read), its record and its stored advantage (the
         value in the record, or the token-level record of the `adv` database)."""
         token_level = self.txn.get(key, db=self.adv) if self.computed and rec.advantage is None else None

@@ -16,10 +16,22 @@ import hashlib
 
 import xxhash
 
+from expbuf.client.trxp.pieces import SplitPayload, Stored
 
-def of(blob: bytes | memoryview) -> bytes:
-    """The digest of a payload as the store keeps it."""
+
+def of(blob: Stored) -> bytes:
+    """The digest of a payload as the store keeps it (one stored in chunks: of its bytes end to end)."""
+    if isinstance(blob, SplitPayload):
+        hasher = running()
+        for run in blob.runs():
+            hasher.update(run)
+        return hasher.digest()
     return xxhash.xxh3_128_digest(blob)
+
+
+def running() -> xxhash.xxh3_128:
+    """A digest taken over bytes as they pass (`update`): `of` them end to end."""
+    return xxhash.xxh3_128()
 
 
 def format_3(blob: bytes | memoryview) -> bytes:

@@ -10,6 +10,7 @@ from typing import TypeVar
 from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.columns import SCALARS, ColumnParts, in_order, scalar_column
 from expbuf.client.trxp.common import RawItem
+from expbuf.client.trxp.pieces import Stored
 
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
@@ -36,8 +37,9 @@ class Entry:
     tid: str
     rid: str
     sid: str
-    blob: bytes
-    digest: bytes  # digests.of(blob)
+    blob: bytes  # the one-item payload, or the head of one whose section a push staged (chunked.py)
+    digest: bytes  # digests.of(the payload)
+    size: int  # the payload's bytes
     version: int | None
     reward: float | None
     priority: float
@@ -48,8 +50,15 @@ class Entry:
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:
-        eid = item.eid
         blob = pack_item(item)
+        return cls.staged(item, blob, digests.of(blob), len(blob), item.generated_tokens)
+
+    @classmethod
+    def staged(cls, item: RawItem, blob: bytes, digest: bytes, size: int, generated: int) -> Entry:
+        """An item whose payload is `blob` (a head, for one whose section a push staged: its
+        payload's `digest`, `size` and `generated` tokens taken as it was staged); no tensor's
+        data is read."""
+        eid = item.eid
         priority = item.meta.get("info", {}).get("priority", 0.0)
         return cls(
             uid=eid.uid,
@@ -57,14 +66,15 @@ class Entry:
             rid=eid.rid,
             sid=eid.sid,
             blob=blob,
-            digest=digests.of(blob),
+            digest=digest,
+            size=size,
             version=item.model_version,
             reward=item.meta.get("reward"),
             priority=float(priority) if isinstance(priority, (int, float)) else 0.0,
             has_token_rewards="token_level_reward" in item.tensors,
             step=eid.step,
             response_length=item.response_length,
-            generated=item.generated_tokens,
+            generated=generated,
         )
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
@@ -74,7 +84,7 @@ class Entry:
             group=gkey,
             seq=seq,
             digest=self.digest,
-            size=len(self.blob),
+            size=self.size,
             created=created,
             tid=self.tid,
             rid=self.rid,
@@ -124,7 +134,7 @@ class Sampled:
 
     uids: list[str]
     group_ids: list[str]
-    blobs: list[bytes | memoryview]
+    blobs: list[Stored]
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     rewards: list[float | None] = field(default_factory=list)  # each experience's, as pushed

@@ -3,7 +3,10 @@
 Per-table keys start with the table's 4-byte id T (big-endian), so a table's entries are
 one contiguous range:
 - tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
-- items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload
+- items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload, or the head
+  of one whose tensor section is stored in chunks (chunked.py)
+- chunks:    T + chunk set + chunk number -> a piece of a tensor section (chunked.py)
+- staged:    T + chunk set -> when a push in chunks began staging it (until the push's commit)
 - tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord
@@ -38,12 +41,13 @@ from ..schema.ready_indexes import u64
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
 # (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
 # compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
-# ledger_records.py). See migrate.py.
-FORMAT = 5
+# ledger_records.py); 6 stores a tensor section larger than chunked.CHUNK_BYTES in chunks (the
+# chunks and staged databases). See migrate.py.
+FORMAT = 6
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
-    "tombs", "ledger",
+    "tombs", "ledger", "chunks", "staged",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

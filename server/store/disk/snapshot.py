@@ -15,13 +15,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import lmdb
+
+from expbuf.client.trxp.pieces import SplitPayload
 
 from ..schema.errors import StoreError
 from ..schema.ready_indexes import next_prefix
 
-Value = bytes | memoryview
+Value = bytes | memoryview | SplitPayload
+T = TypeVar("T")
 
 
 class Snapshot:
@@ -31,7 +35,7 @@ class Snapshot:
         self._txn: lmdb.Transaction[memoryview] | None = txn
         self._done = done
         self._lock = threading.Lock()
-        self._held: list[list[Value]] = []
+        self._held: list[list[Any]] = []
         self._released = False
 
     @property
@@ -51,7 +55,7 @@ class Snapshot:
             found = (cur.prev() if cur.set_range(end) else cur.last()) if end is not None else cur.last()
             return bytes(cur.key()) if found and cur.key()[: len(prefix)] == prefix else None
 
-    def hold(self, values: list[Value]) -> list[Value]:
+    def hold(self, values: list[T]) -> list[T]:
         """Values (views of this snapshot among them) that `detach` turns into copies."""
         self._held.append(values)
         return values
@@ -70,7 +74,7 @@ class Snapshot:
             if self._txn is None:
                 return
             for values in self._held:
-                values[:] = [bytes(v) if isinstance(v, memoryview) else v for v in values]
+                values[:] = [_owned(v) for v in values]
             self._end()
 
     def release(self) -> None:
@@ -92,3 +96,12 @@ class Snapshot:
     def __del__(self) -> None:
         if self._txn is not None:  # garbage: nothing can read its views any more
             self._end()
+
+
+def _owned(value: Value) -> Value:
+    """A value copied out of the map, if it is a view of it (or made of views)."""
+    if isinstance(value, memoryview):
+        return bytes(value)
+    if isinstance(value, SplitPayload):
+        return value.owned()
+    return value

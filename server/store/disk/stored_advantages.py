@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
 from expbuf.client.trxp.columns import ColumnParts, column_parts
 from expbuf.client.trxp.common import RawTensor
+from expbuf.client.trxp.pieces import Stored
 
 from ..schema.table_config import TableConfig
 from .records import ItemRecord
@@ -90,12 +91,12 @@ def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage
     return token_level
 
 
-def batch_payload(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> bytes:
+def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage]) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
     return b"".join(batch_parts(blobs, advantages))
 
 
-def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+def batch_parts(blobs: Sequence[Stored], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
     A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
     if all(a is None for a in advantages):
@@ -105,9 +106,7 @@ def batch_parts(blobs: Sequence[bytes | memoryview], advantages: Sequence[Advant
     return join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
 
 
-def batch_columns(
-    blobs: Sequence[bytes | memoryview], advantages: Sequence[Advantage], fields: Sequence[str]
-) -> list[ColumnParts]:
+def batch_columns(blobs: Sequence[Stored], advantages: Sequence[Advantage], fields: Sequence[str]) -> list[ColumnParts]:
     """A batch of stored experiences as the columns of `fields`, computed advantages and returns
     included (in place of any pushed with an experience that has computed ones)."""
     if all(a is None for a in advantages):
@@ -115,7 +114,7 @@ def batch_columns(
     return column_parts(blobs, fields, lambda index, tensors: expand(advantages[index], tensors), ADDED)
 
 
-def expand(advantage: Advantage, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
+def expand(advantage: Advantage, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
     """The advantages and returns tensors of one sampled experience (none when sent apart)."""
     if advantage is None or isinstance(advantage, SentApart):
         return {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from ..disk import digests, layout
+from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest, NotFound, clip
@@ -78,7 +78,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
                 f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
             )
         groups[gkey] = grp
-    make_room(tt, len(fresh), sum(len(e.blob) for e in fresh.values()), set(groups))
+    make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
     _insert(tt, by_group, groups)
     ready: list[ReadyRow] = []
     computing: list[Completed] = []
@@ -125,10 +125,10 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
     for gkey, members in by_group.items():
         grp = groups[gkey]
         for entry in members:
-            size = len(entry.blob)
+            size = entry.size
             tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
             uid = entry.uid.encode()
-            blobs.append((prefix + uid, entry.blob))
+            blobs.append((prefix + uid, chunked.stored_value(tt.txn, tt.db, prefix + uid, entry.blob)))
             order.append((prefix + u64(seq), uid))
             grp.members.append(entry.uid)
             if entry.version is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from ..disk import chunked
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import FAILED, LIVE, QUARANTINED
 from .read_check import payload_problem
@@ -47,7 +48,7 @@ def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord, why: str) -> None
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
     log.error("table %s: experience %s quarantined (%s): never served", tt.config.name, uid, why)
     key = tt.key(uid)
-    tt.txn.delete(key, db=tt.db["blobs"])
+    chunked.delete(tt.txn, tt.db, [key])
     tt.txn.delete(key, db=tt.db["items"])
     rec.state = QUARANTINED
     tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
@@ -67,7 +68,7 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
         rec = tt.item(uid)
         if rec is None or rec.state not in (*LIVE, FAILED):
             continue
-        blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
+        blob = chunked.read_payload(tt.txn, tt.db, tt.key(uid))
         why = None if blob is None else payload_problem(uid, rec, blob)
         if why is None:
             continue

@@ -14,18 +14,21 @@ from dataclasses import dataclass
 from expbuf.client.trxp.checks import FLOAT32_MAX
 from expbuf.client.trxp.common import TrxpError
 from expbuf.client.trxp.parse import parse
+from expbuf.client.trxp.pieces import SplitPayload, Stored
 
 from ..disk import digests
 from ..disk.kinds import Entry
 from ..disk.records import ItemRecord
 
 
-def payload_problem(uid: str, rec: ItemRecord, blob: bytes | memoryview) -> str | None:
+def payload_problem(uid: str, rec: ItemRecord, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
     if len(blob) != rec.size:
         return f"its payload is {len(blob)} bytes, its record says {rec.size}"
     if digests.of(blob) == rec.digest:
         return None
+    if isinstance(blob, SplitPayload):  # stored in chunks since format 6: its digest is of these bytes
+        return "its payload does not match its digest"
     try:
         items = parse(bytes(blob), trusted=True)
     except TrxpError:
@@ -47,7 +50,7 @@ class Unservable:
         return f"experience {self.uid}: {self.why}"
 
 
-def serve_problem(uid: str, rec: ItemRecord, blob: bytes | memoryview) -> Unservable | None:
+def serve_problem(uid: str, rec: ItemRecord, blob: Stored) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
     is beyond float32), or None when it can."""
     if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ..disk import layout
+from ..disk import chunked, layout
 from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.ready_indexes import put_rows, u64
@@ -52,7 +52,7 @@ def retire(
     stamp = prefix + layout.micros(now)  # retired_key() of every group retired now
     # A kept payload keeps its full record, for Get.
     keep = state == FAILED and (tt.config.retention.keep_failed or bool(quarantined))
-    keys, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], 0, []
+    keys, sizes, places, marks, full, tombstones, nbytes, damaged = [], [], [], [], [], [], 0, []
     for gkey, grp in groups:
         for uid in grp.members:
             key = tt.key(uid)
@@ -81,15 +81,16 @@ def retire(
             counters.add(grp.state, -1)  # the members' state (the group's, while it is live)
             counters.add(became, 1)
             keys.append(key)
+            sizes.append(size)
             places.append(prefix + u64(seq))
             nbytes += size
             if uid in quarantined:
                 damaged.append(key)
         marks.append((stamp + gkey.encode(), b""))
         tt.move_group(gkey, grp, state)
-    drop_payloads(tt, keys, places, nbytes, keep_blobs=keep)
+    drop_payloads(tt, keys, sizes, places, nbytes, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
-        _delete_rows(tt.txn, tt.db["blobs"], sorted(damaged))
+        chunked.delete(tt.txn, tt.db, sorted(damaged))
     gone = sorted(key for key, _ in tombstones)
     _delete_rows(tt.txn, tt.db["items"], gone)  # the records leave the live ones' pages, which stay dense
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):
@@ -136,15 +137,22 @@ def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
 
 
 def drop_payloads(
-    tt: TableState, keys: list[bytes], places: list[bytes], nbytes: int, *, keep_blobs: bool = False
+    tt: TableState,
+    keys: list[bytes],
+    sizes: list[int],
+    places: list[bytes],
+    nbytes: int,
+    *,
+    keep_blobs: bool = False,
 ) -> None:
-    """Experiences (their keys, their keys in the insertion order, their bytes) leave
-    the live data: payloads, advantages and places in the insertion order go
-    (`keep_blobs` keeps the payloads of failed experiences for Get), one database at
-    a time, in key order."""
-    keys, txn = sorted(keys), tt.txn
+    """Experiences (their keys, their payloads' sizes, their keys in the insertion order, their
+    bytes) leave the live data: payloads (and their chunks: chunked.py), advantages and places in
+    the insertion order go (`keep_blobs` keeps the payloads of failed experiences for Get), one
+    database at a time, in key order."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    keys, sizes, txn = [keys[at] for at in order], [sizes[at] for at in order], tt.txn
     if not keep_blobs:
-        _delete_rows(txn, tt.db["blobs"], keys)
+        chunked.delete(txn, tt.db, keys, sizes)
     if _has_advantages(tt):
         _delete_rows(txn, tt.db["adv"], keys)
     _delete_rows(txn, tt.db["order"], sorted(places))
@@ -163,7 +171,7 @@ def forget_tombstone(tt: TableState, uid: str, rec: ItemRecord) -> None:
     may then be pushed again. Its group goes with its last member, and the group's place
     in the retired index with it."""
     tt.forget_item(uid)
-    tt.txn.delete(tt.key(uid), db=tt.db["blobs"])
+    chunked.delete(tt.txn, tt.db, [tt.key(uid)], [rec.size])
     tt.counters.add(rec.state, -1)
     grp = tt.group(rec.group)
     if grp is not None:
@@ -218,7 +226,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         tt.forget_item(uid)
         tt.counters.add(grp.state, -1)
         deleted += 1
-        drop_payloads(tt, [tt.key(uid)], [tt.prefix + u64(rec.seq)], rec.size)
+        drop_payloads(tt, [tt.key(uid)], [rec.size], [tt.prefix + u64(rec.seq)], rec.size)
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)

@@ -1,5 +1,8 @@
 """Pushes: validated entries stored in the writer's transaction, durably when it returns.
 
+A push in chunks stages its large sections before its push is stored (`stage`, chunked.py), and
+drops them should it be refused (`drop_staged`).
+
 A push alone is a sequence of one: `put_in_order` stores a stream's pushes in order, as many
 as it holds in one request to the writer, each in a transaction nested in it (so a refusal
 undoes only its own push), and stops at the first that does not store. Those that stored
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import lmdb
 
+from ..disk import chunked, layout
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import groups, limiter, pushed_advantages
@@ -131,6 +135,35 @@ class Pushing:
             self.environment.wait_for_change(generation, deadline)
         if unready is not None:
             raise unready
+
+    def stage(self, table: str, set_id: int | None, index: int, chunk: bytes | memoryview) -> int:
+        """Write chunk `index` of a section a push in chunks stages, durably, in a new set for
+        the first (`set_id` None); returns the set (chunked.stage). Its commit is the writer's
+        next, shared with the requests waiting then, as a push's is."""
+        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
+        dbs, now = self.environment.db, self.catalog.clock()
+        return self.environment.submit(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, chunk, now))
+
+    def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
+        """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
+        refused push's, a duplicate's; its stored experiences' sets are theirs, no longer staged."""
+        if not set_ids:
+            return
+        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
+        dbs = self.environment.db
+
+        def staged(txn: lmdb.Transaction[bytes]) -> list[int]:
+            return [s for s in set_ids if txn.get(chunked.set_prefix(prefix, s), db=dbs["staged"]) is not None]
+
+        with self.environment.read() as txn:
+            if not staged(txn):  # a stored push's: nothing to write
+                return
+
+        def drop(txn: lmdb.Transaction[bytes]) -> None:
+            for set_id in staged(txn):
+                chunked.drop_set(txn, dbs, prefix, set_id)
+
+        self.environment.submit(drop)
 
     def _ready(self, push: Push) -> _Ready:
         """A push looked up, with the advantages it is expected to compute, computed now."""

@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from expbuf.client.trxp.pieces import whole
+
 from ..disk import layout
 from ..disk.batch_rows import BatchRows
+from ..disk.chunked import read_payload
 from ..disk.environment import Environment
 from ..disk.records import ItemRecord
 from ..disk.stored_advantages import FinishBatch, batch_payload
@@ -46,12 +49,12 @@ class Reads:
         with self.environment.read() as txn:
             for uid in uids:
                 key = prefix + uid.encode()
-                blob = txn.get(key, db=self.environment.db["blobs"])
+                blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     continue
                 rec = ItemRecord.decode(stored(txn, key, self.environment.db["items"], "experience"))
                 if payload_problem(uid, rec, blob) is None:
-                    found[uid] = blob
+                    found[uid] = bytes(whole(blob))
                 else:
                     damaged.append(uid)
         if damaged:
@@ -87,7 +90,7 @@ class Reads:
             rows = BatchRows(txn, self.environment.db["adv"], config, self.finish)
             for uid in uids:
                 key = prefix + uid.encode()
-                blob = txn.get(key, db=self.environment.db["blobs"])
+                blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     missing.append(uid)
                     continue

@@ -25,7 +25,9 @@ from dataclasses import dataclass, replace
 
 import lmdb
 
-from ..disk import digests, layout, residency
+from expbuf.client.trxp.pieces import Stored
+
+from ..disk import chunked, digests, layout, residency
 from ..disk.environment import Environment
 from ..disk.records import ItemRecord
 from ..rules.counters import read_counters
@@ -195,7 +197,8 @@ class Scrub:
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
                         return bad, bytes(cur.key()), payloads, nbytes, count
-                    key, blob = cur.key(), cur.value()
+                    key = cur.key()
+                    blob = chunked.resolve(cur.value(), key, lambda name: txn.get(name, db=db["chunks"]))
                     raw = txn.get(key, db=db["items"])
                     payloads += len(blob)
                     nbytes += len(blob) + (0 if raw is None else len(raw))
@@ -207,7 +210,7 @@ class Scrub:
             self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")
         return bad, None, payloads, nbytes, count
 
-    def _damaged(self, key: memoryview, raw: memoryview, blob: memoryview) -> bool:
+    def _damaged(self, key: memoryview, raw: memoryview, blob: Stored) -> bool:
         """Whether the payload is not the one its record's digest names."""
         try:
             if ItemRecord.compact(raw):

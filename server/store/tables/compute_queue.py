@@ -9,13 +9,15 @@ from collections.abc import Callable
 
 import lmdb
 
-from ..disk import layout
+from expbuf.client.trxp.pieces import Stored, whole
+
+from ..disk import chunked, layout
 from ..disk.kinds import ComputeJob
 from ..disk.records import GroupRecord, ItemRecord
 from ..rules.counters import read_counters
 from ..rules.extensions import TableExtension
 from ..rules.read_check import payload_problem
-from ..rules.table_state import Groups, TableState, stored
+from ..rules.table_state import Groups, TableState, missing, stored
 from ..schema.states import COMPUTING
 from ..schema.table_config import TableConfig, estimator_of
 
@@ -73,12 +75,16 @@ def backlog(
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
                     grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
-                    records, blobs = {}, {}
+                    records: dict[str, ItemRecord] = {}
+                    blobs: dict[str, Stored] = {}
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
                         records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
                         if token_level:
-                            blobs[uid] = stored(txn, item_key, dbs["blobs"], "payload of experience")
+                            payload = chunked.read_payload(txn, dbs, item_key)
+                            if payload is None:
+                                raise missing("payload of experience", uid)
+                            blobs[uid] = payload
                     bad = [uid for uid, blob in blobs.items() if payload_problem(uid, records[uid], blob) is not None]
                     if bad:
                         damaged.setdefault(name, []).extend(bad)
@@ -86,7 +92,7 @@ def backlog(
                         job.groups.append(gkey.decode())
                         job.members.append(grp.members)
                         job.records |= records
-                        job.blobs |= blobs
+                        job.blobs |= {uid: bytes(whole(blob)) for uid, blob in blobs.items()}
                     count += len(grp.members)
                     found = cur.next()
                 if job.groups:

@@ -14,13 +14,14 @@ problem and `expbuf check`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
 
 import lmdb
 
-from ..disk import layout
+from ..disk import chunked, layout
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules.counters import read_counters
@@ -218,7 +219,32 @@ def verify(tt: TableState) -> list[str]:
     live = sum(counts[state] for state in LIVE)
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
-    return problems + verify_ledger(tt)
+    return problems + _check_chunk_sets(tt) + verify_ledger(tt)
+
+
+def _check_chunk_sets(tt: TableState) -> list[str]:
+    """Every chunk set is a stored payload's (its head names it) or a push's that is staging it
+    (one that a stop cut short is dropped by the next start)."""
+    p = tt.prefix
+    named: set[int] = set()
+    staged: set[int] = set()
+    found: set[int] = set()
+    with tt.txn.cursor(db=tt.db["blobs"]) as cur:
+        present = cur.set_range(p)
+        while present and cur.key().startswith(p):
+            value = cur.value()
+            if chunked.is_head(value):
+                with contextlib.suppress(_DAMAGE):  # a damaged head: the payload's own check says so
+                    named.add(chunked.read_head(value).set_id)
+            present = cur.next()
+    for db, into in (("staged", staged), ("chunks", found)):
+        with tt.txn.cursor(db=tt.db[db]) as cur:
+            present = cur.set_range(p)
+            while present and cur.key().startswith(p):
+                into.add(int.from_bytes(cur.key()[4:12], "big"))
+                present = cur.next()
+    strays = found - named - staged
+    return [f"{len(strays)} chunk set(s) belong to no stored payload and to no push"] if strays else []
 
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
@@ -248,7 +274,7 @@ def _check_item(
     state = member_state(rec, grp)
     counts[state] += 1
     live = rec.state in LIVE
-    blob = tt.txn.get(tt.key(uid), db=tt.db["blobs"])
+    blob = chunked.read_payload(tt.txn, tt.db, tt.key(uid))
     if live != (blob is not None) and not (rec.state == FAILED and kept):
         problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
     if blob is not None:

@@ -10,7 +10,9 @@ Format 3 digested payloads with SHA-256: every stored payload gets its XXH3-128 
 experience's whole record as its tombstone; format 4 keeps a compact one (records.py) in a
 database of its own (tombs), and its retired index names groups, not experiences: the upgrade
 moves the old tombstones and rebuilds the index (`compact_tombstones`). A leased group's
-members keep ready records from format 4 (`ready_while_leased`).
+members keep ready records from format 4 (`ready_while_leased`). Format 6 adds the databases
+of tensor sections stored in chunks (chunked.py), created empty by the open's transaction:
+every payload a format 5 directory holds is stored whole, as format 6 stores a small one.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (selection.IN_USE, in the counters database); a table without

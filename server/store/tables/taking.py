@@ -18,6 +18,9 @@ import random
 import secrets
 from collections.abc import Callable, Generator, Iterator
 
+from expbuf.client.trxp.pieces import Stored
+
+from ..disk import chunked
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
@@ -176,23 +179,30 @@ class _Payloads:
         self.tt, self._open = tt, open_snapshot
         self.snapshot: Snapshot | None = None
         self.newest = -1
-        self._read: dict[str, bytes | memoryview] = {}
+        self._read: dict[str, Stored] = {}
 
     def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
         """Read a group's payloads; those that cannot be served."""
         return [problem for uid, rec in recs.items() if (problem := serve_problem(uid, rec, self._get(uid, rec)))]
 
-    def read(self, uid: str) -> bytes | memoryview:
+    def read(self, uid: str) -> Stored:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: ItemRecord) -> bytes | memoryview:
+    def _get(self, uid: str, rec: ItemRecord) -> Stored:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
             self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
-        view = self.snapshot.get(key, blobs) if self.snapshot is not None and rec.seq <= self.newest else None
-        blob = view if view is not None else stored(self.tt.txn, key, blobs, "payload of experience")
+        key, blobs, chunks = self.tt.key(uid), self.tt.db["blobs"], self.tt.db["chunks"]
+        snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
+        view = snapshot.get(key, blobs) if snapshot is not None else None
+        if snapshot is not None and view is not None:
+            blob = chunked.resolve(view, key, lambda name: snapshot.get(name, chunks))
+        else:
+            txn = self.tt.txn
+            blob = chunked.resolve(
+                stored(txn, key, blobs, "payload of experience"), key, lambda name: txn.get(name, db=chunks)
+            )
         self._read[uid] = blob
         return blob

@@ -1,0 +1,248 @@
+"""Tensor sections stored out of line, in chunks: no push, read or commit holds a large
+experience whole.
+
+An experience whose tensor section is larger than CHUNK_BYTES keeps in `blobs` a head, and
+its section in `chunks`, CHUNK_BYTES a value (the last one shorter), keyed by its table's id,
+the number of its chunk set and each chunk's number. The head is the payload's bytes up to
+its section (the TRXP header, the metadata pickle, the safetensors header) behind a small
+frame: b"TRXO" · chunk set u64 · section length u64 · chunk bytes u32 · chunks u32 · each
+chunk's XXH3-128 digest (16 bytes). Read back, a head and its chunks are a
+`pieces.SplitPayload`, the same bytes as the one-item payload stored whole would be, which the
+record's digest is taken over (digests.of): a retried push is a duplicate however its
+experience was stored.
+
+A push in chunks stages its experiences' sections as they arrive (rpc/sections.py): each chunk
+is committed on its own under a set marked in `staged` (`stage`); the push's commit writes the
+heads and unmarks their sets (`stored_value`), a push that fails drops them (`drop_set`), and
+an open drops the sets that a stopped server left staged (`sweep_staged`). A set number is
+never used twice (the next is kept in `meta`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import lmdb
+
+from expbuf.client.trxp.common import HEADER, HEADER_SIZE
+from expbuf.client.trxp.pieces import Run, SplitPayload, Stored
+
+from . import digests
+from .layout import micros
+
+CHUNK_BYTES = 4 << 20
+HEAD_MAGIC = b"TRXO"
+_FRAME = struct.Struct("<4sQQII")  # magic, chunk set, section length, chunk bytes, chunks
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+_NEXT_SET = b"next_chunk_set"  # in meta: the number the next chunk set takes
+DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A head as stored: its chunk set, section length, chunk size, the chunks' digests and
+    the payload's bytes before its section."""
+
+    set_id: int
+    section_len: int
+    chunk_bytes: int
+    digests: tuple[bytes, ...]
+    prefix: memoryview
+
+    @property
+    def chunks(self) -> int:
+        return len(self.digests)
+
+
+class Staging:
+    """A large item's section as a push in chunks stages it (`stage`): its chunk set, its chunks'
+    digests and the digest of its whole payload (its `prefix`, then the section), taken as the
+    chunks pass; then its head."""
+
+    def __init__(self, prefix: Sequence[Run], section_len: int) -> None:
+        self.prefix, self.section_len = list(prefix), section_len
+        self.set_id: int | None = None
+        self.digests: list[bytes] = []
+        self._whole = digests.running()
+        for run in self.prefix:
+            self._whole.update(run)
+
+    def add(self, chunk: Run) -> None:
+        """The next chunk of the section, staged."""
+        self.digests.append(digests.of(chunk))
+        self._whole.update(chunk)
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.prefix)) + self.section_len
+
+    def digest(self) -> bytes:
+        return self._whole.digest()
+
+    def head(self) -> bytes:
+        assert self.set_id is not None, "a head names the set its chunks were staged in"
+        return pack_head(self.set_id, self.section_len, self.digests, self.prefix)
+
+
+def is_head(value: Run) -> bool:
+    return value[:4] == HEAD_MAGIC
+
+
+def read_head(value: Run) -> Head:
+    """A head's fields; ValueError when its frame is not whole (damage)."""
+    view = memoryview(value)
+    magic, set_id, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
+    table_end = _FRAME.size + DIGEST_BYTES * count
+    if magic != HEAD_MAGIC or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
+        raise ValueError("a head of a section stored in chunks whose frame is damaged")
+    found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
+    return Head(set_id, section_len, chunk_bytes, found, view[table_end:])
+
+
+def pack_head(set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Run]) -> bytes:
+    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES."""
+    frame = _FRAME.pack(HEAD_MAGIC, set_id, section_len, CHUNK_BYTES, len(chunk_digests))
+    return b"".join([frame, *chunk_digests, *prefix])
+
+
+def section_at(blob: Run) -> int:
+    """Where a one-item payload's tensor section starts (read from its framing)."""
+    _, _, meta_len, _ = HEADER.unpack_from(blob)
+    (header_len,) = struct.unpack_from("<Q", blob, HEADER_SIZE + meta_len)
+    start: int = HEADER_SIZE + meta_len + 8 + header_len
+    return start
+
+
+def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
+    return table_prefix + _U64.pack(set_id)
+
+
+def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
+    return table_prefix + _U64.pack(set_id) + _U32.pack(index)
+
+
+def _allocate(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
+    raw = txn.get(_NEXT_SET, db=dbs["meta"])
+    set_id = 1 if raw is None else _U64.unpack(raw)[0]
+    txn.put(_NEXT_SET, _U64.pack(set_id + 1), db=dbs["meta"])
+    return set_id
+
+
+def stored_value(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, blob: bytes) -> bytes:
+    """What `blobs` keeps under `key` for a pushed experience's payload, in the push's
+    transaction: the payload itself, or, for one whose section is larger than CHUNK_BYTES,
+    its head, its section written to a new chunk set here; a head staged by a push in chunks
+    is kept as it is, its set no longer staged."""
+    if is_head(blob):
+        txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
+        return blob
+    if len(blob) <= CHUNK_BYTES:
+        return blob
+    view = memoryview(blob)
+    start = section_at(view)
+    section = view[start:]
+    if len(section) <= CHUNK_BYTES:
+        return blob
+    set_id = _allocate(txn, dbs)
+    found = []
+    for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):
+        chunk = section[at : at + CHUNK_BYTES]
+        txn.put(chunk_key(bytes(key[:4]), set_id, index), chunk, db=dbs["chunks"])
+        found.append(digests.of(chunk))
+    return pack_head(set_id, len(section), found, [view[:start]])
+
+
+def stage(
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    table_prefix: bytes,
+    set_id: int | None,
+    index: int,
+    chunk: Run,
+    now: float,
+) -> int:
+    """Write one chunk of a section a push in chunks is staging; a new set (`set_id` None),
+    marked staged until the push's commit, for its first. Returns the set."""
+    if set_id is None:
+        set_id = _allocate(txn, dbs)
+        txn.put(set_prefix(table_prefix, set_id), micros(now), db=dbs["staged"])
+    txn.put(chunk_key(table_prefix, set_id, index), chunk, db=dbs["chunks"])
+    return set_id
+
+
+def drop_set(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], table_prefix: bytes, set_id: int) -> None:
+    """A chunk set's chunks and its staged mark go."""
+    start = set_prefix(table_prefix, set_id)
+    with txn.cursor(db=dbs["chunks"]) as cur:
+        found = cur.set_range(start)
+        while found and cur.key()[: len(start)] == start:
+            found = cur.delete()
+    txn.delete(start, db=dbs["staged"])
+
+
+def sweep_staged(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
+    """Drop every staged set: a push that was staging when its server stopped never completes.
+    Returns how many went."""
+    with txn.cursor(db=dbs["staged"]) as cur:
+        keys = [bytes(key) for key in cur.iternext(values=False)]
+    for key in keys:
+        drop_set(txn, dbs, bytes(key[:4]), _U64.unpack(key[4:12])[0])
+    return len(keys)
+
+
+def staged_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
+    return int(txn.stat(dbs["staged"])["entries"])
+
+
+def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | None]) -> Stored:
+    """A stored value as the payload it stands for: itself, or a head's prefix and its chunks
+    read with `chunk` (their key to their value). A chunk that is missing reads as nothing and a
+    head whose frame is damaged as its bytes, which the read check then finds do not match."""
+    if len(value) < 4 or not is_head(value):
+        return value
+    try:
+        head = read_head(value)
+    except (ValueError, struct.error):
+        return value
+    prefix = bytes(key[:4])
+    pieces: list[Run] = []
+    for index in range(head.chunks):
+        found = chunk(chunk_key(prefix, head.set_id, index))
+        pieces.append(b"" if found is None else found)
+    return SplitPayload(head.prefix, pieces)
+
+
+def read_payload(
+    txn: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview], dbs: dict[str, lmdb._Database], key: bytes
+) -> Stored | None:
+    """The payload stored under `key` (resolve), read in `txn`; None if there is none."""
+    value = txn.get(key, db=dbs["blobs"])
+    if value is None:
+        return None
+    chunks = dbs["chunks"]
+    return resolve(value, key, lambda name: txn.get(name, db=chunks))
+
+
+def delete(
+    txn: lmdb.Transaction[bytes],
+    dbs: dict[str, lmdb._Database],
+    keys: Iterable[bytes],
+    sizes: Sequence[int] | None = None,
+) -> None:
+    """Delete stored payloads (absent ones are no error), and the chunk sets of those stored
+    in chunks: with their sizes (the records'), only one larger than CHUNK_BYTES is looked at."""
+    blobs = dbs["blobs"]
+    for at, key in enumerate(keys):
+        if sizes is None or sizes[at] > CHUNK_BYTES:
+            value = txn.get(key, db=blobs)
+            if value is not None and len(value) >= _FRAME.size and is_head(value):
+                try:
+                    set_id = read_head(value).set_id
+                except (ValueError, struct.error):
+                    set_id = None
+                if set_id is not None:
+                    drop_set(txn, dbs, bytes(key[:4]), set_id)
+        txn.delete(key, db=blobs)

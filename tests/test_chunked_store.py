@@ -1,0 +1,210 @@
+"""Tensor sections larger than chunked.CHUNK_BYTES stored in chunks (data format 6): read back
+as the same bytes as stored whole, as TRXP and as columns; duplicates, consumes, deletes and
+drops take their chunks with them; a damaged chunk is never served; a push that staged sections
+and never completed leaves nothing at the next open; a format 5 directory upgrades in place."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from expbuf.client import trxp
+from expbuf.client.trxp.pieces import SplitPayload
+from expbuf.server.advantages.worker import AdvantageWorker
+from expbuf.server.store import Store
+from expbuf.server.store.disk import chunked, layout
+from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import migrate
+
+from helpers import group_items, take
+
+TABLE = TableConfig.of("big", group_by="task", group_size=2, estimator="grpo")
+RESPONSE = 700_000  # tokens int32, log-probs float32, a bool mask: about 6.3 MB a section
+FIELDS = ("tokens", "logprobs", "action_mask", "advantages")
+
+
+def big_group(task: int) -> list[trxp.RawItem]:
+    return group_items("big", task, 2, response=RESPONSE)
+
+
+def push(store: Store, items: list[trxp.RawItem]) -> None:
+    """Store a push and compute the advantages of the groups it completes, as a server does."""
+    store.put("big", items)
+    AdvantageWorker(store).run_once()
+
+
+def rows(store: Store, db: str) -> dict[bytes, bytes]:
+    with store.environment.read() as txn, txn.cursor(db=store.db[db]) as cur:
+        return {bytes(key): bytes(value) for key, value in cur}
+
+
+def section_bytes(item: trxp.RawItem) -> int:
+    return sum(len(tensor.data) for tensor in item.tensors.values())
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    with Store(tmp_path / "data", seed=1) as s:
+        s.create_table(TABLE)
+        yield s
+        assert s.verify("big") == []
+
+
+def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    items = big_group(0)
+    push(store, items)
+    heads = rows(store, "blobs")
+    assert len(heads) == 2 and all(chunked.is_head(head) and len(head) < 8192 for head in heads.values())
+    expected = sum(math.ceil(section_bytes(item) / chunked.CHUNK_BYTES) for item in items)
+    assert len(rows(store, "chunks")) == expected > 2 and rows(store, "staged") == {}
+    got = take(store, "big", num_groups=1, delivery="replay")
+    assert got is not None and all(isinstance(blob, SplitPayload) for blob in got.blobs)
+    payload = got.payload
+    columns = got.columns(FIELDS, lambda parts: {part.name: b"".join(part.values) for part in parts})
+    got.release()
+
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 1 << 40)  # the same experiences stored whole
+    with Store(tmp_path / "whole", seed=1) as whole:
+        whole.create_table(TABLE)
+        push(whole, items)
+        assert rows(whole, "chunks") == {}
+        same = take(whole, "big", num_groups=1, delivery="replay")
+        assert same is not None and not any(isinstance(blob, SplitPayload) for blob in same.blobs)
+        assert same.payload == payload
+        assert same.columns(FIELDS, lambda parts: {part.name: b"".join(part.values) for part in parts}) == columns
+        same.release()
+    assert [item.uid for item in trxp.parse(payload)] == [item.uid for item in items]
+    assert store.get("big", [items[0].uid])[items[0].uid] == trxp.pack_item(items[0])
+
+
+def test_a_retried_push_is_a_duplicate_and_leaves_no_chunks_behind(store: Store) -> None:
+    items = big_group(0)
+    push(store, items)
+    before = rows(store, "chunks")
+    result = store.put("big", items)
+    assert result.duplicates == [item.uid for item in items] and result.stored == []
+    assert rows(store, "chunks") == before
+
+
+def test_consumed_deleted_and_dropped_experiences_take_their_chunks(store: Store) -> None:
+    for task in range(3):
+        push(store, big_group(task))
+    assert len(rows(store, "chunks")) > 0
+    batch = take(store, "big", num_groups=1, delivery="consume")
+    assert batch is not None
+    batch.release()
+    other = next(group[0].eid.tid for group in map(big_group, range(3)) if group[0].eid.tid != batch.group_ids[0])
+    assert store.delete("big", group_ids=[other]) == 2
+    left = set(rows(store, "blobs").values())
+    assert len(left) == 2
+    sets = {chunked.read_head(head).set_id for head in left}
+    assert {key[4:12] for key in rows(store, "chunks")} == {set_id.to_bytes(8, "big") for set_id in sets}
+    store.drop_table("big")
+    assert rows(store, "chunks") == {} and rows(store, "blobs") == {}
+    store.create_table(TABLE)
+
+
+def test_a_damaged_chunk_is_never_served_and_the_other_groups_are(store: Store) -> None:
+    push(store, big_group(0))
+    push(store, big_group(1))
+    victim = next(key for key in sorted(rows(store, "chunks")))
+    db = store.db["chunks"]
+
+    def damage(txn: lmdb.Transaction[bytes]) -> None:
+        value = bytearray(txn.get(victim, db=db) or b"")
+        value[1000] ^= 0xFF
+        txn.put(victim, bytes(value), db=db)
+
+    store.environment.submit(damage)
+    got = take(store, "big", num_groups=2, delivery="consume", allow_partial=True)
+    assert got is not None and len(got.uids) == 2 and len(set(got.group_ids)) == 1  # the other group, whole
+    assert len(trxp.parse(got.payload)) == 2
+    got.release()
+    stats = store.stats("big")
+    assert stats["damaged"] == 1 and stats["groups_failed"] == 1
+    assert victim not in rows(store, "chunks")  # the quarantined experience's chunks went with it
+
+
+def test_a_push_that_staged_sections_and_never_completed_leaves_nothing_at_the_next_open(tmp_path: Path) -> None:
+    with Store(tmp_path / "data") as store:
+        store.create_table(TABLE)
+        first = store.stage("big", None, 0, b"x" * 1000)
+        assert store.stage("big", first, 1, b"y" * 1000) == first
+        second = store.stage("big", None, 0, b"z" * 10)
+        assert second != first
+        store.drop_staged("big", [second])
+        assert len(rows(store, "chunks")) == 2 and len(rows(store, "staged")) == 1
+    with Store(tmp_path / "data") as store:  # the push staging `first` never completed
+        assert rows(store, "chunks") == {} and rows(store, "staged") == {}
+        assert store.stage("big", None, 0, b"w") not in (first, second)  # a set's number is never used again
+
+
+def format_5(path: Path) -> None:
+    """A directory as a format 5 expbuf leaves it: no chunk databases, format 5."""
+    env = lmdb.open(str(path), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:
+        for name in (b"chunks", b"staged"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+        txn.put(b"format", b"5", db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+
+def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_stored_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "CHUNK_BYTES", 1 << 40)  # format 5 stored every payload whole
+        with Store(data) as store:
+            store.create_table(TABLE)
+            push(store, big_group(0))
+            push(store, big_group(1))
+    format_5(data)
+    before = (data / "data.mdb").read_bytes()
+
+    class Killed(Exception):
+        pass
+
+    def killed_before_the_commit(*args: Any) -> None:
+        migrate.migrate(*args)
+        raise Killed
+
+    with pytest.raises(Killed):
+        Environment(data, migrate=killed_before_the_commit)
+    assert (data / "data.mdb").read_bytes() == before  # the upgrade is the open's one transaction
+    with Store(data) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"6"
+        assert rows(store, "chunks") == {}
+        push(store, big_group(2))  # a new one is stored in chunks
+        assert len(rows(store, "chunks")) > 0
+        for _ in range(3):
+            got = take(store, "big", num_groups=1, delivery="consume")
+            assert got is not None and len(trxp.parse(got.payload)) == 2
+            got.release()
+        assert rows(store, "chunks") == {} and rows(store, "blobs") == {}
+        assert store.verify("big") == []
+
+
+def test_a_head_whose_chunk_set_is_missing_is_damage_the_check_finds(store: Store) -> None:
+    push(store, big_group(0))
+    gone = next(iter(rows(store, "chunks")))
+    store.environment.submit(lambda txn: txn.delete(gone, db=store.db["chunks"]))
+    problems = store.verify("big")
+    assert problems and all("payload" in problem for problem in problems)
+    store.quarantine("big", [item.uid for item in big_group(0)])
+    assert store.verify("big") == []
+    stray = chunked.chunk_key(gone[:4], 999, 0)  # a set neither a head names nor a push stages
+    store.environment.submit(lambda txn: txn.put(stray, b"x", db=store.db["chunks"]))
+    assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
+    store.environment.submit(lambda txn: txn.delete(stray, db=store.db["chunks"]))
+    with pytest.raises(StoreError):
+        store.stage("absent", None, 0, b"")
