@@ -36,7 +36,7 @@ class Quiet(http.server.SimpleHTTPRequestHandler):
 def main(pages: list[str]) -> int:
     browser = shutil.which("chromium")
     if browser is None:
-        print("make docs-look needs a browser: Debian's chromium (apt-get install chromium)", file=sys.stderr)
+        print("make docs-look needs a browser: Debian's package chromium (/usr/bin/chromium)", file=sys.stderr)
         return 1
     if not (SITE / "index.html").is_file():
         print(f"no site in {SITE}: build it first (make docs-look does)", file=sys.stderr)
