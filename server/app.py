@@ -36,7 +36,7 @@ from .advantages.start import AdvantageStart
 from .config import ServerConfig
 from .rpc.auth import TokenAuth
 from .rpc.inflight import InFlight, PushMemory, few_arenas
-from .rpc.ingest import Ingest
+from .rpc.ingest import Ingest, Stager
 from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.metrics import Metrics, RpcMetrics
 from .rpc.replies import PassBytes, keep_reply_memory
@@ -167,6 +167,7 @@ class ExpbufServer:
                 stream_wait=config.push_stream_idle_seconds / 2,
                 min_mb_per_second=config.push_min_mb_per_second,
                 grace=config.push_stream_idle_seconds,
+                stager=Stager(self.store, config.max_metadata_bytes),
             )
         )
         keep_reply_memory()

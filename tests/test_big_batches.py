@@ -22,6 +22,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.rpc.replies import PART_BYTES
+from expbuf.server.store.disk.chunked import CHUNK_BYTES
 
 from conftest import Servers
 from helpers import make_experience, servers
@@ -179,10 +180,12 @@ def test_a_max_reply_bytes_too_small_to_carry_a_part_is_refused(big_server: Expb
     assert "max_reply_bytes = 100; it must be 0 (one message a batch) or at least 1024" in refused.value.details()
 
 
-# The large experience's size: 512 MiB, twice what a stream may hold of it; EXPBUF_SOAK_SCALE=2
-# for the 1 GiB of issue 41.
-BIG_MIB = 512 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
+# The large experience's size: 1 GiB, four times what the server may hold of pushes in progress.
+BIG_MIB = 1024 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
 PART_WINDOW = 4 * PART_BYTES  # the part cut, gRPC's copies of it and of the one before, and slack
+# A push's staging: a chunk piece filled, the one the writer stores, gRPC's copies of the chunks
+# received, the write transaction's pages, and slack.
+PUSH_WINDOW = 16 * CHUNK_BYTES
 
 
 def status(pid: int) -> dict[str, int]:
@@ -197,13 +200,18 @@ def test_an_experience_larger_than_a_message_round_trips_with_the_servers_memory
     size = BIG_MIB << 20
     tokens = size // 9  # int32 tokens, float32 log-probs and a bool mask: 9 bytes a token
     pushed = make_experience("huge", 0, 0, response=tokens)
-    env = {"EXPBUF_MAX_INFLIGHT_BYTES": str(size + (64 << 20))}
+    payload = trxp.build([trxp.from_experience(pushed)])
+    env = {"EXPBUF_MAX_INFLIGHT_BYTES": str(size // 4)}  # a push in chunks is staged, not held
     with servers() as start:
         server = start(str(tmp_path / "data"), env=env)
         pid = server.proc.pid
         with BufferClient(server.target, timeout=300) as client:
             client.create_table("huge", group_size=1)
-            assert client.push(trxp.build([trxp.from_experience(pushed)]), table="huge").stored
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+            before = status(pid)["VmRSS"]
+            assert client.push(payload, table="huge").stored
+            pushing = status(pid)["VmHWM"] - before
+            del payload
             fields = ["tokens", "logprobs", "action_mask"]
             # A first read brings the stored pages into the server's map (they count in its RSS):
             (warm,) = client.sample("huge", num_groups=1, max_batches=1, timeout=30, delivery="lease", fields=fields)
@@ -219,3 +227,4 @@ def test_an_experience_larger_than_a_message_round_trips_with_the_servers_memory
     assert torch.equal(columns["logprobs"].values, pushed.logprobs)
     assert torch.equal(columns["action_mask"].values, pushed.action_mask)
     assert peak - before <= PART_WINDOW < size, f"the server grew {(peak - before) >> 20} MiB to send {BIG_MIB} MiB"
+    assert pushing <= PUSH_WINDOW < size, f"the server grew {pushing >> 20} MiB to store {BIG_MIB} MiB"

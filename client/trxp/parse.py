@@ -55,6 +55,61 @@ def parse(
     size = len(view)
     if work is None:
         work = Work.for_payload(size)
+    meta_len = _frame(view, size)
+    meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
+    if shape is None:
+        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
+    items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
+    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
+    return _items(items, tensors, trusted, work)
+
+
+def head_length(start: bytes | bytearray | memoryview, size: int) -> int:
+    """How many bytes of a payload of `size` bytes come before its tensor data (its TRXP header,
+    metadata and safetensors header), read from its first bytes `start`; 0 while `start` is too
+    short to tell. A payload whose framing is not TRXP's is refused as parse() refuses it."""
+    view = memoryview(start).cast("B")
+    if len(view) < HEADER_SIZE and not (view and view[0] == pickle.PROTO[0]):
+        return 0
+    meta_len = _frame(view, size)
+    at = HEADER_SIZE + meta_len
+    if len(view) < at + 8:
+        return 0
+    (header_len,) = struct.unpack_from("<Q", view, at)
+    if header_len > size - at - 8:
+        raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - at - 8} bytes present")
+    length: int = at + 8 + header_len
+    return length
+
+
+def parse_head(
+    head: bytes | bytearray | memoryview, size: int, *, limit: MetadataLimit | None = None
+) -> tuple[list[RawItem], list[tuple[int, int, int, str]]]:
+    """The items of an untrusted payload of `size` bytes from its `head` (the head_length bytes
+    before its tensor data), checked as parse() checks them, within the budget of the whole
+    payload, each tensor's data an empty view: a payload read as it arrives, its data routed as
+    it comes. With them, where each tensor's data lies in the tensor data: (start, end, item,
+    name), in the data's order, the data's bytes covered from start to end."""
+    view = memoryview(head).cast("B")
+    work = Work.for_payload(size)
+    meta_len = _frame(view, size)
+    shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
+    items = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
+    blob = view[HEADER_SIZE + meta_len :]
+    spans = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)
+    empty = memoryview(b"")
+    tensors = {key: RawTensor(dtype, dims, empty) for _, _, dtype, dims, key in spans}
+    raw = _items(items, tensors, False, work)
+    places = []
+    for start, end, _, _, key in spans:
+        index, name = _split_tensor_key(key, len(items))
+        places.append((start, end, index, name))
+    return raw, places
+
+
+def _frame(view: memoryview, size: int) -> int:
+    """Check the TRXP header of a payload of `size` bytes (at least its first HEADER_SIZE in
+    `view`) against that size; its metadata's length."""
     if size and view[0] == pickle.PROTO[0]:
         raise TrxpError("payload is a plain pickle without the TRXP header; legacy pickle payloads are refused")
     if size < HEADER_SIZE:
@@ -73,11 +128,12 @@ def parse(
     trailing = size - HEADER_SIZE - meta_len - tensor_len
     if trailing:
         raise TrxpError(f"{trailing} trailing bytes after the declared sections")
-    meta_bytes = view[HEADER_SIZE : HEADER_SIZE + meta_len]
-    if shape is None:
-        shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
-    items = _load_items(meta_bytes, trusted=trusted, work=work, shape=shape)
-    tensors = _parse_safetensors(view[HEADER_SIZE + meta_len :], work)
+    length: int = meta_len
+    return length
+
+
+def _items(items: list[dict[str, Any]], tensors: dict[str, RawTensor], trusted: bool, work: Work) -> list[RawItem]:
+    """The items of a payload: each one's metadata and its tensors, checked unless `trusted`."""
     per_item: list[dict[str, RawTensor]] = [{} for _ in items]
     for key, tensor in tensors.items():
         index, name = _split_tensor_key(key, len(items))
@@ -121,6 +177,17 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
     (header_len,) = struct.unpack_from("<Q", blob)
     if header_len > size - 8:
         raise TrxpError(f"tensors: safetensors header length {header_len} exceeds the {size - 8} bytes present")
+    data = blob[8 + header_len :]
+    return {
+        key: RawTensor(dtype, shape, data[start:end]) for start, end, dtype, shape, key in _spans(blob, len(data), work)
+    }
+
+
+def _spans(blob: memoryview, data_len: int, work: Work) -> list[tuple[int, int, str, tuple[int, ...], str]]:
+    """The tensors of a safetensors blob whose header is at the start of `blob` and whose data is
+    `data_len` bytes: (start, end, dtype, shape, key) in the data's order, every byte of the data
+    in exactly one tensor."""
+    (header_len,) = struct.unpack_from("<Q", blob)
     work.charge(header_len)  # the JSON parser is linear in its input
     try:
         header = json.loads(bytes(blob[8 : 8 + header_len]).decode("utf-8"))
@@ -128,20 +195,17 @@ def _parse_safetensors(blob: memoryview, work: Work) -> dict[str, RawTensor]:
         raise TrxpError(f"tensors: safetensors header is not valid JSON ({clip(str(exc))})") from None
     if not isinstance(header, dict):
         raise TrxpError("tensors: safetensors header is not a JSON object")
-    data = blob[8 + header_len :]
     spans = sorted(
-        (*_parse_entry(key, entry, len(data), work), key) for key, entry in header.items() if key != "__metadata__"
+        (*_parse_entry(key, entry, data_len, work), key) for key, entry in header.items() if key != "__metadata__"
     )
     cursor = 0
-    tensors: dict[str, RawTensor] = {}
-    for start, end, dtype, shape, key in spans:
+    for start, end, _, _, key in spans:
         if start != cursor:
             raise TrxpError(f"tensors: {show(key)} starts at byte {start}, expected {cursor} (gap or overlap)")
         cursor = end
-        tensors[key] = RawTensor(dtype, shape, data[start:end])
-    if cursor != len(data):
-        raise TrxpError(f"tensors: {len(data) - cursor} bytes of tensor data belong to no tensor")
-    return tensors
+    if cursor != data_len:
+        raise TrxpError(f"tensors: {data_len - cursor} bytes of tensor data belong to no tensor")
+    return spans
 
 
 def _parse_entry(key: str, entry: Any, data_len: int, work: Work) -> tuple[int, int, str, tuple[int, ...]]:

@@ -7,9 +7,12 @@ PushRequest is read here by hand and its payload is a view of those bytes. Decod
 each experience once (the stored blob), the received bytes are let go, and LMDB copies the
 blobs into its pages: a push holds about twice its payload at its peak, plus gRPC's copies of
 its message while it is received. A payload sent in chunks over PushStream (total_bytes) is
-put together here, chunk by chunk, in memory of its own size: gRPC's copies are then of one
-chunk at a time, and `max_message_bytes` bounds a chunk, not the payload, which only
-`max_inflight_bytes` bounds.
+read chunk by chunk: gRPC's copies are then of one chunk at a time, and `max_message_bytes`
+bounds a chunk, not the payload. One with an experience whose tensor data is larger than the
+store's chunk (store/disk/chunked.py), whose head comes whole in its first chunk, is staged as it
+arrives (ingest.Stager): each such experience's data goes to the store a chunk at a time, and
+the push holds its head, its other experiences' data and a chunk of each large one, whatever
+its size. Any other is put together here in memory of its own size.
 
 A push starts reading its message only while the payloads held by pushes in progress are
 below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
@@ -17,8 +20,9 @@ RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once
 so the pushes that started reading below the cap may together pass it, by at most one message
 each.) A push sent whole that is larger than the cap still goes through when nothing else is in
 flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
-by that, reserving all of it once it fits beside what is held (waiting, and refused, as above),
-and refused at once, naming both, when it is larger than the cap; its reservation is given back
+by what it will hold (all of it, or its staging), reserving that once it fits beside what is
+held (waiting, and refused, as above), and refused at once, naming both, when that is larger
+than the cap; its reservation, and what it staged that its push did not store, is given back
 however the push ends. It must also come at `push_min_mb_per_second` on average, after a grace of
 `push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
 and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
@@ -39,14 +43,19 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from expbuf.client.schema.reasons import Reason
 
+from ..store import Entry
+from ..store.schema.errors import StoreError
+from .ingest import StagedPush, Stager
 from .interceptor import ServiceInterceptor, refuse
 from .limits import PROGRESS
+
+T = TypeVar("T")
 
 TRIM_AFTER = 16 << 20  # payload bytes pushed since the last trim that make one worth it
 
@@ -61,6 +70,7 @@ class PushMessage:
     seq: int
     total_bytes: int = 0
     held: list[Callable[[], None]] = field(default_factory=list)  # what it holds of max_inflight_bytes
+    entries: list[Entry] | None = None  # a push in chunks staged as it came: its experiences (ingest.Stager)
 
     def drop_payload(self) -> None:
         """Let the received bytes go (once decoded), before the store copies the packed experiences."""
@@ -262,8 +272,9 @@ class PushMemory(ServiceInterceptor):
         stream_wait: float = 3600.0,
         min_mb_per_second: float = 0.1,
         grace: float = 120.0,
+        stager: Stager | None = None,
     ) -> None:
-        self.inflight = inflight
+        self.inflight, self.stager = inflight, stager
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
@@ -290,21 +301,22 @@ class PushMemory(ServiceInterceptor):
             )
         return request
 
-    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object) -> None:
-        """Hold what a push in chunks announces (total_bytes) in place of its first chunk, once it
-        fits beside what pushes in progress hold (waiting as a message's read does); refused at once
-        when larger than the cap, which it could never fit under."""
+    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
+        """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
+        what staging it holds) in place of its first chunk, once it fits beside what pushes in
+        progress hold (waiting as a message's read does); refused at once when larger than the cap,
+        which it could never fit under."""
         total, limit = first.total_bytes, self.inflight.limit
         first.release()
-        if total > limit:
+        if size > limit:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_inflight_bytes = "
-                f"{limit}, the payload bytes pushes in progress may hold together (raise it with "
-                "EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
+                f"PushRequest: a payload in chunks of total_bytes = {total} holds {size} bytes as it is read, "
+                f"more than max_inflight_bytes = {limit}, the payload bytes pushes in progress may hold together "
+                "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
                 Reason.TOO_LARGE,
             )
-        held = self.inflight.reserve(total, min(self.stream_wait, _remaining(context)), owner)
+        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner)
         if isinstance(held, str):
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         first.held.append(held)
@@ -312,61 +324,80 @@ class PushMemory(ServiceInterceptor):
     def _chunks(
         self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
     ) -> Generator[Any, None, PushMessage]:
-        """The payload whose first chunk is `first`, reserved (`_reserve`) and put together from the
-        chunks that follow it, then returned as one message; PROGRESS after each chunk but the last,
-        so that the stream is not taken for idle. A stream that ends before the last chunk, or whose
-        chunks come slower than min_mb_per_second on average after the grace, is refused: nothing of
-        the push is stored, and its reservation is given back."""
-        self._reserve(first, context, owner)
+        """The payload whose first chunk is `first`, reserved (`_reserve`) and read from the chunks
+        that follow it: staged as it comes where the stager takes it (its message then carries its
+        experiences, ingest.Stager), else put together in memory of its own and returned as one
+        message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
+        stream that ends before the last chunk, or whose chunks come slower than min_mb_per_second on
+        average after the grace, is refused: nothing of the push is stored, and what it reserved and
+        staged is given back."""
+        total = first.total_bytes
+        staged = None if self.stager is None else self.stager.open(first.table or "default", first.payload, total)
+        self._reserve(first, context, owner, total if staged is None else staged.holds)
+        message = PushMessage(first.table, memoryview(b""), first.seq, held=first.held)
+        try:
+            if staged is None:
+                whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
+                message.payload = whole
+                del whole  # the message alone holds the payload, which the servicer lets go once decoded
+                take = _into(message)
+            else:
+                message.held.append(staged.drop)
+                take = _staging(staged)
+            yield from self._read_chunks(first, requests, take)
+            if staged is not None:
+                message.entries = _staged(staged)
+        except BaseException:
+            message.release()  # what the message holds: first's list
+            raise
+        return message
+
+    def _read_chunks(
+        self, first: PushMessage, requests: Iterator[Any], take: Callable[[int, memoryview], None]
+    ) -> Generator[Any, None, None]:
+        """Hand each chunk of the push whose first chunk is `first` to `take` (where it starts in
+        the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
         total, got = first.total_bytes, len(first.payload)
         where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
         started, allowed = time.monotonic(), self.grace + total / (self.min_mb_per_second * 1e6)
-        try:
-            whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
-            whole[:got] = first.payload
-            first.drop_payload()
-            message = PushMessage(first.table, whole, first.seq, held=first.held)
-            del whole  # the message alone holds the payload, which the servicer lets go once decoded
-            while got < total:
-                yield PROGRESS
-                chunk = next(requests, None)
-                if chunk is None:
-                    raise Refusal(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"PushStream ended {got} bytes into {where}: nothing of it is stored",
-                        Reason.INVALID_REQUEST,
-                    )
-                if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
-                    raise Refusal(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
-                        "nothing else (table, seq and total_bytes unset)",
-                        Reason.INVALID_REQUEST,
-                    )
-                end = got + len(chunk.payload)
-                if end > total:
-                    raise Refusal(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
-                        Reason.INVALID_REQUEST,
-                    )
-                elapsed = time.monotonic() - started
-                if end < total and elapsed > allowed:
-                    raise Refusal(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
-                        f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
-                        f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
-                        "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
-                        Reason.TOO_SLOW,
-                    )
-                message.payload[got:end] = chunk.payload
-                chunk.drop_payload()
-                got = end
-        except BaseException:
-            first.release()  # what the message holds: the same list
-            raise
-        return message
+        take(0, first.payload)
+        first.drop_payload()
+        while got < total:
+            yield PROGRESS
+            chunk = next(requests, None)
+            if chunk is None:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                    Reason.INVALID_REQUEST,
+                )
+            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
+                    "nothing else (table, seq and total_bytes unset)",
+                    Reason.INVALID_REQUEST,
+                )
+            end = got + len(chunk.payload)
+            if end > total:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                    Reason.INVALID_REQUEST,
+                )
+            elapsed = time.monotonic() - started
+            if end < total and elapsed > allowed:
+                raise Refusal(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
+                    f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
+                    f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
+                    "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                    Reason.TOO_SLOW,
+                )
+            take(got, chunk.payload)
+            chunk.drop_payload()
+            got = end
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
@@ -420,3 +451,35 @@ class PushMemory(ServiceInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
         return handler
+
+
+def _into(message: PushMessage) -> Callable[[int, memoryview], None]:
+    """What puts a push's chunks together in its message's payload."""
+
+    def take(at: int, data: memoryview) -> None:
+        message.payload[at : at + len(data)] = data
+
+    return take
+
+
+def _staging(staged: StagedPush) -> Callable[[int, memoryview], None]:
+    """What takes a staged push's chunks: its bytes after its head, each refusal of the store's
+    (a table gone, a full disk) the push's, as the stream's status."""
+
+    def take(at: int, data: memoryview) -> None:
+        skip = max(0, staged.payload.head_length - at)
+        if skip < len(data):
+            _refused_by_store(lambda: staged.feed(data[skip:]))
+
+    return take
+
+
+def _staged(staged: StagedPush) -> list[Entry]:
+    return _refused_by_store(staged.entries)
+
+
+def _refused_by_store(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except StoreError as exc:
+        raise Refusal(getattr(grpc.StatusCode, exc.status), str(exc), exc.reason) from None

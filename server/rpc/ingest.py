@@ -1,4 +1,5 @@
-"""Decoding and packing pushed payloads, in this process or in a pool of processes.
+"""Decoding and packing pushed payloads, in this process or in a pool of processes; and
+staging the large items of a push in chunks as it arrives (`Stager`).
 
 Validation and packing are Python work per experience, so under the GIL they use one
 core however many pushers there are. With `ingest_processes` > 0 (cores - 1 by default) they run
@@ -42,9 +43,12 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 from expbuf.client import trxp
+from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
 
+from ..backend import Backend
 from ..config import ServerConfig
 from ..store import Entry
+from ..store.disk.chunked import CHUNK_BYTES, Staging
 from ..store.schema.errors import InvalidPayload
 
 log = logging.getLogger("expbuf.ingest")
@@ -360,3 +364,65 @@ class Ingest:
             self._free.notify_all()
         for worker in idle:
             worker.close()
+
+
+class Stager:
+    """Pushes in chunks whose large items are stored as they arrive: each large item's tensor
+    data is staged in the store piece by piece (Backend.stage, store/disk/chunked.py) while its
+    push is read, so that the server holds a piece of each (client/trxp/stream.py), not the push.
+    The push's items are checked from its head before any of its data is read."""
+
+    def __init__(self, store: Backend, max_metadata_bytes: int) -> None:
+        self.store, self._limit = store, metadata_limit(max_metadata_bytes)
+
+    def open(self, table: str, start: memoryview, size: int) -> StagedPush | None:
+        """The push of `size` bytes into `table` that starts with `start`, to be staged as it
+        arrives; None if it is read whole: it has no large item, its head is not whole in
+        `start`, or its head is refused (the whole payload's parse then says why)."""
+        try:
+            payload = StreamedPayload(start, size, CHUNK_BYTES, limit=self._limit)
+        except (NotStreamable, trxp.TrxpError):
+            return None
+        return StagedPush(self.store, table, payload)
+
+
+class StagedPush:
+    """One push in chunks being staged: `feed` it its bytes after the head, then take its
+    `entries`; `drop` the staging its push did not store, however it ended."""
+
+    def __init__(self, store: Backend, table: str, payload: StreamedPayload) -> None:
+        self.store, self.table, self.payload = store, table, payload
+        self._staging = {
+            index: Staging(payload.heads[index], payload.section_lengths[index]) for index in payload.large
+        }
+
+    @property
+    def holds(self) -> int:
+        """The most of the push the server holds at once (StreamedPayload.holds)."""
+        return self.payload.holds
+
+    def feed(self, data: memoryview) -> None:
+        self._stage(self.payload.feed(data))
+
+    def _stage(self, pieces: list[Piece]) -> None:
+        for item, number, data in pieces:
+            staging = self._staging[item]
+            staging.set_id = self.store.stage(self.table, staging.set_id, number, data)
+            staging.add(data)
+
+    def entries(self) -> list[Entry]:
+        """The push's experiences as the store takes them, once all its bytes were fed."""
+        self._stage(self.payload.finish())
+        made = []
+        for index, item in enumerate(self.payload.items):
+            staging = self._staging.get(index)
+            if staging is None:
+                made.append(Entry.of(item))
+            else:
+                generated = self.payload.generated[index]
+                made.append(Entry.staged(item, staging.head(), staging.digest(), staging.size, generated))
+        return made
+
+    def drop(self) -> None:
+        """Drop what this push staged and its push did not store (a refused push's, a duplicate's)."""
+        self.store.drop_staged(self.table, [s.set_id for s in self._staging.values() if s.set_id is not None])

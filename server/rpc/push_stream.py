@@ -74,6 +74,9 @@ def parser(ingest: Ingest, holder: str) -> Callable[[PushMessage | pb.PushReques
     `holder` is who pushes (kinds.Push)."""
 
     def parse(message: PushMessage | pb.PushRequest) -> Parsed:
+        staged = message.entries if isinstance(message, PushMessage) else None
+        if staged is not None:  # a push in chunks, its experiences made as it was read (ingest.Stager)
+            return Parsed(message, Push(message.table or "default", staged, holder))
         try:
             entries = ingest.entries(message.payload)
         except Exception as exc:
