@@ -325,6 +325,30 @@ def test_a_dataset_of_many_epochs_costs_its_reader_only_the_epochs_started(
     assert len(claim.prompts) == 11
 
 
+def test_a_sharded_dataset_of_many_epochs_costs_its_shards_only_the_epochs_started(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A dataset of 2**20 epochs over three shards: each shard counts and stores its part of the
+    epochs started, not of every epoch, so the create answers and each shard's ListDatasets reply
+    is as small as one server's; the sharded client's totals are over every epoch."""
+    names = ("s0", "s1", "s2")
+    targets = {name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name).port}" for name in names}
+    with ShardedBufferClient(targets, timeout=20) as sharded:
+        sharded.create_table("t", group_size=2, estimator="grpo")
+        info = sharded.create_dataset("t", "long", 10, epochs=2**20)
+        assert (len(info.counts), info.total("pending"), info.owned, info.done) == (1, 10 * 2**20, 10 * 2**20, False)
+        for target in targets.values():
+            with grpc.insecure_channel(target) as channel:
+                reply = pb_grpc.ExperienceBufferStub(channel).ListDatasets(
+                    pb.ListDatasetsRequest(table="t", name="long")
+                )
+            assert reply.ByteSize() < 256
+        claim = sharded.claim("t", "long", 40)
+        info = sharded.ledger("t", "long")
+        assert (len(claim.prompts), info.total("claimed"), info.total("pending")) == (40, 40, 10 * 2**20 - 40)
+        assert 4 <= len(info.counts) < 40 and sum(c.claimed for c in info.counts) == 40
+
+
 def test_on_shards_only_the_claims_token_pushes_its_prompts_group(start_server: Servers, tmp_path: Path) -> None:
     """A sharded table: each prompt's group goes to the shard that handed it out, which refuses
     another token's push of it, whole, and stores its claimant's."""
