@@ -4,10 +4,11 @@ counted, and what a claim costs when the cursor steps over the other shards' pro
     .venv/bin/python bench/bench_ledger_shards.py [--size 1000000] [--out bench/RESULTS.md]
 
 One Store in a temporary directory plays shard s1 of s0, s1, s2. Its part of one epoch of
-`size` prompts is counted (1) alone, (2) as CreateDataset does it, before the write, while a
-thread pushes groups of 2 into another table, and (3) inside the writer, as a count at each
-epoch's start would be, beside the same pushes; the slowest push of (2) and (3) shows whether
-the writer was held. Then 3000 prompts are claimed from the sharded dataset and from a plain
+`size` prompts is counted (1) alone, (2) as CreateDataset does it, before the write (a claim
+counts a later epoch's part the same way, before the transaction that starts the epoch), while
+a thread pushes groups of 2 into another table, and (3) inside the writer, as a count by the
+transaction that starts an epoch would be, beside the same pushes; the slowest push of (2) and
+(3) shows whether the writer was held. Then 3000 prompts are claimed from the sharded dataset and from a plain
 one of the same size.
 """
 
@@ -31,7 +32,7 @@ from results import write_section  # noqa: E402
 from expbuf.client import trxp  # noqa: E402
 from expbuf.server.store import Store  # noqa: E402
 from expbuf.server.store.ledger.records import DatasetRecord  # noqa: E402
-from expbuf.server.store.ledger.shards import count_owned  # noqa: E402
+from expbuf.server.store.ledger.shards import count_part  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 
 SHARDS = ["s0", "s1", "s2"]
@@ -83,7 +84,7 @@ def main() -> None:
         for table in ("t", "w"):
             store.create_table(TableConfig.of(name=table, group_size=2, estimator="none"))
         began = time.perf_counter()
-        count_owned(sharded("alone", args.size))
+        count_part(sharded("alone", args.size), 0)
         alone = time.perf_counter() - began
         before, before_push = beside_pushes(store, lambda: store.claims.create("t", sharded("math", args.size)))
         writer = sharded("inwriter", args.size)

@@ -259,7 +259,9 @@ class AsyncBufferClient(ClientBase):
         wait: float = 0.0,
     ) -> Claim:
         """As BufferClient.claim."""
-        return await self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
+        return await self._run(
+            calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+        )
 
     async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """As BufferClient.renew_claims."""

@@ -316,8 +316,12 @@ class BufferClient(ClientBase):
         seconds when none can be handed out now (max_in_flight reached, or every prompt out),
         asking again while the server has as many claims waiting as it lets (calls.Attempts).
         `done` says the dataset has nothing left to hand out or train. `count` is at most
-        MAX_PROMPTS_PER_CALL (expbuf.client.schema.prompts)."""
-        return self._run(calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout))
+        MAX_PROMPTS_PER_CALL (expbuf.client.schema.prompts), and at most what one reply holds
+        within this client's `max_message_bytes`: a claim of more is refused, before anything
+        is claimed, with ResourceExhaustedError (reason `too_large`) naming the count that fits."""
+        return self._run(
+            calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+        )
 
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """Claims now end `seconds` from now; returns the prompts whose claim had already ended

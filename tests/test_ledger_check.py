@@ -180,6 +180,11 @@ DAMAGE: list[tuple[str, Write, list[str]]] = [
         ],
     ),
     (
+        "counted",
+        edit_dataset(lambda ds: setattr(ds, "counted", 1)),
+        ["dataset math: counted is 1; every one of its 2 epoch(s) is counted"],
+    ),
+    (
         "cursor",
         edit_dataset(lambda ds: setattr(ds, "cursor_position", 9)),
         ["dataset math: the cursor (epoch 1, position 9) is outside its 2 epoch(s) of 4 prompt(s)"],

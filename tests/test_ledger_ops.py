@@ -244,6 +244,23 @@ def test_dataset_list_and_describe_show_counts_cursor_and_prompts(server: Expbuf
     one_line_error(cli("dataset", "list", "nope", *target), 1, "NOT_FOUND", "nope")
 
 
+def test_describe_of_a_shards_part_shows_what_it_owns_of_the_epochs_started(
+    server: ExpbufServer, client: BufferClient
+) -> None:
+    """On one shard of a sharded dataset, describe names the part it owns of the epochs started,
+    and shows no count for the epochs after: its part of an epoch is counted when it starts."""
+    info = client.create_dataset("t", "part", 6, epochs=3, shards=["s0", "s1"], shard="s0")
+    target = ("--target", f"127.0.0.1:{server.port}")
+    described = cli("dataset", "describe", "t", "part", "--limit", "0", *target)
+    assert described.returncode == 0, described.stderr
+    settings, epochs = described.stdout.split("\n\n")
+    assert f"owned = {info.owned} (the prompts this shard hands out of the epochs it started)" in settings.splitlines()
+    assert [row.split() for row in epochs.splitlines()][1:] == [
+        ["0", str(info.owned), "0", "0", "0", "0"],
+        ["1..2", "-", "0", "0", "0", "0"],
+    ]
+
+
 def test_describe_pages_past_a_page_that_holds_none_of_the_states_asked_for(
     server: ExpbufServer, client: BufferClient
 ) -> None:

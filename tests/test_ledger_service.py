@@ -27,8 +27,10 @@ from expbuf.client import (
     NotFoundError,
     PermissionDeniedError,
     Prompt,
+    ResourceExhaustedError,
 )
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL as MAX
+from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.aio import AsyncShardedBufferClient
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -325,6 +327,30 @@ def test_a_dataset_of_many_epochs_costs_its_reader_only_the_epochs_started(
     assert len(claim.prompts) == 11
 
 
+def test_a_sharded_dataset_of_many_epochs_costs_its_shards_only_the_epochs_started(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A dataset of 2**20 epochs over three shards: each shard counts and stores its part of the
+    epochs started, not of every epoch, so the create answers and each shard's ListDatasets reply
+    is as small as one server's; the sharded client's totals are over every epoch."""
+    names = ("s0", "s1", "s2")
+    targets = {name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name).port}" for name in names}
+    with ShardedBufferClient(targets, timeout=20) as sharded:
+        sharded.create_table("t", group_size=2, estimator="grpo")
+        info = sharded.create_dataset("t", "long", 10, epochs=2**20)
+        assert (len(info.counts), info.total("pending"), info.owned, info.done) == (1, 10 * 2**20, 10 * 2**20, False)
+        for target in targets.values():
+            with grpc.insecure_channel(target) as channel:
+                reply = pb_grpc.ExperienceBufferStub(channel).ListDatasets(
+                    pb.ListDatasetsRequest(table="t", name="long")
+                )
+            assert reply.ByteSize() < 256
+        claim = sharded.claim("t", "long", 40)
+        info = sharded.ledger("t", "long")
+        assert (len(claim.prompts), info.total("claimed"), info.total("pending")) == (40, 40, 10 * 2**20 - 40)
+        assert 4 <= len(info.counts) < 40 and sum(c.claimed for c in info.counts) == 40
+
+
 def test_on_shards_only_the_claims_token_pushes_its_prompts_group(start_server: Servers, tmp_path: Path) -> None:
     """A sharded table: each prompt's group goes to the shard that handed it out, which refuses
     another token's push of it, whole, and stores its claimant's."""
@@ -514,3 +540,88 @@ def test_a_create_whose_reply_could_not_be_sent_is_refused_before_it_stores(star
         del request.config.shards[len(request.config.shards) // 2 :]  # its reply fits, and the name is free
         created = pb_grpc.ExperienceBufferStub(channel).CreateDataset(request)
         assert created.created and list(created.dataset.config.shards) == sorted(request.config.shards)
+
+
+SMALL = 8192  # a client's max_message_bytes: a claim's reply of a few dozen prompts is larger
+RECEIVES_LITTLE = {"max_message_bytes": SMALL, "push_chunk_bytes": 0, "timeout": 20}  # chunks fit its messages
+OWNER = "w" * 200
+
+
+def sent_back(client: BufferClient, dataset: str, count: int) -> list[tuple[int, int, str]]:
+    """Claim `count` prompts and give them back: each is pending, attempt 1, and listed."""
+    assert client.release_claims(client.claim("t", dataset, count, lease_seconds=60).prompts) == count
+    return listed(client, dataset)
+
+
+def listed(client: BufferClient, dataset: str) -> list[tuple[int, int, str]]:
+    return [(p.index, p.attempt, p.state) for p in client.list_prompts("t", dataset).prompts]
+
+
+def fits_in(refusal: ResourceExhaustedError) -> int:
+    """The count a refusal of a claim too large for its client says would fit."""
+    found = re.search(r"at most (\d+) prompts fit", str(refusal))
+    assert found, str(refusal)
+    return int(found[1])
+
+
+def test_a_claim_whose_reply_the_client_cannot_receive_is_refused_before_it_claims(
+    client: BufferClient, server: ExpbufServer
+) -> None:
+    """A client says what it receives (ClaimRequest.max_reply_bytes, its max_message_bytes): a
+    claim whose reply could be larger is refused RESOURCE_EXHAUSTED, naming the count that
+    fits, and claims nothing, where its claims were committed and the reply failed at the client,
+    the prompts held until their lease ended. The blocking and the asyncio clients send it."""
+    client.create_dataset("t", "math", 64)
+    before = sent_back(client, "math", 64)
+    assert {state for *_, state in before} == {"pending"}
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, **RECEIVES_LITTLE) as small:
+        with pytest.raises(ResourceExhaustedError, match=f"max_message_bytes = {SMALL}") as refused:
+            small.claim("t", "math", 64, owner=OWNER, lease_seconds=600)
+        assert refused.value.reason == Reason.TOO_LARGE
+        assert listed(client, "math") == before and client.ledger("t", "math").total("claimed") == 0
+        fits = fits_in(refused.value)
+        assert 0 < fits < 64
+        assert len(small.claim("t", "math", fits, owner=OWNER, lease_seconds=600).prompts) == fits
+
+    async def run() -> ResourceExhaustedError:
+        async with AsyncBufferClient(target, **RECEIVES_LITTLE) as aclient:
+            with pytest.raises(ResourceExhaustedError) as arefused:
+                await aclient.claim("t", "math", 64, owner=OWNER, lease_seconds=600)
+            return arefused.value
+
+    arefused = asyncio.run(run())
+    assert (arefused.reason, fits_in(arefused)) == (Reason.TOO_LARGE, fits)
+    assert client.ledger("t", "math").total("claimed") == fits
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as odd:
+        pb_grpc.ExperienceBufferStub(channel).Claim(
+            pb.ClaimRequest(table="t", dataset="math", count=1, lease_seconds=60, max_reply_bytes=100)
+        )
+    assert odd.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_reply_bytes = 100; it must be 0" in odd.value.details()
+
+
+def test_a_sharded_claim_whose_reply_a_shard_could_not_send_its_client_claims_nothing(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """The sharded clients send each shard their max_message_bytes with each claim: a part too
+    large for it is refused by its shard before anything is claimed there."""
+    targets = {name: f"127.0.0.1:{start_server(data=tmp_path / name, shard=name).port}" for name in ("s0", "s1")}
+    with ShardedBufferClient(targets, timeout=20) as sharded:
+        sharded.create_table("t", group_size=2)
+        sharded.create_dataset("t", "math", 200)
+        with ShardedBufferClient(targets, **RECEIVES_LITTLE) as small:
+            with pytest.raises(BufferError, match=f"max_message_bytes = {SMALL}") as refused:
+                small.claim("t", "math", 200, owner=OWNER)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.reason == Reason.TOO_LARGE
+
+            async def run() -> BufferError:
+                async with AsyncShardedBufferClient(targets, **RECEIVES_LITTLE) as aclient:
+                    with pytest.raises(BufferError) as arefused:
+                        await aclient.claim("t", "math", 200, owner=OWNER)
+                    return arefused.value
+
+            assert asyncio.run(run()).reason == Reason.TOO_LARGE
+        info = sharded.ledger("t", "math")
+        assert (info.total("claimed"), info.total("pending")) == (0, 200)

@@ -5,17 +5,27 @@ epoch and its groups meet where it was handed out. Real LMDB in temporary direct
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from expbuf.client import trxp
 from expbuf.client.schema.routing import ShardMap
 from expbuf.server.store import Store
-from expbuf.server.store.ledger.records import DatasetRecord, dataset_key, group_key, permuted
+from expbuf.server.store.ledger.records import (
+    DatasetRecord,
+    counts_key,
+    dataset_key,
+    encode_counts,
+    group_key,
+    permuted,
+)
 from expbuf.server.store.ledger.rules import STEP_HASHES
+from expbuf.server.store.ledger.shards import count_part
 from expbuf.server.store.schema.errors import Cancelled, ConfigError
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
@@ -50,7 +60,8 @@ def test_each_shard_hands_out_its_own_prompts_and_over_the_shards_each_goes_out_
         assert created and ds.shard == shard and len(ds.owned) == 1  # the epochs started: the cursor's
         claimed, done = store.claims.claim("t", "math", 1000, seconds=60)
         handed[shard] = [(c.epoch, c.index) for c in claimed]
-        assert len(handed[shard]) == ds.owned_total and not done
+        (after,) = store.claims.datasets("t", "math")  # each epoch's part counted as the cursor reached it
+        assert len(handed[shard]) == after.owned_total and not done
         for c in claimed:  # the router sends every attempt's group to the shard that handed the prompt out
             assert {router.owner(group_key("math", c.epoch, c.index, a)) for a in range(3)} == {shard}
         assert store.claims.claim("t", "math", 5, seconds=60) == ([], False)  # its part is out, not trained
@@ -66,9 +77,10 @@ def test_each_shard_hands_out_its_own_prompts_and_over_the_shards_each_goes_out_
 
 def test_a_shard_is_done_once_its_own_prompts_are_trained(stores: dict[str, Store]) -> None:
     store = stores["s2"]
-    ds, _ = store.claims.create("t", sharded("math", "s2", size=12, epochs=2))
+    store.claims.create("t", sharded("math", "s2", size=12, epochs=2))
     claimed, _ = store.claims.claim("t", "math", 100, seconds=60)
-    assert len(claimed) == ds.owned_total < 24
+    (ds,) = store.claims.datasets("t", "math")
+    assert len(claimed) == ds.owned_total < 24 and not ds.done
     for c in claimed:
         runs = [make_experience(f"math/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
         store.put("t", [trxp.from_experience(run) for run in runs])
@@ -83,8 +95,8 @@ def test_a_shards_part_of_each_epoch_is_kept_beside_its_counts_not_in_the_datase
     stores: dict[str, Store],
 ) -> None:
     """Every claim, completed group and consume rewrites the dataset record: it keeps its size
-    whatever the epochs, each epoch's part being written at create where the epoch's counts
-    are, and kept there by every event."""
+    whatever the epochs, each epoch's part being written where the epoch's counts are as the
+    epoch starts, and kept there by every event."""
     store = stores["s1"]
     ds, _ = store.claims.create("t", sharded("long", "s1", size=3, epochs=4000))
     (c,), _ = store.claims.claim("t", "long", 1, seconds=60)
@@ -95,7 +107,7 @@ def test_a_shards_part_of_each_epoch_is_kept_beside_its_counts_not_in_the_datase
     with store.environment.read() as txn:
         assert len(txn.get(dataset_key(table_id, "long"), db=store.catalog.db["ledger"])) < 1024
     (again,) = store.claims.datasets("t", "long")
-    assert again.owned == ds.owned and again.owned_total == ds.owned_total < 3 * 4000
+    assert again.owned[:1] == ds.owned and again.owned_total == sum(again.owned) < 3 * 4000
     assert again.states(c.epoch) == {
         "pending": ds.owned[c.epoch] - 1, "claimed": 0, "generated": 0, "trained": 1, "dropped": 0
     }  # fmt: skip
@@ -151,3 +163,86 @@ def test_a_claim_on_a_shard_of_many_shards_lets_the_writer_go_as_it_steps(tmp_pa
         order = [permuted(5, 0, 1000, position) for position in range(1000)]
         assert [c.index for c in claimed] == [index for index in order if index in {c.index for c in claimed}]
         assert store.verify("t") == []
+
+
+def ledger_entries(store: Store) -> int:
+    """The records of the ledger's database, every table's."""
+    with store.environment.read() as txn:
+        return int(txn.stat(store.catalog.db["ledger"])["entries"])
+
+
+def test_a_shards_part_of_a_dataset_of_many_epochs_costs_nothing_until_an_epoch_starts(
+    stores: dict[str, Store],
+) -> None:
+    """A shard's part of a dataset of 2**20 epochs (the most allowed) is one dataset record and
+    the counts of epoch 0 at create, where it was a count and a record for every epoch, in the
+    writer; each later epoch's part is counted, and written, when a claim's cursor reaches it."""
+    store = stores["s1"]
+    before = ledger_entries(store)
+    ds, _ = store.claims.create("t", sharded("long", "s1", size=10, epochs=2**20))
+    assert ledger_entries(store) - before == 2
+    assert (len(ds.owned), ds.owned_total == ds.owned[0], ds.done) == (1, True, False)
+    claimed, _ = store.claims.claim("t", "long", 100, seconds=60)
+    (info,) = store.claims.datasets("t", "long")
+    started = info.cursor_epoch + 1
+    assert len(claimed) == 100 and len(info.owned) == len(info.counts) == started < 100
+    assert sum(info.states(epoch)["claimed"] for epoch in range(started)) == info.total("claimed") == 100
+    assert info.owned_total == sum(info.owned)  # the prompts of the epochs counted
+    # one counts record an epoch started, one record per prompt claimed and its group's entry and expiry key
+    assert ledger_entries(store) - before == 1 + started + 3 * 100
+
+
+def test_a_shards_part_of_an_epoch_larger_than_a_transactions_share_is_counted_before_it_starts(
+    stores: dict[str, Store],
+) -> None:
+    """An epoch whose part takes more hashes to count than a transaction may spend (STEP_HASHES)
+    is counted outside the writer before the claim's cursor enters it: every shard hands out its
+    part of each epoch, once, and the parts of each epoch add up to it."""
+    size = STEP_HASHES // len(SHARDS) + 10
+    handed: Counter[tuple[int, int]] = Counter()
+    for shard, store in stores.items():
+        store.claims.create("t", sharded("big", shard, size=size, epochs=2, seed=3))
+        for _ in range(2 * size):
+            claimed, _ = store.claims.claim("t", "big", 4096, seconds=600)
+            if not claimed:
+                break
+            handed.update((c.epoch, c.index) for c in claimed)
+    assert set(handed) == {(e, i) for e in range(2) for i in range(size)} and set(handed.values()) == {1}
+    parts = [store.claims.datasets("t", "big")[0] for store in stores.values()]
+    assert [sum(p.owned[e] for p in parts) for e in range(2)] == [size, size]
+    assert all(p.cursor_epoch == 2 for p in parts)
+
+
+def test_a_shards_part_counted_at_create_by_an_earlier_release_reads_checks_and_hands_out(
+    stores: dict[str, Store],
+) -> None:
+    """A data directory from the release that counted a shard's part of every epoch at create (a
+    counts record for each epoch, a dataset record without `counted`) reads as counted through
+    its last epoch: it checks clean, hands out its part of every epoch once, and is done once
+    those are trained."""
+    store = stores["s0"]
+    ds, _ = store.claims.create("t", sharded("old", "s0", size=6, epochs=3))
+    table_id, _ = store.catalog.lookup("t")
+    db = store.catalog.db["ledger"]
+    parts = [count_part(ds, epoch) for epoch in range(3)]
+
+    def as_written_before(txn: lmdb.Transaction[bytes]) -> None:
+        for epoch, owned in enumerate(parts):
+            txn.put(counts_key(table_id, "old", epoch), encode_counts(owned, {}), db=db)
+        stored = json.loads(ds.encode())
+        del stored["counted"]
+        stored["owned_total"] = sum(parts)
+        txn.put(dataset_key(table_id, "old"), json.dumps(stored).encode(), db=db)
+
+    store.environment.submit(as_written_before)
+    (old,) = store.claims.datasets("t", "old")
+    assert (old.counted, old.owned_total, store.verify("t")) == (3, sum(parts), [])
+    claimed, _ = store.claims.claim("t", "old", 100, seconds=60)
+    assert len(claimed) == sum(parts) and len({(c.epoch, c.index) for c in claimed}) == sum(parts)
+    for c in claimed:
+        runs = [make_experience(f"old/{c.epoch}", f"{c.index}@0", run, reward=float(run)) for run in (0, 1)]
+        store.put("t", [trxp.from_experience(run) for run in runs])
+    while store.sample(SampleSpec("t", num_groups=1, wait_seconds=0, delivery="consume")) is not None:
+        pass
+    (old,) = store.claims.datasets("t", "old")
+    assert old.done and old.owned == parts

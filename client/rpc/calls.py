@@ -465,13 +465,24 @@ def datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
 
 
 def claim(
-    table: str, dataset: str, count: int, lease_seconds: float, owner: str, wait: float, timeout: float
+    table: str,
+    dataset: str,
+    count: int,
+    lease_seconds: float,
+    owner: str,
+    wait: float,
+    timeout: float,
+    max_reply_bytes: int = 0,
 ) -> Unary[Claim]:
+    """A Claim that says what this client receives (`max_reply_bytes`, its max_message_bytes), so
+    that the server refuses a claim whose reply it could not take before claiming anything (0:
+    the server's max_message_bytes alone bounds it)."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"claim: count must be a positive integer, got {count!r}")
     request = pb.ClaimRequest(
-        table=table, dataset=dataset, count=count, lease_seconds=lease_seconds, owner=owner, wait_seconds=wait
-    )
+        table=table, dataset=dataset, count=count, lease_seconds=lease_seconds, owner=owner, wait_seconds=wait,
+        max_reply_bytes=max_reply_bytes,
+    )  # fmt: skip
 
     def read(reply: pb.ClaimReply) -> Claim:
         return Claim([Prompt.from_proto(p, table) for p in reply.prompts], reply.done)

@@ -87,9 +87,10 @@ class DatasetInfo:
     the cursor's; an epoch after those has had no prompt handed out, all its prompts pending),
     the claims handed out again, the incomplete groups of ended claims dropped, and whether it
     is done. `owned` is the prompts of every epoch the server hands out: `size` times `epochs`,
-    or for one shard of a sharded table its part (`shard`, one of `shards`). A sharded client
-    merges the shards' (`merged`); `missing` names the shards that did not answer it, with
-    their error."""
+    or for one shard of a sharded table its part (`shard`, one of `shards`) of the epochs it
+    started, each epoch's part counted as it starts, so that a shard's totals are over those
+    epochs. A sharded client merges the shards' (`merged`), over every epoch; `missing` names
+    the shards that did not answer it, with their error."""
 
     table: str
     name: str
@@ -118,12 +119,13 @@ class DatasetInfo:
 
     @classmethod
     def merged(cls, parts: Sequence[DatasetInfo], missing: Mapping[str, str]) -> DatasetInfo:
-        """One dataset over the shards that answered: totals, owned prompts, claims re-issued,
-        attempts dropped and the max_in_flight bounds summed; the earliest creation and the
-        least advanced cursor; done once every shard is done and none is missing. An epoch is
-        in `counts` once a shard started it; of its `size` prompts, those no shard that
-        answered counts in another state are pending (a shard's part of an epoch it has not
-        started is all pending)."""
+        """One dataset over the shards that answered: counts, claims re-issued, attempts dropped
+        and the max_in_flight bounds summed; the earliest creation and the least advanced
+        cursor; done once every shard is done and none is missing. An epoch is in `counts` once
+        a shard started it; of its `size` prompts, and in `totals` of every epoch's, those no
+        shard that answered counts in another state are pending (a shard's part of an epoch it
+        has not started is all pending, and not counted until it starts). `owned`: every
+        prompt, the shards' parts making up each epoch."""
         first = parts[0]
         cursor = min((p.cursor_epoch, p.cursor_position) for p in parts)
         counts = []
@@ -132,6 +134,7 @@ class DatasetInfo:
                 sum(getattr(p.counts[epoch], state) for p in parts if epoch < len(p.counts)) for state in STATES[1:]
             ]
             counts.append(EpochCounts(first.size - sum(held), *held))
+        everywhere = [sum(p.total(state) for p in parts) for state in STATES[1:]]
         return replace(
             first,
             max_in_flight=sum(p.max_in_flight for p in parts),
@@ -139,11 +142,11 @@ class DatasetInfo:
             cursor_epoch=cursor[0],
             cursor_position=cursor[1],
             counts=counts,
-            totals=EpochCounts(*(sum(p.total(state) for p in parts) for state in STATES)),
+            totals=EpochCounts(first.size * first.epochs - sum(everywhere), *everywhere),
             reissued=sum(p.reissued for p in parts),
             attempts_dropped=sum(p.attempts_dropped for p in parts),
             done=all(p.done for p in parts) and not missing,
-            owned=sum(p.owned for p in parts),
+            owned=first.size * first.epochs,
             shard="",
             missing=dict(missing),
         )

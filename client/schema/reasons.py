@@ -31,7 +31,7 @@ class Reason(StrEnum):
     STALE_ATTEMPT = "stale_attempt"  # a push into the group of a prompt's attempt that no claim holds
     GROUP_INCOMPLETE = "group_incomplete"  # a group retired as trained before it is complete
     TABLE_FULL = "table_full"  # the table is at its capacity and blocks (when_full = block)
-    TOO_LARGE = "too_large"  # a message, payload or reply over the server's bound
+    TOO_LARGE = "too_large"  # a message, payload or reply over the server's bound, or a reply over the client's
     STORAGE_FULL = "storage_full"  # the data directory's map or disk is full
     RATE_LIMITED = "rate_limited"  # the table's rate limiter holds the push or the sample
     INDEX_BUILDING = "index_building"  # the order's index is still being built after an upgrade

@@ -75,8 +75,8 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
         lines.append(f"{key} = {'unset (index order)' if value is None else toml_value(value)}")
     if info.shards:
         lines.append(f"shards = {toml_value(info.shards)}")
-    if info.owned != info.size * info.epochs:
-        lines.append(f"owned = {info.owned} (the prompts of all epochs this server, or these shards, hand out)")
+    if info.shard:  # one shard's part, counted epoch by epoch as each starts
+        lines.append(f"owned = {info.owned} (the prompts this shard hands out of the epochs it started)")
     lines += [
         f"created = {_utc(info.created)}",
         f"cursor = {_cursor(info, short=False)}",
@@ -89,7 +89,8 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
     if len(info.counts) < info.epochs:  # the epochs not started, in one row: every prompt pending
         later = info.total("pending") - sum(row.pending for row in info.counts)
         first, last = len(info.counts), info.epochs - 1
-        epochs.append((str(first) if first == last else f"{first}..{last}", str(later), *"0000"))
+        shown = "-" if info.shard else str(later)  # a shard's part of an epoch is counted when it starts
+        epochs.append((str(first) if first == last else f"{first}..{last}", shown, *"0000"))
     sections = ["\n".join(lines), columns(epochs)]
     if args.limit:
         prompts, more = _prompts(client, args.table, args.name, states, args.limit)

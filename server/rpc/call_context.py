@@ -25,6 +25,9 @@ log = logging.getLogger("expbuf.service")
 # The table the current call is on, for a refusal's log line and metric: set when a call
 # starts, and again by a stream once its first message names the table.
 CALL_TABLE: ContextVar[str] = ContextVar("expbuf_call_table", default="default")
+# The least max_reply_bytes a client may say it receives (a SampleRequest's, a ClaimRequest's), as
+# the least max_message_bytes; 0 says nothing, the server's max_message_bytes alone bounds a reply.
+MIN_REPLY_BYTES = 1024
 
 
 def table_of(request: Any) -> str:

@@ -17,9 +17,9 @@ from ..backend import Backend
 from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
 from ..store.ledger.rules import MAX_ATTEMPTS, MAX_EPOCHS, Claimed
 from ..store.ledger.states import PROMPT_STATES
-from ..store.schema.errors import InvalidRequest, clip
+from ..store.schema.errors import InvalidRequest, TooLarge, clip
 from ..store.services.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, check_refs, shown_owner
-from .call_context import refusals, remaining
+from .call_context import MIN_REPLY_BYTES, refusals, remaining
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
 _REPLY_FIELDS = 32
@@ -152,15 +152,31 @@ class LedgerCalls:
 
     @refusals
     def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimReply:
-        """Prompts claimed, refused before it claims any whose reply could not be sent: the
-        claims would stay, held by a caller that never learned which prompts they were."""
+        """Prompts claimed, refused before it claims any whose reply could not be sent, or could
+        not be received by a client that says what it receives (max_reply_bytes): the claims
+        would stay, held by a caller that never learned which prompts they were."""
         check_claim(request.count, request.owner, request.wait_seconds)
+        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
+            raise InvalidRequest(
+                f"max_reply_bytes = {request.max_reply_bytes}; it must be 0 (the server's max_message_bytes"
+                f" alone) or at least {MIN_REPLY_BYTES}"
+            )
+        dataset, owner_bytes = clip(request.dataset), len(request.owner.encode())
         most = most_prompts(request.dataset, request.owner, self.max_message_bytes)
         if request.count > most:
             raise InvalidRequest(
-                f"count is {request.count}; a reply holds at most {most} prompts of dataset '{clip(request.dataset)}'"
-                f" claimed by an owner of {len(request.owner.encode())} bytes within the server's"
+                f"count is {request.count}; a reply holds at most {most} prompts of dataset '{dataset}'"
+                f" claimed by an owner of {owner_bytes} bytes within the server's"
                 f" max_message_bytes = {self.max_message_bytes}"
+            )
+        receives = request.max_reply_bytes
+        fits = most_prompts(request.dataset, request.owner, receives) if receives else most
+        if request.count > fits:
+            raise TooLarge(
+                f"count is {request.count}; at most {fits} prompts fit in a reply this client receives"
+                f" (its max_message_bytes = {receives}), of dataset '{dataset}' claimed by an owner of"
+                f" {owner_bytes} bytes: nothing is claimed; claim {fits} at a time, or raise the client's"
+                " max_message_bytes"
             )
         asked = min(request.wait_seconds, self.max_wait_seconds)  # a waiting claim holds a worker thread
         claimed, done = self.store.claim(

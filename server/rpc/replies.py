@@ -39,7 +39,6 @@ ALIGN = 64  # where a column's values start in the reply: a multiple of this
 _PART_TAG = b"\x6a"  # SampleReply field 13 (part), length-delimited
 _WHOLE_TAG = b"\x70"  # SampleReply field 14 (whole_bytes), varint
 PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is at most the limit
-MIN_REPLY_BYTES = 1024  # the least max_reply_bytes a client may ask for (as max_message_bytes)
 # The largest part: a reply over this goes in parts, for a client that takes them, so a stream
 # holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
 PART_BYTES = 8 << 20

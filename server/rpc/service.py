@@ -32,7 +32,7 @@ from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.states import LIVE
 from ..store.schema.table_config import TableConfig
 from . import push_stream
-from .call_context import CALL_TABLE, RefusalLog, max_wait_note, noted, refusals, remaining, room_wait
+from .call_context import CALL_TABLE, MIN_REPLY_BYTES, RefusalLog, max_wait_note, noted, refusals, remaining, room_wait
 from .draining import Draining
 from .inflight import PushMessage
 from .ingest import Ingest
@@ -40,7 +40,7 @@ from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
-from .replies import MIN_REPLY_BYTES, ReplyTooLarge, sample_reply
+from .replies import ReplyTooLarge, sample_reply
 from .sample_stream import stream_batches
 from .writers import Writers
 

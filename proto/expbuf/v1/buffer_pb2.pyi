@@ -813,20 +813,22 @@ class Prompt(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ..., batch: _Optional[str] = ..., task: _Optional[str] = ..., expires_unix: _Optional[float] = ..., state: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds")
+    __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds", "max_reply_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     dataset: str
     count: int
     lease_seconds: float
     owner: str
     wait_seconds: float
-    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., count: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    max_reply_bytes: int
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., count: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., owner: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
 
 class ClaimReply(_message.Message):
     __slots__ = ("prompts", "done")

@@ -107,6 +107,13 @@ def _own(ds: DatasetRecord) -> list[str]:
             problems.append(f"{where}: its totals count a state {state!r} the ledger does not know")
         elif count < 0:
             problems.append(f"{where}: its totals count {count} {state} prompt(s); a count is never negative")
+    if ds.shards and not ds.started <= ds.counted <= ds.epochs:
+        problems.append(
+            f"{where}: counted is {ds.counted}; its part of each of the {ds.started} epoch(s) started is counted,"
+            f" of at most its {ds.epochs}"
+        )
+    elif not ds.shards and ds.counted != ds.epochs:
+        problems.append(f"{where}: counted is {ds.counted}; every one of its {ds.epochs} epoch(s) is counted")
     held = sum(ds.totals.get(state, 0) for state in COUNTED)
     if held > ds.owned_total:
         problems.append(
@@ -127,8 +134,9 @@ def _epochs(
 ) -> dict[str, dict[int, dict[str, int]]]:
     """Each dataset's epoch counts records, by epoch: each of one of its epochs, owning `size`
     prompts (a shard's part: at most that), counting no more than it owns; a sharded dataset
-    has one for every epoch (written at create), and the prompts its epochs own add up to the
-    dataset's owned_total (an epoch with no record owns `size`)."""
+    has one for every epoch counted and none after (its part of an epoch is written as the
+    epoch starts), and the prompts its epochs own add up to the dataset's owned_total (an
+    epoch with no record owns `size`)."""
     rows: dict[str, dict[int, dict[str, int]]] = {}
     owned: dict[str, int] = defaultdict(int)
     orphans: dict[str, int] = defaultdict(int)
@@ -164,9 +172,17 @@ def _epochs(
     for name, ds in datasets.items():
         if ds is None:
             continue
-        unwritten = ds.epochs - len(rows.get(name, {}))
+        written = rows.get(name, {})
+        unwritten = ds.epochs - len(written)
+        if ds.shards:
+            beyond = sum(epoch >= ds.counted for epoch in written)
+            unwritten = ds.counted - (len(written) - beyond)
+            if beyond:
+                problems.append(f"dataset {name}: {beyond} epoch(s) past the {ds.counted} counted have counts")
         if ds.shards and unwritten:
-            problems.append(f"dataset {name}: {unwritten} of its {ds.epochs} epoch(s) have no counts of its part")
+            problems.append(
+                f"dataset {name}: {unwritten} of its {ds.counted} epoch(s) counted have no counts of its part"
+            )
         elif owned[name] + unwritten * ds.size != ds.owned_total:
             problems.append(
                 f"dataset {name}: its epochs own {owned[name] + unwritten * ds.size} prompt(s),"

@@ -9,8 +9,9 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
 prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
-epoch's counts are written at its first event, or at create on a shard of a sharded table
-(whose part of each epoch is counted then); an epoch without them owns `size` prompts, all pending.
+epoch's counts are written at its first event, or on a shard of a sharded table when the epoch
+starts (its part of the epoch is counted then, ledger/shards.py); an epoch without them owns
+`size` prompts, all pending.
 
 An epoch visits the indexes 0..size-1 in a permutation fixed by the dataset's seed
 (`Permutation`: a keyed Feistel network with cycle walking, so the cursor maps a position to its
@@ -73,13 +74,14 @@ class DatasetRecord:
     """A dataset of prompts on a table, its cursor and its totals.
 
     `totals[state]` counts the prompts of every epoch in each state but pending (the rest of
-    the `owned_total` prompts this server hands out: `size` per epoch, or on a shard of a
-    sharded table those it owns, ledger_shards.py), so that the totals and whether the dataset
-    is `done` read this record alone. Each epoch's prompts owned and counts by state are a
-    record of their own (`counts_key`), so that an event rewrites this record and its epoch's,
-    whatever the epochs. `owned` and `counts` hold them, one row per epoch started (`started`),
-    only when read for a caller (`read_epochs`), and are never stored here: an epoch past the
-    cursor's has had no prompt handed out, all its prompts pending."""
+    the `owned_total` prompts this server hands out of the `counted` epochs: `size` per epoch,
+    every epoch; or on a shard of a sharded table those it owns of the epochs started, each
+    epoch's part counted as it starts, ledger/shards.py), so that the totals and whether the
+    dataset is `done` read this record alone. Each epoch's prompts owned and counts by state
+    are a record of their own (`counts_key`), so that an event rewrites this record and its
+    epoch's, whatever the epochs. `owned` and `counts` hold them, one row per epoch started
+    (`started`), only when read for a caller (`read_epochs`), and are never stored here: an
+    epoch past the cursor's has had no prompt handed out, all its prompts pending."""
 
     name: str
     size: int
@@ -91,7 +93,10 @@ class DatasetRecord:
     created: float = 0.0
     shards: list[str] = field(default_factory=list)  # a sharded table's shards of epoch 0, sorted
     shard: str = ""  # this server's name among them
-    owned_total: int = 0  # the prompts of all epochs this server hands out
+    owned_total: int = 0  # the prompts of the counted epochs this server hands out
+    # the epochs in owned_total: every one, or on a shard those started (0 through the cursor's);
+    # a record written before shards counted each epoch as it starts counted them all at create
+    counted: int = 0
     cursor_epoch: int = 0
     cursor_position: int = 0
     next_seq: int = 0
@@ -125,7 +130,8 @@ class DatasetRecord:
         return {PENDING: self.owned[epoch] - sum(held.values()), **held}
 
     def overall(self) -> dict[str, int]:
-        """The prompts of every epoch by state, pending included, from the record alone."""
+        """The prompts of every epoch counted by state, pending included, from the record alone
+        (on a shard: of the epochs started, its part of a later one not counted yet)."""
         held: dict[str, int] = {state: self.totals.get(state, 0) for state in COUNTED}
         return {PENDING: self.owned_total - sum(held.values()), **held}
 
@@ -138,8 +144,9 @@ class DatasetRecord:
 
     @property
     def done(self) -> bool:
-        """Every prompt of every epoch trained, or dropped as done."""
-        return self.total(*DONE) >= self.owned_total
+        """Every prompt of every epoch trained, or dropped as done (a shard's: once it counted its
+        part of the last epoch, every prompt of its parts)."""
+        return self.counted >= self.epochs and self.total(*DONE) >= self.owned_total
 
     def encode(self) -> bytes:
         stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts", "moved")}
@@ -147,7 +154,9 @@ class DatasetRecord:
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> DatasetRecord:
-        return cls(**json.loads(bytes(raw)))
+        stored = json.loads(bytes(raw))
+        stored.setdefault("counted", stored.get("epochs", 1))  # written when every epoch was counted at create
+        return cls(**stored)
 
 
 def counts_key(table_id: int, name: str, epoch: int) -> bytes:
@@ -284,7 +293,8 @@ def read_dataset(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int
 def read_epochs(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, ds: DatasetRecord) -> DatasetRecord:
     """The dataset with each started epoch's prompts owned and counts read into `owned` and
     `counts` (an epoch without its record has had no event: `size` owned, none counted); the
-    records of the epochs after them (a shard's parts, written at create) are not read."""
+    records of the epochs after them (a shard's parts, written at create before shards counted
+    each epoch as it starts) are not read."""
     ds.owned, ds.counts = [ds.size] * ds.started, [{} for _ in range(ds.started)]
     prefix = counts_prefix(table_id, ds.name)
     with txn.cursor(db=db) as cur:

@@ -20,8 +20,8 @@ generated or trained, with no change to the group rules.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.client.schema.routing import SHARD_NAME
@@ -62,7 +62,7 @@ from .records import (
     read_group_key,
     unplace,
 )
-from .shards import count_owned, owns
+from .shards import count_part, owns
 from .states import CLAIMED, COUNTED, DROPPED, GENERATED, PENDING, TRAINED
 
 MAX_EPOCHS = 2**20
@@ -73,6 +73,29 @@ MAX_SHARDS = 1024
 # shards: about 1 s a prompt), so a claim goes on in another transaction rather than hold the
 # writer (about 50 ms a transaction).
 STEP_HASHES = 1 << 16
+
+
+@dataclass
+class Walk:
+    """The cursor's walk in one transaction of a claim: the ownership hashes it spent, the parts
+    of epochs a shard counted before the transaction (claims.py), by epoch, and the epoch whose
+    part it reached uncounted, where it stopped."""
+
+    parts: Mapping[int, int] = field(default_factory=dict)
+    hashes: int = 0
+    uncounted: int | None = None
+
+
+@dataclass(frozen=True)
+class ClaimStep:
+    """What one transaction of a claim did: the prompts it handed out, whether the dataset is
+    done, and whether it stopped short (`more`), its STEP_HASHES spent or, on a shard, the
+    cursor at an epoch whose part is `uncounted`: to count outside the writer, then go on."""
+
+    claimed: list[Claimed]
+    done: bool
+    more: bool
+    uncounted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,10 +196,11 @@ class Ledger(TableExtension):
             raise Conflict(f"table '{tt.config.name}' already has dataset '{ds.name}'{detail}")
         ds.created, ds.totals = tt.now, {}
         if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
-            ds.owned = ds.owned or count_owned(ds)  # counted before the write (claims.py)
-            for epoch, owned in enumerate(ds.owned):
-                tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
-        ds.owned_total = sum(ds.owned) if ds.shards else ds.size * ds.epochs  # nothing written per epoch
+            ds.owned = ds.owned[:1] or [count_part(ds, 0)]  # counted before the write (claims.py)
+            tt.txn.put(counts_key(tt.table_id, ds.name, 0), encode_counts(ds.owned[0], {}), db=tt.db["ledger"])
+            ds.owned_total, ds.counted = ds.owned[0], 1  # a later epoch's part: when it starts (_start)
+        else:
+            ds.owned_total, ds.counted = ds.size * ds.epochs, ds.epochs  # nothing written per epoch
         self._save(tt, ds)
         self._holds[tt.table_id] = True
         return ds, True
@@ -209,20 +233,29 @@ class Ledger(TableExtension):
     # ---- claims ------------------------------------------------------------------------------
 
     def claim(
-        self, tt: TableState, name: str, count: int, seconds: float, owner: str, holder: str
-    ) -> tuple[list[Claimed], bool, bool]:
+        self,
+        tt: TableState,
+        name: str,
+        count: int,
+        seconds: float,
+        owner: str,
+        holder: str,
+        parts: Mapping[int, int] | None = None,
+    ) -> ClaimStep:
         """Up to `count` prompts for one claimant, the ones sent back first, under claims that
         end `seconds` from now; whether the dataset is done (nothing left to hand out or
-        train); and whether the claim stopped short with this transaction's STEP_HASHES spent,
-        to go on in another. Claims already ended are ended first, so their prompts go out
-        again now."""
+        train); and whether the claim stopped short, to go on in another transaction: with
+        this one's STEP_HASHES spent, or on a shard at an epoch whose part is neither counted
+        nor in `parts` (a shard's parts of epochs counted outside the writer, claims.py).
+        Claims already ended are ended first, so their prompts go out again now."""
         self.dataset(tt, name)
         self.expire(tt)
         ds = self.dataset(tt, name)
         room = count if not ds.max_in_flight else max(0, min(count, ds.max_in_flight - ds.in_flight))
         out: list[Claimed] = []
         expires, ledger, more = tt.now + seconds, tt.db["ledger"], False
-        for nxt in itertools.islice(self._hand_out(tt, ds), room):
+        walk = Walk(parts or {})
+        for nxt in itertools.islice(self._hand_out(tt, ds, walk), room):
             if nxt is None:
                 more = True
                 break
@@ -237,14 +270,15 @@ class Ledger(TableExtension):
             self._count(ds, epoch, CLAIMED, 1)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
-        return out, ds.done, more
+        return ClaimStep(out, ds.done, more, walk.uncounted)
 
-    def _hand_out(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int] | None]:
+    def _hand_out(self, tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int] | None]:
         """The prompts to hand out, (epoch, index, attempt), for as long as the claim takes
         them: the oldest sent back, then the cursor's (skipping the prompts a shard does not
         own), each at its first attempt whose group the table does not hold (`_untaken`); None,
-        last, once the cursor spent STEP_HASHES in this transaction."""
-        for epoch, index, attempt in self._candidates(tt, ds):
+        last, once the cursor spent STEP_HASHES in this transaction or reached an epoch whose
+        part is not counted (`walk.uncounted`)."""
+        for epoch, index, attempt in self._candidates(tt, ds, walk):
             free = self._untaken(tt, ds, epoch, index, attempt)
             if free is not None:
                 yield epoch, index, free
@@ -267,8 +301,9 @@ class Ledger(TableExtension):
         self._count(ds, epoch, DROPPED, 1)
         return None
 
-    def _candidates(self, tt: TableState, ds: DatasetRecord) -> Iterator[tuple[int, int, int]]:
-        """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES."""
+    def _candidates(self, tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int]]:
+        """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES or reached
+        an epoch it cannot start (`_start`)."""
         prefix, ledger = queue_prefix(tt.table_id, ds.name), tt.db["ledger"]
         while True:
             with tt.txn.cursor(db=ledger) as cur:
@@ -280,17 +315,33 @@ class Ledger(TableExtension):
             if rec is not None and rec.state == PENDING:
                 yield epoch, index, rec.attempt
         orders: dict[int, Permutation] = {}
-        hashes = 0
-        while ds.cursor_epoch < ds.epochs and hashes < STEP_HASHES:
+        while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:
             epoch = ds.cursor_epoch
+            if ds.cursor_position + 1 >= ds.size and not self._start(tt, ds, epoch + 1, walk):
+                return  # the cursor rests on the epoch's last prompt until the next one's part is counted
             order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
             index = order(ds.cursor_position)
             ds.cursor_position += 1
             if ds.cursor_position >= ds.size:
                 ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
-            hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
+            walk.hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
             if owns(ds, epoch, index):
                 yield epoch, index, 0
+
+    def _start(self, tt: TableState, ds: DatasetRecord, epoch: int, walk: Walk) -> bool:
+        """Whether the cursor may move on into `epoch`: one with its part counted (every epoch
+        but a shard's not started, and the end), or one whose part the claim counted outside the
+        writer (`walk.parts`), written now with the epoch's counts; else the walk stops there."""
+        if epoch >= ds.epochs or epoch < ds.counted:
+            return True
+        owned = walk.parts.get(epoch)
+        if owned is None:
+            walk.uncounted = epoch
+            return False
+        tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
+        ds.owned_total += owned
+        ds.counted = epoch + 1
+        return True
 
     def renew(
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str

@@ -8,10 +8,12 @@ prompt, `name/epoch/index@attempt`, to the rendezvous of `name/epoch/index` over
 those: a prompt's claims, its groups and its state meet on one shard, and over the shards
 every prompt goes out once per epoch.
 
-The epoch is in the key, so each epoch's part is its own. The parts are counted when the
-dataset is created, before its write, so the writer is not held: 3 to 5 s per million prompts
-per epoch with three shards (docs/operations/scaling-out.md, "The prompt ledger on shards"), where counting an epoch
-when the cursor reaches it would hold every write of the shard that long mid-run.
+The epoch is in the key, so each epoch's part is its own, counted when the epoch starts: epoch
+0's when the dataset is created, before its write, and each later one's when a claim's cursor
+reaches it, before the transaction that enters it (services/claims.py), so the writer is not
+held while it is counted (3 to 5 s per million prompts with three shards, docs/operations/
+scaling-out.md, "The prompt ledger on shards") and a dataset of many epochs costs nothing per
+epoch not started, as one server's does.
 """
 
 from __future__ import annotations
@@ -37,17 +39,21 @@ def owns(ds: DatasetRecord, epoch: int, index: int) -> bool:
     return not ds.shards or rendezvous(route(ds.name, epoch, index), ds.shards) == ds.shard
 
 
-def count_owned(ds: DatasetRecord, stop: Callable[[], bool] | None = None) -> list[int]:
-    """The prompts of each epoch a shard's part of a sharded dataset hands out; raises
+def count_part(ds: DatasetRecord, epoch: int, stop: Callable[[], bool] | None = None) -> int:
+    """The prompts of one epoch a shard's part of a sharded dataset hands out; raises
     Cancelled once `stop()` says the caller gave up."""
-    return [_count(ds, epoch, stop) for epoch in range(ds.epochs)]
-
-
-def _count(ds: DatasetRecord, epoch: int, stop: Callable[[], bool] | None) -> int:
     owned = 0
     for start in range(0, ds.size, _CHUNK):
         if stop is not None and stop():
-            raise Cancelled(f"dataset {ds.name!r}: its creator gave up while its part was counted")
+            raise Cancelled(f"dataset {ds.name!r}: the caller gave up while its part of epoch {epoch} was counted")
         keys = (route(ds.name, epoch, index) for index in range(start, min(ds.size, start + _CHUNK)))
         owned += sum(shard == ds.shard for shard in owners(keys, ds.shards))
     return owned
+
+
+def count_parts(ds: DatasetRecord, first: int, hashes: int, stop: Callable[[], bool] | None = None) -> dict[int, int]:
+    """The parts of the epochs from `first` on, by epoch, as many as `hashes` ownership hashes
+    count (one epoch at least): a claim whose cursor crosses many small epochs counts them
+    at once, not one transaction each."""
+    epochs = max(1, hashes // max(1, ds.size * len(ds.shards)))
+    return {epoch: count_part(ds, epoch, stop) for epoch in range(first, min(ds.epochs, first + epochs))}

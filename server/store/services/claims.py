@@ -26,11 +26,11 @@ from ..ledger.records import (
     read_epochs,
     read_prompts,
 )
-from ..ledger.rules import Claimed, Ledger, check, no_dataset
-from ..ledger.shards import count_owned
+from ..ledger.rules import STEP_HASHES, Claimed, Ledger, check, no_dataset
+from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
 from ..rules.table_state import TableState
-from ..schema.errors import InvalidRequest
+from ..schema.errors import Cancelled, InvalidRequest
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
@@ -103,15 +103,16 @@ class Claims:
         """A dataset on the table (ledger.check names a setting out of range); (record with its
         epochs read, created).
 
-        A shard's part of a sharded dataset is counted here, before the write, so the writer
-        is not held meanwhile; `stop` is polled while counting (a cancelled call)."""
+        A shard's part of a sharded dataset's first epoch is counted here, before the write, so
+        the writer is not held meanwhile (a later epoch's when a claim reaches it); `stop` is
+        polled while counting (a cancelled call)."""
         table_id, config = self.catalog.lookup(table)
         check(ds, config.grouping.by)
         if ds.shards:
             with self.environment.read() as txn:
                 exists = read_dataset(txn, self.catalog.db["ledger"], table_id, ds.name) is not None
             if not exists:
-                ds.owned = count_owned(ds, stop)
+                ds.owned = [count_part(ds, 0, stop)]
 
         def create(tt: TableState) -> tuple[DatasetRecord, bool]:
             record, created = self.ledger.create(tt, ds, exist_ok=exist_ok)
@@ -149,24 +150,34 @@ class Claims:
         stop: Callable[[], bool] | None = None,
     ) -> tuple[list[Claimed], bool]:
         """Up to `count` prompts (ledger.claim), waiting up to `wait` for one while the dataset
-        is not done; `stop` is polled while waiting (a cancelled call). A claim whose cursor
-        spent its share of a transaction (ledger.STEP_HASHES) goes on in the next, the writer
-        let go in between."""
+        is not done; `stop` is polled while waiting or counting (a cancelled call). A claim
+        whose cursor spent its share of a transaction (ledger.STEP_HASHES) goes on in the
+        next, the writer let go in between; one whose cursor reached an epoch whose part (a
+        shard's) is not counted counts it here, with the epochs after it that as many hashes
+        count, and goes on with them."""
         check_claim(count, owner, wait)
         check_seconds("lease_seconds", seconds, low=0.0, high=MAX_LEASE_SECONDS, low_open=True)
         deadline = time.monotonic() + wait
         claimed: list[Claimed] = []
+        parts: dict[int, int] = {}
         while True:
             generation = self.environment.generation
             claim = functools.partial(self.ledger.claim, name=name, count=count - len(claimed), seconds=seconds,
-                                      owner=owner, holder=holder)  # fmt: skip
-            part, done, unfinished = self._in_table(table, claim)
-            claimed += part
+                                      owner=owner, holder=holder, parts=parts)  # fmt: skip
+            step = self._in_table(table, claim)
+            claimed += step.claimed
             stopped = stop is not None and stop()
-            if unfinished and not stopped:  # its share of the writer spent: it goes on in another transaction
+            if step.uncounted is not None and not stopped:  # counted outside the writer, then on
+                (ds,) = self.datasets(table, name, by_epoch=False)
+                try:
+                    parts = count_parts(ds, step.uncounted, STEP_HASHES, stop)
+                except Cancelled:
+                    return claimed, step.done
                 continue
-            if claimed or done or time.monotonic() >= deadline or stopped:
-                return claimed, done
+            if step.more and not stopped:  # its share of the writer spent: it goes on in another transaction
+                continue
+            if claimed or step.done or time.monotonic() >= deadline or stopped:
+                return claimed, step.done
             self.environment.wait_for_change(generation, min(deadline, time.monotonic() + 0.25))
 
     def renew(
