@@ -9,6 +9,7 @@ one that exists.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
@@ -49,7 +50,8 @@ class Backend(Protocol):
     def put_in_order(
         self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
     ) -> Iterator[PutResult]: ...
-    def stage(self, table: str, set_id: int | None, index: int, chunk: bytes | memoryview) -> int: ...
+    def new_chunk_set(self) -> int: ...
+    def stage(self, table: str, set_id: int, index: int, chunk: bytes | memoryview) -> Future[None]: ...
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None: ...
     def sample(
         self,

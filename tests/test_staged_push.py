@@ -36,7 +36,7 @@ def counts(data: Path) -> dict[str, int]:
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     with servers() as start:
         # a cap smaller than one push: a push whose items are staged holds a piece of each
-        yield start(str(tmp_path / "data"), env={"EXPBUF_MAX_INFLIGHT_BYTES": str(16 << 20)})
+        yield start(str(tmp_path / "data"), env={"EXPBUF_MAX_INFLIGHT_BYTES": str(20 << 20)})
 
 
 def stopped(server: ServerProcess) -> None:

@@ -23,6 +23,7 @@ server closes the pool, as it does when it stops (or when its interpreter exits)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import mmap
@@ -36,6 +37,7 @@ import struct
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -59,6 +61,7 @@ _fields_of = operator.attrgetter(*_FIELDS)
 _REQUEST = struct.Struct("<QQ")  # payload length, region size
 _MIN_REGION = 1 << 22
 _KEEP = 64 << 20  # the memory a region keeps between pushes; a larger push's is given back after it
+STAGING = 2  # chunks of a push in chunks waiting for the writer at once
 # Payloads larger than this are decoded here: their cost is copying bytes, which a worker would
 # add to (the payload into the region, the experiences out of it), not Python work per experience.
 LARGE = 16 << 20
@@ -388,18 +391,22 @@ class Stager:
 
 class StagedPush:
     """One push in chunks being staged: `feed` it its bytes after the head, then take its
-    `entries`; `drop` the staging its push did not store, however it ended."""
+    `entries`; `drop` the staging its push did not store, however it ended. Up to STAGING chunks
+    of it wait for the writer at once, so that the writer's commits take several and the push
+    is read on meanwhile."""
 
     def __init__(self, store: Backend, table: str, payload: StreamedPayload) -> None:
         self.store, self.table, self.payload = store, table, payload
         self._staging = {
             index: Staging(payload.heads[index], payload.section_lengths[index]) for index in payload.large
         }
+        self._writing: collections.deque[Future[None]] = collections.deque()
 
     @property
     def holds(self) -> int:
-        """The most of the push the server holds at once (StreamedPayload.holds)."""
-        return self.payload.holds
+        """The most of the push the server holds at once: StreamedPayload.holds, and the chunks
+        waiting for the writer."""
+        return self.payload.holds + STAGING * CHUNK_BYTES
 
     def feed(self, data: memoryview) -> None:
         self._stage(self.payload.feed(data))
@@ -407,12 +414,23 @@ class StagedPush:
     def _stage(self, pieces: list[Piece]) -> None:
         for item, number, data in pieces:
             staging = self._staging[item]
-            staging.set_id = self.store.stage(self.table, staging.set_id, number, data)
+            if staging.set_id is None:
+                staging.set_id = self.store.new_chunk_set()
+            while len(self._writing) >= STAGING:
+                self._writing.popleft().result()
+            self._writing.append(self.store.stage(self.table, staging.set_id, number, data))
             staging.add(data)
 
+    def _written(self) -> None:
+        """Wait for every chunk staged to be durable (a refusal of the store's raised)."""
+        while self._writing:
+            self._writing.popleft().result()
+
     def entries(self) -> list[Entry]:
-        """The push's experiences as the store takes them, once all its bytes were fed."""
+        """The push's experiences as the store takes them, once all its bytes were fed and
+        their chunks are durable."""
         self._stage(self.payload.finish())
+        self._written()
         made = []
         for index, item in enumerate(self.payload.items):
             staging = self._staging.get(index)
@@ -424,5 +442,9 @@ class StagedPush:
         return made
 
     def drop(self) -> None:
-        """Drop what this push staged and its push did not store (a refused push's, a duplicate's)."""
+        """Drop what this push staged and its push did not store (a refused push's, a duplicate's),
+        once the chunks still on their way to the writer are written (or refused)."""
+        for writing in self._writing:
+            writing.exception()
+        self._writing.clear()
         self.store.drop_staged(self.table, [s.set_id for s in self._staging.values() if s.set_id is not None])

@@ -20,6 +20,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import lmdb
@@ -242,8 +243,13 @@ class Store:
         """Store validated entries durably (Pushing.put); `holder` is who pushes (kinds.Push)."""
         return self.pushing.put(table, entries, timeout=timeout, holder=holder, may_wait=may_wait)
 
-    def stage(self, table: str, set_id: int | None, index: int, chunk: bytes | memoryview) -> int:
-        """Stage one chunk of a large section of a push in chunks (Pushing.stage); the set."""
+    def new_chunk_set(self) -> int:
+        """A chunk set number for a section a push in chunks stages (Pushing.new_chunk_set)."""
+        return self.pushing.new_chunk_set()
+
+    def stage(self, table: str, set_id: int, index: int, chunk: bytes | memoryview) -> Future[None]:
+        """Stage one chunk of a large section of a push in chunks (Pushing.stage): the future of
+        its commit."""
         return self.pushing.stage(table, set_id, index, chunk)
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:

@@ -11,11 +11,11 @@ chunk's XXH3-128 digest (16 bytes). Read back, a head and its chunks are a
 record's digest is taken over (digests.of): a retried push is a duplicate however its
 experience was stored.
 
-A push in chunks stages its experiences' sections as they arrive (rpc/sections.py): each chunk
-is committed on its own under a set marked in `staged` (`stage`); the push's commit writes the
-heads and unmarks their sets (`stored_value`), a push that fails drops them (`drop_set`), and
-an open drops the sets that a stopped server left staged (`sweep_staged`). A set number is
-never used twice (the next is kept in `meta`).
+A push in chunks stages its experiences' sections as they arrive (rpc/ingest.py): each chunk
+is written under a set marked in `staged` (`stage`), in the writer's commits; the push's commit
+writes the heads and unmarks their sets (`stored_value`), a push that fails drops them
+(`drop_set`), and an open drops the sets that a stopped server left staged (`sweep_staged`). A
+set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 """
 
 from __future__ import annotations
@@ -124,10 +124,11 @@ def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
     return table_prefix + _U64.pack(set_id) + _U32.pack(index)
 
 
-def _allocate(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
+def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], count: int = 1) -> int:
+    """The first of `count` chunk set numbers no one has used, from now on used."""
     raw = txn.get(_NEXT_SET, db=dbs["meta"])
     set_id = 1 if raw is None else _U64.unpack(raw)[0]
-    txn.put(_NEXT_SET, _U64.pack(set_id + 1), db=dbs["meta"])
+    txn.put(_NEXT_SET, _U64.pack(set_id + count), db=dbs["meta"])
     return set_id
 
 
@@ -146,7 +147,7 @@ def stored_value(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], k
     section = view[start:]
     if len(section) <= CHUNK_BYTES:
         return blob
-    set_id = _allocate(txn, dbs)
+    set_id = reserve_sets(txn, dbs)
     found = []
     for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):
         chunk = section[at : at + CHUNK_BYTES]
@@ -159,18 +160,15 @@ def stage(
     txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
     table_prefix: bytes,
-    set_id: int | None,
+    set_id: int,
     index: int,
     chunk: Run,
     now: float,
-) -> int:
-    """Write one chunk of a section a push in chunks is staging; a new set (`set_id` None),
-    marked staged until the push's commit, for its first. Returns the set."""
-    if set_id is None:
-        set_id = _allocate(txn, dbs)
-        txn.put(set_prefix(table_prefix, set_id), micros(now), db=dbs["staged"])
+) -> None:
+    """Write one chunk of a section a push in chunks is staging, in a set (reserve_sets) marked
+    staged until the push's commit (by whichever of its chunks is written first)."""
+    txn.put(set_prefix(table_prefix, set_id), micros(now), db=dbs["staged"], overwrite=False)
     txn.put(chunk_key(table_prefix, set_id, index), chunk, db=dbs["chunks"])
-    return set_id
 
 
 def drop_set(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], table_prefix: bytes, set_id: int) -> None:

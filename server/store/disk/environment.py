@@ -180,12 +180,17 @@ class Environment:
         """Run `fn` in the writer thread's next transaction; return once it is committed. With
         `background`, in a transaction of its own once the requests waiting now are committed
         (see the module's docstring); its commit wakes no wait_for_change()."""
+        return self.queue(fn, background=background).result()
+
+    def queue(self, fn: Callable[[lmdb.Transaction[bytes]], T], *, background: bool = False) -> Future[T]:
+        """submit() without waiting: the future of `fn`'s result, done once it is committed.
+        Requests are applied in the order they are queued."""
         future: Future[T] = Future()
         with self._closing:
             if self._closed or self.readonly:
                 raise StoreClosed("the store is closed" if self._closed else f"{self.path} is open read-only")
             self._queue.put(_Op(fn, future, background))
-        return future.result()
+        return future
 
     def _write_loop(self) -> None:
         while self._write_batch():

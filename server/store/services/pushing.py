@@ -23,9 +23,11 @@ groups can be foreseen (pushed_advantages.py).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import lmdb
@@ -42,6 +44,7 @@ from ..tables import admission
 from ..tables.catalog import TableCatalog
 from .index_builds import IndexBuilds
 
+SET_BLOCK = 1024  # chunk set numbers reserved at a time
 # A table's state in the writer's transaction, by table id and configuration (Store._state_in).
 StateIn = Callable[["lmdb.Transaction[bytes]", int, TableConfig], TableState]
 
@@ -70,6 +73,8 @@ class Pushing:
     ) -> None:
         self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
+        self._sets_lock = threading.Lock()
+        self._sets = (0, 0)  # the chunk set numbers reserved and not handed out yet: [first, end)
 
     def put(
         self,
@@ -136,13 +141,25 @@ class Pushing:
         if unready is not None:
             raise unready
 
-    def stage(self, table: str, set_id: int | None, index: int, chunk: bytes | memoryview) -> int:
-        """Write chunk `index` of a section a push in chunks stages, durably, in a new set for
-        the first (`set_id` None); returns the set (chunked.stage). Its commit is the writer's
-        next, shared with the requests waiting then, as a push's is."""
+    def new_chunk_set(self) -> int:
+        """A chunk set number for a section a push in chunks stages, never used before: taken
+        from a block of them reserved in one write (chunked.reserve_sets)."""
+        with self._sets_lock:
+            if self._sets[0] == self._sets[1]:
+                dbs = self.environment.db
+                first = self.environment.submit(lambda txn: chunked.reserve_sets(txn, dbs, SET_BLOCK))
+                self._sets = (first, first + SET_BLOCK)
+            set_id = self._sets[0]
+            self._sets = (set_id + 1, self._sets[1])
+            return set_id
+
+    def stage(self, table: str, set_id: int, index: int, chunk: bytes | memoryview) -> Future[None]:
+        """Write chunk `index` of a section a push in chunks stages, in set `set_id`
+        (chunked.stage), in the writer's next commit, shared with the requests waiting then as a
+        push's is: the future is done once it is durable. Chunks are written in the order staged."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         dbs, now = self.environment.db, self.catalog.clock()
-        return self.environment.submit(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, chunk, now))
+        return self.environment.queue(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, chunk, now))
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
