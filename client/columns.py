@@ -27,6 +27,7 @@ from .trxp.convert import torch_dtypes
 
 if TYPE_CHECKING:
     import torch
+    from tensordict import TensorDict
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,30 @@ class Column:
         if any(not shape for shape in self.shapes):
             raise ValueError(f"column {self.name!r} holds one value per experience: use `values`")
         return torch.nested.nested_tensor_from_jagged(self.values, self.offsets)
+
+
+def as_tensordict(columns: dict[str, Column], count: int) -> TensorDict:
+    """A columnar batch of `count` experiences as a TensorDict of batch size [count] (the form
+    verl's and TransferQueue's trainers read): each field of tensors a jagged nested tensor, one
+    row per experience (`Column.nested()`), each of one value per experience a tensor of `count`,
+    all made on the batch's bytes with no copy. A field that some experience lacks, or whose
+    experiences differ in rank, has no place in it: ValueError naming it."""
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        raise ImportError("batch.tensordict() needs the tensordict package (pip install tensordict)") from None
+    fields: dict[str, torch.Tensor] = {}
+    for name, column in columns.items():
+        if len(column.items) != count:
+            raise ValueError(
+                f"field {name!r} is missing from {count - len(column.items)} of the batch's {count} experiences; "
+                "a TensorDict holds every field of every experience: read batch.columns"
+            )
+        if column.values is not None and all(not shape for shape in column.shapes):
+            fields[name] = column.values
+        else:
+            fields[name] = column.nested()
+    return TensorDict(fields, batch_size=[count])
 
 
 def decode_columns(columns: Any, count: int, values: Sequence[memoryview] | None = None) -> dict[str, Column]:

@@ -16,6 +16,8 @@ from . import trxp
 from .schema.experience import Experience
 
 if TYPE_CHECKING:
+    from tensordict import TensorDict
+
     from .columns import Column
 
 
@@ -91,6 +93,19 @@ class Batch:
                 "read batch.columns, or sample without fields for experiences"
             )
         return trxp.decode_reply(self.payload)
+
+    def tensordict(self) -> TensorDict:
+        """A columnar batch as a TensorDict of batch size [experiences]: per-token fields as
+        jagged nested tensors, the rest one value per experience, none copied
+        (columns.as_tensordict; needs the tensordict package)."""
+        if not self.columnar:
+            raise ValueError(
+                f"this batch of table '{self.table}' was sampled as a TRXP payload: sample with fields=[...] "
+                "for a TensorDict"
+            )
+        from .columns import as_tensordict
+
+        return as_tensordict(self.columns, len(self.uids))
 
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""

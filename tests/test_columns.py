@@ -77,20 +77,37 @@ def test_a_columnar_sample_equals_the_trxp_sample_field_by_field(client: BufferC
 
 def test_the_docs_trainer_takes_a_jagged_tensordict_of_its_fields(client: BufferClient) -> None:
     """docs/concepts/pushing-and-sampling.md, "Columnar batches": its loop, as written there."""
-    from tensordict import TensorDict
-
     made = pushed(client, "d")
-    fields = ["tokens", "action_mask", "logprobs", "advantages"]
+    fields = ["tokens", "action_mask", "logprobs", "advantages", "reward"]
     steps = []
     for batch in client.sample("d", num_groups=3, fields=fields, max_batches=1, timeout=10):
-        columns = batch.columns
-        step = TensorDict({name: columns[name].nested() for name in fields}, batch_size=[len(batch.uids)])
-        steps.append(step)
+        step = batch.tensordict()
+        steps.append((step, batch.columns))
         batch.ack()
-    (step,) = steps
+    ((step, columns),) = steps
+    assert step.batch_size == torch.Size([9]) and list(step.keys()) == fields
     by_uid = {exp.eid.uid: exp for exp in made}
-    assert torch.equal(step[4]["tokens"], by_uid[batch.uids[4]].tokens)
+    for k, uid in enumerate(batch.uids):
+        assert torch.equal(step[k]["tokens"], by_uid[uid].tokens)
+        assert torch.equal(step["logprobs"].unbind()[k], by_uid[uid].logprobs)
+    assert step["tokens"].is_nested and step["reward"].tolist() == [by_uid[uid].reward for uid in batch.uids]
+    assert step["tokens"].values().data_ptr() == columns["tokens"].values.data_ptr()  # no copy
     assert client.stats("d")["d"].consumed == 9
+
+
+def test_a_tensordict_refuses_a_field_some_experience_lacks_and_a_trxp_batch(client: BufferClient) -> None:
+    made = [rollout(task, run, 4) for task in range(2) for run in range(3)]
+    for exp in made:
+        exp.info = {"model_version": 1} if exp.eid.run else {}
+    client.create_table("m", group_size=3, estimator="none")
+    client.push(trxp.encode(made), table="m")
+    fields = ["tokens", "model_version"]
+    (batch,) = client.sample("m", num_groups=2, fields=fields, max_batches=1, timeout=10, delivery="replay")
+    with pytest.raises(ValueError, match="'model_version' is missing from 2 of the batch's 6 experiences"):
+        batch.tensordict()
+    (whole,) = client.sample("m", num_groups=1, max_batches=1, timeout=10)
+    with pytest.raises(ValueError, match="sample with fields"):
+        whole.tensordict()
 
 
 def test_scalar_columns_come_from_what_the_server_keeps_of_each_experience(client: BufferClient) -> None:
