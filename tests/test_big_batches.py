@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, trxp
-from expbuf.client.rpc.sample_reply import Parts, SampleReplyParts, read_sample_reply
+from expbuf.client.rpc.sample_reply import Parts, ReplyBuffers, SampleReplyParts, aligned, read_sample_reply
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -229,3 +229,45 @@ def test_an_experience_larger_than_a_message_round_trips_with_the_servers_memory
     assert torch.equal(columns["action_mask"].values, pushed.action_mask)
     assert peak - before <= PART_WINDOW < size, f"the server grew {(peak - before) >> 20} MiB to send {BIG_MIB} MiB"
     assert pushing <= PUSH_WINDOW < size, f"the server grew {pushing >> 20} MiB to store {BIG_MIB} MiB"
+
+
+def test_a_large_reply_s_buffer_is_used_again_only_once_nothing_holds_it() -> None:
+    """A reply of 32 MiB or more goes into a buffer used again once its tensors are let go
+    (rpc/sample_reply.ReplyBuffers): never while a tensor or view made on it lives."""
+    pool = ReplyBuffers()
+    first = pool.take(2 << 20)
+    first[:3] = b"abc"
+    tensor = torch.frombuffer(first, dtype=torch.uint8)
+    held = id(first.obj)  # the pool keeps it: its id stays its own
+    del first
+    second = pool.take(2 << 20)
+    assert id(second.obj) != held and bytes(tensor[:3]) == b"abc"  # the tensor holds the first
+    del tensor
+    third = pool.take(2 << 20)
+    assert id(third.obj) == held and third.nbytes == 2 << 20  # let go: used again, its pages already there
+    assert id(pool.take(8 << 20).obj) not in (held, id(second.obj))  # a buffer of another size is another
+    assert aligned(1 << 20).obj.__class__ is bytearray  # a reply under 32 MiB: malloc keeps its memory
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["trxp", "columns"])
+def test_batches_in_reused_buffers_stay_whole_while_the_trainer_holds_them(
+    start_server: Servers, columns: bool
+) -> None:
+    """Every batch of a consume stream of 36 MiB experiences kept to the end: each keeps its own
+    bytes (a later batch never lands in a buffer an earlier one holds), as TRXP experiences and
+    as columns."""
+    target = f"127.0.0.1:{start_server().port}"
+    with BufferClient(target) as client:
+        client.create_table("kept", group_size=1)
+        pushed = [make_experience("k", task, 0, response=(36 << 20) // 9 + task) for task in range(5)]
+        client.push(pushed, table="kept")
+        options: dict[str, Any] = {"num_groups": 1, "max_batches": 5, "timeout": 30, "delivery": "consume"}
+        if columns:
+            options["fields"] = ["tokens", "logprobs"]
+        kept = list(client.sample("kept", **options))
+    by_uid = {exp.eid.uid: exp for exp in pushed}
+    assert sorted(batch.uids[0] for batch in kept) == sorted(by_uid)
+    for batch in kept:
+        want = by_uid[batch.uids[0]]
+        got = batch.columns["tokens"].values if columns else batch.experiences[0].tokens
+        assert torch.equal(got, want.tokens)
