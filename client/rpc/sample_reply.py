@@ -115,12 +115,13 @@ class ReplyBuffers:
     costs about 27 ms of page faults and zeroing before a byte is copied into it, the copy into
     one already used about 3 ms: a trainer's batches of long rollouts come one after another,
     each one's buffer let go (with its tensors) before the next but one. A buffer is free once
-    only this pool refers to it: a tensor or view made on it holds it."""
+    only this pool refers to it: a tensor or view made on it holds it. The process keeps those
+    it holds (KEPT_BYTES at most) between streams too."""
 
     # Smaller buffers are fresh each time: glibc's malloc keeps freed blocks up to 32 MiB for the
     # next (its mmap threshold rises to the size freed), a larger one it maps anew each time.
     LEAST = 32 << 20
-    KEPT = 4  # buffers kept at most
+    KEPT = 3  # buffers kept at most: the batch in the caller's hands, the one decoded ahead, the next
     KEPT_BYTES = 1 << 30
 
     def __init__(self) -> None:
