@@ -62,6 +62,7 @@ EXPECTED = {
     errors.IndexNotReady: ("DEADLINE_EXCEEDED", "index_building"),
     errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
+    errors.DamagedPayload: ("DATA_LOSS", "damaged"),
     errors.StoreClosed: ("UNAVAILABLE", "closed"),
     errors.AdvantagesUnavailable: ("INTERNAL", "advantages_unavailable"),
 }

@@ -9,10 +9,11 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 
-from expbuf.client import AlreadyExistsError, BufferClient, NotFoundError
+from expbuf.client import AlreadyExistsError, BufferClient, DataLossError, NotFoundError
 from expbuf.client.schema.reasons import Reason
 from expbuf.server.store.disk.environment import Environment
 
@@ -84,3 +85,41 @@ def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess
     stopped(server)
     found = counts(tmp_path / "data")
     assert found["staged"] == 0 and found["blobs"] == 1 and found["chunks"] == 5  # the first push's alone
+
+
+def test_a_damaged_chunk_found_as_its_reply_is_built_is_quarantined_and_the_rest_served(tmp_path: Path) -> None:
+    """A take reads a large experience by its head alone (in the writer); its chunks are read,
+    and the whole checked, where its reply is built: a damaged chunk ends the stream DATA_LOSS
+    naming the experience, which is quarantined, and its batch goes back unsent, so a new
+    stream gets the other groups."""
+    data = tmp_path / "data"
+    first, second = make_experience("d", 0, 0, response=RESPONSE), make_experience("d", 1, 0, response=RESPONSE)
+    quiet = {"EXPBUF_SCRUB_MB_PER_SECOND": "0"}  # the background scrub would find it first
+    with servers() as start:
+        server = start(str(data), env=quiet)
+        with BufferClient(server.target, timeout=120) as client:
+            client.create_table("t", group_size=1)
+            client.push([first], table="t")
+            client.push([second], table="t")
+        stopped(server)
+    env = lmdb.open(str(data), max_dbs=64, map_size=1 << 30)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=chunks)))  # the first experience's first chunk
+        damaged = bytearray(value)
+        damaged[12345] ^= 0x40
+        txn.put(key, bytes(damaged), db=chunks)
+    env.close()
+    with servers() as start:
+        server = start(str(data), env=quiet)
+        with BufferClient(server.target, timeout=120) as client:
+            with pytest.raises(DataLossError) as lost:
+                list(client.sample("t", num_groups=1, max_batches=1, timeout=10, fields=["tokens"]))
+            assert lost.value.reason == Reason.DAMAGED and first.eid.uid in str(lost.value)
+            assert "quarantined" in str(lost.value)
+            (batch,) = client.sample("t", num_groups=1, max_batches=1, timeout=10, fields=["tokens"])
+            assert batch.uids == [second.eid.uid]
+            assert torch.equal(batch.columns["tokens"].values, second.tokens)
+            stats = client.stats("t").tables["t"]
+            assert (stats.damaged, stats.quarantined, stats.groups_failed) == (1, 1, 1)
+        stopped(server)

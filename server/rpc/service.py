@@ -27,7 +27,7 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
-from ..store.schema.errors import InsertLimited, InvalidRequest, SpecError, TableFull, clip
+from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
 from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.states import LIVE
 from ..store.schema.table_config import TableConfig
@@ -248,6 +248,15 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 draining=self.draining,
                 bound=bound,
                 confirm_seconds=self.max_confirm_seconds,
+            )
+        except DamagedPayload as exc:  # found as its reply was built: the batch went back unsent
+            self.store.quarantine(spec.table, [exc.uid])
+            refuse(
+                context,
+                grpc.StatusCode.DATA_LOSS,
+                f"table '{spec.table}': {exc}: it is quarantined, never to be served (its group fails), and "
+                "the rest of its batch went back to the buffer; sample again",
+                Reason.DAMAGED,
             )
         finally:
             self.table_streams.leave(spec.table)

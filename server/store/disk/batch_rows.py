@@ -9,6 +9,7 @@ from expbuf.client.trxp.pieces import Stored
 
 from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
+from .chunked import Deferred
 from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
 
@@ -27,11 +28,11 @@ class BatchRows:
     ) -> None:
         self.txn, self.adv, self.config, self.finish = txn, adv, config, finish
         self.computed = config.advantages.estimator != "none"  # a table without an estimator has no advantages
-        self.blobs: list[Stored] = []
+        self.blobs: list[Stored | Deferred] = []
         self.records: list[ItemRecord] = []
         self.advantages: list[Advantage] = []
 
-    def add(self, key: bytes, rec: ItemRecord, blob: Stored) -> None:
+    def add(self, key: bytes, rec: ItemRecord, blob: Stored | Deferred) -> None:
         """One experience: its payload (as read), its record and its stored advantage (the
         value in the record, or the token-level record of the `adv` database)."""
         token_level = self.txn.get(key, db=self.adv) if self.computed and rec.advantage is None else None

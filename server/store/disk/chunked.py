@@ -29,6 +29,7 @@ import lmdb
 from expbuf.client.trxp.common import HEADER, HEADER_SIZE
 from expbuf.client.trxp.pieces import Run, SplitPayload, Stored
 
+from ..schema.errors import DamagedPayload
 from . import digests
 from .layout import micros
 
@@ -211,6 +212,63 @@ def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | 
         found = chunk(chunk_key(prefix, head.set_id, index))
         pieces.append(b"" if found is None else found)
     return SplitPayload(head.prefix, pieces)
+
+
+class Deferred:
+    """A payload stored in chunks, taken by its head alone in the writer's transaction: its chunks
+    are read from the snapshot the batch was taken in, and the whole checked against its
+    record's digest, where the batch's reply is built (`resolve`), off the writer, so that a take
+    of long rollouts never holds the writer while their bytes are read from disk and digested.
+    Should the snapshot have to end first (a map resize), `detach` copies the chunks out of it."""
+
+    __slots__ = ("_chunk", "_head", "_key", "_pieces", "digest", "size", "uid")
+
+    def __init__(
+        self, uid: str, head: Run, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
+    ) -> None:
+        self.uid, self._head, self._key, self.digest, self.size, self._chunk = uid, head, key, digest, size, chunk
+        self._pieces: SplitPayload | None = None
+
+    def _read(self) -> SplitPayload:
+        if self._pieces is None:
+            found = resolve(self._head, self._key, self._chunk)
+            self._pieces = found if isinstance(found, SplitPayload) else SplitPayload(found, [])
+        return self._pieces
+
+    def resolve(self) -> SplitPayload:
+        """The payload, checked: DamagedPayload if it is not the one pushed."""
+        payload = self._read()
+        problem = digests.mismatch(payload, self.size, self.digest)
+        if problem is not None:
+            raise DamagedPayload(self.uid, problem)
+        return payload
+
+    def detach(self) -> Deferred:
+        """The same payload with its bytes copied out of the snapshot (still to be checked)."""
+        self._pieces = self._read().owned()
+        self._head = b""
+        return self
+
+
+def checked(blobs: Sequence[Stored | Deferred]) -> list[Stored]:
+    """Payloads, those a take deferred read and checked now (Deferred.resolve): a damaged one
+    raises DamagedPayload naming it."""
+    return [blob.resolve() if isinstance(blob, Deferred) else blob for blob in blobs]
+
+
+def taken(
+    uid: str, value: Run, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
+) -> Stored | Deferred:
+    """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
+    chunks read later with `chunk`; anything else as `resolve` reads it, now."""
+    if len(value) >= _FRAME.size and is_head(value):
+        try:
+            read_head(value)
+        except (ValueError, struct.error):
+            pass  # damaged: the read check, now, finds it does not match
+        else:
+            return Deferred(uid, value, key, digest, size, chunk)
+    return resolve(value, key, chunk)
 
 
 def read_payload(

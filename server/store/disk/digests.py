@@ -29,6 +29,13 @@ def of(blob: Stored) -> bytes:
     return xxhash.xxh3_128_digest(blob)
 
 
+def mismatch(blob: Stored, size: int, digest: bytes) -> str | None:
+    """Why `blob` is not the payload of `size` bytes and `digest` a record names, or None."""
+    if len(blob) != size:
+        return f"its payload is {len(blob)} bytes, its record says {size}"
+    return None if of(blob) == digest else "its payload does not match its digest"
+
+
 def running() -> xxhash.xxh3_128:
     """A digest taken over bytes as they pass (`update`): `of` them end to end."""
     return xxhash.xxh3_128()

@@ -15,6 +15,7 @@ from expbuf.client.trxp.pieces import Stored
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from . import digests
+from .chunked import Deferred, checked
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .stored_advantages import Advantage, Stage, batch_columns, batch_parts
@@ -134,7 +135,7 @@ class Sampled:
 
     uids: list[str]
     group_ids: list[str]
-    blobs: list[Stored]
+    blobs: list[Stored | Deferred]  # Deferred: checked where the reply is built (chunked.py)
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     rewards: list[float | None] = field(default_factory=list)  # each experience's, as pushed
@@ -164,9 +165,9 @@ class Sampled:
         batch stage runs first, if it has not."""
         self.finish()
         if self.snapshot is None:
-            return build(batch_parts(self.blobs, self.advantages))
+            return build(batch_parts(checked(self.blobs), self.advantages))
         with self.snapshot.reading():
-            return build(batch_parts(self.blobs, self.advantages))
+            return build(batch_parts(checked(self.blobs), self.advantages))
 
     def columns(self, fields: Sequence[str], build: Callable[[list[ColumnParts]], T]) -> T:
         """`build` of the batch as the columns of `fields` (stored_advantages.batch_columns),
@@ -183,9 +184,9 @@ class Sampled:
         if not tensors:
             return build(ones)
         if self.snapshot is None:
-            return build(in_order([*batch_columns(self.blobs, self.advantages, tensors), *ones], fields))
+            return build(in_order([*batch_columns(checked(self.blobs), self.advantages, tensors), *ones], fields))
         with self.snapshot.reading():
-            return build(in_order([*batch_columns(self.blobs, self.advantages, tensors), *ones], fields))
+            return build(in_order([*batch_columns(checked(self.blobs), self.advantages, tensors), *ones], fields))
 
     def keep(self, runs: list[bytes | memoryview]) -> list[bytes | memoryview]:
         """Runs made by `render` or `columns` (views of the snapshot among them), kept readable

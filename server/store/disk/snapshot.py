@@ -98,10 +98,12 @@ class Snapshot:
             self._end()
 
 
-def _owned(value: Value) -> Value:
-    """A value copied out of the map, if it is a view of it (or made of views)."""
+def _owned(value: Any) -> Any:
+    """A value copied out of the map, if it is a view of it (or made of views, or reads them:
+    chunked.Deferred, which has a `detach`)."""
     if isinstance(value, memoryview):
         return bytes(value)
     if isinstance(value, SplitPayload):
         return value.owned()
-    return value
+    detach = getattr(value, "detach", None)
+    return detach() if detach is not None else value

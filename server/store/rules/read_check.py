@@ -23,12 +23,9 @@ from ..disk.records import ItemRecord
 
 def payload_problem(uid: str, rec: ItemRecord, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
-    if len(blob) != rec.size:
-        return f"its payload is {len(blob)} bytes, its record says {rec.size}"
-    if digests.of(blob) == rec.digest:
-        return None
-    if isinstance(blob, SplitPayload):  # stored in chunks since format 6: its digest is of these bytes
-        return "its payload does not match its digest"
+    problem = digests.mismatch(blob, rec.size, rec.digest)
+    if problem is None or len(blob) != rec.size or isinstance(blob, SplitPayload):
+        return problem  # one stored in chunks (from format 6) has its digest of these very bytes
     try:
         items = parse(bytes(blob), trusted=True)
     except TrxpError:
@@ -50,10 +47,12 @@ class Unservable:
         return f"experience {self.uid}: {self.why}"
 
 
-def serve_problem(uid: str, rec: ItemRecord, blob: Stored) -> Unservable | None:
+def serve_problem(uid: str, rec: ItemRecord, blob: Stored | None) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
-    is beyond float32), or None when it can."""
+    is beyond float32), or None when it can; without `blob`, its payload is checked elsewhere."""
     if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:
         return Unservable(uid, f"its stored advantage {rec.advantage!r} is beyond float32's range", damaged=False)
+    if blob is None:
+        return None
     problem = payload_problem(uid, rec, blob)
     return None if problem is None else Unservable(uid, problem, damaged=True)

@@ -176,6 +176,18 @@ class Damaged(StoreError):
         self.damage = damage
 
 
+class DamagedPayload(StoreError):
+    """A stored experience found damaged where its batch's reply was built (one stored in chunks
+    is checked there, off the writer: chunked.Deferred); its batch was not sent."""
+
+    status = "DATA_LOSS"
+    reason = Reason.DAMAGED
+
+    def __init__(self, uid: str, why: str) -> None:
+        super().__init__(f"experience {uid}: {why}")
+        self.uid = uid
+
+
 class StoreClosed(StoreError):
     """The store is closing or closed: the server is stopping."""
 

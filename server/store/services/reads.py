@@ -15,7 +15,7 @@ from expbuf.client.trxp.pieces import whole
 
 from ..disk import layout
 from ..disk.batch_rows import BatchRows
-from ..disk.chunked import read_payload
+from ..disk.chunked import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.records import ItemRecord
 from ..disk.stored_advantages import FinishBatch, batch_payload
@@ -106,7 +106,7 @@ class Reads:
                 rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage(rows.advantages)
-            payload = batch_payload(rows.blobs, advantages)
+            payload = batch_payload(checked(rows.blobs), advantages)
         if damaged:
             self._quarantine(table, damaged)
         return payload, missing

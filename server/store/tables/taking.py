@@ -68,7 +68,7 @@ def take(
     run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
     `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
-    payloads = _Payloads(tt, snapshot)
+    payloads = _Payloads(tt, snapshot, defer=hold)
     while True:
         chosen, total = _select(tt, spec, rng)
         enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
@@ -173,23 +173,31 @@ class _Payloads:
     view, for an experience that was stored before the snapshot's state (its insertion
     number is at most the newest in the snapshot's insertion order: it was committed then,
     and its payload has not changed since); a copy from the write for one stored in this
-    very commit. The snapshot opens at the first read."""
+    very commit. The snapshot opens at the first read. With `defer` (a held batch, which a
+    reply that cannot be built gives back), one stored in chunks is read from the snapshot, and
+    checked, where its reply is built (chunked.Deferred), not here in the writer."""
 
-    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None) -> None:
-        self.tt, self._open = tt, open_snapshot
+    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None, *, defer: bool) -> None:
+        self.tt, self._open, self._defer = tt, open_snapshot, defer
         self.snapshot: Snapshot | None = None
         self.newest = -1
-        self._read: dict[str, Stored] = {}
+        self._read: dict[str, Stored | chunked.Deferred] = {}
 
     def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
-        """Read a group's payloads; those that cannot be served."""
-        return [problem for uid, rec in recs.items() if (problem := serve_problem(uid, rec, self._get(uid, rec)))]
+        """Read a group's payloads; those that cannot be served (a deferred one: its advantage alone)."""
+        problems = []
+        for uid, rec in recs.items():
+            blob = self._get(uid, rec)
+            problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+            if problem is not None:
+                problems.append(problem)
+        return problems
 
-    def read(self, uid: str) -> Stored:
+    def read(self, uid: str) -> Stored | chunked.Deferred:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: ItemRecord) -> Stored:
+    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunked.Deferred:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
@@ -198,7 +206,11 @@ class _Payloads:
         snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if snapshot is not None and view is not None:
-            blob = chunked.resolve(view, key, lambda name: snapshot.get(name, chunks))
+            read: Callable[[bytes], memoryview | None] = lambda name: snapshot.get(name, chunks)  # noqa: E731
+            if self._defer:
+                blob = chunked.taken(uid, view, key, rec.digest, rec.size, read)
+            else:
+                blob = chunked.resolve(view, key, read)
         else:
             txn = self.tt.txn
             blob = chunked.resolve(
