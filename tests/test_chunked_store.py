@@ -18,7 +18,8 @@ from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import chunked, layout
 from expbuf.server.store.disk.environment import Environment
-from expbuf.server.store.schema.errors import StoreError
+from expbuf.server.store.schema.errors import DamagedPayload, StoreError
+from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import migrate
 
@@ -209,3 +210,42 @@ def test_a_head_whose_chunk_set_is_missing_is_damage_the_check_finds(store: Stor
     store.environment.submit(lambda txn: txn.delete(stray, db=store.db["chunks"]))
     with pytest.raises(StoreError):
         store.stage("absent", store.new_chunk_set(), 0, b"")
+
+
+def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_read(store: Store) -> None:
+    """A stream's take (held) defers its chunks to the reply: a columnar reply reads those its
+    fields lie in (advantages read the action mask they are spread under) and checks each against
+    its digest; the columns equal those of a take that read everything."""
+    push(store, big_group(0))
+    spec = SampleSpec("big", num_groups=1, delivery="lease")
+    held = store.sample(spec, hold=True)
+    assert held is not None and all(isinstance(blob, chunked.Deferred) for blob in held.blobs)
+    fields = ("tokens", "advantages")
+    got = held.columns(fields, lambda parts: {part.name: b"".join(part.values) for part in parts})
+    held.release()
+    store.nack(held.lease_id, "big")
+    whole = take(store, "big", num_groups=1, delivery="replay")
+    assert whole is not None and not any(isinstance(blob, chunked.Deferred) for blob in whole.blobs)
+    assert whole.columns(fields, lambda parts: {part.name: b"".join(part.values) for part in parts}) == got
+    whole.release()
+
+
+def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
+    push(store, big_group(0))
+    key, head = next(iter(rows(store, "blobs").items()))
+    damaged = bytearray(head)
+    damaged[-20] ^= 0x01  # in the safetensors header of its prefix
+    store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
+    assert not chunked.read_head(bytes(damaged)).intact
+    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None
+    with pytest.raises(DamagedPayload, match="head does not match its digest"):
+        held.columns(("tokens",), lambda parts: None)
+    with pytest.raises(DamagedPayload, match="head is damaged"):
+        held.render(b"".join)
+    held.release()
+    store.nack(held.lease_id, "big")
+    assert any(
+        "does not match its digest" in problem or "bytes, its record says" in problem for problem in store.verify("big")
+    )
+    assert store.quarantine("big", [key[4:].decode()]) == 1

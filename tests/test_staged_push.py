@@ -87,11 +87,11 @@ def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess
     assert found["staged"] == 0 and found["blobs"] == 1 and found["chunks"] == 5  # the first push's alone
 
 
-def test_a_damaged_chunk_found_as_its_reply_is_built_is_quarantined_and_the_rest_served(tmp_path: Path) -> None:
-    """A take reads a large experience by its head alone (in the writer); its chunks are read,
-    and the whole checked, where its reply is built: a damaged chunk ends the stream DATA_LOSS
-    naming the experience, which is quarantined, and its batch goes back unsent, so a new
-    stream gets the other groups."""
+def test_a_damaged_field_is_refused_on_read_and_the_rest_served(tmp_path: Path) -> None:
+    """A take reads a large experience by its head alone (in the writer); the chunks a reply's
+    fields lie in are read, and checked, where its reply is built. A field whose chunk is damaged
+    ends the stream DATA_LOSS naming the experience, which is quarantined, and its batch goes back
+    unsent, so a new stream gets the other groups; a field whose chunks are whole was served."""
     data = tmp_path / "data"
     first, second = make_experience("d", 0, 0, response=RESPONSE), make_experience("d", 1, 0, response=RESPONSE)
     quiet = {"EXPBUF_SCRUB_MB_PER_SECOND": "0"}  # the background scrub would find it first
@@ -105,7 +105,7 @@ def test_a_damaged_chunk_found_as_its_reply_is_built_is_quarantined_and_the_rest
     env = lmdb.open(str(data), max_dbs=64, map_size=1 << 30)
     chunks = env.open_db(b"chunks")
     with env.begin(write=True) as txn:
-        key, value = next(iter(txn.cursor(db=chunks)))  # the first experience's first chunk
+        key, value = next(iter(txn.cursor(db=chunks)))  # the first experience's first chunk: log-probs
         damaged = bytearray(value)
         damaged[12345] ^= 0x40
         txn.put(key, bytes(damaged), db=chunks)
@@ -113,8 +113,11 @@ def test_a_damaged_chunk_found_as_its_reply_is_built_is_quarantined_and_the_rest
     with servers() as start:
         server = start(str(data), env=quiet)
         with BufferClient(server.target, timeout=120) as client:
+            options = {"num_groups": 1, "max_batches": 1, "timeout": 10, "delivery": "replay"}
+            (whole,) = client.sample("t", **options, fields=["tokens"])  # in chunks past the damage
+            assert whole.uids == [first.eid.uid] and torch.equal(whole.columns["tokens"].values, first.tokens)
             with pytest.raises(DataLossError) as lost:
-                list(client.sample("t", num_groups=1, max_batches=1, timeout=10, fields=["tokens"]))
+                list(client.sample("t", **options, fields=["logprobs"]))
             assert lost.value.reason == Reason.DAMAGED and first.eid.uid in str(lost.value)
             assert "quarantined" in str(lost.value)
             (batch,) = client.sample("t", num_groups=1, max_batches=1, timeout=10, fields=["tokens"])

@@ -20,14 +20,16 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import lmdb
 
+from expbuf.client.trxp.build import json_text, stored_entries
 from expbuf.client.trxp.common import HEADER, HEADER_SIZE
-from expbuf.client.trxp.pieces import Run, SplitPayload, Stored
+from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of
 
 from ..schema.errors import DamagedPayload
 from . import digests
@@ -35,7 +37,8 @@ from .layout import micros
 
 CHUNK_BYTES = 4 << 20
 HEAD_MAGIC = b"TRXO"
-_FRAME = struct.Struct("<4sQQII")  # magic, chunk set, section length, chunk bytes, chunks
+_FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
+_DIGESTED = 4 + 8 + 16  # where the bytes the head's own digest is of begin: its section length on
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _NEXT_SET = b"next_chunk_set"  # in meta: the number the next chunk set takes
@@ -45,17 +48,22 @@ DIGEST_BYTES = 16
 @dataclass(frozen=True, slots=True)
 class Head:
     """A head as stored: its chunk set, section length, chunk size, the chunks' digests and
-    the payload's bytes before its section."""
+    the payload's bytes before its section; `intact` whether they are those its own digest names."""
 
     set_id: int
     section_len: int
     chunk_bytes: int
     digests: tuple[bytes, ...]
     prefix: memoryview
+    intact: bool
 
     @property
     def chunks(self) -> int:
         return len(self.digests)
+
+    def span(self, start: int, end: int) -> range:
+        """The chunks that bytes `start` to `end` of the section lie in."""
+        return range(start // self.chunk_bytes, -(-end // self.chunk_bytes)) if end > start else range(0)
 
 
 class Staging:
@@ -95,18 +103,22 @@ def is_head(value: Run) -> bool:
 def read_head(value: Run) -> Head:
     """A head's fields; ValueError when its frame is not whole (damage)."""
     view = memoryview(value)
-    magic, set_id, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
+    magic, set_id, own, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
     table_end = _FRAME.size + DIGEST_BYTES * count
     if magic != HEAD_MAGIC or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
         raise ValueError("a head of a section stored in chunks whose frame is damaged")
     found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
-    return Head(set_id, section_len, chunk_bytes, found, view[table_end:])
+    intact = digests.of(view[_DIGESTED:]) == own
+    return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact)
 
 
 def pack_head(set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Run]) -> bytes:
-    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES."""
-    frame = _FRAME.pack(HEAD_MAGIC, set_id, section_len, CHUNK_BYTES, len(chunk_digests))
-    return b"".join([frame, *chunk_digests, *prefix])
+    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES: its frame, its
+    chunks' digests and the payload's bytes before the section, under a digest of its own, so a
+    read of some of its chunks (some fields: Deferred) trusts the head it finds them by."""
+    digested = b"".join([struct.pack("<QII", section_len, CHUNK_BYTES, len(chunk_digests)), *chunk_digests, *prefix])
+    frame = _FRAME.pack(HEAD_MAGIC, set_id, digests.of(digested), section_len, CHUNK_BYTES, len(chunk_digests))
+    return frame + digested[struct.calcsize("<QII") :]
 
 
 def section_at(blob: Run) -> int:
@@ -199,12 +211,15 @@ def staged_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
 def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | None]) -> Stored:
     """A stored value as the payload it stands for: itself, or a head's prefix and its chunks
     read with `chunk` (their key to their value). A chunk that is missing reads as nothing and a
-    head whose frame is damaged as its bytes, which the read check then finds do not match."""
+    head whose frame, or whose own digest, is damaged as its bytes, which the read check then
+    finds do not match."""
     if len(value) < 4 or not is_head(value):
         return value
     try:
         head = read_head(value)
     except (ValueError, struct.error):
+        return value
+    if not head.intact:
         return value
     prefix = bytes(key[:4])
     pieces: list[Run] = []
@@ -214,46 +229,82 @@ def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | 
     return SplitPayload(head.prefix, pieces)
 
 
+# What a reply of these fields reads besides them: the action mask, which advantages of one value
+# an experience are spread under (stored_advantages.expand).
+_READS_MASK = frozenset({"advantages", "returns"})
+_ZEROS = memoryview(bytes(CHUNK_BYTES))  # stands for a chunk a reply does not read: never read
+
+
 class Deferred:
     """A payload stored in chunks, taken by its head alone in the writer's transaction: its chunks
-    are read from the snapshot the batch was taken in, and the whole checked against its
-    record's digest, where the batch's reply is built (`resolve`), off the writer, so that a take
-    of long rollouts never holds the writer while their bytes are read from disk and digested.
-    Should the snapshot have to end first (a map resize), `detach` copies the chunks out of it."""
+    are read from the snapshot the batch was taken in, and checked, where the batch's reply is
+    built (`resolve`), off the writer, so that a take of long rollouts never holds the writer
+    while their bytes are read from disk and digested. A reply of some fields reads only the
+    chunks they lie in. Should the snapshot have to end first (a map resize), `detach` copies the
+    head and the chunks out of it."""
 
-    __slots__ = ("_chunk", "_head", "_key", "_pieces", "digest", "size", "uid")
+    __slots__ = ("_chunk", "_copied", "_head", "_key", "digest", "size", "uid")
 
     def __init__(
-        self, uid: str, head: Run, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
+        self, uid: str, head: Head, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
     ) -> None:
         self.uid, self._head, self._key, self.digest, self.size, self._chunk = uid, head, key, digest, size, chunk
-        self._pieces: SplitPayload | None = None
+        self._copied: list[Run | None] | None = None  # the chunks, once detached
 
-    def _read(self) -> SplitPayload:
-        if self._pieces is None:
-            found = resolve(self._head, self._key, self._chunk)
-            self._pieces = found if isinstance(found, SplitPayload) else SplitPayload(found, [])
-        return self._pieces
+    def _get(self, index: int) -> Run | None:
+        if self._copied is not None:
+            return self._copied[index]
+        return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
 
-    def resolve(self) -> SplitPayload:
-        """The payload, checked: DamagedPayload if it is not the one pushed."""
-        payload = self._read()
-        problem = digests.mismatch(payload, self.size, self.digest)
-        if problem is not None:
-            raise DamagedPayload(self.uid, problem)
-        return payload
+    def resolve(self, fields: Collection[str] | None = None) -> SplitPayload:
+        """The payload, checked: all of it against its record's digest; or, given the fields a
+        reply reads, its head against the head's own digest and the chunks those fields lie in
+        against theirs, the others standing as zeros no reply reads. DamagedPayload if what is
+        read is not what was pushed."""
+        head = self._head
+        if fields is None:
+            payload = SplitPayload(
+                head.prefix, [b"" if (got := self._get(i)) is None else got for i in range(head.chunks)]
+            )
+            problem = digests.mismatch(payload, self.size, self.digest) if head.intact else "its head is damaged"
+            if problem is not None:
+                raise DamagedPayload(self.uid, problem)
+            return payload
+        if not head.intact:
+            raise DamagedPayload(self.uid, "its head does not match its digest")
+        wanted = {json_text(name) for name in {*fields, *(("action_mask",) if _READS_MASK & set(fields) else ())}}
+        _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
+        needed = {
+            index
+            for name, _, _, start, end in stored_entries(header, head.section_len)
+            if name in wanted
+            for index in head.span(start, end)
+        }
+        pieces: list[Run] = []
+        for index in range(head.chunks):
+            length = min(head.chunk_bytes, head.section_len - index * head.chunk_bytes)
+            if index not in needed:
+                pieces.append(_ZEROS[:length] if length <= len(_ZEROS) else bytes(length))
+                continue
+            found = self._get(index)
+            if found is None or len(found) != length or digests.of(found) != head.digests[index]:
+                raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
+            pieces.append(found)
+        return SplitPayload(head.prefix, pieces)
 
     def detach(self) -> Deferred:
-        """The same payload with its bytes copied out of the snapshot (still to be checked)."""
-        self._pieces = self._read().owned()
-        self._head = b""
+        """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
+        if self._copied is None:
+            found = [self._get(index) for index in range(self._head.chunks)]
+            self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
+            self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
         return self
 
 
-def checked(blobs: Sequence[Stored | Deferred]) -> list[Stored]:
-    """Payloads, those a take deferred read and checked now (Deferred.resolve): a damaged one
-    raises DamagedPayload naming it."""
-    return [blob.resolve() if isinstance(blob, Deferred) else blob for blob in blobs]
+def checked(blobs: Sequence[Stored | Deferred], fields: Collection[str] | None = None) -> list[Stored]:
+    """Payloads, those a take deferred read and checked now, all of them or, given the fields of
+    a reply, what those fields need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
+    return [blob.resolve(fields) if isinstance(blob, Deferred) else blob for blob in blobs]
 
 
 def taken(
@@ -263,11 +314,11 @@ def taken(
     chunks read later with `chunk`; anything else as `resolve` reads it, now."""
     if len(value) >= _FRAME.size and is_head(value):
         try:
-            read_head(value)
+            head = read_head(value)
         except (ValueError, struct.error):
             pass  # damaged: the read check, now, finds it does not match
         else:
-            return Deferred(uid, value, key, digest, size, chunk)
+            return Deferred(uid, head, key, digest, size, chunk)
     return resolve(value, key, chunk)
 
 

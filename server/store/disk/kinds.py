@@ -184,9 +184,13 @@ class Sampled:
         if not tensors:
             return build(ones)
         if self.snapshot is None:
-            return build(in_order([*batch_columns(checked(self.blobs), self.advantages, tensors), *ones], fields))
+            return build(
+                in_order([*batch_columns(checked(self.blobs, tensors), self.advantages, tensors), *ones], fields)
+            )
         with self.snapshot.reading():
-            return build(in_order([*batch_columns(checked(self.blobs), self.advantages, tensors), *ones], fields))
+            return build(
+                in_order([*batch_columns(checked(self.blobs, tensors), self.advantages, tensors), *ones], fields)
+            )
 
     def keep(self, runs: list[bytes | memoryview]) -> list[bytes | memoryview]:
         """Runs made by `render` or `columns` (views of the snapshot among them), kept readable
