@@ -271,3 +271,19 @@ def test_batches_in_reused_buffers_stay_whole_while_the_trainer_holds_them(
         want = by_uid[batch.uids[0]]
         got = batch.columns["tokens"].values if columns else batch.experiences[0].tokens
         assert torch.equal(got, want.tokens)
+
+
+def test_a_forked_process_writes_its_own_copy_of_a_kept_buffer() -> None:
+    """A data loader's worker, forked, inherits the kept buffers: what it writes into one it uses
+    again is its own copy, never the parent's batch."""
+    pool = ReplyBuffers()
+    first = pool.take(2 << 20)
+    first[:6] = b"parent"
+    del first  # free, and kept
+    child = os.fork()
+    if child == 0:  # the worker: takes the same kept buffer and writes into it
+        mine = pool.take(2 << 20)
+        mine[:6] = b"child!"
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert bytes(pool.take(2 << 20)[:6]) == b"parent"

@@ -135,7 +135,8 @@ class ReplyBuffers:
                 if size + ALIGN <= len(space) <= 2 * size + ALIGN and sys.getrefcount(space) <= _FREE:
                     break
             else:
-                space = mmap.mmap(-1, size + ALIGN)  # page-aligned: ALIGN divides the page
+                # private: a forked process (a data loader's worker) writes its own copy of a page, never ours
+                space = mmap.mmap(-1, size + ALIGN, mmap.MAP_PRIVATE)  # page-aligned: ALIGN divides the page
                 self._kept.append(space)
                 while len(self._kept) > self.KEPT or sum(map(len, self._kept)) > self.KEPT_BYTES:
                     self._kept.pop(0)  # no longer kept: gone once its holders let it go
