@@ -132,3 +132,24 @@ def test_pieces_fill_the_store_s_chunks_whatever_the_arrival() -> None:
     stream, joined = streamed(payload, sizes, chunk=100_000)
     for index, item in enumerate(trxp.parse(payload)):
         assert b"".join(stream.heads[index]) + joined[index] == pack_item(item)
+
+
+def test_a_head_is_parsed_within_the_budgets_of_the_bytes_that_came_not_of_the_size_claimed() -> None:
+    """A first chunk claims the size of the whole push: the budgets of the head's parse (its work,
+    its metadata written out) are those of the bytes present, so a head whose metadata would be
+    written out to more than they allow is refused here (the server then reads the push whole,
+    with the budgets of all that was sent), whatever size the first chunk claims."""
+    shared = "x" * 20_000  # one string the pickle keeps once and every item names
+    items = [trxp.from_experience(experience(0, 40_000))]
+    for task in range(1, 60):
+        item = trxp.from_experience(experience(task, 4))
+        item.meta["info"] = {"note": shared}
+        items.append(item)
+    payload = trxp.build(items)
+    head = StreamedPayload(memoryview(payload), len(payload), CHUNK).head_length
+    first = memoryview(payload)[: head + 1000]
+    with pytest.raises(TrxpError, match="written out"):
+        StreamedPayload(first, len(payload), CHUNK)
+    with pytest.raises(TrxpError):  # a larger claim changes nothing (its frame does not add up, either)
+        StreamedPayload(first, 1 << 40, CHUNK)
+    assert len(trxp.parse(payload)) == 60  # whole, with the budget of all its bytes, it passes

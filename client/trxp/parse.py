@@ -83,17 +83,19 @@ def head_length(start: bytes | bytearray | memoryview, size: int) -> int:
 
 
 def parse_head(
-    head: bytes | bytearray | memoryview, size: int, *, limit: MetadataLimit | None = None
+    head: bytes | bytearray | memoryview, size: int, *, received: int, limit: MetadataLimit | None = None
 ) -> tuple[list[RawItem], list[tuple[int, int, int, str]]]:
     """The items of an untrusted payload of `size` bytes from its `head` (the head_length bytes
-    before its tensor data), checked as parse() checks them, within the budget of the whole
-    payload, each tensor's data an empty view: a payload read as it arrives, its data routed as
-    it comes. With them, where each tensor's data lies in the tensor data: (start, end, item,
-    name), in the data's order, the data's bytes covered from start to end."""
+    before its tensor data), checked as parse() checks them, each tensor's data an empty view: a
+    payload read as it arrives, its data routed as it comes. Its budgets (the work, the metadata
+    written out) are those of a payload of the `received` bytes present, not of the size it
+    claims, which a sender may not send; one that needs more is refused here and may be parsed
+    whole once all of it came. With the items, where each tensor's data lies in the tensor data:
+    (start, end, item, name), in the data's order, the data's bytes covered from start to end."""
     view = memoryview(head).cast("B")
-    work = Work.for_payload(size)
+    work = Work.for_payload(received)
     meta_len = _frame(view, size)
-    shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
+    shape = Shape(work, EXPANSION_PER_BYTE * received + EXPANSION_BASE, check_keys=False, limit=limit)
     items = _load_items(view[HEADER_SIZE : HEADER_SIZE + meta_len], trusted=False, work=work, shape=shape)
     blob = view[HEADER_SIZE + meta_len :]
     spans = _spans(blob, size - HEADER_SIZE - meta_len - len(blob), work)

@@ -3,14 +3,14 @@ its large items handed on in chunks as the bytes come, so that a push never hold
 
 A server reading a push in chunks (server/rpc/inflight.py) parses the payload's head (its TRXP
 header, metadata and safetensors header: parse.parse_head) from the first chunk, before any
-tensor data. An item whose tensor data is larger than `chunk_bytes` is large: its data, laid
-out as the store keeps it (pack_item's order), goes out in pieces of `chunk_bytes` as the
-payload's data arrives (`feed`), each piece filled once, in place, and its action mask's
-generated tokens are counted as they pass (`generated`); the others' data is kept to the end
-(`finish`). A payload
-with no large item, or whose large items' data does not come in the order the store keeps it
-(no client that builds TRXP as Trinity-RFT does sends one), is not for streaming:
-`NotStreamable`, and the caller reads it whole.
+tensor data, within the budgets of that chunk's bytes (a head that needs more is read whole,
+with the budgets of all that was sent). An item whose tensor data is larger than `chunk_bytes`
+is large: its data, laid out as the store keeps it (pack_item's order), goes out in pieces of
+`chunk_bytes` as the payload's data arrives (`feed`), each piece filled once, in place, and its
+action mask's generated tokens are counted as they pass (`generated`); the others' data is kept
+to the end (`finish`). A payload with no large item, or whose large items' data does not come in
+the order the store keeps it (no client that builds TRXP as Trinity-RFT does sends one), is not
+for streaming: `NotStreamable`, and the caller reads it whole.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class StreamedPayload:
         self.head_length = head_length(start, size)
         if not self.head_length or self.head_length > len(start):
             raise NotStreamable("the payload's head is not whole in its first chunk")
-        self.items, places = parse_head(start[: self.head_length], size, limit=limit)
+        self.items, places = parse_head(start[: self.head_length], size, received=len(start), limit=limit)
         self.chunk_bytes = chunk_bytes
         sizes = [sum(_nbytes(tensor) for tensor in item.tensors.values()) for item in self.items]
         self.large = [index for index, total in enumerate(sizes) if total > chunk_bytes]
