@@ -168,6 +168,7 @@ class ExpbufServer:
                 min_mb_per_second=config.push_min_mb_per_second,
                 grace=config.push_stream_idle_seconds,
                 stager=Stager(self.store, config.max_metadata_bytes),
+                max_push_bytes=config.max_push_bytes,
             )
         )
         keep_reply_memory()

@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
             "push_stream_window": args.push_stream_window,
             "max_wait_seconds": args.max_wait_seconds,
             "max_inflight_bytes": args.max_inflight_bytes,
+            "max_push_bytes": args.max_push_bytes,
             "max_metadata_bytes": args.max_metadata_bytes,
             "check_at_open": args.check_at_open,
             "scrub_mb_per_second": args.scrub_mb_per_second,
@@ -258,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
         " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
+    )
+    serve.add_argument(
+        "--max-push-bytes",
+        type=int,
+        help="the largest push in chunks; a larger one is refused at its first chunk"
+        " (default 16 GiB; env EXPBUF_MAX_PUSH_BYTES)",
     )
     serve.add_argument(
         "--max-metadata-bytes",

@@ -22,6 +22,7 @@ may also declare tables (created at start, or checked against the stored ones):
     max_wait_seconds = 600        # the longest a Sample batch, an Admit, a Claim or a push waits
     max_confirm_seconds = 600     # the longest a sent batch waits for its confirmation (default: max_wait_seconds)
     max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
+    max_push_bytes = 17179869184  # the largest push in chunks (a push of large experiences is stored as it comes)
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
     check_at_open = "quick"       # "quick": the directory's structure; "full": every record and digest before serving
     scrub_mb_per_second = 32      # the background check of every payload after the start (0: off)
@@ -128,6 +129,9 @@ class ServerConfig:
     max_confirm_seconds: float | None = None  # None: max_wait_seconds
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/inflight.py).
     max_inflight_bytes: int = 1 << 30
+    # The largest push in chunks: one whose large experiences are stored as they arrive holds little
+    # of max_inflight_bytes but writes all of itself to disk before its commit (rpc/inflight.py).
+    max_push_bytes: int = 16 << 30
     # An experience's metadata written out (its pickle, shared references expanded): a push with a
     # larger one is refused. The server holds an experience's metadata twice while it repacks it.
     max_metadata_bytes: int = 8 << 20
@@ -268,6 +272,12 @@ class ServerConfig:
             raise ConfigError(f"push_stream_window must be an integer from 1 to 1024, got {window!r}")
         if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 1 << 20:
             raise ConfigError(f"max_inflight_bytes must be an integer >= 1048576, got {self.max_inflight_bytes!r}")
+        if (
+            not isinstance(self.max_push_bytes, int)
+            or isinstance(self.max_push_bytes, bool)
+            or self.max_push_bytes < 1 << 20
+        ):
+            raise ConfigError(f"max_push_bytes must be an integer >= 1048576, got {self.max_push_bytes!r}")
         if not isinstance(self.max_metadata_bytes, int) or self.max_metadata_bytes < 1 << 16:
             raise ConfigError(f"max_metadata_bytes must be an integer >= 65536, got {self.max_metadata_bytes!r}")
         if self.check_at_open not in ("full", "quick"):
@@ -310,6 +320,7 @@ _ENV = {
     "EXPBUF_MAX_WAIT_SECONDS": ("max_wait_seconds", float),
     "EXPBUF_MAX_CONFIRM_SECONDS": ("max_confirm_seconds", float),
     "EXPBUF_MAX_INFLIGHT_BYTES": ("max_inflight_bytes", int),
+    "EXPBUF_MAX_PUSH_BYTES": ("max_push_bytes", int),
     "EXPBUF_MAX_METADATA_BYTES": ("max_metadata_bytes", int),
     "EXPBUF_CHECK_AT_OPEN": ("check_at_open", str),
     "EXPBUF_SCRUB_MB_PER_SECOND": ("scrub_mb_per_second", float),

@@ -13,7 +13,7 @@ import lmdb
 import pytest
 import torch
 
-from expbuf.client import AlreadyExistsError, BufferClient, DataLossError, NotFoundError
+from expbuf.client import AlreadyExistsError, BufferClient, DataLossError, NotFoundError, ResourceExhaustedError
 from expbuf.client.schema.reasons import Reason
 from expbuf.server.store.disk.environment import Environment
 
@@ -126,3 +126,21 @@ def test_a_damaged_field_is_refused_on_read_and_the_rest_served(tmp_path: Path) 
             stats = client.stats("t").tables["t"]
             assert (stats.damaged, stats.quarantined, stats.groups_failed) == (1, 1, 1)
         stopped(server)
+
+
+def test_a_push_larger_than_max_push_bytes_is_refused_at_its_first_chunk(tmp_path: Path) -> None:
+    """A push stored as it arrives holds little memory but writes all of itself to disk before its
+    commit: one larger than max_push_bytes is refused at its first chunk, naming the setting, with
+    nothing stored or staged, and the server goes on."""
+    pushed = make_experience("s", 0, 0, response=RESPONSE)  # about 18 MB
+    with servers() as start:
+        server = start(str(tmp_path / "data"), env={"EXPBUF_MAX_PUSH_BYTES": str(16 << 20)})
+        with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+            client.create_table("t", group_size=1)
+            with pytest.raises(ResourceExhaustedError) as refused:
+                client.push([pushed], table="t")
+            assert refused.value.reason == Reason.TOO_LARGE and "max_push_bytes = 16777216" in str(refused.value)
+            smaller = make_experience("s", 1, 0, response=RESPONSE // 2)
+            assert client.push([smaller], table="t").stored == [smaller.eid.uid]
+        stopped(server)
+    assert counts(tmp_path / "data") == {"chunks": 3, "staged": 0, "blobs": 1}

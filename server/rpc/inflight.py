@@ -23,7 +23,9 @@ flight. A payload in chunks announces its size in its first chunk (total_bytes):
 by what it will hold (all of it, or its staging), reserving that once it fits beside what is
 held (waiting, and refused, as above), and refused at once, naming both, when that is larger
 than the cap; its reservation, and what it staged that its push did not store, is given back
-however the push ends. It must also come at `push_min_mb_per_second` on average, after a grace of
+however the push ends. One larger than `max_push_bytes` is refused at its first chunk: a staged
+push writes all of itself to disk before its commit, whatever it holds in memory. It must also
+come at `push_min_mb_per_second` on average, after a grace of
 `push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
 and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
 handed back to the system.
@@ -273,8 +275,9 @@ class PushMemory(ServiceInterceptor):
         min_mb_per_second: float = 0.1,
         grace: float = 120.0,
         stager: Stager | None = None,
+        max_push_bytes: int = 16 << 30,
     ) -> None:
-        self.inflight, self.stager = inflight, stager
+        self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
@@ -332,6 +335,15 @@ class PushMemory(ServiceInterceptor):
         average after the grace, is refused: nothing of the push is stored, and what it reserved and
         staged is given back."""
         total = first.total_bytes
+        if total > self.max_push_bytes:
+            first.release()
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_push_bytes = "
+                f"{self.max_push_bytes}, the largest push this server takes (raise it with EXPBUF_MAX_PUSH_BYTES "
+                "or in the config file, or push fewer experiences at once): nothing of it is stored",
+                Reason.TOO_LARGE,
+            )
         staged = None if self.stager is None else self.stager.open(first.table or "default", first.payload, total)
         self._reserve(first, context, owner, total if staged is None else staged.holds)
         message = PushMessage(first.table, memoryview(b""), first.seq, held=first.held)
