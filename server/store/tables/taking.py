@@ -13,6 +13,7 @@ granted with the batch, is leases.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import secrets
@@ -206,7 +207,7 @@ class _Payloads:
         snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if snapshot is not None and view is not None:
-            read: Callable[[bytes], memoryview | None] = lambda name: snapshot.get(name, chunks)  # noqa: E731
+            read = functools.partial(snapshot.get, db=chunks)
             if self._defer:
                 blob = chunked.taken(uid, view, key, rec.digest, rec.size, read)
             else:
