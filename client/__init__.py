@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .results import (
         Batch,
         BufferStats,
+        FieldBatch,
         GetResult,
         PushResult,
         ScrubInfo,
@@ -68,6 +69,7 @@ _HOMES = {
     "PromptPage": "schema.prompts",
     "Batch": "results",
     "BufferStats": "results",
+    "FieldBatch": "results",
     "GetResult": "results",
     "PushResult": "results",
     "ScrubInfo": "results",
@@ -110,6 +112,7 @@ __all__ = [
     "ExpbufError",
     "Experience",
     "FailedPreconditionError",
+    "FieldBatch",
     "GetResult",
     "InvalidArgumentError",
     "NotFoundError",

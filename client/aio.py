@@ -18,7 +18,18 @@ import grpc.aio
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .pushers.aio import AsyncPusher
-from .results import AsyncBatch, Batch, BufferStats, ExperiencePage, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from .results import (
+    AsyncBatch,
+    Batch,
+    BufferStats,
+    ExperiencePage,
+    FieldBatch,
+    GetResult,
+    Grant,
+    PushResult,
+    ServerInfo,
+    TableInfo,
+)
 from .rpc import aio_status, calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
@@ -114,6 +125,11 @@ class AsyncBufferClient(ClientBase):
         try:
             if isinstance(call, calls.Chunked):
                 reply = calls.one_reply(await aio_status.replies(method(call.requests(), **keywords)))
+            elif call.parts:
+                parts = Parts()
+                whole = await aio_status.replies(method(call.request, **keywords), parts.add)
+                parts.end()
+                reply = calls.one_reply(whole, call.method)
             else:
                 reply = await method(call.request, **keywords)
         except grpc.RpcError as exc:
@@ -288,6 +304,19 @@ class AsyncBufferClient(ClientBase):
     ) -> PromptPage:
         """As BufferClient.list_prompts."""
         return await self._run(calls.list_prompts(table, dataset, states, after, limit))
+
+    async def read_fields(
+        self,
+        uids: Iterable[str],
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """Some fields of the experiences `uids` as columns, or shares of their tokens, as
+        BufferClient.read_fields."""
+        return await self._run(calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

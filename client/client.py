@@ -27,6 +27,7 @@ from .results import (
     Batch,
     BufferStats,
     ExperiencePage,
+    FieldBatch,
     GetResult,
     Grant,
     ListedExperience,
@@ -131,6 +132,11 @@ class BufferClient(ClientBase):
         try:
             if isinstance(call, calls.Chunked):
                 reply = calls.one_reply(list(method(call.requests(), **keywords)))
+            elif call.parts:
+                parts = Parts()
+                whole = [made for part in method(call.request, **keywords) if (made := parts.add(part)) is not None]
+                parts.end()
+                reply = calls.one_reply(whole, call.method)
             else:
                 reply = method(call.request, **keywords)
         except grpc.RpcError as exc:
@@ -356,6 +362,28 @@ class BufferClient(ClientBase):
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         return self._run(calls.get(uids, table))
+
+    def read_fields(
+        self,
+        uids: Iterable[str],
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """Some fields of the experiences `uids` as columns (`.columns`, `.tensordict()`), as they
+        stand (leased ones too), in request order; `.missing_uids` lists those not served. The
+        ranks of a trainer each read their part of a batch one process sampled (and acks).
+
+        With `of`, each experience's tokens are cut into `of` equal runs, and only run `share`
+        (or the runs listed, in that order) of each tensor laid along them comes: a context-parallel
+        rank r of C reads `share=r, of=C`, or, balanced as Megatron-LM splits a causal sequence,
+        `share=(r, 2 * C - 1 - r), of=2 * C`. A tensor of the experience's token count along its
+        first dimension (tokens, routing ids) is cut at those positions, a response field
+        (logprobs, action_mask, advantages, ...) at those after the prompt, any other comes whole.
+        A large experience's chunks outside the share are not read from disk."""
+        return self._run(calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
     def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
         """A page of the table's live experiences in insertion order, optionally of some states and

@@ -147,6 +147,31 @@ class AsyncBatch(Batch):
         return self.lease_expires
 
 
+@dataclass(repr=False)
+class FieldBatch:
+    """Fields of named experiences as columns (`read_fields`), in the order asked, the ones not
+    served in `missing_uids`; `columns` and `tensordict()` as a columnar Batch's. Nothing to
+    acknowledge: the experiences stay as they were (the batch they were sampled in is acked)."""
+
+    uids: list[str]
+    group_ids: list[str]
+    missing_uids: list[str]
+    columns: dict[str, Column]
+    table: str = "default"
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(table={self.table!r}, experiences={len(self.uids)}, "
+            f"fields={list(self.columns)}, missing_uids={len(self.missing_uids)})"
+        )
+
+    def tensordict(self) -> TensorDict:
+        """The fields as a TensorDict of batch size [experiences], as Batch.tensordict()."""
+        from .columns import as_tensordict
+
+        return as_tensordict(self.columns, len(self.uids))
+
+
 @dataclass
 class Grant:
     """Rollouts a worker may start now (`count`, 0 when there was no room), under a grant

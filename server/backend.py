@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
+from expbuf.client.trxp.columns import Shares
 
 from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
 from .store.disk.kinds import MayWait
@@ -69,6 +70,9 @@ class Backend(Protocol):
     def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]: ...
     def release_holds(self) -> int: ...
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]: ...
+    def read_fields(
+        self, table: str, uids: Sequence[str], shares: Shares | None = None
+    ) -> tuple[Sampled, list[str]]: ...
     def quarantine(self, table: str, uids: Sequence[str]) -> int: ...
     def list_experiences(
         self,

@@ -30,8 +30,10 @@ def test_service_has_every_rpc_of_the_design() -> None:
         "Push", "PushStream", "Sample", "Ack", "Nack", "Renew", "Get", "Delete", "Seal",
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
-        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts", "Retire",
+        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts", "Retire", "ReadFields",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming
+    read_fields = service.methods_by_name["ReadFields"]
+    assert read_fields.server_streaming and not read_fields.client_streaming
     assert hasattr(buffer_pb2_grpc, "ExperienceBufferServicer")

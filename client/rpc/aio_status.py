@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -101,14 +101,18 @@ class StreamStatus:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
 
 
-async def replies(call: grpc.aio.StreamStreamCall) -> list[Any]:
-    """Every reply of a stream whose requests gRPC writes from an iterator (a push in chunks);
+async def replies(
+    call: grpc.aio.StreamStreamCall | grpc.aio.UnaryStreamCall, keep: Callable[[Any], Any | None] = lambda reply: reply
+) -> list[Any]:
+    """Every reply of a stream whose requests gRPC writes from an iterator (a push in chunks) or
+    of a server's stream (ReadFields), as `keep` makes it (None: none yet, a reply in parts);
     raises the error of the stream's own status."""
     status = StreamStatus(call)
     read: list[Any] = []
     with contextlib.suppress(grpc.RpcError):  # how it ended is read below
         async for reply in call:
-            read.append(reply)
+            if (made := keep(reply)) is not None:
+                read.append(made)
     error = await status.error()
     if error is not None:
         raise error

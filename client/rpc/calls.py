@@ -25,6 +25,7 @@ from ..results import (
     Batch,
     BufferStats,
     ExperiencePage,
+    FieldBatch,
     GetResult,
     Grant,
     Leases,
@@ -36,6 +37,7 @@ from ..results import (
 )
 from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
+from ..trxp.columns import Shares
 from . import wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
@@ -55,7 +57,9 @@ class Unary(Generic[R]):
 
     `retry` says whether the call may be made again after UNAVAILABLE (it is idempotent); a
     call of a method under the channel's retry policy (connection.RETRIED_METHODS) that may not
-    goes over the client's channel without it. `timeout` replaces the client's deadline for this call.
+    goes over the client's channel without it. `timeout` replaces the client's deadline for this
+    call. `parts`: the method answers with a stream of SampleReply (ReadFields), one reply in one
+    message or in parts (sample_reply.Parts), which `read` gets put together.
     """
 
     method: str
@@ -63,6 +67,7 @@ class Unary(Generic[R]):
     read: Callable[[Any], R]
     retry: bool
     timeout: float | None = None
+    parts: bool = False
 
     def __post_init__(self) -> None:
         if self.retry and self.method not in RETRIED_METHODS:
@@ -131,10 +136,10 @@ def _wait(call: Unary[Any] | Chunked[Any]) -> float:
     return float(getattr(call.request, "wait_seconds", 0.0)) if isinstance(call, Unary) else 0.0
 
 
-def one_reply(replies: list[Any]) -> Any:
-    """The reply to a push sent in chunks: its stream answers it once."""
+def one_reply(replies: list[Any], method: str = "PushStream") -> Any:
+    """The reply to a push sent in chunks, or to a ReadFields once put together: its stream answers it once."""
     if len(replies) != 1:
-        raise ExpbufError(grpc.StatusCode.INTERNAL, f"PushStream answered a push in chunks {len(replies)} times")
+        raise ExpbufError(grpc.StatusCode.INTERNAL, f"{method} answered one call {len(replies)} times")
     return replies[0]
 
 
@@ -237,6 +242,32 @@ def admit(table: str, count: int, wait: float, grant_seconds: float, timeout: fl
 def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
     request = pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
     return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
+
+
+def read_fields(
+    uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
+) -> Unary[FieldBatch]:
+    """ReadFields of `uids`, `share` (one share or several, in order) of `of` of their tokens
+    (of=0: whole); a ValueError names a share that is not one."""
+    take = (share,) if isinstance(share, int) else tuple(share)
+    if of or take:
+        Shares(of, take)  # checked here, before the call
+    request = pb.ReadFieldsRequest(
+        table=table, uids=list(uids), fields=list(fields), shares=of, take=take, max_reply_bytes=max_reply_bytes
+    )
+    return Unary("ReadFields", request, lambda reply: field_batch(reply, table), retry=True, parts=True)
+
+
+def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
+    """A ReadFields reply as a FieldBatch; DataLossError where its columns do not fit their framing."""
+    rest = reply.rest
+    try:
+        columns = decode_columns(rest.columns, len(rest.uids), reply.values)
+    except (ValueError, OverflowError) as exc:
+        raise DataLossError(
+            grpc.StatusCode.DATA_LOSS, f"the fields read from table '{table}' could not be decoded: {exc}"
+        ) from exc
+    return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
 
 
 def get(uids: Iterable[str], table: str) -> Unary[GetResult]:
@@ -350,7 +381,7 @@ def confirmation(received: int, *, stop: bool = False) -> pb.SampleRequest:
     return pb.SampleRequest(received=received, stop=stop)
 
 
-def batch(reply: SampleReplyParts, table: str, leases: Leases, kind: type[B], *, columnar: bool = False) -> B:
+def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type[B], *, columnar: bool = False) -> B:
     """A sampled batch, decoded (the checks a reader relies on), that acknowledges, gives
     back and renews through `leases` (the client's). The client confirms a batch only once
     this returns: one it cannot decode raises DataLossError naming it, and goes back.

@@ -23,7 +23,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
-from .sample_reply import sample_method
+from .sample_reply import read_fields_method, sample_method
 from .wire import BUSY, reason_of
 
 
@@ -65,6 +65,7 @@ RETRIED_METHODS = frozenset(
         "ResetOffPolicy",
         "Writers",
         "Get",
+        "ReadFields",
         "ListExperiences",
         "Stats",
         "ServerInfo",
@@ -275,6 +276,10 @@ class ClientBase:
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
         self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
+        self._read_fields = {
+            retried: read_fields_method(channel)
+            for retried, channel in ((True, self._channel), (False, self._unretried_channel))
+        }
 
     def clone(self, **changes: Any) -> Self:
         """A new client of the same server with this one's settings (token, TLS, ...) and its own
@@ -313,10 +318,12 @@ class ClientBase:
         policy that may not be retried (opening a writer, creating a dataset without exist_ok) goes
         over the channel without the policy: gRPC has no switch for one call. Only a call that may
         be retried waits for the server with wait_for_ready."""
-        stub = self._unretried if not call.retry and call.method in RETRIED_METHODS else self._stub
+        retried = call.retry or call.method not in RETRIED_METHODS
         keywords = {
             "timeout": call.timeout or self.timeout,
             "metadata": self._metadata,
             "wait_for_ready": call.retry and self.wait_for_ready,
         }
-        return getattr(stub, call.method), keywords
+        if call.method == "ReadFields":  # its replies read as Sample's are (sample_reply.py)
+            return self._read_fields[retried], keywords
+        return getattr(self._stub if retried else self._unretried, call.method), keywords

@@ -32,6 +32,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..errors import DataLossError
 
 SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
+READ_FIELDS_METHOD = "/expbuf.v1.ExperienceBuffer/ReadFields"
 _PAYLOAD_TAG = 0x0A  # field 1 (payload), length-delimited
 _PART_TAG = 0x6A  # field 13 (part), length-delimited
 _WHOLE_TAG = 0x70  # field 14 (whole_bytes), varint
@@ -252,7 +253,7 @@ class Parts:
 
     def _broken(self, what: str) -> None:
         self._whole = None
-        raise DataLossError(grpc.StatusCode.DATA_LOSS, f"a Sample stream's reply in parts is broken: {what}")
+        raise DataLossError(grpc.StatusCode.DATA_LOSS, f"a reply in parts is broken: {what}")
 
 
 def sample_method(channel: Any) -> Any:
@@ -260,5 +261,14 @@ def sample_method(channel: Any) -> Any:
     return channel.stream_stream(
         SAMPLE_METHOD,
         request_serializer=pb.SampleRequest.SerializeToString,
+        response_deserializer=read_sample_reply,
+    )
+
+
+def read_fields_method(channel: Any) -> Any:
+    """The ReadFields call of `channel` (blocking or asyncio), its replies read as Sample's."""
+    return channel.unary_stream(
+        READ_FIELDS_METHOD,
+        request_serializer=pb.ReadFieldsRequest.SerializeToString,
         response_deserializer=read_sample_reply,
     )

@@ -8,23 +8,119 @@ stored in pieces: pieces.py): the caller that frames the reply copies each byte 
 stored with several dtypes or ranks in one batch makes one column for each (Trinity-RFT lets a
 client send log-probs as float32 in one experience and bfloat16 in another); the client merges
 them where it can.
+
+A reader may also ask for a share of each experience's tokens (`Shares`: a context-parallel rank's
+part of a sequence): each tensor laid along the tokens comes cut to the rows of those positions,
+and the rest whole.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS
 
 from .build import json_text, stored_entries, stored_tensors
 from .common import RawTensor
-from .pieces import Stored, cut, parts_of
+from .pieces import Run, Section, Stored, cut, parts_of
 
 # Columns of one value per experience that the server keeps beside each experience's payload (in
 # its record), by name, with their dtype: an experience without one (no reward, no version) is
 # left out of its column.
 SCALARS = {"reward": "F64", "model_version": "I64", "response_length": "I64"}
 _PACK = {"F64": "<%dd", "I64": "<%dq"}
+# The tensors laid along an experience's response (its tokens after the prompt), as a stored
+# header writes their names.
+_RESPONSE = frozenset(json_text(name) for name in RESPONSE_TENSOR_FIELDS)
+_TOKENS = json_text("tokens")
+MAX_SHARES = 1 << 16  # the most shares a reader may cut an experience's tokens into
+
+Rows = list[tuple[int, int]]  # runs of a tensor's rows (along its first dimension), each start to end
+Entry = tuple[bytes, bytes, bytes, int, int]  # a stored tensor: name, dtype, dimensions, start, end
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """A reader's part of each experience's token positions: of `count` equal runs of them (the
+    run s of an experience of L tokens is positions L*s//count to L*(s+1)//count), those numbered
+    in `take`, in that order. A context-parallel rank r of C takes share r of C, or, balanced as
+    Megatron-LM's context parallelism splits a causal sequence, shares r and 2C-1-r of 2C.
+
+    Each tensor an experience has along its tokens comes cut to the rows at those positions: one
+    of its token count along its first dimension (`tokens`, routing ids, ...) at them, one of
+    Trinity-RFT's response fields (`logprobs`, `action_mask`, `advantages`, ...) of its response
+    length at those of them after the prompt; any other tensor (an image's pixels) whole."""
+
+    count: int
+    take: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_SHARES:
+            raise ValueError(f"shares: {self.count}; an experience's tokens are cut into 1 to {MAX_SHARES} shares")
+        if not self.take:
+            raise ValueError(f"shares: {self.count} given, but no share of them to take")
+        wrong = [share for share in self.take if share >= self.count]
+        if wrong:
+            raise ValueError(f"take: share {wrong[0]} of {self.count} (shares are numbered 0 to {self.count - 1})")
+        if len(set(self.take)) != len(self.take):
+            raise ValueError(f"take: share {next(s for s in self.take if self.take.count(s) > 1)} named twice")
+
+    def positions(self, length: int) -> Rows:
+        """The runs of positions of an experience of `length` tokens that the shares taken cover."""
+        return [(length * share // self.count, length * (share + 1) // self.count) for share in self.take]
+
+    def rows(self, name: bytes, rows: int, length: int | None, response: int) -> Rows | None:
+        """The runs of rows of an experience's tensor `name` (as a stored header writes it), of
+        `rows` rows, in the shares taken, where the experience has `length` tokens (None: no
+        tokens) and `response` of them after its prompt; None for a tensor kept whole."""
+        if length is None:
+            return None
+        if name in _RESPONSE and rows == response:
+            prompt = length - response
+            return [(max(a - prompt, 0), max(b - prompt, 0)) for a, b in self.positions(length)]
+        return self.positions(length) if rows == length else None
+
+    def spans(self, found: Sequence[Entry], names: Collection[bytes], response: int) -> Rows:
+        """The bytes of an experience's section (its stored tensors, `found`) that the columns of
+        `names` read: the whole of a tensor kept whole, its rows in the shares of one cut."""
+        length = token_count(found)
+        spans: Rows = []
+        for name, _, dims, start, end in found:
+            if name not in names:
+                continue
+            shape = _shape(dims)
+            runs = self.rows(name, shape[0], length, response) if shape else None
+            if runs is None:
+                spans.append((start, end))
+            else:
+                width = (end - start) // shape[0] if shape[0] else 0
+                spans += [(start + a * width, start + b * width) for a, b in runs]
+        return spans
+
+
+def token_count(found: Sequence[Entry]) -> int | None:
+    """How many tokens a stored experience has (its `tokens`' first dimension), None without them."""
+    for name, _, dims, _, _ in found:
+        if name == _TOKENS:
+            shape = _shape(dims)
+            return shape[0] if shape else None
+    return None
+
+
+def _shape(dims: bytes) -> tuple[int, ...]:
+    return tuple(map(int, dims.split(b","))) if dims else ()
+
+
+def _cut_rows(
+    runs: Rows, shape: tuple[int, ...], data: Section, start: int, end: int
+) -> tuple[tuple[int, ...], list[Run]]:
+    """A tensor's rows in `runs` as the views of `data` (its section; the tensor is bytes start to
+    end of it) they span, and the shape they make."""
+    width = (end - start) // shape[0] if shape[0] else 0
+    pieces = [piece for a, b in runs for piece in cut(data, start + a * width, start + b * width)]
+    return (sum(b - a for a, b in runs), *shape[1:]), pieces
 
 
 @dataclass
@@ -49,17 +145,22 @@ def column_parts(
     fields: Sequence[str],
     extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None = None,
     added: Sequence[str] = (),
+    shares: Shares | None = None,
+    responses: Sequence[int] = (),
 ) -> list[ColumnParts]:
     """The columns of `fields` over stored one-item payloads, in the order `fields` names them
     (each field's columns in the order their first experience comes). `extra(i, tensors)`
     gives tensors that item i gets on top of its stored ones (the server's advantages); it is
-    called only when a field in `added` (the names it may give) is asked for."""
+    called only when a field in `added` (the names it may give) is asked for. With `shares`,
+    each tensor laid along the tokens is cut to them, item i's response being `responses[i]`
+    tokens long."""
     wanted = {json_text(name): name for name in fields}  # as the stored headers write them
     computed = bool(extra is not None and set(fields) & set(added))
     columns: dict[tuple[bytes, bytes, bytes], ColumnParts] = {}
     for index, payload in enumerate(payloads):
         _, header, section, section_len = parts_of(payload)
         found = stored_entries(header, section_len)
+        cuts = _Cuts(shares, token_count(found), responses[index]) if shares is not None else None
         given: Mapping[str, RawTensor] = {}
         if computed:
             assert extra is not None
@@ -69,15 +170,45 @@ def column_parts(
                 continue
             tensor = given.get(wanted[text]) if given else None
             if tensor is None:
-                _add(columns, wanted, index, (text, dtype, dims), None, cut(section, start, end))
+                if cuts is None:
+                    shape, data = _shape(dims), cut(section, start, end)
+                else:
+                    shape, data = cuts.stored(text, _shape(dims), section, start, end)
+                _add(columns, wanted, index, (text, dtype), shape, data)
             else:  # replaced: in the stored one's place
-                _computed(columns, wanted, index, text, tensor)
+                _computed(columns, wanted, index, text, tensor, cuts)
         names = {text for text, *_ in found}
         for name, tensor in given.items():
             text = json_text(name)
             if text in wanted and text not in names:
-                _computed(columns, wanted, index, text, tensor)
+                _computed(columns, wanted, index, text, tensor, cuts)
     return in_order(columns.values(), fields)
+
+
+@dataclass(slots=True)
+class _Cuts:
+    """Shares applied to one experience of `length` tokens, `response` of them after its prompt."""
+
+    shares: Shares
+    length: int | None
+    response: int
+
+    def stored(
+        self, name: bytes, shape: tuple[int, ...], section: Section, start: int, end: int
+    ) -> tuple[tuple[int, ...], list[Run]]:
+        """A stored tensor's shape and bytes in the shares (whole where it is kept whole)."""
+        runs = self.shares.rows(name, shape[0], self.length, self.response) if shape else None
+        if runs is None:
+            return shape, cut(section, start, end)
+        return _cut_rows(runs, shape, section, start, end)
+
+    def given(self, name: bytes, tensor: RawTensor) -> RawTensor:
+        """A computed tensor in the shares."""
+        runs = self.shares.rows(name, tensor.shape[0], self.length, self.response) if tensor.shape else None
+        if runs is None:
+            return tensor
+        shape, pieces = _cut_rows(runs, tensor.shape, memoryview(tensor.data), 0, len(tensor.data))
+        return RawTensor(tensor.dtype, shape, b"".join(pieces))
 
 
 def _computed(
@@ -86,25 +217,26 @@ def _computed(
     index: int,
     text: bytes,
     tensor: RawTensor,
+    cuts: _Cuts | None,
 ) -> None:
-    """Item `index`'s tensor that the caller's `extra` gave (a computed advantage) into its column."""
-    dims = b",".join([b"%d" % dim for dim in tensor.shape])
-    _add(columns, wanted, index, (text, tensor.dtype.encode(), dims), tensor.shape, [tensor.data])
+    """Item `index`'s tensor that the caller's `extra` gave (a computed advantage) into its
+    column, cut to the shares (`cuts`) where there are some."""
+    if cuts is not None:
+        tensor = cuts.given(text, tensor)
+    _add(columns, wanted, index, (text, tensor.dtype.encode()), tensor.shape, [tensor.data])
 
 
 def _add(
     columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
     wanted: dict[bytes, str],
     index: int,
-    entry: tuple[bytes, bytes, bytes],
-    shape: tuple[int, ...] | None,
+    entry: tuple[bytes, bytes],
+    shape: tuple[int, ...],
     data: list[bytes | memoryview],
 ) -> None:
-    """Item `index`'s tensor (its name, dtype and dimensions as its header writes them) into the
-    column of its field, dtype and rank."""
-    text, dtype, dims = entry
-    if shape is None:
-        shape = tuple(map(int, dims.split(b","))) if dims else ()
+    """Item `index`'s tensor (its name and dtype as its header writes them, and the shape of
+    what is sent of it) into the column of its field, dtype and rank."""
+    text, dtype = entry
     key = (text, dtype, b"%d" % len(shape))
     column = columns.get(key)
     if column is None:

@@ -37,6 +37,7 @@ SCOPE_OF_METHOD = {
     "Renew": "sample",
     "Retire": "sample",
     "Get": "sample",
+    "ReadFields": "sample",
     "ListExperiences": "sample",
     "Stats": "sample",
     "ServerInfo": "sample",

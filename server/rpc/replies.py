@@ -17,7 +17,7 @@ snapshot that a map resize waits for.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -101,6 +101,32 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
             return batch.columns(spec.fields, lambda columns: cut([*_framed(columns), rest]))
         return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(len(run) for run in runs)), *runs, rest]))
 
+    return _messages(batch, render, limit, parts)
+
+
+def fields_reply(
+    batch: Sampled, fields: Sequence[str], missing: Sequence[str], limit: int, parts: bool
+) -> Iterator[bytes]:
+    """The messages of a ReadFields reply: the columns of `fields` of `batch` (Store.read_fields)
+    and the `missing` uids, cut as sample_reply cuts a batch's."""
+    rest = pb.SampleReply(uids=batch.uids, group_ids=batch.group_ids, missing_uids=missing).SerializeToString()
+
+    def render(cut: Callable[[list[Run]], T]) -> T:
+        return batch.columns(fields, lambda columns: cut([*_framed(columns), rest]))
+
+    return _messages(batch, render, limit, parts)
+
+
+def _messages(
+    batch: Sampled,
+    render: Callable[[Callable[[list[Run]], tuple[int, bytes]]], tuple[int, bytes]],
+    limit: int,
+    parts: bool,
+) -> Iterator[bytes]:
+    """The messages of a reply that `render` makes of `batch`: one, or, when the client takes
+    `parts` and it is larger than `limit` bytes or PART_BYTES, parts of at most both
+    (ReplyTooLarge when the client does not and it is larger than `limit`). The batch is
+    released after the last."""
     kept: list[list[Run]] = []  # a reply in parts: its runs, for the parts after the first
 
     def first(runs: list[Run]) -> tuple[int, bytes]:
@@ -194,8 +220,12 @@ class PassBytes(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        if not handler.stream_stream or method != "Sample":
-            return handler
-        return grpc.stream_stream_rpc_method_handler(
-            handler.stream_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
-        )
+        if handler.stream_stream and method == "Sample":
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
+            )
+        if handler.unary_stream and method == "ReadFields":
+            return grpc.unary_stream_rpc_method_handler(
+                handler.unary_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
+            )
+        return handler

@@ -19,6 +19,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.trxp.columns import Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -28,7 +29,7 @@ from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
 from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
-from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.sample_spec import SampleSpec, check_fields
 from ..store.schema.states import LIVE
 from ..store.schema.table_config import TableConfig
 from . import push_stream
@@ -40,7 +41,7 @@ from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
-from .replies import ReplyTooLarge, sample_reply
+from .replies import ReplyTooLarge, fields_reply, sample_reply
 from .sample_stream import stream_batches
 from .writers import Writers
 
@@ -307,6 +308,50 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
         payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
         return pb.GetReply(payload=payload, missing_uids=missing)
+
+    @refusals
+    def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Some fields of named experiences as one columnar SampleReply, in parts when large."""
+        table = request.table or "default"
+        uids = _ids(request.uids, "uids")
+        if len(set(uids)) != len(uids):
+            twice = next(uid for uid in uids if uids.count(uid) > 1)
+            raise InvalidRequest(f"uids: {clip(twice)!r} is named more than once")
+        fields = tuple(request.fields)
+        if not fields:
+            raise InvalidRequest("fields: name at least one field to read")
+        try:
+            check_fields(fields)
+            shares = Shares(request.shares, tuple(request.take)) if request.shares or request.take else None
+        except (SpecError, ValueError) as exc:
+            raise InvalidRequest(f"ReadFieldsRequest: {exc}") from None
+        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
+            raise InvalidRequest(
+                f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "
+                f"or at least {MIN_REPLY_BYTES}"
+            )
+        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
+        batch, missing = self.store.read_fields(table, uids, shares)
+        try:
+            yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
+        except ReplyTooLarge as exc:
+            refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the fields read from table '{table}' take {exc.args[0]} bytes, more than one message (the "
+                f"server's max_message_bytes = {self.max_message_bytes}), and this client sent no max_reply_bytes, "
+                "so it cannot take them in parts: read fewer experiences or fields, or set max_reply_bytes",
+                Reason.TOO_LARGE,
+            )
+        except DamagedPayload as exc:  # found as its reply was built
+            self.store.quarantine(table, [exc.uid])
+            refuse(
+                context,
+                grpc.StatusCode.DATA_LOSS,
+                f"table '{table}': {exc}: it is quarantined, never to be served (its group fails); read again "
+                "for the others",
+                Reason.DAMAGED,
+            )
 
     @refusals
     def ListExperiences(

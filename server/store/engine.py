@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 
 from .disk import chunked, layout, residency
@@ -345,6 +346,11 @@ class Store:
     def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
         """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
         return self.reads.payload(table, uids)
+
+    def read_fields(self, table: str, uids: Sequence[str], shares: Shares | None = None) -> tuple[Sampled, list[str]]:
+        """The servable experiences among uids as a batch to read some fields of, and the
+        missing uids (Reads.fields); release the batch once its reply is built."""
+        return self.reads.fields(table, uids, shares)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

@@ -253,7 +253,7 @@ class Column(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., items: _Optional[_Iterable[int]] = ..., ndim: _Optional[int] = ..., shapes: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., align: _Optional[bytes] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes", "missing_uids")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class SampleReply(_message.Message):
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WHOLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_UIDS_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -282,7 +283,8 @@ class SampleReply(_message.Message):
     columns: _containers.RepeatedCompositeFieldContainer[Column]
     part: bytes
     whole_bytes: int
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ...) -> None: ...
+    missing_uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")
@@ -359,6 +361,22 @@ class GetReply(_message.Message):
     payload: bytes
     missing_uids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, payload: _Optional[bytes] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReadFieldsRequest(_message.Message):
+    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    TAKE_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    shares: int
+    take: _containers.RepeatedScalarFieldContainer[int]
+    max_reply_bytes: int
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "uids", "group_ids")

@@ -74,6 +74,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
                 _registered_method=True)
+        self.ReadFields = channel.unary_stream(
+                '/expbuf.v1.ExperienceBuffer/ReadFields',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ReadFieldsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/Delete',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.DeleteRequest.SerializeToString,
@@ -232,6 +237,16 @@ class ExperienceBufferServicer:
 
     def Get(self, request, context):
         """Read experiences by uid, as one TRXP payload, naming those not found.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFields(self, request, context):
+        """Some fields of named experiences as columns, and optionally a share of each one's tokens:
+        for the ranks of a trainer, each reading its part of a batch that one process sampled (a
+        context-parallel rank its positions of long rollouts, without the rest of their routing
+        ids). Replies as Sample's columnar ones: one SampleReply (in parts when large).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -426,6 +441,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.SerializeToString,
+            ),
+            'ReadFields': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFields,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReadFieldsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -739,6 +759,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Get',
             expbuf_dot_v1_dot_buffer__pb2.GetRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFields(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ReadFields',
+            expbuf_dot_v1_dot_buffer__pb2.ReadFieldsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.SampleReply.FromString,
             options,
             channel_credentials,
             insecure,

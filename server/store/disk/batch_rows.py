@@ -3,6 +3,8 @@ stored advantage, as a sample (leases.take) and a Get (Store.get_payload) read t
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import lmdb
 
 from expbuf.client.trxp.pieces import Stored
@@ -14,6 +16,12 @@ from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
 
 
+class Reader(Protocol):
+    """What a batch's rows are read from: a read transaction, or a snapshot (snapshot.py)."""
+
+    def get(self, key: bytes, *, db: lmdb._Database) -> bytes | memoryview | None: ...
+
+
 class BatchRows:
     """A batch being read in one transaction, row by row. The advantages are the stored
     ones; a table with a batch stage finishes them where the reply is built (`stage`), with
@@ -21,7 +29,7 @@ class BatchRows:
 
     def __init__(
         self,
-        txn: lmdb.Transaction[bytes | memoryview],
+        txn: Reader,
         adv: lmdb._Database,
         config: TableConfig,
         finish: FinishBatch | None,

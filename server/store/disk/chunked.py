@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import lmdb
 
 from expbuf.client.trxp.build import json_text, stored_entries
+from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import HEADER, HEADER_SIZE
 from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of
 
@@ -256,11 +257,14 @@ class Deferred:
             return self._copied[index]
         return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
 
-    def resolve(self, fields: Collection[str] | None = None) -> SplitPayload:
+    def resolve(
+        self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
+    ) -> SplitPayload:
         """The payload, checked: all of it against its record's digest; or, given the fields a
         reply reads, its head against the head's own digest and the chunks those fields lie in
-        against theirs, the others standing as zeros no reply reads. DamagedPayload if what is
-        read is not what was pushed."""
+        against theirs, the others standing as zeros no reply reads. With `shares` (the
+        experience's response being `response` tokens), only the chunks of the rows in them.
+        DamagedPayload if what is read is not what was pushed."""
         head = self._head
         if fields is None:
             payload = SplitPayload(
@@ -272,24 +276,25 @@ class Deferred:
             return payload
         if not head.intact:
             raise DamagedPayload(self.uid, "its head does not match its digest")
-        wanted = {json_text(name) for name in {*fields, *(("action_mask",) if _READS_MASK & set(fields) else ())}}
         _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
-        needed = {
-            index
-            for name, _, _, start, end in stored_entries(header, head.section_len)
-            if name in wanted
-            for index in head.span(start, end)
-        }
+        entries = stored_entries(header, head.section_len)
+        wanted = {json_text(name) for name in fields}
+        mask = {json_text("action_mask")} if _READS_MASK & set(fields) else set()
+        whole = wanted | mask if shares is None else mask  # the mask whole: advantages spread under it, then cut
+        spans = [(start, end) for name, _, _, start, end in entries if name in whole]
+        if shares is not None:
+            spans += shares.spans(entries, wanted - mask, response)
+        needed = {index for start, end in spans for index in head.span(start, end)}
         pieces: list[Run] = []
         for index in range(head.chunks):
             length = min(head.chunk_bytes, head.section_len - index * head.chunk_bytes)
             if index not in needed:
                 pieces.append(_ZEROS[:length] if length <= len(_ZEROS) else bytes(length))
                 continue
-            found = self._get(index)
-            if found is None or len(found) != length or digests.of(found) != head.digests[index]:
+            got = self._get(index)
+            if got is None or len(got) != length or digests.of(got) != head.digests[index]:
                 raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
-            pieces.append(found)
+            pieces.append(got)
         return SplitPayload(head.prefix, pieces)
 
     def detach(self) -> Deferred:
@@ -301,10 +306,19 @@ class Deferred:
         return self
 
 
-def checked(blobs: Sequence[Stored | Deferred], fields: Collection[str] | None = None) -> list[Stored]:
+def checked(
+    blobs: Sequence[Stored | Deferred],
+    fields: Collection[str] | None = None,
+    shares: Shares | None = None,
+    responses: Sequence[int] = (),
+) -> list[Stored]:
     """Payloads, those a take deferred read and checked now, all of them or, given the fields of
-    a reply, what those fields need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
-    return [blob.resolve(fields) if isinstance(blob, Deferred) else blob for blob in blobs]
+    a reply (and the shares of its tokens, item i's response being `responses[i]` tokens long),
+    what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
+    return [
+        blob.resolve(fields, shares, responses[at] if shares is not None else 0) if isinstance(blob, Deferred) else blob
+        for at, blob in enumerate(blobs)
+    ]
 
 
 def taken(

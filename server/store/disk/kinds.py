@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.columns import SCALARS, ColumnParts, in_order, scalar_column
+from expbuf.client.trxp.columns import SCALARS, ColumnParts, Shares, in_order, scalar_column
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored
 
@@ -148,6 +148,7 @@ class Sampled:
     times_sampled: list[int] = field(default_factory=list)  # one per uid: its deliveries, this one included
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
     stage: Stage | None = field(default=None, repr=False, compare=False)
+    shares: Shares | None = None  # a read of some shares of each experience's tokens (ReadFields)
 
     @property
     def payload(self) -> bytes:
@@ -183,14 +184,16 @@ class Sampled:
         ones = [column for column in kept if column is not None]
         if not tensors:
             return build(ones)
+
+        def made() -> list[ColumnParts]:
+            blobs = checked(self.blobs, tensors, self.shares, self.response_lengths)
+            columns = batch_columns(blobs, self.advantages, tensors, self.shares, self.response_lengths)
+            return in_order([*columns, *ones], fields)
+
         if self.snapshot is None:
-            return build(
-                in_order([*batch_columns(checked(self.blobs, tensors), self.advantages, tensors), *ones], fields)
-            )
+            return build(made())
         with self.snapshot.reading():
-            return build(
-                in_order([*batch_columns(checked(self.blobs, tensors), self.advantages, tensors), *ones], fields)
-            )
+            return build(made())
 
     def keep(self, runs: list[bytes | memoryview]) -> list[bytes | memoryview]:
         """Runs made by `render` or `columns` (views of the snapshot among them), kept readable

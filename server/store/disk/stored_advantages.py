@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
-from expbuf.client.trxp.columns import ColumnParts, column_parts
+from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
 from expbuf.client.trxp.common import RawTensor
 from expbuf.client.trxp.pieces import Stored
 
@@ -106,12 +106,23 @@ def batch_parts(blobs: Sequence[Stored], advantages: Sequence[Advantage]) -> lis
     return join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
 
 
-def batch_columns(blobs: Sequence[Stored], advantages: Sequence[Advantage], fields: Sequence[str]) -> list[ColumnParts]:
+def batch_columns(
+    blobs: Sequence[Stored],
+    advantages: Sequence[Advantage],
+    fields: Sequence[str],
+    shares: Shares | None = None,
+    responses: Sequence[int] = (),
+) -> list[ColumnParts]:
     """A batch of stored experiences as the columns of `fields`, computed advantages and returns
-    included (in place of any pushed with an experience that has computed ones)."""
+    included (in place of any pushed with an experience that has computed ones), cut to
+    `shares` of their tokens where given (columns.column_parts)."""
     if all(a is None for a in advantages):
-        return column_parts(blobs, fields)
-    return column_parts(blobs, fields, lambda index, tensors: expand(advantages[index], tensors), ADDED)
+        return column_parts(blobs, fields, shares=shares, responses=responses)
+
+    def extra(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        return expand(advantages[index], tensors)
+
+    return column_parts(blobs, fields, extra, ADDED, shares, responses)
 
 
 def expand(advantage: Advantage, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:

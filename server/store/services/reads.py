@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 
+from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.pieces import whole
 
-from ..disk import layout
+from ..disk import chunked, layout
 from ..disk.batch_rows import BatchRows
 from ..disk.chunked import checked, read_payload
 from ..disk.environment import Environment
+from ..disk.kinds import Sampled
 from ..disk.records import ItemRecord
 from ..disk.stored_advantages import FinishBatch, batch_payload
-from ..rules.read_check import payload_problem, serve_problem
+from ..rules.read_check import Unservable, payload_problem, serve_problem
+from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
 from ..tables import browse
 from ..tables.catalog import TableCatalog
@@ -85,7 +89,8 @@ class Reads:
         listed as missing, and one whose payload is damaged is quarantined (quarantine.py)."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
-        missing, damaged = [], []
+        missing: list[str] = []
+        damaged: list[str] = []
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             rows = BatchRows(txn, self.environment.db["adv"], config, self.finish)
             for uid in uids:
@@ -95,13 +100,7 @@ class Reads:
                     missing.append(uid)
                     continue
                 rec = ItemRecord.decode(stored(txn, key, self.environment.db["items"], "experience"))
-                problem = serve_problem(uid, rec, blob)
-                if problem is not None:
-                    if problem.damaged:
-                        damaged.append(uid)
-                    else:
-                        log.error("table %s: Get found %s; it is not served", table, problem)
-                    missing.append(uid)
+                if not _servable(table, "Get", serve_problem(uid, rec, blob), missing, damaged):
                     continue
                 rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
@@ -110,3 +109,61 @@ class Reads:
         if damaged:
             self._quarantine(table, damaged)
         return payload, missing
+
+    def fields(self, table: str, uids: Sequence[str], shares: Shares | None) -> tuple[Sampled, list[str]]:
+        """The servable experiences among uids (in their order) as a batch to read some fields of
+        (ReadFields; `shares` of their tokens, if given), and the missing uids. The payloads are
+        views of a snapshot, off the writer, until the batch is released; one stored in chunks is
+        read, and checked, where the reply is built, for only what the reply reads
+        (chunked.Deferred), the others here, and a damaged one quarantined and listed as missing."""
+        table_id, config = self.catalog.lookup(table)
+        prefix = layout.table_prefix(table_id)
+        db = self.environment.db
+        snapshot = self.environment.submit(lambda _: self.environment.snapshot())  # snapshots open in the writer
+        batch = Sampled(uids=[], group_ids=[], blobs=[], snapshot=snapshot, shares=shares)
+        missing: list[str] = []
+        damaged: list[str] = []
+        try:
+            with snapshot.reading():
+                rows = BatchRows(snapshot, db["adv"], config, self.finish)
+                snapshot.hold(rows.blobs)
+                for uid in uids:
+                    key = prefix + uid.encode()
+                    value = snapshot.get(key, db["blobs"])
+                    if value is None:
+                        missing.append(uid)
+                        continue
+                    record = snapshot.get(key, db["items"])
+                    if record is None:
+                        raise not_stored("experience", uid)
+                    rec = ItemRecord.decode(record)
+                    blob = chunked.taken(uid, value, key, rec.digest, rec.size, partial(snapshot.get, db=db["chunks"]))
+                    problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+                    if not _servable(table, "ReadFields", problem, missing, damaged):
+                        continue
+                    rows.add(key, rec, blob)
+                    batch.uids.append(uid)
+                    batch.group_ids.append(rec.group)
+                    batch.versions.append(rec.version)
+                    batch.rewards.append(rec.reward)
+                    batch.response_lengths.append(rec.response_length)
+                batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
+        except BaseException:
+            snapshot.release()
+            raise
+        if damaged:
+            self._quarantine(table, damaged)
+        return batch, missing
+
+
+def _servable(table: str, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
+    """Whether a read experience can be served; one that cannot is listed as missing, and also as
+    damaged (to quarantine) or logged, as a reason of its own keeps it from being served."""
+    if problem is None:
+        return True
+    if problem.damaged:
+        damaged.append(problem.uid)
+    else:
+        log.error("table %s: %s found %s; it is not served", table, call, problem)
+    missing.append(problem.uid)
+    return False
