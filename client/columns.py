@@ -126,15 +126,16 @@ def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
     return [tuple(dims[k * ndim : (k + 1) * ndim]) for k in range(items)]
 
 
-def join_columns(parts: list[tuple[int, dict[str, Column]]]) -> dict[str, Column]:
-    """The columns of batches joined into one (a sharded client's parts), each part's
-    experiences from position `base` on, in the order the parts come."""
+def join_columns(parts: list[tuple[Sequence[int | None], dict[str, Column]]]) -> dict[str, Column]:
+    """The columns of batches joined into one (a sharded client's parts): each part's experience
+    k at the position `places[k]` (None: left out) of its part's (places, columns)."""
     pieces: dict[str, list[_Piece]] = {}
-    for base, columns in parts:
+    for places, columns in parts:
         for name, column in columns.items():
             pieces.setdefault(name, []).extend(
-                (base + item, shape, tensor.reshape(-1))
+                (place, shape, tensor.reshape(-1))
                 for item, shape, tensor in zip(column.items, column.shapes, column.tensors, strict=True)
+                if (place := places[item]) is not None
             )
     return {name: _column(name, found) for name, found in pieces.items()}
 

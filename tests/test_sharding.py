@@ -302,6 +302,35 @@ def test_a_columnar_batch_from_several_shards_is_their_columns_in_batch_order(sh
                 assert torch.equal(got, getattr(by_uid[uid], name)), (name, uid)
 
 
+def test_fields_read_from_several_shards_come_in_request_order(shards: Shards) -> None:
+    """read_fields asks each uid of the shard that owns its group and puts the columns together in
+    the order asked, the uids no shard holds in missing_uids; the asyncio client alike."""
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("fields", group_size=2)
+        made = groups(0, range(12), range(2))
+        client.push(made, table="fields")
+        settled(client, "fields")
+        uids = [exp.eid.uid for exp in reversed(made)] + ["0/99/0/0/absent"]
+        read = client.read_fields(uids, ["tokens", "logprobs"], table="fields", share=1, of=2)
+        (batch,) = client.sample("fields", num_groups=12, delivery="replay", max_batches=1, timeout=10)
+        assert len(batch.shards) > 1  # the groups lie on several shards
+    assert read.uids == uids[:-1] and read.missing_uids == ["0/99/0/0/absent"]
+    by_uid = {exp.eid.uid: exp for exp in made}
+    for k, uid in enumerate(read.uids):
+        exp = by_uid[uid]
+        length, prompt = exp.tokens.shape[0], exp.prompt_length
+        half = slice(length // 2, length)
+        assert torch.equal(read.columns["tokens"].tensors[k], exp.tokens[half]), uid
+        assert torch.equal(read.columns["logprobs"].tensors[k], exp.logprobs[max(half.start - prompt, 0) :]), uid
+    assert read.group_ids == [f"{uid.split('/')[0]}/{uid.split('/')[1]}" for uid in read.uids]
+
+    async def run() -> list[str]:
+        async with AsyncShardedBufferClient(shards.targets()) as aio:
+            return (await aio.read_fields(uids, ["tokens"], table="fields")).uids
+
+    assert asyncio.run(run()) == uids[:-1]
+
+
 def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         client.create_table("leased", group_size=2)

@@ -12,7 +12,7 @@ from typing import Any, Unpack
 
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
-from ..results import BufferStats, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..results import BufferStats, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
@@ -134,6 +134,18 @@ class AsyncShardedBufferClient(LedgerPlans):
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """As ShardedBufferClient.get."""
         return await self._run(self._get(uids, table))
+
+    async def read_fields(
+        self,
+        uids: Iterable[str],
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """As ShardedBufferClient.read_fields."""
+        return await self._run(self._read_fields(uids, list(fields), table, share, of))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
-from ..results import BufferStats, ServerInfo, TableInfo
+from ..results import BufferStats, FieldBatch, ServerInfo, TableInfo
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
@@ -162,6 +162,20 @@ class ShardedBufferClient(LedgerPlans):
         Raises ShardError, its `result` holding what was found, when a uid's owner is down.
         """
         return self._run(self._get(uids, table))
+
+    def read_fields(
+        self,
+        uids: Iterable[str],
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """As BufferClient.read_fields, each uid's fields read from the shard that owns its group,
+        in request order. Raises ShardError, its `result` holding what was read, when a uid's
+        owner is down."""
+        return self._run(self._read_fields(uids, list(fields), table, share, of))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.

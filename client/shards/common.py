@@ -227,7 +227,12 @@ class Sharded:
             payload = trxp.build([item for _, part in parts for item in trxp.parse(part.payload, trusted=True)])
         if len(parts) > 1 and parts[0][1].columnar:
             bases = itertools.accumulate((len(part.uids) for _, part in parts[:-1]), initial=0)
-            columns = join_columns([(base, part.columns) for base, (_, part) in zip(bases, parts, strict=True)])
+            columns = join_columns(
+                [
+                    (range(base, base + len(part.uids)), part.columns)
+                    for base, (_, part) in zip(bases, parts, strict=True)
+                ]
+            )
         return kind(
             payload=payload,
             columns=columns,
