@@ -320,7 +320,7 @@ class AsyncBufferClient(ClientBase):
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
-        return await self._run(calls.get(uids, table))
+        return await self._run(calls.get(uids, table, self.max_message_bytes))
 
     async def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
         """A page of the table's live experiences in insertion order (see BufferClient.list_experiences)."""

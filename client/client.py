@@ -360,8 +360,9 @@ class BufferClient(ClientBase):
         return self._run(calls.list_prompts(table, dataset, states, after, limit))
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
-        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
-        return self._run(calls.get(uids, table))
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others.
+        Read in parts no larger than the client's max_message_bytes, however large they are."""
+        return self._run(calls.get(uids, table, self.max_message_bytes))
 
     def read_fields(
         self,

@@ -155,7 +155,8 @@ def test_a_bad_read_is_refused_by_name_and_the_server_stays_healthy(
         return caught.value
 
     cases: list[tuple[pb.ReadFieldsRequest, grpc.StatusCode, str]] = [
-        (pb.ReadFieldsRequest(table="b", uids=[uid]), grpc.StatusCode.INVALID_ARGUMENT, "name at least one field"),
+        (pb.ReadFieldsRequest(table="b", uids=[uid], shares=2, take=[0]), grpc.StatusCode.INVALID_ARGUMENT,
+         "name the fields to read in shares"),
         (pb.ReadFieldsRequest(table="b", uids=[uid, uid], fields=["tokens"]), grpc.StatusCode.INVALID_ARGUMENT,
          "named more than once"),
         (pb.ReadFieldsRequest(table="b", uids=[uid], fields=["tokens"], shares=4, take=[4]),

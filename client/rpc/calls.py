@@ -59,7 +59,8 @@ class Unary(Generic[R]):
     call of a method under the channel's retry policy (connection.RETRIED_METHODS) that may not
     goes over the client's channel without it. `timeout` replaces the client's deadline for this
     call. `parts`: the method answers with a stream of SampleReply (ReadFields), one reply in one
-    message or in parts (sample_reply.Parts), which `read` gets put together.
+    message or in parts (sample_reply.Parts), which `read` gets put together. `fallback`: the call
+    made instead where the server has no such method (an older server: UNIMPLEMENTED).
     """
 
     method: str
@@ -68,6 +69,7 @@ class Unary(Generic[R]):
     retry: bool
     timeout: float | None = None
     parts: bool = False
+    fallback: Unary[R] | None = None
 
     def __post_init__(self) -> None:
         if self.retry and self.method not in RETRIED_METHODS:
@@ -111,6 +113,9 @@ class Attempts(Generic[R]):
         """The pause before the call is made again (`call` is then that attempt), or None when
         `error` is the call's answer."""
         call = self.call
+        if error.code == grpc.StatusCode.UNIMPLEMENTED and isinstance(call, Unary) and call.fallback is not None:
+            self.call = replace(call.fallback, timeout=call.timeout)
+            return 0.0
         waits = _wait(call) > 0  # not once it is made without waiting
         if not (error.busy and (waits or self._pushes)):
             return None
@@ -270,9 +275,21 @@ def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
     return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
 
 
-def get(uids: Iterable[str], table: str) -> Unary[GetResult]:
-    request = pb.GetRequest(table=table, uids=list(uids))
-    return Unary("Get", request, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
+def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Unary[GetResult]:
+    """The experiences among uids, in request order: read over ReadFields without fields, whole and
+    in parts when large, so that no experience is too large to read back; over Get from a server
+    without ReadFields."""
+    asked = list(uids)
+    once = list(dict.fromkeys(asked))  # ReadFields names each uid once
+
+    def read(reply: SampleReplyParts) -> GetResult:
+        found = {exp.eid.uid: exp for exp in trxp.decode_reply(reply.payload)}
+        return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
+
+    request = pb.ReadFieldsRequest(table=table, uids=once, max_reply_bytes=max_reply_bytes)
+    unary = pb.GetRequest(table=table, uids=asked)
+    fallback = Unary("Get", unary, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
+    return Unary("ReadFields", request, read, retry=True, parts=True, fallback=fallback)
 
 
 class ListFilters(TypedDict, total=False):

@@ -1,8 +1,8 @@
 """`expbuf export TABLE`: a running table's live experiences, as JSON lines or one TRXP file.
 
-It pages through ListExperiences and reads each page's payloads with Get, so what it
-writes carries the advantages the table computed, and the server never holds more than
-a page for it. An experience Get does not return (retired since it was listed, or found
+It pages through ListExperiences and reads each page's payloads with `client.get()` (in parts,
+however large), so what it writes carries the advantages the table computed, and the server
+never holds more than a page for it. An experience get() does not return (retired since it was listed, or found
 damaged and quarantined) is left out and counted, and the export goes on. JSON lines suit
 a look with `jq` or pandas; TRXP is what Trinity-RFT's `Experience.deserialize_many` and
 `expbuf.client.decode` read.
@@ -49,7 +49,7 @@ def json_line(listed: ListedExperience, exp: Experience) -> str:
 def pages(
     client: BufferClient, args: argparse.Namespace
 ) -> Iterator[tuple[list[ListedExperience], list[Experience], int]]:
-    """Each page's listed experiences with their payloads, and how many listed ones Get did not
+    """Each page's listed experiences with their payloads, and how many listed ones get() did not
     return (retired meanwhile, or quarantined: their payloads found damaged), left out."""
     after = 0
     while True:

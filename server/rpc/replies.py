@@ -107,12 +107,14 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
 def fields_reply(
     batch: Sampled, fields: Sequence[str], missing: Sequence[str], limit: int, parts: bool
 ) -> Iterator[bytes]:
-    """The messages of a ReadFields reply: the columns of `fields` of `batch` (Store.read_fields)
-    and the `missing` uids, cut as sample_reply cuts a batch's."""
+    """The messages of a ReadFields reply: the columns of `fields` of `batch` (Store.read_fields),
+    or without fields its TRXP payload, and the `missing` uids, cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(uids=batch.uids, group_ids=batch.group_ids, missing_uids=missing).SerializeToString()
 
     def render(cut: Callable[[list[Run]], T]) -> T:
-        return batch.columns(fields, lambda columns: cut([*_framed(columns), rest]))
+        if fields:
+            return batch.columns(fields, lambda columns: cut([*_framed(columns), rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(map(len, runs))), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 

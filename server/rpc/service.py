@@ -311,15 +311,14 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
 
     @refusals
     def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Some fields of named experiences as one columnar SampleReply, in parts when large."""
+        """Some fields of named experiences as one columnar SampleReply, or without fields the
+        experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
         uids = _ids(request.uids, "uids")
         if len(set(uids)) != len(uids):
             twice = next(uid for uid in uids if uids.count(uid) > 1)
             raise InvalidRequest(f"uids: {clip(twice)!r} is named more than once")
         fields = tuple(request.fields)
-        if not fields:
-            raise InvalidRequest("fields: name at least one field to read")
         try:
             check_fields(fields)
             shares = Shares(request.shares, tuple(request.take)) if request.shares or request.take else None
@@ -331,7 +330,9 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 f"or at least {MIN_REPLY_BYTES}"
             )
         limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
-        batch, missing = self.store.read_fields(table, uids, shares)
+        if shares is not None and not fields:
+            raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
+        batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
         try:
             yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
         except ReplyTooLarge as exc:

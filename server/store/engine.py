@@ -347,10 +347,12 @@ class Store:
         """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
         return self.reads.payload(table, uids)
 
-    def read_fields(self, table: str, uids: Sequence[str], shares: Shares | None = None) -> tuple[Sampled, list[str]]:
-        """The servable experiences among uids as a batch to read some fields of, and the
-        missing uids (Reads.fields); release the batch once its reply is built."""
-        return self.reads.fields(table, uids, shares)
+    def read_fields(
+        self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
+    ) -> tuple[Sampled, list[str]]:
+        """The servable experiences among uids as a batch to read some fields of, or `whole`, and
+        the missing uids (Reads.fields); release the batch once its reply is built."""
+        return self.reads.fields(table, uids, shares, whole=whole)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

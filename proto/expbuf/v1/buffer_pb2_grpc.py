@@ -246,7 +246,8 @@ class ExperienceBufferServicer:
         """Some fields of named experiences as columns, and optionally a share of each one's tokens:
         for the ranks of a trainer, each reading its part of a batch that one process sampled (a
         context-parallel rank its positions of long rollouts, without the rest of their routing
-        ids). Replies as Sample's columnar ones: one SampleReply (in parts when large).
+        ids); without fields, the experiences whole, as Get, in parts when large. Replies as
+        Sample's: one SampleReply (in parts when large).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from expbuf.client.trxp.columns import Shares
-from expbuf.client.trxp.pieces import whole
+from expbuf.client.trxp.pieces import Stored, whole
 
 from ..disk import chunked, layout
 from ..disk.batch_rows import BatchRows
@@ -110,12 +110,15 @@ class Reads:
             self._quarantine(table, damaged)
         return payload, missing
 
-    def fields(self, table: str, uids: Sequence[str], shares: Shares | None) -> tuple[Sampled, list[str]]:
+    def fields(
+        self, table: str, uids: Sequence[str], shares: Shares | None, *, whole: bool = False
+    ) -> tuple[Sampled, list[str]]:
         """The servable experiences among uids (in their order) as a batch to read some fields of
-        (ReadFields; `shares` of their tokens, if given), and the missing uids. The payloads are
-        views of a snapshot, off the writer, until the batch is released; one stored in chunks is
-        read, and checked, where the reply is built, for only what the reply reads
-        (chunked.Deferred), the others here, and a damaged one quarantined and listed as missing."""
+        (ReadFields; `shares` of their tokens, if given), or `whole` (its payload), and the missing
+        uids. The payloads are views of a snapshot, off the writer, until the batch is released;
+        one stored in chunks and read for some fields is read, and checked, where the reply is
+        built, for only what the reply reads (chunked.Deferred), the others here, and a damaged
+        one quarantined and listed as missing, as Get lists it."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
@@ -137,7 +140,11 @@ class Reads:
                     if record is None:
                         raise not_stored("experience", uid)
                     rec = ItemRecord.decode(record)
-                    blob = chunked.taken(uid, value, key, rec.digest, rec.size, partial(snapshot.get, db=db["chunks"]))
+                    chunk = partial(snapshot.get, db=db["chunks"])
+                    if whole:  # read and checked here, all of it, as Get checks it
+                        blob: Stored | chunked.Deferred = chunked.resolve(value, key, chunk)
+                    else:
+                        blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
                     problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
                     if not _servable(table, "ReadFields", problem, missing, damaged):
                         continue
