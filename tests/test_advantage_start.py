@@ -5,9 +5,11 @@ each push that does."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.errors import ExpbufError
 
+from conftest import Servers
 from helpers import ServerProcess, group_items, make_experience
 
 SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.rpc.service", "expbuf.server.rpc.metrics"
@@ -63,3 +66,19 @@ def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path)
     finally:
         server.stop(signal.SIGTERM)
     assert sum("advantage worker did not start" in line for line in server.log) == 1, "".join(server.log)
+
+
+def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(start_server: Servers) -> None:
+    """Once torch has loaded, the server freezes its heap (gc.freeze): a full collection, which
+    the records of takes and pushes bring on, then walks only what was made since."""
+    before = gc.get_freeze_count()
+    live = [[] for _ in range(10_000)]  # tracked objects that are alive when the server freezes
+    server = start_server()
+    deadline = time.monotonic() + 120
+    while not server.service.advantage_device:
+        assert time.monotonic() < deadline, "the advantage worker did not start"
+        time.sleep(0.05)
+    try:
+        assert gc.get_freeze_count() >= before + len(live)
+    finally:
+        gc.unfreeze()  # this test process's objects, frozen with the server's
