@@ -318,6 +318,22 @@ class AsyncBufferClient(ClientBase):
         BufferClient.read_fields."""
         return await self._run(calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
+    async def read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        balance: str = "tokens",
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
+        call = calls.read_part(lease_id, rank, ranks, fields, table, balance, (share, of), self.max_message_bytes)
+        return await self._run(call)
+
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         return await self._run(calls.get(uids, table, self.max_message_bytes))

@@ -359,6 +359,29 @@ class BufferClient(ClientBase):
         `states` (all when empty); pass the page's `after` for the next."""
         return self._run(calls.list_prompts(table, dataset, states, after, limit))
 
+    def read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        balance: str = "tokens",
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> FieldBatch:
+        """Rank `rank`'s part of the batch leased as `lease_id` (a leased sample's `batch.lease_id`,
+        which the process that sampled it hands to every rank), for a step spread over `ranks`
+        data-parallel ranks: its groups, whole, as columns of `fields` (a FieldBatch; `share` and
+        `of` as read_fields'). The server splits the lease's groups so that the ranks' loads are as
+        equal as the groups allow (Karmarkar-Karp over each group's tokens, or its runs with
+        balance="count"), the same split for every rank that asks: a rank that dies and comes
+        back reads its part again while the lease holds. The process that sampled the batch acks
+        it once every rank has trained its part."""
+        call = calls.read_part(lease_id, rank, ranks, fields, table, balance, (share, of), self.max_message_bytes)
+        return self._run(call)
+
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
         Read in parts no larger than the client's max_message_bytes, however large they are."""

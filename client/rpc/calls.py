@@ -35,6 +35,7 @@ from ..results import (
     TableInfo,
     TableStats,
 )
+from ..schema.balance import COSTS, MAX_RANKS
 from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..trxp.columns import Shares
@@ -254,12 +255,44 @@ def read_fields(
 ) -> Unary[FieldBatch]:
     """ReadFields of `uids`, `share` (one share or several, in order) of `of` of their tokens
     (of=0: whole); a ValueError names a share that is not one."""
+    request = pb.ReadFieldsRequest(table=table, uids=list(uids), fields=list(fields), max_reply_bytes=max_reply_bytes)
+    return _fields_call(request, share, of)
+
+
+def read_part(
+    lease_id: str,
+    rank: int,
+    ranks: int,
+    fields: Iterable[str],
+    table: str,
+    balance: str,
+    shares: tuple[int | Iterable[int], int],
+    max_reply_bytes: int,
+) -> Unary[FieldBatch]:
+    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
+    (schema/balance.py), `shares` as read_fields' (share, of); ValueError before the call for
+    what is not a part or a share."""
+    if not lease_id:
+        raise ValueError("lease_id: the part of a batch is named by its lease (batch.lease_id, a leased sample's)")
+    if not 1 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} of {ranks}: ranks is 1 to {MAX_RANKS}, a rank 0 to ranks - 1")
+    if balance not in COSTS:
+        raise ValueError(f"balance {balance!r} is not one of {', '.join(COSTS)}")
+    request = pb.ReadFieldsRequest(
+        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
+        max_reply_bytes=max_reply_bytes,
+    )  # fmt: skip
+    return _fields_call(request, *shares)
+
+
+def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: int) -> Unary[FieldBatch]:
+    """A ReadFields `request` with `share` of `of` of each experience's tokens (of=0: whole)."""
     take = (share,) if isinstance(share, int) else tuple(share)
     if of or take:
         Shares(of, take)  # checked here, before the call
-    request = pb.ReadFieldsRequest(
-        table=table, uids=list(uids), fields=list(fields), shares=of, take=take, max_reply_bytes=max_reply_bytes
-    )
+    request.shares = of
+    request.take.extend(take)
+    table = request.table
     return Unary("ReadFields", request, lambda reply: field_batch(reply, table), retry=True, parts=True)
 
 

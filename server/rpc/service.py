@@ -18,6 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
+from expbuf.client.schema.balance import COSTS, MAX_RANKS
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.columns import Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -315,6 +316,8 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
         uids = _ids(request.uids, "uids")
+        if request.lease_id:
+            uids = self._part(table, request, uids)
         if len(set(uids)) != len(uids):
             twice = next(uid for uid in uids if uids.count(uid) > 1)
             raise InvalidRequest(f"uids: {clip(twice)!r} is named more than once")
@@ -353,6 +356,20 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 "for the others",
                 Reason.DAMAGED,
             )
+
+    def _part(self, table: str, request: pb.ReadFieldsRequest, uids: list[str]) -> list[str]:
+        """The uids of the rank's part of a leased step that a ReadFields names by lease."""
+        if uids:
+            raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
+        if not 1 <= request.ranks <= MAX_RANKS or request.rank >= request.ranks:
+            raise InvalidRequest(
+                f"ReadFieldsRequest: rank {request.rank} of {request.ranks} ranks; ranks is 1 to {MAX_RANKS} "
+                "and a rank is numbered 0 to ranks - 1"
+            )
+        balance = request.balance or COSTS[0]
+        if balance not in COSTS:
+            raise InvalidRequest(f"ReadFieldsRequest: balance {clip(balance)!r} is not one of {', '.join(COSTS)}")
+        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance)
 
     @refusals
     def ListExperiences(

@@ -354,6 +354,10 @@ class Store:
         the missing uids (Reads.fields); release the batch once its reply is built."""
         return self.reads.fields(table, uids, shares, whole=whole)
 
+    def lease_part(self, table: str, lease_id: str, rank: int, ranks: int, balance: str) -> list[str]:
+        """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
+        return self.reads.part(table, lease_id, rank, ranks, balance)
+
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the
         writer's transaction (quarantine.py); returns how many were."""

@@ -363,20 +363,28 @@ class GetReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadFieldsRequest(_message.Message):
-    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes")
+    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes", "lease_id", "rank", "ranks", "balance")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
     TAKE_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    BALANCE_FIELD_NUMBER: _ClassVar[int]
     table: str
     uids: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedScalarFieldContainer[str]
     shares: int
     take: _containers.RepeatedScalarFieldContainer[int]
     max_reply_bytes: int
-    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    rank: int
+    ranks: int
+    balance: str
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., balance: _Optional[str] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "uids", "group_ids")

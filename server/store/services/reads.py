@@ -9,26 +9,35 @@ transaction, through `quarantine`) and left out, as is an experience that cannot
 from __future__ import annotations
 
 import logging
+import struct
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from expbuf.client.trxp.columns import Shares
-from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.schema.balance import parts as balance_parts
+from expbuf.client.trxp.build import stored_entries
+from expbuf.client.trxp.columns import Shares, token_count
+from expbuf.client.trxp.common import TrxpError
+from expbuf.client.trxp.pieces import SplitPayload, Stored, parts_of, whole
 
 from ..disk import chunked, layout
 from ..disk.batch_rows import BatchRows
 from ..disk.chunked import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
-from ..disk.records import ItemRecord
+from ..disk.records import GroupRecord, ItemRecord
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
+from ..schema.errors import NotFound, clip
+from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
+from ..tables.leases import read_lease
 
 log = logging.getLogger("expbuf.store")
+MAX_SPLITS = 64  # the splits of leased steps kept, for their other ranks' reads
 
 
 class Reads:
@@ -44,6 +53,8 @@ class Reads:
         finish: FinishBatch | None,
     ) -> None:
         self.environment, self.catalog, self._quarantine, self.finish = environment, catalog, quarantine, finish
+        self._lock = threading.Lock()
+        self._splits: dict[tuple[int, str, int, str], list[list[str]]] = {}  # the latest leases' splits, by group
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
@@ -162,6 +173,44 @@ class Reads:
             self._quarantine(table, damaged)
         return batch, missing
 
+    def part(self, table: str, lease_id: str, rank: int, ranks: int, balance: str) -> list[str]:
+        """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
+        over `ranks` ranks by `balance` (schema/balance.py), in the lease's order; NotFound when
+        the table holds no such lease."""
+        table_id, _ = self.catalog.lookup(table)
+        prefix = layout.table_prefix(table_id)
+        db = self.environment.db
+        key = (table_id, lease_id, ranks, balance)
+        with self.environment.read() as txn:
+            lease = read_lease(txn, db["leases"], lease_id)
+            if lease is None or lease.table_id != table_id:
+                raise NotFound(
+                    f"table '{table}' holds no lease {clip(lease_id)!r}: acked, given back, expired, or never "
+                    "taken; sample the step again"
+                )
+            held: dict[str, list[str]] = {}  # the lease's groups it still holds, and their runs
+            for gkey in lease.groups:
+                raw = txn.get(prefix + gkey.encode(), db=db["groups"])
+                grp = None if raw is None else GroupRecord.decode(raw)
+                if grp is not None and grp.state == LEASED and grp.lease == lease_id:
+                    held[gkey] = grp.members
+            with self._lock:
+                split = self._splits.get(key)
+            if split is None:
+                costs = [
+                    len(members)
+                    if balance == "count"
+                    else sum(_tokens(txn.get(prefix + uid.encode(), db=db["blobs"])) for uid in members)
+                    for members in held.values()
+                ]
+                order = list(held)
+                split = [[order[at] for at in part] for part in balance_parts(costs, ranks)]
+                with self._lock:  # every rank of the step asks: the split is made once
+                    self._splits[key] = split
+                    while len(self._splits) > MAX_SPLITS:
+                        self._splits.pop(next(iter(self._splits)))
+        return [uid for gkey in split[rank] if gkey in held for uid in held[gkey]]
+
 
 def _servable(table: str, call: str, problem: Unservable | None, missing: list[str], damaged: list[str]) -> bool:
     """Whether a read experience can be served; one that cannot is listed as missing, and also as
@@ -174,3 +223,20 @@ def _servable(table: str, call: str, problem: Unservable | None, missing: list[s
         log.error("table %s: %s found %s; it is not served", table, call, problem)
     missing.append(problem.uid)
     return False
+
+
+def _tokens(value: bytes | None) -> int:
+    """The tokens of a stored experience, from its header (a head's, for one stored in chunks);
+    0 for one that cannot be read, which its read then finds."""
+    if value is None:
+        return 0
+    try:
+        if chunked.is_head(value):
+            head = chunked.read_head(value)
+            _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
+            length = head.section_len
+        else:
+            _, header, _, length = parts_of(value)
+        return token_count(stored_entries(header, length)) or 0
+    except (ValueError, struct.error, TrxpError):
+        return 0

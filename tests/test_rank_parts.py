@@ -1,0 +1,137 @@
+"""A leased step spread over data-parallel ranks (ReadFields by lease, `read_part`): whole groups,
+every group on exactly one rank, loads balanced by Karmarkar-Karp (schema/balance.py), the same
+part for a rank each time it asks while the lease holds. A real server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import grpc
+import pytest
+import torch
+
+from expbuf.client import BufferClient, NotFoundError, trxp
+from expbuf.client.schema.balance import parts
+from expbuf.client.schema.experience import EID, Experience
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+
+def optimum(costs: list[int], ranks: int) -> int:
+    """The smallest largest load of any split (every assignment tried)."""
+    return min(
+        max(sum(cost for cost, at in zip(costs, assign, strict=True) if at == rank) for rank in range(ranks))
+        for assign in itertools.product(range(ranks), repeat=len(costs))
+    )
+
+
+def test_every_group_lands_on_one_rank_and_the_split_is_near_the_optimum() -> None:
+    rng = random.Random(7)
+    worst = 1.0
+    for _ in range(200):
+        costs = [rng.randint(0, 100) for _ in range(rng.randint(0, 8))]
+        ranks = rng.randint(1, 4)
+        split = parts(costs, ranks)
+        assert len(split) == ranks and sorted(i for part in split for i in part) == list(range(len(costs)))
+        assert split == parts(list(costs), ranks)  # the same split each time
+        largest = max(sum(costs[i] for i in part) for part in split)
+        best = optimum(costs, ranks)
+        worst = max(worst, largest / best if best else 1.0)
+    assert worst < 1.15  # Karmarkar-Karp stays within a few percent on such small sets
+
+
+def test_long_tailed_groups_balance_within_two_percent_of_the_ideal_at_eight_ranks() -> None:
+    """Groups of 8 runs of 200 to 32k tokens, Pareto-tailed: the slowest of 8 ranks carries
+    within 2% of the total over 8, where a split by count leaves far more on one rank."""
+    rng = random.Random(3)
+    costs = [sum(min(32_000, int(200 * rng.paretovariate(1.2))) for _ in range(8)) for _ in range(64)]
+    split = parts(costs, 8)
+    ideal = sum(costs) / 8
+    assert max(sum(costs[i] for i in part) for part in split) <= 1.02 * ideal
+    by_count = [costs[rank::8] for rank in range(8)]
+    assert max(map(sum, by_count)) > 1.1 * ideal  # what balancing saves here
+
+
+def test_bad_splits_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="ranks: 0"):
+        parts([1, 2], 0)
+    with pytest.raises(ValueError, match="never negative"):
+        parts([1, -2], 2)
+    assert parts([], 3) == [[], [], []]
+
+
+def rollout(task: int, run: int, response: int) -> Experience:
+    return Experience(
+        eid=EID(batch=0, task=task, run=run),
+        tokens=torch.arange(4 + response, dtype=torch.int32),
+        prompt_length=4,
+        logprobs=torch.full((response,), -0.5),
+        reward=float(run),
+    )
+
+
+def leased(client: BufferClient, table: str) -> tuple[dict[str, Experience], object]:
+    """Eight groups of 4 runs whose lengths differ a lot; a lease of all of them."""
+    client.create_table(table, group_size=4, estimator="grpo")
+    made = [rollout(task, run, 10 * (task + 1) ** 2 + run) for task in range(8) for run in range(4)]
+    client.push(trxp.encode(made), table=table)
+    (batch,) = client.sample(table, num_groups=8, delivery="lease", max_batches=1, timeout=10, fields=["reward"])
+    return {exp.eid.uid: exp for exp in made}, batch
+
+
+def test_each_rank_reads_its_part_of_a_leased_step_whole_groups_balanced_by_tokens(client: BufferClient) -> None:
+    made, batch = leased(client, "p")
+    ranks = 3
+    reads = [
+        client.read_part(batch.lease_id, rank, ranks, ["tokens", "advantages"], table="p") for rank in range(ranks)
+    ]
+    uids = [uid for read in reads for uid in read.uids]
+    assert sorted(uids) == sorted(batch.uids)  # every experience of the step once
+    for read in reads:
+        assert read.missing_uids == []
+        for group in set(read.group_ids):  # whole groups: all 4 runs on this rank
+            assert read.group_ids.count(group) == 4
+        for k, uid in enumerate(read.uids):
+            assert torch.equal(read.columns["tokens"].tensors[k], made[uid].tokens)
+    # the loads: what Karmarkar-Karp gives over the groups' tokens, in the lease's group order
+    groups = list(dict.fromkeys(batch.group_ids))
+    pairs = list(zip(batch.uids, batch.group_ids, strict=True))
+    tokens = [sum(int(made[uid].tokens.numel()) for uid, g in pairs if g == group) for group in groups]
+    want = parts(tokens, ranks)
+    for rank, read in enumerate(reads):
+        assert list(dict.fromkeys(read.group_ids)) == [groups[i] for i in want[rank]]
+    again = client.read_part(batch.lease_id, 1, ranks, ["tokens"], table="p")  # a rank come back
+    assert again.uids == reads[1].uids
+    by_count = [client.read_part(batch.lease_id, rank, 4, ["tokens"], table="p", balance="count") for rank in range(4)]
+    assert [len(read.uids) for read in by_count] == [8, 8, 8, 8]  # two groups of four runs each
+    assert batch.ack() == 32
+    with pytest.raises(NotFoundError, match="holds no lease"):
+        client.read_part(batch.lease_id, 0, ranks, ["tokens"], table="p")
+
+
+def test_a_rank_reads_shares_of_its_part(client: BufferClient) -> None:
+    made, batch = leased(client, "s")
+    read = client.read_part(batch.lease_id, 0, 2, ["tokens"], table="s", share=1, of=2)
+    for k, uid in enumerate(read.uids):
+        length = made[uid].tokens.numel()
+        assert torch.equal(read.columns["tokens"].tensors[k], made[uid].tokens[length // 2 :])
+
+
+def test_bad_part_requests_are_refused_by_name(client: BufferClient, stub: pb_grpc.ExperienceBufferStub) -> None:
+    _, batch = leased(client, "b")
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        client.read_part(batch.lease_id, 2, 2, ["tokens"], table="b")
+    with pytest.raises(ValueError, match="balance 'flops'"):
+        client.read_part(batch.lease_id, 0, 2, ["tokens"], table="b", balance="flops")
+    cases = [
+        (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, rank=0, ranks=0), "rank 0 of 0 ranks"),
+        (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, rank=0, ranks=2, balance="x"), "balance 'x'"),
+        (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, uids=["u"], ranks=1), "not both"),
+        (pb.ReadFieldsRequest(table="b", lease_id="nope", ranks=1), "holds no lease"),
+    ]
+    for request, words in cases:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ReadFields(request, timeout=10))
+        assert words in refused.value.details(), refused.value.details()
+    assert batch.ack() == 32  # the lease stood through the refusals
