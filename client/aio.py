@@ -34,6 +34,7 @@ from .rpc import aio_status, calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.balance import ModelShape
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -327,11 +328,14 @@ class AsyncBufferClient(ClientBase):
         table: str = "default",
         *,
         balance: str = "tokens",
+        model: ModelShape | None = None,
         share: int | Iterable[int] = (),
         of: int = 0,
     ) -> FieldBatch:
         """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
-        call = calls.read_part(lease_id, rank, ranks, fields, table, balance, (share, of), self.max_message_bytes)
+        call = calls.read_part(
+            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes
+        )
         return await self._run(call)
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:

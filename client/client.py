@@ -40,6 +40,7 @@ from .rpc import calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.balance import ModelShape
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -368,6 +369,7 @@ class BufferClient(ClientBase):
         table: str = "default",
         *,
         balance: str = "tokens",
+        model: ModelShape | None = None,
         share: int | Iterable[int] = (),
         of: int = 0,
     ) -> FieldBatch:
@@ -375,11 +377,14 @@ class BufferClient(ClientBase):
         which the process that sampled it hands to every rank), for a step spread over `ranks`
         data-parallel ranks: its groups, whole, as columns of `fields` (a FieldBatch; `share` and
         `of` as read_fields'). The server splits the lease's groups so that the ranks' loads are as
-        equal as the groups allow (Karmarkar-Karp over each group's tokens, or its runs with
-        balance="count"), the same split for every rank that asks: a rank that dies and comes
+        equal as the groups allow (Karmarkar-Karp over each group's tokens; its runs with
+        balance="count"; its FLOPs with balance="flops" and `model`, a ModelShape(params, layers,
+        hidden)), the same split for every rank that asks: a rank that dies and comes
         back reads its part again while the lease holds. The process that sampled the batch acks
         it once every rank has trained its part."""
-        call = calls.read_part(lease_id, rank, ranks, fields, table, balance, (share, of), self.max_message_bytes)
+        call = calls.read_part(
+            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes
+        )
         return self._run(call)
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:

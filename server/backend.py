@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
+from expbuf.client.schema.balance import ModelShape
 from expbuf.client.trxp.columns import Shares
 
 from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
@@ -73,7 +74,9 @@ class Backend(Protocol):
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
     ) -> tuple[Sampled, list[str]]: ...
-    def lease_part(self, table: str, lease_id: str, rank: int, ranks: int, balance: str) -> list[str]: ...
+    def lease_part(
+        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+    ) -> list[str]: ...
     def quarantine(self, table: str, uids: Sequence[str]) -> int: ...
     def list_experiences(
         self,

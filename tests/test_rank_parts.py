@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from expbuf.client import BufferClient, NotFoundError, trxp
-from expbuf.client.schema.balance import parts
+from expbuf.client import BufferClient, InvalidArgumentError, NotFoundError, trxp
+from expbuf.client.schema.balance import COSTS, ModelShape, group_cost, parts, register_cost
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -122,16 +122,66 @@ def test_bad_part_requests_are_refused_by_name(client: BufferClient, stub: pb_gr
     _, batch = leased(client, "b")
     with pytest.raises(ValueError, match="rank 2 of 2"):
         client.read_part(batch.lease_id, 2, 2, ["tokens"], table="b")
-    with pytest.raises(ValueError, match="balance 'flops'"):
+    with pytest.raises(ValueError, match="balance 'flops' needs"):
         client.read_part(batch.lease_id, 0, 2, ["tokens"], table="b", balance="flops")
     cases = [
         (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, rank=0, ranks=0), "rank 0 of 0 ranks"),
         (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, rank=0, ranks=2, balance="x"), "balance 'x'"),
         (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, uids=["u"], ranks=1), "not both"),
         (pb.ReadFieldsRequest(table="b", lease_id="nope", ranks=1), "holds no lease"),
+        (pb.ReadFieldsRequest(table="b", lease_id=batch.lease_id, ranks=1, balance="flops"), "needs the model's shape"),
+        (
+            pb.ReadFieldsRequest(
+                table="b", lease_id=batch.lease_id, ranks=1, balance="flops", model=pb.ModelShape(params=1, layers=0)
+            ),
+            "a model's shape is positive numbers",
+        ),
     ]
     for request, words in cases:
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.ReadFields(request, timeout=10))
         assert words in refused.value.details(), refused.value.details()
     assert batch.ack() == 32  # the lease stood through the refusals
+
+
+def test_a_split_by_flops_weighs_long_runs_by_their_attention(client: BufferClient) -> None:
+    """balance="flops": 6 N L + 12 l h L^2 a run; a model whose attention dominates puts the
+    longest group alone on a rank where a split by tokens would not."""
+    lengths = [1000, 700, 400, 300]  # groups of one run each
+    model = ModelShape(params=1, layers=64, hidden=8192)
+    flops = [group_cost("flops", [length], model) for length in lengths]
+    assert flops[0] == 6 * 1000 + 12 * 64 * 8192 * 1000**2
+    assert parts(lengths, 2) == [[0, 3], [1, 2]]  # by tokens: 1300 and 1100
+    assert parts(flops, 2) == [[0], [1, 2, 3]]  # by FLOPs: the longest alone
+    made, batch = leased(client, "f")
+    by_flops = [
+        client.read_part(batch.lease_id, r, 2, ["tokens"], table="f", balance="flops", model=model) for r in range(2)
+    ]
+    assert sorted(uid for read in by_flops for uid in read.uids) == sorted(batch.uids)
+    groups = list(dict.fromkeys(batch.group_ids))
+    pairs = list(zip(batch.uids, batch.group_ids, strict=True))
+    weights = [
+        group_cost("flops", [int(made[u].tokens.numel()) for u, g in pairs if g == group], model) for group in groups
+    ]
+    want = parts(weights, 2)
+    assert [list(dict.fromkeys(read.group_ids)) for read in by_flops] == [[groups[i] for i in part] for part in want]
+    with pytest.raises(ValueError, match="needs the model's shape"):
+        client.read_part(batch.lease_id, 0, 2, ["tokens"], table="f", balance="flops")
+
+
+def test_a_cost_of_ones_own_is_one_registration(client: BufferClient) -> None:
+    """A cost registered under a name (here in the test's own process, which runs its server) is
+    what a request naming it splits by; a name twice is refused."""
+    register_cost("response_heavy", lambda length, model: length * length)
+    try:
+        _, batch = leased(client, "c")
+        reads = [
+            client.read_part(batch.lease_id, r, 2, ["tokens"], table="c", balance="response_heavy") for r in range(2)
+        ]
+        assert sorted(uid for read in reads for uid in read.uids) == sorted(batch.uids)
+        with pytest.raises(ValueError, match="registered already"):
+            register_cost("response_heavy", lambda length, model: length)
+    finally:
+        COSTS.pop("response_heavy")
+    with pytest.raises(InvalidArgumentError, match="balance 'response_heavy' is not one of"):
+        client.read_part(batch.lease_id, 0, 2, ["tokens"], table="c", balance="response_heavy")

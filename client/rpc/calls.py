@@ -35,7 +35,7 @@ from ..results import (
     TableInfo,
     TableStats,
 )
-from ..schema.balance import COSTS, MAX_RANKS
+from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..trxp.columns import Shares
@@ -266,22 +266,26 @@ def read_part(
     fields: Iterable[str],
     table: str,
     balance: str,
+    model: ModelShape | None,
     shares: tuple[int | Iterable[int], int],
     max_reply_bytes: int,
 ) -> Unary[FieldBatch]:
     """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
-    (schema/balance.py), `shares` as read_fields' (share, of); ValueError before the call for
-    what is not a part or a share."""
+    (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
+    `shares` as read_fields' (share, of); ValueError before the call for what is not a part or a
+    share."""
     if not lease_id:
         raise ValueError("lease_id: the part of a batch is named by its lease (batch.lease_id, a leased sample's)")
     if not 1 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} of {ranks}: ranks is 1 to {MAX_RANKS}, a rank 0 to ranks - 1")
-    if balance not in COSTS:
-        raise ValueError(f"balance {balance!r} is not one of {', '.join(COSTS)}")
+    if balance == "flops" and model is None:
+        raise ValueError("balance 'flops' needs the model's shape: model=ModelShape(params, layers, hidden)")
     request = pb.ReadFieldsRequest(
         table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
         max_reply_bytes=max_reply_bytes,
     )  # fmt: skip
+    if model is not None:
+        request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
     return _fields_call(request, *shares)
 
 

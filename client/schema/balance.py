@@ -10,18 +10,70 @@ against 0.2-3% for Karmarkar-Karp alone). It is deterministic (ties go by the gr
 every process that splits the same groups gets the same parts: a rank that dies and comes back
 reads its part again.
 
-A group's cost is what `COSTS` names: its tokens (every run's whole sequence), or its runs. The
-server reads each run's tokens from its stored header (ReadFields with a lease and a rank).
+A group's cost is the sum of its runs', each a function of the run's tokens (its whole sequence)
+named in `COSTS`: the tokens, 1 (a split by runs), or the FLOPs of a forward and backward pass
+over them for a model of a given shape. The server reads each run's tokens from its stored header
+(ReadFields with a lease and a rank). A cost of one's own is one `register_cost`.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-# What a group weighs, by the name a request gives: its runs' tokens, or its runs.
-COSTS = ("tokens", "count")
 MAX_RANKS = 1 << 16
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a FLOP estimate needs of the model: its parameters, layers and hidden size."""
+
+    params: int
+    layers: int
+    hidden: int
+
+    def __post_init__(self) -> None:
+        if min(self.params, self.layers, self.hidden) < 1:
+            raise ValueError(f"a model's shape is positive numbers, got {self}")
+
+
+# A run's cost from its tokens (and the model's shape, for the costs that need it).
+RunCost = Callable[[int, ModelShape | None], int]
+
+
+def _tokens(length: int, model: ModelShape | None) -> int:
+    return length
+
+
+def _runs(length: int, model: ModelShape | None) -> int:
+    return 1
+
+
+def _flops(length: int, model: ModelShape | None) -> int:
+    """6 N L + 12 l h L^2 for L tokens: the weights' matmuls, forward and backward (6 N a token),
+    and attention's scores and weighted values over the causal sequence (12 l h L^2)."""
+    if model is None:
+        raise ValueError("balance 'flops' needs the model's shape (params, layers, hidden)")
+    return 6 * model.params * length + 12 * model.layers * model.hidden * length * length
+
+
+# What a group weighs, by the name a request gives: the sum of its runs' costs.
+COSTS: dict[str, RunCost] = {"tokens": _tokens, "count": _runs, "flops": _flops}
+
+
+def register_cost(name: str, cost: RunCost) -> None:
+    """A run's cost of one's own under `name`, for the requests that name it (on the server: before
+    it serves)."""
+    if name in COSTS:
+        raise ValueError(f"a cost named {name!r} is registered already")
+    COSTS[name] = cost
+
+
+def group_cost(balance: str, lengths: Sequence[int], model: ModelShape | None = None) -> int:
+    """A group's cost by `balance` (a name in COSTS), its runs of `lengths` tokens."""
+    cost = COSTS[balance]
+    return sum(cost(length, model) for length in lengths)
 
 
 def parts(costs: Sequence[int], ranks: int) -> list[list[int]]:

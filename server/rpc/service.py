@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
-from expbuf.client.schema.balance import COSTS, MAX_RANKS
+from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.columns import Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -366,10 +366,18 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 f"ReadFieldsRequest: rank {request.rank} of {request.ranks} ranks; ranks is 1 to {MAX_RANKS} "
                 "and a rank is numbered 0 to ranks - 1"
             )
-        balance = request.balance or COSTS[0]
+        balance = request.balance or "tokens"
         if balance not in COSTS:
             raise InvalidRequest(f"ReadFieldsRequest: balance {clip(balance)!r} is not one of {', '.join(COSTS)}")
-        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance)
+        model = None
+        if request.HasField("model"):
+            try:
+                model = ModelShape(request.model.params, request.model.layers, request.model.hidden)
+            except ValueError as exc:
+                raise InvalidRequest(f"ReadFieldsRequest: model: {exc}") from None
+        if balance == "flops" and model is None:
+            raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
+        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model)
 
     @refusals
     def ListExperiences(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from expbuf.client.schema.balance import ModelShape
 from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 
@@ -354,9 +355,11 @@ class Store:
         the missing uids (Reads.fields); release the batch once its reply is built."""
         return self.reads.fields(table, uids, shares, whole=whole)
 
-    def lease_part(self, table: str, lease_id: str, rank: int, ranks: int, balance: str) -> list[str]:
+    def lease_part(
+        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+    ) -> list[str]:
         """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
-        return self.reads.part(table, lease_id, rank, ranks, balance)
+        return self.reads.part(table, lease_id, rank, ranks, balance, model)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

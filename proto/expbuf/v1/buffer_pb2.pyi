@@ -363,7 +363,7 @@ class GetReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadFieldsRequest(_message.Message):
-    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes", "lease_id", "rank", "ranks", "balance")
+    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes", "lease_id", "rank", "ranks", "balance", "model")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class ReadFieldsRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     BALANCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     table: str
     uids: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedScalarFieldContainer[str]
@@ -384,7 +385,18 @@ class ReadFieldsRequest(_message.Message):
     rank: int
     ranks: int
     balance: str
-    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., balance: _Optional[str] = ...) -> None: ...
+    model: ModelShape
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., balance: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ...) -> None: ...
+
+class ModelShape(_message.Message):
+    __slots__ = ("params", "layers", "hidden")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    params: int
+    layers: int
+    hidden: int
+    def __init__(self, params: _Optional[int] = ..., layers: _Optional[int] = ..., hidden: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "uids", "group_ids")

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from expbuf.client.schema.balance import ModelShape, group_cost
 from expbuf.client.schema.balance import parts as balance_parts
 from expbuf.client.trxp.build import stored_entries
 from expbuf.client.trxp.columns import Shares, token_count
@@ -38,6 +39,7 @@ from ..tables.leases import read_lease
 
 log = logging.getLogger("expbuf.store")
 MAX_SPLITS = 64  # the splits of leased steps kept, for their other ranks' reads
+SplitKey = tuple[int, str, int, str, ModelShape | None]  # a table, lease, ranks, balance and model
 
 
 class Reads:
@@ -54,7 +56,7 @@ class Reads:
     ) -> None:
         self.environment, self.catalog, self._quarantine, self.finish = environment, catalog, quarantine, finish
         self._lock = threading.Lock()
-        self._splits: dict[tuple[int, str, int, str], list[list[str]]] = {}  # the latest leases' splits, by group
+        self._splits: dict[SplitKey, list[list[str]]] = {}  # the latest leases' splits, by group
 
     def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
@@ -173,14 +175,16 @@ class Reads:
             self._quarantine(table, damaged)
         return batch, missing
 
-    def part(self, table: str, lease_id: str, rank: int, ranks: int, balance: str) -> list[str]:
+    def part(
+        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+    ) -> list[str]:
         """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
-        over `ranks` ranks by `balance` (schema/balance.py), in the lease's order; NotFound when
-        the table holds no such lease."""
+        over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"), in the lease's
+        order; NotFound when the table holds no such lease."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
-        key = (table_id, lease_id, ranks, balance)
+        key = (table_id, lease_id, ranks, balance, model)
         with self.environment.read() as txn:
             lease = read_lease(txn, db["leases"], lease_id)
             if lease is None or lease.table_id != table_id:
@@ -197,10 +201,9 @@ class Reads:
             with self._lock:
                 split = self._splits.get(key)
             if split is None:
+                blobs = db["blobs"]
                 costs = [
-                    len(members)
-                    if balance == "count"
-                    else sum(_tokens(txn.get(prefix + uid.encode(), db=db["blobs"])) for uid in members)
+                    group_cost(balance, [_tokens(txn.get(prefix + uid.encode(), db=blobs)) for uid in members], model)
                     for members in held.values()
                 ]
                 order = list(held)
