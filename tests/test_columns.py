@@ -242,3 +242,17 @@ def test_a_columnar_reply_in_protobufs_own_layout_reads_the_same(client: BufferC
     for name in FIELDS:
         assert torch.equal(in_place[name].values, parsed[name].values), name
         assert torch.equal(in_place[name].offsets, parsed[name].offsets), name
+
+
+def test_each_experiences_length_and_prompt_length_come_from_its_header(client: BufferClient) -> None:
+    """`length` and `prompt_length`: one int64 a experience, for packing micro-batches by tokens,
+    read from each stored header; asked for alone, the reply carries no tensor."""
+    made = {exp.eid.uid: exp for exp in pushed(client, "l")}
+    options = {"num_groups": 3, "delivery": "replay", "max_batches": 1, "timeout": 10}
+    (batch,) = client.sample("l", **options, fields=["length", "prompt_length"])
+    assert list(batch.columns) == ["length", "prompt_length"]
+    lengths, prompts = batch.columns["length"].values.tolist(), batch.columns["prompt_length"].values.tolist()
+    assert lengths == [made[uid].tokens.numel() for uid in batch.uids]
+    assert prompts == [made[uid].prompt_length for uid in batch.uids]
+    read = client.read_fields(batch.uids, ["tokens", "length"], table="l")  # beside a tensor, by ReadFields
+    assert read.columns["length"].values.tolist() == lengths

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from expbuf.client import BufferClient, InvalidArgumentError, NotFoundError, trxp
-from expbuf.client.schema.balance import COSTS, ModelShape, group_cost, parts, register_cost
+from expbuf.client.schema.balance import COSTS, MAX_RANKS, WORK, ModelShape, group_cost, parts, register_cost
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -51,6 +51,20 @@ def test_long_tailed_groups_balance_within_two_percent_of_the_ideal_at_eight_ran
     assert max(sum(costs[i] for i in part) for part in split) <= 1.02 * ideal
     by_count = [costs[rank::8] for rank in range(8)]
     assert max(map(sum, by_count)) > 1.1 * ideal  # what balancing saves here
+
+
+def test_a_step_too_large_for_karmarkar_karp_is_split_greedily_and_stays_balanced() -> None:
+    """Past WORK groups x ranks, Karmarkar-Karp's lists would cost gigabytes (a request may name
+    65,536 ranks): the heaviest group goes first onto the lightest rank, then moves refine it. More
+    ranks than groups: one group a rank at most, the rest empty."""
+    rng = random.Random(11)
+    costs = [rng.randint(1_000, 300_000) for _ in range(40_000)]
+    assert len(costs) * 64 > WORK
+    split = parts(costs, 64)
+    assert sorted(i for part in split for i in part) == list(range(len(costs)))
+    assert max(sum(costs[i] for i in part) for part in split) <= 1.001 * sum(costs) / 64
+    wide = parts(costs[:100], MAX_RANKS)
+    assert len(wide) == MAX_RANKS and all(len(part) == 1 for part in wide[:100]) and not any(wide[100:])
 
 
 def test_bad_splits_are_refused_by_name() -> None:

@@ -230,6 +230,8 @@ def test_a_share_of_a_large_experience_reads_only_its_chunks(tmp_path: Path) -> 
             half = slice(0, LENGTH // 2)
             assert torch.equal(read.columns["tokens"].tensors[0], exp.tokens[half])
             assert torch.equal(read.columns["routed_experts"].tensors[0], exp.routed_experts[half])
+            sizes = client.read_fields([uid], ["length", "prompt_length"], table="t").columns  # from its head alone
+            assert (sizes["length"].values.tolist(), sizes["prompt_length"].values.tolist()) == ([LENGTH], [PROMPT])
             with pytest.raises(DataLossError) as lost:
                 client.read_fields([uid], fields, table="t", share=1, of=2)
             assert lost.value.reason == Reason.DAMAGED and uid in str(lost.value) and "quarantined" in str(lost.value)

@@ -6,7 +6,9 @@ as a partial split with it alone on one rank, and the two splits that differ mos
 repeatedly, the heaviest rank of one with the lightest of the other, until one split is left;
 then groups are moved or swapped between the heaviest and the lightest rank while that brings
 them nearer (on long-tailed groups of 8 over 8 ranks: within 0.3% of the total over the ranks,
-against 0.2-3% for Karmarkar-Karp alone). It is deterministic (ties go by the groups' order), so
+against 0.2-3% for Karmarkar-Karp alone). A step of more than WORK groups x ranks (whose
+Karmarkar-Karp lists would take gigabytes) starts from the greedy split instead, the heaviest
+group onto the lightest rank. It is deterministic (ties go by the groups' order), so
 every process that splits the same groups gets the same parts: a rank that dies and comes back
 reads its part again.
 
@@ -23,6 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAX_RANKS = 1 << 16
+# The most groups x ranks a split works through with Karmarkar-Karp, or pairs of groups it tries
+# to swap; a larger step is split greedily, and only moves are tried.
+WORK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,15 @@ def parts(costs: Sequence[int], ranks: int) -> list[list[int]]:
         raise ValueError(f"ranks: {ranks}; a step is spread over 1 to {MAX_RANKS} ranks")
     if any(cost < 0 for cost in costs):
         raise ValueError("a group's cost is never negative")
+    used = max(1, min(ranks, len(costs)))  # more ranks than groups: the others get none
+    groups = _differenced(costs, used) if len(costs) * used <= WORK else _greedy(costs, used)
+    _refine(costs, groups)
+    split = sorted((sorted(found) for found in groups), key=lambda found: found[0] if found else len(costs))
+    return split + [[] for _ in range(ranks - used)]
+
+
+def _differenced(costs: Sequence[int], ranks: int) -> list[list[int]]:
+    """Karmarkar-Karp's split: its work and memory grow as groups x ranks."""
     # A partial split: (-(its largest load - its smallest), the order it was made in, its loads
     # from the largest down, each load's groups).
     heap: list[tuple[int, int, list[int], list[list[int]]]] = []
@@ -101,25 +115,35 @@ def parts(costs: Sequence[int], ranks: int) -> list[list[int]]:
         loads, groups = [load for load, _ in merged], [found for _, found in merged]
         heapq.heappush(heap, (-(loads[0] - loads[-1]), made, loads, groups))
         made += 1
-    if not heap:
-        return [[] for _ in range(ranks)]
-    _, _, _, groups = heap[0]
-    _refine(costs, groups)
-    return sorted((sorted(found) for found in groups), key=lambda found: found[0] if found else len(costs))
+    return heap[0][3] if heap else [[] for _ in range(ranks)]
+
+
+def _greedy(costs: Sequence[int], ranks: int) -> list[list[int]]:
+    """The heaviest group first, each onto the lightest rank: for a step too large for
+    Karmarkar-Karp's groups x ranks, in time that grows as groups x log ranks."""
+    heap = [(0, rank) for rank in range(ranks)]
+    groups: list[list[int]] = [[] for _ in range(ranks)]
+    for index in sorted(range(len(costs)), key=lambda at: (-costs[at], at)):
+        load, rank = heapq.heappop(heap)
+        groups[rank].append(index)
+        heapq.heappush(heap, (load + costs[index], rank))
+    return groups
 
 
 def _refine(costs: Sequence[int], groups: list[list[int]]) -> None:
     """Lower the heaviest rank's load where a group moved to the lightest rank, or a pair swapped
     between them, does so: Karmarkar-Karp leaves a few percent over the ideal on long-tailed
-    groups, most of which one such step between the two ends takes back."""
+    groups, most of which one such step between the two ends takes back. Pairs are tried only
+    where the two ranks' groups are few enough (WORK)."""
+    loads = [sum(costs[i] for i in found) for found in groups]
     for _ in range(2 * len(groups)):
-        loads = [sum(costs[i] for i in found) for found in groups]
         high = max(range(len(groups)), key=lambda rank: (loads[rank], -rank))
         low = min(range(len(groups)), key=lambda rank: (loads[rank], rank))
         gap = loads[high] - loads[low]
+        swaps = len(groups[high]) * len(groups[low]) <= WORK
         best, change = gap, None  # how far the shift leaves the two loads apart: the nearer, the better
         for i in groups[high]:
-            for j in [None, *groups[low]]:
+            for j in [None, *groups[low]] if swaps else [None]:
                 shift = costs[i] - (0 if j is None else costs[j])
                 if 0 < shift < gap and abs(gap - 2 * shift) < best:
                     best, change = abs(gap - 2 * shift), (i, j)
@@ -131,3 +155,6 @@ def _refine(costs: Sequence[int], groups: list[list[int]]) -> None:
         if j is not None:
             groups[low].remove(j)
             groups[high].append(j)
+        shift = costs[i] - (0 if j is None else costs[j])
+        loads[high] -= shift
+        loads[low] += shift

@@ -26,10 +26,11 @@ from .build import json_text, stored_entries, stored_tensors
 from .common import RawTensor
 from .pieces import Run, Section, Stored, cut, parts_of
 
-# Columns of one value per experience that the server keeps beside each experience's payload (in
-# its record), by name, with their dtype: an experience without one (no reward, no version) is
-# left out of its column.
-SCALARS = {"reward": "F64", "model_version": "I64", "response_length": "I64"}
+# Columns of one value per experience, by name, with their dtype: what the server keeps beside each
+# experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,
+# less its response), which a trainer packs micro-batches by: an experience without one (no
+# reward, no version, no tokens) is left out of its column.
+SCALARS = {"reward": "F64", "model_version": "I64", "response_length": "I64", "length": "I64", "prompt_length": "I64"}
 _PACK = {"F64": "<%dd", "I64": "<%dq"}
 # The tensors laid along an experience's response (its tokens after the prompt), as a stored
 # header writes their names.
@@ -64,8 +65,11 @@ class Shares:
         wrong = [share for share in self.take if share >= self.count]
         if wrong:
             raise ValueError(f"take: share {wrong[0]} of {self.count} (shares are numbered 0 to {self.count - 1})")
-        if len(set(self.take)) != len(self.take):
-            raise ValueError(f"take: share {next(s for s in self.take if self.take.count(s) > 1)} named twice")
+        seen: set[int] = set()
+        for share in self.take:
+            if share in seen:
+                raise ValueError(f"take: share {share} named twice")
+            seen.add(share)
 
     def positions(self, length: int) -> Rows:
         """The runs of positions of an experience of `length` tokens that the shares taken cover."""

@@ -316,25 +316,27 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
         experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
         uids = _ids(request.uids, "uids")
-        if request.lease_id:
-            uids = self._part(table, request, uids)
-        if len(set(uids)) != len(uids):
-            twice = next(uid for uid in uids if uids.count(uid) > 1)
-            raise InvalidRequest(f"uids: {clip(twice)!r} is named more than once")
+        seen: set[str] = set()
+        for uid in uids:
+            if uid in seen:
+                raise InvalidRequest(f"uids: {clip(uid)!r} is named more than once")
+            seen.add(uid)
         fields = tuple(request.fields)
         try:
             check_fields(fields)
             shares = Shares(request.shares, tuple(request.take)) if request.shares or request.take else None
         except (SpecError, ValueError) as exc:
             raise InvalidRequest(f"ReadFieldsRequest: {exc}") from None
+        if shares is not None and not fields:
+            raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
         if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
             raise InvalidRequest(
                 f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "
                 f"or at least {MIN_REPLY_BYTES}"
             )
         limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
-        if shares is not None and not fields:
-            raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
+        if request.lease_id:
+            uids = self._part(table, request, uids)
         batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
         try:
             yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import lmdb
 
 from expbuf.client.trxp.build import json_text, stored_entries
-from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.columns import Shares, token_count
 from expbuf.client.trxp.common import HEADER, HEADER_SIZE
 from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of
 
@@ -252,6 +252,11 @@ class Deferred:
         self.uid, self._head, self._key, self.digest, self.size, self._chunk = uid, head, key, digest, size, chunk
         self._copied: list[Run | None] | None = None  # the chunks, once detached
 
+    @property
+    def head(self) -> Head:
+        """Its head as stored: what it holds, before its chunks are read."""
+        return self._head
+
     def _get(self, index: int) -> Run | None:
         if self._copied is not None:
             return self._copied[index]
@@ -319,6 +324,21 @@ def checked(
         blob.resolve(fields, shares, responses[at] if shares is not None else 0) if isinstance(blob, Deferred) else blob
         for at, blob in enumerate(blobs)
     ]
+
+
+def token_length(blob: Stored | Deferred) -> int | None:
+    """How many tokens a stored experience has, from its safetensors header alone (a deferred
+    one's head): None without tokens, or where the header cannot be read (damage, which its
+    read check finds)."""
+    try:
+        if isinstance(blob, Deferred):
+            _, header, _, _ = parts_of(SplitPayload(blob.head.prefix, []))
+            length = blob.head.section_len
+        else:
+            _, header, _, length = parts_of(blob)
+        return token_count(stored_entries(header, length))
+    except (ValueError, struct.error):
+        return None
 
 
 def taken(

@@ -15,7 +15,7 @@ from expbuf.client.trxp.pieces import Stored
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from . import digests
-from .chunked import Deferred, checked
+from .chunked import Deferred, checked, token_length
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .stored_advantages import Advantage, Stage, batch_columns, batch_parts
@@ -175,17 +175,24 @@ class Sampled:
         whose bytes are valid only during the call, as render's are. The batch stage runs first."""
         self.finish()
         tensors = [name for name in fields if name not in SCALARS]
-        scalars: dict[str, Sequence[float | int | None]] = {
-            "reward": self.rewards,
-            "model_version": self.versions,
-            "response_length": self.response_lengths,
-        }
-        kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
-        ones = [column for column in kept if column is not None]
-        if not tensors:
-            return build(ones)
 
         def made() -> list[ColumnParts]:
+            scalars: dict[str, Sequence[float | int | None]] = {
+                "reward": self.rewards,
+                "model_version": self.versions,
+                "response_length": self.response_lengths,
+            }
+            if {"length", "prompt_length"} & set(fields):  # from each stored header, for a trainer's packing
+                lengths = [token_length(blob) for blob in self.blobs]
+                scalars["length"] = lengths
+                scalars["prompt_length"] = [
+                    None if length is None else length - response
+                    for length, response in zip(lengths, self.response_lengths, strict=True)
+                ]
+            kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
+            ones = [column for column in kept if column is not None]
+            if not tensors:
+                return ones
             blobs = checked(self.blobs, tensors, self.shares, self.response_lengths)
             columns = batch_columns(blobs, self.advantages, tensors, self.shares, self.response_lengths)
             return in_order([*columns, *ones], fields)
