@@ -75,7 +75,14 @@ class Backend(Protocol):
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
     ) -> tuple[Sampled, list[str]]: ...
     def lease_part(
-        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+        self,
+        table: str,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        balance: str,
+        model: ModelShape | None = None,
+        owner: str = "",
     ) -> list[str]: ...
     def quarantine(self, table: str, uids: Sequence[str]) -> int: ...
     def list_experiences(

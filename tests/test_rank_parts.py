@@ -11,11 +11,13 @@ import grpc
 import pytest
 import torch
 
-from expbuf.client import BufferClient, InvalidArgumentError, NotFoundError, trxp
+from expbuf.client import BufferClient, InvalidArgumentError, NotFoundError, PermissionDeniedError, trxp
 from expbuf.client.schema.balance import COSTS, MAX_RANKS, WORK, ModelShape, group_cost, parts, register_cost
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+
+from conftest import Servers
 
 
 def optimum(costs: list[int], ranks: int) -> int:
@@ -199,3 +201,16 @@ def test_a_cost_of_ones_own_is_one_registration(client: BufferClient) -> None:
         COSTS.pop("response_heavy")
     with pytest.raises(InvalidArgumentError, match="balance 'response_heavy' is not one of"):
         client.read_part(batch.lease_id, 0, 2, ["tokens"], table="c", balance="response_heavy")
+
+
+def test_with_tokens_on_only_the_token_that_leased_a_step_reads_its_parts(start_server: Servers) -> None:
+    """As Ack and Renew are: a lease is bound to the token that took it."""
+    server = start_server(tokens={"a": frozenset({"push", "sample", "admin"}), "b": frozenset({"push", "sample"})})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="a", timeout=10) as a, BufferClient(target, token="b", timeout=10) as b:
+        _, batch = leased(a, "o")
+        with pytest.raises(PermissionDeniedError, match="taken with another token"):
+            b.read_part(batch.lease_id, 0, 2, ["tokens"], table="o")
+        mine = [a.read_part(batch.lease_id, rank, 2, ["tokens"], table="o") for rank in range(2)]
+        assert sorted(uid for read in mine for uid in read.uids) == sorted(batch.uids)
+        assert batch.ack() == 32

@@ -336,7 +336,7 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
             )
         limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
         if request.lease_id:
-            uids = self._part(table, request, uids)
+            uids = self._part(table, request, uids, context)
         batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
         try:
             yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
@@ -359,7 +359,9 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 Reason.DAMAGED,
             )
 
-    def _part(self, table: str, request: pb.ReadFieldsRequest, uids: list[str]) -> list[str]:
+    def _part(
+        self, table: str, request: pb.ReadFieldsRequest, uids: list[str], context: grpc.ServicerContext
+    ) -> list[str]:
         """The uids of the rank's part of a leased step that a ReadFields names by lease."""
         if uids:
             raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
@@ -379,7 +381,8 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 raise InvalidRequest(f"ReadFieldsRequest: model: {exc}") from None
         if balance == "flops" and model is None:
             raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
-        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model)
+        owner = self._owner(context)
+        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model, owner)
 
     @refusals
     def ListExperiences(

@@ -356,10 +356,17 @@ class Store:
         return self.reads.fields(table, uids, shares, whole=whole)
 
     def lease_part(
-        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+        self,
+        table: str,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        balance: str,
+        model: ModelShape | None = None,
+        owner: str = "",
     ) -> list[str]:
         """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
-        return self.reads.part(table, lease_id, rank, ranks, balance, model)
+        return self.reads.part(table, lease_id, rank, ranks, balance, model, owner)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

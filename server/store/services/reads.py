@@ -31,7 +31,7 @@ from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
-from ..schema.errors import NotFound, clip
+from ..schema.errors import Forbidden, NotFound, clip
 from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
@@ -176,11 +176,19 @@ class Reads:
         return batch, missing
 
     def part(
-        self, table: str, lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None = None
+        self,
+        table: str,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        balance: str,
+        model: ModelShape | None = None,
+        owner: str = "",
     ) -> list[str]:
         """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
         over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"), in the lease's
-        order; NotFound when the table holds no such lease."""
+        order; NotFound when the table holds no such lease, Forbidden when another token than
+        `owner`'s took it (with tokens on, as Ack and Renew check it)."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
@@ -192,6 +200,8 @@ class Reads:
                     f"table '{table}' holds no lease {clip(lease_id)!r}: acked, given back, expired, or never "
                     "taken; sample the step again"
                 )
+            if lease.owner != owner:
+                raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
             held: dict[str, list[str]] = {}  # the lease's groups it still holds, and their runs
             for gkey in lease.groups:
                 raw = txn.get(prefix + gkey.encode(), db=db["groups"])
