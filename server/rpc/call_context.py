@@ -8,16 +8,17 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import grpc
 
+from expbuf.client import trxp
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..store.schema.errors import StoreError, clip
+from ..store.schema.errors import InvalidRequest, StoreError, clip
 from .interceptor import refuse
 
 log = logging.getLogger("expbuf.service")
@@ -133,3 +134,14 @@ def room_wait(context: grpc.ServicerContext, most: float) -> tuple[float, str]:
 def noted(refusal: StoreError, note: str) -> StoreError:
     """`refusal`, with `note` after its message (a refusal of its class made anew) if there is one."""
     return type(refusal)(f"{refusal}{note}") if note else refusal
+
+
+def ids_of(values: Iterable[str], what: str) -> list[str]:
+    """Uids or group ids of a request: each non-empty and no longer than a stored one can be."""
+    ids = list(values)
+    for value in ids:
+        if not value or len(value.encode()) > trxp.MAX_UID_BYTES:
+            raise InvalidRequest(
+                f"{what}: {clip(value)!r} is not an id (ids are 1 to {trxp.MAX_UID_BYTES} bytes of UTF-8)"
+            )
+    return ids

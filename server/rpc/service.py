@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -18,9 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
-from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
 from expbuf.client.schema.reasons import Reason
-from expbuf.client.trxp.columns import Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
@@ -30,11 +28,20 @@ from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
 from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
-from ..store.schema.sample_spec import SampleSpec, check_fields
-from ..store.schema.states import LIVE
+from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
-from .call_context import CALL_TABLE, MIN_REPLY_BYTES, RefusalLog, max_wait_note, noted, refusals, remaining, room_wait
+from .call_context import (
+    CALL_TABLE,
+    MIN_REPLY_BYTES,
+    RefusalLog,
+    ids_of,
+    max_wait_note,
+    noted,
+    refusals,
+    remaining,
+    room_wait,
+)
 from .draining import Draining
 from .inflight import PushMessage
 from .ingest import Ingest
@@ -42,7 +49,8 @@ from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
-from .replies import ReplyTooLarge, fields_reply, sample_reply
+from .read_service import ReadCalls
+from .replies import ReplyTooLarge, sample_reply
 from .sample_stream import stream_batches
 from .writers import Writers
 
@@ -96,21 +104,7 @@ def _unknown_fields(message: Any) -> list[int]:
     return [fields[i].field_number for i in range(len(fields))]
 
 
-MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
-
-
-def _ids(values: Iterable[str], what: str) -> list[str]:
-    """Uids or group ids of a request: each non-empty and no longer than a stored one can be."""
-    ids = list(values)
-    for value in ids:
-        if not value or len(value.encode()) > trxp.MAX_UID_BYTES:
-            raise InvalidRequest(
-                f"{what}: {clip(value)!r} is not an id (ids are 1 to {trxp.MAX_UID_BYTES} bytes of UTF-8)"
-            )
-    return ids
-
-
-class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
         store: Backend,
@@ -252,13 +246,8 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
                 confirm_seconds=self.max_confirm_seconds,
             )
         except DamagedPayload as exc:  # found as its reply was built: the batch went back unsent
-            self.store.quarantine(spec.table, [exc.uid])
-            refuse(
-                context,
-                grpc.StatusCode.DATA_LOSS,
-                f"table '{spec.table}': {exc}: it is quarantined, never to be served (its group fails), and "
-                "the rest of its batch went back to the buffer; sample again",
-                Reason.DAMAGED,
+            self._refuse_damaged(
+                context, spec.table, exc, ", and the rest of its batch went back to the buffer; sample again"
             )
         finally:
             self.table_streams.leave(spec.table)
@@ -300,129 +289,20 @@ class ExperienceBufferService(LedgerCalls, pb_grpc.ExperienceBufferServicer):
 
     @refusals
     def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
-        groups = _ids(request.group_ids, "group_ids")
+        groups = ids_of(request.group_ids, "group_ids")
         return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
 
     # ---- admin -------------------------------------------------------------------
 
     @refusals
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        payload, missing = self.store.get_payload(request.table or "default", _ids(request.uids, "uids"))
-        return pb.GetReply(payload=payload, missing_uids=missing)
-
-    @refusals
-    def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Some fields of named experiences as one columnar SampleReply, or without fields the
-        experiences' TRXP payload (as Get's), in parts when large."""
-        table = request.table or "default"
-        uids = _ids(request.uids, "uids")
-        seen: set[str] = set()
-        for uid in uids:
-            if uid in seen:
-                raise InvalidRequest(f"uids: {clip(uid)!r} is named more than once")
-            seen.add(uid)
-        fields = tuple(request.fields)
-        try:
-            check_fields(fields)
-            shares = Shares(request.shares, tuple(request.take)) if request.shares or request.take else None
-        except (SpecError, ValueError) as exc:
-            raise InvalidRequest(f"ReadFieldsRequest: {exc}") from None
-        if shares is not None and not fields:
-            raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
-        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
-            raise InvalidRequest(
-                f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "
-                f"or at least {MIN_REPLY_BYTES}"
-            )
-        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
-        if request.lease_id:
-            uids = self._part(table, request, uids, context)
-        batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
-        try:
-            yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
-        except ReplyTooLarge as exc:
-            refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the fields read from table '{table}' take {exc.args[0]} bytes, more than one message (the "
-                f"server's max_message_bytes = {self.max_message_bytes}), and this client sent no max_reply_bytes, "
-                "so it cannot take them in parts: read fewer experiences or fields, or set max_reply_bytes",
-                Reason.TOO_LARGE,
-            )
-        except DamagedPayload as exc:  # found as its reply was built
-            self.store.quarantine(table, [exc.uid])
-            refuse(
-                context,
-                grpc.StatusCode.DATA_LOSS,
-                f"table '{table}': {exc}: it is quarantined, never to be served (its group fails); read again "
-                "for the others",
-                Reason.DAMAGED,
-            )
-
-    def _part(
-        self, table: str, request: pb.ReadFieldsRequest, uids: list[str], context: grpc.ServicerContext
-    ) -> list[str]:
-        """The uids of the rank's part of a leased step that a ReadFields names by lease."""
-        if uids:
-            raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
-        if not 1 <= request.ranks <= MAX_RANKS or request.rank >= request.ranks:
-            raise InvalidRequest(
-                f"ReadFieldsRequest: rank {request.rank} of {request.ranks} ranks; ranks is 1 to {MAX_RANKS} "
-                "and a rank is numbered 0 to ranks - 1"
-            )
-        balance = request.balance or "tokens"
-        if balance not in COSTS:
-            raise InvalidRequest(f"ReadFieldsRequest: balance {clip(balance)!r} is not one of {', '.join(COSTS)}")
-        model = None
-        if request.HasField("model"):
-            try:
-                model = ModelShape(request.model.params, request.model.layers, request.model.hidden)
-            except ValueError as exc:
-                raise InvalidRequest(f"ReadFieldsRequest: model: {exc}") from None
-        if balance == "flops" and model is None:
-            raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
-        owner = self._owner(context)
-        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model, owner)
-
-    @refusals
-    def ListExperiences(
-        self, request: pb.ListExperiencesRequest, context: grpc.ServicerContext
-    ) -> pb.ListExperiencesReply:
-        unknown = sorted(set(request.states) - set(LIVE))
-        if unknown:
-            raise InvalidRequest(f"states: {clip(unknown[0])!r} is not a live state ({', '.join(LIVE)})")
-        if request.limit > MAX_LIST_PAGE:
-            raise InvalidRequest(f"limit: {request.limit} is above the page limit of {MAX_LIST_PAGE}")
-        found = self.store.list_experiences(
-            request.table or "default",
-            states=list(request.states),
-            min_version=request.min_model_version if request.HasField("min_model_version") else None,
-            max_version=request.max_model_version if request.HasField("max_model_version") else None,
-            after=request.after,
-            limit=request.limit or 1000,
-        )
-        listed = [
-            pb.ListedExperience(
-                uid=item.uid,
-                group_id=item.group,
-                state=item.state,
-                model_version=item.version,
-                reward=item.reward,
-                times_sampled=item.times_sampled,
-            )
-            for item in found.items
-        ]
-        return pb.ListExperiencesReply(experiences=listed, next=found.next, done=found.done)
-
-    @refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         table = request.table or "default"
-        deleted = self.store.delete(table, _ids(request.uids, "uids"), _ids(request.group_ids, "group_ids"))
+        deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
     @refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
-        (group_id,) = _ids([request.group_id], "group_id")
+        (group_id,) = ids_of([request.group_id], "group_id")
         return pb.SealReply(size=self.store.seal(request.table or "default", group_id))
 
     @refusals

@@ -326,15 +326,24 @@ def checked(
     ]
 
 
-def token_length(blob: Stored | Deferred) -> int | None:
-    """How many tokens a stored experience has, from its safetensors header alone (a deferred
-    one's head): None without tokens, or where the header cannot be read (damage, which its
-    read check finds)."""
+def token_length(blob: Stored | Deferred | None) -> int | None:
+    """How many tokens a stored experience has, from its safetensors header alone: a deferred
+    one's head, or a stored value (a head, for one stored in chunks, or the payload). None
+    without tokens, or where the header cannot be read (damage, which its read check finds)."""
     try:
+        if blob is None:
+            return None
         if isinstance(blob, Deferred):
-            _, header, _, _ = parts_of(SplitPayload(blob.head.prefix, []))
-            length = blob.head.section_len
+            head: Head | None = blob.head
+        elif not isinstance(blob, SplitPayload) and len(blob) >= _FRAME.size and is_head(blob):
+            head = read_head(blob)
         else:
+            head = None
+        if head is not None:
+            _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
+            length = head.section_len
+        else:
+            assert not isinstance(blob, Deferred)
             _, header, _, length = parts_of(blob)
         return token_count(stored_entries(header, length))
     except (ValueError, struct.error):

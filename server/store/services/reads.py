@@ -9,17 +9,14 @@ transaction, through `quarantine`) and left out, as is an experience that cannot
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 
 from expbuf.client.schema.balance import ModelShape, group_cost
 from expbuf.client.schema.balance import parts as balance_parts
-from expbuf.client.trxp.build import stored_entries
-from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.pieces import SplitPayload, Stored, parts_of, whole
+from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.pieces import Stored, whole
 
 from ..disk import chunked, layout
 from ..disk.batch_rows import BatchRows
@@ -213,7 +210,9 @@ class Reads:
             if split is None:
                 blobs = db["blobs"]
                 costs = [
-                    group_cost(balance, [_tokens(txn.get(prefix + uid.encode(), db=blobs)) for uid in members], model)
+                    group_cost(
+                        balance, [_tokens_of(txn.get(prefix + uid.encode(), db=blobs)) for uid in members], model
+                    )
                     for members in held.values()
                 ]
                 order = list(held)
@@ -238,18 +237,6 @@ def _servable(table: str, call: str, problem: Unservable | None, missing: list[s
     return False
 
 
-def _tokens(value: bytes | None) -> int:
-    """The tokens of a stored experience, from its header (a head's, for one stored in chunks);
-    0 for one that cannot be read, which its read then finds."""
-    if value is None:
-        return 0
-    try:
-        if chunked.is_head(value):
-            head = chunked.read_head(value)
-            _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
-            length = head.section_len
-        else:
-            _, header, _, length = parts_of(value)
-        return token_count(stored_entries(header, length)) or 0
-    except (ValueError, struct.error, TrxpError):
-        return 0
+def _tokens_of(value: bytes | None) -> int:
+    """A stored value's tokens for a split's cost: 0 for one that cannot be read, which its read finds."""
+    return chunked.token_length(value) or 0

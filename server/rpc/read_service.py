@@ -1,0 +1,148 @@
+"""The service's reads of named experiences: Get, ReadFields (fields, shares of tokens, a rank's
+part of a leased step, or the experiences whole, in parts) and ListExperiences, mixed into the
+servicer (rpc/service.py), which provides the store, its largest message and the caller's token
+fingerprint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
+from expbuf.client.schema.reasons import Reason
+from expbuf.client.trxp.columns import Shares
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from ..backend import Backend
+from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, clip
+from ..store.schema.sample_spec import check_fields
+from ..store.schema.states import LIVE
+from .call_context import MIN_REPLY_BYTES, ids_of, refusals
+from .interceptor import refuse
+from .replies import ReplyTooLarge, fields_reply
+
+MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
+
+
+class ReadCalls:
+    """Get, ReadFields and ListExperiences."""
+
+    store: Backend
+    max_message_bytes: int
+
+    def _owner(self, context: grpc.ServicerContext) -> str:
+        raise NotImplementedError
+
+    def _refuse_damaged(self, context: grpc.ServicerContext, table: str, exc: DamagedPayload, then: str) -> None:
+        """Quarantine an experience found damaged as a reply was built, and end the call
+        DATA_LOSS naming it; `then` ends the message: what became of the rest, what to do next."""
+        self.store.quarantine(table, [exc.uid])
+        refuse(
+            context,
+            grpc.StatusCode.DATA_LOSS,
+            f"table '{table}': {exc}: it is quarantined, never to be served (its group fails){then}",
+            Reason.DAMAGED,
+        )
+
+    @refusals
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
+        payload, missing = self.store.get_payload(request.table or "default", ids_of(request.uids, "uids"))
+        return pb.GetReply(payload=payload, missing_uids=missing)
+
+    @refusals
+    def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Some fields of named experiences as one columnar SampleReply, or without fields the
+        experiences' TRXP payload (as Get's), in parts when large."""
+        table = request.table or "default"
+        uids = ids_of(request.uids, "uids")
+        seen: set[str] = set()
+        for uid in uids:
+            if uid in seen:
+                raise InvalidRequest(f"uids: {clip(uid)!r} is named more than once")
+            seen.add(uid)
+        fields = tuple(request.fields)
+        try:
+            check_fields(fields)
+            shares = Shares(request.shares, tuple(request.take)) if request.shares or request.take else None
+        except (SpecError, ValueError) as exc:
+            raise InvalidRequest(f"ReadFieldsRequest: {exc}") from None
+        if shares is not None and not fields:
+            raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
+        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
+            raise InvalidRequest(
+                f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "
+                f"or at least {MIN_REPLY_BYTES}"
+            )
+        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
+        if request.lease_id:
+            uids = self._part(table, request, uids, context)
+        batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
+        try:
+            yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
+        except ReplyTooLarge as exc:
+            refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the fields read from table '{table}' take {exc.args[0]} bytes, more than one message (the "
+                f"server's max_message_bytes = {self.max_message_bytes}), and this client sent no max_reply_bytes, "
+                "so it cannot take them in parts: read fewer experiences or fields, or set max_reply_bytes",
+                Reason.TOO_LARGE,
+            )
+        except DamagedPayload as exc:  # found as its reply was built
+            self._refuse_damaged(context, table, exc, "; read again for the others")
+
+    def _part(
+        self, table: str, request: pb.ReadFieldsRequest, uids: list[str], context: grpc.ServicerContext
+    ) -> list[str]:
+        """The uids of the rank's part of a leased step that a ReadFields names by lease."""
+        if uids:
+            raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
+        if not 1 <= request.ranks <= MAX_RANKS or request.rank >= request.ranks:
+            raise InvalidRequest(
+                f"ReadFieldsRequest: rank {request.rank} of {request.ranks} ranks; ranks is 1 to {MAX_RANKS} "
+                "and a rank is numbered 0 to ranks - 1"
+            )
+        balance = request.balance or "tokens"
+        if balance not in COSTS:
+            raise InvalidRequest(f"ReadFieldsRequest: balance {clip(balance)!r} is not one of {', '.join(COSTS)}")
+        model = None
+        if request.HasField("model"):
+            try:
+                model = ModelShape(request.model.params, request.model.layers, request.model.hidden)
+            except ValueError as exc:
+                raise InvalidRequest(f"ReadFieldsRequest: model: {exc}") from None
+        if balance == "flops" and model is None:
+            raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
+        owner = self._owner(context)
+        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model, owner)
+
+    @refusals
+    def ListExperiences(
+        self, request: pb.ListExperiencesRequest, context: grpc.ServicerContext
+    ) -> pb.ListExperiencesReply:
+        unknown = sorted(set(request.states) - set(LIVE))
+        if unknown:
+            raise InvalidRequest(f"states: {clip(unknown[0])!r} is not a live state ({', '.join(LIVE)})")
+        if request.limit > MAX_LIST_PAGE:
+            raise InvalidRequest(f"limit: {request.limit} is above the page limit of {MAX_LIST_PAGE}")
+        found = self.store.list_experiences(
+            request.table or "default",
+            states=list(request.states),
+            min_version=request.min_model_version if request.HasField("min_model_version") else None,
+            max_version=request.max_model_version if request.HasField("max_model_version") else None,
+            after=request.after,
+            limit=request.limit or 1000,
+        )
+        listed = [
+            pb.ListedExperience(
+                uid=item.uid,
+                group_id=item.group,
+                state=item.state,
+                model_version=item.version,
+                reward=item.reward,
+                times_sampled=item.times_sampled,
+            )
+            for item in found.items
+        ]
+        return pb.ListExperiencesReply(experiences=listed, next=found.next, done=found.done)
