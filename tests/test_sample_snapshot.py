@@ -221,3 +221,59 @@ def test_a_reply_in_parts_is_the_same_bytes_when_its_snapshot_ends_between_parts
         return bytes(done.payload) + done.rest.SerializeToString() + bytes(b"".join(done.values or ()))
 
     assert reply(detach=True) == reply(detach=False)
+
+
+def test_the_writer_does_not_wait_for_a_reply_built_from_the_oldest_snapshot(store: Store) -> None:
+    """One snapshot too many detaches the oldest; while the oldest's reply is being built
+    (its reading held), the writer marks it instead of waiting, and the reader detaches it
+    as its reading ends, its batch still readable and whole."""
+    groups = [group_items(1, task, 2) for task in range(MAX_SNAPSHOTS + 1)]
+    for items in groups:
+        store.put("plain", items)
+    held = [take(store, "plain", num_groups=1) for _ in groups[:MAX_SNAPSHOTS]]
+    oldest = held[0]
+    reading, done = threading.Event(), threading.Event()
+
+    def build_reply() -> None:
+        oldest.read(lambda: (reading.set(), done.wait(30)))
+
+    builder = threading.Thread(target=build_reply)
+    builder.start()
+    assert reading.wait(30)
+    taken: list[object] = []
+    taker = threading.Thread(target=lambda: taken.append(take(store, "plain", num_groups=1)))
+    taker.start()
+    taker.join(30)
+    try:
+        assert taken, "the writer waited for a reply being built"
+        assert oldest.snapshot.open  # still being read
+    finally:
+        done.set()
+        builder.join(30)
+    assert not oldest.snapshot.open  # detached as its reading ended
+    assert trxp.parse(oldest.payload) == stored(groups[0])
+    assert sum(batch.snapshot.open for batch in [*held, *taken]) == MAX_SNAPSHOTS
+
+
+def test_a_read_whose_snapshot_ends_before_it_begins_opens_another(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ReadFields opens its snapshot in the writer and reads it on its own thread; between the
+    two, later reads may have ended it (too many open). The read is made from a fresh one."""
+    items = group_items(1, 0, 2)
+    store.put("plain", items)
+    opened = store.environment.snapshot
+    ended = []
+
+    def ended_at_first() -> object:
+        snapshot = opened()
+        if not ended:
+            snapshot.detach()
+            ended.append(snapshot)
+        return snapshot
+
+    monkeypatch.setattr(store.environment, "snapshot", ended_at_first)
+    batch, missing = store.read_fields("plain", [item.uid for item in items], whole=True)
+    assert ended and not ended[0].open and missing == []
+    assert trxp.parse(batch.payload) == stored(items)
+    batch.release()

@@ -332,12 +332,15 @@ class Environment:
     def snapshot(self) -> Snapshot:
         """A read transaction of the last committed state whose values are views into the
         map, open until released (snapshot.py). For the writer thread, while it takes a
-        batch: at most MAX_SNAPSHOTS stay open, opening another detaches the oldest."""
+        batch: at most MAX_SNAPSHOTS stay open, opening another detaches the oldest, or, for
+        one whose reply is being built, has its reader detach it as it ends, so that the writer
+        never waits for a reply (one more per reply being built may stay open until then)."""
         live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
-        while len(live) >= MAX_SNAPSHOTS:
-            oldest = live.pop(0)()
+        for ref in live[: max(0, len(live) + 1 - MAX_SNAPSHOTS)]:
+            oldest = ref()
             if oldest is not None:
-                oldest.detach()
+                oldest.detach(wait=False)
+        live = [ref for ref in live if (snap := ref()) is not None and snap.open]
         self._enter_reader()
         try:
             snap = Snapshot(self.env.begin(buffers=True), self._leave_reader)

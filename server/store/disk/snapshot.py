@@ -6,8 +6,10 @@ snapshot (a read transaction opened while the batch is taken, so it sees the las
 committed state) they are memoryviews into the map, copied once, into the reply. The
 views are valid only while the snapshot's transaction is open: they are used under its
 lock (`reading`), and the transaction ends when the batch is released, when it is
-garbage, or when the environment must end it (a map resize or a close: `detach` then
-copies the views first, so the batch stays readable).
+garbage, or when the environment must end it (a map resize or a close, or too many open:
+`detach` then copies the views first, so the batch stays readable). The writer that opens
+one too many does not wait for a reply being built from the oldest: it marks it, and the
+reply's thread detaches it as its reading ends.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Snapshot:
         self._lock = threading.Lock()
         self._held: list[list[Any]] = []
         self._released = False
+        self._detach_asked = False  # by a writer that found it being read
 
     @property
     def open(self) -> bool:
@@ -66,16 +69,34 @@ class Snapshot:
         with self._lock:
             if self._released:
                 raise StoreError("the batch's payload was released once its reply was built")
-            yield
+            try:
+                yield
+            finally:
+                if self._detach_asked:
+                    self._detach()
 
-    def detach(self) -> None:
-        """Copy every view still held, then end the transaction."""
-        with self._lock:
-            if self._txn is None:
+    def detach(self, wait: bool = True) -> None:
+        """Copy every view still held, then end the transaction; without `wait`, a snapshot
+        being read is detached by its reader as the reading ends (or, should that reading be
+        ending as this asks, by the next call)."""
+        if wait:
+            self._lock.acquire()
+        else:
+            self._detach_asked = True
+            if not self._lock.acquire(blocking=False):
                 return
-            for values in self._held:
-                values[:] = [_owned(v) for v in values]
-            self._end()
+        try:
+            self._detach()
+        finally:
+            self._lock.release()
+
+    def _detach(self) -> None:
+        self._detach_asked = False
+        if self._txn is None:
+            return
+        for values in self._held:
+            values[:] = [_owned(v) for v in values]
+        self._end()
 
     def release(self) -> None:
         """End the transaction without copying: the views are dropped, not to be read again."""

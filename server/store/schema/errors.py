@@ -150,6 +150,13 @@ class SampleLimited(StoreError):
     reason = Reason.RATE_LIMITED
 
 
+class Busy(StoreError):
+    """A read that more reads at once kept from holding a snapshot: nothing was done; read again."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = Reason.BUSY
+
+
 class IndexNotReady(StoreError):
     """A request that reads an index its table is still building in the background
     (index_builds.py), whose wait ended before the build did: asked again later, it is served."""

@@ -24,17 +24,19 @@ from ..disk.chunked import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
+from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
-from ..schema.errors import Forbidden, NotFound, clip
+from ..schema.errors import Busy, Forbidden, NotFound, clip
 from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
 from ..tables.leases import read_lease
 
 log = logging.getLogger("expbuf.store")
+OPEN_TRIES = 8  # read snapshots a ReadFields opens, each ended by later reads before it began
 MAX_SPLITS = 64  # the splits of leased steps kept, for their other ranks' reads
 SplitKey = tuple[int, str, int, str, ModelShape | None]  # a table, lease, ranks, balance and model
 
@@ -129,48 +131,65 @@ class Reads:
         one stored in chunks and read for some fields is read, and checked, where the reply is
         built, for only what the reply reads (chunked.Deferred), the others here, and a damaged
         one quarantined and listed as missing, as Get lists it."""
+        for _ in range(OPEN_TRIES):
+            snapshot = self.environment.submit(lambda _: self.environment.snapshot())  # snapshots open in the writer
+            try:
+                read = self._fields_from(snapshot, table, uids, shares, whole)
+            except BaseException:
+                snapshot.release()
+                raise
+            if read is not None:
+                batch, missing, damaged = read
+                if damaged:
+                    self._quarantine(table, damaged)
+                return batch, missing
+        raise Busy(
+            f"table '{table}': ReadFields could not hold a read snapshot: {OPEN_TRIES} in a row were ended by "
+            "later reads before this one began; too many reads at once, read again"
+        )
+
+    def _fields_from(
+        self, snapshot: Snapshot, table: str, uids: Sequence[str], shares: Shares | None, whole: bool
+    ) -> tuple[Sampled, list[str], list[str]] | None:
+        """`fields` read from one snapshot, and the damaged uids; None if the snapshot was ended
+        (detached by the writer, as too many were open) before this began to read it."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
-        snapshot = self.environment.submit(lambda _: self.environment.snapshot())  # snapshots open in the writer
         batch = Sampled(uids=[], group_ids=[], blobs=[], snapshot=snapshot, shares=shares)
         missing: list[str] = []
         damaged: list[str] = []
-        try:
-            with snapshot.reading():
-                rows = BatchRows(snapshot, db["adv"], config, self.finish)
-                snapshot.hold(rows.blobs)
-                for uid in uids:
-                    key = prefix + uid.encode()
-                    value = snapshot.get(key, db["blobs"])
-                    if value is None:
-                        missing.append(uid)
-                        continue
-                    record = snapshot.get(key, db["items"])
-                    if record is None:
-                        raise not_stored("experience", uid)
-                    rec = ItemRecord.decode(record)
-                    chunk = partial(snapshot.get, db=db["chunks"])
-                    if whole:  # read and checked here, all of it, as Get checks it
-                        blob: Stored | chunked.Deferred = chunked.resolve(value, key, chunk)
-                    else:
-                        blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
-                    problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
-                    if not _servable(table, "ReadFields", problem, missing, damaged):
-                        continue
-                    rows.add(key, rec, blob)
-                    batch.uids.append(uid)
-                    batch.group_ids.append(rec.group)
-                    batch.versions.append(rec.version)
-                    batch.rewards.append(rec.reward)
-                    batch.response_lengths.append(rec.response_length)
-                batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
-        except BaseException:
-            snapshot.release()
-            raise
-        if damaged:
-            self._quarantine(table, damaged)
-        return batch, missing
+        with snapshot.reading():
+            if not snapshot.open:
+                return None
+            rows = BatchRows(snapshot, db["adv"], config, self.finish)
+            snapshot.hold(rows.blobs)
+            for uid in uids:
+                key = prefix + uid.encode()
+                value = snapshot.get(key, db["blobs"])
+                if value is None:
+                    missing.append(uid)
+                    continue
+                record = snapshot.get(key, db["items"])
+                if record is None:
+                    raise not_stored("experience", uid)
+                rec = ItemRecord.decode(record)
+                chunk = partial(snapshot.get, db=db["chunks"])
+                if whole:  # read and checked here, all of it, as Get checks it
+                    blob: Stored | chunked.Deferred = chunked.resolve(value, key, chunk)
+                else:
+                    blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
+                problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+                if not _servable(table, "ReadFields", problem, missing, damaged):
+                    continue
+                rows.add(key, rec, blob)
+                batch.uids.append(uid)
+                batch.group_ids.append(rec.group)
+                batch.versions.append(rec.version)
+                batch.rewards.append(rec.reward)
+                batch.response_lengths.append(rec.response_length)
+            batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
+        return batch, missing, damaged
 
     def part(
         self,
