@@ -194,3 +194,41 @@ def _offsets(shapes: list[tuple[int, ...]]) -> torch.Tensor:
     if shapes:
         offsets[1:] = torch.tensor([shape[0] if shape else 1 for shape in shapes], dtype=torch.int64).cumsum(0)
     return offsets
+
+
+@dataclass(frozen=True)
+class PrefixBranches:
+    """A batch's tokens as tree packing takes them (sampled or read with the fields
+    `prefix_tokens`, `branch_tokens` and `prefix_of`): each distinct prompt once, and for each
+    experience (`items`, its batch position) the prompt it continues and its own tokens after it.
+    The runs of a GRPO group share one prompt, so a trainer that packs them as a tree computes
+    that prompt once per group."""
+
+    items: list[int]  # the batch positions of the experiences, in order (those with tokens)
+    prefixes: list[torch.Tensor]  # each distinct prompt once
+    prefix_of: list[int]  # each experience's prompt: an index into prefixes
+    branches: list[torch.Tensor]  # each experience's tokens after its prompt
+
+    def tokens(self, k: int) -> torch.Tensor:
+        """Experience k's tokens (k-th of items): its prompt, then its branch."""
+        import torch
+
+        return torch.cat([self.prefixes[self.prefix_of[k]], self.branches[k]])
+
+
+def prefix_branches(columns: dict[str, Column]) -> PrefixBranches:
+    """The prefix + branches form of a batch whose columns hold `prefix_tokens`, `branch_tokens`
+    and `prefix_of` (ValueError naming those it lacks)."""
+    lacking = [name for name in ("prefix_tokens", "branch_tokens", "prefix_of") if name not in columns]
+    if lacking:
+        raise ValueError(f"the batch has no {', '.join(lacking)} column(s): sample or read them to have its prefixes")
+    prefixes, branches, owners = columns["prefix_tokens"], columns["branch_tokens"], columns["prefix_of"]
+    at = {position: index for index, position in enumerate(prefixes.items)}
+    assert owners.values is not None
+    owner_of = dict(zip(owners.items, owners.values.tolist(), strict=True))
+    return PrefixBranches(
+        items=list(branches.items),
+        prefixes=prefixes.tensors,
+        prefix_of=[at[owner_of[position]] for position in branches.items],
+        branches=branches.tensors,
+    )

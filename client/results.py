@@ -18,7 +18,7 @@ from .schema.experience import Experience
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    from .columns import Column
+    from .columns import Column, PrefixBranches
 
 
 @dataclass
@@ -107,6 +107,14 @@ class Batch:
 
         return as_tensordict(self.columns, len(self.uids))
 
+    def prefix_branches(self) -> PrefixBranches:
+        """A columnar batch's tokens as each distinct prompt once and each experience's branch
+        after it, for tree packing (sampled with the fields prefix_tokens, branch_tokens and
+        prefix_of; columns.prefix_branches)."""
+        from .columns import prefix_branches
+
+        return prefix_branches(self.columns)
+
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""
         return self._leases.ack(self.lease_id, self.table) if self.lease_id and self._leases else 0
@@ -170,6 +178,13 @@ class FieldBatch:
         from .columns import as_tensordict
 
         return as_tensordict(self.columns, len(self.uids))
+
+    def prefix_branches(self) -> PrefixBranches:
+        """The tokens as each distinct prompt once and each experience's branch after it, for
+        tree packing (read with the fields prefix_tokens, branch_tokens and prefix_of)."""
+        from .columns import prefix_branches
+
+        return prefix_branches(self.columns)
 
 
 @dataclass

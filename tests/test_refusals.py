@@ -60,6 +60,7 @@ EXPECTED = {
     errors.InsertLimited: ("RESOURCE_EXHAUSTED", "rate_limited"),
     errors.SampleLimited: ("DEADLINE_EXCEEDED", "rate_limited"),
     errors.IndexNotReady: ("DEADLINE_EXCEEDED", "index_building"),
+    errors.Busy: ("RESOURCE_EXHAUSTED", "busy"),
     errors.Cancelled: ("CANCELLED", "cancelled"),
     errors.Damaged: ("DATA_LOSS", "damaged"),
     errors.DamagedPayload: ("DATA_LOSS", "damaged"),

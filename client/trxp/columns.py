@@ -36,6 +36,9 @@ _PACK = {"F64": "<%dd", "I64": "<%dq"}
 # header writes their names.
 _RESPONSE = frozenset(json_text(name) for name in RESPONSE_TENSOR_FIELDS)
 _TOKENS = json_text("tokens")
+# The prefix + branches form of a batch's tokens (_Tree): fields no stored tensor is named.
+PREFIX_FIELDS = frozenset({"prefix_tokens", "branch_tokens", "prefix_of"})
+_PREFIX, _BRANCH, _PREFIX_OF = (json_text(name) for name in ("prefix_tokens", "branch_tokens", "prefix_of"))
 MAX_SHARES = 1 << 16  # the most shares a reader may cut an experience's tokens into
 
 Rows = list[tuple[int, int]]  # runs of a tensor's rows (along its first dimension), each start to end
@@ -160,6 +163,7 @@ def column_parts(
     tokens long."""
     wanted = {json_text(name): name for name in fields}  # as the stored headers write them
     computed = bool(extra is not None and set(fields) & set(added))
+    tree = _Tree() if PREFIX_FIELDS & set(fields) else None
     columns: dict[tuple[bytes, bytes, bytes], ColumnParts] = {}
     for index, payload in enumerate(payloads):
         _, header, section, section_len = parts_of(payload)
@@ -186,7 +190,48 @@ def column_parts(
             text = json_text(name)
             if text in wanted and text not in names:
                 _computed(columns, wanted, index, text, tensor, cuts)
+        if tree is not None:
+            tree.add(columns, wanted, index, found, section, responses[index])
     return in_order(columns.values(), fields)
+
+
+class _Tree:
+    """The prefix + branches form of a batch (PREFIX_FIELDS), as tree packing takes it: each
+    distinct prompt once (`prefix_tokens`, in the row of the first experience that has it), each
+    experience's tokens after its prompt (`branch_tokens`) and the batch position of the
+    experience whose prefix it continues (`prefix_of`). Prompts are the same when their bytes
+    and dtype are."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[bytes, bytes], int] = {}
+
+    def add(
+        self,
+        columns: dict[tuple[bytes, bytes, bytes], ColumnParts],
+        wanted: dict[bytes, str],
+        index: int,
+        found: Sequence[Entry],
+        section: Section,
+        response: int,
+    ) -> None:
+        for name, dtype, dims, start, end in found:
+            shape = _shape(dims)
+            if name != _TOKENS or not shape or not 0 <= response <= shape[0]:
+                continue
+            width = (end - start) // shape[0] if shape[0] else 0
+            split = start + (shape[0] - response) * width
+            prompt = cut(section, start, split)
+            owner = self.seen.setdefault((dtype, b"".join(prompt)), index)
+            if owner == index and _PREFIX in wanted:
+                _add(columns, wanted, index, (_PREFIX, dtype), (shape[0] - response, *shape[1:]), prompt)
+            if _BRANCH in wanted:
+                _add(columns, wanted, index, (_BRANCH, dtype), (response, *shape[1:]), cut(section, split, end))
+            if _PREFIX_OF in wanted:
+                key = (_PREFIX_OF, b"I64", b"0")
+                column = columns.get(key) or columns.setdefault(key, ColumnParts("prefix_of", "I64", 0))
+                column.items.append(index)
+                column.values.append(struct.pack("<q", owner))
+            return
 
 
 @dataclass(slots=True)

@@ -64,6 +64,15 @@ def parts_of(payload: Stored) -> tuple[memoryview, bytes, Section, int]:
     return meta, header, section, section_len
 
 
+def section_at(payload: Run) -> int:
+    """Where a one-item payload's tensor section starts, read from its framing (struct.error
+    when it is too short to hold it)."""
+    _, _, meta_len, _ = HEADER.unpack_from(payload)
+    (header_len,) = struct.unpack_from("<Q", payload, HEADER_SIZE + meta_len)
+    start: int = HEADER_SIZE + meta_len + 8 + header_len
+    return start
+
+
 def cut(section: Section, start: int, end: int) -> list[Run]:
     """The bytes `start` to `end` of a section, as views of the pieces they span."""
     if isinstance(section, memoryview):
@@ -71,12 +80,13 @@ def cut(section: Section, start: int, end: int) -> list[Run]:
     runs: list[Run] = []
     at = 0
     for piece in section:
-        size = len(piece)
-        if at + size > start and at < end:
-            runs.append(memoryview(piece)[max(0, start - at) : min(size, end - at)])
-        at += size
-        if at >= end:
-            break
+        after = at + len(piece)
+        if after > start:
+            view = piece if type(piece) is memoryview else memoryview(piece)
+            runs.append(view[start - at if start > at else 0 : end - at])
+            if after >= end:
+                break
+        at = after
     return runs or [b""]
 
 

@@ -11,7 +11,7 @@ import grpc
 
 from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
 from expbuf.client.schema.reasons import Reason
-from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
@@ -69,6 +69,11 @@ class ReadCalls:
             raise InvalidRequest(f"ReadFieldsRequest: {exc}") from None
         if shares is not None and not fields:
             raise InvalidRequest("ReadFieldsRequest: shares cut fields; name the fields to read in shares")
+        if shares is not None and PREFIX_FIELDS & set(fields):
+            raise InvalidRequest(
+                f"ReadFieldsRequest: {', '.join(sorted(PREFIX_FIELDS & set(fields)))} read whole prompts and "
+                "responses, not shares of them: read them without shares"
+            )
         if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
             raise InvalidRequest(
                 f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "

@@ -22,19 +22,24 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import lmdb
 
 from expbuf.client.trxp.build import json_text, stored_entries
 from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.common import HEADER, HEADER_SIZE
-from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of
+from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of, section_at
 
 from ..schema.errors import DamagedPayload
-from . import digests
+from . import digests, shared_prompts
 from .layout import micros
+from .shared_prompts import Read
+
+if TYPE_CHECKING:
+    from .snapshot import Snapshot
 
 CHUNK_BYTES = 4 << 20
 HEAD_MAGIC = b"TRXO"
@@ -122,14 +127,6 @@ def pack_head(set_id: int, section_len: int, chunk_digests: Sequence[bytes], pre
     return frame + digested[struct.calcsize("<QII") :]
 
 
-def section_at(blob: Run) -> int:
-    """Where a one-item payload's tensor section starts (read from its framing)."""
-    _, _, meta_len, _ = HEADER.unpack_from(blob)
-    (header_len,) = struct.unpack_from("<Q", blob, HEADER_SIZE + meta_len)
-    start: int = HEADER_SIZE + meta_len + 8 + header_len
-    return start
-
-
 def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
     return table_prefix + _U64.pack(set_id)
 
@@ -146,21 +143,23 @@ def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], c
     return set_id
 
 
-def stored_value(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, blob: bytes) -> bytes:
-    """What `blobs` keeps under `key` for a pushed experience's payload, in the push's
-    transaction: the payload itself, or, for one whose section is larger than CHUNK_BYTES,
-    its head, its section written to a new chunk set here; a head staged by a push in chunks
-    is kept as it is, its set no longer staged."""
+def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, response: int) -> bytes:
+    """What `blobs` keeps under `key` for a pushed experience's payload (of `response` response
+    tokens), in the push's transaction (`sharing`'s): the payload itself, or a reference to its
+    prompt stored once (shared_prompts.py), or, for one whose section is larger than
+    CHUNK_BYTES, its head, its section written to a new chunk set here; a head staged by a push
+    in chunks is kept as it is, its set no longer staged."""
+    txn, dbs = sharing.txn, sharing.dbs
     if is_head(blob):
         txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
         return blob
     if len(blob) <= CHUNK_BYTES:
-        return blob
+        return sharing.value(key, blob, response)
     view = memoryview(blob)
     start = section_at(view)
     section = view[start:]
     if len(section) <= CHUNK_BYTES:
-        return blob
+        return sharing.value(key, blob, response)
     set_id = reserve_sets(txn, dbs)
     found = []
     for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):
@@ -209,11 +208,14 @@ def staged_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
     return int(txn.stat(dbs["staged"])["entries"])
 
 
-def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | None]) -> Stored:
-    """A stored value as the payload it stands for: itself, or a head's prefix and its chunks
-    read with `chunk` (their key to their value). A chunk that is missing reads as nothing and a
+def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
+    """A stored value as the payload it stands for: itself, a reference's payload with its shared
+    prompt (shared_prompts.py), or a head's prefix and its chunks, read with `read` (a
+    database's name and a key to the value). A chunk that is missing reads as nothing and a
     head whose frame, or whose own digest, is damaged as its bytes, which the read check then
     finds do not match."""
+    if len(value) >= 4 and shared_prompts.is_ref(value):
+        return shared_prompts.resolve(value, key, read)
     if len(value) < 4 or not is_head(value):
         return value
     try:
@@ -225,7 +227,7 @@ def resolve(value: Run, key: bytes | memoryview, chunk: Callable[[bytes], Run | 
     prefix = bytes(key[:4])
     pieces: list[Run] = []
     for index in range(head.chunks):
-        found = chunk(chunk_key(prefix, head.set_id, index))
+        found = read("chunks", chunk_key(prefix, head.set_id, index))
         pieces.append(b"" if found is None else found)
     return SplitPayload(head.prefix, pieces)
 
@@ -246,10 +248,9 @@ class Deferred:
 
     __slots__ = ("_chunk", "_copied", "_head", "_key", "digest", "size", "uid")
 
-    def __init__(
-        self, uid: str, head: Head, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
-    ) -> None:
-        self.uid, self._head, self._key, self.digest, self.size, self._chunk = uid, head, key, digest, size, chunk
+    def __init__(self, uid: str, head: Head, key: bytes, digest: bytes, size: int, read: Read) -> None:
+        self.uid, self._head, self._key, self.digest, self.size = uid, head, key, digest, size
+        self._chunk = partial(read, "chunks")
         self._copied: list[Run | None] | None = None  # the chunks, once detached
 
     @property
@@ -328,7 +329,8 @@ def checked(
 
 def token_length(blob: Stored | Deferred | None) -> int | None:
     """How many tokens a stored experience has, from its safetensors header alone: a deferred
-    one's head, or a stored value (a head, for one stored in chunks, or the payload). None
+    one's head, or a stored value (a head, for one stored in chunks, a reference to a shared
+    prompt, or the payload). None
     without tokens, or where the header cannot be read (damage, which its read check finds)."""
     try:
         if blob is None:
@@ -344,25 +346,26 @@ def token_length(blob: Stored | Deferred | None) -> int | None:
             length = head.section_len
         else:
             assert not isinstance(blob, Deferred)
-            _, header, _, length = parts_of(blob)
+            if not isinstance(blob, SplitPayload) and len(blob) >= 4 and shared_prompts.is_ref(blob):
+                header, length = shared_prompts.header_of(blob)
+            else:
+                _, header, _, length = parts_of(blob)
         return token_count(stored_entries(header, length))
     except (ValueError, struct.error):
         return None
 
 
-def taken(
-    uid: str, value: Run, key: bytes, digest: bytes, size: int, chunk: Callable[[bytes], Run | None]
-) -> Stored | Deferred:
+def taken(uid: str, value: Run, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
     """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
-    chunks read later with `chunk`; anything else as `resolve` reads it, now."""
+    chunks read later with `read`; anything else as `resolve` reads it, now."""
     if len(value) >= _FRAME.size and is_head(value):
         try:
             head = read_head(value)
         except (ValueError, struct.error):
             pass  # damaged: the read check, now, finds it does not match
         else:
-            return Deferred(uid, head, key, digest, size, chunk)
-    return resolve(value, key, chunk)
+            return Deferred(uid, head, key, digest, size, read)
+    return resolve(value, key, read)
 
 
 def read_payload(
@@ -372,8 +375,14 @@ def read_payload(
     value = txn.get(key, db=dbs["blobs"])
     if value is None:
         return None
-    chunks = dbs["chunks"]
-    return resolve(value, key, lambda name: txn.get(name, db=chunks))
+    return resolve(value, key, reader(txn, dbs))
+
+
+def reader(
+    source: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview] | Snapshot, dbs: dict[str, lmdb._Database]
+) -> Read:
+    """`resolve`'s reads of the out-of-line pieces of payloads, from a transaction or a snapshot."""
+    return lambda name, key: source.get(key, db=dbs[name])
 
 
 def delete(
@@ -382,13 +391,16 @@ def delete(
     keys: Iterable[bytes],
     sizes: Sequence[int] | None = None,
 ) -> None:
-    """Delete stored payloads (absent ones are no error), and the chunk sets of those stored
-    in chunks: with their sizes (the records'), only one larger than CHUNK_BYTES is looked at."""
+    """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
+    and their references to shared prompts: with their sizes (the records'), only one of at
+    least shared_prompts.MIN_BYTES is looked at."""
     blobs = dbs["blobs"]
     for at, key in enumerate(keys):
-        if sizes is None or sizes[at] > CHUNK_BYTES:
+        if sizes is None or sizes[at] >= shared_prompts.MIN_BYTES:
             value = txn.get(key, db=blobs)
-            if value is not None and len(value) >= _FRAME.size and is_head(value):
+            if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
+                shared_prompts.release(txn, dbs, key, value)
+            elif value is not None and len(value) >= _FRAME.size and is_head(value):
                 try:
                     set_id = read_head(value).set_id
                 except (ValueError, struct.error):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.columns import SCALARS, ColumnParts, Shares, in_order, scalar_column
+from expbuf.client.trxp.columns import PREFIX_FIELDS, SCALARS, ColumnParts, Shares, in_order, scalar_column
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored
 
@@ -193,7 +193,8 @@ class Sampled:
             ones = [column for column in kept if column is not None]
             if not tensors:
                 return ones
-            blobs = checked(self.blobs, tensors, self.shares, self.response_lengths)
+            reads = [*tensors, "tokens"] if PREFIX_FIELDS & set(tensors) else tensors  # a tree's are the tokens'
+            blobs = checked(self.blobs, reads, self.shares, self.response_lengths)
             columns = batch_columns(blobs, self.advantages, tensors, self.shares, self.response_lengths)
             return in_order([*columns, *ones], fields)
 

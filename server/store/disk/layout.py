@@ -7,6 +7,8 @@ one contiguous range:
   of one whose tensor section is stored in chunks (chunked.py)
 - chunks:    T + chunk set + chunk number -> a piece of a tensor section (chunked.py)
 - staged:    T + chunk set -> when a push in chunks began staging it (until the push's commit)
+- shared:    T + digest -> a prompt's tokens, stored once for the runs that carry them
+  shared_refs: T + digest -> how many stored payloads refer to it (shared_prompts.py)
 - tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord
@@ -42,12 +44,13 @@ from ..schema.ready_indexes import u64
 # (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
 # compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
 # ledger_records.py); 6 stores a tensor section larger than chunked.CHUNK_BYTES in chunks (the
-# chunks and staged databases). See migrate.py.
-FORMAT = 6
+# chunks and staged databases); 7 stores a prompt its runs share once (the shared and shared_refs
+# databases, shared_prompts.py). See migrate.py.
+FORMAT = 7
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
-    "tombs", "ledger", "chunks", "staged",
+    "tombs", "ledger", "chunks", "staged", "shared", "shared_refs",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

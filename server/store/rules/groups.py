@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from ..disk import chunked, digests, layout
+from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest, NotFound, clip
@@ -122,19 +122,21 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
     blobs: list[tuple[bytes, bytes]] = []
     order: list[tuple[bytes, bytes]] = []  # insertion order: T + seq -> uid
     versions: list[int] = []
+    sharing = shared_prompts.Sharing(tt.txn, tt.db)
     for gkey, members in by_group.items():
         grp = groups[gkey]
         for entry in members:
             size = entry.size
             tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
             uid = entry.uid.encode()
-            blobs.append((prefix + uid, chunked.stored_value(tt.txn, tt.db, prefix + uid, entry.blob)))
+            blobs.append((prefix + uid, chunked.stored_value(sharing, prefix + uid, entry.blob, entry.response_length)))
             order.append((prefix + u64(seq), uid))
             grp.members.append(entry.uid)
             if entry.version is not None:
                 versions.append(entry.version)
             seq += 1
             nbytes += size
+    sharing.close()
     put_rows(tt.txn, tt.db["blobs"], blobs)
     put_rows(tt.txn, tt.db["order"], order)
     counters.pending += seq - counters.next_seq

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from expbuf.client.schema.balance import ModelShape, group_cost
 from expbuf.client.schema.balance import parts as balance_parts
@@ -174,7 +173,7 @@ class Reads:
                 if record is None:
                     raise not_stored("experience", uid)
                 rec = ItemRecord.decode(record)
-                chunk = partial(snapshot.get, db=db["chunks"])
+                chunk = chunked.reader(snapshot, db)
                 if whole:  # read and checked here, all of it, as Get checks it
                     blob: Stored | chunked.Deferred = chunked.resolve(value, key, chunk)
                 else:

@@ -198,7 +198,7 @@ class Scrub:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
                         return bad, bytes(cur.key()), payloads, nbytes, count
                     key = cur.key()
-                    blob = chunked.resolve(cur.value(), key, lambda name: txn.get(name, db=db["chunks"]))
+                    blob = chunked.resolve(cur.value(), key, chunked.reader(txn, db))
                     raw = txn.get(key, db=db["items"])
                     payloads += len(blob)
                     nbytes += len(blob) + (0 if raw is None else len(raw))

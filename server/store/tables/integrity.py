@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lmdb
 
-from ..disk import chunked, layout
+from ..disk import chunked, layout, shared_prompts
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules.counters import read_counters
@@ -219,7 +219,7 @@ def verify(tt: TableState) -> list[str]:
     live = sum(counts[state] for state in LIVE)
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
-    return problems + _check_chunk_sets(tt) + verify_ledger(tt)
+    return problems + _check_chunk_sets(tt) + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
 
 
 def _check_chunk_sets(tt: TableState) -> list[str]:

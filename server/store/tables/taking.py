@@ -13,7 +13,6 @@ granted with the batch, is leases.py's.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import random
 import secrets
@@ -203,11 +202,11 @@ class _Payloads:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
             self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs, chunks = self.tt.key(uid), self.tt.db["blobs"], self.tt.db["chunks"]
+        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
         snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if snapshot is not None and view is not None:
-            read = functools.partial(snapshot.get, db=chunks)
+            read = chunked.reader(snapshot, self.tt.db)
             if self._defer:
                 blob = chunked.taken(uid, view, key, rec.digest, rec.size, read)
             else:
@@ -215,7 +214,7 @@ class _Payloads:
         else:
             txn = self.tt.txn
             blob = chunked.resolve(
-                stored(txn, key, blobs, "payload of experience"), key, lambda name: txn.get(name, db=chunks)
+                stored(txn, key, blobs, "payload of experience"), key, chunked.reader(txn, self.tt.db)
             )
         self._read[uid] = blob
         return blob
