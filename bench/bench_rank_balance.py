@@ -1,9 +1,9 @@
 """How evenly a step's groups are spread over data-parallel ranks (issue 42): the slowest rank's
 tokens over the mean, for expbuf's split (client/schema/balance.py, what ReadFields by lease
-serves each rank), TransferQueue's `SeqlenBalancedSampler` (transferqueue from PyPI, driven by its
-own class on the same groups: Karmarkar-Karp with as many groups on every rank), a random split
-of as many groups a rank, and the ideal (the total over the ranks, or the largest group where
-that is more).
+serves each rank; also with `equal=True`, as many groups a rank), TransferQueue's
+`SeqlenBalancedSampler` (transferqueue from PyPI, driven by its own class on the same groups:
+Karmarkar-Karp with as many groups on every rank), a random split of as many groups a rank, and
+the ideal (the total over the ranks, or the largest group where that is more).
 
     .venv/bin/python bench/bench_rank_balance.py [--trials 20] [--groups-per-rank 8]
 
@@ -71,6 +71,10 @@ def one(rng: random.Random, ranks: int, size: int, per_rank: int) -> dict[str, t
     start = time.perf_counter()
     split = parts(costs, ranks)
     out["expbuf"] = (ratio([sum(costs[g] for g in part) for part in split], ranks), time.perf_counter() - start)
+    start = time.perf_counter()
+    split = parts(costs, ranks, equal=True)
+    assert len({len(part) for part in split}) == 1
+    out["equal"] = (ratio([sum(costs[g] for g in part) for part in split], ranks), time.perf_counter() - start)
     sampler = SeqlenBalancedSampler(n_samples_per_prompt=size, dp_size=ranks)
     partition = Lengths(runs)
     start = time.perf_counter()
@@ -109,8 +113,8 @@ def main() -> None:
             ms = {way: statistics.median(s for _, s in values) * 1e3 for way, values in found.items()}
             rows.append(
                 f"| {size} | {ranks} | {ranks * args.groups_per_rank} | **{med['expbuf']:.4f}** | "
-                f"{med['transferqueue']:.4f} | {med['random']:.3f} | {med['ideal']:.4f} | "
-                f"{ms['expbuf']:.1f} / {ms['transferqueue']:.1f} |"
+                f"**{med['equal']:.4f}** | {med['transferqueue']:.4f} | {med['random']:.3f} | {med['ideal']:.4f} | "
+                f"{ms['expbuf']:.1f} / {ms['equal']:.1f} / {ms['transferqueue']:.1f} |"
             )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     section = "\n".join(
@@ -122,15 +126,15 @@ def main() -> None:
             "same groups. The slowest rank's tokens over the mean (1 is perfect); the ideal is the most even any "
             "split of whole groups could be.",
             "",
-            "| runs a group | ranks | groups | expbuf | TransferQueue | random | ideal | ms a split, expbuf / "
-            "TransferQueue |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| runs a group | ranks | groups | expbuf | expbuf, equal | TransferQueue | random | ideal | ms a split, "
+            "expbuf / equal / TransferQueue |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *rows,
             "",
-            "TransferQueue's sampler also gives every rank as many groups (`equal_size=True`); expbuf's split does "
-            "not, so a rank of a few long groups carries as many tokens as one of many short ones: a trainer that "
-            "packs micro-batches by tokens wants that, one that steps through a fixed number of sequences a rank "
-            "does not.",
+            "TransferQueue's sampler gives every rank as many groups (`equal_size=True`), as expbuf's `equal=True` "
+            'does ("expbuf, equal": like with like); expbuf\'s default split does not, so a rank of a few long '
+            "groups carries as many tokens as one of many short ones: a trainer that packs micro-batches by tokens "
+            "wants that, one that steps through a fixed number of sequences a rank wants `equal`.",
             "",
         ]
     )

@@ -331,10 +331,11 @@ class AsyncBufferClient(ClientBase):
         model: ModelShape | None = None,
         share: int | Iterable[int] = (),
         of: int = 0,
+        equal: bool = False,
     ) -> FieldBatch:
         """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
         call = calls.read_part(
-            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes
+            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
         )
         return await self._run(call)
 

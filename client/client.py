@@ -372,6 +372,7 @@ class BufferClient(ClientBase):
         model: ModelShape | None = None,
         share: int | Iterable[int] = (),
         of: int = 0,
+        equal: bool = False,
     ) -> FieldBatch:
         """Rank `rank`'s part of the batch leased as `lease_id` (a leased sample's `batch.lease_id`,
         which the process that sampled it hands to every rank), for a step spread over `ranks`
@@ -380,10 +381,11 @@ class BufferClient(ClientBase):
         equal as the groups allow (Karmarkar-Karp over each group's tokens; its runs with
         balance="count"; its FLOPs with balance="flops" and `model`, a ModelShape(params, layers,
         hidden)), the same split for every rank that asks: a rank that dies and comes
-        back reads its part again while the lease holds. The process that sampled the batch acks
-        it once every rank has trained its part."""
+        back reads its part again while the lease holds. With `equal`, every rank gets as many
+        groups as the others, or one fewer. The process that sampled the batch acks it once every
+        rank has trained its part."""
         call = calls.read_part(
-            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes
+            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
         )
         return self._run(call)
 

@@ -83,6 +83,7 @@ class Backend(Protocol):
         balance: str,
         model: ModelShape | None = None,
         owner: str = "",
+        equal: bool = False,
     ) -> list[str]: ...
     def quarantine(self, table: str, uids: Sequence[str]) -> int: ...
     def list_experiences(

@@ -331,6 +331,44 @@ def test_fields_read_from_several_shards_come_in_request_order(shards: Shards) -
     assert asyncio.run(run()) == uids[:-1]
 
 
+def test_a_step_leased_from_several_shards_is_split_over_the_ranks_together(shards: Shards) -> None:
+    """read_part of a batch leased from several shards: every run once, whole groups, the loads
+    balanced over the groups of every shard (not shard by shard), the same part each time a rank
+    asks, and with `equal` as many groups a rank; the asyncio client reads the same parts."""
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("ranks", group_size=2, estimator="none")
+        made = [make_experience(0, task, run, response=4 + 9 * task) for task in range(12) for run in range(2)]
+        client.push(made, table="ranks")
+        settled(client, "ranks")
+        (batch,) = client.sample("ranks", num_groups=12, delivery="lease", max_batches=1, timeout=10, fields=["reward"])
+        assert len(batch.shards) > 1
+        reads = [client.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks") for rank in range(3)]
+        equal = [client.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks", equal=True) for rank in range(3)]
+        again = client.read_part(batch.lease_id, 2, 3, ["tokens"], table="ranks")
+
+        async def run() -> list[list[str]]:
+            async with AsyncShardedBufferClient(shards.targets()) as aio:
+                return [
+                    (await aio.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks")).uids for rank in range(3)
+                ]
+
+        assert asyncio.run(run()) == [read.uids for read in reads]
+        with pytest.raises(ValueError, match="balance 'nothing' is not one of"):
+            client.read_part(batch.lease_id, 0, 3, ["tokens"], table="ranks", balance="nothing")
+        assert batch.ack() == 24
+    by_uid = {exp.eid.uid: exp for exp in made}
+    assert sorted(uid for read in reads for uid in read.uids) == sorted(by_uid)
+    assert again.uids == reads[2].uids
+    loads = []
+    for read in reads:
+        assert all(read.group_ids.count(group) == 2 for group in read.group_ids)  # whole groups
+        for k, uid in enumerate(read.uids):
+            assert torch.equal(read.columns["tokens"].tensors[k], by_uid[uid].tokens)
+        loads.append(sum(by_uid[uid].tokens.numel() for uid in read.uids))
+    assert max(loads) <= 1.05 * sum(loads) / 3  # balanced over both shards' groups together
+    assert [len(set(read.group_ids)) for read in equal] == [4, 4, 4]
+
+
 def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         client.create_table("leased", group_size=2)

@@ -269,24 +269,30 @@ def read_part(
     model: ModelShape | None,
     shares: tuple[int | Iterable[int], int],
     max_reply_bytes: int,
+    equal: bool = False,
 ) -> Unary[FieldBatch]:
     """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
     (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
-    `shares` as read_fields' (share, of); ValueError before the call for what is not a part or a
-    share."""
+    as many groups a rank with `equal`, `shares` as read_fields' (share, of); ValueError before
+    the call for what is not a part or a share."""
+    check_part(lease_id, rank, ranks, balance, model)
+    request = pb.ReadFieldsRequest(
+        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
+        max_reply_bytes=max_reply_bytes, equal=equal,
+    )  # fmt: skip
+    if model is not None:
+        request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
+    return _fields_call(request, *shares)
+
+
+def check_part(lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None) -> None:
+    """A ValueError, before any call, for what is not a rank's part of a leased step."""
     if not lease_id:
         raise ValueError("lease_id: the part of a batch is named by its lease (batch.lease_id, a leased sample's)")
     if not 1 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} of {ranks}: ranks is 1 to {MAX_RANKS}, a rank 0 to ranks - 1")
     if balance == "flops" and model is None:
         raise ValueError("balance 'flops' needs the model's shape: model=ModelShape(params, layers, hidden)")
-    request = pb.ReadFieldsRequest(
-        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
-        max_reply_bytes=max_reply_bytes,
-    )  # fmt: skip
-    if model is not None:
-        request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
-    return _fields_call(request, *shares)
 
 
 def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: int) -> Unary[FieldBatch]:

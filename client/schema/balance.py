@@ -81,28 +81,44 @@ def group_cost(balance: str, lengths: Sequence[int], model: ModelShape | None = 
     return sum(cost(length, model) for length in lengths)
 
 
-def parts(costs: Sequence[int], ranks: int) -> list[list[int]]:
+def parts(costs: Sequence[int], ranks: int, equal: bool = False) -> list[list[int]]:
     """The groups (indexes of `costs`) of each of `ranks` ranks, each rank's in increasing order;
-    a rank may get none where there are fewer groups than ranks."""
+    a rank may get none where there are fewer groups than ranks. With `equal`, every rank gets
+    as many groups as the others, or one fewer (a trainer whose ranks must step in lockstep
+    through as many micro-batches), and loads as equal as that allows."""
     if not 1 <= ranks <= MAX_RANKS:
         raise ValueError(f"ranks: {ranks}; a step is spread over 1 to {MAX_RANKS} ranks")
     if any(cost < 0 for cost in costs):
         raise ValueError("a group's cost is never negative")
     used = max(1, min(ranks, len(costs)))  # more ranks than groups: the others get none
-    groups = _differenced(costs, used) if len(costs) * used <= WORK else _greedy(costs, used)
-    _refine(costs, groups)
+    if len(costs) * used > WORK:
+        groups = _greedy(costs, used, -(-len(costs) // used) if equal else len(costs))
+    else:
+        groups = _differenced(costs, used, equal)
+    _refine(costs, groups, moves=not equal)
     split = sorted((sorted(found) for found in groups), key=lambda found: found[0] if found else len(costs))
     return split + [[] for _ in range(ranks - used)]
 
 
-def _differenced(costs: Sequence[int], ranks: int) -> list[list[int]]:
-    """Karmarkar-Karp's split: its work and memory grow as groups x ranks."""
+def _differenced(costs: Sequence[int], ranks: int, equal: bool) -> list[list[int]]:
+    """Karmarkar-Karp's split: its work and memory grow as groups x ranks. With `equal`, each
+    partial split starts as `ranks` groups of consecutive cost, one a rank (the last fewer), so
+    every merge keeps the ranks' counts within one of each other."""
     # A partial split: (-(its largest load - its smallest), the order it was made in, its loads
     # from the largest down, each load's groups).
     heap: list[tuple[int, int, list[int], list[list[int]]]] = []
-    for index, cost in enumerate(costs):
-        loads = [cost] + [0] * (ranks - 1)
-        heap.append((-cost, index, loads, [[index]] + [[] for _ in range(ranks - 1)]))
+    if equal:
+        order = sorted(range(len(costs)), key=lambda at: (-costs[at], at))
+        for made, start in enumerate(range(0, len(order), ranks)):
+            block = order[start : start + ranks]
+            loads = [costs[at] for at in block] + [0] * (ranks - len(block))
+            heap.append(
+                (-(loads[0] - loads[-1]), made, loads, [[at] for at in block] + [[] for _ in range(ranks - len(block))])
+            )
+    else:
+        for index, cost in enumerate(costs):
+            loads = [cost] + [0] * (ranks - 1)
+            heap.append((-cost, index, loads, [[index]] + [[] for _ in range(ranks - 1)]))
     heapq.heapify(heap)
     made = len(costs)
     while len(heap) > 1:
@@ -118,23 +134,24 @@ def _differenced(costs: Sequence[int], ranks: int) -> list[list[int]]:
     return heap[0][3] if heap else [[] for _ in range(ranks)]
 
 
-def _greedy(costs: Sequence[int], ranks: int) -> list[list[int]]:
-    """The heaviest group first, each onto the lightest rank: for a step too large for
-    Karmarkar-Karp's groups x ranks, in time that grows as groups x log ranks."""
+def _greedy(costs: Sequence[int], ranks: int, most: int) -> list[list[int]]:
+    """The heaviest group first, each onto the lightest rank that has fewer than `most`: for a
+    step too large for Karmarkar-Karp's groups x ranks, in time that grows as groups x log ranks."""
     heap = [(0, rank) for rank in range(ranks)]
     groups: list[list[int]] = [[] for _ in range(ranks)]
     for index in sorted(range(len(costs)), key=lambda at: (-costs[at], at)):
         load, rank = heapq.heappop(heap)
         groups[rank].append(index)
-        heapq.heappush(heap, (load + costs[index], rank))
+        if len(groups[rank]) < most:
+            heapq.heappush(heap, (load + costs[index], rank))
     return groups
 
 
-def _refine(costs: Sequence[int], groups: list[list[int]]) -> None:
-    """Lower the heaviest rank's load where a group moved to the lightest rank, or a pair swapped
-    between them, does so: Karmarkar-Karp leaves a few percent over the ideal on long-tailed
-    groups, most of which one such step between the two ends takes back. Pairs are tried only
-    where the two ranks' groups are few enough (WORK)."""
+def _refine(costs: Sequence[int], groups: list[list[int]], moves: bool = True) -> None:
+    """Lower the heaviest rank's load where a group moved to the lightest rank (with `moves`), or
+    a pair swapped between them, does so: Karmarkar-Karp leaves a few percent over the ideal on
+    long-tailed groups, most of which one such step between the two ends takes back. Pairs are
+    tried only where the two ranks' groups are few enough (WORK)."""
     loads = [sum(costs[i] for i in found) for found in groups]
     for _ in range(2 * len(groups)):
         high = max(range(len(groups)), key=lambda rank: (loads[rank], -rank))
@@ -143,7 +160,7 @@ def _refine(costs: Sequence[int], groups: list[list[int]]) -> None:
         swaps = len(groups[high]) * len(groups[low]) <= WORK
         best, change = gap, None  # how far the shift leaves the two loads apart: the nearer, the better
         for i in groups[high]:
-            for j in [None, *groups[low]] if swaps else [None]:
+            for j in ([None] if moves else []) + (groups[low] if swaps else []):
                 shift = costs[i] - (0 if j is None else costs[j])
                 if 0 < shift < gap and abs(gap - 2 * shift) < best:
                     best, change = abs(gap - 2 * shift), (i, j)

@@ -14,6 +14,7 @@ from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
@@ -146,6 +147,24 @@ class AsyncShardedBufferClient(LedgerPlans):
     ) -> FieldBatch:
         """As ShardedBufferClient.read_fields."""
         return await self._run(self._read_fields(uids, list(fields), table, share, of))
+
+    async def read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        balance: str = "tokens",
+        model: ModelShape | None = None,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+        equal: bool = False,
+    ) -> FieldBatch:
+        """As ShardedBufferClient.read_part."""
+        plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
+        return await self._run(plan)
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""

@@ -24,6 +24,7 @@ from typing import Any, Unpack
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FieldBatch, ServerInfo, TableInfo
 from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
 from ..schema.table_presets import with_preset
@@ -176,6 +177,27 @@ class ShardedBufferClient(LedgerPlans):
         in request order. Raises ShardError, its `result` holding what was read, when a uid's
         owner is down."""
         return self._run(self._read_fields(uids, list(fields), table, share, of))
+
+    def read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        balance: str = "tokens",
+        model: ModelShape | None = None,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+        equal: bool = False,
+    ) -> FieldBatch:
+        """As BufferClient.read_part, for a batch leased from several shards: the groups of every
+        shard are split over the ranks together (the same split in every rank's process), and
+        each rank's read from the shards that hold them. Raises ShardError when a shard of the
+        lease does not answer."""
+        plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
+        return self._run(plan)
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.

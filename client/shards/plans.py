@@ -27,7 +27,10 @@ import grpc
 from ..client import Batch, BufferError, GetResult, Grant, PushResult
 from ..columns import join_columns
 from ..results import BufferStats, FieldBatch, Leases, ServerInfo, TableInfo, TableStats
+from ..rpc.calls import check_part
 from ..rpc.sample_spec import SampleSpec
+from ..schema.balance import COSTS, ModelShape, group_cost
+from ..schema.balance import parts as balance_parts
 from ..schema.routing import uid_group_key
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
 from .poll import Ask, GiveUp, Poll, Wait
@@ -327,6 +330,46 @@ class Planned(Sharded):
         if lost:
             raise shard_error(lost, self.shard_map.targets, result)
         return result
+
+    def _read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: list[str],
+        table: str,
+        split: tuple[str, ModelShape | None, bool],
+        shares: tuple[int | Iterable[int], int],
+    ) -> Plan[FieldBatch]:
+        """Rank `rank`'s part of a batch leased from several shards: each shard's part of the lease
+        is listed with its runs' tokens (ReadFields by its lease, for one rank: the lease's owner
+        checked there), the groups of every shard split over the ranks as a server splits one
+        lease's (schema/balance.py, `split` = balance, model, equal), the same split in every
+        rank's process, and the rank's uids read from their shards."""
+        balance, model, equal = split
+        check_part(lease_id, rank, ranks, balance, model)
+        if balance not in COSTS:  # split here: a cost is this process's to know
+            raise ValueError(f"balance {balance!r} is not one of {', '.join(COSTS)} (register_cost in this process)")
+        calls = [
+            Call(shard, "read_part", (lease, 0, 1, ["length"], table), {"balance": "count"})
+            for shard, lease in self._leases(lease_id)
+        ]
+        outcomes = yield from self._exchange(calls)
+        errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
+        if errors:
+            raise shard_error(errors, self.shard_map.targets, None)
+        members: dict[str, list[str]] = {}
+        lengths: dict[str, list[int]] = {}
+        for read in outcomes:
+            column = read.columns.get("length")
+            found = dict(zip(column.items, column.values.tolist(), strict=True)) if column is not None else {}
+            for at, (uid, group) in enumerate(zip(read.uids, read.group_ids, strict=True)):
+                members.setdefault(group, []).append(uid)
+                lengths.setdefault(group, []).append(found.get(at, 0))
+        order = list(members)
+        costs = [group_cost(balance, lengths[group], model) for group in order]
+        uids = [uid for at in balance_parts(costs, ranks, equal)[rank] for uid in members[order[at]]]
+        return (yield from self._read_fields(uids, fields, table, *shares))
 
     def _by_owner(
         self,

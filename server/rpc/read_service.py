@@ -120,7 +120,9 @@ class ReadCalls:
         if balance == "flops" and model is None:
             raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
         owner = self._owner(context)
-        return self.store.lease_part(table, request.lease_id, request.rank, request.ranks, balance, model, owner)
+        return self.store.lease_part(
+            table, request.lease_id, request.rank, request.ranks, balance, model, owner, request.equal
+        )
 
     @refusals
     def ListExperiences(

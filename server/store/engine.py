@@ -364,9 +364,10 @@ class Store:
         balance: str,
         model: ModelShape | None = None,
         owner: str = "",
+        equal: bool = False,
     ) -> list[str]:
         """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
-        return self.reads.part(table, lease_id, rank, ranks, balance, model, owner)
+        return self.reads.part(table, lease_id, rank, ranks, balance, model, owner, equal)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

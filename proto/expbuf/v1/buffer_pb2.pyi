@@ -363,7 +363,7 @@ class GetReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadFieldsRequest(_message.Message):
-    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes", "lease_id", "rank", "ranks", "balance", "model")
+    __slots__ = ("table", "uids", "fields", "shares", "take", "max_reply_bytes", "lease_id", "rank", "ranks", "balance", "model", "equal")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +375,7 @@ class ReadFieldsRequest(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     BALANCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    EQUAL_FIELD_NUMBER: _ClassVar[int]
     table: str
     uids: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedScalarFieldContainer[str]
@@ -386,7 +387,8 @@ class ReadFieldsRequest(_message.Message):
     ranks: int
     balance: str
     model: ModelShape
-    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., balance: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ...) -> None: ...
+    equal: bool
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ..., shares: _Optional[int] = ..., take: _Optional[_Iterable[int]] = ..., max_reply_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., balance: _Optional[str] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., equal: _Optional[bool] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("params", "layers", "hidden")

@@ -37,7 +37,7 @@ from ..tables.leases import read_lease
 log = logging.getLogger("expbuf.store")
 OPEN_TRIES = 8  # read snapshots a ReadFields opens, each ended by later reads before it began
 MAX_SPLITS = 64  # the splits of leased steps kept, for their other ranks' reads
-SplitKey = tuple[int, str, int, str, ModelShape | None]  # a table, lease, ranks, balance and model
+SplitKey = tuple[int, str, int, str, ModelShape | None, bool]  # a table, lease, ranks, balance, model, equal
 
 
 class Reads:
@@ -199,15 +199,17 @@ class Reads:
         balance: str,
         model: ModelShape | None = None,
         owner: str = "",
+        equal: bool = False,
     ) -> list[str]:
         """The uids of rank `rank`'s part of the groups still held under `lease_id`, spread whole
-        over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"), in the lease's
-        order; NotFound when the table holds no such lease, Forbidden when another token than
-        `owner`'s took it (with tokens on, as Ack and Renew check it)."""
+        over `ranks` ranks by `balance` (schema/balance.py; `model` for "flops"; as many groups a
+        rank with `equal`), in the lease's order; NotFound when the table holds no such lease,
+        Forbidden when another token than `owner`'s took it (with tokens on, as Ack and Renew
+        check it)."""
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         db = self.environment.db
-        key = (table_id, lease_id, ranks, balance, model)
+        key = (table_id, lease_id, ranks, balance, model, equal)
         with self.environment.read() as txn:
             lease = read_lease(txn, db["leases"], lease_id)
             if lease is None or lease.table_id != table_id:
@@ -234,7 +236,7 @@ class Reads:
                     for members in held.values()
                 ]
                 order = list(held)
-                split = [[order[at] for at in part] for part in balance_parts(costs, ranks)]
+                split = [[order[at] for at in part] for part in balance_parts(costs, ranks, equal)]
                 with self._lock:  # every rank of the step asks: the split is made once
                     self._splits[key] = split
                     while len(self._splits) > MAX_SPLITS:
