@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     import torch
     from tensordict import TensorDict
 
+    from .schema.balance import ModelShape
+
 
 @dataclass(frozen=True)
 class Column:
@@ -232,3 +234,31 @@ def prefix_branches(columns: dict[str, Column]) -> PrefixBranches:
         prefix_of=[at[owner_of[position]] for position in branches.items],
         branches=branches.tensors,
     )
+
+
+def run_lengths(batch: Any) -> list[int]:
+    """Each experience's tokens in a columnar batch (`uids`, `columns`): its `length` column, or
+    the first dimension of its `tokens`; 0 for one without (ValueError when the batch has
+    neither column)."""
+    lengths = [0] * len(batch.uids)
+    length = batch.columns.get("length")
+    if length is not None:
+        assert length.values is not None
+        for at, value in zip(length.items, length.values.tolist(), strict=True):
+            lengths[at] = int(value)
+        return lengths
+    tokens = batch.columns.get("tokens")
+    if tokens is None:
+        raise ValueError("the batch has no length or tokens column: sample it with fields=['length', ...]")
+    for at, shape in zip(tokens.items, tokens.shapes, strict=True):
+        lengths[at] = shape[0] if shape else 0
+    return lengths
+
+
+def rank_parts(batch: Any, ranks: int, balance: str, model: ModelShape | None, equal: bool) -> list[list[str]]:
+    """The uids of each of `ranks` ranks, a columnar batch's groups split as a server splits a
+    leased step (schema/balance.split_runs, over the runs' tokens; any lengths for "count")."""
+    from .schema.balance import split_runs
+
+    lengths = [0] * len(batch.uids) if balance == "count" else run_lengths(batch)
+    return split_runs(batch.uids, batch.group_ids, lengths, ranks, balance, model, equal)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
     from .columns import Column, PrefixBranches
+    from .schema.balance import ModelShape
 
 
 @dataclass
@@ -40,8 +41,36 @@ class Leases(Protocol):
     def renew(self, lease_id: str, seconds: float, table: str = "default") -> Any: ...
 
 
+class Columnar:
+    """What a batch of columns (a columnar Batch, a FieldBatch) offers a trainer beyond its
+    columns: its tokens as a tree, and its split over data-parallel ranks."""
+
+    uids: list[str]
+    group_ids: list[str]
+    columns: dict[str, Column]
+
+    def prefix_branches(self) -> PrefixBranches:
+        """The tokens as each distinct prompt once and each experience's branch after it, for
+        tree packing (sampled or read with the fields prefix_tokens, branch_tokens and
+        prefix_of; columns.prefix_branches)."""
+        from .columns import prefix_branches
+
+        return prefix_branches(self.columns)
+
+    def rank_parts(
+        self, ranks: int, balance: str = "tokens", model: ModelShape | None = None, equal: bool = False
+    ) -> list[list[str]]:
+        """The uids of each of `ranks` data-parallel ranks: the groups split as read_part splits a
+        leased step (the same split, for a batch of the lease), from the `length` (or `tokens`)
+        column, for any delivery: ranks read theirs with read_fields (a replayed batch), or the
+        process that holds the batch hands each its part (a consumed one)."""
+        from .columns import rank_parts
+
+        return rank_parts(self, ranks, balance, model, equal)
+
+
 @dataclass(repr=False)
-class Batch:
+class Batch(Columnar):
     """One sampled batch of whole groups. `experiences` decodes the payload on first use;
     `uids` and `group_ids` have one entry per experience, `groups` one per group.
 
@@ -107,14 +136,6 @@ class Batch:
 
         return as_tensordict(self.columns, len(self.uids))
 
-    def prefix_branches(self) -> PrefixBranches:
-        """A columnar batch's tokens as each distinct prompt once and each experience's branch
-        after it, for tree packing (sampled with the fields prefix_tokens, branch_tokens and
-        prefix_of; columns.prefix_branches)."""
-        from .columns import prefix_branches
-
-        return prefix_branches(self.columns)
-
     def ack(self) -> int:
         """Mark a leased batch done; without a lease there is nothing to acknowledge."""
         return self._leases.ack(self.lease_id, self.table) if self.lease_id and self._leases else 0
@@ -156,7 +177,7 @@ class AsyncBatch(Batch):
 
 
 @dataclass(repr=False)
-class FieldBatch:
+class FieldBatch(Columnar):
     """Fields of named experiences as columns (`read_fields`), in the order asked, the ones not
     served in `missing_uids`; `columns` and `tensordict()` as a columnar Batch's. Nothing to
     acknowledge: the experiences stay as they were (the batch they were sampled in is acked)."""
@@ -178,13 +199,6 @@ class FieldBatch:
         from .columns import as_tensordict
 
         return as_tensordict(self.columns, len(self.uids))
-
-    def prefix_branches(self) -> PrefixBranches:
-        """The tokens as each distinct prompt once and each experience's branch after it, for
-        tree packing (read with the fields prefix_tokens, branch_tokens and prefix_of)."""
-        from .columns import prefix_branches
-
-        return prefix_branches(self.columns)
 
 
 @dataclass

@@ -161,6 +161,28 @@ def test_each_rank_reads_its_part_of_a_leased_step_whole_groups_balanced_by_toke
         client.read_part(batch.lease_id, 0, ranks, ["tokens"], table="p")
 
 
+def test_a_batch_splits_itself_as_read_part_splits_its_lease_whatever_its_delivery(client: BufferClient) -> None:
+    """batch.rank_parts gives the uids read_part gives each rank of the batch's lease (the same
+    rule, schema/balance.split_runs), from the batch's length or tokens column; a replayed batch,
+    which has no lease, is split the same way and each rank reads its uids with read_fields."""
+    made, _ = leased(client, "own")  # leases every group of table "own": nack it, then sample again
+    client.nack(_.lease_id, table="own")
+    (batch,) = client.sample("own", num_groups=8, delivery="lease", max_batches=1, timeout=10, fields=["length"])
+    for options in ({}, {"equal": True}, {"balance": "count"}):
+        want = [client.read_part(batch.lease_id, rank, 3, ["reward"], table="own", **options).uids for rank in range(3)]
+        assert batch.rank_parts(3, **options) == want, options
+    batch.nack()
+    (replayed,) = client.sample("own", num_groups=8, delivery="replay", max_batches=1, timeout=10, fields=["tokens"])
+    split = replayed.rank_parts(3)
+    reads = [client.read_fields(uids, ["tokens"], table="own") for uids in split]
+    assert sorted(uid for read in reads for uid in read.uids) == sorted(made)
+    for read in reads:
+        assert all(read.group_ids.count(group) == 4 for group in read.group_ids)
+    (bare,) = client.sample("own", num_groups=8, delivery="replay", max_batches=1, timeout=10, fields=["reward"])
+    with pytest.raises(ValueError, match="no length or tokens column"):
+        bare.rank_parts(3)
+
+
 def test_a_rank_reads_shares_of_its_part(client: BufferClient) -> None:
     made, batch = leased(client, "s")
     read = client.read_part(batch.lease_id, 0, 2, ["tokens"], table="s", share=1, of=2)

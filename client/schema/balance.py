@@ -21,7 +21,7 @@ over them for a model of a given shape. The server reads each run's tokens from 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_RANKS = 1 << 16
@@ -79,6 +79,42 @@ def group_cost(balance: str, lengths: Sequence[int], model: ModelShape | None = 
     """A group's cost by `balance` (a name in COSTS), its runs of `lengths` tokens."""
     cost = COSTS[balance]
     return sum(cost(length, model) for length in lengths)
+
+
+def split_groups(
+    groups: Mapping[str, Sequence[int]],
+    ranks: int,
+    balance: str = "tokens",
+    model: ModelShape | None = None,
+    equal: bool = False,
+) -> list[list[str]]:
+    """The groups of each rank, for groups given in a step's order with their runs' tokens: each
+    group's cost by `balance` (group_cost), split by `parts`. The one rule a server's read_part,
+    a sharded client's and a batch's own `rank_parts` follow, so that all of them agree."""
+    order = list(groups)
+    costs = [group_cost(balance, groups[group], model) for group in order]
+    return [[order[at] for at in part] for part in parts(costs, ranks, equal)]
+
+
+def split_runs(
+    uids: Sequence[str],
+    group_ids: Sequence[str],
+    lengths: Sequence[int],
+    ranks: int,
+    balance: str = "tokens",
+    model: ModelShape | None = None,
+    equal: bool = False,
+) -> list[list[str]]:
+    """The uids of each rank, for a step's runs (their groups, in the order they first come, and
+    tokens): `split_groups` of their groups."""
+    members: dict[str, list[str]] = {}
+    tokens: dict[str, list[int]] = {}
+    for uid, group, length in zip(uids, group_ids, lengths, strict=True):
+        members.setdefault(group, []).append(uid)
+        tokens.setdefault(group, []).append(length)
+    return [
+        [uid for group in part for uid in members[group]] for part in split_groups(tokens, ranks, balance, model, equal)
+    ]
 
 
 def parts(costs: Sequence[int], ranks: int, equal: bool = False) -> list[list[int]]:

@@ -25,12 +25,11 @@ from typing import Any, TypeVar
 import grpc
 
 from ..client import Batch, BufferError, GetResult, Grant, PushResult
-from ..columns import join_columns
+from ..columns import join_columns, run_lengths
 from ..results import BufferStats, FieldBatch, Leases, ServerInfo, TableInfo, TableStats
 from ..rpc.calls import check_part
 from ..rpc.sample_spec import SampleSpec
-from ..schema.balance import COSTS, ModelShape, group_cost
-from ..schema.balance import parts as balance_parts
+from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
 from .poll import Ask, GiveUp, Poll, Wait
@@ -358,18 +357,11 @@ class Planned(Sharded):
         errors = {c.shard: o for c, o in zip(calls, outcomes, strict=True) if isinstance(o, BufferError)}
         if errors:
             raise shard_error(errors, self.shard_map.targets, None)
-        members: dict[str, list[str]] = {}
-        lengths: dict[str, list[int]] = {}
-        for read in outcomes:
-            column = read.columns.get("length")
-            found = dict(zip(column.items, column.values.tolist(), strict=True)) if column is not None else {}
-            for at, (uid, group) in enumerate(zip(read.uids, read.group_ids, strict=True)):
-                members.setdefault(group, []).append(uid)
-                lengths.setdefault(group, []).append(found.get(at, 0))
-        order = list(members)
-        costs = [group_cost(balance, lengths[group], model) for group in order]
-        uids = [uid for at in balance_parts(costs, ranks, equal)[rank] for uid in members[order[at]]]
-        return (yield from self._read_fields(uids, fields, table, *shares))
+        uids = [uid for read in outcomes for uid in read.uids]
+        groups = [group for read in outcomes for group in read.group_ids]
+        lengths = [length for read in outcomes for length in run_lengths(read)]
+        mine = split_runs(uids, groups, lengths, ranks, balance, model, equal)[rank]
+        return (yield from self._read_fields(mine, fields, table, *shares))
 
     def _by_owner(
         self,

@@ -12,8 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from expbuf.client.schema.balance import ModelShape, group_cost
-from expbuf.client.schema.balance import parts as balance_parts
+from expbuf.client.schema.balance import ModelShape, split_groups
 from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.pieces import Stored, whole
 
@@ -229,14 +228,11 @@ class Reads:
                 split = self._splits.get(key)
             if split is None:
                 blobs = db["blobs"]
-                costs = [
-                    group_cost(
-                        balance, [_tokens_of(txn.get(prefix + uid.encode(), db=blobs)) for uid in members], model
-                    )
-                    for members in held.values()
-                ]
-                order = list(held)
-                split = [[order[at] for at in part] for part in balance_parts(costs, ranks, equal)]
+                tokens = {
+                    gkey: [_tokens_of(txn.get(prefix + uid.encode(), db=blobs)) for uid in members]
+                    for gkey, members in held.items()
+                }
+                split = split_groups(tokens, ranks, balance, model, equal)
                 with self._lock:  # every rank of the step asks: the split is made once
                     self._splits[key] = split
                     while len(self._splits) > MAX_SPLITS:
