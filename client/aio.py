@@ -30,7 +30,7 @@ from .results import (
     ServerInfo,
     TableInfo,
 )
-from .rpc import aio_status, calls
+from .rpc import aio_status, calls, ledger_calls, read_calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
@@ -254,15 +254,15 @@ class AsyncBufferClient(ClientBase):
         self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
     ) -> DatasetInfo:
         """As BufferClient.create_dataset."""
-        return await self._run(calls.create_dataset(table, name, size, exist_ok, settings))
+        return await self._run(ledger_calls.create_dataset(table, name, size, exist_ok, settings))
 
     async def datasets(self, table: str = "default") -> list[DatasetInfo]:
         """As BufferClient.datasets."""
-        return await self._run(calls.datasets(table))
+        return await self._run(ledger_calls.datasets(table))
 
     async def ledger(self, table: str, dataset: str) -> DatasetInfo:
         """As BufferClient.ledger."""
-        (info,) = await self._run(calls.datasets(table, dataset))
+        (info,) = await self._run(ledger_calls.datasets(table, dataset))
         return info
 
     async def claim(
@@ -277,21 +277,21 @@ class AsyncBufferClient(ClientBase):
     ) -> Claim:
         """As BufferClient.claim."""
         return await self._run(
-            calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+            ledger_calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
         )
 
     async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
         """As BufferClient.renew_claims."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts):
-            ended += (await self._run(calls.renew_claims(table, dataset, part, seconds)))[1]
+        for (table, dataset), part in ledger_calls.by_dataset(prompts):
+            ended += (await self._run(ledger_calls.renew_claims(table, dataset, part, seconds)))[1]
         return ended
 
     async def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """As BufferClient.release_claims."""
         released = 0
-        for (table, dataset), part in calls.by_dataset(prompts):
-            released += await self._run(calls.release_claims(table, dataset, part))
+        for (table, dataset), part in ledger_calls.by_dataset(prompts):
+            released += await self._run(ledger_calls.release_claims(table, dataset, part))
         return released
 
     async def list_prompts(
@@ -304,7 +304,7 @@ class AsyncBufferClient(ClientBase):
         limit: int = 1000,
     ) -> PromptPage:
         """As BufferClient.list_prompts."""
-        return await self._run(calls.list_prompts(table, dataset, states, after, limit))
+        return await self._run(ledger_calls.list_prompts(table, dataset, states, after, limit))
 
     async def read_fields(
         self,
@@ -317,7 +317,7 @@ class AsyncBufferClient(ClientBase):
     ) -> FieldBatch:
         """Some fields of the experiences `uids` as columns, or shares of their tokens, as
         BufferClient.read_fields."""
-        return await self._run(calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
+        return await self._run(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
     async def read_part(
         self,
@@ -334,18 +334,20 @@ class AsyncBufferClient(ClientBase):
         equal: bool = False,
     ) -> FieldBatch:
         """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
-        call = calls.read_part(
+        call = read_calls.read_part(
             lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
         )
         return await self._run(call)
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
-        return await self._run(calls.get(uids, table, self.max_message_bytes))
+        return await self._run(read_calls.get(uids, table, self.max_message_bytes))
 
-    async def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
+    async def list_experiences(
+        self, table: str = "default", **filters: Unpack[read_calls.ListFilters]
+    ) -> ExperiencePage:
         """A page of the table's live experiences in insertion order (see BufferClient.list_experiences)."""
-        return await self._run(calls.list_experiences(table, **filters))
+        return await self._run(read_calls.list_experiences(table, **filters))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete (admin scope): how many experiences were removed."""

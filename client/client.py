@@ -36,7 +36,7 @@ from .results import (
     TableInfo,
     TableStats,
 )
-from .rpc import calls
+from .rpc import calls, ledger_calls, read_calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
@@ -297,15 +297,15 @@ class BufferClient(ClientBase):
         order), `max_in_flight` (bound on prompts claimed, or generated and not yet trained; 0:
         none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
         it goes out again), `max_attempts` (5: a prompt sent back this often is dropped)."""
-        return self._run(calls.create_dataset(table, name, size, exist_ok, settings))
+        return self._run(ledger_calls.create_dataset(table, name, size, exist_ok, settings))
 
     def datasets(self, table: str = "default") -> list[DatasetInfo]:
         """The table's datasets, each with its cursor and its prompts by state and epoch."""
-        return self._run(calls.datasets(table))
+        return self._run(ledger_calls.datasets(table))
 
     def ledger(self, table: str, dataset: str) -> DatasetInfo:
         """One dataset's settings, cursor and prompts by state and epoch."""
-        (info,) = self._run(calls.datasets(table, dataset))
+        (info,) = self._run(ledger_calls.datasets(table, dataset))
         return info
 
     def claim(
@@ -327,7 +327,7 @@ class BufferClient(ClientBase):
         within this client's `max_message_bytes`: a claim of more is refused, before anything
         is claimed, with ResourceExhaustedError (reason `too_large`) naming the count that fits."""
         return self._run(
-            calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+            ledger_calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
         )
 
     def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
@@ -335,16 +335,16 @@ class BufferClient(ClientBase):
         (not renewed: their groups will not be taken, give up on them). Any number, in calls of
         at most MAX_PROMPTS_PER_CALL."""
         ended: list[Prompt] = []
-        for (table, dataset), part in calls.by_dataset(prompts):
-            ended += self._run(calls.renew_claims(table, dataset, part, seconds))[1]
+        for (table, dataset), part in ledger_calls.by_dataset(prompts):
+            ended += self._run(ledger_calls.renew_claims(table, dataset, part, seconds))[1]
         return ended
 
     def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """Give claims back now: each prompt goes out again with its next attempt. Returns the
         claims that were still held. Any number, in calls of at most MAX_PROMPTS_PER_CALL."""
         return sum(
-            self._run(calls.release_claims(table, dataset, part))
-            for (table, dataset), part in calls.by_dataset(prompts)
+            self._run(ledger_calls.release_claims(table, dataset, part))
+            for (table, dataset), part in ledger_calls.by_dataset(prompts)
         )
 
     def list_prompts(
@@ -358,7 +358,7 @@ class BufferClient(ClientBase):
     ) -> PromptPage:
         """A page of the dataset's prompts handed out at least once, in (epoch, index) order, of
         `states` (all when empty); pass the page's `after` for the next."""
-        return self._run(calls.list_prompts(table, dataset, states, after, limit))
+        return self._run(ledger_calls.list_prompts(table, dataset, states, after, limit))
 
     def read_part(
         self,
@@ -384,7 +384,7 @@ class BufferClient(ClientBase):
         back reads its part again while the lease holds. With `equal`, every rank gets as many
         groups as the others, or one fewer. The process that sampled the batch acks it once every
         rank has trained its part."""
-        call = calls.read_part(
+        call = read_calls.read_part(
             lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
         )
         return self._run(call)
@@ -392,7 +392,7 @@ class BufferClient(ClientBase):
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
         Read in parts no larger than the client's max_message_bytes, however large they are."""
-        return self._run(calls.get(uids, table, self.max_message_bytes))
+        return self._run(read_calls.get(uids, table, self.max_message_bytes))
 
     def read_fields(
         self,
@@ -414,9 +414,9 @@ class BufferClient(ClientBase):
         first dimension (tokens, routing ids) is cut at those positions, a response field
         (logprobs, action_mask, advantages, ...) at those after the prompt, any other comes whole.
         A large experience's chunks outside the share are not read from disk."""
-        return self._run(calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
+        return self._run(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
-    def list_experiences(self, table: str = "default", **filters: Unpack[calls.ListFilters]) -> ExperiencePage:
+    def list_experiences(self, table: str = "default", **filters: Unpack[read_calls.ListFilters]) -> ExperiencePage:
         """A page of the table's live experiences in insertion order, optionally of some states and
         model versions; page on with `after=page.next` until `page.done`. Example:
 
@@ -425,7 +425,7 @@ class BufferClient(ClientBase):
         experiences = client.get([e.uid for e in page.experiences], table="grpo8")
         ```
         """
-        return self._run(calls.list_experiences(table, **filters))
+        return self._run(read_calls.list_experiences(table, **filters))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again

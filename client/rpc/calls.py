@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -24,21 +24,14 @@ from ..errors import DataLossError, DeadlineExceededError, ExpbufError
 from ..results import (
     Batch,
     BufferStats,
-    ExperiencePage,
-    FieldBatch,
-    GetResult,
     Grant,
     Leases,
-    ListedExperience,
     PushResult,
     ServerInfo,
     TableInfo,
     TableStats,
 )
-from ..schema.balance import MAX_RANKS, ModelShape
-from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
-from ..trxp.columns import Shares
 from . import wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
@@ -250,136 +243,6 @@ def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
     return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
 
 
-def read_fields(
-    uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
-) -> Unary[FieldBatch]:
-    """ReadFields of `uids`, `share` (one share or several, in order) of `of` of their tokens
-    (of=0: whole); a ValueError names a share that is not one."""
-    request = pb.ReadFieldsRequest(table=table, uids=list(uids), fields=list(fields), max_reply_bytes=max_reply_bytes)
-    return _fields_call(request, share, of)
-
-
-def read_part(
-    lease_id: str,
-    rank: int,
-    ranks: int,
-    fields: Iterable[str],
-    table: str,
-    balance: str,
-    model: ModelShape | None,
-    shares: tuple[int | Iterable[int], int],
-    max_reply_bytes: int,
-    equal: bool = False,
-) -> Unary[FieldBatch]:
-    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
-    (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
-    as many groups a rank with `equal`, `shares` as read_fields' (share, of); ValueError before
-    the call for what is not a part or a share."""
-    check_part(lease_id, rank, ranks, balance, model)
-    request = pb.ReadFieldsRequest(
-        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
-        max_reply_bytes=max_reply_bytes, equal=equal,
-    )  # fmt: skip
-    if model is not None:
-        request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
-    return _fields_call(request, *shares)
-
-
-def check_part(lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None) -> None:
-    """A ValueError, before any call, for what is not a rank's part of a leased step."""
-    if not lease_id:
-        raise ValueError("lease_id: the part of a batch is named by its lease (batch.lease_id, a leased sample's)")
-    if not 1 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
-        raise ValueError(f"rank {rank} of {ranks}: ranks is 1 to {MAX_RANKS}, a rank 0 to ranks - 1")
-    if balance == "flops" and model is None:
-        raise ValueError("balance 'flops' needs the model's shape: model=ModelShape(params, layers, hidden)")
-
-
-def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: int) -> Unary[FieldBatch]:
-    """A ReadFields `request` with `share` of `of` of each experience's tokens (of=0: whole)."""
-    take = (share,) if isinstance(share, int) else tuple(share)
-    if of or take:
-        Shares(of, take)  # checked here, before the call
-    request.shares = of
-    request.take.extend(take)
-    table = request.table
-    return Unary("ReadFields", request, lambda reply: field_batch(reply, table), retry=True, parts=True)
-
-
-def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
-    """A ReadFields reply as a FieldBatch; DataLossError where its columns do not fit their framing."""
-    rest = reply.rest
-    try:
-        columns = decode_columns(rest.columns, len(rest.uids), reply.values)
-    except (ValueError, OverflowError) as exc:
-        raise DataLossError(
-            grpc.StatusCode.DATA_LOSS, f"the fields read from table '{table}' could not be decoded: {exc}"
-        ) from exc
-    return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
-
-
-def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Unary[GetResult]:
-    """The experiences among uids, in request order: read over ReadFields without fields, whole and
-    in parts when large, so that no experience is too large to read back; over Get from a server
-    without ReadFields."""
-    asked = list(uids)
-    once = list(dict.fromkeys(asked))  # ReadFields names each uid once
-
-    def read(reply: SampleReplyParts) -> GetResult:
-        found = {exp.eid.uid: exp for exp in trxp.decode_reply(reply.payload)}
-        return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
-
-    request = pb.ReadFieldsRequest(table=table, uids=once, max_reply_bytes=max_reply_bytes)
-    unary = pb.GetRequest(table=table, uids=asked)
-    fallback = Unary("Get", unary, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
-    return Unary("ReadFields", request, read, retry=True, parts=True, fallback=fallback)
-
-
-class ListFilters(TypedDict, total=False):
-    """The keywords of `list_experiences()` after the table: which experiences, and the page."""
-
-    states: Iterable[str]
-    min_model_version: int | None
-    max_model_version: int | None
-    after: int
-    limit: int
-
-
-def list_experiences(
-    table: str,
-    *,
-    states: Iterable[str] = (),
-    min_model_version: int | None = None,
-    max_model_version: int | None = None,
-    after: int = 0,
-    limit: int = 1000,
-) -> Unary[ExperiencePage]:
-    """Of the table's live experiences in insertion order, those of `states` (all when empty) and of
-    model versions in the range given, a page of up to `limit` after position `after`."""
-
-    def optional(msg: Any, name: str) -> Any:
-        return getattr(msg, name) if msg.HasField(name) else None
-
-    def read(reply: pb.ListExperiencesReply) -> ExperiencePage:
-        listed = [
-            ListedExperience(
-                e.uid, e.group_id, e.state, optional(e, "model_version"), optional(e, "reward"), e.times_sampled
-            )
-            for e in reply.experiences
-        ]
-        return ExperiencePage(listed, reply.next, reply.done)
-
-    request = pb.ListExperiencesRequest(
-        table=table,
-        states=list(states),
-        min_model_version=min_model_version,
-        max_model_version=max_model_version,
-        after=after,
-        limit=limit,
-    )
-    return Unary("ListExperiences", request, read, retry=True)
-
-
 def delete(uids: Iterable[str], table: str, groups: Iterable[str]) -> Unary[int]:
     request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
     return Unary("Delete", request, lambda r: r.deleted, retry=False)
@@ -501,128 +364,3 @@ def handed(made: B, lease_seconds: float, since: float) -> B:
     if made.lease_id:
         made.lease_expires = time.time() + lease_seconds
     return made
-
-
-# ---- the prompt ledger ----------------------------------------------------------------------
-
-
-def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: dict[str, Any]) -> Unary[DatasetInfo]:
-    unknown = sorted(set(settings) - _DATASET_SETTINGS)
-    if unknown:
-        raise ValueError(
-            f"create_dataset: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_DATASET_SETTINGS))}"
-        )
-    for key, value in {"size": size, **settings}.items():
-        bounds = _DATASET_INTEGERS.get(key)
-        if bounds and not (key == "seed" and value is None) and not _integer_in(value, *bounds):
-            raise ValueError(f"create_dataset: {key} is {value!r}; it must be an integer in {bounds[0]}..{bounds[1]}")
-    if not isinstance(settings.get("on_drop", ""), str):
-        raise ValueError(f"create_dataset: on_drop is {settings['on_drop']!r}; expected 'done' or 'retry'")
-    seed = settings.get("seed")
-    config = pb.DatasetConfig(
-        name=name,
-        size=size,
-        epochs=settings.get("epochs", 1),
-        max_in_flight=settings.get("max_in_flight", 0),
-        on_drop=settings.get("on_drop", "done"),
-        max_attempts=settings.get("max_attempts", 5),
-        shards=settings.get("shards", ()),
-        shard=settings.get("shard", ""),
-    )
-    if seed is not None:
-        config.seed = seed
-    request = pb.CreateDatasetRequest(table=table, config=config, exist_ok=exist_ok)
-    return Unary("CreateDataset", request, lambda r: DatasetInfo.from_proto(r.dataset, table), retry=exist_ok)
-
-
-_DATASET_SETTINGS = frozenset({"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard"})
-# What the wire carries; an epochs or max_attempts of 0 would be read there as the default, not refused.
-_DATASET_INTEGERS = {
-    "size": (0, 2**64 - 1),
-    "epochs": (1, 2**32 - 1),
-    "seed": (-(2**63), 2**63 - 1),
-    "max_in_flight": (0, 2**64 - 1),
-    "max_attempts": (1, 2**32 - 1),
-}
-
-
-def _integer_in(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
-    request = pb.ListDatasetsRequest(table=table, name=name)
-    return Unary("ListDatasets", request, lambda r: [DatasetInfo.from_proto(d, table) for d in r.datasets], retry=True)
-
-
-def claim(
-    table: str,
-    dataset: str,
-    count: int,
-    lease_seconds: float,
-    owner: str,
-    wait: float,
-    timeout: float,
-    max_reply_bytes: int = 0,
-) -> Unary[Claim]:
-    """A Claim that says what this client receives (`max_reply_bytes`, its max_message_bytes), so
-    that the server refuses a claim whose reply it could not take before claiming anything (0:
-    the server's max_message_bytes alone bounds it)."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"claim: count must be a positive integer, got {count!r}")
-    request = pb.ClaimRequest(
-        table=table, dataset=dataset, count=count, lease_seconds=lease_seconds, owner=owner, wait_seconds=wait,
-        max_reply_bytes=max_reply_bytes,
-    )  # fmt: skip
-
-    def read(reply: pb.ClaimReply) -> Claim:
-        return Claim([Prompt.from_proto(p, table) for p in reply.prompts], reply.done)
-
-    return Unary("Claim", request, read, retry=False, timeout=wait + timeout)
-
-
-def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:
-    return [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in prompts]
-
-
-def by_dataset(prompts: Iterable[Prompt]) -> list[tuple[tuple[str, str], list[Prompt]]]:
-    """Prompts by (table, dataset), in parts of at most MAX_PROMPTS_PER_CALL: one call each."""
-    out: dict[tuple[str, str], list[Prompt]] = {}
-    for prompt in prompts:
-        out.setdefault((prompt.table, prompt.dataset), []).append(prompt)
-    return [
-        (key, part[start : start + MAX_PROMPTS_PER_CALL])
-        for key, part in out.items()
-        for start in range(0, len(part), MAX_PROMPTS_PER_CALL)
-    ]
-
-
-def renew_claims(table: str, dataset: str, prompts: list[Prompt], seconds: float) -> Unary[tuple[float, list[Prompt]]]:
-    request = pb.RenewClaimsRequest(table=table, dataset=dataset, prompts=_refs(prompts), lease_seconds=seconds)
-
-    def read(reply: pb.RenewClaimsReply) -> tuple[float, list[Prompt]]:
-        ended = {(r.epoch, r.index, r.attempt) for r in reply.ended}
-        return reply.expires_unix, [p for p in prompts if (p.epoch, p.index, p.attempt) in ended]
-
-    return Unary("RenewClaims", request, read, retry=True)
-
-
-def release_claims(table: str, dataset: str, prompts: list[Prompt]) -> Unary[int]:
-    request = pb.ReleaseClaimsRequest(table=table, dataset=dataset, prompts=_refs(prompts))
-    return Unary("ReleaseClaims", request, lambda r: r.released, retry=True)
-
-
-def list_prompts(
-    table: str, dataset: str, states: Iterable[str], after: tuple[int, int] | None, limit: int
-) -> Unary[PromptPage]:
-    request = pb.ListPromptsRequest(table=table, dataset=dataset, states=list(states), limit=limit)
-    if after is not None:
-        request.has_after, request.after_epoch, request.after_index = True, after[0], after[1]
-
-    def read(reply: pb.ListPromptsReply) -> PromptPage:
-        prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
-        # A page that is not the last read `limit` records, whether or not it kept any of `states`.
-        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None or not reply.done) else None
-        return PromptPage(prompts, last, reply.done)
-
-    return Unary("ListPrompts", request, read, retry=True)

@@ -27,7 +27,7 @@ import grpc
 from ..client import Batch, BufferError, GetResult, Grant, PushResult
 from ..columns import join_columns, run_lengths
 from ..results import BufferStats, FieldBatch, Leases, ServerInfo, TableInfo, TableStats
-from ..rpc.calls import check_part
+from ..rpc.read_calls import check_part
 from ..rpc.sample_spec import SampleSpec
 from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key

@@ -1,0 +1,151 @@
+"""The calls that read named experiences (ReadFields: some fields, shares of their tokens, a
+rank's part of a leased step, or the experiences whole; Get; ListExperiences), described as
+`Unary` calls (calls.py) for the blocking and the asyncio client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypedDict
+
+import grpc
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from .. import trxp
+from ..columns import decode_columns
+from ..errors import DataLossError
+from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
+from ..schema.balance import MAX_RANKS, ModelShape
+from ..trxp.columns import Shares
+from .calls import Unary
+from .sample_reply import SampleReplyParts
+
+
+def read_fields(
+    uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
+) -> Unary[FieldBatch]:
+    """ReadFields of `uids`, `share` (one share or several, in order) of `of` of their tokens
+    (of=0: whole); a ValueError names a share that is not one."""
+    request = pb.ReadFieldsRequest(table=table, uids=list(uids), fields=list(fields), max_reply_bytes=max_reply_bytes)
+    return _fields_call(request, share, of)
+
+
+def read_part(
+    lease_id: str,
+    rank: int,
+    ranks: int,
+    fields: Iterable[str],
+    table: str,
+    balance: str,
+    model: ModelShape | None,
+    shares: tuple[int | Iterable[int], int],
+    max_reply_bytes: int,
+    equal: bool = False,
+) -> Unary[FieldBatch]:
+    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
+    (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
+    as many groups a rank with `equal`, `shares` as read_fields' (share, of); ValueError before
+    the call for what is not a part or a share."""
+    check_part(lease_id, rank, ranks, balance, model)
+    request = pb.ReadFieldsRequest(
+        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
+        max_reply_bytes=max_reply_bytes, equal=equal,
+    )  # fmt: skip
+    if model is not None:
+        request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
+    return _fields_call(request, *shares)
+
+
+def check_part(lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None) -> None:
+    """A ValueError, before any call, for what is not a rank's part of a leased step."""
+    if not lease_id:
+        raise ValueError("lease_id: the part of a batch is named by its lease (batch.lease_id, a leased sample's)")
+    if not 1 <= ranks <= MAX_RANKS or not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} of {ranks}: ranks is 1 to {MAX_RANKS}, a rank 0 to ranks - 1")
+    if balance == "flops" and model is None:
+        raise ValueError("balance 'flops' needs the model's shape: model=ModelShape(params, layers, hidden)")
+
+
+def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: int) -> Unary[FieldBatch]:
+    """A ReadFields `request` with `share` of `of` of each experience's tokens (of=0: whole)."""
+    take = (share,) if isinstance(share, int) else tuple(share)
+    if of or take:
+        Shares(of, take)  # checked here, before the call
+    request.shares = of
+    request.take.extend(take)
+    table = request.table
+    return Unary("ReadFields", request, lambda reply: field_batch(reply, table), retry=True, parts=True)
+
+
+def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
+    """A ReadFields reply as a FieldBatch; DataLossError where its columns do not fit their framing."""
+    rest = reply.rest
+    try:
+        columns = decode_columns(rest.columns, len(rest.uids), reply.values)
+    except (ValueError, OverflowError) as exc:
+        raise DataLossError(
+            grpc.StatusCode.DATA_LOSS, f"the fields read from table '{table}' could not be decoded: {exc}"
+        ) from exc
+    return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
+
+
+def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Unary[GetResult]:
+    """The experiences among uids, in request order: read over ReadFields without fields, whole and
+    in parts when large, so that no experience is too large to read back; over Get from a server
+    without ReadFields."""
+    asked = list(uids)
+    once = list(dict.fromkeys(asked))  # ReadFields names each uid once
+
+    def read(reply: SampleReplyParts) -> GetResult:
+        found = {exp.eid.uid: exp for exp in trxp.decode_reply(reply.payload)}
+        return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
+
+    request = pb.ReadFieldsRequest(table=table, uids=once, max_reply_bytes=max_reply_bytes)
+    unary = pb.GetRequest(table=table, uids=asked)
+    fallback = Unary("Get", unary, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
+    return Unary("ReadFields", request, read, retry=True, parts=True, fallback=fallback)
+
+
+class ListFilters(TypedDict, total=False):
+    """The keywords of `list_experiences()` after the table: which experiences, and the page."""
+
+    states: Iterable[str]
+    min_model_version: int | None
+    max_model_version: int | None
+    after: int
+    limit: int
+
+
+def list_experiences(
+    table: str,
+    *,
+    states: Iterable[str] = (),
+    min_model_version: int | None = None,
+    max_model_version: int | None = None,
+    after: int = 0,
+    limit: int = 1000,
+) -> Unary[ExperiencePage]:
+    """Of the table's live experiences in insertion order, those of `states` (all when empty) and of
+    model versions in the range given, a page of up to `limit` after position `after`."""
+
+    def optional(msg: Any, name: str) -> Any:
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    def read(reply: pb.ListExperiencesReply) -> ExperiencePage:
+        listed = [
+            ListedExperience(
+                e.uid, e.group_id, e.state, optional(e, "model_version"), optional(e, "reward"), e.times_sampled
+            )
+            for e in reply.experiences
+        ]
+        return ExperiencePage(listed, reply.next, reply.done)
+
+    request = pb.ListExperiencesRequest(
+        table=table,
+        states=list(states),
+        min_model_version=min_model_version,
+        max_model_version=max_model_version,
+        after=after,
+        limit=limit,
+    )
+    return Unary("ListExperiences", request, read, retry=True)
