@@ -131,8 +131,8 @@ def test_more_held_batches_than_open_snapshots(store: Store) -> None:
 def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_path: Path) -> None:
     """More consumers than open snapshots, each taking held batches and consuming the last
     one in the commit that takes the next (as a Sample stream does), while pushes grow the
-    map and Gets read the same payloads: every experience arrives once, as stored, and no
-    reader is left open."""
+    map and Gets and ReadFields (whose snapshots open on their own threads) read the same
+    payloads: every experience arrives once, as stored, and no reader is left open."""
     s = Store(tmp_path / "data", map_size=1 << 20, seed=7)
     s.create_table(PLAIN)
     groups = [group_items(1, task, 2, response=6000) for task in range(120)]
@@ -177,7 +177,21 @@ def test_concurrent_held_batches_through_map_growth_are_each_delivered_once(tmp_
         while not pushed.is_set():
             wrong.extend(uid for uid, blob in s.get("plain", uids[:40]).items() if blob != packed[uid])
 
+    def read_fields() -> None:
+        uids = list(packed)
+        try:
+            while not pushed.is_set():
+                batch, _ = s.read_fields("plain", uids[-40:], whole=True)
+                try:
+                    items = batch.render(lambda parts: trxp.parse(b"".join(parts)))
+                finally:
+                    batch.release()
+                wrong.extend(item.uid for item in items if trxp.pack_item(item) != packed[item.uid])
+        except BaseException as exc:
+            errors.append(exc)
+
     threads = [threading.Thread(target=produce), threading.Thread(target=read)]
+    threads += [threading.Thread(target=read_fields) for _ in range(4)]
     threads += [threading.Thread(target=consume, args=(f"c{n}",)) for n in range(MAX_SNAPSHOTS + 4)]
     for thread in threads:
         thread.start()

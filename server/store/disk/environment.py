@@ -106,7 +106,8 @@ class Environment:
             raise
         self._readers = 0
         self._resizing = False
-        self._snapshots: list[weakref.ref[Snapshot]] = []  # opened by the writer thread only
+        self._snapshots: list[weakref.ref[Snapshot]] = []  # those open, under _snapshots_lock
+        self._snapshots_lock = threading.Lock()
         self._gate = threading.Condition()
         self._changed = threading.Condition()
         self._generation = 0
@@ -289,13 +290,15 @@ class Environment:
         size = self.env.info()["map_size"]
         if size >= self.max_map_size:
             return False
-        self._detach_snapshots()  # here in the writer thread, which alone opens them
         with self._gate:
-            self._resizing = True
-            self._gate.wait_for(lambda: self._readers == 0)
-            try:
+            self._resizing = True  # no reader begins from here on: none opens a snapshot after the detach
+        try:
+            self._detach_snapshots()
+            with self._gate:
+                self._gate.wait_for(lambda: self._readers == 0)
                 self.env.set_mapsize(min(size * 2, self.max_map_size))
-            finally:
+        finally:
+            with self._gate:
                 self._resizing = False
                 self._gate.notify_all()
         return True
@@ -331,32 +334,35 @@ class Environment:
 
     def snapshot(self) -> Snapshot:
         """A read transaction of the last committed state whose values are views into the
-        map, open until released (snapshot.py). For the writer thread, while it takes a
-        batch: at most MAX_SNAPSHOTS stay open, opening another detaches the oldest, or, for
-        one whose reply is being built, has its reader detach it as it ends, so that the writer
-        never waits for a reply (one more per reply being built may stay open until then)."""
-        live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
-        for ref in live[: max(0, len(live) + 1 - MAX_SNAPSHOTS)]:
-            oldest = ref()
-            if oldest is not None:
-                oldest.detach(wait=False)
-        live = [ref for ref in live if (snap := ref()) is not None and snap.open]
-        self._enter_reader()
+        map, open until released (snapshot.py): the writer's, while it takes a batch (the state
+        its take saw), or any thread's (a ReadFields, which needs no writer's turn). At most
+        MAX_SNAPSHOTS stay open: opening another detaches the oldest, or, for one whose reply is
+        being built, has its reader detach it as it ends, so that no one waits for a reply (one
+        more per reply being built may stay open until then)."""
+        self._enter_reader()  # first: a resize, which detaches every snapshot, lets none begin
         try:
-            snap = Snapshot(self.env.begin(buffers=True), self._leave_reader)
+            with self._snapshots_lock:
+                live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
+                for ref in live[: max(0, len(live) + 1 - MAX_SNAPSHOTS)]:
+                    oldest = ref()
+                    if oldest is not None:
+                        oldest.detach(wait=False)
+                live = [ref for ref in live if (snap := ref()) is not None and snap.open]
+                snap = Snapshot(self.env.begin(buffers=True), self._leave_reader)
+                self._snapshots = [*live, weakref.ref(snap)]
         except BaseException:
             self._leave_reader()
             raise
-        self._snapshots = [*live, weakref.ref(snap)]
         return snap
 
     def _detach_snapshots(self) -> None:
         """Copy what open snapshots hold and end them, before the map is resized or closed."""
-        for ref in self._snapshots:
+        with self._snapshots_lock:
+            opened, self._snapshots = self._snapshots, []
+        for ref in opened:
             snap = ref()
             if snap is not None:
                 snap.detach()
-        self._snapshots = []
 
     def _enter_reader(self) -> None:
         with self._gate:

@@ -130,7 +130,7 @@ class Reads:
         built, for only what the reply reads (chunked.Deferred), the others here, and a damaged
         one quarantined and listed as missing, as Get lists it."""
         for _ in range(OPEN_TRIES):
-            snapshot = self.environment.submit(lambda _: self.environment.snapshot())  # snapshots open in the writer
+            snapshot = self.environment.snapshot()  # on this thread: a read needs no writer's turn
             try:
                 read = self._fields_from(snapshot, table, uids, shares, whole)
             except BaseException:
