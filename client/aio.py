@@ -339,6 +339,12 @@ class AsyncBufferClient(ClientBase):
         )
         return await self._run(call)
 
+    async def get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[read_calls.PartOptions]
+    ) -> GetResult:
+        """Rank `rank`'s part of a leased batch as whole experiences, as BufferClient.get_part."""
+        return await self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
+
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         return await self._run(read_calls.get(uids, table, self.max_message_bytes))

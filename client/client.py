@@ -389,6 +389,14 @@ class BufferClient(ClientBase):
         )
         return self._run(call)
 
+    def get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[read_calls.PartOptions]
+    ) -> GetResult:
+        """Rank `rank`'s part of the batch leased as `lease_id`, split as read_part splits it (its
+        balance, model and equal), as whole experiences (what a framework's adapter converts), in
+        the lease's order; read in parts no larger than the client's max_message_bytes."""
+        return self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
+
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
         Read in parts no larger than the client's max_message_bytes, however large they are."""

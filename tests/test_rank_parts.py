@@ -149,6 +149,16 @@ def test_each_rank_reads_its_part_of_a_leased_step_whole_groups_balanced_by_toke
         assert list(dict.fromkeys(read.group_ids)) == [groups[i] for i in want[rank]]
     again = client.read_part(batch.lease_id, 1, ranks, ["tokens"], table="p")  # a rank come back
     assert again.uids == reads[1].uids
+    for rank, read in enumerate(reads):  # the same part as whole experiences, for a framework's adapter
+        got = client.get_part(batch.lease_id, rank, ranks, table="p")
+        assert [exp.eid.uid for exp in got] == read.uids and got.missing_uids == []
+        assert all(torch.equal(exp.tokens, made[exp.eid.uid].tokens) for exp in got)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument.*balanse"):
+        client.get_part(batch.lease_id, 0, ranks, table="p", balanse="count")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="name the fields to read"):
+        client.read_part(batch.lease_id, 0, ranks, [], table="p")
+    with pytest.raises(ValueError, match="name the fields to read"):
+        client.read_fields(reads[0].uids, [], table="p")
     by_count = [client.read_part(batch.lease_id, rank, 4, ["tokens"], table="p", balance="count") for rank in range(4)]
     assert [len(read.uids) for read in by_count] == [8, 8, 8, 8]  # two groups of four runs each
     equal = [client.read_part(batch.lease_id, rank, 3, ["tokens"], table="p", equal=True) for rank in range(3)]

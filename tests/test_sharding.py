@@ -23,7 +23,17 @@ import grpc
 import pytest
 import torch
 
-from expbuf.client import BufferClient, BufferError, Claim, Experience, Prompt, PromptPage, PushResult, trxp
+from expbuf.client import (
+    AsyncBufferClient,
+    BufferClient,
+    BufferError,
+    Claim,
+    Experience,
+    Prompt,
+    PromptPage,
+    PushResult,
+    trxp,
+)
 from expbuf.client.schema.routing import (
     Epoch,
     ShardMap,
@@ -345,12 +355,21 @@ def test_a_step_leased_from_several_shards_is_split_over_the_ranks_together(shar
         reads = [client.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks") for rank in range(3)]
         equal = [client.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks", equal=True) for rank in range(3)]
         again = client.read_part(batch.lease_id, 2, 3, ["tokens"], table="ranks")
+        whole = client.get_part(batch.lease_id, 0, 3, table="ranks")
 
         async def run() -> list[list[str]]:
             async with AsyncShardedBufferClient(shards.targets()) as aio:
-                return [
+                parts = [
                     (await aio.read_part(batch.lease_id, rank, 3, ["tokens"], table="ranks")).uids for rank in range(3)
                 ]
+                assert [exp.eid.uid for exp in await aio.get_part(batch.lease_id, 1, 3, table="ranks")] == parts[1]
+                whole = 0  # each shard's part of the lease, read whole from that shard alone
+                for part in batch.lease_id.split(","):
+                    shard, _, lease = part.partition("/")
+                    async with AsyncBufferClient(shards.targets()[shard]) as one:
+                        whole += len(await one.get_part(lease, 0, 1, table="ranks"))
+                assert whole == 24
+                return parts
 
         assert asyncio.run(run()) == [read.uids for read in reads]
         with pytest.raises(ValueError, match="balance 'nothing' is not one of"):
@@ -359,6 +378,8 @@ def test_a_step_leased_from_several_shards_is_split_over_the_ranks_together(shar
     by_uid = {exp.eid.uid: exp for exp in made}
     assert sorted(uid for read in reads for uid in read.uids) == sorted(by_uid)
     assert again.uids == reads[2].uids
+    assert [exp.eid.uid for exp in whole] == reads[0].uids
+    assert all(torch.equal(exp.tokens, by_uid[exp.eid.uid].tokens) for exp in whole)
     loads = []
     for read in reads:
         assert all(read.group_ids.count(group) == 2 for group in read.group_ids)  # whole groups

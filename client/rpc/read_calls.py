@@ -46,14 +46,59 @@ def read_part(
     (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
     as many groups a rank with `equal`, `shares` as read_fields' (share, of); ValueError before
     the call for what is not a part or a share."""
+    request = part_request(lease_id, rank, ranks, table, (balance, model, equal), max_reply_bytes)
+    request.fields.extend(fields)
+    return _fields_call(request, *shares)
+
+
+class PartOptions(TypedDict, total=False):
+    """How get_part splits a leased step, as read_part's keywords: balance ("tokens"), model, equal."""
+
+    balance: str
+    model: ModelShape | None
+    equal: bool
+
+
+def split_of(options: PartOptions) -> tuple[str, ModelShape | None, bool]:
+    """The balance, model and equal of get_part's keywords; TypeError for one it does not take."""
+    unknown = sorted(set(options) - set(PartOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"get_part() got unexpected keyword argument(s) {', '.join(unknown)}")
+    return options.get("balance", "tokens"), options.get("model"), options.get("equal", False)
+
+
+def get_part(
+    lease_id: str, rank: int, ranks: int, table: str, options: PartOptions, max_reply_bytes: int
+) -> Unary[GetResult]:
+    """Rank `rank`'s part of a leased batch (split by `options`, as read_part's keywords) as whole
+    experiences in the lease's order, in parts when large."""
+    request = part_request(lease_id, rank, ranks, table, split_of(options), max_reply_bytes)
+
+    def read(reply: SampleReplyParts) -> GetResult:
+        return GetResult(trxp.decode_reply(reply.payload), list(reply.rest.missing_uids))
+
+    return Unary("ReadFields", request, read, retry=True, parts=True)
+
+
+def part_request(
+    lease_id: str,
+    rank: int,
+    ranks: int,
+    table: str,
+    split: tuple[str, ModelShape | None, bool],
+    max_reply_bytes: int,
+) -> pb.ReadFieldsRequest:
+    """A ReadFields request of rank `rank`'s part of a leased batch (as `split` = balance, model,
+    equal splits it), checked before the call."""
+    balance, model, equal = split
     check_part(lease_id, rank, ranks, balance, model)
     request = pb.ReadFieldsRequest(
-        table=table, fields=list(fields), lease_id=lease_id, rank=rank, ranks=ranks, balance=balance,
-        max_reply_bytes=max_reply_bytes, equal=equal,
+        table=table, lease_id=lease_id, rank=rank, ranks=ranks, balance=balance, max_reply_bytes=max_reply_bytes,
+        equal=equal,
     )  # fmt: skip
     if model is not None:
         request.model.CopyFrom(pb.ModelShape(params=model.params, layers=model.layers, hidden=model.hidden))
-    return _fields_call(request, *shares)
+    return request
 
 
 def check_part(lease_id: str, rank: int, ranks: int, balance: str, model: ModelShape | None) -> None:
@@ -68,6 +113,8 @@ def check_part(lease_id: str, rank: int, ranks: int, balance: str, model: ModelS
 
 def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: int) -> Unary[FieldBatch]:
     """A ReadFields `request` with `share` of `of` of each experience's tokens (of=0: whole)."""
+    if not request.fields:
+        raise ValueError("fields: name the fields to read (get() and get_part() read experiences whole)")
     take = (share,) if isinstance(share, int) else tuple(share)
     if of or take:
         Shares(of, take)  # checked here, before the call

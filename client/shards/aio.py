@@ -13,6 +13,7 @@ from typing import Any, Unpack
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..rpc.read_calls import PartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -165,6 +166,12 @@ class AsyncShardedBufferClient(LedgerPlans):
         """As ShardedBufferClient.read_part."""
         plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
         return await self._run(plan)
+
+    async def get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]
+    ) -> GetResult:
+        """As ShardedBufferClient.get_part."""
+        return await self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""

@@ -23,6 +23,7 @@ from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FieldBatch, ServerInfo, TableInfo
+from ..rpc.read_calls import PartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -198,6 +199,13 @@ class ShardedBufferClient(LedgerPlans):
         lease does not answer."""
         plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
         return self._run(plan)
+
+    def get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]
+    ) -> GetResult:
+        """As BufferClient.get_part, for a batch leased from several shards (split as read_part
+        splits it), each experience read from the shard that holds it."""
+        return self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.

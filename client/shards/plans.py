@@ -340,11 +340,26 @@ class Planned(Sharded):
         split: tuple[str, ModelShape | None, bool],
         shares: tuple[int | Iterable[int], int],
     ) -> Plan[FieldBatch]:
-        """Rank `rank`'s part of a batch leased from several shards: each shard's part of the lease
-        is listed with its runs' tokens (ReadFields by its lease, for one rank: the lease's owner
-        checked there), the groups of every shard split over the ranks as a server splits one
-        lease's (schema/balance.py, `split` = balance, model, equal), the same split in every
-        rank's process, and the rank's uids read from their shards."""
+        """Rank `rank`'s part of a batch leased from several shards (`_part_uids`), its uids' fields
+        read from their shards."""
+        uids = yield from self._part_uids(lease_id, rank, ranks, table, split)
+        return (yield from self._read_fields(uids, fields, table, *shares))
+
+    def _get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str, split: tuple[str, ModelShape | None, bool]
+    ) -> Plan[GetResult]:
+        """Rank `rank`'s part of a batch leased from several shards, as whole experiences."""
+        uids = yield from self._part_uids(lease_id, rank, ranks, table, split)
+        return (yield from self._get(uids, table))
+
+    def _part_uids(
+        self, lease_id: str, rank: int, ranks: int, table: str, split: tuple[str, ModelShape | None, bool]
+    ) -> Plan[list[str]]:
+        """The uids of rank `rank`'s part of a batch leased from several shards: each shard's part
+        of the lease is listed with its runs' tokens (ReadFields by its lease, for one rank: the
+        lease's owner checked there), the groups of every shard split over the ranks as a server
+        splits one lease's (schema/balance.py, `split` = balance, model, equal), the same split in
+        every rank's process."""
         balance, model, equal = split
         check_part(lease_id, rank, ranks, balance, model)
         if balance not in COSTS:  # split here: a cost is this process's to know
@@ -360,8 +375,7 @@ class Planned(Sharded):
         uids = [uid for read in outcomes for uid in read.uids]
         groups = [group for read in outcomes for group in read.group_ids]
         lengths = [length for read in outcomes for length in run_lengths(read)]
-        mine = split_runs(uids, groups, lengths, ranks, balance, model, equal)[rank]
-        return (yield from self._read_fields(mine, fields, table, *shares))
+        return split_runs(uids, groups, lengths, ranks, balance, model, equal)[rank]
 
     def _by_owner(
         self,
