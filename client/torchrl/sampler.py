@@ -30,6 +30,15 @@ the run stops or crashes; replayed, nothing is lost, but a `for` loop's end (no 
 `timeout`) can come out of a thread's draw as DeadlineExceededError, the batches queued behind it
 never handed over.
 
+Data-parallel ranks (`ranks=R, rank=r`, one sampler in each rank's process, under
+torch.distributed): each `sample()` is one training step of all the ranks. Rank 0 leases the
+step's whole groups (`batch_size` experiences a rank) and hands its lease to the others over the
+process group (`broadcast_object_list`); every rank then reads its own part with `get_part`, the
+groups split so that the ranks' tokens are as equal as whole groups allow (`balance`, `equal` as
+read_part's), and the same part again should its process come back. Rank 0 renews the lease and
+acknowledges the step at the next sample, when every rank has come back for the next one; the
+ranks sample in lockstep, as their training steps do.
+
 `state_dict()` names the lease of the batch drawn last; a checkpoint taken between steps
 (after the step that used it) therefore holds it, and `load_state_dict` has it acknowledged at
 the next sample, so a trainer restored from that checkpoint does not train that batch again.
@@ -77,12 +86,30 @@ class ExpbufSampler(Sampler):
     past its first batch), min_model_version, trainer_version, allow_partial.
     """
 
-    def __init__(self, **options: Unpack[SampleOptions]) -> None:
+    def __init__(
+        self,
+        *,
+        ranks: int = 1,
+        rank: int = 0,
+        process_group: Any = None,
+        balance: str = "tokens",
+        equal: bool = False,
+        **options: Unpack[SampleOptions],
+    ) -> None:
         for fixed in ("max_batches", "window"):
             if fixed in options:
                 raise ValueError(f"ExpbufSampler: {fixed} is not an option (each sample() is one batch)")
         SampleSpec("default", 1, **options)  # refuses a bad value now, naming it
         self.options: dict[str, Any] = {"delivery": "lease", **options}
+        if not 0 <= rank < ranks:
+            raise ValueError(f"ExpbufSampler: rank {rank} of {ranks} ranks (a rank is 0 to ranks - 1)")
+        if ranks > 1 and self.options["delivery"] != "lease":
+            raise ValueError(
+                f"ExpbufSampler(ranks={ranks}) leases each step for its ranks to read their parts of, so "
+                f"delivery={self.options['delivery']!r} is not one it takes"
+            )
+        self.ranks, self.rank, self.process_group = ranks, rank, process_group
+        self.split: dict[str, Any] = {"balance": balance, "equal": equal}
         self._last: Batch | None = None  # the batch drawn last, not yet acknowledged
         self._given_back: list[str] = []  # leases of interrupted draws, to give back once the server answers
         self._restored: str | None = None  # the lease a loaded checkpoint named, to acknowledge
@@ -116,7 +143,7 @@ class ExpbufSampler(Sampler):
             except Exception:
                 self._put_back(batch)  # a batch that cannot be handed over goes back now
                 raise
-            if self.leases:
+            if self.leases and batch.lease_id:  # a rank past 0 holds a part of rank 0's lease
                 self._last = batch
             self._handed, self._ran_out = True, False
         # tensors only: TensorDictReplayBuffer writes the info into the batch (the uids are in it already)
@@ -158,10 +185,49 @@ class ExpbufSampler(Sampler):
         """The next batch (leases renewed), after acknowledging the one drawn before."""
         self._source, self._batch_size = storage, batch_size
         self._ack_last(storage)
-        batch = self._draw(storage, batch_size)
-        if self.leases:
+        batch = self._draw(storage, batch_size) if self.ranks == 1 else self._draw_part(storage, batch_size)
+        if self.leases and batch.lease_id:
             self._keeper_of(storage).hold(batch.lease_id, batch.lease_expires)
         return batch
+
+    def _draw_part(self, storage: ExpbufStorage, batch_size: int) -> Batch:
+        """This rank's part of a step rank 0 leased (see the module's docstring): a batch whose
+        experiences are this rank's, under rank 0's lease on rank 0 and under none on the others."""
+        import torch.distributed as dist
+
+        shared: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                whole = self._draw(storage, batch_size * self.ranks, fields=["reward"])  # the lease, not the data
+            except DeadlineExceededError as exc:
+                shared = [exc.details]
+            else:
+                runs = dict(zip(whole.uids, zip(whole.group_ids, whole.times_sampled, strict=True), strict=True))
+                shared = [(whole.lease_id, whole.lease_expires, runs)]
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        dist.broadcast_object_list(shared, src=src, group=self.process_group)
+        if not isinstance(shared[0], tuple):
+            raise DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, str(shared[0]))
+        lease_id, expires, runs = shared[0]
+        try:
+            got = storage.client.get_part(lease_id, self.rank, self.ranks, storage.table, **self.split)
+        except Exception:
+            if self.rank == 0:
+                self._put_back(whole)
+            raise
+        uids = [exp.eid.uid for exp in got]
+        part = Batch(
+            payload=b"",
+            uids=uids,
+            group_ids=[runs[uid][0] for uid in uids],
+            lease_id=lease_id if self.rank == 0 else "",
+            lease_expires=expires,
+            partial=False,
+            table=storage.table,
+            times_sampled=[runs[uid][1] for uid in uids],
+        )
+        part.__dict__["experiences"] = list(got)  # decoded already: what storage.hold reads
+        return part
 
     def _put_back(self, batch: Batch) -> None:
         """Give back a batch no step trained (an unleased one is gone already: nothing to do)."""
@@ -180,14 +246,15 @@ class ExpbufSampler(Sampler):
             weakref.finalize(self, self._keeper.close)  # a sampler dropped unclosed renews nothing more
         return self._keeper
 
-    def _draw(self, storage: ExpbufStorage, batch_size: int) -> Batch:
-        """One batch whose delivery the server has committed (see the module's docstring)."""
+    def _draw(self, storage: ExpbufStorage, batch_size: int, **more: Any) -> Batch:
+        """One batch whose delivery the server has committed (see the module's docstring); `more`
+        sample options over the sampler's."""
         deadline: float | None = None  # the server has been unavailable since `client.timeout` before it
         while True:
             try:
                 batch = take_one(
                     storage.client, storage.table, lambda broken: self._given_back.append(broken.lease_id),
-                    batch_size=batch_size, **self.options,
+                    batch_size=batch_size, **{**self.options, **more},
                 )  # fmt: skip
             except UnavailableError as exc:
                 deadline = deadline or time.monotonic() + storage.client.timeout
@@ -257,7 +324,8 @@ class ExpbufSampler(Sampler):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_last=None, _next=None, _keeper=None, _source=None, _given_back=[], _lock=None)
+        # a process group is its process's: an unpickled sampler of several ranks uses the default group
+        state.update(_last=None, _next=None, _keeper=None, _source=None, _given_back=[], _lock=None, process_group=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
