@@ -238,8 +238,16 @@ def test_a_split_by_flops_weighs_long_runs_by_their_attention(client: BufferClie
     assert parts(flops, 2) == [[0], [1, 2, 3]]  # by FLOPs: the longest alone
     made, batch = leased(client, "f")
     by_flops = [
-        client.read_part(batch.lease_id, r, 2, ["tokens"], table="f", balance="flops", model=model) for r in range(2)
+        client.read_part(batch.lease_id, r, 2, ["tokens", "cost"], table="f", balance="flops", model=model)
+        for r in range(2)
     ]
+    for read in by_flops:  # each run's estimate travels with it: what the split weighed it by
+        assert read.columns["cost"].values.tolist() == [
+            group_cost("flops", [int(made[uid].tokens.numel())], model) for uid in read.uids
+        ]
+    tokens = client.read_part(batch.lease_id, 0, 2, ["cost"], table="f")
+    assert tokens.columns["cost"].values.tolist() == [int(made[uid].tokens.numel()) for uid in tokens.uids]
+    assert "cost" not in client.read_fields(batch.uids, ["tokens", "cost"], table="f").columns  # not a part: no split
     assert sorted(uid for read in by_flops for uid in read.uids) == sorted(batch.uids)
     groups = list(dict.fromkeys(batch.group_ids))
     pairs = list(zip(batch.uids, batch.group_ids, strict=True))

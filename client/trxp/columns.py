@@ -28,9 +28,13 @@ from .pieces import Run, Section, Stored, cut, parts_of
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
 # experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,
-# less its response), which a trainer packs micro-batches by: an experience without one (no
-# reward, no version, no tokens) is left out of its column.
-SCALARS = {"reward": "F64", "model_version": "I64", "response_length": "I64", "length": "I64", "prompt_length": "I64"}
+# less its response), which a trainer packs micro-batches by, and, in a rank's part of a leased
+# step, the cost its split weighed the run by (schema/balance.py: its tokens, 1, or its FLOPs): an
+# experience without one (no reward, no version, no tokens, not a part) is left out of its column.
+SCALARS = {
+    "reward": "F64", "model_version": "I64", "response_length": "I64", "length": "I64", "prompt_length": "I64",
+    "cost": "I64",
+}  # fmt: skip
 _PACK = {"F64": "<%dd", "I64": "<%dq"}
 # The tensors laid along an experience's response (its tokens after the prompt), as a stored
 # header writes their names.

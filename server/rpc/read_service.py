@@ -5,7 +5,7 @@ fingerprint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -80,9 +80,11 @@ class ReadCalls:
                 f"or at least {MIN_REPLY_BYTES}"
             )
         limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
+        cost = None
         if request.lease_id:
-            uids = self._part(table, request, uids, context)
+            uids, cost = self._part(table, request, uids, context)
         batch, missing = self.store.read_fields(table, uids, shares, whole=not fields)
+        batch.run_cost = cost
         try:
             yield from fields_reply(batch, fields, missing, limit, parts=request.max_reply_bytes > 0)
         except ReplyTooLarge as exc:
@@ -99,8 +101,9 @@ class ReadCalls:
 
     def _part(
         self, table: str, request: pb.ReadFieldsRequest, uids: list[str], context: grpc.ServicerContext
-    ) -> list[str]:
-        """The uids of the rank's part of a leased step that a ReadFields names by lease."""
+    ) -> tuple[list[str], Callable[[int], int]]:
+        """The uids of the rank's part of a leased step that a ReadFields names by lease, and the
+        cost its split weighed a run of L tokens by."""
         if uids:
             raise InvalidRequest("ReadFieldsRequest: name uids or a lease's part (lease_id), not both")
         if not 1 <= request.ranks <= MAX_RANKS or request.rank >= request.ranks:
@@ -120,9 +123,11 @@ class ReadCalls:
         if balance == "flops" and model is None:
             raise InvalidRequest("ReadFieldsRequest: balance 'flops' needs the model's shape (params, layers, hidden)")
         owner = self._owner(context)
-        return self.store.lease_part(
+        uids = self.store.lease_part(
             table, request.lease_id, request.rank, request.ranks, balance, model, owner, request.equal
         )
+        cost = COSTS[balance]
+        return uids, lambda length: cost(length, model)
 
     @refusals
     def ListExperiences(

@@ -149,6 +149,7 @@ class Sampled:
     snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
     stage: Stage | None = field(default=None, repr=False, compare=False)
     shares: Shares | None = None  # a read of some shares of each experience's tokens (ReadFields)
+    run_cost: Callable[[int], int] | None = None  # a rank's part: what its split weighed a run of L tokens by
 
     @property
     def payload(self) -> bytes:
@@ -182,13 +183,15 @@ class Sampled:
                 "model_version": self.versions,
                 "response_length": self.response_lengths,
             }
-            if {"length", "prompt_length"} & set(fields):  # from each stored header, for a trainer's packing
+            if {"length", "prompt_length", "cost"} & set(fields):  # from each stored header, for a trainer's packing
                 lengths = [token_length(blob) for blob in self.blobs]
                 scalars["length"] = lengths
                 scalars["prompt_length"] = [
                     None if length is None else length - response
                     for length, response in zip(lengths, self.response_lengths, strict=True)
                 ]
+                cost = self.run_cost
+                scalars["cost"] = [None if length is None or cost is None else cost(length) for length in lengths]
             kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
             ones = [column for column in kept if column is not None]
             if not tensors:
