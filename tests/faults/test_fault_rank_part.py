@@ -1,7 +1,9 @@
 """A data-parallel rank killed (SIGKILL) mid-step, after it read its part of a leased step and
-before it trained it: a replacement with the same rank number reads the same part again, the
-driver acks the step once every rank has trained, and every group of the step is trained exactly
-once. Ranks are processes of their own, each with its own client, against a real server."""
+before it trained it, and the server killed (SIGKILL) and restarted after it: a replacement with
+the same rank number reads the same part again (the split is made anew from the durable lease and
+stored runs, the same), the driver acks the step once every rank has trained, and every group of
+the step is trained exactly once. Ranks are processes of their own, each with its own client,
+against a real server."""
 
 from __future__ import annotations
 
@@ -76,13 +78,17 @@ def test_a_rank_killed_mid_step_reads_its_part_again_and_no_group_is_trained_twi
             first = [read_uids(proc) for proc in procs]
             procs[0].send_signal(signal.SIGKILL)  # mid-step: it read its part and did not train it
             assert procs[0].wait(30) == -signal.SIGKILL and not outs[0].exists()
+            for proc in procs[1:]:
+                assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+        assert server.stop(signal.SIGKILL) == -signal.SIGKILL  # the server too: its cached splits go
+        server = start(str(tmp_path / "data"))
+        with BufferClient(server.target, timeout=30) as client:
             replacement = rank(server.target, batch.lease_id, 0, outs[0], 0.0)
             assert read_uids(replacement) == first[0]  # the same part, for the same rank
-            for proc in [*procs[1:], replacement]:
-                assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+            assert replacement.wait(60) == 0, replacement.stderr.read() if replacement.stderr else ""
             trained = [uid for out in outs for uid in json.loads(out.read_text())]
             assert sorted(trained) == sorted(batch.uids) and len(set(trained)) == len(trained)
-            assert batch.ack() == len(made)  # the driver acks once every rank has trained
+            assert client.ack(batch.lease_id, "t") == len(made)  # the driver acks once every rank has trained
             deadline = time.monotonic() + 10
             while client.stats("t")["t"].consumed != len(made):
                 assert time.monotonic() < deadline
