@@ -130,16 +130,30 @@ def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
 
 def join_columns(parts: list[tuple[Sequence[int | None], dict[str, Column]]]) -> dict[str, Column]:
     """The columns of batches joined into one (a sharded client's parts): each part's experience
-    k at the position `places[k]` (None: left out) of its part's (places, columns)."""
+    k at the position `places[k]` (None: left out) of its part's (places, columns). A column of
+    batch positions (`prefix_of`) has its values moved with the experiences they name."""
+    import torch
+
     pieces: dict[str, list[_Piece]] = {}
     for places, columns in parts:
         for name, column in columns.items():
+            tensors = column.tensors
+            if name in POSITIONS:  # a position in the part: where that experience now is, or -1
+                tensors = [torch.tensor(_place(places, int(t)), dtype=t.dtype).reshape(t.shape) for t in tensors]
             pieces.setdefault(name, []).extend(
                 (place, shape, tensor.reshape(-1))
-                for item, shape, tensor in zip(column.items, column.shapes, column.tensors, strict=True)
+                for item, shape, tensor in zip(column.items, column.shapes, tensors, strict=True)
                 if (place := places[item]) is not None
             )
     return {name: _column(name, found) for name, found in pieces.items()}
+
+
+POSITIONS = frozenset({"prefix_of"})  # columns whose values are batch positions
+
+
+def _place(places: Sequence[int | None], position: int) -> int:
+    moved = places[position] if 0 <= position < len(places) else None
+    return -1 if moved is None else moved
 
 
 _Piece = tuple[int, tuple[int, ...], "torch.Tensor"]  # an experience's position, shape and flat values

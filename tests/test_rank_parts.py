@@ -97,6 +97,8 @@ def test_an_equal_split_gives_every_rank_as_many_groups_and_is_near_its_optimum(
     assert worst < 1.2
     big = [rng.randint(1_000, 300_000) for _ in range(40_000)]  # greedy, past WORK: counts still equal
     assert {len(part) for part in parts(big, 64, equal=True)} == {625}
+    big = [10**9, *big[:19_200]]  # one group heavier than all the rest: its rank still takes its share
+    assert {len(part) for part in parts(big, 64, equal=True)} == {300, 301}
 
 
 def test_bad_splits_are_refused_by_name() -> None:

@@ -291,3 +291,19 @@ def test_a_read_whose_snapshot_ends_before_it_begins_opens_another(
     assert ended and not ended[0].open and missing == []
     assert trxp.parse(batch.payload) == stored(items)
     batch.release()
+
+
+def test_a_snapshot_is_not_detached_while_its_opener_has_not_held_what_it_read(store: Store) -> None:
+    """A take reads its payloads before it holds them; a ReadFields on another thread opening one
+    snapshot too many then must not end the take's: the oldest unpinned one goes instead."""
+    groups = [group_items(1, task, 2) for task in range(MAX_SNAPSHOTS)]
+    for items in groups:
+        store.put("plain", items)
+    taking = store.environment.snapshot()  # as a take opens one: pinned until it holds its reads
+    held = [take(store, "plain", num_groups=1) for _ in groups[: MAX_SNAPSHOTS - 1]]
+    others = [store.environment.snapshot() for _ in range(3)]  # as ReadFields open theirs
+    assert taking.open and taking.pinned
+    assert [batch.snapshot.open for batch in held[:3]] == [False, False, False]  # the oldest went
+    assert all(trxp.parse(batch.payload) == stored(items) for batch, items in zip(held, groups, strict=False))
+    for snapshot in [taking, *others]:
+        snapshot.release()

@@ -34,6 +34,7 @@ from expbuf.client import (
     PushResult,
     trxp,
 )
+from expbuf.client.schema.experience import EID
 from expbuf.client.schema.routing import (
     Epoch,
     ShardMap,
@@ -388,6 +389,33 @@ def test_a_step_leased_from_several_shards_is_split_over_the_ranks_together(shar
         loads.append(sum(by_uid[uid].tokens.numel() for uid in read.uids))
     assert max(loads) <= 1.05 * sum(loads) / 3  # balanced over both shards' groups together
     assert [len(set(read.group_ids)) for read in equal] == [4, 4, 4]
+
+
+def test_prefix_and_branches_read_from_several_shards_rebuild_each_runs_tokens(shards: Shards) -> None:
+    """prefix_of names batch positions: joined from several shards' replies, each names where its
+    run's prefix now is, so every run's tokens come back as its prefix then its branch."""
+    made = [
+        Experience(
+            eid=EID(batch=0, task=task, run=run),
+            tokens=torch.cat([torch.arange(5) + 100 * task, torch.arange(3 + run)]),
+            prompt_length=5,
+            reward=float(run),
+        )
+        for task in range(9)
+        for run in range(2)
+    ]
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("tree", group_size=2, estimator="none")
+        client.push(made, table="tree")
+        settled(client, "tree")
+        uids = [exp.eid.uid for exp in made]
+        read = client.read_fields(uids, ["prefix_tokens", "branch_tokens", "prefix_of"], table="tree")
+        (batch,) = client.sample("tree", num_groups=9, delivery="replay", max_batches=1, timeout=10)
+        assert len(batch.shards) > 1
+    tree = read.prefix_branches()
+    by_uid = {exp.eid.uid: exp for exp in made}
+    for k, position in enumerate(tree.items):
+        assert torch.equal(tree.tokens(k), by_uid[read.uids[position]].tokens)
 
 
 def test_leases_are_acked_on_the_shard_that_granted_them(shards: Shards) -> None:

@@ -21,7 +21,7 @@ from tensordict import set_list_to_stack  # noqa: E402
 from test_torchrl import groups  # noqa: E402
 from torchrl.data import ReplayBuffer  # noqa: E402
 
-from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client import BufferClient, DeadlineExceededError  # noqa: E402
 from expbuf.client.torchrl import ExpbufSampler, ExpbufStorage  # noqa: E402
 
 QUERIES = [f"q{i}" for i in range(8)]
@@ -34,7 +34,7 @@ def rank_main(rank: int, target: str, table: str, where: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{where}/group", rank=rank, world_size=2)
     try:
         with set_list_to_stack(True):
-            sampler = ExpbufSampler(ranks=2, rank=rank, timeout=20)
+            sampler = ExpbufSampler(ranks=2, rank=rank, timeout=3)
             rb = ReplayBuffer(storage=ExpbufStorage(target, table), sampler=sampler, batch_size=PER_RANK)
             steps = []
             for _ in range(STEPS):
@@ -42,8 +42,13 @@ def rank_main(rank: int, target: str, table: str, where: str) -> None:
                 steps.append({"uids": list(batch["expbuf", "uid"]), "queries": list(batch["query"])})
                 dist.barrier()  # the step's update, which every rank takes part in
             sampler.ack()  # the last step done: no sample follows to acknowledge it
+            try:  # the table ran dry: rank 0's draw times out, and every rank hears of it
+                rb.sample()
+                dry = "sampled"
+            except DeadlineExceededError as exc:
+                dry = exc.details
             sampler.close()
-        Path(where, f"rank{rank}.json").write_text(json.dumps(steps))
+        Path(where, f"rank{rank}.json").write_text(json.dumps({"steps": steps, "dry": dry}))
     finally:
         dist.destroy_process_group()
 
@@ -55,7 +60,9 @@ def test_each_rank_samples_its_part_of_a_step_rank_0_leased(target: str, tmp_pat
             ReplayBuffer(storage=ExpbufStorage(target, "ranks"), sampler=ExpbufSampler()).extend(groups(QUERIES, 4))
         tmp.spawn(rank_main, args=(target, "ranks", str(tmp_path)), nprocs=2, join=True)
         stats = admin.stats("ranks")["ranks"]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert found[0]["dry"] == found[1]["dry"] != "sampled"  # rank 1 raised what rank 0 met, not hung
+    ranks = [rank["steps"] for rank in found]
     seen: list[str] = []
     for step in range(STEPS):
         parts = [ranks[rank][step] for rank in range(2)]

@@ -127,10 +127,7 @@ def parts(costs: Sequence[int], ranks: int, equal: bool = False) -> list[list[in
     if any(cost < 0 for cost in costs):
         raise ValueError("a group's cost is never negative")
     used = max(1, min(ranks, len(costs)))  # more ranks than groups: the others get none
-    if len(costs) * used > WORK:
-        groups = _greedy(costs, used, -(-len(costs) // used) if equal else len(costs))
-    else:
-        groups = _differenced(costs, used, equal)
+    groups = _greedy(costs, used, equal) if len(costs) * used > WORK else _differenced(costs, used, equal)
     _refine(costs, groups, moves=not equal)
     split = sorted((sorted(found) for found in groups), key=lambda found: found[0] if found else len(costs))
     return split + [[] for _ in range(ranks - used)]
@@ -170,15 +167,20 @@ def _differenced(costs: Sequence[int], ranks: int, equal: bool) -> list[list[int
     return heap[0][3] if heap else [[] for _ in range(ranks)]
 
 
-def _greedy(costs: Sequence[int], ranks: int, most: int) -> list[list[int]]:
-    """The heaviest group first, each onto the lightest rank that has fewer than `most`: for a
-    step too large for Karmarkar-Karp's groups x ranks, in time that grows as groups x log ranks."""
+def _greedy(costs: Sequence[int], ranks: int, equal: bool) -> list[list[int]]:
+    """The heaviest group first, each onto the lightest rank (with `equal`, one that has fewer
+    than its share: G // ranks groups, one more for G % ranks of them): for a step too large for
+    Karmarkar-Karp's groups x ranks, in time that grows as groups x log ranks."""
+    base, extra = divmod(len(costs), ranks) if equal else (len(costs), 0)
     heap = [(0, rank) for rank in range(ranks)]
     groups: list[list[int]] = [[] for _ in range(ranks)]
     for index in sorted(range(len(costs)), key=lambda at: (-costs[at], at)):
         load, rank = heapq.heappop(heap)
+        while len(groups[rank]) >= base and not extra:  # at its share, and no rank may take one more
+            load, rank = heapq.heappop(heap)
         groups[rank].append(index)
-        if len(groups[rank]) < most:
+        extra -= len(groups[rank]) == base + 1
+        if len(groups[rank]) <= base:
             heapq.heappush(heap, (load + costs[index], rank))
     return groups
 

@@ -184,8 +184,11 @@ class ExpbufSampler(Sampler):
     def _next_batch(self, storage: ExpbufStorage, batch_size: int) -> Batch:
         """The next batch (leases renewed), after acknowledging the one drawn before."""
         self._source, self._batch_size = storage, batch_size
-        self._ack_last(storage)
-        batch = self._draw(storage, batch_size) if self.ranks == 1 else self._draw_part(storage, batch_size)
+        if self.ranks == 1:
+            self._ack_last(storage)
+            batch = self._draw(storage, batch_size)
+        else:
+            batch = self._draw_part(storage, batch_size)
         if self.leases and batch.lease_id:
             self._keeper_of(storage).hold(batch.lease_id, batch.lease_expires)
         return batch
@@ -196,25 +199,29 @@ class ExpbufSampler(Sampler):
         import torch.distributed as dist
 
         shared: list[Any] = [None]
-        if self.rank == 0:
+        failed: Exception | None = None
+        if self.rank == 0:  # whatever fails here is told to the other ranks, which would wait for the step
             try:
+                self._ack_last(storage)
                 whole = self._draw(storage, batch_size * self.ranks, fields=["reward"])  # the lease, not the data
             except DeadlineExceededError as exc:
-                shared = [exc.details]
+                failed, shared = exc, [("deadline", exc.details)]
+            except Exception as exc:
+                failed, shared = exc, [("failed", f"{type(exc).__name__}: {exc}")]
             else:
                 runs = dict(zip(whole.uids, zip(whole.group_ids, whole.times_sampled, strict=True), strict=True))
                 shared = [(whole.lease_id, whole.lease_expires, runs)]
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         dist.broadcast_object_list(shared, src=src, group=self.process_group)
-        if not isinstance(shared[0], tuple):
-            raise DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, str(shared[0]))
+        if failed is not None:
+            raise failed
+        if len(shared[0]) == 2:
+            kind, why = shared[0]
+            if kind == "deadline":
+                raise DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+            raise RuntimeError(f"expbuf table {storage.table}: rank 0 could not draw the step: {why}")
         lease_id, expires, runs = shared[0]
-        try:
-            got = storage.client.get_part(lease_id, self.rank, self.ranks, storage.table, **self.split)
-        except Exception:
-            if self.rank == 0:
-                self._put_back(whole)
-            raise
+        got = storage.client.get_part(lease_id, self.rank, self.ranks, storage.table, **self.split)
         uids = [exp.eid.uid for exp in got]
         part = Batch(
             payload=b"",

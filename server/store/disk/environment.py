@@ -335,25 +335,32 @@ class Environment:
     def snapshot(self) -> Snapshot:
         """A read transaction of the last committed state whose values are views into the
         map, open until released (snapshot.py): the writer's, while it takes a batch (the state
-        its take saw), or any thread's (a ReadFields, which needs no writer's turn). At most
-        MAX_SNAPSHOTS stay open: opening another detaches the oldest, or, for one whose reply is
-        being built, has its reader detach it as it ends, so that no one waits for a reply (one
-        more per reply being built may stay open until then)."""
-        self._enter_reader()  # first: a resize, which detaches every snapshot, lets none begin
-        try:
-            with self._snapshots_lock:
-                live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
-                for ref in live[: max(0, len(live) + 1 - MAX_SNAPSHOTS)]:
-                    oldest = ref()
-                    if oldest is not None:
-                        oldest.detach(wait=False)
-                live = [ref for ref in live if (snap := ref()) is not None and snap.open]
-                snap = Snapshot(self.env.begin(buffers=True), self._leave_reader)
-                self._snapshots = [*live, weakref.ref(snap)]
-        except BaseException:
-            self._leave_reader()
-            raise
-        return snap
+        its take saw), or any thread's (a ReadFields, which needs no writer's turn). It is pinned
+        until its opener unpins it. At most MAX_SNAPSHOTS stay open: opening another detaches the
+        oldest not pinned, or, for one whose reply is being built, has its reader detach it as it
+        ends, so that no one waits for a reply (one more per reply being built, or pinned, may
+        stay open until then)."""
+        while True:
+            self._enter_reader()  # a resize, which detaches every snapshot, lets none begin
+            try:
+                with self._snapshots_lock:
+                    if self._resizing:  # began after this counted itself a reader: its detach may be past
+                        opened = None
+                    else:
+                        live = [ref for ref in self._snapshots if (snap := ref()) is not None and snap.open]
+                        loose = [snap for ref in live if (snap := ref()) is not None and not snap.pinned]
+                        extra = loose[: max(0, len(live) + 1 - MAX_SNAPSHOTS)]
+                        opened = Snapshot(self.env.begin(buffers=True), self._leave_reader)
+                        self._snapshots = [*live, weakref.ref(opened)]
+            except BaseException:
+                self._leave_reader()
+                raise
+            if opened is None:
+                self._leave_reader()
+                continue
+            for oldest in extra:  # copied, if so, outside the lock: it holds up no other opening
+                oldest.detach(wait=False)
+            return opened
 
     def _detach_snapshots(self) -> None:
         """Copy what open snapshots hold and end them, before the map is resized or closed."""

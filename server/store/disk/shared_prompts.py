@@ -71,8 +71,7 @@ class Sharing:
             elif found != prompt:
                 return blob
             else:
-                raw = self.txn.get(name, db=self.dbs["shared_refs"])
-                count = 0 if raw is None else _COUNT.unpack(raw)[0]
+                count = _count(self.txn.get(name, db=self.dbs["shared_refs"]))
             seen = self._seen[name] = [prompt, count, 0]
         elif seen[0] != prompt:
             return blob
@@ -146,13 +145,20 @@ def release(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: b
     except struct.error:
         return
     name = bytes(key[:4]) + digest
-    raw = txn.get(name, db=dbs["shared_refs"])
-    count = 0 if raw is None else _COUNT.unpack(raw)[0]
+    count = _count(txn.get(name, db=dbs["shared_refs"]))
     if count > 1:
         txn.put(name, _COUNT.pack(count - 1), db=dbs["shared_refs"])
     else:
         txn.delete(name, db=dbs["shared_refs"])
         txn.delete(name, db=dbs["shared"])
+
+
+def _count(raw: Run | None) -> int:
+    """A stored count; 0 for none, or for one damaged (verify then finds the prompt miscounted)."""
+    try:
+        return 0 if raw is None else int(_COUNT.unpack(raw)[0])
+    except struct.error:
+        return 0
 
 
 def check(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> list[str]:
@@ -175,7 +181,7 @@ def check(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: 
             while present and cur.key().startswith(prefix):
                 digest = bytes(cur.key()[len(prefix) :])
                 if isinstance(into, dict):
-                    into[digest] = _COUNT.unpack(cur.value())[0]
+                    into[digest] = _count(cur.value())
                 else:
                     into.add(digest)
                 present = cur.next()

@@ -39,7 +39,8 @@ class Snapshot:
         self._lock = threading.Lock()
         self._held: list[list[Any]] = []
         self._released = False
-        self._detach_asked = False  # by a writer that found it being read
+        self._detach_asked = False  # by an opener of another that found it being read
+        self.pinned = True  # until its opener has held the views it read (unpin): none detaches it then
 
     @property
     def open(self) -> bool:
@@ -57,6 +58,11 @@ class Snapshot:
         with self._txn.cursor(db=db) as cur:
             found = (cur.prev() if cur.set_range(end) else cur.last()) if end is not None else cur.last()
             return bytes(cur.key()) if found and cur.key()[: len(prefix)] == prefix else None
+
+    def unpin(self) -> None:
+        """Its opener has held (`hold`) what it read, or reads under `reading`: from now on the
+        opening of another may detach it (a map resize or a close detaches it whatever)."""
+        self.pinned = False
 
     def hold(self, values: list[T]) -> list[T]:
         """Values (views of this snapshot among them) that `detach` turns into copies."""

@@ -158,10 +158,11 @@ class Reads:
         missing: list[str] = []
         damaged: list[str] = []
         with snapshot.reading():
-            if not snapshot.open:
+            if not snapshot.open:  # a map resize detached it before this began
                 return None
             rows = BatchRows(snapshot, db["adv"], config, self.finish)
             snapshot.hold(rows.blobs)
+            snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
             for uid in uids:
                 key = prefix + uid.encode()
                 value = snapshot.get(key, db["blobs"])

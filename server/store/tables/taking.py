@@ -120,6 +120,7 @@ def take(
     if payloads.snapshot is not None:
         batch.snapshot = payloads.snapshot
         payloads.snapshot.hold(batch.blobs)
+        payloads.snapshot.unpin()
     return batch
 
 
