@@ -157,6 +157,42 @@ def served(tree: Path | None, made: list[list[trxp.RawItem]]) -> dict[str, float
     }
 
 
+TREE = ["prefix_tokens", "branch_tokens", "prefix_of", "logprobs", "action_mask"]
+
+
+def tree_form(made: list[list[trxp.RawItem]], rounds: int) -> dict[str, float]:
+    """Through a server of this tree: the groups read 8 at a time (read_fields) as tokens, log-probs
+    and mask, and as prefix + branches with the same log-probs and mask: bytes a group, groups a
+    second (medians over `rounds` passes, the two forms alternating)."""
+    with tempfile.TemporaryDirectory() as data:
+        server = Server(None, Path(data) / "d")
+        try:
+            server.wait_started()
+            with BufferClient(server.target, timeout=120) as client:
+                client.create_table("t", estimator="none", group_size=RUNS)
+                for runs in made:
+                    client.push(trxp.join([trxp.pack_item(item) for item in runs]), table="t")
+                steps = [[item.uid for runs in made[at : at + 8] for item in runs] for at in range(0, len(made), 8)]
+                found: dict[str, list[float]] = {"tokens": [], "tree": []}
+                size: dict[str, float] = {}
+                for _ in range(rounds):
+                    for name, fields in (("tokens", FIELDS), ("tree", TREE)):
+                        start, nbytes = time.perf_counter(), 0
+                        for uids in steps:
+                            read = client.read_fields(uids, fields, table="t")
+                            nbytes += sum(c.values.nbytes for c in read.columns.values() if c.values is not None)
+                        found[name].append(len(made) / (time.perf_counter() - start))
+                        size[name] = nbytes / len(made)
+        finally:
+            server.stop()
+    return {
+        "tokens_rate": statistics.median(found["tokens"]),
+        "tree_rate": statistics.median(found["tree"]),
+        "tokens_bytes": size["tokens"],
+        "tree_bytes": size["tree"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=64)
@@ -201,11 +237,25 @@ def main() -> None:
             f"| sample, columns of tokens, log-probs, mask (MiB/s) | {whole['columns']:.0f} | {shared['columns']:.0f} "
             f"| {ratio('columns')} |",
             "",
+            *tree_rows(tree_form(made, args.rounds)),
             *(through(args, made) if args.before else []),
         ]
     )
     print(section)
     write_section(args.out, HEADING, section)
+
+
+def tree_rows(got: dict[str, float]) -> list[str]:
+    return [
+        "Read as prefix + branches (`prefix_tokens`, `branch_tokens`, `prefix_of`, with `logprobs` and "
+        "`action_mask`) against tokens, log-probs and mask, through a server, 8 groups a read_fields:",
+        "",
+        "| form | bytes a group | groups a second |",
+        "| --- | --- | --- |",
+        f"| tokens | {got['tokens_bytes'] / 1024:.0f} KiB | {got['tokens_rate']:.0f} |",
+        f"| prefix + branches | {got['tree_bytes'] / 1024:.0f} KiB | {got['tree_rate']:.0f} |",
+        "",
+    ]
 
 
 def through(args: argparse.Namespace, made: list[list[trxp.RawItem]]) -> list[str]:
