@@ -60,23 +60,24 @@ def healthy(chan: grpc.Channel, timeout: float = 5.0) -> bool:
 
 
 @functools.cache
-def _template(size: int) -> tuple[trxp.RawItem, ...]:
-    return tuple(group_items(0, 0, size))
+def _template(size: int, prompt: int) -> tuple[trxp.RawItem, ...]:
+    return tuple(group_items(0, 0, size, prompt=prompt))
 
 
-def group(batch: str, task: int, size: int = 4) -> list[trxp.RawItem]:
-    """A whole group of `size` runs of one task, relabelled from a cached template."""
+def group(batch: str, task: int, size: int = 4, prompt: int = 3) -> list[trxp.RawItem]:
+    """A whole group of `size` runs of one task, relabelled from a cached template (of `prompt`
+    int32 prompt tokens: from 256, the store keeps the prompt, the same in every group, once)."""
     items = []
-    for run, item in enumerate(_template(size)):
+    for run, item in enumerate(_template(size, prompt)):
         meta = copy.deepcopy(item.meta)
         meta["eid"].update(batch=batch, task=task, run=run, suffix=f"r{run}")
         items.append(trxp.RawItem(meta, item.tensors))
     return items
 
 
-def payload(batch: str, task: int, size: int = 4) -> tuple[bytes, list[str]]:
+def payload(batch: str, task: int, size: int = 4, prompt: int = 3) -> tuple[bytes, list[str]]:
     """TRXP bytes of one whole group, and its uids."""
-    items = group(batch, task, size)
+    items = group(batch, task, size, prompt)
     return trxp.build(items), [item.uid for item in items]
 
 

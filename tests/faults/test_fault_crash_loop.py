@@ -7,7 +7,7 @@ clients were told: acknowledged uids, deliveries, and which deliveries are consu
 sure (acked, or a consume batch the stream moved past or ended after). At the end every
 acknowledged uid is live or was consumed, nothing consumed is delivered again or still
 stored, leases never acked come back, Stats agree with the ledger, and `expbuf check`
-finds the stopped directory consistent.
+finds the stopped directory consistent, the count of the prompt every run shares among it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.faults
 
 
 ROUNDS = scaled(2)  # a kill, a restart on the killed data, a second kill; more with EXPBUF_SOAK_SCALE
+PROMPT = 300  # int32 tokens: every group's runs refer to one shared prompt, counted through the kills
 LEASE_SECONDS = 2.0
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -84,7 +85,7 @@ class Pusher:
 
     def _next(self) -> tuple[bytes, list[str]]:
         if not self.unanswered:
-            self.unanswered.append(payload(self.name, self.task))
+            self.unanswered.append(payload(self.name, self.task, prompt=PROMPT))
             self.task += 1
         return self.unanswered[0]
 
@@ -123,7 +124,7 @@ class StreamPusher(Pusher):
                 elif stop.is_set():
                     return
                 else:
-                    item = payload(self.name, self.task)
+                    item = payload(self.name, self.task, prompt=PROMPT)
                     self.task += 1
                     self.unanswered.append(item)
                 seq += 1
