@@ -13,11 +13,12 @@ import torch
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.schema.experience import EID, Experience
+from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
 from expbuf.server.store.disk import digests, layout
 from expbuf.server.store.schema.table_config import TableConfig
 
-from helpers import take
+from helpers import scrape, take
 
 PROMPT = 512  # int64 tokens: 4 KiB, above shared_prompts.MIN_BYTES
 
@@ -266,3 +267,14 @@ def test_a_format_6_directory_upgrades_its_runs_stay_whole_and_new_pushes_share(
         got = store.get("t", [item.uid for item in old + new])
         assert [got[item.uid] for item in old + new] == [trxp.pack_item(item) for item in old + new]
         assert store.verify("t") == []
+
+
+def test_the_metrics_show_the_shared_prompts(server: ExpbufServer, client: BufferClient) -> None:
+    """An operator sees how many prompts are kept once, and their bytes, in a real scrape."""
+    client.create_table("seen", group_size=4, estimator="none")
+    before = scrape(server.metrics_port)
+    assert before[("expbuf_shared_prompts", ())] == 0
+    client.push(trxp.encode([run(task, index) for task in range(2) for index in range(4)]), table="seen")
+    after = scrape(server.metrics_port)
+    assert after[("expbuf_shared_prompts", ())] == 2
+    assert after[("expbuf_shared_prompt_bytes", ())] >= 2 * PROMPT * 8  # two 4 KiB prompts, once each

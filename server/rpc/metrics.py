@@ -116,6 +116,12 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             "expbuf_lmdb_map_used_ratio", "Used part of the LMDB map.", value=storage["map_used_ratio"]
         )
+        shared = (
+            ("expbuf_shared_prompts", "Prompts stored once for the runs that share them.", "shared_prompts"),
+            ("expbuf_shared_prompt_bytes", "Bytes of the pages the shared prompts take.", "shared_prompt_bytes"),
+        )
+        for name, text, key in shared:
+            yield GaugeMetricFamily(name, text, value=storage[key])
 
 
 def _scrub_metrics(scrub: ScrubStatus) -> Iterator[Metric]:

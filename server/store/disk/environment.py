@@ -400,9 +400,23 @@ class Environment:
             self._changed.notify_all()
 
     def storage_info(self) -> dict[str, float]:
+        """The map's size and use, and the prompts stored once for the runs that share them
+        (shared_prompts.py): how many, and the bytes of their pages."""
         info, stat = self.env.info(), self.env.stat()
         used = (info["last_pgno"] + 1) * stat["psize"]
-        return {"map_size": info["map_size"], "used_bytes": used, "map_used_ratio": used / info["map_size"]}
+        prompts = prompt_bytes = 0
+        if "shared" in self.db:
+            with self.read() as txn:
+                shared = txn.stat(self.db["shared"])
+            prompts = shared["entries"]
+            prompt_bytes = (shared["branch_pages"] + shared["leaf_pages"] + shared["overflow_pages"]) * shared["psize"]
+        return {
+            "map_size": info["map_size"],
+            "used_bytes": used,
+            "map_used_ratio": used / info["map_size"],
+            "shared_prompts": prompts,
+            "shared_prompt_bytes": prompt_bytes,
+        }
 
 
 def _lock(data: Path, shared: bool) -> int:
