@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar, Unpack, cast
 
 import grpc
@@ -30,7 +30,7 @@ from .results import (
     ServerInfo,
     TableInfo,
 )
-from .rpc import aio_status, calls, ledger_calls, read_calls
+from .rpc import aio_status, calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
@@ -344,6 +344,21 @@ class AsyncBufferClient(ClientBase):
     ) -> GetResult:
         """Rank `rank`'s part of a leased batch as whole experiences, as BufferClient.get_part."""
         return await self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
+
+    async def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
+        """Store each value under its key (bytes under names of your own, in the table's key
+        range), durable on return, all or none; a key stored already is replaced. Needs the push
+        scope."""
+        return await self._run(value_calls.put_values(keys, values, table))
+
+    async def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+        """The value of each key, in the order asked, None for one not stored (one message's
+        worth at a time: the server refuses more, naming its max_message_bytes)."""
+        return await self._run(value_calls.get_values(keys, table))
+
+    async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
+        """Remove the values of these keys; how many held one."""
+        return await self._run(value_calls.clear_values(keys, table))
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

@@ -11,7 +11,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -36,7 +36,7 @@ from .results import (
     TableInfo,
     TableStats,
 )
-from .rpc import calls, ledger_calls, read_calls
+from .rpc import calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
@@ -396,6 +396,21 @@ class BufferClient(ClientBase):
         balance, model and equal), as whole experiences (what a framework's adapter converts), in
         the lease's order; read in parts no larger than the client's max_message_bytes."""
         return self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
+
+    def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
+        """Store each value under its key (bytes under names of your own, in the table's key
+        range), durable on return, all or none; a key stored already is replaced. Needs the push
+        scope."""
+        return self._run(value_calls.put_values(keys, values, table))
+
+    def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+        """The value of each key, in the order asked, None for one not stored (one message's
+        worth at a time: the server refuses more, naming its max_message_bytes)."""
+        return self._run(value_calls.get_values(keys, table))
+
+    def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
+        """Remove the values of these keys; how many held one."""
+        return self._run(value_calls.clear_values(keys, table))
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.

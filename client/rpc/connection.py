@@ -75,6 +75,9 @@ RETRIED_METHODS = frozenset(
         "RenewClaims",
         "ReleaseClaims",
         "ListPrompts",
+        "PutValues",
+        "GetValues",
+        "ClearValues",
     }
 )
 # A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows

@@ -27,7 +27,7 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
-from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
+from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, TooLarge, clip
 from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
@@ -299,6 +299,30 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
         table = request.table or "default"
         deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
+
+    @refusals
+    def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
+        keys, values = list(request.keys), list(request.values)
+        return pb.PutValuesReply(stored=self.store.put_values(request.table or "default", keys, values))
+
+    @refusals
+    def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
+        keys = list(request.keys)
+        found = self.store.get_values(request.table or "default", keys)
+        size = sum(len(value) for value in found if value is not None)
+        if size > self.max_message_bytes - MIN_REPLY_BYTES:
+            raise TooLarge(
+                f"the values of {len(keys)} keys take {size} bytes, more than one message (the server's "
+                f"max_message_bytes = {self.max_message_bytes}): ask for fewer keys at a time"
+            )
+        return pb.GetValuesReply(
+            values=[value for value in found if value is not None],
+            missing_keys=[key for key, value in zip(keys, found, strict=True) if value is None],
+        )
+
+    @refusals
+    def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
+        return pb.ClearValuesReply(cleared=self.store.clear_values(request.table or "default", list(request.keys)))
 
     @refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:

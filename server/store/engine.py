@@ -51,6 +51,7 @@ from .services.reads import Reads
 from .services.sampling import Sampling
 from .services.scrub import Scrub, ScrubStatus
 from .services.upkeep import Upkeep
+from .services.values import Values
 from .tables import admission, browse, integrity
 from .tables.catalog import EveryTable, TableCatalog
 from .tables.compute_queue import backlog
@@ -120,6 +121,7 @@ class Store:
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
         self.pushing = Pushing(self.environment, self.catalog, self._state_in, self.builds)
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
+        self.values = Values(self.environment, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
@@ -368,6 +370,18 @@ class Store:
     ) -> list[str]:
         """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
         return self.reads.part(table, lease_id, rank, ranks, balance, model, owner, equal)
+
+    def put_values(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
+        """Store keyed values, durable on return (services/values.py); how many."""
+        return self.values.put(table, keys, values)
+
+    def get_values(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, None for one not stored."""
+        return self.values.get(table, keys)
+
+    def clear_values(self, table: str, keys: Sequence[str]) -> int:
+        """Remove keyed values; how many were stored."""
+        return self.values.clear(table, keys)
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the

@@ -416,6 +416,52 @@ class DeleteReply(_message.Message):
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
+class PutValuesRequest(_message.Message):
+    __slots__ = ("table", "keys", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PutValuesReply(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class GetValuesRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetValuesReply(_message.Message):
+    __slots__ = ("values", "missing_keys")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_KEYS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    missing_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[bytes]] = ..., missing_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClearValuesRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClearValuesReply(_message.Message):
+    __slots__ = ("cleared",)
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    cleared: int
+    def __init__(self, cleared: _Optional[int] = ...) -> None: ...
+
 class SealRequest(_message.Message):
     __slots__ = ("table", "group_id")
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,21 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.SealRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SealReply.FromString,
                 _registered_method=True)
+        self.PutValues = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/PutValues',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesReply.FromString,
+                _registered_method=True)
+        self.GetValues = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/GetValues',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetValuesRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetValuesReply.FromString,
+                _registered_method=True)
+        self.ClearValues = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ClearValues',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ClearValuesRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ClearValuesReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/Stats',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.StatsRequest.SerializeToString,
@@ -262,6 +277,29 @@ class ExperienceBufferServicer:
 
     def Seal(self, request, context):
         """Complete a pending group now with the runs it has; its advantages are computed over them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutValues(self, request, context):
+        """Keyed values: store bytes under names of the caller's own (TransferQueue's
+        "{global_index}@{field}") in a table's key range, durable when it returns (all of a call's,
+        or none), dropped with the table; they are not experiences and count in no table counter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetValues(self, request, context):
+        """Keyed values: the values stored under some names, as one message (more is refused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearValues(self, request, context):
+        """Keyed values: remove the values of some names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -457,6 +495,21 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Seal,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.SealRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.SealReply.SerializeToString,
+            ),
+            'PutValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutValues,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesReply.SerializeToString,
+            ),
+            'GetValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetValues,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetValuesRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.GetValuesReply.SerializeToString,
+            ),
+            'ClearValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearValues,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ClearValuesRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ClearValuesReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -841,6 +894,87 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Seal',
             expbuf_dot_v1_dot_buffer__pb2.SealRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.SealReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/PutValues',
+            expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.PutValuesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/GetValues',
+            expbuf_dot_v1_dot_buffer__pb2.GetValuesRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.GetValuesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ClearValues',
+            expbuf_dot_v1_dot_buffer__pb2.ClearValuesRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ClearValuesReply.FromString,
             options,
             channel_credentials,
             insecure,

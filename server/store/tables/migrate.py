@@ -13,9 +13,9 @@ moves the old tombstones and rebuilds the index (`compact_tombstones`). A leased
 members keep ready records from format 4 (`ready_while_leased`). Format 6 adds the databases
 of tensor sections stored in chunks (chunked.py), created empty by the open's transaction:
 every payload a format 5 directory holds is stored whole, as format 6 stores a small one.
-Format 7 adds those of prompts stored once for the runs that share them (shared_prompts.py),
-created empty in the same way: a format 6 directory's payloads stay whole, and only pushes
-from then on share their prompts.
+Format 7 adds those of prompts stored once for the runs that share them (shared_prompts.py)
+and of keyed values (services/values.py), created empty in the same way: a format 6
+directory's payloads stay whole, and only pushes from then on share their prompts.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (selection.IN_USE, in the counters database); a table without

@@ -1,0 +1,134 @@
+"""An expbuf storage backend for TransferQueue: each (sample, field) TransferQueue stores is kept
+in an expbuf table as a keyed value (PutValues / GetValues / ClearValues), durable when the put
+returns, so a crash of a TransferQueue storage process, or of the expbuf server, loses no field
+TransferQueue was told was stored.
+
+TransferQueue picks a backend by name (`backend.storage_backend`); this module registers
+"Expbuf": a storage manager (TransferQueue's KVStorageManager, which maps its batches to keys
+"{global_index}@{field}") and its client, `ExpbufStorageClient`, configured under
+`backend.Expbuf`: `target` (the server), `table` (created if absent; "transfer_queue" by
+default), and `token` where the server asks for one.
+
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf",
+                                          "Expbuf": {"target": "expbuf:50051", "table": "tq"}}}))
+
+A tensor is stored as its dtype, shape and bytes (on the CPU: a value on a device is copied
+there); anything else TransferQueue stores (strings, lists: a NonTensorStack's items) is
+pickled, as TransferQueue's own transports do. Puts and gets are cut to stay under the client's
+message size. What is not durable here yet is TransferQueue's controller (which indexes and
+fields exist, what was consumed): issue 43's next part.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
+from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
+from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
+
+from ..client import BufferClient
+from ..errors import ResourceExhaustedError
+
+BACKEND = "Expbuf"
+CLIENT = "ExpbufStorageClient"
+TENSOR, OBJECT = b"T", b"P"
+_LEN = struct.Struct("<I")
+
+
+def encode(value: Any) -> bytes:
+    """A value as stored: a tensor as b"T", its header's length, a JSON header (dtype, shape) and
+    its bytes; anything else as b"P" and its pickle."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to("cpu").contiguous()
+        header = json.dumps({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}).encode()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return b"".join([TENSOR, _LEN.pack(len(header)), header, data])
+    return OBJECT + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(blob: bytes) -> Any:
+    """A stored value back (encode's)."""
+    if blob[:1] == TENSOR:
+        (size,) = _LEN.unpack_from(blob, 1)
+        header = json.loads(blob[5 : 5 + size])
+        dtype = getattr(torch, header["dtype"])
+        data = bytearray(blob[5 + size :])
+        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(dtype).reshape(header["shape"])
+    if blob[:1] == OBJECT:
+        return pickle.loads(blob[1:])  # written by this backend: a value of the caller's own trust domain
+    raise ValueError(f"a stored value of {len(blob)} bytes that this backend did not write")
+
+
+@StorageClientFactory.register(CLIENT)
+class ExpbufStorageClient(StorageKVClient):
+    """TransferQueue's storage client over an expbuf table's keyed values."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        if not config.get("target"):
+            raise ValueError(f"backend.{BACKEND}: name the expbuf server as target (host:port)")
+        self.table = str(config.get("table") or "transfer_queue")
+        self.client = BufferClient(str(config["target"]), token=config.get("token"))
+        self.client.create_table(self.table, exist_ok=True)
+        self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
+
+    def put(self, keys: list[str], values: list[Any]) -> list[Any] | None:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        blobs = [encode(value) for value in values]
+        start, size = 0, 0
+        for at, blob in enumerate(blobs):
+            if at > start and size + len(blob) > self.limit:
+                self.client.put_values(keys[start:at], blobs[start:at], self.table)
+                start, size = at, 0
+            size += len(blob)
+        if start < len(keys):
+            self.client.put_values(keys[start:], blobs[start:], self.table)
+        return None
+
+    def get(
+        self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
+    ) -> list[Any]:
+        blobs = self._get(keys)
+        missing = [key for key, blob in zip(keys, blobs, strict=True) if blob is None]
+        if missing:
+            raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
+        return [decode(blob) for blob in blobs if blob is not None]
+
+    def _get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The keys' values, asked for in halves where the server finds them more than a message."""
+        try:
+            return self.client.get_values(keys, self.table)
+        except ResourceExhaustedError:
+            if len(keys) == 1:
+                raise
+            half = len(keys) // 2
+            return self._get(keys[:half]) + self._get(keys[half:])
+
+    def clear(self, keys: list[str], custom_backend_meta: Any = None) -> None:
+        for start in range(0, len(keys), 4096):
+            self.client.clear_values(keys[start : start + 4096], self.table)
+
+
+@StorageManagerFactory.register(BACKEND)
+class ExpbufStorageManager(KVStorageManager):
+    """TransferQueue's key-value storage manager over `ExpbufStorageClient`."""
+
+    def __init__(self, controller_info: Any, config: dict[str, Any], zmq_context: Any = None) -> None:
+        config = dict(config or {})
+        if config.get("client_name") not in (None, CLIENT):
+            raise ValueError(f"the {BACKEND} backend's client is {CLIENT}, not {config.get('client_name')}")
+        super().__init__(controller_info, {**config, "client_name": CLIENT}, zmq_context=zmq_context)
+
+
+@StorageBootstrapProvider.register_provider(BACKEND)
+def _nothing_to_start(conf: Any) -> dict[str, Any]:
+    """TransferQueue starts a backend's storage processes at init: expbuf's server runs on its own."""
+    return {}

@@ -1,0 +1,80 @@
+"""Keyed values: bytes a caller stores under names of its own, in a table's key range, durable
+when the call returns and dropped with the table.
+
+The store of a data plane that addresses data by name rather than as experiences: TransferQueue
+keeps each (sample, field) under "{global_index}@{field}" (client/transferqueue/storage.py). A
+put of several values is one commit (all or none); a clear of names not stored is no error.
+Values are not experiences: they count in no table counter, no capacity and no order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lmdb
+
+from ..disk import layout
+from ..disk.environment import Environment
+from ..schema.errors import InvalidRequest, clip
+from ..tables.catalog import TableCatalog
+
+MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
+
+
+class Values:
+    """Puts, gets and clears of keyed values over the environment and the table catalog."""
+
+    def __init__(self, environment: Environment, catalog: TableCatalog) -> None:
+        self.environment, self.catalog = environment, catalog
+
+    def put(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
+        """Store each value under its key (replacing what a key held), in one commit; how many."""
+        if len(keys) != len(values):
+            raise InvalidRequest(f"{len(keys)} keys for {len(values)} values: one value a key")
+        names = _names(keys)
+        seen: set[bytes] = set()
+        for key, name in zip(keys, names, strict=True):
+            if name in seen:
+                raise InvalidRequest(f"keys: {clip(key)!r} is named more than once")
+            seen.add(name)
+        prefix = self._prefix(table)
+        db = self.environment.db["kv"]
+
+        def op(txn: lmdb.Transaction[bytes]) -> int:
+            with txn.cursor(db=db) as cur:
+                cur.putmulti([(prefix + name, bytes(value)) for name, value in zip(names, values, strict=True)])
+            return len(names)
+
+        return self.environment.submit(op)
+
+    def get(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, None for one not stored, from the last commit."""
+        names = _names(keys)
+        prefix = self._prefix(table)
+        db = self.environment.db["kv"]
+        with self.environment.read() as txn:
+            return [txn.get(prefix + name, db=db) for name in names]
+
+    def clear(self, table: str, keys: Sequence[str]) -> int:
+        """Remove the values of these keys, in one commit; how many were stored."""
+        names = _names(keys)
+        prefix = self._prefix(table)
+        db = self.environment.db["kv"]
+
+        def op(txn: lmdb.Transaction[bytes]) -> int:
+            return sum(txn.delete(prefix + name, db=db) for name in names)
+
+        return self.environment.submit(op)
+
+    def _prefix(self, table: str) -> bytes:
+        table_id, _ = self.catalog.lookup(table)
+        return layout.table_prefix(table_id)
+
+
+def _names(keys: Sequence[str]) -> list[bytes]:
+    """The keys as stored: each 1 to MAX_KEY_BYTES bytes of UTF-8."""
+    names = [key.encode() for key in keys]
+    for key, name in zip(keys, names, strict=True):
+        if not name or len(name) > MAX_KEY_BYTES:
+            raise InvalidRequest(f"keys: {clip(key)!r} is not a key (1 to {MAX_KEY_BYTES} bytes of UTF-8)")
+    return names

@@ -1,0 +1,86 @@
+"""expbuf as TransferQueue's storage backend (client/transferqueue/storage.py), driven by
+TransferQueue's own API on a local Ray cluster (its controller a Ray actor, as verl runs it):
+`tq.init` with `backend.storage_backend = "Expbuf"`, then TransferQueue's kv_batch_put,
+kv_batch_get and kv_clear. Every (sample, field) lands in an expbuf table as a keyed value; the
+expbuf server restarted on its data serves them again. A real server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+
+tq = pytest.importorskip("transfer_queue")
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
+
+from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.transferqueue.storage import decode, encode  # noqa: E402
+
+from conftest import Servers  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        torch.linspace(0, 1, 5, dtype=torch.bfloat16),
+        torch.tensor(7.5),
+        torch.zeros(0, 3, dtype=torch.float32),
+        torch.arange(10)[::2],  # not contiguous
+        torch.ones(4, dtype=torch.bool),
+        "a prompt's text",
+        [1, "two", {"three": 3}],
+    ],
+    ids=["int64", "bf16", "scalar", "empty", "strided", "bool", "str", "list"],
+)
+def test_a_value_comes_back_as_stored(value: object) -> None:
+    back = decode(encode(value))
+    if isinstance(value, torch.Tensor):
+        assert isinstance(back, torch.Tensor) and back.dtype == value.dtype and back.shape == value.shape
+        assert torch.equal(back, value)
+    else:
+        assert back == value
+    with pytest.raises(ValueError, match="did not write"):
+        decode(b"X" + encode(value)[1:])
+
+
+def rows(column: torch.Tensor) -> list:
+    """A column TransferQueue returns (per-sample tensors, nested or stacked) as lists."""
+    return [row.tolist() for row in (column.unbind() if column.is_nested else column)]
+
+
+def test_transfer_queue_stores_every_field_in_expbuf_and_reads_it_after_a_restart(
+    ray_cluster: ModuleType, start_server: Servers
+) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": {"target": target, "table": "tq"}}}))
+    try:
+        keys = ["p0", "p1", "p2"]
+        fields = TensorDict(
+            {
+                "input_ids": torch.arange(12).reshape(3, 4),
+                "score": torch.tensor([0.5, 1.0, -1.0]),
+                "text": NonTensorStack("a", "b", "c"),
+            },
+            batch_size=3,
+        )
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=fields)
+        with BufferClient(target) as client:  # TransferQueue's keys: "{global_index}@{field}", 3 x 3
+            stored = client.get_values([f"{i}@{f}" for i in range(3) for f in ("input_ids", "score", "text")], "tq")
+        assert all(value is not None for value in stored)
+
+        server.stop(grace=1)
+        server = start_server(port=server.port)  # the same data and address: the fields are there
+        got = tq.kv_batch_get(keys=keys, partition_id="train")
+        assert rows(got["input_ids"]) == fields["input_ids"].tolist()
+        assert rows(got["score"]) == fields["score"].tolist()
+        assert list(got["text"]) == ["a", "b", "c"]
+
+        tq.kv_clear(keys=keys, partition_id="train")
+        with BufferClient(target) as client:
+            assert client.get_values([f"{i}@input_ids" for i in range(3)], "tq") == [None, None, None]
+    finally:
+        tq.close()
