@@ -179,7 +179,7 @@ def test_an_upgrade_that_does_not_commit_leaves_format_3_as_it_was(v3: Path) -> 
         Environment(v3, migrate=killed_before_the_commit)
     reader = Environment(v3, readonly=True)
     try:
-        assert reader.missing == ["tombs", "ledger", "chunks", "staged", "shared", "shared_refs"]
+        assert reader.missing == ["tombs", "ledger", "chunks", "staged", "shared", "shared_refs", "kv"]
         with reader.read() as txn:
             assert txn.get(b"format", db=reader.db["meta"]) == b"3"
     finally:
