@@ -24,9 +24,10 @@ from .ledger import LedgerPlans
 from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import AsyncShardedPusher
+from .reads import ReadPlans
 
 
-class AsyncShardedBufferClient(LedgerPlans):
+class AsyncShardedBufferClient(LedgerPlans, ReadPlans):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient

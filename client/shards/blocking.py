@@ -36,9 +36,10 @@ from .ledger import LedgerPlans
 from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import ShardedPusher
+from .reads import ReadPlans
 
 
-class ShardedBufferClient(LedgerPlans):
+class ShardedBufferClient(LedgerPlans, ReadPlans):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient

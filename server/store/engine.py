@@ -25,8 +25,6 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from expbuf.client.schema.balance import ModelShape
-from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 
 from .disk import chunked, layout, residency
@@ -34,8 +32,9 @@ from .disk.environment import Environment
 from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
 from .disk.records import ItemRecord
 from .disk.stored_advantages import FinishBatch
-from .ledger.records import DatasetRecord
-from .ledger.rules import Claimed, Ledger
+from .ledger.rules import Ledger
+from .ledger_calls import LedgerCalls
+from .reading import ReadCalls
 from .rules import groups, limiter, retirement, staleness
 from .rules.counters import read_counters
 from .rules.extensions import ExtensionKinds, TableExtension
@@ -44,7 +43,7 @@ from .rules.table_state import TableState, stored
 from .schema.errors import NotFound
 from .schema.sample_spec import SampleSpec, check_version
 from .schema.table_config import TableConfig, default_table
-from .services.claims import Claims, PromptPage
+from .services.claims import Claims
 from .services.index_builds import IndexBuild, IndexBuilds
 from .services.pushing import Pushing
 from .services.reads import Reads
@@ -52,7 +51,7 @@ from .services.sampling import Sampling
 from .services.scrub import Scrub, ScrubStatus
 from .services.upkeep import Upkeep
 from .services.values import Values
-from .tables import admission, browse, integrity
+from .tables import admission, integrity
 from .tables.catalog import EveryTable, TableCatalog
 from .tables.compute_queue import backlog
 from .tables.integrity import verify
@@ -62,9 +61,10 @@ log = logging.getLogger("expbuf.store")
 T = TypeVar("T")
 
 
-class Store:
-    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O; the
-    prompt ledger's datasets and claims are its `claims` service (claims.py)."""
+class Store(ReadCalls, LedgerCalls):
+    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O; its reads
+    of named experiences and keyed values (ReadCalls, reading.py) and the prompt ledger's datasets
+    and claims (LedgerCalls, ledger_calls.py) are calls of their services."""
 
     def __init__(
         self,
@@ -325,63 +325,7 @@ class Store:
 
         return self._in_table(table, op)
 
-    # ---- reads and admin ---------------------------------------------------------------
-
-    def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
-        """Stored payloads among uids, each checked first (Reads.get)."""
-        return self.reads.get(table, uids)
-
-    def list_experiences(
-        self,
-        table: str,
-        *,
-        states: Sequence[str] = (),
-        min_version: int | None = None,
-        max_version: int | None = None,
-        after: int = 0,
-        limit: int = 1000,
-    ) -> browse.Page:
-        """A page of the table's live experiences in insertion order (see browse.py)."""
-        return self.reads.page(
-            table, states=states, min_version=min_version, max_version=max_version, after=after, limit=limit
-        )
-
-    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
-        """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
-        return self.reads.payload(table, uids)
-
-    def read_fields(
-        self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
-    ) -> tuple[Sampled, list[str]]:
-        """The servable experiences among uids as a batch to read some fields of, or `whole`, and
-        the missing uids (Reads.fields); release the batch once its reply is built."""
-        return self.reads.fields(table, uids, shares, whole=whole)
-
-    def lease_part(
-        self,
-        table: str,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        balance: str,
-        model: ModelShape | None = None,
-        owner: str = "",
-        equal: bool = False,
-    ) -> list[str]:
-        """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
-        return self.reads.part(table, lease_id, rank, ranks, balance, model, owner, equal)
-
-    def put_values(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
-        """Store keyed values, durable on return (services/values.py); how many."""
-        return self.values.put(table, keys, values)
-
-    def get_values(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
-        """The value of each key, None for one not stored."""
-        return self.values.get(table, keys)
-
-    def clear_values(self, table: str, keys: Sequence[str]) -> int:
-        """Remove keyed values; how many were stored."""
-        return self.values.clear(table, keys)
+    # ---- admin (reads of named experiences and keyed values: reading.py) ----------------
 
     def quarantine(self, table: str, uids: Sequence[str]) -> int:
         """Quarantine those of uids whose stored payload is damaged, checked again in the
@@ -511,58 +455,6 @@ class Store:
     def release_holds(self) -> int:
         """Return every batch held for a stream of an earlier run of the server."""
         return self.sampling.release_holds()
-
-    # ---- the prompt ledger (claims.py) ------------------------------------------------------
-
-    def create_dataset(
-        self, table: str, ds: DatasetRecord, *, exist_ok: bool = False, stop: Callable[[], bool] | None = None
-    ) -> tuple[DatasetRecord, bool]:
-        """A dataset of prompts on the table, or a shard's part of one; (record, created)."""
-        return self.claims.create(table, ds, exist_ok=exist_ok, stop=stop)
-
-    def datasets(self, table: str, name: str = "", *, by_epoch: bool = True) -> list[DatasetRecord]:
-        """The table's datasets (or the one named), with their cursors and totals, and each
-        epoch's prompts owned and counts unless not `by_epoch`."""
-        return self.claims.datasets(table, name, by_epoch=by_epoch)
-
-    def claim(
-        self,
-        table: str,
-        name: str,
-        count: int,
-        *,
-        seconds: float,
-        owner: str = "",
-        holder: str = "",
-        wait: float = 0.0,
-        stop: Callable[[], bool] | None = None,
-    ) -> tuple[list[Claimed], bool]:
-        """Up to `count` prompts under claims that end `seconds` from now; and whether the dataset is done."""
-        return self.claims.claim(table, name, count, seconds=seconds, owner=owner, holder=holder, wait=wait, stop=stop)
-
-    def renew_claims(
-        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, *, holder: str = ""
-    ) -> tuple[float, list[tuple[int, int, int]]]:
-        """Claims (epoch, index, attempt) now end `seconds` from now; when, and those that had ended."""
-        return self.claims.renew(table, name, prompts, seconds, holder)
-
-    def release_claims(
-        self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], *, holder: str = ""
-    ) -> int:
-        """Claims given back now: their prompts go out again with attempt + 1."""
-        return self.claims.release(table, name, prompts, holder)
-
-    def list_prompts(
-        self,
-        table: str,
-        name: str,
-        *,
-        states: Sequence[str] = (),
-        after: tuple[int, int] | None = None,
-        limit: int = 1000,
-    ) -> PromptPage:
-        """A page of the dataset's prompts handed out at least once."""
-        return self.claims.prompts(table, name, states=states, after=after, limit=limit)
 
     # ---- advantages ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from .records import (
     read_group_entry,
     unplace,
 )
-from .rules import check
+from .settings import check
 from .states import CLAIMED, COUNTED, GENERATED, PENDING
 
 

@@ -26,7 +26,8 @@ from ..ledger.records import (
     read_epochs,
     read_prompts,
 )
-from ..ledger.rules import STEP_HASHES, Claimed, Ledger, check, no_dataset
+from ..ledger.rules import STEP_HASHES, Claimed, Ledger
+from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
 from ..rules.table_state import TableState

@@ -1,0 +1,78 @@
+"""The Store's reads of named experiences (Get, ReadFields and a rank's part of a lease,
+ListExperiences) and its keyed values: the façade's calls that its reads service
+(services/reads.py) and its values service (services/values.py) answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from expbuf.client.schema.balance import ModelShape
+from expbuf.client.trxp.columns import Shares
+
+from .disk.kinds import Sampled
+from .services.reads import Reads
+from .services.values import Values
+from .tables import browse
+
+
+class ReadCalls:
+    """Mixed into the Store, which makes `reads` and `values`."""
+
+    reads: Reads
+    values: Values
+
+    def get(self, table: str, uids: Sequence[str]) -> dict[str, bytes]:
+        """Stored payloads among uids, each checked first (Reads.get)."""
+        return self.reads.get(table, uids)
+
+    def list_experiences(
+        self,
+        table: str,
+        *,
+        states: Sequence[str] = (),
+        min_version: int | None = None,
+        max_version: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> browse.Page:
+        """A page of the table's live experiences in insertion order (see browse.py)."""
+        return self.reads.page(
+            table, states=states, min_version=min_version, max_version=max_version, after=after, limit=limit
+        )
+
+    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
+        return self.reads.payload(table, uids)
+
+    def read_fields(
+        self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
+    ) -> tuple[Sampled, list[str]]:
+        """The servable experiences among uids as a batch to read some fields of, or `whole`, and
+        the missing uids (Reads.fields); release the batch once its reply is built."""
+        return self.reads.fields(table, uids, shares, whole=whole)
+
+    def lease_part(
+        self,
+        table: str,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        balance: str,
+        model: ModelShape | None = None,
+        owner: str = "",
+        equal: bool = False,
+    ) -> list[str]:
+        """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
+        return self.reads.part(table, lease_id, rank, ranks, balance, model, owner, equal)
+
+    def put_values(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
+        """Store keyed values, durable on return (services/values.py); how many."""
+        return self.values.put(table, keys, values)
+
+    def get_values(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, None for one not stored."""
+        return self.values.get(table, keys)
+
+    def clear_values(self, table: str, keys: Sequence[str]) -> int:
+        """Remove keyed values; how many were stored."""
+        return self.values.clear(table, keys)
