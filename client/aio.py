@@ -34,7 +34,6 @@ from .rpc import aio_status, calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.balance import ModelShape
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -326,17 +325,10 @@ class AsyncBufferClient(ClientBase):
         ranks: int,
         fields: Iterable[str],
         table: str = "default",
-        *,
-        balance: str = "tokens",
-        model: ModelShape | None = None,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-        equal: bool = False,
+        **options: Unpack[read_calls.ReadPartOptions],
     ) -> FieldBatch:
         """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
-        call = read_calls.read_part(
-            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
-        )
+        call = read_calls.read_part(lease_id, rank, ranks, fields, table, options, self.max_message_bytes)
         return await self._run(call)
 
     async def get_part(

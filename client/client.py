@@ -40,7 +40,6 @@ from .rpc import calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.balance import ModelShape
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -367,12 +366,7 @@ class BufferClient(ClientBase):
         ranks: int,
         fields: Iterable[str],
         table: str = "default",
-        *,
-        balance: str = "tokens",
-        model: ModelShape | None = None,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-        equal: bool = False,
+        **options: Unpack[read_calls.ReadPartOptions],
     ) -> FieldBatch:
         """Rank `rank`'s part of the batch leased as `lease_id` (a leased sample's `batch.lease_id`,
         which the process that sampled it hands to every rank), for a step spread over `ranks`
@@ -384,9 +378,7 @@ class BufferClient(ClientBase):
         back reads its part again while the lease holds. With `equal`, every rank gets as many
         groups as the others, or one fewer. The process that sampled the batch acks it once every
         rank has trained its part."""
-        call = read_calls.read_part(
-            lease_id, rank, ranks, fields, table, balance, model, (share, of), self.max_message_bytes, equal
-        )
+        call = read_calls.read_part(lease_id, rank, ranks, fields, table, options, self.max_message_bytes)
         return self._run(call)
 
     def get_part(

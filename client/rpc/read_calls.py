@@ -30,41 +30,47 @@ def read_fields(
     return _fields_call(request, share, of)
 
 
-def read_part(
-    lease_id: str,
-    rank: int,
-    ranks: int,
-    fields: Iterable[str],
-    table: str,
-    balance: str,
-    model: ModelShape | None,
-    shares: tuple[int | Iterable[int], int],
-    max_reply_bytes: int,
-    equal: bool = False,
-) -> Unary[FieldBatch]:
-    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks by `balance`
-    (schema/balance.py; a name the server registered too, which it checks), `model` for "flops",
-    as many groups a rank with `equal`, `shares` as read_fields' (share, of); ValueError before
-    the call for what is not a part or a share."""
-    request = part_request(lease_id, rank, ranks, table, (balance, model, equal), max_reply_bytes)
-    request.fields.extend(fields)
-    return _fields_call(request, *shares)
-
-
 class PartOptions(TypedDict, total=False):
-    """How get_part splits a leased step, as read_part's keywords: balance ("tokens"), model, equal."""
+    """How a leased step is split over its ranks (get_part's keywords): balance ("tokens"), model
+    (for "flops"), equal (as many groups a rank)."""
 
     balance: str
     model: ModelShape | None
     equal: bool
 
 
-def split_of(options: PartOptions) -> tuple[str, ModelShape | None, bool]:
-    """The balance, model and equal of get_part's keywords; TypeError for one it does not take."""
-    unknown = sorted(set(options) - set(PartOptions.__annotations__))
+class ReadPartOptions(PartOptions, total=False):
+    """read_part's keywords: the split's, and `share` of `of` of each run's tokens (read_fields')."""
+
+    share: int | Iterable[int]
+    of: int
+
+
+def split_of(options: PartOptions, call: str = "get_part") -> tuple[str, ModelShape | None, bool]:
+    """The balance, model and equal of a call's keywords; TypeError for one it does not take."""
+    known = ReadPartOptions.__annotations__ if call == "read_part" else PartOptions.__annotations__
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"get_part() got unexpected keyword argument(s) {', '.join(unknown)}")
+        raise TypeError(f"{call}() got unexpected keyword argument(s) {', '.join(unknown)}")
     return options.get("balance", "tokens"), options.get("model"), options.get("equal", False)
+
+
+def read_part(
+    lease_id: str,
+    rank: int,
+    ranks: int,
+    fields: Iterable[str],
+    table: str,
+    options: ReadPartOptions,
+    max_reply_bytes: int,
+) -> Unary[FieldBatch]:
+    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks as `options`
+    split it (schema/balance.py; a balance the server registered too, which it checks), and
+    their `share` of `of` as read_fields'; ValueError before the call for what is not a part or
+    a share."""
+    request = part_request(lease_id, rank, ranks, table, split_of(options, "read_part"), max_reply_bytes)
+    request.fields.extend(fields)
+    return _fields_call(request, options.get("share", ()), options.get("of", 0))
 
 
 def get_part(

@@ -13,9 +13,8 @@ from typing import Any, Unpack
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
-from ..rpc.read_calls import PartOptions, split_of
+from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
@@ -157,16 +156,10 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans):
         ranks: int,
         fields: Iterable[str],
         table: str = "default",
-        *,
-        balance: str = "tokens",
-        model: ModelShape | None = None,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-        equal: bool = False,
+        **options: Unpack[ReadPartOptions],
     ) -> FieldBatch:
         """As ShardedBufferClient.read_part."""
-        plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
-        return await self._run(plan)
+        return await self._run(self._read_part(lease_id, rank, ranks, list(fields), table, options))
 
     async def get_part(
         self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]

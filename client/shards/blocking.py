@@ -23,9 +23,8 @@ from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FieldBatch, ServerInfo, TableInfo
-from ..rpc.read_calls import PartOptions, split_of
+from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.balance import ModelShape
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
 from ..schema.table_presets import with_preset
@@ -187,19 +186,13 @@ class ShardedBufferClient(LedgerPlans, ReadPlans):
         ranks: int,
         fields: Iterable[str],
         table: str = "default",
-        *,
-        balance: str = "tokens",
-        model: ModelShape | None = None,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-        equal: bool = False,
+        **options: Unpack[ReadPartOptions],
     ) -> FieldBatch:
         """As BufferClient.read_part, for a batch leased from several shards: the groups of every
         shard are split over the ranks together (the same split in every rank's process), and
         each rank's read from the shards that hold them. Raises ShardError when a shard of the
         lease does not answer."""
-        plan = self._read_part(lease_id, rank, ranks, list(fields), table, (balance, model, equal), (share, of))
-        return self._run(plan)
+        return self._run(self._read_part(lease_id, rank, ranks, list(fields), table, options))
 
     def get_part(
         self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]

@@ -11,7 +11,7 @@ from typing import Any
 from ..client import BufferError, GetResult
 from ..columns import join_columns, run_lengths
 from ..results import FieldBatch
-from ..rpc.read_calls import check_part
+from ..rpc.read_calls import ReadPartOptions, check_part, split_of
 from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key
 from .common import shard_error
@@ -65,13 +65,12 @@ class ReadPlans(Planned):
         ranks: int,
         fields: list[str],
         table: str,
-        split: tuple[str, ModelShape | None, bool],
-        shares: tuple[int | Iterable[int], int],
+        options: ReadPartOptions,
     ) -> Plan[FieldBatch]:
-        """Rank `rank`'s part of a batch leased from several shards (`_part_uids`), its uids' fields
-        read from their shards."""
-        uids = yield from self._part_uids(lease_id, rank, ranks, table, split)
-        return (yield from self._read_fields(uids, fields, table, *shares))
+        """Rank `rank`'s part of a batch leased from several shards (`_part_uids`, split as
+        `options` say), its uids' fields read from their shards."""
+        uids = yield from self._part_uids(lease_id, rank, ranks, table, split_of(options, "read_part"))
+        return (yield from self._read_fields(uids, fields, table, options.get("share", ()), options.get("of", 0)))
 
     def _get_part(
         self, lease_id: str, rank: int, ranks: int, table: str, split: tuple[str, ModelShape | None, bool]
