@@ -392,11 +392,20 @@ def delete(
     sizes: Sequence[int] | None = None,
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
-    and their references to shared prompts: with their sizes (the records'), only one of at
-    least shared_prompts.MIN_BYTES is looked at."""
+    and their references to shared prompts: with their sizes (the records'), only one that may be
+    either is looked at (larger than CHUNK_BYTES; or of at least shared_prompts.MIN_BYTES, in a
+    table that keeps shared prompts), so that a consume of small experiences reads none."""
     blobs = dbs["blobs"]
+    sharing: dict[bytes, bool] = {}  # by table prefix: whether the table keeps any shared prompt
     for at, key in enumerate(keys):
-        if sizes is None or sizes[at] >= shared_prompts.MIN_BYTES:
+        prefix = bytes(key[:4])
+        if sizes is not None and shared_prompts.MIN_BYTES <= sizes[at] <= CHUNK_BYTES and prefix not in sharing:
+            sharing[prefix] = shared_prompts.any_in(txn, dbs, prefix)
+        if (
+            sizes is None
+            or sizes[at] > CHUNK_BYTES
+            or (sizes[at] >= shared_prompts.MIN_BYTES and sharing.get(prefix, False))
+        ):
             value = txn.get(key, db=blobs)
             if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
                 shared_prompts.release(txn, dbs, key, value)

@@ -138,6 +138,12 @@ def header_of(value: Run) -> tuple[bytes, int]:
     return header, section_len + length
 
 
+def any_in(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bool:
+    """Whether the table of `prefix` keeps any shared prompt (one seek)."""
+    with txn.cursor(db=dbs["shared_refs"]) as cur:
+        return bool(cur.set_range(prefix)) and bytes(cur.key()[: len(prefix)]) == prefix
+
+
 def release(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Run) -> None:
     """A stored reference goes: its prompt is counted once less, and goes with its last one."""
     try:
