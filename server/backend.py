@@ -18,8 +18,8 @@ from expbuf.client.trxp.columns import Shares
 
 from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
 from .store.disk.kinds import MayWait
+from .store.ledger.claimed import Claimed
 from .store.ledger.records import DatasetRecord
-from .store.ledger.rules import Claimed
 from .store.schema.sample_spec import SampleSpec
 from .store.schema.table_config import TableConfig
 from .store.services.claims import PromptPage

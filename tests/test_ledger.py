@@ -12,6 +12,7 @@ from expbuf.client import trxp
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.ledger.claimed import Claimed
 from expbuf.server.store.ledger.records import (
     DatasetRecord,
     PromptRecord,
@@ -24,7 +25,6 @@ from expbuf.server.store.ledger.records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.store.ledger.rules import Claimed
 from expbuf.server.store.schema.errors import ConfigError, Conflict, Forbidden, NotFound, StaleAttempt
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig

@@ -19,6 +19,7 @@ from expbuf.client import trxp
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
+from expbuf.server.store.ledger.claimed import Claimed
 from expbuf.server.store.ledger.records import (
     DatasetRecord,
     PromptRecord,
@@ -32,7 +33,6 @@ from expbuf.server.store.ledger.records import (
     prompt_key,
     queue_key,
 )
-from expbuf.server.store.ledger.rules import Claimed
 from expbuf.server.store.schema.errors import Damaged
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig

@@ -29,7 +29,7 @@ from expbuf.client.trxp.common import RawItem
 
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
-from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, Sampled, ShapingUpdate
+from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, ShapingUpdate
 from .disk.records import ItemRecord
 from .disk.stored_advantages import FinishBatch
 from .ledger.rules import Ledger
@@ -40,8 +40,9 @@ from .rules.counters import read_counters
 from .rules.extensions import ExtensionKinds, TableExtension
 from .rules.quarantine import quarantine_found
 from .rules.table_state import TableState, stored
+from .sampling_calls import SamplingCalls
 from .schema.errors import NotFound
-from .schema.sample_spec import SampleSpec, check_version
+from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
 from .services.claims import Claims
 from .services.index_builds import IndexBuild, IndexBuilds
@@ -61,10 +62,11 @@ log = logging.getLogger("expbuf.store")
 T = TypeVar("T")
 
 
-class Store(ReadCalls, LedgerCalls):
-    """The storage engine: tables, pushes, samples, leases, upkeep and advantages' I/O; its reads
-    of named experiences and keyed values (ReadCalls, reading.py) and the prompt ledger's datasets
-    and claims (LedgerCalls, ledger_calls.py) are calls of their services."""
+class Store(SamplingCalls, ReadCalls, LedgerCalls):
+    """The storage engine: tables, pushes, upkeep and advantages' I/O; its samples and leases
+    (SamplingCalls, sampling_calls.py), its reads of named experiences and keyed values
+    (ReadCalls, reading.py) and the prompt ledger's datasets and claims (LedgerCalls,
+    ledger_calls.py) are calls of their services."""
 
     def __init__(
         self,
@@ -420,41 +422,6 @@ class Store(ReadCalls, LedgerCalls):
         for building in self.upkeep.take_builds():  # an index a table's upkeep needs: used once built
             self.builds.want(building)
         return done
-
-    # ---- sampling (sampling.py) ----------------------------------------------------------------
-
-    def sample(
-        self,
-        spec: SampleSpec,
-        *,
-        timeout: float | None = None,
-        hold: bool = False,
-        owner: str = "",
-        stop: Callable[[], bool] | None = None,
-        confirm: str | Sequence[str] = "",
-    ) -> Sampled | None:
-        """Select whole ready groups; None if not enough arrived within the wait (Sampling.sample)."""
-        return self.sampling.sample(spec, timeout=timeout, hold=hold, owner=owner, stop=stop, confirm=confirm)
-
-    def ack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
-        """Consume the groups of a lease; returns the experiences acknowledged."""
-        return self.sampling.ack(lease_id, table, owner)
-
-    def nack(self, lease_id: str, table: str | None = None, owner: str = "") -> int:
-        """Return the groups of a lease to the buffer; returns the experiences requeued."""
-        return self.sampling.nack(lease_id, table, owner)
-
-    def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
-        """A stream's held batch that its client has, delivered as the stream asked (tables/leases.py)."""
-        return self.sampling.confirm(lease_id, spec, owner)
-
-    def renew(self, lease_id: str, seconds: float, table: str, owner: str = "") -> tuple[float, int]:
-        """The lease now ends `seconds` from now; returns when, and the experiences it holds."""
-        return self.sampling.renew(lease_id, seconds, table, owner)
-
-    def release_holds(self) -> int:
-        """Return every batch held for a stream of an earlier run of the server."""
-        return self.sampling.release_holds()
 
     # ---- advantages ------------------------------------------------------------------------
 

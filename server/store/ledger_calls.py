@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .ledger.claimed import Claimed
 from .ledger.records import DatasetRecord
-from .ledger.rules import Claimed
 from .services.claims import Claims, PromptPage
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
@@ -34,6 +33,7 @@ from ..schema.errors import Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
+from .claimed import Claimed, ClaimStep, Walk
 from .records import (
     DatasetRecord,
     Permutation,
@@ -67,39 +67,6 @@ from .states import CLAIMED, COUNTED, DROPPED, GENERATED, PENDING, TRAINED
 # shards: about 1 s a prompt), so a claim goes on in another transaction rather than hold the
 # writer (about 50 ms a transaction).
 STEP_HASHES = 1 << 16
-
-
-@dataclass
-class Walk:
-    """The cursor's walk in one transaction of a claim: the ownership hashes it spent, the parts
-    of epochs a shard counted before the transaction (claims.py), by epoch, and the epoch whose
-    part it reached uncounted, where it stopped."""
-
-    parts: Mapping[int, int] = field(default_factory=dict)
-    hashes: int = 0
-    uncounted: int | None = None
-
-
-@dataclass(frozen=True)
-class ClaimStep:
-    """What one transaction of a claim did: the prompts it handed out, whether the dataset is
-    done, and whether it stopped short (`more`), its STEP_HASHES spent or, on a shard, the
-    cursor at an epoch whose part is `uncounted`: to count outside the writer, then go on."""
-
-    claimed: list[Claimed]
-    done: bool
-    more: bool
-    uncounted: int | None = None
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A prompt handed to a claimant: which, its attempt, and when its claim ends."""
-
-    epoch: int
-    index: int
-    attempt: int
-    expires: float
 
 
 class Ledger(TableExtension):

@@ -18,6 +18,7 @@ import lmdb
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk.environment import Environment
+from ..ledger.claimed import Claimed
 from ..ledger.records import (
     DatasetRecord,
     PromptRecord,
@@ -26,7 +27,7 @@ from ..ledger.records import (
     read_epochs,
     read_prompts,
 )
-from ..ledger.rules import STEP_HASHES, Claimed, Ledger
+from ..ledger.rules import STEP_HASHES, Ledger
 from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
