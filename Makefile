@@ -17,7 +17,7 @@ TORCH_INDEX ?=
 # What `make serve` installs: expbuf, with mypyc to compile its hot modules (the native extra).
 SERVE_EXTRAS ?= native
 # What `make setup` (and so `make test`) adds: the tests' tools, every adapter's extra, the docs.
-EXTRAS ?= test,trinity,ray,areal,verl,trl,torchrl,docs
+EXTRAS ?= test,trinity,ray,areal,verl,transferqueue,trl,torchrl,docs
 # Trinity-RFT for the plugin and its tests, installed with the trinity extra (which brings
 # what its buffer modules import) but without its own dependencies (they pull vLLM and CUDA
 # packages). A Trinity that is already importable is left alone; TRINITY_SPEC= skips it.
@@ -133,7 +133,7 @@ test: setup
 # has it; every module of the adapter is imported there (tests/import_adapter.py). Not part of
 # `make test`: each virtualenv takes minutes and a torch. tests/test_extras.py checks the same in the
 # test run, with the other frameworks' imports refused.
-ADAPTERS ?= trinity verl areal trl torchrl
+ADAPTERS ?= trinity verl areal trl torchrl transferqueue
 EXTRAS_DIR ?= build/extras
 check-extras:
 	@for adapter in $(ADAPTERS); do \

@@ -26,6 +26,7 @@ FRAMEWORKS = {
     "areal": ("areal",),
     "trl": ("trl",),
     "torchrl": ("torchrl",),
+    "transferqueue": ("transfer_queue",),
 }
 EVERY = sorted({name for names in FRAMEWORKS.values() for name in names})
 

@@ -15,8 +15,8 @@ default), and `token` where the server asks for one.
 A tensor is stored as its dtype, shape and bytes (on the CPU: a value on a device is copied
 there); anything else TransferQueue stores (strings, lists: a NonTensorStack's items) is
 pickled, as TransferQueue's own transports do. Puts and gets are cut to stay under the client's
-message size. What is not durable here yet is TransferQueue's controller (which indexes and
-fields exist, what was consumed): issue 43's next part.
+message size. TransferQueue's controller (which indexes and fields exist, what was consumed) is
+kept in the same table by controller.py.
 """
 
 from __future__ import annotations
@@ -66,6 +66,17 @@ def decode(blob: bytes) -> Any:
     raise ValueError(f"a stored value of {len(blob)} bytes that this backend did not write")
 
 
+def get_in_halves(client: BufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
+    """The keys' values, asked for in halves where the server finds them more than a message."""
+    try:
+        return client.get_values(keys, table)
+    except ResourceExhaustedError:
+        if len(keys) == 1:
+            raise
+        half = len(keys) // 2
+        return get_in_halves(client, keys[:half], table) + get_in_halves(client, keys[half:], table)
+
+
 @StorageClientFactory.register(CLIENT)
 class ExpbufStorageClient(StorageKVClient):
     """TransferQueue's storage client over an expbuf table's keyed values."""
@@ -96,21 +107,11 @@ class ExpbufStorageClient(StorageKVClient):
     def get(
         self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
     ) -> list[Any]:
-        blobs = self._get(keys)
+        blobs = get_in_halves(self.client, keys, self.table)
         missing = [key for key, blob in zip(keys, blobs, strict=True) if blob is None]
         if missing:
             raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
         return [decode(blob) for blob in blobs if blob is not None]
-
-    def _get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The keys' values, asked for in halves where the server finds them more than a message."""
-        try:
-            return self.client.get_values(keys, self.table)
-        except ResourceExhaustedError:
-            if len(keys) == 1:
-                raise
-            half = len(keys) // 2
-            return self._get(keys[:half]) + self._get(keys[half:])
 
     def clear(self, keys: list[str], custom_backend_meta: Any = None) -> None:
         for start in range(0, len(keys), 4096):

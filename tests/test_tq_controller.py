@@ -1,0 +1,165 @@
+"""TransferQueue's controller kept in expbuf (client/transferqueue/controller.py, journal.py):
+TransferQueue's own API on a local Ray cluster, its controller actor killed with SIGKILL and
+TransferQueue started again as a job restarts it; the state comes back exactly (keys, produced
+fields, what each task consumed, custom metadata), through snapshots and the entries after them.
+A real expbuf server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+tq = pytest.importorskip("transfer_queue")
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.transferqueue.controller import JournalSettings  # noqa: E402
+from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key  # noqa: E402
+
+from conftest import Servers  # noqa: E402
+
+
+def conf(target: str, **controller: Any) -> Any:
+    settings: dict[str, Any] = {"backend": {"storage_backend": "Expbuf", "Expbuf": {"target": target, "table": "tq"}}}
+    if controller:
+        settings["controller"] = {"Expbuf": controller}
+    return OmegaConf.create(settings)
+
+
+def test_settings_come_from_the_backend_and_the_controller_s_own() -> None:
+    plain = OmegaConf.create({"backend": {"storage_backend": "SimpleStorage"}})
+    assert JournalSettings.from_conf(plain) is None  # another backend: TransferQueue's controller as it is
+    settings = JournalSettings.from_conf(conf("h:1", snapshot_every=5))
+    assert settings == JournalSettings(target="h:1", table="tq", snapshot_every=5)
+    assert JournalSettings.from_conf(conf("h:1", journal=False)) is None
+    with pytest.raises(ValueError, match="target"):
+        JournalSettings.from_conf(OmegaConf.create({"controller": {"Expbuf": {"table": "t"}}}))
+
+
+def test_the_journal_keeps_entries_and_snapshots_and_ends_a_cut_clean_up(start_server: Servers) -> None:
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("j")
+        journal = Journal(client, "j", snapshot_every=3)
+        assert journal.load() == (None, [])
+        for n in range(1, 4):
+            assert journal.append(b"entry %d" % n)
+        assert journal.due
+        big = bytes(range(256)) * (2 * journal.limit // 256 + 3)  # three parts
+        assert not journal.append(big) and journal.seq == 3  # more than a put: stored nothing
+        journal.snapshot(big)
+        assert journal.append(b"after")
+        assert client.get_values([entry_key(n) for n in range(1, 4)], "j") == [None] * 3  # covered, cleared
+
+        again = Journal(client, "j", snapshot_every=3)
+        assert again.load() == (big, [b"after"]) and again.seq == 4
+
+        # A crash after a new head and before its clean-up: the load ends the clean-up.
+        again.snapshot(b"small")
+        old = [part_key(1, part) for part in range(3)]
+        client.put_values([*old, entry_key(4)], [b"x"] * 4, "j")
+        third = Journal(client, "j")
+        assert third.load() == (b"small", []) and third.seq == 4
+        assert client.get_values([*old, entry_key(4)], "j") == [None] * 4
+        (head,) = client.get_values([HEAD], "j")
+        assert head is not None and b'"generation": 2' in head
+
+
+def controller_pid(ray: ModuleType) -> int:
+    actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def journalled(ray: ModuleType) -> int:
+    actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    return ray.get(actor.journalled.remote())
+
+
+def kill_controller(ray: ModuleType) -> None:
+    """SIGKILL the controller's process, then start TransferQueue again as a restarted job does."""
+    pid = controller_pid(ray)
+    os.kill(pid, signal.SIGKILL)
+    tq.close()
+
+
+def fields(first: int, count: int) -> TensorDict:
+    ids = torch.arange(first, first + count)
+    return TensorDict({"input_ids": ids[:, None].repeat(1, 4), "reward": ids.float()}, batch_size=count)
+
+
+@pytest.mark.parametrize("snapshot_every", [1000, 3], ids=["entries", "snapshots"])
+def test_a_killed_controller_comes_back_with_every_key_field_and_consumption(
+    ray_cluster: ModuleType, start_server: Servers, snapshot_every: int
+) -> None:
+    pytest.importorskip("expbuf.client.transferqueue")
+    server = start_server()
+    settings = conf(f"127.0.0.1:{server.port}", snapshot_every=snapshot_every)
+    tq.init(settings)
+    try:
+        tq.kv_batch_put(keys=[f"k{i}" for i in range(8)], partition_id="train", fields=fields(0, 8))
+        tq.kv_put(key="k8", partition_id="train", fields=fields(8, 1), tag={"score": 0.5})
+        client = tq.get_client()
+        first = client.get_meta(["input_ids", "reward"], 4, "train", mode="fetch", task_name="actor")
+        assert first.global_indexes == [0, 1, 2, 3]
+        if snapshot_every == 3:
+            assert journalled(ray_cluster) < 3  # snapshots took over the entries
+
+        kill_controller(ray_cluster)
+        tq.init(settings)
+        listed = tq.kv_list("train")["train"]
+        assert sorted(listed) == [f"k{i}" for i in range(9)] and listed["k8"] == {"score": 0.5}
+        got = tq.kv_batch_get(keys=["k2", "k8"], partition_id="train")
+        assert got["reward"].tolist() == [2.0, 8.0]
+        client = tq.get_client()
+        _, consumed = client.get_consumption_status("actor", "train")
+        assert consumed is not None and consumed.tolist()[:9] == [1, 1, 1, 1, 0, 0, 0, 0, 0]
+        second = client.get_meta(["input_ids", "reward"], 4, "train", mode="fetch", task_name="actor")
+        assert second.global_indexes == [4, 5, 6, 7]  # nothing consumed is handed out again
+        tq.kv_clear(keys=["k0", "k1"], partition_id="train")
+
+        kill_controller(ray_cluster)
+        tq.init(settings)
+        assert sorted(tq.kv_list("train")["train"]) == [f"k{i}" for i in range(2, 9)]
+        client = tq.get_client()
+        third = client.get_meta(["input_ids", "reward"], 1, "train", mode="fetch", task_name="actor")
+        assert third.global_indexes == [8]
+        _, critic = client.get_consumption_status("critic", "train")
+        assert critic is not None and not critic.any()  # another task consumed nothing
+    finally:
+        tq.close()
+
+
+def test_a_controller_that_cannot_journal_answers_nothing_more_and_comes_back_from_what_was_acknowledged(
+    ray_cluster: ModuleType, start_server: Servers, tmp_path: Any
+) -> None:
+    storage = start_server()
+    journal = start_server(data=tmp_path / "journal")  # the controller's journal on a server of its own
+    settings = OmegaConf.create(
+        {
+            "backend": {"storage_backend": "Expbuf", "Expbuf": {"target": f"127.0.0.1:{storage.port}", "table": "tq"}},
+            "controller": {"Expbuf": {"target": f"127.0.0.1:{journal.port}", "wait_s": 2}},
+        }
+    )
+    tq.init(settings)
+    try:
+        tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=fields(0, 2))
+        journal.stop(grace=1)
+        with pytest.raises(RuntimeError, match="could not journal"):
+            tq.kv_batch_put(keys=["c"], partition_id="train", fields=fields(2, 1))
+        journal = start_server(data=tmp_path / "journal", port=journal.port)
+        with pytest.raises(RuntimeError, match="answers nothing more"):
+            tq.kv_list("train")  # it changed its state and could not keep the change: it stops
+
+        kill_controller(ray_cluster)
+        tq.init(settings)
+        assert sorted(tq.kv_list("train")["train"]) == ["a", "b"]  # what was acknowledged
+        tq.kv_batch_put(keys=["c"], partition_id="train", fields=fields(2, 1))
+        assert tq.kv_batch_get(keys=["a", "c"], partition_id="train")["reward"].tolist() == [0.0, 2.0]
+    finally:
+        tq.close()
