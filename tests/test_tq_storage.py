@@ -84,3 +84,29 @@ def test_transfer_queue_stores_every_field_in_expbuf_and_reads_it_after_a_restar
             assert client.get_values([f"{i}@input_ids" for i in range(3)], "tq") == [None, None, None]
     finally:
         tq.close()
+
+
+def test_a_value_of_more_than_half_a_message_is_stored_in_parts_read_whole_and_cleared_with_them(
+    ray_cluster: ModuleType, start_server: Servers
+) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    backend = {"target": target, "table": "tq_parts", "max_message_bytes": 8 << 20}  # parts of 4 MiB at most
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": backend}}))
+    try:
+        routing = torch.arange(2 * 2_200_000, dtype=torch.int32).reshape(2, 2_200_000)  # 8.8 MB a sample: 3 parts
+        fields = TensorDict({"routing": routing, "score": torch.tensor([1.0, 2.0])}, batch_size=2)
+        tq.kv_batch_put(keys=["a", "b"], partition_id="train", fields=fields)
+        parts = [f"{i}@routing#{n}" for i in range(2) for n in range(3)]
+        with BufferClient(target) as client:
+            assert all(value is not None for value in client.get_values(parts, "tq_parts"))
+            assert client.get_values(["0@routing#3"], "tq_parts") == [None]
+        got = tq.kv_batch_get(keys=["b", "a"], partition_id="train")
+        assert rows(got["routing"]) == [routing[1].tolist(), routing[0].tolist()]
+        assert got["score"].tolist() == [2.0, 1.0]
+
+        tq.kv_clear(keys=["a", "b"], partition_id="train")
+        with BufferClient(target) as client:
+            assert client.get_values([*parts, "0@routing", "1@score"], "tq_parts") == [None] * 8
+    finally:
+        tq.close()

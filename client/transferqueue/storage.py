@@ -7,7 +7,8 @@ TransferQueue picks a backend by name (`backend.storage_backend`); this module r
 "Expbuf": a storage manager (TransferQueue's KVStorageManager, which maps its batches to keys
 "{global_index}@{field}") and its client, `ExpbufStorageClient`, configured under
 `backend.Expbuf`: `target` (the server), `table` (created if absent; "transfer_queue" by
-default), and `token` where the server asks for one.
+default), `token` where the server asks for one, and `max_message_bytes` (the client's; a
+value of more than half of it is stored in parts).
 
     tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf",
                                           "Expbuf": {"target": "expbuf:50051", "table": "tq"}}}))
@@ -34,10 +35,12 @@ from transfer_queue.storage.managers.base import KVStorageManager, StorageManage
 
 from ..client import BufferClient
 from ..errors import ResourceExhaustedError
+from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES
 
 BACKEND = "Expbuf"
 CLIENT = "ExpbufStorageClient"
-TENSOR, OBJECT = b"T", b"P"
+TENSOR, OBJECT, PARTS = b"T", b"P", b"M"
+PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
 _LEN = struct.Struct("<I")
 
 
@@ -86,14 +89,29 @@ class ExpbufStorageClient(StorageKVClient):
         if not config.get("target"):
             raise ValueError(f"backend.{BACKEND}: name the expbuf server as target (host:port)")
         self.table = str(config.get("table") or "transfer_queue")
-        self.client = BufferClient(str(config["target"]), token=config.get("token"))
+        self.client = BufferClient(
+            str(config["target"]),
+            token=config.get("token"),
+            max_message_bytes=int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
+        )
         self.client.create_table(self.table, exist_ok=True)
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
 
     def put(self, keys: list[str], values: list[Any]) -> list[Any] | None:
+        """Store each value under its key. A value of more than half a message is stored in parts
+        (`{key}#{n}`), then its key names how many; TransferQueue keeps that count as the field's
+        custom_backend_meta and hands it back to `clear`."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         blobs = [encode(value) for value in values]
+        metas: list[dict[str, int] | None] = [None] * len(keys)
+        for at, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+            if len(blob) > self.limit:
+                count = (len(blob) + self.limit - 1) // self.limit
+                for part, name in enumerate(part_keys(key, count)):
+                    self.client.put_values([name], [blob[part * self.limit : (part + 1) * self.limit]], self.table)
+                blobs[at] = PARTS + json.dumps({"parts": count, "bytes": len(blob)}).encode()
+                metas[at] = {PARTS_META: count}
         start, size = 0, 0
         for at, blob in enumerate(blobs):
             if at > start and size + len(blob) > self.limit:
@@ -102,7 +120,7 @@ class ExpbufStorageClient(StorageKVClient):
             size += len(blob)
         if start < len(keys):
             self.client.put_values(keys[start:], blobs[start:], self.table)
-        return None
+        return metas if any(metas) else None
 
     def get(
         self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
@@ -111,11 +129,39 @@ class ExpbufStorageClient(StorageKVClient):
         missing = [key for key, blob in zip(keys, blobs, strict=True) if blob is None]
         if missing:
             raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
-        return [decode(blob) for blob in blobs if blob is not None]
+        return [decode(self._whole(key, blob)) for key, blob in zip(keys, blobs, strict=True) if blob is not None]
+
+    def _whole(self, key: str, blob: bytes) -> bytes:
+        """A value as stored; one stored in parts, read part by part and joined."""
+        if blob[:1] != PARTS:
+            return blob
+        manifest = json.loads(blob[1:])
+        parts = []
+        for name in part_keys(key, manifest["parts"]):
+            (part,) = self.client.get_values([name], self.table)
+            if part is None:
+                raise KeyError(f"expbuf table {self.table!r} lacks {name}, a part of the value of {key}")
+            parts.append(part)
+        whole = b"".join(parts)
+        if len(whole) != manifest["bytes"]:  # a part left by another put of the key, of another size
+            raise ValueError(
+                f"the value of {key} in expbuf table {self.table!r} is {len(whole)} bytes, not {manifest['bytes']}"
+            )
+        return whole
 
     def clear(self, keys: list[str], custom_backend_meta: Any = None) -> None:
-        for start in range(0, len(keys), 4096):
-            self.client.clear_values(keys[start : start + 4096], self.table)
+        """Clear the keys, and the parts of those whose custom_backend_meta counts parts."""
+        names = list(keys)
+        for key, meta in zip(keys, custom_backend_meta or [], strict=False):
+            if isinstance(meta, dict) and meta.get(PARTS_META):
+                names += part_keys(key, int(meta[PARTS_META]))
+        for start in range(0, len(names), 4096):
+            self.client.clear_values(names[start : start + 4096], self.table)
+
+
+def part_keys(key: str, count: int) -> list[str]:
+    """The keys of a value's parts."""
+    return [f"{key}#{part}" for part in range(count)]
 
 
 @StorageManagerFactory.register(BACKEND)
