@@ -506,6 +506,30 @@ def test_adding_a_shard_pending_groups_finish_where_they_began(shards: Shards) -
         added.stop(signal.SIGTERM)
 
 
+def test_keyed_values_live_each_on_one_shard_and_stay_there_as_shards_are_added(shards: Shards) -> None:
+    two = {name: shards.procs[name].target for name in ("s0", "s1")}
+    keys = [f"{i}@field" for i in range(40)]
+    values = [b"v%d" % i for i in range(40)]
+    with ShardedBufferClient(two) as client:
+        client.create_table("kv_sharded")
+        assert client.put_values(keys, values, "kv_sharded") == 40
+        held = []
+        for target in two.values():
+            with BufferClient(target) as direct:
+                held.append(sum(value is not None for value in direct.get_values(keys, "kv_sharded")))
+        assert 0 not in held and sum(held) == 40  # each key on one shard, both used
+        client.set_map(client.shard_map.add_shard("s2", shards.procs["s2"].target, since_batch=10**6))
+        assert client.get_values([*reversed(keys), "absent"], "kv_sharded") == [*reversed(values), None]
+
+        async def on_aio() -> tuple[list[bytes | None], int]:
+            async with AsyncShardedBufferClient(two) as aio:
+                return await aio.get_values(keys[:3], "kv_sharded"), await aio.clear_values(keys[:20], "kv_sharded")
+
+        assert asyncio.run(on_aio()) == (values[:3], 20)
+        assert client.get_values(keys, "kv_sharded") == [None] * 20 + values[20:]
+        assert client.clear_values(keys, "kv_sharded") == 20
+
+
 def test_push_to_a_missing_table_or_bad_payload_names_the_problem(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         with pytest.raises(BufferError, match="table 'nope' does not exist") as missing:

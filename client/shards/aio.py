@@ -7,7 +7,7 @@ asyncio.gather.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Unpack
 
 from ..aio import AsyncBufferClient
@@ -24,9 +24,10 @@ from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import AsyncShardedPusher
 from .reads import ReadPlans
+from .values import ValuePlans
 
 
-class AsyncShardedBufferClient(LedgerPlans, ReadPlans):
+class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient
@@ -166,6 +167,18 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans):
     ) -> GetResult:
         """As ShardedBufferClient.get_part."""
         return await self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
+
+    async def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
+        """As ShardedBufferClient.put_values."""
+        return await self._run(self._put_values(keys, values, table))
+
+    async def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+        """As ShardedBufferClient.get_values."""
+        return await self._run(self._get_values(keys, table))
+
+    async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
+        """As ShardedBufferClient.clear_values."""
+        return await self._run(self._clear_values(keys, table))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""

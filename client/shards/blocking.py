@@ -36,9 +36,10 @@ from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import ShardedPusher
 from .reads import ReadPlans
+from .values import ValuePlans
 
 
-class ShardedBufferClient(LedgerPlans, ReadPlans):
+class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient
@@ -200,6 +201,21 @@ class ShardedBufferClient(LedgerPlans, ReadPlans):
         """As BufferClient.get_part, for a batch leased from several shards (split as read_part
         splits it), each experience read from the shard that holds it."""
         return self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
+
+    def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
+        """As BufferClient.put_values, each key on one shard (rendezvous over the first epoch's
+        shards: a key's shard never changes as shards are added). Raises ShardError naming a shard
+        that did not answer or refused, its `result` what the others stored (a retry is safe)."""
+        return self._run(self._put_values(keys, values, table))
+
+    def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+        """As BufferClient.get_values, each key from its shard. Raises ShardError naming a shard
+        that did not answer."""
+        return self._run(self._get_values(keys, table))
+
+    def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
+        """As BufferClient.clear_values, each key on its shard."""
+        return self._run(self._clear_values(keys, table))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.
