@@ -23,6 +23,7 @@ kept in the same table by controller.py.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import struct
 from collections.abc import Sequence
@@ -50,8 +51,8 @@ def encode(value: Any) -> bytes:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to("cpu").contiguous()
         header = json.dumps({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}).encode()
-        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        return b"".join([TENSOR, _LEN.pack(len(header)), header, data])
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b""
+        return b"".join([TENSOR, _LEN.pack(len(header)), header, data])  # the tensor's bytes copied once
     return OBJECT + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -61,7 +62,7 @@ def decode(blob: bytes) -> Any:
         (size,) = _LEN.unpack_from(blob, 1)
         header = json.loads(blob[5 : 5 + size])
         dtype = getattr(torch, header["dtype"])
-        data = bytearray(blob[5 + size :])
+        data = bytearray(memoryview(blob)[5 + size :])  # one copy, writable as TransferQueue's tensors are
         flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(header["shape"])
     if blob[:1] == OBJECT:
@@ -125,11 +126,27 @@ class ExpbufStorageClient(StorageKVClient):
     def get(
         self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
     ) -> list[Any]:
-        blobs = get_in_halves(self.client, keys, self.table)
+        blobs: list[bytes | None] = []
+        for start, end in self._cuts(keys, shapes, dtypes):
+            blobs += get_in_halves(self.client, keys[start:end], self.table)
         missing = [key for key, blob in zip(keys, blobs, strict=True) if blob is None]
         if missing:
             raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
         return [decode(self._whole(key, blob)) for key, blob in zip(keys, blobs, strict=True) if blob is not None]
+
+    def _cuts(self, keys: list[str], shapes: Any, dtypes: Any) -> list[tuple[int, int]]:
+        """The keys cut into gets of at most half a message each, by the sizes TransferQueue
+        expects (its shapes and dtypes); a value of no known size counts as none, and a get the
+        server still finds too large is asked for in halves."""
+        sizes = [expected_bytes(shape, dtype) for shape, dtype in zip(shapes or [], dtypes or [], strict=False)]
+        cuts, start, size = [], 0, 0
+        for at in range(len(keys)):
+            value = sizes[at] if at < len(sizes) else 0
+            if at > start and size + value > self.limit:
+                cuts.append((start, at))
+                start, size = at, 0
+            size += value
+        return [*cuts, (start, len(keys))] if keys else []
 
     def _whole(self, key: str, blob: bytes) -> bytes:
         """A value as stored; one stored in parts, read part by part and joined."""
@@ -157,6 +174,17 @@ class ExpbufStorageClient(StorageKVClient):
                 names += part_keys(key, int(meta[PARTS_META]))
         for start in range(0, len(names), 4096):
             self.client.clear_values(names[start : start + 4096], self.table)
+
+
+def expected_bytes(shape: Any, dtype: Any) -> int:
+    """A tensor value's bytes as stored, from its shape and dtype; 0 where either is unknown."""
+    if not isinstance(dtype, torch.dtype) or shape is None:
+        return 0
+    try:
+        count = math.prod(int(n) for n in shape)
+    except (TypeError, ValueError):
+        return 0
+    return count * dtype.itemsize + 64
 
 
 def part_keys(key: str, count: int) -> list[str]:

@@ -27,7 +27,7 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
-from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, TooLarge, clip
+from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
 from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
@@ -308,13 +308,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
         keys = list(request.keys)
-        found = self.store.get_values(request.table or "default", keys)
-        size = sum(len(value) for value in found if value is not None)
-        if size > self.max_message_bytes - MIN_REPLY_BYTES:
-            raise TooLarge(
-                f"the values of {len(keys)} keys take {size} bytes, more than one message (the server's "
-                f"max_message_bytes = {self.max_message_bytes}): ask for fewer keys at a time"
-            )
+        found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES)
         return pb.GetValuesReply(
             values=[value for value in found if value is not None],
             missing_keys=[key for key, value in zip(keys, found, strict=True) if value is None],

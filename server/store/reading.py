@@ -69,9 +69,9 @@ class ReadCalls:
         """Store keyed values, durable on return (services/values.py); how many."""
         return self.values.put(table, keys, values)
 
-    def get_values(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
-        """The value of each key, None for one not stored."""
-        return self.values.get(table, keys)
+    def get_values(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """The value of each key, None for one not stored; TooLarge past `limit` bytes."""
+        return self.values.get(table, keys, limit)
 
     def clear_values(self, table: str, keys: Sequence[str]) -> int:
         """Remove keyed values; how many were stored."""

@@ -15,7 +15,7 @@ import lmdb
 
 from ..disk import layout
 from ..disk.environment import Environment
-from ..schema.errors import InvalidRequest, clip
+from ..schema.errors import InvalidRequest, TooLarge, clip
 from ..tables.catalog import TableCatalog
 
 MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
@@ -47,13 +47,25 @@ class Values:
 
         return self.environment.submit(op)
 
-    def get(self, table: str, keys: Sequence[str]) -> list[bytes | None]:
-        """The value of each key, None for one not stored, from the last commit."""
+    def get(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+        """The value of each key, None for one not stored, from the last commit. TooLarge as soon
+        as the values read pass `limit` bytes, before the rest are read."""
         names = _names(keys)
         prefix = self._prefix(table)
         db = self.environment.db["kv"]
+        found: list[bytes | None] = []
+        size = 0
         with self.environment.read() as txn:
-            return [txn.get(prefix + name, db=db) for name in names]
+            for name in names:
+                value = txn.get(prefix + name, db=db)
+                size += len(value) if value is not None else 0
+                if limit is not None and size > limit:
+                    raise TooLarge(
+                        f"the values of {len(keys)} keys take more than {limit} bytes, more than one message: "
+                        "ask for fewer keys at a time"
+                    )
+                found.append(value)
+        return found
 
     def clear(self, table: str, keys: Sequence[str]) -> int:
         """Remove the values of these keys, in one commit; how many were stored."""
