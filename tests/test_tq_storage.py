@@ -16,7 +16,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.transferqueue.storage import decode, encode  # noqa: E402
+from expbuf.client.transferqueue.storage import cuts, decode, encode, expected_bytes  # noqa: E402
 
 from conftest import Servers  # noqa: E402
 
@@ -110,3 +110,10 @@ def test_a_value_of_more_than_half_a_message_is_stored_in_parts_read_whole_and_c
             assert client.get_values([*parts, "0@routing", "1@score"], "tq_parts") == [None] * 8
     finally:
         tq.close()
+
+
+def test_cuts_keep_each_span_within_the_bound_and_a_larger_value_alone() -> None:
+    assert cuts([], 10) == []
+    assert cuts([4, 4, 4, 12, 1, 0, 9], 10) == [(0, 2), (2, 3), (3, 4), (4, 7)]
+    assert expected_bytes(torch.Size([3, 5]), torch.float32) == 3 * 5 * 4 + 64
+    assert expected_bytes(None, torch.float32) == expected_bytes([3], None) == 0

@@ -27,6 +27,7 @@ import math
 import pickle
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES
 BACKEND = "Expbuf"
 CLIENT = "ExpbufStorageClient"
 TENSOR, OBJECT, PARTS = b"T", b"P", b"M"
+BATCH = 8 << 20  # bytes a put or a get of the backend carries, about
+IN_FLIGHT = 4  # puts or gets of one call under way at once: encoding, sending and storing overlap
 PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
 _LEN = struct.Struct("<I")
 
@@ -97,56 +100,66 @@ class ExpbufStorageClient(StorageKVClient):
         )
         self.client.create_table(self.table, exist_ok=True)
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
+        self.batch = min(self.limit, BATCH)
+        self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="expbuf-tq")
 
     def put(self, keys: list[str], values: list[Any]) -> list[Any] | None:
         """Store each value under its key. A value of more than half a message is stored in parts
         (`{key}#{n}`), then its key names how many; TransferQueue keeps that count as the field's
-        custom_backend_meta and hands it back to `clear`."""
+        custom_backend_meta and hands it back to `clear`. The values go in puts of about `BATCH`
+        bytes, `IN_FLIGHT` at once, each encoded while the ones before it are sent."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
-        blobs = [encode(value) for value in values]
         metas: list[dict[str, int] | None] = [None] * len(keys)
-        for at, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+        sent: list[Future[int]] = []
+        names: list[str] = []
+        blobs: list[bytes] = []
+        size = 0
+        for at, (key, value) in enumerate(zip(keys, values, strict=True)):
+            blob = encode(value)
             if len(blob) > self.limit:
-                count = (len(blob) + self.limit - 1) // self.limit
-                for part, name in enumerate(part_keys(key, count)):
-                    self.client.put_values([name], [blob[part * self.limit : (part + 1) * self.limit]], self.table)
-                blobs[at] = PARTS + json.dumps({"parts": count, "bytes": len(blob)}).encode()
-                metas[at] = {PARTS_META: count}
-        start, size = 0, 0
-        for at, blob in enumerate(blobs):
-            if at > start and size + len(blob) > self.limit:
-                self.client.put_values(keys[start:at], blobs[start:at], self.table)
-                start, size = at, 0
+                metas[at] = {PARTS_META: (len(blob) + self.limit - 1) // self.limit}
+                blob = self._put_parts(key, blob)
+            if names and size + len(blob) > self.batch:
+                sent.append(self._pool.submit(self.client.put_values, names, blobs, self.table))
+                names, blobs, size = [], [], 0
+            names.append(key)
+            blobs.append(blob)
             size += len(blob)
-        if start < len(keys):
-            self.client.put_values(keys[start:], blobs[start:], self.table)
+        if names:
+            sent.append(self._pool.submit(self.client.put_values, names, blobs, self.table))
+        for future in sent:
+            future.result()
         return metas if any(metas) else None
+
+    def _put_parts(self, key: str, blob: bytes) -> bytes:
+        """Store a value too large for one put in parts, durable before the key names them; what
+        the key then holds."""
+        count = (len(blob) + self.limit - 1) // self.limit
+        for part, name in enumerate(part_keys(key, count)):
+            self.client.put_values([name], [blob[part * self.limit : (part + 1) * self.limit]], self.table)
+        return PARTS + json.dumps({"parts": count, "bytes": len(blob)}).encode()
 
     def get(
         self, keys: list[str], shapes: Any = None, dtypes: Any = None, custom_backend_meta: Any = None
     ) -> list[Any]:
-        blobs: list[bytes | None] = []
-        for start, end in self._cuts(keys, shapes, dtypes):
-            blobs += get_in_halves(self.client, keys[start:end], self.table)
-        missing = [key for key, blob in zip(keys, blobs, strict=True) if blob is None]
-        if missing:
-            raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
-        return [decode(self._whole(key, blob)) for key, blob in zip(keys, blobs, strict=True) if blob is not None]
-
-    def _cuts(self, keys: list[str], shapes: Any, dtypes: Any) -> list[tuple[int, int]]:
-        """The keys cut into gets of at most half a message each, by the sizes TransferQueue
-        expects (its shapes and dtypes); a value of no known size counts as none, and a get the
-        server still finds too large is asked for in halves."""
+        """The values of the keys, asked for in gets of about `BATCH` bytes by the sizes
+        TransferQueue expects (its shapes and dtypes), `IN_FLIGHT` at once, each decoded while
+        the ones after it are read; a get the server finds too large is asked for in halves."""
         sizes = [expected_bytes(shape, dtype) for shape, dtype in zip(shapes or [], dtypes or [], strict=False)]
-        cuts, start, size = [], 0, 0
-        for at in range(len(keys)):
-            value = sizes[at] if at < len(sizes) else 0
-            if at > start and size + value > self.limit:
-                cuts.append((start, at))
-                start, size = at, 0
-            size += value
-        return [*cuts, (start, len(keys))] if keys else []
+        sizes += [0] * (len(keys) - len(sizes))
+        asked = [keys[start:end] for start, end in cuts(sizes, self.batch)]
+        values: list[Any] = []
+        for part, blobs in zip(
+            asked, self._pool.map(lambda p: get_in_halves(self.client, p, self.table), asked), strict=True
+        ):
+            missing = [key for key, blob in zip(part, blobs, strict=True) if blob is None]
+            if missing:
+                raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
+            values += [
+                decode(self._whole(key, blob)) for key, blob in zip(part, blobs, strict=True) if blob is not None
+            ]
+        return values
 
     def _whole(self, key: str, blob: bytes) -> bytes:
         """A value as stored; one stored in parts, read part by part and joined."""
@@ -174,6 +187,17 @@ class ExpbufStorageClient(StorageKVClient):
                 names += part_keys(key, int(meta[PARTS_META]))
         for start in range(0, len(names), 4096):
             self.client.clear_values(names[start : start + 4096], self.table)
+
+
+def cuts(sizes: Sequence[int], bound: int) -> list[tuple[int, int]]:
+    """Consecutive spans of `sizes` of at most `bound` in total (a size larger alone, alone)."""
+    spans, start, total = [], 0, 0
+    for at, size in enumerate(sizes):
+        if at > start and total + size > bound:
+            spans.append((start, at))
+            start, total = at, 0
+        total += size
+    return [*spans, (start, len(sizes))] if sizes else []
 
 
 def expected_bytes(shape: Any, dtype: Any) -> int:
