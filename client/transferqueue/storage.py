@@ -188,6 +188,11 @@ class ExpbufStorageClient(StorageKVClient):
         for start in range(0, len(names), 4096):
             self.client.clear_values(names[start : start + 4096], self.table)
 
+    def close(self) -> None:
+        """Stop the puts' and gets' threads and close the connection."""
+        self._pool.shutdown(wait=True)
+        self.client.close()
+
 
 def cuts(sizes: Sequence[int], bound: int) -> list[tuple[int, int]]:
     """Consecutive spans of `sizes` of at most `bound` in total (a size larger alone, alone)."""
@@ -225,6 +230,12 @@ class ExpbufStorageManager(KVStorageManager):
         if config.get("client_name") not in (None, CLIENT):
             raise ValueError(f"the {BACKEND} backend's client is {CLIENT}, not {config.get('client_name')}")
         super().__init__(controller_info, {**config, "client_name": CLIENT}, zmq_context=zmq_context)
+
+    def close(self) -> None:
+        super().close()
+        client = getattr(self, "storage_client", None)
+        if isinstance(client, ExpbufStorageClient):
+            client.close()
 
 
 @StorageBootstrapProvider.register_provider(BACKEND)
