@@ -328,7 +328,7 @@ def test_make_serve_installs_no_framework_and_make_test_completes_its_virtualenv
     assert not any("pip" in line for line in make_dry_run("setup-serve", venv))
     rest = make_dry_run("setup", venv)
     installs = [line for line in rest if "pip install" in line]
-    assert installs and '-e ".[test,trinity,ray,areal,verl,trl,torchrl,docs]"' in installs[0], rest
+    assert installs and '-e ".[test,trinity,ray,areal,verl,transferqueue,trl,torchrl,docs]"' in installs[0], rest
     assert not any('".[native]"' in line or '"torch==' in line for line in rest), rest  # serving's, done
     assert rest[-1] == f"touch {venv}/.expbuf-installed", rest
 
