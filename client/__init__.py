@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .results import (
         Batch,
         BufferStats,
+        FailedRuns,
         FieldBatch,
         GetResult,
         PushResult,
@@ -69,6 +70,7 @@ _HOMES = {
     "PromptPage": "schema.prompts",
     "Batch": "results",
     "BufferStats": "results",
+    "FailedRuns": "results",
     "FieldBatch": "results",
     "GetResult": "results",
     "PushResult": "results",
@@ -112,6 +114,7 @@ __all__ = [
     "ExpbufError",
     "Experience",
     "FailedPreconditionError",
+    "FailedRuns",
     "FieldBatch",
     "GetResult",
     "InvalidArgumentError",

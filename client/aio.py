@@ -23,6 +23,7 @@ from .results import (
     Batch,
     BufferStats,
     ExperiencePage,
+    FailedRuns,
     FieldBatch,
     GetResult,
     Grant,
@@ -365,6 +366,12 @@ class AsyncBufferClient(ClientBase):
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete (admin scope): how many experiences were removed."""
         return await self._run(calls.delete(uids, table, groups))
+
+    async def fail_runs(
+        self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()
+    ) -> FailedRuns:
+        """As BufferClient.fail_runs."""
+        return await self._run(calls.fail_runs(uids, reasons, table))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As BufferClient.seal: complete a pending group now; returns its size."""

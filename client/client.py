@@ -27,6 +27,7 @@ from .results import (
     Batch,
     BufferStats,
     ExperiencePage,
+    FailedRuns,
     FieldBatch,
     GetResult,
     Grant,
@@ -446,6 +447,14 @@ class BufferClient(ClientBase):
         """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
         (admin scope). Returns how many experiences were removed."""
         return self._run(calls.delete(uids, table, groups))
+
+    def fail_runs(self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()) -> FailedRuns:
+        """Report runs that will never be pushed (their rollouts failed), by the uids they would
+        have had, with a reason each (kept in the group's record) or none. Each counts as one of
+        its group's runs: a group whose runs are then all known completes short with the members
+        present, its advantages computed over them, when at least the table's min_group_size
+        succeeded; otherwise it is dropped. A run pushed later after all rejoins its group."""
+        return self._run(calls.fail_runs(uids, reasons, table))
 
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group now, with the runs it has; its advantages are computed over them.

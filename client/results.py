@@ -33,6 +33,16 @@ class PushResult:
     stale: list[str] = field(default_factory=list)  # dropped as staler than the table's max_staleness
 
 
+@dataclass
+class FailedRuns:
+    """What a report of failed runs did (fail_runs): the runs recorded now (one reported again is
+    not), the groups it completed short, and those it dropped as too short. Durable when returned."""
+
+    recorded: list[str]
+    completed_groups: list[str]
+    dropped_groups: list[str]
+
+
 class Leases(Protocol):
     """What a batch acknowledges, gives back and renews its lease through: the client that sampled it."""
 
@@ -516,6 +526,7 @@ class TableInfo:
     tombstone_seconds: float | None = None  # None: the server's default, one day
     keep_failed: bool | None = None  # None: the server's default, True
     extensions: tuple[str, ...] = ()  # the table extensions it runs, by their registered names
+    min_group_size: int = 0  # 0: a group completes with all its runs
     missing: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_store import Clock
 
 from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig
 
 from helpers import group_items, take
+from test_store import Clock
 
 
 def reused(store: Store, table: str = "reuse") -> tuple[str, list[int]] | None:

@@ -530,6 +530,27 @@ def test_keyed_values_live_each_on_one_shard_and_stay_there_as_shards_are_added(
         assert client.clear_values(keys, "kv_sharded") == 20
 
 
+def test_failed_runs_go_to_the_shard_of_their_group_and_complete_it_short(shards: Shards) -> None:
+    with ShardedBufferClient(shards.targets()) as client:
+        client.create_table("short_sharded", group_size=4, min_group_size=3, estimator="none")
+        client.push(groups(7, range(12), range(3)), table="short_sharded")  # 12 groups, 3 of 4 runs each
+        failed = [make_experience(7, task, 3).eid.uid for task in range(12)]
+        done = client.fail_runs(failed, "short_sharded", reasons=["tool error"] * 12)
+        assert sorted(done.recorded) == sorted(failed)
+        assert sorted(done.completed_groups) == sorted(f"7/{task}" for task in range(12))
+        per_shard = settled(client, "short_sharded")
+        assert sum(1 for stats in per_shard.values() if stats["short_sharded"].groups_ready) >= 2  # spread out
+        assert sum(stats["short_sharded"].groups_ready for stats in per_shard.values()) == 12
+        with pytest.raises(ValueError, match="not an experience uid"):
+            client.fail_runs(["nope"], "short_sharded")
+
+        async def on_aio() -> list[str]:
+            async with AsyncShardedBufferClient(shards.targets()) as aio:
+                return (await aio.fail_runs([make_experience(8, 0, 3).eid.uid], "short_sharded")).recorded
+
+        assert asyncio.run(on_aio()) == [make_experience(8, 0, 3).eid.uid]
+
+
 def test_push_to_a_missing_table_or_bad_payload_names_the_problem(shards: Shards) -> None:
     with ShardedBufferClient(shards.targets()) as client:
         with pytest.raises(BufferError, match="table 'nope' does not exist") as missing:

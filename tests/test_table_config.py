@@ -59,6 +59,7 @@ A_TABLE: TableSettings = {
     "reuse_cooldown_seconds": 5.0,
     "priority_noise": 0.1,
     "extensions": ["journal"],
+    "min_group_size": 3,
 }
 
 
@@ -72,7 +73,7 @@ def test_every_flat_setting_is_one_field_of_one_part() -> None:
 def test_flat_settings_become_parts_and_come_back() -> None:
     config = TableConfig.of("t", **A_TABLE)
     assert config.grouping == Grouping(
-        by="run", size=4, timeout_seconds=30.0, on_timeout="drop", drop_zero_variance=True
+        by="run", size=4, timeout_seconds=30.0, on_timeout="drop", drop_zero_variance=True, min_size=3
     )
     assert config.capacity == Capacity(experiences=1000, bytes=1 << 30, when_full="evict")
     assert config.rate_limiter == RateLimiter(min_size_to_sample=8, samples_per_insert=2.0, error_buffer=4.0)

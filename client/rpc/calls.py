@@ -24,6 +24,7 @@ from ..errors import DataLossError, DeadlineExceededError, ExpbufError
 from ..results import (
     Batch,
     BufferStats,
+    FailedRuns,
     Grant,
     Leases,
     PushResult,
@@ -246,6 +247,17 @@ def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
 def delete(uids: Iterable[str], table: str, groups: Iterable[str]) -> Unary[int]:
     request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
     return Unary("Delete", request, lambda r: r.deleted, retry=False)
+
+
+def fail_runs(uids: Iterable[str], reasons: Iterable[str], table: str) -> Unary[FailedRuns]:
+    """A report of failed runs. Not retried by the channel: a report that completed or dropped a
+    group, sent again, finds the group complete (FAILED_PRECONDITION) or opens it anew."""
+    request = pb.FailRunsRequest(table=table, uids=list(uids), reasons=list(reasons))
+
+    def read(reply: pb.FailRunsReply) -> FailedRuns:
+        return FailedRuns(list(reply.recorded_uids), list(reply.completed_groups), list(reply.dropped_groups))
+
+    return Unary("FailRuns", request, read, retry=False)
 
 
 def seal(group_id: str, table: str) -> Unary[int]:

@@ -203,6 +203,7 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         reuse_cooldown_seconds=settings.get("reuse_cooldown_seconds", 0.0),
         priority_noise=settings.get("priority_noise", 0.0),
         extensions=_extensions(settings.get("extensions") or ()),
+        min_group_size=settings.get("min_group_size", 0),
     ))  # fmt: skip
 
 
@@ -256,4 +257,5 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "reuse_cooldown_seconds": msg.reuse_cooldown_seconds,
         "priority_noise": msg.priority_noise,
         "extensions": list(msg.extensions),
+        "min_group_size": msg.min_group_size,
     }

@@ -79,6 +79,7 @@ class TableSettings(TypedDict, total=False):
     reuse_cooldown_seconds: float
     priority_noise: float
     extensions: Sequence[str]  # the table extensions it runs, by the names the server registered
+    min_group_size: int  # with group_size: the fewest members a group completes with when others failed
 
 
 # The names, in the order of the wire's TableConfig message.

@@ -12,7 +12,7 @@ from typing import Any, Unpack
 
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
-from ..results import BufferStats, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -187,6 +187,12 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     async def retire(self, groups: Iterable[str], table: str = "default") -> int:
         """As ShardedBufferClient.retire."""
         return await self._run(self._retire(groups, table))
+
+    async def fail_runs(
+        self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()
+    ) -> FailedRuns:
+        """As ShardedBufferClient.fail_runs."""
+        return await self._run(self._fail_runs(list(uids), list(reasons), table))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As ShardedBufferClient.seal."""

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
-from ..results import BufferStats, FieldBatch, ServerInfo, TableInfo
+from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
@@ -232,6 +232,11 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         the others retired, by shard (a retry of the whole call is safe).
         """
         return self._run(self._retire(groups, table))
+
+    def fail_runs(self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()) -> FailedRuns:
+        """As BufferClient.fail_runs, each run on the shard that owns its group. Raises ShardError
+        naming a shard that did not answer or refused, its `result` what the others did."""
+        return self._run(self._fail_runs(list(uids), list(reasons), table))
 
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group on the shard that owns it."""

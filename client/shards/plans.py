@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 import grpc
 
 from ..client import Batch, BufferError, Grant, PushResult
-from ..results import BufferStats, Leases, ServerInfo, TableInfo, TableStats
+from ..results import BufferStats, FailedRuns, Leases, ServerInfo, TableInfo, TableStats
 from ..rpc.sample_spec import SampleSpec
+from ..schema.routing import uid_group_key
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
 from .poll import Ask, GiveUp, Poll, Wait
 
@@ -301,6 +302,32 @@ class Planned(Sharded):
         if errors:
             raise shard_error(errors, self.shard_map.targets, results)
         return sum(results.values())
+
+    def _fail_runs(self, uids: list[str], reasons: list[str], table: str) -> Plan[FailedRuns]:
+        """Each failed run reported to the shard that owns its group; what they did, together.
+        Raises ShardError naming a shard that did not answer or refused, its `result` what the
+        others did, by shard; a uid that names no group is refused (ValueError) before any call."""
+        if reasons and len(reasons) != len(uids):
+            raise ValueError(f"fail_runs: {len(uids)} uids for {len(reasons)} reasons, one reason a uid or none")
+        group_by = yield from self._group_by_of(table)
+        parts: dict[str, tuple[list[str], list[str]]] = {}
+        for at, uid in enumerate(uids):
+            key = uid_group_key(uid, group_by)
+            if key is None:
+                raise ValueError(f"fail_runs: {uid[:80]!r} is not an experience uid (batch/task/run/step/suffix)")
+            part = parts.setdefault(self.shard_map.owner(key), ([], []))
+            part[0].append(uid)
+            part[1].extend([reasons[at]] if reasons else [])
+        calls = [Call(shard, "fail_runs", (part[0], table), {"reasons": part[1]}) for shard, part in parts.items()]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
+        if errors:
+            raise shard_error(errors, self.shard_map.targets, results)
+        done = list(results.values())
+        return FailedRuns(
+            [uid for one in done for uid in one.recorded],
+            [gkey for one in done for gkey in one.completed_groups],
+            [gkey for one in done for gkey in one.dropped_groups],
+        )
 
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
         return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())

@@ -25,6 +25,7 @@ SCOPE_OF_METHOD = {
     "Push": "push",
     "PushStream": "push",
     "Seal": "push",
+    "FailRuns": "push",
     "PutValues": "push",
     "ClearValues": "push",
     "GetValues": "sample",

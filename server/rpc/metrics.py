@@ -41,13 +41,15 @@ _STORE_COUNTERS = (
     ("expbuf_rollouts_admitted", "Rollouts granted by Admit.", "admitted"),
     ("expbuf_rollouts_expired", "Granted rollouts given back by grants that expired.", "grants_expired"),
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
+    ("expbuf_runs_failed", "Runs their workers reported failed (FailRuns).", "runs_failed"),
+    ("expbuf_groups_short", "Groups complete with fewer members than group_size.", "groups_short"),
     (
         "expbuf_damaged",
         "Experiences found damaged on disk by a read or the scrub, and quarantined: never served, their groups failed.",
         "damaged",
     ),
 )
-_DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale")
+_DROP_REASONS = ("zero_variance", "timeout", "std_threshold", "stale", "short")
 _CLIP_STEPS = ("reward", "advantage")  # the shaping steps that clip: counters {step}s_seen and {step}s_clipped
 
 

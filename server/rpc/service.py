@@ -319,6 +319,14 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
         return pb.ClearValuesReply(cleared=self.store.clear_values(request.table or "default", list(request.keys)))
 
     @refusals
+    def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
+        uids = ids_of(request.uids, "uids")
+        done = self.store.fail_runs(request.table or "default", uids, list(request.reasons))
+        return pb.FailRunsReply(
+            recorded_uids=done.recorded, completed_groups=done.completed_groups, dropped_groups=done.dropped_groups
+        )
+
+    @refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
         (group_id,) = ids_of([request.group_id], "group_id")
         return pb.SealReply(size=self.store.seal(request.table or "default", group_id))

@@ -29,7 +29,7 @@ from expbuf.client.trxp.common import RawItem
 
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
-from .disk.kinds import Compute, ComputeJob, Entry, MayWait, Push, PutResult, ShapingUpdate
+from .disk.kinds import Compute, ComputeJob, Entry, FailResult, MayWait, Push, PutResult, ShapingUpdate
 from .disk.records import ItemRecord
 from .disk.stored_advantages import FinishBatch
 from .ledger.rules import Ledger
@@ -41,7 +41,7 @@ from .rules.extensions import ExtensionKinds, TableExtension
 from .rules.quarantine import quarantine_found
 from .rules.table_state import TableState, stored
 from .sampling_calls import SamplingCalls
-from .schema.errors import NotFound
+from .schema.errors import InvalidRequest, NotFound
 from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
 from .services.claims import Claims
@@ -372,6 +372,14 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
             return count
 
         return self._in_table(table, op)
+
+    def fail_runs(self, table: str, uids: Sequence[str], reasons: Sequence[str]) -> FailResult:
+        """Record runs their workers report failed; groups whose runs are all known complete
+        short or are dropped (groups.fail_runs)."""
+        if len(reasons) not in (0, len(uids)):
+            raise InvalidRequest(f"{len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
+        failures = list(zip(uids, reasons or [""] * len(uids), strict=True))
+        return self._in_table(table, lambda tt: groups.fail_runs(tt, failures))
 
     def seal(self, table: str, group_id: str) -> int:
         """Complete a pending group now; returns its size."""

@@ -111,7 +111,7 @@ class Shaping(_message.Message):
     def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ..., advantages_norm: _Optional[bool] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions", "min_group_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class TableConfig(_message.Message):
     REUSE_COOLDOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_NOISE_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -162,7 +163,8 @@ class TableConfig(_message.Message):
     reuse_cooldown_seconds: float
     priority_noise: float
     extensions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ...) -> None: ...
+    min_group_size: int
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq", "total_bytes")
@@ -475,6 +477,26 @@ class SealReply(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class FailRunsRequest(_message.Message):
+    __slots__ = ("table", "uids", "reasons")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FailRunsReply(_message.Message):
+    __slots__ = ("recorded_uids", "completed_groups", "dropped_groups")
+    RECORDED_UIDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    recorded_uids: _containers.RepeatedScalarFieldContainer[str]
+    completed_groups: _containers.RepeatedScalarFieldContainer[str]
+    dropped_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, recorded_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., dropped_groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("table",)

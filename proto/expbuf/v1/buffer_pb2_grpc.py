@@ -89,6 +89,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.SealRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SealReply.FromString,
                 _registered_method=True)
+        self.FailRuns = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/FailRuns',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.FromString,
+                _registered_method=True)
         self.PutValues = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/PutValues',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.SerializeToString,
@@ -277,6 +282,14 @@ class ExperienceBufferServicer:
 
     def Seal(self, request, context):
         """Complete a pending group now with the runs it has; its advantages are computed over them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FailRuns(self, request, context):
+        """Runs that will never be pushed (the rollout failed): each counts as one of its group's runs,
+        so the group completes short with the members present (min_group_size), or is dropped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -495,6 +508,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.Seal,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.SealRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.SealReply.SerializeToString,
+            ),
+            'FailRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.FailRuns,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.SerializeToString,
             ),
             'PutValues': grpc.unary_unary_rpc_method_handler(
                     servicer.PutValues,
@@ -894,6 +912,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/Seal',
             expbuf_dot_v1_dot_buffer__pb2.SealRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.SealReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FailRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/FailRuns',
+            expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,6 +115,16 @@ class Push:
 
 
 @dataclass
+class FailResult:
+    """What a report of failed runs did: the runs recorded (a run reported again is not), the
+    groups it completed short, and those it dropped as too short."""
+
+    recorded: list[str] = field(default_factory=list)
+    completed_groups: list[str] = field(default_factory=list)
+    dropped_groups: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PutResult:
     stored: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)

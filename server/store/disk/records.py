@@ -264,6 +264,9 @@ class GroupRecord:
     priority: float = 0.0
     version: int | None = None  # the lowest of its members; None if any is unknown
     lease: str = ""
+    # Runs its workers reported failed (FailRuns): uid -> reason. A record without them ends
+    # after its members (what a release before short groups wrote, and still writes).
+    failed: dict[str, str] = field(default_factory=dict)
 
     _HEAD = struct.Struct("<BBdqdq")
 
@@ -276,7 +279,8 @@ class GroupRecord:
             self.priority,
             _NONE_INT if self.version is None else self.version,
         )
-        return head + _pack_str(self.lease) + _pack_strs(self.members)
+        failed = [text for uid, reason in self.failed.items() for text in (uid, reason)]
+        return head + _pack_str(self.lease) + _pack_strs(self.members) + (_pack_strs(failed) if failed else b"")
 
     @property
     def ready_seq(self) -> int:
@@ -289,7 +293,8 @@ class GroupRecord:
     def decode(cls, data: bytes | memoryview) -> GroupRecord:
         state, partial, created, rseq, priority, version = cls._HEAD.unpack_from(data)
         lease, pos = _unpack_str(data, cls._HEAD.size)
-        members, _ = _unpack_strs(data, pos)
+        members, pos = _unpack_strs(data, pos)
+        failed, _ = _unpack_strs(data, pos) if pos < len(data) else ([], pos)
         return cls(
             state=STATES[state],
             created=created,
@@ -299,6 +304,7 @@ class GroupRecord:
             priority=priority,
             version=None if version == _NONE_INT else version,
             lease=lease,
+            failed=dict(zip(failed[::2], failed[1::2], strict=True)),
         )
 
     @classmethod

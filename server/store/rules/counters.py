@@ -58,6 +58,9 @@ class Counters:
     dropped_timeout: int = 0
     dropped_std_threshold: int = 0
     dropped_stale: int = 0
+    dropped_short: int = 0  # too few of the group's runs succeeded (min_group_size)
+    runs_failed: int = 0  # runs their workers reported failed (FailRuns)
+    groups_short: int = 0  # groups that completed with fewer members than group_size
     # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
     overlong_penalised: int = 0
     rewards_seen: int = 0

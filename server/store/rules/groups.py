@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from expbuf.client.schema.routing import uid_group_key
+
 from ..disk import chunked, digests, layout, shared_prompts
-from ..disk.kinds import Entry, PutResult, ShapingUpdate
+from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest, NotFound, clip
 from ..schema.ready_indexes import put_rows, u64
@@ -73,9 +75,13 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             opened.add(gkey)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
-        if size and len(grp.members) + len(members) > size:
+        for entry in members:  # a run reported failed, then pushed after all (a retry that worked)
+            grp.failed.pop(entry.uid, None)
+        if size and len(grp.members) + len(grp.failed) + len(members) > size:
             raise GroupOverfilled(
-                f"group {gkey} has {len(grp.members)} of {size} experiences; {len(members)} more would overfill it"
+                f"group {gkey} has {len(grp.members)} of {size} experiences"
+                + (f" and {len(grp.failed)} runs reported failed" if grp.failed else "")
+                + f"; {len(members)} more would overfill it"
             )
         groups[gkey] = grp
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
@@ -83,10 +89,16 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     ready: list[ReadyRow] = []
     computing: list[Completed] = []
     for gkey, grp in groups.items():
-        if size == 0 or len(grp.members) >= size:
-            result.completed_groups.append(gkey)
-            if not complete(tt, gkey, grp, partial=False, indexed=gkey not in opened, ready=ready, computing=computing):
+        if size == 0 or len(grp.members) + len(grp.failed) >= size:
+            if grp.failed and too_short(tt, grp):
+                drop_short(tt, gkey, grp)
                 result.dropped_groups.append(gkey)
+                continue
+            result.completed_groups.append(gkey)
+            indexed = gkey not in opened
+            if not complete(tt, gkey, grp, partial=bool(grp.failed), indexed=indexed, ready=ready, computing=computing):
+                result.dropped_groups.append(gkey)
+            tt.counters.groups_short += bool(grp.failed)
         else:
             if gkey in opened:
                 tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
@@ -238,9 +250,76 @@ def expire_groups(tt: TableState, created_before: float) -> int:
             retire(tt, [(gkey, grp)], DROPPED)
             tt.counters.groups_dropped += 1
             tt.counters.dropped_timeout += 1
+        elif tt.config.grouping.min_size and too_short(tt, grp):
+            drop_short(tt, gkey, grp)
         else:
             complete(tt, gkey, grp, partial=True)
+            tt.counters.groups_short += len(grp.members) < tt.config.grouping.size
     return len(expired)
+
+
+def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult:
+    """Runs their workers report failed (uid, reason): each is recorded in its pending group
+    (opened if none of its runs arrived), where it counts as one of the group's runs but not a
+    member. A group whose runs are then all known completes with the members present, short
+    (flagged partial), when they are at least `min_group_size`; it is dropped (reason short)
+    when fewer succeeded, or when any failed and the table wants every run. A run reported
+    twice counts once; a run pushed later rejoins its group as a member."""
+    grouping = tt.config.grouping
+    if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
+        raise NotFound(f"table '{tt.config.name}' does not exist")
+    if not grouping.size:
+        raise InvalidRequest(
+            f"table '{tt.config.name}' completes a group with the push that carries it (group_size = 0): "
+            "it has no runs to wait for, so none to report failed"
+        )
+    result = FailResult()
+    touched: dict[str, GroupRecord] = {}
+    for uid, reason in failures:
+        gkey = uid_group_key(uid, grouping.by)
+        if gkey is None:
+            raise InvalidRequest(f"{clip(uid)!r} is not an experience uid (batch/task/run/step/suffix)")
+        if tt.item(uid) is not None:
+            raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
+        grp = touched.get(gkey) or tt.group(gkey)
+        if grp is None:
+            grp = GroupRecord(state=PENDING, created=tt.now)
+            tt.counters.groups_pending += 1
+            tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
+        elif grp.state != PENDING:
+            raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}): its runs are all known")
+        if uid not in grp.failed:
+            if len(grp.members) + len(grp.failed) >= grouping.size:
+                raise GroupOverfilled(f"group {clip(gkey)} has all its {grouping.size} runs; {clip(uid)} is not one")
+            grp.failed[uid] = clip(reason or "failed", 200)
+            tt.counters.runs_failed += 1
+            result.recorded.append(uid)
+        touched[gkey] = grp
+    for gkey, grp in touched.items():
+        if len(grp.members) + len(grp.failed) < grouping.size:
+            tt.put_group(gkey, grp)
+        elif too_short(tt, grp):
+            drop_short(tt, gkey, grp)
+            result.dropped_groups.append(gkey)
+        else:
+            complete(tt, gkey, grp, partial=True)
+            tt.counters.groups_short += 1
+            result.completed_groups.append(gkey)
+    tt.save()
+    return result
+
+
+def too_short(tt: TableState, grp: GroupRecord) -> bool:
+    """Whether a group has fewer members than it may complete with (min_group_size; every run
+    where that is 0)."""
+    return len(grp.members) < (tt.config.grouping.min_size or tt.config.grouping.size)
+
+
+def drop_short(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    """Drop a group too few of whose runs succeeded (reason short)."""
+    retire(tt, [(gkey, grp)], DROPPED)
+    tt.counters.groups_dropped += 1
+    tt.counters.dropped_short += 1
 
 
 def seal(tt: TableState, gkey: str) -> int:

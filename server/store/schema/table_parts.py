@@ -107,10 +107,19 @@ class Grouping(Part):
     on_timeout: OnGroupTimeout = field(default="release", metadata=flat("on_group_timeout"))
     # Drop groups whose rewards are all equal when they complete (dynamic sampling).
     drop_zero_variance: bool = False
+    # With group_size: the fewest members a group may complete with when its other runs were
+    # reported failed (FailRuns) or it timed out; 0 = every run (a group with a failed run is
+    # dropped once all its runs are known, and a timed-out group is released as before).
+    min_size: int = field(default=0, metadata=flat("min_group_size"))
 
     def __post_init__(self) -> None:
         self._one_of("by", GROUP_BY)
         self._integer("size", 2**20)
+        self._integer("min_size", 2**20)
+        if self.min_size and not 0 < self.min_size <= self.size:
+            raise ConfigError(
+                f"min_group_size must be from 1 to group_size ({self.size}), or 0 for every run; got {self.min_size}"
+            )
         self._seconds("timeout_seconds")
         self._one_of("on_timeout", ON_GROUP_TIMEOUT)
         self._boolean("drop_zero_variance")

@@ -1,0 +1,176 @@
+"""Groups that finish short (issue 44): a worker reports a run failed (FailRuns), the run counts
+as one of its group's runs, and a group whose runs are all known completes with the members
+present when at least `min_group_size` succeeded (flagged partial), else it is dropped (reason
+short). Advantages are computed over the members present: Trinity-RFT's own functions on those
+members are the reference. The store with a settable clock (timeouts without sleeping), and a
+real server on loopback for the wire, the metrics and a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from expbuf.client import BufferClient, Experience, InvalidArgumentError
+from expbuf.client.errors import AlreadyExistsError, FailedPreconditionError
+from expbuf.server.store import Store
+from expbuf.server.store.schema.errors import ConfigError
+from expbuf.server.store.schema.table_config import TableConfig
+
+from conftest import Servers
+from helpers import group_items, make_experience, scrape
+from test_estimators import Exp, assert_same, trinity_advantages
+from test_store import Clock
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Iterator[Store]:
+    with Store(tmp_path / "data", map_size=1 << 24, clock=clock, seed=7) as s:
+        yield s
+        for table in s.list_tables():
+            assert s.verify(table.name) == []
+
+
+def uid(task: int, run: int) -> str:
+    return f"1/{task}/{run}/0/r{run}s0"  # helpers.group_items' uids: batch 1
+
+
+def runs(task: int, numbers: Iterable[int]) -> list[Experience]:
+    """Experiences of batch 1, as a rollout worker pushes them."""
+    return [make_experience(1, task, run) for run in numbers]
+
+
+def group_record(store: Store, table: str, gkey: str):  # type: ignore[no-untyped-def]
+    return store._in_table(table, lambda tt: tt.group(gkey))
+
+
+def test_min_group_size_is_checked_against_group_size() -> None:
+    assert TableConfig.of("t", group_size=8, min_group_size=6).grouping.min_size == 6
+    for bad in ({"group_size": 8, "min_group_size": 9}, {"group_size": 0, "min_group_size": 1}):
+        with pytest.raises(ConfigError, match="min_group_size must be from 1 to group_size"):
+            TableConfig.of("t", **bad)
+
+
+def test_a_group_of_8_with_2_failed_runs_completes_with_the_6_and_records_why(store: Store) -> None:
+    store.create_table(TableConfig.of("short", estimator="none", group_size=8, min_group_size=6))
+    store.put("short", group_items(1, 0, 6))
+    done = store.fail_runs("short", [uid(0, 6), uid(0, 7)], ["sandbox timed out", ""])
+    assert (done.recorded, done.completed_groups, done.dropped_groups) == ([uid(0, 6), uid(0, 7)], ["1/0"], [])
+    grp = group_record(store, "short", "1/0")
+    assert grp.state == "ready" and grp.partial and len(grp.members) == 6
+    assert grp.failed == {uid(0, 6): "sandbox timed out", uid(0, 7): "failed"}
+    stats = store.stats("short")
+    assert (stats["ready"], stats["runs_failed"], stats["groups_short"], stats["groups_dropped"]) == (6, 2, 1, 0)
+
+
+def test_failures_first_then_the_pushes_complete_the_group_and_a_failed_run_pushed_after_all_rejoins(
+    store: Store,
+) -> None:
+    store.create_table(TableConfig.of("late", estimator="none", group_size=4, min_group_size=2))
+    assert store.fail_runs("late", [uid(0, 3), uid(0, 3)], []).recorded == [uid(0, 3)]  # twice: once
+    assert store.fail_runs("late", [uid(0, 3)], ["again"]).recorded == []
+    store.put("late", group_items(1, 0, 1))
+    store.put("late", group_items(1, 0, 4)[3:])  # run 3 pushed after all: a member again
+    assert group_record(store, "late", "1/0").failed == {}
+    done = store.put("late", group_items(1, 0, 3)[1:])
+    assert done.completed_groups == ["1/0"]
+    grp = group_record(store, "late", "1/0")
+    assert not grp.partial and len(grp.members) == 4 and store.stats("late")["groups_short"] == 0
+
+
+def test_too_few_succeeded_drops_the_group_and_without_min_group_size_one_failure_does(store: Store) -> None:
+    store.create_table(TableConfig.of("few", estimator="none", group_size=4, min_group_size=3))
+    store.create_table(TableConfig.of("every", estimator="none", group_size=4))
+    for table in ("few", "every"):
+        store.put(table, group_items(1, 0, 2))
+    assert store.fail_runs("few", [uid(0, 2)], []).dropped_groups == []  # 3 of 4 runs known
+    assert store.fail_runs("few", [uid(0, 3)], []).dropped_groups == ["1/0"]  # 2 succeeded, 3 needed
+    store.put("every", group_items(1, 0, 3)[2:])
+    assert store.fail_runs("every", [uid(0, 3)], []).dropped_groups == ["1/0"]
+    for table in ("few", "every"):
+        stats = store.stats(table)
+        assert (stats["groups_dropped"], stats["dropped_short"], stats["ready"]) == (1, 1, 0)
+
+
+def test_a_timed_out_group_is_released_short_or_dropped_by_min_group_size(store: Store, clock: Clock) -> None:
+    store.create_table(TableConfig.of("tmo", estimator="none", group_size=8, min_group_size=3, group_timeout_seconds=5))
+    store.put("tmo", group_items(1, 0, 3))  # enough
+    store.put("tmo", group_items(1, 1, 2))  # too few
+    clock.now += 6
+    assert store.tick()["groups_timed_out"] == 2
+    stats = store.stats("tmo")
+    assert (stats["ready"], stats["groups_short"], stats["dropped_short"]) == (3, 1, 1)
+
+
+def test_bad_reports_are_refused_by_name_and_record_nothing(store: Store) -> None:
+    from expbuf.server.store.schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest
+
+    store.create_table(TableConfig.of("bad", estimator="none", group_size=2))
+    store.create_table(TableConfig.of("whole", estimator="none"))
+    store.put("bad", group_items(1, 0, 2) + group_items(1, 1, 1))
+    cases = [
+        ("bad", ["not-a-uid"], InvalidRequest, "not an experience uid"),
+        ("bad", [uid(1, 0)], Conflict, "was pushed"),
+        ("bad", [uid(0, 5)], GroupClosed, "already complete"),
+        ("whole", [uid(2, 0)], InvalidRequest, "group_size = 0"),
+        ("bad", [uid(1, 1), uid(1, 2)], GroupOverfilled, "has all its 2 runs"),
+    ]
+    for table, uids, error, words in cases:
+        with pytest.raises(error, match=words):
+            store.fail_runs(table, uids, [])
+    with pytest.raises(InvalidRequest, match="one reason a uid"):
+        store.fail_runs("bad", [uid(1, 1)], ["a", "b"])
+    assert store.stats("bad")["runs_failed"] == 0 and group_record(store, "bad", "1/1").failed == {}
+
+
+@pytest.mark.parametrize(("estimator", "params"), [("grpo", {}), ("rloo", {}), ("opmd", {})])
+def test_advantages_of_a_short_group_are_trinitys_on_the_members_present(
+    start_server: Servers, estimator: str, params: dict
+) -> None:
+    """GRPO: mean and std over the 6 members (AReaL's and Trinity-RFT's rule for the members a
+    group has); RLOO: each run's baseline is the mean of the other 5; OPMD: the mean over the 6."""
+    runs = [Exp(task=3, run=r, step=0, reward=float(r % 3) - 0.5 * r, mask=[True] * (2 + r)) for r in range(8)]
+    present, failed = runs[:6], runs[6:]
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("short", group_size=8, min_group_size=6, estimator=estimator, estimator_params=params)
+        client.push([exp.build() for exp in present], table="short")
+        done = client.fail_runs([exp.uid for exp in failed], "short", reasons=["tool error", "OOM"])
+        assert done.completed_groups == ["0/3"] and done.dropped_groups == []
+        batch = next(client.sample("short", num_groups=1, max_batches=1, timeout=30, delivery="consume"))
+        got = {e.eid.uid: (e.advantages, e.returns) for e in batch.experiences}
+    experience = pytest.importorskip("trinity.common.experience")
+    want = trinity_advantages(estimator, params, [exp.build(experience.Experience, experience.EID) for exp in present])
+    assert_same(got, want)
+
+
+def test_over_the_wire_the_reports_survive_a_restart_and_the_metrics_count_them(start_server: Servers) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("wire", group_size=4, min_group_size=3, estimator="none")
+        client.push(runs(0, range(2)), table="wire")
+        assert client.fail_runs([uid(0, 3)], "wire", reasons=["crashed"]).recorded == [uid(0, 3)]
+        with pytest.raises(InvalidArgumentError, match="not an experience uid"):
+            client.fail_runs(["x"], "wire")
+        client.push(runs(1, range(1)), table="wire")
+        with pytest.raises(AlreadyExistsError, match="was pushed"):
+            client.fail_runs([uid(1, 0)], "wire")
+    server.stop(grace=1)
+    server = start_server(port=server.port)
+    with BufferClient(target) as client:
+        done = client.push(runs(0, [2]), table="wire")  # the third member: 3 of 4 with the failure
+        assert done.completed_groups == ["1/0"]
+        assert client.fail_runs([uid(1, 1), uid(1, 2), uid(1, 3)], "wire").dropped_groups == ["1/1"]
+        with pytest.raises(FailedPreconditionError, match="already complete"):
+            client.fail_runs([uid(0, 3)], "wire")
+    metrics = scrape(server.metrics_port)
+    assert metrics[("expbuf_runs_failed_total", (("table", "wire"),))] == 4
+    assert metrics[("expbuf_groups_short_total", (("table", "wire"),))] == 1
+    assert metrics[("expbuf_groups_dropped_total", (("reason", "short"), ("table", "wire")))] == 1
