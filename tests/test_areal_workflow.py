@@ -165,3 +165,30 @@ def test_groups_of_one_from_areals_own_grouping_are_refused(child_server: Server
     trajectories, stats = run_executor(wrapped, [[1, 2]])
     assert trajectories == [None] and stats.rejected == 1
     assert client.stats("grouped")["grouped"].pushed == 0
+
+
+class RejectingRLVR(ScriptedRLVR):
+    """ScriptedRLVR whose episodes of the given call numbers (from 1) are rejected (None)."""
+
+    def __init__(self, rejected: set[int]) -> None:
+        super().__init__()
+        self.rejected = rejected
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        row = await super().arun_episode(engine, data)
+        return None if self.calls in self.rejected else row
+
+
+def test_rejected_runs_are_reported_failed_and_the_table_completes_or_drops_the_group(
+    child_server: ServerProcess,
+) -> None:
+    client = BufferClient(child_server.target)
+    client.create_table("areal_short", group_size=4, min_group_size=3)
+    one_rejected = RejectingRLVR({4})
+    run_executor(ExpbufWorkflow(one_rejected, child_server.target, "areal_short", group_size=4), [[1, 2]])
+    (group,) = whole_groups(client, "areal_short", 1)
+    assert [e.eid.run for e in group] == [0, 1, 2] and all(e.advantages is not None for e in group)
+    two_rejected = RejectingRLVR({3, 4})
+    run_executor(ExpbufWorkflow(two_rejected, child_server.target, "areal_short", group_size=4), [[3]])
+    stats = client.stats("areal_short")["areal_short"]
+    assert (stats.groups_dropped, stats.groups_ready, stats.pushed) == (1, 0, 5)  # 2 of 4: too few

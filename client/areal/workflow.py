@@ -50,8 +50,11 @@ class ExpbufWorkflow(RolloutWorkflow):
     produces rollouts for a trainer that samples the table, and trains on nothing itself.
 
     A push that fails raises, so AReaL's executor counts the rollout as rejected; experiences
-    dropped as stale by the table are logged. A group left short of the table's `group_size` by
-    a rejected run, or an agent's variable number of turns, is sealed after its push; a whole group
+    dropped as stale by the table are logged. Runs the workflow rejected (returned None) are
+    reported failed (`fail_runs`) where the table sets `min_group_size` and each run is one row:
+    the table then completes the group short, or drops it when too few succeeded. Otherwise a
+    group left short of the table's `group_size` by a rejected run, or an agent's variable number
+    of turns, is sealed after its push; a whole group
     of rows that is short is refused (AReaL's own grouping left above 1 would make groups of one,
     with nothing to compare within them).
     """
@@ -79,6 +82,7 @@ class ExpbufWorkflow(RolloutWorkflow):
         config = table_info(self.client, table)
         self._group_key = None if config.group_by == "none" else GROUP_KEY_OF[config.group_by]
         self._table_group_size = config.group_size
+        self._min_group_size = config.min_group_size
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         results = await asyncio.gather(*[self.workflow.arun_episode(engine, data) for _ in range(self.group_size)])
@@ -92,7 +96,11 @@ class ExpbufWorkflow(RolloutWorkflow):
                     f"'{self.table}''s group_size {self._table_group_size}: give ExpbufWorkflow the group size and "
                     "leave AReaL's own at 1 (gconfig.n_samples), or it would push groups of one; nothing was pushed"
                 )
-            await asyncio.to_thread(self._push, exps)
+            task = exps[0].eid.task if exps else ""
+            failed = []
+            if self._min_group_size and not _is_interactions(valid[0]) and len(exps) == len(valid):
+                failed = [EID(batch=self.batch, task=task, run=run).uid for run in range(len(valid), self.group_size)]
+            await asyncio.to_thread(self._push, exps, failed)
         if self.produce_only or not valid:
             return None
         if self.group_size == 1:
@@ -121,10 +129,14 @@ class ExpbufWorkflow(RolloutWorkflow):
                 run += count
         return exps
 
-    def _push(self, exps: list[Experience]) -> None:
+    def _push(self, exps: list[Experience], failed: list[str]) -> None:
+        """Push a group's runs; report its rejected runs failed (`failed`), or seal it short."""
         result = self.client.push(exps, table=self.table)
         if result.stale:
             log.warning("expbuf table '%s' dropped %d stale experiences of this group", self.table, len(result.stale))
+        if failed:
+            self.client.fail_runs(failed, self.table, reasons=["rejected by the workflow"] * len(failed))
+            return
         if self._group_key is None or not result.stored:
             return
         stored = set(result.stored)
