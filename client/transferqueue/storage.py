@@ -22,6 +22,7 @@ kept in the same table by controller.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pickle
@@ -52,25 +53,47 @@ def encode(value: Any) -> bytes:
     """A value as stored: a tensor as b"T", its header's length, a JSON header (dtype, shape) and
     its bytes; anything else as b"P" and its pickle."""
     if isinstance(value, torch.Tensor):
-        tensor = value.detach().to("cpu").contiguous()
-        header = json.dumps({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}).encode()
-        data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b""
-        return b"".join([TENSOR, _LEN.pack(len(header)), header, data])  # the tensor's bytes copied once
+        tensor = value
+        if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.detach().to("cpu").contiguous()
+        head = _head(tensor.dtype, tuple(tensor.shape))
+        if not tensor.numel():
+            return head
+        try:
+            data = tensor.numpy().data
+        except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
+            data = tensor.reshape(-1).view(torch.uint8).numpy().data
+        return b"".join([head, data])  # the tensor's bytes copied once
     return OBJECT + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@functools.lru_cache(maxsize=4096)
+def _head(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """What a tensor's bytes follow: b"T", its header's length and the header (one a dtype and
+    shape, made once: a batch's samples share a few)."""
+    header = json.dumps({"dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}).encode()
+    return TENSOR + _LEN.pack(len(header)) + header
 
 
 def decode(blob: bytes) -> Any:
     """A stored value back (encode's)."""
     if blob[:1] == TENSOR:
         (size,) = _LEN.unpack_from(blob, 1)
-        header = json.loads(blob[5 : 5 + size])
-        dtype = getattr(torch, header["dtype"])
+        dtype, shape = _layout(blob[5 : 5 + size])
         data = bytearray(memoryview(blob)[5 + size :])  # one copy, writable as TransferQueue's tensors are
-        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return flat.view(dtype).reshape(header["shape"])
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
     if blob[:1] == OBJECT:
         return pickle.loads(blob[1:])  # written by this backend: a value of the caller's own trust domain
     raise ValueError(f"a stored value of {len(blob)} bytes that this backend did not write")
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(header: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
+    """A tensor header's dtype and shape (read once a header: a batch's samples share a few)."""
+    fields = json.loads(header)
+    return getattr(torch, fields["dtype"]), tuple(fields["shape"])
 
 
 def get_in_halves(client: BufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
