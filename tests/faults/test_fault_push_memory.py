@@ -184,12 +184,20 @@ def test_a_large_push_in_chunks_holds_about_twice_its_size_and_keeps_none_of_it(
             assert len(client.push(body(f"again{again}")).stored) == len(stored)
         time.sleep(2.0)
         later = _status_bytes(pid, "RssAnon")
+        for again in range(3, 6):  # and three more: a push that kept its memory would add 3 sizes again
+            assert len(client.push(body(f"again{again}")).stored) == len(stored)
+        time.sleep(2.0)
+        latest = _status_bytes(pid, "RssAnon")
     print(
         f"\none push of {name} ({len(data) // MB} MiB) in chunks: server RSS {base // MB} MiB before, "
         f"{peak // MB} MiB peak (+{(peak - base) / len(data):.2f}x); anonymous memory {base_anon // MB} MiB before, "
-        f"{after // MB} MiB after (+{(after - base_anon) // MB} MiB), {later // MB} MiB after 3 more"
+        f"{after // MB} MiB after (+{(after - base_anon) // MB} MiB), {later // MB} MiB after 3 more, "
+        f"{latest // MB} MiB after 6"
     )
     assert len(stored) in (14, 16)
     assert peak - base < bound * len(data), "a push in chunks costs more than its payload and its packed copy"
     assert after - base_anon < len(data), "one push leaves more than its own size behind"
-    assert later - after < len(data) // 2, "each push's memory stays after it"
+    # The C library may keep what a push freed in the arena of the thread that served it (a busy
+    # machine spreads pushes over more of them), once: pushes after that add nothing.
+    assert later - after < len(data), "each push's memory stays after it"
+    assert latest - later < len(data) // 2, "each push's memory stays after it"
