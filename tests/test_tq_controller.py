@@ -163,3 +163,77 @@ def test_a_controller_that_cannot_journal_answers_nothing_more_and_comes_back_fr
         assert tq.kv_batch_get(keys=["a", "c"], partition_id="train")["reward"].tolist() == [0.0, 2.0]
     finally:
         tq.close()
+
+
+def test_indexes_reused_after_a_snapshot_are_the_ones_a_restart_hands_out(start_server: Servers) -> None:
+    """TransferQueue reuses released indexes in the order of its sets; a set rebuilt by loading a
+    snapshot may iterate otherwise than the live one it was saved from, unless the live controller
+    takes the loaded state too. The controller runs in this process, its journal in a real server."""
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from expbuf.client.transferqueue.controller import DurableController, _Unmeasured
+
+    def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
+        return controller._handle_request(ZMQMessage.create(kind, sender_id="t", body=body), _Unmeasured()).body
+
+    def insert(controller: Any, partition: str, count: int) -> list[int]:
+        meta = ask(controller, ZMQRequestType.GET_META, data_fields=["x"], batch_size=count, partition_id=partition,
+                   mode="insert")["metadata"]  # fmt: skip
+        return list(meta.global_indexes)
+
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("ctl")
+        live = DurableController()
+        live._journal = Journal(client, "ctl", snapshot_every=10**6)
+        first = insert(live, "a", 100)
+        dropped = [i for i in first if i not in (3, 40, 70)]
+        ask(live, ZMQRequestType.CLEAR_META, global_indexes=dropped, partition_ids=["a"] * len(dropped))
+        insert(live, "b", 97)
+        live._snapshot()
+        ask(live, ZMQRequestType.CLEAR_PARTITION, partition_id="a")
+        given = insert(live, "c", 1)
+
+        restarted = DurableController()
+        restarted._restore(*Journal(client, "ctl").load())
+        assert restarted.index_manager.get_indexes_for_partition("c") == given
+        assert insert(restarted, "d", 2) == insert(live, "d", 2)  # the same indexes next, live or restarted
+
+
+class SnapshotFails(Journal):
+    """A journal whose entries are stored and whose snapshots fail (the server refusing them)."""
+
+    def snapshot(self, state: bytes) -> None:
+        raise RuntimeError("no room for the snapshot")
+
+
+def test_a_durable_change_is_answered_and_a_failed_snapshot_stops_the_controller_after_it(
+    start_server: Servers, tmp_path: Any
+) -> None:
+    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
+
+    from expbuf.client.transferqueue.controller import DurableController, _Unmeasured
+
+    def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
+        return controller._handle_request(ZMQMessage.create(kind, sender_id="t", body=body), _Unmeasured())
+
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("ctl")
+        live = DurableController()
+        live._journal = SnapshotFails(client, "ctl", snapshot_every=1)  # a snapshot is due at once
+        meta = ask(live, ZMQRequestType.GET_META, data_fields=["x"], batch_size=2, partition_id="p", mode="insert")
+        assert list(meta.body["metadata"].global_indexes) == [0, 1]  # its entry is durable: answered
+        with pytest.raises(RuntimeError, match="answers nothing more"):
+            ask(live, ZMQRequestType.GET_LIST_PARTITIONS)
+        restarted = DurableController()
+        restarted._restore(*Journal(client, "ctl").load())
+        assert restarted.index_manager.get_indexes_for_partition("p") == [0, 1]
+
+        loads = DurableController()
+        loads._journal = SnapshotFails(client, "ctl2")
+        client.create_table("ctl2")
+        loads.save_checkpoint(str(tmp_path / "state.pkl"))
+        with pytest.raises(RuntimeError, match="answers nothing more"):  # the loaded state is in no journal
+            ask(loads, ZMQRequestType.LOAD_CONTROLLER_CHECKPOINT, path=str(tmp_path / "state.pkl"))
+        assert loads._stopped is not None

@@ -33,9 +33,10 @@ import contextlib
 import os
 import pickle
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import transfer_queue.interface
@@ -58,6 +59,7 @@ REPLAYED = frozenset(
     }
 )  # requests whose effect follows from the state and their body alone
 JOURNAL_SENDER = "expbuf-journal"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -140,14 +142,18 @@ class DurableController(TransferQueueController.__ray_actor_class__):
     def __init__(self, sampler: BaseSampler | type[BaseSampler] = SequentialSampler, polling_mode: bool = False):
         self._journal: Journal | None = None
         self._stopped: str | None = None
+        self._lock = threading.Lock()  # the request thread's journal against register_sampler's
         self._recorder = RecordingSampler.around(sampler)
         super().__init__(sampler=self._recorder, polling_mode=polling_mode)
 
     def register_sampler(self, sampler: BaseSampler | type[BaseSampler] = SequentialSampler) -> None:
-        self._recorder = RecordingSampler.around(sampler)
-        super().register_sampler(self._recorder)
-        if self._journal is not None:
-            self._snapshot()
+        """TransferQueue's, its state then snapshotted (a restart takes the sampler TransferQueue's
+        config names, with the state the registered one had)."""
+        with self._lock:
+            self._recorder = RecordingSampler.around(sampler)
+            super().register_sampler(self._recorder)
+            if self._journal is not None:
+                self._durably(self._snapshot)
 
     def store_config(self, conf: Any) -> None:
         """TransferQueue's init stores its config before any client can reach the controller:
@@ -195,11 +201,12 @@ class DurableController(TransferQueueController.__ray_actor_class__):
             raise RuntimeError(self._stopped)
         if self._journal is None:
             return super()._handle_request(request_msg, monitor)
-        self._recorder.calls.clear()
-        try:
-            return super()._handle_request(request_msg, monitor)
-        finally:
-            self._record(request_msg)
+        with self._lock:
+            self._recorder.calls.clear()
+            try:
+                return super()._handle_request(request_msg, monitor)
+            finally:
+                self._record(request_msg)
 
     def _record(self, request: ZMQMessage) -> None:
         """Journal what `request` changed, before its reply goes."""
@@ -215,29 +222,53 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         elif kind in REPLAYED or (kind == ZMQRequestType.KV_RETRIEVE_META and body.get("create")):
             ops.append(("request", kind.value, body))
         elif kind == ZMQRequestType.LOAD_CONTROLLER_CHECKPOINT:
-            self._snapshot()
+            self._durably(self._snapshot)
         if ops:
             self._write(ops)
 
     def _write(self, ops: list[tuple[Any, ...]]) -> None:
+        """Append the request's entry, or where it is more than a put carries, take a snapshot
+        that holds it; either durable before the reply goes, or the controller stops and the
+        request fails. A snapshot merely due that fails stops the controller after this reply:
+        the entry is durable, so the change it answers for stands."""
         assert self._journal is not None
-        try:
-            if not self._journal.append(pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL)) or self._journal.due:
+        journal = self._journal
+        entry = pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._durably(lambda: journal.append(entry)):
+            self._durably(self._snapshot)
+        elif journal.due:
+            try:
                 self._snapshot()
+            except Exception as exc:
+                self._stopped = self._stop_message(exc)
+
+    def _durably(self, step: Callable[[], T]) -> T:
+        """`step`'s result; where it fails, the controller answers nothing more (its state in
+        memory may hold a change the journal does not)."""
+        try:
+            return step()
         except Exception as exc:
-            self._stopped = (
-                f"the controller could not journal a change in expbuf ({type(exc).__name__}: {exc}); it answers "
-                "nothing more: start it again, and its state comes back from what was acknowledged"
-            )
+            self._stopped = self._stop_message(exc)
             raise RuntimeError(self._stopped) from exc
 
+    @staticmethod
+    def _stop_message(exc: Exception) -> str:
+        return (
+            f"the controller could not journal a change in expbuf ({type(exc).__name__}: {exc}); it answers "
+            "nothing more: start it again, and its state comes back from what was acknowledged"
+        )
+
     def _snapshot(self) -> None:
-        """The state as TransferQueue's own checkpoint writes it, stored as the journal's snapshot."""
+        """The state as TransferQueue's own checkpoint writes it, stored as the journal's snapshot;
+        then loaded back into this controller, so that its state is the very one a restart loads
+        (TransferQueue hands out reused indexes in the order of its sets, which a set rebuilt by
+        loading may iterate otherwise than the set it was saved from)."""
         assert self._journal is not None
         with self._state_file() as path:
             self.save_checkpoint(path)
             with open(path, "rb") as file:
                 self._journal.snapshot(file.read())
+            self.load_checkpoint(path)
 
     @staticmethod
     @contextlib.contextmanager

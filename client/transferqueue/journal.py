@@ -15,11 +15,12 @@ point leaves either the old head with all its entries, or the new one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from ..client import BufferClient
+from ..client import BufferClient, BufferError
 from .storage import get_in_halves
 
 PREFIX = "controller/"
@@ -112,7 +113,8 @@ class Journal:
         head = Head(generation, len(parts), self.seq, self.head.generation, self.head.parts, self.head.seq)
         self.client.put_values([HEAD], [json.dumps(asdict(head)).encode()], self.table)
         self.head = head
-        self._clear_before(head)
+        with contextlib.suppress(BufferError):  # what is left, the next load clears
+            self._clear_before(head)
 
     def _clear_before(self, head: Head) -> None:
         """Clear the previous snapshot's parts and the entries the standing one covers (clearing
