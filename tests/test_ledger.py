@@ -365,3 +365,16 @@ def test_a_prompt_whose_every_attempt_has_a_group_already_is_dropped(store: Stor
     claimed, _ = store.claims.claim("t", "math", 3, seconds=60)
     assert [(c.index, c.attempt) for c in claimed] == [(0, 1), (2, 0)]
     assert counts(ledger(store)) == {"claimed": 2, "generated": 0, "trained": 0, "dropped": 1}
+
+
+def test_a_failed_run_of_an_attempt_whose_claim_ended_is_refused_as_its_push_would_be(
+    store: Store, clock: Clock
+) -> None:
+    store.claims.create("t", DatasetRecord("math", size=3))
+    (lost,), _ = store.claims.claim("t", "math", 1, seconds=10, owner="crashed")
+    clock.now += 11
+    store.tick()
+    (run,) = [item.uid for item in items("math", lost, range(1))]
+    with pytest.raises(StaleAttempt, match=r"attempt 0 of prompt math/0/0, whose claim ended"):
+        store.fail_runs("t", [run], ["the worker died"])
+    assert store.stats("t")["runs_failed"] == 0

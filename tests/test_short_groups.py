@@ -174,3 +174,35 @@ def test_over_the_wire_the_reports_survive_a_restart_and_the_metrics_count_them(
     assert metrics[("expbuf_runs_failed_total", (("table", "wire"),))] == 4
     assert metrics[("expbuf_groups_short_total", (("table", "wire"),))] == 1
     assert metrics[("expbuf_groups_dropped_total", (("reason", "short"), ("table", "wire")))] == 1
+
+
+def test_a_group_of_failed_runs_alone_is_dropped_however_it_ends_and_leaves_no_record(
+    store: Store, clock: Clock
+) -> None:
+    store.create_table(TableConfig.of("none_ok", estimator="none", group_size=4, group_timeout_seconds=5))
+    store.fail_runs("none_ok", [uid(0, 0)], [])  # a timeout: no member to release
+    store.fail_runs("none_ok", [uid(1, 0)], [])  # a seal
+    assert store.seal("none_ok", "1/1") == 0
+    assert store.fail_runs("none_ok", [uid(2, n) for n in range(4)], []).dropped_groups == ["1/2"]  # all failed
+    clock.now += 6
+    assert store.tick()["groups_timed_out"] == 1
+    stats = store.stats("none_ok")
+    assert (stats["groups_dropped"], stats["dropped_short"], stats["groups_ready"], stats["groups_pending"]) == (
+        3,
+        3,
+        0,
+        0,
+    )
+    assert group_record(store, "none_ok", "1/2") is None  # nothing was stored: no record to keep
+    assert store.put("none_ok", group_items(1, 2, 1)).stored  # the group may start again
+
+
+def test_a_short_group_the_zero_variance_filter_drops_is_reported_dropped(store: Store) -> None:
+    store.create_table(
+        TableConfig.of("dapo_short", estimator="none", group_size=4, min_group_size=2, drop_zero_variance=True)
+    )
+    store.put("dapo_short", group_items(1, 0, 2, reward=1.0))
+    done = store.fail_runs("dapo_short", [uid(0, 2), uid(0, 3)], [])
+    assert (done.completed_groups, done.dropped_groups) == ([], ["1/0"])
+    stats = store.stats("dapo_short")
+    assert (stats["groups_short"], stats["dropped_zero_variance"]) == (0, 1)

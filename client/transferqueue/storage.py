@@ -28,7 +28,7 @@ import math
 import pickle
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -138,19 +138,22 @@ class ExpbufStorageClient(StorageKVClient):
         names: list[str] = []
         blobs: list[bytes] = []
         size = 0
-        for at, (key, value) in enumerate(zip(keys, values, strict=True)):
-            blob = encode(value)
-            if len(blob) > self.limit:
-                metas[at] = {PARTS_META: (len(blob) + self.limit - 1) // self.limit}
-                blob = self._put_parts(key, blob)
-            if names and size + len(blob) > self.batch:
+        try:
+            for at, (key, value) in enumerate(zip(keys, values, strict=True)):
+                blob = encode(value)
+                if len(blob) > self.limit:
+                    metas[at] = {PARTS_META: (len(blob) + self.limit - 1) // self.limit}
+                    blob = self._put_parts(key, blob)
+                if names and size + len(blob) > self.batch:
+                    sent.append(self._pool.submit(self.client.put_values, names, blobs, self.table))
+                    names, blobs, size = [], [], 0
+                names.append(key)
+                blobs.append(blob)
+                size += len(blob)
+            if names:
                 sent.append(self._pool.submit(self.client.put_values, names, blobs, self.table))
-                names, blobs, size = [], [], 0
-            names.append(key)
-            blobs.append(blob)
-            size += len(blob)
-        if names:
-            sent.append(self._pool.submit(self.client.put_values, names, blobs, self.table))
+        finally:
+            wait(sent)  # every piece ended before the call does, failed or not: none lands after a retry
         for future in sent:
             future.result()
         return metas if any(metas) else None

@@ -321,7 +321,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
         uids = ids_of(request.uids, "uids")
-        done = self.store.fail_runs(request.table or "default", uids, list(request.reasons))
+        done = self.store.fail_runs(request.table or "default", uids, list(request.reasons), self._owner(context))
         return pb.FailRunsReply(
             recorded_uids=done.recorded, completed_groups=done.completed_groups, dropped_groups=done.dropped_groups
         )

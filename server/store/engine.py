@@ -373,13 +373,18 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
 
         return self._in_table(table, op)
 
-    def fail_runs(self, table: str, uids: Sequence[str], reasons: Sequence[str]) -> FailResult:
+    def fail_runs(self, table: str, uids: Sequence[str], reasons: Sequence[str], holder: str = "") -> FailResult:
         """Record runs their workers report failed; groups whose runs are all known complete
-        short or are dropped (groups.fail_runs)."""
+        short or are dropped (groups.fail_runs). `holder` is who reports (as a push's)."""
         if len(reasons) not in (0, len(uids)):
             raise InvalidRequest(f"{len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
         failures = list(zip(uids, reasons or [""] * len(uids), strict=True))
-        return self._in_table(table, lambda tt: groups.fail_runs(tt, failures))
+
+        def op(tt: TableState) -> FailResult:
+            tt.holder = holder
+            return groups.fail_runs(tt, failures)
+
+        return self._in_table(table, op)
 
     def seal(self, table: str, group_id: str) -> int:
         """Complete a pending group now; returns its size."""

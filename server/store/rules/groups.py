@@ -98,7 +98,8 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             indexed = gkey not in opened
             if not complete(tt, gkey, grp, partial=bool(grp.failed), indexed=indexed, ready=ready, computing=computing):
                 result.dropped_groups.append(gkey)
-            tt.counters.groups_short += bool(grp.failed)
+            else:
+                tt.counters.groups_short += bool(grp.failed)
         else:
             if gkey in opened:
                 tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
@@ -250,10 +251,9 @@ def expire_groups(tt: TableState, created_before: float) -> int:
             retire(tt, [(gkey, grp)], DROPPED)
             tt.counters.groups_dropped += 1
             tt.counters.dropped_timeout += 1
-        elif tt.config.grouping.min_size and too_short(tt, grp):
+        elif not grp.members or (tt.config.grouping.min_size and too_short(tt, grp)):
             drop_short(tt, gkey, grp)
-        else:
-            complete(tt, gkey, grp, partial=True)
+        elif complete(tt, gkey, grp, partial=True):
             tt.counters.groups_short += len(grp.members) < tt.config.grouping.size
     return len(expired)
 
@@ -275,10 +275,13 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
         )
     result = FailResult()
     touched: dict[str, GroupRecord] = {}
-    for uid, reason in failures:
-        gkey = uid_group_key(uid, grouping.by)
+    keys = [uid_group_key(uid, grouping.by) for uid, _ in failures]
+    for (uid, _), gkey in zip(failures, keys, strict=True):
         if gkey is None:
             raise InvalidRequest(f"{clip(uid)!r} is not an experience uid (batch/task/run/step/suffix)")
+    tt.extensions.on_push(tt, list(dict.fromkeys(key for key in keys if key is not None)))  # a claim's checks
+    for (uid, reason), gkey in zip(failures, keys, strict=True):
+        assert gkey is not None
         if tt.item(uid) is not None:
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
         grp = touched.get(gkey) or tt.group(gkey)
@@ -301,10 +304,11 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
         elif too_short(tt, grp):
             drop_short(tt, gkey, grp)
             result.dropped_groups.append(gkey)
-        else:
-            complete(tt, gkey, grp, partial=True)
+        elif complete(tt, gkey, grp, partial=True):
             tt.counters.groups_short += 1
             result.completed_groups.append(gkey)
+        else:  # the zero-variance filter dropped it
+            result.dropped_groups.append(gkey)
     tt.save()
     return result
 
@@ -323,12 +327,16 @@ def drop_short(tt: TableState, gkey: str, grp: GroupRecord) -> None:
 
 
 def seal(tt: TableState, gkey: str) -> int:
-    """Complete a pending group now; returns its size."""
+    """Complete a pending group now; returns its size. A group with no members (its runs so far
+    all reported failed) is dropped instead (reason short), its size 0."""
     grp = tt.group(gkey)
     if grp is None:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
     if grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
-    complete(tt, gkey, grp, partial=False)
+    if grp.members:
+        complete(tt, gkey, grp, partial=bool(grp.failed))
+    else:
+        drop_short(tt, gkey, grp)
     tt.save()
     return len(grp.members)

@@ -86,8 +86,11 @@ def retire(
             nbytes += size
             if uid in quarantined:
                 damaged.append(key)
-        marks.append((stamp + gkey.encode(), b""))
         tt.move_group(gkey, grp, state)
+        if grp.members:
+            marks.append((stamp + gkey.encode(), b""))
+        else:  # a group of runs all reported failed: no tombstone to keep it, so no record either
+            tt.forget_group(gkey)
     drop_payloads(tt, keys, sizes, places, nbytes, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
         chunked.delete(tt.txn, tt.db, sorted(damaged))
