@@ -17,9 +17,10 @@ tq = pytest.importorskip("transfer_queue")
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
+from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.transferqueue.controller import JournalSettings  # noqa: E402
+from expbuf.client.transferqueue.controller import DurableController, JournalSettings, _Unmeasured  # noqa: E402
 from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key  # noqa: E402
 
 from conftest import Servers  # noqa: E402
@@ -165,22 +166,22 @@ def test_a_controller_that_cannot_journal_answers_nothing_more_and_comes_back_fr
         tq.close()
 
 
+def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
+    """What a controller running in this process answers a request: its reply's body."""
+    return controller._handle_request(ZMQMessage.create(kind, sender_id="t", body=body), _Unmeasured()).body
+
+
+def insert(controller: Any, partition: str, count: int) -> list[int]:
+    """The indexes an insert of `count` samples into `partition` is given."""
+    meta = ask(controller, ZMQRequestType.GET_META, data_fields=["x"], batch_size=count, partition_id=partition,
+               mode="insert")["metadata"]  # fmt: skip
+    return list(meta.global_indexes)
+
+
 def test_indexes_reused_after_a_snapshot_are_the_ones_a_restart_hands_out(start_server: Servers) -> None:
     """TransferQueue reuses released indexes in the order of its sets; a set rebuilt by loading a
     snapshot may iterate otherwise than the live one it was saved from, unless the live controller
     takes the loaded state too. The controller runs in this process, its journal in a real server."""
-    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
-
-    from expbuf.client.transferqueue.controller import DurableController, _Unmeasured
-
-    def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
-        return controller._handle_request(ZMQMessage.create(kind, sender_id="t", body=body), _Unmeasured()).body
-
-    def insert(controller: Any, partition: str, count: int) -> list[int]:
-        meta = ask(controller, ZMQRequestType.GET_META, data_fields=["x"], batch_size=count, partition_id=partition,
-                   mode="insert")["metadata"]  # fmt: skip
-        return list(meta.global_indexes)
-
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as client:
         client.create_table("ctl")
@@ -210,20 +211,12 @@ class SnapshotFails(Journal):
 def test_a_durable_change_is_answered_and_a_failed_snapshot_stops_the_controller_after_it(
     start_server: Servers, tmp_path: Any
 ) -> None:
-    from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
-
-    from expbuf.client.transferqueue.controller import DurableController, _Unmeasured
-
-    def ask(controller: Any, kind: ZMQRequestType, **body: Any) -> Any:
-        return controller._handle_request(ZMQMessage.create(kind, sender_id="t", body=body), _Unmeasured())
-
     server = start_server()
     with BufferClient(f"127.0.0.1:{server.port}") as client:
         client.create_table("ctl")
         live = DurableController()
         live._journal = SnapshotFails(client, "ctl", snapshot_every=1)  # a snapshot is due at once
-        meta = ask(live, ZMQRequestType.GET_META, data_fields=["x"], batch_size=2, partition_id="p", mode="insert")
-        assert list(meta.body["metadata"].global_indexes) == [0, 1]  # its entry is durable: answered
+        assert insert(live, "p", 2) == [0, 1]  # its entry is durable: answered
         with pytest.raises(RuntimeError, match="answers nothing more"):
             ask(live, ZMQRequestType.GET_LIST_PARTITIONS)
         restarted = DurableController()

@@ -75,8 +75,9 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             opened.add(gkey)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
-        for entry in members:  # a run reported failed, then pushed after all (a retry that worked)
-            grp.failed.pop(entry.uid, None)
+        if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
+            for entry in members:
+                grp.failed.pop(entry.uid, None)
         if size and len(grp.members) + len(grp.failed) + len(members) > size:
             raise GroupOverfilled(
                 f"group {gkey} has {len(grp.members)} of {size} experiences"
