@@ -527,6 +527,8 @@ class TableInfo:
     keep_failed: bool | None = None  # None: the server's default, True
     extensions: tuple[str, ...] = ()  # the table extensions it runs, by their registered names
     min_group_size: int = 0  # 0: a group completes with all its runs
+    max_token_staleness: int | None = None  # None: no bound on a token's lag
+    on_token_stale: str = "mask"  # mask | drop
     missing: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod

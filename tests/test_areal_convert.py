@@ -98,6 +98,8 @@ def test_prompt_ends_where_loss_mask_turns_one_and_holes_stay() -> None:
     assert agent.prompt_length == 3
     assert agent.tokens.tolist() == [1, 2, 3, 10, 11, 50, 51, 12, 13, 14]
     assert agent.action_mask.tolist() == [True, True, False, False, True, True, True]
+    # The response's versions 3 3 (tool) (tool) 4 4 5 as segments, a table's max_token_staleness reads.
+    assert agent.version_segments == [[3, 0], [4, 4], [5, 6]] and other.version_segments == [[6, 0]]
     assert agent.logprobs.tolist() == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3, -0.4, -0.5])
     assert agent.reward == 1.0
     assert agent.info["model_version"] == 3  # the least version of a generated token
@@ -121,7 +123,15 @@ def test_advantages_come_with_the_next_token_shift() -> None:
 def test_versions_without_their_code_come_from_model_version() -> None:
     exp = from_areal(rlvr_rows())[0]
     del exp.info[TOKEN_VERSIONS]
+    del exp.info["version_segments"]
     assert to_areal([exp])["versions"][0].tolist() == [-1, -1, -1, 2, 2, 2, 2, 2]
+
+
+def test_versions_without_their_code_come_from_version_segments() -> None:
+    exp = from_areal(rlvr_rows())[0]
+    del exp.info[TOKEN_VERSIONS]
+    exp.info["version_segments"] = [[1, 0], [2, 3]]  # as another rollout worker than AReaL's stamps them
+    assert to_areal([exp])["versions"][0].tolist() == [-1, -1, -1, 1, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize(
@@ -171,3 +181,12 @@ def test_round_trip_is_exact_for_any_rows(rows: dict[str, torch.Tensor]) -> None
     for exp, versions, mask in zip(exps, rows["versions"], rows["loss_mask"], strict=True):
         stamped = versions[mask.bool() & (versions >= 0)]
         assert exp.info.get("model_version") == (int(stamped.min()) if stamped.numel() else None)
+        response = versions[exp.prompt_length : exp.tokens.numel()].tolist()
+        known = [v for v in response if v >= 0]
+        segments = exp.info.get("version_segments")
+        if not known or known != sorted(known):
+            assert segments is None
+            continue
+        for offset, version in enumerate(response):  # each stamped token's version is its segment's
+            if version >= 0:
+                assert [v for v, at in segments if at <= offset][-1] == version

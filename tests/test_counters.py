@@ -40,9 +40,14 @@ STORED_BEFORE = (
 STORED_NOW = (
     STORED_BEFORE.replace(b'"failed":0,', b'"failed":0,"quarantined":0,')
     .replace(b'"leases_expired":0,', b'"leases_expired":0,"damaged":0,')
-    .replace(b'"dropped_stale":0,', b'"dropped_stale":0,"dropped_short":0,"runs_failed":0,"groups_short":0,')
+    .replace(
+        b'"dropped_stale":0,',
+        b'"dropped_stale":0,"dropped_short":0,"runs_failed":0,"groups_short":0,"tokens_masked":0,',
+    )
 )
-ADDED = {"quarantined": 0, "damaged": 0, "dropped_short": 0, "runs_failed": 0, "groups_short": 0}
+ADDED = {
+    "quarantined": 0, "damaged": 0, "dropped_short": 0, "runs_failed": 0, "groups_short": 0, "tokens_masked": 0,
+}  # fmt: skip
 
 
 def _run(store: Store) -> None:

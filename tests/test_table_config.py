@@ -60,6 +60,8 @@ A_TABLE: TableSettings = {
     "priority_noise": 0.1,
     "extensions": ["journal"],
     "min_group_size": 3,
+    "max_token_staleness": 1,
+    "on_token_stale": "drop",
 }
 
 
@@ -78,7 +80,14 @@ def test_flat_settings_become_parts_and_come_back() -> None:
     assert config.capacity == Capacity(experiences=1000, bytes=1 << 30, when_full="evict")
     assert config.rate_limiter == RateLimiter(min_size_to_sample=8, samples_per_insert=2.0, error_buffer=4.0)
     assert config.reuse == Reuse(max_times_sampled=3, priority_decay=1.0, cooldown_seconds=5.0, priority_noise=0.1)
-    assert config.staleness == Staleness(max_staleness=2, batch_size=64, on_stale="refuse", evict_stale=True)
+    assert config.staleness == Staleness(
+        max_staleness=2,
+        batch_size=64,
+        on_stale="refuse",
+        evict_stale=True,
+        max_token_staleness=1,
+        on_token_stale="drop",
+    )
     assert config.advantages.params == {"tau": 0.5, "opmd_baseline": 1.0}  # a choice by its position
     assert config.advantages.shaping == Shaping(reward_clip=5.0, advantage_clip=2.0)
     settings = config.settings()

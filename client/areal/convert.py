@@ -5,8 +5,9 @@ AReaL's workflows return full-length, right-padded rows: `input_ids`, `attention
 experience keeps the tokens whole and the response part of the others: the prompt ends where
 `loss_mask` first turns 1, and the holes after it (tool output, a user's turn) stay as 0s of
 `action_mask`. The per-token versions go to `info`: their least generated one as
-`model_version` (the staleness screen's), and every one run-length encoded, so a row comes back
-exactly as it was.
+`model_version` (the staleness screen's), every one run-length encoded, so a row comes back
+exactly as it was, and the response's as version segments (client/trxp/segments.py), which a
+table's `max_token_staleness` reads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,25 @@ def _model_version(versions: torch.Tensor, mask: torch.Tensor) -> int | None:
     return int(stamped.min()) if stamped.numel() else None
 
 
+def _segments(versions: list[int]) -> list[list[int]] | None:
+    """A response's per-token versions as version segments: a token without one (-1: a tool's
+    output) has the version before it (the first stamped one at the start). None when no token has
+    one, or when they decrease (segments' versions never do; AReaL's weights only move forward)."""
+    stamped = [version for version in versions if version >= 0]
+    if not stamped:
+        return None
+    segments: list[list[int]] = []
+    last = stamped[0]
+    for offset, version in enumerate(versions):
+        version = last if version < 0 else version
+        if version < last:
+            return None
+        if not segments or version != last:
+            segments.append([version, offset])
+            last = version
+    return segments
+
+
 def from_areal(rows: dict[str, Any], eids: Sequence[EID] | None = None) -> list[Experience]:
     """One experience per row of an AReaL trajectory dict (eids in row order, or fresh ones)."""
     count = _check_rows(rows)
@@ -81,6 +101,9 @@ def from_areal(rows: dict[str, Any], eids: Sequence[EID] | None = None) -> list[
             if version is not None:
                 info["model_version"] = version
             info[TOKEN_VERSIONS] = layout.rle_encode(versions.tolist())
+            segments = _segments(versions[start:].tolist())
+            if segments is not None:
+                info["version_segments"] = segments
         out.append(
             Experience(
                 tokens=rows["input_ids"][i, :length].clone(),
@@ -105,6 +128,12 @@ def _versions(exp: Any, start: int, length: int) -> torch.Tensor:
             )
         return versions
     versions = torch.full((length,), -1, dtype=DTYPES["versions"])
+    segments = exp.info.get("version_segments")  # pushed by another worker than AReaL's
+    if segments:
+        ends = [offset for _, offset in segments[1:]] + [length - start]
+        for (version, offset), end in zip(segments, ends, strict=True):
+            versions[start + offset : start + end] = version
+        return versions
     version = exp.info.get("model_version")
     if version is not None:
         versions[start:] = version

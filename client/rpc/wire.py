@@ -22,6 +22,7 @@ GROUP_BY = {"task": pb.GROUP_BY_TASK, "run": pb.GROUP_BY_RUN, "step": pb.GROUP_B
 WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
 ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
 ON_STALE = {"drop": pb.ON_STALE_DROP, "refuse": pb.ON_STALE_REFUSE}
+ON_TOKEN_STALE = {"mask": pb.ON_TOKEN_STALE_MASK, "drop": pb.ON_TOKEN_STALE_DROP}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
@@ -82,6 +83,8 @@ OFF_POLICY_SETTINGS = (
     "samples_per_insert",
     "samples_per_insert_error",
     "evict_stale",
+    "max_token_staleness",
+    "on_token_stale",
 )
 # Every setting of a table, by the names of the TOML file and of create_table.
 TABLE_SETTINGS = ("name", *SETTING_NAMES)
@@ -204,6 +207,8 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         priority_noise=settings.get("priority_noise", 0.0),
         extensions=_extensions(settings.get("extensions") or ()),
         min_group_size=settings.get("min_group_size", 0),
+        max_token_staleness=settings.get("max_token_staleness"),
+        on_token_stale=enum_value(ON_TOKEN_STALE, "on_token_stale", settings.get("on_token_stale", "mask")),
     ))  # fmt: skip
 
 
@@ -258,4 +263,6 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "priority_noise": msg.priority_noise,
         "extensions": list(msg.extensions),
         "min_group_size": msg.min_group_size,
+        "max_token_staleness": msg.max_token_staleness if msg.HasField("max_token_staleness") else None,
+        "on_token_stale": enum_name(ON_TOKEN_STALE, "on_token_stale", msg.on_token_stale, "mask"),
     }

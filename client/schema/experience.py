@@ -132,3 +132,10 @@ class Experience:
     def model_version(self) -> int | None:
         """Policy version that produced this experience (info["model_version"])."""
         return self.info.get("model_version")
+
+    @property
+    def version_segments(self) -> list[list[int]] | None:
+        """The policy version of each part of the response: [[version, offset], ...], each the
+        version that generated the tokens from offset (0 = the first after the prompt) on
+        (info["version_segments"]); None where one version generated them all."""
+        return self.info.get("version_segments")

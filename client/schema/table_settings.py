@@ -17,12 +17,14 @@ OnGroupTimeout = Literal["release", "drop"]
 Device = Literal["auto", "cpu", "cuda"]
 WhenFull = Literal["block", "evict"]
 OnStale = Literal["drop", "refuse"]
+OnTokenStale = Literal["mask", "drop"]
 
 GROUP_BY: tuple[GroupBy, ...] = get_args(GroupBy)
 ON_GROUP_TIMEOUT: tuple[OnGroupTimeout, ...] = get_args(OnGroupTimeout)
 DEVICES: tuple[Device, ...] = get_args(Device)
 WHEN_FULL: tuple[WhenFull, ...] = get_args(WhenFull)
 ON_STALE: tuple[OnStale, ...] = get_args(OnStale)
+ON_TOKEN_STALE: tuple[OnTokenStale, ...] = get_args(OnTokenStale)
 
 # Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
 # travels as its position in the tuple (flags as 0 or 1).
@@ -80,6 +82,8 @@ class TableSettings(TypedDict, total=False):
     priority_noise: float
     extensions: Sequence[str]  # the table extensions it runs, by the names the server registered
     min_group_size: int  # with group_size: the fewest members a group completes with when others failed
+    max_token_staleness: int | None  # how many versions a generated token may lag the trainer
+    on_token_stale: OnTokenStale  # a token behind that bound: masked where delivered, or its experience stale
 
 
 # The names, in the order of the wire's TableConfig message.

@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
+from . import segments as version_segments
 from .common import (
     CONTAINERS,
     EXACT_CONTAINERS,
@@ -411,6 +412,10 @@ def check_tensors(index: int, item: RawItem, work: Work) -> None:
             f"{_where(index, item)}: field 'prompt_length' is {prompt_length}, more than the {numel} tokens"
         )
     response_length = numel - prompt_length
+    segments = meta.get("info", {}).get(version_segments.KEY)
+    if segments is not None:
+        work.charge(len(segments) if isinstance(segments, (list, tuple)) else 1)
+        version_segments.check(_where(index, item), segments, response_length)
     for name in RESPONSE_TENSOR_FIELDS:
         tensor = tensors.get(name)
         if tensor is None:

@@ -36,6 +36,10 @@ SCALARS = {
     "cost": "I64",
 }  # fmt: skip
 _PACK = {"F64": "<%dd", "I64": "<%dq"}
+# The column of each experience's version segments (segments.py), from its record: [k, 2] int64,
+# a row (version, offset) per segment; an experience with a version and no segments has one row,
+# (version, 0), one without a version none.
+SEGMENTS = "version_segments"
 # The tensors laid along an experience's response (its tokens after the prompt), as a stored
 # header writes their names.
 _RESPONSE = frozenset(json_text(name) for name in RESPONSE_TENSOR_FIELDS)
@@ -308,6 +312,17 @@ def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnPart
         return None
     data = struct.pack(_PACK[dtype] % len(items), *[values[index] for index in items])
     return ColumnParts(name, dtype, 0, items, [], [data])
+
+
+def segment_column(segments: Sequence[Sequence[int]]) -> ColumnParts | None:
+    """The column of each experience's version segments (flattened: version, offset, ...), of the
+    experiences that have some; None when none has."""
+    items = [index for index, flat in enumerate(segments) if flat]
+    if not items:
+        return None
+    shapes = [number for index in items for number in (len(segments[index]) // 2, 2)]
+    values: list[bytes | memoryview] = [struct.pack(f"<{len(segments[index])}q", *segments[index]) for index in items]
+    return ColumnParts(SEGMENTS, "I64", 2, items, shapes, values)
 
 
 def in_order(columns: Iterable[ColumnParts], fields: Sequence[str]) -> list[ColumnParts]:

@@ -154,8 +154,18 @@ class RawItem:
 
     @property
     def model_version(self) -> int | None:
-        version: int | None = self.meta.get("info", {}).get("model_version")
+        """The policy version of the experience: its oldest token's where it carries version
+        segments (segments.py), else info["model_version"]."""
+        info = self.meta.get("info", {})
+        segments = info.get("version_segments")
+        version: int | None = segments[0][0] if segments else info.get("model_version")
         return version
+
+    @property
+    def version_segments(self) -> tuple[int, ...]:
+        """The version segments of a checked item, flattened (version, offset, ...); () without."""
+        segments = self.meta.get("info", {}).get("version_segments")
+        return tuple([number for pair in segments for number in pair]) if segments else ()
 
     @property
     def response_length(self) -> int:

@@ -44,6 +44,11 @@ _STORE_COUNTERS = (
     ("expbuf_runs_failed", "Runs their workers reported failed (FailRuns).", "runs_failed"),
     ("expbuf_groups_short", "Groups complete with fewer members than group_size.", "groups_short"),
     (
+        "expbuf_tokens_masked",
+        "Sampled tokens masked out of the action mask as staler than max_token_staleness.",
+        "tokens_masked",
+    ),
+    (
         "expbuf_damaged",
         "Experiences found damaged on disk by a read or the scrub, and quarantined: never served, their groups failed.",
         "damaged",

@@ -27,6 +27,12 @@ class OnGroupTimeout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_GROUP_TIMEOUT_RELEASE: _ClassVar[OnGroupTimeout]
     ON_GROUP_TIMEOUT_DROP: _ClassVar[OnGroupTimeout]
 
+class OnTokenStale(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_TOKEN_STALE_UNSPECIFIED: _ClassVar[OnTokenStale]
+    ON_TOKEN_STALE_MASK: _ClassVar[OnTokenStale]
+    ON_TOKEN_STALE_DROP: _ClassVar[OnTokenStale]
+
 class OnStale(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ON_STALE_UNSPECIFIED: _ClassVar[OnStale]
@@ -58,6 +64,9 @@ WHEN_FULL_EVICT: WhenFull
 ON_GROUP_TIMEOUT_UNSPECIFIED: OnGroupTimeout
 ON_GROUP_TIMEOUT_RELEASE: OnGroupTimeout
 ON_GROUP_TIMEOUT_DROP: OnGroupTimeout
+ON_TOKEN_STALE_UNSPECIFIED: OnTokenStale
+ON_TOKEN_STALE_MASK: OnTokenStale
+ON_TOKEN_STALE_DROP: OnTokenStale
 ON_STALE_UNSPECIFIED: OnStale
 ON_STALE_DROP: OnStale
 ON_STALE_REFUSE: OnStale
@@ -111,7 +120,7 @@ class Shaping(_message.Message):
     def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ..., advantages_norm: _Optional[bool] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions", "min_group_size")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions", "min_group_size", "max_token_staleness", "on_token_stale")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +147,8 @@ class TableConfig(_message.Message):
     PRIORITY_NOISE_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     MIN_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKEN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ON_TOKEN_STALE_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -164,7 +175,9 @@ class TableConfig(_message.Message):
     priority_noise: float
     extensions: _containers.RepeatedScalarFieldContainer[str]
     min_group_size: int
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ...) -> None: ...
+    max_token_staleness: int
+    on_token_stale: OnTokenStale
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ..., max_token_staleness: _Optional[int] = ..., on_token_stale: _Optional[_Union[OnTokenStale, str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq", "total_bytes")

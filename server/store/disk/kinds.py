@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.columns import PREFIX_FIELDS, SCALARS, ColumnParts, Shares, in_order, scalar_column
+from expbuf.client.trxp.columns import (
+    PREFIX_FIELDS,
+    SCALARS,
+    SEGMENTS,
+    ColumnParts,
+    Shares,
+    in_order,
+    scalar_column,
+    segment_column,
+)
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored
 
@@ -18,7 +27,7 @@ from . import digests
 from .chunked import Deferred, checked, token_length
 from .records import ItemRecord
 from .snapshot import Snapshot
-from .stored_advantages import Advantage, Stage, batch_columns, batch_parts
+from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
 
 T = TypeVar("T")
 
@@ -48,6 +57,7 @@ class Entry:
     step: int
     response_length: int
     generated: int  # response tokens under the action mask
+    segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:
@@ -76,6 +86,7 @@ class Entry:
             step=eid.step,
             response_length=item.response_length,
             generated=generated,
+            segments=item.version_segments,
         )
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
@@ -95,6 +106,7 @@ class Entry:
             version=self.version,
             reward=self.reward,
             priority=self.priority,
+            segments=self.segments,
         )
 
     def group_key(self, group_by: str) -> str:
@@ -160,6 +172,8 @@ class Sampled:
     stage: Stage | None = field(default=None, repr=False, compare=False)
     shares: Shares | None = None  # a read of some shares of each experience's tokens (ReadFields)
     run_cost: Callable[[int], int] | None = None  # a rank's part: what its split weighed a run of L tokens by
+    segments: list[tuple[int, ...]] = field(default_factory=list)  # each one's version segments (its version's)
+    masked: list[int] = field(default_factory=list)  # each one's response tokens masked as too stale (a prefix)
 
     @property
     def payload(self) -> bytes:
@@ -177,15 +191,19 @@ class Sampled:
         batch stage runs first, if it has not."""
         self.finish()
         if self.snapshot is None:
-            return build(batch_parts(checked(self.blobs), self.advantages))
+            return build(batch_parts(checked(self.blobs), self.advantages, self._masks()))
         with self.snapshot.reading():
-            return build(batch_parts(checked(self.blobs), self.advantages))
+            return build(batch_parts(checked(self.blobs), self.advantages, self._masks()))
+
+    def _masks(self) -> Masks | None:
+        """The tokens each experience's delivery masks (none where no experience has any)."""
+        return Masks(self.masked, self.response_lengths) if any(self.masked) else None
 
     def columns(self, fields: Sequence[str], build: Callable[[list[ColumnParts]], T]) -> T:
         """`build` of the batch as the columns of `fields` (stored_advantages.batch_columns),
         whose bytes are valid only during the call, as render's are. The batch stage runs first."""
         self.finish()
-        tensors = [name for name in fields if name not in SCALARS]
+        tensors = [name for name in fields if name not in SCALARS and name != SEGMENTS]
 
         def made() -> list[ColumnParts]:
             scalars: dict[str, Sequence[float | int | None]] = {
@@ -203,12 +221,14 @@ class Sampled:
                 cost = self.run_cost
                 scalars["cost"] = [None if length is None or cost is None else cost(length) for length in lengths]
             kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
+            if SEGMENTS in fields:
+                kept.append(segment_column(self.segments))
             ones = [column for column in kept if column is not None]
             if not tensors:
                 return ones
             reads = [*tensors, "tokens"] if PREFIX_FIELDS & set(tensors) else tensors  # a tree's are the tokens'
             blobs = checked(self.blobs, reads, self.shares, self.response_lengths)
-            columns = batch_columns(blobs, self.advantages, tensors, self.shares, self.response_lengths)
+            columns = batch_columns(blobs, self.advantages, tensors, self.shares, self.response_lengths, self._masks())
             return in_order([*columns, *ones], fields)
 
         if self.snapshot is None:

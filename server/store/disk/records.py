@@ -56,6 +56,15 @@ def _unpack_strs(data: bytes | memoryview, pos: int) -> tuple[list[str], int]:
     return values, pos
 
 
+def _pack_segments(segments: tuple[int, ...]) -> bytes:
+    return _U32.pack(len(segments)) + struct.pack(f"<{len(segments)}q", *segments)
+
+
+def _unpack_segments(data: bytes | memoryview, pos: int) -> tuple[int, ...]:
+    (count,) = _U32.unpack_from(data, pos)
+    return struct.unpack_from(f"<{count}q", data, pos + 4)
+
+
 def _opt_float(value: float | None) -> float:
     return math.nan if value is None else value
 
@@ -87,6 +96,7 @@ class ItemRecord:
     advantage: float | None = None  # the stored value when every generated token carries it
     retired: float | None = None  # when it became a tombstone
     shaped_reward: float | None = None  # the reward after shaping, where a batch stage needs it
+    segments: tuple[int, ...] = ()  # per-token policy versions, flattened (version, offset, ...); () without
 
     _HEAD = struct.Struct("<BQ16sQdqIIqddQddd")
 
@@ -109,7 +119,8 @@ class ItemRecord:
             _opt_float(self.shaped_reward),
         )
         group, tid, rid = self.group.encode(), self.tid.encode(), self.rid.encode()
-        return b"".join((head, _U16.pack(len(group)), group, _U16.pack(len(tid)), tid, _U16.pack(len(rid)), rid))
+        tail = _pack_segments(self.segments) if self.segments else b""  # a record without them ends at rid
+        return b"".join((head, _U16.pack(len(group)), group, _U16.pack(len(tid)), tid, _U16.pack(len(rid)), rid, tail))
 
     _PLACE = struct.Struct("<BQ16sQ")  # the head up to the size: state, seq, digest, size
     _RETIRED = struct.Struct("<d")
@@ -206,7 +217,7 @@ class ItemRecord:
         ) = cls._HEAD.unpack_from(data)
         group, pos = _unpack_str(data, cls._HEAD.size)
         tid, pos = _unpack_str(data, pos)
-        rid, _ = _unpack_str(data, pos)
+        rid, pos = _unpack_str(data, pos)
         return cls(
             state=STATES[state],
             group=group,
@@ -226,6 +237,7 @@ class ItemRecord:
             advantage=_float_or_none(adv),
             retired=_float_or_none(retired),
             shaped_reward=_float_or_none(shaped),
+            segments=_unpack_segments(data, pos) if pos < len(data) else (),
         )
 
     @classmethod

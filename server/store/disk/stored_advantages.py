@@ -23,7 +23,9 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
+from expbuf.client.trxp import segments
 from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
 from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
@@ -91,19 +93,53 @@ def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage
     return token_level
 
 
-def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage]) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Masks:
+    """What a batch's delivery masks out of each experience's action mask: its first `stale[i]`
+    response tokens (those too stale: rules/staleness.masked_tokens), of `lengths[i]`."""
+
+    stale: Sequence[int]
+    lengths: Sequence[int]
+
+    def apply(self, index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        """Experience `index`'s action mask with its stale tokens masked out; none where it has none."""
+        stale = self.stale[index]
+        if not stale:
+            return {}
+        return {"action_mask": segments.masked(tensors.get("action_mask"), self.lengths[index], stale)}
+
+
+def _delivered(
+    advantages: Sequence[Advantage], masks: Masks | None
+) -> Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]]:
+    """The tensors a delivery gives experience i on top of its stored ones: its masked action mask,
+    and its advantages and returns over that mask."""
+
+    def extra(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        given = masks.apply(index, tensors) if masks is not None else {}
+        if not given:
+            return expand(advantages[index], tensors)
+        return given | expand(advantages[index], given)  # expand reads the action mask alone
+
+    return extra
+
+
+def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
-    return b"".join(batch_parts(blobs, advantages))
+    return b"".join(batch_parts(blobs, advantages, masks))
 
 
-def batch_parts(blobs: Sequence[Stored], advantages: Sequence[Advantage]) -> list[bytes | memoryview]:
+def batch_parts(
+    blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None
+) -> list[bytes | memoryview]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
     A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
-    if all(a is None for a in advantages):
+    apart = all(a is SENT_APART for a in advantages)
+    if masks is None and all(a is None for a in advantages):
         return join_parts(blobs)
-    if all(a is SENT_APART for a in advantages):
+    if masks is None and apart:
         return join_parts(blobs, drop=ADDED)
-    return join_parts(blobs, lambda index, tensors: expand(advantages[index], tensors))
+    return join_parts(blobs, _delivered(advantages, masks), drop=ADDED if apart else ())
 
 
 def batch_columns(
@@ -112,17 +148,15 @@ def batch_columns(
     fields: Sequence[str],
     shares: Shares | None = None,
     responses: Sequence[int] = (),
+    masks: Masks | None = None,
 ) -> list[ColumnParts]:
     """A batch of stored experiences as the columns of `fields`, computed advantages and returns
-    included (in place of any pushed with an experience that has computed ones), cut to
-    `shares` of their tokens where given (columns.column_parts)."""
-    if all(a is None for a in advantages):
+    included (in place of any pushed with an experience that has computed ones), and action masks
+    as delivered (`masks`), cut to `shares` of their tokens where given (columns.column_parts)."""
+    if masks is None and all(a is None for a in advantages):
         return column_parts(blobs, fields, shares=shares, responses=responses)
-
-    def extra(index: int, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
-        return expand(advantages[index], tensors)
-
-    return column_parts(blobs, fields, extra, ADDED, shares, responses)
+    added = ADDED if masks is None else (*ADDED, "action_mask")
+    return column_parts(blobs, fields, _delivered(advantages, masks), added, shares, responses)
 
 
 def expand(advantage: Advantage, tensors: Mapping[str, RawTensor]) -> dict[str, RawTensor]:

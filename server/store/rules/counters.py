@@ -61,6 +61,7 @@ class Counters:
     dropped_short: int = 0  # too few of the group's runs succeeded (min_group_size)
     runs_failed: int = 0  # runs their workers reported failed (FailRuns)
     groups_short: int = 0  # groups that completed with fewer members than group_size
+    tokens_masked: int = 0  # delivered tokens masked out of the action mask as too stale (max_token_staleness)
     # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
     overlong_penalised: int = 0
     rewards_seen: int = 0

@@ -11,7 +11,8 @@ jump, which would evict groups no trainer could yet have passed (a token sending
 would evict them all), is refused, naming the reset that sets any version.
 
 With `evict_stale`, a ready group whose lowest model version fell below trainer version -
-max_staleness leaves the buffer as dropped (reason `stale`): the trainer would never take
+max_staleness leaves the buffer (max_token_staleness where it is lower and on_token_stale is
+"drop": an experience's version is its oldest token's) as dropped (reason `stale`): the trainer would never take
 it. The version index (`byver`, ready_indexes.py) orders ready groups by their lowest version,
 so the stale ones are the front of the table's part of it, read up to the bound and never
 past it: the cost is that of the stale groups found, whatever fresh data the table holds.
@@ -24,8 +25,12 @@ from __future__ import annotations
 
 from typing import overload
 
+from expbuf.client.trxp import segments
+
+from ..disk.records import ItemRecord
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
+from ..schema.table_config import TableConfig
 from .extensions import TableExtension
 from .retirement import retire
 from .table_state import TableState
@@ -38,10 +43,11 @@ def ceiling(tt: TableState) -> int | None:
     """The highest version a report may set; None when any may be set (no evict_stale, or a
     table that has neither a version nor versioned data yet, so nothing to evict)."""
     cfg, counters = tt.config, tt.counters
-    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None:
+    lag = cfg.staleness.experience_bound
+    if not cfg.staleness.evict_stale or lag is None:
         return None
     known = [v for v in (counters.trainer_version, counters.max_version) if v is not None]
-    return max(known) + cfg.staleness.max_staleness + 1 if known else None
+    return max(known) + lag + 1 if known else None
 
 
 def next_version(tt: TableState, reported: int | None) -> int | None:
@@ -56,7 +62,7 @@ def next_version(tt: TableState, reported: int | None) -> int | None:
         raise VersionJump(
             f"table '{cfg.name}': trainer version {reported} jumps past {top}, the newest model version pushed "
             f"({tt.counters.max_version}) or the stored trainer version ({stored}), whichever is higher, + "
-            f"max_staleness {cfg.staleness.max_staleness} + 1; with evict_stale it would evict groups no trainer "
+            f"max_staleness {cfg.staleness.experience_bound} + 1; with evict_stale it would evict groups no trainer "
             f"could have passed. An admin sets any version with "
             f"`expbuf table reset-offpolicy {cfg.name} --version {reported}`"
         )
@@ -89,9 +95,10 @@ def reset(tt: TableState, version: int | None) -> None:
 def stale_bound(tt: TableState) -> int | None:
     """The lowest version a ready group may have; None when the table evicts nothing."""
     cfg, version = tt.config, tt.counters.trainer_version
-    if not cfg.staleness.evict_stale or cfg.staleness.max_staleness is None or version is None:
+    lag = cfg.staleness.experience_bound
+    if not cfg.staleness.evict_stale or lag is None or version is None:
         return None
-    return version - cfg.staleness.max_staleness
+    return version - lag
 
 
 def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
@@ -121,3 +128,22 @@ class StaleEviction(TableExtension):
 
     def on_upkeep(self, tt: TableState) -> int:
         return evict_stale(tt)
+
+
+def masked_tokens(config: TableConfig, trainer_version: int | None, rec: ItemRecord) -> int:
+    """How many of an experience's response tokens (a prefix: versions never decrease) its delivery
+    masks out of the action mask: those of a policy more than max_token_staleness behind the
+    trainer, where on_token_stale is "mask". Its version segments say each token's policy; an
+    experience without them has its one version for all its tokens."""
+    lag = config.staleness.token_bound
+    if lag is None or trainer_version is None or rec.version is None:
+        return 0
+    return segments.stale_tokens(rec.segments or (rec.version, 0), rec.response_length, trainer_version - lag)
+
+
+def version_segments(rec: ItemRecord) -> tuple[int, ...]:
+    """An experience's version segments as delivered (flattened): those it was pushed with, or one
+    segment of its version for all its tokens; none without a version."""
+    if rec.segments:
+        return rec.segments
+    return () if rec.version is None else (rec.version, 0)

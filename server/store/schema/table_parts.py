@@ -22,11 +22,13 @@ from expbuf.client.schema.table_settings import (
     GROUP_BY,
     ON_GROUP_TIMEOUT,
     ON_STALE,
+    ON_TOKEN_STALE,
     WHEN_FULL,
     Device,
     GroupBy,
     OnGroupTimeout,
     OnStale,
+    OnTokenStale,
     WhenFull,
 )
 
@@ -316,15 +318,37 @@ class Staleness(Part):
     on_stale: OnStale = "drop"
     # Whether ready groups that fall below the bound as the trainer advances are evicted.
     evict_stale: bool = False
+    # How many versions a generated token may lag the trainer (an experience's version segments,
+    # client/trxp/segments.py; its one version without them); None = no bound.
+    max_token_staleness: int | None = None
+    # What a token behind that bound gets: masked out of the action mask where a batch is
+    # delivered ("mask"), or its experience is stale as max_staleness makes one ("drop").
+    on_token_stale: OnTokenStale = "mask"
 
     def __post_init__(self) -> None:
-        staleness = self.max_staleness
-        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or
-                                      not 0 <= staleness < 2**31):  # fmt: skip
-            raise ConfigError(f"max_staleness must be an integer from 0 to 2^31 - 1, got {clip(repr(staleness), 40)}")
+        for name in ("max_staleness", "max_token_staleness"):
+            bound = getattr(self, name)
+            if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or not 0 <= bound < 2**31):
+                raise ConfigError(f"{name} must be an integer from 0 to 2^31 - 1, got {clip(repr(bound), 40)}")
         self._integer("batch_size", 2**31 - 1)
         self._one_of("on_stale", ON_STALE)
         self._boolean("evict_stale")
+        self._one_of("on_token_stale", ON_TOKEN_STALE)
+
+    @property
+    def experience_bound(self) -> int | None:
+        """How many versions an experience (its oldest token) may lag the trainer before it is stale:
+        max_staleness, or max_token_staleness where that is lower and drops ("drop"); None = no bound."""
+        bounds = [self.max_staleness]
+        if self.on_token_stale == "drop":
+            bounds.append(self.max_token_staleness)
+        known = [bound for bound in bounds if bound is not None]
+        return min(known) if known else None
+
+    @property
+    def token_bound(self) -> int | None:
+        """The lag past which delivered tokens are masked out; None when none are."""
+        return self.max_token_staleness if self.on_token_stale == "mask" else None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
+from ..rules.counters import Counters
 from ..rules.read_check import Unservable, payload_problem, serve_problem
+from ..rules.staleness import masked_tokens, version_segments
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
 from ..schema.errors import Busy, Forbidden, NotFound, clip
@@ -161,6 +163,7 @@ class Reads:
             if not snapshot.open:  # a map resize detached it before this began
                 return None
             rows = BatchRows(snapshot, db["adv"], config, self.finish)
+            trainer = Counters.decode(snapshot.get(prefix, db["counters"])).trainer_version
             snapshot.hold(rows.blobs)
             snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
             for uid in uids:
@@ -187,6 +190,8 @@ class Reads:
                 batch.versions.append(rec.version)
                 batch.rewards.append(rec.reward)
                 batch.response_lengths.append(rec.response_length)
+                batch.segments.append(version_segments(rec))
+                batch.masked.append(masked_tokens(config, trainer, rec))
             batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
         return batch, missing, damaged
 

@@ -127,16 +127,19 @@ def screen(tt: TableState, entries: Sequence[Entry]) -> tuple[list[Entry], list[
     """The entries to store and the uids dropped as stale (on_stale = drop); a stale
     entry with on_stale = refuse refuses the whole push."""
     cfg, version = tt.config, tt.counters.trainer_version
-    if cfg.staleness.max_staleness is None or version is None:
+    lag = cfg.staleness.experience_bound
+    if lag is None or version is None:
         return list(entries), []
-    bound = version - cfg.staleness.max_staleness
+    bound = version - lag
     stale = [e for e in entries if e.version is not None and e.version < bound]
     if not stale:
         return list(entries), []
     if cfg.staleness.on_stale == "refuse":
+        named = "max_staleness" if lag == cfg.staleness.max_staleness else "max_token_staleness"
+        oldest = " (its oldest token's)" if stale[0].segments else ""
         raise StaleExperience(
-            f"table '{cfg.name}': experience {stale[0].uid} has model_version {stale[0].version}, below "
-            f"{bound} (trainer version {version} - max_staleness {cfg.staleness.max_staleness}); "
+            f"table '{cfg.name}': experience {stale[0].uid} has model_version {stale[0].version}{oldest}, below "
+            f"{bound} (trainer version {version} - {named} {lag}); "
             f"{len(stale)} of {len(entries)} experiences are stale, nothing was stored"
         )
     tt.counters.stale_dropped += len(stale)

@@ -31,7 +31,7 @@ from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
-from ..rules.staleness import report
+from ..rules.staleness import masked_tokens, report, version_segments
 from ..rules.table_state import TableState, stored
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import SampleSpec
@@ -97,6 +97,8 @@ def take(
             batch.rewards.append(rec.reward)
             batch.response_lengths.append(rec.response_length)
             batch.times_sampled.append(rec.times_sampled + 1)
+            batch.segments.append(version_segments(rec))
+            batch.masked.append(masked_tokens(tt.config, tt.counters.trainer_version, rec))
             if delivery != "lease":  # a leased one is counted in its record when the lease ends (leases.py)
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)
@@ -112,6 +114,7 @@ def take(
             grp.lease = batch.lease_id
         tt.set_states(taken, LEASED)
     tt.counters.sampled += len(batch.uids)
+    tt.counters.tokens_masked += sum(batch.masked)
     limiter.taken(tt, len(batch.uids))
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version
