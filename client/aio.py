@@ -35,6 +35,7 @@ from .rpc import aio_status, calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import ClientBase
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.experience import Experience
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -356,6 +357,10 @@ class AsyncBufferClient(ClientBase):
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
         return await self._run(read_calls.get(uids, table, self.max_message_bytes))
+
+    async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
+        """As BufferClient.get_partials."""
+        return await self._run(read_calls.get_partials(task_ids, table))
 
     async def list_experiences(
         self, table: str = "default", **filters: Unpack[read_calls.ListFilters]

@@ -41,6 +41,7 @@ from .rpc import calls, ledger_calls, read_calls, value_calls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
+from .schema.experience import Experience
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -409,6 +410,12 @@ class BufferClient(ClientBase):
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
         Read in parts no larger than the client's max_message_bytes, however large they are."""
         return self._run(read_calls.get(uids, table, self.max_message_bytes))
+
+    def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
+        """The rollouts of these tasks (batch/task) held in pieces, each put together as it stands
+        and marked partial (push scope): what a rollout worker continues, with `continuation`. A
+        prompt's claimant gets those of the attempt before it under its own task."""
+        return self._run(read_calls.get_partials(task_ids, table))
 
     def read_fields(
         self,

@@ -31,6 +31,7 @@ class PushResult:
     duplicates: list[str]
     completed_groups: list[str]
     stale: list[str] = field(default_factory=list)  # dropped as staler than the table's max_staleness
+    partial: list[str] = field(default_factory=list)  # pieces of partial rollouts stored (rollouts not finished)
 
 
 @dataclass

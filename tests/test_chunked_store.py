@@ -184,7 +184,7 @@ def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_st
     assert (data / "data.mdb").read_bytes() == before  # the upgrade is the open's one transaction
     with Store(data) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"7"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"8"
         assert rows(store, "chunks") == {}
         push(store, big_group(2))  # a new one is stored in chunks
         assert len(rows(store, "chunks")) > 0

@@ -42,11 +42,13 @@ STORED_NOW = (
     .replace(b'"leases_expired":0,', b'"leases_expired":0,"damaged":0,')
     .replace(
         b'"dropped_stale":0,',
-        b'"dropped_stale":0,"dropped_short":0,"runs_failed":0,"groups_short":0,"tokens_masked":0,',
+        b'"dropped_stale":0,"dropped_short":0,"runs_failed":0,"groups_short":0,"tokens_masked":0,"partials":0,'
+        b'"pieces_pushed":0,',
     )
 )
 ADDED = {
     "quarantined": 0, "damaged": 0, "dropped_short": 0, "runs_failed": 0, "groups_short": 0, "tokens_masked": 0,
+    "partials": 0, "pieces_pushed": 0,
 }  # fmt: skip
 
 

@@ -31,7 +31,7 @@ def test_service_has_every_rpc_of_the_design() -> None:
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
         "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts", "Retire", "ReadFields",
-        "PutValues", "GetValues", "ClearValues", "FailRuns",
+        "PutValues", "GetValues", "ClearValues", "FailRuns", "GetPartials",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming

@@ -239,7 +239,7 @@ def test_prefix_fields_with_shares_are_refused_by_name(client: BufferClient) -> 
 
 def test_a_format_6_directory_upgrades_its_runs_stay_whole_and_new_pushes_share(tmp_path: Path) -> None:
     """A directory of the format before shared prompts (its runs stored whole, no shared
-    databases): the open brings it to format 7 in place; its runs read back as stored and are
+    databases): the open brings it to the current format in place; its runs read back as stored and are
     never counted; runs pushed from then on share their prompt."""
     old = items(run(0, 0), run(0, 1))
     config = TableConfig.of(name="t", estimator="none", group_size=4)
@@ -258,7 +258,7 @@ def test_a_format_6_directory_upgrades_its_runs_stay_whole_and_new_pushes_share(
                 txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
     with Store(tmp_path / "data", map_size=64 << 20) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == b"7"
+            assert txn.get(b"format", db=store.environment.db["meta"]) == b"8"
         assert shared(store) == {}
         assert stored_sizes(store, [item.uid for item in old]) == [len(trxp.pack_item(item)) for item in old]
         new = items(run(0, 2), run(0, 3))

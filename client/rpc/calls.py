@@ -169,7 +169,11 @@ def push(
 
 def push_result(reply: pb.PushReply) -> PushResult:
     return PushResult(
-        list(reply.stored_uids), list(reply.duplicate_uids), list(reply.completed_groups), list(reply.stale_uids)
+        list(reply.stored_uids),
+        list(reply.duplicate_uids),
+        list(reply.completed_groups),
+        list(reply.stale_uids),
+        list(reply.partial_uids),
     )
 
 

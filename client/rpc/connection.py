@@ -66,6 +66,7 @@ RETRIED_METHODS = frozenset(
         "Writers",
         "Get",
         "ReadFields",
+        "GetPartials",
         "ListExperiences",
         "Stats",
         "ServerInfo",

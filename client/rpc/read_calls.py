@@ -16,6 +16,7 @@ from ..columns import decode_columns
 from ..errors import DataLossError
 from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
 from ..schema.balance import MAX_RANKS, ModelShape
+from ..schema.experience import Experience
 from ..trxp.columns import Shares
 from .calls import Unary
 from .sample_reply import SampleReplyParts
@@ -202,3 +203,9 @@ def list_experiences(
         limit=limit,
     )
     return Unary("ListExperiences", request, read, retry=True)
+
+
+def get_partials(task_ids: Iterable[str], table: str) -> Unary[list[Experience]]:
+    """The rollouts of these tasks held in pieces, each as it stands (marked partial)."""
+    request = pb.GetPartialsRequest(table=table, task_ids=list(task_ids))
+    return Unary("GetPartials", request, lambda reply: trxp.decode(reply.payload), retry=True)

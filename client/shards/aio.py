@@ -15,6 +15,7 @@ from ..errors import BufferError
 from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.experience import Experience
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
@@ -193,6 +194,10 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     ) -> FailedRuns:
         """As ShardedBufferClient.fail_runs."""
         return await self._run(self._fail_runs(list(uids), list(reasons), table))
+
+    async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
+        """As ShardedBufferClient.get_partials."""
+        return await self._run(self._get_partials(list(task_ids), table))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As ShardedBufferClient.seal."""

@@ -25,6 +25,7 @@ from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
+from ..schema.experience import Experience
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
 from ..schema.table_presets import with_preset
@@ -237,6 +238,11 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         """As BufferClient.fail_runs, each run on the shard that owns its group. Raises ShardError
         naming a shard that did not answer or refused, its `result` what the others did."""
         return self._run(self._fail_runs(list(uids), list(reasons), table))
+
+    def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
+        """As BufferClient.get_partials, from every shard (a rollout's pieces are on the shard that
+        owns its group, which a table grouping by run or step spreads a task over)."""
+        return self._run(self._get_partials(list(task_ids), table))
 
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group on the shard that owns it."""

@@ -92,6 +92,7 @@ def merge_push(results: Iterable[PushResult]) -> PushResult:
         merged.duplicates += result.duplicates
         merged.completed_groups += result.completed_groups
         merged.stale += result.stale
+        merged.partial += result.partial
     return merged
 
 

@@ -27,6 +27,7 @@ import grpc
 from ..client import Batch, BufferError, Grant, PushResult
 from ..results import BufferStats, FailedRuns, Leases, ServerInfo, TableInfo, TableStats
 from ..rpc.sample_spec import SampleSpec
+from ..schema.experience import Experience
 from ..schema.routing import uid_group_key
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
 from .poll import Ask, GiveUp, Poll, Wait
@@ -328,6 +329,10 @@ class Planned(Sharded):
             [gkey for one in done for gkey in one.completed_groups],
             [gkey for one in done for gkey in one.dropped_groups],
         )
+
+    def _get_partials(self, task_ids: list[str], table: str) -> Plan[list[Experience]]:
+        found = yield from self._on_all("get_partials", task_ids, table)
+        return [exp for shard in sorted(found) for exp in found[shard]]
 
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
         return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())

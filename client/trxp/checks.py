@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
+from . import partial
 from . import segments as version_segments
 from .common import (
     CONTAINERS,
@@ -344,6 +345,8 @@ def check_meta(index: int, item: Any, shape: Shape) -> None:
         priority = info.get("priority")
         if priority is not None and not (type(priority) is float and -_FLOAT_MAX <= priority <= _FLOAT_MAX):
             _number(_item_where(index, uid), "info.priority", priority)
+        if "partial" in info or "partial_offset" in info:
+            partial.check(_item_where(index, uid), item)
     for name in ("truncate_status", "response_text", "prompt_text"):
         if get(name) is not None and not isinstance(item[name], str):
             raise TrxpError(f"{_item_where(index, uid)}: field '{name}' must be a str or None")

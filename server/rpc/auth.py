@@ -26,6 +26,7 @@ SCOPE_OF_METHOD = {
     "PushStream": "push",
     "Seal": "push",
     "FailRuns": "push",
+    "GetPartials": "push",
     "PutValues": "push",
     "ClearValues": "push",
     "GetValues": "sample",

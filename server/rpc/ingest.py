@@ -45,6 +45,7 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 from expbuf.client import trxp
+from expbuf.client.trxp import partial
 from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
 
 from ..backend import Backend
@@ -381,10 +382,13 @@ class Stager:
     def open(self, table: str, start: memoryview, size: int) -> StagedPush | None:
         """The push of `size` bytes into `table` that starts with `start`, to be staged as it
         arrives; None if it is read whole: it has no large item, its head is not whole in
-        `start`, or its head is refused (the whole payload's parse then says why)."""
+        `start`, its head is refused (the whole payload's parse then says why), or it carries
+        pieces of partial rollouts, which the store puts together from whole pieces."""
         try:
             payload = StreamedPayload(start, size, CHUNK_BYTES, limit=self._limit)
         except (NotStreamable, trxp.TrxpError):
+            return None
+        if any(partial.mark_of(item.meta) is not None for item in payload.items):
             return None
         return StagedPush(self.store, table, payload)
 

@@ -43,6 +43,7 @@ _STORE_COUNTERS = (
     ("expbuf_stale_dropped", "Pushed experiences dropped as staler than max_staleness.", "stale_dropped"),
     ("expbuf_runs_failed", "Runs their workers reported failed (FailRuns).", "runs_failed"),
     ("expbuf_groups_short", "Groups complete with fewer members than group_size.", "groups_short"),
+    ("expbuf_pieces_pushed", "Pieces of partial rollouts stored.", "pieces_pushed"),
     (
         "expbuf_tokens_masked",
         "Sampled tokens masked out of the action mask as staler than max_token_staleness.",
@@ -109,6 +110,10 @@ class StoreCollector(Collector):
             for side in ("insert", "sample"):
                 blocked.add_metric([table, side], stats[f"{side}_blocked_seconds"])
         yield blocked
+        held = GaugeMetricFamily("expbuf_partials", "Rollouts held in pieces, not finished yet.", labels=["table"])
+        for table, stats in tables.items():
+            held.add_metric([table], stats["partials"])
+        yield held
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])

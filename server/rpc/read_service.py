@@ -51,6 +51,12 @@ class ReadCalls:
         return pb.GetReply(payload=payload, missing_uids=missing)
 
     @refusals
+    def GetPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> pb.GetReply:
+        return pb.GetReply(
+            payload=self.store.get_partials(request.table or "default", ids_of(request.task_ids, "task_ids"))
+        )
+
+    @refusals
     def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Some fields of named experiences as one columnar SampleReply, or without fields the
         experiences' TRXP payload (as Get's), in parts when large."""

@@ -163,6 +163,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
             duplicate_uids=result.duplicates,
             completed_groups=result.completed_groups,
             stale_uids=result.stale,
+            partial_uids=result.partial,
         )
 
     @refusals

@@ -44,6 +44,10 @@ class ReadCalls:
         """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
         return self.reads.payload(table, uids)
 
+    def get_partials(self, table: str, tids: Sequence[str]) -> bytes:
+        """A TRXP batch of the rollouts of tasks `tids` held in pieces, as they stand (Reads.partials)."""
+        return self.reads.partials(table, tids)
+
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False
     ) -> tuple[Sampled, list[str]]:

@@ -9,6 +9,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,25 @@ def service_over(store: Store) -> Iterator[str]:
 def channel(target: str) -> grpc.Channel:
     options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
     return grpc.insecure_channel(target, options=options)
+
+
+def cut_push(
+    payload: bytes, table: str, chunk: int, sent: int, asked: threading.Event, hold: threading.Event
+) -> Iterator[pb.PushRequest]:
+    """A PushStream of one push in chunks that stops after `sent` of them, never finished: it sets
+    `asked`, waits for `hold` (the server is killed meanwhile) and ends."""
+    for number, at in enumerate(range(0, len(payload), chunk)):
+        if number == sent:
+            asked.set()
+            hold.wait(120)
+            return
+        first = number == 0
+        yield pb.PushRequest(
+            table=table if first else "",
+            payload=payload[at : at + chunk],
+            seq=1 if first else 0,
+            total_bytes=len(payload) if first else 0,
+        )
 
 
 def stub(chan: grpc.Channel) -> pb_grpc.ExperienceBufferStub:

@@ -6,17 +6,15 @@ stored and served whole, and `expbuf check` finds the directory clean."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from expbuf.client import BufferClient, trxp
-from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.store.disk.environment import Environment
 
-from faultkit import channel, check_data, stub
+from faultkit import channel, check_data, cut_push, stub
 from helpers import make_experience, servers
 
 pytestmark = pytest.mark.faults
@@ -40,26 +38,12 @@ def test_a_server_killed_while_a_push_stages_keeps_nothing_of_it_and_takes_it_ag
     payload = trxp.build([trxp.from_experience(pushed)])
     asked, hold = threading.Event(), threading.Event()
 
-    def requests() -> Iterator[pb.PushRequest]:
-        for number, at in enumerate(range(0, len(payload), CHUNK)):
-            if number == SENT_BEFORE_THE_KILL:
-                asked.set()
-                hold.wait(120)
-                return
-            first = number == 0
-            yield pb.PushRequest(
-                table="t" if first else "",
-                payload=payload[at : at + CHUNK],
-                seq=1 if first else 0,
-                total_bytes=len(payload) if first else 0,
-            )
-
     with servers() as start:
         server = start(str(data))
         with BufferClient(server.target) as client:
             client.create_table("t", group_size=1)
         with channel(server.target) as chan:
-            replies = stub(chan).PushStream(requests())
+            replies = stub(chan).PushStream(cut_push(payload, "t", CHUNK, SENT_BEFORE_THE_KILL, asked, hold))
             try:
                 assert asked.wait(120), "the server did not read the push"
                 server.proc.kill()

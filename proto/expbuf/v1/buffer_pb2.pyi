@@ -192,18 +192,20 @@ class PushRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups", "stale_uids")
+    __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups", "stale_uids", "partial_uids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STORED_UIDS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_UIDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     STALE_UIDS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_UIDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stored_uids: _containers.RepeatedScalarFieldContainer[str]
     duplicate_uids: _containers.RepeatedScalarFieldContainer[str]
     completed_groups: _containers.RepeatedScalarFieldContainer[str]
     stale_uids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ...) -> None: ...
+    partial_uids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., stored_uids: _Optional[_Iterable[str]] = ..., duplicate_uids: _Optional[_Iterable[str]] = ..., completed_groups: _Optional[_Iterable[str]] = ..., stale_uids: _Optional[_Iterable[str]] = ..., partial_uids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("table", "batch_size", "num_groups", "order", "delivery", "lease_seconds", "wait_seconds", "allow_partial", "max_batches", "min_model_version", "has_min_model_version", "received", "stop", "trainer_version", "has_trainer_version", "window", "compact_advantages", "order_name", "fields", "max_reply_bytes")
@@ -500,6 +502,14 @@ class FailRunsRequest(_message.Message):
     uids: _containers.RepeatedScalarFieldContainer[str]
     reasons: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetPartialsRequest(_message.Message):
+    __slots__ = ("table", "task_ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, table: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FailRunsReply(_message.Message):
     __slots__ = ("recorded_uids", "completed_groups", "dropped_groups")

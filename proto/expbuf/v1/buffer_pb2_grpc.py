@@ -94,6 +94,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.FromString,
                 _registered_method=True)
+        self.GetPartials = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/GetPartials',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
+                _registered_method=True)
         self.PutValues = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/PutValues',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.SerializeToString,
@@ -290,6 +295,16 @@ class ExperienceBufferServicer:
     def FailRuns(self, request, context):
         """Runs that will never be pushed (the rollout failed): each counts as one of its group's runs,
         so the group completes short with the members present (min_group_size), or is dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPartials(self, request, context):
+        """The rollouts of these tasks held in pieces (partial rollouts: an experience pushed with
+        info["partial"]), each put together as it stands and marked partial: what a worker continues,
+        its next piece at info["partial_offset"] = its tokens. A prompt's next claimant gets those of
+        the attempt whose claim ended under its own task.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -513,6 +528,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.FailRuns,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.SerializeToString,
+            ),
+            'GetPartials': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPartials,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.SerializeToString,
             ),
             'PutValues': grpc.unary_unary_rpc_method_handler(
                     servicer.PutValues,
@@ -939,6 +959,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/FailRuns',
             expbuf_dot_v1_dot_buffer__pb2.FailRunsRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.FailRunsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPartials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/GetPartials',
+            expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from expbuf.client.trxp import partial
 from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.columns import (
     PREFIX_FIELDS,
@@ -58,6 +59,7 @@ class Entry:
     response_length: int
     generated: int  # response tokens under the action mask
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
+    piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:
@@ -87,6 +89,7 @@ class Entry:
             response_length=item.response_length,
             generated=generated,
             segments=item.version_segments,
+            piece=None if (mark := partial.mark_of(item.meta)) is None else (mark.offset, mark.more),
         )
 
     def record(self, gkey: str, *, seq: int, created: float) -> ItemRecord:
@@ -143,6 +146,7 @@ class PutResult:
     completed_groups: list[str] = field(default_factory=list)
     dropped_groups: list[str] = field(default_factory=list)  # by the zero-variance filter
     stale: list[str] = field(default_factory=list)  # dropped as older than the staleness bound
+    partial: list[str] = field(default_factory=list)  # pieces of partial rollouts stored (partials.py)
 
 
 @dataclass

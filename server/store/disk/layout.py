@@ -10,6 +10,8 @@ one contiguous range:
 - shared:    T + digest -> a prompt's tokens, stored once for the runs that carry them
   shared_refs: T + digest -> how many stored payloads refer to it (shared_prompts.py)
 - kv:        T + a caller's key -> its value (keyed values, services/values.py)
+- partials:  T + uid + NUL -> a rollout held in pieces' head, T + uid + NUL + piece number -> a
+  piece (rules/partials.py)
 - tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
 - adv:       T + uid -> token-level advantages (only estimators that have them)
 - groups:    T + group key -> GroupRecord
@@ -46,12 +48,13 @@ from ..schema.ready_indexes import u64
 # compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
 # ledger_records.py); 6 stores a tensor section larger than chunked.CHUNK_BYTES in chunks (the
 # chunks and staged databases); 7 stores a prompt its runs share once (the shared and shared_refs
-# databases, shared_prompts.py) and keeps keyed values (kv, services/values.py). See migrate.py.
-FORMAT = 7
+# databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
+# rollouts' pieces (partials, rules/partials.py). See migrate.py.
+FORMAT = 8
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",
-    "tombs", "ledger", "chunks", "staged", "shared", "shared_refs", "kv",
+    "tombs", "ledger", "chunks", "staged", "shared", "shared_refs", "kv", "partials",
 )  # fmt: skip
 # The indexes a directory written before the order registry keeps: those of the built-in orders.
 BUILT_IN_INDEXES = ("ready", "prio", "slots", "slotof", "byver")

@@ -26,6 +26,7 @@ from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk import layout
 from ..disk.records import GroupRecord
+from ..rules import partials
 from ..rules.extensions import TableExtension
 from ..rules.retirement import retire
 from ..rules.table_state import Groups, TableState
@@ -49,6 +50,7 @@ from .records import (
     group_entry_key,
     group_key,
     place,
+    prompt_eid,
     prompt_key,
     queue_key,
     queue_prefix,
@@ -328,6 +330,10 @@ class Ledger(TableExtension):
         self._unexpire(tt, ds.name, epoch, index, rec)
         self._count(ds, epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
+        if rec.state == PENDING:  # the next attempt's claimant gets the rollouts held in pieces back
+            partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
+        else:  # dropped, its attempts spent
+            partials.drop_group(tt, gkey)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
             retire(tt, [(gkey, grp)], GROUP_DROPPED)

@@ -62,6 +62,8 @@ class Counters:
     runs_failed: int = 0  # runs their workers reported failed (FailRuns)
     groups_short: int = 0  # groups that completed with fewer members than group_size
     tokens_masked: int = 0  # delivered tokens masked out of the action mask as too stale (max_token_staleness)
+    partials: int = 0  # rollouts held in pieces, not finished yet (partials.py)
+    pieces_pushed: int = 0  # pieces of partial rollouts stored
     # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
     overlong_penalised: int = 0
     rewards_seen: int = 0

@@ -22,7 +22,7 @@ from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidReque
 from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
-from . import limiter
+from . import limiter, partials
 from .capacity import make_room
 from .pushed_advantages import (
     Completed,
@@ -181,6 +181,8 @@ def complete(
     needs advantages is appended there, still pending, for the caller's compute_in_push."""
     recs = tt.members(grp)
     grp.partial = partial
+    if partial:  # sealed or timed out: its runs still in pieces will not join it
+        partials.drop_group(tt, gkey)
     if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)
         tt.counters.groups_dropped += 1
@@ -297,6 +299,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
                 raise GroupOverfilled(f"group {clip(gkey)} has all its {grouping.size} runs; {clip(uid)} is not one")
             grp.failed[uid] = clip(reason or "failed", 200)
             tt.counters.runs_failed += 1
+            partials.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
     for gkey, grp in touched.items():

@@ -16,7 +16,7 @@ from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
-from . import limiter
+from . import limiter, partials
 from .table_state import TableState
 
 
@@ -39,6 +39,8 @@ def retire(
     read yet in this transaction becomes a tombstone without being decoded. The table's
     extensions hear of it first (`on_retire`)."""
     tt.extensions.on_retire(tt, groups, state)
+    for gkey, _ in groups:
+        partials.drop_group(tt, gkey)
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:

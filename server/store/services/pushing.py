@@ -35,7 +35,7 @@ import lmdb
 from ..disk import chunked, layout
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
-from ..rules import groups, limiter, pushed_advantages
+from ..rules import groups, limiter, partials, pushed_advantages
 from ..rules.table_state import TableState
 from ..schema.errors import InsertLimited, TableFull
 from ..schema.selection import IndexBuilding
@@ -242,15 +242,19 @@ class Pushing:
         counted when it lets them go or at the deadline). With `in_push`, the groups the push
         completes get their advantages in its transaction where it gives the table a computation
         (`ahead`: computed before it, for the groups the push was expected to complete)."""
-        held = limiter.insert_limit(tt, entries)
+        # the pieces of partial rollouts are not inserts: the rollouts they finish are
+        held = limiter.insert_limit(tt, [e for e in entries if e.piece is None or not e.piece[1]])
         if blocked and (held is None or final):
             tt.counters.insert_blocked_seconds += blocked
             tt.save()
         if held is not None:
             return held
-        kept, stale = admission.screen(tt, entries)
+        pieces = partials.take(tt, entries) if any(e.piece is not None for e in entries) else None
+        kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         tt.compute = in_push(tt.config) if in_push is not None else None
         tt.ahead = ahead
         result = groups.put(tt, kept)
         result.stale = stale
+        if pieces is not None:
+            result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]
         return result

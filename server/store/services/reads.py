@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from expbuf.client.schema.balance import ModelShape, split_groups
+from expbuf.client.trxp.build import build
 from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.pieces import Stored, whole
 
@@ -24,6 +25,7 @@ from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
+from ..rules import partials
 from ..rules.counters import Counters
 from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.staleness import masked_tokens, version_segments
@@ -76,6 +78,13 @@ class Reads:
         if damaged:
             self._quarantine(table, damaged)
         return found
+
+    def partials(self, table: str, tids: Sequence[str]) -> bytes:
+        """A TRXP batch of the rollouts of tasks `tids` held in pieces, each put together as it
+        stands and marked partial (rules/partials.py), read from a snapshot, off the writer."""
+        table_id, config = self.catalog.lookup(table)
+        with self.environment.read() as txn:
+            return build(partials.read(self.catalog.state(txn, table_id, config), tids))
 
     def page(
         self,

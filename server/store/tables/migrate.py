@@ -15,7 +15,8 @@ of tensor sections stored in chunks (chunked.py), created empty by the open's tr
 every payload a format 5 directory holds is stored whole, as format 6 stores a small one.
 Format 7 adds those of prompts stored once for the runs that share them (shared_prompts.py)
 and of keyed values (services/values.py), created empty in the same way: a format 6
-directory's payloads stay whole, and only pushes from then on share their prompts.
+directory's payloads stay whole, and only pushes from then on share their prompts. Format 8
+adds the database of partial rollouts' pieces (rules/partials.py), created empty as well.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (selection.IN_USE, in the counters database); a table without

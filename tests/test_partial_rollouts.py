@@ -1,0 +1,247 @@
+"""Partial rollouts (issue 44): a rollout pushed in pieces as it is generated is held durably, never
+served, and put together into the experience pushed whole when its last piece comes; a piece that
+does not follow is refused by name; a rollout worker killed with SIGKILL mid-rollout leaves its
+pieces to the prompt's next claimant, who continues them, and the group trains once."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from expbuf.client import EID, BufferClient, Experience, InvalidArgumentError, TrxpError, trxp
+from expbuf.client.errors import AlreadyExistsError, DeadlineExceededError, FailedPreconditionError
+from expbuf.client.rollout_pieces import continuation, split
+from expbuf.server.store import Store
+from expbuf.server.store.schema.table_config import TableConfig
+
+from conftest import Servers
+from helpers import scrape
+from test_store import Clock
+
+PROMPT, RESPONSE = 5, 12
+
+
+def rollout(task: int | str = 0, run: int = 0, batch: int | str = 0, reward: float = 1.0) -> Experience:
+    """A long rollout as a worker has it at its end: tokens of three policy versions, a tool's
+    reply masked out, routing ids per token."""
+    length = PROMPT + RESPONSE
+    mask = torch.ones(RESPONSE, dtype=torch.bool)
+    mask[6:8] = False
+    return Experience(
+        eid=EID(batch=batch, task=task, run=run, suffix="r"),
+        tokens=torch.arange(100, 100 + length, dtype=torch.int32) + run,
+        prompt_length=PROMPT,
+        logprobs=-torch.arange(RESPONSE, dtype=torch.float32) / 10 - run,
+        action_mask=mask,
+        routed_experts=torch.arange(length * 2, dtype=torch.uint8).reshape(length, 2),
+        reward=reward,
+        prompt_text="a question",
+        info={"model_version": 3, "version_segments": [[3, 0], [4, 5], [6, 9]], "agent": "math"},
+    )
+
+
+def same(got: Experience, want: Experience) -> None:
+    for name in ("tokens", "logprobs", "action_mask", "routed_experts"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.prompt_length, got.reward, got.prompt_text) == (want.prompt_length, want.reward, want.prompt_text)
+    assert got.info == want.info
+
+
+def test_split_cuts_a_rollout_as_the_buffer_puts_it_together() -> None:
+    first, second, last = split(rollout(), [4, 8])
+    assert (first.prompt_length, first.tokens.numel(), first.info) == (
+        PROMPT,
+        PROMPT + 4,
+        {"partial": True, "version_segments": [[3, 0]]},
+    )
+    assert second.info == {"partial": True, "partial_offset": PROMPT + 4, "version_segments": [[3, 0], [4, 1]]}
+    assert second.prompt_length == 0 and second.routed_experts.shape == (4, 2)
+    assert last.info["partial_offset"] == PROMPT + 8 and last.info["version_segments"] == [[4, 0], [6, 1]]
+    with pytest.raises(ValueError, match="must increase strictly"):
+        split(rollout(), [4, 4])
+
+
+def test_a_rollout_in_three_pieces_equals_it_pushed_whole_and_no_piece_is_served(client: BufferClient) -> None:
+    for table in ("whole", "pieces"):
+        client.create_table(table, group_size=2)
+    client.push([rollout(run=0), rollout(run=1, reward=0.0)], table="whole")
+    first, second, last = split(rollout(run=0), [4, 8])
+    assert client.push([first, rollout(run=1, reward=0.0)], table="pieces").partial == [first.eid.uid]
+    done = client.push([second], table="pieces")
+    assert (done.stored, done.partial, done.completed_groups) == ([], [second.eid.uid], [])
+    assert client.push([second], table="pieces").duplicates == [second.eid.uid]  # sent again: nothing changes
+    with pytest.raises(DeadlineExceededError, match="did not have 1 group ready"):
+        next(client.sample("pieces", num_groups=1, max_batches=1, timeout=0.5, delivery="replay"))
+    (held,) = client.get_partials(["0/0"], table="pieces")  # the rollout so far
+    whole = rollout(run=0)
+    assert held.info["partial"] is True and torch.equal(held.tokens, whole.tokens[: PROMPT + 8])
+    assert torch.equal(held.logprobs, whole.logprobs[:8]) and held.info["version_segments"] == [[3, 0], [4, 5]]
+    stats = client.stats("pieces")["pieces"]
+    assert (stats.pending, stats.pushed) == (1, 1)  # run 1 alone: a rollout in pieces is not an experience yet
+    done = client.push([last], table="pieces")
+    assert (done.stored, done.completed_groups) == ([last.eid.uid], ["0/0"])
+    assert client.get_partials(["0/0"], table="pieces") == []
+    assert client.push([last], table="pieces").duplicates == [last.eid.uid]
+    got = {}
+    for table in ("whole", "pieces"):
+        (batch,) = client.sample(table, num_groups=1, max_batches=1, timeout=10, delivery="consume")
+        got[table] = {e.eid.uid: e for e in batch.experiences}
+    for uid, want in got["whole"].items():
+        same(got["pieces"][uid], want)
+        assert torch.equal(got["pieces"][uid].advantages, want.advantages)
+
+
+def test_pieces_that_do_not_follow_are_refused_by_name_and_store_nothing(client: BufferClient, server) -> None:
+    client.create_table("t", group_size=2)
+    first, second, last = split(rollout(), [4, 8])
+    with pytest.raises(AlreadyExistsError, match="continues at token 9, but the buffer holds 0 of its tokens"):
+        client.push([second], table="t")
+    client.push([first], table="t")
+    with pytest.raises(AlreadyExistsError, match="continues at token 13, but the buffer holds 9"):
+        client.push([last], table="t")
+    lacking = split(rollout(), [4, 8])[1]
+    lacking.routed_experts = None
+    with pytest.raises(InvalidArgumentError, match="lacks routed_experts, which the first piece has"):
+        client.push([lacking], table="t")
+    wrong = split(rollout(), [4, 8])[1]
+    wrong.logprobs = wrong.logprobs.to(torch.float64)
+    with pytest.raises(InvalidArgumentError, match="field 'logprobs' is F64 of inner shape"):
+        client.push([wrong], table="t")
+    unversioned = split(rollout(), [4, 8])[1]
+    del unversioned.info["version_segments"]
+    with pytest.raises(InvalidArgumentError, match="with every piece of a rollout or with none"):
+        client.push([unversioned], table="t")
+    older = split(rollout(), [4, 8])[1]
+    older.info["version_segments"] = [[2, 0]]
+    with pytest.raises(InvalidArgumentError, match="starts at version 2, older than the rollout's last"):
+        client.push([older], table="t")
+    with_prompt = split(rollout(), [4, 8])[1]
+    with_prompt.prompt_length = 1
+    with pytest.raises(TrxpError, match="its prompt_length must be 0"):
+        client.push([with_prompt], table="t")
+    (held,) = client.get_partials(["0/0"], table="t")
+    assert held.tokens.numel() == PROMPT + 4  # the first piece alone
+    assert client.push([second], table="t").partial == [second.eid.uid]  # the server is healthy
+    metrics = scrape(server.metrics_port)
+    assert metrics[("expbuf_partials", (("table", "t"),))] == 1
+    assert metrics[("expbuf_pieces_pushed_total", (("table", "t"),))] == 2
+
+
+def test_a_group_that_completes_without_a_rollout_in_pieces_drops_it(client: BufferClient) -> None:
+    client.create_table("t", group_size=3, min_group_size=2, estimator="none")
+    first, _, _ = split(rollout(run=2), [4, 8])
+    client.push([rollout(run=0), rollout(run=1, reward=0.0), first], table="t")
+    done = client.fail_runs([first.eid.uid], "t", reasons=["sandbox died"])
+    assert done.completed_groups == ["0/0"]
+    assert client.get_partials(["0/0"], table="t") == []
+    assert client.stats("t")["t"].ready == 2
+    with pytest.raises(FailedPreconditionError, match="already complete"):
+        client.push([split(rollout(run=2), [4, 8])[0]], table="t")
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from expbuf.client import BufferClient
+    from expbuf.client.rollout_pieces import split
+    from test_partial_rollouts import rollout
+
+    with BufferClient({target!r}) as client:
+        (prompt,) = client.claim("t", "d", 1, lease_seconds=2.0, wait=30).prompts
+        pieces = split(rollout(prompt.task, 0, prompt.batch), [4, 8])
+        client.push(pieces[:2], table="t")  # two pieces of run 0, durable; then it is killed
+        print(prompt.batch, prompt.task, flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_worker_killed_mid_rollout_leaves_its_pieces_to_the_next_claimant_and_the_group_trains_once(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("t", group_size=2)
+        client.create_dataset("t", "d", 1)
+        script = WORKER.format(tests=str(Path(__file__).parent), target=target)
+        worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            batch, task = worker.stdout.readline().split()  # its pieces are acknowledged
+            worker.send_signal(signal.SIGKILL)
+        finally:
+            worker.kill()
+            worker.wait(30)
+        assert task.endswith("@0")
+        deadline = time.monotonic() + 60
+        claimed = []
+        while not claimed and time.monotonic() < deadline:  # the killed worker's claim ends after 2 s
+            claimed = client.claim("t", "d", 1, lease_seconds=60, wait=5).prompts
+        (prompt,) = claimed
+        assert prompt.attempt == 1 and prompt.batch == batch
+        (held,) = client.get_partials([f"{prompt.batch}/{prompt.task}"], table="t")  # under its own task
+        assert held.eid.uid == prompt.eid(0, suffix="r").uid and held.tokens.numel() == PROMPT + 8
+        whole = rollout(prompt.task, 0, prompt.batch)
+        rest = continuation(
+            held,
+            whole.tokens[PROMPT + 8 :],
+            logprobs=whole.logprobs[8:],
+            action_mask=whole.action_mask[8:],
+            routed_experts=whole.routed_experts[PROMPT + 8 :],
+            version_segments=[[4, 0], [6, 1]],
+            reward=whole.reward,
+            prompt_text=whole.prompt_text,
+            info={key: value for key, value in whole.info.items() if key != "version_segments"},
+        )
+        done = client.push([rest, rollout(prompt.task, 1, prompt.batch, reward=0.0)], table="t")
+        assert done.completed_groups == [f"{prompt.batch}/{prompt.task}"]
+        (trained,) = client.sample("t", num_groups=1, max_batches=1, timeout=10, delivery="lease")
+        assert {e.eid.uid: e.eid.run for e in trained.experiences} == {
+            prompt.eid(0, suffix="r").uid: 0,
+            prompt.eid(1, suffix="r").uid: 1,
+        }
+        same(next(e for e in trained.experiences if e.eid.run == 0), whole)
+        assert trained.ack() == 2
+        with pytest.raises(DeadlineExceededError, match="did not have 1 group ready"):
+            next(client.sample("t", num_groups=1, max_batches=1, timeout=0.5))
+        prompts = client.list_prompts("t", "d").prompts
+        assert [(p.state, p.attempt) for p in prompts] == [("trained", 1)]
+
+
+def test_a_group_of_rollouts_in_pieces_alone_times_out_and_takes_them(tmp_path: Path) -> None:
+    """A first piece opens its group, so the group timeout reaches a rollout whose worker vanished."""
+    clock = Clock()
+    with Store(tmp_path / "data", map_size=1 << 24, clock=clock) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, group_timeout_seconds=5))
+        first = trxp.from_experience(split(rollout(), [4, 8])[0])
+        assert store.put("t", [first]).partial == [first.uid]
+        assert store.stats("t")["partials"] == 1 and store.stats("t")["groups_pending"] == 1
+        clock.now += 6
+        assert store.tick()["groups_timed_out"] == 1
+        stats = store.stats("t")
+        assert (stats["partials"], stats["groups_pending"], stats["dropped_short"]) == (0, 0, 1)
+        assert store.get_partials("t", ["0/0"]) == trxp.build([])
+
+
+def test_a_format_7_directory_upgrades_to_8_and_holds_pieces(tmp_path: Path) -> None:
+    """A directory of the format before partial rollouts (no partials database) opens at format 8,
+    the database created in the open's transaction, and takes pieces."""
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        env = store.environment.env
+        with env.begin(write=True) as txn:
+            txn.put(b"format", b"7", db=store.environment.db["meta"])
+            txn.drop(env.open_db(b"partials", txn=txn), delete=True)
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.environment.db["meta"]) == b"8"
+        first = trxp.from_experience(split(rollout(), [4, 8])[0])
+        assert store.put("t", [first]).partial == [first.uid]
