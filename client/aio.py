@@ -360,7 +360,11 @@ class AsyncBufferClient(ClientBase):
 
     async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
         """As BufferClient.get_partials."""
-        return await self._run(read_calls.get_partials(task_ids, table))
+        found, rest = await self._run(read_calls.get_partials(task_ids, (), table, self.max_message_bytes))
+        while rest:  # those one reply did not hold (each reply holds one at least)
+            more, rest = await self._run(read_calls.get_partials((), rest, table, self.max_message_bytes))
+            found += more
+        return found
 
     async def list_experiences(
         self, table: str = "default", **filters: Unpack[read_calls.ListFilters]

@@ -415,7 +415,11 @@ class BufferClient(ClientBase):
         """The rollouts of these tasks (batch/task) held in pieces, each put together as it stands
         and marked partial (push scope): what a rollout worker continues, with `continuation`. A
         prompt's claimant gets those of the attempt before it under its own task."""
-        return self._run(read_calls.get_partials(task_ids, table))
+        found, rest = self._run(read_calls.get_partials(task_ids, (), table, self.max_message_bytes))
+        while rest:  # those one reply did not hold (each reply holds one at least)
+            more, rest = self._run(read_calls.get_partials((), rest, table, self.max_message_bytes))
+            found += more
+        return found
 
     def read_fields(
         self,

@@ -22,7 +22,7 @@ from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import scrape
+from helpers import make_experience, scrape
 from test_store import Clock
 
 PROMPT, RESPONSE = 5, 12
@@ -69,11 +69,15 @@ def test_split_cuts_a_rollout_as_the_buffer_puts_it_together() -> None:
 
 
 def test_a_rollout_in_three_pieces_equals_it_pushed_whole_and_no_piece_is_served(client: BufferClient) -> None:
+    # DAPO's overlong penalty reads each run's generated tokens, the finished rollout's (10 under its mask: 1.0 - 1/3),
+    # not its last piece's (4: no penalty): the partner's 0.8 ranks above it, not below
+    shaping = {"overlong_buffer": True, "overlong_buffer_len": 3, "max_new_tokens": 12}
+    partner = make_experience(0, 0, 1, response=4, reward=0.8)
     for table in ("whole", "pieces"):
-        client.create_table(table, group_size=2)
-    client.push([rollout(run=0), rollout(run=1, reward=0.0)], table="whole")
+        client.create_table(table, group_size=2, shaping=shaping)
+    client.push([rollout(run=0), partner], table="whole")
     first, second, last = split(rollout(run=0), [4, 8])
-    assert client.push([first, rollout(run=1, reward=0.0)], table="pieces").partial == [first.eid.uid]
+    assert client.push([first], table="pieces").partial == [first.eid.uid]
     done = client.push([second], table="pieces")
     assert (done.stored, done.partial, done.completed_groups) == ([], [second.eid.uid], [])
     assert client.push([second], table="pieces").duplicates == [second.eid.uid]  # sent again: nothing changes
@@ -84,17 +88,18 @@ def test_a_rollout_in_three_pieces_equals_it_pushed_whole_and_no_piece_is_served
     assert held.info["partial"] is True and torch.equal(held.tokens, whole.tokens[: PROMPT + 8])
     assert torch.equal(held.logprobs, whole.logprobs[:8]) and held.info["version_segments"] == [[3, 0], [4, 5]]
     stats = client.stats("pieces")["pieces"]
-    assert (stats.pending, stats.pushed) == (1, 1)  # run 1 alone: a rollout in pieces is not an experience yet
-    done = client.push([last], table="pieces")
-    assert (done.stored, done.completed_groups) == ([last.eid.uid], ["0/0"])
+    assert (stats.pending, stats.pushed, stats.groups_pending) == (0, 0, 1)  # a rollout in pieces is no experience
+    done = client.push([last, partner], table="pieces")  # with its group's other run
+    assert (done.stored, done.completed_groups) == ([last.eid.uid, partner.eid.uid], ["0/0"])
     assert client.get_partials(["0/0"], table="pieces") == []
     assert client.push([last], table="pieces").duplicates == [last.eid.uid]
     got = {}
     for table in ("whole", "pieces"):
         (batch,) = client.sample(table, num_groups=1, max_batches=1, timeout=10, delivery="consume")
         got[table] = {e.eid.uid: e for e in batch.experiences}
+    assert float(got["whole"][last.eid.uid].advantages[0]) < 0
+    same(got["pieces"][last.eid.uid], got["whole"][last.eid.uid])
     for uid, want in got["whole"].items():
-        same(got["pieces"][uid], want)
         assert torch.equal(got["pieces"][uid].advantages, want.advantages)
 
 
@@ -116,7 +121,9 @@ def test_pieces_that_do_not_follow_are_refused_by_name_and_store_nothing(client:
         client.push([wrong], table="t")
     unversioned = split(rollout(), [4, 8])[1]
     del unversioned.info["version_segments"]
-    with pytest.raises(InvalidArgumentError, match="with every piece of a rollout or with none"):
+    with pytest.raises(
+        InvalidArgumentError, match="with every piece of a rollout that has response tokens, or with none"
+    ):
         client.push([unversioned], table="t")
     older = split(rollout(), [4, 8])[1]
     older.info["version_segments"] = [[2, 0]]
@@ -228,7 +235,7 @@ def test_a_group_of_rollouts_in_pieces_alone_times_out_and_takes_them(tmp_path: 
         assert store.tick()["groups_timed_out"] == 1
         stats = store.stats("t")
         assert (stats["partials"], stats["groups_pending"], stats["dropped_short"]) == (0, 0, 1)
-        assert store.get_partials("t", ["0/0"]) == trxp.build([])
+        assert store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
 
 
 def test_a_format_7_directory_upgrades_to_8_and_holds_pieces(tmp_path: Path) -> None:
@@ -245,3 +252,47 @@ def test_a_format_7_directory_upgrades_to_8_and_holds_pieces(tmp_path: Path) -> 
             assert txn.get(b"format", db=store.environment.db["meta"]) == b"8"
         first = trxp.from_experience(split(rollout(), [4, 8])[0])
         assert store.put("t", [first]).partial == [first.uid]
+
+
+def test_a_multimodal_rollout_in_pieces_keeps_its_images_and_an_empty_first_piece_is_refused(
+    client: BufferClient,
+) -> None:
+    client.create_table("mm", group_size=1, estimator="none")
+    whole = rollout()
+    whole.multi_modal_inputs = {"pixel_values": torch.rand(2, 3, 4)}
+    first, second, last = split(whole, [4, 8])
+    assert client.push([first], table="mm").partial == [whole.eid.uid]
+    assert client.push([second], table="mm").partial == [whole.eid.uid]
+    (held,) = client.get_partials(["0/0"], table="mm")
+    assert torch.equal(held.multi_modal_inputs["pixel_values"], whole.multi_modal_inputs["pixel_values"])
+    assert client.push([last], table="mm").stored == [whole.eid.uid]
+    (got,) = client.get([whole.eid.uid], table="mm")
+    same(got, whole)
+    assert torch.equal(got.multi_modal_inputs["pixel_values"], whole.multi_modal_inputs["pixel_values"])
+    empty = Experience(eid=EID(batch=0, task=1, run=0), tokens=torch.zeros(0, dtype=torch.int32), prompt_length=0)
+    empty.info["partial"] = True
+    with pytest.raises(InvalidArgumentError, match="this one has no tokens"):
+        client.push([empty], table="mm")
+
+
+def test_a_sealed_group_drops_its_runs_in_pieces(tmp_path: Path) -> None:
+    with Store(tmp_path / "data", map_size=1 << 24) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=3))
+        first = trxp.from_experience(split(rollout(run=2), [4, 8])[0])
+        store.put("t", [trxp.from_experience(rollout(run=0)), first])
+        assert store.seal("t", "0/0") == 1
+        assert store.stats("t")["partials"] == 0 and store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
+
+
+def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client:
+        client.create_table("big", group_size=4, estimator="none")
+        for run in range(3):
+            whole = rollout(run=run)
+            whole.multi_modal_inputs = {"pixel_values": torch.rand(100, 200)}  # 80 KB each
+            client.push([split(whole, [4, 8])[0]], table="big")
+    with BufferClient(target, max_message_bytes=200_000, push_chunk_bytes=0) as small:  # one rollout a reply
+        held = small.get_partials(["0/0"], table="big")
+    assert sorted(exp.eid.run for exp in held) == [0, 1, 2]

@@ -205,7 +205,17 @@ def list_experiences(
     return Unary("ListExperiences", request, read, retry=True)
 
 
-def get_partials(task_ids: Iterable[str], table: str) -> Unary[list[Experience]]:
-    """The rollouts of these tasks held in pieces, each as it stands (marked partial)."""
-    request = pb.GetPartialsRequest(table=table, task_ids=list(task_ids))
-    return Unary("GetPartials", request, lambda reply: trxp.decode(reply.payload), retry=True)
+def get_partials(
+    task_ids: Iterable[str], uids: Iterable[str], table: str, max_reply_bytes: int
+) -> Unary[tuple[list[Experience], list[str]]]:
+    """The rollouts of these tasks and uids held in pieces, each as it stands (marked partial), as
+    many as one reply holds, and the uids of the others, to ask for again."""
+    request = pb.GetPartialsRequest(
+        table=table, task_ids=list(task_ids), uids=list(uids), max_reply_bytes=max_reply_bytes
+    )
+    return Unary(
+        "GetPartials",
+        request,
+        lambda reply: (trxp.decode(reply.payload), list(reply.missing_uids)),
+        retry=True,
+    )

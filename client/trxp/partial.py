@@ -32,6 +32,7 @@ from .segments import KEY as SEGMENTS
 PARTIAL = "partial"  # info: True on a piece that more pieces follow
 OFFSET = "partial_offset"  # info: the rollout's tokens the buffer holds before this piece
 MARKS = (PARTIAL, OFFSET)
+FIRST_ONLY = ("prompt_length", "multi_modal_input_keys")  # metadata of the first piece's own tensors and prompt
 TOKEN_LAID = ("tokens", "routed_experts")  # appended along the tokens; RESPONSE_TENSOR_FIELDS along the response
 INT64_MAX = 2**63 - 1
 
@@ -105,7 +106,9 @@ def response_of(item: RawItem) -> int:
 
 
 def merge(pieces: Sequence[RawItem]) -> RawItem:
-    """A rollout's pieces (checked, in order) put together: the experience pushed whole."""
+    """A rollout's pieces (checked, in order) put together: the experience pushed whole. Its
+    metadata is the last piece's but for what describes the first piece's own tensors and prompt
+    (`prompt_length`, `multi_modal_input_keys`)."""
     first, last = pieces[0], pieces[-1]
     tensors = dict(first.tensors)
     for name in layout(first):
@@ -114,7 +117,11 @@ def merge(pieces: Sequence[RawItem]) -> RawItem:
         data = b"".join([bytes(part.data) for part in parts])
         tensors[name] = RawTensor(first.tensors[name].dtype, (rows, *first.tensors[name].shape[1:]), data)
     meta = dict(last.meta)
-    meta["prompt_length"] = first.meta.get("prompt_length", 1)
+    for key in FIRST_ONLY:
+        if key in first.meta:
+            meta[key] = first.meta[key]
+        else:
+            meta.pop(key, None)
     info = {key: value for key, value in (last.meta.get("info") or {}).items() if key not in MARKS}
     segments = joined_segments(pieces)
     if segments is not None:
@@ -137,20 +144,31 @@ def joined_segments(pieces: Sequence[RawItem]) -> list[list[int]] | None:
     return joined or None
 
 
-def check_segments_follow(where: str, pieces: Sequence[RawItem], piece: RawItem) -> None:
-    """A later piece's version segments against those before it: every piece has them or none
-    does, and the versions never decrease across pieces."""
-    had = [bool((p.meta.get("info") or {}).get(SEGMENTS)) for p in pieces]
-    has = bool((piece.meta.get("info") or {}).get(SEGMENTS))
-    if any(had) != has or len(set(had)) > 1:
-        raise TrxpError(
-            f"{where}: info.{SEGMENTS} must be given with every piece of a rollout or with none; "
-            f"the pieces before {'lack' if has else 'have'} them"
-        )
-    if has:
-        before = joined_segments(pieces)
-        first = piece.meta["info"][SEGMENTS][0][0]
-        if before and first < before[-1][0]:
+@dataclass(frozen=True, slots=True)
+class Versions:
+    """What a rollout's pieces so far say of its version segments: whether they carry them (None
+    until a piece with response tokens, which alone can, says), and the last version."""
+
+    carried: bool | None = None
+    last: int | None = None
+
+    def after(self, where: str, piece: RawItem) -> Versions:
+        """The state once `piece` is added; TrxpError where its segments do not follow: every piece
+        with response tokens has them or none has, and versions never decrease across pieces."""
+        segments: list[list[int]] = (piece.meta.get("info") or {}).get(SEGMENTS) or []
+        if not response_of(piece):
+            return self
+        has = bool(segments)
+        if self.carried is not None and has != self.carried:
             raise TrxpError(
-                f"{where}: info.{SEGMENTS} starts at version {first}, older than the rollout's last ({before[-1][0]})"
+                f"{where}: info.{SEGMENTS} must be given with every piece of a rollout that has response tokens, "
+                f"or with none; the pieces before {'lack' if has else 'have'} them"
             )
+        if not has:
+            return Versions(False, None)
+        first = segments[0][0]
+        if self.last is not None and first < self.last:
+            raise TrxpError(
+                f"{where}: info.{SEGMENTS} starts at version {first}, older than the rollout's last ({self.last})"
+            )
+        return Versions(True, segments[-1][0])

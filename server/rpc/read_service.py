@@ -52,9 +52,15 @@ class ReadCalls:
 
     @refusals
     def GetPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        return pb.GetReply(
-            payload=self.store.get_partials(request.table or "default", ids_of(request.task_ids, "task_ids"))
-        )
+        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
+            raise InvalidRequest(
+                f"GetPartialsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (the server's "
+                f"max_message_bytes) or at least {MIN_REPLY_BYTES}"
+            )
+        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
+        tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
+        payload, rest = self.store.get_partials(request.table or "default", tids, uids, limit)
+        return pb.GetReply(payload=payload, missing_uids=rest)
 
     @refusals
     def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

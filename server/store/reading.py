@@ -44,9 +44,12 @@ class ReadCalls:
         """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
         return self.reads.payload(table, uids)
 
-    def get_partials(self, table: str, tids: Sequence[str]) -> bytes:
-        """A TRXP batch of the rollouts of tasks `tids` held in pieces, as they stand (Reads.partials)."""
-        return self.reads.partials(table, tids)
+    def get_partials(
+        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0
+    ) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, as they stand,
+        within `limit` bytes (0: all), and those left out (Reads.partials)."""
+        return self.reads.partials(table, tids, uids, limit)
 
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False

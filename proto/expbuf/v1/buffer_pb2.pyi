@@ -504,12 +504,16 @@ class FailRunsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., uids: _Optional[_Iterable[str]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetPartialsRequest(_message.Message):
-    __slots__ = ("table", "task_ids")
+    __slots__ = ("table", "task_ids", "uids", "max_reply_bytes")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     table: str
     task_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, table: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    uids: _containers.RepeatedScalarFieldContainer[str]
+    max_reply_bytes: int
+    def __init__(self, table: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., uids: _Optional[_Iterable[str]] = ..., max_reply_bytes: _Optional[int] = ...) -> None: ...
 
 class FailRunsReply(_message.Message):
     __slots__ = ("recorded_uids", "completed_groups", "dropped_groups")

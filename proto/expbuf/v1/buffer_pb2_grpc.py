@@ -304,7 +304,8 @@ class ExperienceBufferServicer:
         """The rollouts of these tasks held in pieces (partial rollouts: an experience pushed with
         info["partial"]), each put together as it stands and marked partial: what a worker continues,
         its next piece at info["partial_offset"] = its tokens. A prompt's next claimant gets those of
-        the attempt whose claim ended under its own task.
+        the attempt whose claim ended under its own task. The reply's missing_uids are rollouts held
+        that did not fit in it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -333,7 +333,7 @@ class Ledger(TableExtension):
         if rec.state == PENDING:  # the next attempt's claimant gets the rollouts held in pieces back
             partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
         else:  # dropped, its attempts spent
-            partials.drop_group(tt, gkey)
+            partials.drop_task(tt, gkey)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
             retire(tt, [(gkey, grp)], GROUP_DROPPED)

@@ -5,16 +5,18 @@ partial never reaches a sample, a read or an estimator.
 
 Stored per table in the `partials` database: T + uid + NUL -> the rollout's head (JSON: the
 tokens and response tokens held, each piece's offset and digest, the tensors later pieces append
-to, when it began), and T + uid + NUL + piece number (u32) -> the piece as the store packs an
-experience. A piece is checked against the head in the writer: it must continue at the tokens
-held (a piece sent again, at an offset held with the same bytes, is a duplicate; any other offset
-is refused, Conflict), and carry what the rollout appends to.
+to, what its version segments say so far), and T + uid + NUL + piece number (u32) -> the piece as
+the store packs an experience. A piece is checked against the head alone in the writer (the
+pieces before it are read only when the last one comes): it must continue at the tokens held (a
+piece sent again, at an offset held with the same bytes, is a duplicate; any other offset is
+refused, Conflict), carry what the rollout appends to, and its segments follow. The rollout put
+together is checked as a push checks an experience before it is stored.
 
-A rollout's pieces go when it finishes, when its run is reported failed, when its group leaves
-the table, and with the prompt ledger: a claim that ends before its group is complete hands the
-rollouts of its attempt to the prompt's next attempt (`carry`), put together as one first piece
-under the next attempt's uids, so whoever claims the prompt next gets them back (`read`) and
-continues them; a prompt dropped takes them with it.
+A rollout's pieces go when it finishes, when its run is reported failed, when its group completes
+without it or leaves the table, and with the prompt ledger: a claim that ends before its group is
+complete hands the rollouts of its attempt to the prompt's next attempt (`carry`: the pieces move
+under the next attempt's uids as they are), so whoever claims the prompt next gets them back
+(`read`) and continues them; a prompt dropped takes them with it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import json
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from expbuf.client.schema.routing import uid_group_key
 from expbuf.client.trxp import partial
@@ -47,13 +48,14 @@ class Head:
 
     tokens: int  # the rollout's tokens held (the prompt's among them)
     response: int  # ... of them after the prompt
-    pieces: list[tuple[int, str]]  # each piece's offset and digest (hex), in order
+    pieces: list[tuple[int, str, int]]  # each piece's offset, digest (hex) and size, in order
     layout: partial.Layout
-    created: float
+    versions: partial.Versions
 
     def encode(self) -> bytes:
+        versions = [self.versions.carried, self.versions.last]
         return json.dumps(
-            {"t": self.tokens, "r": self.response, "p": self.pieces, "l": self.layout, "c": self.created},
+            {"t": self.tokens, "r": self.response, "p": self.pieces, "l": self.layout, "v": versions},
             separators=(",", ":"),
         ).encode()
 
@@ -61,7 +63,8 @@ class Head:
     def decode(cls, raw: bytes | memoryview) -> Head:
         data = json.loads(bytes(raw))
         layout = {name: (dtype, tuple(inner)) for name, (dtype, inner) in data["l"].items()}
-        return cls(data["t"], data["r"], [(offset, digest) for offset, digest in data["p"]], layout, data["c"])
+        pieces = [(offset, digest, size) for offset, digest, size in data["p"]]
+        return cls(data["t"], data["r"], pieces, layout, partial.Versions(*data["v"]))
 
 
 @dataclass
@@ -125,12 +128,12 @@ def take(tt: TableState, entries: Sequence[Entry]) -> Taken:
             taken.entries.append(entry)
             continue
         offset, more = entry.piece
-        if tt.item(entry.uid) is not None:  # finished already: a piece sent again
+        if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again
             taken.duplicates.append(entry.uid)
             continue
         head = _head(tt, entry.uid)
         held = 0 if head is None else head.tokens
-        if head is not None and offset < held and (offset, entry.digest.hex()) in head.pieces:
+        if head is not None and offset < held and (offset, entry.digest.hex(), entry.size) in head.pieces:
             taken.duplicates.append(entry.uid)
             continue
         if offset != held:
@@ -168,46 +171,78 @@ def _open_group(tt: TableState, gkey: str) -> None:
 def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: bool) -> Entry | None:
     """One piece into its rollout: stored, or, the last, put together with those before it into the
     entry of the rollout finished (its pieces dropped)."""
-    where = f"rollout {clip(entry.uid)}, piece at token {entry.piece[0] if entry.piece else 0}"
-    if head is None:  # a first piece (offset 0), so more follow: one without is pushed whole (partial.mark_of)
-        tokens, response = item.tensors["tokens"].shape[0], partial.response_of(item)
-        new = Head(tokens, response, [(0, entry.digest.hex())], partial.layout(item), tt.now)
-        _write(tt, entry.uid, new, 0, entry.blob)
-        tt.counters.partials += 1
-        tt.counters.pieces_pushed += 1
-        return None
-    pieces = _pieces(tt, entry.uid, head)
+    where = f"rollout {clip(entry.uid)}, piece at token {head.tokens if head else 0}"
     try:
-        partial.follows(where, head.layout, item)
-        partial.check_segments_follow(where, pieces, item)
+        if head is None and not item.tensors["tokens"].shape[0]:
+            raise TrxpError(f"{where}: a first piece has the prompt and the tokens so far; this one has no tokens")
+        if head is not None:
+            if item.meta.get("prompt_length", 1) != 0:
+                raise TrxpError(f"{where}: a piece that continues a rollout has no prompt (prompt_length 0)")
+            partial.follows(where, head.layout, item)
+        versions = (head.versions if head else partial.Versions()).after(where, item)
     except TrxpError as exc:
         raise InvalidPayload(str(exc)) from None
     tt.counters.pieces_pushed += 1
+    if head is None:  # a first piece (offset 0), so more follow: one without is pushed whole (partial.mark_of)
+        tokens, response = item.tensors["tokens"].shape[0], partial.response_of(item)
+        first = Head(tokens, response, [(0, entry.digest.hex(), entry.size)], partial.layout(item), versions)
+        _write(tt, entry.uid, first, 0, entry.blob)
+        tt.counters.partials += 1
+        return None
     if more:
         grown = item.tensors["tokens"].shape[0]
-        head.pieces.append((head.tokens, entry.digest.hex()))
+        head.pieces.append((head.tokens, entry.digest.hex(), entry.size))
         head.tokens += grown
         head.response += grown
+        head.versions = versions
         _write(tt, entry.uid, head, len(head.pieces) - 1, entry.blob)
         return None
-    finished = Entry.of(partial.merge([*pieces, item]))
+    finished = _checked(where, partial.merge([*_pieces(tt, entry.uid, head), item]))
     drop(tt, entry.uid)
     return finished
 
 
-def read(tt: TableState, tids: Sequence[str]) -> list[RawItem]:
-    """The rollouts held in pieces of these tasks (tid: batch/task), each put together as it stands,
-    marked partial: what a worker continues from (its next piece continues at its tokens)."""
-    out = []
+def _checked(where: str, item: RawItem) -> Entry:
+    """A rollout put together, checked as a push checks an experience, as the store keeps it."""
+    blob = pack_item(item)
+    try:
+        (checked,) = parse(blob)
+    except TrxpError as exc:
+        raise InvalidPayload(f"{where}: the rollout put together is refused: {exc}") from None
+    return Entry.staged(checked, blob, digests.of(blob), len(blob), checked.generated_tokens)
+
+
+def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[tuple[str, int]]:
+    """The rollouts held in pieces of these tasks (tid: batch/task) and of these uids, each once,
+    with the bytes of their pieces."""
+    found: dict[str, int] = {}
     for tid in tids:
         for uid, head in _of_task(tt, tid):
-            out.append(_so_far(_pieces(tt, uid, head)))
-    return out
+            found[uid] = sum(size for _, _, size in head.pieces)
+    for uid in uids:
+        named = _head(tt, uid)
+        if named is not None:
+            found[uid] = sum(size for _, _, size in named.pieces)
+    return list(found.items())
 
 
-def _so_far(pieces: Sequence[RawItem]) -> RawItem:
+def so_far(tt: TableState, uid: str) -> RawItem:
+    """A rollout held in pieces put together as it stands, marked partial: what a worker continues
+    from (its next piece continues at its tokens)."""
+    head = _head(tt, uid)
+    if head is None:
+        raise missing("partial rollout", uid)
+    return _so_far(uid, _pieces(tt, uid, head))
+
+
+def _so_far(uid: str, pieces: Sequence[RawItem]) -> RawItem:
+    """A rollout's pieces put together as it stands, marked partial, under its uid (pieces moved
+    to a prompt's next attempt keep the eid they were pushed with)."""
     item = partial.merge(pieces)
     item.meta["info"] = {**(item.meta.get("info") or {}), partial.PARTIAL: True}
+    if item.uid != uid:
+        batch, task, run, step, suffix = uid.rsplit("/", 4)
+        item.meta["eid"] = {"batch": batch, "task": task, "run": int(run), "step": int(step), "suffix": suffix}
     return item
 
 
@@ -253,22 +288,31 @@ def drop_group(tt: TableState, gkey: str) -> int:
     return sum(drop(tt, uid) for uid in uids)
 
 
+def drop_task(tt: TableState, tid: str) -> int:
+    """Drop the rollouts held in pieces of task `tid`, whatever the table's grouping (a prompt's
+    attempt the ledger drops); returns how many."""
+    return sum(drop(tt, uid) for uid, _ in list(_of_task(tt, tid)))
+
+
 def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
     """Hand the rollouts held in pieces of task `old` (a prompt's attempt whose claim ended) to the
-    task `new` (batch, task: its next attempt), each put together as one first piece under the same
-    run, step and suffix; returns how many."""
+    task `new` (batch, task: its next attempt), under the same run, step and suffix: the pieces
+    move as they are (the last piece, pushed under the new uid, gives the rollout its eid);
+    returns how many."""
     moved = 0
+    db = tt.db["partials"]
     for uid, head in list(_of_task(tt, old)):
-        item = _so_far(_pieces(tt, uid, head))
-        eid: dict[str, Any] = dict(item.meta["eid"])
-        eid["batch"], eid["task"] = new
-        item.meta["eid"] = eid
-        blob = pack_item(item)
-        drop(tt, uid)
-        moved_uid = item.uid
-        drop(tt, moved_uid)  # none there, but never two heads counted for one rollout
-        _write(tt, moved_uid, Head(head.tokens, head.response, [(0, digests.of(blob).hex())], head.layout, tt.now),
-               0, blob)  # fmt: skip
+        _, _, run, step, suffix = uid.rsplit("/", 4)
+        target = f"{new[0]}/{new[1]}/{run}/{step}/{suffix}"
+        drop(tt, target)  # none there, but never two heads counted for one rollout
+        base, to = _head_key(tt, uid), _head_key(tt, target)
+        for number in range(len(head.pieces)):
+            raw = tt.txn.get(base + _PIECE.pack(number), db=db)
+            if raw is None:
+                raise missing(f"piece {number} of the partial rollout", uid)
+            tt.txn.put(to + _PIECE.pack(number), bytes(raw), db=db)
+        tt.txn.put(to, head.encode(), db=db)
         tt.counters.partials += 1
+        drop(tt, uid)
         moved += 1
     return moved

@@ -186,6 +186,8 @@ class Pushing:
         """A push looked up, with the advantages it is expected to compute, computed now."""
         table_id, config = self.catalog.lookup(push.table)
         compute = self.in_push(config) if self.in_push is not None else None
+        if any(entry.piece is not None for entry in push.entries):
+            compute = None  # the rollouts its pieces finish are put together in the writer, not foreseen here
         ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
         return _Ready(push, table_id, config, ahead)
 

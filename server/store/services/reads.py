@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from expbuf.client.schema.balance import ModelShape, split_groups
 from expbuf.client.trxp.build import build
 from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
 
 from ..disk import chunked, layout
@@ -31,12 +32,13 @@ from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.staleness import masked_tokens, version_segments
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
-from ..schema.errors import Busy, Forbidden, NotFound, clip
+from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
 from ..tables.leases import read_lease
 
+_FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
 log = logging.getLogger("expbuf.store")
 OPEN_TRIES = 8  # read snapshots a ReadFields opens, each ended by later reads before it began
 MAX_SPLITS = 64  # the splits of leased steps kept, for their other ranks' reads
@@ -79,12 +81,32 @@ class Reads:
             self._quarantine(table, damaged)
         return found
 
-    def partials(self, table: str, tids: Sequence[str]) -> bytes:
-        """A TRXP batch of the rollouts of tasks `tids` held in pieces, each put together as it
-        stands and marked partial (rules/partials.py), read from a snapshot, off the writer."""
+    def partials(
+        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0
+    ) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, each put
+        together as it stands and marked partial (rules/partials.py), read from a snapshot, off the
+        writer; with `limit`, as many as a reply of that many bytes holds with the names of the
+        others, which are returned to ask for again (one too large alone is refused, TooLarge)."""
         table_id, config = self.catalog.lookup(table)
         with self.environment.read() as txn:
-            return build(partials.read(self.catalog.state(txn, table_id, config), tids))
+            tt = self.catalog.state(txn, table_id, config)
+            held = partials.held(tt, tids, uids)
+            budget = limit - _FRAMING - sum(len(uid.encode()) + 4 for uid, _ in held) if limit else 0
+            items: list[RawItem] = []
+            rest: list[str] = []
+            for uid, size in held:
+                if limit and (rest or size > budget):
+                    rest.append(uid)
+                    continue
+                items.append(partials.so_far(tt, uid))
+                budget -= size - len(uid.encode()) - 4
+            if rest and not items:
+                raise TooLarge(
+                    f"rollout {clip(rest[0])} held in pieces takes more than a reply of {limit} bytes carries; "
+                    "raise max_message_bytes on the server and the client"
+                )
+            return build(items), rest
 
     def page(
         self,
