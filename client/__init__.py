@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from .rpc.connection import Tls
     from .schema.experience import EID, Experience
-    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage
+    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptStats
     from .trxp import TrxpError, decode, encode
 
 # each public name -> the module of this package that defines it
@@ -67,6 +67,7 @@ _HOMES = {
     "DatasetInfo": "schema.prompts",
     "EpochCounts": "schema.prompts",
     "Prompt": "schema.prompts",
+    "PromptStats": "schema.prompts",
     "PromptPage": "schema.prompts",
     "Batch": "results",
     "BufferStats": "results",
@@ -122,6 +123,7 @@ __all__ = [
     "PermissionDeniedError",
     "Prompt",
     "PromptPage",
+    "PromptStats",
     "PushResult",
     "ResourceExhaustedError",
     "ScrubInfo",

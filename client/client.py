@@ -297,7 +297,9 @@ class BufferClient(ClientBase):
         Settings: `epochs` (1), `seed` (each epoch in a permutation fixed by it; None: index
         order), `max_in_flight` (bound on prompts claimed, or generated and not yet trained; 0:
         none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
-        it goes out again), `max_attempts` (5: a prompt sent back this often is dropped)."""
+        it goes out again), `max_attempts` (5: a prompt sent back this often is dropped),
+        `pass_threshold` (0.0: a run passes when its reward is above it, in each prompt's statistics,
+        which `list_prompts` returns)."""
         return self._run(ledger_calls.create_dataset(table, name, size, exist_ok, settings))
 
     def datasets(self, table: str = "default") -> list[DatasetInfo]:

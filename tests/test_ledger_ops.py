@@ -165,7 +165,8 @@ def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
     made = cli("dataset", "create", "t", "math", "10", *settings, *target)
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == (
-        'dataset math on table t: size=10 epochs=2 seed=7 max_in_flight=3 on_drop="retry" max_attempts=4'
+        'dataset math on table t: size=10 epochs=2 seed=7 max_in_flight=3 on_drop="retry" max_attempts=4 '
+        "pass_threshold=0.0"
     )
     info = client.ledger("t", "math")
     assert (info.size, info.epochs, info.seed, info.max_in_flight, info.on_drop, info.max_attempts) == (
@@ -214,21 +215,32 @@ def test_dataset_list_and_describe_show_counts_cursor_and_prompts(server: Expbuf
     settings, epochs, listed = described.stdout.split("\n\n")
     lines = settings.splitlines()
     assert lines[0] == "dataset math on table t"
-    assert lines[1:7] == ["size = 4", "epochs = 1", "seed = unset (index order)", "max_in_flight = 0",
-                          'on_drop = "done"', "max_attempts = 5"]  # fmt: skip
-    assert lines[8:] == ["cursor = epoch 0, position 3", "reissued = 1", "attempts_dropped = 1", "done = false"]
+    assert lines[1:8] == ["size = 4", "epochs = 1", "seed = unset (index order)", "max_in_flight = 0",
+                          'on_drop = "done"', "max_attempts = 5", "pass_threshold = 0.0"]  # fmt: skip
+    assert lines[9:] == ["cursor = epoch 0, position 3", "reissued = 1", "attempts_dropped = 1", "done = false"]
     assert [row.split() for row in epochs.splitlines()] == [
         ["epoch", "pending", "claimed", "generated", "trained", "dropped"],
         ["0", "2", "1", "0", "1", "0"],
     ]
     rows = [row.split() for row in listed.splitlines()]
-    assert rows[0] == ["epoch", "index", "attempt", "state", "group", "owner", "expires"]
+    assert rows[0] == [
+        "epoch",
+        "index",
+        "attempt",
+        "state",
+        "group",
+        "owner",
+        "expires",
+        "runs",
+        "pass_rate",
+        "last_mean",
+    ]
     trained, released, claimed = prompts["trained"], prompts["released"], prompts["claimed"]
     expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(claimed.expires))
     assert rows[1:] == [
-        ["0", "0", "0", "trained", trained.group, "worker-2", "-"],
-        ["0", "1", "1", "pending", "math/0/1@1", "-", "-"],
-        ["0", "2", "0", "claimed", claimed.group, "worker-2", expires],
+        ["0", "0", "0", "trained", trained.group, "worker-2", "-", "2", "0.500", "0.500"],  # rewards 0 and 1
+        ["0", "1", "1", "pending", "math/0/1@1", "-", "-", "0", "-", "-"],
+        ["0", "2", "0", "claimed", claimed.group, "worker-2", expires, "0", "-", "-"],
     ]
     assert released.index == 1
     only = cli("dataset", "describe", "t", "math", "--states", "claimed,pending", "--limit", "1", *target)
@@ -277,7 +289,7 @@ def test_describe_pages_past_a_page_that_holds_none_of_the_states_asked_for(
     described = cli("dataset", "describe", "t", "big", "--states", "pending", *target)
     assert described.returncode == 0, described.stderr
     rows = [row.split() for row in described.stdout.split("\n\n")[2].splitlines()]
-    assert rows[1:] == [["0", "1004", "1", "pending", "big/0/1004@1", "-", "-"]]
+    assert rows[1:] == [["0", "1004", "1", "pending", "big/0/1004@1", "-", "-", "0", "-", "-"]]
 
 
 def test_the_docs_rollout_worker_and_trainer_run_as_written(

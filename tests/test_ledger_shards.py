@@ -188,8 +188,10 @@ def test_a_shards_part_of_a_dataset_of_many_epochs_costs_nothing_until_an_epoch_
     assert len(claimed) == 100 and len(info.owned) == len(info.counts) == started < 100
     assert sum(info.states(epoch)["claimed"] for epoch in range(started)) == info.total("claimed") == 100
     assert info.owned_total == sum(info.owned)  # the prompts of the epochs counted
-    # one counts record an epoch started, one record per prompt claimed and its group's entry and expiry key
-    assert ledger_entries(store) - before == 1 + started + 3 * 100
+    # one counts record an epoch started, one record per prompt claimed and its group's entry and expiry key, and
+    # the statistics of each index claimed (its part of the 10, in every epoch)
+    indexes = len({c.index for c in claimed})
+    assert ledger_entries(store) - before == 1 + started + 3 * 100 + indexes
 
 
 def test_a_shards_part_of_an_epoch_larger_than_a_transactions_share_is_counted_before_it_starts(

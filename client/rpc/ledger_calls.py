@@ -34,6 +34,7 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
         max_attempts=settings.get("max_attempts", 5),
         shards=settings.get("shards", ()),
         shard=settings.get("shard", ""),
+        pass_threshold=_threshold(settings.get("pass_threshold", 0.0)),
     )
     if seed is not None:
         config.seed = seed
@@ -41,7 +42,17 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
     return Unary("CreateDataset", request, lambda r: DatasetInfo.from_proto(r.dataset, table), retry=exist_ok)
 
 
-_DATASET_SETTINGS = frozenset({"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard"})
+_DATASET_SETTINGS = frozenset(
+    {"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard", "pass_threshold"}
+)
+
+
+def _threshold(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"create_dataset: pass_threshold is {value!r}; it must be a number")
+    return float(value)
+
+
 # What the wire carries; an epochs or max_attempts of 0 would be read there as the default, not refused.
 _DATASET_INTEGERS = {
     "size": (0, 2**64 - 1),

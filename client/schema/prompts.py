@@ -9,6 +9,7 @@ again with the next attempt, and a push into the ended attempt is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,6 +24,38 @@ STATES = ("pending", "claimed", "generated", "trained", "dropped")
 # Trinity explorer's batch of tasks, a single controller's training batch of prompts. The
 # clients renew and release any number of claims in calls of at most this many.
 MAX_PROMPTS_PER_CALL = 4096
+
+
+@dataclass
+class PromptStats:
+    """How one prompt fared over its epochs (ListPrompts), durable on the server (its record
+    extends this type): claims handed out, groups generated and their runs, the runs that passed
+    (reward above the dataset's pass_threshold), the last generated group's runs and the mean and
+    variance of their rewards, and how often it was trained, last in epoch `last_epoch` at trainer
+    version `last_step` (-1: never, or no version set)."""
+
+    attempts: int = 0
+    generated: int = 0
+    runs: int = 0
+    passes: int = 0
+    last_runs: int = 0
+    last_mean: float = math.nan
+    last_var: float = math.nan
+    trained: int = 0
+    last_epoch: int = -1
+    last_step: int = -1
+
+    @property
+    def pass_rate(self) -> float:
+        """The runs that passed, of all its runs generated (NaN before any)."""
+        return self.passes / self.runs if self.runs else math.nan
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> PromptStats:
+        return cls(
+            msg.attempts, msg.generated, msg.runs, msg.passes, msg.last_runs, msg.last_mean, msg.last_var,
+            msg.trained, msg.last_epoch, msg.last_step,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,6 +74,7 @@ class Prompt:
     table: str = "default"
     state: str = "claimed"  # as ListPrompts reports it
     owner: str = ""
+    stats: PromptStats | None = None  # ListPrompts only
 
     def eid(self, run: int, step: int = 0, suffix: str = "") -> EID:
         """The EID of this attempt's experience of run `run` (and step `step`): its uid is the
@@ -57,6 +91,7 @@ class Prompt:
         return cls(
             dataset=msg.dataset, epoch=msg.epoch, index=msg.index, attempt=msg.attempt, batch=msg.batch,
             task=msg.task, expires=msg.expires_unix, table=table, state=msg.state or "claimed", owner=msg.owner,
+            stats=PromptStats.from_proto(msg.stats) if msg.HasField("stats") else None,
         )  # fmt: skip
 
 
@@ -111,6 +146,7 @@ class DatasetInfo:
     totals: EpochCounts
     shards: list[str] = field(default_factory=list)
     shard: str = ""
+    pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
     missing: Mapping[str, str] = field(default_factory=dict)
 
     def total(self, state: str) -> int:
@@ -166,6 +202,7 @@ class DatasetInfo:
             cursor_epoch=msg.cursor_epoch, cursor_position=msg.cursor_position,
             counts=counts, reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done,
             owned=msg.owned, totals=totals, shards=list(config.shards), shard=config.shard,
+            pass_threshold=config.pass_threshold,
         )  # fmt: skip
 
 

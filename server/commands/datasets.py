@@ -31,6 +31,7 @@ def _settings(info: DatasetInfo) -> dict[str, object]:
         "max_in_flight": info.max_in_flight,
         "on_drop": info.on_drop,
         "max_attempts": info.max_attempts,
+        "pass_threshold": info.pass_threshold,
     }
 
 
@@ -94,7 +95,9 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
     sections = ["\n".join(lines), columns(epochs)]
     if args.limit:
         prompts, more = _prompts(client, args.table, args.name, states, args.limit)
-        rows: list[tuple[str, ...]] = [("epoch", "index", "attempt", "state", "group", "owner", "expires")]
+        rows: list[tuple[str, ...]] = [
+            ("epoch", "index", "attempt", "state", "group", "owner", "expires", "runs", "pass_rate", "last_mean")
+        ]
         rows += [_row(p) for p in prompts]
         sections.append(columns(rows) + ("\n(more prompts: raise --limit)" if more else ""))
     print("\n\n".join(sections))
@@ -117,9 +120,13 @@ def _prompts(client: BufferClient, table: str, name: str, states: list[str], lim
 
 def _row(prompt: Prompt) -> tuple[str, ...]:
     expires = _utc(prompt.expires) if prompt.state == "claimed" else "-"
+    stats = prompt.stats
+    runs = str(stats.runs) if stats is not None else "-"
+    rate = f"{stats.pass_rate:.3f}" if stats is not None and stats.runs else "-"
+    mean = f"{stats.last_mean:.3f}" if stats is not None and stats.last_runs else "-"
     return (
         str(prompt.epoch), str(prompt.index), str(prompt.attempt), prompt.state, prompt.group,
-        prompt.owner or "-", expires,
+        prompt.owner or "-", expires, runs, rate, mean,
     )  # fmt: skip
 
 
@@ -139,7 +146,7 @@ def add_dataset_commands(
         "settings",
         nargs="*",
         metavar="KEY=VALUE",
-        help="epochs, seed, max_in_flight, on_drop (done or retry), max_attempts; e.g. epochs=3 seed=7",
+        help="epochs, seed, max_in_flight, on_drop (done or retry), max_attempts, pass_threshold; e.g. epochs=3 seed=7",
     )
     create.add_argument("--exist-ok", action="store_true", help="succeed if the dataset exists with these settings")
     create.set_defaults(run_action=_create)

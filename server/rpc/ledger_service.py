@@ -15,7 +15,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
 from ..store.ledger.claimed import Claimed
-from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
+from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, PromptStats, prompt_eid
 from ..store.ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
 from ..store.ledger.states import PROMPT_STATES
 from ..store.schema.errors import InvalidRequest, TooLarge, clip
@@ -38,6 +38,7 @@ def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
         max_attempts=config.max_attempts or 5,
         shards=list(config.shards),
         shard=config.shard,
+        pass_threshold=config.pass_threshold,
     )
 
 
@@ -52,6 +53,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         max_attempts=ds.max_attempts,
         shards=ds.shards,
         shard=ds.shard,
+        pass_threshold=ds.pass_threshold,
     )
     if ds.seed is not None:
         config.seed = ds.seed
@@ -92,22 +94,28 @@ def prompt_of(dataset: str, claimed: Claimed) -> pb.Prompt:
     )
 
 
-def prompt_bytes(dataset: str, owner: str) -> int:
+def prompt_bytes(dataset: str, owner: str, stats: bool = False) -> int:
     """The most bytes one prompt of `dataset` claimed by `owner` adds to a reply: every number
-    at its largest, the longest state, and the prompt's tag and length."""
+    at its largest, the longest state, its statistics where listed, and the prompt's tag and length."""
     epoch, index, attempt = MAX_EPOCHS - 1, MAX_SIZE - 1, MAX_ATTEMPTS - 1
     batch, task = prompt_eid(dataset, epoch, index, attempt)
     longest = max(PROMPT_STATES, key=len)
     size = pb.Prompt(
         dataset=dataset, epoch=epoch, index=index, attempt=attempt, batch=batch, task=task, expires_unix=1.0,
-        state=longest, owner=owner,
+        state=longest, owner=owner, stats=_LARGEST_STATS if stats else None,
     ).ByteSize()  # fmt: skip
     return 1 + (size.bit_length() + 6) // 7 + size
 
 
-def most_prompts(dataset: str, owner: str, max_message_bytes: int) -> int:
+_LARGEST_STATS = pb.PromptStats(
+    attempts=2**32 - 1, generated=2**32 - 1, runs=2**64 - 1, passes=2**64 - 1, last_runs=2**32 - 1, last_mean=1.0,
+    last_var=1.0, trained=2**32 - 1, last_epoch=-1, last_step=-1,
+)  # fmt: skip
+
+
+def most_prompts(dataset: str, owner: str, max_message_bytes: int, stats: bool = False) -> int:
     """The most prompts of `dataset` claimed by `owner` that one reply can carry."""
-    return max(0, max_message_bytes - _REPLY_FIELDS) // prompt_bytes(dataset, owner)
+    return max(0, max_message_bytes - _REPLY_FIELDS) // prompt_bytes(dataset, owner, stats)
 
 
 def _refs(prompts: Iterable[pb.PromptRef]) -> list[tuple[int, int, int]]:
@@ -219,7 +227,7 @@ class LedgerCalls:
         if unknown:
             raise InvalidRequest(f"states: {unknown[:4]!r}; expected some of {', '.join(PROMPT_STATES)}")
         limit = request.limit or 1000
-        fits = max(1, most_prompts(request.dataset, "o" * MAX_OWNER_BYTES, self.max_message_bytes))
+        fits = max(1, most_prompts(request.dataset, "o" * MAX_OWNER_BYTES, self.max_message_bytes, stats=True))
         page = self.store.list_prompts(
             request.table or "default",
             request.dataset,
@@ -229,16 +237,23 @@ class LedgerCalls:
         )
         after = page.after or (0, 0)
         return pb.ListPromptsReply(
-            prompts=[_listed(request.dataset, epoch, index, rec) for epoch, index, rec in page.prompts],
+            prompts=[
+                _listed(request.dataset, epoch, index, rec, page.stats[index]) for epoch, index, rec in page.prompts
+            ],
             after_epoch=after[0],
             after_index=after[1],
             done=page.done,
         )
 
 
-def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord) -> pb.Prompt:
+def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord, stats: PromptStats) -> pb.Prompt:
     batch, task = prompt_eid(dataset, epoch, index, rec.attempt)
     return pb.Prompt(
         dataset=dataset, epoch=epoch, index=index, attempt=rec.attempt, batch=batch, task=task,
         expires_unix=rec.expires, state=rec.state, owner=shown_owner(rec.owner),
+        stats=pb.PromptStats(
+            attempts=stats.attempts, generated=stats.generated, runs=stats.runs, passes=stats.passes,
+            last_runs=stats.last_runs, last_mean=stats.last_mean, last_var=stats.last_var, trained=stats.trained,
+            last_epoch=stats.last_epoch, last_step=stats.last_step,
+        ),
     )  # fmt: skip

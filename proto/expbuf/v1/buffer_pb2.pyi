@@ -834,7 +834,7 @@ class WritersReply(_message.Message):
     def __init__(self, open: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class DatasetConfig(_message.Message):
-    __slots__ = ("name", "size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
+    __slots__ = ("name", "size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard", "pass_threshold")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -844,6 +844,7 @@ class DatasetConfig(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     epochs: int
@@ -853,7 +854,8 @@ class DatasetConfig(_message.Message):
     max_attempts: int
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard: str
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., on_drop: _Optional[str] = ..., max_attempts: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[str] = ...) -> None: ...
+    pass_threshold: float
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., on_drop: _Optional[str] = ..., max_attempts: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[str] = ..., pass_threshold: _Optional[float] = ...) -> None: ...
 
 class EpochCounts(_message.Message):
     __slots__ = ("pending", "claimed", "generated", "trained", "dropped")
@@ -926,7 +928,7 @@ class ListDatasetsReply(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("dataset", "epoch", "index", "attempt", "batch", "task", "expires_unix", "state", "owner")
+    __slots__ = ("dataset", "epoch", "index", "attempt", "batch", "task", "expires_unix", "state", "owner", "stats")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -936,6 +938,7 @@ class Prompt(_message.Message):
     EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     epoch: int
     index: int
@@ -945,7 +948,32 @@ class Prompt(_message.Message):
     expires_unix: float
     state: str
     owner: str
-    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ..., batch: _Optional[str] = ..., task: _Optional[str] = ..., expires_unix: _Optional[float] = ..., state: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    stats: PromptStats
+    def __init__(self, dataset: _Optional[str] = ..., epoch: _Optional[int] = ..., index: _Optional[int] = ..., attempt: _Optional[int] = ..., batch: _Optional[str] = ..., task: _Optional[str] = ..., expires_unix: _Optional[float] = ..., state: _Optional[str] = ..., owner: _Optional[str] = ..., stats: _Optional[_Union[PromptStats, _Mapping]] = ...) -> None: ...
+
+class PromptStats(_message.Message):
+    __slots__ = ("attempts", "generated", "runs", "passes", "last_runs", "last_mean", "last_var", "trained", "last_epoch", "last_step")
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    LAST_RUNS_FIELD_NUMBER: _ClassVar[int]
+    LAST_MEAN_FIELD_NUMBER: _ClassVar[int]
+    LAST_VAR_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    attempts: int
+    generated: int
+    runs: int
+    passes: int
+    last_runs: int
+    last_mean: float
+    last_var: float
+    trained: int
+    last_epoch: int
+    last_step: int
+    def __init__(self, attempts: _Optional[int] = ..., generated: _Optional[int] = ..., runs: _Optional[int] = ..., passes: _Optional[int] = ..., last_runs: _Optional[int] = ..., last_mean: _Optional[float] = ..., last_var: _Optional[float] = ..., trained: _Optional[int] = ..., last_epoch: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("table", "dataset", "count", "lease_seconds", "owner", "wait_seconds", "max_reply_bytes")

@@ -7,6 +7,7 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
+- T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
 prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
 epoch's counts are written at its first event, or on a shard of a sharded table when the epoch
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
+
+from expbuf.client.schema.prompts import PromptStats as Stats
 
 from ..disk import layout
 from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, PromptState, check_prompt_move
@@ -102,6 +106,7 @@ class DatasetRecord:
     next_seq: int = 0
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
+    pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
     totals: dict[str, int] = field(default_factory=dict)
     owned: list[int] = field(default_factory=list)  # per epoch started: read for a caller, not stored
     counts: list[dict[str, int]] = field(default_factory=list)  # per epoch started: read for a caller, not stored
@@ -114,7 +119,17 @@ class DatasetRecord:
 
     def settings(self) -> dict[str, Any]:
         """What the creator chose: an identical CreateDataset with exist_ok finds it."""
-        keys = ("size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard")
+        keys = (
+            "size",
+            "epochs",
+            "seed",
+            "max_in_flight",
+            "on_drop",
+            "max_attempts",
+            "shards",
+            "shard",
+            "pass_threshold",
+        )
         return {key: getattr(self, key) for key in keys}
 
     @property
@@ -209,6 +224,43 @@ class PromptRecord:
         code, attempt, expires, holder = _PROMPT.unpack_from(raw)
         rest = bytes(raw[_PROMPT.size :])
         return cls(PROMPT_STATES[code], attempt, expires, rest[holder:].decode(), rest[:holder].decode())
+
+
+_STATS = struct.Struct("<IIQQIddIqq")
+
+
+@dataclass
+class PromptStats(Stats):
+    """A prompt's statistics as the ledger keeps them: updated in the transaction of each event."""
+
+    def generated_group(self, rewards: list[float], threshold: float) -> None:
+        """A group of its runs was generated with these rewards."""
+        self.generated += 1
+        self.runs += len(rewards)
+        self.passes += sum(1 for reward in rewards if reward > threshold)
+        self.last_runs = len(rewards)
+        self.last_mean = sum(rewards) / len(rewards) if rewards else math.nan
+        self.last_var = sum((r - self.last_mean) ** 2 for r in rewards) / len(rewards) if rewards else math.nan
+
+    def encode(self) -> bytes:
+        return _STATS.pack(
+            self.attempts, self.generated, self.runs, self.passes, self.last_runs, self.last_mean, self.last_var,
+            self.trained, self.last_epoch, self.last_step,
+        )  # fmt: skip
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> PromptStats:
+        return cls(*_STATS.unpack_from(raw))
+
+
+def stats_key(table_id: int, name: str, index: int) -> bytes:
+    return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + _U64.pack(index)
+
+
+def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> PromptStats:
+    """A prompt's statistics (zero for one never handed out)."""
+    raw = txn.get(stats_key(table_id, name, index), db=db)
+    return PromptStats() if raw is None else PromptStats.decode(raw)
 
 
 def dataset_key(table_id: int, name: str) -> bytes:

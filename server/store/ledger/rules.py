@@ -39,6 +39,7 @@ from .records import (
     DatasetRecord,
     Permutation,
     PromptRecord,
+    PromptStats,
     counts_key,
     dataset_key,
     datasets_prefix,
@@ -58,6 +59,8 @@ from .records import (
     read_expiry_key,
     read_group_entry,
     read_group_key,
+    read_stats,
+    stats_key,
     unplace,
 )
 from .settings import check, no_dataset
@@ -178,6 +181,9 @@ class Ledger(TableExtension):
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
             self._count(ds, epoch, CLAIMED, 1)
+            stats = self._stats(tt, ds.name, index)
+            stats.attempts += 1
+            self._put_stats(tt, ds.name, index, stats)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
         return ClaimStep(out, ds.done, more, walk.uncounted)
@@ -405,6 +411,7 @@ class Ledger(TableExtension):
         rec.move(GENERATED, f"{name}/{epoch}/{index}")
         rec.expires = 0.0
         self._put(tt, name, epoch, index, rec)
+        self._generated(tt, ds, index, grp)
         self._count(ds, epoch, CLAIMED, -1)
         self._count(ds, epoch, GENERATED, 1)
         self._save(tt, ds)
@@ -415,7 +422,7 @@ class Ledger(TableExtension):
         if not self.holds(tt):
             return
         loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
-        for gkey, _ in groups:
+        for gkey, grp in groups:
             found = self._entry(tt, gkey)
             if found is None:
                 continue
@@ -423,6 +430,9 @@ class Ledger(TableExtension):
             if rec.attempt != attempt or rec.state not in (CLAIMED, GENERATED):
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
+            size = tt.config.grouping.size
+            if rec.state == CLAIMED and size and len(grp.members) + len(grp.failed) >= size:
+                self._generated(tt, ds, index, grp)  # complete, and dropped as it completed (zero variance)
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
             self._count(ds, epoch, rec.state, -1)
@@ -431,6 +441,12 @@ class Ledger(TableExtension):
                 rec.expires = 0.0
                 self._count(ds, epoch, TRAINED, 1)
                 self._put(tt, name, epoch, index, rec)
+                stats = self._stats(tt, name, index)
+                stats.trained += 1
+                stats.last_epoch = epoch
+                version = tt.counters.trainer_version
+                stats.last_step = -1 if version is None else version
+                self._put_stats(tt, name, index, stats)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
@@ -458,6 +474,19 @@ class Ledger(TableExtension):
 
     def _put(self, tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
         tt.txn.put(prompt_key(tt.table_id, name, epoch, index), rec.encode(), db=tt.db["ledger"])
+
+    def _generated(self, tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -> None:
+        """A prompt's group is complete: its rewards into the prompt's statistics."""
+        stats = self._stats(tt, ds.name, index)
+        rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
+        stats.generated_group(rewards, ds.pass_threshold)
+        self._put_stats(tt, ds.name, index, stats)
+
+    def _stats(self, tt: TableState, name: str, index: int) -> PromptStats:
+        return read_stats(tt.txn, tt.db["ledger"], tt.table_id, name, index)
+
+    def _put_stats(self, tt: TableState, name: str, index: int, stats: PromptStats) -> None:
+        tt.txn.put(stats_key(tt.table_id, name, index), stats.encode(), db=tt.db["ledger"])
 
     def _unexpire(self, tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
         if rec.expires:

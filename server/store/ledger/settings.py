@@ -4,6 +4,8 @@ sharded dataset's shards, checked when it is created (the ledger's rules, rules.
 
 from __future__ import annotations
 
+import math
+
 from expbuf.client.schema.routing import SHARD_NAME
 
 from ..schema.errors import ConfigError, NotFound, clip
@@ -38,6 +40,9 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(
             f"{where}: seed is {clip(ds.seed)}; it must be an integer in {bounds}, or unset for index order"
         )
+    threshold = ds.pass_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ConfigError(f"{where}: pass_threshold is {clip(threshold)}; it must be a finite number")
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
     if ds.shards or ds.shard:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import lmdb
@@ -22,10 +22,12 @@ from ..ledger.claimed import Claimed
 from ..ledger.records import (
     DatasetRecord,
     PromptRecord,
+    PromptStats,
     read_dataset,
     read_datasets,
     read_epochs,
     read_prompts,
+    read_stats,
 )
 from ..ledger.rules import STEP_HASHES, Ledger
 from ..ledger.settings import check, no_dataset
@@ -77,6 +79,7 @@ class PromptPage:
     prompts: list[tuple[int, int, PromptRecord]]
     after: tuple[int, int] | None
     done: bool
+    stats: dict[int, PromptStats] = field(default_factory=dict)  # each listed prompt's, by index
 
 
 class Claims:
@@ -217,6 +220,7 @@ class Claims:
             if read_dataset(txn, db, table_id, name) is None:
                 raise no_dataset(table, name)
             read = list(read_prompts(txn, db, table_id, name, after, limit))
+            kept = [row for row in read if not states or row[2].state in states]
+            stats = {index: read_stats(txn, db, table_id, name, index) for _, index, _ in kept}
         last = (read[-1][0], read[-1][1]) if read else after
-        kept = [row for row in read if not states or row[2].state in states]
-        return PromptPage(kept, last, len(read) < limit)
+        return PromptPage(kept, last, len(read) < limit, stats)
