@@ -13,7 +13,7 @@ import pytest
 
 from expbuf.client import BufferClient, InvalidArgumentError, Prompt, PromptStats
 
-from helpers import make_experience, servers
+from helpers import make_experience, scrape, servers
 
 PROMPTS, RUNS, EPOCHS = 12, 4, 2
 
@@ -108,7 +108,7 @@ def test_a_prompt_never_generated_has_no_rates_and_a_bad_threshold_is_refused(cl
     assert math.isnan(stats.last_mean) and math.isnan(stats.pass_rate)
 
 
-def test_a_group_the_table_drops_as_it_completes_still_counts_its_runs(client: BufferClient) -> None:
+def test_a_group_the_table_drops_as_it_completes_still_counts_its_runs(client: BufferClient, server) -> None:
     """Zero variance (every run passed, or none): the group is dropped as it completes, and its
     prompt's statistics hold its runs: the prompts a curriculum most wants to know about."""
     client.create_table("t", group_size=RUNS, estimator="none", drop_zero_variance=True)
@@ -120,3 +120,7 @@ def test_a_group_the_table_drops_as_it_completes_still_counts_its_runs(client: B
         stats = prompt.stats
         assert stats is not None and (stats.generated, stats.runs, stats.passes) == (1, RUNS, passes(index))
         assert prompt.state == ("dropped" if passes(index) in (0, RUNS) else "generated")
+    metrics = scrape(server.metrics_port)
+    bands = {band: metrics[("expbuf_prompts_by_pass_rate", (("band", band), ("dataset", "d"), ("table", "t")))]
+             for band in ("zero", "low", "high", "all")}  # fmt: skip
+    assert bands == {"zero": 1, "low": 1, "high": 2, "all": 1}  # 0, 1, 2 and 3, 4 of 4 runs passed

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import LIVE, IndexBuild, ScrubStatus
-from ..store.ledger.records import DatasetRecord
+from ..store.ledger.records import PASS_BANDS, DatasetRecord
 from ..store.ledger.states import PROMPT_STATES
 from .interceptor import ServiceInterceptor
 
@@ -189,14 +189,21 @@ def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric
     dropped = CounterMetricFamily(
         "expbuf_prompt_attempts_dropped", "Incomplete groups of attempts whose claim ended, dropped.", labels=labels
     )
+    bands = GaugeMetricFamily(
+        "expbuf_prompts_by_pass_rate",
+        "Prompts generated at least once, by the band of their pass rate: zero, low (< 1/2), high (< 1), all.",
+        labels=[*labels, "band"],
+    )
     for table, records in datasets.items():
         for ds in records:
+            for band in PASS_BANDS:
+                bands.add_metric([table, ds.name, band], ds.pass_bands.get(band, 0))
             by_state = ds.overall()  # the dataset record's totals: no epoch is read
             for state in PROMPT_STATES:
                 prompts.add_metric([table, ds.name, state], by_state[state])
             reissued.add_metric([table, ds.name], ds.reissued)
             dropped.add_metric([table, ds.name], ds.attempts_dropped)
-    yield from (prompts, reissued, dropped)
+    yield from (prompts, reissued, dropped, bands)
 
 
 def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -108,6 +108,8 @@ class DatasetRecord:
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
     pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
     totals: dict[str, int] = field(default_factory=dict)
+    # the prompts generated at least once, by the band of their pass rate (PASS_BANDS)
+    pass_bands: dict[str, int] = field(default_factory=dict)
     owned: list[int] = field(default_factory=list)  # per epoch started: read for a caller, not stored
     counts: list[dict[str, int]] = field(default_factory=list)  # per epoch started: read for a caller, not stored
     # per epoch, the changes of its counts by an event not yet written: the ledger writes each
@@ -227,6 +229,20 @@ class PromptRecord:
 
 
 _STATS = struct.Struct("<IIQQIddIqq")
+# A prompt's pass rate in bands: never passed, passed less than half its runs, half or more but
+# not all, every one (zero and all: the prompts whose groups have no variance to learn from).
+PASS_BANDS = ("zero", "low", "high", "all")
+
+
+def pass_band(stats: Stats) -> str | None:
+    """The band of a prompt's pass rate; None for one never generated."""
+    if not stats.runs:
+        return None
+    if not stats.passes:
+        return "zero"
+    if stats.passes == stats.runs:
+        return "all"
+    return "low" if 2 * stats.passes < stats.runs else "high"
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .records import (
     group_entry,
     group_entry_key,
     group_key,
+    pass_band,
     place,
     prompt_eid,
     prompt_key,
@@ -478,9 +479,16 @@ class Ledger(TableExtension):
     def _generated(self, tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -> None:
         """A prompt's group is complete: its rewards into the prompt's statistics."""
         stats = self._stats(tt, ds.name, index)
+        was = pass_band(stats)
         rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
         stats.generated_group(rewards, ds.pass_threshold)
         self._put_stats(tt, ds.name, index, stats)
+        now = pass_band(stats)
+        if was != now:
+            if was is not None:
+                ds.pass_bands[was] = ds.pass_bands.get(was, 0) - 1
+            if now is not None:
+                ds.pass_bands[now] = ds.pass_bands.get(now, 0) + 1
 
     def _stats(self, tt: TableState, name: str, index: int) -> PromptStats:
         return read_stats(tt.txn, tt.db["ledger"], tt.table_id, name, index)
