@@ -16,6 +16,7 @@ import pytest
 from expbuf.client import trxp
 from expbuf.client.schema.routing import ShardMap
 from expbuf.server.store import Store
+from expbuf.server.store.ledger.hand_out import STEP_HASHES
 from expbuf.server.store.ledger.records import (
     DatasetRecord,
     counts_key,
@@ -24,7 +25,6 @@ from expbuf.server.store.ledger.records import (
     group_key,
     permuted,
 )
-from expbuf.server.store.ledger.rules import STEP_HASHES
 from expbuf.server.store.ledger.shards import count_part
 from expbuf.server.store.schema.errors import Cancelled, ConfigError
 from expbuf.server.store.schema.sample_spec import SampleSpec

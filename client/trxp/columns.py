@@ -314,14 +314,19 @@ def scalar_column(name: str, values: Sequence[float | int | None]) -> ColumnPart
     return ColumnParts(name, dtype, 0, items, [], [data])
 
 
-def segment_column(segments: Sequence[Sequence[int]]) -> ColumnParts | None:
-    """The column of each experience's version segments (flattened: version, offset, ...), of the
-    experiences that have some; None when none has."""
-    items = [index for index, flat in enumerate(segments) if flat]
+def segment_column(segments: Sequence[Sequence[int]], versions: Sequence[int | None]) -> ColumnParts | None:
+    """The column of each experience's version segments: those it was pushed with (flattened:
+    version, offset, ...), or one of its version at offset 0; an experience with neither is left
+    out, and the column is None when every one is."""
+    rows = [
+        tuple(flat) or ((version, 0) if version is not None else ())
+        for flat, version in zip(segments, versions, strict=True)
+    ]
+    items = [index for index, flat in enumerate(rows) if flat]
     if not items:
         return None
-    shapes = [number for index in items for number in (len(segments[index]) // 2, 2)]
-    values: list[bytes | memoryview] = [struct.pack(f"<{len(segments[index])}q", *segments[index]) for index in items]
+    shapes = [number for index in items for number in (len(rows[index]) // 2, 2)]
+    values: list[bytes | memoryview] = [struct.pack(f"<{len(rows[index])}q", *rows[index]) for index in items]
     return ColumnParts(SEGMENTS, "I64", 2, items, shapes, values)
 
 

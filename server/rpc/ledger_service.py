@@ -15,7 +15,8 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
 from ..store.ledger.claimed import Claimed
-from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, PromptStats, prompt_eid
+from ..store.ledger.prompt_stats import PromptStats
+from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
 from ..store.ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
 from ..store.ledger.states import PROMPT_STATES
 from ..store.schema.errors import InvalidRequest, TooLarge, clip

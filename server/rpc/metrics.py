@@ -22,7 +22,8 @@ from prometheus_client.registry import Collector
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import LIVE, IndexBuild, ScrubStatus
-from ..store.ledger.records import PASS_BANDS, DatasetRecord
+from ..store.ledger.prompt_stats import PASS_BANDS
+from ..store.ledger.records import DatasetRecord
 from ..store.ledger.states import PROMPT_STATES
 from .interceptor import ServiceInterceptor
 

@@ -176,8 +176,9 @@ class Sampled:
     stage: Stage | None = field(default=None, repr=False, compare=False)
     shares: Shares | None = None  # a read of some shares of each experience's tokens (ReadFields)
     run_cost: Callable[[int], int] | None = None  # a rank's part: what its split weighed a run of L tokens by
-    segments: list[tuple[int, ...]] = field(default_factory=list)  # each one's version segments (its version's)
-    masked: list[int] = field(default_factory=list)  # each one's response tokens masked as too stale (a prefix)
+    segments: list[tuple[int, ...]] = field(default_factory=list)  # each one's version segments, as pushed
+    # each one's response tokens masked as too stale (a prefix); empty where the table masks none
+    masked: list[int] = field(default_factory=list)
 
     @property
     def payload(self) -> bytes:
@@ -226,7 +227,7 @@ class Sampled:
                 scalars["cost"] = [None if length is None or cost is None else cost(length) for length in lengths]
             kept = [scalar_column(name, scalars[name]) for name in fields if name in SCALARS]
             if SEGMENTS in fields:
-                kept.append(segment_column(self.segments))
+                kept.append(segment_column(self.segments, self.versions))
             ones = [column for column in kept if column is not None]
             if not tensors:
                 return ones

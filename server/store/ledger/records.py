@@ -7,7 +7,7 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "q" + name + 0 + seq                -> epoch + index: prompts to hand out again, oldest first
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
-- T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs
+- T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs (prompt_stats.py)
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
 prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
 epoch's counts are written at its first event, or on a shard of a sharded table when the epoch
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 from collections.abc import Iterator
@@ -31,8 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
-
-from expbuf.client.schema.prompts import PromptStats as Stats
 
 from ..disk import layout
 from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, PromptState, check_prompt_move
@@ -108,7 +105,7 @@ class DatasetRecord:
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
     pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
     totals: dict[str, int] = field(default_factory=dict)
-    # the prompts generated at least once, by the band of their pass rate (PASS_BANDS)
+    # the prompts generated at least once, by the band of their pass rate (prompt_stats.PASS_BANDS)
     pass_bands: dict[str, int] = field(default_factory=dict)
     owned: list[int] = field(default_factory=list)  # per epoch started: read for a caller, not stored
     counts: list[dict[str, int]] = field(default_factory=list)  # per epoch started: read for a caller, not stored
@@ -164,6 +161,13 @@ class DatasetRecord:
         """Every prompt of every epoch trained, or dropped as done (a shard's: once it counted its
         part of the last epoch, every prompt of its parts)."""
         return self.counted >= self.epochs and self.total(*DONE) >= self.owned_total
+
+    def count(self, epoch: int, state: str, delta: int) -> None:
+        """`delta` more prompts of the epoch in `state`: in the totals, and in its epoch's record
+        when the dataset is saved (`moved`)."""
+        self.totals[state] = self.totals.get(state, 0) + delta
+        moved = self.moved.setdefault(epoch, {})
+        moved[state] = moved.get(state, 0) + delta
 
     def encode(self) -> bytes:
         stored = {key: value for key, value in vars(self).items() if key not in ("owned", "counts", "moved")}
@@ -226,57 +230,6 @@ class PromptRecord:
         code, attempt, expires, holder = _PROMPT.unpack_from(raw)
         rest = bytes(raw[_PROMPT.size :])
         return cls(PROMPT_STATES[code], attempt, expires, rest[holder:].decode(), rest[:holder].decode())
-
-
-_STATS = struct.Struct("<IIQQIddIqq")
-# A prompt's pass rate in bands: never passed, passed less than half its runs, half or more but
-# not all, every one (zero and all: the prompts whose groups have no variance to learn from).
-PASS_BANDS = ("zero", "low", "high", "all")
-
-
-def pass_band(stats: Stats) -> str | None:
-    """The band of a prompt's pass rate; None for one never generated."""
-    if not stats.runs:
-        return None
-    if not stats.passes:
-        return "zero"
-    if stats.passes == stats.runs:
-        return "all"
-    return "low" if 2 * stats.passes < stats.runs else "high"
-
-
-@dataclass
-class PromptStats(Stats):
-    """A prompt's statistics as the ledger keeps them: updated in the transaction of each event."""
-
-    def generated_group(self, rewards: list[float], threshold: float) -> None:
-        """A group of its runs was generated with these rewards."""
-        self.generated += 1
-        self.runs += len(rewards)
-        self.passes += sum(1 for reward in rewards if reward > threshold)
-        self.last_runs = len(rewards)
-        self.last_mean = sum(rewards) / len(rewards) if rewards else math.nan
-        self.last_var = sum((r - self.last_mean) ** 2 for r in rewards) / len(rewards) if rewards else math.nan
-
-    def encode(self) -> bytes:
-        return _STATS.pack(
-            self.attempts, self.generated, self.runs, self.passes, self.last_runs, self.last_mean, self.last_var,
-            self.trained, self.last_epoch, self.last_step,
-        )  # fmt: skip
-
-    @classmethod
-    def decode(cls, raw: bytes | memoryview) -> PromptStats:
-        return cls(*_STATS.unpack_from(raw))
-
-
-def stats_key(table_id: int, name: str, index: int) -> bytes:
-    return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + _U64.pack(index)
-
-
-def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> PromptStats:
-    """A prompt's statistics (zero for one never handed out)."""
-    raw = txn.get(stats_key(table_id, name, index), db=db)
-    return PromptStats() if raw is None else PromptStats.decode(raw)
 
 
 def dataset_key(table_id: int, name: str) -> bytes:

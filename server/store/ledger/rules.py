@@ -20,7 +20,7 @@ generated or trained, with no change to the group rules.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
@@ -34,12 +34,12 @@ from ..schema.errors import Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
+from . import prompt_stats
 from .claimed import Claimed, ClaimStep, Walk
+from .hand_out import hand_out, prompt_of, put_prompt
 from .records import (
     DatasetRecord,
-    Permutation,
     PromptRecord,
-    PromptStats,
     counts_key,
     dataset_key,
     datasets_prefix,
@@ -50,29 +50,17 @@ from .records import (
     group_entry,
     group_entry_key,
     group_key,
-    pass_band,
     place,
     prompt_eid,
-    prompt_key,
     queue_key,
-    queue_prefix,
     read_dataset,
     read_expiry_key,
     read_group_entry,
     read_group_key,
-    read_stats,
-    stats_key,
-    unplace,
 )
 from .settings import check, no_dataset
-from .shards import count_part, owns
+from .shards import count_part
 from .states import CLAIMED, COUNTED, DROPPED, GENERATED, PENDING, TRAINED
-
-# The ownership hashes (one a shard) a claim's cursor spends in one transaction stepping over a
-# shard's part of a dataset: with many shards, one prompt owned costs about shards**2 (1,024
-# shards: about 1 s a prompt), so a claim goes on in another transaction rather than hold the
-# writer (about 50 ms a transaction).
-STEP_HASHES = 1 << 16
 
 
 class Ledger(TableExtension):
@@ -112,7 +100,7 @@ class Ledger(TableExtension):
         if ds.shards:  # an epoch's counts without a record own `size` prompts: a shard's own fewer
             ds.owned = ds.owned[:1] or [count_part(ds, 0)]  # counted before the write (claims.py)
             tt.txn.put(counts_key(tt.table_id, ds.name, 0), encode_counts(ds.owned[0], {}), db=tt.db["ledger"])
-            ds.owned_total, ds.counted = ds.owned[0], 1  # a later epoch's part: when it starts (_start)
+            ds.owned_total, ds.counted = ds.owned[0], 1  # a later epoch's part: when it starts (hand_out.py)
         else:
             ds.owned_total, ds.counted = ds.size * ds.epochs, ds.epochs  # nothing written per epoch
         self._save(tt, ds)
@@ -136,13 +124,6 @@ class Ledger(TableExtension):
             tt.txn.put(key, encode_counts(owned, {s: row.get(s, 0) + moved.get(s, 0) for s in COUNTED}), db=ledger)
         ds.moved = {}
         tt.txn.put(dataset_key(tt.table_id, ds.name), ds.encode(), db=ledger)
-
-    def _count(self, ds: DatasetRecord, epoch: int, state: str, delta: int) -> None:
-        """`delta` more prompts of the epoch in `state`: in the dataset's totals, and its epoch's
-        record when the dataset is saved."""
-        ds.totals[state] = ds.totals.get(state, 0) + delta
-        moved = ds.moved.setdefault(epoch, {})
-        moved[state] = moved.get(state, 0) + delta
 
     # ---- claims ------------------------------------------------------------------------------
 
@@ -169,96 +150,23 @@ class Ledger(TableExtension):
         out: list[Claimed] = []
         expires, ledger, more = tt.now + seconds, tt.db["ledger"], False
         walk = Walk(parts or {})
-        for nxt in itertools.islice(self._hand_out(tt, ds, walk), room):
+        for nxt in itertools.islice(hand_out(tt, ds, walk), room):
             if nxt is None:
                 more = True
                 break
             epoch, index, attempt = nxt
-            rec = self._prompt(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
+            rec = prompt_of(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
             rec.move(CLAIMED, f"{ds.name}/{epoch}/{index}")
             rec.attempt, rec.expires, rec.owner, rec.holder = attempt, expires, owner, holder
-            self._put(tt, ds.name, epoch, index, rec)
+            put_prompt(tt, ds.name, epoch, index, rec)
             gkey = group_key(ds.name, epoch, index, attempt)
             tt.txn.put(group_entry_key(tt.table_id, gkey), group_entry(ds.name, epoch, index, attempt), db=ledger)
             tt.txn.put(expiry_key(tt.table_id, expires, ds.name, epoch, index), b"", db=ledger)
-            self._count(ds, epoch, CLAIMED, 1)
-            stats = self._stats(tt, ds.name, index)
-            stats.attempts += 1
-            self._put_stats(tt, ds.name, index, stats)
+            ds.count(epoch, CLAIMED, 1)
+            prompt_stats.claimed(tt, ds.name, index)
             out.append(Claimed(epoch, index, attempt, expires))
         self._save(tt, ds)
         return ClaimStep(out, ds.done, more, walk.uncounted)
-
-    def _hand_out(self, tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int] | None]:
-        """The prompts to hand out, (epoch, index, attempt), for as long as the claim takes
-        them: the oldest sent back, then the cursor's (skipping the prompts a shard does not
-        own), each at its first attempt whose group the table does not hold (`_untaken`); None,
-        last, once the cursor spent STEP_HASHES in this transaction or reached an epoch whose
-        part is not counted (`walk.uncounted`)."""
-        for epoch, index, attempt in self._candidates(tt, ds, walk):
-            free = self._untaken(tt, ds, epoch, index, attempt)
-            if free is not None:
-                yield epoch, index, free
-        if ds.cursor_epoch < ds.epochs:
-            yield None
-
-    def _untaken(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, attempt: int) -> int | None:
-        """The first attempt at the prompt from `attempt` on whose group the table does not hold:
-        before a dataset exists a push under its name is a group like any other, and a claim of
-        an attempt whose group is taken could never complete it. None, the prompt dropped, when
-        every attempt left is taken."""
-        while attempt < ds.max_attempts:
-            if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
-                return attempt
-            attempt += 1
-        rec = self._prompt(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
-        rec.move(DROPPED, f"{ds.name}/{epoch}/{index}")
-        rec.attempt = ds.max_attempts - 1
-        self._put(tt, ds.name, epoch, index, rec)
-        self._count(ds, epoch, DROPPED, 1)
-        return None
-
-    def _candidates(self, tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int]]:
-        """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES or reached
-        an epoch it cannot start (`_start`)."""
-        prefix, ledger = queue_prefix(tt.table_id, ds.name), tt.db["ledger"]
-        while True:
-            with tt.txn.cursor(db=ledger) as cur:
-                if not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)):
-                    break
-                epoch, index = unplace(cur.value())
-                cur.delete()
-            rec = self._prompt(tt, ds.name, epoch, index)
-            if rec is not None and rec.state == PENDING:
-                yield epoch, index, rec.attempt
-        orders: dict[int, Permutation] = {}
-        while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:
-            epoch = ds.cursor_epoch
-            if ds.cursor_position + 1 >= ds.size and not self._start(tt, ds, epoch + 1, walk):
-                return  # the cursor rests on the epoch's last prompt until the next one's part is counted
-            order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
-            index = order(ds.cursor_position)
-            ds.cursor_position += 1
-            if ds.cursor_position >= ds.size:
-                ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
-            walk.hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
-            if owns(ds, epoch, index):
-                yield epoch, index, 0
-
-    def _start(self, tt: TableState, ds: DatasetRecord, epoch: int, walk: Walk) -> bool:
-        """Whether the cursor may move on into `epoch`: one with its part counted (every epoch
-        but a shard's not started, and the end), or one whose part the claim counted outside the
-        writer (`walk.parts`), written now with the epoch's counts; else the walk stops there."""
-        if epoch >= ds.epochs or epoch < ds.counted:
-            return True
-        owned = walk.parts.get(epoch)
-        if owned is None:
-            walk.uncounted = epoch
-            return False
-        tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
-        ds.owned_total += owned
-        ds.counted = epoch + 1
-        return True
 
     def renew(
         self, tt: TableState, name: str, prompts: Sequence[tuple[int, int, int]], seconds: float, holder: str
@@ -274,7 +182,7 @@ class Ledger(TableExtension):
                 continue
             self._unexpire(tt, name, epoch, index, rec)
             rec.expires = expires
-            self._put(tt, name, epoch, index, rec)
+            put_prompt(tt, name, epoch, index, rec)
             tt.txn.put(expiry_key(tt.table_id, expires, name, epoch, index), b"", db=tt.db["ledger"])
         return expires, ended
 
@@ -310,7 +218,7 @@ class Ledger(TableExtension):
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
         for name, epoch, index in due:
-            rec = self._prompt(tt, name, epoch, index)
+            rec = prompt_of(tt, name, epoch, index)
             if rec is None or rec.state != CLAIMED or rec.expires > tt.now:
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
@@ -323,7 +231,7 @@ class Ledger(TableExtension):
         self, tt: TableState, name: str, epoch: int, index: int, attempt: int, holder: str
     ) -> PromptRecord | None:
         """The claim of this attempt at the prompt, if it still holds; another token's is refused."""
-        rec = self._prompt(tt, name, epoch, index)
+        rec = prompt_of(tt, name, epoch, index)
         if rec is None or rec.state != CLAIMED or rec.attempt != attempt:
             return None
         if rec.holder != holder:
@@ -335,7 +243,7 @@ class Ledger(TableExtension):
         its attempts spent), and the attempt's incomplete group, if any, is dropped."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
-        self._count(ds, epoch, CLAIMED, -1)
+        ds.count(epoch, CLAIMED, -1)
         self._send_back(tt, ds, epoch, index, rec)
         if rec.state == PENDING:  # the next attempt's claimant gets the rollouts held in pieces back
             partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
@@ -354,14 +262,14 @@ class Ledger(TableExtension):
         prompt = f"{ds.name}/{epoch}/{index}"
         if rec.attempt + 1 >= ds.max_attempts:
             rec.move(DROPPED, prompt)
-            self._count(ds, epoch, DROPPED, 1)
+            ds.count(epoch, DROPPED, 1)
         else:
             rec.move(PENDING, prompt)
             rec.attempt += 1
             tt.txn.put(queue_key(tt.table_id, ds.name, ds.next_seq), place(epoch, index), db=tt.db["ledger"])
             ds.next_seq += 1
             ds.reissued += 1
-        self._put(tt, ds.name, epoch, index, rec)
+        put_prompt(tt, ds.name, epoch, index, rec)
 
     # ---- the table's events ------------------------------------------------------------------
 
@@ -411,10 +319,10 @@ class Ledger(TableExtension):
         self._unexpire(tt, name, epoch, index, rec)
         rec.move(GENERATED, f"{name}/{epoch}/{index}")
         rec.expires = 0.0
-        self._put(tt, name, epoch, index, rec)
-        self._generated(tt, ds, index, grp)
-        self._count(ds, epoch, CLAIMED, -1)
-        self._count(ds, epoch, GENERATED, 1)
+        put_prompt(tt, name, epoch, index, rec)
+        prompt_stats.generated(tt, ds, index, grp)
+        ds.count(epoch, CLAIMED, -1)
+        ds.count(epoch, GENERATED, 1)
         self._save(tt, ds)
 
     def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
@@ -433,28 +341,23 @@ class Ledger(TableExtension):
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             size = tt.config.grouping.size
             if rec.state == CLAIMED and size and len(grp.members) + len(grp.failed) >= size:
-                self._generated(tt, ds, index, grp)  # complete, and dropped as it completed (zero variance)
+                prompt_stats.generated(tt, ds, index, grp)  # complete, and dropped as it completed (zero variance)
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
-            self._count(ds, epoch, rec.state, -1)
+            ds.count(epoch, rec.state, -1)
             if state == CONSUMED:
                 rec.move(TRAINED, f"{name}/{epoch}/{index}")
                 rec.expires = 0.0
-                self._count(ds, epoch, TRAINED, 1)
-                self._put(tt, name, epoch, index, rec)
-                stats = self._stats(tt, name, index)
-                stats.trained += 1
-                stats.last_epoch = epoch
-                version = tt.counters.trainer_version
-                stats.last_step = -1 if version is None else version
-                self._put_stats(tt, name, index, stats)
+                ds.count(epoch, TRAINED, 1)
+                put_prompt(tt, name, epoch, index, rec)
+                prompt_stats.trained(tt, name, epoch, index)
             elif ds.on_drop == "retry":
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.move(DROPPED, f"{name}/{epoch}/{index}")
                 rec.expires = 0.0
-                self._count(ds, epoch, DROPPED, 1)
-                self._put(tt, name, epoch, index, rec)
+                ds.count(epoch, DROPPED, 1)
+                put_prompt(tt, name, epoch, index, rec)
         for ds in loaded.values():
             self._save(tt, ds)
 
@@ -469,33 +372,6 @@ class Ledger(TableExtension):
 
     # ---- records -----------------------------------------------------------------------------
 
-    def _prompt(self, tt: TableState, name: str, epoch: int, index: int) -> PromptRecord | None:
-        raw = tt.txn.get(prompt_key(tt.table_id, name, epoch, index), db=tt.db["ledger"])
-        return None if raw is None else PromptRecord.decode(raw)
-
-    def _put(self, tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
-        tt.txn.put(prompt_key(tt.table_id, name, epoch, index), rec.encode(), db=tt.db["ledger"])
-
-    def _generated(self, tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -> None:
-        """A prompt's group is complete: its rewards into the prompt's statistics."""
-        stats = self._stats(tt, ds.name, index)
-        was = pass_band(stats)
-        rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
-        stats.generated_group(rewards, ds.pass_threshold)
-        self._put_stats(tt, ds.name, index, stats)
-        now = pass_band(stats)
-        if was != now:
-            if was is not None:
-                ds.pass_bands[was] = ds.pass_bands.get(was, 0) - 1
-            if now is not None:
-                ds.pass_bands[now] = ds.pass_bands.get(now, 0) + 1
-
-    def _stats(self, tt: TableState, name: str, index: int) -> PromptStats:
-        return read_stats(tt.txn, tt.db["ledger"], tt.table_id, name, index)
-
-    def _put_stats(self, tt: TableState, name: str, index: int, stats: PromptStats) -> None:
-        tt.txn.put(stats_key(tt.table_id, name, index), stats.encode(), db=tt.db["ledger"])
-
     def _unexpire(self, tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
         if rec.expires:
             tt.txn.delete(expiry_key(tt.table_id, rec.expires, name, epoch, index), db=tt.db["ledger"])
@@ -507,5 +383,5 @@ class Ledger(TableExtension):
         if raw is None:
             return None
         entry = read_group_entry(raw)
-        rec = self._prompt(tt, *entry[:3])
+        rec = prompt_of(tt, *entry[:3])
         return None if rec is None else (entry, rec)

@@ -130,20 +130,17 @@ class StaleEviction(TableExtension):
         return evict_stale(tt)
 
 
-def masked_tokens(config: TableConfig, trainer_version: int | None, rec: ItemRecord) -> int:
-    """How many of an experience's response tokens (a prefix: versions never decrease) its delivery
-    masks out of the action mask: those of a policy more than max_token_staleness behind the
-    trainer, where on_token_stale is "mask". Its version segments say each token's policy; an
-    experience without them has its one version for all its tokens."""
+def token_bound(config: TableConfig, trainer_version: int | None) -> int | None:
+    """The oldest policy version whose tokens a delivery leaves in the action mask: the trainer's
+    version less max_token_staleness, where on_token_stale is "mask"; None when none is masked."""
     lag = config.staleness.token_bound
-    if lag is None or trainer_version is None or rec.version is None:
+    return None if lag is None or trainer_version is None else trainer_version - lag
+
+
+def masked_tokens(rec: ItemRecord, bound: int) -> int:
+    """How many of an experience's response tokens (a prefix: versions never decrease) its delivery
+    masks out of the action mask: those of a policy older than `bound` (token_bound). Its version
+    segments say each token's policy; an experience without them has its one version for all."""
+    if rec.version is None:
         return 0
-    return segments.stale_tokens(rec.segments or (rec.version, 0), rec.response_length, trainer_version - lag)
-
-
-def version_segments(rec: ItemRecord) -> tuple[int, ...]:
-    """An experience's version segments as delivered (flattened): those it was pushed with, or one
-    segment of its version for all its tokens; none without a version."""
-    if rec.segments:
-        return rec.segments
-    return () if rec.version is None else (rec.version, 0)
+    return segments.stale_tokens(rec.segments or (rec.version, 0), rec.response_length, bound)

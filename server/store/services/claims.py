@@ -19,17 +19,17 @@ from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk.environment import Environment
 from ..ledger.claimed import Claimed
+from ..ledger.hand_out import STEP_HASHES
+from ..ledger.prompt_stats import PromptStats, read_stats
 from ..ledger.records import (
     DatasetRecord,
     PromptRecord,
-    PromptStats,
     read_dataset,
     read_datasets,
     read_epochs,
     read_prompts,
-    read_stats,
 )
-from ..ledger.rules import STEP_HASHES, Ledger
+from ..ledger.rules import Ledger
 from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES

@@ -244,14 +244,17 @@ class Pushing:
         counted when it lets them go or at the deadline). With `in_push`, the groups the push
         completes get their advantages in its transaction where it gives the table a computation
         (`ahead`: computed before it, for the groups the push was expected to complete)."""
+        has_pieces = any(e.piece is not None for e in entries)
         # the pieces of partial rollouts are not inserts: the rollouts they finish are
-        held = limiter.insert_limit(tt, [e for e in entries if e.piece is None or not e.piece[1]])
+        held = limiter.insert_limit(
+            tt, [e for e in entries if e.piece is None or not e.piece[1]] if has_pieces else entries
+        )
         if blocked and (held is None or final):
             tt.counters.insert_blocked_seconds += blocked
             tt.save()
         if held is not None:
             return held
-        pieces = partials.take(tt, entries) if any(e.piece is not None for e in entries) else None
+        pieces = partials.take(tt, entries) if has_pieces else None
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         tt.compute = in_push(tt.config) if in_push is not None else None
         tt.ahead = ahead

@@ -29,7 +29,7 @@ from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..rules import partials
 from ..rules.counters import Counters
 from ..rules.read_check import Unservable, payload_problem, serve_problem
-from ..rules.staleness import masked_tokens, version_segments
+from ..rules.staleness import masked_tokens, token_bound
 from ..rules.table_state import missing as not_stored
 from ..rules.table_state import stored
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
@@ -194,7 +194,9 @@ class Reads:
             if not snapshot.open:  # a map resize detached it before this began
                 return None
             rows = BatchRows(snapshot, db["adv"], config, self.finish)
-            trainer = Counters.decode(snapshot.get(prefix, db["counters"])).trainer_version
+            bound = None
+            if config.staleness.token_bound is not None:  # the trainer's version, from the table's counters
+                bound = token_bound(config, Counters.decode(snapshot.get(prefix, db["counters"])).trainer_version)
             snapshot.hold(rows.blobs)
             snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
             for uid in uids:
@@ -221,8 +223,9 @@ class Reads:
                 batch.versions.append(rec.version)
                 batch.rewards.append(rec.reward)
                 batch.response_lengths.append(rec.response_length)
-                batch.segments.append(version_segments(rec))
-                batch.masked.append(masked_tokens(config, trainer, rec))
+                batch.segments.append(rec.segments)
+                if bound is not None:
+                    batch.masked.append(masked_tokens(rec, bound))
             batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(None)
         return batch, missing, damaged
 

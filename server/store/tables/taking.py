@@ -31,7 +31,7 @@ from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
-from ..rules.staleness import masked_tokens, report, version_segments
+from ..rules.staleness import masked_tokens, report, token_bound
 from ..rules.table_state import TableState, stored
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import SampleSpec
@@ -88,6 +88,7 @@ def take(
         batch.lease_id = secrets.token_hex(8)
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
     rows = BatchRows(tt.txn, tt.db["adv"], tt.config, finish)
+    bound = token_bound(tt.config, tt.counters.trainer_version)
     for gkey, _, recs in taken:
         for uid, rec in recs.items():
             rows.add(tt.key(uid), rec, payloads.read(uid))
@@ -97,8 +98,9 @@ def take(
             batch.rewards.append(rec.reward)
             batch.response_lengths.append(rec.response_length)
             batch.times_sampled.append(rec.times_sampled + 1)
-            batch.segments.append(version_segments(rec))
-            batch.masked.append(masked_tokens(tt.config, tt.counters.trainer_version, rec))
+            batch.segments.append(rec.segments)
+            if bound is not None:
+                batch.masked.append(masked_tokens(rec, bound))
             if delivery != "lease":  # a leased one is counted in its record when the lease ends (leases.py)
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)

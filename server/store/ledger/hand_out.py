@@ -1,0 +1,114 @@
+"""Which prompts a claim hands out, in a table's transaction: the oldest sent back, then the
+dataset's cursor through each epoch's permutation (skipping the prompts a shard does not own),
+each at its first attempt whose group the table does not hold; and a prompt's record read and
+written there, as the ledger's rules (rules.py) read and write it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..rules.table_state import TableState
+from .claimed import Walk
+from .records import (
+    DatasetRecord,
+    Permutation,
+    PromptRecord,
+    counts_key,
+    encode_counts,
+    group_key,
+    prompt_key,
+    queue_prefix,
+    unplace,
+)
+from .shards import owns
+from .states import DROPPED, PENDING
+
+# The ownership hashes (one a shard) a claim's cursor spends in one transaction stepping over a
+# shard's part of a dataset: with many shards, one prompt owned costs about shards**2 (1,024
+# shards: about 1 s a prompt), so a claim goes on in another transaction rather than hold the
+# writer (about 50 ms a transaction).
+STEP_HASHES = 1 << 16
+
+
+def prompt_of(tt: TableState, name: str, epoch: int, index: int) -> PromptRecord | None:
+    raw = tt.txn.get(prompt_key(tt.table_id, name, epoch, index), db=tt.db["ledger"])
+    return None if raw is None else PromptRecord.decode(raw)
+
+
+def put_prompt(tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
+    tt.txn.put(prompt_key(tt.table_id, name, epoch, index), rec.encode(), db=tt.db["ledger"])
+
+
+def hand_out(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int] | None]:
+    """The prompts to hand out, (epoch, index, attempt), for as long as the claim takes
+    them: the oldest sent back, then the cursor's (skipping the prompts a shard does not
+    own), each at its first attempt whose group the table does not hold (`_untaken`); None,
+    last, once the cursor spent STEP_HASHES in this transaction or reached an epoch whose
+    part is not counted (`walk.uncounted`)."""
+    for epoch, index, attempt in _candidates(tt, ds, walk):
+        free = _untaken(tt, ds, epoch, index, attempt)
+        if free is not None:
+            yield epoch, index, free
+    if ds.cursor_epoch < ds.epochs:
+        yield None
+
+
+def _untaken(tt: TableState, ds: DatasetRecord, epoch: int, index: int, attempt: int) -> int | None:
+    """The first attempt at the prompt from `attempt` on whose group the table does not hold:
+    before a dataset exists a push under its name is a group like any other, and a claim of
+    an attempt whose group is taken could never complete it. None, the prompt dropped, when
+    every attempt left is taken."""
+    while attempt < ds.max_attempts:
+        if tt.group(group_key(ds.name, epoch, index, attempt)) is None:
+            return attempt
+        attempt += 1
+    rec = prompt_of(tt, ds.name, epoch, index) or PromptRecord(PENDING, attempt)
+    rec.move(DROPPED, f"{ds.name}/{epoch}/{index}")
+    rec.attempt = ds.max_attempts - 1
+    put_prompt(tt, ds.name, epoch, index, rec)
+    ds.count(epoch, DROPPED, 1)
+    return None
+
+
+def _candidates(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[int, int, int]]:
+    """The oldest prompts sent back, then the cursor's, until it spent STEP_HASHES or reached
+    an epoch it cannot start (`_start`)."""
+    prefix, ledger = queue_prefix(tt.table_id, ds.name), tt.db["ledger"]
+    while True:
+        with tt.txn.cursor(db=ledger) as cur:
+            if not (cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)):
+                break
+            epoch, index = unplace(cur.value())
+            cur.delete()
+        rec = prompt_of(tt, ds.name, epoch, index)
+        if rec is not None and rec.state == PENDING:
+            yield epoch, index, rec.attempt
+    orders: dict[int, Permutation] = {}
+    while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:
+        epoch = ds.cursor_epoch
+        if ds.cursor_position + 1 >= ds.size and not _start(tt, ds, epoch + 1, walk):
+            return  # the cursor rests on the epoch's last prompt until the next one's part is counted
+        order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
+        index = order(ds.cursor_position)
+        ds.cursor_position += 1
+        if ds.cursor_position >= ds.size:
+            ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+        walk.hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
+        if owns(ds, epoch, index):
+            yield epoch, index, 0
+
+
+def _start(tt: TableState, ds: DatasetRecord, epoch: int, walk: Walk) -> bool:
+    """Whether the cursor may move on into `epoch`: one with its part counted (every epoch
+    but a shard's not started, and the end), or one whose part the claim counted outside the
+    writer (`walk.parts`), written now with the epoch's counts; else the walk stops there."""
+    if epoch >= ds.epochs or epoch < ds.counted:
+        return True
+    owned = walk.parts.get(epoch)
+    if owned is None:
+        walk.uncounted = epoch
+        return False
+    tt.txn.put(counts_key(tt.table_id, ds.name, epoch), encode_counts(owned, {}), db=tt.db["ledger"])
+    ds.owned_total += owned
+    ds.counted = epoch + 1
+    return True

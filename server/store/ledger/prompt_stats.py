@@ -1,0 +1,104 @@
+"""Per-prompt statistics: how each prompt of a dataset fared over its epochs, updated in the
+transaction of the event that changes them (a claim, its group generated, its group trained), so
+a restart or a kill -9 loses none. Stored under T + "s" + name + 0 + index (records.py lists the
+ledger's keys); the dataset record counts its prompts by the band of their pass rate, so a scrape
+reads no prompt. A curriculum reads them."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import lmdb
+
+from expbuf.client.schema.prompts import PromptStats as Stats
+
+from ..disk import layout
+from ..disk.records import GroupRecord
+from ..rules.table_state import TableState
+from .records import DatasetRecord
+
+_STATS = struct.Struct("<IIQQIddIqq")
+_U64 = struct.Struct(">Q")
+# A prompt's pass rate in bands: never passed, passed less than half its runs, half or more but
+# not all, every one (zero and all: the prompts whose groups have no variance to learn from).
+PASS_BANDS = ("zero", "low", "high", "all")
+
+
+@dataclass
+class PromptStats(Stats):
+    """A prompt's statistics as the ledger keeps them (the client's type, with its encoding)."""
+
+    def encode(self) -> bytes:
+        return _STATS.pack(
+            self.attempts, self.generated, self.runs, self.passes, self.last_runs, self.last_mean, self.last_var,
+            self.trained, self.last_epoch, self.last_step,
+        )  # fmt: skip
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> PromptStats:
+        return cls(*_STATS.unpack_from(raw))
+
+    @property
+    def band(self) -> str | None:
+        """The band of its pass rate (PASS_BANDS); None for a prompt never generated."""
+        if not self.runs:
+            return None
+        if not self.passes:
+            return "zero"
+        if self.passes == self.runs:
+            return "all"
+        return "low" if 2 * self.passes < self.runs else "high"
+
+
+def stats_key(table_id: int, name: str, index: int) -> bytes:
+    return layout.table_prefix(table_id) + b"s" + name.encode() + b"\0" + _U64.pack(index)
+
+
+def read_stats(txn: lmdb.Transaction[bytes], db: lmdb._Database, table_id: int, name: str, index: int) -> PromptStats:
+    """A prompt's statistics (zero for one never handed out)."""
+    raw = txn.get(stats_key(table_id, name, index), db=db)
+    return PromptStats() if raw is None else PromptStats.decode(raw)
+
+
+def _write(tt: TableState, name: str, index: int, stats: PromptStats) -> None:
+    tt.txn.put(stats_key(tt.table_id, name, index), stats.encode(), db=tt.db["ledger"])
+
+
+def claimed(tt: TableState, name: str, index: int) -> None:
+    """A claim of the prompt was handed out."""
+    stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, name, index)
+    stats.attempts += 1
+    _write(tt, name, index, stats)
+
+
+def generated(tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -> None:
+    """A group of the prompt is complete: its members' rewards into the prompt's statistics, and the
+    prompt into the band of its pass rate now (`ds`, written by the caller)."""
+    stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, ds.name, index)
+    was = stats.band
+    rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
+    stats.generated += 1
+    stats.runs += len(rewards)
+    stats.passes += sum(1 for reward in rewards if reward > ds.pass_threshold)
+    stats.last_runs = len(rewards)
+    stats.last_mean = sum(rewards) / len(rewards) if rewards else math.nan
+    stats.last_var = sum((r - stats.last_mean) ** 2 for r in rewards) / len(rewards) if rewards else math.nan
+    _write(tt, ds.name, index, stats)
+    now = stats.band
+    if was != now:
+        if was is not None:
+            ds.pass_bands[was] = ds.pass_bands.get(was, 0) - 1
+        if now is not None:
+            ds.pass_bands[now] = ds.pass_bands.get(now, 0) + 1
+
+
+def trained(tt: TableState, name: str, epoch: int, index: int) -> None:
+    """A group of the prompt was trained, in `epoch`, at the table's trainer version."""
+    stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, name, index)
+    stats.trained += 1
+    stats.last_epoch = epoch
+    version = tt.counters.trainer_version
+    stats.last_step = -1 if version is None else version
+    _write(tt, name, index, stats)
