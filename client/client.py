@@ -299,7 +299,10 @@ class BufferClient(ClientBase):
         none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
         it goes out again), `max_attempts` (5: a prompt sent back this often is dropped),
         `pass_threshold` (0.0: a run passes when its reward is above it, in each prompt's statistics,
-        which `list_prompts` returns)."""
+        which `list_prompts` returns), `order` ("permutation"; "pools": by the last group's mean
+        reward, easy / medium / hard with shares; "pass_rate": near a target pass rate first) and
+        its `order_options`, `zero_variance` ("keep"; "retry": claimed again; "skip": sits out the
+        next `skip_epochs` epochs). docs/concepts/prompt-ledger.md shows a curriculum."""
         return self._run(ledger_calls.create_dataset(table, name, size, exist_ok, settings))
 
     def datasets(self, table: str = "default") -> list[DatasetInfo]:

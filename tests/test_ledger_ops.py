@@ -161,12 +161,14 @@ def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
     server: ExpbufServer, client: BufferClient
 ) -> None:
     target = ("--target", f"127.0.0.1:{server.port}")
-    settings = ("epochs=2", "seed=7", "max_in_flight=3", "on_drop=retry", "max_attempts=4")
+    settings = ("epochs=2", "seed=7", "max_in_flight=3", "on_drop=retry", "max_attempts=4", "order=pools")
+    settings += ("order_options={hard_share=0.3}",)
     made = cli("dataset", "create", "t", "math", "10", *settings, *target)
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == (
         'dataset math on table t: size=10 epochs=2 seed=7 max_in_flight=3 on_drop="retry" max_attempts=4 '
-        "pass_threshold=0.0"
+        'pass_threshold=0.0 order="pools" order_options={ easy_above = 1.0, easy_share = 0.1, hard_below = 0.0, '
+        'hard_share = 0.3 } zero_variance="keep" skip_epochs=1'
     )
     info = client.ledger("t", "math")
     assert (info.size, info.epochs, info.seed, info.max_in_flight, info.on_drop, info.max_attempts) == (
@@ -186,6 +188,7 @@ def test_dataset_create_takes_settings_anywhere_and_refusals_name_the_setting(
     one_line_error(cli("dataset", "create", "t", "x", "0", *target), 1, "INVALID_ARGUMENT", "size is 0")
     one_line_error(cli("dataset", "create", "t", "x", "2", "max_attempts=5000", *target), 1, "max_attempts is 5000")
     one_line_error(cli("dataset", "create", "t", "x", "2", "on_drop=never", *target), 1, "on_drop is 'never'")
+    one_line_error(cli("dataset", "create", "t", "x", "2", "order=hardest", *target), 1, "order is 'hardest'")
     one_line_error(cli("dataset", "create", "nope", "x", "2", *target), 1, "NOT_FOUND", "nope")
     # Mistakes caught before the call: exit code 2, one line naming the setting.
     one_line_error(cli("dataset", "create", "t", "x", "ten", *target), 2, "size", "'ten'")
@@ -215,9 +218,12 @@ def test_dataset_list_and_describe_show_counts_cursor_and_prompts(server: Expbuf
     settings, epochs, listed = described.stdout.split("\n\n")
     lines = settings.splitlines()
     assert lines[0] == "dataset math on table t"
-    assert lines[1:8] == ["size = 4", "epochs = 1", "seed = unset (index order)", "max_in_flight = 0",
-                          'on_drop = "done"', "max_attempts = 5", "pass_threshold = 0.0"]  # fmt: skip
-    assert lines[9:] == ["cursor = epoch 0, position 3", "reissued = 1", "attempts_dropped = 1", "done = false"]
+    assert lines[1:12] == ["size = 4", "epochs = 1", "seed = unset (index order)", "max_in_flight = 0",
+                          'on_drop = "done"', "max_attempts = 5", "pass_threshold = 0.0", 'order = "permutation"',
+                          "order_options = {}", 'zero_variance = "keep"', "skip_epochs = 1"]  # fmt: skip
+    assert lines[13:] == [
+        "cursor = epoch 0, position 3", "reissued = 1", "attempts_dropped = 1", "skipped = 0", "done = false"
+    ]  # fmt: skip
     assert [row.split() for row in epochs.splitlines()] == [
         ["epoch", "pending", "claimed", "generated", "trained", "dropped"],
         ["0", "2", "1", "0", "1", "0"],

@@ -3,7 +3,7 @@ described as `Unary` calls (calls.py) for the blocking and the asyncio client.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -22,8 +22,14 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
         bounds = _DATASET_INTEGERS.get(key)
         if bounds and not (key == "seed" and value is None) and not _integer_in(value, *bounds):
             raise ValueError(f"create_dataset: {key} is {value!r}; it must be an integer in {bounds[0]}..{bounds[1]}")
-    if not isinstance(settings.get("on_drop", ""), str):
-        raise ValueError(f"create_dataset: on_drop is {settings['on_drop']!r}; expected 'done' or 'retry'")
+    for key in ("on_drop", "order", "zero_variance"):
+        if not isinstance(settings.get(key, ""), str):
+            raise ValueError(f"create_dataset: {key} is {settings[key]!r}; it must be a name (a str)")
+    options = settings.get("order_options", {})
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in options.items()
+    ):
+        raise ValueError(f"create_dataset: order_options is {options!r}; it must map option names to numbers")
     seed = settings.get("seed")
     config = pb.DatasetConfig(
         name=name,
@@ -35,6 +41,10 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
         shards=settings.get("shards", ()),
         shard=settings.get("shard", ""),
         pass_threshold=_threshold(settings.get("pass_threshold", 0.0)),
+        order=settings.get("order", "permutation"),
+        order_options={key: float(value) for key, value in options.items()},
+        zero_variance=settings.get("zero_variance", "keep"),
+        skip_epochs=settings.get("skip_epochs", 1),
     )
     if seed is not None:
         config.seed = seed
@@ -44,6 +54,7 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
 
 _DATASET_SETTINGS = frozenset(
     {"epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard", "pass_threshold"}
+    | {"order", "order_options", "zero_variance", "skip_epochs"}
 )
 
 
@@ -60,6 +71,7 @@ _DATASET_INTEGERS = {
     "seed": (-(2**63), 2**63 - 1),
     "max_in_flight": (0, 2**64 - 1),
     "max_attempts": (1, 2**32 - 1),
+    "skip_epochs": (1, 2**32 - 1),
 }
 
 

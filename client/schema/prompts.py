@@ -147,6 +147,11 @@ class DatasetInfo:
     shards: list[str] = field(default_factory=list)
     shard: str = ""
     pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
+    order: str = "permutation"  # the claim order of each epoch's prompts
+    order_options: dict[str, float] = field(default_factory=dict)  # its options, its defaults filled in
+    zero_variance: str = "keep"  # a prompt whose group's rewards are all equal: keep, retry or skip
+    skip_epochs: int = 1  # with zero_variance "skip": the epochs it sits out
+    skipped: int = 0  # prompts an epoch skipped (dropped at the cursor)
     missing: Mapping[str, str] = field(default_factory=dict)
 
     def total(self, state: str) -> int:
@@ -181,6 +186,7 @@ class DatasetInfo:
             totals=EpochCounts(first.size * first.epochs - sum(everywhere), *everywhere),
             reissued=sum(p.reissued for p in parts),
             attempts_dropped=sum(p.attempts_dropped for p in parts),
+            skipped=sum(p.skipped for p in parts),
             done=all(p.done for p in parts) and not missing,
             owned=first.size * first.epochs,
             shard="",
@@ -202,7 +208,9 @@ class DatasetInfo:
             cursor_epoch=msg.cursor_epoch, cursor_position=msg.cursor_position,
             counts=counts, reissued=msg.reissued, attempts_dropped=msg.attempts_dropped, done=msg.done,
             owned=msg.owned, totals=totals, shards=list(config.shards), shard=config.shard,
-            pass_threshold=config.pass_threshold,
+            pass_threshold=config.pass_threshold, order=config.order or "permutation",
+            order_options=dict(sorted(config.order_options.items())), zero_variance=config.zero_variance or "keep",
+            skip_epochs=config.skip_epochs or 1, skipped=msg.skipped,
         )  # fmt: skip
 
 

@@ -1,14 +1,21 @@
-"""`expbuf dataset create|list|describe`: a table's datasets of prompts from a shell, through the RPCs.
+"""`expbuf dataset create|list|describe|export`: a table's datasets of prompts from a shell, through
+the RPCs.
 
-Settings are `KEY=VALUE` as for `expbuf table create` (each value read as TOML). `describe`
-pages through ListPrompts, so the server reads one bounded page at a time for it.
+Settings are `KEY=VALUE` as for `expbuf table create` (each value read as TOML). `describe` and
+`export` page through ListPrompts, so the server reads one bounded page at a time for them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
 from expbuf.client import BufferClient
 from expbuf.client.schema.prompts import STATES, DatasetInfo, Prompt
@@ -32,6 +39,10 @@ def _settings(info: DatasetInfo) -> dict[str, object]:
         "on_drop": info.on_drop,
         "max_attempts": info.max_attempts,
         "pass_threshold": info.pass_threshold,
+        "order": info.order,
+        "order_options": info.order_options,
+        "zero_variance": info.zero_variance,
+        "skip_epochs": info.skip_epochs,
     }
 
 
@@ -83,6 +94,7 @@ def _describe(args: argparse.Namespace, client: BufferClient) -> int:
         f"cursor = {_cursor(info, short=False)}",
         f"reissued = {info.reissued}",
         f"attempts_dropped = {info.attempts_dropped}",
+        f"skipped = {info.skipped}",
         f"done = {toml_value(info.done)}",
     ]
     epochs: list[tuple[str, ...]] = [("epoch", *STATES)]
@@ -130,6 +142,32 @@ def _row(prompt: Prompt) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+def _export(args: argparse.Namespace, client: BufferClient) -> int:
+    """Every prompt handed out, one JSON object a line: where it stands and its statistics (the
+    prompt's over its epochs, on each epoch's line; NaN as null)."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(Path(args.out).open("w")) if args.out else sys.stdout
+        after, written = None, 0
+        while True:
+            page = client.list_prompts(args.table, args.name, after=after, limit=PAGE)
+            for prompt in page.prompts:
+                out.write(json.dumps(_exported(prompt)) + "\n")
+                written += 1
+            if page.done:
+                break
+            after = page.after
+    print(f"{written} prompts of dataset {args.name}", file=sys.stderr)
+    return 0
+
+
+def _exported(prompt: Prompt) -> dict[str, object]:
+    row: dict[str, object] = {key: value for key, value in asdict(prompt).items() if key != "stats"}
+    if prompt.stats is not None:
+        stats = {**asdict(prompt.stats), "pass_rate": prompt.stats.pass_rate}
+        row["stats"] = {key: None if isinstance(v, float) and math.isnan(v) else v for key, v in stats.items()}
+    return row
+
+
 def add_dataset_commands(
     sub: argparse._SubParsersAction,
     client_options: Callable[[argparse.ArgumentParser], None],
@@ -146,7 +184,11 @@ def add_dataset_commands(
         "settings",
         nargs="*",
         metavar="KEY=VALUE",
-        help="epochs, seed, max_in_flight, on_drop (done or retry), max_attempts, pass_threshold; e.g. epochs=3 seed=7",
+        help=(
+            "epochs, seed, max_in_flight, on_drop (done or retry), max_attempts, pass_threshold, order"
+            " (permutation, pools or pass_rate), order_options, zero_variance (keep, retry or skip), skip_epochs;"
+            " e.g. epochs=3 seed=7 order=pools order_options={easy_share=0.2}"
+        ),
     )
     create.add_argument("--exist-ok", action="store_true", help="succeed if the dataset exists with these settings")
     create.set_defaults(run_action=_create)
@@ -168,6 +210,13 @@ def add_dataset_commands(
         "--limit", type=int, default=100, help="prompts to list at most, 0 for none (default %(default)s)"
     )
     describe.set_defaults(run_action=_describe)
-    for parser in (create, listing, describe):
+    export = actions.add_parser(
+        "export", help="a dataset's prompts handed out, with their statistics, as JSON lines (for a curriculum's look)"
+    )
+    export.add_argument("table", help="the table's name")
+    export.add_argument("name", help="the dataset's name")
+    export.add_argument("--out", help="file to write (default: standard output)")
+    export.set_defaults(run_action=_export)
+    for parser in (create, listing, describe, export):
         client_options(parser)
         parser.set_defaults(func=run)

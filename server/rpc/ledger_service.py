@@ -40,6 +40,10 @@ def dataset_of(config: pb.DatasetConfig) -> DatasetRecord:
         shards=list(config.shards),
         shard=config.shard,
         pass_threshold=config.pass_threshold,
+        order=config.order or "permutation",
+        order_options=dict(config.order_options),
+        zero_variance=config.zero_variance or "keep",
+        skip_epochs=config.skip_epochs or 1,
     )
 
 
@@ -55,6 +59,10 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         shards=ds.shards,
         shard=ds.shard,
         pass_threshold=ds.pass_threshold,
+        order=ds.order,
+        order_options=ds.order_options,
+        zero_variance=ds.zero_variance,
+        skip_epochs=ds.skip_epochs,
     )
     if ds.seed is not None:
         config.seed = ds.seed
@@ -70,6 +78,7 @@ def info_of(ds: DatasetRecord) -> pb.DatasetInfo:
         done=ds.done,
         owned=ds.owned_total,
         totals=pb.EpochCounts(**ds.overall()),
+        skipped=ds.skipped,
     )
 
 

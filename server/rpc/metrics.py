@@ -190,6 +190,11 @@ def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric
     dropped = CounterMetricFamily(
         "expbuf_prompt_attempts_dropped", "Incomplete groups of attempts whose claim ended, dropped.", labels=labels
     )
+    skipped = CounterMetricFamily(
+        "expbuf_prompts_skipped",
+        "Prompts an epoch skipped at the cursor: their group's rewards were all equal (zero_variance skip).",
+        labels=labels,
+    )
     bands = GaugeMetricFamily(
         "expbuf_prompts_by_pass_rate",
         "Prompts generated at least once, by the band of their pass rate: zero, low (< 1/2), high (< 1), all.",
@@ -204,7 +209,8 @@ def _ledger_metrics(datasets: dict[str, list[DatasetRecord]]) -> Iterator[Metric
                 prompts.add_metric([table, ds.name, state], by_state[state])
             reissued.add_metric([table, ds.name], ds.reissued)
             dropped.add_metric([table, ds.name], ds.attempts_dropped)
-    yield from (prompts, reissued, dropped, bands)
+            skipped.add_metric([table, ds.name], ds.skipped)
+    yield from (prompts, reissued, dropped, skipped, bands)
 
 
 def _shaping_metrics(tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:

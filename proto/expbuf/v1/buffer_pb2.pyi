@@ -834,7 +834,14 @@ class WritersReply(_message.Message):
     def __init__(self, open: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class DatasetConfig(_message.Message):
-    __slots__ = ("name", "size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard", "pass_threshold")
+    __slots__ = ("name", "size", "epochs", "seed", "max_in_flight", "on_drop", "max_attempts", "shards", "shard", "pass_threshold", "order", "order_options", "zero_variance", "skip_epochs")
+    class OrderOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -845,6 +852,10 @@ class DatasetConfig(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    ORDER_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ZERO_VARIANCE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     epochs: int
@@ -855,7 +866,11 @@ class DatasetConfig(_message.Message):
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard: str
     pass_threshold: float
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., on_drop: _Optional[str] = ..., max_attempts: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[str] = ..., pass_threshold: _Optional[float] = ...) -> None: ...
+    order: str
+    order_options: _containers.ScalarMap[str, float]
+    zero_variance: str
+    skip_epochs: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., on_drop: _Optional[str] = ..., max_attempts: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[str] = ..., pass_threshold: _Optional[float] = ..., order: _Optional[str] = ..., order_options: _Optional[_Mapping[str, float]] = ..., zero_variance: _Optional[str] = ..., skip_epochs: _Optional[int] = ...) -> None: ...
 
 class EpochCounts(_message.Message):
     __slots__ = ("pending", "claimed", "generated", "trained", "dropped")
@@ -872,7 +887,7 @@ class EpochCounts(_message.Message):
     def __init__(self, pending: _Optional[int] = ..., claimed: _Optional[int] = ..., generated: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("config", "created_unix", "cursor_epoch", "cursor_position", "counts", "reissued", "attempts_dropped", "done", "owned", "totals")
+    __slots__ = ("config", "created_unix", "cursor_epoch", "cursor_position", "counts", "reissued", "attempts_dropped", "done", "owned", "totals", "skipped")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CURSOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -883,6 +898,7 @@ class DatasetInfo(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     OWNED_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     config: DatasetConfig
     created_unix: float
     cursor_epoch: int
@@ -893,7 +909,8 @@ class DatasetInfo(_message.Message):
     done: bool
     owned: int
     totals: EpochCounts
-    def __init__(self, config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., created_unix: _Optional[float] = ..., cursor_epoch: _Optional[int] = ..., cursor_position: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[EpochCounts, _Mapping]]] = ..., reissued: _Optional[int] = ..., attempts_dropped: _Optional[int] = ..., done: _Optional[bool] = ..., owned: _Optional[int] = ..., totals: _Optional[_Union[EpochCounts, _Mapping]] = ...) -> None: ...
+    skipped: int
+    def __init__(self, config: _Optional[_Union[DatasetConfig, _Mapping]] = ..., created_unix: _Optional[float] = ..., cursor_epoch: _Optional[int] = ..., cursor_position: _Optional[int] = ..., counts: _Optional[_Iterable[_Union[EpochCounts, _Mapping]]] = ..., reissued: _Optional[int] = ..., attempts_dropped: _Optional[int] = ..., done: _Optional[bool] = ..., owned: _Optional[int] = ..., totals: _Optional[_Union[EpochCounts, _Mapping]] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class CreateDatasetRequest(_message.Message):
     __slots__ = ("table", "config", "exist_ok")

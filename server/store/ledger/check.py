@@ -22,6 +22,7 @@ from ..disk import layout
 from ..rules.table_state import TableState
 from ..schema.states import LIVE
 from ..schema.states import PENDING as GROUP_PENDING
+from .binned import bins_prefix, read_bin_key
 from .records import (
     DatasetRecord,
     PromptRecord,
@@ -52,6 +53,7 @@ def verify_ledger(tt: TableState) -> list[str]:
             problems += _counts(ds, rows.get(name, {}), found.get(name, {}))
     _expiries(tt, datasets, problems)
     _groups(tt, datasets, problems)
+    _bins(tt, datasets, problems)
     return problems
 
 
@@ -321,6 +323,30 @@ def _expiries(tt: TableState, datasets: dict[str, DatasetRecord | None], problem
             problems.append(f"{where}, which is {rec.state}")
         elif layout.micros(rec.expires) != key[5:13]:
             problems.append(f"{where}, whose claim ends at another time")
+
+
+def _bins(tt: TableState, datasets: dict[str, DatasetRecord | None], problems: list[str]) -> None:
+    """A difficulty order's bins must hold the prompts its dataset record counts in them (a bin
+    counted short would lose a prompt for the epoch; one counted long would stop the cursor)."""
+    held: dict[tuple[str, int, int], int] = defaultdict(int)
+    for key, _ in _entries(tt, bins_prefix(tt.table_id)):
+        held[read_bin_key(key)] += 1
+    counted = {
+        (name, int(epoch), bin_): n
+        for name, ds in datasets.items()
+        if ds is not None
+        for epoch, row in ds.binned.items()
+        for bin_, n in enumerate(row)
+        if n
+    }
+    for name, epoch, bin_ in sorted(set(held) | set(counted)):
+        if name in datasets and datasets[name] is None:
+            continue
+        has, says = held.get((name, epoch, bin_), 0), counted.get((name, epoch, bin_), 0)
+        if has != says:
+            problems.append(
+                f"dataset {name}: epoch {epoch}'s bin {bin_} holds {has} prompts, and its record counts {says}"
+            )
 
 
 def _groups(tt: TableState, datasets: dict[str, DatasetRecord | None], problems: list[str]) -> None:

@@ -1,14 +1,19 @@
 """Which prompts a claim hands out, in a table's transaction: the oldest sent back, then the
-dataset's cursor through each epoch's permutation (skipping the prompts a shard does not own),
-each at its first attempt whose group the table does not hold; and a prompt's record read and
-written there, as the ledger's rules (rules.py) read and write it."""
+dataset's cursor through each epoch in its claim order (orders.py: the permutation, skipping the
+prompts a shard does not own, or a difficulty order's draws, binned.py), past the prompts that
+sit the epoch out (zero_variance = "skip"), each at its first attempt whose group the table does
+not hold; and a prompt's record read and written there, as the ledger's rules (rules.py) read
+and write it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from ..rules.table_state import TableState
+from . import binned
 from .claimed import Walk
+from .orders import order_of
+from .prompt_stats import read_stats
 from .records import (
     DatasetRecord,
     Permutation,
@@ -83,19 +88,47 @@ def _candidates(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple
         rec = prompt_of(tt, ds.name, epoch, index)
         if rec is not None and rec.state == PENDING:
             yield epoch, index, rec.attempt
-    orders: dict[int, Permutation] = {}
+    order = order_of(ds.order, ds.order_options, f"dataset {ds.name}")
+    looks = order.bins or ds.zero_variance == "skip"  # the cursor reads each prompt's statistics
+    permutations: dict[int, Permutation] = {}
     while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:
         epoch = ds.cursor_epoch
-        if ds.cursor_position + 1 >= ds.size and not _start(tt, ds, epoch + 1, walk):
-            return  # the cursor rests on the epoch's last prompt until the next one's part is counted
-        order = orders.get(epoch) or orders.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
-        index = order(ds.cursor_position)
-        ds.cursor_position += 1
-        if ds.cursor_position >= ds.size:
-            ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
-        walk.hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
-        if owns(ds, epoch, index):
-            yield epoch, index, 0
+        if order.bins and epoch:
+            taken = binned.take(tt, ds, order, epoch)
+            if taken is None:
+                ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+                continue
+            index, ds.cursor_position = taken, ds.cursor_position + 1
+            walk.hashes += 1
+        else:
+            if ds.cursor_position + 1 >= ds.size and not _start(tt, ds, epoch + 1, walk):
+                return  # the cursor rests on the epoch's last prompt until the next one's part is counted
+            permuted = permutations.get(epoch) or permutations.setdefault(epoch, Permutation(ds.seed, epoch, ds.size))
+            index = permuted(ds.cursor_position)
+            ds.cursor_position += 1
+            if ds.cursor_position >= ds.size:
+                ds.cursor_epoch, ds.cursor_position = epoch + 1, 0
+            walk.hashes += len(ds.shards)  # a shard's part: a rendezvous over its shards for each prompt
+            if not owns(ds, epoch, index):
+                continue
+        if looks:
+            stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, ds.name, index)
+            if order.bins:
+                binned.enter(tt, ds, order, epoch + 1, index, stats)
+            if stats.skip_until > epoch:
+                _skip(tt, ds, epoch, index)
+                continue
+        yield epoch, index, 0
+
+
+def _skip(tt: TableState, ds: DatasetRecord, epoch: int, index: int) -> None:
+    """A prompt sits this epoch out (its group had zero variance within skip_epochs): dropped at
+    the cursor, never claimed."""
+    rec = PromptRecord(PENDING, 0)
+    rec.move(DROPPED, f"{ds.name}/{epoch}/{index}")
+    put_prompt(tt, ds.name, epoch, index, rec)
+    ds.count(epoch, DROPPED, 1)
+    ds.skipped += 1
 
 
 def _start(tt: TableState, ds: DatasetRecord, epoch: int, walk: Walk) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lmdb
 
@@ -16,10 +16,12 @@ from expbuf.client.schema.prompts import PromptStats as Stats
 
 from ..disk import layout
 from ..disk.records import GroupRecord
+from ..rules.pushed_advantages import zero_variance
 from ..rules.table_state import TableState
 from .records import DatasetRecord
 
 _STATS = struct.Struct("<IIQQIddIqq")
+_TAIL = struct.Struct("<I")  # skip_until: a record written before it has none
 _U64 = struct.Struct(">Q")
 # A prompt's pass rate in bands: never passed, passed less than half its runs, half or more but
 # not all, every one (zero and all: the prompts whose groups have no variance to learn from).
@@ -28,17 +30,21 @@ PASS_BANDS = ("zero", "low", "high", "all")
 
 @dataclass
 class PromptStats(Stats):
-    """A prompt's statistics as the ledger keeps them (the client's type, with its encoding)."""
+    """A prompt's statistics as the ledger keeps them: the client's type, with its encoding and
+    the first epoch it is handed out again after its zero-variance group (`zero_variance = "skip"`)."""
+
+    skip_until: int = 0
 
     def encode(self) -> bytes:
         return _STATS.pack(
             self.attempts, self.generated, self.runs, self.passes, self.last_runs, self.last_mean, self.last_var,
             self.trained, self.last_epoch, self.last_step,
-        )  # fmt: skip
+        ) + _TAIL.pack(self.skip_until)  # fmt: skip
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> PromptStats:
-        return cls(*_STATS.unpack_from(raw))
+        tail = _TAIL.unpack_from(raw, _STATS.size) if len(raw) >= _STATS.size + _TAIL.size else (0,)
+        return cls(*_STATS.unpack_from(raw), *tail)
 
     @property
     def band(self) -> str | None:
@@ -73,12 +79,19 @@ def claimed(tt: TableState, name: str, index: int) -> None:
     _write(tt, name, index, stats)
 
 
-def generated(tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -> None:
-    """A group of the prompt is complete: its members' rewards into the prompt's statistics, and the
-    prompt into the band of its pass rate now (`ds`, written by the caller)."""
+def generated(
+    tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord
+) -> tuple[PromptStats, PromptStats]:
+    """A group of the prompt, in `epoch`, is complete: its members' rewards into the prompt's
+    statistics, the prompt into the band of its pass rate now (`ds`, written by the caller), and,
+    its rewards all equal with zero_variance = "skip", out of the next skip_epochs epochs.
+    Returns its statistics before and after."""
     stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, ds.name, index)
+    before = replace(stats)
     was = stats.band
     rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
+    if ds.zero_variance == "skip" and len(rewards) > 1 and zero_variance(list(rewards)):
+        stats.skip_until = max(stats.skip_until, epoch + 1 + ds.skip_epochs)
     stats.generated += 1
     stats.runs += len(rewards)
     stats.passes += sum(1 for reward in rewards if reward > ds.pass_threshold)
@@ -92,6 +105,7 @@ def generated(tt: TableState, ds: DatasetRecord, index: int, grp: GroupRecord) -
             ds.pass_bands[was] = ds.pass_bands.get(was, 0) - 1
         if now is not None:
             ds.pass_bands[now] = ds.pass_bands.get(now, 0) + 1
+    return before, stats
 
 
 def trained(tt: TableState, name: str, epoch: int, index: int) -> None:

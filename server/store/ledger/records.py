@@ -8,6 +8,7 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "g" + group key                     -> name + 0 + epoch + index + attempt: whose group it is
 - T + "x" + expiry + name + 0 + epoch + index -> b"": claims by when they end
 - T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs (prompt_stats.py)
+- T + "o" + name + 0 + epoch + bin + rank + index -> b"": a difficulty order's prompts left in an epoch (binned.py)
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
 prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
 epoch's counts are written at its first event, or on a shard of a sharded table when the epoch
@@ -35,6 +36,10 @@ from ..disk import layout
 from .states import CLAIMED, COUNTED, DONE, GENERATED, PENDING, PROMPT_STATES, PromptState, check_prompt_move
 
 ON_DROP = ("done", "retry")
+# A prompt whose group's rewards are all equal: as any other ("keep": trained, or dropped by the
+# table's drop_zero_variance and then as on_drop says), sent back for another attempt ("retry",
+# the table dropping such groups), or done for its epoch and skipped for the next skip_epochs.
+ZERO_VARIANCE = ("keep", "retry", "skip")
 # A dataset's name starts with a letter: a group key that began with a number would read as a
 # rollout batch to a sharded client's shard epochs (routing.py).
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]{0,63}$")
@@ -104,6 +109,13 @@ class DatasetRecord:
     reissued: int = 0  # claims handed out again (a claim ended, or a group dropped with on_drop = "retry")
     attempts_dropped: int = 0  # incomplete groups of attempts whose claim ended, dropped
     pass_threshold: float = 0.0  # a run passes when its reward is above it (PromptStats.passes)
+    order: str = "permutation"  # the claim order of each epoch's prompts (orders.py)
+    order_options: dict[str, float] = field(default_factory=dict)  # its options, its defaults filled in
+    zero_variance: str = "keep"  # a prompt whose group's rewards are all equal (ZERO_VARIANCE)
+    skip_epochs: int = 1  # with zero_variance = "skip": the epochs it sits out
+    skipped: int = 0  # prompts an epoch skipped (dropped at the cursor): zero variance in an epoch before
+    # a difficulty order's prompts left to hand out, by epoch (the cursor's and the next) and bin (binned.py)
+    binned: dict[str, list[int]] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
     # the prompts generated at least once, by the band of their pass rate (prompt_stats.PASS_BANDS)
     pass_bands: dict[str, int] = field(default_factory=dict)
@@ -128,6 +140,10 @@ class DatasetRecord:
             "shards",
             "shard",
             "pass_threshold",
+            "order",
+            "order_options",
+            "zero_variance",
+            "skip_epochs",
         )
         return {key: getattr(self, key) for key in keys}
 

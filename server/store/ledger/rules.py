@@ -28,15 +28,17 @@ from ..disk import layout
 from ..disk.records import GroupRecord
 from ..rules import partials
 from ..rules.extensions import TableExtension
+from ..rules.pushed_advantages import zero_variance
 from ..rules.retirement import retire
 from ..rules.table_state import Groups, TableState
-from ..schema.errors import Conflict, Forbidden, StaleAttempt, clip
+from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
-from . import prompt_stats
+from . import binned, prompt_stats
 from .claimed import Claimed, ClaimStep, Walk
 from .hand_out import hand_out, prompt_of, put_prompt
+from .orders import order_of
 from .records import (
     DatasetRecord,
     PromptRecord,
@@ -84,6 +86,12 @@ class Ledger(TableExtension):
     def create(self, tt: TableState, ds: DatasetRecord, *, exist_ok: bool) -> tuple[DatasetRecord, bool]:
         """A new dataset, or the identical one that exists (exist_ok); (record, created)."""
         check(ds, tt.config.grouping.by)
+        ds.order_options = order_of(ds.order, ds.order_options, f"dataset {ds.name}").options  # its defaults filled in
+        if ds.zero_variance == "retry" and not tt.config.grouping.drop_zero_variance:
+            raise ConfigError(
+                f'dataset {clip(ds.name)!r}: zero_variance = "retry" claims again a prompt whose group the table'
+                f" drops for its equal rewards; table '{tt.config.name}' keeps such groups (drop_zero_variance is off)"
+            )
         raw = tt.txn.get(dataset_key(tt.table_id, ds.name), db=tt.db["ledger"])
         if raw is not None:
             found = DatasetRecord.decode(raw)
@@ -320,7 +328,7 @@ class Ledger(TableExtension):
         rec.move(GENERATED, f"{name}/{epoch}/{index}")
         rec.expires = 0.0
         put_prompt(tt, name, epoch, index, rec)
-        prompt_stats.generated(tt, ds, index, grp)
+        self._generated(tt, ds, epoch, index, grp)
         ds.count(epoch, CLAIMED, -1)
         ds.count(epoch, GENERATED, 1)
         self._save(tt, ds)
@@ -340,18 +348,23 @@ class Ledger(TableExtension):
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             size = tt.config.grouping.size
-            if rec.state == CLAIMED and size and len(grp.members) + len(grp.failed) >= size:
-                prompt_stats.generated(tt, ds, index, grp)  # complete, and dropped as it completed (zero variance)
+            # complete, and dropped as it completed (zero variance, a std threshold, staleness)
+            completed = rec.state == CLAIMED and bool(size) and len(grp.members) + len(grp.failed) >= size
+            if completed:
+                self._generated(tt, ds, epoch, index, grp)
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
             ds.count(epoch, rec.state, -1)
+            retry = ds.on_drop == "retry"
+            if ds.zero_variance != "keep" and completed and state == GROUP_DROPPED and _unvaried(tt, grp):
+                retry = ds.zero_variance == "retry"  # "skip": done for its epoch, whatever on_drop says
             if state == CONSUMED:
                 rec.move(TRAINED, f"{name}/{epoch}/{index}")
                 rec.expires = 0.0
                 ds.count(epoch, TRAINED, 1)
                 put_prompt(tt, name, epoch, index, rec)
                 prompt_stats.trained(tt, name, epoch, index)
-            elif ds.on_drop == "retry":
+            elif retry:
                 self._send_back(tt, ds, epoch, index, rec)
             else:
                 rec.move(DROPPED, f"{name}/{epoch}/{index}")
@@ -370,6 +383,14 @@ class Ledger(TableExtension):
             tt.save()
         return tt.counters.groups_dropped - before
 
+    def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord) -> None:
+        """The prompt's statistics take its complete group; under a difficulty order it moves to
+        the bin they put it in now."""
+        was, now = prompt_stats.generated(tt, ds, epoch, index, grp)
+        order = order_of(ds.order, ds.order_options, f"dataset {ds.name}")
+        if order.bins:
+            binned.move(tt, ds, order, index, was, now)
+
     # ---- records -----------------------------------------------------------------------------
 
     def _unexpire(self, tt: TableState, name: str, epoch: int, index: int, rec: PromptRecord) -> None:
@@ -385,3 +406,9 @@ class Ledger(TableExtension):
         entry = read_group_entry(raw)
         rec = prompt_of(tt, *entry[:3])
         return None if rec is None else (entry, rec)
+
+
+def _unvaried(tt: TableState, grp: GroupRecord) -> bool:
+    """Whether a group of more than one run has its rewards all equal."""
+    rewards = [member.reward for member in tt.members(grp).values()]
+    return len(rewards) > 1 and zero_variance(rewards)

@@ -9,7 +9,8 @@ import math
 from expbuf.client.schema.routing import SHARD_NAME
 
 from ..schema.errors import ConfigError, NotFound, clip
-from .records import MAX_SIZE, NAME, ON_DROP, DatasetRecord
+from .orders import order_of
+from .records import MAX_SIZE, NAME, ON_DROP, ZERO_VARIANCE, DatasetRecord
 
 MAX_EPOCHS = 2**20
 MAX_ATTEMPTS = 1000
@@ -45,7 +46,20 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(f"{where}: pass_threshold is {clip(threshold)}; it must be a finite number")
     if ds.on_drop not in ON_DROP:
         raise ConfigError(f"{where}: on_drop is {clip(ds.on_drop)!r}; expected one of {', '.join(ON_DROP)}")
+    if ds.zero_variance not in ZERO_VARIANCE:
+        raise ConfigError(
+            f"{where}: zero_variance is {clip(ds.zero_variance)!r}; expected one of {', '.join(ZERO_VARIANCE)}"
+        )
+    skip = ds.skip_epochs
+    if not isinstance(skip, int) or isinstance(skip, bool) or not 1 <= skip <= MAX_EPOCHS:
+        raise ConfigError(f"{where}: skip_epochs is {clip(skip)}; it must be an integer in 1..{MAX_EPOCHS}")
+    order = order_of(ds.order, ds.order_options, where)
     if ds.shards or ds.shard:
+        if order.bins:
+            raise ConfigError(
+                f"{where}: order {ds.order!r} needs the prompts' statistics in one place; a sharded table's"
+                " dataset takes the permutation order"
+            )
         check_shards(ds, where)
 
 
