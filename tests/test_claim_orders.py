@@ -161,10 +161,11 @@ def test_settings_out_of_range_are_refused_by_name(client: BufferClient) -> None
         ({"order": "easiest"}, "order is 'easiest'; expected one of permutation, pools, pass_rate"),
         ({"order": "pools", "order_options": {"easy": 0.1}}, "order 'pools' has no option 'easy'"),
         ({"order": "pools", "order_options": {"easy_share": 0.7, "hard_share": 0.6}}, "at most 1 together"),
-        ({"order": "pass_rate", "order_options": {"tau": 0.0}}, "tau is 0.0; it must be above 0"),
+        ({"order": "pass_rate", "order_options": {"tau": 0.0}}, "tau is 0.0; it must be 0.001 or more"),
         ({"zero_variance": "never"}, "zero_variance is 'never'; expected one of keep, retry, skip"),
         ({"zero_variance": "retry"}, "keeps such groups"),
         ({"order": "pools", "shards": ["a", "b"], "shard": "a"}, "takes the permutation order"),
+        ({"zero_variance": "skip", "shards": ["a", "b"], "shard": "a"}, 'zero_variance "skip" needs the prompts'),
     ]
     for settings, message in bad:
         with pytest.raises(InvalidArgumentError, match=message):
@@ -206,6 +207,38 @@ def test_zero_variance_skip_sits_a_prompt_out_for_its_epochs(client: BufferClien
     assert all(p.attempt == 0 for p in client.list_prompts("t", "d", limit=100).prompts)
     metrics = scrape(server.metrics_port)
     assert metrics[("expbuf_prompts_skipped_total", (("dataset", "d"), ("table", "t")))] == 2 * len(unvaried)
+
+
+def test_a_group_with_a_reward_unknown_is_not_zero_variance(client: BufferClient) -> None:
+    """The table trains a group one of whose rewards is unknown; its prompt does not sit out."""
+    client.create_table("t", group_size=3, estimator="none", drop_zero_variance=True)
+    client.create_dataset("t", "d", 1, epochs=2, zero_variance="skip")
+    for epoch in range(2):
+        (prompt,) = client.claim("t", "d", 1).prompts
+        assert prompt.epoch == epoch
+        runs = [make_experience(0, 0, run, reward=None if run == 0 else 1.0) for run in range(3)]
+        for run, exp in enumerate(runs):
+            exp.eid = prompt.eid(run)
+        client.push(runs, table="t")
+        (batch,) = client.sample("t", num_groups=1, max_batches=1, timeout=10)
+        assert batch.ack() == 3
+    info = client.ledger("t", "d")
+    assert info.done and info.skipped == 0 and info.total("trained") == 2
+
+
+def test_the_cursor_rests_at_the_next_epoch_once_an_epochs_bins_are_empty(tmp_path: Path) -> None:
+    """A claim that takes a binned epoch's last prompt leaves the cursor at the next epoch's start
+    (at the end, past the last epoch), as the permutation leaves it: the check finds it intact."""
+    with Store(tmp_path / "data") as store:
+        store.create_table(TableConfig.of(name="t", group_size=2, estimator="none"))
+        store.claims.create("t", DatasetRecord("d", size=4, epochs=3, seed=2, order="pass_rate"))
+        for epoch in range(3):
+            claimed = store.claims.claim("t", "d", 4, seconds=3600)[0]
+            assert sorted(c.index for c in claimed) == [0, 1, 2, 3] and {c.epoch for c in claimed} == {epoch}
+            (ds,) = store.claims.datasets("t", "d")
+            assert (ds.cursor_epoch, ds.cursor_position) == (epoch + 1, 0)
+            assert store.verify("t") == []
+        assert store.claims.claim("t", "d", 4, seconds=3600)[0] == []
 
 
 def test_zero_variance_retry_claims_the_prompt_again(client: BufferClient) -> None:

@@ -145,17 +145,17 @@ def _row(prompt: Prompt) -> tuple[str, ...]:
 def _export(args: argparse.Namespace, client: BufferClient) -> int:
     """Every prompt handed out, one JSON object a line: where it stands and its statistics (the
     prompt's over its epochs, on each epoch's line; NaN as null)."""
+    page = client.list_prompts(args.table, args.name, limit=PAGE)  # an unknown dataset: no file is left behind
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(Path(args.out).open("w")) if args.out else sys.stdout
-        after, written = None, 0
+        written = 0
         while True:
-            page = client.list_prompts(args.table, args.name, after=after, limit=PAGE)
             for prompt in page.prompts:
                 out.write(json.dumps(_exported(prompt)) + "\n")
                 written += 1
             if page.done:
                 break
-            after = page.after
+            page = client.list_prompts(args.table, args.name, after=page.after, limit=PAGE)
     print(f"{written} prompts of dataset {args.name}", file=sys.stderr)
     return 0
 

@@ -65,10 +65,9 @@ def enter(tt: TableState, ds: DatasetRecord, order: ClaimOrder, epoch: int, inde
 def take(tt: TableState, ds: DatasetRecord, order: ClaimOrder, epoch: int) -> int | None:
     """The next prompt of `epoch`, from a bin drawn by the order's weights (the draw a hash of
     the seed, the epoch and the draws made, `ds.cursor_position`); None once every bin is empty."""
-    counts = ds.binned.get(str(epoch))
-    if not counts or not any(counts):
-        ds.binned.pop(str(epoch), None)
+    if not left(ds, epoch):
         return None
+    counts = ds.binned[str(epoch)]
     weights = order.weights(counts)
     draw = int.from_bytes(_hash(ds, epoch, ds.cursor_position, b"draw"), "big") / _TWO64 * sum(weights)
     bin_ = next(
@@ -84,6 +83,14 @@ def take(tt: TableState, ds: DatasetRecord, order: ClaimOrder, epoch: int) -> in
     counts[bin_] -= 1
     index: int = _U64.unpack_from(key, len(key) - 8)[0]
     return index
+
+
+def left(ds: DatasetRecord, epoch: int) -> bool:
+    """Whether `epoch` has prompts left in its bins (its row is dropped once it has none)."""
+    if any(ds.binned.get(str(epoch), ())):
+        return True
+    ds.binned.pop(str(epoch), None)
+    return False
 
 
 def move(tt: TableState, ds: DatasetRecord, order: ClaimOrder, index: int, was: PromptStats, now: PromptStats) -> None:

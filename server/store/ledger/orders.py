@@ -107,6 +107,9 @@ class PoolsOrder(ClaimOrder):
         return [1.0 if n else 0.0 for n in counts]  # every pool left has a share of 0: any of them
 
 
+MIN_TAU = 1e-3  # below it a bin's weight underflows to 0 a band or two off the target's
+
+
 @register
 class PassRateOrder(ClaimOrder):
     """Prompts near a target pass rate first: a prompt's pass rate estimated by its Beta
@@ -122,8 +125,8 @@ class PassRateOrder(ClaimOrder):
         super().check(where)
         if not 0.0 <= self.options["target"] <= 1.0:
             raise ConfigError(f"{where}: target is {self.options['target']}; it must be a pass rate in 0..1")
-        if not self.options["tau"] > 0.0:
-            raise ConfigError(f"{where}: tau is {self.options['tau']}; it must be above 0")
+        if not self.options["tau"] >= MIN_TAU:
+            raise ConfigError(f"{where}: tau is {self.options['tau']}; it must be {MIN_TAU} or more")
 
     def bin(self, stats: PromptStats) -> int:
         estimate = (stats.passes + 1) / (stats.runs + 2)

@@ -89,9 +89,10 @@ def generated(
     stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, ds.name, index)
     before = replace(stats)
     was = stats.band
-    rewards = [member.reward for member in tt.members(grp).values() if member.reward is not None]
-    if ds.zero_variance == "skip" and len(rewards) > 1 and zero_variance(list(rewards)):
+    every = [member.reward for member in tt.members(grp).values()]
+    if ds.zero_variance == "skip" and unvaried(every):
         stats.skip_until = max(stats.skip_until, epoch + 1 + ds.skip_epochs)
+    rewards = [reward for reward in every if reward is not None]
     stats.generated += 1
     stats.runs += len(rewards)
     stats.passes += sum(1 for reward in rewards if reward > ds.pass_threshold)
@@ -106,6 +107,12 @@ def generated(
         if now is not None:
             ds.pass_bands[now] = ds.pass_bands.get(now, 0) + 1
     return before, stats
+
+
+def unvaried(rewards: list[float | None]) -> bool:
+    """Whether a group of more than one run has its rewards all known and all equal (the table's
+    drop_zero_variance filter, for a group of runs)."""
+    return len(rewards) > 1 and zero_variance(rewards)
 
 
 def trained(tt: TableState, name: str, epoch: int, index: int) -> None:

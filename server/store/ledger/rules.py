@@ -28,7 +28,6 @@ from ..disk import layout
 from ..disk.records import GroupRecord
 from ..rules import partials
 from ..rules.extensions import TableExtension
-from ..rules.pushed_advantages import zero_variance
 from ..rules.retirement import retire
 from ..rules.table_state import Groups, TableState
 from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip
@@ -348,15 +347,19 @@ class Ledger(TableExtension):
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
             size = tt.config.grouping.size
-            # complete, and dropped as it completed (zero variance, a std threshold, staleness)
-            completed = rec.state == CLAIMED and bool(size) and len(grp.members) + len(grp.failed) >= size
-            if completed:
+            full = bool(size) and len(grp.members) + len(grp.failed) >= size
+            if rec.state == CLAIMED and full:  # dropped as it completed (zero variance, a std threshold, staleness)
                 self._generated(tt, ds, epoch, index, grp)
             if rec.state == CLAIMED:
                 self._unexpire(tt, name, epoch, index, rec)
             ds.count(epoch, rec.state, -1)
             retry = ds.on_drop == "retry"
-            if ds.zero_variance != "keep" and completed and state == GROUP_DROPPED and _unvaried(tt, grp):
+            if (
+                ds.zero_variance != "keep"
+                and state == GROUP_DROPPED
+                and full
+                and prompt_stats.unvaried([member.reward for member in tt.members(grp).values()])
+            ):
                 retry = ds.zero_variance == "retry"  # "skip": done for its epoch, whatever on_drop says
             if state == CONSUMED:
                 rec.move(TRAINED, f"{name}/{epoch}/{index}")
@@ -406,9 +409,3 @@ class Ledger(TableExtension):
         entry = read_group_entry(raw)
         rec = prompt_of(tt, *entry[:3])
         return None if rec is None else (entry, rec)
-
-
-def _unvaried(tt: TableState, grp: GroupRecord) -> bool:
-    """Whether a group of more than one run has its rewards all equal."""
-    rewards = [member.reward for member in tt.members(grp).values()]
-    return len(rewards) > 1 and zero_variance(rewards)

@@ -55,10 +55,12 @@ def check(ds: DatasetRecord, group_by: str) -> None:
         raise ConfigError(f"{where}: skip_epochs is {clip(skip)}; it must be an integer in 1..{MAX_EPOCHS}")
     order = order_of(ds.order, ds.order_options, where)
     if ds.shards or ds.shard:
-        if order.bins:
+        if order.bins or ds.zero_variance == "skip":
+            chose = f"order {ds.order!r}" if order.bins else 'zero_variance "skip"'
             raise ConfigError(
-                f"{where}: order {ds.order!r} needs the prompts' statistics in one place; a sharded table's"
-                " dataset takes the permutation order"
+                f"{where}: {chose} needs the prompts' statistics in one place, and a sharded table's shards each"
+                " keep those of the prompts they own in an epoch; a sharded dataset takes the permutation order"
+                " and zero_variance keep or retry"
             )
         check_shards(ds, where)
 
