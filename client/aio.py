@@ -295,6 +295,13 @@ class AsyncBufferClient(ClientBase):
             released += await self._run(ledger_calls.release_claims(table, dataset, part))
         return released
 
+    async def report_prompts(self, outcomes: ledger_calls.Outcomes) -> int:
+        """As BufferClient.report_prompts."""
+        reported = 0
+        for (table, dataset), part in ledger_calls.outcomes_by_dataset(outcomes):
+            reported += await self._run(ledger_calls.report_prompts(table, dataset, part))
+        return reported
+
     async def list_prompts(
         self,
         table: str,

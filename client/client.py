@@ -353,6 +353,17 @@ class BufferClient(ClientBase):
             for (table, dataset), part in ledger_calls.by_dataset(prompts)
         )
 
+    def report_prompts(self, outcomes: ledger_calls.Outcomes) -> int:
+        """Prompts whose groups were generated and trained outside expbuf (a framework's own queue
+        held their runs), each with its runs' rewards (`{prompt: [rewards]}` or pairs): each
+        prompt still claimed is trained, its statistics taking the rewards, so a claim order
+        learns from them. Returns the prompts whose claims still held. A prompt whose group is in
+        the table is refused (ConflictError): its group's events move it."""
+        return sum(
+            self._run(ledger_calls.report_prompts(table, dataset, part))
+            for (table, dataset), part in ledger_calls.outcomes_by_dataset(outcomes)
+        )
+
     def list_prompts(
         self,
         table: str,

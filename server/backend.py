@@ -134,6 +134,9 @@ class Backend(Protocol):
     def release_claims(
         self, table: str, name: str, prompts: Sequence[tuple[int, int, int]], *, holder: str = ""
     ) -> int: ...
+    def report_prompts(
+        self, table: str, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], *, holder: str = ""
+    ) -> int: ...
     def list_prompts(
         self,
         table: str,

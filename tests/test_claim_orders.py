@@ -14,10 +14,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import lmdb
 import pytest
 
-from expbuf.client import BufferClient, InvalidArgumentError, Prompt, PromptStats
+from expbuf.client import AlreadyExistsError, BufferClient, InvalidArgumentError, Prompt, PromptStats
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1.buffer_pb2_grpc import ExperienceBufferStub
 from expbuf.server.app import ExpbufServer
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
@@ -310,3 +313,48 @@ def test_expbuf_dataset_export_writes_each_prompt_with_its_statistics(server: Ex
         assert row["stats"]["runs"] == RUNS and row["stats"]["passes"] == passes(prompt.index)
         assert row["stats"]["pass_rate"] == passes(prompt.index) / RUNS
         assert row["stats"]["last_mean"] == prompt.stats.last_mean and row["stats"]["trained"] == 0
+
+
+def test_prompts_trained_outside_expbuf_are_reported_with_their_rewards(client: BufferClient) -> None:
+    """A framework whose own queue held a prompt's runs reports their rewards: the prompt is
+    trained, its statistics take them, and a pass-rate order draws by them in the next epoch."""
+    client.create_table("t", group_size=RUNS, estimator="none")
+    client.create_dataset(
+        "t", "d", 8, epochs=2, seed=4, pass_threshold=0.5, order="pass_rate", order_options={"tau": 0.01}
+    )
+    claimed = client.claim("t", "d", 8).prompts
+    rate = {p.index: (p.index % 2) * 0.5 for p in claimed}  # odd prompts pass half their runs: the target
+    outcomes = {p: [1.0] * int(RUNS * rate[p.index]) + [0.0] * (RUNS - int(RUNS * rate[p.index])) for p in claimed}
+    with pytest.raises(ValueError, match=r"prompt d/0/\d+ has rewards \[nan\]"):
+        client.report_prompts({claimed[0]: [math.nan]})
+    assert client.report_prompts(outcomes) == 8
+    assert client.report_prompts(outcomes) == 0  # a report sent again finds the claims ended: nothing twice
+    info = client.ledger("t", "d")
+    assert info.counts[0].trained == 8 and info.total("claimed") == 0
+    stats = {p.index: p.stats for p in client.list_prompts("t", "d").prompts}
+    for index, got in stats.items():
+        assert got is not None and (got.generated, got.trained, got.runs) == (1, 1, RUNS)
+        assert got.passes == int(RUNS * rate[index]) and math.isclose(got.last_mean, rate[index])
+    later = [p.index for p in client.claim("t", "d", 8).prompts]
+    assert {index % 2 for index in later[:4]} == {1}  # estimate (2 + 1) / (4 + 2) = 0.5 first
+
+
+def test_a_report_of_a_prompt_whose_group_is_in_the_table_is_refused_whole(
+    client: BufferClient, stub: ExperienceBufferStub
+) -> None:
+    client.create_table("t", group_size=RUNS, estimator="none")
+    client.create_dataset("t", "d", 2)
+    first, second = client.claim("t", "d", 2).prompts
+    exp = make_experience(first.batch, first.task, 0)
+    exp.eid = first.eid(0)
+    client.push([exp], table="t")  # one run of four: its group is in the table
+    with pytest.raises(AlreadyExistsError, match=r"prompt d/0/\d+ has its group .* in table 't'"):
+        client.report_prompts({second: [1.0, 0.0], first: [1.0]})
+    assert client.ledger("t", "d").total("claimed") == 2  # nothing of the report stored
+    request = pb.ReportPromptsRequest(table="t", dataset="d")
+    request.outcomes.add(prompt=pb.PromptRef(epoch=second.epoch, index=second.index), rewards=[math.inf])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ReportPrompts(request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one finite number or more" in str(
+        refused.value.details()
+    )

@@ -30,7 +30,8 @@ def test_service_has_every_rpc_of_the_design() -> None:
         "Push", "PushStream", "Sample", "Ack", "Nack", "Renew", "Get", "Delete", "Seal",
         "Stats", "ServerInfo", "CreateTable", "ListTables", "DropTable", "SetTrainerVersion",
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
-        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ListPrompts", "Retire", "ReadFields",
+        "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ReportPrompts", "ListPrompts",
+        "Retire", "ReadFields",
         "PutValues", "GetValues", "ClearValues", "FailRuns", "GetPartials",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming

@@ -973,5 +973,9 @@ def test_async_client_runs_the_ledger_across_shards(shards: Shards) -> None:
             rest = await client.claim("aprompts", "math", 9, lease_seconds=60)
             assert len(rest.prompts) == 6 and {p.attempt for p in rest.prompts} == {0, 1}
             assert (await client.claim("aprompts", "math", 1, wait=0.5)).prompts == []  # all out: waited, none
+            # runs trained outside expbuf: each prompt reported on the shard that holds it
+            assert await client.report_prompts({p: [1.0, 0.0] for p in rest.prompts}) == 6
+            reported = await client.ledger("aprompts", "math")
+            assert (reported.total("trained"), reported.total("claimed")) == (6, 3)
 
     asyncio.run(run())

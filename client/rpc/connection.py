@@ -75,6 +75,7 @@ RETRIED_METHODS = frozenset(
         "ListDatasets",
         "RenewClaims",
         "ReleaseClaims",
+        "ReportPrompts",
         "ListPrompts",
         "PutValues",
         "GetValues",

@@ -3,7 +3,8 @@ described as `Unary` calls (calls.py) for the blocking and the asyncio client.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -139,6 +140,40 @@ def renew_claims(table: str, dataset: str, prompts: list[Prompt], seconds: float
 def release_claims(table: str, dataset: str, prompts: list[Prompt]) -> Unary[int]:
     request = pb.ReleaseClaimsRequest(table=table, dataset=dataset, prompts=_refs(prompts))
     return Unary("ReleaseClaims", request, lambda r: r.released, retry=True)
+
+
+Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
+
+
+def outcomes_by_dataset(outcomes: Outcomes) -> list[tuple[tuple[str, str], list[tuple[Prompt, list[float]]]]]:
+    """Prompts and their runs' rewards by (table, dataset), in parts of at most
+    MAX_PROMPTS_PER_CALL; a reward that is not a finite number, or a prompt without one, is a
+    ValueError naming the prompt, before anything is sent."""
+    pairs = outcomes.items() if isinstance(outcomes, Mapping) else outcomes
+    rewards: dict[Prompt, list[float]] = {}
+    for prompt, given in pairs:
+        values = list(given)
+        if not values or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        ):
+            raise ValueError(
+                f"report_prompts: prompt {prompt.dataset}/{prompt.epoch}/{prompt.index} has rewards {values!r};"
+                " give the rewards of its runs, one finite number or more"
+            )
+        rewards[prompt] = [float(v) for v in values]
+    return [(key, [(prompt, rewards[prompt]) for prompt in part]) for key, part in by_dataset(rewards)]
+
+
+def report_prompts(table: str, dataset: str, outcomes: list[tuple[Prompt, list[float]]]) -> Unary[int]:
+    refs = _refs([prompt for prompt, _ in outcomes])
+    request = pb.ReportPromptsRequest(
+        table=table,
+        dataset=dataset,
+        outcomes=[
+            pb.PromptOutcome(prompt=ref, rewards=rewards) for ref, (_, rewards) in zip(refs, outcomes, strict=True)
+        ],
+    )
+    return Unary("ReportPrompts", request, lambda r: r.reported, retry=True)
 
 
 def list_prompts(

@@ -13,6 +13,7 @@ from typing import Any, Unpack
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.experience import Experience
@@ -265,6 +266,10 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     async def release_claims(self, prompts: Iterable[Prompt]) -> int:
         """As ShardedBufferClient.release_claims."""
         return await self._run(self._release_claims(prompts))
+
+    async def report_prompts(self, outcomes: Outcomes) -> int:
+        """As ShardedBufferClient.report_prompts."""
+        return await self._run(self._report_prompts(outcomes))
 
     async def list_prompts(
         self,

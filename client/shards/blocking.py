@@ -23,6 +23,7 @@ from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
+from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
 from ..schema.experience import Experience
@@ -326,6 +327,11 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         """As BufferClient.release_claims, each prompt on its shard (ShardError: `result` what
         the shards that answered released)."""
         return self._run(self._release_claims(prompts))
+
+    def report_prompts(self, outcomes: Outcomes) -> int:
+        """As BufferClient.report_prompts, each prompt on its shard (ShardError: `result` what the
+        shards that answered took)."""
+        return self._run(self._report_prompts(outcomes))
 
     def list_prompts(
         self,

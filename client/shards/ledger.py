@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from ..errors import BufferError
+from ..rpc.ledger_calls import Outcomes, outcomes_by_dataset
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .common import shard_error
 from .plans import Call, Plan, Planned, is_down
@@ -202,6 +203,19 @@ class LedgerPlans(Planned):
         """Each prompt's claim given back on its shard; how many were held. Raises ShardError
         naming a shard that failed, its `result` how many the others released."""
         calls = [Call(s, "release_claims", (part,), quick=None) for s, part in self._by_shard(prompts).items()]
+        results, errors = self._sort(calls, (yield from self._exchange(calls)))
+        if errors:
+            raise shard_error(errors, self.shard_map.targets, sum(results.values()))
+        return sum(results.values())
+
+    def _report_prompts(self, outcomes: Outcomes) -> Plan[int]:
+        """Each prompt's outcome reported on its shard; how many were trained. Raises ShardError
+        naming a shard that failed, its `result` how many the others took."""
+        parts: dict[str, dict[Prompt, list[float]]] = {}
+        for (_, _), part in outcomes_by_dataset(outcomes):
+            for prompt, rewards in part:
+                parts.setdefault(self.shard_map.owner(prompt.group), {})[prompt] = rewards
+        calls = [Call(s, "report_prompts", (part,), quick=None) for s, part in parts.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)))
         if errors:
             raise shard_error(errors, self.shard_map.targets, sum(results.values()))

@@ -5,7 +5,8 @@ With TRINITY_PLUGIN_DIRS pointing at plugin_dir(), Trinity's own factories
 ExpbufReader for a buffer whose path is `expbuf://HOST:PORT/TABLE`, ExpbufTaskset for a
 taskset whose path names a dataset of prompts (`?dataset=NAME&source=PATH`), and Trinity's
 for any other path; the advantage function `expbuf` takes the buffer's advantages as they
-are, and the sample strategy `expbuf` tells the buffer the trainer's policy version.
+are, the sample strategy `expbuf` tells the buffer the trainer's policy version, and the data
+selector `expbuf` picks a file taskset's tasks by an expbuf dataset's claim order.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from expbuf.client.kit.location import Location, is_expbuf_path, parse
 from .advantage import ExpbufAdvantageFn
 from .buffer import ExpbufReader, ExpbufWriter
 from .sample_strategy import ExpbufSampleStrategy
+from .selector import SELECTOR_NAME, ExpbufSelector
 from .settings import is_taskset, refuse_taskset
 from .taskset import ExpbufTaskset
 
@@ -28,6 +30,7 @@ __all__ = [
     "ExpbufAdvantageFn",
     "ExpbufReader",
     "ExpbufSampleStrategy",
+    "ExpbufSelector",
     "ExpbufTaskset",
     "ExpbufWriter",
     "Location",
@@ -65,7 +68,7 @@ def _routed(original: Callable[[Any], Any], expbuf_cls: type, taskset_cls: type 
 
 def install() -> None:
     """Route Trinity's buffer factories to expbuf for expbuf:// paths and register `expbuf`
-    (an advantage function and a sample strategy).
+    (an advantage function, a sample strategy and a taskset's data selector).
 
     Trinity picks a writer by storage type in `get_buffer_writer` (no registry), and its
     modules hold the factories under their own names, often imported before plugins load;
@@ -76,11 +79,14 @@ def install() -> None:
     import trinity.buffer.buffer as factories
     from trinity.algorithm.advantage_fn import ADVANTAGE_FN
     from trinity.algorithm.sample_strategy import SAMPLE_STRATEGY
+    from trinity.buffer.selector import SELECTORS
 
     if ADVANTAGE_FN_NAME not in ADVANTAGE_FN.modules:
         ADVANTAGE_FN.register_module(ADVANTAGE_FN_NAME, ExpbufAdvantageFn)
     if SAMPLE_STRATEGY_NAME not in SAMPLE_STRATEGY.modules:
         SAMPLE_STRATEGY.register_module(SAMPLE_STRATEGY_NAME, ExpbufSampleStrategy)
+    if SELECTOR_NAME not in SELECTORS.modules:
+        SELECTORS.register_module(SELECTOR_NAME, ExpbufSelector)
     replace = {}
     for name, expbuf_cls, taskset_cls in (
         ("get_buffer_writer", ExpbufWriter, None),

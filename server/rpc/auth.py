@@ -36,6 +36,7 @@ SCOPE_OF_METHOD = {
     "Claim": "push",
     "RenewClaims": "push",
     "ReleaseClaims": "push",
+    "ReportPrompts": "push",
     "Sample": "sample",
     "Ack": "sample",
     "Nack": "sample",

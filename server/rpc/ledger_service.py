@@ -1,5 +1,5 @@
 """The prompt ledger's calls of the ExperienceBuffer servicer (CreateDataset, ListDatasets,
-Claim, RenewClaims, ReleaseClaims, ListPrompts), and their records on the wire.
+Claim, RenewClaims, ReleaseClaims, ReportPrompts, ListPrompts), and their records on the wire.
 
 The rules are the storage engine's (store/ledger/rules.py); here requests become its calls.
 """
@@ -230,6 +230,15 @@ class LedgerCalls:
             request.table or "default", request.dataset, _refs(request.prompts), holder=self._owner(context)
         )
         return pb.ReleaseClaimsReply(released=released)
+
+    @refusals
+    def ReportPrompts(self, request: pb.ReportPromptsRequest, context: grpc.ServicerContext) -> pb.ReportPromptsReply:
+        check_refs(request.outcomes, "ReportPrompts")  # before the outcomes are read
+        outcomes = [(o.prompt.epoch, o.prompt.index, o.prompt.attempt, list(o.rewards)) for o in request.outcomes]
+        reported = self.store.report_prompts(
+            request.table or "default", request.dataset, outcomes, holder=self._owner(context)
+        )
+        return pb.ReportPromptsReply(reported=reported)
 
     @refusals
     def ListPrompts(self, request: pb.ListPromptsRequest, context: grpc.ServicerContext) -> pb.ListPromptsReply:

@@ -53,6 +53,12 @@ class LedgerCalls:
         """Claims given back now: their prompts go out again with attempt + 1."""
         return self.claims.release(table, name, prompts, holder)
 
+    def report_prompts(
+        self, table: str, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], *, holder: str = ""
+    ) -> int:
+        """Prompts whose groups were trained outside expbuf, with their runs' rewards: trained."""
+        return self.claims.report(table, name, outcomes, holder)
+
     def list_prompts(
         self,
         table: str,

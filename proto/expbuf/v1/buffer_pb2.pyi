@@ -1064,6 +1064,30 @@ class ReleaseClaimsReply(_message.Message):
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
+class PromptOutcome(_message.Message):
+    __slots__ = ("prompt", "rewards")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    prompt: PromptRef
+    rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt: _Optional[_Union[PromptRef, _Mapping]] = ..., rewards: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ReportPromptsRequest(_message.Message):
+    __slots__ = ("table", "dataset", "outcomes")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dataset: str
+    outcomes: _containers.RepeatedCompositeFieldContainer[PromptOutcome]
+    def __init__(self, table: _Optional[str] = ..., dataset: _Optional[str] = ..., outcomes: _Optional[_Iterable[_Union[PromptOutcome, _Mapping]]] = ...) -> None: ...
+
+class ReportPromptsReply(_message.Message):
+    __slots__ = ("reported",)
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
+    reported: int
+    def __init__(self, reported: _Optional[int] = ...) -> None: ...
+
 class ListPromptsRequest(_message.Message):
     __slots__ = ("table", "dataset", "states", "has_after", "after_epoch", "after_index", "limit")
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -194,6 +194,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.FromString,
                 _registered_method=True)
+        self.ReportPrompts = channel.unary_unary(
+                '/expbuf.v1.ExperienceBuffer/ReportPrompts',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.ReportPromptsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReportPromptsReply.FromString,
+                _registered_method=True)
         self.ListPrompts = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/ListPrompts',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.ListPromptsRequest.SerializeToString,
@@ -460,6 +465,14 @@ class ExperienceBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPrompts(self, request, context):
+        """Prompts whose groups were generated and trained outside expbuf (a framework's own queue held
+        their runs), with their runs' rewards: each still claimed is trained, its statistics taking them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListPrompts(self, request, context):
         """A page of a dataset's prompts handed out at least once, with their states and claimants.
         """
@@ -629,6 +642,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.ReleaseClaims,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.SerializeToString,
+            ),
+            'ReportPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPrompts,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.ReportPromptsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.ReportPromptsReply.SerializeToString,
             ),
             'ListPrompts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPrompts,
@@ -1500,6 +1518,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/ReleaseClaims',
             expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.ReleaseClaimsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ReportPrompts',
+            expbuf_dot_v1_dot_buffer__pb2.ReportPromptsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.ReportPromptsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,13 +83,20 @@ def generated(
     tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord
 ) -> tuple[PromptStats, PromptStats]:
     """A group of the prompt, in `epoch`, is complete: its members' rewards into the prompt's
-    statistics, the prompt into the band of its pass rate now (`ds`, written by the caller), and,
-    its rewards all equal with zero_variance = "skip", out of the next skip_epochs epochs.
-    Returns its statistics before and after."""
+    statistics (`outcome`). Returns its statistics before and after."""
+    return outcome(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
+
+
+def outcome(
+    tt: TableState, ds: DatasetRecord, epoch: int, index: int, every: list[float | None]
+) -> tuple[PromptStats, PromptStats]:
+    """The rewards of a group of the prompt, in `epoch` (its runs in the table, or reported), into
+    the prompt's statistics; the prompt into the band of its pass rate now (`ds`, written by the
+    caller), and, its rewards all equal with zero_variance = "skip", out of the next skip_epochs
+    epochs. Returns its statistics before and after."""
     stats = read_stats(tt.txn, tt.db["ledger"], tt.table_id, ds.name, index)
     before = replace(stats)
     was = stats.band
-    every = [member.reward for member in tt.members(grp).values()]
     if ds.zero_variance == "skip" and unvaried(every):
         stats.skip_until = max(stats.skip_until, epoch + 1 + ds.skip_epochs)
     rewards = [reward for reward in every if reward is not None]

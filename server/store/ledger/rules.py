@@ -206,6 +206,40 @@ class Ledger(TableExtension):
         self._save(tt, ds)
         return released
 
+    def report(
+        self, tt: TableState, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], holder: str
+    ) -> int:
+        """Prompts whose groups were generated and trained outside expbuf (a framework's own queue
+        held their runs), each (epoch, index, attempt) with its runs' rewards: each prompt still
+        claimed by that attempt is trained, its statistics taking the rewards, as its group's
+        events would have made it. Refuses, storing nothing, a prompt whose attempt's group the
+        table holds (that group's events move the prompt). Returns the claims that still held."""
+        ds = self.dataset(tt, name)
+        reported = 0
+        for epoch, index, attempt, rewards in outcomes:
+            rec = self._held(tt, name, epoch, index, attempt, holder)
+            if rec is None:
+                continue
+            gkey = group_key(name, epoch, index, attempt)
+            if tt.group(gkey) is not None:
+                raise Conflict(
+                    f"prompt {name}/{epoch}/{index} has its group {clip(gkey)} in table '{tt.config.name}': its"
+                    " group's events make it generated and trained; nothing of this report is stored"
+                )
+            self._unexpire(tt, name, epoch, index, rec)
+            rec.move(GENERATED, f"{name}/{epoch}/{index}")
+            rec.move(TRAINED, f"{name}/{epoch}/{index}")
+            rec.expires = 0.0
+            put_prompt(tt, name, epoch, index, rec)
+            ds.count(epoch, CLAIMED, -1)
+            ds.count(epoch, TRAINED, 1)
+            self._learned(tt, ds, epoch, index, list(rewards))
+            prompt_stats.trained(tt, name, epoch, index)
+            partials.drop_task(tt, gkey)
+            reported += 1
+        self._save(tt, ds)
+        return reported
+
     def expire(self, tt: TableState) -> int:
         """End the table's claims whose time has come, the first MAX_PROMPTS_PER_CALL of them (a
         claim's end costs what its release does: the rest end in the next transaction, the
@@ -387,9 +421,13 @@ class Ledger(TableExtension):
         return tt.counters.groups_dropped - before
 
     def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord) -> None:
-        """The prompt's statistics take its complete group; under a difficulty order it moves to
-        the bin they put it in now."""
-        was, now = prompt_stats.generated(tt, ds, epoch, index, grp)
+        """The prompt's statistics take its complete group (`_learned`)."""
+        self._learned(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
+
+    def _learned(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, rewards: list[float | None]) -> None:
+        """The prompt's statistics take a group's rewards; under a difficulty order it moves to the
+        bin they put it in now."""
+        was, now = prompt_stats.outcome(tt, ds, epoch, index, rewards)
         order = order_of(ds.order, ds.order_options, f"dataset {ds.name}")
         if order.bins:
             binned.move(tt, ds, order, index, was, now)

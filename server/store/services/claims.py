@@ -8,6 +8,7 @@ is up.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
 from ..rules.table_state import TableState
-from ..schema.errors import Cancelled, InvalidRequest
+from ..schema.errors import Cancelled, InvalidRequest, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
@@ -197,6 +198,21 @@ class Claims:
         """Claims given back now (ledger.release); returns how many were still held."""
         check_refs(prompts, "ReleaseClaims")
         return self._in_table(table, lambda tt: self.ledger.release(tt, name, prompts, holder))
+
+    def report(
+        self, table: str, name: str, outcomes: Sequence[tuple[int, int, int, list[float]]], holder: str = ""
+    ) -> int:
+        """Prompts trained outside expbuf, with their runs' rewards (ledger.report); returns how
+        many claims still held. A reward that is not a finite number, or a prompt without one, is
+        refused by name before the writer is taken."""
+        check_refs(outcomes, "ReportPrompts")
+        for epoch, index, _, rewards in outcomes:
+            if not rewards or not all(math.isfinite(reward) for reward in rewards):
+                raise InvalidRequest(
+                    f"prompt {clip(name)}/{epoch}/{index}: rewards are {clip(list(rewards))}; a report gives each"
+                    " prompt the rewards of its runs, one finite number or more"
+                )
+        return self._in_table(table, lambda tt: self.ledger.report(tt, name, outcomes, holder))
 
     def prompts(
         self,
