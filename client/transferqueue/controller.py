@@ -161,7 +161,10 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         if self._journal is None:
             settings = JournalSettings.from_conf(conf)
             if settings is not None:
-                client = BufferClient(settings.target, token=settings.token, timeout=settings.wait_s)
+                # a journal write waits out a restart of the server for up to wait_s, as documented
+                client = BufferClient(
+                    settings.target, token=settings.token, timeout=settings.wait_s, wait_for_ready=True
+                )
                 client.create_table(settings.table, exist_ok=True)
                 journal = Journal(client, settings.table, settings.snapshot_every)
                 self._restore(*journal.load())
