@@ -327,6 +327,8 @@ def test_prompts_trained_outside_expbuf_are_reported_with_their_rewards(client: 
     outcomes = {p: [1.0] * int(RUNS * rate[p.index]) + [0.0] * (RUNS - int(RUNS * rate[p.index])) for p in claimed}
     with pytest.raises(ValueError, match=r"prompt d/0/\d+ has rewards \[nan\]"):
         client.report_prompts({claimed[0]: [math.nan]})
+    with pytest.raises(ValueError, match=r"prompt d/0/\d+ has rewards 0.5; give the rewards of its runs, a list"):
+        client.report_prompts({claimed[0]: 0.5})
     assert client.report_prompts(outcomes) == 8
     assert client.report_prompts(outcomes) == 0  # a report sent again finds the claims ended: nothing twice
     info = client.ledger("t", "d")

@@ -12,12 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 trinity = pytest.importorskip("trinity")
 
+from trinity.buffer.operators.mappers.pass_rate_calculator import PassRateCalculator  # noqa: E402
 from trinity.buffer.task_scheduler import TasksetScheduler, get_taskset_scheduler  # noqa: E402
 from trinity.common.config import Config, DataSelectorConfig, TasksetConfig  # noqa: E402
 from trinity.common.constants import SELECTOR_METRIC  # noqa: E402
+from trinity.common.experience import Experience  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 
@@ -33,20 +36,23 @@ def value(index: int) -> float:
     return {0: 1.0, 1: 0.0}.get(index % 4, 0.5)
 
 
-def rows(tmp_path: Path) -> Path:
+def rows(tmp_path: Path, size: int = SIZE) -> Path:
     directory = tmp_path / "rows"
     directory.mkdir(exist_ok=True)
-    lines = [json.dumps({"question": f"what is {i}?", "answer": str(i)}) for i in range(SIZE)]
+    lines = [json.dumps({"question": f"what is {i}?", "answer": str(i)}) for i in range(size)]
     (directory / "train.jsonl").write_text("\n".join(lines) + "\n")
     return directory
 
 
-def scheduler(target: str, source: Path, explorer_state: dict) -> TasksetScheduler:
+def scheduler(
+    target: str, source: Path, explorer_state: dict, epochs: int = EPOCHS, **settings: object
+) -> TasksetScheduler:
     """Trinity's scheduler of a job whose file taskset names the selector `expbuf`: medium tasks
     first (the pools order, the easy and hard pools without a share)."""
     config = Config()
-    config.buffer.batch_size, config.buffer.total_epochs = BATCH, EPOCHS
+    config.buffer.batch_size, config.buffer.total_epochs = BATCH, epochs
     kwargs = {
+        **settings,
         "path": f"expbuf://{target}/grpo",
         "dataset": "math",
         "order": "pools",
@@ -54,7 +60,7 @@ def scheduler(target: str, source: Path, explorer_state: dict) -> TasksetSchedul
         "pass_threshold": 0.25,
     }
     taskset = TasksetConfig(
-        name="math", path=str(source), total_epochs=EPOCHS, batch_size=BATCH, enable_progress_bar=False,
+        name="math", path=str(source), total_epochs=epochs, batch_size=BATCH, enable_progress_bar=False,
         default_workflow_type=WORKFLOW,
         data_selector=DataSelectorConfig(selector_type="expbuf", seed=7, kwargs=kwargs),
     )  # fmt: skip
@@ -119,3 +125,55 @@ def test_a_selector_without_its_dataset_named_is_refused() -> None:
     config.kwargs = {"path": "expbuf://127.0.0.1:1/grpo", "dataset": "math", "orderr": "pools"}
     with pytest.raises(ValueError, match="unknown kwargs orderr"):
         trinity.buffer.selector.SELECTORS.get("expbuf")(None, config)
+
+
+def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behind(tmp_path: Path) -> None:
+    """Trinity's own pass_rate_calculator merges a step's tasks by index (a step that crosses an
+    epoch holds an index twice); a task whose runs all failed gives no feedback. Each step's
+    feedback trains the prompts it names and releases the one it does not: nothing stays claimed."""
+    source = rows(tmp_path, size=6)
+    with servers() as start:
+        server = start(str(tmp_path / "data"))
+        try:
+            with BufferClient(server.target) as admin:
+                admin.create_table("grpo", group_size=0, estimator="none")
+            tasks = scheduler(server.target, source, {}, epochs=2)
+            read, lost = [], -1
+            for step in range(3):  # 12 tasks: 2 epochs of 6 rows, 4 a step
+                indices = [task.index["index"] for task in asyncio.run(tasks.read())]
+                read.append(indices)
+                once = [i for i in indices if indices.count(i) == 1]
+                failed = once[0] if step == 1 else None  # every run of one task failed: no experience
+                lost = failed if failed is not None else lost
+                runs = [
+                    Experience(tokens=torch.arange(4), prompt_length=2, reward=value(i) + 0.25 * run,
+                               info={"task_index": {"index": i, "taskset_id": 0}})
+                    for i in indices if i != failed for run in (0, 1)
+                ]  # fmt: skip
+                _, metrics = PassRateCalculator().process(runs)
+                tasks.feedback(metrics)
+            with BufferClient(server.target) as admin:
+                info = admin.ledger("grpo", "math")
+                listed = admin.list_prompts("grpo", "math", limit=100).prompts
+        finally:
+            server.proc.kill()
+            server.proc.wait(30)
+    assert info.total("claimed") == 0 and info.total("trained") == 11 and info.total("pending") == 1
+    (again,) = [p for p in listed if p.attempt == 1]  # released: it went out again, first in the next step
+    assert again.state == "trained" and again.index == lost and read[2][0] == lost
+
+
+def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(tmp_path: Path) -> None:
+    source = rows(tmp_path)
+    with servers() as start:
+        server = start(str(tmp_path / "data"))
+        try:
+            with BufferClient(server.target) as admin:
+                admin.create_table("grpo", group_size=0, estimator="none")
+            tasks = scheduler(server.target, source, {}, max_in_flight=BATCH)
+            assert len(asyncio.run(tasks.read())) == BATCH
+            with pytest.raises(ValueError, match=r"max_in_flight=4 and this explorer holds all 4 of its claims"):
+                asyncio.run(tasks.read())  # its feedback comes only after this read: it would wait for ever
+        finally:
+            server.proc.kill()
+            server.proc.wait(30)

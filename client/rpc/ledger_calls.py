@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from numbers import Real
 from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -152,13 +153,11 @@ def outcomes_by_dataset(outcomes: Outcomes) -> list[tuple[tuple[str, str], list[
     pairs = outcomes.items() if isinstance(outcomes, Mapping) else outcomes
     rewards: dict[Prompt, list[float]] = {}
     for prompt, given in pairs:
-        values = list(given)
-        if not values or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values
-        ):
+        values = list(given) if isinstance(given, Iterable) and not isinstance(given, str | bytes) else []
+        if not values or not all(isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v) for v in values):
             raise ValueError(
-                f"report_prompts: prompt {prompt.dataset}/{prompt.epoch}/{prompt.index} has rewards {values!r};"
-                " give the rewards of its runs, one finite number or more"
+                f"report_prompts: prompt {prompt.dataset}/{prompt.epoch}/{prompt.index} has rewards {given!r};"
+                " give the rewards of its runs, a list of one finite number or more"
             )
         rewards[prompt] = [float(v) for v in values]
     return [(key, [(prompt, rewards[prompt]) for prompt in part]) for key, part in by_dataset(rewards)]

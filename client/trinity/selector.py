@@ -5,8 +5,10 @@ Trinity's own `difficulty_based` selector keeps its Beta posteriors in memory (i
 its position alone) and starts over after a restart. This one claims each step's prompts from a
 dataset of the prompt ledger, whose order (`pools`, `pass_rate`, or the permutation) reads each
 prompt's durable statistics, and reports the feedback Trinity's experience pipeline gives (each
-task's mean reward, the `pass_rate_calculator` operator's) as the prompt's outcome, which trains
-it and updates its statistics in the same transaction. Trinity's TasksetScheduler drives it; the
+task's mean reward, the `pass_rate_calculator` operator's) as the prompt's outcome, one run whose
+reward is that mean, which trains it and updates its statistics in the same transaction. Each
+feedback is matched to the oldest step it names; a task of that step it does not name (every run
+failed, no experience) is released, to go out again. Trinity's TasksetScheduler drives it; the
 dataset keeps every state, so `state_dict` is empty. The claims are renewed while the explorer
 lives and end when it dies, their prompts going out again.
 
@@ -17,21 +19,24 @@ buffer:
       path: /data/math
       data_selector:
         selector_type: expbuf
-        kwargs: {path: "expbuf://10.0.0.5:50051/grpo8", dataset: math, order: pass_rate}
+        kwargs: {path: "expbuf://10.0.0.5:50051/grpo8", dataset: math, order: pools}
 ```
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import uuid
 import weakref
+from collections import deque
 from typing import Any
 
 from trinity.buffer.selector.selector import BaseSelector
 
+from expbuf.client.errors import BufferError, NotFoundError, PermissionDeniedError
 from expbuf.client.kit.location import connect, is_expbuf_path, parse
 from expbuf.client.schema.prompts import Prompt
 
@@ -67,21 +72,40 @@ class ExpbufSelector(BaseSelector):
             )
         self.location = parse(path)
         self._client = connect(self.location)
-        size = data_source.dataset_size
-        self._client.create_dataset(
-            self.location.table,
-            self.dataset,
-            size,
-            epochs=max(1, data_source.total_samples // size),
-            seed=config.seed,
-            exist_ok=True,  # the same settings after a restart; other ones are refused by name
-            **kwargs,
-        )
+        self._prepare(data_source, config.seed, kwargs)
         self._owner = f"{OWNER_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         keeper = connect(self.location, timeout=self.location.lease_seconds / RENEWALS_PER_CLAIM)
         self._keeper = ClaimKeeper(keeper, self.location.lease_seconds, self.location.hold_seconds)
         weakref.finalize(self, self._keeper.close)
-        self._handed: dict[int, list[Prompt]] = {}  # by index, the prompts awaiting feedback, oldest first
+        self._steps: deque[list[Prompt]] = deque()  # the steps handed out awaiting feedback, oldest first
+
+    def _prepare(self, data_source: Any, seed: int, kwargs: dict[str, Any]) -> None:
+        """The dataset, one prompt per row and an epoch per pass Trinity makes: made with the
+        kwargs' settings (admin scope) when the table has none; else checked against the taskset."""
+        size, table = data_source.dataset_size, self.location.table
+        epochs, rest = divmod(data_source.total_samples, size)
+        where = f"data_selector {SELECTOR_NAME} (dataset '{self.dataset}' of table '{table}')"
+        if rest or not epochs:
+            raise ValueError(f"{where}: buffer.total_steps is not a whole number of epochs; leave it unset")
+        try:
+            info = self._client.ledger(table, self.dataset)
+        except PermissionDeniedError:
+            log.warning("expbuf: this token cannot read dataset '%s' (no sample scope): not checked", self.dataset)
+            return
+        except NotFoundError:
+            self._client.create_dataset(table, self.dataset, size, epochs=epochs, seed=seed, **kwargs)
+            return
+        if (info.size, info.epochs) != (size, epochs):
+            raise ValueError(
+                f"{where}: it has {info.size} prompts and {info.epochs} epochs, the taskset {size} rows and"
+                f" {epochs} epochs: one prompt per row, and buffer.total_epochs alike"
+            )
+        for key in ("order", "order_options", "pass_threshold", "zero_variance", "skip_epochs"):
+            have, want = getattr(info, key), kwargs.get(key, getattr(info, key))
+            if key == "order_options" and isinstance(want, dict):
+                have = {option: have.get(option) for option in want}  # the dataset's fills in the defaults
+            if have != want:
+                raise ValueError(f"{where}: it has {key} {have!r}, the kwargs {want!r}")
 
     def get_indices(self, batch_size: int, return_extra_info: bool = False) -> Any:
         """The indices of up to `batch_size` prompts claimed now, waiting for one; StopIteration
@@ -94,33 +118,54 @@ class ExpbufSelector(BaseSelector):
             )  # fmt: skip
             if claim.prompts:
                 break
-            if claim.done or self._only_mine_left():
+            if claim.done or self._only_mine_left(batch_size):
                 raise StopIteration(f"expbuf dataset '{self.dataset}': no prompt left to hand out")
         self._keeper.hold(claim.prompts)
-        for prompt in claim.prompts:
-            self._handed.setdefault(prompt.index, []).append(prompt)
+        self._steps.append(list(claim.prompts))
         indices = [prompt.index for prompt in claim.prompts]
         if return_extra_info:
             return indices, {"indices": indices, "attempts": [p.attempt for p in claim.prompts]}
         return indices
 
-    def _only_mine_left(self) -> bool:
-        info = self._client.ledger(self.location.table, self.dataset)
-        mine = len(self._keeper.held())
-        return not info.total("pending") and info.cursor_epoch >= info.epochs and info.total("claimed") <= mine
+    def _only_mine_left(self, batch_size: int) -> bool:
+        """Whether every claim left is this explorer's and nothing else waits to go out: Trinity
+        gives a step's feedback only after later reads, so this read cannot wait for them.
+        Refused when the dataset's max_in_flight is full of them (nothing could make room)."""
+        try:
+            info = self._client.ledger(self.location.table, self.dataset)
+        except PermissionDeniedError:
+            return False  # no sample scope: the claim's `done` ends the explorer
+        claimed, mine = info.total("claimed"), len(self._keeper.held())
+        if info.max_in_flight and claimed + info.total("generated") >= info.max_in_flight and claimed <= mine:
+            raise ValueError(
+                f"data_selector {SELECTOR_NAME}: dataset '{self.dataset}' has max_in_flight={info.max_in_flight} and"
+                f" this explorer holds all {claimed} of its claims in steps awaiting feedback (Trinity gives it after"
+                f" later reads): set max_in_flight to at least batch_size ({batch_size}) x (the steps in flight + 1)"
+            )
+        return not info.total("pending") and info.cursor_epoch >= info.epochs and claimed <= mine
 
     def feedback(self, indices: list[int], values: list[float]) -> None:
-        """Each task's feedback (its runs' mean reward) reported as its prompt's outcome: the
-        prompt is trained, its statistics taking the value as one run's reward."""
-        outcomes: dict[Prompt, list[float]] = {}
-        for index, value in zip(indices, values, strict=True):
-            waiting = self._handed.get(int(index))
-            if not waiting:
-                log.warning("expbuf: feedback for task %s, which this selector did not hand out; left out", index)
-                continue
-            outcomes[waiting.pop(0)] = [float(value)]
-        if outcomes:
-            self._client.report_prompts(outcomes)
+        """A step's feedback (each task's mean reward) reported as its prompts' outcomes, one run
+        whose reward is the value: the prompts are trained, their statistics taking it. The step
+        is the oldest one handed out that holds every index named; its tasks not named (no
+        experience came of them) are released, to go out again. A value that is not a finite
+        number leaves its prompt out; a report the server does not take is logged, its claims
+        ending with their lease."""
+        named = {int(index): float(value) for index, value in zip(indices, values, strict=True)}
+        step = next((s for s in self._steps if set(named) <= {p.index for p in s}), None)
+        if step is None:
+            log.warning("expbuf: feedback for tasks %s, which no step of this selector holds; left out", sorted(named))
+            return
+        self._steps.remove(step)
+        outcomes = {p: [named[p.index]] for p in step if p.index in named and math.isfinite(named[p.index])}
+        left = [p for p in step if p not in outcomes]
+        try:
+            if outcomes:
+                self._client.report_prompts(outcomes)
+            if left:
+                self._client.release_claims(left)
+        except BufferError as exc:
+            log.warning("expbuf: the outcomes of %d prompts were not reported (%s); their claims end", len(step), exc)
 
     def state_dict(self) -> dict:
         """Nothing: the dataset holds the cursor, the claims and the statistics, durably."""
