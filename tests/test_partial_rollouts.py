@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from expbuf.client import EID, BufferClient, Experience, InvalidArgumentError, TrxpError, trxp
-from expbuf.client.errors import AlreadyExistsError, DeadlineExceededError, FailedPreconditionError
+from expbuf.client.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+)
 from expbuf.client.rollout_pieces import continuation, split
 from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import TableConfig
@@ -296,3 +301,30 @@ def test_rollouts_a_reply_cannot_hold_come_in_more_replies(start_server: Servers
     with BufferClient(target, max_message_bytes=200_000, push_chunk_bytes=0) as small:  # one rollout a reply
         held = small.get_partials(["0/0"], table="big")
     assert sorted(exp.eid.run for exp in held) == [0, 1, 2]
+
+
+def test_pieces_count_against_capacity_bytes(client: BufferClient) -> None:
+    """A worker whose rollouts never finish cannot fill the disk: the pieces held count in the
+    table's capacity_bytes. In a blocking table a piece past it waits for room (nothing of it
+    stored) until pieces go; an evicting one evicts its oldest ready group for it."""
+    client.create_table("block", group_size=2, estimator="none", capacity_bytes=16_000)
+    held: list[Experience] = []
+    with pytest.raises((DeadlineExceededError, ResourceExhaustedError)):  # the wait ends either side of the wire
+        for run in range(200):
+            first, _ = split(rollout(task=run, run=0), [4])
+            client.push([first], table="block", timeout=1.0)  # a full table: it waits for room, then gives up
+            held.append(first)
+    assert 0 < len(held) < 200
+    assert len(client.get_partials([f"0/{run}" for run in range(len(held) + 1)], table="block")) == len(held)
+    client.fail_runs([p.eid.uid for p in held[:2]], table="block")  # their pieces go: room again
+    more, _ = split(rollout(task=500, run=0), [4])
+    assert client.push([more], table="block").partial == [more.eid.uid]
+
+    client.create_table("evict", group_size=1, estimator="none", capacity_bytes=16_000, when_full="evict")
+    client.push([rollout(task="whole", run=0)], table="evict")  # a ready group
+    for run in range(len(held)):  # as many pieces as fill the table: the whole rollout makes room for them
+        first, _ = split(rollout(task=run, run=0), [4])
+        assert client.push([first], table="evict").partial == [first.eid.uid]
+        if client.stats("evict")["evict"].evicted:
+            break
+    assert client.stats("evict")["evict"].evicted == 1

@@ -1,6 +1,8 @@
 """A table's capacity in experiences and bytes: a push that would pass it evicts the
 oldest ready groups (evict mode) or is refused (block mode: the pusher may wait for room;
-a push larger than the capacity on its own is refused at once)."""
+a push larger than the capacity on its own is refused at once). The pieces of rollouts held in
+pieces count in its bytes (a worker whose rollouts never finish cannot fill the disk), a piece
+making room as a push does."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
         live = tt.counters.live()
         return bool(
             (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
-            or (cfg.capacity.bytes and tt.counters.bytes + nbytes > cfg.capacity.bytes)
+            or (cfg.capacity.bytes and tt.counters.bytes + tt.counters.partial_bytes + nbytes > cfg.capacity.bytes)
         )
 
     if not over():

@@ -63,6 +63,7 @@ class Counters:
     groups_short: int = 0  # groups that completed with fewer members than group_size
     tokens_masked: int = 0  # delivered tokens masked out of the action mask as too stale (max_token_staleness)
     partials: int = 0  # rollouts held in pieces, not finished yet (partials.py)
+    partial_bytes: int = 0  # the bytes of their pieces, counted against capacity_bytes (capacity.py)
     pieces_pushed: int = 0  # pieces of partial rollouts stored
     # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
     overlong_penalised: int = 0

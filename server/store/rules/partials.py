@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from expbuf.client.schema.routing import uid_group_key
@@ -114,12 +114,18 @@ def drop(tt: TableState, uid: str) -> bool:
         tt.txn.delete(base + _PIECE.pack(number), db=tt.db["partials"])
     tt.txn.delete(base, db=tt.db["partials"])
     tt.counters.partials -= 1
+    tt.counters.partial_bytes = max(0, tt.counters.partial_bytes - _size(head))
     return True
 
 
-def take(tt: TableState, entries: Sequence[Entry]) -> Taken:
+def _size(head: Head) -> int:
+    return sum(size for _, _, size in head.pieces)
+
+
+def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) -> Taken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
-    piece came; an entry pushed whole replaces any pieces of its uid."""
+    piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
+    the table for each piece stored (capacity.py), as the rollout it finishes makes for itself."""
     taken = Taken()
     for entry in entries:
         if entry.piece is None:
@@ -146,6 +152,8 @@ def take(tt: TableState, entries: Sequence[Entry]) -> Taken:
         if tt.config.grouping.size:
             _open_group(tt, gkey)
         (item,) = parse(entry.blob, trusted=True)
+        if more:
+            room(entry.size)
         finished = _add(tt, entry, item, head, more)
         if finished is None:
             taken.stored.append(entry.uid)
@@ -188,6 +196,7 @@ def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: b
         first = Head(tokens, response, [(0, entry.digest.hex(), entry.size)], partial.layout(item), versions)
         _write(tt, entry.uid, first, 0, entry.blob)
         tt.counters.partials += 1
+        tt.counters.partial_bytes += entry.size
         return None
     if more:
         grown = item.tensors["tokens"].shape[0]
@@ -196,6 +205,7 @@ def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: b
         head.response += grown
         head.versions = versions
         _write(tt, entry.uid, head, len(head.pieces) - 1, entry.blob)
+        tt.counters.partial_bytes += entry.size
         return None
     finished = _checked(where, partial.merge([*_pieces(tt, entry.uid, head), item]))
     drop(tt, entry.uid)
@@ -218,11 +228,11 @@ def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[
     found: dict[str, int] = {}
     for tid in tids:
         for uid, head in _of_task(tt, tid):
-            found[uid] = sum(size for _, _, size in head.pieces)
+            found[uid] = _size(head)
     for uid in uids:
         named = _head(tt, uid)
         if named is not None:
-            found[uid] = sum(size for _, _, size in named.pieces)
+            found[uid] = _size(named)
     return list(found.items())
 
 
@@ -313,6 +323,7 @@ def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
             tt.txn.put(to + _PIECE.pack(number), bytes(raw), db=db)
         tt.txn.put(to, head.encode(), db=db)
         tt.counters.partials += 1
+        tt.counters.partial_bytes += _size(head)
         drop(tt, uid)
         moved += 1
     return moved

@@ -35,7 +35,7 @@ import lmdb
 from ..disk import chunked, layout
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
-from ..rules import groups, limiter, partials, pushed_advantages
+from ..rules import capacity, groups, limiter, partials, pushed_advantages
 from ..rules.table_state import TableState
 from ..schema.errors import InsertLimited, TableFull
 from ..schema.selection import IndexBuilding
@@ -254,7 +254,7 @@ class Pushing:
             tt.save()
         if held is not None:
             return held
-        pieces = partials.take(tt, entries) if has_pieces else None
+        pieces = partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set())) if has_pieces else None
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         tt.compute = in_push(tt.config) if in_push is not None else None
         tt.ahead = ahead
