@@ -346,6 +346,8 @@ def client_page(exported: list[str]) -> str:
     lines = ["# Python client", "", "Generated from the docstrings of what `expbuf.client` exports.", ""]
     for name in sorted(exported, key=lambda n: (not n.endswith("Client"), n.endswith("Error"), n.lower())):
         lines += [f"::: expbuf.client.{name}", ""]
+        if name == "BufferClient":  # its prompt ledger's calls are written in a module of their own
+            lines[-1:] = ["    options:", "      inherited_members: true", ""]
     sharded = "expbuf.client.shards.blocking"
     lines += [f"::: {sharded}.ShardedBufferClient", "", f"::: {sharded}.AsyncShardedBufferClient"]
     return "\n".join(lines) + "\n"

@@ -7,7 +7,6 @@ each kill -9 are the ones a run without kills reads (skipped where trinity-rft i
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from expbuf.client import BufferClient  # noqa: E402
 
 from helpers import ServerProcess, servers  # noqa: E402
 from test_trinity_plugin import plugin  # noqa: E402, F401 - loads the plugin as Trinity does, for this module too
+from test_trinity_taskset import source as rows  # noqa: E402 - the user's file taskset, one row per prompt
 from trinity_explorer_child import WORKFLOW  # noqa: E402
 
 SIZE, EPOCHS, BATCH = 16, 3, 4
@@ -34,14 +34,6 @@ SIZE, EPOCHS, BATCH = 16, 3, 4
 def value(index: int) -> float:
     """A task's feedback (its runs' mean reward): every run passed, none, or half."""
     return {0: 1.0, 1: 0.0}.get(index % 4, 0.5)
-
-
-def rows(tmp_path: Path, size: int = SIZE) -> Path:
-    directory = tmp_path / "rows"
-    directory.mkdir(exist_ok=True)
-    lines = [json.dumps({"question": f"what is {i}?", "answer": str(i)}) for i in range(size)]
-    (directory / "train.jsonl").write_text("\n".join(lines) + "\n")
-    return directory
 
 
 def scheduler(
@@ -107,7 +99,7 @@ def explore(data: str, start: Callable[..., ServerProcess], source: Path, kills:
 
 
 def test_trinitys_scheduler_reads_the_orders_tasks_the_same_through_two_kills(tmp_path: Path) -> None:
-    source = rows(tmp_path)
+    source = rows(tmp_path, rows=SIZE)
     with servers() as start:
         calm = explore(str(tmp_path / "calm"), start, source, set())
         killed = explore(str(tmp_path / "killed"), start, source, {3, 7})
@@ -131,7 +123,7 @@ def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behi
     """Trinity's own pass_rate_calculator merges a step's tasks by index (a step that crosses an
     epoch holds an index twice); a task whose runs all failed gives no feedback. Each step's
     feedback trains the prompts it names and releases the one it does not: nothing stays claimed."""
-    source = rows(tmp_path, size=6)
+    source = rows(tmp_path, rows=6)
     with servers() as start:
         server = start(str(tmp_path / "data"))
         try:
@@ -164,7 +156,7 @@ def test_a_step_across_epochs_and_a_task_without_experiences_leave_no_claim_behi
 
 
 def test_a_max_in_flight_the_explorers_unreported_steps_fill_is_refused_by_name(tmp_path: Path) -> None:
-    source = rows(tmp_path)
+    source = rows(tmp_path, rows=SIZE)
     with servers() as start:
         server = start(str(tmp_path / "data"))
         try:

@@ -92,7 +92,7 @@ def _candidates(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple
         rec = prompt_of(tt, ds.name, epoch, index)
         if rec is not None and rec.state == PENDING:
             yield epoch, index, rec.attempt
-    order = order_of(ds.order, ds.order_options, f"dataset {ds.name}")
+    order = order_of(ds)
     looks = order.bins or ds.zero_variance == "skip"  # the cursor reads each prompt's statistics
     permutations: dict[int, Permutation] = {}
     while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:

@@ -19,6 +19,7 @@ from typing import ClassVar
 from expbuf.client.schema.prompts import PromptStats
 
 from ..schema.errors import ConfigError, clip
+from .records import DatasetRecord
 
 ORDERS: dict[str, type[ClaimOrder]] = {}
 
@@ -139,11 +140,12 @@ class PassRateOrder(ClaimOrder):
         return [n * math.exp(logit - top) if n else 0.0 for logit, n in zip(logits, counts, strict=True)]
 
 
-def order_of(name: str, options: Mapping[str, float], where: str) -> ClaimOrder:
-    """The order a dataset names, checked; refuses a name not registered."""
-    kind = ORDERS.get(name)
+def order_of(ds: DatasetRecord, where: str = "") -> ClaimOrder:
+    """The order a dataset names, with its options, checked; refuses a name not registered."""
+    where = where or f"dataset {ds.name}"
+    kind = ORDERS.get(ds.order)
     if kind is None:
-        raise ConfigError(f"{where}: order is {clip(name)!r}; expected one of {', '.join(ORDERS)}")
-    order = kind(options)
+        raise ConfigError(f"{where}: order is {clip(ds.order)!r}; expected one of {', '.join(ORDERS)}")
+    order = kind(ds.order_options)
     order.check(where)
     return order

@@ -15,7 +15,6 @@ import lmdb
 from expbuf.client.schema.prompts import PromptStats as Stats
 
 from ..disk import layout
-from ..disk.records import GroupRecord
 from ..rules.pushed_advantages import zero_variance
 from ..rules.table_state import TableState
 from .records import DatasetRecord
@@ -79,18 +78,10 @@ def claimed(tt: TableState, name: str, index: int) -> None:
     _write(tt, name, index, stats)
 
 
-def generated(
-    tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord
-) -> tuple[PromptStats, PromptStats]:
-    """A group of the prompt, in `epoch`, is complete: its members' rewards into the prompt's
-    statistics (`outcome`). Returns its statistics before and after."""
-    return outcome(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
-
-
 def outcome(
     tt: TableState, ds: DatasetRecord, epoch: int, index: int, every: list[float | None]
 ) -> tuple[PromptStats, PromptStats]:
-    """The rewards of a group of the prompt, in `epoch` (its runs in the table, or reported), into
+    """A group of the prompt complete: its rewards, in `epoch` (its runs in the table, or reported), into
     the prompt's statistics; the prompt into the band of its pass rate now (`ds`, written by the
     caller), and, its rewards all equal with zero_variance = "skip", out of the next skip_epochs
     epochs. Returns its statistics before and after."""

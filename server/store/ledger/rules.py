@@ -85,7 +85,7 @@ class Ledger(TableExtension):
     def create(self, tt: TableState, ds: DatasetRecord, *, exist_ok: bool) -> tuple[DatasetRecord, bool]:
         """A new dataset, or the identical one that exists (exist_ok); (record, created)."""
         check(ds, tt.config.grouping.by)
-        ds.order_options = order_of(ds.order, ds.order_options, f"dataset {ds.name}").options  # its defaults filled in
+        ds.order_options = order_of(ds).options  # its defaults filled in
         if ds.zero_variance == "retry" and not tt.config.grouping.drop_zero_variance:
             raise ConfigError(
                 f'dataset {clip(ds.name)!r}: zero_variance = "retry" claims again a prompt whose group the table'
@@ -428,7 +428,7 @@ class Ledger(TableExtension):
         """The prompt's statistics take a group's rewards; under a difficulty order it moves to the
         bin they put it in now."""
         was, now = prompt_stats.outcome(tt, ds, epoch, index, rewards)
-        order = order_of(ds.order, ds.order_options, f"dataset {ds.name}")
+        order = order_of(ds)
         if order.bins:
             binned.move(tt, ds, order, index, was, now)
 

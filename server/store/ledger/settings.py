@@ -53,7 +53,7 @@ def check(ds: DatasetRecord, group_by: str) -> None:
     skip = ds.skip_epochs
     if not isinstance(skip, int) or isinstance(skip, bool) or not 1 <= skip <= MAX_EPOCHS:
         raise ConfigError(f"{where}: skip_epochs is {clip(skip)}; it must be an integer in 1..{MAX_EPOCHS}")
-    order = order_of(ds.order, ds.order_options, where)
+    order = order_of(ds, where)
     if ds.shards or ds.shard:
         if order.bins or ds.zero_variance == "skip":
             chose = f"order {ds.order!r}" if order.bins else 'zero_variance "skip"'
