@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .schema.experience import EID, Experience
     from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptStats
     from .trxp import TrxpError, decode, encode
+    from .trxp.column_build import ColumnBatch
 
 # each public name -> the module of this package that defines it
 _HOMES = {
@@ -80,6 +81,7 @@ _HOMES = {
     "ShapingInfo": "results",
     "TableInfo": "results",
     "TableStats": "results",
+    "ColumnBatch": "trxp.column_build",
     "TrxpError": "trxp",
     "decode": "trxp",
     "encode": "trxp",
@@ -108,6 +110,7 @@ __all__ = [
     "BufferError",
     "BufferStats",
     "Claim",
+    "ColumnBatch",
     "DataLossError",
     "DatasetInfo",
     "DeadlineExceededError",

@@ -138,9 +138,7 @@ class AsyncBufferClient(ClientBase):
             raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
-    async def push(
-        self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
-    ) -> PushResult:
+    async def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
         A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream.
         A full table in block mode makes it wait for room until its deadline, as BufferClient.push."""

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Iterable, Sequence
-from typing import Any, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import grpc
 
@@ -145,7 +145,7 @@ class BufferClient(LedgerMethods):
             raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
 
-    def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
+    def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
         A retried push is safe: what was stored already comes back in `duplicates`. A payload
         larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -91,7 +90,7 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
         self._stream: _Open | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
+    async def push(self, items: calls.Items) -> asyncio.Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
         return await self.push_part(calls.payload(items))
 

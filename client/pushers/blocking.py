@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
@@ -111,7 +110,7 @@ class Pusher(OrderedFutures[Window]):
         self._stream: _Open | None = None
         self._readers: list[threading.Thread] = []
 
-    def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
+    def push(self, items: calls.Items) -> Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
         return self.push_part(calls.payload(items))
 

@@ -68,9 +68,9 @@ class Pending:
     def fail(self, code: grpc.StatusCode, details: str, why: str = "", reason: str | None = None) -> None:
         """Fail with the error of `code`, naming the push and its uids (read from its payload only now)."""
         try:
-            uids = tuple(item.uid for item in trxp.parse(self.body))
+            uids = calls.payload_uids(self.body)
         except trxp.TrxpError:
-            uids, named = (), "its payload is not TRXP, so its uids are unknown"
+            uids, named = (), "its payload is neither TRXP nor columns, so its uids are unknown"
         else:
             shown = ", ".join(uids[:NAMED_UIDS])
             more = f" and {len(uids) - NAMED_UIDS} more" if len(uids) > NAMED_UIDS else ""

@@ -32,7 +32,10 @@ from ..results import (
     TableInfo,
     TableStats,
 )
+from ..schema.experience import EID
 from ..schema.table_presets import with_preset
+from ..trxp import column_wire
+from ..trxp.column_build import ColumnBatch
 from . import wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
@@ -143,11 +146,24 @@ def one_reply(replies: list[Any], method: str = "PushStream") -> Any:
     return replies[0]
 
 
-def payload(items: bytes | Iterable[Any]) -> bytes:
-    """TRXP bytes as they are, or experiences (expbuf's or Trinity-RFT's) encoded."""
+# What a push takes: TRXP bytes, a ColumnBatch, or experiences (expbuf's or Trinity-RFT's).
+Items = bytes | ColumnBatch | Iterable[Any]
+
+
+def payload(items: Items) -> bytes:
+    """TRXP bytes as they are, a ColumnBatch's payload, or experiences (expbuf's or Trinity-RFT's) encoded."""
     if isinstance(items, (bytes, bytearray, memoryview)):
         return bytes(items)
+    if isinstance(items, ColumnBatch):
+        return items.payload
     return trxp.encode(items)
+
+
+def payload_uids(body: bytes) -> tuple[str, ...]:
+    """The uids of a push's payload, TRXP or columns; TrxpError for one that is neither."""
+    if column_wire.is_columns(body):
+        return tuple(EID(**eid).uid for eid in column_wire.read(body).eids)
+    return tuple(item.uid for item in trxp.parse(body))
 
 
 def _version(version: int) -> int:
@@ -156,9 +172,7 @@ def _version(version: int) -> int:
     return version
 
 
-def push(
-    items: bytes | Iterable[Any], table: str, timeout: float | None, chunk_bytes: int
-) -> Unary[PushResult] | Chunked[PushResult]:
+def push(items: Items, table: str, timeout: float | None, chunk_bytes: int) -> Unary[PushResult] | Chunked[PushResult]:
     """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never)."""
 
     body = payload(items)

@@ -13,6 +13,7 @@ from typing import Any, Unpack
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..rpc import calls
 from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -73,9 +74,7 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
 
     # ---- AsyncBufferClient's methods ---------------------------------------------------------
 
-    async def push(
-        self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None
-    ) -> PushResult:
+    async def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
         """As ShardedBufferClient.push."""
         return await self._run(self._push(items, table, timeout))
 

@@ -23,6 +23,7 @@ from typing import Any, Unpack
 
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
+from ..rpc import calls
 from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -91,7 +92,7 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
 
     # ---- BufferClient's methods --------------------------------------------------------------
 
-    def push(self, items: bytes | Iterable[Any], table: str = "default", *, timeout: float | None = None) -> PushResult:
+    def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
         """Store experiences durably, each group on its shard; the parts go out in parallel."""
         return self._run(self._push(items, table, timeout))
 

@@ -20,8 +20,10 @@ from ..results import AsyncBatch, Batch, Leases, PushResult, TableInfo
 from ..rpc import calls
 from ..rpc.connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
 from ..rpc.sample_spec import SampleSpec
+from ..schema.experience import EID
 from ..schema.reasons import Reason
 from ..schema.routing import ShardMap, group_key, rendezvous, shard_names
+from ..trxp import column_wire
 
 # A probe of one shard (its ready count, or any small call while it is believed down): no retries,
 # no wait for a shard that is down, a short deadline; a shard that fails it is left out.
@@ -192,11 +194,13 @@ class Sharded:
             )
         self.clients, self._probes = clients, probes
 
-    def split(self, items: bytes | Iterable[Any], group_by: str) -> dict[str, bytes]:
+    def split(self, items: calls.Items, group_by: str) -> dict[str, bytes]:
         """The payload's items by the shard that owns their groups (grouped by `group_by`), each
         shard's as TRXP bytes; a payload that is all one shard's goes unchanged."""
         payload = calls.payload(items)
         try:
+            if column_wire.is_columns(payload):
+                return self._split_columns(column_wire.read(payload), payload, group_by)
             parsed = trxp.parse(payload)
         except trxp.TrxpError as exc:
             raise BufferError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), Reason.INVALID_PAYLOAD) from None
@@ -206,6 +210,15 @@ class Sharded:
         if len(parts) == 1:
             return {next(iter(parts)): payload}
         return {shard: trxp.build(part) for shard, part in parts.items()}
+
+    def _split_columns(self, batch: column_wire.ColumnPayload, payload: bytes, group_by: str) -> dict[str, bytes]:
+        """split() of a batch of columns: each shard's experiences as a batch of columns."""
+        rows: dict[str, list[int]] = {}
+        for row, eid in enumerate(batch.eids):
+            rows.setdefault(self.shard_map.owner(group_key(EID(**eid), group_by)), []).append(row)
+        if len(rows) == 1:
+            return {next(iter(rows)): payload}
+        return {shard: column_wire.select(batch, indices) for shard, indices in rows.items()}
 
     def _leases(self, lease_id: str) -> list[tuple[str, str]]:
         """(shard, lease) pairs of a batch's lease id, "shard/lease[,shard/lease...]"."""

@@ -26,6 +26,7 @@ import grpc
 
 from ..client import Batch, BufferError, Grant, PushResult
 from ..results import BufferStats, FailedRuns, Leases, ServerInfo, TableInfo, TableStats
+from ..rpc import calls
 from ..rpc.sample_spec import SampleSpec
 from ..schema.experience import Experience
 from ..schema.routing import uid_group_key
@@ -282,7 +283,7 @@ class Planned(Sharded):
 
     # ---- pushing and admin (reads: reads.py) --------------------------------------------------
 
-    def _push(self, items: bytes | Iterable[Any], table: str, timeout: float | None) -> Plan[PushResult]:
+    def _push(self, items: calls.Items, table: str, timeout: float | None) -> Plan[PushResult]:
         """Each group's part to its shard, in parallel; ShardError's `result` is what the others stored."""
         parts = self.split(items, (yield from self._group_by_of(table)))
         calls = [Call(shard, "push", (part, table), {"timeout": timeout}) for shard, part in parts.items()]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -29,6 +29,7 @@ from ..pushers.aio import AsyncOrderedFutures, AsyncPusher
 from ..pushers.blocking import OrderedFutures, Pusher
 from ..pushers.pipeline import Ordered
 from ..results import PushResult
+from ..rpc import calls
 from .common import Sharded, merge_push, shard_error
 
 Parts = dict[str, bytes]  # a push's payload by the shard that owns its groups
@@ -44,7 +45,7 @@ class ShardPush:
     outcome: PushResult | ExpbufError | None = None
 
 
-def split(client: Sharded, items: bytes | Iterable[Any], group_by: str) -> Parts | ExpbufError:
+def split(client: Sharded, items: calls.Items, group_by: str) -> Parts | ExpbufError:
     """The push's parts by shard, or the error of a payload that is not TRXP."""
     try:
         return client.split(items, group_by)
@@ -137,7 +138,7 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
         OrderedFutures.__init__(self, ShardWindow(window))
         self._sending = threading.RLock()  # a push's parts reach each shard's pusher in push order
 
-    def push(self, items: bytes | Iterable[Any]) -> Future[PushResult]:
+    def push(self, items: calls.Items) -> Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
         if self._group_by is None:
             self._group_by = self._ask_group_by()
@@ -183,7 +184,7 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
         AsyncOrderedFutures.__init__(self, ShardWindow(window))
         self._sending = asyncio.Lock()  # a push's parts reach each shard's pusher in push order
 
-    async def push(self, items: bytes | Iterable[Any]) -> asyncio.Future[PushResult]:
+    async def push(self, items: calls.Items) -> asyncio.Future[PushResult]:
         """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
         if self._group_by is None:
             self._group_by = await self._ask_group_by()

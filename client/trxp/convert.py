@@ -175,7 +175,7 @@ class _Batch:
         import torch
 
         self.tensor_type = torch.Tensor
-        self.codes = _safetensors_codes()
+        self.codes = safetensors_codes()
         # The caller's own objects: checked like a payload, without its size bounds. Only the
         # non-empty containers among the caller's fields (info, metrics, messages, tools...)
         # are measured: a walk of anything else could not refuse it. The eid, custom fields
@@ -302,7 +302,7 @@ def flat_tensor(raw: RawTensor | None, length: int, fill: int, dtype: torch.dtyp
 
 
 @functools.cache
-def _safetensors_codes() -> dict[torch.dtype, str]:
+def safetensors_codes() -> dict[torch.dtype, str]:
     """torch dtype -> safetensors code, the inverse of torch_dtypes."""
     return {dtype: code for code, dtype in torch_dtypes().items()}
 
@@ -311,7 +311,7 @@ def raw_of(value: Any) -> RawTensor:
     """The raw form of a tensor (or anything torch.as_tensor takes), on the CPU."""
     import torch
 
-    return _raw(value, torch.Tensor, _safetensors_codes())
+    return _raw(value, torch.Tensor, safetensors_codes())
 
 
 def _raw(value: Any, tensor_type: type[torch.Tensor], codes: dict[torch.dtype, str]) -> RawTensor:

@@ -45,7 +45,7 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 from expbuf.client import trxp
-from expbuf.client.trxp import partial
+from expbuf.client.trxp import column_wire, partial
 from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
 
 from ..backend import Backend
@@ -89,10 +89,14 @@ def entries_of(payload: bytes | memoryview, limit: trxp.MetadataLimit | None = N
     """A pushed payload's experiences, validated and packed as the store keeps them; a payload
     the codec refuses is an InvalidPayload, with the codec's message.
 
-    An experience's metadata is unpickled, then pickled again in its canonical form: for a
-    moment both are held, so `limit` bounds it; the tensors are copied once, into the packed copy."""
+    An experience's metadata is unpickled (or, for a batch of columns, made from them), then
+    pickled in its canonical form: for a moment both are held, so `limit` bounds it; the tensors
+    are copied once, into the packed copy."""
     try:
-        items = trxp.parse(payload, limit=limit)
+        if column_wire.is_columns(payload):
+            items = column_wire.read(payload).items(len(payload), limit)
+        else:
+            items = trxp.parse(payload, limit=limit)
         items.reverse()
         entries = []
         while items:  # each item's metadata is let go as its packed copy is made

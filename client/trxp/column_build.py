@@ -1,0 +1,171 @@
+"""A batch of experiences as columns, made from a rollout worker's tensors for `push()`.
+
+A worker that holds its batch as tensors (a jagged nested tensor of tokens, a padded-free list of
+log-probs, a tensor of rewards) hands them over field by field: each field becomes one column
+of values back to back (one torch.cat where it came as a list, none where it came as a nested
+tensor or as values and offsets) and the batch one payload (column_wire.py), with no Experience,
+safetensors header or pickle per experience. The server stores each experience exactly as the
+same experience pushed as an Experience.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from ..schema.experience import EID
+from . import column_wire
+from .column_push import SCALARS
+from .common import TrxpError
+from .convert import safetensors_codes
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ColumnBatch:
+    """Experiences pushed as columns: `eids` (EIDs, Trinity-RFT's or expbuf's, or dicts of
+    their parts), one per experience, and `fields`, each tensor field by its name ("tokens",
+    required for every experience; "logprobs", "action_mask", ...; "multi_modal_inputs:KEY") as
+    one of:
+
+    - a jagged nested tensor (torch.nested, layout=torch.jagged), one row an experience;
+    - a tensor of shape [experiences, ...], each experience its row;
+    - `(values, offsets)`: experience k's values are `values[offsets[k]:offsets[k + 1]]`;
+    - a sequence of tensors, one an experience, None where it has none.
+
+    `reward`, `prompt_length` and `model_version` are one value an experience (a sequence,
+    None where an experience has none, or a 1-D tensor). `ColumnBatch.uids` names them."""
+
+    def __init__(
+        self,
+        eids: Sequence[Any],
+        fields: Mapping[str, Any],
+        *,
+        reward: Sequence[float | None] | torch.Tensor | None = None,
+        prompt_length: Sequence[int | None] | torch.Tensor | None = None,
+        model_version: Sequence[int | None] | torch.Tensor | None = None,
+    ) -> None:
+        count = len(eids)
+        message = pb.ColumnBatch()
+        parts = [_eid_parts(eid) for eid in eids]
+        self.uids = [EID(**part).uid for part in parts]
+        for name, key in (("batch", "batches"), ("task", "tasks")):
+            named = [part[name] for part in parts]
+            ints = [type(value) is int for value in named]
+            if any(ints) and not all(ints):
+                raise TrxpError(
+                    f"eid.{name} is an int for some experiences and a str for others; a ColumnBatch takes one kind"
+                )
+            setattr(message, f"int_{key}", bool(ints) and all(ints))
+            getattr(message, key).extend(str(value) for value in named)
+        message.runs.extend(part["run"] for part in parts)
+        message.steps.extend(part["step"] for part in parts)
+        message.suffixes.extend(part["suffix"] for part in parts)
+        values: list[bytes | memoryview] = []
+        for name, field in fields.items():
+            for column, data in _tensor_columns(name, field, count):
+                message.columns.append(column)
+                values.append(data)
+        for name, scalar in (("reward", reward), ("prompt_length", prompt_length), ("model_version", model_version)):
+            if scalar is not None:
+                column, data = _scalar_column(name, scalar, count)
+                message.columns.append(column)
+                values.append(data)
+        self.payload = b"".join(column_wire.write(message, values))
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+
+def _eid_parts(eid: Any) -> dict[str, Any]:
+    if isinstance(eid, Mapping):
+        return {"batch": eid.get("batch", 0), "task": eid.get("task", 0), "run": eid.get("run", 0),
+                "step": eid.get("step", 0), "suffix": eid["suffix"]}  # fmt: skip
+    return {"batch": eid.batch, "task": eid.task, "run": eid.run, "step": eid.step, "suffix": eid.suffix}
+
+
+def _tensor_columns(name: str, given: Any, count: int) -> list[tuple[pb.Column, memoryview]]:
+    """One column of `given` (one a dtype, where a list holds several), with its values' bytes."""
+    import torch
+
+    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], torch.Tensor):
+        values, offsets = given
+        return [_jagged(name, values, offsets.tolist(), count)]
+    if isinstance(given, torch.Tensor):
+        if given.is_nested:
+            nested: Any = given  # a jagged NestedTensor, whose offsets() torch's stubs do not list
+            return [_jagged(name, nested.values(), nested.offsets().tolist(), count)]
+        if given.dim() == 0 or given.shape[0] != count:
+            raise TrxpError(f"field {name!r}: a tensor of {list(given.shape)} for {count} experiences")
+        rows = given.shape[0]
+        return [_column(name, given.reshape(-1), range(rows), [tuple(given.shape[1:])] * rows)]
+    if len(given) != count:
+        raise TrxpError(f"field {name!r}: {len(given)} values for {count} experiences")
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(given):
+        if tensor is not None:
+            by_dtype.setdefault(torch.as_tensor(tensor).dtype, []).append(index)
+    out = []
+    for indices in by_dtype.values():
+        tensors = [torch.as_tensor(given[index]) for index in indices]
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        out.append(_column(name, flat, indices, [tuple(tensor.shape) for tensor in tensors]))
+    return out
+
+
+def _jagged(name: str, values: torch.Tensor, offsets: list[int], count: int) -> tuple[pb.Column, memoryview]:
+    if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != values.shape[0]:
+        raise TrxpError(
+            f"field {name!r}: offsets must run from 0 to the {values.shape[0]} rows of its values, "
+            f"one more than the {count} experiences"
+        )
+    inner = tuple(values.shape[1:])
+    shapes = []
+    for start, end in itertools.pairwise(offsets):
+        if end < start:
+            raise TrxpError(f"field {name!r}: offsets decrease ({start} then {end})")
+        shapes.append((end - start, *inner))
+    return _column(name, values.reshape(-1), range(count), shapes)
+
+
+def _column(
+    name: str, flat: torch.Tensor, items: Sequence[int], shapes: Sequence[tuple[int, ...]]
+) -> tuple[pb.Column, memoryview]:
+    """A column of `flat`'s values (on the CPU, contiguous) held by the experiences `items`."""
+    import torch
+
+    code = safetensors_codes().get(flat.dtype)
+    if code is None:
+        raise TrxpError(f"field {name!r}: dtype {flat.dtype} has no safetensors code")
+    if not (flat.is_cpu and flat.is_contiguous()):
+        flat = flat.detach().to("cpu").contiguous()
+    ndim = len(shapes[0]) if shapes else 1
+    if any(len(shape) != ndim for shape in shapes):
+        raise TrxpError(f"field {name!r}: its experiences' tensors differ in their number of dimensions")
+    column = pb.Column(name=name, dtype=code, items=items, ndim=ndim)
+    column.shapes.extend(dim for shape in shapes for dim in shape)
+    data = flat.detach().view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+    return column, data
+
+
+def _scalar_column(name: str, given: Any, count: int) -> tuple[pb.Column, memoryview]:
+    """A column of one value an experience, None where an experience has none."""
+    import torch
+
+    listed = given.tolist() if isinstance(given, torch.Tensor) else list(given)
+    if len(listed) != count:
+        raise TrxpError(f"{name!r}: {len(listed)} values for {count} experiences")
+    items = [index for index, value in enumerate(listed) if value is not None]
+    dtype = torch.float64 if SCALARS[name] == "F64" else torch.int64
+    if dtype is torch.int64 and not all(type(listed[index]) is int for index in items):
+        raise TrxpError(f"{name!r} must hold ints or None")
+    try:
+        flat = torch.tensor([listed[index] for index in items], dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TrxpError(f"{name!r} must hold numbers or None: {exc}") from None
+    column = pb.Column(name=name, dtype=SCALARS[name], items=items, ndim=0)
+    return column, flat.view(torch.uint8).numpy().data

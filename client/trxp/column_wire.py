@@ -1,0 +1,135 @@
+"""The payload of a push as columns on the wire (column_push.py says its layout): written by the
+client from its columns, read by the server (and by a sharded client, which routes its rows).
+Apart from column_push.py, which the storage engine reaches through this package, as this module
+reads the ColumnBatch message with protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from .checks import show
+from .column_push import HEAD, MAGIC, PushedColumn, column_items
+from .common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
+
+
+def is_columns(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether a pushed payload is a batch of columns (else it is TRXP)."""
+    return bytes(payload[: len(MAGIC)]) == MAGIC
+
+
+@dataclass(slots=True)
+class ColumnPayload:
+    """A column payload read: its message (values left out), the eids and columns it names, and
+    the columns' values back to back."""
+
+    message: pb.ColumnBatch
+    eids: list[dict[str, Any]]
+    columns: list[PushedColumn]
+    data: memoryview
+
+    def items(self, size: int, limit: MetadataLimit | None = None) -> list[RawItem]:
+        """Its experiences, checked as a pushed TRXP payload's of `size` bytes."""
+        return column_items(self.eids, self.columns, self.data, size, limit)
+
+
+def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
+    """A column payload's parts, its framing and eids checked; its columns are checked as they
+    are placed (ColumnPayload.items)."""
+    view = memoryview(payload).cast("B")
+    if len(view) < HEAD.size:
+        raise TrxpError(f"the column batch is {len(view)} bytes, shorter than its {HEAD.size}-byte head")
+    magic, length = HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise TrxpError(f"bad magic {bytes(magic)!r}: not a column batch")
+    if length > len(view) - HEAD.size:
+        raise TrxpError(f"the column batch's message of {length} bytes runs past the {len(view)}-byte payload")
+    message = pb.ColumnBatch()
+    try:
+        message.ParseFromString(bytes(view[HEAD.size : HEAD.size + length]))  # the message alone: no values
+    except DecodeError:
+        raise TrxpError("the column batch's message is not a ColumnBatch") from None
+    columns = []
+    for column in message.columns:
+        if column.values or column.align:
+            raise TrxpError(f"column {show(column.name)} carries values in the message; they follow it")
+        columns.append(PushedColumn(column.name, column.dtype, column.items, column.ndim, column.shapes))
+    return ColumnPayload(message, _eids(message), columns, view[HEAD.size + length :])
+
+
+def _eids(message: pb.ColumnBatch) -> list[dict[str, Any]]:
+    count = len(message.suffixes)
+    lists: dict[str, Sequence[Any]] = {
+        "batches": message.batches,
+        "tasks": message.tasks,
+        "runs": message.runs,
+        "steps": message.steps,
+    }
+    for name, values in lists.items():
+        if len(values) != count:
+            raise TrxpError(f"the column batch has {len(values)} {name} for {count} suffixes (one each an experience)")
+    batches = _parts(message.batches, message.int_batches, "batch")
+    tasks = _parts(message.tasks, message.int_tasks, "task")
+    return [
+        {"batch": batch, "task": task, "run": run, "step": step, "suffix": suffix}
+        for batch, task, run, step, suffix in zip(
+            batches, tasks, message.runs, message.steps, message.suffixes, strict=True
+        )
+    ]
+
+
+def _parts(texts: Sequence[str], ints: bool, name: str) -> Sequence[int | str]:
+    """An eid part of every experience: the strings as they are, or each an int written in decimal."""
+    if not ints:
+        return texts
+    out = []
+    for index, text in enumerate(texts):
+        digits = text[1:] if text[:1] == "-" else text
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 19 and (digits == "0" or digits[0] != "0")):
+            raise TrxpError(
+                f"item {index}: field 'eid.{name}' is marked an int, but {show(text)} is not one in decimal"
+            )
+        out.append(int(text))
+    return out
+
+
+def write(message: pb.ColumnBatch, values: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The runs of bytes of a column payload: `message` (its columns' values empty) and then each
+    column's `values`, in order."""
+    head = message.SerializeToString()
+    return [HEAD.pack(MAGIC, len(head)), head, *values]
+
+
+def select(batch: ColumnPayload, rows: Sequence[int]) -> bytes:
+    """The column payload of some experiences of `batch` (its positions `rows`, increasing): a
+    sharded client's part for one shard. Checked as the server checks it, through items()."""
+    batch.items(len(batch.data))
+    where = {row: position for position, row in enumerate(rows)}
+    message = pb.ColumnBatch(int_batches=batch.message.int_batches, int_tasks=batch.message.int_tasks)
+    for name in ("batches", "tasks", "runs", "steps", "suffixes"):
+        values = getattr(batch.message, name)
+        getattr(message, name).extend(values[row] for row in rows)
+    runs: list[bytes | memoryview] = []
+    offset = 0
+    for column in batch.message.columns:
+        ndim, itemsize = column.ndim, ITEMSIZE[column.dtype]
+        kept = pb.Column(name=column.name, dtype=column.dtype, ndim=ndim)
+        for position, item in enumerate(column.items):
+            dims = column.shapes[position * ndim : (position + 1) * ndim]
+            count = itemsize
+            for dim in dims:
+                count *= dim
+            if item in where:
+                kept.items.append(where[item])
+                kept.shapes.extend(dims)
+                runs.append(batch.data[offset : offset + count])
+            offset += count
+        if kept.items:
+            message.columns.append(kept)
+    return b"".join(write(message, runs))
