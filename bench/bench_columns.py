@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -34,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_decode import BATCH, SERIAL, SHAPES, server_cpu  # noqa: E402
 from bench_reverb import make_pushes, restamp  # noqa: E402
-from bench_service import Proc  # noqa: E402
+from bench_service import serving  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
@@ -130,14 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     command = ("python bench/bench_columns.py " + " ".join(sys.argv[1:])).strip()
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
-        server = Proc(
-            "-m", "expbuf.server.cli", "serve", "--data", f"{tmp}/data", "--port", "0", "--metrics-port", "-1"
-        )
-        try:
-            results = measure(server.target, server.proc.pid, args.rounds)
-        finally:
-            server.stop()
+    with serving() as server:
+        results = measure(server.target, server.proc.pid, args.rounds)
     section = report(command, load, results)
     print(section)
     write_section(Path(args.out), HEADING, section)

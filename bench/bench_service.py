@@ -21,6 +21,7 @@ grpc.aio server over the same store (bench/aio_server.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -29,6 +30,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -80,6 +82,19 @@ class Proc:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[Proc]:
+    """One `expbuf serve` child on a fresh data directory (no metrics), stopped after the block."""
+    with tempfile.TemporaryDirectory(prefix="expbuf-bench-") as tmp:
+        server = Proc(
+            "-m", "expbuf.server.cli", "serve", "--data", f"{tmp}/data", "--port", "0", "--metrics-port", "-1"
+        )
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 def make_payloads(count: int, tokens: int = 5000) -> list[bytes]:

@@ -6,6 +6,7 @@ leaves the server serving. A real server on loopback, real LMDB."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,7 @@ from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.client.trxp import column_wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.rpc.ingest import Ingest, entries_of
+from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import Servers
 from pages import code_blocks, section
@@ -97,9 +99,26 @@ def test_every_form_of_a_field_gives_the_same_payload() -> None:
     # A dense tensor: each experience its row.
     dense = [exp.tokens[:9] for exp in made]
     assert ColumnBatch(eids, {"tokens": torch.stack(dense)}).payload == ColumnBatch(eids, {"tokens": dense}).payload
-    items = column_wire.read(payloads.pop()).items(1 << 20)
+    items = list(column_wire.read(payloads.pop()).items())
     assert [item.uid for item in items] == [eid.uid for eid in eids]
     assert [item.meta["reward"] for item in items] == rewards
+
+
+def test_offsets_as_a_list_and_nested_tensors_of_any_layout_give_the_rows_they_hold() -> None:
+    eids = [EID(task=0, run=run, suffix="s") for run in range(2)]
+    rows = [torch.arange(2), torch.arange(6, 12)]
+    want = ColumnBatch(eids, {"tokens": rows}).payload
+    assert ColumnBatch(eids, {"tokens": (torch.cat(rows), [0, 2, 8])}).payload == want
+    holes = torch.nested.narrow(torch.arange(12).reshape(2, 6), 1, torch.tensor([0, 0]), torch.tensor([2, 6]),
+                                layout=torch.jagged)  # fmt: skip
+    assert ColumnBatch(eids, {"tokens": holes}).payload == want
+    assert ColumnBatch(eids, {"tokens": torch.nested.nested_tensor(rows)}).payload == want  # strided layout
+    grid = [torch.arange(8).reshape(2, 4), torch.arange(12).reshape(3, 4)]
+    transposed = torch.nested.nested_tensor([g.T for g in grid], layout=torch.jagged)  # ragged in dim 2
+    assert (
+        ColumnBatch(eids, {"routed_experts": transposed}).payload
+        == ColumnBatch(eids, {"routed_experts": [g.T.contiguous() for g in grid]}).payload
+    )
 
 
 def test_str_and_int_tasks_keep_their_type(client: BufferClient) -> None:
@@ -198,6 +217,8 @@ def _break(fault: str) -> bytes:
         message.tasks[1] = "a/b"
     elif fault == "values inside the message":
         logprobs.values = values.pop(1)
+    elif fault == "a shape past 2**63 behind a zero":
+        message.columns.add(name="routed_experts", dtype="U8", items=[0], ndim=2, shapes=[0, 2**64 - 1])
     elif fault == "a message that is not one":
         return column_wire.HEAD.pack(column_wire.MAGIC, 3) + b"\xff\xff\xff"
     return raw(message, values)
@@ -221,6 +242,7 @@ FAULTS = {
     "a task with a slash": "field 'eid.task' contains '/'",
     "values inside the message": "column 'logprobs' carries values in the message",
     "a message that is not one": "the column batch's message is not a ColumnBatch",
+    "a shape past 2**63 behind a zero": "experience 0's shape [0, 18446744073709551615] has more elements than a",
 }
 
 
@@ -236,8 +258,42 @@ def test_a_bad_column_batch_is_refused_by_name_stores_nothing_and_the_server_ser
     assert client.push(raw(message, values), table="bad").stored == ["0/t/0/0/a", "0/t/1/0/b"]
 
 
+def tiny(count: int, tokens: int = 1) -> bytes:
+    """A batch of `count` experiences of `tokens` one-byte tokens each, empty eids, prompts of 0."""
+    message = pb.ColumnBatch(batches=[""] * count, tasks=[""] * count, runs=[0] * count, steps=[0] * count)
+    message.suffixes.extend([""] * count)
+    message.columns.add(name="tokens", dtype="U8", items=range(count), ndim=1, shapes=[tokens] * count)
+    message.columns.add(name="prompt_length", dtype="I64", items=range(count), ndim=0)
+    return raw(message, [b"\1" * (count * tokens), b"\0" * (8 * count)])
+
+
+def test_a_batch_of_many_tiny_experiences_is_refused_before_it_is_held() -> None:
+    """13 bytes an experience on the wire would expand to about 1.5 KB each in objects: refused by
+    the expansion bound from its counts alone, nothing made."""
+    body = tiny(200_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidPayload, match="take at least 389 bytes of metadata each written out"):
+            entries_of(body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(body), (peak, len(body))
+    # Just inside the bound, each is made, checked and packed as the one before is let go.
+    body = tiny(2_000, tokens=40)
+    assert len(entries_of(body)) == 2_000
+
+
 def test_the_builder_refuses_what_it_cannot_lay_out() -> None:
     eids = [EID(task=0, run=run, suffix="s") for run in range(2)]
+    with pytest.raises(trxp.TrxpError, match="a tuple is \\(values, offsets\\)"):
+        ColumnBatch(eids, {"tokens": (torch.arange(3), torch.arange(3), torch.arange(3))})
+    with pytest.raises(trxp.TrxpError, match="offsets must be a 1-D sequence of ints"):
+        ColumnBatch(eids, {"tokens": (torch.arange(6), [0.0, 3.0, 6.0])})
+    with pytest.raises(trxp.TrxpError, match=r"eid\.batch must be an int or a str, got bool"):
+        ColumnBatch([EID(batch=True, suffix="s")], {"tokens": [torch.arange(3)]})
+    with pytest.raises(trxp.TrxpError, match="unknown keys"):
+        ColumnBatch([{"task": 1, "rank": 0}], {"tokens": [torch.arange(3)]})
     with pytest.raises(trxp.TrxpError, match="field 'tokens': 3 values for 2 experiences"):
         ColumnBatch(eids, {"tokens": [torch.arange(3)] * 3})
     with pytest.raises(trxp.TrxpError, match="offsets must run from 0 to the 6 rows"):

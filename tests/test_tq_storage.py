@@ -6,6 +6,7 @@ expbuf server restarted on its data serves them again. A real server on loopback
 
 from __future__ import annotations
 
+import threading
 from types import ModuleType
 
 import pytest
@@ -16,7 +17,13 @@ from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
-from expbuf.client.transferqueue.storage import cuts, decode, encode, expected_bytes  # noqa: E402
+from expbuf.client.transferqueue.storage import (  # noqa: E402
+    ExpbufStorageClient,
+    cuts,
+    decode,
+    encode,
+    expected_bytes,
+)
 
 from conftest import Servers  # noqa: E402
 
@@ -117,3 +124,25 @@ def test_cuts_keep_each_span_within_the_bound_and_a_larger_value_alone() -> None
     assert cuts([4, 4, 4, 12, 1, 0, 9], 10) == [(0, 2), (2, 3), (3, 4), (4, 7)]
     assert expected_bytes(torch.Size([3, 5]), torch.float32) == 3 * 5 * 4 + 64
     assert expected_bytes(None, torch.float32) == expected_bytes([3], None) == 0
+
+
+def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:
+    """A put made while the expbuf server is down waits for it (up to backend.Expbuf.wait_s), as
+    the controller's journal does, where gRPC's own few retries gave up within seconds."""
+    server = start_server()
+    port = server.port
+    storage = ExpbufStorageClient({"target": f"127.0.0.1:{port}", "table": "tq_wait", "wait_s": 60})
+    try:
+        server.stop(grace=1)
+        restarted: list[object] = []
+        later = threading.Timer(6.0, lambda: restarted.append(start_server(port=port)))
+        later.start()
+        try:
+            storage.put(["0@score"], [torch.tensor([1.5])])
+        finally:
+            later.join()
+        assert restarted, "the put returned before the server was back"
+        (value,) = storage.get(["0@score"], shapes=[(1,)], dtypes=[torch.float32])
+        assert value.tolist() == [1.5]
+    finally:
+        storage.close()

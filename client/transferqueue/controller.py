@@ -46,7 +46,7 @@ from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from ..client import BufferClient
 from .journal import Journal
-from .storage import BACKEND
+from .storage import BACKEND, WAIT_SECONDS
 
 REPLAYED = frozenset(
     {
@@ -70,7 +70,7 @@ class JournalSettings:
     table: str
     token: str | None = None
     snapshot_every: int = 1000
-    wait_s: float = 120.0
+    wait_s: float = WAIT_SECONDS
 
     @classmethod
     def from_conf(cls, conf: Any) -> JournalSettings | None:
@@ -90,7 +90,7 @@ class JournalSettings:
             table=str(merged.get("table") or "transfer_queue"),
             token=merged.get("token"),
             snapshot_every=int(merged.get("snapshot_every", 1000)),
-            wait_s=float(merged.get("wait_s", 120.0)),
+            wait_s=float(merged.get("wait_s", WAIT_SECONDS)),
         )
 
 

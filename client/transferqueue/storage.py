@@ -44,6 +44,8 @@ BACKEND = "Expbuf"
 CLIENT = "ExpbufStorageClient"
 TENSOR, OBJECT, PARTS = b"T", b"P", b"M"
 BATCH = 8 << 20  # bytes a put or a get of the backend carries, about
+# How long a call waits for the expbuf server (a restart), by default: backend.Expbuf.wait_s.
+WAIT_SECONDS = 120.0
 IN_FLIGHT = 4  # puts or gets of one call under way at once: encoding, sending and storing overlap
 PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
 _LEN = struct.Struct("<I")
@@ -116,10 +118,13 @@ class ExpbufStorageClient(StorageKVClient):
         if not config.get("target"):
             raise ValueError(f"backend.{BACKEND}: name the expbuf server as target (host:port)")
         self.table = str(config.get("table") or "transfer_queue")
+        # A call waits out a restart of the server for up to wait_s, as the controller's journal does.
         self.client = BufferClient(
             str(config["target"]),
             token=config.get("token"),
             max_message_bytes=int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
+            timeout=float(config.get("wait_s", WAIT_SECONDS)),
+            wait_for_ready=True,
         )
         self.client.create_table(self.table, exist_ok=True)
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most

@@ -82,27 +82,47 @@ class ColumnBatch:
 
 
 def _eid_parts(eid: Any) -> dict[str, Any]:
+    """An eid's parts (an EID's, or a dict's, whose missing parts are EID's defaults), each batch and
+    task an int or a str."""
     if isinstance(eid, Mapping):
-        return {"batch": eid.get("batch", 0), "task": eid.get("task", 0), "run": eid.get("run", 0),
-                "step": eid.get("step", 0), "suffix": eid["suffix"]}  # fmt: skip
-    return {"batch": eid.batch, "task": eid.task, "run": eid.run, "step": eid.step, "suffix": eid.suffix}
+        unknown = set(eid) - _EID_PARTS
+        if unknown:
+            raise TrxpError(f"an eid has unknown keys {sorted(map(str, unknown))} (it holds {', '.join(_EID_PARTS)})")
+        eid = EID(**eid)
+    parts = {"batch": eid.batch, "task": eid.task, "run": eid.run, "step": eid.step, "suffix": eid.suffix}
+    for name in ("batch", "task"):
+        if type(parts[name]) not in (int, str):
+            raise TrxpError(f"eid.{name} must be an int or a str, got {type(parts[name]).__name__} {parts[name]!r}")
+    return parts
+
+
+_EID_PARTS = frozenset(("batch", "task", "run", "step", "suffix"))
 
 
 def _tensor_columns(name: str, given: Any, count: int) -> list[tuple[pb.Column, memoryview]]:
     """One column of `given` (one a dtype, where a list holds several), with its values' bytes."""
     import torch
 
-    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], torch.Tensor):
+    if isinstance(given, tuple):
+        if len(given) != 2 or not isinstance(given[0], torch.Tensor):
+            raise TrxpError(f"field {name!r}: a tuple is (values, offsets); give one tensor an experience as a list")
         values, offsets = given
+        offsets = torch.as_tensor(offsets)
+        if offsets.dim() != 1 or offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
+            raise TrxpError(f"field {name!r}: offsets must be a 1-D sequence of ints, got {offsets.dtype}")
         return [_jagged(name, values, offsets.tolist(), count)]
     if isinstance(given, torch.Tensor):
         if given.is_nested:
-            nested: Any = given  # a jagged NestedTensor, whose offsets() torch's stubs do not list
-            return [_jagged(name, nested.values(), nested.offsets().tolist(), count)]
+            return [_nested(name, given, count)]
         if given.dim() == 0 or given.shape[0] != count:
             raise TrxpError(f"field {name!r}: a tensor of {list(given.shape)} for {count} experiences")
         rows = given.shape[0]
         return [_column(name, given.reshape(-1), range(rows), [tuple(given.shape[1:])] * rows)]
+    if not isinstance(given, list):
+        raise TrxpError(
+            f"field {name!r}: got {type(given).__name__}; give a list of tensors (one an experience), a nested "
+            "tensor, a tensor of a row an experience, or (values, offsets)"
+        )
     if len(given) != count:
         raise TrxpError(f"field {name!r}: {len(given)} values for {count} experiences")
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -115,6 +135,21 @@ def _tensor_columns(name: str, given: Any, count: int) -> list[tuple[pb.Column, 
         flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
         out.append(_column(name, flat, indices, [tuple(tensor.shape) for tensor in tensors]))
     return out
+
+
+def _nested(name: str, given: torch.Tensor, count: int) -> tuple[pb.Column, memoryview]:
+    """A nested tensor's column: a jagged one's values and offsets as they are, where its rows are
+    whole and its ragged dimension the first after the batch's; any other, row by row."""
+    import torch
+
+    nested: Any = given  # a NestedTensor, whose jagged methods torch's stubs do not list
+    if given.layout == torch.jagged and nested.lengths() is None and nested._ragged_idx == 1:
+        return _jagged(name, nested.values(), nested.offsets().tolist(), count)
+    rows = list(given.unbind())
+    if len(rows) != count:
+        raise TrxpError(f"field {name!r}: a nested tensor of {len(rows)} rows for {count} experiences")
+    (column,) = _tensor_columns(name, [row.contiguous() for row in rows], count)
+    return column
 
 
 def _jagged(name: str, values: torch.Tensor, offsets: list[int], count: int) -> tuple[pb.Column, memoryview]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from .common import (
     INT64_MAX,
     ITEMSIZE,
     MM_PREFIX,
+    UNBOUNDED,
     MetadataLimit,
     RawItem,
     RawTensor,
@@ -63,34 +64,52 @@ def column_items(
     data: memoryview,
     size: int,
     limit: MetadataLimit | None = None,
-) -> list[RawItem]:
-    """The experiences of a batch pushed as columns, each with its eid and the fields its
+) -> Iterator[RawItem]:
+    """The experiences of a batch pushed as columns, in order, each with its eid and the fields its
     columns give it, checked as a TRXP push's items are (within the budgets of a payload of
-    `size` bytes); each tensor a view of `data`, the columns' values back to back."""
+    `size` bytes); each tensor a view of `data`, the columns' values back to back.
+
+    Every column's framing is checked first, with no object made per experience; then each
+    experience is made and checked as it is taken, so that its metadata counts towards the
+    payload's expansion bound before the next is made (a batch of many tiny experiences is
+    refused before it holds them all)."""
     count = len(eids)
     if not count:
         raise TrxpError("the column batch holds no experience")
     work = Work.for_payload(size)
-    work.charge(count + len(columns))
-    metas = [_meta(eid) for eid in eids]
-    tensors: list[dict[str, RawTensor]] = [{} for _ in range(count)]
+    work.charge(count)
+    expansion = EXPANSION_PER_BYTE * size + EXPANSION_BASE
+    if count * _LEAST_META > expansion:  # what the items' checks would find, before any is made
+        raise TrxpError(
+            f"the column batch's {count} experiences take at least {_LEAST_META} bytes of metadata each written "
+            f"out, more than the {expansion} of its {size} bytes ({EXPANSION_PER_BYTE} per payload byte + "
+            f"{EXPANSION_BASE})"
+        )
     scalars = [column.name for column in columns if column.name in SCALARS]
     if len(set(scalars)) != len(scalars):
         raise TrxpError(f"the column batch has a one-value column twice ({', '.join(sorted(scalars))})")
-    offset = 0
+    cursors, offset = [], 0
     for column in columns:
-        offset = _place(column, metas, tensors, data, offset, work)
+        cursor = _Cursor(column, count, offset, work)
+        cursors.append(cursor)
+        offset = cursor.end
+        if offset > len(data):
+            raise TrxpError(f"{cursor.where}: its shapes need more than the {len(data)} bytes of the columns' values")
     if offset != len(data):
         raise TrxpError(f"{len(data) - offset} bytes after the columns' values belong to no column")
-    shape = Shape(work, EXPANSION_PER_BYTE * size + EXPANSION_BASE, check_keys=False, limit=limit)
-    items = []
-    for index, (meta, held) in enumerate(zip(metas, tensors, strict=True)):
-        meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in held if name.startswith(MM_PREFIX)]
-        item = RawItem(meta, held)
+    work.charge(count * len(cursors))  # the walk below looks at every column for every experience
+    shape = Shape(work, expansion, check_keys=False, limit=limit)
+    for index in range(count):
+        meta = _meta(eids[index])
+        tensors: dict[str, RawTensor] = {}
+        for cursor in cursors:
+            if cursor.next == index:
+                cursor.take(meta, tensors, data)
+        meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in tensors if name.startswith(MM_PREFIX)]
+        item = RawItem(meta, tensors)
         check_meta(index, meta, shape)
         check_tensors(index, item, work)
-        items.append(item)
-    return items
+        yield item
 
 
 def _meta(eid: dict[str, Any]) -> dict[str, Any]:
@@ -105,64 +124,89 @@ def _meta(eid: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def _place(
-    column: PushedColumn,
-    metas: list[dict[str, Any]],
-    tensors: list[dict[str, RawTensor]],
-    data: memoryview,
-    offset: int,
-    work: Work,
-) -> int:
-    """Give each experience its part of `column`, whose values start at `offset` in `data`, every
-    length checked against the bytes present; where the next column's values start."""
-    name, dtype, items, ndim = column.name, column.dtype, column.items, column.ndim
-    where = f"column {show(name)}"
-    scalar = SCALARS.get(name)
-    if scalar is not None:
-        if dtype != scalar or ndim != 0:
-            raise TrxpError(f"{where} holds one {scalar} value an experience (ndim 0), got {show(dtype)}, ndim {ndim}")
-    elif name not in _TENSOR_NAMES and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
-        raise TrxpError(
-            f"{where} names no field of an experience (tensors: {', '.join(TENSOR_FIELDS)}, "
-            f"'{MM_PREFIX}KEY'; one value each: {', '.join(SCALARS)})"
-        )
-    itemsize = ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise TrxpError(f"{where} has unsupported dtype {show(dtype)}")
-    if not 0 <= ndim <= MAX_NDIM:
-        raise TrxpError(f"{where} has ndim {ndim}; at most {MAX_NDIM}")
-    shapes = column.shapes
-    if len(shapes) != ndim * len(items):
-        raise TrxpError(f"{where} has {len(shapes)} shape numbers for {len(items)} experiences of ndim {ndim}")
-    work.charge(len(items) + len(shapes))
-    count, last = len(metas), -1
-    for position, index in enumerate(items):
-        if not last < index < count:
-            raise TrxpError(
-                f"{where}: items must be increasing positions in the batch of {count}, got {index} after {last}"
-            )
-        last = index
-        dims = tuple(shapes[position * ndim : (position + 1) * ndim])
-        nbytes = math.prod(dims) * itemsize
-        if nbytes > INT64_MAX:
-            raise TrxpError(
-                f"{where}: experience {index}'s shape {list(dims)} has more elements than a tensor can hold"
-            )
-        end = offset + nbytes
-        if end > len(data):
-            raise TrxpError(f"{where}: its shapes need more than the {len(data)} bytes of the columns' values")
+def _least_meta() -> int:
+    """The fewest bytes an experience's metadata takes written out (Shape's measure), as
+    _meta makes it for the shortest eid."""
+    shape = Shape(Work(UNBOUNDED), UNBOUNDED, check_keys=False)
+    meta = _meta({"batch": "", "task": "", "run": 0, "step": 0, "suffix": ""})
+    meta["multi_modal_input_keys"] = []
+    shape.item(0, "", meta)
+    return shape.size
+
+
+_LEAST_META = _least_meta()
+
+
+class _Cursor:
+    """A column read in step with the batch's experiences: its framing checked whole when made
+    (name, dtype, positions, each shape against INT64_MAX, where its values end), then each
+    experience's part taken in turn."""
+
+    def __init__(self, column: PushedColumn, count: int, offset: int, work: Work) -> None:
+        name, dtype, items, ndim = column.name, column.dtype, column.items, column.ndim
+        self.where = where = f"column {show(name)}"
+        self.scalar = scalar = SCALARS.get(name)
         if scalar is not None:
-            _set_scalar(name, metas[index], struct.unpack_from(_FORMATS[dtype], data, offset)[0])
-        elif name in tensors[index]:
-            raise TrxpError(f"{where}: experience {index} has the field in two columns")
+            if dtype != scalar or ndim != 0:
+                raise TrxpError(
+                    f"{where} holds one {scalar} value an experience (ndim 0), got {show(dtype)}, ndim {ndim}"
+                )
+        elif name not in _TENSOR_NAMES and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
+            raise TrxpError(
+                f"{where} names no field of an experience (tensors: {', '.join(TENSOR_FIELDS)}, "
+                f"'{MM_PREFIX}KEY'; one value each: {', '.join(SCALARS)})"
+            )
+        itemsize = ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise TrxpError(f"{where} has unsupported dtype {show(dtype)}")
+        if not 0 <= ndim <= MAX_NDIM:
+            raise TrxpError(f"{where} has ndim {ndim}; at most {MAX_NDIM}")
+        shapes = column.shapes
+        if len(shapes) != ndim * len(items):
+            raise TrxpError(f"{where} has {len(shapes)} shape numbers for {len(items)} experiences of ndim {ndim}")
+        work.charge(len(items) + len(shapes))
+        last, end = -1, offset
+        for position, index in enumerate(items):
+            if not last < index < count:
+                raise TrxpError(
+                    f"{where}: items must be increasing positions in the batch of {count}, got {index} after {last}"
+                )
+            last = index
+            end += _nbytes(where, index, shapes[position * ndim : (position + 1) * ndim], itemsize)
+        self.name, self.dtype, self.ndim, self.itemsize = name, dtype, ndim, itemsize
+        self.items, self.shapes = items, shapes
+        self.position, self.offset, self.end = 0, offset, end
+        self.next = items[0] if len(items) else -1
+
+    def take(self, meta: dict[str, Any], tensors: dict[str, RawTensor], data: memoryview) -> None:
+        """The part of the experience at `self.next`, put in its metadata or its tensors."""
+        position, ndim, name = self.position, self.ndim, self.name
+        dims = tuple(self.shapes[position * ndim : (position + 1) * ndim])
+        start = self.offset
+        end = start + (0 if 0 in dims else math.prod(dims)) * self.itemsize
+        if self.scalar is not None:
+            value = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
+            if name == "model_version":
+                meta["info"]["model_version"] = value
+            else:
+                meta[name] = value
+        elif name in tensors:
+            raise TrxpError(f"{self.where}: experience {self.next} has the field in two columns")
         else:
-            tensors[index][name] = RawTensor(dtype, dims, data[offset:end])
-        offset = end
-    return offset
+            tensors[name] = RawTensor(self.dtype, dims, data[start:end])
+        self.position, self.offset = position + 1, end
+        self.next = self.items[position + 1] if position + 1 < len(self.items) else -1
 
 
-def _set_scalar(name: str, meta: dict[str, Any], value: float | int) -> None:
-    if name == "model_version":
-        meta["info"]["model_version"] = value
-    else:
-        meta[name] = value
+def _nbytes(where: str, index: int, dims: Sequence[int], itemsize: int) -> int:
+    """The bytes of a tensor of shape `dims`, refused as a TRXP push's is where its non-zero
+    dimensions' product (times the item size) passes 2**63, as torch and safetensors multiply them."""
+    product = itemsize
+    for dim in dims:
+        product *= dim or 1
+        if product > INT64_MAX:
+            raise TrxpError(
+                f"{where}: experience {index}'s shape {list(dims)} has more elements than a tensor can hold "
+                f"(the product of its non-zero dimensions times {itemsize} bytes must stay below 2**63)"
+            )
+    return 0 if 0 in dims else product

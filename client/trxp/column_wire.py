@@ -6,9 +6,9 @@ reads the ColumnBatch message with protobuf.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from google.protobuf.message import DecodeError
 
@@ -26,22 +26,23 @@ def is_columns(payload: bytes | bytearray | memoryview) -> bool:
 
 @dataclass(slots=True)
 class ColumnPayload:
-    """A column payload read: its message (values left out), the eids and columns it names, and
-    the columns' values back to back."""
+    """A column payload read: its message (values left out), the eids and columns it names, the
+    columns' values back to back, and the whole payload's size (its budgets')."""
 
     message: pb.ColumnBatch
-    eids: list[dict[str, Any]]
+    eids: Eids
     columns: list[PushedColumn]
     data: memoryview
+    size: int
 
-    def items(self, size: int, limit: MetadataLimit | None = None) -> list[RawItem]:
-        """Its experiences, checked as a pushed TRXP payload's of `size` bytes."""
-        return column_items(self.eids, self.columns, self.data, size, limit)
+    def items(self, limit: MetadataLimit | None = None) -> Iterator[RawItem]:
+        """Its experiences in order, each checked as it is made, as a pushed TRXP payload's are."""
+        return column_items(self.eids, self.columns, self.data, self.size, limit)
 
 
 def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
-    """A column payload's parts, its framing and eids checked; its columns are checked as they
-    are placed (ColumnPayload.items)."""
+    """A column payload's parts, its framing and the eids' counts checked; each eid and column is
+    checked as the items are made (ColumnPayload.items)."""
     view = memoryview(payload).cast("B")
     if len(view) < HEAD.size:
         raise TrxpError(f"the column batch is {len(view)} bytes, shorter than its {HEAD.size}-byte head")
@@ -60,43 +61,56 @@ def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
         if column.values or column.align:
             raise TrxpError(f"column {show(column.name)} carries values in the message; they follow it")
         columns.append(PushedColumn(column.name, column.dtype, column.items, column.ndim, column.shapes))
-    return ColumnPayload(message, _eids(message), columns, view[HEAD.size + length :])
+    return ColumnPayload(message, Eids(message), columns, view[HEAD.size + length :], len(view))
 
 
-def _eids(message: pb.ColumnBatch) -> list[dict[str, Any]]:
-    count = len(message.suffixes)
-    lists: dict[str, Sequence[Any]] = {
-        "batches": message.batches,
-        "tasks": message.tasks,
-        "runs": message.runs,
-        "steps": message.steps,
-    }
-    for name, values in lists.items():
-        if len(values) != count:
-            raise TrxpError(f"the column batch has {len(values)} {name} for {count} suffixes (one each an experience)")
-    batches = _parts(message.batches, message.int_batches, "batch")
-    tasks = _parts(message.tasks, message.int_tasks, "task")
-    return [
-        {"batch": batch, "task": task, "run": run, "step": step, "suffix": suffix}
-        for batch, task, run, step, suffix in zip(
-            batches, tasks, message.runs, message.steps, message.suffixes, strict=True
-        )
-    ]
+class Eids(Sequence[dict[str, Any]]):
+    """The eids of a column batch, each made from the message's lists when asked for, so that a
+    batch holds no object per experience before its items are made."""
+
+    def __init__(self, message: pb.ColumnBatch) -> None:
+        count = len(message.suffixes)
+        lists: dict[str, Sequence[Any]] = {
+            "batches": message.batches,
+            "tasks": message.tasks,
+            "runs": message.runs,
+            "steps": message.steps,
+        }
+        for name, values in lists.items():
+            if len(values) != count:
+                raise TrxpError(
+                    f"the column batch has {len(values)} {name} for {count} suffixes (one each an experience)"
+                )
+        self.message, self.size = message, count
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[dict[str, Any]]: ...
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | Sequence[dict[str, Any]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        message = self.message
+        return {
+            "batch": _part(message.batches[index], message.int_batches, "batch", index),
+            "task": _part(message.tasks[index], message.int_tasks, "task", index),
+            "run": message.runs[index],
+            "step": message.steps[index],
+            "suffix": message.suffixes[index],
+        }
 
 
-def _parts(texts: Sequence[str], ints: bool, name: str) -> Sequence[int | str]:
-    """An eid part of every experience: the strings as they are, or each an int written in decimal."""
-    if not ints:
-        return texts
-    out = []
-    for index, text in enumerate(texts):
-        digits = text[1:] if text[:1] == "-" else text
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 19 and (digits == "0" or digits[0] != "0")):
-            raise TrxpError(
-                f"item {index}: field 'eid.{name}' is marked an int, but {show(text)} is not one in decimal"
-            )
-        out.append(int(text))
-    return out
+def _part(text: str, is_int: bool, name: str, index: int) -> int | str:
+    """An eid part as sent, or the int it writes in decimal where the batch marks it one."""
+    if not is_int:
+        return text
+    digits = text[1:] if text[:1] == "-" else text
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 19 and (digits == "0" or digits[0] != "0")):
+        raise TrxpError(f"item {index}: field 'eid.{name}' is marked an int, but {show(text)} is not one in decimal")
+    return int(text)
 
 
 def write(message: pb.ColumnBatch, values: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
@@ -109,7 +123,8 @@ def write(message: pb.ColumnBatch, values: Sequence[bytes | memoryview]) -> list
 def select(batch: ColumnPayload, rows: Sequence[int]) -> bytes:
     """The column payload of some experiences of `batch` (its positions `rows`, increasing): a
     sharded client's part for one shard. Checked as the server checks it, through items()."""
-    batch.items(len(batch.data))
+    for _ in batch.items():  # the server's checks, before a part of it goes anywhere
+        pass
     where = {row: position for position, row in enumerate(rows)}
     message = pb.ColumnBatch(int_batches=batch.message.int_batches, int_tasks=batch.message.int_tasks)
     for name in ("batches", "tasks", "runs", "steps", "suffixes"):

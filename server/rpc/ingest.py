@@ -93,10 +93,9 @@ def entries_of(payload: bytes | memoryview, limit: trxp.MetadataLimit | None = N
     pickled in its canonical form: for a moment both are held, so `limit` bounds it; the tensors
     are copied once, into the packed copy."""
     try:
-        if column_wire.is_columns(payload):
-            items = column_wire.read(payload).items(len(payload), limit)
-        else:
-            items = trxp.parse(payload, limit=limit)
+        if column_wire.is_columns(payload):  # each item made as the one before is packed
+            return [Entry.of(item) for item in column_wire.read(payload).items(limit)]
+        items = trxp.parse(payload, limit=limit)
         items.reverse()
         entries = []
         while items:  # each item's metadata is let go as its packed copy is made
