@@ -161,9 +161,9 @@ def report(command: str, load: str, results: dict[str, dict[str, list[float]]]) 
         "each Experience to TRXP; where the client bounds the push (8 KB) columns push faster. The",
         "server's CPU is the same either way: it checks and packs each experience as a TRXP push's",
         "(check_meta, check_tensors, the canonical pickle, the digest), and its commit and records",
-        "cost it the rest. From 1 MiB on the copies dominate and columns gain nothing: a list of",
-        "tensors costs one torch.cat more, and a batch of columns is held whole by the server and",
-        "repacked, where a TRXP push's large experiences are staged as they arrive.",
+        "cost it the rest. From 1 MiB on the copies dominate and columns gain nothing, and a list of",
+        "tensors costs one torch.cat more; the server stages a batch of columns' large experiences as",
+        "they arrive, as a TRXP push's (its one-value columns first, the tensors in the store's order).",
         "",
     ]
     return "\n".join(lines)

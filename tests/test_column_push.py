@@ -228,7 +228,7 @@ FAULTS = {
     "items out of order": "items must be increasing positions in the batch of 2, got 0 after 1",
     "an item past the batch": "items must be increasing positions in the batch of 2, got 2 after 0",
     "shapes for another ndim": "column 'tokens' has 3 shape numbers for 2 experiences of ndim 1",
-    "values short": "its shapes need more than the",
+    "values short": "the columns' shapes need 136 bytes of values; 132 are there",
     "values left over": "8 bytes after the columns' values belong to no column",
     "an unknown field": "column 'logits' names no field of an experience",
     "an unknown dtype": "column 'logprobs' has unsupported dtype 'F128'",

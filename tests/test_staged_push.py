@@ -13,7 +13,14 @@ import lmdb
 import pytest
 import torch
 
-from expbuf.client import AlreadyExistsError, BufferClient, DataLossError, NotFoundError, ResourceExhaustedError
+from expbuf.client import (
+    AlreadyExistsError,
+    BufferClient,
+    ColumnBatch,
+    DataLossError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from expbuf.client.schema.reasons import Reason
 from expbuf.server.store.disk.environment import Environment
 
@@ -64,6 +71,33 @@ def test_large_and_small_items_in_one_push_are_stored_as_a_push_read_whole(
         assert torch.equal(sampled.logprobs, pushed.logprobs) and torch.equal(sampled.action_mask, pushed.action_mask)
     stopped(server)
     assert counts(tmp_path / "data") == {"chunks": 0, "staged": 0, "blobs": 0}  # consumed, chunks and all
+
+
+def test_a_batch_of_columns_is_staged_as_it_arrives_and_stored_as_its_experiences_pushed_whole(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """Its one-value columns and tensors come in the store's order, so the server stages its large
+    experiences as it stages a TRXP push's: 2 x 18 MB under a max_inflight_bytes of 20 MiB, which a
+    push read whole could not take; the same bytes as the experiences pushed whole (duplicates)."""
+    group = [make_experience("c", 0, run, response=RESPONSE if run != 1 else 7) for run in range(3)]
+    columns = ColumnBatch(
+        [one.eid for one in group],
+        {name: [getattr(one, name) for one in group] for name in ("tokens", "logprobs", "action_mask")},
+        reward=[one.reward for one in group],
+        prompt_length=[one.prompt_length for one in group],
+        model_version=[one.info["model_version"] for one in group],
+    )
+    uids = [one.eid.uid for one in group]
+    with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+        client.create_table("t", group_size=3)
+        assert client.push(columns, table="t").stored == uids
+        assert client.push(group, table="t").duplicates == uids  # identical bytes
+        got = {one.eid.uid: one for one in client.get(uids, table="t")}
+    for pushed in group:
+        assert torch.equal(got[pushed.eid.uid].tokens, pushed.tokens)
+        assert torch.equal(got[pushed.eid.uid].logprobs, pushed.logprobs)
+    stopped(server)
+    assert counts(tmp_path / "data") == {"chunks": 10, "staged": 0, "blobs": 3}  # 2 x 5 chunks, nothing left staged
 
 
 def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..schema.experience import EID
 from . import column_wire
 from .column_push import SCALARS
-from .common import TrxpError
+from .common import DTYPE_RANK, TrxpError
 from .convert import safetensors_codes
 
 if TYPE_CHECKING:
@@ -65,17 +65,19 @@ class ColumnBatch:
         message.runs.extend(part["run"] for part in parts)
         message.steps.extend(part["step"] for part in parts)
         message.suffixes.extend(part["suffix"] for part in parts)
-        values: list[bytes | memoryview] = []
-        for name, field in fields.items():
-            for column, data in _tensor_columns(name, field, count):
-                message.columns.append(column)
-                values.append(data)
-        for name, scalar in (("reward", reward), ("prompt_length", prompt_length), ("model_version", model_version)):
-            if scalar is not None:
-                column, data = _scalar_column(name, scalar, count)
-                message.columns.append(column)
-                values.append(data)
-        self.payload = b"".join(column_wire.write(message, values))
+        made = [
+            _scalar_column(name, scalar, count)
+            for name, scalar in (("reward", reward), ("prompt_length", prompt_length), ("model_version", model_version))
+            if scalar is not None
+        ]
+        tensors = [column for name, field in fields.items() for column in _tensor_columns(name, field, count)]
+        # The one-value columns first, then the tensors in the order the store keeps an experience's
+        # (dtype, then name: pack_item's), so that a server staging a large push reads its head from
+        # the first chunk and each large experience's data comes in its stored order.
+        tensors.sort(key=lambda made: (-DTYPE_RANK[made[0].dtype], made[0].name))
+        for column, _ in made + tensors:
+            message.columns.append(column)
+        self.payload = b"".join(column_wire.write(message, [data for _, data in made + tensors]))
 
     def __len__(self) -> int:
         return len(self.uids)

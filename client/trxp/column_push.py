@@ -43,6 +43,7 @@ SCALARS = {"reward": "F64", "prompt_length": "I64", "model_version": "I64"}
 MAX_NDIM = 64  # dimensions of one experience's tensor in a column
 _TENSOR_NAMES = frozenset(TENSOR_FIELDS)
 _FORMATS = {"F64": "<d", "I64": "<q"}
+_EMPTY = memoryview(b"")
 
 
 @dataclass(slots=True)
@@ -73,43 +74,93 @@ def column_items(
     experience is made and checked as it is taken, so that its metadata counts towards the
     payload's expansion bound before the next is made (a batch of many tiny experiences is
     refused before it holds them all)."""
-    count = len(eids)
-    if not count:
-        raise TrxpError("the column batch holds no experience")
-    work = Work.for_payload(size)
-    work.charge(count)
-    expansion = EXPANSION_PER_BYTE * size + EXPANSION_BASE
-    if count * _LEAST_META > expansion:  # what the items' checks would find, before any is made
-        raise TrxpError(
-            f"the column batch's {count} experiences take at least {_LEAST_META} bytes of metadata each written "
-            f"out, more than the {expansion} of its {size} bytes ({EXPANSION_PER_BYTE} per payload byte + "
-            f"{EXPANSION_BASE})"
-        )
-    scalars = [column.name for column in columns if column.name in SCALARS]
-    if len(set(scalars)) != len(scalars):
-        raise TrxpError(f"the column batch has a one-value column twice ({', '.join(sorted(scalars))})")
-    cursors, offset = [], 0
-    for column in columns:
-        cursor = _Cursor(column, count, offset, work)
-        cursors.append(cursor)
-        offset = cursor.end
-        if offset > len(data):
-            raise TrxpError(f"{cursor.where}: its shapes need more than the {len(data)} bytes of the columns' values")
-    if offset != len(data):
-        raise TrxpError(f"{len(data) - offset} bytes after the columns' values belong to no column")
-    work.charge(count * len(cursors))  # the walk below looks at every column for every experience
-    shape = Shape(work, expansion, check_keys=False, limit=limit)
-    for index in range(count):
-        meta = _meta(eids[index])
-        tensors: dict[str, RawTensor] = {}
-        for cursor in cursors:
-            if cursor.next == index:
-                cursor.take(meta, tensors, data)
-        meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in tensors if name.startswith(MM_PREFIX)]
-        item = RawItem(meta, tensors)
-        check_meta(index, meta, shape)
-        check_tensors(index, item, work)
-        yield item
+    framed = _Framed(eids, columns, size, limit)
+    if framed.end > len(data):
+        raise TrxpError(f"the columns' shapes need {framed.end} bytes of values; {len(data)} are there")
+    if framed.end != len(data):
+        raise TrxpError(f"{len(data) - framed.end} bytes after the columns' values belong to no column")
+    return framed.items(data)
+
+
+# Where a tensor's data lies in a payload's tensor data: (start, end, item, name), parse_head's form.
+Place = tuple[int, int, int, str]
+
+
+def column_head(
+    eids: Sequence[dict[str, Any]],
+    columns: Sequence[PushedColumn],
+    start: memoryview,
+    size: int,
+    received: int,
+    limit: MetadataLimit | None = None,
+) -> tuple[list[RawItem], list[Place], int] | None:
+    """A batch of columns read from its head, as parse_head reads a TRXP payload's: `start` holds
+    the columns' first values (`size` bytes of values in all), and the one-value columns come
+    first and are whole in it. The items, checked within the budgets of the `received` bytes (each
+    tensor an empty view); where each tensor's data lies in the tensor data after the one-value
+    columns; and how many bytes of `start` those take. None where it cannot be read so."""
+    framed = _Framed(eids, columns, received, limit)
+    scalars = 0
+    for cursor in framed.cursors:
+        if cursor.scalar is None:
+            break
+        scalars = cursor.end
+    if any(cursor.scalar is not None and cursor.end > scalars for cursor in framed.cursors) or scalars > len(start):
+        return None  # a one-value column after a tensor column, or not all in `start`
+    if framed.end != size:
+        raise TrxpError(f"the columns' shapes need {framed.end} bytes of values; the payload has {size}")
+    places: list[Place] = []
+    items = list(framed.items(start, places))
+    places.sort()  # made experience by experience; the data comes column by column
+    return items, [(begin - scalars, end - scalars, item, name) for begin, end, item, name in places], scalars
+
+
+class _Framed:
+    """A batch's columns with their framing checked and their cursors at their starts; the count
+    of experiences against the payload's expansion bound."""
+
+    def __init__(
+        self, eids: Sequence[dict[str, Any]], columns: Sequence[PushedColumn], size: int, limit: MetadataLimit | None
+    ) -> None:
+        count = len(eids)
+        if not count:
+            raise TrxpError("the column batch holds no experience")
+        work = Work.for_payload(size)
+        work.charge(count)
+        expansion = EXPANSION_PER_BYTE * size + EXPANSION_BASE
+        if count * _LEAST_META > expansion:  # what the items' checks would find, before any is made
+            raise TrxpError(
+                f"the column batch's {count} experiences take at least {_LEAST_META} bytes of metadata each "
+                f"written out, more than the {expansion} of its {size} bytes ({EXPANSION_PER_BYTE} per payload "
+                f"byte + {EXPANSION_BASE})"
+            )
+        scalars = [column.name for column in columns if column.name in SCALARS]
+        if len(set(scalars)) != len(scalars):
+            raise TrxpError(f"the column batch has a one-value column twice ({', '.join(sorted(scalars))})")
+        self.cursors, offset = [], 0
+        for column in columns:
+            cursor = _Cursor(column, count, offset, work)
+            self.cursors.append(cursor)
+            offset = cursor.end
+        self.end = offset
+        work.charge(count * len(self.cursors))  # items() looks at every column for every experience
+        self.eids, self.work = eids, work
+        self.shape = Shape(work, expansion, check_keys=False, limit=limit)
+
+    def items(self, data: memoryview, places: list[Place] | None = None) -> Iterator[RawItem]:
+        """Each experience made and checked in turn; with `places`, its tensors empty views and
+        where their data lies listed there."""
+        for index in range(len(self.eids)):
+            meta = _meta(self.eids[index])
+            tensors: dict[str, RawTensor] = {}
+            for cursor in self.cursors:
+                if cursor.next == index:
+                    cursor.take(meta, tensors, data, places)
+            meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in tensors if name.startswith(MM_PREFIX)]
+            item = RawItem(meta, tensors)
+            check_meta(index, meta, self.shape)
+            check_tensors(index, item, self.work)
+            yield item
 
 
 def _meta(eid: dict[str, Any]) -> dict[str, Any]:
@@ -178,8 +229,11 @@ class _Cursor:
         self.position, self.offset, self.end = 0, offset, end
         self.next = items[0] if len(items) else -1
 
-    def take(self, meta: dict[str, Any], tensors: dict[str, RawTensor], data: memoryview) -> None:
-        """The part of the experience at `self.next`, put in its metadata or its tensors."""
+    def take(
+        self, meta: dict[str, Any], tensors: dict[str, RawTensor], data: memoryview, places: list[Place] | None
+    ) -> None:
+        """The part of the experience at `self.next`, put in its metadata or its tensors (an empty
+        view, its place in `places`, where given)."""
         position, ndim, name = self.position, self.ndim, self.name
         dims = tuple(self.shapes[position * ndim : (position + 1) * ndim])
         start = self.offset
@@ -192,6 +246,9 @@ class _Cursor:
                 meta[name] = value
         elif name in tensors:
             raise TrxpError(f"{self.where}: experience {self.next} has the field in two columns")
+        elif places is not None:
+            tensors[name] = RawTensor(self.dtype, dims, _EMPTY)
+            places.append((start, end, self.next, name))
         else:
             tensors[name] = RawTensor(self.dtype, dims, data[start:end])
         self.position, self.offset = position + 1, end

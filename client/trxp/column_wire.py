@@ -15,8 +15,9 @@ from google.protobuf.message import DecodeError
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .checks import show
-from .column_push import HEAD, MAGIC, PushedColumn, column_items
+from .column_push import HEAD, MAGIC, PushedColumn, column_head, column_items
 from .common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
+from .stream import Head
 
 
 def is_columns(payload: bytes | bytearray | memoryview) -> bool:
@@ -62,6 +63,26 @@ def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
             raise TrxpError(f"column {show(column.name)} carries values in the message; they follow it")
         columns.append(PushedColumn(column.name, column.dtype, column.items, column.ndim, column.shapes))
     return ColumnPayload(message, Eids(message), columns, view[HEAD.size + length :], len(view))
+
+
+def head(start: memoryview, size: int, limit: MetadataLimit | None = None) -> Head | None:
+    """The head of a column payload of `size` bytes read from its first bytes `start`, as a
+    server reading a push in chunks stages it (stream.StreamedPayload): its items checked within
+    the budgets of `start`'s bytes; None where the head is not whole in `start` (the message and
+    the one-value columns' values, which then come first)."""
+    view = memoryview(start).cast("B")
+    if len(view) < HEAD.size:
+        return None
+    _, length = HEAD.unpack_from(view)
+    if HEAD.size + length > len(view):
+        return None
+    batch = read(view[: HEAD.size + length])
+    at = HEAD.size + length
+    found = column_head(batch.eids, batch.columns, view[at:], size - at, len(view), limit)
+    if found is None:
+        return None
+    items, places, scalars = found
+    return at + scalars, items, places
 
 
 class Eids(Sequence[dict[str, Any]]):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from .build import pack_head
-from .common import ITEMSIZE, MetadataLimit, RawTensor, count_nonzero
+from .common import ITEMSIZE, MetadataLimit, RawItem, RawTensor, count_nonzero
 from .parse import head_length, parse_head
 
 Run = bytes | memoryview
@@ -30,15 +30,32 @@ class NotStreamable(Exception):
     """A payload that is read whole: no large item, or data out of the store's order."""
 
 
+# A payload's head read: its length, its items (each tensor an empty view) and where each tensor's
+# data lies in the data after the head, in the data's order (parse_head's places).
+Head = tuple[int, list[RawItem], list[tuple[int, int, int, str]]]
+
+
 class StreamedPayload:
     """One payload of `size` bytes whose head is whole in `start` (its first bytes); `feed`
-    the rest of it, its bytes after the head, in order, then `finish`."""
+    the rest of it, its bytes after the head, in order, then `finish`. A TRXP payload's head is
+    read here; another layout's (a batch of columns: column_wire.head) is given as `head`."""
 
-    def __init__(self, start: memoryview, size: int, chunk_bytes: int, *, limit: MetadataLimit | None = None) -> None:
-        self.head_length = head_length(start, size)
-        if not self.head_length or self.head_length > len(start):
-            raise NotStreamable("the payload's head is not whole in its first chunk")
-        self.items, places = parse_head(start[: self.head_length], size, received=len(start), limit=limit)
+    def __init__(
+        self,
+        start: memoryview,
+        size: int,
+        chunk_bytes: int,
+        *,
+        limit: MetadataLimit | None = None,
+        head: Head | None = None,
+    ) -> None:
+        if head is None:
+            length = head_length(start, size)
+            if not length or length > len(start):
+                raise NotStreamable("the payload's head is not whole in its first chunk")
+            items, places = parse_head(start[:length], size, received=len(start), limit=limit)
+            head = length, items, places
+        self.head_length, self.items, places = head
         self.chunk_bytes = chunk_bytes
         sizes = [sum(_nbytes(tensor) for tensor in item.tensors.values()) for item in self.items]
         self.large = [index for index, total in enumerate(sizes) if total > chunk_bytes]

@@ -388,7 +388,13 @@ class Stager:
         `start`, its head is refused (the whole payload's parse then says why), or it carries
         pieces of partial rollouts, which the store puts together from whole pieces."""
         try:
-            payload = StreamedPayload(start, size, CHUNK_BYTES, limit=self._limit)
+            if column_wire.is_columns(start):
+                head = column_wire.head(start, size, self._limit)
+                if head is None:
+                    return None
+                payload = StreamedPayload(start, size, CHUNK_BYTES, head=head)
+            else:
+                payload = StreamedPayload(start, size, CHUNK_BYTES, limit=self._limit)
         except (NotStreamable, trxp.TrxpError):
             return None
         if any(partial.mark_of(item.meta) is not None for item in payload.items):
