@@ -137,6 +137,7 @@ def _unpacked(items: list[trxp.RawItem]) -> list[Entry]:
             step=item.eid.step,
             response_length=item.response_length,
             generated=item.generated_tokens,
+            prompt_bytes=0,
         )
         for item in items
     ]

@@ -143,23 +143,25 @@ def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], c
     return set_id
 
 
-def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, response: int) -> bytes:
+def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, response: int, prompt_bytes: int) -> bytes:
     """What `blobs` keeps under `key` for a pushed experience's payload (of `response` response
-    tokens), in the push's transaction (`sharing`'s): the payload itself, or a reference to its
-    prompt stored once (shared_prompts.py), or, for one whose section is larger than
-    CHUNK_BYTES, its head, its section written to a new chunk set here; a head staged by a push
-    in chunks is kept as it is, its set no longer staged."""
+    tokens after `prompt_bytes` of prompt tokens), in the push's transaction (`sharing`'s): the
+    payload itself, or a reference to its prompt stored once (shared_prompts.py), or, for one whose
+    section is larger than CHUNK_BYTES, its head, its section written to a new chunk set here; a
+    head staged by a push in chunks is kept as it is, its set no longer staged. A payload whose
+    prompt is too short to share is kept as it is without a look at its header."""
     txn, dbs = sharing.txn, sharing.dbs
     if is_head(blob):
         txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
         return blob
+    share = prompt_bytes >= shared_prompts.MIN_BYTES
     if len(blob) <= CHUNK_BYTES:
-        return sharing.value(key, blob, response)
+        return sharing.value(key, blob, response) if share else blob
     view = memoryview(blob)
     start = section_at(view)
     section = view[start:]
     if len(section) <= CHUNK_BYTES:
-        return sharing.value(key, blob, response)
+        return sharing.value(key, blob, response) if share else blob
     set_id = reserve_sets(txn, dbs)
     found = []
     for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):

@@ -19,7 +19,7 @@ from expbuf.client.trxp.columns import (
     scalar_column,
     segment_column,
 )
-from expbuf.client.trxp.common import RawItem
+from expbuf.client.trxp.common import ITEMSIZE, RawItem
 from expbuf.client.trxp.pieces import Stored
 
 from ..schema.states import PENDING
@@ -58,6 +58,7 @@ class Entry:
     step: int
     response_length: int
     generated: int  # response tokens under the action mask
+    prompt_bytes: int  # the bytes of its prompt tokens: a store keeps only a long one once (shared_prompts.py)
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
     piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
 
@@ -88,6 +89,7 @@ class Entry:
             step=eid.step,
             response_length=item.response_length,
             generated=generated,
+            prompt_bytes=item.meta.get("prompt_length", 1) * ITEMSIZE[item.tensors["tokens"].dtype],
             segments=item.version_segments,
             piece=None if (mark := partial.mark_of(item.meta)) is None else (mark.offset, mark.more),
         )

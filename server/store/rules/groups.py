@@ -143,7 +143,8 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
             size = entry.size
             tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
             uid = entry.uid.encode()
-            blobs.append((prefix + uid, chunked.stored_value(sharing, prefix + uid, entry.blob, entry.response_length)))
+            value = chunked.stored_value(sharing, prefix + uid, entry.blob, entry.response_length, entry.prompt_bytes)
+            blobs.append((prefix + uid, value))
             order.append((prefix + u64(seq), uid))
             grp.members.append(entry.uid)
             if entry.version is not None:
