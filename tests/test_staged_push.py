@@ -47,6 +47,17 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
         yield start(str(tmp_path / "data"), env={"EXPBUF_MAX_INFLIGHT_BYTES": str(20 << 20)})
 
 
+def columns_of(group: list) -> ColumnBatch:
+    """The experiences as a batch of columns."""
+    return ColumnBatch(
+        [one.eid for one in group],
+        {name: [getattr(one, name) for one in group] for name in ("tokens", "logprobs", "action_mask")},
+        reward=[one.reward for one in group],
+        prompt_length=[one.prompt_length for one in group],
+        model_version=[one.info["model_version"] for one in group],
+    )
+
+
 def stopped(server: ServerProcess) -> None:
     assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
 
@@ -80,13 +91,7 @@ def test_a_batch_of_columns_is_staged_as_it_arrives_and_stored_as_its_experience
     experiences as it stages a TRXP push's: 2 x 18 MB under a max_inflight_bytes of 20 MiB, which a
     push read whole could not take; the same bytes as the experiences pushed whole (duplicates)."""
     group = [make_experience("c", 0, run, response=RESPONSE if run != 1 else 7) for run in range(3)]
-    columns = ColumnBatch(
-        [one.eid for one in group],
-        {name: [getattr(one, name) for one in group] for name in ("tokens", "logprobs", "action_mask")},
-        reward=[one.reward for one in group],
-        prompt_length=[one.prompt_length for one in group],
-        model_version=[one.info["model_version"] for one in group],
-    )
+    columns = columns_of(group)
     uids = [one.eid.uid for one in group]
     with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
         client.create_table("t", group_size=3)
@@ -98,6 +103,19 @@ def test_a_batch_of_columns_is_staged_as_it_arrives_and_stored_as_its_experience
         assert torch.equal(got[pushed.eid.uid].logprobs, pushed.logprobs)
     stopped(server)
     assert counts(tmp_path / "data") == {"chunks": 10, "staged": 0, "blobs": 3}  # 2 x 5 chunks, nothing left staged
+
+
+@pytest.mark.parametrize("as_columns", [False, True], ids=["experiences", "columns"])
+def test_a_staged_push_whose_data_ends_in_empty_tensors_is_stored(server: ServerProcess, as_columns: bool) -> None:
+    """A last experience with an empty response: the data's last spans take no byte, which no chunk
+    steps past (the push failed INTERNAL where a push read whole stores it)."""
+    group = [make_experience("e", 0, run, response=size) for run, size in enumerate((RESPONSE, 7, 0))]
+    pushed = columns_of(group) if as_columns else group
+    with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+        client.create_table("t", group_size=3)
+        assert client.push(pushed, table="t").stored == [one.eid.uid for one in group]
+        (empty,) = client.get([group[2].eid.uid], table="t")
+    assert empty.logprobs.numel() == 0 and torch.equal(empty.tokens, group[2].tokens)
 
 
 def test_a_refused_or_duplicate_push_leaves_nothing_staged(server: ServerProcess, tmp_path: Path) -> None:

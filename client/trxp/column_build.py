@@ -19,7 +19,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..schema.experience import EID
 from . import column_wire
 from .column_push import SCALARS
-from .common import DTYPE_RANK, TrxpError
+from .common import DTYPE_RANK, MM_PREFIX, TrxpError
 from .convert import safetensors_codes
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ class ColumnBatch:
         tensors.sort(key=lambda made: (-DTYPE_RANK[made[0].dtype], made[0].name))
         for column, _ in made + tensors:
             message.columns.append(column)
+        # An experience lists its multi-modal inputs in the order of the fields, as an Experience's dict.
+        message.multi_modal_keys.extend(name[len(MM_PREFIX) :] for name in fields if name.startswith(MM_PREFIX))
         self.payload = b"".join(column_wire.write(message, [data for _, data in made + tensors]))
 
     def __len__(self) -> int:

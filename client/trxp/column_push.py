@@ -14,6 +14,7 @@ read by the service (server/rpc/ingest.py); this module sees plain values only.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ MAX_NDIM = 64  # dimensions of one experience's tensor in a column
 _TENSOR_NAMES = frozenset(TENSOR_FIELDS)
 _FORMATS = {"F64": "<d", "I64": "<q"}
 _EMPTY = memoryview(b"")
+_START = operator.itemgetter(0, 1)  # a place's start and end: empty tensors at one offset keep their order
 
 
 @dataclass(slots=True)
@@ -65,16 +67,18 @@ def column_items(
     data: memoryview,
     size: int,
     limit: MetadataLimit | None = None,
+    keys: Sequence[str] = (),
 ) -> Iterator[RawItem]:
     """The experiences of a batch pushed as columns, in order, each with its eid and the fields its
     columns give it, checked as a TRXP push's items are (within the budgets of a payload of
-    `size` bytes); each tensor a view of `data`, the columns' values back to back.
+    `size` bytes); each tensor a view of `data`, the columns' values back to back. An experience
+    lists its multi-modal inputs in the order of `keys`, then of their columns.
 
     Every column's framing is checked first, with no object made per experience; then each
     experience is made and checked as it is taken, so that its metadata counts towards the
     payload's expansion bound before the next is made (a batch of many tiny experiences is
     refused before it holds them all)."""
-    framed = _Framed(eids, columns, size, limit)
+    framed = _Framed(eids, columns, size, limit, keys)
     if framed.end > len(data):
         raise TrxpError(f"the columns' shapes need {framed.end} bytes of values; {len(data)} are there")
     if framed.end != len(data):
@@ -92,14 +96,19 @@ def column_head(
     start: memoryview,
     size: int,
     received: int,
+    large: int,
     limit: MetadataLimit | None = None,
+    keys: Sequence[str] = (),
 ) -> tuple[list[RawItem], list[Place], int] | None:
     """A batch of columns read from its head, as parse_head reads a TRXP payload's: `start` holds
     the columns' first values (`size` bytes of values in all), and the one-value columns come
     first and are whole in it. The items, checked within the budgets of the `received` bytes (each
     tensor an empty view); where each tensor's data lies in the tensor data after the one-value
-    columns; and how many bytes of `start` those take. None where it cannot be read so."""
-    framed = _Framed(eids, columns, received, limit)
+    columns; and how many bytes of `start` those take. None where it cannot be read so, or where
+    no experience has more than `large` bytes of tensors (it is read whole: nothing to stage)."""
+    framed = _Framed(eids, columns, received, limit, keys)
+    if max(framed.sizes) <= large:
+        return None
     scalars = 0
     for cursor in framed.cursors:
         if cursor.scalar is None:
@@ -111,7 +120,7 @@ def column_head(
         raise TrxpError(f"the columns' shapes need {framed.end} bytes of values; the payload has {size}")
     places: list[Place] = []
     items = list(framed.items(start, places))
-    places.sort()  # made experience by experience; the data comes column by column
+    places.sort(key=_START)  # made experience by experience; the data comes column by column
     return items, [(begin - scalars, end - scalars, item, name) for begin, end, item, name in places], scalars
 
 
@@ -120,7 +129,12 @@ class _Framed:
     of experiences against the payload's expansion bound."""
 
     def __init__(
-        self, eids: Sequence[dict[str, Any]], columns: Sequence[PushedColumn], size: int, limit: MetadataLimit | None
+        self,
+        eids: Sequence[dict[str, Any]],
+        columns: Sequence[PushedColumn],
+        size: int,
+        limit: MetadataLimit | None,
+        keys: Sequence[str],
     ) -> None:
         count = len(eids)
         if not count:
@@ -138,13 +152,16 @@ class _Framed:
         if len(set(scalars)) != len(scalars):
             raise TrxpError(f"the column batch has a one-value column twice ({', '.join(sorted(scalars))})")
         self.cursors, offset = [], 0
+        self.sizes = [0] * count  # each experience's bytes of tensors
         for column in columns:
-            cursor = _Cursor(column, count, offset, work)
+            cursor = _Cursor(column, count, offset, work, self.sizes)
             self.cursors.append(cursor)
             offset = cursor.end
         self.end = offset
         work.charge(count * len(self.cursors))  # items() looks at every column for every experience
         self.eids, self.work = eids, work
+        work.charge(len(keys))
+        self.rank = {MM_PREFIX + key: place for place, key in reversed(list(enumerate(keys)))}
         self.shape = Shape(work, expansion, check_keys=False, limit=limit)
 
     def items(self, data: memoryview, places: list[Place] | None = None) -> Iterator[RawItem]:
@@ -156,7 +173,10 @@ class _Framed:
             for cursor in self.cursors:
                 if cursor.next == index:
                     cursor.take(meta, tensors, data, places)
-            meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in tensors if name.startswith(MM_PREFIX)]
+            inputs = [name for name in tensors if name.startswith(MM_PREFIX)]
+            if len(inputs) > 1 and self.rank:
+                inputs.sort(key=lambda name: self.rank.get(name, len(self.rank)))
+            meta["multi_modal_input_keys"] = [name[len(MM_PREFIX) :] for name in inputs]
             item = RawItem(meta, tensors)
             check_meta(index, meta, self.shape)
             check_tensors(index, item, self.work)
@@ -193,7 +213,7 @@ class _Cursor:
     (name, dtype, positions, each shape against INT64_MAX, where its values end), then each
     experience's part taken in turn."""
 
-    def __init__(self, column: PushedColumn, count: int, offset: int, work: Work) -> None:
+    def __init__(self, column: PushedColumn, count: int, offset: int, work: Work, sizes: list[int]) -> None:
         name, dtype, items, ndim = column.name, column.dtype, column.items, column.ndim
         self.where = where = f"column {show(name)}"
         self.scalar = scalar = SCALARS.get(name)
@@ -223,7 +243,10 @@ class _Cursor:
                     f"{where}: items must be increasing positions in the batch of {count}, got {index} after {last}"
                 )
             last = index
-            end += _nbytes(where, index, shapes[position * ndim : (position + 1) * ndim], itemsize)
+            nbytes = _nbytes(where, index, shapes[position * ndim : (position + 1) * ndim], itemsize)
+            end += nbytes
+            if scalar is None:
+                sizes[index] += nbytes
         self.name, self.dtype, self.ndim, self.itemsize = name, dtype, ndim, itemsize
         self.items, self.shapes = items, shapes
         self.position, self.offset, self.end = 0, offset, end

@@ -38,7 +38,7 @@ class ColumnPayload:
 
     def items(self, limit: MetadataLimit | None = None) -> Iterator[RawItem]:
         """Its experiences in order, each checked as it is made, as a pushed TRXP payload's are."""
-        return column_items(self.eids, self.columns, self.data, self.size, limit)
+        return column_items(self.eids, self.columns, self.data, self.size, limit, self.message.multi_modal_keys)
 
 
 def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
@@ -65,11 +65,12 @@ def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
     return ColumnPayload(message, Eids(message), columns, view[HEAD.size + length :], len(view))
 
 
-def head(start: memoryview, size: int, limit: MetadataLimit | None = None) -> Head | None:
+def head(start: memoryview, size: int, large: int, limit: MetadataLimit | None = None) -> Head | None:
     """The head of a column payload of `size` bytes read from its first bytes `start`, as a
     server reading a push in chunks stages it (stream.StreamedPayload): its items checked within
     the budgets of `start`'s bytes; None where the head is not whole in `start` (the message and
-    the one-value columns' values, which then come first)."""
+    the one-value columns' values, which then come first) or no experience has more than `large`
+    bytes of tensors."""
     view = memoryview(start).cast("B")
     if len(view) < HEAD.size:
         return None
@@ -78,7 +79,9 @@ def head(start: memoryview, size: int, limit: MetadataLimit | None = None) -> He
         return None
     batch = read(view[: HEAD.size + length])
     at = HEAD.size + length
-    found = column_head(batch.eids, batch.columns, view[at:], size - at, len(view), limit)
+    found = column_head(
+        batch.eids, batch.columns, view[at:], size - at, len(view), large, limit, batch.message.multi_modal_keys
+    )
     if found is None:
         return None
     items, places, scalars = found
@@ -147,7 +150,11 @@ def select(batch: ColumnPayload, rows: Sequence[int]) -> bytes:
     for _ in batch.items():  # the server's checks, before a part of it goes anywhere
         pass
     where = {row: position for position, row in enumerate(rows)}
-    message = pb.ColumnBatch(int_batches=batch.message.int_batches, int_tasks=batch.message.int_tasks)
+    message = pb.ColumnBatch(
+        int_batches=batch.message.int_batches,
+        int_tasks=batch.message.int_tasks,
+        multi_modal_keys=batch.message.multi_modal_keys,
+    )
     for name in ("batches", "tasks", "runs", "steps", "suffixes"):
         values = getattr(batch.message, name)
         getattr(message, name).extend(values[row] for row in rows)

@@ -141,6 +141,8 @@ class StreamedPayload:
     def finish(self) -> list[Piece]:
         """The last pieces of the large items (each shorter than a chunk); the items' kept tensors
         now hold their data. ValueError if the data ended early."""
+        while self._span < len(self._spans) and self._spans[self._span][0] == self._at:
+            self._span += 1  # empty tensors at the end of the data, which no byte fed stepped past
         if self._span < len(self._spans):
             raise ValueError("the payload ended before the tensor data its head declares")
         last: list[Piece] = []

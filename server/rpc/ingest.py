@@ -389,7 +389,7 @@ class Stager:
         pieces of partial rollouts, which the store puts together from whole pieces."""
         try:
             if column_wire.is_columns(start):
-                head = column_wire.head(start, size, self._limit)
+                head = column_wire.head(start, size, CHUNK_BYTES, self._limit)
                 if head is None:
                     return None
                 payload = StreamedPayload(start, size, CHUNK_BYTES, head=head)

@@ -192,7 +192,7 @@ class PushRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., payload: _Optional[bytes] = ..., seq: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class ColumnBatch(_message.Message):
-    __slots__ = ("batches", "tasks", "runs", "steps", "suffixes", "int_batches", "int_tasks", "columns")
+    __slots__ = ("batches", "tasks", "runs", "steps", "suffixes", "int_batches", "int_tasks", "columns", "multi_modal_keys")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class ColumnBatch(_message.Message):
     INT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     INT_TASKS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_MODAL_KEYS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedScalarFieldContainer[str]
     tasks: _containers.RepeatedScalarFieldContainer[str]
     runs: _containers.RepeatedScalarFieldContainer[int]
@@ -209,7 +210,8 @@ class ColumnBatch(_message.Message):
     int_batches: bool
     int_tasks: bool
     columns: _containers.RepeatedCompositeFieldContainer[Column]
-    def __init__(self, batches: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., suffixes: _Optional[_Iterable[str]] = ..., int_batches: _Optional[bool] = ..., int_tasks: _Optional[bool] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ...) -> None: ...
+    multi_modal_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, batches: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., suffixes: _Optional[_Iterable[str]] = ..., int_batches: _Optional[bool] = ..., int_tasks: _Optional[bool] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., multi_modal_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("seq", "stored_uids", "duplicate_uids", "completed_groups", "stale_uids", "partial_uids")
