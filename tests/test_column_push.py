@@ -38,7 +38,10 @@ def rollout(task: int | str, run: int, *, half: bool = False, image: bool = Fals
         action_mask=torch.arange(response) % 3 != 0,
         routed_experts=(torch.arange((prompt + response) * 2, dtype=torch.uint8) % 64).reshape(-1, 2),
         reward=float(run) / 2,
-        info={"model_version": 7 + run},
+        # runs 1 and 2 carry a priority and the policy versions of their tokens
+        info={"model_version": 7 + run}
+        if run == 0
+        else {"model_version": 6 + run, "priority": run / 4, "version_segments": [[6 + run, 0], [7 + run, 2]]},
         # two inputs in an order other than the store's (I64 before F16): each lists its keys as given
         multi_modal_inputs={
             "pixels": torch.ones(2, 3 + run, dtype=torch.float16),
@@ -63,6 +66,8 @@ def batch_of(made: list[Experience]) -> ColumnBatch:
         reward=[exp.reward for exp in made],
         prompt_length=[exp.prompt_length for exp in made],
         model_version=[exp.info["model_version"] for exp in made],
+        priority=[exp.info.get("priority") for exp in made],
+        version_segments=[exp.info.get("version_segments") for exp in made],
     )
 
 
@@ -200,6 +205,12 @@ def _break(fault: str) -> bytes:
         logprobs.dtype = "F128"
     elif fault == "a reward as F32":
         message.columns[3].dtype = "F32"
+    elif fault == "segments of three numbers":
+        message.columns.add(name="version_segments", dtype="I64", items=[1], ndim=2, shapes=[1, 3])
+        values.append(b"\0" * 24)
+    elif fault == "segments that go back":
+        message.columns.add(name="version_segments", dtype="I64", items=[1], ndim=2, shapes=[2, 2])
+        values.append(torch.tensor([5, 0, 4, 1]).numpy().tobytes())
     elif fault == "a reward twice":
         message.columns.add(name="reward", dtype="F64", items=[0], ndim=0)
         values.append(b"\0" * 8)
@@ -238,7 +249,9 @@ FAULTS = {
     "an unknown field": "column 'logits' names no field of an experience",
     "an unknown dtype": "column 'logprobs' has unsupported dtype 'F128'",
     "a reward as F32": "column 'reward' holds one F64 value an experience (ndim 0), got 'F32'",
-    "a reward twice": "has a one-value column twice",
+    "a reward twice": "has a metadata column twice",
+    "segments of three numbers": "experience 1's shape [1, 3] is not [pairs, 2]",
+    "segments that go back": "info.version_segments[1]: versions must not decrease, got 4 after 5",
     "a field twice for one experience": "experience 1 has the field in two columns",
     "eids of another length": "the column batch has 3 runs for 2 suffixes",
     "an int batch that is not one": "field 'eid.batch' is marked an int, but '0x1' is not one in decimal",

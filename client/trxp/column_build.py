@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.experience import EID
-from . import column_wire
+from . import column_wire, segments
 from .column_push import SCALARS
 from .common import DTYPE_RANK, MM_PREFIX, TrxpError
 from .convert import safetensors_codes
@@ -37,8 +37,10 @@ class ColumnBatch:
     - `(values, offsets)`: experience k's values are `values[offsets[k]:offsets[k + 1]]`;
     - a sequence of tensors, one an experience, None where it has none.
 
-    `reward`, `prompt_length` and `model_version` are one value an experience (a sequence,
-    None where an experience has none, or a 1-D tensor). `ColumnBatch.uids` names them."""
+    `reward`, `prompt_length`, `model_version` and `priority` (info["priority"]) are one value an
+    experience (a sequence, None where an experience has none, or a 1-D tensor);
+    `version_segments` each experience's [version, offset] pairs (info["version_segments"]), or
+    None. `ColumnBatch.uids` names them."""
 
     def __init__(
         self,
@@ -48,6 +50,8 @@ class ColumnBatch:
         reward: Sequence[float | None] | torch.Tensor | None = None,
         prompt_length: Sequence[int | None] | torch.Tensor | None = None,
         model_version: Sequence[int | None] | torch.Tensor | None = None,
+        priority: Sequence[float | None] | torch.Tensor | None = None,
+        version_segments: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> None:
         count = len(eids)
         message = pb.ColumnBatch()
@@ -65,11 +69,15 @@ class ColumnBatch:
         message.runs.extend(part["run"] for part in parts)
         message.steps.extend(part["step"] for part in parts)
         message.suffixes.extend(part["suffix"] for part in parts)
-        made = [
-            _scalar_column(name, scalar, count)
-            for name, scalar in (("reward", reward), ("prompt_length", prompt_length), ("model_version", model_version))
-            if scalar is not None
-        ]
+        one_value = {
+            "reward": reward,
+            "prompt_length": prompt_length,
+            "model_version": model_version,
+            "priority": priority,
+        }
+        made = [_scalar_column(name, scalar, count) for name, scalar in one_value.items() if scalar is not None]
+        if version_segments is not None:
+            made.append(_segments_column(version_segments, count))
         tensors = [column for name, field in fields.items() for column in _tensor_columns(name, field, count)]
         # The one-value columns first, then the tensors in the order the store keeps an experience's
         # (dtype, then name: pack_item's), so that a server staging a large push reads its head from
@@ -189,6 +197,24 @@ def _column(
     column.shapes.extend(dim for shape in shapes for dim in shape)
     data = flat.detach().view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
     return column, data
+
+
+def _segments_column(given: Sequence[Sequence[Sequence[int]] | None], count: int) -> tuple[pb.Column, memoryview]:
+    """The column of each experience's version segments ([version, offset] pairs), None where an
+    experience has none (one version generated its response: its model_version)."""
+    import torch
+
+    if len(given) != count:
+        raise TrxpError(f"'version_segments': {len(given)} values for {count} experiences")
+    items = [index for index, pairs in enumerate(given) if pairs is not None]
+    try:
+        pairs = [torch.as_tensor(given[index], dtype=torch.int64).reshape(-1, 2) for index in items]
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TrxpError(f"'version_segments' must hold [version, offset] pairs of ints or None: {exc}") from None
+    flat = torch.cat(pairs) if pairs else torch.empty((0, 2), dtype=torch.int64)
+    column = pb.Column(name=segments.KEY, dtype="I64", items=items, ndim=2)
+    column.shapes.extend(dim for pair in pairs for dim in pair.shape)
+    return column, flat.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _scalar_column(name: str, given: Any, count: int) -> tuple[pb.Column, memoryview]:

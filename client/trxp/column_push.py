@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schema.experience import META_FIELDS, TENSOR_FIELDS
+from . import segments
 from .checks import Shape, check_meta, check_tensors, show
 from .common import (
     EXPANSION_BASE,
@@ -38,9 +39,18 @@ from .common import (
 
 MAGIC = b"EXPC"  # a push payload that starts so is a batch of columns, not TRXP
 HEAD = struct.Struct("<4sQ")  # MAGIC, the length of the ColumnBatch message after it
-# The columns of one value per experience a push may carry, with their dtype; model_version is
-# kept in info, as Trinity-RFT keeps it.
-SCALARS = {"reward": "F64", "prompt_length": "I64", "model_version": "I64"}
+# The columns an experience's metadata is made of, not its tensors: name -> (dtype, ndim, the key in
+# info that holds it, or None for the item's own field). model_version and priority are kept in info
+# as Trinity-RFT keeps them; version_segments holds an experience's [version, offset] pairs, [k, 2]
+# (client/trxp/segments.py).
+META_COLUMNS: dict[str, tuple[str, int, str | None]] = {
+    "reward": ("F64", 0, None),
+    "prompt_length": ("I64", 0, None),
+    "model_version": ("I64", 0, "model_version"),
+    "priority": ("F64", 0, "priority"),
+    segments.KEY: ("I64", 2, segments.KEY),
+}
+SCALARS = {name: dtype for name, (dtype, ndim, _) in META_COLUMNS.items() if not ndim}  # one value each
 MAX_NDIM = 64  # dimensions of one experience's tensor in a column
 _TENSOR_NAMES = frozenset(TENSOR_FIELDS)
 _FORMATS = {"F64": "<d", "I64": "<q"}
@@ -101,27 +111,28 @@ def column_head(
     keys: Sequence[str] = (),
 ) -> tuple[list[RawItem], list[Place], int] | None:
     """A batch of columns read from its head, as parse_head reads a TRXP payload's: `start` holds
-    the columns' first values (`size` bytes of values in all), and the one-value columns come
-    first and are whole in it. The items, checked within the budgets of the `received` bytes (each
-    tensor an empty view); where each tensor's data lies in the tensor data after the one-value
-    columns; and how many bytes of `start` those take. None where it cannot be read so, or where
-    no experience has more than `large` bytes of tensors (it is read whole: nothing to stage)."""
+    the columns' first values (`size` bytes of values in all), and the metadata columns (reward,
+    version segments, ...) come first and are whole in it. The items, checked within the budgets
+    of the `received` bytes (each tensor an empty view); where each tensor's data lies in the
+    tensor data after the metadata columns; and how many bytes of `start` those take. None where
+    it cannot be read so, or where no experience has more than `large` bytes of tensors (it is
+    read whole: nothing to stage)."""
     framed = _Framed(eids, columns, received, limit, keys)
     if max(framed.sizes) <= large:
         return None
-    scalars = 0
+    leading = 0
     for cursor in framed.cursors:
-        if cursor.scalar is None:
+        if cursor.metadata is None:
             break
-        scalars = cursor.end
-    if any(cursor.scalar is not None and cursor.end > scalars for cursor in framed.cursors) or scalars > len(start):
-        return None  # a one-value column after a tensor column, or not all in `start`
+        leading = cursor.end
+    if any(cursor.metadata is not None and cursor.end > leading for cursor in framed.cursors) or leading > len(start):
+        return None  # a metadata column after a tensor column, or not all in `start`
     if framed.end != size:
         raise TrxpError(f"the columns' shapes need {framed.end} bytes of values; the payload has {size}")
     places: list[Place] = []
     items = list(framed.items(start, places))
     places.sort(key=_START)  # made experience by experience; the data comes column by column
-    return items, [(begin - scalars, end - scalars, item, name) for begin, end, item, name in places], scalars
+    return items, [(begin - leading, end - leading, item, name) for begin, end, item, name in places], leading
 
 
 class _Framed:
@@ -148,9 +159,9 @@ class _Framed:
                 f"written out, more than the {expansion} of its {size} bytes ({EXPANSION_PER_BYTE} per payload "
                 f"byte + {EXPANSION_BASE})"
             )
-        scalars = [column.name for column in columns if column.name in SCALARS]
-        if len(set(scalars)) != len(scalars):
-            raise TrxpError(f"the column batch has a one-value column twice ({', '.join(sorted(scalars))})")
+        metas = [column.name for column in columns if column.name in META_COLUMNS]
+        if len(set(metas)) != len(metas):
+            raise TrxpError(f"the column batch has a metadata column twice ({', '.join(sorted(metas))})")
         self.cursors, offset = [], 0
         self.sizes = [0] * count  # each experience's bytes of tensors
         for column in columns:
@@ -185,7 +196,7 @@ class _Framed:
 
 def _meta(eid: dict[str, Any]) -> dict[str, Any]:
     """An experience's metadata as the client's encode writes it for an Experience with these
-    fields unset; the columns fill in reward, prompt_length and info's model_version."""
+    fields unset; the metadata columns fill in the rest (META_COLUMNS)."""
     meta: dict[str, Any] = dict.fromkeys(META_FIELDS)
     meta["eid"] = eid
     meta["info"] = {}
@@ -216,16 +227,17 @@ class _Cursor:
     def __init__(self, column: PushedColumn, count: int, offset: int, work: Work, sizes: list[int]) -> None:
         name, dtype, items, ndim = column.name, column.dtype, column.items, column.ndim
         self.where = where = f"column {show(name)}"
-        self.scalar = scalar = SCALARS.get(name)
-        if scalar is not None:
-            if dtype != scalar or ndim != 0:
+        self.metadata = metadata = META_COLUMNS.get(name)
+        if metadata is not None:
+            if (dtype, ndim) != metadata[:2]:
+                what = f"one {metadata[0]} value" if not metadata[1] else f"[version, offset] pairs of {metadata[0]}"
                 raise TrxpError(
-                    f"{where} holds one {scalar} value an experience (ndim 0), got {show(dtype)}, ndim {ndim}"
+                    f"{where} holds {what} an experience (ndim {metadata[1]}), got {show(dtype)}, ndim {ndim}"
                 )
         elif name not in _TENSOR_NAMES and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
             raise TrxpError(
                 f"{where} names no field of an experience (tensors: {', '.join(TENSOR_FIELDS)}, "
-                f"'{MM_PREFIX}KEY'; one value each: {', '.join(SCALARS)})"
+                f"'{MM_PREFIX}KEY'; metadata: {', '.join(META_COLUMNS)})"
             )
         itemsize = ITEMSIZE.get(dtype)
         if itemsize is None:
@@ -243,10 +255,15 @@ class _Cursor:
                     f"{where}: items must be increasing positions in the batch of {count}, got {index} after {last}"
                 )
             last = index
-            nbytes = _nbytes(where, index, shapes[position * ndim : (position + 1) * ndim], itemsize)
+            dims = shapes[position * ndim : (position + 1) * ndim]
+            nbytes = _nbytes(where, index, dims, itemsize)
             end += nbytes
-            if scalar is None:
+            if metadata is None:
                 sizes[index] += nbytes
+            elif ndim:
+                if dims[1] != 2:
+                    raise TrxpError(f"{where}: experience {index}'s shape {list(dims)} is not [pairs, 2]")
+                work.charge(dims[0])  # a pair read into a list each
         self.name, self.dtype, self.ndim, self.itemsize = name, dtype, ndim, itemsize
         self.items, self.shapes = items, shapes
         self.position, self.offset, self.end = 0, offset, end
@@ -261,12 +278,18 @@ class _Cursor:
         dims = tuple(self.shapes[position * ndim : (position + 1) * ndim])
         start = self.offset
         end = start + (0 if 0 in dims else math.prod(dims)) * self.itemsize
-        if self.scalar is not None:
-            value = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
-            if name == "model_version":
-                meta["info"]["model_version"] = value
+        if self.metadata is not None:
+            value: Any
+            if ndim:
+                flat = struct.unpack_from(f"<{2 * dims[0]}q", data, start)
+                value = [[flat[at], flat[at + 1]] for at in range(0, len(flat), 2)]
             else:
+                value = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
+            key = self.metadata[2]
+            if key is None:
                 meta[name] = value
+            else:
+                meta["info"][key] = value
         elif name in tensors:
             raise TrxpError(f"{self.where}: experience {self.next} has the field in two columns")
         elif places is not None:
