@@ -139,7 +139,7 @@ class AsyncBufferClient(ClientBase):
         return call.read(reply)
 
     async def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
-        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
+        """Store TRXP bytes, experiences (expbuf's or Trinity-RFT's) or a ColumnBatch; durable when it returns.
         A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream.
         A full table in block mode makes it wait for room until its deadline, as BufferClient.push."""
         return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))

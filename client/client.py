@@ -146,7 +146,7 @@ class BufferClient(LedgerMethods):
         return call.read(reply)
 
     def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
-        """Store TRXP bytes or experiences (expbuf's or Trinity-RFT's) durably; durable when it returns.
+        """Store TRXP bytes, experiences (expbuf's or Trinity-RFT's) or a ColumnBatch; durable when it returns.
         A retried push is safe: what was stored already comes back in `duplicates`. A payload
         larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table
         in block mode makes it wait for room until its deadline, asking again while the server has

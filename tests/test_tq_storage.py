@@ -126,6 +126,11 @@ def test_cuts_keep_each_span_within_the_bound_and_a_larger_value_alone() -> None
     assert expected_bytes(None, torch.float32) == expected_bytes([3], None) == 0
 
 
+def test_a_bad_wait_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="wait_s must be a number of seconds above 0, got None"):
+        ExpbufStorageClient({"target": "127.0.0.1:1", "wait_s": None})
+
+
 def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:
     """A put made while the expbuf server is down waits for it (up to backend.Expbuf.wait_s), as
     the controller's journal does, where gRPC's own few retries gave up within seconds."""
@@ -134,14 +139,15 @@ def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:
     storage = ExpbufStorageClient({"target": f"127.0.0.1:{port}", "table": "tq_wait", "wait_s": 60})
     try:
         server.stop(grace=1)
-        restarted: list[object] = []
-        later = threading.Timer(6.0, lambda: restarted.append(start_server(port=port)))
+        events: list[str] = []
+        later = threading.Timer(6.0, lambda: (start_server(port=port), events.append("restarted")))
         later.start()
         try:
             storage.put(["0@score"], [torch.tensor([1.5])])
+            events.append("put returned")
         finally:
             later.join()
-        assert restarted, "the put returned before the server was back"
+        assert events == ["restarted", "put returned"]
         (value,) = storage.get(["0@score"], shapes=[(1,)], dtypes=[torch.float32])
         assert value.tolist() == [1.5]
     finally:

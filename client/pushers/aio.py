@@ -91,7 +91,8 @@ class AsyncPusher(AsyncOrderedFutures[Window]):
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def push(self, items: calls.Items) -> asyncio.Future[PushResult]:
-        """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
+        """Push TRXP bytes, experiences or a ColumnBatch; the future completes when the push is durable or
+        has failed."""
         return await self.push_part(calls.payload(items))
 
     async def push_part(self, body: bytes, number: int | None = None) -> asyncio.Future[PushResult]:

@@ -111,7 +111,8 @@ class Pusher(OrderedFutures[Window]):
         self._readers: list[threading.Thread] = []
 
     def push(self, items: calls.Items) -> Future[PushResult]:
-        """Push TRXP bytes or experiences; the future completes when the push is durable or has failed."""
+        """Push TRXP bytes, experiences or a ColumnBatch; the future completes when the push is durable or
+        has failed."""
         return self.push_part(calls.payload(items))
 
     def push_part(self, body: bytes, number: int | None = None) -> Future[PushResult]:

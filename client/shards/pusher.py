@@ -139,7 +139,8 @@ class ShardedPusher(ShardPushers[Pusher], OrderedFutures[ShardWindow]):
         self._sending = threading.RLock()  # a push's parts reach each shard's pusher in push order
 
     def push(self, items: calls.Items) -> Future[PushResult]:
-        """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
+        """Push TRXP bytes, experiences or a ColumnBatch; the future completes when every part is durable
+        or one has failed."""
         if self._group_by is None:
             self._group_by = self._ask_group_by()
         parts = split(self._client, items, self._group_by)
@@ -185,7 +186,8 @@ class AsyncShardedPusher(ShardPushers[AsyncPusher], AsyncOrderedFutures[ShardWin
         self._sending = asyncio.Lock()  # a push's parts reach each shard's pusher in push order
 
     async def push(self, items: calls.Items) -> asyncio.Future[PushResult]:
-        """Push TRXP bytes or experiences; the future completes when every part is durable or one has failed."""
+        """Push TRXP bytes, experiences or a ColumnBatch; the future completes when every part is durable
+        or one has failed."""
         if self._group_by is None:
             self._group_by = await self._ask_group_by()
         parts = split(self._client, items, self._group_by)

@@ -118,12 +118,15 @@ class ExpbufStorageClient(StorageKVClient):
         if not config.get("target"):
             raise ValueError(f"backend.{BACKEND}: name the expbuf server as target (host:port)")
         self.table = str(config.get("table") or "transfer_queue")
+        wait = config.get("wait_s", WAIT_SECONDS)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise ValueError(f"backend.{BACKEND}.wait_s must be a number of seconds above 0, got {wait!r}")
         # A call waits out a restart of the server for up to wait_s, as the controller's journal does.
         self.client = BufferClient(
             str(config["target"]),
             token=config.get("token"),
             max_message_bytes=int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
-            timeout=float(config.get("wait_s", WAIT_SECONDS)),
+            timeout=float(wait),
             wait_for_ready=True,
         )
         self.client.create_table(self.table, exist_ok=True)

@@ -11,6 +11,7 @@ same experience pushed as an Experience.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -226,8 +227,10 @@ def _scalar_column(name: str, given: Any, count: int) -> tuple[pb.Column, memory
         raise TrxpError(f"{name!r}: {len(listed)} values for {count} experiences")
     items = [index for index, value in enumerate(listed) if value is not None]
     dtype = torch.float64 if SCALARS[name] == "F64" else torch.int64
-    if dtype is torch.int64 and not all(type(listed[index]) is int for index in items):
-        raise TrxpError(f"{name!r} must hold ints or None")
+    if dtype is torch.int64:
+        if not all(isinstance(listed[i], numbers.Integral) and not isinstance(listed[i], bool) for i in items):
+            raise TrxpError(f"{name!r} must hold ints or None")
+        listed = [None if value is None else int(value) for value in listed]
     try:
         flat = torch.tensor([listed[index] for index in items], dtype=dtype)
     except (TypeError, ValueError, RuntimeError) as exc:

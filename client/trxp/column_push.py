@@ -8,7 +8,8 @@ values left empty, and then each column's values in the message's order, so that
 parses a small message and reads the values where they arrived. The items made here go through
 check_meta and check_tensors and are packed as any pushed item, so an experience pushed as
 columns is stored byte for byte as the same experience pushed in TRXP. The message itself is
-read by the service (server/rpc/ingest.py); this module sees plain values only.
+read with protobuf by column_wire.py; this module, which the server's ingest and the client share,
+sees plain values only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The payload of a push as columns on the wire (column_push.py says its layout): written by the
 client from its columns, read by the server (and by a sharded client, which routes its rows).
-Apart from column_push.py, which the storage engine reaches through this package, as this module
-reads the ColumnBatch message with protobuf.
+The ColumnBatch message is read here, with protobuf; what is made of it, in column_push.py, which
+needs no protobuf.
 """
 
 from __future__ import annotations
@@ -146,9 +146,8 @@ def write(message: pb.ColumnBatch, values: Sequence[bytes | memoryview]) -> list
 
 def select(batch: ColumnPayload, rows: Sequence[int]) -> bytes:
     """The column payload of some experiences of `batch` (its positions `rows`, increasing): a
-    sharded client's part for one shard. Checked as the server checks it, through items()."""
-    for _ in batch.items():  # the server's checks, before a part of it goes anywhere
-        pass
+    sharded client's part for one shard, its columns in the batch's order (so that it is staged as
+    the batch would be). The caller has checked the batch (items())."""
     where = {row: position for position, row in enumerate(rows)}
     message = pb.ColumnBatch(
         int_batches=batch.message.int_batches,

@@ -154,14 +154,11 @@ def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, respo
     if is_head(blob):
         txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
         return blob
-    share = prompt_bytes >= shared_prompts.MIN_BYTES
-    if len(blob) <= CHUNK_BYTES:
-        return sharing.value(key, blob, response) if share else blob
     view = memoryview(blob)
-    start = section_at(view)
+    start = section_at(view) if len(blob) > CHUNK_BYTES else 0
+    if len(blob) <= CHUNK_BYTES or len(view) - start <= CHUNK_BYTES:  # kept in one value
+        return sharing.value(key, blob, response) if prompt_bytes >= shared_prompts.MIN_BYTES else blob
     section = view[start:]
-    if len(section) <= CHUNK_BYTES:
-        return sharing.value(key, blob, response) if share else blob
     set_id = reserve_sets(txn, dbs)
     found = []
     for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):
