@@ -45,7 +45,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
 from expbuf.client.client import SampleRequests  # noqa: E402
-from expbuf.client.rpc.sample_reply import sample_method  # noqa: E402
+from expbuf.client.rpc.sample_reply import Parts, sample_method  # noqa: E402
 from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 
 PUSHERS, PER_PAYLOAD, GROUP, BATCH = 8, 64, 8, 256
@@ -193,15 +193,21 @@ def lease_batches(target: str, batches: int) -> tuple[int, float]:
 
 def raw_consume_batches(target: str, batches: int) -> tuple[int, float]:
     """Consume as a raw gRPC client reads it, from the pipelined pushers' table: each reply's
-    payload bytes, each batch confirmed on the stream as it arrives, nothing decoded (the
-    server's part alone). Returns (payload bytes, seconds)."""
+    payload bytes (a batch larger than a part put together from its parts), each batch confirmed
+    on the stream as it arrives, nothing decoded (the server's part alone). Returns (payload
+    bytes, seconds)."""
     spec = SampleSpec(f"{TABLE}-w{WINDOW}", num_groups=BATCH // GROUP, delivery="consume", max_batches=batches)
     requests = SampleRequests(spec.request(MAX))
     with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
         total = 0
         start = time.perf_counter()
-        for received, reply in enumerate(sample_method(channel)(requests, timeout=120), 1):
-            total += len(reply.payload)
+        parts, received = Parts(), 0
+        for reply in sample_method(channel)(requests, timeout=120):
+            whole = parts.add(reply)
+            if whole is None:  # more parts of this batch to come
+                continue
+            received += 1
+            total += len(whole.payload)
             requests.confirm(received)
         requests.close()
         return total, time.perf_counter() - start

@@ -11,7 +11,10 @@ def write_section(path: Path, heading: str, section: str) -> None:
     start = text.find(heading)
     if start >= 0:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+        rest = text[end + 1 :] if end >= 0 else ""
+        if rest:  # a blank line before the next section's heading
+            section = section.rstrip("\n") + "\n\n"
+        text = text[:start] + section + rest
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
