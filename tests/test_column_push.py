@@ -38,10 +38,10 @@ def rollout(task: int | str, run: int, *, half: bool = False, image: bool = Fals
         action_mask=torch.arange(response) % 3 != 0,
         routed_experts=(torch.arange((prompt + response) * 2, dtype=torch.uint8) % 64).reshape(-1, 2),
         reward=float(run) / 2,
-        # runs 1 and 2 carry a priority and the policy versions of their tokens
+        # runs 1 and 2 carry a priority and the policy versions of their tokens, tasks 1 and 2 info of their own
         info={"model_version": 7 + run}
-        if run == 0
-        else {"model_version": 6 + run, "priority": run / 4, "version_segments": [[6 + run, 0], [7 + run, 2]]},
+        | ({} if run == 0 else {"priority": run / 4, "version_segments": [[6 + run, 0], [7 + run, 2]]})
+        | ({"turns": run, "env": "shop", "tags": {"split": "train", "ids": [1, 2.5, None]}} if number else {}),
         # two inputs in an order other than the store's (I64 before F16): each lists its keys as given
         multi_modal_inputs={
             "pixels": torch.ones(2, 3 + run, dtype=torch.float16),
@@ -50,6 +50,9 @@ def rollout(task: int | str, run: int, *, half: bool = False, image: bool = Fals
         if image
         else {},
     )
+
+
+OWN_COLUMNS = ("model_version", "priority", "version_segments")  # the info keys with a column of their own
 
 
 def batch_of(made: list[Experience]) -> ColumnBatch:
@@ -68,6 +71,7 @@ def batch_of(made: list[Experience]) -> ColumnBatch:
         model_version=[exp.info["model_version"] for exp in made],
         priority=[exp.info.get("priority") for exp in made],
         version_segments=[exp.info.get("version_segments") for exp in made],
+        info=[{key: exp.info[key] for key in exp.info if key not in OWN_COLUMNS} or None for exp in made],
     )
 
 
@@ -235,12 +239,28 @@ def _break(fault: str) -> bytes:
         logprobs.values = values.pop(1)
     elif fault == "a shape past 2**63 behind a zero":
         message.columns.add(name="routed_experts", dtype="U8", items=[0], ndim=2, shapes=[0, 2**64 - 1])
+    elif fault in INFOS:
+        message.columns.add(name="info", dtype="U8", items=[1], ndim=1, shapes=[len(INFOS[fault])])
+        values.append(INFOS[fault])
+        if fault == "info giving model_version twice":
+            message.columns.add(name="model_version", dtype="I64", items=[0, 1], ndim=0)
+            values.append(torch.tensor([1, 2]).numpy().tobytes())
     elif fault == "a message that is not one":
         return column_wire.HEAD.pack(column_wire.MAGIC, 3) + b"\xff\xff\xff"
     return raw(message, values)
 
 
+INFOS = {
+    "info that is not JSON": b"{bad",
+    "info that is a list": b"[1]",
+    "info nested too deep": b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "info giving model_version twice": b'{"model_version":3}',
+}
 FAULTS = {
+    "info that is not JSON": "column 'info': experience 1's info is not a JSON object in UTF-8",
+    "info that is a list": "column 'info': experience 1's info is a JSON list, not an object",
+    "info nested too deep": "column 'info': experience 1's info is not a JSON object in UTF-8",
+    "info giving model_version twice": "experience 1's info gives 'model_version' twice",
     "items out of order": "items must be increasing positions in the batch of 2, got 0 after 1",
     "an item past the batch": "items must be increasing positions in the batch of 2, got 2 after 0",
     "shapes for another ndim": "column 'tokens' has 3 shape numbers for 2 experiences of ndim 1",

@@ -11,6 +11,7 @@ same experience pushed as an Experience.
 from __future__ import annotations
 
 import itertools
+import json
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.experience import EID
 from . import column_wire, segments
-from .column_push import SCALARS
+from .column_push import INFO, SCALARS
 from .common import DTYPE_RANK, MM_PREFIX, TrxpError
 from .convert import safetensors_codes
 
@@ -41,7 +42,8 @@ class ColumnBatch:
     `reward`, `prompt_length`, `model_version` and `priority` (info["priority"]) are one value an
     experience (a sequence, None where an experience has none, or a 1-D tensor);
     `version_segments` each experience's [version, offset] pairs (info["version_segments"]), or
-    None. `ColumnBatch.uids` names them."""
+    None; `info` each experience's other info (a dict of plain data, sent as JSON: a tuple comes
+    back a list), or None. `ColumnBatch.uids` names them."""
 
     def __init__(
         self,
@@ -53,6 +55,7 @@ class ColumnBatch:
         model_version: Sequence[int | None] | torch.Tensor | None = None,
         priority: Sequence[float | None] | torch.Tensor | None = None,
         version_segments: Sequence[Sequence[Sequence[int]] | None] | None = None,
+        info: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> None:
         count = len(eids)
         message = pb.ColumnBatch()
@@ -79,6 +82,8 @@ class ColumnBatch:
         made = [_scalar_column(name, scalar, count) for name, scalar in one_value.items() if scalar is not None]
         if version_segments is not None:
             made.append(_segments_column(version_segments, count))
+        if info is not None:
+            made.append(_info_column(info, count))
         tensors = [column for name, field in fields.items() for column in _tensor_columns(name, field, count)]
         # The one-value columns first, then the tensors in the order the store keeps an experience's
         # (dtype, then name: pack_item's), so that a server staging a large push reads its head from
@@ -216,6 +221,23 @@ def _segments_column(given: Sequence[Sequence[Sequence[int]] | None], count: int
     column = pb.Column(name=segments.KEY, dtype="I64", items=items, ndim=2)
     column.shapes.extend(dim for pair in pairs for dim in pair.shape)
     return column, flat.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _info_column(given: Sequence[Mapping[str, Any] | None], count: int) -> tuple[pb.Column, memoryview]:
+    """The column of each experience's other info, as JSON in UTF-8, None where it has none."""
+    if len(given) != count:
+        raise TrxpError(f"'info': {len(given)} values for {count} experiences")
+    items, texts = [], []
+    for index, one in enumerate(given):
+        if one is None:
+            continue
+        try:
+            texts.append(json.dumps(dict(one), ensure_ascii=False, separators=(",", ":")).encode())
+        except (TypeError, ValueError) as exc:
+            raise TrxpError(f"'info' of experience {index} is not plain data JSON can hold: {exc}") from None
+        items.append(index)
+    column = pb.Column(name=INFO, dtype="U8", items=items, ndim=1, shapes=[len(text) for text in texts])
+    return column, memoryview(b"".join(texts))
 
 
 def _scalar_column(name: str, given: Any, count: int) -> tuple[pb.Column, memoryview]:

@@ -14,6 +14,7 @@ sees plain values only.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import struct
@@ -23,7 +24,7 @@ from typing import Any
 
 from ..schema.experience import META_FIELDS, TENSOR_FIELDS
 from . import segments
-from .checks import Shape, check_meta, check_tensors, show
+from .checks import Shape, check_meta, check_tensors, clip, show
 from .common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
@@ -40,16 +41,18 @@ from .common import (
 
 MAGIC = b"EXPC"  # a push payload that starts so is a batch of columns, not TRXP
 HEAD = struct.Struct("<4sQ")  # MAGIC, the length of the ColumnBatch message after it
+INFO = "info"  # the column of each experience's other info, a JSON object in UTF-8 (U8, 1-D)
 # The columns an experience's metadata is made of, not its tensors: name -> (dtype, ndim, the key in
 # info that holds it, or None for the item's own field). model_version and priority are kept in info
 # as Trinity-RFT keeps them; version_segments holds an experience's [version, offset] pairs, [k, 2]
-# (client/trxp/segments.py).
+# (client/trxp/segments.py); info's keys are merged into info, none of them given twice.
 META_COLUMNS: dict[str, tuple[str, int, str | None]] = {
     "reward": ("F64", 0, None),
     "prompt_length": ("I64", 0, None),
     "model_version": ("I64", 0, "model_version"),
     "priority": ("F64", 0, "priority"),
     segments.KEY: ("I64", 2, segments.KEY),
+    INFO: ("U8", 1, INFO),
 }
 SCALARS = {name: dtype for name, (dtype, ndim, _) in META_COLUMNS.items() if not ndim}  # one value each
 MAX_NDIM = 64  # dimensions of one experience's tensor in a column
@@ -261,6 +264,8 @@ class _Cursor:
             end += nbytes
             if metadata is None:
                 sizes[index] += nbytes
+            elif name == INFO:
+                work.charge(nbytes)  # the JSON parser is linear in its input
             elif ndim:
                 if dims[1] != 2:
                     raise TrxpError(f"{where}: experience {index}'s shape {list(dims)} is not [pairs, 2]")
@@ -280,17 +285,21 @@ class _Cursor:
         start = self.offset
         end = start + (0 if 0 in dims else math.prod(dims)) * self.itemsize
         if self.metadata is not None:
-            value: Any
-            if ndim:
+            key, info = self.metadata[2], meta["info"]
+            if name == INFO:
+                given = _info(self.where, self.next, data[start:end])
+                if given.keys() & info.keys():
+                    raise TrxpError(f"{self.where}: experience {self.next}'s info gives {_twice(given, info)} twice")
+                info.update(given)
+            elif key is None:
+                meta[name] = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
+            elif key in info:
+                raise TrxpError(f"{self.where}: experience {self.next}'s info gives {key!r} twice")
+            elif ndim:
                 flat = struct.unpack_from(f"<{2 * dims[0]}q", data, start)
-                value = [[flat[at], flat[at + 1]] for at in range(0, len(flat), 2)]
+                info[key] = [[flat[at], flat[at + 1]] for at in range(0, len(flat), 2)]
             else:
-                value = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
-            key = self.metadata[2]
-            if key is None:
-                meta[name] = value
-            else:
-                meta["info"][key] = value
+                info[key] = struct.unpack_from(_FORMATS[self.dtype], data, start)[0]
         elif name in tensors:
             raise TrxpError(f"{self.where}: experience {self.next} has the field in two columns")
         elif places is not None:
@@ -300,6 +309,23 @@ class _Cursor:
             tensors[name] = RawTensor(self.dtype, dims, data[start:end])
         self.position, self.offset = position + 1, end
         self.next = self.items[position + 1] if position + 1 < len(self.items) else -1
+
+
+def _info(where: str, index: int, text: memoryview) -> dict[str, Any]:
+    """An experience's info column: a JSON object, read within JSON's own nesting."""
+    try:
+        value = json.loads(bytes(text).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise TrxpError(
+            f"{where}: experience {index}'s info is not a JSON object in UTF-8 ({clip(str(exc))})"
+        ) from None
+    if not isinstance(value, dict):
+        raise TrxpError(f"{where}: experience {index}'s info is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _twice(given: dict[str, Any], info: dict[str, Any]) -> str:
+    return ", ".join(repr(key) for key in sorted(given.keys() & info.keys()))
 
 
 def _nbytes(where: str, index: int, dims: Sequence[int], itemsize: int) -> int:
