@@ -14,8 +14,8 @@ import torch
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.server.app import ExpbufServer
-from expbuf.server.store import Store
-from expbuf.server.store.disk import digests, layout
+from expbuf.server.store import Entry, Store
+from expbuf.server.store.disk import digests, layout, shared_prompts
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import scrape, take
@@ -278,3 +278,24 @@ def test_the_metrics_show_the_shared_prompts(server: ExpbufServer, client: Buffe
     after = scrape(server.metrics_port)
     assert after[("expbuf_shared_prompts", ())] == 2
     assert after[("expbuf_shared_prompt_bytes", ())] >= 2 * PROMPT * 8  # two 4 KiB prompts, once each
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint16, torch.float32])
+def test_the_prompt_bytes_an_entry_carries_are_the_span_the_writer_would_find(dtype: torch.dtype) -> None:
+    """The writer shares a prompt only where Entry.prompt_bytes reaches MIN_BYTES, without reading
+    the payload's header: for every prompt length about the threshold, the span the header gives
+    (shared_prompts._prompt_span) is there exactly then, and as long."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    threshold = shared_prompts.MIN_BYTES // itemsize
+    for prompt in (0, 1, threshold - 1, threshold, threshold + 1, 3 * threshold):
+        exp = Experience(
+            eid=EID(task=prompt, run=0, suffix="s"),
+            tokens=torch.arange(prompt + 5).to(dtype),
+            prompt_length=prompt,
+            logprobs=torch.zeros(5),
+        )
+        (entry,) = [Entry.of(item) for item in items(exp)]
+        span = shared_prompts._prompt_span(entry.blob, entry.response_length)
+        assert entry.prompt_bytes == prompt * itemsize
+        assert (span is not None) == (entry.prompt_bytes >= shared_prompts.MIN_BYTES), prompt
+        assert span is None or span[1] - span[0] == entry.prompt_bytes
