@@ -20,7 +20,6 @@ client's and the server's CPU µs per experience (the client's process time, the
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -37,8 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_decode import server_cpu  # noqa: E402
-from bench_service import serving  # noqa: E402
-from results import write_section  # noqa: E402
+from bench_service import main_on_a_server  # noqa: E402
 
 from expbuf.client import EID, BufferClient, ColumnBatch, Experience  # noqa: E402
 
@@ -170,15 +168,7 @@ def report(command: str, load: str, results: dict[str, dict[str, list[float]]]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    args = parser.parse_args()
-    command = ("python bench/bench_column_push.py " + " ".join(sys.argv[1:])).strip()
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    with serving() as server:
-        results = measure(server.target, server.proc.pid, args.rounds)
-    write_section(Path(args.out), HEADING, report(command, load, results))
+    main_on_a_server("bench_column_push.py", HEADING, 5, measure, report)
 
 
 if __name__ == "__main__":

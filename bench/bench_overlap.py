@@ -15,7 +15,6 @@ client decodes it on a thread of its own. Experiences a second, the client's and
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,8 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_decode import BATCH, SERIAL, server_cpu  # noqa: E402
 from bench_reverb import make_pushes, restamp  # noqa: E402
-from bench_service import serving  # noqa: E402
-from results import write_section  # noqa: E402
+from bench_service import main_on_a_server  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 
@@ -97,17 +95,7 @@ def report(command: str, load: str, results: dict[tuple[int, int], list[tuple[fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    args = parser.parse_args()
-    command = ("python bench/bench_overlap.py " + " ".join(sys.argv[1:])).strip()
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    with serving() as server:
-        results = measure(server.target, server.proc.pid, args.rounds)
-    section = report(command, load, results)
-    print(section)
-    write_section(Path(args.out), HEADING, section)
+    main_on_a_server("bench_overlap.py", HEADING, 3, measure, report)
 
 
 if __name__ == "__main__":

@@ -30,14 +30,16 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import lmdb
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 HERE = Path(__file__).resolve().parent
+R = TypeVar("R")  # a benchmark's results
 sys.path.insert(0, str(HERE))
 
 from bench_store import experience  # noqa: E402
@@ -95,6 +97,29 @@ def serving() -> Iterator[Proc]:
             yield server
         finally:
             server.stop()
+
+
+def main_on_a_server(
+    script: str,
+    heading: str,
+    rounds: int,
+    measure: Callable[[str, int, int], R],
+    report: Callable[[str, str, R], str],
+) -> None:
+    """A benchmark's main against one `expbuf serve` child: `--rounds` (default `rounds`) and
+    `--out`; `measure(target, server pid, rounds)` on a fresh server, and its `report(command,
+    load average, results)` printed and written as the section `heading` of `--out`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args()
+    command = (f"python bench/{script} " + " ".join(sys.argv[1:])).strip()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    with serving() as server:
+        results = measure(server.target, server.proc.pid, args.rounds)
+    section = report(command, load, results)
+    print(section)
+    write_section(Path(args.out), heading, section)
 
 
 def make_payloads(count: int, tokens: int = 5000) -> list[bytes]:

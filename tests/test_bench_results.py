@@ -21,12 +21,13 @@ def write_section(path: Path, heading: str, section: str) -> None:
 
 
 def headings_written() -> set[str]:
-    """The heading each benchmark passes to write_section, as a literal or its HEADING."""
+    """The heading each benchmark passes to write_section (or bench_service.main_on_a_server), as a
+    literal or its HEADING."""
     found = set()
     for script in BENCH.glob("*.py"):
         source = script.read_text()
         constant = re.search(r'^HEADING = "(## [^"]+)"', source, re.M)
-        for argument in re.findall(r"write_section\([^,]+, (\"## [^\"]+\"|HEADING)", source):
+        for argument in re.findall(r"(?:write_section|main_on_a_server)\([^,]+, (\"## [^\"]+\"|HEADING)", source):
             found.add(constant.group(1) if argument == "HEADING" else argument.strip('"'))
     return found
 

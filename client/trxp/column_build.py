@@ -143,16 +143,17 @@ def _tensor_columns(name: str, given: Any, count: int) -> list[tuple[pb.Column, 
         )
     if len(given) != count:
         raise TrxpError(f"field {name!r}: {len(given)} values for {count} experiences")
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(given):
-        if tensor is not None:
-            by_dtype.setdefault(torch.as_tensor(tensor).dtype, []).append(index)
-    out = []
-    for indices in by_dtype.values():
-        tensors = [torch.as_tensor(given[index]) for index in indices]
-        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
-        out.append(_column(name, flat, indices, [tuple(tensor.shape) for tensor in tensors]))
-    return out
+    by_dtype: dict[torch.dtype, dict[int, torch.Tensor]] = {}
+    for index, value in enumerate(given):
+        if value is not None:
+            tensor = torch.as_tensor(value)
+            by_dtype.setdefault(tensor.dtype, {})[index] = tensor
+    return [
+        _column(
+            name, torch.cat([t.reshape(-1) for t in held.values()]), list(held), [tuple(t.shape) for t in held.values()]
+        )
+        for held in by_dtype.values()
+    ]
 
 
 def _nested(name: str, given: torch.Tensor, count: int) -> tuple[pb.Column, memoryview]:

@@ -6,6 +6,7 @@ needs no protobuf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -164,9 +165,7 @@ def select(batch: ColumnPayload, rows: Sequence[int]) -> bytes:
         kept = pb.Column(name=column.name, dtype=column.dtype, ndim=ndim)
         for position, item in enumerate(column.items):
             dims = column.shapes[position * ndim : (position + 1) * ndim]
-            count = itemsize
-            for dim in dims:
-                count *= dim
+            count = math.prod(dims) * itemsize
             if item in where:
                 kept.items.append(where[item])
                 kept.shapes.extend(dims)
