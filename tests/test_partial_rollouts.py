@@ -5,6 +5,7 @@ pieces to the prompt's next claimant, who continues them, and the group trains o
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -12,10 +13,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
-from expbuf.client import EID, BufferClient, Experience, InvalidArgumentError, TrxpError, trxp
+from expbuf.client import EID, AsyncBufferClient, BufferClient, Experience, InvalidArgumentError, TrxpError, trxp
 from expbuf.client.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -23,11 +25,13 @@ from expbuf.client.errors import (
     ResourceExhaustedError,
 )
 from expbuf.client.rollout_pieces import continuation, split
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import make_experience, scrape
+from helpers import make_experience, scrape, serving
 from test_store import Clock
 
 PROMPT, RESPONSE = 5, 12
@@ -328,3 +332,58 @@ def test_pieces_count_against_capacity_bytes(client: BufferClient) -> None:
         if client.stats("evict")["evict"].evicted:
             break
     assert client.stats("evict")["evict"].evicted == 1
+
+
+def test_a_rollout_larger_than_a_message_comes_whole_in_parts(start_server: Servers) -> None:
+    """A long agentic rollout held in pieces may outgrow one message: get_partials reads it in parts
+    (ReadPartials), whole, from the blocking and asyncio clients, and with a receive limit of the
+    client's own smaller than the server's; the unary GetPartials an older client calls refuses it
+    by name, as before."""
+    server = start_server(max_message_bytes=4 << 20)
+    target = f"127.0.0.1:{server.port}"
+    whole = rollout(run=0)
+    whole.multi_modal_inputs = {"pixel_values": torch.rand(1500, 1000)}  # 6 MB: more than a message
+    first, _ = split(whole, [4])
+    small = rollout(run=1)
+    with BufferClient(target, timeout=120, push_chunk_bytes=1 << 20) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        assert client.push([first, split(small, [4])[0]], table="t").partial == [first.eid.uid, small.eid.uid]
+        held = {exp.eid.uid: exp for exp in client.get_partials(["0/0"], table="t")}
+
+    async def read() -> list[Experience]:
+        async with AsyncBufferClient(target, timeout=120) as aio:
+            return await aio.get_partials(["0/0"], table="t")
+
+    with BufferClient(target, timeout=120, max_message_bytes=1 << 20, push_chunk_bytes=0) as narrow:
+        narrowed = narrow.get_partials(["0/0"], table="t")
+    for got in (list(held.values()), asyncio.run(read()), narrowed):
+        assert sorted(exp.eid.uid for exp in got) == sorted([first.eid.uid, small.eid.uid])
+        big = next(exp for exp in got if exp.eid.uid == first.eid.uid)
+        assert torch.equal(big.multi_modal_inputs["pixel_values"], whole.multi_modal_inputs["pixel_values"])
+        assert torch.equal(big.tokens, whole.tokens[: PROMPT + 4]) and big.info["partial"] is True
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.ExperienceBufferStub(channel).GetPartials(
+            pb.GetPartialsRequest(table="t", uids=[first.eid.uid]), timeout=60
+        )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "raise max_message_bytes" in (refused.value.details() or "")
+
+
+class OlderServer(pb_grpc.ExperienceBufferServicer):
+    """A server of a release before ReadPartials: the unary GetPartials alone answers."""
+
+    def __init__(self, experiences: list[Experience]) -> None:
+        self.payload = trxp.encode(experiences)
+        self.asked: list[list[str]] = []
+
+    def GetPartials(self, request: pb.GetPartialsRequest, context: object) -> pb.GetReply:
+        self.asked.append(list(request.task_ids))
+        return pb.GetReply(payload=self.payload)
+
+
+def test_get_partials_of_a_server_without_read_partials_falls_back_to_the_unary_call() -> None:
+    piece, _ = split(rollout(run=0), [4])
+    older = OlderServer([piece])
+    with serving(older) as target, BufferClient(target, timeout=10) as client:
+        (got,) = client.get_partials(["0/0"], table="t")
+    assert torch.equal(got.tokens, piece.tokens) and older.asked == [["0/0"]]

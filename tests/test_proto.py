@@ -32,7 +32,7 @@ def test_service_has_every_rpc_of_the_design() -> None:
         "Admit", "FinishGrant", "ListExperiences", "ResetOffPolicy", "Writers",
         "CreateDataset", "ListDatasets", "Claim", "RenewClaims", "ReleaseClaims", "ReportPrompts", "ListPrompts",
         "Retire", "ReadFields",
-        "PutValues", "GetValues", "ClearValues", "FailRuns", "GetPartials",
+        "PutValues", "GetValues", "ClearValues", "FailRuns", "GetPartials", "ReadPartials",
     }  # fmt: skip
     assert service.methods_by_name["PushStream"].client_streaming
     assert service.methods_by_name["Sample"].server_streaming

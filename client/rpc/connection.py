@@ -23,7 +23,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
-from .sample_reply import read_fields_method, sample_method
+from .sample_reply import PARTS_METHODS, parts_method, sample_method
 from .wire import BUSY, reason_of
 
 
@@ -67,6 +67,7 @@ RETRIED_METHODS = frozenset(
         "Get",
         "ReadFields",
         "GetPartials",
+        "ReadPartials",
         "ListExperiences",
         "Stats",
         "ServerInfo",
@@ -281,8 +282,9 @@ class ClientBase:
         self._stub = pb_grpc.ExperienceBufferStub(self._channel)
         self._unretried = pb_grpc.ExperienceBufferStub(self._unretried_channel)
         self._sample = sample_method(self._channel)  # replies read with one copy of their payload
-        self._read_fields = {
-            retried: read_fields_method(channel)
+        self._parts_methods = {
+            (name, retried): parts_method(channel, name)
+            for name in PARTS_METHODS
             for retried, channel in ((True, self._channel), (False, self._unretried_channel))
         }
 
@@ -329,6 +331,6 @@ class ClientBase:
             "metadata": self._metadata,
             "wait_for_ready": call.retry and self.wait_for_ready,
         }
-        if call.method == "ReadFields":  # its replies read as Sample's are (sample_reply.py)
-            return self._read_fields[retried], keywords
+        if call.method in PARTS_METHODS:  # its replies read as Sample's are (sample_reply.py)
+            return self._parts_methods[call.method, retried], keywords
         return getattr(self._stub if retried else self._unretried, call.method), keywords

@@ -209,13 +209,14 @@ def get_partials(
     task_ids: Iterable[str], uids: Iterable[str], table: str, max_reply_bytes: int
 ) -> Unary[tuple[list[Experience], list[str]]]:
     """The rollouts of these tasks and uids held in pieces, each as it stands (marked partial), as
-    many as one reply holds, and the uids of the others, to ask for again."""
+    many as one reply holds (in parts, a rollout larger than a message alone), and the uids of the
+    others, to ask for again. An older server, without ReadPartials, answers the unary GetPartials."""
     request = pb.GetPartialsRequest(
         table=table, task_ids=list(task_ids), uids=list(uids), max_reply_bytes=max_reply_bytes
     )
-    return Unary(
-        "GetPartials",
-        request,
-        lambda reply: (trxp.decode(reply.payload), list(reply.missing_uids)),
-        retry=True,
-    )
+
+    def read(reply: SampleReplyParts) -> tuple[list[Experience], list[str]]:
+        return trxp.decode(reply.payload), list(reply.rest.missing_uids)
+
+    unary = Unary("GetPartials", request, lambda r: (trxp.decode(r.payload), list(r.missing_uids)), retry=True)
+    return Unary("ReadPartials", request, read, retry=True, parts=True, fallback=unary)

@@ -32,7 +32,9 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..errors import DataLossError
 
 SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
-READ_FIELDS_METHOD = "/expbuf.v1.ExperienceBuffer/ReadFields"
+# The calls of one request answered by a stream of SampleReply, one reply in one message or in
+# parts: the method and its request's type.
+PARTS_METHODS: dict[str, type[Any]] = {"ReadFields": pb.ReadFieldsRequest, "ReadPartials": pb.GetPartialsRequest}
 _PAYLOAD_TAG = 0x0A  # field 1 (payload), length-delimited
 _PART_TAG = 0x6A  # field 13 (part), length-delimited
 _WHOLE_TAG = 0x70  # field 14 (whole_bytes), varint
@@ -265,10 +267,10 @@ def sample_method(channel: Any) -> Any:
     )
 
 
-def read_fields_method(channel: Any) -> Any:
-    """The ReadFields call of `channel` (blocking or asyncio), its replies read as Sample's."""
+def parts_method(channel: Any, name: str) -> Any:
+    """The call `name` of PARTS_METHODS on `channel` (blocking or asyncio), its replies read as Sample's."""
     return channel.unary_stream(
-        READ_FIELDS_METHOD,
-        request_serializer=pb.ReadFieldsRequest.SerializeToString,
+        f"/expbuf.v1.ExperienceBuffer/{name}",
+        request_serializer=PARTS_METHODS[name].SerializeToString,
         response_deserializer=read_sample_reply,
     )

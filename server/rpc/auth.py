@@ -27,6 +27,7 @@ SCOPE_OF_METHOD = {
     "Seal": "push",
     "FailRuns": "push",
     "GetPartials": "push",
+    "ReadPartials": "push",
     "PutValues": "push",
     "ClearValues": "push",
     "GetValues": "sample",

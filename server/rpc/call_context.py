@@ -88,7 +88,7 @@ def refusals(method: Callable) -> Callable:
         self.metrics.refused.labels(label, reason).inc()
         refuse(context, code, clip(str(exc), 1000), reason)
 
-    if method.__name__ in ("Sample", "PushStream", "ReadFields"):
+    if method.__name__ in ("Sample", "PushStream", "ReadFields", "ReadPartials"):
 
         @functools.wraps(method)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:

@@ -20,13 +20,13 @@ from ..store.schema.sample_spec import check_fields
 from ..store.schema.states import LIVE
 from .call_context import MIN_REPLY_BYTES, ids_of, refusals
 from .interceptor import refuse
-from .replies import ReplyTooLarge, fields_reply
+from .replies import ReplyTooLarge, fields_reply, payload_reply
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 
 
 class ReadCalls:
-    """Get, ReadFields and ListExperiences."""
+    """Get, GetPartials, ReadPartials, ReadFields and ListExperiences."""
 
     store: Backend
     max_message_bytes: int
@@ -52,15 +52,42 @@ class ReadCalls:
 
     @refusals
     def GetPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> pb.GetReply:
+        payload, rest = self._partials(request, alone=False)
+        return pb.GetReply(payload=payload, missing_uids=rest)
+
+    @refusals
+    def ReadPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """GetPartials' rollouts as one SampleReply, in parts when large: for a client that takes
+        parts (max_reply_bytes), a rollout larger than its limit comes alone."""
+        parts = request.max_reply_bytes > 0
+        payload, rest = self._partials(request, alone=parts)
+        try:
+            yield from payload_reply(payload, rest, self._reply_limit(request, "GetPartialsRequest"), parts)
+        except ReplyTooLarge as exc:
+            refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the rollouts read from table '{request.table or 'default'}' take {exc.args[0]} bytes, more than "
+                f"one message (the server's max_message_bytes = {self.max_message_bytes}), and this client sent no "
+                "max_reply_bytes, so it cannot take them in parts",
+                Reason.TOO_LARGE,
+            )
+
+    def _partials(self, request: pb.GetPartialsRequest, *, alone: bool) -> tuple[bytes, list[str]]:
+        """The payload of the rollouts held in pieces that a request names, as many as a reply of
+        its limit holds (with `alone`, the first one whatever its size), and the uids of the others."""
+        limit = self._reply_limit(request, "GetPartialsRequest")
+        tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
+        return self.store.get_partials(request.table or "default", tids, uids, limit, alone=alone)
+
+    def _reply_limit(self, request: pb.GetPartialsRequest | pb.ReadFieldsRequest, name: str) -> int:
+        """The bytes a reply may take: the client's max_reply_bytes within the server's largest message."""
         if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
             raise InvalidRequest(
-                f"GetPartialsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (the server's "
-                f"max_message_bytes) or at least {MIN_REPLY_BYTES}"
+                f"{name}: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message, at most the "
+                f"server's max_message_bytes) or at least {MIN_REPLY_BYTES}"
             )
-        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
-        tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
-        payload, rest = self.store.get_partials(request.table or "default", tids, uids, limit)
-        return pb.GetReply(payload=payload, missing_uids=rest)
+        return min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
 
     @refusals
     def ReadFields(self, request: pb.ReadFieldsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -86,12 +113,7 @@ class ReadCalls:
                 f"ReadFieldsRequest: {', '.join(sorted(PREFIX_FIELDS & set(fields)))} read whole prompts and "
                 "responses, not shares of them: read them without shares"
             )
-        if 0 < request.max_reply_bytes < MIN_REPLY_BYTES:
-            raise InvalidRequest(
-                f"ReadFieldsRequest: max_reply_bytes = {request.max_reply_bytes}; it must be 0 (one message) "
-                f"or at least {MIN_REPLY_BYTES}"
-            )
-        limit = min(self.max_message_bytes, request.max_reply_bytes or self.max_message_bytes)
+        limit = self._reply_limit(request, "ReadFieldsRequest")
         cost = None
         if request.lease_id:
             uids, cost = self._part(table, request, uids, context)

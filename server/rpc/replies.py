@@ -119,8 +119,32 @@ def fields_reply(
     return _messages(batch, render, limit, parts)
 
 
+class _Built:
+    """A reply's bytes built whole beforehand (a payload of rollouts put together from their
+    pieces): nothing to keep readable, nothing to release."""
+
+    @staticmethod
+    def keep(runs: list[Run]) -> list[Run]:
+        return runs
+
+    @staticmethod
+    def read(use: Callable[[], T]) -> T:
+        return use()
+
+    @staticmethod
+    def release() -> None:
+        return None
+
+
+def payload_reply(payload: bytes, missing: Sequence[str], limit: int, parts: bool) -> Iterator[bytes]:
+    """The messages of a SampleReply of a TRXP `payload` made beforehand and `missing` uids
+    (ReadPartials), cut as sample_reply cuts a batch's."""
+    rest = pb.SampleReply(missing_uids=missing).SerializeToString()
+    return _messages(_Built(), lambda cut: cut([_PAYLOAD_TAG, _varint(len(payload)), payload, rest]), limit, parts)
+
+
 def _messages(
-    batch: Sampled,
+    batch: Sampled | _Built,
     render: Callable[[Callable[[list[Run]], tuple[int, bytes]]], tuple[int, bytes]],
     limit: int,
     parts: bool,
@@ -226,7 +250,7 @@ class PassBytes(ServiceInterceptor):
             return grpc.stream_stream_rpc_method_handler(
                 handler.stream_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
             )
-        if handler.unary_stream and method == "ReadFields":
+        if handler.unary_stream and method in ("ReadFields", "ReadPartials"):
             return grpc.unary_stream_rpc_method_handler(
                 handler.unary_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
             )

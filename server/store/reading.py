@@ -45,11 +45,12 @@ class ReadCalls:
         return self.reads.payload(table, uids)
 
     def get_partials(
-        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0
+        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False
     ) -> tuple[bytes, list[str]]:
         """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, as they stand,
-        within `limit` bytes (0: all), and those left out (Reads.partials)."""
-        return self.reads.partials(table, tids, uids, limit)
+        within `limit` bytes (0: all; `alone`: the first whatever its size), and those left out
+        (Reads.partials)."""
+        return self.reads.partials(table, tids, uids, limit, alone=alone)
 
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False

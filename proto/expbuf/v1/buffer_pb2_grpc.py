@@ -99,6 +99,11 @@ class ExperienceBufferStub:
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
                 response_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
                 _registered_method=True)
+        self.ReadPartials = channel.unary_stream(
+                '/expbuf.v1.ExperienceBuffer/ReadPartials',
+                request_serializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
+                response_deserializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.FromString,
+                _registered_method=True)
         self.PutValues = channel.unary_unary(
                 '/expbuf.v1.ExperienceBuffer/PutValues',
                 request_serializer=expbuf_dot_v1_dot_buffer__pb2.PutValuesRequest.SerializeToString,
@@ -310,7 +315,15 @@ class ExperienceBufferServicer:
         info["partial"]), each put together as it stands and marked partial: what a worker continues,
         its next piece at info["partial_offset"] = its tokens. A prompt's next claimant gets those of
         the attempt whose claim ended under its own task. The reply's missing_uids are rollouts held
-        that did not fit in it.
+        that did not fit in it; a rollout larger than one message alone is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadPartials(self, request, context):
+        """GetPartials' rollouts in a reply as Sample's (payload and missing_uids of one SampleReply, in
+        parts when large): a rollout larger than one message comes whole, alone in its reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -547,6 +560,11 @@ def add_ExperienceBufferServicer_to_server(servicer, server):
                     servicer.GetPartials,
                     request_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.FromString,
                     response_serializer=expbuf_dot_v1_dot_buffer__pb2.GetReply.SerializeToString,
+            ),
+            'ReadPartials': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadPartials,
+                    request_deserializer=expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.FromString,
+                    response_serializer=expbuf_dot_v1_dot_buffer__pb2.SampleReply.SerializeToString,
             ),
             'PutValues': grpc.unary_unary_rpc_method_handler(
                     servicer.PutValues,
@@ -1005,6 +1023,33 @@ class ExperienceBuffer:
             '/expbuf.v1.ExperienceBuffer/GetPartials',
             expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
             expbuf_dot_v1_dot_buffer__pb2.GetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadPartials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/expbuf.v1.ExperienceBuffer/ReadPartials',
+            expbuf_dot_v1_dot_buffer__pb2.GetPartialsRequest.SerializeToString,
+            expbuf_dot_v1_dot_buffer__pb2.SampleReply.FromString,
             options,
             channel_credentials,
             insecure,

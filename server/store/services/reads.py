@@ -82,12 +82,13 @@ class Reads:
         return found
 
     def partials(
-        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0
+        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False
     ) -> tuple[bytes, list[str]]:
         """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, each put
         together as it stands and marked partial (rules/partials.py), read from a snapshot, off the
         writer; with `limit`, as many as a reply of that many bytes holds with the names of the
-        others, which are returned to ask for again (one too large alone is refused, TooLarge)."""
+        others, which are returned to ask for again. A first one too large for the reply comes
+        `alone` (for a reply in parts), or is refused, TooLarge."""
         table_id, config = self.catalog.lookup(table)
         with self.environment.read() as txn:
             tt = self.catalog.state(txn, table_id, config)
@@ -96,7 +97,7 @@ class Reads:
             items: list[RawItem] = []
             rest: list[str] = []
             for uid, size in held:
-                if limit and (rest or size > budget):
+                if limit and (rest or size > budget) and (items or not alone):
                     rest.append(uid)
                     continue
                 items.append(partials.so_far(tt, uid))
