@@ -203,10 +203,10 @@ def memcpy() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--sizes", default="1,8,64,256,512", help="experience sizes in MiB")
+    parser.add_argument("--sizes", default="1,8,64,256,512", help="experience sizes in MiB (0.25: 256 KiB)")
     parser.add_argument("--total", type=int, default=1024, help="MiB pushed and consumed per size")
     args = parser.parse_args()
-    sizes = [int(s) * MB for s in args.sizes.split(",")]
+    sizes = [int(float(s) * MB) for s in args.sizes.split(",")]
     total = args.total * MB
     load = os.getloadavg()
     copy = memcpy()
@@ -217,7 +217,7 @@ def main() -> None:
     for size in sizes:
         f = ours[size]
         rows.append(
-            f"| {size // MB} MiB | {int(f['count'])} | {f['push'] / MB:,.0f} / {lmdb_rates[size] / MB:,.0f} | "
+            f"| {size / MB:g} MiB | {int(f['count'])} | {f['push'] / MB:,.0f} / {lmdb_rates[size] / MB:,.0f} | "
             f"**{f['push'] / lmdb_rates[size]:.2f}** | {f['consume'] / MB:,.0f} / {stream_rates[size] / MB:,.0f} | "
             f"**{f['consume'] / stream_rates[size]:.2f}** | {f['push'] / copy:.1%} / {f['consume'] / copy:.1%} | "
             f"{f['push_peak']:,.0f} / {f['push_anon']:,.0f} | {f['consume_peak']:,.0f} / {f['consume_anon']:,.0f} |"
