@@ -348,7 +348,7 @@ def test_a_rollout_larger_than_a_message_comes_whole_in_parts(start_server: Serv
     with BufferClient(target, timeout=120, push_chunk_bytes=1 << 20) as client:
         client.create_table("t", group_size=2, estimator="none")
         assert client.push([first, split(small, [4])[0]], table="t").partial == [first.eid.uid, small.eid.uid]
-        held = {exp.eid.uid: exp for exp in client.get_partials(["0/0"], table="t")}
+        held = client.get_partials(["0/0"], table="t")
 
     async def read() -> list[Experience]:
         async with AsyncBufferClient(target, timeout=120) as aio:
@@ -356,7 +356,7 @@ def test_a_rollout_larger_than_a_message_comes_whole_in_parts(start_server: Serv
 
     with BufferClient(target, timeout=120, max_message_bytes=1 << 20, push_chunk_bytes=0) as narrow:
         narrowed = narrow.get_partials(["0/0"], table="t")
-    for got in (list(held.values()), asyncio.run(read()), narrowed):
+    for got in (held, asyncio.run(read()), narrowed):
         assert sorted(exp.eid.uid for exp in got) == sorted([first.eid.uid, small.eid.uid])
         big = next(exp for exp in got if exp.eid.uid == first.eid.uid)
         assert torch.equal(big.multi_modal_inputs["pixel_values"], whole.multi_modal_inputs["pixel_values"])
@@ -366,7 +366,13 @@ def test_a_rollout_larger_than_a_message_comes_whole_in_parts(start_server: Serv
             pb.GetPartialsRequest(table="t", uids=[first.eid.uid]), timeout=60
         )
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "raise max_message_bytes" in (refused.value.details() or "")
+    assert f"rollout {first.eid.uid} held in pieces takes more than a reply" in (refused.value.details() or "")
+    with grpc.insecure_channel(target) as channel:  # a ReadPartials that takes no parts is refused so too
+        request = pb.GetPartialsRequest(table="t", uids=[first.eid.uid])
+        with pytest.raises(grpc.RpcError) as whole:
+            list(channel.unary_stream("/expbuf.v1.ExperienceBuffer/ReadPartials")(request.SerializeToString()))
+    assert whole.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "a client that takes replies in parts" in (whole.value.details() or "")
 
 
 class OlderServer(pb_grpc.ExperienceBufferServicer):

@@ -52,17 +52,18 @@ class ReadCalls:
 
     @refusals
     def GetPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        payload, rest = self._partials(request, alone=False)
+        limit = self._reply_limit(request, "GetPartialsRequest")
+        payload, rest = self._partials(request, limit, alone=False)
         return pb.GetReply(payload=payload, missing_uids=rest)
 
     @refusals
     def ReadPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """GetPartials' rollouts as one SampleReply, in parts when large: for a client that takes
         parts (max_reply_bytes), a rollout larger than its limit comes alone."""
-        parts = request.max_reply_bytes > 0
-        payload, rest = self._partials(request, alone=parts)
+        parts, limit = request.max_reply_bytes > 0, self._reply_limit(request, "GetPartialsRequest")
+        payload, rest = self._partials(request, limit, alone=parts)
         try:
-            yield from payload_reply(payload, rest, self._reply_limit(request, "GetPartialsRequest"), parts)
+            yield from payload_reply(payload, rest, limit, parts)
         except ReplyTooLarge as exc:
             refuse(
                 context,
@@ -73,10 +74,9 @@ class ReadCalls:
                 Reason.TOO_LARGE,
             )
 
-    def _partials(self, request: pb.GetPartialsRequest, *, alone: bool) -> tuple[bytes, list[str]]:
+    def _partials(self, request: pb.GetPartialsRequest, limit: int, *, alone: bool) -> tuple[bytes, list[str]]:
         """The payload of the rollouts held in pieces that a request names, as many as a reply of
-        its limit holds (with `alone`, the first one whatever its size), and the uids of the others."""
-        limit = self._reply_limit(request, "GetPartialsRequest")
+        `limit` bytes holds (with `alone`, the first one whatever its size), and the uids of the others."""
         tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
         return self.store.get_partials(request.table or "default", tids, uids, limit, alone=alone)
 

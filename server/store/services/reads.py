@@ -105,7 +105,8 @@ class Reads:
             if rest and not items:
                 raise TooLarge(
                     f"rollout {clip(rest[0])} held in pieces takes more than a reply of {limit} bytes carries; "
-                    "raise max_message_bytes on the server and the client"
+                    "raise max_message_bytes on the server and the client, or read it with a client that takes "
+                    "replies in parts (get_partials of this release: ReadPartials with max_reply_bytes)"
                 )
             return build(items), rest
 
