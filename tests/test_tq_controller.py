@@ -22,6 +22,7 @@ from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType  # noqa: E
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.client.transferqueue.controller import DurableController, JournalSettings, _Unmeasured  # noqa: E402
 from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key  # noqa: E402
+from expbuf.client.transferqueue.storage import server_of  # noqa: E402
 
 from conftest import Servers  # noqa: E402
 
@@ -37,7 +38,10 @@ def test_settings_come_from_the_backend_and_the_controller_s_own() -> None:
     plain = OmegaConf.create({"backend": {"storage_backend": "SimpleStorage"}})
     assert JournalSettings.from_conf(plain) is None  # another backend: TransferQueue's controller as it is
     settings = JournalSettings.from_conf(conf("h:1", snapshot_every=5))
-    assert settings == JournalSettings(target="h:1", table="tq", snapshot_every=5)
+    assert settings == JournalSettings(where=server_of({"target": "h:1"}, "here"), table="tq", snapshot_every=5)
+    shards = OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": {"shards": ["a:1", "b:2"]}}})
+    shards.controller = {"Expbuf": {"target": "h:1"}}  # the controller's own server replaces the backend's shards
+    assert JournalSettings.from_conf(shards).where["target"] == "h:1"
     assert JournalSettings.from_conf(conf("h:1", journal=False)) is None
     with pytest.raises(ValueError, match="target"):
         JournalSettings.from_conf(OmegaConf.create({"controller": {"Expbuf": {"table": "t"}}}))

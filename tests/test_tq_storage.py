@@ -7,6 +7,7 @@ expbuf server restarted on its data serves them again. A real server on loopback
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -126,9 +127,55 @@ def test_cuts_keep_each_span_within_the_bound_and_a_larger_value_alone() -> None
     assert expected_bytes(None, torch.float32) == expected_bytes([3], None) == 0
 
 
-def test_a_bad_wait_is_refused_by_name() -> None:
+def test_a_bad_wait_or_server_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="wait_s must be a number of seconds above 0, got None"):
         ExpbufStorageClient({"target": "127.0.0.1:1", "wait_s": None})
+    for config in ({}, {"target": "a:1", "shards": ["b:2"]}):
+        with pytest.raises(ValueError, match=r"backend.Expbuf: name the expbuf server as target .* one of them"):
+            ExpbufStorageClient(config)
+    with pytest.raises(ValueError, match="shards must be a list of host:port"):
+        ExpbufStorageClient({"shards": 5})
+    with pytest.raises(ValueError, match="a shard without its host:port"):
+        ExpbufStorageClient({"shards": ["a:1", ""]})
+
+
+def test_transfer_queue_over_a_sharded_expbuf_keeps_each_key_on_one_shard(
+    ray_cluster: ModuleType, start_server: Servers, tmp_path: Path
+) -> None:
+    """`backend.Expbuf.shards`: TransferQueue's values and its controller's journal spread over a
+    sharded expbuf's servers, each key on the one shard the sharded client places it on, read
+    back and cleared through TransferQueue's own API."""
+    targets = [f"127.0.0.1:{start_server(tmp_path / f'shard{n}').port}" for n in range(2)]
+    backend = {"shards": targets, "table": "tq_shards"}
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": backend}}))
+    try:
+        keys = [f"k{i}" for i in range(16)]
+        fields = TensorDict({"ids": torch.arange(16 * 3).reshape(16, 3), "score": torch.arange(16.0)}, batch_size=16)
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=fields)
+        names = [f"{i}@{field}" for i in range(16) for field in ("ids", "score")]
+        held = []
+        for target in targets:
+            with BufferClient(target) as client:
+                held.append(
+                    {name for name, value in zip(names, client.get_values(names, "tq_shards"), strict=True) if value}
+                )
+        assert held[0] | held[1] == set(names) and not held[0] & held[1]  # each key on one shard
+        assert held[0] and held[1]  # 32 keys all on one of two shards: 1 in 2**31
+        first = "controller/journal/" + "1".zfill(20)  # the controller's first journal entry: on one shard
+        with BufferClient(targets[0]) as one, BufferClient(targets[1]) as other:
+            assert [
+                one.get_values([first], "tq_shards")[0] is None,
+                other.get_values([first], "tq_shards")[0] is None,
+            ].count(False) == 1
+        got = tq.kv_batch_get(keys=list(reversed(keys)), partition_id="train")
+        assert rows(got["ids"]) == list(reversed(fields["ids"].tolist()))
+        assert got["score"].tolist() == list(reversed(fields["score"].tolist()))
+        tq.kv_clear(keys=keys, partition_id="train")
+        for target in targets:
+            with BufferClient(target) as client:
+                assert client.get_values(names, "tq_shards") == [None] * len(names)
+    finally:
+        tq.close()
 
 
 def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:

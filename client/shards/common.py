@@ -18,7 +18,7 @@ from ..columns import join_columns
 from ..errors import BufferError
 from ..results import AsyncBatch, Batch, Leases, PushResult, TableInfo
 from ..rpc import calls
-from ..rpc.connection import DEFAULT_TIMEOUT, ChannelOptions, Tls
+from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, ChannelOptions, Tls
 from ..rpc.sample_spec import SampleSpec
 from ..schema.experience import EID
 from ..schema.reasons import Reason
@@ -142,6 +142,7 @@ class Sharded:
         if isinstance(shards, str):
             raise TypeError("pass a list of targets, a {name: target} dict or a ShardMap, not one string")
         self.timeout = options.get("timeout", DEFAULT_TIMEOUT)
+        self.max_message_bytes = options.get("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)  # each shard's client's
         self._options: dict[str, Any] = {"token": token, "tls": tls, **options}
         self.shard_map = shards if isinstance(shards, ShardMap) else ShardMap.of(shards)
         self.clients: dict[str, Any] = {}

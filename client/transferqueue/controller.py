@@ -17,7 +17,7 @@ TransferQueue's `init` names its controller class at one module attribute,
 `transfer_queue.interface.TransferQueueController`; importing this package (as choosing the
 "Expbuf" backend does) points it at `DurableController`. That is the one patch made to
 TransferQueue. The controller journals when the backend is "Expbuf" or `controller.Expbuf` is
-configured (`target`, `table`, `token`, `snapshot_every`, `wait_s`; each defaults to
+configured (`target` or `shards`, `table`, `token`, `snapshot_every`, `wait_s`; each defaults to
 `backend.Expbuf`'s), and behaves exactly as TransferQueue's otherwise.
 
 TransferQueue hands a fetched sample out once (a fetch marks it consumed when it answers), so a
@@ -44,9 +44,8 @@ from transfer_queue.controller import TransferQueueController
 from transfer_queue.sampler import BaseSampler, SequentialSampler
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
-from ..client import BufferClient
 from .journal import Journal
-from .storage import BACKEND, WAIT_SECONDS
+from .storage import BACKEND, WAIT_SECONDS, connect, server_of
 
 REPLAYED = frozenset(
     {
@@ -66,9 +65,8 @@ T = TypeVar("T")
 class JournalSettings:
     """Where the controller keeps its journal, from TransferQueue's config."""
 
-    target: str
+    where: dict[str, Any]  # the server (target) or its shards, the token and max_message_bytes (storage.connect)
     table: str
-    token: str | None = None
     snapshot_every: int = 1000
     wait_s: float = WAIT_SECONDS
 
@@ -83,12 +81,11 @@ class JournalSettings:
         if not (own or stored) or own.get("journal", True) is False:
             return None
         merged = {**stored, **own}
-        if not merged.get("target"):
-            raise ValueError(f"controller.{BACKEND}: name the expbuf server as target (host:port)")
+        if "target" in own or "shards" in own:  # the controller's own server replaces the backend's
+            merged = {**{k: v for k, v in stored.items() if k not in ("target", "shards")}, **own}
         return cls(
-            target=str(merged["target"]),
+            where=server_of(merged, f"controller.{BACKEND}"),
             table=str(merged.get("table") or "transfer_queue"),
-            token=merged.get("token"),
             snapshot_every=int(merged.get("snapshot_every", 1000)),
             wait_s=float(merged.get("wait_s", WAIT_SECONDS)),
         )
@@ -162,9 +159,7 @@ class DurableController(TransferQueueController.__ray_actor_class__):
             settings = JournalSettings.from_conf(conf)
             if settings is not None:
                 # a journal write waits out a restart of the server for up to wait_s, as documented
-                client = BufferClient(
-                    settings.target, token=settings.token, timeout=settings.wait_s, wait_for_ready=True
-                )
+                client = connect(settings.where, settings.wait_s)
                 client.create_table(settings.table, exist_ok=True)
                 journal = Journal(client, settings.table, settings.snapshot_every)
                 self._restore(*journal.load())

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from ..client import BufferClient, BufferError
+from ..shards.blocking import ShardedBufferClient
 from .storage import get_in_halves
 
 PREFIX = "controller/"
@@ -53,7 +54,7 @@ class Head:
 class Journal:
     """Entries and snapshots of one controller in `table`. Not thread-safe: one writer."""
 
-    def __init__(self, client: BufferClient, table: str, snapshot_every: int = 1000) -> None:
+    def __init__(self, client: BufferClient | ShardedBufferClient, table: str, snapshot_every: int = 1000) -> None:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1, not {snapshot_every}")
         self.client = client

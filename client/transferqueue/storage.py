@@ -6,9 +6,11 @@ TransferQueue was told was stored.
 TransferQueue picks a backend by name (`backend.storage_backend`); this module registers
 "Expbuf": a storage manager (TransferQueue's KVStorageManager, which maps its batches to keys
 "{global_index}@{field}") and its client, `ExpbufStorageClient`, configured under
-`backend.Expbuf`: `target` (the server), `table` (created if absent; "transfer_queue" by
-default), `token` where the server asks for one, and `max_message_bytes` (the client's; a
-value of more than half of it is stored in parts).
+`backend.Expbuf`: `target` (the server) or `shards` (a sharded expbuf's servers: a list of
+host:port, or a {name: host:port} map; each key is kept on one of them, as the sharded client
+places keyed values), `table` (created if absent; "transfer_queue" by default), `token` where
+the server asks for one, and `max_message_bytes` (the client's; a value of more than half of it
+is stored in parts).
 
     tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf",
                                           "Expbuf": {"target": "expbuf:50051", "table": "tq"}}}))
@@ -27,18 +29,20 @@ import json
 import math
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import grpc
 import torch
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
 
 from ..client import BufferClient
-from ..errors import ResourceExhaustedError
+from ..errors import BufferError
 from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES
+from ..shards.blocking import ShardedBufferClient
 
 BACKEND = "Expbuf"
 CLIENT = "ExpbufStorageClient"
@@ -98,12 +102,48 @@ def _layout(header: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
     return getattr(torch, fields["dtype"]), tuple(fields["shape"])
 
 
-def get_in_halves(client: BufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
-    """The keys' values, asked for in halves where the server finds them more than a message."""
+def server_of(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The expbuf server a config names (`target`, host:port), or a sharded expbuf's servers
+    (`shards`, a list of host:port or a {name: host:port} map), with its `token` and
+    `max_message_bytes`; ValueError naming `where` for any other."""
+    target, shards = config.get("target"), config.get("shards")
+    if bool(target) == bool(shards):
+        raise ValueError(
+            f"{where}: name the expbuf server as target (host:port), or a sharded expbuf's servers as shards "
+            f"(a list of host:port): one of them, got target={target!r} and shards={shards!r}"
+        )
+    if isinstance(shards, Mapping):
+        shards = {str(name): str(shard) for name, shard in shards.items()}
+    elif shards is not None:
+        if isinstance(shards, str) or not isinstance(shards, Sequence):
+            raise ValueError(
+                f"{where}: shards must be a list of host:port or a {{name: host:port}} map, got {shards!r}"
+            )
+        shards = [str(shard) for shard in shards]
+    if shards is not None and not all(shards.values() if isinstance(shards, dict) else shards):
+        raise ValueError(f"{where}: a shard without its host:port in {shards!r}")
+    return {
+        "target": None if target is None else str(target),
+        "shards": shards,
+        "token": config.get("token"),
+        "max_message_bytes": int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
+    }
+
+
+def connect(server: Mapping[str, Any], timeout: float) -> BufferClient | ShardedBufferClient:
+    """The client of a server `server_of` read: a call waits out a restart for up to `timeout`."""
+    options = {"token": server["token"], "max_message_bytes": server["max_message_bytes"]}
+    if server["shards"] is not None:
+        return ShardedBufferClient(server["shards"], timeout=timeout, wait_for_ready=True, **options)
+    return BufferClient(server["target"], timeout=timeout, wait_for_ready=True, **options)
+
+
+def get_in_halves(client: BufferClient | ShardedBufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
+    """The keys' values, asked for in halves where a server finds them more than a message."""
     try:
         return client.get_values(keys, table)
-    except ResourceExhaustedError:
-        if len(keys) == 1:
+    except BufferError as exc:
+        if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or len(keys) == 1:
             raise
         half = len(keys) // 2
         return get_in_halves(client, keys[:half], table) + get_in_halves(client, keys[half:], table)
@@ -115,20 +155,12 @@ class ExpbufStorageClient(StorageKVClient):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        if not config.get("target"):
-            raise ValueError(f"backend.{BACKEND}: name the expbuf server as target (host:port)")
         self.table = str(config.get("table") or "transfer_queue")
         wait = config.get("wait_s", WAIT_SECONDS)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
             raise ValueError(f"backend.{BACKEND}.wait_s must be a number of seconds above 0, got {wait!r}")
         # A call waits out a restart of the server for up to wait_s, as the controller's journal does.
-        self.client = BufferClient(
-            str(config["target"]),
-            token=config.get("token"),
-            max_message_bytes=int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
-            timeout=float(wait),
-            wait_for_ready=True,
-        )
+        self.client = connect(server_of(config, f"backend.{BACKEND}"), float(wait))
         self.client.create_table(self.table, exist_ok=True)
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
         self.batch = min(self.limit, BATCH)
