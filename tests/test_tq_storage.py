@@ -135,8 +135,9 @@ def test_a_bad_wait_or_server_is_refused_by_name() -> None:
             ExpbufStorageClient(config)
     with pytest.raises(ValueError, match="shards must be a list of host:port"):
         ExpbufStorageClient({"shards": 5})
-    with pytest.raises(ValueError, match="a shard without its host:port"):
-        ExpbufStorageClient({"shards": ["a:1", ""]})
+    for shards in (["a:1", ""], ["a:1", None], {"s0": None}):
+        with pytest.raises(ValueError, match="a shard without its host:port"):
+            ExpbufStorageClient({"shards": shards})
 
 
 def test_transfer_queue_over_a_sharded_expbuf_keeps_each_key_on_one_shard(
@@ -176,6 +177,11 @@ def test_transfer_queue_over_a_sharded_expbuf_keeps_each_key_on_one_shard(
                 assert client.get_values(names, "tq_shards") == [None] * len(names)
     finally:
         tq.close()
+    # Keys are found only over the same shards under the same names: other shards are refused by name.
+    for shards in (list(reversed(targets)), targets[:1]):
+        with pytest.raises(ValueError, match="each key would be sought on another shard than it was put on"):
+            ExpbufStorageClient({"shards": shards, "table": "tq_shards"})
+    ExpbufStorageClient({"shards": {"shard-0": targets[0], "shard-1": targets[1]}, "table": "tq_shards"}).close()
 
 
 def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:

@@ -45,7 +45,7 @@ from transfer_queue.sampler import BaseSampler, SequentialSampler
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from .journal import Journal
-from .storage import BACKEND, WAIT_SECONDS, connect, server_of
+from .storage import BACKEND, WAIT_SECONDS, check_placement, connect, server_of
 
 REPLAYED = frozenset(
     {
@@ -81,7 +81,7 @@ class JournalSettings:
         if not (own or stored) or own.get("journal", True) is False:
             return None
         merged = {**stored, **own}
-        if "target" in own or "shards" in own:  # the controller's own server replaces the backend's
+        if own.get("target") or own.get("shards"):  # the controller's own server replaces the backend's
             merged = {**{k: v for k, v in stored.items() if k not in ("target", "shards")}, **own}
         return cls(
             where=server_of(merged, f"controller.{BACKEND}"),
@@ -161,6 +161,7 @@ class DurableController(TransferQueueController.__ray_actor_class__):
                 # a journal write waits out a restart of the server for up to wait_s, as documented
                 client = connect(settings.where, settings.wait_s)
                 client.create_table(settings.table, exist_ok=True)
+                check_placement(client, settings.table)
                 journal = Journal(client, settings.table, settings.snapshot_every)
                 self._restore(*journal.load())
                 self._journal = journal

@@ -51,6 +51,8 @@ BATCH = 8 << 20  # bytes a put or a get of the backend carries, about
 # How long a call waits for the expbuf server (a restart), by default: backend.Expbuf.wait_s.
 WAIT_SECONDS = 120.0
 IN_FLIGHT = 4  # puts or gets of one call under way at once: encoding, sending and storing overlap
+# On every shard of a sharded backend: the shards its keys are placed over, and this one's name.
+PLACEMENT = "expbuf/placement"
 PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
 _LEN = struct.Struct("<I")
 
@@ -110,18 +112,21 @@ def server_of(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     if bool(target) == bool(shards):
         raise ValueError(
             f"{where}: name the expbuf server as target (host:port), or a sharded expbuf's servers as shards "
-            f"(a list of host:port): one of them, got target={target!r} and shards={shards!r}"
+            f"(a list of host:port or a {{name: host:port}} map): one of them, got target={target!r} and "
+            f"shards={shards!r}"
         )
-    if isinstance(shards, Mapping):
-        shards = {str(name): str(shard) for name, shard in shards.items()}
-    elif shards is not None:
-        if isinstance(shards, str) or not isinstance(shards, Sequence):
+    if shards is not None:
+        if isinstance(shards, str) or not isinstance(shards, (Mapping, Sequence)):
             raise ValueError(
                 f"{where}: shards must be a list of host:port or a {{name: host:port}} map, got {shards!r}"
             )
-        shards = [str(shard) for shard in shards]
-    if shards is not None and not all(shards.values() if isinstance(shards, dict) else shards):
-        raise ValueError(f"{where}: a shard without its host:port in {shards!r}")
+        given = list(shards.values() if isinstance(shards, Mapping) else shards)
+        if not all(isinstance(shard, str) and shard for shard in given):
+            raise ValueError(f"{where}: a shard without its host:port in {shards!r}")
+        if isinstance(shards, Mapping):
+            shards = {str(name): str(shard) for name, shard in shards.items()}
+        else:
+            shards = [str(shard) for shard in shards]
     return {
         "target": None if target is None else str(target),
         "shards": shards,
@@ -136,6 +141,31 @@ def connect(server: Mapping[str, Any], timeout: float) -> BufferClient | Sharded
     if server["shards"] is not None:
         return ShardedBufferClient(server["shards"], timeout=timeout, wait_for_ready=True, **options)
     return BufferClient(server["target"], timeout=timeout, wait_for_ready=True, **options)
+
+
+def check_placement(client: BufferClient | ShardedBufferClient, table: str) -> None:
+    """A sharded backend finds a key on the shard it put it on only over the same shards, each
+    under the same name (a list's shards are named by their place in it): the first start writes
+    on every shard the names the keys are placed over and the shard's own; a start over other
+    shards, or over the same ones in another order, is refused by name, before anything is sought
+    where it is not."""
+    if not isinstance(client, ShardedBufferClient):
+        return
+    names = sorted(client.shard_map.epochs[0].shards)
+    for shard, one in client.clients.items():
+        mine = json.dumps({"shards": names, "this": shard}).encode()
+        (found,) = one.get_values([PLACEMENT], table)
+        if found is None:
+            one.put_values([PLACEMENT], [mine], table)
+        elif found != mine:
+            was = json.loads(found)
+            raise ValueError(
+                f"expbuf table {table!r}: the server named here as shard {shard!r} "
+                f"({client.shard_map.targets[shard]}) holds the keys of shard {was.get('this')!r} of "
+                f"{was.get('shards')}, and this config places keys over {names}: each key would be sought on "
+                "another shard than it was put on. Name the shards as the table was made with them (a "
+                "{name: host:port} map keeps each shard's name as its address changes)"
+            )
 
 
 def get_in_halves(client: BufferClient | ShardedBufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
@@ -162,6 +192,7 @@ class ExpbufStorageClient(StorageKVClient):
         # A call waits out a restart of the server for up to wait_s, as the controller's journal does.
         self.client = connect(server_of(config, f"backend.{BACKEND}"), float(wait))
         self.client.create_table(self.table, exist_ok=True)
+        check_placement(self.client, self.table)
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
         self.batch = min(self.limit, BATCH)
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="expbuf-tq")
