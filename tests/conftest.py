@@ -74,6 +74,19 @@ SHARED_MODULES = {
     ),
 }
 SHARING = {module: name for name, modules in SHARED_MODULES.items() for module in modules}
+# The modules (or SHARED_MODULES sets) that take 20 s or more on 2 cores, the longest first: they
+# are handed out first, so that the run does not end with one worker on one of them and the other
+# idle (xdist hands out the others by their number of tests, which says little of their time).
+LONG_FIRST = (
+    "trinity",
+    "ray",
+    "tests/faults/test_fault_tq.py",
+    "tests/test_group_stop.py",
+    "tests/test_verl_tq.py",
+    "tests/faults/test_fault_push_memory.py",
+    "tests/test_tq_controller.py",
+    "tests/faults/test_fault_crash_loop.py",
+)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
@@ -89,6 +102,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
             return SHARING.get(module, module)
+
+        ordered = False
+
+        def _assign_work_unit(self, node: object) -> None:
+            if not self.ordered:  # the queue xdist made, the LONG_FIRST scopes moved to its front, longest first
+                self.ordered = True
+                for scope in reversed(LONG_FIRST):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ByModule(config, log)
 

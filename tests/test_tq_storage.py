@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
 
-from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client import BufferClient, BufferError  # noqa: E402
 from expbuf.client.transferqueue.storage import (  # noqa: E402
     ExpbufStorageClient,
     cuts,
@@ -205,3 +205,9 @@ def test_a_put_waits_out_a_restart_of_the_server(start_server: Servers) -> None:
         assert value.tolist() == [1.5]
     finally:
         storage.close()
+
+
+def test_a_start_over_a_shard_that_does_not_answer_fails_naming_it(start_server: Servers) -> None:
+    live = f"127.0.0.1:{start_server().port}"
+    with pytest.raises(BufferError, match=r"shard 'shard-1' \(127\.0\.0\.1:1\) of expbuf table 'tq_down'"):
+        ExpbufStorageClient({"shards": [live, "127.0.0.1:1"], "table": "tq_down", "wait_s": 1})

@@ -148,16 +148,22 @@ def check_placement(client: BufferClient | ShardedBufferClient, table: str) -> N
     under the same name (a list's shards are named by their place in it): the first start writes
     on every shard the names the keys are placed over and the shard's own; a start over other
     shards, or over the same ones in another order, is refused by name, before anything is sought
-    where it is not."""
+    where it is not. Each shard is asked in turn, its table made there if absent: a shard that does
+    not answer within the client's timeout fails the start, named."""
     if not isinstance(client, ShardedBufferClient):
         return
     names = sorted(client.shard_map.epochs[0].shards)
     for shard, one in client.clients.items():
         mine = json.dumps({"shards": names, "this": shard}).encode()
-        (found,) = one.get_values([PLACEMENT], table)
-        if found is None:
-            one.put_values([PLACEMENT], [mine], table)
-        elif found != mine:
+        try:
+            one.create_table(table, exist_ok=True)
+            (found,) = one.get_values([PLACEMENT], table)
+            if found is None:
+                one.put_values([PLACEMENT], [mine], table)
+        except BufferError as exc:
+            where = f"shard {shard!r} ({client.shard_map.targets[shard]}) of expbuf table {table!r}"
+            raise BufferError(exc.code, f"{where}: {exc.details}") from None
+        if found is not None and found != mine:
             was = json.loads(found)
             raise ValueError(
                 f"expbuf table {table!r}: the server named here as shard {shard!r} "
