@@ -41,7 +41,7 @@ def test_settings_come_from_the_backend_and_the_controller_s_own() -> None:
     assert settings == JournalSettings(where=server_of({"target": "h:1"}, "here"), table="tq", snapshot_every=5)
     shards = OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": {"shards": ["a:1", "b:2"]}}})
     shards.controller = {"Expbuf": {"target": "h:1"}}  # the controller's own server replaces the backend's shards
-    assert JournalSettings.from_conf(shards).where["target"] == "h:1"
+    assert JournalSettings.from_conf(shards).where.target == "h:1"
     assert JournalSettings.from_conf(conf("h:1", journal=False)) is None
     with pytest.raises(ValueError, match="target"):
         JournalSettings.from_conf(OmegaConf.create({"controller": {"Expbuf": {"table": "t"}}}))

@@ -45,7 +45,7 @@ from transfer_queue.sampler import BaseSampler, SequentialSampler
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from .journal import Journal
-from .storage import BACKEND, WAIT_SECONDS, check_placement, connect, server_of
+from .storage import BACKEND, WAIT_SECONDS, Server, check_placement, connect, server_of
 
 REPLAYED = frozenset(
     {
@@ -65,7 +65,7 @@ T = TypeVar("T")
 class JournalSettings:
     """Where the controller keeps its journal, from TransferQueue's config."""
 
-    where: dict[str, Any]  # the server (target) or its shards, the token and max_message_bytes (storage.connect)
+    where: Server  # the server, or its shards, the journal is kept on
     table: str
     snapshot_every: int = 1000
     wait_s: float = WAIT_SECONDS

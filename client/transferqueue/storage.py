@@ -31,6 +31,7 @@ import pickle
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -104,7 +105,17 @@ def _layout(header: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
     return getattr(torch, fields["dtype"]), tuple(fields["shape"])
 
 
-def server_of(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Server:
+    """The expbuf server a config names, or a sharded expbuf's servers, and how to reach them."""
+
+    target: str | None
+    shards: list[str] | dict[str, str] | None
+    token: str | None
+    max_message_bytes: int
+
+
+def server_of(config: Mapping[str, Any], where: str) -> Server:
     """The expbuf server a config names (`target`, host:port), or a sharded expbuf's servers
     (`shards`, a list of host:port or a {name: host:port} map), with its `token` and
     `max_message_bytes`; ValueError naming `where` for any other."""
@@ -127,20 +138,23 @@ def server_of(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             shards = {str(name): str(shard) for name, shard in shards.items()}
         else:
             shards = [str(shard) for shard in shards]
-    return {
-        "target": None if target is None else str(target),
-        "shards": shards,
-        "token": config.get("token"),
-        "max_message_bytes": int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
-    }
+    return Server(
+        target=None if target is None else str(target),
+        shards=shards,
+        token=config.get("token"),
+        max_message_bytes=int(config.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES),
+    )
 
 
-def connect(server: Mapping[str, Any], timeout: float) -> BufferClient | ShardedBufferClient:
-    """The client of a server `server_of` read: a call waits out a restart for up to `timeout`."""
-    options = {"token": server["token"], "max_message_bytes": server["max_message_bytes"]}
-    if server["shards"] is not None:
-        return ShardedBufferClient(server["shards"], timeout=timeout, wait_for_ready=True, **options)
-    return BufferClient(server["target"], timeout=timeout, wait_for_ready=True, **options)
+def connect(server: Server, timeout: float) -> BufferClient | ShardedBufferClient:
+    """The client of `server`: a call waits out a restart for up to `timeout`."""
+    size, token = server.max_message_bytes, server.token
+    if server.shards is not None:
+        return ShardedBufferClient(
+            server.shards, token=token, max_message_bytes=size, timeout=timeout, wait_for_ready=True
+        )
+    assert server.target is not None  # server_of names one or the other
+    return BufferClient(server.target, token=token, max_message_bytes=size, timeout=timeout, wait_for_ready=True)
 
 
 def check_placement(client: BufferClient | ShardedBufferClient, table: str) -> None:
