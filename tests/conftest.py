@@ -91,7 +91,7 @@ LONG_FIRST = (
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may go without
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """With `--dist loadfile` (`make test` runs `-n 2 --dist loadfile`), each module's tests run on
+    """With `--dist loadfile` (`make test` runs `-n 3 --dist loadfile`), each module's tests run on
     one worker, in their order, its shared servers started once; the modules of a SHARED_MODULES
     set run on one worker too."""
     if config.getvalue("dist") != "loadfile":
