@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_decode import BATCH, SERIAL, SHAPES, server_cpu  # noqa: E402
 from bench_reverb import make_pushes, restamp  # noqa: E402
-from bench_service import main_on_a_server  # noqa: E402
+from bench_service import drain, main_on_a_server  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 
@@ -45,15 +45,8 @@ PUSHES = {"8 KB": 32, "40 KB": 128}  # 8,192 experiences a stream
 def stream(client: BufferClient, server: int, table: str, batches: int, name: str) -> tuple[float, float, float]:
     """Experiences per second of one consume stream read as `name` says, and the client's and
     the server's CPU µs per experience."""
-    got = 0
     start, cpu, served = time.perf_counter(), time.process_time(), server_cpu(server)
-    for batch in client.sample(
-        table, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60, **STREAMS[name]
-    ):
-        if name == "experiences":
-            got += len([exp.tokens for exp in batch.experiences])
-        else:
-            got += int(batch.columns["tokens"].offsets.numel()) - 1
+    got = drain(client, table, batches, **STREAMS[name])
     assert got == batches * BATCH, got
     wall, cpu, served = time.perf_counter() - start, time.process_time() - cpu, server_cpu(server) - served
     return got / wall, cpu / got * 1e6, served / got * 1e6

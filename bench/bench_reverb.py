@@ -52,7 +52,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_service import Proc, experience, uptime  # noqa: E402
+from bench_service import Proc, drain, experience, uptime  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import EID, BufferClient, Experience, trxp  # noqa: E402
@@ -164,16 +164,7 @@ class ExpbufSide:
         trainer reads, and what Reverb's TrajectoryDataset hands over); the client decodes every
         batch, `prefetch` of them ahead of this loop on the stream's own thread."""
         start = time.perf_counter()
-        got = 0
-        for batch in self.client.sample(
-            table,
-            batch_size=BATCH,
-            delivery="consume",
-            max_batches=count // BATCH,
-            timeout=60,
-            prefetch=prefetch,
-        ):
-            got += len(batch.experiences)
+        got = drain(self.client, table, count // BATCH, prefetch=prefetch)
         assert got == count // BATCH * BATCH, (got, count)
         return got / (time.perf_counter() - start)
 
@@ -181,11 +172,7 @@ class ExpbufSide:
         """Consume `count` experiences of `table` as columns of their tokens and log-probs
         (`fields=`), one tensor a field a batch (`Batch.columns`), the default prefetch."""
         start = time.perf_counter()
-        got = 0
-        for batch in self.client.sample(
-            table, batch_size=BATCH, delivery="consume", max_batches=count // BATCH, timeout=60, fields=COLUMNS
-        ):
-            got += int(batch.columns["tokens"].offsets.numel()) - 1
+        got = drain(self.client, table, count // BATCH, fields=COLUMNS)
         assert got == count // BATCH * BATCH, (got, count)
         return got / (time.perf_counter() - start)
 

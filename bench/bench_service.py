@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -222,11 +222,17 @@ def raw_consume_batches(target: str, batches: int) -> tuple[int, float]:
     on the stream as it arrives, nothing decoded (the server's part alone). Returns (payload
     bytes, seconds)."""
     spec = SampleSpec(f"{TABLE}-w{WINDOW}", num_groups=BATCH // GROUP, delivery="consume", max_batches=batches)
+    start = time.perf_counter()
+    _, total = raw_consume(target, spec)
+    return total, time.perf_counter() - start
+
+
+def raw_consume(target: str, spec: SampleSpec) -> tuple[int, int]:
+    """The batches of a Sample stream of `spec` read as a raw gRPC client reads them (each reply's
+    payload bytes, confirmed as it arrives, nothing decoded): how many, and their payload bytes."""
     requests = SampleRequests(spec.request(MAX))
     with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
-        total = 0
-        start = time.perf_counter()
-        parts, received = Parts(), 0
+        total, received, parts = 0, 0, Parts()
         for reply in sample_method(channel)(requests, timeout=120):
             whole = parts.add(reply)
             if whole is None:  # more parts of this batch to come
@@ -235,7 +241,19 @@ def raw_consume_batches(target: str, batches: int) -> tuple[int, float]:
             total += len(whole.payload)
             requests.confirm(received)
         requests.close()
-        return total, time.perf_counter() - start
+    return received, total
+
+
+def drain(client: BufferClient, table: str, batches: int, *, fields: Sequence[str] = (), prefetch: int = 1) -> int:
+    """How many experiences `batches` consume batches of BATCH from `table` held, each batch read as
+    a trainer reads it: decoded into experiences, or with `fields` as those columns."""
+    got = 0
+    for batch in client.sample(
+        table, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60, prefetch=prefetch,
+        fields=list(fields) or None,
+    ):  # fmt: skip
+        got += int(batch.columns[fields[0]].offsets.numel()) - 1 if fields else len(batch.experiences)
+    return got
 
 
 def bench_sample(target: str, batches: int, raw: bool) -> dict[str, float]:

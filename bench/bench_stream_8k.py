@@ -25,22 +25,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_reverb import cpu_seconds, make_pushes, restamp  # noqa: E402
-from bench_service import MAX, Proc, bench_raw_stream, serving  # noqa: E402
+from bench_service import BATCH, Proc, bench_raw_stream, drain, raw_consume, serving  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, trxp  # noqa: E402
-from expbuf.client.client import SampleRequests  # noqa: E402
-from expbuf.client.rpc.sample_reply import Parts, sample_method  # noqa: E402
 from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
 
 HEADING = "## A consume stream of 8 KB experiences against a raw gRPC stream (issue 41)"
-BATCH, TABLE = 256, "stream"
+TABLE = "stream"
 WAYS = ("decoded", "columns", "bytes", "raw stream")
 # The raw stream sends this many times a drain's batches, so that it too runs for a good part of
 # a second, past its channel's connection and first messages.
@@ -50,33 +46,18 @@ RAW_READS = 8
 def decoded(target: str, batches: int) -> int:
     """Experiences consumed and decoded, as a trainer reads them."""
     with BufferClient(target, timeout=120) as client:
-        got = 0
-        for batch in client.sample(TABLE, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60):
-            got += len(batch.experiences)
-        return got
+        return drain(client, TABLE, batches)
 
 
 def columns(target: str, batches: int) -> int:
     """Experiences consumed as columns of their tokens and log-probs."""
     with BufferClient(target, timeout=120) as client:
-        got = 0
-        for batch in client.sample(
-            TABLE, batch_size=BATCH, delivery="consume", max_batches=batches, timeout=60, fields=["tokens", "logprobs"]
-        ):
-            got += int(batch.columns["tokens"].offsets.numel()) - 1
-        return got
+        return drain(client, TABLE, batches, fields=["tokens", "logprobs"])
 
 
 def as_bytes(target: str, batches: int) -> int:
     """Experiences consumed by a raw client of the Sample stream: each reply's bytes, confirmed."""
-    requests = SampleRequests(SampleSpec(TABLE, batch_size=BATCH, delivery="consume", max_batches=batches).request(MAX))
-    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX)]) as channel:
-        parts, received = Parts(), 0
-        for reply in sample_method(channel)(requests, timeout=120):
-            if parts.add(reply) is not None:
-                received += 1
-                requests.confirm(received)
-        requests.close()
+    received, _ = raw_consume(target, SampleSpec(TABLE, batch_size=BATCH, delivery="consume", max_batches=batches))
     return received * BATCH
 
 

@@ -5,6 +5,7 @@ its deadline."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -88,7 +89,7 @@ def refusals(method: Callable) -> Callable:
         self.metrics.refused.labels(label, reason).inc()
         refuse(context, code, clip(str(exc), 1000), reason)
 
-    if method.__name__ in ("Sample", "PushStream", "ReadFields", "ReadPartials"):
+    if inspect.isgeneratorfunction(method):  # a stream's reply: its refusals come as it is iterated
 
         @functools.wraps(method)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:

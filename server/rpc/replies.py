@@ -241,16 +241,17 @@ def _pass_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], byt
 
 
 class PassBytes(ServiceInterceptor):
-    """Replies that a method returns already serialised (bytes) go out as they are."""
+    """Replies that a streaming method yields already serialised (bytes: Sample's, ReadFields',
+    ReadPartials') go out as they are; the others are serialised as usual."""
 
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        if handler.stream_stream and method == "Sample":
+        if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
                 handler.stream_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
             )
-        if handler.unary_stream and method in ("ReadFields", "ReadPartials"):
+        if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 handler.unary_stream, handler.request_deserializer, _pass_bytes(handler.response_serializer)
             )

@@ -155,8 +155,8 @@ def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, respo
         txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
         return blob
     view = memoryview(blob)
-    start = section_at(view) if len(blob) > CHUNK_BYTES else 0
-    if len(blob) <= CHUNK_BYTES or len(view) - start <= CHUNK_BYTES:  # kept in one value
+    start = section_at(view) if len(blob) > CHUNK_BYTES else len(blob)  # a small one's section is not read
+    if len(view) - start <= CHUNK_BYTES:  # kept in one value
         return sharing.value(key, blob, response) if prompt_bytes >= shared_prompts.MIN_BYTES else blob
     section = view[start:]
     set_id = reserve_sets(txn, dbs)
