@@ -1,7 +1,8 @@
-"""Tensor sections larger than chunked.CHUNK_BYTES stored in chunks (data format 6): read back
-as the same bytes as stored whole, as TRXP and as columns; duplicates, consumes, deletes and
-drops take their chunks with them; a damaged chunk is never served; a push that staged sections
-and never completed leaves nothing at the next open; a format 5 directory upgrades in place."""
+"""Tensor sections larger than chunked.CHUNK_BYTES stored in chunks (data format 6), as they are
+and, in a table that compresses, as zstd frames: read back as the same bytes as stored whole, as
+TRXP and as columns; duplicates, consumes, deletes and drops take their chunks with them; a
+damaged chunk is never served; a push that staged sections and never completed leaves nothing at
+the next open; a format 5 directory upgrades in place."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import lmdb
 import pytest
+import zstandard
 
 from expbuf.client import trxp
 from expbuf.client.trxp.pieces import SplitPayload
@@ -49,23 +51,35 @@ def section_bytes(item: trxp.RawItem) -> int:
     return sum(len(tensor.data) for tensor in item.tensors.values())
 
 
+@pytest.fixture(params=["none", "zstd"])
+def table(request: pytest.FixtureRequest) -> TableConfig:
+    """The table of the tests: its chunks kept as they are, or as zstd frames."""
+    return TableConfig.from_settings(TABLE.settings() | {"compression": request.param})
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Any:
+def store(tmp_path: Path, table: TableConfig) -> Any:
     with Store(tmp_path / "data", seed=1) as s:
-        s.create_table(TABLE)
+        s.create_table(table)
         yield s
         assert s.verify("big") == []
 
 
 def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: Store, table: TableConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     items = big_group(0)
     push(store, items)
     heads = rows(store, "blobs")
     assert len(heads) == 2 and all(chunked.is_head(head) and len(head) < 8192 for head in heads.values())
     expected = sum(math.ceil(section_bytes(item) / chunked.CHUNK_BYTES) for item in items)
-    assert len(rows(store, "chunks")) == expected > 2 and rows(store, "staged") == {}
+    chunks = rows(store, "chunks")
+    assert len(chunks) == expected > 2 and rows(store, "staged") == {}
+    compressed = table.storage.compression == "zstd"
+    assert {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC if compressed else chunked.HEAD_MAGIC}
+    if compressed:  # each chunk a zstd frame of its bytes, and the group's sections smaller for it
+        plain = [zstandard.ZstdDecompressor().decompress(chunk) for chunk in chunks.values()]
+        assert sum(map(len, plain)) == sum(map(section_bytes, items)) > 2 * sum(map(len, chunks.values()))
     got = take(store, "big", num_groups=1, delivery="replay")
     assert got is not None and all(isinstance(blob, SplitPayload) for blob in got.blobs)
     payload = got.payload

@@ -27,6 +27,7 @@ from expbuf.server.store.schema.table_parts import (
     Reuse,
     Shaping,
     Staleness,
+    Storage,
     flat_names,
 )
 
@@ -62,6 +63,8 @@ A_TABLE: TableSettings = {
     "min_group_size": 3,
     "max_token_staleness": 1,
     "on_token_stale": "drop",
+    "compression": "zstd",
+    "compression_level": 5,
 }
 
 
@@ -88,6 +91,7 @@ def test_flat_settings_become_parts_and_come_back() -> None:
         max_token_staleness=1,
         on_token_stale="drop",
     )
+    assert config.storage == Storage(compression="zstd", compression_level=5)
     assert config.advantages.params == {"tau": 0.5, "opmd_baseline": 1.0}  # a choice by its position
     assert config.advantages.shaping == Shaping(reward_clip=5.0, advantage_clip=2.0)
     settings = config.settings()
@@ -105,6 +109,7 @@ def test_flat_settings_become_parts_and_come_back() -> None:
         staleness=config.staleness,
         rate_limiter=config.rate_limiter,
         reuse=config.reuse,
+        storage=config.storage,
         extensions=("journal",),
     )
     assert built == config and differences(built, config) == []
@@ -121,6 +126,8 @@ def test_flat_settings_become_parts_and_come_back() -> None:
         (lambda: RateLimiter(samples_per_insert=2.0, error_buffer=1.0), "samples_per_insert_error is 1; with"),
         (lambda: Reuse(priority_noise=1.0), "priority_noise is added to a replayed group's lowered priority"),
         (lambda: Staleness(evict_stale=1), "evict_stale must be true or false, got 1"),  # type: ignore[arg-type]
+        (lambda: Storage(compression="lz4"), "compression is 'lz4'; expected one of none, zstd"),  # type: ignore[arg-type]
+        (lambda: Storage(compression_level=True), "compression_level must be an integer from 1 to 19, got True"),
         (lambda: Advantages("none", shaping=Shaping(reward_clip=1.0)), "shaping reward_clip needs an estimator"),
     ],
 )

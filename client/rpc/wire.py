@@ -23,6 +23,7 @@ WHEN_FULL = {"block": pb.WHEN_FULL_BLOCK, "evict": pb.WHEN_FULL_EVICT}
 ON_GROUP_TIMEOUT = {"release": pb.ON_GROUP_TIMEOUT_RELEASE, "drop": pb.ON_GROUP_TIMEOUT_DROP}
 ON_STALE = {"drop": pb.ON_STALE_DROP, "refuse": pb.ON_STALE_REFUSE}
 ON_TOKEN_STALE = {"mask": pb.ON_TOKEN_STALE_MASK, "drop": pb.ON_TOKEN_STALE_DROP}
+COMPRESSION = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 ORDER = {"fifo": pb.ORDER_FIFO, "lifo": pb.ORDER_LIFO, "uniform": pb.ORDER_UNIFORM, "priority": pb.ORDER_PRIORITY}
 DELIVERY = {"consume": pb.DELIVERY_CONSUME, "lease": pb.DELIVERY_LEASE, "replay": pb.DELIVERY_REPLAY}
 # The trailing metadata of a refusal of a call the server did not begin, because as many calls as
@@ -209,6 +210,8 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         min_group_size=settings.get("min_group_size", 0),
         max_token_staleness=settings.get("max_token_staleness"),
         on_token_stale=enum_value(ON_TOKEN_STALE, "on_token_stale", settings.get("on_token_stale", "mask")),
+        compression=enum_value(COMPRESSION, "compression", settings.get("compression", "none")),
+        compression_level=settings.get("compression_level"),
     ))  # fmt: skip
 
 
@@ -265,4 +268,6 @@ def table_from_proto(msg: pb.TableConfig) -> dict[str, Any]:
         "min_group_size": msg.min_group_size,
         "max_token_staleness": msg.max_token_staleness if msg.HasField("max_token_staleness") else None,
         "on_token_stale": enum_name(ON_TOKEN_STALE, "on_token_stale", msg.on_token_stale, "mask"),
+        "compression": enum_name(COMPRESSION, "compression", msg.compression, "none"),
+        **({"compression_level": msg.compression_level} if msg.HasField("compression_level") else {}),
     }

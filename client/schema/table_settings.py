@@ -18,6 +18,7 @@ Device = Literal["auto", "cpu", "cuda"]
 WhenFull = Literal["block", "evict"]
 OnStale = Literal["drop", "refuse"]
 OnTokenStale = Literal["mask", "drop"]
+Compression = Literal["none", "zstd"]
 
 GROUP_BY: tuple[GroupBy, ...] = get_args(GroupBy)
 ON_GROUP_TIMEOUT: tuple[OnGroupTimeout, ...] = get_args(OnGroupTimeout)
@@ -25,6 +26,7 @@ DEVICES: tuple[Device, ...] = get_args(Device)
 WHEN_FULL: tuple[WhenFull, ...] = get_args(WhenFull)
 ON_STALE: tuple[OnStale, ...] = get_args(OnStale)
 ON_TOKEN_STALE: tuple[OnTokenStale, ...] = get_args(OnTokenStale)
+COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 
 # Estimator parameters that take a name; the wire's parameter map holds numbers, so a name
 # travels as its position in the tuple (flags as 0 or 1).
@@ -84,6 +86,8 @@ class TableSettings(TypedDict, total=False):
     min_group_size: int  # with group_size: the fewest members a group completes with when others failed
     max_token_staleness: int | None  # how many versions a generated token may lag the trainer
     on_token_stale: OnTokenStale  # a token behind that bound: masked where delivered, or its experience stale
+    compression: Compression  # how the chunks of tensor data over 4 MiB are kept: as they are, or zstd frames
+    compression_level: int  # zstd's level, 1-19: 1 is fastest
 
 
 # The names, in the order of the wire's TableConfig message.

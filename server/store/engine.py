@@ -253,10 +253,16 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """A chunk set number for a section a push in chunks stages (Pushing.new_chunk_set)."""
         return self.pushing.new_chunk_set()
 
-    def stage(self, table: str, set_id: int, index: int, chunk: bytes | memoryview) -> Future[None]:
-        """Stage one chunk of a large section of a push in chunks (Pushing.stage): the future of
-        its commit."""
-        return self.pushing.stage(table, set_id, index, chunk)
+    def compression(self, table: str) -> int | None:
+        """The zstd level the table compresses large sections' chunks at, or None (Pushing.compression)."""
+        return self.pushing.compression(table)
+
+    def stage(
+        self, table: str, set_id: int, index: int, chunk: bytes | memoryview, level: int | None = None
+    ) -> Future[None]:
+        """Stage one chunk of a large section of a push in chunks (Pushing.stage), compressed at
+        `level` where given: the future of its commit."""
+        return self.pushing.stage(table, set_id, index, chunk, level)
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Drop the sets a refused push in chunks staged (Pushing.drop_staged)."""

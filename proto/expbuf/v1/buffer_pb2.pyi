@@ -27,6 +27,12 @@ class OnGroupTimeout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ON_GROUP_TIMEOUT_RELEASE: _ClassVar[OnGroupTimeout]
     ON_GROUP_TIMEOUT_DROP: _ClassVar[OnGroupTimeout]
 
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_UNSPECIFIED: _ClassVar[Compression]
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_ZSTD: _ClassVar[Compression]
+
 class OnTokenStale(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ON_TOKEN_STALE_UNSPECIFIED: _ClassVar[OnTokenStale]
@@ -64,6 +70,9 @@ WHEN_FULL_EVICT: WhenFull
 ON_GROUP_TIMEOUT_UNSPECIFIED: OnGroupTimeout
 ON_GROUP_TIMEOUT_RELEASE: OnGroupTimeout
 ON_GROUP_TIMEOUT_DROP: OnGroupTimeout
+COMPRESSION_UNSPECIFIED: Compression
+COMPRESSION_NONE: Compression
+COMPRESSION_ZSTD: Compression
 ON_TOKEN_STALE_UNSPECIFIED: OnTokenStale
 ON_TOKEN_STALE_MASK: OnTokenStale
 ON_TOKEN_STALE_DROP: OnTokenStale
@@ -120,7 +129,7 @@ class Shaping(_message.Message):
     def __init__(self, reward_clip: _Optional[float] = ..., overlong_buffer: _Optional[bool] = ..., overlong_buffer_len: _Optional[int] = ..., overlong_buffer_penalty_factor: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., reward_running_norm: _Optional[bool] = ..., reward_running_norm_minus_mean: _Optional[bool] = ..., advantage_clip: _Optional[float] = ..., advantages_norm: _Optional[bool] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions", "min_group_size", "max_token_staleness", "on_token_stale")
+    __slots__ = ("name", "group_by", "group_size", "group_timeout_seconds", "on_group_timeout", "estimator", "capacity_experiences", "capacity_bytes", "when_full", "max_times_sampled", "drop_zero_variance", "tombstone_seconds", "keep_failed", "shaping", "max_staleness", "batch_size", "on_stale", "min_size_to_sample", "samples_per_insert", "samples_per_insert_error", "evict_stale", "priority_decay", "reuse_cooldown_seconds", "priority_noise", "extensions", "min_group_size", "max_token_staleness", "on_token_stale", "compression", "compression_level")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +158,8 @@ class TableConfig(_message.Message):
     MIN_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKEN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     ON_TOKEN_STALE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_LEVEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_by: GroupBy
     group_size: int
@@ -177,7 +188,9 @@ class TableConfig(_message.Message):
     min_group_size: int
     max_token_staleness: int
     on_token_stale: OnTokenStale
-    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ..., max_token_staleness: _Optional[int] = ..., on_token_stale: _Optional[_Union[OnTokenStale, str]] = ...) -> None: ...
+    compression: Compression
+    compression_level: int
+    def __init__(self, name: _Optional[str] = ..., group_by: _Optional[_Union[GroupBy, str]] = ..., group_size: _Optional[int] = ..., group_timeout_seconds: _Optional[float] = ..., on_group_timeout: _Optional[_Union[OnGroupTimeout, str]] = ..., estimator: _Optional[_Union[Estimator, _Mapping]] = ..., capacity_experiences: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., when_full: _Optional[_Union[WhenFull, str]] = ..., max_times_sampled: _Optional[int] = ..., drop_zero_variance: _Optional[bool] = ..., tombstone_seconds: _Optional[float] = ..., keep_failed: _Optional[bool] = ..., shaping: _Optional[_Union[Shaping, _Mapping]] = ..., max_staleness: _Optional[int] = ..., batch_size: _Optional[int] = ..., on_stale: _Optional[_Union[OnStale, str]] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., samples_per_insert_error: _Optional[float] = ..., evict_stale: _Optional[bool] = ..., priority_decay: _Optional[float] = ..., reuse_cooldown_seconds: _Optional[float] = ..., priority_noise: _Optional[float] = ..., extensions: _Optional[_Iterable[str]] = ..., min_group_size: _Optional[int] = ..., max_token_staleness: _Optional[int] = ..., on_token_stale: _Optional[_Union[OnTokenStale, str]] = ..., compression: _Optional[_Union[Compression, str]] = ..., compression_level: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("table", "payload", "seq", "total_bytes")

@@ -6,7 +6,10 @@ its section in `chunks`, CHUNK_BYTES a value (the last one shorter), keyed by it
 the number of its chunk set and each chunk's number. The head is the payload's bytes up to
 its section (the TRXP header, the metadata pickle, the safetensors header) behind a small
 frame: b"TRXO" · chunk set u64 · section length u64 · chunk bytes u32 · chunks u32 · each
-chunk's XXH3-128 digest (16 bytes). Read back, a head and its chunks are a
+chunk's XXH3-128 digest (16 bytes). In a table that compresses (its setting `compression`),
+each chunk is a zstd frame of its bytes, compressed before the writer takes it, and its head's
+magic is b"TRXZ"; the digests stay those of the bytes as pushed, checked once decompressed. Read
+back, a head and its chunks are a
 `pieces.SplitPayload`, the same bytes as the one-item payload stored whole would be, which the
 record's digest is taken over (digests.of): a retried push is a duplicate however its
 experience was stored.
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import lmdb
+import zstandard
 
 from expbuf.client.trxp.build import json_text, stored_entries
 from expbuf.client.trxp.columns import Shares, token_count
@@ -43,6 +47,8 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 4 << 20
 HEAD_MAGIC = b"TRXO"
+ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
+_MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
 _FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
 _DIGESTED = 4 + 8 + 16  # where the bytes the head's own digest is of begin: its section length on
 _U64 = struct.Struct(">Q")
@@ -54,7 +60,8 @@ DIGEST_BYTES = 16
 @dataclass(frozen=True, slots=True)
 class Head:
     """A head as stored: its chunk set, section length, chunk size, the chunks' digests and
-    the payload's bytes before its section; `intact` whether they are those its own digest names."""
+    the payload's bytes before its section; `intact` whether they are those its own digest names;
+    `compressed` whether its chunks are zstd frames."""
 
     set_id: int
     section_len: int
@@ -62,6 +69,7 @@ class Head:
     digests: tuple[bytes, ...]
     prefix: memoryview
     intact: bool
+    compressed: bool = False
 
     @property
     def chunks(self) -> int:
@@ -71,15 +79,34 @@ class Head:
         """The chunks that bytes `start` to `end` of the section lie in."""
         return range(start // self.chunk_bytes, -(-end // self.chunk_bytes)) if end > start else range(0)
 
+    def length(self, index: int) -> int:
+        """How many bytes of the section chunk `index` holds."""
+        return min(self.chunk_bytes, self.section_len - index * self.chunk_bytes)
+
+    def plain(self, index: int, stored: Run | None) -> Run | None:
+        """Chunk `index`'s bytes as pushed, from its stored value: itself, or its zstd frame
+        decompressed. None where it is missing, or is a frame that does not say it holds the
+        chunk's length or does not decompress (damage, which its digest check then names)."""
+        if stored is None or not self.compressed:
+            return stored
+        try:
+            if zstandard.frame_content_size(stored) != self.length(index):
+                return None
+            plain: bytes = zstandard.ZstdDecompressor().decompress(stored)
+        except zstandard.ZstdError:
+            return None
+        return plain
+
 
 class Staging:
     """A large item's section as a push in chunks stages it (`stage`): its chunk set, its chunks'
     digests and the digest of its whole payload (its `prefix`, then the section), taken as the
-    chunks pass; then its head."""
+    chunks pass, over their bytes as pushed; then its head."""
 
     def __init__(self, prefix: Sequence[Run], section_len: int) -> None:
         self.prefix, self.section_len = list(prefix), section_len
         self.set_id: int | None = None
+        self.level: int | None = None  # the zstd level its chunks are staged at; None: as they are
         self.digests: list[bytes] = []
         self._whole = digests.running()
         for run in self.prefix:
@@ -99,11 +126,17 @@ class Staging:
 
     def head(self) -> bytes:
         assert self.set_id is not None, "a head names the set its chunks were staged in"
-        return pack_head(self.set_id, self.section_len, self.digests, self.prefix)
+        return pack_head(self.set_id, self.section_len, self.digests, self.prefix, self.level is not None)
 
 
 def is_head(value: Run) -> bool:
-    return value[:4] == HEAD_MAGIC
+    return value[:4] in _MAGICS
+
+
+def compress(chunk: Run, level: int) -> bytes:
+    """A chunk as a table that compresses keeps it: one zstd frame, which says its length."""
+    frame: bytes = zstandard.ZstdCompressor(level=level).compress(chunk)
+    return frame
 
 
 def read_head(value: Run) -> Head:
@@ -111,19 +144,23 @@ def read_head(value: Run) -> Head:
     view = memoryview(value)
     magic, set_id, own, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
     table_end = _FRAME.size + DIGEST_BYTES * count
-    if magic != HEAD_MAGIC or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
+    if magic not in _MAGICS or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
         raise ValueError("a head of a section stored in chunks whose frame is damaged")
     found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
     intact = digests.of(view[_DIGESTED:]) == own
-    return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact)
+    return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
 
 
-def pack_head(set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Run]) -> bytes:
-    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES: its frame, its
-    chunks' digests and the payload's bytes before the section, under a digest of its own, so a
-    read of some of its chunks (some fields: Deferred) trusts the head it finds them by."""
+def pack_head(
+    set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Run], compressed: bool = False
+) -> bytes:
+    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES (zstd frames of
+    them, `compressed`): its frame, its chunks' digests and the payload's bytes before the
+    section, under a digest of its own, so a read of some of its chunks (some fields: Deferred)
+    trusts the head it finds them by."""
     digested = b"".join([struct.pack("<QII", section_len, CHUNK_BYTES, len(chunk_digests)), *chunk_digests, *prefix])
-    frame = _FRAME.pack(HEAD_MAGIC, set_id, digests.of(digested), section_len, CHUNK_BYTES, len(chunk_digests))
+    magic = ZSTD_MAGIC if compressed else HEAD_MAGIC
+    frame = _FRAME.pack(magic, set_id, digests.of(digested), section_len, CHUNK_BYTES, len(chunk_digests))
     return frame + digested[struct.calcsize("<QII") :]
 
 
@@ -143,16 +180,28 @@ def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], c
     return set_id
 
 
-def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, response: int, prompt_bytes: int) -> bytes:
+def stored_value(
+    sharing: shared_prompts.Sharing,
+    key: bytes,
+    blob: bytes,
+    response: int,
+    prompt_bytes: int,
+    chunks: Sequence[bytes] = (),
+) -> bytes:
     """What `blobs` keeps under `key` for a pushed experience's payload (of `response` response
     tokens after `prompt_bytes` of prompt tokens), in the push's transaction (`sharing`'s): the
     payload itself, or a reference to its prompt stored once (shared_prompts.py), or, for one whose
     section is larger than CHUNK_BYTES, its head, its section written to a new chunk set here; a
-    head staged by a push in chunks is kept as it is, its set no longer staged. A payload whose
-    prompt is too short to share is kept as it is without a look at its header."""
+    head staged by a push in chunks is kept as it is, its set no longer staged, and a head made
+    with its `chunks` (compressed) has them written here. A payload whose prompt is too short to
+    share is kept as it is without a look at its header."""
     txn, dbs = sharing.txn, sharing.dbs
     if is_head(blob):
-        txn.delete(set_prefix(bytes(key[:4]), read_head(blob).set_id), db=dbs["staged"])
+        set_id = read_head(blob).set_id
+        for index, frame in enumerate(chunks):
+            txn.put(chunk_key(bytes(key[:4]), set_id, index), frame, db=dbs["chunks"])
+        if not chunks:
+            txn.delete(set_prefix(bytes(key[:4]), set_id), db=dbs["staged"])
         return blob
     view = memoryview(blob)
     start = section_at(view) if len(blob) > CHUNK_BYTES else len(blob)  # a small one's section is not read
@@ -166,6 +215,22 @@ def stored_value(sharing: shared_prompts.Sharing, key: bytes, blob: bytes, respo
         txn.put(chunk_key(bytes(key[:4]), set_id, index), chunk, db=dbs["chunks"])
         found.append(digests.of(chunk))
     return pack_head(set_id, len(section), found, [view[:start]])
+
+
+def compressed(blob: bytes, level: int, new_set: Callable[[], int]) -> tuple[bytes, list[bytes]] | None:
+    """A pushed payload as a table that compresses keeps it, made before the writer takes it: the
+    head of its section in a new set (`new_set()`) and its chunks, each a zstd frame; None for
+    one whose section is kept in one value (stored_value), or that is a head already (staged)."""
+    if len(blob) <= CHUNK_BYTES or is_head(blob):
+        return None
+    view = memoryview(blob)
+    start = section_at(view)
+    if len(view) - start <= CHUNK_BYTES:
+        return None
+    section = view[start:]
+    pieces: list[Run] = [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
+    head = pack_head(new_set(), len(section), [digests.of(piece) for piece in pieces], [view[:start]], compressed=True)
+    return head, [compress(piece, level) for piece in pieces]
 
 
 def stage(
@@ -226,7 +291,7 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
     prefix = bytes(key[:4])
     pieces: list[Run] = []
     for index in range(head.chunks):
-        found = read("chunks", chunk_key(prefix, head.set_id, index))
+        found = head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
         pieces.append(b"" if found is None else found)
     return SplitPayload(head.prefix, pieces)
 
@@ -258,9 +323,10 @@ class Deferred:
         return self._head
 
     def _get(self, index: int) -> Run | None:
+        """Chunk `index`'s bytes as pushed (Head.plain)."""
         if self._copied is not None:
-            return self._copied[index]
-        return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
+            return self._head.plain(index, self._copied[index])
+        return self._head.plain(index, self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index)))
 
     def resolve(
         self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
@@ -292,7 +358,7 @@ class Deferred:
         needed = {index for start, end in spans for index in head.span(start, end)}
         pieces: list[Run] = []
         for index in range(head.chunks):
-            length = min(head.chunk_bytes, head.section_len - index * head.chunk_bytes)
+            length = head.length(index)
             if index not in needed:
                 pieces.append(_ZEROS[:length] if length <= len(_ZEROS) else bytes(length))
                 continue
@@ -305,7 +371,8 @@ class Deferred:
     def detach(self) -> Deferred:
         """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
         if self._copied is None:
-            found = [self._get(index) for index in range(self._head.chunks)]
+            key = bytes(self._key[:4])
+            found = [self._chunk(chunk_key(key, self._head.set_id, index)) for index in range(self._head.chunks)]
             self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
             self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
         return self

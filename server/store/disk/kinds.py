@@ -61,6 +61,7 @@ class Entry:
     prompt_bytes: int  # the bytes of its prompt tokens: a store keeps only a long one once (shared_prompts.py)
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
     piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
+    chunks: tuple[bytes, ...] = ()  # with a head for blob: its chunks, compressed off the writer (chunked.compressed)
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:

@@ -143,7 +143,9 @@ def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, 
             size = entry.size
             tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
             uid = entry.uid.encode()
-            value = chunked.stored_value(sharing, prefix + uid, entry.blob, entry.response_length, entry.prompt_bytes)
+            value = chunked.stored_value(
+                sharing, prefix + uid, entry.blob, entry.response_length, entry.prompt_bytes, entry.chunks
+            )
             blobs.append((prefix + uid, value))
             order.append((prefix + u64(seq), uid))
             grp.members.append(entry.uid)

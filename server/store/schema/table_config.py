@@ -33,6 +33,7 @@ from .table_parts import (
     Reuse,
     Shaping,
     Staleness,
+    Storage,
     flat_names,
 )
 
@@ -49,6 +50,7 @@ PARTS: dict[str, type[Part]] = {
     "staleness": Staleness,
     "rate_limiter": RateLimiter,
     "reuse": Reuse,
+    "storage": Storage,
 }
 # TableConfig's own fields that are flat settings, outside any part.
 OWN = ("extensions",)
@@ -115,6 +117,8 @@ class TableConfig:
     rate_limiter: RateLimiter = field(default_factory=RateLimiter)
     # How often, and how, a replayed group is delivered again.
     reuse: Reuse = field(default_factory=Reuse)
+    # How the chunks of large tensor data are kept: as they are, or zstd frames.
+    storage: Storage = field(default_factory=Storage)
     # The table extensions it runs, by the names the Store registered them under (each an
     # instance of its own for this table); the store's own rules follow from the other settings.
     extensions: tuple[str, ...] = ()
@@ -129,6 +133,7 @@ class TableConfig:
         staleness: Staleness | None = None,
         rate_limiter: RateLimiter | None = None,
         reuse: Reuse | None = None,
+        storage: Storage | None = None,
         extensions: Sequence[str] = (),
         **flat: Any,
     ) -> None:
@@ -140,6 +145,7 @@ class TableConfig:
             "staleness": staleness,
             "rate_limiter": rate_limiter,
             "reuse": reuse,
+            "storage": storage,
         }
         if flat:  # the flat keywords of earlier releases
             warnings.warn(
@@ -244,10 +250,13 @@ class TableConfig:
 
     def to_stored(self) -> dict[str, Any]:
         """The settings a table record keeps (read back by `from_stored`): a table without
-        extensions is stored as an earlier release stored it, so that release still opens it."""
+        extensions, or without compression, is stored as an earlier release stored it, so that
+        release still opens it (and refuses, naming the setting, one whose chunks it cannot read)."""
         stored = self.settings()
         if not stored["extensions"]:
             del stored["extensions"]
+        if self.storage.zstd_level is None:
+            del stored["compression"], stored["compression_level"]
         return stored
 
 

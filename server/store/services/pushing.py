@@ -22,6 +22,7 @@ groups can be foreseen (pushed_advantages.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -153,13 +154,22 @@ class Pushing:
             self._sets = (set_id + 1, self._sets[1])
             return set_id
 
-    def stage(self, table: str, set_id: int, index: int, chunk: bytes | memoryview) -> Future[None]:
+    def compression(self, table: str) -> int | None:
+        """The zstd level `table` compresses the chunks of large sections at; None where it keeps
+        them as they are (its setting `compression`)."""
+        return self.catalog.lookup(table)[1].storage.zstd_level
+
+    def stage(
+        self, table: str, set_id: int, index: int, chunk: bytes | memoryview, level: int | None = None
+    ) -> Future[None]:
         """Write chunk `index` of a section a push in chunks stages, in set `set_id`
         (chunked.stage), in the writer's next commit, shared with the requests waiting then as a
-        push's is: the future is done once it is durable. Chunks are written in the order staged."""
+        push's is: the future is done once it is durable. Chunks are written in the order staged;
+        with a `level`, each as a zstd frame, compressed here, before the writer."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         dbs, now = self.environment.db, self.catalog.clock()
-        return self.environment.queue(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, chunk, now))
+        stored = chunk if level is None else chunked.compress(chunk, level)
+        return self.environment.queue(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, stored, now))
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
@@ -183,13 +193,28 @@ class Pushing:
         self.environment.submit(drop)
 
     def _ready(self, push: Push) -> _Ready:
-        """A push looked up, with the advantages it is expected to compute, computed now."""
+        """A push looked up, with the advantages it is expected to compute, computed now; in a
+        table that compresses, its large sections' chunks compressed now, off the writer."""
         table_id, config = self.catalog.lookup(push.table)
+        level = config.storage.zstd_level
+        if level is not None:
+            push = self._compressed(push, level)
         compute = self.in_push(config) if self.in_push is not None else None
         if any(entry.piece is not None for entry in push.entries):
             compute = None  # the rollouts its pieces finish are put together in the writer, not foreseen here
         ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
         return _Ready(push, table_id, config, ahead)
+
+    def _compressed(self, push: Push, level: int) -> Push:
+        """The push with each of its experiences whose section is stored in chunks as a head and
+        its chunks compressed (chunked.compressed), those of pieces of partial rollouts left as
+        they are (the store puts their rollouts together in the writer)."""
+        entries = list(push.entries)
+        for at, entry in enumerate(entries):
+            made = None if entry.piece is not None else chunked.compressed(entry.blob, level, self.new_chunk_set)
+            if made is not None:
+                entries[at] = dataclasses.replace(entry, blob=made[0], chunks=tuple(made[1]))
+        return dataclasses.replace(push, entries=entries)
 
     def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
         """`_in_order` in the writer's next transaction; the first push's refusal, or the failure of

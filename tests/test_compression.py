@@ -1,0 +1,91 @@
+"""A table that compresses (`compression = "zstd"`) keeps the chunks of tensor data larger than
+4 MiB as zstd frames, whichever way the push came (in one message, or in chunks staged as they
+arrive), and serves every read the bytes as pushed; its settings travel and are checked by name;
+a table that does not compress is stored as earlier releases stored it."""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+import torch
+import zstandard
+
+from expbuf.client import BufferClient, Experience, InvalidArgumentError, trxp
+from expbuf.client.rpc.wire import WireError
+from expbuf.server.store.disk import chunked
+from expbuf.server.store.schema.errors import ConfigError
+from expbuf.server.store.schema.table_config import TableConfig
+
+from conftest import Servers
+from helpers import make_experience, wait_for
+
+RESPONSE = 700_000  # tokens int32, log-probs float32, a bool mask: about 6.3 MB a section
+
+
+def same(got: Experience, want: Experience) -> bool:
+    """The tensors pushed, read back (a read adds the advantages computed since)."""
+    return all(torch.equal(getattr(got, name), getattr(want, name)) for name in ("tokens", "logprobs", "action_mask"))
+
+
+def rows(env: lmdb.Environment, db: lmdb._Database) -> dict[bytes, bytes]:
+    with env.begin() as txn, txn.cursor(db=db) as cur:
+        return {bytes(key): bytes(value) for key, value in cur}
+
+
+def test_a_compressing_table_keeps_its_chunks_as_frames_and_serves_the_bytes_pushed(start_server: Servers) -> None:
+    server = start_server()
+    target = f"127.0.0.1:{server.port}"
+    whole = [make_experience("b", 0, run, response=RESPONSE) for run in range(2)]
+    staged = [make_experience("b", 1, run, response=RESPONSE) for run in range(2)]
+    for exp in (*whole, *staged):  # log-probs that compress as real ones do, hardly at all
+        exp.logprobs = torch.randn(RESPONSE)
+    with (
+        BufferClient(target, timeout=60) as client,
+        BufferClient(target, timeout=60, push_chunk_bytes=1 << 20) as chunks,
+    ):
+        info = client.create_table("z", group_size=2, estimator="grpo", compression="zstd", compression_level=3)
+        assert (info.compression, info.compression_level) == ("zstd", 3)
+        assert client.push(whole, table="z").stored == [exp.eid.uid for exp in whole]  # in one message
+        assert chunks.push(staged, table="z").stored == [exp.eid.uid for exp in staged]  # staged as it came
+        store = server.store
+        heads = rows(store.environment.env, store.db["blobs"])
+        assert len(heads) == 4 and {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC}
+        frames = rows(store.environment.env, store.db["chunks"])
+        plain = sum(len(zstandard.ZstdDecompressor().decompress(frame)) for frame in frames.values())
+        sections = sum(len(t.data) for exp in (*whole, *staged) for t in trxp.from_experience(exp).tensors.values())
+        assert plain == sections and sum(map(len, frames.values())) < 0.75 * sections
+        assert store.verify("z") == []
+
+        pushed = {exp.eid.uid: exp for exp in (*whole, *staged)}
+        got = client.get(list(pushed), table="z")
+        assert len(got) == 4 and all(same(exp, pushed[exp.eid.uid]) for exp in got)
+        fields = client.read_fields(list(pushed), ["tokens"], table="z", share=1, of=2)
+        for at, exp in enumerate(pushed.values()):  # a rank's share: only the chunks it lies in are read
+            tokens = fields.columns["tokens"]
+            assert torch.equal(
+                tokens.values[tokens.offsets[at] : tokens.offsets[at + 1]], exp.tokens[exp.tokens.numel() // 2 :]
+            )
+        stream = client.sample("z", num_groups=2, timeout=10, delivery="consume")
+        batch = next(stream)
+        stream.close()
+        assert sorted(exp.eid.uid for exp in batch.experiences) == sorted(pushed)
+        assert all(same(exp, pushed[exp.eid.uid]) for exp in batch.experiences)
+        wait_for(lambda: rows(store.environment.env, store.db["chunks"]) == {}, "the consumed batch's frames to go")
+
+
+def test_compression_settings_travel_and_are_checked_by_name(client: BufferClient) -> None:
+    assert client.create_table("plain").compression == "none"
+    info = client.create_table("z", compression="zstd")
+    assert (info.compression, info.compression_level) == ("zstd", 1)
+    with pytest.raises(WireError, match="compression is 'lz4'; expected one of none, zstd"):  # the client's
+        client.create_table("bad", compression="lz4")  # type: ignore[typeddict-item]
+    with pytest.raises(InvalidArgumentError, match="compression_level must be an integer from 1 to 19"):
+        client.create_table("bad", compression="zstd", compression_level=20)
+    assert [t.name for t in client.list_tables()].count("bad") == 0
+    with pytest.raises(ConfigError, match="compression_level must be an integer from 1 to 19, got 0"):
+        TableConfig.of("t", compression="zstd", compression_level=0)
+    # a table that does not compress is stored as earlier releases stored it, which open it
+    assert "compression" not in TableConfig.of("t").to_stored()
+    stored = TableConfig.of("t", compression="zstd", compression_level=5).to_stored()
+    assert (stored["compression"], stored["compression_level"]) == ("zstd", 5)
+    assert TableConfig.from_stored(stored).storage.zstd_level == 5
