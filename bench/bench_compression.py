@@ -1,16 +1,17 @@
 """Where a table's compression pays (issue 41): MoE rollouts pushed and consumed through an
-`expbuf serve` child into tables that keep their chunks as they are and as zstd frames, side by
-side in one run, with the bytes each keeps on disk.
+`expbuf serve` child into tables that keep their tensor data as it is and as zstd frames, side
+by side in one run, with the bytes each keeps on disk.
 
-    .venv/bin/python bench/bench_compression.py [--out bench/RESULTS.md] [--tokens 32768] [--count 8]
+    .venv/bin/python bench/bench_compression.py [--out bench/RESULTS.md] [--tokens 32768,4096] [--mib 256]
 
-Each rollout: `--tokens` tokens as int64 (ids drawn uniformly from a 151k vocabulary), float32
-log-probs (random), a bool mask (the first eighth is prompt) and its routing ids
-(`routed_experts`: 48 layers x top-8 of 128 experts a token, drawn uniformly: the worst case for
-compression, real routing is skewed) as int32, or as uint8. Each rollout is one push over the
-client's defaults, then all are consumed as columns (every field) one rollout a batch. Rates
-are of the rollouts' bytes as pushed; "kept" is the pages of the chunks database after the
-pushes (LMDB's own count), against the same rollouts kept as they are.
+Each rollout: `--tokens` tokens (each count in turn) as int64 (ids drawn uniformly from a 151k
+vocabulary), float32 log-probs (random), a bool mask (the first eighth is prompt) and its
+routing ids (`routed_experts`: 48 layers x top-8 of 128 experts a token, drawn uniformly: the
+worst case for compression, real routing is skewed) as int32, or as uint8; `--mib` of them a
+table (at least 4). Each rollout is one push over the client's defaults, then all are consumed
+as columns (every field), one rollout a batch. Rates are of the rollouts' bytes as pushed;
+"kept" is the pages of the payloads and chunks databases after the pushes (LMDB's own count),
+against the same rollouts kept as they are.
 """
 
 from __future__ import annotations
@@ -60,12 +61,16 @@ def rollout(index: int, tokens: int, routing: torch.dtype) -> bytes:
 
 
 def kept(data: str) -> int:
-    """The bytes of the pages the chunks database holds (read beside the server, as a reader)."""
+    """The bytes of the pages the payloads and the chunks databases hold (read beside the
+    server, as a reader)."""
     env = lmdb.open(data, readonly=True, max_dbs=layout.MAX_DBS)
     try:
+        pages, size = 0, 0
         with env.begin() as txn:
-            stat = txn.stat(env.open_db(b"chunks", txn=txn, create=False))
-        return int(stat["psize"] * (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]))
+            for name in (b"blobs", b"chunks"):
+                stat = txn.stat(env.open_db(name, txn=txn, create=False))
+                pages, size = pages + stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"], stat["psize"]
+        return int(pages * size)
     finally:
         env.close()
 
@@ -100,26 +105,28 @@ def run(settings: dict[str, object], bodies: list[bytes]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--count", type=int, default=8)
+    parser.add_argument("--tokens", default="32768,4096", help="tokens a rollout, each count in turn")
+    parser.add_argument("--mib", type=int, default=256, help="MiB of rollouts a table")
     args = parser.parse_args()
     lines = [
-        "| routing ids | table | rollout | push MB/s | consume MB/s | kept on disk | push / consume vs as they are |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| tokens | routing ids | rollout | table | push MB/s | consume MB/s | kept on disk "
+        "| push / consume vs as they are |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for routing in (torch.int32, torch.uint8):
-        bodies = [rollout(index, args.tokens, routing) for index in range(args.count)]
-        results = {name: run(settings, bodies) for name, settings in TABLES.items()}
-        plain = results["as they are"]
-        for name, got in results.items():
-            lines.append(
-                f"| {str(routing).removeprefix('torch.')} | {name} | {len(bodies[0]) / MB:.1f} MiB "
-                f"| {got['push']:.0f} | {got['consume']:.0f} "
-                f"| {got['kept'] / plain['kept']:.2f}x ({got['kept'] / MB:.0f} MiB) "
-                f"| {got['push'] / plain['push']:.2f} / {got['consume'] / plain['consume']:.2f} |"
-            )
-            print(lines[-1], flush=True)
-    command = f"python bench/bench_compression.py --tokens {args.tokens} --count {args.count}"
+    for tokens in map(int, args.tokens.split(",")):
+        for routing in (torch.int32, torch.uint8):
+            size = len(rollout(0, tokens, routing))
+            bodies = [rollout(index, tokens, routing) for index in range(max(4, args.mib * MB // size))]
+            results = {name: run(settings, bodies) for name, settings in TABLES.items()}
+            plain = results["as they are"]
+            for name, got in results.items():
+                lines.append(
+                    f"| {tokens} | {str(routing).removeprefix('torch.')} | {size / MB:.1f} MiB | {name} "
+                    f"| {got['push']:.0f} | {got['consume']:.0f} | {got['kept'] / plain['kept']:.2f}x "
+                    f"| {got['push'] / plain['push']:.2f} / {got['consume'] / plain['consume']:.2f} |"
+                )
+                print(lines[-1], flush=True)
+    command = f"python bench/bench_compression.py --tokens {args.tokens} --mib {args.mib}"
     body = "\n".join([HEADING, "", f"`{command}`", "", *lines, ""])
     if args.out:
         write_section(args.out, HEADING, body)

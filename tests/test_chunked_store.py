@@ -15,12 +15,13 @@ import pytest
 import zstandard
 
 from expbuf.client import trxp
-from expbuf.client.trxp.pieces import SplitPayload
+from expbuf.client.trxp.pieces import SplitPayload, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.disk import chunked, layout
+from expbuf.server.store.disk import chunked, digests, layout
 from expbuf.server.store.disk.environment import Environment
-from expbuf.server.store.schema.errors import DamagedPayload, StoreError
+from expbuf.server.store.disk.kinds import Entry
+from expbuf.server.store.schema.errors import DamagedPayload, NotFound, StoreError
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import migrate
@@ -80,6 +81,12 @@ def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
     if compressed:  # each chunk a zstd frame of its bytes, and the group's sections smaller for it
         plain = [zstandard.ZstdDecompressor().decompress(chunk) for chunk in chunks.values()]
         assert sum(map(len, plain)) == sum(map(section_bytes, items)) > 2 * sum(map(len, chunks.values()))
+        with store.environment.read() as txn:  # the scrub's check, a chunk at a time
+            read = chunked.reader(txn, store.db)
+            streamed = {key: chunked.streamed(head, key, read) for key, head in heads.items()}
+        packed = [trxp.pack_item(item) for item in items]
+        assert sorted(streamed.values()) == sorted((digests.of(blob), len(blob)) for blob in packed)
+    assert store.scrub.run_pass() == 0
     got = take(store, "big", num_groups=1, delivery="replay")
     assert got is not None and all(isinstance(blob, SplitPayload) for blob in got.blobs)
     payload = got.payload
@@ -148,6 +155,33 @@ def test_a_damaged_chunk_is_never_served_and_the_other_groups_are(store: Store) 
     assert victim not in rows(store, "chunks")  # the quarantined experience's chunks went with it
 
 
+@pytest.mark.parametrize("how", ["flipped", "cut short"])
+def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, how: str) -> None:
+    """A chunk changed on disk, or one cut short (a frame that then does not say it holds its
+    chunk's length), is refused where a stream's reply is built and found by the scrub."""
+    push(store, big_group(0))
+    victim = min(rows(store, "chunks"))
+    db = store.db["chunks"]
+
+    def damage(txn: lmdb.Transaction[bytes]) -> None:
+        value = bytearray(txn.get(victim, db=db) or b"")
+        if how == "flipped":
+            value[len(value) // 2] ^= 0xFF
+        else:
+            del value[len(value) // 2 :]
+        txn.put(victim, bytes(value), db=db)
+
+    store.environment.submit(damage)
+    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None and all(isinstance(blob, chunked.Deferred) for blob in held.blobs)
+    with pytest.raises(DamagedPayload, match=f"experience {held.uids[0]}: its payload"):
+        held.render(b"".join)
+    held.release()
+    store.nack(held.lease_id, "big")
+    assert store.scrub.run_pass() == 1
+    assert store.stats("big")["damaged"] == 1 and victim not in rows(store, "chunks")
+
+
 def test_a_push_that_staged_sections_and_never_completed_leaves_nothing_at_the_next_open(tmp_path: Path) -> None:
     with Store(tmp_path / "data") as store:
         store.create_table(TABLE)
@@ -161,6 +195,34 @@ def test_a_push_that_staged_sections_and_never_completed_leaves_nothing_at_the_n
     with Store(tmp_path / "data") as store:  # the push staging `first` never completed
         assert rows(store, "chunks") == {} and rows(store, "staged") == {}
         assert store.new_chunk_set() > second  # a set's number is never used again
+
+
+def staged_entry(store: Store, item: trxp.RawItem) -> Entry:
+    """An item's entry as a push in chunks makes it: its section staged in the store chunk by
+    chunk (compressed where its table compresses), its head made as the chunks passed."""
+    payload = memoryview(trxp.pack_item(item))
+    start = section_at(payload)
+    staging = chunked.Staging([payload[:start]], len(payload) - start)
+    staging.set_id, staging.level = store.new_chunk_set(), store.compression("big")
+    for number, at in enumerate(range(start, len(payload), chunked.CHUNK_BYTES)):
+        chunk = payload[at : at + chunked.CHUNK_BYTES]
+        store.stage("big", staging.set_id, number, chunk, staging.level).result()
+        staging.add(chunk)
+    return Entry.staged(item, staging.head(), staging.digest(), staging.size, item.generated_tokens)
+
+
+def test_a_push_whose_table_was_dropped_while_it_was_staged_is_refused(store: Store, table: TableConfig) -> None:
+    """Its staged data went with the table: storing its heads in the table made again would
+    acknowledge experiences whose data is gone."""
+    first, second = big_group(0)
+    assert store.put_entries("big", [staged_entry(store, first)]).stored == [first.uid]
+    assert store.get("big", [first.uid])[first.uid] == trxp.pack_item(first)
+    entry = staged_entry(store, second)
+    store.drop_table("big")
+    store.create_table(table)
+    with pytest.raises(NotFound, match=f"the data of experience {second.uid} staged as its push arrived is gone"):
+        store.put_entries("big", [entry])
+    assert store.get("big", [second.uid]) == {} and rows(store, "blobs") == {}
 
 
 def format_5(path: Path) -> None:

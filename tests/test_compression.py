@@ -5,19 +5,25 @@ a table that does not compress is stored as earlier releases stored it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lmdb
 import pytest
 import torch
 import zstandard
 
-from expbuf.client import BufferClient, Experience, InvalidArgumentError, trxp
+from expbuf.client import BufferClient, ExpbufError, Experience, InvalidArgumentError, trxp
 from expbuf.client.rpc.wire import WireError
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.advantages.worker import AdvantageWorker
+from expbuf.server.store import Store
 from expbuf.server.store.disk import chunked
 from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import make_experience, wait_for
+from helpers import group_items, make_experience, serving, take, wait_for
 
 RESPONSE = 700_000  # tokens int32, log-probs float32, a bool mask: about 6.3 MB a section
 
@@ -84,8 +90,65 @@ def test_compression_settings_travel_and_are_checked_by_name(client: BufferClien
     assert [t.name for t in client.list_tables()].count("bad") == 0
     with pytest.raises(ConfigError, match="compression_level must be an integer from 1 to 19, got 0"):
         TableConfig.of("t", compression="zstd", compression_level=0)
+    with pytest.raises(InvalidArgumentError, match="compression_level 5 needs compression = 'zstd'"):
+        client.create_table("bad", compression_level=5)  # not stored, so not kept across a restart
+    assert client.create_table("plain", compression_level=1, exist_ok=True).compression == "none"
     # a table that does not compress is stored as earlier releases stored it, which open it
     assert "compression" not in TableConfig.of("t").to_stored()
     stored = TableConfig.of("t", compression="zstd", compression_level=5).to_stored()
     assert (stored["compression"], stored["compression_level"]) == ("zstd", 5)
     assert TableConfig.from_stored(stored).storage.zstd_level == 5
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_compressing_table_keeps_a_section_over_256_kib_as_one_frame(tmp_path: Path, compression: str) -> None:
+    """Rollouts of a few thousand tokens with their routing ids are 1-4 MiB: a compressing table
+    keeps such a section as a head and one frame; one that does not, whole; both serve it as
+    pushed, and a consume and a delete take its frame with it."""
+    config = TableConfig.of("t", group_size=2, estimator="grpo", compression=compression)  # type: ignore[arg-type]
+    items = [*group_items("mid", 0, 2, response=100_000), *group_items("mid", 1, 2, response=100_000)]
+    assert all(chunked.MIN_COMPRESSED < len(trxp.pack_item(item)) < chunked.CHUNK_BYTES for item in items)
+    with Store(tmp_path / "data", seed=1) as store:
+        store.create_table(config)
+        store.put("t", items)
+        AdvantageWorker(store).run_once()
+        heads = rows(store.environment.env, store.db["blobs"])
+        frames = rows(store.environment.env, store.db["chunks"])
+        if compression == "zstd":
+            assert {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC} and len(frames) == 4
+            sections = sum(len(t.data) for item in items for t in item.tensors.values())
+            assert sum(map(len, frames.values())) < sections / 2
+        else:
+            assert not any(chunked.is_head(head) for head in heads.values()) and frames == {}
+        got = store.get("t", [item.uid for item in items])
+        for item in items:
+            (read,) = trxp.parse(got[item.uid])
+            assert {name: bytes(t.data) for name, t in read.tensors.items() if name != "advantages"} == {
+                name: bytes(t.data) for name, t in item.tensors.items()
+            }
+        batch = take(store, "t", num_groups=1, delivery="consume")
+        assert batch is not None and len(trxp.parse(batch.payload)) == 2
+        batch.release()
+        assert store.delete("t", group_ids=[next(i.eid.tid for i in items if i.eid.tid != batch.group_ids[0])]) == 2
+        for db in ("chunks", "blobs"):
+            assert rows(store.environment.env, store.db[db]) == {}, db
+        assert store.verify("t") == []
+
+
+class OlderServer(pb_grpc.ExperienceBufferServicer):
+    """A server that predates the setting: it makes the table its request names, without the
+    fields it does not know."""
+
+    def CreateTable(self, request: pb.CreateTableRequest, context: object) -> pb.CreateTableReply:
+        config = pb.TableConfig()
+        config.CopyFrom(request.config)
+        config.ClearField("compression")
+        config.ClearField("compression_level")
+        return pb.CreateTableReply(config=config, created=True)
+
+
+def test_a_table_an_older_server_made_without_the_compression_asked_is_refused_by_name() -> None:
+    with serving(OlderServer()) as target, BufferClient(target, timeout=10) as client:
+        assert client.create_table("plain").compression == "none"
+        with pytest.raises(ExpbufError, match="table 'z' was made without compression: the server predates"):
+            client.create_table("z", compression="zstd")

@@ -86,7 +86,7 @@ class TableSettings(TypedDict, total=False):
     min_group_size: int  # with group_size: the fewest members a group completes with when others failed
     max_token_staleness: int | None  # how many versions a generated token may lag the trainer
     on_token_stale: OnTokenStale  # a token behind that bound: masked where delivered, or its experience stale
-    compression: Compression  # how the chunks of tensor data over 4 MiB are kept: as they are, or zstd frames
+    compression: Compression  # tensor data over 256 KiB kept as it is, or as zstd frames of 4 MiB chunks
     compression_level: int  # zstd's level, 1-19: 1 is fastest
 
 

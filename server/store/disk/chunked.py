@@ -6,10 +6,10 @@ its section in `chunks`, CHUNK_BYTES a value (the last one shorter), keyed by it
 the number of its chunk set and each chunk's number. The head is the payload's bytes up to
 its section (the TRXP header, the metadata pickle, the safetensors header) behind a small
 frame: b"TRXO" · chunk set u64 · section length u64 · chunk bytes u32 · chunks u32 · each
-chunk's XXH3-128 digest (16 bytes). In a table that compresses (its setting `compression`),
-each chunk is a zstd frame of its bytes, compressed before the writer takes it, and its head's
-magic is b"TRXZ"; the digests stay those of the bytes as pushed, checked once decompressed. Read
-back, a head and its chunks are a
+chunk's XXH3-128 digest (16 bytes). A table that compresses (its setting `compression`) keeps
+so every section larger than MIN_COMPRESSED, each chunk a zstd frame of its bytes, compressed
+before the writer takes it, its head's magic b"TRXZ"; the digests stay those of the bytes as
+pushed, checked once decompressed. Read back, a head and its chunks are a
 `pieces.SplitPayload`, the same bytes as the one-item payload stored whole would be, which the
 record's digest is taken over (digests.of): a retried push is a duplicate however its
 experience was stored.
@@ -37,7 +37,7 @@ from expbuf.client.trxp.build import json_text, stored_entries
 from expbuf.client.trxp.columns import Shares, token_count
 from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of, section_at
 
-from ..schema.errors import DamagedPayload
+from ..schema.errors import DamagedPayload, NotFound, clip
 from . import digests, shared_prompts
 from .layout import micros
 from .shared_prompts import Read
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 CHUNK_BYTES = 4 << 20
+# A table that compresses keeps in chunks, as frames, a section larger than this (one of up to
+# CHUNK_BYTES in one chunk): rollouts of a few thousand tokens with MoE routing ids are 1-4 MiB.
+MIN_COMPRESSED = 256 << 10
 HEAD_MAGIC = b"TRXO"
 ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
 _MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
@@ -192,16 +195,20 @@ def stored_value(
     tokens after `prompt_bytes` of prompt tokens), in the push's transaction (`sharing`'s): the
     payload itself, or a reference to its prompt stored once (shared_prompts.py), or, for one whose
     section is larger than CHUNK_BYTES, its head, its section written to a new chunk set here; a
-    head staged by a push in chunks is kept as it is, its set no longer staged, and a head made
-    with its `chunks` (compressed) has them written here. A payload whose prompt is too short to
+    head staged by a push in chunks is kept as it is, its set no longer staged (NotFound where its
+    set is not staged in this table: the table was dropped while the push was read), and a head
+    made with its `chunks` (compressed) has them written here. A payload whose prompt is too short to
     share is kept as it is without a look at its header."""
     txn, dbs = sharing.txn, sharing.dbs
     if is_head(blob):
         set_id = read_head(blob).set_id
         for index, frame in enumerate(chunks):
             txn.put(chunk_key(bytes(key[:4]), set_id, index), frame, db=dbs["chunks"])
-        if not chunks:
-            txn.delete(set_prefix(bytes(key[:4]), set_id), db=dbs["staged"])
+        if not chunks and not txn.delete(set_prefix(bytes(key[:4]), set_id), db=dbs["staged"]):
+            raise NotFound(
+                f"the data of experience {clip(bytes(key[4:]).decode())} staged as its push arrived is gone: its "
+                "table was dropped (and made again) while the push was read; push it again"
+            )
         return blob
     view = memoryview(blob)
     start = section_at(view) if len(blob) > CHUNK_BYTES else len(blob)  # a small one's section is not read
@@ -220,12 +227,13 @@ def stored_value(
 def compressed(blob: bytes, level: int, new_set: Callable[[], int]) -> tuple[bytes, list[bytes]] | None:
     """A pushed payload as a table that compresses keeps it, made before the writer takes it: the
     head of its section in a new set (`new_set()`) and its chunks, each a zstd frame; None for
-    one whose section is kept in one value (stored_value), or that is a head already (staged)."""
-    if len(blob) <= CHUNK_BYTES or is_head(blob):
+    one whose section is MIN_COMPRESSED or less (kept as stored_value keeps it), or that is a
+    head already (staged)."""
+    if len(blob) <= MIN_COMPRESSED or is_head(blob):
         return None
     view = memoryview(blob)
     start = section_at(view)
-    if len(view) - start <= CHUNK_BYTES:
+    if len(view) - start <= MIN_COMPRESSED:
         return None
     section = view[start:]
     pieces: list[Run] = [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
@@ -294,6 +302,29 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
         found = head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
         pieces.append(b"" if found is None else found)
     return SplitPayload(head.prefix, pieces)
+
+
+def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
+    """The digest and length of the payload an intact head of zstd frames stands for, its chunks
+    decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
+    payload: a chunk missing or that does not decompress adds nothing. None for any other value
+    (read it whole with `resolve`)."""
+    if len(value) < _FRAME.size or value[:4] != ZSTD_MAGIC:
+        return None
+    try:
+        head = read_head(value)
+    except (ValueError, struct.error):
+        return None
+    if not head.intact:
+        return None
+    whole, size, prefix = digests.running(), len(head.prefix), bytes(key[:4])
+    whole.update(head.prefix)
+    for index in range(head.chunks):
+        chunk = head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
+        if chunk is not None:
+            whole.update(chunk)
+            size += len(chunk)
+    return whole.digest(), size
 
 
 # What a reply of these fields reads besides them: the action mask, which advantages of one value
@@ -459,17 +490,17 @@ def delete(
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
     and their references to shared prompts: with their sizes (the records'), only one that may be
-    either is looked at (larger than CHUNK_BYTES; or of at least shared_prompts.MIN_BYTES, in a
+    either is looked at (larger than MIN_COMPRESSED; or of at least shared_prompts.MIN_BYTES, in a
     table that keeps shared prompts), so that a consume of small experiences reads none."""
     blobs = dbs["blobs"]
     sharing: dict[bytes, bool] = {}  # by table prefix: whether the table keeps any shared prompt
     for at, key in enumerate(keys):
         prefix = bytes(key[:4])
-        if sizes is not None and shared_prompts.MIN_BYTES <= sizes[at] <= CHUNK_BYTES and prefix not in sharing:
+        if sizes is not None and shared_prompts.MIN_BYTES <= sizes[at] <= MIN_COMPRESSED and prefix not in sharing:
             sharing[prefix] = shared_prompts.any_in(txn, dbs, prefix)
         if (
             sizes is None
-            or sizes[at] > CHUNK_BYTES
+            or sizes[at] > MIN_COMPRESSED
             or (sizes[at] >= shared_prompts.MIN_BYTES and sharing.get(prefix, False))
         ):
             value = txn.get(key, db=blobs)

@@ -410,10 +410,10 @@ class Reuse(Part):
 
 @dataclass(frozen=True)
 class Storage(Part):
-    """How a table keeps the chunks of an experience's tensor data larger than 4 MiB (chunked.py):
-    as they are, or each a zstd frame, compressed before the writer takes it. Long rollouts' token
-    ids, masks and routing ids kept as int32 or int64 shrink 2.5-9x; float data and random uint8
-    ids hardly at all (docs/internals/storage.md, "Compression")."""
+    """How a table keeps an experience's tensor data larger than 256 KiB (chunked.py): as it is,
+    or in chunks each a zstd frame, compressed before the writer takes it. Rollouts' token ids,
+    masks and routing ids kept as int32 or int64 shrink 2.5-9x; float data and random uint8 ids
+    hardly at all (docs/internals/storage.md, "Compression")."""
 
     # none, or zstd: each chunk a zstd frame.
     compression: Compression = "none"
@@ -425,6 +425,8 @@ class Storage(Part):
         setting, value = self._setting("compression_level")
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ZSTD_LEVEL:
             raise ConfigError(f"{setting} must be an integer from 1 to {MAX_ZSTD_LEVEL}, got {clip(repr(value), 40)}")
+        if self.compression == "none" and value != 1:  # a table that does not compress is stored without it
+            raise ConfigError(f"compression_level {value} needs compression = 'zstd'")
 
     @property
     def zstd_level(self) -> int | None:

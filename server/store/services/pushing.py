@@ -198,23 +198,24 @@ class Pushing:
         table_id, config = self.catalog.lookup(push.table)
         level = config.storage.zstd_level
         if level is not None:
-            push = self._compressed(push, level)
+            self._compress(push, level)
         compute = self.in_push(config) if self.in_push is not None else None
         if any(entry.piece is not None for entry in push.entries):
             compute = None  # the rollouts its pieces finish are put together in the writer, not foreseen here
         ahead = pushed_advantages.compute_ahead(config, push.entries, compute) if compute is not None else None
         return _Ready(push, table_id, config, ahead)
 
-    def _compressed(self, push: Push, level: int) -> Push:
-        """The push with each of its experiences whose section is stored in chunks as a head and
-        its chunks compressed (chunked.compressed), those of pieces of partial rollouts left as
+    def _compress(self, push: Push, level: int) -> None:
+        """Each of the push's experiences whose section a table that compresses keeps in chunks
+        made a head and its chunks compressed (chunked.compressed), in the push itself, so that
+        its payloads as they were are let go; those of pieces of partial rollouts are left as
         they are (the store puts their rollouts together in the writer)."""
         entries = list(push.entries)
         for at, entry in enumerate(entries):
             made = None if entry.piece is not None else chunked.compressed(entry.blob, level, self.new_chunk_set)
             if made is not None:
                 entries[at] = dataclasses.replace(entry, blob=made[0], chunks=tuple(made[1]))
-        return dataclasses.replace(push, entries=entries)
+        push.entries = entries
 
     def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
         """`_in_order` in the writer's next transaction; the first push's refusal, or the failure of

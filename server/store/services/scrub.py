@@ -197,11 +197,13 @@ class Scrub:
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
                         return bad, bytes(cur.key()), payloads, nbytes, count
-                    key = cur.key()
-                    blob = chunked.resolve(cur.value(), key, chunked.reader(txn, db))
+                    key, read = cur.key(), chunked.reader(txn, db)
+                    streamed = chunked.streamed(cur.value(), key, read)  # held a chunk at a time
+                    blob = chunked.resolve(cur.value(), key, read) if streamed is None else streamed
                     raw = txn.get(key, db=db["items"])
-                    payloads += len(blob)
-                    nbytes += len(blob) + (0 if raw is None else len(raw))
+                    length = len(blob) if streamed is None else streamed[1]
+                    payloads += length
+                    nbytes += length + (0 if raw is None else len(raw))
                     count += 1
                     if raw is not None and self._damaged(key, raw, blob):
                         bad.append(bytes(key[4:]).decode())
@@ -210,12 +212,15 @@ class Scrub:
             self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")
         return bad, None, payloads, nbytes, count
 
-    def _damaged(self, key: memoryview, raw: memoryview, blob: Stored) -> bool:
-        """Whether the payload is not the one its record's digest names."""
+    def _damaged(self, key: memoryview, raw: memoryview, blob: Stored | tuple[bytes, int]) -> bool:
+        """Whether the payload (or its digest and length, chunked.streamed) is not the one its
+        record's digest names."""
         try:
             if ItemRecord.compact(raw):
                 return False  # a tombstone keeps no payload: `expbuf check` reports one that has
             digest, size = ItemRecord.digest_of(raw)
+            if isinstance(blob, tuple):
+                return blob != (digest, size)
             if len(blob) == size and digests.of(blob) == digest:
                 return False
             uid = bytes(key[4:]).decode()
