@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -288,20 +288,28 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
     finds do not match."""
     if len(value) >= 4 and shared_prompts.is_ref(value):
         return shared_prompts.resolve(value, key, read)
-    if len(value) < 4 or not is_head(value):
+    head = _intact_head(value)
+    if head is None:
         return value
+    return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in _plain_chunks(head, key, read)])
+
+
+def _intact_head(value: Run) -> Head | None:
+    """The head a value is, where its frame reads and its own digest matches; None for any other."""
+    if len(value) < _FRAME.size or not is_head(value):
+        return None
     try:
         head = read_head(value)
     except (ValueError, struct.error):
-        return value
-    if not head.intact:
-        return value
+        return None
+    return head if head.intact else None
+
+
+def _plain_chunks(head: Head, key: bytes | memoryview, read: Read) -> Iterator[Run | None]:
+    """A head's chunks as pushed, one at a time (Head.plain: None where one is missing or damaged)."""
     prefix = bytes(key[:4])
-    pieces: list[Run] = []
     for index in range(head.chunks):
-        found = head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
-        pieces.append(b"" if found is None else found)
-    return SplitPayload(head.prefix, pieces)
+        yield head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
 
 
 def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
@@ -309,18 +317,12 @@ def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, in
     decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
     payload: a chunk missing or that does not decompress adds nothing. None for any other value
     (read it whole with `resolve`)."""
-    if len(value) < _FRAME.size or value[:4] != ZSTD_MAGIC:
+    head = _intact_head(value)
+    if head is None or not head.compressed:
         return None
-    try:
-        head = read_head(value)
-    except (ValueError, struct.error):
-        return None
-    if not head.intact:
-        return None
-    whole, size, prefix = digests.running(), len(head.prefix), bytes(key[:4])
+    whole, size = digests.running(), len(head.prefix)
     whole.update(head.prefix)
-    for index in range(head.chunks):
-        chunk = head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
+    for chunk in _plain_chunks(head, key, read):
         if chunk is not None:
             whole.update(chunk)
             size += len(chunk)
