@@ -49,7 +49,7 @@ CASES = {"1": {"group_by": "none"}, "8": {"group_by": "task", "group_size": 8}}
 # (stage, a function name that puts a sample in it), most specific first.
 STAGES = (
     ("durable commit (LMDB commit, fsync)", "_mdb_txn_commit"),
-    ("confirm: consume the batch before (end_lease, retire)", "end_lease "),
+    ("confirm: consume the batch before (Leases.confirm, retire)", "Leases.confirm "),
     ("take: read payloads and check their digests", "_Payloads.check "),
     ("take: read member records", "TableState.members "),
     ("take: select groups (ready index, group records)", "_select "),
