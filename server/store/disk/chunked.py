@@ -24,11 +24,14 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import struct
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 import zstandard
@@ -58,6 +61,7 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _NEXT_SET = b"next_chunk_set"  # in meta: the number the next chunk set takes
 DIGEST_BYTES = 16
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,13 @@ class Head:
     def length(self, index: int) -> int:
         """How many bytes of the section chunk `index` holds."""
         return min(self.chunk_bytes, self.section_len - index * self.chunk_bytes)
+
+    def plain_each(self, indices: Sequence[int], stored: Sequence[Run | None]) -> list[Run | None]:
+        """`plain` of chunk `indices[i]` from `stored[i]`, for each: several frames decompressed
+        side by side (`each`)."""
+        if not self.compressed:
+            return list(stored)
+        return each(self.plain, indices, stored)
 
     def plain(self, index: int, stored: Run | None) -> Run | None:
         """Chunk `index`'s bytes as pushed, from its stored value: itself, or its zstd frame
@@ -130,6 +141,20 @@ class Staging:
     def head(self) -> bytes:
         assert self.set_id is not None, "a head names the set its chunks were staged in"
         return pack_head(self.set_id, self.section_len, self.digests, self.prefix, self.level is not None)
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="expbuf-zstd")
+
+
+def each(work: Callable[..., T], *over: Sequence[Any]) -> list[T]:
+    """`work` over the items of `over` (zipped), on a few threads where there are several: zstd
+    lets go of the interpreter while it compresses or decompresses a chunk, so a large
+    experience's chunks go at the speed of the server's cores, not of one."""
+    if len(over[0]) < 2:
+        return [work(*items) for items in zip(*over, strict=True)]
+    return list(_pool().map(work, *over))
 
 
 def is_head(value: Run) -> bool:
@@ -238,7 +263,7 @@ def compressed(blob: bytes, level: int, new_set: Callable[[], int]) -> tuple[byt
     section = view[start:]
     pieces: list[Run] = [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
     head = pack_head(new_set(), len(section), [digests.of(piece) for piece in pieces], [view[:start]], compressed=True)
-    return head, [compress(piece, level) for piece in pieces]
+    return head, each(partial(compress, level=level), pieces)
 
 
 def stage(
@@ -291,7 +316,8 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
     head = _intact_head(value)
     if head is None:
         return value
-    return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in _plain_chunks(head, key, read)])
+    plain = head.plain_each(range(head.chunks), _stored_chunks(head, key, read))
+    return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
 
 
 def _intact_head(value: Run) -> Head | None:
@@ -305,11 +331,10 @@ def _intact_head(value: Run) -> Head | None:
     return head if head.intact else None
 
 
-def _plain_chunks(head: Head, key: bytes | memoryview, read: Read) -> Iterator[Run | None]:
-    """A head's chunks as pushed, one at a time (Head.plain: None where one is missing or damaged)."""
+def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Run | None]:
+    """A head's chunks as stored (None where one is missing)."""
     prefix = bytes(key[:4])
-    for index in range(head.chunks):
-        yield head.plain(index, read("chunks", chunk_key(prefix, head.set_id, index)))
+    return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
 
 
 def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
@@ -322,7 +347,8 @@ def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, in
         return None
     whole, size = digests.running(), len(head.prefix)
     whole.update(head.prefix)
-    for chunk in _plain_chunks(head, key, read):
+    for index, stored in enumerate(_stored_chunks(head, key, read)):  # decompressed one at a time
+        chunk = head.plain(index, stored)
         if chunk is not None:
             whole.update(chunk)
             size += len(chunk)
@@ -355,11 +381,14 @@ class Deferred:
         """Its head as stored: what it holds, before its chunks are read."""
         return self._head
 
-    def _get(self, index: int) -> Run | None:
-        """Chunk `index`'s bytes as pushed (Head.plain)."""
+    def _stored(self, index: int) -> Run | None:
         if self._copied is not None:
-            return self._head.plain(index, self._copied[index])
-        return self._head.plain(index, self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index)))
+            return self._copied[index]
+        return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
+
+    def _plain(self, indices: Sequence[int]) -> dict[int, Run | None]:
+        """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
+        return dict(zip(indices, self._head.plain_each(indices, [self._stored(i) for i in indices]), strict=True))
 
     def resolve(
         self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
@@ -371,9 +400,8 @@ class Deferred:
         DamagedPayload if what is read is not what was pushed."""
         head = self._head
         if fields is None:
-            payload = SplitPayload(
-                head.prefix, [b"" if (got := self._get(i)) is None else got for i in range(head.chunks)]
-            )
+            found = self._plain(range(head.chunks))
+            payload = SplitPayload(head.prefix, [b"" if (got := found[i]) is None else got for i in range(head.chunks)])
             problem = digests.mismatch(payload, self.size, self.digest) if head.intact else "its head is damaged"
             if problem is not None:
                 raise DamagedPayload(self.uid, problem)
@@ -389,13 +417,14 @@ class Deferred:
         if shares is not None:
             spans += shares.spans(entries, wanted - mask, response)
         needed = {index for start, end in spans for index in head.span(start, end)}
+        found = self._plain(sorted(needed))
         pieces: list[Run] = []
         for index in range(head.chunks):
             length = head.length(index)
             if index not in needed:
                 pieces.append(_ZEROS[:length] if length <= len(_ZEROS) else bytes(length))
                 continue
-            got = self._get(index)
+            got = found[index]
             if got is None or len(got) != length or digests.of(got) != head.digests[index]:
                 raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
             pieces.append(got)
@@ -404,8 +433,7 @@ class Deferred:
     def detach(self) -> Deferred:
         """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
         if self._copied is None:
-            key = bytes(self._key[:4])
-            found = [self._chunk(chunk_key(key, self._head.set_id, index)) for index in range(self._head.chunks)]
+            found = [self._stored(index) for index in range(self._head.chunks)]
             self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
             self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
         return self
