@@ -225,6 +225,19 @@ def test_a_push_whose_table_was_dropped_while_it_was_staged_is_refused(store: St
     assert store.get("big", [second.uid]) == {} and rows(store, "blobs") == {}
 
 
+def test_a_chunk_staged_after_its_table_was_dropped_and_made_again_is_refused(store: Store, table: TableConfig) -> None:
+    """Its first chunk went with the dropped table: the rest of its set is refused as it comes."""
+    payload = memoryview(trxp.pack_item(big_group(0)[0]))
+    start, chunk, level = section_at(payload), chunked.CHUNK_BYTES, store.compression("big")
+    set_id = store.new_chunk_set()
+    store.stage("big", set_id, 0, payload[start : start + chunk], level).result()
+    store.drop_table("big")
+    store.create_table(table)
+    with pytest.raises(NotFound, match="the table was dropped"):
+        store.stage("big", set_id, 1, payload[start + chunk : start + 2 * chunk], level).result()
+    assert rows(store, "chunks") == {} and rows(store, "staged") == {}
+
+
 def format_5(path: Path) -> None:
     """A directory as a format 5 expbuf leaves it: no chunk databases, format 5."""
     env = lmdb.open(str(path), max_dbs=layout.MAX_DBS)
@@ -298,6 +311,9 @@ def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_r
     assert held is not None and all(isinstance(blob, chunked.Deferred) for blob in held.blobs)
     fields = ("tokens", "advantages")
     got = held.columns(fields, lambda parts: {part.name: b"".join(part.values) for part in parts})
+    for blob in held.blobs:  # copied out of the snapshot (its end comes first): the same columns
+        assert isinstance(blob, chunked.Deferred) and blob.detach() is blob
+    assert held.columns(fields, lambda parts: {part.name: b"".join(part.values) for part in parts}) == got
     held.release()
     store.nack(held.lease_id, "big")
     whole = take(store, "big", num_groups=1, delivery="replay")

@@ -24,11 +24,11 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import struct
+import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -90,12 +90,16 @@ class Head:
         """How many bytes of the section chunk `index` holds."""
         return min(self.chunk_bytes, self.section_len - index * self.chunk_bytes)
 
-    def plain_each(self, indices: Sequence[int], stored: Sequence[Run | None]) -> list[Run | None]:
-        """`plain` of chunk `indices[i]` from `stored[i]`, for each: several frames decompressed
-        side by side (`each`)."""
+    def plain_each(
+        self, indices: Sequence[int], stored: Sequence[Run | None], workers: Workers | None = None
+    ) -> list[Run | None]:
+        """`plain` of chunk `indices[i]` from `stored[i]`, for each: on this thread, or several
+        frames side by side on `workers`."""
         if not self.compressed:
             return list(stored)
-        return each(self.plain, indices, stored)
+        if workers is None:
+            return [self.plain(index, chunk) for index, chunk in zip(indices, stored, strict=True)]
+        return workers.each(self.plain, indices, stored)
 
     def plain(self, index: int, stored: Run | None) -> Run | None:
         """Chunk `index`'s bytes as pushed, from its stored value: itself, or its zstd frame
@@ -143,18 +147,34 @@ class Staging:
         return pack_head(self.set_id, self.section_len, self.digests, self.prefix, self.level is not None)
 
 
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="expbuf-zstd")
+class Workers:
+    """A few threads, made at first use, for one kind of zstd work: zstd lets go of the
+    interpreter while it compresses or decompresses a chunk, so a large experience's chunks go
+    at the speed of the server's cores, not of one. Pushes' compression and replies'
+    decompression each have their own, so that neither waits behind the other; the writer,
+    and every other read, decompresses on its own thread."""
+
+    def __init__(self, name: str) -> None:
+        self._name, self._lock = name, threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def each(self, work: Callable[..., T], *over: Sequence[Any]) -> list[T]:
+        """`work` over the items of `over` (zipped), side by side where there are several; every
+        one done before this returns (or raises the first failure)."""
+        if len(over[0]) < 2:
+            return [work(*items) for items in zip(*over, strict=True)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=min(8, len(os.sched_getaffinity(0))), thread_name_prefix=self._name
+                )
+        futures = [self._pool.submit(work, *items) for items in zip(*over, strict=True)]
+        wait(futures)  # none still reads the caller's views once it has left
+        return [future.result() for future in futures]
 
 
-def each(work: Callable[..., T], *over: Sequence[Any]) -> list[T]:
-    """`work` over the items of `over` (zipped), on a few threads where there are several: zstd
-    lets go of the interpreter while it compresses or decompresses a chunk, so a large
-    experience's chunks go at the speed of the server's cores, not of one."""
-    if len(over[0]) < 2:
-        return [work(*items) for items in zip(*over, strict=True)]
-    return list(_pool().map(work, *over))
+COMPRESSING = Workers("expbuf-zstd-push")  # a push's chunks, compressed before the writer
+DECOMPRESSING = Workers("expbuf-zstd-reply")  # a reply's chunks, decompressed where it is built
 
 
 def is_head(value: Run) -> bool:
@@ -263,7 +283,7 @@ def compressed(blob: bytes, level: int, new_set: Callable[[], int]) -> tuple[byt
     section = view[start:]
     pieces: list[Run] = [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
     head = pack_head(new_set(), len(section), [digests.of(piece) for piece in pieces], [view[:start]], compressed=True)
-    return head, each(partial(compress, level=level), pieces)
+    return head, COMPRESSING.each(partial(compress, level=level), pieces)
 
 
 def stage(
@@ -276,8 +296,14 @@ def stage(
     now: float,
 ) -> None:
     """Write one chunk of a section a push in chunks is staging, in a set (reserve_sets) marked
-    staged until the push's commit (by whichever of its chunks is written first)."""
-    txn.put(set_prefix(table_prefix, set_id), micros(now), db=dbs["staged"], overwrite=False)
+    staged until the push's commit by its first chunk, which is written first. A later chunk
+    whose set is not marked in this table is refused NotFound: the table was dropped (and made
+    again) since the first, which went with it."""
+    mark = set_prefix(table_prefix, set_id)
+    if index == 0:
+        txn.put(mark, micros(now), db=dbs["staged"], overwrite=False)
+    elif txn.get(mark, db=dbs["staged"]) is None:
+        raise NotFound("the table was dropped (and made again) while the push was read; push it again")
     txn.put(chunk_key(table_prefix, set_id, index), chunk, db=dbs["chunks"])
 
 
@@ -388,7 +414,8 @@ class Deferred:
 
     def _plain(self, indices: Sequence[int]) -> dict[int, Run | None]:
         """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
-        return dict(zip(indices, self._head.plain_each(indices, [self._stored(i) for i in indices]), strict=True))
+        stored = [self._stored(index) for index in indices]
+        return dict(zip(indices, self._head.plain_each(indices, stored, DECOMPRESSING), strict=True))
 
     def resolve(
         self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
@@ -512,6 +539,12 @@ def reader(
     return lambda name, key: source.get(key, db=dbs[name])
 
 
+def _any_chunk(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bool:
+    """Whether a table holds any chunk (of a stored experience, or staged)."""
+    with txn.cursor(db=dbs["chunks"]) as cur:
+        return bool(cur.set_range(prefix)) and bytes(cur.key()[:4]) == prefix
+
+
 def delete(
     txn: lmdb.Transaction[bytes],
     dbs: dict[str, lmdb._Database],
@@ -520,19 +553,24 @@ def delete(
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
     and their references to shared prompts: with their sizes (the records'), only one that may be
-    either is looked at (larger than MIN_COMPRESSED; or of at least shared_prompts.MIN_BYTES, in a
-    table that keeps shared prompts), so that a consume of small experiences reads none."""
+    either is looked at (larger than CHUNK_BYTES; larger than MIN_COMPRESSED, in a table that holds
+    any chunk; or of at least shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so
+    that a consume of experiences kept whole reads none."""
     blobs = dbs["blobs"]
-    sharing: dict[bytes, bool] = {}  # by table prefix: whether the table keeps any shared prompt
+    chunking: dict[bytes, bool] = {}  # by table prefix: whether the table holds any chunk
+    sharing: dict[bytes, bool] = {}  # ... and any shared prompt
     for at, key in enumerate(keys):
         prefix = bytes(key[:4])
-        if sizes is not None and shared_prompts.MIN_BYTES <= sizes[at] <= MIN_COMPRESSED and prefix not in sharing:
-            sharing[prefix] = shared_prompts.any_in(txn, dbs, prefix)
-        if (
-            sizes is None
-            or sizes[at] > MIN_COMPRESSED
-            or (sizes[at] >= shared_prompts.MIN_BYTES and sharing.get(prefix, False))
-        ):
+        look = sizes is None or sizes[at] > CHUNK_BYTES
+        if not look and sizes is not None and sizes[at] > MIN_COMPRESSED:
+            if prefix not in chunking:
+                chunking[prefix] = _any_chunk(txn, dbs, prefix)
+            look = chunking[prefix]
+        if not look and sizes is not None and sizes[at] >= shared_prompts.MIN_BYTES:
+            if prefix not in sharing:
+                sharing[prefix] = shared_prompts.any_in(txn, dbs, prefix)
+            look = sharing[prefix]
+        if look:
             value = txn.get(key, db=blobs)
             if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
                 shared_prompts.release(txn, dbs, key, value)

@@ -207,10 +207,11 @@ class Pushing:
 
     def _compress(self, push: Push, level: int) -> None:
         """Each of the push's experiences whose section a table that compresses keeps in chunks
-        made a head and its chunks compressed (chunked.compressed), in the push itself, so that
-        its payloads as they were are let go; those of pieces of partial rollouts are left as
-        they are (the store puts their rollouts together in the writer)."""
-        entries = list(push.entries)
+        made a head and its chunks compressed (chunked.compressed), in the push's own list where
+        it is one (the caller's), so that its payloads as they were are let go; those of pieces of
+        partial rollouts are left as they are (the store puts their rollouts together in the
+        writer). An entry made so is stored as it is by a push of it again."""
+        entries = push.entries if isinstance(push.entries, list) else list(push.entries)
         for at, entry in enumerate(entries):
             made = None if entry.piece is not None else chunked.compressed(entry.blob, level, self.new_chunk_set)
             if made is not None:
