@@ -530,8 +530,8 @@ class TableInfo:
     min_group_size: int = 0  # 0: a group completes with all its runs
     max_token_staleness: int | None = None  # None: no bound on a token's lag
     on_token_stale: str = "mask"  # mask | drop
-    compression: str = "none"  # none | zstd: how the chunks of tensor data over 4 MiB are kept
-    compression_level: int | None = None  # None: the server's default, 1
+    compression: str = "none"  # none | zstd: how tensor data over 256 KiB is kept
+    compression_level: int | None = None  # None: a server that predates the setting
     missing: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod

@@ -203,7 +203,7 @@ def staged_entry(store: Store, item: trxp.RawItem) -> Entry:
     payload = memoryview(trxp.pack_item(item))
     start = section_at(payload)
     staging = chunked.Staging([payload[:start]], len(payload) - start)
-    staging.set_id, staging.level = store.new_chunk_set(), store.compression("big")
+    staging.set_id, staging.level = store.new_chunk_set(), store.zstd_level("big")
     for number, at in enumerate(range(start, len(payload), chunked.CHUNK_BYTES)):
         chunk = payload[at : at + chunked.CHUNK_BYTES]
         store.stage("big", staging.set_id, number, chunk, staging.level).result()
@@ -228,7 +228,7 @@ def test_a_push_whose_table_was_dropped_while_it_was_staged_is_refused(store: St
 def test_a_chunk_staged_after_its_table_was_dropped_and_made_again_is_refused(store: Store, table: TableConfig) -> None:
     """Its first chunk went with the dropped table: the rest of its set is refused as it comes."""
     payload = memoryview(trxp.pack_item(big_group(0)[0]))
-    start, chunk, level = section_at(payload), chunked.CHUNK_BYTES, store.compression("big")
+    start, chunk, level = section_at(payload), chunked.CHUNK_BYTES, store.zstd_level("big")
     set_id = store.new_chunk_set()
     store.stage("big", set_id, 0, payload[start : start + chunk], level).result()
     store.drop_table("big")

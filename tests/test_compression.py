@@ -1,7 +1,8 @@
-"""A table that compresses (`compression = "zstd"`) keeps the chunks of tensor data larger than
-4 MiB as zstd frames, whichever way the push came (in one message, or in chunks staged as they
-arrive), and serves every read the bytes as pushed; its settings travel and are checked by name;
-a table that does not compress is stored as earlier releases stored it."""
+"""A table that compresses (`compression = "zstd"`) keeps tensor data larger than 256 KiB
+(chunked.MIN_COMPRESSED) as zstd frames, whichever way the push came (in one message, or in
+chunks staged as they arrive), and serves every read the bytes as pushed; its settings travel
+and are checked by name; a table that does not compress is stored, and sent, as earlier
+releases did."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import pytest
 import torch
 import zstandard
 
-from expbuf.client import BufferClient, ExpbufError, Experience, InvalidArgumentError, trxp
+from expbuf.client import BufferClient, Experience, InvalidArgumentError, trxp
+from expbuf.client.rpc import wire
 from expbuf.client.rpc.wire import WireError
-from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import chunked
@@ -23,7 +23,7 @@ from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import group_items, make_experience, serving, take, wait_for
+from helpers import group_items, make_experience, take, wait_for
 
 RESPONSE = 700_000  # tokens int32, log-probs float32, a bool mask: about 6.3 MB a section
 
@@ -135,20 +135,12 @@ def test_a_compressing_table_keeps_a_section_over_256_kib_as_one_frame(tmp_path:
         assert store.verify("t") == []
 
 
-class OlderServer(pb_grpc.ExperienceBufferServicer):
-    """A server that predates the setting: it makes the table its request names, without the
-    fields it does not know."""
+def test_a_table_that_does_not_compress_goes_on_the_wire_as_before() -> None:
+    """A server that predates the setting refuses a table whose message carries its fields (an
+    unknown setting field), and makes none: only a table that compresses sends them."""
 
-    def CreateTable(self, request: pb.CreateTableRequest, context: object) -> pb.CreateTableReply:
-        config = pb.TableConfig()
-        config.CopyFrom(request.config)
-        config.ClearField("compression")
-        config.ClearField("compression_level")
-        return pb.CreateTableReply(config=config, created=True)
+    def sent(settings: dict[str, object]) -> set[str]:
+        return {field.name for field, _ in wire.table_to_proto({"name": "t", **settings}).ListFields()}
 
-
-def test_a_table_an_older_server_made_without_the_compression_asked_is_refused_by_name() -> None:
-    with serving(OlderServer()) as target, BufferClient(target, timeout=10) as client:
-        assert client.create_table("plain").compression == "none"
-        with pytest.raises(ExpbufError, match="table 'z' was made without compression: the server predates"):
-            client.create_table("z", compression="zstd")
+    assert not {"compression", "compression_level"} & (sent({}) | sent({"compression": "none"}))
+    assert {"compression", "compression_level"} <= sent({"compression": "zstd", "compression_level": 3})

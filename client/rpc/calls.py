@@ -310,21 +310,7 @@ def create_table(name: str, exist_ok: bool, settings: Mapping[str, Any], preset:
         )
         flat["capacity_experiences"] = flat.pop("capacity")
     request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **flat}), exist_ok=exist_ok)
-    compression = request.config.compression
-
-    def read(reply: pb.CreateTableReply) -> TableInfo:
-        """The table made; refused where the server made it without the compression asked: a
-        server that predates the setting takes the request without it."""
-        info = _table_info(reply)
-        if compression > pb.COMPRESSION_NONE and not reply.config.compression:
-            raise ExpbufError(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"table '{name}' was made without compression: the server predates the setting; "
-                "upgrade it, or drop the table and make it without compression",
-            )
-        return info
-
-    return Unary("CreateTable", request, read, retry=False)
+    return Unary("CreateTable", request, _table_info, retry=False)
 
 
 def list_tables() -> Unary[list[TableInfo]]:

@@ -210,7 +210,10 @@ def table_to_proto(settings: dict[str, Any]) -> pb.TableConfig:
         min_group_size=settings.get("min_group_size", 0),
         max_token_staleness=settings.get("max_token_staleness"),
         on_token_stale=enum_value(ON_TOKEN_STALE, "on_token_stale", settings.get("on_token_stale", "mask")),
-        compression=enum_value(COMPRESSION, "compression", settings.get("compression", "none")),
+        # sent only where it compresses: a server that predates the setting refuses its field
+        compression=None if settings.get("compression", "none") == "none" else enum_value(
+            COMPRESSION, "compression", settings["compression"]
+        ),
         compression_level=settings.get("compression_level"),
     ))  # fmt: skip
 

@@ -428,7 +428,7 @@ class StagedPush:
         for item, number, data in pieces:
             staging = self._staging[item]
             if staging.set_id is None:
-                staging.set_id, staging.level = self.store.new_chunk_set(), self.store.compression(self.table)
+                staging.set_id, staging.level = self.store.new_chunk_set(), self.store.zstd_level(self.table)
             while len(self._writing) >= STAGING:
                 self._writing.popleft().result()
             self._writing.append(self.store.stage(self.table, staging.set_id, number, data, staging.level))

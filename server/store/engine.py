@@ -253,9 +253,9 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """A chunk set number for a section a push in chunks stages (Pushing.new_chunk_set)."""
         return self.pushing.new_chunk_set()
 
-    def compression(self, table: str) -> int | None:
-        """The zstd level the table compresses large sections' chunks at, or None (Pushing.compression)."""
-        return self.pushing.compression(table)
+    def zstd_level(self, table: str) -> int | None:
+        """The zstd level the table compresses large sections' chunks at, or None (Pushing.zstd_level)."""
+        return self.pushing.zstd_level(table)
 
     def stage(
         self, table: str, set_id: int, index: int, chunk: bytes | memoryview, level: int | None = None

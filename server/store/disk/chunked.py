@@ -262,28 +262,40 @@ def stored_value(
     section = view[start:]
     set_id = reserve_sets(txn, dbs)
     found = []
-    for index, at in enumerate(range(0, len(section), CHUNK_BYTES)):
-        chunk = section[at : at + CHUNK_BYTES]
+    for index, chunk in enumerate(cut(section)):
         txn.put(chunk_key(bytes(key[:4]), set_id, index), chunk, db=dbs["chunks"])
         found.append(digests.of(chunk))
     return pack_head(set_id, len(section), found, [view[:start]])
 
 
-def compressed(blob: bytes, level: int, new_set: Callable[[], int]) -> tuple[bytes, list[bytes]] | None:
-    """A pushed payload as a table that compresses keeps it, made before the writer takes it: the
-    head of its section in a new set (`new_set()`) and its chunks, each a zstd frame; None for
-    one whose section is MIN_COMPRESSED or less (kept as stored_value keeps it), or that is a
-    head already (staged)."""
-    if len(blob) <= MIN_COMPRESSED or is_head(blob):
-        return None
-    view = memoryview(blob)
-    start = section_at(view)
-    if len(view) - start <= MIN_COMPRESSED:
-        return None
-    section = view[start:]
-    pieces: list[Run] = [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
-    head = pack_head(new_set(), len(section), [digests.of(piece) for piece in pieces], [view[:start]], compressed=True)
-    return head, COMPRESSING.each(partial(compress, level=level), pieces)
+def cut(section: memoryview) -> list[Run]:
+    """A section's chunks: CHUNK_BYTES each, the last one shorter."""
+    return [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
+
+
+def compressed(
+    blobs: Sequence[bytes | None], level: int, new_set: Callable[[], int]
+) -> list[tuple[bytes, list[bytes]] | None]:
+    """Pushed payloads as a table that compresses keeps them, made before the writer takes them:
+    for each, the head of its section in a new set (`new_set()`) and its chunks, each a zstd
+    frame, every chunk of them compressed side by side (COMPRESSING); None for one whose section
+    is MIN_COMPRESSED or less (kept as stored_value keeps it), one that is a head already
+    (staged), and one given as None."""
+    sections: list[tuple[memoryview, memoryview] | None] = []  # (bytes before the section, section)
+    for blob in blobs:
+        view = None if blob is None or len(blob) <= MIN_COMPRESSED or is_head(blob) else memoryview(blob)
+        start = 0 if view is None else section_at(view)
+        sections.append(None if view is None or len(view) - start <= MIN_COMPRESSED else (view[:start], view[start:]))
+    pieces = [[] if found is None else cut(found[1]) for found in sections]
+    frames = iter(COMPRESSING.each(partial(compress, level=level), [chunk for chunks in pieces for chunk in chunks]))
+    made: list[tuple[bytes, list[bytes]] | None] = []
+    for found, chunks in zip(sections, pieces, strict=True):
+        if found is None:
+            made.append(None)
+            continue
+        head = pack_head(new_set(), len(found[1]), [digests.of(c) for c in chunks], [found[0]], compressed=True)
+        made.append((head, [next(frames) for _ in chunks]))
+    return made
 
 
 def stage(
@@ -555,7 +567,8 @@ def delete(
     and their references to shared prompts: with their sizes (the records'), only one that may be
     either is looked at (larger than CHUNK_BYTES; larger than MIN_COMPRESSED, in a table that holds
     any chunk; or of at least shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so
-    that a consume of experiences kept whole reads none."""
+    that a consume of small experiences reads none, and one of experiences of up to 4 MiB in a
+    table that holds no chunk none either."""
     blobs = dbs["blobs"]
     chunking: dict[bytes, bool] = {}  # by table prefix: whether the table holds any chunk
     sharing: dict[bytes, bool] = {}  # ... and any shared prompt

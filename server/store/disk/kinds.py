@@ -48,7 +48,7 @@ class Entry:
     tid: str
     rid: str
     sid: str
-    blob: bytes  # the one-item payload, or the head of one whose section a push staged (chunked.py)
+    blob: bytes  # the one-item payload, or the head of one whose section a push staged or was compressed (chunked.py)
     digest: bytes  # digests.of(the payload)
     size: int  # the payload's bytes
     version: int | None

@@ -38,7 +38,7 @@ from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, groups, limiter, partials, pushed_advantages
 from ..rules.table_state import TableState
-from ..schema.errors import InsertLimited, TableFull
+from ..schema.errors import InsertLimited, NotFound, TableFull
 from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables import admission
@@ -154,7 +154,7 @@ class Pushing:
             self._sets = (set_id + 1, self._sets[1])
             return set_id
 
-    def compression(self, table: str) -> int | None:
+    def zstd_level(self, table: str) -> int | None:
         """The zstd level `table` compresses the chunks of large sections at; None where it keeps
         them as they are (its setting `compression`)."""
         return self.catalog.lookup(table)[1].storage.zstd_level
@@ -166,10 +166,16 @@ class Pushing:
         (chunked.stage), in the writer's next commit, shared with the requests waiting then as a
         push's is: the future is done once it is durable. Chunks are written in the order staged;
         with a `level`, each as a zstd frame, compressed here, before the writer."""
-        prefix = layout.table_prefix(self.catalog.lookup(table)[0])
+        table_id = self.catalog.lookup(table)[0]
         dbs, now = self.environment.db, self.catalog.clock()
         stored = chunk if level is None else chunked.compress(chunk, level)
-        return self.environment.queue(lambda txn: chunked.stage(txn, dbs, prefix, set_id, index, stored, now))
+
+        def write(txn: lmdb.Transaction[bytes]) -> None:
+            if self.catalog.lookup(table)[0] != table_id:  # nothing left under a dropped table's id
+                raise NotFound(f"table '{table}' was dropped (and made again) while the push was read; push it again")
+            chunked.stage(txn, dbs, layout.table_prefix(table_id), set_id, index, stored, now)
+
+        return self.environment.queue(write)
 
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
@@ -206,16 +212,15 @@ class Pushing:
         return _Ready(push, table_id, config, ahead)
 
     def _compress(self, push: Push, level: int) -> None:
-        """Each of the push's experiences whose section a table that compresses keeps in chunks
-        made a head and its chunks compressed (chunked.compressed), in the push's own list where
-        it is one (the caller's), so that its payloads as they were are let go; those of pieces of
-        partial rollouts are left as they are (the store puts their rollouts together in the
-        writer). An entry made so is stored as it is by a push of it again."""
+        """Replace each entry whose section is over MIN_COMPRESSED with its head and zstd frames
+        (chunked.compressed: all the push's chunks compressed side by side), pieces of partial
+        rollouts aside (the store puts their rollouts together in the writer). A list of entries
+        is updated in place, so the caller's references to the payloads as they were are let go."""
         entries = push.entries if isinstance(push.entries, list) else list(push.entries)
-        for at, entry in enumerate(entries):
-            made = None if entry.piece is not None else chunked.compressed(entry.blob, level, self.new_chunk_set)
+        blobs = [None if entry.piece is not None else entry.blob for entry in entries]
+        for at, made in enumerate(chunked.compressed(blobs, level, self.new_chunk_set)):
             if made is not None:
-                entries[at] = dataclasses.replace(entry, blob=made[0], chunks=tuple(made[1]))
+                entries[at] = dataclasses.replace(entries[at], blob=made[0], chunks=tuple(made[1]))
         push.entries = entries
 
     def _submit(self, pushes: list[_Ready], final: bool, blocked: float) -> tuple[list[PutResult], Exception | None]:
