@@ -62,7 +62,7 @@ class Pending:
     kept_out: int = 0  # sends after the first, of a push the server refused as having done nothing
     outcome: PushResult | ExpbufError | None = None
 
-    def requests(self, chunk_bytes: int) -> Iterator[pb.PushRequest]:
+    def requests(self, chunk_bytes: int) -> Iterator[bytes]:
         return calls.push_requests(self.body, self.table, chunk_bytes, self.number)
 
     def fail(self, code: grpc.StatusCode, details: str, why: str = "", reason: str | None = None) -> None:

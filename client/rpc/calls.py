@@ -36,7 +36,7 @@ from ..schema.experience import EID
 from ..schema.table_presets import with_preset
 from ..trxp import column_wire
 from ..trxp.column_build import ColumnBatch
-from . import wire
+from . import frames, wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
 
@@ -77,10 +77,10 @@ class Unary(Generic[R]):
 @dataclass(frozen=True)
 class Chunked(Generic[R]):
     """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
-    messages as gRPC sends them, which it keeps for a retry; the stream's one reply is read as a
-    Unary's, and a retry sends the whole push again, as a push sent whole."""
+    messages (serialised, frames.py) as gRPC sends them, which it keeps for a retry; the stream's one
+    reply is read as a Unary's, and a retry sends the whole push again, as a push sent whole."""
 
-    requests: Callable[[], Iterator[pb.PushRequest]]
+    requests: Callable[[], Iterator[bytes]]
     read: Callable[[Any], R]
     retry: bool
     timeout: float | None = None
@@ -178,7 +178,7 @@ def push(items: Items, table: str, timeout: float | None, chunk_bytes: int) -> U
     body = payload(items)
     if 0 < chunk_bytes < len(body):
         return Chunked(lambda: push_requests(body, table, chunk_bytes), push_result, retry=True, timeout=timeout)
-    return Unary("Push", pb.PushRequest(table=table, payload=body), push_result, retry=True, timeout=timeout)
+    return Unary("Push", frames.push_request(body, table), push_result, retry=True, timeout=timeout)
 
 
 def push_result(reply: pb.PushReply) -> PushResult:
@@ -191,14 +191,16 @@ def push_result(reply: pb.PushReply) -> PushResult:
     )
 
 
-def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[pb.PushRequest]:
-    """The PushStream messages of one push: whole, or in chunks of `size` (0: whole) when larger."""
+def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[bytes]:
+    """The PushStream messages of one push, serialised (frames.py): whole, or in chunks of `size`
+    (0: whole) when larger, each copied once, from the payload into its message."""
     if not 0 < size < len(body):
-        yield pb.PushRequest(table=table, payload=body, seq=seq)
+        yield frames.push_request(body, table, seq=seq)
         return
-    yield pb.PushRequest(table=table, payload=body[:size], total_bytes=len(body), seq=seq)
+    view = memoryview(body)
+    yield frames.push_request(view[:size], table, seq=seq, total_bytes=len(body))
     for start in range(size, len(body), size):
-        yield pb.PushRequest(payload=body[start : start + size])
+        yield frames.push_request(view[start : start + size])
 
 
 def ack(lease_id: str, table: str) -> Unary[int]:

@@ -20,6 +20,7 @@ from typing import Any, Protocol, Self, TypedDict, cast
 
 import grpc
 
+from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from ..errors import ExpbufError
@@ -83,6 +84,13 @@ RETRIED_METHODS = frozenset(
         "ClearValues",
     }
 )
+# The methods whose requests the client writes by hand (frames.py): their stubs take those bytes as
+# they are. Each: its kind of call, and its reply's message.
+FRAMED_METHODS: dict[str, tuple[str, Any]] = {
+    "Push": ("unary_unary", pb.PushReply),
+    "PushStream": ("stream_stream", pb.PushReply),
+    "PutValues": ("unary_unary", pb.PutValuesReply),
+}
 # A server that restarts is reached again within about 2 s: gRPC's own reconnect backoff grows
 # to 120 s, which would keep a restarted server (or shard) unused that long after it is back.
 RECONNECT = (
@@ -287,6 +295,11 @@ class ClientBase:
             for name in PARTS_METHODS
             for retried, channel in ((True, self._channel), (False, self._unretried_channel))
         }
+        self._framed = {
+            (name, retried): framed_method(channel, name)
+            for name in FRAMED_METHODS
+            for retried, channel in ((True, self._channel), (False, self._unretried_channel))
+        }
 
     def clone(self, **changes: Any) -> Self:
         """A new client of the same server with this one's settings (token, TLS, ...) and its own
@@ -312,7 +325,7 @@ class ClientBase:
         the retry policy: a pusher sends again what a broken stream left (pushers/pipeline.py).
         The blocking client's takes the iterator of its `requests`; the asyncio client's call is
         written to."""
-        method = self._unretried.PushStream
+        method = self._framed["PushStream", False]
         keywords = {"timeout": seconds, "metadata": self._metadata, "wait_for_ready": self.wait_for_ready}
         return method(**keywords) if requests is None else method(requests, **keywords)
 
@@ -333,4 +346,13 @@ class ClientBase:
         }
         if call.method in PARTS_METHODS:  # its replies read as Sample's are (sample_reply.py)
             return self._parts_methods[call.method, retried], keywords
+        if call.method in FRAMED_METHODS:  # its requests written by hand (frames.py)
+            return self._framed[call.method, retried], keywords
         return getattr(self._stub if retried else self._unretried, call.method), keywords
+
+
+def framed_method(channel: Any, name: str) -> Any:
+    """The call `name` of FRAMED_METHODS on `channel` (blocking or asyncio): its requests are the
+    bytes frames.py writes, sent as they are."""
+    kind, reply = FRAMED_METHODS[name]
+    return getattr(channel, kind)(f"/{SERVICE}/{name}", request_serializer=None, response_deserializer=reply.FromString)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from . import frames
 from .calls import Unary
 
 
@@ -17,8 +18,7 @@ def put_values(keys: Sequence[str], values: Sequence[bytes], table: str) -> Unar
     two are not as many."""
     if len(keys) != len(values):
         raise ValueError(f"put_values: {len(keys)} keys for {len(values)} values, one value a key")
-    request = pb.PutValuesRequest(table=table, keys=list(keys), values=list(values))
-    return Unary("PutValues", request, lambda r: r.stored, retry=True)
+    return Unary("PutValues", frames.put_values_request(table, keys, values), lambda r: r.stored, retry=True)
 
 
 def get_values(keys: Sequence[str], table: str) -> Unary[list[bytes | None]]:

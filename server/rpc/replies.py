@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from expbuf.client.rpc.frames import varint
 from expbuf.client.trxp.columns import ColumnParts
 from expbuf.proto.v1 import buffer_pb2 as pb
 
@@ -53,15 +54,6 @@ class ReplyTooLarge(Exception):
 # glibc's mallopt parameters, and what keep_reply_memory sets them to.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 128 << 20
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit: int, parts: bool) -> Iterator[bytes]:
@@ -99,7 +91,7 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
         """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
             return batch.columns(spec.fields, lambda columns: cut([*_framed(columns), rest]))
-        return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(len(run) for run in runs)), *runs, rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(len(run) for run in runs)), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 
@@ -114,7 +106,7 @@ def fields_reply(
     def render(cut: Callable[[list[Run]], T]) -> T:
         if fields:
             return batch.columns(fields, lambda columns: cut([*_framed(columns), rest]))
-        return batch.render(lambda runs: cut([_PAYLOAD_TAG, _varint(sum(map(len, runs))), *runs, rest]))
+        return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(map(len, runs))), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
 
@@ -140,7 +132,7 @@ def payload_reply(payload: bytes, missing: Sequence[str], limit: int, parts: boo
     """The messages of a SampleReply of a TRXP `payload` made beforehand and `missing` uids
     (ReadPartials), cut as sample_reply cuts a batch's."""
     rest = pb.SampleReply(missing_uids=missing).SerializeToString()
-    return _messages(_Built(), lambda cut: cut([_PAYLOAD_TAG, _varint(len(payload)), payload, rest]), limit, parts)
+    return _messages(_Built(), lambda cut: cut([_PAYLOAD_TAG, varint(len(payload)), payload, rest]), limit, parts)
 
 
 def _messages(
@@ -178,8 +170,8 @@ def _messages(
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
     """A SampleReply of the bytes `start` to `end` of the runs put end to end, as its `part`
     (and, for the first, the `whole_bytes` they add up to): copied once, into the message."""
-    pieces: list[Run] = [_WHOLE_TAG, _varint(whole)] if whole else []
-    pieces += [_PART_TAG, _varint(end - start)]
+    pieces: list[Run] = [_WHOLE_TAG, varint(whole)] if whole else []
+    pieces += [_PART_TAG, varint(end - start)]
     at = 0
     for run in runs:
         size = len(run)
@@ -204,17 +196,17 @@ def _framed(columns: list[ColumnParts]) -> list[bytes | memoryview]:
             name=column.name, dtype=column.dtype, items=column.items, ndim=column.ndim, shapes=column.shapes
         ).SerializeToString()
         size = column.size
-        values_head = _VALUES_TAG + _varint(size)
+        values_head = _VALUES_TAG + varint(size)
         pad = b""
         for _ in range(3):  # a longer pad may lengthen the column's own length prefix: settle it
             body = len(head) + len(pad) + len(values_head) + size
-            start = at + len(_COLUMN_TAG) + len(_varint(body)) + len(head) + len(pad) + len(values_head)
+            start = at + len(_COLUMN_TAG) + len(varint(body)) + len(head) + len(pad) + len(values_head)
             if start % ALIGN == 0:
                 break
             width = len(pad) + -start % ALIGN
             width += ALIGN if width < 2 else 0  # the field's tag and length take two bytes
-            pad = _ALIGN_TAG + _varint(width - 2) + bytes(width - 2)
-        column_head = _COLUMN_TAG + _varint(body)
+            pad = _ALIGN_TAG + varint(width - 2) + bytes(width - 2)
+        column_head = _COLUMN_TAG + varint(body)
         runs += [column_head, head, pad, values_head, *column.values]
         at += len(column_head) + body
     return runs
