@@ -51,8 +51,11 @@ def test_pushes_through_a_server_with_workers_store_and_refuse_alike(server: Exp
 
 
 def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest) -> None:
+    worker = ingest._workers[0]
+    assert worker.same  # it makes entries as the server does
     for name in sorted(MANIFEST["payloads"]):
         data = payload(name)
+        assert worker.entries(data) == entries_of(data), name  # decoded there, not here
         assert ingest._in_worker(data) == entries_of(data), name
     for bad in sorted(BAD_DIR.glob("*.bin")):
         with pytest.raises(Exception) as here:
@@ -60,6 +63,28 @@ def test_a_worker_gives_the_entries_and_refusals_of_this_process(ingest: Ingest)
         with pytest.raises(type(here.value)) as there:
             ingest._in_worker(bad.read_bytes())
         assert str(there.value) == str(here.value), bad.name
+
+
+def test_a_worker_whose_entries_are_laid_out_otherwise_decodes_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server puts an entry together from a worker's fields by their place. A worker spawned
+    from other code (expbuf upgraded under a running server) says which fields it makes, in its
+    order, when it is ready: where they differ, the server decodes every push itself, and says so."""
+    fields = ingest_module._FIELDS
+    monkeypatch.setattr(ingest_module, "_FIELDS", (fields[1], fields[0], *fields[2:]))  # the server's, here
+    pool = Ingest(1)
+    try:
+        assert "its code is not the server's" in caplog.text
+        worker = pool._workers[0]
+        assert not worker.same
+        data = payload("mixed_batch.trxp")
+        assert worker.entries(data) is None  # nothing handed to it
+        monkeypatch.setattr(ingest_module, "_FIELDS", fields)
+        assert pool._in_worker(data) == entries_of(data)  # decoded here, whole and right
+        assert pool._workers[0] is worker and worker.process.is_alive()  # kept: a new one would be the same
+    finally:
+        pool.close()
 
 
 def test_payloads_larger_than_the_shared_region_grow_it(ingest: Ingest, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,7 +159,7 @@ def _serve(conn: Connection, max_metadata_bytes: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     limit = metadata_limit(max_metadata_bytes)
     region = _Region(recv_handle(conn))
-    conn.send_bytes(b"")  # imported and ready
+    conn.send_bytes(pickle.dumps(_FIELDS))  # imported and ready: the entries it makes, field by field
     while True:
         try:
             length, size = _REQUEST.unpack(conn.recv_bytes())
@@ -209,15 +209,31 @@ class _Worker:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self.region = _Region(_shared_fd())
+        self.same = False  # whether it makes entries as the server does: known once ready()
         send_handle(self.conn, self.region.fd, self.process.pid)
 
     def ready(self) -> None:
-        """Wait until the process has imported everything (spawned now, not on the first push)."""
-        self.conn.recv_bytes()
+        """Wait until the process has imported everything (spawned now, not on the first push), and
+        learn whether it makes entries as the server does. The server puts each entry together
+        from the worker's fields by their place; a worker spawned from other code (expbuf upgraded
+        in place under a running server) may place them otherwise, and would put one field's
+        value in another's: such a worker decodes nothing, the server decodes its pushes itself."""
+        fields = pickle.loads(self.conn.recv_bytes())
+        self.same = fields == _FIELDS
+        if not self.same:
+            log.warning(
+                "an ingest process makes entries of fields %s, the server of %s: its code is not the server's "
+                "(expbuf changed on disk under a running server?); the server decodes pushes itself until it restarts",
+                fields,
+                _FIELDS,
+            )
 
     def entries(self, payload: bytes | memoryview) -> list[Entry] | Exception | None:
         """The payload's entries decoded by this worker, or its refusal; None if the refusal
-        must be found here. A dead worker raises EOFError or OSError."""
+        must be found here (as for any push, where the worker's code is not the server's). A
+        dead worker raises EOFError or OSError."""
+        if not self.same:
+            return None
         region = self.region
         region.fit(len(payload))[: len(payload)] = payload
         self.conn.send_bytes(_REQUEST.pack(len(payload), region.size))
