@@ -40,6 +40,7 @@ from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 async def _drain(call: grpc.aio.StreamStreamCall) -> None:
@@ -121,6 +122,10 @@ class AsyncBufferClient(ClientBase):
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
+
+    async def _run_several(self, several: calls.Several[R, T]) -> T:
+        """The calls of `several` made in turn, their results joined."""
+        return several.joined([await self._run(call) for call in several.calls])
 
     async def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
@@ -220,7 +225,7 @@ class AsyncBufferClient(ClientBase):
 
     async def retire(self, groups: Iterable[str], table: str = "default") -> int:
         """As BufferClient.retire: consume groups trained without a lease, keeping their tombstones."""
-        return await self._run(calls.retire(groups, table))
+        return await self._run_several(calls.retire(groups, table))
 
     async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
         """As BufferClient.renew: the lease now ends `seconds` from now; returns when."""
@@ -345,10 +350,9 @@ class AsyncBufferClient(ClientBase):
         return await self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
 
     async def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
-        """Store each value under its key (bytes under names of your own, in the table's key
-        range), durable on return, all or none; a key stored already is replaced. Needs the push
-        scope."""
-        return await self._run(value_calls.put_values(keys, values, table))
+        """As BufferClient.put_values: each value under its key, durable on return (in calls of at
+        most MAX_KEYS_PER_CALL keys, each all or none). Needs the push scope."""
+        return await self._run_several(value_calls.put_values(keys, values, table))
 
     async def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
         """The value of each key, in the order asked, None for one not stored (one message's
@@ -357,7 +361,7 @@ class AsyncBufferClient(ClientBase):
 
     async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
         """Remove the values of these keys; how many held one."""
-        return await self._run(value_calls.clear_values(keys, table))
+        return await self._run_several(value_calls.clear_values(keys, table))
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
@@ -379,13 +383,13 @@ class AsyncBufferClient(ClientBase):
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete (admin scope): how many experiences were removed."""
-        return await self._run(calls.delete(uids, table, groups))
+        return await self._run_several(calls.delete(uids, table, groups))
 
     async def fail_runs(
         self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()
     ) -> FailedRuns:
         """As BufferClient.fail_runs."""
-        return await self._run(calls.fail_runs(uids, reasons, table))
+        return await self._run_several(calls.fail_runs(uids, reasons, table))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As BufferClient.seal: complete a pending group now; returns its size."""

@@ -46,6 +46,7 @@ from .schema.experience import Experience
 from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -128,6 +129,10 @@ class BufferClient(LedgerMethods):
                 if pause is None:
                     raise
                 time.sleep(pause)
+
+    def _run_several(self, several: calls.Several[R, T]) -> T:
+        """The calls of `several` made in turn, their results joined."""
+        return several.joined([self._run(call) for call in several.calls])
 
     def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
@@ -253,8 +258,9 @@ class BufferClient(LedgerMethods):
         as `ack` consumes a lease's: their payloads go and their tombstones stay, so a push of them
         again is a duplicate, and a prompt whose group it is is trained. Ready groups, and groups
         leased with this client's token, retire; absent or retired ones are skipped; an incomplete
-        one is FailedPreconditionError (none retires). Returns the groups retired."""
-        return self._run(calls.retire(groups, table))
+        one is FailedPreconditionError (none of its call retires). Any number, in calls of at most
+        MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits). Returns the groups retired."""
+        return self._run_several(calls.retire(groups, table))
 
     def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
         """Keep a lease for `seconds` more from now, for a step that outlasts the lease it took.
@@ -320,9 +326,10 @@ class BufferClient(LedgerMethods):
 
     def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
         """Store each value under its key (bytes under names of your own, in the table's key
-        range), durable on return, all or none; a key stored already is replaced. Needs the push
-        scope."""
-        return self._run(value_calls.put_values(keys, values, table))
+        range), durable on return, all or none (in calls of at most MAX_KEYS_PER_CALL keys,
+        expbuf.client.schema.call_limits, each all or none); a key stored already is replaced.
+        Needs the push scope."""
+        return self._run_several(value_calls.put_values(keys, values, table))
 
     def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
         """The value of each key, in the order asked, None for one not stored (one message's
@@ -330,8 +337,8 @@ class BufferClient(LedgerMethods):
         return self._run(value_calls.get_values(keys, table))
 
     def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
-        """Remove the values of these keys; how many held one."""
-        return self._run(value_calls.clear_values(keys, table))
+        """Remove the values of these keys (in calls of at most MAX_KEYS_PER_CALL); how many held one."""
+        return self._run_several(value_calls.clear_values(keys, table))
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
@@ -383,16 +390,18 @@ class BufferClient(LedgerMethods):
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
-        (admin scope). Returns how many experiences were removed."""
-        return self._run(calls.delete(uids, table, groups))
+        (admin scope), in calls of at most MAX_NAMES_PER_CALL uids and as many groups
+        (expbuf.client.schema.call_limits). Returns how many experiences were removed."""
+        return self._run_several(calls.delete(uids, table, groups))
 
     def fail_runs(self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()) -> FailedRuns:
         """Report runs that will never be pushed (their rollouts failed), by the uids they would
         have had, with a reason each (kept in the group's record) or none. Each counts as one of
         its group's runs: a group whose runs are then all known completes short with the members
         present, its advantages computed over them, when at least the table's min_group_size
-        succeeded; otherwise it is dropped. A run pushed later after all rejoins its group."""
-        return self._run(calls.fail_runs(uids, reasons, table))
+        succeeded; otherwise it is dropped. A run pushed later after all rejoins its group. Any
+        number, in calls of at most MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits)."""
+        return self._run_several(calls.fail_runs(uids, reasons, table))
 
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group now, with the runs it has; its advantages are computed over them.

@@ -442,7 +442,7 @@ def test_a_call_names_at_most_so_many_prompts_and_one_naming_more_changes_nothin
             with pytest.raises(grpc.RpcError) as refused:
                 getattr(stub, call)(request)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, call
-            assert f"prompts names {MAX + 1} prompts; a {call} names at most {MAX}" in refused.value.details()
+            assert f"prompts names {MAX + 1}; a {call} names at most {MAX}" in refused.value.details()
     assert expiries(client) == before
     assert client.ledger("t", "math").total("claimed") == MAX + 1
 

@@ -8,6 +8,7 @@ Sample stream's pieces (confirmations, batches) are here too; its two loops are 
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,6 +33,7 @@ from ..results import (
     TableInfo,
     TableStats,
 )
+from ..schema.call_limits import MAX_NAMES_PER_CALL, in_parts
 from ..schema.experience import EID
 from ..schema.table_presets import with_preset
 from ..trxp import column_wire
@@ -41,6 +43,7 @@ from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
+T = TypeVar("T")
 B = TypeVar("B", bound=Batch)
 # How long a stream the caller left may take to hand back the batches already on their way.
 STOP_SECONDS = 5.0
@@ -85,6 +88,15 @@ class Chunked(Generic[R]):
     retry: bool
     timeout: float | None = None
     method: str = "PushStream"
+
+
+@dataclass(frozen=True)
+class Several(Generic[R, T]):
+    """A call made as several: one naming more than a call may carry (client/schema/call_limits.py),
+    each part a call of its own, made in turn; `joined` makes their results one."""
+
+    calls: list[Unary[R]]
+    joined: Callable[[list[R]], T]
 
 
 class Attempts(Generic[R]):
@@ -144,6 +156,9 @@ def one_reply(replies: list[Any], method: str = "PushStream") -> Any:
     if len(replies) != 1:
         raise ExpbufError(grpc.StatusCode.INTERNAL, f"{method} answered one call {len(replies)} times")
     return replies[0]
+
+
+FAILED_FIELDS = ("recorded", "completed_groups", "dropped_groups")  # FailedRuns', in order
 
 
 # What a push takes: TRXP bytes, a ColumnBatch, or experiences (expbuf's or Trinity-RFT's).
@@ -211,9 +226,11 @@ def nack(lease_id: str, table: str) -> Unary[int]:
     return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=False)
 
 
-def retire(groups: Iterable[str], table: str) -> Unary[int]:
-    request = pb.RetireRequest(table=table, group_ids=list(groups))
-    return Unary("Retire", request, lambda r: r.retired, retry=True)  # a retired group stays retired
+def retire(groups: Iterable[str], table: str) -> Several[int, int]:
+    """Retires of any number of groups, MAX_NAMES_PER_CALL a call; the groups retired."""
+    requests = [pb.RetireRequest(table=table, group_ids=part) for part in in_parts(list(groups), MAX_NAMES_PER_CALL)]
+    # a retired group stays retired: retried safely
+    return Several([Unary("Retire", request, lambda r: r.retired, retry=True) for request in requests], sum)
 
 
 def renew(lease_id: str, seconds: float, table: str) -> Unary[float]:
@@ -264,20 +281,37 @@ def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
     return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
 
 
-def delete(uids: Iterable[str], table: str, groups: Iterable[str]) -> Unary[int]:
-    request = pb.DeleteRequest(table=table, uids=list(uids), group_ids=list(groups))
-    return Unary("Delete", request, lambda r: r.deleted, retry=False)
+def delete(uids: Iterable[str], table: str, groups: Iterable[str]) -> Several[int, int]:
+    """Deletes of any number of uids and groups, MAX_NAMES_PER_CALL of each a call; the experiences removed."""
+    uid_parts, group_parts = in_parts(list(uids), MAX_NAMES_PER_CALL), in_parts(list(groups), MAX_NAMES_PER_CALL)
+    requests = [
+        pb.DeleteRequest(table=table, uids=some_uids, group_ids=some_groups)
+        for some_uids, some_groups in itertools.zip_longest(uid_parts, group_parts, fillvalue=())
+    ]
+    return Several([Unary("Delete", request, lambda r: r.deleted, retry=False) for request in requests], sum)
 
 
-def fail_runs(uids: Iterable[str], reasons: Iterable[str], table: str) -> Unary[FailedRuns]:
-    """A report of failed runs. Not retried by the channel: a report that completed or dropped a
-    group, sent again, finds the group complete (FAILED_PRECONDITION) or opens it anew."""
-    request = pb.FailRunsRequest(table=table, uids=list(uids), reasons=list(reasons))
+def fail_runs(uids: Iterable[str], reasons: Iterable[str], table: str) -> Several[FailedRuns, FailedRuns]:
+    """Reports of failed runs, MAX_NAMES_PER_CALL a call (a reason each, or none: a ValueError before
+    any call otherwise). Not retried by
+    the channel: a report that completed or dropped a group, sent again, finds the group complete
+    (FAILED_PRECONDITION) or opens it anew."""
+    uids, reasons = list(uids), list(reasons)
+    if reasons and len(reasons) != len(uids):
+        raise ValueError(f"fail_runs: {len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
+    most = MAX_NAMES_PER_CALL
+    requests = [
+        pb.FailRunsRequest(table=table, uids=uids[start : start + most], reasons=reasons[start : start + most])
+        for start in (range(0, len(uids), most) if uids else range(1))
+    ]
 
     def read(reply: pb.FailRunsReply) -> FailedRuns:
         return FailedRuns(list(reply.recorded_uids), list(reply.completed_groups), list(reply.dropped_groups))
 
-    return Unary("FailRuns", request, read, retry=False)
+    def joined(parts: list[FailedRuns]) -> FailedRuns:
+        return FailedRuns(*([one for part in parts for one in getattr(part, name)] for name in FAILED_FIELDS))
+
+    return Several([Unary("FailRuns", request, read, retry=False) for request in requests], joined)
 
 
 def seal(group_id: str, table: str) -> Unary[int]:

@@ -9,16 +9,22 @@ from collections.abc import Sequence
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..schema.call_limits import MAX_KEYS_PER_CALL, in_parts
 from . import frames
-from .calls import Unary
+from .calls import Several, Unary
 
 
-def put_values(keys: Sequence[str], values: Sequence[bytes], table: str) -> Unary[int]:
-    """Store each value under its key, durable on return; a ValueError before the call when the
-    two are not as many."""
+def put_values(keys: Sequence[str], values: Sequence[bytes], table: str) -> Several[int, int]:
+    """Store each value under its key, durable on return, MAX_KEYS_PER_CALL a call (each call all or
+    none); a ValueError before the call when the two are not as many."""
     if len(keys) != len(values):
         raise ValueError(f"put_values: {len(keys)} keys for {len(values)} values, one value a key")
-    return Unary("PutValues", frames.put_values_request(table, keys, values), lambda r: r.stored, retry=True)
+    most = MAX_KEYS_PER_CALL
+    requests = [
+        frames.put_values_request(table, keys[start : start + most], values[start : start + most])
+        for start in (range(0, len(keys), most) if keys else range(1))
+    ]
+    return Several([Unary("PutValues", request, lambda r: r.stored, retry=True) for request in requests], sum)
 
 
 def get_values(keys: Sequence[str], table: str) -> Unary[list[bytes | None]]:
@@ -33,6 +39,10 @@ def get_values(keys: Sequence[str], table: str) -> Unary[list[bytes | None]]:
     return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked), read, retry=True)
 
 
-def clear_values(keys: Sequence[str], table: str) -> Unary[int]:
-    """Remove the values of these keys; how many held one."""
-    return Unary("ClearValues", pb.ClearValuesRequest(table=table, keys=list(keys)), lambda r: r.cleared, retry=True)
+def clear_values(keys: Sequence[str], table: str) -> Several[int, int]:
+    """Remove the values of these keys, MAX_KEYS_PER_CALL a call; how many held one."""
+    clears = [
+        Unary("ClearValues", pb.ClearValuesRequest(table=table, keys=part), lambda r: r.cleared, retry=True)
+        for part in in_parts(list(keys), MAX_KEYS_PER_CALL)
+    ]
+    return Several(clears, sum)

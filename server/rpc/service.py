@@ -18,6 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
+from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -27,7 +28,7 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
-from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, clip
+from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, check_count, clip
 from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
@@ -290,6 +291,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
+        check_count(request.group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)  # before they are read
         groups = ids_of(request.group_ids, "group_ids")
         return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
 
@@ -298,11 +300,14 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         table = request.table or "default"
+        check_count(request.uids, "uids", "Delete", MAX_NAMES_PER_CALL)  # before they are read
+        check_count(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
         deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
     @refusals
     def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
+        check_count(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
         keys, values = list(request.keys), list(request.values)
         return pb.PutValuesReply(stored=self.store.put_values(request.table or "default", keys, values))
 
@@ -317,10 +322,12 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
+        check_count(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
         return pb.ClearValuesReply(cleared=self.store.clear_values(request.table or "default", list(request.keys)))
 
     @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
+        check_count(request.uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)  # before they are read
         uids = ids_of(request.uids, "uids")
         done = self.store.fail_runs(request.table or "default", uids, list(request.reasons), self._owner(context))
         return pb.FailRunsReply(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
 from .disk import chunked, layout, residency
@@ -41,7 +42,7 @@ from .rules.extensions import ExtensionKinds, TableExtension
 from .rules.quarantine import quarantine_found
 from .rules.table_state import TableState, stored
 from .sampling_calls import SamplingCalls
-from .schema.errors import InvalidRequest, NotFound
+from .schema.errors import InvalidRequest, NotFound, check_count
 from .schema.sample_spec import check_version
 from .schema.table_config import TableConfig, default_table
 from .services.claims import Claims
@@ -359,7 +360,10 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         return self.scrub.status()
 
     def delete(self, table: str, uids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> int:
-        """Remove experiences (and their records, so they may be pushed again)."""
+        """Remove experiences (and their records, so they may be pushed again), at most
+        MAX_NAMES_PER_CALL uids and as many group ids a call."""
+        check_count(uids, "uids", "Delete", MAX_NAMES_PER_CALL)
+        check_count(group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
             count = retirement.delete(tt, uids, group_ids)
@@ -369,8 +373,9 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         return self._in_table(table, op)
 
     def retire(self, table: str, group_ids: Sequence[str], owner: str = "") -> int:
-        """Consume groups a trainer trained by their ids, as an ack would (retirement.retire_trained);
-        returns the groups retired."""
+        """Consume groups a trainer trained by their ids, as an ack would (retirement.retire_trained),
+        at most MAX_NAMES_PER_CALL a call; returns the groups retired."""
+        check_count(group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
             count = retirement.retire_trained(tt, group_ids, owner)
@@ -381,7 +386,9 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
 
     def fail_runs(self, table: str, uids: Sequence[str], reasons: Sequence[str], holder: str = "") -> FailResult:
         """Record runs their workers report failed; groups whose runs are all known complete
-        short or are dropped (groups.fail_runs). `holder` is who reports (as a push's)."""
+        short or are dropped (groups.fail_runs), at most MAX_NAMES_PER_CALL a call. `holder` is who
+        reports (as a push's)."""
+        check_count(uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)
         if len(reasons) not in (0, len(uids)):
             raise InvalidRequest(f"{len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
         failures = list(zip(uids, reasons or [""] * len(uids), strict=True))

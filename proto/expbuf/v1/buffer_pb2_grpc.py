@@ -265,6 +265,7 @@ class ExperienceBufferServicer:
         that took them another way (a framework's own queue). Their payloads go and their
         tombstones stay, so a push of them again is a duplicate; a prompt whose group it is is
         trained. Absent and retired groups are skipped; an incomplete one is FAILED_PRECONDITION.
+        At most 4,096 group ids a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -290,6 +291,7 @@ class ExperienceBufferServicer:
 
     def Delete(self, request, context):
         """Admin: remove experiences by uid and whole groups by id, so that they may be pushed again.
+        At most 4,096 uids and 4,096 group ids a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -305,6 +307,7 @@ class ExperienceBufferServicer:
     def FailRuns(self, request, context):
         """Runs that will never be pushed (the rollout failed): each counts as one of its group's runs,
         so the group completes short with the members present (min_group_size), or is dropped.
+        At most 4,096 uids a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -333,6 +336,7 @@ class ExperienceBufferServicer:
         """Keyed values: store bytes under names of the caller's own (TransferQueue's
         "{global_index}@{field}") in a table's key range, durable when it returns (all of a call's,
         or none), dropped with the table; they are not experiences and count in no table counter.
+        At most 65,536 keys a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -346,7 +350,7 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearValues(self, request, context):
-        """Keyed values: remove the values of some names.
+        """Keyed values: remove the values of some names, at most 65,536 a call (as PutValues).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,6 +11,7 @@ pyproject.toml).
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import ClassVar
 
 from expbuf.client.schema.reasons import Reason
@@ -24,6 +25,16 @@ def clip(value: object, limit: int = CLIP) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_count(names: Sized, what: str, call: str, most: int) -> None:
+    """Refuse a call naming more than `most` of `what` before it looks one up: the writer, or a
+    reader's thread, is held while it does (client/schema/call_limits.py)."""
+    if len(names) > most:
+        raise InvalidRequest(
+            f"{what} names {len(names)}; a {call} names at most {most} (the clients split larger ones into calls of"
+            " this many)"
+        )
 
 
 class StoreError(Exception):

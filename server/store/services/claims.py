@@ -35,7 +35,7 @@ from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
 from ..rules.table_state import TableState
-from ..schema.errors import Cancelled, InvalidRequest, clip
+from ..schema.errors import Cancelled, InvalidRequest, check_count, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog
 
@@ -61,11 +61,7 @@ def check_claim(count: int, owner: str, wait: float) -> None:
 def check_refs(prompts: Sized, call: str) -> None:
     """Refuse a renewal or a release naming more prompts than one call may (before it looks one
     up: the writer is held while it does)."""
-    if len(prompts) > MAX_PROMPTS_PER_CALL:
-        raise InvalidRequest(
-            f"prompts names {len(prompts)} prompts; a {call} names at most {MAX_PROMPTS_PER_CALL}"
-            " (the clients split larger ones into calls of this many)"
-        )
+    check_count(prompts, "prompts", call, MAX_PROMPTS_PER_CALL)
 
 
 def shown_owner(owner: str) -> str:

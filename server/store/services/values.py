@@ -3,7 +3,8 @@ when the call returns and dropped with the table.
 
 The store of a data plane that addresses data by name rather than as experiences: TransferQueue
 keeps each (sample, field) under "{global_index}@{field}" (client/transferqueue/storage.py). A
-put of several values is one commit (all or none); a clear of names not stored is no error.
+put of several values is one commit (all or none); a clear of names not stored is no error. A put
+or a clear names at most MAX_KEYS_PER_CALL keys (client/schema/call_limits.py).
 Values are not experiences: they count in no table counter, no capacity and no order.
 """
 
@@ -13,9 +14,11 @@ from collections.abc import Sequence
 
 import lmdb
 
+from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
+
 from ..disk import layout
 from ..disk.environment import Environment
-from ..schema.errors import InvalidRequest, TooLarge, clip
+from ..schema.errors import InvalidRequest, TooLarge, check_count, clip
 from ..tables.catalog import TableCatalog
 
 MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
@@ -29,6 +32,7 @@ class Values:
 
     def put(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
         """Store each value under its key (replacing what a key held), in one commit; how many."""
+        check_count(keys, "keys", "PutValues", MAX_KEYS_PER_CALL)
         if len(keys) != len(values):
             raise InvalidRequest(f"{len(keys)} keys for {len(values)} values: one value a key")
         names = _names(keys)
@@ -69,6 +73,7 @@ class Values:
 
     def clear(self, table: str, keys: Sequence[str]) -> int:
         """Remove the values of these keys, in one commit; how many were stored."""
+        check_count(keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         prefix = self._prefix(table)
         db = self.environment.db["kv"]

@@ -1,0 +1,121 @@
+"""A call that the server's one writer works through whole names at most so many uids, group ids
+or keys (client/schema/call_limits.py): more is refused by name before anything is read or
+stored, and the server serves on; the clients send any number in calls of at most that many."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import grpc
+import pytest
+
+from expbuf.client import AsyncBufferClient, BufferClient, trxp
+from expbuf.client.rpc import calls, value_calls
+from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, in_parts
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
+
+from helpers import group_items, scrape
+
+
+def answered(server: ExpbufServer, method: str) -> float:
+    """Calls of `method` the server has answered, whatever their status."""
+    return sum(
+        value
+        for (name, labels), value in scrape(server.metrics_port).items()
+        if name == "expbuf_rpc_duration_seconds_count" and dict(labels)["method"] == method
+    )
+
+
+def test_in_parts_cuts_in_order_and_makes_one_call_of_nothing() -> None:
+    assert in_parts([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+    assert in_parts([1, 2], 2) == [[1, 2]]
+    assert in_parts([], 2) == [[]]
+
+
+def test_a_call_naming_too_many_is_refused_and_stores_nothing(
+    client: BufferClient, stub: pb_grpc.ExperienceBufferStub
+) -> None:
+    client.create_table("t", group_size=2, estimator="none")
+    client.push(trxp.build(group_items(0, 0, 2)), table="t")
+    names = [f"0/{i}/0/0/r0s0" for i in range(MAX_NAMES_PER_CALL + 1)]
+    keys = [f"k{i}" for i in range(MAX_KEYS_PER_CALL + 1)]
+    refused = (
+        ("Delete", pb.DeleteRequest(table="t", uids=names), "uids", MAX_NAMES_PER_CALL),
+        ("Delete", pb.DeleteRequest(table="t", group_ids=names), "group_ids", MAX_NAMES_PER_CALL),
+        ("Retire", pb.RetireRequest(table="t", group_ids=names), "group_ids", MAX_NAMES_PER_CALL),
+        ("FailRuns", pb.FailRunsRequest(table="t", uids=names), "uids", MAX_NAMES_PER_CALL),
+        ("PutValues", pb.PutValuesRequest(table="t", keys=keys, values=[b"v"] * len(keys)), "keys", MAX_KEYS_PER_CALL),
+        ("ClearValues", pb.ClearValuesRequest(table="t", keys=keys), "keys", MAX_KEYS_PER_CALL),
+    )
+    for method, request, what, most in refused:
+        with pytest.raises(grpc.RpcError) as error:
+            getattr(stub, method)(request, timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert f"{what} names {most + 1}; a {method} names at most {most}" in error.value.details(), method
+    # nothing was stored or removed, and the server serves on
+    assert client.get_values(keys[:3], table="t") == [None, None, None]
+    stats = client.stats("t")["t"]
+    assert (stats.ready, stats.consumed, stats.groups_pending, stats.groups_dropped) == (2, 0, 0, 0)
+    assert client.delete(["0/0/0/0/r0s0"], table="t") == 1
+
+
+def test_the_clients_send_any_number_in_calls_of_the_most_each_takes(
+    server: ExpbufServer, client: BufferClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calls, "MAX_NAMES_PER_CALL", 3)
+    monkeypatch.setattr(value_calls, "MAX_KEYS_PER_CALL", 4)
+    client.create_table("t", group_size=1, group_by="run", estimator="none")
+    client.push(trxp.build([item for task in range(8) for item in group_items(0, task, 1)]), table="t")
+    uids = [f"0/{task}/0/0/r0s0" for task in range(8)]
+    keys = [f"k{i}" for i in range(10)]
+
+    before = {method: answered(server, method) for method in ("Delete", "Retire", "PutValues", "ClearValues")}
+    assert client.put_values(keys, [key.encode() for key in keys], table="t") == 10  # 4 + 4 + 2
+    assert client.get_values(keys, table="t") == [key.encode() for key in keys]
+    assert client.clear_values([*keys, "absent"], table="t") == 10  # 4 + 4 + 3
+    assert client.retire([f"0/{task}/0" for task in range(4)], table="t") == 4  # 3 + 1
+    assert client.delete(uids[4:], table="t", groups=["0/0/0"]) == 4  # 3 + 1 uids, 1 group (retired: its tombstone)
+    called = {method: answered(server, method) - count for method, count in before.items()}
+    assert called == {"Delete": 2, "Retire": 2, "PutValues": 3, "ClearValues": 3}
+    assert client.stats("t")["t"].live == 0
+
+    async def from_asyncio() -> tuple[int, int]:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}", timeout=10) as aio:
+            stored = await aio.put_values(keys, [b"x"] * 10, table="t")
+            return stored, await aio.clear_values(keys, table="t")
+
+    assert asyncio.run(from_asyncio()) == (10, 10)
+
+
+def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
+    client: BufferClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calls, "MAX_NAMES_PER_CALL", 2)
+    client.create_table("t", group_size=4, min_group_size=1, estimator="none")
+    client.push(trxp.build(group_items(0, 0, 1)), table="t")  # run 0 of task 0; runs 1-3 fail
+    failed = [f"0/0/{run}/0/r{run}s0" for run in (1, 2, 3)] + [f"0/1/{run}/0/r{run}s0" for run in range(4)]
+    reasons = [f"why {i}" for i in range(len(failed))]
+    report = client.fail_runs(failed, table="t", reasons=reasons)
+    assert report.recorded == failed
+    assert report.completed_groups == ["0/0"]  # short, with its one run
+    assert report.dropped_groups == ["0/1"]  # every run failed
+    with pytest.raises(ValueError, match="7 uids for 1 reasons"):
+        client.fail_runs(failed, table="t", reasons=["one"])  # before any call, not after a part
+
+
+def test_the_wire_contract_states_the_limits_the_server_keeps() -> None:
+    proto = (Path(__file__).resolve().parent.parent / "proto/expbuf/v1/buffer.proto").read_text()
+    for method, most in (
+        ("Delete", MAX_NAMES_PER_CALL),
+        ("Retire", MAX_NAMES_PER_CALL),
+        ("FailRuns", MAX_NAMES_PER_CALL),
+        ("PutValues", MAX_KEYS_PER_CALL),
+        ("ClearValues", MAX_KEYS_PER_CALL),
+    ):
+        above = proto[: proto.index(f"  rpc {method}(")].splitlines()
+        comment = list(itertools.takewhile(lambda line: line.startswith("  //"), reversed(above)))
+        assert f"{most:,}" in " ".join(comment), method
