@@ -7,6 +7,8 @@ the next open; a format 5 directory upgrades in place."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +238,36 @@ def test_a_chunk_staged_after_its_table_was_dropped_and_made_again_is_refused(st
     with pytest.raises(NotFound, match="the table was dropped"):
         store.stage("big", set_id, 1, payload[start + chunk : start + 2 * chunk], level).result()
     assert rows(store, "chunks") == {} and rows(store, "staged") == {}
+
+
+def test_a_chunk_staged_in_the_commit_that_drops_its_table_is_refused(store: Store, table: TableConfig) -> None:
+    """A chunk that reaches the writer in the same batch as the drop of its table, after it, is
+    refused: the table is gone in the transaction it would be written in, though the catalog
+    still lists it until the drop's commit. Written, it stayed under the dropped table's id until
+    the next start, and `expbuf check` of the stopped directory failed."""
+    payload = memoryview(trxp.pack_item(big_group(0)[0]))
+    start, level, set_id = section_at(payload), store.zstd_level("big"), store.new_chunk_set()
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(txn: lmdb.Transaction[bytes]) -> None:
+        holding.set()
+        gate.wait(30)
+
+    held = store.environment.queue(hold)  # the writer waits here; what is queued meanwhile is one batch
+    assert holding.wait(30)
+    queued = store.environment._queue.qsize
+    dropping = threading.Thread(target=store.drop_table, args=("big",))
+    dropping.start()
+    while queued() < 1:  # the drop is in the batch first
+        time.sleep(0.001)
+    staged = store.stage("big", set_id, 0, payload[start : start + chunked.CHUNK_BYTES], level)
+    gate.set()
+    dropping.join(30)
+    held.result(30)
+    with pytest.raises(NotFound, match="'big' was dropped"):
+        staged.result(30)
+    assert rows(store, "chunks") == {} and rows(store, "staged") == {}
+    store.create_table(table)
 
 
 def format_5(path: Path) -> None:

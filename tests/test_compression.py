@@ -6,6 +6,9 @@ releases did."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -144,3 +147,34 @@ def test_a_table_that_does_not_compress_goes_on_the_wire_as_before() -> None:
 
     assert not {"compression", "compression_level"} & (sent({}) | sent({"compression": "none"}))
     assert {"compression", "compression_level"} <= sent({"compression": "zstd", "compression_level": 3})
+
+
+def test_the_threads_that_compress_serve_each_call_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call has at most as many chunks in the shared pool as it has threads, so a small push to
+    one table does not wait behind all of a large push's chunks to another (a level-19 push held a
+    level-1 push 10 s): the second call's chunks are done before the first call's last ones."""
+    monkeypatch.setattr(chunked, "_cores", lambda: 2)
+    workers = chunked.Workers("expbuf-test-turns")
+    done: list[str] = []
+    started = threading.Event()
+
+    def slow(name: str) -> str:
+        if name == "a5":  # the first call is well under way: every chunk of it handed to the pool, as it was
+            started.set()
+        time.sleep(0.02)
+        done.append(name)
+        return name
+
+    first = threading.Thread(target=workers.each, args=(slow, [f"a{i}" for i in range(20)]))
+    first.start()
+    assert started.wait(10)
+    assert workers.each(lambda name: done.append(name) or name, ["b0", "b1"]) == ["b0", "b1"]
+    first.join(30)
+    assert len(done) == 22 and done.index("b1") < len(done) - 10  # not after all of the first call's
+
+
+def test_the_threads_are_as_many_as_the_cores_where_the_platform_cannot_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where os has no sched_getaffinity (macOS, the BSDs), every core of the machine counts."""
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert chunked._cores() == (os.cpu_count() or 1)
+    assert chunked.Workers("expbuf-test-cores").each(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]

@@ -28,7 +28,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -157,20 +157,38 @@ class Workers:
     def __init__(self, name: str) -> None:
         self._name, self._lock = name, threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._threads = min(8, _cores())
 
     def each(self, work: Callable[..., T], *over: Sequence[Any]) -> list[T]:
         """`work` over the items of `over` (zipped), side by side where there are several; every
-        one done before this returns (or raises the first failure)."""
-        if len(over[0]) < 2:
-            return [work(*items) for items in zip(*over, strict=True)]
+        one done before this returns (or raises the first failure). A call has at most as many
+        in the pool at once as it has threads, the next going in as one ends: the calls of
+        several tables share the threads in turn, where a table compressing at level 19 would
+        have held a level-1 table's push behind all of its chunks."""
+        items = list(zip(*over, strict=True))
+        if len(items) < 2:
+            return [work(*item) for item in items]
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=min(8, len(os.sched_getaffinity(0))), thread_name_prefix=self._name
-                )
-        futures = [self._pool.submit(work, *items) for items in zip(*over, strict=True)]
-        wait(futures)  # none still reads the caller's views once it has left
+                self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
+            pool = self._pool
+        futures: list[Future[T]] = []
+        running: set[Future[T]] = set()
+        try:
+            for item in items:
+                if len(running) >= self._threads:
+                    _, running = wait(running, return_when=FIRST_COMPLETED)
+                future = pool.submit(work, *item)
+                futures.append(future)
+                running.add(future)
+        finally:
+            wait(futures)  # none still reads the caller's views once it has left
         return [future.result() for future in futures]
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of the machine's where the platform cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 COMPRESSING = Workers("expbuf-zstd-push")  # a push's chunks, compressed before the writer

@@ -171,7 +171,7 @@ class Pushing:
         stored = chunk if level is None else chunked.compress(chunk, level)
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
-            if self.catalog.lookup(table)[0] != table_id:  # nothing left under a dropped table's id
+            if self.catalog.stored_id(txn, table) != table_id:  # nothing left under a dropped table's id
                 raise NotFound(f"table '{table}' was dropped (and made again) while the push was read; push it again")
             chunked.stage(txn, dbs, layout.table_prefix(table_id), set_id, index, stored, now)
 

@@ -95,6 +95,13 @@ class TableCatalog:
         except KeyError:
             raise NotFound(f"table '{clip(name)}' does not exist") from None
 
+    def stored_id(self, txn: lmdb.Transaction[bytes], name: str) -> int | None:
+        """The id the table named has in `txn` (None: there is none), read from its record: a write
+        in the same batch as a drop of the table sees it gone, where lookup() still has it until
+        the drop's commit."""
+        raw = txn.get(name.encode(), db=self.db["tables"])
+        return None if raw is None else int(json.loads(raw)["id"])
+
     def has(self, name: str) -> bool:
         return name in self._tables
 
