@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from expbuf.client import AsyncBufferClient, BufferClient, DataLossError, trxp
+from expbuf.client import EID, AsyncBufferClient, BufferClient, DataLossError, Experience, trxp
 from expbuf.client.rpc.sample_reply import Parts, ReplyBuffers, SampleReplyParts, aligned, read_sample_reply
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -289,3 +289,56 @@ def test_a_forked_process_writes_its_own_copy_of_a_kept_buffer() -> None:
         os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
     assert bytes(pool.take(2 << 20)[:6]) == b"parent"
+
+
+@pytest.mark.parametrize("read", ["trxp", "columns", "get"])
+def test_reads_of_a_compressing_table_hold_a_few_chunks_not_the_batch(tmp_path: Path, read: str) -> None:
+    """A table that keeps its chunks as zstd frames decompresses each as the part of a reply that
+    holds it is cut, and lets it go: a sample as TRXP or as columns, and a Get, of 512 MiB (a few
+    KiB on disk) grow the server by a few chunks and parts, where holding the batch decompressed
+    grew it by all of it (a Get of 30 x 13.5 MB: +383 MiB)."""
+    tokens, count = (16 << 20) // 9, 32  # 16 MiB experiences of int32 tokens, float32 log-probs and a mask
+    pushed = [
+        Experience(
+            eid=EID(batch="z", task=task, run=0),
+            tokens=torch.zeros(tokens + 1, dtype=torch.int32),
+            prompt_length=1,
+            logprobs=torch.full((tokens,), -0.5),
+            action_mask=torch.ones(tokens, dtype=torch.bool),
+            reward=1.0,
+        )
+        for task in range(count)
+    ]
+    with servers() as start:
+        server = start(str(tmp_path / "data"))
+        pid = server.proc.pid
+        with BufferClient(server.target, timeout=300) as client:
+            client.create_table("z", group_size=1, estimator="none", compression="zstd")
+            for experience in pushed:
+                assert client.push([experience], table="z").stored
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again from here
+            before = status(pid)["VmRSS"]
+            if read == "get":
+                got = list(client.get([e.eid.uid for e in pushed], table="z"))
+            else:
+                fields = ["tokens", "logprobs", "action_mask"] if read == "columns" else None
+                (batch,) = client.sample("z", num_groups=count, max_batches=1, timeout=30, fields=fields)
+                got = batch.experiences if fields is None else [batch.columns["logprobs"].values]
+            peak = status(pid)["VmHWM"]
+        assert server.proc.poll() is None, "".join(server.log)
+    whole = count * (tokens * 9 + 4)
+    if read == "columns":
+        assert torch.equal(got[0], torch.cat([e.logprobs for e in pushed]))
+    else:
+        assert all(
+            torch.equal(e.tokens, p.tokens) and torch.equal(e.action_mask, p.action_mask)
+            for e, p in zip(got, pushed, strict=True)
+        )
+    assert peak - before <= COMPRESSED_WINDOW < whole // 2, (
+        f"the server grew {(peak - before) >> 20} MiB to send {whole >> 20} MiB"
+    )
+
+
+# What a reply from a compressing table holds besides a reply's parts: the chunks decompressed
+# last (chunked.RECENT) and those a part is cut from, and the heap's free memory between them.
+COMPRESSED_WINDOW = PART_WINDOW + 24 * CHUNK_BYTES

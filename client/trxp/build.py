@@ -30,7 +30,7 @@ from .common import (
     RawTensor,
 )
 from .parse import parse
-from .pieces import Section, SectionTensors, Stored, cut, parts_of, whole
+from .pieces import Run, Section, SectionTensors, Stored, cut, parts_of, realized, whole
 
 # ---- building (trusted input) -----------------------------------------------------
 
@@ -245,14 +245,14 @@ def join(
     may add or replace tensors of item i (the server attaches advantages this way).
     Payloads of any other layout are parsed and rebuilt.
     """
-    return b"".join(join_parts(payloads, extra))
+    return b"".join([realized(run) for run in join_parts(payloads, extra)])
 
 
 def join_parts(
     payloads: Iterable[Stored],
     extra: Callable[[int, Mapping[str, RawTensor]], dict[str, RawTensor]] | None = None,
     drop: Collection[str] = (),
-) -> list[bytes | memoryview]:
+) -> list[Run]:
     """join()'s batch as the runs of bytes it is made of, uncopied: a caller that frames
     the batch (in a reply message, say) copies each byte once. Tensors named in `drop`
     are left out of every item (the server sends advantages beside a batch this way).
@@ -263,7 +263,7 @@ def join_parts(
     dropped = {_json_text(name) for name in drop}
     fragments: list[memoryview] = []
     entries: list[bytes] = []
-    data: list[bytes | memoryview] = []
+    data: list[Run] = []
     base = 0
     for index, payload in enumerate(payloads):
         meta, header, section, section_len = parts_of(payload)
@@ -302,7 +302,7 @@ def join_parts(
             )
             base += len(tensor.data)
             data.append(tensor.data)
-    return frame([_splice_meta(fragments)], b"{" + b",".join(entries) + b"}", data)
+    return [*frame([_splice_meta(fragments)], b"{" + b",".join(entries) + b"}", [], data_len=base), *data]
 
 
 # One entry of a batch header, as json.dumps(header, separators=(",", ":"), ensure_ascii=False)
@@ -384,7 +384,7 @@ def _parsed_tensors(header: bytes, section_len: int) -> tuple[list[_Stored], boo
     return found, whole and end == section_len
 
 
-def _extend(data: list[bytes | memoryview], section: Section) -> None:
+def _extend(data: list[Run], section: Section) -> None:
     """A whole section onto a payload's runs: one run, or its pieces."""
     if isinstance(section, memoryview):
         data.append(section)

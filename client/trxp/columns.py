@@ -24,7 +24,7 @@ from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS
 
 from .build import json_text, stored_entries, stored_tensors
 from .common import RawTensor
-from .pieces import Run, Section, Stored, cut, parts_of
+from .pieces import Run, Section, Stored, cut, joined, parts_of
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
 # experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,
@@ -148,7 +148,7 @@ class ColumnParts:
     ndim: int
     items: list[int] = field(default_factory=list)
     shapes: list[int] = field(default_factory=list)
-    values: list[bytes | memoryview] = field(default_factory=list)
+    values: list[Run] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -229,7 +229,7 @@ class _Tree:
             width = (end - start) // shape[0] if shape[0] else 0
             split = start + (shape[0] - response) * width
             prompt = cut(section, start, split)
-            owner = self.seen.setdefault((dtype, b"".join(prompt)), index)
+            owner = self.seen.setdefault((dtype, bytes(joined(prompt))), index)
             if owner == index and _PREFIX in wanted:
                 _add(columns, wanted, index, (_PREFIX, dtype), (shape[0] - response, *shape[1:]), prompt)
             if _BRANCH in wanted:
@@ -265,7 +265,7 @@ class _Cuts:
         if runs is None:
             return tensor
         shape, pieces = _cut_rows(runs, tensor.shape, memoryview(tensor.data), 0, len(tensor.data))
-        return RawTensor(tensor.dtype, shape, b"".join(pieces))
+        return RawTensor(tensor.dtype, shape, bytes(joined(pieces)))
 
 
 def _computed(
@@ -289,7 +289,7 @@ def _add(
     index: int,
     entry: tuple[bytes, bytes],
     shape: tuple[int, ...],
-    data: list[bytes | memoryview],
+    data: list[Run],
 ) -> None:
     """Item `index`'s tensor (its name and dtype as its header writes them, and the shape of
     what is sent of it) into the column of its field, dtype and rank."""
@@ -326,7 +326,7 @@ def segment_column(segments: Sequence[Sequence[int]], versions: Sequence[int | N
     if not items:
         return None
     shapes = [number for index in items for number in (len(rows[index]) // 2, 2)]
-    values: list[bytes | memoryview] = [struct.pack(f"<{len(rows[index])}q", *rows[index]) for index in items]
+    values: list[Run] = [struct.pack(f"<{len(rows[index])}q", *rows[index]) for index in items]
     return ColumnParts(SEGMENTS, "I64", 2, items, shapes, values)
 
 

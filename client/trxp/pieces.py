@@ -6,6 +6,10 @@ and hands the payload on as a `SplitPayload`: the bytes before the section and t
 pieces, views of the store's map. The splice (build.join_parts) and the columns
 (columns.column_parts) read such a payload as they read one in one piece and copy no byte of
 it: a tensor is the runs of the pieces it spans, copied once, by whoever frames the reply.
+
+A piece may also be a `Window` of bytes made only when read (a chunk a table keeps as a zstd
+frame, decompressed as the part of a reply that holds it is cut): the splice and the columns cut
+windows as they cut views, and whatever reads bytes reads a run through `realized`.
 """
 
 from __future__ import annotations
@@ -13,10 +17,59 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .common import HEADER, HEADER_SIZE, RawTensor
 
-Run = bytes | memoryview
+Bytes = bytes | memoryview
+
+
+class Lazy(Protocol):
+    """Bytes made only when read (server/store/disk/chunked.Frame)."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, start: int, end: int) -> Bytes:
+        """Its bytes `start` to `end`."""
+        ...
+
+    def detach(self) -> Lazy:
+        """The same bytes, no longer reading from whatever they are read from now."""
+        ...
+
+
+@dataclass(slots=True)
+class Window:
+    """Bytes `start` to `end` of a Lazy, made when read."""
+
+    source: Lazy
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def read(self) -> Bytes:
+        return self.source.read(self.start, self.end)
+
+    def detach(self) -> Window:
+        self.source = self.source.detach()
+        return self
+
+
+Run = bytes | memoryview | Window
+
+
+def realized(run: Run) -> Bytes:
+    """A run's bytes: a Window read now."""
+    return run.read() if isinstance(run, Window) else run
+
+
+def realized_span(run: Run, start: int, end: int) -> Bytes:
+    """A run's bytes `start` to `end`, read now (of a Window, those alone)."""
+    if isinstance(run, Window):
+        return run.source.read(run.start + start, run.start + end)
+    return (run if type(run) is memoryview else memoryview(run))[start:end]
 
 
 @dataclass(slots=True)
@@ -24,7 +77,7 @@ class SplitPayload:
     """A one-item payload as its head (the TRXP header, the metadata pickle and the safetensors
     header: everything before the tensor section) and its tensor section's pieces, in order."""
 
-    head: Run
+    head: Bytes
     pieces: list[Run]
 
     def __len__(self) -> int:
@@ -35,8 +88,12 @@ class SplitPayload:
         return [self.head, *self.pieces]
 
     def owned(self) -> SplitPayload:
-        """The same bytes, copied out of whatever the views are views of."""
-        return SplitPayload(bytes(self.head), [bytes(piece) for piece in self.pieces])
+        """The same bytes, copied out of whatever the views are views of (a Window detached, not read)."""
+        return SplitPayload(bytes(self.head), [_owned(piece) for piece in self.pieces])
+
+
+def _owned(piece: Run) -> Run:
+    return piece.detach() if isinstance(piece, Window) else bytes(piece)
 
 
 Stored = bytes | memoryview | SplitPayload
@@ -64,7 +121,7 @@ def parts_of(payload: Stored) -> tuple[memoryview, bytes, Section, int]:
     return meta, header, section, section_len
 
 
-def section_at(payload: Run) -> int:
+def section_at(payload: Bytes) -> int:
     """Where a one-item payload's tensor section starts, read from its framing (struct.error
     when it is too short to hold it)."""
     _, _, meta_len, _ = HEADER.unpack_from(payload)
@@ -82,22 +139,25 @@ def cut(section: Section, start: int, end: int) -> list[Run]:
     for piece in section:
         after = at + len(piece)
         if after > start:
-            view = piece if type(piece) is memoryview else memoryview(piece)
-            runs.append(view[start - at if start > at else 0 : end - at])
+            low, high = start - at if start > at else 0, min(end - at, len(piece))
+            if isinstance(piece, Window):
+                runs.append(Window(piece.source, piece.start + low, piece.start + high))
+            else:
+                runs.append((piece if type(piece) is memoryview else memoryview(piece))[low:high])
             if after >= end:
                 break
         at = after
     return runs or [b""]
 
 
-def joined(runs: Sequence[Run]) -> Run:
-    """Runs as one buffer: the run itself when there is one, else a copy of them end to end."""
-    return runs[0] if len(runs) == 1 else b"".join(runs)
+def joined(runs: Sequence[Run]) -> Bytes:
+    """Runs as one buffer: the run itself (read) when there is one, else a copy of them end to end."""
+    return realized(runs[0]) if len(runs) == 1 else b"".join([realized(run) for run in runs])
 
 
-def whole(payload: Stored) -> Run:
+def whole(payload: Stored) -> Bytes:
     """A stored payload in one buffer (a SplitPayload copied end to end), for what parses it."""
-    return b"".join(payload.runs()) if isinstance(payload, SplitPayload) else payload
+    return b"".join([realized(run) for run in payload.runs()]) if isinstance(payload, SplitPayload) else payload
 
 
 class SectionTensors(Mapping[str, RawTensor]):

@@ -25,6 +25,7 @@ import grpc
 
 from expbuf.client.rpc.frames import varint
 from expbuf.client.trxp.columns import ColumnParts
+from expbuf.client.trxp.pieces import Run, realized, realized_span
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store import Sampled
@@ -43,7 +44,6 @@ PART_FRAMING = 32  # a part's tags and lengths: with them, a part's message is a
 # The largest part: a reply over this goes in parts, for a client that takes them, so a stream
 # holds about two parts of its batch (the one cut, and gRPC's copy of the one before).
 PART_BYTES = 8 << 20
-Run = bytes | memoryview
 T = TypeVar("T")
 
 
@@ -150,7 +150,7 @@ def _messages(
     def first(runs: list[Run]) -> tuple[int, bytes]:
         whole = sum(len(run) for run in runs)
         if whole <= cut:
-            return whole, b"".join(runs)
+            return whole, b"".join([realized(run) for run in runs])
         if not parts:
             raise ReplyTooLarge(whole)
         kept.append(batch.keep(list(runs)))
@@ -170,26 +170,26 @@ def _messages(
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
     """A SampleReply of the bytes `start` to `end` of the runs put end to end, as its `part`
     (and, for the first, the `whole_bytes` they add up to): copied once, into the message."""
-    pieces: list[Run] = [_WHOLE_TAG, varint(whole)] if whole else []
+    pieces: list[bytes | memoryview] = [_WHOLE_TAG, varint(whole)] if whole else []
     pieces += [_PART_TAG, varint(end - start)]
     at = 0
     for run in runs:
         size = len(run)
         if at + size > start:
-            pieces.append(memoryview(run)[max(0, start - at) : min(size, end - at)])
+            pieces.append(realized_span(run, max(0, start - at), min(size, end - at)))
         at += size
         if at >= end:
             break
     return b"".join(pieces)
 
 
-def _framed(columns: list[ColumnParts]) -> list[bytes | memoryview]:
+def _framed(columns: list[ColumnParts]) -> list[Run]:
     """The reply's `columns`, written first, as the runs of bytes they are made of: each
     Column's small fields serialised by protobuf, its values written after them (protobuf reads
     fields in any order) as the stored bytes, which the caller's join copies once, each
     starting at a multiple of ALIGN bytes from the reply's start (the `align` field's zeros
     before them), so a client reads them in place as tensors."""
-    runs: list[bytes | memoryview] = []
+    runs: list[Run] = []
     at = 0  # where the next column starts in the reply
     for column in columns:
         head = pb.Column(

@@ -23,6 +23,7 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import struct
@@ -38,7 +39,7 @@ import zstandard
 
 from expbuf.client.trxp.build import json_text, stored_entries
 from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.pieces import Run, SplitPayload, Stored, parts_of, section_at
+from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of, section_at
 
 from ..schema.errors import DamagedPayload, NotFound, clip
 from . import digests, shared_prompts
@@ -91,8 +92,8 @@ class Head:
         return min(self.chunk_bytes, self.section_len - index * self.chunk_bytes)
 
     def plain_each(
-        self, indices: Sequence[int], stored: Sequence[Run | None], workers: Workers | None = None
-    ) -> list[Run | None]:
+        self, indices: Sequence[int], stored: Sequence[Bytes | None], workers: Workers | None = None
+    ) -> list[Bytes | None]:
         """`plain` of chunk `indices[i]` from `stored[i]`, for each: on this thread, or several
         frames side by side on `workers`."""
         if not self.compressed:
@@ -101,7 +102,7 @@ class Head:
             return [self.plain(index, chunk) for index, chunk in zip(indices, stored, strict=True)]
         return workers.each(self.plain, indices, stored)
 
-    def plain(self, index: int, stored: Run | None) -> Run | None:
+    def plain(self, index: int, stored: Bytes | None) -> Bytes | None:
         """Chunk `index`'s bytes as pushed, from its stored value: itself, or its zstd frame
         decompressed. None where it is missing, or is a frame that does not say it holds the
         chunk's length or does not decompress (damage, which its digest check then names)."""
@@ -121,7 +122,7 @@ class Staging:
     digests and the digest of its whole payload (its `prefix`, then the section), taken as the
     chunks pass, over their bytes as pushed; then its head."""
 
-    def __init__(self, prefix: Sequence[Run], section_len: int) -> None:
+    def __init__(self, prefix: Sequence[Bytes], section_len: int) -> None:
         self.prefix, self.section_len = list(prefix), section_len
         self.set_id: int | None = None
         self.level: int | None = None  # the zstd level its chunks are staged at; None: as they are
@@ -130,7 +131,7 @@ class Staging:
         for run in self.prefix:
             self._whole.update(run)
 
-    def add(self, chunk: Run) -> None:
+    def add(self, chunk: Bytes) -> None:
         """The next chunk of the section, staged."""
         self.digests.append(digests.of(chunk))
         self._whole.update(chunk)
@@ -195,17 +196,17 @@ COMPRESSING = Workers("expbuf-zstd-push")  # a push's chunks, compressed before 
 DECOMPRESSING = Workers("expbuf-zstd-reply")  # a reply's chunks, decompressed where it is built
 
 
-def is_head(value: Run) -> bool:
+def is_head(value: Bytes) -> bool:
     return value[:4] in _MAGICS
 
 
-def compress(chunk: Run, level: int) -> bytes:
+def compress(chunk: Bytes, level: int) -> bytes:
     """A chunk as a table that compresses keeps it: one zstd frame, which says its length."""
     frame: bytes = zstandard.ZstdCompressor(level=level).compress(chunk)
     return frame
 
 
-def read_head(value: Run) -> Head:
+def read_head(value: Bytes) -> Head:
     """A head's fields; ValueError when its frame is not whole (damage)."""
     view = memoryview(value)
     magic, set_id, own, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
@@ -218,7 +219,7 @@ def read_head(value: Run) -> Head:
 
 
 def pack_head(
-    set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Run], compressed: bool = False
+    set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Bytes], compressed: bool = False
 ) -> bytes:
     """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES (zstd frames of
     them, `compressed`): its frame, its chunks' digests and the payload's bytes before the
@@ -286,7 +287,7 @@ def stored_value(
     return pack_head(set_id, len(section), found, [view[:start]])
 
 
-def cut(section: memoryview) -> list[Run]:
+def cut(section: memoryview) -> list[Bytes]:
     """A section's chunks: CHUNK_BYTES each, the last one shorter."""
     return [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
 
@@ -322,7 +323,7 @@ def stage(
     table_prefix: bytes,
     set_id: int,
     index: int,
-    chunk: Run,
+    chunk: Bytes,
     now: float,
 ) -> None:
     """Write one chunk of a section a push in chunks is staging, in a set (reserve_sets) marked
@@ -361,7 +362,7 @@ def staged_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
     return int(txn.stat(dbs["staged"])["entries"])
 
 
-def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
+def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:
     """A stored value as the payload it stands for: itself, a reference's payload with its shared
     prompt (shared_prompts.py), or a head's prefix and its chunks, read with `read` (a
     database's name and a key to the value). A chunk that is missing reads as nothing and a
@@ -376,7 +377,7 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Stored:
     return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
 
 
-def _intact_head(value: Run) -> Head | None:
+def _intact_head(value: Bytes) -> Head | None:
     """The head a value is, where its frame reads and its own digest matches; None for any other."""
     if len(value) < _FRAME.size or not is_head(value):
         return None
@@ -387,13 +388,13 @@ def _intact_head(value: Run) -> Head | None:
     return head if head.intact else None
 
 
-def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Run | None]:
+def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
     """A head's chunks as stored (None where one is missing)."""
     prefix = bytes(key[:4])
     return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
 
 
-def streamed(value: Run, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
+def streamed(value: Bytes, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
     """The digest and length of the payload an intact head of zstd frames stands for, its chunks
     decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
     payload: a chunk missing or that does not decompress adds nothing. None for any other value
@@ -430,22 +431,29 @@ class Deferred:
     def __init__(self, uid: str, head: Head, key: bytes, digest: bytes, size: int, read: Read) -> None:
         self.uid, self._head, self._key, self.digest, self.size = uid, head, key, digest, size
         self._chunk = partial(read, "chunks")
-        self._copied: list[Run | None] | None = None  # the chunks, once detached
+        self._copied: list[Bytes | None] | None = None  # the chunks, once detached
 
     @property
     def head(self) -> Head:
         """Its head as stored: what it holds, before its chunks are read."""
         return self._head
 
-    def _stored(self, index: int) -> Run | None:
+    def _stored(self, index: int) -> Bytes | None:
         if self._copied is not None:
             return self._copied[index]
         return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
 
-    def _plain(self, indices: Sequence[int]) -> dict[int, Run | None]:
+    def _plain(self, indices: Sequence[int]) -> dict[int, Bytes | None]:
         """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
         stored = [self._stored(index) for index in indices]
         return dict(zip(indices, self._head.plain_each(indices, stored, DECOMPRESSING), strict=True))
+
+    def checked_chunk(self, index: int) -> Bytes:
+        """Chunk `index`'s bytes as pushed, checked against its digest (DamagedPayload if not)."""
+        got = self._head.plain(index, self._stored(index))
+        if got is None or len(got) != self._head.length(index) or digests.of(got) != self._head.digests[index]:
+            raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
+        return got
 
     def resolve(
         self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
@@ -454,8 +462,25 @@ class Deferred:
         reply reads, its head against the head's own digest and the chunks those fields lie in
         against theirs, the others standing as zeros no reply reads. With `shares` (the
         experience's response being `response` tokens), only the chunks of the rows in them.
-        DamagedPayload if what is read is not what was pushed."""
+        DamagedPayload if what is read is not what was pushed. A head of zstd frames whose own
+        digest matches gives its chunks as Windows of Frames: each decompressed, and checked
+        against its digest in the head, as the part of a reply that holds it is cut (the head's
+        digest names theirs: what they check together is the payload pushed), so that a reply
+        holds a chunk or two of them at a time, not the batch's."""
         head = self._head
+        if head.compressed:
+            if not head.intact:
+                raise DamagedPayload(
+                    self.uid, "its head is damaged" if fields is None else "its head does not match its digest"
+                )
+            needed = range(head.chunks) if fields is None else self._needed(fields, shares, response)
+            return SplitPayload(
+                head.prefix,
+                [
+                    Window(Frame(self, index), 0, head.length(index)) if index in needed else _zeros(head.length(index))
+                    for index in range(head.chunks)
+                ],
+            )
         if fields is None:
             found = self._plain(range(head.chunks))
             payload = SplitPayload(head.prefix, [b"" if (got := found[i]) is None else got for i in range(head.chunks)])
@@ -465,6 +490,24 @@ class Deferred:
             return payload
         if not head.intact:
             raise DamagedPayload(self.uid, "its head does not match its digest")
+        needed = self._needed(fields, shares, response)
+        found = self._plain(sorted(needed))
+        pieces: list[Run] = []
+        for index in range(head.chunks):
+            length = head.length(index)
+            if index not in needed:
+                pieces.append(_zeros(length))
+                continue
+            got = found[index]
+            if got is None or len(got) != length or digests.of(got) != head.digests[index]:
+                raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
+            pieces.append(got)
+        return SplitPayload(head.prefix, pieces)
+
+    def _needed(self, fields: Collection[str], shares: Shares | None, response: int) -> set[int]:
+        """The chunks a reply of `fields` reads (of the rows of `shares` only, where given): those
+        they lie in, and the action mask's for advantages spread under it."""
+        head = self._head
         _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
         entries = stored_entries(header, head.section_len)
         wanted = {json_text(name) for name in fields}
@@ -473,19 +516,7 @@ class Deferred:
         spans = [(start, end) for name, _, _, start, end in entries if name in whole]
         if shares is not None:
             spans += shares.spans(entries, wanted - mask, response)
-        needed = {index for start, end in spans for index in head.span(start, end)}
-        found = self._plain(sorted(needed))
-        pieces: list[Run] = []
-        for index in range(head.chunks):
-            length = head.length(index)
-            if index not in needed:
-                pieces.append(_ZEROS[:length] if length <= len(_ZEROS) else bytes(length))
-                continue
-            got = found[index]
-            if got is None or len(got) != length or digests.of(got) != head.digests[index]:
-                raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
-            pieces.append(got)
-        return SplitPayload(head.prefix, pieces)
+        return {index for start, end in spans for index in head.span(start, end)}
 
     def detach(self) -> Deferred:
         """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
@@ -494,6 +525,68 @@ class Deferred:
             self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
             self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
         return self
+
+
+class Frame:
+    """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
+    and checked against its digest, when a reply reads it, and kept among the few chunks
+    decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
+    order, and the next part cut inside the chunk finds it there."""
+
+    __slots__ = ("_deferred", "_index")
+
+    def __init__(self, deferred: Deferred, index: int) -> None:
+        self._deferred, self._index = deferred, index
+
+    def __len__(self) -> int:
+        return self._deferred.head.length(self._index)
+
+    def read(self, start: int, end: int) -> bytes | memoryview:
+        plain = RECENT.get(self)
+        if plain is None:
+            plain = self._deferred.checked_chunk(self._index)
+        if end >= len(self):
+            RECENT.drop(self)
+        else:
+            RECENT.keep(self, plain)
+        return memoryview(plain)[start:end]
+
+    def detach(self) -> Frame:
+        self._deferred.detach()
+        return self
+
+
+class Recent:
+    """The chunks decompressed last, `most` of them whichever reply read them: a reply holds a
+    chunk or two of its zstd frames decompressed at a time, not its batch (a mask read for the
+    advantages spread under it, then the parts, would otherwise keep a chunk of each experience)."""
+
+    def __init__(self, most: int) -> None:
+        self._most, self._lock = most, threading.Lock()
+        self._held: collections.OrderedDict[Frame, Bytes] = collections.OrderedDict()
+
+    def get(self, frame: Frame) -> Bytes | None:
+        with self._lock:
+            return self._held.get(frame)
+
+    def keep(self, frame: Frame, plain: Bytes) -> None:
+        with self._lock:
+            self._held[frame] = plain
+            self._held.move_to_end(frame)
+            while len(self._held) > self._most:
+                self._held.popitem(last=False)
+
+    def drop(self, frame: Frame) -> None:
+        with self._lock:
+            self._held.pop(frame, None)
+
+
+RECENT = Recent(4)
+
+
+def _zeros(length: int) -> Bytes:
+    """Stands for a chunk a reply does not read: never read."""
+    return _ZEROS[:length] if length <= len(_ZEROS) else bytes(length)
 
 
 def checked(
@@ -539,7 +632,7 @@ def token_length(blob: Stored | Deferred | None) -> int | None:
         return None
 
 
-def taken(uid: str, value: Run, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
+def taken(uid: str, value: Bytes, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
     """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
     chunks read later with `read`; anything else as `resolve` reads it, now."""
     if len(value) >= _FRAME.size and is_head(value):

@@ -16,15 +16,15 @@ import hashlib
 
 import xxhash
 
-from expbuf.client.trxp.pieces import SplitPayload, Stored
+from expbuf.client.trxp.pieces import SplitPayload, Stored, realized
 
 
 def of(blob: Stored) -> bytes:
     """The digest of a payload as the store keeps it (one stored in chunks: of its bytes end to end)."""
     if isinstance(blob, SplitPayload):
         hasher = running()
-        for run in blob.runs():
-            hasher.update(run)
+        for run in blob.runs():  # a Window read, and let go, one at a time
+            hasher.update(realized(run))
         return hasher.digest()
     return xxhash.xxh3_128_digest(blob)
 
@@ -32,8 +32,16 @@ def of(blob: Stored) -> bytes:
 def mismatch(blob: Stored, size: int, digest: bytes) -> str | None:
     """Why `blob` is not the payload of `size` bytes and `digest` a record names, or None."""
     if len(blob) != size:
-        return f"its payload is {len(blob)} bytes, its record says {size}"
-    return None if of(blob) == digest else "its payload does not match its digest"
+        return differs(len(blob), b"", size, digest)
+    return differs(size, of(blob), size, digest)
+
+
+def differs(found_size: int, found_digest: bytes, size: int, digest: bytes) -> str | None:
+    """Why a payload of `found_size` bytes and `found_digest` is not the one of `size` bytes and
+    `digest` a record names, or None."""
+    if found_size != size:
+        return f"its payload is {found_size} bytes, its record says {size}"
+    return None if found_digest == digest else "its payload does not match its digest"
 
 
 def running() -> xxhash.xxh3_128:

@@ -20,7 +20,7 @@ from expbuf.client.trxp.columns import (
     segment_column,
 )
 from expbuf.client.trxp.common import ITEMSIZE, RawItem
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.pieces import Run, Stored, realized
 
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
@@ -185,7 +185,7 @@ class Sampled:
 
     @property
     def payload(self) -> bytes:
-        return self.render(b"".join)
+        return self.render(lambda runs: b"".join([realized(run) for run in runs]))
 
     def finish(self) -> None:
         """Run the batch stage on the stored advantages, once."""
@@ -193,7 +193,7 @@ class Sampled:
             stage, self.stage = self.stage, None
             self.advantages = stage(self.advantages)
 
-    def render(self, build: Callable[[list[bytes | memoryview]], T]) -> T:
+    def render(self, build: Callable[[list[Run]], T]) -> T:
         """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
         which are valid only during the call: each byte is copied once, by `build`. The
         batch stage runs first, if it has not."""
@@ -244,7 +244,7 @@ class Sampled:
         with self.snapshot.reading():
             return build(made())
 
-    def keep(self, runs: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    def keep(self, runs: list[Run]) -> list[Run]:
         """Runs made by `render` or `columns` (views of the snapshot among them), kept readable
         past that call, with `read`: copied in place should the snapshot end before `release`."""
         return runs if self.snapshot is None else self.snapshot.hold(runs)

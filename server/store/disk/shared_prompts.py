@@ -25,7 +25,7 @@ from typing import Any
 import lmdb
 
 from expbuf.client.trxp.build import json_text, stored_entries
-from expbuf.client.trxp.pieces import Run, SplitPayload, parts_of, section_at
+from expbuf.client.trxp.pieces import Bytes, SplitPayload, parts_of, section_at
 
 from . import digests
 
@@ -34,10 +34,10 @@ REF_MAGIC = b"TRXR"
 _REF = struct.Struct("<4s16sQQ")  # magic, the prompt's digest, where its bytes lie, their length
 _COUNT = struct.Struct("<Q")
 _TOKENS = json_text("tokens")
-Read = Callable[[str, bytes], Run | None]  # a value of the named database, by key
+Read = Callable[[str, bytes], Bytes | None]  # a value of the named database, by key
 
 
-def is_ref(value: Run) -> bool:
+def is_ref(value: Bytes) -> bool:
     return value[:4] == REF_MAGIC
 
 
@@ -109,13 +109,13 @@ def _prompt_span(blob: bytes, response: int) -> tuple[int, int] | None:
     return None
 
 
-def _unframe(value: Run) -> tuple[bytes, int, int, memoryview]:
+def _unframe(value: Bytes) -> tuple[bytes, int, int, memoryview]:
     """A reference's prompt digest, where the prompt lies, its length and the payload without it."""
     _, digest, start, length = _REF.unpack_from(value)
     return digest, start, length, memoryview(value)[_REF.size :]
 
 
-def resolve(value: Run, key: bytes | memoryview, read: Read) -> Run | SplitPayload:
+def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Bytes | SplitPayload:
     """A reference as the payload it stands for, its prompt read with `read`; one whose frame is
     damaged as its own bytes (a prompt that is missing as none), which the read check finds do
     not match."""
@@ -130,7 +130,7 @@ def resolve(value: Run, key: bytes | memoryview, read: Read) -> Run | SplitPaylo
     return SplitPayload(rest[:at], [rest[at:start], b"" if prompt is None else prompt, rest[start:]])
 
 
-def header_of(value: Run) -> tuple[bytes, int]:
+def header_of(value: Bytes) -> tuple[bytes, int]:
     """A reference's safetensors header and the length of the section it describes, read
     without its prompt."""
     _, _, length, rest = _unframe(value)
@@ -144,7 +144,7 @@ def any_in(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix:
         return bool(cur.set_range(prefix)) and bytes(cur.key()[: len(prefix)]) == prefix
 
 
-def release(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Run) -> None:
+def release(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Bytes) -> None:
     """A stored reference goes: its prompt is counted once less, and goes with its last one."""
     try:
         digest = _unframe(value)[0]
@@ -159,7 +159,7 @@ def release(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: b
         txn.delete(name, db=dbs["shared"])
 
 
-def _count(raw: Run | None) -> int:
+def _count(raw: Bytes | None) -> int:
     """A stored count; 0 for none, or for one damaged (verify then finds the prompt miscounted)."""
     try:
         return 0 if raw is None else int(_COUNT.unpack(raw)[0])

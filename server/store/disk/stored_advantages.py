@@ -30,7 +30,7 @@ from expbuf.client.trxp.advantages import ADDED, scaled
 from expbuf.client.trxp.build import join_parts
 from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
 from expbuf.client.trxp.common import RawTensor
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.pieces import Run, Stored, realized
 
 from ..schema.table_config import TableConfig
 from .records import ItemRecord
@@ -126,12 +126,10 @@ def _delivered(
 
 def batch_payload(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> bytes:
     """One TRXP batch of stored experiences, with their computed advantages and returns."""
-    return b"".join(batch_parts(blobs, advantages, masks))
+    return b"".join([realized(run) for run in batch_parts(blobs, advantages, masks)])
 
 
-def batch_parts(
-    blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None
-) -> list[bytes | memoryview]:
+def batch_parts(blobs: Sequence[Stored], advantages: Sequence[Advantage], masks: Masks | None = None) -> list[Run]:
     """batch_payload() as the runs of bytes it is made of, for a reply that copies them once.
     A batch whose advantages are all SENT_APART gets none (and loses any pushed with it)."""
     apart = all(a is SENT_APART for a in advantages)

@@ -18,7 +18,7 @@ from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
 
-from ..disk import chunked, layout
+from ..disk import chunked, digests, layout
 from ..disk.batch_rows import BatchRows
 from ..disk.chunked import checked, read_payload
 from ..disk.environment import Environment
@@ -212,11 +212,19 @@ class Reads:
                     raise not_stored("experience", uid)
                 rec = ItemRecord.decode(record)
                 chunk = chunked.reader(snapshot, db)
-                if whole:  # read and checked here, all of it, as Get checks it
-                    blob: Stored | chunked.Deferred = chunked.resolve(value, key, chunk)
+                streamed = chunked.streamed(value, key, chunk) if whole else None
+                if streamed is not None:  # zstd frames: checked here one at a time, read again as the reply is cut
+                    blob: Stored | chunked.Deferred = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
+                    problem = serve_problem(uid, rec, None)
+                    why = digests.differs(streamed[1], streamed[0], rec.size, rec.digest)
+                    if problem is None and why is not None:
+                        problem = Unservable(uid, why, damaged=True)
                 else:
-                    blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
-                problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+                    if whole:  # read and checked here, all of it, as Get checks it
+                        blob = chunked.resolve(value, key, chunk)
+                    else:
+                        blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
+                    problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
                 if not _servable(table, "ReadFields", problem, missing, damaged):
                     continue
                 rows.add(key, rec, blob)
