@@ -384,3 +384,25 @@ def test_every_client_leases_by_default_so_a_batch_never_acked_comes_back(server
     assert client.stats("t")["t"].leased == 8
     stats = settle(client, lambda s: s.leased == 0 and s.ready == 8)
     assert (stats.ready, stats.leased, stats.consumed) == (8, 0, 0)
+
+
+@pytest.mark.parametrize("window", [2, 4])
+def test_after_the_last_batch_each_confirmation_is_delivered_as_it_comes(start_server: Servers, window: int) -> None:
+    """Once the stream has sent its last batch it waits for the client's confirmations; each is
+    delivered as it comes, not once all have: a trainer training on the first of its last batches
+    has it consumed, so a server killed meanwhile does not give it back to be trained twice."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        client.create_table("t", group_size=2, estimator="none")
+        fill(client, window)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            talk = Conversation(pb_grpc.ExperienceBufferStub(channel), request(max_batches=window, window=window))
+            batches = [talk.read() for _ in range(window)]  # all sent: the last batch is among them
+            talk.confirm(1)  # the trainer has the first; the others wait in its window
+            assert settle(client, lambda s: s.consumed == 2).leased == 2 * (window - 1)
+            talk.confirm(window - 1)
+            assert settle(client, lambda s: s.consumed == 2 * (window - 1)).leased == 2
+            talk.confirm(window, stop=True)
+            assert list(talk.call) == []  # the stream ends, every batch delivered
+        assert settle(client, lambda s: s.consumed == 2 * window).ready == 0
+    assert len({uid for batch in batches for uid in batch.uids}) == 2 * window

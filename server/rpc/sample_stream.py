@@ -190,8 +190,12 @@ def stream_batches(
                 spec = window.spec = replace(spec, trainer_version=None)  # the first message's version is stored once
                 yield from window.send(batch, reply)
                 last = batch.partial or window.sent == spec.max_batches
-                # room for one more batch in the window; after the last one, every confirmation
-                if not client.wait_confirmed(window.sent if last else window.sent - spec.window + 1, window.due):
+                # room for one more batch in the window; after the last one, every confirmation,
+                # each delivered as it comes (no take will commit it: a batch the client has is not
+                # held while the client works on it before it confirms the next)
+                if not (
+                    window.confirm_each() if last else client.wait_confirmed(window.sent - spec.window + 1, window.due)
+                ):
                     if client.interrupted and not client.done:
                         draining.end("Sample", context)
                     if window.overdue() and not client.done:
@@ -320,6 +324,16 @@ class _Window:
                 return batch
             if not context.is_active() or time.monotonic() >= deadline:
                 return None
+
+    def confirm_each(self) -> bool:
+        """Wait for the client to confirm every batch sent, delivering each confirmation as it
+        comes; False if the client never will (as ClientSide.wait_confirmed)."""
+        while True:
+            self.deliver_confirmed()  # those confirmed by now, the first ones perhaps before this began
+            if self.client.received >= self.sent:
+                return True
+            if not self.client.wait_confirmed(self.client.received + 1, self.due):
+                return False
 
     def deliver_confirmed(self) -> None:
         """Deliver the held batches the client confirmed. If that fails, they stay held, never
