@@ -406,3 +406,19 @@ def test_after_the_last_batch_each_confirmation_is_delivered_as_it_comes(start_s
             assert list(talk.call) == []  # the stream ends, every batch delivered
         assert settle(client, lambda s: s.consumed == 2 * window).ready == 0
     assert len({uid for batch in batches for uid in batch.uids}) == 2 * window
+
+
+def test_a_nack_of_a_batch_the_client_has_counts_it_sampled_whatever_its_confirmation(
+    client: BufferClient, stub
+) -> None:
+    """A client that nacks a batch it has, before the stream has delivered its confirmation (it
+    nacks at once, or its confirmation is on its way), gives it back counted as sampled: only the
+    stream's own give-back of a batch never confirmed is uncounted."""
+    fill(client, 1)
+    talk = Conversation(stub, request(delivery=pb.DELIVERY_LEASE, lease_seconds=60))
+    batch = talk.read()  # the client has it, and has not confirmed it
+    assert client.nack(batch.lease_id, table="t") == 2
+    talk.cancel()
+    stats = settle(client, lambda s: s.leased == 0)
+    assert (stats.sampled, stats.ready) == (2, 2)
+    assert [e.times_sampled for e in client.list_experiences("t").experiences] == [1, 1]

@@ -71,6 +71,23 @@ def test_a_cooling_group_deleted_meanwhile_does_not_come_back(tmp_path: Path) ->
         assert store.verify("reuse") == []
 
 
+def test_a_cooling_group_retired_as_trained_stays_retired(tmp_path: Path) -> None:
+    """A group cooling down after a replay is leased to no one: a trainer that trained it another
+    way retires it (it failed INTERNAL, the whole Retire with it), and it does not come back."""
+    clock = Clock()
+    with Store(tmp_path, clock=clock) as store:
+        store.create_table(TableConfig.of(name="reuse", estimator="none", reuse_cooldown_seconds=5.0))
+        store.put("reuse", group_items(1, "a", 2))
+        store.put("reuse", group_items(1, "b", 2))
+        assert reused(store) == ("1/a", [1, 1])  # a cools
+        assert store.retire("reuse", ["1/a", "1/b"], owner="someone") == 2
+        clock.now += 5
+        assert reused(store) is None
+        stats = store.stats("reuse")
+        assert (stats["consumed"], stats["leased"], stats["ready"]) == (4, 0, 0)
+        assert store.verify("reuse") == []
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -208,7 +208,7 @@ def test_a_replayed_batch_counts_only_once_confirmed(tmp_path: Path) -> None:
         first = store.sample(spec, hold=True, owner="me")
         assert first.times_sampled == [1, 1]
         assert store.stats("once")["leased"] == 2  # held: no other stream gets it meanwhile
-        store.nack(first.lease_id, "once", "me")
+        store.give_back(first.lease_id, "once", "me")
         stats = store.stats("once")
         assert (stats["ready"], stats["consumed"], stats["sampled"]) == (2, 0, 0)
         again = store.sample(spec, hold=True, owner="me")

@@ -253,7 +253,7 @@ class _Window:
                 self.sent -= 1
                 self.client.sending(self.sent)
                 with contextlib.suppress(StoreError):
-                    self.store.nack(batch.lease_id, self.spec.table, self.owner)
+                    self.store.give_back(batch.lease_id, self.spec.table, self.owner)
             raise
 
     def _collect(self) -> None:
@@ -360,4 +360,4 @@ class _Window:
                 self.store.confirm(batch.lease_id, self.spec, self.owner)
             else:  # stopped, cancelled or broken before the client had it
                 with contextlib.suppress(StoreError):  # acked meanwhile, or the table was dropped
-                    self.store.nack(batch.lease_id, self.spec.table, self.owner)
+                    self.store.give_back(batch.lease_id, self.spec.table, self.owner)

@@ -36,6 +36,10 @@ class SamplingCalls:
         """Return the groups of a lease to the buffer; returns the experiences requeued."""
         return self.sampling.nack(lease_id, table, owner)
 
+    def give_back(self, lease_id: str, table: str, owner: str = "") -> int:
+        """A stream's held batch its client did not confirm goes back, uncounted (Sampling.give_back)."""
+        return self.sampling.give_back(lease_id, table, owner)
+
     def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
         """A stream's held batch that its client has, delivered as the stream asked (tables/leases.py)."""
         return self.sampling.confirm(lease_id, spec, owner)

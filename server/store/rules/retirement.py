@@ -119,7 +119,7 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
             raise GroupIncomplete(
                 f"group {clip(gkey)} is {grp.state}: only a complete group (ready or leased) retires as trained"
             )
-        if grp.state == LEASED:
+        if grp.state == LEASED and grp.lease:  # a replayed group cooling down is leased to no one
             raw = tt.txn.get(grp.lease.encode(), db=tt.db["leases"])
             if raw is not None and Lease.decode(raw).owner != owner:
                 raise Forbidden(f"group {clip(gkey)} is leased with another token")

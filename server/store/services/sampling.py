@@ -217,6 +217,13 @@ class Sampling:
             lambda txn: self.leases.end(txn, lease_id, requeue=True, table=table, owner=owner)
         )
 
+    def give_back(self, lease_id: str, table: str, owner: str = "") -> int:
+        """A stream's held batch that its client did not confirm goes back to the buffer,
+        uncounted as sampled (Leases.end); returns the experiences requeued."""
+        return self.environment.submit(
+            lambda txn: self.leases.end(txn, lease_id, requeue=True, unsent=True, table=table, owner=owner)
+        )
+
     def confirm(self, lease_id: str, spec: SampleSpec, owner: str = "") -> int:
         """A stream's held batch that its client has (Leases.confirm); returns its experiences."""
         return self.environment.submit(lambda txn: self.leases.confirm(txn, lease_id, spec, owner, self.rng))

@@ -9,8 +9,9 @@ A leased batch's groups are LEASED and name their lease; the lease is a record u
 - confirmed (`confirm`): as the stream asked, consumed, its clock started, or its replay counted;
 - renewed (`renew`): it now ends that long from now (a held one's clock starts);
 - ended (`end`): by an ack (consumed), a nack or its expiry (back to the buffer, counted as
-  sampled), or at the next start for a hold whose stream is gone (`release_holds`: back,
-  uncounted). Groups no longer under the lease (deleted meanwhile) are left alone.
+  sampled), by its stream for a batch its client did not confirm, or at the next start for a
+  hold whose stream is gone (`release_holds`): back, uncounted. Groups no longer under the
+  lease (deleted meanwhile) are left alone.
 
 A caller's request names its table and token: a lease of another table is not found, and one
 taken with another token is refused (`checked`). Every step runs in the writer's transaction
@@ -37,7 +38,7 @@ from .catalog import TableCatalog
 
 
 def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
-    raw = txn.get(lease_id.encode(), db=db) if len(lease_id) <= 64 else None
+    raw = txn.get(lease_id.encode(), db=db) if 0 < len(lease_id) <= 64 else None
     return None if raw is None else Lease.decode(raw)
 
 
@@ -125,12 +126,16 @@ class Leases:
         lease_id: str,
         *,
         requeue: bool,
+        unsent: bool = False,
         expired: bool = False,
         table: str | None = None,
         owner: str = "",
     ) -> int:
         """End a lease: its groups consumed (an ack), or back to the buffer (`requeue`: a nack,
-        its expiry, a hold released); returns the experiences."""
+        its expiry, a hold released); returns the experiences. `unsent`: a Sample stream gives
+        back a batch its client did not confirm (or a start, one held by an earlier run), which
+        then goes back uncounted as sampled while it is held; a client's nack counts it, as the
+        client has it (its confirmation may not have been delivered yet)."""
         lease = self.checked(txn, lease_id, table, owner)
         txn.delete(lease_id.encode(), db=self.db["leases"])
         if lease.expires is not None:
@@ -138,7 +143,8 @@ class Leases:
         tt = self.catalog.state_of(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
-        count = _groups_back(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and lease.expires is None)
+        held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
+        count = _groups_back(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1
         tt.save()
@@ -148,7 +154,7 @@ class Leases:
         """Every batch held for a stream of an earlier run of the server goes back; the streams
         that held them are gone. Returns the experiences requeued."""
         holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
-        return sum(self.end(txn, lease_id, requeue=True) for lease_id in holds)
+        return sum(self.end(txn, lease_id, requeue=True, unsent=True) for lease_id in holds)
 
     def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
         if lease.expires is not None:
