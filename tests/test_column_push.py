@@ -18,7 +18,7 @@ from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.client.trxp import column_wire
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.rpc.ingest import Ingest, entries_of
+from expbuf.server.rpc.ingest import Ingest, entries_of, metadata_limit
 from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import Servers
@@ -320,6 +320,33 @@ def test_a_batch_of_many_tiny_experiences_is_refused_before_it_is_held() -> None
     # Just inside the bound, each is made, checked and packed as the one before is let go.
     body = tiny(2_000, tokens=40)
     assert len(entries_of(body)) == 2_000
+
+
+def infos(*texts: bytes) -> bytes:
+    """A batch of experiences of 4 tokens, one `info` (JSON) each."""
+    count = len(texts)
+    message = pb.ColumnBatch(batches=["0"] * count, tasks=["0"] * count, runs=range(count), steps=[0] * count)
+    message.suffixes.extend(["s"] * count)
+    message.int_batches = message.int_tasks = True
+    message.columns.add(name="tokens", dtype="U8", items=range(count), ndim=1, shapes=[4] * count)
+    message.columns.add(name="info", dtype="U8", items=range(count), ndim=1, shapes=[len(text) for text in texts])
+    return raw(message, [b"\1\2\3\4" * count, b"".join(texts)])
+
+
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_every_experience_of_a_batch_has_its_metadata_checked_whatever_came_before(at: int) -> None:
+    """The metadata of each experience made from columns is measured whole (its depth, its bytes
+    written out): each is made, checked and let go in turn, and the next one's containers, at the
+    addresses the last one's held, are not taken for those already measured (an info nested 40
+    deep as a batch's third experience was stored, and then broke every read of it)."""
+    small = b'{"x":{"y":1}}'
+    deep = b'{"a":' + b"[" * 40 + b"]" * 40 + b"}"
+    big = b'{"a":{"b":"' + b"x" * 300_000 + b'"}}'
+    with pytest.raises(InvalidPayload, match=f"item {at} .*: field 'info': nested deeper than 32 levels"):
+        entries_of(infos(*[small] * at, deep, small))
+    with pytest.raises(InvalidPayload, match=f"item {at} .*more than max_metadata_bytes"):
+        entries_of(infos(*[small] * at, big, small), metadata_limit(256 << 10))
+    assert len(entries_of(infos(*[small] * (at + 2)), metadata_limit(256 << 10))) == at + 2
 
 
 def test_the_builder_refuses_what_it_cannot_lay_out() -> None:
