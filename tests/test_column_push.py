@@ -16,7 +16,7 @@ import torch
 from expbuf.client import BufferClient, BufferError, ColumnBatch, trxp
 from expbuf.client.schema.experience import EID, Experience
 from expbuf.client.shards.blocking import ShardedBufferClient
-from expbuf.client.trxp import column_wire
+from expbuf.client.trxp import column_push, column_wire
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.server.rpc.ingest import Ingest, entries_of, metadata_limit
 from expbuf.server.store.schema.errors import InvalidPayload
@@ -305,18 +305,22 @@ def tiny(count: int, tokens: int = 1) -> bytes:
     return raw(message, [b"\1" * (count * tokens), b"\0" * (8 * count)])
 
 
-def test_a_batch_of_many_tiny_experiences_is_refused_before_it_is_held() -> None:
-    """13 bytes an experience on the wire would expand to about 1.5 KB each in objects: refused by
-    the expansion bound from its counts alone, nothing made."""
-    body = tiny(200_000)
+def refused_holding_less_than_it(body: bytes) -> None:
+    """`body` is refused by the expansion bound before its message is read, held memory less than it."""
     tracemalloc.start()
     try:
-        with pytest.raises(InvalidPayload, match="take at least 389 bytes of metadata each written out"):
+        with pytest.raises(InvalidPayload, match="names more experiences, columns or keys than a payload of"):
             entries_of(body)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < len(body), (peak, len(body))
+
+
+def test_a_batch_of_many_tiny_experiences_is_refused_before_it_is_held() -> None:
+    """13 bytes an experience on the wire would expand to about 1.5 KB each in objects: refused by
+    the expansion bound from its counts alone, nothing made."""
+    refused_holding_less_than_it(tiny(200_000))
     # Just inside the bound, each is made, checked and packed as the one before is let go.
     body = tiny(2_000, tokens=40)
     assert len(entries_of(body)) == 2_000
@@ -347,6 +351,16 @@ def test_every_experience_of_a_batch_has_its_metadata_checked_whatever_came_befo
     with pytest.raises(InvalidPayload, match=f"item {at} .*more than max_metadata_bytes"):
         entries_of(infos(*[small] * at, big, small), metadata_limit(256 << 10))
     assert len(entries_of(infos(*[small] * (at + 2)), metadata_limit(256 << 10))) == at + 2
+
+
+@pytest.mark.parametrize(("entry", "framed"), [("columns", b"\x42\x00"), ("keys", b"\x4a\x01k")])
+def test_a_batch_naming_many_columns_or_keys_is_refused_before_they_are_read(entry: str, framed: bytes) -> None:
+    """An empty column is two bytes on the wire and about a KiB once protobuf and the server have
+    read it (a push of 5 million took 4.2 GB): a batch naming more than its payload may expand to
+    is refused before its message is parsed, holding no more than the payload."""
+    message, values = good()
+    written = message.SerializeToString() + framed * 400_000
+    refused_holding_less_than_it(column_push.HEAD.pack(column_push.MAGIC, len(written)) + written + b"".join(values))
 
 
 def test_the_builder_refuses_what_it_cannot_lay_out() -> None:

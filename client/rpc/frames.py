@@ -12,20 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..trxp.varints import write as varint
+
 Bytes = bytes | bytearray | memoryview
 _LENGTH_DELIMITED = 2
-
-
-def varint(value: int) -> bytes:
-    """`value` (0 to 2**64 - 1) in protobuf's base-128 varint."""
-    if not 0 <= value < 1 << 64:
-        raise ValueError(f"a varint holds 0 to 2**64 - 1, not {value}")
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _field(number: int, data: Bytes) -> list[Bytes]:

@@ -30,6 +30,7 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..errors import DataLossError
+from ..trxp.varints import read as _varint
 
 SAMPLE_METHOD = "/expbuf.v1.ExperienceBuffer/Sample"
 # The calls of one request answered by a stream of SampleReply, one reply in one message or in
@@ -53,20 +54,6 @@ class SampleReplyParts(NamedTuple):
     rest: pb.SampleReply
     part: memoryview | None = None
     values: tuple[memoryview, ...] | None = None
-
-
-def _varint(raw: bytes | memoryview, at: int) -> tuple[int, int] | None:
-    """The varint at `at` and where it ends, or None where raw ends first."""
-    value = 0
-    for shift in range(0, 64, 7):
-        if at >= len(raw):
-            return None
-        byte = raw[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-    return None
 
 
 def read_sample_reply(raw: bytes | memoryview) -> SampleReplyParts:

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .checks import show
-from .column_push import HEAD, MAGIC, PushedColumn, column_head, column_items
+from .column_push import HEAD, MAGIC, PushedColumn, check_entries, column_head, column_items
 from .common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
 from .stream import Head
 
@@ -53,6 +53,7 @@ def read(payload: bytes | bytearray | memoryview) -> ColumnPayload:
         raise TrxpError(f"bad magic {bytes(magic)!r}: not a column batch")
     if length > len(view) - HEAD.size:
         raise TrxpError(f"the column batch's message of {length} bytes runs past the {len(view)}-byte payload")
+    check_entries(view[HEAD.size : HEAD.size + length], len(view))  # before protobuf makes anything of them
     message = pb.ColumnBatch()
     try:
         message.ParseFromString(bytes(view[HEAD.size : HEAD.size + length]))  # the message alone: no values

@@ -50,6 +50,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from expbuf.client.schema.reasons import Reason
+from expbuf.client.trxp import varints
 
 from ..store import Entry
 from ..store.schema.errors import StoreError
@@ -95,16 +96,10 @@ class Refusal(Exception):
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("PushRequest: a truncated or overlong varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
+    read = varints.read(data, pos)
+    if read is None:
+        raise ValueError("PushRequest: a truncated or overlong varint")
+    return read
 
 
 def read_push_request(data: bytes) -> PushMessage:
