@@ -154,7 +154,11 @@ def test_claims_are_bound_to_the_token_that_took_them(start_server: Servers) -> 
             b.renew_claims([prompt], 60)
         with pytest.raises(PermissionDeniedError):
             b.create_dataset("t", "other", 2)  # admin scope
-        assert a.release_claims([prompt]) == 1
+        a.push([Experience(eid=prompt.eid(0), tokens=list(range(4)), prompt_length=2, reward=1.0)], table="t")
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            b.seal(prompt.eid(0).tid, table="t")  # the group of a's claim: only a completes it
+        assert a.stats("t")["t"].groups_pending == 1
+        assert a.seal(prompt.eid(0).tid, table="t") == 1
 
 
 def test_the_async_client_claims_too(server: ExpbufServer, client: BufferClient) -> None:

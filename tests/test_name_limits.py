@@ -11,13 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from expbuf.client import AsyncBufferClient, BufferClient, trxp
+from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, Prompt, trxp
 from expbuf.client.rpc import calls, value_calls
-from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, in_parts
+from expbuf.client.schema.call_limits import MAX_GET_UIDS, MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, MAX_REWARDS, in_parts
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
+from conftest import Servers
 from helpers import group_items, scrape
 
 
@@ -110,6 +111,9 @@ def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
 def test_the_wire_contract_states_the_limits_the_server_keeps() -> None:
     proto = (Path(__file__).resolve().parent.parent / "proto/expbuf/v1/buffer.proto").read_text()
     for method, most in (
+        ("Get", MAX_GET_UIDS),
+        ("GetValues", MAX_KEYS_PER_CALL),
+        ("ReportPrompts", MAX_REWARDS),
         ("Delete", MAX_NAMES_PER_CALL),
         ("Retire", MAX_NAMES_PER_CALL),
         ("FailRuns", MAX_NAMES_PER_CALL),
@@ -119,3 +123,53 @@ def test_the_wire_contract_states_the_limits_the_server_keeps() -> None:
         above = proto[: proto.index(f"  rpc {method}(")].splitlines()
         comment = list(itertools.takewhile(lambda line: line.startswith("  //"), reversed(above)))
         assert f"{most:,}" in " ".join(comment), method
+
+
+def test_reads_that_name_what_they_read_name_each_once_and_within_bounds(start_server: Servers) -> None:
+    """A Get or a GetValues names each uid or key once (twice, it was read and sent twice: a Get
+    of 3.8 KB naming one experience 2,000 times grew the server 12 GB) and at most so many; a Get
+    whose experiences pass one message is refused before its payload is made; a ListPrompts names
+    each state at most once, a ReportPrompts at most MAX_REWARDS rewards a prompt."""
+    server = start_server(max_message_bytes=1 << 20)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target) as client, grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        client.create_table("t", group_size=1, group_by="run", estimator="none")
+        pushed = [item for task in range(3) for item in group_items(0, task, 1, response=40_000)]  # 360 KB each
+        for item in pushed:
+            client.push(trxp.build([item]), table="t")
+        uids = [item.uid for item in pushed]
+        client.put_values(["a"], [b"x"], table="t")
+        refused = (
+            ("Get", pb.GetRequest(table="t", uids=[uids[0]] * 2), "INVALID_ARGUMENT", "is named more than once"),
+            (
+                "Get",
+                pb.GetRequest(table="t", uids=[f"u{i}" for i in range(MAX_GET_UIDS + 1)]),
+                "INVALID_ARGUMENT",
+                f"uids names {MAX_GET_UIDS + 1}; a Get names at most {MAX_GET_UIDS}",
+            ),
+            ("Get", pb.GetRequest(table="t", uids=uids), "RESOURCE_EXHAUSTED", "more than one message"),
+            ("GetValues", pb.GetValuesRequest(table="t", keys=["a", "a"]), "INVALID_ARGUMENT", "named more than once"),
+            (
+                "GetValues",
+                pb.GetValuesRequest(table="t", keys=[f"k{i}" for i in range(MAX_KEYS_PER_CALL + 1)]),
+                "INVALID_ARGUMENT",
+                f"keys names {MAX_KEYS_PER_CALL + 1}",
+            ),
+            (
+                "ListPrompts",
+                pb.ListPromptsRequest(table="t", dataset="d", states=["pending"] * 6),
+                "INVALID_ARGUMENT",
+                "states names 6; a ListPrompts names at most 5",
+            ),
+        )
+        for method, request, code, named in refused:
+            with pytest.raises(grpc.RpcError) as error:
+                getattr(stub, method)(request, timeout=30)
+            assert error.value.code().name == code, method
+            assert named in error.value.details(), (method, error.value.details())
+        reply = stub.Get(pb.GetRequest(table="t", uids=uids[:2]), timeout=30)  # within a message, as ever
+        assert [e.eid.uid for e in trxp.decode_reply(reply.payload)] == uids[:2]
+        assert len(client.get(uids, table="t")) == 3  # the clients read with ReadFields, in parts
+        with pytest.raises(InvalidArgumentError, match=f"a prompt's rewards names {MAX_REWARDS + 1}"):
+            client.report_prompts([(Prompt("d", 0, 0, 0, "d/0", "0", 0.0, table="t"), [1.0] * (MAX_REWARDS + 1))])

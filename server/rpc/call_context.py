@@ -137,6 +137,16 @@ def noted(refusal: StoreError, note: str) -> StoreError:
     return type(refusal)(f"{refusal}{note}") if note else refusal
 
 
+def distinct(names: list[str], what: str = "uids") -> list[str]:
+    """The names a read names, each once: named twice, it would be read (and sent) twice."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidRequest(f"{what}: {clip(name)!r} is named more than once")
+        seen.add(name)
+    return names
+
+
 def ids_of(values: Iterable[str], what: str) -> list[str]:
     """Uids or group ids of a request: each non-empty and no longer than a stored one can be."""
     ids = list(values)

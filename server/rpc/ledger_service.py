@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import grpc
 
+from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
@@ -19,7 +20,7 @@ from ..store.ledger.prompt_stats import PromptStats
 from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
 from ..store.ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
 from ..store.ledger.states import PROMPT_STATES
-from ..store.schema.errors import InvalidRequest, TooLarge, clip
+from ..store.schema.errors import InvalidRequest, TooLarge, check_count, clip
 from ..store.services.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, check_refs, shown_owner
 from .call_context import MIN_REPLY_BYTES, refusals, remaining
 
@@ -234,6 +235,8 @@ class LedgerCalls:
     @refusals
     def ReportPrompts(self, request: pb.ReportPromptsRequest, context: grpc.ServicerContext) -> pb.ReportPromptsReply:
         check_refs(request.outcomes, "ReportPrompts")  # before the outcomes are read
+        for outcome in request.outcomes:
+            check_count(outcome.rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
         outcomes = [(o.prompt.epoch, o.prompt.index, o.prompt.attempt, list(o.rewards)) for o in request.outcomes]
         reported = self.store.report_prompts(
             request.table or "default", request.dataset, outcomes, holder=self._owner(context)
@@ -242,6 +245,7 @@ class LedgerCalls:
 
     @refusals
     def ListPrompts(self, request: pb.ListPromptsRequest, context: grpc.ServicerContext) -> pb.ListPromptsReply:
+        check_count(request.states, "states", "ListPrompts", len(PROMPT_STATES))  # before they are read
         unknown = [state for state in request.states if state not in PROMPT_STATES]
         if unknown:
             raise InvalidRequest(f"states: {unknown[:4]!r}; expected some of {', '.join(PROMPT_STATES)}")

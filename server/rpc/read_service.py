@@ -10,15 +10,16 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
+from expbuf.client.schema.call_limits import MAX_GET_UIDS
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
-from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, clip
+from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_count, clip
 from ..store.schema.sample_spec import check_fields
 from ..store.schema.states import LIVE
-from .call_context import MIN_REPLY_BYTES, ids_of, refusals
+from .call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
 from .interceptor import refuse
 from .replies import ReplyTooLarge, fields_reply, payload_reply
 
@@ -47,7 +48,11 @@ class ReadCalls:
 
     @refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        payload, missing = self.store.get_payload(request.table or "default", ids_of(request.uids, "uids"))
+        """The named experiences as one TRXP payload, within one message (ReadFields reads in parts)."""
+        check_count(request.uids, "uids", "Get", MAX_GET_UIDS)  # before they are read
+        uids = distinct(ids_of(request.uids, "uids"))
+        limit = self.max_message_bytes - MIN_REPLY_BYTES
+        payload, missing = self.store.get_payload(request.table or "default", uids, limit)
         return pb.GetReply(payload=payload, missing_uids=missing)
 
     @refusals
@@ -94,12 +99,7 @@ class ReadCalls:
         """Some fields of named experiences as one columnar SampleReply, or without fields the
         experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
-        uids = ids_of(request.uids, "uids")
-        seen: set[str] = set()
-        for uid in uids:
-            if uid in seen:
-                raise InvalidRequest(f"uids: {clip(uid)!r} is named more than once")
-            seen.add(uid)
+        uids = distinct(ids_of(request.uids, "uids"))
         fields = tuple(request.fields)
         try:
             check_fields(fields)

@@ -36,6 +36,7 @@ from .call_context import (
     CALL_TABLE,
     MIN_REPLY_BYTES,
     RefusalLog,
+    distinct,
     ids_of,
     max_wait_note,
     noted,
@@ -313,7 +314,8 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
-        keys = list(request.keys)
+        check_count(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
+        keys = distinct(list(request.keys), "keys")
         found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES)
         return pb.GetValuesReply(
             values=[value for value in found if value is not None],
@@ -337,7 +339,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def Seal(self, request: pb.SealRequest, context: grpc.ServicerContext) -> pb.SealReply:
         (group_id,) = ids_of([request.group_id], "group_id")
-        return pb.SealReply(size=self.store.seal(request.table or "default", group_id))
+        return pb.SealReply(size=self.store.seal(request.table or "default", group_id, self._owner(context)))
 
     @refusals
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:

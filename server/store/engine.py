@@ -399,9 +399,15 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
 
         return self._in_table(table, op)
 
-    def seal(self, table: str, group_id: str) -> int:
-        """Complete a pending group now; returns its size."""
-        return self._in_table(table, lambda tt: groups.seal(tt, group_id))
+    def seal(self, table: str, group_id: str, holder: str = "") -> int:
+        """Complete a pending group now; returns its size. `holder` is who seals (as a push's: only
+        a prompt's claimant completes its group)."""
+
+        def op(tt: TableState) -> int:
+            tt.holder = holder
+            return groups.seal(tt, group_id)
+
+        return self._in_table(table, op)
 
     def stats(self, table: str) -> dict[str, Any]:
         """The table's counters by name (counters.Counters), with the oldest live experience's age."""

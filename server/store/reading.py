@@ -40,9 +40,10 @@ class ReadCalls:
             table, states=states, min_version=min_version, max_version=max_version, after=after, limit=limit
         )
 
-    def get_payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
-        """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload)."""
-        return self.reads.payload(table, uids)
+    def get_payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
+        """A TRXP batch of the servable experiences among uids, and the missing uids (Reads.payload);
+        TooLarge past `limit` bytes."""
+        return self.reads.payload(table, uids, limit)
 
     def get_partials(
         self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False

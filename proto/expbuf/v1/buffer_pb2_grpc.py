@@ -272,7 +272,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Read experiences by uid, as one TRXP payload, naming those not found.
+        """Read experiences by uid, as one TRXP payload, naming those not found: each uid once, at most
+        65,536 of them, within one message (more: RESOURCE_EXHAUSTED; ReadFields reads in parts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -298,7 +299,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Seal(self, request, context):
-        """Complete a pending group now with the runs it has; its advantages are computed over them.
+        """Complete a pending group now with the runs it has; its advantages are computed over them. The
+        group of a claimed prompt is sealed only with the token that claimed it, as it is pushed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -343,7 +345,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetValues(self, request, context):
-        """Keyed values: the values stored under some names, as one message (more is refused).
+        """Keyed values: the values stored under some names, as one message (more is refused), each name
+        once, at most 65,536 a call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -485,6 +488,7 @@ class ExperienceBufferServicer:
     def ReportPrompts(self, request, context):
         """Prompts whose groups were generated and trained outside expbuf (a framework's own queue held
         their runs), with their runs' rewards: each still claimed is trained, its statistics taking them.
+        At most 65,536 rewards a prompt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -341,6 +341,7 @@ def seal(tt: TableState, gkey: str) -> int:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
     if grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
+    tt.extensions.on_push(tt, [gkey])  # a claim's checks: only the prompt's claimant completes its group
     partials.drop_group(tt, gkey)  # its runs still in pieces will not join it
     if grp.members:
         complete(tt, gkey, grp, partial=bool(grp.failed))

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import lmdb
 
+from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..disk.environment import Environment
@@ -203,6 +204,7 @@ class Claims:
         refused by name before the writer is taken."""
         check_refs(outcomes, "ReportPrompts")
         for epoch, index, _, rewards in outcomes:
+            check_count(rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
             if not rewards or not all(math.isfinite(reward) for reward in rewards):
                 raise InvalidRequest(
                     f"prompt {clip(name)}/{epoch}/{index}: rewards are {clip(list(rewards))}; a report gives each"
@@ -221,9 +223,11 @@ class Claims:
     ) -> PromptPage:
         """A page of the dataset's prompts handed out at least once, in (epoch, index) order,
         of the given states (all when empty), reading at most `limit` records."""
+        check_count(states, "states", "ListPrompts", len(PROMPT_STATES))
         unknown = [state for state in states if state not in PROMPT_STATES]
         if unknown:
             raise InvalidRequest(f"states {unknown!r}: expected some of {', '.join(PROMPT_STATES)}")
+        wanted = set(states)
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidRequest(f"limit is {limit}; a page reads 1 to {MAX_PAGE} prompts")
         table_id, _ = self.catalog.lookup(table)
@@ -232,7 +236,7 @@ class Claims:
             if read_dataset(txn, db, table_id, name) is None:
                 raise no_dataset(table, name)
             read = list(read_prompts(txn, db, table_id, name, after, limit))
-            kept = [row for row in read if not states or row[2].state in states]
+            kept = [row for row in read if not wanted or row[2].state in wanted]
             stats = {index: read_stats(txn, db, table_id, name, index) for _, index, _ in kept}
         last = (read[-1][0], read[-1][1]) if read else after
         return PromptPage(kept, last, len(read) < limit, stats)

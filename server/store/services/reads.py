@@ -128,14 +128,16 @@ class Reads:
                 states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
             )  # fmt: skip
 
-    def payload(self, table: str, uids: Sequence[str]) -> tuple[bytes, list[str]]:
+    def payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]:
         """A TRXP batch of the stored experiences among uids (in their order), and the missing
         uids. An experience that cannot be served (read_check.py) is never returned: it is
-        listed as missing, and one whose payload is damaged is quarantined (quarantine.py)."""
+        listed as missing, and one whose payload is damaged is quarantined (quarantine.py).
+        TooLarge as soon as the experiences read pass `limit` bytes, before the batch is made."""
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
         missing: list[str] = []
         damaged: list[str] = []
+        size = 0
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
             rows = BatchRows(txn, self.environment.db["adv"], config, self.finish)
             for uid in uids:
@@ -147,6 +149,12 @@ class Reads:
                 rec = ItemRecord.decode(stored(txn, key, self.environment.db["items"], "experience"))
                 if not _servable(table, "Get", serve_problem(uid, rec, blob), missing, damaged):
                     continue
+                size += rec.size
+                if limit is not None and size > limit:
+                    raise TooLarge(
+                        f"the experiences of {len(uids)} uids take more than {limit} bytes, more than one message: "
+                        "ask for fewer, or read them with ReadFields (the clients' get), which sends them in parts"
+                    )
                 rows.add(key, rec, blob)
             stage = rows.stage(None)  # a Get is not a sample: its clip is not counted
             advantages = rows.advantages if stage is None else stage(rows.advantages)

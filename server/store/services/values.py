@@ -54,6 +54,7 @@ class Values:
     def get(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
         """The value of each key, None for one not stored, from the last commit. TooLarge as soon
         as the values read pass `limit` bytes, before the rest are read."""
+        check_count(keys, "keys", "GetValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         prefix = self._prefix(table)
         db = self.environment.db["kv"]
