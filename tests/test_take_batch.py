@@ -11,10 +11,13 @@ import pytest
 
 from expbuf.server.store import Store
 from expbuf.server.store.disk.records import ItemRecord
+from expbuf.server.store.schema.errors import SpecError
 from expbuf.server.store.schema.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
+from expbuf.server.store.schema.sample_spec import MAX_BATCH, SampleSpec
 from expbuf.server.store.schema.selection import ReadyIndex
 from expbuf.server.store.schema.states import CONSUMED, LEASED
 from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import taking
 
 from helpers import group_items, take
 
@@ -106,3 +109,23 @@ def test_a_tombstone_made_without_decoding_is_the_record_retired() -> None:
     rec.state, rec.retired = CONSUMED, 1_000_123.456789
     assert ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789) == rec.encode()
     assert ItemRecord.decode(ItemRecord.retired_as(raw, CONSUMED, 1_000_123.456789)) == rec
+
+
+def test_a_batch_holds_at_most_max_batch_experiences(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take holds the store's one writer: a batch holds at most MAX_BATCH experiences (a take of
+    a whole table of 300,000 held every push 10 s). A request for more is refused by name, and one
+    whose groups hold more than that before it has as many as it asked for, as it is taken."""
+    with pytest.raises(SpecError, match=f"num_groups is {MAX_BATCH + 1}: a batch holds at most {MAX_BATCH}"):
+        SampleSpec("t", num_groups=MAX_BATCH + 1)
+    with pytest.raises(SpecError, match=f"batch_size is {MAX_BATCH + 1}"):
+        SampleSpec("t", batch_size=MAX_BATCH + 1)
+    monkeypatch.setattr(taking, "MAX_BATCH", 10)
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", group_size=4, estimator="none"))
+        for task in range(5):
+            store.put("t", group_items(1, task, 4))
+        with pytest.raises(SpecError, match="the first 3 of the 5 groups asked for hold 12 experiences"):
+            store.sample(SampleSpec("t", num_groups=5))
+        assert store.stats("t")["ready"] == 20  # nothing taken
+        batch = store.sample(SampleSpec("t", batch_size=10))  # whole groups: 12, the batch it asked for
+        assert batch is not None and len(batch.uids) == 12

@@ -23,6 +23,9 @@ INT64 = (-(2**63), 2**63 - 1)
 # The most batches a stream may have sent and not yet had confirmed: what the server
 # prepares ahead of its client, whatever gRPC's flow-control window would hold.
 MAX_WINDOW = 8
+# The most experiences a batch holds: its take holds the store's one writer, every other tenant's
+# pushes waiting, some 10-35 µs an experience (a take of 300,000 held it 10 s); take several.
+MAX_BATCH = 65_536
 # A columnar request's fields: how many it may name, and how long a name may be (in UTF-8 bytes).
 MAX_FIELDS = 64
 MAX_FIELD_NAME = 128
@@ -93,6 +96,12 @@ class SampleSpec:
             check_count(name, getattr(self, name))
         if (self.num_groups > 0) == (self.batch_size > 0):
             raise SpecError("set exactly one of num_groups or batch_size (> 0)")
+        if max(self.num_groups, self.batch_size) > MAX_BATCH:
+            asked = "num_groups" if self.num_groups else "batch_size"
+            raise SpecError(
+                f"{asked} is {max(self.num_groups, self.batch_size)}: a batch holds at most {MAX_BATCH} experiences "
+                "(its take holds the store's writer); take several batches"
+            )
         if self.order not in ORDERS:
             raise SpecError(f"order is {self.order[:70]!r}; expected one of {', '.join(ORDERS)}")
         if self.delivery not in DELIVERIES:

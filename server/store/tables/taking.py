@@ -33,8 +33,8 @@ from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..rules.table_state import TableState, stored
-from ..schema.errors import SampleLimited
-from ..schema.sample_spec import SampleSpec
+from ..schema.errors import SampleLimited, SpecError
+from ..schema.sample_spec import MAX_BATCH, SampleSpec
 from ..schema.states import CONSUMED, FAILED, LEASED
 
 log = logging.getLogger("expbuf.store")
@@ -146,6 +146,11 @@ def _select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[
             total += len(grp.members)
             if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
                 break
+            if total > MAX_BATCH:
+                raise SpecError(
+                    f"the first {len(chosen)} of the {spec.num_groups} groups asked for hold {total} experiences: a "
+                    f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
+                )
     return chosen, total
 
 
