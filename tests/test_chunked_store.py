@@ -82,6 +82,8 @@ def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
     assert len(heads) == 2 and all(chunked.is_head(head) and len(head) < 8192 for head in heads.values())
     expected = sum(math.ceil(section_bytes(item) / chunked.CHUNK_BYTES) for item in items)
     chunks = rows(store, "chunks")
+    marks = {key: chunks.pop(key) for key in list(chunks) if key[12:] == chunked.OWNER.to_bytes(4, "big")}
+    assert sorted(marks.values()) == sorted(heads)  # each set marked with the key of its experience
     assert len(chunks) == expected > 2 and rows(store, "staged") == {}
     compressed = table.storage.compression == "zstd"
     assert {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC if compressed else chunked.HEAD_MAGIC}
@@ -285,6 +287,30 @@ def format_5(path: Path) -> None:
     env.close()
 
 
+def marked(env: lmdb.Environment, txn: lmdb.Transaction[bytes]) -> list[bytes]:
+    """The keys of the chunk sets' marks (chunked.OWNER)."""
+    with txn.cursor(db=env.open_db(b"chunks", txn=txn)) as cur:
+        return [bytes(key) for key in cur.iternext(values=False) if key[12:] == chunked.OWNER.to_bytes(4, "big")]
+
+
+class Killed(Exception):
+    pass
+
+
+def upgrade_killed_before_its_commit(data: Path) -> None:
+    """An open whose upgrade is killed before its commit leaves the directory as it was: the
+    upgrade is the open's one transaction."""
+    before = (data / "data.mdb").read_bytes()
+
+    def killed_before_the_commit(*args: Any) -> None:
+        migrate.migrate(*args)
+        raise Killed
+
+    with pytest.raises(Killed):
+        Environment(data, migrate=killed_before_the_commit)
+    assert (data / "data.mdb").read_bytes() == before
+
+
 def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_stored_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -296,21 +322,10 @@ def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_st
             push(store, big_group(0))
             push(store, big_group(1))
     format_5(data)
-    before = (data / "data.mdb").read_bytes()
-
-    class Killed(Exception):
-        pass
-
-    def killed_before_the_commit(*args: Any) -> None:
-        migrate.migrate(*args)
-        raise Killed
-
-    with pytest.raises(Killed):
-        Environment(data, migrate=killed_before_the_commit)
-    assert (data / "data.mdb").read_bytes() == before  # the upgrade is the open's one transaction
+    upgrade_killed_before_its_commit(data)
     with Store(data) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"8"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
         assert rows(store, "chunks") == {}
         push(store, big_group(2))  # a new one is stored in chunks
         assert len(rows(store, "chunks")) > 0
@@ -378,3 +393,92 @@ def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
         "does not match its digest" in problem or "bytes, its record says" in problem for problem in store.verify("big")
     )
     assert store.quarantine("big", [key[4:].decode()]) == 1
+    own_set = chunked.read_head(head).set_id.to_bytes(8, "big")  # found by its mark, its head damaged
+    assert own_set not in {chunk[4:12] for chunk in rows(store, "chunks")}
+
+
+@pytest.mark.parametrize("how", ["sampled", "deleted"])
+def test_a_set_number_damaged_into_anothers_leaves_that_experience_whole(store: Store, how: str) -> None:
+    """A head's own digest covers its chunk set (format 9): a set number damaged into another
+    experience's is found by every read, and the damaged experience, quarantined as a sample finds
+    it or deleted, takes none of the other's chunks (it took them all before), and its own with it,
+    found by their mark (the same bytes as the other's: the chunks cannot say whose they are)."""
+    ours, theirs = big_group(0), big_group(1)
+    push(store, ours)
+    push(store, theirs)
+    heads = {bytes(key[4:]).decode(): (key, head) for key, head in rows(store, "blobs").items()}
+    key, head = heads[ours[0].uid]
+    own_set = chunked.read_head(head).set_id
+    damaged = bytearray(head)
+    damaged[4:12] = heads[theirs[0].uid][1][4:12]
+    store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
+    assert not chunked.read_head(bytes(damaged)).intact
+    assert [problem for problem in store.verify("big") if ours[0].uid in problem]
+    if how == "deleted":
+        assert store.delete("big", uids=[ours[0].uid]) == 1
+        got = store.get("big", [item.uid for item in theirs])
+        assert got == {item.uid: trxp.pack_item(item) for item in theirs}
+    else:
+        batch = take(store, "big", num_groups=1, delivery="consume")  # ours fails, theirs is served
+        assert batch is not None
+        served = {item.uid: item for item in trxp.parse(batch.payload)}
+        assert served.keys() == {item.uid for item in theirs}
+        for item in theirs:  # as pushed (the advantages were added since)
+            for name, tensor in item.tensors.items():
+                assert bytes(served[item.uid].tensors[name].data) == bytes(tensor.data)
+        batch.release()
+    assert own_set.to_bytes(8, "big") not in {chunk[4:12] for chunk in rows(store, "chunks")}
+
+
+def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: TableConfig) -> None:
+    """Format 8 took a head's own digest of its bytes after the digest alone: the open brings each
+    head that matches it to format 9's, its set marked with its key, in its one transaction, and
+    leaves a damaged one damaged, unmarked; the directory then reads as if written by format 9, and
+    the damaged experience quarantined leaves its chunks, a stray set, the check says."""
+    data = tmp_path / "data"
+    with Store(data, seed=1) as store:
+        store.create_table(table)
+        push(store, big_group(0))
+        push(store, big_group(1))
+        heads = rows(store, "blobs")
+    damaged = sorted(heads)[0]
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:  # as format 8 left them, unmarked, one damaged since
+        marks = marked(env, txn)
+        for mark in marks:
+            txn.delete(mark, db=env.open_db(b"chunks", txn=txn))
+        for key, head in heads.items():
+            old = bytearray(head)
+            old[12:28] = digests.of(memoryview(head)[28:])
+            if key == damaged:
+                old[-20] ^= 0x01  # in the safetensors header of its prefix
+            txn.put(key, bytes(old), db=env.open_db(b"blobs", txn=txn))
+        txn.put(b"format", b"8", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    upgrade_killed_before_its_commit(data)
+    with Store(data) as store:
+        with store.environment.read() as txn:
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
+        after = rows(store, "blobs")
+        assert {key: chunked.read_head(head).intact for key, head in after.items()} == {
+            key: key != damaged for key in heads
+        }
+        assert all(after[key] == head for key, head in heads.items() if key != damaged)
+        chunks = rows(store, "chunks")
+        assert sorted(chunks[mark] for mark in marks if mark in chunks) == sorted(
+            key for key in heads if key != damaged
+        )
+        uid = bytes(damaged[4:]).decode()
+        assert {uid} == {
+            bad
+            for bad in (item.uid for task in (0, 1) for item in big_group(task))
+            if bad in "".join(store.verify("big"))
+        }
+        own_set = chunked.read_head(after[damaged]).set_id
+        assert store.quarantine("big", [uid]) == 1
+        assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
+        store.environment.submit(lambda txn: chunked.drop_set(txn, store.db, bytes(damaged[:4]), own_set))
+        assert store.verify("big") == []
+        batch = take(store, "big", num_groups=1, delivery="consume")
+        assert batch is not None and uid not in batch.group_ids[0]
+        batch.release()

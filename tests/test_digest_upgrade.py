@@ -58,7 +58,7 @@ def sha256_16(item: trxp.RawItem) -> bytes:
 def test_the_upgrade_digests_every_stored_payload_with_xxh3_and_tombstones_keep_theirs(v3: Path) -> None:
     with Store(v3, clock=lambda: MANIFEST["now"]) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode() == b"8"
+            assert txn.get(b"format", db=store.environment.db["meta"]) == str(layout.FORMAT).encode() == b"9"
         found = records(store)
     stored = {key: (rec, blob) for key, (rec, blob) in found.items() if blob is not None}
     assert len(stored) == sum(len(uids) for uids in MANIFEST["stored"].values())

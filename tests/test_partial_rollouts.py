@@ -247,8 +247,8 @@ def test_a_group_of_rollouts_in_pieces_alone_times_out_and_takes_them(tmp_path: 
         assert store.get_partials("t", ["0/0"]) == (trxp.build([]), [])
 
 
-def test_a_format_7_directory_upgrades_to_8_and_holds_pieces(tmp_path: Path) -> None:
-    """A directory of the format before partial rollouts (no partials database) opens at format 8,
+def test_a_format_7_directory_upgrades_and_holds_pieces(tmp_path: Path) -> None:
+    """A directory of the format before partial rollouts (no partials database) opens at today's format,
     the database created in the open's transaction, and takes pieces."""
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         store.create_table(TableConfig.of("t", estimator="none", group_size=2))
@@ -258,7 +258,7 @@ def test_a_format_7_directory_upgrades_to_8_and_holds_pieces(tmp_path: Path) -> 
             txn.drop(env.open_db(b"partials", txn=txn), delete=True)
     with Store(tmp_path / "data", map_size=1 << 24) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.environment.db["meta"]) == b"8"
+            assert txn.get(b"format", db=store.environment.db["meta"]) == b"9"
         first = trxp.from_experience(split(rollout(), [4, 8])[0])
         assert store.put("t", [first]).partial == [first.uid]
 

@@ -137,7 +137,7 @@ def test_the_upgrade_from_format_3_rewrites_its_tombstones_compact_and_they_are_
     clock = [manifest["now"]]
     with Store(tmp_path, clock=lambda: clock[0]) as store:
         with store.environment.read() as txn:
-            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"8"
+            assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
         for table in manifest["stats"]:
             assert store.verify(table) == [], table
     assert _raw_tombstones(tmp_path, "items") == {}

@@ -5,14 +5,16 @@ An experience whose tensor section is larger than CHUNK_BYTES keeps in `blobs` a
 its section in `chunks`, CHUNK_BYTES a value (the last one shorter), keyed by its table's id,
 the number of its chunk set and each chunk's number. The head is the payload's bytes up to
 its section (the TRXP header, the metadata pickle, the safetensors header) behind a small
-frame: b"TRXO" · chunk set u64 · section length u64 · chunk bytes u32 · chunks u32 · each
-chunk's XXH3-128 digest (16 bytes). A table that compresses (its setting `compression`) keeps
-so every section larger than MIN_COMPRESSED, each chunk a zstd frame of its bytes, compressed
-before the writer takes it, its head's magic b"TRXZ"; the digests stay those of the bytes as
-pushed, checked once decompressed. Read back, a head and its chunks are a
-`pieces.SplitPayload`, the same bytes as the one-item payload stored whole would be, which the
-record's digest is taken over (digests.of): a retried push is a duplicate however its
-experience was stored.
+frame: b"TRXO" · chunk set u64 · the head's own digest · section length u64 · chunk bytes
+u32 · chunks u32 · each chunk's XXH3-128 digest (16 bytes). The head's own digest is of its
+chunk set and of everything after the digest (format 9; format 8's left the set out, and a set
+number damaged into another's took that experience's chunks with it when the damaged one was
+deleted). A table that compresses (its setting `compression`) keeps so every section larger
+than MIN_COMPRESSED, each chunk a zstd frame of its bytes, compressed before the writer takes
+it, its head's magic b"TRXZ"; the digests stay those of the bytes as pushed, checked once
+decompressed. Read back, a head and its chunks are a `pieces.SplitPayload`, the same bytes as
+the one-item payload stored whole would be, which the record's digest is taken over
+(digests.of): a retried push is a duplicate however its experience was stored.
 
 A push in chunks stages its experiences' sections as they arrive (rpc/ingest.py): each chunk
 is written under a set marked in `staged` (`stage`), in the writer's commits; the push's commit
@@ -57,10 +59,14 @@ HEAD_MAGIC = b"TRXO"
 ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
 _MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
 _FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
-_DIGESTED = 4 + 8 + 16  # where the bytes the head's own digest is of begin: its section length on
+_SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
+_DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _NEXT_SET = b"next_chunk_set"  # in meta: the number the next chunk set takes
+# The number under which a stored set keeps the key of the experience it holds the data of (the
+# last of its set): a damaged head's own set is found by it, whatever its damage (`delete`).
+OWNER = 0xFFFFFFFF
 DIGEST_BYTES = 16
 T = TypeVar("T")
 
@@ -214,8 +220,26 @@ def read_head(value: Bytes) -> Head:
     if magic not in _MAGICS or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
         raise ValueError("a head of a section stored in chunks whose frame is damaged")
     found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
-    intact = digests.of(view[_DIGESTED:]) == own
+    intact = _own_digest(view) == own
     return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
+
+
+def _own_digest(head: memoryview) -> bytes:
+    """The digest a head keeps of itself: of its chunk set and of its bytes after the digest."""
+    hasher = digests.running()
+    hasher.update(head[_SET])
+    hasher.update(head[_DIGESTED:])
+    return hasher.digest()
+
+
+def resealed(value: Bytes) -> bytes | None:
+    """A head as format 8 wrote it (its own digest of its bytes after the digest alone) with its
+    own digest taken again, of its chunk set too; None for any other value, and for a head that
+    does not match its format 8 digest (damaged: left as it is, for the read check to find)."""
+    view = memoryview(value)
+    if len(view) < _FRAME.size or not is_head(view) or digests.of(view[_DIGESTED:]) != view[12:_DIGESTED]:
+        return None
+    return b"".join([view[:12], _own_digest(view), view[_DIGESTED:]])
 
 
 def pack_head(
@@ -225,10 +249,11 @@ def pack_head(
     them, `compressed`): its frame, its chunks' digests and the payload's bytes before the
     section, under a digest of its own, so a read of some of its chunks (some fields: Deferred)
     trusts the head it finds them by."""
-    digested = b"".join([struct.pack("<QII", section_len, CHUNK_BYTES, len(chunk_digests)), *chunk_digests, *prefix])
     magic = ZSTD_MAGIC if compressed else HEAD_MAGIC
-    frame = _FRAME.pack(magic, set_id, digests.of(digested), section_len, CHUNK_BYTES, len(chunk_digests))
-    return frame + digested[struct.calcsize("<QII") :]
+    frame = _FRAME.pack(magic, set_id, bytes(DIGEST_BYTES), section_len, CHUNK_BYTES, len(chunk_digests))
+    head = bytearray(b"".join([frame, *chunk_digests, *prefix]))
+    head[12:_DIGESTED] = _own_digest(memoryview(head))
+    return bytes(head)
 
 
 def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
@@ -273,6 +298,7 @@ def stored_value(
                 f"the data of experience {clip(bytes(key[4:]).decode())} staged as its push arrived is gone: its "
                 "table was dropped (and made again) while the push was read; push it again"
             )
+        own(txn, dbs, key, set_id)
         return blob
     view = memoryview(blob)
     start = section_at(view) if len(blob) > CHUNK_BYTES else len(blob)  # a small one's section is not read
@@ -284,7 +310,27 @@ def stored_value(
     for index, chunk in enumerate(cut(section)):
         txn.put(chunk_key(bytes(key[:4]), set_id, index), chunk, db=dbs["chunks"])
         found.append(digests.of(chunk))
+    own(txn, dbs, key, set_id)
     return pack_head(set_id, len(section), found, [view[:start]])
+
+
+def own(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, set_id: int) -> None:
+    """Mark a chunk set as the data of the experience stored under `key`."""
+    txn.put(chunk_key(bytes(key[:4]), set_id, OWNER), bytes(key), db=dbs["chunks"])
+
+
+def _sets_of(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes) -> list[int]:
+    """The chunk sets marked as the data of the experience under `key`: a walk over its table's
+    sets, a seek or two each, for a head that cannot be trusted to name its own (damaged, rare)."""
+    prefix, found = bytes(key[:4]), []
+    with txn.cursor(db=dbs["chunks"]) as cur:
+        present = cur.set_range(prefix)
+        while present and bytes(cur.key()[:4]) == prefix:
+            set_id = _U64.unpack(cur.key()[4:12])[0]
+            if cur.set_key(chunk_key(prefix, set_id, OWNER)) and bytes(cur.value()) == bytes(key):
+                found.append(set_id)
+            present = cur.set_range(set_prefix(prefix, set_id + 1))
+    return found
 
 
 def cut(section: memoryview) -> list[Bytes]:
@@ -675,11 +721,12 @@ def delete(
     sizes: Sequence[int] | None = None,
 ) -> None:
     """Delete stored payloads (absent ones are no error), the chunk sets of those stored in chunks
-    and their references to shared prompts: with their sizes (the records'), only one that may be
-    either is looked at (larger than CHUNK_BYTES; larger than MIN_COMPRESSED, in a table that holds
-    any chunk; or of at least shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so
-    that a consume of small experiences reads none, and one of experiences of up to 4 MiB in a
-    table that holds no chunk none either."""
+    (the one an intact head names; a damaged one's, the set marked with its key) and their
+    references to shared prompts: with their sizes (the records'), only one that may be either is
+    looked at (larger than CHUNK_BYTES; larger than MIN_COMPRESSED, in a table that holds any
+    chunk; or of at least shared_prompts.MIN_BYTES, in a table that keeps shared prompts), so that
+    a consume of small experiences reads none, and one of experiences of up to 4 MiB in a table
+    that holds no chunk none either."""
     blobs = dbs["blobs"]
     chunking: dict[bytes, bool] = {}  # by table prefix: whether the table holds any chunk
     sharing: dict[bytes, bool] = {}  # ... and any shared prompt
@@ -698,11 +745,12 @@ def delete(
             value = txn.get(key, db=blobs)
             if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
                 shared_prompts.release(txn, dbs, key, value)
-            elif value is not None and len(value) >= _FRAME.size and is_head(value):
-                try:
-                    set_id = read_head(value).set_id
-                except (ValueError, struct.error):
-                    set_id = None
-                if set_id is not None:
-                    drop_set(txn, dbs, bytes(key[:4]), set_id)
+            elif value is not None and (head := _intact_head(value)) is not None:
+                drop_set(txn, dbs, prefix, head.set_id)
+            elif value is not None and (is_head(value) or sizes is None or len(value) != sizes[at]):
+                # A damaged head (or one whose magic is damaged: not as long as its record says, or
+                # quarantined) may name another experience's set: its own is the one marked with its
+                # key (the chunks' bytes cannot say: two experiences may hold the same).
+                for set_id in _sets_of(txn, dbs, key):
+                    drop_set(txn, dbs, prefix, set_id)
         txn.delete(key, db=blobs)

@@ -49,8 +49,9 @@ from ..schema.ready_indexes import u64
 # ledger_records.py); 6 stores a tensor section larger than chunked.CHUNK_BYTES in chunks (the
 # chunks and staged databases); 7 stores a prompt its runs share once (the shared and shared_refs
 # databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
-# rollouts' pieces (partials, rules/partials.py). See migrate.py.
-FORMAT = 8
+# rollouts' pieces (partials, rules/partials.py); 9 takes a chunked payload's head's own digest over
+# its chunk set too (chunked.py). See migrate.py.
+FORMAT = 9
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (
     *DIRECTORY, "items", "blobs", "adv", "groups", "order", "pending", "compute", "retired", "counters", "cooling",

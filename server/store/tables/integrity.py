@@ -224,18 +224,23 @@ def verify(tt: TableState) -> list[str]:
 
 def _check_chunk_sets(tt: TableState) -> list[str]:
     """Every chunk set is a stored payload's (its head names it) or a push's that is staging it
-    (one that a stop cut short is dropped by the next start)."""
+    (one that a stop cut short is dropped by the next start), and a set an intact head names is
+    marked with that head's key (chunked.OWNER)."""
     p = tt.prefix
     named: set[int] = set()
     staged: set[int] = set()
     found: set[int] = set()
+    unmarked = 0
     with tt.txn.cursor(db=tt.db["blobs"]) as cur:
         present = cur.set_range(p)
         while present and cur.key().startswith(p):
             value = cur.value()
             if chunked.is_head(value):
                 with contextlib.suppress(_DAMAGE):  # a damaged head: the payload's own check says so
-                    named.add(chunked.read_head(value).set_id)
+                    head = chunked.read_head(value)
+                    named.add(head.set_id)
+                    mark = tt.txn.get(chunked.chunk_key(p, head.set_id, chunked.OWNER), db=tt.db["chunks"])
+                    unmarked += head.intact and mark != cur.key()
             present = cur.next()
     for db, into in (("staged", staged), ("chunks", found)):
         with tt.txn.cursor(db=tt.db[db]) as cur:
@@ -244,7 +249,8 @@ def _check_chunk_sets(tt: TableState) -> list[str]:
                 into.add(int.from_bytes(cur.key()[4:12], "big"))
                 present = cur.next()
     strays = found - named - staged
-    return [f"{len(strays)} chunk set(s) belong to no stored payload and to no push"] if strays else []
+    problems = [f"{len(strays)} chunk set(s) belong to no stored payload and to no push"] if strays else []
+    return problems + ([f"{unmarked} chunk set(s) are not marked as their experience's"] if unmarked else [])
 
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
