@@ -330,9 +330,10 @@ class _Window:
         comes; False if the client never will (as ClientSide.wait_confirmed)."""
         while True:
             self.deliver_confirmed()  # those confirmed by now, the first ones perhaps before this began
-            if self.client.received >= self.sent:
+            delivered = self.sent - len(self.unconfirmed)  # not `received`: one may have come since
+            if delivered >= self.sent:
                 return True
-            if not self.client.wait_confirmed(self.client.received + 1, self.due):
+            if not self.client.wait_confirmed(delivered + 1, self.due):
                 return False
 
     def deliver_confirmed(self) -> None:
