@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-inflight-bytes",
         type=int,
-        help="payload bytes pushes in progress may hold; past it pushes wait, then are refused"
+        help="payload bytes pushes and PutValues in progress may hold; past it they wait, then are refused"
         " (default 1 GiB; env EXPBUF_MAX_INFLIGHT_BYTES)",
     )
     serve.add_argument(

@@ -21,7 +21,7 @@ may also declare tables (created at start, or checked against the stored ones):
     push_min_mb_per_second = 0.1  # a push in chunks slower than this on average is ended
     max_wait_seconds = 600        # the longest a Sample batch, an Admit, a Claim or a push waits
     max_confirm_seconds = 600     # the longest a sent batch waits for its confirmation (default: max_wait_seconds)
-    max_inflight_bytes = 1073741824  # payload bytes pushes in progress may hold; more wait or are refused
+    max_inflight_bytes = 1073741824  # payload bytes pushes and PutValues in progress may hold; more wait or are refused
     max_push_bytes = 17179869184  # the largest push in chunks (a push of large experiences is stored as it comes)
     max_metadata_bytes = 8388608  # an experience's metadata written out; a push with more is refused
     check_at_open = "quick"       # "quick": the directory's structure; "full": every record and digest before serving

@@ -252,6 +252,14 @@ def held_back(stub: pb_grpc.ExperienceBufferStub, parted: list[pb.PushRequest], 
     return stub.PushStream(messages(), timeout=60)
 
 
+def reserved(server: ExpbufServer, size: int) -> None:
+    """Wait until the pushes in progress hold `size` bytes: a push in chunks reserved what it announced."""
+    deadline = time.monotonic() + 30
+    while server.inflight.held != size:
+        assert time.monotonic() < deadline, f"the pushes in progress hold {server.inflight.held} bytes, not {size}"
+        time.sleep(0.02)
+
+
 def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: Servers) -> None:
     """Four pushes in chunks, each announcing more than half of max_inflight_bytes: the first to
     come reserves what it announces, and the others wait, holding nothing, until it is stored."""
@@ -286,10 +294,7 @@ def test_a_push_in_chunks_waits_for_room_then_is_refused_naming_what_it_announce
         stub = pb_grpc.ExperienceBufferStub(channel)
         holding = held_back(stub, chunks(first, 64 << 10), go)
         try:
-            deadline = time.monotonic() + 30
-            while server.inflight.held != len(first):
-                assert time.monotonic() < deadline, "the first push in chunks did not reserve what it announced"
-                time.sleep(0.02)
+            reserved(server, len(first))
             ended = refusal(stub, chunks(second, 64 << 10, seq=7))
         finally:
             go.set()
@@ -335,4 +340,32 @@ def test_a_push_in_chunks_slower_than_push_min_mb_per_second_is_refused_naming_i
     assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, refused.value.details()
     assert "push_min_mb_per_second = 0.001" in refused.value.details(), refused.value.details()
     assert "EXPBUF_PUSH_MIN_MB_PER_SECOND" in refused.value.details()
+    assert held_drops_to_zero(server)
+
+
+def test_a_put_of_keyed_values_waits_for_room_as_a_push_does(start_server: Servers) -> None:
+    """PutValues (TransferQueue's tensors, as large as pushes and from as many writers) is read
+    only while the payloads in progress are below max_inflight_bytes: past it, it waits up to its
+    deadline and is refused naming the setting, nothing stored; once the push holding the room is
+    stored, it is, and what it held is given back."""
+    body = trxp.build(group_items("w", 0, 1, response=150_000))
+    server = start_server(max_inflight_bytes=len(body))  # the push in chunks below holds all of it
+    go = threading.Event()
+    value = bytes(range(256)) * 4096
+    put = pb.PutValuesRequest(keys=["k"], values=[value])
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        holding = held_back(stub, chunks(body, 64 << 10), go)
+        try:
+            reserved(server, len(body))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PutValues(put, timeout=1.5)
+            assert stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).missing_keys == ["k"]
+        finally:
+            go.set()
+        assert [len(reply.stored_uids) for reply in holding] == [1]
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"max_inflight_bytes = {len(body)}" in refused.value.details(), refused.value.details()
+        assert stub.PutValues(put, timeout=30).stored == 1
+        assert list(stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).values) == [value]
     assert held_drops_to_zero(server)

@@ -208,7 +208,7 @@ class InFlight:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return (
-                        f"{what}pushes in progress hold {self._held} bytes of payload, the limit is "
+                        f"{what}pushes and PutValues in progress hold {self._held} bytes of payload, the limit is "
                         f"max_inflight_bytes = {self.limit} (raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the "
                         "config file, or retry later)"
                     )
@@ -261,7 +261,8 @@ def _remaining(context: grpc.ServicerContext) -> float:
 class PushMemory(ServiceInterceptor):
     """Push and PushStream read their messages with read_push_request, once InFlight admits them;
     PushStream puts the chunks of a payload together before the servicer sees it. A message that
-    cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn."""
+    cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn. PutValues
+    is read once admitted too, and its values counted while they are stored."""
 
     def __init__(
         self,
@@ -457,7 +458,35 @@ class PushMemory(ServiceInterceptor):
                 yield from behavior(admitted(requests, context), context)
 
             return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
+        if method == "PutValues" and handler.unary_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._held_values(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         return handler
+
+    def _held_values(self, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        """PutValues read once InFlight admits it, its values counted until they are stored: keyed
+        values (TransferQueue's tensors) come as large as pushes, from as many writers at once."""
+
+        def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            refused = self.inflight.admit(_remaining(context))
+            if refused is not None:
+                refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+            request = next(requests, None)
+            if request is None:
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "PutValues: the call carried no message",
+                    Reason.INVALID_REQUEST,
+                )
+            release = self.inflight.hold(sum(map(len, request.values)))
+            try:
+                return behavior(request, context)
+            finally:
+                release()
+
+        return put_values
 
 
 def _into(message: PushMessage) -> Callable[[int, memoryview], None]:
