@@ -397,6 +397,26 @@ def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
     assert own_set not in {chunk[4:12] for chunk in rows(store, "chunks")}
 
 
+def test_a_quarantined_payload_stored_whole_is_deleted_without_a_walk_over_the_sets(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a damaged head is looked for by its mark: a quarantined payload that its record says is
+    stored whole goes without a walk over the table's chunk sets (with 300,000 sets, half a second
+    a payload in the writer)."""
+    push(store, big_group(0))
+    small = group_items("big", 5, 2, response=100)
+    push(store, small)
+    key, blob = next((key, blob) for key, blob in rows(store, "blobs").items() if key.endswith(small[0].uid.encode()))
+    damaged = bytearray(blob)
+    damaged[-5] ^= 0x01
+    store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
+    walks: list[bytes] = []
+    walk = chunked._sets_of
+    monkeypatch.setattr(chunked, "_sets_of", lambda txn, dbs, key: walks.append(key) or walk(txn, dbs, key))
+    assert store.quarantine("big", [small[0].uid]) == 1
+    assert walks == []
+
+
 @pytest.mark.parametrize("how", ["sampled", "deleted"])
 def test_a_set_number_damaged_into_anothers_leaves_that_experience_whole(store: Store, how: str) -> None:
     """A head's own digest covers its chunk set (format 9): a set number damaged into another
@@ -431,25 +451,33 @@ def test_a_set_number_damaged_into_anothers_leaves_that_experience_whole(store: 
 
 
 def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: TableConfig) -> None:
-    """Format 8 took a head's own digest of its bytes after the digest alone: the open brings each
-    head that matches it to format 9's, its set marked with its key, in its one transaction, and
-    leaves a damaged one damaged, unmarked; the directory then reads as if written by format 9, and
-    the damaged experience quarantined leaves its chunks, a stray set, the check says."""
+    """Format 8 took a head's own digest of its bytes after the digest alone: the open, in its one
+    transaction, brings each head that matches it to format 9's and marks its set with its key. A
+    head damaged since stays damaged, its set marked as its (no other head names it), so its
+    quarantine takes its chunks. A head whose set number was damaged into another's before the
+    upgrade matched format 8's digest, which left the set out: the set goes to the head whose
+    chunks match it, the other head left damaged, so its quarantine takes none of the other's
+    chunks (its own stay, a stray set)."""
     data = tmp_path / "data"
+    other = group_items("big", 2, 2, response=RESPONSE + 4096)  # other bytes than big_group's
     with Store(data, seed=1) as store:
         store.create_table(table)
         push(store, big_group(0))
-        push(store, big_group(1))
+        push(store, other)
         heads = rows(store, "blobs")
-    damaged = sorted(heads)[0]
+    by_uid = {bytes(key[4:]).decode(): key for key in heads}
+    damaged, flipped, victim = by_uid["big/0/0/0/r0s0"], by_uid["big/0/1/0/r1s0"], by_uid[other[0].uid]
+    flipped_set = chunked.read_head(heads[flipped]).set_id
     env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
-    with env.begin(write=True) as txn:  # as format 8 left them, unmarked, one damaged since
+    with env.begin(write=True) as txn:  # as format 8 left them, unmarked, two damaged since
         marks = marked(env, txn)
         for mark in marks:
             txn.delete(mark, db=env.open_db(b"chunks", txn=txn))
         for key, head in heads.items():
             old = bytearray(head)
-            old[12:28] = digests.of(memoryview(head)[28:])
+            if key == flipped:
+                old[4:12] = heads[victim][4:12]
+            old[12:28] = digests.of(memoryview(bytes(old))[28:])
             if key == damaged:
                 old[-20] ^= 0x01  # in the safetensors header of its prefix
             txn.put(key, bytes(old), db=env.open_db(b"blobs", txn=txn))
@@ -460,25 +488,21 @@ def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: 
         with store.environment.read() as txn:
             assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
         after = rows(store, "blobs")
-        assert {key: chunked.read_head(head).intact for key, head in after.items()} == {
-            key: key != damaged for key in heads
-        }
-        assert all(after[key] == head for key, head in heads.items() if key != damaged)
+        intact = {key: chunked.read_head(head).intact for key, head in after.items()}
+        assert intact == {key: key not in (damaged, flipped) for key in heads}
+        assert all(after[key] == head for key, head in heads.items() if intact[key])
         chunks = rows(store, "chunks")
         assert sorted(chunks[mark] for mark in marks if mark in chunks) == sorted(
-            key for key in heads if key != damaged
+            key for key in heads if key != flipped
         )
-        uid = bytes(damaged[4:]).decode()
-        assert {uid} == {
-            bad
-            for bad in (item.uid for task in (0, 1) for item in big_group(task))
-            if bad in "".join(store.verify("big"))
-        }
-        own_set = chunked.read_head(after[damaged]).set_id
-        assert store.quarantine("big", [uid]) == 1
+        uids = [bytes(key[4:]).decode() for key in (damaged, flipped)]
+        problems = "".join(store.verify("big"))
+        assert all(uid in problems for uid in uids)
+        assert store.quarantine("big", uids) == 2
+        assert store.get("big", [item.uid for item in other]) == {item.uid: trxp.pack_item(item) for item in other}
         assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
-        store.environment.submit(lambda txn: chunked.drop_set(txn, store.db, bytes(damaged[:4]), own_set))
+        store.environment.submit(lambda txn: chunked.drop_set(txn, store.db, bytes(flipped[:4]), flipped_set))
         assert store.verify("big") == []
         batch = take(store, "big", num_groups=1, delivery="consume")
-        assert batch is not None and uid not in batch.group_ids[0]
+        assert batch is not None and set(batch.uids) == {item.uid for item in other}
         batch.release()

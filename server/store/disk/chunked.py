@@ -232,14 +232,69 @@ def _own_digest(head: memoryview) -> bytes:
     return hasher.digest()
 
 
-def resealed(value: Bytes) -> bytes | None:
-    """A head as format 8 wrote it (its own digest of its bytes after the digest alone) with its
-    own digest taken again, of its chunk set too; None for any other value, and for a head that
-    does not match its format 8 digest (damaged: left as it is, for the read check to find)."""
+def _format_8(value: Bytes) -> tuple[int, bool] | None:
+    """The chunk set a head as format 8 wrote it names, and whether it matches its format 8 digest
+    (of its bytes after the digest alone); None for a value that is no head, or whose frame does
+    not read."""
     view = memoryview(value)
-    if len(view) < _FRAME.size or not is_head(view) or digests.of(view[_DIGESTED:]) != view[12:_DIGESTED]:
+    if len(view) < _FRAME.size or not is_head(view):
         return None
-    return b"".join([view[:12], _own_digest(view), view[_DIGESTED:]])
+    try:
+        set_id = read_head(view).set_id
+    except (ValueError, struct.error):
+        return None
+    return set_id, digests.of(view[_DIGESTED:]) == view[12:_DIGESTED]
+
+
+def _chunks_match(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Bytes) -> bool:
+    """Whether the chunks of the set a head names are those its digests name, one read at a time."""
+    head = read_head(value)
+    for index, stored in enumerate(_stored_chunks(head, key, reader(txn, dbs))):
+        chunk = head.plain(index, stored)
+        if chunk is None or digests.of(chunk) != head.digests[index]:
+            return False
+    return True
+
+
+def reseal_heads(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
+    """Format 9's step, in the open's transaction: each head of a format 6 to 8 directory gets its
+    own digest over its chunk set too, and its set a mark with its key (`own`). Format 8's digest
+    left the set out, so a head whose set number was damaged into another's still matched it: a
+    set that several heads name goes to the one whose digest matches and whose chunks match its
+    digests, if exactly one does (none otherwise: two heads may name the same bytes), the others
+    left as they are, damaged. A head that does not match its digest is left damaged, its set
+    marked as its where no other head names it; a set without chunks is given to none. Returns
+    how many heads were resealed."""
+    claims: dict[tuple[bytes, int], list[tuple[bytes, bool]]] = {}
+    with txn.cursor(db=dbs["blobs"]) as cur:
+        for key, value in cur:
+            found = _format_8(value)
+            if found is not None:
+                claims.setdefault((bytes(key[:4]), found[0]), []).append((bytes(key), found[1]))
+    resealed = 0
+    head_of = partial(_present, txn, dbs["blobs"])
+    for (prefix, set_id), heads in claims.items():
+        with txn.cursor(db=dbs["chunks"]) as cur:
+            if not (cur.set_range(set_prefix(prefix, set_id)) and cur.key()[:12] == set_prefix(prefix, set_id)):
+                continue
+        if len(heads) > 1:
+            heads = [(key, True) for key, matches in heads if matches and _chunks_match(txn, dbs, key, head_of(key))]
+            if len(heads) != 1:
+                continue
+        ((key, matches),) = heads
+        if matches:
+            view = memoryview(head_of(key))
+            txn.put(key, b"".join([view[:12], _own_digest(view), view[_DIGESTED:]]), db=dbs["blobs"])
+            resealed += 1
+        own(txn, dbs, key, set_id)
+    return resealed
+
+
+def _present(txn: lmdb.Transaction[bytes], db: lmdb._Database, key: bytes) -> bytes:
+    """A value known to be stored."""
+    value = txn.get(key, db=db)
+    assert value is not None, "a value read in this very transaction"
+    return value
 
 
 def pack_head(
@@ -317,6 +372,12 @@ def stored_value(
 def own(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, set_id: int) -> None:
     """Mark a chunk set as the data of the experience stored under `key`."""
     txn.put(chunk_key(bytes(key[:4]), set_id, OWNER), bytes(key), db=dbs["chunks"])
+
+
+def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: Head) -> bool:
+    """Whether the set a head names is marked as the data of the experience under `key`."""
+    mark = txn.get(chunk_key(bytes(key[:4]), head.set_id, OWNER), db=dbs["chunks"])
+    return mark is not None and bytes(mark) == bytes(key)
 
 
 def _sets_of(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes) -> list[int]:
@@ -745,12 +806,12 @@ def delete(
             value = txn.get(key, db=blobs)
             if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
                 shared_prompts.release(txn, dbs, key, value)
-            elif value is not None and (head := _intact_head(value)) is not None:
+            elif value is not None and (head := _intact_head(value)) is not None and _marked(txn, dbs, key, head):
                 drop_set(txn, dbs, prefix, head.set_id)
             elif value is not None and (is_head(value) or sizes is None or len(value) != sizes[at]):
-                # A damaged head (or one whose magic is damaged: not as long as its record says, or
-                # quarantined) may name another experience's set: its own is the one marked with its
-                # key (the chunks' bytes cannot say: two experiences may hold the same).
+                # A damaged head (or one whose magic is damaged: not as long as its record says)
+                # may name another experience's set: its own is the one marked with its key (the
+                # chunks' bytes cannot say: two experiences may hold the same).
                 for set_id in _sets_of(txn, dbs, key):
                     drop_set(txn, dbs, prefix, set_id)
         txn.delete(key, db=blobs)

@@ -48,7 +48,7 @@ def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord, why: str) -> None
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
     log.error("table %s: experience %s quarantined (%s): never served", tt.config.name, uid, why)
     key = tt.key(uid)
-    chunked.delete(tt.txn, tt.db, [key])
+    chunked.delete(tt.txn, tt.db, [key], [rec.size])
     tt.txn.delete(key, db=tt.db["items"])
     rec.state = QUARANTINED
     tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])

@@ -87,7 +87,7 @@ def retire(
             places.append(prefix + u64(seq))
             nbytes += size
             if uid in quarantined:
-                damaged.append(key)
+                damaged.append((key, size))
         tt.move_group(gkey, grp, state)
         if grp.members:
             marks.append((stamp + gkey.encode(), b""))
@@ -95,7 +95,8 @@ def retire(
             tt.forget_group(gkey)
     drop_payloads(tt, keys, sizes, places, nbytes, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
-        chunked.delete(tt.txn, tt.db, sorted(damaged))
+        damaged.sort()
+        chunked.delete(tt.txn, tt.db, [key for key, _ in damaged], [size for _, size in damaged])
     gone = sorted(key for key, _ in tombstones)
     _delete_rows(tt.txn, tt.db["items"], gone)  # the records leave the live ones' pages, which stay dense
     for db, rows in ((tt.db["items"], full), (tt.db["tombs"], tombstones), (tt.db["retired"], marks)):

@@ -18,9 +18,9 @@ and of keyed values (services/values.py), created empty in the same way: a forma
 directory's payloads stay whole, and only pushes from then on share their prompts. Format 8
 adds the database of partial rollouts' pieces (rules/partials.py), created empty as well. Format 9
 takes the own digest of a head of a payload stored in chunks over the number of its chunk set too
-and marks each set with its experience's key (chunked.py): each head of a format 6 to 8 directory
-that matches its old digest gets the new one and its mark (`reseal_heads`), a damaged one is left
-for the read check to find.
+and marks each set with its experience's key (chunked.reseal_heads): each head of a format 6 to 8
+directory that matches its old digest gets the new one and its mark, a damaged one is left for the
+read check to find.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
 table keeps is marked per table (selection.IN_USE, in the counters database); a table without
@@ -77,7 +77,7 @@ def migrate(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, 
         compact_tombstones(txn, dbs)
         ready_while_leased(txn, dbs)
     if 6 <= found <= 8:  # no payload was stored in chunks before format 6
-        reseal_heads(txn, dbs)
+        chunked.reseal_heads(txn, dbs)
     if raw is None or found != layout.FORMAT:
         txn.put(_KEY, str(layout.FORMAT).encode(), db=dbs["meta"])
     keep_indexes(txn, env, dbs)
@@ -175,21 +175,6 @@ def ready_while_leased(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Databa
                 rewritten.append((item, rec.encode()))
     for item, value in rewritten:
         txn.put(item, value, db=dbs["items"])
-
-
-def reseal_heads(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> int:
-    """Format 9's step: every head of a payload stored in chunks that matches its format 8 digest
-    is rewritten with its own digest over its chunk set too (chunked.resealed), at the same size, as
-    the scan passes it, and its set is marked with its key (chunked.own). Returns how many."""
-    count = 0
-    with txn.cursor(db=dbs["blobs"]) as cur:
-        for key, value in cur:
-            head = chunked.resealed(value)
-            if head is not None:
-                cur.put(key, head)
-                chunked.own(txn, dbs, bytes(key), chunked.read_head(head).set_id)
-                count += 1
-    return count
 
 
 def _from_1(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[str, lmdb._Database]) -> None:
