@@ -328,7 +328,7 @@ class AsyncBufferClient(ClientBase):
     ) -> FieldBatch:
         """Some fields of the experiences `uids` as columns, or shares of their tokens, as
         BufferClient.read_fields."""
-        return await self._run(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
+        return await self._run_several(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
     async def read_part(
         self,
@@ -365,7 +365,7 @@ class AsyncBufferClient(ClientBase):
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
-        return await self._run(read_calls.get(uids, table, self.max_message_bytes))
+        return await self._run_several(read_calls.get(uids, table, self.max_message_bytes))
 
     async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
         """As BufferClient.get_partials."""

@@ -343,7 +343,7 @@ class BufferClient(LedgerMethods):
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.
         Read in parts no larger than the client's max_message_bytes, however large they are."""
-        return self._run(read_calls.get(uids, table, self.max_message_bytes))
+        return self._run_several(read_calls.get(uids, table, self.max_message_bytes))
 
     def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
         """The rollouts of these tasks (batch/task) held in pieces, each put together as it stands
@@ -375,7 +375,7 @@ class BufferClient(LedgerMethods):
         first dimension (tokens, routing ids) is cut at those positions, a response field
         (logprobs, action_mask, advantages, ...) at those after the prompt, any other comes whole.
         A large experience's chunks outside the share are not read from disk."""
-        return self._run(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
+        return self._run_several(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
 
     def list_experiences(self, table: str = "default", **filters: Unpack[read_calls.ListFilters]) -> ExperiencePage:
         """A page of the table's live experiences in insertion order, optionally of some states and

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, Prompt, trxp
-from expbuf.client.rpc import calls, value_calls
-from expbuf.client.schema.call_limits import MAX_GET_UIDS, MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, MAX_REWARDS, in_parts
+from expbuf.client.rpc import calls, read_calls, value_calls
+from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL, MAX_READ_UIDS, MAX_REWARDS, in_parts
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
@@ -92,6 +93,40 @@ def test_the_clients_send_any_number_in_calls_of_the_most_each_takes(
     assert asyncio.run(from_asyncio()) == (10, 10)
 
 
+def test_the_clients_read_any_number_in_calls_of_the_most_each_takes(
+    server: ExpbufServer, client: BufferClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get and read_fields name at most MAX_READ_UIDS uids a ReadFields and join the parts' results
+    into what one read of them all gives: the same order, the same columns, the same missing uids."""
+    client.create_table("t", group_size=1, group_by="run", estimator="none")
+    client.push(trxp.build([item for task in range(8) for item in group_items(0, task, 1)]), table="t")
+    uids = [f"0/{task}/0/0/r0s0" for task in (5, 0, 7, 1, 6, 2, 4, 3)] + ["absent"]
+    fields = ["tokens", "reward", "logprobs"]
+    whole, one = client.read_fields(uids, fields, table="t"), client.get([*uids, uids[0]], table="t")
+    monkeypatch.setattr(read_calls, "MAX_READ_UIDS", 3)
+    before = answered(server, "ReadFields")
+    parted = client.read_fields(uids, fields, table="t")  # 3 + 3 + 3
+    assert answered(server, "ReadFields") - before == 3
+    assert (parted.uids, parted.group_ids, parted.missing_uids) == (whole.uids, whole.group_ids, ["absent"])
+    for name in fields:
+        got, want = parted.columns[name], whole.columns[name]
+        assert got.items == want.items and got.shapes == want.shapes, name
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors, strict=True)), name
+    got = client.get([*uids, uids[0]], table="t")  # the duplicate read once, answered twice
+    assert [exp.eid.uid for exp in got] == [exp.eid.uid for exp in one] == [*uids[:-1], uids[0]]
+    assert got.missing_uids == one.missing_uids == ["absent"]
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, one, strict=True))
+    assert answered(server, "ReadFields") - before == 6
+
+    async def from_asyncio() -> tuple[list[str], list[str]]:
+        async with AsyncBufferClient(f"127.0.0.1:{server.port}", timeout=10) as aio:
+            read = await aio.read_fields(uids, ["tokens"], table="t")
+            return read.uids, [exp.eid.uid for exp in await aio.get(uids, table="t")]
+
+    assert asyncio.run(from_asyncio()) == (uids[:-1], uids[:-1])
+    assert answered(server, "ReadFields") - before == 12
+
+
 def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
     client: BufferClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,7 +146,8 @@ def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
 def test_the_wire_contract_states_the_limits_the_server_keeps() -> None:
     proto = (Path(__file__).resolve().parent.parent / "proto/expbuf/v1/buffer.proto").read_text()
     for method, most in (
-        ("Get", MAX_GET_UIDS),
+        ("Get", MAX_READ_UIDS),
+        ("ReadFields", MAX_READ_UIDS),
         ("GetValues", MAX_KEYS_PER_CALL),
         ("ReportPrompts", MAX_REWARDS),
         ("Delete", MAX_NAMES_PER_CALL),
@@ -144,9 +180,9 @@ def test_reads_that_name_what_they_read_name_each_once_and_within_bounds(start_s
             ("Get", pb.GetRequest(table="t", uids=[uids[0]] * 2), "INVALID_ARGUMENT", "is named more than once"),
             (
                 "Get",
-                pb.GetRequest(table="t", uids=[f"u{i}" for i in range(MAX_GET_UIDS + 1)]),
+                pb.GetRequest(table="t", uids=[f"u{i}" for i in range(MAX_READ_UIDS + 1)]),
                 "INVALID_ARGUMENT",
-                f"uids names {MAX_GET_UIDS + 1}; a Get names at most {MAX_GET_UIDS}",
+                f"uids names {MAX_READ_UIDS + 1}; a Get names at most {MAX_READ_UIDS}",
             ),
             ("Get", pb.GetRequest(table="t", uids=uids), "RESOURCE_EXHAUSTED", "more than one message"),
             ("GetValues", pb.GetValuesRequest(table="t", keys=["a", "a"]), "INVALID_ARGUMENT", "named more than once"),
@@ -168,6 +204,10 @@ def test_reads_that_name_what_they_read_name_each_once_and_within_bounds(start_s
                 getattr(stub, method)(request, timeout=30)
             assert error.value.code().name == code, method
             assert named in error.value.details(), (method, error.value.details())
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.ReadFields(pb.ReadFieldsRequest(table="t", uids=[f"u{i}" for i in range(MAX_READ_UIDS + 1)])))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"uids names {MAX_READ_UIDS + 1}; a ReadFields names at most {MAX_READ_UIDS}" in error.value.details()
         reply = stub.Get(pb.GetRequest(table="t", uids=uids[:2]), timeout=30)  # within a message, as ever
         assert [e.eid.uid for e in trxp.decode_reply(reply.payload)] == uids[:2]
         assert len(client.get(uids, table="t")) == 3  # the clients read with ReadFields, in parts

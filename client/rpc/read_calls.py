@@ -4,6 +4,7 @@ rank's part of a leased step, or the experiences whole; Get; ListExperiences), d
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
@@ -12,23 +13,47 @@ import grpc
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .. import trxp
-from ..columns import decode_columns
+from ..columns import decode_columns, join_columns
 from ..errors import DataLossError
 from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
 from ..schema.balance import MAX_RANKS, ModelShape
+from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
 from ..trxp.columns import Shares
-from .calls import Unary
+from .calls import Several, Unary
 from .sample_reply import SampleReplyParts
 
 
 def read_fields(
     uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
-) -> Unary[FieldBatch]:
-    """ReadFields of `uids`, `share` (one share or several, in order) of `of` of their tokens
-    (of=0: whole); a ValueError names a share that is not one."""
-    request = pb.ReadFieldsRequest(table=table, uids=list(uids), fields=list(fields), max_reply_bytes=max_reply_bytes)
-    return _fields_call(request, share, of)
+) -> Several[FieldBatch, FieldBatch]:
+    """ReadFields of `uids`, MAX_READ_UIDS a call, `share` (one share or several, in order) of `of`
+    of their tokens (of=0: whole), joined in order; a ValueError names a share that is not one."""
+    fields = list(fields)
+    calls = [
+        _fields_call(
+            pb.ReadFieldsRequest(table=table, uids=part, fields=fields, max_reply_bytes=max_reply_bytes), share, of
+        )
+        for part in in_parts(list(uids), MAX_READ_UIDS)
+    ]
+    return Several(calls, _joined_fields)
+
+
+def _joined_fields(parts: list[FieldBatch]) -> FieldBatch:
+    """FieldBatches of uids read in parts, as one read of them all."""
+    if len(parts) == 1:
+        return parts[0]
+    starts = itertools.accumulate((len(part.uids) for part in parts), initial=0)
+    columns = join_columns(
+        [(range(start, start + len(part.uids)), part.columns) for start, part in zip(starts, parts, strict=False)]
+    )
+    return FieldBatch(
+        [uid for part in parts for uid in part.uids],
+        [group for part in parts for group in part.group_ids],
+        [uid for part in parts for uid in part.missing_uids],
+        columns,
+        parts[0].table,
+    )
 
 
 class PartOptions(TypedDict, total=False):
@@ -143,21 +168,27 @@ def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
     return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
 
 
-def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Unary[GetResult]:
-    """The experiences among uids, in request order: read over ReadFields without fields, whole and
-    in parts when large, so that no experience is too large to read back; over Get from a server
-    without ReadFields."""
+def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Several[list[Experience], GetResult]:
+    """The experiences among uids, in request order: read over ReadFields without fields,
+    MAX_READ_UIDS a call, whole and in parts when large, so that no experience is too large to read
+    back; over Get from a server without ReadFields."""
     asked = list(uids)
-    once = list(dict.fromkeys(asked))  # ReadFields names each uid once
 
-    def read(reply: SampleReplyParts) -> GetResult:
-        found = {exp.eid.uid: exp for exp in trxp.decode_reply(reply.payload)}
+    def joined(parts: list[list[Experience]]) -> GetResult:
+        found = {exp.eid.uid: exp for part in parts for exp in part}
         return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
 
-    request = pb.ReadFieldsRequest(table=table, uids=once, max_reply_bytes=max_reply_bytes)
-    unary = pb.GetRequest(table=table, uids=asked)
-    fallback = Unary("Get", unary, lambda r: GetResult(trxp.decode_reply(r.payload), r.missing_uids), retry=True)
-    return Unary("ReadFields", request, read, retry=True, parts=True, fallback=fallback)
+    calls = []
+    for part in in_parts(list(dict.fromkeys(asked)), MAX_READ_UIDS):  # ReadFields names each uid once
+        request = pb.ReadFieldsRequest(table=table, uids=part, max_reply_bytes=max_reply_bytes)
+        fallback = Unary(
+            "Get", pb.GetRequest(table=table, uids=part), lambda r: trxp.decode_reply(r.payload), retry=True
+        )
+        read = Unary(
+            "ReadFields", request, lambda r: trxp.decode_reply(r.payload), retry=True, parts=True, fallback=fallback
+        )
+        calls.append(read)
+    return Several(calls, joined)
 
 
 class ListFilters(TypedDict, total=False):

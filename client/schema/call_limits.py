@@ -3,7 +3,7 @@ transaction, every other tenant's writes waiting: the uids and group ids of a De
 or a FailRuns, the keys of a PutValues or a ClearValues. The server refuses more, by name; the
 clients send any number in calls of at most this many. So are the reads that name what they
 read, which hold a thread and the memory of their names: the keys of a GetValues, the uids of
-a Get, and the rewards a ReportPrompts gives a prompt.
+a Get or a ReadFields, and the rewards a ReportPrompts gives a prompt.
 
 Without a bound, one request of a message's size (256 MiB by default) names some 15 million,
 and a Delete of 5 million absent uids held every push 6.5 s. Deleting 4,096 stored 8 KB
@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 MAX_NAMES_PER_CALL = 4096  # uids or group ids of a Delete, a Retire or a FailRuns (each list)
 MAX_KEYS_PER_CALL = 65_536  # keys of a PutValues, a ClearValues or a GetValues
-MAX_GET_UIDS = 65_536  # uids of a Get (the read of clients that predate ReadFields, which reads any number)
+MAX_READ_UIDS = 65_536  # uids of a Get or a ReadFields (a sampled batch holds at most as many)
 MAX_REWARDS = 65_536  # rewards of one prompt a ReportPrompts gives (its runs')
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
-from expbuf.client.schema.call_limits import MAX_GET_UIDS
+from expbuf.client.schema.call_limits import MAX_READ_UIDS
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -49,7 +49,7 @@ class ReadCalls:
     @refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
         """The named experiences as one TRXP payload, within one message (ReadFields reads in parts)."""
-        check_count(request.uids, "uids", "Get", MAX_GET_UIDS)  # before they are read
+        check_count(request.uids, "uids", "Get", MAX_READ_UIDS)  # before they are read
         uids = distinct(ids_of(request.uids, "uids"))
         limit = self.max_message_bytes - MIN_REPLY_BYTES
         payload, missing = self.store.get_payload(request.table or "default", uids, limit)
@@ -99,6 +99,7 @@ class ReadCalls:
         """Some fields of named experiences as one columnar SampleReply, or without fields the
         experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
+        check_count(request.uids, "uids", "ReadFields", MAX_READ_UIDS)  # before they are read
         uids = distinct(ids_of(request.uids, "uids"))
         fields = tuple(request.fields)
         try:

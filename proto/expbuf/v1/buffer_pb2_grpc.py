@@ -284,7 +284,8 @@ class ExperienceBufferServicer:
         for the ranks of a trainer, each reading its part of a batch that one process sampled (a
         context-parallel rank its positions of long rollouts, without the rest of their routing
         ids); without fields, the experiences whole, as Get, in parts when large. Replies as
-        Sample's: one SampleReply (in parts when large).
+        Sample's: one SampleReply (in parts when large). Each uid once, at most 65,536 of them (more:
+        INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
