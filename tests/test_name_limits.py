@@ -126,6 +126,17 @@ def test_the_clients_read_any_number_in_calls_of_the_most_each_takes(
     assert asyncio.run(from_asyncio()) == (uids[:-1], uids[:-1])
     assert answered(server, "ReadFields") - before == 12
 
+    before = answered(server, "ReadFields")
+    with pytest.raises(ValueError, match="uid '0/5/0/0/r0s0' is named more than once"):
+        client.read_fields([*uids[:5], uids[0]], ["tokens"], table="t")  # the copies in two calls
+    assert answered(server, "ReadFields") == before  # refused before any call
+    sliced = client.read_fields(uids, ["tokens"], table="t", share=iter([1, 0]), of=2)  # taken once for every call
+    monkeypatch.undo()
+    once = client.read_fields(uids, ["tokens"], table="t", share=(1, 0), of=2)
+    assert sliced.uids == once.uids
+    pairs = zip(sliced.columns["tokens"].tensors, once.columns["tokens"].tensors, strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
 
 def test_failed_runs_reported_in_several_calls_come_back_as_one_report(
     client: BufferClient, monkeypatch: pytest.MonkeyPatch

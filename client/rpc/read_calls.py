@@ -4,6 +4,7 @@ rank's part of a leased step, or the experiences whole; Get; ListExperiences), d
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable
 from typing import Any, TypedDict
@@ -28,13 +29,18 @@ def read_fields(
     uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
 ) -> Several[FieldBatch, FieldBatch]:
     """ReadFields of `uids`, MAX_READ_UIDS a call, `share` (one share or several, in order) of `of`
-    of their tokens (of=0: whole), joined in order; a ValueError names a share that is not one."""
-    fields = list(fields)
+    of their tokens (of=0: whole), joined in order; a ValueError names a share that is not one, or a
+    uid named twice (the server refuses it in one call, and calls apart would read it twice). A
+    prompt that the runs of one call share comes once a call (prefix_tokens)."""
+    uids, fields, take = list(uids), list(fields), share if isinstance(share, int) else tuple(share)
+    if len(set(uids)) < len(uids):
+        twice = next(uid for uid, count in collections.Counter(uids).items() if count > 1)
+        raise ValueError(f"read_fields: uid {twice!r} is named more than once")
     calls = [
         _fields_call(
-            pb.ReadFieldsRequest(table=table, uids=part, fields=fields, max_reply_bytes=max_reply_bytes), share, of
+            pb.ReadFieldsRequest(table=table, uids=part, fields=fields, max_reply_bytes=max_reply_bytes), take, of
         )
-        for part in in_parts(list(uids), MAX_READ_UIDS)
+        for part in in_parts(uids, MAX_READ_UIDS)
     ]
     return Several(calls, _joined_fields)
 
