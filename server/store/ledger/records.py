@@ -10,7 +10,8 @@ A table's datasets of prompts live in the `ledger` database, under the table's i
 - T + "s" + name + 0 + index              -> PromptStats: how a prompt fared, over its epochs (prompt_stats.py)
 - T + "o" + name + 0 + epoch + bin + rank + index -> b"": a difficulty order's prompts left in an epoch (binned.py)
 (epoch u32, index u64, seq u64, attempt u32, expiry in microseconds, all big-endian.) A
-prompt never handed out has no record: it is pending, at or beyond the dataset's cursor. An
+prompt never handed out has no record: it is pending, at or beyond the dataset's cursor (one a
+"skip" sat out of an epoch has one, dropped at attempt 0, never claimed). An
 epoch's counts are written at its first event, or on a shard of a sharded table when the epoch
 starts (its part of the epoch is counted then, ledger/shards.py); an epoch without them owns
 `size` prompts, all pending.
