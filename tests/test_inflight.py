@@ -3,6 +3,7 @@ what pushes hold and makes new ones wait past its cap."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -260,6 +261,20 @@ def reserved(server: ExpbufServer, size: int) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def cap_held(stub: pb_grpc.ExperienceBufferStub, server: ExpbufServer, body: bytes) -> Iterator[None]:
+    """While the block runs, a push in chunks of `body` holds what it announced (`held_back`);
+    then its other chunks go, and it is stored."""
+    go = threading.Event()
+    holding = held_back(stub, chunks(body, 64 << 10), go)
+    try:
+        reserved(server, len(body))
+        yield
+    finally:
+        go.set()
+    assert [len(reply.stored_uids) for reply in holding] == [1]
+
+
 def test_pushes_in_chunks_are_admitted_by_the_total_they_announce(start_server: Servers) -> None:
     """Four pushes in chunks, each announcing more than half of max_inflight_bytes: the first to
     come reserves what it announces, and the others wait, holding nothing, until it is stored."""
@@ -289,16 +304,10 @@ def test_a_push_in_chunks_waits_for_room_then_is_refused_naming_what_it_announce
     cap = 1 << 20
     server = start_server(max_inflight_bytes=cap, push_stream_idle_seconds=2)  # it waits for room 1 s at most
     first, second = (trxp.build(group_items(f"w{n}", 0, 1, response=70_000)) for n in range(2))
-    go = threading.Event()
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
-        holding = held_back(stub, chunks(first, 64 << 10), go)
-        try:
-            reserved(server, len(first))
+        with cap_held(stub, server, first):
             ended = refusal(stub, chunks(second, 64 << 10, seq=7))
-        finally:
-            go.set()
-        assert [len(reply.stored_uids) for reply in holding] == [1]
     assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"total_bytes = {len(second)}" in ended.details(), ended.details()
     assert f"max_inflight_bytes = {cap}" in ended.details(), ended.details()
@@ -350,22 +359,50 @@ def test_a_put_of_keyed_values_waits_for_room_as_a_push_does(start_server: Serve
     stored, it is, and what it held is given back."""
     body = trxp.build(group_items("w", 0, 1, response=150_000))
     server = start_server(max_inflight_bytes=len(body))  # the push in chunks below holds all of it
-    go = threading.Event()
     value = bytes(range(256)) * 4096
     put = pb.PutValuesRequest(keys=["k"], values=[value])
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
-        holding = held_back(stub, chunks(body, 64 << 10), go)
-        try:
-            reserved(server, len(body))
+        with cap_held(stub, server, body):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.PutValues(put, timeout=1.5)
             assert stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).missing_keys == ["k"]
-        finally:
-            go.set()
-        assert [len(reply.stored_uids) for reply in holding] == [1]
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"max_inflight_bytes = {len(body)}" in refused.value.details(), refused.value.details()
         assert stub.PutValues(put, timeout=30).stored == 1
         assert list(stub.GetValues(pb.GetValuesRequest(keys=["k"]), timeout=10).values) == [value]
+    assert held_drops_to_zero(server)
+
+
+@pytest.mark.parametrize("method", ["PutValues", "Push"])
+def test_calls_waiting_for_room_leave_the_reserve_to_calls_that_answer_at_once(
+    start_server: Servers, method: str
+) -> None:
+    """A Push or a PutValues that finds max_inflight_bytes reached waits only where the call limits
+    let calls wait idle (they leave `reserved_workers` to the calls that answer at once); the others
+    are refused busy at once, having done nothing, and a ClearValues is still answered (it was
+    refused busy, every worker held by a waiting call). Once room is made, those that waited go in."""
+    body = trxp.build(group_items("w", 0, 1, response=150_000))
+    server = start_server(max_inflight_bytes=len(body), workers=8, reserved_workers=2)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        with cap_held(stub, server, body):
+            requests = [
+                pb.PutValuesRequest(keys=[f"k{n}"], values=[b"x"])
+                if method == "PutValues"
+                else pb.PushRequest(payload=trxp.build(group_items(f"p{n}", 0, 1)))
+                for n in range(6)
+            ]
+            calls = [getattr(stub, method).future(request, timeout=60) for request in requests]
+            deadline = time.monotonic() + 30
+            while sum(call.done() for call in calls) + server.inflight.waiting < len(calls):
+                assert time.monotonic() < deadline, "the calls neither waited for room nor were refused"
+                time.sleep(0.02)
+            assert stub.ClearValues(pb.ClearValuesRequest(keys=["z"]), timeout=10).cleared == 0
+            refused = [call.exception() for call in calls if call.done()]
+            assert refused and all(error is not None for error in refused)
+            assert all(error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for error in refused)  # type: ignore[union-attr]
+            assert all("may not wait for room" in error.details() for error in refused)  # type: ignore[union-attr]
+        went_in = [call.result() for call in calls if call.exception() is None]
+        assert len(went_in) == len(calls) - len(refused)
     assert held_drops_to_zero(server)

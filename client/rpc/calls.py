@@ -107,14 +107,15 @@ class Attempts(Generic[R]):
     (connection.BACKOFF). A claim or an admit with a `wait` (its request's wait_seconds) waits
     what is left of it; once its wait is spent, it is made once more without waiting, so that it
     answers with what there is. A push, which waits for room in a full table in block mode, or
-    for the rate limit, is made as it was: it stored nothing, and is stored once however often it
-    is sent. No attempt ends past the first one's deadline (the call's timeout, else the client's
-    `timeout`); the refusal that comes when none may start before it is the caller's."""
+    for the rate limit (or, as a PutValues does, for max_inflight_bytes), is made as it was: it
+    stored nothing, and is stored once however often it is sent. No attempt ends past the first
+    one's deadline (the call's timeout, else the client's `timeout`); the refusal that comes when
+    none may start before it is the caller's."""
 
     def __init__(self, call: Unary[R] | Chunked[R], timeout: float) -> None:
         self.call = call
         start = time.monotonic()
-        self._pushes = isinstance(call, Chunked) or call.method == "Push"
+        self._pushes = isinstance(call, Chunked) or call.method in ("Push", "PutValues")
         self._waits_until = start + _wait(call)
         self._deadline = start + (call.timeout or timeout)
         self._made = 0  # attempts made again

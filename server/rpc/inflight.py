@@ -56,7 +56,7 @@ from ..store import Entry
 from ..store.schema.errors import StoreError
 from .ingest import StagedPush, Stager
 from .interceptor import ServiceInterceptor, refuse
-from .limits import PROGRESS
+from .limits import MAY_WAIT, PROGRESS
 
 T = TypeVar("T")
 
@@ -283,9 +283,7 @@ class PushMemory(ServiceInterceptor):
     ) -> PushMessage | None:
         """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
         None at the end of the client's messages."""
-        refused = self.inflight.admit(min(most, _remaining(context)), owner)
-        if refused is not None:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+        self._admit(context, most, owner)
         request = next(requests, None)
         if request is None:
             return None
@@ -299,6 +297,25 @@ class PushMemory(ServiceInterceptor):
                 Reason.INVALID_REQUEST,
             )
         return request
+
+    def _admit(self, context: grpc.ServicerContext, most: float = 3600.0, owner: object = None) -> None:
+        """Wait until a message may be read (InFlight.admit, at most `most`); a Refusal if not in time.
+        A unary call (no `owner`: a Push, a PutValues) that finds the cap reached becomes a call that
+        waits idle: it waits only where the call limits let it (limits.MAY_WAIT), and is otherwise
+        refused at once as busy, having done nothing, so that such calls never take the workers kept
+        for the calls that answer at once (a Seal, a ClearValues)."""
+        may_wait = MAY_WAIT.get() if owner is None and self.inflight.held >= self.inflight.limit else None
+        busy = None if may_wait is None else may_wait()
+        if busy is not None:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"pushes and PutValues in progress hold max_inflight_bytes = {self.inflight.limit}, and this call "
+                f"may not wait for room: {busy}",
+                Reason.BUSY,
+            )
+        refused = self.inflight.admit(min(most, _remaining(context)), owner)
+        if refused is not None:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
 
     def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
         """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
@@ -469,9 +486,10 @@ class PushMemory(ServiceInterceptor):
         values (TransferQueue's tensors) come as large as pushes, from as many writers at once."""
 
         def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            refused = self.inflight.admit(_remaining(context))
-            if refused is not None:
-                refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+            try:
+                self._admit(context)
+            except Refusal as refusal:
+                refusal.abort(context)
             request = next(requests, None)
             if request is None:
                 refuse(

@@ -12,9 +12,10 @@ Claim with a wait for prompts. Each of those classes has its own cap (`max_sampl
   take what trainers need, nor trainers' idle streams what rollout workers need;
 - calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
   Push and every call that answers at once (Ack, Get, ListTables, Seal, admin calls, ...). A
-  Push that finds it must wait (for room in a full table, for the rate limit) becomes a call that
-  waits idle: it waits only if the calls that wait idle, with it, leave the reserve (`MAY_WAIT`),
-  and is refused at once otherwise, so that blocked pushes never take the reserve that makes a scope's share usable.
+  Push that finds it must wait (for room in a full table, for the rate limit, or, as a PutValues,
+  for max_inflight_bytes: rpc/inflight.py) becomes a call that waits idle: it waits only if the
+  calls that wait idle, with it, leave the reserve (`MAY_WAIT`), and is refused at once
+  otherwise, so that blocked pushes never take the reserve that makes a scope's share usable.
   Such a push stored nothing and its refusal says so, as a call refused before it began does
   (below). A PushStream waits idle from its start, so its pushes wait for room as it does;
 - Ack, Nack, Renew, Retire and Stats never wait, and have ACK_THREADS of their own beyond `workers`, so a
