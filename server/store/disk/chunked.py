@@ -46,6 +46,7 @@ from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, 
 from ..schema.errors import DamagedPayload, NotFound, clip
 from . import digests, shared_prompts
 from .layout import micros
+from .records import ItemRecord
 from .shared_prompts import Read
 
 if TYPE_CHECKING:
@@ -263,12 +264,17 @@ def reseal_heads(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
     set that several heads name goes to the one whose digest matches and whose chunks match its
     digests, if exactly one does (none otherwise: two heads may name the same bytes), the others
     left as they are, damaged. A head that does not match its digest is left damaged, its set
-    marked as its where no other head names it; a set without chunks is given to none. Returns
-    how many heads were resealed."""
+    marked as its where no other head names it; a set without chunks is given to none. Only the
+    payloads whose records say they are larger than MIN_COMPRESSED are read (a head stands for
+    one), so the upgrade of many small experiences reads their records, not their payloads.
+    Returns how many heads were resealed."""
     claims: dict[tuple[bytes, int], list[tuple[bytes, bool]]] = {}
-    with txn.cursor(db=dbs["blobs"]) as cur:
-        for key, value in cur:
-            found = _format_8(value)
+    with txn.cursor(db=dbs["items"]) as cur:  # the records say which payloads may be heads
+        for key, record in cur:
+            if ItemRecord.place(record)[2] <= MIN_COMPRESSED:  # stored whole: the blob is not read
+                continue
+            value = txn.get(key, db=dbs["blobs"])
+            found = None if value is None else _format_8(value)
             if found is not None:
                 claims.setdefault((bytes(key[:4]), found[0]), []).append((bytes(key), found[1]))
     resealed = 0
