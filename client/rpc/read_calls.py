@@ -184,16 +184,20 @@ def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Several[list[E
         found = {exp.eid.uid: exp for part in parts for exp in part}
         return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
 
-    calls = []
-    for part in in_parts(list(dict.fromkeys(asked)), MAX_READ_UIDS):  # ReadFields names each uid once
-        request = pb.ReadFieldsRequest(table=table, uids=part, max_reply_bytes=max_reply_bytes)
-        fallback = Unary(
-            "Get", pb.GetRequest(table=table, uids=part), lambda r: trxp.decode_reply(r.payload), retry=True
+    def experiences(reply: Any) -> list[Experience]:  # a ReadFields' reply put together, or a Get's
+        return trxp.decode_reply(reply.payload)
+
+    calls = [
+        Unary(
+            "ReadFields",
+            pb.ReadFieldsRequest(table=table, uids=part, max_reply_bytes=max_reply_bytes),
+            experiences,
+            retry=True,
+            parts=True,
+            fallback=Unary("Get", pb.GetRequest(table=table, uids=part), experiences, retry=True),
         )
-        read = Unary(
-            "ReadFields", request, lambda r: trxp.decode_reply(r.payload), retry=True, parts=True, fallback=fallback
-        )
-        calls.append(read)
+        for part in in_parts(list(dict.fromkeys(asked)), MAX_READ_UIDS)  # ReadFields names each uid once
+    ]
     return Several(calls, joined)
 
 
