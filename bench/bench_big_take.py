@@ -1,6 +1,6 @@
 """How long a take of large experiences holds the store's one writer, whose commits every push
 waits for: a Sample stream's take (held, its experiences stored in chunks read and checked where
-its reply is built: store/disk/chunked.Deferred) against a take that reads and checks them in
+its reply is built: store/disk/chunk_reads.Deferred) against a take that reads and checks them in
 the writer (the Store's own sample without a stream, as every take did before). Side by side in
 one run, on the same directory: each round takes a batch both ways, alternately first, and
 gives it back; the writer's time is the sample call's, measured with nothing else queued.

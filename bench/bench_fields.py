@@ -2,7 +2,7 @@
 MoE rollouts whose routing ids (`routed_experts`, uint8, 2 x 96 experts a token here: 192 B a
 token against 9 B for tokens, log-probs and the mask) make most of their bytes. A stream's take
 defers each experience's chunks to its reply, which reads and checks only the chunks its fields
-lie in (store/disk/chunked.Deferred). Side by side in one run on one directory: each round reads
+lie in (store/disk/chunk_reads.Deferred). Side by side in one run on one directory: each round reads
 the batch both ways, alternately first, the map's pages let go before each read; the time is
 the take and the columns' build (what the reply copies from), not the network.
 

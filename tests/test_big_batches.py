@@ -22,7 +22,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 from expbuf.server.rpc.replies import PART_BYTES
-from expbuf.server.store.disk.chunked import CHUNK_BYTES
+from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 
 from conftest import Servers
 from helpers import make_experience, servers
@@ -340,5 +340,5 @@ def test_reads_of_a_compressing_table_hold_a_few_chunks_not_the_batch(tmp_path: 
 
 
 # What a reply from a compressing table holds besides a reply's parts: the chunks decompressed
-# last (chunked.RECENT) and those a part is cut from, and the heap's free memory between them.
+# last (chunk_reads.RECENT) and those a part is cut from, and the heap's free memory between them.
 COMPRESSED_WINDOW = PART_WINDOW + 24 * CHUNK_BYTES

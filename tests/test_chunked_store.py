@@ -1,4 +1,4 @@
-"""Tensor sections larger than chunked.CHUNK_BYTES stored in chunks (data format 6), as they are
+"""Tensor sections larger than chunk_heads.CHUNK_BYTES stored in chunks (data format 6), as they are
 and, in a table that compresses, as zstd frames: read back as the same bytes as stored whole, as
 TRXP and as columns; duplicates, consumes, deletes and drops take their chunks with them; a
 damaged chunk is never served; a push that staged sections and never completed leaves nothing at
@@ -20,7 +20,7 @@ from expbuf.client import trxp
 from expbuf.client.trxp.pieces import Run, SplitPayload, realized, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.disk import chunked, digests, layout
+from expbuf.server.store.disk import chunk_heads, chunk_reads, chunked, digests, layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.kinds import Entry
 from expbuf.server.store.schema.errors import DamagedPayload, NotFound, StoreError
@@ -79,20 +79,20 @@ def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
     items = big_group(0)
     push(store, items)
     heads = rows(store, "blobs")
-    assert len(heads) == 2 and all(chunked.is_head(head) and len(head) < 8192 for head in heads.values())
-    expected = sum(math.ceil(section_bytes(item) / chunked.CHUNK_BYTES) for item in items)
+    assert len(heads) == 2 and all(chunk_heads.is_head(head) and len(head) < 8192 for head in heads.values())
+    expected = sum(math.ceil(section_bytes(item) / chunk_heads.CHUNK_BYTES) for item in items)
     chunks = rows(store, "chunks")
-    marks = {key: chunks.pop(key) for key in list(chunks) if key[12:] == chunked.OWNER.to_bytes(4, "big")}
+    marks = {key: chunks.pop(key) for key in list(chunks) if key[12:] == chunk_heads.OWNER.to_bytes(4, "big")}
     assert sorted(marks.values()) == sorted(heads)  # each set marked with the key of its experience
     assert len(chunks) == expected > 2 and rows(store, "staged") == {}
     compressed = table.storage.compression == "zstd"
-    assert {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC if compressed else chunked.HEAD_MAGIC}
+    assert {head[:4] for head in heads.values()} == {chunk_heads.ZSTD_MAGIC if compressed else chunk_heads.HEAD_MAGIC}
     if compressed:  # each chunk a zstd frame of its bytes, and the group's sections smaller for it
         plain = [zstandard.ZstdDecompressor().decompress(chunk) for chunk in chunks.values()]
         assert sum(map(len, plain)) == sum(map(section_bytes, items)) > 2 * sum(map(len, chunks.values()))
         with store.environment.read() as txn:  # the scrub's check, a chunk at a time
-            read = chunked.reader(txn, store.db)
-            streamed = {key: chunked.streamed(head, key, read) for key, head in heads.items()}
+            read = chunk_reads.reader(txn, store.db)
+            streamed = {key: chunk_reads.streamed(head, key, read) for key, head in heads.items()}
         packed = [trxp.pack_item(item) for item in items]
         assert sorted(streamed.values()) == sorted((digests.of(blob), len(blob)) for blob in packed)
     assert store.scrub.run_pass() == 0
@@ -102,7 +102,7 @@ def test_a_large_section_is_stored_in_chunks_and_read_back_as_stored_whole(
     columns = got.columns(FIELDS, lambda parts: {part.name: joined(part.values) for part in parts})
     got.release()
 
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 1 << 40)  # the same experiences stored whole
+    monkeypatch.setattr(chunk_heads, "CHUNK_BYTES", 1 << 40)  # the same experiences stored whole
     with Store(tmp_path / "whole", seed=1) as whole:
         whole.create_table(TABLE)
         push(whole, items)
@@ -136,7 +136,7 @@ def test_consumed_deleted_and_dropped_experiences_take_their_chunks(store: Store
     assert store.delete("big", group_ids=[other]) == 2
     left = set(rows(store, "blobs").values())
     assert len(left) == 2
-    sets = {chunked.read_head(head).set_id for head in left}
+    sets = {chunk_heads.read_head(head).set_id for head in left}
     assert {key[4:12] for key in rows(store, "chunks")} == {set_id.to_bytes(8, "big") for set_id in sets}
     store.drop_table("big")
     assert rows(store, "chunks") == {} and rows(store, "blobs") == {}
@@ -182,7 +182,7 @@ def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, 
 
     store.environment.submit(damage)
     held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
-    assert held is not None and all(isinstance(blob, chunked.Deferred) for blob in held.blobs)
+    assert held is not None and all(isinstance(blob, chunk_reads.Deferred) for blob in held.blobs)
     with pytest.raises(DamagedPayload, match=f"experience {held.uids[0]}: (its payload|chunk 0 of its data)"):
         held.render(joined)
     held.release()
@@ -213,8 +213,8 @@ def staged_entry(store: Store, item: trxp.RawItem) -> Entry:
     start = section_at(payload)
     staging = chunked.Staging([payload[:start]], len(payload) - start)
     staging.set_id, staging.level = store.new_chunk_set(), store.zstd_level("big")
-    for number, at in enumerate(range(start, len(payload), chunked.CHUNK_BYTES)):
-        chunk = payload[at : at + chunked.CHUNK_BYTES]
+    for number, at in enumerate(range(start, len(payload), chunk_heads.CHUNK_BYTES)):
+        chunk = payload[at : at + chunk_heads.CHUNK_BYTES]
         store.stage("big", staging.set_id, number, chunk, staging.level).result()
         staging.add(chunk)
     return Entry.staged(item, staging.head(), staging.digest(), staging.size, item.generated_tokens)
@@ -237,7 +237,7 @@ def test_a_push_whose_table_was_dropped_while_it_was_staged_is_refused(store: St
 def test_a_chunk_staged_after_its_table_was_dropped_and_made_again_is_refused(store: Store, table: TableConfig) -> None:
     """Its first chunk went with the dropped table: the rest of its set is refused as it comes."""
     payload = memoryview(trxp.pack_item(big_group(0)[0]))
-    start, chunk, level = section_at(payload), chunked.CHUNK_BYTES, store.zstd_level("big")
+    start, chunk, level = section_at(payload), chunk_heads.CHUNK_BYTES, store.zstd_level("big")
     set_id = store.new_chunk_set()
     store.stage("big", set_id, 0, payload[start : start + chunk], level).result()
     store.drop_table("big")
@@ -267,7 +267,7 @@ def test_a_chunk_staged_in_the_commit_that_drops_its_table_is_refused(store: Sto
     dropping.start()
     while queued() < 1:  # the drop is in the batch first
         time.sleep(0.001)
-    staged = store.stage("big", set_id, 0, payload[start : start + chunked.CHUNK_BYTES], level)
+    staged = store.stage("big", set_id, 0, payload[start : start + chunk_heads.CHUNK_BYTES], level)
     gate.set()
     dropping.join(30)
     held.result(30)
@@ -288,9 +288,9 @@ def format_5(path: Path) -> None:
 
 
 def marked(env: lmdb.Environment, txn: lmdb.Transaction[bytes]) -> list[bytes]:
-    """The keys of the chunk sets' marks (chunked.OWNER)."""
+    """The keys of the chunk sets' marks (chunk_heads.OWNER)."""
     with txn.cursor(db=env.open_db(b"chunks", txn=txn)) as cur:
-        return [bytes(key) for key in cur.iternext(values=False) if key[12:] == chunked.OWNER.to_bytes(4, "big")]
+        return [bytes(key) for key in cur.iternext(values=False) if key[12:] == chunk_heads.OWNER.to_bytes(4, "big")]
 
 
 class Killed(Exception):
@@ -316,7 +316,7 @@ def test_a_format_5_directory_upgrades_in_place_and_serves_its_large_payloads_st
 ) -> None:
     data = tmp_path / "data"
     with monkeypatch.context() as patch:
-        patch.setattr(chunked, "CHUNK_BYTES", 1 << 40)  # format 5 stored every payload whole
+        patch.setattr(chunk_heads, "CHUNK_BYTES", 1 << 40)  # format 5 stored every payload whole
         with Store(data) as store:
             store.create_table(TABLE)
             push(store, big_group(0))
@@ -345,7 +345,7 @@ def test_a_head_whose_chunk_set_is_missing_is_damage_the_check_finds(store: Stor
     assert problems and all("payload" in problem for problem in problems)
     store.quarantine("big", [item.uid for item in big_group(0)])
     assert store.verify("big") == []
-    stray = chunked.chunk_key(gone[:4], 999, 0)  # a set neither a head names nor a push stages
+    stray = chunk_heads.chunk_key(gone[:4], 999, 0)  # a set neither a head names nor a push stages
     store.environment.submit(lambda txn: txn.put(stray, b"x", db=store.db["chunks"]))
     assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
     store.environment.submit(lambda txn: txn.delete(stray, db=store.db["chunks"]))
@@ -360,16 +360,16 @@ def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_r
     push(store, big_group(0))
     spec = SampleSpec("big", num_groups=1, delivery="lease")
     held = store.sample(spec, hold=True)
-    assert held is not None and all(isinstance(blob, chunked.Deferred) for blob in held.blobs)
+    assert held is not None and all(isinstance(blob, chunk_reads.Deferred) for blob in held.blobs)
     fields = ("tokens", "advantages")
     got = held.columns(fields, lambda parts: {part.name: joined(part.values) for part in parts})
     for blob in held.blobs:  # copied out of the snapshot (its end comes first): the same columns
-        assert isinstance(blob, chunked.Deferred) and blob.detach() is blob
+        assert isinstance(blob, chunk_reads.Deferred) and blob.detach() is blob
     assert held.columns(fields, lambda parts: {part.name: joined(part.values) for part in parts}) == got
     held.release()
     store.nack(held.lease_id, "big")
     whole = take(store, "big", num_groups=1, delivery="replay")
-    assert whole is not None and not any(isinstance(blob, chunked.Deferred) for blob in whole.blobs)
+    assert whole is not None and not any(isinstance(blob, chunk_reads.Deferred) for blob in whole.blobs)
     assert whole.columns(fields, lambda parts: {part.name: joined(part.values) for part in parts}) == got
     whole.release()
 
@@ -380,7 +380,7 @@ def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
     damaged = bytearray(head)
     damaged[-20] ^= 0x01  # in the safetensors header of its prefix
     store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
-    assert not chunked.read_head(bytes(damaged)).intact
+    assert not chunk_heads.read_head(bytes(damaged)).intact
     held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None
     with pytest.raises(DamagedPayload, match="head does not match its digest"):
@@ -393,7 +393,7 @@ def test_a_damaged_head_is_found_by_every_read(store: Store) -> None:
         "does not match its digest" in problem or "bytes, its record says" in problem for problem in store.verify("big")
     )
     assert store.quarantine("big", [key[4:].decode()]) == 1
-    own_set = chunked.read_head(head).set_id.to_bytes(8, "big")  # found by its mark, its head damaged
+    own_set = chunk_heads.read_head(head).set_id.to_bytes(8, "big")  # found by its mark, its head damaged
     assert own_set not in {chunk[4:12] for chunk in rows(store, "chunks")}
 
 
@@ -428,11 +428,11 @@ def test_a_set_number_damaged_into_anothers_leaves_that_experience_whole(store: 
     push(store, theirs)
     heads = {bytes(key[4:]).decode(): (key, head) for key, head in rows(store, "blobs").items()}
     key, head = heads[ours[0].uid]
-    own_set = chunked.read_head(head).set_id
+    own_set = chunk_heads.read_head(head).set_id
     damaged = bytearray(head)
     damaged[4:12] = heads[theirs[0].uid][1][4:12]
     store.environment.submit(lambda txn: txn.put(key, bytes(damaged), db=store.db["blobs"]))
-    assert not chunked.read_head(bytes(damaged)).intact
+    assert not chunk_heads.read_head(bytes(damaged)).intact
     assert [problem for problem in store.verify("big") if ours[0].uid in problem]
     if how == "deleted":
         assert store.delete("big", uids=[ours[0].uid]) == 1
@@ -467,7 +467,7 @@ def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: 
         heads = rows(store, "blobs")
     by_uid = {bytes(key[4:]).decode(): key for key in heads}
     damaged, flipped, victim = by_uid["big/0/0/0/r0s0"], by_uid["big/0/1/0/r1s0"], by_uid[other[0].uid]
-    flipped_set = chunked.read_head(heads[flipped]).set_id
+    flipped_set = chunk_heads.read_head(heads[flipped]).set_id
     env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
     with env.begin(write=True) as txn:  # as format 8 left them, unmarked, two damaged since
         marks = marked(env, txn)
@@ -488,7 +488,7 @@ def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: 
         with store.environment.read() as txn:
             assert txn.get(b"format", db=store.db["meta"]) == str(layout.FORMAT).encode() == b"9"
         after = rows(store, "blobs")
-        intact = {key: chunked.read_head(head).intact for key, head in after.items()}
+        intact = {key: chunk_heads.read_head(head).intact for key, head in after.items()}
         assert intact == {key: key not in (damaged, flipped) for key in heads}
         assert all(after[key] == head for key, head in heads.items() if intact[key])
         chunks = rows(store, "chunks")

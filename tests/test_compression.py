@@ -21,7 +21,7 @@ from expbuf.client.rpc import wire
 from expbuf.client.rpc.wire import WireError
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
-from expbuf.server.store.disk import chunked
+from expbuf.server.store.disk import chunk_heads, chunked, zstd_workers
 from expbuf.server.store.schema.errors import ConfigError
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -42,9 +42,9 @@ def rows(env: lmdb.Environment, db: lmdb._Database) -> dict[bytes, bytes]:
 
 
 def stored_frames(store: Store) -> dict[bytes, bytes]:
-    """The chunks a store keeps, without the marks naming each set's experience (chunked.OWNER)."""
+    """The chunks a store keeps, without the marks naming each set's experience (chunk_heads.OWNER)."""
     chunks = rows(store.environment.env, store.db["chunks"])
-    return {key: value for key, value in chunks.items() if key[12:] != chunked.OWNER.to_bytes(4, "big")}
+    return {key: value for key, value in chunks.items() if key[12:] != chunk_heads.OWNER.to_bytes(4, "big")}
 
 
 def test_a_compressing_table_keeps_its_chunks_as_frames_and_serves_the_bytes_pushed(start_server: Servers) -> None:
@@ -64,7 +64,7 @@ def test_a_compressing_table_keeps_its_chunks_as_frames_and_serves_the_bytes_pus
         assert chunks.push(staged, table="z").stored == [exp.eid.uid for exp in staged]  # staged as it came
         store = server.store
         heads = rows(store.environment.env, store.db["blobs"])
-        assert len(heads) == 4 and {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC}
+        assert len(heads) == 4 and {head[:4] for head in heads.values()} == {chunk_heads.ZSTD_MAGIC}
         frames = stored_frames(store)
         plain = sum(len(zstandard.ZstdDecompressor().decompress(frame)) for frame in frames.values())
         sections = sum(len(t.data) for exp in (*whole, *staged) for t in trxp.from_experience(exp).tensors.values())
@@ -116,7 +116,7 @@ def test_a_compressing_table_keeps_a_section_over_256_kib_as_one_frame(tmp_path:
     pushed, and a consume and a delete take its frame with it."""
     config = TableConfig.of("t", group_size=2, estimator="grpo", compression=compression)  # type: ignore[arg-type]
     items = [*group_items("mid", 0, 2, response=100_000), *group_items("mid", 1, 2, response=100_000)]
-    assert all(chunked.MIN_COMPRESSED < len(trxp.pack_item(item)) < chunked.CHUNK_BYTES for item in items)
+    assert all(chunked.MIN_COMPRESSED < len(trxp.pack_item(item)) < chunk_heads.CHUNK_BYTES for item in items)
     with Store(tmp_path / "data", seed=1) as store:
         store.create_table(config)
         store.put("t", items)
@@ -124,11 +124,11 @@ def test_a_compressing_table_keeps_a_section_over_256_kib_as_one_frame(tmp_path:
         heads = rows(store.environment.env, store.db["blobs"])
         frames = stored_frames(store)
         if compression == "zstd":
-            assert {head[:4] for head in heads.values()} == {chunked.ZSTD_MAGIC} and len(frames) == 4
+            assert {head[:4] for head in heads.values()} == {chunk_heads.ZSTD_MAGIC} and len(frames) == 4
             sections = sum(len(t.data) for item in items for t in item.tensors.values())
             assert sum(map(len, frames.values())) < sections / 2
         else:
-            assert not any(chunked.is_head(head) for head in heads.values()) and frames == {}
+            assert not any(chunk_heads.is_head(head) for head in heads.values()) and frames == {}
         got = store.get("t", [item.uid for item in items])
         for item in items:
             (read,) = trxp.parse(got[item.uid])
@@ -159,8 +159,8 @@ def test_the_threads_that_compress_serve_each_call_in_turn(monkeypatch: pytest.M
     """A call has at most as many chunks in the shared pool as it has threads, so a small push to
     one table does not wait behind all of a large push's chunks to another (a level-19 push held a
     level-1 push 10 s): the second call's chunks are done before the first call's last ones."""
-    monkeypatch.setattr(chunked, "_cores", lambda: 2)
-    workers = chunked.Workers("expbuf-test-turns")
+    monkeypatch.setattr(zstd_workers, "_cores", lambda: 2)
+    workers = zstd_workers.Workers("expbuf-test-turns")
     done: list[str] = []
     started = threading.Event()
 
@@ -182,5 +182,5 @@ def test_the_threads_that_compress_serve_each_call_in_turn(monkeypatch: pytest.M
 def test_the_threads_are_as_many_as_the_cores_where_the_platform_cannot_say(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where os has no sched_getaffinity (macOS, the BSDs), every core of the machine counts."""
     monkeypatch.delattr(os, "sched_getaffinity")
-    assert chunked._cores() == (os.cpu_count() or 1)
-    assert chunked.Workers("expbuf-test-cores").each(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]
+    assert zstd_workers._cores() == (os.cpu_count() or 1)
+    assert zstd_workers.Workers("expbuf-test-cores").each(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]

@@ -22,7 +22,7 @@ from expbuf.client import (
     ResourceExhaustedError,
 )
 from expbuf.client.schema.reasons import Reason
-from expbuf.server.store.disk import chunked
+from expbuf.server.store.disk import chunk_heads
 from expbuf.server.store.disk.environment import Environment
 
 from helpers import ServerProcess, make_experience, servers
@@ -33,13 +33,13 @@ CHUNK = 1 << 20  # the client's chunks, smaller than the store's
 
 def counts(data: Path) -> dict[str, int]:
     """Entries of the chunk databases and payloads of a stopped server's directory (the chunks
-    without the marks naming each set's experience, chunked.OWNER: as many as the sets)."""
+    without the marks naming each set's experience, chunk_heads.OWNER: as many as the sets)."""
     env = Environment(data, readonly=True)
     try:
         with env.read() as txn:
             found = {name: txn.stat(env.db[name])["entries"] for name in ("chunks", "staged", "blobs")}
             with txn.cursor(db=env.db["chunks"]) as cur:
-                mark = chunked.OWNER.to_bytes(4, "big")
+                mark = chunk_heads.OWNER.to_bytes(4, "big")
                 found["chunks"] -= sum(key[12:] == mark for key in cur.iternext(values=False))
             return found
     finally:

@@ -25,7 +25,7 @@ Bytes = bytes | memoryview
 
 
 class Lazy(Protocol):
-    """Bytes made only when read (server/store/disk/chunked.Frame)."""
+    """Bytes made only when read (server/store/disk/chunk_reads.Frame)."""
 
     def __len__(self) -> int: ...
 

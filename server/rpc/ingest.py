@@ -51,7 +51,8 @@ from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
 from ..backend import Backend
 from ..config import ServerConfig
 from ..store import Entry
-from ..store.disk.chunked import CHUNK_BYTES, Staging
+from ..store.disk.chunk_heads import CHUNK_BYTES
+from ..store.disk.chunked import Staging
 from ..store.schema.errors import InvalidPayload
 
 log = logging.getLogger("expbuf.ingest")

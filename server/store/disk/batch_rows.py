@@ -11,7 +11,7 @@ from expbuf.client.trxp.pieces import Stored
 
 from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage
-from .chunked import Deferred
+from .chunk_reads import Deferred
 from .records import ItemRecord
 from .stored_advantages import Advantage, FinishBatch, Stage, StageCounts, stored_advantage
 

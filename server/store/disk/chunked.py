@@ -1,20 +1,13 @@
 """Tensor sections stored out of line, in chunks: no push, read or commit holds a large
-experience whole.
+experience whole. Here they are stored and deleted, and the heads of formats 6 to 8 resealed
+(`reseal_heads`); a head's frame is chunk_heads.py's, the zstd threads zstd_workers.py's, and
+their reads chunk_reads.py's.
 
 An experience whose tensor section is larger than CHUNK_BYTES keeps in `blobs` a head, and
-its section in `chunks`, CHUNK_BYTES a value (the last one shorter), keyed by its table's id,
-the number of its chunk set and each chunk's number. The head is the payload's bytes up to
-its section (the TRXP header, the metadata pickle, the safetensors header) behind a small
-frame: b"TRXO" · chunk set u64 · the head's own digest · section length u64 · chunk bytes
-u32 · chunks u32 · each chunk's XXH3-128 digest (16 bytes). The head's own digest is of its
-chunk set and of everything after the digest (format 9; format 8's left the set out, and a set
-number damaged into another's took that experience's chunks with it when the damaged one was
-deleted). A table that compresses (its setting `compression`) keeps so every section larger
-than MIN_COMPRESSED, each chunk a zstd frame of its bytes, compressed before the writer takes
-it, its head's magic b"TRXZ"; the digests stay those of the bytes as pushed, checked once
-decompressed. Read back, a head and its chunks are a `pieces.SplitPayload`, the same bytes as
-the one-item payload stored whole would be, which the record's digest is taken over
-(digests.of): a retried push is a duplicate however its experience was stored.
+its section in `chunks`, CHUNK_BYTES a value (the last one shorter): chunk_heads.py. A table
+that compresses (its setting `compression`) keeps so every section larger than MIN_COMPRESSED,
+each chunk a zstd frame of its bytes, compressed before the writer takes it, its head's magic
+b"TRXZ"; the digests stay those of the bytes as pushed, checked once decompressed.
 
 A push in chunks stages its experiences' sections as they arrive (rpc/ingest.py): each chunk
 is written under a set marked in `staged` (`stage`), in the writer's commits; the push's commit
@@ -25,103 +18,38 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import os
-import struct
-import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
-import zstandard
 
-from expbuf.client.trxp.build import json_text, stored_entries
-from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of, section_at
+from expbuf.client.trxp.pieces import Bytes, section_at
 
-from ..schema.errors import DamagedPayload, NotFound, clip
-from . import digests, shared_prompts
+from ..schema.errors import NotFound, clip
+from . import chunk_heads, digests, shared_prompts
+from .chunk_heads import (
+    _DIGESTED,
+    _U64,
+    OWNER,
+    Head,
+    _format_8,
+    _intact_head,
+    _own_digest,
+    chunk_key,
+    is_head,
+    pack_head,
+    read_head,
+    set_prefix,
+)
+from .chunk_reads import _stored_chunks, reader
 from .layout import micros
 from .records import ItemRecord
-from .shared_prompts import Read
+from .zstd_workers import COMPRESSING, compress
 
-if TYPE_CHECKING:
-    from .snapshot import Snapshot
-
-CHUNK_BYTES = 4 << 20
 # A table that compresses keeps in chunks, as frames, a section larger than this (one of up to
 # CHUNK_BYTES in one chunk): rollouts of a few thousand tokens with MoE routing ids are 1-4 MiB.
 MIN_COMPRESSED = 256 << 10
-HEAD_MAGIC = b"TRXO"
-ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
-_MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
-_FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
-_SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
-_DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
-_U64 = struct.Struct(">Q")
-_U32 = struct.Struct(">I")
 _NEXT_SET = b"next_chunk_set"  # in meta: the number the next chunk set takes
-# The number under which a stored set keeps the key of the experience it holds the data of (the
-# last of its set): a damaged head's own set is found by it, whatever its damage (`delete`).
-OWNER = 0xFFFFFFFF
-DIGEST_BYTES = 16
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A head as stored: its chunk set, section length, chunk size, the chunks' digests and
-    the payload's bytes before its section; `intact` whether they are those its own digest names;
-    `compressed` whether its chunks are zstd frames."""
-
-    set_id: int
-    section_len: int
-    chunk_bytes: int
-    digests: tuple[bytes, ...]
-    prefix: memoryview
-    intact: bool
-    compressed: bool = False
-
-    @property
-    def chunks(self) -> int:
-        return len(self.digests)
-
-    def span(self, start: int, end: int) -> range:
-        """The chunks that bytes `start` to `end` of the section lie in."""
-        return range(start // self.chunk_bytes, -(-end // self.chunk_bytes)) if end > start else range(0)
-
-    def length(self, index: int) -> int:
-        """How many bytes of the section chunk `index` holds."""
-        return min(self.chunk_bytes, self.section_len - index * self.chunk_bytes)
-
-    def plain_each(
-        self, indices: Sequence[int], stored: Sequence[Bytes | None], workers: Workers | None = None
-    ) -> list[Bytes | None]:
-        """`plain` of chunk `indices[i]` from `stored[i]`, for each: on this thread, or several
-        frames side by side on `workers`."""
-        if not self.compressed:
-            return list(stored)
-        if workers is None:
-            return [self.plain(index, chunk) for index, chunk in zip(indices, stored, strict=True)]
-        return workers.each(self.plain, indices, stored)
-
-    def plain(self, index: int, stored: Bytes | None) -> Bytes | None:
-        """Chunk `index`'s bytes as pushed, from its stored value: itself, or its zstd frame
-        decompressed. None where it is missing, or is a frame that does not say it holds the
-        chunk's length or does not decompress (damage, which its digest check then names)."""
-        if stored is None or not self.compressed:
-            return stored
-        try:
-            if zstandard.frame_content_size(stored) != self.length(index):
-                return None
-            plain: bytes = zstandard.ZstdDecompressor().decompress(stored)
-        except zstandard.ZstdError:
-            return None
-        return plain
 
 
 class Staging:
@@ -153,98 +81,6 @@ class Staging:
     def head(self) -> bytes:
         assert self.set_id is not None, "a head names the set its chunks were staged in"
         return pack_head(self.set_id, self.section_len, self.digests, self.prefix, self.level is not None)
-
-
-class Workers:
-    """A few threads, made at first use, for one kind of zstd work: zstd lets go of the
-    interpreter while it compresses or decompresses a chunk, so a large experience's chunks go
-    at the speed of the server's cores, not of one. Pushes' compression and replies'
-    decompression each have their own, so that neither waits behind the other; the writer,
-    and every other read, decompresses on its own thread."""
-
-    def __init__(self, name: str) -> None:
-        self._name, self._lock = name, threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._threads = min(8, _cores())
-
-    def each(self, work: Callable[..., T], *over: Sequence[Any]) -> list[T]:
-        """`work` over the items of `over` (zipped), side by side where there are several; every
-        one done before this returns (or raises the first failure). A call has at most as many
-        in the pool at once as it has threads, the next going in as one ends: the calls of
-        several tables share the threads in turn, where a table compressing at level 19 would
-        have held a level-1 table's push behind all of its chunks."""
-        items = list(zip(*over, strict=True))
-        if len(items) < 2:
-            return [work(*item) for item in items]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
-            pool = self._pool
-        futures: list[Future[T]] = []
-        running: set[Future[T]] = set()
-        try:
-            for item in items:
-                if len(running) >= self._threads:
-                    _, running = wait(running, return_when=FIRST_COMPLETED)
-                future = pool.submit(work, *item)
-                futures.append(future)
-                running.add(future)
-        finally:
-            wait(futures)  # none still reads the caller's views once it has left
-        return [future.result() for future in futures]
-
-
-def _cores() -> int:
-    """The cores this process may run on (all of the machine's where the platform cannot say)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-COMPRESSING = Workers("expbuf-zstd-push")  # a push's chunks, compressed before the writer
-DECOMPRESSING = Workers("expbuf-zstd-reply")  # a reply's chunks, decompressed where it is built
-
-
-def is_head(value: Bytes) -> bool:
-    return value[:4] in _MAGICS
-
-
-def compress(chunk: Bytes, level: int) -> bytes:
-    """A chunk as a table that compresses keeps it: one zstd frame, which says its length."""
-    frame: bytes = zstandard.ZstdCompressor(level=level).compress(chunk)
-    return frame
-
-
-def read_head(value: Bytes) -> Head:
-    """A head's fields; ValueError when its frame is not whole (damage)."""
-    view = memoryview(value)
-    magic, set_id, own, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
-    table_end = _FRAME.size + DIGEST_BYTES * count
-    if magic not in _MAGICS or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
-        raise ValueError("a head of a section stored in chunks whose frame is damaged")
-    found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
-    intact = _own_digest(view) == own
-    return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
-
-
-def _own_digest(head: memoryview) -> bytes:
-    """The digest a head keeps of itself: of its chunk set and of its bytes after the digest."""
-    hasher = digests.running()
-    hasher.update(head[_SET])
-    hasher.update(head[_DIGESTED:])
-    return hasher.digest()
-
-
-def _format_8(value: Bytes) -> tuple[int, bool] | None:
-    """The chunk set a head as format 8 wrote it names, and whether it matches its format 8 digest
-    (of its bytes after the digest alone); None for a value that is no head, or whose frame does
-    not read."""
-    view = memoryview(value)
-    if len(view) < _FRAME.size or not is_head(view):
-        return None
-    try:
-        set_id = read_head(view).set_id
-    except (ValueError, struct.error):
-        return None
-    return set_id, digests.of(view[_DIGESTED:]) == view[12:_DIGESTED]
 
 
 def _chunks_match(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Bytes) -> bool:
@@ -303,28 +139,6 @@ def _present(txn: lmdb.Transaction[bytes], db: lmdb._Database, key: bytes) -> by
     return value
 
 
-def pack_head(
-    set_id: int, section_len: int, chunk_digests: Sequence[bytes], prefix: Sequence[Bytes], compressed: bool = False
-) -> bytes:
-    """A head of a section stored in `len(chunk_digests)` chunks of CHUNK_BYTES (zstd frames of
-    them, `compressed`): its frame, its chunks' digests and the payload's bytes before the
-    section, under a digest of its own, so a read of some of its chunks (some fields: Deferred)
-    trusts the head it finds them by."""
-    magic = ZSTD_MAGIC if compressed else HEAD_MAGIC
-    frame = _FRAME.pack(magic, set_id, bytes(DIGEST_BYTES), section_len, CHUNK_BYTES, len(chunk_digests))
-    head = bytearray(b"".join([frame, *chunk_digests, *prefix]))
-    head[12:_DIGESTED] = _own_digest(memoryview(head))
-    return bytes(head)
-
-
-def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
-    return table_prefix + _U64.pack(set_id)
-
-
-def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
-    return table_prefix + _U64.pack(set_id) + _U32.pack(index)
-
-
 def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], count: int = 1) -> int:
     """The first of `count` chunk set numbers no one has used, from now on used."""
     raw = txn.get(_NEXT_SET, db=dbs["meta"])
@@ -362,8 +176,8 @@ def stored_value(
         own(txn, dbs, key, set_id)
         return blob
     view = memoryview(blob)
-    start = section_at(view) if len(blob) > CHUNK_BYTES else len(blob)  # a small one's section is not read
-    if len(view) - start <= CHUNK_BYTES:  # kept in one value
+    start = section_at(view) if len(blob) > chunk_heads.CHUNK_BYTES else len(blob)  # a small one's section is not read
+    if len(view) - start <= chunk_heads.CHUNK_BYTES:  # kept in one value
         return sharing.value(key, blob, response) if prompt_bytes >= shared_prompts.MIN_BYTES else blob
     section = view[start:]
     set_id = reserve_sets(txn, dbs)
@@ -402,7 +216,7 @@ def _sets_of(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: 
 
 def cut(section: memoryview) -> list[Bytes]:
     """A section's chunks: CHUNK_BYTES each, the last one shorter."""
-    return [section[at : at + CHUNK_BYTES] for at in range(0, len(section), CHUNK_BYTES)]
+    return [section[at : at + chunk_heads.CHUNK_BYTES] for at in range(0, len(section), chunk_heads.CHUNK_BYTES)]
 
 
 def compressed(
@@ -475,306 +289,6 @@ def staged_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
     return int(txn.stat(dbs["staged"])["entries"])
 
 
-def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:
-    """A stored value as the payload it stands for: itself, a reference's payload with its shared
-    prompt (shared_prompts.py), or a head's prefix and its chunks, read with `read` (a
-    database's name and a key to the value). A chunk that is missing reads as nothing and a
-    head whose frame, or whose own digest, is damaged as its bytes, which the read check then
-    finds do not match."""
-    if len(value) >= 4 and shared_prompts.is_ref(value):
-        return shared_prompts.resolve(value, key, read)
-    head = _intact_head(value)
-    if head is None:
-        return value
-    plain = head.plain_each(range(head.chunks), _stored_chunks(head, key, read))
-    return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
-
-
-def _intact_head(value: Bytes) -> Head | None:
-    """The head a value is, where its frame reads and its own digest matches; None for any other."""
-    if len(value) < _FRAME.size or not is_head(value):
-        return None
-    try:
-        head = read_head(value)
-    except (ValueError, struct.error):
-        return None
-    return head if head.intact else None
-
-
-def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
-    """A head's chunks as stored (None where one is missing)."""
-    prefix = bytes(key[:4])
-    return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
-
-
-def streamed(value: Bytes, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
-    """The digest and length of the payload an intact head of zstd frames stands for, its chunks
-    decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
-    payload: a chunk missing or that does not decompress adds nothing. None for any other value
-    (read it whole with `resolve`)."""
-    head = _intact_head(value)
-    if head is None or not head.compressed:
-        return None
-    whole, size = digests.running(), len(head.prefix)
-    whole.update(head.prefix)
-    for index, stored in enumerate(_stored_chunks(head, key, read)):  # decompressed one at a time
-        chunk = head.plain(index, stored)
-        if chunk is not None:
-            whole.update(chunk)
-            size += len(chunk)
-    return whole.digest(), size
-
-
-# What a reply of these fields reads besides them: the action mask, which advantages of one value
-# an experience are spread under (stored_advantages.expand).
-_READS_MASK = frozenset({"advantages", "returns"})
-_ZEROS = memoryview(bytes(CHUNK_BYTES))  # stands for a chunk a reply does not read: never read
-
-
-class Deferred:
-    """A payload stored in chunks, taken by its head alone in the writer's transaction: its chunks
-    are read from the snapshot the batch was taken in, and checked, where the batch's reply is
-    built (`resolve`), off the writer, so that a take of long rollouts never holds the writer
-    while their bytes are read from disk and digested. A reply of some fields reads only the
-    chunks they lie in. Should the snapshot have to end first (a map resize), `detach` copies the
-    head and the chunks out of it."""
-
-    __slots__ = ("_chunk", "_copied", "_head", "_key", "digest", "size", "uid")
-
-    def __init__(self, uid: str, head: Head, key: bytes, digest: bytes, size: int, read: Read) -> None:
-        self.uid, self._head, self._key, self.digest, self.size = uid, head, key, digest, size
-        self._chunk = partial(read, "chunks")
-        self._copied: list[Bytes | None] | None = None  # the chunks, once detached
-
-    @property
-    def head(self) -> Head:
-        """Its head as stored: what it holds, before its chunks are read."""
-        return self._head
-
-    def _stored(self, index: int) -> Bytes | None:
-        if self._copied is not None:
-            return self._copied[index]
-        return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
-
-    def _plain(self, indices: Sequence[int]) -> dict[int, Bytes | None]:
-        """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
-        stored = [self._stored(index) for index in indices]
-        return dict(zip(indices, self._head.plain_each(indices, stored, DECOMPRESSING), strict=True))
-
-    def checked_chunk(self, index: int) -> Bytes:
-        """Chunk `index`'s bytes as pushed, checked against its digest (DamagedPayload if not)."""
-        got = self._head.plain(index, self._stored(index))
-        if got is None or len(got) != self._head.length(index) or digests.of(got) != self._head.digests[index]:
-            raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
-        return got
-
-    def resolve(
-        self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
-    ) -> SplitPayload:
-        """The payload, checked: all of it against its record's digest; or, given the fields a
-        reply reads, its head against the head's own digest and the chunks those fields lie in
-        against theirs, the others standing as zeros no reply reads. With `shares` (the
-        experience's response being `response` tokens), only the chunks of the rows in them.
-        DamagedPayload if what is read is not what was pushed. A head of zstd frames whose own
-        digest matches gives its chunks as Windows of Frames: each decompressed, and checked
-        against its digest in the head, as the part of a reply that holds it is cut (the head's
-        digest names theirs: what they check together is the payload pushed), so that a reply
-        holds a chunk or two of them at a time, not the batch's."""
-        head = self._head
-        if head.compressed:
-            if not head.intact:
-                raise DamagedPayload(
-                    self.uid, "its head is damaged" if fields is None else "its head does not match its digest"
-                )
-            needed = range(head.chunks) if fields is None else self._needed(fields, shares, response)
-            return SplitPayload(
-                head.prefix,
-                [
-                    Window(Frame(self, index), 0, head.length(index)) if index in needed else _zeros(head.length(index))
-                    for index in range(head.chunks)
-                ],
-            )
-        if fields is None:
-            found = self._plain(range(head.chunks))
-            payload = SplitPayload(head.prefix, [b"" if (got := found[i]) is None else got for i in range(head.chunks)])
-            problem = digests.mismatch(payload, self.size, self.digest) if head.intact else "its head is damaged"
-            if problem is not None:
-                raise DamagedPayload(self.uid, problem)
-            return payload
-        if not head.intact:
-            raise DamagedPayload(self.uid, "its head does not match its digest")
-        needed = self._needed(fields, shares, response)
-        found = self._plain(sorted(needed))
-        pieces: list[Run] = []
-        for index in range(head.chunks):
-            length = head.length(index)
-            if index not in needed:
-                pieces.append(_zeros(length))
-                continue
-            got = found[index]
-            if got is None or len(got) != length or digests.of(got) != head.digests[index]:
-                raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
-            pieces.append(got)
-        return SplitPayload(head.prefix, pieces)
-
-    def _needed(self, fields: Collection[str], shares: Shares | None, response: int) -> set[int]:
-        """The chunks a reply of `fields` reads (of the rows of `shares` only, where given): those
-        they lie in, and the action mask's for advantages spread under it."""
-        head = self._head
-        _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
-        entries = stored_entries(header, head.section_len)
-        wanted = {json_text(name) for name in fields}
-        mask = {json_text("action_mask")} if _READS_MASK & set(fields) else set()
-        whole = wanted | mask if shares is None else mask  # the mask whole: advantages spread under it, then cut
-        spans = [(start, end) for name, _, _, start, end in entries if name in whole]
-        if shares is not None:
-            spans += shares.spans(entries, wanted - mask, response)
-        return {index for start, end in spans for index in head.span(start, end)}
-
-    def detach(self) -> Deferred:
-        """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
-        if self._copied is None:
-            found = [self._stored(index) for index in range(self._head.chunks)]
-            self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
-            self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
-        return self
-
-
-class Frame:
-    """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
-    and checked against its digest, when a reply reads it, and kept among the few chunks
-    decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
-    order, and the next part cut inside the chunk finds it there."""
-
-    __slots__ = ("_deferred", "_index")
-
-    def __init__(self, deferred: Deferred, index: int) -> None:
-        self._deferred, self._index = deferred, index
-
-    def __len__(self) -> int:
-        return self._deferred.head.length(self._index)
-
-    def read(self, start: int, end: int) -> bytes | memoryview:
-        plain = RECENT.get(self)
-        if plain is None:
-            plain = self._deferred.checked_chunk(self._index)
-        if end >= len(self):
-            RECENT.drop(self)
-        else:
-            RECENT.keep(self, plain)
-        return memoryview(plain)[start:end]
-
-    def detach(self) -> Frame:
-        self._deferred.detach()
-        return self
-
-
-class Recent:
-    """The chunks decompressed last, `most` of them whichever reply read them: a reply holds a
-    chunk or two of its zstd frames decompressed at a time, not its batch (a mask read for the
-    advantages spread under it, then the parts, would otherwise keep a chunk of each experience)."""
-
-    def __init__(self, most: int) -> None:
-        self._most, self._lock = most, threading.Lock()
-        self._held: collections.OrderedDict[Frame, Bytes] = collections.OrderedDict()
-
-    def get(self, frame: Frame) -> Bytes | None:
-        with self._lock:
-            return self._held.get(frame)
-
-    def keep(self, frame: Frame, plain: Bytes) -> None:
-        with self._lock:
-            self._held[frame] = plain
-            self._held.move_to_end(frame)
-            while len(self._held) > self._most:
-                self._held.popitem(last=False)
-
-    def drop(self, frame: Frame) -> None:
-        with self._lock:
-            self._held.pop(frame, None)
-
-
-RECENT = Recent(4)
-
-
-def _zeros(length: int) -> Bytes:
-    """Stands for a chunk a reply does not read: never read."""
-    return _ZEROS[:length] if length <= len(_ZEROS) else bytes(length)
-
-
-def checked(
-    blobs: Sequence[Stored | Deferred],
-    fields: Collection[str] | None = None,
-    shares: Shares | None = None,
-    responses: Sequence[int] = (),
-) -> list[Stored]:
-    """Payloads, those a take deferred read and checked now, all of them or, given the fields of
-    a reply (and the shares of its tokens, item i's response being `responses[i]` tokens long),
-    what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
-    return [
-        blob.resolve(fields, shares, responses[at] if shares is not None else 0) if isinstance(blob, Deferred) else blob
-        for at, blob in enumerate(blobs)
-    ]
-
-
-def token_length(blob: Stored | Deferred | None) -> int | None:
-    """How many tokens a stored experience has, from its safetensors header alone: a deferred
-    one's head, or a stored value (a head, for one stored in chunks, a reference to a shared
-    prompt, or the payload). None
-    without tokens, or where the header cannot be read (damage, which its read check finds)."""
-    try:
-        if blob is None:
-            return None
-        if isinstance(blob, Deferred):
-            head: Head | None = blob.head
-        elif not isinstance(blob, SplitPayload) and len(blob) >= _FRAME.size and is_head(blob):
-            head = read_head(blob)
-        else:
-            head = None
-        if head is not None:
-            _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
-            length = head.section_len
-        else:
-            assert not isinstance(blob, Deferred)
-            if not isinstance(blob, SplitPayload) and len(blob) >= 4 and shared_prompts.is_ref(blob):
-                header, length = shared_prompts.header_of(blob)
-            else:
-                _, header, _, length = parts_of(blob)
-        return token_count(stored_entries(header, length))
-    except (ValueError, struct.error):
-        return None
-
-
-def taken(uid: str, value: Bytes, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
-    """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
-    chunks read later with `read`; anything else as `resolve` reads it, now."""
-    if len(value) >= _FRAME.size and is_head(value):
-        try:
-            head = read_head(value)
-        except (ValueError, struct.error):
-            pass  # damaged: the read check, now, finds it does not match
-        else:
-            return Deferred(uid, head, key, digest, size, read)
-    return resolve(value, key, read)
-
-
-def read_payload(
-    txn: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview], dbs: dict[str, lmdb._Database], key: bytes
-) -> Stored | None:
-    """The payload stored under `key` (resolve), read in `txn`; None if there is none."""
-    value = txn.get(key, db=dbs["blobs"])
-    if value is None:
-        return None
-    return resolve(value, key, reader(txn, dbs))
-
-
-def reader(
-    source: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview] | Snapshot, dbs: dict[str, lmdb._Database]
-) -> Read:
-    """`resolve`'s reads of the out-of-line pieces of payloads, from a transaction or a snapshot."""
-    return lambda name, key: source.get(key, db=dbs[name])
-
-
 def _any_chunk(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bool:
     """Whether a table holds any chunk (of a stored experience, or staged)."""
     with txn.cursor(db=dbs["chunks"]) as cur:
@@ -799,7 +313,7 @@ def delete(
     sharing: dict[bytes, bool] = {}  # ... and any shared prompt
     for at, key in enumerate(keys):
         prefix = bytes(key[:4])
-        look = sizes is None or sizes[at] > CHUNK_BYTES
+        look = sizes is None or sizes[at] > chunk_heads.CHUNK_BYTES
         if not look and sizes is not None and sizes[at] > MIN_COMPRESSED:
             if prefix not in chunking:
                 chunking[prefix] = _any_chunk(txn, dbs, prefix)

@@ -25,7 +25,7 @@ from expbuf.client.trxp.pieces import Run, Stored, realized
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from . import digests
-from .chunked import Deferred, checked, token_length
+from .chunk_reads import Deferred, checked, token_length
 from .records import ItemRecord
 from .snapshot import Snapshot
 from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
@@ -164,7 +164,7 @@ class Sampled:
 
     uids: list[str]
     group_ids: list[str]
-    blobs: list[Stored | Deferred]  # Deferred: checked where the reply is built (chunked.py)
+    blobs: list[Stored | Deferred]  # Deferred: checked where the reply is built (chunk_reads.py)
     advantages: list[Advantage] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # policy version of each experience
     rewards: list[float | None] = field(default_factory=list)  # each experience's, as pushed

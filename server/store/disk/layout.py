@@ -4,7 +4,7 @@ Per-table keys start with the table's 4-byte id T (big-endian), so a table's ent
 one contiguous range:
 - tables:    name -> {"id", "config", "created", "v"} (JSON)   meta: format, next table id
 - items:     T + uid -> ItemRecord            blobs: T + uid -> the one-item TRXP payload, or the head
-  of one whose tensor section is stored in chunks (chunked.py)
+  of one whose tensor section is stored in chunks (chunked.py, its frame chunk_heads.py)
 - chunks:    T + chunk set + chunk number -> a piece of a tensor section (chunked.py)
 - staged:    T + chunk set -> when a push in chunks began staging it (until the push's commit)
 - shared:    T + digest -> a prompt's tokens, stored once for the runs that carry them
@@ -46,11 +46,11 @@ from ..schema.ready_indexes import u64
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
 # (byver) of ready groups; 4 digests payloads with XXH3-128, not SHA-256 (digests.py), and keeps
 # compact tombstones in their own database (tombs); 5 adds the prompt ledger's database (ledger,
-# ledger_records.py); 6 stores a tensor section larger than chunked.CHUNK_BYTES in chunks (the
+# ledger_records.py); 6 stores a tensor section larger than chunk_heads.CHUNK_BYTES in chunks (the
 # chunks and staged databases); 7 stores a prompt its runs share once (the shared and shared_refs
 # databases, shared_prompts.py) and keeps keyed values (kv, services/values.py); 8 keeps partial
 # rollouts' pieces (partials, rules/partials.py); 9 takes a chunked payload's head's own digest over
-# its chunk set too (chunked.py). See migrate.py.
+# its chunk set too (chunk_heads.py, chunked.reseal_heads). See migrate.py.
 FORMAT = 9
 DIRECTORY = ("meta", "tables", "leases", "lease_exp", "grants", "grant_exp")  # not per table
 OWN = (

@@ -127,7 +127,7 @@ class Snapshot:
 
 def _owned(value: Any) -> Any:
     """A value copied out of the map, if it is a view of it (or made of views, or reads them:
-    chunked.Deferred, which has a `detach`)."""
+    chunk_reads.Deferred, which has a `detach`)."""
     if isinstance(value, memoryview):
         return bytes(value)
     if isinstance(value, SplitPayload):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from ..disk import chunked
+from ..disk import chunk_reads, chunked
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import FAILED, LIVE, QUARANTINED
 from .read_check import payload_problem
@@ -68,7 +68,7 @@ def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:
         rec = tt.item(uid)
         if rec is None or rec.state not in (*LIVE, FAILED):
             continue
-        blob = chunked.read_payload(tt.txn, tt.db, tt.key(uid))
+        blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))
         why = None if blob is None else payload_problem(uid, rec, blob)
         if why is None:
             continue

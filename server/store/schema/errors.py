@@ -196,7 +196,7 @@ class Damaged(StoreError):
 
 class DamagedPayload(StoreError):
     """A stored experience found damaged where its batch's reply was built (one stored in chunks
-    is checked there, off the writer: chunked.Deferred); its batch was not sent."""
+    is checked there, off the writer: chunk_reads.Deferred); its batch was not sent."""
 
     status = "DATA_LOSS"
     reason = Reason.DAMAGED

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..disk import chunked, layout
+from ..disk import chunk_heads, chunked, layout, zstd_workers
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, groups, limiter, partials, pushed_advantages
@@ -168,7 +168,7 @@ class Pushing:
         with a `level`, each as a zstd frame, compressed here, before the writer."""
         table_id = self.catalog.lookup(table)[0]
         dbs, now = self.environment.db, self.catalog.clock()
-        stored = chunk if level is None else chunked.compress(chunk, level)
+        stored = chunk if level is None else zstd_workers.compress(chunk, level)
 
         def write(txn: lmdb.Transaction[bytes]) -> None:
             if self.catalog.stored_id(txn, table) != table_id:  # nothing left under a dropped table's id
@@ -186,7 +186,7 @@ class Pushing:
         dbs = self.environment.db
 
         def staged(txn: lmdb.Transaction[bytes]) -> list[int]:
-            return [s for s in set_ids if txn.get(chunked.set_prefix(prefix, s), db=dbs["staged"]) is not None]
+            return [s for s in set_ids if txn.get(chunk_heads.set_prefix(prefix, s), db=dbs["staged"]) is not None]
 
         with self.environment.read() as txn:
             if not staged(txn):  # a stored push's: nothing to write

@@ -18,9 +18,9 @@ from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
 
-from ..disk import chunked, digests, layout
+from ..disk import chunk_reads, digests, layout
 from ..disk.batch_rows import BatchRows
-from ..disk.chunked import checked, read_payload
+from ..disk.chunk_reads import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
@@ -170,7 +170,7 @@ class Reads:
         (ReadFields; `shares` of their tokens, if given), or `whole` (its payload), and the missing
         uids. The payloads are views of a snapshot, off the writer, until the batch is released;
         one stored in chunks and read for some fields is read, and checked, where the reply is
-        built, for only what the reply reads (chunked.Deferred), the others here, and a damaged
+        built, for only what the reply reads (chunk_reads.Deferred), the others here, and a damaged
         one quarantined and listed as missing, as Get lists it."""
         for _ in range(OPEN_TRIES):
             snapshot = self.environment.snapshot()  # on this thread: a read needs no writer's turn
@@ -219,20 +219,22 @@ class Reads:
                 if record is None:
                     raise not_stored("experience", uid)
                 rec = ItemRecord.decode(record)
-                chunk = chunked.reader(snapshot, db)
-                streamed = chunked.streamed(value, key, chunk) if whole else None
+                chunk = chunk_reads.reader(snapshot, db)
+                streamed = chunk_reads.streamed(value, key, chunk) if whole else None
                 if streamed is not None:  # zstd frames: checked here one at a time, read again as the reply is cut
-                    blob: Stored | chunked.Deferred = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
+                    blob: Stored | chunk_reads.Deferred = chunk_reads.taken(
+                        uid, value, key, rec.digest, rec.size, chunk
+                    )
                     problem = serve_problem(uid, rec, None)
                     why = digests.differs(streamed[1], streamed[0], rec.size, rec.digest)
                     if problem is None and why is not None:
                         problem = Unservable(uid, why, damaged=True)
                 else:
                     if whole:  # read and checked here, all of it, as Get checks it
-                        blob = chunked.resolve(value, key, chunk)
+                        blob = chunk_reads.resolve(value, key, chunk)
                     else:
-                        blob = chunked.taken(uid, value, key, rec.digest, rec.size, chunk)
-                    problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+                        blob = chunk_reads.taken(uid, value, key, rec.digest, rec.size, chunk)
+                    problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
                 if not _servable(table, "ReadFields", problem, missing, damaged):
                     continue
                 rows.add(key, rec, blob)
@@ -313,4 +315,4 @@ def _servable(table: str, call: str, problem: Unservable | None, missing: list[s
 
 def _tokens_of(value: bytes | None) -> int:
     """A stored value's tokens for a split's cost: 0 for one that cannot be read, which its read finds."""
-    return chunked.token_length(value) or 0
+    return chunk_reads.token_length(value) or 0

@@ -27,7 +27,7 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored
 
-from ..disk import chunked, digests, layout, residency
+from ..disk import chunk_reads, digests, layout, residency
 from ..disk.environment import Environment
 from ..disk.records import ItemRecord
 from ..rules.counters import read_counters
@@ -197,9 +197,9 @@ class Scrub:
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
                         return bad, bytes(cur.key()), payloads, nbytes, count
-                    key, read = cur.key(), chunked.reader(txn, db)
-                    streamed = chunked.streamed(cur.value(), key, read)  # held a chunk at a time
-                    blob = chunked.resolve(cur.value(), key, read) if streamed is None else streamed
+                    key, read = cur.key(), chunk_reads.reader(txn, db)
+                    streamed = chunk_reads.streamed(cur.value(), key, read)  # held a chunk at a time
+                    blob = chunk_reads.resolve(cur.value(), key, read) if streamed is None else streamed
                     raw = txn.get(key, db=db["items"])
                     length = len(blob) if streamed is None else streamed[1]
                     payloads += length
@@ -213,7 +213,7 @@ class Scrub:
         return bad, None, payloads, nbytes, count
 
     def _damaged(self, key: memoryview, raw: memoryview, blob: Stored | tuple[bytes, int]) -> bool:
-        """Whether the payload (or its digest and length, chunked.streamed) is not the one its
+        """Whether the payload (or its digest and length, chunk_reads.streamed) is not the one its
         record's digest names."""
         try:
             if ItemRecord.compact(raw):

@@ -11,7 +11,7 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored, whole
 
-from ..disk import chunked, layout
+from ..disk import chunk_reads, layout
 from ..disk.kinds import ComputeJob
 from ..disk.records import GroupRecord, ItemRecord
 from ..rules.counters import read_counters
@@ -81,7 +81,7 @@ def backlog(
                         item_key = prefix + uid.encode()
                         records[uid] = ItemRecord.decode(stored(txn, item_key, dbs["items"], "experience"))
                         if token_level:
-                            payload = chunked.read_payload(txn, dbs, item_key)
+                            payload = chunk_reads.read_payload(txn, dbs, item_key)
                             if payload is None:
                                 raise missing("payload of experience", uid)
                             blobs[uid] = payload

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lmdb
 
-from ..disk import chunked, layout, shared_prompts
+from ..disk import chunk_heads, chunk_reads, layout, shared_prompts
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules.counters import read_counters
@@ -225,7 +225,7 @@ def verify(tt: TableState) -> list[str]:
 def _check_chunk_sets(tt: TableState) -> list[str]:
     """Every chunk set is a stored payload's (its head names it) or a push's that is staging it
     (one that a stop cut short is dropped by the next start), and a set an intact head names is
-    marked with that head's key (chunked.OWNER)."""
+    marked with that head's key (chunk_heads.OWNER)."""
     p = tt.prefix
     named: set[int] = set()
     staged: set[int] = set()
@@ -235,11 +235,11 @@ def _check_chunk_sets(tt: TableState) -> list[str]:
         present = cur.set_range(p)
         while present and cur.key().startswith(p):
             value = cur.value()
-            if chunked.is_head(value):
+            if chunk_heads.is_head(value):
                 with contextlib.suppress(_DAMAGE):  # a damaged head: the payload's own check says so
-                    head = chunked.read_head(value)
+                    head = chunk_heads.read_head(value)
                     named.add(head.set_id)
-                    mark = tt.txn.get(chunked.chunk_key(p, head.set_id, chunked.OWNER), db=tt.db["chunks"])
+                    mark = tt.txn.get(chunk_heads.chunk_key(p, head.set_id, chunk_heads.OWNER), db=tt.db["chunks"])
                     unmarked += head.intact and mark != cur.key()
             present = cur.next()
     for db, into in (("staged", staged), ("chunks", found)):
@@ -280,7 +280,7 @@ def _check_item(
     state = member_state(rec, grp)
     counts[state] += 1
     live = rec.state in LIVE
-    blob = chunked.read_payload(tt.txn, tt.db, tt.key(uid))
+    blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))
     if live != (blob is not None) and not (rec.state == FAILED and kept):
         problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
     if blob is not None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 
 from expbuf.client.trxp.pieces import Stored
 
-from ..disk import chunked
+from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
@@ -186,29 +186,29 @@ class _Payloads:
     and its payload has not changed since); a copy from the write for one stored in this
     very commit. The snapshot opens at the first read. With `defer` (a held batch, which a
     reply that cannot be built gives back), one stored in chunks is read from the snapshot, and
-    checked, where its reply is built (chunked.Deferred), not here in the writer."""
+    checked, where its reply is built (chunk_reads.Deferred), not here in the writer."""
 
     def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None, *, defer: bool) -> None:
         self.tt, self._open, self._defer = tt, open_snapshot, defer
         self.snapshot: Snapshot | None = None
         self.newest = -1
-        self._read: dict[str, Stored | chunked.Deferred] = {}
+        self._read: dict[str, Stored | chunk_reads.Deferred] = {}
 
     def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
         """Read a group's payloads; those that cannot be served (a deferred one: its advantage alone)."""
         problems = []
         for uid, rec in recs.items():
             blob = self._get(uid, rec)
-            problem = serve_problem(uid, rec, None if isinstance(blob, chunked.Deferred) else blob)
+            problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
             if problem is not None:
                 problems.append(problem)
         return problems
 
-    def read(self, uid: str) -> Stored | chunked.Deferred:
+    def read(self, uid: str) -> Stored | chunk_reads.Deferred:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunked.Deferred:
+    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
@@ -217,15 +217,15 @@ class _Payloads:
         snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
         view = snapshot.get(key, blobs) if snapshot is not None else None
         if snapshot is not None and view is not None:
-            read = chunked.reader(snapshot, self.tt.db)
+            read = chunk_reads.reader(snapshot, self.tt.db)
             if self._defer:
-                blob = chunked.taken(uid, view, key, rec.digest, rec.size, read)
+                blob = chunk_reads.taken(uid, view, key, rec.digest, rec.size, read)
             else:
-                blob = chunked.resolve(view, key, read)
+                blob = chunk_reads.resolve(view, key, read)
         else:
             txn = self.tt.txn
-            blob = chunked.resolve(
-                stored(txn, key, blobs, "payload of experience"), key, chunked.reader(txn, self.tt.db)
+            blob = chunk_reads.resolve(
+                stored(txn, key, blobs, "payload of experience"), key, chunk_reads.reader(txn, self.tt.db)
             )
         self._read[uid] = blob
         return blob

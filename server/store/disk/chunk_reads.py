@@ -1,0 +1,322 @@
+"""Payloads stored in chunks (chunked.py) read back: whole (`resolve`), as a digest taken a
+chunk at a time (`streamed`), or deferred to where a batch's reply is built (`taken`,
+`Deferred`), which reads only the chunks the reply's fields lie in.
+
+Read back, a head and its chunks are a `pieces.SplitPayload`, the same bytes as the one-item
+payload stored whole would be, which the record's digest is taken over (digests.of): a retried
+push is a duplicate however its experience was stored.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import struct
+import threading
+from collections.abc import Collection, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from expbuf.client.trxp.build import json_text, stored_entries
+from expbuf.client.trxp.columns import Shares, token_count
+from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of
+
+from ..schema.errors import DamagedPayload
+from . import digests, shared_prompts
+from .chunk_heads import _FRAME, CHUNK_BYTES, Head, _intact_head, chunk_key, is_head, read_head
+from .shared_prompts import Read
+from .zstd_workers import DECOMPRESSING
+
+if TYPE_CHECKING:
+    from .snapshot import Snapshot
+
+
+def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:
+    """A stored value as the payload it stands for: itself, a reference's payload with its shared
+    prompt (shared_prompts.py), or a head's prefix and its chunks, read with `read` (a
+    database's name and a key to the value). A chunk that is missing reads as nothing and a
+    head whose frame, or whose own digest, is damaged as its bytes, which the read check then
+    finds do not match."""
+    if len(value) >= 4 and shared_prompts.is_ref(value):
+        return shared_prompts.resolve(value, key, read)
+    head = _intact_head(value)
+    if head is None:
+        return value
+    plain = head.plain_each(range(head.chunks), _stored_chunks(head, key, read))
+    return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
+
+
+def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
+    """A head's chunks as stored (None where one is missing)."""
+    prefix = bytes(key[:4])
+    return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
+
+
+def streamed(value: Bytes, key: bytes | memoryview, read: Read) -> tuple[bytes, int] | None:
+    """The digest and length of the payload an intact head of zstd frames stands for, its chunks
+    decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
+    payload: a chunk missing or that does not decompress adds nothing. None for any other value
+    (read it whole with `resolve`)."""
+    head = _intact_head(value)
+    if head is None or not head.compressed:
+        return None
+    whole, size = digests.running(), len(head.prefix)
+    whole.update(head.prefix)
+    for index, stored in enumerate(_stored_chunks(head, key, read)):  # decompressed one at a time
+        chunk = head.plain(index, stored)
+        if chunk is not None:
+            whole.update(chunk)
+            size += len(chunk)
+    return whole.digest(), size
+
+
+# What a reply of these fields reads besides them: the action mask, which advantages of one value
+# an experience are spread under (stored_advantages.expand).
+_READS_MASK = frozenset({"advantages", "returns"})
+_ZEROS = memoryview(bytes(CHUNK_BYTES))  # stands for a chunk a reply does not read: never read
+
+
+class Deferred:
+    """A payload stored in chunks, taken by its head alone in the writer's transaction: its chunks
+    are read from the snapshot the batch was taken in, and checked, where the batch's reply is
+    built (`resolve`), off the writer, so that a take of long rollouts never holds the writer
+    while their bytes are read from disk and digested. A reply of some fields reads only the
+    chunks they lie in. Should the snapshot have to end first (a map resize), `detach` copies the
+    head and the chunks out of it."""
+
+    __slots__ = ("_chunk", "_copied", "_head", "_key", "digest", "size", "uid")
+
+    def __init__(self, uid: str, head: Head, key: bytes, digest: bytes, size: int, read: Read) -> None:
+        self.uid, self._head, self._key, self.digest, self.size = uid, head, key, digest, size
+        self._chunk = partial(read, "chunks")
+        self._copied: list[Bytes | None] | None = None  # the chunks, once detached
+
+    @property
+    def head(self) -> Head:
+        """Its head as stored: what it holds, before its chunks are read."""
+        return self._head
+
+    def _stored(self, index: int) -> Bytes | None:
+        if self._copied is not None:
+            return self._copied[index]
+        return self._chunk(chunk_key(bytes(self._key[:4]), self._head.set_id, index))
+
+    def _plain(self, indices: Sequence[int]) -> dict[int, Bytes | None]:
+        """Chunks' bytes as pushed (Head.plain_each), by their numbers."""
+        stored = [self._stored(index) for index in indices]
+        return dict(zip(indices, self._head.plain_each(indices, stored, DECOMPRESSING), strict=True))
+
+    def checked_chunk(self, index: int) -> Bytes:
+        """Chunk `index`'s bytes as pushed, checked against its digest (DamagedPayload if not)."""
+        got = self._head.plain(index, self._stored(index))
+        if got is None or len(got) != self._head.length(index) or digests.of(got) != self._head.digests[index]:
+            raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
+        return got
+
+    def resolve(
+        self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
+    ) -> SplitPayload:
+        """The payload, checked: all of it against its record's digest; or, given the fields a
+        reply reads, its head against the head's own digest and the chunks those fields lie in
+        against theirs, the others standing as zeros no reply reads. With `shares` (the
+        experience's response being `response` tokens), only the chunks of the rows in them.
+        DamagedPayload if what is read is not what was pushed. A head of zstd frames whose own
+        digest matches gives its chunks as Windows of Frames: each decompressed, and checked
+        against its digest in the head, as the part of a reply that holds it is cut (the head's
+        digest names theirs: what they check together is the payload pushed), so that a reply
+        holds a chunk or two of them at a time, not the batch's."""
+        head = self._head
+        if head.compressed:
+            if not head.intact:
+                raise DamagedPayload(
+                    self.uid, "its head is damaged" if fields is None else "its head does not match its digest"
+                )
+            needed = range(head.chunks) if fields is None else self._needed(fields, shares, response)
+            return SplitPayload(
+                head.prefix,
+                [
+                    Window(Frame(self, index), 0, head.length(index)) if index in needed else _zeros(head.length(index))
+                    for index in range(head.chunks)
+                ],
+            )
+        if fields is None:
+            found = self._plain(range(head.chunks))
+            payload = SplitPayload(head.prefix, [b"" if (got := found[i]) is None else got for i in range(head.chunks)])
+            problem = digests.mismatch(payload, self.size, self.digest) if head.intact else "its head is damaged"
+            if problem is not None:
+                raise DamagedPayload(self.uid, problem)
+            return payload
+        if not head.intact:
+            raise DamagedPayload(self.uid, "its head does not match its digest")
+        needed = self._needed(fields, shares, response)
+        found = self._plain(sorted(needed))
+        pieces: list[Run] = []
+        for index in range(head.chunks):
+            length = head.length(index)
+            if index not in needed:
+                pieces.append(_zeros(length))
+                continue
+            got = found[index]
+            if got is None or len(got) != length or digests.of(got) != head.digests[index]:
+                raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
+            pieces.append(got)
+        return SplitPayload(head.prefix, pieces)
+
+    def _needed(self, fields: Collection[str], shares: Shares | None, response: int) -> set[int]:
+        """The chunks a reply of `fields` reads (of the rows of `shares` only, where given): those
+        they lie in, and the action mask's for advantages spread under it."""
+        head = self._head
+        _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
+        entries = stored_entries(header, head.section_len)
+        wanted = {json_text(name) for name in fields}
+        mask = {json_text("action_mask")} if _READS_MASK & set(fields) else set()
+        whole = wanted | mask if shares is None else mask  # the mask whole: advantages spread under it, then cut
+        spans = [(start, end) for name, _, _, start, end in entries if name in whole]
+        if shares is not None:
+            spans += shares.spans(entries, wanted - mask, response)
+        return {index for start, end in spans for index in head.span(start, end)}
+
+    def detach(self) -> Deferred:
+        """The same payload with its head and chunks copied out of the snapshot (still to be checked)."""
+        if self._copied is None:
+            found = [self._stored(index) for index in range(self._head.chunks)]
+            self._copied = [None if chunk is None else bytes(chunk) for chunk in found]
+            self._head = dataclasses.replace(self._head, prefix=memoryview(bytes(self._head.prefix)))
+        return self
+
+
+class Frame:
+    """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
+    and checked against its digest, when a reply reads it, and kept among the few chunks
+    decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
+    order, and the next part cut inside the chunk finds it there."""
+
+    __slots__ = ("_deferred", "_index")
+
+    def __init__(self, deferred: Deferred, index: int) -> None:
+        self._deferred, self._index = deferred, index
+
+    def __len__(self) -> int:
+        return self._deferred.head.length(self._index)
+
+    def read(self, start: int, end: int) -> bytes | memoryview:
+        plain = RECENT.get(self)
+        if plain is None:
+            plain = self._deferred.checked_chunk(self._index)
+        if end >= len(self):
+            RECENT.drop(self)
+        else:
+            RECENT.keep(self, plain)
+        return memoryview(plain)[start:end]
+
+    def detach(self) -> Frame:
+        self._deferred.detach()
+        return self
+
+
+class Recent:
+    """The chunks decompressed last, `most` of them whichever reply read them: a reply holds a
+    chunk or two of its zstd frames decompressed at a time, not its batch (a mask read for the
+    advantages spread under it, then the parts, would otherwise keep a chunk of each experience)."""
+
+    def __init__(self, most: int) -> None:
+        self._most, self._lock = most, threading.Lock()
+        self._held: collections.OrderedDict[Frame, Bytes] = collections.OrderedDict()
+
+    def get(self, frame: Frame) -> Bytes | None:
+        with self._lock:
+            return self._held.get(frame)
+
+    def keep(self, frame: Frame, plain: Bytes) -> None:
+        with self._lock:
+            self._held[frame] = plain
+            self._held.move_to_end(frame)
+            while len(self._held) > self._most:
+                self._held.popitem(last=False)
+
+    def drop(self, frame: Frame) -> None:
+        with self._lock:
+            self._held.pop(frame, None)
+
+
+RECENT = Recent(4)
+
+
+def _zeros(length: int) -> Bytes:
+    """Stands for a chunk a reply does not read: never read."""
+    return _ZEROS[:length] if length <= len(_ZEROS) else bytes(length)
+
+
+def checked(
+    blobs: Sequence[Stored | Deferred],
+    fields: Collection[str] | None = None,
+    shares: Shares | None = None,
+    responses: Sequence[int] = (),
+) -> list[Stored]:
+    """Payloads, those a take deferred read and checked now, all of them or, given the fields of
+    a reply (and the shares of its tokens, item i's response being `responses[i]` tokens long),
+    what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
+    return [
+        blob.resolve(fields, shares, responses[at] if shares is not None else 0) if isinstance(blob, Deferred) else blob
+        for at, blob in enumerate(blobs)
+    ]
+
+
+def token_length(blob: Stored | Deferred | None) -> int | None:
+    """How many tokens a stored experience has, from its safetensors header alone: a deferred
+    one's head, or a stored value (a head, for one stored in chunks, a reference to a shared
+    prompt, or the payload). None
+    without tokens, or where the header cannot be read (damage, which its read check finds)."""
+    try:
+        if blob is None:
+            return None
+        if isinstance(blob, Deferred):
+            head: Head | None = blob.head
+        elif not isinstance(blob, SplitPayload) and len(blob) >= _FRAME.size and is_head(blob):
+            head = read_head(blob)
+        else:
+            head = None
+        if head is not None:
+            _, header, _, _ = parts_of(SplitPayload(head.prefix, []))
+            length = head.section_len
+        else:
+            assert not isinstance(blob, Deferred)
+            if not isinstance(blob, SplitPayload) and len(blob) >= 4 and shared_prompts.is_ref(blob):
+                header, length = shared_prompts.header_of(blob)
+            else:
+                _, header, _, length = parts_of(blob)
+        return token_count(stored_entries(header, length))
+    except (ValueError, struct.error):
+        return None
+
+
+def taken(uid: str, value: Bytes, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
+    """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
+    chunks read later with `read`; anything else as `resolve` reads it, now."""
+    if len(value) >= _FRAME.size and is_head(value):
+        try:
+            head = read_head(value)
+        except (ValueError, struct.error):
+            pass  # damaged: the read check, now, finds it does not match
+        else:
+            return Deferred(uid, head, key, digest, size, read)
+    return resolve(value, key, read)
+
+
+def read_payload(
+    txn: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview], dbs: dict[str, lmdb._Database], key: bytes
+) -> Stored | None:
+    """The payload stored under `key` (resolve), read in `txn`; None if there is none."""
+    value = txn.get(key, db=dbs["blobs"])
+    if value is None:
+        return None
+    return resolve(value, key, reader(txn, dbs))
+
+
+def reader(
+    source: lmdb.Transaction[bytes] | lmdb.Transaction[memoryview] | Snapshot, dbs: dict[str, lmdb._Database]
+) -> Read:
+    """`resolve`'s reads of the out-of-line pieces of payloads, from a transaction or a snapshot."""
+    return lambda name, key: source.get(key, db=dbs[name])
