@@ -35,10 +35,11 @@ from .advantages.devices import check_device
 from .advantages.start import AdvantageStart
 from .config import ServerConfig
 from .rpc.auth import TokenAuth
-from .rpc.inflight import InFlight, PushMemory, few_arenas
+from .rpc.inflight import InFlight, few_arenas
 from .rpc.ingest import Ingest, Stager
 from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.metrics import Metrics, RpcMetrics
+from .rpc.push_memory import PushMemory
 from .rpc.replies import PassBytes, keep_reply_memory
 from .rpc.service import ExperienceBufferService
 from .store import Store, TableExtension

@@ -119,7 +119,7 @@ class ServerConfig:
     # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push_stream.py).
     push_stream_window: int = 8
     # A push in chunks must come at this many MB (10^6 bytes) a second on average, after a grace of
-    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (rpc/inflight.py).
+    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (rpc/push_memory.py).
     push_min_mb_per_second: float = 0.1
     # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0

@@ -17,7 +17,8 @@ from expbuf.client import trxp
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.inflight import InFlight, read_push_request
+from expbuf.server.rpc.inflight import InFlight
+from expbuf.server.rpc.push_request import read_push_request
 
 from conftest import BAD_DIR, Servers
 from helpers import group_items

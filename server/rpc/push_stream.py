@@ -7,7 +7,7 @@ window of pushes thus shares the writer's commits (one fsync), and the parse of 
 the commit of the last. Each reply still goes out only once its push is durable, in the order of
 the requests, with its seq.
 
-A refused push, whether its message could not be read (inflight.Refusal), its payload not be
+A refused push, whether its message could not be read (push_request.Refusal), its payload not be
 parsed, or the store refused it, ends the stream with its status after the replies of the pushes
 before it, and nothing after it is stored: a client sends those again on a new stream
 (client/pushers/pipeline.py), as if each push had waited for the reply of the one before.
@@ -32,10 +32,10 @@ from ..backend import Backend
 from ..store import Push, PutResult
 from ..store.schema.errors import InsertLimited, TableFull
 from .call_context import CALL_TABLE, noted, room_wait
-from .inflight import PushMessage, Refusal
 from .ingest import Ingest
 from .interceptor import refuse
 from .limits import IdleMessages
+from .push_request import PushMessage, Refusal
 
 # A push's reply from its seq, table and result (the servicer's, shared with unary Push).
 Reply = Callable[[int, str, PutResult], pb.PushReply]
@@ -44,7 +44,7 @@ Reply = Callable[[int, str, PutResult], pb.PushReply]
 @dataclass(slots=True)
 class Parsed:
     """A push whose payload was parsed, holding its memory until it is stored. Its message is a
-    PushMessage as the server reads it (inflight.PushMemory), a PushRequest to the servicer alone."""
+    PushMessage as the server reads it (push_memory.PushMemory), a PushRequest to the servicer alone."""
 
     message: PushMessage | pb.PushRequest
     push: Push

@@ -45,12 +45,12 @@ from .call_context import (
     room_wait,
 )
 from .draining import Draining
-from .inflight import PushMessage
 from .ingest import Ingest
 from .interceptor import refuse
 from .ledger_service import LedgerCalls
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
+from .push_request import PushMessage
 from .read_service import ReadCalls
 from .replies import ReplyTooLarge, sample_reply
 from .sample_stream import stream_batches

@@ -1,0 +1,341 @@
+"""What pushes hold in memory: their payloads read without a copy (push_request.py), counted
+against `max_inflight_bytes` (inflight.py) while they are decoded and stored, and given back after.
+
+A payload sent in chunks over PushStream (total_bytes) is read chunk by chunk: gRPC's copies are
+then of one chunk at a time, and `max_message_bytes` bounds a chunk, not the payload. One with an
+experience whose tensor data is larger than the store's chunk (store/disk/chunked.py), whose head
+comes whole in its first chunk, is staged as it arrives (ingest.Stager): each such experience's
+data goes to the store a chunk at a time, and the push holds its head, its other experiences'
+data and a chunk of each large one, whatever its size. Any other is put together here in memory
+of its own size.
+
+A push starts reading its message only while the payloads held by pushes in progress are
+below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
+RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
+so the pushes that started reading below the cap may together pass it, by at most one message
+each.) A push sent whole that is larger than the cap still goes through when nothing else is in
+flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
+by what it will hold (all of it, or its staging), reserving that once it fits beside what is
+held (waiting, and refused, as above), and refused at once, naming both, when that is larger
+than the cap; its reservation, and what it staged that its push did not store, is given back
+however the push ends. One larger than `max_push_bytes` is refused at its first chunk: a staged
+push writes all of itself to disk before its commit, whatever it holds in memory. It must also
+come at `push_min_mb_per_second` on average, after a grace of
+`push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
+and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
+handed back to the system.
+
+A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
+message carries what it holds, given back once its push is stored or refused, and the stream's
+wait for room is not timed while its own earlier pushes hold memory, which they give back. Its
+refusals are raised as a `Refusal`, which the stream gives as its status in its turn, after the
+replies of the pushes before it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from expbuf.client.schema.reasons import Reason
+
+from ..store import Entry
+from ..store.schema.errors import StoreError
+from .inflight import InFlight
+from .ingest import StagedPush, Stager
+from .interceptor import ServiceInterceptor, refuse
+from .limits import MAY_WAIT, PROGRESS
+from .push_request import PushMessage, Refusal, read_push_request
+
+T = TypeVar("T")
+
+
+def _remaining(context: grpc.ServicerContext) -> float:
+    """How long a push may wait to be read: its deadline, less the time to send a refusal."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - min(1.0, 0.1 * left))
+
+
+class PushMemory(ServiceInterceptor):
+    """Push and PushStream read their messages with read_push_request, once InFlight admits them;
+    PushStream puts the chunks of a payload together before the servicer sees it. A message that
+    cannot be read raises a Refusal: Push gives it as its status, PushStream in its turn. PutValues
+    is read once admitted too, and its values counted while they are stored."""
+
+    def __init__(
+        self,
+        inflight: InFlight,
+        stream_wait: float = 3600.0,
+        min_mb_per_second: float = 0.1,
+        grace: float = 120.0,
+        stager: Stager | None = None,
+        max_push_bytes: int = 16 << 30,
+    ) -> None:
+        self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
+        self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
+        # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
+        self.min_mb_per_second, self.grace = min_mb_per_second, grace
+
+    def _read(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
+    ) -> PushMessage | None:
+        """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
+        None at the end of the client's messages."""
+        self._admit(context, most, owner)
+        request = next(requests, None)
+        if request is None:
+            return None
+        size = len(request.payload)
+        request.held.append(self.inflight.hold(size, owner))
+        if request.total_bytes and request.total_bytes < size:
+            request.release()
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"PushRequest: total_bytes = {request.total_bytes} is less than the {size} bytes of its payload",
+                Reason.INVALID_REQUEST,
+            )
+        return request
+
+    def _admit(self, context: grpc.ServicerContext, most: float = 3600.0, owner: object = None) -> None:
+        """Wait until a message may be read (InFlight.admit, at most `most`); a Refusal if not in time.
+        A unary call (no `owner`: a Push, a PutValues) that finds the cap reached becomes a call that
+        waits idle: it waits only where the call limits let it (limits.MAY_WAIT), and is otherwise
+        refused at once as busy, having done nothing, so that such calls never take the workers kept
+        for the calls that answer at once (a Seal, a ClearValues)."""
+        may_wait = MAY_WAIT.get() if owner is None and self.inflight.held >= self.inflight.limit else None
+        busy = None if may_wait is None else may_wait()
+        if busy is not None:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"pushes and PutValues in progress hold max_inflight_bytes = {self.inflight.limit}, and this call "
+                f"may not wait for room: {busy}",
+                Reason.BUSY,
+            )
+        refused = self.inflight.admit(min(most, _remaining(context)), owner)
+        if refused is not None:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+
+    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
+        """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
+        what staging it holds) in place of its first chunk, once it fits beside what pushes in
+        progress hold (waiting as a message's read does); refused at once when larger than the cap,
+        which it could never fit under."""
+        total, limit = first.total_bytes, self.inflight.limit
+        first.release()
+        if size > limit:
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload in chunks of total_bytes = {total} holds {size} bytes as it is read, "
+                f"more than max_inflight_bytes = {limit}, the payload bytes pushes in progress may hold together "
+                "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
+                Reason.TOO_LARGE,
+            )
+        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner)
+        if isinstance(held, str):
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
+        first.held.append(held)
+
+    def _chunks(
+        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
+    ) -> Generator[Any, None, PushMessage]:
+        """The payload whose first chunk is `first`, reserved (`_reserve`) and read from the chunks
+        that follow it: staged as it comes where the stager takes it (its message then carries its
+        experiences, ingest.Stager), else put together in memory of its own and returned as one
+        message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
+        stream that ends before the last chunk, or whose chunks come slower than min_mb_per_second on
+        average after the grace, is refused: nothing of the push is stored, and what it reserved and
+        staged is given back."""
+        total = first.total_bytes
+        if total > self.max_push_bytes:
+            first.release()
+            raise Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PushRequest: a payload in chunks of total_bytes = {total} is larger than max_push_bytes = "
+                f"{self.max_push_bytes}, the largest push this server takes (raise it with EXPBUF_MAX_PUSH_BYTES "
+                "or in the config file, or push fewer experiences at once): nothing of it is stored",
+                Reason.TOO_LARGE,
+            )
+        staged = None if self.stager is None else self.stager.open(first.table or "default", first.payload, total)
+        self._reserve(first, context, owner, total if staged is None else staged.holds)
+        message = PushMessage(first.table, memoryview(b""), first.seq, held=first.held)
+        try:
+            if staged is None:
+                whole = memoryview(mmap.mmap(-1, total, mmap.MAP_PRIVATE))  # anonymous: given back whole once let go
+                message.payload = whole
+                del whole  # the message alone holds the payload, which the servicer lets go once decoded
+                take = _into(message)
+            else:
+                message.held.append(staged.drop)
+                take = _staging(staged)
+            yield from self._read_chunks(first, requests, take)
+            if staged is not None:
+                message.entries = _staged(staged)
+        except BaseException:
+            message.release()  # what the message holds: first's list
+            raise
+        return message
+
+    def _read_chunks(
+        self, first: PushMessage, requests: Iterator[Any], take: Callable[[int, memoryview], None]
+    ) -> Generator[Any, None, None]:
+        """Hand each chunk of the push whose first chunk is `first` to `take` (where it starts in
+        the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
+        total, got = first.total_bytes, len(first.payload)
+        where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
+        started, allowed = time.monotonic(), self.grace + total / (self.min_mb_per_second * 1e6)
+        take(0, first.payload)
+        first.drop_payload()
+        while got < total:
+            yield PROGRESS
+            chunk = next(requests, None)
+            if chunk is None:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushStream ended {got} bytes into {where}: nothing of it is stored",
+                    Reason.INVALID_REQUEST,
+                )
+            if chunk.table or chunk.seq or chunk.total_bytes or not chunk.payload:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
+                    "nothing else (table, seq and total_bytes unset)",
+                    Reason.INVALID_REQUEST,
+                )
+            end = got + len(chunk.payload)
+            if end > total:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
+                    Reason.INVALID_REQUEST,
+                )
+            elapsed = time.monotonic() - started
+            if end < total and elapsed > allowed:
+                raise Refusal(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
+                    f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
+                    f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
+                    "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                    Reason.TOO_SLOW,
+                )
+            take(got, chunk.payload)
+            chunk.drop_payload()
+            got = end
+
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if method == "Push" and handler.unary_unary:
+            behavior = handler.unary_unary
+
+            def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                try:
+                    request = self._read(requests, context)
+                except Refusal as refusal:
+                    refusal.abort(context)
+                if request is None:
+                    refuse(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "Push: the call carried no message",
+                        Reason.INVALID_REQUEST,
+                    )
+                try:
+                    if request.total_bytes > len(request.payload):
+                        refuse(
+                            context,
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Push: total_bytes = {request.total_bytes} but the payload is {len(request.payload)} "
+                            "bytes: a payload in chunks goes over PushStream",
+                            Reason.INVALID_REQUEST,
+                        )
+                    return behavior(request, context)
+                finally:
+                    request.release()
+
+            # A unary request is framed as a stream of one: taken as a stream, it is read only when asked for.
+            return grpc.stream_unary_rpc_method_handler(push, read_push_request, handler.response_serializer)
+        if method == "PushStream" and handler.stream_stream:
+            behavior = handler.stream_stream
+
+            def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                """The stream's messages, each holding its memory until the servicer releases it."""
+                owner = object()  # this stream, whose own pushes in progress free the room it waits for
+                while True:
+                    request = self._read(requests, context, self.stream_wait, owner)
+                    if request is None:
+                        return
+                    if request.total_bytes > len(request.payload):
+                        request = yield from self._chunks(request, requests, context, owner)
+                    yield request
+
+            def push_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from behavior(admitted(requests, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
+        if method == "PutValues" and handler.unary_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._held_values(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    def _held_values(self, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        """PutValues read once InFlight admits it, its values counted until they are stored: keyed
+        values (TransferQueue's tensors) come as large as pushes, from as many writers at once."""
+
+        def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            try:
+                self._admit(context)
+            except Refusal as refusal:
+                refusal.abort(context)
+            request = next(requests, None)
+            if request is None:
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "PutValues: the call carried no message",
+                    Reason.INVALID_REQUEST,
+                )
+            release = self.inflight.hold(sum(map(len, request.values)))
+            try:
+                return behavior(request, context)
+            finally:
+                release()
+
+        return put_values
+
+
+def _into(message: PushMessage) -> Callable[[int, memoryview], None]:
+    """What puts a push's chunks together in its message's payload."""
+
+    def take(at: int, data: memoryview) -> None:
+        message.payload[at : at + len(data)] = data
+
+    return take
+
+
+def _staging(staged: StagedPush) -> Callable[[int, memoryview], None]:
+    """What takes a staged push's chunks: its bytes after its head, each refusal of the store's
+    (a table gone, a full disk) the push's, as the stream's status."""
+
+    def take(at: int, data: memoryview) -> None:
+        skip = max(0, staged.payload.head_length - at)
+        if skip < len(data):
+            _refused_by_store(lambda: staged.feed(data[skip:]))
+
+    return take
+
+
+def _staged(staged: StagedPush) -> list[Entry]:
+    return _refused_by_store(staged.entries)
+
+
+def _refused_by_store(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except StoreError as exc:
+        raise Refusal(getattr(grpc.StatusCode, exc.status), str(exc), exc.reason) from None
