@@ -182,6 +182,30 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if any(report.values()) else 0
 
 
+def _repair(args: argparse.Namespace) -> int:
+    """Drop what nothing reads, which `expbuf check` names with this command: chunk sets of no
+    stored payload. It opens the directory as a server does (bringing an older format up to date),
+    so a running server's directory is refused."""
+    data = Path(args.data) / "data.mdb"
+    if not data.is_file() or not data.stat().st_size:
+        raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to repair")
+    import lmdb
+
+    from .store import Store
+    from .store.schema.errors import StoreError
+
+    try:
+        with Store(args.data) as store:
+            dropped = store.drop_stray_sets()
+    except (StoreError, lmdb.Error) as exc:
+        raise CommandError(f"{args.data}: {exc}") from None
+    for name, count in dropped.items():
+        print(f"{name}: dropped {count} stray chunk set(s)")
+    if not dropped:
+        print("no stray chunk sets")
+    return 0
+
+
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:
     """What the next `expbuf serve` brings up to date in a directory that needs nothing else
     (an earlier release's format, or the index of an order registered since), or None."""
@@ -311,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="verify a data directory (the server must be stopped)")
     check.add_argument("--data", default="./expbuf-data", help="the data directory to verify (default %(default)s)")
     check.set_defaults(func=_check)
+    repair = sub.add_parser("repair", help="drop the stray chunk sets expbuf check names (the server must be stopped)")
+    repair.add_argument("--data", default="./expbuf-data", help="the data directory (default %(default)s)")
+    repair.set_defaults(func=_repair)
     return parser
 
 

@@ -7,6 +7,8 @@ the next open; a format 5 directory upgrades in place."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,11 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import migrate
 
 from helpers import group_items, take
+
+CHECK = [sys.executable, "-m", "expbuf.server.cli", "check", "--data"]
+REPAIR = [sys.executable, "-m", "expbuf.server.cli", "repair", "--data"]
+# What expbuf check says of a chunk set that nothing reads.
+STRAY = "1 chunk set(s) belong to no stored payload and to no push: expbuf repair drops them"
 
 TABLE = TableConfig.of("big", group_by="task", group_size=2, estimator="grpo")
 RESPONSE = 700_000  # tokens int32, log-probs float32, a bool mask: about 6.3 MB a section
@@ -347,10 +354,42 @@ def test_a_head_whose_chunk_set_is_missing_is_damage_the_check_finds(store: Stor
     assert store.verify("big") == []
     stray = chunk_heads.chunk_key(gone[:4], 999, 0)  # a set neither a head names nor a push stages
     store.environment.submit(lambda txn: txn.put(stray, b"x", db=store.db["chunks"]))
-    assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
+    assert store.verify("big") == [STRAY]
     store.environment.submit(lambda txn: txn.delete(stray, db=store.db["chunks"]))
     with pytest.raises(StoreError):
         store.stage("absent", store.new_chunk_set(), 0, b"")
+
+
+def test_a_stray_chunk_set_refuses_no_start_and_expbuf_repair_drops_it(tmp_path: Path, table: TableConfig) -> None:
+    """A chunk set no head names and no push stages (what damage before data format 9 may leave,
+    which its upgrade cannot give to a head) is read by nothing: `expbuf check` reports it with
+    the command that drops it, a start that checks everything serves all the same (it refused
+    to start, and nothing dropped the set), and `expbuf repair` drops that set alone, refused
+    while a server holds the directory."""
+    data = tmp_path / "data"
+    with Store(data, seed=1) as store:
+        store.create_table(table)
+        push(store, big_group(0))
+        kept = rows(store, "chunks")
+        prefix = next(iter(kept))[:4]
+        strays = [chunk_heads.chunk_key(prefix, 999, index) for index in (0, 1, chunk_heads.OWNER)]
+        store.environment.submit(lambda txn: [txn.put(key, b"x", db=store.db["chunks"]) for key in strays])
+    with Store(data, check_at_open="full") as store:
+        assert store.verify("big") == [STRAY]
+        held = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+        assert held.returncode == 2 and "another expbuf process" in held.stderr, held.stderr
+    assert subprocess.run([*CHECK, str(data)], capture_output=True, text=True, timeout=120).returncode == 1
+    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["big: dropped 1 stray chunk set(s)"], done
+    again = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0 and again.stdout.splitlines() == ["no stray chunk sets"], again
+    checked = subprocess.run([*CHECK, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert checked.returncode == 0 and checked.stdout.splitlines() == ["big: ok", "default: ok"], checked
+    with Store(data, check_at_open="full") as store:
+        assert rows(store, "chunks") == kept
+        got = take(store, "big", num_groups=1, delivery="consume")
+        assert got is not None and len(trxp.parse(got.payload)) == 2
+        got.release()
 
 
 def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_read(store: Store) -> None:
@@ -500,7 +539,7 @@ def test_a_format_8_directory_reseals_its_heads_in_place(tmp_path: Path, table: 
         assert all(uid in problems for uid in uids)
         assert store.quarantine("big", uids) == 2
         assert store.get("big", [item.uid for item in other]) == {item.uid: trxp.pack_item(item) for item in other}
-        assert store.verify("big") == ["1 chunk set(s) belong to no stored payload and to no push"]
+        assert store.verify("big") == [STRAY]
         store.environment.submit(lambda txn: chunked.drop_set(txn, store.db, bytes(flipped[:4]), flipped_set))
         assert store.verify("big") == []
         batch = take(store, "big", num_groups=1, delivery="consume")

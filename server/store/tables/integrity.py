@@ -7,9 +7,9 @@ checks the whole directory (its format record, the catalogue of tables, their co
 and grants, then `verify` on each table), turning whatever a damaged page makes LMDB or
 a decoder raise into a problem naming where it is: `expbuf check` prints them. `at_open`
 is what a server checks before it serves a directory: all of `scan` but the entries of no
-table (which nothing reads), since a damaged record or payload it let through would come
-back to a trainer as an error or, worse, as wrong data; it raises Damaged naming the first
-problem and `expbuf check`.
+table and the chunk sets of no payload (which nothing reads: `expbuf repair` drops the sets),
+since a damaged record or payload it let through would come back to a trainer as an error or,
+worse, as wrong data; it raises Damaged naming the first problem and `expbuf check`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..schema.table_config import TableConfig
 # (lmdb.Error, ValueError, struct.error, KeyError, ...): here every exception is damage to report.
 _DAMAGE = Exception
 _SHOWN = 20  # problems shown per table at most; the count says how many more
+REPAIR = "expbuf repair"  # the command that drops what nothing reads (stray_sets)
 
 
 def at_open(
@@ -64,7 +65,8 @@ def scan(
     tables: bool = True,
 ) -> dict[str, list[str]]:
     """Every problem of the directory, by table name ("" for the directory's own records);
-    `strays` also counts the entries that belong to no table, and `tables` checks each table's
+    `strays` also counts what nothing reads (the entries that belong to no table, the tables' stray
+    chunk sets), and `tables` checks each table's
     items, digests, indexes and counters."""
     report: dict[str, list[str]] = {"": []}
     catalogue: dict[str, tuple[int, TableConfig]] = {}
@@ -80,7 +82,7 @@ def scan(
         report[""].append(f"LMDB or a record raised {type(exc).__name__}: {exc}")
     for name, (table_id, config) in catalogue.items() if tables else ():
         try:
-            problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()))
+            problems = verify(TableState(txn, dbs, table_id, config, now, Extensions()), strays=strays)
         except _DAMAGE as exc:
             problems = [f"reading it raised {type(exc).__name__}: {exc}"]
         report[name] = problems[:_SHOWN] + (
@@ -165,8 +167,9 @@ def _strays(
     return problems
 
 
-def verify(tt: TableState) -> list[str]:
-    """The problems found in one table; [] when consistent."""
+def verify(tt: TableState, *, strays: bool = True) -> list[str]:
+    """The problems found in one table; [] when consistent. `strays` also counts its chunk sets
+    that nothing reads (stray_sets), which at_open leaves out as it does the entries of no table."""
     problems: list[str] = []
     p, txn, db = tt.prefix, tt.txn, tt.db
     counts: dict[str, int] = defaultdict(int)
@@ -219,13 +222,30 @@ def verify(tt: TableState) -> list[str]:
     live = sum(counts[state] for state in LIVE)
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
-    return problems + _check_chunk_sets(tt) + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
+    problems += _check_chunk_sets(tt, strays=strays)
+    return problems + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
 
 
-def _check_chunk_sets(tt: TableState) -> list[str]:
+def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
     """Every chunk set is a stored payload's (its head names it) or a push's that is staging it
     (one that a stop cut short is dropped by the next start), and a set an intact head names is
-    marked with that head's key (chunk_heads.OWNER)."""
+    marked with that head's key (chunk_heads.OWNER). `strays` also counts the sets that are neither."""
+    found, unmarked = _chunk_sets(tt)
+    problems = [f"{unmarked} chunk set(s) are not marked as their experience's"] if unmarked else []
+    if strays and found:
+        problems.insert(0, f"{len(found)} chunk set(s) belong to no stored payload and to no push: {REPAIR} drops them")
+    return problems
+
+
+def stray_sets(tt: TableState) -> set[int]:
+    """The table's chunk sets that no head names and no push stages: what damage before data
+    format 9 may leave, where its upgrade could not tell which head a set is (chunked.reseal_heads).
+    Nothing reads them; `expbuf repair` drops them."""
+    return _chunk_sets(tt)[0]
+
+
+def _chunk_sets(tt: TableState) -> tuple[set[int], int]:
+    """The table's stray chunk sets, and how many sets intact heads name that are not marked as theirs."""
     p = tt.prefix
     named: set[int] = set()
     staged: set[int] = set()
@@ -248,9 +268,7 @@ def _check_chunk_sets(tt: TableState) -> list[str]:
             while present and cur.key().startswith(p):
                 into.add(int.from_bytes(cur.key()[4:12], "big"))
                 present = cur.next()
-    strays = found - named - staged
-    problems = [f"{len(strays)} chunk set(s) belong to no stored payload and to no push"] if strays else []
-    return problems + ([f"{unmarked} chunk set(s) are not marked as their experience's"] if unmarked else [])
+    return found - named - staged, unmarked
 
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
