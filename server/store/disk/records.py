@@ -34,15 +34,16 @@ def _pack_str(value: str) -> bytes:
 
 def _unpack_str(data: bytes | memoryview, pos: int) -> tuple[str, int]:
     (size,) = _U16.unpack_from(data, pos)
-    pos += 2
-    return bytes(data[pos : pos + size]).decode(), pos + size
+    end = pos + 2 + size
+    return str(data[pos + 2 : end], "utf-8"), end  # from a view too, without a copy of its bytes
 
 
 def _pack_strs(values: list[str]) -> bytes:
     parts = [_U32.pack(len(values))]
     for value in values:
         raw = value.encode()
-        parts += (_U16.pack(len(raw)), raw)
+        parts.append(_U16.pack(len(raw)))
+        parts.append(raw)
     return b"".join(parts)
 
 
@@ -50,9 +51,11 @@ def _unpack_strs(data: bytes | memoryview, pos: int) -> tuple[list[str], int]:
     (count,) = _U32.unpack_from(data, pos)
     pos += 4
     values = []
-    for _ in range(count):
-        value, pos = _unpack_str(data, pos)
-        values.append(value)
+    for _ in range(count):  # _unpack_str, inline: a group's members are read at every take and confirm
+        (size,) = _U16.unpack_from(data, pos)
+        end = pos + 2 + size
+        values.append(str(data[pos + 2 : end], "utf-8"))
+        pos = end
     return values, pos
 
 
@@ -218,6 +221,7 @@ class ItemRecord:
         group, pos = _unpack_str(data, cls._HEAD.size)
         tid, pos = _unpack_str(data, pos)
         rid, pos = _unpack_str(data, pos)
+        # NaN stands for an absent float (x != x: NaN alone), tested inline: a take decodes a record an experience
         return cls(
             state=STATES[state],
             group=group,
@@ -231,12 +235,12 @@ class ItemRecord:
             response_length=length,
             generated=generated,
             version=None if version == _NONE_INT else version,
-            reward=_float_or_none(reward),
+            reward=None if reward != reward else reward,
             priority=priority,
             times_sampled=times,
-            advantage=_float_or_none(adv),
-            retired=_float_or_none(retired),
-            shaped_reward=_float_or_none(shaped),
+            advantage=None if adv != adv else adv,
+            retired=None if retired != retired else retired,
+            shaped_reward=None if shaped != shaped else shaped,
             segments=_unpack_segments(data, pos) if pos < len(data) else (),
         )
 
@@ -291,8 +295,10 @@ class GroupRecord:
             self.priority,
             _NONE_INT if self.version is None else self.version,
         )
-        failed = [text for uid, reason in self.failed.items() for text in (uid, reason)]
-        return head + _pack_str(self.lease) + _pack_strs(self.members) + (_pack_strs(failed) if failed else b"")
+        body = head + _pack_str(self.lease) + _pack_strs(self.members)
+        if not self.failed:
+            return body
+        return body + _pack_strs([text for uid, reason in self.failed.items() for text in (uid, reason)])
 
     @property
     def ready_seq(self) -> int:
@@ -306,7 +312,10 @@ class GroupRecord:
         state, partial, created, rseq, priority, version = cls._HEAD.unpack_from(data)
         lease, pos = _unpack_str(data, cls._HEAD.size)
         members, pos = _unpack_strs(data, pos)
-        failed, _ = _unpack_strs(data, pos) if pos < len(data) else ([], pos)
+        failed = {}
+        if pos < len(data):
+            texts, _ = _unpack_strs(data, pos)
+            failed = dict(zip(texts[::2], texts[1::2], strict=True))
         return cls(
             state=STATES[state],
             created=created,
@@ -316,7 +325,7 @@ class GroupRecord:
             priority=priority,
             version=None if version == _NONE_INT else version,
             lease=lease,
-            failed=dict(zip(failed[::2], failed[1::2], strict=True)),
+            failed=failed,
         )
 
     @classmethod
