@@ -171,12 +171,14 @@ def test_a_damaged_chunk_is_never_served_and_the_other_groups_are(store: Store) 
     assert victim not in rows(store, "chunks")  # the quarantined experience's chunks went with it
 
 
+@pytest.mark.parametrize("chunk", [0, 1])
 @pytest.mark.parametrize("how", ["flipped", "cut short"])
-def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, how: str) -> None:
+def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, how: str, chunk: int) -> None:
     """A chunk changed on disk, or one cut short (a frame that then does not say it holds its
-    chunk's length), is refused where a stream's reply is built and found by the scrub."""
+    chunk's length), is refused where a stream's reply is built and found by the scrub: the first
+    chunk, and the second, which a reply of zstd frames decompresses ahead of its read."""
     push(store, big_group(0))
-    victim = min(rows(store, "chunks"))
+    victim = sorted(rows(store, "chunks"))[chunk]  # the first experience's chunk 0 or 1
     db = store.db["chunks"]
 
     def damage(txn: lmdb.Transaction[bytes]) -> None:
@@ -190,7 +192,7 @@ def test_a_damaged_chunk_is_found_by_a_held_take_and_by_the_scrub(store: Store, 
     store.environment.submit(damage)
     held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None and all(isinstance(blob, chunk_reads.Deferred) for blob in held.blobs)
-    with pytest.raises(DamagedPayload, match=f"experience {held.uids[0]}: (its payload|chunk 0 of its data)"):
+    with pytest.raises(DamagedPayload, match=f"experience {held.uids[0]}: (its payload|chunk {chunk} of its data)"):
         held.render(joined)
     held.release()
     store.nack(held.lease_id, "big")
@@ -390,6 +392,37 @@ def test_a_stray_chunk_set_refuses_no_start_and_expbuf_repair_drops_it(tmp_path:
         got = take(store, "big", num_groups=1, delivery="consume")
         assert got is not None and len(trxp.parse(got.payload)) == 2
         got.release()
+
+
+def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads_ahead_of_its_read(
+    store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a reply reads a payload's zstd frames, the first read of a chunk starts the next on
+    the decompressing threads, so that it is decompressed while this one is sent; the bytes are
+    those a read on the reply's own thread gives. A table that does not compress reads its chunks
+    as they are, on no other thread."""
+    push(store, big_group(0))
+    threads: dict[int, str] = {}
+    checked_from = chunk_reads.Deferred.checked_from
+
+    def noted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
+        threads[index] = threading.current_thread().name
+        return checked_from(deferred, index, stored)
+
+    monkeypatch.setattr(chunk_reads.Deferred, "checked_from", noted)
+    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None
+    got = held.render(joined)
+    held.release()
+    store.nack(held.lease_id, "big")
+    whole = store.sample(SampleSpec("big", num_groups=1, delivery="lease"))  # read whole in the writer
+    assert whole is not None and got == whole.payload
+    whole.release()
+    if table.storage.compression != "zstd":
+        assert threads == {}
+        return
+    assert threads[0] == threading.current_thread().name  # the first, as the reply reads it
+    assert threads[1].startswith("expbuf-zstd-reply")  # the second, ahead of it
 
 
 def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_read(store: Store) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import struct
 import threading
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -110,7 +111,18 @@ class Deferred:
 
     def checked_chunk(self, index: int) -> Bytes:
         """Chunk `index`'s bytes as pushed, checked against its digest (DamagedPayload if not)."""
-        got = self._head.plain(index, self._stored(index))
+        return self.checked_from(index, self._stored(index))
+
+    def ahead(self, index: int) -> Future[Bytes]:
+        """`checked_chunk(index)` on the decompressing threads: its stored frame read here (a
+        snapshot is read on one thread at a time) and copied, so that the work needs nothing of the
+        snapshot, which may end before it does."""
+        stored = self._stored(index)
+        return DECOMPRESSING.submit(self.checked_from, index, None if stored is None else bytes(stored))
+
+    def checked_from(self, index: int, stored: Bytes | None) -> Bytes:
+        """Chunk `index`'s bytes as pushed from its stored value, checked against its digest."""
+        got = self._head.plain(index, stored)
         if got is None or len(got) != self._head.length(index) or digests.of(got) != self._head.digests[index]:
             raise DamagedPayload(self.uid, f"chunk {index} of its data does not match its digest")
         return got
@@ -134,10 +146,14 @@ class Deferred:
                     self.uid, "its head is damaged" if fields is None else "its head does not match its digest"
                 )
             needed = range(head.chunks) if fields is None else self._needed(fields, shares, response)
+            frames: dict[int, Frame] = {}
+            following = None
+            for index in sorted(needed, reverse=True):  # each names the next one read, to decompress it ahead
+                following = frames[index] = Frame(self, index, following)
             return SplitPayload(
                 head.prefix,
                 [
-                    Window(Frame(self, index), 0, head.length(index)) if index in needed else _zeros(head.length(index))
+                    Window(frames[index], 0, head.length(index)) if index in frames else _zeros(head.length(index))
                     for index in range(head.chunks)
                 ],
             )
@@ -191,25 +207,34 @@ class Frame:
     """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
     and checked against its digest, when a reply reads it, and kept among the few chunks
     decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
-    order, and the next part cut inside the chunk finds it there."""
+    order, and the next part cut inside the chunk finds it there. The first read of a chunk
+    starts the next chunk of the same payload the reply reads (`following`) on the decompressing
+    threads, so that it is decompressed while this one's parts are sent."""
 
-    __slots__ = ("_deferred", "_index")
+    __slots__ = ("_deferred", "_index", "following")
 
-    def __init__(self, deferred: Deferred, index: int) -> None:
-        self._deferred, self._index = deferred, index
+    def __init__(self, deferred: Deferred, index: int, following: Frame | None = None) -> None:
+        self._deferred, self._index, self.following = deferred, index, following
 
     def __len__(self) -> int:
         return self._deferred.head.length(self._index)
 
     def read(self, start: int, end: int) -> bytes | memoryview:
-        plain = RECENT.get(self)
-        if plain is None:
-            plain = self._deferred.checked_chunk(self._index)
+        held = RECENT.get(self)
+        if held is None or isinstance(held, Future):
+            if self.following is not None and RECENT.get(self.following) is None:
+                RECENT.keep(self.following, self.following.ahead())
+            plain = self._deferred.checked_chunk(self._index) if held is None else held.result()
+        else:
+            plain = held
         if end >= len(self):
             RECENT.drop(self)
         else:
             RECENT.keep(self, plain)
         return memoryview(plain)[start:end]
+
+    def ahead(self) -> Future[Bytes]:
+        return self._deferred.ahead(self._index)
 
     def detach(self) -> Frame:
         self._deferred.detach()
@@ -223,13 +248,14 @@ class Recent:
 
     def __init__(self, most: int) -> None:
         self._most, self._lock = most, threading.Lock()
-        self._held: collections.OrderedDict[Frame, Bytes] = collections.OrderedDict()
+        self._held: collections.OrderedDict[Frame, Bytes | Future[Bytes]] = collections.OrderedDict()
 
-    def get(self, frame: Frame) -> Bytes | None:
+    def get(self, frame: Frame) -> Bytes | Future[Bytes] | None:
+        """A chunk decompressed, or being decompressed ahead of its read (Frame.following)."""
         with self._lock:
             return self._held.get(frame)
 
-    def keep(self, frame: Frame, plain: Bytes) -> None:
+    def keep(self, frame: Frame, plain: Bytes | Future[Bytes]) -> None:
         with self._lock:
             self._held[frame] = plain
             self._held.move_to_end(frame)

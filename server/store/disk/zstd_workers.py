@@ -38,10 +38,7 @@ class Workers:
         items = list(zip(*over, strict=True))
         if len(items) < 2:
             return [work(*item) for item in items]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
-            pool = self._pool
+        pool = self._threads_made()
         futures: list[Future[T]] = []
         running: set[Future[T]] = set()
         try:
@@ -54,6 +51,16 @@ class Workers:
         finally:
             wait(futures)  # none still reads the caller's views once it has left
         return [future.result() for future in futures]
+
+    def submit(self, work: Callable[..., T], *args: Any) -> Future[T]:
+        """`work(*args)` on one of the threads, as it comes (a reply's next chunk, ahead of its read)."""
+        return self._threads_made().submit(work, *args)
+
+    def _threads_made(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
+            return self._pool
 
 
 def _cores() -> int:
