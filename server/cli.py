@@ -184,19 +184,39 @@ def _check(args: argparse.Namespace) -> int:
 
 def _repair(args: argparse.Namespace) -> int:
     """Drop what nothing reads, which `expbuf check` names with this command: chunk sets of no
-    stored payload. It opens the directory as a server does (bringing an older format up to date),
-    so a running server's directory is refused."""
+    stored payload (integrity.repair). It changes nothing else: a directory a release before this
+    one wrote is left to `expbuf serve` to bring up to date first, and a running server's
+    directory is refused."""
     data = Path(args.data) / "data.mdb"
     if not data.is_file() or not data.stat().st_size:
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to repair")
+    import time
+
     import lmdb
 
-    from .store import Store
+    from .store.disk.environment import Environment
     from .store.schema.errors import StoreError
+    from .store.tables import integrity
+
+    def current_only(txn: lmdb.Transaction[bytes], _env: object, dbs: dict[str, lmdb._Database], _path: Path) -> None:
+        older = integrity.older_format(txn, dbs)
+        if older is not None:  # refused here too: a server may have run since the look below
+            raise StoreError(f"data directory format {older}: {_FIRST}")
 
     try:
-        with Store(args.data) as store:
-            dropped = store.drop_stray_sets()
+        reader = Environment(args.data, readonly=True)
+        try:
+            with reader.read() as txn:
+                upgrade = _upgrade_only(reader, txn)
+        finally:
+            reader.close()
+        if upgrade:
+            raise CommandError(f"{args.data}: {_FIRST} ({upgrade})")
+        environment = Environment(args.data, migrate=current_only)
+        try:
+            dropped = environment.submit(lambda txn: integrity.repair(txn, environment.db, time.time()))
+        finally:
+            environment.close()
     except (StoreError, lmdb.Error) as exc:
         raise CommandError(f"{args.data}: {exc}") from None
     for name, count in dropped.items():
@@ -204,6 +224,10 @@ def _repair(args: argparse.Namespace) -> int:
     if not dropped:
         print("no stray chunk sets")
     return 0
+
+
+# Why repair refuses a directory that needs bringing up to date: it changes nothing but the strays.
+_FIRST = "run expbuf serve once to bring it up to date, then expbuf repair"
 
 
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:

@@ -394,6 +394,38 @@ def test_a_stray_chunk_set_refuses_no_start_and_expbuf_repair_drops_it(tmp_path:
         got.release()
 
 
+@pytest.mark.parametrize("where", ["magic", "set number"])
+def test_expbuf_repair_keeps_the_chunks_of_a_damaged_head_its_mark_names(
+    tmp_path: Path, table: TableConfig, where: str
+) -> None:
+    """A head damaged on disk (its magic, so that it no longer reads as a head, or its set number,
+    so that it names another) leaves its own chunk set named by no head; the set's mark still
+    names the experience, whose record and head are there: `expbuf check` reports the damaged
+    payload, not a stray, and `expbuf repair` keeps the chunks (it dropped them, the only copy of
+    an experience whose head a few bytes could mend)."""
+    data = tmp_path / "data"
+    with Store(data, seed=1) as store:
+        store.create_table(table)
+        push(store, big_group(0))
+        kept = rows(store, "chunks")
+        heads = {key: value for key, value in rows(store, "blobs").items() if chunk_heads.is_head(value)}
+        victim, head = min(heads.items())
+        damaged = bytearray(head)
+        if where == "magic":
+            damaged[0] ^= 0xFF
+        else:
+            damaged[4] ^= 0x40  # the low byte of the set number: a set no head names
+        store.environment.submit(lambda txn: txn.put(victim, bytes(damaged), db=store.db["blobs"]))
+        problems = store.verify("big")
+        assert problems and STRAY not in problems
+    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["no stray chunk sets"], done
+    with Store(data) as store:
+        assert rows(store, "chunks") == kept
+        store.environment.submit(lambda txn: txn.put(victim, head, db=store.db["blobs"]))  # mended by hand
+        assert store.verify("big") == []
+
+
 def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads_ahead_of_its_read(
     store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

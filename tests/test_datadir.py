@@ -130,6 +130,11 @@ def test_check_says_an_older_format_is_brought_up_to_date_at_start_and_then_pass
     before = check()  # nothing damaged: only the upgrade the next start makes, exit 0
     assert before.returncode == 0 and not before.stderr, before.stderr
     assert before.stdout.strip() == upgrade_notice(v1, 1)
+    data = (v1 / "data.mdb").read_bytes()
+    command = [sys.executable, "-m", "expbuf.server.cli", "repair", "--data", str(v1)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "run expbuf serve once to bring it up to date" in refused.stderr, refused
+    assert (v1 / "data.mdb").read_bytes() == data  # repair brings nothing up to date
     Store(v1, clock=lambda: MANIFEST["now"]).close()  # the upgrade a server's start makes
     after = check()
     assert after.returncode == 0 and not after.stderr, after.stderr

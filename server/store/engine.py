@@ -439,23 +439,6 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         with self.environment.read() as txn:
             return verify(self.catalog.state(txn, table_id, config))
 
-    def drop_stray_sets(self) -> dict[str, int]:
-        """Drop every table's chunk sets that nothing reads (integrity.stray_sets), in one
-        transaction; how many went, by table (`expbuf repair`)."""
-
-        def op(txn: lmdb.Transaction[bytes]) -> dict[str, int]:
-            dropped = {}
-            for table_id, config in self.catalog.entries():
-                tt = self.catalog.state(txn, table_id, config)
-                strays = integrity.stray_sets(tt)
-                for set_id in sorted(strays):
-                    chunked.drop_set(txn, self.db, tt.prefix, set_id)
-                if strays:
-                    dropped[config.name] = len(strays)
-            return dropped
-
-        return self.environment.submit(op)
-
     # ---- upkeep ------------------------------------------------------------------------
 
     def tick(self) -> dict[str, int]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lmdb
 
-from ..disk import chunk_heads, chunk_reads, layout, shared_prompts
+from ..disk import chunk_heads, chunk_reads, chunked, layout, shared_prompts
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules.counters import read_counters
@@ -237,10 +237,29 @@ def _check_chunk_sets(tt: TableState, *, strays: bool) -> list[str]:
     return problems
 
 
+def repair(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], now: float) -> dict[str, int]:
+    """What `expbuf repair` does: drop every table's stray chunk sets (stray_sets), which nothing
+    reads; how many went, by table. Tables whose catalogue entry or counters do not decode are
+    left alone (`scan` reports them)."""
+    catalogue: dict[str, tuple[int, TableConfig]] = {}
+    _directory(txn, dbs, catalogue, [])
+    dropped = {}
+    for name, (table_id, config) in catalogue.items():
+        tt = TableState(txn, dbs, table_id, config, now, Extensions())
+        strays = stray_sets(tt)
+        for set_id in sorted(strays):
+            chunked.drop_set(txn, dbs, tt.prefix, set_id)
+        if strays:
+            dropped[name] = len(strays)
+    return dropped
+
+
 def stray_sets(tt: TableState) -> set[int]:
-    """The table's chunk sets that no head names and no push stages: what damage before data
-    format 9 may leave, where its upgrade could not tell which head a set is (chunked.reseal_heads).
-    Nothing reads them; `expbuf repair` drops them."""
+    """The table's chunk sets that no head names, no push stages and no stored payload is marked
+    as owning (a damaged head's set is its, found by its mark, chunk_heads.OWNER): what damage
+    before data format 9 may leave, where its upgrade could not tell which head a set is
+    (chunked.reseal_heads), and a quarantined head's unmarked set. Nothing reads them; `expbuf
+    repair` drops them."""
     return _chunk_sets(tt)[0]
 
 
@@ -268,7 +287,12 @@ def _chunk_sets(tt: TableState) -> tuple[set[int], int]:
             while present and cur.key().startswith(p):
                 into.add(int.from_bytes(cur.key()[4:12], "big"))
                 present = cur.next()
-    return found - named - staged, unmarked
+    strays = set()
+    for set_id in found - named - staged:
+        owner = tt.txn.get(chunk_heads.chunk_key(p, set_id, chunk_heads.OWNER), db=tt.db["chunks"])
+        if owner is None or tt.txn.get(owner, db=tt.db["blobs"]) is None:
+            strays.add(set_id)
+    return strays, unmarked
 
 
 def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
