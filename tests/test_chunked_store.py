@@ -6,6 +6,7 @@ the next open; a format 5 directory upgrades in place."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import zstandard
 
 from expbuf.client import trxp
-from expbuf.client.trxp.pieces import Run, SplitPayload, realized, section_at
+from expbuf.client.trxp.pieces import Run, SplitPayload, realized, realized_span, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import chunk_heads, chunk_reads, chunked, digests, layout
@@ -455,6 +456,41 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
         return
     assert threads[0] == threading.current_thread().name  # the first, as the reply reads it
     assert threads[1].startswith("expbuf-zstd-reply")  # the second, ahead of it
+
+
+def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replies whose parts are cut in turn, a MiB at a time, each decompress every chunk of
+    theirs once, the chunk after the one read ahead of its read: a reply's read ahead is its own,
+    not among the chunks decompressed last that all replies share (there it took two of their
+    four places a reply, and three replies then pushed each other's out, to be decompressed again
+    and again)."""
+    zstd = TableConfig.from_settings(TABLE.settings() | {"compression": "zstd"})
+    with Store(tmp_path / "data", seed=1) as store:
+        store.create_table(zstd)
+        for task in range(3):
+            push(store, big_group(task))
+        made: list[tuple[str, int]] = []
+        checked_from = chunk_reads.Deferred.checked_from
+
+        def counted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
+            made.append((deferred.uid, index))
+            return checked_from(deferred, index, stored)
+
+        monkeypatch.setattr(chunk_reads.Deferred, "checked_from", counted)
+        held = [store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True) for _ in range(3)]
+        assert all(batch is not None for batch in held)
+        replies = [[run for blob in chunk_reads.checked(batch.blobs) for run in blob.pieces] for batch in held if batch]
+        cuts = [[(run, at, min(at + (1 << 20), len(run))) for run in runs for at in range(0, len(run), 1 << 20)]
+                for runs in replies]  # fmt: skip
+        for parts in itertools.zip_longest(*cuts):
+            for part in parts:
+                if part is not None:
+                    realized_span(*part)
+        chunks = [(batch.uids[at], index) for batch in held if batch for at in range(2) for index in range(2)]
+        assert sorted(made) == sorted(chunks)
+        for batch in held:
+            if batch is not None:
+                batch.release()
 
 
 def test_a_held_take_reads_only_the_chunks_of_its_fields_and_they_equal_a_full_read(store: Store) -> None:

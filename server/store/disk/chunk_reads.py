@@ -128,7 +128,11 @@ class Deferred:
         return got
 
     def resolve(
-        self, fields: Collection[str] | None = None, shares: Shares | None = None, response: int = 0
+        self,
+        fields: Collection[str] | None = None,
+        shares: Shares | None = None,
+        response: int = 0,
+        ahead: Ahead | None = None,
     ) -> SplitPayload:
         """The payload, checked: all of it against its record's digest; or, given the fields a
         reply reads, its head against the head's own digest and the chunks those fields lie in
@@ -138,7 +142,8 @@ class Deferred:
         digest matches gives its chunks as Windows of Frames: each decompressed, and checked
         against its digest in the head, as the part of a reply that holds it is cut (the head's
         digest names theirs: what they check together is the payload pushed), so that a reply
-        holds a chunk or two of them at a time, not the batch's."""
+        holds a chunk or two of them at a time, not the batch's; with its reply's `ahead`, each
+        read ahead of its turn (Frame)."""
         head = self._head
         if head.compressed:
             if not head.intact:
@@ -149,7 +154,7 @@ class Deferred:
             frames: dict[int, Frame] = {}
             following = None
             for index in sorted(needed, reverse=True):  # each names the next one read, to decompress it ahead
-                following = frames[index] = Frame(self, index, following)
+                following = frames[index] = Frame(self, index, following, ahead)
             return SplitPayload(
                 head.prefix,
                 [
@@ -207,38 +212,53 @@ class Frame:
     """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
     and checked against its digest, when a reply reads it, and kept among the few chunks
     decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
-    order, and the next part cut inside the chunk finds it there. The first read of a chunk
-    starts the next chunk of the same payload the reply reads (`following`) on the decompressing
-    threads, so that it is decompressed while this one's parts are sent."""
+    order, and the next part cut inside the chunk finds it there. With its reply's `Ahead`, the
+    first read of a chunk starts the next chunk of the same payload the reply reads (`following`)
+    on the decompressing threads, so that it is decompressed while this one's parts are sent: the
+    frame that follows holds it, and the reply has one such chunk on its way at a time."""
 
-    __slots__ = ("_deferred", "_index", "following")
+    __slots__ = ("_ahead", "_deferred", "_index", "_reads", "following")
 
-    def __init__(self, deferred: Deferred, index: int, following: Frame | None = None) -> None:
-        self._deferred, self._index, self.following = deferred, index, following
+    def __init__(
+        self, deferred: Deferred, index: int, following: Frame | None = None, reads: Ahead | None = None
+    ) -> None:
+        self._deferred, self._index, self.following, self._reads = deferred, index, following, reads
+        self._ahead: Future[Bytes] | None = None
 
     def __len__(self) -> int:
         return self._deferred.head.length(self._index)
 
     def read(self, start: int, end: int) -> bytes | memoryview:
-        held = RECENT.get(self)
-        if held is None or isinstance(held, Future):
-            if self.following is not None and RECENT.get(self.following) is None:
-                RECENT.keep(self.following, self.following.ahead())
-            plain = self._deferred.checked_chunk(self._index) if held is None else held.result()
-        else:
-            plain = held
+        plain = RECENT.get(self)
+        if plain is None:
+            ahead, self._ahead = self._ahead, None
+            reads, after = self._reads, self.following
+            if reads is not None:
+                reads.busy = reads.busy and ahead is None  # this frame's was the reply's one on its way
+                if after is not None and not reads.busy and after._ahead is None and RECENT.get(after) is None:
+                    after._ahead, reads.busy = self._deferred.ahead(after._index), True
+            plain = self._deferred.checked_chunk(self._index) if ahead is None else ahead.result()
         if end >= len(self):
             RECENT.drop(self)
         else:
             RECENT.keep(self, plain)
         return memoryview(plain)[start:end]
 
-    def ahead(self) -> Future[Bytes]:
-        return self._deferred.ahead(self._index)
-
     def detach(self) -> Frame:
         self._deferred.detach()
         return self
+
+
+class Ahead:
+    """A reply's read ahead (Frame): one chunk on its way at a time. A reply whose reads go from a
+    payload's chunk to the next (TRXP, a Get, a batch of one as columns) has each next one
+    decompressed while it sends the last; one that reads a field of every experience before the
+    next field holds one chunk early at most, not one an experience."""
+
+    __slots__ = ("busy",)
+
+    def __init__(self) -> None:
+        self.busy = False
 
 
 class Recent:
@@ -248,14 +268,13 @@ class Recent:
 
     def __init__(self, most: int) -> None:
         self._most, self._lock = most, threading.Lock()
-        self._held: collections.OrderedDict[Frame, Bytes | Future[Bytes]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[Frame, Bytes] = collections.OrderedDict()
 
-    def get(self, frame: Frame) -> Bytes | Future[Bytes] | None:
-        """A chunk decompressed, or being decompressed ahead of its read (Frame.following)."""
+    def get(self, frame: Frame) -> Bytes | None:
         with self._lock:
             return self._held.get(frame)
 
-    def keep(self, frame: Frame, plain: Bytes | Future[Bytes]) -> None:
+    def keep(self, frame: Frame, plain: Bytes) -> None:
         with self._lock:
             self._held[frame] = plain
             self._held.move_to_end(frame)
@@ -283,9 +302,13 @@ def checked(
 ) -> list[Stored]:
     """Payloads, those a take deferred read and checked now, all of them or, given the fields of
     a reply (and the shares of its tokens, item i's response being `responses[i]` tokens long),
-    what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it."""
+    what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it. Their zstd
+    frames are read ahead as one reply's (Ahead)."""
+    ahead = Ahead()
     return [
-        blob.resolve(fields, shares, responses[at] if shares is not None else 0) if isinstance(blob, Deferred) else blob
+        blob.resolve(fields, shares, responses[at] if shares is not None else 0, ahead)
+        if isinstance(blob, Deferred)
+        else blob
         for at, blob in enumerate(blobs)
     ]
 
