@@ -185,33 +185,43 @@ def _check(args: argparse.Namespace) -> int:
 def _repair(args: argparse.Namespace) -> int:
     """Drop what nothing reads, which `expbuf check` names with this command: chunk sets of no
     stored payload (integrity.repair). It changes nothing else: a directory a release before this
-    one wrote is left to `expbuf serve` to bring up to date first, and a running server's
-    directory is refused."""
+    one wrote is left to `expbuf serve` to bring up to date first; one whose own records (format,
+    databases, catalogue, counters, leases, grants) are damaged, and a running server's, are refused."""
     data = Path(args.data) / "data.mdb"
-    if not data.is_file() or not data.stat().st_size:
+    if not data.is_file():
         raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to repair")
+    if not data.stat().st_size:
+        raise CommandError(f"{args.data} holds no expbuf data (data.mdb is empty); nothing to repair")
     import time
 
     import lmdb
 
+    from .store.disk import layout
     from .store.disk.environment import Environment
     from .store.schema.errors import StoreError
     from .store.tables import integrity
 
     def current_only(txn: lmdb.Transaction[bytes], _env: object, dbs: dict[str, lmdb._Database], _path: Path) -> None:
-        older = integrity.older_format(txn, dbs)
-        if older is not None:  # refused here too: a server may have run since the look below
-            raise StoreError(f"data directory format {older}: {_FIRST}")
+        found = txn.get(b"format", db=dbs["meta"])  # looked at again: a server may have run since
+        if found != str(layout.FORMAT).encode():
+            raise StoreError(f"the format record is {bytes(found or b'')[:20]!r}, not {layout.FORMAT}: {_CHECK}")
 
     try:
         reader = Environment(args.data, readonly=True)
         try:
             with reader.read() as txn:
                 upgrade = _upgrade_only(reader, txn)
+                damage = (
+                    [f"no {', '.join(reader.missing)} database(s)"]
+                    if reader.missing
+                    else integrity.scan(txn, reader.db, time.time(), strays=False, tables=False)[""]
+                )
         finally:
             reader.close()
         if upgrade:
             raise CommandError(f"{args.data}: {_FIRST} ({upgrade})")
+        if damage:  # what repair reads to find the strays must be whole
+            raise CommandError(f"{args.data}: damaged ({damage[0]}): {_CHECK}")
         environment = Environment(args.data, migrate=current_only)
         try:
             dropped = environment.submit(lambda txn: integrity.repair(txn, environment.db, time.time()))
@@ -226,8 +236,10 @@ def _repair(args: argparse.Namespace) -> int:
     return 0
 
 
-# Why repair refuses a directory that needs bringing up to date: it changes nothing but the strays.
+# Why repair refuses a directory that needs bringing up to date, or is damaged: it changes nothing
+# but the strays, and finds them from the directory's own records.
 _FIRST = "run expbuf serve once to bring it up to date, then expbuf repair"
+_CHECK = "expbuf check names the damage; expbuf repair drops only what nothing reads"
 
 
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:

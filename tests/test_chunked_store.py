@@ -395,6 +395,30 @@ def test_a_stray_chunk_set_refuses_no_start_and_expbuf_repair_drops_it(tmp_path:
         got.release()
 
 
+@pytest.mark.parametrize("damage", ["format record", "no blobs database"])
+def test_expbuf_repair_refuses_a_damaged_directory_and_changes_nothing(
+    tmp_path: Path, table: TableConfig, damage: str
+) -> None:
+    """Repair finds strays from the directory's own records: where those are damaged (a format
+    record that is not a number, the payloads' database gone) it refuses, naming the damage and
+    expbuf check, and writes nothing (without the payloads every set looked a stray, and went)."""
+    data = tmp_path / "data"
+    with Store(data, seed=1) as store:
+        store.create_table(table)
+        push(store, big_group(0))
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:
+        if damage == "format record":
+            txn.put(b"format", b"9x", db=env.open_db(b"meta", txn=txn))
+        else:
+            txn.drop(env.open_db(b"blobs", txn=txn), delete=True)
+    env.close()
+    before = (data / "data.mdb").read_bytes()
+    done = subprocess.run([*REPAIR, str(data)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "damaged" in done.stderr and "expbuf check names the damage" in done.stderr, done
+    assert (data / "data.mdb").read_bytes() == before
+
+
 @pytest.mark.parametrize("where", ["magic", "set number"])
 def test_expbuf_repair_keeps_the_chunks_of_a_damaged_head_its_mark_names(
     tmp_path: Path, table: TableConfig, where: str
@@ -430,32 +454,46 @@ def test_expbuf_repair_keeps_the_chunks_of_a_damaged_head_its_mark_names(
 def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads_ahead_of_its_read(
     store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where a reply reads a payload's zstd frames, the first read of a chunk starts the next on
-    the decompressing threads, so that it is decompressed while this one is sent; the bytes are
-    those a read on the reply's own thread gives. A table that does not compress reads its chunks
-    as they are, on no other thread."""
-    push(store, big_group(0))
-    threads: dict[int, str] = {}
+    """Where a reply reads payloads whole (TRXP) from zstd frames, the first read of a chunk starts
+    the next on the decompressing threads, so that it is decompressed while this one is sent, and
+    each chunk is decompressed once; the bytes are those a read in the writer gives. Columns of
+    several experiences (a field of each, then the next field) read none ahead. A table that does
+    not compress reads its chunks as they are, on no other thread."""
+    plain = TableConfig.from_settings(table.settings() | {"name": "plain", "estimator": "none"})
+    store.create_table(plain)
+    store.put("plain", group_items("plain", 0, 2, response=RESPONSE))  # no advantages: no mask read first
+    made: list[tuple[str, int, str]] = []
     checked_from = chunk_reads.Deferred.checked_from
 
     def noted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
-        threads[index] = threading.current_thread().name
+        made.append((deferred.uid, index, threading.current_thread().name))
         return checked_from(deferred, index, stored)
 
     monkeypatch.setattr(chunk_reads.Deferred, "checked_from", noted)
-    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
-    assert held is not None
+    held = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None and len(held.uids) == 2
     got = held.render(joined)
+    store.nack(held.lease_id, "plain")
     held.release()
-    store.nack(held.lease_id, "big")
-    whole = store.sample(SampleSpec("big", num_groups=1, delivery="lease"))  # read whole in the writer
+    whole = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"))  # read whole in the writer
     assert whole is not None and got == whole.payload
+    store.nack(whole.lease_id, "plain")
     whole.release()
     if table.storage.compression != "zstd":
-        assert threads == {}
+        assert made == []
         return
-    assert threads[0] == threading.current_thread().name  # the first, as the reply reads it
-    assert threads[1].startswith("expbuf-zstd-reply")  # the second, ahead of it
+    here = threading.current_thread().name
+    each = [(uid, index) for uid in sorted(held.uids) for index in (0, 1)]
+    assert sorted((uid, index) for uid, index, _ in made) == each  # each chunk decompressed once
+    assert all((thread == here) == (index == 0) for _, index, thread in made), made  # chunk 1 ahead
+    assert all(thread.startswith("expbuf-zstd-reply") for _, index, thread in made if index == 1)
+    made.clear()
+    held = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None
+    held.columns(["tokens", "logprobs"], lambda parts: {part.name: joined(part.values) for part in parts})
+    store.nack(held.lease_id, "plain")
+    held.release()
+    assert made and {thread for _, _, thread in made} == {here}
 
 
 def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

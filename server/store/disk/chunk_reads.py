@@ -217,13 +217,14 @@ class Frame:
     on the decompressing threads, so that it is decompressed while this one's parts are sent: the
     frame that follows holds it, and the reply has one such chunk on its way at a time."""
 
-    __slots__ = ("_ahead", "_deferred", "_index", "_reads", "following")
+    __slots__ = ("_ahead", "_deferred", "_index", "_reads", "_seen", "following")
 
     def __init__(
         self, deferred: Deferred, index: int, following: Frame | None = None, reads: Ahead | None = None
     ) -> None:
         self._deferred, self._index, self.following, self._reads = deferred, index, following, reads
         self._ahead: Future[Bytes] | None = None
+        self._seen = False  # read once: a read ahead of it would be of a chunk read already
 
     def __len__(self) -> int:
         return self._deferred.head.length(self._index)
@@ -231,11 +232,11 @@ class Frame:
     def read(self, start: int, end: int) -> bytes | memoryview:
         plain = RECENT.get(self)
         if plain is None:
-            ahead, self._ahead = self._ahead, None
+            ahead, self._ahead, self._seen = self._ahead, None, True
             reads, after = self._reads, self.following
             if reads is not None:
                 reads.busy = reads.busy and ahead is None  # this frame's was the reply's one on its way
-                if after is not None and not reads.busy and after._ahead is None and RECENT.get(after) is None:
+                if after is not None and not (reads.busy or after._seen or after._ahead is not None):
                     after._ahead, reads.busy = self._deferred.ahead(after._index), True
             plain = self._deferred.checked_chunk(self._index) if ahead is None else ahead.result()
         if end >= len(self):
@@ -250,10 +251,10 @@ class Frame:
 
 
 class Ahead:
-    """A reply's read ahead (Frame): one chunk on its way at a time. A reply whose reads go from a
-    payload's chunk to the next (TRXP, a Get, a batch of one as columns) has each next one
-    decompressed while it sends the last; one that reads a field of every experience before the
-    next field holds one chunk early at most, not one an experience."""
+    """A reply's read ahead (Frame): one chunk on its way at a time, made (by `checked`) for a
+    reply whose reads go from a payload's chunk to the next: a payload whole (TRXP, a Get) or the
+    fields of one payload. One that reads a field of every experience before the next field has
+    none: each experience's next chunk would wait a whole pass, or be read already."""
 
     __slots__ = ("busy",)
 
@@ -303,8 +304,8 @@ def checked(
     """Payloads, those a take deferred read and checked now, all of them or, given the fields of
     a reply (and the shares of its tokens, item i's response being `responses[i]` tokens long),
     what those need (Deferred.resolve): a damaged one raises DamagedPayload naming it. Their zstd
-    frames are read ahead as one reply's (Ahead)."""
-    ahead = Ahead()
+    frames are read ahead as one reply's, where its reads go in order (Ahead)."""
+    ahead = Ahead() if fields is None or sum(isinstance(blob, Deferred) for blob in blobs) == 1 else None
     return [
         blob.resolve(fields, shares, responses[at] if shares is not None else 0, ahead)
         if isinstance(blob, Deferred)
