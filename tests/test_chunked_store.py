@@ -496,6 +496,33 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
     assert made and {thread for _, _, thread in made} == {here}
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_columns_read_in_any_order_decompress_each_chunk_once(
+    store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch, order: int
+) -> None:
+    """A reply reads fields in the order asked, not the order stored: a read that reaches a
+    chunk's end is not its last, and the chunk stays among those decompressed last for the next
+    field (it was let go there, and decompressed again: twice a chunk for a batch of one)."""
+    push(store, big_group(0))
+    made: list[tuple[str, int]] = []
+    checked_from = chunk_reads.Deferred.checked_from
+
+    def counted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
+        made.append((deferred.uid, index))
+        return checked_from(deferred, index, stored)
+
+    monkeypatch.setattr(chunk_reads.Deferred, "checked_from", counted)
+    held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
+    assert held is not None
+    held.columns(list(FIELDS[::order]), lambda parts: {part.name: joined(part.values) for part in parts})
+    store.nack(held.lease_id, "big")
+    held.release()
+    if table.storage.compression == "zstd":
+        assert sorted(made) == sorted(set(made)) and len(made) == 4  # two experiences of two chunks
+    else:
+        assert made == []
+
+
 def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three replies whose parts are cut in turn, a MiB at a time, each decompress every chunk of
     theirs once, the chunk after the one read ahead of its read: a reply's read ahead is its own,

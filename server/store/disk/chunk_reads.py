@@ -211,8 +211,10 @@ class Deferred:
 class Frame:
     """Chunk `index` of a Deferred whose table keeps it as a zstd frame (pieces.Lazy): decompressed,
     and checked against its digest, when a reply reads it, and kept among the few chunks
-    decompressed last (RECENT) until a read reaches its end: the parts of a reply are cut in
-    order, and the next part cut inside the chunk finds it there. With its reply's `Ahead`, the
+    decompressed last (RECENT): the next part cut inside the chunk, or the next field read from
+    it, finds it there (a reply reads fields in the order asked, not the order stored, so a read
+    that reaches a chunk's end need not be its last: one let go there was decompressed again for
+    the next field, twice a chunk for a payload of one). With its reply's `Ahead`, the
     first read of a chunk starts the next chunk of the same payload the reply reads (`following`)
     on the decompressing threads, so that it is decompressed while this one's parts are sent: the
     frame that follows holds it, and the reply has one such chunk on its way at a time."""
@@ -239,10 +241,7 @@ class Frame:
                 if after is not None and not (reads.busy or after._seen or after._ahead is not None):
                     after._ahead, reads.busy = self._deferred.ahead(after._index), True
             plain = self._deferred.checked_chunk(self._index) if ahead is None else ahead.result()
-        if end >= len(self):
-            RECENT.drop(self)
-        else:
-            RECENT.keep(self, plain)
+        RECENT.keep(self, plain)
         return memoryview(plain)[start:end]
 
     def detach(self) -> Frame:
@@ -281,10 +280,6 @@ class Recent:
             self._held.move_to_end(frame)
             while len(self._held) > self._most:
                 self._held.popitem(last=False)
-
-    def drop(self, frame: Frame) -> None:
-        with self._lock:
-            self._held.pop(frame, None)
 
 
 RECENT = Recent(4)
