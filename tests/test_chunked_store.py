@@ -451,8 +451,22 @@ def test_expbuf_repair_keeps_the_chunks_of_a_damaged_head_its_mark_names(
         assert store.verify("big") == []
 
 
+@pytest.fixture
+def decompressed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, str]]:
+    """Each zstd chunk a reply decompresses, as it is: (experience, chunk, thread)."""
+    made: list[tuple[str, int, str]] = []
+    checked_from = chunk_reads.Deferred.checked_from
+
+    def noted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
+        made.append((deferred.uid, index, threading.current_thread().name))
+        return checked_from(deferred, index, stored)
+
+    monkeypatch.setattr(chunk_reads.Deferred, "checked_from", noted)
+    return made
+
+
 def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads_ahead_of_its_read(
-    store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch
+    store: Store, table: TableConfig, decompressed: list[tuple[str, int, str]]
 ) -> None:
     """Where a reply reads payloads whole (TRXP) from zstd frames, the first read of a chunk starts
     the next on the decompressing threads, so that it is decompressed while this one is sent, and
@@ -462,14 +476,7 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
     plain = TableConfig.from_settings(table.settings() | {"name": "plain", "estimator": "none"})
     store.create_table(plain)
     store.put("plain", group_items("plain", 0, 2, response=RESPONSE))  # no advantages: no mask read first
-    made: list[tuple[str, int, str]] = []
-    checked_from = chunk_reads.Deferred.checked_from
-
-    def noted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
-        made.append((deferred.uid, index, threading.current_thread().name))
-        return checked_from(deferred, index, stored)
-
-    monkeypatch.setattr(chunk_reads.Deferred, "checked_from", noted)
+    made = decompressed
     held = store.sample(SampleSpec("plain", num_groups=1, delivery="lease"), hold=True)
     assert held is not None and len(held.uids) == 2
     got = held.render(joined)
@@ -498,32 +505,27 @@ def test_a_reply_of_zstd_frames_decompresses_the_next_chunk_on_the_reply_threads
 
 @pytest.mark.parametrize("order", [1, -1])
 def test_columns_read_in_any_order_decompress_each_chunk_once(
-    store: Store, table: TableConfig, monkeypatch: pytest.MonkeyPatch, order: int
+    store: Store, table: TableConfig, decompressed: list[tuple[str, int, str]], order: int
 ) -> None:
     """A reply reads fields in the order asked, not the order stored: a read that reaches a
     chunk's end is not its last, and the chunk stays among those decompressed last for the next
     field (it was let go there, and decompressed again: twice a chunk for a batch of one)."""
     push(store, big_group(0))
-    made: list[tuple[str, int]] = []
-    checked_from = chunk_reads.Deferred.checked_from
-
-    def counted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
-        made.append((deferred.uid, index))
-        return checked_from(deferred, index, stored)
-
-    monkeypatch.setattr(chunk_reads.Deferred, "checked_from", counted)
     held = store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True)
     assert held is not None
     held.columns(list(FIELDS[::order]), lambda parts: {part.name: joined(part.values) for part in parts})
     store.nack(held.lease_id, "big")
     held.release()
+    made = [(uid, index) for uid, index, _ in decompressed]
     if table.storage.compression == "zstd":
         assert sorted(made) == sorted(set(made)) and len(made) == 4  # two experiences of two chunks
     else:
         assert made == []
 
 
-def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replies_read_side_by_side_decompress_each_chunk_once(
+    tmp_path: Path, decompressed: list[tuple[str, int, str]]
+) -> None:
     """Three replies whose parts are cut in turn, a MiB at a time, each decompress every chunk of
     theirs once, the chunk after the one read ahead of its read: a reply's read ahead is its own,
     not among the chunks decompressed last that all replies share (there it took two of their
@@ -534,14 +536,6 @@ def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, mo
         store.create_table(zstd)
         for task in range(3):
             push(store, big_group(task))
-        made: list[tuple[str, int]] = []
-        checked_from = chunk_reads.Deferred.checked_from
-
-        def counted(deferred: chunk_reads.Deferred, index: int, stored: Any) -> Any:
-            made.append((deferred.uid, index))
-            return checked_from(deferred, index, stored)
-
-        monkeypatch.setattr(chunk_reads.Deferred, "checked_from", counted)
         held = [store.sample(SampleSpec("big", num_groups=1, delivery="lease"), hold=True) for _ in range(3)]
         assert all(batch is not None for batch in held)
         replies = [[run for blob in chunk_reads.checked(batch.blobs) for run in blob.pieces] for batch in held if batch]
@@ -552,7 +546,7 @@ def test_replies_read_side_by_side_decompress_each_chunk_once(tmp_path: Path, mo
                 if part is not None:
                     realized_span(*part)
         chunks = [(batch.uids[at], index) for batch in held if batch for at in range(2) for index in range(2)]
-        assert sorted(made) == sorted(chunks)
+        assert sorted((uid, index) for uid, index, _ in decompressed) == sorted(chunks)
         for batch in held:
             if batch is not None:
                 batch.release()
