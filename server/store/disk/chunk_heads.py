@@ -30,10 +30,10 @@ CHUNK_BYTES = 4 << 20
 HEAD_MAGIC = b"TRXO"
 ZSTD_MAGIC = b"TRXZ"  # a head whose chunks are zstd frames
 _MAGICS = (HEAD_MAGIC, ZSTD_MAGIC)
-_FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
+FRAME = struct.Struct("<4sQ16sQII")  # magic, chunk set, the head's digest, section length, chunk bytes, chunks
 _SET = slice(4, 12)  # the head's chunk set, which its own digest covers ...
-_DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
-_U64 = struct.Struct(">Q")
+DIGESTED = 4 + 8 + 16  # ... with the bytes from its section length on
+SET_NUMBER = struct.Struct(">Q")  # a chunk set's number, in its chunks' keys and as the next to take
 _U32 = struct.Struct(">I")
 # The number under which a stored set keeps the key of the experience it holds the data of (the
 # last of its set): a damaged head's own set is found by it, whatever its damage (chunked.delete).
@@ -100,35 +100,35 @@ def is_head(value: Bytes) -> bool:
 def read_head(value: Bytes) -> Head:
     """A head's fields; ValueError when its frame is not whole (damage)."""
     view = memoryview(value)
-    magic, set_id, own, section_len, chunk_bytes, count = _FRAME.unpack_from(view)
-    table_end = _FRAME.size + DIGEST_BYTES * count
+    magic, set_id, own, section_len, chunk_bytes, count = FRAME.unpack_from(view)
+    table_end = FRAME.size + DIGEST_BYTES * count
     if magic not in _MAGICS or len(view) < table_end or not chunk_bytes or count != -(-section_len // chunk_bytes):
         raise ValueError("a head of a section stored in chunks whose frame is damaged")
-    found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(_FRAME.size, table_end, DIGEST_BYTES))
-    intact = _own_digest(view) == own
+    found = tuple(bytes(view[at : at + DIGEST_BYTES]) for at in range(FRAME.size, table_end, DIGEST_BYTES))
+    intact = own_digest(view) == own
     return Head(set_id, section_len, chunk_bytes, found, view[table_end:], intact, magic == ZSTD_MAGIC)
 
 
-def _own_digest(head: memoryview) -> bytes:
+def own_digest(head: memoryview) -> bytes:
     """The digest a head keeps of itself: of its chunk set and of its bytes after the digest."""
     hasher = digests.running()
     hasher.update(head[_SET])
-    hasher.update(head[_DIGESTED:])
+    hasher.update(head[DIGESTED:])
     return hasher.digest()
 
 
-def _format_8(value: Bytes) -> tuple[int, bool] | None:
+def format_8(value: Bytes) -> tuple[int, bool] | None:
     """The chunk set a head as format 8 wrote it names, and whether it matches its format 8 digest
     (of its bytes after the digest alone); None for a value that is no head, or whose frame does
     not read."""
     view = memoryview(value)
-    if len(view) < _FRAME.size or not is_head(view):
+    if len(view) < FRAME.size or not is_head(view):
         return None
     try:
         set_id = read_head(view).set_id
     except (ValueError, struct.error):
         return None
-    return set_id, digests.of(view[_DIGESTED:]) == view[12:_DIGESTED]
+    return set_id, digests.of(view[DIGESTED:]) == view[12:DIGESTED]
 
 
 def pack_head(
@@ -139,23 +139,23 @@ def pack_head(
     section, under a digest of its own, so a read of some of its chunks (some fields: Deferred)
     trusts the head it finds them by."""
     magic = ZSTD_MAGIC if compressed else HEAD_MAGIC
-    frame = _FRAME.pack(magic, set_id, bytes(DIGEST_BYTES), section_len, CHUNK_BYTES, len(chunk_digests))
+    frame = FRAME.pack(magic, set_id, bytes(DIGEST_BYTES), section_len, CHUNK_BYTES, len(chunk_digests))
     head = bytearray(b"".join([frame, *chunk_digests, *prefix]))
-    head[12:_DIGESTED] = _own_digest(memoryview(head))
+    head[12:DIGESTED] = own_digest(memoryview(head))
     return bytes(head)
 
 
 def set_prefix(table_prefix: bytes, set_id: int) -> bytes:
-    return table_prefix + _U64.pack(set_id)
+    return table_prefix + SET_NUMBER.pack(set_id)
 
 
 def chunk_key(table_prefix: bytes, set_id: int, index: int) -> bytes:
-    return table_prefix + _U64.pack(set_id) + _U32.pack(index)
+    return table_prefix + SET_NUMBER.pack(set_id) + _U32.pack(index)
 
 
-def _intact_head(value: Bytes) -> Head | None:
+def intact_head(value: Bytes) -> Head | None:
     """The head a value is, where its frame reads and its own digest matches; None for any other."""
-    if len(value) < _FRAME.size or not is_head(value):
+    if len(value) < FRAME.size or not is_head(value):
         return None
     try:
         head = read_head(value)

@@ -26,7 +26,7 @@ from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, 
 
 from ..schema.errors import DamagedPayload
 from . import digests, shared_prompts
-from .chunk_heads import _FRAME, CHUNK_BYTES, Head, _intact_head, chunk_key, is_head, read_head
+from .chunk_heads import CHUNK_BYTES, FRAME, Head, chunk_key, intact_head, is_head, read_head
 from .shared_prompts import Read
 from .zstd_workers import DECOMPRESSING
 
@@ -42,14 +42,14 @@ def resolve(value: Bytes, key: bytes | memoryview, read: Read) -> Stored:
     finds do not match."""
     if len(value) >= 4 and shared_prompts.is_ref(value):
         return shared_prompts.resolve(value, key, read)
-    head = _intact_head(value)
+    head = intact_head(value)
     if head is None:
         return value
-    plain = head.plain_each(range(head.chunks), _stored_chunks(head, key, read))
+    plain = head.plain_each(range(head.chunks), stored_chunks(head, key, read))
     return SplitPayload(head.prefix, [b"" if chunk is None else chunk for chunk in plain])
 
 
-def _stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
+def stored_chunks(head: Head, key: bytes | memoryview, read: Read) -> list[Bytes | None]:
     """A head's chunks as stored (None where one is missing)."""
     prefix = bytes(key[:4])
     return [read("chunks", chunk_key(prefix, head.set_id, index)) for index in range(head.chunks)]
@@ -60,12 +60,12 @@ def streamed(value: Bytes, key: bytes | memoryview, read: Read) -> tuple[bytes, 
     decompressed one at a time, so that a check of it (the scrub's) holds one chunk, not the
     payload: a chunk missing or that does not decompress adds nothing. None for any other value
     (read it whole with `resolve`)."""
-    head = _intact_head(value)
+    head = intact_head(value)
     if head is None or not head.compressed:
         return None
     whole, size = digests.running(), len(head.prefix)
     whole.update(head.prefix)
-    for index, stored in enumerate(_stored_chunks(head, key, read)):  # decompressed one at a time
+    for index, stored in enumerate(stored_chunks(head, key, read)):  # decompressed one at a time
         chunk = head.plain(index, stored)
         if chunk is not None:
             whole.update(chunk)
@@ -319,7 +319,7 @@ def token_length(blob: Stored | Deferred | None) -> int | None:
             return None
         if isinstance(blob, Deferred):
             head: Head | None = blob.head
-        elif not isinstance(blob, SplitPayload) and len(blob) >= _FRAME.size and is_head(blob):
+        elif not isinstance(blob, SplitPayload) and len(blob) >= FRAME.size and is_head(blob):
             head = read_head(blob)
         else:
             head = None
@@ -340,7 +340,7 @@ def token_length(blob: Stored | Deferred | None) -> int | None:
 def taken(uid: str, value: Bytes, key: bytes, digest: bytes, size: int, read: Read) -> Stored | Deferred:
     """A stored value as a taken batch holds it: a head whose frame reads as a Deferred, its
     chunks read later with `read`; anything else as `resolve` reads it, now."""
-    if len(value) >= _FRAME.size and is_head(value):
+    if len(value) >= FRAME.size and is_head(value):
         try:
             head = read_head(value)
         except (ValueError, struct.error):

@@ -28,20 +28,20 @@ from expbuf.client.trxp.pieces import Bytes, section_at
 from ..schema.errors import NotFound, clip
 from . import chunk_heads, digests, shared_prompts
 from .chunk_heads import (
-    _DIGESTED,
-    _U64,
+    DIGESTED,
     OWNER,
+    SET_NUMBER,
     Head,
-    _format_8,
-    _intact_head,
-    _own_digest,
     chunk_key,
+    format_8,
+    intact_head,
     is_head,
+    own_digest,
     pack_head,
     read_head,
     set_prefix,
 )
-from .chunk_reads import _stored_chunks, reader
+from .chunk_reads import reader, stored_chunks
 from .layout import micros
 from .records import ItemRecord
 from .zstd_workers import COMPRESSING, compress
@@ -86,7 +86,7 @@ class Staging:
 def _chunks_match(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, value: Bytes) -> bool:
     """Whether the chunks of the set a head names are those its digests name, one read at a time."""
     head = read_head(value)
-    for index, stored in enumerate(_stored_chunks(head, key, reader(txn, dbs))):
+    for index, stored in enumerate(stored_chunks(head, key, reader(txn, dbs))):
         chunk = head.plain(index, stored)
         if chunk is None or digests.of(chunk) != head.digests[index]:
             return False
@@ -110,7 +110,7 @@ def reseal_heads(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
             if ItemRecord.place(record)[2] <= MIN_COMPRESSED:  # stored whole: the blob is not read
                 continue
             value = txn.get(key, db=dbs["blobs"])
-            found = None if value is None else _format_8(value)
+            found = None if value is None else format_8(value)
             if found is not None:
                 claims.setdefault((bytes(key[:4]), found[0]), []).append((bytes(key), found[1]))
     resealed = 0
@@ -126,7 +126,7 @@ def reseal_heads(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
         ((key, matches),) = heads
         if matches:
             view = memoryview(head_of(key))
-            txn.put(key, b"".join([view[:12], _own_digest(view), view[_DIGESTED:]]), db=dbs["blobs"])
+            txn.put(key, b"".join([view[:12], own_digest(view), view[DIGESTED:]]), db=dbs["blobs"])
             resealed += 1
         own(txn, dbs, key, set_id)
     return resealed
@@ -142,8 +142,8 @@ def _present(txn: lmdb.Transaction[bytes], db: lmdb._Database, key: bytes) -> by
 def reserve_sets(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], count: int = 1) -> int:
     """The first of `count` chunk set numbers no one has used, from now on used."""
     raw = txn.get(_NEXT_SET, db=dbs["meta"])
-    set_id = 1 if raw is None else _U64.unpack(raw)[0]
-    txn.put(_NEXT_SET, _U64.pack(set_id + count), db=dbs["meta"])
+    set_id = 1 if raw is None else SET_NUMBER.unpack(raw)[0]
+    txn.put(_NEXT_SET, SET_NUMBER.pack(set_id + count), db=dbs["meta"])
     return set_id
 
 
@@ -207,7 +207,7 @@ def _sets_of(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: 
     with txn.cursor(db=dbs["chunks"]) as cur:
         present = cur.set_range(prefix)
         while present and bytes(cur.key()[:4]) == prefix:
-            set_id = _U64.unpack(cur.key()[4:12])[0]
+            set_id = SET_NUMBER.unpack(cur.key()[4:12])[0]
             if cur.set_key(chunk_key(prefix, set_id, OWNER)) and bytes(cur.value()) == bytes(key):
                 found.append(set_id)
             present = cur.set_range(set_prefix(prefix, set_id + 1))
@@ -281,7 +281,7 @@ def sweep_staged(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -
     with txn.cursor(db=dbs["staged"]) as cur:
         keys = [bytes(key) for key in cur.iternext(values=False)]
     for key in keys:
-        drop_set(txn, dbs, bytes(key[:4]), _U64.unpack(key[4:12])[0])
+        drop_set(txn, dbs, bytes(key[:4]), SET_NUMBER.unpack(key[4:12])[0])
     return len(keys)
 
 
@@ -326,7 +326,7 @@ def delete(
             value = txn.get(key, db=blobs)
             if value is not None and len(value) >= 4 and shared_prompts.is_ref(value):
                 shared_prompts.release(txn, dbs, key, value)
-            elif value is not None and (head := _intact_head(value)) is not None and _marked(txn, dbs, key, head):
+            elif value is not None and (head := intact_head(value)) is not None and _marked(txn, dbs, key, head):
                 drop_set(txn, dbs, prefix, head.set_id)
             elif value is not None and (is_head(value) or sizes is None or len(value) != sizes[at]):
                 # A damaged head (or one whose magic is damaged: not as long as its record says)
