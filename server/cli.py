@@ -132,17 +132,22 @@ def _export(args: argparse.Namespace) -> int:
     return run_export(args, _tls(args))
 
 
+def _holds_data(directory: str, command: str) -> None:
+    """Refuse, before anything opens it, a directory that holds no expbuf data."""
+    data = Path(directory) / "data.mdb"
+    if not data.is_file():
+        raise CommandError(f"{directory} holds no expbuf data (no data.mdb); nothing to {command}")
+    if not data.stat().st_size:
+        raise CommandError(f"{directory} holds no expbuf data (data.mdb is empty); nothing to {command}")
+
+
 def _check(args: argparse.Namespace) -> int:
     """Verify the directory's records, payloads, indexes and counters; exit 1 naming what is damaged.
 
     It opens LMDB read-only without its lock file and writes nothing, so it also checks a
     read-only copy (a backup, a snapshot); a running server's directory is refused.
     """
-    data = Path(args.data) / "data.mdb"
-    if not data.is_file():
-        raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to check")
-    if not data.stat().st_size:
-        raise CommandError(f"{args.data} holds no expbuf data (data.mdb is empty); nothing to check")
+    _holds_data(args.data, "check")
     import time
 
     import lmdb
@@ -187,24 +192,19 @@ def _repair(args: argparse.Namespace) -> int:
     stored payload (integrity.repair). It changes nothing else: a directory a release before this
     one wrote is left to `expbuf serve` to bring up to date first; one whose own records (format,
     databases, catalogue, counters, leases, grants) are damaged, and a running server's, are refused."""
-    data = Path(args.data) / "data.mdb"
-    if not data.is_file():
-        raise CommandError(f"{args.data} holds no expbuf data (no data.mdb); nothing to repair")
-    if not data.stat().st_size:
-        raise CommandError(f"{args.data} holds no expbuf data (data.mdb is empty); nothing to repair")
+    _holds_data(args.data, "repair")
     import time
 
     import lmdb
 
-    from .store.disk import layout
     from .store.disk.environment import Environment
     from .store.schema.errors import StoreError
     from .store.tables import integrity
 
     def current_only(txn: lmdb.Transaction[bytes], _env: object, dbs: dict[str, lmdb._Database], _path: Path) -> None:
-        found = txn.get(b"format", db=dbs["meta"])  # looked at again: a server may have run since
-        if found != str(layout.FORMAT).encode():
-            raise StoreError(f"the format record is {bytes(found or b'')[:20]!r}, not {layout.FORMAT}: {_CHECK}")
+        damage = integrity.scan(txn, dbs, time.time(), strays=False, tables=False)[""]
+        if damage:  # looked at again: a server may have run since
+            raise StoreError(f"damaged ({damage[0]}): {_CHECK}")
 
     try:
         reader = Environment(args.data, readonly=True)

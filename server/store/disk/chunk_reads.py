@@ -217,16 +217,15 @@ class Frame:
     the next field, twice a chunk for a payload of one). With its reply's `Ahead`, the
     first read of a chunk starts the next chunk of the same payload the reply reads (`following`)
     on the decompressing threads, so that it is decompressed while this one's parts are sent: the
-    frame that follows holds it, and the reply has one such chunk on its way at a time."""
+    reply's Ahead holds it, one such chunk on its way at a time."""
 
-    __slots__ = ("_ahead", "_deferred", "_index", "_reads", "_seen", "following")
+    __slots__ = ("_deferred", "_index", "_reads", "following", "seen")
 
     def __init__(
         self, deferred: Deferred, index: int, following: Frame | None = None, reads: Ahead | None = None
     ) -> None:
         self._deferred, self._index, self.following, self._reads = deferred, index, following, reads
-        self._ahead: Future[Bytes] | None = None
-        self._seen = False  # read once: a read ahead of it would be of a chunk read already
+        self.seen = False  # read once: a read ahead of it would be of a chunk read already
 
     def __len__(self) -> int:
         return self._deferred.head.length(self._index)
@@ -234,15 +233,19 @@ class Frame:
     def read(self, start: int, end: int) -> bytes | memoryview:
         plain = RECENT.get(self)
         if plain is None:
-            ahead, self._ahead, self._seen = self._ahead, None, True
-            reads, after = self._reads, self.following
-            if reads is not None:
-                reads.busy = reads.busy and ahead is None  # this frame's was the reply's one on its way
-                if after is not None and not (reads.busy or after._seen or after._ahead is not None):
-                    after._ahead, reads.busy = self._deferred.ahead(after._index), True
+            self.seen = True
+            ahead = None
+            if self._reads is not None:
+                ahead = self._reads.taken(self)
+                if self.following is not None:
+                    self._reads.start(self.following)
             plain = self._deferred.checked_chunk(self._index) if ahead is None else ahead.result()
         RECENT.keep(self, plain)
         return memoryview(plain)[start:end]
+
+    def ahead(self) -> Future[Bytes]:
+        """This chunk, decompressed and checked on the decompressing threads (Deferred.ahead)."""
+        return self._deferred.ahead(self._index)
 
     def detach(self) -> Frame:
         self._deferred.detach()
@@ -255,10 +258,23 @@ class Ahead:
     fields of one payload. One that reads a field of every experience before the next field has
     none: each experience's next chunk would wait a whole pass, or be read already."""
 
-    __slots__ = ("busy",)
+    __slots__ = ("_frame", "_future")
 
     def __init__(self) -> None:
-        self.busy = False
+        self._frame: Frame | None = None  # the frame whose chunk is on its way, and its future
+        self._future: Future[Bytes] | None = None
+
+    def start(self, frame: Frame) -> None:
+        """`frame`'s chunk on its way, unless another is or the reply has read it already."""
+        if self._frame is None and not frame.seen:
+            self._frame, self._future = frame, frame.ahead()
+
+    def taken(self, frame: Frame) -> Future[Bytes] | None:
+        """`frame`'s chunk if it is the one on its way, which it then no longer is."""
+        if self._frame is not frame:
+            return None
+        future, self._frame, self._future = self._future, None, None
+        return future
 
 
 class Recent:
