@@ -97,5 +97,14 @@ def read_push_request(data: bytes) -> PushMessage:
 
 
 def _release(held: list[Callable[[], None]]) -> None:
+    """Call each of `held` (the last first), every one of them even where one before it raised (a
+    staged push's drop refused by the store must not keep its max_inflight_bytes); then raise the
+    first that raised."""
+    failed: BaseException | None = None
     while held:
-        held.pop()()
+        try:
+            held.pop()()
+        except BaseException as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed

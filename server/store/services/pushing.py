@@ -180,7 +180,7 @@ class Pushing:
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None:
         """Those of the sets a push in chunks staged that are staged still go (chunked.drop_set): a
         refused push's, a duplicate's; its stored experiences' sets are theirs, no longer staged."""
-        if not set_ids:
+        if not set_ids or not self.catalog.has(table):  # a dropped table's staged sets went with it
             return
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         dbs = self.environment.db
