@@ -20,6 +20,7 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.app import ExpbufServer
 
 from conftest import Servers
+from helpers import make_experience, wait_for
 
 CHUNK = 1 << 20  # the client's chunks: smaller than the store's (4 MiB)
 
@@ -80,3 +81,50 @@ def test_a_staged_push_whose_table_is_dropped_meanwhile_gives_back_its_reservati
         assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value.details()
         assert "'t'" in ended.value.details()
     assert held_drops_to_zero(server), f"{server.inflight.held} bytes of max_inflight_bytes still held"
+
+
+def test_get_values_past_one_message_is_refused_by_the_server_naming_why(start_server: Servers) -> None:
+    """GetValues checks its reply against max_message_bytes by the values' bytes alone; the reply
+    also frames each value (2 bytes for one of 15), so 65,536 values of 15 bytes (983,040 bytes, under
+    the 1 MiB - 1 KiB the server allows) make a reply of 1,114,112 bytes. The server's own refusal
+    (RESOURCE_EXHAUSTED: "... ask for fewer keys at a time") should come, not gRPC's "Sent message
+    larger than max" after the reply was built."""
+    server = start_server(max_message_bytes=1 << 20)
+    keys = [str(index) for index in range(65_536)]
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t")), timeout=10)
+        for at in range(0, len(keys), 16_384):
+            part = keys[at : at + 16_384]
+            stub.PutValues(pb.PutValuesRequest(table="t", keys=part, values=[b"v" * 15] * len(part)), timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetValues(pb.GetValuesRequest(table="t", keys=keys), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ask for fewer keys" in refused.value.details(), refused.value.details()
+        assert len(stub.GetValues(pb.GetValuesRequest(table="t", keys=keys[:1000]), timeout=30).values) == 1000
+
+
+def test_get_past_one_message_once_advantages_are_added_is_refused_by_the_server_naming_why(
+    start_server: Servers,
+) -> None:
+    """Get checks its reply against max_message_bytes by the experiences' stored sizes; the reply adds
+    each one's advantages and returns (8 bytes a response token), so five experiences of 180 KB stored
+    (903 KB, under the limit) make a 1.7 MB reply. The server's own refusal (RESOURCE_EXHAUSTED naming
+    ReadFields, which reads in parts) should come, not gRPC's "Sent message larger than max"."""
+    server = start_server(max_message_bytes=1 << 20)
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t", group_size=1)), timeout=10)
+        made = [make_experience(0, task, 0, response=20_000) for task in range(5)]
+        for one in made:
+            assert stub.Push(pb.PushRequest(table="t", payload=trxp.encode([one])), timeout=10).stored_uids
+        uids = [one.eid.uid for one in made]
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+            wait_for(lambda: client.stats("t")["t"].ready == 5, "the groups to be ready", 10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Get(pb.GetRequest(table="t", uids=uids), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ReadFields" in refused.value.details(), refused.value.details()
+        assert len(trxp.parse(stub.Get(pb.GetRequest(table="t", uids=uids[:2]), timeout=30).payload)) == 2

@@ -37,6 +37,7 @@ from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
 from ..tables.leases import read_lease
+from .values import framed
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
 log = logging.getLogger("expbuf.store")
@@ -161,6 +162,13 @@ class Reads:
             payload = batch_payload(checked(rows.blobs), advantages)
         if damaged:
             self._quarantine(table, damaged)
+        if limit is not None and framed(len(payload)) + sum(framed(len(uid.encode())) for uid in missing) > limit:
+            # the records' sizes were within it, but the batch adds each one's advantages and returns
+            raise TooLarge(
+                f"the experiences of {len(uids)} uids take {len(payload)} bytes with their advantages and returns, "
+                f"more than one message of {limit} bytes: ask for fewer, or read them with ReadFields (the "
+                "clients' get), which sends them in parts"
+            )
         return payload, missing
 
     def fields(

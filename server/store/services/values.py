@@ -53,7 +53,8 @@ class Values:
 
     def get(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
         """The value of each key, None for one not stored, from the last commit. TooLarge as soon
-        as the values read pass `limit` bytes, before the rest are read."""
+        as the reply (each value, or missing key's name, with its framing) passes `limit` bytes,
+        before the rest are read."""
         check_count(keys, "keys", "GetValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         prefix = self._prefix(table)
@@ -63,7 +64,8 @@ class Values:
         with self.environment.read() as txn:
             for name in names:
                 value = txn.get(prefix + name, db=db)
-                size += len(value) if value is not None else 0
+                # what the reply takes: each value framed, or each missing key's name framed
+                size += framed(len(value) if value is not None else len(name))
                 if limit is not None and size > limit:
                     raise TooLarge(
                         f"the values of {len(keys)} keys take more than {limit} bytes, more than one message: "
@@ -87,6 +89,12 @@ class Values:
     def _prefix(self, table: str) -> bytes:
         table_id, _ = self.catalog.lookup(table)
         return layout.table_prefix(table_id)
+
+
+def framed(length: int) -> int:
+    """The bytes a repeated bytes or string field of `length` bytes takes in a reply: its key, its
+    length (a varint) and itself."""
+    return 1 + max(1, (length.bit_length() + 6) // 7) + length
 
 
 def _names(keys: Sequence[str]) -> list[bytes]:
