@@ -21,7 +21,7 @@ from expbuf.server.rpc.inflight import InFlight
 from expbuf.server.rpc.push_request import read_push_request
 
 from conftest import BAD_DIR, Servers
-from helpers import group_items
+from helpers import group_items, make_experience
 
 UNKNOWN_FIELDS = (
     b"\x40\x96\x01"  # field 8, varint
@@ -407,3 +407,36 @@ def test_calls_waiting_for_room_leave_the_reserve_to_calls_that_answer_at_once(
         went_in = [call.result() for call in calls if call.exception() is None]
         assert len(went_in) == len(calls) - len(refused)
     assert held_drops_to_zero(server)
+
+
+def test_a_staged_push_whose_table_is_dropped_meanwhile_gives_back_its_reservation(start_server: Servers) -> None:
+    """A push in chunks whose large experience is staged as it arrives, its table dropped while it is
+    read: the push is refused NOT_FOUND naming the table, and what it reserved of max_inflight_bytes is
+    given back. (StagedPush.drop, run first when the push's message is released, looks the table up
+    to drop its staged sets; the table is gone, so it raises NotFound, and the reservation that was to
+    be released after it never is: max_inflight_bytes shrinks for good, each time.)"""
+    server = start_server()
+    body = trxp.encode([make_experience(0, "dropped", 0, response=700_000)])  # about 6 MB: a store's chunk staged
+    parted = chunks(body, 1 << 20, table="t")
+    half = threading.Event()
+    go_on = threading.Event()
+
+    def messages() -> Iterator[pb.PushRequest]:
+        yield from parted[:6]  # 6 MiB: the store's first chunk (4 MiB) staged
+        half.set()
+        go_on.wait(30)
+        yield from parted[6:]
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t")), timeout=10)
+        call = stub.PushStream(messages(), timeout=60)
+        assert half.wait(10)
+        time.sleep(1.0)  # the chunks sent are read and the first staged
+        stub.DropTable(pb.DropTableRequest(name="t"), timeout=10)
+        go_on.set()
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value.details()
+        assert "'t'" in ended.value.details()
+    assert held_drops_to_zero(server), f"{server.inflight.held} bytes of max_inflight_bytes still held"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
 from conftest import Servers
-from helpers import make_experience, serving
+from helpers import make_experience, serving, wait_for
 
 LIMIT = 4 << 20  # the server's max_message_bytes
 
@@ -54,8 +55,6 @@ def test_the_unary_get_refuses_what_one_message_cannot_hold_and_the_client_reads
 ) -> None:
     """The unary Get (an older client's) cannot answer with more than one message; the client's
     get() reads the same experience in parts no larger than its own receive limit."""
-    import grpc
-
     target, made = stored(start_server)
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.ExperienceBufferStub(channel)
@@ -103,3 +102,50 @@ def test_get_from_a_server_without_read_fields_falls_back_to_the_unary_get() -> 
         got = client.get([exp.eid.uid, "g/1/0/0/absent"], table="g")
     assert [one.eid.uid for one in got] == [exp.eid.uid] and got.missing_uids == ["g/1/0/0/absent"]
     assert older.asked == [[exp.eid.uid, "g/1/0/0/absent"]]
+
+
+def test_get_values_past_one_message_is_refused_by_the_server_naming_why(start_server: Servers) -> None:
+    """GetValues checks its reply against max_message_bytes by the values' bytes alone; the reply
+    also frames each value (2 bytes for one of 15), so 65,536 values of 15 bytes (983,040 bytes, under
+    the 1 MiB - 1 KiB the server allows) make a reply of 1,114,112 bytes. The server's own refusal
+    (RESOURCE_EXHAUSTED: "... ask for fewer keys at a time") should come, not gRPC's "Sent message
+    larger than max" after the reply was built."""
+    server = start_server(max_message_bytes=1 << 20)
+    keys = [str(index) for index in range(65_536)]
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t")), timeout=10)
+        for at in range(0, len(keys), 16_384):
+            part = keys[at : at + 16_384]
+            stub.PutValues(pb.PutValuesRequest(table="t", keys=part, values=[b"v" * 15] * len(part)), timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GetValues(pb.GetValuesRequest(table="t", keys=keys), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ask for fewer keys" in refused.value.details(), refused.value.details()
+        assert len(stub.GetValues(pb.GetValuesRequest(table="t", keys=keys[:1000]), timeout=30).values) == 1000
+
+
+def test_get_past_one_message_once_advantages_are_added_is_refused_by_the_server_naming_why(
+    start_server: Servers,
+) -> None:
+    """Get checks its reply against max_message_bytes by the experiences' stored sizes; the reply adds
+    each one's advantages and returns (8 bytes a response token), so five experiences of 180 KB stored
+    (903 KB, under the limit) make a 1.7 MB reply. The server's own refusal (RESOURCE_EXHAUSTED naming
+    ReadFields, which reads in parts) should come, not gRPC's "Sent message larger than max"."""
+    server = start_server(max_message_bytes=1 << 20)
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t", group_size=1)), timeout=10)
+        made = [make_experience(0, task, 0, response=20_000) for task in range(5)]
+        for one in made:
+            assert stub.Push(pb.PushRequest(table="t", payload=trxp.encode([one])), timeout=10).stored_uids
+        uids = [one.eid.uid for one in made]
+        with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+            wait_for(lambda: client.stats("t")["t"].ready == 5, "the groups to be ready", 10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Get(pb.GetRequest(table="t", uids=uids), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ReadFields" in refused.value.details(), refused.value.details()
+        assert len(trxp.parse(stub.Get(pb.GetRequest(table="t", uids=uids[:2]), timeout=30).payload)) == 2
