@@ -349,7 +349,9 @@ def test_with_default_settings_no_damaged_experience_is_served_and_the_scrub_fin
     assert f"t: ok ({len(damaged)} experience(s) quarantined: damaged, never served)" in checked.stdout
 
 
-def test_a_kill_during_the_format_upgrade_leaves_format_3_or_4_and_check_finds_no_damage(tmp_path: Path) -> None:
+def test_a_kill_during_the_format_upgrade_leaves_format_3_or_the_current_one_and_check_finds_no_damage(
+    tmp_path: Path,
+) -> None:
     """`expbuf serve` SIGKILLed at moments spread over its upgrade of a copy of a format-3
     directory (from the moment LMDB opens, when the upgrade starts): each time, `expbuf check`
     exits 0 saying either that the next start upgrades it or that every table is ok, and the
