@@ -3,19 +3,21 @@ in one process (issue 41).
 
     .venv/bin/python bench/bench_take_floor.py [--experiences 16384] [--rounds 3] [--out bench/RESULTS.md]
 
-Each round fills two data directories with the same 8 KB experiences (bench_reverb's shape), each
+Each round fills three data directories with the same 8 KB experiences (bench_reverb's shape), each
 its own group and in groups of 8, then drains each as a Sample stream's server does, in batches
 of 256, taking a batch held while it confirms (consumes) the one before, in one durable commit:
 
 - the store: `Store.sample(hold=True, confirm=...)`, its take and its confirm as the server runs
   them (records decoded and written, counters, every ready index, extension hooks, the checks);
+- the store with no hold: `Store.sample()` consuming each batch in its take, which no stream does
+  (a batch its client never had would be lost): what holding a batch until it is confirmed costs;
 - the floor: the same reads and writes in plain py-lmdb, nothing else: the ready order's rows
   read and deleted, each group's and member's record read, its payload read from a read snapshot
   and its XXH3-128 digest checked, the group rewritten as held; at the confirm each payload,
   insertion-order row and record deleted, a tombstone, a retired mark and the group written.
 
 CPU microseconds an experience (this process: the writer's thread included), medians of the
-rounds; which goes first alternates. The floor is what Python and LMDB cost for this work; the
+rounds; which goes first turns. The floor is what Python and LMDB cost for this work; the
 difference is what the store's bookkeeping costs.
 """
 
@@ -64,8 +66,10 @@ def entries(count: int, group: int, serial: Iterator[int]) -> list[list[Entry]]:
     return [[Entry.of(trxp.from_experience(exp)) for exp in exps] for exps in pushes]
 
 
-def store_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
-    """CPU seconds of the store's drain (its fill not counted)."""
+def store_drain(path: Path, pushes: list[list[Entry]], group: int, *, hold: bool = True) -> float:
+    """CPU seconds of the store's drain (its fill not counted): each batch held, then consumed when the
+    next is taken, as a Sample stream's server does; or (`hold=False`) consumed in its take, one commit
+    a batch, as no stream does (a batch the client never had would be lost): what the hold costs."""
     config = (
         TableConfig.of(name="t", estimator="none", group_by="none")
         if group == 1
@@ -79,13 +83,18 @@ def store_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
         count, taken, held = sum(map(len, pushes)), 0, ""
         start = time.process_time()
         while taken < count:
-            batch = store.sample(spec, hold=True, confirm=held)
+            batch = store.sample(spec, hold=True, confirm=held) if hold else store.sample(spec)
             assert batch is not None
             taken += len(batch.uids)
             held = batch.lease_id
             batch.release()
-        store.confirm(held, spec)
+        if hold:
+            store.confirm(held, spec)
         return time.process_time() - start
+
+
+def unheld_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
+    return store_drain(path, pushes, group, hold=False)
 
 
 def floor_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
@@ -154,12 +163,16 @@ def floor_drain(path: Path, pushes: list[list[Entry]], group: int) -> float:
 def measure(count: int, rounds: int) -> dict[int, dict[str, list[float]]]:
     serial = itertools.count()
     results: dict[int, dict[str, list[float]]] = {}
-    ways: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {"store": store_drain, "floor": floor_drain}
+    ways: dict[str, Callable[[Path, list[list[Entry]], int], float]] = {
+        "store": store_drain,
+        "unheld": unheld_drain,
+        "floor": floor_drain,
+    }
     for group in (1, 8):
         found: dict[str, list[float]] = {way: [] for way in ways}
         for round_ in range(rounds):
             pushes = entries(count, group, serial)
-            for way in ways if round_ % 2 == 0 else list(ways)[::-1]:
+            for way in list(ways)[round_ % len(ways) :] + list(ways)[: round_ % len(ways)]:
                 with tempfile.TemporaryDirectory(prefix="expbuf-floor-") as data:
                     found[way].append(ways[way](Path(data), pushes, group) / count * 1e6)
         results[group] = found
@@ -175,12 +188,15 @@ def report(command: str, load: str, count: int, results: dict[int, dict[str, lis
         f"2 cores (load average {load} at the start); {count:,} experiences of 8 KB a drain, batches of "
         f"{BATCH}; CPU µs an experience, medians of the rounds.",
         "",
-        "| groups of | the store's take and confirm | the same reads and writes in py-lmdb | store / floor |",
-        "| ---: | ---: | ---: | ---: |",
+        "| groups of | the store's take and confirm | the store's take consuming, no hold | the same reads and "
+        "writes in py-lmdb | store / floor | no hold / floor |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for group, found in results.items():
-        store, floor = statistics.median(found["store"]), statistics.median(found["floor"])
-        lines.append(f"| {group} | {store:.1f} | {floor:.1f} | **{store / floor:.1f}x** |")
+        store, unheld, floor = (statistics.median(found[way]) for way in ("store", "unheld", "floor"))
+        lines.append(
+            f"| {group} | {store:.1f} | {unheld:.1f} | {floor:.1f} | **{store / floor:.1f}x** | {unheld / floor:.1f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
