@@ -9,8 +9,11 @@ import json
 import shutil
 from pathlib import Path
 
+import lmdb
+
 from expbuf.server.store import ItemRecord, Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.disk.records import Lease
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -85,3 +88,44 @@ def test_a_format_3_leased_group_is_ready_in_its_member_records_and_its_lease_co
         assert store.nack(lease["id"], lease["table"]) == 4
         assert {_listed(store, "grpo4")[uid] for uid in leased} == {("ready", 1)}  # sampled once, as in format 3
         assert store.verify("grpo4") == []
+
+
+def test_a_held_batch_whose_groups_are_deleted_before_it_comes_back_unsent_is_uncounted(tmp_path: Path) -> None:
+    """A batch held for a stream, one of its groups deleted, a member of another deleted too, then
+    given back unsent: the client never had any of it, so nothing of it stays counted as sampled,
+    neither in the table's counters nor in its rate limiter's count (where a sample counts against
+    samples_per_insert)."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
+        batch = store.sample(SampleSpec("t", num_groups=2), hold=True)
+        assert batch is not None and store.stats("t")["sampled"] == 4
+        assert store.delete("t", uids=[batch.uids[3]], group_ids=[batch.group_ids[0]]) == 3
+        assert store.release_holds() == 1
+        stats = store.stats("t")
+        assert (stats["sampled"], stats["bytes_sampled"], stats["ready"]) == (0, 0, 1)
+        assert stats["rate_sampled"] == 0
+        assert store.verify("t") == []
+
+
+def test_a_held_batch_an_earlier_release_leased_comes_back_uncounted_by_the_members_it_finds(tmp_path: Path) -> None:
+    """A hold whose lease an earlier release wrote (without what its take counted) comes back, at the
+    next start, uncounted by the members still under it, as that release did."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0))
+        batch = store.sample(SampleSpec("t", num_groups=1), hold=True)
+        assert batch is not None and store.stats("t")["sampled"] == 2
+    env = lmdb.open(str(tmp_path), max_dbs=layout.MAX_DBS)
+    with env.begin(write=True) as txn:
+        leases = env.open_db(b"leases", txn=txn)
+        lease = Lease.decode(txn.get(batch.lease_id.encode(), db=leases))
+        assert lease.counted == (2, sum(len(blob) for blob in batch.blobs), 0)
+        lease.counted = None
+        txn.put(batch.lease_id.encode(), lease.encode(), db=leases)
+    env.close()
+    with Store(tmp_path) as store:
+        assert store.release_holds() == 2
+        stats = store.stats("t")
+        assert (stats["sampled"], stats["bytes_sampled"], stats["rate_sampled"], stats["ready"]) == (0, 0, 0, 2)
+        assert store.verify("t") == []

@@ -26,7 +26,7 @@ from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
 from . import digests
 from .chunk_reads import Deferred, checked, token_length
-from .records import ItemRecord
+from .records import Counted, ItemRecord
 from .snapshot import Snapshot
 from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_parts
 
@@ -182,6 +182,7 @@ class Sampled:
     segments: list[tuple[int, ...]] = field(default_factory=list)  # each one's version segments, as pushed
     # each one's response tokens masked as too stale (a prefix); empty where the table masks none
     masked: list[int] = field(default_factory=list)
+    counted: Counted | None = None  # what its take counted as sampled (a held batch's lease keeps it)
 
     @property
     def payload(self) -> bytes:

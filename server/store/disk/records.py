@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..schema.states import STATES, State
 
@@ -351,6 +351,14 @@ class GroupRecord:
         )
 
 
+class Counted(NamedTuple):
+    """What a take counted as sampled: its experiences, their bytes, their tokens masked as too stale."""
+
+    experiences: int
+    nbytes: int
+    tokens_masked: int
+
+
 @dataclass(slots=True, kw_only=True)
 class Lease:
     """Groups of one table handed out together. `expires` None: held for a Sample stream
@@ -360,19 +368,26 @@ class Lease:
     groups: list[str]
     expires: float | None
     owner: str = ""
+    # A held batch's: what its take counted as sampled (experiences, bytes, tokens masked), which a
+    # give-back unsent takes back whole, whatever was deleted of it meanwhile. None: not held, or
+    # held by a release that did not write it (its give-back counts the members it finds).
+    counted: Counted | None = None
 
     _HEAD = struct.Struct("<Id")
+    _COUNTED = struct.Struct("<QQQ")
 
     def encode(self) -> bytes:
         head = self._HEAD.pack(self.table_id, _opt_float(self.expires))
-        return head + _pack_str(self.owner) + _pack_strs(self.groups)
+        body = head + _pack_str(self.owner) + _pack_strs(self.groups)
+        return body if self.counted is None else body + self._COUNTED.pack(*self.counted)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Lease:
         table_id, expires = cls._HEAD.unpack_from(data)
         owner, pos = _unpack_str(data, cls._HEAD.size)
-        groups, _ = _unpack_strs(data, pos)
-        return cls(table_id=table_id, groups=groups, expires=_float_or_none(expires), owner=owner)
+        groups, pos = _unpack_strs(data, pos)
+        counted = Counted(*cls._COUNTED.unpack_from(data, pos)) if pos < len(data) else None
+        return cls(table_id=table_id, groups=groups, expires=_float_or_none(expires), owner=owner, counted=counted)
 
     @classmethod
     def from_v1(cls, rec: dict[str, Any]) -> Lease:

@@ -27,7 +27,7 @@ import lmdb
 
 from ..disk import layout
 from ..disk.kinds import Sampled
-from ..disk.records import GroupRecord, Lease
+from ..disk.records import Counted, GroupRecord, Lease
 from ..rules import limiter, reuse
 from ..rules.retirement import retire
 from ..rules.table_state import TableState
@@ -63,7 +63,9 @@ class Leases:
         """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
         until confirmed, or running until `batch.lease_expires`."""
         expires = None if hold else batch.lease_expires
-        lease = Lease(table_id=table_id, groups=list(dict.fromkeys(batch.group_ids)), expires=expires, owner=owner)
+        groups = list(dict.fromkeys(batch.group_ids))
+        counted = batch.counted if hold else None  # what a give-back unsent takes back
+        lease = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted)
         txn.put(batch.lease_id.encode(), lease.encode(), db=self.db["leases"])
         if expires is not None:
             txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
@@ -144,6 +146,8 @@ class Leases:
         if tt is None:  # the table was dropped
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
+        if requeue and unsent and held:
+            _uncount(tt, lease_id, lease)
         count = _groups_back(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1
@@ -164,10 +168,24 @@ class Leases:
         txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
 
 
+def _uncount(tt: TableState, lease_id: str, lease: Lease) -> None:
+    """A held batch that goes back unsent is not sampled after all: what its take counted is taken
+    back (a lease a release before `Lease.counted` wrote: the members still under it, as it did)."""
+    counted = lease.counted
+    if counted is None:
+        held = leased_groups(tt, lease_id, lease.groups)
+        recs = [rec for _, grp in held for rec in tt.members(grp).values()]
+        counted = Counted(len(recs), sum(rec.size for rec in recs), 0)
+    tt.counters.sampled -= counted.experiences
+    tt.counters.bytes_sampled -= counted.nbytes
+    tt.counters.tokens_masked -= counted.tokens_masked
+    limiter.given_back(tt, counted.experiences)
+
+
 def _groups_back(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
     experiences. `unsent`: a batch held for a stream that never confirmed it goes back
-    uncounted as sampled. Only a batch that goes back sampled rewrites its members' records
+    uncounted (_uncount). Only a batch that goes back sampled rewrites its members' records
     (their times sampled)."""
     ended = leased_groups(tt, lease_id, gkeys)
     for _, grp in ended:
@@ -176,16 +194,11 @@ def _groups_back(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bo
         retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
     back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
-    for _, _, recs in back:
-        for uid, rec in recs.items():
-            if unsent:
-                tt.counters.sampled -= 1
-                tt.counters.bytes_sampled -= rec.size
-            else:  # sampled: the record counts it now (a consumed one's tombstone need not)
+    if not unsent:  # sampled: the records count it now (a consumed one's tombstone need not)
+        for _, _, recs in back:
+            for uid, rec in recs.items():
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)
-        if unsent:
-            limiter.given_back(tt, len(recs))
     tt.set_states(back, READY)
     tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in ended])
     return sum(len(grp.members) for _, grp in ended)

@@ -23,7 +23,7 @@ from expbuf.client.trxp.pieces import Stored
 from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
-from ..disk.records import GroupRecord, ItemRecord
+from ..disk.records import Counted, GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import limiter, reuse
@@ -105,7 +105,7 @@ def take(
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
-    tt.counters.bytes_sampled += sum(rec.size for rec in rows.records)
+    batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
     if delivery == "consume":
         retire(tt, chosen, CONSUMED)
     elif delivery == "replay":
@@ -115,9 +115,10 @@ def take(
         for _, grp in chosen:
             grp.lease = batch.lease_id
         tt.set_states(taken, LEASED)
-    tt.counters.sampled += len(batch.uids)
-    tt.counters.tokens_masked += sum(batch.masked)
-    limiter.taken(tt, len(batch.uids))
+    tt.counters.sampled += batch.counted.experiences
+    tt.counters.bytes_sampled += batch.counted.nbytes
+    tt.counters.tokens_masked += batch.counted.tokens_masked
+    limiter.taken(tt, batch.counted.experiences)
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version
     tt.extensions.on_sample(tt, chosen)
