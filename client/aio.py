@@ -185,7 +185,7 @@ class AsyncBufferClient(ClientBase):
                 ahead.skip(await outcomes.get())
 
         ahead: Prefetcher | None = None
-        received = 0
+        received, seconds = 0, 0.0  # seconds: the server's confirm bound, as its replies say
         try:
             await call.write(spec.request(self.max_message_bytes))
             if spec.ahead:
@@ -194,6 +194,7 @@ class AsyncBufferClient(ClientBase):
                 ahead = Prefetcher(read, decode, spec.ahead, _deliverer(outcomes, loop))
                 call.add_done_callback(ahead.call_done)
             while (batch := await next_batch()) is not None:
+                seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 received += 1
                 confirmed = time.monotonic()
@@ -202,7 +203,8 @@ class AsyncBufferClient(ClientBase):
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:
-                raise self._error(error) from None
+                late = calls.late(table, seconds, confirmed) if error.code() == grpc.StatusCode.CANCELLED else None
+                raise late or self._error(error) from None
         finally:
             if ahead is not None:
                 ahead.stop()

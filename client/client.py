@@ -216,16 +216,18 @@ class BufferClient(LedgerMethods):
         if spec.ahead:
             ahead = Prefetcher(read, decode, spec.ahead, outcomes.put)
             stream.add_done_callback(ahead.call_done)
-        received = 0
+        received, seconds = 0, 0.0  # seconds: the server's confirm bound, as its replies say
         try:
             while (batch := next_batch()) is not None:
+                seconds = batch.confirm_seconds
                 batch = calls.handed(batch, spec.lease_seconds, confirmed)
                 received += 1
                 confirmed = time.monotonic()
                 requests.confirm(received)
                 yield batch
         except grpc.RpcError as exc:
-            raise self._error(exc) from None
+            late = calls.late(table, seconds, confirmed) if exc.code() == grpc.StatusCode.CANCELLED else None
+            raise late or self._error(exc) from None
         finally:
             if ahead is not None:
                 ahead.stop()

@@ -42,6 +42,7 @@ from .rpc.metrics import Metrics, RpcMetrics
 from .rpc.push_memory import PushMemory
 from .rpc.replies import PassBytes, keep_reply_memory
 from .rpc.service import ExperienceBufferService
+from .rpc.stalled_sends import StalledSends
 from .store import Store, TableExtension
 from .store.schema.errors import ConfigError, Conflict, StoreError
 
@@ -161,6 +162,7 @@ class ExpbufServer:
         self.call_limits = call_limits(config)
         interceptors.append(self.call_limits)
         interceptors.append(PassBytes())
+        interceptors.append(StalledSends(config.confirm_seconds))
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(
             PushMemory(

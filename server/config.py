@@ -126,6 +126,7 @@ class ServerConfig:
     # The longest a Sample batch sent waits for its client's confirmation, counted from the later of
     # its send and the client's confirmation of the batch before: a trainer's step. Past it the
     # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (rpc/sample_stream.py).
+    # Also the longest a streamed reply's message waits for its client to take it (rpc/stalled_sends.py).
     max_confirm_seconds: float | None = None  # None: max_wait_seconds
     # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/inflight.py).
     max_inflight_bytes: int = 1 << 30

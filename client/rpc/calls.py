@@ -409,6 +409,24 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type
     return made
 
 
+def late(table: str, seconds: float, since: float) -> DeadlineExceededError | None:
+    """The error of a batch asked for too late for a server that waits `seconds` (a reply's
+    confirm_seconds; 0: unknown) for its confirmation, counted from the confirmation before it, sent
+    at `since` (see `handed`); None in time. A stream the server cancelled is this too, when it is
+    late: the server ends a stream whose reply its client has not taken for max_confirm_seconds (a
+    step that long, with a batch too large to wait in the channel's buffers)."""
+    waited = time.monotonic() - since
+    if not seconds or waited <= seconds - min(seconds / 10, CONFIRM_MARGIN):
+        return None
+    return DeadlineExceededError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"a batch of table '{table}' was asked for {waited:.1f}s after the batch before it (or the stream's "
+        f"start), too late for the server, which waits {seconds:g}s for its confirmation (max_confirm_seconds, "
+        "EXPBUF_MAX_CONFIRM_SECONDS): it was not handed over and goes back to the buffer with the batches after "
+        "it. Open a new sample() to go on; a step this long needs a larger max_confirm_seconds",
+    )
+
+
 def handed(made: B, lease_seconds: float, since: float) -> B:
     """The batch as the client hands it to its caller, confirming it: a lease's clock starts now.
 
@@ -418,16 +436,9 @@ def handed(made: B, lease_seconds: float, since: float) -> B:
     past that, less a tenth (at most CONFIRM_MARGIN) for the confirmation's way, may be in the
     buffer again already: it is not handed over, so no batch is trained that another trainer
     may get, and DeadlineExceededError says why."""
-    seconds = made.confirm_seconds
-    waited = time.monotonic() - since
-    if seconds and waited > seconds - min(seconds / 10, CONFIRM_MARGIN):
-        raise DeadlineExceededError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"a batch of table '{made.table}' was asked for {waited:.1f}s after the batch before it (or the stream's "
-            f"start), too late for the server, which waits {seconds:g}s for its confirmation (max_confirm_seconds, "
-            "EXPBUF_MAX_CONFIRM_SECONDS): it was not handed over and goes back to the buffer with the batches after "
-            "it. Open a new sample() to go on; a step this long needs a larger max_confirm_seconds",
-        )
+    error = late(made.table, made.confirm_seconds, since)
+    if error is not None:
+        raise error
     if made.lease_id:
         made.lease_expires = time.time() + lease_seconds
     return made

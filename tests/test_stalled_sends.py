@@ -1,0 +1,202 @@
+"""A client that stops reading a reply sent in parts, its call open (a hung trainer process, a
+receive thread stuck behind something else): what the call holds (a Sample stream's batch, the
+LMDB read snapshot its reply is cut from, a worker) is given back once a message has waited
+max_confirm_seconds for the client to take it (rpc/stalled_sends.py). A client that cancels gives
+everything back already (a review probed Sample streams cancelled after the first part and after
+the whole batch before confirming, and reads cancelled after the first part, of whole, chunked and
+zstd tables, as TRXP and as columns, 30 to 200 times in a row: readers, threads, memory and held
+batches all back where they were). A real server on loopback, real LMDB."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from expbuf.client import AsyncBufferClient, BufferClient, DeadlineExceededError
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
+from expbuf.server.app import ExpbufServer
+
+from conftest import Servers
+from helpers import make_experience, wait_for
+
+LIMIT = 256 << 10  # the server's max_message_bytes: a reply of megabytes goes in many parts
+CONFIRM = 1.0  # the server's max_confirm_seconds
+# What a table holds, and how its experiences are stored: each under chunk_heads.CHUNK_BYTES
+# (stored whole), one of 27 MB (stored in 4 MiB chunks), or that one in a table that compresses.
+# Either way the batch is tens of MB: far more than HTTP/2 flow control lets the server send
+# ahead of a client that does not read.
+KINDS: dict[str, tuple[str, list[int]]] = {
+    "whole": ("none", [400_000] * 8),
+    "chunked": ("none", [3_000_000]),
+    "zstd": ("zstd", [3_000_000]),
+}
+
+
+@pytest.fixture
+def server(start_server: Servers) -> ExpbufServer:
+    return start_server(max_message_bytes=LIMIT, max_confirm_seconds=CONFIRM)
+
+
+@pytest.fixture
+def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
+    options = [("grpc.max_receive_message_length", 1 << 30)]
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        yield pb_grpc.ExperienceBufferStub(channel)
+
+
+def buffer_client(server: ExpbufServer) -> BufferClient:
+    return BufferClient(f"127.0.0.1:{server.port}", max_message_bytes=LIMIT, push_chunk_bytes=64 << 10, timeout=60)
+
+
+def fill(server: ExpbufServer, kind: str) -> list[str]:
+    """Table `t` of `kind` holding one group of the kind's experiences; their uids."""
+    compression, responses = KINDS[kind]
+    with buffer_client(server) as client:
+        client.create_table("t", group_size=len(responses), estimator="none", compression=compression)
+        uids = [
+            uid
+            for run, response in enumerate(responses)
+            for uid in client.push([make_experience("big", 0, run, response=response)], table="t").stored
+        ]
+        assert client.stats("t")["t"].ready == len(responses) == len(uids)
+    return uids
+
+
+def readers(server: ExpbufServer) -> int:
+    """The LMDB read transactions the server's store holds open now."""
+    return server.store.environment._readers
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["trxp", "columns"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_sample_stream_stalled_mid_reply_gives_its_batch_back_after_max_confirm_seconds(
+    server: ExpbufServer, stub: pb_grpc.ExperienceBufferStub, kind: str, columns: bool
+) -> None:
+    """rpc/sample_stream.py: 'A client that hangs with its stream open (a stuck step) would
+    otherwise hold its window for ever. Past [max_confirm_seconds] the stream ends ... and its
+    unconfirmed batches return to the buffer.' A client that hangs a few parts into a batch sent
+    in parts (the stream open, nothing read, nothing cancelled) holds the batch (invisible, its
+    groups never sampled by anyone else), the snapshot it is read from and a worker thread for as
+    long as it hangs: the server's thread waits in gRPC's send for flow-control room that never
+    comes, and no bound of the stream's applies there."""
+    pushed = len(fill(server, kind))
+    base = readers(server)
+    requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+    requests.put(
+        pb.SampleRequest(
+            table="t",
+            num_groups=1,
+            max_batches=1,
+            wait_seconds=10,
+            max_reply_bytes=LIMIT,
+            fields=["tokens", "logprobs"] if columns else [],
+        )
+    )
+    call: Any = stub.Sample(iter(requests.get, None))  # no deadline, as the expbuf clients' streams
+    try:
+        first = next(call)
+        assert first.whole_bytes > 20 * LIMIT  # a batch in many parts; the client reads no more of it
+        with buffer_client(server) as client:
+
+            def returned() -> bool:
+                stats = client.stats("t")["t"]
+                return stats.ready == pushed and stats.leased == 0
+
+            wait_for(returned, f"the batch given back (max_confirm_seconds = {CONFIRM:g})", seconds=30)
+        wait_for(lambda: readers(server) == base, "the batch's read snapshot ended", seconds=30)
+    finally:
+        call.cancel()
+        requests.put(None)
+
+
+@pytest.mark.parametrize("read", ["trxp", "columns"])
+def test_a_read_stalled_mid_reply_ends_after_max_confirm_seconds_and_the_map_reuses_its_pages(
+    server: ExpbufServer, stub: pb_grpc.ExperienceBufferStub, read: str
+) -> None:
+    """A ReadFields of 27 MB in parts whose client stops reading after the first part (its call
+    open, no deadline) kept the snapshot its reply is cut from, and a worker, for as long as the
+    client hung: LMDB then reused no page freed after it, and a trainer's ordinary loop (push 1.8
+    MB, consume it) grew the data file by all it wrote (30 rounds: 52 MB, where without the stalled
+    read it did not grow). A reply's message its client does not take within max_confirm_seconds
+    now ends the call (CANCELLED), its snapshot with it, and the loop after reuses the pages."""
+    (uid,) = fill(server, "chunked")
+    with buffer_client(server) as client:
+        client.create_table("loop", group_size=1, estimator="none")
+        env = server.store.environment.env
+
+        def round_trip(task: int) -> None:
+            client.push([make_experience("loop", task, 0, response=200_000)], table="loop")
+            (batch,) = client.sample("loop", num_groups=1, max_batches=1, timeout=30, delivery="consume")
+            assert len(batch.uids) == 1
+
+        for task in range(3):  # the loop's pages in use, and freed, once
+            round_trip(task)
+        base = readers(server)
+        fields = ["tokens", "logprobs"] if read == "columns" else []
+        call: Any = stub.ReadFields(pb.ReadFieldsRequest(table="t", uids=[uid], fields=fields, max_reply_bytes=LIMIT))
+        try:
+            assert next(call).whole_bytes > 20 * LIMIT  # and the client reads no more of it
+            wait_for(lambda: readers(server) == base, "the stalled read's snapshot ended", seconds=30)
+            before = env.info()["last_pgno"]
+            for task in range(3, 33):
+                round_trip(task)
+            grown = env.info()["last_pgno"] - before
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+        finally:
+            call.cancel()
+    page = env.stat()["psize"]
+    one_round = (200_000 * 9) // page  # the pages of one round's experience
+    assert grown <= 5 * one_round, (
+        f"the map grew {grown} pages ({grown * page >> 20} MiB) in 30 rounds of push and consume after a read "
+        "stalled mid-reply: the pages freed were not reused"
+    )
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "asyncio"])
+def test_a_trainer_back_from_a_step_past_the_bound_is_told_as_before(server: ExpbufServer, asynchronous: bool) -> None:
+    """A trainer's step outlasts max_confirm_seconds while the next batch, too large to wait in
+    the channel's buffers, is being sent (no prefetch): the server cancels the stream at the bound,
+    and the trainer, back, is told what it was told before the server did (DeadlineExceededError
+    naming max_confirm_seconds), not that its call was cancelled; the batch goes back."""
+    pushed = len(fill(server, "chunked")) + len(fill_more(server, 2))
+    target = f"127.0.0.1:{server.port}"
+    options: dict[str, Any] = {"num_groups": 1, "window": 2, "prefetch": 0, "delivery": "consume"}
+    if asynchronous:
+
+        async def run() -> None:
+            async with AsyncBufferClient(target, max_message_bytes=LIMIT, push_chunk_bytes=0) as aclient:
+                batches = aclient.sample("t", **options)
+                async with contextlib.aclosing(batches):
+                    await anext(batches)
+                    await asyncio.sleep(4 * CONFIRM)  # the step
+                    await anext(batches)
+
+        with pytest.raises(DeadlineExceededError, match="max_confirm_seconds"):
+            asyncio.run(run())
+    else:
+        with buffer_client(server) as client:
+            batches = client.sample("t", **options)
+            next(batches)
+            time.sleep(4 * CONFIRM)
+            with pytest.raises(DeadlineExceededError, match="max_confirm_seconds"):
+                next(batches)
+            batches.close()
+    with buffer_client(server) as client:
+        wait_for(lambda: client.stats("t")["t"].ready == pushed - 1, "the batches after the first given back", 30)
+
+
+def fill_more(server: ExpbufServer, count: int) -> list[str]:
+    """`count` more groups of one experience of 27 MB in table `t` (made by `fill`)."""
+    with buffer_client(server) as client:
+        made = [make_experience("big", task, 0, response=3_000_000) for task in range(1, 1 + count)]
+        return [uid for one in made for uid in client.push([one], table="t").stored]
