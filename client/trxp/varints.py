@@ -29,3 +29,9 @@ def read(raw: bytes | memoryview, at: int) -> tuple[int, int] | None:
         if byte < 0x80:
             return value, at
     return None
+
+
+def field_bytes(length: int) -> int:
+    """The bytes a length-delimited field (bytes, string) of `length` bytes takes in a message, its
+    number below 16: its key, its length as a varint, and itself."""
+    return 1 + max(1, (length.bit_length() + 6) // 7) + length

@@ -17,6 +17,7 @@ from expbuf.client.trxp.build import build
 from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.trxp.varints import field_bytes
 
 from ..disk import chunk_reads, digests, layout
 from ..disk.batch_rows import BatchRows
@@ -37,7 +38,6 @@ from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
 from ..tables.leases import read_lease
-from .values import framed
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
 log = logging.getLogger("expbuf.store")
@@ -162,7 +162,10 @@ class Reads:
             payload = batch_payload(checked(rows.blobs), advantages)
         if damaged:
             self._quarantine(table, damaged)
-        if limit is not None and framed(len(payload)) + sum(framed(len(uid.encode())) for uid in missing) > limit:
+        if (
+            limit is not None
+            and field_bytes(len(payload)) + sum(field_bytes(len(uid.encode())) for uid in missing) > limit
+        ):
             # the records' sizes were within it, but the batch adds each one's advantages and returns
             raise TooLarge(
                 f"the experiences of {len(uids)} uids take {len(payload)} bytes with their advantages and returns, "

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import lmdb
 
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
+from expbuf.client.trxp.varints import field_bytes
 
 from ..disk import layout
 from ..disk.environment import Environment
@@ -65,7 +66,7 @@ class Values:
             for name in names:
                 value = txn.get(prefix + name, db=db)
                 # what the reply takes: each value framed, or each missing key's name framed
-                size += framed(len(value) if value is not None else len(name))
+                size += field_bytes(len(value) if value is not None else len(name))
                 if limit is not None and size > limit:
                     raise TooLarge(
                         f"the values of {len(keys)} keys take more than {limit} bytes, more than one message: "
@@ -89,12 +90,6 @@ class Values:
     def _prefix(self, table: str) -> bytes:
         table_id, _ = self.catalog.lookup(table)
         return layout.table_prefix(table_id)
-
-
-def framed(length: int) -> int:
-    """The bytes a repeated bytes or string field of `length` bytes takes in a reply: its key, its
-    length (a varint) and itself."""
-    return 1 + max(1, (length.bit_length() + 6) // 7) + length
 
 
 def _names(keys: Sequence[str]) -> list[bytes]:
