@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import lmdb
+import pytest
 
 from expbuf.server.store import ItemRecord, Store
 from expbuf.server.store.disk import layout
@@ -129,3 +130,28 @@ def test_a_held_batch_an_earlier_release_leased_comes_back_uncounted_by_the_memb
         stats = store.stats("t")
         assert (stats["sampled"], stats["bytes_sampled"], stats["rate_sampled"], stats["ready"]) == (0, 0, 0, 2)
         assert store.verify("t") == []
+
+
+@pytest.mark.parametrize("end", ["ack", "nack", "confirm_consume"])
+def test_a_leased_batch_whose_group_is_deleted_leaves_the_rate_limiter_counts_even(tmp_path: Path, end: str) -> None:
+    """A member deleted while its group is under a lease leaves the rate limiter's count with its
+    samples, the lease's included: its record does not count that one until the lease ends, so it
+    stayed in rate_sampled for good after an ack, a nack or a held batch confirmed, and
+    samples_per_insert held samples back for an experience that is gone."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", group_items(1, 0, 2, reward=0.0) + group_items(1, 1, 2, reward=1.0))
+        hold = end == "confirm_consume"
+        spec = SampleSpec("t", num_groups=2, delivery="consume" if hold else "lease")
+        batch = store.sample(spec, hold=hold)
+        assert batch is not None
+        assert store.delete("t", group_ids=[batch.group_ids[0]]) == 2
+        if end == "ack":
+            store.ack(batch.lease_id, "t")
+        elif end == "nack":
+            store.nack(batch.lease_id, "t")
+        else:
+            store.confirm(batch.lease_id, spec)
+        stats = store.stats("t")
+        # the group left standing: inserted 2, and sampled 2 (its take) whatever became of it
+        assert (stats["rate_inserted"], stats["rate_sampled"]) == (2, 2), stats

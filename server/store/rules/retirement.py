@@ -44,7 +44,8 @@ def retire(
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:
-                limiter.forget(tt, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
+                members = [rec for uid in grp.members if (rec := tt.item(uid)) is not None]
+                limiter.forget(tt, members, under_lease=grp.state == LEASED and bool(grp.lease))
     ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
     tt.ready.remove_many(ready)
     for gkey, grp in groups:
@@ -227,8 +228,8 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if rec.state not in LIVE:
             forget_tombstone(tt, uid, rec)
             continue
-        limiter.forget(tt, [rec])
         grp = tt.existing_group(rec.group)
+        limiter.forget(tt, [rec], under_lease=grp.state == LEASED and bool(grp.lease))
         tt.forget_item(uid)
         tt.counters.add(grp.state, -1)
         deleted += 1

@@ -170,16 +170,19 @@ class Leases:
 
 def _uncount(tt: TableState, lease_id: str, lease: Lease) -> None:
     """A held batch that goes back unsent is not sampled after all: what its take counted is taken
-    back (a lease a release before `Lease.counted` wrote: the members still under it, as it did)."""
+    back from the table's counters (a lease a release before `Lease.counted` wrote: the members
+    still under it, as it did). The rate limiter's count gives back the members still under it
+    only: a member deleted meanwhile took its lease's sample out of that count as it left
+    (limiter.forget, under_lease)."""
+    held = leased_groups(tt, lease_id, lease.groups)
+    recs = [rec for _, grp in held for rec in tt.members(grp).values()]
     counted = lease.counted
     if counted is None:
-        held = leased_groups(tt, lease_id, lease.groups)
-        recs = [rec for _, grp in held for rec in tt.members(grp).values()]
         counted = Counted(len(recs), sum(rec.size for rec in recs), 0)
     tt.counters.sampled -= counted.experiences
     tt.counters.bytes_sampled -= counted.nbytes
     tt.counters.tokens_masked -= counted.tokens_masked
-    limiter.given_back(tt, counted.experiences)
+    limiter.given_back(tt, len(recs))
 
 
 def _groups_back(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool) -> int:
