@@ -42,12 +42,15 @@ KINDS: dict[str, tuple[str, list[int]]] = {
 
 @pytest.fixture
 def server(start_server: Servers) -> ExpbufServer:
-    return start_server(max_message_bytes=LIMIT, max_confirm_seconds=CONFIRM)
+    """No scrub: its pass reads in a transaction of its own, which keeps pages from reuse too."""
+    return start_server(max_message_bytes=LIMIT, max_confirm_seconds=CONFIRM, scrub_mb_per_second=0)
 
 
 @pytest.fixture
 def stub(server: ExpbufServer) -> Iterator[pb_grpc.ExperienceBufferStub]:
-    options = [("grpc.max_receive_message_length", 1 << 30)]
+    """A raw client whose receive window stays gRPC's first (no BDP probes, which may grow it to
+    hold a whole reply of tens of MB): a client that reads no more stalls the server's send."""
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.http2.bdp_probe", 0)]
     with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
         yield pb_grpc.ExperienceBufferStub(channel)
 
@@ -200,3 +203,47 @@ def fill_more(server: ExpbufServer, count: int) -> list[str]:
     with buffer_client(server) as client:
         made = [make_experience("big", task, 0, response=3_000_000) for task in range(1, 1 + count)]
         return [uid for one in made for uid in client.push([one], table="t").stored]
+
+
+def test_a_sample_client_confirming_within_the_documented_bound_is_not_cancelled(start_server: Servers) -> None:
+    """A batch waits for its confirmation at most max_confirm_seconds counted from the later of its
+    send and the client's confirmation of the batch before it, and so does a message of it that
+    waits in gRPC's send. A raw client (window 2, no prefetch) reads batch 1 whole, takes 2.5 s to
+    get it ready (decode, copy to the GPU) before it confirms it, trains 2.5 s, and reads batch 2:
+    5 s after batch 2's send began, too large for the channel's buffers, but 2.5 s after the
+    confirmation before it, inside the bound of 4 s. It is not cut off (counted from the send's
+    start, it was cancelled at 4 s)."""
+    server = start_server(max_message_bytes=LIMIT, max_confirm_seconds=4.0, scrub_mb_per_second=0)
+    fill(server, "chunked")
+    fill_more(server, 1)
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.http2.bdp_probe", 0)]  # as `stub`
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel:
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        requests.put(
+            pb.SampleRequest(
+                table="t", num_groups=1, max_batches=2, window=2, wait_seconds=10, max_reply_bytes=LIMIT,
+                delivery=pb.DELIVERY_CONSUME,
+            )
+        )  # fmt: skip
+        call: Any = stub.Sample(iter(requests.get, None))
+
+        def whole_batch() -> None:
+            first = next(call)
+            got = len(first.part) if first.whole_bytes else first.whole_bytes
+            while got < first.whole_bytes:
+                got += len(next(call).part)
+
+        try:
+            whole_batch()
+            time.sleep(2.5)  # batch 1 made ready for the step
+            requests.put(pb.SampleRequest(received=1))
+            time.sleep(2.5)  # the step, 2.5 s of the 4 s bound counted from the confirmation
+            try:
+                whole_batch()
+            except grpc.RpcError as exc:
+                pytest.fail(f"batch 2 asked for 2.5 s after batch 1's confirmation (bound 4 s): {exc.code()}")
+            requests.put(pb.SampleRequest(received=2))
+        finally:
+            call.cancel()
+            requests.put(None)
