@@ -124,3 +124,17 @@ def test_a_group_the_table_drops_as_it_completes_still_counts_its_runs(client: B
     bands = {band: metrics[("expbuf_prompts_by_pass_rate", (("band", band), ("dataset", "d"), ("table", "t")))]
              for band in ("zero", "low", "high", "all")}  # fmt: skip
     assert bands == {"zero": 1, "low": 1, "high": 2, "all": 1}  # 0, 1, 2 and 3, 4 of 4 runs passed
+
+
+@pytest.mark.parametrize("order", ["permutation", "pools", "pass_rate"])
+def test_a_report_of_large_finite_rewards_trains_its_prompt(client: BufferClient, order: str) -> None:
+    """A report takes any finite rewards: a spread past 1e154 squared out of float's range, and the
+    report failed INTERNAL (OverflowError), its prompt left claimed, to be handed out and trained
+    again once its claim ended. Its variance is now inf, and the prompt is trained."""
+    client.create_table("t", group_size=2)
+    client.create_dataset("t", "math", 2, order=order)
+    (prompt,) = client.claim("t", "math", lease_seconds=600).prompts
+    assert client.report_prompts({prompt: [1e200, -1e200]}) == 1
+    (listed,) = client.list_prompts("t", "math").prompts
+    assert listed.state == "trained" and listed.stats is not None and listed.stats.runs == 2
+    assert listed.stats.last_var == math.inf

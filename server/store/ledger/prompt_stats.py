@@ -96,7 +96,9 @@ def outcome(
     stats.passes += sum(1 for reward in rewards if reward > ds.pass_threshold)
     stats.last_runs = len(rewards)
     stats.last_mean = sum(rewards) / len(rewards) if rewards else math.nan
-    stats.last_var = sum((r - stats.last_mean) ** 2 for r in rewards) / len(rewards) if rewards else math.nan
+    # d * d, not d ** 2: a square past float's range is inf, where ** raises OverflowError
+    spread = [reward - stats.last_mean for reward in rewards]
+    stats.last_var = sum(d * d for d in spread) / len(rewards) if rewards else math.nan
     _write(tt, ds.name, index, stats)
     now = stats.band
     if was != now:
