@@ -203,8 +203,7 @@ class AsyncBufferClient(ClientBase):
         except grpc.RpcError:  # the stream ended: by its own status, raised unless OK
             error = await status.error()
             if error is not None:
-                late = calls.late(table, seconds, confirmed) if error.code() == grpc.StatusCode.CANCELLED else None
-                raise late or self._error(error) from None
+                raise calls.ended_late(error.code(), table, seconds, confirmed) or self._error(error) from None
         finally:
             if ahead is not None:
                 ahead.stop()

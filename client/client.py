@@ -226,8 +226,7 @@ class BufferClient(LedgerMethods):
                 requests.confirm(received)
                 yield batch
         except grpc.RpcError as exc:
-            late = calls.late(table, seconds, confirmed) if exc.code() == grpc.StatusCode.CANCELLED else None
-            raise late or self._error(exc) from None
+            raise calls.ended_late(exc.code(), table, seconds, confirmed) or self._error(exc) from None
         finally:
             if ahead is not None:
                 ahead.stop()

@@ -412,9 +412,7 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type
 def late(table: str, seconds: float, since: float) -> DeadlineExceededError | None:
     """The error of a batch asked for too late for a server that waits `seconds` (a reply's
     confirm_seconds; 0: unknown) for its confirmation, counted from the confirmation before it, sent
-    at `since` (see `handed`); None in time. A stream the server cancelled is this too, when it is
-    late: the server ends a stream whose reply its client has not taken for max_confirm_seconds (a
-    step that long, with a batch too large to wait in the channel's buffers)."""
+    at `since` (see `handed`); None in time."""
     waited = time.monotonic() - since
     if not seconds or waited <= seconds - min(seconds / 10, CONFIRM_MARGIN):
         return None
@@ -425,6 +423,14 @@ def late(table: str, seconds: float, since: float) -> DeadlineExceededError | No
         "EXPBUF_MAX_CONFIRM_SECONDS): it was not handed over and goes back to the buffer with the batches after "
         "it. Open a new sample() to go on; a step this long needs a larger max_confirm_seconds",
     )
+
+
+def ended_late(code: grpc.StatusCode, table: str, seconds: float, since: float) -> DeadlineExceededError | None:
+    """What a Sample stream that ended with `code` was, when the server cancelled it because its
+    client came late (`late`: the server ends a stream whose reply its client has not taken for
+    max_confirm_seconds, a step that long with a batch too large to wait in the channel's
+    buffers); None otherwise."""
+    return late(table, seconds, since) if code == grpc.StatusCode.CANCELLED else None
 
 
 def handed(made: B, lease_seconds: float, since: float) -> B:

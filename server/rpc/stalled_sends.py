@@ -49,7 +49,7 @@ class StalledSends(ServiceInterceptor):
 
             def stream_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 call = _Call(method, context)
-                return self._watched(behavior(call.heard_from(requests), context), call)
+                return self._watched(behavior(_Heard(requests, call), context), call)
 
             return grpc.stream_stream_rpc_method_handler(
                 stream_stream, handler.request_deserializer, handler.response_serializer
@@ -136,9 +136,6 @@ class _Call:
 
     def __init__(self, method: str, context: grpc.ServicerContext) -> None:
         self.method, self.context, self.heard = method, context, time.monotonic()
-
-    def heard_from(self, requests: Iterator[Any]) -> _Heard:
-        return _Heard(requests, self)
 
 
 class _Heard:

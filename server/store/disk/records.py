@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..schema.states import STATES, State
+from ..schema.states import LEASED, STATES, State
 
 # Not a stored state: how a group deleted by request leaves the table, to the extensions' on_retire.
 DELETED = "deleted"
@@ -299,6 +299,12 @@ class GroupRecord:
         if not self.failed:
             return body
         return body + _pack_strs([text for uid, reason in self.failed.items() for text in (uid, reason)])
+
+    @property
+    def under_lease(self) -> bool:
+        """Whether a lease holds it (a batch held for a stream, or leased): a replayed group cooling
+        down is leased to no one."""
+        return self.state == LEASED and bool(self.lease)
 
     @property
     def ready_seq(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 import lmdb
 
 from ..disk.kinds import Entry
-from ..disk.records import ItemRecord
+from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import InsertLimited, SampleLimited
 from ..schema.states import LEASED, READY
 from .counters import stored_names
@@ -60,16 +60,16 @@ def given_back(tt: TableState, count: int) -> None:
     tt.counters.rate_sampled -= count
 
 
-def forget(tt: TableState, records: Iterable[ItemRecord], *, under_lease: bool = False) -> None:
-    """Experiences leaving other than by consumption, with their state before they leave:
-    the counted ones (ready, leased) are out of the count, their samples with them.
-    `under_lease`: their group is under a lease (held or running), whose sample `taken` counted
-    but their records do not yet (leases.py counts it when the lease ends, for the members it
-    still finds): that sample goes too."""
+def forget(tt: TableState, group: GroupRecord, records: Iterable[ItemRecord]) -> None:
+    """Experiences of `group` leaving other than by consumption, with their state before they
+    leave: the counted ones (ready, leased) are out of the count, their samples with them, and
+    the sample of a lease the group is under, which `taken` counted but their records do not yet
+    (leases.py counts it when the lease ends, for the members it still finds)."""
+    leased = group.under_lease
     for rec in records:
         if rec.state in COUNTED:
             tt.counters.rate_inserted -= 1
-            tt.counters.rate_sampled -= rec.times_sampled + under_lease
+            tt.counters.rate_sampled -= rec.times_sampled + leased
 
 
 def counted_before(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bool:

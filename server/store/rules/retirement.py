@@ -44,8 +44,7 @@ def retire(
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in limiter.COUNTED:
-                members = [rec for uid in grp.members if (rec := tt.item(uid)) is not None]
-                limiter.forget(tt, members, under_lease=grp.state == LEASED and bool(grp.lease))
+                limiter.forget(tt, grp, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
     ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
     tt.ready.remove_many(ready)
     for gkey, grp in groups:
@@ -121,14 +120,14 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
             raise GroupIncomplete(
                 f"group {clip(gkey)} is {grp.state}: only a complete group (ready or leased) retires as trained"
             )
-        if grp.state == LEASED and grp.lease:  # a replayed group cooling down is leased to no one
+        if grp.under_lease:
             raw = tt.txn.get(grp.lease.encode(), db=tt.db["leases"])
             if raw is not None and Lease.decode(raw).owner != owner:
                 raise Forbidden(f"group {clip(gkey)} is leased with another token")
         found[gkey] = grp
     for grp in found.values():
         if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
-            limiter.forget(tt, tt.members(grp).values())
+            limiter.forget(tt, grp, tt.members(grp).values())
         grp.lease = ""
     groups = list(found.items())
     retire(tt, groups, CONSUMED)
@@ -229,7 +228,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             forget_tombstone(tt, uid, rec)
             continue
         grp = tt.existing_group(rec.group)
-        limiter.forget(tt, [rec], under_lease=grp.state == LEASED and bool(grp.lease))
+        limiter.forget(tt, grp, [rec])
         tt.forget_item(uid)
         tt.counters.add(grp.state, -1)
         deleted += 1

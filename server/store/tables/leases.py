@@ -146,9 +146,7 @@ class Leases:
         if tt is None:  # the table was dropped
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
-        if requeue and unsent and held:
-            _uncount(tt, lease_id, lease)
-        count = _groups_back(tt, lease_id, lease.groups, requeue=requeue, unsent=requeue and unsent and held)
+        count = _groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1
         tt.save()
@@ -168,38 +166,31 @@ class Leases:
         txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
 
 
-def _uncount(tt: TableState, lease_id: str, lease: Lease) -> None:
-    """A held batch that goes back unsent is not sampled after all: what its take counted is taken
-    back from the table's counters (a lease a release before `Lease.counted` wrote: the members
-    still under it, as it did). The rate limiter's count gives back the members still under it
-    only: a member deleted meanwhile took its lease's sample out of that count as it left
-    (limiter.forget, under_lease)."""
-    held = leased_groups(tt, lease_id, lease.groups)
-    recs = [rec for _, grp in held for rec in tt.members(grp).values()]
-    counted = lease.counted
-    if counted is None:
-        counted = Counted(len(recs), sum(rec.size for rec in recs), 0)
-    tt.counters.sampled -= counted.experiences
-    tt.counters.bytes_sampled -= counted.nbytes
-    tt.counters.tokens_masked -= counted.tokens_masked
-    limiter.given_back(tt, len(recs))
-
-
-def _groups_back(tt: TableState, lease_id: str, gkeys: list[str], *, requeue: bool, unsent: bool) -> int:
+def _groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, unsent: bool) -> int:
     """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
-    experiences. `unsent`: a batch held for a stream that never confirmed it goes back
-    uncounted (_uncount). Only a batch that goes back sampled rewrites its members' records
-    (their times sampled)."""
-    ended = leased_groups(tt, lease_id, gkeys)
+    experiences. Only a batch that goes back sampled rewrites its members' records (their times
+    sampled). `unsent`: a batch held for a stream that never confirmed it is not sampled after
+    all: what its take counted leaves the table's counters (a lease a release before
+    `Lease.counted` wrote: the members still under it, as it did), and the members still under
+    it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
+    that count as it left: limiter.forget)."""
+    ended = leased_groups(tt, lease_id, lease.groups)
     for _, grp in ended:
         grp.lease = ""
     if not requeue:
         retire(tt, ended, CONSUMED)
         return sum(len(grp.members) for _, grp in ended)
     back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
-    if not unsent:  # sampled: the records count it now (a consumed one's tombstone need not)
-        for _, _, recs in back:
-            for uid, rec in recs.items():
+    if unsent:
+        recs = [rec for _, _, members in back for rec in members.values()]
+        counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
+        tt.counters.sampled -= counted.experiences
+        tt.counters.bytes_sampled -= counted.nbytes
+        tt.counters.tokens_masked -= counted.tokens_masked
+        limiter.given_back(tt, len(recs))
+    else:  # sampled: the records count it now (a consumed one's tombstone need not)
+        for _, _, members in back:
+            for uid, rec in members.items():
                 rec.times_sampled += 1
                 tt.put_item(uid, rec)
     tt.set_states(back, READY)
