@@ -7,19 +7,21 @@ would (tests/faults/test_fault_datadir.py writes over the file itself)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
 import pytest
 
-from expbuf.client import decode
+from expbuf.client import BufferClient, decode
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
-from helpers import group_items
+from conftest import Servers
+from helpers import group_items, make_experience, scrape
 
 
 def damage(store: Store, table: str, uid: str) -> None:
@@ -127,3 +129,79 @@ def test_the_advantage_worker_quarantines_a_damaged_token_level_payload(tmp_path
         stats = store.stats("t")
         assert (stats["groups_ready"], stats["groups_failed"], stats["quarantined"], stats["computing"]) == (2, 1, 1, 0)
         assert store.verify("t") == []
+
+
+def lose(store: Store, table: str, uid: str, db: str) -> None:
+    """Delete the uid's entry from one database (its record: items; its payload: blobs), as
+    damage that lost a page of it would."""
+    key = layout.table_prefix(store.catalog.lookup(table)[0]) + uid.encode()
+    store.environment.submit(lambda txn: txn.delete(key, db=store.db[db]))
+
+
+@pytest.mark.parametrize("db", ["items", "blobs"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_sample_quarantines_a_group_whose_member_is_lost_and_serves_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, db: str, hold: bool
+) -> None:
+    """A member its group names whose record (or payload) is not stored: the sample that finds
+    it quarantines its group as it does a damaged payload, counted and logged, and serves the
+    other groups; the group's other members keep their payloads for Get, and the table checks
+    clean after it."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+        for task in range(4):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        lost = uids(1)[2]
+        lose(store, "t", lost, db)
+        batch = store.sample(SampleSpec("t", num_groups=3, wait_seconds=0), hold=hold)
+        assert batch is not None and batch.group_ids == ["0/0"] * 4 + ["0/2"] * 4 + ["0/3"] * 4
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["failed"], stats["groups_failed"]) == (1, 1, 3, 1)
+        assert f"experience {lost} quarantined" in stats["last_failure"]
+        assert quarantine_logs(caplog, lost) == 1
+        payload, missing = store.get_payload("t", uids(1))
+        assert missing == [lost] and [e.eid.uid for e in decode(payload)] == [u for u in uids(1) if u != lost]
+        assert store.verify("t") == []
+
+
+def test_a_sample_stream_of_a_table_with_a_lost_member_is_served_the_others(start_server: Servers) -> None:
+    """Through the server: the Sample stream that meets a member whose record is gone is served
+    the table's other groups, not refused INTERNAL, and the quarantine shows in Stats and the
+    metrics."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=10) as client:
+        client.create_table("t", estimator="none", group_size=4)
+        for task in range(3):
+            client.push([make_experience(0, task, run) for run in range(4)], "t")
+        lose(server.store, "t", uids(1)[0], "items")
+        served = [uid for batch in itertools.islice(client.sample("t", num_groups=1), 2) for uid in batch.uids]
+        assert sorted(served) == sorted(uids(0) + uids(2))
+        stats = client.stats("t").tables["t"]
+        assert (stats.damaged, stats.quarantined, stats.groups_failed) == (1, 1, 1)
+    metrics = scrape(server.metrics_port)
+    assert metrics[("expbuf_damaged_total", (("table", "t"),))] == 1
+    assert metrics[("expbuf_buffer_experiences", (("state", "quarantined"), ("table", "t")))] == 1
+
+
+def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Get, its raw read and ReadFields (whole or by field) serve the others and list a payload
+    whose record is lost as missing, logged with its uid, where they refused the whole read."""
+    caplog.set_level(logging.ERROR, "expbuf.store")
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+        store.put("t", group_items(0, 0, 4))
+        lost, others = uids(0)[1], [uid for uid in uids(0) if uid != uids(0)[1]]
+        lose(store, "t", lost, "items")
+        assert store.get("t", uids(0)).keys() == set(others)
+        payload, missing = store.get_payload("t", uids(0))
+        assert missing == [lost] and [e.eid.uid for e in decode(payload)] == others
+        for whole in (False, True):
+            batch, missing = store.read_fields("t", uids(0), whole=whole)
+            try:
+                assert (batch.uids, missing) == (others, [lost])
+            finally:
+                batch.release()
+        assert any(lost in r.getMessage() and "its record is not" in r.getMessage() for r in caplog.records)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from collections import Counter
@@ -12,13 +11,11 @@ import pytest
 
 from expbuf.client import decode, trxp
 from expbuf.server.store import Entry, Store
-from expbuf.server.store.disk import layout
 from expbuf.server.store.schema.errors import (
     Conflict,
     GroupClosed,
     InvalidRequest,
     NotFound,
-    StoreError,
     TableFull,
     TooLarge,
 )
@@ -447,20 +444,3 @@ def test_waiting_for_data_or_room_sleeps_instead_of_spinning(store: Store) -> No
     with pytest.raises(TableFull):
         store.put("full", group_items(1, 1, 2), timeout=1.0)
     assert store.environment.batches - before < 40  # a retry every 0.25 s or so, not thousands
-
-
-def test_a_ready_experience_without_its_payload_refuses_the_batch_and_consumes_nothing(tmp_path: Path) -> None:
-    """Damage that lost a ready experience's payload refuses the sample that would carry it,
-    naming the experience, and its group stays ready: no batch is consumed for a reply that
-    cannot be built."""
-    with Store(tmp_path, seed=7) as s:
-        s.create_table(PLAIN)
-        items = group_items(4, 0, 2)
-        s.put("plain", items)
-        key = layout.table_prefix(s.catalog.lookup("plain")[0]) + items[1].uid.encode()
-        s.environment.submit(lambda txn: txn.delete(key, db=s.db["blobs"]))
-        named = re.escape(f"payload of experience {items[1].uid} is named but not stored")
-        with pytest.raises(StoreError, match=named):
-            take(s, "plain", num_groups=1)
-        stats = s.stats("plain")
-        assert (stats["ready"], stats["consumed"], stats["sampled"]) == (2, 0, 0)

@@ -188,6 +188,11 @@ class TableState:
     def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
         return {uid: self.existing_item(uid) for uid in grp.members}
 
+    def stored_members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+        """The group's members whose records are stored: a sample's, which quarantines the group
+        of one that is not (quarantine.py) where `members` refuses it."""
+        return {uid: rec for uid in grp.members if (rec := self.item(uid)) is not None}
+
     # ---- keys of the per-table indexes ---------------------------------------------------
 
     def pending_key(self, gkey: str, grp: GroupRecord) -> bytes:

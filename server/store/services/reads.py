@@ -3,7 +3,7 @@
 Reading is verifying: each payload is checked against the digest taken at push before it is
 returned, and one that does not match is quarantined (quarantine.py, in the writer's
 transaction, through `quarantine`) and left out, as is an experience that cannot be served
-(read_check.py).
+(read_check.py) or whose record the directory lost.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from ..rules import partials
 from ..rules.counters import Counters
 from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.staleness import masked_tokens, token_bound
-from ..rules.table_state import missing as not_stored
-from ..rules.table_state import stored
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..schema.states import LEASED
 from ..tables import browse
@@ -73,7 +71,11 @@ class Reads:
                 blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     continue
-                rec = ItemRecord.decode(stored(txn, key, self.environment.db["items"], "experience"))
+                record = txn.get(key, db=self.environment.db["items"])
+                if record is None:
+                    _servable(table, "Get", _lost(uid), [], damaged)
+                    continue
+                rec = ItemRecord.decode(record)
                 if payload_problem(uid, rec, blob) is None:
                     found[uid] = bytes(whole(blob))
                 else:
@@ -147,7 +149,11 @@ class Reads:
                 if blob is None:
                     missing.append(uid)
                     continue
-                rec = ItemRecord.decode(stored(txn, key, self.environment.db["items"], "experience"))
+                record = txn.get(key, db=self.environment.db["items"])
+                if record is None:
+                    _servable(table, "Get", _lost(uid), missing, damaged)
+                    continue
+                rec = ItemRecord.decode(record)
                 if not _servable(table, "Get", serve_problem(uid, rec, blob), missing, damaged):
                     continue
                 size += rec.size
@@ -228,7 +234,8 @@ class Reads:
                     continue
                 record = snapshot.get(key, db["items"])
                 if record is None:
-                    raise not_stored("experience", uid)
+                    _servable(table, "ReadFields", _lost(uid), missing, damaged)
+                    continue
                 rec = ItemRecord.decode(record)
                 chunk = chunk_reads.reader(snapshot, db)
                 streamed = chunk_reads.streamed(value, key, chunk) if whole else None
@@ -322,6 +329,12 @@ def _servable(table: str, call: str, problem: Unservable | None, missing: list[s
         log.error("table %s: %s found %s; it is not served", table, call, problem)
     missing.append(problem.uid)
     return False
+
+
+def _lost(uid: str) -> Unservable:
+    """A payload whose record the directory lost: not served (nothing says what it should be),
+    and left for a sample of its group to quarantine (quarantine.py), which knows the group."""
+    return Unservable(uid, "its payload is stored but its record is not: run `expbuf check`", damaged=False)
 
 
 def _tokens_of(value: bytes | None) -> int:

@@ -32,7 +32,7 @@ from ..rules.quarantine import quarantine_groups
 from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
 from ..rules.staleness import masked_tokens, report, token_bound
-from ..rules.table_state import TableState, stored
+from ..rules.table_state import TableState
 from ..schema.errors import SampleLimited, SpecError
 from ..schema.sample_spec import MAX_BATCH, SampleSpec
 from ..schema.states import CONSUMED, FAILED, LEASED
@@ -77,8 +77,8 @@ def take(
         held = sample_limit(tt, total)
         if held is not None:
             return held
-        taken = [(gkey, grp, tt.members(grp)) for gkey, grp in chosen]
-        unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(recs))]
+        taken = [(gkey, grp, tt.stored_members(grp)) for gkey, grp in chosen]
+        unservable = [(gkey, grp, problems) for gkey, grp, recs in taken if (problems := payloads.check(grp, recs))]
         if not unservable:
             break
         _fail_unservable(tt, unservable)  # and choose again, from the groups left
@@ -195,11 +195,16 @@ class _Payloads:
         self.newest = -1
         self._read: dict[str, Stored | chunk_reads.Deferred] = {}
 
-    def check(self, recs: dict[str, ItemRecord]) -> list[Unservable]:
-        """Read a group's payloads; those that cannot be served (a deferred one: its advantage alone)."""
-        problems = []
+    def check(self, grp: GroupRecord, recs: dict[str, ItemRecord]) -> list[Unservable]:
+        """Read the payloads of a group's members (`recs`, those whose records are stored); the
+        members that cannot be served (a deferred one: its advantage alone), a member whose record
+        or payload is not stored as damaged (the directory lost it)."""
+        problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
         for uid, rec in recs.items():
             blob = self._get(uid, rec)
+            if blob is None:
+                problems.append(Unservable(uid, "its payload is not stored", damaged=True))
+                continue
             problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
             if problem is not None:
                 problems.append(problem)
@@ -209,7 +214,7 @@ class _Payloads:
         """A payload `check` read."""
         return self._read[uid]
 
-    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred:
+    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred | None:
         if self.snapshot is None and self._open is not None:
             self.snapshot = self._open()
             newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
@@ -224,9 +229,9 @@ class _Payloads:
             else:
                 blob = chunk_reads.resolve(view, key, read)
         else:
-            txn = self.tt.txn
-            blob = chunk_reads.resolve(
-                stored(txn, key, blobs, "payload of experience"), key, chunk_reads.reader(txn, self.tt.db)
-            )
+            value = self.tt.txn.get(key, db=blobs)
+            if value is None:
+                return None
+            blob = chunk_reads.resolve(value, key, chunk_reads.reader(self.tt.txn, self.tt.db))
         self._read[uid] = blob
         return blob
