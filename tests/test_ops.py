@@ -811,6 +811,8 @@ def test_table_commands(tmp_path: Path) -> None:
         assert differs.returncode == 1 and "group_size: the table has 8, the request 4" in differs.stderr
         misplaced = cli("table", "create", "grpo4", *settings, "--no-such-option", *target)
         assert misplaced.returncode == 2 and "unrecognized arguments: --no-such-option" in misplaced.stderr
+        refused = cli("table", "create", "x", "estimator=nope", *target)  # the server's refusal, with its reason
+        assert refused.returncode == 1 and "INVALID_ARGUMENT (invalid_config): table 'x'" in refused.stderr
         bad = cli("table", "create", "x", "group_size", *target)
         assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
         # Mistakes the client catches before it calls: one line naming the setting, exit code 2.

@@ -27,6 +27,7 @@ from expbuf.client import (
     ResourceExhaustedError,
 )
 from expbuf.client.rpc.connection import call_error
+from expbuf.client.rpc.wire import reason_of
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
@@ -272,3 +273,84 @@ def test_an_error_keeps_its_reason_across_processes() -> None:
     error.busy = True
     back = pickle.loads(pickle.dumps(error))
     assert (type(back), back.reason, back.busy) == (FailedPreconditionError, Reason.STALE_ATTEMPT, True)
+
+
+def config_refusals(channel: grpc.Channel) -> dict[str, tuple[str, str | None]]:
+    """CreateTable over a raw stub with one bad setting each (what the clients catch before they
+    call, sent as any gRPC client can): each refusal's status and reason."""
+    bad = {
+        "when_full out of its enum": pb.TableConfig(name="t", when_full=99),
+        "group_by out of its enum": pb.TableConfig(name="t", group_by=99),
+        "compression out of its enum": pb.TableConfig(name="t", compression=9),
+        "on_token_stale out of its enum": pb.TableConfig(name="t", on_token_stale=9),
+        "an unknown estimator": pb.TableConfig(name="t", estimator=pb.Estimator(name="nope")),
+        "an unknown estimator parameter": pb.TableConfig(
+            name="t", estimator=pb.Estimator(name="grpo", params={"z": 1})
+        ),
+        "an unknown device": pb.TableConfig(name="t", estimator=pb.Estimator(name="grpo", device="tpu")),
+        "a negative timeout": pb.TableConfig(name="t", group_timeout_seconds=-1),
+        "a group_size too large": pb.TableConfig(name="t", group_size=2**32 - 1),
+        "min_group_size past group_size": pb.TableConfig(name="t", group_size=2, min_group_size=5),
+        "a bad shaping": pb.TableConfig(name="t", shaping=pb.Shaping(reward_clip=-1)),
+        "an unknown extension": pb.TableConfig(name="t", extensions=["nope"]),
+        "a bad name": pb.TableConfig(name="a/b"),
+    }
+    stub = pb_grpc.ExperienceBufferStub(channel)
+    found = {}
+    for what, config in bad.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.CreateTable(pb.CreateTableRequest(config=config), timeout=10)
+        found[what] = (refused.value.code().name, reason_of(refused.value.trailing_metadata()))
+    raw = pb.TableConfig(name="t").SerializeToString() + b"\x98\x06\x01"  # field 99, a setting this server lacks
+    call = channel.unary_unary(
+        "/expbuf.v1.ExperienceBuffer/CreateTable", request_serializer=bytes, response_deserializer=bytes
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        call(b"\x0a" + bytes([len(raw)]) + raw, timeout=10)
+    found["a setting this server does not know"] = (
+        refused.value.code().name,
+        reason_of(refused.value.trailing_metadata()),
+    )
+    return found
+
+
+def test_every_bad_setting_of_create_table_is_refused_with_the_config_reason(target: str) -> None:
+    """A table's settings refused for whatever cause carry INVALID_ARGUMENT and `invalid_config`,
+    the reason the docs give a table's settings, so code that acts on the reason need not know
+    which check found it."""
+    with grpc.insecure_channel(target) as channel:
+        found = config_refusals(channel)
+    assert found == dict.fromkeys(found, ("INVALID_ARGUMENT", Reason.INVALID_CONFIG))
+
+
+def test_every_refusal_of_every_call_carries_a_reason(target: str) -> None:
+    """Each method of the service, called with an empty request and with one naming a table that
+    does not exist: whatever it refuses carries a reason of the enum (read from the proto's
+    service, so a new method is covered when it is added)."""
+    channel = grpc.insecure_channel(target)
+    service = pb.DESCRIPTOR.services_by_name["ExperienceBuffer"]
+    refusals: dict[tuple[str, str], tuple[str, str | None]] = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        reply_class = getattr(pb, method.output_type.name)
+        requests = {"empty": request_class()}
+        if "table" in request_class.DESCRIPTOR.fields_by_name:
+            requests["no such table"] = request_class(table="nope")
+        kind = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary"}
+        make = getattr(channel, kind.get((method.client_streaming, method.server_streaming), "stream_stream"))
+        call = make(
+            f"/expbuf.v1.ExperienceBuffer/{method.name}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=reply_class.FromString,
+        )
+        for what, request in requests.items():
+            try:
+                reply = call(iter([request]) if method.client_streaming else request, timeout=10)
+                if method.server_streaming:
+                    list(reply)
+            except grpc.RpcError as exc:
+                refusals[(method.name, what)] = (exc.code().name, reason_of(exc.trailing_metadata()))
+    channel.close()
+    assert len(refusals) > 30  # most calls refuse one or the other: the test sees refusals
+    unreasoned = {call: found for call, found in refusals.items() if found[1] not in set(Reason)}
+    assert unreasoned == {}

@@ -156,14 +156,15 @@ def add_table_commands(
 
 def run_client_command(args: argparse.Namespace, tls: Tls | None) -> int:
     """Run one action of `expbuf table` or `expbuf dataset` (`args.run_action`); a refusal by
-    the server is its status and message, exit code 1, and a mistake the client catches before
+    the server is its status, reason and message, exit code 1, and a mistake the client catches before
     it calls (a setting it does not know, a value its field cannot take) is that message, exit
     code 2."""
     with BufferClient(args.target, token=args.token, tls=tls, timeout=30, retries=0) as client:
         try:
             return args.run_action(args, client)
         except BufferError as exc:
-            print(f"expbuf {args.command} {args.action}: {exc.code.name}: {exc.details}", file=sys.stderr)
+            why = f" ({exc.reason})" if exc.reason else ""  # what a script acts on, as code reads ExpbufError.reason
+            print(f"expbuf {args.command} {args.action}: {exc.code.name}{why}: {exc.details}", file=sys.stderr)
             return 1
         except ValueError as exc:  # the client's own checks of what it was given (wire.WireError, ...)
             print(f"expbuf {args.command} {args.action}: {exc}", file=sys.stderr)

@@ -28,7 +28,16 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
-from ..store.schema.errors import DamagedPayload, InsertLimited, InvalidRequest, SpecError, TableFull, check_count, clip
+from ..store.schema.errors import (
+    ConfigError,
+    DamagedPayload,
+    InsertLimited,
+    InvalidRequest,
+    SpecError,
+    TableFull,
+    check_count,
+    clip,
+)
 from ..store.schema.sample_spec import SampleSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
@@ -410,16 +419,18 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableReply:
+        # A setting refused for any cause is a table's settings' refusal (reason invalid_config),
+        # whichever check finds it: the wire's (a field this server lacks, an enum's value) or the table's.
         unknown = _unknown_fields(request.config) + _unknown_fields(request.config.estimator)
         if unknown:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"table '{clip(request.config.name)}': unknown setting field(s) {unknown}; this server "
                 f"(expbuf {__version__}) does not know them, so it refuses the table instead of dropping them"
             )
         try:
             settings = wire.table_from_proto(request.config)
         except wire.WireError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise ConfigError(f"table '{clip(request.config.name)}': {exc}") from None
         config = TableConfig.from_settings(settings)
         check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
