@@ -346,3 +346,52 @@ def test_prefetch_is_refused_at_the_first_sample_before_anything_is_drawn(target
         assert {e.times_sampled for e in admin.list_experiences("ahead").experiences} == {0}
         plain = kind(storage=ExpbufStorage(target, "ahead"), sampler=ExpbufSampler(timeout=1), batch_size=2)
         assert len([batch for batch in plain]) == 3  # the same table, without prefetch
+
+
+@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+def test_torchrls_positional_max_size_is_refused_by_name_where_the_storage_is_made(target, kind) -> None:
+    """TorchRL's storages take max_size as their first argument (`ListStorage(100)`); an expbuf
+    storage's first is the server's target. `ExpbufStorage(100)` under TorchRL's buffer failed at
+    its first write inside gRPC ("'int' object has no attribute 'encode'"): it is refused where it
+    is made, naming max_size and the target, and nothing is pushed."""
+    with BufferClient(target) as admin:
+        admin.create_table("sized", group_size=2, estimator="grpo")
+        with pytest.raises(TypeError, match=r"ExpbufStorage\(100\).*target \(HOST:PORT\).*max_size"):
+            kind(storage=ExpbufStorage(100), sampler=ExpbufSampler(timeout=1), batch_size=2)
+        with pytest.raises(TypeError, match=r"ExpbufStorage\(100\).*max_size"):
+            kind(storage=lambda: ExpbufStorage(100), batch_size=2)  # TorchRL makes it from a callable too
+        with pytest.raises(TypeError, match=r"table is 100.*a table's name"):
+            ExpbufStorage(target, 100)
+        rb = kind(storage=ExpbufStorage(target, "sized"), sampler=ExpbufSampler(timeout=1), batch_size=2)
+        rb.extend(groups(["a"], 2))
+        assert admin.stats("sized")["sized"].pushed == 2  # the storage made right writes
+
+
+@pytest.mark.parametrize("kind", [ReplayBuffer, TensorDictReplayBuffer])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_drop_last_is_honoured_as_torchrls_samplers_honour_it(target, kind, drop_last) -> None:
+    """TorchRL's drop_last (SamplerWithoutReplacement's): True drops the last incomplete batch, so
+    a `for` loop over the buffer ends without it, and the group left waits in the table for more;
+    False keeps it, a short batch (expbuf's allow_partial=True) after the wait."""
+    with BufferClient(target) as admin:
+        table = f"last{int(drop_last)}{kind.__name__}"
+        admin.create_table(table, group_size=2, estimator="grpo")
+        sampler = ExpbufSampler(timeout=1, drop_last=drop_last)
+        rb = kind(storage=ExpbufStorage(target, table), sampler=sampler, batch_size=4)
+        rb.extend(groups(["a", "b", "c"], 2))
+        sizes = [len(batch) for batch in rb]
+        stats = admin.stats(table)[table]
+        if drop_last:
+            assert sizes == [4] and (stats.consumed, stats.ready) == (4, 2)
+        else:
+            assert sizes == [4, 2] and (stats.consumed, stats.ready) == (6, 0)
+
+
+def test_drop_last_and_allow_partial_that_disagree_are_refused_by_name() -> None:
+    """expbuf's allow_partial is TorchRL's drop_last turned over: given both, they must agree."""
+    for drop_last, allow_partial in ((True, True), (False, False)):
+        with pytest.raises(ValueError, match=rf"drop_last={drop_last} and allow_partial={allow_partial}"):
+            ExpbufSampler(drop_last=drop_last, allow_partial=allow_partial)
+    with pytest.raises(ValueError, match="drop_last is 1; it must be True or False"):
+        ExpbufSampler(drop_last=1)
+    assert ExpbufSampler(drop_last=False, allow_partial=True).options["allow_partial"] is True

@@ -75,6 +75,18 @@ UNDER_PREFETCH = {  # what goes wrong when TorchRL's prefetch threads draw (see 
 }
 
 
+def _partial_of(drop_last: Any, allow_partial: Any) -> bool:
+    """allow_partial for TorchRL's `drop_last`: its opposite, and the same as one given with it."""
+    if not isinstance(drop_last, bool):
+        raise ValueError(f"ExpbufSampler: drop_last is {drop_last!r}; it must be True or False")
+    if allow_partial is not None and allow_partial == drop_last:
+        raise ValueError(
+            f"ExpbufSampler: drop_last={drop_last} and allow_partial={allow_partial} disagree: drop_last=True "
+            "(no short batch) is allow_partial=False, drop_last=False is allow_partial=True; give one of them"
+        )
+    return not drop_last
+
+
 class ExpbufSampler(Sampler):
     """Draws each batch from the table of the `ExpbufStorage` it samples.
 
@@ -83,7 +95,10 @@ class ExpbufSampler(Sampler):
     groups). The options are `sample()`'s: order (fifo, lifo, uniform, priority or a registered
     order), delivery (lease, consume or replay), lease_seconds, timeout (how long a batch may
     wait for ready groups; then DeadlineExceededError, or the end of a `for batch in rb:` loop
-    past its first batch), min_model_version, trainer_version, allow_partial.
+    past its first batch), min_model_version, trainer_version, allow_partial. TorchRL's
+    `drop_last` (SamplerWithoutReplacement's) is allow_partial turned over: True (expbuf's
+    default) never hands out a short batch, so a `for` loop ends without the last incomplete one,
+    which waits in the table; False hands it out, short, once `timeout` has passed.
     """
 
     def __init__(
@@ -94,11 +109,14 @@ class ExpbufSampler(Sampler):
         process_group: Any = None,
         balance: str = "tokens",
         equal: bool = False,
+        drop_last: bool | None = None,
         **options: Unpack[SampleOptions],
     ) -> None:
         for fixed in ("max_batches", "window"):
             if fixed in options:
                 raise ValueError(f"ExpbufSampler: {fixed} is not an option (each sample() is one batch)")
+        if drop_last is not None:
+            options["allow_partial"] = _partial_of(drop_last, options.get("allow_partial"))
         SampleSpec("default", 1, **options)  # refuses a bad value now, naming it
         self.options: dict[str, Any] = {"delivery": "lease", **options}
         if not 0 <= rank < ranks:

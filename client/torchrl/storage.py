@@ -13,7 +13,8 @@ element is batch = that round, task = a digest of the name. A writer keeps the o
 the names it wrote; a round the server reports complete (another writer filled it) is passed.
 
 The table, not the storage, decides what is kept (its capacity settings: capacity_experiences,
-when_full): the storage has no `max_size` (refused by name), and the positions TorchRL's writer
+when_full): the storage has no `max_size` (refused by name, and so is TorchRL's positional
+max_size where the target goes: `ExpbufStorage(100)`), and the positions TorchRL's writer
 picks mean nothing here, so only its round-robin writers are taken (the default ones): another
 writer, TensorDictMaxValueWriter say, is refused by name at the first write rather than ignored.
 """
@@ -41,6 +42,7 @@ from expbuf.client.schema.reasons import Reason
 
 from . import convert
 
+BOUNDED = "the table's capacity settings (capacity_experiences, when_full) bound what it keeps"
 ROUNDS_KEPT = 1 << 16  # group names whose open round a writer remembers (the least recent forgotten)
 STATE_FILE = "expbuf.json"
 
@@ -124,10 +126,14 @@ class ExpbufStorage(LazyStackStorage):
         self, target: str, table: str = "default", *, group_key: NestedKey = "query", **connection: Any
     ) -> None:
         if "max_size" in connection:
+            raise TypeError(f"ExpbufStorage has no max_size: {BOUNDED}")
+        if not isinstance(target, str):  # TorchRL's storages take max_size first: ListStorage(100)
             raise TypeError(
-                "ExpbufStorage has no max_size: the table's capacity settings (capacity_experiences, when_full) "
-                "bound what it keeps"
+                f"ExpbufStorage({target!r}): its first argument is the server's target (HOST:PORT), not a "
+                f"max_size as TorchRL's storages take first; it has no max_size: {BOUNDED}"
             )
+        if not isinstance(table, str):
+            raise TypeError(f"ExpbufStorage: table is {table!r}; it must be a table's name (a str)")
         super().__init__(max_size=None)
         self.target = target
         self.table = table
