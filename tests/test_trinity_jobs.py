@@ -436,6 +436,54 @@ def test_what_a_table_cannot_run_of_trinitys_priority_queue_is_refused_by_name(
         trinity.buffer.get_buffer_reader(buffer_config(server, 2, "order=lifo", replay_buffer=ReplayBufferConfig(True)))
 
 
+def test_an_sql_buffers_replay_buffer_is_refused_by_name(server: ExpbufServer, table: Table) -> None:
+    """Trinity's SQL experience buffer with replay_buffer.enable reads its rows again without
+    bound, the least read first (its SQLExperienceStorage._read_priority), where its queue reads
+    each once by priority; an expbuf path ran the queue's, read once, so a job moved from SQL
+    lost its re-reads silently. Refused by name, for the writer and the reader, saying what to
+    set; an SQL buffer without replay_buffer is taken as before."""
+    table(group_by="none", estimator="none")
+    replay = ReplayBufferConfig(enable=True, priority_fn="linear_decay", priority_fn_args={"decay": 2.0})
+    config = buffer_config(server, 2, storage_type="sql", replay_buffer=replay)
+    for factory in (trinity.buffer.get_buffer_writer, trinity.buffer.get_buffer_reader):
+        with pytest.raises(ValueError, match=r"storage_type 'sql' with replay_buffer.enable.*storage_type: queue"):
+            factory(config)
+    plain = buffer_config(server, 2, storage_type="sql", replay_buffer=ReplayBufferConfig(enable=False))
+    write(plain, single_turn(0, [1.0]), single_turn(1, [2.0]))
+    assert len(asyncio.run(trinity.buffer.get_buffer_reader(plain).read())) == 2
+
+
+def test_a_release_without_an_acquire_ends_the_table_as_trinitys_buffers_end(
+    server: ExpbufServer, table: Table
+) -> None:
+    """Trinity's storages count their writers down at each release and end their readers at zero
+    or below (QueueStorage, SQLExperienceStorage, FileStorage): a writer released without an
+    acquire ends them. Through the plug-in the table's reads end too, after what is ready."""
+    storage = QueueStorage(ExperienceBufferConfig(name="q", path="memory", batch_size=1).to_storage_config())
+
+    async def on_trinity() -> None:
+        await storage.put_batch(Experience.serialize_many(single_turn(0, [1.0])))
+        assert await storage.release() == -1
+        await storage.get_batch(1, timeout=5.0)
+        with pytest.raises(StopAsyncIteration):
+            await storage.get_batch(1, timeout=5.0)
+
+    asyncio.run(on_trinity())
+    table(group_by="none", estimator="none")
+    config = buffer_config(server, 1)
+
+    async def on_expbuf() -> None:
+        writer = trinity.buffer.get_buffer_writer(config)
+        reader = trinity.buffer.get_buffer_reader(config)
+        await writer.write(single_turn(0, [1.0]))
+        assert await writer.release() == 0
+        assert len(await reader.read()) == 1
+        with pytest.raises(StopAsyncIteration):  # ended (a TimeoutError after max_read_timeout before)
+            await reader.read()
+
+    asyncio.run(on_expbuf())
+
+
 def test_replay_reads_everything_again_up_to_max_times_sampled(server: ExpbufServer, table: Table) -> None:
     """Trinity's sql_test with replay ("we can read all again"), bounded by the table's max_times_sampled."""
     table(group_by="none", estimator="none", max_times_sampled=2)

@@ -202,11 +202,23 @@ class ExpbufWriter(BufferWriter):
         return opened
 
     async def release(self) -> int:
-        """Close a writer; when the table's last writer closes, its readers reach the end of data."""
+        """Close a writer; when the table's last writer closes, its readers reach the end of data.
+        A release with no writer open (one without an acquire) ends it too, as Trinity's storages
+        end their readers when their count of writers reaches zero or below."""
         self._refs = max(0, self._refs - 1)
-        still_open, _ = await asyncio.to_thread(self._client.writers, self.location.table, -1)
+        still_open = await asyncio.to_thread(self._close)
         if self._refs == 0:
             self._client.close()
+        return still_open
+
+    def _close(self) -> int:
+        """The server's close of a writer; one with none open changes nothing there, so the table is
+        ended as its last writer ends it: opened and closed."""
+        table = self.location.table
+        still_open, done = self._client.writers(table, -1)
+        if still_open == 0 and not done:
+            self._client.writers(table, 1)
+            still_open, _ = self._client.writers(table, -1)
         return still_open
 
     def _seal(self, groups: list[str]) -> None:

@@ -5,6 +5,8 @@ set, instead of as a stalled trainer hours later. What each Trinity setting beco
 - `capacity` (Trinity's queue blocks the writer when full): the table's
   `capacity_experiences` with `when_full = "block"`; a capacity other than Trinity's default
   that the table does not hold is refused.
+- `replay_buffer` of an SQL buffer (`storage_type: sql`), which re-reads rows without bound,
+  the least read first: refused, naming the queue's replay to use instead.
 - `replay_buffer` (Trinity's priority queue, `linear_decay` or `decay_limit_randomization`):
   an experience's priority is its `model_version` less `decay` per use. The writer stamps
   `info["priority"] = model_version` and the reader takes the table's `priority` order and
@@ -129,6 +131,13 @@ def priority_replay(config: Any) -> PriorityReplay | None:
     replay = getattr(config, "replay_buffer", None)
     if replay is None or not getattr(replay, "enable", False):
         return None
+    if getattr(config, "storage_type", None) == "sql":
+        raise ValueError(
+            f"experience buffer '{getattr(config, 'name', '')}': storage_type 'sql' with replay_buffer.enable reads "
+            "its rows again without bound, the least read first, which an expbuf table does not run; an expbuf path "
+            "runs Trinity's queue priority replay: set storage_type: queue (with reuse_cooldown_time to read "
+            "experiences again, up to use_count_limit), or disable replay_buffer to read each once"
+        )
     from trinity.buffer.storage import PRIORITY_FUNC
 
     name = f"experience buffer replay_buffer (priority_fn={replay.priority_fn})"
