@@ -10,13 +10,16 @@ virtualenv per extra.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 # The top-level packages each adapter's extra brings, its framework's own requirements among them
 # (trinity-rft requires verl), and so what a child importing that adapter may load.
@@ -50,3 +53,20 @@ def test_an_adapter_imports_without_the_other_frameworks(adapter: str) -> None:
     assert done.returncode == 0, f"expbuf.client.{adapter} without {', '.join(refused)}:\n{done.stderr[-3000:]}"
     imported = re.fullmatch(rf"expbuf\.client\.{adapter}: (\d+) modules imported\n", done.stdout)
     assert imported and int(imported.group(1)) > 1, done.stdout
+
+
+def test_the_verl_extra_pins_the_tensordict_verl_runs_with_in_the_tests() -> None:
+    """verl is installed without its own requirements (they pull GPU packages), so its tensordict
+    range is never applied, and TransferQueue asks only for >=0.10: `pip install "expbuf[verl]"`
+    took the newest tensordict, not one verl 0.9.1 was run with. The extra pins the range `make
+    setup` installs for verl (the Makefile's VERL_NEEDS), which holds the tensordict the tests run."""
+    root = Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = [req for req in map(Requirement, extras["verl"]) if req.name == "tensordict"]
+    needs = re.search(r"^VERL_NEEDS := (.*)$", (root / "Makefile").read_text(), re.M)
+    assert needs is not None
+    installed = [Requirement(spec.strip("'")) for spec in needs.group(1).split()]
+    (made,) = [req.specifier for req in installed if req.name == "tensordict"]
+    assert [pin.specifier for pin in pins] == [made]
+    if importlib.util.find_spec("tensordict") is not None:
+        assert importlib.metadata.version("tensordict") in made
