@@ -64,7 +64,8 @@ class Reads:
         """Stored payloads among uids (live experiences', and failed ones' kept for Get), each
         checked against its digest first: a damaged one is quarantined (quarantine.py), not returned."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
-        found, damaged = {}, []
+        found: dict[str, bytes] = {}
+        damaged: list[str] = []
         with self.environment.read() as txn:
             for uid in uids:
                 key = prefix + uid.encode()
