@@ -166,13 +166,27 @@ FAILED_FIELDS = ("recorded", "completed_groups", "dropped_groups")  # FailedRuns
 Items = bytes | ColumnBatch | Iterable[Any]
 
 
+PUSH_TAKES = "push takes TRXP bytes, a ColumnBatch or a list of experiences (expbuf's Experience or Trinity-RFT's)"
+
+
 def payload(items: Items) -> bytes:
-    """TRXP bytes as they are, a ColumnBatch's payload, or experiences (expbuf's or Trinity-RFT's) encoded."""
+    """TRXP bytes as they are, a ColumnBatch's payload, or experiences (expbuf's or Trinity-RFT's)
+    encoded; anything else a TypeError saying what a push takes (the codec would fail on it
+    deep inside, reading an `eid` a dict's key or a string's letter has not)."""
     if isinstance(items, (bytes, bytearray, memoryview)):
         return bytes(items)
     if isinstance(items, ColumnBatch):
         return items.payload
-    return trxp.encode(items)
+    if hasattr(items, "eid"):
+        raise TypeError(f"{PUSH_TAKES}, got one {type(items).__name__}: push a list of it ([experience])")
+    if isinstance(items, (str, Mapping)) or not isinstance(items, Iterable):
+        fields = " (a dict of fields goes in a ColumnBatch, or Experience(**fields))"
+        raise TypeError(f"{PUSH_TAKES}, got {type(items).__name__}{fields if isinstance(items, Mapping) else ''}")
+    experiences = list(items)
+    for index, item in enumerate(experiences):
+        if not hasattr(item, "eid"):
+            raise TypeError(f"{PUSH_TAKES}; item {index} is a {type(item).__name__}, which has no eid")
+    return trxp.encode(experiences)
 
 
 def payload_uids(body: bytes) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ class CallShape(Protocol):
     def timeout(self) -> float | None: ...
 
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_PORT = 50051
+DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # A push larger than this goes over PushStream in chunks of this size (see PushRequest.total_bytes).
 DEFAULT_PUSH_CHUNK_BYTES = 4 << 20
@@ -182,6 +184,43 @@ MUTUAL_TLS_HINT = (
 )
 # gRPC's own details for a call whose deadline passed in the client (a server's refusal has its own words).
 GRPC_DEADLINE = "Deadline Exceeded"
+# What gRPC says of a server that answered in HTTP/1 (expbuf's metrics port, a web server): no HTTP/2 frame.
+HTTP1_ANSWERS = ("Failed parsing HTTP/2", "Trying to connect an http1.x server")
+# URL schemes a target is written with by mistake: gRPC would resolve "http://host:port" as a host name.
+URL_SCHEMES = ("http", "https", "grpc", "grpcs")
+# gRPC's own schemes of a target that is no host (a socket's path, an address list): taken as they are.
+ADDRESS_SCHEMES = ("unix", "unix-abstract", "vsock", "ipv4", "ipv6")
+# HOST[:PORT] or [IPV6][:PORT], alone or after `dns:` and an optional `//AUTHORITY/`.
+_HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?)?(?P<host>\[[^\]]*\]|[^:/\[\]]+)(?::(?P<port>[^:/]*))?")
+
+
+def checked_target(target: str) -> str:
+    """`target` as both clients pass it to gRPC, or a ValueError saying what to change: gRPC takes a
+    host without a port as port 443, and a URL's scheme as part of a host name, and says only
+    that it cannot connect or resolve."""
+    scheme, sep, rest = target.partition("://")
+    if sep and scheme.lower() in URL_SCHEMES:
+        raise ValueError(
+            f"target {target!r} is a URL: drop the scheme: {rest.rstrip('/')!r} (a client takes HOST:PORT; "
+            "TLS is the client's tls=Tls(...), not https)"
+        )
+    if sep and scheme == "expbuf":
+        raise ValueError(
+            f"target {target!r} is a buffer's location, which the framework adapters read: a client takes HOST:PORT"
+            f" ({rest.partition('/')[0]!r})"
+        )
+    named = _HOST_PORT.fullmatch(target)
+    if named is None or named["host"] in ADDRESS_SCHEMES:
+        return target
+    port = named["port"]
+    if not port or not port.isdigit():
+        host = named["host"]
+        raise ValueError(
+            f"target {target!r} has no port"
+            + (f" (its port {port!r} is not a number)" if port else "")
+            + f": gRPC would connect to port 443; add the server's, e.g. {host}:{DEFAULT_PORT} (expbuf's default)"
+        )
+    return target
 
 
 def tls_hint(tls: Tls | None) -> str:
@@ -201,7 +240,12 @@ def call_error(exc: grpc.RpcError, tls: Tls | None, target: str = "", waited: bo
     and reached none waits out its deadline, and gRPC says only "Deadline Exceeded": the error
     names the target and what keeps a client from it."""
     details, hint = exc.details() or "", tls_hint(tls)
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and hint:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and any(answer in details for answer in HTTP1_ANSWERS):
+        details = (
+            f"{details} ({target} answered in HTTP/1, not gRPC: it is not an expbuf gRPC server; expbuf's metrics"
+            f" port answers so, and its gRPC port is {DEFAULT_PORT} unless `expbuf serve --port` says another)"
+        )
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and hint:
         details = f"{details} ({hint})"
     elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and waited and details == GRPC_DEADLINE:
         details = (
@@ -239,8 +283,9 @@ class ClientBase:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         push_chunk_bytes: int = DEFAULT_PUSH_CHUNK_BYTES,
     ) -> None:
-        """Connect to `target` (HOST:PORT). `token` is sent as a bearer token; `tls` is a Tls
-        (a CA, and a client pair for mutual TLS) or True for the system's CAs. Every call has a
+        """Connect to `target` (HOST:PORT: without a port, or as a URL, a ValueError says what to
+        write). `token` is sent as a bearer token; `tls` is a Tls (a CA, and a client pair for
+        mutual TLS) or True for the system's CAs. Every call has a
         deadline of `timeout` seconds, for all its attempts; pushes and reads are retried up to
         `retries` times (at most 4, gRPC's limit) while the server is UNAVAILABLE (safe: a push
         is idempotent). With `wait_for_ready`, they wait for a server that cannot be reached (a
@@ -256,6 +301,7 @@ class ClientBase:
             client.push(experiences, table="grpo8")
         ```
         """
+        checked_target(target)
         if push_chunk_bytes != 0 and not 1 << 16 <= push_chunk_bytes <= max_message_bytes:
             raise ValueError(
                 f"push_chunk_bytes must be 0 (no chunks) or from 65536 to max_message_bytes = {max_message_bytes}, "
