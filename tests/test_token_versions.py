@@ -9,6 +9,7 @@ token by token, not from expbuf's prefix rule."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import grpc
@@ -191,6 +192,34 @@ def test_stale_tokens_are_masked_as_prime_rl_masks_them_and_the_advantages_follo
     assert metrics[("expbuf_tokens_masked_total", (("table", "bounded"),))] == 3 + 7 + 8 + 8
     assert metrics[("expbuf_tokens_masked_total", (("table", "plain"),))] == 0
     assert stats.pushed == len(RUNS)
+
+
+def test_get_returns_experiences_as_stored_and_read_fields_as_delivered(client: BufferClient, target: str) -> None:
+    """get() (ReadFields without fields) and the Get call return the pushed action mask and the
+    advantages the estimator computed, as the docs say; read_fields delivers the masked ones, as a
+    sample does. get() returned the delivered (masked) mask."""
+    client.create_table("plain", group_size=len(RUNS))
+    client.create_table("bounded", group_size=len(RUNS), max_token_staleness=1)
+    pushed = {exp.eid.uid: exp for exp in group()}
+    for table in ("plain", "bounded"):
+        client.push(list(pushed.values()), table=table)
+        client.set_trainer_version(TRAINER, table)
+        deadline = time.monotonic() + 60  # the advantages are computed in the push, or by the worker after it
+        while client.stats(table)[table].ready < len(RUNS):
+            assert time.monotonic() < deadline, f"{table}: the group is not ready"
+            time.sleep(0.05)
+    uids = list(pushed)
+    plain = {exp.eid.uid: exp for exp in client.get(uids, "plain")}
+    with grpc.insecure_channel(target) as channel:
+        reply = pb_grpc.ExperienceBufferStub(channel).Get(pb.GetRequest(table="bounded", uids=uids))
+    for got in (client.get(uids, "bounded"), trxp.decode(reply.payload)):
+        assert [exp.eid.uid for exp in got] == uids
+        for exp in got:
+            assert exp.action_mask.tolist() == pushed[exp.eid.uid].action_mask.tolist(), exp.eid.uid
+            assert torch.equal(exp.advantages, plain[exp.eid.uid].advantages), exp.eid.uid
+    read = client.read_fields(uids, ["action_mask"], table="bounded")
+    for uid, mask in zip(read.uids, read.columns["action_mask"].tensors, strict=True):
+        assert mask.tolist() == prime_rl_mask(pushed[uid], TRAINER, 1).tolist(), uid
 
 
 def test_the_trxp_splice_without_compact_advantages_masks_too(tmp_path: Path) -> None:

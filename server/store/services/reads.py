@@ -223,7 +223,9 @@ class Reads:
                 return None
             rows = BatchRows(snapshot, db["adv"], config, self.finish)
             bound = None
-            if config.staleness.token_bound is not None:  # the trainer's version, from the table's counters
+            # Fields are delivered to a trainer, masked as a sample masks them; a whole payload (the
+            # clients' get) is the experience as stored, as Get returns it.
+            if config.staleness.token_bound is not None and not whole:  # the trainer's version, from the counters
                 bound = token_bound(config, Counters.decode(snapshot.get(prefix, db["counters"])).trainer_version)
             snapshot.hold(rows.blobs)
             snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
