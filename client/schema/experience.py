@@ -52,20 +52,37 @@ META_FIELDS = (
 )
 
 
-@dataclass
+@dataclass(init=False)
 class EID:
-    """Identity of an experience: uid = batch/task/run/step/suffix.
+    """Identity of an experience: uid = batch/task/run/step/suffix, Trinity-RFT's parts and defaults
+    (batch and task empty, run and step 0).
 
     `batch` may itself contain '/' (e.g. "3/eval_math"), so the parts are kept
     separately; task and suffix may not (the decoder refuses them), so that two
     different eids never share a uid.
+
+    Without a `suffix`, an eid that names a batch or a task gets an empty one: the same parts
+    make the same uid every time, so a rollout built again and pushed is a duplicate (or, with
+    other content, refused by its uid), never a second run. One that names neither (no eid: an
+    experience of a table that does not group) gets a random one, as Trinity-RFT's EID gives
+    every eid, so that each is an experience of its own.
     """
 
-    batch: int | str = 0
-    task: int | str = 0
-    run: int = 0
-    step: int = 0
-    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    batch: int | str
+    task: int | str
+    run: int
+    step: int
+    suffix: str
+
+    def __init__(
+        self, batch: int | str = "", task: int | str = "", run: int = 0, step: int = 0, suffix: str | None = None
+    ) -> None:
+        self.batch = batch
+        self.task = task
+        self.run = run
+        self.step = step
+        named = batch != "" or task != ""
+        self.suffix = suffix if suffix is not None else "" if named else uuid.uuid4().hex[:6]
 
     @property
     def uid(self) -> str:

@@ -18,7 +18,7 @@ from expbuf.client.schema.routing import uid_group_key
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
-from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidRequest, NotFound, clip
+from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
 from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
@@ -60,6 +60,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             raise Conflict(f"uid {entry.uid} already exists with different content")
         result.duplicates.append(entry.uid)
     _check_rewards(tt, fresh.values())
+    _check_eids(tt, fresh.values())
     by_group: dict[str, list[Entry]] = defaultdict(list)
     for entry in fresh.values():
         by_group[entry.group_key(tt.config.grouping.by)].append(entry)
@@ -125,6 +126,25 @@ def _check_rewards(tt: TableState, entries: Iterable[Entry]) -> None:
             raise InvalidRequest(
                 f"uid {entry.uid} has no reward; table '{tt.config.name}' computes advantages "
                 f"with {estimator}, which needs one" + (" (or token_level_reward)" if not needs_reward else "")
+            )
+
+
+# The group key of an eid whose batch and task are both empty (Trinity-RFT's and expbuf's defaults).
+NO_EID = "/"
+
+
+def _check_eids(tt: TableState, entries: Iterable[Entry]) -> None:
+    """A table that groups refuses an experience without an eid: every such experience would
+    join one group, which the first group_size of them complete and the next finds closed."""
+    by = tt.config.grouping.by
+    if by == "none":
+        return
+    for entry in entries:
+        if entry.tid == NO_EID:
+            raise InvalidPayload(
+                f"uid {clip(entry.uid)} has no eid (its batch and task are empty), and table '{tt.config.name}' groups"
+                f" by {by}: give each experience EID(batch=..., task=..., run=...), its group's task and its own run"
+                ' (a table of group_by = "none" takes experiences without one)'
             )
 
 
