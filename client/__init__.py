@@ -7,6 +7,9 @@ The names below are imported when first used (PEP 562), so that `import expbuf.c
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,6 +47,47 @@ if TYPE_CHECKING:
     from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptStats
     from .trxp import TrxpError, decode, encode
     from .trxp.column_build import ColumnBatch
+
+
+def _installed_client() -> str | None:
+    """Where the installed expbuf keeps expbuf.client: the source tree an editable install maps it
+    to (setuptools' finder), or the folder a wheel installed in Python's path; None if none is."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("__editable___expbuf_"):
+            mapped = getattr(module, "MAPPING", {}).get(__name__)
+            if mapped:
+                return str(mapped)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        folder = os.path.join(os.path.abspath(entry or os.curdir), "expbuf", "client")
+        if folder != here and os.path.isfile(os.path.join(folder, "__init__.py")):
+            return folder
+    return None
+
+
+def _warn_if_shadowed() -> None:
+    """Warn where a source tree of expbuf (a clone named `expbuf`, found first in Python's path,
+    the current directory's) shadows the installed expbuf: `expbuf` is a namespace, so its
+    `client` came from the clone's sources, not the install, without its compiled codec, and an
+    edit to the clone changes what runs. Only a source tree holds pyproject.toml beside client/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tree = os.path.dirname(here)
+    if not os.path.isfile(os.path.join(tree, "pyproject.toml")):
+        return
+    installed = _installed_client()
+    if installed is None or os.path.realpath(installed) == os.path.realpath(here):
+        return
+    warnings.warn(
+        f"expbuf.client is imported from {tree}, a source tree in Python's path (the current directory, or "
+        f"PYTHONPATH), not the installed expbuf ({installed}): the tree's sources run, not the install's, nor its "
+        "compiled codec, and an edit to the tree changes what runs. Run Python from another directory, or keep the "
+        'clone under another name (git clone URL expbuf-src; pip install "./expbuf-src[...]")',
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+_warn_if_shadowed()
 
 # each public name -> the module of this package that defines it
 _HOMES = {

@@ -147,7 +147,7 @@ def test_no_page_installs_expbuf_from_a_package_index() -> None:
     from_an_index = re.compile(r"pip install ['\"]?expbuf(?:\[[\w,]+\])?(?:['\"`\s]|$)(?! *@)", re.M)
     found = [f"{name}: {match.group(0)!r}" for name in pages for match in from_an_index.finditer(page(name))]
     assert not found, found
-    assert 'pip install "./expbuf[trl]"' in page("frameworks/trl.md")
+    assert 'pip install "./expbuf-src[trl]"' in page("frameworks/trl.md")
 
 
 def test_the_estimators_table_is_written_from_the_registry() -> None:
