@@ -291,7 +291,7 @@ def test_the_docs_curriculum_runs_as_written(server: ExpbufServer, capsys: pytes
     exec(compile(code.replace("127.0.0.1:50051", f"127.0.0.1:{server.port}"), "prompt-ledger.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "{'target': 0.5, 'tau': 0.1}"
     with BufferClient(f"127.0.0.1:{server.port}") as client:
-        info = client.ledger("grpo8", "math")
+        info = client.ledger("curriculum8", "math")
     assert (info.order, info.zero_variance, info.skip_epochs, info.pass_threshold) == ("pass_rate", "skip", 2, 0.5)
 
 

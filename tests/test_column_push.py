@@ -396,16 +396,13 @@ def test_an_ingest_worker_reads_columns_as_this_process_does() -> None:
         pool.close()
 
 
-def test_the_docs_rollout_worker_pushes_its_columns_as_written(client: BufferClient) -> None:
-    """docs/concepts/pushing-and-sampling.md, "Pushing columns": its push, as written there."""
-    (code,) = code_blocks(section("concepts/pushing-and-sampling.md", "### Pushing columns"), "python")
-    made = [rollout(task, run) for task in range(2) for run in range(3)]
+def docs_scope(made: list[Experience], tasks: int, runs: int) -> dict[str, object]:
+    """What the docs' "Pushing columns" block names before it pushes: `made`'s fields as columns."""
     logprobs = [exp.logprobs for exp in made]
-    scope = {
-        "client": client,
-        "step": 0,
-        "tasks": 2,
-        "runs": 3,
+    return {
+        "step": made[0].eid.batch,
+        "tasks": tasks,
+        "runs": runs,
         "tokens": torch.nested.nested_tensor([exp.tokens for exp in made], layout=torch.jagged),
         "logprob_values": torch.cat(logprobs),
         "logprob_offsets": torch.tensor([0, *torch.tensor([len(lp) for lp in logprobs]).cumsum(0).tolist()]),
@@ -415,11 +412,17 @@ def test_the_docs_rollout_worker_pushes_its_columns_as_written(client: BufferCli
         "prompt_lengths": [exp.prompt_length for exp in made],
         "policy_version": 7,
     }
-    client.create_table("grpo8", group_size=3, estimator="grpo")
+
+
+def test_the_docs_rollout_worker_pushes_its_columns_as_written(client: BufferClient) -> None:
+    """docs/concepts/pushing-and-sampling.md, "Pushing columns": its push, as written there."""
+    (code,) = code_blocks(section("concepts/pushing-and-sampling.md", "### Pushing columns"), "python")
+    made = [rollout(task, run) for task in range(2) for run in range(3)]
+    scope = {"client": client, **docs_scope(made, 2, 3)}
     exec(code, scope)
     result = scope["result"]
     assert len(result.stored) == 6 and len(result.completed_groups) == 2
-    for exp, got in zip(made, client.get(result.stored, "grpo8"), strict=True):
+    for exp, got in zip(made, client.get(result.stored, "columns"), strict=True):
         assert (got.eid.task, got.eid.run, got.reward, got.info) == (
             exp.eid.task,
             exp.eid.run,
