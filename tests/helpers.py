@@ -83,6 +83,12 @@ def wait_for(check: Callable[[], object], what: str, seconds: float = 120.0) -> 
         time.sleep(0.02)
 
 
+def pythonpath(*folders: str | os.PathLike[str]) -> str:
+    """A child's PYTHONPATH: `folders` first, then this process's own, never replaced (expbuf
+    itself may be found through it, as where it is laid out on PYTHONPATH, not installed)."""
+    return os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def fill(client: BufferClient, groups: int, table: str = "t") -> None:
     """Push `groups` complete groups of two (tasks 0..groups-1 of batch 1) into `table`."""
     items = [item for task in range(groups) for item in group_items(1, task, 2)]

@@ -18,7 +18,7 @@ from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.errors import ExpbufError
 
 from conftest import Servers
-from helpers import ServerProcess, group_items, make_experience
+from helpers import ServerProcess, group_items, make_experience, pythonpath
 
 SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.rpc.service", "expbuf.server.rpc.metrics"
 
@@ -49,7 +49,7 @@ def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "torch.py").write_text("raise ImportError('this torch is broken on purpose')\n")
-    server = ServerProcess(str(tmp_path / "data"), env={"PYTHONPATH": str(broken)})
+    server = ServerProcess(str(tmp_path / "data"), env={"PYTHONPATH": pythonpath(broken)})
     try:
         with BufferClient(server.target, timeout=60) as client:
             client.create_table("plain", group_size=2, estimator="none")

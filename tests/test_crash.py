@@ -17,6 +17,8 @@ import pytest
 from expbuf.client import decode
 from expbuf.server.store import Store
 
+from helpers import pythonpath
+
 HERE = Path(__file__).parent
 # Each kill lands at a random moment of three writers' commits and is checked on its own;
 # EXPBUF_SOAK_SCALE=100 for a long run.
@@ -25,7 +27,7 @@ KILLS = 8 * int(os.environ.get("EXPBUF_SOAK_SCALE", "1"))
 
 def _run_until_killed(data: Path, run: int, rng: random.Random) -> list[str]:
     """Start a writer, let it commit for a random while, SIGKILL it; return the uids it saw acknowledged."""
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(HERE)}
     child = subprocess.Popen(
         [sys.executable, str(HERE / "crash_writer.py"), str(data), str(run)],
         stdout=subprocess.PIPE,

@@ -37,7 +37,7 @@ from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 
 from conftest import FIXTURES, Servers
-from helpers import group_items, scrape, small_groups, wait_for
+from helpers import group_items, pythonpath, scrape, small_groups, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -459,7 +459,7 @@ def test_a_build_killed_midway_goes_on_from_its_cursor_at_the_next_open(
         [sys.executable, str(HERE / "index_build_child.py"), str(tmp_path), str(ready)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
+        env={**os.environ, "PYTHONPATH": pythonpath(HERE)},
         text=True,
     )
     pushed, killed = ready, False
