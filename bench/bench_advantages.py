@@ -44,6 +44,7 @@ from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
 from expbuf.client.rpc.sample_spec import SampleSpec  # noqa: E402
+from expbuf.proto.v1 import buffer_pb2 as pb  # noqa: E402
 from expbuf.server.advantages.worker import estimators as est  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig, estimator_args  # noqa: E402
 
@@ -258,8 +259,8 @@ def sample_form(form: str) -> Iterator[None]:
     advantages sends them: the payload carries the expanded tensors."""
     build = SampleSpec.request
 
-    def older(spec: SampleSpec) -> object:
-        request = build(spec)
+    def older(spec: SampleSpec, max_reply_bytes: int) -> pb.SampleRequest:
+        request = build(spec, max_reply_bytes)
         request.compact_advantages = False
         return request
 
