@@ -89,6 +89,12 @@ def pythonpath(*folders: str | os.PathLike[str]) -> str:
     return os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def wait_ready(client: BufferClient, table: str, experiences: int) -> None:
+    """Wait until `experiences` of `table` are ready: a push returns before its groups' advantages
+    are computed where the worker computes them (on CUDA, say), not the push."""
+    wait_for(lambda: client.stats(table)[table].ready >= experiences, f"{experiences} ready in table {table}")
+
+
 def fill(client: BufferClient, groups: int, table: str = "t") -> None:
     """Push `groups` complete groups of two (tasks 0..groups-1 of batch 1) into `table`."""
     items = [item for task in range(groups) for item in group_items(1, task, 2)]

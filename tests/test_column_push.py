@@ -22,6 +22,7 @@ from expbuf.server.rpc.ingest import Ingest, entries_of, metadata_limit
 from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import Servers
+from helpers import wait_ready
 from pages import code_blocks, section
 
 
@@ -89,6 +90,8 @@ def test_a_column_push_stores_the_bytes_of_the_same_experiences_pushed_whole(cli
     client.create_table("columns", group_size=3, estimator="grpo")
     pushed = client.push(batch_of(made), table="columns")
     assert pushed.stored == first.stored and pushed.completed_groups == first.completed_groups
+    for table in ("whole", "columns"):  # with their advantages, which the worker computes on CUDA
+        wait_ready(client, table, len(made))
     for whole, columns in zip(client.get(first.stored, "whole"), client.get(first.stored, "columns"), strict=True):
         assert whole.eid == columns.eid and whole.info == columns.info and whole.reward == columns.reward
         for name in ("tokens", "logprobs", "action_mask", "routed_experts", "advantages"):

@@ -18,7 +18,7 @@ from expbuf.client.schema.experience import EID, Experience
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from helpers import serving
+from helpers import serving, wait_ready
 
 FIELDS = ["tokens", "logprobs", "action_mask", "advantages", "returns", "routed_experts"]
 
@@ -154,6 +154,7 @@ def test_a_field_stored_with_two_dtypes_is_promoted_in_batch_order(client: Buffe
 
 def test_a_columnar_request_with_bad_fields_is_refused_naming_them(client: BufferClient) -> None:
     pushed(client, "r")
+    wait_ready(client, "r", 9)  # computed by the worker, not the push, on CUDA
     with pytest.raises(ValueError, match="fields is empty"):
         next(client.sample("r", num_groups=1, fields=[]))
     request = pb.SampleRequest(table="r", num_groups=1, max_batches=1, fields=["tokens", "tokens"])

@@ -20,7 +20,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 
-from helpers import servers
+from helpers import servers, wait_ready
 
 FIELDS = ["tokens", "logprobs", "action_mask", "advantages", "returns", "routed_experts", "multi_modal_inputs:pixels"]
 SEQUENCE = ["tokens", "routed_experts"]  # laid along all the tokens
@@ -47,6 +47,7 @@ def pushed(client: BufferClient, table: str) -> list[Experience]:
     client.create_table(table, group_size=3, estimator="grpo")
     made = [rollout(task, run, 1 + 2 * task, 4 * task + run) for task in range(3) for run in range(3)]
     client.push(trxp.encode(made), table=table)
+    wait_ready(client, table, len(made))  # with their advantages, which the worker computes on CUDA
     return made
 
 
