@@ -199,6 +199,7 @@ class ExpbufServer:
             self.store,
             torch_threads=config.torch_threads,
             on_computed=self._advantages_computed,
+            on_failed=self._advantages_failed,
             on_device=self._advantage_device,
         )
         buffer_pb2_grpc.add_ExperienceBufferServicer_to_server(self.service, self.grpc)
@@ -220,6 +221,9 @@ class ExpbufServer:
 
     def _advantages_computed(self, table: str, estimator: str, seconds: float) -> None:
         self.metrics.advantage_seconds.labels(table, estimator).observe(seconds)
+
+    def _advantages_failed(self, table: str, estimator: str, outcome: str, groups: int) -> None:
+        self.metrics.advantage_failures.labels(table, estimator, outcome).inc(groups)
 
     def _advantage_device(self, device: str) -> None:
         self.service.advantage_device = device

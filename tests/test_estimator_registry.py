@@ -3,21 +3,24 @@ it and a real Store computes, stores and samples with its two stages."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
-from expbuf.client import decode, trxp
+from expbuf.client import BufferClient, decode, trxp
 from expbuf.server.advantages.batch_stage import finish_batch
-from expbuf.server.advantages.worker import AdvantageWorker, estimators
+from expbuf.server.advantages.worker import AdvantageWorker, compute, estimators
 from expbuf.server.store import Store
 from expbuf.server.store.schema.errors import InvalidRequest
 from expbuf.server.store.schema.estimator_registry import ESTIMATORS, Estimator, Param, register
 from expbuf.server.store.schema.table_config import ConfigError, TableConfig, batch_stage, group_step_first
 
-from helpers import group_items, make_experience, registered, take
+from conftest import Servers
+from helpers import group_items, make_experience, registered, scrape, take, wait_for
 
 
 def scaled_centred(b: estimators.FlatBatch, scale: float) -> estimators.Advantages:
@@ -58,6 +61,67 @@ def test_a_registered_estimator_runs_end_to_end_through_a_store(tmp_path: Path) 
         for exp in decode(batch.payload):
             assert exp.advantages.tolist() == pytest.approx([want[exp.eid.uid]] * 4)
         assert store.verify("t") == []
+
+
+class Recorded(Exception):
+    """The recording estimator has seen its inputs (meta tensors hold no values to go on with)."""
+
+
+@pytest.mark.parametrize("token_level", [False, True], ids=["records", "tokens"])
+def test_an_estimator_is_handed_every_input_on_the_device_it_is_told(tmp_path: Path, token_level: bool) -> None:
+    """Whatever the device: the ingest stage is told it (`batch.device`), every tensor of its batch
+    is on it, and so is a tensor it makes without naming a device (as SCALED above does), where on
+    CUDA one left on the CPU failed every group. The meta device stands in for CUDA here."""
+    seen: list[dict[str, torch.device]] = []
+
+    def record(b: estimators.FlatBatch) -> estimators.Advantages:
+        inputs = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+        seen.append({name: t.device for name, t in inputs.items() if isinstance(t, torch.Tensor)})
+        seen[-1] |= {"told": b.device, "made": torch.zeros(3).device, "made like": torch.tensor([1.0]).device}
+        raise Recorded
+
+    recording = Estimator("recording", ingest=record, needs_reward=not token_level, token_level=token_level)
+    with registered(recording) as name, Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", group_size=2, estimator=name))
+        store.put("t", group_items(1, 0, 2, reward=1.0))
+        (job,) = store.compute_backlog()
+        with pytest.raises(Recorded):
+            compute(job, device=torch.device("meta"))
+    (devices,) = seen
+    assert {"rewards", "group", "lengths", "told", "made"} <= set(devices)
+    assert ("mask" in devices and "token_rewards" in devices) == token_level
+    assert set(devices.values()) == {torch.device("meta")}, devices
+
+
+def test_a_group_an_estimator_keeps_failing_on_fails_named_logged_and_counted(
+    start_server: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A computation that raises for every group is tried again after a pause (the cause may
+    pass: a GPU out of memory), then fails its groups: each try is logged with the error and
+    counted in the metrics, and the group's failure is in Stats."""
+
+    def broken(b: estimators.FlatBatch) -> estimators.Advantages:
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    caplog.set_level(logging.INFO, logger="expbuf")
+    server = start_server()
+    with registered(Estimator("broken", ingest=broken)) as name, BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("b", group_size=2, estimator=name)
+        client.push(trxp.build(group_items(1, 0, 2, reward=1.0)), table="b")
+        wait_for(lambda: client.stats("b")["b"].groups_failed == 1, "the group failed")
+        assert "same device" in client.stats("b")["b"].last_failure
+    metrics = scrape(server.metrics_port)
+    failures = {
+        labels: count for (metric, labels), count in metrics.items() if metric == "expbuf_advantage_failures_total"
+    }
+    assert failures == {
+        (("estimator", name), ("outcome", "retried"), ("table", "b")): 2.0,
+        (("estimator", name), ("outcome", "failed"), ("table", "b")): 1.0,
+    }
+    tries = [
+        line for r in caplog.records if r.name == "expbuf.advantages" and "same device" in (line := r.getMessage())
+    ]
+    assert sum("trying again" in line for line in tries) == 2 and sum("group 1/0" in line for line in tries) == 1
 
 
 def test_a_registered_estimator_is_validated_by_its_record() -> None:

@@ -15,7 +15,9 @@ depends on a group alone; its result is stored per experience. Statistics over a
 store a pending value, and their batch stage (the `finish_*` functions) turns the pending
 values of a sampled batch into its advantages, so that a batch gets the same advantages
 however its groups arrived. Each estimator is registered, with its parameters and both
-stages, in store/schema/estimator_registry.py.
+stages, in store/schema/estimator_registry.py. The ingest stage runs on the table's device:
+every input is there (`FlatBatch.device`), and so is a tensor it makes without naming one; the
+batch stage runs on the CPU.
 
 Most estimators give one value per experience (every generated token of an experience
 carries it): their result is `Advantages(scalar=...)`. `reinforceplusplus` and
@@ -69,6 +71,11 @@ class FlatBatch:
     step: Tensor  # [N] int64
     mask: Tensor | None = None  # [T] float64 (or bool)
     token_rewards: Tensor | None = None  # [T] float64
+
+    @property
+    def device(self) -> torch.device:
+        """Where every input is, and where the estimator computes (the table's device)."""
+        return self.rewards.device
 
     @property
     def num_groups(self) -> int:
@@ -356,8 +363,14 @@ def multi_turn_discount(b: FlatBatch, turn_level_discount: float) -> Advantages:
 
 
 def estimate(name: str, batch: FlatBatch, args: dict[str, float | str | None]) -> Advantages:
-    """The ingest stage of the named estimator, with its arguments (tables.estimator_args)."""
-    return ESTIMATORS[name].ingest_stage()(batch, **args)
+    """The ingest stage of the named estimator, with its arguments (tables.estimator_args), on
+    its batch's device: a tensor the stage makes without naming a device is made there too
+    (`torch.zeros(n)` in an estimator of a user's, which would be on the CPU beside CUDA inputs)."""
+    stage = ESTIMATORS[name].ingest_stage()
+    if batch.device.type == "cpu":  # where torch makes tensors anyway: no device mode, which costs every op
+        return stage(batch, **args)
+    with batch.device:
+        return stage(batch, **args)
 
 
 # ---- batch stage: pure functions of the sampled batch's per-experience values -------
@@ -375,6 +388,11 @@ class SampledRows:
     step: Tensor  # [N] int64
     mask: Tensor | None = None  # [T] float64, stored pending advantages of reinforceplusplus
     returns: Tensor | None = None  # [T] float64
+
+    @property
+    def device(self) -> torch.device:
+        """Where every input is: the CPU (a batch stage runs where the reply is built)."""
+        return self.pending.device
 
 
 def finish_grpo(rows: SampledRows, epsilon: float, **_: object) -> Tensor:

@@ -33,7 +33,8 @@ log = logging.getLogger("expbuf.server")
 
 class AdvantageStart:
     """Loads torch and starts the store's advantage worker on a thread of its own; answers the
-    store's `in_push` meanwhile. `on_device` hears the device advantages are computed on."""
+    store's `in_push` meanwhile. `on_device` hears the device advantages are computed on;
+    `on_computed` and `on_failed` each computation, as AdvantageWorker's."""
 
     def __init__(
         self,
@@ -41,10 +42,11 @@ class AdvantageStart:
         *,
         torch_threads: int,
         on_computed: Callable[[str, str, float], None],
+        on_failed: Callable[[str, str, str, int], None],
         on_device: Callable[[str], None],
     ) -> None:
         self._store, self._torch_threads = store, torch_threads
-        self._on_computed, self._on_device = on_computed, on_device
+        self._on_computed, self._on_failed, self._on_device = on_computed, on_failed, on_device
         self._ready = threading.Event()
         self._lock = threading.Lock()  # the worker is started, or the server stopped, not both
         self._stopped = False
@@ -67,7 +69,7 @@ class AdvantageStart:
 
             use_threads(self._torch_threads)
             device = str(resolve_device("auto"))
-            worker = AdvantageWorker(self._store, on_computed=self._on_computed)
+            worker = AdvantageWorker(self._store, on_computed=self._on_computed, on_failed=self._on_failed)
         except Exception as exc:
             self._failure = f"{type(exc).__name__}: {exc}"
             log.exception("advantages cannot be computed: the advantage worker did not start")

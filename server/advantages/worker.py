@@ -107,9 +107,10 @@ def _token_rewards(item: trxp.RawItem, mask: torch.Tensor, reward: float) -> tor
     return out
 
 
-def compute(job: ComputeJob) -> Computed:
+def compute(job: ComputeJob, device: torch.device | None = None) -> Computed:
     """Advantages of one job: (what to store by uid, ready groups, dropped groups, failed
-    groups with the reason, what reward shaping did). Shaping runs in LightRFT's order
+    groups with the reason, what reward shaping did), computed on `device` (the table's
+    unless given), where the estimator's every input is moved. Shaping runs in LightRFT's order
     (advantages/shaping.py): the overlong penalty on the rewards; the running normalisation and the
     reward clip, group by group in the job's order (the groups' completion order), on the
     values of an estimator's group step or else on the rewards; the advantage clip last,
@@ -136,7 +137,7 @@ def compute(job: ComputeJob) -> Computed:
 
     records = [job.records[uid] for uid in uids]
     batch, group_keys = build_batch(records, items, shape)
-    device = estimators.resolve_device(config.advantages.device)
+    device = device or estimators.resolve_device(config.advantages.device)
     result = estimators.estimate(config.advantages.estimator, batch.to(device), estimator_args(config))
     dropped = []
     if result.drop_groups is not None:
@@ -211,11 +212,13 @@ class AdvantageWorker:
         *,
         batch_limit: int = 8192,
         on_computed: Callable[[str, str, float], None] | None = None,
+        on_failed: Callable[[str, str, str, int], None] | None = None,
         retry_delays: Sequence[float] = (1.0, 4.0),
     ) -> None:
         self.store = store
         self.batch_limit = batch_limit
         self.on_computed = on_computed  # (table, estimator, seconds), for the metrics
+        self.on_failed = on_failed  # (table, estimator, "retried" or "failed", groups), for the metrics
         self.retry_delays = tuple(retry_delays)
         self._tries: dict[tuple[str, str], int] = {}  # (table, group) -> failed tries so far
         self._not_before: dict[str, float] = {}  # table -> monotonic time of its next try
@@ -292,9 +295,10 @@ class AdvantageWorker:
         delay = self.retry_delays[tries - 1]
         self._not_before[job.table] = time.monotonic() + delay
         log.warning(
-            "advantages failed for every group of table %s tried (%s); trying again in %gs",
-            job.table, clip(str(next(iter(errors.values()))), 300), delay,
+            "advantages failed for every group of table %s tried (%s); trying again in %gs (try %d of %d)",
+            job.table, clip(str(next(iter(errors.values()))), 300), delay, tries, len(self.retry_delays) + 1,
         )  # fmt: skip
+        self._failed(job, "retried", len(errors))
 
     def _finish(self, job: ComputeJob, result: tuple) -> list[float] | None:
         values, ready, dropped, failed, update = result
@@ -309,14 +313,20 @@ class AdvantageWorker:
 
     def _fail(self, job: ComputeJob, errors: dict[str, Exception]) -> None:
         advantages = job.config.advantages
+        device = estimators.resolve_device(advantages.device).type
         reasons = {
-            gkey: f"{advantages.estimator} on {advantages.device}: {type(exc).__name__}: {clip(str(exc), 300)}"
+            gkey: f"{advantages.estimator} on {device}: {type(exc).__name__}: {clip(str(exc), 300)}"
             for gkey, exc in errors.items()
         }
         for gkey, reason in reasons.items():
             self._tries.pop((job.table, gkey), None)
             log.error("advantages failed for group %s of table %s: %s", clip(gkey), job.table, reason)
         self.store.finish_compute(job.table, {}, [], failed=reasons)
+        self._failed(job, "failed", len(errors))
+
+    def _failed(self, job: ComputeJob, outcome: str, groups: int) -> None:
+        if self.on_failed is not None:
+            self.on_failed(job.table, job.config.advantages.estimator, outcome, groups)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -279,6 +279,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.advantage_failures = Counter(
+            "expbuf_advantage_failures",
+            "Groups whose advantage computation raised: retried later (every group of it failed, a cause that"
+            " may pass), or failed.",
+            ["table", "estimator", "outcome"],
+            registry=self.registry,
+        )
         self.admission = Counter(
             "expbuf_admit_requests",
             "Admit requests by outcome (granted, or no_room within the wait).",
