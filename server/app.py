@@ -154,7 +154,7 @@ class ExpbufServer:
                     " when it is created, so give the block the table's, or leave the table out of the config)"
                 ) from None
             if created:
-                log.info("table created from config: %s", table.settings())
+                log.info("table created from config: %s", table.described())
         self.metrics = Metrics(self.store, shard=config.shard)
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:

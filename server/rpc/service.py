@@ -435,7 +435,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
         check_device(config)
         created = self.store.create_table(config, exist_ok=request.exist_ok)
         if created:
-            log.info("table created: %s", config.settings())
+            log.info("table created: %s", config.described())
         return pb.CreateTableReply(
             config=wire.table_to_proto(self.store.table(config.name).settings()), created=created
         )

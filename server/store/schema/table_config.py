@@ -204,6 +204,20 @@ class TableConfig:
             flat[setting] = _plain(value)
         return flat
 
+    def described(self) -> str:
+        """The name and the settings not left at their defaults (a setting of parts, shaping's,
+        only its parts that are not), in one short line: `grpo8 (group_size=8)`."""
+        default = TableConfig(self.name).settings()
+        changed = []
+        for setting, value in self.settings().items():
+            was = default[setting]
+            if isinstance(value, dict) and isinstance(was, dict) and was:
+                value = {part: v for part, v in value.items() if v != was.get(part)}
+                was = {}
+            if value != was:
+                changed.append(f"{setting}={value}")
+        return f"{self.name} ({', '.join(changed) or 'defaults'})"
+
     def to_dict(self) -> dict[str, Any]:
         """The flat settings (deprecated: `settings()`)."""
         warnings.warn("TableConfig.to_dict() is deprecated: use settings()", DeprecationWarning, stacklevel=2)
