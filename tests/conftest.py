@@ -133,7 +133,9 @@ class Servers:
     second start is a restart on the same data; `settings` are ServerConfig's fields. A test
     server decodes every push in its own process (`ingest_processes=0`) unless the test asks
     for ingest processes (tests/test_ingest.py does): a lone push, and any below 256 KiB
-    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn.
+    (ingest.SMALL), is decoded there anyway, and each worker is an interpreter to spawn. It is
+    returned once its advantage worker has started (as ServerProcess's `warm`): a push before
+    that leaves its groups to the worker, where one after computes them itself on the CPU.
     """
 
     def __init__(self, data: Path) -> None:
@@ -144,6 +146,7 @@ class Servers:
         settings = {"port": 0, "metrics_port": 0, "ingest_processes": 0, **settings}
         server = ExpbufServer(ServerConfig(data=str(self.data if data is None else data), **settings))
         self.started.append(server.start())
+        assert server.advantages.wait(60), "the advantage worker did not start"
         return server
 
     def stop_all(self) -> None:

@@ -1,7 +1,7 @@
 """torch loads after the server listens (server/advantages/start.py): the server's modules import
-no torch; a push that computes its advantages waits for the worker and is stored as before; and
-where torch cannot load, the server still serves what needs no advantages and refuses by name
-each push that does."""
+no torch; a push that comes before it has loaded is answered, and its groups are computed once it
+has; a stop does not wait for it; and where torch cannot load, the server still serves what needs
+no advantages and refuses by name each push that does."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import pytest
 
 from expbuf.client import BufferClient, InvalidArgumentError, trxp
 from expbuf.client.errors import ExpbufError
+from expbuf.server.store import Store
 
 from conftest import Servers
-from helpers import ServerProcess, group_items, make_experience, pythonpath
+from helpers import ServerProcess, group_items, make_experience, pythonpath, wait_for
 
 SERVER_MODULES = "expbuf.server.app", "expbuf.server.cli", "expbuf.server.rpc.service", "expbuf.server.rpc.metrics"
 
@@ -29,20 +30,64 @@ def test_the_servers_modules_import_no_torch() -> None:
     assert child.returncode == 0 and child.stdout.strip() == "False", child.stderr
 
 
-def test_a_push_right_after_the_start_has_its_advantages(tmp_path: Path) -> None:
-    server = ServerProcess(str(tmp_path / "data"), warm=False)  # the push may come before torch has loaded
+# torch, held back until a file appears: its import, on the server's loading thread, cannot end before then
+HELD_TORCH = """import os, sys, time
+gate, here = os.environ["EXPBUF_TEST_TORCH_GATE"], os.path.dirname(os.path.abspath(__file__))
+while not os.path.exists(gate):
+    time.sleep(0.02)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules["torch"]
+import torch
+"""
+
+
+def held_torch(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A child's environment whose torch loads only once the returned file exists."""
+    held, gate = tmp_path / "held", tmp_path / "torch-may-load"
+    held.mkdir()
+    (held / "torch.py").write_text(HELD_TORCH)
+    return {"PYTHONPATH": pythonpath(held), "EXPBUF_TEST_TORCH_GATE": str(gate)}, gate
+
+
+def test_a_push_while_torch_loads_is_answered_and_computed_once_it_has(tmp_path: Path) -> None:
+    """torch's import is in no push's path: a push to a table with an estimator is answered while
+    torch cannot load (it waited for it, and its deadline expired under load), its groups
+    computing; once torch has loaded, the worker computes them."""
+    env, gate = held_torch(tmp_path)
+    server = ServerProcess(str(tmp_path / "data"), env=env, warm=False)
     try:
-        with BufferClient(server.target, timeout=60) as client:
+        with BufferClient(server.target, timeout=30) as client:
             client.create_table("g", group_size=4, estimator="grpo")
-            runs = [make_experience(0, 0, run, reward=float(run)) for run in range(4)]
-            client.push(runs, table="g")
-            assert client.stats("g")["g"].ready == 4  # computed in the push, which waited for the worker
+            client.push([make_experience(0, 0, run, reward=float(run)) for run in range(4)], table="g")
+            assert client.stats("g")["g"].computing == 4 and client.server_info().advantage_device == ""
+            gate.touch()
+            wait_for(lambda: client.stats("g")["g"].ready == 4, "the worker computed the group pushed before it")
             (batch,) = client.sample("g", num_groups=1, max_batches=1, delivery="consume")
             firsts = sorted(float(e.advantages.flatten()[0]) for e in batch.experiences)
             assert firsts[0] < 0 < firsts[-1]  # GRPO's: rewards 0..3 around their mean
-            assert client.server_info().advantage_device == "cpu"
+            assert client.server_info().advantage_device in ("cpu", "cuda")
     finally:
+        gate.touch()
         server.stop(signal.SIGTERM)
+
+
+def test_a_stop_while_torch_loads_does_not_wait_for_it(tmp_path: Path) -> None:
+    """A stop ends the server while torch still loads (it waited for the worker to come up), and
+    no worker starts after it."""
+    env, _ = held_torch(tmp_path)  # the gate stays shut
+    server = ServerProcess(str(tmp_path / "data"), env=env, warm=False)
+    try:
+        with BufferClient(server.target, timeout=30) as client:
+            client.create_table("g", group_size=2, estimator="grpo")
+            client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="g")
+        assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    log = "".join(server.log)
+    assert "expbuf stopped" in log and "advantage worker started" not in log, log
+    with Store(tmp_path / "data") as store:
+        assert store.stats("g")["computing"] == 2  # for the next start's worker
 
 
 def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path) -> None:

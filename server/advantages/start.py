@@ -1,15 +1,17 @@
 """The advantage worker, started in the background once torch has loaded.
 
 torch's import takes 1.5-2.5 s on a few cores, most of a restart that otherwise serves in
-well under a second (bench/RESULTS.md, "Restart at any size"). The server therefore listens
-first, and this starts the worker beside it. Until then a push that computes its groups'
-advantages itself (`Store.in_push`, one-value estimators) waits for the worker before it
-takes the writer, so it is stored as it would have been; every other call is served at
-once: a sample of stored groups, a push to a table without an estimator, Stats. A table's
-batch stage imports torch where its reply is built, and so waits for the same import.
+well under a second (bench/RESULTS.md, "Restart at any size"), and far longer under load. The
+server therefore listens first, and this starts the worker beside it. Until then no call waits
+for it: a push to a table with an estimator is stored with its completed groups computing, as
+where the worker computes them (on CUDA), and the worker computes them once it has started; a
+push after that computes its groups' advantages itself where the table's estimator does
+(`Store.in_push`, one-value estimators on the CPU). A table's batch stage imports torch where its
+reply is built, and so waits for the same import. A stop does not wait for it either: a worker
+whose torch loads after the stop is not started, and the groups stay computing for the next start.
 
 Should torch fail to load, that is logged once with its cause, and each push that needs
-advantages computed is refused naming it; the rest of the server keeps serving.
+advantages computed is refused naming it from then on; the rest of the server keeps serving.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class AdvantageStart:
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether the worker started (or failed to) within timeout."""
+        """Whether the worker started (or failed to, or the server stopped first) within timeout."""
         return self._ready.wait(timeout)
 
     def _load(self) -> None:
@@ -72,41 +74,45 @@ class AdvantageStart:
             worker = AdvantageWorker(self._store, on_computed=self._on_computed, on_failed=self._on_failed)
         except Exception as exc:
             self._failure = f"{type(exc).__name__}: {exc}"
-            log.exception("advantages cannot be computed: the advantage worker did not start")
-        else:
-            with self._lock:
-                if not self._stopped:
-                    self._worker = worker.start()
-            # What the server has loaded by now (torch above all: about 180,000 objects) lives as
-            # long as the process. Out of the collector's sight, a full collection, which the
-            # records a take or a push makes and drops bring on every few batches, no longer
-            # walks it: those walks took a fifth of a consume stream's writer. Garbage is collected
-            # first, so that none is kept.
-            gc.collect()
-            gc.freeze()
-            self._on_device(device)
-            log.info("advantage worker started: advantages computed on %s", device)
-        finally:
             self._ready.set()
+            log.exception("advantages cannot be computed: the advantage worker did not start")
+            return
+        with self._lock:
+            if self._stopped:
+                return
+            self._worker = worker.start()
+        self._ready.set()
+        # What the server has loaded by now (torch above all: about 180,000 objects) lives as
+        # long as the process. Out of the collector's sight, a full collection, which the
+        # records a take or a push makes and drops bring on every few batches, no longer
+        # walks it: those walks took a fifth of a consume stream's writer. Garbage is collected
+        # first, so that none is kept.
+        gc.collect()
+        gc.freeze()
+        self._on_device(device)
+        log.info("advantage worker started: advantages computed on %s", device)
 
     def in_push(self, config: TableConfig) -> Compute | None:
-        """The store's `in_push`: None for a table without an estimator; otherwise, once the
-        worker has started, its answer."""
+        """The store's `in_push`: the worker's answer once it has started; None (the groups
+        computing, for the worker) for a table without an estimator, while torch loads, or once
+        the server stops; a refusal where torch failed to load."""
         if config.advantages.estimator == "none":
             return None
-        self._ready.wait()
-        if self._worker is None:
-            if self._failure:
-                raise AdvantagesUnavailable(
-                    f"table '{config.name}': advantages cannot be computed on this server ({self._failure})"
-                )
-            return None  # stopping: the groups stay computing, for the next start's worker
-        return self._worker.in_push(config)
+        worker = self._worker
+        if worker is not None:
+            return worker.in_push(config)
+        if self._failure:
+            raise AdvantagesUnavailable(
+                f"table '{config.name}': advantages cannot be computed on this server ({self._failure})"
+            )
+        return None
 
     def stop(self) -> None:
+        """Stop the worker if it has started; one still loading is never started (its thread,
+        a daemon, ends with the process)."""
         with self._lock:
             self._stopped = True
-        if self._thread.ident is not None:
-            self._thread.join()
-        if self._worker is not None:
-            self._worker.stop()
+            worker = self._worker
+        self._ready.set()
+        if worker is not None:
+            worker.stop()
