@@ -41,6 +41,7 @@ from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.metrics import Metrics, RpcMetrics
 from .rpc.push_memory import PushMemory
 from .rpc.replies import PassBytes, keep_reply_memory
+from .rpc.sample_stream import Confirmations
 from .rpc.service import ExperienceBufferService
 from .rpc.stalled_sends import StalledSends
 from .store import Store, TableExtension
@@ -162,7 +163,7 @@ class ExpbufServer:
         self.call_limits = call_limits(config)
         interceptors.append(self.call_limits)
         interceptors.append(PassBytes())
-        interceptors.append(StalledSends(config.confirm_seconds))
+        interceptors.append(StalledSends(config.confirm_seconds, heard={"Sample": Confirmations}))
         self.inflight = InFlight(config.max_inflight_bytes)
         interceptors.append(
             PushMemory(

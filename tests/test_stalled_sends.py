@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,17 @@ def buffer_client(server: ExpbufServer) -> BufferClient:
     return BufferClient(f"127.0.0.1:{server.port}", max_message_bytes=LIMIT, push_chunk_bytes=64 << 10, timeout=60)
 
 
+def given_back(server: ExpbufServer, pushed: int) -> None:
+    """Wait for table `t` to hold its `pushed` experiences ready again, none held for a stream."""
+    with buffer_client(server) as client:
+
+        def returned() -> bool:
+            stats = client.stats("t")["t"]
+            return stats.ready == pushed and stats.leased == 0
+
+        wait_for(returned, f"the batch given back (max_confirm_seconds = {CONFIRM:g})", seconds=30)
+
+
 def fill(server: ExpbufServer, kind: str) -> list[str]:
     """Table `t` of `kind` holding one group of the kind's experiences; their uids."""
     compression, responses = KINDS[kind]
@@ -73,9 +85,10 @@ def fill(server: ExpbufServer, kind: str) -> list[str]:
     return uids
 
 
-def readers(server: ExpbufServer) -> int:
-    """The LMDB read transactions the server's store holds open now."""
-    return server.store.environment._readers
+def snapshots(server: ExpbufServer) -> int:
+    """The read snapshots that replies are cut from, open now (none once every reply is sent or let
+    go of: no count of readers, which a call that has just ended may still hold for a moment)."""
+    return sum(1 for ref in server.store.environment._snapshots if (snap := ref()) is not None and snap.open)
 
 
 @pytest.mark.parametrize("columns", [False, True], ids=["trxp", "columns"])
@@ -91,7 +104,6 @@ def test_a_sample_stream_stalled_mid_reply_gives_its_batch_back_after_max_confir
     long as it hangs: the server's thread waits in gRPC's send for flow-control room that never
     comes, and no bound of the stream's applies there."""
     pushed = len(fill(server, kind))
-    base = readers(server)
     requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
     requests.put(
         pb.SampleRequest(
@@ -107,17 +119,56 @@ def test_a_sample_stream_stalled_mid_reply_gives_its_batch_back_after_max_confir
     try:
         first = next(call)
         assert first.whole_bytes > 20 * LIMIT  # a batch in many parts; the client reads no more of it
-        with buffer_client(server) as client:
-
-            def returned() -> bool:
-                stats = client.stats("t")["t"]
-                return stats.ready == pushed and stats.leased == 0
-
-            wait_for(returned, f"the batch given back (max_confirm_seconds = {CONFIRM:g})", seconds=30)
-        wait_for(lambda: readers(server) == base, "the batch's read snapshot ended", seconds=30)
+        given_back(server, pushed)
+        wait_for(lambda: snapshots(server) == 0, "the batch's read snapshot ended", seconds=30)
     finally:
         call.cancel()
         requests.put(None)
+
+
+class Loop:
+    """A trainer's ordinary loop beside a stalled call, on table `loop`: push an experience of
+    1.8 MB, consume it. Its pages are freed each round, and reused unless a read snapshot opened
+    before the free keeps them."""
+
+    ROUND_BYTES = 200_000 * 9  # one round's experience (a response of 200,000 tokens)
+
+    def __init__(self, server: ExpbufServer, client: BufferClient) -> None:
+        self.server, self.client, self.task = server, client, 0
+        client.create_table("loop", group_size=1, estimator="none")
+        self.rounds(3)  # the loop's pages in use, and freed, once
+
+    def rounds(self, count: int) -> None:
+        for _ in range(count):
+            self.client.push([make_experience("loop", self.task, 0, response=200_000)], table="loop")
+            (batch,) = self.client.sample("loop", num_groups=1, max_batches=1, timeout=30, delivery="consume")
+            assert len(batch.uids) == 1
+            self.task += 1
+
+    def grown(self, count: int) -> int:
+        """The pages the map grew by in `count` rounds."""
+        env = self.server.store.environment.env
+        before = env.info()["last_pgno"]
+        self.rounds(count)
+        return int(env.info()["last_pgno"] - before)
+
+    def assert_reused(self, grown: int, count: int, after: str) -> None:
+        page = self.server.store.environment.env.stat()["psize"]
+        assert grown <= 5 * (self.ROUND_BYTES // page), (
+            f"the map grew {grown} pages ({grown * page >> 20} MiB) in {count} rounds of push and consume {after}: "
+            "the pages freed were not reused"
+        )
+
+
+def cancelled_beside(loop: Loop, call: Any, rounds: int) -> int:
+    """The pages the map grew by in `rounds` of `loop` once the stalled `call`'s snapshot ended;
+    the call ended CANCELLED."""
+    wait_for(lambda: snapshots(loop.server) == 0, "the stalled call's read snapshot ended", seconds=30)
+    grown = loop.grown(rounds)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    return grown
 
 
 @pytest.mark.parametrize("read", ["trxp", "columns"])
@@ -132,37 +183,15 @@ def test_a_read_stalled_mid_reply_ends_after_max_confirm_seconds_and_the_map_reu
     now ends the call (CANCELLED), its snapshot with it, and the loop after reuses the pages."""
     (uid,) = fill(server, "chunked")
     with buffer_client(server) as client:
-        client.create_table("loop", group_size=1, estimator="none")
-        env = server.store.environment.env
-
-        def round_trip(task: int) -> None:
-            client.push([make_experience("loop", task, 0, response=200_000)], table="loop")
-            (batch,) = client.sample("loop", num_groups=1, max_batches=1, timeout=30, delivery="consume")
-            assert len(batch.uids) == 1
-
-        for task in range(3):  # the loop's pages in use, and freed, once
-            round_trip(task)
-        base = readers(server)
+        loop = Loop(server, client)
         fields = ["tokens", "logprobs"] if read == "columns" else []
         call: Any = stub.ReadFields(pb.ReadFieldsRequest(table="t", uids=[uid], fields=fields, max_reply_bytes=LIMIT))
         try:
             assert next(call).whole_bytes > 20 * LIMIT  # and the client reads no more of it
-            wait_for(lambda: readers(server) == base, "the stalled read's snapshot ended", seconds=30)
-            before = env.info()["last_pgno"]
-            for task in range(3, 33):
-                round_trip(task)
-            grown = env.info()["last_pgno"] - before
-            with pytest.raises(grpc.RpcError) as ended:
-                list(call)
-            assert ended.value.code() == grpc.StatusCode.CANCELLED
+            grown = cancelled_beside(loop, call, 30)
         finally:
             call.cancel()
-    page = env.stat()["psize"]
-    one_round = (200_000 * 9) // page  # the pages of one round's experience
-    assert grown <= 5 * one_round, (
-        f"the map grew {grown} pages ({grown * page >> 20} MiB) in 30 rounds of push and consume after a read "
-        "stalled mid-reply: the pages freed were not reused"
-    )
+    loop.assert_reused(grown, 30, "after a read stalled mid-reply")
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "asyncio"])
@@ -247,3 +276,129 @@ def test_a_sample_client_confirming_within_the_documented_bound_is_not_cancelled
         finally:
             call.cancel()
             requests.put(None)
+
+
+def test_a_sample_client_that_reads_no_more_but_sends_messages_confirming_nothing_is_cut_off(
+    server: ExpbufServer, stub: pb_grpc.ExperienceBufferStub
+) -> None:
+    """Only a message that confirms a batch not confirmed before, or stops, moves the bound on: a
+    client that stopped reading a batch mid-reply but sent a message confirming nothing new
+    (received = 0) every quarter second kept its batch held, and the read snapshot its reply is
+    cut from open, for as long as it sent them (45 s under a bound of 4 s; 40 s of a loop of 2 MiB
+    pushes and consumes grew the data file 872 MB). It is cut off at max_confirm_seconds
+    (CANCELLED), its batch given back, and the loop beside it reuses the map's pages."""
+    pushed = len(fill(server, "chunked"))
+    with buffer_client(server) as client:
+        loop = Loop(server, client)
+        requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+        requests.put(pb.SampleRequest(table="t", num_groups=1, max_batches=1, wait_seconds=10, max_reply_bytes=LIMIT))
+        call: Any = stub.Sample(iter(requests.get, None))
+        quiet = threading.Event()
+
+        def confirming_nothing() -> None:
+            while not quiet.wait(0.25):
+                requests.put(pb.SampleRequest(received=0))
+
+        sender = threading.Thread(target=confirming_nothing, daemon=True)
+        try:
+            assert next(call).whole_bytes > 20 * LIMIT  # a batch in many parts; the client reads no more of it
+            sender.start()
+            given_back(server, pushed)
+            grown = cancelled_beside(loop, call, 10)
+        finally:
+            quiet.set()
+            call.cancel()
+            requests.put(None)
+    loop.assert_reused(grown, 10, "beside a Sample stream stalled mid-reply that sends messages confirming nothing")
+
+
+def whole_reply(call: Any, first: pb.SampleReply | None = None) -> pb.SampleReply:
+    """The next reply of a raw call, put together from its parts (`first`: its first, read already)."""
+    first = next(call) if first is None else first
+    if not first.whole_bytes:
+        return first
+    data = bytearray(first.part)
+    while len(data) < first.whole_bytes:
+        data += next(call).part
+    return pb.SampleReply.FromString(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("kind", "method", "columns", "parts"),
+    [
+        ("chunked", "Sample", False, True),
+        ("zstd", "Sample", True, True),
+        ("whole", "ReadFields", False, True),
+        ("zstd", "ReadFields", True, True),
+        ("chunked", "Sample", False, False),
+    ],
+    ids=["sample-chunked", "sample-zstd-columns", "read-whole", "read-zstd-columns", "sample-one-message"],
+)
+def test_a_reply_waiting_in_grpcs_send_lets_its_read_snapshot_go_long_before_the_bound(
+    start_server: Servers, kind: str, method: str, columns: bool, parts: bool
+) -> None:
+    """A reply's message that waits in gRPC's send (its client reads no more for now) keeps the
+    read snapshot its reply is cut from for no more than stalled_sends.SNAPSHOT_SECONDS: what is
+    left of the reply is copied out of the map and the snapshot ends, where it stayed open until
+    the call's bound (max_confirm_seconds: 600 s by default), LMDB reusing no page freed after it
+    meanwhile. A reply in one message (or its last part) is a copy already: its snapshot ends
+    before it is sent. The client that reads again gets the reply as it was."""
+    server = start_server(
+        max_message_bytes=LIMIT if parts else 64 << 20, max_confirm_seconds=120.0, scrub_mb_per_second=0
+    )
+    uids = fill(server, kind)
+    fields = ["tokens", "logprobs"] if columns else []
+    first_request = pb.SampleRequest(
+        table="t", num_groups=1, max_batches=1, wait_seconds=10, max_reply_bytes=LIMIT if parts else 0,
+        delivery=pb.DELIVERY_REPLAY, fields=fields,
+    )  # fmt: skip
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.http2.bdp_probe", 0)]  # as `stub`
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel,
+        buffer_client(server) as client,
+    ):
+        stub = pb_grpc.ExperienceBufferStub(channel)
+        requests: queue.SimpleQueue[pb.SampleRequest | None] = queue.SimpleQueue()
+
+        def open_call() -> Any:
+            if method == "ReadFields":
+                read = pb.ReadFieldsRequest(table="t", uids=uids, fields=fields, max_reply_bytes=LIMIT)
+                return stub.ReadFields(read)
+            requests.put(first_request)
+            return stub.Sample(iter(requests.get, None))
+
+        def end(call: Any) -> None:
+            if method == "Sample":
+                requests.put(pb.SampleRequest(received=1))
+                requests.put(None)
+            assert list(call) == []
+
+        reference_call = open_call()
+        reference = whole_reply(reference_call)  # read at once, by a client that reads
+        end(reference_call)
+        loop = Loop(server, client)
+        call = open_call()
+        try:
+            if parts:
+                first = next(call)
+                assert first.whole_bytes > 20 * LIMIT  # and the client reads no more of it for now
+            else:  # the batch taken, its one message on its way: the client reads none of it for now
+                first = None
+                wait_for(lambda: client.stats("t")["t"].leased == len(uids), "the batch taken", seconds=30)
+            wait_for(
+                lambda: snapshots(server) == 0,
+                "the read snapshot of a reply waiting in gRPC's send ended (max_confirm_seconds = 120)",
+                seconds=20,
+            )
+            grown = loop.grown(10)
+            again = whole_reply(call, first)
+            if columns:
+                assert list(again.columns) == list(reference.columns)
+            else:
+                assert again.payload == reference.payload
+            assert list(again.uids) == list(reference.uids)
+            end(call)
+        finally:
+            call.cancel()
+            requests.put(None)
+    loop.assert_reused(grown, 10, "beside a reply waiting in gRPC's send")

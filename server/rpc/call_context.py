@@ -156,3 +156,27 @@ def ids_of(values: Iterable[str], what: str) -> list[str]:
                 f"{what}: {clip(value)!r} is not an id (ids are 1 to {trxp.MAX_UID_BYTES} bytes of UTF-8)"
             )
     return ids
+
+
+# What the streamed reply's message being made now can give up should it wait long in gRPC's send
+# (stalled_sends.py runs them): each copies out of the store's map what the rest of its reply still
+# reads, and ends the read snapshot it was cut from (replies.py). None: no call watched.
+_SLOW_SENDS: ContextVar[list[Callable[[], None]] | None] = ContextVar("expbuf_slow_sends", default=None)
+
+
+def when_sent_slowly(let_go: Callable[[], None]) -> None:
+    """`let_go` is to run, on a thread of its own, should the message being made now wait in
+    gRPC's send longer than stalled_sends.SNAPSHOT_SECONDS; a call nobody watches runs none."""
+    hooks = _SLOW_SENDS.get()
+    if hooks is not None:
+        hooks.append(let_go)
+
+
+def made_watched(messages: Iterator[Any], end: object) -> tuple[Any, list[Callable[[], None]]]:
+    """The next of `messages` (`end` after the last), and what its maker asked `when_sent_slowly`."""
+    hooks: list[Callable[[], None]] = []
+    token = _SLOW_SENDS.set(hooks)
+    try:
+        return next(messages, end), hooks
+    finally:
+        _SLOW_SENDS.reset(token)

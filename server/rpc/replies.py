@@ -11,12 +11,15 @@ server's `max_message_bytes`) goes in parts (SampleReply.part): its runs of byte
 once and kept by the batch's snapshot (copied, should the snapshot have to end first), and
 each part is cut from them as it is sent, under the snapshot only while it is cut, so the
 server holds one part of the batch at a time, not the batch, and a slow reader never holds the
-snapshot that a map resize waits for.
+snapshot that a map resize waits for. A part its client is slow to take (one that waits in gRPC's
+send stalled_sends.SNAPSHOT_SECONDS) lets go of the snapshot: the rest of the reply is copied out
+of the map first. Every message is a copy, so the snapshot ends before the last is sent.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -31,6 +34,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..store import Sampled
 from ..store.disk.stored_advantages import send_apart
 from ..store.schema.sample_spec import SampleSpec
+from .call_context import when_sent_slowly
 from .interceptor import ServiceInterceptor
 
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
@@ -115,6 +119,8 @@ class _Built:
     """A reply's bytes built whole beforehand (a payload of rollouts put together from their
     pieces): nothing to keep readable, nothing to release."""
 
+    snapshot = None
+
     @staticmethod
     def keep(runs: list[Run]) -> list[Run]:
         return runs
@@ -143,9 +149,10 @@ def _messages(
 ) -> Iterator[bytes]:
     """The messages of a reply that `render` makes of `batch`: one, or, when the client takes
     `parts` and it is larger than `limit` bytes or PART_BYTES, parts of at most both
-    (ReplyTooLarge when the client does not and it is larger than `limit`). The batch is
-    released after the last."""
-    kept: list[list[Run]] = []  # a reply in parts: its runs, for the parts after the first
+    (ReplyTooLarge when the client does not and it is larger than `limit`). Each message is a
+    copy: the batch is released before the last is sent, and a part that waits in gRPC's send
+    lets go of the batch's snapshot (`_Rest.let_go`)."""
+    kept: list[_Rest] = []  # a reply in parts: the parts after the first
 
     def first(runs: list[Run]) -> tuple[int, bytes]:
         whole = sum(len(run) for run in runs)
@@ -153,25 +160,78 @@ def _messages(
             return whole, b"".join([realized(run) for run in runs])
         if not parts:
             raise ReplyTooLarge(whole)
-        kept.append(batch.keep(list(runs)))
+        kept.append(_Rest(batch, runs, whole, step))
         return whole, _part(runs, start=0, end=step, whole=whole)
 
     cut = min(limit, PART_BYTES) if parts else limit
     step = cut - PART_FRAMING
     try:
         whole, message = render(first)
-        yield message
         for start in range(step, whole if whole > cut else 0, step):
-            yield batch.read(partial(_part, kept[0], start=start, end=min(start + step, whole)))
+            if batch.snapshot is not None:
+                when_sent_slowly(kept[0].let_go)
+            yield message
+            message = kept[0].cut(start, min(start + step, whole))
+        for rest in kept:
+            rest.end()
+        batch.release()  # the last message is a copy: nothing reads the batch's snapshot while it is sent
+        yield message
     finally:
+        for rest in kept:
+            rest.end()
         batch.release()
+
+
+class _Rest:
+    """The parts of a reply after its first, cut from its runs of bytes as each is sent: kept by
+    the batch's snapshot (copied, should the snapshot have to end first) and read under it, until
+    a part waits in gRPC's send long (stalled_sends.SNAPSHOT_SECONDS: its client reads no more
+    for now, a trainer's step perhaps): then what is still to send is copied out of the map and
+    the snapshot ends (`let_go`), so a client slow to read keeps no page of the map from reuse, at
+    the cost of holding the rest of its reply in memory until it reads it or its call ends."""
+
+    def __init__(self, batch: Sampled | _Built, runs: list[Run], whole: int, sent: int) -> None:
+        self._batch, self._whole = batch, whole
+        self._runs = batch.keep(list(runs))
+        self._at = 0  # where the first of the runs starts in the reply
+        self._sent = sent  # where the part after the one being sent starts
+        self._lock = threading.Lock()  # the reply's thread cuts parts, the watch's lets go
+        self._own = False  # the runs are a copy of the rest: the snapshot is released
+        self._ended = False  # the reply's last part is cut, or the reply failed: nothing to let go of
+
+    def cut(self, start: int, end: int) -> bytes:
+        """The part of the reply's bytes `start` to `end`."""
+        with self._lock:
+            self._sent = end
+            at = self._at
+            if self._own:
+                return _part(self._runs, start=start - at, end=end - at)
+            return self._batch.read(partial(_part, self._runs, start=start, end=end))
+
+    def let_go(self) -> None:
+        """Copy the bytes still to send out of the map, and end the batch's snapshot."""
+        with self._lock:
+            if self._own or self._ended:
+                return
+            rest = self._batch.read(lambda: b"".join(_span(self._runs, self._sent, self._whole)))
+            self._runs, self._at, self._own = [rest], self._sent, True
+            self._batch.release()
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
 
 
 def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
     """A SampleReply of the bytes `start` to `end` of the runs put end to end, as its `part`
     (and, for the first, the `whole_bytes` they add up to): copied once, into the message."""
     pieces: list[bytes | memoryview] = [_WHOLE_TAG, varint(whole)] if whole else []
-    pieces += [_PART_TAG, varint(end - start)]
+    return b"".join([*pieces, _PART_TAG, varint(end - start), *_span(runs, start, end)])
+
+
+def _span(runs: list[Run], start: int, end: int) -> list[bytes | memoryview]:
+    """The bytes `start` to `end` of the runs put end to end, as views or reads of them."""
+    pieces: list[bytes | memoryview] = []
     at = 0
     for run in runs:
         size = len(run)
@@ -180,7 +240,7 @@ def _part(runs: list[Run], *, start: int, end: int, whole: int = 0) -> bytes:
         at += size
         if at >= end:
             break
-    return b"".join(pieces)
+    return pieces
 
 
 def _framed(columns: list[ColumnParts]) -> list[Run]:

@@ -56,6 +56,22 @@ log = logging.getLogger("expbuf.service")
 CANCEL_GRACE = 0.2
 
 
+class Confirmations:
+    """Which of a Sample client's messages move its stream on (stalled_sends.py's bound): one that
+    confirms a batch not confirmed before, or that asks to stop. A message that confirms only what
+    was confirmed already (a count sent again) says nothing of a client that reads, and a trainer
+    that stopped reading but sends such messages now and then would otherwise keep its batch held
+    and its reply's read snapshot open for as long as it sends them."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __call__(self, request: pb.SampleRequest) -> bool:
+        news = request.stop or request.received > self.received
+        self.received = max(self.received, request.received)
+        return news
+
+
 class ClientSide:
     """What the client of one stream has said since its first message."""
 
