@@ -18,7 +18,7 @@ trailing dimensions that differ, has no jagged form: its `values` and `offsets` 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,16 +65,45 @@ class Column:
         return torch.nested.nested_tensor_from_jagged(self.values, self.offsets)
 
 
-def as_tensordict(columns: dict[str, Column], count: int) -> TensorDict:
+class Columns(dict[str, Column]):
+    """A columnar batch's fields by name, in the order asked, and `missing`: the fields asked for
+    that no experience of the batch has (the reply's missing_fields), which have no column. Looking
+    one of those up raises a KeyError that says so, as does a field not asked for: a trainer
+    learns why where it looks, not from a bare KeyError further on."""
+
+    def __init__(self, columns: Mapping[str, Column] | None = None, missing: Sequence[str] = ()) -> None:
+        super().__init__(columns or {})
+        self.missing = tuple(missing)
+
+    def __missing__(self, name: str) -> Column:
+        if name in self.missing:
+            raise KeyError(
+                f"field {name!r}: no experience of this batch has it (it was asked for, and is in the batch's "
+                "missing_fields): the experiences were pushed without it"
+            )
+        raise KeyError(
+            f"field {name!r} was not asked for (the batch's columns: {', '.join(self) or 'none'}): sample or read it "
+            "with fields=[...] naming it"
+        )
+
+
+def as_tensordict(columns: Mapping[str, Column], count: int) -> TensorDict:
     """A columnar batch of `count` experiences as a TensorDict of batch size [count] (the form
     verl's and TransferQueue's trainers read): each field of tensors a jagged nested tensor, one
     row per experience (`Column.nested()`), each of one value per experience a tensor of `count`,
     all made on the batch's bytes with no copy. A field that some experience lacks, or whose
-    experiences differ in rank, has no place in it: ValueError naming it."""
+    experiences differ in rank, has no place in it: ValueError naming it, as for a field asked for
+    that no experience has (`Columns.missing`)."""
     try:
         from tensordict import TensorDict
     except ImportError:
         raise ImportError("batch.tensordict() needs the tensordict package (pip install tensordict)") from None
+    lacking = missing_fields(columns)
+    if lacking:
+        raise ValueError(
+            f"field {lacking[0]!r} was asked for, but no experience of the batch's {count} has it; a TensorDict "
+            "holds every field of every experience: read batch.columns (and batch.missing_fields)"
+        )
     fields: dict[str, torch.Tensor] = {}
     for name, column in columns.items():
         if len(column.items) != count:
@@ -89,12 +118,19 @@ def as_tensordict(columns: dict[str, Column], count: int) -> TensorDict:
     return TensorDict(fields, batch_size=[count])
 
 
-def decode_columns(columns: Any, count: int, values: Sequence[memoryview] | None = None) -> dict[str, Column]:
+def missing_fields(columns: Mapping[str, Column]) -> list[str]:
+    """The fields asked for that no experience of a columnar batch has (none known of a plain mapping)."""
+    return list(columns.missing) if isinstance(columns, Columns) else []
+
+
+def decode_columns(
+    columns: Any, count: int, values: Sequence[memoryview] | None = None, missing: Sequence[str] = ()
+) -> Columns:
     """The `columns` of a SampleReply (pb.Column messages) of a batch of `count` experiences,
     by field: checked against their framing, a field's columns of several dtypes merged. A
     ValueError names what does not fit. `values`: each column's values as a writable view of
     the reply (rpc/sample_reply.py), which its tensor is made on; without them, each column's
-    own values are copied into a buffer of its own."""
+    own values are copied into a buffer of its own. `missing`: the reply's missing_fields."""
     import torch
 
     dtypes = torch_dtypes()
@@ -117,7 +153,7 @@ def decode_columns(columns: Any, count: int, values: Sequence[memoryview] | None
             else torch.empty(0, dtype=dtypes[column.dtype])
         )
         by_name.setdefault(column.name, []).append((items, shapes, flat))
-    return {name: _merged(name, parts) for name, parts in by_name.items()}
+    return Columns({name: _merged(name, parts) for name, parts in by_name.items()}, missing)
 
 
 def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
@@ -128,10 +164,11 @@ def _shapes(column: Any, items: int) -> list[tuple[int, ...]]:
     return [tuple(dims[k * ndim : (k + 1) * ndim]) for k in range(items)]
 
 
-def join_columns(parts: list[tuple[Sequence[int | None], dict[str, Column]]]) -> dict[str, Column]:
+def join_columns(parts: list[tuple[Sequence[int | None], Mapping[str, Column]]]) -> Columns:
     """The columns of batches joined into one (a sharded client's parts): each part's experience
     k at the position `places[k]` (None: left out) of its part's (places, columns). A column of
-    batch positions (`prefix_of`) has its values moved with the experiences they name."""
+    batch positions (`prefix_of`) has its values moved with the experiences they name. A field
+    is missing from the whole where every part misses it."""
     import torch
 
     pieces: dict[str, list[_Piece]] = {}
@@ -145,7 +182,9 @@ def join_columns(parts: list[tuple[Sequence[int | None], dict[str, Column]]]) ->
                 for item, shape, tensor in zip(column.items, column.shapes, tensors, strict=True)
                 if (place := places[item]) is not None
             )
-    return {name: _column(name, found) for name, found in pieces.items()}
+    asked = dict.fromkeys(name for _, columns in parts for name in missing_fields(columns))
+    missing = [name for name in asked if name not in pieces]
+    return Columns({name: _column(name, found) for name, found in pieces.items()}, missing)
 
 
 POSITIONS = frozenset({"prefix_of"})  # columns whose values are batch positions

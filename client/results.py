@@ -60,6 +60,15 @@ class Columnar:
     group_ids: list[str]
     columns: dict[str, Column]
 
+    @property
+    def missing_fields(self) -> list[str]:
+        """The fields asked for that no experience of the batch has, in the order asked: they have
+        no column, and looking one up in `columns` raises a KeyError that says so (the reply's
+        missing_fields; none from a server before this release, which left them out unsaid)."""
+        from .columns import missing_fields
+
+        return missing_fields(self.columns)
+
     def prefix_branches(self) -> PrefixBranches:
         """The tokens as each distinct prompt once and each experience's branch after it, for
         tree packing (sampled or read with the fields prefix_tokens, branch_tokens and

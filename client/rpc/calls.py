@@ -408,7 +408,11 @@ def batch(reply: SampleReplyParts, table: str, leases: Leases | None, kind: type
             times_sampled=list(rest.times_sampled),
             _leases=leases,
             confirm_seconds=rest.confirm_seconds,
-            columns=decode_columns(rest.columns, len(rest.uids), reply.values) if rest.columns else {},
+            columns=(
+                decode_columns(rest.columns, len(rest.uids), reply.values, rest.missing_fields)
+                if rest.columns or rest.missing_fields
+                else {}
+            ),
         )
         if not made.columnar:
             _ = made.experiences  # decoded now, before it is confirmed

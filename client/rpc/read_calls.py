@@ -20,7 +20,7 @@ from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
 from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
-from ..trxp.columns import Shares
+from ..trxp.columns import Shares, unknown_field
 from .calls import Several, Unary
 from .sample_reply import SampleReplyParts
 
@@ -153,6 +153,9 @@ def _fields_call(request: pb.ReadFieldsRequest, share: int | Iterable[int], of: 
     """A ReadFields `request` with `share` of `of` of each experience's tokens (of=0: whole)."""
     if not request.fields:
         raise ValueError("fields: name the fields to read (get() and get_part() read experiences whole)")
+    unknown = unknown_field(request.fields)
+    if unknown is not None:
+        raise ValueError(f"fields: {unknown}")
     take = (share,) if isinstance(share, int) else tuple(share)
     if of or take:
         Shares(of, take)  # checked here, before the call
@@ -166,7 +169,7 @@ def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
     """A ReadFields reply as a FieldBatch; DataLossError where its columns do not fit their framing."""
     rest = reply.rest
     try:
-        columns = decode_columns(rest.columns, len(rest.uids), reply.values)
+        columns = decode_columns(rest.columns, len(rest.uids), reply.values, rest.missing_fields)
     except (ValueError, OverflowError) as exc:
         raise DataLossError(
             grpc.StatusCode.DATA_LOSS, f"the fields read from table '{table}' could not be decoded: {exc}"

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..trxp.columns import unknown_field
 from . import wire
 
 # The most batches a stream may have sent ahead of the client's confirmations (the server's bound).
@@ -108,6 +109,9 @@ class SampleSpec:
                 raise ValueError(f"sample: fields is {self.fields!r}; it must be a list of tensor field names")
             if not self.fields:
                 raise ValueError("sample: fields is empty; name the tensor fields to read, or leave it None")
+            unknown = unknown_field(self.fields)
+            if unknown is not None:
+                raise ValueError(f"sample: fields: {unknown}")
             object.__setattr__(self, "fields", tuple(self.fields))
         if self.prefetch > self.window:
             raise ValueError(

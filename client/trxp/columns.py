@@ -20,10 +20,10 @@ import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS
+from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELDS
 
 from .build import json_text, stored_entries, stored_tensors
-from .common import RawTensor
+from .common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
@@ -48,6 +48,22 @@ _TOKENS = json_text("tokens")
 PREFIX_FIELDS = frozenset({"prefix_tokens", "branch_tokens", "prefix_of"})
 _PREFIX, _BRANCH, _PREFIX_OF = (json_text(name) for name in ("prefix_tokens", "branch_tokens", "prefix_of"))
 MAX_SHARES = 1 << 16  # the most shares a reader may cut an experience's tokens into
+# Every field a columnar batch may have, in the order a refusal lists them: the tensors an
+# experience stores (and a multimodal input, MM_PREFIX + its key), the columns of one value per
+# experience, the version segments, and the prefix + branches form of the tokens.
+FIELDS = (*TENSOR_FIELDS, *SCALARS, SEGMENTS, "prefix_tokens", "branch_tokens", "prefix_of")
+_FIELDS = frozenset(FIELDS)
+
+
+def unknown_field(fields: Iterable[str]) -> str | None:
+    """What is wrong with a columnar read's `fields`, naming the first that no column could be
+    and the fields there are; None when every one is a field (which a batch may yet lack: a
+    reply names those in `missing_fields`). A typo would otherwise read no column at all."""
+    for name in fields:
+        if name not in _FIELDS and not (name.startswith(MM_PREFIX) and len(name) > len(MM_PREFIX)):
+            return f"unknown field {name[:70]!r}; the fields are {', '.join(FIELDS)}, and {MM_PREFIX}KEY"
+    return None
+
 
 Rows = list[tuple[int, int]]  # runs of a tensor's rows (along its first dimension), each start to end
 Entry = tuple[bytes, bytes, bytes, int, int]  # a stored tensor: name, dtype, dimensions, start, end

@@ -94,7 +94,7 @@ def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit
     def render(cut: Callable[[list[Run]], T]) -> T:
         """`cut` of the whole reply's runs of bytes, valid only during the call."""
         if spec.fields:
-            return batch.columns(spec.fields, lambda columns: cut([*_framed(columns), rest]))
+            return _columnar(batch, spec.fields, rest, cut)
         return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(len(run) for run in runs)), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
@@ -109,10 +109,24 @@ def fields_reply(
 
     def render(cut: Callable[[list[Run]], T]) -> T:
         if fields:
-            return batch.columns(fields, lambda columns: cut([*_framed(columns), rest]))
+            return _columnar(batch, fields, rest, cut)
         return batch.render(lambda runs: cut([_PAYLOAD_TAG, varint(sum(map(len, runs))), *runs, rest]))
 
     return _messages(batch, render, limit, parts)
+
+
+def _columnar(batch: Sampled, fields: Sequence[str], rest: bytes, cut: Callable[[list[Run]], T]) -> T:
+    """`cut` of the runs of a columnar reply of `fields` of `batch`: its columns, `rest` (the
+    reply's other fields, serialised), and the fields asked for that no column holds (no
+    experience of the batch has them) as `missing_fields`."""
+
+    def framed(columns: list[ColumnParts]) -> T:
+        present = {column.name for column in columns}
+        missing = [name for name in fields if name not in present]
+        tail = pb.SampleReply(missing_fields=missing).SerializeToString() if missing else b""
+        return cut([*_framed(columns), rest, tail])
+
+    return batch.columns(fields, framed)
 
 
 class _Built:

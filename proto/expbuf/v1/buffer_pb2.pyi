@@ -305,7 +305,7 @@ class Column(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., items: _Optional[_Iterable[int]] = ..., ndim: _Optional[int] = ..., shapes: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., align: _Optional[bytes] = ...) -> None: ...
 
 class SampleReply(_message.Message):
-    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes", "missing_uids")
+    __slots__ = ("payload", "uids", "group_ids", "lease_id", "lease_expires_unix", "partial", "times_sampled", "advantages", "response_lengths", "confirm_seconds", "lease_seconds", "columns", "part", "whole_bytes", "missing_uids", "missing_fields")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class SampleReply(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     WHOLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MISSING_UIDS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELDS_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     uids: _containers.RepeatedScalarFieldContainer[str]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -336,7 +337,8 @@ class SampleReply(_message.Message):
     part: bytes
     whole_bytes: int
     missing_uids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ..., missing_uids: _Optional[_Iterable[str]] = ...) -> None: ...
+    missing_fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, payload: _Optional[bytes] = ..., uids: _Optional[_Iterable[str]] = ..., group_ids: _Optional[_Iterable[str]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., partial: _Optional[bool] = ..., times_sampled: _Optional[_Iterable[int]] = ..., advantages: _Optional[_Iterable[float]] = ..., response_lengths: _Optional[_Iterable[int]] = ..., confirm_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., part: _Optional[bytes] = ..., whole_bytes: _Optional[int] = ..., missing_uids: _Optional[_Iterable[str]] = ..., missing_fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("table", "lease_id")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from expbuf.client.trxp.columns import unknown_field
+
 from .errors import SpecError, clip
 from .selection import ORDERS
 
@@ -55,8 +57,8 @@ def check_seconds(name: str, value: float, *, low: float, high: float, low_open:
 
 
 def check_fields(fields: tuple[str, ...]) -> None:
-    """The tensor fields of a columnar request: at most MAX_FIELDS names, each a non-empty
-    string of at most MAX_FIELD_NAME bytes, none twice."""
+    """The fields of a columnar request: at most MAX_FIELDS names, each a non-empty string of at
+    most MAX_FIELD_NAME bytes, none twice, each a field a column could be (trxp.columns.FIELDS)."""
     if len(fields) > MAX_FIELDS:
         raise SpecError(f"fields names {len(fields)} fields; at most {MAX_FIELDS}")
     for name in fields:
@@ -65,6 +67,9 @@ def check_fields(fields: tuple[str, ...]) -> None:
     if len(set(fields)) != len(fields):
         twice = sorted({name for name in fields if fields.count(name) > 1})
         raise SpecError(f"fields names {clip(', '.join(twice))} more than once")
+    unknown = unknown_field(fields)
+    if unknown is not None:
+        raise SpecError(f"fields: {unknown}")
 
 
 @dataclass(frozen=True)
