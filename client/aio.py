@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar, Unpack, cast
@@ -108,6 +109,11 @@ class AsyncBufferClient(ClientBase):
     async def __aenter__(self) -> AsyncBufferClient:
         return self
 
+    @functools.cached_property
+    def _orders(self) -> calls.Orders:
+        """The orders of this client's server, as its samples have found them."""
+        return calls.Orders()
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -165,6 +171,9 @@ class AsyncBufferClient(ClientBase):
         The batches decoded ahead (`prefetch`) are decoded on a thread of the stream's own, off
         the event loop, so a trainer's coroutine runs while they are."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
+        order = self._orders.check(spec.order)
+        if order is not None:  # a registered order's name: the server's orders are asked for first
+            await self._run(order)
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         call = self._sample(metadata=self._metadata)
         parts = Parts()

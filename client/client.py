@@ -8,6 +8,7 @@ ExpbufError (errors.py), of the subclass of their gRPC status code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -112,6 +113,11 @@ class BufferClient(LedgerMethods):
         self._channel.close()
         self._unretried_channel.close()
 
+    @functools.cached_property
+    def _orders(self) -> calls.Orders:
+        """The orders of this client's server, as its samples have found them."""
+        return calls.Orders()
+
     def __enter__(self) -> BufferClient:
         return self
 
@@ -190,6 +196,9 @@ class BufferClient(LedgerMethods):
         setting, the batches on their way went back to the buffer, and none is handed over.
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
+        order = self._orders.check(spec.order)
+        if order is not None:  # a registered order's name: the server's orders are asked for first
+            self._run(order)
         requests = SampleRequests(spec.request(self.max_message_bytes))
         confirmed = time.monotonic()  # the last confirmation sent (the request, before the first)
         stream = self._sample(requests, metadata=self._metadata)

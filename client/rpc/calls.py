@@ -344,6 +344,34 @@ def server_info() -> Unary[ServerInfo]:
     return Unary("ServerInfo", pb.ServerInfoRequest(), ServerInfo.from_proto, retry=True)
 
 
+class Orders:
+    """The orders a client's server samples in, for a check of a sample's order before its stream
+    opens (both clients'): a built-in order is every server's; another name is looked up among
+    the server's (ServerInfo's `orders`), asked once, and again for a name not among them (a
+    server restarted since may have registered it)."""
+
+    def __init__(self) -> None:
+        self.known: frozenset[str] = frozenset(wire.ORDER)
+
+    def check(self, order: str) -> Unary[None] | None:
+        """The call that refuses `order`, ValueError naming the server's orders, when the server
+        has no such order; None where there is nothing to ask. A server before this release names
+        none: it checks the order itself, as the stream opens."""
+        if order in self.known:
+            return None
+
+        def read(reply: pb.ServerInfoReply) -> None:
+            if not reply.orders:
+                return
+            self.known = frozenset(reply.orders)
+            if order not in self.known:
+                raise ValueError(
+                    f"sample: order is {order!r}; this server samples in the orders {', '.join(reply.orders)}"
+                )
+
+        return Unary("ServerInfo", pb.ServerInfoRequest(), read, retry=True)
+
+
 def _table_info(reply: pb.CreateTableReply) -> TableInfo:
     return TableInfo.from_settings(wire.table_from_proto(reply.config))
 

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..schema.orders import order_problem
 from ..trxp.columns import unknown_field
 from . import wire
 
@@ -37,11 +38,13 @@ class SampleOptions(TypedDict, total=False):
     fields: Sequence[str] | None
 
 
-def _integer(name: str, value: Any, low: int, *, optional: bool = False) -> None:
+def _integer(name: str, value: Any, low: int, *, optional: bool = False, what: str = "") -> None:
+    """Refuse `value` unless an integer >= `low` (or None, where `optional`), naming `name` and
+    what it counts (`what`)."""
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"sample: {name} is {value!r}; it must be an integer >= {low}")
+        raise ValueError(f"sample: {name} is {value!r}; it must be an integer >= {low}{what}")
 
 
 def _seconds(name: str, value: Any, *, positive: bool) -> None:
@@ -82,15 +85,17 @@ class SampleSpec:
     fields: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
-        if bool(self.batch_size) == bool(self.num_groups):
+        _integer(
+            "batch_size", self.batch_size, 1, optional=True, what=" (experiences a batch, filled with whole groups)"
+        )
+        _integer("num_groups", self.num_groups, 1, optional=True, what=" (whole groups a batch)")
+        if (self.batch_size is None) == (self.num_groups is None):
             raise ValueError("sample: pass exactly one of batch_size (experiences) or num_groups (whole groups)")
-        _integer("batch_size" if self.batch_size else "num_groups", self.size, 1)
         if not isinstance(self.table, str):
             raise ValueError(f"sample: table is {self.table!r}; it must be a table's name")
-        try:
-            wire.order_fields(self.order)
-        except wire.WireError as exc:
-            raise ValueError(f"sample: {exc}") from None
+        problem = order_problem(self.order)
+        if problem is not None:
+            raise ValueError(f"sample: {problem}")
         if self.delivery not in wire.DELIVERY:
             raise ValueError(f"sample: delivery is {self.delivery!r}; expected one of {', '.join(wire.DELIVERY)}")
         _seconds("lease_seconds", self.lease_seconds, positive=True)

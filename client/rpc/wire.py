@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
+from ..schema.orders import order_problem
 from ..schema.reasons import DOMAIN, Reason
 from ..schema.table_settings import PARAM_CHOICES, SETTING_NAMES, SHAPING_NAMES
 
@@ -108,15 +109,12 @@ def enum_value(mapping: Mapping[str, _Enum], what: str, name: str) -> _Enum:
 
 
 def order_fields(order: str) -> dict[str, Any]:
-    """A sample request's order: a built-in one as the `order` enum, any other name (an order
-    registered on the server, which checks it) as `order_name`."""
-    if isinstance(order, str) and order in ORDER:
-        return {"order": ORDER[order]}
-    if not isinstance(order, str) or not 0 < len(order) <= 64:
-        raise WireError(
-            f"order is {str(order)[:70]!r}; expected one of {', '.join(ORDER)} or a registered order's name"
-        )
-    return {"order_name": order}
+    """A sample request's order: a built-in one as the `order` enum, any other name of a
+    registered order's form (an order registered on the server, which checks it) as `order_name`."""
+    problem = order_problem(order)
+    if problem is not None:
+        raise WireError(problem)
+    return {"order": ORDER[order]} if order in ORDER else {"order_name": order}
 
 
 def enum_name(mapping: Mapping[str, int], what: str, value: int, default: str) -> str:

@@ -39,6 +39,7 @@ from ..store.schema.errors import (
     clip,
 )
 from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.selection import ORDERS
 from ..store.schema.table_config import TableConfig
 from . import push_stream
 from .call_context import (
@@ -415,6 +416,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
             storage_bytes=int(storage["used_bytes"]),
             lmdb_map_used_ratio=storage["map_used_ratio"],
             scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
+            orders=list(ORDERS),
         )
 
     @refusals

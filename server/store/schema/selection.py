@@ -31,12 +31,13 @@ info["model_version"]) is not in `byver`: it never meets a minimum version.
 from __future__ import annotations
 
 import random
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, NamedTuple, TypeVar, cast
 
 import lmdb
+
+from expbuf.client.schema.orders import NAME, NAME_FORM
 
 from .errors import InvalidRequest
 from .ready_indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, Slots, VersionIndex
@@ -45,7 +46,6 @@ I = TypeVar("I", bound=Index)  # noqa: E741
 O = TypeVar("O", bound="type[Order]")  # noqa: E741
 # A ready group as the rules pass it: key, rseq, priority, version (a ReadyGroup or a plain tuple).
 Row = tuple[bytes, int, float, int | None]
-_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # After a table's prefix in the counters database: the databases of the lazy indexes
 # (Index.lazy) the table keeps, comma separated. Absent (a table from before the mark): all.
 IN_USE = b"indexes"
@@ -107,8 +107,8 @@ def register(order: O, *, replace: bool = False) -> O:
     global _KEPT
     if not (isinstance(order, type) and issubclass(order, Order)):
         raise TypeError(f"{order!r} is not an Order class")
-    if not isinstance(getattr(order, "name", None), str) or not _NAME.fullmatch(order.name):
-        raise ValueError(f"an order's name is lower case letters, digits and _ (at most 64), not {order.name!r}")
+    if not isinstance(getattr(order, "name", None), str) or not NAME.fullmatch(order.name):
+        raise ValueError(f"an order's name is {NAME_FORM}, not {order.name!r}")
     if not (isinstance(getattr(order, "index", None), type) and issubclass(order.index, Index)):
         raise TypeError(f"order {order.name} declares no Index class as its `index`")
     if order.name in ORDERS and not replace:
