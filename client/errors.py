@@ -30,9 +30,12 @@ class ExpbufError(Exception):
     # a failure on this side).
     reason: str | None = None
 
-    def __new__(cls, code: grpc.StatusCode, details: str, *args: Any, **kwargs: Any) -> ExpbufError:
-        if cls is ExpbufError:
-            cls = ExpbufError.for_status(code)
+    def __new__(cls, *args: Any, **kwargs: Any) -> ExpbufError:
+        # The base made with a status is that status's subclass. Any other arguments are taken as
+        # they come: Ray raises a task's error as a class of its own over the error's, made from
+        # the error alone (RayTaskError.as_instanceof_cause), so that `except UnavailableError` holds.
+        if cls is ExpbufError and args and isinstance(args[0], grpc.StatusCode):
+            cls = ExpbufError.for_status(args[0])
         return super().__new__(cls)
 
     def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None) -> None:
@@ -47,8 +50,9 @@ class ExpbufError(Exception):
         return next((kind for kind in ExpbufError.__subclasses__() if kind.status == code), ExpbufError)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # its attributes too (reason, busy, uids): an error that crossed a process (Ray) says the same
-        return (ExpbufError, (self.code, self.details), self.__dict__)
+        # its class, message and attributes (code, details, reason, busy, uids, a ShardError's
+        # shards): an error that crossed a process (Ray, multiprocessing) is the same error
+        return (_rebuilt, (type(self), self.args), self.__dict__)
 
 
 class InvalidArgumentError(ExpbufError):
@@ -110,6 +114,14 @@ class DataLossError(ExpbufError):
     buffer (a leased one is not leased, a consumed one not consumed) and the message names it."""
 
     status = grpc.StatusCode.DATA_LOSS
+
+
+def _rebuilt(kind: type[ExpbufError], args: tuple[Any, ...]) -> ExpbufError:
+    """An error of `kind` with its message, its attributes set after (pickle's state): no
+    subclass's __init__, whatever it takes, is called again."""
+    error = Exception.__new__(kind)
+    error.args = args
+    return error
 
 
 BufferError = ExpbufError

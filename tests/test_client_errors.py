@@ -24,6 +24,7 @@ from expbuf.client import (
 )
 from expbuf.client.client import AsyncBatch
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
+from expbuf.client.shards.common import ShardError
 
 from conftest import BAD_DIR, payload
 
@@ -141,3 +142,46 @@ def test_a_bad_table_setting_is_refused_by_the_client_naming_it_and_what_it_allo
                 client.create_table("t", **settings)
             assert str(info.value) == message
         assert [table.name for table in client.list_tables()] == ["default"]
+
+
+def every_error_class() -> list[type[ExpbufError]]:
+    """ExpbufError and every class below it, the sharded clients' ShardError among them."""
+    found, todo = [], [ExpbufError]
+    while todo:
+        kind = todo.pop()
+        found.append(kind)
+        todo.extend(kind.__subclasses__())
+    return found
+
+
+def made(kind: type[ExpbufError]) -> ExpbufError:
+    """An error of `kind` as a client raises one: its status, details, reason and the attributes
+    some callers read (busy, uids; a ShardError's shards and result)."""
+    code = kind.status or grpc.StatusCode.ABORTED
+    if kind is ShardError:
+        error: ExpbufError = ShardError(code, "shard s1 refused", ["s1"], {"s0": 3}, reason="forbidden")
+    else:
+        error = kind(code, f"{kind.__name__} details", "table_full")
+    error.busy = True
+    error.uids = ("u1", "u2")
+    return error
+
+
+@pytest.mark.parametrize("kind", every_error_class(), ids=lambda kind: kind.__name__)
+def test_every_error_survives_a_pickle_round_trip_and_ray_s_cause_class(kind: type[ExpbufError]) -> None:
+    """Ray carries a task's exception to its caller pickled, and raises it as a class that is
+    both RayTaskError and the exception's own: both need the error's type, code and details
+    (`except UnavailableError` in a driver, around an actor's call)."""
+    error = made(kind)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is kind
+    assert (back.code, back.details, back.reason, back.busy, back.uids) == (
+        error.code, error.details, error.reason, True, ("u1", "u2")
+    )  # fmt: skip
+    assert str(back) == str(error) and back.args == error.args
+    if isinstance(error, ShardError):
+        assert isinstance(back, ShardError) and (back.shards, back.result) == (["s1"], {"s0": 3})
+    exceptions = pytest.importorskip("ray.exceptions")
+    raised = exceptions.RayTaskError("put", "Traceback ...", back).as_instanceof_cause()
+    assert isinstance(raised, kind) and isinstance(raised, exceptions.RayTaskError)
+    assert (raised.code, raised.details) == (error.code, error.details)
