@@ -6,8 +6,11 @@ A real expbuf server on loopback, real LMDB."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import signal
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -234,3 +237,37 @@ def test_a_durable_change_is_answered_and_a_failed_snapshot_stops_the_controller
         with pytest.raises(RuntimeError, match="answers nothing more"):  # the loaded state is in no journal
             ask(loads, ZMQRequestType.LOAD_CONTROLLER_CHECKPOINT, path=str(tmp_path / "state.pkl"))
         assert loads._stopped is not None
+
+
+class Hostile:
+    """A pickle that writes `marker` when loaded: what a token of the push scope could put."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("where", ["entry", "snapshot"])
+def test_a_hostile_pickle_in_the_journal_is_refused_at_the_restart_and_never_runs(
+    start_server: Servers, tmp_path: Path, where: str
+) -> None:
+    """A pickle that runs code, put under the controller's first journal entry (or as its
+    snapshot, under a head naming it): the controller's restart refuses it by name, and its
+    code never runs. The controller runs in this process, as its Ray actor runs it."""
+    server = start_server()
+    marker = tmp_path / "ran"
+    hostile = pickle.dumps(Hostile(marker))
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("tq")
+        if where == "entry":
+            client.put_values([entry_key(1)], [hostile], "tq")
+        else:
+            head = json.dumps({"generation": 1, "parts": 1, "seq": 0}).encode()
+            client.put_values([part_key(1, 0), HEAD], [hostile, head], "tq")
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"builtins\.exec, which expbuf's TransferQueue backend never loads"
+    ):
+        DurableController().store_config(conf(f"127.0.0.1:{server.port}"))
+    assert not marker.exists()

@@ -6,16 +6,20 @@ expbuf server restarted on its data serves them again. A real server on loopback
 
 from __future__ import annotations
 
+import pickle
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 tq = pytest.importorskip("transfer_queue")
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
+from test_tq_controller import Hostile  # noqa: E402
 
 from expbuf.client import BufferClient, BufferError  # noqa: E402
 from expbuf.client.transferqueue.storage import (  # noqa: E402
@@ -40,18 +44,57 @@ from conftest import Servers  # noqa: E402
         torch.ones(4, dtype=torch.bool),
         "a prompt's text",
         [1, "two", {"three": 3}],
+        {"messages": [{"role": "user", "content": "hi"}], "score": 0.5, "tags": ("a", "b"), "seen": {1, 2}},
+        None,
+        (True, 7, -2.5, 1 + 2j, b"\x00raw", bytearray(b"x"), frozenset({"f"})),
+        OrderedDict(a=1, b=[None]),
+        np.array([[1, 2], [3, 4]], dtype=np.int32),
+        np.array(["a", {"k": 1}, None], dtype=object),
+        np.array(["x", "yz"]),
+        [np.float32(1.5), np.str_("s"), np.int64(3), np.dtype("float16")],
+        {"pixel_values": torch.ones(2, 3), "shape": torch.Size([2, 3]), "dtype": torch.bfloat16},
     ],
-    ids=["int64", "bf16", "scalar", "empty", "strided", "bool", "str", "list"],
+    ids=str.split(
+        "int64 bf16 scalar empty strided bool str list chat none atoms ordered ndarray objects strings numpy-scalars "
+        "nested-tensor"
+    ),
 )
 def test_a_value_comes_back_as_stored(value: object) -> None:
+    """What TransferQueue stores (tensors, and a NonTensorStack's items: strings, numbers, None,
+    lists, dicts, numpy arrays and scalars, tensors inside them) reads back as it was."""
     back = decode(encode(value))
-    if isinstance(value, torch.Tensor):
-        assert isinstance(back, torch.Tensor) and back.dtype == value.dtype and back.shape == value.shape
-        assert torch.equal(back, value)
-    else:
-        assert back == value
+    assert same(back, value), (back, value)
     with pytest.raises(ValueError, match="did not write"):
         decode(b"X" + encode(value)[1:])
+
+
+def same(back: object, value: object) -> bool:
+    """Whether a value read back is the one stored: of its type, and equal, array by array."""
+    if type(back) is not type(value):
+        return False
+    if isinstance(value, torch.Tensor):
+        assert isinstance(back, torch.Tensor)
+        return back.dtype == value.dtype and back.shape == value.shape and torch.equal(back, value)
+    if isinstance(value, np.ndarray):
+        assert isinstance(back, np.ndarray)
+        return back.dtype == value.dtype and back.shape == value.shape and back.tolist() == value.tolist()
+    if isinstance(value, (list, tuple)):
+        assert isinstance(back, (list, tuple))
+        return len(back) == len(value) and all(same(b, v) for b, v in zip(back, value, strict=True))
+    if isinstance(value, dict):
+        assert isinstance(back, dict)
+        return back.keys() == value.keys() and all(same(back[k], value[k]) for k in value)
+    return back == value
+
+
+class Prompt:
+    """A type of the user's own, which a stored pickle would have to name to be loaded."""
+
+
+def test_a_value_of_a_type_the_backend_does_not_load_back_is_refused_at_the_put_by_name() -> None:
+    for value in (Prompt(), [1, {"x": Prompt}], print, [torch.nn.Parameter(torch.ones(1))]):
+        with pytest.raises(TypeError, match=r"stores None, booleans, .* not (test_tq_storage\.Prompt|builtins|torch)"):
+            encode(value)
 
 
 def rows(column: torch.Tensor) -> list:
@@ -211,3 +254,24 @@ def test_a_start_over_a_shard_that_does_not_answer_fails_naming_it(start_server:
     live = f"127.0.0.1:{start_server().port}"
     with pytest.raises(BufferError, match=r"shard 'shard-1' \(127\.0\.0\.1:1\) of expbuf table 'tq_down'"):
         ExpbufStorageClient({"shards": [live, "127.0.0.1:1"], "table": "tq_down", "wait_s": 1})
+
+
+def test_a_hostile_pickle_under_a_sample_s_field_is_refused_by_a_consumer_and_never_runs(
+    start_server: Servers, tmp_path: Path
+) -> None:
+    """A pickle that runs code, put under a sample's field ("0@input_ids") as the backend's own
+    pickled values are stored (b"P" and the pickle): a consumer's get refuses it, naming the key,
+    and its code never runs; what the backend itself stores reads back."""
+    server = start_server()
+    marker = tmp_path / "ran"
+    storage = ExpbufStorageClient({"target": f"127.0.0.1:{server.port}", "table": "tq"})
+    try:
+        storage.put(["1@text"], ["a prompt"])
+        with BufferClient(f"127.0.0.1:{server.port}") as intruder:
+            intruder.put_values(["0@input_ids"], [b"P" + pickle.dumps(Hostile(marker))], "tq")
+        with pytest.raises(pickle.UnpicklingError, match=r"0@input_ids.*builtins\.exec, which expbuf's"):
+            storage.get(["1@text", "0@input_ids"])
+        assert not marker.exists()
+        assert storage.get(["1@text"]) == ["a prompt"]
+    finally:
+        storage.close()

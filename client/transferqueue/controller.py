@@ -44,6 +44,7 @@ from transfer_queue.controller import TransferQueueController
 from transfer_queue.sampler import BaseSampler, SequentialSampler
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
+from . import pickles
 from .journal import Journal
 from .storage import BACKEND, WAIT_SECONDS, Server, check_placement, connect, server_of
 
@@ -126,6 +127,14 @@ class RecordingSampler(BaseSampler):
         self.inner.load_checkpoint(state)
 
 
+def _journalled(request: ZMQMessage) -> bool:
+    """Whether a request is journalled by its body (a fetch is journalled by its sampler's calls)."""
+    kind, body = request.request_type, request.body
+    if kind == ZMQRequestType.GET_META:
+        return bool(body.get("mode", "fetch") == "insert")
+    return kind in REPLAYED or (kind == ZMQRequestType.KV_RETRIEVE_META and bool(body.get("create")))
+
+
 class _Unmeasured:
     """The monitor a replayed request is handled under: it measures nothing."""
 
@@ -172,13 +181,17 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         return 0 if self._journal is None else self._journal.seq - self._journal.head.seq
 
     def _restore(self, snapshot: bytes | None, entries: list[bytes]) -> None:
+        """The snapshot loaded, then the entries after it replayed; each loaded with only the
+        names pickles.py allows (a table's keyed values are any push token's to write), so the
+        snapshot is handed to TransferQueue's own loader as it loads back, pickled anew here."""
         if snapshot is not None:
+            state = pickles.loads(snapshot, "the controller's snapshot")
             with self._state_file() as path:
                 with open(path, "wb") as file:
-                    file.write(snapshot)
+                    pickle.dump(state, file, protocol=pickle.HIGHEST_PROTOCOL)
                 self.load_checkpoint(path)
-        for entry in entries:
-            for op in pickle.loads(entry):  # written by this controller into its own table
+        for at, entry in enumerate(entries, 1):
+            for op in pickles.loads(entry, f"the controller's journal entry {at} after its snapshot"):
                 self._replay(op)
 
     def _replay(self, op: tuple[Any, ...]) -> None:
@@ -201,6 +214,8 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         if self._journal is None:
             return super()._handle_request(request_msg, monitor)
         with self._lock:
+            if request_msg.request_type == ZMQRequestType.GET_META or _journalled(request_msg):
+                pickles.dumps(request_msg.body)  # a body the journal could not keep: refused before it changes anything
             self._recorder.calls.clear()
             try:
                 return super()._handle_request(request_msg, monitor)
@@ -211,14 +226,12 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         """Journal what `request` changed, before its reply goes."""
         kind, body = request.request_type, request.body
         ops: list[tuple[Any, ...]] = []
-        if kind == ZMQRequestType.GET_META and body.get("mode", "fetch") == "insert":
-            ops.append(("request", kind.value, body))
-        elif kind == ZMQRequestType.GET_META:
+        if kind == ZMQRequestType.GET_META and body.get("mode", "fetch") != "insert":
             ops.extend(
                 ("sample", body["partition_id"], body.get("task_name"), args, asked, batch, consumed)
                 for args, asked, batch, consumed in self._recorder.calls
             )
-        elif kind in REPLAYED or (kind == ZMQRequestType.KV_RETRIEVE_META and body.get("create")):
+        elif _journalled(request):
             ops.append(("request", kind.value, body))
         elif kind == ZMQRequestType.LOAD_CONTROLLER_CHECKPOINT:
             self._durably(self._snapshot)
@@ -232,7 +245,7 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         the entry is durable, so the change it answers for stands."""
         assert self._journal is not None
         journal = self._journal
-        entry = pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL)
+        entry = self._durably(lambda: pickles.dumps(ops))
         if not self._durably(lambda: journal.append(entry)):
             self._durably(self._snapshot)
         elif journal.due:

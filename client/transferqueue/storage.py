@@ -16,10 +16,11 @@ is stored in parts).
                                           "Expbuf": {"target": "expbuf:50051", "table": "tq"}}}))
 
 A tensor is stored as its dtype, shape and bytes (on the CPU: a value on a device is copied
-there); anything else TransferQueue stores (strings, lists: a NonTensorStack's items) is
-pickled, as TransferQueue's own transports do. Puts and gets are cut to stay under the client's
-message size. TransferQueue's controller (which indexes and fields exist, what was consumed) is
-kept in the same table by controller.py.
+there); anything else TransferQueue stores (strings, lists, dicts, numbers, numpy arrays: a
+NonTensorStack's items) is pickled, as TransferQueue's own transports do, and loaded back with
+only the names pickles.py allows: a value another writer made to run code is refused, never run.
+Puts and gets are cut to stay under the client's message size. TransferQueue's controller
+(which indexes and fields exist, what was consumed) is kept in the same table by controller.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import pickle
 import struct
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -44,6 +44,7 @@ from ..client import BufferClient
 from ..errors import BufferError
 from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES
 from ..shards.blocking import ShardedBufferClient
+from . import pickles
 
 BACKEND = "Expbuf"
 CLIENT = "ExpbufStorageClient"
@@ -60,7 +61,8 @@ _LEN = struct.Struct("<I")
 
 def encode(value: Any) -> bytes:
     """A value as stored: a tensor as b"T", its header's length, a JSON header (dtype, shape) and
-    its bytes; anything else as b"P" and its pickle."""
+    its bytes; anything else as b"P" and its pickle (a TypeError naming a type pickles.py does not
+    load back)."""
     if isinstance(value, torch.Tensor):
         tensor = value
         if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -73,7 +75,7 @@ def encode(value: Any) -> bytes:
         except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
             data = tensor.reshape(-1).view(torch.uint8).numpy().data
         return b"".join([head, data])  # the tensor's bytes copied once
-    return OBJECT + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return OBJECT + pickles.dumps(value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -84,8 +86,9 @@ def _head(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return TENSOR + _LEN.pack(len(header)) + header
 
 
-def decode(blob: bytes) -> Any:
-    """A stored value back (encode's)."""
+def decode(blob: bytes, what: str = "a stored value") -> Any:
+    """A stored value back (encode's); pickles.UnsafePickle naming `what` for a pickle that names
+    what this backend never stores, none of it run."""
     if blob[:1] == TENSOR:
         (size,) = _LEN.unpack_from(blob, 1)
         dtype, shape = _layout(blob[5 : 5 + size])
@@ -94,7 +97,7 @@ def decode(blob: bytes) -> Any:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
     if blob[:1] == OBJECT:
-        return pickle.loads(blob[1:])  # written by this backend: a value of the caller's own trust domain
+        return pickles.loads(memoryview(blob)[1:], what)
     raise ValueError(f"a stored value of {len(blob)} bytes that this backend did not write")
 
 
@@ -274,7 +277,9 @@ class ExpbufStorageClient(StorageKVClient):
             if missing:
                 raise KeyError(f"expbuf table {self.table!r} holds no value for {len(missing)} key(s): {missing[:5]}")
             values += [
-                decode(self._whole(key, blob)) for key, blob in zip(part, blobs, strict=True) if blob is not None
+                decode(self._whole(key, blob), f"the value of {key} in expbuf table {self.table!r}")
+                for key, blob in zip(part, blobs, strict=True)
+                if blob is not None
             ]
         return values
 
