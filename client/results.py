@@ -300,6 +300,10 @@ class TableStats:
     leases_expired: int
     damaged: int  # experiences found damaged on disk (by a read or the scrub) and quarantined; their groups failed
     quarantined: int  # quarantined experiences the table holds: never served (forgotten after tombstone_seconds)
+    # Keyed values (put_values) the table holds, and their bytes (each key's and value's), which
+    # count against capacity_bytes with the experiences' bytes.
+    values: int
+    value_bytes: int
     # What reward shaping and the advantage clip did.
     overlong_penalised: int
     rewards_seen: int

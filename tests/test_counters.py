@@ -43,12 +43,12 @@ STORED_NOW = (
     .replace(
         b'"dropped_stale":0,',
         b'"dropped_stale":0,"dropped_short":0,"runs_failed":0,"groups_short":0,"tokens_masked":0,"partials":0,'
-        b'"partial_bytes":0,"pieces_pushed":0,',
+        b'"partial_bytes":0,"pieces_pushed":0,"values":0,"value_bytes":0,',
     )
 )
 ADDED = {
     "quarantined": 0, "damaged": 0, "dropped_short": 0, "runs_failed": 0, "groups_short": 0, "tokens_masked": 0,
-    "partials": 0, "partial_bytes": 0, "pieces_pushed": 0,
+    "partials": 0, "partial_bytes": 0, "pieces_pushed": 0, "values": 0, "value_bytes": 0,
 }  # fmt: skip
 
 
@@ -148,7 +148,7 @@ def test_the_stats_rpc_reports_each_counter_under_its_name(tmp_path: Path) -> No
         server.stop(grace=1)
     fields = [field.name for field in pb.TableStats.DESCRIPTOR.fields]
     named = [name for name in fields if name in stored and name != "oldest_age_seconds"]  # an age moves on
-    assert len(named) == 30 and "oldest_age_seconds" in fields and reported.oldest_age_seconds >= 0
+    assert len(named) == 32 and "oldest_age_seconds" in fields and reported.oldest_age_seconds >= 0
     assert {name: getattr(reported, name) for name in named} == {name: stored[name] for name in named}
     assert (reported.min_model_version, reported.max_model_version) == (stored["min_version"], 1)
     assert (reported.pushed, reported.consumed, reported.pending, reported.trainer_version) == (3, 2, 1, 4)

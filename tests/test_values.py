@@ -6,13 +6,19 @@ real LMDB, restarted on its data."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
+import lmdb
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, NotFoundError
 from expbuf.client.errors import ResourceExhaustedError
+from expbuf.server.store import Store
+from expbuf.server.store.disk import layout
 
 from conftest import Servers
+from helpers import make_experience, scrape
 
 
 def test_values_are_stored_read_replaced_and_cleared_across_a_restart(start_server: Servers) -> None:
@@ -67,3 +73,86 @@ def test_a_read_larger_than_a_message_is_refused_naming_the_bound(start_server: 
         with pytest.raises(ResourceExhaustedError, match="ask for fewer keys"):
             client.get_values(["big0", "big1", "big2"], "kv")
         assert client.get_values(["big1"], "kv") == [bytes(600_000)]
+
+
+def held(client: BufferClient, table: str) -> tuple[int, int]:
+    """A table's keyed values as Stats counts them: how many, and their bytes (key and value)."""
+    stats = client.stats(table)[table]
+    return stats.values, stats.value_bytes
+
+
+def test_values_count_in_stats_and_metrics_and_against_the_table_s_capacity(start_server: Servers) -> None:
+    """Values take the table's capacity_bytes with its experiences: a put that would pass it is
+    refused by name (RESOURCE_EXHAUSTED, table_full) and stores nothing, and Stats, the metrics and
+    a restart count them (each its key's and its value's bytes)."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("tq", capacity_bytes=1 << 20)
+        client.put_values(["0@a", "1@a", "2@a"], [bytes(300_000)] * 3, "tq")
+        assert held(client, "tq") == (3, 3 * (3 + 300_000))
+        with pytest.raises(ResourceExhaustedError, match=r"table 'tq'.* capacity_bytes \(1048576\)") as refused:
+            client.put_values(["3@a", "4@a"], [b"small", bytes(200_000)], "tq")
+        assert refused.value.reason == "table_full"
+        assert client.get_values(["3@a", "4@a"], "tq") == [None, None]  # nothing of the put
+        with pytest.raises(ResourceExhaustedError, match="on their own"):
+            client.put_values(["big"], [bytes(2 << 20)], "tq")
+        client.put_values(["0@a"], [b"replaced"], "tq")  # a smaller value in its place makes room
+        client.put_values(["3@a"], [bytes(200_000)], "tq")
+        assert held(client, "tq") == (4, 4 * 3 + 8 + 2 * 300_000 + 200_000)
+        assert client.clear_values(["1@a", "absent"], "tq") == 1
+        assert held(client, "tq") == (3, 3 * 3 + 8 + 300_000 + 200_000)
+        metrics = scrape(server.metrics_port)
+        assert metrics[("expbuf_values", (("table", "tq"),))] == 3
+        assert metrics[("expbuf_value_bytes", (("table", "tq"),))] == 3 * 3 + 8 + 300_000 + 200_000
+        assert client.stats("tq")["tq"].bytes == 0  # the experiences' bytes, as before
+    server.stop(grace=1)
+    server = start_server(max_wait_seconds=0.5)  # a push into the full table waits this long for room
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        assert held(client, "tq") == (3, 3 * 3 + 8 + 300_000 + 200_000)
+        with pytest.raises(ResourceExhaustedError, match="is full") as full:  # an experience's push: one capacity
+            client.push([make_experience(0, 0, 0, response=80_000)], table="tq")
+        assert full.value.reason == "table_full"
+        assert client.drop_table("tq") == 0
+        client.create_table("tq")
+        assert held(client, "tq") == (0, 0)
+
+
+def test_values_stored_before_they_were_counted_are_counted_at_the_start(start_server: Servers) -> None:
+    """A directory whose values an earlier release stored (no record beside each value, no value
+    counters): the start counts them, and from then on puts and clears keep the count."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("old")
+        client.put_values(["a", "bb"], [b"12345", bytes(1000)], "old")
+    server.stop(grace=1)
+    as_an_earlier_release_left_it(start_server.data)
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        assert held(client, "old") == (2, 1 + 5 + 2 + 1000)
+        assert client.put_values(["a", "c"], [b"1", b"22"], "old") == 2
+        assert client.clear_values(["bb"], "old") == 1
+        assert held(client, "old") == (2, 1 + 1 + 1 + 2)
+    server.stop(grace=1)
+    with Store(start_server.data) as store:
+        assert store.verify("old") == []
+
+
+def as_an_earlier_release_left_it(data: Path) -> None:
+    """The data directory's values as a release before value records wrote them: only the values,
+    and table counters without `values` and `value_bytes`."""
+    env = lmdb.open(str(data), max_dbs=layout.MAX_DBS)
+    try:
+        kv, counters = env.open_db(b"kv"), env.open_db(b"counters")
+        with env.begin(write=True) as txn:
+            records = [bytes(key) for key, _ in txn.cursor(db=kv) if bytes(key)[4:5] == b"\xff"]
+            assert records  # this release keeps one beside each value
+            for key in records:
+                txn.delete(key, db=kv)
+            for key, raw in list(txn.cursor(db=counters)):
+                stored = json.loads(raw) if len(key) == 4 else None
+                if isinstance(stored, dict):
+                    stored.pop("values", None)
+                    stored.pop("value_bytes", None)
+                    txn.put(key, json.dumps(stored).encode(), db=counters)
+    finally:
+        env.close()

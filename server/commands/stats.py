@@ -1,10 +1,10 @@
 """`expbuf stats`: a terminal view of a running server through the Stats RPC.
 
-For an operator without Grafana: every table's experiences and groups by state, bytes,
-the oldest experience's age, the policy versions seen, the background scrub's progress and
-last complete pass, and (with --watch) push and sample rates between refreshes. Watched on a
-terminal, each refresh is drawn over the last, as `top` draws; into a pipe or a file, each is
-appended as plain text.
+For an operator without Grafana: every table's experiences and groups by state, bytes, keyed
+values (how many, and their bytes), the oldest experience's age, the policy versions seen, the
+background scrub's progress and last complete pass, and (with --watch) push and sample rates
+between refreshes. Watched on a terminal, each refresh is drawn over the last, as `top` draws;
+into a pipe or a file, each is appended as plain text.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ COLUMNS = (
     "quarantined",
     "dropped",
     "bytes",
+    "values",
     "oldest",
     "versions",
     "push/s",
@@ -67,6 +68,7 @@ def _row(name: str, t: TableStats, rates: dict[str, tuple[float, float]]) -> tup
         t.quarantined,
         t.groups_dropped,
         _size(t.bytes),
+        f"{t.values} ({_size(t.value_bytes)})" if t.values else "-",
         _age(t.oldest_age_seconds) if t.live else "-",
         versions,
         "-" if push is None else f"{push:.1f}",

@@ -111,10 +111,16 @@ class StoreCollector(Collector):
             for side in ("insert", "sample"):
                 blocked.add_metric([table, side], stats[f"{side}_blocked_seconds"])
         yield blocked
-        held = GaugeMetricFamily("expbuf_partials", "Rollouts held in pieces, not finished yet.", labels=["table"])
-        for table, stats in tables.items():
-            held.add_metric([table], stats["partials"])
-        yield held
+        gauges = (
+            ("expbuf_partials", "Rollouts held in pieces, not finished yet.", "partials"),
+            ("expbuf_values", "Keyed values (PutValues) the table holds.", "values"),
+            ("expbuf_value_bytes", "Bytes of keyed values, each key's and value's (in capacity_bytes).", "value_bytes"),
+        )
+        for name, text, key in gauges:
+            gauge = GaugeMetricFamily(name, text, labels=["table"])
+            for table, stats in tables.items():
+                gauge.add_metric([table], stats[key])
+            yield gauge
         oldest = GaugeMetricFamily("expbuf_oldest_age_seconds", "Age of the oldest live experience.", labels=["table"])
         for table, stats in tables.items():
             oldest.add_metric([table], stats["oldest_age_seconds"])

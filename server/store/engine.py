@@ -129,6 +129,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         if not self.catalog.has("default"):
             self.create_table(default_table(), exist_ok=True)
         self._recount()
+        self.values.recount()
         self._sweep_staged()
         self.builds.start()
         # The check of every payload that a quick open leaves out, in the background (scrub.py).

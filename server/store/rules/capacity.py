@@ -2,7 +2,8 @@
 oldest ready groups (evict mode) or is refused (block mode: the pusher may wait for room;
 a push larger than the capacity on its own is refused at once). The pieces of rollouts held in
 pieces count in its bytes (a worker whose rollouts never finish cannot fill the disk), a piece
-making room as a push does."""
+making room as a push does, and so do the table's keyed values (value_records.py), whose put is
+refused where it would pass the capacity: no value is evicted, nor an experience for one."""
 
 from __future__ import annotations
 
@@ -10,8 +11,33 @@ from collections.abc import Iterator
 
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
+from ..schema.table_config import TableConfig
+from .counters import Counters
 from .retirement import retire
 from .table_state import TableState
+
+
+def held_bytes(counters: Counters) -> int:
+    """The bytes a table holds against capacity_bytes: live experiences', rollouts in pieces',
+    keyed values'."""
+    return counters.bytes + counters.partial_bytes + counters.value_bytes
+
+
+def room_for_values(cfg: TableConfig, counters: Counters, added: int) -> None:
+    """Refuse keyed values that add `added` bytes to a table they would take past capacity_bytes."""
+    most = cfg.capacity.bytes
+    if not most or added <= 0 or held_bytes(counters) + added <= most:
+        return
+    if added > most:
+        raise TooLarge(
+            f"table '{cfg.name}': these values take {added} bytes, more than its capacity_bytes ({most}) on their own"
+        )
+    raise TableFull(
+        f"table '{cfg.name}' has no room for these values ({added} bytes more): it would hold more than its "
+        f"capacity_bytes ({most}), with {counters.bytes} bytes of experiences, {counters.partial_bytes} of rollouts "
+        f"in pieces and {counters.value_bytes} of keyed values; nothing of this put is stored: clear values, or let "
+        "the experiences be consumed"
+    )
 
 
 def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
@@ -23,7 +49,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
         live = tt.counters.live()
         return bool(
             (cfg.capacity.experiences and live + count > cfg.capacity.experiences)
-            or (cfg.capacity.bytes and tt.counters.bytes + tt.counters.partial_bytes + nbytes > cfg.capacity.bytes)
+            or (cfg.capacity.bytes and held_bytes(tt.counters) + nbytes > cfg.capacity.bytes)
         )
 
     if not over():

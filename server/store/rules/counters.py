@@ -65,6 +65,8 @@ class Counters:
     partials: int = 0  # rollouts held in pieces, not finished yet (partials.py)
     partial_bytes: int = 0  # the bytes of their pieces, counted against capacity_bytes (capacity.py)
     pieces_pushed: int = 0  # pieces of partial rollouts stored
+    values: int = 0  # keyed values the table holds (value_records.py)
+    value_bytes: int = 0  # their bytes, each key's and value's, counted against capacity_bytes (capacity.py)
     # what reward shaping and advantage clipping did (SHAPING_COUNTERS)
     overlong_penalised: int = 0
     rewards_seen: int = 0

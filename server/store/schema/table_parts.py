@@ -284,7 +284,8 @@ class Capacity(Part):
 
     # Live experiences the table may hold; 0 = unlimited.
     experiences: int = field(default=0, metadata=flat("capacity_experiences"))
-    # Live bytes of payload the table may hold; 0 = unlimited.
+    # Bytes the table may hold: live experiences' payloads, rollouts in pieces and keyed values (a put of
+    # values past it is refused; none is evicted); 0 = unlimited.
     bytes: int = field(default=0, metadata=flat("capacity_bytes"))
     # A push into a full table waits for room (block) or evicts the oldest ready groups (evict).
     when_full: WhenFull = "block"

@@ -5,7 +5,10 @@ The store of a data plane that addresses data by name rather than as experiences
 keeps each (sample, field) under "{global_index}@{field}" (client/transferqueue/storage.py). A
 put of several values is one commit (all or none); a clear of names not stored is no error. A put
 or a clear names at most MAX_KEYS_PER_CALL keys (client/schema/call_limits.py).
-Values are not experiences: they count in no table counter, no capacity and no order.
+Values are not experiences: they count in no order and no experience counter. Each has a record
+beside it (rules/value_records.py) with its size, so that the table counts its values and their
+bytes (Stats' `values` and `value_bytes`), and those bytes count against capacity_bytes with the
+experiences' (rules/capacity.py): a put that would pass it is refused and stores nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from expbuf.client.trxp.varints import field_bytes
 
 from ..disk import layout
 from ..disk.environment import Environment
-from ..schema.errors import InvalidRequest, TooLarge, check_count, clip
+from ..rules import capacity, value_records
+from ..rules.counters import read_counters
+from ..rules.value_records import ValueRecord, record, record_key
+from ..schema.errors import InvalidRequest, NotFound, TooLarge, check_count, clip
 from ..tables.catalog import TableCatalog
 
 MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
@@ -32,7 +38,9 @@ class Values:
         self.environment, self.catalog = environment, catalog
 
     def put(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
-        """Store each value under its key (replacing what a key held), in one commit; how many."""
+        """Store each value under its key (replacing what a key held), in one commit; how many.
+        TableFull (TooLarge on their own) where the values would take the table past its
+        capacity_bytes."""
         check_count(keys, "keys", "PutValues", MAX_KEYS_PER_CALL)
         if len(keys) != len(values):
             raise InvalidRequest(f"{len(keys)} keys for {len(values)} values: one value a key")
@@ -42,12 +50,25 @@ class Values:
             if name in seen:
                 raise InvalidRequest(f"keys: {clip(key)!r} is named more than once")
             seen.add(name)
-        prefix = self._prefix(table)
-        db = self.environment.db["kv"]
+        table_id, config = self.catalog.lookup(table)
+        prefix = layout.table_prefix(table_id)
+        kv, counts = self.environment.db["kv"], self.environment.db["counters"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            with txn.cursor(db=db) as cur:
-                cur.putmulti([(prefix + name, bytes(value)) for name, value in zip(names, values, strict=True)])
+            self._exists(table, table_id)
+            counters = read_counters(txn, counts, prefix)
+            added, new, rows = 0, 0, []
+            for name, value in zip(names, values, strict=True):
+                was = record(txn, kv, prefix, name)
+                now = ValueRecord(len(value))
+                added += now.held(name) - (was.held(name) if was is not None else 0)
+                new += was is None
+                rows += [(prefix + name, bytes(value)), (record_key(prefix, name), now.encode())]
+            capacity.room_for_values(config, counters, added)
+            with txn.cursor(db=kv) as cur:
+                cur.putmulti(rows)
+            counters.values, counters.value_bytes = counters.values + new, counters.value_bytes + added
+            txn.put(prefix, counters.encode(), db=counts)
             return len(names)
 
         return self.environment.submit(op)
@@ -79,17 +100,55 @@ class Values:
         """Remove the values of these keys, in one commit; how many were stored."""
         check_count(keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
-        prefix = self._prefix(table)
-        db = self.environment.db["kv"]
+        table_id, _ = self.catalog.lookup(table)
+        prefix = layout.table_prefix(table_id)
+        kv, counts = self.environment.db["kv"], self.environment.db["counters"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            return sum(txn.delete(prefix + name, db=db) for name in names)
+            self._exists(table, table_id)
+            counters = read_counters(txn, counts, prefix)
+            cleared = 0
+            for name in names:
+                was = record(txn, kv, prefix, name)
+                if was is None:
+                    continue
+                txn.delete(prefix + name, db=kv)
+                txn.delete(record_key(prefix, name), db=kv)
+                counters.values, counters.value_bytes = counters.values - 1, counters.value_bytes - was.held(name)
+                cleared += 1
+            if cleared:
+                txn.put(prefix, counters.encode(), db=counts)
+            return cleared
 
         return self.environment.submit(op)
+
+    def recount(self) -> None:
+        """Count the values of each table that may hold values stored before their records
+        (value_records.recount); a directory without such tables is not written."""
+        db = self.environment.db
+        with self.environment.read() as txn:
+            due = [
+                table_id
+                for table_id, _ in self.catalog.entries()
+                if value_records.recount_due(txn, db, layout.table_prefix(table_id))
+            ]
+
+        def op(txn: lmdb.Transaction[bytes]) -> None:
+            for table_id in due:
+                value_records.recount(txn, db, layout.table_prefix(table_id))
+
+        if due:
+            self.environment.submit(op)
 
     def _prefix(self, table: str) -> bytes:
         table_id, _ = self.catalog.lookup(table)
         return layout.table_prefix(table_id)
+
+    def _exists(self, table: str, table_id: int) -> None:
+        """Refuse a change to a table dropped since it was looked up: its counters and values would
+        outlive it."""
+        if self.catalog.by_id(table_id) is None:
+            raise NotFound(f"table '{clip(table)}' was dropped")
 
 
 def _names(keys: Sequence[str]) -> list[bytes]:

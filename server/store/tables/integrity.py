@@ -24,6 +24,7 @@ import lmdb
 from ..disk import chunk_heads, chunk_reads, chunked, layout, shared_prompts
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
+from ..rules import value_records
 from ..rules.counters import read_counters
 from ..rules.extensions import Extensions
 from ..rules.read_check import payload_problem
@@ -223,6 +224,7 @@ def verify(tt: TableState, *, strays: bool = True) -> list[str]:
     if _prefix_count(tt, "order") != live:
         problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
     problems += _check_chunk_sets(tt, strays=strays)
+    problems += value_records.verify(tt)
     return problems + shared_prompts.check(tt.txn, tt.db, tt.prefix) + verify_ledger(tt)
 
 
