@@ -364,10 +364,12 @@ class AsyncBufferClient(ClientBase):
         most MAX_KEYS_PER_CALL keys, each all or none). Needs the push scope."""
         return await self._run_several(value_calls.put_values(keys, values, table))
 
-    async def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+    async def get_values(
+        self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
+    ) -> list[bytes | None]:
         """The value of each key, in the order asked, None for one not stored (one message's
         worth at a time: the server refuses more, naming its max_message_bytes)."""
-        return await self._run(value_calls.get_values(keys, table))
+        return await self._run(value_calls.get_values(keys, table, only_own))
 
     async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
         """Remove the values of these keys; how many held one."""

@@ -338,13 +338,17 @@ class BufferClient(LedgerMethods):
         """Store each value under its key (bytes under names of your own, in the table's key
         range), durable on return, all or none (in calls of at most MAX_KEYS_PER_CALL keys,
         expbuf.client.schema.call_limits, each all or none); a key stored already is replaced.
-        Needs the push scope."""
+        Needs the push scope. With tokens on, a value is its writer's token's: another token's put
+        or clear of it is refused (PermissionDeniedError, reason forbidden). Values count against
+        the table's capacity_bytes: a put past it is refused (ResourceExhaustedError)."""
         return self._run_several(value_calls.put_values(keys, values, table))
 
-    def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+    def get_values(self, keys: Sequence[str], table: str = "default", *, only_own: bool = False) -> list[bytes | None]:
         """The value of each key, in the order asked, None for one not stored (one message's
-        worth at a time: the server refuses more, naming its max_message_bytes)."""
-        return self._run(value_calls.get_values(keys, table))
+        worth at a time: the server refuses more, naming its max_message_bytes). With `only_own`,
+        a key whose value another token wrote is refused (PermissionDeniedError), for a reader
+        that trusts only what its own token stored."""
+        return self._run(value_calls.get_values(keys, table, only_own))
 
     def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
         """Remove the values of these keys (in calls of at most MAX_KEYS_PER_CALL); how many held one."""

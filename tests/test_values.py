@@ -13,7 +13,7 @@ import lmdb
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError, NotFoundError
-from expbuf.client.errors import ResourceExhaustedError
+from expbuf.client.errors import PermissionDeniedError, ResourceExhaustedError
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
 
@@ -156,3 +156,56 @@ def as_an_earlier_release_left_it(data: Path) -> None:
                     txn.put(key, json.dumps(stored).encode(), db=counters)
     finally:
         env.close()
+
+
+TOKENS = {
+    "job": frozenset({"push", "sample"}),
+    "intruder": frozenset({"push"}),
+    "reader": frozenset({"sample"}),
+    "ops": frozenset({"push", "sample", "admin"}),
+}
+
+
+def test_a_value_belongs_to_the_token_that_wrote_it(start_server: Servers) -> None:
+    """With tokens on, a value is its writer's, as a lease or a claim is: another token's put or
+    clear of it is refused (PERMISSION_DENIED, reason forbidden) and changes nothing, its own
+    token replaces and clears it, and any token of the sample scope reads it. A reader that
+    trusts only its own token's values (only_own) is refused another's, by name."""
+    server = start_server(tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="ops") as ops:
+        ops.create_table("tq")
+    with (
+        BufferClient(target, token="job") as job,
+        BufferClient(target, token="intruder") as intruder,
+        BufferClient(target, token="reader") as reader,
+    ):
+        job.put_values(["0@input_ids", "controller/head"], [b"ids", b"head"], "tq")
+        refused = {
+            "'0@input_ids'": lambda: intruder.put_values(["mine", "0@input_ids"], [b"x", b"P..."], "tq"),
+            "'controller/head'": lambda: intruder.clear_values(["controller/head"], "tq"),
+        }
+        for key, call in refused.items():
+            with pytest.raises(PermissionDeniedError, match=f"keys: {key} holds a value another token wrote") as denied:
+                call()
+            assert denied.value.reason == "forbidden"
+        assert reader.get_values(["0@input_ids", "controller/head", "mine"], "tq") == [b"ids", b"head", None]
+        job.put_values(["0@input_ids"], [b"ids, again"], "tq")  # its writer's token replaces it
+        assert job.clear_values(["controller/head"], "tq") == 1  # and clears it
+        intruder.put_values(["controller/head"], [b"squatted"], "tq")  # a key no token holds: any writer's
+        assert reader.get_values(["controller/head"], "tq") == [b"squatted"]
+        with pytest.raises(PermissionDeniedError, match="'controller/head' holds a value another token wrote"):
+            job.get_values(["0@input_ids", "controller/head"], "tq", only_own=True)
+        assert job.get_values(["0@input_ids", "absent"], "tq", only_own=True) == [b"ids, again", None]
+
+        async def own() -> list[bytes | None]:
+            async with AsyncBufferClient(target, token="reader") as aio:
+                return await aio.get_values(["controller/head"], "tq", only_own=True)
+
+        with pytest.raises(PermissionDeniedError, match="another token wrote"):  # the asyncio client's too
+            asyncio.run(own())
+        assert held(reader, "tq") == (2, len("0@input_ids") + 10 + len("controller/head") + 8)
+    server.stop(grace=1)
+    server = start_server()  # the same data without tokens: no token, so every value is everyone's
+    with BufferClient(f"127.0.0.1:{server.port}") as anyone:
+        assert anyone.clear_values(["0@input_ids", "controller/head"], "tq") == 2

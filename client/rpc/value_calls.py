@@ -27,8 +27,9 @@ def put_values(keys: Sequence[str], values: Sequence[bytes], table: str) -> Seve
     return Several([Unary("PutValues", request, lambda r: r.stored, retry=True) for request in requests], sum)
 
 
-def get_values(keys: Sequence[str], table: str) -> Unary[list[bytes | None]]:
-    """The value of each key, in the order asked, None for one not stored."""
+def get_values(keys: Sequence[str], table: str, only_own: bool = False) -> Unary[list[bytes | None]]:
+    """The value of each key, in the order asked, None for one not stored; with `only_own`,
+    refused (PERMISSION_DENIED) for a key whose value another token wrote."""
     asked = list(keys)
 
     def read(reply: pb.GetValuesReply) -> list[bytes | None]:
@@ -36,7 +37,7 @@ def get_values(keys: Sequence[str], table: str) -> Unary[list[bytes | None]]:
         found = iter(reply.values)
         return [None if key in missing else next(found) for key in asked]
 
-    return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked), read, retry=True)
+    return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked, only_own=only_own), read, retry=True)
 
 
 def clear_values(keys: Sequence[str], table: str) -> Several[int, int]:

@@ -173,9 +173,11 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         """As ShardedBufferClient.put_values."""
         return await self._run(self._put_values(keys, values, table))
 
-    async def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+    async def get_values(
+        self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
+    ) -> list[bytes | None]:
         """As ShardedBufferClient.get_values."""
-        return await self._run(self._get_values(keys, table))
+        return await self._run(self._get_values(keys, table, only_own))
 
     async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
         """As ShardedBufferClient.clear_values."""

@@ -211,10 +211,10 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         that did not answer or refused, its `result` what the others stored (a retry is safe)."""
         return self._run(self._put_values(keys, values, table))
 
-    def get_values(self, keys: Sequence[str], table: str = "default") -> list[bytes | None]:
+    def get_values(self, keys: Sequence[str], table: str = "default", *, only_own: bool = False) -> list[bytes | None]:
         """As BufferClient.get_values, each key from its shard. Raises ShardError naming a shard
         that did not answer."""
-        return self._run(self._get_values(keys, table))
+        return self._run(self._get_values(keys, table, only_own))
 
     def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
         """As BufferClient.clear_values, each key on its shard."""

@@ -38,11 +38,13 @@ class ValuePlans(Planned):
             raise shard_error(errors, self.shard_map.targets, results)
         return sum(results.values())
 
-    def _get_values(self, keys: Sequence[str], table: str) -> Plan[list[bytes | None]]:
-        """The value of each key from its shard, in the order asked, None for one not stored.
-        Raises ShardError naming a shard that did not answer."""
+    def _get_values(self, keys: Sequence[str], table: str, only_own: bool = False) -> Plan[list[bytes | None]]:
+        """The value of each key from its shard, in the order asked, None for one not stored (with
+        `only_own`, refused for another token's). Raises ShardError naming a shard that did not
+        answer or refused."""
         at = self._by_key(keys)
-        calls = [Call(shard, "get_values", ([keys[i] for i in part], table)) for shard, part in at.items()]
+        own = {"only_own": only_own}
+        calls = [Call(shard, "get_values", ([keys[i] for i in part], table), own) for shard, part in at.items()]
         results, errors = self._sort(calls, (yield from self._exchange(calls)) if calls else [])
         if errors:
             raise shard_error(errors, self.shard_map.targets)

@@ -320,13 +320,15 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
         check_count(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
         keys, values = list(request.keys), list(request.values)
-        return pb.PutValuesReply(stored=self.store.put_values(request.table or "default", keys, values))
+        stored = self.store.put_values(request.table or "default", keys, values, self._owner(context))
+        return pb.PutValuesReply(stored=stored)
 
     @refusals
     def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
         check_count(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
         keys = distinct(list(request.keys), "keys")
-        found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES)
+        owner = self._owner(context) if request.only_own else None
+        found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES, owner)
         return pb.GetValuesReply(
             values=[value for value in found if value is not None],
             missing_keys=[key for key, value in zip(keys, found, strict=True) if value is None],
@@ -335,7 +337,8 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
         check_count(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
-        return pb.ClearValuesReply(cleared=self.store.clear_values(request.table or "default", list(request.keys)))
+        cleared = self.store.clear_values(request.table or "default", list(request.keys), self._owner(context))
+        return pb.ClearValuesReply(cleared=cleared)
 
     @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:

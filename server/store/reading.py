@@ -74,14 +74,17 @@ class ReadCalls:
         """The uids of one rank's part of a leased batch spread over `ranks` ranks (Reads.part)."""
         return self.reads.part(table, lease_id, rank, ranks, balance, model, owner, equal)
 
-    def put_values(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
-        """Store keyed values, durable on return (services/values.py); how many."""
-        return self.values.put(table, keys, values)
+    def put_values(self, table: str, keys: Sequence[str], values: Sequence[bytes], owner: str = "") -> int:
+        """Store keyed values, durable on return, as `owner`'s (services/values.py); how many."""
+        return self.values.put(table, keys, values, owner)
 
-    def get_values(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
-        """The value of each key, None for one not stored; TooLarge past `limit` bytes."""
-        return self.values.get(table, keys, limit)
+    def get_values(
+        self, table: str, keys: Sequence[str], limit: int | None = None, owner: str | None = None
+    ) -> list[bytes | None]:
+        """The value of each key, None for one not stored; TooLarge past `limit` bytes; with an
+        `owner`, Forbidden for another's."""
+        return self.values.get(table, keys, limit, owner)
 
-    def clear_values(self, table: str, keys: Sequence[str]) -> int:
-        """Remove keyed values; how many were stored."""
-        return self.values.clear(table, keys)
+    def clear_values(self, table: str, keys: Sequence[str], owner: str = "") -> int:
+        """Remove keyed values (none of another owner's); how many were stored."""
+        return self.values.clear(table, keys, owner)

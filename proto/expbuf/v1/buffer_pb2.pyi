@@ -487,12 +487,14 @@ class PutValuesReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
 class GetValuesRequest(_message.Message):
-    __slots__ = ("table", "keys")
+    __slots__ = ("table", "keys", "only_own")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ONLY_OWN_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    only_own: bool
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., only_own: _Optional[bool] = ...) -> None: ...
 
 class GetValuesReply(_message.Message):
     __slots__ = ("values", "missing_keys")

@@ -9,6 +9,12 @@ Values are not experiences: they count in no order and no experience counter. Ea
 beside it (rules/value_records.py) with its size, so that the table counts its values and their
 bytes (Stats' `values` and `value_bytes`), and those bytes count against capacity_bytes with the
 experiences' (rules/capacity.py): a put that would pass it is refused and stores nothing.
+
+A value belongs to the token that wrote it, as a lease or a claim does: its record names the
+writer's `owner` (the servicer's fingerprint of the token; "" with tokens off), and another
+owner's put or clear of it is refused (Forbidden), changing nothing. A value no token wrote (one
+stored with tokens off, or before records) is the next writer's. Any reader reads every value; a
+get with an `owner` refuses another owner's, for a reader that trusts only its own.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from ..disk.environment import Environment
 from ..rules import capacity, value_records
 from ..rules.counters import read_counters
 from ..rules.value_records import ValueRecord, record, record_key
-from ..schema.errors import InvalidRequest, NotFound, TooLarge, check_count, clip
+from ..schema.errors import Forbidden, InvalidRequest, NotFound, TooLarge, check_count, clip
 from ..tables.catalog import TableCatalog
 
 MAX_KEY_BYTES = 400  # as a uid: the table's 4-byte prefix and the name stay inside LMDB's 511
@@ -37,10 +43,10 @@ class Values:
     def __init__(self, environment: Environment, catalog: TableCatalog) -> None:
         self.environment, self.catalog = environment, catalog
 
-    def put(self, table: str, keys: Sequence[str], values: Sequence[bytes]) -> int:
-        """Store each value under its key (replacing what a key held), in one commit; how many.
-        TableFull (TooLarge on their own) where the values would take the table past its
-        capacity_bytes."""
+    def put(self, table: str, keys: Sequence[str], values: Sequence[bytes], owner: str = "") -> int:
+        """Store each value under its key (replacing what a key held) as `owner`'s, in one commit;
+        how many. Forbidden where a key holds another owner's value, TableFull (TooLarge on their
+        own) where the values would take the table past its capacity_bytes."""
         check_count(keys, "keys", "PutValues", MAX_KEYS_PER_CALL)
         if len(keys) != len(values):
             raise InvalidRequest(f"{len(keys)} keys for {len(values)} values: one value a key")
@@ -58,9 +64,9 @@ class Values:
             self._exists(table, table_id)
             counters = read_counters(txn, counts, prefix)
             added, new, rows = 0, 0, []
-            for name, value in zip(names, values, strict=True):
-                was = record(txn, kv, prefix, name)
-                now = ValueRecord(len(value))
+            for key, name, value in zip(keys, names, values, strict=True):
+                was = _held(record(txn, kv, prefix, name), key, owner)
+                now = ValueRecord(len(value), owner)
                 added += now.held(name) - (was.held(name) if was is not None else 0)
                 new += was is None
                 rows += [(prefix + name, bytes(value)), (record_key(prefix, name), now.encode())]
@@ -73,10 +79,12 @@ class Values:
 
         return self.environment.submit(op)
 
-    def get(self, table: str, keys: Sequence[str], limit: int | None = None) -> list[bytes | None]:
+    def get(
+        self, table: str, keys: Sequence[str], limit: int | None = None, owner: str | None = None
+    ) -> list[bytes | None]:
         """The value of each key, None for one not stored, from the last commit. TooLarge as soon
         as the reply (each value, or missing key's name, with its framing) passes `limit` bytes,
-        before the rest are read."""
+        before the rest are read; with an `owner`, Forbidden for a key another owner's value holds."""
         check_count(keys, "keys", "GetValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         prefix = self._prefix(table)
@@ -84,8 +92,10 @@ class Values:
         found: list[bytes | None] = []
         size = 0
         with self.environment.read() as txn:
-            for name in names:
+            for key, name in zip(keys, names, strict=True):
                 value = txn.get(prefix + name, db=db)
+                if value is not None and owner is not None:
+                    _held(record(txn, db, prefix, name), key, owner)
                 # what the reply takes: each value framed, or each missing key's name framed
                 size += field_bytes(len(value) if value is not None else len(name))
                 if limit is not None and size > limit:
@@ -96,8 +106,9 @@ class Values:
                 found.append(value)
         return found
 
-    def clear(self, table: str, keys: Sequence[str]) -> int:
-        """Remove the values of these keys, in one commit; how many were stored."""
+    def clear(self, table: str, keys: Sequence[str], owner: str = "") -> int:
+        """Remove the values of these keys, in one commit; how many were stored. Forbidden, removing
+        nothing, where a key holds another owner's value."""
         check_count(keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)
         names = _names(keys)
         table_id, _ = self.catalog.lookup(table)
@@ -108,8 +119,8 @@ class Values:
             self._exists(table, table_id)
             counters = read_counters(txn, counts, prefix)
             cleared = 0
-            for name in names:
-                was = record(txn, kv, prefix, name)
+            for key, name in zip(keys, names, strict=True):
+                was = _held(record(txn, kv, prefix, name), key, owner)
                 if was is None:
                     continue
                 txn.delete(prefix + name, db=kv)
@@ -149,6 +160,17 @@ class Values:
         outlive it."""
         if self.catalog.by_id(table_id) is None:
             raise NotFound(f"table '{clip(table)}' was dropped")
+
+
+def _held(was: ValueRecord | None, key: str, owner: str) -> ValueRecord | None:
+    """The record of a key's value, which `owner` may replace, clear or read as its own; Forbidden
+    where another owner wrote it."""
+    if was is not None and was.foreign(owner):
+        raise Forbidden(
+            f"keys: {clip(key)!r} holds a value another token wrote: only that token replaces or clears it "
+            "(a value is its writer's, as a lease is); nothing of this call is done"
+        )
+    return was
 
 
 def _names(keys: Sequence[str]) -> list[bytes]:
