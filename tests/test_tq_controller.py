@@ -23,6 +23,7 @@ from tensordict import TensorDict  # noqa: E402
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
+from expbuf.client.errors import PermissionDeniedError  # noqa: E402
 from expbuf.client.transferqueue.controller import DurableController, JournalSettings, _Unmeasured  # noqa: E402
 from expbuf.client.transferqueue.journal import HEAD, Journal, entry_key, part_key  # noqa: E402
 from expbuf.client.transferqueue.storage import server_of  # noqa: E402
@@ -271,3 +272,35 @@ def test_a_hostile_pickle_in_the_journal_is_refused_at_the_restart_and_never_run
     ):
         DurableController().store_config(conf(f"127.0.0.1:{server.port}"))
     assert not marker.exists()
+
+
+TOKENS = {"job": frozenset({"push", "sample"}), "ops": frozenset({"admin"}), "intruder": frozenset({"push"})}
+
+
+def test_the_controller_journals_on_a_push_and_sample_token_and_trusts_no_other_token_s_entry(
+    start_server: Servers,
+) -> None:
+    """The controller's journal runs on the job's push and sample token over a table an admin
+    made; another token can neither clear nor replace its entries, and an entry another token put
+    first (the next one the controller would write) fails the restart, naming it, where it would
+    have been replayed as the controller's own."""
+    server = start_server(tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="ops") as ops:
+        ops.create_table("tq")
+    settings = conf(target, token="job")
+    live = DurableController()
+    live.store_config(settings)
+    assert insert(live, "p", 2) == [0, 1]  # journalled as entry 1
+    with BufferClient(target, token="intruder") as intruder:
+        with pytest.raises(PermissionDeniedError, match="another token wrote"):
+            intruder.clear_values([entry_key(1)], "tq")
+        with pytest.raises(PermissionDeniedError, match="another token wrote"):
+            intruder.put_values([entry_key(1)], [pickle.dumps([])], "tq")
+        restarted = DurableController()
+        restarted.store_config(settings)
+        assert restarted.index_manager.get_indexes_for_partition("p") == [0, 1]
+        clear = [("request", ZMQRequestType.CLEAR_PARTITION.value, {"partition_id": "p"})]
+        intruder.put_values([entry_key(2)], [pickle.dumps(clear)], "tq")  # the entry the controller writes next
+    with pytest.raises(PermissionDeniedError, match=r"controller/journal/0+2' holds a value another token wrote"):
+        DurableController().store_config(settings)

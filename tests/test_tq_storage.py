@@ -7,6 +7,7 @@ expbuf server restarted on its data serves them again. A real server on loopback
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -22,6 +23,7 @@ from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from test_tq_controller import Hostile  # noqa: E402
 
 from expbuf.client import BufferClient, BufferError  # noqa: E402
+from expbuf.client.errors import PermissionDeniedError, UnavailableError  # noqa: E402
 from expbuf.client.transferqueue.storage import (  # noqa: E402
     ExpbufStorageClient,
     cuts,
@@ -31,6 +33,7 @@ from expbuf.client.transferqueue.storage import (  # noqa: E402
 )
 
 from conftest import Servers  # noqa: E402
+from pages import code_blocks, section  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -275,3 +278,92 @@ def test_a_hostile_pickle_under_a_sample_s_field_is_refused_by_a_consumer_and_ne
         assert storage.get(["1@text"]) == ["a prompt"]
     finally:
         storage.close()
+
+
+TOKENS = {
+    "job": frozenset({"push", "sample"}),
+    "ops": frozenset({"push", "sample", "admin"}),
+    "intruder": frozenset({"push", "sample"}),
+}
+
+
+def test_the_backend_runs_on_a_push_and_sample_token_over_a_table_that_exists(start_server: Servers) -> None:
+    """The backend needs the push and sample scopes where its table exists (used as it is, its
+    settings whatever they are), and says what to do where it does not (making one takes the admin
+    scope). Its values are its token's: another token can neither replace nor clear them, and a
+    key another token put first is refused, never read as the job's."""
+    server = start_server(tokens=TOKENS)
+    config = {"target": f"127.0.0.1:{server.port}", "table": "tq", "token": "job"}
+    with pytest.raises(PermissionDeniedError, match=r"expbuf table 'tq' does not exist .* the admin scope"):
+        ExpbufStorageClient(config)
+    with BufferClient(config["target"], token="ops") as ops:
+        ops.create_table("tq", capacity_bytes=64 << 20)
+    storage = ExpbufStorageClient(config)
+    try:
+        storage.put(["0@ids", "0@text"], [torch.arange(4), "a prompt"])
+        with BufferClient(config["target"], token="intruder") as intruder:
+            with pytest.raises(PermissionDeniedError, match="another token wrote"):
+                intruder.put_values(["0@ids"], [b"P" + pickle.dumps("forged")], "tq")
+            with pytest.raises(PermissionDeniedError, match="another token wrote"):
+                intruder.clear_values(["0@text"], "tq")
+            intruder.put_values(["1@ids"], [b"P" + pickle.dumps("squatted")], "tq")
+        assert storage.get(["0@text"]) == ["a prompt"]
+        with pytest.raises(PermissionDeniedError, match=r"'1@ids' holds a value another token wrote"):
+            storage.get(["1@ids"])  # read as the job's it would be
+        with pytest.raises(PermissionDeniedError, match=r"'1@ids' holds a value another token wrote"):
+            storage.put(["1@ids"], [torch.arange(2)])
+        storage.clear(["0@ids", "0@text"])
+    finally:
+        storage.close()
+
+
+def test_a_server_name_that_does_not_resolve_fails_the_start_at_once_in_one_line() -> None:
+    """A start whose server's name does not resolve here (the docs' `expbuf:50051` outside the
+    docs' network) fails at once, naming the setting, the address and the cause in one line,
+    where it waited out wait_s for a server that could never answer."""
+    with pytest.raises(UnavailableError) as failed:
+        ExpbufStorageClient({"target": "expbuf.invalid:50051", "table": "tq", "wait_s": 600})
+    message = str(failed.value)
+    assert "\n" not in message and "Deadline Exceeded" not in message, message
+    assert re.search(r"backend\.Expbuf: the expbuf server's address expbuf\.invalid:50051 does not resolve", message)
+
+
+def test_transfer_queue_starts_on_a_push_and_sample_token_and_its_errors_come_through_ray(
+    ray_cluster: ModuleType, start_server: Servers
+) -> None:
+    """tq.init with a push and sample token over a table an admin made: TransferQueue's puts and
+    gets run, and the controller's journal with them. A start against a server name that does not
+    resolve fails with expbuf's own error, which `except UnavailableError` catches through Ray."""
+    server = start_server(tokens=TOKENS)
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="ops") as ops:
+        ops.create_table("tq")
+    backend = {"target": target, "table": "tq", "token": "job"}
+    tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": backend}}))
+    try:
+        fields = TensorDict({"ids": torch.arange(6).reshape(2, 3), "text": NonTensorStack("a", "b")}, batch_size=2)
+        tq.kv_batch_put(keys=["p0", "p1"], partition_id="train", fields=fields)
+        got = tq.kv_batch_get(keys=["p1"], partition_id="train")
+        assert rows(got["ids"]) == [[3, 4, 5]] and list(got["text"]) == ["b"]
+        tq.kv_clear(keys=["p0", "p1"], partition_id="train")
+    finally:
+        tq.close()
+    nowhere = {"target": "expbuf.invalid:50051", "table": "tq"}
+    with pytest.raises(UnavailableError, match="does not resolve"):
+        tq.init(OmegaConf.create({"backend": {"storage_backend": "Expbuf", "Expbuf": nowhere}}))
+    tq.close()
+
+
+def test_the_page_s_first_put_and_get_runs_as_written(
+    ray_cluster: ModuleType, start_server: Servers, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/frameworks/transferqueue.md's first put and get, as written but for the server's
+    address: the sample read back, and the table's values counted in Stats."""
+    server = start_server()
+    snippet = code_blocks(section("frameworks/transferqueue.md", "## A first put and get"), "python")[0]
+    code = snippet.replace("127.0.0.1:50051", f"127.0.0.1:{server.port}")
+    exec(compile(code, "frameworks/transferqueue.md", "exec"), {"__name__": "docs"})
+    read, counted = capsys.readouterr().out.splitlines()[-2:]
+    assert read == "[4, 5, 6, 7] ['3+3?']"
+    values, size = map(int, counted.split())
+    assert values >= 4 and size > 4 * len("0@input_ids")  # the 4 fields, and the controller's entries

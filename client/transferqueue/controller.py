@@ -46,7 +46,7 @@ from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
 
 from . import pickles
 from .journal import Journal
-from .storage import BACKEND, WAIT_SECONDS, Server, check_placement, connect, server_of
+from .storage import BACKEND, WAIT_SECONDS, Server, connect, open_table, server_of
 
 REPLAYED = frozenset(
     {
@@ -169,8 +169,7 @@ class DurableController(TransferQueueController.__ray_actor_class__):
             if settings is not None:
                 # a journal write waits out a restart of the server for up to wait_s, as documented
                 client = connect(settings.where, settings.wait_s)
-                client.create_table(settings.table, exist_ok=True)
-                check_placement(client, settings.table)
+                open_table(client, settings.table, f"controller.{BACKEND}")
                 journal = Journal(client, settings.table, settings.snapshot_every)
                 self._restore(*journal.load())
                 self._journal = journal

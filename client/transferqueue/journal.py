@@ -67,7 +67,7 @@ class Journal:
     def load(self) -> tuple[bytes | None, list[bytes]]:
         """The standing snapshot (None before the first) and the entries after it, in order; also
         ends a clean-up that a crash cut short."""
-        (raw,) = self.client.get_values([HEAD], self.table)
+        (raw,) = self.client.get_values([HEAD], self.table, only_own=True)  # another token's is refused
         self.head = Head(**json.loads(raw)) if raw is not None else Head()
         self._clear_before(self.head)
         snapshot = None

@@ -41,7 +41,7 @@ from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVC
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
 
 from ..client import BufferClient
-from ..errors import BufferError
+from ..errors import ExpbufError, PermissionDeniedError, UnavailableError
 from ..rpc.connection import DEFAULT_MAX_MESSAGE_BYTES
 from ..shards.blocking import ShardedBufferClient
 from . import pickles
@@ -56,6 +56,7 @@ IN_FLIGHT = 4  # puts or gets of one call under way at once: encoding, sending a
 # On every shard of a sharded backend: the shards its keys are placed over, and this one's name.
 PLACEMENT = "expbuf/placement"
 PARTS_META = "expbuf_parts"  # what a value stored in parts reports to TransferQueue: its parts' count
+PROBE_SECONDS = 5.0  # the start's first look at each server, before any call waits for one
 _LEN = struct.Struct("<I")
 
 
@@ -160,26 +161,37 @@ def connect(server: Server, timeout: float) -> BufferClient | ShardedBufferClien
     return BufferClient(server.target, token=token, max_message_bytes=size, timeout=timeout, wait_for_ready=True)
 
 
-def check_placement(client: BufferClient | ShardedBufferClient, table: str) -> None:
-    """A sharded backend finds a key on the shard it put it on only over the same shards, each
-    under the same name (a list's shards are named by their place in it): the first start writes
-    on every shard the names the keys are placed over and the shard's own; a start over other
-    shards, or over the same ones in another order, is refused by name, before anything is sought
-    where it is not. Each shard is asked in turn, its table made there if absent: a shard that does
-    not answer within the client's timeout fails the start, named."""
+def open_table(client: BufferClient | ShardedBufferClient, table: str, where: str) -> None:
+    """Reach the server, or each shard in turn, and the table there, before anything is put or
+    sought; an error names `where` (the config's section), and a shard.
+
+    A server whose name does not resolve here fails at once (`reach`); one that does not answer
+    is waited for as a restart is, up to the client's timeout. The table is used as it is where it
+    exists, which the push and sample scopes can see; one that does not is made, which takes the
+    admin scope (`ensure_table`). A sharded backend finds a key on the shard it put it on only over
+    the same shards, each under the same name (a list's shards are named by their place in it):
+    the first start writes on every shard the names the keys are placed over and the shard's own;
+    a start over other shards, or over the same ones in another order, is refused by name, before
+    anything is sought where it is not."""
     if not isinstance(client, ShardedBufferClient):
+        try:
+            reach(client)
+            ensure_table(client, table)
+        except ExpbufError as exc:
+            raise ExpbufError(exc.code, f"{where}: {exc.details}", exc.reason) from None
         return
     names = sorted(client.shard_map.epochs[0].shards)
     for shard, one in client.clients.items():
         mine = json.dumps({"shards": names, "this": shard}).encode()
         try:
-            one.create_table(table, exist_ok=True)
-            (found,) = one.get_values([PLACEMENT], table)
+            reach(one)
+            ensure_table(one, table)
+            (found,) = one.get_values([PLACEMENT], table, only_own=True)
             if found is None:
                 one.put_values([PLACEMENT], [mine], table)
-        except BufferError as exc:
-            where = f"shard {shard!r} ({client.shard_map.targets[shard]}) of expbuf table {table!r}"
-            raise BufferError(exc.code, f"{where}: {exc.details}") from None
+        except ExpbufError as exc:
+            named = f"{where}: shard {shard!r} ({client.shard_map.targets[shard]}) of expbuf table {table!r}"
+            raise ExpbufError(exc.code, f"{named}: {exc.details}", exc.reason) from None
         if found is not None and found != mine:
             was = json.loads(found)
             raise ValueError(
@@ -191,11 +203,53 @@ def check_placement(client: BufferClient | ShardedBufferClient, table: str) -> N
             )
 
 
-def get_in_halves(client: BufferClient | ShardedBufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
-    """The keys' values, asked for in halves where a server finds them more than a message."""
+def reach(one: BufferClient) -> None:
+    """Fail at once, in one line, where the server's name does not resolve here: no restart makes
+    it answer (a wait for it would only end at the deadline, naming none of this). Any other
+    failure is left to the calls after, which wait for a server that restarts."""
+    probe = one.clone(wait_for_ready=False, retries=0, timeout=PROBE_SECONDS)
     try:
-        return client.get_values(keys, table)
-    except BufferError as exc:
+        probe.server_info()
+    except UnavailableError as exc:
+        if "resolv" in exc.details:  # gRPC's "errors resolving HOST:PORT", "DNS resolution failed"
+            raise UnavailableError(
+                exc.code,
+                f"the expbuf server's address {one.target} does not resolve here ({exc.details}): name the server "
+                "by an address this process can resolve (its host's name or IP, and its port)",
+                exc.reason,
+            ) from None
+    except ExpbufError:
+        pass  # a token without the sample scope, a server still starting: the calls after say
+    finally:
+        probe.close()
+
+
+def ensure_table(one: BufferClient, table: str) -> None:
+    """The table there as it is, seen with the sample scope; made (with default settings) where it
+    does not exist, which takes the admin scope: a PermissionDeniedError saying so otherwise."""
+    try:
+        if any(info.name == table for info in one.list_tables()):
+            return
+    except PermissionDeniedError:
+        pass  # a token without the sample scope: making the table tells whether it may
+    try:
+        one.create_table(table, exist_ok=True)
+    except PermissionDeniedError as exc:
+        raise PermissionDeniedError(
+            exc.code,
+            f"expbuf table {table!r} does not exist at {one.target}, and this token may not make it ({exc.details}): "
+            f"make it once with a token of the admin scope (`expbuf table create {table}`, or create_table), then "
+            "start with a token of the push and sample scopes",
+            exc.reason,
+        ) from None
+
+
+def get_in_halves(client: BufferClient | ShardedBufferClient, keys: Sequence[str], table: str) -> list[bytes | None]:
+    """The keys' values, asked for in halves where a server finds them more than a message; each
+    the job's own token's (another token's is refused, never read as the job's)."""
+    try:
+        return client.get_values(keys, table, only_own=True)
+    except ExpbufError as exc:
         if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or len(keys) == 1:
             raise
         half = len(keys) // 2
@@ -214,8 +268,7 @@ class ExpbufStorageClient(StorageKVClient):
             raise ValueError(f"backend.{BACKEND}.wait_s must be a number of seconds above 0, got {wait!r}")
         # A call waits out a restart of the server for up to wait_s, as the controller's journal does.
         self.client = connect(server_of(config, f"backend.{BACKEND}"), float(wait))
-        self.client.create_table(self.table, exist_ok=True)
-        check_placement(self.client, self.table)
+        open_table(self.client, self.table, f"backend.{BACKEND}")
         self.limit = self.client.max_message_bytes // 2  # bytes a put or a get carries at most
         self.batch = min(self.limit, BATCH)
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="expbuf-tq")
@@ -290,7 +343,7 @@ class ExpbufStorageClient(StorageKVClient):
         manifest = json.loads(blob[1:])
         parts = []
         for name in part_keys(key, manifest["parts"]):
-            (part,) = self.client.get_values([name], self.table)
+            (part,) = self.client.get_values([name], self.table, only_own=True)
             if part is None:
                 raise KeyError(f"expbuf table {self.table!r} lacks {name}, a part of the value of {key}")
             parts.append(part)
