@@ -20,6 +20,7 @@ tq = pytest.importorskip("transfer_queue")
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
+from transfer_queue.sampler import SequentialSampler  # noqa: E402
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType  # noqa: E402
 
 from expbuf.client import BufferClient  # noqa: E402
@@ -304,3 +305,29 @@ def test_the_controller_journals_on_a_push_and_sample_token_and_trusts_no_other_
         intruder.put_values([entry_key(2)], [pickle.dumps(clear)], "tq")  # the entry the controller writes next
     with pytest.raises(PermissionDeniedError, match=r"controller/journal/0+2' holds a value another token wrote"):
         DurableController().store_config(settings)
+
+
+class Cursor:
+    """Sampler state of a type of the user's own, which a restart could not load."""
+
+
+class KeepsACursor(SequentialSampler):
+    def save_checkpoint(self) -> dict:
+        return {**super().save_checkpoint(), "cursor": Cursor()}
+
+
+def test_a_snapshot_a_restart_could_not_load_stops_the_controller_when_it_is_taken(start_server: Servers) -> None:
+    """A sampler whose state holds a type the controller does not load back: its first snapshot
+    stops the controller, naming the type, while the state it could not keep is still live, rather
+    than a restart finding a journal it cannot load."""
+    server = start_server()
+    with BufferClient(f"127.0.0.1:{server.port}") as client:
+        client.create_table("ctl")
+        live = DurableController(sampler=KeepsACursor)
+        live._journal = Journal(client, "ctl", snapshot_every=1)  # a snapshot is due at the first entry
+        assert insert(live, "p", 2) == [0, 1]  # its entry is durable: answered
+        with pytest.raises(RuntimeError, match=r"test_tq_controller\.Cursor"):
+            ask(live, ZMQRequestType.GET_LIST_PARTITIONS)
+        restarted = DurableController()
+        restarted._restore(*Journal(client, "ctl").load())  # the entry before it, as it was
+        assert restarted.index_manager.get_indexes_for_partition("p") == [0, 1]

@@ -273,12 +273,16 @@ class DurableController(TransferQueueController.__ray_actor_class__):
         """The state as TransferQueue's own checkpoint writes it, stored as the journal's snapshot;
         then loaded back into this controller, so that its state is the very one a restart loads
         (TransferQueue hands out reused indexes in the order of its sets, which a set rebuilt by
-        loading may iterate otherwise than the set it was saved from)."""
+        loading may iterate otherwise than the set it was saved from). A state a restart could
+        not load (pickles.py: a sampler's state of a type of its own) is refused here, while the
+        controller still holds it, never stored."""
         assert self._journal is not None
         with self._state_file() as path:
             self.save_checkpoint(path)
             with open(path, "rb") as file:
-                self._journal.snapshot(file.read())
+                state = file.read()
+            pickles.loads(state, "the controller's snapshot")
+            self._journal.snapshot(state)
             self.load_checkpoint(path)
 
     @staticmethod

@@ -121,8 +121,9 @@ class _Restricted(pickle.Unpickler):
         found = _by_name().get((module, name))
         if found is None:
             raise UnsafePickle(
-                f"a pickle naming {module}.{name}, which expbuf's TransferQueue backend never loads: it was not "
-                "written by this backend (any token of the push scope may write a table's keyed values)"
+                f"a pickle naming {module}.{name}, which expbuf's TransferQueue backend never loads: it loads only "
+                "the names a TransferQueue value needs (a pickle of anything else, which any token of the push scope "
+                "could have put, would run what it names)"
             )
         return found
 
