@@ -338,7 +338,9 @@ class ExperienceBufferServicer:
     def PutValues(self, request, context):
         """Keyed values: store bytes under names of the caller's own (TransferQueue's
         "{global_index}@{field}") in a table's key range, durable when it returns (all of a call's,
-        or none), dropped with the table; they are not experiences and count in no table counter.
+        or none), dropped with the table; they are not experiences, but count against capacity_bytes
+        (past it: RESOURCE_EXHAUSTED, nothing stored) and in TableStats' values and value_bytes. With
+        tokens on, a value is its writer's token's: another's put of it is PERMISSION_DENIED.
         At most 65,536 keys a call (more: INVALID_ARGUMENT; the clients split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -354,7 +356,8 @@ class ExperienceBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearValues(self, request, context):
-        """Keyed values: remove the values of some names, at most 65,536 a call (as PutValues).
+        """Keyed values: remove the values of some names, at most 65,536 a call (as PutValues); another
+        token's value is PERMISSION_DENIED, nothing removed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,8 @@ one contiguous range:
 - staged:    T + chunk set -> when a push in chunks began staging it (until the push's commit)
 - shared:    T + digest -> a prompt's tokens, stored once for the runs that carry them
   shared_refs: T + digest -> how many stored payloads refer to it (shared_prompts.py)
-- kv:        T + a caller's key -> its value (keyed values, services/values.py)
+- kv:        T + a caller's key -> its value (keyed values, services/values.py); T + 0xFF + the key ->
+  the value's record, its size and writer (rules/value_records.py; no UTF-8 key starts with 0xFF)
 - partials:  T + uid + NUL -> a rollout held in pieces' head, T + uid + NUL + piece number -> a
   piece (rules/partials.py)
 - tombs:     T + uid -> a compact tombstone (records.py) of a retired experience whose payload went
