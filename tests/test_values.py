@@ -16,6 +16,8 @@ from expbuf.client import AsyncBufferClient, BufferClient, InvalidArgumentError,
 from expbuf.client.errors import PermissionDeniedError, ResourceExhaustedError
 from expbuf.server.store import Store
 from expbuf.server.store.disk import layout
+from expbuf.server.store.schema.table_config import TableConfig
+from expbuf.server.store.tables import integrity
 
 from conftest import Servers
 from helpers import make_experience, scrape
@@ -209,3 +211,23 @@ def test_a_value_belongs_to_the_token_that_wrote_it(start_server: Servers) -> No
     server = start_server()  # the same data without tokens: no token, so every value is everyone's
     with BufferClient(f"127.0.0.1:{server.port}") as anyone:
         assert anyone.clear_values(["0@input_ids", "controller/head"], "tq") == 2
+
+
+def test_a_damaged_value_record_is_named_by_the_check(tmp_path: Path) -> None:
+    """A value whose record is cut short, or says another size than the value's: `expbuf check`'s
+    scan names each as what it is (a cut record was named by struct's unpack error)."""
+    with Store(tmp_path / "data") as store:
+        store.create_table(TableConfig.of(name="kv"))
+        store.put_values("kv", ["a", "b"], [b"12345", b"678"])
+        prefix = layout.table_prefix(store.catalog.lookup("kv")[0])
+
+        def damage(txn: lmdb.Transaction[bytes]) -> None:
+            txn.put(prefix + b"\xffa", b"\x00\x01", db=store.db["kv"])
+
+        store.environment.submit(damage)
+        with store.environment.read() as txn:
+            problems = integrity.scan(txn, store.db, 0.0)["kv"]
+        assert problems == ["reading it raised ValueError: a value record of 2 bytes, not at least 8"]
+        store.environment.submit(lambda txn: txn.put(prefix + b"\xffa", b"\x00" * 7 + b"\x09", db=store.db["kv"]))
+        with store.environment.read() as txn:
+            assert integrity.scan(txn, store.db, 0.0)["kv"] == ["keyed value b'a' is 5 bytes, its record says 9"]

@@ -39,6 +39,9 @@ class ValueRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> ValueRecord:
+        """A stored record; a ValueError (what the checks take as damage) for one that is not."""
+        if len(raw) < _SIZE.size:
+            raise ValueError(f"a value record of {len(raw)} bytes, not at least {_SIZE.size}")
         (size,) = _SIZE.unpack_from(raw)
         return cls(size, bytes(raw[_SIZE.size :]).decode())
 
