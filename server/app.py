@@ -44,6 +44,7 @@ from .rpc.replies import PassBytes, keep_reply_memory
 from .rpc.sample_stream import Confirmations
 from .rpc.service import ExperienceBufferService
 from .rpc.stalled_sends import StalledSends
+from .rpc.unreadable import UnreadableRequests
 from .store import Store, TableExtension
 from .store.schema.errors import ConfigError, Conflict, StoreError
 
@@ -160,6 +161,7 @@ class ExpbufServer:
         interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(self.metrics)]
         if config.tokens:
             interceptors.append(TokenAuth(config.tokens))
+        interceptors.append(UnreadableRequests())  # after the token's check, before any reads a request
         self.call_limits = call_limits(config)
         interceptors.append(self.call_limits)
         interceptors.append(PassBytes())

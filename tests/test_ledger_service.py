@@ -155,8 +155,13 @@ def test_claims_are_bound_to_the_token_that_took_them(start_server: Servers) -> 
         with pytest.raises(PermissionDeniedError):
             b.create_dataset("t", "other", 2)  # admin scope
         a.push([Experience(eid=prompt.eid(0), tokens=list(range(4)), prompt_length=2, reward=1.0)], table="t")
-        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+        with pytest.raises(PermissionDeniedError, match="claimed with another token") as sealed:
             b.seal(prompt.eid(0).tid, table="t")  # the group of a's claim: only a completes it
+        with pytest.raises(PermissionDeniedError, match="claimed with another token") as failed:
+            b.fail_runs([prompt.eid(1).uid], table="t")
+        # each refusal names its own call, not a push
+        assert "this Seal call changes nothing" in str(sealed.value) and "push" not in str(sealed.value)
+        assert "this FailRuns call changes nothing" in str(failed.value) and "push" not in str(failed.value)
         assert a.stats("t")["t"].groups_pending == 1
         assert a.seal(prompt.eid(0).tid, table="t") == 1
 

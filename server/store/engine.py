@@ -395,7 +395,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         failures = list(zip(uids, reasons or [""] * len(uids), strict=True))
 
         def op(tt: TableState) -> FailResult:
-            tt.holder = holder
+            tt.holder, tt.call = holder, "FailRuns"
             return groups.fail_runs(tt, failures)
 
         return self._in_table(table, op)
@@ -405,7 +405,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         a prompt's claimant completes its group)."""
 
         def op(tt: TableState) -> int:
-            tt.holder = holder
+            tt.holder, tt.call = holder, "Seal"
             return groups.seal(tt, group_id)
 
         return self._in_table(table, op)

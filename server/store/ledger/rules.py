@@ -329,7 +329,7 @@ class Ledger(TableExtension):
                     name, epoch, index, attempt = named
                     raise StaleAttempt(
                         f"group {gkey} is attempt {attempt} of prompt {name}/{epoch}/{index}, which no claim holds"
-                        " (not handed out): nothing of this push is stored; push the groups of the prompts you claim"
+                        f" (not handed out): {_unchanged(tt)}; push the groups of the prompts you claim"
                     )
                 continue
             (name, epoch, index, attempt), rec = found
@@ -338,12 +338,11 @@ class Ledger(TableExtension):
                 held = f"attempt {rec.attempt} is {rec.state}" if rec.state in (PENDING, CLAIMED) else rec.state
                 raise StaleAttempt(
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
-                    "nothing of this push is stored; claim a prompt again"
+                    f"{_unchanged(tt)}; claim a prompt again"
                 )
             if rec.holder != tt.holder:
                 raise Forbidden(
-                    f"group {clip(gkey)} is attempt {attempt} of {prompt}, claimed with another token: "
-                    "nothing of this push is stored"
+                    f"group {clip(gkey)} is attempt {attempt} of {prompt}, claimed with another token: {_unchanged(tt)}"
                 )
 
     def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
@@ -447,3 +446,8 @@ class Ledger(TableExtension):
         entry = read_group_entry(raw)
         rec = prompt_of(tt, *entry[:3])
         return None if rec is None else (entry, rec)
+
+
+def _unchanged(tt: TableState) -> str:
+    """What a refusal of the ledger's says the refused call did: nothing, naming the call."""
+    return "nothing of this push is stored" if tt.call == "push" else f"this {tt.call} call changes nothing"

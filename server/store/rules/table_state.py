@@ -97,6 +97,8 @@ class TableState:
         self.ahead: Ahead | None = None
         # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
         self.holder = ""
+        # The call that acts for `holder` (a push, or FailRuns, Seal), which the ledger's refusals name.
+        self.call = "push"
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
