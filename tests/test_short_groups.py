@@ -15,7 +15,7 @@ import pytest
 from expbuf.client import BufferClient, Experience, InvalidArgumentError
 from expbuf.client.errors import AlreadyExistsError, FailedPreconditionError
 from expbuf.server.store import Store
-from expbuf.server.store.schema.errors import ConfigError
+from expbuf.server.store.schema.errors import ConfigError, GroupClosed
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
@@ -176,10 +176,16 @@ def test_over_the_wire_the_reports_survive_a_restart_and_the_metrics_count_them(
     assert metrics[("expbuf_groups_dropped_total", (("reason", "short"), ("table", "wire")))] == 1
 
 
-def test_a_group_of_failed_runs_alone_is_dropped_however_it_ends_and_leaves_no_record(
+def test_a_group_of_failed_runs_alone_is_dropped_however_it_ends_and_remembered_until_its_tombstone_goes(
     store: Store, clock: Clock
 ) -> None:
-    store.create_table(TableConfig.of("none_ok", estimator="none", group_size=4, group_timeout_seconds=5))
+    """A group dropped short keeps its record as a tombstone, members or none (issue 63: one of
+    runs all reported failed was forgotten, so a later report of a fifth run, or a push of one of
+    its failed runs, opened a pending group that nothing completed): such calls are refused by
+    name until `tombstone_seconds`, after which the group is forgotten, as its members would be."""
+    store.create_table(
+        TableConfig.of("none_ok", estimator="none", group_size=4, group_timeout_seconds=5, tombstone_seconds=100)
+    )
     store.fail_runs("none_ok", [uid(0, 0)], [])  # a timeout: no member to release
     store.fail_runs("none_ok", [uid(1, 0)], [])  # a seal
     assert store.seal("none_ok", "1/1") == 0
@@ -193,8 +199,27 @@ def test_a_group_of_failed_runs_alone_is_dropped_however_it_ends_and_leaves_no_r
         0,
         0,
     )
-    assert group_record(store, "none_ok", "1/2") is None  # nothing was stored: no record to keep
+    for task in range(3):
+        assert group_record(store, "none_ok", f"1/{task}").state == "dropped"
+        with pytest.raises(GroupClosed, match=rf"group 1/{task} is already complete \(dropped\)"):
+            store.fail_runs("none_ok", [uid(task, 3 if task < 2 else 4)], [])  # a run it never had: a fifth
+        with pytest.raises(GroupClosed, match=rf"group 1/{task} is already complete \(dropped\)"):
+            store.put("none_ok", group_items(1, task, 1))  # one of its failed runs, pushed after all
+    assert store.stats("none_ok")["groups_pending"] == 0 and store.verify("none_ok") == []
+    clock.now += 101
+    store.tick()
+    assert group_record(store, "none_ok", "1/2") is None  # its tombstone gone: forgotten
     assert store.put("none_ok", group_items(1, 2, 1)).stored  # the group may start again
+
+
+def test_a_group_dropped_short_over_the_wire_refuses_a_later_report_and_a_push(client: BufferClient) -> None:
+    client.create_table("t", group_size=4, estimator="none")
+    assert client.fail_runs([uid(0, run) for run in range(4)], table="t").dropped_groups == ["1/0"]
+    with pytest.raises(FailedPreconditionError, match=r"group 1/0 is already complete \(dropped\)"):
+        client.fail_runs([uid(0, 4)], table="t")  # a fifth run
+    with pytest.raises(FailedPreconditionError, match=r"group 1/0 is already complete \(dropped\)"):
+        client.push(runs(0, [0]), table="t")  # one of its failed runs
+    assert client.stats("t")["t"].groups_pending == 0
 
 
 def test_a_short_group_the_zero_variance_filter_drops_is_reported_dropped(store: Store) -> None:

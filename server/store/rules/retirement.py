@@ -89,10 +89,8 @@ def retire(
             if uid in quarantined:
                 damaged.append((key, size))
         tt.move_group(gkey, grp, state)
-        if grp.members:
-            marks.append((stamp + gkey.encode(), b""))
-        else:  # a group of runs all reported failed: no tombstone to keep it, so no record either
-            tt.forget_group(gkey)
+        # its tombstone, members or none (runs all reported failed): a later report or push finds it complete
+        marks.append((stamp + gkey.encode(), b""))
     drop_payloads(tt, keys, sizes, places, nbytes, keep_blobs=keep)
     if keep:  # the quarantined members' payloads go all the same
         damaged.sort()
@@ -203,12 +201,15 @@ def prune_tombstones(tt: TableState, retired_before: float, limit: int = 10_000)
             found = cur.next()
     forgotten = 0
     for key in expired:
-        grp = tt.group(key[12:].decode())
+        gkey = key[12:].decode()
+        grp = tt.group(gkey)
         for uid in list(grp.members) if grp is not None else ():
             rec = tt.item(uid)
             if rec is not None and rec.state in RETIRED:
                 forget_tombstone(tt, uid, rec)
                 forgotten += 1
+        if grp is not None and not grp.members and grp.state in RETIRED:  # runs all reported failed
+            tt.forget_group(gkey)
         tt.txn.delete(key, db=tt.db["retired"])  # gone with the group's last member, or left by damage
     return forgotten
 

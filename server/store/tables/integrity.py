@@ -208,6 +208,7 @@ def verify(tt: TableState, *, strays: bool = True) -> list[str]:
             ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
         if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
             problems.append(f"pending group {gkey} is missing from the timeout index")
+    retired |= _memberless_marks(tt, {gkey for gkey, grp in groups.items() if grp.state in RETIRED and not grp.members})
     for key in sorted(retired):
         if txn.get(key, db=db["retired"]) is None:
             problems.append(f"retired group {key[12:].decode()} is missing from the retired index")
@@ -340,6 +341,22 @@ def _check_item(
     elif grp.state != state and not (state == QUARANTINED and grp.state == FAILED):
         problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
     return problems
+
+
+def _memberless_marks(tt: TableState, gkeys: set[str]) -> set[bytes]:
+    """The retired index's keys of retired groups without members (runs all reported failed,
+    their tombstones the groups' records alone); a key of one missing from the index, one that
+    says it is, at time 0."""
+    found: dict[str, bytes] = {}
+    if gkeys:
+        with tt.txn.cursor(db=tt.db["retired"]) as cur:
+            present = cur.set_range(tt.prefix)
+            while present and cur.key().startswith(tt.prefix):
+                gkey = bytes(cur.key()[12:]).decode(errors="replace")
+                if gkey in gkeys:
+                    found[gkey] = bytes(cur.key())
+                present = cur.next()
+    return {found.get(gkey) or tt.retired_key(gkey, 0.0) for gkey in gkeys}
 
 
 def _prefix_count(tt: TableState, name: str) -> int:
