@@ -4,6 +4,7 @@ in the same transaction. Real LMDB in a temporary directory; the store's clock i
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -378,3 +379,40 @@ def test_a_failed_run_of_an_attempt_whose_claim_ended_is_refused_as_its_push_wou
     with pytest.raises(StaleAttempt, match=r"attempt 0 of prompt math/0/0, whose claim ended"):
         store.fail_runs("t", [run], ["the worker died"])
     assert store.stats("t")["runs_failed"] == 0
+
+
+def test_a_claim_starts_an_epoch_only_once_every_prompt_two_epochs_before_is_done(store: Store) -> None:
+    """Issue 63: a claimant could start epochs it never trains (64 claims of 4,096 prompts of a
+    1-prompt dataset of 2**20 epochs started 262,144, and a read of the ledger read them all). The
+    cursor starts epoch e only once every prompt of epoch e - 2 is trained or dropped: claims run
+    at most two epochs at once, and a claim that meets the bound hands out what it has and waits."""
+    store.claims.create("t", DatasetRecord("one", size=1, epochs=2**20, max_attempts=1))
+    prompts, done = store.claims.claim("t", "one", 4096, seconds=60)
+    assert [p.epoch for p in prompts] == [0, 1] and not done
+    for _ in range(63):
+        assert store.claims.claim("t", "one", 4096, seconds=60) == ([], False)
+    assert len(ledger(store, "one").owned) <= 3  # the epochs a read of the ledger reads
+    store.claims.report("t", "one", [(0, 0, 0, [1.0, 0.0])])  # epoch 0 trained: epoch 2 may start
+    (third,), _ = store.claims.claim("t", "one", 4096, seconds=60)
+    assert third.epoch == 2
+    assert store.claims.claim("t", "one", 1, seconds=60) == ([], False)  # epoch 1 is claimed still
+    assert store.claims.release("t", "one", [(1, 0, 0)]) == 1  # its attempts spent: dropped, done too
+    (fourth,), _ = store.claims.claim("t", "one", 4096, seconds=60)
+    assert fourth.epoch == 3
+
+
+def test_a_claim_that_waits_at_the_epoch_bound_gets_the_next_epoch_once_one_trains(store: Store) -> None:
+    """A claim waiting at the bound wakes when the epoch two before it is done, as one waiting for
+    a prompt sent back does."""
+    store.claims.create("t", DatasetRecord("two", size=2, epochs=4))
+    first, _ = store.claims.claim("t", "two", 4, seconds=60)
+    assert sorted(p.epoch for p in first) == [0, 0, 1, 1]
+    waited: list[list[Claimed]] = []
+    waiter = threading.Thread(target=lambda: waited.append(store.claims.claim("t", "two", 4, seconds=60, wait=30)[0]))
+    waiter.start()
+    for prompt in first:
+        if prompt.epoch == 0:
+            store.put("t", items("two", prompt, range(2)))
+    store.sample(SampleSpec("t", num_groups=2))  # epoch 0 trained
+    waiter.join(60)
+    assert not waiter.is_alive() and waited and waited[0] and {p.epoch for p in waited[0]} == {2}

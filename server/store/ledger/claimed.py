@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 @dataclass
 class Walk:
     """The cursor's walk in one transaction of a claim: the ownership hashes it spent, the parts
-    of epochs a shard counted before the transaction (claims.py), by epoch, and the epoch whose
-    part it reached uncounted, where it stopped."""
+    of epochs a shard counted before the transaction (claims.py), by epoch, the epoch whose
+    part it reached uncounted, where it stopped, and the epoch it may not start yet (the one two
+    before it not done, hand_out.py), where the claim waits."""
 
     parts: Mapping[int, int] = field(default_factory=dict)
     hashes: int = 0
     uncounted: int | None = None
+    waiting: int | None = None
 
 
 @dataclass(frozen=True)

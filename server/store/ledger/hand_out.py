@@ -3,7 +3,14 @@ dataset's cursor through each epoch in its claim order (orders.py: the permutati
 prompts a shard does not own, or a difficulty order's draws, binned.py), past the prompts that
 sit the epoch out (zero_variance = "skip"), each at its first attempt whose group the table does
 not hold; and a prompt's record read and written there, as the ledger's rules (rules.py) read
-and write it."""
+and write it.
+
+The cursor starts an epoch only once every prompt of the epoch two before it is trained or
+dropped (`_may_start`): claims run at most two epochs at once, so a claimant that never trains
+what it claims cannot start epoch after epoch (each started epoch is a row a read of the ledger
+reads, and records `expbuf check` walks). A claim that meets the bound waits, as one that finds
+nothing to hand out does.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from .records import (
     Permutation,
     PromptRecord,
     counts_key,
+    decode_counts,
     encode_counts,
     group_key,
     prompt_key,
@@ -26,7 +34,7 @@ from .records import (
     unplace,
 )
 from .shards import owns
-from .states import DROPPED, PENDING
+from .states import DONE, DROPPED, PENDING
 
 # The ownership hashes (one a shard) a claim's cursor spends in one transaction stepping over a
 # shard's part of a dataset: with many shards, one prompt owned costs about shards**2 (1,024
@@ -58,7 +66,7 @@ def hand_out(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple[in
         free = _untaken(tt, ds, epoch, index, attempt)
         if free is not None:
             yield epoch, index, free
-    if ds.cursor_epoch < ds.epochs:
+    if ds.cursor_epoch < ds.epochs and walk.waiting is None:
         yield None
 
 
@@ -97,6 +105,9 @@ def _candidates(tt: TableState, ds: DatasetRecord, walk: Walk) -> Iterator[tuple
     permutations: dict[int, Permutation] = {}
     while ds.cursor_epoch < ds.epochs and walk.hashes < STEP_HASHES:
         epoch = ds.cursor_epoch
+        if not ds.cursor_position and not _may_start(tt, ds, epoch):
+            walk.waiting = epoch
+            return
         if order.bins and epoch:
             taken = binned.take(tt, ds, order, epoch)
             if taken is None:
@@ -136,6 +147,17 @@ def _skip(tt: TableState, ds: DatasetRecord, epoch: int, index: int) -> None:
     put_prompt(tt, ds.name, epoch, index, rec)
     ds.count(epoch, DROPPED, 1)
     ds.skipped += 1
+
+
+def _may_start(tt: TableState, ds: DatasetRecord, epoch: int) -> bool:
+    """Whether the cursor may start `epoch`: every prompt of the epoch two before it (this
+    server's part of it, on a shard) trained or dropped, its moves in this transaction counted."""
+    if epoch < 2:
+        return True
+    raw = tt.txn.get(counts_key(tt.table_id, ds.name, epoch - 2), db=tt.db["ledger"])
+    owned, row = (ds.size, {}) if raw is None else decode_counts(raw)
+    moved = ds.moved.get(epoch - 2, {})
+    return sum(row.get(state, 0) + moved.get(state, 0) for state in DONE) >= owned
 
 
 def _start(tt: TableState, ds: DatasetRecord, epoch: int, walk: Walk) -> bool:
