@@ -76,7 +76,14 @@ class Backend(Protocol):
     def release_holds(self) -> int: ...
     def get_payload(self, table: str, uids: Sequence[str], limit: int | None = None) -> tuple[bytes, list[str]]: ...
     def get_partials(
-        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False
+        self,
+        table: str,
+        tids: Sequence[str],
+        uids: Sequence[str] = (),
+        limit: int = 0,
+        *,
+        alone: bool = False,
+        holder: str = "",
     ) -> tuple[bytes, list[str]]: ...
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False

@@ -22,6 +22,7 @@ from expbuf.client.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
+    PermissionDeniedError,
     ResourceExhaustedError,
 )
 from expbuf.client.rollout_pieces import continuation, split
@@ -393,3 +394,75 @@ def test_get_partials_of_a_server_without_read_partials_falls_back_to_the_unary_
     with serving(older) as target, BufferClient(target, timeout=10) as client:
         (got,) = client.get_partials(["0/0"], table="t")
     assert torch.equal(got.tokens, piece.tokens) and older.asked == [["0/0"]]
+
+
+def test_with_tokens_a_prompts_pieces_are_its_claimants_to_read_and_to_push_again(start_server: Servers) -> None:
+    """Issue 63: GetPartials and ReadPartials served any task's pieces to any push token, under
+    another token's claim too, and a push of a piece answered its duplicate and offset checks
+    before the claim's: another token got OK for a copy, and an ALREADY_EXISTS naming the
+    claimant's progress. With tokens on, a prompt's pieces are read by its claimant alone (after a
+    claim ends, by the next attempt's), and a piece from another token is refused before it is
+    compared with what the buffer holds, a copy of a finished rollout's too."""
+    scopes = frozenset({"push", "sample", "admin"})
+    server = start_server(tokens={"a": scopes, "b": scopes})
+    target = f"127.0.0.1:{server.port}"
+    with BufferClient(target, token="a", timeout=20) as a, BufferClient(target, token="b", timeout=20) as b:
+        a.create_table("t", group_size=2, estimator="none")
+        a.create_dataset("t", "d", 2)
+        (prompt,) = a.claim("t", "d", 1, lease_seconds=60).prompts
+        tid = f"{prompt.batch}/{prompt.task}"
+        first, second, last = split(rollout(prompt.task, 0, prompt.batch), [4, 8])
+        assert a.push([first], table="t").partial == [first.eid.uid]
+        with pytest.raises(PermissionDeniedError, match=rf"task {tid} .*claimed with another token"):
+            b.get_partials([tid], table="t")
+        metadata = (("authorization", "Bearer b"),)
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.ExperienceBufferStub(channel)
+            for request in (
+                pb.GetPartialsRequest(table="t", task_ids=[tid]),
+                pb.GetPartialsRequest(table="t", uids=[first.eid.uid]),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.GetPartials(request, metadata=metadata, timeout=20)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            b.push([first], table="t")  # a copy: no longer answered as a duplicate
+        with pytest.raises(PermissionDeniedError, match="claimed with another token") as ahead:
+            b.push([last], table="t")  # at an offset the buffer does not hold
+        assert "holds" not in str(ahead.value)  # nothing of the claimant's progress
+        (held,) = a.get_partials([tid], table="t")
+        assert held.tokens.numel() == PROMPT + 4
+        assert a.push([second], table="t").partial == [second.eid.uid]
+        done = a.push([last, rollout(prompt.task, 1, prompt.batch, reward=0.0)], table="t")
+        assert done.completed_groups == [tid]
+        assert a.push([last], table="t").duplicates == [last.eid.uid]  # its claimant's retry: a duplicate
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            b.push([last], table="t")  # another token's copy of the finished rollout
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            b.push([rollout(prompt.task, 1, prompt.batch, reward=0.0)], table="t")  # a copy pushed whole
+
+        (other,) = a.claim("t", "d", 1, lease_seconds=60).prompts  # a claim that ends: its pieces carried
+        piece, _ = split(rollout(other.task, 0, other.batch), [4])
+        assert a.push([piece], table="t").partial == [piece.eid.uid]
+        assert a.release_claims([other]) == 1
+        nxt = f"{other.batch}/{other.index}@1"
+        for reader in (a, b):  # no claim holds the next attempt: no one reads them
+            with pytest.raises(PermissionDeniedError, match="which no claim holds"):
+                reader.get_partials([nxt], table="t")
+        (again,) = b.claim("t", "d", 1, lease_seconds=60).prompts
+        assert (again.index, again.attempt) == (other.index, 1)
+        (carried,) = b.get_partials([nxt], table="t")  # the next attempt's claimant
+        assert carried.tokens.numel() == PROMPT + 4
+        with pytest.raises(PermissionDeniedError, match="claimed with another token"):
+            a.get_partials([nxt], table="t")
+
+
+def test_without_tokens_any_caller_reads_any_tasks_pieces(client: BufferClient) -> None:
+    client.create_table("t", group_size=2, estimator="none")
+    client.create_dataset("t", "d", 1)
+    (prompt,) = client.claim("t", "d", 1, lease_seconds=60).prompts
+    first, _ = split(rollout(prompt.task, 0, prompt.batch), [4])
+    client.push([first], table="t")
+    assert client.release_claims([prompt]) == 1  # carried to attempt 1, which no claim holds yet
+    (held,) = client.get_partials([f"{prompt.batch}/{prompt.index}@1"], table="t")
+    assert held.tokens.numel() == PROMPT + 4

@@ -58,7 +58,7 @@ class ReadCalls:
     @refusals
     def GetPartials(self, request: pb.GetPartialsRequest, context: grpc.ServicerContext) -> pb.GetReply:
         limit = self._reply_limit(request, "GetPartialsRequest")
-        payload, rest = self._partials(request, limit, alone=False)
+        payload, rest = self._partials(request, limit, context, alone=False)
         return pb.GetReply(payload=payload, missing_uids=rest)
 
     @refusals
@@ -66,7 +66,7 @@ class ReadCalls:
         """GetPartials' rollouts as one SampleReply, in parts when large: for a client that takes
         parts (max_reply_bytes), a rollout larger than its limit comes alone."""
         parts, limit = request.max_reply_bytes > 0, self._reply_limit(request, "GetPartialsRequest")
-        payload, rest = self._partials(request, limit, alone=parts)
+        payload, rest = self._partials(request, limit, context, alone=parts)
         try:
             yield from payload_reply(payload, rest, limit, parts)
         except ReplyTooLarge as exc:
@@ -79,11 +79,15 @@ class ReadCalls:
                 Reason.TOO_LARGE,
             )
 
-    def _partials(self, request: pb.GetPartialsRequest, limit: int, *, alone: bool) -> tuple[bytes, list[str]]:
+    def _partials(
+        self, request: pb.GetPartialsRequest, limit: int, context: grpc.ServicerContext, *, alone: bool
+    ) -> tuple[bytes, list[str]]:
         """The payload of the rollouts held in pieces that a request names, as many as a reply of
-        `limit` bytes holds (with `alone`, the first one whatever its size), and the uids of the others."""
+        `limit` bytes holds (with `alone`, the first one whatever its size), and the uids of the
+        others; with tokens on, a prompt's only to the token that holds its claim."""
         tids, uids = ids_of(request.task_ids, "task_ids"), ids_of(request.uids, "uids")
-        return self.store.get_partials(request.table or "default", tids, uids, limit, alone=alone)
+        table = request.table or "default"
+        return self.store.get_partials(table, tids, uids, limit, alone=alone, holder=self._owner(context))
 
     def _reply_limit(self, request: pb.GetPartialsRequest | pb.ReadFieldsRequest, name: str) -> int:
         """The bytes a reply may take: the client's max_reply_bytes within the server's largest message."""

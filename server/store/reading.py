@@ -46,12 +46,19 @@ class ReadCalls:
         return self.reads.payload(table, uids, limit)
 
     def get_partials(
-        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False
+        self,
+        table: str,
+        tids: Sequence[str],
+        uids: Sequence[str] = (),
+        limit: int = 0,
+        *,
+        alone: bool = False,
+        holder: str = "",
     ) -> tuple[bytes, list[str]]:
         """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, as they stand,
-        within `limit` bytes (0: all; `alone`: the first whatever its size), and those left out
-        (Reads.partials)."""
-        return self.reads.partials(table, tids, uids, limit, alone=alone)
+        within `limit` bytes (0: all; `alone`: the first whatever its size), and those left out;
+        `holder` is who reads, a prompt's only while it holds the prompt's claim (Reads.partials)."""
+        return self.reads.partials(table, tids, uids, limit, alone=alone, holder=holder)
 
     def read_fields(
         self, table: str, uids: Sequence[str], shares: Shares | None = None, *, whole: bool = False

@@ -322,7 +322,7 @@ class Ledger(TableExtension):
         if not self.holds(tt):
             return
         for gkey in gkeys:
-            found = self._entry(tt, gkey)
+            found = _entry(tt, gkey)
             if found is None:
                 named = read_group_key(gkey)
                 if named is not None and tt.txn.get(dataset_key(tt.table_id, named[0]), db=tt.db["ledger"]):
@@ -340,16 +340,24 @@ class Ledger(TableExtension):
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
                     f"{_unchanged(tt)}; claim a prompt again"
                 )
-            if rec.holder != tt.holder:
-                raise Forbidden(
-                    f"group {clip(gkey)} is attempt {attempt} of {prompt}, claimed with another token: {_unchanged(tt)}"
-                )
+            _same_holder(tt, gkey, found)
+
+    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        """A copy of what a prompt's group holds is its claimant's to send again (a retry, its
+        group complete or trained since): another token's is refused, as its push would be,
+        before it hears what the group holds. An attempt whose claim ended keeps no claimant."""
+        if not self.holds(tt):
+            return
+        for gkey in gkeys:
+            found = _entry(tt, gkey)
+            if found is not None and found[1].attempt == found[0][3] and found[1].holder:
+                _same_holder(tt, gkey, found)
 
     def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
         """A group completed: its prompt, claimed by this attempt, is generated."""
         if was != GROUP_PENDING or not self.holds(tt):
             return
-        found = self._entry(tt, gkey)
+        found = _entry(tt, gkey)
         if found is None:
             return
         (name, epoch, index, attempt), rec = found
@@ -372,7 +380,7 @@ class Ledger(TableExtension):
             return
         loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
         for gkey, grp in groups:
-            found = self._entry(tt, gkey)
+            found = _entry(tt, gkey)
             if found is None:
                 continue
             (name, epoch, index, attempt), rec = found
@@ -437,15 +445,52 @@ class Ledger(TableExtension):
         if rec.expires:
             tt.txn.delete(expiry_key(tt.table_id, rec.expires, name, epoch, index), db=tt.db["ledger"])
 
-    def _entry(self, tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], PromptRecord] | None:
-        """The prompt whose attempt a group is, and that prompt's record; None for a group of
-        no prompt."""
-        raw = tt.txn.get(group_entry_key(tt.table_id, gkey), db=tt.db["ledger"]) if len(gkey) <= 400 else None
-        if raw is None:
-            return None
-        entry = read_group_entry(raw)
-        rec = prompt_of(tt, *entry[:3])
-        return None if rec is None else (entry, rec)
+
+def _entry(tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], PromptRecord] | None:
+    """The prompt whose attempt a group is, and that prompt's record; None for a group of no
+    prompt."""
+    raw = tt.txn.get(group_entry_key(tt.table_id, gkey), db=tt.db["ledger"]) if len(gkey) <= 400 else None
+    if raw is None:
+        return None
+    entry = read_group_entry(raw)
+    rec = prompt_of(tt, *entry[:3])
+    return None if rec is None else (entry, rec)
+
+
+def _same_holder(tt: TableState, gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord]) -> None:
+    """Refuse a call into the group of a prompt's attempt (`found`, its entry and record) made
+    with another token than the one that claimed it."""
+    (name, epoch, index, attempt), rec = found
+    if rec.holder != tt.holder:
+        raise Forbidden(
+            f"group {clip(gkey)} is attempt {attempt} of prompt {name}/{epoch}/{index}, claimed with another token: "
+            f"{_unchanged(tt)}"
+        )
+
+
+def check_reader(tt: TableState, tids: Sequence[str], holder: str) -> None:
+    """With tokens on (a `holder`), the rollouts held in pieces of a prompt's attempt are read by
+    its claimant alone (pieces a claim that ended left go to the next attempt, read by whoever
+    claims it): a read naming the task of an attempt claimed with another token, or of one no
+    claim holds, is refused (Forbidden), whatever it holds. A task of no prompt is anyone's."""
+    if not holder:
+        return
+    for tid in dict.fromkeys(tids):
+        named = read_group_key(tid)  # an attempt not claimed yet has no group entry: its key says whose it is
+        if named is None or tt.txn.get(dataset_key(tt.table_id, named[0]), db=tt.db["ledger"]) is None:
+            continue
+        name, epoch, index, attempt = named
+        rec = prompt_of(tt, name, epoch, index)
+        if rec is not None and rec.state == CLAIMED and rec.attempt == attempt:
+            if rec.holder == holder:
+                continue
+            why = "claimed with another token"
+        else:
+            why = "which no claim holds"
+        raise Forbidden(
+            f"the rollouts held in pieces of task {clip(tid)} are attempt {attempt} of prompt "
+            f"{name}/{epoch}/{index}, {why}: only its claimant reads them"
+        )
 
 
 def _unchanged(tt: TableState) -> str:

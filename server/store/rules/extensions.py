@@ -32,6 +32,11 @@ class TableExtension:
         look at them): an extension may refuse it by raising a StoreError, and then nothing
         of it is stored."""
 
+    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        """A push sends again what these groups hold already (duplicates, answered as stored, and
+        pieces of rollouts held or finished): an extension may refuse it as on_push may a new one,
+        before the push hears it was a copy."""
+
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         """A push stored these new experiences (duplicates and stale ones excluded)."""
 
@@ -69,6 +74,10 @@ class Extensions:
     def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
         for ext in self._all:
             ext.on_push(tt, gkeys)
+
+    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
+        for ext in self._all:
+            ext.on_resend(tt, gkeys)
 
     def on_insert(self, tt: TableState, uids: Sequence[str]) -> None:
         for ext in self._all:

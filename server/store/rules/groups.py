@@ -45,6 +45,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
         raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
     fresh: dict[str, Entry] = {}
+    copies: dict[str, None] = {}  # the groups of the duplicates
     for entry in entries:
         known = fresh.get(entry.uid)
         if known is not None:
@@ -59,6 +60,9 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
         if not same:
             raise Conflict(f"uid {entry.uid} already exists with different content")
         result.duplicates.append(entry.uid)
+        copies[entry.group_key(tt.config.grouping.by)] = None
+    if copies:  # a copy is answered as stored only to whoever may push its group
+        tt.extensions.on_resend(tt, list(copies))
     _check_rewards(tt, fresh.values())
     _check_eids(tt, fresh.values())
     by_group: dict[str, list[Entry]] = defaultdict(list)

@@ -6,7 +6,9 @@ partial never reaches a sample, a read or an estimator.
 Stored per table in the `partials` database: T + uid + NUL -> the rollout's head (JSON: the
 tokens and response tokens held, each piece's offset and digest, the tensors later pieces append
 to, what its version segments say so far), and T + uid + NUL + piece number (u32) -> the piece as
-the store packs an experience. A piece is checked against the head alone in the writer (the
+the store packs an experience. A piece meets its group's claim first (the table's extensions: with
+the prompt ledger only the claimant's token pushes, or sends again, a prompt's pieces), so no one
+else hears what the buffer holds of it; then it is checked against the head alone in the writer (the
 pieces before it are read only when the last one comes): it must continue at the tokens held (a
 piece sent again, at an offset held with the same bytes, is a duplicate; any other offset is
 refused, Conflict), carry what the rollout appends to, and its segments follow. The rollout put
@@ -134,9 +136,12 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) 
             taken.entries.append(entry)
             continue
         offset, more = entry.piece
-        if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again
+        gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
+        if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
+            tt.extensions.on_resend(tt, [gkey])
             taken.duplicates.append(entry.uid)
             continue
+        tt.extensions.on_push(tt, [gkey])  # a claim's checks first: no one else hears what the buffer holds
         head = _head(tt, entry.uid)
         held = 0 if head is None else head.tokens
         if head is not None and offset < held and (offset, entry.digest.hex(), entry.size) in head.pieces:
@@ -147,8 +152,6 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) 
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
                 f"{held} of its tokens: each piece continues at the tokens held (get_partials() says how many)"
             )
-        gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
-        tt.extensions.on_push(tt, [gkey])
         if tt.config.grouping.size:
             _open_group(tt, gkey)
         (item,) = parse(entry.blob, trusted=True)

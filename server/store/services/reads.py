@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from expbuf.client.schema.balance import ModelShape, split_groups
+from expbuf.client.schema.routing import uid_group_key
 from expbuf.client.trxp.build import build
 from expbuf.client.trxp.columns import Shares
 from expbuf.client.trxp.common import RawItem
@@ -27,6 +28,7 @@ from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
+from ..ledger.rules import check_reader
 from ..rules import partials
 from ..rules.counters import Counters
 from ..rules.read_check import Unservable, payload_problem, serve_problem
@@ -86,16 +88,25 @@ class Reads:
         return found
 
     def partials(
-        self, table: str, tids: Sequence[str], uids: Sequence[str] = (), limit: int = 0, *, alone: bool = False
+        self,
+        table: str,
+        tids: Sequence[str],
+        uids: Sequence[str] = (),
+        limit: int = 0,
+        *,
+        alone: bool = False,
+        holder: str = "",
     ) -> tuple[bytes, list[str]]:
         """A TRXP batch of the rollouts of tasks `tids` and of `uids` held in pieces, each put
         together as it stands and marked partial (rules/partials.py), read from a snapshot, off the
         writer; with `limit`, as many as a reply of that many bytes holds with the names of the
         others, which are returned to ask for again. A first one too large for the reply comes
-        `alone` (for a reply in parts), or is refused, TooLarge."""
+        `alone` (for a reply in parts), or is refused, TooLarge. With tokens on, `holder` reads a
+        prompt's only while it holds the prompt's claim (ledger.check_reader)."""
         table_id, config = self.catalog.lookup(table)
         with self.environment.read() as txn:
             tt = self.catalog.state(txn, table_id, config)
+            check_reader(tt, [*tids, *(uid_group_key(uid, "task") or uid for uid in uids)], holder)
             held = partials.held(tt, tids, uids)
             budget = limit - _FRAMING - sum(len(uid.encode()) + 4 for uid, _ in held) if limit else 0
             items: list[RawItem] = []
