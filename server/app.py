@@ -128,6 +128,7 @@ class ExpbufServer:
                 scrub_interval_seconds=config.scrub_interval_seconds,
                 batch_stage=finish_batch,
                 extensions=extensions,
+                max_push_bytes=config.max_push_bytes,
             )
         except (StoreError, OSError, lmdb.Error) as exc:
             raise StartupError(f"data directory {config.data}: {exc}") from None

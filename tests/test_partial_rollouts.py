@@ -6,10 +6,12 @@ pieces to the prompt's next claimant, who continues them, and the group trains o
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -29,10 +31,13 @@ from expbuf.client.rollout_pieces import continuation, split
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Store
+from expbuf.server.store.disk import chunked
+from expbuf.server.store.disk.kinds import Entry, Push
+from expbuf.server.store.schema.errors import Conflict
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import Servers
-from helpers import make_experience, scrape, serving
+from helpers import make_experience, scrape, servers, serving
 from test_store import Clock
 
 PROMPT, RESPONSE = 5, 12
@@ -466,3 +471,186 @@ def test_without_tokens_any_caller_reads_any_tasks_pieces(client: BufferClient) 
     assert client.release_claims([prompt]) == 1  # carried to attempt 1, which no claim holds yet
     (held,) = client.get_partials([f"{prompt.batch}/{prompt.index}@1"], table="t")
     assert held.tokens.numel() == PROMPT + 4
+
+
+WIDE = 1024  # routing ids a token: a rollout of 8,192 tokens takes about 8 MiB
+
+
+def long_rollout(task: int | str = 0, run: int = 0, response: int = 8192, batch: int | str = 0) -> Experience:
+    """A long agentic rollout with wide routing data: larger than a chunk (chunk_heads.CHUNK_BYTES)."""
+    length = PROMPT + response
+    generator = torch.Generator().manual_seed(run)
+    mask = torch.ones(response, dtype=torch.bool)
+    mask[::7] = False
+    return Experience(
+        eid=EID(batch=batch, task=task, run=run, suffix="r"),
+        tokens=torch.randint(0, 50_000, (length,), dtype=torch.int32, generator=generator),
+        prompt_length=PROMPT,
+        logprobs=-torch.rand(response, generator=generator),
+        action_mask=mask,
+        routed_experts=torch.randint(0, 255, (length, WIDE), dtype=torch.uint8, generator=generator),
+        reward=float(run),
+        info={"model_version": 3, "version_segments": [[3, 0], [4, 4000]]},
+    )
+
+
+def read_back(store: Store, table: str, uid: str) -> Experience:
+    (got,) = trxp.decode(store.get(table, [uid])[uid])
+    return got
+
+
+@pytest.mark.parametrize("how", ["each alone", "in one push", "in one stream", "compressed"])
+def test_a_large_rollout_is_put_together_off_the_writer_as_a_staged_chunk_set(tmp_path: Path, how: str) -> None:
+    """Issue 63: the last piece put the whole rollout together in the writer (every piece copied and
+    parsed, merged, packed, parsed again, in the push's transaction). A rollout larger than a
+    chunk is read from snapshots into a staged chunk set off the writer, a chunk at a time
+    (Pushing.stage), and stored as the experience pushed whole: equal field by field, its generated
+    tokens counted, its check clean, no staged set left."""
+    whole = long_rollout()
+    pieces = [trxp.from_experience(p) for p in split(whole, [3000, 6000, 8191])]  # the last: one token
+    staged: list[int] = []
+    with Store(tmp_path / "data", map_size=1 << 28) as store:
+        settings = {"compression": "zstd"} if how == "compressed" else {}
+        store.create_table(TableConfig.of("t", estimator="none", group_size=1, **settings))
+        stage = store.pushing.stage
+        store.pushing.stage = lambda *args, **kwargs: (staged.append(args[2]), stage(*args, **kwargs))[1]  # type: ignore[method-assign]
+        if how == "in one push":
+            done = store.put("t", pieces)
+        elif how == "in one stream":  # a PushStream's pushes, taken by the writer together: the last waits for them
+            *held, done = store.pushing.put_in_order([Push("t", [Entry.of(piece)]) for piece in pieces], timeout=30)
+            assert [result.partial for result in held] == [[whole.eid.uid]] * 3
+        else:
+            for piece in pieces[:-1]:
+                assert store.put("t", [piece]).partial == [piece.uid]
+            done = store.put("t", pieces[-1:])
+        assert done.stored == [whole.eid.uid] and done.completed_groups == ["0/0"]
+        assert staged == list(range(len(staged))) and len(staged) >= 2  # its section, chunk after chunk
+        same(read_back(store, "t", whole.eid.uid), whole)
+        stats = store.stats("t")
+        assert (stats["partials"], stats["partial_bytes"], stats["pieces_pushed"]) == (0, 0, 4)
+        record = store._in_table("t", lambda tt: tt.item(whole.eid.uid))
+        assert record.generated == int(whole.action_mask.sum()) and record.size > 8 << 20
+        with store.environment.read() as txn:
+            assert chunked.staged_sets(txn, store.environment.db) == 0
+        assert store.verify("t") == []
+        assert store.put("t", pieces[-1:]).duplicates == [whole.eid.uid]  # sent again: a duplicate
+
+
+def test_a_large_rollouts_assembly_does_not_hold_the_writer(tmp_path: Path) -> None:
+    """While a large rollout's last piece puts it together (paused at its first chunk), a push into
+    another table goes through the writer and returns: the writer is not held for the copy."""
+    whole = long_rollout()
+    first, last = (trxp.from_experience(p) for p in split(whole, [8191]))
+    started, other_done = threading.Event(), threading.Event()
+    with Store(tmp_path / "data", map_size=1 << 28) as store:
+        store.create_table(TableConfig.of("big", estimator="none", group_size=1))
+        store.create_table(TableConfig.of("small", estimator="none", group_size=1))
+        store.put("big", [first])
+        stage = store.pushing.stage
+
+        def paused(*args: object, **kwargs: object) -> object:
+            if not started.is_set():
+                started.set()
+                assert other_done.wait(60), "the other push did not come through while the rollout was copied"
+            return stage(*args, **kwargs)  # type: ignore[arg-type]
+
+        store.pushing.stage = paused  # type: ignore[method-assign]
+        results: list[object] = []
+        last_push = threading.Thread(target=lambda: results.append(store.put("big", [last])))
+        last_push.start()
+        while not started.is_set() and last_push.is_alive():
+            started.wait(0.05)
+        assert started.is_set(), "the rollout was not put together as a staged chunk set"
+        small = trxp.from_experience(make_experience(1, 0, 0))
+        assert store.put("small", [small]).stored == [small.uid]  # through the writer, the copy under way
+        other_done.set()
+        last_push.join(60)
+        assert not last_push.is_alive() and results and results[0].stored == [whole.eid.uid]  # type: ignore[attr-defined]
+        same(read_back(store, "big", whole.eid.uid), whole)
+
+
+def test_pieces_that_change_while_their_rollout_is_put_together_leave_nothing_staged(tmp_path: Path) -> None:
+    """A rollout whose pieces go while its last piece's push copies them (its run reported failed)
+    is not stored: the last piece is refused as it would have been (no tokens held), and the chunk
+    set it staged is dropped."""
+    whole = long_rollout()
+    first, last = (trxp.from_experience(p) for p in split(whole, [8191]))
+    with Store(tmp_path / "data", map_size=1 << 28) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2))
+        store.put("t", [first])
+        stage = store.pushing.stage
+        failed: list[object] = []
+
+        def failing(*args: object, **kwargs: object) -> object:
+            if not failed:
+                failed.append(store.fail_runs("t", [whole.eid.uid], []))  # its pieces go
+            return stage(*args, **kwargs)  # type: ignore[arg-type]
+
+        store.pushing.stage = failing  # type: ignore[method-assign]
+        with pytest.raises(Conflict, match="but the buffer holds 0 of its tokens"):
+            store.put("t", [last])
+        assert failed and store.stats("t")["partials"] == 0
+        with store.environment.read() as txn:
+            assert chunked.staged_sets(txn, store.environment.db) == 0
+        assert store.verify("t") == []
+
+
+def test_a_rollout_in_pieces_is_bounded_by_the_largest_push_and_the_tables_capacity(start_server: Servers) -> None:
+    """Issue 63: nothing bounded a rollout in pieces but capacity_bytes (a blocking table waited for
+    room it could never have). Each piece is checked: the one with which its rollout would take
+    more than the server's max_push_bytes (the largest push: the rollout is one experience), or
+    the table's capacity_bytes, is refused RESOURCE_EXHAUSTED naming the bound, nothing stored."""
+    server = start_server(max_push_bytes=1 << 20)
+    whole = long_rollout(response=2400, run=0)  # about 2.5 MB: 2.5 MiB of routing ids in pieces of 0.4
+    with BufferClient(f"127.0.0.1:{server.port}", timeout=30) as client:
+        client.create_table("t", group_size=1, estimator="none")
+        client.create_table("small", group_size=1, estimator="none", capacity_bytes=700_000)
+        pieces = split(whole, list(range(400, 2400, 400)))
+        stored = 0
+        with pytest.raises(ResourceExhaustedError, match=r"more than 1048576, the server's max_push_bytes") as refused:
+            for piece in pieces:
+                assert client.push([piece], table="t").partial == [whole.eid.uid]
+                stored += 1
+        assert f"rollout {whole.eid.uid} held in pieces would take" in str(refused.value)
+        assert refused.value.reason == "too_large"
+        assert 0 < stored < len(pieces)
+        (held,) = client.get_partials(["0/0"], table="t")  # the pieces before it, as they were
+        assert held.tokens.numel() == PROMPT + 400 * stored
+        with pytest.raises(ResourceExhaustedError, match="table 'small''s capacity_bytes"):
+            for piece in pieces:
+                client.push([piece], table="small")
+        assert client.stats("t")["t"].pushed == 0
+
+
+ROLLOUT_MIB = 192  # the rollout of the memory test, in pieces of 8 MiB
+
+
+def memory(pid: int, figure: str) -> int:
+    """A memory figure of a process's /proc status (VmRSS, VmHWM: its peak), in bytes."""
+    return int(re.search(rf"{figure}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) << 10  # type: ignore[union-attr]
+
+
+def test_the_servers_memory_to_put_a_large_rollout_together_is_bounded_by_its_chunks(tmp_path: Path) -> None:
+    """Issue 63: a 480 MB rollout finished by a one-token piece took +1,402 MB of the server's
+    memory (every piece copied, merged, packed, in the writer). Put together off the writer, a
+    chunk at a time, its peak RSS grows by a few chunks (and the map pages read since the last
+    ones given back), not by the rollout: here under half the rollout's size."""
+    size = ROLLOUT_MIB << 20
+    response = size // (WIDE + 9)
+    whole = long_rollout(response=response)
+    pieces = split(whole, [*range(8192, response - 1, 8192), response - 1])  # the last: one token
+    with servers() as start:
+        server = start(str(tmp_path / "data"))
+        pid = server.proc.pid
+        with BufferClient(server.target, timeout=300) as client:
+            client.create_table("huge", group_size=1, estimator="none")
+            for piece in pieces[:-1]:
+                assert client.push([piece], table="huge").partial == [whole.eid.uid]
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again from here
+            before = memory(pid, "VmRSS")
+            assert client.push(pieces[-1:], table="huge").stored == [whole.eid.uid]
+            grown = memory(pid, "VmHWM") - before
+            (got,) = client.get([whole.eid.uid], table="huge")
+        assert server.proc.poll() is None, "".join(server.log)
+    same(got, whole)
+    assert grown < size // 2, f"the server grew {grown >> 20} MiB to put together a rollout of {ROLLOUT_MIB} MiB"

@@ -83,13 +83,15 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         scrub_interval_seconds: float = 86400.0,
         batch_stage: FinishBatch | None = None,
         extensions: Mapping[str, type[TableExtension]] | None = None,
+        max_push_bytes: int = 16 << 30,
     ) -> None:
         """`batch_stage` finishes the advantages of a table with a batch stage over each batch
         taken, where the reply is built (server/batch_stage.finish_batch, which the server
         gives): the storage engine computes with no torch. A store without one refuses to
         take a batch of such a table. `extensions` registers table extension kinds by name
         before the tables are read (`register_extension`): a stored table naming a kind not
-        registered fails the open, naming the table and the kind."""
+        registered fails the open, naming the table and the kind. `max_push_bytes` is the largest
+        push the server takes: a rollout held in pieces takes no more (rules/partials.py)."""
         self.environment = Environment(
             path, map_size=map_size, max_map_size=max_map_size, batch_limit=batch_limit, migrate=migrate
         )
@@ -122,7 +124,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         self.sampling = Sampling(self.environment, self.catalog, random.Random(seed), batch_stage, self.builds)
         self.upkeep = Upkeep(self.environment.env, self.catalog)
         self.claims = Claims(self.environment, self.catalog, self.ledger, self.upkeep.mark)
-        self.pushing = Pushing(self.environment, self.catalog, self._state_in, self.builds)
+        self.pushing = Pushing(self.environment, self.catalog, self._state_in, self.builds, max_push_bytes)
         self.reads = Reads(self.environment, self.catalog, self.quarantine, batch_stage)
         self.values = Values(self.environment, self.catalog)
         self._last_computed = 0  # the table whose backlog was read last (tables take turns)

@@ -62,6 +62,7 @@ class Entry:
     segments: tuple[int, ...] = ()  # per-token policy versions, flattened (client/trxp/segments.py)
     piece: tuple[int, bool] | None = None  # a piece of a partial rollout: its offset, more to come (partial.py)
     chunks: tuple[bytes, ...] = ()  # with a head for blob: its chunks, compressed off the writer (chunked.compressed)
+    together: PutTogether | None = None  # a last piece's rollout, put together off the writer (rules/partials.py)
 
     @classmethod
     def of(cls, item: RawItem) -> Entry:
@@ -118,6 +119,17 @@ class Entry:
     def group_key(self, group_by: str) -> str:
         key: str = getattr(self, GROUP_KEY_OF[group_by])
         return key
+
+
+@dataclass(frozen=True, slots=True)
+class PutTogether:
+    """A large rollout held in pieces, put together off the writer as a staged chunk set by its
+    last piece's push (services/assembly.py): the last piece as pushed, and the pieces (offset,
+    digest, size) the rollout was put together with, which it must still hold when the writer
+    stores it in their place (rules/partials.py)."""
+
+    piece: Entry
+    pieces: tuple[tuple[int, str, int], ...]
 
 
 @dataclass(slots=True)

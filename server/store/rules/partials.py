@@ -1,7 +1,17 @@
 """Partial rollouts held in pieces (client/trxp/partial.py says what a piece is): stored as they
 are pushed, each durable when its push returns, and put together into one experience when the
-last piece comes, in that push's transaction; only then does the rollout join its group. A
+last piece comes, stored by that push's transaction; only then does the rollout join its group. A
 partial never reaches a sample, a read or an estimator.
+
+A rollout may take at most the bytes of the largest push (the server's max_push_bytes: the
+experience it makes is one), and of the table's capacity_bytes where it has one: the piece that
+would pass that is refused, TooLarge, and nothing of its push stored. A rollout whose pieces take
+more than LARGE is put together off the writer: the writer, its checks passed, asks for it
+(`OffWriter`), the push reads the pieces from snapshots (`plan`, `read_section`) into a staged
+chunk set as a push in chunks stages a large experience (services/assembly.py), and the writer
+then stores that experience in their place, once it finds the rollout holds the pieces it was put
+together from (`PutTogether`): no transaction holds the rollout whole, nor the writer for its
+copy. A smaller one is put together in the writer.
 
 Stored per table in the `partials` database: T + uid + NUL -> the rollout's head (JSON: the
 tokens and response tokens held, each piece's offset and digest, the tensors later pieces append
@@ -23,25 +33,35 @@ under the next attempt's uids as they are), so whoever claims the prompt next ge
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 import json
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import lmdb
+
 from expbuf.client.schema.routing import uid_group_key
 from expbuf.client.trxp import partial
-from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.common import RawItem, TrxpError
-from expbuf.client.trxp.parse import parse
+from expbuf.client.trxp.build import pack_head, pack_item
+from expbuf.client.trxp.common import RawItem, RawTensor, TrxpError, count_nonzero
+from expbuf.client.trxp.parse import head_length, parse, parse_head
+from expbuf.client.trxp.pieces import Bytes
 
 from ..disk import digests
+from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord
-from ..schema.errors import Conflict, GroupClosed, InvalidPayload, clip
+from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 from .table_state import TableState, missing
 
 _PIECE = struct.Struct(">I")
+# A rollout whose pieces take more is put together off the writer, as a staged chunk set: its
+# section is stored in chunks anyway (chunked.py), and a copy of it would hold the writer.
+LARGE = CHUNK_BYTES
 
 
 @dataclass
@@ -124,10 +144,21 @@ def _size(head: Head) -> int:
     return sum(size for _, _, size in head.pieces)
 
 
-def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) -> Taken:
+class OffWriter(Exception):
+    """Raised in the writer by a last piece whose rollout is LARGE and was not put together off the
+    writer from the pieces it holds (or was, from others: they changed since): the push is to put
+    it together (services/assembly.py) and come again. Nothing of the push is kept."""
+
+    def __init__(self, uid: str) -> None:
+        super().__init__(f"rollout {uid} is put together off the writer")
+        self.uid = uid
+
+
+def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int) -> Taken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
     piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
-    the table for each piece stored (capacity.py), as the rollout it finishes makes for itself."""
+    the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
+    rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`)."""
     taken = Taken()
     for entry in entries:
         if entry.piece is None:
@@ -136,6 +167,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) 
             taken.entries.append(entry)
             continue
         offset, more = entry.piece
+        piece = entry if entry.together is None else entry.together.piece  # the piece as pushed
         gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
         if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
             tt.extensions.on_resend(tt, [gkey])
@@ -144,7 +176,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) 
         tt.extensions.on_push(tt, [gkey])  # a claim's checks first: no one else hears what the buffer holds
         head = _head(tt, entry.uid)
         held = 0 if head is None else head.tokens
-        if head is not None and offset < held and (offset, entry.digest.hex(), entry.size) in head.pieces:
+        if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
             taken.duplicates.append(entry.uid)
             continue
         if offset != held:
@@ -152,17 +184,35 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None]) 
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
                 f"{held} of its tokens: each piece continues at the tokens held (get_partials() says how many)"
             )
+        bounded(tt, entry.uid, (0 if head is None else _size(head)) + piece.size, most)
         if tt.config.grouping.size:
             _open_group(tt, gkey)
-        (item,) = parse(entry.blob, trusted=True)
+        (item,) = parse(piece.blob, trusted=True)
         if more:
-            room(entry.size)
+            room(piece.size)
         finished = _add(tt, entry, item, head, more)
         if finished is None:
             taken.stored.append(entry.uid)
         else:
             taken.entries.append(finished)
     return taken
+
+
+def bounded(tt: TableState, uid: str, size: int, most: int) -> None:
+    """Refuse (TooLarge) a piece with which its rollout would take `size` bytes, more than `most`
+    (the largest push: the server's max_push_bytes) or the table's capacity_bytes."""
+    capacity = tt.config.capacity.bytes
+    if size <= most and not (capacity and size > capacity):
+        return
+    bound, what = (
+        (capacity, f"table '{tt.config.name}''s capacity_bytes")
+        if capacity and capacity < most
+        else (most, "the server's max_push_bytes, the largest push it takes (EXPBUF_MAX_PUSH_BYTES)")
+    )
+    raise TooLarge(
+        f"rollout {clip(uid)} held in pieces would take {size} bytes with this piece, more than {bound}, {what}: "
+        "a rollout in pieces is one experience once put together; nothing of this push is stored"
+    )
 
 
 def _open_group(tt: TableState, gkey: str) -> None:
@@ -179,10 +229,10 @@ def _open_group(tt: TableState, gkey: str) -> None:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")
 
 
-def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: bool) -> Entry | None:
-    """One piece into its rollout: stored, or, the last, put together with those before it into the
-    entry of the rollout finished (its pieces dropped)."""
-    where = f"rollout {clip(entry.uid)}, piece at token {head.tokens if head else 0}"
+def _follows(uid: str, head: Head | None, item: RawItem) -> partial.Versions:
+    """A piece checked against its rollout's head (None: a first piece), InvalidPayload naming
+    what does not follow; the rollout's versions once it is added."""
+    where = f"rollout {clip(uid)}, piece at token {head.tokens if head else 0}"
     try:
         if head is None and not item.tensors["tokens"].shape[0]:
             raise TrxpError(f"{where}: a first piece has the prompt and the tokens so far; this one has no tokens")
@@ -190,26 +240,42 @@ def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: b
             if item.meta.get("prompt_length", 1) != 0:
                 raise TrxpError(f"{where}: a piece that continues a rollout has no prompt (prompt_length 0)")
             partial.follows(where, head.layout, item)
-        versions = (head.versions if head else partial.Versions()).after(where, item)
+        return (head.versions if head else partial.Versions()).after(where, item)
     except TrxpError as exc:
         raise InvalidPayload(str(exc)) from None
-    tt.counters.pieces_pushed += 1
+
+
+def _grown(head: Head | None, piece: Entry, item: RawItem, versions: partial.Versions) -> Head:
+    """The head of a rollout once a piece that more follow is added."""
     if head is None:  # a first piece (offset 0), so more follow: one without is pushed whole (partial.mark_of)
         tokens, response = item.tensors["tokens"].shape[0], partial.response_of(item)
-        first = Head(tokens, response, [(0, entry.digest.hex(), entry.size)], partial.layout(item), versions)
-        _write(tt, entry.uid, first, 0, entry.blob)
-        tt.counters.partials += 1
-        tt.counters.partial_bytes += entry.size
-        return None
+        return Head(tokens, response, [(0, piece.digest.hex(), piece.size)], partial.layout(item), versions)
+    grown = item.tensors["tokens"].shape[0]
+    pieces = [*head.pieces, (head.tokens, piece.digest.hex(), piece.size)]
+    return Head(head.tokens + grown, head.response + grown, pieces, head.layout, versions)
+
+
+def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: bool) -> Entry | None:
+    """One piece into its rollout: stored, or, the last, put together with those before it into the
+    entry of the rollout finished (its pieces dropped): here, or for a LARGE rollout off the writer
+    (OffWriter; `entry.together` once it was, from the pieces the rollout holds)."""
+    piece = entry if entry.together is None else entry.together.piece
+    versions = _follows(entry.uid, head, item)
+    tt.counters.pieces_pushed += 1
     if more:
-        grown = item.tensors["tokens"].shape[0]
-        head.pieces.append((head.tokens, entry.digest.hex(), entry.size))
-        head.tokens += grown
-        head.response += grown
-        head.versions = versions
-        _write(tt, entry.uid, head, len(head.pieces) - 1, entry.blob)
-        tt.counters.partial_bytes += entry.size
+        grown = _grown(head, piece, item, versions)
+        _write(tt, entry.uid, grown, len(grown.pieces) - 1, piece.blob)
+        if head is None:
+            tt.counters.partials += 1
+        tt.counters.partial_bytes += piece.size
         return None
+    assert head is not None, "a last piece continues a rollout held (take checked its offset)"
+    if _size(head) + piece.size > LARGE:
+        if entry.together is None or list(entry.together.pieces) != head.pieces:
+            raise OffWriter(entry.uid)
+        drop(tt, entry.uid)
+        return dataclasses.replace(entry, piece=None, together=None)
+    where = f"rollout {clip(entry.uid)}, piece at token {head.tokens}"
     finished = _checked(where, partial.merge([*_pieces(tt, entry.uid, head), item]))
     drop(tt, entry.uid)
     return finished
@@ -223,6 +289,158 @@ def _checked(where: str, item: RawItem) -> Entry:
     except TrxpError as exc:
         raise InvalidPayload(f"{where}: the rollout put together is refused: {exc}") from None
     return Entry.staged(checked, blob, digests.of(blob), len(blob), checked.generated_tokens)
+
+
+# A span of a rollout's section as it is put together: the piece it is read from (a stored piece's
+# number, or the payload of one of the push's own), and where in that piece's payload.
+Span = tuple[int | Bytes, int, int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A LARGE rollout to be put together off the writer, as read from a snapshot: the head it was
+    read with (which must not change while its section is copied), the pieces it is put together
+    from as the head will list them, its payload up to its tensor section (pack_head), that
+    section's spans in order (and where each ends in it), the experience it makes (its tensors'
+    data left out), checked as a push checks one, and that experience's response tokens under its
+    action mask."""
+
+    head: bytes
+    pieces: tuple[tuple[int, str, int], ...]
+    prefix: list[bytes | memoryview]
+    spans: list[Span]
+    ends: list[int]
+    item: RawItem
+    generated: int
+
+    @property
+    def section_len(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+
+def head_key(prefix: bytes, uid: str) -> bytes:
+    """The key of a rollout's head in the partials database, under its table's prefix."""
+    return prefix + uid.encode() + b"\0"
+
+
+def plan(
+    txn: lmdb.Transaction[memoryview],
+    db: lmdb._Database,
+    key: bytes,
+    last: Entry,
+    earlier: Sequence[Entry],
+    read: Callable[[int], None],
+) -> Plan | None:
+    """How to put together the rollout that the last piece `last` finishes, its head under `key`,
+    after this push's `earlier` entries of the same uid (pieces the writer stores before it), from
+    a read transaction: pieces' heads parsed, their tensors' data left where it is (`read(size)`
+    hears of each stored piece read, for its pages in the map). None where the
+    rollout is not as the writer will find it (gone, or not at the last piece's offset: the writer
+    says why); InvalidPayload where the rollout put together is refused."""
+    raw = txn.get(key, db=db)
+    head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
+    head = None if raw is None else Head.decode(head_raw)
+    sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
+    hollow: list[RawItem] = []
+    masked = 0
+    for number in range(0 if head is None else len(head.pieces)):
+        blob = txn.get(key + _PIECE.pack(number), db=db)
+        if blob is None:
+            return None
+        masked += _hollow(number, blob, sources, hollow)
+        read(len(blob))
+    for piece in [*earlier, last]:
+        if piece.piece is None:  # pushed whole before it: the pieces it replaces are gone
+            return None
+        offset, tokens = piece.piece[0], 0 if head is None else head.tokens
+        if head is not None and offset < tokens and (offset, piece.digest.hex(), piece.size) in head.pieces:
+            continue  # sent again: the writer takes it as a duplicate
+        if offset != tokens:
+            return None
+        (item,) = parse(piece.blob, trusted=True)
+        versions = _follows(piece.uid, head, item)
+        masked += _hollow(piece.blob, piece.blob, sources, hollow)
+        if piece is not last:
+            head = _grown(head, piece, item, versions)
+    if head is None:  # no rollout to finish: the writer says so
+        return None
+    merged = partial.merge(hollow)
+    prefix, order = pack_head(merged)
+    section: list[Span] = []
+    for name in order:
+        for source, start, places in sources if name in head.layout else sources[:1]:
+            low, high = places[name]
+            section.append((source, start + low, start + high))
+    ends = list(itertools.accumulate(end - start for _, start, end in section))
+    size = sum(map(len, prefix)) + (ends[-1] if ends else 0)
+    try:
+        (checked,), _ = parse_head(b"".join(prefix), size, received=size)
+    except TrxpError as exc:
+        where = f"rollout {clip(last.uid)}, piece at token {head.tokens}"
+        raise InvalidPayload(f"{where}: the rollout put together is refused: {exc}") from None
+    generated = masked if "action_mask" in merged.tensors else checked.response_length
+    pieces = tuple((offset, digest, size) for offset, digest, size in head.pieces)
+    return Plan(head_raw, pieces, prefix, section, ends, checked, generated)
+
+
+def _hollow(
+    source: int | Bytes,
+    blob: Bytes,
+    sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]],
+    hollow: list[RawItem],
+) -> int:
+    """A piece's payload read for a plan: its item with its tensors' data left out (onto `hollow`),
+    where each tensor's data lies in it (onto `sources`); returns its action mask's tokens set."""
+    view = memoryview(blob)
+    start = head_length(view, len(view))
+    (item,), places = parse_head(view[:start], len(view), received=len(view))
+    spans = {name: (low, high) for low, high, _, name in places}
+    sources.append((source, start, spans))
+    hollow.append(RawItem(item.meta, {name: RawTensor(t.dtype, t.shape, b"") for name, t in item.tensors.items()}))
+    mask = item.tensors.get("action_mask")
+    if mask is None:
+        return 0
+    low, high = spans["action_mask"]
+    return count_nonzero(RawTensor(mask.dtype, mask.shape, view[start + low : start + high]))
+
+
+def read_section(
+    txn: lmdb.Transaction[memoryview],
+    db: lmdb._Database,
+    key: bytes,
+    planned: Plan,
+    at: int,
+    out: bytearray,
+    read: Callable[[int], None],
+) -> bool:
+    """Fill `out` with the planned rollout's section from byte `at`, its stored pieces read in this
+    transaction (`read(size)` hears of each); False, `out` unfilled, where the rollout's head is not
+    the one planned from (its pieces changed)."""
+    raw = txn.get(key, db=db)
+    if (b"" if raw is None else bytes(raw)) != planned.head:
+        return False
+    index = bisect.bisect_right(planned.ends, at)
+    filled = 0
+    blobs: dict[int, Bytes] = {}
+    while filled < len(out) and index < len(planned.spans):
+        source, start, end = planned.spans[index]
+        begin = planned.ends[index] - (end - start)  # the span's place in the section
+        skip = at + filled - begin
+        take = min(end - start - skip, len(out) - filled)
+        if isinstance(source, int):
+            if source not in blobs:
+                found = txn.get(key + _PIECE.pack(source), db=db)
+                if found is None:
+                    return False
+                blobs[source] = found
+                read(len(found))
+            blob = blobs[source]
+        else:
+            blob = source
+        out[filled : filled + take] = memoryview(blob)[start + skip : start + skip + take]
+        filled += take
+        index += 1
+    return filled == len(out)
 
 
 def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[tuple[str, int]]:

@@ -18,6 +18,10 @@ refuses it at once otherwise.
 Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
 push completes get their advantages in its transaction, computed before it where the push's
 groups can be foreseen (pushed_advantages.py).
+
+A last piece of a large rollout held in pieces has its rollout put together off the writer when
+the writer asks for it (partials.OffWriter: services/assembly.py), and its push tried again; a
+rollout may take `max_push_bytes` at most (the largest push: the server's).
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, groups, limiter, partials, pushed_advantages
 from ..rules.table_state import TableState
-from ..schema.errors import InsertLimited, NotFound, TableFull
+from ..schema.errors import Conflict, InsertLimited, NotFound, TableFull
 from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog
+from . import assembly
 from .index_builds import IndexBuilds
 
 SET_BLOCK = 1024  # chunk set numbers reserved at a time
+TOGETHER_TRIES = 4  # a rollout put together off the writer whose pieces changed meanwhile, again
 # A table's state in the writer's transaction, by table id and configuration (Store._state_in).
 StateIn = Callable[["lmdb.Transaction[bytes]", int, TableConfig], TableState]
 
@@ -71,9 +77,11 @@ class Pushing:
         catalog: TableCatalog,
         state_in: StateIn,
         builds: IndexBuilds,
+        max_push_bytes: int = 16 << 30,
     ) -> None:
         self.environment, self.catalog, self._state_in, self.builds = environment, catalog, state_in, builds
         self.in_push: Callable[[TableConfig], Compute | None] | None = None
+        self.max_push_bytes = max_push_bytes  # the largest push; a rollout in pieces takes no more (the server's)
         self._sets_lock = threading.Lock()
         self._sets = (0, 0)  # the chunk set numbers reserved and not handed out yet: [first, end)
 
@@ -109,6 +117,26 @@ class Pushing:
                 unready = exc
                 break
         since, held = start, False  # when the first push of `todo` was first tried; whether a rate limit held it
+        staged: dict[str, list[int]] = {}  # by table: the sets of the rollouts put together off the writer
+        try:
+            yield from self._in_turn(todo, since, held, deadline, may_wait, staged)
+        finally:
+            for table, sets in staged.items():
+                self.drop_staged(table, sets)  # those of the pushes that did not store them
+        if unready is not None:
+            raise unready
+
+    def _in_turn(
+        self,
+        todo: deque[_Ready],
+        since: float,
+        held: bool,
+        deadline: float,
+        may_wait: MayWait | None,
+        staged: dict[str, list[int]],
+    ) -> Iterator[PutResult]:
+        """put_in_order's turns at the writer, each taking the pushes of `todo` that store."""
+        together = 0  # the rollouts put together off the writer for the first push of `todo`
         while todo:
             generation = self.environment.generation
             now = time.monotonic()
@@ -118,11 +146,20 @@ class Pushing:
                 todo.popleft()
                 yield result
             if done:
-                since, held = time.monotonic(), False
+                since, held, together = time.monotonic(), False, 0
             if stop is None:
                 continue
             if isinstance(stop, IndexBuilding):  # nothing was kept: tried again once the index is built
                 self.builds.wait(stop)
+                continue
+            if isinstance(stop, partials.OffWriter):  # nothing was kept: tried again with the rollout put together
+                together += 1
+                if together > TOGETHER_TRIES + len(todo[0].push.entries):
+                    raise Conflict(
+                        f"rollout {stop.uid}'s pieces changed each time its last piece's rollout was put together; "
+                        "push the last piece again"
+                    )
+                self._together(todo[0], stop.uid, staged)
                 continue
             if isinstance(stop, TableFull):
                 if todo[0].config.capacity.when_full != "block" or final:
@@ -139,8 +176,23 @@ class Pushing:
                     raise type(stop)(f"{stop}; the push may not wait: {refused}")
                 may_wait = None
             self.environment.wait_for_change(generation, deadline)
-        if unready is not None:
-            raise unready
+
+    def _together(self, ready: _Ready, uid: str, staged: dict[str, list[int]]) -> None:
+        """Put together off the writer the rollout that the last piece of `uid` in a push finishes
+        (assembly.put_together), the push's entry made the experience it makes; where its rollout
+        is not as planned, the piece is left as pushed, for the writer to say what it finds."""
+        entries = list(ready.push.entries)
+        at = next(n for n, e in enumerate(entries) if e.uid == uid and e.piece is not None and not e.piece[1])
+        together = entries[at].together
+        last = entries[at] if together is None else together.piece
+        earlier = [e for e in entries[:at] if e.uid == uid]
+        made = assembly.put_together(self, ready.push.table, ready.table_id, last, earlier)
+        if made is None:
+            entries[at] = last
+        else:
+            entries[at] = made[0]
+            staged.setdefault(ready.push.table, []).append(made[1])
+        ready.push.entries = entries
 
     def new_chunk_set(self) -> int:
         """A chunk set number for a section a push in chunks stages, never used before: taken
@@ -249,7 +301,8 @@ class Pushing:
                 ahead = ready.ahead if table_id == ready.table_id else None
                 tt = self._state_in(child, table_id, config)
                 tt.holder = ready.push.holder
-                result = self._put(tt, ready.push.entries, final, blocked if not done else 0.0, self.in_push, ahead)
+                blocked_for = blocked if not done else 0.0
+                result = self._put(tt, ready.push.entries, final, blocked_for, self.in_push, ahead, self.max_push_bytes)
             except Exception as exc:
                 if child is not txn:
                     child.abort()
@@ -271,11 +324,13 @@ class Pushing:
         blocked: float,
         in_push: Callable[[TableConfig], Compute | None] | None,
         ahead: Ahead | None,
+        most: int,
     ) -> PutResult | InsertLimited:
         """Store entries, or the rate limit that holds them (with the time it held them,
         counted when it lets them go or at the deadline). With `in_push`, the groups the push
         completes get their advantages in its transaction where it gives the table a computation
-        (`ahead`: computed before it, for the groups the push was expected to complete)."""
+        (`ahead`: computed before it, for the groups the push was expected to complete). A rollout
+        in pieces takes `most` bytes at most (partials.take)."""
         has_pieces = any(e.piece is not None for e in entries)
         # the pieces of partial rollouts are not inserts: the rollouts they finish are
         held = limiter.insert_limit(
@@ -286,7 +341,11 @@ class Pushing:
             tt.save()
         if held is not None:
             return held
-        pieces = partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set())) if has_pieces else None
+        pieces = (
+            partials.take(tt, entries, lambda size: capacity.make_room(tt, 0, size, set()), most)
+            if has_pieces
+            else None
+        )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
         tt.compute = in_push(tt.config) if in_push is not None else None
         tt.ahead = ahead
