@@ -304,6 +304,7 @@ class TableStats:
     # count against capacity_bytes with the experiences' bytes.
     values: int
     value_bytes: int
+    staged_bytes: int  # bytes pushes in chunks in progress staged on disk, not yet stored: within capacity_bytes
     # What reward shaping and the advantage clip did.
     overlong_penalised: int
     rewards_seen: int

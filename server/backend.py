@@ -23,6 +23,7 @@ from .store.ledger.records import DatasetRecord
 from .store.schema.sample_spec import SampleSpec
 from .store.schema.table_config import TableConfig
 from .store.services.claims import PromptPage
+from .store.services.staged import StagedShare
 from .store.tables.admission import Grant
 from .store.tables.browse import Page
 
@@ -58,6 +59,7 @@ class Backend(Protocol):
         self, table: str, set_id: int, index: int, chunk: bytes | memoryview, level: int | None = None
     ) -> Future[None]: ...
     def drop_staged(self, table: str, set_ids: Sequence[int]) -> None: ...
+    def open_staged(self, table: str, nbytes: int, timeout: float) -> StagedShare: ...
     def sample(
         self,
         spec: SampleSpec,

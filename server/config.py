@@ -18,7 +18,7 @@ may also declare tables (created at start, or checked against the stored ones):
     sample_scope_workers = 16     # workers kept for sample-scope calls (default: a quarter)
     push_stream_idle_seconds = 120  # a PushStream that sends nothing this long is ended
     push_stream_window = 8        # pushes a PushStream reads and stores ahead of its replies
-    push_min_mb_per_second = 0.1  # a push in chunks slower than this on average is ended
+    push_min_mb_per_second = 0.1  # a push in chunks slower than this over an idle time is ended
     max_wait_seconds = 600        # the longest a Sample batch, an Admit, a Claim or a push waits
     max_confirm_seconds = 600     # the longest a sent batch waits for its confirmation (default: max_wait_seconds)
     max_inflight_bytes = 1073741824  # payload bytes pushes and PutValues in progress may hold; more wait or are refused
@@ -118,8 +118,8 @@ class ServerConfig:
     # Pushes a PushStream has read and not yet answered: while the writer stores some, the stream
     # reads and parses the next, and the next step stores all it parsed in one commit (rpc/push_stream.py).
     push_stream_window: int = 8
-    # A push in chunks must come at this many MB (10^6 bytes) a second on average, after a grace of
-    # push_stream_idle_seconds, or it is ended: it holds a worker and the room it announced (rpc/push_memory.py).
+    # A push in chunks must bring this many MB (10^6 bytes) a second over every push_stream_idle_seconds
+    # after its first, or it is ended: it holds a worker, the room it announced and what it staged (rpc/push_memory.py).
     push_min_mb_per_second: float = 0.1
     # The longest a Sample batch, a waiting Admit or Claim, or a push waiting for room waits.
     max_wait_seconds: float = 600.0

@@ -1,14 +1,19 @@
 """A push in chunks whose large items are staged as it arrives (server/rpc/ingest.Stager): stored
 as the same experiences as a push read whole, mixed with small items; a refused one (another
 content under a stored uid, a table that does not exist) and a duplicate leave nothing staged;
-the server holds a push's staging, not the push, against max_inflight_bytes."""
+the server holds a push's staging, not the push, against max_inflight_bytes; what pushes stage
+fits in their table's capacity_bytes, shows in its stats, and a push that drips is ended by what
+it brought lately."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import lmdb
 import pytest
 import torch
@@ -20,12 +25,17 @@ from expbuf.client import (
     DataLossError,
     NotFoundError,
     ResourceExhaustedError,
+    trxp,
 )
+from expbuf.client.rpc.wire import reason_of
 from expbuf.client.schema.reasons import Reason
+from expbuf.proto.v1 import buffer_pb2 as pb
+from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store.disk import chunk_heads
+from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 from expbuf.server.store.disk.environment import Environment
 
-from helpers import ServerProcess, make_experience, servers
+from helpers import ServerProcess, make_experience, scrape, servers
 
 RESPONSE = 2_000_000  # about 18 MB an experience: five chunks of the store
 CHUNK = 1 << 20  # the client's chunks, smaller than the store's
@@ -202,3 +212,154 @@ def test_a_push_larger_than_max_push_bytes_is_refused_at_its_first_chunk(tmp_pat
             assert client.push([smaller], table="t").stored == [smaller.eid.uid]
         stopped(server)
     assert counts(tmp_path / "data") == {"chunks": 3, "staged": 0, "blobs": 1}
+
+
+def staged_bytes(client: BufferClient, table: str) -> int:
+    return client.stats(table)[table].staged_bytes
+
+
+def wait_for(what: Callable[[], bool], failure: str) -> None:
+    deadline = time.monotonic() + 60
+    while not what():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
+def raw_push(
+    target: str, payload: bytes, table: str, sent: int, then: Callable[[], Iterator[pb.PushRequest]]
+) -> tuple[grpc.Channel, Iterator[pb.PushReply]]:
+    """A PushStream of `payload` in chunks of CHUNK: its first `sent` chunks, then what `then` yields."""
+    parts = [payload[at : at + CHUNK] for at in range(0, len(payload), CHUNK)]
+
+    def messages() -> Iterator[pb.PushRequest]:
+        yield pb.PushRequest(table=table, seq=1, payload=parts[0], total_bytes=len(payload))
+        for part in parts[1:sent]:
+            yield pb.PushRequest(payload=part)
+        yield from then()
+
+    channel = grpc.insecure_channel(target)
+    return channel, pb_grpc.ExperienceBufferStub(channel).PushStream(messages(), timeout=120)
+
+
+def test_a_staged_push_larger_than_capacity_bytes_is_refused_at_its_first_chunk_staging_nothing(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """What a push stages is written to disk before its commit, which alone checked the table's
+    capacity: an 18 MB push into a table of 16 MiB wrote all of itself first. Now it is refused
+    at its first chunk, naming the setting, the data file not grown by a chunk of it."""
+    big, small = make_experience("c", 0, 0, response=RESPONSE), make_experience("c", 1, 0, response=RESPONSE // 3)
+    with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+        client.create_table("t", group_size=1, capacity_bytes=16 << 20)
+        before = client.server_info().storage_bytes
+        with pytest.raises(ResourceExhaustedError) as refused:
+            client.push([big], table="t")
+        assert refused.value.reason == Reason.TOO_LARGE, refused.value
+        assert "capacity_bytes = 16777216" in str(refused.value) and "nothing of it is stored" in str(refused.value)
+        assert client.server_info().storage_bytes - before < CHUNK_BYTES  # it staged 18 MB before
+        assert staged_bytes(client, "t") == 0
+        assert client.push([small], table="t").stored == [small.eid.uid]
+    stopped(server)
+    assert counts(tmp_path / "data") == {"chunks": 2, "staged": 0, "blobs": 1}  # the small push's alone
+
+
+def test_staged_pushes_share_capacity_bytes_and_show_in_stats_and_metrics(tmp_path: Path) -> None:
+    """A push staging into an evicting table of 30 MiB counts its 18 MB against it from its first
+    chunk: its staged bytes show in Stats and the metrics while it stages, and a second such push
+    waits for room beside it (here 8 s, half the idle time), then is refused naming capacity_bytes,
+    having staged nothing. Once the first is stored the second is (its commit evicts the first),
+    and nothing shows staged."""
+    first, second = make_experience("a", 0, 0, response=RESPONSE), make_experience("b", 0, 0, response=RESPONSE)
+    env = {"EXPBUF_PUSH_STREAM_IDLE_SECONDS": "16", "EXPBUF_PUSH_MIN_MB_PER_SECOND": "0.001"}
+    with servers() as start:
+        server = start(str(tmp_path / "data"), env=env)
+        go = threading.Event()
+        with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+            client.create_table("t", group_size=1, capacity_bytes=30 << 20, when_full="evict")
+
+            def rest() -> Iterator[pb.PushRequest]:
+                go.wait(60)
+                payload = trxp.encode([first])
+                for at in range(10 * CHUNK, len(payload), CHUNK):
+                    yield pb.PushRequest(payload=payload[at : at + CHUNK])
+
+            channel, call = raw_push(server.target, trxp.encode([first]), "t", 10, rest)
+            with channel:
+                try:
+                    wait_for(lambda: staged_bytes(client, "t") == 2 * CHUNK_BYTES, "the first push staged no chunk")
+                    gauge = scrape(server.metrics_port)[("expbuf_staged_bytes", (("table", "t"),))]
+                    assert gauge == 2 * CHUNK_BYTES
+                    with pytest.raises(ResourceExhaustedError) as refused:
+                        client.push([second], table="t")
+                    assert refused.value.reason == Reason.TABLE_FULL, refused.value
+                    assert "capacity_bytes = 31457280" in str(refused.value), refused.value
+                    assert staged_bytes(client, "t") == 2 * CHUNK_BYTES  # the second staged nothing
+                finally:
+                    go.set()
+                assert [len(reply.stored_uids) for reply in call] == [1]
+            assert staged_bytes(client, "t") == 0
+            assert client.push([second], table="t").stored == [second.eid.uid]
+            stats = client.stats("t")["t"]
+            assert (stats.ready, stats.evicted, stats.staged_bytes) == (1, 1, 0)
+            assert scrape(server.metrics_port)[("expbuf_staged_bytes", (("table", "t"),))] == 0
+        stopped(server)
+    assert counts(tmp_path / "data")["staged"] == 0
+
+
+def test_a_staged_push_into_a_full_blocking_table_waits_for_room_then_is_refused_staging_nothing(
+    tmp_path: Path,
+) -> None:
+    """In block mode what is left of capacity_bytes is less what the table holds, which only its
+    consumers free: a push that does not fit waits for room before it stages anything, is
+    refused naming the setting once its wait ends, and is stored once the table has room."""
+    first, second = make_experience("a", 0, 0, response=RESPONSE), make_experience("b", 0, 0, response=RESPONSE)
+    with servers() as start:
+        server = start(str(tmp_path / "data"), env={"EXPBUF_PUSH_STREAM_IDLE_SECONDS": "4"})
+        with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+            client.create_table("t", group_size=1, capacity_bytes=30 << 20)
+            assert client.push([first], table="t").stored
+            before = client.server_info().storage_bytes
+            with pytest.raises(ResourceExhaustedError) as refused:
+                client.push([second], table="t")
+            assert refused.value.reason == Reason.TABLE_FULL, refused.value
+            assert "capacity_bytes = 31457280" in str(refused.value), refused.value
+            assert client.server_info().storage_bytes - before < CHUNK_BYTES
+            (batch,) = client.sample("t", num_groups=1, max_batches=1, timeout=30, delivery="consume")
+            assert batch.uids == [first.eid.uid]
+            assert client.push([second], table="t").stored == [second.eid.uid]
+        stopped(server)
+
+
+def test_a_staged_push_that_drips_after_most_of_its_bytes_is_ended_by_what_it_brought_lately(
+    tmp_path: Path,
+) -> None:
+    """A push that sends 16 of its 18 MB at once, then 16 bytes every 0.2 s, keeps every chunk
+    coming within the idle time. Its allowance was taken from the size it announced (here 2 s +
+    18 MB at 0.1 MB/s: three minutes, 47 hours for 16 GiB), so it held what it staged that long;
+    now it must bring 0.1 MB/s over every 2 s (push_stream_idle_seconds) after its first, and it
+    is ended DEADLINE_EXCEEDED naming the setting, its staged chunks dropped."""
+    pushed = make_experience("d", 0, 0, response=RESPONSE)
+    payload = trxp.encode([pushed])
+    dripping = threading.Event()
+
+    def drip() -> Iterator[pb.PushRequest]:
+        dripping.set()
+        for at in range(16 * CHUNK, min(len(payload) - 1, 16 * CHUNK + 16 * 300), 16):  # a minute of it
+            time.sleep(0.2)
+            yield pb.PushRequest(payload=payload[at : at + 16])
+
+    with servers() as start:
+        server = start(str(tmp_path / "data"), env={"EXPBUF_PUSH_STREAM_IDLE_SECONDS": "2"})
+        with BufferClient(server.target, timeout=120) as client:
+            client.create_table("t", group_size=1)
+            channel, call = raw_push(server.target, payload, "t", 16, drip)
+            with channel:
+                assert dripping.wait(60)
+                with pytest.raises(grpc.RpcError) as ended:
+                    list(call)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value.details()
+            assert reason_of(ended.value.trailing_metadata()) == Reason.TOO_SLOW
+            assert "push_min_mb_per_second = 0.1 over every push_stream_idle_seconds = 2" in ended.value.details()
+            assert "EXPBUF_PUSH_MIN_MB_PER_SECOND" in ended.value.details()
+            assert staged_bytes(client, "t") == 0 and client.stats("t")["t"].pushed == 0
+        stopped(server)
+    assert counts(tmp_path / "data") == {"chunks": 0, "staged": 0, "blobs": 0}

@@ -30,7 +30,7 @@ class Reason(StrEnum):
     STALE = "stale"  # an experience older than the table's staleness bound (on_stale = refuse)
     STALE_ATTEMPT = "stale_attempt"  # a push into the group of a prompt's attempt that no claim holds
     GROUP_INCOMPLETE = "group_incomplete"  # a group retired as trained before it is complete
-    TABLE_FULL = "table_full"  # the table is at its capacity and blocks (when_full = block)
+    TABLE_FULL = "table_full"  # the table is at its capacity and blocks (when_full = block), or pushes stage it full
     TOO_LARGE = "too_large"  # a message, payload or reply over the server's bound, or a reply over the client's
     STORAGE_FULL = "storage_full"  # the data directory's map or disk is full
     RATE_LIMITED = "rate_limited"  # the table's rate limiter holds the push or the sample

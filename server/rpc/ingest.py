@@ -37,6 +37,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -54,6 +55,7 @@ from ..store import Entry
 from ..store.disk.chunk_heads import CHUNK_BYTES
 from ..store.disk.chunked import Staging
 from ..store.schema.errors import InvalidPayload
+from ..store.services.staged import StagedShare
 
 log = logging.getLogger("expbuf.ingest")
 
@@ -420,10 +422,10 @@ class Stager:
 
 
 class StagedPush:
-    """One push in chunks being staged: `feed` it its bytes after the head, then take its
-    `entries`; `drop` the staging its push did not store, however it ended. Up to STAGING chunks
-    of it wait for the writer at once, so that the writer's commits take several and the push
-    is read on meanwhile."""
+    """One push in chunks being staged: `open` its share of its table's staging, `feed` it its
+    bytes after the head, then take its `entries`; `drop` the staging its push did not store,
+    however it ended. Up to STAGING chunks of it wait for the writer at once, so that the
+    writer's commits take several and the push is read on meanwhile."""
 
     def __init__(self, store: Backend, table: str, payload: StreamedPayload) -> None:
         self.store, self.table, self.payload = store, table, payload
@@ -431,6 +433,17 @@ class StagedPush:
             index: Staging(payload.heads[index], payload.section_lengths[index]) for index in payload.large
         }
         self._writing: collections.deque[Future[None]] = collections.deque()
+        self._share: StagedShare | None = None
+
+    @property
+    def stages(self) -> int:
+        """The bytes it writes to disk before its commit: its large items' payloads, as its head says."""
+        return sum(staging.size for staging in self._staging.values())
+
+    def open(self, timeout: float) -> None:
+        """Take its share of its table's staging before anything is staged: refused (a StoreError)
+        where what it stages does not fit in the table's capacity_bytes within `timeout`."""
+        self._share = self.store.open_staged(self.table, self.stages, timeout)
 
     @property
     def holds(self) -> int:
@@ -448,8 +461,20 @@ class StagedPush:
                 staging.set_id, staging.level = self.store.new_chunk_set(), self.store.zstd_level(self.table)
             while len(self._writing) >= STAGING:
                 self._writing.popleft().result()
-            self._writing.append(self.store.stage(self.table, staging.set_id, number, data, staging.level))
+            writing = self.store.stage(self.table, staging.set_id, number, data, staging.level)
+            writing.add_done_callback(self._counted(len(data)))
+            self._writing.append(writing)
             staging.add(data)
+
+    def _counted(self, nbytes: int) -> Callable[[Future[None]], None]:
+        """What counts a chunk's bytes in its table's staged bytes once its commit is done."""
+        share = self._share
+
+        def counted(writing: Future[None]) -> None:
+            if share is not None and writing.exception() is None:
+                share.add(nbytes)
+
+        return counted
 
     def _written(self) -> None:
         """Wait for every chunk staged to be durable (a refusal of the store's raised)."""
@@ -477,4 +502,8 @@ class StagedPush:
         for writing in self._writing:
             writing.exception()
         self._writing.clear()
-        self.store.drop_staged(self.table, [s.set_id for s in self._staging.values() if s.set_id is not None])
+        try:
+            self.store.drop_staged(self.table, [s.set_id for s in self._staging.values() if s.set_id is not None])
+        finally:
+            if self._share is not None:
+                self._share.close()

@@ -115,6 +115,7 @@ class StoreCollector(Collector):
             ("expbuf_partials", "Rollouts held in pieces, not finished yet.", "partials"),
             ("expbuf_values", "Keyed values (PutValues) the table holds.", "values"),
             ("expbuf_value_bytes", "Bytes of keyed values, each key's and value's (in capacity_bytes).", "value_bytes"),
+            ("expbuf_staged_bytes", "Bytes pushes in chunks in progress staged, not yet stored.", "staged_bytes"),
         )
         for name, text, key in gauges:
             gauge = GaugeMetricFamily(name, text, labels=["table"])

@@ -19,10 +19,14 @@ by what it will hold (all of it, or its staging), reserving that once it fits be
 held (waiting, and refused, as above), and refused at once, naming both, when that is larger
 than the cap; its reservation, and what it staged that its push did not store, is given back
 however the push ends. One larger than `max_push_bytes` is refused at its first chunk: a staged
-push writes all of itself to disk before its commit, whatever it holds in memory. It must also
-come at `push_min_mb_per_second` on average, after a grace of
-`push_stream_idle_seconds`, or be refused: a chunk per idle period would otherwise hold a worker
-and its reservation for ever. When the last push in flight ends, memory freed by large pushes is
+push writes all of itself to disk before its commit, whatever it holds in memory. For the same
+reason what a staged push stages must fit in its table's capacity_bytes, beside what the table's
+other staged pushes announced, before any of it is staged (store/services/staged.py: refused at
+once, or after a wait for room, naming the setting). After its first `push_stream_idle_seconds`
+it must bring `push_min_mb_per_second` over every `push_stream_idle_seconds`, or be refused (`Pace`):
+a chunk per idle period would otherwise hold a worker, its reservation and what it staged for
+ever, and an allowance from the size it announced would let a push that drips after most of its
+bytes keep them for hours. When the last push in flight ends, memory freed by large pushes is
 handed back to the system.
 
 A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
@@ -34,6 +38,7 @@ replies of the pushes before it.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -77,7 +82,7 @@ class PushMemory(ServiceInterceptor):
     ) -> None:
         self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
-        # A push in chunks comes at min_mb_per_second on average after `grace` (push_stream_idle_seconds).
+        # A push in chunks brings min_mb_per_second over every `grace` (push_stream_idle_seconds) after its first.
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
 
     def _read(
@@ -146,9 +151,10 @@ class PushMemory(ServiceInterceptor):
         that follow it: staged as it comes where the stager takes it (its message then carries its
         experiences, ingest.Stager), else put together in memory of its own and returned as one
         message; PROGRESS after each chunk but the last, so that the stream is not taken for idle. A
-        stream that ends before the last chunk, or whose chunks come slower than min_mb_per_second on
-        average after the grace, is refused: nothing of the push is stored, and what it reserved and
-        staged is given back."""
+        staged push that does not fit in its table's capacity_bytes is refused before it stages
+        anything. A stream that ends before the last chunk, or whose chunks come slower than
+        min_mb_per_second over a grace's time once the grace is over (`Pace`), is refused:
+        nothing of the push is stored, and what it reserved and staged is given back."""
         total = first.total_bytes
         if total > self.max_push_bytes:
             first.release()
@@ -160,7 +166,16 @@ class PushMemory(ServiceInterceptor):
                 Reason.TOO_LARGE,
             )
         staged = None if self.stager is None else self.stager.open(first.table or "default", first.payload, total)
-        self._reserve(first, context, owner, total if staged is None else staged.holds)
+        try:
+            if staged is not None:
+                wait = min(self.stream_wait, _remaining(context))
+                _refused_by_store(lambda: staged.open(wait))  # what it stages, within capacity_bytes
+            self._reserve(first, context, owner, total if staged is None else staged.holds)
+        except BaseException:
+            first.release()
+            if staged is not None:
+                staged.drop()  # nothing staged yet: its share of the table's staging alone
+            raise
         message = PushMessage(first.table, memoryview(b""), first.seq, held=first.held)
         try:
             if staged is None:
@@ -186,7 +201,7 @@ class PushMemory(ServiceInterceptor):
         the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
         total, got = first.total_bytes, len(first.payload)
         where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
-        started, allowed = time.monotonic(), self.grace + total / (self.min_mb_per_second * 1e6)
+        pace = Pace(self.grace, time.monotonic())
         take(0, first.payload)
         first.drop_payload()
         while got < total:
@@ -212,14 +227,16 @@ class PushMemory(ServiceInterceptor):
                     f"PushRequest {got} bytes into {where}: its chunks add up to {end} bytes, past total_bytes",
                     Reason.INVALID_REQUEST,
                 )
-            elapsed = time.monotonic() - started
-            if end < total and elapsed > allowed:
+            now = time.monotonic()
+            recent, needed = pace.recent(now, end), self.min_mb_per_second * 1e6 * self.grace
+            if end < total and now - pace.started > self.grace and recent < needed:
                 raise Refusal(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"PushStream {end} bytes into {where} after {elapsed:.1f}s: a push in chunks must come at "
-                    f"push_min_mb_per_second = {self.min_mb_per_second:g} on average after its first "
-                    f"push_stream_idle_seconds = {self.grace:g} ({allowed:.1f}s for this one; "
-                    "EXPBUF_PUSH_MIN_MB_PER_SECOND): nothing of it is stored",
+                    f"PushStream {end} bytes into {where} after {now - pace.started:.1f}s: a push in chunks must "
+                    f"bring push_min_mb_per_second = {self.min_mb_per_second:g} over every "
+                    f"push_stream_idle_seconds = {self.grace:g} after its first, {needed:.0f} bytes, and it "
+                    f"brought {recent} in its last {self.grace:g}s (EXPBUF_PUSH_MIN_MB_PER_SECOND): "
+                    "nothing of it is stored",
                     Reason.TOO_SLOW,
                 )
             take(got, chunk.payload)
@@ -307,6 +324,28 @@ class PushMemory(ServiceInterceptor):
                 release()
 
         return put_values
+
+
+class Pace:
+    """What a push in chunks brought in its last `window` seconds: the bytes received since a
+    mark at least `window` old (at most MARKS marks a window, so a push of many tiny chunks keeps
+    few), so a push that slows to a drip after most of its bytes is ended a window later, whatever
+    it announced."""
+
+    MARKS = 16
+
+    def __init__(self, window: float, started: float) -> None:
+        self.window, self.started = window, started
+        self._marks: collections.deque[tuple[float, int]] = collections.deque([(started, 0)])
+
+    def recent(self, now: float, got: int) -> int:
+        """The bytes received since the newest mark at least a window before `now`, `got` (all it
+        received) counted at `now`."""
+        while len(self._marks) > 1 and self._marks[1][0] <= now - self.window:
+            self._marks.popleft()
+        if now - self._marks[-1][0] >= self.window / self.MARKS:
+            self._marks.append((now, got))
+        return got - self._marks[0][1]
 
 
 def _into(message: PushMessage) -> Callable[[int, memoryview], None]:

@@ -51,6 +51,7 @@ from .services.pushing import Pushing
 from .services.reads import Reads
 from .services.sampling import Sampling
 from .services.scrub import Scrub, ScrubStatus
+from .services.staged import StagedShare
 from .services.upkeep import Upkeep
 from .services.values import Values
 from .tables import admission, integrity
@@ -272,6 +273,11 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """Drop the sets a refused push in chunks staged (Pushing.drop_staged)."""
         self.pushing.drop_staged(table, set_ids)
 
+    def open_staged(self, table: str, nbytes: int, timeout: float) -> StagedShare:
+        """A push in chunks's share of the table's staging, once the `nbytes` it will stage fit in
+        its capacity_bytes (StagedPushes.open), waiting at most `timeout`."""
+        return self.pushing.staged.open(table, nbytes, timeout)
+
     def put_in_order(
         self, pushes: Sequence[Push], *, timeout: float | None = None, may_wait: MayWait | None = None
     ) -> Iterator[PutResult]:
@@ -427,7 +433,8 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         if batch is not None:  # the batch stage's clip, counted in memory since the server started
             counters.advantages_seen += batch.advantages_seen
             counters.advantages_clipped += batch.advantages_clipped
-        return counters.to_dict() | {"oldest_age_seconds": oldest}
+        staged = self.pushing.staged.staged_bytes(table_id)
+        return counters.to_dict() | {"oldest_age_seconds": oldest, "staged_bytes": staged}
 
     def storage_info(self) -> dict[str, float]:
         return self.environment.storage_info()

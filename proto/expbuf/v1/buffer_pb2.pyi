@@ -571,7 +571,7 @@ class StatsRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std", "trainer_version", "submitted", "admitted", "grants_expired", "stale_dropped", "damaged", "quarantined", "values", "value_bytes")
+    __slots__ = ("name", "pending", "ready", "leased", "consumed", "bytes", "groups_pending", "groups_ready", "groups_leased", "groups_failed", "groups_dropped", "oldest_age_seconds", "min_model_version", "max_model_version", "evicted", "pushed", "duplicates", "sampled", "leases_expired", "computing", "groups_computing", "last_failure", "overlong_penalised", "rewards_seen", "rewards_clipped", "advantages_seen", "advantages_clipped", "reward_running_mean", "reward_running_std", "trainer_version", "submitted", "admitted", "grants_expired", "stale_dropped", "damaged", "quarantined", "values", "value_bytes", "staged_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -610,6 +610,7 @@ class TableStats(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     pending: int
     ready: int
@@ -648,7 +649,8 @@ class TableStats(_message.Message):
     quarantined: int
     values: int
     value_bytes: int
-    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ..., trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ..., admitted: _Optional[int] = ..., grants_expired: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., damaged: _Optional[int] = ..., quarantined: _Optional[int] = ..., values: _Optional[int] = ..., value_bytes: _Optional[int] = ...) -> None: ...
+    staged_bytes: int
+    def __init__(self, name: _Optional[str] = ..., pending: _Optional[int] = ..., ready: _Optional[int] = ..., leased: _Optional[int] = ..., consumed: _Optional[int] = ..., bytes: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_leased: _Optional[int] = ..., groups_failed: _Optional[int] = ..., groups_dropped: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., min_model_version: _Optional[int] = ..., max_model_version: _Optional[int] = ..., evicted: _Optional[int] = ..., pushed: _Optional[int] = ..., duplicates: _Optional[int] = ..., sampled: _Optional[int] = ..., leases_expired: _Optional[int] = ..., computing: _Optional[int] = ..., groups_computing: _Optional[int] = ..., last_failure: _Optional[str] = ..., overlong_penalised: _Optional[int] = ..., rewards_seen: _Optional[int] = ..., rewards_clipped: _Optional[int] = ..., advantages_seen: _Optional[int] = ..., advantages_clipped: _Optional[int] = ..., reward_running_mean: _Optional[float] = ..., reward_running_std: _Optional[float] = ..., trainer_version: _Optional[int] = ..., submitted: _Optional[int] = ..., admitted: _Optional[int] = ..., grants_expired: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., damaged: _Optional[int] = ..., quarantined: _Optional[int] = ..., values: _Optional[int] = ..., value_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("tables",)

@@ -1,7 +1,8 @@
 """Pushes: validated entries stored in the writer's transaction, durably when it returns.
 
 A push in chunks stages its large sections before its push is stored (`stage`, chunked.py), and
-drops them should it be refused (`drop_staged`).
+drops them should it be refused (`drop_staged`); what it stages is bounded by its table's
+capacity_bytes, from the size it announces (`staged`, staged.py).
 
 A push alone is a sequence of one: `put_in_order` stores a stream's pushes in order, as many
 as it holds in one request to the writer, each in a transaction nested in it (so a refusal
@@ -49,6 +50,7 @@ from ..tables import admission
 from ..tables.catalog import TableCatalog
 from . import assembly
 from .index_builds import IndexBuilds
+from .staged import StagedPushes
 
 SET_BLOCK = 1024  # chunk set numbers reserved at a time
 TOGETHER_TRIES = 4  # a rollout put together off the writer whose pieces changed meanwhile, again
@@ -84,6 +86,7 @@ class Pushing:
         self.max_push_bytes = max_push_bytes  # the largest push; a rollout in pieces takes no more (the server's)
         self._sets_lock = threading.Lock()
         self._sets = (0, 0)  # the chunk set numbers reserved and not handed out yet: [first, end)
+        self.staged = StagedPushes(environment, catalog)
 
     def put(
         self,
