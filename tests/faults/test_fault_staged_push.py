@@ -6,12 +6,14 @@ stored and served whole, and `expbuf check` finds the directory clean."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from expbuf.client import BufferClient, trxp
+from expbuf.server.store.disk.chunk_heads import CHUNK_BYTES
 from expbuf.server.store.disk.environment import Environment
 
 from faultkit import channel, check_data, cut_push, stub
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.faults
 
 CHUNK = 1 << 20
 SENT_BEFORE_THE_KILL = 48  # chunks of 1 MiB: far past what gRPC's windows hold unread
+STAGED_BEFORE_THE_KILL = 4  # of the store's chunks, durable (the table's staged_bytes says so) before the kill
 
 
 def counts(data: Path) -> dict[str, int]:
@@ -40,19 +43,22 @@ def test_a_server_killed_while_a_push_stages_keeps_nothing_of_it_and_takes_it_ag
 
     with servers() as start:
         server = start(str(data))
-        with BufferClient(server.target) as client:
+        with BufferClient(server.target) as client, channel(server.target) as chan:
             client.create_table("t", group_size=1)
-        with channel(server.target) as chan:
             replies = stub(chan).PushStream(cut_push(payload, "t", CHUNK, SENT_BEFORE_THE_KILL, asked, hold))
             try:
                 assert asked.wait(120), "the server did not read the push"
+                deadline = time.monotonic() + 120  # the server's writer stages in its own time
+                while client.stats("t")["t"].staged_bytes < STAGED_BEFORE_THE_KILL * CHUNK_BYTES:
+                    assert time.monotonic() < deadline, f"staged {client.stats('t')['t'].staged_bytes} bytes"
+                    time.sleep(0.05)
                 server.proc.kill()
                 server.proc.wait(30)
             finally:
                 hold.set()
                 replies.cancel()
     found = counts(data)
-    assert found["staged"] == 1 and found["chunks"] >= 4, found  # staged, durably, and never acknowledged
+    assert found["staged"] == 1 and found["chunks"] >= STAGED_BEFORE_THE_KILL, found  # durable, never acknowledged
     assert found["blobs"] == found["items"] == found["tombs"] == 0
     with servers() as start:
         server = start(str(data))
