@@ -433,7 +433,10 @@ def test_a_staged_push_whose_table_is_dropped_meanwhile_gives_back_its_reservati
         stub.CreateTable(pb.CreateTableRequest(config=pb.TableConfig(name="t")), timeout=10)
         call = stub.PushStream(messages(), timeout=60)
         assert half.wait(10)
-        time.sleep(1.0)  # the chunks sent are read and the first staged
+        deadline = time.monotonic() + 30
+        while not server.store.stats("t")["staged_bytes"]:  # the chunks sent are read and the first staged
+            assert time.monotonic() < deadline, "the push staged nothing"
+            time.sleep(0.02)
         stub.DropTable(pb.DropTableRequest(name="t"), timeout=10)
         go_on.set()
         with pytest.raises(grpc.RpcError) as ended:
