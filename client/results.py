@@ -445,12 +445,13 @@ class ScrubInfo:
 class ServerInfo:
     """What `server_info()` returns: the server's version, its TRXP version, the device advantages
     run on, the largest message it takes, how long it has run, its storage and how full its map
-    is, and what its background scrub has done.
+    is, what its background scrub has done, and the orders a sample may name (built in and
+    registered; empty from a server that predates the list).
 
     From a sharded client, the shards that answered combined (each in `shards`, the others in
     `missing`): the versions and devices each shard reports, comma-joined where they differ; the
     smallest message limit (what every shard takes); the shortest uptime; the storage summed;
-    the fullest map; the scrubs as `ScrubInfo.merged` says.
+    the fullest map; the scrubs as `ScrubInfo.merged` says; the orders every shard has.
     """
 
     version: str
@@ -461,14 +462,16 @@ class ServerInfo:
     storage_bytes: int
     lmdb_map_used_ratio: float
     scrub: ScrubInfo = field(default_factory=ScrubInfo)
+    orders: tuple[str, ...] = ()
     shards: Mapping[str, ServerInfo] = field(default_factory=dict)
     missing: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
         """From a ServerInfoReply, whose fields carry the same names."""
-        plain = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in ("scrub", "shards", "missing")}
-        return cls(**plain, scrub=ScrubInfo.from_proto(msg.scrub))
+        apart = ("scrub", "orders", "shards", "missing")
+        plain = {f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in apart}
+        return cls(**plain, scrub=ScrubInfo.from_proto(msg.scrub), orders=tuple(msg.orders))
 
     @classmethod
     def merged(cls, shards: Mapping[str, ServerInfo], missing: Mapping[str, str]) -> ServerInfo:
@@ -487,6 +490,7 @@ class ServerInfo:
             storage_bytes=sum(i.storage_bytes for i in infos),
             lmdb_map_used_ratio=max(i.lmdb_map_used_ratio for i in infos),
             scrub=ScrubInfo.merged([i.scrub for i in infos]),
+            orders=tuple(name for name in infos[0].orders if all(name in i.orders for i in infos)),
             shards=dict(shards),
             missing=dict(missing),
         )

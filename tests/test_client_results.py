@@ -84,6 +84,7 @@ def check_one_server(stats: BufferStats, tables: list[TableInfo], info: ServerIn
     assert isinstance(info, ServerInfo) and not info.shards and not info.missing
     assert_typed(info)
     assert info.trxp_version == "1" and info.storage_bytes > 0 and 0 < info.lmdb_map_used_ratio < 1
+    assert {"fifo", "lifo", "uniform", "priority"} <= set(info.orders)
 
 
 def populate(client: BufferClient, name: str = "g4") -> None:
@@ -139,6 +140,7 @@ def test_the_sharded_clients_merge_into_the_same_types(targets: list[str]) -> No
     assert_typed(info)
     assert info.storage_bytes == sum(s.storage_bytes for s in info.shards.values())
     assert info.uptime_seconds == min(s.uptime_seconds for s in info.shards.values())
+    assert info.orders == info.shards["s0"].orders and "fifo" in info.orders  # what every shard has
 
     async def run() -> tuple[BufferStats, ServerInfo, list[TableInfo]]:
         async with AsyncShardedBufferClient(shards) as client:
