@@ -14,7 +14,7 @@ import pytest
 
 from expbuf.client.shards.blocking import ShardedBufferClient, ShardError
 
-from helpers import make_experience
+from helpers import make_experience, wait_ready
 
 ray = pytest.importorskip("ray")
 expbuf_ray = pytest.importorskip("expbuf.ray")
@@ -74,6 +74,9 @@ def test_shards_on_ray_survive_a_killed_actor(cluster: Path) -> None:
     assert ray.get(actor.pid.remote()) != pid  # restarted, on its node, at the same address
     assert expbuf_ray.shard_map(NAMESPACE) == shard_map
 
+    # The restarted shard's worker computes the advantages of what it was pushed once torch has
+    # loaded, after the push's answer: every acknowledged group ready, then consumed.
+    wait_ready(client, "rl", len(acked) - len(delivered))
     for batch in client.sample("rl", num_groups=4, timeout=1.0, allow_partial=True, delivery="consume"):
         delivered += batch.uids
     assert Counter(delivered).most_common(1)[0][1] == 1
