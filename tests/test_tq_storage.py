@@ -95,7 +95,7 @@ class Prompt:
 
 
 def test_a_value_of_a_type_the_backend_does_not_load_back_is_refused_at_the_put_by_name() -> None:
-    for value in (Prompt(), [1, {"x": Prompt}], print, [torch.nn.Parameter(torch.ones(1))]):
+    for value in (Prompt(), [1, {"x": Prompt}], len, [torch.nn.Parameter(torch.ones(1))]):
         with pytest.raises(TypeError, match=r"stores None, booleans, .* not (test_tq_storage\.Prompt|builtins|torch)"):
             encode(value)
 
