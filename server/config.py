@@ -128,8 +128,7 @@ class ServerConfig:
     # stream's unconfirmed batches return to the buffer and it ends DEADLINE_EXCEEDED (rpc/sample_stream.py).
     # Also the longest a streamed reply's message waits for its client to take it (rpc/stalled_sends.py).
     max_confirm_seconds: float | None = None  # None: max_wait_seconds
-    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it, a message's read
-    # reserving the most it may be (rpc/push_memory.py, rpc/inflight.py).
+    # Payload bytes held by pushes in progress; new pushes wait for their deadline past it (rpc/inflight.py).
     max_inflight_bytes: int = 1 << 30
     # The largest push in chunks: one whose large experiences are stored as they arrive holds little
     # of max_inflight_bytes but writes all of itself to disk before its commit (rpc/inflight.py).

@@ -664,9 +664,7 @@ def test_a_push_kept_out_past_its_deadline_is_refused_naming_the_limit(start_ser
     full table is kept out (a push alone, as it would wait for room; a PushStream, at
     max_push_streams), made again while its deadline lasts, and then refused RESOURCE_EXHAUSTED
     naming what kept it out. Nothing of it is stored."""
-    # 8 - reserved_workers 1 - sample_scope_workers 2; each silent stream's read holds max_message_bytes of
-    # max_inflight_bytes until its message comes: a small one leaves room for the push to be read.
-    server = start_server(workers=8, max_push_streams=5, max_message_bytes=16 << 20)
+    server = start_server(workers=8, max_push_streams=5)  # 8 - reserved_workers 1 - sample_scope_workers 2
     target = f"127.0.0.1:{server.port}"
     full_table(target)
     data = one_run("late")

@@ -1,8 +1,6 @@
 """The payload bytes pushes in progress hold, counted against `max_inflight_bytes`, which new
 pushes wait for room under (InFlight; push_memory.py admits them), and the memory freed by large
-pushes handed back to the system when the last push in flight ends. What a message will hold is
-reserved before it is read (the most it may be, where its size is not known yet), so calls that
-arrive together cannot each read a whole message past the cap.
+pushes handed back to the system when the last push in flight ends.
 """
 
 from __future__ import annotations
@@ -38,21 +36,6 @@ def _malloc_trim() -> Callable[[], None]:
     return lambda: trim(0)
 
 
-MIN_WINDOW, MAX_WINDOW = 64 << 10, 16 << 20  # what gRPC may take in of a call's messages unasked
-
-
-def receive_window(max_inflight_bytes: int, workers: int) -> list[tuple[str, int]]:
-    """The server's gRPC options that bound what it takes in of a call's messages before they are
-    read: a share of max_inflight_bytes per worker (64 KiB to 16 MiB), where gRPC's probes of the
-    link (BDP) let any stream take in tens of MB unasked, whole messages that max_inflight_bytes,
-    counting what is read, never saw (8 PushStreams of 24 MiB grew a server with a cap of 32 MiB
-    by 180-268 MiB, against about 100 MiB without them). A message being read still opens its
-    stream's window to its own size. On a link of long round trips a stream's pushes then come at
-    about this window a round trip (16 MiB by default: 320 MiB/s at 50 ms)."""
-    window = max(MIN_WINDOW, min(MAX_WINDOW, max_inflight_bytes // max(1, workers)))
-    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
-
-
 class InFlight:
     """The payload bytes held by pushes in progress, and the cap that makes new ones wait."""
 
@@ -73,16 +56,17 @@ class InFlight:
     def waiting(self) -> int:
         return self._waiting
 
-    def fits(self, size: int) -> bool:
-        """Whether `size` bytes fit beside what is held now."""
-        return self._held + size <= self.limit
-
-    def reserve(self, size: int, timeout: float, owner: object = None, what: str = "") -> Callable[[], None] | str:
-        """Hold `size` bytes (at most the limit: a message to be read, or what a push in chunks
-        announces) once they fit beside what is held, waiting up to `timeout`; the function that
-        gives them back, or the refusal (after `what`). The time is counted only while `owner` (a
-        stream) holds nothing: its own pushes give back theirs."""
+    def admit(self, timeout: float, owner: object = None) -> str | None:
+        """Wait until a push may read its message, up to `timeout`; the refusal if it may not. The
+        time is counted only while `owner` (a stream) holds nothing: its own pushes give back theirs."""
         with self._changed:
+            return self._wait_for(lambda: self._held < self.limit, timeout, owner, "")
+
+    def reserve(self, size: int, timeout: float, owner: object = None) -> Callable[[], None] | str:
+        """Hold `size` bytes (what a push in chunks announces) once they fit beside what is held,
+        waiting as admit() does; the function that gives them back, or the refusal."""
+        with self._changed:
+            what = f"a push in chunks of total_bytes = {size} waited for room: "
             refused = self._wait_for(lambda: self._held + size <= self.limit, timeout, owner, what)
             return self.hold(size, owner) if refused is None else refused
 

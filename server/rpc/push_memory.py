@@ -9,30 +9,25 @@ data goes to the store a chunk at a time, and the push holds its head, its other
 data and a chunk of each large one, whatever its size. Any other is put together here in memory
 of its own size.
 
-A call reads its message only once what the message may hold fits beside the payloads held by pushes
-in progress under `max_inflight_bytes`; until then it waits, up to its deadline, then is refused
-RESOURCE_EXHAUSTED naming the setting. A message's size is known only once gRPC has received all of
-it, and a message read is a message received (gRPC takes in no more of a call's message than a
-flow-control window until it is asked for it): so a read reserves the most the message may be,
-`max_message_bytes` (at most the cap), and the message then holds its own size in place of it; a
-PushStream's later messages reserve the largest it has sent (an expbuf client's are its chunks), one
-larger held once read. So calls that arrive together read one message after another past the cap,
-not each one, and a stream opened but silent holds that much of the cap until its idle timeout. A
-push sent whole that is larger than the cap still goes through when nothing else is in flight. A
-payload in chunks announces its size in its first chunk (total_bytes): it is admitted by what it
-will hold (all of it, or its staging) and a chunk as large as its first on its way (a later chunk
-may be no larger), reserving that once it fits beside what is held (waiting, and refused, as above),
-and refused at once, naming both, when that is larger than the cap; its reservation, and what it
-staged that its push did not store, is given back however the push ends. One larger than
-`max_push_bytes` is refused at its first chunk: a staged push writes all of itself to disk before
-its commit, whatever it holds in memory. For the same reason what a staged push stages must fit in
-its table's capacity_bytes, beside what the table's other staged pushes announced, before any of it
-is staged (store/services/staged.py: refused at once, or after a wait for room, naming the setting).
-After its first `push_stream_idle_seconds` it must bring `push_min_mb_per_second` over every
-`push_stream_idle_seconds`, or be refused (`Pace`): a chunk per idle period would otherwise hold a
-worker, its reservation and what it staged for ever, and an allowance from the size it announced
-would let a push that drips after most of its bytes keep them for hours. When the last push in
-flight ends, memory freed by large pushes is handed back to the system.
+A push starts reading its message only while the payloads held by pushes in progress are
+below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
+RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
+so the pushes that started reading below the cap may together pass it, by at most one message
+each.) A push sent whole that is larger than the cap still goes through when nothing else is in
+flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
+by what it will hold (all of it, or its staging), reserving that once it fits beside what is
+held (waiting, and refused, as above), and refused at once, naming both, when that is larger
+than the cap; its reservation, and what it staged that its push did not store, is given back
+however the push ends. One larger than `max_push_bytes` is refused at its first chunk: a staged
+push writes all of itself to disk before its commit, whatever it holds in memory. For the same
+reason what a staged push stages must fit in its table's capacity_bytes, beside what the table's
+other staged pushes announced, before any of it is staged (store/services/staged.py: refused at
+once, or after a wait for room, naming the setting). After its first `push_stream_idle_seconds`
+it must bring `push_min_mb_per_second` over every `push_stream_idle_seconds`, or be refused (`Pace`):
+a chunk per idle period would otherwise hold a worker, its reservation and what it staged for
+ever, and an allowance from the size it announced would let a push that drips after most of its
+bytes keep them for hours. When the last push in flight ends, memory freed by large pushes is
+handed back to the system.
 
 A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
 message carries what it holds, given back once its push is stored or refused, and the stream's
@@ -64,14 +59,6 @@ from .push_request import PushMessage, Refusal, read_push_request
 T = TypeVar("T")
 
 
-class _Stream:
-    """A PushStream, the owner of what its pushes hold: the largest message it has sent, which
-    its next message's read reserves."""
-
-    def __init__(self) -> None:
-        self.largest = 0
-
-
 def _remaining(context: grpc.ServicerContext) -> float:
     """How long a push may wait to be read: its deadline, less the time to send a refusal."""
     left = context.time_remaining()
@@ -92,35 +79,23 @@ class PushMemory(ServiceInterceptor):
         grace: float = 120.0,
         stager: Stager | None = None,
         max_push_bytes: int = 16 << 30,
-        max_message_bytes: int = 256 << 20,
     ) -> None:
         self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
-        self.max_message_bytes = max_message_bytes  # the most a message whose size is not known yet may be
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         # A push in chunks brings min_mb_per_second over every `grace` (push_stream_idle_seconds) after its first.
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
 
     def _read(
-        self,
-        requests: Iterator[Any],
-        context: grpc.ServicerContext,
-        most: float = 3600.0,
-        stream: _Stream | None = None,
+        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
     ) -> PushMessage | None:
-        """The next message, admitted (waiting at most `most`) and held (by `stream`, where it
-        came on one); None at the end of the client's messages."""
-        reading = self._admit(context, most, stream)
-        try:
-            request = next(requests, None)
-            if request is not None:  # its own size held before the read's reservation goes
-                request.held.append(self.inflight.hold(len(request.payload), stream))
-        finally:
-            reading()
+        """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
+        None at the end of the client's messages."""
+        self._admit(context, most, owner)
+        request = next(requests, None)
         if request is None:
             return None
         size = len(request.payload)
-        if stream is not None:
-            stream.largest = max(stream.largest, size)
+        request.held.append(self.inflight.hold(size, owner))
         if request.total_bytes and request.total_bytes < size:
             request.release()
             raise Refusal(
@@ -130,20 +105,13 @@ class PushMemory(ServiceInterceptor):
             )
         return request
 
-    def _admit(
-        self, context: grpc.ServicerContext, most: float = 3600.0, stream: _Stream | None = None
-    ) -> Callable[[], None]:
-        """Reserve what the next message may hold (see the module: the largest `stream` sent, else
-        max_message_bytes, at most the cap) once it fits (waiting at most `most`); what gives it
-        back, once the message holds its own size; a Refusal if not in time. A unary call (no
-        `stream`: a Push, a PutValues) that finds no room becomes a call that waits idle: it waits
-        only where the call limits let it (limits.MAY_WAIT), and is otherwise refused at once as
-        busy, having done nothing, so that such calls never take the workers kept for the calls
-        that answer at once (a Seal, a ClearValues)."""
-        expect = min(
-            stream.largest if stream is not None and stream.largest else self.max_message_bytes, self.inflight.limit
-        )
-        may_wait = MAY_WAIT.get() if stream is None and not self.inflight.fits(expect) else None
+    def _admit(self, context: grpc.ServicerContext, most: float = 3600.0, owner: object = None) -> None:
+        """Wait until a message may be read (InFlight.admit, at most `most`); a Refusal if not in time.
+        A unary call (no `owner`: a Push, a PutValues) that finds the cap reached becomes a call that
+        waits idle: it waits only where the call limits let it (limits.MAY_WAIT), and is otherwise
+        refused at once as busy, having done nothing, so that such calls never take the workers kept
+        for the calls that answer at once (a Seal, a ClearValues)."""
+        may_wait = MAY_WAIT.get() if owner is None and self.inflight.held >= self.inflight.limit else None
         busy = None if may_wait is None else may_wait()
         if busy is not None:
             raise Refusal(
@@ -152,16 +120,15 @@ class PushMemory(ServiceInterceptor):
                 f"may not wait for room: {busy}",
                 Reason.BUSY,
             )
-        held = self.inflight.reserve(expect, min(most, _remaining(context)), stream)
-        if isinstance(held, str):
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
-        return held
+        refused = self.inflight.admit(min(most, _remaining(context)), owner)
+        if refused is not None:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
 
-    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: _Stream, size: int) -> None:
+    def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
         """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
-        what staging it holds, and a chunk on its way) in place of its first chunk, once it fits
-        beside what pushes in progress hold (waiting as a message's read does); refused at once
-        when larger than the cap, which it could never fit under."""
+        what staging it holds) in place of its first chunk, once it fits beside what pushes in
+        progress hold (waiting as a message's read does); refused at once when larger than the cap,
+        which it could never fit under."""
         total, limit = first.total_bytes, self.inflight.limit
         first.release()
         if size > limit:
@@ -172,14 +139,13 @@ class PushMemory(ServiceInterceptor):
                 "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
                 Reason.TOO_LARGE,
             )
-        what = f"a push in chunks of total_bytes = {total} waited for room: "
-        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner, what)
+        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner)
         if isinstance(held, str):
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         first.held.append(held)
 
     def _chunks(
-        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: _Stream
+        self, first: PushMessage, requests: Iterator[Any], context: grpc.ServicerContext, owner: object
     ) -> Generator[Any, None, PushMessage]:
         """The payload whose first chunk is `first`, reserved (`_reserve`) and read from the chunks
         that follow it: staged as it comes where the stager takes it (its message then carries its
@@ -204,8 +170,7 @@ class PushMemory(ServiceInterceptor):
             if staged is not None:
                 wait = min(self.stream_wait, _remaining(context))
                 _refused_by_store(lambda: staged.open(wait))  # what it stages, within capacity_bytes
-            chunk = len(first.payload)  # the largest chunk of the push: one is on its way while it is read
-            self._reserve(first, context, owner, (total if staged is None else staged.holds) + chunk)
+            self._reserve(first, context, owner, total if staged is None else staged.holds)
         except BaseException:
             first.release()
             if staged is not None:
@@ -235,7 +200,6 @@ class PushMemory(ServiceInterceptor):
         """Hand each chunk of the push whose first chunk is `first` to `take` (where it starts in
         the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
         total, got = first.total_bytes, len(first.payload)
-        largest = got  # the first chunk's size bounds the others: its reservation holds one on its way
         where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
         pace = Pace(self.grace, time.monotonic())
         take(0, first.payload)
@@ -254,14 +218,6 @@ class PushMemory(ServiceInterceptor):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
                     "nothing else (table, seq and total_bytes unset)",
-                    Reason.INVALID_REQUEST,
-                )
-            if len(chunk.payload) > largest:
-                raise Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"PushRequest {got} bytes into {where}: a chunk of {len(chunk.payload)} bytes, larger than the "
-                    f"push's first ({largest} bytes), which no later chunk may pass (max_inflight_bytes holds room "
-                    "for one of its size on its way)",
                     Reason.INVALID_REQUEST,
                 )
             end = got + len(chunk.payload)
@@ -325,7 +281,7 @@ class PushMemory(ServiceInterceptor):
 
             def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 """The stream's messages, each holding its memory until the servicer releases it."""
-                owner = _Stream()  # whose own pushes in progress free the room it waits for
+                owner = object()  # this stream, whose own pushes in progress free the room it waits for
                 while True:
                     request = self._read(requests, context, self.stream_wait, owner)
                     if request is None:
@@ -350,22 +306,18 @@ class PushMemory(ServiceInterceptor):
 
         def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
-                reading = self._admit(context)
+                self._admit(context)
             except Refusal as refusal:
                 refusal.abort(context)
-            try:
-                request = next(requests, None)
-                release = self.inflight.hold(0 if request is None else sum(map(len, request.values)))
-            finally:
-                reading()
+            request = next(requests, None)
             if request is None:
-                release()
                 refuse(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "PutValues: the call carried no message",
                     Reason.INVALID_REQUEST,
                 )
+            release = self.inflight.hold(sum(map(len, request.values)))
             try:
                 return behavior(request, context)
             finally:
