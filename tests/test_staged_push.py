@@ -23,6 +23,7 @@ from expbuf.client import (
     BufferClient,
     ColumnBatch,
     DataLossError,
+    Experience,
     NotFoundError,
     ResourceExhaustedError,
     trxp,
@@ -305,6 +306,17 @@ def test_staged_pushes_share_capacity_bytes_and_show_in_stats_and_metrics(tmp_pa
     assert counts(tmp_path / "data")["staged"] == 0
 
 
+def refused_staging_nothing(client: BufferClient, pushed: Experience) -> None:
+    """A push into table 't' (capacity_bytes 30 MiB) refused TABLE_FULL naming the setting, the
+    data file not grown by a chunk of it."""
+    before = client.server_info().storage_bytes
+    with pytest.raises(ResourceExhaustedError) as refused:
+        client.push([pushed], table="t")
+    assert refused.value.reason == Reason.TABLE_FULL, refused.value
+    assert "capacity_bytes = 31457280" in str(refused.value), refused.value
+    assert client.server_info().storage_bytes - before < CHUNK_BYTES
+
+
 def test_a_staged_push_into_a_full_blocking_table_waits_for_room_then_is_refused_staging_nothing(
     tmp_path: Path,
 ) -> None:
@@ -317,12 +329,7 @@ def test_a_staged_push_into_a_full_blocking_table_waits_for_room_then_is_refused
         with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
             client.create_table("t", group_size=1, capacity_bytes=30 << 20)
             assert client.push([first], table="t").stored
-            before = client.server_info().storage_bytes
-            with pytest.raises(ResourceExhaustedError) as refused:
-                client.push([second], table="t")
-            assert refused.value.reason == Reason.TABLE_FULL, refused.value
-            assert "capacity_bytes = 31457280" in str(refused.value), refused.value
-            assert client.server_info().storage_bytes - before < CHUNK_BYTES
+            refused_staging_nothing(client, second)
             (batch,) = client.sample("t", num_groups=1, max_batches=1, timeout=30, delivery="consume")
             assert batch.uids == [first.eid.uid]
             assert client.push([second], table="t").stored == [second.eid.uid]
@@ -363,3 +370,22 @@ def test_a_staged_push_that_drips_after_most_of_its_bytes_is_ended_by_what_it_br
             assert staged_bytes(client, "t") == 0 and client.stats("t")["t"].pushed == 0
         stopped(server)
     assert counts(tmp_path / "data") == {"chunks": 0, "staged": 0, "blobs": 0}
+
+
+@pytest.mark.parametrize("when_full", ["block", "evict"])
+def test_a_staged_push_into_a_table_its_keyed_values_fill_is_refused_staging_nothing(
+    tmp_path: Path, when_full: str
+) -> None:
+    """Keyed values count against capacity_bytes and nothing evicts them: a push that does not fit
+    beside a table's values waits for room before it stages anything, then is refused naming the
+    setting, in either mode (it staged all its 18 MB before its commit found the table full)."""
+    pushed = make_experience("v", 0, 0, response=RESPONSE)
+    with servers() as start:
+        server = start(str(tmp_path / "data"), env={"EXPBUF_PUSH_STREAM_IDLE_SECONDS": "4"})
+        with BufferClient(server.target, push_chunk_bytes=CHUNK, timeout=120) as client:
+            client.create_table("t", group_size=1, capacity_bytes=30 << 20, when_full=when_full)
+            client.put_values([f"k{i}" for i in range(5)], [bytes(4 << 20)] * 5, table="t")
+            refused_staging_nothing(client, pushed)
+            assert client.clear_values([f"k{i}" for i in range(5)], table="t") == 5
+            assert client.push([pushed], table="t").stored == [pushed.eid.uid]
+        stopped(server)

@@ -10,8 +10,9 @@ stage (its large experiences' bytes, from the head in its first chunk) before it
 - a push that stages more than capacity_bytes on its own is refused at once (TooLarge);
 - one that does not fit in what is left of capacity_bytes waits for room, up to its timeout, then
   is refused (TableFull). What is left is capacity_bytes less what the other pushes staging into
-  the table announced and, in block mode, less the table's live bytes and pieces (those only its
-  consumers free); in evict mode its commit evicts for it, as a push's does.
+  the table announced, less its keyed values and pieces (which no commit evicts), and in block
+  mode less its live bytes too (those only its consumers free); in evict mode its commit evicts
+  those for it, as a push's does.
 
 So a table's disk holds at most its capacity_bytes of live experiences and as much again staged.
 What a push has staged durably counts in the table's stats (`staged_bytes`) until it is stored or
@@ -26,6 +27,7 @@ from collections import defaultdict
 
 from ..disk import layout
 from ..disk.environment import Environment
+from ..rules.capacity import held_bytes
 from ..rules.counters import read_counters
 from ..schema.errors import TableFull, TooLarge
 from ..tables.catalog import TableCatalog
@@ -74,7 +76,7 @@ class StagedPushes:
             )
         deadline = time.monotonic() + timeout
         while True:
-            held = self._held(table_id) if limit and config.capacity.when_full == "block" else 0
+            held = self._held(table_id, config.capacity.when_full == "block") if limit else 0
             with self.changed:
                 others = sum(share.announced for share in self._shares.get(table_id, ()))
                 if not limit or held + others + nbytes <= limit:
@@ -90,11 +92,12 @@ class StagedPushes:
                     )
                 self.changed.wait(min(left, RECHECK_SECONDS))
 
-    def _held(self, table_id: int) -> int:
-        """The live experiences' and pieces' bytes the table holds, as its counters say."""
+    def _held(self, table_id: int, blocks: bool) -> int:
+        """What the table holds, as its counters say, that a commit cannot evict for the push: its
+        keyed values and pieces, and where it `blocks`, its live experiences too."""
         with self.environment.read() as txn:
             counters = read_counters(txn, self.environment.db["counters"], layout.table_prefix(table_id))
-        return counters.bytes + counters.partial_bytes
+        return held_bytes(counters) if blocks else counters.partial_bytes + counters.value_bytes
 
     def close(self, share: StagedShare) -> None:
         with self.changed:
