@@ -113,6 +113,42 @@ def test_a_server_whose_torch_cannot_load_serves_what_needs_none(tmp_path: Path)
     assert sum("advantage worker did not start" in line for line in server.log) == 1, "".join(server.log)
 
 
+BROKEN_LATER = """import os, time
+gate = os.environ["EXPBUF_TEST_TORCH_GATE"]
+while not os.path.exists(gate):
+    time.sleep(0.02)
+raise ImportError("this torch is broken on purpose")
+"""
+
+
+def test_groups_pushed_while_a_torch_that_cannot_load_loads_fail_naming_why(tmp_path: Path) -> None:
+    """A push that comes while torch loads is answered, its groups computing for the worker; where
+    torch then fails to load, no worker ever computes them: they fail, each table's Stats naming
+    the cause (they stayed computing for ever, the server saying nothing of them), and a push
+    after is refused by name."""
+    broken, gate = tmp_path / "broken", tmp_path / "torch-may-load"
+    broken.mkdir()
+    (broken / "torch.py").write_text(BROKEN_LATER)
+    env = {"PYTHONPATH": pythonpath(broken), "EXPBUF_TEST_TORCH_GATE": str(gate)}
+    server = ServerProcess(str(tmp_path / "data"), env=env, warm=False)
+    try:
+        with BufferClient(server.target, timeout=30) as client:
+            client.create_table("g", group_size=2, estimator="grpo")
+            client.push(trxp.build(group_items(0, 0, 2, reward=1.0)), table="g")
+            assert client.stats("g")["g"].groups_computing == 1
+            gate.touch()
+            wait_for(lambda: client.stats("g")["g"].groups_failed == 1, "the group pushed while torch loaded failed")
+            stats = client.stats("g")["g"]
+            assert stats.computing == 0 and stats.groups_computing == 0, stats
+            assert "advantages cannot be computed on this server" in stats.last_failure, stats.last_failure
+            assert "this torch is broken on purpose" in stats.last_failure, stats.last_failure
+            with pytest.raises(ExpbufError, match="advantages cannot be computed on this server"):
+                client.push(trxp.build(group_items(1, 0, 2)), table="g")
+    finally:
+        gate.touch()
+        assert server.stop(signal.SIGTERM) == 0, "".join(server.log)
+
+
 def test_what_the_server_loaded_at_its_start_is_out_of_the_collectors_sight(start_server: Servers) -> None:
     """Once torch has loaded, the server freezes its heap (gc.freeze): a full collection, which
     the records of takes and pushes bring on, then walks only what was made since."""

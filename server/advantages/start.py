@@ -11,7 +11,10 @@ reply is built, and so waits for the same import. A stop does not wait for it ei
 whose torch loads after the stop is not started, and the groups stay computing for the next start.
 
 Should torch fail to load, that is logged once with its cause, and each push that needs
-advantages computed is refused naming it from then on; the rest of the server keeps serving.
+advantages computed is refused naming it from then on; the rest of the server keeps serving. The
+groups left computing (pushed while torch loaded, or before the start) fail, each table's Stats
+naming the cause, as groups whose computation fails on every try do (worker.py): no worker of
+this server will ever compute them.
 """
 
 from __future__ import annotations
@@ -73,9 +76,13 @@ class AdvantageStart:
             device = str(resolve_device("auto"))
             worker = AdvantageWorker(self._store, on_computed=self._on_computed, on_failed=self._on_failed)
         except Exception as exc:
-            self._failure = f"{type(exc).__name__}: {exc}"
-            self._ready.set()
             log.exception("advantages cannot be computed: the advantage worker did not start")
+            with self._lock:
+                self._failure = f"{type(exc).__name__}: {exc}"
+                failing = not self._stopped
+            self._ready.set()
+            if failing:
+                self._fail_computing()
             return
         with self._lock:
             if self._stopped:
@@ -112,7 +119,25 @@ class AdvantageStart:
         a daemon, ends with the process)."""
         with self._lock:
             self._stopped = True
-            worker = self._worker
+            worker, failing = self._worker, bool(self._failure)
         self._ready.set()
         if worker is not None:
             worker.stop()
+        if failing:  # its thread fails what is computing, until now
+            self._store.wake()
+            self._thread.join()
+
+    def _fail_computing(self) -> None:
+        """Fail every group computing, as they come (a push whose in_push ran before the failure
+        was known commits its groups computing after it), until the server stops."""
+        why = f"advantages cannot be computed on this server ({self._failure})"
+        while not self._stopped:
+            generation = self._store.generation
+            try:
+                for job in self._store.compute_backlog():
+                    log.error("table %s: %d groups failed: %s", job.table, len(job.groups), why)
+                    self._store.finish_compute(job.table, {}, [], failed=dict.fromkeys(job.groups, why))
+                    self._on_failed(job.table, job.config.advantages.estimator, "failed", len(job.groups))
+            except Exception:  # a table dropped meanwhile, say: the next pass finds what is left
+                log.exception("failing the groups computing failed; retrying")
+            self._store.wait_for_change(generation, 0.5)
