@@ -205,3 +205,27 @@ def test_a_read_by_uid_lists_a_member_whose_record_is_lost_as_missing(
             finally:
                 batch.release()
         assert any(lost in r.getMessage() and "its record is not" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("db", ["items", "blobs", "digest"])
+def test_a_sample_left_short_by_a_quarantine_keeps_it_and_the_table_checks_clean(tmp_path: Path, db: str) -> None:
+    """A sample that quarantines a group (a member lost, or damaged) and then finds too few groups
+    for its batch takes none, and the quarantine stands whole: the group failed, its members
+    counted, the table clean. It stood in part: the tombstone and the payloads' deletes were
+    written, not the group's failure nor the counters, so the group stayed ready in Stats with
+    its members gone from the insertion order, and `expbuf check` found a dozen problems."""
+    with Store(tmp_path) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=4))
+        for task in range(4):
+            store.put("t", group_items(0, task, 4, reward=float(task)))
+        if db == "digest":
+            damage(store, "t", uids(1)[2])
+        else:
+            lose(store, "t", uids(1)[2], db)
+        assert store.sample(SampleSpec("t", num_groups=4, wait_seconds=0), hold=False) is None
+        stats = store.stats("t")
+        assert (stats["quarantined"], stats["damaged"], stats["groups_failed"]) == (1, 1, 1), stats
+        assert (stats["groups_ready"], stats["ready"]) == (3, 12), stats
+        assert store.verify("t") == []
+        batch = store.sample(SampleSpec("t", num_groups=3, wait_seconds=0), hold=False)
+        assert batch is not None and sorted(set(batch.group_ids)) == ["0/0", "0/2", "0/3"]

@@ -82,6 +82,7 @@ def take(
         if not unservable:
             break
         _fail_unservable(tt, unservable)  # and choose again, from the groups left
+        tt.save()  # the failure stands whether or not the groups left make a batch
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
     if delivery == "lease":  # its record is the lease's life's to write (leases.py: Leases.grant)
