@@ -28,6 +28,7 @@ from ..advantages.devices import check_device
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
 from ..store import PutResult, Sampled
+from ..store.schema import order_names
 from ..store.schema.errors import (
     ConfigError,
     DamagedPayload,
@@ -39,7 +40,6 @@ from ..store.schema.errors import (
     clip,
 )
 from ..store.schema.sample_spec import SampleSpec
-from ..store.schema.selection import ORDERS
 from ..store.schema.table_config import TableConfig
 from . import push_stream
 from .call_context import (
@@ -419,7 +419,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
             storage_bytes=int(storage["used_bytes"]),
             lmdb_map_used_ratio=storage["map_used_ratio"],
             scrub=pb.ScrubInfo(**asdict(self.store.scrub_status())),
-            orders=list(ORDERS),
+            orders=list(order_names.NAMES),
         )
 
     @refusals

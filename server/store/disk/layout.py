@@ -40,7 +40,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
-from ..schema import selection
+from ..schema import order_names
 from ..schema.ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
@@ -65,8 +65,8 @@ MAX_DBS = 64  # the store's own, the indexes of the registered orders, and forma
 
 
 def index_databases() -> tuple[str, ...]:
-    """The databases of the indexes the store keeps for the registered orders (selection.py)."""
-    names = tuple(name for index in selection.indexes() for name in index.databases)
+    """The databases of the indexes the store keeps for the registered orders (order_names.py)."""
+    names = order_names.DATABASES
     taken = set(names) & set(OWN + FORMAT_1_ONLY)
     if taken:
         raise ValueError(f"an order's index names the store's own database(s) {', '.join(sorted(taken))}")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from expbuf.client.trxp.columns import unknown_field
 
+from . import order_names
 from .errors import SpecError, clip
-from .selection import ORDERS
 
 DELIVERIES = ("consume", "lease", "replay")
 # A lease longer than a week is a forgotten batch, not a long training step.
@@ -107,8 +107,8 @@ class SampleSpec:
                 f"{asked} is {max(self.num_groups, self.batch_size)}: a batch holds at most {MAX_BATCH} experiences "
                 "(its take holds the store's writer); take several batches"
             )
-        if self.order not in ORDERS:
-            raise SpecError(f"order is {self.order[:70]!r}; expected one of {', '.join(ORDERS)}")
+        if self.order not in order_names.NAMES:
+            raise SpecError(f"order is {self.order[:70]!r}; expected one of {', '.join(order_names.NAMES)}")
         if self.delivery not in DELIVERIES:
             raise SpecError(f"delivery is {self.delivery!r}; expected one of {', '.join(DELIVERIES)}")
         if self.delivery == "lease":

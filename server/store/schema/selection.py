@@ -39,6 +39,7 @@ import lmdb
 
 from expbuf.client.schema.orders import NAME, NAME_FORM
 
+from . import order_names
 from .errors import InvalidRequest
 from .ready_indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, Slots, VersionIndex
 
@@ -119,6 +120,7 @@ def register(order: O, *, replace: bool = False) -> O:
             raise ValueError(f"order {order.name}: database(s) {', '.join(sorted(shared))} belong to {other.__name__}")
     ORDERS[order.name] = order
     _KEPT = _indexes()
+    _named()
     return order
 
 
@@ -127,12 +129,18 @@ def unregister(name: str) -> None:
     global _KEPT
     ORDERS.pop(name, None)
     _KEPT = _indexes()
+    _named()
 
 
 def indexes() -> list[type[Index]]:
     """The indexes a store opens: the ready order, the version index, then those the registered
     orders read. A table keeps those of them it was read with (`in_use`)."""
     return list(_KEPT)
+
+
+def _named() -> None:
+    """Tell the rooms below what the registry holds now (order_names.py)."""
+    order_names.kept(list(ORDERS), tuple(name for index in _KEPT for name in index.databases))
 
 
 def _indexes() -> list[type[Index]]:
