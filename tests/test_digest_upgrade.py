@@ -21,10 +21,10 @@ from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
 from expbuf.server.store import Store
+from expbuf.server.store.core.counters import Counters
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.records import ItemRecord
-from expbuf.server.store.rules.counters import Counters
 from expbuf.server.store.schema.errors import Conflict, Damaged
 from expbuf.server.store.schema.states import CONSUMED, RETIRED
 from expbuf.server.store.schema.table_config import TableConfig

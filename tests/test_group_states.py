@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store, TableExtension
+from expbuf.server.store.core.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
-from expbuf.server.store.rules.table_state import TableState
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.states import LIVE, MOVES, RETIRED, STATES, IllegalMove, State, check_move
 from expbuf.server.store.schema.table_config import TableConfig

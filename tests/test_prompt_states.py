@@ -14,6 +14,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.server.store import Store, TableExtension
+from expbuf.server.store.core.state import TableState
 from expbuf.server.store.ledger.records import DatasetRecord, PromptRecord, prompt_key
 from expbuf.server.store.ledger.states import (
     DONE,
@@ -23,7 +24,6 @@ from expbuf.server.store.ledger.states import (
     PromptState,
     check_prompt_move,
 )
-from expbuf.server.store.rules.table_state import TableState
 from expbuf.server.store.schema.table_config import TableConfig
 
 from helpers import make_experience

@@ -15,11 +15,12 @@ from expbuf.client import BufferClient, InvalidArgumentError
 from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import Store, TableExtension
+from expbuf.server.store.core.events import Groups
+from expbuf.server.store.core.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
 from expbuf.server.store.ledger.rules import Ledger
 from expbuf.server.store.rules.extensions import ExtensionKinds
 from expbuf.server.store.rules.staleness import StaleEviction
-from expbuf.server.store.rules.table_state import Groups, TableState
 from expbuf.server.store.schema.errors import ConfigError, InvalidRequest, StoreError
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig

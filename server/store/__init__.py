@@ -35,11 +35,11 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
+from .core.counters import SHAPING_COUNTERS
+from .core.events import TableExtension
 from .disk.kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
 from .disk.records import ItemRecord
 from .engine import Store
-from .rules.counters import SHAPING_COUNTERS
-from .rules.extensions import TableExtension
 from .schema.states import (
     COMPUTING,
     CONSUMED,

@@ -28,6 +28,9 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
+from .core.counters import read_counters
+from .core.events import TableExtension
+from .core.state import TableState, stored
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
 from .disk.kinds import Compute, ComputeJob, Entry, FailResult, MayWait, Push, PutResult, ShapingUpdate
@@ -37,10 +40,8 @@ from .ledger.rules import Ledger
 from .ledger_calls import LedgerCalls
 from .reading import ReadCalls
 from .rules import groups, limiter, retirement, staleness
-from .rules.counters import read_counters
-from .rules.extensions import ExtensionKinds, TableExtension
+from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
-from .rules.table_state import TableState, stored
 from .sampling_calls import SamplingCalls
 from .schema.errors import InvalidRequest, NotFound, check_count
 from .schema.sample_spec import check_version

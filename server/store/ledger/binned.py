@@ -19,8 +19,8 @@ import struct
 
 from expbuf.client.schema.prompts import PromptStats
 
+from ..core.state import TableState
 from ..disk import layout
-from ..rules.table_state import TableState
 from .orders import ClaimOrder
 from .records import DatasetRecord
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 
+from ..core.state import TableState
 from ..disk import layout
-from ..rules.table_state import TableState
 from ..schema.states import LIVE
 from ..schema.states import PENDING as GROUP_PENDING
 from .binned import bins_prefix, read_bin_key

@@ -14,9 +14,9 @@ import lmdb
 
 from expbuf.client.schema.prompts import PromptStats as Stats
 
+from ..core.state import TableState
 from ..disk import layout
 from ..rules.pushed_advantages import zero_variance
-from ..rules.table_state import TableState
 from .records import DatasetRecord
 
 _STATS = struct.Struct("<IIQQIddIqq")

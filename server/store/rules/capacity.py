@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..core.counters import Counters
+from ..core.state import TableState
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig
-from .counters import Counters
 from .retirement import retire
-from .table_state import TableState
 
 
 def held_bytes(counters: Counters) -> int:

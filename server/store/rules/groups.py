@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
+from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
@@ -34,7 +35,6 @@ from .pushed_advantages import (
     zero_variance,
 )
 from .retirement import retire
-from .table_state import TableState
 
 
 def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:

@@ -31,12 +31,12 @@ from collections.abc import Iterable, Sequence
 
 import lmdb
 
+from ..core.counters import stored_names
+from ..core.state import TableState
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import InsertLimited, SampleLimited
 from ..schema.states import LEASED, READY
-from .counters import stored_names
-from .table_state import TableState
 
 # The limiter's counters by their names in the stored counters.
 INSERTED, SAMPLED = "rate_inserted", "rate_sampled"

@@ -50,13 +50,13 @@ from expbuf.client.trxp.common import RawItem, RawTensor, TrxpError, count_nonze
 from expbuf.client.trxp.parse import head_length, parse, parse_head
 from expbuf.client.trxp.pieces import Bytes
 
+from ..core.state import TableState, missing
 from ..disk import digests
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
-from .table_state import TableState, missing
 
 _PIECE = struct.Struct(">I")
 # A rollout whose pieces take more is put together off the writer, as a staged chunk set: its

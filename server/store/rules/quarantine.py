@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from ..core.read_check import payload_problem
+from ..core.state import TableState
 from ..disk import chunk_reads, chunked, digests
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import FAILED, LIVE, QUARANTINED, State
-from .read_check import payload_problem
 from .retirement import drop_payloads, retire
-from .table_state import TableState
 
 log = logging.getLogger("expbuf.store")
 

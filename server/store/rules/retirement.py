@@ -11,13 +11,13 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
+from ..core.state import TableState
 from ..disk import chunked, layout
 from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from . import limiter, partials
-from .table_state import TableState
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from ..core.state import TableState
 from ..disk import layout
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.ready_indexes import put_rows
 from ..schema.states import CONSUMED, LEASED, READY
 from ..schema.table_config import TableConfig
 from .retirement import retire
-from .table_state import TableState
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 

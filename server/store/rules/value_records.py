@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import lmdb
 
-from .counters import read_counters, stored_names
-from .table_state import TableState
+from ..core.counters import read_counters, stored_names
+from ..core.state import TableState
 
 RECORD = b"\xff"
 _SIZE = struct.Struct(">Q")

@@ -19,6 +19,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
+from ..core.state import TableState
 from ..disk.environment import Environment
 from ..ledger.claimed import Claimed
 from ..ledger.hand_out import STEP_HASHES
@@ -35,7 +36,6 @@ from ..ledger.rules import Ledger
 from ..ledger.settings import check, no_dataset
 from ..ledger.shards import count_part, count_parts
 from ..ledger.states import PROMPT_STATES
-from ..rules.table_state import TableState
 from ..schema.errors import Cancelled, InvalidRequest, check_count, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, MAX_WAIT_SECONDS, check_seconds
 from ..tables.catalog import TableCatalog

@@ -20,6 +20,8 @@ from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
+from ..core.counters import Counters
+from ..core.read_check import Unservable, payload_problem, serve_problem
 from ..disk import chunk_reads, digests, layout
 from ..disk.batch_rows import BatchRows
 from ..disk.chunk_reads import checked, read_payload
@@ -30,8 +32,6 @@ from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.rules import check_reader
 from ..rules import partials
-from ..rules.counters import Counters
-from ..rules.read_check import Unservable, payload_problem, serve_problem
 from ..rules.staleness import masked_tokens, token_bound
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..schema.states import LEASED

@@ -16,11 +16,11 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core.state import TableState
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse, staleness
-from ..rules.table_state import TableState
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import SampleSpec
 from ..schema.selection import IndexBuilding

@@ -27,11 +27,11 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored
 
+from ..core.counters import read_counters
+from ..core.read_check import payload_problem
 from ..disk import chunk_reads, digests, layout, residency
 from ..disk.environment import Environment
 from ..disk.records import ItemRecord
-from ..rules.counters import read_counters
-from ..rules.read_check import payload_problem
 from ..tables.catalog import TableCatalog
 
 log = logging.getLogger("expbuf.store")

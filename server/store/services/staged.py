@@ -25,10 +25,10 @@ import threading
 import time
 from collections import defaultdict
 
+from ..core.counters import read_counters
 from ..disk import layout
 from ..disk.environment import Environment
 from ..rules.capacity import held_bytes
-from ..rules.counters import read_counters
 from ..schema.errors import TableFull, TooLarge
 from ..tables.catalog import TableCatalog
 

@@ -26,10 +26,10 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.client.trxp.varints import field_bytes
 
+from ..core.counters import read_counters
 from ..disk import layout
 from ..disk.environment import Environment
 from ..rules import capacity, value_records
-from ..rules.counters import read_counters
 from ..rules.value_records import ValueRecord, record, record_key
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, TooLarge, check_count, clip
 from ..tables.catalog import TableCatalog

@@ -22,9 +22,9 @@ from typing import TypedDict
 
 import lmdb
 
+from ..core.state import TableState
 from ..disk import layout
 from ..disk.kinds import Entry
-from ..rules.table_state import TableState
 from ..schema.errors import InvalidRequest, NotFound, StaleExperience, clip
 from ..schema.sample_spec import MAX_COUNT
 

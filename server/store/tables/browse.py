@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import lmdb
 
+from ..core.state import member_state, stored
 from ..disk.records import GroupRecord, ItemRecord
-from ..rules.table_state import member_state, stored
 from ..schema.ready_indexes import u64
 from ..schema.states import READY
 

@@ -11,14 +11,15 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core.counters import read_counters
+from ..core.events import TableExtension
+from ..core.state import TableState
 from ..disk import layout
 from ..disk.environment import Environment
 from ..disk.records import Lease
 from ..ledger.rules import Ledger
-from ..rules.counters import read_counters
-from ..rules.extensions import ExtensionKinds, Extensions, TableExtension
+from ..rules.extensions import ExtensionKinds, Extensions
 from ..rules.staleness import StaleEviction
-from ..rules.table_state import TableState
 from ..schema import selection
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
 from ..schema.table_config import CONFIG_VERSION, TableConfig, differences

@@ -11,13 +11,13 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored, whole
 
+from ..core.counters import read_counters
+from ..core.events import Groups, TableExtension
+from ..core.read_check import payload_problem
+from ..core.state import TableState, missing, stored
 from ..disk import chunk_reads, layout
 from ..disk.kinds import ComputeJob
 from ..disk.records import GroupRecord, ItemRecord
-from ..rules.counters import read_counters
-from ..rules.extensions import TableExtension
-from ..rules.read_check import payload_problem
-from ..rules.table_state import Groups, TableState, missing, stored
 from ..schema.states import COMPUTING
 from ..schema.table_config import TableConfig, estimator_of
 

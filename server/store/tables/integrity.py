@@ -21,14 +21,14 @@ from pathlib import Path
 
 import lmdb
 
+from ..core.counters import read_counters
+from ..core.read_check import payload_problem
+from ..core.state import TableState, member_state
 from ..disk import chunk_heads, chunk_reads, chunked, layout, shared_prompts
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules import value_records
-from ..rules.counters import read_counters
 from ..rules.extensions import Extensions
-from ..rules.read_check import payload_problem
-from ..rules.table_state import TableState, member_state
 from ..schema.errors import Damaged
 from ..schema.ready_indexes import u64
 from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES

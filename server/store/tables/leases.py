@@ -25,12 +25,12 @@ import random
 
 import lmdb
 
+from ..core.state import TableState
 from ..disk import layout
 from ..disk.kinds import Sampled
 from ..disk.records import Counted, GroupRecord, Lease
 from ..rules import limiter, reuse
 from ..rules.retirement import retire
-from ..rules.table_state import TableState
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
 from ..schema.states import CONSUMED, LEASED, READY

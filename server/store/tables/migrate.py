@@ -42,11 +42,11 @@ from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.common import TrxpError
 from expbuf.client.trxp.parse import parse
 
+from ..core.state import TableState
 from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..rules.extensions import Extensions
-from ..rules.table_state import TableState
 from ..schema import selection
 from ..schema.errors import StoreError
 from ..schema.ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex

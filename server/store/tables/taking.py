@@ -20,6 +20,8 @@ from collections.abc import Callable, Generator, Iterator
 
 from expbuf.client.trxp.pieces import Stored
 
+from ..core.read_check import Unservable, serve_problem
+from ..core.state import TableState
 from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
@@ -29,10 +31,8 @@ from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import limiter, reuse
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
-from ..rules.read_check import Unservable, serve_problem
 from ..rules.retirement import retire
 from ..rules.staleness import masked_tokens, report, token_bound
-from ..rules.table_state import TableState
 from ..schema.errors import SampleLimited, SpecError
 from ..schema.sample_spec import MAX_BATCH, SampleSpec
 from ..schema.states import CONSUMED, FAILED, LEASED

@@ -2,14 +2,14 @@
 cache, written by `save`), its counters, its ready index, and the keys of its indexes.
 
 The rules that change a table (groups.py, capacity.py, retirement.py, leases.py, ...) are
-functions over this state; it imports none of them. A table's extensions (extensions.py, a
-layer above) are reached through `extensions`, as the `Events` they answer.
+functions over this state; it imports none of them. A table's extensions (rules/extensions.py,
+rooms above) are reached through `extensions`, as the `Events` they answer (events.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import lmdb
 
@@ -22,10 +22,10 @@ from ..schema.selection import ReadyIndex
 from ..schema.states import LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
 from .counters import read_counters
+from .events import Events
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
-Groups = Sequence[tuple[str, GroupRecord]]
 V = TypeVar("V", bytes, memoryview)
 
 
@@ -51,20 +51,6 @@ def stored_state(state: State) -> State:
 def member_state(rec: ItemRecord, grp: GroupRecord | None) -> State:
     """An experience's state: its record's, or leased while its group is."""
     return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
-
-
-class Events(Protocol):
-    """The events of a table its extensions hear (extensions.py says when each comes): the
-    state raises `on_update`, the rules the others."""
-
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None: ...
-    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None: ...
-    def on_insert(self, tt: TableState, uids: Sequence[str]) -> None: ...
-    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None: ...
-    def on_sample(self, tt: TableState, groups: Groups) -> None: ...
-    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None: ...
-    def on_version(self, tt: TableState) -> None: ...
-    def on_upkeep(self, tt: TableState) -> int: ...
 
 
 class TableState:
