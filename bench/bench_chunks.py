@@ -54,9 +54,9 @@ from expbuf.client import EID, trxp  # noqa: E402
 from expbuf.server.rpc.replies import keep_reply_memory  # noqa: E402
 from expbuf.server.store import Entry, Store  # noqa: E402
 from expbuf.server.store.core.read_check import payload_problem  # noqa: E402
+from expbuf.server.store.disk.layout import put_rows, u64  # noqa: E402
 from expbuf.server.store.disk.records import ItemRecord  # noqa: E402
 from expbuf.server.store.rules import groups  # noqa: E402
-from expbuf.server.store.schema.ready_indexes import put_rows, u64  # noqa: E402
 from expbuf.server.store.schema.states import PENDING  # noqa: E402
 from expbuf.server.store.schema.table_config import TableConfig  # noqa: E402
 

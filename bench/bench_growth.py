@@ -71,8 +71,8 @@ from bench_consume import package  # noqa: E402
 from results import write_section  # noqa: E402
 
 from expbuf.client import BufferClient, ScrubInfo, trxp  # noqa: E402
+from expbuf.server.store.core import ready as core_ready  # noqa: E402
 from expbuf.server.store.disk import layout  # noqa: E402
-from expbuf.server.store.schema import selection  # noqa: E402
 
 from helpers import ServerProcess, make_experience, scrape  # noqa: E402
 
@@ -343,9 +343,9 @@ def forget_index(data: Path, *names: str) -> None:
         with env.begin(write=True) as txn:
             dbs = {db: env.open_db(db.encode(), txn=txn) for db in ("tables", "counters", *names)}
             prefix = layout.table_prefix(json.loads(txn.get(TABLE.encode(), db=dbs["tables"]))["id"])
-            used = selection.in_use(txn, dbs, prefix)
-            selection.mark_in_use(txn, dbs, prefix, (set(LAZY) if used is None else used) - set(names))
-            txn.delete(prefix + selection.BUILDING, db=dbs["counters"])
+            used = core_ready.in_use(txn, dbs, prefix)
+            core_ready.mark_in_use(txn, dbs, prefix, (set(LAZY) if used is None else used) - set(names))
+            txn.delete(prefix + core_ready.BUILDING, db=dbs["counters"])
         for name in names:
             deleted = 1
             while deleted:

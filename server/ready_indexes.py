@@ -1,7 +1,7 @@
-"""Deprecated: the ready-group indexes are `expbuf.server.store.schema.ready_indexes` (client/moved.py)."""
+"""Deprecated: the ready-group indexes' names are `expbuf.server.store`'s (client/moved.py)."""
 
 from expbuf.client.moved import moved
 
-from .store.schema import ready_indexes
+from . import store
 
-__getattr__ = moved(__name__, ready_indexes)
+__getattr__ = moved(__name__, store)

@@ -1,7 +1,7 @@
-"""Deprecated: the orders are `expbuf.server.store.schema.selection` (client/moved.py)."""
+"""Deprecated: the orders' names are `expbuf.server.store`'s (client/moved.py)."""
 
 from expbuf.client.moved import moved
 
-from .store.schema import selection
+from . import store
 
-__getattr__ = moved(__name__, selection)
+__getattr__ = moved(__name__, store)

@@ -12,13 +12,13 @@ import json
 import sys
 
 from expbuf.server.store import Store
-from expbuf.server.store.schema import selection
+from expbuf.server.store.core import ready as core_ready
 
 from helpers import small_groups
 
 
 def main(path: str, first: int) -> None:
-    selection.BUILD_CHUNK = 32  # many chunks: the kill lands inside a build
+    core_ready.BUILD_CHUNK = 32  # many chunks: the kill lands inside a build
     with Store(path) as store:
         task = first
         while True:

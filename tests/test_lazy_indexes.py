@@ -26,13 +26,14 @@ import pytest
 from expbuf.client import BufferClient
 from expbuf.client.errors import ExpbufError
 from expbuf.server.store import Store
+from expbuf.server.store.core import ready as core_ready
+from expbuf.server.store.core.indexes import Index, PriorityIndex, Slots
+from expbuf.server.store.core.ready import IndexBuilding
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
-from expbuf.server.store.schema import errors, selection
+from expbuf.server.store.schema import errors
 from expbuf.server.store.schema.errors import InvalidRequest
-from expbuf.server.store.schema.ready_indexes import Index, PriorityIndex
 from expbuf.server.store.schema.sample_spec import SampleSpec
-from expbuf.server.store.schema.selection import IndexBuilding
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 
@@ -67,7 +68,7 @@ def made_before(store: Store, name: str = "t") -> Store:
     order, and each other index only once it is built."""
     table_id, _ = store.catalog.lookup(name)
     prefix, db = layout.table_prefix(table_id), store.environment.db
-    store.environment.submit(lambda txn: selection.mark_in_use(txn, db, prefix, set()))
+    store.environment.submit(lambda txn: core_ready.mark_in_use(txn, db, prefix, set()))
     return store
 
 
@@ -75,7 +76,7 @@ def kept_by(store: Store, name: str = "t") -> set[str] | None:
     """The lazy indexes' databases a table keeps, as its mark says (None: every one)."""
     table_id, _ = store.catalog.lookup(name)
     with store.environment.read() as txn:
-        return selection.in_use(txn, store.environment.db, layout.table_prefix(table_id))
+        return core_ready.in_use(txn, store.environment.db, layout.table_prefix(table_id))
 
 
 def fill(store: Store, ready: int, table: str = "t") -> None:
@@ -143,7 +144,7 @@ def kept_always(tmp_path: Path) -> Store:
     before the mark."""
     store = one_each(tmp_path)
     table_id, _ = store.catalog.lookup("t")
-    key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
+    key, counters = layout.table_prefix(table_id) + core_ready.IN_USE, store.environment.db["counters"]
     store.environment.submit(lambda txn: txn.delete(key, db=counters))
     return store
 
@@ -230,7 +231,7 @@ def test_a_directory_written_before_the_mark_keeps_every_index(tmp_path: Path) -
         assert store.index_builds() == []
         store.create_table(TableConfig.of(name="t", estimator="none", group_size=1, drop_zero_variance=False))
         table_id, _ = store.catalog.lookup("t")
-        key, counters = layout.table_prefix(table_id) + selection.IN_USE, store.environment.db["counters"]
+        key, counters = layout.table_prefix(table_id) + core_ready.IN_USE, store.environment.db["counters"]
         store.environment.submit(lambda txn: txn.delete(key, db=counters))  # "t" as the fixture's tables
         assert push_puts(store, 0) == {name: 1.0 for name in (*RECORDS, *INDEXES)}
 
@@ -259,7 +260,7 @@ def test_a_request_that_needs_an_index_not_kept_changes_nothing_and_an_undone_ch
         assert push_puts(store, 8) == {name: 1.0 for name in (*RECORDS, "ready")}
         assert store.verify("t") == []
         with store.environment.read() as txn:
-            assert selection.builds(txn, store.environment.db, layout.table_prefix(table_id)) == {}
+            assert core_ready.builds(txn, store.environment.db, layout.table_prefix(table_id)) == {}
         replay(store, num_groups=1, order="priority")
         assert push_puts(store, 72) == {name: 1.0 for name in (*RECORDS, "ready", "prio")}
         assert store.verify("t") == []
@@ -279,10 +280,10 @@ class Writes:
         self._who, self._lock, self._queued = UNWATCHED, threading.Lock(), dict[int, int]()
         env = store.environment
         counting(store, cast(Counts, self))
-        build_step, submit, apply, queue = selection.ReadyIndex.build_step, env.submit, env._apply, env._queue
+        build_step, submit, apply, queue = core_ready.ReadyIndex.build_step, env.submit, env._apply, env._queue
         watch = self
 
-        def step(ready: selection.ReadyIndex, cls: type[Index], limit: int | None = None) -> selection.BuildStep:
+        def step(ready: core_ready.ReadyIndex, cls: type[Index], limit: int | None = None) -> core_ready.BuildStep:
             done = build_step(ready, cls, limit)
             watch.chunks.append((watch._who, done.groups))
             return done
@@ -319,7 +320,7 @@ class Writes:
 
             get, get_nowait = queue.get, queue.get_nowait
 
-        monkeypatch.setattr(selection.ReadyIndex, "build_step", step)
+        monkeypatch.setattr(core_ready.ReadyIndex, "build_step", step)
         monkeypatch.setattr(env, "submit", asked)
         monkeypatch.setattr(env, "_apply", applied)
         monkeypatch.setattr(env, "_queue", Queue())  # the writer waits on `queue` itself
@@ -371,7 +372,7 @@ def test_the_first_requests_after_an_open_find_their_indexes_built_in_the_backgr
         assert writes.index_rows(me) == 0 and BUILDER in {who for who, _ in writes.chunks} <= {BUILDER, UNWATCHED}
         built = writes.index_rows(BUILDER) + writes.index_rows(UNWATCHED)
         assert built >= 3 * OPEN_READY  # slots, slotof and prio rows: no version
-        assert max(groups for _, groups in writes.chunks) <= selection.BUILD_CHUNK
+        assert max(groups for _, groups in writes.chunks) <= core_ready.BUILD_CHUNK
         assert all(others == 0 for ran, others in writes.batches if ran), "a chunk shared a transaction"
         chunked = [i for i, (ran, _) in enumerate(writes.batches) if ran]
         between = [i for i, (ran, others) in enumerate(writes.batches) if others and chunked[0] < i < chunked[-1]]
@@ -483,7 +484,7 @@ def test_a_build_killed_midway_goes_on_from_its_cursor_at_the_next_open(
                 for name, raw in txn.cursor(db=reader.db["tables"])
                 if bytes(name) == b"t"
             )
-            cursors = selection.builds(txn, reader.db, prefix)
+            cursors = core_ready.builds(txn, reader.db, prefix)
     finally:
         reader.close()
     assert any(cursor > 0 for cursor in cursors.values()), cursors
@@ -507,10 +508,10 @@ def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_pa
         table_id, config = lazy.catalog.lookup("t")
         for _ in range(3):
             lazy.environment.submit(
-                lambda txn: lazy.catalog.state(txn, table_id, config).ready.build_step(selection.Slots, limit=8)
+                lambda txn: lazy.catalog.state(txn, table_id, config).ready.build_step(Slots, limit=8)
             )
         with lazy.environment.read() as txn:
-            assert selection.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {"slots": 24}
+            assert core_ready.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {"slots": 24}
         assert lazy.verify("t") == []
     with Store(tmp_path / "always") as always, Store(tmp_path / "lazy") as lazy:
         for store in (always, lazy):
@@ -525,7 +526,7 @@ def test_a_build_cut_short_is_kept_consistent_and_goes_on_after_a_restart(tmp_pa
         assert sorted(replay(lazy, **everything)) == sorted(replay(always, **everything))
         assert lazy.verify("t") == []
         with lazy.environment.read() as txn:
-            assert selection.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {}
+            assert core_ready.builds(txn, lazy.environment.db, layout.table_prefix(table_id)) == {}
 
 
 def test_the_upkeep_has_an_index_it_needs_built_and_uses_it_once_built(tmp_path: Path) -> None:
@@ -545,7 +546,7 @@ def test_the_upkeep_has_an_index_it_needs_built_and_uses_it_once_built(tmp_path:
         prefix, db = layout.table_prefix(table_id), store.environment.db
 
         def forget(txn: lmdb.Transaction[bytes]) -> None:
-            selection.mark_in_use(txn, db, prefix, selection.every_lazy(db) - {"byver"})
+            core_ready.mark_in_use(txn, db, prefix, core_ready.every_lazy(db) - {"byver"})
             with txn.cursor(db=db["byver"]) as cur:
                 found = cur.set_range(prefix)
                 while found and cur.key().startswith(prefix):

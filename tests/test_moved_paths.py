@@ -19,11 +19,13 @@ MOVED = [
         "expbuf.server.store.schema.estimator_registry",
         ["Estimator", "Param", "register"],
     ),
-    ("expbuf.server.ready_indexes", "expbuf.server.store.schema.ready_indexes", ["KeyedIndex", "u64", "version_key"]),
-    ("expbuf.server.selection", "expbuf.server.store.schema.selection", ["Order", "register"]),
-    ("expbuf.server.store.selection", "expbuf.server.store.schema.selection", ["Order", "register", "IN_USE"]),
+    ("expbuf.server.ready_indexes", "expbuf.server.store", ["KeyedIndex", "u64", "version_key"]),
+    ("expbuf.server.selection", "expbuf.server.store", ["Order", "register"]),
+    ("expbuf.server.store.selection", "expbuf.server.store", ["Order", "register"]),
+    ("expbuf.server.store.schema.selection", "expbuf.server.store", ["Order", "register", "ReadyIndex"]),
     ("expbuf.server.store.estimator_registry", "expbuf.server.store.schema.estimator_registry", ["register"]),
-    ("expbuf.server.store.ready_indexes", "expbuf.server.store.schema.ready_indexes", ["KeyedIndex"]),
+    ("expbuf.server.store.ready_indexes", "expbuf.server.store", ["KeyedIndex"]),
+    ("expbuf.server.store.schema.ready_indexes", "expbuf.server.store", ["KeyedIndex", "Index", "u64", "version_key"]),
     ("expbuf.server.store.table_config", "expbuf.server.store.schema.table_config", ["TableConfig"]),
     ("expbuf.server.store.table_parts", "expbuf.server.store.schema.table_parts", ["Shaping"]),
     ("expbuf.server.store.errors", "expbuf.server.store.schema.errors", ["StoreError"]),
@@ -61,6 +63,20 @@ def test_an_old_path_reads_the_moved_module_with_a_warning(old: str, new: str, n
         module.no_such_name  # noqa: B018
 
 
+def test_an_old_path_without_a_file_imports_in_a_fresh_interpreter() -> None:
+    """The order registry's old paths are no files: the store's package serves them (an alias,
+    client/moved.py) as the import system loads it, before it looks for the old path."""
+    code = (
+        "from expbuf.server.store.schema.ready_indexes import KeyedIndex\n"
+        "import expbuf.server.store.selection as old\n"
+        "import expbuf.server.store as store\n"
+        "print(KeyedIndex is store.KeyedIndex, old.register is store.register)\n"
+    )
+    done = python(code, warnings="always::DeprecationWarning")
+    assert done.returncode == 0 and done.stdout == "True True\n", done.stderr[-3000:]
+    assert "expbuf.server.store.schema.ready_indexes moved to expbuf.server.store: import KeyedIndex" in done.stderr
+
+
 # What a user's process imports: the server, the store, the client and every adapter.
 ENTRY_POINTS = [
     "expbuf.server.app",
@@ -83,11 +99,11 @@ def test_nothing_of_expbufs_own_reads_an_old_path() -> None:
     """Every module of the server, the store, the client and the adapters imported in a fresh
     interpreter, with expbuf's own deprecation warnings made errors: none is raised."""
     code = "; ".join([*(f"import {name}" for name in ENTRY_POINTS), "from expbuf.client import *"])
-    done = subprocess.run(
-        [sys.executable, "-W", "error:expbuf.:DeprecationWarning", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = python(code, warnings="error:expbuf.:DeprecationWarning")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def python(code: str, *, warnings: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by a fresh interpreter under the warnings filter given."""
+    command = [sys.executable, "-W", warnings, "-c", code]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)

@@ -16,11 +16,10 @@ from expbuf.client.rpc import wire
 from expbuf.server import cli
 from expbuf.server.app import ExpbufServer
 from expbuf.server.config import ServerConfig
-from expbuf.server.store import Store
+from expbuf.server.store import KeyedIndex, Order, ReadyGroup, ReadyIndex, Store, register, u64, unregister, version_key
+from expbuf.server.store.core.orders import ORDERS
 from expbuf.server.store.schema.errors import InvalidRequest
-from expbuf.server.store.schema.ready_indexes import KeyedIndex, ReadyGroup, u64, version_key
 from expbuf.server.store.schema.sample_spec import SpecError
-from expbuf.server.store.schema.selection import ORDERS, Order, ReadyIndex, register, unregister
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.services import index_builds
 from expbuf.server.store.tables import integrity

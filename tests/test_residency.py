@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from expbuf.server.store import Store
+from expbuf.server.store.core import ready as core_ready
 from expbuf.server.store.disk import layout, residency
-from expbuf.server.store.schema import selection
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
@@ -72,7 +72,7 @@ def test_a_build_of_an_index_from_the_open_leaves_the_file_out_of_rss(tmp_path: 
         store.create_table(TableConfig.of("t", estimator="none", group_size=1, drop_zero_variance=False))
         table_id, _ = store.catalog.lookup("t")
         prefix, db = layout.table_prefix(table_id), store.environment.db
-        store.environment.submit(lambda txn: selection.mark_in_use(txn, db, prefix, set()))  # as made before
+        store.environment.submit(lambda txn: core_ready.mark_in_use(txn, db, prefix, set()))  # as made before
         for start in range(0, 100_000, 10_000):
             store.put_entries("t", entries(10_000, 1, start))
     size = (tmp_path / "data.mdb").stat().st_size

@@ -10,11 +10,12 @@ import lmdb
 import pytest
 
 from expbuf.server.store import Store
+from expbuf.server.store.core.indexes import PriorityIndex, ReadyOrder, Slots
+from expbuf.server.store.core.ready import ReadyIndex
+from expbuf.server.store.disk.layout import u64
 from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.errors import SpecError
-from expbuf.server.store.schema.ready_indexes import PriorityIndex, ReadyOrder, Slots, u64
 from expbuf.server.store.schema.sample_spec import MAX_BATCH, SampleSpec
-from expbuf.server.store.schema.selection import ReadyIndex
 from expbuf.server.store.schema.states import CONSUMED, LEASED
 from expbuf.server.store.schema.table_config import TableConfig
 from expbuf.server.store.tables import taking

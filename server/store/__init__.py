@@ -35,9 +35,17 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
+import sys
+
+from expbuf.client.moved import alias
+
 from .core.counters import SHAPING_COUNTERS
 from .core.events import TableExtension
+from .core.indexes import Index, KeyedIndex, ReadyGroup
+from .core.orders import Order, register, unregister
+from .core.ready import ReadyIndex
 from .disk.kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
+from .disk.layout import u64, version_key
 from .disk.records import ItemRecord
 from .engine import Store
 from .schema.states import (
@@ -76,14 +84,29 @@ __all__ = [
     "ComputeJob",
     "Entry",
     "IllegalMove",
+    "Index",
     "IndexBuild",
     "ItemRecord",
+    "KeyedIndex",
+    "Order",
     "Push",
     "PutResult",
+    "ReadyGroup",
+    "ReadyIndex",
     "Sampled",
     "ScrubStatus",
     "ShapingUpdate",
     "State",
     "Store",
     "TableExtension",
+    "register",
+    "u64",
+    "unregister",
+    "version_key",
 ]
+
+# The old paths of the order registry's names (an order and its index, docs/internals/storage.md),
+# modules no more: each name read from them is this package's, with a DeprecationWarning, for
+# one release (client/moved.py; CHANGELOG.md).
+for _old in ("schema.ready_indexes", "schema.selection", "ready_indexes", "selection"):
+    alias(f"{__name__}.{_old}", sys.modules[__name__])

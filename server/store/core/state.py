@@ -15,14 +15,15 @@ import lmdb
 
 from ..disk import layout
 from ..disk.kinds import Ahead, Compute
+from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
-from ..schema.ready_indexes import ReadyGroup, ReadyOrder, put_rows, u64
-from ..schema.selection import ReadyIndex
 from ..schema.states import LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
 from .counters import read_counters
 from .events import Events
+from .indexes import ReadyGroup, ReadyOrder
+from .ready import ReadyIndex
 
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
@@ -164,7 +165,7 @@ class TableState:
 
     def ready_groups(self, start: int, limit: int, records: bool = True) -> tuple[list[ReadyGroup], int | None]:
         """Up to `limit` ready groups from rseq `start` on, in ready order, as a lazy index being
-        built reads them (selection.ReadyIndex.build_step), each with its priority and version
+        built reads them (ready.ReadyIndex.build_step), each with its priority and version
         from the head of its record (without `records`: priority 0, no version); and the rseq to
         go on from (None: none lies past them)."""
         rows, after = self.ready.of(ReadyOrder).from_rseq(start, limit)

@@ -22,10 +22,10 @@ one contiguous range:
 - retired:   T + retired time + group key -> b"" (retired groups, whose members' tombstones are
   pruned together after tombstone_seconds)
 - counters:  T -> counts by state, bytes and totals (JSON), updated in the same transaction;
-  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; selection.IN_USE)
+  T + "indexes" -> the lazy indexes' databases the table keeps (absent: all; core/ready.IN_USE)
 - ready groups: the databases of the registered orders' indexes (ready, prio, slots, slotof)
-  and of the version index (byver), of the tables that keep them; see ready_indexes.py and
-  selection.py
+  and of the version index (byver), of the tables that keep them; see core/indexes.py and
+  core/ready.py
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
 - cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
@@ -40,8 +40,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
+import lmdb
+
 from ..schema import order_names
-from ..schema.ready_indexes import u64
 
 # The form of the data directory: 1 kept JSON records and task, run and step indexes;
 # 2 keeps binary records (records.py) and no such indexes; 3 adds the version index
@@ -85,6 +86,37 @@ def per_table(dbs: Iterable[str]) -> list[str]:
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+
+
+def u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def put_rows(txn: lmdb.Transaction, db: lmdb._Database, rows: list[tuple[bytes, bytes]]) -> None:
+    """Write (key, value) rows into one database in one call: a push writes hundreds."""
+    if rows:
+        with txn.cursor(db=db) as cur:
+            cur.putmulti(rows)
+
+
+def next_prefix(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key that starts with prefix."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def prio_key(priority: float) -> bytes:
+    """Big-endian bytes that sort by priority descending."""
+    (bits,) = struct.unpack(">Q", struct.pack(">d", float(priority)))
+    bits = bits ^ 0xFFFFFFFFFFFFFFFF if bits >> 63 else bits | 1 << 63  # ascending order of floats
+    return u64(bits ^ 0xFFFFFFFFFFFFFFFF)  # flip for descending
+
+
+def version_key(version: int) -> bytes:
+    """A signed 64-bit version as 8 bytes that sort in its order."""
+    return u64(version + (1 << 63))
 
 
 def table_prefix(table_id: int) -> bytes:

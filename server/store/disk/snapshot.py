@@ -24,7 +24,7 @@ import lmdb
 from expbuf.client.trxp.pieces import SplitPayload
 
 from ..schema.errors import StoreError
-from ..schema.ready_indexes import next_prefix
+from .layout import next_prefix
 
 Value = bytes | memoryview | SplitPayload
 T = TypeVar("T")

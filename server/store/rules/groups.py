@@ -18,9 +18,9 @@ from expbuf.client.schema.routing import uid_group_key
 from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
+from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
-from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
 from . import limiter, partials

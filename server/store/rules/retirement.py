@@ -13,9 +13,9 @@ import lmdb
 
 from ..core.state import TableState
 from ..disk import chunked, layout
+from ..disk.layout import put_rows, u64
 from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
-from ..schema.ready_indexes import put_rows, u64
 from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from . import limiter, partials
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from ..core.state import TableState
 from ..disk import layout
+from ..disk.layout import put_rows
 from ..disk.records import GroupRecord, ItemRecord
-from ..schema.ready_indexes import put_rows
 from ..schema.states import CONSUMED, LEASED, READY
 from ..schema.table_config import TableConfig
 from .retirement import retire

@@ -13,7 +13,7 @@ would evict them all), is refused, naming the reset that sets any version.
 With `evict_stale`, a ready group whose lowest model version fell below trainer version -
 max_staleness leaves the buffer (max_token_staleness where it is lower and on_token_stale is
 "drop": an experience's version is its oldest token's) as dropped (reason `stale`): the trainer would never take
-it. The version index (`byver`, ready_indexes.py) orders ready groups by their lowest version,
+it. The version index (`byver`, core/indexes.py) orders ready groups by their lowest version,
 so the stale ones are the front of the table's part of it, read up to the bound and never
 past it: the cost is that of the stale groups found, whatever fresh data the table holds.
 Each pass takes at most `limit` groups, so one write never grows without bound; the store's

@@ -38,13 +38,13 @@ from dataclasses import dataclass
 
 import lmdb
 
+from ..core.ready import IndexBuilding
 from ..core.state import TableState
 from ..disk import chunk_heads, chunked, layout, zstd_workers
 from ..disk.environment import Environment
 from ..disk.kinds import Ahead, Compute, Entry, MayWait, Push, PutResult
 from ..rules import capacity, groups, limiter, partials, pushed_advantages
 from ..schema.errors import Conflict, InsertLimited, NotFound, TableFull
-from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core.ready import IndexBuilding
 from ..core.state import TableState
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
@@ -23,7 +24,6 @@ from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse, staleness
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import SampleSpec
-from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables.catalog import TableCatalog
 from ..tables.leases import Leases

@@ -24,13 +24,13 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core.ready import IndexBuilding
 from ..disk import layout
 from ..ledger.records import oldest_claim
 from ..rules import retirement
 from ..rules.groups import expire_groups
 from ..rules.staleness import EVICT_LIMIT
 from ..schema.errors import clip
-from ..schema.selection import IndexBuilding
 from ..schema.table_config import TableConfig
 from ..tables import admission
 from ..tables.catalog import TableCatalog

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import lmdb
 
 from ..core.state import member_state, stored
+from ..disk.layout import u64
 from ..disk.records import GroupRecord, ItemRecord
-from ..schema.ready_indexes import u64
 from ..schema.states import READY
 
 SCAN_PER_ITEM = 10

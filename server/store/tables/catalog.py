@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core import ready
 from ..core.counters import read_counters
 from ..core.events import TableExtension
 from ..core.state import TableState
@@ -20,7 +21,6 @@ from ..disk.records import Lease
 from ..ledger.rules import Ledger
 from ..rules.extensions import ExtensionKinds, Extensions
 from ..rules.staleness import StaleEviction
-from ..schema import selection
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
 from ..schema.table_config import CONFIG_VERSION, TableConfig, differences
 from .compute_queue import ComputeQueue
@@ -159,7 +159,7 @@ class TableCatalog:
             # A new table keeps every index from its creation, so that no request in a new order
             # waits for a build (index_builds.py says why); the mark names them all, so an order
             # registered later has its index built in the background.
-            selection.mark_in_use(txn, db, layout.table_prefix(table_id), selection.every_lazy(db))
+            ready.mark_in_use(txn, db, layout.table_prefix(table_id), ready.every_lazy(db))
             return True, table_id
 
         created, table_id = self.environment.submit(op)

@@ -25,12 +25,12 @@ from ..core.counters import read_counters
 from ..core.read_check import payload_problem
 from ..core.state import TableState, member_state
 from ..disk import chunk_heads, chunk_reads, chunked, layout, shared_prompts
+from ..disk.layout import u64
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..ledger.check import verify_ledger
 from ..rules import value_records
 from ..rules.extensions import Extensions
 from ..schema.errors import Damaged
-from ..schema.ready_indexes import u64
 from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
 from ..schema.table_config import TableConfig
 

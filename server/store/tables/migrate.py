@@ -4,7 +4,7 @@ Format 1 (expbuf 0.1.0) kept its records as JSON and indexed experiences by task
 and step. Opening such a directory rewrites every item, group and lease record in the
 binary form of records.py (live experiences get the digest of today's canonical packing,
 so a retried push of one is still a duplicate) and drops those indexes. Format 2 had no
-version index of ready groups (byver, ready_indexes.py): it is built from the group records.
+version index of ready groups (byver, core/indexes.py): it is built from the group records.
 Format 3 digested payloads with SHA-256: every stored payload gets its XXH3-128 digest
 (digests.py), and tombstones keep theirs (`_digests_to_xxh3`). Format 3 also kept a retired
 experience's whole record as its tombstone; format 4 keeps a compact one (records.py) in a
@@ -23,7 +23,7 @@ directory that matches its old digest gets the new one and its mark, a damaged o
 read check to find.
 The indexes of the registered orders are not the format's: `keep_indexes` builds the index of
 an order registered since the last open and drops one no order reads any more. Which indexes a
-table keeps is marked per table (selection.IN_USE, in the counters database); a table without
+table keeps is marked per table (core/ready.IN_USE, in the counters database); a table without
 the mark, as every table written before it, keeps every index, so no format step is needed.
 Each step runs in the one transaction of the open: a crash during it leaves the format
 found, and the next open starts again. A directory of a newer format than this expbuf
@@ -42,14 +42,15 @@ from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.common import TrxpError
 from expbuf.client.trxp.parse import parse
 
+from ..core import orders
+from ..core.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
+from ..core.ready import forget_builds, in_use, keeps
 from ..core.state import TableState
 from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord, ItemRecord, Lease
 from ..rules.extensions import Extensions
-from ..schema import selection
 from ..schema.errors import StoreError
-from ..schema.ready_indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
 from ..schema.states import COMPUTING, LEASED, READY
 from ..schema.table_config import TableConfig, batch_stage
 
@@ -95,7 +96,7 @@ def keep_indexes(txn: lmdb.Transaction[bytes], env: lmdb.Environment, dbs: dict[
     names = set(layout.index_databases())
     for name in sorted(kept - names):
         txn.drop(env.open_db(name.encode(), txn=txn), delete=True)
-    build(txn, dbs, [index for index in selection.indexes() if not set(index.databases) <= kept])
+    build(txn, dbs, [index for index in orders.indexes() if not set(index.databases) <= kept])
     if names != kept:
         txn.put(_INDEXES, json.dumps(sorted(names)).encode(), db=dbs["meta"])
 
@@ -109,15 +110,15 @@ def build(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], indexes:
         for name in index.databases:
             txn.drop(dbs[name], delete=False)
     for _, raw in txn.cursor(db=dbs["tables"]):  # a build under way of an index emptied here starts over
-        selection.forget_builds(txn, dbs, layout.table_prefix(json.loads(raw)["id"]), indexes)
+        forget_builds(txn, dbs, layout.table_prefix(json.loads(raw)["id"]), indexes)
     prefix, ready = b"", list[ReadyGroup]()
     # The groups of a table are one run of keys; an empty key ends the last run.
     for key, raw in itertools.chain(txn.cursor(db=dbs["groups"]), [(b"", b"")]):
         if key[:4] != prefix:
             ready.sort(key=lambda group: group.rseq)
-            used = selection.in_use(txn, dbs, prefix) if ready else None
+            used = in_use(txn, dbs, prefix) if ready else None
             for index in indexes if ready else ():
-                if selection.keeps(used, index):  # a table not reading it builds it when it does
+                if keeps(used, index):  # a table not reading it builds it when it does
                     index(dbs, txn, prefix).add(ready)
             prefix, ready = bytes(key[:4]), []
         if key:

@@ -2,7 +2,7 @@
 
 A batch is chosen in the request's order, whole groups only, optionally only groups
 whose every member is at least `min_model_version` (found through the version index of
-ready_indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
+core/indexes.py, so stale groups in front cost nothing). It is delivered by consuming it
 (payloads deleted in the same transaction), leasing it (invisible until acked; back on
 nack or expiry), or replaying it (counted against max_times_sampled, lowered and cooled by
 reuse.py). A Sample stream's batch is first held, whatever its delivery: leased without

@@ -1,10 +1,11 @@
 """The indexes of ready groups: each an `Index` class that owns its LMDB databases, keeps them
 as groups become ready, leave ready or change priority, and checks them for `expbuf check`.
 
-An order (selection.py) reads the index it declares; the store opens the databases of the
+An order (orders.py) reads the index it declares; the store opens the databases of the
 indexes of the registered orders, and of the version index every order filters with; a table
 keeps them all from its creation, and a lazy one it lacks (a table an earlier release made) is
-built in the background from the open (selection.py, index_builds.py).
+built in the background from the open (ready.py, services/index_builds.py). The keys' helpers
+(`u64`, `prio_key`, `version_key`, `next_prefix`, `put_rows`) are disk/layout.py's.
 Every key starts with the table's 4-byte prefix. The built-in indexes (all lazy but `ready`):
 - `ready`:  rseq (u64 BE)                  -> group key   (fifo from the front, lifo from the back)
 - `prio`:   priority (descending) + rseq   -> group key   (highest priority first, ties fifo)
@@ -23,38 +24,9 @@ from typing import ClassVar, NamedTuple
 
 import lmdb
 
+from ..disk.layout import next_prefix, prio_key, put_rows, u64, version_key
+
 _U64 = struct.Struct(">Q")
-
-
-def u64(value: int) -> bytes:
-    return _U64.pack(value)
-
-
-def put_rows(txn: lmdb.Transaction, db: lmdb._Database, rows: list[tuple[bytes, bytes]]) -> None:
-    """Write (key, value) rows into one database in one call: a push writes hundreds."""
-    if rows:
-        with txn.cursor(db=db) as cur:
-            cur.putmulti(rows)
-
-
-def next_prefix(prefix: bytes) -> bytes | None:
-    """The smallest key greater than every key that starts with prefix."""
-    stripped = prefix.rstrip(b"\xff")
-    if not stripped:
-        return None
-    return stripped[:-1] + bytes([stripped[-1] + 1])
-
-
-def prio_key(priority: float) -> bytes:
-    """Big-endian bytes that sort by priority descending."""
-    (bits,) = struct.unpack(">Q", struct.pack(">d", float(priority)))
-    bits = bits ^ 0xFFFFFFFFFFFFFFFF if bits >> 63 else bits | 1 << 63  # ascending order of floats
-    return u64(bits ^ 0xFFFFFFFFFFFFFFFF)  # flip for descending
-
-
-def version_key(version: int) -> bytes:
-    """A signed 64-bit version as 8 bytes that sort in its order."""
-    return u64(version + (1 << 63))
 
 
 class ReadyGroup(NamedTuple):

@@ -1,23 +1,17 @@
-"""The selection orders, one registered `Order` class each, and `ReadyIndex`: the ready-group
-indexes of one table that the store keeps for them.
+"""`ReadyIndex`: the ready-group indexes of one table that the store keeps for the registered
+orders (orders.py), and the builds of those a table lacks.
 
-An order declares the index it reads (ready_indexes.py): the store opens that index's
-databases, keeps it as groups become ready, leave ready or change priority, and
-`integrity.verify` checks it, all without naming it. A new order is one class and one
-`register` call, before the store opens; an order with an index of its own (an `Index`
-class with its databases) gets them opened, built from the ready groups at the store's next
-open, and kept from then on. A table keeps every index from its creation. A lazy index
-(`Index.lazy`: the built-in priority, slot and version indexes) may be missing from a table
-an earlier release made (it kept one only from the first request that read it), or when its
-order was registered since: the store builds it in the background from the open
-(index_builds.py), in chunks of BUILD_CHUNK ready groups, each a write transaction of its own
-(`ReadyIndex.build_step`), so pushes wait for at most one chunk however many groups are ready.
-A request that reads it meanwhile raises `IndexBuilding` before it changes anything, and its
-caller waits for the build, then tries it again: no request is served from a part of an index.
-While an index is being built, the changes of ready groups reach the part of it built so far
-(the groups before its cursor in the ready order), and the build reaches the others; its cursor
-is kept in the table's counters database (`BUILDING`), so a build cut short by a stop or a
-crash goes on from there at the next open.
+A table keeps every index from its creation. A lazy index (`Index.lazy`: the built-in priority,
+slot and version indexes) may be missing from a table an earlier release made (it kept one only
+from the first request that read it), or when its order was registered since: the store builds
+it in the background from the open (services/index_builds.py), in chunks of BUILD_CHUNK ready
+groups, each a write transaction of its own (`ReadyIndex.build_step`), so pushes wait for at most
+one chunk however many groups are ready. A request that reads it meanwhile raises
+`IndexBuilding` before it changes anything, and its caller waits for the build, then tries it
+again: no request is served from a part of an index. While an index is being built, the changes
+of ready groups reach the part of it built so far (the groups before its cursor in the ready
+order), and the build reaches the others; its cursor is kept in the table's counters database
+(`BUILDING`), so a build cut short by a stop or a crash goes on from there at the next open.
 
 Every selection costs a few B-tree lookups, so it does not slow down as the table grows: no
 request scans the table. A request with a `min_model_version` reads only the groups at or
@@ -31,20 +25,17 @@ info["model_version"]) is not in `byver`: it never meets a minimum version.
 from __future__ import annotations
 
 import random
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ClassVar, NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
 import lmdb
 
-from expbuf.client.schema.orders import NAME, NAME_FORM
-
-from . import order_names
-from .errors import InvalidRequest
-from .ready_indexes import Index, PriorityIndex, ReadyGroup, ReadyOrder, Slots, VersionIndex
+from ..schema.errors import InvalidRequest
+from . import orders
+from .indexes import Index, ReadyGroup, VersionIndex
+from .orders import ORDERS
 
 I = TypeVar("I", bound=Index)  # noqa: E741
-O = TypeVar("O", bound="type[Order]")  # noqa: E741
 # A ready group as the rules pass it: key, rseq, priority, version (a ReadyGroup or a plain tuple).
 Row = tuple[bytes, int, float, int | None]
 # After a table's prefix in the counters database: the databases of the lazy indexes
@@ -71,84 +62,6 @@ class IndexBuilding(Exception):
     def __init__(self, prefix: bytes, index: type[Index]) -> None:
         super().__init__(f"the index {index.__name__} of table {prefix!r} is being built")
         self.prefix, self.index = prefix, index
-
-
-class Order(ABC):
-    """One way to take ready groups, from the index it declares."""
-
-    name: ClassVar[str]
-    index: ClassVar[type[Index]]  # the index it reads; several orders may read one (fifo and lifo)
-
-    @abstractmethod
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        """Ready group keys, each at most once, lazily (a generator, which the caller closes): a
-        caller that needs k groups reads about k."""
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        """The candidates whose lowest version is at least `min_version`: the fresh groups
-        read from the version index, then this order's candidates until each was met."""
-        wanted = {gkey for _, _, gkey in ready.versions.at_least(min_version)}
-        for gkey in self.candidates(ready, rng):
-            if not wanted:
-                return
-            if gkey in wanted:
-                wanted.discard(gkey)
-                yield gkey
-
-
-# Every order by name, in the order error messages list them.
-ORDERS: dict[str, type[Order]] = {}
-_KEPT: list[type[Index]] = []  # indexes(), made anew at each (un)registration: every request reads it
-
-
-def register(order: O, *, replace: bool = False) -> O:
-    """Make an order available to sample requests under its name (a class decorator too);
-    a name taken already is refused unless `replace`. A store opened from now on opens and
-    keeps the order's index."""
-    global _KEPT
-    if not (isinstance(order, type) and issubclass(order, Order)):
-        raise TypeError(f"{order!r} is not an Order class")
-    if not isinstance(getattr(order, "name", None), str) or not NAME.fullmatch(order.name):
-        raise ValueError(f"an order's name is {NAME_FORM}, not {order.name!r}")
-    if not (isinstance(getattr(order, "index", None), type) and issubclass(order.index, Index)):
-        raise TypeError(f"order {order.name} declares no Index class as its `index`")
-    if order.name in ORDERS and not replace:
-        raise ValueError(f"order {order.name} is registered already")
-    for other in _KEPT:
-        shared = set(other.databases) & set(order.index.databases)
-        if shared and other is not order.index:
-            raise ValueError(f"order {order.name}: database(s) {', '.join(sorted(shared))} belong to {other.__name__}")
-    ORDERS[order.name] = order
-    _KEPT = _indexes()
-    _named()
-    return order
-
-
-def unregister(name: str) -> None:
-    """Remove an order (a store opened from now on drops its index unless another order reads it)."""
-    global _KEPT
-    ORDERS.pop(name, None)
-    _KEPT = _indexes()
-    _named()
-
-
-def indexes() -> list[type[Index]]:
-    """The indexes a store opens: the ready order, the version index, then those the registered
-    orders read. A table keeps those of them it was read with (`in_use`)."""
-    return list(_KEPT)
-
-
-def _named() -> None:
-    """Tell the rooms below what the registry holds now (order_names.py)."""
-    order_names.kept(list(ORDERS), tuple(name for index in _KEPT for name in index.databases))
-
-
-def _indexes() -> list[type[Index]]:
-    found: list[type[Index]] = [ReadyOrder, VersionIndex]
-    for order in ORDERS.values():
-        if order.index not in found:
-            found.append(order.index)
-    return found
 
 
 def in_use(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> set[str] | None:
@@ -209,7 +122,7 @@ def keeps(used: set[str] | None, cls: type[Index]) -> bool:
 
 def every_lazy(dbs: Mapping[str, lmdb._Database]) -> set[str]:
     """The databases of every lazy index the store opened: a new table's mark (it keeps them all)."""
-    return {name for cls in _KEPT if cls.lazy and all(n in dbs for n in cls.databases) for name in cls.databases}
+    return {name for cls in orders.KEPT if cls.lazy and all(n in dbs for n in cls.databases) for name in cls.databases}
 
 
 class BuildStep(NamedTuple):
@@ -242,7 +155,7 @@ class ReadyIndex:
 
     def opened(self) -> list[type[Index]]:
         """The indexes whose databases the store opened: the registered orders' and the version index."""
-        return [cls for cls in _KEPT if all(name in self.dbs for name in cls.databases)]
+        return [cls for cls in orders.KEPT if all(name in self.dbs for name in cls.databases)]
 
     def kept(self) -> list[type[Index]]:
         """The opened indexes this table keeps."""
@@ -393,71 +306,3 @@ class ReadyIndex:
             raise ValueError(f"order is {order!r}; expected one of {', '.join(ORDERS)}")
         chosen = ORDERS[order]()
         return chosen.candidates(self, rng) if min_version is None else chosen.fresh(self, min_version, rng)
-
-
-@register
-class Fifo(Order):
-    """Oldest completed group first."""
-
-    name = "fifo"
-    index = ReadyOrder
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        return ready.of(ReadyOrder).scan(reverse=False)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        return ready.versions.in_ready_order(min_version, newest=False)
-
-
-@register
-class Lifo(Order):
-    """Newest completed group first."""
-
-    name = "lifo"
-    index = ReadyOrder
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        return ready.of(ReadyOrder).scan(reverse=True)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        return ready.versions.in_ready_order(min_version, newest=True)
-
-
-@register
-class Uniform(Order):
-    """Random groups without replacement: random slots of the dense slot array."""
-
-    name = "uniform"
-    index = Slots
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        slots = ready.of(Slots)
-        count, seen = slots.count(), set[int]()
-        while len(seen) < count:
-            slot = rng.randrange(count)
-            if slot not in seen:
-                seen.add(slot)
-                yield slots.slot(slot)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        """The fresh groups, read once and shuffled (a cost of the fresh groups)."""
-        fresh = [gkey for _, _, gkey in ready.versions.at_least(min_version)]
-        rng.shuffle(fresh)
-        yield from fresh
-
-
-@register
-class Priority(Order):
-    """Highest info["priority"] first, ties oldest first."""
-
-    name = "priority"
-    index = PriorityIndex
-
-    def candidates(self, ready: ReadyIndex, rng: random.Random) -> Iterator[bytes]:
-        return ready.of(PriorityIndex).scan(reverse=False)
-
-    def fresh(self, ready: ReadyIndex, min_version: int, rng: random.Random) -> Iterator[bytes]:
-        """The fresh groups, read once and sorted by priority, ties oldest first."""
-        fresh = sorted((pkey, key[8:], gkey) for key, pkey, gkey in ready.versions.at_least(min_version))
-        for _, _, gkey in fresh:
-            yield gkey

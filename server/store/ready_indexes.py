@@ -1,7 +1,0 @@
-"""Deprecated: `expbuf.server.store.schema.ready_indexes` (client/moved.py)."""
-
-from expbuf.client.moved import moved
-
-from .schema import ready_indexes
-
-__getattr__ = moved(__name__, ready_indexes)
