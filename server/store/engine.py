@@ -28,6 +28,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
+from .core import rate_counts
 from .core.counters import read_counters
 from .core.events import TableExtension
 from .core.state import TableState, stored
@@ -39,7 +40,7 @@ from .disk.stored_advantages import FinishBatch
 from .ledger.rules import Ledger
 from .ledger_calls import LedgerCalls
 from .reading import ReadCalls
-from .rules import groups, limiter, retirement, staleness
+from .rules import groups, retirement, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
 from .sampling_calls import SamplingCalls
@@ -144,18 +145,18 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         self.scrub.start()
 
     def _recount(self) -> None:
-        """Tables whose rate-limit counts an older build kept are counted again (limiter.py);
+        """Tables whose rate-limit counts an older build kept are counted again (core/rate_counts.py);
         a directory without such tables is not written."""
         with self.environment.read() as txn:
             due = [
                 (table_id, config)
                 for table_id, config in self.catalog.entries()
-                if limiter.counted_before(txn, self.db["counters"], layout.table_prefix(table_id))
+                if rate_counts.counted_before(txn, self.db["counters"], layout.table_prefix(table_id))
             ]
 
         def op(txn: lmdb.Transaction[bytes]) -> None:
             for table_id, config in due:
-                limiter.recount(self.catalog.state(txn, table_id, config))
+                rate_counts.recount(self.catalog.state(txn, table_id, config))
 
         if due:
             self.environment.submit(op)

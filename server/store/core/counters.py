@@ -79,7 +79,7 @@ class Counters:
     grants_expired: int = 0
     rollouts_rejected: int = 0
     stale_dropped: int = 0
-    # seconds the rate limits held inserts and samples, and the limiter's own counts (limiter.py)
+    # seconds the rate limits held inserts and samples, and the limiter's own counts (rate_counts.py)
     insert_blocked_seconds: float = 0
     sample_blocked_seconds: float = 0
     rate_inserted: float = 0

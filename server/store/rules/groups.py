@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
+from ..core import rate_counts
 from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
@@ -23,7 +24,7 @@ from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
-from . import limiter, partials
+from . import partials
 from .capacity import make_room
 from .pushed_advantages import (
     Completed,
@@ -224,7 +225,7 @@ def complete(
     tt.counters.next_rseq += 1
     if tt.config.advantages.estimator == "none":
         tt.set_state(gkey, grp, recs, READY)
-        limiter.became_ready(tt, len(recs))
+        rate_counts.became_ready(tt, len(recs))
         row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
         if ready is None:
             tt.ready.add(*row)

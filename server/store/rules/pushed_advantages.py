@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..core import rate_counts
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import COMPUTING, DROPPED, READY
 from ..schema.table_config import TableConfig
-from . import limiter
 from .retirement import retire
 
 ReadyRow = tuple[bytes, int, float, int | None]
@@ -159,5 +159,5 @@ def store_advantages(
         else:
             tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
     tt.set_state(gkey, grp, recs, READY)
-    limiter.became_ready(tt, len(recs))
+    rate_counts.became_ready(tt, len(recs))
     return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)

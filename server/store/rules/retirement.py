@@ -11,13 +11,14 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
+from ..core import rate_counts
 from ..core.state import TableState
 from ..disk import chunked, layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
-from . import limiter, partials
+from . import partials
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -43,8 +44,8 @@ def retire(
         partials.drop_group(tt, gkey)
     if state != CONSUMED:
         for _, grp in groups:
-            if grp.state in limiter.COUNTED:
-                limiter.forget(tt, grp, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
+            if grp.state in rate_counts.COUNTED:
+                rate_counts.forget(tt, grp, [rec for uid in grp.members if (rec := tt.item(uid)) is not None])
     ready = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups if grp.state == READY]
     tt.ready.remove_many(ready)
     for gkey, grp in groups:
@@ -125,7 +126,7 @@ def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") ->
         found[gkey] = grp
     for grp in found.values():
         if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
-            limiter.forget(tt, grp, tt.members(grp).values())
+            rate_counts.forget(tt, grp, tt.members(grp).values())
         grp.lease = ""
     groups = list(found.items())
     retire(tt, groups, CONSUMED)
@@ -229,7 +230,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             forget_tombstone(tt, uid, rec)
             continue
         grp = tt.existing_group(rec.group)
-        limiter.forget(tt, grp, [rec])
+        rate_counts.forget(tt, grp, [rec])
         tt.forget_item(uid)
         tt.counters.add(grp.state, -1)
         deleted += 1

@@ -25,11 +25,12 @@ import random
 
 import lmdb
 
+from ..core import rate_counts
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.kinds import Sampled
 from ..disk.records import Counted, GroupRecord, Lease
-from ..rules import limiter, reuse
+from ..rules import reuse
 from ..rules.retirement import retire
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
@@ -173,7 +174,7 @@ def _groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, 
     all: what its take counted leaves the table's counters (a lease a release before
     `Lease.counted` wrote: the members still under it, as it did), and the members still under
     it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
-    that count as it left: limiter.forget)."""
+    that count as it left: rate_counts.forget)."""
     ended = leased_groups(tt, lease_id, lease.groups)
     for _, grp in ended:
         grp.lease = ""
@@ -187,7 +188,7 @@ def _groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, 
         tt.counters.sampled -= counted.experiences
         tt.counters.bytes_sampled -= counted.nbytes
         tt.counters.tokens_masked -= counted.tokens_masked
-        limiter.given_back(tt, len(recs))
+        rate_counts.given_back(tt, len(recs))
     else:  # sampled: the records count it now (a consumed one's tombstone need not)
         for _, _, members in back:
             for uid, rec in members.items():

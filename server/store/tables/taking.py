@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 
 from expbuf.client.trxp.pieces import Stored
 
+from ..core import rate_counts
 from ..core.read_check import Unservable, serve_problem
 from ..core.state import TableState
 from ..disk import chunk_reads
@@ -28,7 +29,7 @@ from ..disk.kinds import Sampled
 from ..disk.records import Counted, GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
-from ..rules import limiter, reuse
+from ..rules import reuse
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.retirement import retire
@@ -119,7 +120,7 @@ def take(
     tt.counters.sampled += batch.counted.experiences
     tt.counters.bytes_sampled += batch.counted.nbytes
     tt.counters.tokens_masked += batch.counted.tokens_masked
-    limiter.taken(tt, batch.counted.experiences)
+    rate_counts.taken(tt, batch.counted.experiences)
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version
     tt.extensions.on_sample(tt, chosen)
