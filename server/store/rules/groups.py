@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ..core import rate_counts
+from ..core import pieces, rate_counts
 from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
@@ -24,7 +24,6 @@ from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
-from . import partials
 from .capacity import make_room
 from .pushed_advantages import (
     Completed,
@@ -210,7 +209,7 @@ def complete(
     recs = tt.members(grp)
     grp.partial = partial
     if partial:  # sealed or timed out: its runs still in pieces will not join it
-        partials.drop_group(tt, gkey)
+        pieces.drop_group(tt, gkey)
     if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)
         tt.counters.groups_dropped += 1
@@ -327,7 +326,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
                 raise GroupOverfilled(f"group {clip(gkey)} has all its {grouping.size} runs; {clip(uid)} is not one")
             grp.failed[uid] = clip(reason or "failed", 200)
             tt.counters.runs_failed += 1
-            partials.drop(tt, uid)
+            pieces.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
     for gkey, grp in touched.items():
@@ -367,7 +366,7 @@ def seal(tt: TableState, gkey: str) -> int:
     if grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state})")
     tt.extensions.on_push(tt, [gkey])  # a claim's checks: only the prompt's claimant completes its group
-    partials.drop_group(tt, gkey)  # its runs still in pieces will not join it
+    pieces.drop_group(tt, gkey)  # its runs still in pieces will not join it
     if grp.members:
         complete(tt, gkey, grp, partial=bool(grp.failed))
     else:

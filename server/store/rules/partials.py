@@ -13,13 +13,12 @@ then stores that experience in their place, once it finds the rollout holds the 
 together from (`PutTogether`): no transaction holds the rollout whole, nor the writer for its
 copy. A smaller one is put together in the writer.
 
-Stored per table in the `partials` database: T + uid + NUL -> the rollout's head (JSON: the
-tokens and response tokens held, each piece's offset and digest, the tensors later pieces append
-to, what its version segments say so far), and T + uid + NUL + piece number (u32) -> the piece as
-the store packs an experience. A piece meets its group's claim first (the table's extensions: with
-the prompt ledger only the claimant's token pushes, or sends again, a prompt's pieces), so no one
-else hears what the buffer holds of it; then it is checked against the head alone in the writer (the
-pieces before it are read only when the last one comes): it must continue at the tokens held (a
+Stored per table in the `partials` database (disk/piece_rows.py, kept with the table's counters
+by core/pieces.py): the rollout's head and each piece as the store packs an experience. A piece
+meets its group's claim first (the table's extensions: with the prompt ledger only the claimant's
+token pushes, or sends again, a prompt's pieces), so no one else hears what the buffer holds of
+it; then it is checked against the head alone in the writer (the pieces before it are read only
+when the last one comes): it must continue at the tokens held (a
 piece sent again, at an offset held with the same bytes, is a duplicate; any other offset is
 refused, Conflict), carry what the rollout appends to, and its segments follow. The rollout put
 together is checked as a push checks an experience before it is stored.
@@ -36,9 +35,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import json
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import lmdb
@@ -50,10 +48,12 @@ from expbuf.client.trxp.common import RawItem, RawTensor, TrxpError, count_nonze
 from expbuf.client.trxp.parse import head_length, parse, parse_head
 from expbuf.client.trxp.pieces import Bytes
 
+from ..core import pieces
 from ..core.state import TableState, missing
-from ..disk import digests
+from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
+from ..disk.piece_rows import Head
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
@@ -62,31 +62,6 @@ _PIECE = struct.Struct(">I")
 # A rollout whose pieces take more is put together off the writer, as a staged chunk set: its
 # section is stored in chunks anyway (chunked.py), and a copy of it would hold the writer.
 LARGE = CHUNK_BYTES
-
-
-@dataclass
-class Head:
-    """What the store keeps of a rollout held in pieces, beside them."""
-
-    tokens: int  # the rollout's tokens held (the prompt's among them)
-    response: int  # ... of them after the prompt
-    pieces: list[tuple[int, str, int]]  # each piece's offset, digest (hex) and size, in order
-    layout: partial.Layout
-    versions: partial.Versions
-
-    def encode(self) -> bytes:
-        versions = [self.versions.carried, self.versions.last]
-        return json.dumps(
-            {"t": self.tokens, "r": self.response, "p": self.pieces, "l": self.layout, "v": versions},
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes | memoryview) -> Head:
-        data = json.loads(bytes(raw))
-        layout = {name: (dtype, tuple(inner)) for name, (dtype, inner) in data["l"].items()}
-        pieces = [(offset, digest, size) for offset, digest, size in data["p"]]
-        return cls(data["t"], data["r"], pieces, layout, partial.Versions(*data["v"]))
 
 
 @dataclass
@@ -100,48 +75,9 @@ class Taken:
     duplicates: list[str] = field(default_factory=list)
 
 
-def _head_key(tt: TableState, uid: str) -> bytes:
-    return tt.key(uid) + b"\0"
-
-
-def _head(tt: TableState, uid: str) -> Head | None:
-    raw = tt.txn.get(_head_key(tt, uid), db=tt.db["partials"])
-    return None if raw is None else Head.decode(raw)
-
-
-def _pieces(tt: TableState, uid: str, head: Head) -> list[RawItem]:
-    base = _head_key(tt, uid)
-    items = []
-    for number in range(len(head.pieces)):
-        raw = tt.txn.get(base + _PIECE.pack(number), db=tt.db["partials"])
-        if raw is None:
-            raise missing(f"piece {number} of the partial rollout", uid)
-        items.extend(parse(bytes(raw), trusted=True))
-    return items
-
-
-def _write(tt: TableState, uid: str, head: Head, number: int, blob: bytes) -> None:
-    base = _head_key(tt, uid)
-    tt.txn.put(base + _PIECE.pack(number), blob, db=tt.db["partials"])
-    tt.txn.put(base, head.encode(), db=tt.db["partials"])
-
-
-def drop(tt: TableState, uid: str) -> bool:
-    """Drop a rollout's pieces; whether it had any."""
-    head = _head(tt, uid)
-    if head is None:
-        return False
-    base = _head_key(tt, uid)
-    for number in range(len(head.pieces)):
-        tt.txn.delete(base + _PIECE.pack(number), db=tt.db["partials"])
-    tt.txn.delete(base, db=tt.db["partials"])
-    tt.counters.partials -= 1
-    tt.counters.partial_bytes = max(0, tt.counters.partial_bytes - _size(head))
-    return True
-
-
-def _size(head: Head) -> int:
-    return sum(size for _, _, size in head.pieces)
+def _items(tt: TableState, uid: str, head: Head) -> list[RawItem]:
+    """A rollout's pieces, parsed."""
+    return [item for raw in pieces.blobs(tt, uid, head) for item in parse(bytes(raw), trusted=True)]
 
 
 class OffWriter(Exception):
@@ -163,7 +99,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
     for entry in entries:
         if entry.piece is None:
             if tt.counters.partials:  # a rollout pushed whole replaces its pieces
-                drop(tt, entry.uid)
+                pieces.drop(tt, entry.uid)
             taken.entries.append(entry)
             continue
         offset, more = entry.piece
@@ -174,7 +110,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
             taken.duplicates.append(entry.uid)
             continue
         tt.extensions.on_push(tt, [gkey])  # a claim's checks first: no one else hears what the buffer holds
-        head = _head(tt, entry.uid)
+        head = pieces.head(tt, entry.uid)
         held = 0 if head is None else head.tokens
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:
             taken.duplicates.append(entry.uid)
@@ -184,7 +120,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
                 f"a piece of rollout {clip(entry.uid)} continues at token {offset}, but the buffer holds "
                 f"{held} of its tokens: each piece continues at the tokens held (get_partials() says how many)"
             )
-        bounded(tt, entry.uid, (0 if head is None else _size(head)) + piece.size, most)
+        bounded(tt, entry.uid, (0 if head is None else piece_rows.size(head)) + piece.size, most)
         if tt.config.grouping.size:
             _open_group(tt, gkey)
         (item,) = parse(piece.blob, trusted=True)
@@ -264,20 +200,20 @@ def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: b
     tt.counters.pieces_pushed += 1
     if more:
         grown = _grown(head, piece, item, versions)
-        _write(tt, entry.uid, grown, len(grown.pieces) - 1, piece.blob)
+        pieces.write(tt, entry.uid, grown, len(grown.pieces) - 1, piece.blob)
         if head is None:
             tt.counters.partials += 1
         tt.counters.partial_bytes += piece.size
         return None
     assert head is not None, "a last piece continues a rollout held (take checked its offset)"
-    if _size(head) + piece.size > LARGE:
+    if piece_rows.size(head) + piece.size > LARGE:
         if entry.together is None or list(entry.together.pieces) != head.pieces:
             raise OffWriter(entry.uid)
-        drop(tt, entry.uid)
+        pieces.drop(tt, entry.uid)
         return dataclasses.replace(entry, piece=None, together=None)
     where = f"rollout {clip(entry.uid)}, piece at token {head.tokens}"
-    finished = _checked(where, partial.merge([*_pieces(tt, entry.uid, head), item]))
-    drop(tt, entry.uid)
+    finished = _checked(where, partial.merge([*_items(tt, entry.uid, head), item]))
+    pieces.drop(tt, entry.uid)
     return finished
 
 
@@ -318,14 +254,9 @@ class Plan:
         return self.ends[-1] if self.ends else 0
 
 
-def head_key(prefix: bytes, uid: str) -> bytes:
-    """The key of a rollout's head in the partials database, under its table's prefix."""
-    return prefix + uid.encode() + b"\0"
-
-
 def plan(
     txn: lmdb.Transaction[memoryview],
-    db: lmdb._Database,
+    dbs: Mapping[str, lmdb._Database],
     key: bytes,
     last: Entry,
     earlier: Sequence[Entry],
@@ -337,14 +268,14 @@ def plan(
     hears of each stored piece read, for its pages in the map). None where the
     rollout is not as the writer will find it (gone, or not at the last piece's offset: the writer
     says why); InvalidPayload where the rollout put together is refused."""
-    raw = txn.get(key, db=db)
+    raw = piece_rows.head_raw(txn, dbs, key)
     head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
     head = None if raw is None else Head.decode(head_raw)
     sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
     hollow: list[RawItem] = []
     masked = 0
     for number in range(0 if head is None else len(head.pieces)):
-        blob = txn.get(key + _PIECE.pack(number), db=db)
+        blob = piece_rows.piece(txn, dbs, key, number)
         if blob is None:
             return None
         masked += _hollow(number, blob, sources, hollow)
@@ -406,7 +337,7 @@ def _hollow(
 
 def read_section(
     txn: lmdb.Transaction[memoryview],
-    db: lmdb._Database,
+    dbs: Mapping[str, lmdb._Database],
     key: bytes,
     planned: Plan,
     at: int,
@@ -416,7 +347,7 @@ def read_section(
     """Fill `out` with the planned rollout's section from byte `at`, its stored pieces read in this
     transaction (`read(size)` hears of each); False, `out` unfilled, where the rollout's head is not
     the one planned from (its pieces changed)."""
-    raw = txn.get(key, db=db)
+    raw = piece_rows.head_raw(txn, dbs, key)
     if (b"" if raw is None else bytes(raw)) != planned.head:
         return False
     index = bisect.bisect_right(planned.ends, at)
@@ -429,7 +360,7 @@ def read_section(
         take = min(end - start - skip, len(out) - filled)
         if isinstance(source, int):
             if source not in blobs:
-                found = txn.get(key + _PIECE.pack(source), db=db)
+                found = piece_rows.piece(txn, dbs, key, source)
                 if found is None:
                     return False
                 blobs[source] = found
@@ -448,22 +379,22 @@ def held(tt: TableState, tids: Sequence[str], uids: Sequence[str] = ()) -> list[
     with the bytes of their pieces."""
     found: dict[str, int] = {}
     for tid in tids:
-        for uid, head in _of_task(tt, tid):
-            found[uid] = _size(head)
+        for uid, head in pieces.of_task(tt, tid):
+            found[uid] = piece_rows.size(head)
     for uid in uids:
-        named = _head(tt, uid)
+        named = pieces.head(tt, uid)
         if named is not None:
-            found[uid] = _size(named)
+            found[uid] = piece_rows.size(named)
     return list(found.items())
 
 
 def so_far(tt: TableState, uid: str) -> RawItem:
     """A rollout held in pieces put together as it stands, marked partial: what a worker continues
     from (its next piece continues at its tokens)."""
-    head = _head(tt, uid)
+    head = pieces.head(tt, uid)
     if head is None:
         raise missing("partial rollout", uid)
-    return _so_far(uid, _pieces(tt, uid, head))
+    return _so_far(uid, _items(tt, uid, head))
 
 
 def _so_far(uid: str, pieces: Sequence[RawItem]) -> RawItem:
@@ -477,52 +408,10 @@ def _so_far(uid: str, pieces: Sequence[RawItem]) -> RawItem:
     return item
 
 
-def _of_task(tt: TableState, tid: str) -> Iterator[tuple[str, Head]]:
-    """The rollouts held in pieces under task `tid`, with their heads."""
-    start = tt.key(tid + "/")
-    with tt.txn.cursor(db=tt.db["partials"]) as cur:
-        found = cur.set_range(start)
-        rows = []
-        while found and bytes(cur.key()).startswith(start):
-            uid = _head_of(bytes(cur.key()), tt.prefix)
-            if uid is not None and uid_group_key(uid, "task") == tid:
-                rows.append((uid, Head.decode(cur.value())))
-            found = cur.next()
-    yield from rows
-
-
-def _head_of(key: bytes, prefix: bytes) -> str | None:
-    """The uid of a rollout's head key (T + uid + NUL); None for a piece's (a uid holds no NUL)."""
-    end = key.index(b"\0", len(prefix))
-    return key[len(prefix) : end].decode() if end == len(key) - 1 else None
-
-
-def drop_group(tt: TableState, gkey: str) -> int:
-    """Drop the rollouts held in pieces of a group that completes without them (sealed, timed out)
-    or leaves the table; returns how many. A table whose groups complete with each push (group_size
-    0) has no runs to wait for: its rollouts in pieces join whichever group their task has then."""
-    if not tt.counters.partials or not tt.config.grouping.size:
-        return 0
-    by = tt.config.grouping.by
-    if by == "none":
-        return int(drop(tt, gkey))
-    start = (gkey.rsplit("/", 1)[0] if by == "step" else gkey) + "/"
-    key = tt.key(start)
-    uids = []
-    with tt.txn.cursor(db=tt.db["partials"]) as cur:
-        found = cur.set_range(key)
-        while found and bytes(cur.key()).startswith(key):
-            uid = _head_of(bytes(cur.key()), tt.prefix)
-            if uid is not None and uid_group_key(uid, by) == gkey:
-                uids.append(uid)
-            found = cur.next()
-    return sum(drop(tt, uid) for uid in uids)
-
-
 def drop_task(tt: TableState, tid: str) -> int:
     """Drop the rollouts held in pieces of task `tid`, whatever the table's grouping (a prompt's
     attempt the ledger drops); returns how many."""
-    return sum(drop(tt, uid) for uid, _ in list(_of_task(tt, tid)))
+    return sum(pieces.drop(tt, uid) for uid, _ in pieces.of_task(tt, tid))
 
 
 def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
@@ -531,20 +420,8 @@ def carry(tt: TableState, old: str, new: tuple[str, str]) -> int:
     move as they are (the last piece, pushed under the new uid, gives the rollout its eid);
     returns how many."""
     moved = 0
-    db = tt.db["partials"]
-    for uid, head in list(_of_task(tt, old)):
+    for uid, head in pieces.of_task(tt, old):
         _, _, run, step, suffix = uid.rsplit("/", 4)
-        target = f"{new[0]}/{new[1]}/{run}/{step}/{suffix}"
-        drop(tt, target)  # none there, but never two heads counted for one rollout
-        base, to = _head_key(tt, uid), _head_key(tt, target)
-        for number in range(len(head.pieces)):
-            raw = tt.txn.get(base + _PIECE.pack(number), db=db)
-            if raw is None:
-                raise missing(f"piece {number} of the partial rollout", uid)
-            tt.txn.put(to + _PIECE.pack(number), bytes(raw), db=db)
-        tt.txn.put(to, head.encode(), db=db)
-        tt.counters.partials += 1
-        tt.counters.partial_bytes += _size(head)
-        drop(tt, uid)
+        pieces.carry(tt, uid, head, f"{new[0]}/{new[1]}/{run}/{step}/{suffix}")
         moved += 1
     return moved

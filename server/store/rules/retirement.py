@@ -11,14 +11,13 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ..core import rate_counts
+from ..core import pieces, rate_counts
 from ..core.state import TableState
 from ..disk import chunked, layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
 from ..schema.errors import Forbidden, GroupIncomplete, clip
 from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
-from . import partials
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -41,7 +40,7 @@ def retire(
     extensions hear of it first (`on_retire`)."""
     tt.extensions.on_retire(tt, groups, state)
     for gkey, _ in groups:
-        partials.drop_group(tt, gkey)
+        pieces.drop_group(tt, gkey)
     if state != CONSUMED:
         for _, grp in groups:
             if grp.state in rate_counts.COUNTED:

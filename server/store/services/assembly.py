@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..disk import layout, residency
+from ..disk import layout, piece_rows, residency
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.chunked import Staging
 from ..disk.kinds import Entry, PutTogether
@@ -54,8 +54,8 @@ def put_together(
     entries of its uid), put together off the writer as a staged chunk set, and that set; None
     where the rollout is not as planned, or changed while it was copied (the push goes on without,
     and the writer says what it finds)."""
-    environment, db = pushing.environment, pushing.environment.db["partials"]
-    key = partials.head_key(layout.table_prefix(table_id), last.uid)
+    environment = pushing.environment
+    db, key = environment.db, piece_rows.head_key(layout.table_prefix(table_id), last.uid)
     pages = _Pages(environment.path / "data.mdb")
     with environment.read(buffers=True) as txn:
         planned = partials.plan(txn, db, key, last, earlier, pages)

@@ -1,0 +1,112 @@
+"""The rows of a table's rollouts held in pieces (rules/partials.py says what they are), in the
+`partials` database: T + uid + NUL -> the rollout's head (`Head`, JSON: the tokens and response
+tokens held, each piece's offset and digest, the tensors later pieces append to, what its version
+segments say so far), and T + uid + NUL + piece number (u32) -> the piece as the store packs an
+experience. Functions over a transaction and the store's databases: the writer's (core/pieces.py
+keeps a table's counters beside them) and the read transactions that put a large rollout
+together off the writer (services/assembly.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import lmdb
+
+from expbuf.client.trxp import partial
+
+_PIECE = struct.Struct(">I")
+Value = bytes | memoryview
+
+
+@dataclass
+class Head:
+    """What the store keeps of a rollout held in pieces, beside them."""
+
+    tokens: int  # the rollout's tokens held (the prompt's among them)
+    response: int  # ... of them after the prompt
+    pieces: list[tuple[int, str, int]]  # each piece's offset, digest (hex) and size, in order
+    layout: partial.Layout
+    versions: partial.Versions
+
+    def encode(self) -> bytes:
+        versions = [self.versions.carried, self.versions.last]
+        return json.dumps(
+            {"t": self.tokens, "r": self.response, "p": self.pieces, "l": self.layout, "v": versions},
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> Head:
+        data = json.loads(bytes(raw))
+        layout = {name: (dtype, tuple(inner)) for name, (dtype, inner) in data["l"].items()}
+        pieces = [(offset, digest, size) for offset, digest, size in data["p"]]
+        return cls(data["t"], data["r"], pieces, layout, partial.Versions(*data["v"]))
+
+
+def size(head: Head) -> int:
+    """The bytes of a rollout's pieces."""
+    return sum(size for _, _, size in head.pieces)
+
+
+def head_key(prefix: bytes, uid: str) -> bytes:
+    """The key of a rollout's head in the partials database, under its table's prefix."""
+    return prefix + uid.encode() + b"\0"
+
+
+def head_raw(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes) -> Value | None:
+    """The stored head under `key`, as stored (None: no rollout)."""
+    return txn.get(key, db=dbs["partials"])
+
+
+def head(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes) -> Head | None:
+    raw = head_raw(txn, dbs, key)
+    return None if raw is None else Head.decode(raw)
+
+
+def piece(txn: lmdb.Transaction[Value], dbs: Mapping[str, lmdb._Database], key: bytes, number: int) -> Value | None:
+    """Piece `number` of the rollout whose head is under `key` (None: not stored)."""
+    return txn.get(key + _PIECE.pack(number), db=dbs["partials"])
+
+
+def put_piece(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, number: int, blob: bytes
+) -> None:
+    """Piece `number` of the rollout whose head is under `key`."""
+    txn.put(key + _PIECE.pack(number), blob, db=dbs["partials"])
+
+
+def put_head(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: Head) -> None:
+    txn.put(key, head.encode(), db=dbs["partials"])
+
+
+def delete(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], key: bytes, head: Head) -> None:
+    """A rollout's pieces and head."""
+    for number in range(len(head.pieces)):
+        txn.delete(key + _PIECE.pack(number), db=dbs["partials"])
+    txn.delete(key, db=dbs["partials"])
+
+
+def heads_under(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], start: bytes, prefix: bytes
+) -> list[tuple[str, bytes]]:
+    """The rollouts whose keys start with `start` (a table's `prefix` and the start of their uids):
+    each one's uid and stored head."""
+    rows = []
+    with txn.cursor(db=dbs["partials"]) as cur:
+        found = cur.set_range(start)
+        while found and bytes(cur.key()).startswith(start):
+            uid = _head_of(bytes(cur.key()), prefix)
+            if uid is not None:
+                rows.append((uid, bytes(cur.value())))
+            found = cur.next()
+    return rows
+
+
+def _head_of(key: bytes, prefix: bytes) -> str | None:
+    """The uid of a rollout's head key (T + uid + NUL); None for a piece's (a uid holds no NUL)."""
+    end = key.index(b"\0", len(prefix))
+    return key[len(prefix) : end].decode() if end == len(key) - 1 else None
