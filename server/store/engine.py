@@ -28,7 +28,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
-from .core import rate_counts
+from .core import rate_counts, retire
 from .core.counters import read_counters
 from .core.events import TableExtension
 from .core.state import TableState, stored
@@ -40,9 +40,10 @@ from .disk.stored_advantages import FinishBatch
 from .ledger.rules import Ledger
 from .ledger_calls import LedgerCalls
 from .reading import ReadCalls
-from .rules import groups, retirement, staleness
+from .rules import groups, staleness
 from .rules.extensions import ExtensionKinds
 from .rules.quarantine import quarantine_found
+from .rules.trained import retire_trained
 from .sampling_calls import SamplingCalls
 from .schema.errors import InvalidRequest, NotFound, check_count
 from .schema.sample_spec import check_version
@@ -377,19 +378,19 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         check_count(group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
-            count = retirement.delete(tt, uids, group_ids)
+            count = retire.delete(tt, uids, group_ids)
             tt.save()
             return count
 
         return self._in_table(table, op)
 
     def retire(self, table: str, group_ids: Sequence[str], owner: str = "") -> int:
-        """Consume groups a trainer trained by their ids, as an ack would (retirement.retire_trained),
+        """Consume groups a trainer trained by their ids, as an ack would (rules/trained.py),
         at most MAX_NAMES_PER_CALL a call; returns the groups retired."""
         check_count(group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)
 
         def op(tt: TableState) -> int:
-            count = retirement.retire_trained(tt, group_ids, owner)
+            count = retire_trained(tt, group_ids, owner)
             tt.save()
             return count
 

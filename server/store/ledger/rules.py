@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
 from ..core.events import Groups, TableExtension
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.records import GroupRecord
 from ..rules import partials
-from ..rules.retirement import retire
 from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED

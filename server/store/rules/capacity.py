@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..core.counters import Counters
+from ..core.retire import retire
 from ..core.state import TableState
 from ..schema.errors import TableFull, TooLarge
 from ..schema.states import EVICTED, READY
 from ..schema.table_config import TableConfig
-from .retirement import retire
 
 
 def held_bytes(counters: Counters) -> int:

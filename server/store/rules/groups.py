@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from expbuf.client.schema.routing import uid_group_key
 
 from ..core import pieces, rate_counts
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
@@ -34,7 +35,6 @@ from .pushed_advantages import (
     store_advantages,
     zero_variance,
 )
-from .retirement import retire
 
 
 def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:

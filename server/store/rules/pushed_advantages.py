@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core import rate_counts
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import COMPUTING, DROPPED, READY
 from ..schema.table_config import TableConfig
-from .retirement import retire
 
 ReadyRow = tuple[bytes, int, float, int | None]
 # A group a push completed, with its member records, for compute_in_push.

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from ..core import retire
 from ..core.read_check import payload_problem
 from ..core.state import TableState
-from ..disk import chunk_reads, chunked, digests
+from ..disk import chunk_reads
 from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import FAILED, LIVE, QUARANTINED, State
-from .retirement import drop_payloads, retire
+from ..schema.states import FAILED, LIVE, State
 
 log = logging.getLogger("expbuf.store")
 
@@ -47,56 +47,16 @@ def quarantine_groups(tt: TableState, groups: Sequence[tuple[str, GroupRecord, d
         uid, why = next(iter(damaged.items()))
         tt.counters.last_failure = f"group {gkey}: experience {uid} quarantined: {why}"
     tt.counters.damaged += len(quarantined)
-    retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # leaves the lost alone
+    retire.retire(tt, [(gkey, grp) for gkey, grp, _ in groups], FAILED, quarantined)  # leaves the lost alone
     for gkey, state, uid in lost:
-        _bury_lost(tt, gkey, state, uid)
+        retire.bury_lost(tt, gkey, state, uid)
     return len(quarantined)
-
-
-def _bury_lost(tt: TableState, gkey: str, state: State, uid: str) -> None:
-    """A member of group `gkey` (which was in `state`) whose record is lost: what is left of it
-    goes, its payload's bytes uncounted (the record's size was the payload's), and it becomes a
-    quarantined tombstone, so that its failed group is whole and pruned in time as the others."""
-    key = tt.key(uid)
-    blob = chunk_reads.read_payload(tt.txn, tt.db, key)
-    size = 0 if blob is None else len(blob)
-    place = _place_of(tt, uid)
-    drop_payloads(tt, [key], [size], [] if place is None else [place], size)
-    rec = ItemRecord(
-        state=QUARANTINED, group=gkey, seq=0, digest=bytes(16) if blob is None else digests.of(blob), size=0,
-        created=tt.now, tid="", rid="", step=0, response_length=0, generated=0, retired=tt.now,
-    )  # fmt: skip
-    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
-    tt.settle_item(uid, rec)
-    tt.counters.add(state, -1)
-    tt.counters.add(QUARANTINED, 1)
-
-
-def _place_of(tt: TableState, uid: str) -> bytes | None:
-    """The uid's key in the table's insertion order, found by reading the order through (its
-    record, which says where, is lost): damage is rare, and its sample pays for it."""
-    name = uid.encode()
-    with tt.txn.cursor(db=tt.db["order"]) as cur:
-        found = cur.set_range(tt.prefix)
-        while found and cur.key().startswith(tt.prefix):
-            if cur.value() == name:
-                return cur.key()
-            found = cur.next()
-    return None
 
 
 def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord, why: str) -> None:
     """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
     log.error("table %s: experience %s quarantined (%s): never served", tt.config.name, uid, why)
-    key = tt.key(uid)
-    chunked.delete(tt.txn, tt.db, [key], [rec.size])
-    tt.txn.delete(key, db=tt.db["items"])
-    rec.state = QUARANTINED
-    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
-    tt.settle_item(uid, rec)
-    tt.counters.add(FAILED, -1)
-    tt.counters.add(QUARANTINED, 1)
-    tt.counters.damaged += 1
+    retire.quarantine_kept(tt, uid, rec)
 
 
 def quarantine_found(tt: TableState, uids: Iterable[str]) -> int:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.layout import put_rows
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import CONSUMED, LEASED, READY
 from ..schema.table_config import TableConfig
-from .retirement import retire
 
 Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 

@@ -28,12 +28,12 @@ from typing import overload
 from expbuf.client.trxp import segments
 
 from ..core.events import TableExtension
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.records import ItemRecord
 from ..schema.errors import VersionJump
 from ..schema.states import DROPPED, READY
 from ..schema.table_config import TableConfig
-from .retirement import retire
 
 # Stale groups evicted per table in one pass (one write transaction).
 EVICT_LIMIT = 10_000

@@ -21,6 +21,7 @@ from expbuf.client.trxp.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
 from ..core.counters import Counters
+from ..core.leases import read_lease
 from ..core.read_check import Unservable, payload_problem, serve_problem
 from ..disk import chunk_reads, digests, layout
 from ..disk.batch_rows import BatchRows
@@ -37,7 +38,6 @@ from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..schema.states import LEASED
 from ..tables import browse
 from ..tables.catalog import TableCatalog
-from ..tables.leases import read_lease
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
 log = logging.getLogger("expbuf.store")

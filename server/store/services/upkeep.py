@@ -24,10 +24,10 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core import retire
 from ..core.ready import IndexBuilding
 from ..disk import layout
 from ..ledger.records import oldest_claim
-from ..rules import retirement
 from ..rules.groups import expire_groups
 from ..rules.staleness import EVICT_LIMIT
 from ..schema.errors import clip
@@ -189,7 +189,7 @@ class Upkeep:
         )
         stale = tt.extensions.on_upkeep(tt)
         pruned = (
-            retirement.prune_tombstones(tt, now - config.retention.tombstone_seconds)
+            retire.prune_tombstones(tt, now - config.retention.tombstone_seconds)
             if config.retention.tombstone_seconds > 0
             else 0
         )

@@ -26,21 +26,17 @@ import random
 import lmdb
 
 from ..core import rate_counts
+from ..core.leases import read_lease
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.kinds import Sampled
 from ..disk.records import Counted, GroupRecord, Lease
 from ..rules import reuse
-from ..rules.retirement import retire
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
 from ..schema.states import CONSUMED, LEASED, READY
 from .catalog import TableCatalog
-
-
-def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
-    raw = txn.get(lease_id.encode(), db=db) if 0 < len(lease_id) <= 64 else None
-    return None if raw is None else Lease.decode(raw)
 
 
 def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:

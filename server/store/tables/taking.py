@@ -22,6 +22,7 @@ from expbuf.client.trxp.pieces import Stored
 
 from ..core import rate_counts
 from ..core.read_check import Unservable, serve_problem
+from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows
@@ -32,7 +33,6 @@ from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
-from ..rules.retirement import retire
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited, SpecError
 from ..schema.sample_spec import MAX_BATCH, SampleSpec

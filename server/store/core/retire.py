@@ -1,8 +1,9 @@
 """How experiences leave a table: retired groups (consumed, evicted, dropped, failed) keep
 their members' records as tombstones, so that a retried push of the same uid is still a
-duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; a
-trainer retires the groups it trained by their ids (`retire_trained`); a Delete removes
-experiences outright, tombstones included.
+duplicate, while their payloads go; tombstones are forgotten after `tombstone_seconds`; groups
+a trainer trained are consumed (`consume`; rules/trained.py says which); a Delete removes
+experiences outright, tombstones included; and a damaged experience becomes a quarantined
+tombstone (`quarantine_kept`, `bury_lost`; rules/quarantine.py says when).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from collections.abc import Iterable, Sequence, Set
 
 import lmdb
 
-from ..core import pieces, rate_counts
-from ..core.state import TableState
-from ..disk import chunked, layout
+from ..disk import chunk_reads, chunked, digests, layout
 from ..disk.layout import put_rows, u64
-from ..disk.records import DELETED, GroupRecord, ItemRecord, Lease
-from ..schema.errors import Forbidden, GroupIncomplete, clip
-from ..schema.states import CONSUMED, FAILED, LEASED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ..disk.records import DELETED, GroupRecord, ItemRecord
+from ..schema.states import CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from . import pieces, rate_counts
+from .state import TableState
 
 
 def _delete_rows(txn: lmdb.Transaction[bytes], db: lmdb._Database, keys: Iterable[bytes]) -> None:
@@ -102,34 +102,15 @@ def retire(
         put_rows(tt.txn, db, rows)
 
 
-def retire_trained(tt: TableState, group_ids: Sequence[str], owner: str = "") -> int:
-    """Groups a trainer trained without a lease of this table (a framework's own queue holds
-    them): consumed, as an ack consumes a lease's, so their payloads go, their tombstones stay
-    (a push of them again is a duplicate) and a prompt whose group it is is trained. Ready
-    groups, and groups leased with the caller's token, retire; an absent or retired one is left
-    alone (a retried call changes nothing); an incomplete one is refused, and then none retires.
-    Returns the groups retired."""
-    found: dict[str, GroupRecord] = {}
-    for gkey in group_ids:
-        grp = tt.group(gkey)
-        if grp is None or grp.state in RETIRED or gkey in found:
-            continue
-        if grp.state not in (READY, LEASED):
-            raise GroupIncomplete(
-                f"group {clip(gkey)} is {grp.state}: only a complete group (ready or leased) retires as trained"
-            )
-        if grp.under_lease:
-            raw = tt.txn.get(grp.lease.encode(), db=tt.db["leases"])
-            if raw is not None and Lease.decode(raw).owner != owner:
-                raise Forbidden(f"group {clip(gkey)} is leased with another token")
-        found[gkey] = grp
-    for grp in found.values():
+def consume(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+    """Groups a trainer trained without a lease of this table (ready, or leased with its token)
+    consumed, as an ack consumes a lease's: a ready one, never taken, leaves the rate limiter's
+    count as a delete does; a leased one's lease is over."""
+    for _, grp in groups:
         if grp.state == READY:  # never taken: out of the rate limiter's count, as a delete is
             rate_counts.forget(tt, grp, tt.members(grp).values())
         grp.lease = ""
-    groups = list(found.items())
     retire(tt, groups, CONSUMED)
-    return len(groups)
 
 
 def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
@@ -245,3 +226,48 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
             tt.counters.add_groups(grp.state, -1)
         tt.forget_group(rec.group)
     return deleted
+
+
+def bury_lost(tt: TableState, gkey: str, state: State, uid: str) -> None:
+    """A member of group `gkey` (which was in `state`) whose record is lost: what is left of it
+    goes, its payload's bytes uncounted (the record's size was the payload's), and it becomes a
+    quarantined tombstone, so that its failed group is whole and pruned in time as the others."""
+    key = tt.key(uid)
+    blob = chunk_reads.read_payload(tt.txn, tt.db, key)
+    size = 0 if blob is None else len(blob)
+    place = _place_of(tt, uid)
+    drop_payloads(tt, [key], [size], [] if place is None else [place], size)
+    rec = ItemRecord(
+        state=QUARANTINED, group=gkey, seq=0, digest=bytes(16) if blob is None else digests.of(blob), size=0,
+        created=tt.now, tid="", rid="", step=0, response_length=0, generated=0, retired=tt.now,
+    )  # fmt: skip
+    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
+    tt.settle_item(uid, rec)
+    tt.counters.add(state, -1)
+    tt.counters.add(QUARANTINED, 1)
+
+
+def _place_of(tt: TableState, uid: str) -> bytes | None:
+    """The uid's key in the table's insertion order, found by reading the order through (its
+    record, which says where, is lost): damage is rare, and its sample pays for it."""
+    name = uid.encode()
+    with tt.txn.cursor(db=tt.db["order"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix):
+            if cur.value() == name:
+                return cur.key()
+            found = cur.next()
+    return None
+
+
+def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord) -> None:
+    """A failed experience whose kept payload is damaged: quarantined alone, its payload gone."""
+    key = tt.key(uid)
+    chunked.delete(tt.txn, tt.db, [key], [rec.size])
+    tt.txn.delete(key, db=tt.db["items"])
+    rec.state = QUARANTINED
+    tt.txn.put(key, rec.tombstone(), db=tt.db["tombs"])
+    tt.settle_item(uid, rec)
+    tt.counters.add(FAILED, -1)
+    tt.counters.add(QUARANTINED, 1)
+    tt.counters.damaged += 1
