@@ -15,6 +15,7 @@ from expbuf.client import BufferClient, InvalidArgumentError
 from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import Store, TableExtension
+from expbuf.server.store.core.compute import ComputeQueue
 from expbuf.server.store.core.events import Groups
 from expbuf.server.store.core.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
@@ -24,7 +25,6 @@ from expbuf.server.store.rules.staleness import StaleEviction
 from expbuf.server.store.schema.errors import ConfigError, InvalidRequest, StoreError
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.tables.compute_queue import ComputeQueue
 
 from conftest import payload
 from helpers import group_items

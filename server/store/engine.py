@@ -29,6 +29,7 @@ from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
 from .core import rate_counts, retire
+from .core.compute import backlog
 from .core.counters import read_counters
 from .core.events import TableExtension
 from .core.state import TableState, stored
@@ -59,7 +60,6 @@ from .services.upkeep import Upkeep
 from .services.values import Values
 from .tables import admission, integrity
 from .tables.catalog import EveryTable, TableCatalog
-from .tables.compute_queue import backlog
 from .tables.integrity import verify
 from .tables.migrate import migrate
 

@@ -8,7 +8,7 @@ registers its kind under a name (`Store.register_extension("journal", Journal)`,
 the kinds its configuration names (`TableConfig.extensions`), each as an instance of its own,
 so an extension may keep per-table state. The store's own rules follow from a table's other
 settings and run only on the tables that need them (engine.py): the compute queue
-(compute_queue.py) where the estimator computes, the eviction of stale groups (staleness.py)
+(core/compute.py) where the estimator computes, the eviction of stale groups (staleness.py)
 where `evict_stale`, the prompt ledger (ledger.py) where the table groups by task and so may
 hold datasets. The events come from inside the writer's transaction: what an extension writes
 commits, or is undone, with the request that raised the event.

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from expbuf.client.schema.routing import uid_group_key
 
 from ..core import pieces, rate_counts
+from ..core.compute import store_advantages
+from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import chunked, digests, layout, shared_prompts
@@ -26,15 +28,7 @@ from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPaylo
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
 from ..schema.table_config import estimator_of
 from .capacity import make_room
-from .pushed_advantages import (
-    Completed,
-    ReadyRow,
-    add_shaping,
-    compute_in_push,
-    drop_below_threshold,
-    store_advantages,
-    zero_variance,
-)
+from .pushed_advantages import Completed, add_shaping, compute_in_push, drop_below_threshold, zero_variance
 
 
 def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
@@ -92,7 +86,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
         groups[gkey] = grp
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
     _insert(tt, by_group, groups)
-    ready: list[ReadyRow] = []
+    ready: list[Row] = []
     computing: list[Completed] = []
     for gkey, grp in groups.items():
         if size == 0 or len(grp.members) + len(grp.failed) >= size:
@@ -197,7 +191,7 @@ def complete(
     *,
     partial: bool,
     indexed: bool = True,
-    ready: list[ReadyRow] | None = None,
+    ready: list[Row] | None = None,
     computing: list[Completed] | None = None,
 ) -> bool:
     """A pending group becomes ready, or computing; False if the zero-variance filter
@@ -232,7 +226,7 @@ def complete(
             ready.append(row)
     elif computing is not None and tt.compute is not None:
         computing.append((gkey, grp, recs))
-    else:  # queued for its advantages (compute_queue.py); sampled once they are stored (finish_compute)
+    else:  # queued for its advantages (core/compute.py); sampled once they are stored (finish_compute)
         tt.set_state(gkey, grp, recs, COMPUTING)
     return True
 

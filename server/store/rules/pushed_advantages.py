@@ -3,8 +3,8 @@ server gives the table a computation (the estimators with one value per experien
 item records, no batch stage, on the CPU; advantages/worker.py decides), the values are computed
 before the push's transaction on the pushing thread (`compute_ahead`) or in it, and stored in
 it (`compute_in_push`), each member's record written once, ready with its value. Groups it
-leaves are queued for the advantage worker (compute_queue.py), whose values are stored with
-the same functions (groups.finish_compute). Rules over a table's state (table_state.py); the
+leaves are queued for the advantage worker (core/compute.py), whose values are stored with
+the same functions (groups.finish_compute). Rules over a table's state (core/state.py); the
 computation itself is a callable the server injects: nothing here imports torch.
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core import rate_counts
+from ..core.compute import queued, store_advantages
+from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import COMPUTING, DROPPED, READY
+from ..schema.states import COMPUTING, DROPPED
 from ..schema.table_config import TableConfig
 
-ReadyRow = tuple[bytes, int, float, int | None]
 # A group a push completed, with its member records, for compute_in_push.
 Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
@@ -35,7 +35,7 @@ def zero_variance(rewards: list[float | None]) -> bool:
     return None not in rewards and len(set(rewards)) <= 1
 
 
-def compute_in_push(tt: TableState, computing: list[Completed], ready: list[ReadyRow]) -> None:
+def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]) -> None:
     """The advantages of the groups a push completed, computed in the push's own transaction:
     each member's record is written once, ready with its value (the ready groups' index entries
     are appended to `ready`). The groups are queued for the worker instead, computing, when
@@ -47,7 +47,7 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Read
         return
     compute = tt.compute
     count = sum(len(recs) for _, _, recs in computing)
-    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and _queued(tt)):
+    if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and queued(tt)):
         tt.set_states(computing, COMPUTING)
         return
     job = ComputeJob(
@@ -124,12 +124,6 @@ def _same_job(ahead: ComputeJob, job: ComputeJob) -> bool:
     return ahead.groups == job.groups and ahead.members == job.members and ahead.config == job.config
 
 
-def _queued(tt: TableState) -> bool:
-    """Whether any group of the table waits in the compute queue."""
-    with tt.txn.cursor(db=tt.db["compute"]) as cur:
-        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
-
-
 def add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
     tt.counters.add_counts(shaping.counts)
     tt.counters.reward_moments = shaping.moments
@@ -139,25 +133,3 @@ def drop_below_threshold(tt: TableState, gkey: str, grp: GroupRecord) -> None:
     retire(tt, [(gkey, grp)], DROPPED)
     tt.counters.groups_dropped += 1
     tt.counters.dropped_std_threshold += 1
-
-
-def store_advantages(
-    tt: TableState,
-    gkey: str,
-    grp: GroupRecord,
-    recs: dict[str, ItemRecord],
-    advantages: dict[str, float | bytes],
-    shaping: ShapingUpdate | None,
-) -> ReadyRow:
-    """A group's values stored and the group made ready; returns its ready index entry."""
-    for uid, rec in recs.items():
-        value = advantages[uid]
-        if shaping is not None and uid in shaping.rewards:
-            rec.shaped_reward = shaping.rewards[uid]
-        if isinstance(value, float):
-            rec.advantage = value
-        else:
-            tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
-    tt.set_state(gkey, grp, recs, READY)
-    rate_counts.became_ready(tt, len(recs))
-    return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)

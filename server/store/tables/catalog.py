@@ -12,6 +12,7 @@ from typing import TypeVar
 import lmdb
 
 from ..core import ready
+from ..core.compute import ComputeQueue
 from ..core.counters import read_counters
 from ..core.events import TableExtension
 from ..core.state import TableState
@@ -23,7 +24,6 @@ from ..rules.extensions import ExtensionKinds, Extensions
 from ..rules.staleness import StaleEviction
 from ..schema.errors import ConfigError, Conflict, NotFound, StoreError, clip
 from ..schema.table_config import CONFIG_VERSION, TableConfig, differences
-from .compute_queue import ComputeQueue
 
 _NO_EXTENSIONS = Extensions()
 E = TypeVar("E", bound=TableExtension)

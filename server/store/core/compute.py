@@ -1,7 +1,7 @@
 """The compute queue: complete groups waiting for their advantages, in the order they
-completed, as a table extension (extensions.py). A group joins when it becomes computing and
-leaves when its advantages are stored or it leaves the table; the server's advantage workers
-read it (`backlog`), table by table in turns."""
+completed, as a table extension (rules/extensions.py runs it). A group joins when it becomes
+computing and leaves when its advantages are stored (`store_advantages`) or it leaves the table;
+the server's advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored, whole
 
-from ..core.counters import read_counters
-from ..core.events import Groups, TableExtension
-from ..core.read_check import payload_problem
-from ..core.state import TableState, missing, stored
 from ..disk import chunk_reads, layout
-from ..disk.kinds import ComputeJob
+from ..disk.kinds import ComputeJob, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import COMPUTING
+from ..schema.states import COMPUTING, READY
 from ..schema.table_config import TableConfig, estimator_of
+from . import rate_counts
+from .counters import read_counters
+from .events import Groups, TableExtension
+from .read_check import payload_problem
+from .ready import Row
+from .state import TableState, missing, stored
 
 
 class ComputeQueue(TableExtension):
@@ -100,3 +102,31 @@ def backlog(
                 after = table_id
             found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
     return jobs, after
+
+
+def queued(tt: TableState) -> bool:
+    """Whether any group of the table waits in the compute queue."""
+    with tt.txn.cursor(db=tt.db["compute"]) as cur:
+        return cur.set_range(tt.prefix) and cur.key().startswith(tt.prefix)
+
+
+def store_advantages(
+    tt: TableState,
+    gkey: str,
+    grp: GroupRecord,
+    recs: dict[str, ItemRecord],
+    advantages: dict[str, float | bytes],
+    shaping: ShapingUpdate | None,
+) -> Row:
+    """A group's values stored and the group made ready; returns its ready index entry."""
+    for uid, rec in recs.items():
+        value = advantages[uid]
+        if shaping is not None and uid in shaping.rewards:
+            rec.shaped_reward = shaping.rewards[uid]
+        if isinstance(value, float):
+            rec.advantage = value
+        else:
+            tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
+    tt.set_state(gkey, grp, recs, READY)
+    rate_counts.became_ready(tt, len(recs))
+    return (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
