@@ -1,13 +1,26 @@
 """A table's leases as records: a lease under its id (its table, groups, expiry, owner and, for
-one held for a stream, what its take counted; disk/records.Lease).
+one held for a stream, what its take counted; disk/records.Lease) and, while its clock runs, a row
+of the expiry index; and what ending one does to its groups' records (`groups_back`,
+`replayed_back`). What a lease's life is, step by step, is tables/leases.py's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import lmdb
 
-from ..disk.records import Lease
+from ..disk import layout
+from ..disk.kinds import Sampled
+from ..disk.records import Counted, GroupRecord, ItemRecord, Lease
+from ..schema.states import CONSUMED, LEASED, READY
+from . import rate_counts
+from .retire import retire
 from .state import TableState
+
+Dbs = Mapping[str, lmdb._Database]
+# A group a lease held, with its member records, as it goes back to ready.
+Back = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
 
 def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) -> Lease | None:
@@ -15,7 +28,122 @@ def read_lease(txn: lmdb.Transaction[bytes], db: lmdb._Database, lease_id: str) 
     return None if raw is None else Lease.decode(raw)
 
 
+def lease_of(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str) -> Lease | None:
+    """The lease under an id (None: no such lease)."""
+    return read_lease(txn, dbs["leases"], lease_id)
+
+
 def owner_of(tt: TableState, lease_id: str) -> str | None:
     """The owner of a lease (the token fingerprint it was taken with); None: no such lease."""
-    lease = read_lease(tt.txn, tt.db["leases"], lease_id)
+    lease = lease_of(tt.txn, tt.db, lease_id)
     return None if lease is None else lease.owner
+
+
+def grant_row(txn: lmdb.Transaction[bytes], dbs: Dbs, batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
+    """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
+    until confirmed, or running until `batch.lease_expires`."""
+    expires = None if hold else batch.lease_expires
+    groups = list(dict.fromkeys(batch.group_ids))
+    counted = batch.counted if hold else None  # what a give-back unsent takes back
+    lease = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted)
+    txn.put(batch.lease_id.encode(), lease.encode(), db=dbs["leases"])
+    if expires is not None:
+        txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=dbs["lease_exp"])
+
+
+def set_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lease, expires: float) -> None:
+    """The lease now ends at `expires` (a held one's clock starts)."""
+    if lease.expires is not None:
+        txn.delete(layout.expiry_key(lease.expires, lease_id), db=dbs["lease_exp"])
+    lease.expires = expires
+    txn.put(lease_id.encode(), lease.encode(), db=dbs["leases"])
+    txn.put(layout.expiry_key(expires, lease_id), b"", db=dbs["lease_exp"])
+
+
+def delete(txn: lmdb.Transaction[bytes], dbs: Dbs, lease_id: str, lease: Lease) -> None:
+    """A lease's record and its expiry row go."""
+    txn.delete(lease_id.encode(), db=dbs["leases"])
+    if lease.expires is not None:
+        txn.delete(layout.expiry_key(lease.expires, lease_id), db=dbs["lease_exp"])
+
+
+def holds(txn: lmdb.Transaction[bytes], dbs: Dbs) -> list[str]:
+    """The leases held for a stream (no expiry), of every table."""
+    return [key.decode() for key, raw in txn.cursor(db=dbs["leases"]) if Lease.decode(raw).expires is None]
+
+
+def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float) -> list[bytes]:
+    """The keys of the lease expiry index due by `now`, oldest first."""
+    return layout.due(txn, dbs["lease_exp"], now)
+
+
+def stray_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, key: bytes) -> bool:
+    """Whether an expiry row names no lease (damage): then it goes."""
+    if txn.get(key[8:], db=dbs["leases"]) is not None:
+        return False
+    txn.delete(key, db=dbs["lease_exp"])
+    return True
+
+
+def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
+    """The groups still held under a lease (a group deleted meanwhile is not)."""
+    held = []
+    for gkey in gkeys:
+        grp = tt.group(gkey)
+        if grp is not None and grp.state == LEASED and grp.lease == lease_id:
+            held.append((gkey, grp))
+    return held
+
+
+def held(tt: TableState, lease_id: str, lease: Lease) -> int:
+    """The experiences still under a lease."""
+    return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+
+
+def groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, unsent: bool) -> int:
+    """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
+    experiences. Only a batch that goes back sampled rewrites its members' records (their times
+    sampled). `unsent`: a batch held for a stream that never confirmed it is not sampled after
+    all: what its take counted leaves the table's counters (a lease a release before
+    `Lease.counted` wrote: the members still under it, as it did), and the members still under
+    it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
+    that count as it left: rate_counts.forget)."""
+    ended = leased_groups(tt, lease_id, lease.groups)
+    for _, grp in ended:
+        grp.lease = ""
+    if not requeue:
+        retire(tt, ended, CONSUMED)
+        return sum(len(grp.members) for _, grp in ended)
+    back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
+    if unsent:
+        recs = [rec for _, _, members in back for rec in members.values()]
+        counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
+        tt.counters.sampled -= counted.experiences
+        tt.counters.bytes_sampled -= counted.nbytes
+        tt.counters.tokens_masked -= counted.tokens_masked
+        rate_counts.given_back(tt, len(recs))
+    _ready_again(tt, back, sampled=not unsent)  # sampled: the records count it now (a consumed one's need not)
+    return sum(len(grp.members) for _, grp in ended)
+
+
+def replayed_back(tt: TableState, lease_id: str, gkeys: list[str]) -> list[Back]:
+    """A held replay batch the client confirmed: its groups are ready again, their members'
+    deliveries counted; returns them (with their member records), for reuse to count as
+    replayed (rules/reuse.replayed)."""
+    groups = leased_groups(tt, lease_id, gkeys)
+    for _, grp in groups:
+        grp.lease = ""
+    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]
+    _ready_again(tt, taken, sampled=True)
+    return taken
+
+
+def _ready_again(tt: TableState, back: list[Back], *, sampled: bool) -> None:
+    """Groups a lease held are ready again, their members' deliveries counted where `sampled`."""
+    if sampled:
+        for _, _, members in back:
+            for uid, rec in members.items():
+                rec.times_sampled += 1
+                tt.put_item(uid, rec)
+    tt.set_states(back, READY)
+    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in back])

@@ -140,3 +140,14 @@ def expiry_key(expires: float, lease_id: str) -> bytes:
 def expiry_of(key: bytes) -> float:
     stamp: int = _U64.unpack(key[:8])[0]
     return stamp / 1e6
+
+
+def due(txn: lmdb.Transaction[bytes], db: lmdb._Database, now: float) -> list[bytes]:
+    """The keys of an expiry index (expiry_key: leases', grants') due by `now`, oldest first."""
+    expired = []
+    with txn.cursor(db=db) as cur:
+        for key, _ in cur:
+            if expiry_of(key) > now:
+                break
+            expired.append(bytes(key))
+    return expired

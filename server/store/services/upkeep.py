@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core import retire
+from ..core import leases, retire
 from ..core.ready import IndexBuilding
 from ..disk import layout
 from ..ledger.records import oldest_claim
@@ -80,18 +80,14 @@ class Upkeep:
         )
 
         def expire(t: lmdb.Transaction[bytes], key: bytes) -> int:
-            lease_id = key[8:]
-            if t.get(lease_id, db=self.db["leases"]) is None:  # an expiry without its lease
-                t.delete(key, db=self.db["lease_exp"])
-                return 0
-            return end_lease(t, lease_id.decode())
+            return 0 if leases.stray_expiry(t, self.db, key) else end_lease(t, key[8:].decode())
 
-        for key in self.expired(txn, now):
+        for key in leases.expired(txn, self.db, now):
             requeued = self.isolated(txn, f"lease {key[8:]!r}", functools.partial(expire, key=key))
             done["failed"] += requeued is None
             done["leases_expired"] += requeued is not None
             done["requeued"] += requeued or 0
-        for key in self.expired(txn, now, "grant_exp"):
+        for key in layout.due(txn, self.db["grant_exp"], now):
             returned = self.isolated(txn, f"grant {key[8:]!r}", functools.partial(self.expire_grant, key=key))
             done["failed"] += returned is None
             done["rollouts_returned"] += returned or 0
@@ -156,16 +152,6 @@ class Upkeep:
         if config.grouping.timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
             return True
         return config.retention.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
-
-    def expired(self, txn: lmdb.Transaction[bytes], now: float, index: str = "lease_exp") -> list[bytes]:
-        """The keys of an expiry index (leases', grants') due by `now`, oldest first."""
-        expired = []
-        with txn.cursor(db=self.db[index]) as cur:
-            for key, _ in cur:
-                if layout.expiry_of(key) > now:
-                    break
-                expired.append(bytes(key))
-        return expired
 
     def expire_grant(self, txn: lmdb.Transaction[bytes], key: bytes) -> int:
         """An expired grant gives its rollouts back (admission.py); returns them."""

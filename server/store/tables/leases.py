@@ -25,28 +25,13 @@ import random
 
 import lmdb
 
-from ..core import rate_counts
-from ..core.leases import read_lease
-from ..core.retire import retire
-from ..core.state import TableState
-from ..disk import layout
+from ..core import leases
 from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord, Lease
+from ..disk.records import Lease
 from ..rules import reuse
 from ..schema.errors import Forbidden, InvalidRequest, NotFound, clip
 from ..schema.sample_spec import MAX_LEASE_SECONDS, SampleSpec, check_seconds
-from ..schema.states import CONSUMED, LEASED, READY
 from .catalog import TableCatalog
-
-
-def leased_groups(tt: TableState, lease_id: str, gkeys: list[str]) -> list[tuple[str, GroupRecord]]:
-    """The groups still held under a lease (a group deleted meanwhile is not)."""
-    held = []
-    for gkey in gkeys:
-        grp = tt.group(gkey)
-        if grp is not None and grp.state == LEASED and grp.lease == lease_id:
-            held.append((gkey, grp))
-    return held
 
 
 class Leases:
@@ -59,19 +44,13 @@ class Leases:
     def grant(self, txn: lmdb.Transaction[bytes], batch: Sampled, table_id: int, *, hold: bool, owner: str) -> None:
         """The lease of a batch just taken (its groups LEASED under `batch.lease_id`): held
         until confirmed, or running until `batch.lease_expires`."""
-        expires = None if hold else batch.lease_expires
-        groups = list(dict.fromkeys(batch.group_ids))
-        counted = batch.counted if hold else None  # what a give-back unsent takes back
-        lease = Lease(table_id=table_id, groups=groups, expires=expires, owner=owner, counted=counted)
-        txn.put(batch.lease_id.encode(), lease.encode(), db=self.db["leases"])
-        if expires is not None:
-            txn.put(layout.expiry_key(expires, batch.lease_id), b"", db=self.db["lease_exp"])
+        leases.grant_row(txn, self.db, batch, table_id, hold=hold, owner=owner)
 
     def checked(self, txn: lmdb.Transaction[bytes], lease_id: str, table: str | None, owner: str) -> Lease:
         """A lease that exists; with a table (a caller's request), of that table and owner."""
         if not lease_id:
             raise InvalidRequest("lease_id is empty")
-        lease = read_lease(txn, self.db["leases"], lease_id)
+        lease = leases.lease_of(txn, self.db, lease_id)
         if lease is None:
             raise NotFound(f"lease '{clip(lease_id)}' is unknown, already acked, or expired and requeued")
         if table is not None:
@@ -91,8 +70,8 @@ class Leases:
         lease = self.checked(txn, lease_id, table, owner)
         tt = self.catalog.state_of(txn, lease.table_id)
         now = self.catalog.clock() if tt is None else tt.now
-        self._set_expiry(txn, lease_id, lease, now + seconds)
-        count = 0 if tt is None else sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
+        leases.set_expiry(txn, self.db, lease_id, lease, now + seconds)
+        count = 0 if tt is None else leases.held(tt, lease_id, lease)
         return now + seconds, count
 
     def confirm(
@@ -104,7 +83,7 @@ class Leases:
         nacked or renewed (it may, once it has the batch) is left as that made it."""
         if spec.delivery == "consume":
             return self.end(txn, lease_id, requeue=False, table=spec.table, owner=owner)
-        lease = read_lease(txn, self.db["leases"], lease_id)
+        lease = leases.lease_of(txn, self.db, lease_id)
         if lease is None or lease.expires is not None:
             return 0
         lease = self.checked(txn, lease_id, spec.table, owner)
@@ -112,12 +91,13 @@ class Leases:
         if tt is None:  # the table was dropped
             return 0
         if spec.delivery == "lease":
-            self._set_expiry(txn, lease_id, lease, tt.now + spec.lease_seconds)
-            return sum(len(grp.members) for _, grp in leased_groups(tt, lease_id, lease.groups))
-        txn.delete(lease_id.encode(), db=self.db["leases"])
-        count = _replay_confirmed(tt, lease_id, lease.groups, rng)
+            leases.set_expiry(txn, self.db, lease_id, lease, tt.now + spec.lease_seconds)
+            return leases.held(tt, lease_id, lease)
+        leases.delete(txn, self.db, lease_id, lease)
+        taken = leases.replayed_back(tt, lease_id, lease.groups)
+        reuse.replayed(tt, taken, rng)
         tt.save()
-        return count
+        return sum(len(recs) for _, _, recs in taken)
 
     def end(
         self,
@@ -136,14 +116,12 @@ class Leases:
         then goes back uncounted as sampled while it is held; a client's nack counts it, as the
         client has it (its confirmation may not have been delivered yet)."""
         lease = self.checked(txn, lease_id, table, owner)
-        txn.delete(lease_id.encode(), db=self.db["leases"])
-        if lease.expires is not None:
-            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
+        leases.delete(txn, self.db, lease_id, lease)
         tt = self.catalog.state_of(txn, lease.table_id)
         if tt is None:  # the table was dropped
             return 0
         held = lease.expires is None  # a batch held for its stream: not confirmed, or its confirmation on its way
-        count = _groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
+        count = leases.groups_back(tt, lease_id, lease, requeue=requeue, unsent=requeue and unsent and held)
         if expired:
             tt.counters.leases_expired += 1
         tt.save()
@@ -152,61 +130,4 @@ class Leases:
     def release_holds(self, txn: lmdb.Transaction[bytes]) -> int:
         """Every batch held for a stream of an earlier run of the server goes back; the streams
         that held them are gone. Returns the experiences requeued."""
-        holds = [key.decode() for key, raw in txn.cursor(db=self.db["leases"]) if Lease.decode(raw).expires is None]
-        return sum(self.end(txn, lease_id, requeue=True, unsent=True) for lease_id in holds)
-
-    def _set_expiry(self, txn: lmdb.Transaction[bytes], lease_id: str, lease: Lease, expires: float) -> None:
-        if lease.expires is not None:
-            txn.delete(layout.expiry_key(lease.expires, lease_id), db=self.db["lease_exp"])
-        lease.expires = expires
-        txn.put(lease_id.encode(), lease.encode(), db=self.db["leases"])
-        txn.put(layout.expiry_key(expires, lease_id), b"", db=self.db["lease_exp"])
-
-
-def _groups_back(tt: TableState, lease_id: str, lease: Lease, *, requeue: bool, unsent: bool) -> int:
-    """The groups of a lease go back to ready (`requeue`) or are consumed; returns the
-    experiences. Only a batch that goes back sampled rewrites its members' records (their times
-    sampled). `unsent`: a batch held for a stream that never confirmed it is not sampled after
-    all: what its take counted leaves the table's counters (a lease a release before
-    `Lease.counted` wrote: the members still under it, as it did), and the members still under
-    it leave the rate limiter's count (a member deleted meanwhile took its lease's sample out of
-    that count as it left: rate_counts.forget)."""
-    ended = leased_groups(tt, lease_id, lease.groups)
-    for _, grp in ended:
-        grp.lease = ""
-    if not requeue:
-        retire(tt, ended, CONSUMED)
-        return sum(len(grp.members) for _, grp in ended)
-    back = [(gkey, grp, tt.members(grp)) for gkey, grp in ended]
-    if unsent:
-        recs = [rec for _, _, members in back for rec in members.values()]
-        counted = lease.counted or Counted(len(recs), sum(rec.size for rec in recs), 0)
-        tt.counters.sampled -= counted.experiences
-        tt.counters.bytes_sampled -= counted.nbytes
-        tt.counters.tokens_masked -= counted.tokens_masked
-        rate_counts.given_back(tt, len(recs))
-    else:  # sampled: the records count it now (a consumed one's tombstone need not)
-        for _, _, members in back:
-            for uid, rec in members.items():
-                rec.times_sampled += 1
-                tt.put_item(uid, rec)
-    tt.set_states(back, READY)
-    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in ended])
-    return sum(len(grp.members) for _, grp in ended)
-
-
-def _replay_confirmed(tt: TableState, lease_id: str, gkeys: list[str], rng: random.Random) -> int:
-    """A held replay batch the client confirmed: its groups are ready again, then counted as
-    replayed (reuse.replayed); returns the experiences."""
-    groups = leased_groups(tt, lease_id, gkeys)
-    for _, grp in groups:
-        grp.lease = ""
-    taken = [(gkey, grp, tt.members(grp)) for gkey, grp in groups]
-    for _, _, recs in taken:
-        for uid, rec in recs.items():
-            rec.times_sampled += 1
-            tt.put_item(uid, rec)
-    tt.set_states(taken, READY)
-    tt.ready.add_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in groups])
-    reuse.replayed(tt, taken, rng)
-    return sum(len(recs) for _, _, recs in taken)
+        return sum(self.end(txn, lease_id, requeue=True, unsent=True) for lease_id in leases.holds(txn, self.db))
