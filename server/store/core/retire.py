@@ -271,3 +271,8 @@ def quarantine_kept(tt: TableState, uid: str, rec: ItemRecord) -> None:
     tt.counters.add(FAILED, -1)
     tt.counters.add(QUARANTINED, 1)
     tt.counters.damaged += 1
+
+
+def oldest_retired(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bytes | None:
+    """When a table's earliest retired group retired (8 sortable bytes); None: it has none."""
+    return layout.first_time(txn, dbs["retired"], prefix)

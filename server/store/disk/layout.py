@@ -151,3 +151,11 @@ def due(txn: lmdb.Transaction[bytes], db: lmdb._Database, now: float) -> list[by
                 break
             expired.append(bytes(key))
     return expired
+
+
+def first_time(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bytes | None:
+    """The time (8 sortable bytes) of a table's first key in a time-ordered index (T + micros + ...)."""
+    with txn.cursor(db=db) as cur:
+        if cur.set_range(prefix) and cur.key().startswith(prefix):
+            return bytes(cur.key()[4:12])
+    return None

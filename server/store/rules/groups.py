@@ -1,9 +1,10 @@
 """The rules of a table's groups: experiences join groups, groups move through their states,
-and the table keeps within its capacity. Functions over a table's state (table_state.py).
+and the table keeps within its capacity. Functions over a table's state (core/state.py), whose
+group records core/groups.py writes.
 
 States: pending (the group is incomplete) → computing (its advantages) → ready → leased →
 consumed; a group may also be evicted, dropped (zero variance, timeout, std threshold) or
-failed (retirement.py: retired experiences keep their record as a tombstone with their
+failed (core/retire.py: retired experiences keep their record as a tombstone with their
 digest, so a retried push is still a duplicate, until `tombstone_seconds`). Counts by state,
 bytes and totals are counters written in the same transaction as the records.
 """
@@ -15,20 +16,21 @@ from collections.abc import Iterable, Sequence
 
 from expbuf.client.schema.routing import uid_group_key
 
-from ..core import pieces, rate_counts
+from ..core import groups as core_groups
+from ..core import pieces
 from ..core.compute import store_advantages
+from ..core.groups import Completed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
-from ..disk import chunked, digests, layout, shared_prompts
+from ..disk import digests
 from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
-from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
-from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, READY, RETIRED
+from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED
 from ..schema.table_config import estimator_of
 from .capacity import make_room
-from .pushed_advantages import Completed, add_shaping, compute_in_push, drop_below_threshold, zero_variance
+from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
 
 
 def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
@@ -69,14 +71,12 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     for gkey, members in by_group.items():
         grp = tt.group(gkey)
         if grp is None:
-            grp = GroupRecord(state=PENDING, created=tt.now)
-            tt.counters.groups_pending += 1
+            grp = core_groups.new(tt)
             opened.add(gkey)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {gkey} is already complete ({grp.state}); it takes no more experiences")
         if grp.failed:  # a run reported failed, then pushed after all (a retry that worked)
-            for entry in members:
-                grp.failed.pop(entry.uid, None)
+            core_groups.forget_failed(grp, [entry.uid for entry in members])
         if size and len(grp.members) + len(grp.failed) + len(members) > size:
             raise GroupOverfilled(
                 f"group {gkey} has {len(grp.members)} of {size} experiences"
@@ -85,7 +85,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             )
         groups[gkey] = grp
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
-    _insert(tt, by_group, groups)
+    core_groups.add_members(tt, by_group, groups)
     ready: list[Row] = []
     computing: list[Completed] = []
     for gkey, grp in groups.items():
@@ -102,8 +102,8 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
                 tt.counters.groups_short += bool(grp.failed)
         else:
             if gkey in opened:
-                tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
-            tt.put_group(gkey, grp)
+                core_groups.pend(tt, gkey, grp)
+            core_groups.keep(tt, gkey, grp)
     compute_in_push(tt, computing, ready)
     tt.ready.add_many(ready)
     result.stored = list(fresh)
@@ -146,44 +146,6 @@ def _check_eids(tt: TableState, entries: Iterable[Entry]) -> None:
             )
 
 
-def _insert(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:
-    """New experiences as pending members of their groups, in push order: their records
-    (written by save), payloads and places in the insertion order."""
-    counters = tt.counters
-    prefix, now, seq, nbytes = tt.prefix, tt.now, counters.next_seq, 0
-    blobs: list[tuple[bytes, bytes]] = []
-    order: list[tuple[bytes, bytes]] = []  # insertion order: T + seq -> uid
-    versions: list[int] = []
-    sharing = shared_prompts.Sharing(tt.txn, tt.db)
-    for gkey, members in by_group.items():
-        grp = groups[gkey]
-        for entry in members:
-            size = entry.size
-            tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
-            uid = entry.uid.encode()
-            value = chunked.stored_value(
-                sharing, prefix + uid, entry.blob, entry.response_length, entry.prompt_bytes, entry.chunks
-            )
-            blobs.append((prefix + uid, value))
-            order.append((prefix + u64(seq), uid))
-            grp.members.append(entry.uid)
-            if entry.version is not None:
-                versions.append(entry.version)
-            seq += 1
-            nbytes += size
-    sharing.close()
-    put_rows(tt.txn, tt.db["blobs"], blobs)
-    put_rows(tt.txn, tt.db["order"], order)
-    counters.pending += seq - counters.next_seq
-    counters.next_seq = seq
-    counters.bytes += nbytes
-    counters.bytes_pushed += nbytes
-    if versions:
-        low, high = counters.min_version, counters.max_version
-        counters.min_version = min(versions) if low is None else min(low, *versions)
-        counters.max_version = max(versions) if high is None else max(high, *versions)
-
-
 def complete(
     tt: TableState,
     gkey: str,
@@ -200,34 +162,13 @@ def complete(
     caller to add with the others (ReadyIndex.add_many) instead of added now. With
     `computing`, where the table has an advantage computation (`tt.compute`), a group that
     needs advantages is appended there, still pending, for the caller's compute_in_push."""
-    recs = tt.members(grp)
-    grp.partial = partial
-    if partial:  # sealed or timed out: its runs still in pieces will not join it
-        pieces.drop_group(tt, gkey)
+    recs = core_groups.closing(tt, gkey, grp, partial=partial)
     if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)
         tt.counters.groups_dropped += 1
         tt.counters.dropped_zero_variance += 1
         return False
-    if indexed:
-        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-    versions = [rec.version for rec in recs.values() if rec.version is not None]
-    grp.version = min(versions) if versions and len(versions) == len(recs) else None
-    grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
-    grp.rseq = tt.counters.next_rseq
-    tt.counters.next_rseq += 1
-    if tt.config.advantages.estimator == "none":
-        tt.set_state(gkey, grp, recs, READY)
-        rate_counts.became_ready(tt, len(recs))
-        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
-        if ready is None:
-            tt.ready.add(*row)
-        else:
-            ready.append(row)
-    elif computing is not None and tt.compute is not None:
-        computing.append((gkey, grp, recs))
-    else:  # queued for its advantages (core/compute.py); sampled once they are stored (finish_compute)
-        tt.set_state(gkey, grp, recs, COMPUTING)
+    core_groups.complete(tt, gkey, grp, recs, indexed=indexed, ready=ready, computing=computing)
     return True
 
 
@@ -262,13 +203,7 @@ def finish_compute(
 
 def expire_groups(tt: TableState, created_before: float) -> int:
     """Release (flagged partial) or drop incomplete groups created before the cutoff."""
-    expired = []
-    cutoff = layout.micros(created_before)
-    with tt.txn.cursor(db=tt.db["pending"]) as cur:
-        found = cur.set_range(tt.prefix)
-        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
-            expired.append(cur.key()[12:].decode())
-            found = cur.next()
+    expired = core_groups.expired(tt, created_before)
     for gkey in expired:
         grp = tt.existing_group(gkey)
         if tt.config.grouping.on_timeout == "drop":
@@ -310,22 +245,21 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]]) -> FailResult
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
         grp = touched.get(gkey) or tt.group(gkey)
         if grp is None:
-            grp = GroupRecord(state=PENDING, created=tt.now)
-            tt.counters.groups_pending += 1
-            tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
+            grp = core_groups.new(tt)
+            core_groups.pend(tt, gkey, grp)
         elif grp.state != PENDING:
             raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}): its runs are all known")
         if uid not in grp.failed:
             if len(grp.members) + len(grp.failed) >= grouping.size:
                 raise GroupOverfilled(f"group {clip(gkey)} has all its {grouping.size} runs; {clip(uid)} is not one")
-            grp.failed[uid] = clip(reason or "failed", 200)
+            core_groups.record_failed(grp, uid, reason)
             tt.counters.runs_failed += 1
             pieces.drop(tt, uid)
             result.recorded.append(uid)
         touched[gkey] = grp
     for gkey, grp in touched.items():
         if len(grp.members) + len(grp.failed) < grouping.size:
-            tt.put_group(gkey, grp)
+            core_groups.keep(tt, gkey, grp)
         elif too_short(tt, grp):
             drop_short(tt, gkey, grp)
             result.dropped_groups.append(gkey)

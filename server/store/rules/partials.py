@@ -49,12 +49,12 @@ from expbuf.client.trxp.parse import head_length, parse, parse_head
 from expbuf.client.trxp.pieces import Bytes
 
 from ..core import pieces
+from ..core.groups import open_pending
 from ..core.state import TableState, missing
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
 from ..disk.piece_rows import Head
-from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
@@ -157,10 +157,7 @@ def _open_group(tt: TableState, gkey: str) -> None:
     reach the rollouts held in pieces; a complete group takes no more pieces."""
     grp = tt.group(gkey)
     if grp is None:
-        grp = GroupRecord(state=PENDING, created=tt.now)
-        tt.counters.groups_pending += 1
-        tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
-        tt.put_group(gkey, grp)
+        open_pending(tt, gkey)
     elif grp.state != PENDING:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.compute import queued, store_advantages
+from ..core.groups import Completed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from ..disk.records import GroupRecord, ItemRecord
+from ..disk.records import GroupRecord
 from ..schema.states import COMPUTING, DROPPED
 from ..schema.table_config import TableConfig
-
-# A group a push completed, with its member records, for compute_in_push.
-Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
 # The most experiences whose advantages a push computes itself: about 1 to 4 ms for grpo
 # (bench/RESULTS.md); a push completing more leaves them to the worker.

@@ -25,6 +25,7 @@ from typing import TypeVar
 import lmdb
 
 from ..core import leases, retire
+from ..core.groups import oldest_pending
 from ..core.ready import IndexBuilding
 from ..disk import layout
 from ..ledger.records import oldest_claim
@@ -116,14 +117,6 @@ class Upkeep:
                 self._active.add(table_id)
         return done
 
-    @staticmethod
-    def _oldest(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bytes | None:
-        """The time (8 sortable bytes) of the first key of a table in a time-ordered index."""
-        with txn.cursor(db=db) as cur:
-            if cur.set_range(prefix) and cur.key().startswith(prefix):
-                return bytes(cur.key()[4:12])
-        return None
-
     def due(self, txn: lmdb.Transaction[bytes], table_id: int, config: TableConfig, now: float) -> bool:
         """Whether a table has upkeep to do now: an incomplete group to time out, a tombstone to
         forget, or (evict_stale) a trainer version that may have left stale groups."""
@@ -134,11 +127,11 @@ class Upkeep:
         if claim is not None and claim <= layout.micros(now):
             return True
         if config.grouping.timeout_seconds > 0:
-            oldest = self._oldest(txn, self.db["pending"], prefix)
+            oldest = oldest_pending(txn, self.db, prefix)
             if oldest is not None and oldest <= layout.micros(now - config.grouping.timeout_seconds):
                 return True
         if config.retention.tombstone_seconds > 0:
-            oldest = self._oldest(txn, self.db["retired"], prefix)
+            oldest = retire.oldest_retired(txn, self.db, prefix)
             if oldest is not None and oldest < layout.micros(now - config.retention.tombstone_seconds):
                 return True
         return False
@@ -149,9 +142,9 @@ class Upkeep:
         prefix = layout.table_prefix(table_id)
         if oldest_claim(txn, self.db["ledger"], table_id) is not None:
             return True
-        if config.grouping.timeout_seconds > 0 and self._oldest(txn, self.db["pending"], prefix) is not None:
+        if config.grouping.timeout_seconds > 0 and oldest_pending(txn, self.db, prefix) is not None:
             return True
-        return config.retention.tombstone_seconds > 0 and self._oldest(txn, self.db["retired"], prefix) is not None
+        return config.retention.tombstone_seconds > 0 and retire.oldest_retired(txn, self.db, prefix) is not None
 
     def expire_grant(self, txn: lmdb.Transaction[bytes], key: bytes) -> int:
         """An expired grant gives its rollouts back (admission.py); returns them."""

@@ -1,0 +1,163 @@
+"""A table's group records: a pending group opened and kept, its members added (their records,
+payloads and places in the insertion order), its failed runs recorded, and its completion (its
+lowest version, priority and place in the ready order, then ready or computing). What a push,
+a report of failed runs, a seal or a timeout decides about its groups is rules/groups.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lmdb
+
+from ..disk import chunked, layout, shared_prompts
+from ..disk.kinds import Entry
+from ..disk.layout import put_rows, u64
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.errors import clip
+from ..schema.states import COMPUTING, PENDING, READY
+from . import pieces, rate_counts
+from .ready import Row
+from .state import TableState
+
+# A group completed, with its member records, whose advantages the push computes (compute_in_push).
+Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
+
+
+def new(tt: TableState) -> GroupRecord:
+    """A new pending group's record, counted (neither indexed as pending nor written yet)."""
+    tt.counters.groups_pending += 1
+    return GroupRecord(state=PENDING, created=tt.now)
+
+
+def pend(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    """A new group's row in the pending index (its timeout's)."""
+    tt.txn.put(tt.pending_key(gkey, grp), b"", db=tt.db["pending"])
+
+
+def open_pending(tt: TableState, gkey: str) -> GroupRecord:
+    """A new pending group, indexed and written."""
+    grp = new(tt)
+    pend(tt, gkey, grp)
+    tt.put_group(gkey, grp)
+    return grp
+
+
+def keep(tt: TableState, gkey: str, grp: GroupRecord) -> None:
+    """A pending group changed (members added, runs recorded failed), written by save."""
+    tt.put_group(gkey, grp)
+
+
+def record_failed(grp: GroupRecord, uid: str, reason: str) -> None:
+    """A run reported failed: one of the group's runs, not a member."""
+    grp.failed[uid] = clip(reason or "failed", 200)
+
+
+def forget_failed(grp: GroupRecord, uids: Sequence[str]) -> None:
+    """Runs reported failed, then pushed after all (a retry that worked): members, no more failed."""
+    for uid in uids:
+        grp.failed.pop(uid, None)
+
+
+def expired(tt: TableState, created_before: float) -> list[str]:
+    """The pending groups created before the cutoff, oldest first."""
+    found = []
+    cutoff = layout.micros(created_before)
+    with tt.txn.cursor(db=tt.db["pending"]) as cur:
+        at = cur.set_range(tt.prefix)
+        while at and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
+            found.append(cur.key()[12:].decode())
+            at = cur.next()
+    return found
+
+
+def oldest_pending(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bytes | None:
+    """When a table's oldest pending group was created (8 sortable bytes), None: it has none."""
+    return layout.first_time(txn, dbs["pending"], prefix)
+
+
+def add_members(tt: TableState, by_group: dict[str, list[Entry]], groups: dict[str, GroupRecord]) -> None:
+    """New experiences as pending members of their groups, in push order: their records
+    (written by save), payloads and places in the insertion order."""
+    counters = tt.counters
+    prefix, now, seq, nbytes = tt.prefix, tt.now, counters.next_seq, 0
+    blobs: list[tuple[bytes, bytes]] = []
+    order: list[tuple[bytes, bytes]] = []  # insertion order: T + seq -> uid
+    versions: list[int] = []
+    sharing = shared_prompts.Sharing(tt.txn, tt.db)
+    for gkey, members in by_group.items():
+        grp = groups[gkey]
+        for entry in members:
+            size = entry.size
+            tt.put_item(entry.uid, entry.record(gkey, seq=seq, created=now))
+            uid = entry.uid.encode()
+            value = chunked.stored_value(
+                sharing, prefix + uid, entry.blob, entry.response_length, entry.prompt_bytes, entry.chunks
+            )
+            blobs.append((prefix + uid, value))
+            order.append((prefix + u64(seq), uid))
+            grp.members.append(entry.uid)
+            if entry.version is not None:
+                versions.append(entry.version)
+            seq += 1
+            nbytes += size
+    sharing.close()
+    put_rows(tt.txn, tt.db["blobs"], blobs)
+    put_rows(tt.txn, tt.db["order"], order)
+    counters.pending += seq - counters.next_seq
+    counters.next_seq = seq
+    counters.bytes += nbytes
+    counters.bytes_pushed += nbytes
+    if versions:
+        low, high = counters.min_version, counters.max_version
+        counters.min_version = min(versions) if low is None else min(low, *versions)
+        counters.max_version = max(versions) if high is None else max(high, *versions)
+
+
+def closing(tt: TableState, gkey: str, grp: GroupRecord, *, partial: bool) -> dict[str, ItemRecord]:
+    """A pending group about to complete (or to be dropped as it does): flagged partial (sealed,
+    timed out, runs reported failed), its runs still in pieces dropped then, as they will not
+    join it; its members' records."""
+    recs = tt.members(grp)
+    grp.partial = partial
+    if partial:
+        pieces.drop_group(tt, gkey)
+    return recs
+
+
+def complete(
+    tt: TableState,
+    gkey: str,
+    grp: GroupRecord,
+    recs: dict[str, ItemRecord],
+    *,
+    indexed: bool,
+    ready: list[Row] | None,
+    computing: list[Completed] | None,
+) -> None:
+    """A pending group (with its members' records) becomes ready, or computing, in the ready
+    order's next place, with its members' lowest version (None unless every member has one) and
+    highest priority. `indexed`: the group is in the pending index (a group opened and filled by
+    one push never is). With `ready`, a ready group's index entry is appended there for the
+    caller to add with the others (ReadyIndex.add_many) instead of added now. With `computing`,
+    where the table has an advantage computation (`tt.compute`), a group that needs advantages
+    is appended there, still pending, for the caller's compute_in_push."""
+    if indexed:
+        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+    versions = [rec.version for rec in recs.values() if rec.version is not None]
+    grp.version = min(versions) if versions and len(versions) == len(recs) else None
+    grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+    grp.rseq = tt.counters.next_rseq
+    tt.counters.next_rseq += 1
+    if tt.config.advantages.estimator == "none":
+        tt.set_state(gkey, grp, recs, READY)
+        rate_counts.became_ready(tt, len(recs))
+        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+        if ready is None:
+            tt.ready.add(*row)
+        else:
+            ready.append(row)
+    elif computing is not None and tt.compute is not None:
+        computing.append((gkey, grp, recs))
+    else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
+        tt.set_state(gkey, grp, recs, COMPUTING)
