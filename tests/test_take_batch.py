@@ -10,6 +10,7 @@ import lmdb
 import pytest
 
 from expbuf.server.store import Store
+from expbuf.server.store.core import take as core_take
 from expbuf.server.store.core.indexes import PriorityIndex, ReadyOrder, Slots
 from expbuf.server.store.core.ready import ReadyIndex
 from expbuf.server.store.disk.layout import u64
@@ -18,7 +19,6 @@ from expbuf.server.store.schema.errors import SpecError
 from expbuf.server.store.schema.sample_spec import MAX_BATCH, SampleSpec
 from expbuf.server.store.schema.states import CONSUMED, LEASED
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.tables import taking
 
 from helpers import group_items, take
 
@@ -120,7 +120,7 @@ def test_a_batch_holds_at_most_max_batch_experiences(tmp_path: Path, monkeypatch
         SampleSpec("t", num_groups=MAX_BATCH + 1)
     with pytest.raises(SpecError, match=f"batch_size is {MAX_BATCH + 1}"):
         SampleSpec("t", batch_size=MAX_BATCH + 1)
-    monkeypatch.setattr(taking, "MAX_BATCH", 10)
+    monkeypatch.setattr(core_take, "MAX_BATCH", 10)
     with Store(tmp_path) as store:
         store.create_table(TableConfig.of("t", group_size=4, estimator="none"))
         for task in range(5):

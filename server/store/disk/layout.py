@@ -28,7 +28,7 @@ one contiguous range:
   core/ready.py
 - leases:    lease id -> Lease                lease_exp: expiry + lease id -> b""
 - grants:    grant id -> {"t", "n", "e"} (JSON) grant_exp: expiry + grant id -> b"" (admission.py)
-- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, reuse.py)
+- cooling:   T + ready-again time + group key -> b"" (replayed groups cooling down, core/requeue.py)
 - ledger:    T + a kind byte + ... -> the prompt ledger's datasets, prompts, queues, group entries
   and claim expiries (ledger_records.py)
 Every key is at most 4 + 8 + 400 bytes (a uid or group id is at most 400), inside LMDB's

@@ -9,10 +9,10 @@ groups of equal priority (Trinity appends a returned item), and it is out of rea
 retires it (Trinity's `use_count_limit`). With `priority_noise`, a Gaussian of that standard
 deviation is added to each lowered priority (Trinity's `sigma`).
 
-A cooling group is leased to no one (state leased, no lease) and has a row in the `cooling`
-index, T + the time it is ready again + group key. The table's next take makes the groups
-whose time has come ready again, in that order, so a reader waiting for them gets them at
-its next attempt; until then the table's counts show them as leased.
+A cooling group is leased to no one (state leased, no lease) until its time comes
+(core/requeue.py keeps it): the table's next take makes the groups whose time has come ready
+again, in that order, so a reader waiting for them gets them at its next attempt; until then the
+table's counts show them as leased.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from ..core.requeue import Taken, place
 from ..core.retire import retire
 from ..core.state import TableState
-from ..disk import layout
-from ..disk.layout import put_rows
-from ..disk.records import GroupRecord, ItemRecord
-from ..schema.states import CONSUMED, LEASED, READY
+from ..schema.states import CONSUMED
 from ..schema.table_config import TableConfig
-
-Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
 
 
 def reuses(config: TableConfig) -> bool:
@@ -38,61 +34,19 @@ def reuses(config: TableConfig) -> bool:
 
 def requeue(tt: TableState, groups: Sequence[Taken], rng: random.Random) -> None:
     """Groups replayed just now (and not spent): lowered by their deliveries, then back in
-    the ready order at once, or after the cooldown."""
+    the ready order at once, or after the cooldown (core/requeue.py)."""
     config = tt.config
     if not groups or not reuses(config):
         return
-    before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
-    for _, grp, recs in groups:
+    priorities = []
+    for _, _, recs in groups:
         uses = max(rec.times_sampled for rec in recs.values())
-        grp.priority = max(rec.priority for rec in recs.values()) - config.reuse.priority_decay * uses
+        priority = max(rec.priority for rec in recs.values()) - config.reuse.priority_decay * uses
         if config.reuse.priority_noise:
-            grp.priority += rng.gauss(0.0, config.reuse.priority_noise)
+            priority += rng.gauss(0.0, config.reuse.priority_noise)
+        priorities.append(priority)
     cooldown = config.reuse.cooldown_seconds
-    if cooldown <= 0:  # a priority change of ready groups, for every order's index
-        tt.ready.move_many(before, _ready_again(tt, groups))
-        return
-    tt.ready.remove_many(before)
-    tt.set_states(groups, LEASED)
-    until = layout.micros(tt.now + cooldown)
-    put_rows(tt.txn, tt.db["cooling"], sorted((tt.prefix + until + gkey.encode(), b"") for gkey, _, _ in groups))
-
-
-def warm(tt: TableState) -> int:
-    """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
-    groups deleted or retired meanwhile are dropped."""
-    if tt.config.reuse.cooldown_seconds <= 0:  # nothing of this table ever cools
-        return 0
-    due = []
-    cutoff = layout.micros(tt.now)
-    with tt.txn.cursor(db=tt.db["cooling"]) as cur:
-        found = cur.set_range(tt.prefix)
-        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
-            due.append(bytes(cur.key()))
-            found = cur.delete()
-    back = []
-    for key in due:
-        gkey = key[12:].decode()
-        grp = tt.group(gkey)
-        if grp is not None and grp.state == LEASED and not grp.lease:
-            back.append((gkey, grp, tt.members(grp)))
-    if back:
-        tt.set_states(back, READY)
-        tt.ready.add_many(_ready_again(tt, back))
-        tt.save()
-    return len(back)
-
-
-def _ready_again(tt: TableState, groups: Sequence[Taken]) -> list[tuple[bytes, int, float, int | None]]:
-    """A new place in the ready order, behind every group there; returns the groups' rows for
-    the ready indexes."""
-    rows = []
-    for gkey, grp, _ in groups:
-        grp.rseq = tt.counters.next_rseq
-        tt.counters.next_rseq += 1
-        tt.put_group(gkey, grp)
-        rows.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
-    return rows
+    place(tt, groups, priorities, None if cooldown <= 0 else tt.now + cooldown)
 
 
 def replayed(tt: TableState, taken: list[Taken], rng: random.Random) -> None:

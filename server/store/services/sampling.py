@@ -16,12 +16,13 @@ from typing import TypeVar
 
 import lmdb
 
+from ..core import requeue
 from ..core.ready import IndexBuilding
 from ..core.state import TableState
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
 from ..disk.stored_advantages import FinishBatch, StageCounts
-from ..rules import reuse, staleness
+from ..rules import staleness
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import SampleSpec
 from ..schema.table_config import TableConfig
@@ -171,7 +172,7 @@ class Sampling:
         the version is stored with a batch, and a waiting request changes nothing; while the
         table holds too little ready data for any batch, it does not even try."""
         partial = spec.allow_partial and final
-        reuse.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
+        requeue.warm(tt)  # replayed groups whose cooldown ended: takeable in this attempt
 
         def attempt(t: TableState) -> Sampled | SampleLimited | None:
             batch = take(

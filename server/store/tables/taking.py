@@ -12,31 +12,29 @@ granted with the batch, is leases.py's.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import random
 import secrets
-from collections.abc import Callable, Generator, Iterator
-
-from expbuf.client.trxp.pieces import Stored
+from collections.abc import Callable
 
 from ..core import rate_counts
-from ..core.read_check import Unservable, serve_problem
+from ..core.read_check import Unservable
 from ..core.retire import retire
 from ..core.state import TableState
-from ..disk import chunk_reads
+from ..core.take import Payloads, lease, read_batch, select
 from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord, ItemRecord
+from ..disk.records import Counted, GroupRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
 from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.staleness import masked_tokens, report, token_bound
-from ..schema.errors import SampleLimited, SpecError
-from ..schema.sample_spec import MAX_BATCH, SampleSpec
-from ..schema.states import CONSUMED, FAILED, LEASED
+from ..schema.errors import SampleLimited
+from ..schema.sample_spec import SampleSpec
+from ..schema.states import CONSUMED, FAILED
 
 log = logging.getLogger("expbuf.store")
 
@@ -65,13 +63,13 @@ def take(
     the rate limit (limiter.py) if it holds the batch back. The request's trainer version
     is stored first (staleness.py); the caller undoes it when no batch is taken. With
     `snapshot` (a way to open one), the payloads are views read from it, not copies (see
-    _Payloads). The batch carries its stored advantages; a table's batch stage is left to
+    core/take.Payloads). The batch carries its stored advantages; a table's batch stage is left to
     run where the reply is built (`Sampled.stage`: `finish`, the server's, its clip counted in
     `counts`)."""
     report(tt, spec.trainer_version)  # before selection: a stale group is not taken in the same step
-    payloads = _Payloads(tt, snapshot, defer=hold)
+    payloads = Payloads(tt, snapshot, defer=hold)
     while True:
-        chosen, total = _select(tt, spec, rng)
+        chosen, total = select(tt, spec, rng)
         enough = (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size)
         if not chosen or not (enough or allow_partial):
             return None
@@ -91,21 +89,9 @@ def take(
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
     rows = BatchRows(tt.txn, tt.db["adv"], tt.config, finish)
     bound = token_bound(tt.config, tt.counters.trainer_version)
-    for gkey, _, recs in taken:
-        for uid, rec in recs.items():
-            rows.add(tt.key(uid), rec, payloads.read(uid))
-            batch.uids.append(uid)
-            batch.group_ids.append(gkey)
-            batch.versions.append(rec.version)
-            batch.rewards.append(rec.reward)
-            batch.response_lengths.append(rec.response_length)
-            batch.times_sampled.append(rec.times_sampled + 1)
-            batch.segments.append(rec.segments)
-            if bound is not None:
-                batch.masked.append(masked_tokens(rec, bound))
-            if delivery != "lease":  # a leased one is counted in its record when the lease ends (leases.py)
-                rec.times_sampled += 1
-                tt.put_item(uid, rec)
+    masked = None if bound is None else functools.partial(masked_tokens, bound=bound)
+    # a leased one's delivery is counted in its record when the lease ends (leases.py)
+    read_batch(tt, taken, payloads, rows, batch, counted=delivery != "lease", masked=masked)
     batch.blobs, batch.advantages, batch.stage = rows.blobs, rows.advantages, rows.stage(counts)
     batch.counted = Counted(len(batch.uids), sum(rec.size for rec in rows.records), sum(batch.masked))
     if delivery == "consume":
@@ -113,10 +99,7 @@ def take(
     elif delivery == "replay":
         reuse.replayed(tt, taken, rng)
     elif delivery == "lease":
-        tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
-        for _, grp in chosen:
-            grp.lease = batch.lease_id
-        tt.set_states(taken, LEASED)
+        lease(tt, chosen, taken, batch.lease_id)
     tt.counters.sampled += batch.counted.experiences
     tt.counters.bytes_sampled += batch.counted.nbytes
     tt.counters.tokens_masked += batch.counted.tokens_masked
@@ -130,31 +113,6 @@ def take(
         payloads.snapshot.hold(batch.blobs)
         payloads.snapshot.unpin()
     return batch
-
-
-def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
-    """`keys` as a generator: closing it closes them, and the cursors they read from."""
-    yield from keys
-
-
-def _select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
-    """Ready groups in the request's order, until there are enough; and their experiences."""
-    chosen = []
-    total = 0
-    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
-        for gkey_raw in candidates:
-            gkey = gkey_raw.decode()
-            grp = tt.existing_group(gkey)
-            chosen.append((gkey, grp))
-            total += len(grp.members)
-            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
-                break
-            if total > MAX_BATCH:
-                raise SpecError(
-                    f"the first {len(chosen)} of the {spec.num_groups} groups asked for hold {total} experiences: a "
-                    f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
-                )
-    return chosen, total
 
 
 def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
@@ -180,60 +138,3 @@ def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[U
         quarantine_groups(tt, damaged)
     if beyond:
         retire(tt, beyond, FAILED)
-
-
-class _Payloads:
-    """Reads and checks the stored payloads of a batch being taken: from the snapshot, a
-    view, for an experience that was stored before the snapshot's state (its insertion
-    number is at most the newest in the snapshot's insertion order: it was committed then,
-    and its payload has not changed since); a copy from the write for one stored in this
-    very commit. The snapshot opens at the first read. With `defer` (a held batch, which a
-    reply that cannot be built gives back), one stored in chunks is read from the snapshot, and
-    checked, where its reply is built (chunk_reads.Deferred), not here in the writer."""
-
-    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None, *, defer: bool) -> None:
-        self.tt, self._open, self._defer = tt, open_snapshot, defer
-        self.snapshot: Snapshot | None = None
-        self.newest = -1
-        self._read: dict[str, Stored | chunk_reads.Deferred] = {}
-
-    def check(self, grp: GroupRecord, recs: dict[str, ItemRecord]) -> list[Unservable]:
-        """Read the payloads of a group's members (`recs`, those whose records are stored); the
-        members that cannot be served (a deferred one: its advantage alone), a member whose record
-        or payload is not stored as damaged (the directory lost it)."""
-        problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
-        for uid, rec in recs.items():
-            blob = self._get(uid, rec)
-            if blob is None:
-                problems.append(Unservable(uid, "its payload is not stored", damaged=True))
-                continue
-            problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
-            if problem is not None:
-                problems.append(problem)
-        return problems
-
-    def read(self, uid: str) -> Stored | chunk_reads.Deferred:
-        """A payload `check` read."""
-        return self._read[uid]
-
-    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred | None:
-        if self.snapshot is None and self._open is not None:
-            self.snapshot = self._open()
-            newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
-            self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
-        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
-        snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
-        view = snapshot.get(key, blobs) if snapshot is not None else None
-        if snapshot is not None and view is not None:
-            read = chunk_reads.reader(snapshot, self.tt.db)
-            if self._defer:
-                blob = chunk_reads.taken(uid, view, key, rec.digest, rec.size, read)
-            else:
-                blob = chunk_reads.resolve(view, key, read)
-        else:
-            value = self.tt.txn.get(key, db=blobs)
-            if value is None:
-                return None
-            blob = chunk_reads.resolve(value, key, chunk_reads.reader(self.tt.txn, self.tt.db))
-        self._read[uid] = blob
-        return blob

@@ -1,0 +1,70 @@
+"""A replayed group requeued, as records (rules/reuse.py says when, and its new priority): back in
+the ready order at once, behind every group there, or cooling until a time. A cooling group is
+leased to no one (state leased, no lease) and has a row in the `cooling` index, T + the time it
+is ready again + group key; the table's next take makes the groups whose time has come ready
+again (`warm`), in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..disk import layout
+from ..disk.layout import put_rows
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.states import LEASED, READY
+from .state import TableState
+
+Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
+
+
+def place(tt: TableState, groups: Sequence[Taken], priorities: Sequence[float], until: float | None) -> None:
+    """Ready groups replayed just now get their new priorities, then go back in the ready order
+    at once (`until` None), or cool until `until`."""
+    before = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
+    for (_, grp, _), priority in zip(groups, priorities, strict=True):
+        grp.priority = priority
+    if until is None:  # a priority change of ready groups, for every order's index
+        tt.ready.move_many(before, _ready_again(tt, groups))
+        return
+    tt.ready.remove_many(before)
+    tt.set_states(groups, LEASED)
+    at = layout.micros(until)
+    put_rows(tt.txn, tt.db["cooling"], sorted((tt.prefix + at + gkey.encode(), b"") for gkey, _, _ in groups))
+
+
+def warm(tt: TableState) -> int:
+    """Cooling groups whose cooldown has ended become ready again; returns how many. Rows of
+    groups deleted or retired meanwhile are dropped."""
+    if tt.config.reuse.cooldown_seconds <= 0:  # nothing of this table ever cools
+        return 0
+    due = []
+    cutoff = layout.micros(tt.now)
+    with tt.txn.cursor(db=tt.db["cooling"]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix) and cur.key()[4:12] <= cutoff:
+            due.append(bytes(cur.key()))
+            found = cur.delete()
+    back = []
+    for key in due:
+        gkey = key[12:].decode()
+        grp = tt.group(gkey)
+        if grp is not None and grp.state == LEASED and not grp.lease:
+            back.append((gkey, grp, tt.members(grp)))
+    if back:
+        tt.set_states(back, READY)
+        tt.ready.add_many(_ready_again(tt, back))
+        tt.save()
+    return len(back)
+
+
+def _ready_again(tt: TableState, groups: Sequence[Taken]) -> list[tuple[bytes, int, float, int | None]]:
+    """A new place in the ready order, behind every group there; returns the groups' rows for
+    the ready indexes."""
+    rows = []
+    for gkey, grp, _ in groups:
+        grp.rseq = tt.counters.next_rseq
+        tt.counters.next_rseq += 1
+        tt.put_group(gkey, grp)
+        rows.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
+    return rows

@@ -1,0 +1,147 @@
+"""A batch taken, as records: the ready groups chosen in the request's order (`select`), their
+payloads read and checked (`Payloads`), the batch's rows read from their records (`read_batch`,
+each member's delivery counted in its record where its delivery counts it now), and a batch's
+groups leased (`lease`). What a take is, step by step (the trainer's version, the rate limit, the
+groups that cannot be served, the delivery), is tables/taking.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Generator, Iterator, Sequence
+
+from expbuf.client.trxp.pieces import Stored
+
+from ..disk import chunk_reads
+from ..disk.batch_rows import BatchRows
+from ..disk.kinds import Sampled
+from ..disk.records import GroupRecord, ItemRecord
+from ..disk.snapshot import Snapshot
+from ..schema.errors import SpecError
+from ..schema.sample_spec import MAX_BATCH, SampleSpec
+from ..schema.states import LEASED
+from .read_check import Unservable, serve_problem
+from .state import TableState
+
+Taken = tuple[str, GroupRecord, dict[str, ItemRecord]]
+
+
+def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
+    """`keys` as a generator: closing it closes them, and the cursors they read from."""
+    yield from keys
+
+
+def select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
+    """Ready groups in the request's order, until there are enough; and their experiences."""
+    chosen = []
+    total = 0
+    with contextlib.closing(_closable(tt.ready.candidates(spec.order, rng, spec.min_model_version))) as candidates:
+        for gkey_raw in candidates:
+            gkey = gkey_raw.decode()
+            grp = tt.existing_group(gkey)
+            chosen.append((gkey, grp))
+            total += len(grp.members)
+            if (spec.num_groups and len(chosen) >= spec.num_groups) or (spec.batch_size and total >= spec.batch_size):
+                break
+            if total > MAX_BATCH:
+                raise SpecError(
+                    f"the first {len(chosen)} of the {spec.num_groups} groups asked for hold {total} experiences: a "
+                    f"batch holds at most {MAX_BATCH} (its take holds the store's writer); ask for fewer groups a batch"
+                )
+    return chosen, total
+
+
+def read_batch(
+    tt: TableState,
+    taken: Sequence[Taken],
+    payloads: Payloads,
+    rows: BatchRows,
+    batch: Sampled,
+    *,
+    counted: bool,
+    masked: Callable[[ItemRecord], int] | None,
+) -> None:
+    """The batch's rows and lists, member by member, from their records and the payloads read;
+    `masked` says how many of a member's tokens its delivery masks (None: none is). `counted`:
+    each member's delivery is counted in its record now (a leased one's is when its lease ends)."""
+    for gkey, _, recs in taken:
+        for uid, rec in recs.items():
+            rows.add(tt.key(uid), rec, payloads.read(uid))
+            batch.uids.append(uid)
+            batch.group_ids.append(gkey)
+            batch.versions.append(rec.version)
+            batch.rewards.append(rec.reward)
+            batch.response_lengths.append(rec.response_length)
+            batch.times_sampled.append(rec.times_sampled + 1)
+            batch.segments.append(rec.segments)
+            if masked is not None:
+                batch.masked.append(masked(rec))
+            if counted:
+                rec.times_sampled += 1
+                tt.put_item(uid, rec)
+
+
+def lease(tt: TableState, chosen: Sequence[tuple[str, GroupRecord]], taken: Sequence[Taken], lease_id: str) -> None:
+    """A batch's groups leased under `lease_id`: out of the ready indexes, under the lease."""
+    tt.ready.remove_many([(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in chosen])
+    for _, grp in chosen:
+        grp.lease = lease_id
+    tt.set_states(taken, LEASED)
+
+
+class Payloads:
+    """Reads and checks the stored payloads of a batch being taken: from the snapshot, a
+    view, for an experience that was stored before the snapshot's state (its insertion
+    number is at most the newest in the snapshot's insertion order: it was committed then,
+    and its payload has not changed since); a copy from the write for one stored in this
+    very commit. The snapshot opens at the first read. With `defer` (a held batch, which a
+    reply that cannot be built gives back), one stored in chunks is read from the snapshot, and
+    checked, where its reply is built (chunk_reads.Deferred), not here in the writer."""
+
+    def __init__(self, tt: TableState, open_snapshot: Callable[[], Snapshot] | None, *, defer: bool) -> None:
+        self.tt, self._open, self._defer = tt, open_snapshot, defer
+        self.snapshot: Snapshot | None = None
+        self.newest = -1
+        self._read: dict[str, Stored | chunk_reads.Deferred] = {}
+
+    def check(self, grp: GroupRecord, recs: dict[str, ItemRecord]) -> list[Unservable]:
+        """Read the payloads of a group's members (`recs`, those whose records are stored); the
+        members that cannot be served (a deferred one: its advantage alone), a member whose record
+        or payload is not stored as damaged (the directory lost it)."""
+        problems = [Unservable(uid, "its record is not stored", damaged=True) for uid in grp.members if uid not in recs]
+        for uid, rec in recs.items():
+            blob = self._get(uid, rec)
+            if blob is None:
+                problems.append(Unservable(uid, "its payload is not stored", damaged=True))
+                continue
+            problem = serve_problem(uid, rec, None if isinstance(blob, chunk_reads.Deferred) else blob)
+            if problem is not None:
+                problems.append(problem)
+        return problems
+
+    def read(self, uid: str) -> Stored | chunk_reads.Deferred:
+        """A payload `check` read."""
+        return self._read[uid]
+
+    def _get(self, uid: str, rec: ItemRecord) -> Stored | chunk_reads.Deferred | None:
+        if self.snapshot is None and self._open is not None:
+            self.snapshot = self._open()
+            newest = self.snapshot.last_key(self.tt.prefix, self.tt.db["order"])
+            self.newest = -1 if newest is None else int.from_bytes(newest[len(self.tt.prefix) :], "big")  # T + seq
+        key, blobs = self.tt.key(uid), self.tt.db["blobs"]
+        snapshot = self.snapshot if self.snapshot is not None and rec.seq <= self.newest else None
+        view = snapshot.get(key, blobs) if snapshot is not None else None
+        if snapshot is not None and view is not None:
+            read = chunk_reads.reader(snapshot, self.tt.db)
+            if self._defer:
+                blob = chunk_reads.taken(uid, view, key, rec.digest, rec.size, read)
+            else:
+                blob = chunk_reads.resolve(view, key, read)
+        else:
+            value = self.tt.txn.get(key, db=blobs)
+            if value is None:
+                return None
+            blob = chunk_reads.resolve(value, key, chunk_reads.reader(self.tt.txn, self.tt.db))
+        self._read[uid] = blob
+        return blob
