@@ -152,7 +152,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
             due = [
                 (table_id, config)
                 for table_id, config in self.catalog.entries()
-                if rate_counts.counted_before(txn, self.db["counters"], layout.table_prefix(table_id))
+                if rate_counts.counted_before(txn, self.db, layout.table_prefix(table_id))
             ]
 
         def op(txn: lmdb.Transaction[bytes]) -> None:
@@ -427,7 +427,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         prefix = layout.table_prefix(table_id)
         oldest = 0.0
         with self.environment.read() as txn:
-            counters = read_counters(txn, self.db["counters"], prefix)
+            counters = read_counters(txn, self.db, prefix)
             with txn.cursor(db=self.db["order"]) as cur:
                 if cur.set_range(prefix) and cur.key().startswith(prefix):
                     rec = ItemRecord.decode(stored(txn, prefix + cur.value(), self.db["items"], "experience"))

@@ -69,7 +69,7 @@ def backlog(
             table = table_of(table_id)
             if table is not None:
                 name, config = table
-                moments = read_counters(txn, dbs["counters"], prefix).reward_moments
+                moments = read_counters(txn, dbs, prefix).reward_moments
                 job = ComputeJob(
                     table=name, config=config, groups=[], members=[], records={}, blobs={}, moments=moments
                 )

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import builtins
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import lmdb
 
+from ..disk.batch_rows import Reader
 from ..schema.states import COMPUTING, CONSUMED, DROPPED, EVICTED, FAILED, LEASED, PENDING, QUARANTINED, READY, State
 
 # The counters of what reward shaping and advantage clipping did (see advantages/shaping.py).
@@ -171,12 +173,20 @@ _GROUPS_BY_STATE = {
 }
 
 
-def read_counters(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> Counters:
-    """A table's stored counters (zero for a table that has none yet)."""
-    return Counters.decode(txn.get(prefix, db=db))
+def read_counters(txn: Reader, dbs: Mapping[str, lmdb._Database], prefix: bytes) -> Counters:
+    """A table's stored counters (zero for a table that has none yet), from a transaction or a
+    snapshot over the store's databases."""
+    return Counters.decode(txn.get(prefix, db=dbs["counters"]))
 
 
-def stored_names(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> frozenset[str] | None:
+def write_counters(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes, c: Counters) -> None:
+    """A table's counters stored."""
+    txn.put(prefix, c.encode(), db=dbs["counters"])
+
+
+def stored_names(
+    txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes
+) -> frozenset[str] | None:
     """The counters a table's stored form holds (None: nothing stored): which release wrote it."""
-    raw = txn.get(prefix, db=db)
+    raw = txn.get(prefix, db=dbs["counters"])
     return None if raw is None else frozenset(json.loads(bytes(raw)))

@@ -15,7 +15,7 @@ ones gone as sampled in full.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import lmdb
 
@@ -55,10 +55,10 @@ def forget(tt: TableState, group: GroupRecord, records: Iterable[ItemRecord]) ->
             tt.counters.rate_sampled -= rec.times_sampled + leased
 
 
-def counted_before(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) -> bool:
-    """Whether a table's stored counters (in `db`, at its `prefix`) are of an older build,
-    which counted every push: `recount` is due."""
-    stored = stored_names(txn, db, prefix)
+def counted_before(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], prefix: bytes) -> bool:
+    """Whether a table's stored counters (at its `prefix`) are of an older build, which counted
+    every push: `recount` is due."""
+    stored = stored_names(txn, dbs, prefix)
     return stored is not None and INSERTED not in stored
 
 
@@ -67,7 +67,7 @@ def recount(tt: TableState) -> bool:
     build's (or the table has none yet). Ready and leased experiences count as they are; the
     others pushed and gone (consumed, dropped, evicted...) count as inserted and sampled in
     full, so they hold neither side."""
-    if not counted_before(tt.txn, tt.db["counters"], tt.prefix):
+    if not counted_before(tt.txn, tt.db, tt.prefix):
         return False
     live, samples = 0, 0
     with tt.txn.cursor(db=tt.db["items"]) as cur:

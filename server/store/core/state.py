@@ -20,7 +20,7 @@ from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
 from ..schema.states import LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
-from .counters import read_counters
+from .counters import read_counters, write_counters
 from .events import Events
 from .indexes import ReadyGroup, ReadyOrder
 from .ready import ReadyIndex
@@ -69,7 +69,7 @@ class TableState:
         self.txn, self.db, self.config, self.table_id, self.now = txn, dbs, config, table_id, now
         self.extensions = extensions
         self.prefix = layout.table_prefix(table_id)
-        self.counters = read_counters(txn, dbs["counters"], self.prefix)
+        self.counters = read_counters(txn, dbs, self.prefix)
         self.ready = ReadyIndex(dbs, txn, self.prefix, self.ready_groups)
         # Write-back caches: a record changed several times in one request is encoded and
         # written once, by save().
@@ -94,7 +94,7 @@ class TableState:
         put_rows(self.txn, self.db["groups"], [(self.key(gkey), g.encode()) for gkey, g in self._dirty_groups.items()])
         self._dirty_items.clear()
         self._dirty_groups.clear()
-        self.txn.put(self.prefix, self.counters.encode(), db=self.db["counters"])
+        write_counters(self.txn, self.db, self.prefix, self.counters)
 
     # ---- records -----------------------------------------------------------------------
 

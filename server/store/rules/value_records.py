@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from ..core.counters import read_counters, stored_names
+from ..core.counters import read_counters, stored_names, write_counters
 from ..core.state import TableState
 
 RECORD = b"\xff"
@@ -86,7 +86,7 @@ def _records(txn: lmdb.Transaction[bytes], db: lmdb._Database, prefix: bytes) ->
 def recount_due(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix: bytes) -> bool:
     """Whether a table may hold values a release before records stored: its counters are of
     such a release, or it has none, and it holds a value."""
-    stored = stored_names(txn, dbs["counters"], prefix)
+    stored = stored_names(txn, dbs, prefix)
     if stored is not None and "values" in stored:
         return False
     return next(_values(txn, dbs["kv"], prefix), None) is not None
@@ -103,9 +103,9 @@ def recount(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], prefix
         count, total = count + 1, total + len(name) + size
     for key, raw in missing:
         txn.put(key, raw, db=kv)
-    counters = read_counters(txn, dbs["counters"], prefix)
+    counters = read_counters(txn, dbs, prefix)
     counters.values, counters.value_bytes = count, total
-    txn.put(prefix, counters.encode(), db=dbs["counters"])
+    write_counters(txn, dbs, prefix, counters)
     return count
 
 

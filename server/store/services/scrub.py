@@ -135,7 +135,7 @@ class Scrub:
         rate = self.mb_per_second * 1e6
         tables = self.catalog.entries()
         with self.environment.read() as txn:
-            total = sum(read_counters(txn, self.db["counters"], layout.table_prefix(t)).bytes for t, _ in tables)
+            total = sum(read_counters(txn, self.db, layout.table_prefix(t)).bytes for t, _ in tables)
         began, started = self.clock(), time.monotonic()
         self._running(True, total)
         checked_bytes = found = 0

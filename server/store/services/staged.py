@@ -96,7 +96,7 @@ class StagedPushes:
         """What the table holds, as its counters say, that a commit cannot evict for the push: its
         keyed values and pieces, and where it `blocks`, its live experiences too."""
         with self.environment.read() as txn:
-            counters = read_counters(txn, self.environment.db["counters"], layout.table_prefix(table_id))
+            counters = read_counters(txn, self.environment.db, layout.table_prefix(table_id))
         return held_bytes(counters) if blocks else counters.partial_bytes + counters.value_bytes
 
     def close(self, share: StagedShare) -> None:

@@ -26,7 +26,7 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL
 from expbuf.client.trxp.varints import field_bytes
 
-from ..core.counters import read_counters
+from ..core.counters import read_counters, write_counters
 from ..disk import layout
 from ..disk.environment import Environment
 from ..rules import capacity, value_records
@@ -58,11 +58,12 @@ class Values:
             seen.add(name)
         table_id, config = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
-        kv, counts = self.environment.db["kv"], self.environment.db["counters"]
+        dbs = self.environment.db
+        kv = dbs["kv"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
             self._exists(table, table_id)
-            counters = read_counters(txn, counts, prefix)
+            counters = read_counters(txn, dbs, prefix)
             added, new, rows = 0, 0, []
             for key, name, value in zip(keys, names, values, strict=True):
                 was = _held(record(txn, kv, prefix, name), key, owner)
@@ -74,7 +75,7 @@ class Values:
             with txn.cursor(db=kv) as cur:
                 cur.putmulti(rows)
             counters.values, counters.value_bytes = counters.values + new, counters.value_bytes + added
-            txn.put(prefix, counters.encode(), db=counts)
+            write_counters(txn, dbs, prefix, counters)
             return len(names)
 
         return self.environment.submit(op)
@@ -113,11 +114,12 @@ class Values:
         names = _names(keys)
         table_id, _ = self.catalog.lookup(table)
         prefix = layout.table_prefix(table_id)
-        kv, counts = self.environment.db["kv"], self.environment.db["counters"]
+        dbs = self.environment.db
+        kv = dbs["kv"]
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
             self._exists(table, table_id)
-            counters = read_counters(txn, counts, prefix)
+            counters = read_counters(txn, dbs, prefix)
             cleared = 0
             for key, name in zip(keys, names, strict=True):
                 was = _held(record(txn, kv, prefix, name), key, owner)
@@ -128,7 +130,7 @@ class Values:
                 counters.values, counters.value_bytes = counters.values - 1, counters.value_bytes - was.held(name)
                 cleared += 1
             if cleared:
-                txn.put(prefix, counters.encode(), db=counts)
+                write_counters(txn, dbs, prefix, counters)
             return cleared
 
         return self.environment.submit(op)

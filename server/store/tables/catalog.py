@@ -172,7 +172,7 @@ class TableCatalog:
         prefix, db = layout.table_prefix(table_id), self.db
 
         def op(txn: lmdb.Transaction[bytes]) -> int:
-            counters = read_counters(txn, db["counters"], prefix)
+            counters = read_counters(txn, db, prefix)
             txn.delete(name.encode(), db=db["tables"])
             for part in layout.per_table(db):
                 with txn.cursor(db=db[part]) as cur:

@@ -100,7 +100,7 @@ def quarantined(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) ->
     for key, value in txn.cursor(db=dbs["tables"]):
         try:
             prefix = layout.table_prefix(int(json.loads(value)["id"]))
-            known[bytes(key).decode()] = read_counters(txn, dbs["counters"], prefix).quarantined
+            known[bytes(key).decode()] = read_counters(txn, dbs, prefix).quarantined
         except _DAMAGE:
             continue
     return known
@@ -139,7 +139,7 @@ def _directory(
             problems.append(f"the catalogue entry {name!r} names table {config.name!r}, id {table_id}")
             continue
         try:
-            read_counters(txn, dbs["counters"], layout.table_prefix(table_id))
+            read_counters(txn, dbs, layout.table_prefix(table_id))
         except (ValueError, TypeError) as exc:
             problems.append(f"the counters of table {name!r} do not decode ({exc})")
             continue
