@@ -17,6 +17,7 @@ from expbuf.client.schema.balance import ModelShape
 from expbuf.client.trxp.columns import Shares
 
 from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
+from .store.core.reading import Page
 from .store.disk.kinds import FailResult, MayWait
 from .store.ledger.claimed import Claimed
 from .store.ledger.records import DatasetRecord
@@ -25,7 +26,6 @@ from .store.schema.table_config import TableConfig
 from .store.services.claims import PromptPage
 from .store.services.staged import StagedShare
 from .store.tables.admission import Grant
-from .store.tables.browse import Page
 
 
 @runtime_checkable

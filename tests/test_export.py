@@ -15,8 +15,8 @@ from test_quarantine import damage
 
 from expbuf.client import BufferClient, BufferError, decode, trxp
 from expbuf.server.store import Store
+from expbuf.server.store.core.reading import SCAN_PER_ITEM
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.tables.browse import SCAN_PER_ITEM
 
 from helpers import group_items, make_experience
 

@@ -28,15 +28,14 @@ import lmdb
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.trxp.common import RawItem
 
-from .core import rate_counts, retire
+from .core import rate_counts, reading, retire
 from .core.compute import backlog
 from .core.counters import read_counters
 from .core.events import TableExtension
-from .core.state import TableState, stored
+from .core.state import TableState
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
 from .disk.kinds import Compute, ComputeJob, Entry, FailResult, MayWait, Push, PutResult, ShapingUpdate
-from .disk.records import ItemRecord
 from .disk.stored_advantages import FinishBatch
 from .ledger.rules import Ledger
 from .ledger_calls import LedgerCalls
@@ -425,13 +424,9 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         """The table's counters by name (counters.Counters), with the oldest live experience's age."""
         table_id = self.catalog.lookup(table)[0]
         prefix = layout.table_prefix(table_id)
-        oldest = 0.0
         with self.environment.read() as txn:
             counters = read_counters(txn, self.db, prefix)
-            with txn.cursor(db=self.db["order"]) as cur:
-                if cur.set_range(prefix) and cur.key().startswith(prefix):
-                    rec = ItemRecord.decode(stored(txn, prefix + cur.value(), self.db["items"], "experience"))
-                    oldest = max(0.0, self.clock() - rec.created)
+            oldest = reading.oldest_age(txn, self.db, prefix, self.clock())
         batch = self.sampling.counted(table_id)
         if batch is not None:  # the batch stage's clip, counted in memory since the server started
             counters.advantages_seen += batch.advantages_seen

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from expbuf.client.schema.balance import ModelShape
 from expbuf.client.trxp.columns import Shares
 
+from .core import reading
 from .disk.kinds import Sampled
 from .services.reads import Reads
 from .services.values import Values
-from .tables import browse
 
 
 class ReadCalls:
@@ -34,8 +34,8 @@ class ReadCalls:
         max_version: int | None = None,
         after: int = 0,
         limit: int = 1000,
-    ) -> browse.Page:
-        """A page of the table's live experiences in insertion order (see browse.py)."""
+    ) -> reading.Page:
+        """A page of the table's live experiences in insertion order (core/reading.py)."""
         return self.reads.page(
             table, states=states, min_version=min_version, max_version=max_version, after=after, limit=limit
         )

@@ -5,7 +5,7 @@ the server's advantage workers read it (`backlog`), table by table in turns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lmdb
 
@@ -21,7 +21,7 @@ from .counters import read_counters
 from .events import Groups, TableExtension
 from .read_check import payload_problem
 from .ready import Row
-from .state import TableState, missing, stored
+from .state import Members, TableState, missing, stored
 
 
 class ComputeQueue(TableExtension):
@@ -102,6 +102,11 @@ def backlog(
                 after = table_id
             found = cur.set_range(layout.table_prefix(table_id + 1)) or cur.first()
     return jobs, after
+
+
+def queue(tt: TableState, groups: Sequence[Members]) -> None:
+    """Groups a push completed, left to the advantage worker: computing, in the queue."""
+    tt.set_states(groups, COMPUTING)
 
 
 def queued(tt: TableState) -> bool:

@@ -25,6 +25,8 @@ from .events import Events
 from .indexes import ReadyGroup, ReadyOrder
 from .ready import ReadyIndex
 
+# A group with its members' records, as the verbs that move groups take them.
+Members = tuple[str, GroupRecord, dict[str, ItemRecord]]
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 V = TypeVar("V", bytes, memoryview)
@@ -200,7 +202,7 @@ class TableState:
     def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: State) -> None:
         self.set_states([(gkey, grp, recs)], state)
 
-    def set_states(self, groups: Sequence[tuple[str, GroupRecord, dict[str, ItemRecord]]], state: State) -> None:
+    def set_states(self, groups: Sequence[Members], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
         `state` (retirement.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease

@@ -7,9 +7,8 @@ refused where it would pass the capacity: no value is evicted, nor an experience
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from ..core.counters import Counters
+from ..core.reading import oldest_groups
 from ..core.retire import retire
 from ..core.state import TableState
 from ..schema.errors import TableFull, TooLarge
@@ -62,7 +61,7 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             f"({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes) on their own"
         )
     if cfg.capacity.when_full == "evict":
-        for gkey in _oldest_groups(tt):
+        for gkey in oldest_groups(tt):
             if gkey in keep:
                 continue
             grp = tt.existing_group(gkey)
@@ -73,19 +72,3 @@ def make_room(tt: TableState, count: int, nbytes: int, keep: set[str]) -> None:
             if not over():
                 return
     raise TableFull(f"table '{cfg.name}' is full ({cfg.capacity.experiences} experiences, {cfg.capacity.bytes} bytes)")
-
-
-def _oldest_groups(tt: TableState) -> Iterator[str]:
-    """Groups of the live experiences, oldest first. The caller retires groups between
-    steps, so each step opens a fresh cursor after the last key seen."""
-    seen: set[str] = set()
-    position = tt.prefix
-    while True:
-        with tt.txn.cursor(db=tt.db["order"]) as cur:
-            if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
-                return
-            position = cur.key() + b"\0"
-            gkey = tt.existing_item(cur.value().decode()).group
-        if gkey not in seen:
-            seen.add(gkey)
-            yield gkey

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.compute import queued, store_advantages
+from ..core.compute import queue, queued, store_advantages
 from ..core.groups import Completed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
 from ..disk.records import GroupRecord
-from ..schema.states import COMPUTING, DROPPED
+from ..schema.states import DROPPED
 from ..schema.table_config import TableConfig
 
 # The most experiences whose advantages a push computes itself: about 1 to 4 ms for grpo
@@ -46,7 +46,7 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]
     compute = tt.compute
     count = sum(len(recs) for _, _, recs in computing)
     if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and queued(tt)):
-        tt.set_states(computing, COMPUTING)
+        queue(tt, computing)
         return
     job = ComputeJob(
         table=tt.config.name,
@@ -66,7 +66,7 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]
     except Exception:  # the worker tries again, and fails only a group that fails on its own
         failed = dict.fromkeys(job.groups, "the computation failed")
     if failed:
-        tt.set_states(computing, COMPUTING)
+        queue(tt, computing)
         return
     add_shaping(tt, shaping)
     for gkey, grp, recs in computing:

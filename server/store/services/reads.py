@@ -20,15 +20,14 @@ from expbuf.client.trxp.common import RawItem
 from expbuf.client.trxp.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
-from ..core.counters import Counters
-from ..core.leases import read_lease
+from ..core import reading
+from ..core.counters import read_counters
+from ..core.leases import lease_of
 from ..core.read_check import Unservable, payload_problem, serve_problem
 from ..disk import chunk_reads, digests, layout
-from ..disk.batch_rows import BatchRows
 from ..disk.chunk_reads import checked, read_payload
 from ..disk.environment import Environment
 from ..disk.kinds import Sampled
-from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, batch_payload
 from ..ledger.rules import check_reader
@@ -36,7 +35,6 @@ from ..rules import partials
 from ..rules.staleness import masked_tokens, token_bound
 from ..schema.errors import Busy, Forbidden, NotFound, TooLarge, clip
 from ..schema.states import LEASED
-from ..tables import browse
 from ..tables.catalog import TableCatalog
 
 _FRAMING = 64 << 10  # what a GetReply adds to its payload and names, and more
@@ -74,11 +72,10 @@ class Reads:
                 blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     continue
-                record = txn.get(key, db=self.environment.db["items"])
-                if record is None:
+                rec = reading.record(txn, self.environment.db, key)
+                if rec is None:
                     _servable(table, "Get", _lost(uid), [], damaged)
                     continue
-                rec = ItemRecord.decode(record)
                 if payload_problem(uid, rec, blob) is None:
                     found[uid] = bytes(whole(blob))
                 else:
@@ -134,11 +131,11 @@ class Reads:
         max_version: int | None = None,
         after: int = 0,
         limit: int = 1000,
-    ) -> browse.Page:
-        """A page of the table's live experiences in insertion order (see browse.py)."""
+    ) -> reading.Page:
+        """A page of the table's live experiences in insertion order (core/reading.py)."""
         prefix = layout.table_prefix(self.catalog.lookup(table)[0])
         with self.environment.read() as txn:
-            return browse.page(
+            return reading.page(
                 txn, self.environment.db, prefix,
                 states=set(states), min_version=min_version, max_version=max_version, after=after, limit=limit,
             )  # fmt: skip
@@ -154,18 +151,17 @@ class Reads:
         damaged: list[str] = []
         size = 0
         with self.environment.read(buffers=True) as txn:  # views, copied once: into the batch
-            rows = BatchRows(txn, self.environment.db["adv"], config, self.finish)
+            rows = reading.batch_rows(txn, self.environment.db, config, self.finish)
             for uid in uids:
                 key = prefix + uid.encode()
                 blob = read_payload(txn, self.environment.db, key)
                 if blob is None:
                     missing.append(uid)
                     continue
-                record = txn.get(key, db=self.environment.db["items"])
-                if record is None:
+                rec = reading.record(txn, self.environment.db, key)
+                if rec is None:
                     _servable(table, "Get", _lost(uid), missing, damaged)
                     continue
-                rec = ItemRecord.decode(record)
                 if not _servable(table, "Get", serve_problem(uid, rec, blob), missing, damaged):
                     continue
                 size += rec.size
@@ -232,25 +228,24 @@ class Reads:
         with snapshot.reading():
             if not snapshot.open:  # a map resize detached it before this began
                 return None
-            rows = BatchRows(snapshot, db["adv"], config, self.finish)
+            rows = reading.batch_rows(snapshot, db, config, self.finish)
             bound = None
             # Fields are delivered to a trainer, masked as a sample masks them; a whole payload (the
             # clients' get) is the experience as stored, as Get returns it.
             if config.staleness.token_bound is not None and not whole:  # the trainer's version, from the counters
-                bound = token_bound(config, Counters.decode(snapshot.get(prefix, db["counters"])).trainer_version)
+                bound = token_bound(config, read_counters(snapshot, db, prefix).trainer_version)
             snapshot.hold(rows.blobs)
             snapshot.unpin()  # what it reads now goes into rows.blobs, held, under the lock
             for uid in uids:
                 key = prefix + uid.encode()
-                value = snapshot.get(key, db["blobs"])
+                value = reading.payload_value(snapshot, db, key)
                 if value is None:
                     missing.append(uid)
                     continue
-                record = snapshot.get(key, db["items"])
-                if record is None:
+                rec = reading.record(snapshot, db, key)
+                if rec is None:
                     _servable(table, "ReadFields", _lost(uid), missing, damaged)
                     continue
-                rec = ItemRecord.decode(record)
                 chunk = chunk_reads.reader(snapshot, db)
                 streamed = chunk_reads.streamed(value, key, chunk) if whole else None
                 if streamed is not None:  # zstd frames: checked here one at a time, read again as the reply is cut
@@ -302,7 +297,7 @@ class Reads:
         db = self.environment.db
         key = (table_id, lease_id, ranks, balance, model, equal)
         with self.environment.read() as txn:
-            lease = read_lease(txn, db["leases"], lease_id)
+            lease = lease_of(txn, db, lease_id)
             if lease is None or lease.table_id != table_id:
                 raise NotFound(
                     f"table '{table}' holds no lease {clip(lease_id)!r}: acked, given back, expired, or never "
@@ -312,16 +307,14 @@ class Reads:
                 raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
             held: dict[str, list[str]] = {}  # the lease's groups it still holds, and their runs
             for gkey in lease.groups:
-                raw = txn.get(prefix + gkey.encode(), db=db["groups"])
-                grp = None if raw is None else GroupRecord.decode(raw)
+                grp = reading.group(txn, db, prefix + gkey.encode())
                 if grp is not None and grp.state == LEASED and grp.lease == lease_id:
                     held[gkey] = grp.members
             with self._lock:
                 split = self._splits.get(key)
             if split is None:
-                blobs = db["blobs"]
                 tokens = {
-                    gkey: [_tokens_of(txn.get(prefix + uid.encode(), db=blobs)) for uid in members]
+                    gkey: [_tokens_of(reading.payload_value(txn, db, prefix + uid.encode())) for uid in members]
                     for gkey, members in held.items()
                 }
                 split = split_groups(tokens, ranks, balance, model, equal)
@@ -351,6 +344,6 @@ def _lost(uid: str) -> Unservable:
     return Unservable(uid, "its payload is stored but its record is not: run `expbuf check`", damaged=False)
 
 
-def _tokens_of(value: bytes | None) -> int:
+def _tokens_of(value: bytes | memoryview | None) -> int:
     """A stored value's tokens for a split's cost: 0 for one that cannot be read, which its read finds."""
     return chunk_reads.token_length(value) or 0

@@ -27,6 +27,7 @@ import lmdb
 
 from expbuf.client.trxp.pieces import Stored
 
+from ..core import reading
 from ..core.counters import read_counters
 from ..core.read_check import payload_problem
 from ..disk import chunk_reads, digests, layout, residency
@@ -192,7 +193,7 @@ class Scrub:
         payloads = nbytes = count = 0
         db = self.db
         try:
-            with self.environment.read(buffers=True) as txn, txn.cursor(db=db["blobs"]) as cur:
+            with self.environment.read(buffers=True) as txn, reading.payload_cursor(txn, db) as cur:
                 found = cur.set_range(after)
                 while found and cur.key()[:4] == prefix:
                     if nbytes >= CHUNK_BYTES or count >= CHUNK_ITEMS:
@@ -200,7 +201,7 @@ class Scrub:
                     key, read = cur.key(), chunk_reads.reader(txn, db)
                     streamed = chunk_reads.streamed(cur.value(), key, read)  # held a chunk at a time
                     blob = chunk_reads.resolve(cur.value(), key, read) if streamed is None else streamed
-                    raw = txn.get(key, db=db["items"])
+                    raw = reading.record_raw(txn, db, bytes(key))
                     length = len(blob) if streamed is None else streamed[1]
                     payloads += length
                     nbytes += length + (0 if raw is None else len(raw))
@@ -212,7 +213,7 @@ class Scrub:
             self._report(f"table {layout.table_of(prefix)}: reading its payloads raised {type(exc).__name__}: {exc}")
         return bad, None, payloads, nbytes, count
 
-    def _damaged(self, key: memoryview, raw: memoryview, blob: Stored | tuple[bytes, int]) -> bool:
+    def _damaged(self, key: memoryview, raw: bytes | memoryview, blob: Stored | tuple[bytes, int]) -> bool:
         """Whether the payload (or its digest and length, chunk_reads.streamed) is not the one its
         record's digest names."""
         try:

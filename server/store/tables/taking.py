@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 from ..core import rate_counts
 from ..core.read_check import Unservable
+from ..core.reading import batch_rows
 from ..core.retire import retire
 from ..core.state import TableState
 from ..core.take import Payloads, lease, read_batch, select
-from ..disk.batch_rows import BatchRows
 from ..disk.kinds import Sampled
 from ..disk.records import Counted, GroupRecord
 from ..disk.snapshot import Snapshot
@@ -87,7 +87,7 @@ def take(
     if delivery == "lease":  # its record is the lease's life's to write (leases.py: Leases.grant)
         batch.lease_id = secrets.token_hex(8)
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
-    rows = BatchRows(tt.txn, tt.db["adv"], tt.config, finish)
+    rows = batch_rows(tt.txn, tt.db, tt.config, finish)
     bound = token_bound(tt.config, tt.counters.trainer_version)
     masked = None if bound is None else functools.partial(masked_tokens, bound=bound)
     # a leased one's delivery is counted in its record when the lease ends (leases.py)

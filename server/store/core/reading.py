@@ -1,0 +1,154 @@
+"""Reads of a table's records, off the writer or in it: an experience's record, its group's and
+its payload's stored value by key, from a read transaction or a snapshot; the rows of a batch read
+(`batch_rows`); the live experiences in insertion order, oldest first (`oldest_groups`,
+`oldest_age`); and a page of them (`page`, `expbuf export`).
+
+A page is read-only and bounded per call: it reads at most `SCAN_PER_ITEM` index entries per
+experience it may return, so filters that match little cost a few short pages, never one long
+read transaction that holds the map's old pages.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+
+import lmdb
+
+from ..disk.batch_rows import BatchRows, Reader
+from ..disk.layout import u64
+from ..disk.records import GroupRecord, ItemRecord
+from ..disk.stored_advantages import FinishBatch
+from ..schema.states import READY
+from ..schema.table_config import TableConfig
+from .state import TableState, member_state, stored
+
+Dbs = Mapping[str, lmdb._Database]
+Value = bytes | memoryview
+
+SCAN_PER_ITEM = 10
+_SEQ = struct.Struct(">Q")
+
+
+def record_raw(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
+    """An experience's record as stored, by its key (T + uid); None: the table holds no live one."""
+    return reader.get(key, db=dbs["items"])
+
+
+def record(reader: Reader, dbs: Dbs, key: bytes) -> ItemRecord | None:
+    raw = record_raw(reader, dbs, key)
+    return None if raw is None else ItemRecord.decode(raw)
+
+
+def group(reader: Reader, dbs: Dbs, key: bytes) -> GroupRecord | None:
+    """A group's record by its key (T + group key); None: no such group."""
+    raw = reader.get(key, db=dbs["groups"])
+    return None if raw is None else GroupRecord.decode(raw)
+
+
+def payload_value(reader: Reader, dbs: Dbs, key: bytes) -> Value | None:
+    """An experience's payload as stored (the one-item TRXP payload, a chunked one's head or a shared
+    prompt's reference: chunk_reads reads it), by its key; None: not stored."""
+    return reader.get(key, db=dbs["blobs"])
+
+
+def payload_cursor(txn: lmdb.Transaction[memoryview], dbs: Dbs) -> lmdb.Cursor[memoryview]:
+    """A cursor over the stored payloads of every table, in key order (the scrub's walk)."""
+    return txn.cursor(db=dbs["blobs"])
+
+
+def batch_rows(reader: Reader, dbs: Dbs, config: TableConfig, finish: FinishBatch | None) -> BatchRows:
+    """The rows of a batch being read from `reader`, with their stored advantages."""
+    return BatchRows(reader, dbs["adv"], config, finish)
+
+
+def oldest_groups(tt: TableState) -> Iterator[str]:
+    """Groups of the live experiences, oldest first. The caller retires groups between
+    steps, so each step opens a fresh cursor after the last key seen."""
+    seen: set[str] = set()
+    position = tt.prefix
+    while True:
+        with tt.txn.cursor(db=tt.db["order"]) as cur:
+            if not cur.set_range(position) or not cur.key().startswith(tt.prefix):
+                return
+            position = cur.key() + b"\0"
+            gkey = tt.existing_item(cur.value().decode()).group
+        if gkey not in seen:
+            seen.add(gkey)
+            yield gkey
+
+
+def oldest_age(txn: lmdb.Transaction[bytes], dbs: Dbs, prefix: bytes, now: float) -> float:
+    """How long ago a table's oldest live experience was pushed (0: it holds none)."""
+    with txn.cursor(db=dbs["order"]) as cur:
+        if cur.set_range(prefix) and cur.key().startswith(prefix):
+            rec = ItemRecord.decode(stored(txn, prefix + cur.value(), dbs["items"], "experience"))
+            return max(0.0, now - rec.created)
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One live experience as a page lists it."""
+
+    uid: str
+    group: str
+    state: str
+    version: int | None
+    reward: float | None
+    times_sampled: int  # a batch still under a lease counts once the lease ends
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    items: list[Listed]
+    next: int  # the insertion sequence the next page starts from
+    done: bool  # nothing live lies past this page
+
+
+def page(
+    txn: lmdb.Transaction[bytes],
+    dbs: Dbs,
+    prefix: bytes,
+    *,
+    states: Collection[str],
+    min_version: int | None,
+    max_version: int | None,
+    after: int,
+    limit: int,
+) -> Page:
+    """Live experiences from insertion sequence `after` on that pass the filters, at most `limit`."""
+    items: list[Listed] = []
+    budget = limit * SCAN_PER_ITEM
+    with txn.cursor(db=dbs["order"]) as cur:
+        found = cur.set_range(prefix + u64(after))
+        while found and cur.key().startswith(prefix):
+            seq = _SEQ.unpack(cur.key()[len(prefix) :])[0]
+            if len(items) == limit or budget == 0:
+                return Page(items, seq, False)
+            budget -= 1
+            uid = bytes(cur.value())
+            rec = ItemRecord.decode(stored(txn, prefix + uid, dbs["items"], "experience"))
+            state = rec.state
+            if state == READY:  # or leased, as its group says
+                state = member_state(
+                    rec, GroupRecord.decode(stored(txn, prefix + rec.group.encode(), dbs["groups"], "group"))
+                )
+            if _passes(rec, state, states, min_version, max_version):
+                items.append(Listed(uid.decode(), rec.group, state, rec.version, rec.reward, rec.times_sampled))
+            found = cur.next()
+            after = seq + 1
+    return Page(items, after, True)
+
+
+def _passes(
+    rec: ItemRecord, state: str, states: Collection[str], min_version: int | None, max_version: int | None
+) -> bool:
+    if states and state not in states:
+        return False
+    if min_version is None and max_version is None:
+        return True
+    if rec.version is None:
+        return False
+    return (min_version is None or rec.version >= min_version) and (max_version is None or rec.version <= max_version)
