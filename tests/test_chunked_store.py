@@ -23,13 +23,13 @@ from expbuf.client import trxp
 from expbuf.client.trxp.pieces import Run, SplitPayload, realized, realized_span, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
+from expbuf.server.store.core import migrate
 from expbuf.server.store.disk import chunk_heads, chunk_reads, chunked, digests, layout
 from expbuf.server.store.disk.environment import Environment
 from expbuf.server.store.disk.kinds import Entry
 from expbuf.server.store.schema.errors import DamagedPayload, NotFound, StoreError
 from expbuf.server.store.schema.sample_spec import SampleSpec
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.tables import migrate
 
 from helpers import group_items, take
 

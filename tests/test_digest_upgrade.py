@@ -21,6 +21,7 @@ from test_datadir_v3 import MANIFEST, V3, group
 
 from expbuf.client import trxp
 from expbuf.server.store import Store
+from expbuf.server.store.core import migrate
 from expbuf.server.store.core.counters import Counters
 from expbuf.server.store.disk import layout
 from expbuf.server.store.disk.environment import Environment
@@ -28,7 +29,6 @@ from expbuf.server.store.disk.records import ItemRecord
 from expbuf.server.store.schema.errors import Conflict, Damaged
 from expbuf.server.store.schema.states import CONSUMED, RETIRED
 from expbuf.server.store.schema.table_config import TableConfig
-from expbuf.server.store.tables import migrate
 
 from helpers import group_items, take
 

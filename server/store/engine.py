@@ -32,6 +32,7 @@ from .core import rate_counts, reading, retire
 from .core.compute import backlog
 from .core.counters import read_counters
 from .core.events import TableExtension
+from .core.migrate import migrate
 from .core.state import TableState
 from .disk import chunked, layout, residency
 from .disk.environment import Environment
@@ -60,7 +61,6 @@ from .services.values import Values
 from .tables import admission, integrity
 from .tables.catalog import EveryTable, TableCatalog
 from .tables.integrity import verify
-from .tables.migrate import migrate
 
 log = logging.getLogger("expbuf.store")
 T = TypeVar("T")

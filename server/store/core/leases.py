@@ -77,6 +77,25 @@ def expired(txn: lmdb.Transaction[bytes], dbs: Dbs, now: float) -> list[bytes]:
     return layout.due(txn, dbs["lease_exp"], now)
 
 
+def drop_table(txn: lmdb.Transaction[bytes], dbs: Dbs, table_id: int) -> None:
+    """A dropped table's leases go: they are keyed by id, not by table (a batch held by a stream
+    of the table ends here)."""
+    ended = [key for key, raw in txn.cursor(db=dbs["leases"]) if Lease.decode(raw).table_id == table_id]
+    for key in ended:
+        txn.delete(key, db=dbs["leases"])
+
+
+def undecodable(txn: lmdb.Transaction[bytes], dbs: Dbs) -> list[str]:
+    """The leases whose records do not decode (a full check names them; damage raises anything)."""
+    problems = []
+    for key, value in txn.cursor(db=dbs["leases"]):
+        try:
+            Lease.decode(value)
+        except Exception as exc:
+            problems.append(f"lease {bytes(key)[:60]!r} does not decode ({exc})")
+    return problems
+
+
 def stray_expiry(txn: lmdb.Transaction[bytes], dbs: Dbs, key: bytes) -> bool:
     """Whether an expiry row names no lease (damage): then it goes."""
     if txn.get(key[8:], db=dbs["leases"]) is not None:

@@ -18,7 +18,8 @@ set number is never used twice (the next is kept in `meta`, `reserve_sets`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 
 import lmdb
@@ -335,3 +336,35 @@ def delete(
                 for set_id in _sets_of(txn, dbs, key):
                     drop_set(txn, dbs, prefix, set_id)
         txn.delete(key, db=blobs)
+
+
+def chunk_sets(txn: lmdb.Transaction[bytes], dbs: Mapping[str, lmdb._Database], p: bytes) -> tuple[set[int], int]:
+    """A table's (its prefix `p`) chunk sets that no head names, no push stages and no stored
+    payload is marked as owning, and how many sets intact heads name that are not marked as theirs."""
+    named: set[int] = set()
+    staged: set[int] = set()
+    found: set[int] = set()
+    unmarked = 0
+    with txn.cursor(db=dbs["blobs"]) as cur:
+        present = cur.set_range(p)
+        while present and cur.key().startswith(p):
+            value = cur.value()
+            if chunk_heads.is_head(value):
+                with contextlib.suppress(Exception):  # a damaged head: the payload's own check says so
+                    head = chunk_heads.read_head(value)
+                    named.add(head.set_id)
+                    mark = txn.get(chunk_heads.chunk_key(p, head.set_id, chunk_heads.OWNER), db=dbs["chunks"])
+                    unmarked += head.intact and mark != cur.key()
+            present = cur.next()
+    for db, into in (("staged", staged), ("chunks", found)):
+        with txn.cursor(db=dbs[db]) as cur:
+            present = cur.set_range(p)
+            while present and cur.key().startswith(p):
+                into.add(int.from_bytes(cur.key()[4:12], "big"))
+                present = cur.next()
+    strays = set()
+    for set_id in found - named - staged:
+        owner = txn.get(chunk_heads.chunk_key(p, set_id, chunk_heads.OWNER), db=dbs["chunks"])
+        if owner is None or txn.get(owner, db=dbs["blobs"]) is None:
+            strays.add(set_id)
+    return strays, unmarked

@@ -11,14 +11,13 @@ from typing import TypeVar
 
 import lmdb
 
-from ..core import ready
+from ..core import leases, ready
 from ..core.compute import ComputeQueue
 from ..core.counters import read_counters
 from ..core.events import TableExtension
 from ..core.state import TableState
 from ..disk import layout
 from ..disk.environment import Environment
-from ..disk.records import Lease
 from ..ledger.rules import Ledger
 from ..rules.extensions import ExtensionKinds, Extensions
 from ..rules.staleness import StaleEviction
@@ -179,10 +178,7 @@ class TableCatalog:
                     if cur.set_range(prefix):
                         while cur.key().startswith(prefix) and cur.delete():
                             pass
-            # Leases are keyed by id, not table: a batch held by a stream of this table ends here.
-            ended = [key for key, raw in txn.cursor(db=db["leases"]) if Lease.decode(raw).table_id == table_id]
-            for key in ended:
-                txn.delete(key, db=db["leases"])
+            leases.drop_table(txn, db, table_id)
             return counters.live()
 
         dropped = self.environment.submit(op)

@@ -42,17 +42,17 @@ from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.common import TrxpError
 from expbuf.client.trxp.parse import parse
 
-from ..core import orders
-from ..core.indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
-from ..core.ready import forget_builds, in_use, keeps
-from ..core.state import TableState
 from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry
 from ..disk.records import GroupRecord, ItemRecord, Lease
-from ..rules.extensions import Extensions
 from ..schema.errors import StoreError
 from ..schema.states import COMPUTING, LEASED, READY
 from ..schema.table_config import TableConfig, batch_stage
+from . import orders
+from .events import TableExtension
+from .indexes import Index, ReadyGroup, ReadyOrder, VersionIndex
+from .ready import forget_builds, in_use, keeps
+from .state import TableState
 
 _KEY = b"format"
 _INDEXES = b"indexes"  # the index databases kept, as a JSON list (absent: the built-in orders')
@@ -235,7 +235,7 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
         config = TableConfig.from_stored(record["config"], record.get("v", 1))
         if not batch_stage(config):
             continue
-        tt = TableState(txn, dbs, record["id"], config, 0.0, Extensions())  # queues its groups itself
+        tt = TableState(txn, dbs, record["id"], config, 0.0, TableExtension())  # no extension: queues its groups itself
         for gkey_raw in list(tt.ready.of(ReadyOrder).scan(reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.existing_group(gkey)

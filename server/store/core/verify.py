@@ -1,0 +1,150 @@
+"""The checks of a table's records (`expbuf check`, `verify()`, a full check at open): every
+group and item record decodes and is where its state puts it (a live one's payload present, a
+compact tombstone in tombs), every member is its group's, the pending, compute, retired and ready
+indexes and the insertion order hold exactly what the records say, and the counters count what is
+there. tables/integrity.py adds the directory's own checks and the other rooms' (chunk sets, keyed
+values, shared prompts, the prompt ledger).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..disk import chunk_reads
+from ..disk.layout import u64
+from ..disk.records import GroupRecord, ItemRecord
+from ..schema.states import COMPUTING, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, STATES
+from .read_check import payload_problem
+from .state import TableState, member_state
+
+# A damaged page can make LMDB or a record's decoder raise almost anything: every exception is damage.
+_DAMAGE = Exception
+
+
+def records(tt: TableState) -> list[str]:
+    """The problems of one table's records, their indexes and its counters; [] when consistent."""
+    problems: list[str] = []
+    p, txn, db = tt.prefix, tt.txn, tt.db
+    counts: dict[str, int] = defaultdict(int)
+    groups: dict[str, GroupRecord] = {}
+    retired: set[bytes] = set()  # the retired index's keys of the groups the tombstones are in
+    with txn.cursor(db=db["groups"]) as cur:
+        found = cur.set_range(p)
+        while found and cur.key().startswith(p):
+            try:
+                groups[cur.key()[4:].decode()] = GroupRecord.decode(cur.value())
+            except _DAMAGE as exc:
+                problems.append(f"group record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+            found = cur.next()
+    for name in ("items", "tombs"):
+        with txn.cursor(db=db[name]) as cur:
+            found = cur.set_range(p)
+            while found and cur.key().startswith(p):
+                try:
+                    uid, rec = cur.key()[4:].decode(), ItemRecord.decode(cur.value())
+                except _DAMAGE as exc:
+                    problems.append(f"item record {bytes(cur.key()[4:])[:80]!r} does not decode ({exc})")
+                else:
+                    problems.extend(_check_form(tt, uid, rec, name, ItemRecord.compact(cur.value())))
+                    problems.extend(_check_item(tt, uid, rec, groups.get(rec.group), counts, kept=name == "items"))
+                    if rec.state in RETIRED:
+                        retired.add(tt.retired_key(rec.group, rec.retired or 0.0))
+                found = cur.next()
+    ready = []  # every ready group, as the indexes of the orders hold it
+    for gkey, grp in groups.items():
+        if grp.state in LIVE:
+            counts["groups_" + grp.state] += 1
+        if grp.state == COMPUTING and txn.get(tt.rseq_key(grp), db=db["compute"]) != gkey.encode():
+            problems.append(f"computing group {gkey} is missing from the compute queue")
+        if grp.state == READY:
+            ready.append((gkey.encode(), grp.ready_seq, grp.priority, grp.version))
+        if grp.state == PENDING and txn.get(tt.pending_key(gkey, grp), db=db["pending"]) is None:
+            problems.append(f"pending group {gkey} is missing from the timeout index")
+    retired |= _memberless_marks(tt, {gkey for gkey, grp in groups.items() if grp.state in RETIRED and not grp.members})
+    for key in sorted(retired):
+        if txn.get(key, db=db["retired"]) is None:
+            problems.append(f"retired group {key[12:].decode()} is missing from the retired index")
+    if _prefix_count(tt, "retired") != len(retired):
+        problems.append(f"the retired index holds {_prefix_count(tt, 'retired')} of {len(retired)} retired groups")
+    if _prefix_count(tt, "compute") != counts["groups_computing"]:
+        problems.append(f"the compute queue holds {_prefix_count(tt, 'compute')} groups")
+    problems.extend(tt.ready.verify(ready))
+    stored = tt.counters.to_dict()
+    for name in (*STATES, "bytes", *(f"groups_{state}" for state in LIVE)):
+        if stored[name] != counts[name]:
+            problems.append(f"counter {name} is {stored[name]} but {counts[name]} were found")
+    live = sum(counts[state] for state in LIVE)
+    if _prefix_count(tt, "order") != live:
+        problems.append(f"the insertion order holds {_prefix_count(tt, 'order')} of {live} live items")
+    return problems
+
+
+def _check_form(tt: TableState, uid: str, rec: ItemRecord, db: str, compact: bool) -> list[str]:
+    """A tombstone whose payload went is compact, in the tombs database; a live experience,
+    or a failed one whose payload is kept (keep_failed, or its group failed for a quarantined
+    member), keeps its full record in items."""
+    key = tt.key(uid)
+    if db == "tombs":
+        if not compact or rec.state in LIVE:
+            return [f"item {uid} is {rec.state}, but its record is among the compact tombstones (tombs)"]
+        if tt.txn.get(key, db=tt.db["items"]) is not None:
+            return [f"item {uid} has both a record and a tombstone"]
+        return []
+    if compact:
+        return [f"item {uid} is {rec.state}: its compact tombstone belongs in tombs, not items"]
+    if rec.state in RETIRED and not (rec.state == FAILED and tt.txn.get(key, db=tt.db["blobs"]) is not None):
+        return [f"item {uid} is a {rec.state} tombstone kept in full, not compact"]
+    return []
+
+
+def _check_item(
+    tt: TableState, uid: str, rec: ItemRecord, grp: GroupRecord | None, counts: dict[str, int], *, kept: bool
+) -> list[str]:
+    """One item against its payload, group and place in the insertion order; `kept`: its full
+    record is in items, where a failed one keeps its payload (_check_form)."""
+    problems = []
+    state = member_state(rec, grp)
+    counts[state] += 1
+    live = rec.state in LIVE
+    blob = chunk_reads.read_payload(tt.txn, tt.db, tt.key(uid))
+    if live != (blob is not None) and not (rec.state == FAILED and kept):
+        problems.append(f"item {uid} is {rec.state} but its payload is {'missing' if live else 'present'}")
+    if blob is not None:
+        problem = payload_problem(uid, rec, blob)
+        if problem is not None:
+            problems.append(f"item {uid}: {problem}")
+    if live:
+        counts["bytes"] += rec.size
+        if tt.txn.get(tt.prefix + u64(rec.seq), db=tt.db["order"]) != uid.encode():
+            problems.append(f"item {uid} is missing from the insertion order")
+    if grp is None or uid not in grp.members:
+        problems.append(f"item {uid} is not a member of its group {rec.group}")
+    elif grp.state != state and not (state == QUARANTINED and grp.state == FAILED):
+        problems.append(f"item {uid} is {state} but its group {rec.group} is {grp.state}")
+    return problems
+
+
+def _memberless_marks(tt: TableState, gkeys: set[str]) -> set[bytes]:
+    """The retired index's keys of retired groups without members (runs all reported failed,
+    their tombstones the groups' records alone); a key of one missing from the index, one that
+    says it is, at time 0."""
+    found: dict[str, bytes] = {}
+    if gkeys:
+        with tt.txn.cursor(db=tt.db["retired"]) as cur:
+            present = cur.set_range(tt.prefix)
+            while present and cur.key().startswith(tt.prefix):
+                gkey = bytes(cur.key()[12:]).decode(errors="replace")
+                if gkey in gkeys:
+                    found[gkey] = bytes(cur.key())
+                present = cur.next()
+    return {found.get(gkey) or tt.retired_key(gkey, 0.0) for gkey in gkeys}
+
+
+def _prefix_count(tt: TableState, name: str) -> int:
+    n = 0
+    with tt.txn.cursor(db=tt.db[name]) as cur:
+        found = cur.set_range(tt.prefix)
+        while found and cur.key().startswith(tt.prefix):
+            n += len(cur.key()) > len(tt.prefix)
+            found = cur.next()
+    return n
