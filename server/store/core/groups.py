@@ -139,9 +139,9 @@ def complete(
     order's next place, with its members' lowest version (None unless every member has one) and
     highest priority. `indexed`: the group is in the pending index (a group opened and filled by
     one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now. With `computing`,
-    where the table has an advantage computation (`tt.compute`), a group that needs advantages
-    is appended there, still pending, for the caller's compute_in_push."""
+    caller to add with the others (ReadyIndex.add_many) instead of added now. With `computing`
+    (a push whose table has an advantage computation), a group that needs advantages is appended
+    there, still pending, for the caller's compute_in_push."""
     if indexed:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
     versions = [rec.version for rec in recs.values() if rec.version is not None]
@@ -157,7 +157,7 @@ def complete(
             tt.ready.add(*row)
         else:
             ready.append(row)
-    elif computing is not None and tt.compute is not None:
+    elif computing is not None:
         computing.append((gkey, grp, recs))
     else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
         tt.set_state(gkey, grp, recs, COMPUTING)

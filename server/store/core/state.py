@@ -14,7 +14,6 @@ from typing import TypeVar
 import lmdb
 
 from ..disk import layout
-from ..disk.kinds import Ahead, Compute
 from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
@@ -79,12 +78,6 @@ class TableState:
         self._groups: dict[str, GroupRecord | None] = {}
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
-        # The table's advantage computation where a push runs it in its own transaction
-        # (pushed_advantages.py); None leaves the groups a push completes to the worker.
-        self.compute: Compute | None = None
-        # Its result for the groups the push was expected to complete, computed before the
-        # transaction (pushed_advantages.compute_ahead), used where they are the groups it completes.
-        self.ahead: Ahead | None = None
         # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
         self.holder = ""
         # The call that acts for `holder` (a push, or FailRuns, Seal), which the ledger's refusals name.

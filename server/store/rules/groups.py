@@ -24,7 +24,7 @@ from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import digests
-from ..disk.kinds import Entry, FailResult, PutResult, ShapingUpdate
+from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
 from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED
@@ -33,10 +33,14 @@ from .capacity import make_room
 from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
 
 
-def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
+def put(
+    tt: TableState, entries: Sequence[Entry], *, compute: Compute | None = None, ahead: Ahead | None = None
+) -> PutResult:
     """Store a push: each new experience joins its group, and each group it fills becomes
     ready (or computing). Per-item work is done in passes over the whole push: payloads,
-    insertion order and ready indexes are written one database at a time."""
+    insertion order and ready indexes are written one database at a time. With `compute` (the
+    table's advantage computation, where the server gives one), the groups it completes get their
+    advantages in its transaction (`ahead`: computed before it; compute_in_push)."""
     if tt.txn.get(tt.config.name.encode(), db=tt.db["tables"]) is None:
         raise NotFound(f"table '{tt.config.name}' does not exist")
     result = PutResult()
@@ -87,7 +91,7 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
     make_room(tt, len(fresh), sum(e.size for e in fresh.values()), set(groups))
     core_groups.add_members(tt, by_group, groups)
     ready: list[Row] = []
-    computing: list[Completed] = []
+    computing: list[Completed] | None = [] if compute is not None else None
     for gkey, grp in groups.items():
         if size == 0 or len(grp.members) + len(grp.failed) >= size:
             if grp.failed and too_short(tt, grp):
@@ -104,7 +108,8 @@ def put(tt: TableState, entries: Sequence[Entry]) -> PutResult:
             if gkey in opened:
                 core_groups.pend(tt, gkey, grp)
             core_groups.keep(tt, gkey, grp)
-    compute_in_push(tt, computing, ready)
+    if computing:
+        compute_in_push(tt, computing, ready, compute, ahead)
     tt.ready.add_many(ready)
     result.stored = list(fresh)
     tt.counters.pushed += len(fresh)
@@ -160,8 +165,8 @@ def complete(
     dropped it. `indexed`: the group is in the pending index (a group opened and filled by
     one push never is). With `ready`, a ready group's index entry is appended there for the
     caller to add with the others (ReadyIndex.add_many) instead of added now. With
-    `computing`, where the table has an advantage computation (`tt.compute`), a group that
-    needs advantages is appended there, still pending, for the caller's compute_in_push."""
+    `computing` (a push whose table has an advantage computation), a group that needs
+    advantages is appended there, still pending, for the caller's compute_in_push."""
     recs = core_groups.closing(tt, gkey, grp, partial=partial)
     if tt.config.grouping.drop_zero_variance and zero_variance([rec.reward for rec in recs.values()]):
         retire(tt, [(gkey, grp)], DROPPED)

@@ -33,7 +33,9 @@ def zero_variance(rewards: list[float | None]) -> bool:
     return None not in rewards and len(set(rewards)) <= 1
 
 
-def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]) -> None:
+def compute_in_push(
+    tt: TableState, computing: list[Completed], ready: list[Row], compute: Compute | None, ahead: Ahead | None
+) -> None:
     """The advantages of the groups a push completed, computed in the push's own transaction:
     each member's record is written once, ready with its value (the ready groups' index entries
     are appended to `ready`). The groups are queued for the worker instead, computing, when
@@ -43,7 +45,6 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]
     worker decides."""
     if not computing:
         return
-    compute = tt.compute
     count = sum(len(recs) for _, _, recs in computing)
     if compute is None or count > IN_PUSH_LIMIT or (tt.config.advantages.shaping.reward_running_norm and queued(tt)):
         queue(tt, computing)
@@ -57,7 +58,6 @@ def compute_in_push(tt: TableState, computing: list[Completed], ready: list[Row]
         blobs={},
         moments=tt.counters.reward_moments,
     )
-    ahead = tt.ahead
     try:
         if ahead is not None and _same_job(ahead[0], job):
             values, _, dropped, failed, shaping = ahead[1]

@@ -350,9 +350,8 @@ class Pushing:
             else None
         )
         kept, stale = admission.screen(tt, entries if pieces is None else pieces.entries)
-        tt.compute = in_push(tt.config) if in_push is not None else None
-        tt.ahead = ahead
-        result = groups.put(tt, kept)
+        compute = in_push(tt.config) if in_push is not None else None
+        result = groups.put(tt, kept, compute=compute, ahead=ahead)
         result.stale = stale
         if pieces is not None:
             result.partial, result.duplicates = pieces.stored, [*pieces.duplicates, *result.duplicates]
