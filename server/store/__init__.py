@@ -1,31 +1,24 @@
-"""Durable storage of experiences in LMDB, in layers that import only downward:
+"""Durable storage of experiences in LMDB, in rooms that import only downward (each room's
+`__init__.py` says what it holds; docs/internals/layout.md maps them):
 
-- what every layer reads: errors.py (every refusal, its gRPC status named, not imported),
-  ready_indexes.py (the ready-group indexes, one `Index` class each), selection.py (the orders,
-  one registered `Order` class each, and a table's `ReadyIndex`), estimator_registry.py (the
-  estimators a table can name), table_config.py (`TableConfig`, composed of the parts of
-  table_parts.py, each checking its settings), sample_spec.py
-  (`SampleSpec`, a sample request checked once), states.py (the group state machine);
-- the environment and the formats: environment.py (the LMDB environment, its single writer
-  thread and group commit), layout.py (the named databases and the keys in them), records.py
-  (ItemRecord, GroupRecord, Lease and their binary encoding), kinds.py (what goes in and comes
-  out: Entry, Push, PutResult, Sampled, ComputeJob), stored_advantages.py (advantages' stored
-  forms, spliced into a batch), snapshot.py, batch_rows.py;
-- the table state: table_state.py (one table in one transaction: its record cache, counters,
-  ready index and `save`), counters.py (the counters and their stored form), extensions.py
-  (the table extension hooks, after Reverb's TableExtension, and the kinds tables name);
-- the rules, functions over a table's state: limiter.py (the rate limits between inserts and
-  samples), retirement.py (how experiences leave), capacity.py (eviction or refusal when
-  full), groups.py (the group state machine), pushed_advantages.py (advantages a push computes
-  and stores itself), staleness.py (the trainer version, stale-group eviction),
-  compute_queue.py (groups waiting for advantages), admission.py (AReaL's
-  bound), taking.py (taking a batch), leases.py (a lease's life), quarantine.py (damaged payloads found by
-  a read), browse.py, integrity.py, migrate.py;
-- the services: catalog.py (the tables and each one's extensions), sampling.py (sample, ack, nack), upkeep.py (lease and
-  grant expiry, group timeouts, extensions' upkeep, tombstone pruning, per table, isolated),
-  scrub.py (every payload checked in the background, residency.py keeping RSS small),
-  index_builds.py (the indexes a table lacks, built in the background from the open);
-- engine.py: `Store`, the façade the server uses (through backend.Backend).
+- engine.py: `Store`, the façade the server uses (through backend.Backend), with its mixins
+  reading.py, ledger_calls.py and sampling_calls.py; this package exports the names code above the
+  store reads (the Store, what goes in and comes out, the states, the extension class, the order
+  and index API);
+- services/: sampling, pushing, reads, keyed values, claims, upkeep, scrub, index builds, each a
+  request's work in the writer's transaction or off it;
+- tables/: the catalog (the tables and each one's extensions), a lease's life, taking a batch,
+  AReaL's admission bound, a data directory's checks;
+- ledger/: the prompt ledger's rules, records, checks and shards;
+- rules/: the policy over one table's state: groups, capacity, staleness, reuse, quarantine, the
+  advantages a push computes, the rate limiter, partial rollouts, the table extensions run;
+- core/: the table core, the only code that reads and writes a table's records (the table state,
+  its counters, ready indexes and orders, and the group verbs of push, take, lease end, retire and
+  requeue, the reads, checks and upgrades of its records);
+- disk/: the LMDB environment (its single writer and group commit), the named databases and keys,
+  the records and their binary form, payloads stored whole, in chunks or with a shared prompt;
+- schema/: what every room reads: the group state machine, settings, a sample request, the
+  estimators, every refusal, the order registry's names.
 
 The store is the bottom layer of the server, fenced: no chain of imports from it reaches grpc or
 torch (the import contracts in pyproject.toml; tests/test_fence.py). It reads payloads with the

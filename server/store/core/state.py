@@ -1,7 +1,7 @@
 """One table inside one transaction, as state: its records (read once, changed in a write-back
 cache, written by `save`), its counters, its ready index, and the keys of its indexes.
 
-The rules that change a table (groups.py, capacity.py, retirement.py, leases.py, ...) are
+The rules that change a table (rules/groups.py, capacity.py, tables/leases.py, ...) are
 functions over this state; it imports none of them. A table's extensions (rules/extensions.py,
 rooms above) are reached through `extensions`, as the `Events` they answer (events.py).
 """
@@ -116,7 +116,7 @@ class TableState:
 
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:
-        a caller that only rewrites a few bytes of the others (retirement.py) leaves them
+        a caller that only rewrites a few bytes of the others (retire.py) leaves them
         undecoded."""
         return (True, self._items[uid]) if uid in self._items else (False, None)
 
@@ -125,7 +125,7 @@ class TableState:
 
     def settle_item(self, uid: str, rec: ItemRecord) -> None:
         """The record as the caller has just written it itself (a compact tombstone,
-        retirement.py): cached, and no longer for save() to write."""
+        retire.py): cached, and no longer for save() to write."""
         self._items[uid] = rec
         self._dirty_items.pop(uid, None)
 
@@ -197,7 +197,7 @@ class TableState:
 
     def set_states(self, groups: Sequence[Members], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
-        `state` (retirement.py makes tombstones). Members share their group's state, and the
+        `state` (retire.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease
         taken or ended rewrites no member record for the state alone."""
         counters, stored = self.counters, stored_state(state)
