@@ -16,16 +16,26 @@ from expbuf.client import trxp
 from expbuf.client.schema.balance import ModelShape
 from expbuf.client.trxp.columns import Shares
 
-from .store import ComputeJob, Entry, IndexBuild, Push, PutResult, Sampled, ScrubStatus, ShapingUpdate
-from .store.core.reading import Page
-from .store.disk.kinds import FailResult, MayWait
-from .store.ledger.claimed import Claimed
-from .store.ledger.records import DatasetRecord
+from .store import (
+    Claimed,
+    ComputeJob,
+    DatasetRecord,
+    Entry,
+    FailResult,
+    Grant,
+    IndexBuild,
+    MayWait,
+    Page,
+    PromptPage,
+    Push,
+    PutResult,
+    Sampled,
+    ScrubStatus,
+    ShapingUpdate,
+    StagedShare,
+)
 from .store.schema.sample_spec import SampleSpec
 from .store.schema.table_config import TableConfig
-from .store.services.claims import PromptPage
-from .store.services.staged import StagedShare
-from .store.tables.admission import Grant
 
 
 @runtime_checkable

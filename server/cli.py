@@ -29,7 +29,7 @@ from .store.schema.errors import ConfigError
 if TYPE_CHECKING:  # the server's modules load for serve and check only
     import lmdb
 
-    from .store.disk.environment import Environment
+    from .store import Environment
 
 log = logging.getLogger("expbuf")
 
@@ -152,9 +152,8 @@ def _check(args: argparse.Namespace) -> int:
 
     import lmdb
 
-    from .store.disk.environment import Environment
+    from .store import Environment, quarantined_by_table, scan_directory
     from .store.schema.errors import Damaged, StoreError
-    from .store.tables import integrity
 
     try:
         environment = Environment(args.data, readonly=True)
@@ -172,8 +171,8 @@ def _check(args: argparse.Namespace) -> int:
             if environment.missing:
                 print(f"(directory): damaged (no {', '.join(environment.missing)} database(s))")
                 return 1
-            report = integrity.scan(txn, environment.db, time.time())
-            known = integrity.quarantined(txn, environment.db)
+            report = scan_directory(txn, environment.db, time.time())
+            known = quarantined_by_table(txn, environment.db)
     finally:
         environment.close()
     for name, problems in report.items():
@@ -189,7 +188,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _repair(args: argparse.Namespace) -> int:
     """Drop what nothing reads, which `expbuf check` names with this command: chunk sets of no
-    stored payload (integrity.repair). It changes nothing else: a directory a release before this
+    stored payload (expbuf.server.store.repair_directory). It changes nothing else: a directory a release before this
     one wrote is left to `expbuf serve` to bring up to date first; one whose own records (format,
     databases, catalogue, counters, leases, grants) are damaged, and a running server's, are refused."""
     _holds_data(args.data, "repair")
@@ -197,12 +196,11 @@ def _repair(args: argparse.Namespace) -> int:
 
     import lmdb
 
-    from .store.disk.environment import Environment
+    from .store import Environment, repair_directory, scan_directory
     from .store.schema.errors import StoreError
-    from .store.tables import integrity
 
     def current_only(txn: lmdb.Transaction[bytes], _env: object, dbs: dict[str, lmdb._Database], _path: Path) -> None:
-        damage = integrity.scan(txn, dbs, time.time(), strays=False, tables=False)[""]
+        damage = scan_directory(txn, dbs, time.time(), strays=False, tables=False)[""]
         if damage:  # looked at again: a server may have run since
             raise StoreError(f"damaged ({damage[0]}): {_CHECK}")
 
@@ -214,7 +212,7 @@ def _repair(args: argparse.Namespace) -> int:
                 damage = (
                     [f"no {', '.join(reader.missing)} database(s)"]
                     if reader.missing
-                    else integrity.scan(txn, reader.db, time.time(), strays=False, tables=False)[""]
+                    else scan_directory(txn, reader.db, time.time(), strays=False, tables=False)[""]
                 )
         finally:
             reader.close()
@@ -224,7 +222,7 @@ def _repair(args: argparse.Namespace) -> int:
             raise CommandError(f"{args.data}: damaged ({damage[0]}): {_CHECK}")
         environment = Environment(args.data, migrate=current_only)
         try:
-            dropped = environment.submit(lambda txn: integrity.repair(txn, environment.db, time.time()))
+            dropped = environment.submit(lambda txn: repair_directory(txn, environment.db, time.time()))
         finally:
             environment.close()
     except (StoreError, lmdb.Error) as exc:
@@ -245,16 +243,15 @@ _CHECK = "expbuf check names the damage; expbuf repair drops only what nothing r
 def _upgrade_only(environment: Environment, txn: lmdb.Transaction[bytes]) -> str | None:
     """What the next `expbuf serve` brings up to date in a directory that needs nothing else
     (an earlier release's format, or the index of an order registered since), or None."""
-    from .store.disk import layout
-    from .store.tables import integrity
+    from .store import FORMAT, index_databases, older_format
 
-    older = integrity.older_format(txn, environment.db) if {"meta", "tables"} <= environment.db.keys() else None
+    older = older_format(txn, environment.db) if {"meta", "tables"} <= environment.db.keys() else None
     if older is not None:
         return (
-            f"data directory format {older}, which the next expbuf serve upgrades to format {layout.FORMAT};"
+            f"data directory format {older}, which the next expbuf serve upgrades to format {FORMAT};"
             " run expbuf check after that to check its tables"
         )
-    if environment.missing and set(environment.missing) <= set(layout.index_databases()):
+    if environment.missing and set(environment.missing) <= set(index_databases()):
         missing = ", ".join(environment.missing)
         return f"no {missing} database(s), the index of a registered order: the next expbuf serve builds it"
     return None

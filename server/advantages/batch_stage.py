@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from expbuf.client import trxp
 
-from ..store.disk.stored_advantages import Advantage, SentApart, StageCounts, token_parts, token_record
+from ..store import Advantage, SentApart, StageCounts, token_parts, token_record
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of
 
 if TYPE_CHECKING:
-    from ..store.disk.records import ItemRecord
+    from ..store import ItemRecord
     from .shaping import ShapingReport
 
 

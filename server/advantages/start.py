@@ -25,8 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..store import Store
-from ..store.disk.kinds import Compute
+from ..store import Compute, Store
 from ..store.schema.errors import AdvantagesUnavailable
 from ..store.schema.table_config import TableConfig
 

@@ -31,9 +31,7 @@ from expbuf.client import trxp
 from expbuf.client.trxp.convert import flat_tensor
 
 from ..backend import Backend
-from ..store import SHAPING_COUNTERS, ComputeJob, ItemRecord, ShapingUpdate
-from ..store.disk.kinds import Compute, Computed
-from ..store.disk.stored_advantages import token_record
+from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, ItemRecord, ShapingUpdate, token_record
 from ..store.schema.errors import clip
 from ..store.schema.table_config import TableConfig, batch_stage, estimator_args, estimator_of, group_step_first
 from . import estimators, shaping

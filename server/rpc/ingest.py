@@ -51,11 +51,8 @@ from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
 
 from ..backend import Backend
 from ..config import ServerConfig
-from ..store import Entry
-from ..store.disk.chunk_heads import CHUNK_BYTES
-from ..store.disk.chunked import Staging
+from ..store import CHUNK_BYTES, Entry, StagedShare, Staging
 from ..store.schema.errors import InvalidPayload
-from ..store.services.staged import StagedShare
 
 log = logging.getLogger("expbuf.ingest")
 

@@ -15,13 +15,23 @@ from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
-from ..store.ledger.claimed import Claimed
-from ..store.ledger.prompt_stats import PromptStats
-from ..store.ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
-from ..store.ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
-from ..store.ledger.states import PROMPT_STATES
+from ..store import (
+    MAX_ATTEMPTS,
+    MAX_EPOCHS,
+    MAX_OWNER_BYTES,
+    MAX_PAGE,
+    MAX_SIZE,
+    PROMPT_STATES,
+    Claimed,
+    DatasetRecord,
+    PromptRecord,
+    PromptStats,
+    check_claim,
+    check_refs,
+    prompt_eid,
+    shown_owner,
+)
 from ..store.schema.errors import InvalidRequest, TooLarge, check_count, clip
-from ..store.services.claims import MAX_OWNER_BYTES, MAX_PAGE, check_claim, check_refs, shown_owner
 from .call_context import MIN_REPLY_BYTES, refusals, remaining
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.

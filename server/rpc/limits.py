@@ -44,7 +44,7 @@ import grpc
 from expbuf.client.rpc.wire import BUSY
 from expbuf.client.schema.reasons import Reason
 
-from ..store.disk.kinds import MayWait
+from ..store import MayWait
 from .auth import scope_of
 from .interceptor import ServiceInterceptor, refuse
 

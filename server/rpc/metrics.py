@@ -21,10 +21,7 @@ from prometheus_client.registry import Collector
 
 from ..advantages.moments import RunningMoments
 from ..backend import Backend
-from ..store import LIVE, IndexBuild, ScrubStatus
-from ..store.ledger.prompt_stats import PASS_BANDS
-from ..store.ledger.records import DatasetRecord
-from ..store.ledger.states import PROMPT_STATES
+from ..store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus
 from .interceptor import ServiceInterceptor
 
 GROUP_STATES = LIVE

@@ -31,8 +31,7 @@ from expbuf.client.trxp.pieces import Run, realized, realized_span
 from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..store import Sampled
-from ..store.disk.stored_advantages import send_apart
+from ..store import Sampled, send_apart
 from ..store.schema.sample_spec import SampleSpec
 from .call_context import when_sent_slowly
 from .interceptor import ServiceInterceptor

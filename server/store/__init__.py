@@ -36,11 +36,32 @@ from .core.counters import SHAPING_COUNTERS
 from .core.events import TableExtension
 from .core.indexes import Index, KeyedIndex, ReadyGroup
 from .core.orders import Order, register, unregister
+from .core.reading import Page
 from .core.ready import ReadyIndex
-from .disk.kinds import ComputeJob, Entry, Push, PutResult, Sampled, ShapingUpdate
-from .disk.layout import u64, version_key
+from .disk.chunk_heads import CHUNK_BYTES
+from .disk.chunked import Staging
+from .disk.environment import Environment
+from .disk.kinds import (
+    Compute,
+    Computed,
+    ComputeJob,
+    Entry,
+    FailResult,
+    MayWait,
+    Push,
+    PutResult,
+    Sampled,
+    ShapingUpdate,
+)
+from .disk.layout import FORMAT, index_databases, u64, version_key
 from .disk.records import ItemRecord
+from .disk.stored_advantages import Advantage, SentApart, StageCounts, send_apart, token_parts, token_record
 from .engine import Store
+from .ledger.claimed import Claimed
+from .ledger.prompt_stats import PASS_BANDS, PromptStats
+from .ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
+from .ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
+from .ledger.states import PROMPT_STATES
 from .schema.states import (
     COMPUTING,
     CONSUMED,
@@ -57,42 +78,87 @@ from .schema.states import (
     IllegalMove,
     State,
 )
+from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, PromptPage, check_claim, check_refs, shown_owner
 from .services.index_builds import IndexBuild
 from .services.scrub import ScrubStatus
+from .services.staged import StagedShare
+from .tables.admission import Grant
+from .tables.integrity import older_format
+from .tables.integrity import quarantined as quarantined_by_table
+from .tables.integrity import repair as repair_directory
+from .tables.integrity import scan as scan_directory
 
 __all__ = [
+    "CHUNK_BYTES",
     "COMPUTING",
     "CONSUMED",
     "DROPPED",
     "EVICTED",
     "FAILED",
+    "FORMAT",
     "LEASED",
     "LIVE",
+    "MAX_ATTEMPTS",
+    "MAX_EPOCHS",
+    "MAX_OWNER_BYTES",
+    "MAX_PAGE",
+    "MAX_SIZE",
+    "PASS_BANDS",
     "PENDING",
+    "PROMPT_STATES",
     "QUARANTINED",
     "READY",
     "RETIRED",
     "SHAPING_COUNTERS",
     "STATES",
+    "Advantage",
+    "Claimed",
+    "Compute",
     "ComputeJob",
+    "Computed",
+    "DatasetRecord",
     "Entry",
+    "Environment",
+    "FailResult",
+    "Grant",
     "IllegalMove",
     "Index",
     "IndexBuild",
     "ItemRecord",
     "KeyedIndex",
+    "MayWait",
     "Order",
+    "Page",
+    "PromptPage",
+    "PromptRecord",
+    "PromptStats",
     "Push",
     "PutResult",
     "ReadyGroup",
     "ReadyIndex",
     "Sampled",
     "ScrubStatus",
+    "SentApart",
     "ShapingUpdate",
+    "StageCounts",
+    "StagedShare",
+    "Staging",
     "State",
     "Store",
     "TableExtension",
+    "check_claim",
+    "check_refs",
+    "index_databases",
+    "older_format",
+    "prompt_eid",
+    "quarantined_by_table",
     "register",
+    "repair_directory",
+    "scan_directory",
+    "send_apart",
+    "shown_owner",
+    "token_parts",
+    "token_record",
     "u64",
     "unregister",
     "version_key",
