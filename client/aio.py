@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, TypeVar, Unpack, cast
 
 import grpc
@@ -32,8 +32,10 @@ from .results import (
     ServerInfo,
     TableInfo,
 )
-from .rpc import aio_status, calls, ledger_calls, read_calls, value_calls
+from .rpc import aio_status, calls, declare, ledger_calls, read_calls
+from .rpc.api import ServerCalls
 from .rpc.connection import ClientBase
+from .rpc.declare import Awaiting, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
 from .schema.experience import Experience
@@ -87,7 +89,7 @@ def _deliverer(outcomes: asyncio.Queue[Outcome], loop: asyncio.AbstractEventLoop
     return deliver
 
 
-class AsyncBufferClient(ClientBase):
+class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     """asyncio client with the methods of BufferClient, as coroutines:
 
     ```python
@@ -128,6 +130,13 @@ class AsyncBufferClient(ClientBase):
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
+
+    async def _perform(self, plan: Plan[T]) -> T:
+        """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
+        turns = declare.Turns(declare.steps(plan))
+        for call in turns:
+            turns.answer(await self._run(call))
+        return turns.result
 
     async def _run_several(self, several: calls.Several[R, T]) -> T:
         """The calls of `several` made in turn, their results joined."""
@@ -358,22 +367,6 @@ class AsyncBufferClient(ClientBase):
     ) -> GetResult:
         """Rank `rank`'s part of a leased batch as whole experiences, as BufferClient.get_part."""
         return await self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
-
-    async def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
-        """As BufferClient.put_values: each value under its key, durable on return (in calls of at
-        most MAX_KEYS_PER_CALL keys, each all or none). Needs the push scope."""
-        return await self._run_several(value_calls.put_values(keys, values, table))
-
-    async def get_values(
-        self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
-    ) -> list[bytes | None]:
-        """The value of each key, in the order asked, None for one not stored (one message's
-        worth at a time: the server refuses more, naming its max_message_bytes)."""
-        return await self._run(value_calls.get_values(keys, table, only_own))
-
-    async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
-        """Remove the values of these keys; how many held one."""
-        return await self._run_several(value_calls.clear_values(keys, table))
 
     async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others."""

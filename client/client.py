@@ -12,7 +12,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable
 from typing import TypeVar, Unpack
 
 import grpc
@@ -39,8 +39,10 @@ from .results import (
     TableInfo,
     TableStats,
 )
-from .rpc import calls, read_calls, value_calls
+from .rpc import calls, declare, read_calls
+from .rpc.api import ServerCalls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, Tls
+from .rpc.declare import Blocking, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
 from .schema.experience import Experience
@@ -93,7 +95,7 @@ class SampleRequests:
         self._queue.put(None)
 
 
-class BufferClient(LedgerMethods):
+class BufferClient(ServerCalls, Blocking, LedgerMethods):
     """Blocking client. Use as a context manager or call close():
 
     ```python
@@ -135,6 +137,13 @@ class BufferClient(LedgerMethods):
                 if pause is None:
                     raise
                 time.sleep(pause)
+
+    def _perform(self, plan: Plan[T]) -> T:
+        """A declared call's plan made: each call it asks for made in turn (`_run`), its result sent back."""
+        turns = declare.Turns(declare.steps(plan))
+        for call in turns:
+            turns.answer(self._run(call))
+        return turns.result
 
     def _run_several(self, several: calls.Several[R, T]) -> T:
         """The calls of `several` made in turn, their results joined."""
@@ -333,26 +342,6 @@ class BufferClient(LedgerMethods):
         balance, model and equal), as whole experiences (what a framework's adapter converts), in
         the lease's order; read in parts no larger than the client's max_message_bytes."""
         return self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
-
-    def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
-        """Store each value under its key (bytes under names of your own, in the table's key
-        range), durable on return, all or none (in calls of at most MAX_KEYS_PER_CALL keys,
-        expbuf.client.schema.call_limits, each all or none); a key stored already is replaced.
-        Needs the push scope. With tokens on, a value is its writer's token's: another token's put
-        or clear of it is refused (PermissionDeniedError, reason forbidden). Values count against
-        the table's capacity_bytes: a put past it is refused (ResourceExhaustedError)."""
-        return self._run_several(value_calls.put_values(keys, values, table))
-
-    def get_values(self, keys: Sequence[str], table: str = "default", *, only_own: bool = False) -> list[bytes | None]:
-        """The value of each key, in the order asked, None for one not stored (one message's
-        worth at a time: the server refuses more, naming its max_message_bytes). With `only_own`,
-        a key whose value another token wrote is refused (PermissionDeniedError), for a reader
-        that trusts only what its own token stored."""
-        return self._run(value_calls.get_values(keys, table, only_own))
-
-    def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
-        """Remove the values of these keys (in calls of at most MAX_KEYS_PER_CALL); how many held one."""
-        return self._run_several(value_calls.clear_values(keys, table))
 
     def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
         """The stored experiences among uids, in request order; `.missing_uids` lists the others.

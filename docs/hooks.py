@@ -341,12 +341,55 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 # ---- the Python client -----------------------------------------------------------------------
 
 
+class DeclaredCalls:
+    """A griffe extension (mkdocs.yml): each client's declared calls (client/rpc/declare.py) drawn as
+    its own methods. griffe reads a declaration where it is written, on the class that declares it
+    (rpc/api.py's Calls), and a client inherits it; here each client class gets it as that client
+    has it at run time: the declaration's parameters and docstring, async for an asyncio client."""
+
+    def on_package(self, *, pkg: Any, loader: Any, **kwargs: Any) -> None:
+        import griffe
+
+        from expbuf.client import AsyncBufferClient, BufferClient
+        from expbuf.client.rpc.declare import declared_calls
+        from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
+
+        if pkg.path != "expbuf":
+            return
+        for kind in (BufferClient, AsyncBufferClient, ShardedBufferClient, AsyncShardedBufferClient):
+            owner = loader.modules_collection[f"{kind.__module__}.{kind.__qualname__}"]
+            for at, (name, call) in enumerate(declared_calls(kind).items(), start=owner.endlineno + 1):
+                declared = loader.modules_collection[f"{call.plan.__module__}.{call.plan.__qualname__}"]
+                method = getattr(kind, name)
+                parameters = griffe.Parameters(
+                    *(
+                        griffe.Parameter(p.name, annotation=p.annotation, kind=p.kind, default=p.default)
+                        for p in declared.parameters
+                    )
+                )
+                docstring = declared.docstring
+                made = griffe.Function(
+                    name,
+                    lineno=at,  # after the class's own methods, in the order declared
+                    endlineno=at,
+                    parameters=parameters,
+                    returns=str(inspect.signature(method).return_annotation),
+                    docstring=griffe.Docstring(
+                        docstring.value, parser=docstring.parser, parser_options=docstring.parser_options
+                    ),
+                    parent=owner,
+                )
+                if inspect.iscoroutinefunction(method):
+                    made.labels.add("async")
+                owner.set_member(name, made)
+
+
 def client_page(exported: list[str]) -> str:
     """Every name `expbuf.client` exports, rendered by mkdocstrings from its docstrings."""
     lines = ["# Python client", "", "Generated from the docstrings of what `expbuf.client` exports.", ""]
     for name in sorted(exported, key=lambda n: (not n.endswith("Client"), n.endswith("Error"), n.lower())):
         lines += [f"::: expbuf.client.{name}", ""]
-        if name == "BufferClient":  # its prompt ledger's calls are written in a module of their own
+        if name == "BufferClient":  # its connection's own methods (clone, push_stream) are its base's
             lines[-1:] = ["    options:", "      inherited_members: true", ""]
     sharded = "expbuf.client.shards.blocking"
     lines += [f"::: {sharded}.ShardedBufferClient", "", f"::: {sharded}.AsyncShardedBufferClient"]

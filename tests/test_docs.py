@@ -119,6 +119,29 @@ def test_client_page_renders_every_export_of_expbuf_client() -> None:
     assert page.index("BufferClient") < page.index("Batch") < page.index("ExpbufError")
 
 
+def test_the_client_page_draws_each_clients_declared_calls_as_its_own_methods() -> None:
+    """griffe reads a declared call (client/rpc/declare.py) where it is written, on the class that
+    declares it; the site's extension draws it on each client, with its parameters and docstring,
+    async on an asyncio client."""
+    import griffe
+
+    hooks.link_sources()
+    extensions = griffe.load_extensions(f"{DOCS / 'hooks.py'}:DeclaredCalls")
+    package = griffe.GriffeLoader(extensions=extensions, search_paths=[str(hooks.SOURCES)]).load("expbuf")
+    clients = {
+        "client.client.BufferClient": False,
+        "client.aio.AsyncBufferClient": True,
+        "client.shards.blocking.ShardedBufferClient": False,
+        "client.shards.aio.AsyncShardedBufferClient": True,
+    }
+    for path, awaited in clients.items():
+        get_values = package[path].members["get_values"]
+        assert [p.name for p in get_values.parameters] == ["self", "keys", "table", "only_own"]
+        assert get_values.docstring is not None and get_values.docstring.value.startswith("The value of each key")
+        assert ("async" in get_values.labels) == awaited, path
+        assert {"put_values", "clear_values"} <= set(package[path].members)
+
+
 def test_the_readmes_links_reach_files_in_the_tree() -> None:
     """The README is read on the forge, outside the site: each relative link names a file there."""
     readme = page("README")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -39,7 +39,8 @@ from ..schema.table_presets import with_preset
 from ..trxp import column_wire
 from ..trxp.column_build import ColumnBatch
 from . import frames, wire
-from .connection import BACKOFF, RETRIED_METHODS
+from .connection import BACKOFF
+from .declare import Chunked, Several, Unary
 from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
@@ -50,53 +51,6 @@ STOP_SECONDS = 5.0
 # What the client keeps of a batch's confirm_seconds for its confirmation's way to the server:
 # a tenth of it, at most this.
 CONFIRM_MARGIN = 2.0
-
-
-@dataclass(frozen=True)
-class Unary(Generic[R]):
-    """One unary call: `method` of the stub with `request`; `read` turns the reply into the result.
-
-    `retry` says whether the call may be made again after UNAVAILABLE (it is idempotent); a
-    call of a method under the channel's retry policy (connection.RETRIED_METHODS) that may not
-    goes over the client's channel without it. `timeout` replaces the client's deadline for this
-    call. `parts`: the method answers with a stream of SampleReply (ReadFields), one reply in one
-    message or in parts (sample_reply.Parts), which `read` gets put together. `fallback`: the call
-    made instead where the server has no such method (an older server: UNIMPLEMENTED).
-    """
-
-    method: str
-    request: Any
-    read: Callable[[Any], R]
-    retry: bool
-    timeout: float | None = None
-    parts: bool = False
-    fallback: Unary[R] | None = None
-
-    def __post_init__(self) -> None:
-        if self.retry and self.method not in RETRIED_METHODS:
-            raise ValueError(f"{self.method} is not under the channel's retry policy (connection.RETRIED_METHODS)")
-
-
-@dataclass(frozen=True)
-class Chunked(Generic[R]):
-    """A push sent in chunks over PushStream (PushRequest.total_bytes): `requests()` makes its
-    messages (serialised, frames.py) as gRPC sends them, which it keeps for a retry; the stream's one
-    reply is read as a Unary's, and a retry sends the whole push again, as a push sent whole."""
-
-    requests: Callable[[], Iterator[bytes]]
-    read: Callable[[Any], R]
-    retry: bool
-    timeout: float | None = None
-    method: str = "PushStream"
-
-
-@dataclass(frozen=True)
-class Several(Generic[R, T]):
-    """A call made as several: one naming more than a call may carry (client/schema/call_limits.py),
-    each part a call of its own, made in turn; `joined` makes their results one."""
-
-    calls: list[Unary[R]]
-    joined: Callable[[list[R]], T]
 
 
 class Attempts(Generic[R]):

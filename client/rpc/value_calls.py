@@ -1,6 +1,6 @@
-"""The calls of keyed values (PutValues, GetValues, ClearValues: bytes under names of the
-caller's own, server/store/services/values.py), described as `Unary` calls (calls.py) for the
-blocking and the asyncio client. Each is safe to retry: a put stores the same bytes again, a
+"""The calls of keyed values as the clients make them (ValueCalls, declared once: rpc/declare.py):
+PutValues, GetValues, ClearValues, bytes under names of the caller's own
+(server/store/services/values.py). Each is safe to retry: a put stores the same bytes again, a
 clear of what is gone clears nothing."""
 
 from __future__ import annotations
@@ -11,39 +11,58 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.call_limits import MAX_KEYS_PER_CALL, in_parts
 from . import frames
-from .calls import Several, Unary
+from .declare import Plan, Settings, Several, Unary, declare
 
 
-def put_values(keys: Sequence[str], values: Sequence[bytes], table: str) -> Several[int, int]:
-    """Store each value under its key, durable on return, MAX_KEYS_PER_CALL a call (each call all or
-    none); a ValueError before the call when the two are not as many."""
-    if len(keys) != len(values):
-        raise ValueError(f"put_values: {len(keys)} keys for {len(values)} values, one value a key")
-    most = MAX_KEYS_PER_CALL
-    requests = [
-        frames.put_values_request(table, keys[start : start + most], values[start : start + most])
-        for start in (range(0, len(keys), most) if keys else range(1))
-    ]
-    return Several([Unary("PutValues", request, lambda r: r.stored, retry=True) for request in requests], sum)
+class ValueCalls(Settings):
+    """The calls of keyed values, as the clients make them (rpc/declare.py). Sharded, each key is
+    on one shard, the rendezvous of the key over the shards of the map's first epoch: a key's
+    shard never changes as shards are added (values are not groups: they do not move)."""
 
+    @declare(shards=lambda s: s._put_values)
+    def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> Plan[int]:
+        """Store each value under its key (bytes under names of your own, in the table's key
+        range), durable on return, all or none (in calls of at most MAX_KEYS_PER_CALL keys,
+        expbuf.client.schema.call_limits, each all or none); a key stored already is replaced.
+        Needs the push scope. With tokens on, a value is its writer's token's: another token's put
+        or clear of it is refused (PermissionDeniedError, reason forbidden). Values count against
+        the table's capacity_bytes: a put past it is refused (ResourceExhaustedError).
 
-def get_values(keys: Sequence[str], table: str, only_own: bool = False) -> Unary[list[bytes | None]]:
-    """The value of each key, in the order asked, None for one not stored; with `only_own`,
-    refused (PERMISSION_DENIED) for a key whose value another token wrote."""
-    asked = list(keys)
+        Sharded: each key on its shard; a shard that did not answer or refused raises ShardError
+        naming it, its `result` what the others stored (a retry is safe)."""
+        if len(keys) != len(values):
+            raise ValueError(f"put_values: {len(keys)} keys for {len(values)} values, one value a key")
+        most = MAX_KEYS_PER_CALL
+        requests = [
+            frames.put_values_request(table, keys[start : start + most], values[start : start + most])
+            for start in (range(0, len(keys), most) if keys else range(1))
+        ]
+        return Several([Unary("PutValues", request, lambda r: r.stored, retry=True) for request in requests], sum)
 
-    def read(reply: pb.GetValuesReply) -> list[bytes | None]:
-        missing = set(reply.missing_keys)
-        found = iter(reply.values)
-        return [None if key in missing else next(found) for key in asked]
+    @declare(shards=lambda s: s._get_values)
+    def get_values(
+        self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
+    ) -> Plan[list[bytes | None]]:
+        """The value of each key, in the order asked, None for one not stored (one message's
+        worth at a time: the server refuses more, naming its max_message_bytes). With `only_own`,
+        a key whose value another token wrote is refused (PermissionDeniedError), for a reader
+        that trusts only what its own token stored. Sharded: each key from its shard; a shard
+        that did not answer raises ShardError naming it."""
+        asked = list(keys)
 
-    return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked, only_own=only_own), read, retry=True)
+        def read(reply: pb.GetValuesReply) -> list[bytes | None]:
+            missing = set(reply.missing_keys)
+            found = iter(reply.values)
+            return [None if key in missing else next(found) for key in asked]
 
+        return Unary("GetValues", pb.GetValuesRequest(table=table, keys=asked, only_own=only_own), read, retry=True)
 
-def clear_values(keys: Sequence[str], table: str) -> Several[int, int]:
-    """Remove the values of these keys, MAX_KEYS_PER_CALL a call; how many held one."""
-    clears = [
-        Unary("ClearValues", pb.ClearValuesRequest(table=table, keys=part), lambda r: r.cleared, retry=True)
-        for part in in_parts(list(keys), MAX_KEYS_PER_CALL)
-    ]
-    return Several(clears, sum)
+    @declare(shards=lambda s: s._clear_values)
+    def clear_values(self, keys: Sequence[str], table: str = "default") -> Plan[int]:
+        """Remove the values of these keys (in calls of at most MAX_KEYS_PER_CALL); how many held
+        one. Sharded: each key on its shard, a failure raised as put_values raises it."""
+        clears = [
+            Unary("ClearValues", pb.ClearValuesRequest(table=table, keys=part), lambda r: r.cleared, retry=True)
+            for part in in_parts(list(keys), MAX_KEYS_PER_CALL)
+        ]
+        return Several(clears, sum)

@@ -7,13 +7,15 @@ asyncio.gather.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Unpack
 
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
 from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc import calls
+from ..rpc.api import Calls
+from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -22,15 +24,13 @@ from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
 from .common import AsyncShardBatch, LiveResult, ShardBatch
-from .ledger import LedgerPlans
 from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import AsyncShardedPusher
-from .reads import ReadPlans
-from .values import ValuePlans
+from .routes import ShardPlans
 
 
-class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
+class AsyncShardedBufferClient(ShardPlans, AwaitingShards, Calls):
     """asyncio twin of ShardedBufferClient, with the methods of AsyncBufferClient."""
 
     _client_class = AsyncBufferClient
@@ -64,13 +64,10 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         return await asyncio.gather(*(self._call(call) for call in step))
 
     async def _run(self, plan: Plan[T]) -> T:
-        outcome = None
-        while True:
-            try:
-                step = plan.send(outcome)
-            except StopIteration as stop:
-                return stop.value
-            outcome = await self._step(step)
+        turns = Turns(plan)
+        for step in turns:
+            turns.answer(await self._step(step))
+        return turns.result
 
     # ---- AsyncBufferClient's methods ---------------------------------------------------------
 
@@ -92,18 +89,11 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     ) -> AsyncIterator[ShardBatch]:
         """As ShardedBufferClient.sample; leased batches' ack()/nack() return coroutines."""
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        plan = self._sample(spec, self, AsyncShardBatch)
-        outcome = None
-        while True:
-            try:
-                step = plan.send(outcome)
-            except StopIteration:
-                return
+        for step in (turns := Turns(self._sample(spec, self, AsyncShardBatch))):
             if isinstance(step, Emit):
                 yield step.batch
-                outcome = None
             else:
-                outcome = await self._step(step)
+                turns.answer(await self._step(step))
 
     async def ack(self, lease_id: str, table: str = "default") -> int:
         """As ShardedBufferClient.ack."""
@@ -168,20 +158,6 @@ class AsyncShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
     ) -> GetResult:
         """As ShardedBufferClient.get_part."""
         return await self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
-
-    async def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
-        """As ShardedBufferClient.put_values."""
-        return await self._run(self._put_values(keys, values, table))
-
-    async def get_values(
-        self, keys: Sequence[str], table: str = "default", *, only_own: bool = False
-    ) -> list[bytes | None]:
-        """As ShardedBufferClient.get_values."""
-        return await self._run(self._get_values(keys, table, only_own))
-
-    async def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
-        """As ShardedBufferClient.clear_values."""
-        return await self._run(self._clear_values(keys, table))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""

@@ -24,6 +24,8 @@ from typing import Any, Unpack
 from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
 from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
 from ..rpc import calls
+from ..rpc.api import Calls
+from ..rpc.declare import BlockingShards, Turns
 from ..rpc.ledger_calls import Outcomes
 from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
@@ -34,15 +36,13 @@ from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
 from .aio import AsyncShardedBufferClient
 from .common import LiveResult, ShardBatch, ShardError, allocate, dns_targets
-from .ledger import LedgerPlans
 from .plans import Call, Emit, Plan, T
 from .poll import Wait
 from .pusher import ShardedPusher
-from .reads import ReadPlans
-from .values import ValuePlans
+from .routes import ShardPlans
 
 
-class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
+class ShardedBufferClient(ShardPlans, BlockingShards, Calls):
     """BufferClient's methods over a set of shards. Use as a context manager or call close()."""
 
     _client_class = BufferClient
@@ -82,13 +82,10 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         return [future.result() for future in [self._pool.submit(self._call, call) for call in step]]
 
     def _run(self, plan: Plan[T]) -> T:
-        outcome = None
-        while True:
-            try:
-                step = plan.send(outcome)
-            except StopIteration as stop:
-                return stop.value
-            outcome = self._step(step)
+        turns = Turns(plan)
+        for step in turns:
+            turns.answer(self._step(step))
+        return turns.result
 
     # ---- BufferClient's methods --------------------------------------------------------------
 
@@ -118,18 +115,11 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         is set on every shard that answers and owed to the others (see `set_trainer_version`).
         """
         spec = SampleSpec(table, batch_size, num_groups, **options)
-        plan = self._sample(spec, self, ShardBatch)
-        outcome = None
-        while True:
-            try:
-                step = plan.send(outcome)
-            except StopIteration:
-                return
+        for step in (turns := Turns(self._sample(spec, self, ShardBatch))):
             if isinstance(step, Emit):
                 yield step.batch
-                outcome = None
             else:
-                outcome = self._step(step)
+                turns.answer(self._step(step))
 
     def ack(self, lease_id: str, table: str = "default") -> int:
         """Consume a batch's groups on the shards that leased them."""
@@ -204,21 +194,6 @@ class ShardedBufferClient(LedgerPlans, ReadPlans, ValuePlans):
         """As BufferClient.get_part, for a batch leased from several shards (split as read_part
         splits it), each experience read from the shard that holds it."""
         return self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
-
-    def put_values(self, keys: Sequence[str], values: Sequence[bytes], table: str = "default") -> int:
-        """As BufferClient.put_values, each key on one shard (rendezvous over the first epoch's
-        shards: a key's shard never changes as shards are added). Raises ShardError naming a shard
-        that did not answer or refused, its `result` what the others stored (a retry is safe)."""
-        return self._run(self._put_values(keys, values, table))
-
-    def get_values(self, keys: Sequence[str], table: str = "default", *, only_own: bool = False) -> list[bytes | None]:
-        """As BufferClient.get_values, each key from its shard. Raises ShardError naming a shard
-        that did not answer."""
-        return self._run(self._get_values(keys, table, only_own))
-
-    def clear_values(self, keys: Sequence[str], table: str = "default") -> int:
-        """As BufferClient.clear_values, each key on its shard."""
-        return self._run(self._clear_values(keys, table))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.

@@ -38,7 +38,7 @@ class ValuePlans(Planned):
             raise shard_error(errors, self.shard_map.targets, results)
         return sum(results.values())
 
-    def _get_values(self, keys: Sequence[str], table: str, only_own: bool = False) -> Plan[list[bytes | None]]:
+    def _get_values(self, keys: Sequence[str], table: str, only_own: bool) -> Plan[list[bytes | None]]:
         """The value of each key from its shard, in the order asked, None for one not stored (with
         `only_own`, refused for another token's). Raises ShardError naming a shard that did not
         answer or refused."""
