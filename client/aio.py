@@ -23,22 +23,18 @@ from .results import (
     AsyncBatch,
     Batch,
     BufferStats,
-    ExperiencePage,
     FailedRuns,
-    FieldBatch,
-    GetResult,
     Grant,
     PushResult,
     ServerInfo,
     TableInfo,
 )
-from .rpc import aio_status, calls, declare, ledger_calls, read_calls
+from .rpc import aio_status, calls, declare, ledger_calls
 from .rpc.api import ServerCalls
 from .rpc.connection import ClientBase
 from .rpc.declare import Awaiting, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.experience import Experience
 from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
@@ -335,56 +331,6 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     ) -> PromptPage:
         """As BufferClient.list_prompts."""
         return await self._run(ledger_calls.list_prompts(table, dataset, states, after, limit))
-
-    async def read_fields(
-        self,
-        uids: Iterable[str],
-        fields: Iterable[str],
-        table: str = "default",
-        *,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-    ) -> FieldBatch:
-        """Some fields of the experiences `uids` as columns, or shares of their tokens, as
-        BufferClient.read_fields."""
-        return await self._run_several(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
-
-    async def read_part(
-        self,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        fields: Iterable[str],
-        table: str = "default",
-        **options: Unpack[read_calls.ReadPartOptions],
-    ) -> FieldBatch:
-        """Rank `rank`'s part of a leased batch spread over `ranks` ranks, as BufferClient.read_part."""
-        call = read_calls.read_part(lease_id, rank, ranks, fields, table, options, self.max_message_bytes)
-        return await self._run(call)
-
-    async def get_part(
-        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[read_calls.PartOptions]
-    ) -> GetResult:
-        """Rank `rank`'s part of a leased batch as whole experiences, as BufferClient.get_part."""
-        return await self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
-
-    async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
-        """The stored experiences among uids, in request order; `.missing_uids` lists the others."""
-        return await self._run_several(read_calls.get(uids, table, self.max_message_bytes))
-
-    async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
-        """As BufferClient.get_partials."""
-        found, rest = await self._run(read_calls.get_partials(task_ids, (), table, self.max_message_bytes))
-        while rest:  # those one reply did not hold (each reply holds one at least)
-            more, rest = await self._run(read_calls.get_partials((), rest, table, self.max_message_bytes))
-            found += more
-        return found
-
-    async def list_experiences(
-        self, table: str = "default", **filters: Unpack[read_calls.ListFilters]
-    ) -> ExperiencePage:
-        """A page of the table's live experiences in insertion order (see BufferClient.list_experiences)."""
-        return await self._run(read_calls.list_experiences(table, **filters))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete (admin scope): how many experiences were removed."""

@@ -30,7 +30,6 @@ from .results import (
     BufferStats,
     ExperiencePage,
     FailedRuns,
-    FieldBatch,
     GetResult,
     Grant,
     ListedExperience,
@@ -39,13 +38,12 @@ from .results import (
     TableInfo,
     TableStats,
 )
-from .rpc import calls, declare, read_calls
+from .rpc import calls, declare
 from .rpc.api import ServerCalls
 from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, Tls
 from .rpc.declare import Blocking, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.experience import Experience
 from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
@@ -312,84 +310,6 @@ class BufferClient(ServerCalls, Blocking, LedgerMethods):
     def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
         """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back."""
         return self._run(calls.finish_grant(grant, accepted))
-
-    def read_part(
-        self,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        fields: Iterable[str],
-        table: str = "default",
-        **options: Unpack[read_calls.ReadPartOptions],
-    ) -> FieldBatch:
-        """Rank `rank`'s part of the batch leased as `lease_id` (a leased sample's `batch.lease_id`,
-        which the process that sampled it hands to every rank), for a step spread over `ranks`
-        data-parallel ranks: its groups, whole, as columns of `fields` (a FieldBatch; `share` and
-        `of` as read_fields'). The server splits the lease's groups so that the ranks' loads are as
-        equal as the groups allow (Karmarkar-Karp over each group's tokens; its runs with
-        balance="count"; its FLOPs with balance="flops" and `model`, a ModelShape(params, layers,
-        hidden)), the same split for every rank that asks: a rank that dies and comes
-        back reads its part again while the lease holds. With `equal`, every rank gets as many
-        groups as the others, or one fewer. The process that sampled the batch acks it once every
-        rank has trained its part."""
-        call = read_calls.read_part(lease_id, rank, ranks, fields, table, options, self.max_message_bytes)
-        return self._run(call)
-
-    def get_part(
-        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[read_calls.PartOptions]
-    ) -> GetResult:
-        """Rank `rank`'s part of the batch leased as `lease_id`, split as read_part splits it (its
-        balance, model and equal), as whole experiences (what a framework's adapter converts), in
-        the lease's order; read in parts no larger than the client's max_message_bytes."""
-        return self._run(read_calls.get_part(lease_id, rank, ranks, table, split, self.max_message_bytes))
-
-    def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
-        """The stored experiences among uids, in request order; `.missing_uids` lists the others.
-        Read in parts no larger than the client's max_message_bytes, however large they are."""
-        return self._run_several(read_calls.get(uids, table, self.max_message_bytes))
-
-    def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
-        """The rollouts of these tasks (batch/task) held in pieces, each put together as it stands
-        and marked partial (push scope): what a rollout worker continues, with `continuation`. A
-        prompt's claimant gets those of the attempt before it under its own task."""
-        found, rest = self._run(read_calls.get_partials(task_ids, (), table, self.max_message_bytes))
-        while rest:  # those one reply did not hold (each reply holds one at least)
-            more, rest = self._run(read_calls.get_partials((), rest, table, self.max_message_bytes))
-            found += more
-        return found
-
-    def read_fields(
-        self,
-        uids: Iterable[str],
-        fields: Iterable[str],
-        table: str = "default",
-        *,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-    ) -> FieldBatch:
-        """Some fields of the experiences `uids` as columns (`.columns`, `.tensordict()`), as they
-        stand (leased ones too), in request order; `.missing_uids` lists those not served. The
-        ranks of a trainer each read their part of a batch one process sampled (and acks).
-
-        With `of`, each experience's tokens are cut into `of` equal runs, and only run `share`
-        (or the runs listed, in that order) of each tensor laid along them comes: a context-parallel
-        rank r of C reads `share=r, of=C`, or, balanced as Megatron-LM splits a causal sequence,
-        `share=(r, 2 * C - 1 - r), of=2 * C`. A tensor of the experience's token count along its
-        first dimension (tokens, routing ids) is cut at those positions, a response field
-        (logprobs, action_mask, advantages, ...) at those after the prompt, any other comes whole.
-        A large experience's chunks outside the share are not read from disk."""
-        return self._run_several(read_calls.read_fields(uids, fields, table, share, of, self.max_message_bytes))
-
-    def list_experiences(self, table: str = "default", **filters: Unpack[read_calls.ListFilters]) -> ExperiencePage:
-        """A page of the table's live experiences in insertion order, optionally of some states and
-        model versions; page on with `after=page.next` until `page.done`. Example:
-
-        ```python
-        page = client.list_experiences("grpo8", states=["ready"])
-        experiences = client.get([e.uid for e in page.experiences], table="grpo8")
-        ```
-        """
-        return self._run(read_calls.list_experiences(table, **filters))
 
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again

@@ -9,6 +9,7 @@ import inspect
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient
+from expbuf.client.rpc.api import Calls, ServerCalls
 from expbuf.client.rpc.declare import Plan, Unary, declare, declared_calls
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
@@ -20,13 +21,20 @@ SHARDED = (ShardedBufferClient, AsyncShardedBufferClient)
 @pytest.mark.parametrize("kind", CLIENTS, ids=lambda kind: kind.__name__)
 def test_each_client_has_each_declared_call_as_declared(kind: type) -> None:
     declared = declared_calls(kind)
-    assert set(declared) >= {"put_values", "get_values", "clear_values"}
+    assert set(declared) >= {"put_values", "get_values", "clear_values", "get_partials", "read_part", "get"}
     for name, call in declared.items():
         method = getattr(kind, name)
         assert (method.__name__, method.__qualname__) == (name, f"{kind.__name__}.{name}")
         assert method.__doc__ == call.__doc__ and call.__doc__
         assert inspect.signature(method).parameters == call.signature.parameters, name
         assert inspect.iscoroutinefunction(method) == (kind in AWAITING), name
+
+
+def test_the_calls_of_one_server_are_not_the_sharded_clients() -> None:
+    assert set(declared_calls(BufferClient)) - set(declared_calls(ShardedBufferClient)) == {"list_experiences"}
+    assert not any(hasattr(kind, "list_experiences") for kind in SHARDED)
+    assert declared_calls(AsyncBufferClient).keys() == declared_calls(ServerCalls).keys()
+    assert declared_calls(ShardedBufferClient).keys() == declared_calls(Calls).keys()
 
 
 @pytest.mark.parametrize("kind", SHARDED, ids=lambda kind: kind.__name__)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, assert_type
 
-from expbuf.client import AsyncBufferClient, BufferClient
+from expbuf.client import AsyncBufferClient, BufferClient, Experience
+from expbuf.client.results import ExperiencePage, FieldBatch, GetResult
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
 
@@ -15,23 +16,33 @@ def blocking(client: BufferClient) -> None:
     assert_type(client.put_values(["k"], [b"v"], table="t"), int)
     assert_type(client.get_values(["k"], only_own=True), list[bytes | None])
     assert_type(client.clear_values(["k"], "t"), int)
+    assert_type(client.get_partials(["0/0"]), list[Experience])
+    assert_type(client.read_part("lease", 0, 2, ["tokens"], balance="count"), FieldBatch)
+    assert_type(client.get_part("lease", 0, 2, equal=True), GetResult)
+    assert_type(client.list_experiences("t", states=["ready"]), ExperiencePage)
 
 
 async def awaiting(client: AsyncBufferClient) -> None:
     put = assert_type(client.put_values(["k"], [b"v"], table="t"), Coroutine[Any, Any, int])  # as `async def`'s
     assert_type(await put, int)
     assert_type(await client.get_values(["k"], "t"), list[bytes | None])
+    assert_type(await client.get_partials(["0/0"], "t"), list[Experience])
+    assert_type(await client.read_part("lease", 0, 2, ["tokens"], share=0, of=2), FieldBatch)
 
 
 async def sharded(client: ShardedBufferClient, aio: AsyncShardedBufferClient) -> None:
     assert_type(client.put_values(["k"], [b"v"]), int)
     assert_type(await aio.put_values(["k"], [b"v"]), int)
     assert_type(await aio.clear_values(["k"]), int)
+    assert_type(client.read_fields(["u"], ["tokens"], share=(0, 3), of=4), FieldBatch)
+    assert_type(await aio.read_part("lease", 0, 2, ["tokens"]), FieldBatch)
 
 
-def refused(client: BufferClient, aio: AsyncBufferClient) -> None:
+def refused(client: BufferClient, aio: AsyncBufferClient, shards: ShardedBufferClient) -> None:
     """Calls a client's real signature refuses: each ignore is needed (warn_unused_ignores)."""
     client.get_values(["k"], "t", True)  # type: ignore[call-arg]  # only_own is keyword-only
     client.put_values(["k"], [b"v"], bogus=1)  # type: ignore[call-arg]
     client.clear_values("k", table=1)  # type: ignore[arg-type]
+    client.read_part("lease", 0, 2, ["tokens"], bogus=1)  # type: ignore[call-arg]
     aio.put_values(["k"], [b"v"]).bit_length()  # type: ignore[attr-defined]  # a coroutine, not yet its int
+    shards.list_experiences("t")  # type: ignore[attr-defined]  # a client of one server's only

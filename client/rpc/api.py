@@ -2,17 +2,82 @@
 
 `Calls` is every call the four clients share: BufferClient, AsyncBufferClient and the two sharded
 clients inherit it, each with its runner (client.py, aio.py, shards/). `ServerCalls` adds the calls
-only a client of one server makes.
+only a client of one server makes: a table's experiences paged in insertion order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, TypedDict, Unpack
+
+from expbuf.proto.v1 import buffer_pb2 as pb
+
+from ..results import ExperiencePage, ListedExperience
+from .declare import Plan, Unary, declare
+from .read_calls import ExperienceReads
 from .value_calls import ValueCalls
 
 
-class Calls(ValueCalls):
+class Calls(ExperienceReads, ValueCalls):
     """Every call the clients share, declared once."""
+
+
+class ListFilters(TypedDict, total=False):
+    """The keywords of `list_experiences()` after the table: which experiences, and the page."""
+
+    states: Iterable[str]
+    min_model_version: int | None
+    max_model_version: int | None
+    after: int
+    limit: int
 
 
 class ServerCalls(Calls):
     """The calls of a client of one server: those it shares, and those of its own."""
+
+    @declare()
+    def list_experiences(self, table: str = "default", **filters: Unpack[ListFilters]) -> Plan[ExperiencePage]:
+        """A page of the table's live experiences in insertion order, optionally of some states and
+        model versions; page on with `after=page.next` until `page.done`. Example:
+
+        ```python
+        page = client.list_experiences("grpo8", states=["ready"])
+        experiences = client.get([e.uid for e in page.experiences], table="grpo8")
+        ```
+        """
+        return _page(table, **filters)
+
+
+def _page(
+    table: str,
+    *,
+    states: Iterable[str] = (),
+    min_model_version: int | None = None,
+    max_model_version: int | None = None,
+    after: int = 0,
+    limit: int = 1000,
+) -> Unary[ExperiencePage]:
+    """Of the table's live experiences in insertion order, those of `states` (all when empty) and of
+    model versions in the range given, a page of up to `limit` after position `after`."""
+
+    def optional(msg: Any, name: str) -> Any:
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    def read(reply: pb.ListExperiencesReply) -> ExperiencePage:
+        listed = [
+            ListedExperience(
+                e.uid, e.group_id, e.state, optional(e, "model_version"), optional(e, "reward"), e.times_sampled
+            )
+            for e in reply.experiences
+        ]
+        return ExperiencePage(listed, reply.next, reply.done)
+
+    request = pb.ListExperiencesRequest(
+        table=table,
+        states=list(states),
+        min_model_version=min_model_version,
+        max_model_version=max_model_version,
+        after=after,
+        limit=limit,
+    )
+    return Unary("ListExperiences", request, read, retry=True)

@@ -1,13 +1,13 @@
-"""The calls that read named experiences (ReadFields: some fields, shares of their tokens, a
-rank's part of a leased step, or the experiences whole; Get; ListExperiences), described as
-`Unary` calls (calls.py) for the blocking and the asyncio client."""
+"""The reads of named experiences as the clients make them (ExperienceReads, declared once:
+rpc/declare.py): some fields, shares of their tokens, a rank's part of a leased step, or the
+experiences whole, over ReadFields; Get from an older server; the rollouts held in pieces."""
 
 from __future__ import annotations
 
 import collections
 import itertools
 from collections.abc import Iterable
-from typing import Any, TypedDict
+from typing import Any, TypedDict, Unpack
 
 import grpc
 
@@ -16,33 +16,13 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from .. import trxp
 from ..columns import decode_columns, join_columns
 from ..errors import DataLossError
-from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
+from ..results import FieldBatch, GetResult
 from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
 from ..trxp.columns import Shares, unknown_field
-from .calls import Several, Unary
+from .declare import Plan, Settings, Several, Steps, Unary, declare
 from .sample_reply import SampleReplyParts
-
-
-def read_fields(
-    uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int, max_reply_bytes: int
-) -> Several[FieldBatch, FieldBatch]:
-    """ReadFields of `uids`, MAX_READ_UIDS a call, `share` (one share or several, in order) of `of`
-    of their tokens (of=0: whole), joined in order; a ValueError names a share that is not one, or a
-    uid named twice (the server refuses it in one call, and calls apart would read it twice). A
-    prompt that the runs of one call share comes once a call (prefix_tokens)."""
-    uids, fields, take = list(uids), list(fields), share if isinstance(share, int) else tuple(share)
-    if len(set(uids)) < len(uids):
-        twice = next(uid for uid, count in collections.Counter(uids).items() if count > 1)
-        raise ValueError(f"read_fields: uid {twice!r} is named more than once")
-    calls = [
-        _fields_call(
-            pb.ReadFieldsRequest(table=table, uids=part, fields=fields, max_reply_bytes=max_reply_bytes), take, of
-        )
-        for part in in_parts(uids, MAX_READ_UIDS)
-    ]
-    return Several(calls, _joined_fields)
 
 
 def _joined_fields(parts: list[FieldBatch]) -> FieldBatch:
@@ -85,37 +65,6 @@ def split_of(options: PartOptions, call: str = "get_part") -> tuple[str, ModelSh
     if unknown:
         raise TypeError(f"{call}() got unexpected keyword argument(s) {', '.join(unknown)}")
     return options.get("balance", "tokens"), options.get("model"), options.get("equal", False)
-
-
-def read_part(
-    lease_id: str,
-    rank: int,
-    ranks: int,
-    fields: Iterable[str],
-    table: str,
-    options: ReadPartOptions,
-    max_reply_bytes: int,
-) -> Unary[FieldBatch]:
-    """ReadFields of rank `rank`'s part of a leased batch spread over `ranks` ranks as `options`
-    split it (schema/balance.py; a balance the server registered too, which it checks), and
-    their `share` of `of` as read_fields'; ValueError before the call for what is not a part or
-    a share."""
-    request = part_request(lease_id, rank, ranks, table, split_of(options, "read_part"), max_reply_bytes)
-    request.fields.extend(fields)
-    return _fields_call(request, options.get("share", ()), options.get("of", 0))
-
-
-def get_part(
-    lease_id: str, rank: int, ranks: int, table: str, options: PartOptions, max_reply_bytes: int
-) -> Unary[GetResult]:
-    """Rank `rank`'s part of a leased batch (split by `options`, as read_part's keywords) as whole
-    experiences in the lease's order, in parts when large."""
-    request = part_request(lease_id, rank, ranks, table, split_of(options), max_reply_bytes)
-
-    def read(reply: SampleReplyParts) -> GetResult:
-        return GetResult(trxp.decode_reply(reply.payload), list(reply.rest.missing_uids))
-
-    return Unary("ReadFields", request, read, retry=True, parts=True)
 
 
 def part_request(
@@ -177,79 +126,146 @@ def field_batch(reply: SampleReplyParts, table: str) -> FieldBatch:
     return FieldBatch(list(rest.uids), list(rest.group_ids), list(rest.missing_uids), columns, table)
 
 
-def get(uids: Iterable[str], table: str, max_reply_bytes: int) -> Several[list[Experience], GetResult]:
-    """The experiences among uids, in request order: read over ReadFields without fields,
-    MAX_READ_UIDS a call, whole and in parts when large, so that no experience is too large to read
-    back; over Get from a server without ReadFields."""
-    asked = list(uids)
+class ExperienceReads(Settings):
+    """The reads of named experiences, as the clients make them (rpc/declare.py)."""
 
-    def joined(parts: list[list[Experience]]) -> GetResult:
-        found = {exp.eid.uid: exp for part in parts for exp in part}
-        return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
+    @declare(shards=lambda s: s._get)
+    def get(self, uids: Iterable[str], table: str = "default") -> Plan[GetResult]:
+        """The stored experiences among uids, in request order; `.missing_uids` lists the others.
+        Read in parts no larger than the client's max_message_bytes, however large they are.
 
-    def experiences(reply: Any) -> list[Experience]:  # a ReadFields' reply put together, or a Get's
-        return trxp.decode_reply(reply.payload)
+        Sharded: each asked of the shard that owns its group; when a uid's owner is down, raises
+        ShardError, its `result` holding what was found."""
+        # Over ReadFields without fields, MAX_READ_UIDS a call, each uid once, whole and in parts
+        # when large, so that no experience is too large to read back; over Get from a server
+        # without ReadFields.
+        asked = list(uids)
 
-    calls = [
-        Unary(
-            "ReadFields",
-            pb.ReadFieldsRequest(table=table, uids=part, max_reply_bytes=max_reply_bytes),
-            experiences,
-            retry=True,
-            parts=True,
-            fallback=Unary("Get", pb.GetRequest(table=table, uids=part), experiences, retry=True),
-        )
-        for part in in_parts(list(dict.fromkeys(asked)), MAX_READ_UIDS)  # ReadFields names each uid once
-    ]
-    return Several(calls, joined)
+        def joined(parts: list[list[Experience]]) -> GetResult:
+            found = {exp.eid.uid: exp for part in parts for exp in part}
+            return GetResult([found[uid] for uid in asked if uid in found], [uid for uid in asked if uid not in found])
 
+        def experiences(reply: Any) -> list[Experience]:  # a ReadFields' reply put together, or a Get's
+            return trxp.decode_reply(reply.payload)
 
-class ListFilters(TypedDict, total=False):
-    """The keywords of `list_experiences()` after the table: which experiences, and the page."""
-
-    states: Iterable[str]
-    min_model_version: int | None
-    max_model_version: int | None
-    after: int
-    limit: int
-
-
-def list_experiences(
-    table: str,
-    *,
-    states: Iterable[str] = (),
-    min_model_version: int | None = None,
-    max_model_version: int | None = None,
-    after: int = 0,
-    limit: int = 1000,
-) -> Unary[ExperiencePage]:
-    """Of the table's live experiences in insertion order, those of `states` (all when empty) and of
-    model versions in the range given, a page of up to `limit` after position `after`."""
-
-    def optional(msg: Any, name: str) -> Any:
-        return getattr(msg, name) if msg.HasField(name) else None
-
-    def read(reply: pb.ListExperiencesReply) -> ExperiencePage:
-        listed = [
-            ListedExperience(
-                e.uid, e.group_id, e.state, optional(e, "model_version"), optional(e, "reward"), e.times_sampled
+        calls = [
+            Unary(
+                "ReadFields",
+                pb.ReadFieldsRequest(table=table, uids=part, max_reply_bytes=self.max_message_bytes),
+                experiences,
+                retry=True,
+                parts=True,
+                fallback=Unary("Get", pb.GetRequest(table=table, uids=part), experiences, retry=True),
             )
-            for e in reply.experiences
+            for part in in_parts(list(dict.fromkeys(asked)), MAX_READ_UIDS)
         ]
-        return ExperiencePage(listed, reply.next, reply.done)
+        return Several(calls, joined)
 
-    request = pb.ListExperiencesRequest(
-        table=table,
-        states=list(states),
-        min_model_version=min_model_version,
-        max_model_version=max_model_version,
-        after=after,
-        limit=limit,
-    )
-    return Unary("ListExperiences", request, read, retry=True)
+    @declare(shards=lambda s: s._read_fields)
+    def read_fields(
+        self,
+        uids: Iterable[str],
+        fields: Iterable[str],
+        table: str = "default",
+        *,
+        share: int | Iterable[int] = (),
+        of: int = 0,
+    ) -> Plan[FieldBatch]:
+        """Some fields of the experiences `uids` as columns (`.columns`, `.tensordict()`), as they
+        stand (leased ones too), in request order; `.missing_uids` lists those not served. The
+        ranks of a trainer each read their part of a batch one process sampled (and acks).
+
+        With `of`, each experience's tokens are cut into `of` equal runs, and only run `share`
+        (or the runs listed, in that order) of each tensor laid along them comes: a context-parallel
+        rank r of C reads `share=r, of=C`, or, balanced as Megatron-LM splits a causal sequence,
+        `share=(r, 2 * C - 1 - r), of=2 * C`. A tensor of the experience's token count along its
+        first dimension (tokens, routing ids) is cut at those positions, a response field
+        (logprobs, action_mask, advantages, ...) at those after the prompt, any other comes whole.
+        A large experience's chunks outside the share are not read from disk.
+
+        Sharded: each uid's fields read from the shard that owns its group, in request order; when
+        a uid's owner is down, raises ShardError, its `result` holding what was read."""
+        # MAX_READ_UIDS a call, joined in order; a ValueError names a share that is not one, or a
+        # uid named twice (the server refuses it in one call, and calls apart would read it twice).
+        # A prompt that the runs of one call share comes once a call (prefix_tokens).
+        uids, fields, take = list(uids), list(fields), share if isinstance(share, int) else tuple(share)
+        if len(set(uids)) < len(uids):
+            twice = next(uid for uid, count in collections.Counter(uids).items() if count > 1)
+            raise ValueError(f"read_fields: uid {twice!r} is named more than once")
+        calls = [
+            _fields_call(
+                pb.ReadFieldsRequest(table=table, uids=part, fields=fields, max_reply_bytes=self.max_message_bytes),
+                take,
+                of,
+            )
+            for part in in_parts(uids, MAX_READ_UIDS)
+        ]
+        return Several(calls, _joined_fields)
+
+    @declare(shards=lambda s: s._read_part)
+    def read_part(
+        self,
+        lease_id: str,
+        rank: int,
+        ranks: int,
+        fields: Iterable[str],
+        table: str = "default",
+        **options: Unpack[ReadPartOptions],
+    ) -> Plan[FieldBatch]:
+        """Rank `rank`'s part of the batch leased as `lease_id` (a leased sample's `batch.lease_id`,
+        which the process that sampled it hands to every rank), for a step spread over `ranks`
+        data-parallel ranks: its groups, whole, as columns of `fields` (a FieldBatch; `share` and
+        `of` as read_fields'). The server splits the lease's groups so that the ranks' loads are as
+        equal as the groups allow (Karmarkar-Karp over each group's tokens; its runs with
+        balance="count"; its FLOPs with balance="flops" and `model`, a ModelShape(params, layers,
+        hidden)), the same split for every rank that asks: a rank that dies and comes
+        back reads its part again while the lease holds. With `equal`, every rank gets as many
+        groups as the others, or one fewer. The process that sampled the batch acks it once every
+        rank has trained its part.
+
+        Sharded, for a batch leased from several shards: the groups of every shard are split over
+        the ranks together (the same split in every rank's process), and each rank's read from
+        the shards that hold them; a shard of the lease that does not answer raises ShardError."""
+        # A balance the server registered too, which it checks; ValueError before the call for
+        # what is not a part or a share.
+        split = split_of(options, "read_part")
+        request = part_request(lease_id, rank, ranks, table, split, self.max_message_bytes)
+        request.fields.extend(fields)
+        return _fields_call(request, options.get("share", ()), options.get("of", 0))
+
+    @declare(shards=lambda s: s._get_part)
+    def get_part(
+        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]
+    ) -> Plan[GetResult]:
+        """Rank `rank`'s part of the batch leased as `lease_id`, split as read_part splits it (its
+        balance, model and equal), as whole experiences (what a framework's adapter converts), in
+        the lease's order; read in parts no larger than the client's max_message_bytes.
+
+        Sharded, for a batch leased from several shards: each experience read from the shard that
+        holds it."""
+        request = part_request(lease_id, rank, ranks, table, split_of(split), self.max_message_bytes)
+
+        def read(reply: SampleReplyParts) -> GetResult:
+            return GetResult(trxp.decode_reply(reply.payload), list(reply.rest.missing_uids))
+
+        return Unary("ReadFields", request, read, retry=True, parts=True)
+
+    @declare(shards=lambda s: s._get_partials)
+    def get_partials(self, task_ids: Iterable[str], table: str = "default") -> Steps[list[Experience]]:
+        """The rollouts of these tasks (batch/task) held in pieces, each put together as it stands
+        and marked partial (push scope): what a rollout worker continues, with `continuation`. A
+        prompt's claimant gets those of the attempt before it under its own task.
+
+        Sharded: from every shard (a rollout's pieces are on the shard that owns its group, which a
+        table grouping by run or step spreads a task over)."""
+        found, rest = yield _partials(task_ids, (), table, self.max_message_bytes)
+        while rest:  # those one reply did not hold (each reply holds one at least)
+            more, rest = yield _partials((), rest, table, self.max_message_bytes)
+            found += more
+        return found
 
 
-def get_partials(
+def _partials(
     task_ids: Iterable[str], uids: Iterable[str], table: str, max_reply_bytes: int
 ) -> Unary[tuple[list[Experience], list[str]]]:
     """The rollouts of these tasks and uids held in pieces, each as it stands (marked partial), as

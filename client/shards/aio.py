@@ -12,14 +12,12 @@ from typing import Any, Unpack
 
 from ..aio import AsyncBufferClient
 from ..errors import BufferError
-from ..results import BufferStats, FailedRuns, FieldBatch, GetResult, Grant, PushResult, ServerInfo, TableInfo
+from ..results import BufferStats, FailedRuns, Grant, PushResult, ServerInfo, TableInfo
 from ..rpc import calls
 from ..rpc.api import Calls
 from ..rpc.declare import AwaitingShards, Turns
 from ..rpc.ledger_calls import Outcomes
-from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.experience import Experience
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
@@ -125,40 +123,6 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, Calls):
         """End a grant on the shard that granted it."""
         return await self._run(self._on_one(self.admission_shard(grant.table), "finish_grant", grant, accepted))
 
-    async def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
-        """As ShardedBufferClient.get."""
-        return await self._run(self._get(uids, table))
-
-    async def read_fields(
-        self,
-        uids: Iterable[str],
-        fields: Iterable[str],
-        table: str = "default",
-        *,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-    ) -> FieldBatch:
-        """As ShardedBufferClient.read_fields."""
-        return await self._run(self._read_fields(uids, list(fields), table, share, of))
-
-    async def read_part(
-        self,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        fields: Iterable[str],
-        table: str = "default",
-        **options: Unpack[ReadPartOptions],
-    ) -> FieldBatch:
-        """As ShardedBufferClient.read_part."""
-        return await self._run(self._read_part(lease_id, rank, ranks, list(fields), table, options))
-
-    async def get_part(
-        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]
-    ) -> GetResult:
-        """As ShardedBufferClient.get_part."""
-        return await self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
-
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As ShardedBufferClient.delete."""
         return await self._run(self._delete(list(uids), table, list(groups)))
@@ -172,10 +136,6 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, Calls):
     ) -> FailedRuns:
         """As ShardedBufferClient.fail_runs."""
         return await self._run(self._fail_runs(list(uids), list(reasons), table))
-
-    async def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
-        """As ShardedBufferClient.get_partials."""
-        return await self._run(self._get_partials(list(task_ids), table))
 
     async def seal(self, group_id: str, table: str = "default") -> int:
         """As ShardedBufferClient.seal."""

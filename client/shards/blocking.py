@@ -21,15 +21,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
-from ..client import BufferClient, BufferError, GetResult, Grant, PushResult
-from ..results import BufferStats, FailedRuns, FieldBatch, ServerInfo, TableInfo
+from ..client import BufferClient, BufferError, Grant, PushResult
+from ..results import BufferStats, FailedRuns, ServerInfo, TableInfo
 from ..rpc import calls
 from ..rpc.api import Calls
 from ..rpc.declare import BlockingShards, Turns
 from ..rpc.ledger_calls import Outcomes
-from ..rpc.read_calls import PartOptions, ReadPartOptions, split_of
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.experience import Experience
 from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
 from ..schema.table_presets import with_preset
@@ -152,49 +150,6 @@ class ShardedBufferClient(ShardPlans, BlockingShards, Calls):
         """End a grant on the shard that granted it."""
         return self._run(self._on_one(self.admission_shard(grant.table), "finish_grant", grant, accepted))
 
-    def get(self, uids: Iterable[str], table: str = "default") -> GetResult:
-        """The experiences found, in request order, each asked of the shard that owns its group.
-
-        Raises ShardError, its `result` holding what was found, when a uid's owner is down.
-        """
-        return self._run(self._get(uids, table))
-
-    def read_fields(
-        self,
-        uids: Iterable[str],
-        fields: Iterable[str],
-        table: str = "default",
-        *,
-        share: int | Iterable[int] = (),
-        of: int = 0,
-    ) -> FieldBatch:
-        """As BufferClient.read_fields, each uid's fields read from the shard that owns its group,
-        in request order. Raises ShardError, its `result` holding what was read, when a uid's
-        owner is down."""
-        return self._run(self._read_fields(uids, list(fields), table, share, of))
-
-    def read_part(
-        self,
-        lease_id: str,
-        rank: int,
-        ranks: int,
-        fields: Iterable[str],
-        table: str = "default",
-        **options: Unpack[ReadPartOptions],
-    ) -> FieldBatch:
-        """As BufferClient.read_part, for a batch leased from several shards: the groups of every
-        shard are split over the ranks together (the same split in every rank's process), and
-        each rank's read from the shards that hold them. Raises ShardError when a shard of the
-        lease does not answer."""
-        return self._run(self._read_part(lease_id, rank, ranks, list(fields), table, options))
-
-    def get_part(
-        self, lease_id: str, rank: int, ranks: int, table: str = "default", **split: Unpack[PartOptions]
-    ) -> GetResult:
-        """As BufferClient.get_part, for a batch leased from several shards (split as read_part
-        splits it), each experience read from the shard that holds it."""
-        return self._run(self._get_part(lease_id, rank, ranks, table, split_of(split)))
-
     def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete, on every shard (admin scope); the experiences removed over all of them.
 
@@ -215,11 +170,6 @@ class ShardedBufferClient(ShardPlans, BlockingShards, Calls):
         """As BufferClient.fail_runs, each run on the shard that owns its group. Raises ShardError
         naming a shard that did not answer or refused, its `result` what the others did."""
         return self._run(self._fail_runs(list(uids), list(reasons), table))
-
-    def get_partials(self, task_ids: Iterable[str], table: str = "default") -> list[Experience]:
-        """As BufferClient.get_partials, from every shard (a rollout's pieces are on the shard that
-        owns its group, which a table grouping by run or step spreads a task over)."""
-        return self._run(self._get_partials(list(task_ids), table))
 
     def seal(self, group_id: str, table: str = "default") -> int:
         """Complete a pending group on the shard that owns it."""

@@ -331,8 +331,9 @@ class Planned(Sharded):
             [gkey for one in done for gkey in one.dropped_groups],
         )
 
-    def _get_partials(self, task_ids: list[str], table: str) -> Plan[list[Experience]]:
-        found = yield from self._on_all("get_partials", task_ids, table)
+    def _get_partials(self, task_ids: Iterable[str], table: str) -> Plan[list[Experience]]:
+        """From every shard, in the order of the shards' names."""
+        found = yield from self._on_all("get_partials", list(task_ids), table)
         return [exp for shard in sorted(found) for exp in found[shard]]
 
     def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..client import BufferError, GetResult
 from ..columns import join_columns, run_lengths
-from ..results import FieldBatch
-from ..rpc.read_calls import ReadPartOptions, check_part, split_of
+from ..errors import BufferError
+from ..results import FieldBatch, GetResult
+from ..rpc.read_calls import PartOptions, ReadPartOptions, check_part, split_of
 from ..schema.balance import COSTS, ModelShape, split_runs
 from ..schema.routing import uid_group_key
 from .common import shard_error
@@ -35,11 +35,12 @@ class ReadPlans(Planned):
         return result
 
     def _read_fields(
-        self, uids: Iterable[str], fields: list[str], table: str, share: int | Iterable[int], of: int
+        self, uids: Iterable[str], fields: Iterable[str], table: str, share: int | Iterable[int], of: int
     ) -> Plan[FieldBatch]:
         """Each uid's fields from the shard that owns its group (`_by_owner`), put together in
         request order. Raises ShardError (`result`: what was read) when a uid's owner is down."""
         uids, take = list(dict.fromkeys(uids)), share if isinstance(share, int) else tuple(share)
+        fields = list(fields)
         shares = {"share": take, "of": of}
         found, lost = yield from self._by_owner(
             uids, table,
@@ -63,7 +64,7 @@ class ReadPlans(Planned):
         lease_id: str,
         rank: int,
         ranks: int,
-        fields: list[str],
+        fields: Iterable[str],
         table: str,
         options: ReadPartOptions,
     ) -> Plan[FieldBatch]:
@@ -72,11 +73,9 @@ class ReadPlans(Planned):
         uids = yield from self._part_uids(lease_id, rank, ranks, table, split_of(options, "read_part"))
         return (yield from self._read_fields(uids, fields, table, options.get("share", ()), options.get("of", 0)))
 
-    def _get_part(
-        self, lease_id: str, rank: int, ranks: int, table: str, split: tuple[str, ModelShape | None, bool]
-    ) -> Plan[GetResult]:
+    def _get_part(self, lease_id: str, rank: int, ranks: int, table: str, split: PartOptions) -> Plan[GetResult]:
         """Rank `rank`'s part of a batch leased from several shards, as whole experiences."""
-        uids = yield from self._part_uids(lease_id, rank, ranks, table, split)
+        uids = yield from self._part_uids(lease_id, rank, ranks, table, split_of(split))
         return (yield from self._get(uids, table))
 
     def _part_uids(
