@@ -29,13 +29,12 @@ from .results import (
     ServerInfo,
     TableInfo,
 )
-from .rpc import aio_status, calls, declare, ledger_calls
+from .rpc import aio_status, calls, declare
 from .rpc.api import ServerCalls
 from .rpc.connection import ClientBase
 from .rpc.declare import Awaiting, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
@@ -266,71 +265,6 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
     async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
         """Finish a grant: `accepted` rollouts stay counted, the others give their room back (all, if unset)."""
         return await self._run(calls.finish_grant(grant, accepted))
-
-    # ---- the prompt ledger ------------------------------------------------------------
-
-    async def create_dataset(
-        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
-    ) -> DatasetInfo:
-        """As BufferClient.create_dataset."""
-        return await self._run(ledger_calls.create_dataset(table, name, size, exist_ok, settings))
-
-    async def datasets(self, table: str = "default") -> list[DatasetInfo]:
-        """As BufferClient.datasets."""
-        return await self._run(ledger_calls.datasets(table))
-
-    async def ledger(self, table: str, dataset: str) -> DatasetInfo:
-        """As BufferClient.ledger."""
-        (info,) = await self._run(ledger_calls.datasets(table, dataset))
-        return info
-
-    async def claim(
-        self,
-        table: str,
-        dataset: str,
-        count: int = 1,
-        *,
-        lease_seconds: float = 300.0,
-        owner: str = "",
-        wait: float = 0.0,
-    ) -> Claim:
-        """As BufferClient.claim."""
-        return await self._run(
-            ledger_calls.claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
-        )
-
-    async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
-        """As BufferClient.renew_claims."""
-        ended: list[Prompt] = []
-        for (table, dataset), part in ledger_calls.by_dataset(prompts):
-            ended += (await self._run(ledger_calls.renew_claims(table, dataset, part, seconds)))[1]
-        return ended
-
-    async def release_claims(self, prompts: Iterable[Prompt]) -> int:
-        """As BufferClient.release_claims."""
-        released = 0
-        for (table, dataset), part in ledger_calls.by_dataset(prompts):
-            released += await self._run(ledger_calls.release_claims(table, dataset, part))
-        return released
-
-    async def report_prompts(self, outcomes: ledger_calls.Outcomes) -> int:
-        """As BufferClient.report_prompts."""
-        reported = 0
-        for (table, dataset), part in ledger_calls.outcomes_by_dataset(outcomes):
-            reported += await self._run(ledger_calls.report_prompts(table, dataset, part))
-        return reported
-
-    async def list_prompts(
-        self,
-        table: str,
-        dataset: str,
-        *,
-        states: Iterable[str] = (),
-        after: tuple[int, int] | None = None,
-        limit: int = 1000,
-    ) -> PromptPage:
-        """As BufferClient.list_prompts."""
-        return await self._run(ledger_calls.list_prompts(table, dataset, states, after, limit))
 
     async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
         """As BufferClient.delete (admin scope): how many experiences were removed."""

@@ -21,7 +21,6 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from .errors import BufferError as BufferError  # the old name, for code that imports it from here
 from .errors import ExpbufError
-from .ledger_methods import LedgerMethods
 from .prefetch import Outcome, Prefetcher
 from .pushers.blocking import Pusher
 from .results import (
@@ -40,7 +39,7 @@ from .results import (
 )
 from .rpc import calls, declare
 from .rpc.api import ServerCalls
-from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, Tls
+from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBase, Tls
 from .rpc.declare import Blocking, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
@@ -93,7 +92,7 @@ class SampleRequests:
         self._queue.put(None)
 
 
-class BufferClient(ServerCalls, Blocking, LedgerMethods):
+class BufferClient(ServerCalls, Blocking, ClientBase):
     """Blocking client. Use as a context manager or call close():
 
     ```python

@@ -22,6 +22,7 @@ SHARDED = (ShardedBufferClient, AsyncShardedBufferClient)
 def test_each_client_has_each_declared_call_as_declared(kind: type) -> None:
     declared = declared_calls(kind)
     assert set(declared) >= {"put_values", "get_values", "clear_values", "get_partials", "read_part", "get"}
+    assert set(declared) >= {"claim", "report_prompts", "create_dataset", "ledger", "list_prompts"}
     for name, call in declared.items():
         method = getattr(kind, name)
         assert (method.__name__, method.__qualname__) == (name, f"{kind.__name__}.{name}")

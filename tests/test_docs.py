@@ -135,11 +135,13 @@ def test_the_client_page_draws_each_clients_declared_calls_as_its_own_methods() 
         "client.shards.aio.AsyncShardedBufferClient": True,
     }
     for path, awaited in clients.items():
-        get_values = package[path].members["get_values"]
-        assert [p.name for p in get_values.parameters] == ["self", "keys", "table", "only_own"]
-        assert get_values.docstring is not None and get_values.docstring.value.startswith("The value of each key")
-        assert ("async" in get_values.labels) == awaited, path
-        assert {"put_values", "clear_values"} <= set(package[path].members)
+        members = package[path].members
+        claim = members["claim"]
+        names = [p.name for p in claim.parameters]
+        assert names == ["self", "table", "dataset", "count", "lease_seconds", "owner", "wait"], path
+        assert claim.docstring is not None and claim.docstring.value.startswith("Up to `count` prompts")
+        assert ("async" in claim.labels) == awaited, path
+        assert {"put_values", "get_partials", "report_prompts"} <= members.keys()
 
 
 def test_the_readmes_links_reach_files_in_the_tree() -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, assert_type
 
-from expbuf.client import AsyncBufferClient, BufferClient, Experience
+from expbuf.client import AsyncBufferClient, BufferClient, Experience, Prompt
 from expbuf.client.results import ExperiencePage, FieldBatch, GetResult
+from expbuf.client.schema.prompts import Claim, DatasetInfo
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
 
-def blocking(client: BufferClient) -> None:
+def blocking(client: BufferClient, prompt: Prompt) -> None:
     assert_type(client.put_values(["k"], [b"v"], table="t"), int)
     assert_type(client.get_values(["k"], only_own=True), list[bytes | None])
     assert_type(client.clear_values(["k"], "t"), int)
@@ -20,14 +21,19 @@ def blocking(client: BufferClient) -> None:
     assert_type(client.read_part("lease", 0, 2, ["tokens"], balance="count"), FieldBatch)
     assert_type(client.get_part("lease", 0, 2, equal=True), GetResult)
     assert_type(client.list_experiences("t", states=["ready"]), ExperiencePage)
+    assert_type(client.report_prompts({prompt: [1.0]}), int)
+    assert_type(client.claim("t", "math", 4, wait=1.0), Claim)
+    assert_type(client.create_dataset("t", "math", 100, epochs=2), DatasetInfo)
 
 
-async def awaiting(client: AsyncBufferClient) -> None:
+async def awaiting(client: AsyncBufferClient, prompt: Prompt) -> None:
     put = assert_type(client.put_values(["k"], [b"v"], table="t"), Coroutine[Any, Any, int])  # as `async def`'s
     assert_type(await put, int)
     assert_type(await client.get_values(["k"], "t"), list[bytes | None])
     assert_type(await client.get_partials(["0/0"], "t"), list[Experience])
     assert_type(await client.read_part("lease", 0, 2, ["tokens"], share=0, of=2), FieldBatch)
+    assert_type(await client.report_prompts([(prompt, [1.0])]), int)
+    assert_type(await client.claim("t", "math", lease_seconds=60.0), Claim)
 
 
 async def sharded(client: ShardedBufferClient, aio: AsyncShardedBufferClient) -> None:
@@ -36,6 +42,8 @@ async def sharded(client: ShardedBufferClient, aio: AsyncShardedBufferClient) ->
     assert_type(await aio.clear_values(["k"]), int)
     assert_type(client.read_fields(["u"], ["tokens"], share=(0, 3), of=4), FieldBatch)
     assert_type(await aio.read_part("lease", 0, 2, ["tokens"]), FieldBatch)
+    assert_type(client.claim("t", "math"), Claim)
+    assert_type(await aio.ledger("t", "math"), DatasetInfo)
 
 
 def refused(client: BufferClient, aio: AsyncBufferClient, shards: ShardedBufferClient) -> None:
@@ -44,5 +52,6 @@ def refused(client: BufferClient, aio: AsyncBufferClient, shards: ShardedBufferC
     client.put_values(["k"], [b"v"], bogus=1)  # type: ignore[call-arg]
     client.clear_values("k", table=1)  # type: ignore[arg-type]
     client.read_part("lease", 0, 2, ["tokens"], bogus=1)  # type: ignore[call-arg]
+    client.claim("t", "math", count="4")  # type: ignore[arg-type]
     aio.put_values(["k"], [b"v"]).bit_length()  # type: ignore[attr-defined]  # a coroutine, not yet its int
     shards.list_experiences("t")  # type: ignore[attr-defined]  # a client of one server's only

@@ -14,11 +14,12 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..results import ExperiencePage, ListedExperience
 from .declare import Plan, Unary, declare
+from .ledger_calls import PromptCalls
 from .read_calls import ExperienceReads
 from .value_calls import ValueCalls
 
 
-class Calls(ExperienceReads, ValueCalls):
+class Calls(ExperienceReads, ValueCalls, PromptCalls):
     """Every call the clients share, declared once."""
 
 

@@ -1,20 +1,161 @@
-"""The prompt ledger's calls (datasets, claims, their renewals and releases, prompt pages),
-described as `Unary` calls (calls.py) for the blocking and the asyncio client."""
+"""The prompt ledger's calls as the clients make them (PromptCalls, declared once: rpc/declare.py):
+datasets of prompts, claims on them, their renewals and releases, outcomes reported, pages of
+prompts. Sharded, a dataset's prompts live on the shards of the map's first epoch, each handing out
+its part (shards/ledger.py)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from numbers import Real
 from typing import Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.prompts import MAX_PROMPTS_PER_CALL, Claim, DatasetInfo, Prompt, PromptPage
-from .calls import Unary
+from .declare import Plan, Settings, Steps, Unary, declare
+
+Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
 
 
-def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: dict[str, Any]) -> Unary[DatasetInfo]:
+class PromptCalls(Settings):
+    """The prompt ledger's calls, as the clients make them (rpc/declare.py)."""
+
+    @declare(shards=lambda s: s._create_dataset)
+    def create_dataset(  # `self` positional-only: a setting may have any name
+        self, /, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
+    ) -> Plan[DatasetInfo]:
+        """A dataset of `size` prompts (indexes 0..size-1) on a table that groups by task.
+        Settings: `epochs` (1), `seed` (each epoch in a permutation fixed by it; None: index
+        order), `max_in_flight` (bound on prompts claimed, or generated and not yet trained; 0:
+        none), `on_drop` ("done": a group the table drops counts its prompt as done; "retry":
+        it goes out again), `max_attempts` (5: a prompt sent back this often is dropped),
+        `pass_threshold` (0.0: a run passes when its reward is above it, in each prompt's statistics,
+        which `list_prompts` returns), `order` ("permutation"; "pools": by the last group's mean
+        reward, easy / medium / hard with shares; "pass_rate": near a target pass rate first) and
+        its `order_options`, `zero_variance` ("keep"; "retry": claimed again; "skip": sits out the
+        next `skip_epochs` epochs). docs/concepts/prompt-ledger.md shows a curriculum.
+
+        Sharded: on every shard of the map's first epoch, each handing out its part;
+        `max_in_flight` is split among them (at least 1 each). With exist_ok, a shard that does
+        not answer is owed the dataset (`pending`) and named in `.missing`."""
+        request = pb.CreateDatasetRequest(table=table, config=_dataset(name, size, settings), exist_ok=exist_ok)
+        return Unary("CreateDataset", request, lambda r: DatasetInfo.from_proto(r.dataset, table), retry=exist_ok)
+
+    @declare(shards=lambda s: s._datasets)
+    def datasets(self, table: str = "default") -> Plan[list[DatasetInfo]]:
+        """The table's datasets, each with its cursor and its prompts by state and epoch.
+        Sharded: each merged over the shards that answer (`.missing`: the others)."""
+        return _datasets(table)
+
+    @declare(shards=lambda s: s._ledger)
+    def ledger(self, table: str, dataset: str) -> Steps[DatasetInfo]:
+        """One dataset's settings, cursor and prompts by state and epoch. Sharded: its counts
+        merged over the shards that answer (`.missing`: the others)."""
+        (info,) = yield _datasets(table, dataset)
+        return info
+
+    @declare(shards=lambda s: s._claim)
+    def claim(
+        self,
+        table: str,
+        dataset: str,
+        count: int = 1,
+        *,
+        lease_seconds: float = 300.0,
+        owner: str = "",
+        wait: float = 0.0,
+    ) -> Plan[Claim]:
+        """Up to `count` prompts for this rollout worker, under claims that end `lease_seconds`
+        from now unless renewed; prompts sent back go out before new ones. Waits up to `wait`
+        seconds when none can be handed out now (max_in_flight reached, or every prompt out),
+        asking again while the server has as many claims waiting as it lets (calls.Attempts).
+        `done` says the dataset has nothing left to hand out or train. `count` is at most
+        MAX_PROMPTS_PER_CALL (expbuf.client.schema.prompts), and at most what one reply holds
+        within this client's `max_message_bytes`: a claim of more is refused, before anything
+        is claimed, with ResourceExhaustedError (reason `too_large`) naming the count that fits.
+
+        Sharded: from the shards that have some, a shard that is down left out (its prompts wait
+        for it); with none now, waits up to `wait` for one. `done` once every shard says its part
+        is done. A shard that refuses raises ShardError, its `result` the Claim of what the others
+        gave."""
+        return claim(table, dataset, count, lease_seconds, owner, wait, self.timeout, self.max_message_bytes)
+
+    @declare(shards=lambda s: s._renew_claims)
+    def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> Steps[list[Prompt]]:
+        """Claims now end `seconds` from now; returns the prompts whose claim had already ended
+        (not renewed: their groups will not be taken, give up on them). Any number, in calls of
+        at most MAX_PROMPTS_PER_CALL. Sharded: each prompt on its shard (ShardError: `result` the
+        ended prompts of the shards that answered)."""
+        ended: list[Prompt] = []
+        for (table, dataset), part in by_dataset(prompts):
+            request = pb.RenewClaimsRequest(table=table, dataset=dataset, prompts=_refs(part), lease_seconds=seconds)
+            ended += yield Unary("RenewClaims", request, partial(_ended, part), retry=True)
+        return ended
+
+    @declare(shards=lambda s: s._release_claims)
+    def release_claims(self, prompts: Iterable[Prompt]) -> Steps[int]:
+        """Give claims back now: each prompt goes out again with its next attempt. Returns the
+        claims that were still held. Any number, in calls of at most MAX_PROMPTS_PER_CALL.
+        Sharded: each prompt on its shard (ShardError: `result` what the shards that answered
+        released)."""
+        released = 0
+        for (table, dataset), part in by_dataset(prompts):
+            request = pb.ReleaseClaimsRequest(table=table, dataset=dataset, prompts=_refs(part))
+            released += yield Unary("ReleaseClaims", request, lambda r: r.released, retry=True)
+        return released
+
+    @declare(shards=lambda s: s._report_prompts)
+    def report_prompts(self, outcomes: Outcomes) -> Steps[int]:
+        """Prompts whose groups were generated and trained outside expbuf (a framework's own queue
+        held their runs), each with its runs' rewards (`{prompt: [rewards]}` or pairs): each
+        prompt still claimed is trained, its statistics taking the rewards, so a claim order
+        learns from them. Returns the prompts whose claims still held. A prompt whose group is in
+        the table is refused (AlreadyExistsError): its group's events move it. Sharded: each
+        prompt on its shard (ShardError: `result` what the shards that answered took)."""
+        reported = 0
+        for (table, dataset), part in outcomes_by_dataset(outcomes):
+            refs = _refs([prompt for prompt, _ in part])
+            request = pb.ReportPromptsRequest(
+                table=table,
+                dataset=dataset,
+                outcomes=[
+                    pb.PromptOutcome(prompt=ref, rewards=rewards) for ref, (_, rewards) in zip(refs, part, strict=True)
+                ],
+            )
+            reported += yield Unary("ReportPrompts", request, lambda r: r.reported, retry=True)
+        return reported
+
+    @declare(shards=lambda s: s._list_prompts)
+    def list_prompts(
+        self,
+        table: str,
+        dataset: str,
+        *,
+        states: Iterable[str] = (),
+        after: tuple[int, int] | None = None,
+        limit: int = 1000,
+    ) -> Plan[PromptPage]:
+        """A page of the dataset's prompts handed out at least once, in (epoch, index) order, of
+        `states` (all when empty); pass the page's `after` for the next. Sharded: merged over its
+        shards in (epoch, index) order, at most `limit`; every shard must answer."""
+        request = pb.ListPromptsRequest(table=table, dataset=dataset, states=list(states), limit=limit)
+        if after is not None:
+            request.has_after, request.after_epoch, request.after_index = True, after[0], after[1]
+
+        def read(reply: pb.ListPromptsReply) -> PromptPage:
+            prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
+            # A page that is not the last read `limit` records, whether or not it kept any of `states`.
+            last = (reply.after_epoch, reply.after_index) if (prompts or after is not None or not reply.done) else None
+            return PromptPage(prompts, last, reply.done)
+
+        return Unary("ListPrompts", request, read, retry=True)
+
+
+def _dataset(name: str, size: int, settings: dict[str, Any]) -> pb.DatasetConfig:
+    """A dataset's settings as the wire carries them, each checked: a ValueError names one that is
+    unknown or out of its range before anything is sent."""
     unknown = sorted(set(settings) - _DATASET_SETTINGS)
     if unknown:
         raise ValueError(
@@ -50,8 +191,7 @@ def create_dataset(table: str, name: str, size: int, exist_ok: bool, settings: d
     )
     if seed is not None:
         config.seed = seed
-    request = pb.CreateDatasetRequest(table=table, config=config, exist_ok=exist_ok)
-    return Unary("CreateDataset", request, lambda r: DatasetInfo.from_proto(r.dataset, table), retry=exist_ok)
+    return config
 
 
 _DATASET_SETTINGS = frozenset(
@@ -81,7 +221,7 @@ def _integer_in(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
+def _datasets(table: str, name: str = "") -> Unary[list[DatasetInfo]]:
     request = pb.ListDatasetsRequest(table=table, name=name)
     return Unary("ListDatasets", request, lambda r: [DatasetInfo.from_proto(d, table) for d in r.datasets], retry=True)
 
@@ -96,9 +236,9 @@ def claim(
     timeout: float,
     max_reply_bytes: int = 0,
 ) -> Unary[Claim]:
-    """A Claim that says what this client receives (`max_reply_bytes`, its max_message_bytes), so
-    that the server refuses a claim whose reply it could not take before claiming anything (0:
-    the server's max_message_bytes alone bounds it)."""
+    """The Claim call of PromptCalls.claim, which says what this client receives
+    (`max_reply_bytes`, its max_message_bytes), so that the server refuses a claim whose reply it
+    could not take before claiming anything (0: the server's max_message_bytes alone bounds it)."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"claim: count must be a positive integer, got {count!r}")
     request = pb.ClaimRequest(
@@ -116,6 +256,12 @@ def _refs(prompts: list[Prompt]) -> list[pb.PromptRef]:
     return [pb.PromptRef(epoch=p.epoch, index=p.index, attempt=p.attempt) for p in prompts]
 
 
+def _ended(prompts: list[Prompt], reply: pb.RenewClaimsReply) -> list[Prompt]:
+    """The prompts of a RenewClaims whose claim had ended."""
+    ended = {(r.epoch, r.index, r.attempt) for r in reply.ended}
+    return [p for p in prompts if (p.epoch, p.index, p.attempt) in ended]
+
+
 def by_dataset(prompts: Iterable[Prompt]) -> list[tuple[tuple[str, str], list[Prompt]]]:
     """Prompts by (table, dataset), in parts of at most MAX_PROMPTS_PER_CALL: one call each."""
     out: dict[tuple[str, str], list[Prompt]] = {}
@@ -126,24 +272,6 @@ def by_dataset(prompts: Iterable[Prompt]) -> list[tuple[tuple[str, str], list[Pr
         for key, part in out.items()
         for start in range(0, len(part), MAX_PROMPTS_PER_CALL)
     ]
-
-
-def renew_claims(table: str, dataset: str, prompts: list[Prompt], seconds: float) -> Unary[tuple[float, list[Prompt]]]:
-    request = pb.RenewClaimsRequest(table=table, dataset=dataset, prompts=_refs(prompts), lease_seconds=seconds)
-
-    def read(reply: pb.RenewClaimsReply) -> tuple[float, list[Prompt]]:
-        ended = {(r.epoch, r.index, r.attempt) for r in reply.ended}
-        return reply.expires_unix, [p for p in prompts if (p.epoch, p.index, p.attempt) in ended]
-
-    return Unary("RenewClaims", request, read, retry=True)
-
-
-def release_claims(table: str, dataset: str, prompts: list[Prompt]) -> Unary[int]:
-    request = pb.ReleaseClaimsRequest(table=table, dataset=dataset, prompts=_refs(prompts))
-    return Unary("ReleaseClaims", request, lambda r: r.released, retry=True)
-
-
-Outcomes = Mapping[Prompt, Sequence[float]] | Iterable[tuple[Prompt, Sequence[float]]]
 
 
 def outcomes_by_dataset(outcomes: Outcomes) -> list[tuple[tuple[str, str], list[tuple[Prompt, list[float]]]]]:
@@ -161,31 +289,3 @@ def outcomes_by_dataset(outcomes: Outcomes) -> list[tuple[tuple[str, str], list[
             )
         rewards[prompt] = [float(v) for v in values]
     return [(key, [(prompt, rewards[prompt]) for prompt in part]) for key, part in by_dataset(rewards)]
-
-
-def report_prompts(table: str, dataset: str, outcomes: list[tuple[Prompt, list[float]]]) -> Unary[int]:
-    refs = _refs([prompt for prompt, _ in outcomes])
-    request = pb.ReportPromptsRequest(
-        table=table,
-        dataset=dataset,
-        outcomes=[
-            pb.PromptOutcome(prompt=ref, rewards=rewards) for ref, (_, rewards) in zip(refs, outcomes, strict=True)
-        ],
-    )
-    return Unary("ReportPrompts", request, lambda r: r.reported, retry=True)
-
-
-def list_prompts(
-    table: str, dataset: str, states: Iterable[str], after: tuple[int, int] | None, limit: int
-) -> Unary[PromptPage]:
-    request = pb.ListPromptsRequest(table=table, dataset=dataset, states=list(states), limit=limit)
-    if after is not None:
-        request.has_after, request.after_epoch, request.after_index = True, after[0], after[1]
-
-    def read(reply: pb.ListPromptsReply) -> PromptPage:
-        prompts = [Prompt.from_proto(p, table) for p in reply.prompts]
-        # A page that is not the last read `limit` records, whether or not it kept any of `states`.
-        last = (reply.after_epoch, reply.after_index) if (prompts or after is not None or not reply.done) else None
-        return PromptPage(prompts, last, reply.done)
-
-    return Unary("ListPrompts", request, read, retry=True)

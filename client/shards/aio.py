@@ -16,9 +16,7 @@ from ..results import BufferStats, FailedRuns, Grant, PushResult, ServerInfo, Ta
 from ..rpc import calls
 from ..rpc.api import Calls
 from ..rpc.declare import AwaitingShards, Turns
-from ..rpc.ledger_calls import Outcomes
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
 from .common import AsyncShardBatch, LiveResult, ShardBatch
@@ -166,56 +164,3 @@ class AsyncShardedBufferClient(ShardPlans, AwaitingShards, Calls):
     async def drop_table(self, name: str) -> int:
         """As ShardedBufferClient.drop_table."""
         return await self._run(self._drop_table(name))
-
-    # ---- the prompt ledger (ledger.py) --------------------------------------------------
-
-    async def create_dataset(
-        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
-    ) -> DatasetInfo:
-        """As ShardedBufferClient.create_dataset."""
-        return await self._run(self._create_dataset(table, name, size, exist_ok, settings))
-
-    async def datasets(self, table: str = "default") -> list[DatasetInfo]:
-        """As ShardedBufferClient.datasets."""
-        return await self._run(self._datasets(table))
-
-    async def ledger(self, table: str, dataset: str) -> DatasetInfo:
-        """As ShardedBufferClient.ledger."""
-        return await self._run(self._ledger(table, dataset))
-
-    async def claim(
-        self,
-        table: str,
-        dataset: str,
-        count: int = 1,
-        *,
-        lease_seconds: float = 300.0,
-        owner: str = "",
-        wait: float = 0.0,
-    ) -> Claim:
-        """As ShardedBufferClient.claim."""
-        return await self._run(self._claim(table, dataset, count, lease_seconds, owner, wait))
-
-    async def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
-        """As ShardedBufferClient.renew_claims."""
-        return await self._run(self._renew_claims(prompts, seconds))
-
-    async def release_claims(self, prompts: Iterable[Prompt]) -> int:
-        """As ShardedBufferClient.release_claims."""
-        return await self._run(self._release_claims(prompts))
-
-    async def report_prompts(self, outcomes: Outcomes) -> int:
-        """As ShardedBufferClient.report_prompts."""
-        return await self._run(self._report_prompts(outcomes))
-
-    async def list_prompts(
-        self,
-        table: str,
-        dataset: str,
-        *,
-        states: Iterable[str] = (),
-        after: tuple[int, int] | None = None,
-        limit: int = 1000,
-    ) -> PromptPage:
-        """As ShardedBufferClient.list_prompts."""
-        return await self._run(self._list_prompts(table, dataset, states, after, limit))

@@ -26,9 +26,7 @@ from ..results import BufferStats, FailedRuns, ServerInfo, TableInfo
 from ..rpc import calls
 from ..rpc.api import Calls
 from ..rpc.declare import BlockingShards, Turns
-from ..rpc.ledger_calls import Outcomes
 from ..rpc.sample_spec import SampleOptions, SampleSpec
-from ..schema.prompts import Claim, DatasetInfo, Prompt, PromptPage
 from ..schema.routing import ShardMap
 from ..schema.table_presets import with_preset
 from ..schema.table_settings import TableSettings
@@ -209,68 +207,6 @@ class ShardedBufferClient(ShardPlans, BlockingShards, Calls):
         the others dropped, by shard.
         """
         return self._run(self._drop_table(name))
-
-    # ---- the prompt ledger (ledger.py) --------------------------------------------------
-
-    def create_dataset(
-        self, table: str, name: str, size: int, *, exist_ok: bool = False, **settings: Any
-    ) -> DatasetInfo:
-        """As BufferClient.create_dataset, on every shard of the map's first epoch, each handing
-        out its part; `max_in_flight` is split among them (at least 1 each). With exist_ok, a
-        shard that does not answer is owed the dataset (`pending`) and named in `.missing`."""
-        return self._run(self._create_dataset(table, name, size, exist_ok, settings))
-
-    def datasets(self, table: str = "default") -> list[DatasetInfo]:
-        """The table's datasets, each merged over the shards that answer (`.missing`: the others)."""
-        return self._run(self._datasets(table))
-
-    def ledger(self, table: str, dataset: str) -> DatasetInfo:
-        """One dataset's counts merged over the shards that answer (`.missing`: the others)."""
-        return self._run(self._ledger(table, dataset))
-
-    def claim(
-        self,
-        table: str,
-        dataset: str,
-        count: int = 1,
-        *,
-        lease_seconds: float = 300.0,
-        owner: str = "",
-        wait: float = 0.0,
-    ) -> Claim:
-        """Up to `count` prompts from the shards that have some, a shard that is down left out
-        (its prompts wait for it); with none now, waits up to `wait` for one. `done` once every
-        shard says its part is done. A shard that refuses raises ShardError, its `result` the
-        Claim of what the others gave."""
-        return self._run(self._claim(table, dataset, count, lease_seconds, owner, wait))
-
-    def renew_claims(self, prompts: Iterable[Prompt], seconds: float) -> list[Prompt]:
-        """As BufferClient.renew_claims, each prompt on its shard (ShardError: `result` the ended
-        prompts of the shards that answered)."""
-        return self._run(self._renew_claims(prompts, seconds))
-
-    def release_claims(self, prompts: Iterable[Prompt]) -> int:
-        """As BufferClient.release_claims, each prompt on its shard (ShardError: `result` what
-        the shards that answered released)."""
-        return self._run(self._release_claims(prompts))
-
-    def report_prompts(self, outcomes: Outcomes) -> int:
-        """As BufferClient.report_prompts, each prompt on its shard (ShardError: `result` what the
-        shards that answered took)."""
-        return self._run(self._report_prompts(outcomes))
-
-    def list_prompts(
-        self,
-        table: str,
-        dataset: str,
-        *,
-        states: Iterable[str] = (),
-        after: tuple[int, int] | None = None,
-        limit: int = 1000,
-    ) -> PromptPage:
-        """A page of the dataset's prompts handed out, merged over its shards in (epoch, index)
-        order, at most `limit`; pass `after=page.after` for the next. Every shard must answer."""
-        return self._run(self._list_prompts(table, dataset, states, after, limit))
 
 
 __all__ = [
