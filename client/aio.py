@@ -1,7 +1,8 @@
 """AsyncBufferClient: the asyncio client of one expbuf server, with BufferClient's methods as coroutines.
 
-It runs the calls described in calls.py, as BufferClient (client.py) does, awaiting each. How a
-stream it writes to ended is the stream's own status (aio_status.py), never a failed write's.
+It runs the calls declared once (rpc/api.py), as BufferClient (client.py) does, awaiting each;
+its own here: the Sample stream and the pipelined pusher. How a stream it writes to ended is the
+stream's own status (aio_status.py), never a failed write's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar, Unpack, cast
 
 import grpc
@@ -19,23 +20,13 @@ import grpc.aio
 from .errors import ExpbufError
 from .prefetch import Outcome, Prefetcher
 from .pushers.aio import AsyncPusher
-from .results import (
-    AsyncBatch,
-    Batch,
-    BufferStats,
-    FailedRuns,
-    Grant,
-    PushResult,
-    ServerInfo,
-    TableInfo,
-)
+from .results import AsyncBatch, Batch
 from .rpc import aio_status, calls, declare
 from .rpc.api import ServerCalls
 from .rpc.connection import ClientBase
 from .rpc.declare import Awaiting, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -133,10 +124,6 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             turns.answer(await self._run(call))
         return turns.result
 
-    async def _run_several(self, several: calls.Several[R, T]) -> T:
-        """The calls of `several` made in turn, their results joined."""
-        return several.joined([await self._run(call) for call in several.calls])
-
     async def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
@@ -152,12 +139,6 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
         except grpc.RpcError as exc:
             raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
-
-    async def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
-        """Store TRXP bytes, experiences (expbuf's or Trinity-RFT's) or a ColumnBatch; durable when it returns.
-        A payload larger than the client's `push_chunk_bytes` goes in chunks over one PushStream.
-        A full table in block mode makes it wait for room until its deadline, as BufferClient.push."""
-        return await self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> AsyncPusher:
         """Pipelined pushes to `table`, as BufferClient.pusher: `await pusher.push(items)` returns an
@@ -228,77 +209,3 @@ class AsyncBufferClient(ServerCalls, Awaiting, ClientBase):
             if ahead is not None:  # its thread reads the stream to its end
                 await passed()
                 ahead.join()
-
-    async def ack(self, lease_id: str, table: str = "default") -> int:
-        """Acknowledge a lease: its batch is consumed. Returns the experiences it held."""
-        return await self._run(calls.ack(lease_id, table))
-
-    async def nack(self, lease_id: str, table: str = "default") -> int:
-        """Give a lease's batch back to the buffer now. Returns the experiences it held."""
-        return await self._run(calls.nack(lease_id, table))
-
-    async def retire(self, groups: Iterable[str], table: str = "default") -> int:
-        """As BufferClient.retire: consume groups trained without a lease, keeping their tombstones."""
-        return await self._run_several(calls.retire(groups, table))
-
-    async def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
-        """As BufferClient.renew: the lease now ends `seconds` from now; returns when."""
-        return await self._run(calls.renew(lease_id, seconds, table))
-
-    async def set_trainer_version(self, version: int, table: str = "default") -> int:
-        """Tell the table which policy version the trainer holds (it only moves forward; see reset_offpolicy).
-        Returns the version stored."""
-        return await self._run(calls.set_trainer_version(version, table))
-
-    async def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, int]:
-        """As BufferClient.reset_offpolicy."""
-        return await self._run(calls.reset_offpolicy(table, trainer_version))
-
-    async def writers(self, table: str = "default", change: int = 0) -> tuple[int, bool]:
-        """As BufferClient.writers: open (+1), close (-1) or read (0) the table's writers."""
-        return await self._run(calls.writers(table, change))
-
-    async def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
-        """How many of `count` rollouts may start now under the table's staleness bound (see BufferClient.admit)."""
-        return await self._run(calls.admit(table, count, wait, grant_seconds, self.timeout))
-
-    async def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
-        """Finish a grant: `accepted` rollouts stay counted, the others give their room back (all, if unset)."""
-        return await self._run(calls.finish_grant(grant, accepted))
-
-    async def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
-        """As BufferClient.delete (admin scope): how many experiences were removed."""
-        return await self._run_several(calls.delete(uids, table, groups))
-
-    async def fail_runs(
-        self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()
-    ) -> FailedRuns:
-        """As BufferClient.fail_runs."""
-        return await self._run_several(calls.fail_runs(uids, reasons, table))
-
-    async def seal(self, group_id: str, table: str = "default") -> int:
-        """As BufferClient.seal: complete a pending group now; returns its size."""
-        return await self._run(calls.seal(group_id, table))
-
-    async def stats(self, table: str = "") -> BufferStats:
-        """As BufferClient.stats: one table's TableStats, or every table's, by table name."""
-        return await self._run(calls.stats(table))
-
-    async def server_info(self) -> ServerInfo:
-        """The server's version, uptime, storage and map use, and the device advantages run on."""
-        return await self._run(calls.server_info())
-
-    async def create_table(
-        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
-    ) -> TableInfo:
-        """As BufferClient.create_table: settings use the names of a TOML `[[tables]]` block, over a
-        `preset`'s if one is given."""
-        return await self._run(calls.create_table(name, exist_ok, settings, preset))
-
-    async def list_tables(self) -> list[TableInfo]:
-        """Every table's settings, under the names of a TOML `[[tables]]` block."""
-        return await self._run(calls.list_tables())
-
-    async def drop_table(self, name: str) -> int:
-        """As BufferClient.drop_table (admin scope): how many experiences the table held."""
-        return await self._run(calls.drop_table(name))

@@ -1,7 +1,8 @@
 """BufferClient: the blocking client of one expbuf server.
 
-Each call is described once in calls.py and run here, waiting in the calling thread;
-AsyncBufferClient (aio.py) runs the same descriptions under asyncio. Errors are raised as
+Each call is declared once (rpc/api.py: its parameters, docstring, request and reply) and run
+here, waiting in the calling thread; AsyncBufferClient (aio.py) runs the same declarations under
+asyncio. Its own here: the Sample stream and the pipelined pusher. Errors are raised as
 ExpbufError (errors.py), of the subclass of their gRPC status code.
 """
 
@@ -12,7 +13,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import TypeVar, Unpack
 
 import grpc
@@ -28,7 +29,6 @@ from .results import (
     Batch,
     BufferStats,
     ExperiencePage,
-    FailedRuns,
     GetResult,
     Grant,
     ListedExperience,
@@ -43,7 +43,6 @@ from .rpc.connection import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, ClientBas
 from .rpc.declare import Blocking, Plan
 from .rpc.sample_reply import Parts, SampleReplyParts
 from .rpc.sample_spec import SampleOptions, SampleSpec
-from .schema.table_settings import TableSettings
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -142,10 +141,6 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
             turns.answer(self._run(call))
         return turns.result
 
-    def _run_several(self, several: calls.Several[R, T]) -> T:
-        """The calls of `several` made in turn, their results joined."""
-        return several.joined([self._run(call) for call in several.calls])
-
     def _attempt(self, call: calls.Unary[R] | calls.Chunked[R]) -> R:
         method, keywords = self._method(call)
         try:
@@ -161,14 +156,6 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
         except grpc.RpcError as exc:
             raise self._error(exc, keywords["wait_for_ready"]) from None
         return call.read(reply)
-
-    def push(self, items: calls.Items, table: str = "default", *, timeout: float | None = None) -> PushResult:
-        """Store TRXP bytes, experiences (expbuf's or Trinity-RFT's) or a ColumnBatch; durable when it returns.
-        A retried push is safe: what was stored already comes back in `duplicates`. A payload
-        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table
-        in block mode makes it wait for room until its deadline, asking again while the server has
-        as many calls waiting as it lets (calls.Attempts)."""
-        return self._run(calls.push(items, table, timeout, self.push_chunk_bytes))
 
     def pusher(self, table: str = "default", *, window: int = 4, timeout: float | None = None) -> Pusher:
         """Pipelined pushes to `table`: up to `window` (1 to 64) in flight over one PushStream, so
@@ -259,120 +246,3 @@ class BufferClient(ServerCalls, Blocking, ClientBase):
                 ahead.join()
             timer.cancel()
             requests.close()
-
-    def ack(self, lease_id: str, table: str = "default") -> int:
-        """Consume the groups of a lease (of `table`, taken with this client's token).
-        Returns the experiences it held."""
-        return self._run(calls.ack(lease_id, table))
-
-    def nack(self, lease_id: str, table: str = "default") -> int:
-        """Return the groups of a lease to the buffer now. Returns the experiences it held."""
-        return self._run(calls.nack(lease_id, table))
-
-    def retire(self, groups: Iterable[str], table: str = "default") -> int:
-        """Consume groups this trainer trained without a lease (a framework's own queue held them),
-        as `ack` consumes a lease's: their payloads go and their tombstones stay, so a push of them
-        again is a duplicate, and a prompt whose group it is is trained. Ready groups, and groups
-        leased with this client's token, retire; absent or retired ones are skipped; an incomplete
-        one is FailedPreconditionError (none of its call retires). Any number, in calls of at most
-        MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits). Returns the groups retired."""
-        return self._run_several(calls.retire(groups, table))
-
-    def renew(self, lease_id: str, seconds: float, table: str = "default") -> float:
-        """Keep a lease for `seconds` more from now, for a step that outlasts the lease it took.
-        Returns when the lease now ends (Unix time, the server's clock)."""
-        return self._run(calls.renew(lease_id, seconds, table))
-
-    def set_trainer_version(self, version: int, table: str = "default") -> int:
-        """Tell the table the trainer's current policy version (staleness is measured from it).
-        Returns the version stored: it only moves forward, so a lower one keeps the table's."""
-        return self._run(calls.set_trainer_version(version, table))
-
-    def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> dict[str, int]:
-        """Admin: reset the table's off-policy state for a job that starts over: the trainer
-        version becomes `trainer_version` (None: unset), backwards too, and admission counts
-        only the rollouts of grants still open. Returns both (trainer_version -1 = unset)."""
-        return self._run(calls.reset_offpolicy(table, trainer_version))
-
-    def writers(self, table: str = "default", change: int = 0) -> tuple[int, bool]:
-        """Open (+1) or close (-1) a writer of the table, or read (0): (writers open, done),
-        done once every writer that opened has closed (the table's end of data)."""
-        return self._run(calls.writers(table, change))
-
-    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Grant:
-        """How many of `count` rollouts may start now under the table's staleness bound,
-        waiting up to `wait` seconds for room (asking again while the server has as many admits
-        waiting as it lets, as claim does). Finish the grant when the rollouts are done
-        (`finish_grant`); a grant not finished within grant_seconds gives its room back."""
-        return self._run(calls.admit(table, count, wait, grant_seconds, self.timeout))
-
-    def finish_grant(self, grant: Grant, accepted: int | None = None) -> int:
-        """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back."""
-        return self._run(calls.finish_grant(grant, accepted))
-
-    def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> int:
-        """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
-        (admin scope), in calls of at most MAX_NAMES_PER_CALL uids and as many groups
-        (expbuf.client.schema.call_limits). Returns how many experiences were removed."""
-        return self._run_several(calls.delete(uids, table, groups))
-
-    def fail_runs(self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()) -> FailedRuns:
-        """Report runs that will never be pushed (their rollouts failed), by the uids they would
-        have had, with a reason each (kept in the group's record) or none. Each counts as one of
-        its group's runs: a group whose runs are then all known completes short with the members
-        present, its advantages computed over them, when at least the table's min_group_size
-        succeeded; otherwise it is dropped. A run pushed later after all rejoins its group. Any
-        number, in calls of at most MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits)."""
-        return self._run_several(calls.fail_runs(uids, reasons, table))
-
-    def seal(self, group_id: str, table: str = "default") -> int:
-        """Complete a pending group now, with the runs it has; its advantages are computed over them.
-        Returns the group's size."""
-        return self._run(calls.seal(group_id, table))
-
-    def stats(self, table: str = "") -> BufferStats:
-        """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
-        or of every table when `table` is empty, each a TableStats by table name:
-
-        ```python
-        ready = client.stats("grpo8")["grpo8"].ready
-        ```
-        """
-        return self._run(calls.stats(table))
-
-    def server_info(self) -> ServerInfo:
-        """The server's version, uptime, storage and map use, and the device advantages run on."""
-        return self._run(calls.server_info())
-
-    def create_table(
-        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
-    ) -> TableInfo:
-        """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
-        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...):
-
-        ```python
-        client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
-        ```
-
-        `preset` starts from a common table's settings (`queue`, `replay`, `trinity`: see
-        docs/concepts/tables.md), the settings given over them; it is expanded here, so the
-        server gets plain settings:
-
-        ```python
-        client.create_table("replay", preset="replay", capacity_experiences=100_000, min_size_to_sample=1024)
-        ```
-
-        With exist_ok, a table of the same settings is returned as it is, and one of other settings
-        is refused (AlreadyExistsError) naming each setting that differs. An unknown preset, or one
-        without the settings it needs, is a ValueError naming them. `capacity`, the old name of
-        capacity_experiences, is still read in this release, with a FutureWarning."""
-        return self._run(calls.create_table(name, exist_ok, settings, preset))
-
-    def list_tables(self) -> list[TableInfo]:
-        """Every table's settings, under the names of a TOML `[[tables]]` block."""
-        return self._run(calls.list_tables())
-
-    def drop_table(self, name: str) -> int:
-        """Drop a table with every experience, group, lease and counter in it (admin scope).
-        Returns how many experiences it held."""
-        return self._run(calls.drop_table(name))

@@ -4,12 +4,13 @@ client, and a sharded client's route over the shards takes its arguments by name
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import pytest
 
 from expbuf.client import AsyncBufferClient, BufferClient
-from expbuf.client.rpc.api import Calls, ServerCalls
+from expbuf.client.rpc.api import ServerCalls, ShardCalls
 from expbuf.client.rpc.declare import Plan, Unary, declare, declared_calls
 from expbuf.client.shards.blocking import AsyncShardedBufferClient, ShardedBufferClient
 
@@ -21,8 +22,8 @@ SHARDED = (ShardedBufferClient, AsyncShardedBufferClient)
 @pytest.mark.parametrize("kind", CLIENTS, ids=lambda kind: kind.__name__)
 def test_each_client_has_each_declared_call_as_declared(kind: type) -> None:
     declared = declared_calls(kind)
-    assert set(declared) >= {"put_values", "get_values", "clear_values", "get_partials", "read_part", "get"}
-    assert set(declared) >= {"claim", "report_prompts", "create_dataset", "ledger", "list_prompts"}
+    assert set(declared) >= {"put_values", "fail_runs", "create_table", "get_partials", "report_prompts"}
+    assert set(declared) >= {"read_part", "claim", "push", "ack", "stats", "create_dataset", "list_prompts"}
     for name, call in declared.items():
         method = getattr(kind, name)
         assert (method.__name__, method.__qualname__) == (name, f"{kind.__name__}.{name}")
@@ -31,11 +32,14 @@ def test_each_client_has_each_declared_call_as_declared(kind: type) -> None:
         assert inspect.iscoroutinefunction(method) == (kind in AWAITING), name
 
 
-def test_the_calls_of_one_server_are_not_the_sharded_clients() -> None:
-    assert set(declared_calls(BufferClient)) - set(declared_calls(ShardedBufferClient)) == {"list_experiences"}
-    assert not any(hasattr(kind, "list_experiences") for kind in SHARDED)
+def test_each_kind_of_client_has_its_own_calls_and_none_of_the_others() -> None:
+    """A client of one server has writers and list_experiences, a sharded one shard_stats."""
+    one, sharded = set(declared_calls(BufferClient)), set(declared_calls(ShardedBufferClient))
+    assert (one - sharded, sharded - one) == ({"writers", "list_experiences"}, {"shard_stats"})
+    assert not any(hasattr(kind, name) for kind in SHARDED for name in ("writers", "list_experiences"))
+    assert not hasattr(BufferClient, "shard_stats") and not hasattr(AsyncBufferClient, "shard_stats")
     assert declared_calls(AsyncBufferClient).keys() == declared_calls(ServerCalls).keys()
-    assert declared_calls(ShardedBufferClient).keys() == declared_calls(Calls).keys()
+    assert declared_calls(AsyncShardedBufferClient).keys() == declared_calls(ShardCalls).keys()
 
 
 @pytest.mark.parametrize("kind", SHARDED, ids=lambda kind: kind.__name__)
@@ -57,3 +61,19 @@ def test_a_declared_call_says_what_it_does() -> None:
         @declare()
         def undocumented(self: object) -> Plan[int]:
             return Unary("Stats", None, lambda reply: 0, retry=True)
+
+
+def test_a_warning_of_a_declared_call_names_the_line_that_made_it(target: str) -> None:
+    """The client's frames between the caller and the warning (its method, its runner, the
+    declaration) are skipped, blocking or awaited."""
+    with BufferClient(target, timeout=10) as client, pytest.warns(FutureWarning, match="capacity") as record:
+        client.create_table("old", capacity=10)  # the old name of capacity_experiences
+    assert record[0].filename == __file__
+
+    async def awaited() -> None:
+        async with AsyncBufferClient(target, timeout=10) as client:
+            await client.create_table("old_too", capacity=10)
+
+    with pytest.warns(FutureWarning, match="capacity") as record:
+        asyncio.run(awaited())
+    assert record[0].filename == __file__

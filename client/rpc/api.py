@@ -2,24 +2,29 @@
 
 `Calls` is every call the four clients share: BufferClient, AsyncBufferClient and the two sharded
 clients inherit it, each with its runner (client.py, aio.py, shards/). `ServerCalls` adds the calls
-only a client of one server makes: a table's experiences paged in insertion order.
+only a client of one server makes: a table's writers, and its experiences paged in insertion order;
+`ShardCalls` the sharded clients' own: each shard's stats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..results import ExperiencePage, ListedExperience
+from .calls import BufferCalls
 from .declare import Plan, Unary, declare
 from .ledger_calls import PromptCalls
 from .read_calls import ExperienceReads
 from .value_calls import ValueCalls
 
+if TYPE_CHECKING:
+    from ..shards.common import LiveResult
 
-class Calls(ExperienceReads, ValueCalls, PromptCalls):
+
+class Calls(BufferCalls, ExperienceReads, ValueCalls, PromptCalls):
     """Every call the clients share, declared once."""
 
 
@@ -37,6 +42,13 @@ class ServerCalls(Calls):
     """The calls of a client of one server: those it shares, and those of its own."""
 
     @declare()
+    def writers(self, table: str = "default", change: int = 0) -> Plan[tuple[int, bool]]:
+        """Open (+1) or close (-1) a writer of the table, or read (0): (writers open, done),
+        done once every writer that opened has closed (the table's end of data)."""
+        request = pb.WritersRequest(table=table, change=change)
+        return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0)
+
+    @declare()
     def list_experiences(self, table: str = "default", **filters: Unpack[ListFilters]) -> Plan[ExperiencePage]:
         """A page of the table's live experiences in insertion order, optionally of some states and
         model versions; page on with `after=page.next` until `page.done`. Example:
@@ -47,6 +59,15 @@ class ServerCalls(Calls):
         ```
         """
         return _page(table, **filters)
+
+
+class ShardCalls(Calls):
+    """The calls of a sharded client: those it shares with a client of one server, and its own."""
+
+    @declare(shards=lambda s: s._shard_stats)
+    def shard_stats(self, table: str = "") -> Plan[LiveResult]:
+        """Each answering shard's stats, by shard; `.missing` names the others."""
+        raise NotImplementedError  # a sharded client's own: no server makes it (its stats are `stats`)
 
 
 def _page(

@@ -1,19 +1,20 @@
-"""What each call of the service sends and how its reply is read, for the blocking and the asyncio client.
+"""The buffer's calls as the clients make them, and what every call of the service needs.
 
-A unary call is described once here as a `Unary`: the stub method, the request, whether a
-retry is safe, and how the reply becomes the client's result. BufferClient (client.py) and
-AsyncBufferClient (aio.py) only run the description, one blocking and one awaiting. The
-Sample stream's pieces (confirmations, batches) are here too; its two loops are each client's own.
+Each call of the buffer's experiences, leases, trainer versions, admission and tables is declared
+once here (BufferCalls, rpc/declare.py): its parameters, docstring, what it sends and how its
+reply is read; the four clients get their methods from it. Here too: how a call is made again
+after a refusal that did nothing (`Attempts`), a push's payload and its messages, and the Sample
+stream's pieces (confirmations, batches), whose two loops are each client's own.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, Generic, TypeVar
+from functools import partial
+from typing import Any, Generic, TypeVar, Unpack
 
 import grpc
 
@@ -36,11 +37,12 @@ from ..results import (
 from ..schema.call_limits import MAX_NAMES_PER_CALL, in_parts
 from ..schema.experience import EID
 from ..schema.table_presets import with_preset
+from ..schema.table_settings import TableSettings
 from ..trxp import column_wire
 from ..trxp.column_build import ColumnBatch
 from . import frames, wire
 from .connection import BACKOFF
-from .declare import Chunked, Several, Unary
+from .declare import Chunked, Plan, Settings, Several, Unary, declare, warn_caller
 from .sample_reply import SampleReplyParts
 
 R = TypeVar("R")
@@ -157,7 +159,8 @@ def _version(version: int) -> int:
 
 
 def push(items: Items, table: str, timeout: float | None, chunk_bytes: int) -> Unary[PushResult] | Chunked[PushResult]:
-    """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never)."""
+    """One Push, or a PushStream of chunks of `chunk_bytes` for a payload larger (0: never): the
+    call of BufferCalls.push."""
 
     body = payload(items)
     if 0 < chunk_bytes < len(body):
@@ -187,115 +190,250 @@ def push_requests(body: bytes, table: str, size: int, seq: int = 0) -> Iterator[
         yield frames.push_request(view[start : start + size])
 
 
-def ack(lease_id: str, table: str) -> Unary[int]:
-    return Unary("Ack", pb.AckRequest(table=table, lease_id=lease_id), lambda r: r.acked, retry=False)
+class BufferCalls(Settings):
+    """The calls of the buffer's experiences, leases, trainer versions, admission and tables, as
+    the clients make them (rpc/declare.py); its reads, keyed values and prompt ledger are in
+    read_calls.py, value_calls.py and ledger_calls.py."""
 
+    @declare(shards=lambda s: s._push)
+    def push(self, items: Items, table: str = "default", *, timeout: float | None = None) -> Plan[PushResult]:
+        """Store TRXP bytes, experiences (expbuf's or Trinity-RFT's) or a ColumnBatch; durable when it returns.
+        A retried push is safe: what was stored already comes back in `duplicates`. A payload
+        larger than the client's `push_chunk_bytes` goes in chunks over one PushStream. A full table
+        in block mode makes it wait for room until its deadline, asking again while the server has
+        as many calls waiting as it lets (calls.Attempts).
 
-def nack(lease_id: str, table: str) -> Unary[int]:
-    return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=False)
+        Sharded: each group's part goes to the shard that owns it, the parts in parallel; a shard
+        that failed raises ShardError, its `result` what the others stored."""
+        return push(items, table, timeout, self.push_chunk_bytes)
 
+    @declare(shards=lambda s: partial(s._end, method="ack"))
+    def ack(self, lease_id: str, table: str = "default") -> Plan[int]:
+        """Consume the groups of a lease (of `table`, taken with this client's token).
+        Returns the experiences it held. Sharded: on the shards that leased them."""
+        return Unary("Ack", pb.AckRequest(table=table, lease_id=lease_id), lambda r: r.acked, retry=False)
 
-def retire(groups: Iterable[str], table: str) -> Several[int, int]:
-    """Retires of any number of groups, MAX_NAMES_PER_CALL a call; the groups retired."""
-    requests = [pb.RetireRequest(table=table, group_ids=part) for part in in_parts(list(groups), MAX_NAMES_PER_CALL)]
-    # a retired group stays retired: retried safely
-    return Several([Unary("Retire", request, lambda r: r.retired, retry=True) for request in requests], sum)
+    @declare(shards=lambda s: partial(s._end, method="nack"))
+    def nack(self, lease_id: str, table: str = "default") -> Plan[int]:
+        """Return the groups of a lease to the buffer now. Returns the experiences it held.
+        Sharded: to the buffers of the shards that leased them."""
+        return Unary("Nack", pb.NackRequest(table=table, lease_id=lease_id), lambda r: r.requeued, retry=False)
 
+    @declare(shards=lambda s: s._retire)
+    def retire(self, groups: Iterable[str], table: str = "default") -> Plan[int]:
+        """Consume groups this trainer trained without a lease (a framework's own queue held them),
+        as `ack` consumes a lease's: their payloads go and their tombstones stay, so a push of them
+        again is a duplicate, and a prompt whose group it is is trained. Ready groups, and groups
+        leased with this client's token, retire; absent or retired ones are skipped; an incomplete
+        one is FailedPreconditionError (none of its call retires). Any number, in calls of at most
+        MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits). Returns the groups retired.
 
-def renew(lease_id: str, seconds: float, table: str) -> Unary[float]:
-    request = pb.RenewRequest(table=table, lease_id=lease_id, lease_seconds=seconds)
-    return Unary("Renew", request, lambda r: r.lease_expires_unix, retry=True)
+        Sharded: each group on the shard that owns it; a shard that did not answer or refused
+        raises ShardError, its `result` what each of the others retired, by shard (a retry of the
+        whole call is safe)."""
+        requests = [
+            pb.RetireRequest(table=table, group_ids=part) for part in in_parts(list(groups), MAX_NAMES_PER_CALL)
+        ]
+        # a retired group stays retired: retried safely
+        return Several([Unary("Retire", request, lambda r: r.retired, retry=True) for request in requests], sum)
 
+    @declare(shards=lambda s: s._renew)
+    def renew(self, lease_id: str, seconds: float, table: str = "default") -> Plan[float]:
+        """Keep a lease for `seconds` more from now, for a step that outlasts the lease it took.
+        Returns when the lease now ends (Unix time, the server's clock). Sharded: on the shards
+        that leased it; the earliest end."""
+        request = pb.RenewRequest(table=table, lease_id=lease_id, lease_seconds=seconds)
+        return Unary("Renew", request, lambda r: r.lease_expires_unix, retry=True)
 
-def set_trainer_version(version: int, table: str) -> Unary[int]:
-    request = pb.SetTrainerVersionRequest(table=table, version=_version(version))
-    return Unary("SetTrainerVersion", request, lambda r: r.version, retry=True)
+    @declare(shards=lambda s: s._set_trainer_version)
+    def set_trainer_version(self, version: int, table: str = "default") -> Plan[int]:
+        """Tell the table the trainer's current policy version (staleness is measured from it).
+        Returns the version stored: it only moves forward, so a lower one keeps the table's.
 
+        Sharded: on every shard, the lowest version a shard holds; a shard that does not answer
+        is owed the version, sent the next time it answers (`pending`)."""
+        request = pb.SetTrainerVersionRequest(table=table, version=_version(version))
+        return Unary("SetTrainerVersion", request, lambda r: r.version, retry=True)
 
-def reset_offpolicy(table: str, trainer_version: int | None) -> Unary[dict[str, int]]:
-    if trainer_version is None:
+    @declare(shards=lambda s: s._reset_offpolicy)
+    def reset_offpolicy(self, table: str = "default", trainer_version: int | None = None) -> Plan[dict[str, int]]:
+        """Admin: reset the table's off-policy state for a job that starts over: the trainer
+        version becomes `trainer_version` (None: unset), backwards too, and admission counts
+        only the rollouts of grants still open. Returns both (trainer_version -1 = unset).
+        Sharded: on every shard, each shard's answer by its name."""
         request = pb.ResetOffPolicyRequest(table=table)
-    else:
-        request = pb.ResetOffPolicyRequest(
-            table=table, trainer_version=_version(trainer_version), has_trainer_version=True
+        if trainer_version is not None:
+            request.trainer_version, request.has_trainer_version = _version(trainer_version), True
+        return Unary(
+            "ResetOffPolicy",
+            request,
+            lambda r: {"trainer_version": r.trainer_version, "submitted": r.submitted},
+            retry=True,
         )
-    return Unary(
-        "ResetOffPolicy",
-        request,
-        lambda r: {"trainer_version": r.trainer_version, "submitted": r.submitted},
-        retry=True,
-    )
+
+    @declare(shards=lambda s: s._admit)
+    def admit(self, table: str, count: int, *, wait: float = 0.0, grant_seconds: float = 300.0) -> Plan[Grant]:
+        """How many of `count` rollouts may start now under the table's staleness bound,
+        waiting up to `wait` seconds for room (asking again while the server has as many admits
+        waiting as it lets, as claim does). Finish the grant when the rollouts are done
+        (`finish_grant`); a grant not finished within grant_seconds gives its room back.
+        Sharded: on the table's admission shard (`admission_shard`)."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        request = pb.AdmitRequest(table=table, count=count, wait_seconds=wait, grant_seconds=grant_seconds)
+        return Unary(
+            "Admit",
+            request,
+            lambda r: Grant(r.granted, r.grant_id, r.expires_unix, table),
+            retry=False,
+            timeout=wait + self.timeout,
+        )
+
+    @declare(shards=lambda s: s._finish_grant)
+    def finish_grant(self, grant: Grant, accepted: int | None = None) -> Plan[int]:
+        """End a grant: `accepted` rollouts (None: all) stay counted; the others' room comes back.
+        Sharded: on the shard that granted it."""
+        request = pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
+        return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
+
+    @declare(shards=lambda s: s._delete)
+    def delete(self, uids: Iterable[str] = (), table: str = "default", *, groups: Iterable[str] = ()) -> Plan[int]:
+        """Remove experiences by uid and whole groups by id, with their records, so they may be pushed again
+        (admin scope), in calls of at most MAX_NAMES_PER_CALL uids and as many groups
+        (expbuf.client.schema.call_limits). Returns how many experiences were removed.
+
+        Sharded: on every shard, the experiences removed over all of them; a shard that did not
+        answer or refused raises ShardError, its `result` what each of the others removed, by shard."""
+        uid_parts, group_parts = in_parts(list(uids), MAX_NAMES_PER_CALL), in_parts(list(groups), MAX_NAMES_PER_CALL)
+        requests = [
+            pb.DeleteRequest(table=table, uids=some_uids, group_ids=some_groups)
+            for some_uids, some_groups in itertools.zip_longest(uid_parts, group_parts, fillvalue=())
+        ]
+        return Several([Unary("Delete", request, lambda r: r.deleted, retry=False) for request in requests], sum)
+
+    @declare(shards=lambda s: s._fail_runs)
+    def fail_runs(
+        self, uids: Iterable[str], table: str = "default", *, reasons: Iterable[str] = ()
+    ) -> Plan[FailedRuns]:
+        """Report runs that will never be pushed (their rollouts failed), by the uids they would
+        have had, with a reason each (kept in the group's record) or none. Each counts as one of
+        its group's runs: a group whose runs are then all known completes short with the members
+        present, its advantages computed over them, when at least the table's min_group_size
+        succeeded; otherwise it is dropped. A run pushed later after all rejoins its group. Any
+        number, in calls of at most MAX_NAMES_PER_CALL (expbuf.client.schema.call_limits).
+
+        Sharded: each run on the shard that owns its group; a shard that did not answer or refused
+        raises ShardError, its `result` what the others did."""
+        # Not retried by the channel: a report that completed or dropped a group, sent again,
+        # finds the group complete (FAILED_PRECONDITION) or opens it anew.
+        uids, reasons = list(uids), list(reasons)
+        if reasons and len(reasons) != len(uids):
+            raise ValueError(f"fail_runs: {len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
+        most = MAX_NAMES_PER_CALL
+        requests = [
+            pb.FailRunsRequest(table=table, uids=uids[start : start + most], reasons=reasons[start : start + most])
+            for start in (range(0, len(uids), most) if uids else range(1))
+        ]
+
+        def read(reply: pb.FailRunsReply) -> FailedRuns:
+            return FailedRuns(list(reply.recorded_uids), list(reply.completed_groups), list(reply.dropped_groups))
+
+        def joined(parts: list[FailedRuns]) -> FailedRuns:
+            return FailedRuns(*([one for part in parts for one in getattr(part, name)] for name in FAILED_FIELDS))
+
+        return Several([Unary("FailRuns", request, read, retry=False) for request in requests], joined)
+
+    @declare(shards=lambda s: s._seal)
+    def seal(self, group_id: str, table: str = "default") -> Plan[int]:
+        """Complete a pending group now, with the runs it has; its advantages are computed over them.
+        Returns the group's size. Sharded: on the shard that owns the group."""
+        return Unary("Seal", pb.SealRequest(table=table, group_id=group_id), lambda r: r.size, retry=False)
+
+    @declare(shards=lambda s: s._stats)
+    def stats(self, table: str = "") -> Plan[BufferStats]:
+        """Counts by state, bytes, groups, totals, trainer version and shaping counts of one table,
+        or of every table when `table` is empty, each a TableStats by table name:
+
+        ```python
+        ready = client.stats("grpo8")["grpo8"].ready
+        ```
+
+        Sharded: each table's stats merged over the shards that answer (TableStats.merged);
+        `.missing` names the others."""
+
+        def read(reply: pb.StatsReply) -> BufferStats:
+            return BufferStats({t.name: TableStats.from_proto(t) for t in reply.tables})
+
+        return Unary("Stats", pb.StatsRequest(table=table), read, retry=True)
+
+    @declare(shards=lambda s: s._server_info)
+    def server_info(self) -> Plan[ServerInfo]:
+        """The server's version, uptime, storage and map use, and the device advantages run on.
+        Sharded: the answering shards' infos combined, each in `.shards`; `.missing` names the
+        others."""
+        return Unary("ServerInfo", pb.ServerInfoRequest(), ServerInfo.from_proto, retry=True)
+
+    @declare(shards=lambda s: s._create_table)
+    def create_table(
+        self, name: str, *, exist_ok: bool = False, preset: str | None = None, **settings: Unpack[TableSettings]
+    ) -> Plan[TableInfo]:
+        """Create a table; settings use the names of a TOML `[[tables]]` block (group_by, group_size,
+        estimator, capacity_experiences, capacity_bytes, when_full, shaping, ...):
+
+        ```python
+        client.create_table("grpo8", group_size=8, estimator="grpo", exist_ok=True)
+        ```
+
+        `preset` starts from a common table's settings (`queue`, `replay`, `trinity`: see
+        docs/concepts/tables.md), the settings given over them; it is expanded here, so the
+        server gets plain settings:
+
+        ```python
+        client.create_table("replay", preset="replay", capacity_experiences=100_000, min_size_to_sample=1024)
+        ```
+
+        With exist_ok, a table of the same settings is returned as it is, and one of other settings
+        is refused (AlreadyExistsError) naming each setting that differs. An unknown preset, or one
+        without the settings it needs, is a ValueError naming them. `capacity`, the old name of
+        capacity_experiences, is still read in this release, with a FutureWarning.
+
+        Sharded: on every shard (exist_ok makes a retry after a partial failure safe); with
+        exist_ok, a shard that does not answer is owed the table, created the next time it
+        answers, and the table returned names it in `.missing`."""
+        flat = with_preset(preset, settings)
+        if "capacity" in flat:  # the old name, read for one more release
+            if "capacity_experiences" in flat:
+                raise ValueError("create_table got both capacity and capacity_experiences: pass capacity_experiences")
+            warn_caller(
+                "create_table: capacity is the old name of capacity_experiences, the setting's name everywhere else;"
+                " pass capacity_experiences (capacity is refused from the next release)",
+                FutureWarning,
+            )
+            flat["capacity_experiences"] = flat.pop("capacity")
+        request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **flat}), exist_ok=exist_ok)
+        return Unary("CreateTable", request, _table_info, retry=False)
+
+    @declare(shards=lambda s: s._list_tables)
+    def list_tables(self) -> Plan[list[TableInfo]]:
+        """Every table's settings, under the names of a TOML `[[tables]]` block. Sharded: as the
+        first shard that answers holds them."""
+
+        def read(reply: pb.ListTablesReply) -> list[TableInfo]:
+            return [TableInfo.from_settings(wire.table_from_proto(t)) for t in reply.tables]
+
+        return Unary("ListTables", pb.ListTablesRequest(), read, retry=True)
+
+    @declare(shards=lambda s: s._drop_table)
+    def drop_table(self, name: str) -> Plan[int]:
+        """Drop a table with every experience, group, lease and counter in it (admin scope).
+        Returns how many experiences it held. Sharded: on every shard, the experiences it held
+        over all of them; a shard that did not answer or refused raises ShardError, its `result`
+        what each of the others dropped, by shard."""
+        return Unary("DropTable", pb.DropTableRequest(name=name), lambda r: r.dropped_experiences, retry=False)
 
 
-def writers(table: str, change: int) -> Unary[tuple[int, bool]]:
-    request = pb.WritersRequest(table=table, change=change)
-    return Unary("Writers", request, lambda r: (r.open, r.done), retry=change == 0)
-
-
-def admit(table: str, count: int, wait: float, grant_seconds: float, timeout: float) -> Unary[Grant]:
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
-    request = pb.AdmitRequest(table=table, count=count, wait_seconds=wait, grant_seconds=grant_seconds)
-    return Unary(
-        "Admit",
-        request,
-        lambda r: Grant(r.granted, r.grant_id, r.expires_unix, table),
-        retry=False,
-        timeout=wait + timeout,
-    )
-
-
-def finish_grant(grant: Grant, accepted: int | None) -> Unary[int]:
-    request = pb.FinishGrantRequest(table=grant.table, grant_id=grant.grant_id, accepted=accepted)
-    return Unary("FinishGrant", request, lambda r: r.returned, retry=False)
-
-
-def delete(uids: Iterable[str], table: str, groups: Iterable[str]) -> Several[int, int]:
-    """Deletes of any number of uids and groups, MAX_NAMES_PER_CALL of each a call; the experiences removed."""
-    uid_parts, group_parts = in_parts(list(uids), MAX_NAMES_PER_CALL), in_parts(list(groups), MAX_NAMES_PER_CALL)
-    requests = [
-        pb.DeleteRequest(table=table, uids=some_uids, group_ids=some_groups)
-        for some_uids, some_groups in itertools.zip_longest(uid_parts, group_parts, fillvalue=())
-    ]
-    return Several([Unary("Delete", request, lambda r: r.deleted, retry=False) for request in requests], sum)
-
-
-def fail_runs(uids: Iterable[str], reasons: Iterable[str], table: str) -> Several[FailedRuns, FailedRuns]:
-    """Reports of failed runs, MAX_NAMES_PER_CALL a call (a reason each, or none: a ValueError before
-    any call otherwise). Not retried by
-    the channel: a report that completed or dropped a group, sent again, finds the group complete
-    (FAILED_PRECONDITION) or opens it anew."""
-    uids, reasons = list(uids), list(reasons)
-    if reasons and len(reasons) != len(uids):
-        raise ValueError(f"fail_runs: {len(uids)} uids for {len(reasons)} reasons: one reason a uid, or none")
-    most = MAX_NAMES_PER_CALL
-    requests = [
-        pb.FailRunsRequest(table=table, uids=uids[start : start + most], reasons=reasons[start : start + most])
-        for start in (range(0, len(uids), most) if uids else range(1))
-    ]
-
-    def read(reply: pb.FailRunsReply) -> FailedRuns:
-        return FailedRuns(list(reply.recorded_uids), list(reply.completed_groups), list(reply.dropped_groups))
-
-    def joined(parts: list[FailedRuns]) -> FailedRuns:
-        return FailedRuns(*([one for part in parts for one in getattr(part, name)] for name in FAILED_FIELDS))
-
-    return Several([Unary("FailRuns", request, read, retry=False) for request in requests], joined)
-
-
-def seal(group_id: str, table: str) -> Unary[int]:
-    return Unary("Seal", pb.SealRequest(table=table, group_id=group_id), lambda r: r.size, retry=False)
-
-
-def stats(table: str) -> Unary[BufferStats]:
-    def read(reply: pb.StatsReply) -> BufferStats:
-        return BufferStats({t.name: TableStats.from_proto(t) for t in reply.tables})
-
-    return Unary("Stats", pb.StatsRequest(table=table), read, retry=True)
-
-
-def server_info() -> Unary[ServerInfo]:
-    return Unary("ServerInfo", pb.ServerInfoRequest(), ServerInfo.from_proto, retry=True)
+def _table_info(reply: pb.CreateTableReply) -> TableInfo:
+    return TableInfo.from_settings(wire.table_from_proto(reply.config))
 
 
 class Orders:
@@ -324,37 +462,6 @@ class Orders:
                 )
 
         return Unary("ServerInfo", pb.ServerInfoRequest(), read, retry=True)
-
-
-def _table_info(reply: pb.CreateTableReply) -> TableInfo:
-    return TableInfo.from_settings(wire.table_from_proto(reply.config))
-
-
-def create_table(name: str, exist_ok: bool, settings: Mapping[str, Any], preset: str | None = None) -> Unary[TableInfo]:
-    flat = with_preset(preset, settings)
-    if "capacity" in flat:  # the old name, read for one more release
-        if "capacity_experiences" in flat:
-            raise ValueError("create_table got both capacity and capacity_experiences: pass capacity_experiences")
-        warnings.warn(
-            "create_table: capacity is the old name of capacity_experiences, the setting's name everywhere else;"
-            " pass capacity_experiences (capacity is refused from the next release)",
-            FutureWarning,
-            stacklevel=3,
-        )
-        flat["capacity_experiences"] = flat.pop("capacity")
-    request = pb.CreateTableRequest(config=wire.table_to_proto({"name": name, **flat}), exist_ok=exist_ok)
-    return Unary("CreateTable", request, _table_info, retry=False)
-
-
-def list_tables() -> Unary[list[TableInfo]]:
-    def read(reply: pb.ListTablesReply) -> list[TableInfo]:
-        return [TableInfo.from_settings(wire.table_from_proto(t)) for t in reply.tables]
-
-    return Unary("ListTables", pb.ListTablesRequest(), read, retry=True)
-
-
-def drop_table(name: str) -> Unary[int]:
-    return Unary("DropTable", pb.DropTableRequest(name=name), lambda r: r.dropped_experiences, retry=False)
 
 
 # ---- the Sample stream ----------------------------------------------------------------------

@@ -24,12 +24,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ..client import Batch, BufferError, Grant, PushResult
-from ..results import BufferStats, FailedRuns, Leases, ServerInfo, TableInfo, TableStats
+from ..errors import BufferError
+from ..results import Batch, BufferStats, FailedRuns, Grant, Leases, PushResult, ServerInfo, TableInfo, TableStats
 from ..rpc import calls
 from ..rpc.sample_spec import SampleSpec
 from ..schema.experience import Experience
 from ..schema.routing import uid_group_key
+from ..schema.table_presets import with_preset
 from .common import LiveResult, ShardBatch, Sharded, merge_push, shard_error
 from .poll import Ask, GiveUp, Poll, Wait
 
@@ -256,8 +257,12 @@ class Planned(Sharded):
             yield from self._list_tables()
         return self._known_group_by(table)
 
-    def _create_table(self, name: str, exist_ok: bool, settings: Mapping[str, Any]) -> Plan[TableInfo]:
-        """On every shard; with exist_ok, a shard that does not answer is owed the table."""
+    def _create_table(
+        self, name: str, exist_ok: bool, preset: str | None, settings: Mapping[str, Any]
+    ) -> Plan[TableInfo]:
+        """On every shard, the preset expanded here; with exist_ok, a shard that does not answer is
+        owed the table."""
+        settings = with_preset(preset, settings)
         calls = [Call(s, "create_table", (name,), {"exist_ok": exist_ok, **settings}, None) for s in self.clients]
         configs, errors = self._sort(calls, (yield from self._exchange(calls)))
         missing = {shard: exc for shard, exc in errors.items() if is_down(exc)} if exist_ok else {}
@@ -305,10 +310,11 @@ class Planned(Sharded):
             raise shard_error(errors, self.shard_map.targets, results)
         return sum(results.values())
 
-    def _fail_runs(self, uids: list[str], reasons: list[str], table: str) -> Plan[FailedRuns]:
+    def _fail_runs(self, uids: Iterable[str], reasons: Iterable[str], table: str) -> Plan[FailedRuns]:
         """Each failed run reported to the shard that owns its group; what they did, together.
         Raises ShardError naming a shard that did not answer or refused, its `result` what the
         others did, by shard; a uid that names no group is refused (ValueError) before any call."""
+        uids, reasons = list(uids), list(reasons)
         if reasons and len(reasons) != len(uids):
             raise ValueError(f"fail_runs: {len(uids)} uids for {len(reasons)} reasons, one reason a uid or none")
         group_by = yield from self._group_by_of(table)
@@ -336,8 +342,12 @@ class Planned(Sharded):
         found = yield from self._on_all("get_partials", list(task_ids), table)
         return [exp for shard in sorted(found) for exp in found[shard]]
 
-    def _delete(self, uids: list[str], table: str, groups: list[str]) -> Plan[int]:
-        return sum((yield from self._on_all("delete", uids, table, groups=groups)).values())
+    def _delete(self, uids: Iterable[str], table: str, groups: Iterable[str]) -> Plan[int]:
+        return sum((yield from self._on_all("delete", list(uids), table, groups=list(groups))).values())
+
+    def _seal(self, group_id: str, table: str) -> Plan[int]:
+        """On the shard that owns the group."""
+        return (yield from self._on_one(self.shard_map.owner(group_id), "seal", group_id, table))
 
     def _stats(self, table: str) -> Plan[BufferStats]:
         """Each table's stats merged over the shards that answered (TableStats.merged)."""
@@ -347,6 +357,10 @@ class Planned(Sharded):
             for name, part in stats.items():
                 parts.setdefault(name, []).append(part)
         return BufferStats({name: TableStats.merged(p) for name, p in parts.items()}, per_shard.missing)
+
+    def _shard_stats(self, table: str) -> Plan[LiveResult]:
+        """Each answering shard's stats, by shard (`_live`)."""
+        return (yield from self._live("stats", table))
 
     def _server_info(self) -> Plan[ServerInfo]:
         per_shard = yield from self._live("server_info")
@@ -392,6 +406,10 @@ class Planned(Sharded):
     def _admit(self, table: str, count: int, wait: float, grant_seconds: float) -> Plan[Grant]:
         shard = self.admission_shard(table)
         return (yield from self._on_one(shard, "admit", table, count, wait=wait, grant_seconds=grant_seconds))
+
+    def _finish_grant(self, grant: Grant, accepted: int | None) -> Plan[int]:
+        """On the shard that granted it: the table's admission shard."""
+        return (yield from self._on_one(self.admission_shard(grant.table), "finish_grant", grant, accepted))
 
     def _sample(self, spec: SampleSpec, leases: Leases, kind: type[ShardBatch]) -> Plan[None]:
         """Batches drawn from every shard in proportion to what each holds ready, as Poll decides."""
