@@ -6,12 +6,11 @@ nothing."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from expbuf.server.store import Store, TableExtension
+from expbuf.server.store import Pushed, Store, TableExtension
 from expbuf.server.store.core.state import TableState
 from expbuf.server.store.disk.records import GroupRecord
 from expbuf.server.store.schema.sample_spec import SampleSpec
@@ -30,10 +29,10 @@ class Mover(TableExtension):
     def __init__(self) -> None:
         self.move: tuple[State, State] | None = None
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
         if self.move is not None:
             was, to = self.move
-            for gkey in gkeys:
+            for gkey in event.gkeys:
                 tt.move_group(gkey, GroupRecord(state=was, created=tt.now), to)
 
 

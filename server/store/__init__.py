@@ -3,8 +3,8 @@
 
 - engine.py: `Store`, the façade the server uses (through backend.Backend), with its mixins
   reading.py, ledger_calls.py and sampling_calls.py; this package exports the names code above the
-  store reads (the Store, what goes in and comes out, the states, the extension class, the order
-  and index API);
+  store reads (the Store, what goes in and comes out, the states, the extension class and the
+  events it hears, the order and index API);
 - services/: sampling, pushing, reads, keyed values, claims, upkeep, scrub, index builds, each a
   request's work in the writer's transaction or off it;
 - tables/: the catalog (the tables and each one's extensions), a lease's life, taking a batch,
@@ -33,7 +33,7 @@ import sys
 from expbuf.client.moved import alias
 
 from .core.counters import SHAPING_COUNTERS
-from .core.events import TableExtension
+from .core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
 from .core.indexes import Index, KeyedIndex, ReadyGroup
 from .core.orders import Order, register, unregister
 from .core.reading import Page
@@ -124,18 +124,23 @@ __all__ = [
     "IllegalMove",
     "Index",
     "IndexBuild",
+    "Inserted",
     "ItemRecord",
     "KeyedIndex",
     "MayWait",
+    "Moved",
     "Order",
     "Page",
     "PromptPage",
     "PromptRecord",
     "PromptStats",
     "Push",
+    "Pushed",
     "PutResult",
     "ReadyGroup",
     "ReadyIndex",
+    "Resent",
+    "Retired",
     "Sampled",
     "ScrubStatus",
     "SentApart",
@@ -146,6 +151,7 @@ __all__ = [
     "State",
     "Store",
     "TableExtension",
+    "Taken",
     "check_claim",
     "check_refs",
     "index_databases",

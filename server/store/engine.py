@@ -406,8 +406,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         failures = list(zip(uids, reasons or [""] * len(uids), strict=True))
 
         def op(tt: TableState) -> FailResult:
-            tt.holder, tt.call = holder, "FailRuns"
-            return groups.fail_runs(tt, failures)
+            return groups.fail_runs(tt, failures, holder)
 
         return self._in_table(table, op)
 
@@ -416,8 +415,7 @@ class Store(SamplingCalls, ReadCalls, LedgerCalls):
         a prompt's claimant completes its group)."""
 
         def op(tt: TableState) -> int:
-            tt.holder, tt.call = holder, "Seal"
-            return groups.seal(tt, group_id)
+            return groups.seal(tt, group_id, holder)
 
         return self._in_table(table, op)
 

@@ -22,6 +22,9 @@ from .state import TableState
 
 # A group completed, with its member records, whose advantages the push computes (compute_in_push).
 Completed = tuple[str, GroupRecord, dict[str, ItemRecord]]
+# A pending group about to complete: its key, record, members' records (closing), and whether it
+# is in the pending index.
+Closed = tuple[str, GroupRecord, dict[str, ItemRecord], bool]
 
 
 def new(tt: TableState) -> GroupRecord:
@@ -127,37 +130,42 @@ def closing(tt: TableState, gkey: str, grp: GroupRecord, *, partial: bool) -> di
 
 def complete(
     tt: TableState,
-    gkey: str,
-    grp: GroupRecord,
-    recs: dict[str, ItemRecord],
+    groups: Sequence[Closed],
     *,
-    indexed: bool,
-    ready: list[Row] | None,
-    computing: list[Completed] | None,
+    ready: list[Row] | None = None,
+    computing: list[Completed] | None = None,
 ) -> None:
-    """A pending group (with its members' records) becomes ready, or computing, in the ready
-    order's next place, with its members' lowest version (None unless every member has one) and
-    highest priority. `indexed`: the group is in the pending index (a group opened and filled by
-    one push never is). With `ready`, a ready group's index entry is appended there for the
-    caller to add with the others (ReadyIndex.add_many) instead of added now. With `computing`
-    (a push whose table has an advantage computation), a group that needs advantages is appended
-    there, still pending, for the caller's compute_in_push."""
-    if indexed:
-        tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
-    versions = [rec.version for rec in recs.values() if rec.version is not None]
-    grp.version = min(versions) if versions and len(versions) == len(recs) else None
-    grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
-    grp.rseq = tt.counters.next_rseq
-    tt.counters.next_rseq += 1
-    if tt.config.advantages.estimator == "none":
-        tt.set_state(gkey, grp, recs, READY)
-        rate_counts.became_ready(tt, len(recs))
-        row = (gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+    """Pending groups (each with its members' records, and whether it is in the pending index:
+    a group opened and filled by one push never is) become ready, or computing, together, in
+    the ready order's next places, each with its members' lowest version (None unless every
+    member has one) and highest priority. With `ready`, the ready groups' index entries are
+    appended there for the caller to add with others (ReadyIndex.add_many) instead of added now.
+    With `computing` (a push whose table has an advantage computation), the groups that need
+    advantages are appended there, still pending, for the caller's compute_in_push."""
+    now_ready: list[Completed] = []
+    queued: list[Completed] = []
+    estimated = tt.config.advantages.estimator != "none"
+    for gkey, grp, recs, indexed in groups:
+        if indexed:
+            tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
+        versions = [rec.version for rec in recs.values() if rec.version is not None]
+        grp.version = min(versions) if versions and len(versions) == len(recs) else None
+        grp.priority = max((rec.priority for rec in recs.values()), default=0.0)
+        grp.rseq = tt.counters.next_rseq
+        tt.counters.next_rseq += 1
+        if not estimated:
+            now_ready.append((gkey, grp, recs))
+        elif computing is not None:
+            computing.append((gkey, grp, recs))
+        else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
+            queued.append((gkey, grp, recs))
+    if now_ready:
+        tt.set_states(now_ready, READY)
+        rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in now_ready))
+        rows = [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in now_ready]
         if ready is None:
-            tt.ready.add(*row)
+            tt.ready.add_many(rows)
         else:
-            ready.append(row)
-    elif computing is not None:
-        computing.append((gkey, grp, recs))
-    else:  # queued for its advantages (compute.py); sampled once they are stored (finish_compute)
-        tt.set_state(gkey, grp, recs, COMPUTING)
+            ready.extend(rows)
+    if queued:
+        tt.set_states(queued, COMPUTING)

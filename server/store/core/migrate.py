@@ -235,7 +235,8 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
         config = TableConfig.from_stored(record["config"], record.get("v", 1))
         if not batch_stage(config):
             continue
-        tt = TableState(txn, dbs, record["id"], config, 0.0, TableExtension())  # no extension: queues its groups itself
+        tt = TableState(txn, dbs, record["id"], config, 0.0, TableExtension())  # no extension hears an upgrade
+        computing = []
         for gkey_raw in list(tt.ready.of(ReadyOrder).scan(reverse=False)):
             gkey = bytes(gkey_raw).decode()
             grp = tt.existing_group(gkey)
@@ -243,6 +244,6 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
             recs = tt.members(grp)
             for rec in recs.values():
                 rec.advantage = None
-            tt.set_state(gkey, grp, recs, COMPUTING)
-            txn.put(tt.rseq_key(grp), gkey_raw, db=dbs["compute"])
+            computing.append((gkey, grp, recs))
+        tt.set_states(computing, COMPUTING)  # and in the compute queue, in the ready order
         tt.save()

@@ -15,8 +15,9 @@ import lmdb
 from ..disk import chunk_reads, chunked, digests, layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import DELETED, GroupRecord, ItemRecord
-from ..schema.states import CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
+from ..schema.states import COMPUTING, CONSUMED, FAILED, LIVE, PENDING, QUARANTINED, READY, RETIRED, State
 from . import pieces, rate_counts
+from .events import Retired
 from .state import TableState
 
 
@@ -37,8 +38,8 @@ def retire(
     among `quarantined` (their payloads damaged, quarantine.py) become quarantined tombstones,
     their payloads gone. Done in passes, one per database, over all the groups; a record not
     read yet in this transaction becomes a tombstone without being decoded. The table's
-    extensions hear of it first (`on_retire`)."""
-    tt.extensions.on_retire(tt, groups, state)
+    extensions hear of it first (`Retired`)."""
+    tt.extensions.on_retired(tt, Retired(groups, state))
     for gkey, _ in groups:
         pieces.drop_group(tt, gkey)
     if state != CONSUMED:
@@ -114,9 +115,11 @@ def consume(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> None:
 
 
 def leave_indexes(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    """A group leaves the ready or pending index (the others are the extensions')."""
+    """A group leaves the ready, compute or pending index."""
     if grp.state == READY:
         tt.ready.remove(gkey.encode(), grp.ready_seq, grp.priority, grp.version)
+    elif grp.state == COMPUTING:
+        tt.unqueue([(gkey, grp)])
     elif grp.state == PENDING:
         tt.txn.delete(tt.pending_key(gkey, grp), db=tt.db["pending"])
 
@@ -202,6 +205,7 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         if grp is not None:
             targets.extend(grp.members)
     deleted = 0
+    emptied: list[tuple[str, GroupRecord]] = []  # groups whose last member went: they go after the loop
     for uid in dict.fromkeys(targets):
         rec = tt.item(uid)
         if rec is None:
@@ -218,13 +222,16 @@ def delete(tt: TableState, uids: Sequence[str], group_ids: Sequence[str]) -> int
         grp.members.remove(uid)
         if grp.members:
             tt.put_group(rec.group, grp)
-            continue
-        if grp.state in LIVE:
-            tt.extensions.on_retire(tt, [(rec.group, grp)], DELETED)
-        leave_indexes(tt, rec.group, grp)
+        else:
+            emptied.append((rec.group, grp))
+    live = [(gkey, grp) for gkey, grp in emptied if grp.state in LIVE]
+    if live:
+        tt.extensions.on_retired(tt, Retired(live, DELETED))
+    for gkey, grp in emptied:
+        leave_indexes(tt, gkey, grp)
         if grp.state in LIVE:
             tt.counters.add_groups(grp.state, -1)
-        tt.forget_group(rec.group)
+        tt.forget_group(gkey)
     return deleted
 
 

@@ -3,7 +3,9 @@ cache, written by `save`), its counters, its ready index, and the keys of its in
 
 The rules that change a table (rules/groups.py, capacity.py, tables/leases.py, ...) are
 functions over this state; it imports none of them. A table's extensions (rules/extensions.py,
-rooms above) are reached through `extensions`, as the `Events` they answer (events.py).
+rooms above) are reached through `extensions`, as the `Events` they answer (events.py): the
+state raises one `Moved` per step and state moved from. It holds no request's parameters (who
+pushes, what computes): those are the arguments of the verbs that need them.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from ..disk import layout
 from ..disk.layout import put_rows, u64
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
-from ..schema.states import LEASED, LIVE, READY, State, check_move
+from ..schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
 from .counters import read_counters, write_counters
-from .events import Events
+from .events import Events, Moved
 from .indexes import ReadyGroup, ReadyOrder
 from .ready import ReadyIndex
 
@@ -78,10 +80,6 @@ class TableState:
         self._groups: dict[str, GroupRecord | None] = {}
         self._dirty_items: dict[str, ItemRecord] = {}
         self._dirty_groups: dict[str, GroupRecord] = {}
-        # Who pushes (kinds.Push.holder): the prompt ledger lets only a prompt's claimant push its group.
-        self.holder = ""
-        # The call that acts for `holder` (a push, or FailRuns, Seal), which the ledger's refusals name.
-        self.call = "push"
 
     def save(self) -> None:
         """Write changed records and the counters; every changing request ends with it."""
@@ -192,15 +190,15 @@ class TableState:
 
     # ---- states and their counts ---------------------------------------------------------
 
-    def set_state(self, gkey: str, grp: GroupRecord, recs: dict[str, ItemRecord], state: State) -> None:
-        self.set_states([(gkey, grp, recs)], state)
-
     def set_states(self, groups: Sequence[Members], state: State) -> None:
         """Live groups and their members (key, record, member records) move to a live
         `state` (retire.py makes tombstones). Members share their group's state, and the
         records of a leased group's members say ready (its record says leased): a lease
-        taken or ended rewrites no member record for the state alone."""
+        taken or ended rewrites no member record for the state alone. The compute queue (T +
+        rseq -> group key: the computing groups, in the order they completed) follows, and the
+        extensions hear one `Moved` per state the groups moved from."""
         counters, stored = self.counters, stored_state(state)
+        moved: dict[State, list[tuple[str, GroupRecord]]] = {}
         for gkey, grp, recs in groups:
             counters.add(grp.state, -len(recs))
             counters.add(state, len(recs))
@@ -208,12 +206,25 @@ class TableState:
                 if rec.state != stored:
                     rec.state = stored
                     self.put_item(uid, rec)
+            was = grp.state
             self.move_group(gkey, grp, state)
+            if was in LIVE and state in LIVE and was != state:
+                moved.setdefault(was, []).append((gkey, grp))
+        for was, batch in moved.items():
+            if was == COMPUTING:
+                self.unqueue(batch)
+            if state == COMPUTING:
+                put_rows(self.txn, self.db["compute"], [(self.rseq_key(grp), gkey.encode()) for gkey, grp in batch])
+            self.extensions.on_moved(self, Moved(was, state, batch))
+
+    def unqueue(self, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+        """Computing groups leave the compute queue (their advantages stored, or they leave)."""
+        for _, grp in groups:
+            self.txn.delete(self.rseq_key(grp), db=self.db["compute"])
 
     def move_group(self, gkey: str, grp: GroupRecord, state: State) -> None:
-        """A group's own state and the counts of groups by live state; a move between live
-        states is the extensions' `on_update`. Every move of a group comes here, and is
-        checked against the state machine (states.py)."""
+        """A group's own state and the counts of groups by live state. Every move of a group
+        comes here, and is checked against the state machine (states.py)."""
         was = grp.state
         check_move(gkey, was, state)
         if was in LIVE:
@@ -222,5 +233,3 @@ class TableState:
             self.counters.add_groups(state, 1)
         grp.state = state
         self.put_group(gkey, grp)
-        if was in LIVE and state in LIVE and was != state:
-            self.extensions.on_update(self, gkey, grp, was)

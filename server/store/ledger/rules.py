@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from expbuf.client.schema.prompts import MAX_PROMPTS_PER_CALL
 
-from ..core.events import Groups, TableExtension
+from ..core.events import Moved, Pushed, Resent, Retired, TableExtension
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
@@ -314,14 +314,14 @@ class Ledger(TableExtension):
 
     # ---- the table's events ------------------------------------------------------------------
 
-    def on_push(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_pushed(self, tt: TableState, event: Pushed) -> None:
         """Only the claimant of a prompt's attempt pushes its group (with tokens on, the token
-        that claimed it: `tt.holder`). Refuse a push into the group of an attempt whose claim
+        that claimed it: `event.holder`). Refuse a push into the group of an attempt whose claim
         ended, of one not handed out (a prompt's group keys are predictable: a push into one
         would block the claimant to come), or of one claimed with another token."""
         if not self.holds(tt):
             return
-        for gkey in gkeys:
+        for gkey in event.gkeys:
             found = _entry(tt, gkey)
             if found is None:
                 named = read_group_key(gkey)
@@ -329,7 +329,7 @@ class Ledger(TableExtension):
                     name, epoch, index, attempt = named
                     raise StaleAttempt(
                         f"group {gkey} is attempt {attempt} of prompt {name}/{epoch}/{index}, which no claim holds"
-                        f" (not handed out): {_unchanged(tt)}; push the groups of the prompts you claim"
+                        f" (not handed out): {_unchanged(event.call)}; push the groups of the prompts you claim"
                     )
                 continue
             (name, epoch, index, attempt), rec = found
@@ -338,48 +338,53 @@ class Ledger(TableExtension):
                 held = f"attempt {rec.attempt} is {rec.state}" if rec.state in (PENDING, CLAIMED) else rec.state
                 raise StaleAttempt(
                     f"group {clip(gkey)} is attempt {attempt} of {prompt}, whose claim ended ({held} now): "
-                    f"{_unchanged(tt)}; claim a prompt again"
+                    f"{_unchanged(event.call)}; claim a prompt again"
                 )
-            _same_holder(tt, gkey, found)
+            _same_holder(gkey, found, event)
 
-    def on_resend(self, tt: TableState, gkeys: Sequence[str]) -> None:
+    def on_resent(self, tt: TableState, event: Resent) -> None:
         """A copy of what a prompt's group holds is its claimant's to send again (a retry, its
         group complete or trained since): another token's is refused, as its push would be,
         before it hears what the group holds. An attempt whose claim ended keeps no claimant."""
         if not self.holds(tt):
             return
-        for gkey in gkeys:
+        for gkey in event.gkeys:
             found = _entry(tt, gkey)
             if found is not None and found[1].attempt == found[0][3] and found[1].holder:
-                _same_holder(tt, gkey, found)
+                _same_holder(gkey, found, event)
 
-    def on_update(self, tt: TableState, gkey: str, grp: GroupRecord, was: str) -> None:
-        """A group completed: its prompt, claimed by this attempt, is generated."""
-        if was != GROUP_PENDING or not self.holds(tt):
+    def on_moved(self, tt: TableState, event: Moved) -> None:
+        """Groups completed: the prompt of each, claimed by this attempt, is generated. A batch's
+        groups read and write their dataset once."""
+        if event.was != GROUP_PENDING or not self.holds(tt):
             return
-        found = _entry(tt, gkey)
-        if found is None:
-            return
-        (name, epoch, index, attempt), rec = found
-        if rec.attempt != attempt or rec.state != CLAIMED:
-            return
-        ds = self.dataset(tt, name)
-        self._unexpire(tt, name, epoch, index, rec)
-        rec.move(GENERATED, f"{name}/{epoch}/{index}")
-        rec.expires = 0.0
-        put_prompt(tt, name, epoch, index, rec)
-        self._generated(tt, ds, epoch, index, grp)
-        ds.count(epoch, CLAIMED, -1)
-        ds.count(epoch, GENERATED, 1)
-        self._save(tt, ds)
+        loaded: dict[str, DatasetRecord] = {}
+        for gkey, grp in event.groups:
+            found = _entry(tt, gkey)
+            if found is None:
+                continue
+            (name, epoch, index, attempt), rec = found
+            if rec.attempt != attempt or rec.state != CLAIMED:
+                continue
+            ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
+            self._unexpire(tt, name, epoch, index, rec)
+            rec.move(GENERATED, f"{name}/{epoch}/{index}")
+            rec.expires = 0.0
+            put_prompt(tt, name, epoch, index, rec)
+            self._generated(tt, ds, epoch, index, grp)
+            ds.count(epoch, CLAIMED, -1)
+            ds.count(epoch, GENERATED, 1)
+        for ds in loaded.values():
+            self._save(tt, ds)
 
-    def on_retire(self, tt: TableState, groups: Groups, state: str) -> None:
+    def on_retired(self, tt: TableState, event: Retired) -> None:
         """Groups left the table: a consumed one's prompt is trained; a dropped, evicted,
         failed or deleted one's is done or goes back (on_drop)."""
         if not self.holds(tt):
             return
+        state = event.state
         loaded: dict[str, DatasetRecord] = {}  # a batch's groups read and write their dataset once
-        for gkey, grp in groups:
+        for gkey, grp in event.groups:
             found = _entry(tt, gkey)
             if found is None:
                 continue
@@ -457,14 +462,14 @@ def _entry(tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], Prompt
     return None if rec is None else (entry, rec)
 
 
-def _same_holder(tt: TableState, gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord]) -> None:
-    """Refuse a call into the group of a prompt's attempt (`found`, its entry and record) made
-    with another token than the one that claimed it."""
+def _same_holder(gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord], event: Pushed | Resent) -> None:
+    """Refuse a call (`event`, who makes it) into the group of a prompt's attempt (`found`, its
+    entry and record) made with another token than the one that claimed it."""
     (name, epoch, index, attempt), rec = found
-    if rec.holder != tt.holder:
+    if rec.holder != event.holder:
         raise Forbidden(
             f"group {clip(gkey)} is attempt {attempt} of prompt {name}/{epoch}/{index}, claimed with another token: "
-            f"{_unchanged(tt)}"
+            f"{_unchanged(event.call)}"
         )
 
 
@@ -493,6 +498,6 @@ def check_reader(tt: TableState, tids: Sequence[str], holder: str) -> None:
         )
 
 
-def _unchanged(tt: TableState) -> str:
+def _unchanged(call: str) -> str:
     """What a refusal of the ledger's says the refused call did: nothing, naming the call."""
-    return "nothing of this push is stored" if tt.call == "push" else f"this {tt.call} call changes nothing"
+    return "nothing of this push is stored" if call == "push" else f"this {call} call changes nothing"

@@ -49,6 +49,7 @@ from expbuf.client.trxp.parse import head_length, parse, parse_head
 from expbuf.client.trxp.pieces import Bytes
 
 from ..core import pieces
+from ..core.events import Pushed, Resent
 from ..core.groups import open_pending
 from ..core.state import TableState, missing
 from ..disk import digests, piece_rows
@@ -90,11 +91,12 @@ class OffWriter(Exception):
         self.uid = uid
 
 
-def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int) -> Taken:
+def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int, holder: str) -> Taken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
     piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
     the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
-    rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`)."""
+    rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
+    `holder` is who pushes (groups.put)."""
     taken = Taken()
     for entry in entries:
         if entry.piece is None:
@@ -106,10 +108,11 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         piece = entry if entry.together is None else entry.together.piece  # the piece as pushed
         gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
         if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
-            tt.extensions.on_resend(tt, [gkey])
+            tt.extensions.on_resent(tt, Resent([gkey], holder))
             taken.duplicates.append(entry.uid)
             continue
-        tt.extensions.on_push(tt, [gkey])  # a claim's checks first: no one else hears what the buffer holds
+        # a claim's checks first: no one else hears what the buffer holds
+        tt.extensions.on_pushed(tt, Pushed([gkey], holder))
         head = pieces.head(tt, entry.uid)
         held = 0 if head is None else head.tokens
         if head is not None and offset < held and (offset, piece.digest.hex(), piece.size) in head.pieces:

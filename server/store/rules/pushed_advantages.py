@@ -69,11 +69,8 @@ def compute_in_push(
         queue(tt, computing)
         return
     add_shaping(tt, shaping)
-    for gkey, grp, recs in computing:
-        if gkey in dropped:
-            drop_below_threshold(tt, gkey, grp)
-        else:
-            ready.append(store_advantages(tt, gkey, grp, recs, values, shaping))
+    ready.extend(store_advantages(tt, [group for group in computing if group[0] not in dropped], values, shaping))
+    drop_below_threshold(tt, [(gkey, grp) for gkey, grp, _ in computing if gkey in dropped])
 
 
 def compute_ahead(config: TableConfig, entries: Sequence[Entry], compute: Compute) -> Ahead | None:
@@ -127,7 +124,9 @@ def add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
     tt.counters.reward_moments = shaping.moments
 
 
-def drop_below_threshold(tt: TableState, gkey: str, grp: GroupRecord) -> None:
-    retire(tt, [(gkey, grp)], DROPPED)
-    tt.counters.groups_dropped += 1
-    tt.counters.dropped_std_threshold += 1
+def drop_below_threshold(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+    """Drop the groups whose rewards' spread is below the estimator's threshold, together."""
+    if groups:
+        retire(tt, groups, DROPPED)
+        tt.counters.groups_dropped += len(groups)
+        tt.counters.dropped_std_threshold += len(groups)

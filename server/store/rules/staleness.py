@@ -107,13 +107,11 @@ def evict_stale(tt: TableState, limit: int = EVICT_LIMIT) -> int:
     if bound is None:
         return 0
     stale = tt.ready.below_version(bound, limit)
-    for gkey in stale:
-        grp = tt.group(gkey)
-        if grp is None or grp.state != READY:
-            continue
-        retire(tt, [(gkey, grp)], DROPPED)
-        tt.counters.groups_dropped += 1
-        tt.counters.dropped_stale += 1
+    gone = [(gkey, grp) for gkey in dict.fromkeys(stale) if (grp := tt.group(gkey)) is not None and grp.state == READY]
+    if gone:
+        retire(tt, gone, DROPPED)
+        tt.counters.groups_dropped += len(gone)
+        tt.counters.dropped_stale += len(gone)
     if stale:
         tt.save()
     return len(stale)

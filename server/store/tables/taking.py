@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable
 
 from ..core import rate_counts
+from ..core.events import Taken
 from ..core.read_check import Unservable
 from ..core.reading import batch_rows
 from ..core.retire import retire
@@ -106,7 +107,7 @@ def take(
     rate_counts.taken(tt, batch.counted.experiences)
     batch.newest_version = tt.counters.max_version
     batch.trainer_version = tt.counters.trainer_version
-    tt.extensions.on_sample(tt, chosen)
+    tt.extensions.on_taken(tt, Taken(chosen, delivery))
     tt.save()
     if payloads.snapshot is not None:
         batch.snapshot = payloads.snapshot
