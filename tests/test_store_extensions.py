@@ -17,6 +17,7 @@ from expbuf.client import BufferClient, InvalidArgumentError
 from expbuf.server.app import ExpbufServer, StartupError
 from expbuf.server.config import ServerConfig, load
 from expbuf.server.store import (
+    DatasetRecord,
     Entry,
     Inserted,
     Moved,
@@ -224,6 +225,28 @@ def test_a_step_over_many_groups_calls_each_hook_once_not_once_a_group(tmp_path:
         store.finish_compute("g", dict.fromkeys(job.records, 0.5), ready=gkeys)
         assert computed.take() == [("moved", "computing -> ready", many)]
         assert store.verify("t") == [] and store.verify("g") == []
+
+
+def test_the_claims_a_call_ends_drop_their_incomplete_groups_in_one_event(tmp_path: Path) -> None:
+    """A release of 8 claims, and 8 claims' ends found by the upkeep, each drop their attempts'
+    incomplete groups together: one Retired each (the ledger retired them one by one before)."""
+    many, now = 8, [1_000_000.0]
+    with Store(tmp_path / "data", clock=lambda: now[0], extensions={"calls": Calls}) as store:
+        store.create_table(TableConfig.of("t", estimator="none", group_size=2, extensions=["calls"]))
+        (calls,) = (ext for ext in store.extensions_of("t") if isinstance(ext, Calls))
+        store.claims.create("t", DatasetRecord("math", size=many, max_attempts=3))
+        for attempt in range(2):
+            prompts, _ = store.claims.claim("t", "math", many, seconds=60)
+            assert [p.attempt for p in prompts] == [attempt] * many
+            store.put("t", [group_items(f"math/{p.epoch}", f"{p.index}@{p.attempt}", 1)[0] for p in prompts])
+            calls.take()
+            if attempt == 0:
+                assert store.claims.release("t", "math", [(p.epoch, p.index, p.attempt) for p in prompts]) == many
+            else:
+                now[0] += 61
+                store.tick()  # the claims ended
+            assert calls.take() == [("retired", "dropped", many)]
+        assert store.verify("t") == []
 
 
 def test_a_push_fail_runs_and_seal_name_who_makes_them_in_the_event(tmp_path: Path) -> None:

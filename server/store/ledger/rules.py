@@ -198,11 +198,13 @@ class Ledger(TableExtension):
         Returns the claims released (one already ended is not)."""
         ds = self.dataset(tt, name)
         released = 0
+        dropping: list[tuple[str, GroupRecord]] = []
         for epoch, index, attempt in prompts:
             rec = self._held(tt, name, epoch, index, attempt, holder)
             if rec is not None:
-                self._end_claim(tt, ds, epoch, index, rec)
+                self._end_claim(tt, ds, epoch, index, rec, dropping)
                 released += 1
+        _drop(tt, dropping)
         self._save(tt, ds)
         return released
 
@@ -258,12 +260,14 @@ class Ledger(TableExtension):
                 due.append(read_expiry_key(bytes(cur.key())))
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
+        dropping: list[tuple[str, GroupRecord]] = []
         for name, epoch, index in due:
             rec = prompt_of(tt, name, epoch, index)
             if rec is None or rec.state != CLAIMED or rec.expires > tt.now:
                 continue
             ds = loaded.get(name) or loaded.setdefault(name, self.dataset(tt, name))
-            self._end_claim(tt, ds, epoch, index, rec)
+            self._end_claim(tt, ds, epoch, index, rec, dropping)
+        _drop(tt, dropping)
         for ds in loaded.values():
             self._save(tt, ds)
         return len(due)
@@ -279,9 +283,18 @@ class Ledger(TableExtension):
             raise Forbidden(f"prompt {name}/{epoch}/{index} was claimed with another token")
         return rec
 
-    def _end_claim(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, rec: PromptRecord) -> None:
+    def _end_claim(
+        self,
+        tt: TableState,
+        ds: DatasetRecord,
+        epoch: int,
+        index: int,
+        rec: PromptRecord,
+        dropping: list[tuple[str, GroupRecord]],
+    ) -> None:
         """A claim ended before its group was complete: the prompt goes back (or is dropped,
-        its attempts spent), and the attempt's incomplete group, if any, is dropped."""
+        its attempts spent), and the attempt's incomplete group, if any, joins `dropping`, the
+        groups the caller drops together (`_drop`: one event for the claims it ends)."""
         gkey = group_key(ds.name, epoch, index, rec.attempt)
         self._unexpire(tt, ds.name, epoch, index, rec)
         ds.count(epoch, CLAIMED, -1)
@@ -292,8 +305,7 @@ class Ledger(TableExtension):
             partials.drop_task(tt, gkey)
         grp = tt.group(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
-            retire(tt, [(gkey, grp)], GROUP_DROPPED)
-            tt.counters.groups_dropped += 1
+            dropping.append((gkey, grp))
             ds.attempts_dropped += 1
 
     def _send_back(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, rec: PromptRecord) -> None:
@@ -460,6 +472,13 @@ def _entry(tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], Prompt
     entry = read_group_entry(raw)
     rec = prompt_of(tt, *entry[:3])
     return None if rec is None else (entry, rec)
+
+
+def _drop(tt: TableState, groups: list[tuple[str, GroupRecord]]) -> None:
+    """The incomplete groups of the claims a call ended are dropped, together."""
+    if groups:
+        retire(tt, groups, GROUP_DROPPED)
+        tt.counters.groups_dropped += len(groups)
 
 
 def _same_holder(gkey: str, found: tuple[tuple[str, int, int, int], PromptRecord], event: Pushed | Resent) -> None:
