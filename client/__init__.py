@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     )
     from .rpc.connection import Tls
     from .schema.experience import EID, Experience
-    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptStats
+    from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptState, PromptStats
     from .trxp import TrxpError, decode, encode
     from .trxp.column_build import ColumnBatch
 
@@ -112,6 +112,7 @@ _HOMES = {
     "DatasetInfo": "schema.prompts",
     "EpochCounts": "schema.prompts",
     "Prompt": "schema.prompts",
+    "PromptState": "schema.prompts",
     "PromptStats": "schema.prompts",
     "PromptPage": "schema.prompts",
     "Batch": "results",
@@ -170,6 +171,7 @@ __all__ = [
     "PermissionDeniedError",
     "Prompt",
     "PromptPage",
+    "PromptState",
     "PromptStats",
     "PushResult",
     "ResourceExhaustedError",

@@ -24,7 +24,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 
 if TYPE_CHECKING:
     from expbuf.client import BufferClient, TableStats
@@ -196,7 +196,7 @@ class Decodes:
 
 def take(store: Store, table: str, **spec: object) -> Sampled | None:
     """One batch straight from the store (consumed unless the spec says otherwise)."""
-    return store.sample(SampleSpec(table, **spec))
+    return store.sample(TakeSpec(table, **spec))
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ MOVED = [
     ("expbuf.server.store.table_parts", "expbuf.server.store.schema.table_parts", ["Shaping"]),
     ("expbuf.server.store.errors", "expbuf.server.store.schema.errors", ["StoreError"]),
     ("expbuf.server.store.states", "expbuf.server.store.schema.states", ["State"]),
-    ("expbuf.server.store.sample_spec", "expbuf.server.store.schema.sample_spec", ["SampleSpec"]),
+    ("expbuf.server.store.sample_spec", "expbuf.server.store.schema.sample_spec", ["TakeSpec"]),
     ("expbuf.server.store.stored_advantages", "expbuf.server.store.disk.stored_advantages", ["FinishBatch"]),
     ("expbuf.server.estimators", "expbuf.server.advantages.estimators", ["FlatBatch"]),
     ("expbuf.server.batch_stage", "expbuf.server.advantages.batch_stage", ["finish_batch"]),

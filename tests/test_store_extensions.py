@@ -35,7 +35,7 @@ from expbuf.server.store.ledger.rules import Ledger
 from expbuf.server.store.rules.extensions import ExtensionKinds
 from expbuf.server.store.rules.staleness import StaleEviction
 from expbuf.server.store.schema.errors import ConfigError, InvalidRequest, StoreError
-from expbuf.server.store.schema.sample_spec import SampleSpec
+from expbuf.server.store.schema.sample_spec import TakeSpec
 from expbuf.server.store.schema.table_config import TableConfig
 
 from conftest import payload
@@ -105,9 +105,9 @@ def test_a_named_extension_hears_a_real_stores_events(tmp_path: Path) -> None:
         journal = journal_of(store, "t")
         pushed = store.put("t", group_items(0, 0, 2))
         (gkey,) = pushed.completed_groups
-        leased = store.sample(SampleSpec("t", num_groups=1, delivery="lease"))
+        leased = store.sample(TakeSpec("t", num_groups=1, delivery="lease"))
         assert store.nack(leased.lease_id) == 2
-        assert store.sample(SampleSpec("t", num_groups=1)) is not None  # consumed
+        assert store.sample(TakeSpec("t", num_groups=1)) is not None  # consumed
     assert journal.events == [
         ("push", [gkey], "", "push"),
         ("moved", "pending", "ready", [gkey]),
@@ -130,7 +130,7 @@ def test_each_step_raises_one_event_for_all_the_groups_it_moves(tmp_path: Path) 
         items = [item for task in range(3) for item in group_items(0, task, 2)]
         gkeys = store.put("t", items).completed_groups
         assert len(gkeys) == 3
-        leased = store.sample(SampleSpec("t", num_groups=3, delivery="lease"))
+        leased = store.sample(TakeSpec("t", num_groups=3, delivery="lease"))
         assert store.nack(leased.lease_id) == 6
         assert store.delete("t", group_ids=gkeys) == 6
         assert [e for e in journal.events if e[0] in ("moved", "taken", "retired")] == [
@@ -198,14 +198,14 @@ def test_a_step_over_many_groups_calls_each_hook_once_not_once_a_group(tmp_path:
             ("moved", "pending -> ready", many),
             ("inserted", "", 2 * many),
         ]
-        leased = store.sample(SampleSpec("t", num_groups=many, delivery="lease"))
+        leased = store.sample(TakeSpec("t", num_groups=many, delivery="lease"))
         assert leased is not None and len(set(leased.group_ids)) == many
         assert calls.take() == [("moved", "ready -> leased", many), ("taken", "lease", many)]
         assert store.ack(leased.lease_id) == 2 * many  # the confirm
         assert calls.take() == [("retired", "consumed", many)]
         store.put("t", batch(many))
         calls.take()
-        assert store.sample(SampleSpec("t", num_groups=many)) is not None  # consumed as taken
+        assert store.sample(TakeSpec("t", num_groups=many)) is not None  # consumed as taken
         assert calls.take() == [("retired", "consumed", many), ("taken", "consume", many)]
 
         halves = [items[0] for items in (group_items(1, task, 2) for task in range(many))]
@@ -284,7 +284,7 @@ def test_an_extension_with_the_hooks_of_earlier_releases_is_called_per_group_and
         items = [item for task in range(2) for item in group_items(0, task, 2)]
         gkeys = store.put("t", items).completed_groups
         store.put("t", items[:1])
-        taken = store.sample(SampleSpec("t", num_groups=2))
+        taken = store.sample(TakeSpec("t", num_groups=2))
         assert taken is not None
         order = list(dict.fromkeys(taken.group_ids))
     assert journal.events == [

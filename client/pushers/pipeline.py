@@ -40,13 +40,13 @@ from ..rpc import calls
 from ..rpc.connection import BACKOFF, busy
 from ..rpc.wire import reason_of
 
-MAX_WINDOW = 64
+MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
 
 
 def check_window(window: Any) -> int:
-    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"window must be an integer from 1 to {MAX_WINDOW}, got {window!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_PUSHES_AHEAD:
+        raise ValueError(f"window must be an integer from 1 to {MAX_PUSHES_AHEAD}, got {window!r}")
     return window
 
 
@@ -135,7 +135,7 @@ class PushTarget(Protocol):
     def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any: ...
 
 
-class Window(Ordered[Pending]):
+class PushWindow(Ordered[Pending]):
     """A pusher's pushes in the order pushed, up to `size` of them not yet handed back."""
 
     def __init__(self, table: str, size: int, client: PushTarget, timeout: float | None) -> None:

@@ -24,14 +24,14 @@ from ..store import (
     PROMPT_STATES,
     Claimed,
     DatasetRecord,
+    KeptStats,
     PromptRecord,
-    PromptStats,
     check_claim,
     check_refs,
     prompt_eid,
     shown_owner,
 )
-from ..store.schema.errors import InvalidRequest, TooLarge, check_count, clip
+from ..store.schema.errors import InvalidRequest, TooLarge, check_names, clip
 from .call_context import MIN_REPLY_BYTES, refusals, remaining
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
@@ -143,7 +143,7 @@ def _refs(prompts: Iterable[pb.PromptRef]) -> list[tuple[int, int, int]]:
     return [(p.epoch, p.index, p.attempt) for p in prompts]
 
 
-class LedgerCalls:
+class LedgerServicer:
     """The ledger's calls, mixed into the servicer (rpc/service.py), which provides the store,
     the caller's token fingerprint, the bound on waits and the largest message."""
 
@@ -246,7 +246,7 @@ class LedgerCalls:
     def ReportPrompts(self, request: pb.ReportPromptsRequest, context: grpc.ServicerContext) -> pb.ReportPromptsReply:
         check_refs(request.outcomes, "ReportPrompts")  # before the outcomes are read
         for outcome in request.outcomes:
-            check_count(outcome.rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
+            check_names(outcome.rewards, "a prompt's rewards", "ReportPrompts", MAX_REWARDS)
         outcomes = [(o.prompt.epoch, o.prompt.index, o.prompt.attempt, list(o.rewards)) for o in request.outcomes]
         reported = self.store.report_prompts(
             request.table or "default", request.dataset, outcomes, holder=self._owner(context)
@@ -255,7 +255,7 @@ class LedgerCalls:
 
     @refusals
     def ListPrompts(self, request: pb.ListPromptsRequest, context: grpc.ServicerContext) -> pb.ListPromptsReply:
-        check_count(request.states, "states", "ListPrompts", len(PROMPT_STATES))  # before they are read
+        check_names(request.states, "states", "ListPrompts", len(PROMPT_STATES))  # before they are read
         unknown = [state for state in request.states if state not in PROMPT_STATES]
         if unknown:
             raise InvalidRequest(f"states: {unknown[:4]!r}; expected some of {', '.join(PROMPT_STATES)}")
@@ -279,7 +279,7 @@ class LedgerCalls:
         )
 
 
-def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord, stats: PromptStats) -> pb.Prompt:
+def _listed(dataset: str, epoch: int, index: int, rec: PromptRecord, stats: KeptStats) -> pb.Prompt:
     batch, task = prompt_eid(dataset, epoch, index, rec.attempt)
     return pb.Prompt(
         dataset=dataset, epoch=epoch, index=index, attempt=rec.attempt, batch=batch, task=task,

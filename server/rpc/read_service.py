@@ -16,7 +16,7 @@ from expbuf.client.trxp.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend
-from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_count, clip
+from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_names, clip
 from ..store.schema.sample_spec import check_fields
 from ..store.schema.states import LIVE
 from .call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
@@ -26,7 +26,7 @@ from .replies import ReplyTooLarge, fields_reply, payload_reply
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 
 
-class ReadCalls:
+class ReadServicer:
     """Get, GetPartials, ReadPartials, ReadFields and ListExperiences."""
 
     store: Backend
@@ -49,7 +49,7 @@ class ReadCalls:
     @refusals
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
         """The named experiences as one TRXP payload, within one message (ReadFields reads in parts)."""
-        check_count(request.uids, "uids", "Get", MAX_READ_UIDS)  # before they are read
+        check_names(request.uids, "uids", "Get", MAX_READ_UIDS)  # before they are read
         uids = distinct(ids_of(request.uids, "uids"))
         limit = self.max_message_bytes - MIN_REPLY_BYTES
         payload, missing = self.store.get_payload(request.table or "default", uids, limit)
@@ -103,7 +103,7 @@ class ReadCalls:
         """Some fields of named experiences as one columnar SampleReply, or without fields the
         experiences' TRXP payload (as Get's), in parts when large."""
         table = request.table or "default"
-        check_count(request.uids, "uids", "ReadFields", MAX_READ_UIDS)  # before they are read
+        check_names(request.uids, "uids", "ReadFields", MAX_READ_UIDS)  # before they are read
         uids = distinct(ids_of(request.uids, "uids"))
         fields = tuple(request.fields)
         try:

@@ -32,7 +32,7 @@ from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..store import Sampled, send_apart
-from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.sample_spec import TakeSpec
 from .call_context import when_sent_slowly
 from .interceptor import ServiceInterceptor
 
@@ -59,7 +59,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 128 << 20
 
 
-def sample_reply(batch: Sampled, spec: SampleSpec, confirm_seconds: float, limit: int, parts: bool) -> Iterator[bytes]:
+def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: int, parts: bool) -> Iterator[bytes]:
     """The messages of a batch taken for `spec`: its serialised SampleReply, its payload copied
     once (from the store's map into the reply), or, when the client takes `parts` and that is
     larger than `limit` bytes or PART_BYTES, the reply cut into parts of at most both

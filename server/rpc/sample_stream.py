@@ -3,7 +3,7 @@
 The client's messages after the first are read by a thread of their own, so that the
 server notices a confirmation, a stop, a closed side or a cancel while it waits for
 data. The server sends a batch only while fewer than the stream's window (1 to
-MAX_WINDOW, sample_spec.py) are unconfirmed, so at most that many per stream are ever on
+MAX_WINDOW, client/schema/call_limits.py) are unconfirmed, so at most that many per stream are ever on
 their way, whatever gRPC's buffers would hold. Every batch is taken held (the store's
 `hold`), whatever its delivery: invisible to others, and neither consumed, leased nor
 counted as replayed until the client confirms it has it. Then it is consumed, or its
@@ -46,7 +46,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from ..backend import Backend
 from ..store import Sampled
 from ..store.schema.errors import InvalidRequest, StoreError
-from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.sample_spec import TakeSpec
 from .draining import Draining
 from .interceptor import refuse
 
@@ -158,7 +158,7 @@ class ClientSide:
 
 def stream_batches(
     store: Backend,
-    spec: SampleSpec,
+    spec: TakeSpec,
     requests: Iterator[pb.SampleRequest],
     context: grpc.ServicerContext,
     *,
@@ -230,7 +230,7 @@ class _Window:
     """The batches of one stream sent and not yet delivered: the unconfirmed ones, in the
     order sent, and the confirmed ones that the next take's commit delivers."""
 
-    def __init__(self, store: Backend, spec: SampleSpec, client: ClientSide, owner: str, seconds: float) -> None:
+    def __init__(self, store: Backend, spec: TakeSpec, client: ClientSide, owner: str, seconds: float) -> None:
         self.store, self.spec, self.client, self.owner = store, spec, client, owner
         self.seconds = seconds  # max_confirm_seconds
         self.sent = 0

@@ -36,10 +36,10 @@ from ..store.schema.errors import (
     InvalidRequest,
     SpecError,
     TableFull,
-    check_count,
+    check_names,
     clip,
 )
-from ..store.schema.sample_spec import SampleSpec
+from ..store.schema.sample_spec import TakeSpec
 from ..store.schema.table_config import TableConfig
 from . import push_stream
 from .call_context import (
@@ -57,11 +57,11 @@ from .call_context import (
 from .draining import Draining
 from .ingest import Ingest
 from .interceptor import refuse
-from .ledger_service import LedgerCalls
+from .ledger_service import LedgerServicer
 from .limits import MAY_WAIT, Interrupted, TableStreams
 from .metrics import Metrics
 from .push_request import PushMessage
-from .read_service import ReadCalls
+from .read_service import ReadServicer
 from .replies import ReplyTooLarge, sample_reply
 from .sample_stream import stream_batches
 from .writers import Writers
@@ -76,14 +76,14 @@ _VERSION_STATS = {
 }
 
 
-def sample_spec(request: pb.SampleRequest) -> SampleSpec:
-    """The first message of a Sample stream as a checked SampleSpec."""
+def sample_spec(request: pb.SampleRequest) -> TakeSpec:
+    """The first message of a Sample stream as a checked TakeSpec."""
     try:
         order = request_order(request)
         delivery = wire.enum_name(wire.DELIVERY, "delivery", request.delivery, "consume")
     except wire.WireError as exc:
         raise SpecError(str(exc)) from None
-    return SampleSpec(
+    return TakeSpec(
         table=request.table or "default",
         num_groups=request.num_groups,
         batch_size=request.batch_size,
@@ -116,7 +116,7 @@ def _unknown_fields(message: Any) -> list[int]:
     return [fields[i].field_number for i in range(len(fields))]
 
 
-class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
         store: Backend,
@@ -302,7 +302,7 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def Retire(self, request: pb.RetireRequest, context: grpc.ServicerContext) -> pb.RetireReply:
-        check_count(request.group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.group_ids, "group_ids", "Retire", MAX_NAMES_PER_CALL)  # before they are read
         groups = ids_of(request.group_ids, "group_ids")
         return pb.RetireReply(retired=self.store.retire(request.table or "default", groups, self._owner(context)))
 
@@ -311,21 +311,21 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
     @refusals
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteReply:
         table = request.table or "default"
-        check_count(request.uids, "uids", "Delete", MAX_NAMES_PER_CALL)  # before they are read
-        check_count(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
+        check_names(request.uids, "uids", "Delete", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
         deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
 
     @refusals
     def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
-        check_count(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
+        check_names(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
         keys, values = list(request.keys), list(request.values)
         stored = self.store.put_values(request.table or "default", keys, values, self._owner(context))
         return pb.PutValuesReply(stored=stored)
 
     @refusals
     def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
-        check_count(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
+        check_names(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
         keys = distinct(list(request.keys), "keys")
         owner = self._owner(context) if request.only_own else None
         found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES, owner)
@@ -336,13 +336,13 @@ class ExperienceBufferService(LedgerCalls, ReadCalls, pb_grpc.ExperienceBufferSe
 
     @refusals
     def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
-        check_count(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
+        check_names(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
         cleared = self.store.clear_values(request.table or "default", list(request.keys), self._owner(context))
         return pb.ClearValuesReply(cleared=cleared)
 
     @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
-        check_count(request.uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)  # before they are read
+        check_names(request.uids, "uids", "FailRuns", MAX_NAMES_PER_CALL)  # before they are read
         uids = ids_of(request.uids, "uids")
         done = self.store.fail_runs(request.table or "default", uids, list(request.reasons), self._owner(context))
         return pb.FailRunsReply(

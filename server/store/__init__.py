@@ -58,7 +58,7 @@ from .disk.records import ItemRecord
 from .disk.stored_advantages import Advantage, SentApart, StageCounts, send_apart, token_parts, token_record
 from .engine import Store
 from .ledger.claimed import Claimed
-from .ledger.prompt_stats import PASS_BANDS, PromptStats
+from .ledger.prompt_stats import PASS_BANDS, KeptStats
 from .ledger.records import MAX_SIZE, DatasetRecord, PromptRecord, prompt_eid
 from .ledger.settings import MAX_ATTEMPTS, MAX_EPOCHS
 from .ledger.states import PROMPT_STATES
@@ -78,11 +78,11 @@ from .schema.states import (
     IllegalMove,
     State,
 )
-from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, PromptPage, check_claim, check_refs, shown_owner
+from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, RecordPage, check_claim, check_refs, shown_owner
 from .services.index_builds import IndexBuild
 from .services.scrub import ScrubStatus
 from .services.staged import StagedShare
-from .tables.admission import Grant
+from .tables.admission import RolloutGrant
 from .tables.integrity import older_format
 from .tables.integrity import quarantined as quarantined_by_table
 from .tables.integrity import repair as repair_directory
@@ -120,27 +120,27 @@ __all__ = [
     "Entry",
     "Environment",
     "FailResult",
-    "Grant",
     "IllegalMove",
     "Index",
     "IndexBuild",
     "Inserted",
     "ItemRecord",
+    "KeptStats",
     "KeyedIndex",
     "MayWait",
     "Moved",
     "Order",
     "Page",
-    "PromptPage",
     "PromptRecord",
-    "PromptStats",
     "Push",
     "Pushed",
     "PutResult",
     "ReadyGroup",
     "ReadyIndex",
+    "RecordPage",
     "Resent",
     "Retired",
+    "RolloutGrant",
     "Sampled",
     "ScrubStatus",
     "SentApart",

@@ -19,7 +19,7 @@ from ..disk.kinds import Sampled
 from ..disk.records import GroupRecord, ItemRecord
 from ..disk.snapshot import Snapshot
 from ..schema.errors import SpecError
-from ..schema.sample_spec import MAX_BATCH, SampleSpec
+from ..schema.sample_spec import MAX_BATCH, TakeSpec
 from ..schema.states import LEASED
 from .read_check import Unservable, serve_problem
 from .state import TableState
@@ -32,7 +32,7 @@ def _closable(keys: Iterator[bytes]) -> Generator[bytes]:
     yield from keys
 
 
-def select(tt: TableState, spec: SampleSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
+def select(tt: TableState, spec: TakeSpec, rng: random.Random) -> tuple[list[tuple[str, GroupRecord]], int]:
     """Ready groups in the request's order, until there are enough; and their experiences."""
     chosen = []
     total = 0

@@ -32,7 +32,7 @@ from .chunk_heads import (
     DIGESTED,
     OWNER,
     SET_NUMBER,
-    Head,
+    ChunkHead,
     chunk_key,
     format_8,
     intact_head,
@@ -195,7 +195,7 @@ def own(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes
     txn.put(chunk_key(bytes(key[:4]), set_id, OWNER), bytes(key), db=dbs["chunks"])
 
 
-def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: Head) -> bool:
+def _marked(txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database], key: bytes, head: ChunkHead) -> bool:
     """Whether the set a head names is marked as the data of the experience under `key`."""
     mark = txn.get(chunk_key(bytes(key[:4]), head.set_id, OWNER), db=dbs["chunks"])
     return mark is not None and bytes(mark) == bytes(key)

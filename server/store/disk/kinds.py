@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from expbuf.client.schema.routing import GROUP_KEY_OF
 from expbuf.client.trxp import partial
 from expbuf.client.trxp.build import pack_item
 from expbuf.client.trxp.columns import (
@@ -32,7 +33,6 @@ from .stored_advantages import Advantage, Masks, Stage, batch_columns, batch_par
 
 T = TypeVar("T")
 
-GROUP_KEY_OF = {"task": "tid", "run": "rid", "step": "sid", "none": "uid"}
 # Whether pushes may wait for room now (asked before they first would): None if they may, else why not.
 MayWait = Callable[[], str | None]
 

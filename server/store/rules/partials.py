@@ -55,7 +55,7 @@ from ..core.state import TableState, missing
 from ..disk import digests, piece_rows
 from ..disk.chunk_heads import CHUNK_BYTES
 from ..disk.kinds import Entry
-from ..disk.piece_rows import Head
+from ..disk.piece_rows import PieceHead
 from ..schema.errors import Conflict, GroupClosed, InvalidPayload, TooLarge, clip
 from ..schema.states import PENDING
 
@@ -66,7 +66,7 @@ LARGE = CHUNK_BYTES
 
 
 @dataclass
-class Taken:
+class PiecesTaken:
     """What the pieces among a push's entries did: the entries left for the group rules (those
     pushed whole, and the rollouts finished now, put together), and the uids of pieces stored
     and of pieces already held (sent again)."""
@@ -76,7 +76,7 @@ class Taken:
     duplicates: list[str] = field(default_factory=list)
 
 
-def _items(tt: TableState, uid: str, head: Head) -> list[RawItem]:
+def _items(tt: TableState, uid: str, head: PieceHead) -> list[RawItem]:
     """A rollout's pieces, parsed."""
     return [item for raw in pieces.blobs(tt, uid, head) for item in parse(bytes(raw), trusted=True)]
 
@@ -91,13 +91,13 @@ class OffWriter(Exception):
         self.uid = uid
 
 
-def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int, holder: str) -> Taken:
+def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], most: int, holder: str) -> PiecesTaken:
     """Store the pieces among a push's entries, in order, and put together the rollouts whose last
     piece came; an entry pushed whole replaces any pieces of its uid. `room(size)` makes room in
     the table for each piece stored (capacity.py), as the rollout it finishes makes for itself; a
     rollout may take `most` bytes (the largest push), and the table's capacity_bytes (`bounded`).
     `holder` is who pushes (groups.put)."""
-    taken = Taken()
+    taken = PiecesTaken()
     for entry in entries:
         if entry.piece is None:
             if tt.counters.partials:  # a rollout pushed whole replaces its pieces
@@ -165,7 +165,7 @@ def _open_group(tt: TableState, gkey: str) -> None:
         raise GroupClosed(f"group {clip(gkey)} is already complete ({grp.state}); it takes no more pieces")
 
 
-def _follows(uid: str, head: Head | None, item: RawItem) -> partial.Versions:
+def _follows(uid: str, head: PieceHead | None, item: RawItem) -> partial.Versions:
     """A piece checked against its rollout's head (None: a first piece), InvalidPayload naming
     what does not follow; the rollout's versions once it is added."""
     where = f"rollout {clip(uid)}, piece at token {head.tokens if head else 0}"
@@ -181,17 +181,17 @@ def _follows(uid: str, head: Head | None, item: RawItem) -> partial.Versions:
         raise InvalidPayload(str(exc)) from None
 
 
-def _grown(head: Head | None, piece: Entry, item: RawItem, versions: partial.Versions) -> Head:
+def _grown(head: PieceHead | None, piece: Entry, item: RawItem, versions: partial.Versions) -> PieceHead:
     """The head of a rollout once a piece that more follow is added."""
     if head is None:  # a first piece (offset 0), so more follow: one without is pushed whole (partial.mark_of)
         tokens, response = item.tensors["tokens"].shape[0], partial.response_of(item)
-        return Head(tokens, response, [(0, piece.digest.hex(), piece.size)], partial.layout(item), versions)
+        return PieceHead(tokens, response, [(0, piece.digest.hex(), piece.size)], partial.layout(item), versions)
     grown = item.tensors["tokens"].shape[0]
     pieces = [*head.pieces, (head.tokens, piece.digest.hex(), piece.size)]
-    return Head(head.tokens + grown, head.response + grown, pieces, head.layout, versions)
+    return PieceHead(head.tokens + grown, head.response + grown, pieces, head.layout, versions)
 
 
-def _add(tt: TableState, entry: Entry, item: RawItem, head: Head | None, more: bool) -> Entry | None:
+def _add(tt: TableState, entry: Entry, item: RawItem, head: PieceHead | None, more: bool) -> Entry | None:
     """One piece into its rollout: stored, or, the last, put together with those before it into the
     entry of the rollout finished (its pieces dropped): here, or for a LARGE rollout off the writer
     (OffWriter; `entry.together` once it was, from the pieces the rollout holds)."""
@@ -270,7 +270,7 @@ def plan(
     says why); InvalidPayload where the rollout put together is refused."""
     raw = piece_rows.head_raw(txn, dbs, key)
     head_raw = b"" if raw is None else bytes(raw)  # none stored: its first piece is the push's
-    head = None if raw is None else Head.decode(head_raw)
+    head = None if raw is None else PieceHead.decode(head_raw)
     sources: list[tuple[int | Bytes, int, dict[str, tuple[int, int]]]] = []  # (piece, data start, spans)
     hollow: list[RawItem] = []
     masked = 0

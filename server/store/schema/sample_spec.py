@@ -1,6 +1,6 @@
 """What a sample request asks for, checked once where it enters the server.
 
-The service builds a SampleSpec from the wire, tests and tools build one directly,
+The service builds a TakeSpec from the wire, tests and tools build one directly,
 and the store reads it: one definition of the parameters and their ranges instead of
 the same nine arguments in every layer.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from expbuf.client.schema.call_limits import MAX_WINDOW
 from expbuf.client.trxp.columns import unknown_field
 
 from . import order_names
@@ -22,9 +23,6 @@ MAX_WAIT_SECONDS = float(2**31)  # a request's wait; the server bounds it furthe
 # Counts travel as uint32; anything at or above 2**31 is a negative number sent unsigned.
 MAX_COUNT = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
-# The most batches a stream may have sent and not yet had confirmed: what the server
-# prepares ahead of its client, whatever gRPC's flow-control window would hold.
-MAX_WINDOW = 8
 # The most experiences a batch holds: its take holds the store's one writer, every other tenant's
 # pushes waiting, some 10-35 µs an experience (a take of 300,000 held it 10 s); take several.
 MAX_BATCH = 65_536
@@ -73,7 +71,7 @@ def check_fields(fields: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class SampleSpec:
+class TakeSpec:
     """One stream's request: how many, in which order, delivered how, and how long to wait.
 
     Exactly one of `num_groups` (whole groups) or `batch_size` (experiences, filled with

@@ -217,7 +217,7 @@ class Shaping:
 
 
 @dataclass(frozen=True)
-class Advantages(Part):
+class Estimation(Part):
     """How a table computes advantages when a group completes: the estimator (a registered one,
     estimator_registry.py, or `none`), its parameters, where it runs, and the shaping around it."""
 

@@ -34,13 +34,13 @@ from ..rules.limiter import sample_limit
 from ..rules.quarantine import quarantine_groups
 from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
-from ..schema.sample_spec import SampleSpec
+from ..schema.sample_spec import TakeSpec
 from ..schema.states import CONSUMED, FAILED
 
 log = logging.getLogger("expbuf.store")
 
 
-def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
+def could_fill(tt: TableState, spec: TakeSpec, allow_partial: bool) -> bool:
     """Whether the table holds enough ready data for the request at all (whatever its
     versions): when not, no batch can be taken and nothing needs to be tried."""
     groups, experiences = tt.counters.groups_ready, tt.counters.ready
@@ -51,7 +51,7 @@ def could_fill(tt: TableState, spec: SampleSpec, allow_partial: bool) -> bool:
 
 def take(
     tt: TableState,
-    spec: SampleSpec,
+    spec: TakeSpec,
     allow_partial: bool,
     rng: random.Random,
     *,
@@ -85,7 +85,7 @@ def take(
         tt.save()  # the failure stands whether or not the groups left make a batch
     batch = Sampled(uids=[], group_ids=[], blobs=[], partial=not enough)
     delivery = "lease" if hold else spec.delivery
-    if delivery == "lease":  # its record is the lease's life's to write (leases.py: Leases.grant)
+    if delivery == "lease":  # its record is the lease's life's to write (leases.py: TableLeases.grant)
         batch.lease_id = secrets.token_hex(8)
         batch.lease_expires = tt.now + spec.lease_seconds  # a held one's, were it confirmed as it is sent
     rows = batch_rows(tt.txn, tt.db, tt.config, finish)
