@@ -35,7 +35,7 @@ from .advantages.devices import check_device
 from .advantages.start import AdvantageStart
 from .config import ServerConfig
 from .rpc.auth import TokenAuth
-from .rpc.inflight import InFlight, few_arenas
+from .rpc.inflight import InFlight, few_arenas, receive_window
 from .rpc.ingest import Ingest, Stager
 from .rpc.limits import RESERVED_THREADS, TableStreams, call_limits
 from .rpc.metrics import Metrics, RpcMetrics
@@ -176,6 +176,7 @@ class ExpbufServer:
                 grace=config.push_stream_idle_seconds,
                 stager=Stager(self.store, config.max_metadata_bytes),
                 max_push_bytes=config.max_push_bytes,
+                max_message_bytes=config.max_message_bytes,
             )
         )
         keep_reply_memory()
@@ -183,7 +184,8 @@ class ExpbufServer:
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers + RESERVED_THREADS, thread_name_prefix="expbuf-rpc"),
             interceptors=interceptors,
-            options=channel_options(config.max_message_bytes),
+            options=channel_options(config.max_message_bytes)
+            + receive_window(config.max_inflight_bytes, config.workers),
         )
         self.service = ExperienceBufferService(
             self.store,

@@ -23,7 +23,7 @@ class _Open:
 
     def __init__(self, window: PushWindow, client: PushTarget) -> None:
         self.state = Stream()
-        self.call = client.push_stream(window.stream_seconds)
+        self.call = client.push_stream(window.stream_seconds, message_bytes=window.message_bytes)
         self.status = StreamStatus(self.call)
         self.closed = False
 

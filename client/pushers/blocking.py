@@ -44,7 +44,7 @@ class _Open:
     def __init__(self, window: PushWindow, client: PushTarget) -> None:
         self.state = Stream()
         self.requests = _Requests(window.chunk_bytes)
-        self.replies = client.push_stream(window.stream_seconds, iter(self.requests))
+        self.replies = client.push_stream(window.stream_seconds, iter(self.requests), window.message_bytes)
 
 
 W = TypeVar("W", bound=Ordered[Any])

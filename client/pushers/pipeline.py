@@ -36,7 +36,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from .. import trxp
 from ..errors import ExpbufError
 from ..results import PushResult
-from ..rpc import calls
+from ..rpc import calls, frames
 from ..rpc.connection import BACKOFF, busy
 from ..rpc.wire import reason_of
 
@@ -132,7 +132,9 @@ class PushTarget(Protocol):
     push_chunk_bytes: int
     max_message_bytes: int
 
-    def push_stream(self, seconds: float, requests: Iterator[Any] | None = None) -> Any: ...
+    def push_stream(
+        self, seconds: float, requests: Iterator[Any] | None = None, message_bytes: int | None = None
+    ) -> Any: ...
 
 
 class PushWindow(Ordered[Pending]):
@@ -145,6 +147,13 @@ class PushWindow(Ordered[Pending]):
         self.max_message_bytes: int = client.max_message_bytes
         self.timeout: float = timeout or client.timeout
         self.retries: int = client.retries
+
+    @property
+    def message_bytes(self) -> int | None:
+        """What a stream declares of its messages (wire.MESSAGE_BYTES): the most a chunk's, or a
+        push sent whole no larger, takes; None where every push goes whole (push_chunk_bytes = 0),
+        which max_message_bytes alone bounds."""
+        return frames.most_push_request(self.chunk_bytes, self.table) if self.chunk_bytes else None
 
     @property
     def stream_seconds(self) -> float:

@@ -9,25 +9,36 @@ data goes to the store a chunk at a time, and the push holds its head, its other
 data and a chunk of each large one, whatever its size. Any other is put together here in memory
 of its own size.
 
-A push starts reading its message only while the payloads held by pushes in progress are
-below `max_inflight_bytes`; otherwise it waits, up to its deadline, then is refused
-RESOURCE_EXHAUSTED naming the setting. (The size of a message is known only once it is read,
-so the pushes that started reading below the cap may together pass it, by at most one message
-each.) A push sent whole that is larger than the cap still goes through when nothing else is in
-flight. A payload in chunks announces its size in its first chunk (total_bytes): it is admitted
-by what it will hold (all of it, or its staging), reserving that once it fits beside what is
-held (waiting, and refused, as above), and refused at once, naming both, when that is larger
-than the cap; its reservation, and what it staged that its push did not store, is given back
-however the push ends. One larger than `max_push_bytes` is refused at its first chunk: a staged
-push writes all of itself to disk before its commit, whatever it holds in memory. For the same
-reason what a staged push stages must fit in its table's capacity_bytes, beside what the table's
-other staged pushes announced, before any of it is staged (store/services/staged.py: refused at
-once, or after a wait for room, naming the setting). After its first `push_stream_idle_seconds`
-it must bring `push_min_mb_per_second` over every `push_stream_idle_seconds`, or be refused (`Pace`):
-a chunk per idle period would otherwise hold a worker, its reservation and what it staged for
-ever, and an allowance from the size it announced would let a push that drips after most of its
-bytes keep them for hours. When the last push in flight ends, memory freed by large pushes is
-handed back to the system.
+A message's size is known only once gRPC has received all of it, and a read, once begun, takes
+in the whole message. So a call whose client declared the most a message of it will be (call
+metadata `expbuf-message-bytes`, wire.MESSAGE_BYTES: expbuf's clients declare a push's or a put's
+own size, and for a PushStream the most a chunk's message takes) reserves that (at most
+`max_message_bytes` and the cap) before each read, once it fits beside the payloads held by pushes
+in progress under `max_inflight_bytes`, and its message holds its own size in its place once read;
+a message larger than its call declared is refused INVALID_ARGUMENT naming both, and a stream
+open but silent holds its declaration until its message comes, it ends or its idle timeout ends
+it (a pusher's stream between pushes: a chunk's message, for which it then finds room). A call
+that declared nothing (a raw gRPC client, an older one) begins its read while what is held is
+below the cap, so such calls that arrive together may pass it by a message each. Either waits, up
+to its deadline, then is refused RESOURCE_EXHAUSTED naming the setting. The server takes in no
+more of a call's messages unasked than its gRPC options let (inflight.receive_window). A push sent
+whole that is larger than the cap still goes through when nothing else is in flight.
+
+A payload in chunks announces its size in its first chunk (total_bytes): it is admitted by what it
+will hold (all of it, or its staging) and a chunk as large as its first on its way (a later chunk
+larger than its first is refused), reserving that once it fits beside what is held (waiting, and
+refused, as above), and refused at once, naming both, when that is larger than the cap; its
+reservation, and what it staged that its push did not store, is given back however the push ends.
+One larger than `max_push_bytes` is refused at its first chunk: a staged push writes all of itself
+to disk before its commit, whatever it holds in memory. For the same reason what a staged push
+stages must fit in its table's capacity_bytes, beside what the table's other staged pushes
+announced, before any of it is staged (store/services/staged.py: refused at once, or after a wait
+for room, naming the setting). After its first `push_stream_idle_seconds` it must bring
+`push_min_mb_per_second` over every `push_stream_idle_seconds`, or be refused (`Pace`): a chunk per
+idle period would otherwise hold a worker, its reservation and what it staged for ever, and an
+allowance from the size it announced would let a push that drips after most of its bytes keep them
+for hours. When the last push in flight ends, memory freed by large pushes is handed back to the
+system.
 
 A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
 message carries what it holds, given back once its push is stored or refused, and the stream's
@@ -40,12 +51,14 @@ from __future__ import annotations
 
 import collections
 import mmap
+import re
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
+from expbuf.client.rpc.wire import MESSAGE_BYTES
 from expbuf.client.schema.reasons import Reason
 
 from ..store import Entry
@@ -57,6 +70,36 @@ from .limits import MAY_WAIT, PROGRESS
 from .push_request import PushMessage, Refusal, read_push_request
 
 T = TypeVar("T")
+
+
+_SIZE = re.compile(r"[0-9]{1,19}")
+
+
+def declared_bytes(metadata: Iterable[tuple[str, Any]] | None) -> int | Refusal | None:
+    """What a call declared of its messages (MESSAGE_BYTES: the most one will be, in bytes); None
+    where it declared nothing, a Refusal where the declaration is not one positive size."""
+    found = [value for key, value in metadata or () if key == MESSAGE_BYTES]
+    if not found:
+        return None
+    if len(found) == 1 and isinstance(found[0], str) and _SIZE.fullmatch(found[0]) and int(found[0]) > 0:
+        return int(found[0])
+    return Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"call metadata {MESSAGE_BYTES} = {(found[0] if len(found) == 1 else found)!r}: it declares the most a "
+        "message of the call will be, once, a whole number of bytes from 1",
+        Reason.INVALID_REQUEST,
+    )
+
+
+def _larger(what: str, size: int, declared: int) -> Refusal:
+    """The refusal of a message of `size` bytes whose call declared at most `declared`."""
+    return Refusal(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{what}: a message of {size} bytes, larger than its call declared ({MESSAGE_BYTES} = {declared}, the most "
+        "a message of the call may be, which max_inflight_bytes held room for before it was read): nothing of it "
+        "is stored",
+        Reason.INVALID_REQUEST,
+    )
 
 
 def _remaining(context: grpc.ServicerContext) -> float:
@@ -79,23 +122,37 @@ class PushMemory(ServiceInterceptor):
         grace: float = 120.0,
         stager: Stager | None = None,
         max_push_bytes: int = 16 << 30,
+        max_message_bytes: int = 256 << 20,
     ) -> None:
         self.inflight, self.stager, self.max_push_bytes = inflight, stager, max_push_bytes
+        self.max_message_bytes = max_message_bytes  # the most a declared message's read reserves
         self.stream_wait = stream_wait  # below a PushStream's idle timeout, so the refusal says why
         # A push in chunks brings min_mb_per_second over every `grace` (push_stream_idle_seconds) after its first.
         self.min_mb_per_second, self.grace = min_mb_per_second, grace
 
     def _read(
-        self, requests: Iterator[Any], context: grpc.ServicerContext, most: float = 3600.0, owner: object = None
+        self,
+        requests: Iterator[Any],
+        context: grpc.ServicerContext,
+        declared: int | None,
+        most: float = 3600.0,
+        owner: object = None,
     ) -> PushMessage | None:
-        """The next message, admitted (waiting at most `most`) and held (by `owner`: a stream);
-        None at the end of the client's messages."""
-        self._admit(context, most, owner)
-        request = next(requests, None)
+        """The next message, admitted (what its call `declared`, waiting at most `most`) and held (by
+        `owner`: a stream); None at the end of the client's messages."""
+        reading = self._admit(context, declared, most, owner)
+        try:
+            request = next(requests, None)
+            if request is not None:  # its own size held before the read's reservation goes
+                request.held.append(self.inflight.hold(len(request.payload), owner))
+        finally:
+            reading()
         if request is None:
             return None
         size = len(request.payload)
-        request.held.append(self.inflight.hold(size, owner))
+        if declared is not None and request.wire_bytes > declared:
+            request.release()
+            raise _larger("PushRequest", request.wire_bytes, declared)
         if request.total_bytes and request.total_bytes < size:
             request.release()
             raise Refusal(
@@ -105,30 +162,44 @@ class PushMemory(ServiceInterceptor):
             )
         return request
 
-    def _admit(self, context: grpc.ServicerContext, most: float = 3600.0, owner: object = None) -> None:
-        """Wait until a message may be read (InFlight.admit, at most `most`); a Refusal if not in time.
-        A unary call (no `owner`: a Push, a PutValues) that finds the cap reached becomes a call that
-        waits idle: it waits only where the call limits let it (limits.MAY_WAIT), and is otherwise
-        refused at once as busy, having done nothing, so that such calls never take the workers kept
-        for the calls that answer at once (a Seal, a ClearValues)."""
-        may_wait = MAY_WAIT.get() if owner is None and self.inflight.held >= self.inflight.limit else None
+    def _admit(
+        self, context: grpc.ServicerContext, declared: int | None, most: float = 3600.0, owner: object = None
+    ) -> Callable[[], None]:
+        """Wait until a message may be read (at most `most`): what its call `declared` (at most
+        max_message_bytes and the cap) fits beside what is held, reserved until the message holds
+        its own size (the function returned gives it back); or, declared nothing, what is held is
+        below the cap. A Refusal if not in time. A unary call (no `owner`: a Push, a PutValues) that
+        finds no room becomes a call that waits idle: it waits only where the call limits let it
+        (limits.MAY_WAIT), and is otherwise refused at once as busy, having done nothing, so that
+        such calls never take the workers kept for the calls that answer at once (a Seal, a ClearValues)."""
+        inflight = self.inflight
+        expect = None if declared is None else min(declared, self.max_message_bytes, inflight.limit)
+        full = inflight.held >= inflight.limit if expect is None else not inflight.fits(expect)
+        may_wait = MAY_WAIT.get() if owner is None and full else None
         busy = None if may_wait is None else may_wait()
         if busy is not None:
             raise Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"pushes and PutValues in progress hold max_inflight_bytes = {self.inflight.limit}, and this call "
-                f"may not wait for room: {busy}",
+                f"{inflight.holders()}, leaving no room under max_inflight_bytes = {inflight.limit} for this call's "
+                f"message, and it may not wait for room: {busy}",
                 Reason.BUSY,
             )
-        refused = self.inflight.admit(min(most, _remaining(context)), owner)
-        if refused is not None:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+        wait = min(most, _remaining(context))
+        if expect is None:
+            refused = inflight.admit(wait, owner)
+            if refused is not None:
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, refused, Reason.INFLIGHT_FULL)
+            return _nothing
+        held = inflight.reserve(expect, wait, owner, reading=True)
+        if isinstance(held, str):
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
+        return held
 
     def _reserve(self, first: PushMessage, context: grpc.ServicerContext, owner: object, size: int) -> None:
         """Hold what a push in chunks will hold at most (`size`: what it announces, total_bytes, or
-        what staging it holds) in place of its first chunk, once it fits beside what pushes in
-        progress hold (waiting as a message's read does); refused at once when larger than the cap,
-        which it could never fit under."""
+        what staging it holds, and a chunk on its way) in place of its first chunk, once it fits
+        beside what pushes in progress hold (waiting as a message's read does); refused at once
+        when larger than the cap, which it could never fit under."""
         total, limit = first.total_bytes, self.inflight.limit
         first.release()
         if size > limit:
@@ -139,7 +210,8 @@ class PushMemory(ServiceInterceptor):
                 "(raise it with EXPBUF_MAX_INFLIGHT_BYTES or in the config file, or push less at once)",
                 Reason.TOO_LARGE,
             )
-        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner)
+        what = f"a push in chunks of total_bytes = {total} waited for room: "
+        held = self.inflight.reserve(size, min(self.stream_wait, _remaining(context)), owner, what)
         if isinstance(held, str):
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, held, Reason.INFLIGHT_FULL)
         first.held.append(held)
@@ -170,7 +242,8 @@ class PushMemory(ServiceInterceptor):
             if staged is not None:
                 wait = min(self.stream_wait, _remaining(context))
                 _refused_by_store(lambda: staged.open(wait))  # what it stages, within capacity_bytes
-            self._reserve(first, context, owner, total if staged is None else staged.holds)
+            chunk = len(first.payload)  # the largest chunk of the push: one is on its way while it is read
+            self._reserve(first, context, owner, (total if staged is None else staged.holds) + chunk)
         except BaseException:
             first.release()
             if staged is not None:
@@ -200,6 +273,7 @@ class PushMemory(ServiceInterceptor):
         """Hand each chunk of the push whose first chunk is `first` to `take` (where it starts in
         the payload, its bytes), checked as _chunks says; PROGRESS between chunks."""
         total, got = first.total_bytes, len(first.payload)
+        largest = got  # the first chunk's size bounds the others: its reservation holds one on its way
         where = f"the push of seq {first.seq} in chunks (total_bytes = {total})"
         pace = Pace(self.grace, time.monotonic())
         take(0, first.payload)
@@ -218,6 +292,14 @@ class PushMemory(ServiceInterceptor):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"PushRequest {got} bytes into {where}: a chunk after the first carries a payload and "
                     "nothing else (table, seq and total_bytes unset)",
+                    Reason.INVALID_REQUEST,
+                )
+            if len(chunk.payload) > largest:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"PushRequest {got} bytes into {where}: a chunk of {len(chunk.payload)} bytes, larger than the "
+                    f"push's first ({largest} bytes), which no later chunk may pass (max_inflight_bytes holds room "
+                    "for one of its size on its way)",
                     Reason.INVALID_REQUEST,
                 )
             end = got + len(chunk.payload)
@@ -246,12 +328,13 @@ class PushMemory(ServiceInterceptor):
     def wrap(
         self, method: str, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
+        declared = declared_bytes(details.invocation_metadata) if method in PUSHES else None
         if method == "Push" and handler.unary_unary:
             behavior = handler.unary_unary
 
             def push(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 try:
-                    request = self._read(requests, context)
+                    request = self._read(requests, context, _given(declared))
                 except Refusal as refusal:
                     refusal.abort(context)
                 if request is None:
@@ -282,8 +365,9 @@ class PushMemory(ServiceInterceptor):
             def admitted(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 """The stream's messages, each holding its memory until the servicer releases it."""
                 owner = object()  # this stream, whose own pushes in progress free the room it waits for
+                size = _given(declared)
                 while True:
-                    request = self._read(requests, context, self.stream_wait, owner)
+                    request = self._read(requests, context, size, self.stream_wait, owner)
                     if request is None:
                         return
                     if request.total_bytes > len(request.payload):
@@ -295,35 +379,64 @@ class PushMemory(ServiceInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(push_stream, read_push_request, handler.response_serializer)
         if method == "PutValues" and handler.unary_unary:
+            parse = handler.request_deserializer
+
+            def sized(data: bytes) -> tuple[int, Any]:
+                """The request and the size of its message, which its call's declaration bounds."""
+                return len(data), parse(data) if parse is not None else data
+
             return grpc.stream_unary_rpc_method_handler(
-                self._held_values(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                self._held_values(handler.unary_unary, declared), sized, handler.response_serializer
             )
         return handler
 
-    def _held_values(self, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
-        """PutValues read once InFlight admits it, its values counted until they are stored: keyed
-        values (TransferQueue's tensors) come as large as pushes, from as many writers at once."""
+    def _held_values(
+        self, behavior: Callable[[Any, grpc.ServicerContext], Any], declared: int | Refusal | None
+    ) -> Callable[..., Any]:
+        """PutValues read once InFlight admits it (as a Push is), its values counted until they are
+        stored: keyed values (TransferQueue's tensors) come as large as pushes, from as many writers
+        at once."""
 
         def put_values(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
-                self._admit(context)
+                size = _given(declared)
+                reading = self._admit(context, size)
             except Refusal as refusal:
                 refusal.abort(context)
-            request = next(requests, None)
-            if request is None:
-                refuse(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "PutValues: the call carried no message",
-                    Reason.INVALID_REQUEST,
-                )
-            release = self.inflight.hold(sum(map(len, request.values)))
             try:
-                return behavior(request, context)
+                request = next(requests, None)
+                release = self.inflight.hold(0 if request is None else sum(map(len, request[1].values)))
+            finally:
+                reading()
+            try:
+                if request is None:
+                    refuse(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "PutValues: the call carried no message",
+                        Reason.INVALID_REQUEST,
+                    )
+                if size is not None and request[0] > size:
+                    _larger("PutValuesRequest", request[0], size).abort(context)
+                return behavior(request[1], context)
             finally:
                 release()
 
         return put_values
+
+
+PUSHES = ("Push", "PushStream", "PutValues")  # the methods whose calls may declare their messages' size
+
+
+def _given(declared: int | Refusal | None) -> int | None:
+    """A call's declaration (declared_bytes), raised where it is not one."""
+    if isinstance(declared, Refusal):
+        raise declared
+    return declared
+
+
+def _nothing() -> None:
+    """What an undeclared message's read gives back: it reserved nothing."""
 
 
 class Pace:

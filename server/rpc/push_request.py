@@ -35,6 +35,7 @@ class PushMessage:
     total_bytes: int = 0
     held: list[Callable[[], None]] = field(default_factory=list)  # what it holds of max_inflight_bytes
     entries: list[Entry] | None = None  # a push in chunks staged as it came: its experiences (ingest.Stager)
+    wire_bytes: int = 0  # the size of the message it was read from, which its call's declaration bounds
 
     def drop_payload(self) -> None:
         """Let the received bytes go (once decoded), before the store copies the packed experiences."""
@@ -93,7 +94,7 @@ def read_push_request(data: bytes) -> PushMessage:
             raise ValueError(f"PushRequest: field {number} has wire type {kind}, which no field of it has")
         if number == 0 or pos > len(data):
             raise ValueError("PushRequest: malformed message")
-    return PushMessage(table.decode(), payload, seq, total)
+    return PushMessage(table.decode(), payload, seq, total, wire_bytes=len(data))
 
 
 def _release(held: list[Callable[[], None]]) -> None:
