@@ -115,7 +115,7 @@ $(MERMAID_JS): Makefile
 # The built site drawn by a real headless browser (Debian's chromium), for whoever has one: PNGs of
 # the home page and the pages with diagrams in build/docs-look (docs/look.py). Not part of `make test`.
 docs-look: setup $(MERMAID_JS)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(PY) docs/look.py $(PAGES)
 
 serve: setup-serve
@@ -126,7 +126,7 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tests/typecheck.py
-	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet)
+	$(if $(findstring docs,$(EXTRAS)),NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict)
 	$(PYTEST_RUN) $(PYTEST_ARGS)
 	$(if $(PURE_TESTS),if $(PY) -c "$(COMPILED_IN_USE)"; then EXPBUF_PURE_PYTHON=1 $(PYTEST_RUN) $(PYTEST_ARGS) $(PURE_TESTS); fi)
 

@@ -282,3 +282,12 @@ def test_every_name_a_sequence_diagram_gives_is_in_the_code() -> None:
             assert checked > 100
     made_up = "```mermaid\nsequenceDiagram\n  participant A as server/store/rules/\n  A->>A: groups.put_all\n```"
     assert diagram_calls(made_up) == (["'groups.put_all': groups.put_all is not in expbuf.server.store.rules"], 1)
+
+
+def test_the_docs_build_fails_on_what_it_warns_of() -> None:
+    """`make test` builds the site with --strict, which fails on a warning (a broken link, an
+    anchor no page has). MkDocs counts the warnings it logs, and --quiet keeps it from logging
+    them: with both, a broken link built without a word."""
+    builds = [line for line in (ROOT / "Makefile").read_text().splitlines() if "mkdocs build" in line]
+    assert len(builds) >= 2
+    assert [line.strip() for line in builds if "--strict" not in line or "--quiet" in line] == []
