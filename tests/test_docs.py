@@ -291,3 +291,5 @@ def test_the_docs_build_fails_on_what_it_warns_of() -> None:
     builds = [line for line in (ROOT / "Makefile").read_text().splitlines() if "mkdocs build" in line]
     assert len(builds) >= 2
     assert [line.strip() for line in builds if "--strict" not in line or "--quiet" in line] == []
+    site = (ROOT / "tests" / "test_site.py").read_text()  # the site the tests build, as make test does
+    assert '"build", "--strict",' in site and '"--quiet"' not in site
