@@ -12,6 +12,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from .moved import serve
+
 if TYPE_CHECKING:
     from .aio import AsyncBufferClient
     from .client import BufferClient
@@ -88,6 +90,23 @@ def _warn_if_shadowed() -> None:
 
 
 _warn_if_shadowed()
+
+# The old paths of the client's modules that moved into folders by role, each served with no file
+# until the next release: every name read from one is the new module's, with a DeprecationWarning
+# (moved.py; CHANGELOG.md).
+OLD_PATHS = {
+    "expbuf.client.experience": "expbuf.client.schema.experience",
+    "expbuf.client.prompts": "expbuf.client.schema.prompts",
+    "expbuf.client.routing": "expbuf.client.schema.routing",
+    "expbuf.client.table_presets": "expbuf.client.schema.table_presets",
+    "expbuf.client.table_settings": "expbuf.client.schema.table_settings",
+    "expbuf.client.sample_spec": "expbuf.client.rpc.sample_spec",
+    "expbuf.client.wire": "expbuf.client.rpc.wire",
+    "expbuf.client.sharded": "expbuf.client.shards.blocking",
+    "expbuf.client.lease_keeper": "expbuf.client.kit.lease_keeper",
+    "expbuf.client.location": "expbuf.client.kit.location",
+}
+serve(OLD_PATHS)
 
 # each public name -> the module of this package that defines it
 _HOMES = {

@@ -81,8 +81,7 @@ def test_importing_every_module_of_the_store_loads_neither_grpc_protobuf_nor_tor
     """What the contract says statically, seen in a process: a tool that opens a data directory
     (the store alone) pays for none of the wire's or the estimators' libraries."""
     child = (
-        "import importlib, pkgutil, sys, warnings\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)  # the old paths import too\n"
+        "import importlib, pkgutil, sys\n"
         "import expbuf.server.store as store\n"
         "for found in pkgutil.walk_packages(store.__path__, 'expbuf.server.store.'):\n"
         "    importlib.import_module(found.name)\n"

@@ -28,10 +28,6 @@ batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where t
 built) and the advantages a push computes (`Store.in_push`).
 """
 
-import sys
-
-from expbuf.client.moved import alias
-
 from .core.counters import SHAPING_COUNTERS
 from .core.events import Inserted, Moved, Pushed, Resent, Retired, TableExtension, Taken
 from .core.indexes import Index, KeyedIndex, ReadyGroup
@@ -169,9 +165,3 @@ __all__ = [
     "unregister",
     "version_key",
 ]
-
-# The old paths of the order registry's names (an order and its index, docs/internals/storage.md),
-# modules no more: each name read from them is this package's, with a DeprecationWarning, for
-# one release (client/moved.py; CHANGELOG.md).
-for _old in ("schema.ready_indexes", "schema.selection", "ready_indexes", "selection"):
-    alias(f"{__name__}.{_old}", sys.modules[__name__])
