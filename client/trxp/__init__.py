@@ -25,7 +25,7 @@ from ..native import use_compiled
 use_compiled(__name__, __path__)
 
 from .advantages import attach as attach_advantages
-from .build import build, join, join_parts, pack_item
+from .build import build, pack_item
 from .common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
@@ -45,6 +45,7 @@ from .common import (
 )
 from .convert import decode, decode_reply, encode, from_experience, gather, raw_of, tensor_of, to_experience
 from .parse import parse
+from .splice import join, join_parts
 
 __all__ = [
     "EXPANSION_BASE",

@@ -2,7 +2,7 @@
 experiences that have it, back to back in batch order, with each one's shape.
 
 Each stored experience's tensors are found through its safetensors header, read as join() reads
-it (build.stored_entries: no parse of the metadata pickle, no JSON parse of a header pack_item
+it (splice.stored_entries: no parse of the metadata pickle, no JSON parse of a header pack_item
 wrote), and handed on as views of the stored bytes (the pieces a tensor spans, for a section
 stored in pieces: pieces.py): the caller that frames the reply copies each byte once. A field
 stored with several dtypes or ranks in one batch makes one column for each (Trinity-RFT lets a
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELDS
 
-from .build import json_text, stored_entries, stored_tensors
+from .build import json_text
 from .common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
+from .splice import stored_entries, stored_tensors
 
 # Columns of one value per experience, by name, with their dtype: what the server keeps beside each
 # experience's payload (in its record), and its tokens and prompt's (its stored header's tokens,

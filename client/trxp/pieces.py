@@ -3,7 +3,7 @@
 The store keeps a large experience's tensor section out of line, in chunks of its own
 (server/store/disk/chunked.py), so that neither a push nor a read holds the experience whole,
 and hands the payload on as a `SplitPayload`: the bytes before the section and the section's
-pieces, views of the store's map. The splice (build.join_parts) and the columns
+pieces, views of the store's map. The splice (splice.join_parts) and the columns
 (columns.column_parts) read such a payload as they read one in one piece and copy no byte of
 it: a tensor is the runs of the pieces it spans, copied once, by whoever frames the reply.
 

@@ -207,7 +207,7 @@ class Sampled:
             self.advantages = stage(self.advantages)
 
     def render(self, build: Callable[[list[Run]], T]) -> T:
-        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/build.py),
+        """`build` of the payload as the runs of bytes it is made of (join_parts, client/trxp/splice.py),
         which are valid only during the call: each byte is copied once, by `build`. The
         batch stage runs first, if it has not."""
         self.finish()

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 from expbuf.client.trxp import segments
 from expbuf.client.trxp.advantages import ADDED, scaled
-from expbuf.client.trxp.build import join_parts
 from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
 from expbuf.client.trxp.common import RawTensor
 from expbuf.client.trxp.pieces import Run, Stored, realized
+from expbuf.client.trxp.splice import join_parts
 
 from ..schema.table_config import TableConfig
 from .records import ItemRecord
