@@ -10,7 +10,7 @@ with 8 KB experiences (bench_reverb's shape, 256 a push), then drains it with on
 stream of batches of 256 (no decode at the client: the payload's bytes are read), and reads the
 server process's CPU time (user and system, /proc) and bytes written to storage over the drain
 alone. Twice per round: each experience its own group (group_by none) and groups of 8. DIR holds
-an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/_native there
+an earlier commit's files (`git archive COMMIT | tar -x -C DIR`; copy client/trxp/codec/_native there
 for its compiled codec). With --profile, py-spy samples the last round's server of this tree over
 its drains, and the busy samples go to stages of the consume path (written to OUT).
 """

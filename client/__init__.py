@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .schema.experience import EID, Experience
     from .schema.prompts import Claim, DatasetInfo, EpochCounts, Prompt, PromptPage, PromptState, PromptStats
     from .trxp import TrxpError, decode, encode
-    from .trxp.column_build import ColumnBatch
+    from .trxp.column_batch.build import ColumnBatch
 
 
 def _installed_client() -> str | None:
@@ -91,9 +91,9 @@ def _warn_if_shadowed() -> None:
 
 _warn_if_shadowed()
 
-# The old paths of the client's modules that moved into folders by role, each served with no file
-# until the next release: every name read from one is the new module's, with a DeprecationWarning
-# (moved.py; CHANGELOG.md).
+# The old paths of the client's modules that moved into folders by role (and of the codec's that
+# the docs named, into its rooms by format), each served with no file until the next release:
+# every name read from one is the new module's, with a DeprecationWarning (moved.py; CHANGELOG.md).
 OLD_PATHS = {
     "expbuf.client.experience": "expbuf.client.schema.experience",
     "expbuf.client.prompts": "expbuf.client.schema.prompts",
@@ -105,6 +105,7 @@ OLD_PATHS = {
     "expbuf.client.sharded": "expbuf.client.shards.blocking",
     "expbuf.client.lease_keeper": "expbuf.client.kit.lease_keeper",
     "expbuf.client.location": "expbuf.client.kit.location",
+    "expbuf.client.trxp.columns": "expbuf.client.trxp.stored.columns",
 }
 serve(OLD_PATHS)
 
@@ -145,7 +146,7 @@ _HOMES = {
     "ShapingInfo": "results",
     "TableInfo": "results",
     "TableStats": "results",
-    "ColumnBatch": "trxp.column_build",
+    "ColumnBatch": "trxp.column_batch.build",
     "TrxpError": "trxp",
     "decode": "trxp",
     "encode": "trxp",

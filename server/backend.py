@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from expbuf.client import trxp
 from expbuf.client.schema.balance import ModelShape
-from expbuf.client.trxp.columns import Shares
+from expbuf.client.trxp.stored.columns import Shares
 
 from .store import (
     Claimed,

@@ -20,7 +20,7 @@ import pytest
 import zstandard
 
 from expbuf.client import trxp
-from expbuf.client.trxp.pieces import Run, SplitPayload, realized, realized_span, section_at
+from expbuf.client.trxp.stored.pieces import Run, SplitPayload, realized, realized_span, section_at
 from expbuf.server.advantages.worker import AdvantageWorker
 from expbuf.server.store import Store
 from expbuf.server.store.core import migrate

@@ -51,6 +51,7 @@ MOVED = [
     ("expbuf.client.sharded", "expbuf.client.shards.blocking", ["ShardedBufferClient", "AsyncShardedBufferClient"]),
     ("expbuf.client.lease_keeper", "expbuf.client.kit.lease_keeper", ["LeaseKeeper", "RENEWALS_PER_LEASE"]),
     ("expbuf.client.location", "expbuf.client.kit.location", ["Location", "parse"]),
+    ("expbuf.client.trxp.columns", "expbuf.client.trxp.stored.columns", ["FIELDS"]),
 ]
 
 

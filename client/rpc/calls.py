@@ -36,8 +36,8 @@ from ..results import (
 from ..schema.call_limits import MAX_NAMES_PER_CALL, in_parts
 from ..schema.experience import EID
 from ..schema.table_presets import with_preset
-from ..trxp import column_wire
-from ..trxp.column_build import ColumnBatch
+from ..trxp.column_batch import wire as column_wire
+from ..trxp.column_batch.build import ColumnBatch
 from . import frames, wire
 from .connection import BACKOFF, RETRIED_METHODS
 from .sample_reply import SampleReplyParts

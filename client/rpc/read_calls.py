@@ -20,7 +20,7 @@ from ..results import ExperiencePage, FieldBatch, GetResult, ListedExperience
 from ..schema.balance import MAX_RANKS, ModelShape
 from ..schema.call_limits import MAX_READ_UIDS, in_parts
 from ..schema.experience import Experience
-from ..trxp.columns import Shares, unknown_field
+from ..trxp.stored.columns import Shares, unknown_field
 from .calls import Several, Unary
 from .sample_reply import SampleReplyParts
 

@@ -16,7 +16,7 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..schema.call_limits import MAX_WINDOW
 from ..schema.orders import order_problem
-from ..trxp.columns import unknown_field
+from ..trxp.stored.columns import unknown_field
 from . import wire
 
 

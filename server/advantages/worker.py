@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from expbuf.client import trxp
-from expbuf.client.trxp.convert import flat_tensor
+from expbuf.client.trxp.codec.convert import flat_tensor
 
 from ..backend import Backend
 from ..store import SHAPING_COUNTERS, Compute, Computed, ComputeJob, ItemRecord, ShapingUpdate, token_record

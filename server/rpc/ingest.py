@@ -46,8 +46,9 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 from expbuf.client import trxp
-from expbuf.client.trxp import column_wire, partial
-from expbuf.client.trxp.stream import NotStreamable, Piece, StreamedPayload
+from expbuf.client.trxp.codec import partial
+from expbuf.client.trxp.codec.stream import NotStreamable, Piece, StreamedPayload
+from expbuf.client.trxp.column_batch import wire as column_wire
 
 from ..backend import Backend
 from ..config import ServerConfig

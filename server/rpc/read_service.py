@@ -12,7 +12,7 @@ import grpc
 from expbuf.client.schema.balance import COSTS, MAX_RANKS, ModelShape
 from expbuf.client.schema.call_limits import MAX_READ_UIDS
 from expbuf.client.schema.reasons import Reason
-from expbuf.client.trxp.columns import PREFIX_FIELDS, Shares
+from expbuf.client.trxp.stored.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
 from ..backend import Backend

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from expbuf.client.trxp.columns import ColumnParts
-from expbuf.client.trxp.pieces import Run, realized, realized_span
+from expbuf.client.trxp.stored.columns import ColumnParts
+from expbuf.client.trxp.stored.pieces import Run, realized, realized_span
 from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 

@@ -22,8 +22,9 @@
 
 The store is the bottom layer of the server, fenced: no chain of imports from it reaches grpc or
 torch (the import contracts in pyproject.toml; tests/test_fence.py). It reads payloads with the
-codec's torch-free submodules (expbuf.client.trxp.parse, .build, .common, .checks, .advantages),
-never the expbuf.client.trxp package. What computes with torch is given to it by the server: the
+codec's rooms that import no protobuf (expbuf.client.trxp.codec, .stored, .varints), never with its
+convert.py or the expbuf.client.trxp package, which exports convert's names, nor with column_batch/
+(a push as columns, read by the server's ingest). What computes with torch is given to it by the server: the
 batch stage (`Store(batch_stage=...)`, bound to each batch taken and run where the reply is
 built) and the advantages a push computes (`Store.in_push`).
 """

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
-from expbuf.client.trxp.common import RawItem
+from expbuf.client.trxp.codec.common import RawItem
 
 from .core import rate_counts, reading, retire
 from .core.compute import backlog

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.trxp.stored.pieces import Stored, whole
 
 from ..disk import chunk_reads, layout
 from ..disk.kinds import ComputeJob, ShapingUpdate

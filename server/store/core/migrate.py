@@ -38,9 +38,9 @@ from pathlib import Path
 
 import lmdb
 
-from expbuf.client.trxp.build import pack_item
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.parse import parse
+from expbuf.client.trxp.codec.build import pack_item
+from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.parse import parse
 
 from ..disk import chunked, digests, layout
 from ..disk.kinds import Entry

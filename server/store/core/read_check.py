@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expbuf.client.trxp.checks import FLOAT32_MAX
-from expbuf.client.trxp.common import TrxpError
-from expbuf.client.trxp.parse import parse
-from expbuf.client.trxp.pieces import SplitPayload, Stored
+from expbuf.client.trxp.codec.checks import FLOAT32_MAX
+from expbuf.client.trxp.codec.common import TrxpError
+from expbuf.client.trxp.codec.parse import parse
+from expbuf.client.trxp.stored.pieces import SplitPayload, Stored
 
 from ..disk import digests
 from ..disk.kinds import Entry

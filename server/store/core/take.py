@@ -11,7 +11,7 @@ import contextlib
 import random
 from collections.abc import Callable, Generator, Iterator, Sequence
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..disk import chunk_reads
 from ..disk.batch_rows import BatchRows

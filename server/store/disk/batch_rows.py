@@ -7,7 +7,7 @@ from typing import Protocol
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..schema.errors import StoreError
 from ..schema.table_config import TableConfig, batch_stage

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from expbuf.client.trxp.pieces import Bytes
+from expbuf.client.trxp.stored.pieces import Bytes
 
 from . import digests
 from .zstd_workers import Workers

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from expbuf.client.trxp.build import json_text
-from expbuf.client.trxp.columns import Shares, token_count
-from expbuf.client.trxp.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of
-from expbuf.client.trxp.splice import stored_entries
+from expbuf.client.trxp.codec.build import json_text
+from expbuf.client.trxp.stored.columns import Shares, token_count
+from expbuf.client.trxp.stored.pieces import Bytes, Run, SplitPayload, Stored, Window, parts_of
+from expbuf.client.trxp.stored.splice import stored_entries
 
 from ..schema.errors import DamagedPayload
 from . import digests, shared_prompts

@@ -24,7 +24,7 @@ from functools import partial
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Bytes, section_at
+from expbuf.client.trxp.stored.pieces import Bytes, section_at
 
 from ..schema.errors import NotFound, clip
 from . import chunk_heads, digests, shared_prompts

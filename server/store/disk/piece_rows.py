@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from expbuf.client.trxp import partial
+from expbuf.client.trxp.codec import partial
 
 _PIECE = struct.Struct(">I")
 Value = bytes | memoryview

@@ -4,7 +4,7 @@ Stored form, per experience: one value in its item record when every generated t
 carries the same value (every estimator but the token-level ones), or a token-level record
 (`token_record`: response length u32 + float32 advantages + float32 returns) in the `adv`
 database. `expand` turns either into the `advantages` and `returns` tensors of a sampled
-batch (value * action_mask, client/trxp/advantages.py), and `batch_payload` splices them
+batch (value * action_mask, client/trxp/codec/advantages.py), and `batch_payload` splices them
 into the batch. For a client that asks for compact advantages, `send_apart` keeps one value
 per experience out of the payload: the reply carries the values and the client expands them
 with the same code.
@@ -25,12 +25,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from expbuf.client.trxp import segments
-from expbuf.client.trxp.advantages import ADDED, scaled
-from expbuf.client.trxp.columns import ColumnParts, Shares, column_parts
-from expbuf.client.trxp.common import RawTensor
-from expbuf.client.trxp.pieces import Run, Stored, realized
-from expbuf.client.trxp.splice import join_parts
+from expbuf.client.trxp.codec import segments
+from expbuf.client.trxp.codec.advantages import ADDED, scaled
+from expbuf.client.trxp.codec.common import RawTensor
+from expbuf.client.trxp.stored.columns import ColumnParts, Shares, column_parts
+from expbuf.client.trxp.stored.pieces import Run, Stored, realized
+from expbuf.client.trxp.stored.splice import join_parts
 
 from ..schema.table_config import TableConfig
 from .records import ItemRecord

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 import lmdb
 
 from expbuf.client.schema.routing import uid_group_key
-from expbuf.client.trxp import partial
-from expbuf.client.trxp.build import pack_head, pack_item
-from expbuf.client.trxp.common import RawItem, RawTensor, TrxpError, count_nonzero
-from expbuf.client.trxp.parse import head_length, parse, parse_head
-from expbuf.client.trxp.pieces import Bytes
+from expbuf.client.trxp.codec import partial
+from expbuf.client.trxp.codec.build import pack_head, pack_item
+from expbuf.client.trxp.codec.common import RawItem, RawTensor, TrxpError, count_nonzero
+from expbuf.client.trxp.codec.parse import head_length, parse, parse_head
+from expbuf.client.trxp.stored.pieces import Bytes
 
 from ..core import pieces
 from ..core.events import Pushed, Resent

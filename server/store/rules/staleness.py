@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import overload
 
-from expbuf.client.trxp import segments
+from expbuf.client.trxp.codec import segments
 
 from ..core.events import TableExtension
 from ..core.retire import retire

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from expbuf.client.schema.call_limits import MAX_WINDOW
-from expbuf.client.trxp.columns import unknown_field
+from expbuf.client.trxp.stored.columns import unknown_field
 
 from . import order_names
 from .errors import SpecError, clip
@@ -56,7 +56,7 @@ def check_seconds(name: str, value: float, *, low: float, high: float, low_open:
 
 def check_fields(fields: tuple[str, ...]) -> None:
     """The fields of a columnar request: at most MAX_FIELDS names, each a non-empty string of at
-    most MAX_FIELD_NAME bytes, none twice, each a field a column could be (trxp.columns.FIELDS)."""
+    most MAX_FIELD_NAME bytes, none twice, each a field a column could be (trxp.stored.columns.FIELDS)."""
     if len(fields) > MAX_FIELDS:
         raise SpecError(f"fields names {len(fields)} fields; at most {MAX_FIELDS}")
     for name in fields:

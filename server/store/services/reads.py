@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 
 from expbuf.client.schema.balance import ModelShape, split_groups
 from expbuf.client.schema.routing import uid_group_key
-from expbuf.client.trxp.build import build
-from expbuf.client.trxp.columns import Shares
-from expbuf.client.trxp.common import RawItem
-from expbuf.client.trxp.pieces import Stored, whole
+from expbuf.client.trxp.codec.build import build
+from expbuf.client.trxp.codec.common import RawItem
+from expbuf.client.trxp.stored.columns import Shares
+from expbuf.client.trxp.stored.pieces import Stored, whole
 from expbuf.client.trxp.varints import field_bytes
 
 from ..core import reading

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import lmdb
 
-from expbuf.client.trxp.pieces import Stored
+from expbuf.client.trxp.stored.pieces import Stored
 
 from ..core import reading
 from ..core.counters import read_counters

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from expbuf.client.schema.experience import RESPONSE_TENSOR_FIELDS, TENSOR_FIELDS
 
-from .build import json_text
-from .common import MM_PREFIX, RawTensor
+from ..codec.build import json_text
+from ..codec.common import MM_PREFIX, RawTensor
 from .pieces import Run, Section, Stored, cut, joined, parts_of
 from .splice import stored_entries, stored_tensors
 

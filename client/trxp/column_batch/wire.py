@@ -1,6 +1,6 @@
-"""The payload of a push as columns on the wire (column_push.py says its layout): written by the
+"""The payload of a push as columns on the wire (items.py says its layout): written by the
 client from its columns, read by the server (and by a sharded client, which routes its rows).
-The ColumnBatch message is read here, with protobuf; what is made of it, in column_push.py, which
+The ColumnBatch message is read here, with protobuf; what is made of it, in items.py, which
 needs no protobuf.
 """
 
@@ -15,10 +15,10 @@ from google.protobuf.message import DecodeError
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .checks import show
-from .column_push import HEAD, MAGIC, PushedColumn, check_entries, column_head, column_items
-from .common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
-from .stream import Head
+from ..codec.checks import show
+from ..codec.common import ITEMSIZE, MetadataLimit, RawItem, TrxpError
+from ..codec.stream import Head
+from .items import HEAD, MAGIC, PushedColumn, check_entries, column_head, column_items
 
 
 def is_columns(payload: bytes | bytearray | memoryview) -> bool:

@@ -3,7 +3,7 @@
 A worker that holds its batch as tensors (a jagged nested tensor of tokens, a padded-free list of
 log-probs, a tensor of rewards) hands them over field by field: each field becomes one column
 of values back to back (one torch.cat where it came as a list, none where it came as a nested
-tensor or as values and offsets) and the batch one payload (column_wire.py), with no Experience,
+tensor or as values and offsets) and the batch one payload (wire.py), with no Experience,
 safetensors header or pickle per experience. The server stores each experience exactly as the
 same experience pushed as an Experience.
 """
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..schema.experience import EID
-from . import column_wire, segments
-from .column_push import INFO, SCALARS
-from .common import DTYPE_RANK, MM_PREFIX, TrxpError
-from .convert import safetensors_codes
+from ...schema.experience import EID
+from ..codec import segments
+from ..codec.common import DTYPE_RANK, MM_PREFIX, TrxpError
+from ..codec.convert import safetensors_codes
+from . import wire
+from .items import INFO, SCALARS
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +94,7 @@ class ColumnBatch:
             message.columns.append(column)
         # An experience lists its multi-modal inputs in the order of the fields, as an Experience's dict.
         message.multi_modal_keys.extend(name[len(MM_PREFIX) :] for name in fields if name.startswith(MM_PREFIX))
-        self.payload = b"".join(column_wire.write(message, [data for _, data in made + tensors]))
+        self.payload = b"".join(wire.write(message, [data for _, data in made + tensors]))
 
     def __len__(self) -> int:
         return len(self.uids)

@@ -10,9 +10,9 @@ import json
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
-from .build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
-from .common import RawTensor
-from .parse import parse
+from ..codec.build import ENTRY, SPLICE_ONE, SPLICE_TAIL, build, frame, json_text, splice_meta
+from ..codec.common import RawTensor
+from ..codec.parse import parse
 from .pieces import Run, Section, SectionTensors, Stored, cut, parts_of, realized, whole
 
 

@@ -8,7 +8,7 @@ values left empty, and then each column's values in the message's order, so that
 parses a small message and reads the values where they arrived. The items made here go through
 check_meta and check_tensors and are packed as any pushed item, so an experience pushed as
 columns is stored byte for byte as the same experience pushed in TRXP. The message itself is
-read with protobuf by column_wire.py; this module, which the server's ingest and the client share,
+read with protobuf by wire.py; this module, which the server's ingest and the client share,
 sees plain values only.
 """
 
@@ -22,10 +22,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.experience import META_FIELDS, TENSOR_FIELDS
-from . import segments, varints
-from .checks import Shape, check_meta, check_tensors, clip, show
-from .common import (
+from ...schema.experience import META_FIELDS, TENSOR_FIELDS
+from .. import varints
+from ..codec import segments
+from ..codec.checks import Shape, check_meta, check_tensors, clip, show
+from ..codec.common import (
     EXPANSION_BASE,
     EXPANSION_PER_BYTE,
     INT64_MAX,
@@ -45,7 +46,7 @@ INFO = "info"  # the column of each experience's other info, a JSON object in UT
 # The columns an experience's metadata is made of, not its tensors: name -> (dtype, ndim, the key in
 # info that holds it, or None for the item's own field). model_version and priority are kept in info
 # as Trinity-RFT keeps them; version_segments holds an experience's [version, offset] pairs, [k, 2]
-# (client/trxp/segments.py); info's keys are merged into info, none of them given twice.
+# (client/trxp/codec/segments.py); info's keys are merged into info, none of them given twice.
 META_COLUMNS: dict[str, tuple[str, int, str | None]] = {
     "reward": ("F64", 0, None),
     "prompt_length": ("I64", 0, None),

@@ -38,7 +38,7 @@ Head = tuple[int, list[RawItem], list[tuple[int, int, int, str]]]
 class StreamedPayload:
     """One payload of `size` bytes whose head is whole in `start` (its first bytes); `feed`
     the rest of it, its bytes after the head, in order, then `finish`. A TRXP payload's head is
-    read here; another layout's (a batch of columns: column_wire.head) is given as `head`."""
+    read here; another layout's (a batch of columns: column_batch/wire.head) is given as `head`."""
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .common import HEADER, HEADER_SIZE, RawTensor
+from ..codec.common import HEADER, HEADER_SIZE, RawTensor
 
 Bytes = bytes | memoryview
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.experience import RESPONSE_TENSOR_FIELDS
+from ...schema.experience import RESPONSE_TENSOR_FIELDS
 from .common import RawItem, RawTensor, TrxpError
 from .segments import KEY as SEGMENTS
 

@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS
+from ...schema.experience import EID, RESPONSE_TENSOR_FIELDS
 
 MAGIC = b"TRXP"
 VERSION = 1

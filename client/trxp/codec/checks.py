@@ -10,7 +10,7 @@ import sys
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from ..schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
+from ...schema.experience import EID, RESPONSE_TENSOR_FIELDS, TOKEN_TENSOR_FIELDS
 from . import partial
 from . import segments as version_segments
 from .common import (

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from ..schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
+from ...schema.experience import EID, META_FIELDS, TENSOR_FIELDS, Experience
 from .build import build
 from .checks import Shape, check_meta, check_tensors, show
 from .common import ITEMSIZE, MM_PREFIX, UNBOUNDED, RawItem, RawTensor, TrxpError, Work

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..schema.experience import TENSOR_FIELDS
+from ...schema.experience import TENSOR_FIELDS
 from .common import (
     CONTAINERS,
     DTYPE_RANK,

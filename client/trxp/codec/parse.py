@@ -10,7 +10,7 @@ import pickle
 import struct
 from typing import Any
 
-from ..schema.experience import TENSOR_FIELDS
+from ...schema.experience import TENSOR_FIELDS
 from .checks import Shape, check_meta, check_tensors, clip, is_int, show, show_list
 from .common import (
     EXPANSION_BASE,
