@@ -66,11 +66,11 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run: the module's names are the new module's, read as they are asked for."""
 
 
-OLD_PATHS = OldPaths()
+FINDER = OldPaths()  # the one finder of every side's old paths
 
 
 def serve(table: Mapping[str, str]) -> None:
     """Serve each old path of `table` ({old dotted path: new module path}) from now on."""
-    OLD_PATHS.table.update(table)
-    if OLD_PATHS not in sys.meta_path:
-        sys.meta_path.append(OLD_PATHS)
+    FINDER.table.update(table)
+    if FINDER not in sys.meta_path:
+        sys.meta_path.append(FINDER)
