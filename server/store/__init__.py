@@ -75,6 +75,7 @@ from .schema.states import (
     IllegalMove,
     State,
 )
+from .schema.views import GroupView, MemberView
 from .services.claims import MAX_OWNER_BYTES, MAX_PAGE, RecordPage, check_claim, check_refs, shown_owner
 from .services.index_builds import IndexBuild
 from .services.scrub import ScrubStatus
@@ -117,6 +118,7 @@ __all__ = [
     "Entry",
     "Environment",
     "FailResult",
+    "GroupView",
     "IllegalMove",
     "Index",
     "IndexBuild",
@@ -125,6 +127,7 @@ __all__ = [
     "KeptStats",
     "KeyedIndex",
     "MayWait",
+    "MemberView",
     "Moved",
     "Order",
     "Page",

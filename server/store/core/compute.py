@@ -17,11 +17,13 @@ from ..disk.kinds import ComputeJob, ShapingUpdate
 from ..disk.records import GroupRecord, ItemRecord
 from ..schema.states import COMPUTING, READY
 from ..schema.table_config import TableConfig, estimator_of
+from ..schema.views import Members, MemberView
 from . import rate_counts
 from .counters import read_counters
 from .read_check import payload_problem
 from .ready import Row
-from .state import Members, TableState, missing, stored
+from .state import TableState, missing, stored
+from .views import group_record, member_record
 
 
 def backlog(
@@ -62,7 +64,7 @@ def backlog(
                 while found and cur.key().startswith(prefix) and count < limit:
                     gkey = cur.value()
                     grp = GroupRecord.decode(stored(txn, prefix + gkey, dbs["groups"], "group"))
-                    records: dict[str, ItemRecord] = {}
+                    records: dict[str, MemberView] = {}
                     blobs: dict[str, Stored] = {}
                     for uid in grp.members:
                         item_key = prefix + uid.encode()
@@ -108,9 +110,9 @@ def store_advantages(
 ) -> list[Row]:
     """Groups' values stored and the groups made ready together; returns their ready index
     entries."""
-    for _, _, recs in groups:
-        for uid, rec in recs.items():
-            value = advantages[uid]
+    for _, _, views in groups:
+        for uid, view in views.items():
+            rec, value = member_record(view), advantages[uid]
             if shaping is not None and uid in shaping.rewards:
                 rec.shaped_reward = shaping.rewards[uid]
             if isinstance(value, float):
@@ -119,4 +121,5 @@ def store_advantages(
                 tt.txn.put(tt.key(uid), value, db=tt.db["adv"])
     tt.set_states(groups, READY)
     rate_counts.became_ready(tt, sum(len(recs) for _, _, recs in groups))
-    return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp, _ in groups]
+    placed = [(gkey, group_record(grp)) for gkey, grp, _ in groups]
+    return [(gkey.encode(), grp.ready_seq, grp.priority, grp.version) for gkey, grp in placed]

@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..disk.records import GroupRecord
 from ..schema.states import State
+from ..schema.views import Groups
 
 if TYPE_CHECKING:
     from .state import TableState
-
-Groups = Sequence[tuple[str, GroupRecord]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,7 +241,7 @@ def _recompute_batch_stage_tables(txn: lmdb.Transaction[bytes], dbs: dict[str, l
             gkey = bytes(gkey_raw).decode()
             grp = tt.existing_group(gkey)
             tt.ready.remove(gkey_raw, grp.ready_seq, grp.priority, grp.version)
-            recs = tt.members(grp)
+            recs = {uid: tt.existing_item(uid) for uid in grp.members}
             for rec in recs.values():
                 rec.advantage = None
             computing.append((gkey, grp, recs))

@@ -18,10 +18,10 @@ from expbuf.client.trxp.stored.pieces import SplitPayload, Stored
 
 from ..disk import digests
 from ..disk.kinds import Entry
-from ..disk.records import ItemRecord
+from ..schema.views import MemberView
 
 
-def payload_problem(uid: str, rec: ItemRecord, blob: Stored) -> str | None:
+def payload_problem(uid: str, rec: MemberView, blob: Stored) -> str | None:
     """Why the stored payload is not the one pushed (damage on disk), or None when it is."""
     problem = digests.mismatch(blob, rec.size, rec.digest)
     if problem is None or len(blob) != rec.size or isinstance(blob, SplitPayload):
@@ -47,7 +47,7 @@ class Unservable:
         return f"experience {self.uid}: {self.why}"
 
 
-def serve_problem(uid: str, rec: ItemRecord, blob: Stored | None) -> Unservable | None:
+def serve_problem(uid: str, rec: MemberView, blob: Stored | None) -> Unservable | None:
     """Why the experience cannot be served (its payload is damaged, or its stored advantage
     is beyond float32), or None when it can; without `blob`, its payload is checked elsewhere."""
     if rec.advantage is not None and not -FLOAT32_MAX <= rec.advantage <= FLOAT32_MAX:

@@ -21,13 +21,13 @@ from ..disk.records import GroupRecord, ItemRecord
 from ..schema.errors import StoreError, clip
 from ..schema.states import COMPUTING, LEASED, LIVE, READY, State, check_move
 from ..schema.table_config import TableConfig
+from ..schema.views import GroupView, Members, MemberView
 from .counters import read_counters, write_counters
 from .events import Events, Moved
 from .indexes import ReadyGroup, ReadyOrder
 from .ready import ReadyIndex
+from .views import group_record, member_record
 
-# A group with its members' records, as the verbs that move groups take them.
-Members = tuple[str, GroupRecord, dict[str, ItemRecord]]
 # A member's record as the cache holds it: absent (None) when the table has no such uid.
 Cached = ItemRecord | None
 V = TypeVar("V", bytes, memoryview)
@@ -52,7 +52,7 @@ def stored_state(state: State) -> State:
     return READY if state == LEASED else state
 
 
-def member_state(rec: ItemRecord, grp: GroupRecord | None) -> State:
+def member_state(rec: MemberView, grp: GroupView | None) -> State:
     """An experience's state: its record's, or leased while its group is."""
     return LEASED if grp is not None and grp.state == LEASED and rec.state == READY else rec.state
 
@@ -96,7 +96,7 @@ class TableState:
 
     def item(self, uid: str) -> ItemRecord | None:
         """The uid's record: a live experience's (or a failed one's whose payload is kept), or
-        else its compact tombstone."""
+        else its compact tombstone. A view of it to code outside the core (`member`)."""
         if uid not in self._items:
             key = self.key(uid)
             raw = self.txn.get(key, db=self.db["items"])
@@ -111,6 +111,10 @@ class TableState:
         if rec is None:
             raise missing("experience", uid)
         return rec
+
+    def member(self, uid: str) -> MemberView | None:
+        """The uid's experience as code outside the core reads it (views.py), or its tombstone."""
+        return self.item(uid)
 
     def cached_item(self, uid: str) -> tuple[bool, Cached]:
         """Whether the uid's record was read in this transaction, and the record if it was:
@@ -136,6 +140,7 @@ class TableState:
             self.txn.delete(key, db=self.db["tombs"])
 
     def group(self, gkey: str) -> GroupRecord | None:
+        """The group's record; a view of it to code outside the core (`view`)."""
         if gkey not in self._groups:
             raw = self.txn.get(self.key(gkey), db=self.db["groups"])
             self._groups[gkey] = None if raw is None else GroupRecord.decode(raw)
@@ -147,6 +152,14 @@ class TableState:
         if grp is None:
             raise missing("group", gkey)
         return grp
+
+    def view(self, gkey: str) -> GroupView | None:
+        """The group as code outside the core reads it (views.py)."""
+        return self.group(gkey)
+
+    def existing_view(self, gkey: str) -> GroupView:
+        """The view of a group an index or a member names, which exists while they do."""
+        return self.existing_group(gkey)
 
     def put_group(self, gkey: str, grp: GroupRecord) -> None:
         self._groups[gkey] = self._dirty_groups[gkey] = grp
@@ -168,10 +181,11 @@ class TableState:
         placed = (GroupRecord.placed(stored(self.txn, self.prefix + gkey, db, "group")) for _, gkey in rows)
         return [ReadyGroup(gkey, *place) for (_, gkey), place in zip(rows, placed, strict=True)], after
 
-    def members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+    def members(self, grp: GroupView) -> dict[str, MemberView]:
+        """The group's members' views (uid -> view), in push order."""
         return {uid: self.existing_item(uid) for uid in grp.members}
 
-    def stored_members(self, grp: GroupRecord) -> dict[str, ItemRecord]:
+    def stored_members(self, grp: GroupView) -> dict[str, MemberView]:
         """The group's members whose records are stored: a sample's, which quarantines the group
         of one that is not (quarantine.py) where `members` refuses it."""
         return {uid: rec for uid in grp.members if (rec := self.item(uid)) is not None}
@@ -199,11 +213,13 @@ class TableState:
         extensions hear one `Moved` per state the groups moved from."""
         counters, stored = self.counters, stored_state(state)
         moved: dict[State, list[tuple[str, GroupRecord]]] = {}
-        for gkey, grp, recs in groups:
+        for gkey, view, recs in groups:
+            grp = group_record(view)
             counters.add(grp.state, -len(recs))
             counters.add(state, len(recs))
-            for uid, rec in recs.items():
-                if rec.state != stored:
+            for uid, member in recs.items():
+                if member.state != stored:
+                    rec = member_record(member)
                     rec.state = stored
                     self.put_item(uid, rec)
             was = grp.state

@@ -25,6 +25,7 @@ from expbuf.client.trxp.stored.pieces import Run, Stored, realized
 
 from ..schema.states import PENDING
 from ..schema.table_config import TableConfig
+from ..schema.views import MemberView
 from . import digests
 from .chunk_reads import Deferred, checked, token_length
 from .records import Counted, ItemRecord
@@ -284,7 +285,7 @@ class ComputeJob:
     config: TableConfig
     groups: list[str]
     members: list[list[str]]
-    records: dict[str, ItemRecord]  # by uid: reward, ids, step, lengths
+    records: dict[str, MemberView]  # by uid: reward, ids, step, lengths
     blobs: dict[str, bytes]  # the stored experiences, only for estimators that read tokens
     moments: list[float] | None = None  # the table's running reward moments (counters' reward_moments)
 

@@ -33,7 +33,7 @@ from expbuf.client.trxp.stored.pieces import Run, Stored, realized
 from expbuf.client.trxp.stored.splice import join_parts
 
 from ..schema.table_config import TableConfig
-from .records import ItemRecord
+from ..schema.views import MemberView
 
 
 class SentApart:
@@ -69,7 +69,7 @@ class StageCounts:
 # The batch stage the server gives the Store (server/batch_stage.finish_batch): a batch's
 # advantages from the table's configuration, the batch's item records and stored values in
 # batch order, and the counts its clip adds to (None for a Get, which is not a sample).
-FinishBatch = Callable[[TableConfig, Sequence[ItemRecord], Sequence[Advantage], StageCounts | None], list[Advantage]]
+FinishBatch = Callable[[TableConfig, Sequence[MemberView], Sequence[Advantage], StageCounts | None], list[Advantage]]
 # A taken batch's batch stage, bound to its rows: its advantages from its stored ones.
 Stage = Callable[[Sequence[Advantage]], list[Advantage]]
 
@@ -86,7 +86,7 @@ def token_parts(record: bytes) -> tuple[int, bytes, bytes]:
     return length, record[_LENGTH.size : middle], record[middle:]
 
 
-def stored_advantage(record: ItemRecord, token_level: bytes | None) -> Advantage:
+def stored_advantage(record: MemberView, token_level: bytes | None) -> Advantage:
     """An experience's stored advantage: the value in its record, or its token-level record."""
     if record.advantage is not None:
         return (record.advantage, record.response_length)

@@ -28,12 +28,12 @@ from ..core.events import Moved, Pushed, Resent, Retired, TableExtension
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk import layout
-from ..disk.records import GroupRecord
 from ..rules import partials
 from ..schema.errors import ConfigError, Conflict, Forbidden, StaleAttempt, clip
 from ..schema.states import CONSUMED
 from ..schema.states import DROPPED as GROUP_DROPPED
 from ..schema.states import PENDING as GROUP_PENDING
+from ..schema.views import GroupView
 from . import binned, prompt_stats
 from .claimed import Claimed, ClaimStep, Walk
 from .hand_out import hand_out, prompt_of, put_prompt
@@ -198,7 +198,7 @@ class Ledger(TableExtension):
         Returns the claims released (one already ended is not)."""
         ds = self.dataset(tt, name)
         released = 0
-        dropping: list[tuple[str, GroupRecord]] = []
+        dropping: list[tuple[str, GroupView]] = []
         for epoch, index, attempt in prompts:
             rec = self._held(tt, name, epoch, index, attempt, holder)
             if rec is not None:
@@ -223,7 +223,7 @@ class Ledger(TableExtension):
             if rec is None:
                 continue
             gkey = group_key(name, epoch, index, attempt)
-            if tt.group(gkey) is not None:
+            if tt.view(gkey) is not None:
                 raise Conflict(
                     f"prompt {name}/{epoch}/{index} has its group {clip(gkey)} in table '{tt.config.name}': its"
                     " group's events make it generated and trained; nothing of this report is stored"
@@ -260,7 +260,7 @@ class Ledger(TableExtension):
                 due.append(read_expiry_key(bytes(cur.key())))
                 found = cur.next()
         loaded: dict[str, DatasetRecord] = {}
-        dropping: list[tuple[str, GroupRecord]] = []
+        dropping: list[tuple[str, GroupView]] = []
         for name, epoch, index in due:
             rec = prompt_of(tt, name, epoch, index)
             if rec is None or rec.state != CLAIMED or rec.expires > tt.now:
@@ -290,7 +290,7 @@ class Ledger(TableExtension):
         epoch: int,
         index: int,
         rec: PromptRecord,
-        dropping: list[tuple[str, GroupRecord]],
+        dropping: list[tuple[str, GroupView]],
     ) -> None:
         """A claim ended before its group was complete: the prompt goes back (or is dropped,
         its attempts spent), and the attempt's incomplete group, if any, joins `dropping`, the
@@ -303,7 +303,7 @@ class Ledger(TableExtension):
             partials.carry(tt, gkey, prompt_eid(ds.name, epoch, index, rec.attempt))
         else:  # dropped, its attempts spent
             partials.drop_task(tt, gkey)
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is not None and grp.state == GROUP_PENDING:  # after the prompt moved on: its event is no news
             dropping.append((gkey, grp))
             ds.attempts_dropped += 1
@@ -444,7 +444,7 @@ class Ledger(TableExtension):
             tt.save()
         return tt.counters.groups_dropped - before
 
-    def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupRecord) -> None:
+    def _generated(self, tt: TableState, ds: DatasetRecord, epoch: int, index: int, grp: GroupView) -> None:
         """The prompt's statistics take its complete group (`_learned`)."""
         self._learned(tt, ds, epoch, index, [member.reward for member in tt.members(grp).values()])
 
@@ -474,7 +474,7 @@ def _entry(tt: TableState, gkey: str) -> tuple[tuple[str, int, int, int], Prompt
     return None if rec is None else (entry, rec)
 
 
-def _drop(tt: TableState, groups: list[tuple[str, GroupRecord]]) -> None:
+def _drop(tt: TableState, groups: list[tuple[str, GroupView]]) -> None:
     """The incomplete groups of the claims a call ended are dropped, together."""
     if groups:
         retire(tt, groups, GROUP_DROPPED)

@@ -20,16 +20,16 @@ from ..core import groups as core_groups
 from ..core import pieces
 from ..core.compute import store_advantages
 from ..core.events import Inserted, Pushed, Resent
-from ..core.groups import Closed, Completed
+from ..core.groups import Closed
 from ..core.ready import Row
 from ..core.retire import retire
-from ..core.state import Members, TableState
+from ..core.state import TableState
 from ..disk import digests
 from ..disk.kinds import Ahead, Compute, Entry, FailResult, PutResult, ShapingUpdate
-from ..disk.records import GroupRecord
 from ..schema.errors import Conflict, GroupClosed, GroupOverfilled, InvalidPayload, InvalidRequest, NotFound, clip
 from ..schema.states import COMPUTING, DROPPED, FAILED, PENDING, RETIRED, State
 from ..schema.table_config import estimator_of
+from ..schema.views import GroupView, Members
 from .capacity import make_room
 from .pushed_advantages import add_shaping, compute_in_push, drop_below_threshold, zero_variance
 
@@ -42,9 +42,9 @@ class Ending:
     def __init__(self, tt: TableState) -> None:
         self.tt = tt
         self.closed: list[Closed] = []
-        self.gone: dict[State, list[tuple[str, GroupRecord]]] = {}
+        self.gone: dict[State, list[tuple[str, GroupView]]] = {}
 
-    def complete(self, gkey: str, grp: GroupRecord, *, partial: bool, indexed: bool = True) -> bool:
+    def complete(self, gkey: str, grp: GroupView, *, partial: bool, indexed: bool = True) -> bool:
         """A pending group is to become ready, or computing; False if the zero-variance filter
         drops it instead. `indexed`: the group is in the pending index (a group opened and
         filled by one push never is)."""
@@ -57,23 +57,23 @@ class Ending:
         self.closed.append((gkey, grp, recs, indexed))
         return True
 
-    def drop(self, gkey: str, grp: GroupRecord) -> None:
+    def drop(self, gkey: str, grp: GroupView) -> None:
         """A group is to be dropped (the caller counts why)."""
         self.tt.counters.groups_dropped += 1
         self.gone.setdefault(DROPPED, []).append((gkey, grp))
 
-    def drop_short(self, gkey: str, grp: GroupRecord) -> None:
+    def drop_short(self, gkey: str, grp: GroupView) -> None:
         """A group too few of whose runs succeeded is to be dropped (reason short)."""
         self.drop(gkey, grp)
         self.tt.counters.dropped_short += 1
 
-    def fail(self, gkey: str, grp: GroupRecord, why: str) -> None:
+    def fail(self, gkey: str, grp: GroupView, why: str) -> None:
         """A group is to fail, `why` its table's last failure."""
         self.tt.counters.groups_failed += 1
         self.tt.counters.last_failure = f"group {gkey}: {why}"
         self.gone.setdefault(FAILED, []).append((gkey, grp))
 
-    def done(self, *, ready: list[Row] | None = None, computing: list[Completed] | None = None) -> None:
+    def done(self, *, ready: list[Row] | None = None, computing: list[Members] | None = None) -> None:
         """The groups complete (`ready`, `computing`: as core/groups.complete's), then the others
         leave."""
         core_groups.complete(self.tt, self.closed, ready=ready, computing=computing)
@@ -107,7 +107,7 @@ def put(
         if known is not None:
             same = known.digest == entry.digest
         else:
-            rec = tt.item(entry.uid)
+            rec = tt.member(entry.uid)
             if rec is None:
                 fresh[entry.uid] = entry
                 continue
@@ -125,11 +125,11 @@ def put(
     for entry in fresh.values():
         by_group[entry.group_key(tt.config.grouping.by)].append(entry)
     tt.extensions.on_pushed(tt, Pushed(list(by_group), holder))
-    groups: dict[str, GroupRecord] = {}
+    groups: dict[str, GroupView] = {}
     opened: set[str] = set()  # groups this push starts: not in the pending index yet
     size = tt.config.grouping.size
     for gkey, members in by_group.items():
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is None:
             grp = core_groups.new(tt)
             opened.add(gkey)
@@ -163,7 +163,7 @@ def put(
                 core_groups.pend(tt, gkey, grp)
             core_groups.keep(tt, gkey, grp)
     ready: list[Row] = []
-    computing: list[Completed] | None = [] if compute is not None else None
+    computing: list[Members] | None = [] if compute is not None else None
     ending.done(ready=ready, computing=computing)
     if computing:
         compute_in_push(tt, computing, ready, compute, ahead)
@@ -223,10 +223,10 @@ def finish_compute(
     if shaping is not None:
         add_shaping(tt, shaping)
     ending = Ending(tt)
-    below: list[tuple[str, GroupRecord]] = []
+    below: list[tuple[str, GroupView]] = []
     computed: list[Members] = []
     for gkey in dict.fromkeys([*ready, *dropped, *failed]):
-        grp = tt.group(gkey)
+        grp = tt.view(gkey)
         if grp is None or grp.state != COMPUTING:
             continue
         if gkey in failed:
@@ -246,7 +246,7 @@ def expire_groups(tt: TableState, created_before: float) -> int:
     expired = core_groups.expired(tt, created_before)
     ending = Ending(tt)
     for gkey in expired:
-        grp = tt.existing_group(gkey)
+        grp = tt.existing_view(gkey)
         if tt.config.grouping.on_timeout == "drop":
             ending.drop(gkey, grp)
             tt.counters.dropped_timeout += 1
@@ -275,7 +275,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
             "it has no runs to wait for, so none to report failed"
         )
     result = FailResult()
-    touched: dict[str, GroupRecord] = {}
+    touched: dict[str, GroupView] = {}
     keys = [uid_group_key(uid, grouping.by) for uid, _ in failures]
     for (uid, _), gkey in zip(failures, keys, strict=True):
         if gkey is None:
@@ -284,9 +284,9 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     tt.extensions.on_pushed(tt, Pushed(gkeys, holder, "FailRuns"))  # a claim's checks
     for (uid, reason), gkey in zip(failures, keys, strict=True):
         assert gkey is not None
-        if tt.item(uid) is not None:
+        if tt.member(uid) is not None:
             raise Conflict(f"uid {clip(uid)} was pushed: a run pushed cannot be reported failed")
-        grp = touched.get(gkey) or tt.group(gkey)
+        grp = touched.get(gkey) or tt.view(gkey)
         if grp is None:
             grp = core_groups.new(tt)
             core_groups.pend(tt, gkey, grp)
@@ -317,7 +317,7 @@ def fail_runs(tt: TableState, failures: Sequence[tuple[str, str]], holder: str) 
     return result
 
 
-def too_short(tt: TableState, grp: GroupRecord) -> bool:
+def too_short(tt: TableState, grp: GroupView) -> bool:
     """Whether a group has fewer members than it may complete with (min_group_size; every run
     where that is 0)."""
     return len(grp.members) < (tt.config.grouping.min_size or tt.config.grouping.size)
@@ -327,7 +327,7 @@ def seal(tt: TableState, gkey: str, holder: str) -> int:
     """Complete a pending group now; returns its size. A group with no members (its runs so far
     all reported failed) is dropped instead (reason short), its size 0. `holder` is who seals
     (as a push's: only a prompt's claimant completes its group)."""
-    grp = tt.group(gkey)
+    grp = tt.view(gkey)
     if grp is None:
         raise NotFound(f"group {clip(gkey)} does not exist in table '{tt.config.name}'")
     if grp.state != PENDING:

@@ -107,7 +107,7 @@ def take(tt: TableState, entries: Sequence[Entry], room: Callable[[int], None], 
         offset, more = entry.piece
         piece = entry if entry.together is None else entry.together.piece  # the piece as pushed
         gkey = uid_group_key(entry.uid, tt.config.grouping.by) or entry.uid
-        if tt.item(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
+        if tt.member(entry.uid) is not None:  # finished already: a piece of it sent again, by whoever may
             tt.extensions.on_resent(tt, Resent([gkey], holder))
             taken.duplicates.append(entry.uid)
             continue
@@ -158,7 +158,7 @@ def _open_group(tt: TableState, gkey: str) -> None:
     """The pending group a piece's rollout is to join, opened if none of its runs arrived (as a
     report of a failed run opens it), so that its timeout, a seal and the ledger's end of a claim
     reach the rollouts held in pieces; a complete group takes no more pieces."""
-    grp = tt.group(gkey)
+    grp = tt.view(gkey)
     if grp is None:
         open_pending(tt, gkey)
     elif grp.state != PENDING:

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..core.compute import queue, queued, store_advantages
-from ..core.groups import Completed
 from ..core.ready import Row
 from ..core.retire import retire
 from ..core.state import TableState
 from ..disk.kinds import Ahead, Compute, ComputeJob, Entry, ShapingUpdate
-from ..disk.records import GroupRecord
 from ..schema.states import DROPPED
 from ..schema.table_config import TableConfig
+from ..schema.views import Groups, Members
 
 # The most experiences whose advantages a push computes itself: about 1 to 4 ms for grpo
 # (bench/RESULTS.md); a push completing more leaves them to the worker.
@@ -34,7 +33,7 @@ def zero_variance(rewards: list[float | None]) -> bool:
 
 
 def compute_in_push(
-    tt: TableState, computing: list[Completed], ready: list[Row], compute: Compute | None, ahead: Ahead | None
+    tt: TableState, computing: list[Members], ready: list[Row], compute: Compute | None, ahead: Ahead | None
 ) -> None:
     """The advantages of the groups a push completed, computed in the push's own transaction:
     each member's record is written once, ready with its value (the ready groups' index entries
@@ -124,7 +123,7 @@ def add_shaping(tt: TableState, shaping: ShapingUpdate) -> None:
     tt.counters.reward_moments = shaping.moments
 
 
-def drop_below_threshold(tt: TableState, groups: Sequence[tuple[str, GroupRecord]]) -> None:
+def drop_below_threshold(tt: TableState, groups: Groups) -> None:
     """Drop the groups whose rewards' spread is below the estimator's threshold, together."""
     if groups:
         retire(tt, groups, DROPPED)

@@ -305,7 +305,7 @@ class Reads:
                 )
             if lease.owner != owner:
                 raise Forbidden(f"lease {clip(lease_id)!r} was taken with another token; read its parts with that one")
-            held: dict[str, list[str]] = {}  # the lease's groups it still holds, and their runs
+            held: dict[str, Sequence[str]] = {}  # the lease's groups it still holds, and their runs
             for gkey in lease.groups:
                 grp = reading.group(txn, db, prefix + gkey.encode())
                 if grp is not None and grp.state == LEASED and grp.lease == lease_id:

@@ -26,7 +26,7 @@ from ..core.retire import retire
 from ..core.state import TableState
 from ..core.take import Payloads, lease, read_batch, select
 from ..disk.kinds import Sampled
-from ..disk.records import Counted, GroupRecord
+from ..disk.records import Counted
 from ..disk.snapshot import Snapshot
 from ..disk.stored_advantages import FinishBatch, StageCounts
 from ..rules import reuse
@@ -36,6 +36,7 @@ from ..rules.staleness import masked_tokens, report, token_bound
 from ..schema.errors import SampleLimited
 from ..schema.sample_spec import TakeSpec
 from ..schema.states import CONSUMED, FAILED
+from ..schema.views import GroupView
 
 log = logging.getLogger("expbuf.store")
 
@@ -116,7 +117,7 @@ def take(
     return batch
 
 
-def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupRecord, list[Unservable]]]) -> None:
+def _fail_unservable(tt: TableState, groups: list[tuple[str, GroupView, list[Unservable]]]) -> None:
     """Groups a sample found a member of unservable fail whole, never served: one with a
     damaged payload by the quarantine rule (quarantine.py: the damaged members quarantined, the
     others' payloads kept for Get); one whose stored advantage is beyond float32 as any failed
