@@ -113,7 +113,7 @@ def ingest_cost(tree: Path | None, shape: str) -> dict[str, float]:
 
 def child(shape: str) -> None:
     """ingest_cost's child: PUSHES pushes of `shape` into a fresh store, timed in CPU seconds."""
-    from expbuf.server.rpc.ingest import entries_of
+    from expbuf.server.rpc.push.ingest import entries_of
     from expbuf.server.store import Store
     from expbuf.server.store.schema.table_config import TableConfig
 

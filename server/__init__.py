@@ -28,5 +28,6 @@ OLD_PATHS = {
     "expbuf.server.store.states": "expbuf.server.store.schema.states",
     "expbuf.server.store.sample_spec": "expbuf.server.store.schema.sample_spec",
     "expbuf.server.store.stored_advantages": "expbuf.server.store.disk.stored_advantages",
+    "expbuf.server.rpc.stalled_sends": "expbuf.server.rpc.sample.stalled_sends",
 }
 serve(OLD_PATHS)

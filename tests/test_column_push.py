@@ -19,7 +19,7 @@ from expbuf.client.shards.blocking import ShardedBufferClient
 from expbuf.client.trxp.column_batch import items as column_push
 from expbuf.client.trxp.column_batch import wire as column_wire
 from expbuf.proto.v1 import buffer_pb2 as pb
-from expbuf.server.rpc.ingest import Ingest, entries_of, metadata_limit
+from expbuf.server.rpc.push.ingest import Ingest, entries_of, metadata_limit
 from expbuf.server.store.schema.errors import InvalidPayload
 
 from conftest import Servers

@@ -15,7 +15,7 @@ import pytest
 from expbuf.client import BufferClient
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
-from expbuf.server.rpc import sample_stream
+from expbuf.server.rpc.sample import sample_stream
 
 from conftest import Servers
 from helpers import Conversation, fill, group_items, settle

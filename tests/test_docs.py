@@ -15,7 +15,7 @@ from expbuf import client
 from expbuf.client.schema.table_settings import SETTING_NAMES
 from expbuf.proto.v1 import buffer_pb2
 from expbuf.server import cli, config
-from expbuf.server.rpc import auth
+from expbuf.server.rpc.interceptors import auth
 from expbuf.server.store.schema import table_config
 from expbuf.server.store.schema.table_parts import Shaping, flat_names
 
@@ -205,7 +205,7 @@ def test_no_hand_written_paragraph_runs_on_past_what_a_reader_scans() -> None:
     assert long == []
 
 
-# A sequence diagram's participants are modules or rooms of the tree ("server/rpc/auth.py",
+# A sequence diagram's participants are modules or rooms of the tree ("server/rpc/interceptors/auth.py",
 # "server/store/core/"), or lmdb; a call (a solid arrow) is labelled with the names the receiver
 # holds ("groups.put" in server/store/rules/ is put in rules/groups.py), or "rpc Push" for an RPC.
 MERMAID = re.compile(r"^```mermaid\n(.*?)^```", re.M | re.S)

@@ -21,9 +21,9 @@ from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server import app
 from expbuf.server.app import ExpbufServer
-from expbuf.server.rpc.inflight import InFlight
-from expbuf.server.rpc.push_memory import PushMemory
-from expbuf.server.rpc.push_request import read_push_request
+from expbuf.server.rpc.push.inflight import InFlight
+from expbuf.server.rpc.push.push_memory import PushMemory
+from expbuf.server.rpc.push.push_request import read_push_request
 
 from conftest import BAD_DIR, Servers
 from helpers import group_items, make_experience

@@ -41,6 +41,7 @@ MOVED = [
     ("expbuf.server.estimators", "expbuf.server.advantages.estimators", ["FlatBatch"]),
     ("expbuf.server.batch_stage", "expbuf.server.advantages.batch_stage", ["finish_batch"]),
     ("expbuf.server.shaping", "expbuf.server.advantages.shaping", ["shape"]),
+    ("expbuf.server.rpc.stalled_sends", "expbuf.server.rpc.sample.stalled_sends", ["SNAPSHOT_SECONDS"]),
     ("expbuf.client.experience", "expbuf.client.schema.experience", ["Experience", "EID"]),
     ("expbuf.client.prompts", "expbuf.client.schema.prompts", ["Claim", "MAX_PROMPTS_PER_CALL"]),
     ("expbuf.client.routing", "expbuf.client.schema.routing", ["ShardMap", "rendezvous"]),

@@ -44,7 +44,7 @@ from expbuf.server.app import _summary
 from expbuf.server.cli import build_parser
 from expbuf.server.commands.stats import COLUMNS, render
 from expbuf.server.config import ServerConfig, load
-from expbuf.server.rpc.limits import CallLimits, call_limits
+from expbuf.server.rpc.interceptors.limits import CallLimits, call_limits
 from expbuf.server.store.schema.table_config import ConfigError
 
 from conftest import BAD_DIR, Servers, payload

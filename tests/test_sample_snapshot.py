@@ -12,7 +12,7 @@ import pytest
 
 from expbuf.client import trxp
 from expbuf.client.rpc.sample_reply import Parts, read_sample_reply
-from expbuf.server.rpc.replies import sample_reply
+from expbuf.server.rpc.sample.replies import sample_reply
 from expbuf.server.store import Store
 from expbuf.server.store.disk.environment import MAX_SNAPSHOTS
 from expbuf.server.store.schema.errors import StoreError

@@ -41,7 +41,6 @@ from ..store.schema.errors import (
 )
 from ..store.schema.sample_spec import TakeSpec
 from ..store.schema.table_config import TableConfig
-from . import push_stream
 from .call_context import (
     CALL_TABLE,
     MIN_REPLY_BYTES,
@@ -55,15 +54,16 @@ from .call_context import (
     room_wait,
 )
 from .draining import Draining
-from .ingest import Ingest
-from .interceptor import refuse
-from .ledger_service import LedgerServicer
-from .limits import MAY_WAIT, Interrupted, TableStreams
-from .metrics import Metrics
-from .push_request import PushMessage
-from .read_service import ReadServicer
-from .replies import ReplyTooLarge, sample_reply
-from .sample_stream import stream_batches
+from .interceptors.base import refuse
+from .interceptors.limits import MAY_WAIT, Interrupted, TableStreams
+from .interceptors.metrics import Metrics
+from .push import push_stream
+from .push.ingest import Ingest
+from .push.push_request import PushMessage
+from .sample.replies import ReplyTooLarge, sample_reply
+from .sample.sample_stream import stream_batches
+from .servicers.ledger import LedgerServicer
+from .servicers.reads import ReadServicer
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
@@ -157,7 +157,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBu
         if isinstance(request, PushMessage):
             request.drop_payload()
         timeout, note = room_wait(context, self.max_wait_seconds)
-        try:  # a push that finds it must wait for room is a call that waits idle (rpc/limits.py)
+        try:  # a push that finds it must wait for room is a call that waits idle (rpc/interceptors/limits.py)
             result = self.store.put_entries(
                 table, entries, timeout=timeout, holder=self._owner(context), may_wait=MAY_WAIT.get()
             )
@@ -185,7 +185,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBu
     @refusals
     def PushStream(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> Iterator:
         """Pushes as they come, up to push_stream_window of them at once, each answered in order once
-        durable (rpc/push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
+        durable (rpc/push/push_stream.py); a stream that sends nothing for push_stream_idle_seconds ends
         with DEADLINE_EXCEEDED naming the setting (it holds a worker thread while it waits). When
         the server stops, it ends with UNAVAILABLE once it has answered every push it read (rpc/draining.py)."""
         messages = push_stream.open_messages(
@@ -203,7 +203,7 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBu
 
     @refusals
     def Sample(self, requests: Iterator[pb.SampleRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Batches sent as the client asks for them (see rpc/sample_stream.py)."""
+        """Batches sent as the client asks for them (see rpc/sample/sample_stream.py)."""
         try:
             first = next(requests, None)
         except grpc.RpcError:  # cancelled before it asked for anything

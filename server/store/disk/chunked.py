@@ -9,7 +9,7 @@ that compresses (its setting `compression`) keeps so every section larger than M
 each chunk a zstd frame of its bytes, compressed before the writer takes it, its head's magic
 b"TRXZ"; the digests stay those of the bytes as pushed, checked once decompressed.
 
-A push in chunks stages its experiences' sections as they arrive (rpc/ingest.py): each chunk
+A push in chunks stages its experiences' sections as they arrive (rpc/push/ingest.py): each chunk
 is written under a set marked in `staged` (`stage`), in the writer's commits; the push's commit
 writes the heads and unmarks their sets (`stored_value`), a push that fails drops them
 (`drop_set`), and an open drops the sets that a stopped server left staged (`sweep_staged`). A

@@ -14,7 +14,7 @@ the reply of the one before.
 A full table in block mode, or a rate limit that holds a push, is waited out until the
 pushes' timeout, the push tried again (with those after it) at each change of the environment.
 The caller may say whether they may wait at all (`may_wait`, asked before they first would): the
-server lets a push wait only where a call that waits idle would be let in (server/rpc/limits.py), and
+server lets a push wait only where a call that waits idle would be let in (server/rpc/interceptors/limits.py), and
 refuses it at once otherwise.
 Where the server gives a table a computation (`in_push`: one-value estimators), the groups the
 push completes get their advantages in its transaction, computed before it where the push's

@@ -40,7 +40,7 @@ allowance from the size it announced would let a push that drips after most of i
 for hours. When the last push in flight ends, memory freed by large pushes is handed back to the
 system.
 
-A PushStream reads its next messages while its earlier pushes are stored (rpc/push_stream.py): each
+A PushStream reads its next messages while its earlier pushes are stored (rpc/push/push_stream.py): each
 message carries what it holds, given back once its push is stored or refused, and the stream's
 wait for room is not timed while its own earlier pushes hold memory, which they give back. Its
 refusals are raised as a `Refusal`, which the stream gives as its status in its turn, after the
@@ -61,12 +61,12 @@ import grpc
 from expbuf.client.rpc.wire import MESSAGE_BYTES
 from expbuf.client.schema.reasons import Reason
 
-from ..store import Entry
-from ..store.schema.errors import StoreError
+from ...store import Entry
+from ...store.schema.errors import StoreError
+from ..interceptors.base import ServiceInterceptor, refuse
+from ..interceptors.limits import MAY_WAIT, PROGRESS
 from .inflight import InFlight
 from .ingest import StagedPush, Stager
-from .interceptor import ServiceInterceptor, refuse
-from .limits import MAY_WAIT, PROGRESS
 from .push_request import PushMessage, Refusal, read_push_request
 
 T = TypeVar("T")

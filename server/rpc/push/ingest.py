@@ -50,10 +50,10 @@ from expbuf.client.trxp.codec import partial
 from expbuf.client.trxp.codec.stream import NotStreamable, Piece, StreamedPayload
 from expbuf.client.trxp.column_batch import wire as column_wire
 
-from ..backend import Backend
-from ..config import ServerConfig
-from ..store import CHUNK_BYTES, Entry, StagedShare, Staging
-from ..store.schema.errors import InvalidPayload
+from ...backend import Backend
+from ...config import ServerConfig
+from ...store import CHUNK_BYTES, Entry, StagedShare, Staging
+from ...store.schema.errors import InvalidPayload
 
 log = logging.getLogger("expbuf.ingest")
 

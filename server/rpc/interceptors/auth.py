@@ -18,7 +18,7 @@ import grpc
 
 from expbuf.client.schema.reasons import Reason
 
-from .interceptor import ServiceInterceptor, refuse
+from .base import ServiceInterceptor, refuse
 
 log = logging.getLogger("expbuf.auth")
 SCOPE_OF_METHOD = {

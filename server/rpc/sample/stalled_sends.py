@@ -32,8 +32,8 @@ from typing import Any
 
 import grpc
 
-from .call_context import made_watched
-from .interceptor import ServiceInterceptor
+from ..call_context import made_watched
+from ..interceptors.base import ServiceInterceptor
 
 log = logging.getLogger("expbuf")
 IDLE_SECONDS = 30.0  # the watch's thread ends after this long with no message being sent

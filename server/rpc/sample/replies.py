@@ -31,10 +31,10 @@ from expbuf.client.trxp.stored.pieces import Run, realized, realized_span
 from expbuf.client.trxp.varints import write as varint
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..store import Sampled, send_apart
-from ..store.schema.sample_spec import TakeSpec
-from .call_context import when_sent_slowly
-from .interceptor import ServiceInterceptor
+from ...store import Sampled, send_apart
+from ...store.schema.sample_spec import TakeSpec
+from ..call_context import when_sent_slowly
+from ..interceptors.base import ServiceInterceptor
 
 _PAYLOAD_TAG = b"\x0a"  # field 1 (payload), length-delimited
 _COLUMN_TAG = b"\x62"  # SampleReply field 12 (columns), length-delimited
@@ -68,7 +68,7 @@ def sample_reply(batch: Sampled, spec: TakeSpec, confirm_seconds: float, limit: 
     on the RPC's thread (`Sampled.finish`), not in the store's write transaction. With
     `spec.compact_advantages`, advantages of one value per experience go beside the payload,
     not into it (store/stored_advantages.send_apart). `confirm_seconds`: how long the stream
-    waits for its confirmation (rpc/sample_stream.py)."""
+    waits for its confirmation (rpc/sample/sample_stream.py)."""
     values: list[float] = []
     lengths: list[int] = []
     lease = spec.delivery == "lease"

@@ -20,8 +20,8 @@ import grpc
 from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp import varints
 
-from ..store import Entry
-from .interceptor import refuse
+from ...store import Entry
+from ..interceptors.base import refuse
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp import varints
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from .interceptor import ServiceInterceptor, refuse
+from .base import ServiceInterceptor, refuse
 
 _METHODS = pb.DESCRIPTOR.services_by_name["ExperienceBuffer"].methods_by_name
 

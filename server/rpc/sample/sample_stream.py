@@ -43,12 +43,12 @@ import grpc
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..backend import Backend
-from ..store import Sampled
-from ..store.schema.errors import InvalidRequest, StoreError
-from ..store.schema.sample_spec import TakeSpec
-from .draining import Draining
-from .interceptor import refuse
+from ...backend import Backend
+from ...store import Sampled
+from ...store.schema.errors import InvalidRequest, StoreError
+from ...store.schema.sample_spec import TakeSpec
+from ..draining import Draining
+from ..interceptors.base import refuse
 
 log = logging.getLogger("expbuf.service")
 

@@ -14,8 +14,8 @@ import grpc
 from expbuf.client.schema.call_limits import MAX_REWARDS
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..backend import Backend
-from ..store import (
+from ...backend import Backend
+from ...store import (
     MAX_ATTEMPTS,
     MAX_EPOCHS,
     MAX_OWNER_BYTES,
@@ -31,8 +31,8 @@ from ..store import (
     prompt_eid,
     shown_owner,
 )
-from ..store.schema.errors import InvalidRequest, TooLarge, check_names, clip
-from .call_context import MIN_REPLY_BYTES, refusals, remaining
+from ...store.schema.errors import InvalidRequest, TooLarge, check_names, clip
+from ..call_context import MIN_REPLY_BYTES, refusals, remaining
 
 # A ClaimReply's or ListPromptsReply's fields beside its prompts: done, and where a page ended.
 _REPLY_FIELDS = 32

@@ -15,13 +15,13 @@ from expbuf.client.schema.reasons import Reason
 from expbuf.client.trxp.stored.columns import PREFIX_FIELDS, Shares
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..backend import Backend
-from ..store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_names, clip
-from ..store.schema.sample_spec import check_fields
-from ..store.schema.states import LIVE
-from .call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
-from .interceptor import refuse
-from .replies import ReplyTooLarge, fields_reply, payload_reply
+from ...backend import Backend
+from ...store.schema.errors import DamagedPayload, InvalidRequest, SpecError, check_names, clip
+from ...store.schema.sample_spec import check_fields
+from ...store.schema.states import LIVE
+from ..call_context import MIN_REPLY_BYTES, distinct, ids_of, refusals
+from ..interceptors.base import refuse
+from ..sample.replies import ReplyTooLarge, fields_reply, payload_reply
 
 MAX_LIST_PAGE = 10_000  # experiences a ListExperiences page may ask for
 

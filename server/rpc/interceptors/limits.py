@@ -6,14 +6,14 @@ a Sample stream for data, a PushStream for its next message, an Admit with a wai
 Claim with a wait for prompts. Each of those classes has its own cap (`max_sample_streams`,
 `max_push_streams`, `max_waiting_admits`, `max_waiting_claims`). Beyond the caps:
 
-- each scope (rpc/auth.py's push and sample) keeps a share of the workers, `push_scope_workers` and
+- each scope (rpc/interceptors/auth.py's push and sample) keeps a share of the workers, `push_scope_workers` and
   `sample_scope_workers`: a call is refused if it would leave the other scope fewer free workers
   than the part of its share its own calls do not hold. Rollout workers that block or idle never
   take what trainers need, nor trainers' idle streams what rollout workers need;
 - calls that wait idle also leave the last `reserved_workers` free, for the calls that do not:
   Push and every call that answers at once (Ack, Get, ListTables, Seal, admin calls, ...). A
   Push that finds it must wait (for room in a full table, for the rate limit, or, as a PutValues,
-  for max_inflight_bytes: rpc/inflight.py) becomes a call that waits idle: it waits only if the
+  for max_inflight_bytes: rpc/push/inflight.py) becomes a call that waits idle: it waits only if the
   calls that wait idle, with it, leave the reserve (`MAY_WAIT`), and is refused at once
   otherwise, so that blocked pushes never take the reserve that makes a scope's share usable.
   Such a push stored nothing and its refusal says so, as a call refused before it began does
@@ -44,12 +44,12 @@ import grpc
 from expbuf.client.rpc.wire import BUSY
 from expbuf.client.schema.reasons import Reason
 
-from ..store import MayWait
+from ...store import MayWait
 from .auth import scope_of
-from .interceptor import ServiceInterceptor, refuse
+from .base import ServiceInterceptor, refuse
 
 if TYPE_CHECKING:
-    from ..config import ServerConfig
+    from ...config import ServerConfig
 
 ACK_THREADS = 2
 ADMIN_THREADS = 2

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..advantages.moments import RunningMoments
-from ..backend import Backend
-from ..store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus
-from .interceptor import ServiceInterceptor
+from ...advantages.moments import RunningMoments
+from ...backend import Backend
+from ...store import LIVE, PASS_BANDS, PROMPT_STATES, DatasetRecord, IndexBuild, ScrubStatus
+from .base import ServiceInterceptor
 
 GROUP_STATES = LIVE
 EXPERIENCE_STATES = (*LIVE, "consumed", "quarantined")

@@ -28,13 +28,13 @@ import grpc
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 
-from ..backend import Backend
-from ..store import Push, PutResult
-from ..store.schema.errors import InsertLimited, TableFull
-from .call_context import CALL_TABLE, noted, room_wait
+from ...backend import Backend
+from ...store import Push, PutResult
+from ...store.schema.errors import InsertLimited, TableFull
+from ..call_context import CALL_TABLE, noted, room_wait
+from ..interceptors.base import refuse
+from ..interceptors.limits import IdleMessages
 from .ingest import Ingest
-from .interceptor import refuse
-from .limits import IdleMessages
 from .push_request import PushMessage, Refusal
 
 # A push's reply from its seq, table and result (the servicer's, shared with unary Push).
