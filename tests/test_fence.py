@@ -39,6 +39,7 @@ ROOM_PROBES = [
     ("server/config.py", ".app", "The server imports only downward, the storage engine at the bottom"),
     ("server/rpc/interceptors/base.py", "...service", "The gRPC service imports only downward"),
     ("server/rpc/push/ingest.py", "..sample.replies", "The gRPC service imports only downward"),  # push | sample
+    ("server/rpc/servicers/values.py", ".reads", "The servicers are independent"),
     ("server/rpc/push/inflight.py", ".push_stream", "A push's path imports only downward"),
     ("server/rpc/sample/replies.py", ".sample_stream", "A Sample stream's parts are independent"),
     ("server/rpc/interceptors/base.py", ".auth", "The interceptors import only downward"),

@@ -1,5 +1,5 @@
 """The gRPC service, in rooms by role: the servicer (service.py), which mixes in the servicers of
-its services (servicers/: reads, the prompt ledger); a push's path (push/: its request read by
+its services (servicers/: reads, the prompt ledger, keyed values); a push's path (push/: its request read by
 hand, the memory pushes hold, their decoding, the PushStream's pipeline); a Sample stream's
 (sample/: its conversation, replies serialised once, sends a client stopped taking); the
 interceptors (interceptors/: their base, tokens, call limits, metrics, unreadable requests); and

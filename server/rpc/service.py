@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from expbuf.client import trxp
 from expbuf.client.rpc import wire
-from expbuf.client.schema.call_limits import MAX_KEYS_PER_CALL, MAX_NAMES_PER_CALL
+from expbuf.client.schema.call_limits import MAX_NAMES_PER_CALL
 from expbuf.client.schema.reasons import Reason
 from expbuf.proto.v1 import buffer_pb2 as pb
 from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
@@ -45,7 +45,6 @@ from .call_context import (
     CALL_TABLE,
     MIN_REPLY_BYTES,
     RefusalLog,
-    distinct,
     ids_of,
     max_wait_note,
     noted,
@@ -64,6 +63,7 @@ from .sample.replies import ReplyTooLarge, sample_reply
 from .sample.sample_stream import stream_batches
 from .servicers.ledger import LedgerServicer
 from .servicers.reads import ReadServicer
+from .servicers.values import ValuesServicer
 from .writers import Writers
 
 log = logging.getLogger("expbuf.service")
@@ -116,7 +116,7 @@ def _unknown_fields(message: Any) -> list[int]:
     return [fields[i].field_number for i in range(len(fields))]
 
 
-class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBufferServicer):
+class ExperienceBufferService(LedgerServicer, ReadServicer, ValuesServicer, pb_grpc.ExperienceBufferServicer):
     def __init__(
         self,
         store: Backend,
@@ -315,30 +315,6 @@ class ExperienceBufferService(LedgerServicer, ReadServicer, pb_grpc.ExperienceBu
         check_names(request.group_ids, "group_ids", "Delete", MAX_NAMES_PER_CALL)
         deleted = self.store.delete(table, ids_of(request.uids, "uids"), ids_of(request.group_ids, "group_ids"))
         return pb.DeleteReply(deleted=deleted)
-
-    @refusals
-    def PutValues(self, request: pb.PutValuesRequest, context: grpc.ServicerContext) -> pb.PutValuesReply:
-        check_names(request.keys, "keys", "PutValues", MAX_KEYS_PER_CALL)  # before they are read
-        keys, values = list(request.keys), list(request.values)
-        stored = self.store.put_values(request.table or "default", keys, values, self._owner(context))
-        return pb.PutValuesReply(stored=stored)
-
-    @refusals
-    def GetValues(self, request: pb.GetValuesRequest, context: grpc.ServicerContext) -> pb.GetValuesReply:
-        check_names(request.keys, "keys", "GetValues", MAX_KEYS_PER_CALL)  # before they are read
-        keys = distinct(list(request.keys), "keys")
-        owner = self._owner(context) if request.only_own else None
-        found = self.store.get_values(request.table or "default", keys, self.max_message_bytes - MIN_REPLY_BYTES, owner)
-        return pb.GetValuesReply(
-            values=[value for value in found if value is not None],
-            missing_keys=[key for key, value in zip(keys, found, strict=True) if value is None],
-        )
-
-    @refusals
-    def ClearValues(self, request: pb.ClearValuesRequest, context: grpc.ServicerContext) -> pb.ClearValuesReply:
-        check_names(request.keys, "keys", "ClearValues", MAX_KEYS_PER_CALL)  # before they are read
-        cleared = self.store.clear_values(request.table or "default", list(request.keys), self._owner(context))
-        return pb.ClearValuesReply(cleared=cleared)
 
     @refusals
     def FailRuns(self, request: pb.FailRunsRequest, context: grpc.ServicerContext) -> pb.FailRunsReply:
