@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import queue
 import signal
@@ -15,6 +16,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +27,12 @@ from expbuf.proto.v1 import buffer_pb2_grpc as pb_grpc
 from expbuf.server.store import Entry, Sampled, Store
 from expbuf.server.store.schema.estimator_registry import Estimator, register, unregister
 from expbuf.server.store.schema.sample_spec import TakeSpec
+
+# batch.tensordict() needs the tensordict package, which expbuf does not require: a machine
+# without it (a user's bare GPU host) skips what reads batches as TensorDicts, and runs the rest.
+needs_tensordict = pytest.mark.skipif(
+    importlib.util.find_spec("tensordict") is None, reason="tensordict is not installed (pip install tensordict)"
+)
 
 if TYPE_CHECKING:
     from expbuf.client import BufferClient, TableStats
