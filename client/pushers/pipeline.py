@@ -6,10 +6,12 @@ A pusher's pushes go over PushStream, each with its number as its seq, up to `wi
 not yet handed back. The server stores a stream's pushes in order, several in one commit, and
 answers each once it is durable. So when a stream ends with a refusal, the refusal is its oldest
 unanswered push's, and the server stored none after it: that push fails alone, and the others
-go again on a new stream. A refusal that says the push did nothing (wire.BUSY: the server lets
-only so many calls wait at once, and refused the stream as it opened) is not its answer: every
-push unanswered on the stream goes again after a pause, until its deadline, as a push alone does
-(calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
+go again on a new stream. A stream the server ended as idle (push_stream_idle_seconds, Reason.IDLE)
+read nothing after its last answered push: a push sent on it as it ended, before the pusher saw
+the end, goes again on a new stream at once. A refusal that says the push did nothing (wire.BUSY:
+the server lets only so many calls wait at once, and refused the stream as it opened) is not its
+answer: every push unanswered on the stream goes again after a pause, until its deadline, as a
+push alone does (calls.Attempts). When a stream breaks (UNAVAILABLE: the server went away), the push it was on
 may or may not be stored: every push unanswered on it goes again (a push is idempotent; what was
 stored comes back as duplicates) while the client's retries and the push's deadline last, then
 fails UNAVAILABLE naming its uids. Futures complete in push order.
@@ -39,6 +41,7 @@ from ..results import PushResult
 from ..rpc import calls, frames
 from ..rpc.connection import BACKOFF, busy
 from ..rpc.wire import reason_of
+from ..schema.reasons import Reason
 
 MAX_PUSHES_AHEAD = 64  # the most pushes a pipeline keeps in flight (its window)
 NAMED_UIDS = 32  # the uids an error names; past them, how many more
@@ -206,6 +209,8 @@ class PushWindow(Ordered[Pending]):
                 pending.fail(code, details, ": the pusher's call was cancelled, whether it was stored is unknown")
             return [], 0.0
         reason = reason_of(exc.trailing_metadata())
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and reason == Reason.IDLE:
+            return self._in_time(sent, code, details), 0.0  # pushes sent as the server ended the idle stream
         if code != grpc.StatusCode.UNAVAILABLE and busy(exc):
             return self._kept_out(sent, code, details, reason)
         if code != grpc.StatusCode.UNAVAILABLE:
