@@ -1,7 +1,7 @@
 """A payload read as it arrives: its items checked from its head alone, and the tensor data of
 its large items handed on in chunks as the bytes come, so that a push never holds them whole.
 
-A server reading a push in chunks (server/rpc/push_memory.py) parses the payload's head (its TRXP
+A server reading a push in chunks (server/rpc/push/push_memory.py) parses the payload's head (its TRXP
 header, metadata and safetensors header: parse.parse_head) from the first chunk, before any
 tensor data, within the budgets of that chunk's bytes (a head that needs more is read whole,
 with the budgets of all that was sent). An item whose tensor data is larger than `chunk_bytes`
